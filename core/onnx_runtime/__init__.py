@@ -1,0 +1,65 @@
+"""onnx_runtime: an ONNX inference runtime whose execution providers are pluggy plugins.
+
+Use it like onnxruntime::
+
+    import onnx_runtime as ort
+    sess = ort.InferenceSession("model.onnx", providers=["CPUExecutionProvider"])
+    outputs = sess.run(None, {"input": array})
+
+Providers are separate distributions found through the ``onnx_runtime.providers`` entry-point
+group; the contract they implement is :mod:`onnx_runtime.contract.hookspecs`.
+"""
+
+from . import contract, errors
+from .contract import (
+    ArgmaxTieBreak,
+    Availability,
+    CaptureRegionShapeStatus,
+    DeviceBuffer,
+    DeviceGraphOwner,
+    DeviceGraphSlot,
+    DeviceGraphToken,
+    DeviceValidationOwner,
+    DeviceValidationRegistration,
+    DeviceValidationToken,
+    EpContext,
+    Fence,
+    KernelMatch,
+    Ownership,
+    StructuralCaptureDecline,
+    hookimpl,
+)
+from .devices import DeviceId, DeviceType, TensorLayout
+from .discovery import get_all_providers, get_available_providers, register_provider, unregister_provider
+from .dtypes import DataType
+from .errors import OnnxRuntimeError
+from .provider_handle import ProviderHandle
+from .session import (
+    ExecutionMode,
+    GraphOptimizationLevel,
+    InferenceSession,
+    ModelMetadata,
+    NodeArg,
+    RunOptions,
+    SessionOptions,
+)
+from .tensor import Tensor
+
+__version__ = "0.1.0"
+
+
+def get_device() -> str:
+    """onnxruntime's ``get_device()``: "GPU" when an available provider owns a GPU, else "CPU"."""
+    return "GPU" if any("CUDA" in n for n in get_available_providers()) else "CPU"
+
+
+__all__ = [
+    "ArgmaxTieBreak", "Availability", "CaptureRegionShapeStatus", "DataType", "DeviceBuffer",
+    "DeviceGraphOwner", "DeviceGraphSlot", "DeviceGraphToken", "DeviceId", "DeviceType",
+    "DeviceValidationOwner", "DeviceValidationRegistration", "DeviceValidationToken", "EpContext",
+    "ExecutionMode", "Fence", "GraphOptimizationLevel", "InferenceSession", "KernelMatch",
+    "ModelMetadata", "NodeArg", "OnnxRuntimeError", "Ownership", "ProviderHandle", "RunOptions",
+    "SessionOptions", "StructuralCaptureDecline", "Tensor", "TensorLayout", "contract", "errors",
+    "get_all_providers", "get_available_providers", "get_device", "hookimpl", "register_provider",
+    "unregister_provider",
+]

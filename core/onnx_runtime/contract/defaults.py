@@ -1,0 +1,431 @@
+"""The contract's default fallbacks: one plugin, registered per provider instance for every hook
+the provider does not implement itself.
+
+These mirror the seed trait's default methods: host allocation and copies for host-accessible
+devices (bounds and overflow checked), slot routing (PRIMARY goes to the single-slot hook, other
+slots are rejected naming the provider and slot, resetting a never-installed slot returns False),
+validation defaults (owners and tokens, nothing deferred), the capture-region policy, signalled
+fences, and "not supported by <provider>" errors for device-only features.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..devices import DeviceId, DeviceType
+from ..errors import InvalidArgumentError, NotSupportedError
+from .buffers import SIGNALLED, DeviceBuffer, Ownership
+from .graphs import DeviceGraphSlot, DeviceGraphToken, StructuralCaptureDecline, is_control_flow_or_sequence
+from .kernels import Availability, KernelMatch
+from .markers import hookimpl
+from .validation import DeviceValidationOwner, DeviceValidationRegistration, DeviceValidationToken
+
+
+def host_bytes_of(src) -> np.ndarray:
+    """A flat uint8 view of host data (bytes, bytearray, memoryview, or C-contiguous array)."""
+    if isinstance(src, np.ndarray):
+        if not src.flags.c_contiguous:
+            raise InvalidArgumentError("host data must be C-contiguous; pass np.ascontiguousarray(data)")
+        return src.reshape(-1).view(np.uint8)
+    return np.frombuffer(src, dtype=np.uint8)
+
+
+def writable_host_bytes_of(dst) -> np.ndarray:
+    view = host_bytes_of(dst)
+    if not view.flags.writeable:
+        raise InvalidArgumentError("the host destination is read-only; pass a bytearray or a writable array")
+    return view
+
+
+class DefaultFallbacks:
+    """Default implementations, bound to one provider instance's :class:`ProviderHandle`."""
+
+    def __init__(self, handle):
+        self._handle = handle
+        self._allocations = 0
+        self._frees = 0
+
+    # -- helpers --------------------------------------------------------------------------------
+    @property
+    def _name(self) -> str:
+        return self._handle.name
+
+    def _unsupported(self, feature: str, hook: str) -> NotSupportedError:
+        return NotSupportedError(
+            f"{feature} is not supported by {self._name}; use a provider that implements the "
+            f"`{hook}` hook (or implement it in {self._name})"
+        )
+
+    def _device(self) -> DeviceId:
+        return self._handle.hook.device_id()
+
+    def _require_host(self, buffer: DeviceBuffer, what: str, hook: str) -> np.ndarray:
+        if not buffer.device.is_host_accessible or buffer.host is None:
+            raise self._unsupported(f"{what} for non-host-accessible device {buffer.device}", hook)
+        return buffer.host_view()
+
+    # -- identity -------------------------------------------------------------------------------
+    @hookimpl(trylast=True)
+    def short_name(self):
+        return self._handle.hook.name().replace("ExecutionProvider", "").lower() or self._handle.hook.name()
+
+    @hookimpl(trylast=True)
+    def device_type(self):
+        return DeviceType.CPU
+
+    @hookimpl(trylast=True)
+    def device_id(self):
+        return DeviceId(self._handle.hook.device_type(), 0)
+
+    @hookimpl(trylast=True)
+    def availability(self):
+        return Availability.yes()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    @hookimpl(trylast=True)
+    def initialize(self, options):
+        if options:
+            raise InvalidArgumentError(
+                f"{self._name} accepts no provider options, got {sorted(options)}; remove them"
+            )
+
+    @hookimpl(trylast=True)
+    def shutdown(self):
+        return None
+
+    # -- capability -------------------------------------------------------------------------------
+    @hookimpl(trylast=True)
+    def supports_op(self, node):
+        return KernelMatch.unsupported(
+            f"{self._name} implements no operators (it has no `supports_op` hook)"
+        )
+
+    @hookimpl(trylast=True)
+    def get_kernel(self, node):
+        raise self._unsupported(f"creating a kernel for {node.op_type}", "get_kernel")
+
+    @hookimpl(trylast=True)
+    def claim_nodes(self):
+        return []
+
+    @hookimpl(trylast=True)
+    def custom_passes(self):
+        return []
+
+    @hookimpl(trylast=True)
+    def plan_capture_region(self, node, shape_status):
+        if is_control_flow_or_sequence(node):
+            return StructuralCaptureDecline.HOST_CONTROL_FLOW_OR_SEQUENCE
+        if not shape_status.outputs_resolved:
+            return StructuralCaptureDecline.UNRESOLVED_OUTPUT_SHAPE
+        if not shape_status.inputs_resolved:
+            return StructuralCaptureDecline.UNRESOLVED_INPUT_SHAPE
+        return None
+
+    # -- memory -----------------------------------------------------------------------------------
+    @hookimpl(trylast=True)
+    def allocate(self, size, alignment):
+        device = self._device()
+        if not device.is_host_accessible:
+            raise self._unsupported(f"allocating memory on {device}", "allocate")
+        buffer = allocate_host(device, size, alignment)
+        self._allocations += 1
+        return buffer
+
+    @hookimpl(trylast=True)
+    def allocate_committed(self, size, alignment, committed_ranges):
+        for start, stop in committed_ranges or ():
+            if not 0 <= start <= stop <= size:
+                raise InvalidArgumentError(
+                    f"{self._name}: committed range {start}..{stop} is outside the {size}-byte allocation"
+                )
+        return self._handle.hook.allocate(size=size, alignment=alignment)
+
+    @hookimpl(trylast=True)
+    def commit_allocation_range(self, buffer, offset, nbytes):
+        check_range(self._name, "commit", buffer, offset, nbytes)
+
+    @hookimpl(trylast=True)
+    def commit_allocation_ranges(self, ranges):
+        for buffer, offset, nbytes in ranges:
+            self._handle.hook.commit_allocation_range(buffer=buffer, offset=offset, nbytes=nbytes)
+
+    @hookimpl(trylast=True)
+    def allocation_committed_bytes(self, buffer):
+        return buffer.size
+
+    @hookimpl(trylast=True)
+    def deallocate(self, buffer):
+        if buffer.host is None and not buffer.device.is_host_accessible:
+            raise self._unsupported(f"freeing memory on {buffer.device}", "deallocate")
+        self._frees += 1
+
+    @hookimpl(trylast=True)
+    def device_allocation_counts(self):
+        if self._handle.implements("allocate"):
+            return None  # the provider allocates itself and does not count
+        return (self._allocations, self._frees)
+
+    # -- copies -----------------------------------------------------------------------------------
+    @hookimpl(trylast=True)
+    def copy(self, src, dst, size):
+        source = self._require_host(src, "copy", "copy")
+        target = self._require_host(dst, "copy", "copy")
+        if size > src.size or size > dst.size:
+            raise InvalidArgumentError(
+                f"{self._name}: copy of {size} bytes exceeds the source ({src.size} B) or destination "
+                f"({dst.size} B)"
+            )
+        _check_writable(self._name, dst)
+        target[:size] = source[:size]
+
+    @hookimpl(trylast=True)
+    def copy_async(self, src, dst, size):
+        self._handle.hook.copy(src=src, dst=dst, size=size)
+        return SIGNALLED
+
+    @hookimpl(trylast=True)
+    def wait_fence(self, fence):
+        return None
+
+    @hookimpl(trylast=True)
+    def record_compute_fence(self):
+        return SIGNALLED
+
+    @hookimpl(trylast=True)
+    def copy_wait_fence(self, fence):
+        return None
+
+    @hookimpl(trylast=True)
+    def copy_from_host(self, src, dst):
+        data = host_bytes_of(src)
+        if data.size > dst.size:
+            raise InvalidArgumentError(
+                f"{self._name}: host upload of {data.size} bytes exceeds the destination's {dst.size} bytes"
+            )
+        if data.size == 0:
+            return None
+        target = self._require_host(dst, "host upload", "copy_from_host")
+        _check_writable(self._name, dst)
+        target[: data.size] = data
+
+    @hookimpl(trylast=True)
+    def copy_from_host_at(self, src, dst, byte_offset):
+        data = host_bytes_of(src)
+        check_range(self._name, "host upload", dst, byte_offset, data.size)
+        if data.size == 0:
+            return None
+        target = self._require_host(dst, "ranged host upload", "copy_from_host_at")
+        _check_writable(self._name, dst)
+        target[byte_offset: byte_offset + data.size] = data
+
+    @hookimpl(trylast=True)
+    def copy_to_host(self, src, dst):
+        target = writable_host_bytes_of(dst)
+        if target.size > src.size:
+            raise InvalidArgumentError(
+                f"{self._name}: host download of {target.size} bytes exceeds the source's {src.size} bytes"
+            )
+        if target.size == 0:
+            return None
+        target[:] = self._require_host(src, "host download", "copy_to_host")[: target.size]
+
+    @hookimpl(trylast=True)
+    def copy_device_to_device(self, src, src_offset, dst, dst_offset, nbytes):
+        check_range(self._name, "device-to-device copy source", src, src_offset, nbytes)
+        check_range(self._name, "device-to-device copy destination", dst, dst_offset, nbytes)
+        source = self._require_host(src, "device-to-device copy", "copy_device_to_device")
+        target = self._require_host(dst, "device-to-device copy", "copy_device_to_device")
+        _check_writable(self._name, dst)
+        target[dst_offset: dst_offset + nbytes] = source[src_offset: src_offset + nbytes]
+
+    @hookimpl(trylast=True)
+    def sync(self):
+        return None
+
+    # -- decode helpers ---------------------------------------------------------------------------
+    @hookimpl(trylast=True)
+    def device_argmax_supported(self):
+        return False
+
+    @hookimpl(trylast=True)
+    def device_argmax(self):
+        raise self._unsupported("device argmax", "device_argmax")
+
+    @hookimpl(trylast=True)
+    def device_token_writer(self):
+        raise self._unsupported("the device token writer", "device_token_writer")
+
+    # -- device graphs: single slot ---------------------------------------------------------------
+    @hookimpl(trylast=True)
+    def begin_device_graph_capture(self):
+        raise self._unsupported("device graph capture", "begin_device_graph_capture")
+
+    @hookimpl(trylast=True)
+    def end_device_graph_capture(self):
+        raise self._unsupported("device graph capture", "end_device_graph_capture")
+
+    @hookimpl(trylast=True)
+    def abort_device_graph_capture(self):
+        return None
+
+    @hookimpl(trylast=True)
+    def replay_device_graph(self):
+        raise self._unsupported("device graph replay", "replay_device_graph")
+
+    @hookimpl(trylast=True)
+    def replay_device_graph_segment(self):
+        raise self._unsupported("segmented device graph replay", "replay_device_graph_segment")
+
+    @hookimpl(trylast=True)
+    def reset_device_graph(self):
+        return False
+
+    # -- device graphs: slot routing ----------------------------------------------------------------
+    def _route(self, slot, hook: str, **kwargs):
+        if DeviceGraphSlot(slot) is DeviceGraphSlot.PRIMARY:
+            return getattr(self._handle.hook, hook)(**kwargs)
+        raise NotSupportedError(
+            f"{self._name}: device graph slot {DeviceGraphSlot(slot).name} is not supported "
+            f"({self._name} owns only the PRIMARY slot)"
+        )
+
+    @hookimpl(trylast=True)
+    def begin_device_graph_capture_in(self, slot, kernels):
+        return self._route(slot, "begin_device_graph_capture", kernels=kernels)
+
+    @hookimpl(trylast=True)
+    def end_device_graph_capture_in(self, slot):
+        return self._route(slot, "end_device_graph_capture")
+
+    @hookimpl(trylast=True)
+    def abort_device_graph_capture_in(self, slot):
+        return self._route(slot, "abort_device_graph_capture")
+
+    @hookimpl(trylast=True)
+    def replay_device_graph_in(self, slot):
+        return self._route(slot, "replay_device_graph")
+
+    @hookimpl(trylast=True)
+    def replay_device_graph_segment_in(self, slot, index):
+        return self._route(slot, "replay_device_graph_segment", index=index)
+
+    @hookimpl(trylast=True)
+    def reset_device_graph_in(self, slot):
+        if DeviceGraphSlot(slot) is DeviceGraphSlot.PRIMARY:
+            return self._handle.hook.reset_device_graph()
+        return False  # nothing is ever installed in a slot a single-slot provider does not own
+
+    @hookimpl(trylast=True)
+    def has_device_graph_in(self, slot):
+        return True
+
+    # -- device graphs: owner-scoped ------------------------------------------------------------------
+    @hookimpl(trylast=True)
+    def begin_owned_device_graph_capture(self, owner, slot, continuation, kernels):
+        self._handle.hook.begin_device_graph_capture_in(slot=slot, kernels=kernels)
+        return continuation if continuation is not None else DeviceGraphToken(owner, DeviceGraphSlot(slot), 1)
+
+    @hookimpl(trylast=True)
+    def end_owned_device_graph_capture(self, token):
+        return self._handle.hook.end_device_graph_capture_in(slot=token.slot)
+
+    @hookimpl(trylast=True)
+    def abort_owned_device_graph_capture(self, token):
+        return self._handle.hook.abort_device_graph_capture_in(slot=token.slot)
+
+    @hookimpl(trylast=True)
+    def replay_owned_device_graph(self, token):
+        return self._handle.hook.replay_device_graph_in(slot=token.slot)
+
+    @hookimpl(trylast=True)
+    def replay_owned_device_graph_segment(self, token, index):
+        return self._handle.hook.replay_device_graph_segment_in(slot=token.slot, index=index)
+
+    @hookimpl(trylast=True)
+    def reset_owned_device_graph(self, token):
+        return self._handle.hook.reset_device_graph_in(slot=token.slot)
+
+    @hookimpl(trylast=True)
+    def retire_owned_device_graphs(self, owner):
+        return None
+
+    @hookimpl(trylast=True)
+    def has_owned_device_graph(self, token):
+        return self._handle.hook.has_device_graph_in(slot=token.slot)
+
+    # -- validation -------------------------------------------------------------------------------
+    @hookimpl(trylast=True)
+    def register_device_validation_owner(self):
+        return DeviceValidationRegistration(DeviceValidationOwner.new())
+
+    @hookimpl(trylast=True)
+    def unregister_device_validation_owner(self, registration):
+        return None
+
+    @hookimpl(trylast=True)
+    def begin_device_validation(self, registration):
+        return DeviceValidationToken(registration.owner, 0)
+
+    @hookimpl(trylast=True)
+    def add_device_validation_recipient(self, submission, recipient):
+        return DeviceValidationToken(recipient.owner, submission.generation)
+
+    @hookimpl(trylast=True)
+    def activate_device_validation(self, submission):
+        return None
+
+    @hookimpl(trylast=True)
+    def abort_device_validation_submission(self, submission):
+        return 0
+
+    @hookimpl(trylast=True)
+    def defers_device_validation(self):
+        return False
+
+    @hookimpl(trylast=True)
+    def consume_device_validation_error(self, registration, token):
+        return 0
+
+    # -- compiled contexts --------------------------------------------------------------------------
+    @hookimpl(trylast=True)
+    def context_source_keys(self):
+        return []
+
+    @hookimpl(trylast=True)
+    def save_context(self):
+        raise self._unsupported("saving a compiled EPContext", "save_context")
+
+    @hookimpl(trylast=True)
+    def load_context(self, context):
+        raise self._unsupported("loading a compiled EPContext", "load_context")
+
+
+def allocate_host(device: DeviceId, size: int, alignment: int) -> DeviceBuffer:
+    """An owned, ``alignment``-aligned host buffer (over-allocates and offsets into numpy memory)."""
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise InvalidArgumentError(f"alignment must be a power of two, got {alignment}")
+    if size < 0:
+        raise InvalidArgumentError(f"allocation size must be non-negative, got {size}")
+    raw = np.empty(max(size, 1) + alignment, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % alignment
+    host = raw[offset: offset + max(size, 1)]
+    return DeviceBuffer(device, size, alignment, host.ctypes.data, Ownership.OWNED, host=host)
+
+
+def check_range(provider: str, what: str, buffer: DeviceBuffer, offset: int, nbytes: int) -> None:
+    if offset < 0 or nbytes < 0:
+        raise InvalidArgumentError(f"{provider}: {what} range has a negative offset or length")
+    end = offset + nbytes
+    if end > buffer.size:
+        raise InvalidArgumentError(
+            f"{provider}: {what} range {offset}..{end} exceeds the {buffer.size}-byte buffer"
+        )
+
+
+def _check_writable(provider: str, buffer: DeviceBuffer) -> None:
+    if buffer.ownership is Ownership.BORROWED:
+        raise InvalidArgumentError(
+            f"{provider}: cannot write into a read-only borrowed buffer at {buffer.ptr:#x}; "
+            f"borrow it writable (DeviceBuffer.alias(writable=True)) or allocate an owned one"
+        )

@@ -1,0 +1,96 @@
+"""What ``supports_op`` answers, what ``get_kernel`` returns, and the small value types of the
+contract that are not memory or graph identities."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True, slots=True)
+class KernelMatch:
+    """A provider's answer to "can you run this node?".
+
+    ``KernelMatch.supported(cost)``: yes, at a relative cost (lower is better).
+    ``KernelMatch.unsupported(reason)``: no, and the reason must be actionable: say what the
+    provider accepts and how to change the model or the registration.
+    """
+
+    is_supported: bool
+    cost: float = 1.0
+    reason: str = ""
+
+    @classmethod
+    def supported(cls, cost: float = 1.0) -> KernelMatch:
+        return cls(True, cost=cost)
+
+    @classmethod
+    def unsupported(cls, reason: str) -> KernelMatch:
+        if not reason:
+            raise ValueError("an unsupported KernelMatch needs an actionable reason")
+        return cls(False, reason=reason)
+
+    def __bool__(self) -> bool:
+        return self.is_supported
+
+
+@runtime_checkable
+class Kernel(Protocol):
+    """A compiled kernel: ``kernel(*inputs) -> tuple of outputs``.
+
+    Host-accessible providers exchange numpy arrays; other providers exchange
+    :class:`onnx_runtime.Tensor` objects resident on their device. ``None`` stands for an omitted
+    optional input. The executor calls kernels directly on the hot path, never through a hook.
+    A kernel object may also carry ``capturable = True`` when it may be recorded into a device graph.
+    """
+
+    def __call__(self, *inputs: Any) -> tuple: ...
+
+
+KernelFn = Callable[..., tuple]
+
+
+@dataclass(frozen=True, slots=True)
+class Availability:
+    """Whether an installed provider can run on this machine, and if not, why (and what to do)."""
+
+    available: bool
+    reason: str = ""
+
+    @classmethod
+    def yes(cls) -> Availability:
+        return cls(True)
+
+    @classmethod
+    def no(cls, reason: str) -> Availability:
+        return cls(False, reason)
+
+
+class ArgmaxTieBreak(enum.Enum):
+    """Which index ``device_argmax`` returns when several elements share the maximum.
+
+    LOWEST_INDEX matches ONNX ArgMax with select_last_index=0 (the greedy-decode default);
+    HIGHEST_INDEX matches select_last_index=1.
+    """
+
+    LOWEST_INDEX = "lowest"
+    HIGHEST_INDEX = "highest"
+
+    @property
+    def select_last_index(self) -> bool:
+        return self is ArgmaxTieBreak.HIGHEST_INDEX
+
+
+@dataclass(slots=True)
+class EpContext:
+    """A provider's compiled-context blob (the ``EPContext`` node payload) keyed by its source."""
+
+    source: str
+    payload: bytes
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+# A graph pass: takes an onnx_runtime.ir.Graph, rewrites it in place, returns True if it changed.
+GraphPass = Callable[[Any], bool]

@@ -1,0 +1,213 @@
+"""Finding providers: entry points of the ``onnx_runtime.providers`` group, plus in-process
+registrations. A plugin that fails to import or has invalid hooks produces a warning naming it and
+the reason; the others still load. Nothing here imports a provider package by name.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass, field
+
+import pluggy
+
+from .contract.hookspecs import DiscoverySpec
+from .contract.kernels import Availability
+from .contract.markers import PROJECT
+from .errors import PluginError, ProviderNotAvailableError
+from .provider_handle import ProviderHandle
+
+try:  # the stdlib's entry_points(group=...) exists from Python 3.10
+    from importlib.metadata import entry_points
+except ImportError:  # pragma: no cover
+    from importlib_metadata import entry_points
+
+ENTRY_POINT_GROUP = "onnx_runtime.providers"
+
+# How to install the providers that ship with the project, keyed by short name.
+EXTRAS = {"cpu": "pip install 'onnx-runtime[cpu]'", "cuda": "pip install 'onnx-runtime[cuda]'"}
+
+
+@dataclass
+class ProviderEntry:
+    """A discovered provider class and what is known of it without initializing a device."""
+
+    cls: type
+    name: str
+    short_name: str
+    source: str
+    distribution: str = ""
+    version: str = ""
+    availability: Availability = field(default_factory=Availability.yes)
+    device: str = "cpu:0"
+
+    def create(self) -> ProviderHandle:
+        """A fresh, uninitialized instance behind its own handle."""
+        return ProviderHandle(self.cls(), source=self.source)
+
+
+@dataclass
+class BrokenPlugin:
+    source: str
+    reason: str
+
+
+class ProviderRegistry:
+    """The process-wide set of providers. ``registry()`` returns the shared instance."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._entries: list[ProviderEntry] | None = None
+        self._in_process: list[tuple[object, str]] = []
+        self.broken: list[BrokenPlugin] = []
+
+    # -- registration -----------------------------------------------------------------------------
+    def register(self, plugin, source: str = "in-process") -> list[ProviderEntry]:
+        """Register a provider class, or a plugin object/module implementing ``onnx_runtime_providers``."""
+        with self._lock:
+            self._in_process.append((plugin, source))
+            if self._entries is None:
+                self._discover()
+                return [e for e in self._entries if e.source == source]
+            return self._add(plugin, source, dist="", version="", strict=True)
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            gone = {e.source for e in self.entries() if _matches(e, name)}
+            self._entries = [e for e in self._entries if not _matches(e, name)]
+            self._in_process = [(p, s) for p, s in self._in_process if s not in gone]
+
+    def refresh(self) -> None:
+        """Forget what was discovered; the next query loads the entry points again."""
+        with self._lock:
+            self._entries = None
+            self.broken = []
+
+    # -- queries --------------------------------------------------------------------------------
+    def entries(self) -> list[ProviderEntry]:
+        with self._lock:
+            if self._entries is None:
+                self._discover()
+            return list(self._entries)
+
+    def find(self, name: str) -> ProviderEntry | None:
+        for entry in self.entries():
+            if _matches(entry, name):
+                return entry
+        return None
+
+    def require(self, name: str) -> ProviderEntry:
+        entry = self.find(name)
+        if entry is None:
+            known = [e.name for e in self.entries()]
+            extra = EXTRAS.get(name.lower().replace("executionprovider", ""))
+            hint = f"install it with `{extra}`" if extra else "install the distribution that provides it"
+            raise ProviderNotAvailableError(
+                f"execution provider {name!r} is not installed (installed: {known or 'none'}); {hint}"
+            )
+        return entry
+
+    # -- discovery ------------------------------------------------------------------------------
+    def _discover(self) -> None:
+        self._entries = []
+        self.broken = []
+        for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            dist = getattr(ep, "dist", None)
+            dist_name = dist.metadata["Name"] if dist is not None else ""
+            version = dist.version if dist is not None else ""
+            source = f"entry point {ep.name!r} ({ep.value}) of {dist_name or 'an unknown distribution'}"
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                self._broken(source, f"import failed: {type(exc).__name__}: {exc}")
+                continue
+            self._add(plugin, source, dist_name, version, strict=False)
+        for plugin, source in self._in_process:
+            self._add(plugin, source, dist="", version="", strict=False)
+
+    def _add(self, plugin, source: str, dist: str, version: str, strict: bool) -> list[ProviderEntry]:
+        added = []
+        try:
+            classes = _provider_classes(plugin)
+        except Exception as exc:
+            return self._fail(source, f"its onnx_runtime_providers hook failed: {exc}", strict)
+        for cls in classes:
+            try:
+                handle = ProviderHandle(cls(), source=source)
+            except Exception as exc:
+                self._fail(source, f"provider {getattr(cls, '__name__', cls)!r} is invalid: {exc}", strict)
+                continue
+            entry = ProviderEntry(
+                cls=cls, name=handle.name, short_name=handle.short_name, source=source,
+                distribution=dist, version=version, availability=handle.availability(),
+                device=str(handle.device_id),
+            )
+            if any(_matches(e, entry.name) for e in self._entries):
+                self._fail(source, f"provider name {entry.name!r} is already registered", strict)
+                continue
+            self._entries.append(entry)
+            added.append(entry)
+        return added
+
+    def _fail(self, source: str, reason: str, strict: bool) -> list:
+        if strict:
+            raise PluginError(f"{source}: {reason}")
+        self._broken(source, reason)
+        return []
+
+    def _broken(self, source: str, reason: str) -> None:
+        self.broken.append(BrokenPlugin(source, reason))
+        warnings.warn(f"onnx-runtime: skipping {source}: {reason}", RuntimeWarning, stacklevel=3)
+
+
+def _provider_classes(plugin) -> list[type]:
+    """The provider factories a plugin contributes: a class is its own contribution, and a provider
+    instance registered in-process is shared by every session that uses it."""
+    if isinstance(plugin, type) and not hasattr(plugin, "onnx_runtime_providers"):
+        return [plugin]
+    if not isinstance(plugin, type) and callable(getattr(plugin, "name", None)) and hasattr(
+        plugin.name, f"{PROJECT}_impl"
+    ):
+        return [lambda: plugin]
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(DiscoverySpec)
+    try:
+        pm.register(plugin)
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(str(exc)) from None
+    classes = [cls for group in pm.hook.onnx_runtime_providers() for cls in (group or [])]
+    if not classes:
+        raise PluginError("it contributes no provider classes (implement `onnx_runtime_providers`)")
+    return classes
+
+
+def _matches(entry: ProviderEntry, name: str) -> bool:
+    return name.lower() in (entry.name.lower(), entry.short_name.lower())
+
+
+_REGISTRY = ProviderRegistry()
+
+
+def registry() -> ProviderRegistry:
+    return _REGISTRY
+
+
+def get_all_providers() -> list[str]:
+    """Names of every installed provider, available or not."""
+    return [e.name for e in _REGISTRY.entries()]
+
+
+def get_available_providers() -> list[str]:
+    """Names of installed providers that can run on this machine, device providers first."""
+    entries = [e for e in _REGISTRY.entries() if e.availability.available]
+    entries.sort(key=lambda e: e.device.startswith("cpu"))
+    return [e.name for e in entries]
+
+
+def register_provider(plugin) -> list[str]:
+    """Register a provider class (or a plugin with ``onnx_runtime_providers``) in this process."""
+    return [e.name for e in _REGISTRY.register(plugin, source=f"in-process {getattr(plugin, '__name__', plugin)!r}")]
+
+
+def unregister_provider(name: str) -> None:
+    _REGISTRY.unregister(name)

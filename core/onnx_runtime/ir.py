@@ -1,0 +1,149 @@
+"""The in-memory graph the runtime plans and executes: plain Python objects built from ONNX protos.
+
+A :class:`Graph` holds nodes in topological order, its initializers as numpy arrays, and what is
+known of each value's type and shape (from onnx shape inference). Subgraph attributes (If, Loop,
+Scan bodies) are :class:`Graph` objects too; their ``outer_names`` list the outer-scope values
+they read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .dtypes import DataType
+
+# A dimension is a concrete int, a symbolic name, or None when unknown.
+Dim = int | str | None
+
+
+@dataclass(slots=True)
+class TypeInfo:
+    """The type of one value: a tensor (dtype + shape), a sequence, an optional, or a map.
+
+    ``shape`` is None when the rank is unknown. ``elem`` is the element type of a sequence or
+    optional.
+    """
+
+    kind: str = "tensor"  # "tensor" | "sparse_tensor" | "sequence" | "optional" | "map" | "unknown"
+    dtype: DataType | None = None
+    shape: tuple[Dim, ...] | None = None
+    elem: TypeInfo | None = None
+    key_dtype: DataType | None = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.kind == "tensor"
+
+    @property
+    def static_shape(self) -> tuple[int, ...] | None:
+        """The shape when every dimension is a concrete int, else None."""
+        if self.shape is None or any(not isinstance(d, int) for d in self.shape):
+            return None
+        return tuple(self.shape)
+
+    def describe(self) -> str:
+        if self.kind == "tensor":
+            dims = "?" if self.shape is None else "[" + ", ".join(
+                "?" if d is None else str(d) for d in self.shape) + "]"
+            return f"tensor({self.dtype if self.dtype is not None else '?'}){dims}"
+        if self.kind in ("sequence", "optional"):
+            return f"{self.kind}({self.elem.describe() if self.elem else '?'})"
+        return self.kind
+
+
+@dataclass(slots=True)
+class ValueInfo:
+    name: str
+    type: TypeInfo = field(default_factory=TypeInfo)
+    doc: str = ""
+
+
+@dataclass(eq=False, slots=True)
+class Node:
+    """One operator application. ``inputs`` uses "" for an omitted optional input.
+
+    ``attrs`` maps attribute names to Python values: int, float, str, numpy arrays (tensors),
+    :class:`Graph` (subgraphs) and lists of those. ``opset`` is the effective opset version of
+    the node's domain in the model.
+    """
+
+    op_type: str
+    inputs: list[str]
+    outputs: list[str]
+    name: str = ""
+    domain: str = ""
+    attrs: dict[str, Any] = field(default_factory=dict)
+    opset: int = 0
+    doc: str = ""
+
+    @property
+    def qualified_op(self) -> str:
+        return f"{self.domain}::{self.op_type}" if self.domain else self.op_type
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        return self.attrs.get(name, default)
+
+    def subgraphs(self) -> list[Graph]:
+        found: list[Graph] = []
+        for value in self.attrs.values():
+            if isinstance(value, Graph):
+                found.append(value)
+            elif isinstance(value, list):
+                found.extend(v for v in value if isinstance(v, Graph))
+        return found
+
+    def __repr__(self) -> str:
+        return f"Node({self.name!r}, {self.qualified_op}, in={self.inputs}, out={self.outputs})"
+
+
+@dataclass(eq=False, slots=True)
+class Graph:
+    name: str
+    nodes: list[Node]
+    inputs: list[ValueInfo]
+    outputs: list[ValueInfo]
+    initializers: dict[str, np.ndarray]
+    value_info: dict[str, ValueInfo]
+    opsets: dict[str, int]
+    outer_names: list[str] = field(default_factory=list)
+    doc: str = ""
+
+    def type_of(self, name: str) -> TypeInfo | None:
+        info = self.value_info.get(name)
+        return info.type if info is not None else None
+
+    def producers(self) -> dict[str, Node]:
+        return {out: node for node in self.nodes for out in node.outputs if out}
+
+    def consumers(self) -> dict[str, list[Node]]:
+        found: dict[str, list[Node]] = {}
+        for node in self.nodes:
+            for name in node.inputs:
+                if name:
+                    found.setdefault(name, []).append(node)
+        return found
+
+    def walk(self):
+        """Every node of this graph and, depth first, of its subgraphs."""
+        for node in self.nodes:
+            yield node
+            for sub in node.subgraphs():
+                yield from sub.walk()
+
+
+@dataclass(eq=False, slots=True)
+class Model:
+    graph: Graph
+    opsets: dict[str, int]
+    ir_version: int = 0
+    producer_name: str = ""
+    producer_version: str = ""
+    domain: str = ""
+    model_version: int = 0
+    doc_string: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+    functions: dict[tuple[str, str], Any] = field(default_factory=dict)
+    path: str | None = None

@@ -1,0 +1,309 @@
+"""Loading: ONNX bytes/path/ModelProto -> :class:`onnx_runtime.ir.Model`.
+
+onnx parses the protobuf, resolves external data and infers shapes; this module turns the result
+into the runtime's IR, sorts nodes topologically, records outer-scope reads of subgraphs, and
+turns every way a file can be wrong into a :class:`ModelLoadError` or :class:`InvalidGraphError`
+that names the problem.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from .dtypes import DataType
+from .errors import InvalidGraphError, ModelLoadError
+from .ir import Graph, Model, Node, TypeInfo, ValueInfo
+
+_ATTR = onnx.AttributeProto
+
+
+def load_model(model, infer_shapes: bool = True) -> Model:
+    """Load ``model`` (a path, bytes, or an ``onnx.ModelProto``) into the IR."""
+    proto, path = _read_proto(model)
+    _check_header(proto, path)
+    if infer_shapes:
+        proto = _infer_shapes(proto)
+    opsets = {("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in proto.opset_import}
+    try:
+        graph = convert_graph(proto.graph, opsets, outer_scope=())
+    except (InvalidGraphError, ModelLoadError):
+        raise
+    except Exception as exc:
+        raise InvalidGraphError(f"model {_label(path)} could not be converted: {type(exc).__name__}: {exc}") from exc
+    return Model(
+        graph=graph,
+        opsets=opsets,
+        ir_version=int(proto.ir_version),
+        producer_name=proto.producer_name,
+        producer_version=proto.producer_version,
+        domain=proto.domain,
+        model_version=int(proto.model_version),
+        doc_string=proto.doc_string,
+        metadata={p.key: p.value for p in proto.metadata_props},
+        functions={(f.domain, f.name): f for f in proto.functions},
+        path=path,
+    )
+
+
+def _label(path: str | None) -> str:
+    return repr(path) if path else "(from bytes)"
+
+
+def _read_proto(model) -> tuple[onnx.ModelProto, str | None]:
+    if isinstance(model, onnx.ModelProto):
+        return model, None
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        return _parse(bytes(model), None), None
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if not os.path.exists(path):
+            raise ModelLoadError(f"model file {path!r} does not exist; check the path")
+        if os.path.isdir(path):
+            raise ModelLoadError(f"model path {path!r} is a directory; pass the .onnx file inside it")
+        with open(path, "rb") as handle:
+            data = handle.read()
+        proto = _parse(data, path)
+        try:
+            onnx.external_data_helper.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(
+                f"model {path!r} references external data that could not be read: {exc}; keep the data "
+                f"files next to the model as saved"
+            ) from exc
+        return proto, path
+    raise ModelLoadError(
+        f"cannot load a model from {type(model).__name__}; pass a file path, the model's bytes, or an onnx.ModelProto"
+    )
+
+
+def _parse(data: bytes, path: str | None) -> onnx.ModelProto:
+    if not data:
+        raise ModelLoadError(f"model {_label(path)} is empty (0 bytes)")
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except Exception as exc:  # protobuf's DecodeError and friends
+        raise ModelLoadError(
+            f"model {_label(path)} is not a valid ONNX protobuf ({type(exc).__name__}: {exc}); the file is "
+            f"truncated or not an ONNX model"
+        ) from None
+    return proto
+
+
+def _check_header(proto: onnx.ModelProto, path: str | None) -> None:
+    if proto.ir_version <= 0 or not proto.HasField("graph"):
+        raise ModelLoadError(
+            f"model {_label(path)} has no ir_version or graph: the bytes parsed, but this is not an ONNX model "
+            f"(or it is truncated)"
+        )
+    if not proto.opset_import and proto.ir_version >= 3:
+        raise ModelLoadError(f"model {_label(path)} declares no opset_import; re-export it with an opset")
+
+
+def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+    except Exception:
+        # Shape inference is an optimization aid: models it cannot handle still run, with shapes
+        # resolved at run time.
+        return proto
+
+
+# -- types ---------------------------------------------------------------------------------------
+def convert_type(tp: onnx.TypeProto) -> TypeInfo:
+    which = tp.WhichOneof("value")
+    if which == "tensor_type" or which == "sparse_tensor_type":
+        tt = getattr(tp, which)
+        shape = None
+        if tt.HasField("shape"):
+            shape = tuple(
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
+            )
+        dtype = DataType(tt.elem_type) if tt.elem_type in DataType._value2member_map_ else None
+        return TypeInfo("tensor" if which == "tensor_type" else "sparse_tensor", dtype, shape)
+    if which == "sequence_type":
+        return TypeInfo("sequence", elem=convert_type(tp.sequence_type.elem_type))
+    if which == "optional_type":
+        return TypeInfo("optional", elem=convert_type(tp.optional_type.elem_type))
+    if which == "map_type":
+        return TypeInfo("map", key_dtype=DataType(tp.map_type.key_type), elem=convert_type(tp.map_type.value_type))
+    return TypeInfo("unknown")
+
+
+def _value_info(vi: onnx.ValueInfoProto) -> ValueInfo:
+    return ValueInfo(vi.name, convert_type(vi.type), vi.doc_string)
+
+
+# -- attributes ------------------------------------------------------------------------------------
+def convert_attribute(attr: onnx.AttributeProto, opsets: dict[str, int], outer_scope) -> object:
+    kind = attr.type
+    if kind == _ATTR.FLOAT:
+        return float(attr.f)
+    if kind == _ATTR.INT:
+        return int(attr.i)
+    if kind == _ATTR.STRING:
+        return attr.s.decode("utf-8", errors="surrogateescape")
+    if kind == _ATTR.TENSOR:
+        return numpy_helper.to_array(attr.t)
+    if kind == _ATTR.SPARSE_TENSOR:
+        return _sparse_to_dense(attr.sparse_tensor)
+    if kind == _ATTR.GRAPH:
+        return convert_graph(attr.g, opsets, outer_scope)
+    if kind == _ATTR.TYPE_PROTO:
+        return convert_type(attr.tp)
+    if kind == _ATTR.FLOATS:
+        return [float(v) for v in attr.floats]
+    if kind == _ATTR.INTS:
+        return [int(v) for v in attr.ints]
+    if kind == _ATTR.STRINGS:
+        return [s.decode("utf-8", errors="surrogateescape") for s in attr.strings]
+    if kind == _ATTR.TENSORS:
+        return [numpy_helper.to_array(t) for t in attr.tensors]
+    if kind == _ATTR.GRAPHS:
+        return [convert_graph(g, opsets, outer_scope) for g in attr.graphs]
+    if kind == _ATTR.TYPE_PROTOS:
+        return [convert_type(t) for t in attr.type_protos]
+    if kind == _ATTR.SPARSE_TENSORS:
+        return [_sparse_to_dense(t) for t in attr.sparse_tensors]
+    raise InvalidGraphError(f"attribute {attr.name!r} has unknown type {kind}")
+
+
+def _sparse_to_dense(sparse: onnx.SparseTensorProto) -> np.ndarray:
+    values = numpy_helper.to_array(sparse.values)
+    indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
+    dims = tuple(sparse.dims)
+    dense = np.zeros(dims, dtype=values.dtype)
+    if indices.ndim == 1:  # linearized indices
+        dense.reshape(-1)[indices] = values
+    else:
+        dense[tuple(indices.T)] = values
+    return dense
+
+
+# -- graphs ------------------------------------------------------------------------------------------
+def convert_graph(gp: onnx.GraphProto, opsets: dict[str, int], outer_scope) -> Graph:
+    """Convert one graph; ``outer_scope`` holds the names visible from enclosing graphs."""
+    initializers: dict[str, np.ndarray] = {}
+    for init in gp.initializer:
+        try:
+            initializers[init.name] = numpy_helper.to_array(init)
+        except Exception as exc:
+            raise ModelLoadError(f"initializer {init.name!r} could not be read: {exc}") from exc
+    for sparse in gp.sparse_initializer:
+        initializers[sparse.values.name] = _sparse_to_dense(sparse)
+
+    value_info: dict[str, ValueInfo] = {}
+    for vi in list(gp.value_info) + list(gp.input) + list(gp.output):
+        value_info[vi.name] = _value_info(vi)
+    for name, array in initializers.items():
+        if name not in value_info:
+            value_info[name] = ValueInfo(name, TypeInfo("tensor", _dtype_of(array), tuple(array.shape)))
+
+    inputs = [_value_info(vi) for vi in gp.input if vi.name not in initializers]
+    outputs = [_value_info(vi) for vi in gp.output]
+
+    local = set(initializers) | {vi.name for vi in gp.input}
+    for node in gp.node:
+        local.update(o for o in node.output if o)
+    scope = tuple(outer_scope) + tuple(local)
+
+    nodes = []
+    for index, np_node in enumerate(gp.node):
+        domain = "" if np_node.domain == "ai.onnx" else np_node.domain
+        attrs = {a.name: convert_attribute(a, opsets, scope) for a in np_node.attribute}
+        if domain not in opsets and domain != "":
+            raise InvalidGraphError(
+                f"node {np_node.name or index!r} ({np_node.op_type}) uses domain {domain!r}, which the model "
+                f"does not import; add an opset_import for it"
+            )
+        nodes.append(Node(
+            op_type=np_node.op_type, inputs=list(np_node.input), outputs=list(np_node.output),
+            name=np_node.name or f"{np_node.op_type}_{index}", domain=domain, attrs=attrs,
+            opset=opsets.get(domain, 0), doc=np_node.doc_string,
+        ))
+
+    graph = Graph(
+        name=gp.name, nodes=nodes, inputs=inputs, outputs=outputs, initializers=initializers,
+        value_info=value_info, opsets=opsets, doc=gp.doc_string,
+    )
+    graph.nodes = topological_order(graph, set(outer_scope))
+    graph.outer_names = sorted(_outer_reads(graph, set(outer_scope)))
+    return graph
+
+
+def _dtype_of(array: np.ndarray) -> DataType | None:
+    try:
+        return DataType.from_numpy(array.dtype)
+    except Exception:
+        return None
+
+
+def implicit_inputs(node: Node) -> list[str]:
+    """Outer-scope values a node's subgraphs read (they order the node after their producers)."""
+    names: list[str] = []
+    for sub in node.subgraphs():
+        names.extend(n for n in sub.outer_names if n not in names)
+    return names
+
+
+def _outer_reads(graph: Graph, outer: set[str]) -> set[str]:
+    defined = set(graph.initializers) | {vi.name for vi in graph.inputs}
+    reads: set[str] = set()
+    for node in graph.nodes:
+        for name in list(node.inputs) + implicit_inputs(node):
+            if name and name not in defined and name in outer:
+                reads.add(name)
+        defined.update(o for o in node.outputs if o)
+    for out in graph.outputs:
+        if out.name not in defined and out.name in outer:
+            reads.add(out.name)
+    return reads
+
+
+def topological_order(graph: Graph, outer: set[str]) -> list[Node]:
+    """Nodes in dependency order (stable: ties keep file order); rejects cycles and undefined inputs."""
+    available = set(graph.initializers) | {vi.name for vi in graph.inputs} | outer | {""}
+    producer: dict[str, int] = {}
+    for index, node in enumerate(graph.nodes):
+        for out in node.outputs:
+            if not out:
+                continue
+            if out in producer or out in graph.initializers or out in {vi.name for vi in graph.inputs}:
+                raise InvalidGraphError(
+                    f"value {out!r} is produced by more than one node (second: {node.name!r}); ONNX graphs are SSA"
+                )
+            producer[out] = index
+    waiting = [0] * len(graph.nodes)
+    dependents: list[list[int]] = [[] for _ in graph.nodes]
+    for index, node in enumerate(graph.nodes):
+        for name in set(node.inputs) | set(implicit_inputs(node)):
+            if name in available and name not in producer:
+                continue
+            if name not in producer:
+                raise InvalidGraphError(
+                    f"node {node.name!r} ({node.op_type}) reads {name!r}, which no node, input or initializer defines"
+                )
+            waiting[index] += 1
+            dependents[producer[name]].append(index)
+    order: list[int] = []
+    heap = [i for i, count in enumerate(waiting) if count == 0]
+    heapq.heapify(heap)
+    while heap:
+        index = heapq.heappop(heap)
+        order.append(index)
+        for dep in dependents[index]:
+            waiting[dep] -= 1
+            if waiting[dep] == 0:
+                heapq.heappush(heap, dep)
+    if len(order) != len(graph.nodes):
+        stuck = [graph.nodes[i].name for i in range(len(graph.nodes)) if waiting[i] > 0][:5]
+        raise InvalidGraphError(f"graph {graph.name!r} has a cycle through nodes {stuck}")
+    for out in graph.outputs:
+        if out.name not in producer and out.name not in available:
+            raise InvalidGraphError(f"graph output {out.name!r} is not produced by any node, input or initializer")
+    return [graph.nodes[i] for i in order]

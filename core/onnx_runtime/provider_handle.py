@@ -1,0 +1,150 @@
+"""One provider instance behind its own plugin manager: the object the session talks to.
+
+The handle registers the provider instance and, for every hook the provider does not implement,
+the core's default. So each hook has exactly one implementation and ``handle.hook.<name>(...)``
+reaches it in one pluggy call. The handle also enforces the memory rules that every provider gets
+for free: a buffer is freed at most once, only by the provider of its device, and borrowed
+buffers never.
+"""
+
+from __future__ import annotations
+
+import difflib
+from types import SimpleNamespace
+
+import numpy as np
+import pluggy
+
+from .contract.buffers import DeviceBuffer
+from .contract.defaults import DefaultFallbacks
+from .contract.hookspecs import HOOK_NAMES, ExecutionProviderSpec
+from .contract.kernels import Availability, KernelMatch
+from .contract.markers import PROJECT
+from .devices import DeviceId, DeviceType
+from .errors import InvalidArgumentError, PluginError, ProviderError
+
+_DISCOVERY_HOOKS = {"onnx_runtime_providers"}
+
+
+class ProviderHandle:
+    """Dispatches the contract for one provider instance. See the module docstring."""
+
+    def __init__(self, provider, source: str = "in-process"):
+        self.provider = provider
+        self.source = source
+        label = f"{type(provider).__name__} ({source})"
+        self.pm = pluggy.PluginManager(PROJECT)
+        self.pm.add_hookspecs(ExecutionProviderSpec)
+        implemented = {n for n in dir(provider) if self.pm.parse_hookimpl_opts(provider, n) is not None}
+        unknown = sorted(implemented - set(HOOK_NAMES) - _DISCOVERY_HOOKS)
+        if unknown:
+            hints = {u: difflib.get_close_matches(u, HOOK_NAMES, n=1) for u in unknown}
+            detail = ", ".join(f"{u!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for u, h in hints.items())
+            raise PluginError(f"provider {label} implements unknown hooks: {detail}")
+        if "name" not in implemented:
+            raise PluginError(f"provider {label} must implement the `name` hook (e.g. 'MyExecutionProvider')")
+        try:
+            self.pm.register(provider, name="provider")
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"provider {label} has an invalid hook implementation: {exc}") from None
+        self._implemented = frozenset(implemented & set(HOOK_NAMES))
+        defaults = DefaultFallbacks(self)
+        fallbacks = SimpleNamespace(
+            **{n: getattr(defaults, n) for n in HOOK_NAMES if n not in self._implemented and hasattr(defaults, n)}
+        )
+        self.pm.register(fallbacks, name="defaults")
+        self.hook = self.pm.hook
+        self.name: str = self.hook.name()
+        if not isinstance(self.name, str) or not self.name:
+            raise PluginError(f"provider {label}: the `name` hook must return a non-empty string")
+        self.short_name: str = self.hook.short_name()
+        self.initialized = False
+        self._refresh_device()
+
+    def implements(self, hook: str) -> bool:
+        """Whether the provider itself implements ``hook`` (rather than the core default)."""
+        return hook in self._implemented
+
+    def _refresh_device(self) -> None:
+        self.device_type: DeviceType = self.hook.device_type()
+        self.device_id: DeviceId = self.hook.device_id()
+
+    @property
+    def is_host_accessible(self) -> bool:
+        return self.device_id.is_host_accessible
+
+    def matches(self, name: str) -> bool:
+        lowered = name.lower()
+        return lowered in (self.name.lower(), self.short_name.lower())
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def availability(self) -> Availability:
+        try:
+            result = self.hook.availability()
+        except Exception as exc:  # a probe must never take the process down
+            return Availability.no(f"availability probe failed: {exc}")
+        return result if isinstance(result, Availability) else Availability.yes()
+
+    def initialize(self, options: dict | None = None) -> None:
+        options = {str(k): str(v) for k, v in (options or {}).items()}
+        self.hook.initialize(options=options)
+        self.initialized = True
+        self._refresh_device()
+
+    def shutdown(self) -> None:
+        if self.initialized:
+            self.initialized = False
+            self.hook.shutdown()
+
+    # -- capability -----------------------------------------------------------------------------
+    def supports_op(self, node, opset, shapes, dtypes, layouts) -> KernelMatch:
+        match = self.hook.supports_op(node=node, opset=opset, shapes=shapes, dtypes=dtypes, layouts=layouts)
+        if not isinstance(match, KernelMatch):
+            raise ProviderError(
+                f"{self.name}: supports_op must return a KernelMatch, got {type(match).__name__}"
+            )
+        return match
+
+    # -- memory with the core's ownership rules --------------------------------------------------
+    def allocate(self, size: int, alignment: int = 64) -> DeviceBuffer:
+        buffer = self.hook.allocate(size=int(size), alignment=int(alignment))
+        if not isinstance(buffer, DeviceBuffer):
+            raise ProviderError(f"{self.name}: allocate must return a DeviceBuffer, got {type(buffer).__name__}")
+        return buffer
+
+    def deallocate(self, buffer: DeviceBuffer) -> None:
+        """Free ``buffer`` exactly once; borrowed buffers are never freed."""
+        if buffer.released:
+            raise InvalidArgumentError(
+                f"{self.name}: buffer at {buffer.ptr:#x} was already freed; every buffer is freed exactly once"
+            )
+        if buffer.is_borrowed:
+            buffer.mark_released()
+            return
+        if buffer.device != self.device_id:
+            raise InvalidArgumentError(
+                f"{self.name} cannot free a buffer of device {buffer.device}; return it to the provider "
+                f"that allocated it ({self.device_id} is this provider's device)"
+            )
+        self.hook.deallocate(buffer=buffer)
+        buffer.mark_released()
+
+    def copy_from_host(self, src, dst: DeviceBuffer) -> None:
+        self.hook.copy_from_host(src=src, dst=dst)
+
+    def copy_to_host(self, src: DeviceBuffer, dst) -> None:
+        self.hook.copy_to_host(src=src, dst=dst)
+
+    def download(self, src: DeviceBuffer, nbytes: int | None = None) -> np.ndarray:
+        out = np.empty(src.size if nbytes is None else nbytes, np.uint8)
+        self.hook.copy_to_host(src=src, dst=out)
+        return out
+
+    def sync(self) -> None:
+        self.hook.sync()
+
+    def allocation_counts(self) -> tuple[int, int] | None:
+        return self.hook.device_allocation_counts()
+
+    def __repr__(self) -> str:
+        return f"ProviderHandle({self.name}, {self.device_id})"

@@ -1,0 +1,281 @@
+"""The planned executor: a flat list of steps over integer value slots.
+
+Planning (once per requested output set) resolves everything the hot loop would otherwise look up:
+which nodes are needed, each value's slot, the kernel of each node (cached per input shapes),
+copy steps at device boundaries, and after which step each intermediate is released. A run is
+then one loop: gather inputs by slot, call the kernel, store outputs, drop dead values.
+
+Values live where their producer's provider works: numpy arrays for host-accessible providers,
+:class:`onnx_runtime.Tensor` objects on device providers. Copies move them across.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import KernelError, OnnxRuntimeError, ProviderError
+from ..ir import Graph, Node
+from ..loader import implicit_inputs
+from ..provider_handle import ProviderHandle
+from ..tensor import Tensor
+from .placement import Copy, Placement
+
+_NONE_SLOT = 0  # always holds None: the value of an omitted optional input
+
+
+def _shape_of(value):
+    shape = getattr(value, "shape", None)
+    return tuple(shape) if shape is not None else None
+
+
+class ShapeKeyedKernel:
+    """Kernels of one node cached per input shapes, created on first sight of a shape tuple."""
+
+    __slots__ = ("handle", "node", "cache")
+
+    def __init__(self, handle: ProviderHandle, node: Node, first=None, first_key=None):
+        self.handle = handle
+        self.node = node
+        self.cache = {} if first is None else {first_key: first}
+
+    def __call__(self, *inputs):
+        key = tuple(_shape_of(x) for x in inputs)
+        kernel = self.cache.get(key)
+        if kernel is None:
+            kernel = self.cache[key] = make_kernel(self.handle, self.node, list(key))
+        return kernel(*inputs)
+
+
+def make_kernel(handle: ProviderHandle, node: Node, shapes):
+    kernel = handle.hook.get_kernel(node=node, shapes=shapes, opset=node.opset)
+    if kernel is None or not callable(kernel):
+        raise ProviderError(
+            f"{handle.name}: get_kernel returned {type(kernel).__name__} for node {node.name!r} ({node.op_type}); "
+            f"it must return a callable kernel"
+        )
+    return kernel
+
+
+def _to_host(value):
+    if isinstance(value, Tensor):
+        return value.numpy().copy() if value.provider.is_host_accessible else value.numpy()
+    return value
+
+
+def _uploader(handle: ProviderHandle):
+    def upload(value):
+        if isinstance(value, Tensor):
+            value = _to_host(value)
+        return (Tensor.from_numpy(np.asarray(value), provider=handle),)
+    return upload
+
+
+def _downloader(value):
+    return (_to_host(value),)
+
+
+@dataclass(slots=True)
+class Step:
+    run: object
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    release: tuple[int, ...]
+    node: Node | None
+    provider: str
+
+
+class Plan:
+    def __init__(self, steps: list[Step], template: list, feed_slots: dict[str, int], output_slots: list[int]):
+        self.steps = steps
+        self.template = template
+        self.feed_slots = feed_slots
+        self.output_slots = output_slots
+
+
+class Executor:
+    """Builds and runs plans for one graph whose nodes are already placed."""
+
+    def __init__(self, graph: Graph, assignment: dict[str, ProviderHandle], placement: Placement):
+        self.graph = graph
+        self.assignment = assignment
+        self.placement = placement
+        self._plans: dict[tuple[str, ...], Plan] = {}
+        self._kernels: dict[int, object] = {}  # id(node) -> kernel (shared across plans)
+        self._device_constants: dict[tuple[str, int], Tensor] = {}
+        self._consts = {}
+        for name, array in graph.initializers.items():
+            array = np.asarray(array)
+            array.flags.writeable = False  # a kernel bug or a returned alias must not corrupt weights
+            self._consts[name] = array
+        self._producer = graph.producers()
+
+    # -- planning -----------------------------------------------------------------------------------
+    def plan(self, output_names: tuple[str, ...]) -> Plan:
+        plan = self._plans.get(output_names)
+        if plan is None:
+            plan = self._plans[output_names] = self._build(output_names)
+        return plan
+
+    def _needed_nodes(self, output_names) -> list[Node]:
+        needed: set[int] = set()
+        stack = list(output_names)
+        seen = set()
+        while stack:
+            name = stack.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            node = self._producer.get(name)
+            if node is None or id(node) in needed:
+                continue
+            needed.add(id(node))
+            stack.extend(n for n in node.inputs if n)
+            stack.extend(implicit_inputs(node))
+        return [n for n in self.graph.nodes if id(n) in needed]
+
+    def _build(self, output_names: tuple[str, ...]) -> Plan:
+        template: list = [None]
+        where: dict[str, tuple[int, ProviderHandle | None]] = {}  # value -> (slot, device or None=host)
+        copies: dict[tuple[str, int], int] = {}
+        steps: list[Step] = []
+        feed_slots: dict[str, int] = {}
+        recorded_copies: list[Copy] = []
+
+        def new_slot(value=None) -> int:
+            template.append(value)
+            return len(template) - 1
+
+        for vi in self.graph.inputs:
+            feed_slots[vi.name] = where.setdefault(vi.name, (new_slot(), None))[0]
+        for name, array in self._consts.items():
+            where[name] = (new_slot(array), None)
+        for name in self.graph.outer_names:  # subgraphs: outer-scope values arrive as feeds
+            feed_slots.setdefault(name, where.setdefault(name, (new_slot(), None))[0])
+
+        def resident(name: str, target: ProviderHandle | None) -> int:
+            slot, device = where[name]
+            if device is target:
+                return slot
+            key = (name, id(target))
+            if key in copies:
+                return copies[key]
+            if name in self._consts and target is not None:  # upload weights once, at plan time
+                tensor = self._device_constants.get(key)
+                if tensor is None:
+                    tensor = self._device_constants[key] = Tensor.from_numpy(self._consts[name], provider=target)
+                copies[key] = new_slot(tensor)
+                return copies[key]
+            out = new_slot()
+            if target is None:
+                steps.append(Step(_downloader, (slot,), (out,), (), None, f"copy {name} to host"))
+            else:
+                steps.append(Step(_uploader(target), (slot,), (out,), (), None, f"copy {name} to {target.name}"))
+            recorded_copies.append(Copy(name, device.name if device is not None else "host",
+                                        target.name if target is not None else "host"))
+            copies[key] = out
+            return out
+
+        for node in self._needed_nodes(output_names):
+            handle = self.assignment[node.name]
+            target = None if handle.is_host_accessible else handle
+            ins = [resident(n, target) if n else _NONE_SLOT for n in node.inputs]
+            ins += [resident(n, target) for n in implicit_inputs(node)]
+            outs = []
+            for name in node.outputs:
+                if name:
+                    slot = new_slot()
+                    where[name] = (slot, target)
+                    outs.append(slot)
+                else:
+                    outs.append(new_slot())  # an unused optional output still gets a place to land
+            steps.append(Step(self._kernel_for(node, handle), tuple(ins), tuple(outs), (), node, handle.name))
+
+        missing = [n for n in output_names if n not in where]
+        if missing:
+            raise ProviderError(f"outputs {missing} are not produced by the graph")
+        output_slots = [resident(n, None) for n in output_names]
+        self.placement.copies = recorded_copies
+        self._assign_releases(steps, set(output_slots) | set(feed_slots.values()))
+        return Plan(steps, template, feed_slots, output_slots)
+
+    def _kernel_for(self, node: Node, handle: ProviderHandle):
+        kernel = self._kernels.get(id(node))
+        if kernel is None:
+            shapes = []
+            static = True
+            for name in node.inputs:
+                info = self.graph.type_of(name) if name else None
+                shape = info.static_shape if info is not None and info.is_tensor else None
+                static &= shape is not None or not name
+                shapes.append(shape)
+            if node.subgraphs():
+                static = False  # outer-scope values are extra inputs whose shapes we do not track
+            if static:
+                kernel = make_kernel(handle, node, shapes)
+            else:
+                kernel = ShapeKeyedKernel(handle, node)
+            self._kernels[id(node)] = kernel
+        return kernel
+
+    @staticmethod
+    def _assign_releases(steps: list[Step], keep: set[int]) -> None:
+        last_use: dict[int, int] = {}
+        for index, step in enumerate(steps):
+            for slot in step.inputs:
+                last_use[slot] = index
+            for slot in step.outputs:
+                last_use.setdefault(slot, index)  # produced but never read: drop right away
+        releases: dict[int, list[int]] = {}
+        for slot, index in last_use.items():
+            if slot != _NONE_SLOT and slot not in keep:
+                releases.setdefault(index, []).append(slot)
+        for index, slots in releases.items():
+            steps[index].release = tuple(slots)
+
+    # -- running ------------------------------------------------------------------------------------
+    def run(self, feeds: dict[str, object], output_names: tuple[str, ...]) -> list:
+        plan = self.plan(output_names)
+        env = list(plan.template)
+        for name, value in feeds.items():
+            slot = plan.feed_slots.get(name)
+            if slot is not None:
+                env[slot] = value
+        step = None
+        try:
+            for step in plan.steps:
+                results = step.run(*[env[i] for i in step.inputs])
+                outs = step.outputs
+                if len(results) < len(outs):
+                    raise KernelError(
+                        f"kernel returned {len(results)} outputs, the node has {len(outs)}"
+                    )
+                for slot, value in zip(outs, results):
+                    env[slot] = value
+                for slot in step.release:
+                    env[slot] = None
+        except OnnxRuntimeError as exc:
+            raise _node_error(step, exc, type(exc)) from exc
+        except Exception as exc:
+            raise _node_error(step, exc, KernelError) from exc
+        return [_to_host(env[slot]) for slot in plan.output_slots]
+
+    def close(self) -> None:
+        for tensor in self._device_constants.values():
+            tensor.close()
+        self._device_constants.clear()
+        self._plans.clear()
+
+
+def _node_error(step: Step | None, exc: Exception, kind: type) -> Exception:
+    if step is None:
+        return kind(str(exc))
+    if step.node is None:
+        return kind(f"{step.provider} failed: {type(exc).__name__}: {exc}")
+    node = step.node
+    message = f"node {node.name!r} ({node.op_type}) on {step.provider} failed: {type(exc).__name__}: {exc}"
+    try:
+        return kind(message)
+    except TypeError:
+        return KernelError(message)

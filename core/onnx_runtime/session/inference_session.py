@@ -1,0 +1,257 @@
+"""``InferenceSession``: the onnxruntime Python API over the plugin runtime."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..discovery import EXTRAS, registry
+from ..dtypes import DataType
+from ..errors import InvalidArgumentError, ProviderNotAvailableError
+from ..ir import Model, TypeInfo, ValueInfo
+from ..loader import load_model
+from ..provider_handle import ProviderHandle
+from ..tensor import Tensor
+from .executor import Executor
+from .options import RunOptions, SessionOptions
+from .placement import Placement, place
+
+
+@dataclass(frozen=True)
+class NodeArg:
+    """A graph input or output as onnxruntime describes it."""
+
+    name: str
+    type: str
+    shape: list
+
+    @classmethod
+    def of(cls, vi: ValueInfo) -> NodeArg:
+        t = vi.type
+        if t.kind == "tensor":
+            type_name = f"tensor({t.dtype})" if t.dtype is not None else "tensor(undefined)"
+            shape = [d for d in t.shape] if t.shape is not None else []
+        elif t.kind in ("sequence", "optional"):
+            type_name = f"{t.kind}({NodeArg.of(ValueInfo('', t.elem)).type if t.elem else 'undefined'})"
+            shape = []
+        else:
+            type_name, shape = t.kind, []
+        return cls(vi.name, type_name, shape)
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    producer_name: str
+    graph_name: str
+    domain: str
+    description: str
+    graph_description: str
+    version: int
+    custom_metadata_map: dict = field(default_factory=dict)
+
+
+def _resolve_providers(providers, provider_options) -> list[tuple[str, dict]]:
+    if providers is None:
+        from ..discovery import get_available_providers
+        names = get_available_providers()
+        if not names:
+            installed = [e.name for e in registry().entries()]
+            if installed:
+                reasons = "; ".join(f"{e.name}: {e.availability.reason}" for e in registry().entries())
+                raise ProviderNotAvailableError(f"no installed execution provider can run here ({reasons})")
+            raise ProviderNotAvailableError(
+                "no execution provider is installed; install the CPU provider with "
+                f"`{EXTRAS['cpu']}` (or the CUDA one with `{EXTRAS['cuda']}`)"
+            )
+        return [(n, {}) for n in names]
+    if isinstance(providers, str):
+        providers = [providers]
+    resolved = []
+    for index, item in enumerate(providers):
+        if isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str):
+            name, options = item[0], dict(item[1] or {})
+        elif isinstance(item, str):
+            name, options = item, {}
+        else:
+            raise InvalidArgumentError(
+                f"providers[{index}] is {item!r}; pass provider names or (name, options) tuples"
+            )
+        if provider_options is not None:
+            if len(provider_options) != len(providers):
+                raise InvalidArgumentError(
+                    f"provider_options has {len(provider_options)} entries but providers has {len(providers)}; "
+                    f"pass one options dict per provider"
+                )
+            options.update(provider_options[index] or {})
+        resolved.append((name, options))
+    if not resolved:
+        raise InvalidArgumentError("providers is empty; name at least one provider, e.g. ['CPUExecutionProvider']")
+    return resolved
+
+
+def _create_handles(requested: list[tuple[str, dict]]) -> list[ProviderHandle]:
+    handles, unavailable = [], []
+    for name, options in requested:
+        entry = registry().require(name)
+        if not entry.availability.available:
+            unavailable.append(f"{entry.name}: {entry.availability.reason}")
+            continue
+        if any(h.name == entry.name for h in handles):
+            continue
+        handle = entry.create()
+        handle.initialize(options)
+        handles.append(handle)
+    if not handles:
+        raise ProviderNotAvailableError(
+            "none of the requested execution providers can run here: " + "; ".join(unavailable)
+        )
+    for reason in unavailable:
+        warnings.warn(f"onnx-runtime: skipping unavailable provider {reason}", RuntimeWarning, stacklevel=4)
+    return handles
+
+
+class InferenceSession:
+    """Load a model, place its nodes on providers, and run it (the onnxruntime API)."""
+
+    def __init__(self, path_or_bytes, sess_options: SessionOptions | None = None, providers=None,
+                 provider_options=None, **kwargs):
+        unknown = set(kwargs) - {"disabled_optimizers"}
+        if unknown:
+            raise InvalidArgumentError(f"unexpected InferenceSession arguments {sorted(unknown)}")
+        self._sess_options = sess_options or SessionOptions()
+        self._model: Model = load_model(path_or_bytes)
+        self._model_path = path_or_bytes if isinstance(path_or_bytes, str) else None
+        requested = _resolve_providers(providers, provider_options)
+        self._handles = _create_handles(requested)
+        self._provider_options = {name: dict(opts) for name, opts in requested}
+        graph = self._model.graph
+        self._placement, assignment = place(graph, self._handles)
+        self._executor = Executor(graph, assignment, self._placement)
+        self._inputs = [NodeArg.of(vi) for vi in graph.inputs]
+        self._outputs = [NodeArg.of(vi) for vi in graph.outputs]
+        self._input_types = {vi.name: vi.type for vi in graph.inputs}
+        self._output_names = tuple(vi.name for vi in graph.outputs)
+        self._closed = False
+
+    # -- the onnxruntime API --------------------------------------------------------------------
+    def get_inputs(self) -> list[NodeArg]:
+        return list(self._inputs)
+
+    def get_outputs(self) -> list[NodeArg]:
+        return list(self._outputs)
+
+    def get_overridable_initializers(self) -> list[NodeArg]:
+        return []
+
+    def get_providers(self) -> list[str]:
+        return [h.name for h in self._handles]
+
+    def get_provider_options(self) -> dict[str, dict]:
+        return {h.name: dict(self._provider_options.get(h.name, {})) for h in self._handles}
+
+    def get_session_options(self) -> SessionOptions:
+        return self._sess_options
+
+    def get_modelmeta(self) -> ModelMetadata:
+        m = self._model
+        return ModelMetadata(
+            producer_name=m.producer_name, graph_name=m.graph.name, domain=m.domain,
+            description=m.doc_string, graph_description=m.graph.doc, version=m.model_version,
+            custom_metadata_map=dict(m.metadata),
+        )
+
+    def placement(self) -> Placement:
+        """Each node's provider, every declining provider's reason, and the inserted copies."""
+        return self._placement
+
+    @property
+    def model(self) -> Model:
+        return self._model
+
+    def run(self, output_names, input_feed: dict, run_options: RunOptions | None = None) -> list:
+        """Run the model; return the requested outputs (all when ``output_names`` is None) as numpy arrays."""
+        if self._closed:
+            raise InvalidArgumentError("this session was closed; create a new InferenceSession")
+        if run_options is not None and run_options.terminate:
+            raise InvalidArgumentError("run_options.terminate is set; the run was cancelled before it started")
+        names = self._output_names if not output_names else tuple(output_names)
+        for name in names:
+            if name not in self._output_names:
+                raise InvalidArgumentError(
+                    f"unknown output {name!r}; the model's outputs are {list(self._output_names)}"
+                )
+        feeds = self._validate_feeds(input_feed)
+        return self._executor.run(feeds, names)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.close()
+        for handle in self._handles:
+            handle.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- feeds ----------------------------------------------------------------------------------
+    def _validate_feeds(self, input_feed) -> dict:
+        if not isinstance(input_feed, dict):
+            raise InvalidArgumentError(
+                f"input_feed must be a dict of input name -> array, got {type(input_feed).__name__}"
+            )
+        feeds = {}
+        for name, value in input_feed.items():
+            expected = self._input_types.get(name)
+            if expected is None:
+                raise InvalidArgumentError(
+                    f"unknown input {name!r}; the model's inputs are {list(self._input_types)}"
+                )
+            feeds[name] = _check_feed(name, value, expected)
+        missing = [n for n in self._input_types if n not in feeds]
+        if missing:
+            details = ", ".join(f"{n!r} ({self._input_types[n].describe()})" for n in missing)
+            raise InvalidArgumentError(f"missing inputs {details}; add them to input_feed")
+        return feeds
+
+
+def _check_feed(name: str, value, expected: TypeInfo):
+    if expected.kind != "tensor":
+        return value  # sequences/optionals are checked by the operators that consume them
+    if isinstance(value, Tensor):
+        value = value.numpy()
+    if not isinstance(value, np.ndarray):
+        if isinstance(value, (list, tuple, int, float, bool, str, np.generic)):
+            value = np.asarray(value, dtype=expected.dtype.numpy if expected.dtype is not None else None)
+        else:
+            raise InvalidArgumentError(
+                f"input {name!r} must be a numpy array, got {type(value).__name__}; pass np.asarray(value)"
+            )
+    if expected.dtype is not None:
+        got = DataType.from_numpy(value.dtype) if value.dtype.kind not in "OUS" else DataType.STRING
+        if got is not expected.dtype:
+            hint = (f"; convert it with .astype(np.{expected.dtype.numpy.name})"
+                    if expected.dtype is not DataType.STRING else "")
+            raise InvalidArgumentError(
+                f"input {name!r} expects {expected.dtype.ort_type}, got {value.dtype} array{hint}"
+            )
+        if got is DataType.STRING and value.dtype.kind != "O":
+            value = value.astype(object)
+    if expected.shape is not None:
+        if value.ndim != len(expected.shape):
+            raise InvalidArgumentError(
+                f"input {name!r} expects rank {len(expected.shape)} ({expected.describe()}), got shape "
+                f"{list(value.shape)}"
+            )
+        for axis, (want, got) in enumerate(zip(expected.shape, value.shape)):
+            if isinstance(want, int) and want != got:
+                raise InvalidArgumentError(
+                    f"input {name!r} dimension {axis} must be {want} ({expected.describe()}), got shape "
+                    f"{list(value.shape)}"
+                )
+    return value

@@ -1,0 +1,128 @@
+"""Placement: which provider runs each node, and why the others declined.
+
+Order of decision, per node: a provider that *claims* the node (``claim_nodes``) gets it first;
+otherwise the node goes to the first provider, in the session's priority order, whose
+``supports_op`` accepts it. Every rejection keeps its reason, so nothing falls back silently:
+``InferenceSession.placement()`` and ``onnx-runtime info`` show it all.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..devices import TensorLayout
+from ..errors import ProviderError, UnsupportedOperatorError
+from ..ir import Graph, Node
+from ..provider_handle import ProviderHandle
+
+
+@dataclass
+class NodePlacement:
+    node: str
+    op_type: str
+    domain: str
+    provider: str
+    claimed: bool = False
+    cost: float = 1.0
+    rejected: dict[str, str] = field(default_factory=dict)  # provider name -> reason
+
+
+@dataclass
+class Copy:
+    """A transfer the executor inserted at a device boundary."""
+
+    value: str
+    source: str  # "host" or a provider name
+    target: str
+
+
+class Placement:
+    """Node -> provider decisions (and rejections) for a session's graph, plus inserted copies."""
+
+    def __init__(self, nodes: list[NodePlacement]):
+        self.nodes = nodes
+        self._by_name = {n.node: n for n in nodes}
+        self.copies: list[Copy] = []
+
+    def __getitem__(self, node_name: str) -> NodePlacement:
+        return self._by_name[node_name]
+
+    def __iter__(self):
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def provider_of(self, node_name: str) -> str:
+        return self._by_name[node_name].provider
+
+    def as_dict(self) -> dict[str, str]:
+        return {n.node: n.provider for n in self.nodes}
+
+    def summary(self) -> dict[str, int]:
+        """Node count per provider."""
+        return dict(Counter(n.provider for n in self.nodes))
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.nodes)} nodes: " + ", ".join(f"{p} {c}" for p, c in self.summary().items())]
+        for n in self.nodes:
+            how = "claimed by" if n.claimed else "on"
+            lines.append(f"  {n.node} ({n.op_type}) {how} {n.provider}")
+            for provider, reason in n.rejected.items():
+                lines.append(f"      {provider} declined: {reason}")
+        if self.copies:
+            lines.append(f"{len(self.copies)} copies at device boundaries:")
+            lines.extend(f"  {c.value}: {c.source} -> {c.target}" for c in self.copies)
+        return "\n".join(lines)
+
+
+def _input_facts(graph: Graph, node: Node):
+    shapes, dtypes, layouts = [], [], []
+    for name in node.inputs:
+        info = graph.type_of(name) if name else None
+        shapes.append(info.shape if info is not None and info.is_tensor else None)
+        dtypes.append(info.dtype if info is not None else None)
+        layouts.append(TensorLayout.default())
+    return shapes, dtypes, layouts
+
+
+def place(graph: Graph, handles: list[ProviderHandle]) -> tuple[Placement, dict[str, ProviderHandle]]:
+    """Assign every node of ``graph`` to one of ``handles`` (priority order)."""
+    claims: dict[str, ProviderHandle] = {}
+    for handle in handles:
+        claimed = handle.hook.claim_nodes(graph=graph) or []
+        for name in claimed:
+            claims.setdefault(name, handle)
+
+    records: list[NodePlacement] = []
+    assignment: dict[str, ProviderHandle] = {}
+    for node in graph.nodes:
+        record = NodePlacement(node.name, node.op_type, node.domain, provider="")
+        if node.name in claims:
+            record.provider, record.claimed = claims[node.name].name, True
+            assignment[node.name] = claims[node.name]
+            records.append(record)
+            continue
+        shapes, dtypes, layouts = _input_facts(graph, node)
+        for handle in handles:
+            try:
+                match = handle.supports_op(node, node.opset, shapes, dtypes, layouts)
+            except ProviderError:
+                raise
+            except Exception as exc:
+                raise ProviderError(f"{handle.name}: supports_op failed on node {node.name!r}: {exc}") from exc
+            if match.is_supported:
+                record.provider, record.cost = handle.name, match.cost
+                assignment[node.name] = handle
+                break
+            record.rejected[handle.name] = match.reason
+        if not record.provider:
+            domain = node.domain or "ai.onnx"
+            reasons = "; ".join(f"{p}: {r}" for p, r in record.rejected.items()) or "no providers"
+            raise UnsupportedOperatorError(
+                f"node {node.name!r}: operator {node.op_type} (domain {domain}, opset {node.opset}) is not "
+                f"implemented by any selected provider ({reasons})"
+            )
+        records.append(record)
+    return Placement(records), assignment

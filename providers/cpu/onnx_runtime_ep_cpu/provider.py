@@ -1,0 +1,49 @@
+"""CPUExecutionProvider: numpy kernels behind the provider contract.
+
+Host memory, copies, fences and allocation counters are the contract's defaults, which are exactly
+right for the host; this provider adds what is CPU-specific: which operators it runs and their
+kernels, chosen from the opset-versioned registry.
+"""
+
+from __future__ import annotations
+
+from onnx_runtime import KernelMatch, hookimpl
+from onnx_runtime.errors import InvalidGraphError
+
+from . import ops  # noqa: F401  (fills the registry)
+from .registry import lookup, registered_versions
+
+
+class CPUExecutionProvider:
+    @hookimpl
+    def name(self):
+        return "CPUExecutionProvider"
+
+    @hookimpl
+    def short_name(self):
+        return "cpu"
+
+    @hookimpl
+    def supports_op(self, node, opset):
+        if lookup(node.op_type, node.domain, opset) is not None:
+            return KernelMatch.supported(cost=1.0)
+        domain = node.domain or "ai.onnx"
+        versions = registered_versions(node.op_type, node.domain)
+        if versions:
+            return KernelMatch.unsupported(
+                f"CPUExecutionProvider implements {domain}::{node.op_type} from opset {versions[0]}, the model "
+                f"uses opset {opset}; re-export the model with a newer opset"
+            )
+        return KernelMatch.unsupported(
+            f"CPUExecutionProvider has no kernel for {domain}::{node.op_type}; use a provider that implements "
+            f"it or replace the operator in the model"
+        )
+
+    @hookimpl
+    def get_kernel(self, node, shapes, opset):
+        factory = lookup(node.op_type, node.domain, opset)
+        if factory is None:
+            raise InvalidGraphError(
+                f"node {node.name!r}: CPUExecutionProvider has no kernel for {node.op_type} at opset {opset}"
+            )
+        return factory(node, shapes, opset)
