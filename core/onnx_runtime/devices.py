@@ -21,8 +21,8 @@ class DeviceType(enum.Enum):
 
     @property
     def dlpack_code(self) -> int:
-        """DLPack ``DLDeviceType`` code (kDLCPU=1, kDLCUDA=2, kDLROCM=10, kDLMetal=8)."""
-        return {"cpu": 1, "cuda": 2, "rocm": 10, "metal": 8}.get(self.value, 1)
+        """DLPack ``DLDeviceType`` code (kDLCPU=1, kDLCUDA=2, kDLMetal=8, kDLROCM=10, kDLExtDev=12)."""
+        return {"cpu": 1, "cuda": 2, "metal": 8, "rocm": 10, "other": 12}[self.value]
 
 
 @dataclass(frozen=True, slots=True)

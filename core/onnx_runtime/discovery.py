@@ -65,11 +65,10 @@ class ProviderRegistry:
     def register(self, plugin, source: str = "in-process") -> list[ProviderEntry]:
         """Register a provider class, or a plugin object/module implementing ``onnx_runtime_providers``."""
         with self._lock:
-            self._in_process.append((plugin, source))
-            if self._entries is None:
-                self._discover()
-                return [e for e in self._entries if e.source == source]
-            return self._add(plugin, source, dist="", version="", strict=True)
+            self.entries()
+            added = self._add(plugin, source, dist="", version="", strict=True)
+            self._in_process.append((plugin, source))  # re-added when the entry points are reloaded
+            return added
 
     def unregister(self, name: str) -> None:
         with self._lock:

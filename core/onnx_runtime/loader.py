@@ -70,7 +70,7 @@ def _read_proto(model) -> tuple[onnx.ModelProto, str | None]:
         proto = _parse(data, path)
         try:
             onnx.external_data_helper.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, onnx.checker.ValidationError) as exc:  # missing/escaping file
             raise ModelLoadError(
                 f"model {path!r} references external data that could not be read: {exc}; keep the data "
                 f"files next to the model as saved"

@@ -60,6 +60,10 @@ class DefaultFallbacks:
         return self._handle.hook.device_id()
 
     def _require_host(self, buffer: DeviceBuffer, what: str, hook: str) -> np.ndarray:
+        if buffer.released:
+            raise InvalidArgumentError(
+                f"{self._name}: {what} uses the buffer at {buffer.ptr:#x}, which was already freed"
+            )
         if not buffer.device.is_host_accessible or buffer.host is None:
             raise self._unsupported(f"{what} for non-host-accessible device {buffer.device}", hook)
         return buffer.host_view()
@@ -162,13 +166,15 @@ class DefaultFallbacks:
 
     @hookimpl(trylast=True)
     def device_allocation_counts(self):
-        if self._handle.implements("allocate"):
-            return None  # the provider allocates itself and does not count
+        if self._handle.implements("allocate") or self._handle.implements("deallocate"):
+            return None  # the provider manages (part of) its memory itself; these counts would be partial
         return (self._allocations, self._frees)
 
     # -- copies -----------------------------------------------------------------------------------
     @hookimpl(trylast=True)
     def copy(self, src, dst, size):
+        if size < 0:
+            raise InvalidArgumentError(f"{self._name}: copy size must be non-negative, got {size}")
         source = self._require_host(src, "copy", "copy")
         target = self._require_host(dst, "copy", "copy")
         if size > src.size or size > dst.size:

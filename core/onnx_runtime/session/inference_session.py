@@ -227,7 +227,13 @@ def _check_feed(name: str, value, expected: TypeInfo):
         value = value.numpy()
     if not isinstance(value, np.ndarray):
         if isinstance(value, (list, tuple, int, float, bool, str, np.generic)):
-            value = np.asarray(value, dtype=expected.dtype.numpy if expected.dtype is not None else None)
+            try:
+                value = np.asarray(value, dtype=expected.dtype.numpy if expected.dtype is not None else None)
+            except (TypeError, ValueError) as exc:
+                raise InvalidArgumentError(
+                    f"input {name!r} expects {expected.describe()}; {value!r} cannot be converted ({exc}); "
+                    f"pass a numpy array"
+                ) from None
         else:
             raise InvalidArgumentError(
                 f"input {name!r} must be a numpy array, got {type(value).__name__}; pass np.asarray(value)"

@@ -1,0 +1,174 @@
+"""The ``onnx-runtime`` command: list providers, describe a model, run a model.
+
+    onnx-runtime providers
+    onnx-runtime info MODEL [--providers cpu] [--nodes]
+    onnx-runtime run [MODEL] [--input NAME=FILE.npy ...] [--providers cpu] [--repeat N]
+
+Without MODEL, ``run`` runs the embedded default: light_resnet50 from the installed onnx package,
+checked against the output shipped beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from .errors import OnnxRuntimeError
+
+DEFAULT_MODEL = "light_resnet50"
+
+
+def _default_model_paths() -> tuple[str, str]:
+    import onnx
+
+    folder = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
+    return os.path.join(folder, f"{DEFAULT_MODEL}.onnx"), os.path.join(folder, f"{DEFAULT_MODEL}_output_0.pb")
+
+
+def _providers_arg(value: str | None):
+    return [p.strip() for p in value.split(",") if p.strip()] if value else None
+
+
+def cmd_providers(args) -> int:
+    from .discovery import registry
+
+    entries = registry().entries()
+    if not entries:
+        print("no execution providers installed; install one with `pip install 'onnx-runtime[cpu]'`")
+    for e in entries:
+        dist = f"{e.distribution} {e.version}".strip() or e.source
+        state = "available" if e.availability.available else f"unavailable: {e.availability.reason}"
+        print(f"{e.name} ({e.short_name})  {dist}  device {e.device}  {state}")
+    for broken in registry().broken:
+        print(f"broken plugin {broken.source}: {broken.reason}")
+    return 0
+
+
+def cmd_info(args) -> int:
+    from .session import InferenceSession
+
+    sess = InferenceSession(args.model, providers=_providers_arg(args.providers))
+    model = sess.model
+    print(f"model: {args.model}")
+    print(f"producer: {model.producer_name} {model.producer_version}".rstrip())
+    print("opsets: " + ", ".join(f"{d or 'ai.onnx'} {v}" for d, v in sorted(model.opsets.items())))
+    for kind, args_ in (("input", sess.get_inputs()), ("output", sess.get_outputs())):
+        for arg in args_:
+            print(f"{kind}: {arg.name} {arg.type} {arg.shape}")
+    placement = sess.placement()
+    print(f"nodes: {len(placement)}")
+    for provider, count in placement.summary().items():
+        print(f"  {provider}: {count} nodes")
+    declined = {}
+    for record in placement:
+        for provider, reason in record.rejected.items():
+            declined.setdefault((provider, reason), []).append(record.op_type)
+    for (provider, reason), ops in declined.items():
+        print(f"  {provider} declined {len(ops)} nodes ({', '.join(sorted(set(ops)))}): {reason}")
+    if args.nodes:
+        print(placement)
+    return 0
+
+
+def _parse_inputs(specs: list[str]) -> dict:
+    feeds = {}
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--input expects NAME=FILE.npy, got {spec!r}")
+        if not os.path.exists(path):
+            raise SystemExit(f"--input {name}: file {path!r} does not exist")
+        feeds[name] = np.load(path, allow_pickle=False)
+    return feeds
+
+
+def _default_feed(arg) -> np.ndarray:
+    from .dtypes import DataType
+
+    dtype = DataType.parse(arg.type).numpy
+    shape = [d if isinstance(d, int) else 1 for d in arg.shape]
+    return np.zeros(shape, dtype=dtype)
+
+
+def _time_runs(sess, feeds, repeat: int):
+    outputs = sess.run(None, feeds)  # first run builds the plan and kernels
+    times = []
+    for _ in range(max(repeat, 1)):
+        start = time.perf_counter()
+        outputs = sess.run(None, feeds)
+        times.append(time.perf_counter() - start)
+    return outputs, times
+
+
+def cmd_run(args) -> int:
+    from .session import InferenceSession
+
+    checking = args.model is None
+    if checking:
+        model_path, expected_path = _default_model_paths()
+        print(f"running the embedded default model {DEFAULT_MODEL} ({model_path})")
+    else:
+        model_path, expected_path = args.model, None
+    sess = InferenceSession(model_path, providers=_providers_arg(args.providers))
+    feeds = _parse_inputs(args.input)
+    for arg in sess.get_inputs():
+        if arg.name not in feeds:
+            feeds[arg.name] = _default_feed(arg)
+            if not checking:
+                print(f"input {arg.name}: not given, using zeros of shape {list(feeds[arg.name].shape)}")
+    outputs, times = _time_runs(sess, feeds, args.repeat)
+    for arg, value in zip(sess.get_outputs(), outputs):
+        value = np.asarray(value)
+        preview = np.array2string(value.reshape(-1)[:5], precision=5) if value.dtype != object else ""
+        print(f"output {arg.name}: {value.dtype} {list(value.shape)} {preview}")
+    print(f"providers: {', '.join(sess.get_providers())}")
+    print(f"time per run: median {statistics.median(times) * 1e3:.2f} ms over {len(times)} runs")
+    if checking:
+        import onnx
+        from onnx import numpy_helper
+
+        expected = numpy_helper.to_array(onnx.load_tensor(expected_path))
+        diff = float(np.abs(outputs[0] - expected).max())
+        if np.allclose(outputs[0], expected, rtol=1e-4, atol=1e-4):
+            print(f"MATCH: output equals the shipped reference (max abs diff {diff:.2e})")
+        else:
+            print(f"MISMATCH: max abs diff {diff:.2e} against the shipped reference")
+            return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="onnx-runtime", description="ONNX inference with plugin providers")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("providers", help="list installed providers and whether they can run here")
+    p.set_defaults(func=cmd_providers)
+    p = sub.add_parser("info", help="describe a model and where its nodes would run")
+    p.add_argument("model")
+    p.add_argument("--providers", help="comma-separated provider names (default: all available)")
+    p.add_argument("--nodes", action="store_true", help="list every node's placement")
+    p.set_defaults(func=cmd_info)
+    p = sub.add_parser("run", help="run a model (without MODEL: the embedded light_resnet50 check)")
+    p.add_argument("model", nargs="?")
+    p.add_argument("--input", action="append", metavar="NAME=FILE.npy", help="an input from a .npy file")
+    p.add_argument("--providers", help="comma-separated provider names (default: all available)")
+    p.add_argument("--repeat", type=int, default=1, help="timed runs after a warm-up run")
+    p.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except OnnxRuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

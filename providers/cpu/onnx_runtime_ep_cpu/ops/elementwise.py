@@ -1,0 +1,481 @@
+"""Elementwise kernels: arithmetic, math functions, activations, comparison and logic, bitwise ops,
+Clip, variadic Min/Max/Sum/Mean, Where, Cast/CastLike and Identity.
+
+Inputs of one op share one dtype (the ONNX type constraints say so), so numpy keeps that dtype;
+scalars taken from attributes are cast to the input dtype so they never promote float32 to float64.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import ml_dtypes
+import numpy as np
+from onnx_runtime.dtypes import DataType
+from onnx_runtime.errors import InvalidGraphError
+
+from ..registry import register
+
+
+def _quiet(fn):
+    """Run ``fn`` with numpy's floating-point warnings off: inf/nan results are ONNX semantics."""
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        with np.errstate(all="ignore"):
+            return fn(*args)
+
+    return wrapper
+
+
+def _scalar(value, dtype):
+    """An attribute scalar as a 0-d array of ``dtype``, so it does not promote the input."""
+    return np.asarray(value, dtype=dtype)
+
+
+# -- unary math -------------------------------------------------------------------------------------
+
+# Taylor coefficients of erf(x) * sqrt(pi) / 2 in x: (-1)^n / (n! (2n + 1)), odd powers.
+_ERF_TAYLOR = [(-1) ** n / (math.factorial(n) * (2 * n + 1)) for n in range(7)]
+# Abramowitz & Stegun 7.1.26: |error| <= 1.5e-7, enough for float32 and narrower floats.
+_AS_P = 0.3275911
+_AS_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+
+
+def _erf_float32(x):
+    x = x.astype(np.float32)
+    ax = np.abs(x)
+    t = 1 / (1 + np.float32(_AS_P) * ax)
+    poly = np.zeros_like(t)
+    for a in reversed(_AS_A):
+        poly = (poly + np.float32(a)) * t
+    tail = np.copysign(1 - poly * np.exp(-ax * ax), x)
+    # Near zero A&S loses relative accuracy (1 - ~1); there a short Taylor series is accurate.
+    x2 = x * x
+    series = np.zeros_like(x)
+    for c in reversed(_ERF_TAYLOR):
+        series = series * x2 + np.float32(c)
+    series *= x * np.float32(2 / math.sqrt(math.pi))
+    return np.where(ax < 0.5, series, tail)
+
+
+# float64 needs more than A&S offers; math.erf per element is exact, and float64 Erf is rare.
+_erf_float64 = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def _erf(x):
+    if x.dtype == np.float64:
+        return _erf_float64(x)
+    return _erf_float32(x).astype(x.dtype, copy=False)
+
+
+def _sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def _softplus(x):
+    return np.logaddexp(x, _scalar(0, x.dtype))
+
+
+def _softsign(x):
+    return x / (1 + np.abs(x))
+
+
+def _mish(x):
+    return x * np.tanh(_softplus(x))
+
+
+def _hard_sigmoid(x, alpha, beta):
+    linear = _scalar(alpha, x.dtype) * x + _scalar(beta, x.dtype)
+    # minimum/maximum rather than np.clip, which turns bfloat16 into float32
+    return np.minimum(np.maximum(linear, _scalar(0, x.dtype)), _scalar(1, x.dtype))
+
+
+def _hard_swish(x):
+    return x * _hard_sigmoid(x, 1 / 6, 0.5)
+
+
+# op_type: (first opset, function). Later versions only added types, so one registration covers them.
+_UNARY = {
+    "Neg": (1, np.negative),
+    "Abs": (1, np.abs),
+    "Sqrt": (1, np.sqrt),
+    "Exp": (1, np.exp),
+    "Log": (1, np.log),
+    "Reciprocal": (1, np.reciprocal),
+    "Floor": (1, np.floor),
+    "Ceil": (1, np.ceil),
+    "Round": (11, np.round),  # numpy rounds half to even, as ONNX requires
+    "Sign": (9, np.sign),
+    "Tanh": (1, np.tanh),
+    "Sigmoid": (1, _sigmoid),
+    "Softplus": (1, _softplus),
+    "Softsign": (1, _softsign),
+    "Mish": (18, _mish),
+    "HardSwish": (14, _hard_swish),
+    "Erf": (9, _erf),
+    "Sin": (7, np.sin),
+    "Cos": (7, np.cos),
+    "Tan": (7, np.tan),
+    "Asin": (7, np.arcsin),
+    "Acos": (7, np.arccos),
+    "Atan": (7, np.arctan),
+    "Sinh": (9, np.sinh),
+    "Cosh": (9, np.cosh),
+    "Asinh": (9, np.arcsinh),
+    "Acosh": (9, np.arccosh),
+    "Atanh": (9, np.arctanh),
+    "Not": (1, np.logical_not),
+    "BitwiseNot": (18, np.invert),
+    "IsNaN": (9, np.isnan),
+}
+
+
+def _unary_factory(fn):
+    fn = _quiet(fn)
+
+    def factory(node, shapes, opset):
+        return lambda x: (fn(x),)
+
+    return factory
+
+
+for _op, (_since, _fn) in _UNARY.items():
+    register(_op, since=_since)(_unary_factory(_fn))
+
+
+@register("Identity", since=1)
+def identity(node, shapes, opset):
+    # Also passes sequences and optionals through unchanged (Identity-14+).
+    return lambda x: (x,)
+
+
+@register("IsInf", since=10)
+def is_inf(node, shapes, opset):
+    positive = node.attr("detect_positive", 1)
+    negative = node.attr("detect_negative", 1)
+
+    def kernel(x):
+        inf = np.isinf(x)
+        if not positive:
+            inf &= x < 0
+        if not negative:
+            inf &= x > 0
+        return (inf,)
+
+    return kernel
+
+
+# -- activations with attributes ----------------------------------------------------------------------
+
+
+@register("Relu", since=1)
+def relu(node, shapes, opset):
+    return lambda x: (np.maximum(x, _scalar(0, x.dtype)),)
+
+
+@register("LeakyRelu", since=1)
+def leaky_relu(node, shapes, opset):
+    alpha = node.attr("alpha", 0.01)
+    return lambda x: (np.where(x < 0, _scalar(alpha, x.dtype) * x, x),)
+
+
+@register("PRelu", since=1)
+def prelu(node, shapes, opset):
+    # The slope broadcasts onto x (unidirectional broadcasting, numpy rules).
+    return lambda x, slope: (np.where(x < 0, slope * x, x).astype(x.dtype, copy=False),)
+
+
+@register("ThresholdedRelu", since=10)
+def thresholded_relu(node, shapes, opset):
+    alpha = node.attr("alpha", 1.0)
+    return lambda x: (np.where(x > _scalar(alpha, x.dtype), x, _scalar(0, x.dtype)),)
+
+
+@register("Elu", since=1)
+def elu(node, shapes, opset):
+    alpha = node.attr("alpha", 1.0)
+
+    @_quiet
+    def kernel(x):
+        return (np.where(x < 0, _scalar(alpha, x.dtype) * np.expm1(x), x),)
+
+    return kernel
+
+
+@register("Selu", since=1)
+def selu(node, shapes, opset):
+    alpha = node.attr("alpha", 1.6732632423543772848170429916717)
+    gamma = node.attr("gamma", 1.0507009873554804934193349852946)
+
+    @_quiet
+    def kernel(x):
+        negative = _scalar(alpha, x.dtype) * np.expm1(x)
+        return (_scalar(gamma, x.dtype) * np.where(x > 0, x, negative),)
+
+    return kernel
+
+
+@register("Celu", since=12)
+def celu(node, shapes, opset):
+    alpha = node.attr("alpha", 1.0)
+
+    @_quiet
+    def kernel(x):
+        a = _scalar(alpha, x.dtype)
+        return (np.maximum(x, 0) + np.minimum(0, a * np.expm1(x / a)),)
+
+    return kernel
+
+
+@register("HardSigmoid", since=1)
+def hard_sigmoid(node, shapes, opset):
+    alpha, beta = node.attr("alpha", 0.2), node.attr("beta", 0.5)
+    return lambda x: (_hard_sigmoid(x, alpha, beta),)
+
+
+# -- binary arithmetic, comparison, logic -------------------------------------------------------------
+
+
+def _int_div(a, b):
+    # floor_divide rounds toward -inf; ONNX integer Div truncates toward zero.
+    quotient = np.floor_divide(a, b)
+    inexact = (np.remainder(a, b) != 0) & ((a < 0) != (b < 0))
+    return quotient + inexact.astype(quotient.dtype)
+
+
+def _div(a, b):
+    return _int_div(a, b) if a.dtype.kind in "iu" else np.divide(a, b)
+
+
+def _pow(a, b):
+    # Pow's output has the base's dtype; numpy refuses negative integer exponents on integer bases.
+    if a.dtype.kind in "iu" and b.dtype.kind == "i" and (b < 0).any():
+        return np.power(a.astype(np.float64), b).astype(a.dtype)
+    return np.power(a, b).astype(a.dtype, copy=False)
+
+
+# op_type: (function, first opset, whether opsets before 7 used the broadcast/axis attributes)
+_BINARY = {
+    "Add": (np.add, 1, True),
+    "Sub": (np.subtract, 1, True),
+    "Mul": (np.multiply, 1, True),
+    "Div": (_quiet(_div), 1, True),
+    "Pow": (_quiet(_pow), 1, True),
+    "And": (np.logical_and, 1, True),
+    "Or": (np.logical_or, 1, True),
+    "Xor": (np.logical_xor, 1, True),
+    "Equal": (np.equal, 1, True),
+    "Less": (np.less, 1, True),
+    "Greater": (np.greater, 1, True),
+    "LessOrEqual": (np.less_equal, 12, False),
+    "GreaterOrEqual": (np.greater_equal, 12, False),
+    "BitwiseAnd": (np.bitwise_and, 18, False),
+    "BitwiseOr": (np.bitwise_or, 18, False),
+    "BitwiseXor": (np.bitwise_xor, 18, False),
+}
+
+
+def _binary_factory(fn):
+    def factory(node, shapes, opset):
+        return lambda a, b: (fn(a, b),)
+
+    return factory
+
+
+def _legacy_binary_factory(fn):
+    """Opsets < 7: with broadcast=1 and an axis, B's dims line up with A's starting at that axis."""
+
+    def factory(node, shapes, opset):
+        axis = node.attr("axis")
+        if not node.attr("broadcast", 0) or axis is None:
+            return lambda a, b: (fn(a, b),)
+
+        def kernel(a, b):
+            start = axis + a.ndim if axis < 0 else axis
+            trailing = a.ndim - start - b.ndim
+            return (fn(a, b.reshape(b.shape + (1,) * trailing)),)
+
+        return kernel
+
+    return factory
+
+
+for _op, (_fn, _since, _legacy) in _BINARY.items():
+    if _legacy:
+        register(_op, since=1)(_legacy_binary_factory(_fn))
+        register(_op, since=7)(_binary_factory(_fn))
+    else:
+        register(_op, since=_since)(_binary_factory(_fn))
+
+
+@register("Mod", since=10)
+def mod(node, shapes, opset):
+    fmod = node.attr("fmod", 0)
+    if fmod not in (0, 1):
+        raise InvalidGraphError(f"node {node.name!r} (Mod): attribute 'fmod' is {fmod}; expected 0 or 1")
+    # np.fmod truncates (C fmod, sign of A); np.mod floors (Python %, sign of B).
+    fn = _quiet(np.fmod if fmod else np.mod)
+    return lambda a, b: (fn(a, b),)
+
+
+@register("BitShift", since=11)
+def bit_shift(node, shapes, opset):
+    direction = node.attr("direction")
+    if direction not in ("LEFT", "RIGHT"):
+        raise InvalidGraphError(
+            f"node {node.name!r} (BitShift): attribute 'direction' is {direction!r}; expected 'LEFT' or 'RIGHT'"
+        )
+    # numpy yields 0 (or -1 for a negative value shifted right) once the shift reaches the bit
+    # width, which is what BitShift-28 specifies for out-of-range shift amounts.
+    fn = np.left_shift if direction == "LEFT" else np.right_shift
+    return lambda x, y: (fn(x, y),)
+
+
+@register("Where", since=9)
+def where(node, shapes, opset):
+    return lambda condition, x, y: (np.where(condition, x, y),)
+
+
+# -- Clip and variadic ops ----------------------------------------------------------------------------
+
+
+def _clip(x, low, high):
+    # max-then-min gives `high` everywhere when low > high, as ONNX specifies; NaN propagates.
+    if low is not None:
+        x = np.maximum(x, np.asarray(low, dtype=x.dtype).reshape(()))
+    if high is not None:
+        x = np.minimum(x, np.asarray(high, dtype=x.dtype).reshape(()))
+    return x
+
+
+@register("Clip", since=1)
+def clip_attrs(node, shapes, opset):
+    low, high = node.attr("min"), node.attr("max")
+    return lambda x: (_clip(x, low, high),)
+
+
+@register("Clip", since=11)
+def clip(node, shapes, opset):
+    return lambda x, low=None, high=None: (_clip(x, low, high),)
+
+
+def _variadic_factory(fn):
+    def factory(node, shapes, opset):
+        return lambda *xs: (functools.reduce(fn, xs),)
+
+    return factory
+
+
+register("Max", since=1)(_variadic_factory(np.maximum))
+register("Min", since=1)(_variadic_factory(np.minimum))
+register("Sum", since=1)(_variadic_factory(np.add))
+
+
+@register("Mean", since=1)
+def mean(node, shapes, opset):
+    def kernel(*xs):
+        total = functools.reduce(np.add, xs)
+        return (np.divide(total, _scalar(len(xs), total.dtype)),)
+
+    return kernel
+
+
+# -- Cast ---------------------------------------------------------------------------------------------
+
+_SATURATING_FLOAT8 = {
+    DataType.FLOAT8E4M3FN,
+    DataType.FLOAT8E4M3FNUZ,
+    DataType.FLOAT8E5M2,
+    DataType.FLOAT8E5M2FNUZ,
+}
+_ROUND_MODES = ("up", "down", "nearest")
+
+
+def _saturate(x, dtype):
+    """Clamp to the float8 type's finite range (infinities included) before the rounding cast."""
+    limit = float(ml_dtypes.finfo(dtype).max)
+    wide = x if x.dtype == np.float64 else x.astype(np.float32)
+    return np.clip(wide, -limit, limit)
+
+
+def _to_float8e8m0(x, saturate, round_mode):
+    """FLOAT8E8M0 holds only an exponent: it is float32's biased exponent field, rounded."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32)
+    field = ((bits >> 23) & 0xFF).astype(np.int32)
+    mantissa = bits & 0x7FFFFF
+    if round_mode == "up":
+        exponent = field + (mantissa != 0)
+    elif round_mode == "nearest":  # the midpoint between 2^e and 2^(e+1) is mantissa 0.5; ties up
+        exponent = field + (mantissa >= 0x400000)
+    else:
+        exponent = field
+    exponent = np.where(exponent > 254, 254 if saturate else 255, exponent)
+    special = field == 0xFF  # NaN stays NaN; infinity saturates to the largest value
+    exponent = np.where(special, np.where((mantissa == 0) & saturate, 254, 255), exponent)
+    return exponent.astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
+
+
+def _parse_strings(x, dtype):
+    # Integers parse exactly when they can; "2.5"-style or "INF"/"NaN" literals go through float64.
+    if dtype.kind in "iu":
+        try:
+            return x.astype(dtype)
+        except (ValueError, OverflowError):
+            pass
+    return x.astype(np.float64).astype(dtype)
+
+
+@_quiet
+def _cast(x, to, saturate=True, round_mode="up"):
+    if to is DataType.STRING:
+        return x if x.dtype == object else x.astype(str).astype(object)
+    dtype = to.numpy
+    if x.dtype == object:
+        return _parse_strings(x, dtype)
+    if to is DataType.FLOAT8E8M0:
+        return _to_float8e8m0(x, saturate, round_mode)
+    if saturate and to in _SATURATING_FLOAT8:
+        x = _saturate(x, dtype)
+    return x.astype(dtype, copy=False)
+
+
+def _target_type(node, value):
+    try:
+        return DataType.parse(value)
+    except (ValueError, KeyError) as exc:
+        raise InvalidGraphError(
+            f"node {node.name!r} ({node.op_type}): attribute 'to' is {value!r}; expected an ONNX tensor data type"
+        ) from exc
+
+
+def _cast_options(node):
+    saturate = bool(node.attr("saturate", 1))
+    round_mode = node.attr("round_mode", "up")
+    if round_mode not in _ROUND_MODES:
+        raise InvalidGraphError(
+            f"node {node.name!r} ({node.op_type}): attribute 'round_mode' is {round_mode!r}; expected one "
+            f"of {_ROUND_MODES}"
+        )
+    return saturate, round_mode
+
+
+@register("Cast", since=1)
+def cast_v1(node, shapes, opset):
+    # Cast-1 spells 'to' as a type name ("FLOAT"); later versions use the enum value.
+    to = _target_type(node, node.attr("to"))
+    return lambda x: (_cast(x, to),)
+
+
+@register("Cast", since=19)
+def cast(node, shapes, opset):
+    to = _target_type(node, node.attr("to"))
+    saturate, round_mode = _cast_options(node)
+    return lambda x: (_cast(x, to, saturate, round_mode),)
+
+
+@register("CastLike", since=15)
+def cast_like(node, shapes, opset):
+    saturate, round_mode = _cast_options(node)
+    return lambda x, like: (_cast(x, DataType.from_numpy(like.dtype), saturate, round_mode),)

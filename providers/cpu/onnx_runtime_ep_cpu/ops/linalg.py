@@ -1,0 +1,116 @@
+"""Linear-algebra kernels: MatMul, Gemm, MatMulInteger, Einsum (all through numpy's BLAS paths)."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
+
+from ..registry import register
+
+
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    """Half-precision floats multiply in float32: numpy has no BLAS for them, and it is more accurate."""
+    dtype = np.dtype(dtype)
+    if dtype.itemsize < 4 and not np.issubdtype(dtype, np.integer) and dtype != np.bool_:
+        return np.dtype(np.float32)
+    return dtype
+
+
+def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    dtype = _compute_dtype(a.dtype)
+    return np.matmul(a.astype(dtype, copy=False), b.astype(dtype, copy=False))
+
+
+@register("MatMul", since=1)
+def matmul(node, shapes, opset):
+    return lambda a, b: (_matmul(a, b).astype(a.dtype, copy=False),)
+
+
+def _scale(y: np.ndarray, factor: float) -> np.ndarray:
+    """``factor * y``, in place when ``y`` is a fresh float array (integer Gemm rounds at the end)."""
+    if factor == 1:
+        return y
+    if np.issubdtype(y.dtype, np.floating):
+        y *= y.dtype.type(factor)
+        return y
+    return y * factor
+
+
+def _gemm_kernel(node, c_must_match: bool):
+    alpha = float(node.attr("alpha", 1.0))
+    beta = float(node.attr("beta", 1.0))
+    trans_a = bool(node.attr("transA", 0))
+    trans_b = bool(node.attr("transB", 0))
+
+    def kernel(a, b, c=None):
+        if a.ndim != 2 or b.ndim != 2:
+            raise InvalidArgumentError(
+                f"node {node.name!r} (Gemm): inputs must be matrices, got shapes {a.shape} and {b.shape}"
+            )
+        y = _scale(_matmul(a.T if trans_a else a, b.T if trans_b else b), alpha)
+        if c is not None and beta != 0:
+            if c_must_match and c.shape != y.shape:
+                raise InvalidArgumentError(
+                    f"node {node.name!r} (Gemm): C has shape {c.shape} but broadcast=0 requires the "
+                    f"output shape {y.shape}; set broadcast=1 or feed a full C"
+                )
+            term = c if beta == 1 else c * beta
+            if np.issubdtype(y.dtype, np.floating) and np.broadcast_shapes(y.shape, term.shape) == y.shape:
+                y += term
+            else:
+                y = y + term
+        return (y.astype(a.dtype, copy=False),)
+
+    return kernel
+
+
+@register("Gemm", since=1)
+def gemm_1(node, shapes, opset):
+    # Before opset 7, C broadcasts only when the ``broadcast`` attribute says so.
+    return _gemm_kernel(node, c_must_match=not node.attr("broadcast", 0))
+
+
+@register("Gemm", since=7)
+def gemm_7(node, shapes, opset):
+    return _gemm_kernel(node, c_must_match=False)
+
+
+def _zero_point_rows(zero_point: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """A per-row zero point given as a length-M vector applies along A's rows, not its columns."""
+    if zero_point.ndim == 1 and zero_point.size > 1 and a.ndim >= 2:
+        return zero_point.reshape(-1, 1)
+    return zero_point
+
+
+@register("MatMulInteger", since=10)
+def matmul_integer(node, shapes, opset):
+    def kernel(a, b, a_zero_point=None, b_zero_point=None):
+        # float64 holds every partial sum of 8-bit products exactly (K up to ~1e11) and uses BLAS.
+        af = a.astype(np.float64)
+        if a_zero_point is not None:
+            af -= _zero_point_rows(a_zero_point, a)
+        bf = b.astype(np.float64)
+        if b_zero_point is not None:
+            bf -= b_zero_point
+        # Through int64 so that sums past int32 wrap like the integer accumulation they stand for.
+        return (np.matmul(af, bf).astype(np.int64).astype(np.int32),)
+
+    return kernel
+
+
+@register("Einsum", since=12)
+def einsum(node, shapes, opset):
+    equation = node.attr("equation")
+    if not isinstance(equation, str) or not equation.strip():
+        raise InvalidGraphError(
+            f"node {node.name!r} (Einsum): attribute 'equation' is missing or empty; expected e.g. 'ij,jk->ik'"
+        )
+    equation = equation.replace(" ", "")
+
+    def kernel(*operands):
+        dtype = operands[0].dtype
+        compute = _compute_dtype(dtype)
+        y = np.einsum(equation, *(x.astype(compute, copy=False) for x in operands), optimize=True)
+        return (np.asarray(y).astype(dtype, copy=False),)
+
+    return kernel

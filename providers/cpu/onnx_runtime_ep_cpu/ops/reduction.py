@@ -1,0 +1,176 @@
+"""Reductions: the Reduce* family, ArgMax/ArgMin and CumSum.
+
+Reduce* ops take their axes from an attribute until an opset version (13 for ReduceSum, 18 for the
+rest) and from an optional input afterwards, which also brings ``noop_with_empty_axes``. Narrow
+floats (float16, bfloat16) accumulate in float32; results are cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..registry import register
+from .shape import normalize_axes, normalize_axis
+
+
+def _widened(x):
+    """``x`` in the dtype to accumulate in: float32 for narrow floats; other dtypes unchanged."""
+    if x.dtype == np.float16 or x.dtype.kind == "V":  # ml_dtypes floats have kind "V"
+        return x.astype(np.float32)
+    return x
+
+
+def _as_float(x):
+    """``x`` as floats for mean, sqrt and log: integers go through float64."""
+    return x.astype(np.float64) if x.dtype.kind in "iub" else _widened(x)
+
+
+def _lowest(dtype):
+    if dtype == np.bool_:
+        return False
+    return np.iinfo(dtype).min if dtype.kind in "iu" else -np.inf
+
+
+def _highest(dtype):
+    if dtype == np.bool_:
+        return True
+    return np.iinfo(dtype).max if dtype.kind in "iu" else np.inf
+
+
+def _sum(x, axes, keepdims):
+    w = _widened(x)
+    return np.sum(w, axis=axes, keepdims=keepdims, dtype=w.dtype)  # ints keep their width
+
+
+def _mean(x, axes, keepdims):
+    return np.mean(_as_float(x), axis=axes, keepdims=keepdims)
+
+
+def _prod(x, axes, keepdims):
+    w = _widened(x)
+    return np.prod(w, axis=axes, keepdims=keepdims, dtype=w.dtype)
+
+
+def _max(x, axes, keepdims):
+    # `initial` makes an empty reduction yield -inf (or the dtype's minimum) instead of raising.
+    return np.max(x, axis=axes, keepdims=keepdims, initial=_lowest(x.dtype))
+
+
+def _min(x, axes, keepdims):
+    return np.min(x, axis=axes, keepdims=keepdims, initial=_highest(x.dtype))
+
+
+def _l1(x, axes, keepdims):
+    return _sum(np.abs(x), axes, keepdims)
+
+
+def _sum_square(x, axes, keepdims):
+    w = _widened(x)
+    return _sum(w * w, axes, keepdims)
+
+
+def _l2(x, axes, keepdims):
+    w = _as_float(x)
+    return np.sqrt(np.sum(w * w, axis=axes, keepdims=keepdims))
+
+
+def _log_sum(x, axes, keepdims):
+    return np.log(np.sum(_as_float(x), axis=axes, keepdims=keepdims))
+
+
+def _log_sum_exp(x, axes, keepdims):
+    w = _as_float(x)
+    # Subtract the maximum so exp cannot overflow; an infinite or empty maximum is left out.
+    peak = np.max(w, axis=axes, keepdims=True, initial=-np.inf)
+    peak = np.where(np.isfinite(peak), peak, 0)
+    out = np.log(np.sum(np.exp(w - peak), axis=axes, keepdims=True)) + peak
+    return out if keepdims else np.squeeze(out, axis=axes)
+
+
+# op_type: (reducer, first opset whose axes come from an input)
+_REDUCERS = {
+    "ReduceSum": (_sum, 13),
+    "ReduceMean": (_mean, 18),
+    "ReduceProd": (_prod, 18),
+    "ReduceMax": (_max, 18),
+    "ReduceMin": (_min, 18),
+    "ReduceL1": (_l1, 18),
+    "ReduceL2": (_l2, 18),
+    "ReduceSumSquare": (_sum_square, 18),
+    "ReduceLogSum": (_log_sum, 18),
+    "ReduceLogSumExp": (_log_sum_exp, 18),
+}
+
+
+def _reduce(reducer, x, axes, keepdims, noop_with_empty_axes):
+    if axes is None or len(axes) == 0:
+        # No axes reduces every axis, or with noop_with_empty_axes none: each element is then
+        # reduced alone (ReduceSumSquare squares it, ReduceLogSum takes its log), like onnx's reference.
+        axes = () if noop_with_empty_axes else None
+    else:
+        axes = tuple(normalize_axes(axes, x.ndim))
+    with np.errstate(all="ignore"):  # log(0), empty means: -inf and nan are the ONNX results
+        return np.asarray(reducer(x, axes, keepdims)).astype(x.dtype, copy=False)
+
+
+def _attribute_axes_factory(reducer):
+    def factory(node, shapes, opset):
+        axes, keepdims = node.attr("axes"), bool(node.attr("keepdims", 1))
+        return lambda x: (_reduce(reducer, x, axes, keepdims, False),)
+
+    return factory
+
+
+def _input_axes_factory(reducer):
+    def factory(node, shapes, opset):
+        keepdims = bool(node.attr("keepdims", 1))
+        noop = bool(node.attr("noop_with_empty_axes", 0))
+        return lambda x, axes=None: (_reduce(reducer, x, axes, keepdims, noop),)
+
+    return factory
+
+
+for _op, (_reducer, _axes_input_since) in _REDUCERS.items():
+    register(_op, since=1)(_attribute_axes_factory(_reducer))
+    register(_op, since=_axes_input_since)(_input_axes_factory(_reducer))
+
+
+def _arg_factory(find):
+    def factory(node, shapes, opset):
+        axis, keepdims = node.attr("axis", 0), bool(node.attr("keepdims", 1))
+        last = bool(node.attr("select_last_index", 0))  # attribute added in opset 12
+
+        def kernel(x):
+            ax = normalize_axis(axis, x.ndim)
+            if last:  # the first match in the reversed axis is the last one in the original
+                index = (x.shape[ax] - 1) - find(np.flip(x, ax), axis=ax, keepdims=keepdims)
+            else:
+                index = find(x, axis=ax, keepdims=keepdims)
+            return (np.asarray(index, dtype=np.int64),)
+
+        return kernel
+
+    return factory
+
+
+register("ArgMax", since=1)(_arg_factory(np.argmax))
+register("ArgMin", since=1)(_arg_factory(np.argmin))
+
+
+@register("CumSum", since=11)
+def cum_sum(node, shapes, opset):
+    exclusive, reverse = bool(node.attr("exclusive", 0)), bool(node.attr("reverse", 0))
+
+    def kernel(x, axis):
+        ax = normalize_axis(np.asarray(axis).item(), x.ndim)
+        values = np.flip(x, ax) if reverse else x
+        out = np.cumsum(values, axis=ax, dtype=x.dtype)
+        if exclusive:  # shift by one along the axis, starting from zero
+            shifted = np.zeros_like(out)
+            head, tail = [slice(None)] * x.ndim, [slice(None)] * x.ndim
+            head[ax], tail[ax] = slice(None, -1), slice(1, None)
+            shifted[tuple(tail)] = out[tuple(head)]
+            out = shifted
+        return (np.flip(out, ax) if reverse else out,)
+
+    return kernel

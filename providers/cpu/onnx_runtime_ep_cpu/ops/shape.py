@@ -1,0 +1,540 @@
+"""Shape and data-movement kernels: Reshape, Transpose, Concat, Split, Slice, the Gather/Scatter
+family, Squeeze/Unsqueeze, Shape/Size, Expand, Tile, Pad, DepthToSpace/SpaceToDepth, Trilu,
+Compress, NonZero, OneHot, TopK and Unique.
+
+Reshape, Transpose, Squeeze, Unsqueeze, Slice and Split may return views of their input: kernels
+never write into their inputs, so sharing the buffer is safe.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
+
+from ..registry import register
+
+
+def normalize_axis(axis: int, rank: int) -> int:
+    """``axis`` in [-rank, rank) as a non-negative axis."""
+    axis = int(axis)
+    if not -rank <= axis < rank:
+        raise InvalidArgumentError(f"axis {axis} is out of range for a rank-{rank} tensor; expected [-{rank}, {rank})")
+    return axis + rank if axis < 0 else axis
+
+
+def normalize_axes(axes, rank: int) -> list[int]:
+    """Each axis of ``axes`` (a list or 1-D array) made non-negative; duplicates are rejected."""
+    result = [normalize_axis(axis, rank) for axis in np.asarray(axes).reshape(-1).tolist()]
+    if len(set(result)) != len(result):
+        raise InvalidArgumentError(f"axes {list(np.asarray(axes).reshape(-1))} contain a duplicate")
+    return result
+
+
+def _graph_error(node, attribute, problem, expected):
+    return InvalidGraphError(
+        f"node {node.name!r} ({node.op_type}): attribute '{attribute}' {problem}; expected {expected}"
+    )
+
+
+# -- Reshape, Transpose, Squeeze, Unsqueeze -----------------------------------------------------------
+
+
+def _reshape(x, shape, allowzero=False):
+    shape = np.asarray(shape).reshape(-1).tolist()
+    if not allowzero:  # 0 copies the input's dimension at that position
+        shape = [x.shape[i] if dim == 0 else dim for i, dim in enumerate(shape)]
+    return x.reshape(shape)
+
+
+@register("Reshape", since=1)
+def reshape_v1(node, shapes, opset):
+    shape = node.attr("shape")
+    return lambda x: (_reshape(x, shape),)
+
+
+@register("Reshape", since=5)
+def reshape(node, shapes, opset):
+    allowzero = bool(node.attr("allowzero", 0))
+    return lambda x, shape: (_reshape(x, shape, allowzero),)
+
+
+@register("Transpose", since=1)
+def transpose(node, shapes, opset):
+    perm = node.attr("perm")  # None reverses the axes
+    return lambda x: (np.transpose(x, perm),)
+
+
+def _squeeze(x, axes):
+    if axes is None:
+        return np.squeeze(x)
+    return np.squeeze(x, axis=tuple(normalize_axes(axes, x.ndim)))
+
+
+@register("Squeeze", since=1)
+def squeeze_v1(node, shapes, opset):
+    axes = node.attr("axes")
+    return lambda x: (_squeeze(x, axes),)
+
+
+@register("Squeeze", since=13)
+def squeeze(node, shapes, opset):
+    return lambda x, axes=None: (_squeeze(x, axes),)
+
+
+def _unsqueeze(x, axes):
+    axes = np.asarray(axes).reshape(-1)
+    rank = x.ndim + axes.size
+    inserted = set(normalize_axes(axes, rank))  # axes index the output
+    dims = iter(x.shape)
+    return x.reshape([1 if i in inserted else next(dims) for i in range(rank)])
+
+
+@register("Unsqueeze", since=1)
+def unsqueeze_v1(node, shapes, opset):
+    axes = node.attr("axes")
+    if axes is None:
+        raise _graph_error(node, "axes", "is missing", "a list of axes to insert")
+    return lambda x: (_unsqueeze(x, axes),)
+
+
+@register("Unsqueeze", since=13)
+def unsqueeze(node, shapes, opset):
+    return lambda x, axes: (_unsqueeze(x, axes),)
+
+
+# -- Shape, Size, Expand, Tile ------------------------------------------------------------------------
+
+
+@register("Shape", since=1)
+def shape_v1(node, shapes, opset):
+    return lambda x: (np.array(x.shape, dtype=np.int64),)
+
+
+@register("Shape", since=15)
+def shape(node, shapes, opset):
+    # Python slicing clamps start/end to [0, rank] after adding rank to negatives, as ONNX does.
+    window = slice(node.attr("start", 0), node.attr("end"))
+    return lambda x: (np.array(x.shape[window], dtype=np.int64),)
+
+
+@register("Size", since=1)
+def size(node, shapes, opset):
+    return lambda x: (np.array(x.size, dtype=np.int64),)
+
+
+@register("Expand", since=8)
+def expand(node, shapes, opset):
+    def kernel(x, shape):
+        target = np.broadcast_shapes(x.shape, tuple(np.asarray(shape).reshape(-1).tolist()))
+        # Materialized: a read-only zero-stride view would surprise whoever receives the output.
+        return (np.broadcast_to(x, target).copy(),)
+
+    return kernel
+
+
+@register("Tile", since=1)
+def tile_v1(node, shapes, opset):
+    # Tile-1 repeats along a single axis: inputs are (input, tiles, axis).
+    def kernel(x, tiles, axis):
+        repeats = [1] * x.ndim
+        repeats[normalize_axis(np.asarray(axis).item(), x.ndim)] = int(np.asarray(tiles).item())
+        return (np.tile(x, repeats),)
+
+    return kernel
+
+
+@register("Tile", since=6)
+def tile(node, shapes, opset):
+    return lambda x, repeats: (np.tile(x, np.asarray(repeats).reshape(-1).tolist()),)
+
+
+# -- Concat, Split, Slice -----------------------------------------------------------------------------
+
+
+def _concat_factory(default_axis):
+    def factory(node, shapes, opset):
+        axis = node.attr("axis", default_axis)
+        if axis is None:
+            raise _graph_error(node, "axis", "is missing", "the axis to concatenate on")
+        return lambda *xs: (np.concatenate(xs, axis=normalize_axis(axis, xs[0].ndim)),)
+
+    return factory
+
+
+register("Concat", since=1)(_concat_factory(default_axis=1))
+register("Concat", since=4)(_concat_factory(default_axis=None))
+
+
+def _split_sizes(dim, parts, uneven_last):
+    """Sizes of an equal split of ``dim`` into ``parts``; with ``uneven_last`` the last may be smaller."""
+    if uneven_last:
+        chunk = -(-dim // parts)
+        sizes = [chunk] * (parts - 1) + [dim - chunk * (parts - 1)]
+        if sizes[-1] < 0:
+            raise InvalidArgumentError(f"cannot split a dimension of {dim} into {parts} chunks of {chunk}")
+        return sizes
+    if dim % parts:
+        raise InvalidArgumentError(f"cannot split a dimension of {dim} into {parts} equal parts")
+    return [dim // parts] * parts
+
+
+def _split_kernel(node, sizes_attr=None, uneven_last=False):
+    axis = node.attr("axis", 0)
+    parts = len(node.outputs)
+
+    def kernel(x, split=None):
+        ax = normalize_axis(axis, x.ndim)
+        if split is not None and split.size:
+            sizes = split.tolist()
+        elif sizes_attr is not None:
+            sizes = list(sizes_attr)
+        else:
+            sizes = _split_sizes(x.shape[ax], parts, uneven_last)
+        if len(sizes) != parts or sum(sizes) != x.shape[ax]:
+            raise InvalidArgumentError(
+                f"Split {node.name!r}: sizes {sizes} must be {parts} values summing to dimension "
+                f"{x.shape[ax]} of axis {ax}"
+            )
+        return tuple(np.split(x, np.cumsum(sizes)[:-1].tolist(), axis=ax))
+
+    return kernel
+
+
+@register("Split", since=1)
+def split_v1(node, shapes, opset):
+    # Before 13 the sizes come from the 'split' attribute (or, in Split-1 only, a second input).
+    return _split_kernel(node, sizes_attr=node.attr("split"))
+
+
+@register("Split", since=13)
+def split_v13(node, shapes, opset):
+    return _split_kernel(node)
+
+
+@register("Split", since=18)
+def split(node, shapes, opset):
+    num_outputs = node.attr("num_outputs")
+    if num_outputs is not None and num_outputs != len(node.outputs):
+        raise _graph_error(node, "num_outputs", f"is {num_outputs}", f"the node's {len(node.outputs)} outputs")
+    return _split_kernel(node, uneven_last=num_outputs is not None)
+
+
+def _slice_bounds(start, end, step, dim):
+    """One axis's ONNX slice as a Python slice: negatives count from the end, then clamp."""
+    if step == 0:
+        raise InvalidArgumentError("Slice steps must be non-zero")
+    start = start + dim if start < 0 else start
+    end = end + dim if end < 0 else end
+    if step > 0:
+        return slice(min(max(start, 0), dim), min(max(end, 0), dim), step)
+    # Stepping backwards, end -1 means "past the first element", which Python spells None.
+    start, end = min(max(start, 0), dim - 1), min(max(end, -1), dim - 1)
+    return slice(start, None if end < 0 else end, step)
+
+
+def _slice(x, starts, ends, axes=None, steps=None):
+    starts = np.asarray(starts).reshape(-1).tolist()
+    ends = np.asarray(ends).reshape(-1).tolist()
+    axes = range(len(starts)) if axes is None else normalize_axes(axes, x.ndim)
+    steps = [1] * len(starts) if steps is None else np.asarray(steps).reshape(-1).tolist()
+    index = [slice(None)] * x.ndim
+    for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
+        index[axis] = _slice_bounds(start, end, step, x.shape[axis])
+    return x[tuple(index)]
+
+
+@register("Slice", since=1)
+def slice_v1(node, shapes, opset):
+    starts, ends, axes = node.attr("starts"), node.attr("ends"), node.attr("axes")
+    if starts is None or ends is None:
+        raise _graph_error(node, "starts", "or 'ends' is missing", "both starts and ends")
+    return lambda x: (_slice(x, starts, ends, axes),)
+
+
+@register("Slice", since=10)
+def slice_(node, shapes, opset):
+    return lambda x, starts, ends, axes=None, steps=None: (_slice(x, starts, ends, axes, steps),)
+
+
+# -- Gather and Scatter -------------------------------------------------------------------------------
+
+
+@register("Gather", since=1)
+def gather(node, shapes, opset):
+    axis = node.attr("axis", 0)
+    # np.take accepts negative indices and raises IndexError for out-of-range ones.
+    return lambda x, indices: (np.take(x, indices, axis=normalize_axis(axis, x.ndim)),)
+
+
+@register("GatherElements", since=11)
+def gather_elements(node, shapes, opset):
+    axis = node.attr("axis", 0)
+
+    def kernel(x, indices):
+        ax = normalize_axis(axis, x.ndim)
+        # Off the axis, indices may be shorter than the data: gather from the matching corner.
+        corner = tuple(slice(None) if d == ax else slice(0, n) for d, n in enumerate(indices.shape))
+        return (np.take_along_axis(x[corner], indices.astype(np.int64, copy=False), axis=ax),)
+
+    return kernel
+
+
+@register("GatherND", since=11)
+def gather_nd(node, shapes, opset):
+    batch_dims = node.attr("batch_dims", 0)
+
+    def kernel(x, indices):
+        # Flatten the batch dimensions to one, and the index tuples of each batch to one axis.
+        batches = math.prod(x.shape[:batch_dims])
+        depth = indices.shape[-1]
+        flat_x = x.reshape((batches,) + x.shape[batch_dims:])
+        tuples = indices.reshape(batches, math.prod(indices.shape[batch_dims:-1]), depth)
+        batch_index = np.arange(batches).reshape(batches, 1)
+        gathered = flat_x[(batch_index,) + tuple(np.moveaxis(tuples, -1, 0))]
+        return (gathered.reshape(indices.shape[:-1] + x.shape[batch_dims + depth :]),)
+
+    return kernel
+
+
+_SCATTER_REDUCTIONS = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def _scatter_reduction(node):
+    reduction = node.attr("reduction", "none")
+    if reduction != "none" and reduction not in _SCATTER_REDUCTIONS:
+        raise _graph_error(node, "reduction", f"is {reduction!r}", f"'none' or one of {list(_SCATTER_REDUCTIONS)}")
+    return _SCATTER_REDUCTIONS.get(reduction)
+
+
+def _scatter(data, index, updates, reduce):
+    out = data.copy()
+    if reduce is None:
+        out[index] = updates  # duplicate indices: the last update wins (ONNX leaves it undefined)
+    else:
+        reduce.at(out, index, updates)  # unbuffered, so duplicate indices all accumulate
+    return out
+
+
+def _scatter_elements_factory(node, shapes, opset):
+    axis = node.attr("axis", 0)
+    reduce = _scatter_reduction(node)
+
+    def kernel(data, indices, updates):
+        index = list(np.indices(indices.shape, sparse=True))
+        index[normalize_axis(axis, data.ndim)] = indices
+        return (_scatter(data, tuple(index), updates, reduce),)
+
+    return kernel
+
+
+register("ScatterElements", since=11)(_scatter_elements_factory)
+register("Scatter", since=9)(_scatter_elements_factory)  # the deprecated name of ScatterElements
+
+
+@register("ScatterND", since=11)
+def scatter_nd(node, shapes, opset):
+    reduce = _scatter_reduction(node)
+    # The last axis of indices holds coordinates into data's leading dimensions.
+    return lambda data, indices, updates: (_scatter(data, tuple(np.moveaxis(indices, -1, 0)), updates, reduce),)
+
+
+# -- Pad ----------------------------------------------------------------------------------------------
+
+_PAD_MODES = ("constant", "reflect", "edge")
+
+
+def _pad_mode(node, opset):
+    mode = node.attr("mode", "constant")
+    allowed = _PAD_MODES + (("wrap",) if opset >= 19 else ())
+    if mode not in allowed:
+        raise _graph_error(node, "mode", f"is {mode!r}", f"one of {allowed}")
+    return mode
+
+
+def _pad(x, pads, mode, value=0, axes=None):
+    pads = np.asarray(pads).reshape(-1).tolist()
+    axes = range(x.ndim) if axes is None else normalize_axes(axes, x.ndim)
+    if len(pads) != 2 * len(axes):
+        raise InvalidArgumentError(f"Pad got {len(pads)} pads for {len(axes)} axes; expected two per axis")
+    begin, end = [0] * x.ndim, [0] * x.ndim
+    for i, axis in enumerate(axes):
+        begin[axis], end[axis] = pads[i], pads[i + len(axes)]
+    # Negative pads remove elements: crop first, then pad with what is left.
+    crop = tuple(slice(max(-b, 0), dim - max(-e, 0)) for dim, b, e in zip(x.shape, begin, end))
+    x = x[crop]
+    width = [(max(b, 0), max(e, 0)) for b, e in zip(begin, end)]
+    if mode == "constant":
+        return np.pad(x, width, mode="constant", constant_values=np.asarray(value, dtype=x.dtype).reshape(()))
+    return np.pad(x, width, mode=mode)
+
+
+@register("Pad", since=1)
+def pad_v1(node, shapes, opset):
+    mode, pads, value = _pad_mode(node, opset), node.attr("paddings"), node.attr("value", 0.0)
+    return lambda x: (_pad(x, pads, mode, value),)
+
+
+@register("Pad", since=2)
+def pad_v2(node, shapes, opset):
+    mode, pads, value = _pad_mode(node, opset), node.attr("pads"), node.attr("value", 0.0)
+    return lambda x: (_pad(x, pads, mode, value),)
+
+
+@register("Pad", since=11)
+def pad(node, shapes, opset):
+    # pads and constant_value became inputs in 11; the optional axes input arrived in 18.
+    mode = _pad_mode(node, opset)
+
+    def kernel(x, pads, value=None, axes=None):
+        return (_pad(x, pads, mode, 0 if value is None else value, axes),)
+
+    return kernel
+
+
+# -- DepthToSpace, SpaceToDepth, Trilu ----------------------------------------------------------------
+
+
+def _blocksize(node):
+    blocksize = node.attr("blocksize")
+    if not isinstance(blocksize, int) or blocksize < 1:
+        raise _graph_error(node, "blocksize", f"is {blocksize!r}", "a positive integer")
+    return blocksize
+
+
+@register("DepthToSpace", since=1)
+def depth_to_space(node, shapes, opset):
+    b = _blocksize(node)
+    mode = node.attr("mode", "DCR")
+    if mode not in ("DCR", "CRD"):
+        raise _graph_error(node, "mode", f"is {mode!r}", "'DCR' or 'CRD'")
+
+    def kernel(x):
+        n, c, h, w = x.shape
+        if mode == "DCR":  # depth is ordered (row block, column block, channel)
+            blocks = x.reshape(n, b, b, c // (b * b), h, w).transpose(0, 3, 4, 1, 5, 2)
+        else:  # CRD: (channel, row block, column block)
+            blocks = x.reshape(n, c // (b * b), b, b, h, w).transpose(0, 1, 4, 2, 5, 3)
+        return (blocks.reshape(n, c // (b * b), h * b, w * b),)
+
+    return kernel
+
+
+@register("SpaceToDepth", since=1)
+def space_to_depth(node, shapes, opset):
+    b = _blocksize(node)
+
+    def kernel(x):
+        n, c, h, w = x.shape
+        blocks = x.reshape(n, c, h // b, b, w // b, b).transpose(0, 3, 5, 1, 2, 4)
+        return (blocks.reshape(n, c * b * b, h // b, w // b),)
+
+    return kernel
+
+
+@register("Trilu", since=14)
+def trilu(node, shapes, opset):
+    keep = np.triu if node.attr("upper", 1) else np.tril  # both act on the last two axes
+
+    def kernel(x, k=None):
+        return (keep(x, 0 if k is None else int(np.asarray(k).item())),)
+
+    return kernel
+
+
+# -- Compress, NonZero, OneHot ------------------------------------------------------------------------
+
+
+@register("Compress", since=9)
+def compress(node, shapes, opset):
+    axis = node.attr("axis")  # None: select from the flattened input
+
+    def kernel(x, condition):
+        ax = None if axis is None else normalize_axis(axis, x.ndim)
+        return (np.compress(condition.reshape(-1).astype(bool, copy=False), x, axis=ax),)
+
+    return kernel
+
+
+@register("NonZero", since=9)
+def non_zero(node, shapes, opset):
+    def kernel(x):
+        if x.ndim == 0:  # a scalar has no coordinates: shape (0, nonzero count)
+            return (np.zeros((0, int(np.count_nonzero(x))), dtype=np.int64),)
+        return (np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1),)
+
+    return kernel
+
+
+@register("OneHot", since=9)
+def one_hot(node, shapes, opset):
+    axis = node.attr("axis", -1)
+
+    def kernel(indices, depth, values):
+        depth = int(np.asarray(depth).reshape(-1)[0])
+        off, on = values.reshape(-1)[0], values.reshape(-1)[1]
+        positions = indices.astype(np.int64)
+        positions = np.where(positions < 0, positions + depth, positions)
+        # Out-of-range indices match no position and stay all off_value.
+        hot = positions[..., np.newaxis] == np.arange(depth)
+        out = np.where(hot, on, off).astype(values.dtype, copy=False)
+        return (np.moveaxis(out, -1, normalize_axis(axis, out.ndim)),)
+
+    return kernel
+
+
+# -- TopK, Unique -------------------------------------------------------------------------------------
+
+
+def _top_k(x, k, axis, largest):
+    """The k largest (or smallest) along ``axis``; equal values keep their original order."""
+    axis = normalize_axis(axis, x.ndim)
+    n = x.shape[axis]
+    if not 0 <= k <= n:
+        raise InvalidArgumentError(f"TopK k={k} is out of range for an axis of length {n}")
+    if largest:
+        # Sort the reversed axis ascending (stable), then reverse: descending values, and among
+        # equal values the lowest original index first.
+        order = np.flip(np.argsort(np.flip(x, axis), axis=axis, kind="stable"), axis)
+        order = (n - 1) - order
+    else:
+        order = np.argsort(x, axis=axis, kind="stable")
+    indices = np.take(order, np.arange(k), axis=axis).astype(np.int64, copy=False)
+    return np.take_along_axis(x, indices, axis=axis), indices
+
+
+@register("TopK", since=1)
+def top_k_v1(node, shapes, opset):
+    k, axis = node.attr("k"), node.attr("axis", -1)
+    if k is None:
+        raise _graph_error(node, "k", "is missing", "the number of elements to keep")
+    return lambda x: _top_k(x, k, axis, largest=True)
+
+
+@register("TopK", since=10)
+def top_k(node, shapes, opset):
+    axis = node.attr("axis", -1)
+    largest = bool(node.attr("largest", 1))  # 'largest' and 'sorted' arrived in 11; results stay sorted
+    return lambda x, k: _top_k(x, int(np.asarray(k).reshape(-1)[0]), axis, largest)
+
+
+@register("Unique", since=11)
+def unique(node, shapes, opset):
+    axis = node.attr("axis")
+    keep_sorted = bool(node.attr("sorted", 1))
+
+    def kernel(x):
+        ax = None if axis is None else normalize_axis(axis, x.ndim)
+        values, first, inverse, counts = np.unique(
+            x, return_index=True, return_inverse=True, return_counts=True, axis=ax
+        )
+        if not keep_sorted:  # reorder by first occurrence
+            order = np.argsort(first, kind="stable")
+            rank = np.empty_like(order)
+            rank[order] = np.arange(order.size)
+            values = np.take(values, order, axis=0 if ax is None else ax)
+            first, inverse, counts = first[order], rank[inverse], counts[order]
+        return tuple([values] + [a.reshape(-1).astype(np.int64) for a in (first, inverse, counts)])
+
+    return kernel

@@ -1,0 +1,123 @@
+"""A third-party provider on a simulated device that the host cannot read.
+
+Its memory is a private table of bytearrays: buffers carry opaque addresses and no host view, so
+everything crossing the boundary must go through the contract's copy hooks. It runs Relu, Add and
+Mul on float32 (kernels take and return onnx_runtime.Tensor on its device) and claims the nodes
+named in its ``claim`` option. onnx-runtime's tests use it to exercise placement and copies.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from onnx_runtime import DataType, DeviceBuffer, DeviceId, DeviceType, KernelMatch, Tensor, hookimpl
+from onnx_runtime.contract.defaults import host_bytes_of, writable_host_bytes_of
+from onnx_runtime.errors import InvalidArgumentError
+
+SAMPLE_DEVICE = DeviceId(DeviceType.OTHER, 7)
+OPS = {"Relu": lambda a: np.maximum(a, 0), "Add": np.add, "Mul": np.multiply}
+
+
+class SampleDeviceExecutionProvider:
+    def __init__(self):
+        self.memory: dict[int, bytearray] = {}
+        self.allocations = 0
+        self.frees = 0
+        self.claim: list[str] = []
+        self._addresses = itertools.count(0x1000, 0x1000)
+
+    @hookimpl
+    def name(self):
+        return "SampleDeviceExecutionProvider"
+
+    @hookimpl
+    def short_name(self):
+        return "sample"
+
+    @hookimpl
+    def device_type(self):
+        return DeviceType.OTHER
+
+    @hookimpl
+    def device_id(self):
+        return SAMPLE_DEVICE
+
+    @hookimpl
+    def initialize(self, options):
+        unknown = set(options) - {"claim"}
+        if unknown:
+            raise InvalidArgumentError(f"SampleDeviceExecutionProvider accepts only 'claim', got {sorted(unknown)}")
+        self.claim = [n for n in options.get("claim", "").split(",") if n]
+
+    @hookimpl
+    def claim_nodes(self, graph):
+        return [node.name for node in graph.nodes if node.name in self.claim]
+
+    @hookimpl
+    def supports_op(self, node, dtypes):
+        if node.domain or node.op_type not in OPS:
+            return KernelMatch.unsupported(f"SampleDeviceExecutionProvider runs only {sorted(OPS)}")
+        if any(d is not DataType.FLOAT for d in dtypes):
+            return KernelMatch.unsupported("SampleDeviceExecutionProvider runs float32 tensors only")
+        return KernelMatch.supported(cost=0.5)
+
+    @hookimpl
+    def get_kernel(self, node):
+        fn = OPS[node.op_type]
+
+        def kernel(*inputs: Tensor):
+            result = np.asarray(fn(*[t.numpy() for t in inputs]), dtype=np.float32)
+            return (Tensor.from_numpy(result, provider=inputs[0].provider),)
+
+        return kernel
+
+    # -- memory: a private table the host cannot address ---------------------------------------------
+    @hookimpl
+    def allocate(self, size, alignment):
+        address = next(self._addresses)
+        self.memory[address] = bytearray(size)
+        self.allocations += 1
+        return DeviceBuffer(SAMPLE_DEVICE, size, alignment, address)
+
+    @hookimpl
+    def deallocate(self, buffer):
+        del self.memory[buffer.ptr]
+        self.frees += 1
+
+    @hookimpl
+    def device_allocation_counts(self):
+        return (self.allocations, self.frees)
+
+    def _bytes(self, buffer: DeviceBuffer) -> np.ndarray:
+        base = max(a for a in self.memory if a <= buffer.ptr)  # aliases point inside an allocation
+        view = np.frombuffer(self.memory[base], np.uint8)
+        return view[buffer.ptr - base: buffer.ptr - base + buffer.size]
+
+    @hookimpl
+    def copy_from_host(self, src, dst):
+        data = host_bytes_of(src)
+        if data.size > dst.size:
+            raise InvalidArgumentError(f"upload of {data.size} B exceeds the {dst.size}-byte buffer")
+        self._bytes(dst)[: data.size] = data
+
+    @hookimpl
+    def copy_to_host(self, src, dst):
+        target = writable_host_bytes_of(dst)
+        if target.size > src.size:
+            raise InvalidArgumentError(f"download of {target.size} B exceeds the {src.size}-byte buffer")
+        target[:] = self._bytes(src)[: target.size]
+
+    @hookimpl
+    def copy(self, src, dst, size):
+        self._bytes(dst)[:size] = self._bytes(src)[:size]
+
+    @hookimpl
+    def sync(self):
+        return None
+
+
+@hookimpl
+def onnx_runtime_providers():
+    return [SampleDeviceExecutionProvider]

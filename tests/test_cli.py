@@ -1,0 +1,62 @@
+"""The onnx-runtime command line: providers, info, run (with the embedded default)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+from conftest import LIGHT_DIR, make_model, tensor_info
+from onnx import helper
+
+from onnx_runtime.cli import main
+
+
+def test_providers_lists_cpu_and_cuda_with_its_reason(capsys):
+    assert main(["providers"]) == 0
+    out = capsys.readouterr().out
+    assert "CPUExecutionProvider (cpu)  onnx-runtime-ep-cpu 0.1.0  device cpu:0  available" in out
+    cuda_line = next(line for line in out.splitlines() if line.startswith("CUDAExecutionProvider"))
+    from onnx_runtime_ep_cuda import driver
+
+    if driver.probe():
+        assert "unavailable: no NVIDIA driver found (libcuda)" in cuda_line or driver.probe() in cuda_line
+
+
+def test_run_without_a_model_checks_the_embedded_resnet50(capsys):
+    assert main(["run", "--providers", "cpu", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "light_resnet50" in out
+    assert "MATCH: output equals the shipped reference" in out
+    assert "time per run: median" in out
+
+
+def test_run_a_model_with_inputs_from_npy_files(tmp_path, capsys):
+    model = make_model([helper.make_node("Relu", ["x"], ["y"])], [tensor_info("x", shape=[4])], [tensor_info("y", shape=[4])])
+    onnx.save(model, tmp_path / "relu.onnx")
+    np.save(tmp_path / "x.npy", np.array([-1, 2, -3, 4], np.float32))
+    code = main(["run", str(tmp_path / "relu.onnx"), "--input", f"x={tmp_path / 'x.npy'}", "--providers", "cpu"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "output y: float32 [4] [0. 2. 0. 4.]" in out
+
+
+def test_info_shows_io_opsets_and_placement(capsys):
+    assert main(["info", os.path.join(LIGHT_DIR, "light_squeezenet.onnx"), "--providers", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "input: data_0 tensor(float) [1, 3, 224, 224]" in out
+    assert "opsets: ai.onnx 9" in out
+    assert "CPUExecutionProvider: 105 nodes" in out
+
+
+def test_errors_are_reported_not_raised(tmp_path, capsys):
+    (tmp_path / "bad.onnx").write_bytes(b"\x08\x07garbage")
+    assert main(["info", str(tmp_path / "bad.onnx")]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_the_console_script_is_installed():
+    result = subprocess.run([sys.executable, "-m", "onnx_runtime.cli", "providers"], capture_output=True, text=True)
+    assert result.returncode == 0 and "CPUExecutionProvider" in result.stdout

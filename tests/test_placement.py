@@ -1,0 +1,87 @@
+"""Placement across two providers, one of them on a non-host device, with copies at the boundaries."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+from conftest import chain_reference
+
+import onnx_runtime as ort
+from onnx_runtime.errors import UnsupportedOperatorError
+
+SAMPLE = "SampleDeviceExecutionProvider"
+CPU = "CPUExecutionProvider"
+
+
+def _x():
+    return np.random.default_rng(0).standard_normal((2, 6)).astype(np.float32)
+
+
+def test_nodes_go_to_the_first_provider_that_accepts_them(chain_model):
+    sess = ort.InferenceSession(chain_model.SerializeToString(), providers=[SAMPLE, CPU])
+    placement = sess.placement()
+    assert placement.as_dict() == {"relu": SAMPLE, "add": SAMPLE, "softmax": CPU, "mul": SAMPLE}
+    assert placement["softmax"].rejected == {SAMPLE: "SampleDeviceExecutionProvider runs only ['Add', 'Mul', 'Relu']"}
+    assert placement["relu"].rejected == {}
+    assert placement.summary() == {SAMPLE: 3, CPU: 1}
+    assert sess.get_providers() == [SAMPLE, CPU]
+
+
+def test_copies_at_device_boundaries_give_the_cpu_result(chain_model):
+    x = _x()
+    mixed = ort.InferenceSession(chain_model.SerializeToString(), providers=[SAMPLE, CPU])
+    cpu_only = ort.InferenceSession(chain_model.SerializeToString(), providers=["cpu"])
+    (got,) = mixed.run(None, {"x": x})
+    (want,) = cpu_only.run(None, {"x": x})
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(got, chain_reference(x), rtol=1e-5)
+    copies = {(c.value, c.source, c.target) for c in mixed.placement().copies}
+    # x goes up twice-needed but is copied once; a comes down for Softmax; s goes up for Mul; y comes down.
+    assert copies == {("x", "host", SAMPLE), ("a", SAMPLE, "host"), ("s", "host", SAMPLE), ("y", SAMPLE, "host")}
+
+
+def test_every_device_allocation_is_freed_exactly_once(chain_model):
+    sess = ort.InferenceSession(chain_model.SerializeToString(), providers=[SAMPLE, CPU])
+    device = next(h for h in sess._handles if h.name == SAMPLE)
+    for _ in range(3):
+        sess.run(None, {"x": _x()})
+    gc.collect()
+    allocations, frees = device.allocation_counts()
+    # Only the uploaded initializer b stays resident between runs.
+    assert allocations - frees == 1
+    assert allocations >= 1 + 3 * 5
+    sess.close()
+    allocations, frees = device.allocation_counts()
+    assert allocations == frees
+    assert device.provider.memory == {}
+
+
+def test_claimed_nodes_win_over_priority_order(chain_model):
+    sess = ort.InferenceSession(
+        chain_model.SerializeToString(), providers=[CPU, SAMPLE], provider_options=[{}, {"claim": "mul"}]
+    )
+    placement = sess.placement()
+    assert placement["mul"].provider == SAMPLE and placement["mul"].claimed
+    assert placement["relu"].provider == CPU and not placement["relu"].claimed
+    (got,) = sess.run(None, {"x": _x()})
+    np.testing.assert_allclose(got, chain_reference(_x()), rtol=1e-5)
+
+
+def test_a_node_no_provider_supports_names_op_domain_opset_and_reasons(chain_model):
+    with pytest.raises(UnsupportedOperatorError) as info:
+        ort.InferenceSession(chain_model.SerializeToString(), providers=[SAMPLE])
+    message = str(info.value)
+    assert "'softmax'" in message and "Softmax" in message and "ai.onnx" in message and "opset 17" in message
+    assert "SampleDeviceExecutionProvider runs only" in message
+
+
+def test_placement_report_prints_declines_and_copies(chain_model):
+    sess = ort.InferenceSession(chain_model.SerializeToString(), providers=[SAMPLE, CPU])
+    sess.run(None, {"x": _x()})
+    text = str(sess.placement())
+    assert "softmax (Softmax) on CPUExecutionProvider" in text
+    assert "SampleDeviceExecutionProvider declined: SampleDeviceExecutionProvider runs only" in text
+    assert "a: SampleDeviceExecutionProvider -> host" in text

@@ -1,0 +1,147 @@
+"""InferenceSession: the onnxruntime API shape, output subsets, and typed feed errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from conftest import chain_reference, make_model, tensor_info
+from onnx import TensorProto, helper
+
+import onnx_runtime as ort
+from onnx_runtime.errors import InvalidArgumentError, KernelError, OnnxRuntimeError
+
+
+@pytest.fixture
+def two_output_model():
+    nodes = [
+        helper.make_node("Add", ["x", "y"], ["sum"], name="add"),
+        helper.make_node("Mul", ["x", "y"], ["prod"], name="mul"),
+        helper.make_node("Shape", ["x"], ["xshape"], name="shape"),
+    ]
+    model = make_model(
+        nodes,
+        [tensor_info("x", shape=["batch", 3]), tensor_info("y", shape=[1, 3])],
+        [tensor_info("sum", shape=["batch", 3]), tensor_info("prod", shape=["batch", 3]),
+         tensor_info("xshape", TensorProto.INT64, [2])],
+        producer_name="unit-test", doc_string="two outputs",
+    )
+    model.metadata_props.add(key="author", value="tests")
+    model.graph.doc_string = "graph doc"
+    return model
+
+
+def _feeds(batch=2):
+    return {"x": np.arange(batch * 3, dtype=np.float32).reshape(batch, 3), "y": np.array([[1, 2, 3]], np.float32)}
+
+
+def test_inputs_outputs_and_metadata_look_like_onnxruntime(two_output_model):
+    sess = ort.InferenceSession(two_output_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    inputs = sess.get_inputs()
+    assert [(i.name, i.type, i.shape) for i in inputs] == [("x", "tensor(float)", ["batch", 3]),
+                                                           ("y", "tensor(float)", [1, 3])]
+    assert [(o.name, o.type) for o in sess.get_outputs()] == [("sum", "tensor(float)"), ("prod", "tensor(float)"),
+                                                             ("xshape", "tensor(int64)")]
+    meta = sess.get_modelmeta()
+    assert (meta.producer_name, meta.description, meta.graph_name, meta.graph_description) == (
+        "unit-test", "two outputs", "test_graph", "graph doc")
+    assert meta.custom_metadata_map == {"author": "tests"}
+    assert sess.get_providers() == ["CPUExecutionProvider"]
+    assert sess.get_provider_options() == {"CPUExecutionProvider": {}}
+
+
+def test_run_all_outputs_and_subsets_with_dynamic_batch(two_output_model):
+    sess = ort.InferenceSession(two_output_model.SerializeToString(), providers=["cpu"])
+    for batch in (2, 5):
+        feeds = _feeds(batch)
+        total, product, shape = sess.run(None, feeds)
+        np.testing.assert_array_equal(total, feeds["x"] + feeds["y"])
+        np.testing.assert_array_equal(product, feeds["x"] * feeds["y"])
+        assert shape.dtype == np.int64 and shape.tolist() == [batch, 3]
+    (only_prod,) = sess.run(["prod"], _feeds())
+    np.testing.assert_array_equal(only_prod, _feeds()["x"] * _feeds()["y"])
+    shape, total = sess.run(["xshape", "sum"], _feeds())
+    assert shape.tolist() == [2, 3] and total.shape == (2, 3)
+
+
+def test_session_from_path_bytes_and_proto_agree(tmp_path, chain_model):
+    path = tmp_path / "chain.onnx"
+    onnx.save(chain_model, path)
+    x = np.random.default_rng(1).standard_normal((2, 6)).astype(np.float32)
+    for source in (str(path), path.read_bytes(), chain_model):
+        (y,) = ort.InferenceSession(source, providers=["cpu"]).run(None, {"x": x})
+        np.testing.assert_allclose(y, chain_reference(x), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("feeds", "message"),
+    [
+        ({"x": np.zeros((2, 3), np.float32)}, r"missing inputs 'y' \(tensor\(float\)\[1, 3\]\); add them to input_feed"),
+        ({**_feeds(), "z": np.zeros(1)}, r"unknown input 'z'; the model's inputs are \['x', 'y'\]"),
+        ({**_feeds(), "y": np.zeros((1, 3), np.float64)},
+         r"input 'y' expects tensor\(double\)|input 'y' expects tensor\(float\), got float64 array; convert it with "
+         r"\.astype\(np\.float32\)"),
+        ({**_feeds(), "y": np.zeros((3,), np.float32)}, r"input 'y' expects rank 2 .*got shape \[3\]"),
+        ({**_feeds(), "y": np.zeros((1, 4), np.float32)}, r"input 'y' dimension 1 must be 3 .*got shape \[1, 4\]"),
+        ({**_feeds(), "x": "not an array"}, r"input 'x' expects tensor\(float\)"),
+        ({**_feeds(), "x": object()}, r"input 'x' must be a numpy array, got object"),
+    ],
+    ids=["missing", "unknown", "dtype", "rank", "fixed-dim", "string", "object"],
+)
+def test_bad_feeds_get_typed_errors_naming_the_input(two_output_model, feeds, message):
+    sess = ort.InferenceSession(two_output_model.SerializeToString(), providers=["cpu"])
+    with pytest.raises(InvalidArgumentError, match=message):
+        sess.run(None, feeds)
+
+
+def test_other_bad_calls(two_output_model):
+    sess = ort.InferenceSession(two_output_model.SerializeToString(), providers=["cpu"])
+    with pytest.raises(InvalidArgumentError, match=r"unknown output 'nope'; the model's outputs are"):
+        sess.run(["nope"], _feeds())
+    with pytest.raises(InvalidArgumentError, match="input_feed must be a dict"):
+        sess.run(None, [1, 2])
+    with pytest.raises(InvalidArgumentError, match="provider_options has 2 entries but providers has 1"):
+        ort.InferenceSession(two_output_model.SerializeToString(), providers=["cpu"], provider_options=[{}, {}])
+    with pytest.raises(InvalidArgumentError, match="accepts no provider options"):
+        ort.InferenceSession(two_output_model.SerializeToString(), providers=[("cpu", {"bogus": "1"})])
+    with pytest.raises(InvalidArgumentError, match=r"providers\[0\] is 42"):
+        ort.InferenceSession(two_output_model.SerializeToString(), providers=[42])
+    sess.close()
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        sess.run(None, _feeds())
+
+
+def test_feeds_accept_tensors_and_python_lists(two_output_model):
+    sess = ort.InferenceSession(two_output_model.SerializeToString(), providers=["cpu"])
+    feeds = {"x": ort.Tensor.from_numpy(_feeds()["x"]), "y": [[1.0, 2.0, 3.0]]}
+    total = sess.run(["sum"], feeds)[0]
+    np.testing.assert_array_equal(total, _feeds()["x"] + _feeds()["y"])
+
+
+def test_a_failing_kernel_names_the_node_and_provider():
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["y"], name="bad_reshape")]
+    shape = onnx.numpy_helper.from_array(np.array([7], np.int64), "shape")
+    model = make_model(nodes, [tensor_info("x", shape=None)], [tensor_info("y")], [shape])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    with pytest.raises(OnnxRuntimeError, match=r"node 'bad_reshape' \(Reshape\) on CPUExecutionProvider failed") as info:
+        sess.run(None, {"x": np.zeros(6, np.float32)})
+    assert isinstance(info.value, (KernelError, InvalidArgumentError, OnnxRuntimeError))
+
+
+def test_outputs_never_alias_weights(chain_model):
+    weight = onnx.numpy_helper.from_array(np.ones(3, np.float32), "w")
+    model = make_model([helper.make_node("Identity", ["w"], ["y"])], [], [tensor_info("y", shape=[3])], [weight])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    (y,) = sess.run(None, {})
+    try:
+        y[0] = 5.0
+    except ValueError:
+        pass  # a read-only view is also safe
+    assert sess.run(None, {})[0].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_default_providers_are_the_available_ones(chain_model):
+    sess = ort.InferenceSession(chain_model.SerializeToString())
+    assert sess.get_providers() == ort.get_available_providers()
+    x = np.ones((2, 6), np.float32)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], chain_reference(x), rtol=1e-5)
