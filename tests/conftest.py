@@ -9,6 +9,16 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+def _providers_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    return bool(entry_points(group="onnx_runtime.providers"))
+
+
+# With no provider installed (tox -e core) only tests/core_only runs; with providers, everything else.
+collect_ignore = ["sample_provider"] + (["core_only"] if _providers_installed() else [])
+collect_ignore_glob = [] if _providers_installed() else ["test_*.py"]
+
 LIGHT_DIR = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 LIGHT_MODELS = sorted(f[:-5] for f in os.listdir(LIGHT_DIR) if f.endswith(".onnx"))
 

@@ -55,9 +55,9 @@ def test_builtin_and_third_party_providers_come_from_entry_points(fresh_registry
 
 
 def test_cuda_is_listed_but_unavailable_without_a_driver(fresh_registry):
+    driver = pytest.importorskip("onnx_runtime_ep_cuda.driver", reason="the CUDA provider is not installed")
     entry = fresh_registry.find("cuda")
     assert entry is not None and entry.name == "CUDAExecutionProvider"
-    from onnx_runtime_ep_cuda import driver
 
     if driver.probe():  # no usable driver here: the reason is shown, the provider is not offered
         assert not entry.availability.available
@@ -179,6 +179,7 @@ def test_unknown_provider_name_says_what_is_installed_and_how_to_install(chain_m
 
 
 def test_only_unavailable_providers_requested_gives_their_reasons(chain_model, fresh_registry):
+    pytest.importorskip("onnx_runtime_ep_cuda", reason="the CUDA provider is not installed")
     if fresh_registry.find("cuda").availability.available:
         pytest.skip("a CUDA driver is present")
     with pytest.raises(ProviderNotAvailableError, match=r"CUDAExecutionProvider: no NVIDIA driver found"):
