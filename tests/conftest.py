@@ -9,6 +9,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+
 def _providers_installed() -> bool:
     from importlib.metadata import entry_points
 

@@ -11,7 +11,6 @@ import onnx
 import pytest
 from conftest import LIGHT_DIR, make_model, tensor_info
 from onnx import helper
-
 from onnx_runtime.cli import main
 
 
@@ -35,7 +34,9 @@ def test_run_without_a_model_checks_the_embedded_resnet50(capsys):
 
 
 def test_run_a_model_with_inputs_from_npy_files(tmp_path, capsys):
-    model = make_model([helper.make_node("Relu", ["x"], ["y"])], [tensor_info("x", shape=[4])], [tensor_info("y", shape=[4])])
+    model = make_model(
+        [helper.make_node("Relu", ["x"], ["y"])], [tensor_info("x", shape=[4])], [tensor_info("y", shape=[4])]
+    )
     onnx.save(model, tmp_path / "relu.onnx")
     np.save(tmp_path / "x.npy", np.array([-1, 2, -3, 4], np.float32))
     code = main(["run", str(tmp_path / "relu.onnx"), "--input", f"x={tmp_path / 'x.npy'}", "--providers", "cpu"])

@@ -111,6 +111,18 @@ def test_conv_dtypes_and_opsets(opset, dtype):
     check("Conv", [x, w, b], {"group": 2, "pads": [1, 0, 1, 2], "strides": [1, 2]}, opset)
 
 
+def test_conv_bfloat16():
+    import ml_dtypes
+
+    x, w, b = rand(1, 3, 6, 5), rand(4, 3, 3, 3), rand(4)
+    attrs = {"pads": [1, 1, 1, 1], "strides": [2, 1]}
+    (expected,) = reference("Conv", [x, w, b], attrs, 22)
+    bf16 = [v.astype(ml_dtypes.bfloat16) for v in (x, w, b)]
+    (got,) = ours("Conv", bf16, attrs, 22)
+    assert got.dtype == ml_dtypes.bfloat16
+    np.testing.assert_allclose(got.astype(F32), expected, rtol=5e-2, atol=5e-2)
+
+
 def test_conv_rejects_bad_attributes():
     for attrs in ({"auto_pad": "SAME"}, {"pads": [1, 1]}, {"strides": [0, 1]}, {"group": 0}):
         with pytest.raises(InvalidGraphError, match="attribute"):
@@ -270,6 +282,23 @@ def test_batch_normalization_half_and_training():
     check("BatchNormalization", _bn_inputs((2, 3, 4, 4), F16), {}, 15)
     attrs = {"training_mode": 1, "momentum": 0.7}
     check("BatchNormalization", _bn_inputs((3, 2, 4, 3)), attrs, 15, n_outputs=3)
+
+
+def test_batch_normalization_training_outputs_before_14():
+    # Opset 9 names its training outputs (mean, var, saved_mean, saved_var); the reference has no
+    # such kernel, so the running stats come from opset 15's and the batch stats from numpy.
+    inputs = _bn_inputs((3, 2, 4, 3))
+    y, run_mean, run_var = reference("BatchNormalization", inputs, {"training_mode": 1}, 15, 3)
+    x = inputs[0]
+    expected = [y, run_mean, run_var, x.mean(axis=(0, 2, 3)), x.var(axis=(0, 2, 3))]
+    check("BatchNormalization", inputs, {}, 9, n_outputs=5, expected=expected)
+
+
+def test_batch_normalization_inference_passes_running_stats_through():
+    inputs = _bn_inputs((2, 3, 4))
+    (y,) = reference("BatchNormalization", inputs, {}, 15)
+    check("BatchNormalization", inputs, {}, 15, n_outputs=3, expected=[y, inputs[3], inputs[4]])
+    check("BatchNormalization", inputs, {"is_test": 1}, 6, n_outputs=3, expected=[y, inputs[3], inputs[4]])
 
 
 def test_batch_normalization_per_activation_before_9():

@@ -9,11 +9,10 @@ import textwrap
 import warnings
 
 import numpy as np
+import onnx_runtime as ort
 import pytest
 from conftest import make_model, tensor_info
 from onnx import helper
-
-import onnx_runtime as ort
 from onnx_runtime.discovery import registry
 from onnx_runtime.errors import PluginError, ProviderNotAvailableError
 
@@ -67,8 +66,12 @@ def test_cuda_is_listed_but_unavailable_without_a_driver(fresh_registry):
 
 
 def test_a_plugin_that_fails_to_import_warns_and_the_others_still_load(site, fresh_registry):
-    _install_fake_distribution(site, "fake-broken-ep", "fake_ep_broken", "raise ImportError('needs libfoo')\n", "broken")
-    with pytest.warns(RuntimeWarning, match=r"fake_ep_broken.*fake-broken-ep.*import failed: ImportError: needs libfoo"):
+    _install_fake_distribution(
+        site, "fake-broken-ep", "fake_ep_broken", "raise ImportError('needs libfoo')\n", "broken"
+    )
+    with pytest.warns(
+        RuntimeWarning, match=r"fake_ep_broken.*fake-broken-ep.*import failed: ImportError: needs libfoo"
+    ):
         names = [e.name for e in fresh_registry.entries()]
     assert "CPUExecutionProvider" in names
     assert [b.reason for b in fresh_registry.broken] == ["import failed: ImportError: needs libfoo"]
@@ -92,7 +95,9 @@ def test_a_plugin_with_an_invalid_hook_warns_naming_it(site, fresh_registry):
             return [BadHooksExecutionProvider]
     """
     _install_fake_distribution(site, "fake-badhooks-ep", "fake_ep_badhooks", source, "badhooks")
-    with pytest.warns(RuntimeWarning, match=r"BadHooksExecutionProvider.*unknown hooks: 'suports_op' \(did you mean 'supports_op'\?\)"):
+    with pytest.warns(
+        RuntimeWarning, match=r"BadHooksExecutionProvider.*unknown hooks: 'suports_op' \(did you mean 'supports_op'\?\)"
+    ):
         names = [e.name for e in fresh_registry.entries()]
     assert "BadHooksExecutionProvider" not in names and "CPUExecutionProvider" in names
 
@@ -121,7 +126,9 @@ def test_a_working_third_party_distribution_is_found_without_code_changes(site, 
             return [NegExecutionProvider]
     """
     _install_fake_distribution(site, "fake-neg-ep", "fake_ep_neg", source, "neg")
-    model = make_model([helper.make_node("Neg", ["x"], ["y"])], [tensor_info("x", shape=[3])], [tensor_info("y", shape=[3])])
+    model = make_model(
+        [helper.make_node("Neg", ["x"], ["y"])], [tensor_info("x", shape=[3])], [tensor_info("y", shape=[3])]
+    )
     sess = ort.InferenceSession(model.SerializeToString(), providers=["neg"])
     assert sess.get_providers() == ["NegExecutionProvider"]
     np.testing.assert_array_equal(sess.run(None, {"x": np.array([1, -2, 3], np.float32)})[0], [-1, 2, -3])
@@ -137,7 +144,9 @@ class _Doubler:
 
     @ort.hookimpl
     def supports_op(self, node):
-        return ort.KernelMatch.supported() if node.op_type == "Identity" else ort.KernelMatch.unsupported("Identity only")
+        return (
+            ort.KernelMatch.supported() if node.op_type == "Identity" else ort.KernelMatch.unsupported("Identity only")
+        )
 
     @ort.hookimpl
     def get_kernel(self, node):
@@ -145,7 +154,9 @@ class _Doubler:
 
 
 def _identity_model():
-    return make_model([helper.make_node("Identity", ["x"], ["y"])], [tensor_info("x", shape=[2])], [tensor_info("y", shape=[2])])
+    return make_model(
+        [helper.make_node("Identity", ["x"], ["y"])], [tensor_info("x", shape=[2])], [tensor_info("y", shape=[2])]
+    )
 
 
 @pytest.mark.parametrize("plugin", [_Doubler, _Doubler()], ids=["class", "instance"])
@@ -174,7 +185,9 @@ def test_registering_an_invalid_provider_in_process_raises(fresh_registry):
 
 
 def test_unknown_provider_name_says_what_is_installed_and_how_to_install(chain_model):
-    with pytest.raises(ProviderNotAvailableError, match=r"'TensorrtExecutionProvider' is not installed \(installed: \["):
+    with pytest.raises(
+        ProviderNotAvailableError, match=r"'TensorrtExecutionProvider' is not installed \(installed: \["
+    ):
         ort.InferenceSession(chain_model.SerializeToString(), providers=["TensorrtExecutionProvider"])
 
 

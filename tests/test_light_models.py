@@ -6,17 +6,23 @@ import os
 
 import numpy as np
 import onnx
+import onnx_runtime as ort
 import pytest
 from conftest import LIGHT_DIR, LIGHT_MODELS
 from onnx import numpy_helper
 
-import onnx_runtime as ort
-
 
 def test_all_nine_light_models_are_shipped():
     assert LIGHT_MODELS == [
-        "light_bvlc_alexnet", "light_densenet121", "light_inception_v1", "light_inception_v2", "light_resnet50",
-        "light_shufflenet", "light_squeezenet", "light_vgg19", "light_zfnet512",
+        "light_bvlc_alexnet",
+        "light_densenet121",
+        "light_inception_v1",
+        "light_inception_v2",
+        "light_resnet50",
+        "light_shufflenet",
+        "light_squeezenet",
+        "light_vgg19",
+        "light_zfnet512",
     ]
 
 

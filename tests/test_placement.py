@@ -5,10 +5,9 @@ from __future__ import annotations
 import gc
 
 import numpy as np
+import onnx_runtime as ort
 import pytest
 from conftest import chain_reference
-
-import onnx_runtime as ort
 from onnx_runtime.errors import UnsupportedOperatorError
 
 SAMPLE = "SampleDeviceExecutionProvider"

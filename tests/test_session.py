@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_runtime as ort
 import pytest
 from conftest import chain_reference, make_model, tensor_info
 from onnx import TensorProto, helper
-
-import onnx_runtime as ort
 from onnx_runtime.errors import InvalidArgumentError, KernelError, OnnxRuntimeError
 
 
@@ -22,9 +21,13 @@ def two_output_model():
     model = make_model(
         nodes,
         [tensor_info("x", shape=["batch", 3]), tensor_info("y", shape=[1, 3])],
-        [tensor_info("sum", shape=["batch", 3]), tensor_info("prod", shape=["batch", 3]),
-         tensor_info("xshape", TensorProto.INT64, [2])],
-        producer_name="unit-test", doc_string="two outputs",
+        [
+            tensor_info("sum", shape=["batch", 3]),
+            tensor_info("prod", shape=["batch", 3]),
+            tensor_info("xshape", TensorProto.INT64, [2]),
+        ],
+        producer_name="unit-test",
+        doc_string="two outputs",
     )
     model.metadata_props.add(key="author", value="tests")
     model.graph.doc_string = "graph doc"
@@ -38,13 +41,22 @@ def _feeds(batch=2):
 def test_inputs_outputs_and_metadata_look_like_onnxruntime(two_output_model):
     sess = ort.InferenceSession(two_output_model.SerializeToString(), providers=["CPUExecutionProvider"])
     inputs = sess.get_inputs()
-    assert [(i.name, i.type, i.shape) for i in inputs] == [("x", "tensor(float)", ["batch", 3]),
-                                                           ("y", "tensor(float)", [1, 3])]
-    assert [(o.name, o.type) for o in sess.get_outputs()] == [("sum", "tensor(float)"), ("prod", "tensor(float)"),
-                                                             ("xshape", "tensor(int64)")]
+    assert [(i.name, i.type, i.shape) for i in inputs] == [
+        ("x", "tensor(float)", ["batch", 3]),
+        ("y", "tensor(float)", [1, 3]),
+    ]
+    assert [(o.name, o.type) for o in sess.get_outputs()] == [
+        ("sum", "tensor(float)"),
+        ("prod", "tensor(float)"),
+        ("xshape", "tensor(int64)"),
+    ]
     meta = sess.get_modelmeta()
     assert (meta.producer_name, meta.description, meta.graph_name, meta.graph_description) == (
-        "unit-test", "two outputs", "test_graph", "graph doc")
+        "unit-test",
+        "two outputs",
+        "test_graph",
+        "graph doc",
+    )
     assert meta.custom_metadata_map == {"author": "tests"}
     assert sess.get_providers() == ["CPUExecutionProvider"]
     assert sess.get_provider_options() == {"CPUExecutionProvider": {}}
@@ -76,11 +88,16 @@ def test_session_from_path_bytes_and_proto_agree(tmp_path, chain_model):
 @pytest.mark.parametrize(
     ("feeds", "message"),
     [
-        ({"x": np.zeros((2, 3), np.float32)}, r"missing inputs 'y' \(tensor\(float\)\[1, 3\]\); add them to input_feed"),
+        (
+            {"x": np.zeros((2, 3), np.float32)},
+            r"missing inputs 'y' \(tensor\(float\)\[1, 3\]\); add them to input_feed",
+        ),
         ({**_feeds(), "z": np.zeros(1)}, r"unknown input 'z'; the model's inputs are \['x', 'y'\]"),
-        ({**_feeds(), "y": np.zeros((1, 3), np.float64)},
-         r"input 'y' expects tensor\(double\)|input 'y' expects tensor\(float\), got float64 array; convert it with "
-         r"\.astype\(np\.float32\)"),
+        (
+            {**_feeds(), "y": np.zeros((1, 3), np.float64)},
+            r"input 'y' expects tensor\(double\)|input 'y' expects tensor\(float\), got float64 array; convert it with "
+            r"\.astype\(np\.float32\)",
+        ),
         ({**_feeds(), "y": np.zeros((3,), np.float32)}, r"input 'y' expects rank 2 .*got shape \[3\]"),
         ({**_feeds(), "y": np.zeros((1, 4), np.float32)}, r"input 'y' dimension 1 must be 3 .*got shape \[1, 4\]"),
         ({**_feeds(), "x": "not an array"}, r"input 'x' expects tensor\(float\)"),
@@ -123,7 +140,9 @@ def test_a_failing_kernel_names_the_node_and_provider():
     shape = onnx.numpy_helper.from_array(np.array([7], np.int64), "shape")
     model = make_model(nodes, [tensor_info("x", shape=None)], [tensor_info("y")], [shape])
     sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
-    with pytest.raises(OnnxRuntimeError, match=r"node 'bad_reshape' \(Reshape\) on CPUExecutionProvider failed") as info:
+    with pytest.raises(
+        OnnxRuntimeError, match=r"node 'bad_reshape' \(Reshape\) on CPUExecutionProvider failed"
+    ) as info:
         sess.run(None, {"x": np.zeros(6, np.float32)})
     assert isinstance(info.value, (KernelError, InvalidArgumentError, OnnxRuntimeError))
 

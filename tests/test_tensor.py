@@ -7,18 +7,40 @@ import weakref
 
 import ml_dtypes
 import numpy as np
-import pytest
-
 import onnx_runtime as ort
+import pytest
 from onnx_runtime import DataType, Tensor
 from onnx_runtime.discovery import registry
 from onnx_runtime.errors import InvalidArgumentError, NotSupportedError, ShapeOverflowError
 from onnx_runtime.host import host_allocator
 
-DTYPES = [np.float32, np.float64, np.float16, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.int64,
-          np.uint32, np.uint64, np.bool_, np.complex64, np.complex128, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
-          ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2fnuz, ml_dtypes.int4, ml_dtypes.uint4,
-          ml_dtypes.int2, ml_dtypes.uint2, ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e8m0fnu]
+DTYPES = [
+    np.float32,
+    np.float64,
+    np.float16,
+    np.int8,
+    np.uint8,
+    np.int16,
+    np.uint16,
+    np.int32,
+    np.int64,
+    np.uint32,
+    np.uint64,
+    np.bool_,
+    np.complex64,
+    np.complex128,
+    ml_dtypes.bfloat16,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+    ml_dtypes.float8_e4m3fnuz,
+    ml_dtypes.float8_e5m2fnuz,
+    ml_dtypes.int4,
+    ml_dtypes.uint4,
+    ml_dtypes.int2,
+    ml_dtypes.uint2,
+    ml_dtypes.float4_e2m1fn,
+    ml_dtypes.float8_e8m0fnu,
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx_runtime as ort
 import pytest
 from onnx import TensorProto, helper
-
-import onnx_runtime as ort
 from onnx_runtime.cli import main
 from onnx_runtime.errors import ProviderNotAvailableError
 
 
 def _model() -> bytes:
     graph = helper.make_graph(
-        [helper.make_node("Relu", ["x"], ["y"])], "g",
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
     )
@@ -30,7 +30,9 @@ def test_creating_a_session_names_the_extra_to_install():
 
 
 def test_asking_for_cpu_names_the_extra_to_install():
-    with pytest.raises(ProviderNotAvailableError, match=r"'CPUExecutionProvider' is not installed.*onnx-runtime\[cpu\]"):
+    with pytest.raises(
+        ProviderNotAvailableError, match=r"'CPUExecutionProvider' is not installed.*onnx-runtime\[cpu\]"
+    ):
         ort.InferenceSession(_model(), providers=["CPUExecutionProvider"])
 
 

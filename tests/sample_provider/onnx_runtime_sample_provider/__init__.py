@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-
 from onnx_runtime import DataType, DeviceBuffer, DeviceId, DeviceType, KernelMatch, Tensor, hookimpl
 from onnx_runtime.contract.defaults import host_bytes_of, writable_host_bytes_of
 from onnx_runtime.errors import InvalidArgumentError
