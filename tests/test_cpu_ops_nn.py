@@ -111,6 +111,13 @@ def test_conv_dtypes_and_opsets(opset, dtype):
     check("Conv", [x, w, b], {"group": 2, "pads": [1, 0, 1, 2], "strides": [1, 2]}, opset)
 
 
+@pytest.mark.parametrize("x_shape,w_shape,attrs", [CONV_CASES[1], CONV_CASES[4], CONV_CASES[12]])
+def test_conv_in_row_blocks(monkeypatch, x_shape, w_shape, attrs):
+    # Large images build the im2col matrix a block of output rows at a time; force tiny blocks.
+    monkeypatch.setattr(nn, "_IM2COL_BYTES", 64)
+    check("Conv", [rand(*x_shape), rand(*w_shape), rand(w_shape[0])], attrs, 11)
+
+
 def test_conv_bfloat16():
     import ml_dtypes
 
@@ -178,6 +185,8 @@ POOL_CASES = [
     ((1, 2, 7, 7), {"kernel_shape": [3, 2], "strides": [2, 1], "auto_pad": "VALID"}),
     ((1, 3, 10), {"kernel_shape": [3], "strides": [2], "pads": [1, 2]}),
     ((1, 2, 4, 5, 6), {"kernel_shape": [2, 2, 3], "strides": [2, 1, 2], "pads": [0, 1, 1, 1, 0, 1]}),
+    ((1, 2, 5, 6), {"kernel_shape": [1, 1], "strides": [2, 2]}),
+    ((1, 2, 5, 6), {"kernel_shape": [1, 1]}),
 ]
 
 

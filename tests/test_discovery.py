@@ -14,7 +14,7 @@ import pytest
 from conftest import make_model, tensor_info
 from onnx import helper
 from onnx_runtime.discovery import registry
-from onnx_runtime.errors import PluginError, ProviderNotAvailableError
+from onnx_runtime.errors import InvalidArgumentError, PluginError, ProviderNotAvailableError
 
 
 @pytest.fixture
@@ -210,3 +210,8 @@ def test_with_no_provider_installed_the_error_names_the_extra(chain_model, monke
     assert ort.get_all_providers() == []
     with pytest.raises(ProviderNotAvailableError, match=r"no execution provider is installed.*onnx-runtime\[cpu\]"):
         ort.InferenceSession(chain_model.SerializeToString())
+
+
+def test_unregistering_an_unknown_provider_says_what_is_registered(fresh_registry):
+    with pytest.raises(InvalidArgumentError, match=r"no provider named 'NopeExecutionProvider' is registered"):
+        ort.unregister_provider("NopeExecutionProvider")

@@ -99,6 +99,9 @@ def guide():
                 namespace.update({k: v for k, v in target.items() if not k.startswith("__")})
         yield namespace, blocks
     finally:
+        for value in namespace.values():
+            if isinstance(value, onnx_runtime.InferenceSession):
+                value.close()
         added = set(onnx_runtime.get_all_providers()) - before
         for name in added:
             onnx_runtime.unregister_provider(name)
@@ -216,7 +219,7 @@ def test_the_device_provider_copies_at_boundaries_and_frees_every_buffer_once(gu
         np.testing.assert_allclose(z, np.maximum(np.maximum(x, 0) * x, 0), rtol=1e-6)
     copies = {(c.value, c.source, c.target) for c in session.placement().copies}
     assert copies == {("x", "host", TOY), ("r", TOY, "host"), ("m", "host", TOY), ("z", TOY, "host")}
-    device = next(h for h in session._handles if h.name == TOY)
+    device = session.provider_handle(TOY)
     gc.collect()
     allocations, frees = device.allocation_counts()
     assert allocations >= 2 * 4 and allocations == frees  # nothing stays resident between runs

@@ -44,7 +44,8 @@ def test_copies_at_device_boundaries_give_the_cpu_result(chain_model):
 
 def test_every_device_allocation_is_freed_exactly_once(chain_model):
     sess = ort.InferenceSession(chain_model.SerializeToString(), providers=[SAMPLE, CPU])
-    device = next(h for h in sess._handles if h.name == SAMPLE)
+    device = sess.provider_handle(SAMPLE)
+    assert device.provider.handle is device  # initialize received the handle it is dispatched through
     for _ in range(3):
         sess.run(None, {"x": _x()})
     gc.collect()

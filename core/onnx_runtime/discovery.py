@@ -14,7 +14,7 @@ import pluggy
 from .contract.hookspecs import DiscoverySpec
 from .contract.kernels import Availability
 from .contract.markers import PROJECT
-from .errors import PluginError, ProviderNotAvailableError
+from .errors import InvalidArgumentError, PluginError, ProviderNotAvailableError
 from .provider_handle import ProviderHandle
 
 try:  # the stdlib's entry_points(group=...) exists from Python 3.10
@@ -73,6 +73,9 @@ class ProviderRegistry:
     def unregister(self, name: str) -> None:
         with self._lock:
             gone = {e.source for e in self.entries() if _matches(e, name)}
+            if not gone:
+                registered = [e.name for e in self._entries]
+                raise InvalidArgumentError(f"no provider named {name!r} is registered; registered: {registered}")
             self._entries = [e for e in self._entries if not _matches(e, name)]
             self._in_process = [(p, s) for p, s in self._in_process if s not in gone]
 

@@ -87,7 +87,7 @@ class ProviderHandle:
 
     def initialize(self, options: dict | None = None) -> None:
         options = {str(k): str(v) for k, v in (options or {}).items()}
-        self.hook.initialize(options=options)
+        self.hook.initialize(options=options, handle=self)
         self.initialized = True
         self._refresh_device()
 

@@ -4,7 +4,7 @@ Read :mod:`onnx_runtime.contract.hookspecs` first: it documents every hook a pro
 """
 
 from .buffers import SIGNALLED, DeviceBuffer, Fence, Ownership
-from .defaults import DefaultFallbacks
+from .defaults import DefaultFallbacks, host_bytes_of, writable_host_bytes_of
 from .graphs import (
     CaptureRegionShapeStatus,
     DeviceGraphOwner,
@@ -24,5 +24,5 @@ __all__ = [
     "DeviceValidationRegistration", "DeviceValidationToken", "DiscoverySpec", "EpContext",
     "ExecutionProviderSpec", "Fence", "GraphPass", "HOOK_NAMES", "Kernel", "KernelMatch", "Ownership",
     "PROJECT", "SIGNALLED", "StructuralCaptureDecline", "hookimpl", "hookspec",
-    "is_control_flow_or_sequence",
+    "host_bytes_of", "is_control_flow_or_sequence", "writable_host_bytes_of",
 ]

@@ -79,12 +79,14 @@ class ExecutionProviderSpec:
 
     # -- lifecycle ----------------------------------------------------------------------------
     @hookspec(firstresult=True)
-    def initialize(self, options):
+    def initialize(self, options, handle):
         """Acquire device resources. ``options`` maps namespaced keys to strings.
 
         The session passes the user's ``provider_options`` for this provider. Unknown keys should
-        raise :class:`InvalidArgumentError` naming the key and the accepted ones. Default: accept
-        no options.
+        raise :class:`InvalidArgumentError` naming the key and the accepted ones. ``handle`` is the
+        :class:`ProviderHandle` the core dispatches this instance through: keep it to create
+        :class:`onnx_runtime.Tensor` outputs on this device from kernels that have no device input.
+        Default: accept no options.
         """
 
     @hookspec(firstresult=True)

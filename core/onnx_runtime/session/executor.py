@@ -87,7 +87,9 @@ class Step:
 
 
 class Plan:
-    def __init__(self, steps: list[Step], template: list, feed_slots: dict[str, int], output_slots: list[int]):
+    def __init__(self, steps: list[Step], template: list, feed_slots: dict[str, int], output_slots: list[int],
+                 copies: list[Copy]):
+        self.copies = copies
         self.steps = steps
         self.template = template
         self.feed_slots = feed_slots
@@ -196,9 +198,8 @@ class Executor:
         if missing:
             raise ProviderError(f"outputs {missing} are not produced by the graph")
         output_slots = [resident(n, None) for n in output_names]
-        self.placement.copies = recorded_copies
         self._assign_releases(steps, set(output_slots) | set(feed_slots.values()))
-        return Plan(steps, template, feed_slots, output_slots)
+        return Plan(steps, template, feed_slots, output_slots, recorded_copies)
 
     def _kernel_for(self, node: Node, handle: ProviderHandle):
         kernel = self._kernels.get(id(node))

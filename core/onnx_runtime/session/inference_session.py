@@ -133,6 +133,9 @@ class InferenceSession:
         self._outputs = [NodeArg.of(vi) for vi in graph.outputs]
         self._input_types = {vi.name: vi.type for vi in graph.inputs}
         self._output_names = tuple(vi.name for vi in graph.outputs)
+        # Plan the full run now, as onnxruntime does: kernels are created and copies decided at
+        # session creation, so their errors surface here and placement() shows the copies.
+        self._placement.copies = self._executor.plan(self._output_names).copies
         self._closed = False
 
     # -- the onnxruntime API --------------------------------------------------------------------
@@ -161,6 +164,13 @@ class InferenceSession:
             description=m.doc_string, graph_description=m.graph.doc, version=m.model_version,
             custom_metadata_map=dict(m.metadata),
         )
+
+    def provider_handle(self, name: str) -> ProviderHandle:
+        """The handle of a provider this session uses (by full or short name)."""
+        for handle in self._handles:
+            if handle.matches(name):
+                return handle
+        raise InvalidArgumentError(f"this session does not use provider {name!r}; it uses {self.get_providers()}")
 
     def placement(self) -> Placement:
         """Each node's provider, every declining provider's reason, and the inserted copies."""

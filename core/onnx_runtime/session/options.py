@@ -55,7 +55,7 @@ class SessionOptions:
 
 
 class RunOptions:
-    """Per-run options (onnxruntime names); ``terminate`` cancels a run between nodes."""
+    """Per-run options (onnxruntime names); ``terminate`` set before a run cancels it."""
 
     def __init__(self):
         self.log_severity_level = 2

@@ -12,7 +12,7 @@ import itertools
 
 import numpy as np
 from onnx_runtime import DataType, DeviceBuffer, DeviceId, DeviceType, KernelMatch, Tensor, hookimpl
-from onnx_runtime.contract.defaults import host_bytes_of, writable_host_bytes_of
+from onnx_runtime.contract import host_bytes_of, writable_host_bytes_of
 from onnx_runtime.errors import InvalidArgumentError
 
 SAMPLE_DEVICE = DeviceId(DeviceType.OTHER, 7)
@@ -25,6 +25,7 @@ class SampleDeviceExecutionProvider:
         self.allocations = 0
         self.frees = 0
         self.claim: list[str] = []
+        self.handle = None
         self._addresses = itertools.count(0x1000, 0x1000)
 
     @hookimpl
@@ -44,7 +45,8 @@ class SampleDeviceExecutionProvider:
         return SAMPLE_DEVICE
 
     @hookimpl
-    def initialize(self, options):
+    def initialize(self, options, handle):
+        self.handle = handle  # the handle this instance is dispatched through
         unknown = set(options) - {"claim"}
         if unknown:
             raise InvalidArgumentError(f"SampleDeviceExecutionProvider accepts only 'claim', got {sorted(unknown)}")

@@ -9,11 +9,10 @@ from ..registry import register
 
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
-    """Half-precision floats multiply in float32: numpy has no BLAS for them, and it is more accurate."""
+    """Half-precision floats (float16, bfloat16) multiply in float32: numpy has no BLAS for them,
+    and float32 accumulation is more accurate; other types compute as they are."""
     dtype = np.dtype(dtype)
-    if dtype.itemsize < 4 and not np.issubdtype(dtype, np.integer) and dtype != np.bool_:
-        return np.dtype(np.float32)
-    return dtype
+    return np.dtype(np.float32) if dtype.itemsize < 4 and dtype.kind not in "biu" else dtype
 
 
 def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -2,8 +2,8 @@
 
 Sliding-window ops share :class:`_Window` (attribute parsing and validation) and :class:`_Geometry`
 (pads and output size resolved for one input shape). Convolution is im2col over a strided view of
-the padded input followed by one batched ``np.matmul``; pooling reduces the strided views of the
-padded input seen by each kernel offset, so Python only loops over the (few) kernel taps.
+the padded input followed by batched ``np.matmul`` calls; pooling folds strided views of the
+padded input one spatial dim at a time, so Python only loops over the (few) kernel taps.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ def _graph_error(node, attr: str, message: str) -> InvalidGraphError:
 
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
-    """Half-precision floats are computed in float32 (numpy has no fast float16 BLAS or reductions)."""
+    """Half-precision floats (float16, bfloat16) compute in float32: numpy has no fast float16
+    BLAS, and float32 accumulation is more accurate; other types compute as they are."""
     dtype = np.dtype(dtype)
-    return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+    return np.dtype(np.float32) if dtype.itemsize < 4 and dtype.kind not in "biu" else dtype
 
 
 def _upcast(x: np.ndarray) -> np.ndarray:
@@ -109,14 +110,26 @@ class _Geometry:
             xp[(*before, slice(b + n, None))] = value
         return xp
 
-    def taps(self, xp: np.ndarray):
-        """For each kernel offset, the strided view of padded ``xp`` it reads at every output position."""
-        for offset in np.ndindex(*self.kernel):
-            index = tuple(
-                slice(o * d, o * d + (n - 1) * s + 1, s)
-                for o, d, s, n in zip(offset, self.dilations, self.strides, self.out)
-            )
-            yield xp[(Ellipsis, *index)]
+    def reduce_windows(self, xp: np.ndarray, combine) -> np.ndarray:
+        """Fold every window of padded ``xp`` with ``combine`` (np.maximum or np.add) into a fresh
+        (*lead, *out) array.
+
+        Max and sum over a box are separable, so this folds one spatial dim at a time, each pass
+        combining the k strided views of that dim's taps: k1 + k2 + ... whole-array operations
+        instead of k1 * k2 * ..., and numpy runs every one of them.
+        """
+        y = xp
+        lead = xp.ndim - len(self.kernel)
+        for i, (k, s, d, o) in enumerate(zip(self.kernel, self.strides, self.dilations, self.out)):
+            before = (slice(None),) * (lead + i)
+            taps = [y[(*before, slice(t * d, t * d + (o - 1) * s + 1, s))] for t in range(k)]
+            if k == 1:
+                y = taps[0]
+                continue
+            y = combine(taps[0], taps[1])
+            for tap in taps[2:]:
+                combine(y, tap, out=y)
+        return y.copy() if np.may_share_memory(y, xp) else y
 
     def windows(self, xp: np.ndarray) -> np.ndarray:
         """Read-only view (*lead, *kernel, *out) of padded ``xp``; reshaping it is the im2col copy."""
@@ -168,7 +181,7 @@ class _Window:
             raise _graph_error(node, "kernel_shape", f"is {list(self.kernel)}; expected positive sizes")
         rank = self._known_rank(shapes)
         if rank is not None:
-            self._check_rank(rank)
+            self.check_rank(rank)
         self._cache: dict[tuple, _Geometry] = {}
 
     def _ints(self, name: str, minimum: int) -> tuple[int, ...] | None:
@@ -187,7 +200,7 @@ class _Window:
             return len(shapes[0]) - 2
         return None
 
-    def _check_rank(self, rank: int) -> None:
+    def check_rank(self, rank: int) -> None:
         for name, value, size in (
             ("kernel_shape", self.kernel, rank),
             ("strides", self.strides, rank),
@@ -214,7 +227,7 @@ class _Window:
                 self.node, "kernel_shape", f"is {list(self.kernel)} but the weight has kernel {list(kernel)}"
             )
         kernel = tuple(kernel if kernel is not None else self.kernel)
-        self._check_rank(rank)
+        self.check_rank(rank)
         strides = self.strides or (1,) * rank
         dilations = self.dilations or (1,) * rank
         pads = self.pads or (0,) * (2 * rank)
@@ -334,7 +347,7 @@ class _TransposeWindow:
     def _resolve(self, in_shape, kernel):
         w = self.window
         rank = len(in_shape)
-        w._check_rank(rank)
+        w.check_rank(rank)
         strides = w.strides or (1,) * rank
         dilations = w.dilations or (1,) * rank
         extra = tuple(int(v) for v in self.output_padding) if self.output_padding is not None else (0,) * rank
@@ -411,22 +424,6 @@ def _lowest(dtype: np.dtype):
     return np.iinfo(dtype).min if np.issubdtype(dtype, np.integer) else -np.inf
 
 
-def _max_taps(geo: _Geometry, xp: np.ndarray) -> np.ndarray:
-    taps = geo.taps(xp)
-    y = next(taps).copy()
-    for tap in taps:
-        np.maximum(y, tap, out=y)
-    return y
-
-
-def _sum_taps(geo: _Geometry, xp: np.ndarray) -> np.ndarray:
-    taps = geo.taps(xp)
-    y = next(taps).copy()
-    for tap in taps:
-        y += tap
-    return y
-
-
 def _max_pool_with_indices(geo: _Geometry, xp: np.ndarray, x_shape, column_major: bool):
     """Max and its flat index into the unpadded input, row-major (or column-major over spatial dims)."""
     n, c = x_shape[:2]
@@ -459,7 +456,7 @@ def max_pool(node, shapes, opset):
         xp = geo.pad(x, _lowest(x.dtype))
         if with_indices:
             return _max_pool_with_indices(geo, xp, x.shape, column_major=storage_order == 1)
-        return (_max_taps(geo, xp),)
+        return (geo.reduce_windows(xp, np.maximum),)
 
     return kernel
 
@@ -471,7 +468,7 @@ def average_pool(node, shapes, opset):
 
     def kernel(x):
         geo = window.resolve(x.shape[2:])
-        total = _sum_taps(geo, geo.pad(_upcast(x), 0))
+        total = geo.reduce_windows(geo.pad(_upcast(x), 0), np.add)
         counts = geo.tap_counts(include_pad)
         if counts is None:
             total /= math.prod(geo.kernel)
@@ -505,7 +502,7 @@ def lp_pool(node, shapes, opset):
 
     def kernel(x):
         geo = window.resolve(x.shape[2:])
-        total = _sum_taps(geo, geo.pad(_lp_terms(x, p), 0))
+        total = geo.reduce_windows(geo.pad(_lp_terms(x, p), 0), np.add)
         return (_lp_root(total, p).astype(x.dtype, copy=False),)
 
     return kernel
@@ -559,50 +556,53 @@ def _batch_norm_stats(x, axes, mean, var, momentum, dtype):
     return batch_mean, batch_var, running_mean, running_var
 
 
-def _batch_norm_kernel(node, training: bool, spatial: bool, n_stats: int):
-    """BatchNormalization; in training mode also the updated running stats (and, before 14, batch stats)."""
+def _batch_norm_kernel(node, training: bool, spatial: bool):
+    """BatchNormalization returning as many outputs as the node lists.
+
+    Training mode normalizes with the batch statistics and returns the updated running mean/var
+    (and, before opset 14, the batch mean/var). Inference mode passes the running statistics
+    through for any optional outputs listed, as they do not change.
+    """
     epsilon = float(node.attr("epsilon", 1e-5))
     momentum = float(node.attr("momentum", 0.9))
+    n_outputs = len(node.outputs)
 
     def kernel(x, scale, bias, mean, var):
         dtype = _compute_dtype(x.dtype)
         s, b, mu, v = (_channel_param(p, x.ndim, dtype) for p in (scale, bias, mean, var))
         if not training:
-            return (_affine_normalize(x, mu, v, s, b, epsilon, dtype).astype(x.dtype, copy=False),)
+            y = _affine_normalize(x, mu, v, s, b, epsilon, dtype).astype(x.dtype, copy=False)
+            return (y, mean, var, mean, var)[:n_outputs]
         axes = (0,) if not spatial else (0, *range(2, x.ndim))
         batch_mean, batch_var, run_mean, run_var = _batch_norm_stats(
             x, axes, mean.astype(dtype), var.astype(dtype), momentum, dtype)
         y = _affine_normalize(x, batch_mean[0], batch_var[0], s, b, epsilon, dtype)
-        stats = (run_mean, run_var, batch_mean.reshape(mean.shape), batch_var.reshape(var.shape))
-        return tuple(t.astype(x.dtype, copy=False) for t in (y, *stats[:n_stats]))
+        outputs = (y, run_mean, run_var, batch_mean.reshape(mean.shape), batch_var.reshape(var.shape))
+        return tuple(t.astype(x.dtype, copy=False) for t in outputs[:n_outputs])
 
     return kernel
 
 
+def _lists_training_outputs(node) -> bool:
+    return any(node.outputs[1:])
+
+
 @register("BatchNormalization", since=1)
 def batch_normalization_1(node, shapes, opset):
-    # Optional outputs (running mean/var, saved batch mean/var) exist only in training mode; an
-    # inference runtime ignores is_test otherwise, as old exporters left it unset.
-    spatial = bool(node.attr("spatial", 1))
-    n_stats = len(node.outputs) - 1
-    if n_stats and int(node.attr("is_test", 0)):
-        raise _graph_error(node, "is_test", "is 1 but the node lists training-only outputs; drop them")
-    return _batch_norm_kernel(node, training=n_stats > 0, spatial=spatial, n_stats=n_stats)
+    # Before opset 14 training mode is implied by naming the optional statistics outputs (opset < 7
+    # also requires is_test=0); plain inference ignores is_test, which old exporters left unset.
+    training = _lists_training_outputs(node) and not int(node.attr("is_test", 0))
+    return _batch_norm_kernel(node, training=training, spatial=bool(node.attr("spatial", 1)))
 
 
 @register("BatchNormalization", since=9)
 def batch_normalization_9(node, shapes, opset):
-    n_stats = len(node.outputs) - 1
-    return _batch_norm_kernel(node, training=n_stats > 0, spatial=True, n_stats=n_stats)
+    return _batch_norm_kernel(node, training=_lists_training_outputs(node), spatial=True)
 
 
 @register("BatchNormalization", since=14)
 def batch_normalization_14(node, shapes, opset):
-    training = bool(node.attr("training_mode", 0))
-    n_stats = len(node.outputs) - 1
-    if n_stats and not training:
-        raise _graph_error(node, "training_mode", "is 0 but the node lists running_mean/running_var outputs")
-    return _batch_norm_kernel(node, training=training, spatial=True, n_stats=n_stats)
+    return _batch_norm_kernel(node, training=bool(node.attr("training_mode", 0)), spatial=True)
 
 
 def _standardize(x: np.ndarray, axes, epsilon: float):
@@ -673,7 +673,7 @@ def _group_norm_kernel(node, per_group_params: bool, stash: np.dtype | None):
 
 @register("GroupNormalization", since=18)
 def group_normalization_18(node, shapes, opset):
-    # Opset 18 takes scale/bias per group and computes in the input precision.
+    # Opset 18 takes scale/bias per group and has no stash_type (half precision computes in float32).
     return _group_norm_kernel(node, per_group_params=True, stash=None)
 
 
