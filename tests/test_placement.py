@@ -85,3 +85,71 @@ def test_placement_report_prints_declines_and_copies(chain_model):
     assert "softmax (Softmax) on CPUExecutionProvider" in text
     assert "SampleDeviceExecutionProvider declined: SampleDeviceExecutionProvider runs only" in text
     assert "a: SampleDeviceExecutionProvider -> host" in text
+
+
+class _FoldsDoubleRelu:
+    """A provider whose custom pass removes the second of two chained Relus (Relu is idempotent)."""
+
+    @ort.hookimpl
+    def name(self):
+        return "FoldingExecutionProvider"
+
+    @ort.hookimpl
+    def custom_passes(self):
+        def fold_double_relu(graph):
+            producers = graph.producers()
+            for node in list(graph.nodes):
+                first = producers.get(node.inputs[0]) if node.op_type == "Relu" else None
+                if first is not None and first.op_type == "Relu":
+                    node.op_type, node.inputs = "Identity", [first.outputs[0]]
+                    return True
+            return False
+
+        return [fold_double_relu]
+
+
+def _double_relu_model():
+    from conftest import make_model, tensor_info
+    from onnx import helper
+
+    nodes = [helper.make_node("Relu", ["x"], ["r1"], name="r1"), helper.make_node("Relu", ["r1"], ["y"], name="r2")]
+    return make_model(nodes, [tensor_info("x", shape=[3])], [tensor_info("y", shape=[3])])
+
+
+def test_provider_custom_passes_rewrite_the_graph_before_placement():
+    ort.register_provider(_FoldsDoubleRelu)
+    try:
+        sess = ort.InferenceSession(
+            _double_relu_model().SerializeToString(), providers=["FoldingExecutionProvider", CPU]
+        )
+        assert sess.applied_passes() == ["FoldingExecutionProvider:fold_double_relu"]
+        assert [(n.node, n.op_type) for n in sess.placement()] == [("r1", "Relu"), ("r2", "Identity")]
+        np.testing.assert_array_equal(sess.run(None, {"x": np.array([-1, 0, 2], np.float32)})[0], [0, 0, 2])
+    finally:
+        ort.unregister_provider("FoldingExecutionProvider")
+
+
+def test_a_pass_that_breaks_the_graph_is_reported():
+    class Breaker:
+        @ort.hookimpl
+        def name(self):
+            return "BreakingExecutionProvider"
+
+        @ort.hookimpl
+        def custom_passes(self):
+            def dangle(graph):
+                graph.nodes[0].inputs = ["nowhere"]
+                return True
+
+            return [dangle]
+
+    from onnx_runtime.errors import InvalidGraphError
+
+    ort.register_provider(Breaker)
+    try:
+        with pytest.raises(
+            InvalidGraphError, match=r"graph passes \['BreakingExecutionProvider:dangle'\] left an invalid"
+        ):
+            ort.InferenceSession(_double_relu_model().SerializeToString(), providers=["BreakingExecutionProvider", CPU])
+    finally:
+        ort.unregister_provider("BreakingExecutionProvider")

@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?")
     p.add_argument("--input", action="append", metavar="NAME=FILE.npy", help="an input from a .npy file")
     p.add_argument("--providers", help="comma-separated provider names (default: all available)")
-    p.add_argument("--repeat", type=int, default=1, help="timed runs after a warm-up run")
+    p.add_argument("--repeat", type=int, default=5, help="timed runs after a warm-up run (default 5)")
     p.set_defaults(func=cmd_run)
     return parser
 

@@ -9,9 +9,9 @@ import numpy as np
 
 from ..discovery import EXTRAS, registry
 from ..dtypes import DataType
-from ..errors import InvalidArgumentError, ProviderNotAvailableError
+from ..errors import InvalidArgumentError, InvalidGraphError, OnnxRuntimeError, ProviderError, ProviderNotAvailableError
 from ..ir import Model, TypeInfo, ValueInfo
-from ..loader import load_model
+from ..loader import load_model, topological_order
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
 from .executor import Executor
@@ -112,6 +112,28 @@ def _create_handles(requested: list[tuple[str, dict]]) -> list[ProviderHandle]:
     return handles
 
 
+def _run_custom_passes(graph, handles: list[ProviderHandle]) -> list[str]:
+    """Each provider's ``custom_passes``, in provider order; returns the names of passes that changed
+    the graph. The result is re-validated (SSA, no cycles, every read defined) before placement."""
+    changed = []
+    for handle in handles:
+        for graph_pass in handle.hook.custom_passes() or []:
+            name = f"{handle.name}:{getattr(graph_pass, '__name__', type(graph_pass).__name__)}"
+            try:
+                if graph_pass(graph):
+                    changed.append(name)
+            except OnnxRuntimeError:
+                raise
+            except Exception as exc:
+                raise ProviderError(f"graph pass {name} failed: {type(exc).__name__}: {exc}") from exc
+    if changed:
+        try:
+            graph.nodes = topological_order(graph, set(graph.outer_names))
+        except InvalidGraphError as exc:
+            raise InvalidGraphError(f"graph passes {changed} left an invalid graph: {exc}") from exc
+    return changed
+
+
 class InferenceSession:
     """Load a model, place its nodes on providers, and run it (the onnxruntime API)."""
 
@@ -127,6 +149,7 @@ class InferenceSession:
         self._handles = _create_handles(requested)
         self._provider_options = {name: dict(opts) for name, opts in requested}
         graph = self._model.graph
+        self._applied_passes = _run_custom_passes(graph, self._handles)
         self._placement, assignment = place(graph, self._handles)
         self._executor = Executor(graph, assignment, self._placement)
         self._inputs = [NodeArg.of(vi) for vi in graph.inputs]
@@ -171,6 +194,10 @@ class InferenceSession:
             if handle.matches(name):
                 return handle
         raise InvalidArgumentError(f"this session does not use provider {name!r}; it uses {self.get_providers()}")
+
+    def applied_passes(self) -> list[str]:
+        """Names (``provider:pass``) of the provider graph passes that changed this session's graph."""
+        return list(self._applied_passes)
 
     def placement(self) -> Placement:
         """Each node's provider, every declining provider's reason, and the inserted copies."""
