@@ -78,6 +78,7 @@ class Node:
     attrs: dict[str, Any] = field(default_factory=dict)
     opset: int = 0
     doc: str = ""
+    proto: Any = None  # the onnx.NodeProto it came from, kept for function expansion
 
     @property
     def qualified_op(self) -> str:

@@ -224,7 +224,7 @@ def convert_graph(gp: onnx.GraphProto, opsets: dict[str, int], outer_scope) -> G
         nodes.append(Node(
             op_type=np_node.op_type, inputs=list(np_node.input), outputs=list(np_node.output),
             name=np_node.name or f"{np_node.op_type}_{index}", domain=domain, attrs=attrs,
-            opset=opsets.get(domain, 0), doc=np_node.doc_string,
+            opset=opsets.get(domain, 0), doc=np_node.doc_string, proto=np_node,
         ))
 
     graph = Graph(

@@ -61,6 +61,10 @@ def make_kernel(handle: ProviderHandle, node: Node, shapes):
 def _to_host(value):
     if isinstance(value, Tensor):
         return value.numpy().copy() if value.provider.is_host_accessible else value.numpy()
+    if isinstance(value, list):  # a sequence
+        return [_to_host(v) for v in value]
+    if isinstance(value, np.generic):
+        return np.asarray(value)
     return value
 
 
@@ -212,8 +216,9 @@ class Executor:
                 static &= shape is not None or not name
                 shapes.append(shape)
             if node.subgraphs():
-                static = False  # outer-scope values are extra inputs whose shapes we do not track
-            if static:
+                # Control flow runs any shapes through its compiled subgraphs: one kernel for all.
+                kernel = make_kernel(handle, node, [None] * (len(node.inputs) + len(implicit_inputs(node))))
+            elif static:
                 kernel = make_kernel(handle, node, shapes)
             else:
                 kernel = ShapeKeyedKernel(handle, node)

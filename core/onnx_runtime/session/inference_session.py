@@ -10,6 +10,7 @@ import numpy as np
 from ..discovery import EXTRAS, registry
 from ..dtypes import DataType
 from ..errors import InvalidArgumentError, InvalidGraphError, OnnxRuntimeError, ProviderError, ProviderNotAvailableError
+from ..functions import FunctionExpander
 from ..ir import Model, TypeInfo, ValueInfo
 from ..loader import load_model, topological_order
 from ..provider_handle import ProviderHandle
@@ -150,7 +151,7 @@ class InferenceSession:
         self._provider_options = {name: dict(opts) for name, opts in requested}
         graph = self._model.graph
         self._applied_passes = _run_custom_passes(graph, self._handles)
-        self._placement, assignment = place(graph, self._handles)
+        self._placement, assignment = place(graph, self._handles, FunctionExpander(self._model.functions))
         self._executor = Executor(graph, assignment, self._placement)
         self._inputs = [NodeArg.of(vi) for vi in graph.inputs]
         self._outputs = [NodeArg.of(vi) for vi in graph.outputs]

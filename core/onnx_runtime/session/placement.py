@@ -44,6 +44,7 @@ class Placement:
         self.nodes = nodes
         self._by_name = {n.node: n for n in nodes}
         self.copies: list[Copy] = []
+        self.expanded: dict[str, list[str]] = {}  # function node -> the body nodes that replaced it
 
     def __getitem__(self, node_name: str) -> NodePlacement:
         return self._by_name[node_name]
@@ -71,6 +72,8 @@ class Placement:
             lines.append(f"  {n.node} ({n.op_type}) {how} {n.provider}")
             for provider, reason in n.rejected.items():
                 lines.append(f"      {provider} declined: {reason}")
+        for name, body in self.expanded.items():
+            lines.append(f"  {name} expanded into its function body: {', '.join(body)}")
         if self.copies:
             lines.append(f"{len(self.copies)} copies at device boundaries:")
             lines.extend(f"  {c.value}: {c.source} -> {c.target}" for c in self.copies)
@@ -87,8 +90,12 @@ def _input_facts(graph: Graph, node: Node):
     return shapes, dtypes, layouts
 
 
-def place(graph: Graph, handles: list[ProviderHandle]) -> tuple[Placement, dict[str, ProviderHandle]]:
-    """Assign every node of ``graph`` to one of ``handles`` (priority order)."""
+def place(graph: Graph, handles: list[ProviderHandle], expander=None) -> tuple[Placement, dict[str, ProviderHandle]]:
+    """Assign every node of ``graph`` to one of ``handles`` (priority order).
+
+    A node no provider accepts is replaced by its function body when ``expander`` (a
+    :class:`onnx_runtime.functions.FunctionExpander`) finds one; the body's nodes are placed in turn.
+    """
     claims: dict[str, ProviderHandle] = {}
     for handle in handles:
         claimed = handle.hook.claim_nodes(graph=graph) or []
@@ -97,12 +104,18 @@ def place(graph: Graph, handles: list[ProviderHandle]) -> tuple[Placement, dict[
 
     records: list[NodePlacement] = []
     assignment: dict[str, ProviderHandle] = {}
-    for node in graph.nodes:
+    expanded: dict[str, list[str]] = {}
+    origin: dict[str, str] = {}  # expanded node -> the original node it came from
+    pending = list(graph.nodes)
+    placed: list[Node] = []
+    while pending:
+        node = pending.pop(0)
         record = NodePlacement(node.name, node.op_type, node.domain, provider="")
         if node.name in claims:
             record.provider, record.claimed = claims[node.name].name, True
             assignment[node.name] = claims[node.name]
             records.append(record)
+            placed.append(node)
             continue
         shapes, dtypes, layouts = _input_facts(graph, node)
         for handle in handles:
@@ -118,11 +131,23 @@ def place(graph: Graph, handles: list[ProviderHandle]) -> tuple[Placement, dict[
                 break
             record.rejected[handle.name] = match.reason
         if not record.provider:
+            body = expander.expand(node, graph) if expander is not None else None
+            if body is not None:
+                expanded[node.name] = [n.name for n in body]
+                for inner in body:
+                    origin[inner.name] = origin.get(node.name, f"{node.name!r} ({node.op_type})")
+                pending[:0] = body
+                continue
             domain = node.domain or "ai.onnx"
             reasons = "; ".join(f"{p}: {r}" for p, r in record.rejected.items()) or "no providers"
+            where = f", in the function body of node {origin[node.name]}" if node.name in origin else ""
             raise UnsupportedOperatorError(
                 f"node {node.name!r}: operator {node.op_type} (domain {domain}, opset {node.opset}) is not "
-                f"implemented by any selected provider ({reasons})"
+                f"implemented by any selected provider{where} ({reasons})"
             )
         records.append(record)
-    return Placement(records), assignment
+        placed.append(node)
+    graph.nodes = placed
+    placement = Placement(records)
+    placement.expanded = expanded
+    return placement, assignment

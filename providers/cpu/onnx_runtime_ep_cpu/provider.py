@@ -8,13 +8,24 @@ kernels, chosen from the opset-versioned registry.
 from __future__ import annotations
 
 from onnx_runtime import KernelMatch, hookimpl
-from onnx_runtime.errors import InvalidGraphError
+from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from . import ops  # noqa: F401  (fills the registry)
-from .registry import lookup, registered_versions
+from .registry import NEEDS_HANDLE, lookup, registered_versions
 
 
 class CPUExecutionProvider:
+    def __init__(self):
+        self._handle = None
+
+    @hookimpl
+    def initialize(self, options, handle):
+        if options:
+            raise InvalidArgumentError(
+                f"CPUExecutionProvider accepts no provider options, got {sorted(options)}; remove them"
+            )
+        self._handle = handle
+
     @hookimpl
     def name(self):
         return "CPUExecutionProvider"
@@ -46,4 +57,6 @@ class CPUExecutionProvider:
             raise InvalidGraphError(
                 f"node {node.name!r}: CPUExecutionProvider has no kernel for {node.op_type} at opset {opset}"
             )
+        if factory in NEEDS_HANDLE:
+            return factory(node, shapes, opset, self._handle)
         return factory(node, shapes, opset)

@@ -21,6 +21,8 @@ from typing import Any
 KernelFactory = Callable[[Any, list, int], Callable[..., tuple]]
 
 _REGISTRY: dict[tuple[str, str], list[tuple[int, KernelFactory]]] = {}
+# Factories that also take the provider's handle (control flow compiles subgraphs with it).
+NEEDS_HANDLE: set[KernelFactory] = set()
 
 AI_ONNX = ""
 
@@ -29,10 +31,15 @@ def _norm_domain(domain: str) -> str:
     return "" if domain in ("", "ai.onnx") else domain
 
 
-def register(op_type: str, *, domain: str = AI_ONNX, since: int = 1):
-    """Register a kernel factory for ``op_type`` from opset ``since`` onward (until the next one)."""
+def register(op_type: str, *, domain: str = AI_ONNX, since: int = 1, with_handle: bool = False):
+    """Register a kernel factory for ``op_type`` from opset ``since`` onward (until the next one).
+
+    With ``with_handle`` the factory is called as ``factory(node, shapes, opset, handle)``.
+    """
 
     def decorate(factory: KernelFactory) -> KernelFactory:
+        if with_handle:
+            NEEDS_HANDLE.add(factory)
         entries = _REGISTRY.setdefault((_norm_domain(domain), op_type), [])
         versions = [v for v, _ in entries]
         if since in versions:

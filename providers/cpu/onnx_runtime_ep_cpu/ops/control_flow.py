@@ -1,0 +1,164 @@
+"""If, Loop and Scan: host-driven control flow over subgraphs compiled by the session layer.
+
+Each factory compiles its subgraph attributes once (placement, function expansion, planning) with
+this provider's handle. Values the subgraphs read from enclosing scopes arrive after the node's
+explicit inputs, in ``implicit_inputs(node)`` order, and are passed to the subgraph by name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
+from onnx_runtime.loader import implicit_inputs
+from onnx_runtime.session.subgraph import Subgraph
+
+from ..registry import register
+
+
+def _scalar_bool(value) -> bool:
+    return bool(np.asarray(value).reshape(-1)[0])
+
+
+def _empty_like_type(info, leading: int = 0) -> np.ndarray:
+    dtype = info.dtype.numpy if info is not None and info.dtype is not None else np.float32
+    shape = info.static_shape if info is not None else None
+    return np.empty((leading, *(shape or ())), dtype=dtype)
+
+
+def _outer(node, args, explicit: int) -> dict:
+    return dict(zip(implicit_inputs(node), args[explicit:]))
+
+
+@register("If", since=1, with_handle=True)
+def if_(node, shapes, opset, handle):
+    then_branch = Subgraph(node.attr("then_branch"), [handle])
+    else_branch = Subgraph(node.attr("else_branch"), [handle])
+
+    def kernel(cond, *outer_values):
+        branch = then_branch if _scalar_bool(cond) else else_branch
+        return tuple(branch.run([], _outer(node, (cond, *outer_values), 1)))
+
+    return kernel
+
+
+@register("Loop", since=1, with_handle=True)
+def loop(node, shapes, opset, handle):
+    body = Subgraph(node.attr("body"), [handle])
+    explicit = len(node.inputs)
+    carried_count = explicit - 2
+    scan_count = len(body.output_names) - 1 - carried_count
+    if scan_count < 0:
+        raise InvalidGraphError(
+            f"node {node.name!r} (Loop): attribute 'body' has {len(body.output_names)} outputs; it needs the "
+            f"condition plus one per loop-carried value ({carried_count})"
+        )
+    scan_types = body.output_types[1 + carried_count:]
+
+    def kernel(max_trip=None, cond=None, *rest):
+        carried = list(rest[:carried_count])
+        outer = _outer(node, (max_trip, cond, *rest), explicit)
+        trips = None if max_trip is None or np.asarray(max_trip).size == 0 else int(np.asarray(max_trip).reshape(-1)[0])
+        keep_going = True if cond is None or np.asarray(cond).size == 0 else _scalar_bool(cond)
+        scans: list[list] = [[] for _ in range(scan_count)]
+        iteration = 0
+        while keep_going and (trips is None or iteration < trips):
+            out = body.run([np.array(iteration, np.int64), np.array(keep_going), *carried], outer)
+            keep_going = _scalar_bool(out[0])
+            carried = list(out[1:1 + carried_count])
+            for collected, value in zip(scans, out[1 + carried_count:]):
+                collected.append(value)
+            iteration += 1
+        stacked = [_stack(collected, info, node) for collected, info in zip(scans, scan_types)]
+        return (*carried, *stacked)
+
+    return kernel
+
+
+def _stack(values: list, info, node, axis: int = 0) -> np.ndarray:
+    if not values:
+        return _empty_like_type(info)
+    shapes = {np.shape(v) for v in values}
+    if len(shapes) > 1:
+        raise InvalidArgumentError(
+            f"node {node.name!r} ({node.op_type}): scan output shapes differ between iterations ({sorted(shapes)}); "
+            f"every iteration must produce the same shape"
+        )
+    return np.stack([np.asarray(v) for v in values], axis=axis)
+
+
+def _scan_attrs(node, scan_inputs: int, scan_outputs: int):
+    in_axes = list(node.attr("scan_input_axes", [0] * scan_inputs))
+    in_dirs = list(node.attr("scan_input_directions", [0] * scan_inputs))
+    out_axes = list(node.attr("scan_output_axes", [0] * scan_outputs))
+    out_dirs = list(node.attr("scan_output_directions", [0] * scan_outputs))
+    return in_axes, in_dirs, out_axes, out_dirs
+
+
+def _run_scan(body: Subgraph, node, states: list, scans: list, outer: dict, attrs) -> list:
+    in_axes, in_dirs, out_axes, out_dirs = attrs
+    axes = [a + x.ndim if a < 0 else a for a, x in zip(in_axes, scans)]
+    lengths = {x.shape[a] for a, x in zip(axes, scans)}
+    if len(lengths) > 1:
+        raise InvalidArgumentError(
+            f"node {node.name!r} (Scan): scan inputs have different lengths {sorted(lengths)} along their scan axes"
+        )
+    steps = lengths.pop() if lengths else 0
+    state_count = len(states)
+    collected: list[list] = [[] for _ in range(len(body.output_names) - state_count)]
+    for t in range(steps):
+        slices = [np.take(x, steps - 1 - t if d else t, axis=a) for x, a, d in zip(scans, axes, in_dirs)]
+        out = body.run([*states, *slices], outer)
+        states = list(out[:state_count])
+        for values, value in zip(collected, out[state_count:]):
+            values.append(value)
+    results = []
+    types = body.output_types[state_count:]
+    for values, axis, direction, info in zip(collected, out_axes, out_dirs, types):
+        if direction:
+            values = values[::-1]
+        if not values:
+            results.append(_empty_like_type(info))
+            continue
+        rank = np.ndim(values[0]) + 1
+        results.append(_stack(values, info, node, axis + rank if axis < 0 else axis))
+    return [*states, *results]
+
+
+@register("Scan", since=9, with_handle=True)
+def scan(node, shapes, opset, handle):
+    body = Subgraph(node.attr("body"), [handle])
+    scan_inputs = int(node.attr("num_scan_inputs"))
+    explicit = len(node.inputs)
+    state_count = explicit - scan_inputs
+    attrs = _scan_attrs(node, scan_inputs, len(body.output_names) - state_count)
+
+    def kernel(*args):
+        outer = _outer(node, args, explicit)
+        return tuple(_run_scan(body, node, list(args[:state_count]), list(args[state_count:explicit]), outer, attrs))
+
+    return kernel
+
+
+@register("Scan", since=8, with_handle=True)
+def scan_8(node, shapes, opset, handle):
+    # Opset 8 adds a leading batch axis to every state and scan input, and an optional first input
+    # of per-batch sequence lengths; each batch item is an independent opset-9 scan along axis 0.
+    body = Subgraph(node.attr("body"), [handle])
+    scan_inputs = int(node.attr("num_scan_inputs"))
+    explicit = len(node.inputs)
+    state_count = explicit - 1 - scan_inputs
+    directions = list(node.attr("directions", [0] * scan_inputs))
+    attrs = ([0] * scan_inputs, directions, [0] * (len(body.output_names) - state_count),
+             [0] * (len(body.output_names) - state_count))
+
+    def kernel(sequence_lens, *args):
+        outer = _outer(node, (sequence_lens, *args), explicit)
+        states, scans = list(args[:state_count]), list(args[state_count:explicit - 1])
+        batch = (states or scans)[0].shape[0]
+        per_item = []
+        for b in range(batch):
+            length = scans[0].shape[1] if sequence_lens is None else int(np.asarray(sequence_lens)[b])
+            per_item.append(_run_scan(body, node, [s[b] for s in states], [x[b, :length] for x in scans], outer, attrs))
+        return tuple(np.stack([item[k] for item in per_item]) for k in range(len(per_item[0])))
+
+    return kernel
