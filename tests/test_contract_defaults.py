@@ -215,7 +215,7 @@ def test_supports_op_returning_a_non_kernelmatch_is_a_provider_error():
 
 def test_get_kernel_default_raises_naming_provider_and_op():
     with pytest.raises(NotSupportedError, match="TinyExecutionProvider") as info:
-        tiny().hook.get_kernel(node=Node("Gemm", ["a", "b"], ["c"]), shapes=[(1,), (1,)], opset=18)
+        tiny().hook.get_kernel(node=Node("Gemm", ["a", "b"], ["c"]), shapes=[(1,), (1,)], opset=18, graph=None)
     assert "Gemm" in str(info.value) and "get_kernel" in str(info.value)
 
 

@@ -10,11 +10,13 @@ import os
 
 import numpy as np
 import onnx
+import onnx_runtime as ort
 from onnx import numpy_helper
 
-import onnx_runtime as ort
-
 EXCLUSIONS_FILE = os.path.join(os.path.dirname(__file__), "exclusions.txt")
+# Cases not passing yet: tracked as strict xfails, so a fixed case fails the suite until it is removed
+# from the list. The goal is an empty file.
+KNOWN_FAILURES_FILE = os.path.join(os.path.dirname(__file__), "known_failures.txt")
 
 
 @functools.cache
@@ -26,8 +28,17 @@ def node_cases() -> dict:
 
 def exclusions() -> dict[str, str]:
     """Cases that are themselves wrong: name -> reason (from exclusions.txt)."""
+    return _read_listing(EXCLUSIONS_FILE)
+
+
+def known_failures() -> dict[str, str]:
+    """Cases that do not pass yet: name -> what is missing (from known_failures.txt)."""
+    return _read_listing(KNOWN_FAILURES_FILE) if os.path.exists(KNOWN_FAILURES_FILE) else {}
+
+
+def _read_listing(path: str) -> dict[str, str]:
     found = {}
-    with open(EXCLUSIONS_FILE) as handle:
+    with open(path) as handle:
         for line in handle:
             line = line.strip()
             if line and not line.startswith("#"):

@@ -9,12 +9,13 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from backend_cases import exclusions, node_cases, run_case  # noqa: E402
+from backend_cases import exclusions, known_failures, node_cases, run_case  # noqa: E402
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # the case generators trip numpy overflow warnings on purpose
     CASES = node_cases()
 EXCLUDED = exclusions()
+KNOWN_FAILURES = known_failures()
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -22,7 +23,14 @@ def test_backend_node_case(name):
     if name in EXCLUDED:
         pytest.skip(f"excluded: {EXCLUDED[name]}")
     case = CASES[name]
-    run_case(case.model, case.data_sets, case.rtol, case.atol)
+    if name not in KNOWN_FAILURES:
+        run_case(case.model, case.data_sets, case.rtol, case.atol)
+        return
+    try:
+        run_case(case.model, case.data_sets, case.rtol, case.atol)
+    except Exception as exc:
+        pytest.xfail(f"not passing yet ({KNOWN_FAILURES[name]}): {type(exc).__name__}")
+    pytest.fail(f"{name} passes now: remove it from tests/conformance/known_failures.txt")
 
 
 def test_exclusions_are_few_and_name_real_cases():

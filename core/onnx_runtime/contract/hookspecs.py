@@ -107,8 +107,11 @@ class ExecutionProviderSpec:
         """
 
     @hookspec(firstresult=True)
-    def get_kernel(self, node, shapes, opset):
+    def get_kernel(self, node, shapes, opset, graph):
         """A kernel for ``node`` specialized to concrete input ``shapes`` (tuples of ints).
+
+        ``graph`` is the :class:`onnx_runtime.ir.Graph` holding the node, for the rare operator
+        defined over other nodes of its graph (``Gradient``); most kernels ignore it.
 
         The kernel is a callable ``kernel(*inputs) -> tuple of outputs`` (see :class:`Kernel`).
         The session caches kernels per (node, input shapes). Raise :class:`InvalidGraphError` for

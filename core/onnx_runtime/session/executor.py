@@ -33,23 +33,24 @@ def _shape_of(value):
 class ShapeKeyedKernel:
     """Kernels of one node cached per input shapes, created on first sight of a shape tuple."""
 
-    __slots__ = ("handle", "node", "cache")
+    __slots__ = ("handle", "node", "graph", "cache")
 
-    def __init__(self, handle: ProviderHandle, node: Node, first=None, first_key=None):
+    def __init__(self, handle: ProviderHandle, node: Node, graph: Graph, first=None, first_key=None):
         self.handle = handle
         self.node = node
+        self.graph = graph
         self.cache = {} if first is None else {first_key: first}
 
     def __call__(self, *inputs):
         key = tuple(_shape_of(x) for x in inputs)
         kernel = self.cache.get(key)
         if kernel is None:
-            kernel = self.cache[key] = make_kernel(self.handle, self.node, list(key))
+            kernel = self.cache[key] = make_kernel(self.handle, self.node, list(key), self.graph)
         return kernel(*inputs)
 
 
-def make_kernel(handle: ProviderHandle, node: Node, shapes):
-    kernel = handle.hook.get_kernel(node=node, shapes=shapes, opset=node.opset)
+def make_kernel(handle: ProviderHandle, node: Node, shapes, graph: Graph):
+    kernel = handle.hook.get_kernel(node=node, shapes=shapes, opset=node.opset, graph=graph)
     if kernel is None or not callable(kernel):
         raise ProviderError(
             f"{handle.name}: get_kernel returned {type(kernel).__name__} for node {node.name!r} ({node.op_type}); "
@@ -217,11 +218,11 @@ class Executor:
                 shapes.append(shape)
             if node.subgraphs():
                 # Control flow runs any shapes through its compiled subgraphs: one kernel for all.
-                kernel = make_kernel(handle, node, [None] * (len(node.inputs) + len(implicit_inputs(node))))
+                kernel = make_kernel(handle, node, [None] * (len(node.inputs) + len(implicit_inputs(node))), self.graph)
             elif static:
-                kernel = make_kernel(handle, node, shapes)
+                kernel = make_kernel(handle, node, shapes, self.graph)
             else:
-                kernel = ShapeKeyedKernel(handle, node)
+                kernel = ShapeKeyedKernel(handle, node, self.graph)
             self._kernels[id(node)] = kernel
         return kernel
 

@@ -11,7 +11,7 @@ from onnx_runtime import KernelMatch, hookimpl
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from . import ops  # noqa: F401  (fills the registry)
-from .registry import NEEDS_HANDLE, lookup, registered_versions
+from .registry import NEEDS, lookup, registered_versions
 
 
 class CPUExecutionProvider:
@@ -51,12 +51,14 @@ class CPUExecutionProvider:
         )
 
     @hookimpl
-    def get_kernel(self, node, shapes, opset):
+    def get_kernel(self, node, shapes, opset, graph):
         factory = lookup(node.op_type, node.domain, opset)
         if factory is None:
             raise InvalidGraphError(
                 f"node {node.name!r}: CPUExecutionProvider has no kernel for {node.op_type} at opset {opset}"
             )
-        if factory in NEEDS_HANDLE:
-            return factory(node, shapes, opset, self._handle)
+        needs = NEEDS.get(factory)
+        if needs:
+            extras = {"handle": self._handle, "graph": graph}
+            return factory(node, shapes, opset, **{name: extras[name] for name in needs})
         return factory(node, shapes, opset)

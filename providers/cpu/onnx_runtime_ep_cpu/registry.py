@@ -21,8 +21,10 @@ from typing import Any
 KernelFactory = Callable[[Any, list, int], Callable[..., tuple]]
 
 _REGISTRY: dict[tuple[str, str], list[tuple[int, KernelFactory]]] = {}
-# Factories that also take the provider's handle (control flow compiles subgraphs with it).
-NEEDS_HANDLE: set[KernelFactory] = set()
+# What a factory needs beyond (node, shapes, opset), passed by keyword: "handle" (the provider's
+# handle: control flow compiles subgraphs with it) and "graph" (the graph holding the node: Gradient
+# differentiates other nodes of it).
+NEEDS: dict[KernelFactory, tuple[str, ...]] = {}
 
 AI_ONNX = ""
 
@@ -31,15 +33,18 @@ def _norm_domain(domain: str) -> str:
     return "" if domain in ("", "ai.onnx") else domain
 
 
-def register(op_type: str, *, domain: str = AI_ONNX, since: int = 1, with_handle: bool = False):
+def register(op_type: str, *, domain: str = AI_ONNX, since: int = 1, needs: tuple[str, ...] = ()):
     """Register a kernel factory for ``op_type`` from opset ``since`` onward (until the next one).
 
-    With ``with_handle`` the factory is called as ``factory(node, shapes, opset, handle)``.
+    ``needs`` names extra keyword arguments the factory takes: "handle" and/or "graph".
     """
+    unknown = set(needs) - {"handle", "graph"}
+    if unknown:
+        raise ValueError(f"register({op_type!r}): unknown needs {sorted(unknown)}")
 
     def decorate(factory: KernelFactory) -> KernelFactory:
-        if with_handle:
-            NEEDS_HANDLE.add(factory)
+        if needs:
+            NEEDS[factory] = tuple(needs)
         entries = _REGISTRY.setdefault((_norm_domain(domain), op_type), [])
         versions = [v for v, _ in entries]
         if since in versions:

@@ -29,7 +29,7 @@ def _outer(node, args, explicit: int) -> dict:
     return dict(zip(implicit_inputs(node), args[explicit:]))
 
 
-@register("If", since=1, with_handle=True)
+@register("If", since=1, needs=("handle",))
 def if_(node, shapes, opset, handle):
     then_branch = Subgraph(node.attr("then_branch"), [handle])
     else_branch = Subgraph(node.attr("else_branch"), [handle])
@@ -41,7 +41,7 @@ def if_(node, shapes, opset, handle):
     return kernel
 
 
-@register("Loop", since=1, with_handle=True)
+@register("Loop", since=1, needs=("handle",))
 def loop(node, shapes, opset, handle):
     body = Subgraph(node.attr("body"), [handle])
     explicit = len(node.inputs)
@@ -124,7 +124,7 @@ def _run_scan(body: Subgraph, node, states: list, scans: list, outer: dict, attr
     return [*states, *results]
 
 
-@register("Scan", since=9, with_handle=True)
+@register("Scan", since=9, needs=("handle",))
 def scan(node, shapes, opset, handle):
     body = Subgraph(node.attr("body"), [handle])
     scan_inputs = int(node.attr("num_scan_inputs"))
@@ -139,7 +139,7 @@ def scan(node, shapes, opset, handle):
     return kernel
 
 
-@register("Scan", since=8, with_handle=True)
+@register("Scan", since=8, needs=("handle",))
 def scan_8(node, shapes, opset, handle):
     # Opset 8 adds a leading batch axis to every state and scan input, and an optional first input
     # of per-batch sequence lengths; each batch item is an independent opset-9 scan along axis 0.

@@ -104,7 +104,7 @@ def concat_from_sequence(node, shapes, opset):
     return kernel
 
 
-@register("SequenceMap", since=17, with_handle=True)
+@register("SequenceMap", since=17, needs=("handle",))
 def sequence_map(node, shapes, opset, handle):
     body = Subgraph(node.attr("body"), [handle])
     explicit = len(node.inputs)

@@ -1,0 +1,35 @@
+"""The model-level sets shipped in the onnx wheel (backend/test/data/simple, pytorch-converted,
+pytorch-operator): each folder's model.onnx with its test_data_set_* inputs and outputs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from backend_cases import exclusions, known_failures, load_model_set, model_set_dirs, run_case  # noqa: E402
+
+DIRS = {f"{os.path.basename(os.path.dirname(d))}/{os.path.basename(d)}": d for d in model_set_dirs()}
+EXCLUDED = exclusions()
+KNOWN_FAILURES = known_failures()
+
+# onnx's own runner compares these sets with its default tolerances.
+RTOL, ATOL = 1e-3, 1e-7
+
+
+def test_the_shipped_model_sets_are_all_here():
+    assert len(DIRS) == 140
+
+
+@pytest.mark.parametrize("name", sorted(DIRS))
+def test_model_set(name):
+    if name in EXCLUDED:
+        pytest.skip(f"excluded: {EXCLUDED[name]}")
+    model, data_sets = load_model_set(DIRS[name])
+    if name not in KNOWN_FAILURES:
+        run_case(model, data_sets, RTOL, ATOL)
+        return
+    try:
+        run_case(model, data_sets, RTOL, ATOL)
+    except Exception as exc:
+        pytest.xfail(f"not passing yet ({KNOWN_FAILURES[name]}): {type(exc).__name__}")
+    pytest.fail(f"{name} passes now: remove it from tests/conformance/known_failures.txt")
