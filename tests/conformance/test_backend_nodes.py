@@ -37,3 +37,17 @@ def test_exclusions_are_few_and_name_real_cases():
     assert len(EXCLUDED) <= 10
     assert set(EXCLUDED) <= set(CASES)
     assert all(reason for reason in EXCLUDED.values())
+
+
+def test_the_runtime_never_uses_the_reference_evaluator():
+    """onnx.reference is the oracle in tests, never the implementation."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    offenders = [
+        str(path.relative_to(root))
+        for folder in ("core", "providers")
+        for path in (root / folder).rglob("*.py")
+        if "onnx.reference" in path.read_text() or "from onnx import reference" in path.read_text()
+    ]
+    assert offenders == []

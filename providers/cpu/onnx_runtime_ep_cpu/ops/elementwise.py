@@ -182,6 +182,17 @@ def leaky_relu(node, shapes, opset):
 
 
 @register("PRelu", since=1)
+def prelu_1(node, shapes, opset):
+    # Before opset 7 a 1-D slope holds one value per channel (axis 1), whatever the input's rank.
+    def kernel(x, slope):
+        if slope.ndim == 1 and slope.size > 1 and x.ndim >= 2 and slope.size == x.shape[1]:
+            slope = slope.reshape(-1, *([1] * (x.ndim - 2)))
+        return (np.where(x < 0, slope * x, x).astype(x.dtype, copy=False),)
+
+    return kernel
+
+
+@register("PRelu", since=7)
 def prelu(node, shapes, opset):
     # The slope broadcasts onto x (unidirectional broadcasting, numpy rules).
     return lambda x, slope: (np.where(x < 0, slope * x, x).astype(x.dtype, copy=False),)

@@ -726,9 +726,10 @@ def dropout_10(node, shapes, opset):
 
 @register("Dropout", since=12)
 def dropout_12(node, shapes, opset):
-    # ratio and training_mode became inputs; with training_mode true the drop is random.
+    # ratio and training_mode became inputs; with training_mode true the drop is random. The mask
+    # comes from numpy's MT19937 RandomState, so a seeded node draws the same mask as onnx's reference.
     seed = node.attr("seed")
-    rng = np.random.default_rng(None if seed is None else int(seed))
+    rng = np.random.RandomState(None if seed is None else int(seed) % 2**32)
     with_mask = _wants(node, 1)
 
     def kernel(x, ratio=None, training_mode=None):
@@ -739,8 +740,8 @@ def dropout_12(node, shapes, opset):
             raise InvalidArgumentError(
                 f"node {node.name!r} (Dropout): ratio {ratio} is outside [0, 1); feed a ratio below 1"
             )
-        mask = rng.random(x.shape) >= ratio
-        y = (x * mask / (1 - ratio)).astype(x.dtype, copy=False)
+        mask = rng.random_sample(x.shape) >= ratio
+        y = (_upcast(x) * mask / (1 - ratio)).astype(x.dtype, copy=False)
         return (y, mask) if with_mask else (y,)
 
     return kernel

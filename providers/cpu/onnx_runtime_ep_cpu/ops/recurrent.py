@@ -1,0 +1,283 @@
+"""Recurrent kernels: RNN, GRU and LSTM.
+
+The three share :class:`_RecurrentSpec` (direction, layout, hidden size, clip and the activation
+functions, parsed once per node) and one driver, :func:`_run`: it projects every time step of
+the input through W in one matmul per direction, then steps a cell over time. Python loops over
+time steps only; each step is a few batched matmuls. ``sequence_lens`` is a per-batch mask: past
+its length an entry keeps its state and writes zeros to Y, so the reverse direction effectively
+starts at each entry's last valid step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx_runtime.errors import InvalidArgumentError
+
+from ..registry import register
+from .elementwise import _hard_sigmoid, _quiet, _scalar, _sigmoid, _softplus, _softsign
+from .nn import _compute_dtype, _graph_error
+
+_DIRECTIONS = ("forward", "reverse", "bidirectional")
+
+
+def _relu(x, alpha, beta):
+    return np.maximum(x, _scalar(0, x.dtype))
+
+
+def _affine(x, alpha, beta):
+    return _scalar(alpha, x.dtype) * x + _scalar(beta, x.dtype)
+
+
+def _leaky_relu(x, alpha, beta):
+    return np.where(x >= 0, x, _scalar(alpha, x.dtype) * x)
+
+
+def _thresholded_relu(x, alpha, beta):
+    return np.where(x >= _scalar(alpha, x.dtype), x, _scalar(0, x.dtype))
+
+
+def _scaled_tanh(x, alpha, beta):
+    return _scalar(alpha, x.dtype) * np.tanh(_scalar(beta, x.dtype) * x)
+
+
+def _elu(x, alpha, beta):
+    return np.where(x >= 0, x, _scalar(alpha, x.dtype) * np.expm1(x))
+
+
+# lower-cased name: (function(x, alpha, beta), default alpha, default beta); None = not used.
+_ACTIVATIONS = {
+    "relu": (_relu, None, None),
+    "tanh": (lambda x, alpha, beta: np.tanh(x), None, None),
+    "sigmoid": (lambda x, alpha, beta: _sigmoid(x), None, None),
+    "affine": (_affine, 1.0, 0.0),
+    "leakyrelu": (_leaky_relu, 0.01, None),
+    "thresholdedrelu": (_thresholded_relu, 1.0, None),
+    "scaledtanh": (_scaled_tanh, 1.0, 1.0),
+    "hardsigmoid": (lambda x, alpha, beta: _hard_sigmoid(x, alpha, beta), 0.2, 0.5),
+    "elu": (_elu, 1.0, None),
+    "softsign": (lambda x, alpha, beta: _softsign(x), None, None),
+    "softplus": (lambda x, alpha, beta: _softplus(x), None, None),
+}
+
+
+class _RecurrentSpec:
+    """The attributes shared by RNN, GRU and LSTM, validated once per node.
+
+    ``activations[d]`` holds direction d's activation functions (``per_direction`` of them), each
+    a one-argument callable with its alpha/beta bound.
+    """
+
+    def __init__(self, node, defaults: tuple[str, ...]):
+        self.node = node
+        self.direction = node.attr("direction", "forward")
+        if self.direction not in _DIRECTIONS:
+            raise _graph_error(node, "direction", f"is {self.direction!r}; expected one of {', '.join(_DIRECTIONS)}")
+        self.num_directions = 2 if self.direction == "bidirectional" else 1
+        self.layout = int(node.attr("layout", 0))
+        if self.layout not in (0, 1):
+            raise _graph_error(node, "layout", f"is {self.layout}; expected 0 or 1")
+        hidden = node.attr("hidden_size")
+        self.hidden_size = None if hidden is None else int(hidden)
+        if self.hidden_size is not None and self.hidden_size < 1:
+            raise _graph_error(node, "hidden_size", f"is {self.hidden_size}; expected a positive size")
+        clip = node.attr("clip")
+        self.clip = None if clip is None else float(clip)
+        if self.clip is not None and self.clip < 0:
+            raise _graph_error(node, "clip", f"is {self.clip}; expected a non-negative threshold")
+        self.activations = self._parse_activations(defaults)
+
+    def _parse_activations(self, defaults):
+        node, count = self.node, len(defaults)
+        names = list(node.attr("activations") or defaults * self.num_directions)
+        if len(names) == count and self.num_directions == 2:
+            names *= 2  # one list given for a bidirectional node serves both directions
+        if len(names) != count * self.num_directions:
+            raise _graph_error(
+                node, "activations",
+                f"has {len(names)} functions; expected {count} per direction ({count * self.num_directions} in all)",
+            )
+        # alpha/beta values are consumed in order by the activations that take them (as ONNX Runtime does).
+        alphas = list(node.attr("activation_alpha") or [])
+        betas = list(node.attr("activation_beta") or [])
+        bound = []
+        for name in names:
+            entry = _ACTIVATIONS.get(str(name).lower())
+            if entry is None:
+                raise _graph_error(
+                    node, "activations", f"names unknown function {name!r}; expected one of {sorted(_ACTIVATIONS)}"
+                )
+            fn, alpha, beta = entry
+            if alpha is not None and alphas:
+                alpha = float(alphas.pop(0))
+            if beta is not None and betas:
+                beta = float(betas.pop(0))
+            bound.append(_quiet(lambda x, fn=fn, alpha=alpha, beta=beta: fn(x, alpha, beta)))
+        return [bound[d * count:(d + 1) * count] for d in range(self.num_directions)]
+
+    def clipped(self, x: np.ndarray) -> np.ndarray:
+        """Apply the cell clip (to the inputs of the activations) when the node sets one."""
+        if self.clip is None:
+            return x
+        return np.minimum(np.maximum(x, _scalar(-self.clip, x.dtype)), _scalar(self.clip, x.dtype))
+
+    def check(self, w: np.ndarray, r: np.ndarray, gates: int) -> int:
+        """The hidden size, after checking the weights against the node's attributes."""
+        hidden = r.shape[-1]
+        if w.shape[0] != self.num_directions or r.shape[0] != self.num_directions:
+            raise InvalidArgumentError(
+                f"node {self.node.name!r} ({self.node.op_type}): W {w.shape} and R {r.shape} must have "
+                f"{self.num_directions} direction(s) for direction={self.direction!r}"
+            )
+        size_mismatch = self.hidden_size is not None and hidden != self.hidden_size
+        if size_mismatch or r.shape[1] != gates * hidden or w.shape[1] != gates * hidden:
+            raise InvalidArgumentError(
+                f"node {self.node.name!r} ({self.node.op_type}): W {w.shape} and R {r.shape} do not match "
+                f"hidden_size={self.hidden_size} with {gates} gate(s); expected R of shape "
+                f"({self.num_directions}, {gates * hidden}, {hidden})"
+            )
+        return hidden
+
+
+def _to_time_major(x: np.ndarray | None, layout: int, dtype) -> np.ndarray | None:
+    """Layout 1 puts batch first in X and in the states; the cells work time/direction-major."""
+    if x is None:
+        return None
+    return (np.swapaxes(x, 0, 1) if layout else x).astype(dtype, copy=False)
+
+
+def _run(spec: _RecurrentSpec, cell, x, w, r, b, seq_lens, states, gates: int):
+    """Run ``cell`` over X in each direction.
+
+    ``states`` are the optional initial states (initial_h, and initial_c for LSTM), each
+    (num_directions, batch, hidden) after layout. ``cell(d, xw_t, states) -> states`` computes one
+    step; its first state is the hidden output. Returns Y (seq, dirs, batch, hidden) and the
+    final states, in the node's layout and X's dtype.
+    """
+    dtype = _compute_dtype(x.dtype)
+    xs = _to_time_major(x, spec.layout, dtype)
+    seq, batch = xs.shape[:2]
+    hidden = spec.check(w, r, gates)
+    dirs = spec.num_directions
+    states = [
+        np.zeros((dirs, batch, hidden), dtype) if s is None else _to_time_major(s, spec.layout, dtype) for s in states
+    ]
+    bias = np.zeros((dirs, 2 * gates * hidden), dtype) if b is None else b.astype(dtype, copy=False)
+    lengths = None if seq_lens is None else np.asarray(seq_lens).reshape(-1).astype(np.int64)
+    y = np.zeros((seq, dirs, batch, hidden), dtype)
+    finals = []
+    for d in range(dirs):
+        # Every step's input projection, with the input bias, in one matmul.
+        xw = xs @ w[d].astype(dtype, copy=False).T + bias[d, : gates * hidden]
+        current = [s[d] for s in states]
+        backward = spec.direction == "reverse" or d == 1
+        for t in range(seq - 1, -1, -1) if backward else range(seq):
+            stepped = cell(d, xw[t], current)
+            if lengths is None:
+                current = stepped
+            else:
+                valid = (t < lengths)[:, None]
+                current = [np.where(valid, new, old) for new, old in zip(stepped, current)]
+                stepped[0] = np.where(valid, stepped[0], 0)
+            y[t, d] = stepped[0]
+        finals.append(current)
+    outs = [np.stack([f[i] for f in finals]) for i in range(len(states))]
+    if spec.layout:
+        y = y.transpose(2, 0, 1, 3)
+        outs = [np.swapaxes(o, 0, 1) for o in outs]
+    return [o.astype(x.dtype, copy=False) for o in (y, *outs)]
+
+
+def _outputs(node, values) -> tuple:
+    """One value per listed output (Y, Y_h[, Y_c]), omitted ("") ones included."""
+    return tuple(values[: len(node.outputs)])
+
+
+def _recurrence(r: np.ndarray, b: np.ndarray | None, gates: int, hidden: int, dtype):
+    """Per direction, R transposed and the recurrence bias Rb."""
+    rt = [r[d].astype(dtype, copy=False).T for d in range(r.shape[0])]
+    if b is None:
+        return rt, [np.zeros(gates * hidden, dtype)] * r.shape[0]
+    return rt, [b[d, gates * hidden:].astype(dtype, copy=False) for d in range(r.shape[0])]
+
+
+@register("RNN", since=1)
+def rnn(node, shapes, opset):
+    # Later versions only added layout (14) and types, which the attribute defaults cover.
+    spec = _RecurrentSpec(node, ("Tanh",))
+
+    def kernel(x, w, r, b=None, seq_lens=None, h0=None):
+        dtype = _compute_dtype(x.dtype)
+        rt, rb = _recurrence(r, b, 1, r.shape[-1], dtype)
+
+        def cell(d, xw_t, states):
+            (f,) = spec.activations[d]
+            return [f(spec.clipped(xw_t + states[0] @ rt[d] + rb[d]))]
+
+        return _outputs(node, _run(spec, cell, x, w, r, b, seq_lens, [h0], gates=1))
+
+    return kernel
+
+
+@register("GRU", since=1)
+def gru(node, shapes, opset):
+    # linear_before_reset (GRU-3) and layout (GRU-14) default to the earlier behaviour.
+    spec = _RecurrentSpec(node, ("Sigmoid", "Tanh"))
+    linear_before_reset = bool(node.attr("linear_before_reset", 0))
+
+    def kernel(x, w, r, b=None, seq_lens=None, h0=None):
+        dtype = _compute_dtype(x.dtype)
+        hidden = r.shape[-1]
+        rt, rb = _recurrence(r, b, 3, hidden, dtype)
+
+        def cell(d, xw_t, states):
+            f, g = spec.activations[d]
+            h = states[0]
+            # Gate order is z (update), r (reset), h (hidden).
+            zr = xw_t[:, : 2 * hidden] + h @ rt[d][:, : 2 * hidden] + rb[d][: 2 * hidden]
+            z = f(spec.clipped(zr[:, :hidden]))
+            reset = f(spec.clipped(zr[:, hidden:]))
+            r_h, rb_h = rt[d][:, 2 * hidden:], rb[d][2 * hidden:]
+            if linear_before_reset:
+                recur = reset * (h @ r_h + rb_h)
+            else:
+                recur = (reset * h) @ r_h + rb_h
+            candidate = g(spec.clipped(xw_t[:, 2 * hidden:] + recur))
+            return [(1 - z) * candidate + z * h]
+
+        return _outputs(node, _run(spec, cell, x, w, r, b, seq_lens, [h0], gates=3))
+
+    return kernel
+
+
+@register("LSTM", since=1)
+def lstm(node, shapes, opset):
+    # Later versions only dropped output_sequence and added layout (14) and types.
+    spec = _RecurrentSpec(node, ("Sigmoid", "Tanh", "Tanh"))
+    input_forget = bool(node.attr("input_forget", 0))
+
+    def kernel(x, w, r, b=None, seq_lens=None, h0=None, c0=None, p=None):
+        dtype = _compute_dtype(x.dtype)
+        hidden = r.shape[-1]
+        rt, rb = _recurrence(r, b, 4, hidden, dtype)
+        peep = None if p is None else p.astype(dtype, copy=False).reshape(r.shape[0], 3, hidden)
+
+        def cell(d, xw_t, states):
+            f, g, h_act = spec.activations[d]
+            h, c = states
+            # Gate order is i (input), o (output), f (forget), c (cell).
+            pre = xw_t + h @ rt[d] + rb[d]
+            pre_i, pre_o, pre_f, pre_c = (pre[:, k * hidden:(k + 1) * hidden] for k in range(4))
+            if peep is not None:
+                pre_i = pre_i + peep[d, 0] * c
+                pre_f = pre_f + peep[d, 2] * c
+            i = f(spec.clipped(pre_i))
+            forget = 1 - i if input_forget else f(spec.clipped(pre_f))
+            c_new = forget * c + i * g(spec.clipped(pre_c))
+            if peep is not None:
+                pre_o = pre_o + peep[d, 1] * c_new
+            o = f(spec.clipped(pre_o))
+            return [o * h_act(c_new), c_new]
+
+        return _outputs(node, _run(spec, cell, x, w, r, b, seq_lens, [h0, c0], gates=4))
+
+    return kernel
