@@ -1,13 +1,11 @@
-"""Shared helpers: tiny ONNX models built in code, and paths to the onnx package's shipped models."""
+"""pytest configuration: which tests run with and without providers installed, and shared fixtures."""
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import helper
 
 
 def _providers_installed() -> bool:
@@ -20,19 +18,7 @@ def _providers_installed() -> bool:
 collect_ignore = ["sample_provider"] + (["core_only"] if _providers_installed() else [])
 collect_ignore_glob = [] if _providers_installed() else ["test_*.py"]
 
-LIGHT_DIR = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
-LIGHT_MODELS = sorted(f[:-5] for f in os.listdir(LIGHT_DIR) if f.endswith(".onnx"))
-
-
-def tensor_info(name, elem=TensorProto.FLOAT, shape=None):
-    return helper.make_tensor_value_info(name, elem, shape)
-
-
-def make_model(nodes, inputs, outputs, initializers=(), opset=17, **kwargs) -> onnx.ModelProto:
-    graph = helper.make_graph(nodes, "test_graph", inputs, outputs, initializer=list(initializers))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], **kwargs)
-    model.ir_version = 8
-    return model
+from model_helpers import make_model, tensor_info  # noqa: E402
 
 
 @pytest.fixture
@@ -48,8 +34,3 @@ def chain_model():
     return make_model(nodes, [tensor_info("x", shape=[2, 6])], [tensor_info("y", shape=[2, 6])], [b])
 
 
-def chain_reference(x: np.ndarray) -> np.ndarray:
-    b = np.linspace(-1, 1, 6, dtype=np.float32).reshape(1, 6)
-    a = np.maximum(x, 0) + b
-    e = np.exp(a - a.max(-1, keepdims=True))
-    return (e / e.sum(-1, keepdims=True)) * x

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from conftest import LIGHT_DIR, make_model, tensor_info
+from model_helpers import LIGHT_DIR, make_model, tensor_info
 from onnx import helper
 from onnx_runtime.cli import main
 

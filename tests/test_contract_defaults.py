@@ -824,8 +824,10 @@ def test_storage_bytes(dtype, numel, nbytes):
 
 def test_packed_types():
     assert {d for d in DataType if d.is_packed} == {
-        DataType.INT4, DataType.UINT4, DataType.FLOAT4E2M1, DataType.INT2, DataType.UINT2}
+        DataType.INT4, DataType.UINT4, DataType.FLOAT4E2M1, DataType.INT2, DataType.UINT2, DataType.FLOAT6E2M3,
+        DataType.FLOAT6E3M2}
     assert DataType.INT4.bits == 4 and DataType.INT2.bits == 2 and DataType.FLOAT.bits == 32
+    assert DataType.FLOAT6E2M3.bits == 6 and DataType.FLOAT6E3M2.checked_storage_bytes(4) == 3
 
 
 def test_storage_overflow_raises():

@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import onnx_runtime as ort
 import pytest
-from conftest import make_model, tensor_info
+from model_helpers import make_model, tensor_info
 from onnx import helper
 from onnx_runtime.discovery import registry
 from onnx_runtime.errors import InvalidArgumentError, PluginError, ProviderNotAvailableError

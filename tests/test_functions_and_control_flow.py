@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 import onnx_runtime as ort
 import pytest
-from conftest import make_model, tensor_info
+from model_helpers import make_model, tensor_info
 from onnx import TensorProto, helper
 from onnx_runtime_ep_cpu import CPUExecutionProvider
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_runtime as ort
 import pytest
-from conftest import tensor_info
+from model_helpers import tensor_info
 from onnx import TensorProto, helper
 from onnx_runtime.errors import InvalidGraphError
 

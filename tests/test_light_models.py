@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import onnx_runtime as ort
 import pytest
-from conftest import LIGHT_DIR, LIGHT_MODELS
+from model_helpers import LIGHT_DIR, LIGHT_MODELS
 from onnx import numpy_helper
 
 

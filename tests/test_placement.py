@@ -8,7 +8,7 @@ import re
 import numpy as np
 import onnx_runtime as ort
 import pytest
-from conftest import chain_reference
+from model_helpers import chain_reference
 from onnx_runtime.errors import UnsupportedOperatorError
 
 SAMPLE = "SampleDeviceExecutionProvider"

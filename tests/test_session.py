@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import onnx_runtime as ort
 import pytest
-from conftest import chain_reference, make_model, tensor_info
+from model_helpers import chain_reference, make_model, tensor_info
 from onnx import TensorProto, helper
 from onnx_runtime.errors import InvalidArgumentError, KernelError, OnnxRuntimeError
 

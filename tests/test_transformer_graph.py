@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_runtime as ort
 import pytest
-from conftest import make_model, tensor_info
+from model_helpers import make_model, tensor_info
 from onnx import TensorProto, helper, numpy_helper
 
 D, HEADS, VOCAB = 16, 2, 50

@@ -44,6 +44,8 @@ class DataType(enum.IntEnum):
     FLOAT8E8M0 = 24
     UINT2 = 25
     INT2 = 26
+    FLOAT6E2M3 = 27
+    FLOAT6E3M2 = 28
 
     # -- numpy interop -------------------------------------------------------------------------
     @property
@@ -95,7 +97,7 @@ class DataType(enum.IntEnum):
 
     @property
     def is_packed(self) -> bool:
-        """Whether several elements share one storage byte (int4, uint4, float4, int2, uint2)."""
+        """Whether elements are stored in fewer than 8 bits (int4, uint4, float4, int2, uint2, float6)."""
         return self in _SUB_BYTE_BITS
 
     @property
@@ -154,6 +156,8 @@ _TO_NUMPY: dict[DataType, np.dtype] = {
     DataType.FLOAT8E8M0: np.dtype(ml_dtypes.float8_e8m0fnu),
     DataType.UINT2: np.dtype(ml_dtypes.uint2),
     DataType.INT2: np.dtype(ml_dtypes.int2),
+    DataType.FLOAT6E2M3: np.dtype(ml_dtypes.float6_e2m3fn),
+    DataType.FLOAT6E3M2: np.dtype(ml_dtypes.float6_e3m2fn),
 }
 _FROM_NUMPY = {v: k for k, v in _TO_NUMPY.items() if k is not DataType.STRING}
 _SUB_BYTE_BITS = {
@@ -162,11 +166,13 @@ _SUB_BYTE_BITS = {
     DataType.FLOAT4E2M1: 4,
     DataType.UINT2: 2,
     DataType.INT2: 2,
+    DataType.FLOAT6E2M3: 6,
+    DataType.FLOAT6E3M2: 6,
 }
 _FLOATS = {
     DataType.FLOAT, DataType.FLOAT16, DataType.DOUBLE, DataType.BFLOAT16, DataType.FLOAT8E4M3FN,
     DataType.FLOAT8E4M3FNUZ, DataType.FLOAT8E5M2, DataType.FLOAT8E5M2FNUZ, DataType.FLOAT4E2M1,
-    DataType.FLOAT8E8M0,
+    DataType.FLOAT8E8M0, DataType.FLOAT6E2M3, DataType.FLOAT6E3M2,
 }
 _ORT_NAMES = {DataType.FLOAT: "float", DataType.DOUBLE: "double", DataType.BOOL: "bool"}
 

@@ -22,7 +22,8 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @register("MatMul", since=1)
 def matmul(node, shapes, opset):
-    return lambda a, b: (_matmul(a, b).astype(a.dtype, copy=False),)
+    # asarray: two 1-D inputs make np.matmul return a numpy scalar, and kernels return arrays.
+    return lambda a, b: (np.asarray(_matmul(a, b)).astype(a.dtype, copy=False),)
 
 
 def _scale(y: np.ndarray, factor: float) -> np.ndarray:

@@ -424,10 +424,15 @@ def depth_to_space(node, shapes, opset):
 @register("SpaceToDepth", since=1)
 def space_to_depth(node, shapes, opset):
     b = _blocksize(node)
+    mode = node.attr("mode", "DCR")  # the attribute exists from opset 28 on
+    if mode not in ("DCR", "CRD"):
+        raise _graph_error(node, "mode", f"is {mode!r}", "'DCR' or 'CRD'")
+    # Output depth is ordered (row block, column block, channel) for DCR, (channel, row, column) for CRD.
+    order = (0, 3, 5, 1, 2, 4) if mode == "DCR" else (0, 1, 3, 5, 2, 4)
 
     def kernel(x):
         n, c, h, w = x.shape
-        blocks = x.reshape(n, c, h // b, b, w // b, b).transpose(0, 3, 5, 1, 2, 4)
+        blocks = x.reshape(n, c, h // b, b, w // b, b).transpose(order)
         return (blocks.reshape(n, c * b * b, h // b, w // b),)
 
     return kernel

@@ -1,0 +1,377 @@
+"""Quantization kernels: QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear, QLinearMatMul,
+QLinearConv, ConvInteger, and BitCast.
+
+Quantizing to an integer type rounds half to even and saturates to the type's range; float8 and
+float4 targets round through ml_dtypes' casts (float8 saturating as the ``saturate`` attribute says,
+float4 always, having no infinity). Integer accumulations run in float64, which holds every sum of
+8-bit products exactly and goes through BLAS.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+from onnx_runtime.dtypes import DataType
+from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
+
+from ..registry import register
+from .elementwise import _cast, _quiet
+from .linalg import _zero_point_rows
+from .nn import conv
+
+_INTEGER_TARGETS = {
+    DataType.UINT8, DataType.INT8, DataType.UINT16, DataType.INT16,
+    DataType.UINT4, DataType.INT4, DataType.UINT2, DataType.INT2,
+}
+_FLOAT_TARGETS = {
+    DataType.FLOAT8E4M3FN, DataType.FLOAT8E4M3FNUZ, DataType.FLOAT8E5M2, DataType.FLOAT8E5M2FNUZ,
+    DataType.FLOAT4E2M1,
+}
+_DEQUANTIZED = {DataType.FLOAT, DataType.FLOAT16, DataType.BFLOAT16}
+_PRECISIONS = _DEQUANTIZED | {DataType.INT32}
+
+
+def _error(node, attr: str, message: str) -> InvalidGraphError:
+    return InvalidGraphError(f"node {node.name!r} ({node.op_type}): attribute {attr!r} {message}")
+
+
+def _argument_error(node, message: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"node {node.name!r} ({node.op_type}): {message}")
+
+
+def _type_attr(node, name: str, allowed: set[DataType]) -> DataType | None:
+    """An optional data-type attribute (0 or absent means "not given"), checked against ``allowed``."""
+    value = int(node.attr(name, 0))
+    if value == 0:
+        return None
+    try:
+        dtype = DataType(value)
+    except ValueError:
+        dtype = None
+    if dtype not in allowed:
+        names = ", ".join(sorted(t.name for t in allowed))
+        raise _error(node, name, f"is {value}; expected one of {names}")
+    return dtype
+
+
+class _Granularity:
+    """How a node's scale and zero point map onto its input: per tensor, per axis, or blocked.
+
+    ``per_axis`` is False for the opset-10 operators, which only quantize per tensor; ``block_size``
+    is 0 unless blocked quantization (opset 21+) is asked for.
+    """
+
+    def __init__(self, node, *, per_axis: bool, blocked: bool):
+        self.node = node
+        self.per_axis = per_axis
+        self.axis = int(node.attr("axis", 1)) if per_axis else None
+        self.block_size = int(node.attr("block_size", 0)) if blocked else 0
+        if self.block_size < 0:
+            raise _error(node, "block_size", f"is {self.block_size}; expected a non-negative block size")
+
+    def _axis(self, rank: int) -> int:
+        if not -rank <= self.axis < rank:
+            raise _argument_error(self.node, f"axis {self.axis} is out of range for a rank-{rank} input")
+        return self.axis % rank
+
+    def expand(self, param: np.ndarray, x_shape: tuple[int, ...]) -> np.ndarray:
+        """``param`` (a scale or zero point) shaped to broadcast elementwise against ``x``."""
+        if param.size == 1 and param.ndim <= 1:  # one block covering everything is per-tensor too
+            return param.reshape(())
+        if not self.per_axis or not x_shape:
+            raise _argument_error(self.node, f"a parameter of shape {param.shape} needs per-tensor (scalar) form here")
+        axis = self._axis(len(x_shape))
+        if not self.block_size:
+            if param.ndim != 1 or param.shape[0] != x_shape[axis]:
+                raise _argument_error(
+                    self.node, f"per-axis parameter of shape {param.shape} does not match dimension {axis} "
+                    f"({x_shape[axis]}) of the input {x_shape}"
+                )
+            return param.reshape((-1,) + (1,) * (len(x_shape) - 1 - axis))
+        return self._blocked(param, x_shape, axis)
+
+    def _blocked(self, param, x_shape, axis):
+        b = self.block_size
+        others_match = param.ndim == len(x_shape) and all(
+            p == d for i, (p, d) in enumerate(zip(param.shape, x_shape)) if i != axis
+        )
+        # Every block but the last is full: Si blocks of size B cover Di, and Si - 1 do not.
+        if not others_match or not (param.shape[axis] - 1) * b < x_shape[axis] <= param.shape[axis] * b:
+            raise _argument_error(
+                self.node, f"blocked parameter of shape {param.shape} does not fit input {x_shape} with "
+                f"axis {axis} and block_size {b}"
+            )
+        return np.repeat(param, b, axis=axis)[(slice(None),) * axis + (slice(0, x_shape[axis]),)]
+
+
+# -- QuantizeLinear ---------------------------------------------------------------------------------
+
+
+def _integer_range(target: DataType) -> tuple[int, int]:
+    info = ml_dtypes.iinfo(target.numpy)
+    return int(info.min), int(info.max)
+
+
+@_quiet
+def _to_quantized(values: np.ndarray, zero_point, target: DataType, saturate: bool = True) -> np.ndarray:
+    """``values`` (already divided by the scale) plus the zero point, rounded and saturated to ``target``.
+
+    Integers round half to even before the zero point is added (an integer, so the order is moot);
+    float targets add the zero point in float and round once, in the cast.
+    """
+    zero = 0 if zero_point is None else zero_point
+    if target in _INTEGER_TARGETS:
+        low, high = _integer_range(target)
+        wide = np.rint(values.astype(np.float64)) + np.asarray(zero).astype(np.float64)
+        return np.clip(wide, low, high).astype(target.numpy)
+    wide = values.astype(np.float32) + np.asarray(zero).astype(np.float32)
+    return _cast(wide, target, saturate)
+
+
+@_quiet
+def _divide(x: np.ndarray, scale: np.ndarray, precision: np.dtype) -> np.ndarray:
+    """``x / scale`` at ``precision``: both operands round to it, and their float32 quotient then
+    rounds to float16/bfloat16 exactly as a native division would; int32 divides in float64."""
+    if precision == np.int32:
+        return x.astype(np.float64) / scale.astype(np.float64)
+    quotient = x.astype(precision).astype(np.float32) / scale.astype(precision).astype(np.float32)
+    return quotient.astype(precision).astype(np.float32, copy=False)
+
+
+def _quantize_target(node, zero_point, output_dtype: DataType | None) -> DataType:
+    if zero_point is None:
+        return output_dtype or DataType.UINT8
+    target = DataType.from_numpy(zero_point.dtype)
+    if output_dtype is not None and output_dtype is not target:
+        raise _argument_error(
+            node, f"y_zero_point is {target.name} but attribute 'output_dtype' asks for {output_dtype.name}; "
+            "they must agree"
+        )
+    if target not in _INTEGER_TARGETS | _FLOAT_TARGETS:
+        raise _argument_error(node, f"y_zero_point has type {target.name}, which is not a quantized type")
+    return target
+
+
+def _quantize_factory(node, *, per_axis=True, blocked=False, saturating=False, typed=False, precise=False):
+    granularity = _Granularity(node, per_axis=per_axis, blocked=blocked)
+    saturate = bool(node.attr("saturate", 1)) if saturating else True
+    output_dtype = _type_attr(node, "output_dtype", _INTEGER_TARGETS | _FLOAT_TARGETS) if typed else None
+    precision = _type_attr(node, "precision", _PRECISIONS) if precise else None
+
+    def kernel(x, y_scale, y_zero_point=None):
+        target = _quantize_target(node, y_zero_point, output_dtype)
+        scale = granularity.expand(y_scale, x.shape)
+        zero = None if y_zero_point is None else granularity.expand(y_zero_point, x.shape)
+        # The division runs at the precision attribute's type, else the scale's (float32 for float8e8m0).
+        dtype = precision.numpy if precision is not None else y_scale.dtype
+        if DataType.from_numpy(dtype) not in _PRECISIONS:
+            dtype = np.dtype(np.float32)
+        return (_to_quantized(_divide(x, scale, np.dtype(dtype)), zero, target, saturate),)
+
+    return kernel
+
+
+@register("QuantizeLinear", since=10)
+def quantize_linear_10(node, shapes, opset):
+    return _quantize_factory(node, per_axis=False)
+
+
+@register("QuantizeLinear", since=13)
+def quantize_linear_13(node, shapes, opset):
+    return _quantize_factory(node)
+
+
+@register("QuantizeLinear", since=19)
+def quantize_linear_19(node, shapes, opset):
+    return _quantize_factory(node, saturating=True)
+
+
+@register("QuantizeLinear", since=21)
+def quantize_linear_21(node, shapes, opset):
+    return _quantize_factory(node, blocked=True, saturating=True, typed=True)
+
+
+# 23 adds 'precision' and float4e2m1; 24, 25 and 28 only add types (float8e8m0 scales, 2-bit integers).
+@register("QuantizeLinear", since=23)
+def quantize_linear_23(node, shapes, opset):
+    return _quantize_factory(node, blocked=True, saturating=True, typed=True, precise=True)
+
+
+# -- DequantizeLinear -------------------------------------------------------------------------------
+
+
+def _centered(x: np.ndarray, zero_point) -> np.ndarray:
+    """``x - zero_point``, exactly: in int64 for integer types, in float32 for float8/float4."""
+    if DataType.from_numpy(x.dtype).is_float:
+        wide = x.astype(np.float32)
+        return wide if zero_point is None else wide - np.asarray(zero_point).astype(np.float32)
+    wide = x.astype(np.int64)
+    return wide if zero_point is None else wide - np.asarray(zero_point).astype(np.int64)
+
+
+def _dequantize_factory(node, *, per_axis=True, blocked=False, typed=False):
+    granularity = _Granularity(node, per_axis=per_axis, blocked=blocked)
+    output_dtype = _type_attr(node, "output_dtype", _DEQUANTIZED) if typed else None
+
+    def kernel(x, x_scale, x_zero_point=None):
+        out = output_dtype or DataType.from_numpy(x_scale.dtype)
+        if out not in _DEQUANTIZED:
+            raise _argument_error(
+                node, f"x_scale is {out.name}, which is no output type; set attribute 'output_dtype'"
+            )
+        scale = granularity.expand(x_scale, x.shape)
+        zero = None if x_zero_point is None else granularity.expand(x_zero_point, x.shape)
+        # Multiply in float32 and round once to the output type: a half-precision output gets the
+        # nearest value to the exact product.
+        y = _centered(x, zero).astype(np.float32, copy=False) * scale.astype(np.float32)
+        return (np.asarray(y).astype(out.numpy, copy=False),)
+
+    return kernel
+
+
+@register("DequantizeLinear", since=10)
+def dequantize_linear_10(node, shapes, opset):
+    return _dequantize_factory(node, per_axis=False)
+
+
+@register("DequantizeLinear", since=13)
+def dequantize_linear_13(node, shapes, opset):
+    return _dequantize_factory(node)
+
+
+# 19 adds float8 inputs and half-precision scales, which the opset-13 kernel already handles; 21 adds
+# blocks; 23 adds 'output_dtype'; 24, 25 and 28 only add types.
+@register("DequantizeLinear", since=21)
+def dequantize_linear_21(node, shapes, opset):
+    return _dequantize_factory(node, blocked=True)
+
+
+@register("DequantizeLinear", since=23)
+def dequantize_linear_23(node, shapes, opset):
+    return _dequantize_factory(node, blocked=True, typed=True)
+
+
+# -- DynamicQuantizeLinear --------------------------------------------------------------------------
+
+
+@register("DynamicQuantizeLinear", since=11)
+def dynamic_quantize_linear(node, shapes, opset):
+    low, high = _integer_range(DataType.UINT8)
+
+    @_quiet
+    def kernel(x):
+        x = x.astype(np.float32, copy=False)
+        # The range always includes 0, so that 0 quantizes exactly.
+        x_min = min(np.float32(0), x.min()) if x.size else np.float32(0)
+        x_max = max(np.float32(0), x.max()) if x.size else np.float32(0)
+        # All zeros: any scale reproduces them; a unit range keeps the scale usable as a divisor.
+        span = x_max - x_min if x_max > x_min else np.float32(1)
+        scale = np.float32(span / np.float32(high - low))
+        zero_point = np.clip(np.rint(np.float32(low) - x_min / scale), low, high).astype(np.uint8)
+        y = _to_quantized(x / scale, zero_point, DataType.UINT8)
+        return y, np.asarray(scale), np.asarray(zero_point)
+
+    return kernel
+
+
+# -- QLinearMatMul, QLinearConv, ConvInteger --------------------------------------------------------
+
+
+def _rows(param: np.ndarray, operand: np.ndarray) -> np.ndarray:
+    """A 1-D per-row parameter of a matrix operand (length M) broadcast along its rows."""
+    return _zero_point_rows(param, operand) if param.ndim == 1 else param
+
+
+@register("QLinearMatMul", since=10)
+def qlinear_matmul(node, shapes, opset):
+    # 21 adds float8 operands and half-precision scales; the same arithmetic covers them.
+    def kernel(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point):
+        a_real = _centered(a, _rows(a_zero_point, a)) * _rows(a_scale, a).astype(np.float64)
+        b_real = _centered(b, b_zero_point) * b_scale.astype(np.float64)
+        product = np.asarray(np.matmul(a_real, b_real))
+        values = product / _rows(y_scale, product).astype(np.float64)
+        target = DataType.from_numpy(y_zero_point.dtype)
+        return (_to_quantized(values, _rows(y_zero_point, product), target),)
+
+    return kernel
+
+
+def _output_channels(param: np.ndarray, ndim: int) -> np.ndarray:
+    """A per-tensor or per-output-channel (M,) parameter shaped to broadcast over (N, M, ...)."""
+    return param.reshape(()) if param.size == 1 else param.reshape((-1,) + (1,) * (ndim - 2))
+
+
+def _integer_conv(node, shapes, opset):
+    """conv(x - x_zero_point, w - w_zero_point) in float64, through the float Conv kernel.
+
+    Padding the centred input with zeros pads the raw input with its zero point, as ONNX requires.
+    """
+    float_conv = conv(node, shapes[:1] if shapes else shapes, opset)
+
+    def run(x, w, x_zero_point, w_zero_point):
+        if x_zero_point is not None and x_zero_point.size != 1:
+            raise _argument_error(node, f"x_zero_point has shape {x_zero_point.shape}; expected a scalar")
+        x_zero = None if x_zero_point is None else x_zero_point.reshape(())
+        # The weight's leading dim is its output channel: (M,) zero points broadcast as (M, 1, ...).
+        w_zero = None if w_zero_point is None else _output_channels(w_zero_point, w.ndim + 1)
+        xc = _centered(x, x_zero).astype(np.float64)
+        wc = _centered(w, w_zero).astype(np.float64)
+        return float_conv(xc, wc)[0]
+
+    return run
+
+
+@register("ConvInteger", since=10)
+def conv_integer(node, shapes, opset):
+    run = _integer_conv(node, shapes, opset)
+
+    def kernel(x, w, x_zero_point=None, w_zero_point=None):
+        # Through int64 so that sums past int32 wrap like the 32-bit accumulation they stand for.
+        return (run(x, w, x_zero_point, w_zero_point).astype(np.int64).astype(np.int32),)
+
+    return kernel
+
+
+@register("QLinearConv", since=10)
+def qlinear_conv(node, shapes, opset):
+    run = _integer_conv(node, shapes, opset)
+
+    def kernel(x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias=None):
+        acc = run(x, w, x_zero_point, w_zero_point)
+        if bias is not None:
+            acc += _output_channels(bias, acc.ndim)
+        # The bias is quantized with scale x_scale * w_scale, so it joins the sum before rescaling.
+        multiplier = x_scale.astype(np.float64).reshape(()) * _output_channels(w_scale, acc.ndim).astype(np.float64)
+        values = acc * (multiplier / y_scale.astype(np.float64).reshape(()))
+        target = DataType.from_numpy(y_zero_point.dtype)
+        return (_to_quantized(values, y_zero_point.reshape(()), target),)
+
+    return kernel
+
+
+# -- BitCast ----------------------------------------------------------------------------------------
+
+
+@register("BitCast", since=26)
+def bit_cast(node, shapes, opset):
+    to = node.attr("to")
+    try:
+        target = DataType(int(to))
+    except (TypeError, ValueError):
+        target = None
+    if target in (None, DataType.UNDEFINED, DataType.STRING):
+        raise _error(node, "to", f"is {to!r}; expected a non-string ONNX tensor data type")
+
+    def kernel(x):
+        source = DataType.from_numpy(x.dtype)
+        if source is DataType.STRING or source.bits != target.bits:
+            raise _argument_error(
+                node, f"cannot bit-cast {source.name} to {target.name}: the bit widths differ"
+            )
+        if target.is_packed:
+            # ml_dtypes keeps a sub-byte value in the low bits of its byte; keep only those bits.
+            bits = x.view(np.uint8) & np.uint8((1 << target.bits) - 1)
+            return (bits.view(target.numpy),)
+        return (x.view(target.numpy),)
+
+    return kernel

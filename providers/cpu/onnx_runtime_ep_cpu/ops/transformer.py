@@ -1,0 +1,487 @@
+"""Transformer kernels: Attention, FlexAttention, LinearAttention, RMSNormalization, RotaryEmbedding,
+SwiGLU and CausalConvWithState.
+
+The spec defines these as functions; here they are direct numpy kernels. Half-precision inputs
+(float16, bfloat16) compute in float32 and are cast back once, at the end. Grouped-query attention
+never materializes repeated key/value heads: the ``q_num_heads / kv_num_heads`` query heads that
+share one KV head are folded into the rows of a single batched matmul against that head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from onnx_runtime.dtypes import DataType
+from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
+from onnx_runtime.loader import implicit_inputs
+from onnx_runtime.session.subgraph import Subgraph
+
+from ..registry import register
+from .elementwise import _sigmoid
+from .nn import _compute_dtype, _graph_error, _normalize_axis, _stash_dtype, _upcast
+
+_SOFTMAX_PRECISIONS = (DataType.FLOAT, DataType.FLOAT16, DataType.DOUBLE, DataType.BFLOAT16)
+
+
+# -- shared helpers ------------------------------------------------------------------------------
+
+
+def _has_input(node, index: int) -> bool:
+    return len(node.inputs) > index and bool(node.inputs[index])
+
+
+def _has_output(node, index: int) -> bool:
+    return len(node.outputs) > index and bool(node.outputs[index])
+
+
+def _argument_error(node, message: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"node {node.name!r} ({node.op_type}): {message}")
+
+
+def _softmax_dtype(node, default: np.dtype) -> np.dtype:
+    """The dtype softmax runs in: ``softmax_precision`` when set, else ``default``."""
+    precision = node.attr("softmax_precision")
+    if precision is None:
+        return np.dtype(default)
+    if int(precision) not in _SOFTMAX_PRECISIONS:
+        raise _graph_error(node, "softmax_precision", f"is {precision}; expected 1, 10, 11 or 16")
+    return np.dtype(DataType(int(precision)).numpy)
+
+
+def _softmax_(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, in place. A row of only -inf (fully masked) becomes zeros, not NaN."""
+    peak = x.max(axis=-1, keepdims=True)
+    peak[np.isneginf(peak)] = 0
+    x -= peak
+    np.exp(x, out=x)
+    total = x.sum(axis=-1, keepdims=True)
+    total[total == 0] = 1
+    x /= total
+    return x
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # exp overflow for very negative x: sigmoid is 0 there
+        return x * _sigmoid(x)
+
+
+def _grouped_matmul(a: np.ndarray, b: np.ndarray, kv_heads: int) -> np.ndarray:
+    """``a @ b`` per head, where ``a`` (B, Hq, M, K) has ``Hq / kv_heads`` consecutive heads per head of
+    ``b`` (B, kv_heads, K, N): the group's rows go through one matmul. Returns (B, Hq, M, N)."""
+    batch, heads, rows, _ = a.shape
+    folded = a.reshape(batch, kv_heads, (heads // kv_heads) * rows, a.shape[-1])
+    return np.matmul(folded, b).reshape(batch, heads, rows, b.shape[-1])
+
+
+def _gqa_heads(node, q_heads: int, kv_heads: int) -> None:
+    if kv_heads <= 0 or q_heads % kv_heads:
+        raise _argument_error(
+            node, f"{q_heads} query heads do not split evenly over {kv_heads} key/value heads; "
+            f"q_num_heads must be a positive multiple of kv_num_heads"
+        )
+
+
+# -- Attention -----------------------------------------------------------------------------------
+
+
+class _AttentionGeometry:
+    """Head layout and sequence lengths of one Attention node for one set of input shapes."""
+
+    def __init__(self, node, shapes):
+        q, k, v = shapes[0], shapes[1], shapes[2]
+        self.rank = len(q)
+        if self.rank == 3:
+            q_heads, kv_heads = node.attr("q_num_heads"), node.attr("kv_num_heads")
+            if q_heads is None or kv_heads is None:
+                raise InvalidGraphError(
+                    f"node {node.name!r} (Attention): 3-D Q/K/V need the attributes 'q_num_heads' and "
+                    f"'kv_num_heads' to split the hidden dimension into heads"
+                )
+            self.q_heads, self.kv_heads = int(q_heads), int(kv_heads)
+            for name, hidden, heads in (("Q", q[2], self.q_heads), ("K", k[2], self.kv_heads),
+                                        ("V", v[2], self.kv_heads)):
+                if heads <= 0 or hidden % heads:
+                    raise _argument_error(node, f"{name} hidden size {hidden} does not split into {heads} heads")
+            self.q_len, self.kv_len = q[1], k[1]
+            self.head_size, self.v_head_size = q[2] // self.q_heads, v[2] // self.kv_heads
+        elif self.rank == 4:
+            _, self.q_heads, self.q_len, self.head_size = q
+            self.kv_heads, self.kv_len, self.v_head_size = k[1], k[2], v[3]
+        else:
+            raise _argument_error(node, f"Q has rank {self.rank}; expected 3 or 4")
+        _gqa_heads(node, self.q_heads, self.kv_heads)
+        past = shapes[4] if len(shapes) > 4 else None
+        self.past_len = past[2] if past is not None else 0
+        self.total_len = self.past_len + self.kv_len
+
+    def to_heads(self, x: np.ndarray, heads: int) -> np.ndarray:
+        """(B, S, heads * D) -> (B, heads, S, D); 4-D inputs are already laid out so."""
+        if self.rank == 4:
+            return x
+        return x.reshape(x.shape[0], x.shape[1], heads, -1).transpose(0, 2, 1, 3)
+
+    def from_heads(self, y: np.ndarray) -> np.ndarray:
+        if self.rank == 4:
+            return y
+        return y.transpose(0, 2, 1, 3).reshape(y.shape[0], y.shape[2], -1)
+
+
+def _visible_keys(q_len: int, total_len: int, offset, causal: bool, left: int, right: int,
+                  nonpad: np.ndarray | None) -> np.ndarray | None:
+    """Which keys each query may attend, from the causal frontier, the sliding window and the padding.
+
+    Query ``i`` sits at absolute position ``p = i + offset``. ``offset`` is an int, or per batch an array
+    (B,), which makes the result (B, 1, q_len, total_len) instead of (q_len, total_len). None when
+    every key is visible.
+    """
+    if not causal and left < 0 and right < 0 and nonpad is None:
+        return None
+    keys = np.arange(total_len)
+    position = np.arange(q_len)[:, None] + np.reshape(offset, (-1, 1, 1) if np.ndim(offset) else ())
+    distance = position - keys  # how far key j lies behind the query
+    visible = np.ones(distance.shape, dtype=bool)
+    if causal:
+        visible &= distance >= 0
+    if left >= 0:
+        visible &= distance <= left
+    if right >= 0:
+        visible &= distance >= -right
+    if nonpad is not None:
+        visible &= keys < np.reshape(nonpad, (-1, 1, 1))
+    return visible[:, None] if visible.ndim == 3 else visible
+
+
+class _Attention:
+    """Attention for one node and one set of input shapes; the attention bias is rebuilt per call only
+    when it depends on input values (attn_mask, nonpad_kv_seqlen)."""
+
+    def __init__(self, node, shapes, opset):
+        self.node = node
+        self.geo = geo = _AttentionGeometry(node, shapes)
+        if _has_input(node, 4) != _has_input(node, 5):
+            raise InvalidGraphError(
+                f"node {node.name!r} (Attention): 'past_key' and 'past_value' must be given together"
+            )
+        self.has_nonpad = _has_input(node, 6)
+        if self.has_nonpad and _has_input(node, 4):
+            raise InvalidGraphError(
+                f"node {node.name!r} (Attention): 'nonpad_kv_seqlen' marks an external KV cache and cannot be "
+                f"combined with 'past_key'/'past_value'"
+            )
+        scale = node.attr("scale")
+        self.scale = 1 / math.sqrt(geo.head_size) if scale is None else float(scale)
+        self.softcap = float(node.attr("softcap", 0.0))
+        self.mode = int(node.attr("qk_matmul_output_mode", 0))
+        if self.mode not in (0, 1, 2, 3):
+            raise _graph_error(node, "qk_matmul_output_mode", f"is {self.mode}; expected 0, 1, 2 or 3")
+        self.wants_qk = _has_output(node, 3)
+        self.causal = bool(node.attr("is_causal", 0))
+        # Sliding windows arrived in opset 25; earlier opsets have no such attributes.
+        self.left = int(node.attr("left_window_size", -1)) if opset >= 25 else -1
+        self.right = int(node.attr("right_window_size", -1)) if opset >= 25 else -1
+        for attr, value in (("left_window_size", self.left), ("right_window_size", self.right)):
+            if value < -1:
+                raise _graph_error(node, attr, f"is {value}; expected -1 (unbounded) or a size >= 0")
+        _softmax_dtype(node, np.float32)  # validates the attribute
+        # Without nonpad_kv_seqlen the causal/window frontier depends on shapes only: build it once.
+        self.static_visible = None if self.has_nonpad else _visible_keys(
+            geo.q_len, geo.total_len, geo.past_len, self.causal, self.left, self.right, None)
+
+    def bias(self, mask: np.ndarray | None, nonpad: np.ndarray | None, dtype) -> np.ndarray | None:
+        """The additive attention bias (0 or -inf for masked keys, plus a float mask's values)."""
+        geo = self.geo
+        bias = None
+        if mask is not None:
+            if mask.dtype == bool:
+                bias = np.where(mask, dtype.type(0), dtype.type(-np.inf))
+            else:
+                bias = mask.astype(dtype)
+            short = geo.total_len - bias.shape[-1]
+            if short > 0:  # a short mask leaves the trailing keys masked
+                pad = [(0, 0)] * (bias.ndim - 1) + [(0, short)]
+                bias = np.pad(bias, pad, constant_values=-np.inf)
+        if self.has_nonpad:
+            nonpad = np.asarray(nonpad).reshape(-1).astype(np.int64)
+            visible = _visible_keys(geo.q_len, geo.total_len, nonpad - geo.q_len, self.causal, self.left,
+                                    self.right, nonpad)
+        else:
+            visible = self.static_visible
+        if visible is not None:
+            bias = np.where(visible, dtype.type(0) if bias is None else bias, dtype.type(-np.inf))
+        return bias
+
+    def __call__(self, q, k, v, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None):
+        geo = self.geo
+        k = geo.to_heads(k, geo.kv_heads)
+        v = geo.to_heads(v, geo.kv_heads)
+        present_key = k if past_key is None else np.concatenate((past_key, k), axis=2)
+        present_value = v if past_value is None else np.concatenate((past_value, v), axis=2)
+        dtype = _compute_dtype(q.dtype)
+        softmax_dtype = _compute_dtype(_softmax_dtype(self.node, dtype))
+
+        queries = geo.to_heads(q, geo.q_heads).astype(dtype) * dtype.type(self.scale)
+        keys = present_key.astype(dtype, copy=False).swapaxes(-1, -2)
+        scores = _grouped_matmul(queries, keys, geo.kv_heads)
+        qk = scores.copy() if self.wants_qk and self.mode == 0 else None
+        if self.softcap > 0:
+            cap = dtype.type(self.softcap)
+            np.tanh(scores / cap, out=scores)
+            scores *= cap
+        if self.wants_qk and self.mode == 1:
+            qk = scores.copy()
+        bias = self.bias(attn_mask, nonpad_kv_seqlen, dtype)
+        if bias is not None:
+            scores += bias
+        if self.wants_qk and self.mode == 2:
+            qk = scores.copy()
+
+        probs = _softmax_(scores.astype(softmax_dtype, copy=False))
+        if bias is not None:
+            # A query that may attend no key at all outputs zeros (decided on the bias, not the scores).
+            dead = np.isneginf(bias.max(axis=-1, keepdims=True))
+            if dead.any():
+                probs = np.where(dead, softmax_dtype.type(0), probs)
+        if self.wants_qk and self.mode == 3:
+            qk = probs
+        values = present_value.astype(dtype, copy=False)
+        y = _grouped_matmul(probs.astype(dtype, copy=False), values, geo.kv_heads)
+        y = geo.from_heads(y).astype(q.dtype, copy=False)
+        if qk is not None:
+            qk = qk.astype(q.dtype, copy=False)
+        return (y, present_key, present_value, qk)[: len(self.node.outputs)]
+
+
+@register("Attention", since=23)
+def attention_23(node, shapes, opset):
+    return _Attention(node, shapes, opset)
+
+
+@register("Attention", since=24)  # adds the nonpad_kv_seqlen input (external KV cache)
+def attention_24(node, shapes, opset):
+    return _Attention(node, shapes, opset)
+
+
+@register("Attention", since=25)  # adds left_window_size / right_window_size
+def attention_25(node, shapes, opset):
+    return _Attention(node, shapes, opset)
+
+
+# -- FlexAttention -------------------------------------------------------------------------------
+
+
+def _modifier(node, attr: str, handle) -> Subgraph | None:
+    graph = node.attr(attr)
+    if graph is None:
+        return None
+    if len(graph.inputs) != 1 or len(graph.outputs) != 1:
+        raise _graph_error(
+            node, attr, f"has {len(graph.inputs)} inputs and {len(graph.outputs)} outputs; expected 1 and 1"
+        )
+    return Subgraph(graph, [handle])
+
+
+@register("FlexAttention", domain="ai.onnx.preview", since=1, needs=("handle",))
+def flex_attention(node, shapes, opset, handle):
+    score_mod = _modifier(node, "score_mod", handle)
+    prob_mod = _modifier(node, "prob_mod", handle)
+    scale_attr = node.attr("scale")
+    outer_names = implicit_inputs(node)
+
+    def kernel(q, k, v, *outer_values):
+        if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+            raise _argument_error(node, f"Q, K and V must be rank 4; got shapes {q.shape}, {k.shape}, {v.shape}")
+        _gqa_heads(node, q.shape[1], k.shape[1])
+        outer = dict(zip(outer_names, outer_values))
+        dtype = _compute_dtype(q.dtype)
+        # The modifier subgraphs see scores and probabilities in the softmax precision: float32 for
+        # float/half inputs, double for double, unless softmax_precision says otherwise.
+        mod_dtype = _softmax_dtype(node, np.float64 if q.dtype == np.float64 else np.float32)
+        softmax_dtype = _compute_dtype(mod_dtype)
+        scale = 1 / math.sqrt(q.shape[3]) if scale_attr is None else float(scale_attr)
+
+        queries = q.astype(dtype) * dtype.type(scale)
+        scores = _grouped_matmul(queries, k.astype(dtype, copy=False).swapaxes(-1, -2), k.shape[1])
+        if score_mod is not None:
+            scores = np.asarray(score_mod.run([scores.astype(mod_dtype, copy=False)], outer)[0])
+        probs = _softmax_(scores.astype(softmax_dtype))
+        if prob_mod is not None:
+            probs = np.asarray(prob_mod.run([probs.astype(mod_dtype, copy=False)], outer)[0])
+        y = _grouped_matmul(probs.astype(dtype, copy=False), v.astype(dtype, copy=False), k.shape[1])
+        return (y.astype(v.dtype, copy=False),)
+
+    return kernel
+
+
+# -- LinearAttention -----------------------------------------------------------------------------
+
+_UPDATE_RULES = ("linear", "gated", "delta", "gated_delta")
+
+
+@register("LinearAttention", since=27)
+def linear_attention(node, shapes, opset):
+    rule = node.attr("update_rule", "gated_delta")
+    if rule not in _UPDATE_RULES:
+        raise _graph_error(node, "update_rule", f"is {rule!r}; expected one of {', '.join(_UPDATE_RULES)}")
+    heads = {}
+    for attr in ("q_num_heads", "kv_num_heads"):
+        value = node.attr(attr)
+        if value is None or int(value) <= 0:
+            raise _graph_error(node, attr, f"is {value}; it is required and must be positive")
+        heads[attr] = int(value)
+    q_heads, kv_heads = heads["q_num_heads"], heads["kv_num_heads"]
+    if q_heads % kv_heads:
+        raise _graph_error(node, "q_num_heads", f"({q_heads}) must be a multiple of kv_num_heads ({kv_heads})")
+    gated = rule in ("gated", "gated_delta")
+    delta = rule in ("delta", "gated_delta")
+    for needed, index, name in ((gated, 4, "decay"), (delta, 5, "beta")):
+        if needed and not _has_input(node, index):
+            raise InvalidGraphError(f"node {node.name!r} (LinearAttention): update_rule {rule!r} needs input {name!r}")
+    scale_attr = float(node.attr("scale", 0.0))
+    group = q_heads // kv_heads
+
+    def kernel(query, key, value, past_state=None, decay=None, beta=None):
+        batch, steps = query.shape[:2]
+        d_k, d_v = query.shape[2] // q_heads, value.shape[2] // kv_heads
+        f32 = np.float32
+        # Query heads kv*group .. kv*group+group-1 read KV head kv's state.
+        q = query.astype(f32).reshape(batch, steps, kv_heads, group, d_k)
+        k = key.astype(f32).reshape(batch, steps, kv_heads, d_k)
+        v = value.astype(f32).reshape(batch, steps, kv_heads, d_v)
+        if past_state is None:
+            state = np.zeros((batch, kv_heads, d_k, d_v), f32)
+        else:
+            state = past_state.astype(f32)  # a copy: the recurrence updates it in place
+        if gated:
+            per_key = decay.shape[-1] == kv_heads * d_k
+            if not per_key and decay.shape[-1] != kv_heads:
+                raise _argument_error(
+                    node, f"decay's last dim {decay.shape[-1]} must be {kv_heads} or {kv_heads * d_k}"
+                )
+            gate = np.exp(decay.astype(f32)).reshape(batch, steps, kv_heads, d_k if per_key else 1, 1)
+        if delta:
+            rate = beta.astype(f32).reshape(batch, steps, beta.shape[-1], 1)
+        out = np.empty((batch, steps, kv_heads, group, d_v), f32)
+        for t in range(steps):
+            k_t, v_t = k[:, t], v[:, t]
+            if gated:
+                state *= gate[:, t]
+            if delta:
+                recalled = np.matmul(k_t[:, :, None, :], state)[:, :, 0]  # S^T k: (B, H_kv, d_v)
+                v_t = rate[:, t] * (v_t - recalled)
+            state += k_t[:, :, :, None] * v_t[:, :, None, :]
+            out[:, t] = np.matmul(q[:, t], state)
+        out *= f32(scale_attr or 1 / math.sqrt(d_k))
+        output = out.reshape(batch, steps, q_heads * d_v).astype(query.dtype, copy=False)
+        state_dtype = query.dtype if past_state is None else past_state.dtype
+        return output, state.astype(state_dtype, copy=False)
+
+    return kernel
+
+
+# -- CausalConvWithState -------------------------------------------------------------------------
+
+
+@register("CausalConvWithState", since=27)
+def causal_conv_with_state(node, shapes, opset):
+    activation = node.attr("activation", "none")
+    if activation not in ("none", "silu", "swish"):
+        raise _graph_error(node, "activation", f"is {activation!r}; expected 'none', 'silu' or 'swish'")
+
+    def kernel(x, weight, bias=None, past_state=None):
+        batch, channels, length = x.shape
+        taps = weight.shape[2]
+        if past_state is None:
+            past_state = np.zeros((batch, channels, taps - 1), dtype=x.dtype)
+        padded = np.concatenate((past_state.astype(x.dtype, copy=False), x), axis=2)
+        dtype = _compute_dtype(x.dtype)
+        xc = padded.astype(dtype, copy=False)
+        w = weight.reshape(channels, taps, 1).astype(dtype, copy=False)
+        # Depthwise causal conv: output t sees padded positions t .. t + taps - 1.
+        y = w[:, 0] * xc[:, :, :length]
+        for j in range(1, taps):
+            y += w[:, j] * xc[:, :, j:j + length]
+        if bias is not None:
+            y += bias.astype(dtype, copy=False)[:, None]
+        if activation != "none":
+            y = _silu(y)
+        return y.astype(x.dtype, copy=False), padded[:, :, length:].copy()
+
+    return kernel
+
+
+# -- normalization, positional embedding, gating -------------------------------------------------
+
+
+@register("RMSNormalization", since=23)
+def rms_normalization(node, shapes, opset):
+    epsilon = float(node.attr("epsilon", 1e-5))
+    axis = int(node.attr("axis", -1))
+    stash = _stash_dtype(node)
+
+    def kernel(x, scale):
+        axes = tuple(range(_normalize_axis(node, axis, x.ndim), x.ndim))
+        xs = x.astype(stash)
+        mean_square = np.mean(np.square(xs), axis=axes, keepdims=True)
+        xs /= np.sqrt(mean_square + stash.type(epsilon))
+        dtype = _compute_dtype(np.result_type(_compute_dtype(x.dtype), _compute_dtype(scale.dtype)))
+        y = xs.astype(dtype, copy=False) * scale.astype(dtype, copy=False)
+        return (y.astype(scale.dtype, copy=False),)
+
+    return kernel
+
+
+@register("RotaryEmbedding", since=23)
+def rotary_embedding(node, shapes, opset):
+    interleaved = bool(node.attr("interleaved", 0))
+    rotary_dim = int(node.attr("rotary_embedding_dim", 0))
+    num_heads = int(node.attr("num_heads", 0))
+
+    def kernel(x, cos_cache, sin_cache, position_ids=None):
+        if x.ndim == 4:  # (B, H, S, D): one cos/sin row per (batch, position), shared by the heads
+            heads_view, expand = x, (slice(None), None)
+        elif x.ndim == 3:  # (B, S, H * D)
+            if num_heads <= 0:
+                raise _graph_error(node, "num_heads", "is required (and positive) for a 3-D input")
+            heads_view, expand = x.reshape(x.shape[0], x.shape[1], num_heads, -1), (slice(None), slice(None), None)
+        else:
+            raise _argument_error(node, f"input has rank {x.ndim}; expected 3 or 4")
+        head_size = heads_view.shape[-1]
+        dim = rotary_dim or head_size
+        if dim % 2 or dim > head_size:
+            raise _argument_error(node, f"rotary_embedding_dim {dim} must be even and at most head size {head_size}")
+        if position_ids is not None:
+            cos_cache, sin_cache = cos_cache[position_ids], sin_cache[position_ids]
+        half = dim // 2
+        if cos_cache.shape[-1] != half or sin_cache.shape[-1] != half:
+            raise _argument_error(node, f"cos/sin caches must have last dim {half} (rotary dim / 2)")
+        dtype = _compute_dtype(x.dtype)
+        cos = cos_cache.astype(dtype, copy=False)[expand]
+        sin = sin_cache.astype(dtype, copy=False)[expand]
+        out = heads_view.astype(dtype)  # a copy; dims past the rotary dim pass through
+        if interleaved:
+            x1, x2 = out[..., 0:dim:2], out[..., 1:dim:2]
+        else:
+            x1, x2 = out[..., :half], out[..., half:dim]
+        real = cos * x1 - sin * x2
+        imag = sin * x1 + cos * x2
+        x1[...] = real
+        x2[...] = imag
+        return (out.reshape(x.shape).astype(x.dtype, copy=False),)
+
+    return kernel
+
+
+@register("SwiGLU", since=28)
+def swiglu(node, shapes, opset):
+    alpha = float(node.attr("alpha", 1.0))
+
+    def kernel(a, b):
+        if a.shape != b.shape:
+            raise _argument_error(node, f"A {a.shape} and B {b.shape} must have the same shape (no broadcasting)")
+        gate = _upcast(a)
+        with np.errstate(over="ignore"):  # exp overflow for very negative gates: sigmoid is 0 there
+            y = gate * _sigmoid(gate * gate.dtype.type(alpha)) * _upcast(b)
+        return (y.astype(a.dtype, copy=False),)
+
+    return kernel
