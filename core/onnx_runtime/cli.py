@@ -106,7 +106,7 @@ def _time_runs(sess, feeds, repeat: int):
 
 
 def cmd_run(args) -> int:
-    from .session import InferenceSession
+    from .session import InferenceSession, SessionOptions
 
     checking = args.model is None
     if checking:
@@ -114,7 +114,9 @@ def cmd_run(args) -> int:
         print(f"running the embedded default model {DEFAULT_MODEL} ({model_path})")
     else:
         model_path, expected_path = args.model, None
-    sess = InferenceSession(model_path, providers=_providers_arg(args.providers))
+    options = SessionOptions()
+    options.enable_profiling = args.profile
+    sess = InferenceSession(model_path, options, providers=_providers_arg(args.providers))
     feeds = _parse_inputs(args.input)
     for arg in sess.get_inputs():
         if arg.name not in feeds:
@@ -128,6 +130,8 @@ def cmd_run(args) -> int:
         print(f"output {arg.name}: {value.dtype} {list(value.shape)} {preview}")
     print(f"providers: {', '.join(sess.get_providers())}")
     print(f"time per run: median {statistics.median(times) * 1e3:.2f} ms over {len(times)} runs")
+    if args.profile:
+        _print_profile(sess)
     if checking:
         import onnx
         from onnx import numpy_helper
@@ -140,6 +144,15 @@ def cmd_run(args) -> int:
             print(f"MISMATCH: max abs diff {diff:.2e} against the shipped reference")
             return 1
     return 0
+
+
+def _print_profile(sess) -> None:
+    summary = sess.profile_summary()
+    total = sum(seconds for seconds, _ in summary.values()) or 1.0
+    runs = len(sess._profile_runs) or 1
+    print(f"{'operator':<28}{'ms/run':>10}{'share':>8}{'calls/run':>11}")
+    for op, (seconds, calls) in summary.items():
+        print(f"{op:<28}{seconds / runs * 1e3:>10.3f}{seconds / total:>8.1%}{calls / runs:>11.0f}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", action="append", metavar="NAME=FILE.npy", help="an input from a .npy file")
     p.add_argument("--providers", help="comma-separated provider names (default: all available)")
     p.add_argument("--repeat", type=int, default=5, help="timed runs after a warm-up run (default 5)")
+    p.add_argument("--profile", action="store_true", help="print time per operator")
     p.set_defaults(func=cmd_run)
     return parser
 

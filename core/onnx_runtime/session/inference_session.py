@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -160,6 +162,8 @@ class InferenceSession:
         # Plan the full run now, as onnxruntime does: kernels are created and copies decided at
         # session creation, so their errors surface here and placement() shows the copies.
         self._placement.copies = self._executor.plan(self._output_names).copies
+        self._profile: dict | None = {} if self._sess_options.enable_profiling else None
+        self._profile_runs: list[float] = []
         self._closed = False
 
     # -- the onnxruntime API --------------------------------------------------------------------
@@ -221,7 +225,32 @@ class InferenceSession:
                     f"unknown output {name!r}; the model's outputs are {list(self._output_names)}"
                 )
         feeds = self._validate_feeds(input_feed)
-        return self._executor.run(feeds, names)
+        if self._profile is None:
+            return self._executor.run(feeds, names)
+        start = time.perf_counter()
+        outputs = self._executor.run(feeds, names, self._profile)
+        self._profile_runs.append(time.perf_counter() - start)
+        return outputs
+
+    # -- profiling (SessionOptions.enable_profiling) -----------------------------------------------
+    def profile_summary(self) -> dict[str, tuple[float, int]]:
+        """Per operator (and "copy"): total seconds and calls over the profiled runs so far."""
+        if self._profile is None:
+            raise InvalidArgumentError("profiling is off; set SessionOptions.enable_profiling = True")
+        return dict(sorted(self._profile.items(), key=lambda item: -item[1][0]))
+
+    def end_profiling(self) -> str:
+        """Write the profile as JSON (onnxruntime's method name) and return the file's path."""
+        summary = self.profile_summary()
+        path = f"{self._sess_options.profile_file_prefix}_{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
+        with open(path, "w") as handle:
+            json.dump({
+                "runs": len(self._profile_runs),
+                "run_seconds": self._profile_runs,
+                "operators": {op: {"seconds": s, "calls": c} for op, (s, c) in summary.items()},
+            }, handle, indent=2)
+        self._profile, self._profile_runs = {}, []
+        return path
 
     def close(self) -> None:
         if self._closed:
