@@ -272,7 +272,7 @@ class Executor:
             if profile is not None:
                 self._run_profiled(plan, env, profile)
             else:
-                for index, (run, fetch, single, outs, release) in enumerate(plan.fast):
+                for index, (run, fetch, single, outs, release) in enumerate(plan.fast):  # noqa: B007 (read on error)
                     results = run(*fetch(env))
                     if single is not None:
                         env[single] = results[0]
@@ -297,7 +297,7 @@ class Executor:
     def _run_profiled(plan: Plan, env: list, profile: dict) -> None:
         """The run loop with a clock around every step; totals go to ``profile`` per operator."""
         clock = time.perf_counter
-        for index, (step, (run, fetch, single, outs, release)) in enumerate(zip(plan.steps, plan.fast)):
+        for index, (step, (run, fetch, _single, outs, release)) in enumerate(zip(plan.steps, plan.fast)):
             start = clock()
             try:
                 results = run(*fetch(env))
