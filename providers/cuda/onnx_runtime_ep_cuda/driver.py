@@ -1,7 +1,10 @@
-"""Access to the CUDA driver through cuda-python, and the probe that says why it is unusable.
+"""Access to the CUDA driver through cuda-python (or its simulator), and the probe that says why it is unusable.
 
 Every import of ``cuda.bindings`` goes through this module so that a machine without cuda-python
 or without an NVIDIA driver keeps the provider installed and merely *unavailable*, with a reason.
+``ONNX_RUNTIME_CUDA_SIM=1`` swaps in ``onnx_runtime_ep_cuda.sim.driver``, which implements the subset
+of ``cuda.bindings.driver`` the provider calls with the same names and return conventions; nothing
+above this module knows which one it talks to.
 """
 
 from __future__ import annotations
@@ -9,12 +12,23 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import importlib
+import os
 
 from onnx_runtime.errors import ProviderError
 
+SIM_ENV = "ONNX_RUNTIME_CUDA_SIM"
+
+
+def simulated() -> bool:
+    """Whether the simulator switch is on (read on every call so tests can flip it)."""
+    return os.environ.get(SIM_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
 
 def load_driver_module():
-    """The ``cuda.bindings.driver`` module (cuda-python 12.6+), or raise ImportError."""
+    """``cuda.bindings.driver``, or the simulator with the switch on; raise ImportError when missing."""
+    if simulated():
+        return importlib.import_module("onnx_runtime_ep_cuda.sim.driver")
     try:
         from cuda.bindings import driver
     except ImportError:
@@ -23,6 +37,8 @@ def load_driver_module():
 
 
 def _libcuda_present() -> bool:
+    # cuda-python imports fine without a driver and only fails at the first call, deep in its loader;
+    # looking for libcuda first gives the user the real reason.
     for candidate in ("libcuda.so.1", "libcuda.so", ctypes.util.find_library("cuda")):
         if not candidate:
             continue
@@ -34,14 +50,20 @@ def _libcuda_present() -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=1)
 def probe() -> str:
-    """"" when the driver is usable, else the reason it is not (cached: the machine does not change)."""
+    """"" when the driver (or the switched-on simulator) is usable, else the reason it is not."""
+    return _probe(simulated())
+
+
+@functools.lru_cache(maxsize=2)  # one answer per switch position: the machine does not change
+def _probe(sim: bool) -> str:
     try:
         driver = load_driver_module()
     except ImportError as exc:
+        if sim:
+            return f"the CUDA simulator could not be loaded ({exc}); unset {SIM_ENV} to use the real driver"
         return f"cuda-python is not installed ({exc}); install it with `pip install 'onnx-runtime[cuda]'`"
-    if not _libcuda_present():
+    if not sim and not _libcuda_present():
         return "no NVIDIA driver found (libcuda); install the NVIDIA driver on a machine with an NVIDIA GPU"
     try:
         (err,) = driver.cuInit(0)
@@ -58,15 +80,21 @@ def probe() -> str:
 
 
 def err_name(driver, err) -> str:
+    """The driver's name for ``err`` (e.g. CUDA_ERROR_OUT_OF_MEMORY), falling back to its repr."""
     try:
         status, name = driver.cuGetErrorName(err)
-        return name.decode() if int(status) == 0 else str(err)
-    except Exception:
-        return str(err)
+        if int(status) == 0:
+            return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # naming an error must never mask the error itself
+        pass
+    return str(err)
 
 
 def check(driver, result, call: str):
-    """Unpack a cuda-python ``(CUresult, *values)`` tuple, raising a typed error naming ``call``."""
+    """Unpack a cuda-python ``(CUresult, *values)`` tuple, raising a typed error naming ``call``.
+
+    Returns None, the single value, or a tuple of the values.
+    """
     err, *values = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
         raise ProviderError(f"CUDAExecutionProvider: {call} failed with {err_name(driver, err)}")

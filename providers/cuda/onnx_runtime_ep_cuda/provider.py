@@ -1,28 +1,40 @@
-"""CUDAExecutionProvider: identity, options and availability on cuda-python's driver API.
+"""CUDAExecutionProvider: the provider contract's identity, memory, copy and ordering hooks on one CUDA device.
 
 On a machine without cuda-python or without an NVIDIA driver the provider stays installed and
-reports itself unavailable with the reason. Its NVRTC kernels, device memory and device graphs are
-delivered by the CUDA provider issue; until then it declines every node with that reason, so
-placement runs the node on the next listed provider.
+reports itself unavailable with the reason; ``ONNX_RUNTIME_CUDA_SIM=1`` runs it on the simulator.
+Device memory is not host-accessible: buffers carry ``host=None`` and the device address in ``ptr``,
+and every byte moves through the driver. Host buffers (the CPU provider's) may appear on either side
+of ``copy``/``copy_async``; the bounds, ownership and writability checks happen here, before any
+driver call. The device kernels come with the operator work; until then every node is declined.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from onnx_runtime import Availability, DeviceId, DeviceType, KernelMatch, hookimpl
-from onnx_runtime.errors import InvalidArgumentError
+from onnx_runtime.contract.buffers import SIGNALLED, DeviceBuffer, Ownership
+from onnx_runtime.contract.defaults import check_range, host_bytes_of, writable_host_bytes_of
+from onnx_runtime.errors import InvalidArgumentError, ProviderNotAvailableError
 
 from . import driver
+from .device import CudaDevice
 
+NAME = "CUDAExecutionProvider"
 OPTION_KEYS = ("device_id",)
 
 
 class CUDAExecutionProvider:
     def __init__(self):
         self._device_index = 0
+        self._device: CudaDevice | None = None
+        self.handle = None  # the ProviderHandle, for kernels that create Tensors on this device
+        self._allocations = 0
+        self._frees = 0
 
+    # -- identity -----------------------------------------------------------------------------------
     @hookimpl
     def name(self):
-        return "CUDAExecutionProvider"
+        return NAME
 
     @hookimpl
     def short_name(self):
@@ -41,27 +53,219 @@ class CUDAExecutionProvider:
         reason = driver.probe()
         return Availability.no(reason) if reason else Availability.yes()
 
+    # -- lifecycle ----------------------------------------------------------------------------------
     @hookimpl
-    def initialize(self, options):
+    def initialize(self, options, handle):
+        index = self._device_index
         for key, value in options.items():
             bare = key.removeprefix("cuda.")
             if bare not in OPTION_KEYS:
                 raise InvalidArgumentError(
-                    f"CUDAExecutionProvider does not accept option {key!r}; accepted: {list(OPTION_KEYS)}"
+                    f"{NAME} does not accept option {key!r}; accepted: {list(OPTION_KEYS)}"
                 )
             if bare == "device_id":
-                index = int(value)
-                count = driver.device_count()
-                if not 0 <= index < count:
-                    raise InvalidArgumentError(
-                        f"CUDAExecutionProvider option device_id={value} is out of range; this machine has "
-                        f"{count} CUDA device(s)"
-                    )
-                self._device_index = index
+                try:
+                    index = int(value)
+                except ValueError:
+                    raise InvalidArgumentError(f"{NAME} option device_id must be an integer, got {value!r}") from None
+        reason = driver.probe()
+        if reason:
+            raise ProviderNotAvailableError(f"{NAME} is not available: {reason}")
+        count = driver.device_count()
+        if not 0 <= index < count:
+            raise InvalidArgumentError(
+                f"{NAME} option device_id={index} is out of range; this machine has {count} CUDA device(s)"
+            )
+        self._device_index = index
+        self._device = CudaDevice.get(index)
+        self.handle = handle
 
+    @hookimpl
+    def shutdown(self):
+        # The device (context, streams, pool) is shared by every instance in the process and released
+        # at exit; tensors may outlive the session, so this instance keeps it to free them later.
+        if self._device is not None and not self._device.closed:
+            self._device.sync()
+
+    # -- capability ---------------------------------------------------------------------------------
     @hookimpl
     def supports_op(self, node):
         return KernelMatch.unsupported(
-            "CUDAExecutionProvider ships no device kernels in this release; list CPUExecutionProvider after it "
-            "so the node runs on the CPU"
+            f"{NAME} has no device kernel for {node.op_type} yet; list CPUExecutionProvider after it so the "
+            f"node runs on the CPU"
+        )
+
+    # -- memory -------------------------------------------------------------------------------------
+    def cuda_device(self) -> CudaDevice:
+        """The shared :class:`CudaDevice` (for kernels); raises before ``initialize``."""
+        if self._device is None:
+            raise InvalidArgumentError(f"{NAME} is not initialized; create a session (or call initialize) first")
+        return self._device
+
+    @hookimpl
+    def allocate(self, size, alignment):
+        address, base = self.cuda_device().allocate(size, alignment)
+        self._allocations += 1
+        return DeviceBuffer(self.device_id(), size, alignment, address, host=None, provider_state=base)
+
+    @hookimpl
+    def deallocate(self, buffer):
+        device = self.cuda_device()
+        if buffer.provider_state is None:
+            raise InvalidArgumentError(f"{NAME}: {buffer!r} was not allocated by this provider")
+        if not device.closed:  # after process-exit release the memory went with the context
+            device.free(buffer.provider_state)
+        self._frees += 1
+
+    @hookimpl
+    def device_allocation_counts(self):
+        return (self._allocations, self._frees)
+
+    # -- copies -------------------------------------------------------------------------------------
+    def _host_view(self, buffer: DeviceBuffer, what: str) -> np.ndarray | None:
+        """The host bytes of a host buffer, or None for a buffer on this provider's device."""
+        if buffer.released:
+            raise InvalidArgumentError(f"{NAME}: {what} uses the buffer at {buffer.ptr:#x}, which was already freed")
+        if buffer.host is not None:
+            return buffer.host_view()
+        if buffer.device != self.device_id():
+            raise InvalidArgumentError(
+                f"{NAME}: {what} got a buffer on {buffer.device}, but this provider runs on {self.device_id()}; "
+                f"copy through the host or use that device's provider"
+            )
+        return None
+
+    def _writable(self, buffer: DeviceBuffer, what: str) -> None:
+        if buffer.ownership is Ownership.BORROWED:
+            raise InvalidArgumentError(
+                f"{NAME}: {what} cannot write into the read-only borrowed buffer at {buffer.ptr:#x}; "
+                f"borrow it writable (DeviceBuffer.alias(writable=True)) or allocate an owned one"
+            )
+
+    def _copy_operands(self, src: DeviceBuffer, dst: DeviceBuffer, size: int, what: str):
+        if size < 0:
+            raise InvalidArgumentError(f"{NAME}: {what} size must be non-negative, got {size}")
+        if size > src.size or size > dst.size:
+            raise InvalidArgumentError(
+                f"{NAME}: {what} of {size} bytes exceeds the source ({src.size} B) or destination ({dst.size} B)"
+            )
+        source, target = self._host_view(src, what), self._host_view(dst, what)
+        self._writable(dst, what)
+        return source, target
+
+    @hookimpl
+    def copy(self, src, dst, size):
+        source, target = self._copy_operands(src, dst, size, "copy")
+        if size == 0:
+            return
+        device = self.cuda_device()
+        if source is not None and target is not None:
+            target[:size] = source[:size]
+        elif source is not None:
+            device.upload(dst.ptr, source[:size])
+        elif target is not None:
+            device.download(target[:size], src.ptr)
+        else:
+            _refuse_overlap(src.ptr, dst.ptr, size, "copy")
+            device.copy_device(dst.ptr, src.ptr, size)
+            device.sync()
+
+    @hookimpl
+    def copy_async(self, src, dst, size):
+        source, target = self._copy_operands(src, dst, size, "copy_async")
+        if source is not None and target is not None:
+            target[:size] = source[:size]
+            return SIGNALLED
+        if source is None and target is None:
+            _refuse_overlap(src.ptr, dst.ptr, size, "copy_async")
+        return self.cuda_device().copy_async(dst.ptr if target is None else target[:size],
+                                             src.ptr if source is None else source[:size], size)
+
+    @hookimpl
+    def wait_fence(self, fence):
+        self.cuda_device().wait_fence(fence)
+
+    @hookimpl
+    def record_compute_fence(self):
+        return self.cuda_device().record_compute_fence()
+
+    @hookimpl
+    def copy_wait_fence(self, fence):
+        self.cuda_device().copy_wait_fence(fence)
+
+    @hookimpl
+    def copy_from_host(self, src, dst):
+        data = host_bytes_of(src)
+        if data.size > dst.size:
+            raise InvalidArgumentError(
+                f"{NAME}: host upload of {data.size} bytes exceeds the destination's {dst.size} bytes"
+            )
+        self._upload(data, dst, 0, "host upload")
+
+    @hookimpl
+    def copy_from_host_at(self, src, dst, byte_offset):
+        data = host_bytes_of(src)
+        check_range(NAME, "host upload", dst, byte_offset, data.size)
+        self._upload(data, dst, byte_offset, "ranged host upload")
+
+    def _upload(self, data: np.ndarray, dst: DeviceBuffer, offset: int, what: str) -> None:
+        target = self._host_view(dst, what)
+        self._writable(dst, what)
+        if data.size == 0:
+            return
+        if target is not None:
+            target[offset: offset + data.size] = data
+        else:
+            self.cuda_device().upload(dst.ptr + offset, data)
+
+    @hookimpl
+    def copy_to_host(self, src, dst):
+        target = writable_host_bytes_of(dst)
+        if target.size > src.size:
+            raise InvalidArgumentError(
+                f"{NAME}: host download of {target.size} bytes exceeds the source's {src.size} bytes"
+            )
+        source = self._host_view(src, "host download")
+        if target.size == 0:
+            return
+        if source is not None:
+            target[:] = source[: target.size]
+        else:
+            self.cuda_device().download(target, src.ptr)
+
+    @hookimpl
+    def copy_device_to_device(self, src, src_offset, dst, dst_offset, nbytes):
+        what = "device-to-device copy"
+        check_range(NAME, f"{what} source", src, src_offset, nbytes)
+        check_range(NAME, f"{what} destination", dst, dst_offset, nbytes)
+        if self._host_view(src, what) is not None or self._host_view(dst, what) is not None:
+            raise InvalidArgumentError(
+                f"{NAME}: {what} needs two buffers on {self.device_id()}; use copy for host buffers"
+            )
+        self._writable(dst, what)
+        _refuse_overlap(src.ptr + src_offset, dst.ptr + dst_offset, nbytes, what)
+        self.cuda_device().copy_device(dst.ptr + dst_offset, src.ptr + src_offset, nbytes)
+
+    @hookimpl
+    def sync(self):
+        if self._device is not None:
+            self._device.sync()
+
+    # -- device helpers (not hooks) -----------------------------------------------------------------
+    def fill(self, buffer: DeviceBuffer, value: int = 0, offset: int = 0, nbytes: int | None = None) -> None:
+        """Set bytes ``[offset, offset+nbytes)`` of a device buffer to ``value``, stream-ordered."""
+        nbytes = buffer.size - offset if nbytes is None else nbytes
+        check_range(NAME, "fill", buffer, offset, nbytes)
+        if self._host_view(buffer, "fill") is not None:
+            raise InvalidArgumentError(f"{NAME}: fill needs a buffer on {self.device_id()}")
+        self._writable(buffer, "fill")
+        self.cuda_device().fill(buffer.ptr + offset, nbytes, value)
+
+
+def _refuse_overlap(src: int, dst: int, nbytes: int, what: str) -> None:
+    # The driver's device copies are undefined on overlapping ranges; say so instead of corrupting data.
+    if nbytes and src < dst + nbytes and dst < src + nbytes and src != dst:
+        raise InvalidArgumentError(
+            f"{NAME}: {what} source {src:#x} and destination {dst:#x} overlap over {nbytes} bytes; "
+            f"copy through a temporary buffer"
         )
