@@ -14,10 +14,15 @@ import numpy as np
 from onnx_runtime import Availability, DeviceId, DeviceType, KernelMatch, hookimpl
 from onnx_runtime.contract.buffers import SIGNALLED, DeviceBuffer, Ownership
 from onnx_runtime.contract.defaults import check_range, host_bytes_of, writable_host_bytes_of
-from onnx_runtime.errors import InvalidArgumentError, ProviderNotAvailableError
+from onnx_runtime.errors import InvalidArgumentError, ProviderError, ProviderNotAvailableError
 
-from . import driver
+from . import (
+    driver,
+    ops,  # noqa: F401  (fills the kernel registry)
+)
 from .device import CudaDevice
+from .ops.context import KernelContext
+from .ops.registry import lookup, unsupported_reason
 
 NAME = "CUDAExecutionProvider"
 OPTION_KEYS = ("device_id",)
@@ -30,6 +35,7 @@ class CUDAExecutionProvider:
         self.handle = None  # the ProviderHandle, for kernels that create Tensors on this device
         self._allocations = 0
         self._frees = 0
+        self._context: KernelContext | None = None
 
     # -- identity -----------------------------------------------------------------------------------
     @hookimpl
@@ -89,11 +95,20 @@ class CUDAExecutionProvider:
 
     # -- capability ---------------------------------------------------------------------------------
     @hookimpl
-    def supports_op(self, node):
-        return KernelMatch.unsupported(
-            f"{NAME} has no device kernel for {node.op_type} yet; list CPUExecutionProvider after it so the "
-            f"node runs on the CPU"
-        )
+    def supports_op(self, node, opset, shapes, dtypes):
+        reason = unsupported_reason(node, opset, shapes, dtypes)
+        if reason is not None:
+            return KernelMatch.unsupported(f"{reason}; list CPUExecutionProvider after it so the node runs on the CPU")
+        return KernelMatch.supported(cost=0.1)
+
+    @hookimpl
+    def get_kernel(self, node, shapes, opset):
+        entry = lookup(node.op_type, node.domain, opset)
+        if entry is None:
+            raise ProviderError(f"{NAME}: no kernel for node {node.name!r} ({node.op_type}) at opset {opset}")
+        if self._context is None:
+            self._context = KernelContext(self.cuda_device(), self.handle)
+        return entry.factory(node, shapes, opset, self._context)
 
     # -- memory -------------------------------------------------------------------------------------
     def cuda_device(self) -> CudaDevice:

@@ -1,0 +1,1 @@
+"""CUDA kernels, one module per operator family. Importing this package fills the registry."""

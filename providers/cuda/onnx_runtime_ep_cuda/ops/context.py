@@ -1,0 +1,55 @@
+"""What a CUDA kernel factory gets: the device, the provider's handle, kernel loading and launches."""
+
+from __future__ import annotations
+
+import ctypes
+
+from onnx_runtime import DataType, Tensor
+
+BLOCK = 256
+MAX_GRID = 65535 * 32  # grid-stride kernels: more blocks than this buys nothing
+
+
+def ptr(tensor: Tensor) -> tuple[int, type]:
+    """A tensor's device address as a kernel argument (0 for an empty tensor)."""
+    return (tensor.device_ptr, ctypes.c_void_p)
+
+
+def i64(value: int) -> tuple[int, type]:
+    return (int(value), ctypes.c_int64)
+
+
+def i32(value: int) -> tuple[int, type]:
+    return (int(value), ctypes.c_int32)
+
+
+def f32(value: float) -> tuple[float, type]:
+    return (float(value), ctypes.c_float)
+
+
+class KernelContext:
+    """Per provider instance; kernels hold it for the session's lifetime."""
+
+    def __init__(self, device, handle):
+        self.device = device
+        self.handle = handle
+
+    def function(self, source_file: str, name: str, options=()):
+        """The compiled ``extern "C"`` kernel ``name`` from ``kernels/<source_file>``."""
+        return self.device.function(self.device.load(source_file, options), name)
+
+    def empty(self, dtype, shape) -> Tensor:
+        return Tensor.empty(DataType.parse(dtype), shape, provider=self.handle)
+
+    def empty_like(self, tensor: Tensor, dtype=None, shape=None) -> Tensor:
+        return self.empty(tensor.dtype if dtype is None else dtype, tensor.shape if shape is None else shape)
+
+    def launch(self, function, grid, block, *args, shared_bytes: int = 0) -> None:
+        self.device.launch(function, grid, block, args, shared_bytes)
+
+    def launch_1d(self, function, count: int, *args, block: int = BLOCK) -> None:
+        """Launch a grid-stride kernel over ``count`` elements (nothing for zero)."""
+        if count <= 0:
+            return
+        grid = min((count + block - 1) // block, MAX_GRID)
+        self.device.launch(function, grid, block, args)
