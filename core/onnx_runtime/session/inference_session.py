@@ -15,6 +15,7 @@ from ..errors import InvalidArgumentError, InvalidGraphError, OnnxRuntimeError, 
 from ..functions import FunctionExpander
 from ..ir import Model, TypeInfo, ValueInfo
 from ..loader import load_model, topological_order
+from ..optimizer import optimize
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
 from .executor import Executor
@@ -115,10 +116,11 @@ def _create_handles(requested: list[tuple[str, dict]]) -> list[ProviderHandle]:
     return handles
 
 
-def _run_custom_passes(graph, handles: list[ProviderHandle]) -> list[str]:
-    """Each provider's ``custom_passes``, in provider order; returns the names of passes that changed
-    the graph. The result is re-validated (SSA, no cycles, every read defined) before placement."""
-    changed = []
+def _run_custom_passes(graph, handles: list[ProviderHandle], applied: list[str]) -> list[str]:
+    """Each provider's ``custom_passes``, in provider order, after the optimizer passes ``applied``;
+    returns the names of all passes that changed the graph. The result is re-validated (SSA, no
+    cycles, every read defined) before placement."""
+    changed = list(applied)
     for handle in handles:
         for graph_pass in handle.hook.custom_passes() or []:
             name = f"{handle.name}:{getattr(graph_pass, '__name__', type(graph_pass).__name__)}"
@@ -152,7 +154,9 @@ class InferenceSession:
         self._handles = _create_handles(requested)
         self._provider_options = {name: dict(opts) for name, opts in requested}
         graph = self._model.graph
-        self._applied_passes = _run_custom_passes(graph, self._handles)
+        optimized = optimize(graph, self._handles, self._sess_options.graph_optimization_level,
+                             disabled=kwargs.get("disabled_optimizers") or ())
+        self._applied_passes = _run_custom_passes(graph, self._handles, optimized)
         self._placement, assignment = place(graph, self._handles, FunctionExpander(self._model.functions))
         self._executor = Executor(graph, assignment, self._placement)
         self._inputs = [NodeArg.of(vi) for vi in graph.inputs]
@@ -201,7 +205,8 @@ class InferenceSession:
         raise InvalidArgumentError(f"this session does not use provider {name!r}; it uses {self.get_providers()}")
 
     def applied_passes(self) -> list[str]:
-        """Names (``provider:pass``) of the provider graph passes that changed this session's graph."""
+        """Names of the graph passes that changed this session's graph: the optimizer's
+        (``optimizer:<pass>``, per ``graph_optimization_level``), then the providers' (``provider:pass``)."""
         return list(self._applied_passes)
 
     def placement(self) -> Placement:

@@ -1,0 +1,77 @@
+"""What passes need beyond the graph: the session's providers (to evaluate and place nodes) and
+fresh value names."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..devices import TensorLayout
+from ..dtypes import DataType
+from ..ir import Graph, Node
+from ..provider_handle import ProviderHandle
+
+
+class PassContext:
+    def __init__(self, graph: Graph, handles: list[ProviderHandle]):
+        self.handles = list(handles)
+        self._names = _all_names(graph)
+
+    def fresh(self, base: str) -> str:
+        """A value or node name no graph of the model uses yet (so no subgraph can see it shadowed)."""
+        name, index = base, 0
+        while name in self._names:
+            index += 1
+            name = f"{base}_{index}"
+        self._names.add(name)
+        return name
+
+    def provider_for(self, node: Node, graph: Graph, host_only: bool = False) -> ProviderHandle | None:
+        """The first provider (session priority order) that accepts ``node``, as placement would choose."""
+        shapes, dtypes = [], []
+        for name in node.inputs:
+            info = graph.type_of(name) if name else None
+            shapes.append(info.shape if info is not None and info.is_tensor else None)
+            dtypes.append(info.dtype if info is not None else None)
+        return self._first_supporting(node, shapes, dtypes, host_only)
+
+    def evaluate(self, node: Node, graph: Graph, inputs: list[np.ndarray | None]) -> tuple | None:
+        """Run ``node`` once on constant ``inputs`` with a host provider's kernel; None when no host
+        provider runs it or it fails (the run then reports the failure as it would have)."""
+        shapes = [None if a is None else tuple(a.shape) for a in inputs]
+        dtypes = [None if a is None else _dtype(a) for a in inputs]
+        try:
+            handle = self._first_supporting(node, shapes, dtypes, host_only=True)
+            if handle is None:
+                return None
+            kernel = handle.hook.get_kernel(node=node, shapes=shapes, opset=node.opset, graph=graph)
+            results = kernel(*inputs)
+        except Exception:
+            return None
+        return tuple(results) if isinstance(results, (tuple, list)) else None
+
+    def _first_supporting(self, node, shapes, dtypes, host_only) -> ProviderHandle | None:
+        layouts = [TensorLayout.default()] * len(node.inputs)
+        for handle in self.handles:
+            if host_only and not handle.is_host_accessible:
+                continue
+            if handle.supports_op(node, node.opset, shapes, dtypes, layouts):
+                return handle
+        return None
+
+
+def _dtype(array: np.ndarray) -> DataType | None:
+    try:
+        return DataType.from_numpy(array.dtype)
+    except Exception:
+        return None
+
+
+def _all_names(graph: Graph) -> set[str]:
+    names = set(graph.initializers) | set(graph.value_info) | {vi.name for vi in graph.inputs + graph.outputs}
+    for node in graph.nodes:
+        names.add(node.name)
+        names.update(node.inputs)
+        names.update(node.outputs)
+        for sub in node.subgraphs():
+            names |= _all_names(sub)
+    return names

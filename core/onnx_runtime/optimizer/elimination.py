@@ -1,0 +1,78 @@
+"""Removing what a run does not need: dead nodes and initializers, Identity and inference Dropout."""
+
+from __future__ import annotations
+
+from ..ir import Graph, Node
+from ..loader import implicit_inputs
+from .context import PassContext
+from .rewrite import Uses, constant, forget_value, remove_nodes, set_io
+
+
+def remove_dead_nodes(graph: Graph, context: PassContext) -> bool:
+    """Drop nodes whose outputs nothing reads (node, subgraph or graph output), and unread initializers."""
+    live = {vi.name for vi in graph.outputs}
+    dead: list[Node] = []
+    for node in reversed(graph.nodes):  # readers come after producers: one backward sweep finds chains
+        if any(out and out in live for out in node.outputs):
+            live.update(name for name in node.inputs if name)
+            live.update(implicit_inputs(node))
+        else:
+            dead.append(node)
+    unread = [name for name in graph.initializers if name not in live]
+    for name in unread:
+        del graph.initializers[name]
+        forget_value(graph, name)
+    remove_nodes(graph, dead)
+    return bool(dead or unread)
+
+
+def eliminate_identities(graph: Graph, context: PassContext) -> bool:
+    """Bypass Identity and inference-mode Dropout: their readers read the input instead.
+
+    When the node's output is a graph output, the input's producer takes over the output's name
+    instead, so the graph's outputs keep their names. A value a subgraph reads by name is left alone.
+    """
+    if not any(node.op_type in ("Identity", "Dropout") for node in graph.nodes):
+        return False
+    uses = Uses(graph)
+    producers = graph.producers()
+    removed: list[Node] = []
+    for node in graph.nodes:
+        if not _is_passthrough(node, graph, uses):
+            continue
+        source, output = node.inputs[0], node.outputs[0]
+        if output in uses.implicit:
+            continue
+        if output in uses.graph_outputs:
+            producer = producers.get(source)
+            if producer is None or uses.pinned(source):
+                continue  # the input is a graph input, initializer or output itself: keep the copy
+            uses.forget(node)
+            set_io(producer, outputs=[output if out == source else out for out in producer.outputs])
+            producers[output] = producers.pop(source)
+            uses.move_readers(source, output)
+            forget_value(graph, source)
+        else:
+            uses.forget(node)
+            uses.move_readers(output, source)
+        removed.append(node)
+    for node in removed:
+        for out in node.outputs[1:]:
+            forget_value(graph, out)  # Dropout's unread mask
+    remove_nodes(graph, removed)
+    return bool(removed)
+
+
+def _is_passthrough(node: Node, graph: Graph, uses: Uses) -> bool:
+    if node.domain not in ("", "ai.onnx") or not node.inputs or not node.inputs[0] or not node.outputs[0]:
+        return False
+    if node.op_type == "Identity":
+        return True
+    if node.op_type != "Dropout" or any(out and uses.is_read(out) for out in node.outputs[1:]):
+        return False
+    # Before opset 12 Dropout runs in inference mode; from 12 on, unless training_mode is set.
+    training = node.inputs[2] if node.opset >= 12 and len(node.inputs) > 2 else ""
+    if not training:
+        return True
+    flag = constant(graph, training)
+    return flag is not None and not flag.any()
