@@ -3,6 +3,7 @@
     onnx-runtime providers
     onnx-runtime info MODEL [--providers cpu] [--nodes]
     onnx-runtime run [MODEL] [--input NAME=FILE.npy ...] [--providers cpu] [--repeat N]
+    onnx-runtime bench MODEL [--input NAME=FILE.npy ...] [--providers cpu] [--repeat N] [--warmup N]
 
 Without MODEL, ``run`` runs the embedded default: light_resnet50 from the installed onnx package,
 checked against the output shipped beside it.
@@ -146,6 +147,68 @@ def cmd_run(args) -> int:
     return 0
 
 
+class _ProgressBar:
+    """A one-line text progress bar, redrawn in place with \\r, only when its shown percentage changes."""
+
+    def __init__(self, total: int, label: str, stream=None, width: int = 30):
+        self.total, self.label, self.width = max(total, 1), label, width
+        self.stream = stream if stream is not None else sys.stderr
+        self._shown = -1
+
+    def update(self, done: int) -> None:
+        percent = done * 100 // self.total
+        if percent == self._shown:
+            return
+        self._shown = percent
+        filled = done * self.width // self.total
+        bar = "#" * filled + "." * (self.width - filled)
+        self.stream.write(f"\r{self.label} [{bar}] {percent:3d}% {done}/{self.total}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def _bench_feeds(sess, specs: list[str]) -> dict:
+    feeds = _parse_inputs(specs)
+    for arg in sess.get_inputs():
+        if arg.name not in feeds:
+            feeds[arg.name] = _default_feed(arg)
+            print(f"input {arg.name}: not given, using zeros of shape {list(feeds[arg.name].shape)}")
+    return feeds
+
+
+def cmd_bench(args) -> int:
+    from .session import InferenceSession
+
+    if args.repeat < 1 or args.warmup < 0:
+        raise SystemExit("--repeat must be at least 1 and --warmup at least 0")
+    start = time.perf_counter()
+    sess = InferenceSession(args.model, providers=_providers_arg(args.providers))
+    created = time.perf_counter() - start
+    feeds = _bench_feeds(sess, args.input)
+    bar = _ProgressBar(args.warmup + args.repeat, "bench")
+    times = []
+    for i in range(args.warmup + args.repeat):
+        start = time.perf_counter()
+        sess.run(None, feeds)
+        elapsed = time.perf_counter() - start
+        if i >= args.warmup:
+            times.append(elapsed)
+        bar.update(i + 1)
+    bar.close()
+    ms = np.array(times) * 1e3
+    print(f"model: {args.model}")
+    print(f"providers: {', '.join(sess.get_providers())}")
+    print(f"session creation: {created * 1e3:.2f} ms")
+    print(f"runs: {args.repeat} timed after {args.warmup} warm-up")
+    for name, value in (("p50", np.percentile(ms, 50)), ("p90", np.percentile(ms, 90)),
+                        ("p99", np.percentile(ms, 99)), ("min", ms.min()), ("max", ms.max()), ("mean", ms.mean())):
+        print(f"{name:<5}{value:12.3f} ms")
+    return 0
+
+
 def _print_profile(sess) -> None:
     summary = sess.profile_summary()
     total = sum(seconds for seconds, _ in summary.values()) or 1.0
@@ -172,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=5, help="timed runs after a warm-up run (default 5)")
     p.add_argument("--profile", action="store_true", help="print time per operator")
     p.set_defaults(func=cmd_run)
+    p = sub.add_parser("bench", help="run a model repeatedly and report latency percentiles")
+    p.add_argument("model")
+    p.add_argument("--input", action="append", metavar="NAME=FILE.npy", help="an input from a .npy file")
+    p.add_argument("--providers", help="comma-separated provider names (default: all available)")
+    p.add_argument("--repeat", type=int, default=100, help="timed runs (default 100)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 
