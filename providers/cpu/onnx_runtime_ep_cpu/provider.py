@@ -11,6 +11,7 @@ from onnx_runtime import KernelMatch, hookimpl
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from . import ops  # noqa: F401  (fills the registry)
+from .fusions import PASSES
 from .registry import NEEDS, lookup, registered_versions
 
 
@@ -49,6 +50,10 @@ class CPUExecutionProvider:
             f"CPUExecutionProvider has no kernel for {domain}::{node.op_type}; use a provider that implements "
             f"it or replace the operator in the model"
         )
+
+    @hookimpl
+    def custom_passes(self):
+        return list(PASSES)
 
     @hookimpl
     def get_kernel(self, node, shapes, opset, graph):

@@ -3,6 +3,7 @@
 from . import (  # noqa: F401  (imported for their @register side effects)
     control_flow,
     elementwise,
+    fused,
     generator,
     gradient,
     image,

@@ -7,6 +7,8 @@ floats (float16, bfloat16) accumulate in float32; results are cast back to the i
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..registry import register
@@ -37,27 +39,36 @@ def _highest(dtype):
     return np.iinfo(dtype).max if dtype.kind in "iu" else np.inf
 
 
+# The ufuncs' own reduce methods: np.sum/np.mean/np.max add several microseconds of Python-level
+# dispatch per call, which dominates on the small tensors of a decode step.
 def _sum(x, axes, keepdims):
     w = _widened(x)
-    return np.sum(w, axis=axes, keepdims=keepdims, dtype=w.dtype)  # ints keep their width
+    return np.add.reduce(w, axis=axes, keepdims=keepdims, dtype=w.dtype)  # ints keep their width
 
 
 def _mean(x, axes, keepdims):
-    return np.mean(_as_float(x), axis=axes, keepdims=keepdims)
+    w = _as_float(x)
+    count = w.size if axes is None else math.prod(w.shape[a] for a in axes)
+    total = np.add.reduce(w, axis=axes, keepdims=keepdims)
+    if count == 0:
+        return total * np.nan  # the mean of nothing: NaN, as onnx's reference gives
+    total = np.asarray(total)
+    total /= count
+    return total
 
 
 def _prod(x, axes, keepdims):
     w = _widened(x)
-    return np.prod(w, axis=axes, keepdims=keepdims, dtype=w.dtype)
+    return np.multiply.reduce(w, axis=axes, keepdims=keepdims, dtype=w.dtype)
 
 
 def _max(x, axes, keepdims):
     # `initial` makes an empty reduction yield -inf (or the dtype's minimum) instead of raising.
-    return np.max(x, axis=axes, keepdims=keepdims, initial=_lowest(x.dtype))
+    return np.maximum.reduce(x, axis=axes, keepdims=keepdims, initial=_lowest(x.dtype))
 
 
 def _min(x, axes, keepdims):
-    return np.min(x, axis=axes, keepdims=keepdims, initial=_highest(x.dtype))
+    return np.minimum.reduce(x, axis=axes, keepdims=keepdims, initial=_highest(x.dtype))
 
 
 def _l1(x, axes, keepdims):
@@ -87,6 +98,9 @@ def _log_sum_exp(x, axes, keepdims):
     return out if keepdims else np.squeeze(out, axis=axes)
 
 
+# Reducers whose valid results include -inf/nan from log(0) and friends: numpy must not warn there.
+_QUIET = {_log_sum, _log_sum_exp, _l2}
+
 # op_type: (reducer, first opset whose axes come from an input)
 _REDUCERS = {
     "ReduceSum": (_sum, 13),
@@ -109,8 +123,14 @@ def _reduce(reducer, x, axes, keepdims, noop_with_empty_axes):
         axes = () if noop_with_empty_axes else None
     else:
         axes = tuple(normalize_axes(axes, x.ndim))
-    with np.errstate(all="ignore"):  # log(0), empty means: -inf and nan are the ONNX results
-        return np.asarray(reducer(x, axes, keepdims)).astype(x.dtype, copy=False)
+    if reducer in _QUIET or x.size == 0:
+        with np.errstate(all="ignore"):
+            result = reducer(x, axes, keepdims)
+    else:
+        result = reducer(x, axes, keepdims)
+    if isinstance(result, np.ndarray) and result.dtype == x.dtype:
+        return result
+    return np.asarray(result).astype(x.dtype, copy=False)
 
 
 def _attribute_axes_factory(reducer):

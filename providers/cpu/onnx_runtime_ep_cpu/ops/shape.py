@@ -26,8 +26,10 @@ def normalize_axis(axis: int, rank: int) -> int:
 
 def normalize_axes(axes, rank: int) -> list[int]:
     """Each axis of ``axes`` (a list or 1-D array) made non-negative; duplicates are rejected."""
-    result = [normalize_axis(axis, rank) for axis in np.asarray(axes).reshape(-1).tolist()]
-    if len(set(result)) != len(result):
+    values = axes.reshape(-1).tolist() if isinstance(axes, np.ndarray) else list(axes)
+    result = [axis + rank if -rank <= axis < 0 else axis if 0 <= axis < rank else normalize_axis(axis, rank)
+              for axis in values]
+    if len(result) > 1 and len(set(result)) != len(result):
         raise InvalidArgumentError(f"axes {list(np.asarray(axes).reshape(-1))} contain a duplicate")
     return result
 

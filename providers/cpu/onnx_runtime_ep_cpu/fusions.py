@@ -1,0 +1,181 @@
+"""The CPU provider's graph fusions (its ``custom_passes``): operator patterns that exporters spell
+out node by node, replaced by one kernel each.
+
+Per-node dispatch costs a few microseconds here, so on a decode step, where tensors are tiny, the
+number of nodes decides the time. Each pass matches a pattern exactly (constants by value, every
+intermediate read only inside the pattern) and leaves anything else alone:
+
+- RMS normalization: x * (1 / sqrt(mean(x^2, last axis) + eps)) * weight  ->  RMSNormalization (opset 23)
+- rotate-half rotary embedding: q * cos + concat(-q[..., h:], q[..., :h]) * sin  ->  RotateHalfEmbedding
+- SiLU: x * sigmoid(x)  ->  Swish (opset 24)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx_runtime.ir import Graph, Node
+
+# Kernels that no ONNX operator matches exactly live in the provider's own domain.
+FUSED_DOMAIN = "ai.onnx_runtime.cpu"
+
+
+class _View:
+    """Producer/consumer look-ups over a graph, and its constants by value."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.producer = graph.producers()
+        self.consumers = graph.consumers()
+        self.outputs = {vi.name for vi in graph.outputs}
+        self.inner_reads = {name for node in graph.nodes for sub in node.subgraphs() for name in sub.outer_names}
+
+    def const(self, name: str):
+        return self.graph.initializers.get(name)
+
+    def scalar(self, name: str, value: float) -> bool:
+        array = self.const(name)
+        return array is not None and array.size == 1 and float(array.reshape(-1)[0]) == value
+
+    def only_consumer(self, name: str, op_type: str) -> Node | None:
+        """The single node reading ``name`` if it is an ``op_type`` and nothing else sees the value."""
+        readers = self.consumers.get(name, [])
+        if len(readers) != 1 or name in self.outputs or name in self.inner_reads:
+            return None
+        return readers[0] if readers[0].op_type == op_type and not readers[0].domain else None
+
+    def made_by(self, name: str, op_type: str) -> Node | None:
+        node = self.producer.get(name)
+        return node if node is not None and node.op_type == op_type and not node.domain else None
+
+
+def _other(node: Node, name: str) -> str | None:
+    """The input of a two-input node that is not ``name``."""
+    if len(node.inputs) != 2 or name not in node.inputs:
+        return None
+    return node.inputs[1] if node.inputs[0] == name else node.inputs[0]
+
+
+def _replace(graph: Graph, removed: list[Node], fused: Node) -> None:
+    """Put ``fused`` where the last removed node was (its inputs are all produced earlier)."""
+    gone = {id(n) for n in removed}
+    position = max(graph.nodes.index(n) for n in removed)
+    nodes = [n for i, n in enumerate(graph.nodes) if id(n) not in gone or i == position]
+    nodes[nodes.index(removed[-1]) if removed[-1] in nodes else 0] = fused
+    graph.nodes = [n for n in nodes if id(n) not in gone or n is fused]
+
+
+def _last_axis(axes, rank_hint) -> bool:
+    return axes is not None and len(axes) == 1 and (int(axes[0]) == -1 or (rank_hint and int(axes[0]) == rank_hint - 1))
+
+
+def fuse_rms_norm(graph: Graph) -> bool:
+    view = _View(graph)
+    for mean in list(graph.nodes):
+        if mean.op_type != "ReduceMean" or mean.domain or int(mean.attr("keepdims", 1)) != 1:
+            continue
+        axes = mean.attr("axes") if len(mean.inputs) < 2 else view.const(mean.inputs[1])
+        square = view.made_by(mean.inputs[0], "Pow")
+        if square is None or not view.scalar(square.inputs[1], 2.0):
+            continue
+        x = square.inputs[0]
+        info = graph.type_of(x)
+        rank = len(info.shape) if info is not None and info.shape is not None else None
+        if not _last_axis(None if axes is None else np.asarray(axes).reshape(-1), rank):
+            continue
+        if view.only_consumer(square.outputs[0], "ReduceMean") is not mean:
+            continue
+        add = view.only_consumer(mean.outputs[0], "Add")
+        eps_name = _other(add, mean.outputs[0]) if add else None
+        eps = view.const(eps_name) if eps_name else None
+        root = view.only_consumer(add.outputs[0], "Sqrt") if add else None
+        div = view.only_consumer(root.outputs[0], "Div") if root else None
+        if eps is None or eps.size != 1 or div is None or div.inputs[1] != root.outputs[0] \
+                or not view.scalar(div.inputs[0], 1.0):
+            continue
+        scale = view.only_consumer(div.outputs[0], "Mul")
+        if scale is None or _other(scale, div.outputs[0]) != x:
+            continue
+        weigh = view.only_consumer(scale.outputs[0], "Mul")
+        weight = _other(weigh, scale.outputs[0]) if weigh else None
+        if weight is None or view.const(weight) is None or view.const(weight).ndim != 1:
+            continue
+        fused = Node("RMSNormalization", [x, weight], list(weigh.outputs), name=f"{weigh.name}/rms_norm",
+                     attrs={"axis": -1, "epsilon": float(eps.reshape(-1)[0])}, opset=23)
+        _replace(graph, [square, mean, add, root, div, scale, weigh], fused)
+        return True
+    return False
+
+
+def _slice_bounds(view: _View, node: Node):
+    """(start, end) of a Slice over the last axis with step 1, from constant inputs; else None."""
+    if node.op_type != "Slice" or node.domain or len(node.inputs) < 4:
+        return None
+    starts, ends, axes = (view.const(n) for n in node.inputs[1:4])
+    steps = view.const(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else np.array([1])
+    if any(v is None or v.size != 1 for v in (starts, ends, axes, steps)) or int(steps[0]) != 1 \
+            or int(axes.reshape(-1)[0]) != -1:
+        return None
+    return int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
+
+
+def fuse_rotate_half(graph: Graph) -> bool:
+    view = _View(graph)
+    for concat in list(graph.nodes):
+        if concat.op_type != "Concat" or concat.domain or int(concat.attr("axis", 0)) != -1 or len(concat.inputs) != 2:
+            continue
+        neg = view.made_by(concat.inputs[0], "Neg")
+        high = view.producer.get(neg.inputs[0]) if neg else None
+        low = view.producer.get(concat.inputs[1])
+        if high is None or low is None or high.inputs[0] != low.inputs[0]:
+            continue
+        q = low.inputs[0]
+        low_bounds, high_bounds = _slice_bounds(view, low), _slice_bounds(view, high)
+        if low_bounds is None or high_bounds is None or low_bounds[0] != 0 or high_bounds[0] != low_bounds[1]:
+            continue
+        if view.only_consumer(high.outputs[0], "Neg") is not neg or view.only_consumer(neg.outputs[0], "Concat") \
+                is not concat or view.only_consumer(low.outputs[0], "Concat") is not concat:
+            continue
+        rotate = view.only_consumer(concat.outputs[0], "Mul")
+        sin = _other(rotate, concat.outputs[0]) if rotate else None
+        add = view.only_consumer(rotate.outputs[0], "Add") if rotate else None
+        direct = view.producer.get(_other(add, rotate.outputs[0])) if add else None
+        if sin is None or direct is None or direct.op_type != "Mul" or direct.domain or q not in direct.inputs \
+                or view.only_consumer(direct.outputs[0], "Add") is not add:
+            continue
+        cos = _other(direct, q)
+        fused = Node("RotateHalfEmbedding", [q, cos, sin], list(add.outputs), name=f"{add.name}/rotate_half",
+                     domain=FUSED_DOMAIN, attrs={"half": low_bounds[1], "end": high_bounds[1]}, opset=1)
+        _replace(graph, [direct, low, high, neg, concat, rotate, add], fused)
+        return True
+    return False
+
+
+def fuse_silu(graph: Graph) -> bool:
+    view = _View(graph)
+    for sigmoid in list(graph.nodes):
+        if sigmoid.op_type != "Sigmoid" or sigmoid.domain:
+            continue
+        gate = view.only_consumer(sigmoid.outputs[0], "Mul")
+        if gate is None or _other(gate, sigmoid.outputs[0]) != sigmoid.inputs[0]:
+            continue
+        fused = Node("Swish", [sigmoid.inputs[0]], list(gate.outputs), name=f"{gate.name}/silu",
+                     attrs={"alpha": 1.0}, opset=24)
+        _replace(graph, [sigmoid, gate], fused)
+        return True
+    return False
+
+
+def _until_fixed(fuse):
+    """A pass applying ``fuse`` until it finds nothing more (each call rewrites one match)."""
+
+    def graph_pass(graph: Graph) -> bool:
+        changed = False
+        while fuse(graph):
+            changed = True
+        return changed
+
+    graph_pass.__name__ = fuse.__name__
+    return graph_pass
+
+
+PASSES = [_until_fixed(f) for f in (fuse_rms_norm, fuse_rotate_half, fuse_silu)]
