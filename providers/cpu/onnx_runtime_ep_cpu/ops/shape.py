@@ -26,7 +26,7 @@ def normalize_axis(axis: int, rank: int) -> int:
 
 def normalize_axes(axes, rank: int) -> list[int]:
     """Each axis of ``axes`` (a list or 1-D array) made non-negative; duplicates are rejected."""
-    values = axes.reshape(-1).tolist() if isinstance(axes, np.ndarray) else list(axes)
+    values = list(axes) if isinstance(axes, (list, tuple)) else np.asarray(axes).reshape(-1).tolist()
     result = [axis + rank if -rank <= axis < 0 else axis if 0 <= axis < rank else normalize_axis(axis, rank)
               for axis in values]
     if len(result) > 1 and len(set(result)) != len(result):
