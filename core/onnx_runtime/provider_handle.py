@@ -85,9 +85,9 @@ class ProviderHandle:
             return Availability.no(f"availability probe failed: {exc}")
         return result if isinstance(result, Availability) else Availability.yes()
 
-    def initialize(self, options: dict | None = None) -> None:
+    def initialize(self, options: dict | None = None, session_config: dict | None = None) -> None:
         options = {str(k): str(v) for k, v in (options or {}).items()}
-        self.hook.initialize(options=options, handle=self)
+        self.hook.initialize(options=options, handle=self, session_config=dict(session_config or {}))
         self.initialized = True
         self._refresh_device()
 

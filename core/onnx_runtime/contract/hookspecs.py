@@ -79,14 +79,17 @@ class ExecutionProviderSpec:
 
     # -- lifecycle ----------------------------------------------------------------------------
     @hookspec(firstresult=True)
-    def initialize(self, options, handle):
+    def initialize(self, options, handle, session_config):
         """Acquire device resources. ``options`` maps namespaced keys to strings.
 
         The session passes the user's ``provider_options`` for this provider. Unknown keys should
         raise :class:`InvalidArgumentError` naming the key and the accepted ones. ``handle`` is the
         :class:`ProviderHandle` the core dispatches this instance through: keep it to create
         :class:`onnx_runtime.Tensor` outputs on this device from kernels that have no device input.
-        Default: accept no options.
+        ``session_config`` holds session-wide settings as strings under onnxruntime's key names
+        (``session.intra_op_num_threads``, ``session.use_deterministic_compute``, and every
+        ``SessionOptions.add_session_config_entry``); honour the ones that apply. Default: accept no
+        options.
         """
 
     @hookspec(firstresult=True)

@@ -95,7 +95,19 @@ def _resolve_providers(providers, provider_options) -> list[tuple[str, dict]]:
     return resolved
 
 
-def _create_handles(requested: list[tuple[str, dict]]) -> list[ProviderHandle]:
+def session_config(options: SessionOptions) -> dict[str, str]:
+    """The session-wide settings providers may honour (``initialize``'s ``session_config``): thread
+    counts and determinism under onnxruntime's config-key names, plus every config entry."""
+    config = {
+        "session.intra_op_num_threads": str(int(options.intra_op_num_threads)),
+        "session.inter_op_num_threads": str(int(options.inter_op_num_threads)),
+        "session.use_deterministic_compute": "1" if options.use_deterministic_compute else "0",
+    }
+    config.update(options.config())
+    return config
+
+
+def _create_handles(requested: list[tuple[str, dict]], session_config: dict | None = None) -> list[ProviderHandle]:
     handles, unavailable = [], []
     for name, options in requested:
         entry = registry().require(name)
@@ -105,7 +117,7 @@ def _create_handles(requested: list[tuple[str, dict]]) -> list[ProviderHandle]:
         if any(h.name == entry.name for h in handles):
             continue
         handle = entry.create()
-        handle.initialize(options)
+        handle.initialize(options, session_config)
         handles.append(handle)
     if not handles:
         raise ProviderNotAvailableError(
@@ -151,7 +163,7 @@ class InferenceSession:
         self._model: Model = load_model(path_or_bytes)
         self._model_path = path_or_bytes if isinstance(path_or_bytes, str) else None
         requested = _resolve_providers(providers, provider_options)
-        self._handles = _create_handles(requested)
+        self._handles = _create_handles(requested, session_config(self._sess_options))
         self._provider_options = {name: dict(opts) for name, opts in requested}
         graph = self._model.graph
         optimized = optimize(graph, self._handles, self._sess_options.graph_optimization_level,

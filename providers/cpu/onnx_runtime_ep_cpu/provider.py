@@ -12,6 +12,7 @@ from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from . import ops  # noqa: F401  (fills the registry)
 from .fusions import PASSES
+from .threads import apply_thread_settings
 from .registry import NEEDS, lookup, registered_versions
 
 
@@ -20,12 +21,13 @@ class CPUExecutionProvider:
         self._handle = None
 
     @hookimpl
-    def initialize(self, options, handle):
+    def initialize(self, options, handle, session_config):
         if options:
             raise InvalidArgumentError(
                 f"CPUExecutionProvider accepts no provider options, got {sorted(options)}; remove them"
             )
         self._handle = handle
+        apply_thread_settings(session_config)
 
     @hookimpl
     def name(self):

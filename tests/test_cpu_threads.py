@@ -1,0 +1,49 @@
+"""Session options that set the CPU provider's BLAS threads (process-wide, as numpy's BLAS is)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_info, threadpool_limits
+
+import onnx_runtime as ort
+from onnx_runtime.errors import InvalidArgumentError
+
+
+def _blas_threads() -> set[int]:
+    return {pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"}
+
+
+@pytest.fixture
+def restore_blas_threads():
+    before = max(_blas_threads())
+    yield
+    threadpool_limits(limits=before, user_api="blas")
+
+
+def _session(chain_model, **settings):
+    options = ort.SessionOptions()
+    for key, value in settings.items():
+        setattr(options, key, value)
+    return ort.InferenceSession(chain_model.SerializeToString(), options, providers=["cpu"])
+
+
+def test_intra_op_num_threads_sets_the_blas_pool(chain_model, restore_blas_threads):
+    _session(chain_model, intra_op_num_threads=1)
+    assert _blas_threads() == {1}
+    sess = _session(chain_model, intra_op_num_threads=2)
+    assert _blas_threads() == {2}
+    assert sess.run(None, {"x": np.ones((2, 6), np.float32)})[0].shape == (2, 6)
+
+
+def test_deterministic_compute_runs_blas_on_one_thread(chain_model, restore_blas_threads):
+    _session(chain_model, intra_op_num_threads=2, use_deterministic_compute=True)
+    assert _blas_threads() == {1}
+
+
+def test_zero_keeps_the_default_and_negative_is_refused(chain_model, restore_blas_threads):
+    before = _blas_threads()
+    _session(chain_model, intra_op_num_threads=0)
+    assert _blas_threads() == before
+    with pytest.raises(InvalidArgumentError, match="intra_op_num_threads must be >= 0"):
+        _session(chain_model, intra_op_num_threads=-1)
