@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
-from threadpoolctl import threadpool_info, threadpool_limits
-
 import onnx_runtime as ort
+import pytest
 from onnx_runtime.errors import InvalidArgumentError
+from threadpoolctl import threadpool_info, threadpool_limits
 
 
 def _blas_threads() -> set[int]:

@@ -12,8 +12,8 @@ from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from . import ops  # noqa: F401  (fills the registry)
 from .fusions import PASSES
-from .threads import apply_thread_settings
 from .registry import NEEDS, lookup, registered_versions
+from .threads import apply_thread_settings
 
 
 class CPUExecutionProvider:
