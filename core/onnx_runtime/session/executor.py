@@ -7,6 +7,11 @@ then one loop: gather inputs by slot, call the kernel, store outputs, drop dead 
 
 Values live where their producer's provider works: numpy arrays for host-accessible providers,
 :class:`onnx_runtime.Tensor` objects on device providers. Copies move them across.
+
+Device providers that defer validation (their kernels raise flags on invalid data instead of failing)
+get one validation owner per executor: each run is a submission whose flags are consumed after the
+outputs are downloaded, and raised as :class:`DeviceValidationError`. With ``graph_capture`` the run
+may instead replay a device graph (see :mod:`.device_graphs`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import KernelError, OnnxRuntimeError, ProviderError
+from ..errors import DeviceValidationError, KernelError, OnnxRuntimeError, ProviderError
 from ..ir import Graph, Node
 from ..loader import implicit_inputs
 from ..provider_handle import ProviderHandle
@@ -76,6 +81,7 @@ def _uploader(handle: ProviderHandle):
         if isinstance(value, Tensor):
             value = _to_host(value)
         return (Tensor.from_numpy(np.asarray(value), provider=handle),)
+    upload.handle = handle  # the device it uploads to (device-graph capture hoists feed uploads)
     return upload
 
 
@@ -120,7 +126,8 @@ class Plan:
 class Executor:
     """Builds and runs plans for one graph whose nodes are already placed."""
 
-    def __init__(self, graph: Graph, assignment: dict[str, ProviderHandle], placement: Placement):
+    def __init__(self, graph: Graph, assignment: dict[str, ProviderHandle], placement: Placement,
+                 graph_capture: bool = False):
         self.graph = graph
         self.assignment = assignment
         self.placement = placement
@@ -133,6 +140,13 @@ class Executor:
             array.flags.writeable = False  # a kernel bug or a returned alias must not corrupt weights
             self._consts[name] = array
         self._producer = graph.producers()
+        devices = {id(h): h for h in assignment.values() if not h.is_host_accessible}.values()
+        self._validation = [(h, h.hook.register_device_validation_owner()) for h in devices
+                            if h.hook.defers_device_validation()]
+        self.graphs = None
+        if graph_capture:
+            from .device_graphs import DeviceGraphRunner  # only sessions that ask for capture load it
+            self.graphs = DeviceGraphRunner(self)
 
     # -- planning -----------------------------------------------------------------------------------
     def plan(self, output_names: tuple[str, ...]) -> Plan:
@@ -261,12 +275,35 @@ class Executor:
     def run(self, feeds: dict[str, object], output_names: tuple[str, ...], profile: dict | None = None) -> list:
         """Run the plan for ``output_names``. With ``profile`` (a dict), add each operator's
         (seconds, calls) to it."""
+        if self.graphs is not None and profile is None:
+            outputs = self.graphs.run(feeds, output_names)
+            if outputs is not None:
+                return outputs
+        return self.run_eager(feeds, output_names, profile)
+
+    def run_eager(self, feeds: dict[str, object], output_names: tuple[str, ...], profile: dict | None = None) -> list:
+        """Run every step of the plan, without device graphs."""
         plan = self.plan(output_names)
         env = list(plan.template)
         for name, value in feeds.items():
             slot = plan.feed_slots.get(name)
             if slot is not None:
                 env[slot] = value
+        submissions = self.begin_validation() if self._validation else None
+        try:
+            self._execute(plan, env, profile)
+            if submissions:
+                self.activate_validation(submissions)
+            outputs = [_to_host(env[slot]) for slot in plan.output_slots]
+        except Exception as exc:
+            if submissions:
+                self.abort_validation(submissions, exc)
+            raise
+        if submissions:
+            self.consume_validation(submissions)
+        return outputs
+
+    def _execute(self, plan: Plan, env: list, profile: dict | None) -> None:
         index = 0
         try:
             if profile is not None:
@@ -291,7 +328,48 @@ class Executor:
             raise _node_error(plan.steps[index], exc, type(exc)) from exc
         except Exception as exc:
             raise _node_error(plan.steps[index], exc, KernelError) from exc
-        return [_to_host(env[slot]) for slot in plan.output_slots]
+
+    # -- deferred device validation (one submission per run and device provider) ----------------------
+    def begin_validation(self) -> list:
+        submissions = []
+        try:
+            for handle, registration in self._validation:
+                token = handle.hook.begin_device_validation(registration=registration)
+                submissions.append((handle, registration, token))
+        except Exception as exc:
+            self.abort_validation(submissions, exc)
+            raise
+        return submissions
+
+    @staticmethod
+    def activate_validation(submissions: list) -> None:
+        for handle, _registration, token in submissions:
+            handle.hook.activate_device_validation(submission=token)
+
+    @staticmethod
+    def consume_validation(submissions: list) -> None:
+        """After the outputs were downloaded (a host sync): raise what the device kernels flagged."""
+        for handle, registration, token in submissions:
+            flags = handle.hook.consume_device_validation_error(registration=registration, token=token)
+            if flags:
+                raise _validation_error(handle, flags)
+
+    @staticmethod
+    def abort_validation(submissions: list, cause: BaseException) -> None:
+        """Settle the submissions of a failed run; invalid device data is reported as the root cause."""
+        for handle, _registration, token in submissions:
+            try:
+                flags = handle.hook.abort_device_validation_submission(submission=token)
+            except Exception:  # the device may be in an error state; the original failure says more
+                continue
+            if flags:
+                raise _validation_error(handle, flags) from cause
+
+    def device_graph_status(self) -> str:
+        if self.graphs is None:
+            return ("eager: device graph capture is off (enable it with "
+                    "SessionOptions.add_session_config_entry('session.graph_capture', '1'))")
+        return self.graphs.status
 
     @staticmethod
     def _run_profiled(plan: Plan, env: list, profile: dict) -> None:
@@ -313,6 +391,11 @@ class Executor:
                 env[slot] = None
 
     def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()  # graphs first: they reference the validation words and the constants
+        for handle, registration in self._validation:
+            handle.hook.unregister_device_validation_owner(registration=registration)
+        self._validation = []
         for tensor in self._device_constants.values():
             tensor.close()
         self._device_constants.clear()
@@ -321,6 +404,14 @@ class Executor:
 
 class _ProfiledStepError(Exception):
     """Carries a step failure and its index out of the profiled loop."""
+
+
+def _validation_error(handle: ProviderHandle, flags: int) -> DeviceValidationError:
+    return DeviceValidationError(
+        f"{handle.name}: device validation failed (flags=0x{flags:x}): a device kernel of this run met invalid "
+        f"input data (e.g. an index out of range) and skipped it, so the outputs are not valid; check the "
+        f"inputs of the nodes on {handle.name}"
+    )
 
 
 def _node_error(step: Step | None, exc: Exception, kind: type) -> Exception:

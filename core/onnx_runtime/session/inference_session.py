@@ -170,7 +170,8 @@ class InferenceSession:
                              disabled=kwargs.get("disabled_optimizers") or ())
         self._applied_passes = _run_custom_passes(graph, self._handles, optimized)
         self._placement, assignment = place(graph, self._handles, FunctionExpander(self._model.functions))
-        self._executor = Executor(graph, assignment, self._placement)
+        self._executor = Executor(graph, assignment, self._placement,
+                                  graph_capture=_config_flag(self._sess_options, GRAPH_CAPTURE_KEY))
         self._inputs = [NodeArg.of(vi) for vi in graph.inputs]
         self._outputs = [NodeArg.of(vi) for vi in graph.outputs]
         self._input_types = {vi.name: vi.type for vi in graph.inputs}
@@ -224,6 +225,13 @@ class InferenceSession:
     def placement(self) -> Placement:
         """Each node's provider, every declining provider's reason, and the inserted copies."""
         return self._placement
+
+    def device_graph_status(self) -> str:
+        """How the last run executed: "replaying" (a device graph), or "eager: <why not a graph>".
+
+        Capture is enabled with ``SessionOptions.add_session_config_entry("session.graph_capture", "1")``.
+        """
+        return self._executor.device_graph_status()
 
     @property
     def model(self) -> Model:
@@ -302,6 +310,16 @@ class InferenceSession:
             details = ", ".join(f"{n!r} ({self._input_types[n].describe()})" for n in missing)
             raise InvalidArgumentError(f"missing inputs {details}; add them to input_feed")
         return feeds
+
+
+GRAPH_CAPTURE_KEY = "session.graph_capture"  # "1": capture runs into device graphs and replay them
+
+
+def _config_flag(options: SessionOptions, key: str) -> bool:
+    value = options.config().get(key, "0").strip().lower()
+    if value not in ("0", "1"):
+        raise InvalidArgumentError(f"session config entry {key!r} must be '0' or '1', got {value!r}")
+    return value == "1"
 
 
 def _check_feed(name: str, value, expected: TypeInfo):

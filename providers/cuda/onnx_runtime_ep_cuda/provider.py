@@ -6,6 +6,11 @@ Device memory is not host-accessible: buffers carry ``host=None`` and the device
 and every byte moves through the driver. Host buffers (the CPU provider's) may appear on either side
 of ``copy``/``copy_async``; the bounds, ownership and writability checks happen here, before any
 driver call. The device kernels come with the operator work; until then every node is declined.
+
+Device graphs (graphs.py), deferred validation (validation.py) and the greedy-decoding helpers
+(decode.py) are per provider instance, created on first use; ``shutdown`` destroys what is left. The
+slot-level graph hooks work in a namespace of their own (an owner minted per instance): there a
+``begin`` while the slot holds a graph records the graph's next segment, and ``reset`` starts over.
 """
 
 from __future__ import annotations
@@ -14,15 +19,19 @@ import numpy as np
 from onnx_runtime import Availability, DeviceId, DeviceType, KernelMatch, hookimpl
 from onnx_runtime.contract.buffers import SIGNALLED, DeviceBuffer, Ownership
 from onnx_runtime.contract.defaults import check_range, host_bytes_of, writable_host_bytes_of
+from onnx_runtime.contract.graphs import DeviceGraphOwner, DeviceGraphSlot
 from onnx_runtime.errors import InvalidArgumentError, ProviderError, ProviderNotAvailableError
 
 from . import (
+    decode,
     driver,
     ops,  # noqa: F401  (fills the kernel registry)
 )
 from .device import CudaDevice
+from .graphs import DeviceGraphs
 from .ops.context import KernelContext
 from .ops.registry import lookup, unsupported_reason
+from .validation import DeviceValidation
 
 NAME = "CUDAExecutionProvider"
 OPTION_KEYS = ("device_id",)
@@ -36,6 +45,10 @@ class CUDAExecutionProvider:
         self._allocations = 0
         self._frees = 0
         self._context: KernelContext | None = None
+        self._graphs: DeviceGraphs | None = None
+        self._validation: DeviceValidation | None = None
+        self._slot_owner = DeviceGraphOwner.new()  # the namespace of the slot-level graph hooks
+        self._slot_tokens: dict[DeviceGraphSlot, object] = {}
 
     # -- identity -----------------------------------------------------------------------------------
     @hookimpl
@@ -90,6 +103,15 @@ class CUDAExecutionProvider:
     def shutdown(self):
         # The device (context, streams, pool) is shared by every instance in the process and released
         # at exit; tensors may outlive the session, so this instance keeps it to free them later.
+        # Its graphs and validation words are its own: they go now (a capture left open is aborted first,
+        # since synchronizing a capturing stream is an error).
+        if self._graphs is not None:
+            self._graphs.close()
+            self._graphs = None
+            self._slot_tokens.clear()
+        if self._validation is not None:
+            self._validation.close()
+            self._validation = None
         if self._device is not None and not self._device.closed:
             self._device.sync()
 
@@ -265,6 +287,181 @@ class CUDAExecutionProvider:
     def sync(self):
         if self._device is not None:
             self._device.sync()
+
+    # -- device graphs --------------------------------------------------------------------------------
+    def device_graphs(self) -> DeviceGraphs:
+        """This instance's :class:`DeviceGraphs` (created on first use)."""
+        if self._graphs is None:
+            self._graphs = DeviceGraphs(self.cuda_device())
+        return self._graphs
+
+    def _prepare_capture(self) -> None:
+        # A kernel asking for the validation word must not allocate it inside the capture.
+        self.device_validation().prepare()
+
+    @hookimpl
+    def begin_owned_device_graph_capture(self, owner, slot, continuation):
+        self._prepare_capture()
+        return self.device_graphs().begin(owner, slot, continuation)
+
+    @hookimpl
+    def end_owned_device_graph_capture(self, token):
+        self.device_graphs().end(token)
+
+    @hookimpl
+    def abort_owned_device_graph_capture(self, token):
+        self.device_graphs().abort(token)
+
+    @hookimpl
+    def replay_owned_device_graph(self, token):
+        self.device_graphs().replay(token)
+
+    @hookimpl
+    def replay_owned_device_graph_segment(self, token, index):
+        self.device_graphs().replay_segment(token, index)
+
+    @hookimpl
+    def reset_owned_device_graph(self, token):
+        return self.device_graphs().reset(token)
+
+    @hookimpl
+    def retire_owned_device_graphs(self, owner):
+        self.device_graphs().retire(owner)
+
+    @hookimpl
+    def has_owned_device_graph(self, token):
+        return self.device_graphs().has(token)
+
+    def _slot_token(self, slot):
+        return self._slot_tokens.get(DeviceGraphs._slot(slot))
+
+    @hookimpl
+    def begin_device_graph_capture_in(self, slot):
+        slot = DeviceGraphs._slot(slot)
+        token = self._slot_tokens.get(slot)
+        graphs = self.device_graphs()
+        continuation = token if token is not None and graphs.has(token) else None
+        self._prepare_capture()
+        self._slot_tokens[slot] = graphs.begin(self._slot_owner, slot, continuation)
+
+    @hookimpl
+    def end_device_graph_capture_in(self, slot):
+        token = self._slot_token(slot)
+        if token is None:
+            raise InvalidArgumentError(
+                f"{NAME}: no device graph capture was begun in slot {DeviceGraphSlot(slot).name}"
+            )
+        self.device_graphs().end(token)
+
+    @hookimpl
+    def abort_device_graph_capture_in(self, slot):
+        token = self._slot_token(slot)
+        if token is not None:
+            self.device_graphs().abort(token)
+
+    @hookimpl
+    def replay_device_graph_in(self, slot):
+        token = self._slot_token(slot)
+        if token is None:
+            raise InvalidArgumentError(f"{NAME}: slot {DeviceGraphSlot(slot).name} holds no device graph; capture one")
+        self.device_graphs().replay(token)
+
+    @hookimpl
+    def replay_device_graph_segment_in(self, slot, index):
+        token = self._slot_token(slot)
+        if token is None:
+            raise InvalidArgumentError(f"{NAME}: slot {DeviceGraphSlot(slot).name} holds no device graph; capture one")
+        self.device_graphs().replay_segment(token, index)
+
+    @hookimpl
+    def reset_device_graph_in(self, slot):
+        token = self._slot_token(slot)
+        return False if token is None else self.device_graphs().reset(token)
+
+    @hookimpl
+    def has_device_graph_in(self, slot):
+        token = self._slot_token(slot)
+        return token is not None and self.device_graphs().has(token)
+
+    @hookimpl
+    def begin_device_graph_capture(self):
+        self.begin_device_graph_capture_in(DeviceGraphSlot.PRIMARY)
+
+    @hookimpl
+    def end_device_graph_capture(self):
+        self.end_device_graph_capture_in(DeviceGraphSlot.PRIMARY)
+
+    @hookimpl
+    def abort_device_graph_capture(self):
+        self.abort_device_graph_capture_in(DeviceGraphSlot.PRIMARY)
+
+    @hookimpl
+    def replay_device_graph(self):
+        self.replay_device_graph_in(DeviceGraphSlot.PRIMARY)
+
+    @hookimpl
+    def replay_device_graph_segment(self, index):
+        self.replay_device_graph_segment_in(DeviceGraphSlot.PRIMARY, index)
+
+    @hookimpl
+    def reset_device_graph(self):
+        return self.reset_device_graph_in(DeviceGraphSlot.PRIMARY)
+
+    # -- deferred validation --------------------------------------------------------------------------
+    def device_validation(self) -> DeviceValidation:
+        """This instance's :class:`DeviceValidation` (created on first use)."""
+        if self._validation is None:
+            self._validation = DeviceValidation(self.cuda_device())
+        return self._validation
+
+    @hookimpl
+    def register_device_validation_owner(self):
+        return self.device_validation().register()
+
+    @hookimpl
+    def unregister_device_validation_owner(self, registration):
+        self.device_validation().unregister(registration)
+
+    @hookimpl
+    def begin_device_validation(self, registration):
+        return self.device_validation().begin(registration)
+
+    @hookimpl
+    def add_device_validation_recipient(self, submission, recipient):
+        return self.device_validation().add_recipient(submission, recipient)
+
+    @hookimpl
+    def activate_device_validation(self, submission):
+        self.device_validation().activate(submission)
+
+    @hookimpl
+    def abort_device_validation_submission(self, submission):
+        return self.device_validation().abort(submission)
+
+    @hookimpl
+    def defers_device_validation(self):
+        return True
+
+    @hookimpl
+    def consume_device_validation_error(self, registration, token):
+        return self.device_validation().consume(registration, token)
+
+    # -- greedy decoding ------------------------------------------------------------------------------
+    @hookimpl
+    def device_argmax_supported(self):
+        return True
+
+    @hookimpl
+    def device_argmax(self, logits, elements, batch, dtype, result, tie_break):
+        decode.device_argmax(self.cuda_device(), self.device_id(), self.device_validation().current_word(),
+                             logits, elements, batch, dtype, result, tie_break)
+
+    @hookimpl
+    def device_token_writer(self, result, input_ids, position_ids, attention_mask, scratch, capacity,
+                            next_position, mask_len, write_position, step):
+        decode.device_token_writer(self.cuda_device(), self.device_id(), result, input_ids, position_ids,
+                                   attention_mask, scratch, capacity, next_position, mask_len, write_position,
+                                   step)
 
     # -- device helpers (not hooks) -----------------------------------------------------------------
     def fill(self, buffer: DeviceBuffer, value: int = 0, offset: int = 0, nbytes: int | None = None) -> None:

@@ -89,19 +89,20 @@ class _Geometry:
             max(0, (o - 1) * s + (k - 1) * d + 1 - n - b)
             for o, s, k, d, n, b in zip(out, strides, kernel, dilations, in_shape, begin)
         )
+        self._divisors: dict = {}
 
     @property
     def unpadded(self) -> bool:
         return not any(self.begin) and not any(self.reach)
 
-    def pad(self, x: np.ndarray, value) -> np.ndarray:
-        """``x`` with its trailing spatial dims padded by ``value`` (only the borders are filled)."""
-        if self.unpadded:
+    def pad(self, x: np.ndarray, value, out: np.ndarray | None = None) -> np.ndarray:
+        """``x`` with its trailing spatial dims padded by ``value`` (only the borders are filled),
+        written into ``out`` when given."""
+        if self.unpadded and out is None:
             return x
         rank = len(self.in_shape)
         lead = x.ndim - rank
-        shape = x.shape[:lead] + tuple(n + b + r for n, b, r in zip(self.in_shape, self.begin, self.reach))
-        xp = np.empty(shape, dtype=x.dtype)
+        xp = np.empty(self.padded_shape(x.shape), dtype=x.dtype) if out is None else out
         inner = tuple(slice(b, b + n) for b, n in zip(self.begin, self.in_shape))
         xp[(Ellipsis, *inner)] = x
         for i, (b, n) in enumerate(zip(self.begin, self.in_shape)):
@@ -110,26 +111,31 @@ class _Geometry:
             xp[(*before, slice(b + n, None))] = value
         return xp
 
-    def reduce_windows(self, xp: np.ndarray, combine) -> np.ndarray:
-        """Fold every window of padded ``xp`` with ``combine`` (np.maximum or np.add) into a fresh
-        (*lead, *out) array.
+    def padded_shape(self, shape) -> tuple[int, ...]:
+        lead = len(shape) - len(self.in_shape)
+        return tuple(shape[:lead]) + tuple(n + b + r for n, b, r in zip(self.in_shape, self.begin, self.reach))
+
+    def reduce_windows(self, x: np.ndarray, combine, identity) -> np.ndarray:
+        """Fold every window of unpadded ``x`` with ``combine`` (np.maximum or np.add) into a fresh
+        (*lead, *out) array; window taps in the padding are skipped, as if it held ``identity``.
 
         Max and sum over a box are separable, so this folds one spatial dim at a time, each pass
         combining the k strided views of that dim's taps: k1 + k2 + ... whole-array operations
-        instead of k1 * k2 * ..., and numpy runs every one of them.
+        instead of k1 * k2 * ..., and numpy runs every one of them. Nothing is padded: a tap that
+        overhangs the input covers only the outputs whose window it lies inside.
         """
-        y = xp
-        lead = xp.ndim - len(self.kernel)
-        for i, (k, s, d, o) in enumerate(zip(self.kernel, self.strides, self.dilations, self.out)):
-            before = (slice(None),) * (lead + i)
-            taps = [y[(*before, slice(t * d, t * d + (o - 1) * s + 1, s))] for t in range(k)]
-            if k == 1:
-                y = taps[0]
-                continue
-            y = combine(taps[0], taps[1])
-            for tap in taps[2:]:
-                combine(y, tap, out=y)
-        return y.copy() if np.may_share_memory(y, xp) else y
+        y = x
+        lead = x.ndim - len(self.kernel)
+        for i, (k, s, d, o, b) in enumerate(zip(self.kernel, self.strides, self.dilations, self.out, self.begin)):
+            axis = lead + i
+            n = y.shape[axis]
+            if k == 1 and b == 0 and (o - 1) * s < n:
+                y = y[(slice(None),) * axis + (slice(0, (o - 1) * s + 1, s),)]
+            elif k > 1 and axis == y.ndim - 1 and n == o * s and y.flags.c_contiguous:
+                y = _fold_rows(y, k, s, d, o, b, combine, identity)
+            else:
+                y = _fold_axis(y, axis, k, s, d, o, b, combine, identity)
+        return y.copy() if np.may_share_memory(y, x) else y
 
     def windows(self, xp: np.ndarray) -> np.ndarray:
         """Read-only view (*lead, *kernel, *out) of padded ``xp``; reshaping it is the im2col copy."""
@@ -158,6 +164,85 @@ class _Geometry:
             per_dim.append(((pos >= lo) & (pos < hi)).sum(axis=1))
         counts = reduce(np.multiply.outer, per_dim)
         return None if np.all(counts == math.prod(self.kernel)) else counts
+
+    def divisor(self, include_pad: bool, dtype):
+        """What each window sum is divided by for an average: the tap count, as a scalar when every
+        window has the full kernel, else a (*out) array; computed once per geometry and dtype."""
+        key = (include_pad, np.dtype(dtype))
+        cached = self._divisors.get(key)
+        if cached is None:
+            counts = self.tap_counts(include_pad)
+            size = math.prod(self.kernel)
+            cached = self._divisors[key] = np.asarray(size if counts is None else counts, dtype=dtype)
+        return cached
+
+
+def _tap_spans(n: int, k: int, s: int, d: int, o: int, b: int) -> list[tuple[int, int, int]]:
+    """For each window tap that reaches an input of size ``n``: (first output, end output, input
+    position of the first output's tap); output j's tap t reads input j*s - b + t*d."""
+    spans = []
+    for t in range(k):
+        first = max(0, -(-(b - t * d) // s))
+        end = min(o, (n - 1 + b - t * d) // s + 1)
+        if first < end:
+            spans.append((first, end, first * s - b + t * d))
+    return spans
+
+
+def _fold_axis(y, axis, k, s, d, o, b, combine, identity) -> np.ndarray:
+    """One separable pass over ``axis``: each tap combines its strided view into the outputs it covers."""
+    before = (slice(None),) * axis
+
+    def tap(first, end, start):
+        return y[(*before, slice(start, start + (end - first - 1) * s + 1, s))]
+
+    spans = _tap_spans(y.shape[axis], k, s, d, o, b)
+    full = [span for span in spans if span[:2] == (0, o)]
+    result = np.empty(y.shape[:axis] + (o,) + y.shape[axis + 1:], dtype=y.dtype)
+    if len(full) >= 2:
+        combine(tap(*full[0]), tap(*full[1]), out=result)
+        spans = [span for span in spans if span not in full[:2]]
+    elif full:
+        result[...] = tap(*full[0])
+        spans.remove(full[0])
+    else:
+        result.fill(identity)
+    for first, end, start in spans:
+        part = result[(*before, slice(first, end))]
+        combine(part, tap(first, end, start), out=part)
+    return result
+
+
+def _fold_rows(y, k, s, d, o, b, combine, identity) -> np.ndarray:
+    """The pass over the last axis of a C-contiguous ``y`` whose length is ``o * s``: all rows run as
+    one flat sequence (long contiguous loops instead of one short loop per row), then the few
+    border columns, whose windows would wrap into the neighbouring rows, are recomputed."""
+    n = y.shape[-1]
+    flat = y.reshape(-1)
+    result = np.empty(y.shape[:-1] + (o,), dtype=y.dtype)
+    out = result.reshape(-1)
+    offsets = [t * d - b for t in range(k)]
+    # Flat outputs [lo, hi) have every tap inside the array (a row's border may read the next row).
+    lo = max(0, max(-(off // s) for off in offsets))
+    hi = min((flat.size - 1 - off) // s + 1 for off in offsets)
+    if hi <= lo:
+        return _fold_axis(y, y.ndim - 1, k, s, d, o, b, combine, identity)
+    taps = [flat[lo * s + off: (hi - 1) * s + off + 1: s] for off in offsets]
+    combine(taps[0], taps[1], out=out[lo:hi])
+    for tap in taps[2:]:
+        combine(out[lo:hi], tap, out=out[lo:hi])
+    first_inner = -(min(offsets) // s)  # the outputs from here to last_inner read only their own row
+    last_inner = (n - 1 - max(offsets)) // s
+    for j in [*range(min(first_inner, o)), *range(max(last_inner + 1, first_inner, 0), o)]:
+        inside = [j * s + off for off in offsets if 0 <= j * s + off < n]
+        column = result[..., j]
+        if not inside:
+            column.fill(identity)
+            continue
+        column[...] = y[..., inside[0]]
+        for r in inside[1:]:
+            combine(column, y[..., r], out=column)
+    return result
 
 
 class _Window:
@@ -278,52 +363,284 @@ def _check_channels(node, x_channels: int, w_shape, group: int, transpose: bool)
         )
 
 
-# Column-buffer size per matmul: small enough to stay in cache (large images run in row blocks).
+class _Prepared:
+    """A kernel's transform of constant inputs (rearranged weights, folded normalization
+    parameters), kept while the same arrays come in.
+
+    Initializers reach kernels as the same read-only array objects on every run, so identity marks
+    unchanged constants; writeable (fed) arrays are transformed afresh on every call.
+    """
+
+    __slots__ = ("_entry",)
+
+    def __init__(self):
+        self._entry = None
+
+    def get(self, key, arrays: tuple, build):
+        entry = self._entry  # one read: another thread may swap in a new entry meanwhile
+        if entry is not None and entry[0] == key and all(a is b for a, b in zip(entry[1], arrays)):
+            return entry[2]
+        value = build()
+        if all(a is None or not a.flags.writeable for a in arrays):
+            self._entry = (key, arrays, value)
+        return value
+
+
+def _grouped_weights(w: np.ndarray, b, group: int, dtype) -> np.ndarray:
+    """(G, Mg, Cg*K) weights; with a bias, one more column holding it (it multiplies a row of ones)."""
+    m = w.shape[0]
+    flat = w.astype(dtype, copy=False).reshape(group, m // group, -1)
+    if b is None:
+        return flat
+    return np.concatenate([flat, b.astype(dtype, copy=False).reshape(group, m // group, 1)], axis=2)
+
+
+# Column-buffer budget per matmul: about an L2 cache, so each block's matmul reads the columns its
+# copy just wrote from cache (larger blocks measured slower in whole models, smaller ones too).
 _IM2COL_BYTES = 1 << 22
 
 
-def _im2col_matmul(weights: np.ndarray, windows: np.ndarray, geo: _Geometry) -> np.ndarray:
-    """(G, Mg, Cg*K) weights times the im2col matrix of ``windows`` (N, G, Cg, *kernel, *out).
+def _conv_im2col(x, weights, geo: _Geometry, group: int, with_bias: bool) -> np.ndarray:
+    """General convolution: (G, Mg, Cg*K [+1]) weights times the im2col matrix of ``x``.
 
-    The column matrix is copied out of the strided view one block of output rows at a time, each
-    block feeding one batched matmul that writes straight into its rows of the result.
+    The column matrix is copied out of a strided window view of the padded input in one copy per
+    block of output rows, each block feeding one batched matmul that writes straight into its rows
+    of the result. With a bias, the matrix gets a row of ones so the matmul adds it.
     """
-    n, group = windows.shape[:2]
-    mg = weights.shape[1]
-    y = np.empty((n, group, mg, *geo.out), dtype=weights.dtype)
-    row_bytes = windows.itemsize * math.prod(windows.shape) // geo.out[0]
-    rows = max(1, min(geo.out[0], _IM2COL_BYTES // row_bytes))
+    n, c = x.shape[:2]
+    cg, mg, depth = c // group, weights.shape[1], weights.shape[2]
+    xp = geo.pad(x, 0)
+    windows = geo.windows(xp.reshape(n, group, cg, *xp.shape[2:]))
+    y = np.empty((n, group, mg, *geo.out), dtype=x.dtype)
+    rest = math.prod(geo.out[1:])
+    rows = max(1, min(geo.out[0], _IM2COL_BYTES // max(1, x.itemsize * n * group * depth * rest)))
+    buffer = np.empty((n, group, depth, rows * rest), dtype=x.dtype)
+    if with_bias:
+        buffer[:, :, -1] = 1
+    spatial = (slice(None),) * (len(geo.out) - 1)
     for start in range(0, geo.out[0], rows):
-        block = (Ellipsis, slice(start, start + rows)) + (slice(None),) * (len(geo.out) - 1)
-        cols = windows[block].reshape(n, group, weights.shape[2], -1)
-        np.matmul(weights, cols, out=y[block].reshape(n, group, mg, -1))
+        block = (Ellipsis, slice(start, start + rows), *spatial)
+        count = min(rows, geo.out[0] - start)
+        cols = buffer[..., : count * rest]
+        taps = cols[:, :, : depth - 1] if with_bias else cols
+        np.copyto(taps.reshape(n, group, cg, *geo.kernel, count, *geo.out[1:], copy=False), windows[block])
+        np.matmul(weights, cols, out=y[block].reshape(n, group, mg, count * rest, copy=False))
     return y
+
+
+def _conv_pointwise(x, weights, group: int, with_bias: bool) -> np.ndarray:
+    """1x1 convolution without pads or strides: the input pixels are already the column matrix.
+    A bias rides on a row of ones when that copy of the input is cheaper than a pass over the output."""
+    n, c = x.shape[:2]
+    cg, mg = c // group, weights.shape[1]
+    cols = x.reshape(n, group, cg, math.prod(x.shape[2:]))
+    y = np.empty((n, group, mg, cols.shape[-1]), dtype=x.dtype)
+    if not with_bias:
+        np.matmul(weights, cols, out=y)
+    elif mg > cg:
+        ones = np.empty((n, group, cg + 1, cols.shape[-1]), dtype=x.dtype)
+        ones[:, :, :cg] = cols
+        ones[:, :, cg] = 1
+        np.matmul(weights, ones, out=y)
+    else:
+        np.matmul(weights[:, :, :cg], cols, out=y)
+        y += weights[:, :, cg:]
+    return y
+
+
+def _tap_weights(w: np.ndarray, dtype) -> np.ndarray:
+    """(KH*KW, M, C) weights: one (M, C) matrix per kernel tap."""
+    m, c = w.shape[:2]
+    return np.ascontiguousarray(w.astype(dtype, copy=False).reshape(m, c, -1).transpose(2, 0, 1))
+
+
+def _padded_width(geo: _Geometry) -> int:
+    return geo.in_shape[1] + geo.begin[1] + geo.reach[1]
+
+
+def _padded_rows(x: np.ndarray, geo: _Geometry) -> np.ndarray:
+    """The padded 2-D image of each channel flattened to one row, (N, C, Hp*Wp + tail).
+
+    A kernel tap of a stride-1 window is then an offset into the row, and a run of ``OH * Wp``
+    elements from it covers whole padded rows; outputs past the true width are dropped at the end,
+    and the zero tail holds what the last row's dropped outputs read.
+    """
+    n, c = x.shape[:2]
+    hp, wp = geo.in_shape[0] + geo.begin[0] + geo.reach[0], _padded_width(geo)
+    tail = (geo.kernel[1] - 1) * geo.dilations[1]
+    flat = np.empty((n, c, hp * wp + tail), dtype=x.dtype)
+    flat[:, :, hp * wp:] = 0
+    geo.pad(x, 0, out=flat[:, :, : hp * wp].reshape(n, c, hp, wp, copy=False))
+    return flat
+
+
+def _tap_offsets(geo: _Geometry) -> list[int]:
+    """Where each kernel tap of a stride-1 2-D window starts in a padded row from _padded_rows."""
+    wp = _padded_width(geo)
+    (kh, kw), (dh, dw) = geo.kernel, geo.dilations
+    return [i * dh * wp + j * dw for i in range(kh) for j in range(kw)]
+
+
+def _crop_rows(rows: np.ndarray, geo: _Geometry, out: np.ndarray, b=None) -> None:
+    """Write (..., OH * Wp) padded-row results into ``out`` (..., OH, OW), adding a bias if given."""
+    oh, ow = geo.out
+    valid = rows.reshape(*rows.shape[:-1], oh, -1)[..., :ow]
+    if b is None:
+        np.copyto(out, valid)
+    else:
+        np.add(valid, b.astype(out.dtype, copy=False).reshape(-1, 1, 1), out=out)
+
+
+def _conv_by_taps(x, taps, b, geo: _Geometry) -> np.ndarray:
+    """Stride-1 2-D convolution as one matmul per kernel tap over shifted runs of the padded rows,
+    with no column matrix: for few output channels the im2col copy costs more than these sums."""
+    n, m = x.shape[0], taps.shape[1]
+    flat = _padded_rows(x, geo)
+    length = geo.out[0] * _padded_width(geo)
+    y = np.empty((n, m, *geo.out), dtype=x.dtype)
+    total = np.empty((m, length), dtype=x.dtype)
+    product = np.empty_like(total)
+    for image in range(n):
+        for t, offset in enumerate(_tap_offsets(geo)):
+            np.matmul(taps[t], flat[image, :, offset:offset + length], out=total if t == 0 else product)
+            if t:
+                total += product
+        _crop_rows(total, geo, y[image], b)
+    return y
+
+
+# Column-buffer budget for one-channel groups: their matmuls are tiny, so a cache-sized buffer wins.
+_DEPTHWISE_BYTES = 1 << 19
+
+
+def _conv_depthwise(x, weights, geo: _Geometry, with_bias: bool) -> np.ndarray:
+    """Convolution with one input channel per group: per channel, a (multiplier, K) matmul over its
+    K kernel taps, for a cache-sized block of channels at a time (one batched matmul over all the
+    channels would stream a column matrix K times the input through memory).
+
+    Stride-1 2-D windows take their taps as shifted runs of the padded rows, copied as long
+    contiguous rows (the columns past the output width are dropped at the end); other windows
+    copy the taps out of the strided window view.
+    """
+    n, c = x.shape[:2]
+    multiplier, depth = weights.shape[1:]
+    taps = math.prod(geo.kernel)
+    if _rows_fit(geo):
+        flat = _padded_rows(x, geo)
+        (dh, dw), item, run = geo.dilations, flat.itemsize, (geo.out[0] * _padded_width(geo),)
+        source = as_strided(flat, (n, c, *geo.kernel, *run),
+                            flat.strides[:2] + (dh * _padded_width(geo) * item, dw * item, item), writeable=False)
+    else:
+        source, run = geo.windows(geo.pad(x, 0)), geo.out
+    length = math.prod(run)
+    block = max(1, min(c, _DEPTHWISE_BYTES // max(1, depth * length * x.itemsize)))
+    cols = np.empty((block, depth, length), dtype=x.dtype)
+    if with_bias:
+        cols[:, taps] = 1
+    y = np.empty((n, c * multiplier, *geo.out), dtype=x.dtype)
+    # Stride-1 rows go through a buffer and are cropped; other results land straight in y.
+    rows = np.empty((c, multiplier, length), dtype=x.dtype) if _rows_fit(geo) else None
+    for image in range(n):
+        target = rows if rows is not None else y[image].reshape(c, multiplier, length, copy=False)
+        for start in range(0, c, block):
+            stop = min(c, start + block)
+            part = cols[: stop - start]
+            np.copyto(part[:, :taps].reshape(stop - start, *geo.kernel, *run, copy=False), source[image, start:stop])
+            np.matmul(weights[start:stop], part, out=target[start:stop])
+        if rows is not None:
+            _crop_rows(rows.reshape(-1, length), geo, y[image])
+    return y
+
+
+# Winograd F(2x2, 3x3) (Lavin & Gray, 2015): a 2x2 output tile is A^T [(G g G^T) * (B^T d B)] A for
+# its 4x4 input tile d, 16 multiplies per input channel instead of 36. Kronecker products apply each
+# two-sided transform to a whole stack of tiles as one matmul.
+_WINOGRAD_G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
+_WINOGRAD_B4 = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], dtype=np.float64)
+_WINOGRAD_A2 = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], dtype=np.float64)
+_WINOGRAD_BT = np.kron(_WINOGRAD_B4, _WINOGRAD_B4)  # (16, 16): B^T d B of every tile at once
+_WINOGRAD_AT = np.kron(_WINOGRAD_A2, _WINOGRAD_A2)  # (4, 16): A^T m A
+
+
+def _winograd_weights(w: np.ndarray, dtype) -> np.ndarray:
+    """(16, M, C): the transformed 3x3 kernel G g G^T of each (output, input) channel pair."""
+    u = np.einsum("ik,mckl,jl->ijmc", _WINOGRAD_G, w.astype(np.float64), _WINOGRAD_G)
+    return np.ascontiguousarray(u.reshape(16, *w.shape[:2]), dtype=dtype)
+
+
+def _conv_winograd(x, u, b, geo: _Geometry) -> np.ndarray:
+    """Stride-1 3x3 convolution by Winograd F(2x2, 3x3): one strided copy gathers the overlapping
+    4x4 input tiles; the input transform, the 16 channel-mixing products and the output transform
+    are matmuls; the 2x2 output tiles are scattered into place with the bias added."""
+    n, c = x.shape[:2]
+    m = u.shape[1]
+    oh, ow = geo.out
+    th, tw = -(-oh // 2), -(-ow // 2)
+    # Padded to whole tiles: past the declared pads the extra rows/columns are zeros.
+    xp = geo.pad(x, 0, out=np.empty((n, c, 2 * th + 2, 2 * tw + 2), dtype=x.dtype))
+    sn, sc, sh, sw = xp.strides
+    tiles = as_strided(xp, (4, 4, c, n, th, tw), (sh, sw, sc, sn, 2 * sh, 2 * sw), writeable=False)
+    d = np.empty((16, c * n * th * tw), dtype=x.dtype)
+    np.copyto(d.reshape(4, 4, c, n, th, tw), tiles)
+    v = np.matmul(_WINOGRAD_BT.astype(x.dtype), d).reshape(16, c, n * th * tw)
+    products = np.matmul(u, v).reshape(16, m * n * th * tw)
+    out_tiles = np.matmul(_WINOGRAD_AT.astype(x.dtype), products).reshape(2, 2, m, n, th, tw)
+    y = np.empty((n, m, 2 * th, 2 * tw), dtype=x.dtype)
+    placed = y.reshape(n, m, th, 2, tw, 2).transpose(3, 5, 1, 0, 2, 4)  # (2, 2, M, N, TH, TW)
+    if b is None:
+        np.copyto(placed, out_tiles)
+    else:
+        np.add(out_tiles, b.astype(x.dtype, copy=False).reshape(m, 1, 1, 1), out=placed)
+    if (2 * th, 2 * tw) != (oh, ow):
+        y = np.ascontiguousarray(y[:, :, :oh, :ow])
+    return y
+
+
+def _use_winograd(geo: _Geometry, group: int, c: int, m: int) -> bool:
+    """Winograd pays where the channel-mixing products dominate: enough input channels for long
+    products (K = C) and enough outputs, on images with enough tiles per product (measured in
+    the CNN benchmarks: a 7x7 image loses) but small enough for the tile stacks to stay near the
+    cache."""
+    return (geo.kernel == (3, 3) and geo.strides == (1, 1) and geo.dilations == (1, 1) and group == 1
+            and c >= 96 and m >= 64 and 12 * 12 <= math.prod(geo.out) <= 56 * 56)
+
+
+def _rows_fit(geo: _Geometry) -> bool:
+    """Whether the padded-row layout of _padded_rows applies: a stride-1 2-D window."""
+    return len(geo.kernel) == 2 and geo.strides == (1, 1) and math.prod(geo.kernel) > 1
+
+
+def _use_taps(geo: _Geometry, group: int, c: int, m: int) -> bool:
+    """Per-tap matmuls pay off for stride-1 2-D kernels with a few outputs per input channel."""
+    return group == 1 and _rows_fit(geo) and 4 * m <= c
 
 
 @register("Conv", since=1)
 def conv(node, shapes, opset):
     window = _Window(node, shapes, needs_kernel=False)
     group = _group(node)
+    prepared = _Prepared()
 
     def kernel(x, w, b=None):
         _check_channels(node, x.shape[1], w.shape, group, transpose=False)
         geo = window.resolve(x.shape[2:], w.shape[2:])
         dtype = _compute_dtype(x.dtype)
-        n, m = x.shape[0], w.shape[0]
-        cg = x.shape[1] // group
         xc = x.astype(dtype, copy=False)
-        weights = w.astype(dtype, copy=False).reshape(group, m // group, -1)
-        if all(k == 1 for k in geo.kernel) and geo.unpadded:
-            # 1x1 convolution: a plain matmul over the (strided) input pixels.
-            xs = xc[(Ellipsis, *(slice(None, None, s) for s in geo.strides))]
-            y = np.matmul(weights, xs.reshape(n, group, cg, -1))
+        n, c, m = x.shape[0], x.shape[1], w.shape[0]
+        if group == c and group > 1:
+            weights = prepared.get("grouped", (w, b), lambda: _grouped_weights(w, b, group, dtype))
+            y = _conv_depthwise(xc, weights, geo, b is not None)
+        elif _use_taps(geo, group, c, m):
+            y = _conv_by_taps(xc, prepared.get("taps", (w,), lambda: _tap_weights(w, dtype)), b, geo)
+        elif _use_winograd(geo, group, c, m):
+            y = _conv_winograd(xc, prepared.get("winograd", (w,), lambda: _winograd_weights(w, dtype)), b, geo)
         else:
-            xp = geo.pad(xc, 0)
-            y = _im2col_matmul(weights, geo.windows(xp.reshape(n, group, cg, *xp.shape[2:])), geo)
-        y = y.reshape(n, m, *geo.out)
-        if b is not None:
-            y += _channel_param(b, y.ndim, dtype)
-        return (y.astype(x.dtype, copy=False),)
+            weights = prepared.get("grouped", (w, b), lambda: _grouped_weights(w, b, group, dtype))
+            if all(k == 1 for k in geo.kernel) and geo.unpadded and all(s == 1 for s in geo.strides):
+                y = _conv_pointwise(xc, weights, group, b is not None)
+            else:
+                y = _conv_im2col(xc, weights, geo, group, b is not None)
+        return (y.reshape(n, m, *geo.out).astype(x.dtype, copy=False),)
 
     return kernel
 
@@ -453,10 +770,10 @@ def max_pool(node, shapes, opset):
 
     def kernel(x):
         geo = window.resolve(x.shape[2:])
-        xp = geo.pad(x, _lowest(x.dtype))
         if with_indices:
+            xp = geo.pad(x, _lowest(x.dtype))
             return _max_pool_with_indices(geo, xp, x.shape, column_major=storage_order == 1)
-        return (geo.reduce_windows(xp, np.maximum),)
+        return (geo.reduce_windows(x, np.maximum, _lowest(x.dtype)),)
 
     return kernel
 
@@ -468,12 +785,9 @@ def average_pool(node, shapes, opset):
 
     def kernel(x):
         geo = window.resolve(x.shape[2:])
-        total = geo.reduce_windows(geo.pad(_upcast(x), 0), np.add)
-        counts = geo.tap_counts(include_pad)
-        if counts is None:
-            total /= math.prod(geo.kernel)
-        else:
-            total /= counts
+        xc = _upcast(x)
+        total = geo.reduce_windows(xc, np.add, 0)
+        total /= geo.divisor(include_pad, xc.dtype)
         return (total.astype(x.dtype, copy=False),)
 
     return kernel
@@ -502,7 +816,7 @@ def lp_pool(node, shapes, opset):
 
     def kernel(x):
         geo = window.resolve(x.shape[2:])
-        total = geo.reduce_windows(geo.pad(_lp_terms(x, p), 0), np.add)
+        total = geo.reduce_windows(_lp_terms(x, p), np.add, 0)
         return (_lp_root(total, p).astype(x.dtype, copy=False),)
 
     return kernel
@@ -540,10 +854,25 @@ def global_lp_pool(node, shapes, opset):
 # -- normalization -------------------------------------------------------------------------------
 
 
-def _affine_normalize(x, mean, var, scale, bias, epsilon, dtype):
-    """scale * (x - mean) / sqrt(var + epsilon) + bias, folded into one multiply-add over x."""
+def _affine_params(mean, var, scale, bias, epsilon, dtype):
+    """The factor and shift that turn scale * (x - mean) / sqrt(var + epsilon) + bias into one
+    multiply-add over x."""
     factor = scale / np.sqrt(var + dtype.type(epsilon))
-    return x.astype(dtype, copy=False) * factor + (bias - mean * factor)
+    return factor, bias - mean * factor
+
+
+def _affine_normalize(x, mean, var, scale, bias, epsilon, dtype):
+    factor, shift = _affine_params(mean, var, scale, bias, epsilon, dtype)
+    return x.astype(dtype, copy=False) * factor + shift
+
+
+def _per_channel_affine(x: np.ndarray, factor: np.ndarray, shift: np.ndarray, dtype) -> np.ndarray:
+    """x * factor + shift for (C,) parameters, over x viewed as (N, C, pixels): two passes
+    without temporaries, each broadcasting a channel's value along its contiguous pixels."""
+    n, c = x.shape[:2]
+    y = np.multiply(x.astype(dtype, copy=False).reshape(n, c, math.prod(x.shape[2:])), factor.reshape(c, 1))
+    y += shift.reshape(c, 1)
+    return y.reshape(x.shape)
 
 
 def _batch_norm_stats(x, axes, mean, var, momentum, dtype):
@@ -566,13 +895,23 @@ def _batch_norm_kernel(node, training: bool, spatial: bool):
     epsilon = float(node.attr("epsilon", 1e-5))
     momentum = float(node.attr("momentum", 0.9))
     n_outputs = len(node.outputs)
+    prepared = _Prepared()
+
+    def inference(x, scale, bias, mean, var):
+        dtype = _compute_dtype(x.dtype)
+        if x.ndim >= 2 and all(p.shape == (x.shape[1],) for p in (scale, bias, mean, var)):
+            factor, shift = prepared.get(dtype, (scale, bias, mean, var), lambda: _affine_params(
+                *(p.astype(dtype, copy=False) for p in (mean, var, scale, bias)), epsilon, dtype))
+            return _per_channel_affine(x, factor, shift, dtype)
+        s, b, mu, v = (_channel_param(p, x.ndim, dtype) for p in (scale, bias, mean, var))
+        return _affine_normalize(x, mu, v, s, b, epsilon, dtype)
 
     def kernel(x, scale, bias, mean, var):
-        dtype = _compute_dtype(x.dtype)
-        s, b, mu, v = (_channel_param(p, x.ndim, dtype) for p in (scale, bias, mean, var))
         if not training:
-            y = _affine_normalize(x, mu, v, s, b, epsilon, dtype).astype(x.dtype, copy=False)
+            y = inference(x, scale, bias, mean, var).astype(x.dtype, copy=False)
             return (y, mean, var, mean, var)[:n_outputs]
+        dtype = _compute_dtype(x.dtype)
+        s, b = (_channel_param(p, x.ndim, dtype) for p in (scale, bias))
         axes = (0,) if not spatial else (0, *range(2, x.ndim))
         batch_mean, batch_var, run_mean, run_var = _batch_norm_stats(
             x, axes, mean.astype(dtype), var.astype(dtype), momentum, dtype)

@@ -38,6 +38,17 @@ class KernelContext:
         """The compiled ``extern "C"`` kernel ``name`` from ``kernels/<source_file>``."""
         return self.device.function(self.device.load(source_file, options), name)
 
+    def validation_flags(self) -> int:
+        """Device address of the current validation flag word (a 32-bit unsigned int).
+
+        A kernel that meets invalid data (an index out of range) skips the element and raises a bit with
+        ``atomicOr(flags, bit)`` instead of faulting; the session reports the flags as a
+        DeviceValidationError at the next download. Bits: ``validation.INDEX_OUT_OF_RANGE`` (1),
+        ``validation.INVALID_ARGUMENT`` (2). Ask for the address at every launch (it follows the
+        running submission) and pass it as ``(ctx.validation_flags(), ctypes.c_void_p)``.
+        """
+        return self.handle.provider.device_validation().current_word()
+
     def empty(self, dtype, shape) -> Tensor:
         return Tensor.empty(DataType.parse(dtype), shape, provider=self.handle)
 

@@ -1,0 +1,272 @@
+"""Deferred device validation: a 32-bit flag word on the device that kernels raise bits in.
+
+A kernel that meets invalid data (a Gather index out of range, ...) does not fault or write out of
+bounds: it skips the element and ``atomicOr``s a bit into the *current flag word*, whose address it
+gets from ``KernelContext.validation_flags()`` at launch. The flags are read at the next host-visible
+boundary, so validation costs no synchronization of its own.
+
+Owners and generations (the contract's deferred-validation hooks). Each executor (or persistent
+binding) registers an owner once; the owner gets its own device word. ``begin`` opens a generation:
+it clears the word (stream-ordered, before the work it validates) and makes it the current word, so
+the generation's kernels, and any device graph captured while it was current, raise bits there.
+``activate`` seals the submission; ``consume`` (after the caller's host sync) reads the word once and
+keeps the result sticky, so every exact consumer sees the same flags. Only the latest generation of a
+registered owner can be consumed: a foreign owner's or an older generation's token is refused.
+An output binding added as a *recipient* gets its own token that resolves to the submission's result.
+
+The word of an owner stays at one address for the owner's lifetime: a graph captured in one
+generation keeps raising into it when replayed in later ones (each replay's generation clears it
+first). Generations nest (a subgraph executor run by a control-flow kernel opens its own while its
+parent's is open): the current word is the innermost open generation's. With none open, kernels
+write a provider-wide word that nobody consumes (read it with :meth:`DeviceValidation.unscoped_flags`).
+
+An owner whose word was never handed to a kernel needs no clearing and no read, so a run without
+validating kernels pays nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+from onnx_runtime.contract.validation import DeviceValidationOwner, DeviceValidationRegistration, DeviceValidationToken
+from onnx_runtime.errors import InvalidArgumentError, ProviderError
+
+NAME = "CUDAExecutionProvider"
+WORD_BYTES = 4
+
+# Bits kernels raise (atomicOr) in the flag word.
+INDEX_OUT_OF_RANGE = 1 << 0  # an index (Gather, GatherElements, ScatterND, ...) outside its axis
+INVALID_ARGUMENT = 1 << 1  # another data-dependent argument outside what the operator accepts
+
+FLAG_NAMES = {INDEX_OUT_OF_RANGE: "index out of range", INVALID_ARGUMENT: "invalid argument"}
+
+
+def describe(flags: int) -> str:
+    """``flags`` in words, e.g. "index out of range"."""
+    names = [name for bit, name in FLAG_NAMES.items() if flags & bit]
+    unknown = flags & ~sum(FLAG_NAMES)
+    if unknown:
+        names.append(f"unknown bits 0x{unknown:x}")
+    return ", ".join(names) or "none"
+
+
+@dataclass(eq=False)
+class _Owner:
+    """Provider-private state of one registration."""
+
+    validator: DeviceValidation
+    owner: DeviceValidationOwner
+    address: int = 0  # the owner's flag word on the device (allocated at its first submission)
+    base: int = 0  # the allocation to free
+    used: bool = False  # the word's address was handed to a kernel, so it must be cleared and read
+    generation: int = 0  # the latest token minted for this owner
+    open: bool = False  # a submission of `generation` is running and not yet consumed
+    activated: bool = False
+    result: int | None = None  # the sticky flags of `generation`, once known
+    recipients: list[_Owner] = field(default_factory=list)  # recipients of the open submission
+    source: tuple[_Owner, int] | None = None  # for a recipient token: the submission it resolves to
+    registered: bool = True
+
+
+class DeviceValidation:
+    """The validation state of one provider instance (see the module docstring)."""
+
+    def __init__(self, device):
+        self.device = device
+        self._lock = threading.RLock()
+        self._owners: dict[DeviceValidationOwner, _Owner] = {}
+        self._open: list[_Owner] = []  # open generations, innermost last: the last one's word is current
+        self._unscoped: tuple[int, int] | None = None  # (address, base) of the word used outside submissions
+
+    # -- words ------------------------------------------------------------------------------------------
+    def _allocate_word(self) -> tuple[int, int]:
+        address, base = self.device.allocate(WORD_BYTES)
+        self.device.fill(address, WORD_BYTES, 0)
+        return address, base
+
+    def _read(self, address: int) -> int:
+        word = np.zeros(1, np.uint32)
+        self.device.download(word.view(np.uint8), address)  # waits for the compute stream
+        return int(word[0])
+
+    def current_word(self) -> int:
+        """The device address kernels raise flags in now (see the module docstring)."""
+        with self._lock:
+            if self._open:
+                state = self._open[-1]
+                state.used = True
+                return state.address
+            if self._unscoped is None:
+                self._unscoped = self._allocate_word()
+            return self._unscoped[0]
+
+    def prepare(self) -> None:
+        """Allocate the word used outside submissions now (before a capture, where allocating is illegal)."""
+        with self._lock:
+            if self._unscoped is None:
+                self._unscoped = self._allocate_word()
+
+    def unscoped_flags(self, reset: bool = True) -> int:
+        """Flags raised by kernels that ran outside any submission (synchronizes); cleared by default."""
+        with self._lock:
+            if self._unscoped is None:
+                return 0
+            flags = self._read(self._unscoped[0])
+            if reset and flags:
+                self.device.fill(self._unscoped[0], WORD_BYTES, 0)
+            return flags
+
+    # -- registrations ----------------------------------------------------------------------------------
+    def register(self) -> DeviceValidationRegistration:
+        state = _Owner(self, DeviceValidationOwner.new())
+        with self._lock:
+            self._owners[state.owner] = state
+        return DeviceValidationRegistration(state.owner, state)
+
+    def _state(self, registration) -> _Owner:
+        state = getattr(registration, "state", None)
+        if not (isinstance(registration, DeviceValidationRegistration) and isinstance(state, _Owner)
+                and state.validator is self and state.registered and state.owner == registration.owner):
+            raise InvalidArgumentError(
+                f"{NAME}: {registration!r} is not a live validation registration of this provider (foreign or "
+                f"already unregistered); register it with this provider's register_device_validation_owner"
+            )
+        return state
+
+    def _submitter(self, token) -> _Owner:
+        if not isinstance(token, DeviceValidationToken):
+            raise InvalidArgumentError(f"{NAME}: expected a DeviceValidationToken, got {type(token).__name__}")
+        state = self._owners.get(token.owner)
+        if state is None:
+            raise InvalidArgumentError(f"{NAME}: validation token {token!r} belongs to no owner registered here")
+        if token.generation != state.generation or state.source is not None:
+            raise InvalidArgumentError(
+                f"{NAME}: validation token {token!r} is stale; owner {token.owner.id} is at generation "
+                f"{state.generation}"
+            )
+        return state
+
+    def unregister(self, registration) -> None:
+        """Retire a registration and free its word; retiring one already retired here does nothing."""
+        with self._lock:
+            state = getattr(registration, "state", None)
+            if isinstance(state, _Owner) and state.validator is self and not state.registered:
+                return
+            state = self._state(registration)
+            if state.open:
+                self._finish(state)
+            state.registered = False
+            self._owners.pop(state.owner, None)
+            if state.base and not self.device.closed:
+                self.device.free(state.base)
+            state.address = state.base = 0
+
+    # -- submissions ------------------------------------------------------------------------------------
+    def begin(self, registration) -> DeviceValidationToken:
+        with self._lock:
+            state = self._state(registration)
+            if state.open:  # the previous generation was never consumed: settle it so its recipients keep it
+                self._finish(state)
+            if not state.address:
+                state.address, state.base = self._allocate_word()
+            elif state.used:
+                self.device.fill(state.address, WORD_BYTES, 0)  # ordered before the work this generation runs
+            state.generation += 1
+            state.open, state.activated, state.result, state.source = True, False, None, None
+            state.recipients = []
+            self._open.append(state)
+            return DeviceValidationToken(state.owner, state.generation)
+
+    def add_recipient(self, submission, recipient) -> DeviceValidationToken:
+        with self._lock:
+            source = self._submitter(submission)
+            if not source.open or source.activated:
+                raise InvalidArgumentError(
+                    f"{NAME}: recipients join a submission between begin and activate; {submission!r} is "
+                    f"{'activated' if source.open else 'finished'}"
+                )
+            state = self._state(recipient)
+            if state is source:
+                raise InvalidArgumentError(f"{NAME}: a submission's owner cannot be its own recipient")
+            if state.open:
+                self._finish(state)
+            state.generation += 1
+            state.result, state.source = None, (source, source.generation)
+            source.recipients.append(state)
+            return DeviceValidationToken(state.owner, state.generation)
+
+    def activate(self, submission) -> None:
+        with self._lock:
+            state = self._submitter(submission)
+            if not state.open:
+                raise InvalidArgumentError(f"{NAME}: submission {submission!r} already finished")
+            state.activated = True
+
+    def abort(self, submission) -> int:
+        """Settle a submission on an error path; the flags it raised (0 if none)."""
+        with self._lock:
+            state = self._submitter(submission)
+            if state.result is not None:
+                return state.result
+            return self._finish(state)
+
+    def consume(self, registration, token) -> int:
+        """The flags of exactly ``token``'s generation (sticky: every exact consumer sees the same)."""
+        with self._lock:
+            state = self._state(registration)
+            if not isinstance(token, DeviceValidationToken) or token.owner != state.owner:
+                raise InvalidArgumentError(
+                    f"{NAME}: validation token {token!r} belongs to another owner than registration "
+                    f"{state.owner.id}; only the submitting owner or a recipient may consume it"
+                )
+            if token.generation != state.generation:
+                raise InvalidArgumentError(
+                    f"{NAME}: validation token {token!r} is stale; owner {state.owner.id} is at generation "
+                    f"{state.generation}"
+                )
+            if state.result is not None:
+                return state.result
+            if state.source is not None:  # a recipient: its submission's result
+                source, generation = state.source
+                if source.generation == generation and source.open:
+                    self._finish(source)
+                if state.result is None:
+                    raise ProviderError(f"{NAME}: the submission recipient {token!r} was added to is gone")
+                return state.result
+            if not state.open:
+                raise InvalidArgumentError(f"{NAME}: validation token {token!r} names no submission")
+            if not state.activated:
+                raise InvalidArgumentError(
+                    f"{NAME}: submission {token!r} is not activated; activate it before consuming its result"
+                )
+            return self._finish(state)
+
+    def _finish(self, state: _Owner) -> int:
+        """Read the open generation's flags (synchronizing when the word was used) and settle it."""
+        try:
+            flags = self._read(state.address) if state.used and state.address else 0
+        finally:
+            state.open = False
+            if state in self._open:
+                self._open.remove(state)
+        state.result = flags
+        for recipient in state.recipients:
+            if recipient.source == (state, state.generation):
+                recipient.result = flags
+        state.recipients = []
+        return flags
+
+    def close(self) -> None:
+        """Free every word (provider shutdown); registrations left over become foreign."""
+        with self._lock:
+            for state in list(self._owners.values()):
+                state.registered = False
+                if state.base and not self.device.closed:
+                    self.device.free(state.base)
+            self._owners.clear()
+            self._open.clear()
+            if self._unscoped is not None and not self.device.closed:
+                self.device.free(self._unscoped[1])
+            self._unscoped = None

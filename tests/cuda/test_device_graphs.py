@@ -1,0 +1,590 @@
+"""Device graphs on the CUDA provider: the owner/slot/generation hooks, and session capture and replay.
+
+Runs on the simulator (``ONNX_RUNTIME_CUDA_SIM=1``) by default; with ``ONNX_RUNTIME_CUDA_TESTS=real``
+the same tests run against the real driver on a GPU machine. The session tests use operators of a
+test-only domain whose kernels live in ``TEST_KERNELS`` below, so they do not depend on which standard
+operators the provider implements.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx_runtime as ort
+import pytest
+from onnx import TensorProto, helper
+from onnx_runtime import DataType, DeviceGraphOwner, DeviceGraphSlot, DeviceGraphToken, ProviderHandle
+from onnx_runtime.discovery import registry
+from onnx_runtime.errors import InvalidArgumentError, ProviderError
+
+driver = pytest.importorskip("onnx_runtime_ep_cuda.driver", reason="the CUDA provider is not installed")
+from onnx_runtime_ep_cuda import CUDAExecutionProvider  # noqa: E402
+from onnx_runtime_ep_cuda.ops.context import f32, i64, ptr  # noqa: E402
+from onnx_runtime_ep_cuda.ops.registry import register  # noqa: E402
+
+REAL = os.environ.get("ONNX_RUNTIME_CUDA_TESTS", "").lower() == "real"
+PRIMARY, VERIFY = DeviceGraphSlot.PRIMARY, DeviceGraphSlot.VERIFY
+DOMAIN = "test.cuda_graphs"
+CUDA = "CUDAExecutionProvider"
+
+TEST_KERNELS = r"""
+extern "C" __global__ void axpb_f32(float* y, const float* x, float alpha, float beta, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = alpha * x[i] + beta;
+}
+"""
+_source = {}  # "path": the kernel file, written once per test session
+
+
+def _survive_a_simulator_reset() -> None:
+    """test_simulator.py resets the simulator when it ends, under any CudaDevice an earlier test cached:
+    forget those devices and initialize the driver again, as a fresh process would."""
+    from onnx_runtime_ep_cuda import CudaDevice
+    from onnx_runtime_ep_cuda.sim import driver as sim
+
+    if int(sim.cuDeviceGetCount()[0]) != 0:
+        sim.cuInit(0)
+        for device in CudaDevice._instances.values():
+            device.closed = True
+
+
+@pytest.fixture(autouse=True)
+def mode(monkeypatch, tmp_path_factory):
+    """The simulator unless the real driver was asked for; skips when the chosen one is not usable."""
+    if REAL:
+        monkeypatch.delenv(driver.SIM_ENV, raising=False)
+    else:
+        monkeypatch.setenv(driver.SIM_ENV, "1")
+        _survive_a_simulator_reset()
+    reason = driver.probe()
+    if reason:
+        pytest.skip(f"the CUDA {'driver' if REAL else 'simulator'} is not usable: {reason}")
+    if "path" not in _source:
+        path = tmp_path_factory.mktemp("kernels") / "graph_test_ops.cu"
+        path.write_text(TEST_KERNELS)
+        _source["path"] = str(path)
+    # The registry caches availability at discovery: refresh it to see the simulator, and again on the way
+    # out so that later tests see the machine as it is.
+    registry().refresh()
+    yield
+    monkeypatch.undo()
+    registry().refresh()
+
+
+@pytest.fixture
+def handle():
+    h = ProviderHandle(CUDAExecutionProvider())
+    h.initialize({})
+    yield h
+    h.shutdown()
+
+
+def graphs_of(h: ProviderHandle):
+    return h.provider.device_graphs()
+
+
+def all_destroyed(h: ProviderHandle) -> bool:
+    graphs = graphs_of(h)
+    return graphs.instantiated == graphs.destroyed
+
+
+# -- test-only operators -------------------------------------------------------------------------------------------
+def _axpb_factory(capturable=None, read_on_host=False):
+    def factory(node, shapes, opset, ctx):
+        function = ctx.function(_source["path"], "axpb_f32")
+        alpha, beta = node.attr("alpha", 1.0), node.attr("beta", 0.0)
+
+        def kernel(x):
+            if read_on_host:  # data-dependent host logic: synchronizes, so it cannot be captured
+                alpha_now = alpha + float(x.numpy().reshape(-1)[:1].sum()) * 0
+            else:
+                alpha_now = alpha
+            y = ctx.empty_like(x)
+            ctx.launch_1d(function, x.numel, ptr(y), ptr(x), f32(alpha_now), f32(beta), i64(x.numel))
+            return (y,)
+
+        if capturable is not None:
+            kernel.capturable = capturable
+        return kernel
+    return factory
+
+
+@register("AxpbChurn", domain=DOMAIN, dtypes={DataType.FLOAT})
+def _axpb_churn(node, shapes, opset, ctx):
+    """Axpb whose kernel replaces a scratch tensor at every call, freeing the previous one."""
+    axpb = _axpb_factory()(node, shapes, opset, ctx)
+    state = {}
+
+    def kernel(x):
+        state["scratch"] = ctx.empty(DataType.FLOAT, (64,))  # the old one is freed here
+        return axpb(x)
+    return kernel
+
+
+register("Axpb", domain=DOMAIN, dtypes={DataType.FLOAT})(_axpb_factory())
+register("AxpbNoCapture", domain=DOMAIN, dtypes={DataType.FLOAT})(_axpb_factory(capturable=False))
+register("AxpbHostRead", domain=DOMAIN, dtypes={DataType.FLOAT})(_axpb_factory(read_on_host=True))
+
+
+def axpb_model(ops=("Axpb", "Axpb", "Axpb"), shape=("N", 8), annotate=True, host_node=None):
+    """x -> ops[0] -> ops[1] -> ... -> y, each y = alpha * x + beta with alpha = i + 2, beta = i.
+
+    Node ``host_node`` (an index) is put in the test.host domain, which only a host test provider runs.
+    """
+    nodes, value_info, current = [], [], "x"
+    for i, op in enumerate(ops):
+        out = "y" if i == len(ops) - 1 else f"t{i}"
+        domain = "test.host" if i == host_node else DOMAIN
+        nodes.append(helper.make_node(op, [current], [out], name=f"n{i}", domain=domain,
+                                      alpha=float(i + 2), beta=float(i)))
+        if annotate and out != "y":
+            value_info.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, list(shape)))
+        current = out
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(shape))],
+                              value_info=value_info)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1), helper.make_opsetid("test.host", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=9).SerializeToString()
+
+
+def expected(x, ops):
+    for i, _ in enumerate(ops):
+        x = (i + 2) * x + i
+    return x
+
+
+def capture_session(model, providers=(CUDA,), capture=True):
+    options = ort.SessionOptions()
+    if capture:
+        options.add_session_config_entry("session.graph_capture", "1")
+    return ort.InferenceSession(model, options, providers=list(providers))
+
+
+# -- provider hooks: owners, slots, generations ---------------------------------------------------------------------
+def fill_capture(h, buffer, value, nbytes=None):
+    """Record one kernel that fills ``buffer`` with the byte ``value``."""
+    h.provider.fill(buffer, value, 0, nbytes)
+
+
+def read(h, buffer, n=16):
+    out = np.empty(n, np.uint8)
+    h.copy_to_host(buffer, out)
+    return out
+
+
+def test_capture_replay_and_generations(handle):
+    buffer = handle.allocate(16, 256)
+    owner = DeviceGraphOwner.new()
+    handle.provider.fill(buffer, 0)
+    token = handle.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY, continuation=None, kernels=[])
+    assert isinstance(token, DeviceGraphToken) and token.owner == owner and token.slot is PRIMARY
+    fill_capture(handle, buffer, 7)
+    assert not handle.hook.has_owned_device_graph(token=token)  # not installed while capturing
+    handle.hook.end_owned_device_graph_capture(token=token)
+    assert (read(handle, buffer) == 0).all()  # captured work does not run
+    assert handle.hook.has_owned_device_graph(token=token)
+    handle.hook.replay_owned_device_graph(token=token)
+    assert (read(handle, buffer) == 7).all()
+
+    # Re-capture mints a new generation; the old token neither replays, nor resets the new graph.
+    newer = handle.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY, continuation=None, kernels=[])
+    assert newer.generation > token.generation
+    fill_capture(handle, buffer, 9)
+    handle.hook.end_owned_device_graph_capture(token=newer)
+    assert not handle.hook.has_owned_device_graph(token=token)
+    with pytest.raises(InvalidArgumentError, match="stale"):
+        handle.hook.replay_owned_device_graph(token=token)
+    assert handle.hook.reset_owned_device_graph(token=token) is False
+    assert handle.hook.has_owned_device_graph(token=newer)
+    handle.hook.replay_owned_device_graph(token=newer)
+    assert (read(handle, buffer) == 9).all()
+
+    assert handle.hook.reset_owned_device_graph(token=newer) is True
+    assert handle.hook.reset_owned_device_graph(token=newer) is False  # exactly once
+    assert not handle.hook.has_owned_device_graph(token=newer)
+    with pytest.raises(InvalidArgumentError):
+        handle.hook.replay_owned_device_graph(token=newer)
+    assert all_destroyed(handle) and graphs_of(handle).instantiated == 2
+    handle.hook.retire_owned_device_graphs(owner=owner)
+    handle.deallocate(buffer)
+
+
+def test_foreign_owner_tokens_touch_nothing(handle):
+    buffer = handle.allocate(16, 256)
+    mine, other = DeviceGraphOwner.new(), DeviceGraphOwner.new()
+    token = handle.hook.begin_owned_device_graph_capture(owner=mine, slot=PRIMARY, continuation=None, kernels=[])
+    fill_capture(handle, buffer, 3)
+    handle.hook.end_owned_device_graph_capture(token=token)
+    forged = DeviceGraphToken(other, PRIMARY, token.generation)
+    assert not handle.hook.has_owned_device_graph(token=forged)
+    assert handle.hook.reset_owned_device_graph(token=forged) is False
+    with pytest.raises(InvalidArgumentError):
+        handle.hook.replay_owned_device_graph(token=forged)
+    assert handle.hook.has_owned_device_graph(token=token)
+    with pytest.raises(InvalidArgumentError):
+        handle.hook.replay_owned_device_graph(token="not a token")
+    handle.hook.retire_owned_device_graphs(owner=mine)
+    assert not handle.hook.has_owned_device_graph(token=token)
+    assert all_destroyed(handle)
+    handle.deallocate(buffer)
+
+
+def test_primary_and_verify_slots_are_independent(handle):
+    a, b = handle.allocate(16, 256), handle.allocate(16, 256)
+    for buffer in (a, b):
+        handle.provider.fill(buffer, 0)
+    owner = DeviceGraphOwner.new()
+    primary = handle.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY, continuation=None, kernels=[])
+    fill_capture(handle, a, 1)
+    handle.hook.end_owned_device_graph_capture(token=primary)
+    verify = handle.hook.begin_owned_device_graph_capture(owner=owner, slot=VERIFY, continuation=None, kernels=[])
+    fill_capture(handle, b, 2)
+    handle.hook.end_owned_device_graph_capture(token=verify)
+    handle.hook.replay_owned_device_graph(token=verify)
+    assert (read(handle, a) == 0).all() and (read(handle, b) == 2).all()
+    assert handle.hook.reset_owned_device_graph(token=verify)
+    assert handle.hook.has_owned_device_graph(token=primary)  # resetting VERIFY leaves PRIMARY installed
+    handle.hook.replay_owned_device_graph(token=primary)
+    assert (read(handle, a) == 1).all()
+    handle.hook.retire_owned_device_graphs(owner=owner)
+    assert all_destroyed(handle)
+    for buffer in (a, b):
+        handle.deallocate(buffer)
+
+
+def test_segmented_capture_with_continuation_tokens(handle):
+    a, b = handle.allocate(16, 256), handle.allocate(16, 256)
+    for buffer in (a, b):
+        handle.provider.fill(buffer, 0)
+    owner = DeviceGraphOwner.new()
+    token = handle.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY, continuation=None, kernels=[])
+    fill_capture(handle, a, 1)
+    handle.hook.end_owned_device_graph_capture(token=token)
+    handle.provider.fill(b, 5)  # an eager seam between the segments
+    again = handle.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY, continuation=token, kernels=[])
+    assert again == token  # a later segment extends the same generation
+    fill_capture(handle, b, 2)
+    handle.hook.end_owned_device_graph_capture(token=token)
+    assert graphs_of(handle).segment_count(token) == 2
+
+    handle.hook.replay_owned_device_graph_segment(token=token, index=1)
+    assert (read(handle, a) == 0).all() and (read(handle, b) == 2).all()
+    handle.provider.fill(b, 0)
+    handle.hook.replay_owned_device_graph(token=token)  # every segment, in capture order
+    assert (read(handle, a) == 1).all() and (read(handle, b) == 2).all()
+    with pytest.raises(InvalidArgumentError, match="segment 2"):
+        handle.hook.replay_owned_device_graph_segment(token=token, index=2)
+
+    stale = DeviceGraphToken(owner, PRIMARY, token.generation + 100)
+    with pytest.raises(InvalidArgumentError, match="continuation"):
+        handle.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY, continuation=stale, kernels=[])
+    assert handle.hook.reset_owned_device_graph(token=token) is True
+    with pytest.raises(InvalidArgumentError, match="continuation"):  # nothing installed to extend any more
+        handle.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY, continuation=token, kernels=[])
+    handle.hook.retire_owned_device_graphs(owner=owner)
+    assert all_destroyed(handle) and graphs_of(handle).destroyed == 2
+    for buffer in (a, b):
+        handle.deallocate(buffer)
+
+
+def _stream_capturing(h) -> bool:
+    device = h.provider.cuda_device()
+    d = device.driver
+    status = driver.check(d, d.cuStreamIsCapturing(device.compute), "cuStreamIsCapturing")
+    return int(status) != int(d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
+
+
+def test_abort_ends_the_capture_so_reset_succeeds(handle):
+    buffer = handle.allocate(16, 256)
+    handle.provider.fill(buffer, 0)
+    owner = DeviceGraphOwner.new()
+    first = handle.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY, continuation=None, kernels=[])
+    fill_capture(handle, buffer, 1)
+    handle.hook.end_owned_device_graph_capture(token=first)
+    second = handle.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY, continuation=first, kernels=[])
+    fill_capture(handle, buffer, 2)
+    assert _stream_capturing(handle)
+    with pytest.raises(ProviderError, match="still capturing"):
+        handle.hook.reset_owned_device_graph(token=second)
+    with pytest.raises(ProviderError, match="already in progress"):  # one capture at a time on the stream
+        handle.hook.begin_owned_device_graph_capture(owner=DeviceGraphOwner.new(), slot=VERIFY, continuation=None,
+                                                     kernels=[])
+    handle.hook.abort_owned_device_graph_capture(token=second)
+    assert not _stream_capturing(handle)
+    handle.hook.abort_owned_device_graph_capture(token=second)  # nothing in progress: no-op
+    assert graphs_of(handle).segment_count(first) == 1  # the aborted segment was discarded
+    assert handle.hook.reset_owned_device_graph(token=first) is True
+    assert all_destroyed(handle)
+
+    # A capture the stream invalidated (a host synchronization inside it) is ended by abort as well.
+    third = handle.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY, continuation=None, kernels=[])
+    with pytest.raises(ProviderError):
+        handle.provider.cuda_device().download(np.empty(16, np.uint8), buffer.ptr)
+    handle.hook.abort_owned_device_graph_capture(token=third)
+    assert not _stream_capturing(handle)
+    assert handle.hook.reset_owned_device_graph(token=third) is False  # nothing was installed
+    handle.hook.retire_owned_device_graphs(owner=owner)
+    handle.deallocate(buffer)
+
+
+def test_a_failed_capture_installs_nothing(handle):
+    buffer = handle.allocate(16, 256)
+    owner = DeviceGraphOwner.new()
+    token = handle.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY, continuation=None, kernels=[])
+    with pytest.raises(ProviderError):
+        handle.provider.cuda_device().sync()  # synchronizing a capturing stream invalidates the capture
+    with pytest.raises(ProviderError, match="capture was discarded"):
+        handle.hook.end_owned_device_graph_capture(token=token)
+    assert not _stream_capturing(handle)
+    assert not handle.hook.has_owned_device_graph(token=token)
+    assert handle.hook.reset_owned_device_graph(token=token) is False
+    handle.hook.retire_owned_device_graphs(owner=owner)
+    assert all_destroyed(handle)
+    handle.deallocate(buffer)
+
+
+def test_slot_hooks_accumulate_segments_until_reset(handle):
+    buffer = handle.allocate(16, 256)
+    handle.provider.fill(buffer, 0)
+    assert not handle.hook.has_device_graph_in(slot=VERIFY)
+    assert handle.hook.reset_device_graph_in(slot=VERIFY) is False
+    with pytest.raises(InvalidArgumentError):
+        handle.hook.replay_device_graph_in(slot=VERIFY)
+    handle.hook.begin_device_graph_capture_in(slot=VERIFY, kernels=[])
+    fill_capture(handle, buffer, 4, 8)
+    handle.hook.end_device_graph_capture_in(slot=VERIFY)
+    handle.hook.begin_device_graph_capture_in(slot=VERIFY, kernels=[])
+    handle.hook.abort_device_graph_capture_in(slot=VERIFY)  # the aborted second segment leaves the first
+    assert handle.hook.has_device_graph_in(slot=VERIFY)
+    handle.hook.replay_device_graph_in(slot=VERIFY)
+    assert (read(handle, buffer)[:8] == 4).all() and (read(handle, buffer)[8:] == 0).all()
+
+    # The single-slot hooks are the PRIMARY slot.
+    handle.hook.begin_device_graph_capture(kernels=[])
+    fill_capture(handle, buffer, 6, 8)
+    handle.hook.end_device_graph_capture()
+    handle.hook.replay_device_graph()
+    assert (read(handle, buffer)[:8] == 6).all()
+    assert handle.hook.has_device_graph_in(slot=PRIMARY) and handle.hook.has_device_graph_in(slot=VERIFY)
+    assert handle.hook.reset_device_graph() is True
+    assert handle.hook.reset_device_graph_in(slot=VERIFY) is True
+    assert not handle.hook.has_device_graph_in(slot=VERIFY)
+    assert all_destroyed(handle)
+    handle.deallocate(buffer)
+
+
+def test_shutdown_destroys_what_is_left():
+    h = ProviderHandle(CUDAExecutionProvider())
+    h.initialize({})
+    graphs = graphs_of(h)
+    buffer = h.allocate(16, 256)
+    token = h.hook.begin_owned_device_graph_capture(owner=DeviceGraphOwner.new(), slot=PRIMARY, continuation=None,
+                                                    kernels=[])
+    fill_capture(h, buffer, 1)
+    h.hook.end_owned_device_graph_capture(token=token)
+    h.hook.begin_owned_device_graph_capture(owner=DeviceGraphOwner.new(), slot=VERIFY, continuation=None, kernels=[])
+    h.deallocate(buffer)
+    h.shutdown()  # one installed graph and one capture in progress
+    assert graphs.instantiated == graphs.destroyed == 1
+    assert not _stream_capturing(h)
+
+
+# -- session capture and replay -------------------------------------------------------------------------------------
+def test_replayed_runs_equal_eager_runs():
+    ops = ("Axpb", "Axpb", "Axpb")
+    session = capture_session(axpb_model(ops))
+    assert all(p.provider == CUDA for p in session.placement())
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((3, 8)).astype(np.float32) for _ in range(4)]
+    runner = session._executor.graphs
+    statuses = []
+    for x in xs:
+        (y,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(y, expected(x, ops), rtol=1e-6)
+        statuses.append(session.device_graph_status())
+    assert statuses[0].startswith("eager: warming up")
+    assert statuses[1:] == ["replaying"] * 3
+    assert runner.captures == 1 and runner.replays == 3
+
+    # New shapes: warm up, capture, replay again, while the first graph stays installed.
+    x = rng.standard_normal((5, 8)).astype(np.float32)
+    for status in ("eager: warming up", "replaying", "replaying"):
+        (y,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(y, expected(x, ops), rtol=1e-6)
+        assert session.device_graph_status().startswith(status)
+    (y,) = session.run(None, {"x": xs[0]})
+    np.testing.assert_allclose(y, expected(xs[0], ops), rtol=1e-6)
+    assert runner.captures == 2 and runner.replays == 6
+    graphs = graphs_of(session.provider_handle("cuda"))
+    session.close()
+    assert graphs.instantiated == graphs.destroyed == 2
+
+
+def test_capture_is_off_by_default_and_the_option_is_checked():
+    session = capture_session(axpb_model(), capture=False)
+    session.run(None, {"x": np.ones((2, 8), np.float32)})
+    assert session.device_graph_status().startswith("eager: device graph capture is off")
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.graph_capture", "yes")
+    with pytest.raises(InvalidArgumentError, match="session.graph_capture"):
+        ort.InferenceSession(axpb_model(), options, providers=[CUDA])
+
+
+def test_the_arena_keeps_addresses_and_frees_everything():
+    counts = []
+    session = capture_session(axpb_model(("Axpb",) * 5))
+    handle = session.provider_handle("cuda")
+    x = np.arange(16, dtype=np.float32).reshape(2, 8)
+    for _ in range(4):
+        (y,) = session.run(None, {"x": x})
+        counts.append(handle.allocation_counts())
+    np.testing.assert_allclose(y, expected(x, ("Axpb",) * 5), rtol=1e-6)
+    assert counts[3] == counts[2]  # replays allocate nothing
+    runner = session._executor.graphs
+    (entry,) = runner._entries.values()
+    # Each step frees its input after allocating its output, so five steps alternate between two blocks.
+    assert entry.arena.layout.top == 2 * 256 <= entry.arena_bytes
+    session.close()
+    allocations, frees = handle.allocation_counts()
+    assert allocations == frees
+
+
+@pytest.fixture
+def host_provider():
+    class TestHostExecutionProvider:
+        @ort.hookimpl
+        def name(self):
+            return "TestHostExecutionProvider"
+
+        @ort.hookimpl
+        def supports_op(self, node):
+            if node.domain == "test.host":
+                return ort.KernelMatch.supported(cost=1.0)
+            return ort.KernelMatch.unsupported("runs only test.host operators")
+
+        @ort.hookimpl
+        def get_kernel(self, node):
+            alpha, beta = node.attr("alpha", 1.0), node.attr("beta", 0.0)
+            return lambda x: ((alpha * x + beta).astype(np.float32),)
+
+    ort.register_provider(TestHostExecutionProvider)
+    yield "TestHostExecutionProvider"
+    ort.unregister_provider("TestHostExecutionProvider")
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("host node", "node 'n1' (Axpb) runs on TestHostExecutionProvider, a host provider"),
+    ("unresolved shape", "node 'n0' (Axpb): data-dependent output shape was unresolved before capture"),
+    ("not capturable", "node 'n1' (AxpbNoCapture): its kernel is marked not capturable"),
+])
+def test_runs_that_cannot_be_captured_run_eagerly_and_say_why(case, reason, host_provider):
+    ops = ("Axpb", "AxpbNoCapture" if case == "not capturable" else "Axpb", "Axpb")
+    model = axpb_model(ops, annotate=case != "unresolved shape", host_node=1 if case == "host node" else None)
+    session = capture_session(model, providers=(CUDA, host_provider))
+    x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(2, 8)
+    for run in range(3):
+        (y,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(y, expected(x, ops), rtol=1e-6)
+        # A kernel cached per shape is known only once the run's shapes are: after the warm-up.
+        if run or case != "not capturable":
+            assert session.device_graph_status().startswith(f"eager: {reason}")
+    assert session._executor.graphs.captures == 0
+    session.close()
+
+
+def test_a_kernel_that_synchronizes_fails_the_capture_and_runs_eagerly():
+    ops = ("Axpb", "AxpbHostRead", "Axpb")
+    session = capture_session(axpb_model(ops))
+    x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(2, 8)
+    for _ in range(4):
+        (y,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(y, expected(x, ops), rtol=1e-6)
+    status = session.device_graph_status()
+    assert status.startswith("eager: capture failed at node 'n1'"), status
+    graphs = graphs_of(session.provider_handle("cuda"))
+    assert not _stream_capturing(session.provider_handle("cuda"))
+    assert graphs.instantiated == graphs.destroyed == 0
+    handle = session.provider_handle("cuda")
+    session.close()
+    allocations, frees = handle.allocation_counts()
+    assert allocations == frees
+
+
+def test_a_buffer_freed_during_a_capture_is_freed_after_it():
+    """Freeing it inside the capture would record the free into the graph, repeated at every replay."""
+    ops = ("Axpb", "AxpbChurn", "Axpb")
+    session = capture_session(axpb_model(ops))
+    handle = session.provider_handle("cuda")
+    x = np.ones((2, 8), np.float32)
+    for _ in range(4):
+        (y,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(y, expected(x, ops))
+    assert session.device_graph_status() == "replaying"
+    session.close()
+    # The warm-up's scratch, dropped during the capture, was freed after it; the scratch the kernel still
+    # holds came from the arena, which is no provider allocation.
+    allocations, frees = handle.allocation_counts()
+    assert allocations == frees
+
+
+def test_a_graph_reset_out_of_band_is_captured_again():
+    session = capture_session(axpb_model())
+    x = np.ones((2, 8), np.float32)
+    for _ in range(2):
+        session.run(None, {"x": x})
+    runner = session._executor.graphs
+    (entry,) = runner._entries.values()
+    handle = session.provider_handle("cuda")
+    assert handle.hook.reset_owned_device_graph(token=entry.token)  # e.g. the provider evicted it
+    for status in ("eager: warming up", "replaying"):
+        (y,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(y, expected(x, ("Axpb",) * 3))
+        assert session.device_graph_status().startswith(status)
+    assert runner.captures == 2
+    session.close()
+
+
+def test_many_shapes_keep_a_bounded_number_of_graphs():
+    from onnx_runtime.session.device_graphs import MAX_GRAPHS
+
+    session = capture_session(axpb_model(("Axpb",)))
+    for rows in range(1, MAX_GRAPHS + 3):
+        x = np.ones((rows, 8), np.float32)
+        for _ in range(2):
+            (y,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(y, np.full((rows, 8), 2.0, np.float32))
+    runner = session._executor.graphs
+    assert len(runner._entries) == MAX_GRAPHS
+    graphs = graphs_of(session.provider_handle("cuda"))
+    assert graphs.instantiated == MAX_GRAPHS + 2 and graphs.destroyed == 2
+    session.close()
+    assert graphs.destroyed == graphs.instantiated
+
+
+def test_kernel_arguments_are_baked_but_feeds_are_not():
+    """A replay reads the persistent input buffers (refreshed each run), not the feeds of the capture run."""
+    session = capture_session(axpb_model(("Axpb",), shape=(4,)))
+    for value in (1.0, 2.0, 3.0, -4.0):
+        x = np.full(4, value, np.float32)
+        (y,) = session.run(None, {"x": x})
+        np.testing.assert_array_equal(y, 2 * x)
+    assert session.device_graph_status() == "replaying"
+    session.close()
+
+
+def test_graph_outputs_that_are_feeds_pass_through():
+    nodes = [helper.make_node("Axpb", ["x"], ["y"], name="n0", domain=DOMAIN, alpha=2.0, beta=0.0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4]),
+                               helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)],
+                              ir_version=9).SerializeToString()
+    session = capture_session(model)
+    for value in (1.0, 5.0, 7.0):
+        x = np.full(4, value, np.float32)
+        y, x_out = session.run(None, {"x": x})
+        np.testing.assert_array_equal(y, 2 * x)
+        np.testing.assert_array_equal(x_out, x)
+    assert session.device_graph_status() == "replaying"
+    session.close()

@@ -1,0 +1,358 @@
+"""The CPU kernels' fast paths, each forced by its shapes and checked against a plain numpy restatement.
+
+Conv picks among a 1x1 matmul, per-tap matmuls, a depthwise padded-row path and the general
+im2col path; pooling folds windows without padding (a flat pass over whole rows where it can);
+BatchNormalization folds its parameters once. Small column budgets force the blocked loops.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from onnx_runtime.ir import Node
+from onnx_runtime_ep_cpu import ops  # noqa: F401  (fills the registry)
+from onnx_runtime_ep_cpu.ops import nn
+from onnx_runtime_ep_cpu.registry import lookup
+
+RNG = np.random.default_rng(7)
+
+
+def rand(*shape, dtype=np.float32):
+    return RNG.uniform(-1, 1, shape).astype(dtype)
+
+
+def constant(array):
+    """An array as the executor hands over initializers: read-only."""
+    array.flags.writeable = False
+    return array
+
+
+def kernel(op, attrs, shapes, n_outputs=1, opset=17):
+    node = Node(op, [f"in{i}" for i in range(len(shapes))], [f"out{i}" for i in range(n_outputs)],
+                name="n", attrs=dict(attrs), opset=opset)
+    return lookup(op, "", opset)(node, list(shapes), opset)
+
+
+# -- numpy restatements of the specs -------------------------------------------------------------
+
+
+def pads_of(attrs, rank):
+    return attrs.get("pads", [0] * (2 * rank))
+
+
+def conv_reference(x, w, b, attrs):
+    """Direct convolution: every output pixel as a sum over its receptive field, in float64."""
+    rank = x.ndim - 2
+    strides = attrs.get("strides", [1] * rank)
+    dilations = attrs.get("dilations", [1] * rank)
+    pads = pads_of(attrs, rank)
+    group = attrs.get("group", 1)
+    x = np.pad(x.astype(np.float64), [(0, 0), (0, 0)] + [(pads[i], pads[rank + i]) for i in range(rank)])
+    n, c = x.shape[:2]
+    m, cg = w.shape[:2]
+    kernel_shape = w.shape[2:]
+    out = [(x.shape[2 + i] - (kernel_shape[i] - 1) * dilations[i] - 1) // strides[i] + 1 for i in range(rank)]
+    y = np.zeros((n, m, *out))
+    mg = m // group
+    for pos in itertools.product(*(range(o) for o in out)):
+        window = tuple(slice(p * s, p * s + (k - 1) * d + 1, d)
+                       for p, s, k, d in zip(pos, strides, kernel_shape, dilations))
+        patch = x[(slice(None), slice(None), *window)]  # (N, C, *kernel)
+        for g in range(group):
+            field = patch[:, g * cg:(g + 1) * cg].reshape(n, -1)
+            y[(slice(None), slice(g * mg, (g + 1) * mg), *pos)] = field @ w[g * mg:(g + 1) * mg].reshape(mg, -1).T
+    if b is not None:
+        y += b.reshape(-1, *(1,) * rank)
+    return y
+
+
+def pool_reference(x, attrs, mode, include_pad=False):
+    """Max or average over each window, by explicit loops; padding never wins a max, and an average
+    counts the input (plus the declared pads with ``include_pad``), never a ceil_mode overhang."""
+    rank = x.ndim - 2
+    kernel_shape = attrs["kernel_shape"]
+    strides = attrs.get("strides", [1] * rank)
+    dilations = attrs.get("dilations", [1] * rank)
+    pads = pads_of(attrs, rank)
+    ceil = attrs.get("ceil_mode", 0)
+    out = []
+    for i in range(rank):
+        room = x.shape[2 + i] + pads[i] + pads[rank + i] - ((kernel_shape[i] - 1) * dilations[i] + 1)
+        o = (-(-room // strides[i]) if ceil else room // strides[i]) + 1
+        if ceil and (o - 1) * strides[i] >= x.shape[2 + i] + pads[i]:
+            o -= 1
+        out.append(o)
+    y = np.zeros(x.shape[:2] + tuple(out), dtype=np.float64)
+    for pos in itertools.product(*(range(o) for o in out)):
+        values, counted = [], 0
+        for tap in itertools.product(*(range(k) for k in kernel_shape)):
+            at = [p * s - pads[i] + t * d for i, (p, s, t, d) in enumerate(zip(pos, strides, tap, dilations))]
+            inside = all(0 <= a < x.shape[2 + i] for i, a in enumerate(at))
+            declared = all(-pads[i] <= a < x.shape[2 + i] + pads[rank + i] for i, a in enumerate(at))
+            if inside:
+                values.append(x[(slice(None), slice(None), *at)].astype(np.float64))
+            counted += inside or (include_pad and declared)
+        index = (slice(None), slice(None), *pos)
+        if mode == "max":
+            y[index] = np.max(values, axis=0)
+        else:
+            y[index] = np.sum(values, axis=0) / counted
+    return y
+
+
+def run_conv(x, w, b, attrs):
+    inputs = [x, w] + ([] if b is None else [b])
+    return kernel("Conv", attrs, [a.shape for a in inputs])(*inputs)[0]
+
+
+def assert_conv(x, w, b, attrs):
+    y = run_conv(x, w, b, attrs)
+    expected = conv_reference(x, w, b, attrs)
+    assert y.dtype == x.dtype and y.shape == expected.shape
+    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4)
+
+
+# -- Conv ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("attrs", [
+    {"strides": [2, 2], "pads": [1, 0, 2, 1]},
+    {"dilations": [2, 1], "pads": [2, 1, 2, 1]},
+    {"strides": [2, 3], "group": 2},
+])
+def test_conv_im2col(with_bias, attrs):
+    x, w = rand(2, 4, 9, 10), constant(rand(6, 4 // attrs.get("group", 1), 3, 3))
+    assert_conv(x, w, constant(rand(6)) if with_bias else None, attrs)
+
+
+def test_conv_im2col_in_row_blocks(monkeypatch):
+    # A budget of a few output rows splits the column matrix into several blocks, the last one short.
+    monkeypatch.setattr(nn, "_IM2COL_BYTES", 4 * 2 * 2 * (3 * 9 + 1) * 9)
+    x, w, b = rand(2, 3, 11, 11), constant(rand(5, 3, 3, 3)), constant(rand(5))
+    assert_conv(x, w, b, {"pads": [1, 1, 1, 1]})
+
+
+@pytest.mark.parametrize("shape,kernel_shape", [((2, 3, 13), (4,)), ((1, 2, 5, 6, 7), (2, 3, 2))])
+def test_conv_im2col_other_ranks(shape, kernel_shape):
+    x = rand(*shape)
+    w, b = constant(rand(4, shape[1], *kernel_shape)), constant(rand(4))
+    assert_conv(x, w, b, {"pads": [1] * (2 * len(kernel_shape))})
+
+
+@pytest.mark.parametrize("m,group", [(12, 1), (3, 1), (8, 2), (6, 3)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_conv_pointwise(m, group, with_bias):
+    # More outputs than inputs per group puts the bias on a row of ones; fewer adds it afterwards.
+    x, w = rand(2, 6, 5, 7), constant(rand(m, 6 // group, 1, 1))
+    assert_conv(x, w, constant(rand(m)) if with_bias else None, {"group": group})
+
+
+@pytest.mark.parametrize("attrs", [
+    {"pads": [1, 1, 1, 1]},
+    {"pads": [0, 2, 1, 0], "dilations": [2, 2]},
+    {"kernel_shape": [2, 3]},
+])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_conv_by_taps(attrs, with_bias):
+    c, m = 16, 3  # 4 * m <= c: one matmul per kernel tap
+    kernel_shape = attrs.get("kernel_shape", [3, 3])
+    x, w = rand(2, c, 8, 9), constant(rand(m, c, *kernel_shape))
+    assert nn._use_taps(geometry(attrs, (8, 9), tuple(kernel_shape)), 1, c, m)
+    assert_conv(x, w, constant(rand(m)) if with_bias else None, attrs)
+
+
+def geometry(attrs, in_shape, kernel_shape):
+    return nn._Window(Node("Conv", [], [], attrs=attrs), [], needs_kernel=False).resolve(in_shape, kernel_shape)
+
+
+@pytest.mark.parametrize("attrs,size", [
+    ({"pads": [1, 1, 1, 1]}, (12, 14)),  # even output: whole 2x2 tiles
+    ({"pads": [0, 1, 1, 0]}, (14, 15)),  # odd output height, asymmetric pads: the last tile row is cropped
+    ({"auto_pad": "VALID"}, (15, 15)),
+])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_conv_winograd(attrs, size, with_bias, dtype):
+    c, m = 96, 64
+    assert nn._use_winograd(geometry(attrs, size, (3, 3)), 1, c, m)
+    x, w = rand(2, c, *size, dtype=dtype), constant(rand(m, c, 3, 3, dtype=dtype))
+    b = constant(rand(m, dtype=dtype)) if with_bias else None
+    y = run_conv(x, w, b, attrs)
+    pads = [0, 0, 0, 0] if "auto_pad" in attrs else attrs["pads"]
+    expected = conv_reference(x, w, b, {"pads": pads})
+    assert y.dtype == dtype and y.shape == expected.shape
+    tol = 1e-4 if dtype == np.float32 else 1e-10
+    np.testing.assert_allclose(y, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("multiplier", [1, 2])
+@pytest.mark.parametrize("attrs", [{"pads": [1, 1, 1, 1]}, {"pads": [2, 0, 1, 2], "dilations": [1, 2]}])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_conv_depthwise(monkeypatch, multiplier, attrs, with_bias):
+    # A budget of two channels' columns makes several channel blocks, the last one short.
+    monkeypatch.setattr(nn, "_DEPTHWISE_BYTES", 2 * 4 * 10 * 7 * 12)
+    c = 5
+    x, w = rand(2, c, 7, 9), constant(rand(c * multiplier, 1, 3, 3))
+    attrs = {**attrs, "group": c}
+    assert_conv(x, w, constant(rand(c * multiplier)) if with_bias else None, attrs)
+
+
+@pytest.mark.parametrize("shape,kernel_shape,attrs", [
+    ((2, 6, 9, 10), (3, 3), {"strides": [2, 2], "pads": [1, 0, 1, 1]}),
+    ((2, 6, 11), (3,), {"pads": [1, 1]}),  # 1-D
+    ((1, 6, 5, 6, 7), (3, 2, 2), {"strides": [1, 2, 1]}),  # 3-D
+])
+@pytest.mark.parametrize("multiplier", [1, 3])
+def test_conv_depthwise_strided_windows(monkeypatch, shape, kernel_shape, attrs, multiplier):
+    monkeypatch.setattr(nn, "_DEPTHWISE_BYTES", 2 * 4 * 10 * 30)  # a few channels per block
+    c = shape[1]
+    x, w, b = rand(*shape), constant(rand(c * multiplier, 1, *kernel_shape)), constant(rand(c * multiplier))
+    assert_conv(x, w, b, {**attrs, "group": c})
+
+
+def test_conv_float16_computes_in_float32():
+    x, w, b = rand(1, 4, 6, 6, dtype=np.float16), constant(rand(8, 4, 3, 3, dtype=np.float16)), constant(rand(8))
+    y = run_conv(x, w, b.astype(np.float16), {"pads": [1, 1, 1, 1]})
+    assert y.dtype == np.float16
+    np.testing.assert_allclose(y, conv_reference(x, w, b.astype(np.float16), {"pads": [1, 1, 1, 1]}),
+                               rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("c,m,group,kernel_shape", [
+    (6, 12, 1, (3, 3)),  # im2col, bias folded into the weights
+    (6, 12, 1, (1, 1)),  # pointwise
+    (16, 2, 1, (3, 3)),  # per-tap weights
+    (96, 64, 1, (3, 3)),  # Winograd weights
+    (4, 4, 4, (3, 3)),  # depthwise
+])
+def test_conv_prepared_weights_follow_the_arrays(c, m, group, kernel_shape):
+    attrs = {"group": group, "pads": [1, 1, 1, 1] if kernel_shape == (3, 3) else [0, 0, 0, 0]}
+    x = rand(1, c, 12, 12)
+    w, b = rand(m, c // group, *kernel_shape), rand(m)
+    run = kernel("Conv", attrs, [x.shape, w.shape, b.shape])
+    # Read-only constants are prepared once and reused while the same arrays come in...
+    w_const, b_const = constant(w.copy()), constant(b.copy())
+    first = run(x, w_const, b_const)[0]
+    np.testing.assert_allclose(run(x, w_const, b_const)[0], first)
+    # ...other arrays (new constants, or fed arrays changed in place) are prepared again.
+    tol = {"rtol": 1e-5, "atol": 1e-5 * np.abs(first).max()}
+    np.testing.assert_allclose(run(x, constant(2 * w), constant(2 * b))[0], 2 * first, **tol)
+    fed_w, fed_b = w.copy(), b.copy()
+    np.testing.assert_allclose(run(x, fed_w, fed_b)[0], first, **tol)
+    fed_w *= 3
+    fed_b *= 3
+    np.testing.assert_allclose(run(x, fed_w, fed_b)[0], 3 * first, **tol)
+
+
+# -- pooling -------------------------------------------------------------------------------------
+
+
+POOL_CASES = [
+    {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [1, 1, 1, 1]},  # flat rows: width == out * stride
+    {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},  # flat rows with stride 2
+    {"kernel_shape": [3, 3], "strides": [2, 2]},  # odd width: per-axis views
+    {"kernel_shape": [2, 3], "strides": [2, 2], "ceil_mode": 1},  # overhang past the input
+    {"kernel_shape": [3, 2], "dilations": [2, 2], "pads": [2, 1, 0, 2]},
+    {"kernel_shape": [1, 3], "strides": [2, 1], "pads": [0, 1, 0, 1]},  # a size-1 axis is a strided view
+    {"kernel_shape": [4, 4], "pads": [3, 3, 3, 3]},  # border outputs whose windows are mostly padding
+]
+
+
+@pytest.mark.parametrize("attrs", POOL_CASES)
+@pytest.mark.parametrize("width", [10, 11])
+def test_max_pool(attrs, width):
+    x = rand(2, 3, 9, width)
+    y = kernel("MaxPool", attrs, [x.shape])(x)[0]
+    np.testing.assert_array_equal(y, pool_reference(x, attrs, "max").astype(np.float32))
+
+
+def test_max_pool_integers():
+    attrs = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
+    x = RNG.integers(-128, 128, (1, 2, 8, 8)).astype(np.int8)
+    y = kernel("MaxPool", attrs, [x.shape])(x)[0]
+    assert y.dtype == np.int8
+    np.testing.assert_array_equal(y, pool_reference(x, attrs, "max").astype(np.int8))
+
+
+@pytest.mark.parametrize("attrs", POOL_CASES)
+@pytest.mark.parametrize("include_pad", [0, 1])
+def test_average_pool(attrs, include_pad):
+    x = rand(2, 3, 9, 10)
+    attrs = {**attrs, "count_include_pad": include_pad}
+    y = kernel("AveragePool", attrs, [x.shape])(x)[0]
+    np.testing.assert_allclose(y, pool_reference(x, attrs, "average", bool(include_pad)), rtol=1e-5, atol=1e-6)
+
+
+def test_average_pool_one_dimensional_rows():
+    attrs = {"kernel_shape": [3], "strides": [1], "pads": [1, 1]}
+    x = rand(2, 3, 12)
+    y = kernel("AveragePool", attrs, [x.shape])(x)[0]
+    np.testing.assert_allclose(y, pool_reference(x, attrs, "average"), rtol=1e-5, atol=1e-6)
+
+
+# -- BatchNormalization --------------------------------------------------------------------------
+
+
+def batch_norm_reference(x, scale, bias, mean, var, epsilon):
+    shape = (1, -1) + (1,) * (x.ndim - 2)
+    normalized = (x.astype(np.float64) - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + epsilon)
+    return normalized * scale.reshape(shape) + bias.reshape(shape)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 4, 3), (3, 5), (1, 5, 6)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_batch_norm_per_channel(shape, dtype):
+    c = shape[1]
+    params = [constant(rand(c, dtype=dtype)) for _ in range(3)] + [constant(RNG.uniform(0.5, 2, c).astype(dtype))]
+    scale, bias, mean, var = params
+    x = rand(*shape, dtype=dtype)
+    run = kernel("BatchNormalization", {"epsilon": 1e-3}, [x.shape] + [p.shape for p in params], opset=15)
+    expected = batch_norm_reference(x, scale, bias, mean, var, 1e-3)
+    tol = 1e-2 if dtype == np.float16 else 1e-5
+    for _ in range(2):  # the second call reuses the folded parameters
+        y = run(x, *params)[0]
+        assert y.dtype == dtype and y.shape == x.shape
+        np.testing.assert_allclose(y, expected, rtol=tol, atol=tol)
+    # New parameter arrays are folded again.
+    doubled = constant(scale * 2)
+    np.testing.assert_allclose(run(x, doubled, bias, mean, var)[0],
+                               batch_norm_reference(x, doubled, bias, mean, var, 1e-3), rtol=tol, atol=tol)
+
+
+def test_reference_helpers_agree_on_a_trivial_case():
+    # A 1x1 all-ones convolution and a 1x1 pool are the identity: guards the references themselves.
+    x = rand(1, 2, 3, 3)
+    w = np.zeros((2, 2, 1, 1), np.float32)
+    w[0, 0] = w[1, 1] = 1
+    np.testing.assert_allclose(conv_reference(x, w, None, {}), x)
+    np.testing.assert_allclose(pool_reference(x, {"kernel_shape": [1, 1]}, "max"), x)
+    assert math.isclose(pool_reference(x, {"kernel_shape": [3, 3]}, "average")[0, 0, 0, 0], x[0, 0].mean(),
+                        rel_tol=1e-6)
+
+
+
+@pytest.mark.parametrize("c,m,group,kernel_shape,size", [
+    (6, 12, 1, (3, 3), 8),  # im2col
+    (6, 12, 1, (1, 1), 8),  # pointwise, bias on a row of ones
+    (12, 6, 3, (1, 1), 8),  # pointwise, bias added
+    (16, 2, 1, (3, 3), 8),  # per-tap matmuls
+    (96, 64, 1, (3, 3), 12),  # Winograd
+    (4, 4, 4, (3, 3), 8),  # depthwise
+])
+def test_conv_empty_batch(c, m, group, kernel_shape, size):
+    attrs = {"group": group, "pads": [1, 1, 1, 1] if kernel_shape == (3, 3) else [0, 0, 0, 0]}
+    y = run_conv(rand(0, c, size, size), constant(rand(m, c // group, *kernel_shape)), constant(rand(m)), attrs)
+    assert y.shape == (0, m, size, size)
+
+
+def test_pooling_and_batch_norm_empty_batch():
+    x = rand(0, 3, 8, 8)
+    assert kernel("MaxPool", POOL_CASES[0], [x.shape])(x)[0].shape == (0, 3, 8, 8)
+    assert kernel("AveragePool", POOL_CASES[1], [x.shape])(x)[0].shape == (0, 3, 4, 4)
+    params = [constant(rand(3)) for _ in range(3)] + [constant(np.ones(3, np.float32))]
+    run = kernel("BatchNormalization", {}, [x.shape] + [p.shape for p in params], opset=15)
+    assert run(x, *params)[0].shape == x.shape
