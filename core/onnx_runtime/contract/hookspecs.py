@@ -132,8 +132,11 @@ class ExecutionProviderSpec:
     def custom_passes(self):
         """Provider-specific graph passes run after the generic optimizer.
 
-        A pass is a callable ``pass_(graph) -> bool`` rewriting an :class:`onnx_runtime.ir.Graph`
-        in place and returning whether it changed anything. Default: none.
+        A pass is a callable ``pass_(graph) -> bool`` or ``pass_(graph, owns) -> bool`` rewriting an
+        :class:`onnx_runtime.ir.Graph` in place and returning whether it changed anything.
+        ``owns(node)`` says whether placement would give the node to this provider (no provider
+        listed before it accepts it): fuse only nodes you own, so a fusion never pulls work away from
+        a provider the user listed first. Default: none.
         """
 
     @hookspec(firstresult=True)

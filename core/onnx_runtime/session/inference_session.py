@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 import warnings
@@ -128,16 +129,34 @@ def _create_handles(requested: list[tuple[str, dict]], session_config: dict | No
     return handles
 
 
+def _ownership(graph, handles: list[ProviderHandle], index: int):
+    """``owns(node)``: whether placement would give ``node`` to ``handles[index]`` — no provider
+    listed before it accepts the node and it does. A provider's pass fuses only nodes it owns, so
+    a fusion never pulls nodes away from a provider listed first."""
+    from .placement import _input_facts
+
+    def owns(node) -> bool:
+        shapes, dtypes, layouts = _input_facts(graph, node)
+        for handle in handles[: index + 1]:
+            if handle.supports_op(node, node.opset, shapes, dtypes, layouts).is_supported:
+                return handle is handles[index]
+        return False
+
+    return owns
+
+
 def _run_custom_passes(graph, handles: list[ProviderHandle], applied: list[str]) -> list[str]:
     """Each provider's ``custom_passes``, in provider order, after the optimizer passes ``applied``;
     returns the names of all passes that changed the graph. The result is re-validated (SSA, no
     cycles, every read defined) before placement."""
     changed = list(applied)
-    for handle in handles:
+    for index, handle in enumerate(handles):
+        owns = _ownership(graph, handles, index)
         for graph_pass in handle.hook.custom_passes() or []:
             name = f"{handle.name}:{getattr(graph_pass, '__name__', type(graph_pass).__name__)}"
             try:
-                if graph_pass(graph):
+                takes_owns = len(inspect.signature(graph_pass).parameters) >= 2
+                if graph_pass(graph, owns) if takes_owns else graph_pass(graph):
                     changed.append(name)
             except OnnxRuntimeError:
                 raise

@@ -55,6 +55,10 @@ def _other(node: Node, name: str) -> str | None:
     return node.inputs[1] if node.inputs[0] == name else node.inputs[0]
 
 
+def _owned(owns, nodes: list[Node]) -> bool:
+    return owns is None or all(owns(n) for n in nodes)
+
+
 def _replace(graph: Graph, removed: list[Node], fused: Node) -> None:
     """Put ``fused`` where the last removed node was (its inputs are all produced earlier)."""
     gone = {id(n) for n in removed}
@@ -68,7 +72,7 @@ def _last_axis(axes, rank_hint) -> bool:
     return axes is not None and len(axes) == 1 and (int(axes[0]) == -1 or (rank_hint and int(axes[0]) == rank_hint - 1))
 
 
-def fuse_rms_norm(graph: Graph) -> bool:
+def fuse_rms_norm(graph: Graph, owns=None) -> bool:
     view = _View(graph)
     for mean in list(graph.nodes):
         if mean.op_type != "ReduceMean" or mean.domain or int(mean.attr("keepdims", 1)) != 1:
@@ -99,9 +103,12 @@ def fuse_rms_norm(graph: Graph) -> bool:
         weight = _other(weigh, scale.outputs[0]) if weigh else None
         if weight is None or view.const(weight) is None or view.const(weight).ndim != 1:
             continue
+        matched = [square, mean, add, root, div, scale, weigh]
+        if not _owned(owns, matched):
+            continue
         fused = Node("RMSNormalization", [x, weight], list(weigh.outputs), name=f"{weigh.name}/rms_norm",
                      attrs={"axis": -1, "epsilon": float(eps.reshape(-1)[0])}, opset=23)
-        _replace(graph, [square, mean, add, root, div, scale, weigh], fused)
+        _replace(graph, matched, fused)
         return True
     return False
 
@@ -118,7 +125,7 @@ def _slice_bounds(view: _View, node: Node):
     return int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
 
 
-def fuse_rotate_half(graph: Graph) -> bool:
+def fuse_rotate_half(graph: Graph, owns=None) -> bool:
     view = _View(graph)
     for concat in list(graph.nodes):
         if concat.op_type != "Concat" or concat.domain or int(concat.attr("axis", 0)) != -1 or len(concat.inputs) != 2:
@@ -143,20 +150,23 @@ def fuse_rotate_half(graph: Graph) -> bool:
                 or view.only_consumer(direct.outputs[0], "Add") is not add:
             continue
         cos = _other(direct, q)
+        matched = [direct, low, high, neg, concat, rotate, add]
+        if not _owned(owns, matched):
+            continue
         fused = Node("RotateHalfEmbedding", [q, cos, sin], list(add.outputs), name=f"{add.name}/rotate_half",
                      domain=FUSED_DOMAIN, attrs={"half": low_bounds[1], "end": high_bounds[1]}, opset=1)
-        _replace(graph, [direct, low, high, neg, concat, rotate, add], fused)
+        _replace(graph, matched, fused)
         return True
     return False
 
 
-def fuse_silu(graph: Graph) -> bool:
+def fuse_silu(graph: Graph, owns=None) -> bool:
     view = _View(graph)
     for sigmoid in list(graph.nodes):
         if sigmoid.op_type != "Sigmoid" or sigmoid.domain:
             continue
         gate = view.only_consumer(sigmoid.outputs[0], "Mul")
-        if gate is None or _other(gate, sigmoid.outputs[0]) != sigmoid.inputs[0]:
+        if gate is None or _other(gate, sigmoid.outputs[0]) != sigmoid.inputs[0] or not _owned(owns, [sigmoid, gate]):
             continue
         fused = Node("Swish", [sigmoid.inputs[0]], list(gate.outputs), name=f"{gate.name}/silu",
                      attrs={"alpha": 1.0}, opset=24)
@@ -168,9 +178,9 @@ def fuse_silu(graph: Graph) -> bool:
 def _until_fixed(fuse):
     """A pass applying ``fuse`` until it finds nothing more (each call rewrites one match)."""
 
-    def graph_pass(graph: Graph) -> bool:
+    def graph_pass(graph: Graph, owns) -> bool:
         changed = False
-        while fuse(graph):
+        while fuse(graph, owns):
             changed = True
         return changed
 
