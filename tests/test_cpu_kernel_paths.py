@@ -259,6 +259,8 @@ POOL_CASES = [
     {"kernel_shape": [3, 2], "dilations": [2, 2], "pads": [2, 1, 0, 2]},
     {"kernel_shape": [1, 3], "strides": [2, 1], "pads": [0, 1, 0, 1]},  # a size-1 axis is a strided view
     {"kernel_shape": [4, 4], "pads": [3, 3, 3, 3]},  # border outputs whose windows are mostly padding
+    {"kernel_shape": [3, 3], "dilations": [2, 2], "pads": [2, 2, 2, 2]},  # flat passes with dilated taps
+    {"kernel_shape": [2, 2], "pads": [1, 1, 0, 0]},  # flat passes, taps on one side only
 ]
 
 
@@ -287,11 +289,17 @@ def test_average_pool(attrs, include_pad):
     np.testing.assert_allclose(y, pool_reference(x, attrs, "average", bool(include_pad)), rtol=1e-5, atol=1e-6)
 
 
-def test_average_pool_one_dimensional_rows():
-    attrs = {"kernel_shape": [3], "strides": [1], "pads": [1, 1]}
-    x = rand(2, 3, 12)
-    y = kernel("AveragePool", attrs, [x.shape])(x)[0]
-    np.testing.assert_allclose(y, pool_reference(x, attrs, "average"), rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("shape,attrs", [
+    ((2, 3, 12), {"kernel_shape": [3], "pads": [1, 1]}),
+    ((1, 2, 5, 6, 7), {"kernel_shape": [3, 3, 3], "pads": [1, 1, 1, 1, 1, 1]}),  # flat passes on every axis
+    ((1, 2, 5, 6, 8), {"kernel_shape": [3, 2, 3], "strides": [1, 2, 2], "pads": [1, 0, 1, 1, 0, 0]}),
+])
+def test_pooling_other_ranks(shape, attrs):
+    x = rand(*shape)
+    np.testing.assert_allclose(kernel("AveragePool", attrs, [x.shape])(x)[0], pool_reference(x, attrs, "average"),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(kernel("MaxPool", attrs, [x.shape])(x)[0],
+                                  pool_reference(x, attrs, "max").astype(np.float32))
 
 
 # -- BatchNormalization --------------------------------------------------------------------------

@@ -214,6 +214,11 @@ def test_argmax_and_token_writer_replay_from_a_device_graph(handle):
     """Neither allocates nor synchronizes, so a decode step's tail can be captured and replayed."""
     b = Bindings(handle)
     logits = Tensor.from_numpy(np.array([[0.5, 3.0, 3.0, -1.0]], np.float16), provider=handle)
+    # Run both once first, as a decode loop's warm-up step does: kernels are loaded outside the capture.
+    handle.hook.device_argmax(logits=logits.buffer, elements=4, batch=1, dtype=DataType.FLOAT16,
+                              result=b.result.buffer, tie_break=HIGHEST)
+    b.write(next_position=0, step=0)
+    handle.copy_from_host(np.zeros(5, np.uint32), b.scratch.buffer)
     owner = DeviceGraphOwner.new()
     token = handle.hook.begin_owned_device_graph_capture(owner=owner, slot=DeviceGraphSlot.PRIMARY,
                                                          continuation=None, kernels=[])

@@ -122,6 +122,19 @@ def _axpb_churn(node, shapes, opset, ctx):
     return kernel
 
 
+@register("AxpbGrowing", domain=DOMAIN, dtypes={DataType.FLOAT})
+def _axpb_growing(node, shapes, opset, ctx):
+    """Axpb with a temporary buffer of 64 KiB more at every call: the capture outgrows the warm-up's arena."""
+    axpb = _axpb_factory()(node, shapes, opset, ctx)
+    calls = []
+
+    def kernel(x):
+        calls.append(None)
+        ctx.empty(DataType.UINT8, (65536 * len(calls),))  # dropped at once
+        return axpb(x)
+    return kernel
+
+
 register("Axpb", domain=DOMAIN, dtypes={DataType.FLOAT})(_axpb_factory())
 register("AxpbNoCapture", domain=DOMAIN, dtypes={DataType.FLOAT})(_axpb_factory(capturable=False))
 register("AxpbHostRead", domain=DOMAIN, dtypes={DataType.FLOAT})(_axpb_factory(read_on_host=True))
@@ -383,8 +396,8 @@ def test_shutdown_destroys_what_is_left():
                                                     kernels=[])
     fill_capture(h, buffer, 1)
     h.hook.end_owned_device_graph_capture(token=token)
-    h.hook.begin_owned_device_graph_capture(owner=DeviceGraphOwner.new(), slot=VERIFY, continuation=None, kernels=[])
     h.deallocate(buffer)
+    h.hook.begin_owned_device_graph_capture(owner=DeviceGraphOwner.new(), slot=VERIFY, continuation=None, kernels=[])
     h.shutdown()  # one installed graph and one capture in progress
     assert graphs.instantiated == graphs.destroyed == 1
     assert not _stream_capturing(h)
@@ -524,6 +537,25 @@ def test_a_buffer_freed_during_a_capture_is_freed_after_it():
     session.close()
     # The warm-up's scratch, dropped during the capture, was freed after it; the scratch the kernel still
     # holds came from the arena, which is no provider allocation.
+    allocations, frees = handle.allocation_counts()
+    assert allocations == frees
+
+
+def test_an_arena_too_small_is_grown_and_the_capture_retried():
+    ops = ("Axpb", "AxpbGrowing")
+    session = capture_session(axpb_model(ops))
+    x = np.ones((2, 8), np.float32)
+    statuses = []
+    for _ in range(4):
+        (y,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(y, expected(x, ops))
+        statuses.append(session.device_graph_status())
+    assert statuses[0].startswith("eager: warming up")
+    assert statuses[1].startswith("eager: the capture arena was too small")
+    assert statuses[2:] == ["replaying", "replaying"]
+    assert session._executor.graphs.captures == 1
+    handle = session.provider_handle("cuda")
+    session.close()
     allocations, frees = handle.allocation_counts()
     assert allocations == frees
 

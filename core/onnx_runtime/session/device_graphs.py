@@ -344,7 +344,7 @@ class DeviceGraphRunner:
                 _run_step(step, env)
             index = -1
             handle.hook.end_owned_device_graph_capture(token=token)
-        except Exception as exc:
+        except BaseException as exc:  # an interrupt too: the stream must not stay in capture mode
             failure = exc
             self._server.arena = None
             if token is not None:
@@ -360,6 +360,8 @@ class DeviceGraphRunner:
             return self._launch(entry, region, plan, feeds, submissions)
         env.clear()  # arena blocks go back before the arena goes
         self._release(entry, arena)
+        if not isinstance(failure, Exception):
+            raise failure
         if submissions:
             self.executor.abort_validation(submissions, failure)
         if isinstance(failure, _ArenaExhausted) and entry.attempts < MAX_CAPTURE_ATTEMPTS:

@@ -1,9 +1,12 @@
 """Neural-network kernels: convolution, pooling, normalization, softmax family, dropout, Gelu.
 
 Sliding-window ops share :class:`_Window` (attribute parsing and validation) and :class:`_Geometry`
-(pads and output size resolved for one input shape). Convolution is im2col over a strided view of
-the padded input followed by batched ``np.matmul`` calls; pooling folds strided views of the
-padded input one spatial dim at a time, so Python only loops over the (few) kernel taps.
+(pads and output size resolved for one input shape). Convolution picks a path by shape: a plain
+matmul for 1x1 kernels, per-channel matmuls over cache-sized blocks for depthwise kernels, one
+matmul per kernel tap when there are few output channels, Winograd F(2x2, 3x3) for wide 3x3
+layers, and otherwise im2col (one strided copy per block of output rows, then a batched matmul);
+weights rearranged for a path are kept while the same constant arrays come in. Pooling folds the
+unpadded input one spatial dim at a time, so Python only loops over the (few) kernel taps.
 """
 
 from __future__ import annotations
@@ -131,8 +134,8 @@ class _Geometry:
             n = y.shape[axis]
             if k == 1 and b == 0 and (o - 1) * s < n:
                 y = y[(slice(None),) * axis + (slice(0, (o - 1) * s + 1, s),)]
-            elif k > 1 and axis == y.ndim - 1 and n == o * s and y.flags.c_contiguous:
-                y = _fold_rows(y, k, s, d, o, b, combine, identity)
+            elif k > 1 and y.flags.c_contiguous and (n == o * s if axis == y.ndim - 1 else s == 1 and n == o):
+                y = _fold_flat(y, axis, k, s, d, o, b, combine, identity)
             else:
                 y = _fold_axis(y, axis, k, s, d, o, b, combine, identity)
         return y.copy() if np.may_share_memory(y, x) else y
@@ -193,57 +196,72 @@ def _fold_axis(y, axis, k, s, d, o, b, combine, identity) -> np.ndarray:
     """One separable pass over ``axis``: each tap combines its strided view into the outputs it covers."""
     before = (slice(None),) * axis
 
-    def tap(first, end, start):
+    def tap(span, first, end):
+        """The view of tap ``span`` for outputs [first, end), which it must cover."""
+        start = span[2] + (first - span[0]) * s
         return y[(*before, slice(start, start + (end - first - 1) * s + 1, s))]
+
+    def outputs(first, end):
+        return result[(*before, slice(first, end))]
 
     spans = _tap_spans(y.shape[axis], k, s, d, o, b)
     full = [span for span in spans if span[:2] == (0, o)]
     result = np.empty(y.shape[:axis] + (o,) + y.shape[axis + 1:], dtype=y.dtype)
     if len(full) >= 2:
-        combine(tap(*full[0]), tap(*full[1]), out=result)
+        combine(tap(full[0], 0, o), tap(full[1], 0, o), out=result)
         spans = [span for span in spans if span not in full[:2]]
     elif full:
-        result[...] = tap(*full[0])
+        # The full tap meets the first partial tap where that one reaches, and is copied elsewhere.
         spans.remove(full[0])
+        first, end = spans[0][:2] if spans else (o, o)
+        if spans:
+            combine(tap(full[0], first, end), tap(spans[0], first, end), out=outputs(first, end))
+        for lo, hi in ((0, first), (end, o)):
+            if lo < hi:
+                outputs(lo, hi)[...] = tap(full[0], lo, hi)
+        spans = spans[1:]
     else:
         result.fill(identity)
-    for first, end, start in spans:
-        part = result[(*before, slice(first, end))]
-        combine(part, tap(first, end, start), out=part)
+    for span in spans:
+        combine(outputs(*span[:2]), tap(span, *span[:2]), out=outputs(*span[:2]))
     return result
 
 
-def _fold_rows(y, k, s, d, o, b, combine, identity) -> np.ndarray:
-    """The pass over the last axis of a C-contiguous ``y`` whose length is ``o * s``: all rows run as
-    one flat sequence (long contiguous loops instead of one short loop per row), then the few
-    border columns, whose windows would wrap into the neighbouring rows, are recomputed."""
-    n = y.shape[-1]
+def _fold_flat(y, axis, k, s, d, o, b, combine, identity) -> np.ndarray:
+    """One separable pass over ``axis`` of a C-contiguous ``y`` run on the flattened array, where
+    every output is an evenly spaced input: the last axis with length ``o * s``, or any axis with
+    stride 1 and ``o`` equal to its length. Each tap is then one long contiguous operation
+    (numpy pays per row of a strided view), and the few border outputs, whose windows would wrap
+    into the neighbouring rows, are recomputed from their own row."""
+    n = y.shape[axis]
+    inner = math.prod(y.shape[axis + 1:])
+    step = s if inner == 1 else 1
     flat = y.reshape(-1)
-    result = np.empty(y.shape[:-1] + (o,), dtype=y.dtype)
+    result = np.empty(y.shape[:axis] + (o,) + y.shape[axis + 1:], dtype=y.dtype)
     out = result.reshape(-1)
     offsets = [t * d - b for t in range(k)]
-    # Flat outputs [lo, hi) have every tap inside the array (a row's border may read the next row).
-    lo = max(0, max(-(off // s) for off in offsets))
-    hi = min((flat.size - 1 - off) // s + 1 for off in offsets)
+    # Flat outputs [lo, hi) have every tap inside the array (a border one may read the next row).
+    lo = max(0, max(-(off * inner // step) for off in offsets))
+    hi = min((flat.size - 1 - off * inner) // step + 1 for off in offsets)
     if hi <= lo:
-        return _fold_axis(y, y.ndim - 1, k, s, d, o, b, combine, identity)
-    taps = [flat[lo * s + off: (hi - 1) * s + off + 1: s] for off in offsets]
+        return _fold_axis(y, axis, k, s, d, o, b, combine, identity)
+    taps = [flat[lo * step + off * inner: (hi - 1) * step + off * inner + 1: step] for off in offsets]
     combine(taps[0], taps[1], out=out[lo:hi])
     for tap in taps[2:]:
         combine(out[lo:hi], tap, out=out[lo:hi])
+    before = (slice(None),) * axis
     first_inner = -(min(offsets) // s)  # the outputs from here to last_inner read only their own row
     last_inner = (n - 1 - max(offsets)) // s
     for j in [*range(min(first_inner, o)), *range(max(last_inner + 1, first_inner, 0), o)]:
         inside = [j * s + off for off in offsets if 0 <= j * s + off < n]
-        column = result[..., j]
+        border = result[(*before, j)]
         if not inside:
-            column.fill(identity)
+            border.fill(identity)
             continue
-        column[...] = y[..., inside[0]]
+        border[...] = y[(*before, inside[0])]
         for r in inside[1:]:
-            combine(column, y[..., r], out=column)
+            combine(border, y[(*before, r)], out=border)
     return result
-
 
 class _Window:
     """The window attributes of a Conv/ConvTranspose/pooling node, validated once per node."""

@@ -1,9 +1,9 @@
 // Elementwise kernels: unary math and activations, binary arithmetic/comparison/logic with numpy
 // broadcasting (up to rank 8), Pow, Where, Cast and Clip.
 //
-// Entry points are named <family>_<dtype suffix> (f32, f16, bf16, i8, u8, i16, u16, i32, u32, i64, u64, b8),
-// with the op as an argument where a family has several; ops/elementwise.py builds the names. All kernels are
-// grid-stride loops over the output.
+// Entry points: unary_<T>, binary_<T> and clip_<T> with T a dtype suffix (f32, f16, bf16, i8, u8, i16, u16, i32,
+// u32, i64, u64, b8) and the op as an argument; pow_<base>, where_<element bytes>, cast_<from>_<to>.
+// ops/elementwise.py builds the names. All are grid-stride loops over the output (see elementwise.cuh).
 //
 // Broadcasting: the host collapses the output shape and each input's strides (0 on broadcast dims) to the
 // fewest dims that describe them, innermost first, and passes them as scalars (d0..d7 and one stride set per

@@ -161,7 +161,8 @@ __device__ __forceinline__ void arg_reduce(const T* __restrict__ x, i64* __restr
         P best{wide_t<T>(0), -1};
         if (valid) {
             const T* p = x + o * extent * inner + i;
-            for_rows(0, extent, [&](i64 r) { return p[r * inner]; }, [&](i64 r, T v) { best = better(best, P{widen(v), r}); });
+            for_rows(0, extent, [&](i64 r) { return p[r * inner]; },
+                     [&](i64 r, T v) { best = better(best, P{widen(v), r}); });
         }
         best = block_reduce_y(best, better, scratch);
         if (threadIdx.y == 0 && valid) y[o * inner + i] = best.i;

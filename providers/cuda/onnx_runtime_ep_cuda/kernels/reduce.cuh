@@ -54,22 +54,23 @@ template <class Body> __device__ __forceinline__ void for_each_tile(i64 outer, i
 }
 
 // Visits this thread's rows of a column, r = begin + threadIdx.y, then every blockDim.y-th below `end`, in
-// order: use(r, load(r)). EW_UNROLL loads are issued before they are used (as grid_stride does), so a thread
-// keeps several in flight; `use` stays a rolled loop and is compiled once.
-template <class Load, class Use> __device__ __forceinline__ void for_rows(i64 begin, i64 end, Load load, Use use) {
+// order: use(r, load(r)). U loads are issued before they are used (as grid_stride does), so a thread keeps
+// several in flight; `use` stays a rolled loop and is compiled once.
+template <int U = 8, class Load, class Use>
+__device__ __forceinline__ void for_rows(i64 begin, i64 end, Load load, Use use) {
     typedef decltype(load(i64(0))) V;
     const i64 step = blockDim.y;
-    for (i64 r = begin + threadIdx.y; r < end; r += EW_UNROLL * step) {
-        V v[EW_UNROLL];
+    for (i64 r = begin + threadIdx.y; r < end; r += U * step) {
+        V v[U];
 #pragma unroll
-        for (int u = 0; u < EW_UNROLL; ++u) {
+        for (int u = 0; u < U; ++u) {
             if (r + u * step < end) v[u] = load(r + u * step);
         }
 #pragma unroll 1
-        for (int u = 0; u < EW_UNROLL; ++u) {
+        for (int u = 0; u < U; ++u) {
             if (r + u * step < end) use(r + u * step, v[0]);
 #pragma unroll
-            for (int k = 0; k + 1 < EW_UNROLL; ++k) v[k] = v[k + 1];
+            for (int k = 0; k + 1 < U; ++k) v[k] = v[k + 1];
         }
     }
 }

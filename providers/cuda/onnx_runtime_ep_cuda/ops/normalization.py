@@ -3,7 +3,8 @@
 Softmax-13+ works along any axis as an (outer, n, inner) view; before opset 13 the input is coerced to
 2-D at the axis, so the "row" is everything from the axis on. The normalizations work on the trailing
 dims from ``axis`` as rows of n elements, one block per row; float16/bfloat16 compute in float32, which
-is also the only stash_type implemented (the default).
+is also the only stash_type implemented (the default). Rows of up to ROW_CACHE * THREADS (8,192)
+elements are read once into registers; longer ones are streamed once per pass.
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ from .registry import register
 
 SOURCE = "softmax.cu"
 THREADS = 512  # NORM_THREADS in softmax.cu
+ROW_CACHE = 16  # ROW_CACHE in softmax.cu: values per thread of a row held in registers
+
+
+def row_block(n: int) -> tuple[int, int]:
+    """Block of one-row-per-block kernels: enough threads to hold the row in registers (whole warps, at most
+    THREADS); a longer row is streamed by THREADS threads."""
+    return 1, min(THREADS, max(32, 1 << max(-(-n // ROW_CACHE) - 1, 0).bit_length()))
 
 
 def _softmax_factory(log: bool, coerce_2d: bool):
@@ -33,7 +41,7 @@ def _softmax_factory(log: bool, coerce_2d: bool):
             outer, n, inner = math.prod(shape[:a]), shape[a], math.prod(shape[a + 1:])
             if coerce_2d:
                 n, inner = n * inner, 1
-            block = block_shape(inner, n, THREADS)
+            block = row_block(n) if inner == 1 else block_shape(inner, n, THREADS)
             return outer, n, inner, block, min(outer * -(-inner // block[0]), MAX_GRID)
 
         def kernel(x):
@@ -108,7 +116,7 @@ def _norm_factory(rms: bool):
                      0 if bias_shape is None else _param_step(node, "bias", bias_shape, normalized))
             rows, n = math.prod(x_shape[:a]), math.prod(normalized)
             stats_shape = x_shape[:a] + (1,) * len(normalized)
-            return rows, n, steps, stats_shape, min(rows, MAX_GRID), (1, block_shape(1, n, THREADS)[1])
+            return rows, n, steps, stats_shape, min(rows, MAX_GRID), row_block(n)
 
         def kernel(x, scale, bias=None):
             fn = kernels["normalize_" + require_type(node, x.dtype, FLOAT_TYPES)]

@@ -65,8 +65,9 @@ def block_shape(inner: int, extent: int, threads: int = THREADS) -> tuple[int, i
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel pass: reads the input (source None) or temporary ``source``, writes the output (target None)
-    or temporary ``target``; ``partial`` passes produce float (narrow floats) partials."""
+    """One kernel pass over an (outer, extent, inner) view, ``splits`` chunks of ``chunk`` along the extent
+    (blockIdx.y). It reads the input (source None) or temporary ``source`` and writes the output (target
+    None) or temporary ``target``; temporaries hold float partials for float inputs, else the input type."""
 
     source: int | None
     target: int | None
