@@ -650,7 +650,7 @@ def conv(node, shapes, opset):
             y = _conv_depthwise(xc, weights, geo, b is not None)
         elif _use_taps(geo, group, c, m):
             y = _conv_by_taps(xc, prepared.get("taps", (w,), lambda: _tap_weights(w, dtype)), b, geo)
-        elif _use_winograd(geo, group, c, m):
+        elif _use_winograd(geo, group, c, m) and not w.flags.writeable:  # its weight transform is done once
             y = _conv_winograd(xc, prepared.get("winograd", (w,), lambda: _winograd_weights(w, dtype)), b, geo)
         else:
             weights = prepared.get("grouped", (w, b), lambda: _grouped_weights(w, b, group, dtype))
