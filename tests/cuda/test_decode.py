@@ -11,11 +11,10 @@ import os
 import ml_dtypes
 import numpy as np
 import pytest
-from onnx_runtime import ArgmaxTieBreak, DataType, DeviceGraphOwner, DeviceGraphSlot, ProviderHandle, Tensor
+from onnx_runtime import ArgmaxTieBreak, DataType, DeviceGraphOwner, DeviceGraphSlot, Tensor
 from onnx_runtime.errors import InvalidArgumentError
 
 driver = pytest.importorskip("onnx_runtime_ep_cuda.driver", reason="the CUDA provider is not installed")
-from onnx_runtime_ep_cuda import CUDAExecutionProvider  # noqa: E402
 from onnx_runtime_ep_cuda.validation import INDEX_OUT_OF_RANGE  # noqa: E402
 
 REAL = os.environ.get("ONNX_RUNTIME_CUDA_TESTS", "").lower() == "real"
@@ -23,32 +22,9 @@ LOWEST, HIGHEST = ArgmaxTieBreak.LOWEST_INDEX, ArgmaxTieBreak.HIGHEST_INDEX
 NUMPY = {DataType.FLOAT: np.float32, DataType.FLOAT16: np.float16, DataType.BFLOAT16: ml_dtypes.bfloat16}
 
 
-def _survive_a_simulator_reset() -> None:
-    """test_simulator.py resets the simulator when it ends, under any CudaDevice an earlier test cached:
-    forget those devices and initialize the driver again, as a fresh process would."""
-    from onnx_runtime_ep_cuda import CudaDevice
-    from onnx_runtime_ep_cuda.sim import driver as sim
-
-    if int(sim.cuDeviceGetCount()[0]) != 0:
-        sim.cuInit(0)
-        for device in CudaDevice._instances.values():
-            device.closed = True
-
-
 @pytest.fixture
-def handle(monkeypatch):
-    if REAL:
-        monkeypatch.delenv(driver.SIM_ENV, raising=False)
-    else:
-        monkeypatch.setenv(driver.SIM_ENV, "1")
-        _survive_a_simulator_reset()
-    reason = driver.probe()
-    if reason:
-        pytest.skip(f"the CUDA {'driver' if REAL else 'simulator'} is not usable: {reason}")
-    h = ProviderHandle(CUDAExecutionProvider())
-    h.initialize({})
-    yield h
-    h.shutdown()
+def handle(cuda_handle):
+    return cuda_handle
 
 
 def argmax(h, logits: np.ndarray, tie_break=LOWEST, dtype=None) -> np.ndarray:

@@ -15,7 +15,6 @@ import onnx_runtime as ort
 import pytest
 from onnx import TensorProto, helper
 from onnx_runtime import DataType, DeviceGraphOwner, DeviceGraphSlot, DeviceGraphToken, ProviderHandle
-from onnx_runtime.discovery import registry
 from onnx_runtime.errors import InvalidArgumentError, ProviderError
 
 driver = pytest.importorskip("onnx_runtime_ep_cuda.driver", reason="the CUDA provider is not installed")
@@ -37,47 +36,18 @@ extern "C" __global__ void axpb_f32(float* y, const float* x, float alpha, float
 _source = {}  # "path": the kernel file, written once per test session
 
 
-def _survive_a_simulator_reset() -> None:
-    """test_simulator.py resets the simulator when it ends, under any CudaDevice an earlier test cached:
-    forget those devices and initialize the driver again, as a fresh process would."""
-    from onnx_runtime_ep_cuda import CudaDevice
-    from onnx_runtime_ep_cuda.sim import driver as sim
-
-    if int(sim.cuDeviceGetCount()[0]) != 0:
-        sim.cuInit(0)
-        for device in CudaDevice._instances.values():
-            device.closed = True
-
-
 @pytest.fixture(autouse=True)
-def mode(monkeypatch, tmp_path_factory):
-    """The simulator unless the real driver was asked for; skips when the chosen one is not usable."""
-    if REAL:
-        monkeypatch.delenv(driver.SIM_ENV, raising=False)
-    else:
-        monkeypatch.setenv(driver.SIM_ENV, "1")
-        _survive_a_simulator_reset()
-    reason = driver.probe()
-    if reason:
-        pytest.skip(f"the CUDA {'driver' if REAL else 'simulator'} is not usable: {reason}")
+def mode(cuda_driver_mode, tmp_path_factory):
     if "path" not in _source:
         path = tmp_path_factory.mktemp("kernels") / "graph_test_ops.cu"
         path.write_text(TEST_KERNELS)
         _source["path"] = str(path)
-    # The registry caches availability at discovery: refresh it to see the simulator, and again on the way
-    # out so that later tests see the machine as it is.
-    registry().refresh()
     yield
-    monkeypatch.undo()
-    registry().refresh()
 
 
 @pytest.fixture
-def handle():
-    h = ProviderHandle(CUDAExecutionProvider())
-    h.initialize({})
-    yield h
-    h.shutdown()
+def handle(cuda_handle):
+    return cuda_handle
 
 
 def graphs_of(h: ProviderHandle):
