@@ -60,13 +60,17 @@ def make_ours(path: str):
     return onnx_runtime.InferenceSession(path, providers=["CPUExecutionProvider"])
 
 
-def make_ort(path: str, threads: int | None):
+def make_ort(path: str, threads: int | None, spin: bool = False):
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3  # the light CNNs carry unused initializers onnxruntime warns about
     if threads is not None:
         options.intra_op_num_threads = threads
+    if not spin:
+        # With spinning on, onnxruntime's idle workers keep busy-waiting after each of its runs and
+        # take the cores from the runtime measured next in the alternation.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
 
