@@ -113,7 +113,7 @@ class _FoldsDoubleRelu:
 
 
 def _double_relu_model():
-    from conftest import make_model, tensor_info
+    from model_helpers import make_model, tensor_info
     from onnx import helper
 
     nodes = [helper.make_node("Relu", ["x"], ["r1"], name="r1"), helper.make_node("Relu", ["r1"], ["y"], name="r2")]
