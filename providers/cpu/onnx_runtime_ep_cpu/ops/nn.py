@@ -19,6 +19,7 @@ from numpy.lib.stride_tricks import as_strided
 from numpy.polynomial import chebyshev
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
+from onnx_runtime.windows import window_geometry
 
 from ..registry import register
 
@@ -334,31 +335,9 @@ class _Window:
         strides = self.strides or (1,) * rank
         dilations = self.dilations or (1,) * rank
         pads = self.pads or (0,) * (2 * rank)
-        begin, end, out = [], [], []
-        for i, (n, k, s, d) in enumerate(zip(in_shape, kernel, strides, dilations)):
-            span = (k - 1) * d + 1
-            if self.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-                o = -(-n // s)
-                total = max(0, (o - 1) * s + span - n)
-                b = total // 2 if self.auto_pad == "SAME_UPPER" else total - total // 2
-                e = total - b
-            else:
-                b, e = (0, 0) if self.auto_pad == "VALID" else (pads[i], pads[rank + i])
-                room = n + b + e - span
-                o = (-(-room // s) if self.ceil_mode else room // s) + 1
-                # A ceil_mode window must start inside the input or the leading pad.
-                if self.ceil_mode and (o - 1) * s >= n + b:
-                    o -= 1
-            if o < 1:
-                raise InvalidArgumentError(
-                    f"node {self.node.name!r} ({self.node.op_type}): spatial input size {n} with pads "
-                    f"({b}, {e}) is smaller than the dilated kernel size {span}; feed a larger input"
-                )
-            begin.append(b)
-            end.append(e)
-            out.append(o)
-        return _Geometry(tuple(in_shape), kernel, tuple(strides), tuple(dilations),
-                         tuple(begin), tuple(end), tuple(out))
+        begin, end, out = window_geometry(self.node, in_shape, kernel, strides, dilations, pads, self.auto_pad,
+                                          self.ceil_mode)
+        return _Geometry(tuple(in_shape), kernel, tuple(strides), tuple(dilations), begin, end, out)
 
 
 # -- convolution ---------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from onnx_runtime import DataType
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
+from onnx_runtime.windows import window_geometry
 
 from .context import MAX_GRID, i32, i64, ptr
 from .linalg import SUFFIX, optional_ptr
@@ -118,28 +119,8 @@ class WindowAttrs:
                                   ("dilations", dilations, rank), ("pads", pads, 2 * rank)):
             if len(value) != size:
                 raise _graph_error(node, name, f"has {len(value)} values; expected {size} for {rank} spatial dims")
-        begin, end, out = [], [], []
-        for i, (n, k, s, d) in enumerate(zip(spatial, kernel, strides, dilations)):
-            span = (k - 1) * d + 1
-            if self.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-                o = -(-n // s)
-                total = max(0, (o - 1) * s + span - n)
-                b = total // 2 if self.auto_pad == "SAME_UPPER" else total - total // 2
-                e = total - b
-            else:
-                b, e = (0, 0) if self.auto_pad == "VALID" else (pads[i], pads[rank + i])
-                room = n + b + e - span
-                o = (-(-room // s) if self.ceil_mode else room // s) + 1
-                if self.ceil_mode and (o - 1) * s >= n + b:  # a window must start inside the input or leading pad
-                    o -= 1
-            if o < 1:
-                raise InvalidArgumentError(
-                    f"node {node.name!r} ({node.op_type}): spatial input size {n} with pads ({b}, {e}) is smaller "
-                    f"than the dilated kernel size {span}; feed a larger input"
-                )
-            begin.append(b)
-            end.append(e)
-            out.append(o)
+        begin, end, out = window_geometry(node, spatial, kernel, strides, dilations, pads, self.auto_pad,
+                                          self.ceil_mode)
         if rank == 1:  # a height-1 image
             spatial, kernel, strides, dilations = (1, *spatial), (1, *kernel), (1, *strides), (1, *dilations)
             begin, end, out = [0, *begin], [0, *end], [1, *out]
