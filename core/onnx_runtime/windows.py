@@ -1,4 +1,4 @@
-"""Sliding-window geometry of Conv, ConvTranspose-free pooling and friends, as ONNX defines it.
+"""Sliding-window geometry of Conv and pooling operators, as ONNX defines it.
 
 Every provider that implements these operators needs the same arithmetic (explicit pads or
 auto_pad SAME_UPPER/SAME_LOWER/VALID, strides, dilations, ceil_mode), so it lives here once.
