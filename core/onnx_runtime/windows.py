@@ -6,7 +6,7 @@ auto_pad SAME_UPPER/SAME_LOWER/VALID, strides, dilations, ceil_mode), so it live
 
 from __future__ import annotations
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, InvalidGraphError
 
 
 def window_geometry(node, in_shape, kernel, strides, dilations, pads, auto_pad: str = "NOTSET",
@@ -41,3 +41,64 @@ def window_geometry(node, in_shape, kernel, strides, dilations, pads, auto_pad: 
         end.append(e)
         out.append(o)
     return tuple(begin), tuple(end), tuple(out)
+
+
+AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
+
+
+def _attribute_error(node, attribute: str, problem: str) -> InvalidGraphError:
+    return InvalidGraphError(f"node {node.name!r} ({node.op_type}): attribute {attribute!r} {problem}")
+
+
+class WindowAttributes:
+    """A Conv/pooling node's window attributes (auto_pad, ceil_mode, kernel_shape, strides, dilations,
+    pads), validated once per node; :meth:`geometry` applies them to a concrete spatial shape."""
+
+    def __init__(self, node, *, needs_kernel: bool):
+        self.node = node
+        self.auto_pad = node.attr("auto_pad", "NOTSET") or "NOTSET"
+        if self.auto_pad not in AUTO_PADS:
+            raise _attribute_error(node, "auto_pad", f"is {self.auto_pad!r}; expected one of {', '.join(AUTO_PADS)}")
+        self.ceil_mode = bool(node.attr("ceil_mode", 0))
+        kernel = node.attr("kernel_shape")
+        if kernel is None and needs_kernel:
+            raise _attribute_error(node, "kernel_shape", "is missing; pooling operators require it")
+        self.kernel = None if kernel is None else tuple(int(k) for k in kernel)
+        self.strides = self._ints("strides", 1)
+        self.dilations = self._ints("dilations", 1)
+        self.pads = self._ints("pads", 0)
+        if self.kernel is not None and any(k < 1 for k in self.kernel):
+            raise _attribute_error(node, "kernel_shape", f"is {list(self.kernel)}; expected positive sizes")
+
+    def _ints(self, name: str, minimum: int) -> tuple[int, ...] | None:
+        value = self.node.attr(name)
+        if value is None:
+            return None
+        value = tuple(int(v) for v in value)
+        if any(v < minimum for v in value):
+            raise _attribute_error(self.node, name, f"is {list(value)}; expected values >= {minimum}")
+        return value
+
+    def check_rank(self, rank: int) -> None:
+        """Every given attribute has one value per spatial dimension (pads: two)."""
+        for name, value, size in (("kernel_shape", self.kernel, rank), ("strides", self.strides, rank),
+                                  ("dilations", self.dilations, rank), ("pads", self.pads, 2 * rank)):
+            if value is not None and len(value) != size:
+                raise _attribute_error(self.node, name, f"has {len(value)} values; expected {size} for {rank} "
+                                                        f"spatial dims")
+
+    def geometry(self, in_shape, weight_kernel=None):
+        """(kernel, strides, dilations, pads before, pads after, output size) for spatial ``in_shape``;
+        ``weight_kernel`` is the kernel a Conv weight implies, which must agree with kernel_shape."""
+        rank = len(in_shape)
+        if self.kernel is not None and weight_kernel is not None and self.kernel != tuple(weight_kernel):
+            raise _attribute_error(self.node, "kernel_shape",
+                                   f"is {list(self.kernel)} but the weight has kernel {list(weight_kernel)}")
+        kernel = tuple(weight_kernel if weight_kernel is not None else self.kernel)
+        self.check_rank(rank)
+        strides = self.strides or (1,) * rank
+        dilations = self.dilations or (1,) * rank
+        pads = self.pads or (0,) * (2 * rank)
+        begin, end, out = window_geometry(self.node, in_shape, kernel, strides, dilations, pads, self.auto_pad,
+                                          self.ceil_mode)
+        return kernel, tuple(strides), tuple(dilations), begin, end, out

@@ -19,12 +19,9 @@ from numpy.lib.stride_tricks import as_strided
 from numpy.polynomial import chebyshev
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
-from onnx_runtime.windows import window_geometry
+from onnx_runtime.windows import WindowAttributes
 
 from ..registry import register
-
-_AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
-
 
 # -- shared helpers ------------------------------------------------------------------------------
 
@@ -264,38 +261,15 @@ def _fold_flat(y, axis, k, s, d, o, b, combine, identity) -> np.ndarray:
             combine(border, y[(*before, r)], out=border)
     return result
 
-class _Window:
-    """The window attributes of a Conv/ConvTranspose/pooling node, validated once per node."""
+class _Window(WindowAttributes):
+    """The window attributes of a Conv/ConvTranspose/pooling node, with geometries cached per shape."""
 
     def __init__(self, node, shapes, *, needs_kernel: bool):
-        self.node = node
-        auto_pad = node.attr("auto_pad", "NOTSET") or "NOTSET"
-        if auto_pad not in _AUTO_PADS:
-            raise _graph_error(node, "auto_pad", f"is {auto_pad!r}; expected one of {', '.join(_AUTO_PADS)}")
-        self.auto_pad = auto_pad
-        self.ceil_mode = bool(node.attr("ceil_mode", 0))
-        kernel = node.attr("kernel_shape")
-        if kernel is None and needs_kernel:
-            raise _graph_error(node, "kernel_shape", "is missing; pooling operators require it")
-        self.kernel = None if kernel is None else tuple(int(k) for k in kernel)
-        self.strides = self._ints("strides", 1)
-        self.dilations = self._ints("dilations", 1)
-        self.pads = self._ints("pads", 0)
-        if self.kernel is not None and any(k < 1 for k in self.kernel):
-            raise _graph_error(node, "kernel_shape", f"is {list(self.kernel)}; expected positive sizes")
+        super().__init__(node, needs_kernel=needs_kernel)
         rank = self._known_rank(shapes)
         if rank is not None:
             self.check_rank(rank)
         self._cache: dict[tuple, _Geometry] = {}
-
-    def _ints(self, name: str, minimum: int) -> tuple[int, ...] | None:
-        value = self.node.attr(name)
-        if value is None:
-            return None
-        value = tuple(int(v) for v in value)
-        if any(v < minimum for v in value):
-            raise _graph_error(self.node, name, f"is {list(value)}; expected values >= {minimum}")
-        return value
 
     def _known_rank(self, shapes) -> int | None:
         if self.kernel is not None:
@@ -304,40 +278,13 @@ class _Window:
             return len(shapes[0]) - 2
         return None
 
-    def check_rank(self, rank: int) -> None:
-        for name, value, size in (
-            ("kernel_shape", self.kernel, rank),
-            ("strides", self.strides, rank),
-            ("dilations", self.dilations, rank),
-            ("pads", self.pads, 2 * rank),
-        ):
-            if value is not None and len(value) != size:
-                raise _graph_error(
-                    self.node, name, f"has {len(value)} values; expected {size} for {rank} spatial dims"
-                )
-
     def resolve(self, in_shape: tuple[int, ...], kernel: tuple[int, ...] | None = None) -> _Geometry:
         """The geometry for spatial input shape ``in_shape`` (``kernel`` from the weight when given)."""
         key = (in_shape, kernel)
         geometry = self._cache.get(key)
         if geometry is None:
-            geometry = self._cache[key] = self._resolve(in_shape, kernel)
+            geometry = self._cache[key] = _Geometry(tuple(in_shape), *self.geometry(in_shape, kernel))
         return geometry
-
-    def _resolve(self, in_shape, kernel) -> _Geometry:
-        rank = len(in_shape)
-        if self.kernel is not None and kernel is not None and self.kernel != tuple(kernel):
-            raise _graph_error(
-                self.node, "kernel_shape", f"is {list(self.kernel)} but the weight has kernel {list(kernel)}"
-            )
-        kernel = tuple(kernel if kernel is not None else self.kernel)
-        self.check_rank(rank)
-        strides = self.strides or (1,) * rank
-        dilations = self.dilations or (1,) * rank
-        pads = self.pads or (0,) * (2 * rank)
-        begin, end, out = window_geometry(self.node, in_shape, kernel, strides, dilations, pads, self.auto_pad,
-                                          self.ceil_mode)
-        return _Geometry(tuple(in_shape), kernel, tuple(strides), tuple(dilations), begin, end, out)
 
 
 # -- convolution ---------------------------------------------------------------------------------

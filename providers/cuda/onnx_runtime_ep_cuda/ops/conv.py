@@ -12,13 +12,12 @@ from dataclasses import dataclass
 
 from onnx_runtime import DataType
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
-from onnx_runtime.windows import window_geometry
+from onnx_runtime.windows import AUTO_PADS, WindowAttributes
 
 from .context import MAX_GRID, i32, i64, ptr
 from .linalg import SUFFIX, optional_ptr
 from .registry import FLOATS, register
 
-AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
 TYPE_SUFFIX = {**SUFFIX, DataType.INT8: "i8", DataType.UINT8: "u8"}  # 8-bit integers: MaxPool only
 MAX_GRID_YZ = 65535
 # conv.cu's implicit-GEMM launch shape: 64x64 output tiles (channels x pixels), 256 threads per block.
@@ -76,31 +75,8 @@ class Window:
                 *map(i32, self.begin), *map(i32, self.dilations)]
 
 
-class WindowAttrs:
-    """A node's window attributes, validated once; :meth:`resolve` applies them to an input shape."""
-
-    def __init__(self, node, *, needs_kernel: bool):
-        self.node = node
-        self.auto_pad = node.attr("auto_pad", "NOTSET") or "NOTSET"
-        if self.auto_pad not in AUTO_PADS:
-            raise _graph_error(node, "auto_pad", f"is {self.auto_pad!r}; expected one of {', '.join(AUTO_PADS)}")
-        self.ceil_mode = bool(node.attr("ceil_mode", 0))
-        kernel = node.attr("kernel_shape")
-        if kernel is None and needs_kernel:
-            raise _graph_error(node, "kernel_shape", "is missing; pooling operators require it")
-        self.kernel = None if kernel is None else tuple(int(k) for k in kernel)
-        self.strides = self._ints("strides", 1)
-        self.dilations = self._ints("dilations", 1)
-        self.pads = self._ints("pads", 0)
-
-    def _ints(self, name: str, minimum: int) -> tuple[int, ...] | None:
-        value = self.node.attr(name)
-        if value is None:
-            return None
-        value = tuple(int(v) for v in value)
-        if any(v < minimum for v in value):
-            raise _graph_error(self.node, name, f"is {list(value)}; expected values >= {minimum}")
-        return value
+class WindowAttrs(WindowAttributes):
+    """A node's window attributes; :meth:`resolve` applies them to a 1-D or 2-D input shape."""
 
     def resolve(self, spatial: tuple[int, ...], weight_kernel: tuple[int, ...] | None = None) -> Window:
         node, rank = self.node, len(spatial)
@@ -109,24 +85,12 @@ class WindowAttrs:
                 f"node {node.name!r} ({node.op_type}): the CUDA kernels take 1-D or 2-D windows, the input has "
                 f"{rank} spatial dimensions"
             )
-        kernel = self.kernel if self.kernel is not None else weight_kernel
-        if weight_kernel is not None and kernel != tuple(weight_kernel):
-            raise _graph_error(node, "kernel_shape", f"is {list(kernel)} but the weight has kernel {weight_kernel}")
-        strides = self.strides or (1,) * rank
-        dilations = self.dilations or (1,) * rank
-        pads = self.pads or (0,) * (2 * rank)
-        for name, value, size in (("kernel_shape", kernel, rank), ("strides", strides, rank),
-                                  ("dilations", dilations, rank), ("pads", pads, 2 * rank)):
-            if len(value) != size:
-                raise _graph_error(node, name, f"has {len(value)} values; expected {size} for {rank} spatial dims")
-        begin, end, out = window_geometry(node, spatial, kernel, strides, dilations, pads, self.auto_pad,
-                                          self.ceil_mode)
+        kernel, strides, dilations, begin, end, out = self.geometry(spatial, weight_kernel)
         if rank == 1:  # a height-1 image
             spatial, kernel, strides, dilations = (1, *spatial), (1, *kernel), (1, *strides), (1, *dilations)
-            begin, end, out = [0, *begin], [0, *end], [1, *out]
+            begin, end, out = (0, *begin), (0, *end), (1, *out)
         return Window(spatial[0], spatial[1], out[0], out[1], tuple(kernel), tuple(strides), tuple(begin),
                       tuple(end), tuple(dilations))
-
 
 
 def _functions(ctx, name: str):
