@@ -9,6 +9,7 @@
 // (depthwise), where a GEMM tile would be almost all padding. Pooling kernels are one thread per output too.
 // Everything accumulates in float and is stored in the tensor's type.
 #include "float_io.cuh"
+#include "tile_fma.cuh"
 
 #define CONV_TILE 64
 #define CONV_TK 16
@@ -59,19 +60,7 @@ __device__ void conv2d_igemm(const T* __restrict__ x, const T* __restrict__ wt, 
                     tile_b[bk][t % CONV_TILE] = v;
                 }
                 __syncthreads();
-#pragma unroll
-                for (int kk = 0; kk < CONV_TK; ++kk) {
-                    float av[4], bv[4];
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) av[r] = tile_a[kk][ty + 16 * r];
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) bv[q] = tile_b[kk][tx + 16 * q];
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-#pragma unroll
-                        for (int q = 0; q < 4; ++q) acc[r][q] = fmaf(av[r], bv[q], acc[r][q]);
-                    }
-                }
+                tile_fma_4x4<CONV_TK, CONV_TILE + 1>(tile_a, tile_b, ty, tx, acc);
                 __syncthreads();
             }
             for (int q = 0; q < 4; ++q) {

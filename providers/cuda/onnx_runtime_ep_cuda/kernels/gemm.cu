@@ -13,6 +13,7 @@
 // thread) for every type and architecture, and for float16/bfloat16 on sm_80+ a tensor-core kernel issuing
 // mma.sync.m16n8k16 (8 warps, each a 32x16 slice of the 64x64 tile) with float accumulators.
 #include "float_io.cuh"
+#include "tile_fma.cuh"
 
 #define GEMM_TILE 64
 #define GEMM_THREADS 256
@@ -61,19 +62,7 @@ __device__ void gemm_tiled(GEMM_PARAMS(T)) {
                     tile_b[bk][bj] = (gl < k && gj < n) ? to_float(B[gl * b_sk + gj * b_sn]) : 0.0f;
                 }
                 __syncthreads();
-#pragma unroll
-                for (int kk = 0; kk < TK; ++kk) {
-                    float av[4], bv[4];
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) av[r] = tile_a[kk][ty + 16 * r];
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) bv[q] = tile_b[kk][tx + 16 * q];
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-#pragma unroll
-                        for (int q = 0; q < 4; ++q) acc[r][q] = fmaf(av[r], bv[q], acc[r][q]);
-                    }
-                }
+                tile_fma_4x4<TK, GEMM_TILE + 1>(tile_a, tile_b, ty, tx, acc);
                 __syncthreads();
             }
             for (int r = 0; r < 4; ++r) {
