@@ -8,7 +8,6 @@ scalars taken from attributes are cast to the input dtype so they never promote 
 from __future__ import annotations
 
 import functools
-import math
 
 import ml_dtypes
 import numpy as np
@@ -16,6 +15,7 @@ from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidGraphError
 
 from ..registry import register
+from .special import erf_float32, erf_float64
 
 
 def _quiet(fn):
@@ -36,57 +36,11 @@ def _scalar(value, dtype):
 
 # -- unary math -------------------------------------------------------------------------------------
 
-# Taylor coefficients of erf(x) * sqrt(pi) / 2 in x: (-1)^n / (n! (2n + 1)), odd powers.
-_ERF_TAYLOR = [(-1) ** n / (math.factorial(n) * (2 * n + 1)) for n in range(7)]
-# Abramowitz & Stegun 7.1.26: |error| <= 1.5e-7, enough for float32 and narrower floats.
-_AS_P = 0.3275911
-_AS_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
-
-
-def _erf_float32(x):
-    # In-place passes over three float32 buffers: Erf runs on every MLP activation of a GELU
-    # transformer, so allocations and temporaries dominate its cost.
-    x = np.asarray(x, dtype=np.float32)
-    ax = np.abs(x)
-    t = ax * np.float32(_AS_P)
-    t += np.float32(1)
-    np.reciprocal(t, out=t)
-    erf = t * np.float32(_AS_A[-1])
-    for a in reversed(_AS_A[:-1]):
-        erf += np.float32(a)
-        erf *= t
-    gauss = np.square(ax, out=t)
-    np.negative(gauss, out=gauss)
-    np.exp(gauss, out=gauss)
-    erf *= gauss
-    np.subtract(np.float32(1), erf, out=erf)
-    np.copysign(erf, x, out=erf)
-    # Near zero A&S loses relative accuracy (1 - ~1); there a short Taylor series is accurate. The
-    # two are blended arithmetically: boolean-mask gathers and np.where cost far more than the math.
-    x2 = np.square(x)
-    series = np.full_like(x, np.float32(_ERF_TAYLOR[-1]))
-    for c in reversed(_ERF_TAYLOR[:-1]):
-        series *= x2
-        series += np.float32(c)
-    series *= x
-    series *= np.float32(2 / math.sqrt(math.pi))
-    near_zero = np.less(ax, np.float32(0.5), out=x2, casting="unsafe")  # 1.0 where |x| < 0.5, else 0.0
-    series -= erf
-    np.nan_to_num(series, copy=False, nan=0.0, posinf=0.0, neginf=0.0)  # the series overflows for huge |x|
-    series *= near_zero
-    erf += series
-    return erf
-
-
-# float64 needs more than A&S offers; math.erf per element is exact, and float64 Erf is rare.
-_erf_float64 = np.vectorize(math.erf, otypes=[np.float64])
-
-
 def _erf(x):
     if x.dtype == np.float64:
-        return _erf_float64(x)
+        return erf_float64(x)
     with np.errstate(over="ignore", invalid="ignore"):  # squares of huge |x| overflow; erf is +-1 there
-        return _erf_float32(x).astype(x.dtype, copy=False)
+        return erf_float32(x).astype(x.dtype, copy=False)
 
 
 def _sigmoid(x):

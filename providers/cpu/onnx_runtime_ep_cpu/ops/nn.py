@@ -16,12 +16,12 @@ from functools import reduce
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
-from numpy.polynomial import chebyshev
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 from onnx_runtime.windows import WindowAttributes
 
 from ..registry import register
+from .special import erf_float64
 
 # -- shared helpers ------------------------------------------------------------------------------
 
@@ -1117,36 +1117,6 @@ def hardmax_13(node, shapes, opset):
 # -- Gelu ----------------------------------------------------------------------------------------
 
 
-def _erf_pieces(degree: int = 18) -> list[np.ndarray]:
-    """Chebyshev coefficients of erf on [i, i+1] for i = 0..5 (erf(x)/x on the first piece, for
-    relative accuracy near 0), interpolated from math.erf; beyond 6, erf is 1 in float64."""
-    scalar = np.vectorize(math.erf, otypes=[np.float64])
-
-    def first(u):
-        t = 0.5 + 0.5 * u
-        return scalar(t) / t
-
-    pieces = [chebyshev.chebinterpolate(first, degree)]
-    for i in range(1, 6):
-        pieces.append(chebyshev.chebinterpolate(lambda u, i=i: scalar(i + 0.5 + 0.5 * u), degree))
-    return pieces
-
-
-_ERF_PIECES = _erf_pieces()
-
-
-def _erf(x: np.ndarray) -> np.ndarray:
-    """Vectorized float64 erf (absolute error ~1e-15): piecewise Chebyshev series on |x|."""
-    t = np.abs(x.astype(np.float64))
-    y = np.where(np.isnan(t), np.nan, 1.0)
-    piece = np.floor(np.where(t < 6, t, 6)).astype(np.intp, copy=False)
-    for i, coefs in enumerate(_ERF_PIECES):
-        mask = piece == i
-        u = 2 * (t[mask] - i) - 1
-        y[mask] = chebyshev.chebval(u, coefs) * (t[mask] if i == 0 else 1)
-    return np.copysign(y, x)
-
-
 @register("Gelu", since=20)
 def gelu(node, shapes, opset):
     approximate = node.attr("approximate", "none")
@@ -1155,7 +1125,7 @@ def gelu(node, shapes, opset):
 
     def exact(x):
         xd = x.astype(np.float64)
-        return ((0.5 * xd * (1 + _erf(xd / math.sqrt(2)))).astype(x.dtype, copy=False),)
+        return ((0.5 * xd * (1 + erf_float64(xd / math.sqrt(2)))).astype(x.dtype, copy=False),)
 
     def tanh(x):
         xc = _upcast(x)
