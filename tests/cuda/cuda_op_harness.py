@@ -1,50 +1,33 @@
-"""Shared by the CUDA operator tests (test_ops_linalg/conv/data): sessions on the simulator (or, with
-ONNX_RUNTIME_CUDA_TESTS=real, on the real driver), single-node models, the onnx backend node cases of an
+"""Shared by the CUDA operator tests (test_ops_linalg/conv/data; the driver is chosen by conftest's
+``cuda_driver_mode``): single-node models, the onnx backend node cases of an
 operator family, and the comparison of CUDA+CPU runs against the CPU provider.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnx_runtime as ort
 import pytest
 from onnx import helper
-from onnx_runtime.discovery import registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "conformance"))
 from backend_cases import assert_similar, node_cases  # noqa: E402
 
 driver = pytest.importorskip("onnx_runtime_ep_cuda.driver", reason="the CUDA provider is not installed")
 
-REAL = os.environ.get("ONNX_RUNTIME_CUDA_TESTS", "").lower() == "real"
 CUDA_FIRST = ["CUDAExecutionProvider", "CPUExecutionProvider"]
 CUDA = "CUDAExecutionProvider"
+HALVES = [np.float16, ml_dtypes.bfloat16]
 
 
-@pytest.fixture
-def cuda_mode(monkeypatch):
-    """The simulator unless the real driver was asked for; skips when the chosen one is not usable.
-
-    The provider registry caches each provider's availability when it first discovers them, so it is
-    refreshed on the way in (to see the simulator) and on the way out (so later tests see the machine).
-    """
-    if REAL:
-        monkeypatch.delenv(driver.SIM_ENV, raising=False)
-    else:
-        monkeypatch.setenv(driver.SIM_ENV, "1")
-    reason = driver.probe()
-    if reason:
-        pytest.skip(f"the CUDA {'driver' if REAL else 'simulator'} is not usable: {reason}")
-    registry().refresh()
-    yield
-    monkeypatch.undo()
-    registry().refresh()
+def random(shape, dtype=np.float32, seed=0):
+    return np.random.default_rng(seed).uniform(-1, 1, shape).astype(dtype)
 
 
 # The operator families these tests cover; a backend case runs with the first family it uses.

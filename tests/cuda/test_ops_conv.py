@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-import ml_dtypes
 import numpy as np
 import onnx
 import onnx_runtime as ort
@@ -14,25 +13,20 @@ from cuda_op_harness import (
     CONV_OPS,
     CUDA,
     CUDA_FIRST,
+    HALVES,
     check_node,
     compare,
-    cuda_mode,
     decline_reason,
     family_cases,
     node_model,
+    random,
     run_backend_case,
     tolerance,
 )
 from onnx import helper, numpy_helper
 
-HALVES = [np.float16, ml_dtypes.bfloat16]
+pytestmark = pytest.mark.usefixtures("cuda_driver_mode")
 
-pytestmark = pytest.mark.usefixtures("cuda_mode")
-_ = cuda_mode  # the fixture is used through pytestmark
-
-
-def random(shape, dtype=np.float32, seed=0):
-    return np.random.default_rng(seed).uniform(-1, 1, shape).astype(dtype)
 
 
 @pytest.mark.parametrize("name", family_cases(CONV_OPS))

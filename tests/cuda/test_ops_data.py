@@ -11,7 +11,6 @@ from cuda_op_harness import (
     CUDA_FIRST,
     DATA_OPS,
     check_node,
-    cuda_mode,
     decline_reason,
     family_cases,
     node_model,
@@ -25,8 +24,7 @@ from onnx_runtime.ir import Node
 # One dtype per element width the kernels are stamped out for, plus bool and the 16-bit floats.
 WIDTHS = [np.float32, np.float16, ml_dtypes.bfloat16, np.int64, np.int8, np.bool_, np.uint16, np.float64]
 
-pytestmark = pytest.mark.usefixtures("cuda_mode")
-_ = cuda_mode  # the fixture is used through pytestmark
+pytestmark = pytest.mark.usefixtures("cuda_driver_mode")
 
 
 def values(shape, dtype=np.float32, seed=0):

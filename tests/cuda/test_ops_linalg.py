@@ -6,32 +6,26 @@ On the simulator (and on GPUs before sm_80) the shared-memory tiled kernel runs;
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import onnx_runtime as ort
 import pytest
 from cuda_op_harness import (
     CUDA_FIRST,
+    HALVES,
     LINALG_OPS,
     check_node,
-    cuda_mode,
     decline_reason,
     family_cases,
     node_model,
+    random,
     run_backend_case,
     tolerance,
 )
 from onnx_runtime import ProviderHandle, Tensor
 from onnx_runtime.errors import OnnxRuntimeError
 
-HALVES = [np.float16, ml_dtypes.bfloat16]
+pytestmark = pytest.mark.usefixtures("cuda_driver_mode")
 
-pytestmark = pytest.mark.usefixtures("cuda_mode")
-_ = cuda_mode  # the fixture is used through pytestmark
-
-
-def random(shape, dtype=np.float32, seed=0):
-    return np.random.default_rng(seed).uniform(-1, 1, shape).astype(dtype)
 
 
 @pytest.mark.parametrize("name", family_cases(LINALG_OPS))
