@@ -66,3 +66,17 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
 def test_the_console_script_is_installed():
     result = subprocess.run([sys.executable, "-m", "onnx_runtime.cli", "providers"], capture_output=True, text=True)
     assert result.returncode == 0 and "CPUExecutionProvider" in result.stdout
+
+
+def test_run_profile_prints_time_per_operator(tmp_path, capsys):
+    model = make_model(
+        [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Neg", ["r"], ["y"])],
+        [tensor_info("x", shape=[4])],
+        [tensor_info("y", shape=[4])],
+    )
+    onnx.save(model, tmp_path / "m.onnx")
+    assert main(["run", str(tmp_path / "m.onnx"), "--providers", "cpu", "--repeat", "2", "--profile"]) == 0
+    out = capsys.readouterr().out
+    assert "operator" in out and "ms/run" in out
+    rows = {line.split()[0]: line.split()[-1] for line in out.splitlines() if line.startswith(("Relu", "Neg"))}
+    assert rows == {"Relu": "1", "Neg": "1"}  # one call per run of each

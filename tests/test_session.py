@@ -164,3 +164,25 @@ def test_default_providers_are_the_available_ones(chain_model):
     assert sess.get_providers() == ort.get_available_providers()
     x = np.ones((2, 6), np.float32)
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], chain_reference(x), rtol=1e-5)
+
+
+def test_profiling_totals_per_operator_and_the_written_file(two_output_model, tmp_path):
+    import json
+
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(tmp_path / "prof")
+    sess = ort.InferenceSession(two_output_model.SerializeToString(), options, providers=["cpu"])
+    for _ in range(3):
+        sess.run(None, _feeds())
+    summary = sess.profile_summary()
+    assert sess.profiled_runs == 3
+    assert {op: calls for op, (_, calls) in summary.items()} == {"Add": 3, "Mul": 3, "Shape": 3}
+    assert all(seconds > 0 for seconds, _ in summary.values())
+    with open(sess.end_profiling()) as handle:
+        written = json.load(handle)
+    assert written["runs"] == 3 and written["operators"]["Mul"]["calls"] == 3
+    assert sess.profiled_runs == 0  # ending the profile starts a new one
+    plain = ort.InferenceSession(two_output_model.SerializeToString(), providers=["cpu"])
+    with pytest.raises(InvalidArgumentError, match="profiling is off"):
+        plain.profile_summary()

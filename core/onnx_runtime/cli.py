@@ -212,7 +212,7 @@ def cmd_bench(args) -> int:
 def _print_profile(sess) -> None:
     summary = sess.profile_summary()
     total = sum(seconds for seconds, _ in summary.values()) or 1.0
-    runs = len(sess._profile_runs) or 1
+    runs = sess.profiled_runs or 1
     print(f"{'operator':<28}{'ms/run':>10}{'share':>8}{'calls/run':>11}")
     for op, (seconds, calls) in summary.items():
         print(f"{op:<28}{seconds / runs * 1e3:>10.3f}{seconds / total:>8.1%}{calls / runs:>11.0f}")

@@ -283,6 +283,11 @@ class InferenceSession:
             raise InvalidArgumentError("profiling is off; set SessionOptions.enable_profiling = True")
         return dict(sorted(self._profile.items(), key=lambda item: -item[1][0]))
 
+    @property
+    def profiled_runs(self) -> int:
+        """How many runs the profile summarizes."""
+        return len(self._profile_runs)
+
     def end_profiling(self) -> str:
         """Write the profile as JSON (onnxruntime's method name) and return the file's path."""
         summary = self.profile_summary()
