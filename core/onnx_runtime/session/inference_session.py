@@ -21,7 +21,7 @@ from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
 from .executor import Executor
 from .options import RunOptions, SessionOptions
-from .placement import Placement, place
+from .placement import Placement, input_facts, place
 
 
 @dataclass(frozen=True)
@@ -133,16 +133,23 @@ def _ownership(graph, handles: list[ProviderHandle], index: int):
     """``owns(node)``: whether placement would give ``node`` to ``handles[index]`` — no provider
     listed before it accepts the node and it does. A provider's pass fuses only nodes it owns, so
     a fusion never pulls nodes away from a provider listed first."""
-    from .placement import _input_facts
+    answers: dict = {}  # node -> bool: fusion passes rescan the graph after each rewrite, so ask once per node
 
     def owns(node) -> bool:
-        shapes, dtypes, layouts = _input_facts(graph, node)
-        for handle in handles[: index + 1]:
-            if handle.supports_op(node, node.opset, shapes, dtypes, layouts).is_supported:
-                return handle is handles[index]
-        return False
+        answer = answers.get(node)
+        if answer is None:
+            answer = answers[node] = _first_accepting(graph, handles[: index + 1], node) is handles[index]
+        return answer
 
     return owns
+
+
+def _first_accepting(graph, handles: list[ProviderHandle], node) -> ProviderHandle | None:
+    shapes, dtypes, layouts = input_facts(graph, node)
+    for handle in handles:
+        if handle.supports_op(node, node.opset, shapes, dtypes, layouts).is_supported:
+            return handle
+    return None
 
 
 def _run_custom_passes(graph, handles: list[ProviderHandle], applied: list[str]) -> list[str]:

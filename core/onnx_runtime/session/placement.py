@@ -80,7 +80,8 @@ class Placement:
         return "\n".join(lines)
 
 
-def _input_facts(graph: Graph, node: Node):
+def input_facts(graph: Graph, node: Node):
+    """Per input of ``node``: its shape, dtype and layout as the graph knows them (supports_op's arguments)."""
     shapes, dtypes, layouts = [], [], []
     for name in node.inputs:
         info = graph.type_of(name) if name else None
@@ -117,7 +118,7 @@ def place(graph: Graph, handles: list[ProviderHandle], expander=None) -> tuple[P
             records.append(record)
             placed.append(node)
             continue
-        shapes, dtypes, layouts = _input_facts(graph, node)
+        shapes, dtypes, layouts = input_facts(graph, node)
         for handle in handles:
             try:
                 match = handle.supports_op(node, node.opset, shapes, dtypes, layouts)
