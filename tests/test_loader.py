@@ -399,6 +399,31 @@ def test_inferred_shapes_of_intermediates():
     assert load_model(model, infer_shapes=False).graph.type_of("mm") is None
 
 
+@pytest.mark.parametrize("declared_as_input", [False, True], ids=["initializer", "overridable"])
+def test_shape_inference_sees_weights_as_types_and_shape_constants_by_value(declared_as_input):
+    """Large initializers reach shape inference as typed stand-in inputs (no data serialized); small
+    ones, the shape-like constants, by value. Neither changes the graph's inputs or initializers."""
+    from onnx_runtime import loader
+
+    rows = loader.SHAPE_VALUE_LIMIT + 1
+    weight = numpy_helper.from_array(np.arange(rows * 2, dtype=np.float32).reshape(rows, 2), "W")
+    shape = numpy_helper.from_array(np.array([-1, 1, 2], dtype=np.int64), "shape")
+    nodes = [
+        helper.make_node("MatMul", ["X", "W"], ["mm"], name="mm"),
+        helper.make_node("Reshape", ["mm", "shape"], ["Y"], name="reshape"),
+    ]
+    inputs = [vi("X", (3, rows))] + ([vi("W", (rows, 2))] if declared_as_input else [])
+    model = make(nodes, inputs, [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], [weight, shape])
+    graph = load_model(model).graph
+    assert graph.type_of("mm").shape == (3, 2)
+    assert graph.type_of("Y").shape == (3, 1, 2)  # needs the small constant's value
+    assert set(graph.initializers) == {"W", "shape"}
+    assert [v.name for v in graph.inputs] == ["X"]
+    x = np.ones((3, rows), dtype=np.float32)
+    (y,) = session(model).run(None, {"X": x})
+    np.testing.assert_allclose(y, (x @ numpy_helper.to_array(weight)).reshape(3, 1, 2))
+
+
 def test_attribute_decoding():
     then_g = branch("sub", "Neg", "s")
     node = helper.make_node(

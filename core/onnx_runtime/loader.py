@@ -26,11 +26,12 @@ def load_model(model, infer_shapes: bool = True) -> Model:
     """Load ``model`` (a path, bytes, or an ``onnx.ModelProto``) into the IR."""
     proto, path = _read_proto(model)
     _check_header(proto, path)
+    top = proto.graph
     if infer_shapes:
-        proto = _infer_shapes(proto)
+        top = _infer_shapes(proto)
     opsets = {("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in proto.opset_import}
     try:
-        graph = convert_graph(proto.graph, opsets, outer_scope=())
+        graph = convert_graph(top, opsets, outer_scope=(), initializer_protos=proto.graph.initializer)
     except (InvalidGraphError, ModelLoadError):
         raise
     except Exception as exc:
@@ -105,15 +106,63 @@ def _check_header(proto: onnx.ModelProto, path: str | None) -> None:
         raise ModelLoadError(f"model {_label(path)} declares no opset_import; re-export it with an opset")
 
 
-def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
+# Initializers with more elements than this are weights, not shapes: shape inference (data propagation
+# included) reads the values of shape-like inputs only, so weights reach it as typed graph inputs rather
+# than being serialized into its copy of the model (megabytes per session, and > 2 GiB models fail).
+SHAPE_VALUE_LIMIT = 1024
+
+
+def _infer_shapes(proto: onnx.ModelProto) -> onnx.GraphProto:
+    """The top-level graph of ``proto`` annotated by onnx shape inference (``value_info``, subgraphs
+    included), without its large initializers; ``proto.graph`` when inference fails."""
+    light, stand_ins = _without_weights(proto)
     try:
-        return onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(light, check_type=False, strict_mode=False, data_prop=True)
     except Exception:
         # Shape inference is an optimization aid: models it cannot handle still run, with shapes
         # resolved at run time.
-        return proto
+        return proto.graph
+    if stand_ins:
+        inputs = [vi for vi in inferred.graph.input if vi.name not in stand_ins]
+        del inferred.graph.input[:]
+        inferred.graph.input.extend(inputs)
+    return inferred.graph
 
 
+def _without_weights(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
+    """A copy of ``proto`` whose large initializers are typed inputs (the "stand-ins")."""
+    light = onnx.ModelProto()
+    _copy_fields(proto, light, skip="graph")
+    graph = light.graph
+    _copy_fields(proto.graph, graph, skip="initializer")
+    declared = {vi.name for vi in proto.graph.input}
+    stand_ins: set[str] = set()
+    for init in proto.graph.initializer:
+        if _element_count(init) <= SHAPE_VALUE_LIMIT:
+            graph.initializer.append(init)
+        elif init.name not in declared:
+            graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+            stand_ins.add(init.name)
+    return light, stand_ins
+
+
+def _copy_fields(source, target, skip: str) -> None:
+    for field, value in source.ListFields():
+        if field.name == skip:
+            continue
+        if hasattr(value, "extend"):
+            getattr(target, field.name).extend(value)
+        elif hasattr(value, "CopyFrom"):
+            getattr(target, field.name).CopyFrom(value)
+        else:
+            setattr(target, field.name, value)
+
+
+def _element_count(init: onnx.TensorProto) -> int:
+    count = 1
+    for dim in init.dims:
+        count *= int(dim)
+    return count
 # -- types ---------------------------------------------------------------------------------------
 def convert_type(tp: onnx.TypeProto) -> TypeInfo:
     which = tp.WhichOneof("value")
@@ -186,10 +235,11 @@ def _sparse_to_dense(sparse: onnx.SparseTensorProto) -> np.ndarray:
 
 
 # -- graphs ------------------------------------------------------------------------------------------
-def convert_graph(gp: onnx.GraphProto, opsets: dict[str, int], outer_scope) -> Graph:
-    """Convert one graph; ``outer_scope`` holds the names visible from enclosing graphs."""
+def convert_graph(gp: onnx.GraphProto, opsets: dict[str, int], outer_scope, initializer_protos=None) -> Graph:
+    """Convert one graph; ``outer_scope`` holds the names visible from enclosing graphs.
+    ``initializer_protos`` replaces ``gp.initializer`` (the loader's shape-inferred graph lacks the weights)."""
     initializers: dict[str, np.ndarray] = {}
-    for init in gp.initializer:
+    for init in gp.initializer if initializer_protos is None else initializer_protos:
         try:
             initializers[init.name] = numpy_helper.to_array(init)
         except Exception as exc:
