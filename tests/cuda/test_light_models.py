@@ -1,0 +1,49 @@
+"""The nine light CNNs of the onnx wheel placed entirely on the CUDA provider, and run end to end against
+the CPU provider. Their weights are constant, so the final Softmax is uniform whatever the convolutions
+computed: the Softmax's input (the logits) is exposed as an extra output and compared too.
+
+The simulator executes kernels on the CPU at a few hundred MFLOP/s, so it runs the cheap models; the real
+driver (scripts/gpu_check.sh) runs all nine."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import onnx_runtime as ort
+import pytest
+from cuda_op_harness import CUDA, CUDA_FIRST, random
+from model_helpers import LIGHT_DIR, LIGHT_MODELS
+
+pytestmark = pytest.mark.usefixtures("cuda_driver_mode")
+REAL = os.environ.get("ONNX_RUNTIME_CUDA_TESTS", "").lower() == "real"  # as conftest.py selects the driver
+
+# Under ~3 GFLOP per run between them: a few seconds each on the simulator.
+SIMULATED = {"light_squeezenet", "light_shufflenet", "light_bvlc_alexnet"}
+
+
+def _with_logits(path: str) -> bytes:
+    model = onnx.load(path)
+    for softmax in [n for n in model.graph.node if n.op_type == "Softmax"]:
+        logits = onnx.ValueInfoProto()
+        logits.name = softmax.input[0]
+        model.graph.output.append(logits)
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize("name", LIGHT_MODELS)
+def test_light_model_runs_entirely_on_cuda(name):
+    model = _with_logits(os.path.join(LIGHT_DIR, f"{name}.onnx"))
+    session = ort.InferenceSession(model, providers=CUDA_FIRST)
+    off = {(n.op_type, n.rejected.get(CUDA)) for n in session.placement() if n.provider != CUDA}
+    assert not off
+    if not REAL and name not in SIMULATED:
+        pytest.skip("placement checked; running it takes minutes on the simulator (scripts/gpu_check.sh runs it)")
+    (arg,) = session.get_inputs()
+    feeds = {arg.name: random(arg.shape, seed=3)}
+    expected = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = session.run(None, feeds)
+    for want, have in zip(expected, got):
+        scale = float(np.abs(want).max()) or 1.0
+        np.testing.assert_allclose(have / scale, want / scale, rtol=0, atol=1e-4)
