@@ -64,6 +64,17 @@ def test_transpose_past_rank_8_is_declined():
     assert "rank 8 or less" in decline_reason("Transpose", {"x": values((1,) * 9)})
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.int64, np.bool_], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("x_shape, repeats", [
+    ((1, 2, 1, 5, 4), (1, 1, 2, 1, 1)),  # grouped-query heads: one repeated dimension
+    ((2, 3, 2, 2, 3), (2, 2, 3, 2, 2)),  # ten dimensions that do not merge: more than one launch
+    ((3,), (0,)),                        # empty result
+    ((), ()),                            # a scalar
+])
+def test_tile(x_shape, repeats, dtype):
+    check_node("Tile", {"x": values(x_shape, dtype), "repeats": ints(*repeats)})
+
+
 @pytest.mark.parametrize("x_shape, shape", [((3, 1), (2, 1, 6)), ((1,), (4, 3)), ((2, 3), (1, 1, 3)),
                                             ((1, 1, 2), (0, 1, 1))])
 def test_expand(x_shape, shape):

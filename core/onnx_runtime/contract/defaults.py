@@ -109,6 +109,10 @@ class DefaultFallbacks:
         raise self._unsupported(f"creating a kernel for {node.op_type}", "get_kernel")
 
     @hookimpl(trylast=True)
+    def host_inputs(self):
+        return None  # undeclared: the capture-region analysis assumes nothing about the node's inputs
+
+    @hookimpl(trylast=True)
     def claim_nodes(self):
         return []
 

@@ -114,11 +114,31 @@ class ExecutionProviderSpec:
         """A kernel for ``node`` specialized to concrete input ``shapes`` (tuples of ints).
 
         ``graph`` is the :class:`onnx_runtime.ir.Graph` holding the node, for the rare operator
-        defined over other nodes of its graph (``Gradient``); most kernels ignore it.
+        defined over other nodes of its graph (``Gradient``), and for the values of constant inputs:
+        an input named in ``graph.initializers`` holds that value on every run, so a device kernel can
+        take its :meth:`host_inputs` from there instead of reading them back from the device.
 
         The kernel is a callable ``kernel(*inputs) -> tuple of outputs`` (see :class:`Kernel`).
         The session caches kernels per (node, input shapes). Raise :class:`InvalidGraphError` for
         an attribute combination the operator's spec forbids, naming the node and the attribute.
+        """
+
+    @hookspec(firstresult=True)
+    def host_inputs(self, node, opset):
+        """Positions of ``node``'s inputs whose *values* its kernel reads on the host, or None.
+
+        Shape-like inputs (Reshape's shape, Slice's starts/ends/axes/steps, Expand's shape, Tile's
+        repeats, a Reduce* axes input, ...) decide output shapes, which are host metadata, so a device
+        kernel needs their values on the host when it runs. A kernel takes the value of a constant input
+        from ``graph.initializers`` (see :meth:`get_kernel`); any other such input is read back from the
+        device at every call, a host synchronization that device-graph capture cannot record.
+
+        Answering a tuple (even an empty one) also states that the kernel reads every other input only
+        on the device, so the node's output shapes follow from its input shapes, its attributes and the
+        values of these inputs. The session relies on both: a capture region declines a node whose host
+        input is not a constant (naming the input), and admits a node whose output shape inference could
+        not resolve when its input shapes are resolved and its host inputs are constants.
+        Default: None (not declared; nothing is assumed).
         """
 
     @hookspec(firstresult=True)

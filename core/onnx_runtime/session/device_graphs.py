@@ -2,8 +2,15 @@
 
 Enable it with ``SessionOptions.add_session_config_entry("session.graph_capture", "1")``. A plan is
 captured when every node runs on one device provider that implements the owner-scoped device-graph
-hooks, every node passes that provider's ``plan_capture_region`` policy (no control flow or sequences,
-every input and output shape fixed by the feed shapes), and no kernel says ``capturable = False``.
+hooks, no node reads a value computed at run time on the host (a declared ``host_inputs`` position that
+is not a constant: reading it back synchronizes, which a capture cannot record), every node passes that
+provider's ``plan_capture_region`` policy (no control flow or sequences, every input and output shape
+fixed by the feed shapes), and no kernel says ``capturable = False``.
+
+Shapes fixed by the feed shapes ("resolved"): an initializer's, one shape inference expressed in the graph
+inputs' dimensions, and, where inference gave up (a Slice whose starts were folded to constants after it
+ran, say), the outputs of a node whose provider declares its ``host_inputs``, whose input shapes are
+resolved and whose host inputs are constants: the declaration says the output shapes follow from those.
 Per signature of the feeds (names, shapes, dtypes):
 
 1. The first run is eager, while a recorder follows the provider's allocations to size an *arena*:
@@ -208,6 +215,7 @@ class DeviceGraphRunner:
         self.replays = 0
         self._regions: dict[tuple[str, ...], _Region] = {}
         self._bound: set[str] = set()
+        self._derived: set[str] = set()  # values whose shapes follow from resolved inputs and constants
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._server = _ArenaServer()
         self._handles: dict[int, ProviderHandle] = {}  # the handles the arena server is registered on
@@ -224,6 +232,9 @@ class DeviceGraphRunner:
         graph = executor.graph
         # Symbolic dims of the graph inputs are fixed by the feeds, so shapes built from them are resolved.
         self._bound = {d for vi in graph.inputs if vi.type.shape for d in vi.type.shape if isinstance(d, str)}
+        host_inputs = {id(step.node): executor.assignment[step.node.name].hook.host_inputs(
+            node=step.node, opset=step.node.opset) for step in plan.steps if step.node is not None}
+        self._derive_shapes(plan, host_inputs)
         feed_names = {slot: name for name, slot in plan.feed_slots.items()}
         output_slots = set(plan.output_slots)
         region = _Region()
@@ -240,6 +251,12 @@ class DeviceGraphRunner:
                 region.handle = handle
             elif handle is not region.handle:
                 return _Region(f"nodes run on two device providers ({region.handle.name} and {handle.name})")
+            for position in host_inputs[id(node)] or ():
+                name = node.inputs[position] if position < len(node.inputs) else ""
+                if name and name not in graph.initializers:
+                    return _Region(f"{label} reads input {position} ({name!r}) on the host, and it is computed at "
+                                   f"run time, not a constant: the kernel copies it back from the device at every "
+                                   f"run, a synchronization a capture cannot record")
             decline = handle.hook.plan_capture_region(node=node, shape_status=self._shape_status(node))
             if decline is not None:
                 return _Region(f"{label}: {getattr(decline, 'reason', decline)}")
@@ -263,15 +280,34 @@ class DeviceGraphRunner:
             return _Region(f"{region.handle.name} does not implement device graphs (begin_owned_device_graph_capture)")
         return region
 
-    def _shape_status(self, node) -> CaptureRegionShapeStatus:
+    def _inferred(self, name: str) -> bool:
+        """Whether ``name``'s shape is an initializer's or one shape inference expressed in the feeds' dims."""
         graph, bound = self.executor.graph, self._bound
+        if name in graph.initializers:
+            return True
+        info = graph.type_of(name)
+        return bool(info is not None and info.is_tensor and info.shape is not None
+                    and all(isinstance(d, int) or (isinstance(d, str) and d in bound) for d in info.shape))
+
+    def _derive_shapes(self, plan, host_inputs: dict) -> None:
+        """Resolve, in plan order, the outputs of nodes whose declared host inputs are constants and whose
+        input shapes are resolved (see the module docstring)."""
+        graph = self.executor.graph
+        self._derived = set()
+        for step in plan.steps:
+            node = step.node
+            declared = host_inputs.get(id(node)) if node is not None else None
+            if declared is None or any(node.inputs[p] not in graph.initializers for p in declared
+                                       if p < len(node.inputs) and node.inputs[p]):
+                continue
+            if all(name in self._derived or self._inferred(name) for name in node.inputs if name):
+                self._derived.update(name for name in node.outputs if name)
+
+    def _shape_status(self, node) -> CaptureRegionShapeStatus:
+        derived = self._derived
 
         def resolved(name: str) -> bool:
-            if name in graph.initializers:
-                return True
-            info = graph.type_of(name)
-            return bool(info is not None and info.is_tensor and info.shape is not None
-                        and all(isinstance(d, int) or (isinstance(d, str) and d in bound) for d in info.shape))
+            return name in derived or self._inferred(name)
 
         return CaptureRegionShapeStatus(inputs_resolved=all(resolved(n) for n in node.inputs if n),
                                         outputs_resolved=all(resolved(n) for n in node.outputs if n))

@@ -104,6 +104,11 @@ class CudaDevice:
     def _check(self, result, call: str):
         return driver_access.check(self.driver, result, call)
 
+    def _failed(self, result, call, *details) -> None:
+        """Raise the typed error for a failed hot-path call; ``call`` is a format string for ``details``, so the
+        message is built only when something failed (formatting it on every launch costs a microsecond)."""
+        driver_access.check(self.driver, result, call.format(*details))
+
     def _attribute(self, attribute) -> int:
         result = self.driver.cuDeviceGetAttribute(attribute, self.device)
         return int(self._check(result, f"cuDeviceGetAttribute({attribute})"))
@@ -132,11 +137,10 @@ class CudaDevice:
         padding = alignment - 1 if alignment > _POOL_ALIGNMENT else 0
         nbytes = max(size, 1) + padding
         d = self.driver
-        if self.pooled:
-            ptr = self._check(d.cuMemAllocAsync(nbytes, self.compute), f"cuMemAllocAsync({nbytes})")
-        else:
-            ptr = self._check(d.cuMemAlloc(nbytes), f"cuMemAlloc({nbytes})")
-        base = int(ptr)
+        result = d.cuMemAllocAsync(nbytes, self.compute) if self.pooled else d.cuMemAlloc(nbytes)
+        if int(result[0]):
+            self._failed(result, "cuMemAllocAsync({})" if self.pooled else "cuMemAlloc({})", nbytes)
+        base = int(result[1])
         address = (base + alignment - 1) & ~(alignment - 1)
         if address + size > base + nbytes:
             self._release(base, nbytes)
@@ -168,10 +172,10 @@ class CudaDevice:
         if self._transfer_since_join:  # a copy_async may still read or write this memory
             self._join_transfer()
         d = self.driver
-        if self.pooled:
-            self._check(d.cuMemFreeAsync(base, self.compute), f"cuMemFreeAsync({base:#x}, {nbytes} B)")
-        else:
-            self._check(d.cuMemFree(base), f"cuMemFree({base:#x}, {nbytes} B)")
+        result = d.cuMemFreeAsync(base, self.compute) if self.pooled else d.cuMemFree(base)
+        if int(result[0]):
+            call = "cuMemFreeAsync({:#x}, {} B)" if self.pooled else "cuMemFree({:#x}, {} B)"
+            self._failed(result, call, base, nbytes)
 
     # -- copies -------------------------------------------------------------------------------------
     def upload(self, dst: int, src: np.ndarray) -> None:
@@ -194,8 +198,9 @@ class CudaDevice:
         """Stream-ordered device-to-device copy (on the compute stream unless ``stream`` is given)."""
         if nbytes:
             self._bind()
-            self._check(self.driver.cuMemcpyDtoDAsync(dst, src, nbytes, self._stream(stream)),
-                        f"cuMemcpyDtoDAsync({nbytes} B)")
+            result = self.driver.cuMemcpyDtoDAsync(dst, src, nbytes, self._stream(stream))
+            if int(result[0]):
+                self._failed(result, "cuMemcpyDtoDAsync({} B)", nbytes)
 
     def copy_async(self, dst: int | np.ndarray, src: int | np.ndarray, nbytes: int) -> Fence:
         """Enqueue a copy on the transfer stream and return its fence.
@@ -355,21 +360,24 @@ class CudaDevice:
         ``args`` are ``(value, ctypes type)`` pairs or ctypes scalars, pointers as ``(int address,
         ctypes.c_void_p)``; they become cuda-python's ``((values...), (types...))`` kernel parameters.
         """
-        gx, gy, gz = _dims(grid, "grid")
-        bx, by, bz = _dims(block, "block")
-        values, types = [], []
-        for arg in args:
-            if isinstance(arg, ctypes._SimpleCData):
-                value, kind = arg.value, type(arg)
-            else:
-                value, kind = arg
-            values.append(value)
-            types.append(kind)
-        params = (tuple(values), tuple(types)) if values else 0
+        try:
+            values, types = zip(*args) if args else ((), ())  # pairs: split in C, not in a Python loop
+        except TypeError:  # a ctypes scalar among them
+            values = tuple(a.value if isinstance(a, ctypes._SimpleCData) else a[0] for a in args)
+            types = tuple(type(a) if isinstance(a, ctypes._SimpleCData) else a[1] for a in args)
+        self.launch_split(function, grid, block, values, types, shared_bytes, stream)
+
+    def launch_split(self, function, grid, block, values: tuple, types: tuple, shared_bytes: int = 0,
+                     stream=None) -> None:
+        """:meth:`launch` with the argument values and their ctypes types already apart (kernels that keep the
+        types of a launch site and only change its values)."""
+        gx, gy, gz = (grid, 1, 1) if type(grid) is int and grid > 0 else _dims(grid, "grid")
+        bx, by, bz = (block, 1, 1) if type(block) is int and block > 0 else _dims(block, "block")
         self._bind()
-        self._check(self.driver.cuLaunchKernel(function, gx, gy, gz, bx, by, bz, shared_bytes, self._stream(stream),
-                                               params, 0),
-                    f"cuLaunchKernel(grid=({gx},{gy},{gz}), block=({bx},{by},{bz}))")
+        result = self.driver.cuLaunchKernel(function, gx, gy, gz, bx, by, bz, shared_bytes, self._stream(stream),
+                                            (values, types) if values else 0, 0)
+        if int(result[0]):
+            self._failed(result, "cuLaunchKernel(grid=({},{},{}), block=({},{},{}))", gx, gy, gz, bx, by, bz)
 
     # -- teardown -----------------------------------------------------------------------------------
     def close(self) -> None:

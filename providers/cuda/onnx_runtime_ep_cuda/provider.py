@@ -5,7 +5,9 @@ reports itself unavailable with the reason; ``ONNX_RUNTIME_CUDA_SIM=1`` runs it 
 Device memory is not host-accessible: buffers carry ``host=None`` and the device address in ``ptr``,
 and every byte moves through the driver. Host buffers (the CPU provider's) may appear on either side
 of ``copy``/``copy_async``; the bounds, ownership and writability checks happen here, before any
-driver call. The device kernels come with the operator work; until then every node is declined.
+driver call. Kernels come from the operator registry (ops/registry.py); the inputs a kernel reads on the
+host (shape-like inputs) are declared there, passed to its factory when they are constants, and reported
+through ``host_inputs``.
 
 Device graphs (graphs.py), deferred validation (validation.py) and the greedy-decoding helpers
 (decode.py) are per provider instance, created on first use; ``shutdown`` destroys what is left. The
@@ -30,7 +32,7 @@ from . import (
 from .device import CudaDevice
 from .graphs import DeviceGraphs
 from .ops.context import KernelContext
-from .ops.registry import lookup, unsupported_reason
+from .ops.registry import declared_host_inputs, lookup, unsupported_reason
 from .validation import DeviceValidation
 
 NAME = "CUDAExecutionProvider"
@@ -40,6 +42,7 @@ OPTION_KEYS = ("device_id",)
 class CUDAExecutionProvider:
     def __init__(self):
         self._device_index = 0
+        self._device_id = DeviceId(DeviceType.CUDA, 0)  # made once: every allocation is stamped with it
         self._device: CudaDevice | None = None
         self.handle = None  # the ProviderHandle, for kernels that create Tensors on this device
         self._allocations = 0
@@ -65,7 +68,7 @@ class CUDAExecutionProvider:
 
     @hookimpl
     def device_id(self):
-        return DeviceId(DeviceType.CUDA, self._device_index)
+        return self._device_id
 
     @hookimpl
     def availability(self):
@@ -96,6 +99,7 @@ class CUDAExecutionProvider:
                 f"{NAME} option device_id={index} is out of range; this machine has {count} CUDA device(s)"
             )
         self._device_index = index
+        self._device_id = DeviceId(DeviceType.CUDA, index)
         self._device = CudaDevice.get(index)
         self.handle = handle
 
@@ -124,13 +128,17 @@ class CUDAExecutionProvider:
         return KernelMatch.supported(cost=0.1)
 
     @hookimpl
-    def get_kernel(self, node, shapes, opset):
+    def get_kernel(self, node, shapes, opset, graph):
         entry = lookup(node.op_type, node.domain, opset)
         if entry is None:
             raise ProviderError(f"{NAME}: no kernel for node {node.name!r} ({node.op_type}) at opset {opset}")
         if self._context is None:
             self._context = KernelContext(self.cuda_device(), self.handle)
-        return entry.factory(node, shapes, opset, self._context)
+        return entry.create(node, shapes, opset, self._context, graph)
+
+    @hookimpl
+    def host_inputs(self, node, opset):
+        return declared_host_inputs(node, opset)
 
     # -- memory -------------------------------------------------------------------------------------
     def cuda_device(self) -> CudaDevice:
@@ -143,7 +151,7 @@ class CUDAExecutionProvider:
     def allocate(self, size, alignment):
         address, base = self.cuda_device().allocate(size, alignment)
         self._allocations += 1
-        return DeviceBuffer(self.device_id(), size, alignment, address, host=None, provider_state=base)
+        return DeviceBuffer(self._device_id, size, alignment, address, host=None, provider_state=base)
 
     @hookimpl
     def deallocate(self, buffer):

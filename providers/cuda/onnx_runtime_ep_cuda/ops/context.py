@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
-from onnx_runtime import DataType, Tensor
+from onnx_runtime import Tensor
 
 BLOCK = 256
 MAX_GRID = 65535 * 32  # grid-stride kernels: more blocks than this buys nothing
@@ -50,7 +50,7 @@ class KernelContext:
         return self.handle.provider.device_validation().current_word()
 
     def empty(self, dtype, shape) -> Tensor:
-        return Tensor.empty(DataType.parse(dtype), shape, provider=self.handle)
+        return Tensor.empty(dtype, shape, provider=self.handle)
 
     def empty_like(self, tensor: Tensor, dtype=None, shape=None) -> Tensor:
         return self.empty(tensor.dtype if dtype is None else dtype, tensor.shape if shape is None else shape)
@@ -58,9 +58,37 @@ class KernelContext:
     def launch(self, function, grid, block, *args, shared_bytes: int = 0) -> None:
         self.device.launch(function, grid, block, args, shared_bytes)
 
+    def site(self, function, grid, block, pointers: int, *scalars, shared_bytes: int = 0) -> LaunchSite:
+        """A :class:`LaunchSite` for ``function`` taking ``pointers`` pointers, then ``scalars`` (value, type) pairs."""
+        return LaunchSite(self.device, function, grid, block, pointers, scalars, shared_bytes)
+
     def launch_1d(self, function, count: int, *args, block: int = BLOCK) -> None:
         """Launch a grid-stride kernel over ``count`` elements (nothing for zero)."""
         if count <= 0:
             return
         grid = min((count + block - 1) // block, MAX_GRID)
         self.device.launch(function, grid, block, args)
+
+
+class LaunchSite:
+    """One launch with everything but its pointers fixed: function, grid, block, argument types and the scalar
+    arguments (element counts, broadcast strides, op codes), which depend on the dtype and shapes only. Kernels
+    build one per (dtype, shapes) and call it with the pointers (the validation word too: it follows the
+    running submission), so a run does not pack and split the same scalars again at every launch. ``grid`` 0
+    launches nothing (an empty tensor)."""
+
+    __slots__ = ("device", "function", "grid", "block", "tail", "types", "shared_bytes")
+
+    def __init__(self, device, function, grid, block, pointers: int, scalars, shared_bytes: int = 0):
+        self.device = device
+        self.function = function
+        self.grid = grid
+        self.block = block
+        self.tail = tuple(value for value, _ in scalars)
+        self.types = (ctypes.c_void_p,) * pointers + tuple(kind for _, kind in scalars)
+        self.shared_bytes = shared_bytes
+
+    def __call__(self, *pointers: int) -> None:
+        if self.grid:
+            self.device.launch_split(self.function, self.grid, self.block, pointers + self.tail, self.types,
+                                     self.shared_bytes)

@@ -1,11 +1,12 @@
-"""Data-movement operators on kernels/data.cu: Transpose, Concat, Slice, Split, Expand, Gather,
+"""Data-movement operators on kernels/data.cu: Transpose, Concat, Slice, Split, Expand, Tile, Gather,
 GatherElements, ScatterND, Reshape/Squeeze/Unsqueeze/Flatten, Shape, Range and ConstantOfShape.
 
 Moving data ignores the values, so one kernel per element width serves every dtype of that size. Layout
 changes (Reshape, Squeeze, Unsqueeze, Flatten) are device-to-device copies into a tensor of the new shape,
 so every output owns its buffer. Shape-like inputs (Reshape's shape, Slice's starts/ends, Expand's shape,
-Split's sizes, Range's scalars, ConstantOfShape's shape) are read back to the host, because output shapes
-are host metadata; that read waits for the compute stream.
+Tile's repeats, Split's sizes, Range's scalars, ConstantOfShape's shape) are declared ``host_inputs``: output
+shapes are host metadata, so their values are needed on the host. A constant one is read once, when the
+kernel is made; one computed at run time is read back at every call, which waits for the compute stream.
 
 Gather, GatherElements and ScatterND clamp an out-of-range index and raise ``validation.INDEX_OUT_OF_RANGE``
 in the context's validation flag word instead of touching memory outside the tensor; the session reports it
@@ -41,13 +42,6 @@ def flags_arg(ctx) -> tuple[int, type]:
     """The current validation flag word as a kernel pointer argument (asked for at every launch: the
     word follows the running submission)."""
     return (ctx.validation_flags(), ctypes.c_void_p)
-
-
-def host_ints(tensor: Tensor | None) -> list[int] | None:
-    """The values of a small integer tensor (a shape, starts, axes...) on the host."""
-    if tensor is None:
-        return None
-    return [int(v) for v in tensor.numpy().reshape(-1)]
 
 
 def contiguous_strides(shape) -> list[int]:
@@ -107,22 +101,26 @@ class DataKernels:
         self.ctx.device.copy_device(y.device_ptr, x.device_ptr, x.nbytes)
         return y
 
-    def strided_copy(self, y: Tensor, src_address: int, strides) -> None:
-        """y[idx] = src[sum(idx * strides)] over y's shape; ``src_address`` is the element at idx 0."""
-        sizes, steps = coalesce(y.shape, strides)
-        itemsize = y.dtype.numpy.itemsize
+    def strided_copy(self, y: Tensor, src_address: int, strides, sizes=None) -> None:
+        """y[idx] = src[sum(idx * strides)] over y's shape (or over ``sizes``, a finer view of y's contiguous
+        elements); ``src_address`` is the element at idx 0."""
         if y.numel == 0:
             return
+        sizes, steps = coalesce(y.shape if sizes is None else sizes, strides)
         if not sizes or (len(sizes) == 1 and steps[0] == 1):
             self.ctx.device.copy_device(y.device_ptr, src_address, y.nbytes)
             return
-        if len(sizes) > MAX_RANK:
-            raise InvalidArgumentError(
-                f"CUDAExecutionProvider: a strided copy over {len(sizes)} non-mergeable dimensions exceeds the "
-                f"kernels' {MAX_RANK}"
-            )
-        self.ctx.launch_1d(self.function(f"strided_copy_{WIDTH[itemsize]}"), y.numel, ptr(y),
-                           (src_address, ctypes.c_void_p), i64(y.numel), i32(len(sizes)), *dims8(sizes, steps))
+        itemsize = y.dtype.numpy.itemsize
+        function = self.function(f"strided_copy_{WIDTH[itemsize]}")
+        # The kernel takes 8 dimensions; the leading ones beyond that are walked here, one launch per index.
+        lead, inner, inner_steps = sizes[:-MAX_RANK], sizes[-MAX_RANK:], steps[-MAX_RANK:]
+        count = math.prod(inner)
+        args = (i64(count), i32(len(inner)), *dims8(inner, inner_steps))
+        for index in np.ndindex(*lead):
+            source = sum(i * s for i, s in zip(index, steps))
+            target = sum(i * math.prod(sizes[k + 1:]) for k, i in enumerate(index))
+            self.ctx.launch_1d(function, count, (y.device_ptr + target * itemsize, ctypes.c_void_p),
+                               (src_address + source * itemsize, ctypes.c_void_p), *args)
 
     def copy_rows(self, dst: int, dst_pitch: int, src: int, src_pitch: int, cols: int, rows: int,
                   itemsize: int) -> None:
@@ -150,7 +148,8 @@ def _rank_check(limit_input: int = 0):
 # -- layout-only operators: Reshape, Squeeze, Unsqueeze, Flatten -----------------------------------
 
 
-def reshape_target(node, in_shape: tuple, requested: list[int], allowzero: bool) -> tuple[int, ...]:
+def reshape_target(node, in_shape: tuple, requested, allowzero: bool) -> tuple[int, ...]:
+    requested = list(requested)
     out = []
     for i, d in enumerate(requested):
         if d == 0 and not allowzero:
@@ -179,13 +178,18 @@ def reshape_target(node, in_shape: tuple, requested: list[int], allowzero: bool)
     return tuple(out)
 
 
-@register("Reshape", since=5, dtypes=MOVABLE)
-def reshape(node, shapes, opset, ctx):
+@register("Reshape", since=5, dtypes=MOVABLE, host_inputs=(1,))
+def reshape(node, shapes, opset, ctx, host):
     kernels = DataKernels(ctx)
     allowzero = opset >= 14 and bool(node.attr("allowzero", 0))
+    targets: dict[tuple, tuple[int, ...]] = {}
 
     def kernel(x, shape):
-        return (kernels.copy(x, reshape_target(node, x.shape, host_ints(shape), allowzero)),)
+        key = (x.shape, host.ints(1, shape))
+        target = targets.get(key)
+        if target is None:
+            target = targets[key] = reshape_target(node, x.shape, key[1], allowzero)
+        return (kernels.copy(x, target),)
 
     return kernel
 
@@ -203,7 +207,8 @@ def _squeezed(node, shape: tuple, axes: list[int] | None) -> tuple[int, ...]:
     return tuple(d for i, d in enumerate(shape) if i not in axes)
 
 
-def _unsqueezed(node, shape: tuple, axes: list[int]) -> tuple[int, ...]:
+def _unsqueezed(node, shape: tuple, axes) -> tuple[int, ...]:
+    axes = list(axes)
     rank = len(shape) + len(axes)
     normalized = sorted(_normalize_axis(node, a, rank, "axes entry") for a in axes)
     if len(set(normalized)) != len(normalized):
@@ -214,27 +219,27 @@ def _unsqueezed(node, shape: tuple, axes: list[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-@register("Squeeze", since=1, dtypes=MOVABLE)
-def squeeze(node, shapes, opset, ctx):
+@register("Squeeze", since=1, dtypes=MOVABLE, host_inputs=(1,))
+def squeeze(node, shapes, opset, ctx, host):
     kernels = DataKernels(ctx)
     attr_axes = node.attr("axes")
 
     def kernel(x, axes=None):
-        requested = host_ints(axes) if opset >= 13 else (list(attr_axes) if attr_axes is not None else None)
+        requested = host.ints(1, axes) if opset >= 13 else (list(attr_axes) if attr_axes is not None else None)
         return (kernels.copy(x, _squeezed(node, x.shape, requested)),)
 
     return kernel
 
 
-@register("Unsqueeze", since=1, dtypes=MOVABLE)
-def unsqueeze(node, shapes, opset, ctx):
+@register("Unsqueeze", since=1, dtypes=MOVABLE, host_inputs=(1,))
+def unsqueeze(node, shapes, opset, ctx, host):
     kernels = DataKernels(ctx)
     attr_axes = node.attr("axes")
     if opset < 13 and attr_axes is None:
         raise InvalidGraphError(f"node {node.name!r} (Unsqueeze): attribute 'axes' is required before opset 13")
 
     def kernel(x, axes=None):
-        requested = host_ints(axes) if opset >= 13 else list(attr_axes)
+        requested = host.ints(1, axes) if opset >= 13 else list(attr_axes)
         if requested is None:
             raise InvalidArgumentError(f"node {node.name!r} (Unsqueeze): the axes input is required")
         return (kernels.copy(x, _unsqueezed(node, x.shape, requested)),)
@@ -280,12 +285,12 @@ def transpose(node, shapes, opset, ctx):
     return kernel
 
 
-@register("Expand", since=8, dtypes=MOVABLE)
-def expand(node, shapes, opset, ctx):
+@register("Expand", since=8, dtypes=MOVABLE, host_inputs=(1,))
+def expand(node, shapes, opset, ctx, host):
     kernels = DataKernels(ctx)
 
     def kernel(x, shape):
-        requested = host_ints(shape)
+        requested = list(host.ints(1, shape))
         try:
             out_shape = tuple(np.broadcast_shapes(tuple(x.shape), tuple(requested)))
         except ValueError:
@@ -296,6 +301,30 @@ def expand(node, shapes, opset, ctx):
         strides = [0] * pad + [0 if d == 1 else s for d, s in zip(x.shape, contiguous_strides(x.shape))]
         y = ctx.empty(x.dtype, out_shape)
         kernels.strided_copy(y, x.device_ptr, strides)
+        return (y,)
+
+    return kernel
+
+
+@register("Tile", since=6, dtypes=MOVABLE, check=_rank_check(), host_inputs=(1,))
+def tile(node, shapes, opset, ctx, host):
+    kernels = DataKernels(ctx)
+
+    def kernel(x, repeats):
+        counts = host.ints(1, repeats)
+        if len(counts) != len(x.shape) or any(r < 0 for r in counts):
+            raise InvalidArgumentError(
+                f"node {node.name!r} (Tile): repeats {list(counts)} must hold one non-negative count per dimension "
+                f"of the input {x.shape}"
+            )
+        y = ctx.empty(x.dtype, tuple(d * r for d, r in zip(x.shape, counts)))
+        # Viewed as (r0, d0, r1, d1, ...), the output reads the input at (d0, d1, ...): the repeat indices step
+        # through nothing, so the copy is one strided copy with stride 0 for them.
+        sizes, strides = [], []
+        for dim, count, stride in zip(x.shape, counts, contiguous_strides(x.shape)):
+            sizes += [count, dim]
+            strides += [0, stride]
+        kernels.strided_copy(y, x.device_ptr, strides, sizes)
         return (y,)
 
     return kernel
@@ -357,11 +386,11 @@ def slice_1(node, shapes, opset, ctx):
     return _slice_kernel(node, ctx, lambda args: values)
 
 
-@register("Slice", since=10, dtypes=MOVABLE, check=_rank_check())
-def slice_10(node, shapes, opset, ctx):
+@register("Slice", since=10, dtypes=MOVABLE, check=_rank_check(), host_inputs=(1, 2, 3, 4))
+def slice_10(node, shapes, opset, ctx, host):
     def read(args):
-        starts, ends, axes, steps = (list(args) + [None] * 4)[:4]
-        return host_ints(starts), host_ints(ends), host_ints(axes), host_ints(steps)
+        tensors = (list(args) + [None] * 4)[:4]
+        return tuple(host.ints(position, tensor) for position, tensor in enumerate(tensors, start=1))
 
     return _slice_kernel(node, ctx, read)
 
@@ -402,8 +431,9 @@ def concat(node, shapes, opset, ctx):
     return kernel
 
 
-def split_sizes(node, dim: int, outputs: int, split: list[int] | None, num_outputs: int | None) -> list[int]:
+def split_sizes(node, dim: int, outputs: int, split, num_outputs: int | None) -> list[int]:
     if split is not None:
+        split = list(split)
         if len(split) != outputs or sum(split) != dim or any(s < 0 for s in split):
             raise InvalidArgumentError(
                 f"node {node.name!r} (Split): split {split} must have {outputs} non-negative sizes summing to {dim}"
@@ -419,8 +449,8 @@ def split_sizes(node, dim: int, outputs: int, split: list[int] | None, num_outpu
     return [dim // outputs] * outputs
 
 
-@register("Split", since=1, dtypes=MOVABLE)
-def split(node, shapes, opset, ctx):
+@register("Split", since=1, dtypes=MOVABLE, host_inputs=(1,))
+def split(node, shapes, opset, ctx, host):
     kernels = DataKernels(ctx)
     axis_attr = int(node.attr("axis", 0))
     split_attr = node.attr("split")
@@ -433,7 +463,7 @@ def split(node, shapes, opset, ctx):
 
     def kernel(x, split_input=None):
         axis = _normalize_axis(node, axis_attr, len(x.shape))
-        requested = host_ints(split_input) if split_input is not None else (
+        requested = host.ints(1, split_input) if split_input is not None else (
             [int(s) for s in split_attr] if split_attr is not None and opset < 13 else None)
         sizes = split_sizes(node, x.shape[axis], len(node.outputs), requested,
                             int(num_outputs) if num_outputs is not None and requested is None else None)
@@ -597,8 +627,8 @@ def _constant_of_shape_check(node, shapes, dtypes):
     return None
 
 
-@register("ConstantOfShape", since=9, dtypes={DataType.INT64}, check=_constant_of_shape_check)
-def constant_of_shape(node, shapes, opset, ctx):
+@register("ConstantOfShape", since=9, dtypes={DataType.INT64}, check=_constant_of_shape_check, host_inputs=(0,))
+def constant_of_shape(node, shapes, opset, ctx, host):
     kernels = DataKernels(ctx)
     value = np.zeros(1, np.float32) if node.attr("value") is None else np.asarray(node.attr("value"))
     if value.size != 1:
@@ -613,7 +643,7 @@ def constant_of_shape(node, shapes, opset, ctx):
     bits = int(value.reshape(-1)[:1].view(np.dtype(f"u{itemsize}"))[0])
 
     def kernel(shape):
-        dims = host_ints(shape)
+        dims = list(host.ints(0, shape))
         if any(d < 0 for d in dims):
             raise InvalidArgumentError(f"node {node.name!r} (ConstantOfShape): shape {dims} has a negative size")
         y = ctx.empty(dtype, dims)
@@ -624,14 +654,15 @@ def constant_of_shape(node, shapes, opset, ctx):
     return kernel
 
 
-def _range_kernel(node, ctx, stash: bool):
+def _range_kernel(node, ctx, host, stash: bool):
     kernels = DataKernels(ctx)
 
     def kernel(start, limit, delta):
         dtype = start.dtype
         narrow = dtype in (DataType.FLOAT16, DataType.BFLOAT16)
         compute = np.float32 if narrow and stash else dtype.numpy
-        values = [np.asarray(t.numpy()).reshape(-1)[0].astype(compute) for t in (start, limit, delta)]
+        values = [np.asarray(host.array(position, tensor)).reshape(-1)[0].astype(compute)
+                  for position, tensor in enumerate((start, limit, delta))]
         first, last, step = values
         if step == 0:
             raise InvalidArgumentError(f"node {node.name!r} (Range): delta must be non-zero")
@@ -650,12 +681,12 @@ def _range_kernel(node, ctx, stash: bool):
     return kernel
 
 
-@register("Range", since=11, dtypes=(frozenset(RANGE_TYPES) - FLOATS) | {DataType.FLOAT})
-def range_11(node, shapes, opset, ctx):
-    return _range_kernel(node, ctx, stash=True)
+@register("Range", since=11, dtypes=(frozenset(RANGE_TYPES) - FLOATS) | {DataType.FLOAT}, host_inputs=(0, 1, 2))
+def range_11(node, shapes, opset, ctx, host):
+    return _range_kernel(node, ctx, host, stash=True)
 
 
-@register("Range", since=27, dtypes=frozenset(RANGE_TYPES))
-def range_27(node, shapes, opset, ctx):
-    return _range_kernel(node, ctx, stash=bool(node.attr("stash_type", 1)))
+@register("Range", since=27, dtypes=frozenset(RANGE_TYPES), host_inputs=(0, 1, 2))
+def range_27(node, shapes, opset, ctx, host):
+    return _range_kernel(node, ctx, host, stash=bool(node.attr("stash_type", 1)))
 

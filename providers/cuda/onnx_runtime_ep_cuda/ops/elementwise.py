@@ -2,9 +2,11 @@
 arithmetic, comparison and logic with numpy broadcasting, Pow, variadic Max/Min/Sum/Mean, Where, Cast,
 CastLike, Clip and Identity.
 
-Factories parse attributes once; kernels compute the broadcast layout per input shapes (cached) and pick
-the entry point by dtype at call time (the factory sees shapes, not dtypes). Shared helpers (dtype
-suffixes, kernel lookup, the per-shape memo) are used by the reduction and normalization modules too.
+Factories parse attributes once; kernels pick the entry point by dtype at call time (the factory sees shapes,
+not dtypes) and keep a :class:`LaunchSite` per (dtype, shapes): entry point, grid, broadcast layout and
+scalar arguments are worked out once, and a call allocates its output and passes the pointers. Shared
+helpers (dtype suffixes, kernel lookup, the per-shape memo) are used by the reduction and normalization
+modules too.
 """
 
 from __future__ import annotations
@@ -101,10 +103,28 @@ def memo(compute):
     return lookup
 
 
+def grid(n: int) -> int:
+    """Blocks of an elementwise.cu grid-stride kernel over ``n`` outputs (0 for none: nothing to launch)."""
+    return min(-(-n // (BLOCK * UNROLL)), MAX_GRID) if n > 0 else 0
+
+
 def launch(ctx, fn, n: int, *args) -> None:
     """Launch an elementwise.cu grid-stride kernel over ``n`` outputs (nothing for none)."""
     if n > 0:
-        ctx.launch(fn, min(-(-n // (BLOCK * UNROLL)), MAX_GRID), BLOCK, *args)
+        ctx.launch(fn, grid(n), BLOCK, *args)
+
+
+def sites(build):
+    """``build(*key) -> LaunchSite`` cached per key (the dtypes and shapes of a call)."""
+    cache: dict = {}
+
+    def site(*key):
+        found = cache.get(key)
+        if found is None:
+            found = cache[key] = build(*key)
+        return found
+
+    return site
 
 
 def copy(ctx, x):
@@ -197,10 +217,15 @@ def _unary_factory(op: str, allowed, attrs=lambda node: (0.0, 0.0)):
         kernels = Kernels(ctx, SOURCE)
         a, b = attrs(node)
 
+        @sites
+        def site(dtype, shape):
+            n = math.prod(shape)
+            return ctx.site(kernels["unary_" + require_type(node, dtype, allowed)], grid(n), BLOCK, 2,
+                            i32(code), i64(n), f32(a), f32(b))
+
         def kernel(x):
-            fn = kernels["unary_" + require_type(node, x.dtype, allowed)]
-            y = ctx.empty_like(x)
-            launch(ctx, fn, x.numel, ptr(x), ptr(y), i32(code), i64(x.numel), f32(a), f32(b))
+            y = ctx.empty(x.dtype, x.shape)
+            site(x.dtype, x.shape)(x.device_ptr, y.device_ptr)
             return (y,)
 
         return kernel
@@ -303,22 +328,24 @@ def _binary_factory(op: str, allowed):
     def factory(node, shapes, opset, ctx):
         kernels = Kernels(ctx, SOURCE)
 
-        @memo
-        def plan(a_shape, b_shape):
+        @sites
+        def site(a_dtype, b_dtype, a_shape, b_shape):
+            if a_dtype != b_dtype:
+                raise InvalidArgumentError(
+                    f"node {node.name!r} ({node.op_type}): inputs are {a_dtype.name.lower()} and "
+                    f"{b_dtype.name.lower()}; both must have the same type"
+                )
             b_shape = _legacy_shape(node, opset, a_shape, b_shape)
             out = broadcast_shape(node, a_shape, b_shape)
-            return out, math.prod(out), broadcast_args(out, a_shape, b_shape)
+            n = math.prod(out)
+            launch_site = ctx.site(kernels["binary_" + require_type(node, a_dtype, allowed)], grid(n), BLOCK, 3,
+                                   i32(code), i64(n), *broadcast_args(out, a_shape, b_shape))
+            return out, DataType.BOOL if to_bool else a_dtype, launch_site
 
         def kernel(a, b):
-            if a.dtype != b.dtype:
-                raise InvalidArgumentError(
-                    f"node {node.name!r} ({node.op_type}): inputs are {a.dtype.name.lower()} and "
-                    f"{b.dtype.name.lower()}; both must have the same type"
-                )
-            fn = kernels["binary_" + require_type(node, a.dtype, allowed)]
-            out, n, args = plan(a.shape, b.shape)
-            y = ctx.empty(DataType.BOOL if to_bool else a.dtype, out)
-            launch(ctx, fn, n, ptr(a), ptr(b), ptr(y), i32(code), i64(n), *args)
+            out, dtype, launch_site = site(a.dtype, b.dtype, a.shape, b.shape)
+            y = ctx.empty(dtype, out)
+            launch_site(a.device_ptr, b.device_ptr, y.device_ptr)
             return (y,)
 
         return kernel
@@ -357,20 +384,21 @@ def _pow_check(node, shapes, dtypes):
 def pow_(node, shapes, opset, ctx):
     kernels = Kernels(ctx, SOURCE)
 
-    @memo
-    def plan(a_shape, b_shape):
+    @sites
+    def site(a_dtype, b_dtype, a_shape, b_shape):
+        fn = kernels["pow_" + require_type(node, a_dtype, POW_BASE_TYPES)]
+        if b_dtype not in POW_EXPONENT_TYPES:  # the kernel reads the exponent by its ONNX type code
+            raise NotSupportedError(f"{NAME}: node {node.name!r} (Pow) got an exponent of type {b_dtype.name.lower()}; "
+                                    f"the CUDA kernel takes {type_names(POW_EXPONENT_TYPES)}")
         b_shape = _legacy_shape(node, opset, a_shape, b_shape)
         out = broadcast_shape(node, a_shape, b_shape)
-        return out, math.prod(out), broadcast_args(out, a_shape, b_shape)
+        n = math.prod(out)
+        return out, ctx.site(fn, grid(n), BLOCK, 3, i32(int(b_dtype)), i64(n), *broadcast_args(out, a_shape, b_shape))
 
     def kernel(a, b):
-        fn = kernels["pow_" + require_type(node, a.dtype, POW_BASE_TYPES)]
-        if b.dtype not in POW_EXPONENT_TYPES:  # the kernel reads the exponent by its ONNX type code
-            raise NotSupportedError(f"{NAME}: node {node.name!r} (Pow) got an exponent of type {b.dtype.name.lower()}; "
-                                    f"the CUDA kernel takes {type_names(POW_EXPONENT_TYPES)}")
-        out, n, args = plan(a.shape, b.shape)
+        out, launch_site = site(a.dtype, b.dtype, a.shape, b.shape)
         y = ctx.empty(a.dtype, out)
-        launch(ctx, fn, n, ptr(a), ptr(b), ptr(y), i32(int(b.dtype)), i64(n), *args)
+        launch_site(a.device_ptr, b.device_ptr, y.device_ptr)
         return (y,)
 
     return kernel
@@ -443,22 +471,23 @@ def _where_check(node, shapes, dtypes):
 def where(node, shapes, opset, ctx):
     kernels = Kernels(ctx, SOURCE)
 
-    @memo
-    def plan(c_shape, x_shape, y_shape):
-        out = broadcast_shape(node, c_shape, x_shape, y_shape)
-        return out, math.prod(out), broadcast_args(out, c_shape, x_shape, y_shape)
-
-    def kernel(condition, x, y):
-        if x.dtype != y.dtype or condition.dtype != DataType.BOOL:
+    @sites
+    def site(c_dtype, x_dtype, y_dtype, c_shape, x_shape, y_shape):
+        if x_dtype != y_dtype or c_dtype != DataType.BOOL:
             raise InvalidArgumentError(
                 f"node {node.name!r} (Where): expected a bool condition and two inputs of one type, got "
-                f"{condition.dtype.name.lower()}, {x.dtype.name.lower()}, {y.dtype.name.lower()}"
+                f"{c_dtype.name.lower()}, {x_dtype.name.lower()}, {y_dtype.name.lower()}"
             )
-        require_type(node, x.dtype, MOVABLE_TYPES)
-        out, n, args = plan(condition.shape, x.shape, y.shape)
+        require_type(node, x_dtype, MOVABLE_TYPES)
+        out = broadcast_shape(node, c_shape, x_shape, y_shape)
+        n = math.prod(out)
+        return out, ctx.site(kernels[f"where_{x_dtype.numpy.itemsize}"], grid(n), BLOCK, 4, i64(n),
+                             *broadcast_args(out, c_shape, x_shape, y_shape))
+
+    def kernel(condition, x, y):
+        out, launch_site = site(condition.dtype, x.dtype, y.dtype, condition.shape, x.shape, y.shape)
         result = ctx.empty(x.dtype, out)
-        fn = kernels[f"where_{x.dtype.numpy.itemsize}"]
-        launch(ctx, fn, n, ptr(condition), ptr(x), ptr(y), ptr(result), i64(n), *args)
+        launch_site(condition.device_ptr, x.device_ptr, y.device_ptr, result.device_ptr)
         return (result,)
 
     return kernel
@@ -487,25 +516,36 @@ def _cast_check(node, shapes, dtypes):
     return None
 
 
-def _cast(ctx, kernels, node, x, to):
-    if x.dtype == to:
-        return copy(ctx, x)
-    fn = kernels[f"cast_{require_type(node, x.dtype, CAST_TYPES)}_{require_type(node, to, CAST_TYPES, 'a target')}"]
-    y = ctx.empty_like(x, dtype=to)
-    launch(ctx, fn, x.numel, ptr(x), ptr(y), i64(x.numel))
-    return y
+def _caster(ctx, node):
+    """``cast(x, to)``: a copy for the same type, else the cast kernel (a launch site per types and shape)."""
+    kernels = Kernels(ctx, SOURCE)
+
+    @sites
+    def site(source, to, shape):
+        n = math.prod(shape)
+        name = f"cast_{require_type(node, source, CAST_TYPES)}_{require_type(node, to, CAST_TYPES, 'a target')}"
+        return ctx.site(kernels[name], grid(n), BLOCK, 2, i64(n))
+
+    def cast(x, to):
+        if x.dtype == to:
+            return copy(ctx, x)
+        y = ctx.empty(to, x.shape)
+        site(x.dtype, to, x.shape)(x.device_ptr, y.device_ptr)
+        return y
+
+    return cast
 
 
 @register("Cast", since=1, dtypes=CAST_TYPES, check=_cast_check)
 def cast(node, shapes, opset, ctx):
-    kernels, to = Kernels(ctx, SOURCE), _target(node)
-    return lambda x: (_cast(ctx, kernels, node, x, to),)
+    to, convert = _target(node), _caster(ctx, node)
+    return lambda x: (convert(x, to),)
 
 
 @register("CastLike", since=15, dtypes=CAST_TYPES, typed_inputs=(0, 1))
 def cast_like(node, shapes, opset, ctx):
-    kernels = Kernels(ctx, SOURCE)
-    return lambda x, like: (_cast(ctx, kernels, node, x, like.dtype),)
+    convert = _caster(ctx, node)
+    return lambda x, like: (convert(x, like.dtype),)
 
 
 # -- Clip -------------------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ kept and reduced dim groups; each reduced group is one kernel pass over an (oute
 its partials kept in float (narrow floats) or the input type (integers) between passes. A pass with too
 few output columns to fill the GPU splits its extent over blockIdx.y and adds a pass over the partials.
 
-Axes come from an attribute until opset 13 (ReduceSum) or 18 (the rest), then from an optional input,
-which is read on the host (a small download, so such a node syncs the stream once per run).
+Axes come from an attribute until opset 13 (ReduceSum) or 18 (the rest), then from an optional input, a
+declared host input: a constant one is read when the kernel is made, one computed at run time is read
+back at every call (a small download, so such a node syncs the stream once per run).
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def _axes(node, values, rank: int) -> tuple[int, ...]:
 def _reduce_factory(combine: str, pre: int, post: int, allowed, axes_input: bool):
     code = COMBINES.index(combine)
 
-    def factory(node, shapes, opset, ctx):
+    def factory(node, shapes, opset, ctx, host=None):
         kernels = Kernels(ctx, SOURCE)
         keepdims = bool(node.attr("keepdims", 1))
         noop = bool(node.attr("noop_with_empty_axes", 0)) if axes_input else False
@@ -169,8 +170,7 @@ def _reduce_factory(combine: str, pre: int, post: int, allowed, axes_input: bool
             dtype = x.dtype
             suffix = require_type(node, dtype, allowed)
             partial = SUFFIX[DataType.FLOAT] if dtype in FLOAT_TYPES else suffix
-            requested = attribute_axes if not axes_input else \
-                None if axes is None else tuple(int(v) for v in axes.numpy().reshape(-1))
+            requested = host.ints(1, axes) if axes_input else attribute_axes
             p = plan(x.shape, None if requested is None else tuple(requested))
             y = ctx.empty(dtype, p.out_shape)
             temps = [ctx.empty(DataType.FLOAT if dtype in FLOAT_TYPES else dtype, (n,)) for n in p.temps]
@@ -191,7 +191,8 @@ def _reduce_factory(combine: str, pre: int, post: int, allowed, axes_input: bool
 
 for _op, (_combine, _pre, _post, _since, _types) in _REDUCERS.items():
     register(_op, since=1, dtypes=_types)(_reduce_factory(_combine, _pre, _post, _types, axes_input=False))
-    register(_op, since=_since, dtypes=_types)(_reduce_factory(_combine, _pre, _post, _types, axes_input=True))
+    register(_op, since=_since, dtypes=_types, host_inputs=(1,))(
+        _reduce_factory(_combine, _pre, _post, _types, axes_input=True))
 
 
 def _arg_factory(is_max: bool):
