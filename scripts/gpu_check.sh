@@ -72,12 +72,17 @@ per_test=()
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then
     per_test=(-p timeout "--timeout=${TEST_LIMIT_EACH:-120}")
 fi
-# Device memory, graphs, validation and decode first, then the operator tests; the simulator's own tests
+# Device memory, graphs, validation and decode first, then what has not run on a GPU yet (capture of whole
+# models, attention, GEMM, convolution, the light CNNs, data movement), then the rest (the elementwise,
+# reduction and normalization families passed on an H200 before); the simulator's own tests
 # (test_simulator.py) say nothing about the GPU and are skipped. One line per test goes to the log, so a
 # run stopped at the limit still shows how far it got.
 limited "$TEST_LIMIT" "$PY" -m pytest -v -p no:cacheprovider -rfE ${per_test[@]+"${per_test[@]}"} \
     --ignore=tests/cuda/test_simulator.py tests/cuda/test_device_memory.py tests/cuda/test_device_graphs.py \
-    tests/cuda/test_validation.py tests/cuda/test_decode.py tests/cuda >"$LOGS/tests.log" 2>&1
+    tests/cuda/test_validation.py tests/cuda/test_decode.py tests/cuda/test_capture_models.py \
+    tests/cuda/test_ops_attention.py tests/cuda/test_ops_linalg.py tests/cuda/test_ops_conv.py \
+    tests/cuda/test_light_models.py tests/cuda/test_ops_channel_norm.py tests/cuda/test_ops_data.py \
+    tests/cuda >"$LOGS/tests.log" 2>&1
 test_status=$?
 grep -E "^(FAILED|ERROR) " "$LOGS/tests.log" | head -n 60
 for outcome in PASSED FAILED ERROR SKIPPED; do
