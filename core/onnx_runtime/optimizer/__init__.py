@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..ir import Graph, Node
 from ..provider_handle import ProviderHandle
+from .attention_fusion import fuse_attention
 from .constant_folding import fold_constants
 from .context import PassContext
 from .conv_fusion import fuse_batchnorm_affine, fuse_conv_add, fuse_conv_batchnorm, fuse_conv_mul
@@ -24,6 +25,7 @@ ENABLE_EXTENDED = 2
 BASIC_PASSES = (fold_constants, eliminate_identities, remove_dead_nodes)
 ALL_PASSES = BASIC_PASSES + (
     fuse_conv_batchnorm, fuse_conv_mul, fuse_conv_add, fuse_batchnorm_affine, fuse_matmul_add, fuse_gemm_add,
+    fuse_attention,
 )
 # Each round can only shrink the graph; real models settle in two or three.
 MAX_ROUNDS = 8

@@ -187,6 +187,10 @@ class _Attention:
         # Without nonpad_kv_seqlen the causal/window frontier depends on shapes only: build it once.
         self.static_visible = None if self.has_nonpad else _visible_keys(
             geo.q_len, geo.total_len, geo.past_len, self.causal, self.left, self.right, None)
+        # Plain scaled-dot-product attention (what the optimizer's attention fusion produces) runs
+        # in place; float32 inputs and a float32 or no mask are checked per call.
+        self.plain = (self.softcap <= 0 and not self.wants_qk and not self.has_nonpad and not _has_input(node, 4)
+                      and self.static_visible is None and _softmax_dtype(node, np.float32) == np.float32)
 
     def bias(self, mask: np.ndarray | None, nonpad: np.ndarray | None, dtype) -> np.ndarray | None:
         """The additive attention bias (0 or -inf for masked keys, plus a float mask's values)."""
@@ -212,6 +216,10 @@ class _Attention:
         return bias
 
     def __call__(self, q, k, v, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None):
+        if self.plain and q.dtype == np.float32 and (attn_mask is None or attn_mask.dtype == np.float32):
+            outputs = self.plain_attention(q, k, v, attn_mask)
+            if outputs is not None:
+                return outputs[: len(self.node.outputs)]
         geo = self.geo
         k = geo.to_heads(k, geo.kv_heads)
         v = geo.to_heads(v, geo.kv_heads)
@@ -250,6 +258,38 @@ class _Attention:
         if qk is not None:
             qk = qk.astype(q.dtype, copy=False)
         return (y, present_key, present_value, qk)[: len(self.node.outputs)]
+
+    def plain_attention(self, q, k, v, mask):
+        """(Y, present_key, present_value) for softmax(Q K^T * scale + mask) V with one buffer for the
+        scores, updated in place, and the softmax's division applied to Y (fewer elements than the
+        scores). None when the general path must decide: a mask that does not cover every key or
+        would broadcast the scores, or a row with no finite score (fully masked rows become zeros)."""
+        geo = self.geo
+        if q.size == 0 or k.size == 0 or (mask is not None and (mask.ndim == 0 or mask.shape[-1] != geo.total_len)):
+            return None
+        queries = geo.to_heads(q, geo.q_heads) * np.float32(self.scale)
+        keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
+        batch, heads, rows, size = queries.shape
+        # Grouped-query attention: the query heads sharing one KV head are rows of one matmul.
+        scores = np.matmul(queries.reshape(batch, geo.kv_heads, heads // geo.kv_heads * rows, size),
+                           keys.swapaxes(-1, -2))
+        grid = scores.reshape(batch, heads, rows, scores.shape[-1])
+        if mask is not None:
+            try:
+                grid += mask
+            except ValueError:  # the mask has dimensions the scores lack
+                return None
+        peak = np.fmax.reduce(grid, axis=-1, keepdims=True)  # fmax: numpy's fast maximum (NaN fails below)
+        if not np.isfinite(peak).all():
+            return None
+        grid -= peak
+        np.exp(grid, out=grid)
+        weights = grid.reshape(scores.shape)
+        y = np.matmul(weights, values)
+        # Row sums as a BLAS matrix-vector product: several times faster than numpy's reduction.
+        totals = weights.reshape(-1, weights.shape[-1]) @ np.ones((weights.shape[-1], 1), np.float32)
+        y /= totals.reshape(y.shape[:-1] + (1,))
+        return geo.from_heads(y.reshape(batch, heads, rows, values.shape[-1])), keys, values
 
 
 @register("Attention", since=23)
