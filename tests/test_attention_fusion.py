@@ -333,3 +333,33 @@ def test_fully_masked_rows_leave_the_in_place_path_and_become_zeros():
 def test_other_attention_features_keep_the_general_path(attrs):
     fast, _, _ = _kernels(4, False, **attrs)
     assert not fast.plain
+
+
+def _one_node_attention(kv_len: int, mask_shape):
+    names = ["Q", "K", "V"] + (["M"] if mask_shape is not None else [])
+    infos = [tensor_info("Q", TensorProto.FLOAT, [1, 2, 3, 4]), tensor_info("K", TensorProto.FLOAT, [1, 2, kv_len, 4]),
+             tensor_info("V", TensorProto.FLOAT, [1, 2, kv_len, 4])]
+    if mask_shape is not None:
+        infos.append(tensor_info("M", TensorProto.FLOAT, list(mask_shape)))
+    model = make_model([helper.make_node("Attention", names, ["Y"])], infos, [tensor_info("Y")], opset=23)
+    feeds = {"Q": RNG.standard_normal((1, 2, 3, 4)).astype(np.float32),
+             "K": RNG.standard_normal((1, 2, kv_len, 4)).astype(np.float32),
+             "V": RNG.standard_normal((1, 2, kv_len, 4)).astype(np.float32)}
+    if mask_shape is not None:
+        feeds["M"] = RNG.standard_normal(mask_shape).astype(np.float32)
+    return _session(model), feeds
+
+
+def test_a_scalar_mask_broadcasts_to_every_key():
+    """Adding one value to every score leaves the softmax as it was (onnx's reference evaluator fails here)."""
+    masked, feeds = _one_node_attention(5, ())
+    unmasked, _ = _one_node_attention(5, None)
+    want = unmasked.run(None, {k: v for k, v in feeds.items() if k != "M"})[0]
+    np.testing.assert_allclose(masked.run(None, feeds)[0], want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mask_shape", [None, (3, 0)])
+def test_no_keys_at_all_give_zeros(mask_shape):
+    sess, feeds = _one_node_attention(0, mask_shape)
+    (y,) = sess.run(None, feeds)
+    assert y.shape == (1, 2, 3, 4) and not y.any()

@@ -51,6 +51,8 @@ def _softmax_dtype(node, default: np.dtype) -> np.dtype:
 
 def _softmax_(x: np.ndarray) -> np.ndarray:
     """Softmax over the last axis, in place. A row of only -inf (fully masked) becomes zeros, not NaN."""
+    if x.shape[-1] == 0:  # no keys: nothing to normalize (the weighted sum of no values is zero)
+        return x
     peak = x.max(axis=-1, keepdims=True)
     peak[np.isneginf(peak)] = 0
     x -= peak
@@ -201,7 +203,7 @@ class _Attention:
                 bias = np.where(mask, dtype.type(0), dtype.type(-np.inf))
             else:
                 bias = mask.astype(dtype)
-            short = geo.total_len - bias.shape[-1]
+            short = geo.total_len - bias.shape[-1] if bias.ndim else 0  # a scalar mask broadcasts
             if short > 0:  # a short mask leaves the trailing keys masked
                 pad = [(0, 0)] * (bias.ndim - 1) + [(0, short)]
                 bias = np.pad(bias, pad, constant_values=-np.inf)
@@ -245,7 +247,7 @@ class _Attention:
             qk = scores.copy()
 
         probs = _softmax_(scores.astype(softmax_dtype, copy=False))
-        if bias is not None:
+        if bias is not None and bias.size:
             # A query that may attend no key at all outputs zeros (decided on the bias, not the scores).
             dead = np.isneginf(bias.max(axis=-1, keepdims=True))
             if dead.any():
