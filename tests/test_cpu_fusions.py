@@ -3,8 +3,11 @@ provider listed first would run are never fused away from it."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx_runtime as ort
+import pytest
 from model_helpers import make_model, tensor_info
 from onnx import helper, numpy_helper
 
@@ -109,3 +112,63 @@ def test_fusions_never_take_nodes_from_a_provider_listed_first():
         assert not any("fuse_silu" in p for p in sess.applied_passes())
     finally:
         ort.unregister_provider("SigmoidMulExecutionProvider")
+
+
+# -- GELU ------------------------------------------------------------------------------------------
+
+SQRT2 = np.float32(np.sqrt(2))
+
+
+def _gelu_nodes(order, divide=True, swap=False):
+    """x * 0.5 * (1 + erf(x / sqrt(2))) as exporters spell it; ``swap`` flips every commutative input pair."""
+    def mul(a, b, out):
+        return helper.make_node("Mul", [b, a] if swap else [a, b], [out])
+
+    scale = helper.make_node("Div", ["x", "sqrt2"], ["s"]) if divide else mul("x", "inv_sqrt2", "s")
+    nodes = [scale, helper.make_node("Erf", ["s"], ["e"]),
+             helper.make_node("Add", ["one", "e"] if swap else ["e", "one"], ["p"])]
+    if order == "x_first":  # (x * (1 + erf)) * 0.5, as torch exports F.gelu
+        return nodes + [mul("x", "p", "xp"), mul("xp", "half", "y")]
+    if order == "half_first":  # ((1 + erf) * 0.5) * x
+        return nodes + [mul("p", "half", "ph"), mul("ph", "x", "y")]
+    return nodes + [mul("x", "half", "hx"), mul("hx", "p", "y")]  # (x * 0.5) * (1 + erf), as in BERT
+
+
+def _gelu_model(nodes, consts=None, shape=(2, 3, 8), extra_outputs=()):
+    values = {"sqrt2": SQRT2, "inv_sqrt2": np.float32(1 / np.sqrt(2)), "one": 1.0, "half": 0.5, **(consts or {})}
+    inits = [numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in values.items()]
+    outputs = [tensor_info(n) for n in ("y", *extra_outputs)]
+    return make_model(nodes, [tensor_info("x", shape=list(shape))], outputs, inits).SerializeToString()
+
+
+@pytest.mark.parametrize("order", ["x_first", "half_first", "half_x_first"])
+@pytest.mark.parametrize("divide", [True, False])
+@pytest.mark.parametrize("swap", [False, True])
+def test_gelu_pattern_becomes_gelu_with_the_unfused_results(order, divide, swap):
+    nodes = _gelu_nodes(order, divide, swap)
+    sess = ort.InferenceSession(_gelu_model(nodes), providers=["cpu"])
+    assert _ops(sess) == ["Gelu"]
+    # Reading the Erf output as well keeps the node-by-node graph: the oracle.
+    unfused = ort.InferenceSession(_gelu_model(nodes, extra_outputs=["e"]), providers=["cpu"])
+    assert "Gelu" not in _ops(unfused)
+    x = np.random.default_rng(2).standard_normal((2, 3, 8)).astype(np.float32) * 4
+    want = 0.5 * x.astype(np.float64) * (1 + np.vectorize(math.erf)(x.astype(np.float64) / math.sqrt(2)))
+    got = sess.run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, unfused.run(None, {"x": x})[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("consts,shape", [
+    ({"half": 0.4999}, (2, 3, 8)),  # not GELU
+    ({"one": 2.0}, (2, 3, 8)),
+    ({"sqrt2": 1.41}, (2, 3, 8)),  # an approximate sqrt(2) is not this formula
+    ({"half": [[[0.5]]]}, (8,)),  # a size-1 constant of higher rank broadcasts the output up
+])
+def test_gelu_lookalikes_stay_unfused(consts, shape):
+    sess = ort.InferenceSession(_gelu_model(_gelu_nodes("x_first"), consts, shape), providers=["cpu"])
+    assert "Gelu" not in _ops(sess) and "Erf" in _ops(sess)
+
+
+def test_gelu_is_not_fused_when_an_intermediate_is_shared():
+    nodes = _gelu_nodes("half_x_first") + [helper.make_node("Neg", ["hx"], ["n"])]
+    assert "Gelu" not in _ops(ort.InferenceSession(_gelu_model(nodes, extra_outputs=["n"]), providers=["cpu"]))

@@ -364,3 +364,153 @@ def test_pooling_and_batch_norm_empty_batch():
     params = [constant(rand(3)) for _ in range(3)] + [constant(np.ones(3, np.float32))]
     run = kernel("BatchNormalization", {}, [x.shape] + [p.shape for p in params], opset=15)
     assert run(x, *params)[0].shape == x.shape
+
+
+# -- erf, Gelu, LayerNormalization, Softmax -------------------------------------------------------
+
+
+def onnx_reference(op, inputs, attrs, opset, n_outputs=1):
+    """One node through onnx's reference evaluator."""
+    from onnx import TensorProto, helper
+    from onnx.reference import ReferenceEvaluator
+
+    names = [f"in{i}" for i in range(len(inputs))]
+    outputs = [f"out{i}" for i in range(n_outputs)]
+    graph = helper.make_graph(
+        [helper.make_node(op, names, outputs, **attrs)], "g",
+        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(x.dtype), x.shape)
+         for n, x in zip(names, inputs)],
+        [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in outputs],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return ReferenceEvaluator(model).run(None, dict(zip(names, inputs)))
+
+
+def exact_erf(x):
+    return np.vectorize(math.erf, otypes=[np.float64])(np.asarray(x, np.float64))
+
+
+def test_float32_erf_is_within_two_ulps_of_one_everywhere():
+    from onnx_runtime_ep_cpu.ops.special import erf_float32
+
+    x = np.concatenate([np.linspace(-9, 9, 900_001), np.geomspace(1.2e-38, 9, 100_000),
+                        -np.geomspace(1.2e-38, 9, 1000), np.geomspace(9, 3e38, 1000)]).astype(np.float32)
+    want = exact_erf(x)
+    got = erf_float32(x)
+    assert got.dtype == np.float32
+    error = np.abs(got - want)
+    assert error.max() <= 2e-7
+    small = (np.abs(want) < 0.5) & (x != 0)  # relative accuracy where erf is small, down to the smallest normal
+    assert (error[small] / np.abs(want[small])).max() <= 4e-7
+    # erf(x / sqrt(2)) for Gelu, folded into the coefficients.
+    assert np.abs(erf_float32(x, scale=1 / math.sqrt(2)) - exact_erf(x.astype(np.float64) / math.sqrt(2))).max() <= 2e-7
+
+
+def test_float32_erf_special_values():
+    from onnx_runtime_ep_cpu.ops.special import erf_float32
+
+    subnormal = np.array([1e-45, 3e-45, 1e-40, -1e-39, 1.1e-38], np.float32)
+    np.testing.assert_allclose(erf_float32(subnormal), exact_erf(subnormal).astype(np.float32), rtol=0, atol=3e-45)
+    special = np.array([np.inf, -np.inf, 3.4e38, -3.4e38, 0.0, -0.0, np.nan], np.float32)
+    with np.errstate(all="raise", under="ignore"):  # no warnings escape for infinities or huge values
+        got = erf_float32(special)
+    np.testing.assert_array_equal(got, [1, -1, 1, -1, 0, 0, np.nan])
+    assert np.signbit(got[5]) and not np.signbit(got[4])
+    scalar = erf_float32(np.float32(0.5))
+    assert isinstance(scalar, np.ndarray) and scalar.shape == () and abs(scalar - math.erf(0.5)) < 1e-7
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_matches_its_formula(dtype, approximate):
+    huge = float(np.finfo(dtype).max) / 4
+    x = np.concatenate([np.linspace(-10, 10, 20001), [0, -0.0, 1e-30, 60, -60, huge, -huge]]).astype(dtype)
+    wide = x.astype(np.float64)
+    with np.errstate(over="ignore"):
+        if approximate == "none":
+            want = 0.5 * wide * (1 + exact_erf(wide / math.sqrt(2)))
+        else:
+            want = 0.5 * wide * (1 + np.tanh(math.sqrt(2 / math.pi) * (wide + 0.044715 * wide**3)))
+    with np.errstate(all="raise", under="ignore"):  # no warnings escape for huge |x|
+        got = kernel("Gelu", {"approximate": approximate}, [x.shape], opset=20)(x)[0]
+    assert got.dtype == dtype
+    tol = {np.float16: 1e-3, np.float32: 4e-7, np.float64: 1e-14}[dtype]
+    np.testing.assert_allclose(got, want.astype(dtype), rtol=tol, atol=tol)
+
+
+LAYER_NORM_CASES = [
+    # x shape, axis, scale/bias shape
+    ((2, 3, 7), -1, (7,)),
+    ((2, 3, 7), 1, (3, 7)),
+    ((5, 6), 0, (5, 6)),
+    ((3, 4, 5), -2, (1, 5)),  # parameters broadcast over the normalized axes
+    ((1, 3, 5), 1, (1, 3, 5)),
+]
+
+
+def layer_norm_reference(x, scale, bias, axis, epsilon):
+    """(Y, Mean, InvStdDev) in float64."""
+    axes = tuple(range(axis % x.ndim, x.ndim))
+    wide = x.astype(np.float64)
+    mean = wide.mean(axis=axes, keepdims=True)
+    inv_std = 1 / np.sqrt(((wide - mean) ** 2).mean(axis=axes, keepdims=True) + epsilon)
+    y = (wide - mean) * inv_std * scale
+    return (y if bias is None else y + bias), mean, inv_std
+
+
+@pytest.mark.parametrize("shape,axis,param_shape", LAYER_NORM_CASES)
+@pytest.mark.parametrize("dtype,stash", [(np.float32, 1), (np.float16, 1), (np.float64, 11), (np.float32, 11),
+                                         (np.float16, 10)])
+def test_layer_norm_paths(shape, axis, param_shape, dtype, stash):
+    # float32/float64 statistics take the row path (BLAS sums); float16 ones the generic reductions.
+    x = (rand(*shape) * 3 + 2).astype(dtype)
+    scale, bias = constant(rand(*param_shape, dtype=dtype)), constant(rand(*param_shape, dtype=dtype))
+    attrs = {"axis": axis, "epsilon": 1e-3, "stash_type": stash}
+    stash_dtype = {1: np.float32, 10: np.float16, 11: np.float64}[stash]
+    tol = 1e-2 if np.float16 in (dtype, stash_dtype) else 1e-5
+    for inputs in ([x, scale, bias], [x, scale]):
+        original = x.copy()
+        got = kernel("LayerNormalization", attrs, [i.shape for i in inputs], n_outputs=3)(*inputs)
+        np.testing.assert_array_equal(x, original)
+        assert [g.dtype for g in got] == [dtype, stash_dtype, stash_dtype]
+        want = layer_norm_reference(*inputs, *([None] if len(inputs) == 2 else []), axis, 1e-3)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(g.astype(np.float64), w, rtol=tol, atol=tol)
+        if stash == 1:  # onnx's reference implements only float32 statistics
+            y = onnx_reference("LayerNormalization", inputs, attrs, 17)[0]
+            np.testing.assert_allclose(got[0].astype(np.float64), y.astype(np.float64), rtol=tol, atol=tol)
+
+
+def test_layer_norm_on_a_strided_input_and_a_growing_scale():
+    x = rand(4, 6, 5).transpose(1, 0, 2)  # not contiguous
+    scale, bias = constant(rand(2, 1, 1, 5)), constant(rand(5))  # scale broadcasts x up a rank
+    got = kernel("LayerNormalization", {}, [x.shape, scale.shape, bias.shape])(x, scale, bias)[0]
+    want = onnx_reference("LayerNormalization", [x, scale, bias], {}, 17)[0]
+    assert got.shape == want.shape == (2, 6, 4, 5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape,axis", [((2, 3, 7), -1), ((2, 3, 7), 1), ((4, 5), 0), ((3, 1), -1), ((6,), 0),
+                                        ((2, 3, 2, 9), 2)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_softmax_against_the_reference(shape, axis, dtype):
+    x = (rand(*shape) * 20).astype(dtype)
+    got = kernel("Softmax", {"axis": axis}, [x.shape], opset=13)(x)[0]
+    want = onnx_reference("Softmax", [x], {"axis": axis}, 13)[0]
+    assert got.dtype == dtype
+    tol = 1e-3 if dtype == np.float16 else 1e-6
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_softmax_rows_with_nan_infinities_and_a_strided_input():
+    x = np.array([[1, np.nan, 2], [-np.inf, 0, 1], [np.inf, 0, 1], [-1e30, 1e30, 0], [-np.inf] * 3], np.float32)
+    with np.errstate(all="raise", under="ignore"):  # no warnings escape
+        got = kernel("Softmax", {"axis": -1}, [x.shape], opset=13)(x)[0]
+    # NaN, +inf and a fully masked row give NaN rows, as the spec's formula does.
+    assert np.isnan(got[0]).all() and np.isnan(got[2]).all() and np.isnan(got[4]).all()
+    np.testing.assert_allclose(got[1], [0, 1 / (1 + math.e), math.e / (1 + math.e)], rtol=1e-6)
+    np.testing.assert_array_equal(got[3], [0, 1, 0])
+    strided = rand(5, 8)[:, ::2]
+    np.testing.assert_allclose(kernel("Softmax", {}, [strided.shape], opset=13)(strided)[0],
+                               onnx_reference("Softmax", [strided], {}, 13)[0], rtol=1e-6)

@@ -8,9 +8,13 @@ intermediate read only inside the pattern) and leaves anything else alone:
 - RMS normalization: x * (1 / sqrt(mean(x^2, last axis) + eps)) * weight  ->  RMSNormalization (opset 23)
 - rotate-half rotary embedding: q * cos + concat(-q[..., h:], q[..., :h]) * sin  ->  RotateHalfEmbedding
 - SiLU: x * sigmoid(x)  ->  Swish (opset 24)
+- exact GELU: x * 0.5 * (1 + erf(x / sqrt(2))), in any Mul order, dividing by sqrt(2) or multiplying by
+  1 / sqrt(2)  ->  Gelu (opset 20)
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from onnx_runtime.ir import Graph, Node
@@ -175,6 +179,74 @@ def fuse_silu(graph: Graph, owns=None) -> bool:
     return False
 
 
+def _constant_of(view: _View, name: str, value: float, like: str) -> bool:
+    """Whether ``name`` is a constant ``value`` (rounded to its own dtype) that leaves ``like``'s shape
+    alone when broadcast against it (a scalar, or a size-1 array of no higher rank)."""
+    array = view.const(name)
+    if array is None or array.size != 1 or array.dtype.kind != "f" \
+            or array.reshape(-1)[0] != np.asarray(value, dtype=array.dtype):
+        return False
+    info = view.graph.type_of(like)
+    return array.ndim == 0 or (info is not None and info.shape is not None and array.ndim <= len(info.shape))
+
+
+def _gelu_input(view: _View, erf: Node) -> tuple[str, Node] | None:
+    """(x, the node computing x / sqrt(2)) when Erf reads x / sqrt(2) or x * (1 / sqrt(2))."""
+    scale = view.producer.get(erf.inputs[0])
+    if scale is None or scale.domain or len(scale.inputs) != 2:
+        return None
+    if scale.op_type == "Div" and _constant_of(view, scale.inputs[1], math.sqrt(2), scale.inputs[0]):
+        return scale.inputs[0], scale
+    if scale.op_type == "Mul":
+        for x, c in (scale.inputs, scale.inputs[::-1]):
+            if _constant_of(view, c, 1 / math.sqrt(2), x):
+                return x, scale
+    return None
+
+
+def _gelu_product(view: _View, x: str, mul: Node, factor: str) -> list[Node] | None:
+    """The two Muls forming x * 0.5 * (1 + erf) from ``mul`` = (1 + erf) * ``factor``, in the order they
+    run: (x * (1 + erf)) * 0.5, ((1 + erf) * 0.5) * x, or (x * 0.5) * (1 + erf)."""
+    if factor == x or _constant_of(view, factor, 0.5, x):
+        outer = view.only_consumer(mul.outputs[0], "Mul")
+        last = _other(outer, mul.outputs[0]) if outer else None
+        if last is None or not (_constant_of(view, last, 0.5, x) if factor == x else last == x):
+            return None
+        return [mul, outer]
+    half = view.made_by(factor, "Mul")
+    if half is None or view.only_consumer(factor, "Mul") is not mul or x not in half.inputs \
+            or not _constant_of(view, _other(half, x), 0.5, x):
+        return None
+    return [half, mul]
+
+
+def fuse_gelu(graph: Graph, owns=None) -> bool:
+    view = _View(graph)
+    for erf in list(graph.nodes):
+        if erf.op_type != "Erf" or erf.domain:
+            continue
+        found = _gelu_input(view, erf)
+        if found is None or view.only_consumer(erf.inputs[0], "Erf") is not erf:
+            continue
+        x, scale = found
+        add = view.only_consumer(erf.outputs[0], "Add")
+        if add is None or not _constant_of(view, _other(add, erf.outputs[0]), 1.0, x):
+            continue
+        mul = view.only_consumer(add.outputs[0], "Mul")
+        factor = _other(mul, add.outputs[0]) if mul else None
+        matched = _gelu_product(view, x, mul, factor) if factor else None
+        if matched is None:
+            continue
+        matched = [scale, erf, add, *matched]
+        if not _owned(owns, matched):
+            continue
+        fused = Node("Gelu", [x], list(matched[-1].outputs), name=f"{matched[-1].name}/gelu",
+                     attrs={"approximate": "none"}, opset=20)
+        _replace(graph, matched, fused)
+        return True
+    return False
+
+
 def _until_fixed(fuse):
     """A pass applying ``fuse`` until it finds nothing more (each call rewrites one match)."""
 
@@ -188,4 +260,4 @@ def _until_fixed(fuse):
     return graph_pass
 
 
-PASSES = [_until_fixed(f) for f in (fuse_rms_norm, fuse_rotate_half, fuse_silu)]
+PASSES = [_until_fixed(f) for f in (fuse_rms_norm, fuse_rotate_half, fuse_silu, fuse_gelu)]
