@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import onnx
+import onnx_runtime as ort
 import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
@@ -118,6 +120,29 @@ def test_conv_in_row_blocks(monkeypatch, x_shape, w_shape, attrs):
     check("Conv", [rand(*x_shape), rand(*w_shape), rand(w_shape[0])], attrs, 11)
 
 
+@pytest.mark.parametrize("pads,dilations,multiplier", [
+    ([1, 1, 1, 1], [1, 1], 1),  # output as wide as the input: rows without pads, straight into y
+    ([0, 2, 1, 0], [1, 2], 2),  # reads wrap only on the left, dilated columns
+    ([1, 0, 0, 1], [2, 1], 1),  # output narrower than the input: cropped
+    ([0, 3, 0, 3], [1, 1], 1),  # output wider than the input: the fully padded rows instead
+])
+def test_depthwise_stride_one_rows(pads, dilations, multiplier):
+    # Taps past a row's edge read the neighbouring row in the unpadded layout and must count as zeros.
+    x, w, b = rand(2, 3, 5, 6, low=1, high=2), rand(3 * multiplier, 1, 3, 3), rand(3 * multiplier)
+    check("Conv", [x, w, b], {"group": 3, "pads": pads, "dilations": dilations}, 11)
+
+
+@pytest.mark.parametrize("pads,dilations", [([1, 1, 1, 1], [1, 1]), ([0, 2, 2, 0], [1, 1]), ([2, 1, 2, 3], [2, 2])])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_conv_over_unpadded_rows(monkeypatch, pads, dilations, with_bias):
+    # Outputs as wide as the input: im2col from the unpadded rows, here a few output rows per block.
+    monkeypatch.setattr(nn, "_IM2COL_BYTES", 4 * 28 * 9 * 2)
+    x, w = rand(2, 3, 6, 9, low=1, high=2), rand(4, 3, 3, 3)
+    geo = nn._Window(Node("Conv", [], [], attrs={"pads": pads, "dilations": dilations}), [], needs_kernel=False)
+    assert nn._tight_fits(geo.resolve((6, 9), (3, 3)))
+    check("Conv", [x, w, rand(4) if with_bias else None], {"pads": pads, "dilations": dilations}, 11)
+
+
 def test_conv_bfloat16():
     import ml_dtypes
 
@@ -136,6 +161,117 @@ def test_conv_rejects_bad_attributes():
             ours("Conv", [rand(1, 2, 5, 5), rand(2, 2, 3, 3)], attrs, 11)
     with pytest.raises(InvalidArgumentError, match="channels"):
         ours("Conv", [rand(1, 3, 5, 5), rand(2, 2, 3, 3)], {}, 11)
+
+
+# -- fused convolutions (conv_fusions.py) --------------------------------------------------------
+
+X_SHAPE, Y_SHAPE = (1, 3, 6, 6), (1, 4, 6, 6)
+
+
+def _fusion_model(pattern: str, opset: int = 13):
+    """A Conv (or BatchNormalization) followed by ``pattern``'s nodes, as an onnx model."""
+    inits = {"w": rand(4, 3, 3, 3), "b": rand(4), "lo": np.array(-0.2, F32), "hi": np.array(0.3, F32),
+             "scale": rand(3), "shift": rand(3), "mean": rand(3), "var": rand(3, low=0.5, high=1.5)}
+    conv = helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1])
+    nodes, z_shape = {
+        "relu": ([conv, helper.make_node("Relu", ["c"], ["y"])], None),
+        "clip": ([conv, helper.make_node("Clip", ["c", "lo", "hi"], ["y"])], None),
+        "clip_max_only": ([conv, helper.make_node("Clip", ["c", "", "hi"], ["y"])], None),
+        "leaky_relu": ([conv, helper.make_node("LeakyRelu", ["c"], ["y"], alpha=0.2)], None),
+        "add_relu": ([conv, helper.make_node("Add", ["c", "z"], ["s"]), helper.make_node("Relu", ["s"], ["y"])],
+                     Y_SHAPE),
+        "sum_first_relu": ([conv, helper.make_node("Sum", ["z", "c"], ["s"]), helper.make_node("Relu", ["s"], ["y"])],
+                           Y_SHAPE),
+        "add_only": ([conv, helper.make_node("Add", ["c", "z"], ["y"])], Y_SHAPE),
+        "add_broadcasts_up": ([conv, helper.make_node("Add", ["c", "z"], ["s"]),
+                               helper.make_node("Relu", ["s"], ["y"])], (2, 4, 6, 6)),
+        "batchnorm_relu": ([helper.make_node("BatchNormalization", ["x", "scale", "shift", "mean", "var"], ["c"]),
+                            helper.make_node("Relu", ["c"], ["y"])], None),
+    }[pattern]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, X_SHAPE)]
+    if z_shape:
+        inputs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, z_shape))
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              initializer=[onnx.numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), z_shape
+
+
+def _run(model, feeds):
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session, session.run(None, feeds)
+
+
+def _pin_intermediates(model):
+    """The same model with every node output also a graph output, so that nothing can be fused."""
+    pinned = onnx.ModelProto()
+    pinned.CopyFrom(model)
+    for node in pinned.graph.node[:-1]:
+        pinned.graph.output.extend(helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in node.output)
+    return pinned
+
+
+@pytest.mark.parametrize("pattern", ["relu", "clip", "clip_max_only", "leaky_relu", "add_relu", "sum_first_relu",
+                                     "add_only", "add_broadcasts_up", "batchnorm_relu"])
+def test_fused_conv_equals_the_unfused_nodes(pattern):
+    model, z_shape = _fusion_model(pattern)
+    feeds = {"x": rand(*X_SHAPE)}
+    if z_shape:
+        feeds["z"] = rand(*z_shape)
+    originals = {k: v.copy() for k, v in feeds.items()}
+    session, (fused,) = _run(model, feeds)
+    op_types = [node.op_type for node in session.model.graph.nodes]
+    assert op_types == ["FusedBatchNormalization" if pattern == "batchnorm_relu" else "FusedConv"], op_types
+    unfused_session, unfused = _run(_pin_intermediates(model), feeds)
+    assert not any(n.op_type.startswith("Fused") for n in unfused_session.model.graph.nodes)
+    np.testing.assert_array_equal(fused, unfused[0])  # the same operations: bit-identical
+    for name, value in feeds.items():  # the residual is read, never written
+        np.testing.assert_array_equal(value, originals[name])
+
+
+def test_fusion_leaves_shared_values_and_computed_bounds_alone():
+    conv = helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1])
+    nodes = [conv, helper.make_node("Relu", ["c"], ["r"]), helper.make_node("Neg", ["c"], ["n"]),
+             helper.make_node("ReduceMax", ["n"], ["top"], keepdims=0),
+             helper.make_node("Conv", ["r", "w2"], ["c2"]), helper.make_node("Clip", ["c2", "", "top"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, X_SHAPE)],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y", "n")],
+        initializer=[onnx.numpy_helper.from_array(rand(3, 3, 3, 3), "w"),
+                     onnx.numpy_helper.from_array(rand(2, 3, 1, 1), "w2")])
+    session, _ = _run(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), {"x": rand(*X_SHAPE)})
+    # The first Conv's output is also read by Neg, and the Clip's bound is computed: neither fuses.
+    assert "FusedConv" not in [node.op_type for node in session.model.graph.nodes]
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+@pytest.mark.parametrize("activation,params", [("Relu", []), ("LeakyRelu", [0.3]), ("Clip", [-0.5, 0.25])])
+def test_fused_batchnorm_equals_batchnorm_then_activation(dtype, activation, params):
+    x = rand(2, 5, 4, 3, dtype=dtype)
+    stats = [rand(5, dtype=dtype), rand(5, dtype=dtype), rand(5, dtype=dtype), rand(5, dtype=dtype, low=0.5, high=2)]
+    node = Node("FusedBatchNormalization", ["x", "s", "b", "m", "v"], ["y"], name="f",
+                attrs={"epsilon": 1e-3, "activation": activation, "activation_params": params}, opset=1)
+    (fused,) = nn.fused_batch_normalization(node, [None] * 5, 1)(x, *stats)
+    (normalized,) = ours("BatchNormalization", [x, *stats], {"epsilon": 1e-3}, 15)
+    act_inputs = [normalized] + ([np.array(p, dtype) for p in params] if activation == "Clip" else [])
+    act_attrs = {"alpha": params[0]} if activation == "LeakyRelu" else {}
+    (expected,) = ours(activation, act_inputs, act_attrs, 13)
+    np.testing.assert_array_equal(fused, expected)
+
+
+def test_fusion_leaves_a_first_listed_providers_nodes_alone():
+    # The sample device provider runs Relu and Add: listed first, it keeps them, so nothing is fused.
+    model, _ = _fusion_model("add_relu")
+    session = ort.InferenceSession(model.SerializeToString(),
+                                   providers=["SampleDeviceExecutionProvider", "CPUExecutionProvider"])
+    conv, add, relu = session.model.graph.nodes
+    assert (conv.op_type, add.op_type, relu.op_type) == ("Conv", "Add", "Relu")
+    assert session.placement().as_dict()[relu.name] == "SampleDeviceExecutionProvider"
+
+
+def test_fused_activation_rejects_an_unknown_kind():
+    node = Node("FusedConv", ["x", "w"], ["y"], name="f", attrs={"activation": "Tanh"}, opset=1)
+    with pytest.raises(InvalidGraphError, match="activation"):
+        nn.fused_conv(node, [None, None], 1)
 
 
 # -- ConvTranspose -------------------------------------------------------------------------------

@@ -186,3 +186,60 @@ def test_profiling_totals_per_operator_and_the_written_file(two_output_model, tm
     plain = ort.InferenceSession(two_output_model.SerializeToString(), providers=["cpu"])
     with pytest.raises(InvalidArgumentError, match="profiling is off"):
         plain.profile_summary()
+
+
+# -- the CPU memory arena (SessionOptions.enable_cpu_mem_arena) -----------------------------------
+
+
+def _arena_of(model, **settings):
+    options = ort.SessionOptions()
+    for key, value in settings.items():
+        setattr(options, key, value)
+    sess = ort.InferenceSession(model.SerializeToString(), options, providers=["cpu"])
+    return sess.provider_handle("cpu").provider.memory_arena
+
+
+@pytest.fixture
+def fresh_arena(monkeypatch):
+    """The arena module as if no session had applied it yet (mallopt itself is faked per test)."""
+    from onnx_runtime_ep_cpu import arena
+
+    monkeypatch.setattr(arena, "_status", None)
+    return arena
+
+
+def test_the_arena_option_reaches_the_cpu_provider(chain_model):
+    import platform
+
+    status = _arena_of(chain_model)
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert status.applied and "MiB" in status.reason
+    else:
+        assert not status.applied and "not glibc" in status.reason
+    off = _arena_of(chain_model, enable_cpu_mem_arena=False)
+    assert not off.applied and "enable_cpu_mem_arena is off" in off.reason
+
+
+def test_the_arena_raises_both_malloc_thresholds_once(fresh_arena):
+    calls = []
+
+    def mallopt(param, value):
+        calls.append((param, value))
+        return 1
+
+    status = fresh_arena.apply_arena_settings({}, load=lambda: (mallopt, ""))  # on by default, as onnxruntime
+    assert status.applied
+    assert calls == [(-3, fresh_arena.MMAP_THRESHOLD), (-1, fresh_arena.TRIM_THRESHOLD)]
+    assert fresh_arena.apply_arena_settings({"session.enable_cpu_mem_arena": "1"}, load=lambda: (mallopt, "")) \
+        is status
+    assert len(calls) == 2  # process-wide: applied by the first session only
+    off = fresh_arena.apply_arena_settings({"session.enable_cpu_mem_arena": "0"}, load=lambda: (mallopt, ""))
+    assert not off.applied and "earlier session's arena stays" in off.reason
+
+
+def test_the_arena_is_declined_with_a_reason(fresh_arena):
+    status = fresh_arena.apply_arena_settings({}, load=lambda: (None, "the C library is not glibc (Darwin, unknown)"))
+    assert not status.applied and "not glibc" in status.reason
+    refused = fresh_arena.apply_arena_settings({}, load=lambda: (lambda param, value: 0, ""))
+    assert not refused.applied and "refused" in refused.reason
+    assert fresh_arena._status is None  # nothing was applied, so a later session tries again

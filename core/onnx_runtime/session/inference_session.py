@@ -98,11 +98,13 @@ def _resolve_providers(providers, provider_options) -> list[tuple[str, dict]]:
 
 def session_config(options: SessionOptions) -> dict[str, str]:
     """The session-wide settings providers may honour (``initialize``'s ``session_config``): thread
-    counts and determinism under onnxruntime's config-key names, plus every config entry."""
+    counts, determinism and the CPU memory arena under onnxruntime's config-key names, plus every
+    config entry."""
     config = {
         "session.intra_op_num_threads": str(int(options.intra_op_num_threads)),
         "session.inter_op_num_threads": str(int(options.inter_op_num_threads)),
         "session.use_deterministic_compute": "1" if options.use_deterministic_compute else "0",
+        "session.enable_cpu_mem_arena": "1" if options.enable_cpu_mem_arena else "0",
     }
     config.update(options.config())
     return config

@@ -2,7 +2,8 @@
 
 Host memory, copies, fences and allocation counters are the contract's defaults, which are exactly
 right for the host; this provider adds what is CPU-specific: which operators it runs and their
-kernels, chosen from the opset-versioned registry.
+kernels, chosen from the opset-versioned registry, its graph fusions, and the CPU memory arena
+(see arena.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from onnx_runtime import KernelMatch, hookimpl
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from . import ops  # noqa: F401  (fills the registry)
+from .arena import apply_arena_settings
+from .conv_fusions import CONV_PASSES
 from .fusions import PASSES
 from .registry import NEEDS, lookup, registered_versions
 from .threads import apply_thread_settings
@@ -19,6 +22,7 @@ from .threads import apply_thread_settings
 class CPUExecutionProvider:
     def __init__(self):
         self._handle = None
+        self.memory_arena = None  # ArenaStatus: whether malloc keeps freed buffers for reuse, and why
 
     @hookimpl
     def initialize(self, options, handle, session_config):
@@ -28,6 +32,7 @@ class CPUExecutionProvider:
             )
         self._handle = handle
         apply_thread_settings(session_config)
+        self.memory_arena = apply_arena_settings(session_config)
 
     @hookimpl
     def name(self):
@@ -55,7 +60,7 @@ class CPUExecutionProvider:
 
     @hookimpl
     def custom_passes(self):
-        return list(PASSES)
+        return [*PASSES, *CONV_PASSES]
 
     @hookimpl
     def get_kernel(self, node, shapes, opset, graph):

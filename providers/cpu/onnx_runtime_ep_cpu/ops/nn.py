@@ -1,12 +1,15 @@
 """Neural-network kernels: convolution, pooling, normalization, softmax family, dropout, Gelu.
 
 Sliding-window ops share :class:`_Window` (attribute parsing and validation) and :class:`_Geometry`
-(pads and output size resolved for one input shape). Convolution picks a path by shape: a plain
-matmul for 1x1 kernels, per-channel matmuls over cache-sized blocks for depthwise kernels, one
-matmul per kernel tap when there are few output channels, Winograd F(2x2, 3x3) for wide 3x3
-layers, and otherwise im2col (one strided copy per block of output rows, then a batched matmul);
-weights rearranged for a path are kept while the same constant arrays come in. Pooling folds the
-unpadded input one spatial dim at a time, so Python only loops over the (few) kernel taps.
+(pads and output size resolved for one input shape). Convolution picks a path once per input
+signature: a plain matmul for 1x1 kernels, per-channel matmuls over cache-sized blocks for
+depthwise kernels, one matmul per kernel tap when there are few output channels, Winograd
+F(2x2, 3x3) for wide 3x3 layers, im2col over the unpadded image rows when a stride-1 output is as
+wide as its input, and otherwise im2col (one strided copy per block of output rows, then a batched
+matmul); weights rearranged for a path are kept while the same constant arrays come in. FusedConv
+and FusedBatchNormalization (see conv_fusions.py) add a residual and an activation in place.
+Pooling folds the unpadded input one spatial dim at a time, so Python only loops over the (few)
+kernel taps.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 from onnx_runtime.windows import WindowAttributes
 
+from ..fusions import FUSED_DOMAIN
 from ..registry import register
-from .special import erf_float64
+from .special import erf_float32, erf_float64
 
 # -- shared helpers ------------------------------------------------------------------------------
 
@@ -71,6 +75,16 @@ def _stash_dtype(node) -> np.dtype:
     return dtype.numpy
 
 
+def _view(array: np.ndarray, shape, strides) -> np.ndarray:
+    """A read-only view of ``array``'s memory with the given shape and strides: ``as_strided``,
+    without its few microseconds of overhead when ``array`` can export its buffer directly."""
+    if not array.flags.c_contiguous:
+        return as_strided(array, shape, strides, writeable=False)
+    view = np.ndarray(shape, array.dtype, array, 0, strides)
+    view.flags.writeable = False
+    return view
+
+
 # -- sliding-window geometry ---------------------------------------------------------------------
 
 
@@ -91,25 +105,30 @@ class _Geometry:
             for o, s, k, d, n, b in zip(out, strides, kernel, dilations, in_shape, begin)
         )
         self._divisors: dict = {}
-
-    @property
-    def unpadded(self) -> bool:
-        return not any(self.begin) and not any(self.reach)
+        self.unpadded = not any(begin) and not any(self.reach)
+        # Index tuples of the padded array, over any leading dims: the input's place and the border
+        # slabs (filled after the input, corners included), those of the exact padded shape and
+        # those of a larger buffer, whose end slabs reach past the declared pads.
+        rank = len(in_shape)
+        self._inner = (Ellipsis, *(slice(b, b + n) for b, n in zip(begin, in_shape)))
+        slabs = []  # (index, whether the exact padded shape has it)
+        for i, (b, n, r) in enumerate(zip(begin, in_shape, self.reach)):
+            rest = (slice(None),) * (rank - 1 - i)
+            if b:
+                slabs.append(((Ellipsis, slice(0, b), *rest), True))
+            slabs.append(((Ellipsis, slice(b + n, None), *rest), r > 0))
+        self._borders = [index for index, exact in slabs if exact]
+        self._borders_to_end = [index for index, _ in slabs]
 
     def pad(self, x: np.ndarray, value, out: np.ndarray | None = None) -> np.ndarray:
         """``x`` with its trailing spatial dims padded by ``value`` (only the borders are filled),
-        written into ``out`` when given."""
+        written into ``out`` when given (which may be larger than the padded shape)."""
         if self.unpadded and out is None:
             return x
-        rank = len(self.in_shape)
-        lead = x.ndim - rank
         xp = np.empty(self.padded_shape(x.shape), dtype=x.dtype) if out is None else out
-        inner = tuple(slice(b, b + n) for b, n in zip(self.begin, self.in_shape))
-        xp[(Ellipsis, *inner)] = x
-        for i, (b, n) in enumerate(zip(self.begin, self.in_shape)):
-            before = (slice(None),) * (lead + i)
-            xp[(*before, slice(0, b))] = value
-            xp[(*before, slice(b + n, None))] = value
+        xp[self._inner] = x
+        for border in self._borders if out is None else self._borders_to_end:
+            xp[border] = value
         return xp
 
     def padded_shape(self, shape) -> tuple[int, ...]:
@@ -148,7 +167,7 @@ class _Geometry:
             + tuple(st * d for st, d in zip(spatial, self.dilations))
             + tuple(st * s for st, s in zip(spatial, self.strides))
         )
-        return as_strided(xp, xp.shape[:lead] + self.kernel + self.out, strides, writeable=False)
+        return _view(xp, xp.shape[:lead] + self.kernel + self.out, strides)
 
     def tap_counts(self, include_pad: bool) -> np.ndarray | None:
         """How many taps of each output window land on counted positions, or None if all of them do.
@@ -372,6 +391,37 @@ def _conv_im2col(x, weights, geo: _Geometry, group: int, with_bias: bool) -> np.
     return y
 
 
+def _tight_fits(geo: _Geometry) -> bool:
+    """Whether a stride-1 2-D window's output is exactly as wide as its input (e.g. 'same' pads):
+    its taps are then contiguous runs of _tight_rows computed straight into the output."""
+    return _rows_fit(geo) and geo.out[1] == geo.in_shape[1]
+
+
+def _conv_tight_rows(x, weights, geo: _Geometry, with_bias: bool) -> np.ndarray:
+    """Stride-1 2-D convolution (one group) as im2col over _tight_rows: each (channel, tap) row
+    of the column matrix is one contiguous copy of a whole block of output rows, instead of one
+    short copy per output row from the strided window view, and the matmul writes y directly."""
+    n, c = x.shape[:2]
+    m, depth = weights.shape[1], weights.shape[2]
+    source, run, wrapped = _tap_source(x, geo)
+    (oh, width), taps = run, c * math.prod(geo.kernel)
+    rows = max(1, min(oh, _IM2COL_BYTES // max(1, x.itemsize * depth * width)))
+    buffer = np.empty((depth, rows * width), dtype=x.dtype)
+    if with_bias:
+        buffer[-1] = 1
+    y = np.empty((n, m, oh, width), dtype=x.dtype)
+    for image in range(n):
+        for start in range(0, oh, rows):
+            count = min(rows, oh - start)
+            cols = buffer[:, : count * width]
+            tap_cols = cols[:taps].reshape(c, *geo.kernel, count, width, copy=False)
+            np.copyto(tap_cols, source[image, :, :, :, start:start + count])
+            for j, first, end in wrapped:
+                tap_cols[:, :, j, :, first:end] = 0
+            np.matmul(weights[0], cols, out=y[image, :, start:start + count].reshape(m, -1, copy=False))
+    return y
+
+
 def _conv_pointwise(x, weights, group: int, with_bias: bool) -> np.ndarray:
     """1x1 convolution without pads or strides: the input pixels are already the column matrix.
     A bias rides on a row of ones when that copy of the input is cheaper than a pass over the output."""
@@ -457,39 +507,86 @@ def _conv_by_taps(x, taps, b, geo: _Geometry) -> np.ndarray:
 _DEPTHWISE_BYTES = 1 << 19
 
 
+def _tight_rows(x: np.ndarray, geo: _Geometry) -> np.ndarray:
+    """Each channel's image as one row of input-wide lines with zero lines above and below, (N, C, size).
+
+    For a stride-1 2-D window whose output is at most as wide as the input, tap (i, j) of output
+    line r, column q reads the run at offset ``i*dh*W + j*dw`` plus ``r*W + q``: copying x in is one
+    contiguous run per channel. A read left or right of the image wraps into the neighbouring
+    line instead of a pad; the column matrix zeroes those reads (see _wrapped_columns).
+    """
+    n, c = x.shape[:2]
+    h, w = geo.in_shape
+    (kh, kw), (dh, dw) = geo.kernel, geo.dilations
+    size = (kh - 1) * dh * w + (kw - 1) * dw + geo.out[0] * w
+    first = geo.begin[1] + geo.begin[0] * w  # where input pixel (0, 0) lands
+    flat = np.empty((n, c, size), dtype=x.dtype)
+    flat[:, :, :first] = 0
+    flat[:, :, first:first + h * w] = x.reshape(n, c, h * w)
+    flat[:, :, first + h * w:] = 0
+    return flat
+
+
+def _wrapped_columns(geo: _Geometry) -> list[tuple[int, int, int]]:
+    """(kernel column j, first, end): the output columns whose tap in kernel column j falls left
+    or right of the image in the layout of _tight_rows."""
+    w, ow, bw, dw = geo.in_shape[1], geo.out[1], geo.begin[1], geo.dilations[1]
+    spans = []
+    for j in range(geo.kernel[1]):
+        left, right = min(ow, bw - j * dw), max(0, w + bw - j * dw)
+        spans += [(j, 0, left)] if left > 0 else []
+        spans += [(j, right, ow)] if right < ow else []
+    return spans
+
+
+def _tap_source(x: np.ndarray, geo: _Geometry):
+    """The taps of every output as a read-only (N, C, *kernel, *run) view, the run's shape, and the
+    (kernel column, first, end) columns to zero after copying it.
+
+    Stride-1 2-D windows no wider than the input read runs of _tight_rows (no crop when the output
+    is as wide as the input); other stride-1 2-D windows read the fully padded rows of
+    _padded_rows (cropped at the end); any other window reads the strided window view.
+    """
+    if _rows_fit(geo) and geo.out[1] <= geo.in_shape[1]:
+        flat, width, wrapped = _tight_rows(x, geo), geo.in_shape[1], _wrapped_columns(geo)
+    elif _rows_fit(geo):
+        flat, width, wrapped = _padded_rows(x, geo), _padded_width(geo), []
+    else:
+        return geo.windows(geo.pad(x, 0)), geo.out, []
+    (dh, dw), item, run = geo.dilations, flat.itemsize, (geo.out[0], width)
+    view = _view(flat, (*flat.shape[:2], *geo.kernel, *run),
+                 flat.strides[:2] + (dh * width * item, dw * item, width * item, item))
+    return view, run, wrapped
+
+
 def _conv_depthwise(x, weights, geo: _Geometry, with_bias: bool) -> np.ndarray:
     """Convolution with one input channel per group: per channel, a (multiplier, K) matmul over its
     K kernel taps, for a cache-sized block of channels at a time (one batched matmul over all the
     channels would stream a column matrix K times the input through memory).
 
-    Stride-1 2-D windows take their taps as shifted runs of the padded rows, copied as long
-    contiguous rows (the columns past the output width are dropped at the end); other windows
-    copy the taps out of the strided window view.
+    Stride-1 2-D windows copy their taps as long contiguous runs of the flattened rows (see
+    _tap_source); outputs computed on a grid wider than the output are cropped at the end.
     """
     n, c = x.shape[:2]
     multiplier, depth = weights.shape[1:]
     taps = math.prod(geo.kernel)
-    if _rows_fit(geo):
-        flat = _padded_rows(x, geo)
-        (dh, dw), item, run = geo.dilations, flat.itemsize, (geo.out[0] * _padded_width(geo),)
-        source = as_strided(flat, (n, c, *geo.kernel, *run),
-                            flat.strides[:2] + (dh * _padded_width(geo) * item, dw * item, item), writeable=False)
-    else:
-        source, run = geo.windows(geo.pad(x, 0)), geo.out
+    source, run, wrapped = _tap_source(x, geo)
     length = math.prod(run)
     block = max(1, min(c, _DEPTHWISE_BYTES // max(1, depth * length * x.itemsize)))
     cols = np.empty((block, depth, length), dtype=x.dtype)
     if with_bias:
         cols[:, taps] = 1
     y = np.empty((n, c * multiplier, *geo.out), dtype=x.dtype)
-    # Stride-1 rows go through a buffer and are cropped; other results land straight in y.
-    rows = np.empty((c, multiplier, length), dtype=x.dtype) if _rows_fit(geo) else None
+    rows = np.empty((c, multiplier, length), dtype=x.dtype) if tuple(run) != geo.out else None
     for image in range(n):
         target = rows if rows is not None else y[image].reshape(c, multiplier, length, copy=False)
         for start in range(0, c, block):
             stop = min(c, start + block)
             part = cols[: stop - start]
-            np.copyto(part[:, :taps].reshape(stop - start, *geo.kernel, *run, copy=False), source[image, start:stop])
+            tap_cols = part[:, :taps].reshape(stop - start, *geo.kernel, *run, copy=False)
+            np.copyto(tap_cols, source[image, start:stop])
+            for j, first, end in wrapped:
+                tap_cols[:, :, j, :, first:end] = 0
             np.matmul(weights[start:stop], part, out=target[start:stop])
         if rows is not None:
             _crop_rows(rows.reshape(-1, length), geo, y[image])
@@ -523,7 +620,7 @@ def _conv_winograd(x, u, b, geo: _Geometry) -> np.ndarray:
     # Padded to whole tiles: past the declared pads the extra rows/columns are zeros.
     xp = geo.pad(x, 0, out=np.empty((n, c, 2 * th + 2, 2 * tw + 2), dtype=x.dtype))
     sn, sc, sh, sw = xp.strides
-    tiles = as_strided(xp, (4, 4, c, n, th, tw), (sh, sw, sc, sn, 2 * sh, 2 * sw), writeable=False)
+    tiles = _view(xp, (4, 4, c, n, th, tw), (sh, sw, sc, sn, 2 * sh, 2 * sw))
     d = np.empty((16, c * n * th * tw), dtype=x.dtype)
     np.copyto(d.reshape(4, 4, c, n, th, tw), tiles)
     v = np.matmul(_WINOGRAD_BT.astype(x.dtype), d).reshape(16, c, n * th * tw)
@@ -564,27 +661,102 @@ def conv(node, shapes, opset):
     window = _Window(node, shapes, needs_kernel=False)
     group = _group(node)
     prepared = _Prepared()
+    paths: dict[tuple, object] = {}  # per input signature: the path, with its geometry resolved
 
     def kernel(x, w, b=None):
-        _check_channels(node, x.shape[1], w.shape, group, transpose=False)
-        geo = window.resolve(x.shape[2:], w.shape[2:])
-        dtype = _compute_dtype(x.dtype)
-        xc = x.astype(dtype, copy=False)
-        n, c, m = x.shape[0], x.shape[1], w.shape[0]
-        if group == c and group > 1:
-            weights = prepared.get("grouped", (w, b), lambda: _grouped_weights(w, b, group, dtype))
-            y = _conv_depthwise(xc, weights, geo, b is not None)
-        elif _use_taps(geo, group, c, m):
-            y = _conv_by_taps(xc, prepared.get("taps", (w,), lambda: _tap_weights(w, dtype)), b, geo)
-        elif _use_winograd(geo, group, c, m) and not w.flags.writeable:  # its weight transform is done once
-            y = _conv_winograd(xc, prepared.get("winograd", (w,), lambda: _winograd_weights(w, dtype)), b, geo)
-        else:
-            weights = prepared.get("grouped", (w, b), lambda: _grouped_weights(w, b, group, dtype))
-            if all(k == 1 for k in geo.kernel) and geo.unpadded and all(s == 1 for s in geo.strides):
-                y = _conv_pointwise(xc, weights, group, b is not None)
-            else:
-                y = _conv_im2col(xc, weights, geo, group, b is not None)
-        return (y.reshape(n, m, *geo.out).astype(x.dtype, copy=False),)
+        key = (x.shape, w.shape, x.dtype, b is None, w.flags.writeable)
+        path = paths.get(key)
+        if path is None:
+            _check_channels(node, x.shape[1], w.shape, group, transpose=False)
+            path = paths[key] = _conv_path(window.resolve(x.shape[2:], w.shape[2:]), group, x, w, prepared)
+        return (path(x, w, b),)
+
+    return kernel
+
+
+def _conv_path(geo: _Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: _Prepared):
+    """``path(x, w, b) -> y`` for inputs shaped like ``x`` and ``w``: the convolution algorithm for
+    this geometry, chosen once per input signature."""
+    dtype = _compute_dtype(x.dtype)
+    n, c, m = x.shape[0], x.shape[1], w.shape[0]
+    out_shape = (n, m, *geo.out)
+
+    def grouped(w, b):
+        return prepared.get("grouped", (w, b), lambda: _grouped_weights(w, b, group, dtype))
+
+    if group == c and group > 1:
+        def compute(xc, w, b):
+            return _conv_depthwise(xc, grouped(w, b), geo, b is not None)
+    elif _use_taps(geo, group, c, m):
+        def compute(xc, w, b):
+            return _conv_by_taps(xc, prepared.get("taps", (w,), lambda: _tap_weights(w, dtype)), b, geo)
+    elif _use_winograd(geo, group, c, m) and not w.flags.writeable:  # its weight transform is done once
+        def compute(xc, w, b):
+            return _conv_winograd(xc, prepared.get("winograd", (w,), lambda: _winograd_weights(w, dtype)), b, geo)
+    elif all(k == 1 for k in geo.kernel) and geo.unpadded and all(s == 1 for s in geo.strides):
+        def compute(xc, w, b):
+            return _conv_pointwise(xc, grouped(w, b), group, b is not None)
+    elif group == 1 and _tight_fits(geo):
+        def compute(xc, w, b):
+            return _conv_tight_rows(xc, grouped(w, b), geo, b is not None)
+    else:
+        def compute(xc, w, b):
+            return _conv_im2col(xc, grouped(w, b), geo, group, b is not None)
+
+    def path(x, w, b):
+        return compute(x.astype(dtype, copy=False), w, b).reshape(out_shape).astype(x.dtype, copy=False)
+
+    return path
+
+
+# -- fused activations (conv_fusions.py) -----------------------------------------------------------
+
+
+def _in_place_activation(node):
+    """The activation a fused node applies to its own fresh output, in place: the same operations
+    (on the same dtype) as the Relu/Clip/LeakyRelu kernel it replaces, or None without one."""
+    kind = node.attr("activation")
+    params = [float(p) for p in node.attr("activation_params", [])]
+    if kind is None:
+        return None
+    if kind == "Relu":
+        return lambda y: np.maximum(y, y.dtype.type(0), out=y)
+    if kind == "LeakyRelu":
+        return lambda y: np.multiply(y, y.dtype.type(params[0]), out=y, where=y < 0)
+    if kind == "Clip":
+        low, high = params
+
+        def clip(y):
+            # max-then-min, as Clip: `high` wins where low > high, and NaN stays NaN.
+            if low != -math.inf:
+                np.maximum(y, y.dtype.type(low), out=y)
+            if high != math.inf:
+                np.minimum(y, y.dtype.type(high), out=y)
+
+        return clip
+    raise _graph_error(node, "activation", f"is {kind!r}; expected Relu, Clip or LeakyRelu")
+
+
+def _add_residual(y: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """y + z, into ``y`` when the sum keeps its shape and dtype (the common residual connection)."""
+    if z.shape == y.shape and z.dtype == y.dtype:
+        return np.add(y, z, out=y)
+    return np.add(y, z)
+
+
+@register("FusedConv", domain=FUSED_DOMAIN, since=1)
+def fused_conv(node, shapes, opset):
+    """Conv (the node's Conv attributes), then an optional residual ``z`` added and an activation."""
+    conv_kernel = conv(node, shapes, opset)
+    activate = _in_place_activation(node)
+
+    def kernel(x, w, b=None, z=None):
+        (y,) = conv_kernel(x, w, b)  # always a fresh array, so it may be overwritten
+        if z is not None:
+            y = _add_residual(y, z)
+        if activate is not None:
+            activate(y)
+        return (y,)
 
     return kernel
 
@@ -866,6 +1038,20 @@ def _batch_norm_kernel(node, training: bool, spatial: bool):
     return kernel
 
 
+@register("FusedBatchNormalization", domain=FUSED_DOMAIN, since=1)
+def fused_batch_normalization(node, shapes, opset):
+    """Inference BatchNormalization, then an activation in place on its fresh output."""
+    normalize = _batch_norm_kernel(node, training=False, spatial=True)
+    activate = _in_place_activation(node)
+
+    def kernel(x, scale, bias, mean, var):
+        (y,) = normalize(x, scale, bias, mean, var)[:1]
+        activate(y)
+        return (y,)
+
+    return kernel
+
+
 def _lists_training_outputs(node) -> bool:
     return any(node.outputs[1:])
 
@@ -910,6 +1096,32 @@ def instance_normalization(node, shapes, opset):
     return kernel
 
 
+def _broadcasts_into(shape: tuple, target: tuple) -> bool:
+    """Whether an operand of ``shape`` broadcasts onto ``target`` without growing it (in-place safe)."""
+    return len(shape) <= len(target) and all(d in (1, t) for d, t in zip(reversed(shape), reversed(target)))
+
+
+def _row_sums(rows: np.ndarray) -> np.ndarray:
+    """Sums of a 2-D array's rows as a column: a BLAS matrix-vector product, several times faster than
+    numpy's reduction over short contiguous rows."""
+    return rows @ np.ones((rows.shape[1], 1), dtype=rows.dtype)
+
+
+def _standardize_rows(rows: np.ndarray, epsilon: float):
+    """:func:`_standardize` over the rows of a 2-D float32/float64 array, in place on one fresh array:
+    BLAS for the sums, no squared temporary."""
+    count = rows.shape[1]
+    mean = _row_sums(rows)
+    mean /= count
+    centered = np.subtract(rows, mean)
+    var = np.einsum("ij,ij->i", centered, centered)[:, None]
+    var /= count
+    var += rows.dtype.type(epsilon)
+    inv_std = np.reciprocal(np.sqrt(var, out=var), out=var)
+    centered *= inv_std
+    return centered, mean, inv_std
+
+
 @register("LayerNormalization", since=17)
 def layer_normalization(node, shapes, opset):
     epsilon = float(node.attr("epsilon", 1e-5))
@@ -918,13 +1130,20 @@ def layer_normalization(node, shapes, opset):
     n_outputs = len(node.outputs)
 
     def kernel(x, scale, bias=None):
-        axes = tuple(range(_normalize_axis(node, axis, x.ndim), x.ndim))
-        normalized, mean, inv_std = _standardize(x.astype(stash), axes, epsilon)
+        start = _normalize_axis(node, axis, x.ndim)
+        stats_shape = x.shape[:start] + (1,) * (x.ndim - start)
+        xs = x.astype(stash, copy=False)
+        if stash in (np.float32, np.float64):
+            rows = xs.reshape(math.prod(x.shape[:start]), math.prod(x.shape[start:]))
+            normalized, mean, inv_std = _standardize_rows(rows, epsilon)
+        else:  # half-precision statistics, as the spec computes them (numpy has no BLAS for them)
+            normalized, mean, inv_std = _standardize(xs, tuple(range(start, x.ndim)), epsilon)
         # Scale and shift happen in x's precision, after casting back (the spec's second stage).
-        y = normalized.astype(x.dtype) * scale
-        if bias is not None:
-            y += bias
-        return (y.astype(x.dtype, copy=False), mean, inv_std)[:n_outputs]
+        y = normalized.astype(x.dtype, copy=False).reshape(x.shape)
+        for param, apply in ((scale, np.multiply), (bias, np.add)):
+            if param is not None:
+                y = apply(y, param, out=y) if _broadcasts_into(param.shape, y.shape) else apply(y, param)
+        return (y.astype(x.dtype, copy=False), mean.reshape(stats_shape), inv_std.reshape(stats_shape))[:n_outputs]
 
     return kernel
 
@@ -1050,8 +1269,17 @@ def flatten(node, shapes, opset):
 
 
 def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    e = np.exp(x - x.max(axis=axis, keepdims=True))
-    e /= e.sum(axis=axis, keepdims=True)
+    """Softmax in four passes over x: subtract the maximum into a fresh array, then exp, sum and
+    scale in place. fmax ignores NaN where maximum is slow propagating it; a NaN still spreads over
+    its row through the sum."""
+    with np.errstate(invalid="ignore"):  # a row of -inf (fully masked) gives NaN, as the spec's formula does
+        e = np.subtract(x, np.fmax.reduce(x, axis=axis, keepdims=True))
+    np.exp(e, out=e)
+    if axis == x.ndim - 1 and e.flags.c_contiguous:
+        total = _row_sums(e.reshape(-1, x.shape[-1])).reshape(x.shape[:-1] + (1,))
+    else:
+        total = e.sum(axis=axis, keepdims=True)
+    e *= np.reciprocal(total, out=total)
     return e
 
 
@@ -1117,19 +1345,42 @@ def hardmax_13(node, shapes, opset):
 # -- Gelu ----------------------------------------------------------------------------------------
 
 
+def _gelu_erf(x: np.ndarray) -> np.ndarray:
+    """0.5 * x * (1 + erf(x / sqrt(2))); below float64, in float32 and in place on erf's fresh result."""
+    if x.dtype == np.float64:
+        return 0.5 * x * (1 + erf_float64(x / math.sqrt(2)))
+    xc = _upcast(x)
+    y = erf_float32(xc, scale=1 / math.sqrt(2))
+    y += np.float32(1)
+    y *= xc
+    y *= np.float32(0.5)
+    return y
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))), in place over one fresh array."""
+    xc = _upcast(x)
+    dtype = xc.dtype.type
+    y = np.square(xc, out=np.empty_like(xc))
+    y *= dtype(math.sqrt(2 / math.pi) * 0.044715)
+    y += dtype(math.sqrt(2 / math.pi))
+    y *= xc
+    np.tanh(y, out=y)
+    y += dtype(1)
+    y *= xc
+    y *= dtype(0.5)
+    return y
+
+
 @register("Gelu", since=20)
 def gelu(node, shapes, opset):
     approximate = node.attr("approximate", "none")
     if approximate not in ("none", "tanh"):
         raise _graph_error(node, "approximate", f"is {approximate!r}; expected 'none' or 'tanh'")
+    fn = _gelu_erf if approximate == "none" else _gelu_tanh
 
-    def exact(x):
-        xd = x.astype(np.float64)
-        return ((0.5 * xd * (1 + erf_float64(xd / math.sqrt(2)))).astype(x.dtype, copy=False),)
+    def kernel(x):
+        with np.errstate(over="ignore", invalid="ignore"):  # huge |x| overflows; -inf * 0 is NaN as specified
+            return (fn(x).astype(x.dtype, copy=False),)
 
-    def tanh(x):
-        xc = _upcast(x)
-        inner = math.sqrt(2 / math.pi) * (xc + 0.044715 * xc**3)
-        return ((0.5 * xc * (1 + np.tanh(inner))).astype(x.dtype, copy=False),)
-
-    return exact if approximate == "none" else tanh
+    return kernel

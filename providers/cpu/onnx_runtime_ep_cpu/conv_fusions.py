@@ -1,0 +1,143 @@
+"""The CPU provider's convolution fusions: an activation (and a residual Add before it) folded into
+the Conv or inference BatchNormalization that produces its input.
+
+CNN exporters write ``Conv -> Relu`` and ``Conv -> Add(residual) -> Relu`` as separate nodes; each
+then reads and writes a whole feature map and allocates a new one. Fused, the Conv's fresh output
+takes the residual and the activation in place (see ``FusedConv`` in ops/nn.py), as onnxruntime's
+FusedConv does. The results are the same values: the same float operations run in the same order.
+
+- Conv [-> Add/Sum(other)] [-> Relu | Clip(constant bounds) | LeakyRelu]  ->  FusedConv
+- BatchNormalization (inference) -> Relu | Clip | LeakyRelu  ->  FusedBatchNormalization
+"""
+
+from __future__ import annotations
+
+import math
+
+from onnx_runtime.ir import Graph, Node
+from onnx_runtime.optimizer.rewrite import Uses, constant, remove_nodes
+
+from .fusions import FUSED_DOMAIN
+
+ACTIVATIONS = ("Relu", "Clip", "LeakyRelu")
+
+
+def _plain(node: Node | None, *op_types: str) -> bool:
+    return node is not None and node.op_type in op_types and node.domain in ("", "ai.onnx")
+
+
+def activation_params(graph: Graph, node: Node) -> list[float] | None:
+    """The constant parameters of an activation node, or None when they are not constants."""
+    if node.op_type == "Relu":
+        return []
+    if node.op_type == "LeakyRelu":
+        return [float(node.attr("alpha", 0.01))]
+    if node.opset < 11:  # Clip-1/6: bounds are attributes
+        return [float(node.attr("min", -math.inf)), float(node.attr("max", math.inf))]
+    bounds = []
+    for index, default in ((1, -math.inf), (2, math.inf)):
+        name = node.inputs[index] if len(node.inputs) > index else ""
+        value = constant(graph, name)
+        if name and (value is None or value.size != 1):
+            return None
+        bounds.append(float(value.reshape(-1)[0]) if name else default)
+    return bounds
+
+
+def _is_inference_batchnorm(node: Node) -> bool:
+    if node.opset >= 14 and node.attr("training_mode", 0):
+        return False
+    if node.opset < 9 and not node.attr("spatial", 1):
+        return False  # per-activation statistics: the kernel's general path, not worth a fused op
+    return len(node.inputs) == 5 and not any(node.outputs[1:])
+
+
+def _residual_add(node: Node | None) -> bool:
+    """An elementwise sum of two values with numpy broadcasting (Add-1/6 broadcast differently)."""
+    if _plain(node, "Sum"):
+        return len(node.inputs) == 2
+    return _plain(node, "Add") and node.opset >= 7
+
+
+class _Matcher:
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.uses = Uses(graph)
+        self.producer = graph.producers()
+
+    def feeds_only(self, name: str, reader: Node) -> Node | None:
+        """The producer of ``name`` when ``reader`` is the only thing that reads it."""
+        return self.producer.get(name) if self.uses.only_reader(name) is reader else None
+
+    def conv_into(self, add: Node) -> tuple[Node, str] | None:
+        """A Conv feeding one side of ``add`` (read nowhere else), and the other side."""
+        a, b = add.inputs
+        for mine, other in ((a, b), (b, a)):
+            conv = self.feeds_only(mine, add)
+            if _plain(conv, "Conv") and mine != other and other:
+                return conv, other
+        return None
+
+    def match(self, node: Node):
+        """(the nodes replaced, the fused node) for a pattern ending at ``node``, or None."""
+        params, residual, add = [], "", None
+        if _plain(node, *ACTIVATIONS):
+            params = activation_params(self.graph, node)
+            source = self.feeds_only(node.inputs[0], node) if params is not None else None
+            if _plain(source, "BatchNormalization") and _is_inference_batchnorm(source):
+                return [source, node], self._fused("FusedBatchNormalization", source, node, params)
+            if _residual_add(source) and self.conv_into(source) is not None:
+                add, source = source, None
+        elif _residual_add(node) and not self._activation_follows(node):
+            add, source = node, None
+        else:
+            return None
+        if add is not None:
+            found = self.conv_into(add)
+            if found is None:
+                return None
+            source, residual = found
+        if not _plain(source, "Conv"):
+            return None
+        matched = list(dict.fromkeys(n for n in (source, add, node) if n is not None))  # node may be the add
+        return matched, self._fused("FusedConv", source, node, params, residual)
+
+    def _activation_follows(self, add: Node) -> bool:
+        reader = self.uses.only_reader(add.outputs[0])
+        return _plain(reader, *ACTIVATIONS) and activation_params(self.graph, reader) is not None
+
+    def _fused(self, op_type: str, source: Node, last: Node, params: list[float], residual: str = "") -> Node:
+        attrs = dict(source.attrs)
+        if _plain(last, *ACTIVATIONS):
+            attrs.update(activation=last.op_type, activation_params=params)
+        inputs = list(source.inputs)
+        if residual:
+            inputs += [""] * (3 - len(inputs)) + [residual]  # Conv's optional bias keeps its place
+        return Node(op_type, inputs, list(last.outputs), name=f"{last.name or source.name}/fused",
+                    domain=FUSED_DOMAIN, attrs=attrs, opset=1)
+
+
+def fuse_conv_activations(graph: Graph, owns=None) -> bool:
+    """Fold activations and residual Adds into the Conv/BatchNormalization before them."""
+    matcher = _Matcher(graph)
+    removed: list[Node] = []
+    replaced: dict[int, Node] = {}
+    taken: set[int] = set()
+    for node in list(graph.nodes):
+        found = matcher.match(node)
+        if found is None:
+            continue
+        nodes, fused = found
+        if any(id(n) in taken for n in nodes) or (owns is not None and not all(owns(n) for n in nodes)):
+            continue
+        taken.update(id(n) for n in nodes)
+        replaced[id(node)] = fused
+        removed += [n for n in nodes if n is not node]
+    if not replaced:
+        return False
+    graph.nodes = [replaced.get(id(n), n) for n in graph.nodes]
+    remove_nodes(graph, removed)  # the fused node sits where the last one was; the session re-sorts
+    return True
+
+
+CONV_PASSES = [fuse_conv_activations]
