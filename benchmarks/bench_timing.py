@@ -1,4 +1,5 @@
-"""Fair timing of several runtimes in one process: warm up each, then alternate them round by round."""
+"""Fair timing of several runtimes in one process: warm up each, then alternate them, run by run
+(``alternating``) or in blocks of consecutive runs separated by a pause (``in_blocks``)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,34 @@ def alternating(runners: dict[str, Callable[[], object]], repeat: int, warmup: i
             start = time.perf_counter()
             runners[name]()
             times[name].append(time.perf_counter() - start)
+    return times
+
+
+def in_blocks(runners: dict[str, Callable[[], object]], repeat: int, warmup: int = 3, block: int = 5,
+              pause: float = 0.3) -> dict[str, list[float]]:
+    """Seconds per call of each runner: ``repeat`` timed calls each, in blocks of ``block`` consecutive
+    calls, the runtimes taking turns block by block (order rotating), ``pause`` seconds apart.
+
+    Thread pools keep their workers spinning for a while after a call (OpenBLAS's, onnxruntime's with
+    its default ``allow_spinning``), which speeds up a runtime's next call and slows down whatever else
+    runs meanwhile. Within a block each runtime runs as it does for a user calling it in a loop, pools
+    warm; the pause lets the pools go idle before another runtime's block, so none pays for another's
+    spinning. The first call of each block is untimed (the pool wakes up there).
+    """
+    names = list(runners)
+    for _ in range(warmup):
+        for name in names:
+            runners[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(-(-repeat // block)):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            time.sleep(pause)
+            runners[name]()
+            for _ in range(min(block, repeat - len(times[name]))):
+                start = time.perf_counter()
+                runners[name]()
+                times[name].append(time.perf_counter() - start)
     return times
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 from bench_models import CNN_NAMES, BenchModel, Unavailable, catalogue
-from bench_timing import alternating, geomean, median, timed
+from bench_timing import alternating, geomean, in_blocks, median, timed
 
 # Targets for ours/onnxruntime (lower is better).
 TARGETS = {"cnn": 2.0, "prefill": 1.25, "decode": 1.25}
@@ -60,17 +60,14 @@ def make_ours(path: str):
     return onnx_runtime.InferenceSession(path, providers=["CPUExecutionProvider"])
 
 
-def make_ort(path: str, threads: int | None, spin: bool = False):
+def make_ort(path: str, threads: int | None):
+    """onnxruntime as users run it: its default settings (thread spinning included), plus --threads."""
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3  # the light CNNs carry unused initializers onnxruntime warns about
     if threads is not None:
         options.intra_op_num_threads = threads
-    if not spin:
-        # With spinning on, onnxruntime's idle workers keep busy-waiting after each of its runs and
-        # take the cores from the runtime measured next in the alternation.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
 
@@ -176,7 +173,7 @@ def measure(model: BenchModel, args) -> Result:
     result.agree = check_logits(result, args.threads) and result.agree
     runners = {"ours": lambda: ours.run(None, feeds), "ort": lambda: ort.run(None, feeds)}
     runners.update(measure_reference(result, args.reference, args.reference_cap, ort_outputs))
-    times = alternating(runners, args.repeat, warmup=args.warmup)
+    times = in_blocks(runners, args.repeat, warmup=args.warmup, block=args.block, pause=args.pause)
     result.ours, result.ort = median(times["ours"]), median(times["ort"])
     if "reference" in times:
         result.reference = f"{median(times['reference']) * 1e3:.2f}"
@@ -195,7 +192,7 @@ def verdict(value: float, target: float | None) -> str:
 def print_report(results: list[Result], skipped: list[tuple[str, str]]) -> None:
     header = (f"{'model':<20}{'nodes':>6}{'ours ms':>11}{'ort ms':>10}{'ratio':>8}  {'target':<13}"
               f"{'ref ms':>10}  {'max|diff|':>9}  {'logits rel':>10}  check")
-    print("\nlatency (median of alternating runs; ratio = ours / onnxruntime)")
+    print("\nlatency (median over alternating blocks of runs; ratio = ours / onnxruntime)")
     print(header)
     print("-" * len(header))
     for r in results:
@@ -256,6 +253,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                          f"({', '.join(sorted(GROUPS))}); default: all")
     parser.add_argument("--repeat", type=int, default=20, help="timed runs per runtime (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs per runtime first (default 3, min 3)")
+    parser.add_argument("--block", type=int, default=5, help="consecutive timed runs per turn (default 5)")
+    parser.add_argument("--pause", type=float, default=0.3,
+                        help="seconds between turns, for thread pools to go idle (default 0.3)")
     parser.add_argument("--create-repeat", type=int, default=5, help="timed session creations (default 5)")
     parser.add_argument("--threads", type=int, help="onnxruntime intra_op_num_threads (default: its own default)")
     parser.add_argument("--reference", choices=("auto", "all", "none"), default="auto",
