@@ -227,6 +227,13 @@ def test_declined_configurations_fall_back_with_reasons():
     assert "head sizes up to 256" in decline(*big)
     assert "of one type" in decline(q.astype(np.float16), k, v)
     assert "not int64" in decline(q, k, v, np.zeros((1, 4), np.int64))
+    assert "not a scalar" in decline(q, k, v, np.array(0.5, np.float32))
+
+
+def test_no_keys_give_zeros():
+    q, k, v = qkv(1, 2, 2, 3, 0, 8)
+    (y,) = attention(q, k, v)
+    assert y.shape == (1, 2, 3, 8) and not y.any()
 
 
 def test_declined_node_still_runs_on_the_cpu():

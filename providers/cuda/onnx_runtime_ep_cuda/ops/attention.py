@@ -2,7 +2,7 @@
 
 One kernel computes softmax(Q K^T * scale [softcap] + bias) V without materializing the scores: the causal
 frontier (aligned bottom-right with past_key), the opset-25 sliding windows, attn_mask (bool, or float of
-any of the three float types; broadcast from rank 0-4; a short last dim masks the trailing keys), the
+any of the three float types; broadcast from rank 1-4; a short last dim masks the trailing keys), the
 external-cache lengths of nonpad_kv_seqlen (opset 24) and grouped-query heads. 3-D (B, S, H * D) and 4-D
 (B, H, S, D) inputs differ only in the strides passed. past_key/past_value are read in place; present_key/
 present_value are written by a separate copy kernel only when the node asks for them.
@@ -91,6 +91,9 @@ def _check(node, shapes, dtypes):
         return "Attention with 3-D Q/K/V needs the attributes q_num_heads and kv_num_heads"
     if _given(node.inputs, 3) and len(shapes) > 3 and shapes[3] is not None and len(shapes[3]) > 4:
         return f"Attention's attn_mask has rank {len(shapes[3])}; at most 4 broadcasts over (B, H, Sq, Skv)"
+    if _given(node.inputs, 3) and len(shapes) > 3 and shapes[3] is not None and len(shapes[3]) == 0:
+        # The kernel reads a mask along the keys (a shorter one masks the rest); a scalar broadcasts instead.
+        return f"{NAME} takes Attention's attn_mask of rank 1 to 4, not a scalar (it runs on CPUExecutionProvider)"
     q, k = shapes[0], shapes[1]
     if _known(q) and _known(k) and len(q) == len(k):
         q_heads, kv_heads = (q[1], k[1]) if len(q) == 4 else (node.attr("q_num_heads"), node.attr("kv_num_heads"))
