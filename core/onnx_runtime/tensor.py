@@ -15,19 +15,21 @@ from __future__ import annotations
 import numpy as np
 
 from .contract.buffers import DeviceBuffer, Ownership
-from .devices import DeviceId, TensorLayout
+from .devices import DEFAULT_LAYOUT, DeviceId, TensorLayout
 from .dtypes import DataType, checked_numel
 from .errors import InvalidArgumentError, NotSupportedError, ShapeOverflowError
 from .host import host_allocator
 from .provider_handle import ProviderHandle
 
 _DLPACK_CPU = 1
+_MAX_BYTES = int(np.iinfo(np.intp).max)
+DEFAULT_ALIGNMENT = DEFAULT_LAYOUT.alignment
 
 
 def _buffer_bytes(dtype: DataType, shape) -> int:
     numel = checked_numel(shape)
     nbytes = numel * dtype.numpy.itemsize
-    if nbytes > np.iinfo(np.intp).max:
+    if nbytes > _MAX_BYTES:
         raise ShapeOverflowError(
             f"shape {tuple(shape)} of {dtype.name} needs {nbytes} bytes, more than the address space"
         )
@@ -62,8 +64,13 @@ class Tensor:
                 raise InvalidArgumentError("string tensors live on the host; create them without a device provider")
             return cls(dtype, shape, None, allocator, strings=np.full(shape, "", dtype=object))
         nbytes = _buffer_bytes(dtype, shape)
-        buffer = allocator.allocate(max(nbytes, 1), TensorLayout.default().alignment)
-        return cls(dtype, shape, buffer, allocator)
+        buffer = allocator.allocate(max(nbytes, 1), DEFAULT_ALIGNMENT)
+        # Fields set directly: dtype and shape are checked above, and device kernels create a tensor per
+        # output per call.
+        tensor = cls.__new__(cls)
+        tensor.dtype, tensor.shape, tensor.layout = dtype, shape, DEFAULT_LAYOUT
+        tensor._buffer, tensor._allocator, tensor._guard, tensor._strings = buffer, allocator, None, None
+        return tensor
 
     @classmethod
     def zeros(cls, dtype, shape, provider: ProviderHandle | None = None) -> Tensor:
