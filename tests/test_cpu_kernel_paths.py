@@ -514,3 +514,28 @@ def test_softmax_rows_with_nan_infinities_and_a_strided_input():
     strided = rand(5, 8)[:, ::2]
     np.testing.assert_allclose(kernel("Softmax", {}, [strided.shape], opset=13)(strided)[0],
                                onnx_reference("Softmax", [strided], {}, 13)[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [((1, 1, 6), (6, 5)), ((3, 6), (6, 5)), ((6,), (6, 5)),
+                                             ((2, 3, 6), (2, 6, 4)), ((6,), (6,)), ((3, 6), (6,))])
+@pytest.mark.parametrize("dtypes", [(np.float32, np.float32), (np.float64, np.float64), (np.float16, np.float16),
+                                    (np.float32, np.float64), (np.int32, np.int32)])
+def test_matmul_fast_and_general_paths(a_shape, b_shape, dtypes):
+    a, b = (rand(*a_shape) * 4).astype(dtypes[0]), constant((rand(*b_shape) * 4).astype(dtypes[1]))
+    got = kernel("MatMul", {}, [a.shape, b.shape], opset=13)(a, b)[0]
+    want = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    assert isinstance(got, np.ndarray) and got.dtype == a.dtype and got.shape == want.shape
+    tol = 1e-2 if np.float16 in dtypes else 1e-5
+    np.testing.assert_allclose(got.astype(np.float64), want if a.dtype.kind == "f" else want.astype(a.dtype), rtol=tol,
+                               atol=tol)
+
+
+@pytest.mark.parametrize("shape,axis,sizes", [((2, 10), -1, [3, 7]), ((4, 3, 5), 0, [1, 0, 3]),
+                                              ((1, 1, 12), 2, [4, 4, 4])])
+def test_split_returns_views_cut_at_the_sizes(shape, axis, sizes):
+    x = constant(rand(*shape))
+    parts = kernel("Split", {"axis": axis}, [x.shape, (len(sizes),)], n_outputs=len(sizes), opset=13)(
+        x, np.array(sizes, np.int64))
+    for got, want in zip(parts, np.split(x, np.cumsum(sizes)[:-1], axis=axis), strict=True):
+        assert got.shape == want.shape and np.shares_memory(got, x) == (got.size > 0)
+        np.testing.assert_array_equal(got, want)

@@ -20,10 +20,20 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.matmul(a.astype(dtype, copy=False), b.astype(dtype, copy=False))
 
 
+_BLAS_FLOATS = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+
+
 @register("MatMul", since=1)
 def matmul(node, shapes, opset):
-    # asarray: two 1-D inputs make np.matmul return a numpy scalar, and kernels return arrays.
-    return lambda a, b: (np.asarray(_matmul(a, b)).astype(a.dtype, copy=False),)
+    def kernel(a, b):
+        # Single and double precision go straight to BLAS: the per-call checks below cost as much as
+        # the product of a small decode-step matrix.
+        if a.dtype is b.dtype and a.dtype in _BLAS_FLOATS and b.ndim > 1:
+            return (np.matmul(a, b),)
+        # asarray: two 1-D inputs make np.matmul return a numpy scalar, and kernels return arrays.
+        return (np.asarray(_matmul(a, b)).astype(a.dtype, copy=False),)
+
+    return kernel
 
 
 def _scale(y: np.ndarray, factor: float) -> np.ndarray:
