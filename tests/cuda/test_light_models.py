@@ -2,9 +2,8 @@
 the CPU provider. Their weights are constant, so the final Softmax is uniform whatever the convolutions
 computed: the Softmax's input (the logits) is exposed as an extra output and compared too.
 
-The simulator executes kernels on the CPU: it runs every model but vgg19 (20 GFLOP, minutes there),
-whose layers are the same Conv/MaxPool/Gemm kernels at other sizes; the real driver
-(scripts/gpu_check.sh) runs all nine."""
+The simulator executes kernels on the CPU: 5-20 s per model on two cores, vgg19 (20 GFLOP) a few
+minutes. The real driver (scripts/gpu_check.sh) runs them in well under a second each."""
 
 from __future__ import annotations
 
@@ -18,10 +17,6 @@ from cuda_op_harness import CUDA, CUDA_FIRST, random
 from model_helpers import LIGHT_DIR, LIGHT_MODELS
 
 pytestmark = pytest.mark.usefixtures("cuda_driver_mode")
-REAL = os.environ.get("ONNX_RUNTIME_CUDA_TESTS", "").lower() == "real"  # as conftest.py selects the driver
-
-# 5-20 s each on the simulator (2 cores).
-TOO_SLOW_TO_SIMULATE = {"light_vgg19"}
 
 
 def _with_logits(path: str) -> bytes:
@@ -39,8 +34,6 @@ def test_light_model_runs_entirely_on_cuda(name):
     session = ort.InferenceSession(model, providers=CUDA_FIRST)
     off = {(n.op_type, n.rejected.get(CUDA)) for n in session.placement() if n.provider != CUDA}
     assert not off
-    if not REAL and name in TOO_SLOW_TO_SIMULATE:
-        pytest.skip("placement checked; running it takes minutes on the simulator (scripts/gpu_check.sh runs it)")
     (arg,) = session.get_inputs()
     feeds = {arg.name: random(arg.shape, seed=3)}
     expected = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
