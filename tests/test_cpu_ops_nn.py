@@ -323,6 +323,9 @@ POOL_CASES = [
     ((1, 2, 4, 5, 6), {"kernel_shape": [2, 2, 3], "strides": [2, 1, 2], "pads": [0, 1, 1, 1, 0, 1]}),
     ((1, 2, 5, 6), {"kernel_shape": [1, 1], "strides": [2, 2]}),
     ((1, 2, 5, 6), {"kernel_shape": [1, 1]}),
+    # Stride-1 windows wider than the pads reach: border outputs of the flat folds with 3 and 1 taps inside.
+    ((2, 3, 5, 6), {"kernel_shape": [5, 4], "pads": [2, 2, 2, 1]}),
+    ((1, 2, 3, 1), {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}),
 ]
 
 
@@ -340,6 +343,10 @@ def test_max_pool(x_shape, attrs):
 ])
 def test_max_pool_indices(x_shape, attrs, storage_order):
     check("MaxPool", [rand(*x_shape)], {**attrs, "storage_order": storage_order}, 12, n_outputs=2)
+
+
+def test_max_pool_dilated_borders():
+    check("MaxPool", [rand(1, 2, 7, 8)], {"kernel_shape": [3, 3], "pads": [2, 2, 2, 2], "dilations": [2, 2]}, 12)
 
 
 def test_max_pool_old_opset_dilations_and_int8():
@@ -421,6 +428,19 @@ def test_batch_normalization_inference(opset, attrs, shape):
     inputs = _bn_inputs(shape)
     expected = reference("BatchNormalization", inputs, {"epsilon": attrs.get("epsilon", 1e-5)}, 15)
     check("BatchNormalization", inputs, attrs, opset, expected=expected)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (1, 2, 40, 33), (3, 4)])
+def test_fused_batchnorm_relu_special_values(shape):
+    # The same values as BatchNormalization then Relu, NaN and infinities included.
+    x, *stats = _bn_inputs(shape)
+    x.flat[:4] = [np.nan, np.inf, -np.inf, 0.0]
+    node = Node("FusedBatchNormalization", ["x", "s", "b", "m", "v"], ["y"], name="f",
+                attrs={"activation": "Relu"}, opset=1)
+    (fused,) = nn.fused_batch_normalization(node, [None] * 5, 1)(x, *stats)
+    (normalized,) = ours("BatchNormalization", [x, *stats], {}, 15)
+    np.testing.assert_array_equal(fused, np.maximum(normalized, 0))
+    assert np.isnan(fused.flat[0]) and (fused >= 0).sum() == fused.size - 1
 
 
 def test_batch_normalization_half_and_training():

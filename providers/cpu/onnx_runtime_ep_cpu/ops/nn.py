@@ -272,11 +272,11 @@ def _fold_flat(y, axis, k, s, d, o, b, combine, identity) -> np.ndarray:
     for j in [*range(min(first_inner, o)), *range(max(last_inner + 1, first_inner, 0), o)]:
         inside = [j * s + off for off in offsets if 0 <= j * s + off < n]
         border = result[(*before, j)]
-        if not inside:
-            border.fill(identity)
+        if len(inside) < 2:
+            border[...] = y[(*before, inside[0])] if inside else identity
             continue
-        border[...] = y[(*before, inside[0])]
-        for r in inside[1:]:
+        combine(y[(*before, inside[0])], y[(*before, inside[1])], out=border)  # no separate copy pass
+        for r in inside[2:]:
             combine(border, y[(*before, r)], out=border)
     return result
 
