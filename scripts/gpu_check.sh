@@ -81,7 +81,7 @@ limited "$TEST_LIMIT" "$PY" -m pytest -v -p no:cacheprovider -rfE ${per_test[@]+
     --ignore=tests/cuda/test_simulator.py tests/cuda/test_device_memory.py tests/cuda/test_device_graphs.py \
     tests/cuda/test_validation.py tests/cuda/test_decode.py tests/cuda/test_capture_models.py \
     tests/cuda/test_ops_attention.py tests/cuda/test_ops_linalg.py tests/cuda/test_ops_conv.py \
-    tests/cuda/test_light_models.py tests/cuda/test_ops_channel_norm.py tests/cuda/test_ops_data.py \
+    tests/cuda/test_light_models_cuda.py tests/cuda/test_ops_channel_norm.py tests/cuda/test_ops_data.py \
     tests/cuda >"$LOGS/tests.log" 2>&1
 test_status=$?
 grep -E "^(FAILED|ERROR) " "$LOGS/tests.log" | head -n 60
