@@ -33,6 +33,7 @@ from .devices import DeviceId, DeviceType, TensorLayout
 from .discovery import get_all_providers, get_available_providers, register_provider, unregister_provider
 from .dtypes import DataType
 from .errors import OnnxRuntimeError
+from .ort_value import OrtValue
 from .provider_handle import ProviderHandle
 from .session import (
     ExecutionMode,
@@ -43,6 +44,7 @@ from .session import (
     RunOptions,
     SessionOptions,
 )
+from .session.io_binding import IOBinding
 from .tensor import Tensor
 
 __version__ = "0.1.0"
@@ -57,8 +59,8 @@ __all__ = [
     "ArgmaxTieBreak", "Availability", "CaptureRegionShapeStatus", "DataType", "DeviceBuffer",
     "DeviceGraphOwner", "DeviceGraphSlot", "DeviceGraphToken", "DeviceId", "DeviceType",
     "DeviceValidationOwner", "DeviceValidationRegistration", "DeviceValidationToken", "EpContext",
-    "ExecutionMode", "Fence", "GraphOptimizationLevel", "InferenceSession", "KernelMatch",
-    "ModelMetadata", "NodeArg", "OnnxRuntimeError", "Ownership", "ProviderHandle", "RunOptions",
+    "ExecutionMode", "Fence", "GraphOptimizationLevel", "InferenceSession", "IOBinding", "KernelMatch",
+    "ModelMetadata", "NodeArg", "OnnxRuntimeError", "OrtValue", "Ownership", "ProviderHandle", "RunOptions",
     "SessionOptions", "StructuralCaptureDecline", "Tensor", "TensorLayout", "contract", "errors",
     "get_all_providers", "get_available_providers", "get_device", "hookimpl", "register_provider",
     "unregister_provider",

@@ -22,6 +22,11 @@ Per signature of the feeds (names, shapes, dtypes):
    replayed once for this run's outputs.
 3. Later runs copy the feeds into the persistent inputs, replay, and download the persistent outputs.
 
+IO-bound runs (:meth:`DeviceGraphRunner.run_plan`) may feed Tensors already on the device: those are not
+copied into persistent inputs but captured where they are, so their addresses are part of the signature
+(a bound buffer whose address stays the same replays; another address is another signature). Outputs the
+binding keeps on the device are handed out as device copies of the arena's, which the next replay rewrites.
+
 A run that cannot be captured runs eagerly and says why in :attr:`DeviceGraphRunner.status` (the
 session's ``device_graph_status()``); a capture that fails (a kernel synchronizing with the host, say)
 is abandoned for that signature, with the error as the reason. At most ``MAX_GRAPHS`` signatures keep a
@@ -189,6 +194,19 @@ class _Region:
     node_steps: list = field(default_factory=list)
     uploads: list[tuple[str, int]] = field(default_factory=list)  # (feed name, device slot)
     downloads: dict[int, int] = field(default_factory=dict)  # host output slot -> device slot
+    kept: set[int] = field(default_factory=set)  # output slots returned on the device (IO binding)
+
+
+@dataclass(eq=False)
+class _Run:
+    """One run's plan, feeds and output conversion (the executor's), as the runner passes them along."""
+
+    plan: object
+    feeds: dict
+    convert: object
+
+    def eager(self, executor) -> list:
+        return executor.run_plan(self.plan, self.feeds, None, self.convert)
 
 
 @dataclass(eq=False)
@@ -213,7 +231,7 @@ class DeviceGraphRunner:
         self.status = "eager: no run yet"
         self.captures = 0
         self.replays = 0
-        self._regions: dict[tuple[str, ...], _Region] = {}
+        self._regions: dict[tuple, _Region] = {}  # plan key (output names, or IO binding's) -> region
         self._bound: set[str] = set()
         self._derived: set[str] = set()  # values whose shapes follow from resolved inputs and constants
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
@@ -221,10 +239,10 @@ class DeviceGraphRunner:
         self._handles: dict[int, ProviderHandle] = {}  # the handles the arena server is registered on
 
     # -- eligibility --------------------------------------------------------------------------------
-    def _region(self, output_names: tuple[str, ...]) -> _Region:
-        region = self._regions.get(output_names)
+    def _region(self, plan_key, plan) -> _Region:
+        region = self._regions.get(plan_key)
         if region is None:
-            region = self._regions[output_names] = self._analyze(self.executor.plan(output_names))
+            region = self._regions[plan_key] = self._analyze(plan)
         return region
 
     def _analyze(self, plan) -> _Region:
@@ -276,6 +294,8 @@ class DeviceGraphRunner:
                 return _Region(f"{step.provider}: a device value is read on the host during the run")
         if region.handle is None:
             return _Region("no node runs on a device provider")
+        produced = {slot for step in region.node_steps for slot in step.outputs}
+        region.kept = {slot for slot in plan.output_slots if slot in produced}
         if not any(region.handle.implements(hook) for hook in _GRAPH_HOOKS):
             return _Region(f"{region.handle.name} does not implement device graphs (begin_owned_device_graph_capture)")
         return region
@@ -315,34 +335,46 @@ class DeviceGraphRunner:
     # -- running ------------------------------------------------------------------------------------
     def run(self, feeds: dict, output_names: tuple[str, ...]) -> list | None:
         """This run's outputs through a device graph, or None when it must run eagerly (see ``status``)."""
-        region = self._region(output_names)
+        return self.run_plan(feeds, output_names, self.executor.plan(output_names), _to_host)
+
+    def run_plan(self, feeds: dict, plan_key, plan, convert) -> list | None:
+        """:meth:`run` for any of the executor's plans (``plan_key`` names it); ``convert`` is the executor's
+        conversion of output values, used for outputs that pass straight through."""
+        region = self._region(plan_key, plan)
         if region.reason:
             self.status = f"eager: {region.reason}"
             return None
-        if any(not isinstance(value, np.ndarray) for value in feeds.values()):
-            self.status = "eager: a feed is not a tensor"
-            return None
-        key = (output_names, tuple(sorted((name, value.shape, value.dtype.str) for name, value in feeds.items())))
+        signature = []
+        for name, value in feeds.items():
+            if isinstance(value, np.ndarray):
+                signature.append((name, value.shape, value.dtype.str))
+            elif isinstance(value, Tensor) and name in plan.device_feeds:
+                signature.append((name, value.shape, value.dtype.name, value.device_ptr))  # captured in place
+            else:
+                self.status = "eager: a feed is not a tensor"
+                return None
+        key = (plan_key, tuple(sorted(signature)))
+        run = _Run(plan, feeds, convert)
         entry = self._entries.get(key)
         if entry is None:
-            return self._size(key, region, feeds, output_names)
+            return self._size(key, region, run)
         self._entries.move_to_end(key)
         if entry.failure:
             self.status = f"eager: {entry.failure}"
             return None
         if entry.token is None:
-            return self._capture(entry, region, feeds, output_names)
+            return self._capture(entry, region, run)
         if not region.handle.hook.has_owned_device_graph(token=entry.token):
             self._drop(key)  # reset out of band (e.g. by the provider): capture these shapes afresh
-            return self._size(key, region, feeds, output_names)
-        return self._replay(entry, region, feeds, output_names)
+            return self._size(key, region, run)
+        return self._replay(entry, region, run)
 
-    def _size(self, key, region: _Region, feeds: dict, output_names) -> list:
+    def _size(self, key, region: _Region, run: _Run) -> list:
         self._attach(region.handle)
         recorder = _AllocationRecorder()
         region.handle.pm.register(recorder, name=f"device-graph-sizing-{id(recorder)}")
         try:
-            outputs = self.executor.run_eager(feeds, output_names)
+            outputs = run.eager(self.executor)
         finally:
             region.handle.pm.unregister(recorder)
         self._entries[key] = _Entry(DeviceGraphOwner.new(), recorder.layout.top)
@@ -356,9 +388,9 @@ class DeviceGraphRunner:
             handle.pm.register(self._server, name=f"device-graph-arena-{id(self)}")
             self._handles[id(handle)] = handle
 
-    def _capture(self, entry: _Entry, region: _Region, feeds: dict, output_names) -> list:
+    def _capture(self, entry: _Entry, region: _Region, run: _Run) -> list:
         handle = region.handle
-        plan = self.executor.plan(output_names)
+        plan, feeds = run.plan, run.feeds
         entry.attempts += 1
         submissions = self.executor.begin_validation()
         env = list(plan.template)
@@ -391,9 +423,10 @@ class DeviceGraphRunner:
         if failure is None:
             entry.token, entry.arena = token, arena
             entry.outputs = {host: env[device] for host, device in region.downloads.items()}
+            entry.outputs.update((slot, env[slot]) for slot in region.kept)
             env.clear()
             self.captures += 1
-            return self._launch(entry, region, plan, feeds, submissions)
+            return self._launch(entry, region, run, submissions)
         env.clear()  # arena blocks go back before the arena goes
         self._release(entry, arena)
         if not isinstance(failure, Exception):
@@ -409,21 +442,22 @@ class DeviceGraphRunner:
                 f"capture failed{where}: {type(failure).__name__}: {failure}"
             self.status = f"eager: {entry.failure}"
         del failure
-        return self.executor.run_eager(feeds, output_names)
+        return run.eager(self.executor)
 
-    def _replay(self, entry: _Entry, region: _Region, feeds: dict, output_names) -> list:
+    def _replay(self, entry: _Entry, region: _Region, run: _Run) -> list:
         handle = region.handle
         submissions = self.executor.begin_validation()
         try:
             for name, tensor in entry.inputs:
-                handle.copy_from_host(np.ascontiguousarray(feeds[name]), tensor.buffer)
+                handle.copy_from_host(np.ascontiguousarray(run.feeds[name]), tensor.buffer)
         except Exception as exc:
             if submissions:
                 self.executor.abort_validation(submissions, exc)
             raise
-        return self._launch(entry, region, self.executor.plan(output_names), feeds, submissions)
+        return self._launch(entry, region, run, submissions)
 
-    def _launch(self, entry: _Entry, region: _Region, plan, feeds: dict, submissions: list) -> list:
+    def _launch(self, entry: _Entry, region: _Region, run: _Run, submissions: list) -> list:
+        plan, feeds = run.plan, run.feeds
         feed_names = {slot: name for name, slot in plan.feed_slots.items()}
         try:
             region.handle.hook.replay_owned_device_graph(token=entry.token)
@@ -431,10 +465,13 @@ class DeviceGraphRunner:
                 self.executor.activate_validation(submissions)
             outputs = []
             for slot in plan.output_slots:
-                if slot in entry.outputs:
+                if slot in region.kept:  # the arena's buffer is rewritten by the next replay: hand out a copy
+                    outputs.append(entry.outputs[slot].try_clone())
+                elif slot in entry.outputs:
                     outputs.append(_to_host(entry.outputs[slot]))
                 else:  # a feed or a constant passed straight through
-                    outputs.append(_to_host(feeds[feed_names[slot]] if slot in feed_names else plan.template[slot]))
+                    value = feeds[feed_names[slot]] if slot in feed_names else plan.template[slot]
+                    outputs.append(run.convert(value))
         except Exception as exc:
             if submissions:
                 self.executor.abort_validation(submissions, exc)
@@ -459,7 +496,7 @@ class DeviceGraphRunner:
 
     def _drop(self, key) -> None:
         entry = self._entries.pop(key)
-        handle = self._region(key[0]).handle
+        handle = self._regions[key[0]].handle
         if entry.token is not None:
             handle.hook.reset_owned_device_graph(token=entry.token)
         handle.hook.retire_owned_device_graphs(owner=entry.owner)

@@ -89,6 +89,13 @@ def _downloader(value):
     return (_to_host(value),)
 
 
+def _on_device(value):
+    """An output kept where it was produced: device tensors stay, host values become arrays."""
+    if isinstance(value, Tensor) and not value.provider.is_host_accessible:
+        return value
+    return _to_host(value)
+
+
 @dataclass(slots=True)
 class Step:
     run: object
@@ -101,8 +108,9 @@ class Step:
 
 class Plan:
     def __init__(self, steps: list[Step], template: list, feed_slots: dict[str, int], output_slots: list[int],
-                 copies: list[Copy]):
+                 copies: list[Copy], device_feeds: frozenset[str] = frozenset()):
         self.copies = copies
+        self.device_feeds = device_feeds  # feeds that arrive as Tensors on the device that reads them
         self.steps = steps
         # The hot loop's view of the steps: a C-level getter for the inputs (a one-slot slice for a
         # single input, so it still yields a sequence) and plain tuples instead of attribute lookups.
@@ -132,6 +140,8 @@ class Executor:
         self.assignment = assignment
         self.placement = placement
         self._plans: dict[tuple[str, ...], Plan] = {}
+        self._bound_plans: dict[tuple, Plan] = {}  # IO binding: (outputs, feeds on devices, device outputs)
+        self._devices = {h.device_id: h for h in assignment.values() if not h.is_host_accessible}
         self._kernels: dict[int, object] = {}  # id(node) -> kernel (shared across plans)
         self._device_constants: dict[tuple[str, int], Tensor] = {}
         self._consts = {}
@@ -172,7 +182,11 @@ class Executor:
             stack.extend(implicit_inputs(node))
         return [n for n in self.graph.nodes if id(n) in needed]
 
-    def _build(self, output_names: tuple[str, ...]) -> Plan:
+    def _build(self, output_names: tuple[str, ...], feed_devices: dict[str, ProviderHandle] | None = None,
+               device_outputs: bool = False) -> Plan:
+        """``feed_devices``: feeds that arrive as tensors on a device provider's device, read there as they are;
+        ``device_outputs``: return outputs where they are produced instead of downloading them."""
+        feed_devices = feed_devices or {}
         template: list = [None]
         where: dict[str, tuple[int, ProviderHandle | None]] = {}  # value -> (slot, device or None=host)
         copies: dict[tuple[str, int], int] = {}
@@ -185,7 +199,7 @@ class Executor:
             return len(template) - 1
 
         for vi in self.graph.inputs:
-            feed_slots[vi.name] = where.setdefault(vi.name, (new_slot(), None))[0]
+            feed_slots[vi.name] = where.setdefault(vi.name, (new_slot(), feed_devices.get(vi.name)))[0]
         for name, array in self._consts.items():
             where[name] = (new_slot(array), None)
         for name in self.graph.outer_names:  # subgraphs: outer-scope values arrive as feeds
@@ -232,9 +246,9 @@ class Executor:
         missing = [n for n in output_names if n not in where]
         if missing:
             raise ProviderError(f"outputs {missing} are not produced by the graph")
-        output_slots = [resident(n, None) for n in output_names]
+        output_slots = [where[n][0] if device_outputs else resident(n, None) for n in output_names]
         self._assign_releases(steps, set(output_slots) | set(feed_slots.values()))
-        return Plan(steps, template, feed_slots, output_slots, recorded_copies)
+        return Plan(steps, template, feed_slots, output_slots, recorded_copies, frozenset(feed_devices))
 
     def _kernel_for(self, node: Node, handle: ProviderHandle):
         kernel = self._kernels.get(id(node))
@@ -283,7 +297,37 @@ class Executor:
 
     def run_eager(self, feeds: dict[str, object], output_names: tuple[str, ...], profile: dict | None = None) -> list:
         """Run every step of the plan, without device graphs."""
-        plan = self.plan(output_names)
+        return self.run_plan(self.plan(output_names), feeds, profile, _to_host)
+
+    def run_bound(self, feeds: dict[str, object], output_names: tuple[str, ...], device_outputs: bool,
+                  profile: dict | None = None) -> list:
+        """IO binding's run: a feed that is a Tensor on the device of a provider of this session is read there
+        as it is (no download or upload); with ``device_outputs``, outputs produced on a device are returned as
+        Tensors on it. With device graphs, such a feed is captured at its address (see :mod:`.device_graphs`)."""
+        feed_devices = {}
+        feeds = dict(feeds)
+        for name, value in feeds.items():
+            if isinstance(value, Tensor):
+                handle = self._devices.get(value.device)
+                if handle is None:  # on the host, or on a device no node of this session runs on
+                    feeds[name] = value.numpy()
+                else:
+                    feed_devices[name] = handle
+        if not feed_devices and not device_outputs:
+            return self.run(feeds, output_names, profile)
+        key = (output_names, tuple(sorted((name, id(h)) for name, h in feed_devices.items())), device_outputs)
+        plan = self._bound_plans.get(key)
+        if plan is None:
+            plan = self._bound_plans[key] = self._build(output_names, feed_devices, device_outputs)
+        convert = _on_device if device_outputs else _to_host
+        if self.graphs is not None and profile is None:
+            outputs = self.graphs.run_plan(feeds, key, plan, convert)
+            if outputs is not None:
+                return outputs
+        return self.run_plan(plan, feeds, profile, convert)
+
+    def run_plan(self, plan: Plan, feeds: dict[str, object], profile: dict | None, convert) -> list:
+        """Run ``plan`` eagerly; ``convert`` turns each output slot's value into what the caller gets."""
         env = list(plan.template)
         for name, value in feeds.items():
             slot = plan.feed_slots.get(name)
@@ -294,7 +338,7 @@ class Executor:
             self._execute(plan, env, profile)
             if submissions:
                 self.activate_validation(submissions)
-            outputs = [_to_host(env[slot]) for slot in plan.output_slots]
+            outputs = [convert(env[slot]) for slot in plan.output_slots]
         except Exception as exc:
             if submissions:
                 self.abort_validation(submissions, exc)
@@ -400,6 +444,7 @@ class Executor:
             tensor.close()
         self._device_constants.clear()
         self._plans.clear()
+        self._bound_plans.clear()
 
 
 class _ProfiledStepError(Exception):

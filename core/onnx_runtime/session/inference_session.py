@@ -17,9 +17,11 @@ from ..functions import FunctionExpander
 from ..ir import Model, TypeInfo, ValueInfo
 from ..loader import load_model, topological_order
 from ..optimizer import optimize
+from ..ort_value import device_handle
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
 from .executor import Executor
+from .io_binding import IOBinding
 from .options import RunOptions, SessionOptions
 from .placement import Placement, input_facts, place
 
@@ -203,6 +205,7 @@ class InferenceSession:
         self._inputs = [NodeArg.of(vi) for vi in graph.inputs]
         self._outputs = [NodeArg.of(vi) for vi in graph.outputs]
         self._input_types = {vi.name: vi.type for vi in graph.inputs}
+        self._output_types = {vi.name: vi.type for vi in graph.outputs}
         self._output_names = tuple(vi.name for vi in graph.outputs)
         # Plan the full run now, as onnxruntime does: kernels are created and copies decided at
         # session creation, so their errors surface here and placement() shows the copies.
@@ -267,10 +270,7 @@ class InferenceSession:
 
     def run(self, output_names, input_feed: dict, run_options: RunOptions | None = None) -> list:
         """Run the model; return the requested outputs (all when ``output_names`` is None) as numpy arrays."""
-        if self._closed:
-            raise InvalidArgumentError("this session was closed; create a new InferenceSession")
-        if run_options is not None and run_options.terminate:
-            raise InvalidArgumentError("run_options.terminate is set; the run was cancelled before it started")
+        self._check_runnable(run_options)
         names = self._output_names if not output_names else tuple(output_names)
         for name in names:
             if name not in self._output_names:
@@ -284,6 +284,69 @@ class InferenceSession:
         outputs = self._executor.run(feeds, names, self._profile)
         self._profile_runs.append(time.perf_counter() - start)
         return outputs
+
+    def _check_runnable(self, run_options: RunOptions | None) -> None:
+        if self._closed:
+            raise InvalidArgumentError("this session was closed; create a new InferenceSession")
+        if run_options is not None and run_options.terminate:
+            raise InvalidArgumentError("run_options.terminate is set; the run was cancelled before it started")
+
+    # -- IO binding -----------------------------------------------------------------------------
+    def io_binding(self) -> IOBinding:
+        """Bind inputs and outputs to values on the host or a device (see :mod:`.io_binding`)."""
+        return IOBinding(self)
+
+    def run_with_iobinding(self, iobinding: IOBinding, run_options: RunOptions | None = None) -> None:
+        """Run with the binding's inputs; its outputs are then read with ``get_outputs``/``copy_outputs_to_cpu``."""
+        self._check_runnable(run_options)
+        names = iobinding._output_names()
+        if not names:
+            raise InvalidArgumentError(
+                f"no output is bound; bind at least one with bind_output (the model's outputs are "
+                f"{list(self._output_names)})"
+            )
+        feeds = iobinding._feeds()
+        self._check_missing(feeds)
+        start = time.perf_counter()
+        outputs = self._executor.run_bound(feeds, names, iobinding._device_outputs(), self._profile)
+        if self._profile is not None:
+            self._profile_runs.append(time.perf_counter() - start)
+        iobinding._deliver(outputs)
+
+    def _device_handle(self, device_type: str, device_id: int) -> ProviderHandle:
+        """This session's provider on ``device_type:device_id``, else the process-wide handle of that device."""
+        kind = str(device_type).lower()
+        for handle in self._handles:
+            if not handle.is_host_accessible and handle.device_id.type.value == kind \
+                    and handle.device_id.index == int(device_id):
+                return handle
+        return device_handle(kind, int(device_id))
+
+    def _checked_input(self, name: str, value):
+        expected = self._input_types.get(name)
+        if expected is None:
+            raise InvalidArgumentError(f"unknown input {name!r}; the model's inputs are {list(self._input_types)}")
+        return _check_feed(name, value, expected)
+
+    def _check_output_name(self, name: str) -> TypeInfo:
+        expected = self._output_types.get(name)
+        if expected is None:
+            raise InvalidArgumentError(f"unknown output {name!r}; the model's outputs are {list(self._output_names)}")
+        return expected
+
+    def _check_bound(self, name: str, tensor: Tensor, output: bool) -> None:
+        """A tensor bound to an input or output: its type and shape against the model's, without reading it."""
+        if output:
+            expected = self._check_output_name(name)
+        else:
+            expected = self._input_types.get(name)
+            if expected is None:
+                raise InvalidArgumentError(
+                    f"unknown input {name!r}; the model's inputs are {list(self._input_types)}"
+                )
+        if expected.kind != "tensor":
+            raise InvalidArgumentError(f"{name!r} is a {expected.describe()}; only tensors can be bound")
+        _check_type_and_shape("output" if output else "input", name, tensor.dtype, tensor.shape, expected)
 
     # -- profiling (SessionOptions.enable_profiling) -----------------------------------------------
     def profile_summary(self) -> dict[str, tuple[float, int]]:
@@ -338,11 +401,14 @@ class InferenceSession:
                     f"unknown input {name!r}; the model's inputs are {list(self._input_types)}"
                 )
             feeds[name] = _check_feed(name, value, expected)
+        self._check_missing(feeds)
+        return feeds
+
+    def _check_missing(self, feeds: dict) -> None:
         missing = [n for n in self._input_types if n not in feeds]
         if missing:
             details = ", ".join(f"{n!r} ({self._input_types[n].describe()})" for n in missing)
-            raise InvalidArgumentError(f"missing inputs {details}; add them to input_feed")
-        return feeds
+            raise InvalidArgumentError(f"missing inputs {details}; add them to input_feed (or bind them)")
 
 
 GRAPH_CAPTURE_KEY = "session.graph_capture"  # "1": capture runs into device graphs and replay them
@@ -373,26 +439,31 @@ def _check_feed(name: str, value, expected: TypeInfo):
             raise InvalidArgumentError(
                 f"input {name!r} must be a numpy array, got {type(value).__name__}; pass np.asarray(value)"
             )
-    if expected.dtype is not None:
-        got = DataType.from_numpy(value.dtype) if value.dtype.kind not in "OUS" else DataType.STRING
-        if got is not expected.dtype:
-            hint = (f"; convert it with .astype(np.{expected.dtype.numpy.name})"
-                    if expected.dtype is not DataType.STRING else "")
-            raise InvalidArgumentError(
-                f"input {name!r} expects {expected.dtype.ort_type}, got {value.dtype} array{hint}"
-            )
-        if got is DataType.STRING and value.dtype.kind != "O":
-            value = value.astype(object)
+    got = DataType.from_numpy(value.dtype) if value.dtype.kind not in "OUS" else DataType.STRING
+    _check_type_and_shape("input", name, got, value.shape, expected, f"{value.dtype} array")
+    if got is DataType.STRING and value.dtype.kind != "O":
+        value = value.astype(object)
+    return value
+
+
+def _check_type_and_shape(kind: str, name: str, dtype: DataType, shape, expected: TypeInfo,
+                          described: str | None = None) -> None:
+    """``kind`` ("input"/"output") ``name``'s element type and shape against the model's declaration."""
+    if expected.dtype is not None and dtype is not expected.dtype:
+        hint = (f"; convert it with .astype(np.{expected.dtype.numpy.name})"
+                if expected.dtype is not DataType.STRING else "")
+        raise InvalidArgumentError(
+            f"{kind} {name!r} expects {expected.dtype.ort_type}, got {described or dtype.ort_type}{hint}"
+        )
     if expected.shape is not None:
-        if value.ndim != len(expected.shape):
+        if len(shape) != len(expected.shape):
             raise InvalidArgumentError(
-                f"input {name!r} expects rank {len(expected.shape)} ({expected.describe()}), got shape "
-                f"{list(value.shape)}"
+                f"{kind} {name!r} expects rank {len(expected.shape)} ({expected.describe()}), got shape "
+                f"{list(shape)}"
             )
-        for axis, (want, got) in enumerate(zip(expected.shape, value.shape)):
+        for axis, (want, got) in enumerate(zip(expected.shape, shape)):
             if isinstance(want, int) and want != got:
                 raise InvalidArgumentError(
-                    f"input {name!r} dimension {axis} must be {want} ({expected.describe()}), got shape "
-                    f"{list(value.shape)}"
+                    f"{kind} {name!r} dimension {axis} must be {want} ({expected.describe()}), got shape "
+                    f"{list(shape)}"
                 )
-    return value
