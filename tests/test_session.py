@@ -243,3 +243,27 @@ def test_the_arena_is_declined_with_a_reason(fresh_arena):
     refused = fresh_arena.apply_arena_settings({}, load=lambda: (lambda param, value: 0, ""))
     assert not refused.applied and "refused" in refused.reason
     assert fresh_arena._status is None  # nothing was applied, so a later session tries again
+
+
+def test_session_creation_leaves_the_garbage_collector_as_it_found_it(tmp_path):
+    """Creation pauses the cyclic collector; success, failure and an already-disabled collector all end
+    with the collector in the state the caller had."""
+    import gc
+
+    from onnx_runtime.errors import ModelLoadError
+
+    model = tmp_path / "m.onnx"
+    onnx.save(make_model([helper.make_node("Relu", ["x"], ["y"])], [tensor_info("x", shape=[2])],
+                         [tensor_info("y", shape=[2])]), model)
+    assert gc.isenabled()
+    ort.InferenceSession(str(model), providers=["cpu"])
+    assert gc.isenabled()
+    with pytest.raises(ModelLoadError):
+        ort.InferenceSession(str(tmp_path / "missing.onnx"), providers=["cpu"])
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        ort.InferenceSession(str(model), providers=["cpu"])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -88,6 +88,8 @@ class Node:
         return self.attrs.get(name, default)
 
     def subgraphs(self) -> list[Graph]:
+        if not self.attrs:  # most nodes: asked for by every pass over the graph
+            return []
         found: list[Graph] = []
         for value in self.attrs.values():
             if isinstance(value, Graph):
