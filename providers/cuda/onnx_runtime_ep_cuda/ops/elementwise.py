@@ -91,7 +91,8 @@ class Kernels:
 
 
 def memo(compute):
-    """``compute(*shapes)`` cached per shape tuple: kernels see a handful of distinct shapes at most."""
+    """``compute(*key)`` cached per key (the shapes, or the dtypes and shapes, of a call: kernels see a
+    handful at most); also how launch sites (a call's function, grid and fixed arguments) are built once."""
     cache: dict = {}
 
     def lookup(*shapes):
@@ -112,19 +113,6 @@ def launch(ctx, fn, n: int, *args) -> None:
     """Launch an elementwise.cu grid-stride kernel over ``n`` outputs (nothing for none)."""
     if n > 0:
         ctx.launch(fn, grid(n), BLOCK, *args)
-
-
-def sites(build):
-    """``build(*key) -> LaunchSite`` cached per key (the dtypes and shapes of a call)."""
-    cache: dict = {}
-
-    def site(*key):
-        found = cache.get(key)
-        if found is None:
-            found = cache[key] = build(*key)
-        return found
-
-    return site
 
 
 def copy(ctx, x):
@@ -217,7 +205,7 @@ def _unary_factory(op: str, allowed, attrs=lambda node: (0.0, 0.0)):
         kernels = Kernels(ctx, SOURCE)
         a, b = attrs(node)
 
-        @sites
+        @memo
         def site(dtype, shape):
             n = math.prod(shape)
             return ctx.site(kernels["unary_" + require_type(node, dtype, allowed)], grid(n), BLOCK, 2,
@@ -328,7 +316,7 @@ def _binary_factory(op: str, allowed):
     def factory(node, shapes, opset, ctx):
         kernels = Kernels(ctx, SOURCE)
 
-        @sites
+        @memo
         def site(a_dtype, b_dtype, a_shape, b_shape):
             if a_dtype != b_dtype:
                 raise InvalidArgumentError(
@@ -384,7 +372,7 @@ def _pow_check(node, shapes, dtypes):
 def pow_(node, shapes, opset, ctx):
     kernels = Kernels(ctx, SOURCE)
 
-    @sites
+    @memo
     def site(a_dtype, b_dtype, a_shape, b_shape):
         fn = kernels["pow_" + require_type(node, a_dtype, POW_BASE_TYPES)]
         if b_dtype not in POW_EXPONENT_TYPES:  # the kernel reads the exponent by its ONNX type code
@@ -471,7 +459,7 @@ def _where_check(node, shapes, dtypes):
 def where(node, shapes, opset, ctx):
     kernels = Kernels(ctx, SOURCE)
 
-    @sites
+    @memo
     def site(c_dtype, x_dtype, y_dtype, c_shape, x_shape, y_shape):
         if x_dtype != y_dtype or c_dtype != DataType.BOOL:
             raise InvalidArgumentError(
@@ -520,7 +508,7 @@ def _caster(ctx, node):
     """``cast(x, to)``: a copy for the same type, else the cast kernel (a launch site per types and shape)."""
     kernels = Kernels(ctx, SOURCE)
 
-    @sites
+    @memo
     def site(source, to, shape):
         n = math.prod(shape)
         name = f"cast_{require_type(node, source, CAST_TYPES)}_{require_type(node, to, CAST_TYPES, 'a target')}"
