@@ -400,7 +400,8 @@ def test_cast_like_and_float_specials():
     model = single_node_model("CastLike", [("x", TensorProto.FLOAT, None), ("like", TensorProto.FLOAT16, None)],
                               [("y", TensorProto.FLOAT16, None)], opset=19)
     got, = on_cuda(model).run(None, {"x": x, "like": like})
-    np.testing.assert_array_equal(got, x.astype(np.float16))
+    with np.errstate(over="ignore"):  # 70000 overflows float16 to inf on purpose
+        np.testing.assert_array_equal(got, x.astype(np.float16))
     model = single_node_model("Cast", [("x", TensorProto.FLOAT, None)], [("y", TensorProto.BFLOAT16, None)],
                               {"to": TensorProto.BFLOAT16}, opset=19)
     got, = on_cuda(model).run(None, {"x": x})
