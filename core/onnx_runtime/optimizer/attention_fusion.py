@@ -26,17 +26,16 @@ import onnx
 
 from ..dtypes import DataType
 from ..ir import Dim, Graph, Node, TypeInfo, ValueInfo
-from ..loader import convert_type
+from ..loader import SHAPE_VALUE_LIMIT, convert_type
 from .context import PassContext
 from .rewrite import Uses, constant, forget_value, new_node, remove_nodes, set_attr
 
 ATTENTION_OPSET = 23
 _DTYPES = frozenset({DataType.FLOAT, DataType.FLOAT16, DataType.BFLOAT16})  # Attention-23's T1
 _ONNX = ("", "ai.onnx")
-# How far back through producers a partly unknown shape is re-inferred, and the largest constant
-# whose value that inference reads (shape-like inputs: starts, ends, axes, target shapes).
+# How far back through producers a partly unknown shape is re-inferred (it reads the values of
+# constants up to the loader's SHAPE_VALUE_LIMIT: starts, ends, axes, target shapes).
 _REFINE_DEPTH = 8
-_SHAPE_VALUE_LIMIT = 1024
 
 
 def fuse_attention(graph: Graph, context: PassContext) -> bool:
@@ -317,7 +316,7 @@ class _Shapes:
             shape = self.of(input_name, depth)
             types[input_name] = onnx.helper.make_tensor_type_proto(int(dtype), None if shape is None else list(shape))
             array = self.graph.initializers.get(input_name)
-            if array is not None and array.size <= _SHAPE_VALUE_LIMIT:
+            if array is not None and array.size <= SHAPE_VALUE_LIMIT:
                 values[input_name] = onnx.numpy_helper.from_array(array, input_name)
         try:
             schema = onnx.defs.get_schema(node.op_type, node.opset, "")
