@@ -55,6 +55,14 @@ def cuda_handle(cuda_driver_mode):
     handle.shutdown()
 
 
+@pytest.fixture
+def kernel_context(cuda_handle):
+    """The KernelContext kernel factories get, on an initialized provider: for launching kernels directly."""
+    from onnx_runtime_ep_cuda.ops.context import KernelContext
+
+    return KernelContext(cuda_handle.provider.cuda_device(), cuda_handle)
+
+
 @pytest.fixture(autouse=True)
 def _no_stale_simulated_devices():
     """Whatever order the tests run in, none inherits devices cached before a simulator reset."""

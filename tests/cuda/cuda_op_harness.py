@@ -26,6 +26,18 @@ CUDA = "CUDAExecutionProvider"
 HALVES = [np.float16, ml_dtypes.bfloat16]
 
 
+_kernel_files: dict[str, str] = {}
+
+
+def kernel_file(tmp_path_factory, name: str, source: str) -> str:
+    """The path of a test-only kernel source ``name`` holding ``source``, written once per test session."""
+    if name not in _kernel_files:
+        path = tmp_path_factory.mktemp("kernels") / name
+        path.write_text(source)
+        _kernel_files[name] = str(path)
+    return _kernel_files[name]
+
+
 def random(shape, dtype=np.float32, seed=0):
     return np.random.default_rng(seed).uniform(-1, 1, shape).astype(dtype)
 

@@ -13,6 +13,7 @@ import os
 import numpy as np
 import onnx_runtime as ort
 import pytest
+from cuda_op_harness import kernel_file
 from onnx import TensorProto, helper
 from onnx_runtime import DataType, DeviceGraphOwner, DeviceGraphSlot, DeviceGraphToken, ProviderHandle
 from onnx_runtime.errors import InvalidArgumentError, ProviderError
@@ -38,11 +39,7 @@ _source = {}  # "path": the kernel file, written once per test session
 
 @pytest.fixture(autouse=True)
 def mode(cuda_driver_mode, tmp_path_factory):
-    if "path" not in _source:
-        path = tmp_path_factory.mktemp("kernels") / "graph_test_ops.cu"
-        path.write_text(TEST_KERNELS)
-        _source["path"] = str(path)
-    yield
+    _source["path"] = kernel_file(tmp_path_factory, "graph_test_ops.cu", TEST_KERNELS)
 
 
 @pytest.fixture

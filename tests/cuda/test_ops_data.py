@@ -17,7 +17,7 @@ from cuda_op_harness import (
     run_backend_case,
 )
 from onnx import numpy_helper
-from onnx_runtime import ProviderHandle, Tensor
+from onnx_runtime import Tensor
 from onnx_runtime.errors import DeviceValidationError, OnnxRuntimeError
 from onnx_runtime.ir import Node
 
@@ -208,18 +208,6 @@ def test_shape_constant_of_shape_and_range():
 
 
 # -- validation: out-of-range indices -------------------------------------------------------------------
-
-
-@pytest.fixture
-def kernel_context():
-    from onnx_runtime_ep_cuda import CUDAExecutionProvider
-    from onnx_runtime_ep_cuda.ops.context import KernelContext
-
-    provider = CUDAExecutionProvider()
-    handle = ProviderHandle(provider)
-    handle.initialize({})
-    yield KernelContext(provider.cuda_device(), handle)
-    handle.shutdown()
 
 
 def _flag_word(ctx) -> int:

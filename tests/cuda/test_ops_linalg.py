@@ -21,7 +21,7 @@ from cuda_op_harness import (
     run_backend_case,
     tolerance,
 )
-from onnx_runtime import ProviderHandle, Tensor
+from onnx_runtime import Tensor
 from onnx_runtime.errors import OnnxRuntimeError
 
 pytestmark = pytest.mark.usefixtures("cuda_driver_mode")
@@ -110,18 +110,6 @@ def test_gemm_rejects_c_that_does_not_broadcast():
     session = ort.InferenceSession(node_model("Gemm", feeds), providers=CUDA_FIRST)
     with pytest.raises(OnnxRuntimeError, match=r"C of shape \(5, 3\) does not broadcast to the output \(5, 9\)"):
         session.run(None, feeds)
-
-
-@pytest.fixture
-def kernel_context():
-    from onnx_runtime_ep_cuda import CUDAExecutionProvider
-    from onnx_runtime_ep_cuda.ops.context import KernelContext
-
-    provider = CUDAExecutionProvider()
-    handle = ProviderHandle(provider)
-    handle.initialize({})
-    yield KernelContext(provider.cuda_device(), handle)
-    handle.shutdown()
 
 
 @pytest.mark.parametrize("dtype", HALVES, ids=lambda d: np.dtype(d).name)

@@ -14,6 +14,7 @@ import os
 import numpy as np
 import onnx_runtime as ort
 import pytest
+from cuda_op_harness import kernel_file
 from onnx import TensorProto, helper
 from onnx_runtime import DataType, DeviceValidationRegistration, DeviceValidationToken, ProviderHandle
 from onnx_runtime.errors import DeviceValidationError, InvalidArgumentError
@@ -52,11 +53,7 @@ _source = {}
 
 @pytest.fixture(autouse=True)
 def mode(cuda_driver_mode, tmp_path_factory):
-    if "path" not in _source:
-        path = tmp_path_factory.mktemp("kernels") / "validation_test_ops.cu"
-        path.write_text(TEST_KERNELS)
-        _source["path"] = str(path)
-    yield
+    _source["path"] = kernel_file(tmp_path_factory, "validation_test_ops.cu", TEST_KERNELS)
 
 
 @pytest.fixture
