@@ -460,21 +460,22 @@ def _check_feed(name: str, value, expected: TypeInfo):
                 f"input {name!r} must be a numpy array, got {type(value).__name__}; pass np.asarray(value)"
             )
     got = DataType.from_numpy(value.dtype) if value.dtype.kind not in "OUS" else DataType.STRING
-    _check_type_and_shape("input", name, got, value.shape, expected, f"{value.dtype} array")
+    _check_type_and_shape("input", name, got, value.shape, expected, value.dtype)
     if got is DataType.STRING and value.dtype.kind != "O":
         value = value.astype(object)
     return value
 
 
 def _check_type_and_shape(kind: str, name: str, dtype: DataType, shape, expected: TypeInfo,
-                          described: str | None = None) -> None:
-    """``kind`` ("input"/"output") ``name``'s element type and shape against the model's declaration."""
+                          array_dtype: np.dtype | None = None) -> None:
+    """``kind`` ("input"/"output") ``name``'s element type and shape against the model's declaration
+    (``array_dtype``: the numpy dtype of a fed array, named in the error; formatted only on failure,
+    as runs check every feed)."""
     if expected.dtype is not None and dtype is not expected.dtype:
         hint = (f"; convert it with .astype(np.{expected.dtype.numpy.name})"
                 if expected.dtype is not DataType.STRING else "")
-        raise InvalidArgumentError(
-            f"{kind} {name!r} expects {expected.dtype.ort_type}, got {described or dtype.ort_type}{hint}"
-        )
+        described = f"{array_dtype} array" if array_dtype is not None else dtype.ort_type
+        raise InvalidArgumentError(f"{kind} {name!r} expects {expected.dtype.ort_type}, got {described}{hint}")
     if expected.shape is not None:
         if len(shape) != len(expected.shape):
             raise InvalidArgumentError(
