@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 from onnx_runtime.ir import Node
-from onnx_runtime_ep_cpu import ops  # noqa: F401  (fills the registry)
+from onnx_runtime_ep_cpu import blas, ops  # noqa: F401  (ops fills the registry)
 from onnx_runtime_ep_cpu.ops import nn
 from onnx_runtime_ep_cpu.registry import lookup
 
@@ -123,6 +123,7 @@ def assert_conv(x, w, b, attrs):
     {"strides": [2, 2], "pads": [1, 0, 2, 1]},
     {"dilations": [2, 1], "pads": [2, 1, 2, 1]},
     {"strides": [2, 3], "group": 2},
+    {"strides": [2, 2], "pads": [3, 4, 3, 2], "dilations": [2, 2]},  # whole tap rows and columns in the pads
 ])
 def test_conv_im2col(with_bias, attrs):
     x, w = rand(2, 4, 9, 10), constant(rand(6, 4 // attrs.get("group", 1), 3, 3))
@@ -161,8 +162,42 @@ def test_conv_by_taps(attrs, with_bias):
     c, m = 16, 3  # 4 * m <= c: one matmul per kernel tap
     kernel_shape = attrs.get("kernel_shape", [3, 3])
     x, w = rand(2, c, 8, 9), constant(rand(m, c, *kernel_shape))
-    assert nn._use_taps(geometry(attrs, (8, 9), tuple(kernel_shape)), 1, c, m)
+    assert nn._use_taps(geometry(attrs, (8, 9), tuple(kernel_shape)), 1, c, m, np.dtype(np.float32))
     assert_conv(x, w, constant(rand(m)) if with_bias else None, attrs)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_conv_by_taps_accumulating_in_blas(monkeypatch, dtype, with_bias):
+    # A column matrix past the budget (made small here): per-tap products accumulated in place by BLAS.
+    monkeypatch.setattr(nn, "_TAPS_COLUMN_BYTES", 1 << 10)
+    c, m, attrs = 8, 24, {"pads": [1, 2, 1, 0], "dilations": [1, 2]}
+    x, w = rand(2, c, 16, 18, dtype=dtype), constant(rand(m, c, 3, 3, dtype=dtype))
+    assert blas.available(dtype)
+    assert nn._use_taps(geometry(attrs, (16, 18), (3, 3)), 1, c, m, np.dtype(dtype))
+    b = constant(rand(m, dtype=dtype)) if with_bias else None
+    y = run_conv(x, w, b, attrs)
+    expected = conv_reference(x, w, b, attrs)
+    tol = 1e-4 if dtype == np.float32 else 1e-10
+    np.testing.assert_allclose(y, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("reachable", [True, False])
+def test_gemm_accumulate_on_strided_views(monkeypatch, reachable):
+    if not reachable:  # another BLAS: np.matmul and an add give the same sums
+        monkeypatch.setattr(blas, "_gemm", lambda dtype: None)
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((6, 40)).astype(np.float32)
+    a = rng.standard_normal((5, 6)).astype(np.float32)
+    b = base[:, 3:33]  # a row stride wider than the rows, as a tap's run of padded rows
+    c = np.ascontiguousarray(rng.standard_normal((5, 40)).astype(np.float32)[:, :30])
+    expected = c + a @ b
+    blas.gemm_accumulate(a, b, c)
+    np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-5)
+    # Not a BLAS layout (a column stride): still correct, through numpy.
+    c2 = np.zeros((30, 5), np.float32).T
+    blas.gemm_accumulate(a, b, c2)
+    np.testing.assert_allclose(c2, a @ b, rtol=1e-5, atol=1e-5)
 
 
 def geometry(attrs, in_shape, kernel_shape):
@@ -177,7 +212,7 @@ def geometry(attrs, in_shape, kernel_shape):
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_conv_winograd(attrs, size, with_bias, dtype):
-    c, m = 96, 64
+    c, m = 192, 192
     assert nn._use_winograd(geometry(attrs, size, (3, 3)), 1, c, m)
     x, w = rand(2, c, *size, dtype=dtype), constant(rand(m, c, 3, 3, dtype=dtype))
     b = constant(rand(m, dtype=dtype)) if with_bias else None
@@ -539,3 +574,12 @@ def test_split_returns_views_cut_at_the_sizes(shape, axis, sizes):
     for got, want in zip(parts, np.split(x, np.cumsum(sizes)[:-1], axis=axis), strict=True):
         assert got.shape == want.shape and np.shares_memory(got, x) == (got.size > 0)
         np.testing.assert_array_equal(got, want)
+
+
+def test_taps_path_takes_over_from_large_column_matrices():
+    same = {"pads": [1, 1, 1, 1]}
+    f32 = np.dtype(np.float32)
+    assert nn._use_taps(geometry(same, (112, 112), (3, 3)), 1, 32, 32, f32)  # 14 MiB of columns
+    assert not nn._use_taps(geometry(same, (56, 56), (3, 3)), 1, 64, 64, f32)  # 7 MiB: im2col
+    assert not nn._use_taps(geometry(same, (112, 112), (3, 3)), 2, 32, 32, f32)  # grouped
+    assert not nn._use_taps(geometry({"strides": [2, 2]}, (112, 112), (3, 3)), 1, 64, 64, f32)

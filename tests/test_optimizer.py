@@ -349,7 +349,8 @@ def test_matmul_with_a_batched_or_dynamic_input_is_not_fused():
     inits = [_init("w", np.ones((4, 5), np.float32)), _init("bias", np.ones(5, np.float32))]
     for shape in ([2, 3, 4], ["n", 4]):
         model = make_model(nodes, [tensor_info("x", shape=shape)], [tensor_info("y")], inits)
-        assert _ops(_optimized(model)) == ["MatMul", "Add"]
+        # No Gemm; the CPU provider's own pass may still join them (FusedMatMul takes any rank).
+        assert "Gemm" not in _ops(_optimized(model))
 
 
 def test_gemm_add_of_a_constant_joins_c_with_beta():

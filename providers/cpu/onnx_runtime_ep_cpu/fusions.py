@@ -10,6 +10,8 @@ intermediate read only inside the pattern) and leaves anything else alone:
 - SiLU: x * sigmoid(x)  ->  Swish (opset 24)
 - exact GELU: x * 0.5 * (1 + erf(x / sqrt(2))), in any Mul order, dividing by sqrt(2) or multiplying by
   1 / sqrt(2)  ->  Gelu (opset 20)
+- MatMul by a constant matrix + constant bias, then optionally Gelu, then optionally + a residual
+  ->  FusedMatMul
 """
 
 from __future__ import annotations
@@ -247,6 +249,45 @@ def fuse_gelu(graph: Graph, owns=None) -> bool:
     return False
 
 
+# FusedMatMul's activation for each Gelu approximation.
+_GELU_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
+
+
+def fuse_matmul_bias(graph: Graph, owns=None) -> bool:
+    """MatMul(A, B) + bias [-> Gelu] [+ residual] -> FusedMatMul(A, B, bias[, residual], activation):
+    the bias, activation and residual become one pass over the fresh product instead of a node each.
+    B is a constant float matrix and bias a constant vector of its column count; A may have any rank
+    (the optimizer's Gemm fusion takes the 2-D products of static shape first)."""
+    view = _View(graph)
+    for matmul in list(graph.nodes):
+        if matmul.op_type != "MatMul" or matmul.domain or len(matmul.inputs) != 2:
+            continue
+        weight = view.const(matmul.inputs[1])
+        add = view.only_consumer(matmul.outputs[0], "Add")
+        bias_name = _other(add, matmul.outputs[0]) if add else None
+        bias = view.const(bias_name) if bias_name else None
+        if weight is None or weight.ndim != 2 or weight.dtype not in (np.float32, np.float64) or bias is None \
+                or bias.dtype != weight.dtype or bias.shape != (weight.shape[1],):
+            continue
+        matched, inputs, activation = [matmul, add], [*matmul.inputs, bias_name], "none"
+        gelu = view.only_consumer(add.outputs[0], "Gelu")
+        if gelu is not None and gelu.attr("approximate", "none") in _GELU_ACTIVATIONS:
+            matched.append(gelu)
+            activation = _GELU_ACTIVATIONS[gelu.attr("approximate", "none")]
+        residual_add = view.only_consumer(matched[-1].outputs[0], "Add")
+        residual = _other(residual_add, matched[-1].outputs[0]) if residual_add else None
+        if residual is not None and residual != matched[-1].outputs[0]:
+            matched.append(residual_add)
+            inputs.append(residual)
+        if not _owned(owns, matched):
+            continue
+        fused = Node("FusedMatMul", inputs, list(matched[-1].outputs), name=f"{matmul.name}/fused",
+                     domain=FUSED_DOMAIN, attrs={"activation": activation}, opset=1)
+        _replace(graph, matched, fused)
+        return True
+    return False
+
+
 def _until_fixed(fuse):
     """A pass applying ``fuse`` until it finds nothing more (each call rewrites one match)."""
 
@@ -260,4 +301,5 @@ def _until_fixed(fuse):
     return graph_pass
 
 
-PASSES = [_until_fixed(f) for f in (fuse_rms_norm, fuse_rotate_half, fuse_silu, fuse_gelu)]
+# fuse_matmul_bias after fuse_gelu: it folds the Gelu nodes that pass makes.
+PASSES = [_until_fixed(f) for f in (fuse_rms_norm, fuse_rotate_half, fuse_silu, fuse_gelu, fuse_matmul_bias)]

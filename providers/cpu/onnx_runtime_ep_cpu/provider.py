@@ -14,6 +14,7 @@ from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 from . import ops  # noqa: F401  (fills the registry)
 from .arena import apply_arena_settings
 from .conv_fusions import CONV_PASSES
+from .decoder_fusions import DECODER_PASSES
 from .fusions import PASSES
 from .registry import NEEDS, lookup, registered_versions
 from .threads import apply_thread_settings
@@ -60,7 +61,7 @@ class CPUExecutionProvider:
 
     @hookimpl
     def custom_passes(self):
-        return [*PASSES, *CONV_PASSES]
+        return [*PASSES, *CONV_PASSES, *DECODER_PASSES]  # decoder passes read what PASSES fuse
 
     @hookimpl
     def get_kernel(self, node, shapes, opset, graph):

@@ -1,23 +1,184 @@
-"""Kernels for the provider's own fused operators (domain ai.onnx_runtime.cpu, see fusions.py)."""
+"""Kernels for the provider's own fused operators (domain ai.onnx_runtime.cpu, see fusions.py and
+decoder_fusions.py): RotateHalfEmbedding, SkipRMSNormalization, SwishMul, ReshapeTranspose and
+TransposeReshape.
+
+On float32/float64, the rotation, the residual add with RMS normalization and a decode step's SwishMul
+run compiled loops (compiled/decoder.py), one pass per row; every other dtype keeps numpy kernels, which
+compute what the unfused nodes would.
+"""
 
 from __future__ import annotations
 
-import numpy as np
+import math
 
+import numpy as np
+from onnx_runtime.ir import Node
+
+from ..compiled import COMPILED_DTYPES
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
+from .elementwise import _quiet
+from .nn import _stash_dtype
+from .shape import _reshape
+from .transformer import rms_normalization
+
+_COMPILED = COMPILED_DTYPES
+
+
+def _compiled_decoder():
+    from ..compiled import decoder  # numba loads only for models that need it
+
+    return decoder
+
+
+def _rotate_half_numpy(q, cos, sin, half, end):
+    rotated = np.concatenate((np.negative(q[..., half:end]), q[..., :half]), axis=-1) * sin
+    out = q * cos
+    if out.shape == rotated.shape:
+        out += rotated
+        return out
+    return out + rotated  # the tables broadcast one product up
+
+
+class _RotationPlan:
+    """How the compiled loop sees one pair of (q, cos/sin) shapes: q as (rows, end), the tables as
+    (table rows, end), and for each row of q the table row it reads once the tables are broadcast over
+    q's leading axes. None where the loop does not apply. The last pair's plan is kept (with its key in
+    one tuple: sessions may run from several threads), as shapes rarely change between runs."""
+
+    def __init__(self, half: int, end: int):
+        self.half, self.end = half, end
+        self.last = (None, None)
+
+    def __call__(self, q_shape, table_shape):
+        key = (q_shape, table_shape)
+        last = self.last
+        if key != last[0]:
+            last = self.last = (key, self._plan(q_shape, table_shape))
+        return last[1]
+
+    def _plan(self, q_shape, table_shape):
+        """None unless the rotation covers q's last axis and the tables broadcast to q's shape without
+        enlarging it, with q's last axis as theirs."""
+        if not q_shape or q_shape[-1] != self.end or not 0 <= self.half <= self.end or 0 in q_shape \
+                or len(table_shape) > len(q_shape) or table_shape[-1:] != q_shape[-1:]:
+            return None
+        try:
+            if np.broadcast_shapes(q_shape, table_shape) != q_shape:
+                return None
+        except ValueError:
+            return None
+        index = np.arange(math.prod(table_shape[:-1])).reshape(table_shape[:-1])
+        rows = np.ascontiguousarray(np.broadcast_to(index, q_shape[:-1]), dtype=np.int64).reshape(-1)
+        return rows, (rows.size, self.end), (index.size, self.end)
 
 
 @register("RotateHalfEmbedding", domain=FUSED_DOMAIN, since=1)
 def rotate_half_embedding(node, shapes, opset):
-    """q * cos + concat(-q[..., half:end], q[..., :half]) * sin, in three passes over q."""
+    """q * cos + concat(-q[..., half:end], q[..., :half]) * sin: one compiled pass over q when the rotation
+    covers q's last axis (end = its size) and cos/sin broadcast onto q; otherwise three numpy passes."""
     half, end = int(node.attr("half")), int(node.attr("end"))
+    compiled = _compiled_decoder()
+    plans = _RotationPlan(half, end)
 
     def kernel(q, cos, sin):
-        rotated = np.concatenate((np.negative(q[..., half:end]), q[..., :half]), axis=-1)
-        rotated *= sin
-        out = q * cos
-        out += rotated
-        return (out,)
+        if q.dtype in _COMPILED and q.dtype == cos.dtype == sin.dtype and cos.shape == sin.shape:
+            plan = plans(q.shape, cos.shape)
+            if plan is not None:
+                rows, q_2d, table_2d = plan
+                out = np.empty(q_2d, q.dtype)
+                compiled.rotate_half(q.reshape(q_2d), cos.reshape(table_2d), sin.reshape(table_2d), rows, half, out)
+                return (out.reshape(q.shape),)
+        return (_rotate_half_numpy(q, cos, sin, half, end),)
 
     return kernel
+
+
+@register("SkipRMSNormalization", domain=FUSED_DOMAIN, since=1)
+def skip_rms_normalization(node, shapes, opset):
+    """(RMSNormalization(a + b, weight), a + b): the residual add and the norm after it, over the last
+    axis. When a, b and the weight share a float32/float64 dtype that is also the statistics' (the norm's
+    stash_type), one compiled pass per row; otherwise Add then the RMSNormalization kernel."""
+    epsilon = float(node.attr("epsilon", 1e-5))
+    stash = _stash_dtype(node)
+    stash = stash if stash in _COMPILED else None  # the compiled pass keeps the statistics in the input's dtype
+    norm = rms_normalization(Node("RMSNormalization", ["x", "scale"], ["y"], name=node.name, attrs={
+        "axis": -1, "epsilon": epsilon, "stash_type": int(node.attr("stash_type", 1))}, opset=23),
+        [shapes[0], shapes[2]], 23)
+    compiled = _compiled_decoder()
+
+    def kernel(a, b, weight):
+        if a.dtype == stash and a.dtype == b.dtype == weight.dtype and a.shape == b.shape and a.size \
+                and weight.shape == a.shape[-1:]:
+            n = a.shape[-1]
+            out, total = np.empty(a.shape, a.dtype), np.empty(a.shape, a.dtype)
+            compiled.skip_rms_norm(a.reshape(-1, n), b.reshape(-1, n), weight, epsilon, out.reshape(-1, n),
+                                   total.reshape(-1, n))
+            return out, total
+        total = a + b
+        return norm(total, weight)[0], total
+
+    return kernel
+
+
+# Up to this many elements SwishMul runs one compiled pass; above, numpy. The compiled loop calls libm's
+# scalar exp (~4 ns an element, numba has no SIMD exp without SVML) but saves numpy's five ufunc calls
+# and its errstate (~5 us, more in a model run where the weights evict the interpreter's data from cache).
+_SWISH_MUL_COMPILED_SIZE = 2048
+
+
+@register("SwishMul", domain=FUSED_DOMAIN, since=1)
+def swish_mul(node, shapes, opset):
+    """Swish(a, alpha) * b, the gated unit of a SwiGLU feed-forward block. A decode step's row (a and b
+    of one float32/float64 shape, at most _SWISH_MUL_COMPILED_SIZE values) is one compiled pass, equal to
+    Swish then Mul within exp's rounding; otherwise numpy in place in one temporary, equal to them."""
+    alpha = float(node.attr("alpha", 1.0))
+    compiled = _compiled_decoder()
+
+    @_quiet  # exp overflows to inf for large negative inputs, giving the correct limit 0
+    def numpy_kernel(a, b):
+        if a.dtype not in _COMPILED:  # half precision: Swish computes in float32 and casts back
+            x = a.astype(np.float32)
+            y = x / (1 + np.exp(-x.dtype.type(alpha) * x))
+            return (y.astype(a.dtype) * b,)
+        t = np.multiply(a, a.dtype.type(-alpha))
+        np.exp(t, out=t)
+        t += a.dtype.type(1)
+        np.divide(a, t, out=t)
+        if b.shape == t.shape:
+            t *= b
+            return (t,)
+        return (t * b,)  # b broadcasts
+
+    def kernel(a, b):
+        if a.dtype in _COMPILED and a.dtype == b.dtype and a.shape == b.shape and a.size <= _SWISH_MUL_COMPILED_SIZE:
+            out = np.empty(a.shape, a.dtype)
+            compiled.swish_mul(a.reshape(-1), b.reshape(-1), alpha, out.reshape(-1))
+            return (out,)
+        return numpy_kernel(a, b)
+
+    return kernel
+
+
+def _static_reshape(node):
+    """x -> x reshaped to the constant target shape that the decoder fusion moved into the ``shape``
+    attribute (a 0 copies x's dimension unless ``allowzero``)."""
+    shape = [int(d) for d in np.asarray(node.attr("shape")).reshape(-1)]
+    if 0 in shape and not node.attr("allowzero", 0):
+        return lambda x: _reshape(x, shape)
+    shape = tuple(shape)
+    return lambda x: x.reshape(shape)
+
+
+@register("ReshapeTranspose", domain=FUSED_DOMAIN, since=1)
+def reshape_transpose(node, shapes, opset):
+    """Transpose(Reshape(x, shape), perm): splitting a hidden axis into heads and moving them forward."""
+    reshape, perm = _static_reshape(node), tuple(node.attr("perm"))
+    return lambda x: (reshape(x).transpose(perm),)
+
+
+@register("TransposeReshape", domain=FUSED_DOMAIN, since=1)
+def transpose_reshape(node, shapes, opset):
+    """Reshape(Transpose(x, perm), shape): moving heads back and merging them into one hidden axis."""
+    reshape, perm = _static_reshape(node), tuple(node.attr("perm"))
+    return lambda x: (reshape(x.transpose(perm)),)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
+from ..fusions import FUSED_DOMAIN
 from ..registry import register
 
 
@@ -32,6 +33,50 @@ def matmul(node, shapes, opset):
             return (np.matmul(a, b),)
         # asarray: two 1-D inputs make np.matmul return a numpy scalar, and kernels return arrays.
         return (np.asarray(_matmul(a, b)).astype(a.dtype, copy=False),)
+
+    return kernel
+
+
+def _product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """A fresh C-contiguous ``a @ b`` for a 2-D ``b``: one 2-D BLAS call when a's rows are contiguous."""
+    if a.dtype is b.dtype and a.dtype in _BLAS_FLOATS and a.ndim > 1 and a.flags.c_contiguous:
+        return np.matmul(a.reshape(-1, a.shape[-1]), b).reshape(a.shape[:-1] + (b.shape[-1],))
+    return np.asarray(_matmul(a, b)).astype(a.dtype, copy=False)
+
+
+@register("FusedMatMul", domain=FUSED_DOMAIN, since=1)
+def fused_matmul(node, shapes, opset):
+    """MatMul + bias [-> Gelu] [+ residual] (see fusions.fuse_matmul_bias): BLAS for the product, then one
+    compiled pass (three with Gelu's tanh) over it for float32/float64; the unfused kernels otherwise."""
+    from ..compiled import transformer as compiled
+    from .nn import _gelu_erf, _gelu_series, _gelu_tanh
+
+    activation = node.attr("activation", "none")
+    # Each activation as (numpy kernel, the compiled loops' series per dtype); None for "none".
+    gelus = {"gelu": (_gelu_erf, "none"), "gelu_tanh": (_gelu_tanh, "tanh")}
+    if activation != "none" and activation not in gelus:
+        raise InvalidGraphError(f"node {node.name!r} (FusedMatMul): unknown activation {activation!r}")
+    gelu, approximate = gelus.get(activation, (None, None))
+    series = {np.dtype(t): _gelu_series(approximate, t) for t in _BLAS_FLOATS} if gelu else {}
+
+    def kernel(a, b, bias, residual=None):
+        y = _product(a, b)
+        if (y.dtype in _BLAS_FLOATS and y.size and bias.dtype == y.dtype and bias.shape == y.shape[-1:]
+                and (residual is None or (residual.shape == y.shape and residual.dtype == y.dtype))):
+            rows = y.reshape(-1, y.shape[-1])
+            skip = None if residual is None else np.ascontiguousarray(residual).reshape(rows.shape)
+            if activation == "none":
+                compiled.add_bias_residual(rows, bias, skip)
+                return (y,)
+            coefficients = series.get(y.dtype)
+            if coefficients is not None:
+                return (compiled.gelu(rows, coefficients, bias, skip).reshape(y.shape),)
+        # Anything else: the unfused nodes' arithmetic, in their order.
+        y = bias + y
+        if gelu is not None:
+            with np.errstate(over="ignore", invalid="ignore"):  # as the Gelu kernel
+                y = gelu(y).astype(y.dtype, copy=False)
+        return (y if residual is None else residual + y,)
 
     return kernel
 

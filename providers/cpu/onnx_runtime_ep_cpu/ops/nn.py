@@ -8,8 +8,9 @@ F(2x2, 3x3) for wide 3x3 layers, im2col over the unpadded image rows when a stri
 wide as its input, and otherwise im2col (one strided copy per block of output rows, then a batched
 matmul); weights rearranged for a path are kept while the same constant arrays come in. FusedConv
 and FusedBatchNormalization (see conv_fusions.py) add a residual and an activation in place.
-Pooling folds the unpadded input one spatial dim at a time, so Python only loops over the (few)
-kernel taps.
+MaxPool/AveragePool over 1-D and 2-D windows, GlobalAveragePool and LRN run compiled loops
+(compiled/pooling.py, compiled/lrn.py) for float32/float64; otherwise pooling folds the unpadded
+input one spatial dim at a time, so Python only loops over the (few) kernel taps.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 from onnx_runtime.windows import WindowAttributes
 
+from ..blas import available as blas_accumulates
+from ..blas import gemm_accumulate
+from ..compiled import takes as takes_compiled
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
-from .special import erf_float32, erf_float64
+from .special import _scaled_coefficients, erf_float32, erf_float64
 
 # -- shared helpers ------------------------------------------------------------------------------
 
@@ -366,14 +370,21 @@ _IM2COL_BYTES = 1 << 22
 def _conv_im2col(x, weights, geo: _Geometry, group: int, with_bias: bool) -> np.ndarray:
     """General convolution: (G, Mg, Cg*K [+1]) weights times the im2col matrix of ``x``.
 
-    The column matrix is copied out of a strided window view of the padded input in one copy per
-    block of output rows, each block feeding one batched matmul that writes straight into its rows
-    of the result. With a bias, the matrix gets a row of ones so the matmul adds it.
+    The column matrix is written one block of output rows at a time, each block feeding one batched
+    matmul that writes straight into its rows of the result: for 2-D float32/float64 windows by a
+    compiled loop straight from the input (compiled/im2col.py), otherwise copied out of a strided
+    window view of the padded input. With a bias, the matrix gets a row of ones so the matmul adds it.
     """
     n, c = x.shape[:2]
     cg, mg, depth = c // group, weights.shape[1], weights.shape[2]
-    xp = geo.pad(x, 0)
-    windows = geo.windows(xp.reshape(n, group, cg, *xp.shape[2:]))
+    if len(geo.kernel) == 2 and takes_compiled(x):
+        fill = _compiled_im2col(x.reshape(n, group, cg, *x.shape[2:]), geo)
+    else:
+        windows = geo.windows(geo.pad(x, 0).reshape(n, group, cg, *geo.padded_shape(x.shape)[2:]))
+
+        def fill(taps, block, count):
+            taps = taps[..., : count * math.prod(geo.out[1:])]
+            np.copyto(taps.reshape(n, group, cg, *geo.kernel, count, *geo.out[1:], copy=False), windows[block])
     y = np.empty((n, group, mg, *geo.out), dtype=x.dtype)
     rest = math.prod(geo.out[1:])
     rows = max(1, min(geo.out[0], _IM2COL_BYTES // max(1, x.itemsize * n * group * depth * rest)))
@@ -385,10 +396,26 @@ def _conv_im2col(x, weights, geo: _Geometry, group: int, with_bias: bool) -> np.
         block = (Ellipsis, slice(start, start + rows), *spatial)
         count = min(rows, geo.out[0] - start)
         cols = buffer[..., : count * rest]
-        taps = cols[:, :, : depth - 1] if with_bias else cols
-        np.copyto(taps.reshape(n, group, cg, *geo.kernel, count, *geo.out[1:], copy=False), windows[block])
+        fill(buffer[:, :, : depth - 1] if with_bias else buffer, block, count)  # whole rows: contiguous
         np.matmul(weights, cols, out=y[block].reshape(n, group, mg, count * rest, copy=False))
     return y
+
+
+def _compiled_im2col(xg: np.ndarray, geo: _Geometry):
+    """``fill(taps, block, count)`` writing the column rows of output rows ``block`` of (N, G, Cg, H, W)
+    ``xg`` into the first count*OW columns of ``taps`` (N, G, Cg*K, rows*OW) with the compiled loop."""
+    from ..compiled.im2col import fill_columns
+
+    xg = np.ascontiguousarray(xg)
+    (kh, kw), (sh, sw), (dh, dw), (top, left), ow = geo.kernel, geo.strides, geo.dilations, geo.begin, geo.out[1]
+
+    def fill(taps, block, count):
+        start = block[-2].start
+        for image in range(xg.shape[0]):
+            for g in range(xg.shape[1]):
+                fill_columns(xg[image, g], taps[image, g], kh, kw, sh, sw, dh, dw, top, left, start, count, ow)
+
+    return fill
 
 
 def _tight_fits(geo: _Geometry) -> bool:
@@ -487,7 +514,7 @@ def _crop_rows(rows: np.ndarray, geo: _Geometry, out: np.ndarray, b=None) -> Non
 
 def _conv_by_taps(x, taps, b, geo: _Geometry) -> np.ndarray:
     """Stride-1 2-D convolution as one matmul per kernel tap over shifted runs of the padded rows,
-    with no column matrix: for few output channels the im2col copy costs more than these sums."""
+    with no column matrix: BLAS accumulates each tap's product into the output rows (see blas.py)."""
     n, m = x.shape[0], taps.shape[1]
     flat = _padded_rows(x, geo)
     length = geo.out[0] * _padded_width(geo)
@@ -496,9 +523,11 @@ def _conv_by_taps(x, taps, b, geo: _Geometry) -> np.ndarray:
     product = np.empty_like(total)
     for image in range(n):
         for t, offset in enumerate(_tap_offsets(geo)):
-            np.matmul(taps[t], flat[image, :, offset:offset + length], out=total if t == 0 else product)
-            if t:
-                total += product
+            source = flat[image, :, offset:offset + length]
+            if t == 0:
+                np.matmul(taps[0], source, out=total)
+            else:
+                gemm_accumulate(taps[t], source, total, scratch=product)
         _crop_rows(total, geo, y[image], b)
     return y
 
@@ -562,7 +591,8 @@ def _tap_source(x: np.ndarray, geo: _Geometry):
 def _conv_depthwise(x, weights, geo: _Geometry, with_bias: bool) -> np.ndarray:
     """Convolution with one input channel per group: per channel, a (multiplier, K) matmul over its
     K kernel taps, for a cache-sized block of channels at a time (one batched matmul over all the
-    channels would stream a column matrix K times the input through memory).
+    channels would stream a column matrix K times the input through memory). The path for what the
+    compiled loop does not take (see _depthwise_compiles): dtypes other than float32/float64, 3-D windows.
 
     Stride-1 2-D windows copy their taps as long contiguous runs of the flattened rows (see
     _tap_source); outputs computed on a grid wider than the output are cropped at the end.
@@ -591,6 +621,32 @@ def _conv_depthwise(x, weights, geo: _Geometry, with_bias: bool) -> np.ndarray:
         if rows is not None:
             _crop_rows(rows.reshape(-1, length), geo, y[image])
     return y
+
+
+def _depthwise_compiles(geo: _Geometry, x: np.ndarray) -> bool:
+    """Whether the compiled depthwise loop takes this convolution: 1-D or 2-D, float32/float64."""
+    return len(geo.kernel) <= 2 and takes_compiled(x)
+
+
+def _compiled_depthwise(geo: _Geometry, m: int, prepared: _Prepared, dtype):
+    """``compute(x, w, b)`` for a depthwise convolution by the compiled loop (compiled/depthwise.py);
+    a 1-D window runs as a 2-D one of height 1."""
+    from ..compiled.depthwise import DepthwisePlan  # numba loads only for models that need it
+
+    lift = (1,) * (2 - len(geo.kernel))
+    plan = DepthwisePlan(lift + geo.in_shape, lift + geo.kernel, lift + geo.strides, lift + geo.dilations,
+                         (0,) * len(lift) + geo.begin, lift + geo.out)
+
+    def weights(w, b):
+        # Fresh writeable copies: numba compiles a read-only array argument separately.
+        bias = np.zeros(m, dtype) if b is None else np.array(b, dtype=dtype)
+        return np.array(w.reshape(m, -1), dtype=dtype, order="C"), bias
+
+    def compute(x, w, b):
+        flat_w, bias = prepared.get("depthwise", (w, b), lambda: weights(w, b))
+        return plan(np.ascontiguousarray(x), flat_w, bias)
+
+    return compute
 
 
 # Winograd F(2x2, 3x3) (Lavin & Gray, 2015): a 2x2 output tile is A^T [(G g G^T) * (B^T d B)] A for
@@ -640,10 +696,10 @@ def _conv_winograd(x, u, b, geo: _Geometry) -> np.ndarray:
 def _use_winograd(geo: _Geometry, group: int, c: int, m: int) -> bool:
     """Winograd pays where the channel-mixing products dominate: enough input channels for long
     products (K = C) and enough outputs, on images with enough tiles per product (measured in
-    the CNN benchmarks: a 7x7 image loses) but small enough for the tile stacks to stay near the
-    cache."""
+    the CNN benchmarks: a 7x7 image loses; below 192 channels the im2col paths measured faster) but
+    small enough for the tile stacks to stay near the cache."""
     return (geo.kernel == (3, 3) and geo.strides == (1, 1) and geo.dilations == (1, 1) and group == 1
-            and c >= 96 and m >= 64 and 12 * 12 <= math.prod(geo.out) <= 56 * 56)
+            and c >= 192 and m >= 192 and 12 * 12 <= math.prod(geo.out) <= 28 * 28)
 
 
 def _rows_fit(geo: _Geometry) -> bool:
@@ -651,9 +707,19 @@ def _rows_fit(geo: _Geometry) -> bool:
     return len(geo.kernel) == 2 and geo.strides == (1, 1) and math.prod(geo.kernel) > 1
 
 
-def _use_taps(geo: _Geometry, group: int, c: int, m: int) -> bool:
-    """Per-tap matmuls pay off for stride-1 2-D kernels with a few outputs per input channel."""
-    return group == 1 and _rows_fit(geo) and 4 * m <= c
+def _use_taps(geo: _Geometry, group: int, c: int, m: int, dtype) -> bool:
+    """Per-tap matmuls pay off for stride-1 2-D kernels with a few outputs per input channel, and,
+    where BLAS accumulates in place, for few input channels on wide images: the im2col copy (K times
+    the input) then costs more than the shorter products, and the padded rows waste little."""
+    if group != 1 or not _rows_fit(geo):
+        return False
+    column_bytes = c * math.prod(geo.kernel) * math.prod(geo.out) * dtype.itemsize
+    return 4 * m <= c or (blas_accumulates(dtype) and column_bytes >= _TAPS_COLUMN_BYTES)
+
+
+# Column matrices from this size on stream through memory in im2col; per-tap products accumulated
+# in BLAS measured faster from here on (3x3 kernels: 32 channels at 112x112, 256 at 56x56).
+_TAPS_COLUMN_BYTES = 12 << 20
 
 
 @register("Conv", since=1)
@@ -684,10 +750,12 @@ def _conv_path(geo: _Geometry, group: int, x: np.ndarray, w: np.ndarray, prepare
     def grouped(w, b):
         return prepared.get("grouped", (w, b), lambda: _grouped_weights(w, b, group, dtype))
 
-    if group == c and group > 1:
+    if group == c and group > 1 and _depthwise_compiles(geo, x):
+        compute = _compiled_depthwise(geo, m, prepared, dtype)
+    elif group == c and group > 1:
         def compute(xc, w, b):
             return _conv_depthwise(xc, grouped(w, b), geo, b is not None)
-    elif _use_taps(geo, group, c, m):
+    elif _use_taps(geo, group, c, m, dtype):
         def compute(xc, w, b):
             return _conv_by_taps(xc, prepared.get("taps", (w,), lambda: _tap_weights(w, dtype)), b, geo)
     elif _use_winograd(geo, group, c, m) and not w.flags.writeable:  # its weight transform is done once
@@ -744,14 +812,53 @@ def _add_residual(y: np.ndarray, z: np.ndarray) -> np.ndarray:
     return np.add(y, z)
 
 
+def _activation_code(node):
+    """The node's fused activation as the compiled epilogue's (code, parameters) pair."""
+    from ..compiled import epilogue
+
+    kind = node.attr("activation")
+    params = [float(p) for p in node.attr("activation_params", [])]
+    codes = {None: epilogue.NONE, "Relu": epilogue.RELU, "Clip": epilogue.CLIP, "LeakyRelu": epilogue.LEAKY_RELU}
+    return codes[kind], (params + [0.0, 0.0])[:2]
+
+
+def _compiled_epilogue(node):
+    """``finish(y, b, z)``: bias, residual (same shape and dtype as ``y``) and activation in one
+    compiled pass over the fresh float32/float64 conv output ``y``, in place."""
+    from ..compiled import epilogue
+
+    kind, params = _activation_code(node)
+
+    def finish(y, b, z):
+        n, c = y.shape[:2]
+        bias = epilogue.absent(y.dtype, 1) if b is None else np.ascontiguousarray(b, dtype=y.dtype)
+        rows = (n, c, math.prod(y.shape[2:]))
+        residual = epilogue.absent(y.dtype, 3) if z is None else np.ascontiguousarray(z).reshape(rows)
+        epilogue.bias_residual_activation(y.reshape(rows), bias, residual, kind, np.array(params, dtype=y.dtype))
+
+    return finish
+
+
 @register("FusedConv", domain=FUSED_DOMAIN, since=1)
 def fused_conv(node, shapes, opset):
-    """Conv (the node's Conv attributes), then an optional residual ``z`` added and an activation."""
+    """Conv (the node's Conv attributes), then an optional residual ``z`` added and an activation.
+
+    For float32/float64 the bias, residual and activation are one compiled pass over the output
+    (the convolution itself then runs without its bias); other dtypes take numpy passes in place."""
     conv_kernel = conv(node, shapes, opset)
     activate = _in_place_activation(node)
+    finish = _compiled_epilogue(node)
 
     def kernel(x, w, b=None, z=None):
-        (y,) = conv_kernel(x, w, b)  # always a fresh array, so it may be overwritten
+        if takes_compiled(x):
+            (y,) = conv_kernel(x, w, None)  # always a fresh array, so it may be overwritten
+            if z is None or (z.shape == y.shape and z.dtype == y.dtype):
+                finish(y, b, z)
+                return (y,)
+            if b is not None:  # a residual that broadcasts: numpy passes from here
+                y += b.reshape(-1, *(1,) * (y.ndim - 2))
+        else:
+            (y,) = conv_kernel(x, w, b)
         if z is not None:
             y = _add_residual(y, z)
         if activate is not None:
@@ -876,6 +983,36 @@ def _max_pool_with_indices(geo: _Geometry, xp: np.ndarray, x_shape, column_major
     return y, planes + spatial
 
 
+def _pool_loops():
+    """The compiled pooling loops; imported by the op factories, so numba loads only for models that pool."""
+    from ..compiled import pooling
+
+    return pooling
+
+
+def _compiled_pool(loops, x: np.ndarray, geo: _Geometry, include_pad: bool | None = None):
+    """Max pooling (``include_pad`` None) or average pooling of ``x`` by the compiled loops, which
+    take float32/float64 with 1-D or 2-D windows (a 1-D window is a 2-D one over a single row);
+    None where they do not apply."""
+    rank = len(geo.kernel)
+    if rank > 2 or not loops.takes(x) or x.size == 0 or 0 in geo.out:
+        return None
+    fields = (geo.kernel, geo.strides, geo.dilations, geo.begin, geo.end, geo.in_shape)
+    if rank == 1:
+        fields = tuple((unit, *field) for unit, field in zip((1, 1, 1, 0, 0, 1), fields))
+    (kh, kw), (sh, sw), (dh, dw), (ph, pw), (eh, ew), (h, w) = fields
+    planes = np.ascontiguousarray(x).reshape(-1, h, w)
+    y = np.empty(x.shape[:2] + geo.out, dtype=x.dtype)
+    rows = y.reshape(planes.shape[0], -1, y.shape[-1])
+    # The positions an average counts, in padded coordinates: the input, plus the declared pads
+    # with count_include_pad; a ceil_mode overhang never counts.
+    (lo_h, hi_h), (lo_w, hi_w) = (
+        (0, p + n + e) if include_pad else (p, p + n) for p, n, e in ((ph, h, eh), (pw, w, ew))
+    )
+    loops.pool_2d(planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, include_pad is None, lo_h, hi_h, lo_w, hi_w)
+    return y
+
+
 @register("MaxPool", since=1)
 def max_pool(node, shapes, opset):
     window = _Window(node, shapes, needs_kernel=True)
@@ -883,13 +1020,15 @@ def max_pool(node, shapes, opset):
     if storage_order not in (0, 1):
         raise _graph_error(node, "storage_order", f"is {storage_order}; expected 0 (row major) or 1")
     with_indices = _wants(node, 1)
+    loops = None if with_indices else _pool_loops()
 
     def kernel(x):
         geo = window.resolve(x.shape[2:])
         if with_indices:
             xp = geo.pad(x, _lowest(x.dtype))
             return _max_pool_with_indices(geo, xp, x.shape, column_major=storage_order == 1)
-        return (geo.reduce_windows(x, np.maximum, _lowest(x.dtype)),)
+        y = _compiled_pool(loops, x, geo)
+        return (geo.reduce_windows(x, np.maximum, _lowest(x.dtype)) if y is None else y,)
 
     return kernel
 
@@ -898,9 +1037,13 @@ def max_pool(node, shapes, opset):
 def average_pool(node, shapes, opset):
     window = _Window(node, shapes, needs_kernel=True)
     include_pad = bool(node.attr("count_include_pad", 0))
+    loops = _pool_loops()
 
     def kernel(x):
         geo = window.resolve(x.shape[2:])
+        y = _compiled_pool(loops, x, geo, include_pad)
+        if y is not None:
+            return (y,)
         xc = _upcast(x)
         total = geo.reduce_windows(xc, np.add, 0)
         total /= geo.divisor(include_pad, xc.dtype)
@@ -944,7 +1087,14 @@ def _spatial_axes(x: np.ndarray) -> tuple[int, ...]:
 
 @register("GlobalAveragePool", since=1)
 def global_average_pool(node, shapes, opset):
+    loops = _pool_loops()
+
     def kernel(x):
+        size = math.prod(x.shape[2:])
+        if loops.takes(x) and x.ndim > 2 and 0 < size <= loops.PLANE_SUM_LIMIT and x.size:
+            y = np.empty(x.shape[:2] + (1,) * (x.ndim - 2), dtype=x.dtype)
+            loops.plane_means(np.ascontiguousarray(x).reshape(-1, size), y.reshape(-1), size)
+            return (y,)
         y = x.mean(axis=_spatial_axes(x), keepdims=True, dtype=_compute_dtype(x.dtype))
         return (y.astype(x.dtype, copy=False),)
 
@@ -1001,30 +1151,55 @@ def _batch_norm_stats(x, axes, mean, var, momentum, dtype):
     return batch_mean, batch_var, running_mean, running_var
 
 
-def _batch_norm_kernel(node, training: bool, spatial: bool):
+def _compiled_channel_affine(x: np.ndarray, factor: np.ndarray, shift: np.ndarray, code) -> np.ndarray:
+    """x * factor + shift for (C,) parameters, then the activation ``code`` = (kind, params): one
+    compiled pass."""
+    from ..compiled import epilogue
+
+    kind, params = code
+    n, c = x.shape[:2]
+    rows = np.ascontiguousarray(x).reshape(n, c, math.prod(x.shape[2:]))
+    y = np.empty_like(rows)
+    epilogue.channel_affine(rows, factor.astype(x.dtype, copy=False), shift.astype(x.dtype, copy=False), y,
+                            kind, np.array(params, dtype=x.dtype))
+    return y.reshape(x.shape)
+
+
+def _batch_norm_kernel(node, training: bool, spatial: bool, fused_activation: bool = False):
     """BatchNormalization returning as many outputs as the node lists.
 
     Training mode normalizes with the batch statistics and returns the updated running mean/var
     (and, before opset 14, the batch mean/var). Inference mode passes the running statistics
-    through for any optional outputs listed, as they do not change.
+    through for any optional outputs listed, as they do not change; for float32/float64 it is one
+    compiled pass. With ``fused_activation`` (FusedBatchNormalization) it also applies the node's
+    activation (inside that pass when compiled).
     """
     epsilon = float(node.attr("epsilon", 1e-5))
     momentum = float(node.attr("momentum", 0.9))
     n_outputs = len(node.outputs)
     prepared = _Prepared()
+    activate = _in_place_activation(node) if fused_activation else None  # validates the activation
+    code = _activation_code(node) if fused_activation else (0, [0.0, 0.0])
 
     def inference(x, scale, bias, mean, var):
         dtype = _compute_dtype(x.dtype)
         if x.ndim >= 2 and all(p.shape == (x.shape[1],) for p in (scale, bias, mean, var)):
             factor, shift = prepared.get(dtype, (scale, bias, mean, var), lambda: _affine_params(
                 *(p.astype(dtype, copy=False) for p in (mean, var, scale, bias)), epsilon, dtype))
-            return _per_channel_affine(x, factor, shift, dtype)
-        s, b, mu, v = (_channel_param(p, x.ndim, dtype) for p in (scale, bias, mean, var))
-        return _affine_normalize(x, mu, v, s, b, epsilon, dtype)
+            if takes_compiled(x):
+                return _compiled_channel_affine(x, factor, shift, code)
+            y = _per_channel_affine(x, factor, shift, dtype)
+        else:
+            s, b, mu, v = (_channel_param(p, x.ndim, dtype) for p in (scale, bias, mean, var))
+            y = _affine_normalize(x, mu, v, s, b, epsilon, dtype)
+        y = y.astype(x.dtype, copy=False)
+        if activate is not None:
+            activate(y)
+        return y
 
     def kernel(x, scale, bias, mean, var):
         if not training:
-            y = inference(x, scale, bias, mean, var).astype(x.dtype, copy=False)
+            y = inference(x, scale, bias, mean, var)
             return (y, mean, var, mean, var)[:n_outputs]
         dtype = _compute_dtype(x.dtype)
         s, b = (_channel_param(p, x.ndim, dtype) for p in (scale, bias))
@@ -1041,13 +1216,10 @@ def _batch_norm_kernel(node, training: bool, spatial: bool):
 @register("FusedBatchNormalization", domain=FUSED_DOMAIN, since=1)
 def fused_batch_normalization(node, shapes, opset):
     """Inference BatchNormalization, then an activation in place on its fresh output."""
-    normalize = _batch_norm_kernel(node, training=False, spatial=True)
-    activate = _in_place_activation(node)
+    normalize = _batch_norm_kernel(node, training=False, spatial=True, fused_activation=True)
 
     def kernel(x, scale, bias, mean, var):
-        (y,) = normalize(x, scale, bias, mean, var)[:1]
-        activate(y)
-        return (y,)
+        return normalize(x, scale, bias, mean, var)[:1]
 
     return kernel
 
@@ -1122,16 +1294,32 @@ def _standardize_rows(rows: np.ndarray, epsilon: float):
     return centered, mean, inv_std
 
 
+def _layer_norm_compiles(x, scale, bias, start: int, stash) -> bool:
+    """Whether the compiled loop takes this LayerNormalization: statistics in x's own float32/float64,
+    and scale and bias (if any) of x's dtype covering the normalized axes exactly (no broadcasting)."""
+    if x.dtype != stash or not x.size or not takes_compiled(x):
+        return False
+    params = (scale,) if bias is None else (scale, bias)
+    return all(p.dtype == x.dtype and p.shape == x.shape[start:] for p in params)
+
+
 @register("LayerNormalization", since=17)
 def layer_normalization(node, shapes, opset):
     epsilon = float(node.attr("epsilon", 1e-5))
     axis = int(node.attr("axis", -1))
     stash = _stash_dtype(node)
     n_outputs = len(node.outputs)
+    from ..compiled import transformer as compiled
 
     def kernel(x, scale, bias=None):
         start = _normalize_axis(node, axis, x.ndim)
         stats_shape = x.shape[:start] + (1,) * (x.ndim - start)
+        if _layer_norm_compiles(x, scale, bias, start, stash):
+            rows = np.ascontiguousarray(x).reshape(math.prod(x.shape[:start]), -1)
+            y, mean, inv_std = compiled.layer_norm(rows, np.ascontiguousarray(scale).reshape(-1),
+                                                   None if bias is None else np.ascontiguousarray(bias).reshape(-1),
+                                                   epsilon)
+            return (y.reshape(x.shape), mean.reshape(stats_shape), inv_std.reshape(stats_shape))[:n_outputs]
         xs = x.astype(stash, copy=False)
         if stash in (np.float32, np.float64):
             rows = xs.reshape(math.prod(x.shape[:start]), math.prod(x.shape[start:]))
@@ -1184,6 +1372,18 @@ def group_normalization_21(node, shapes, opset):
     return _group_norm_kernel(node, per_group_params=False, stash=_stash_dtype(node))
 
 
+def _lrn_compiled(loops, x: np.ndarray, size: int, before: int, alpha: float, beta: float, bias: float) -> np.ndarray:
+    """LRN with the denominator base from the compiled loop (the same bits as the numpy path:
+    the scale and bias are rounded to x's dtype as numpy rounds Python floats), then numpy's
+    vectorized power and division in place."""
+    x3 = np.ascontiguousarray(x).reshape(x.shape[0], x.shape[1], -1)
+    y = np.empty_like(x3)
+    loops.lrn_base(x3, y, size, before, x.dtype.type(alpha / size), x.dtype.type(bias))
+    np.power(y, beta, out=y)
+    np.divide(x3, y, out=y)
+    return y.reshape(x.shape)
+
+
 @register("LRN", since=1)
 def lrn(node, shapes, opset):
     size = node.attr("size")
@@ -1194,8 +1394,11 @@ def lrn(node, shapes, opset):
     beta = float(node.attr("beta", 0.75))
     bias = float(node.attr("bias", 1.0))
     before = (size - 1) // 2  # the window over channels is [c - before, c - before + size)
+    from ..compiled import lrn as loops  # numba loads only for models with LRN
 
     def kernel(x):
+        if loops.takes(x) and x.ndim >= 3 and x.size:
+            return (_lrn_compiled(loops, x, size, before, alpha, beta, bias),)
         xc = _upcast(x)
         squares = np.zeros((x.shape[0], x.shape[1] + size - 1, *x.shape[2:]), dtype=xc.dtype)
         np.square(xc, out=squares[:, before:before + x.shape[1]])
@@ -1372,14 +1575,31 @@ def _gelu_tanh(x: np.ndarray) -> np.ndarray:
     return y
 
 
+def _gelu_series(approximate: str, dtype) -> np.ndarray | None:
+    """Coefficients (lowest first) of the odd series u * P(u^2) whose tanh both Gelu kernels above take,
+    for the compiled loops; None where the numpy kernel runs (other dtypes, float64's erf)."""
+    if dtype == np.float32 and approximate == "none":
+        return np.array(_scaled_coefficients(1 / math.sqrt(2)), np.float32)
+    if dtype in (np.float32, np.float64) and approximate == "tanh":
+        return np.array([math.sqrt(2 / math.pi), math.sqrt(2 / math.pi) * 0.044715], dtype)
+    return None
+
+
 @register("Gelu", since=20)
 def gelu(node, shapes, opset):
     approximate = node.attr("approximate", "none")
     if approximate not in ("none", "tanh"):
         raise _graph_error(node, "approximate", f"is {approximate!r}; expected 'none' or 'tanh'")
     fn = _gelu_erf if approximate == "none" else _gelu_tanh
+    from ..compiled import transformer as compiled
+
+    # The compiled loops compute the same float operations in three passes instead of ~18.
+    series = {np.dtype(t): _gelu_series(approximate, t) for t in (np.float32, np.float64)}
 
     def kernel(x):
+        coefficients = series.get(x.dtype)
+        if coefficients is not None and x.size:
+            return (compiled.gelu(compiled.as_rows(x), coefficients).reshape(x.shape),)
         with np.errstate(over="ignore", invalid="ignore"):  # huge |x| overflows; -inf * 0 is NaN as specified
             return (fn(x).astype(x.dtype, copy=False),)
 

@@ -107,7 +107,20 @@ def unsqueeze_v1(node, shapes, opset):
 
 @register("Unsqueeze", since=13)
 def unsqueeze(node, shapes, opset):
-    return lambda x, axes: (_unsqueeze(x, axes),)
+    # The axes are nearly always the same constant: the last (input shape, axes) -> output shape is kept
+    # (as one tuple: sessions may run from several threads), which saves the axes' normalization per call.
+    last = [(None, None)]
+
+    def kernel(x, axes):
+        if not isinstance(axes, np.ndarray):
+            return (_unsqueeze(x, axes),)
+        key = (x.shape, axes.dtype, axes.tobytes())
+        entry = last[0]
+        if entry[0] != key:
+            entry = last[0] = (key, _unsqueeze(x, axes).shape)
+        return (x.reshape(entry[1]),)
+
+    return kernel
 
 
 # -- Shape, Size, Expand, Tile ------------------------------------------------------------------------
@@ -164,6 +177,9 @@ def _concat_factory(default_axis):
         axis = node.attr("axis", default_axis)
         if axis is None:
             raise _graph_error(node, "axis", "is missing", "the axis to concatenate on")
+        if shapes and shapes[0] is not None and -len(shapes[0]) <= axis < len(shapes[0]):
+            fixed = normalize_axis(axis, len(shapes[0]))  # a known rank: normalized once, not per call
+            return lambda *xs: (np.concatenate(xs, axis=fixed),)
         return lambda *xs: (np.concatenate(xs, axis=normalize_axis(axis, xs[0].ndim)),)
 
     return factory

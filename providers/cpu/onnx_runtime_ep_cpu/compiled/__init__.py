@@ -1,0 +1,40 @@
+"""Compiled loops (numba) for the kernels numpy cannot do in one pass over memory.
+
+numpy spends one pass over memory per operation, and some kernels need many: a max pool is a
+pass per window tap, a conv epilogue (bias, residual, activation) a pass per term, a depthwise
+convolution a pass per tap. The loops here do such work in one pass, on float32/float64 arrays;
+the numpy kernels keep every other dtype. Modules of this package are imported by the op
+factories that use them, and ``jit`` imports numba on first use, so numba loads (~0.2 s) only
+for models that need it.
+
+Every loop runs on the calling thread (``parallel`` stays off): numpy's OpenBLAS keeps its worker
+threads spinning for a while after each matrix product, and a second thread pool fighting them for
+the same cores was measured up to 10x slower than one thread. Compiled code is cached on disk
+(``cache=True``), so a process pays numba's compile time once per loop and dtype, not per session.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# The dtypes the compiled loops take; callers fall back to numpy for the rest. (Compared as dtype
+# objects: reading ``dtype.name`` costs microseconds per call, which the per-run checks would pay.)
+COMPILED_DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+
+
+def takes(*arrays) -> bool:
+    """Whether the compiled loops handle these arrays: float32/float64 (other dtypes stay on numpy)."""
+    return all(a.dtype in COMPILED_DTYPES for a in arrays)
+
+
+def __getattr__(name: str):
+    # ``from . import jit`` in a loop module: numba is imported here, when the first one loads.
+    if name != "jit":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import numba
+
+    global jit
+    # nogil: sessions may run from several Python threads at once. error_model="numpy": a division
+    # by zero gives inf/nan as in numpy instead of raising. No fastmath: results match numpy's.
+    jit = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+    return jit

@@ -1,0 +1,60 @@
+"""The im2col copy of a 2-D convolution: the column matrix written straight from the unpadded input.
+
+numpy builds it from a strided window view of a padded copy of the input: one pass to pad, then a
+copy whose innermost run is one output row, strided by the convolution's stride, with a fixed cost
+per run. Here each column-matrix row (channel, kernel row, kernel column) is filled for a block of
+output rows with zeros where the tap falls in the padding, in one pass and without the padded copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import jit
+
+
+@jit
+def _valid_columns(ow_count, stride, offset, width):
+    """The output columns [first, end) whose tap at input column ``q * stride + offset`` is inside."""
+    first = 0
+    while first < ow_count and first * stride + offset < 0:
+        first += 1
+    end = ow_count
+    while end > first and (end - 1) * stride + offset >= width:
+        end -= 1
+    return first, end
+
+
+@jit
+def fill_columns(x, cols, kh, kw, sh, sw, dh, dw, top, left, row_start, row_count, ow_count):
+    """cols[(c*kh + i)*kw + j, r*OW + q] = x[c, (row_start + r)*sh - top + i*dh, q*sw - left + j*dw],
+    zero outside the input, for output rows row_start .. row_start + row_count of ``x`` (C, H, W)."""
+    channels, height, width = x.shape
+    source = x.reshape(-1)
+    target = cols.reshape(-1)
+    row_size = cols.shape[1]
+    for c in range(channels):
+        for i in range(kh):
+            for j in range(kw):
+                offset = j * dw - left
+                first, end = _valid_columns(ow_count, sw, offset, width)
+                for r in range(row_count):
+                    h = (row_start + r) * sh - top + i * dh
+                    # Unsigned flat indices: numba checks signed ones for wraparound, which keeps
+                    # these loops from vectorizing.
+                    out = np.uint64(((c * kh + i) * kw + j) * row_size + r * ow_count)
+                    if h < 0 or h >= height:
+                        for q in range(ow_count):
+                            target[out + np.uint64(q)] = 0
+                        continue
+                    line = np.uint64((c * height + h) * width + first * sw + offset)
+                    for q in range(first):
+                        target[out + np.uint64(q)] = 0
+                    if sw == 1:  # a contiguous run
+                        for q in range(end - first):
+                            target[out + np.uint64(first + q)] = source[line + np.uint64(q)]
+                    else:
+                        for q in range(end - first):
+                            target[out + np.uint64(first + q)] = source[line + np.uint64(q * sw)]
+                    for q in range(end, ow_count):
+                        target[out + np.uint64(q)] = 0

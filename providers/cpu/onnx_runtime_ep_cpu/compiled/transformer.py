@@ -1,0 +1,269 @@
+"""Compiled loops for transformer blocks: the epilogue of a matrix product (bias, residual, Gelu's
+series), layer normalization and the masked softmax of attention, each a pass per row of a 2-D array
+while the row sits in cache.
+
+numba without Intel's SVML calls libm's scalar exp and tanh, several times slower than numpy's SIMD
+versions, so the transcendental step stays a numpy call between two compiled passes (Gelu: series,
+np.tanh, finish; attention: mask and shift, np.exp, normalize). Float sums cannot vectorize without
+reassociation, so the row sums alone are compiled with it.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from . import jit
+
+# The row sums alone may reassociate: LLVM then vectorizes them (3x faster than eight interleaved
+# partial sums). Their order differs from numpy's (BLAS) sums anyway; nothing else is reordered,
+# and NaN/inf handling is unchanged (no nnan/ninf).
+_summing_jit = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", fastmath={"reassoc"})
+
+
+@_summing_jit
+def row_sum(row):
+    total = row.dtype.type(0)
+    for j in range(row.shape[0]):
+        total += row[j]
+    return total
+
+
+@_summing_jit
+def squared_deviation_sum(row, mean):
+    """Sum of (row - mean)^2."""
+    total = row.dtype.type(0)
+    for j in range(row.shape[0]):
+        d = row[j] - mean
+        total += d * d
+    return total
+
+
+@jit
+def row_max(row):
+    """The largest non-NaN value of a 1-D array (-inf if none), through eight interleaved maxima: a
+    comparison chain does not vectorize, eight independent ones run three times faster."""
+    n = row.shape[0]
+    body = n - n % 8
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = -row.dtype.type(1) / row.dtype.type(0)
+    for j in range(0, body, 8):
+        v0, v1, v2, v3 = row[j], row[j + 1], row[j + 2], row[j + 3]
+        v4, v5, v6, v7 = row[j + 4], row[j + 5], row[j + 6], row[j + 7]
+        m0 = v0 if v0 > m0 else m0
+        m1 = v1 if v1 > m1 else m1
+        m2 = v2 if v2 > m2 else m2
+        m3 = v3 if v3 > m3 else m3
+        m4 = v4 if v4 > m4 else m4
+        m5 = v5 if v5 > m5 else m5
+        m6 = v6 if v6 > m6 else m6
+        m7 = v7 if v7 > m7 else m7
+    m0 = m1 if m1 > m0 else m0
+    m2 = m3 if m3 > m2 else m2
+    m4 = m5 if m5 > m4 else m4
+    m6 = m7 if m7 > m6 else m6
+    m0 = m2 if m2 > m0 else m0
+    m4 = m6 if m6 > m4 else m4
+    peak = m4 if m4 > m0 else m0
+    for j in range(body, n):
+        v = row[j]
+        peak = v if v > peak else peak
+    return peak
+
+
+@jit
+def add_bias_residual_(y, bias, residual):
+    """y = (y + bias) + residual in place, row by row; ``bias`` (N,) and/or ``residual`` (M, N) may be
+    empty (size 0) to skip them. The order of the additions is the unfused graph's."""
+    rows, cols = y.shape
+    with_bias, with_residual = bias.shape[0] > 0, residual.shape[0] > 0
+    for i in range(rows):
+        yi = y[i]
+        if with_bias:
+            for j in range(cols):
+                yi[j] += bias[j]
+        if with_residual:
+            ri = residual[i]
+            for j in range(cols):
+                yi[j] += ri[j]
+
+
+@jit
+def odd_series(x, bias, series, coefficients):
+    """series = u * P(u^2) for u = x + bias (bias may be empty; x is only read), P of degree >= 1 with
+    its coefficients lowest first. The operations are numpy's Horner passes of special.erf_float32 in
+    the same order and precision, so np.tanh of the result matches the numpy kernel bit for bit."""
+    rows, cols = x.shape
+    top = coefficients.shape[0] - 1
+    with_bias = bias.shape[0] > 0
+    u, square = np.empty(cols, x.dtype), np.empty(cols, x.dtype)
+    for i in range(rows):
+        xi, si = x[i], series[i]
+        if with_bias:
+            for j in range(cols):
+                u[j] = xi[j] + bias[j]
+        else:
+            for j in range(cols):
+                u[j] = xi[j]
+        if top == 6:  # erf's degree: one pass keeping the series in registers (half the time)
+            c0, c1, c2, c3 = coefficients[0], coefficients[1], coefficients[2], coefficients[3]
+            c4, c5, c6 = coefficients[4], coefficients[5], coefficients[6]
+            for j in range(cols):
+                v = u[j]
+                q = v * v
+                si[j] = ((((((q * c6 + c5) * q + c4) * q + c3) * q + c2) * q + c1) * q + c0) * v
+            continue
+        c = coefficients[top]
+        for j in range(cols):
+            square[j] = u[j] * u[j]
+            si[j] = square[j] * c
+        for k in range(top - 1, 0, -1):
+            c = coefficients[k]
+            for j in range(cols):
+                si[j] = (si[j] + c) * square[j]
+        c = coefficients[0]
+        for j in range(cols):
+            si[j] = (si[j] + c) * u[j]
+
+
+@jit
+def gelu_finish_(x, bias, t, residual):
+    """t = ((t + 1) * u) * 0.5 in place for u = x + bias, t being tanh of the odd series (Gelu's last
+    numpy passes), then + residual when it is not empty; bias and residual may be empty."""
+    rows, cols = x.shape
+    one, half = t.dtype.type(1), t.dtype.type(0.5)
+    with_bias, with_residual = bias.shape[0] > 0, residual.shape[0] > 0
+    for i in range(rows):
+        xi, ti = x[i], t[i]
+        if with_bias:
+            for j in range(cols):
+                ti[j] = ((ti[j] + one) * (xi[j] + bias[j])) * half
+        else:
+            for j in range(cols):
+                ti[j] = ((ti[j] + one) * xi[j]) * half
+        if with_residual:
+            ri = residual[i]
+            for j in range(cols):
+                ti[j] += ri[j]
+
+
+@jit
+def layer_norm_rows(x, scale, bias, epsilon, y, mean_out, inv_std_out):
+    """LayerNormalization over the rows of x (M, N) into y: two passes for the statistics (mean, then
+    the centred sum of squares), one for ((x - mean) * inv_std) * scale + bias; bias may be empty."""
+    rows, cols = x.shape
+    count = x.dtype.type(cols)
+    eps = x.dtype.type(epsilon)
+    one = x.dtype.type(1)
+    with_bias = bias.shape[0] > 0
+    for i in range(rows):
+        xi, yi = x[i], y[i]
+        mean = row_sum(xi) / count
+        inv_std = one / np.sqrt(squared_deviation_sum(xi, mean) / count + eps)
+        mean_out[i] = mean
+        inv_std_out[i] = inv_std
+        if with_bias:
+            for j in range(cols):
+                yi[j] = ((xi[j] - mean) * inv_std) * scale[j] + bias[j]
+        else:
+            for j in range(cols):
+                yi[j] = ((xi[j] - mean) * inv_std) * scale[j]
+
+
+@jit
+def mask_and_shift_(scores, scale, mask, first_row):
+    """scores (H, M, T) = scores * scale + mask[first_row + i, :T] for row i (mask empty for none), minus
+    each row's maximum, in place. False when some row's maximum is not finite (a fully masked row, inf
+    or NaN): the caller then takes its general path."""
+    heads, rows, cols = scores.shape
+    with_mask = mask.shape[0] > 0
+    lowest = -scores.dtype.type(1) / scores.dtype.type(0)
+    for h in range(heads):
+        for i in range(rows):
+            si = scores[h, i]
+            if with_mask:
+                mi = mask[first_row + i]
+                for j in range(cols):
+                    si[j] = si[j] * scale + mi[j]
+            else:
+                for j in range(cols):
+                    si[j] = si[j] * scale
+            peak = row_max(si)
+            if not (abs(peak) < -lowest):
+                return False
+            for j in range(cols):
+                si[j] -= peak
+    return True
+
+
+@jit
+def key_extents(mask, block):
+    """For each block of ``block`` rows of the additive mask (M, T): one past the last key that some row of
+    the block does not mask with -inf. The keys beyond get zero weight, so their scores need no product
+    (a causal mask leaves the first of four blocks a quarter of the keys)."""
+    rows, cols = mask.shape
+    lowest = -mask.dtype.type(1) / mask.dtype.type(0)
+    extents = np.zeros((rows + block - 1) // block, np.int64)
+    for i in range(rows):
+        end = cols
+        while end > 0 and mask[i, end - 1] == lowest:
+            end -= 1
+        b = i // block
+        extents[b] = end if end > extents[b] else extents[b]
+    return extents
+
+
+@jit
+def divide_by_row_sums_(weights, y):
+    """y[i] /= sum(weights[i]) for weights (M, T) and y (M, D): softmax's normalization applied after
+    the product with V, on fewer elements than the weights."""
+    for i in range(weights.shape[0]):
+        total = row_sum(weights[i])
+        yi = y[i]
+        for j in range(yi.shape[0]):
+            yi[j] /= total
+
+
+# -- callers' entry points -------------------------------------------------------------------------
+
+
+def _empty(dtype, ndim: int) -> np.ndarray:
+    """The "none" operand of the loops: empty, of the operands' dtype (no extra compiled signature)."""
+    return np.empty((0,) * ndim, dtype)
+
+
+def as_rows(x: np.ndarray) -> np.ndarray:
+    """x as a C-contiguous 2-D array of rows along its last axis; short last axes make one long row
+    (elementwise loops then keep their inner loop long)."""
+    x = np.ascontiguousarray(x)
+    if x.ndim >= 2 and x.shape[-1] >= 64:
+        return x.reshape(-1, x.shape[-1])
+    return x.reshape(1, -1)
+
+
+def gelu(x: np.ndarray, coefficients: np.ndarray, bias=None, residual=None) -> np.ndarray:
+    """0.5 * u * (1 + tanh(u * P(u^2))) (+ residual) for u = x + bias over a 2-D C-contiguous x, in three
+    passes (series, numpy's tanh, finish) into one fresh array; x is left alone."""
+    dtype = x.dtype
+    t = np.empty(x.shape, dtype)
+    bias = _empty(dtype, 1) if bias is None else bias
+    odd_series(x, bias, t, coefficients)
+    np.tanh(t, out=t)
+    gelu_finish_(x, bias, t, _empty(dtype, 2) if residual is None else residual)
+    return t
+
+
+def add_bias_residual(y: np.ndarray, bias=None, residual=None) -> np.ndarray:
+    """(y + bias) + residual in place on the 2-D C-contiguous y; returns y."""
+    add_bias_residual_(y, _empty(y.dtype, 1) if bias is None else bias,
+                       _empty(y.dtype, 2) if residual is None else residual)
+    return y
+
+
+def layer_norm(x: np.ndarray, scale: np.ndarray, bias, epsilon: float):
+    """(y, mean, inv_std) of LayerNormalization over the rows of the 2-D C-contiguous x; mean and
+    inv_std are (M, 1)."""
+    y = np.empty(x.shape, x.dtype)
+    mean, inv_std = np.empty((x.shape[0], 1), x.dtype), np.empty((x.shape[0], 1), x.dtype)
+    layer_norm_rows(x, scale, _empty(x.dtype, 1) if bias is None else bias, epsilon, y, mean.reshape(-1),
+                    inv_std.reshape(-1))
+    return y, mean, inv_std

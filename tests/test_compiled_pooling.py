@@ -1,0 +1,221 @@
+"""The compiled (numba) pooling and LRN loops against the numpy kernels they replace.
+
+MaxPool and AveragePool run the compiled loops for float32/float64 inputs with 1-D or 2-D windows;
+the numpy fold (``_Geometry.reduce_windows``) stays for other dtypes, ranks and the Indices output.
+Random geometries cover pads, ceil_mode (windows that start in the padding), dilations, strides
+(1, 2 and the generic phase split) and count_include_pad. LRN's compiled base must give the same
+bits as the numpy formula.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx_runtime.ir import Node
+from onnx_runtime_ep_cpu import ops  # noqa: F401  (fills the registry)
+from onnx_runtime_ep_cpu.ops import nn
+from onnx_runtime_ep_cpu.registry import lookup
+
+RNG = np.random.default_rng(11)
+
+
+def kernel(op, attrs, shape, n_outputs=1, opset=19):
+    node = Node(op, ["x"], [f"y{i}" for i in range(n_outputs)], name="n", attrs=dict(attrs), opset=opset)
+    return lookup(op, "", opset)(node, [shape], opset)
+
+
+def numpy_pool(x, attrs, include_pad=None):
+    """The numpy fold over the same geometry: max (``include_pad`` None) or average."""
+    node = Node("MaxPool", ["x"], ["y"], name="ref", attrs=dict(attrs), opset=19)
+    geo = nn._Window(node, [x.shape], needs_kernel=True).resolve(x.shape[2:])
+    if include_pad is None:
+        return geo.reduce_windows(x, np.maximum, -np.inf)
+    total = geo.reduce_windows(x, np.add, 0)
+    with np.errstate(invalid="ignore"):  # 0/0 for a window wholly in the padding
+        return total / geo.divisor(include_pad, x.dtype)
+
+
+def random_case(rank, seed, dtype=np.float32):
+    """Random window attributes (each a fresh draw from ``seed``) and an input for them."""
+    rng = np.random.default_rng(seed)
+    kernel_shape = [int(k) for k in rng.integers(1, 5, rank)]
+    dilations = [int(d) for d in rng.integers(1, 3, rank)]
+    attrs = {
+        "kernel_shape": kernel_shape,
+        "strides": [int(s) for s in rng.integers(1, 4, rank)],
+        "dilations": dilations,
+        "ceil_mode": int(rng.integers(0, 2)),
+    }
+    if rng.random() < 0.2:
+        attrs["auto_pad"] = str(rng.choice(["SAME_UPPER", "SAME_LOWER", "VALID"]))
+    else:
+        # Pads smaller than the dilated kernel, as ONNX requires.
+        attrs["pads"] = [int(rng.integers(0, (k - 1) * d + 1)) for k, d in zip(kernel_shape * 2, dilations * 2)]
+    return attrs, rng.standard_normal((2, 3, *rng.integers(5, 14, rank))).astype(dtype)
+
+
+CASES = [(rank, seed) for rank in (1, 2) for seed in range(40)]
+
+
+@pytest.mark.parametrize("rank,seed", CASES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_max_pool_matches_numpy(rank, seed, dtype):
+    attrs, x = random_case(rank, seed, dtype)
+    y = kernel("MaxPool", attrs, x.shape)(x)[0]
+    assert y.dtype == dtype
+    np.testing.assert_array_equal(y, numpy_pool(x, attrs))
+
+
+@pytest.mark.parametrize("rank,seed", CASES)
+@pytest.mark.parametrize("include_pad", [0, 1])
+def test_average_pool_matches_numpy(rank, seed, include_pad):
+    attrs, x = random_case(rank, seed)
+    attrs["count_include_pad"] = include_pad
+    y = kernel("AveragePool", attrs, x.shape)(x)[0]
+    assert y.dtype == np.float32
+    np.testing.assert_allclose(y, numpy_pool(x, attrs, bool(include_pad)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("stride", [1, 2, 3])
+def test_common_geometries(stride):
+    """The shapes CNNs use: 3x3 windows over wide planes, padded on both sides or only at the end."""
+    x = RNG.standard_normal((1, 4, 37, 40)).astype(np.float32)
+    for pads in ([1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0]):
+        attrs = {"kernel_shape": [3, 3], "strides": [stride, stride], "pads": pads}
+        np.testing.assert_array_equal(kernel("MaxPool", attrs, x.shape)(x)[0], numpy_pool(x, attrs))
+        for include_pad in (0, 1):
+            y = kernel("AveragePool", {**attrs, "count_include_pad": include_pad}, x.shape)(x)[0]
+            np.testing.assert_allclose(y, numpy_pool(x, attrs, bool(include_pad)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel_shape,dilations", [
+    ([3, 3], [1, 1]), ([2, 4], [1, 1]), ([3, 2], [2, 3]), ([1, 1], [1, 1]),
+])
+@pytest.mark.parametrize("split", [0, 1, 2])
+def test_same_width_stride_one(kernel_shape, dilations, split):
+    """Stride 1 with pads across that sum to the kernel's reach, so the output is as wide as the
+    input: the whole-plane passes, with the pads split before/after in several ways."""
+    reach = [(k - 1) * d for k, d in zip(kernel_shape, dilations)]
+    before = [min(split, r) for r in reach]
+    after = [r - b for r, b in zip(reach, before)]
+    attrs = {"kernel_shape": kernel_shape, "dilations": dilations, "pads": before + after}
+    for shape in ((2, 3, 9, 11), (1, 2, 1, 5), (1, 1, 12, 2)):
+        x = RNG.standard_normal(shape).astype(np.float32)
+        np.testing.assert_array_equal(kernel("MaxPool", attrs, x.shape)(x)[0], numpy_pool(x, attrs))
+        for include_pad in (0, 1):
+            y = kernel("AveragePool", {**attrs, "count_include_pad": include_pad}, x.shape)(x)[0]
+            np.testing.assert_allclose(y, numpy_pool(x, attrs, bool(include_pad)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("pads", [[0, 0, 0, 0], [0, 0, 1, 1], [1, 2, 0, 0]])
+@pytest.mark.parametrize("include_pad", [0, 1])
+def test_window_over_whole_plane(pads, include_pad):
+    """A single window that covers each whole plane (CNN heads) takes the plane means."""
+    x = RNG.standard_normal((2, 5, 6, 7)).astype(np.float32)
+    attrs = {"kernel_shape": [6 + pads[0] + pads[2], 7 + pads[1] + pads[3]], "pads": pads,
+             "count_include_pad": include_pad}
+    y = kernel("AveragePool", attrs, x.shape)(x)[0]
+    assert y.shape == (2, 5, 1, 1)
+    np.testing.assert_allclose(y, numpy_pool(x, attrs, bool(include_pad)), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 7, 7), (1, 3, 13), (1, 2, 3, 4, 5), (1, 2, 70, 70), (1, 0, 4, 4)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_global_average_pool(shape, dtype):
+    """Plane means by the compiled loop (planes up to PLANE_SUM_LIMIT), numpy beyond."""
+    x = RNG.standard_normal(shape).astype(dtype)
+    y = kernel("GlobalAveragePool", {}, x.shape)(x)[0]
+    assert y.dtype == dtype and y.shape == shape[:2] + (1,) * (len(shape) - 2)
+    np.testing.assert_allclose(y, x.mean(axis=tuple(range(2, x.ndim)), keepdims=True), rtol=1e-5, atol=1e-7)
+
+
+def test_max_pool_nan_wins():
+    x = RNG.standard_normal((1, 2, 8, 9)).astype(np.float32)
+    x[0, 0, 3, 4] = np.nan
+    x[0, 1, 0, 0] = np.nan
+    attrs = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
+    y = kernel("MaxPool", attrs, x.shape)(x)[0]
+    np.testing.assert_array_equal(y, numpy_pool(x, attrs))  # equal NaNs in the same places
+    assert np.isnan(y).sum() == 2 + 1  # two windows hold the first NaN, one the corner one
+
+
+def test_window_wholly_in_padding():
+    """ceil_mode with large pads: a last window that holds only padding gives -inf (max) and
+    0/0 (average without the pads counted), as the numpy fold does."""
+    x = RNG.standard_normal((1, 1, 3, 3)).astype(np.float32)
+    attrs = {"kernel_shape": [2, 2], "strides": [3, 3], "pads": [1, 1, 1, 1], "ceil_mode": 1}
+    np.testing.assert_array_equal(kernel("MaxPool", attrs, x.shape)(x)[0], numpy_pool(x, attrs))
+    np.testing.assert_allclose(kernel("AveragePool", attrs, x.shape)(x)[0], numpy_pool(x, attrs, False))
+
+
+def test_non_contiguous_input():
+    x = RNG.standard_normal((2, 3, 12, 10)).astype(np.float32)[:, :, ::2, :]
+    attrs = {"kernel_shape": [3, 2], "strides": [1, 2], "pads": [1, 0, 1, 1]}
+    np.testing.assert_array_equal(kernel("MaxPool", attrs, x.shape)(x)[0], numpy_pool(x, attrs))
+
+
+def test_float_inputs_take_compiled_loops(monkeypatch):
+    loops = nn._pool_loops()
+    calls = []
+    loop = loops.pool_2d
+    monkeypatch.setattr(loops, "pool_2d", lambda *args: calls.append(args[10]) or loop(*args))  # is_max
+    x = RNG.standard_normal((1, 2, 6, 6))
+    kernel("MaxPool", {"kernel_shape": [2, 2]}, x.shape)(x)
+    kernel("AveragePool", {"kernel_shape": [3]}, x.shape[:3])(x[:, :, 0])
+    assert calls == [True, False]
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.float16])
+def test_other_dtypes_take_numpy(monkeypatch, dtype):
+    """Integer and half-precision inputs never reach the compiled loops."""
+    monkeypatch.setattr(nn._pool_loops(), "pool_2d", None)
+    x = RNG.integers(-100, 100, (1, 2, 7, 8)).astype(dtype)
+    attrs = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
+    y = kernel("MaxPool", attrs, x.shape)(x)[0]
+    assert y.dtype == dtype
+    np.testing.assert_array_equal(y, numpy_pool(x.astype(np.float64), attrs).astype(dtype))
+    if dtype == np.float16:
+        y = kernel("AveragePool", attrs, x.shape)(x)[0]
+        assert y.dtype == dtype
+        np.testing.assert_allclose(y, numpy_pool(x.astype(np.float32), attrs, False), rtol=1e-3)
+
+
+def test_three_d_and_indices_take_numpy(monkeypatch):
+    monkeypatch.setattr(nn._pool_loops(), "pool_2d", None)
+    x = RNG.standard_normal((1, 2, 4, 5, 6)).astype(np.float32)
+    attrs = {"kernel_shape": [2, 2, 2]}
+    np.testing.assert_array_equal(kernel("MaxPool", attrs, x.shape)(x)[0], numpy_pool(x, attrs))
+    x = x[:, :, 0]
+    y, indices = kernel("MaxPool", {"kernel_shape": [2, 2]}, x.shape, n_outputs=2)(x)
+    np.testing.assert_array_equal(y, numpy_pool(x, {"kernel_shape": [2, 2]}))
+    assert indices.shape == y.shape
+
+
+def numpy_lrn(x, size, alpha, beta, bias):
+    """The numpy formula of the LRN kernel: zero-padded channel sums of squares, in channel order."""
+    before = (size - 1) // 2
+    squares = np.zeros((x.shape[0], x.shape[1] + size - 1, *x.shape[2:]), dtype=x.dtype)
+    np.square(x, out=squares[:, before:before + x.shape[1]])
+    total = squares[:, : x.shape[1]].copy()
+    for offset in range(1, size):
+        total += squares[:, offset:offset + x.shape[1]]
+    return x / np.power(bias + (alpha / size) * total, beta)
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 8])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(2, 7, 5, 6), (1, 3, 4), (1, 12, 2, 3, 2)])
+def test_lrn_matches_numpy_exactly(size, dtype, shape):
+    attrs = {"size": size, "alpha": 3e-3, "beta": 0.8, "bias": 1.5}
+    x = (RNG.standard_normal(shape) * 4).astype(dtype)
+    y = kernel("LRN", attrs, x.shape, opset=13)(x)[0]
+    assert y.dtype == dtype
+    np.testing.assert_array_equal(y, numpy_lrn(x, size, 3e-3, 0.8, 1.5))
+
+
+def test_lrn_half_precision_takes_numpy():
+    x = RNG.standard_normal((1, 6, 3, 3)).astype(np.float16)
+    y = kernel("LRN", {"size": 3}, x.shape, opset=13)(x)[0]
+    assert y.dtype == np.float16
+    expected = numpy_lrn(x.astype(np.float32), 3, 1e-4, 0.75, 1.0).astype(np.float16)
+    np.testing.assert_array_equal(y, expected)
