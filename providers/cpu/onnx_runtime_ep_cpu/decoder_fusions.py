@@ -88,7 +88,9 @@ def _perm(node: Node, rank: int | None) -> list[int] | None:
 
 
 def fuse_reshape_transpose(graph: Graph, owns=None) -> bool:
-    view = _View(graph)
+    # Every pair in one scan (a CNN's channel shuffles have dozens): a pair is two nodes that only
+    # read each other, so fusing one leaves the others' producers and consumers as the view saw them.
+    view, changed = _View(graph), False
     for reshape in list(graph.nodes):
         if not _is(reshape, "Reshape"):
             continue
@@ -101,12 +103,12 @@ def fuse_reshape_transpose(graph: Graph, owns=None) -> bool:
         fused = Node("ReshapeTranspose", [reshape.inputs[0]], list(transpose.outputs),
                      name=f"{transpose.name}/reshape_transpose", domain=FUSED_DOMAIN, attrs=attrs, opset=1)
         _replace(graph, [reshape, transpose], fused)
-        return True
-    return False
+        changed = True
+    return changed
 
 
 def fuse_transpose_reshape(graph: Graph, owns=None) -> bool:
-    view = _View(graph)
+    view, changed = _View(graph), False  # every pair in one scan, as above
     for transpose in list(graph.nodes):
         if not _is(transpose, "Transpose"):
             continue
@@ -119,8 +121,8 @@ def fuse_transpose_reshape(graph: Graph, owns=None) -> bool:
         fused = Node("TransposeReshape", [transpose.inputs[0]], list(reshape.outputs),
                      name=f"{reshape.name}/transpose_reshape", domain=FUSED_DOMAIN, attrs=attrs, opset=1)
         _replace(graph, [transpose, reshape], fused)
-        return True
-    return False
+        changed = True
+    return changed
 
 
 def _reshaped(shape: tuple[int, ...], target: list[int], allowzero: bool) -> tuple[int, ...] | None:

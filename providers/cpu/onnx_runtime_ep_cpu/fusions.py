@@ -33,7 +33,15 @@ class _View:
         self.producer = graph.producers()
         self.consumers = graph.consumers()
         self.outputs = {vi.name for vi in graph.outputs}
-        self.inner_reads = {name for node in graph.nodes for sub in node.subgraphs() for name in sub.outer_names}
+        self._inner_reads: set[str] | None = None
+
+    @property
+    def inner_reads(self) -> set[str]:
+        """Names read inside subgraphs (If/Loop/Scan bodies); gathered when a match first asks."""
+        if self._inner_reads is None:
+            self._inner_reads = {name for node in self.graph.nodes for sub in node.subgraphs()
+                                 for name in sub.outer_names}
+        return self._inner_reads
 
     def const(self, name: str):
         return self.graph.initializers.get(name)
