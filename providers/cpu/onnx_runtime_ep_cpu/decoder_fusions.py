@@ -87,6 +87,14 @@ def _perm(node: Node, rank: int | None) -> list[int] | None:
     return list(range(rank - 1, -1, -1)) if rank is not None else None
 
 
+def _fuse_layout_pair(graph: Graph, kind: str, first: Node, second: Node, reshape: Node, shape, perm) -> None:
+    """Replace ``first -> second`` (a Reshape and a Transpose, in either order) by one ``kind`` node."""
+    attrs = {"shape": shape.tolist(), "perm": perm, "allowzero": int(reshape.attr("allowzero", 0))}
+    fused = Node(kind, [first.inputs[0]], list(second.outputs), name=f"{second.name}/{kind}",
+                 domain=FUSED_DOMAIN, attrs=attrs, opset=1)
+    _replace(graph, [first, second], fused)
+
+
 def fuse_reshape_transpose(graph: Graph, owns=None) -> bool:
     # Every pair in one scan (a CNN's channel shuffles have dozens): a pair is two nodes that only
     # read each other, so fusing one leaves the others' producers and consumers as the view saw them.
@@ -97,13 +105,9 @@ def fuse_reshape_transpose(graph: Graph, owns=None) -> bool:
         shape = _constant_shape(view, reshape)
         transpose = view.only_consumer(reshape.outputs[0], "Transpose") if shape is not None else None
         perm = _perm(transpose, len(shape)) if transpose else None
-        if perm is None or sorted(perm) != list(range(len(shape))) or not _owned(owns, [reshape, transpose]):
-            continue
-        attrs = {"shape": shape.tolist(), "perm": perm, "allowzero": int(reshape.attr("allowzero", 0))}
-        fused = Node("ReshapeTranspose", [reshape.inputs[0]], list(transpose.outputs),
-                     name=f"{transpose.name}/reshape_transpose", domain=FUSED_DOMAIN, attrs=attrs, opset=1)
-        _replace(graph, [reshape, transpose], fused)
-        changed = True
+        if perm is not None and sorted(perm) == list(range(len(shape))) and _owned(owns, [reshape, transpose]):
+            _fuse_layout_pair(graph, "ReshapeTranspose", reshape, transpose, reshape, shape, perm)
+            changed = True
     return changed
 
 
@@ -115,13 +119,9 @@ def fuse_transpose_reshape(graph: Graph, owns=None) -> bool:
         reshape = view.only_consumer(transpose.outputs[0], "Reshape")
         shape = _constant_shape(view, reshape) if reshape else None
         perm = _perm(transpose, _rank(graph, transpose.inputs[0])) if shape is not None else None
-        if perm is None or sorted(perm) != list(range(len(perm))) or not _owned(owns, [transpose, reshape]):
-            continue
-        attrs = {"shape": shape.tolist(), "perm": perm, "allowzero": int(reshape.attr("allowzero", 0))}
-        fused = Node("TransposeReshape", [transpose.inputs[0]], list(reshape.outputs),
-                     name=f"{reshape.name}/transpose_reshape", domain=FUSED_DOMAIN, attrs=attrs, opset=1)
-        _replace(graph, [transpose, reshape], fused)
-        changed = True
+        if perm is not None and sorted(perm) == list(range(len(perm))) and _owned(owns, [transpose, reshape]):
+            _fuse_layout_pair(graph, "TransposeReshape", transpose, reshape, reshape, shape, perm)
+            changed = True
     return changed
 
 

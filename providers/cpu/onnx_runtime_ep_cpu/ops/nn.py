@@ -2,12 +2,15 @@
 
 Sliding-window ops share :class:`_Window` (attribute parsing and validation) and :class:`_Geometry`
 (pads and output size resolved for one input shape). Convolution picks a path once per input
-signature: a plain matmul for 1x1 kernels, per-channel matmuls over cache-sized blocks for
-depthwise kernels, one matmul per kernel tap when there are few output channels, Winograd
-F(2x2, 3x3) for wide 3x3 layers, im2col over the unpadded image rows when a stride-1 output is as
-wide as its input, and otherwise im2col (one strided copy per block of output rows, then a batched
-matmul); weights rearranged for a path are kept while the same constant arrays come in. FusedConv
-and FusedBatchNormalization (see conv_fusions.py) add a residual and an activation in place.
+signature: a plain matmul for 1x1 kernels, a compiled loop for depthwise kernels (compiled/depthwise.py;
+per-channel matmuls over cache-sized blocks for other dtypes), one matmul per kernel tap when there are
+few output channels or the column matrix would be large (BLAS accumulating the taps, see blas.py),
+Winograd F(2x2, 3x3) for wide 3x3 layers on small images, im2col over the unpadded image rows when a
+stride-1 output is as wide as its input, and otherwise im2col (the column rows of a block of output
+rows written by compiled/im2col.py, then a batched matmul); weights rearranged for a path are kept
+while the same constant arrays come in. FusedConv and FusedBatchNormalization (see conv_fusions.py)
+apply bias, residual and activation in one compiled pass (compiled/epilogue.py), or numpy passes in
+place for other dtypes.
 MaxPool/AveragePool over 1-D and 2-D windows, GlobalAveragePool and LRN run compiled loops
 (compiled/pooling.py, compiled/lrn.py) for float32/float64; otherwise pooling folds the unpadded
 input one spatial dim at a time, so Python only loops over the (few) kernel taps.
