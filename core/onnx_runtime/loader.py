@@ -164,6 +164,9 @@ def _element_count(init: onnx.TensorProto) -> int:
         count *= int(dim)
     return count
 # -- types ---------------------------------------------------------------------------------------
+_DATA_TYPES = {member.value: member for member in DataType}  # a dict lookup: Enum calls are slow per value
+
+
 def convert_type(tp: onnx.TypeProto) -> TypeInfo:
     which = tp.WhichOneof("value")
     if which == "tensor_type" or which == "sparse_tensor_type":
@@ -173,7 +176,7 @@ def convert_type(tp: onnx.TypeProto) -> TypeInfo:
             shape = tuple(
                 d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
             )
-        dtype = DataType(tt.elem_type) if tt.elem_type in DataType._value2member_map_ else None
+        dtype = _DATA_TYPES.get(tt.elem_type)
         return TypeInfo("tensor" if which == "tensor_type" else "sparse_tensor", dtype, shape)
     if which == "sequence_type":
         return TypeInfo("sequence", elem=convert_type(tp.sequence_type.elem_type))
