@@ -50,3 +50,49 @@ def test_light_model_on_random_input_matches_the_reference_evaluator(name):
     (got,) = sess.run(None, {arg.name: x})
     (want,) = ReferenceEvaluator(path).run(None, {arg.name: x})
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5)
+
+
+def _random_cnn() -> bytes:
+    """Conv+Relu, MaxPool, depthwise Conv, BatchNormalization+Relu, a residual 1x1 Conv, AveragePool, LRN:
+    the compiled paths, with random weights so that every input gives its own output."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(1)
+
+    def weight(name, *shape):
+        return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32) * 0.3, name)
+
+    inits = [weight("w1", 8, 3, 3, 3), weight("b1", 8), weight("wd", 8, 1, 3, 3), weight("s", 8), weight("sh", 8),
+             weight("m", 8), numpy_helper.from_array(rng.random(8).astype(np.float32) + 0.5, "v"),
+             weight("w2", 8, 8, 1, 1)]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["p1", "wd"], ["d1"], group=8, pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["d1", "s", "sh", "m", "v"], ["n1"]),
+        helper.make_node("Relu", ["n1"], ["r2"]),
+        helper.make_node("Conv", ["r2", "w2"], ["c2"]),
+        helper.make_node("Add", ["c2", "p1"], ["a1"]),
+        helper.make_node("AveragePool", ["a1"], ["p2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+        helper.make_node("LRN", ["p2"], ["y"], size=3),
+    ]
+    graph = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 32, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def test_one_session_runs_from_several_threads_at_once():
+    # The compiled loops release the GIL and keep their scratch per call; conv plans cache only
+    # read-only weights: concurrent runs of one session give each caller its own exact result.
+    from concurrent.futures import ThreadPoolExecutor
+
+    sess = ort.InferenceSession(_random_cnn(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    feeds = [rng.standard_normal((1, 3, 32, 32)).astype(np.float32) for _ in range(4)]
+    expected = [sess.run(None, {"x": x})[0] for x in feeds]
+    assert all(not np.allclose(expected[0], other) for other in expected[1:])  # a mix-up would show
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda i: sess.run(None, {"x": feeds[i % 4]})[0], range(32)))
+    for i, got in enumerate(results):
+        np.testing.assert_array_equal(got, expected[i % 4])
