@@ -118,3 +118,25 @@ def test_fused_conv_empty_batch():
     x, w = np.zeros((0, 2, 5, 5), np.float32), np.ones((3, 2, 3, 3), np.float32)
     (y,) = fused(x, w, np.ones(3, np.float32), np.zeros((0, 3, 5, 5), np.float32))
     assert y.shape == (0, 3, 5, 5) and y.dtype == np.float32
+
+
+def test_loops_compile_without_a_writable_cache(monkeypatch):
+    # numba refuses cache=True where no directory can hold the compiled code; loops then compile
+    # per process instead of failing.
+    import numba
+    from onnx_runtime_ep_cpu.compiled import compiler
+
+    real_njit = numba.njit
+
+    def njit(*args, **options):
+        if options.get("cache"):
+            raise RuntimeError("cannot cache function 'double': no locator available for file")
+        return real_njit(*args, **options)
+
+    monkeypatch.setattr(numba, "njit", njit)
+
+    @compiler()
+    def double(x):
+        return x * 2
+
+    assert double(np.float32(1.5)) == 3.0

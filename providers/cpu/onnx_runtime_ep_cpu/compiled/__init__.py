@@ -27,14 +27,32 @@ def takes(*arrays) -> bool:
     return all(a.dtype in COMPILED_DTYPES for a in arrays)
 
 
+def compiler(**options):
+    """numba's ``njit`` with the package's settings plus ``options`` (e.g. fastmath flags).
+
+    nogil: sessions may run from several Python threads at once. error_model="numpy": a division by
+    zero gives inf/nan as in numpy instead of raising. No fastmath unless a loop asks for one flag:
+    results match numpy's. cache=True needs a writable place for the compiled code (next to this
+    package, or numba's user cache / NUMBA_CACHE_DIR); where there is none, a loop compiles per
+    process instead of failing.
+    """
+    import numba
+
+    settings = dict(nogil=True, boundscheck=False, error_model="numpy", **options)
+
+    def decorate(function):
+        try:
+            return numba.njit(cache=True, **settings)(function)
+        except RuntimeError:  # "cannot cache function ...: no locator available"
+            return numba.njit(**settings)(function)
+
+    return decorate
+
+
 def __getattr__(name: str):
     # ``from . import jit`` in a loop module: numba is imported here, when the first one loads.
     if name != "jit":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import numba
-
     global jit
-    # nogil: sessions may run from several Python threads at once. error_model="numpy": a division
-    # by zero gives inf/nan as in numpy instead of raising. No fastmath: results match numpy's.
-    jit = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+    jit = compiler()
     return jit

@@ -14,14 +14,15 @@ loops were measured to cost reference counting on every row.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from . import compiler
 
 # As compiled.jit, and the loop may fuse each multiply-add of a tap into one instruction: half the
 # floating-point work, and one rounding instead of two, as in the BLAS products of the numpy path.
-_fused = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", fastmath={"contract"})
+_fused = compiler(fastmath={"contract"})
 # Helpers are inlined into the loop (a call between compiled functions costs tens of nanoseconds).
-_inline = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", inline="always")
+_inline = compiler(inline="always")
 
 _U = np.uint64  # offsets: numba types a signed/unsigned mix as float64, so every index term is cast
 _TWO = np.uint64(2)

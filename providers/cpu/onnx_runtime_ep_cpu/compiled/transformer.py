@@ -10,15 +10,14 @@ reassociation, so the row sums alone are compiled with it.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
-from . import jit
+from . import compiler, jit
 
 # The row sums alone may reassociate: LLVM then vectorizes them (3x faster than eight interleaved
 # partial sums). Their order differs from numpy's (BLAS) sums anyway; nothing else is reordered,
 # and NaN/inf handling is unchanged (no nnan/ninf).
-_summing_jit = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", fastmath={"reassoc"})
+_summing_jit = compiler(fastmath={"reassoc"})
 
 
 @_summing_jit
