@@ -13,6 +13,7 @@ from onnx.reference import ReferenceEvaluator
 from onnx_runtime.errors import InvalidGraphError
 from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu import ops  # noqa: F401  (fills the registry)
+from onnx_runtime_ep_cpu.ops import elementwise
 from onnx_runtime_ep_cpu.registry import lookup
 
 rng = np.random.default_rng(0)
@@ -724,3 +725,15 @@ def test_bernoulli():
 def test_invalid_attributes_name_node_and_attribute(op, inputs, attrs, opset, attribute):
     with pytest.raises(InvalidGraphError, match=f"'n'.*{attribute}"):
         make_kernel(op, inputs, attrs, opset)
+
+
+@pytest.mark.parametrize("op", sorted(elementwise._NEVER_WARN - {"Not", "BitwiseNot"}))
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, ml_dtypes.bfloat16])
+def test_unary_ops_run_without_errstate_never_warn(op, dtype):
+    # These kernels skip np.errstate (its cost exceeds theirs on small tensors): they must not raise
+    # a floating-point error for any value, even with every numpy warning turned into an error.
+    x = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e4, -1e4, 6e4, 1e-8, 2.5, -2.5]).astype(dtype)
+    kernel = make_kernel(op, [x], opset=20)
+    with np.errstate(all="raise"):
+        (y,) = kernel(x)
+    assert y.shape == x.shape
