@@ -129,6 +129,73 @@ def test_global_average_pool(shape, dtype):
     np.testing.assert_allclose(y, x.mean(axis=tuple(range(2, x.ndim)), keepdims=True), rtol=1e-5, atol=1e-7)
 
 
+def sprinkle_specials(x, rng, count):
+    """NaN and infinities at random places, half of them on the planes' first and last rows and
+    columns, where a loop that pools several planes (or rows) at once would let them leak into
+    the neighbouring plane's (or row's) windows."""
+    planes = x.reshape(-1, *x.shape[-2:])
+    for value in rng.choice([np.nan, np.inf, -np.inf], count):
+        p = rng.integers(0, planes.shape[0])
+        i, j = rng.integers(0, planes.shape[1]), rng.integers(0, planes.shape[2])
+        if rng.random() < 0.5:
+            i = rng.choice([0, planes.shape[1] - 1])
+            j = rng.choice([0, planes.shape[2] - 1]) if rng.random() < 0.5 else j
+        planes[p, i, j] = value
+
+
+def check_pools(x, attrs):
+    """MaxPool (exactly) and AveragePool (both count_include_pad) against the numpy fold."""
+    np.testing.assert_array_equal(kernel("MaxPool", attrs, x.shape)(x)[0], numpy_pool(x, attrs))
+    for include_pad in (0, 1):
+        y = kernel("AveragePool", {**attrs, "count_include_pad": include_pad}, x.shape)(x)[0]
+        with np.errstate(invalid="ignore"):  # inf - inf in a window sum
+            expected = numpy_pool(x, attrs, bool(include_pad))
+        np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_same_width_plane_groups(seed):
+    """Stride 1 with pads across that sum to the kernel's reach: whole planes per pass, and groups
+    of consecutive planes when the output is as tall as the input, with the taps outside a plane
+    or row masked; many small planes, so groups end anywhere (a partial last group too)."""
+    rng = np.random.default_rng(seed)
+    kernel_shape = [int(k) for k in rng.integers(1, 6, 2)]
+    dilations = [int(d) for d in rng.integers(1, 3, 2)]
+    reach = [(k - 1) * d for k, d in zip(kernel_shape, dilations)]
+    before = [int(rng.integers(0, r + 1)) for r in reach]
+    after = [r - b for r, b in zip(reach, before)]
+    if rng.random() < 0.3:  # a shorter or taller output: planes one at a time
+        after[0] = int(rng.integers(0, reach[0] + 1))
+    attrs = {"kernel_shape": kernel_shape, "dilations": dilations, "pads": before + after}
+    height = int(rng.integers(max(1, reach[0] - before[0] - after[0] + 1), 12))
+    x = rng.standard_normal((2, int(rng.integers(10, 70)), height, int(rng.integers(1, 12))))
+    x = x.astype(np.float32 if seed % 2 else np.float64)
+    sprinkle_specials(x, rng, 6)
+    check_pools(x, attrs)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_narrow_rows_across_planes(seed):
+    """Outputs up to NARROW_ROWS wide: the rows of many planes laid end to end in one buffer, with
+    strides 1 to 4 (the generic phase split too), pads, dilations and ceil_mode windows."""
+    rng = np.random.default_rng(100 + seed)
+    attrs, _ = random_case(2, 100 + seed)
+    attrs["strides"] = [int(s) for s in rng.integers(1, 5, 2)]
+    shape = (1, int(rng.integers(10, 60)), int(rng.integers(5, 20)), int(rng.integers(5, 40)))
+    x = rng.standard_normal(shape).astype(np.float32)
+    sprinkle_specials(x, rng, 6)
+    check_pools(x, attrs)
+
+
+@pytest.mark.parametrize("stride", [1, 2, 3])
+def test_wide_rows(stride):
+    """Outputs wider than NARROW_ROWS pool row by row."""
+    x = RNG.standard_normal((1, 3, 9, 2 * nn._pool_loops().NARROW_ROWS * stride + 5)).astype(np.float32)
+    sprinkle_specials(x, RNG, 4)
+    for pads in ([0, 0, 0, 0], [1, 2, 1, 0]):
+        check_pools(x, {"kernel_shape": [3, 3], "strides": [stride, stride], "pads": pads})
+
+
 def test_max_pool_nan_wins():
     x = RNG.standard_normal((1, 2, 8, 9)).astype(np.float32)
     x[0, 0, 3, 4] = np.nan
