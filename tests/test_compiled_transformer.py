@@ -278,14 +278,44 @@ def test_attention_row_blocks_skip_hidden_keys_and_defer_hidden_blocks():
     mask[:, 40:] = -np.inf  # no row sees a key past 40: every block's scores stop there
     mask[70:, 20:] = -np.inf
     shapes = [q.shape, k.shape, v.shape, mask.shape]
-    assert compiled.key_extents(mask, 32).tolist() == [40, 40, 40]
+    assert compiled.key_extents(mask, 32, 200.0).tolist() == [40, 40, 40]
     want = _no_compiled(_attention(shapes))(q, k, v, mask)[0]
     np.testing.assert_allclose(_attention(shapes)(q, k, v, mask)[0], want, rtol=2e-5, atol=2e-6)
-    mask[64:] = -np.inf  # a block sees no key: its rows output zeros, through the general path
-    assert compiled.key_extents(mask, 32).tolist() == [40, 40, 0]
+    mask[64:] = -np.inf  # rows that see no key hide nothing; they output zeros, through the general path
+    assert compiled.key_extents(mask, 32, 200.0).tolist() == [40, 40, 96]
     got = _attention(shapes)(q, k, v, mask)[0]
     np.testing.assert_array_equal(got[:, :, 64:], 0)
     np.testing.assert_allclose(got, _no_compiled(_attention(shapes))(q, k, v, mask)[0], rtol=2e-5, atol=2e-6)
+
+
+def test_key_extents_hide_keys_far_enough_below_the_row_peak():
+    mask = np.zeros((64, 50), np.float32)
+    mask[:, 30:] = -1e9
+    mask[32:, 20:30] = -300  # 300 below the peak: hidden by a gap of 200, not by one of 400
+    mask[5, 45] = np.nan  # NaN hides nothing
+    assert compiled.key_extents(mask, 32, 200.0).tolist() == [46, 20]
+    assert compiled.key_extents(mask, 32, 400.0).tolist() == [46, 30]
+    assert compiled.key_extents(mask, 32, np.inf).tolist() == [50, 50]
+    mask[32:] += 1e9  # large-magnitude masks: the gap grows with float32's rounding at the peak
+    mask[32:, 20:30] = 1e9 - 200
+    assert compiled.key_extents(mask, 32, 150.0).tolist()[1] == 30
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the numpy path on an infinite query
+@pytest.mark.parametrize("fill", [-1e9, -1e4, -60.0])
+def test_attention_finite_causal_mask_skips_keys_only_when_weights_vanish(fill):
+    q, k, v = _qkv(1, 2, 2, 96, 96, 8, 4)
+    mask = np.where(np.tril(np.ones((96, 96), bool)), np.float32(0), np.float32(fill))
+    shapes = [q.shape, k.shape, v.shape, mask.shape]
+    attention = _attention(shapes)
+    gap = attention._hiding_gap(np.ascontiguousarray(q), np.ascontiguousarray(k.swapaxes(-1, -2)))
+    assert (compiled.key_extents(mask, 32, gap).tolist() == [32, 64, 96]) == (fill < -gap)
+    want = _no_compiled(_attention(shapes))(q, k, v, mask)[0]
+    np.testing.assert_allclose(attention(q, k, v, mask)[0], want, rtol=2e-5, atol=2e-6)
+    q[0, 0, 3, 1] = np.inf  # unbounded scores: nothing is hidden, NaN/inf spread as in the numpy paths
+    assert attention._hiding_gap(np.ascontiguousarray(q), np.ascontiguousarray(k.swapaxes(-1, -2))) == np.inf
+    got, want = attention(q, k, v, mask)[0], _no_compiled(_attention(shapes))(q, k, v, mask)[0]
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
 
 
 def test_attention_compiled_matches_onnx_reference():
@@ -323,6 +353,19 @@ def test_row_max_and_sum(n):
         row[n // 2] = np.nan  # ignored by the maximum (as np.fmax), spread by the sum
         assert compiled.row_max(row) == np.nanmax(row)
         assert np.isnan(compiled.row_sum(row))
+
+
+def test_largest_row_and_column_norms():
+    x = RNG.standard_normal((3, 5, 7)).astype(np.float32)
+    rows = np.sqrt((x.astype(np.float64) ** 2).sum(axis=-1))
+    columns = np.sqrt((x.astype(np.float64) ** 2).sum(axis=-2))
+    np.testing.assert_allclose(compiled.largest_row_norm(x.reshape(-1, 7)), rows.max(), rtol=1e-12)
+    np.testing.assert_allclose(compiled.largest_column_norm(x), columns.max(), rtol=1e-12)
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        y[2, 4, 6] = bad
+        assert compiled.largest_row_norm(y.reshape(-1, 7)) == np.inf
+        assert compiled.largest_column_norm(y) == np.inf
 
 
 def test_mask_and_shift_reports_rows_without_finite_maximum():

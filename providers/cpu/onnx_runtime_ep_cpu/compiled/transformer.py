@@ -195,20 +195,62 @@ def mask_and_shift_(scores, scale, mask, first_row):
 
 
 @jit
-def key_extents(mask, block):
+def key_extents(mask, block, gap):
     """For each block of ``block`` rows of the additive mask (M, T): one past the last key that some row of
-    the block does not mask with -inf. The keys beyond get zero weight, so their scores need no product
-    (a causal mask leaves the first of four blocks a quarter of the keys)."""
+    the block does not hide. Key j is hidden from row i when mask[i, j] is below the row's largest mask
+    value by more than ``gap`` (the caller's bound for a weight that underflows to zero whatever the
+    scores; inf hides nothing). The keys beyond get zero weight, so their scores need no product (a
+    causal mask leaves the first of four blocks a quarter of the keys)."""
     rows, cols = mask.shape
-    lowest = -mask.dtype.type(1) / mask.dtype.type(0)
     extents = np.zeros((rows + block - 1) // block, np.int64)
     for i in range(rows):
-        end = cols
-        while end > 0 and mask[i, end - 1] == lowest:
-            end -= 1
+        mi = mask[i]
+        peak = row_max(mi)
+        # Plus float32 rounding of scores near the peak (masks of large magnitude); NaN (a row without a
+        # finite mask value) hides nothing.
+        floor = peak - (gap + 1e-6 * abs(peak))
+        end = 0
+        for j in range(cols):  # a select per key: vectorizes, unlike a scan that stops early
+            end = end if mi[j] < floor else j + 1
         b = i // block
         extents[b] = end if end > extents[b] else extents[b]
     return extents
+
+
+@_summing_jit
+def largest_row_norm(x):
+    """The largest Euclidean norm of the rows of x (M, N), summed in float64; inf when some value is
+    not finite."""
+    best = 0.0
+    for i in range(x.shape[0]):
+        total = 0.0
+        xi = x[i]
+        for j in range(x.shape[1]):
+            total += np.float64(xi[j]) * np.float64(xi[j])
+        if not total < np.inf:
+            return np.inf
+        best = total if total > best else best
+    return np.sqrt(best)
+
+
+@_summing_jit
+def largest_column_norm(x):
+    """The largest Euclidean norm of the columns of the matrices x[a] (A, D, T), summed in float64; inf
+    when some value is not finite."""
+    best = 0.0
+    totals = np.empty(x.shape[2], np.float64)
+    for a in range(x.shape[0]):
+        totals[:] = 0.0
+        for d in range(x.shape[1]):
+            xd = x[a, d]
+            for j in range(x.shape[2]):
+                totals[j] += np.float64(xd[j]) * np.float64(xd[j])
+        for j in range(x.shape[2]):
+            total = totals[j]
+            if not total < np.inf:
+                return np.inf
+            best = total if total > best else best
+    return np.sqrt(best)
 
 
 @jit

@@ -305,14 +305,18 @@ class _Attention:
             return None
         queries = geo.to_heads(q, geo.q_heads)
         keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
+        keys_t = keys.swapaxes(-1, -2)
         if bias.size and geo.q_len > _ROW_BLOCK:
-            extents = self.compiled.key_extents(bias, _ROW_BLOCK)
+            # Contiguous operands (Q, K^T, V are often strided views of one QKV product): BLAS multiplies
+            # the blocks' small matrices up to twice as fast as through the views.
+            queries, keys_t = np.ascontiguousarray(queries), np.ascontiguousarray(keys_t)
+            extents = self.compiled.key_extents(bias, _ROW_BLOCK, self._hiding_gap(queries, keys_t))
             if extents.min() < geo.total_len:
-                return self._blocked_attention(queries, keys, values, bias, extents)
+                y = self._blocked_attention(queries, keys_t, np.ascontiguousarray(values), bias, extents)
+                return None if y is None else (y, keys, values)
         batch, heads, rows, size = queries.shape
         # Grouped-query attention: the query heads sharing one KV head are rows of one matmul.
-        scores = np.matmul(queries.reshape(batch, geo.kv_heads, heads // geo.kv_heads * rows, size),
-                           keys.swapaxes(-1, -2))
+        scores = np.matmul(queries.reshape(batch, geo.kv_heads, heads // geo.kv_heads * rows, size), keys_t)
         if not self.compiled.mask_and_shift_(scores.reshape(-1, rows, scores.shape[-1]), np.float32(self.scale),
                                              bias, 0):
             return None
@@ -321,20 +325,31 @@ class _Attention:
         self.compiled.divide_by_row_sums_(scores.reshape(-1, scores.shape[-1]), y.reshape(-1, y.shape[-1]))
         return geo.from_heads(y.reshape(batch, heads, rows, values.shape[-1])), keys, values
 
-    def _blocked_attention(self, queries, keys, values, bias, extents):
-        """compiled_attention per block of _ROW_BLOCK query rows over the keys the bias leaves visible to
-        the block (``extents``): a causal mask needs about half the products. Query heads sharing a KV
+    def _hiding_gap(self, queries, keys_t) -> float:
+        """How far below a row's largest bias a key's bias must lie for its weight to be exactly zero, for
+        C-contiguous queries (..., M, D) and transposed keys (..., D, T).
+
+        A scaled score lies within scale * |q| * |k| of zero, so a hidden key's shifted score is at most
+        mask - peak + 2 * scale * max|q| * max|k| (the row's maximum is at least the peak key's score),
+        and float32 exp of anything below -104 is 0. A finite mask such as -1e9 on future keys then skips
+        their products like -inf does; non-finite queries or keys skip nothing (inf)."""
+        size = queries.shape[-1]
+        reach = self.compiled.largest_row_norm(queries.reshape(-1, size)) * \
+            self.compiled.largest_column_norm(keys_t.reshape(-1, size, keys_t.shape[-1]))
+        return 128.0 + 2.0 * abs(self.scale) * reach * 1.001  # margins: float32 scores, the norms' rounding
+
+    def _blocked_attention(self, queries, keys_t, values, bias, extents):
+        """Y of compiled_attention per block of _ROW_BLOCK query rows over the keys the bias leaves visible
+        to the block (``extents``): a causal mask needs about half the products. Query heads sharing a KV
         head broadcast against it (an axis of their own) instead of folding into its rows."""
         geo = self.geo
         batch, heads, rows, size = queries.shape
         group = heads // geo.kv_heads
         grouped = queries.reshape(batch, geo.kv_heads, group, rows, size)
-        keys_t, shared_values = keys.swapaxes(-1, -2)[:, :, None], values[:, :, None]
+        keys_t, shared_values = keys_t[:, :, None], values[:, :, None]
         y = np.empty((batch, heads, rows, values.shape[-1]), np.float32)
         y_grouped = y.reshape(batch, geo.kv_heads, group, rows, -1)
         scale = np.float32(self.scale)
-        if extents.min() == 0:  # rows that see no key at all output zeros: the general path decides
-            return None
         for index, extent in enumerate(extents.tolist()):
             start, stop = index * _ROW_BLOCK, min(rows, (index + 1) * _ROW_BLOCK)
             scores = np.matmul(grouped[..., start:stop, :], keys_t[..., :extent])
@@ -344,7 +359,7 @@ class _Attention:
             part = np.matmul(scores, shared_values[..., :extent, :])
             self.compiled.divide_by_row_sums_(scores.reshape(-1, extent), part.reshape(-1, part.shape[-1]))
             y_grouped[..., start:stop, :] = part
-        return geo.from_heads(y), keys, values
+        return geo.from_heads(y)
 
     def plain_attention(self, q, k, v, mask):
         """(Y, present_key, present_value) for softmax(Q K^T * scale + mask) V with one buffer for the
