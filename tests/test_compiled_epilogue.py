@@ -140,3 +140,85 @@ def test_loops_compile_without_a_writable_cache(monkeypatch):
         return x * 2
 
     assert double(np.float32(1.5)) == 3.0
+
+
+# Shapes (x, w) and Conv attributes that send a FusedConv down each path; the im2col, tight-row and
+# taps paths finish each block of rows as they write it (small column budgets force several blocks),
+# the others finish the whole output after the convolution.
+PATHS = {
+    "tight rows": ("_conv_tight_rows", (2, 5, 9, 7), (6, 5, 3, 3), dict(pads=[1, 1, 1, 1])),
+    "tight rows, dilated": ("_conv_tight_rows", (1, 3, 8, 9), (4, 3, 3, 3), dict(pads=[2, 2, 2, 2], dilations=[2, 2])),
+    "im2col": ("_conv_im2col", (2, 4, 9, 8), (5, 4, 3, 3), dict(pads=[1, 0, 2, 1], strides=[2, 2])),
+    "im2col, groups": ("_conv_im2col", (2, 4, 9, 8), (6, 2, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 1], group=2)),
+    "taps": ("_conv_by_taps", (2, 16, 6, 7), (3, 16, 3, 3), dict(pads=[1, 1, 1, 1])),
+    "taps, cropped": ("_conv_by_taps", (1, 12, 6, 5), (2, 12, 3, 2), dict(pads=[0, 2, 1, 0])),
+    "pointwise": ("_conv_pointwise", (2, 6, 4, 5), (7, 6, 1, 1), {}),
+    "winograd": ("_conv_winograd", (1, 192, 6, 12), (192, 192, 3, 3), dict(pads=[1, 1, 1, 1])),
+    "depthwise": (None, (2, 4, 6, 6), (4, 1, 3, 3), dict(pads=[1, 1, 1, 1], group=4)),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind,params", ACTIVATIONS)
+@pytest.mark.parametrize("with_bias,with_residual", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_fused_conv_finishes_every_path_as_conv_then_epilogue(monkeypatch, path, dtype, kind, params, with_bias,
+                                                              with_residual):
+    monkeypatch.setattr(nn, "_IM2COL_BYTES", 256)
+    monkeypatch.setattr(nn, "_use_winograd", lambda geo, group, c, m: c >= 192)
+    function, x_shape, w_shape, attrs = PATHS[path]
+    taken = []
+    if function is not None:
+        real = getattr(nn, function)
+        monkeypatch.setattr(nn, function, lambda *args: taken.append(function) or real(*args))
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal(x_shape).astype(dtype), rng.standard_normal(w_shape).astype(dtype)
+    w.flags.writeable = False  # an initializer, as Winograd's weight transform wants
+    b = rng.standard_normal(w_shape[0]).astype(dtype) if with_bias else None
+    attrs = dict(kernel_shape=list(w_shape[2:]), **attrs)
+    conv = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)
+    (expected,) = conv(x, w)  # without its bias: the fused node adds it in the epilogue, in the same order
+    z = rng.standard_normal(expected.shape).astype(dtype) if with_residual else None
+    if b is not None:
+        expected = expected + b.reshape(-1, 1, 1)
+    if z is not None:
+        expected = expected + z
+    expected = _activate(expected, kind, params)
+    if kind is not None:
+        attrs.update(activation=kind, activation_params=params)
+    node = Node("FusedConv", ["x", "w", "b", "z"], ["y"], domain=FUSED_DOMAIN, attrs=attrs, opset=1)
+    (got,) = nn.fused_conv(node, None, 1)(x, w, b, z)
+    assert got.dtype == dtype and got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected)
+    assert function is None or set(taken) == {function}  # the path the shapes are meant to take
+
+
+def test_crop_epilogue_loop_against_numpy():
+    from onnx_runtime_ep_cpu.compiled import epilogue
+
+    rng = np.random.default_rng(6)
+    rows = rng.standard_normal((2, 3, 4 * 7)).astype(np.float32)  # 4 padded rows of 7, 5 of them kept
+    bias, residual = rng.standard_normal(3).astype(np.float32), rng.standard_normal((2, 3, 20)).astype(np.float32)
+    cropped = rows.reshape(2, 3, 4, 7)[..., :5].reshape(2, 3, 20)
+    y = np.empty((2, 3, 20), np.float32)
+    slope = np.array([0.25, 0], np.float32)
+    epilogue.crop_bias_residual_activation(rows, y, 5, bias, residual, epilogue.LEAKY_RELU, slope)
+    expected = cropped + bias.reshape(3, 1) + residual
+    np.testing.assert_array_equal(y, np.where(expected < 0, expected * np.float32(0.25), expected))
+    none = epilogue.absent(np.float32, 1)
+    epilogue.crop_bias_residual_activation(rows, y, 5, none, epilogue.absent(np.float32, 3), epilogue.NONE, slope)
+    np.testing.assert_array_equal(y, cropped)
+
+
+def test_row_range_epilogue_leaves_other_pixels():
+    from onnx_runtime_ep_cpu.compiled import epilogue
+
+    y = -np.ones((2, 3, 10), np.float64)
+    epilogue.bias_residual_activation(y, epilogue.absent(y.dtype, 1), epilogue.absent(y.dtype, 3), epilogue.RELU,
+                                      np.zeros(2), 4, 7)
+    assert (y[..., 4:7] == 0).all() and (y[..., :4] == -1).all() and (y[..., 7:] == -1).all()
+    # Without a bias nothing is added: -0.0 stays -0.0 (adding a zero bias would make it +0.0).
+    y = np.full((1, 1, 3), -0.0)
+    epilogue.bias_residual_activation(y, epilogue.absent(y.dtype, 1), epilogue.absent(y.dtype, 3), epilogue.NONE,
+                                      np.zeros(2), 0, 3)
+    assert np.signbit(y).all()

@@ -144,6 +144,41 @@ def test_conv_im2col_other_ranks(shape, kernel_shape):
     assert_conv(x, w, b, {"pads": [1] * (2 * len(kernel_shape))})
 
 
+@pytest.mark.parametrize("kernel_shape,attrs", [
+    ((3, 3), {"pads": [1, 1, 1, 1]}),
+    ((3, 5), {"pads": [0, 2, 2, 2]}),
+    ((3, 3), {"pads": [2, 2, 2, 2], "dilations": [2, 2]}),
+    ((1, 3), {"pads": [0, 1, 0, 1]}),
+    ((3, 3), {"pads": [4, 0, 1, 2]}),  # whole tap rows above the image, a one-sided width pad
+    ((2, 4), {"pads": [1, 3, 0, 0], "dilations": [3, 1]}),  # every tap wraps on the left
+])
+@pytest.mark.parametrize("rows_per_block", [1, 3, 99])
+def test_conv_tight_rows_compiled_fill(monkeypatch, kernel_shape, attrs, rows_per_block):
+    # Outputs as wide as the input: the compiled loop fills each column block straight from x;
+    # checked exactly against the numpy fill (staged rows, wrapped columns zeroed) and against Conv.
+    c, width = 3, 6
+    depth = c * math.prod(kernel_shape)
+    monkeypatch.setattr(nn, "_IM2COL_BYTES", 4 * depth * width * rows_per_block)
+    geo = geometry(attrs, (7, width), kernel_shape)
+    assert nn._tight_fits(geo) and not nn._use_taps(geo, 1, c, 5, np.dtype(np.float32))
+    x, w = rand(2, c, 7, width), constant(rand(5, c, *kernel_shape))
+    assert_conv(x, w, constant(rand(5)), dict(attrs, kernel_shape=list(kernel_shape)))
+    compiled, staged = (np.full((depth, 99 * width), np.nan, np.float32) for _ in range(2))
+    nn._tight_fill(x, geo, compiled)(1, 1, geo.out[0] - 1)
+    monkeypatch.setattr(nn, "takes_compiled", lambda *arrays: False)
+    nn._tight_fill(x, geo, staged)(1, 1, geo.out[0] - 1)
+    np.testing.assert_array_equal(compiled, staged)
+
+
+def test_conv_tight_rows_integers_take_the_numpy_fill():
+    geo = geometry({"pads": [1, 1, 1, 1]}, (5, 4), (3, 3))
+    x = np.arange(2 * 3 * 5 * 4).reshape(2, 3, 5, 4)
+    w = np.arange(4 * 27).reshape(1, 4, 27) % 5 - 2
+    y = nn._conv_tight_rows(x, w, geo, False)
+    assert y.dtype == x.dtype
+    np.testing.assert_array_equal(y, conv_reference(x, w.reshape(4, 3, 3, 3), None, {"pads": [1, 1, 1, 1]}))
+
+
 @pytest.mark.parametrize("m,group", [(12, 1), (3, 1), (8, 2), (6, 3)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_conv_pointwise(m, group, with_bias):

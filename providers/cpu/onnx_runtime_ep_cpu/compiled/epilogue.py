@@ -51,27 +51,109 @@ def channel_affine(x, factor, shift, out, kind, params):
 
 
 @jit
-def bias_residual_activation(y, bias, residual, kind, params):
-    """y = activation(y + bias[c] + residual) in place; an empty ``bias`` or ``residual`` is skipped
-    (one compiled loop for every combination: the branches sit outside the pixel loops)."""
+def _bounds(kind, params):
+    """The activation as (low, high, slope): v*slope below zero, then max with low, then min with high.
+    Each step is the identity for the activations that do not use it (slope 1 multiplies exactly)."""
+    bounds = np.empty(3, dtype=params.dtype)
+    bounds[0], bounds[1], bounds[2] = -np.inf, np.inf, 1
+    if kind == RELU:
+        bounds[0] = 0
+    elif kind == CLIP:
+        bounds[0], bounds[1] = params[0], params[1]
+    elif kind == LEAKY_RELU:
+        bounds[2] = params[0]
+    return bounds
+
+
+@jit
+def _activate(v, low, high, slope):
+    # Comparisons are false for NaN, so NaN passes through as with np.maximum; Clip is max-then-min,
+    # so the high bound wins where low > high.
+    v = v * slope if v < 0 else v
+    v = low if v < low else v
+    return high if v > high else v
+
+
+@jit
+def _finish_in_place(row, first, count, with_bias, bias, residual, bounds):
+    """row[first + p] = activation(row[first + p] + bias + residual[first + p]) for p < count. Without a
+    bias nothing is added for it (adding zero would turn -0.0 into +0.0); an empty ``residual`` is
+    skipped. Unsigned indices and a row that is not also passed as a source keep each loop vectorized."""
+    low, high, slope = bounds[0], bounds[1], bounds[2]
+    first = np.uint64(first)
+    if with_bias and residual.shape[0] > 0:
+        for p in range(count):
+            q = first + np.uint64(p)
+            row[q] = _activate(row[q] + bias + residual[q], low, high, slope)
+    elif with_bias:
+        for p in range(count):
+            q = first + np.uint64(p)
+            row[q] = _activate(row[q] + bias, low, high, slope)
+    elif residual.shape[0] > 0:
+        for p in range(count):
+            q = first + np.uint64(p)
+            row[q] = _activate(row[q] + residual[q], low, high, slope)
+    else:
+        for p in range(count):
+            q = first + np.uint64(p)
+            row[q] = _activate(row[q], low, high, slope)
+
+
+@jit
+def _finish_crop(row, source, lines, width, padded, with_bias, bias, residual, bounds):
+    """row[r*width + q] = activation(source[r*padded + q] + bias + residual[r*width + q]) for the first
+    ``width`` of each of ``lines`` padded lines: as _finish_in_place, from another array."""
+    low, high, slope = bounds[0], bounds[1], bounds[2]
+    for r in range(lines):
+        at, start = np.uint64(r * width), np.uint64(r * padded)
+        if with_bias and residual.shape[0] > 0:
+            for p in range(width):
+                q = np.uint64(p)
+                row[at + q] = _activate(source[start + q] + bias + residual[at + q], low, high, slope)
+        elif with_bias:
+            for p in range(width):
+                q = np.uint64(p)
+                row[at + q] = _activate(source[start + q] + bias, low, high, slope)
+        elif residual.shape[0] > 0:
+            for p in range(width):
+                q = np.uint64(p)
+                row[at + q] = _activate(source[start + q] + residual[at + q], low, high, slope)
+        else:
+            for p in range(width):
+                q = np.uint64(p)
+                row[at + q] = _activate(source[start + q], low, high, slope)
+
+
+@jit
+def bias_residual_activation(y, bias, residual, kind, params, first, end):
+    """y = activation(y + bias[c] + residual) in place for pixels first .. end of every (N, C) row,
+    so a convolution can finish each block of output rows while it is still in cache; an empty
+    ``bias`` or ``residual`` is skipped (one compiled loop for every combination)."""
     with_bias, with_residual = bias.shape[0] > 0, residual.shape[0] > 0
+    bounds = _bounds(kind, params)
+    none = bias[:0]
     for n in range(y.shape[0]):
         for c in range(y.shape[1]):
-            row = y[n, c]
-            if with_bias:
-                b = bias[c]
-                if with_residual:
-                    z = residual[n, c]
-                    for p in range(row.shape[0]):
-                        row[p] = row[p] + b + z[p]
-                else:
-                    for p in range(row.shape[0]):
-                        row[p] = row[p] + b
-            elif with_residual:
-                z = residual[n, c]
-                for p in range(row.shape[0]):
-                    row[p] = row[p] + z[p]
-            _activate_row(row, kind, params)
+            b = bias[c] if with_bias else y.dtype.type(0)
+            z = residual[n, c] if with_residual else none
+            _finish_in_place(y[n, c], first, end - first, with_bias, b, z, bounds)
+
+
+@jit
+def crop_bias_residual_activation(rows, y, width, bias, residual, kind, params):
+    """y[n, c, r*width + q] = activation(rows[n, c, r*Wp + q] + bias[c] + residual[n, c, r*width + q]):
+    the padded-row results (N, C, OH*Wp) of a convolution by taps cropped to the (N, C, OH*width)
+    output and finished in the same pass; an empty ``bias`` or ``residual`` is skipped."""
+    with_bias, with_residual = bias.shape[0] > 0, residual.shape[0] > 0
+    lines = y.shape[2] // width if width > 0 else 0
+    padded = rows.shape[2] // lines if lines > 0 else 0
+    bounds = _bounds(kind, params)
+    none = bias[:0]
+    for n in range(y.shape[0]):
+        for c in range(y.shape[1]):
+            b = bias[c] if with_bias else y.dtype.type(0)
+            z = residual[n, c] if with_residual else none
+            _finish_crop(y[n, c], rows[n, c], lines, width, padded, with_bias, b, z, bounds)
 
 
 def absent(dtype, rank: int) -> np.ndarray:

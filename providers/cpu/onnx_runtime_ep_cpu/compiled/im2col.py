@@ -58,3 +58,40 @@ def fill_columns(x, cols, kh, kw, sh, sw, dh, dw, top, left, row_start, row_coun
                             target[out + np.uint64(first + q)] = source[line + np.uint64(q * sw)]
                     for q in range(end, ow_count):
                         target[out + np.uint64(q)] = 0
+
+
+@jit
+def fill_tight_columns(x, cols, kh, kw, dh, dw, top, left, row_start, row_count):
+    """fill_columns for a stride-1 window whose output is as wide as ``x`` (C, H, W): column row
+    (c, i, j) of an output-row block is then one contiguous run of x's channel shifted by the tap,
+    zero where it leaves the image above or below, with the wrapped-around edge columns zeroed after.
+    Writes the first ``row_count * W`` columns of each row of ``cols``."""
+    channels, height, width = x.shape
+    size, run, row_size = height * width, row_count * width, cols.shape[1]
+    source = x.reshape(-1)
+    target = cols.reshape(-1)
+    for c in range(channels):
+        for i in range(kh):
+            for j in range(kw):
+                # Unsigned flat indices, as in fill_columns, so the copies vectorize.
+                out = np.uint64(((c * kh + i) * kw + j) * row_size)
+                shift = (row_start + i * dh - top) * width + j * dw - left
+                first = min(run, max(0, -shift))
+                end = max(first, min(run, size - shift))
+                line = np.uint64(c * size + shift + first)
+                for p in range(first):
+                    target[out + np.uint64(p)] = 0
+                for p in range(end - first):
+                    target[out + np.uint64(first + p)] = source[line + np.uint64(p)]
+                for p in range(end, run):
+                    target[out + np.uint64(p)] = 0
+                # Output columns whose tap falls left or right of the image read the neighbouring line.
+                low = min(width, max(0, left - j * dw))
+                high = max(low, min(width, width + left - j * dw))
+                if low > 0 or high < width:
+                    for r in range(row_count):
+                        row = out + np.uint64(r * width)
+                        for q in range(low):
+                            target[row + np.uint64(q)] = 0
+                        for q in range(high, width):
+                            target[row + np.uint64(q)] = 0

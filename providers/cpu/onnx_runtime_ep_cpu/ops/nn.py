@@ -370,13 +370,14 @@ def _grouped_weights(w: np.ndarray, b, group: int, dtype) -> np.ndarray:
 _IM2COL_BYTES = 1 << 22
 
 
-def _conv_im2col(x, weights, geo: _Geometry, group: int, with_bias: bool) -> np.ndarray:
+def _conv_im2col(x, weights, geo: _Geometry, group: int, with_bias: bool, finish=None) -> np.ndarray:
     """General convolution: (G, Mg, Cg*K [+1]) weights times the im2col matrix of ``x``.
 
     The column matrix is written one block of output rows at a time, each block feeding one batched
     matmul that writes straight into its rows of the result: for 2-D float32/float64 windows by a
     compiled loop straight from the input (compiled/im2col.py), otherwise copied out of a strided
     window view of the padded input. With a bias, the matrix gets a row of ones so the matmul adds it.
+    A FusedConv's ``finish`` (an _Epilogue) runs on each block of output rows right after its matmul.
     """
     n, c = x.shape[:2]
     cg, mg, depth = c // group, weights.shape[1], weights.shape[2]
@@ -401,6 +402,8 @@ def _conv_im2col(x, weights, geo: _Geometry, group: int, with_bias: bool) -> np.
         cols = buffer[..., : count * rest]
         fill(buffer[:, :, : depth - 1] if with_bias else buffer, block, count)  # whole rows: contiguous
         np.matmul(weights, cols, out=y[block].reshape(n, group, mg, count * rest, copy=False))
+        if finish is not None:
+            finish.rows(y.reshape(n, group * mg, geo.out[0] * rest), start * rest, (start + count) * rest)
     return y
 
 
@@ -427,29 +430,57 @@ def _tight_fits(geo: _Geometry) -> bool:
     return _rows_fit(geo) and geo.out[1] == geo.in_shape[1]
 
 
-def _conv_tight_rows(x, weights, geo: _Geometry, with_bias: bool) -> np.ndarray:
-    """Stride-1 2-D convolution (one group) as im2col over _tight_rows: each (channel, tap) row
-    of the column matrix is one contiguous copy of a whole block of output rows, instead of one
-    short copy per output row from the strided window view, and the matmul writes y directly."""
+def _conv_tight_rows(x, weights, geo: _Geometry, with_bias: bool, finish=None) -> np.ndarray:
+    """Stride-1 2-D convolution (one group) whose output is as wide as its input: im2col where each
+    (channel, tap) row of a block of output rows is one contiguous run of the flattened image,
+    shifted by the tap, instead of one short copy per output row; the matmul writes y directly.
+
+    float32/float64 fill the column matrix straight from x with a compiled loop; other dtypes copy
+    it from the staged rows of _tight_rows and zero the wrapped columns (see _tap_source). A FusedConv's
+    ``finish`` (an _Epilogue) runs on each block of output rows while the matmul's result is in cache."""
     n, c = x.shape[:2]
     m, depth = weights.shape[1], weights.shape[2]
-    source, run, wrapped = _tap_source(x, geo)
-    (oh, width), taps = run, c * math.prod(geo.kernel)
+    oh, width = geo.out
+    taps = c * math.prod(geo.kernel)
     rows = max(1, min(oh, _IM2COL_BYTES // max(1, x.itemsize * depth * width)))
     buffer = np.empty((depth, rows * width), dtype=x.dtype)
     if with_bias:
         buffer[-1] = 1
+    fill = _tight_fill(x, geo, buffer[:taps])
     y = np.empty((n, m, oh, width), dtype=x.dtype)
     for image in range(n):
         for start in range(0, oh, rows):
             count = min(rows, oh - start)
-            cols = buffer[:, : count * width]
-            tap_cols = cols[:taps].reshape(c, *geo.kernel, count, width, copy=False)
-            np.copyto(tap_cols, source[image, :, :, :, start:start + count])
-            for j, first, end in wrapped:
-                tap_cols[:, :, j, :, first:end] = 0
-            np.matmul(weights[0], cols, out=y[image, :, start:start + count].reshape(m, -1, copy=False))
+            fill(image, start, count)
+            out = y[image, :, start:start + count].reshape(m, -1, copy=False)
+            np.matmul(weights[0], buffer[:, : count * width], out=out)
+            if finish is not None:
+                finish.rows(y.reshape(n, m, oh * width), start * width, (start + count) * width, image)
     return y
+
+
+def _tight_fill(x, geo: _Geometry, taps: np.ndarray):
+    """``fill(image, start, count)``: the column rows of output rows start .. start + count of one
+    image into the first count * W columns of ``taps`` (C*K, rows * W), for _conv_tight_rows."""
+    if takes_compiled(x):
+        from ..compiled.im2col import fill_tight_columns
+
+        xc = np.ascontiguousarray(x)
+        (kh, kw), (dh, dw), (top, left) = geo.kernel, geo.dilations, geo.begin
+
+        def fill(image, start, count):
+            fill_tight_columns(xc[image], taps, kh, kw, dh, dw, top, left, start, count)
+
+        return fill
+    source, (_, width), wrapped = _tap_source(x, geo)
+
+    def fill(image, start, count):
+        tap_cols = taps[:, : count * width].reshape(x.shape[1], *geo.kernel, count, width, copy=False)
+        np.copyto(tap_cols, source[image, :, :, :, start:start + count])
+        for j, first, end in wrapped:
+            tap_cols[:, :, j, :, first:end] = 0
+
+    return fill
 
 
 def _conv_pointwise(x, weights, group: int, with_bias: bool) -> np.ndarray:
@@ -515,9 +546,10 @@ def _crop_rows(rows: np.ndarray, geo: _Geometry, out: np.ndarray, b=None) -> Non
         np.add(valid, b.astype(out.dtype, copy=False).reshape(-1, 1, 1), out=out)
 
 
-def _conv_by_taps(x, taps, b, geo: _Geometry) -> np.ndarray:
+def _conv_by_taps(x, taps, b, geo: _Geometry, finish=None) -> np.ndarray:
     """Stride-1 2-D convolution as one matmul per kernel tap over shifted runs of the padded rows,
-    with no column matrix: BLAS accumulates each tap's product into the output rows (see blas.py)."""
+    with no column matrix: BLAS accumulates each tap's product into the output rows (see blas.py).
+    A FusedConv's ``finish`` (an _Epilogue, in place of ``b``) crops and finishes them in one pass."""
     n, m = x.shape[0], taps.shape[1]
     flat = _padded_rows(x, geo)
     length = geo.out[0] * _padded_width(geo)
@@ -531,7 +563,10 @@ def _conv_by_taps(x, taps, b, geo: _Geometry) -> np.ndarray:
                 np.matmul(taps[0], source, out=total)
             else:
                 gemm_accumulate(taps[t], source, total, scratch=product)
-        _crop_rows(total, geo, y[image], b)
+        if finish is None:
+            _crop_rows(total, geo, y[image], b)
+        else:
+            finish.crop(total, y.reshape(n, m, math.prod(geo.out)), geo.out[1], image)
     return y
 
 
@@ -727,28 +762,43 @@ _TAPS_COLUMN_BYTES = 12 << 20
 
 @register("Conv", since=1)
 def conv(node, shapes, opset):
-    window = _Window(node, shapes, needs_kernel=False)
-    group = _group(node)
-    prepared = _Prepared()
-    paths: dict[tuple, object] = {}  # per input signature: the path, with its geometry resolved
+    resolve = _conv_resolver(node, shapes)
 
     def kernel(x, w, b=None):
-        key = (x.shape, w.shape, x.dtype, b is None, w.flags.writeable)
-        path = paths.get(key)
-        if path is None:
-            _check_channels(node, x.shape[1], w.shape, group, transpose=False)
-            path = paths[key] = _conv_path(window.resolve(x.shape[2:], w.shape[2:]), group, x, w, prepared)
-        return (path(x, w, b),)
+        return (resolve(x, w, b)[0](x, w, b, None),)
 
     return kernel
 
 
+def _conv_resolver(node, shapes):
+    """``resolve(x, w, b) -> (path, out_shape)``: the node's convolution path for these inputs'
+    signature (see _conv_path), chosen on the first call with that signature and kept."""
+    window = _Window(node, shapes, needs_kernel=False)
+    group = _group(node)
+    prepared = _Prepared()
+    paths: dict[tuple, tuple] = {}  # per input signature: the path, with its geometry resolved
+
+    def resolve(x, w, b):
+        key = (x.shape, w.shape, x.dtype, b is None, w.flags.writeable)
+        found = paths.get(key)
+        if found is None:
+            _check_channels(node, x.shape[1], w.shape, group, transpose=False)
+            geo = window.resolve(x.shape[2:], w.shape[2:])
+            found = paths[key] = (_conv_path(geo, group, x, w, prepared), (x.shape[0], w.shape[0], *geo.out))
+        return found
+
+    return resolve
+
+
 def _conv_path(geo: _Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: _Prepared):
-    """``path(x, w, b) -> y`` for inputs shaped like ``x`` and ``w``: the convolution algorithm for
-    this geometry, chosen once per input signature."""
+    """``path(x, w, b, finish) -> y`` for inputs shaped like ``x`` and ``w``: the convolution algorithm
+    for this geometry, chosen once per input signature. ``finish`` (an _Epilogue for float32/float64,
+    or None) is a FusedConv's bias, residual and activation: the im2col, tight-row and taps paths
+    apply it to each block of output as they write it, the others to the whole output at the end."""
     dtype = _compute_dtype(x.dtype)
     n, c, m = x.shape[0], x.shape[1], w.shape[0]
     out_shape = (n, m, *geo.out)
+    blocks = False  # whether compute takes ``finish``
 
     def grouped(w, b):
         return prepared.get("grouped", (w, b), lambda: _grouped_weights(w, b, group, dtype))
@@ -759,8 +809,9 @@ def _conv_path(geo: _Geometry, group: int, x: np.ndarray, w: np.ndarray, prepare
         def compute(xc, w, b):
             return _conv_depthwise(xc, grouped(w, b), geo, b is not None)
     elif _use_taps(geo, group, c, m, dtype):
-        def compute(xc, w, b):
-            return _conv_by_taps(xc, prepared.get("taps", (w,), lambda: _tap_weights(w, dtype)), b, geo)
+        def compute(xc, w, b, finish):
+            return _conv_by_taps(xc, prepared.get("taps", (w,), lambda: _tap_weights(w, dtype)), b, geo, finish)
+        blocks = True
     elif _use_winograd(geo, group, c, m) and not w.flags.writeable:  # its weight transform is done once
         def compute(xc, w, b):
             return _conv_winograd(xc, prepared.get("winograd", (w,), lambda: _winograd_weights(w, dtype)), b, geo)
@@ -768,14 +819,24 @@ def _conv_path(geo: _Geometry, group: int, x: np.ndarray, w: np.ndarray, prepare
         def compute(xc, w, b):
             return _conv_pointwise(xc, grouped(w, b), group, b is not None)
     elif group == 1 and _tight_fits(geo):
-        def compute(xc, w, b):
-            return _conv_tight_rows(xc, grouped(w, b), geo, b is not None)
+        def compute(xc, w, b, finish):
+            return _conv_tight_rows(xc, grouped(w, b), geo, b is not None, finish)
+        blocks = True
     else:
-        def compute(xc, w, b):
-            return _conv_im2col(xc, grouped(w, b), geo, group, b is not None)
+        def compute(xc, w, b, finish):
+            return _conv_im2col(xc, grouped(w, b), geo, group, b is not None, finish)
+        blocks = True
 
-    def path(x, w, b):
-        return compute(x.astype(dtype, copy=False), w, b).reshape(out_shape).astype(x.dtype, copy=False)
+    def path(x, w, b, finish):
+        xc = x.astype(dtype, copy=False)
+        if blocks:
+            y = compute(xc, w, b, finish)
+        else:
+            y = compute(xc, w, b)
+            if finish is not None:
+                y = np.ascontiguousarray(y)  # finished in place, through a reshaped view
+                finish.rows(y.reshape(n, m, math.prod(geo.out)), 0, math.prod(geo.out))
+        return y.reshape(out_shape).astype(x.dtype, copy=False)
 
     return path
 
@@ -825,43 +886,65 @@ def _activation_code(node):
     return codes[kind], (params + [0.0, 0.0])[:2]
 
 
+class _Epilogue:
+    """A FusedConv's bias, residual and activation for one run, applied by the compiled loops of
+    compiled/epilogue.py to a float32/float64 conv output (N, M, P) in place: to a block of output
+    pixels right after the matmul that wrote it (still in cache), or while the taps path crops its
+    padded rows. The same arithmetic, in the same order, as conv-then-epilogue."""
+
+    __slots__ = ("_loops", "_bias", "_residual", "_kind", "_params")
+
+    def __init__(self, loops, bias, residual, kind, params):
+        self._loops, self._bias, self._residual, self._kind, self._params = loops, bias, residual, kind, params
+
+    def rows(self, y, first: int, end: int, image: int | None = None) -> None:
+        """Finish pixels first .. end of every channel of ``y`` (N, M, P), or of one image of it."""
+        residual = self._residual
+        if image is not None:
+            y, residual = y[image:image + 1], residual[image:image + 1]
+        self._loops.bias_residual_activation(y, self._bias, residual, self._kind, self._params, first, end)
+
+    def crop(self, rows, y, width: int, image: int) -> None:
+        """Write image ``image`` of ``y`` (N, M, OH*width) from its padded-row results ``rows``
+        (M, OH*Wp), finished."""
+        self._loops.crop_bias_residual_activation(rows.reshape(1, *rows.shape), y[image:image + 1], width,
+                                                  self._bias, self._residual[image:image + 1], self._kind, self._params)
+
+
 def _compiled_epilogue(node):
-    """``finish(y, b, z)``: bias, residual (same shape and dtype as ``y``) and activation in one
-    compiled pass over the fresh float32/float64 conv output ``y``, in place."""
+    """``prepare(b, z, dtype) -> _Epilogue``: the node's bias ``b``, residual ``z`` (the output's
+    shape, or None) and activation ready for the compiled loops, for a float32/float64 output."""
     from ..compiled import epilogue
 
     kind, params = _activation_code(node)
 
-    def finish(y, b, z):
-        n, c = y.shape[:2]
-        bias = epilogue.absent(y.dtype, 1) if b is None else np.ascontiguousarray(b, dtype=y.dtype)
-        rows = (n, c, math.prod(y.shape[2:]))
-        residual = epilogue.absent(y.dtype, 3) if z is None else np.ascontiguousarray(z).reshape(rows)
-        epilogue.bias_residual_activation(y.reshape(rows), bias, residual, kind, np.array(params, dtype=y.dtype))
+    def prepare(b, z, dtype):
+        bias = epilogue.absent(dtype, 1) if b is None else np.ascontiguousarray(b.reshape(-1), dtype=dtype)
+        if z is None:
+            residual = epilogue.absent(dtype, 3)
+        else:
+            residual = np.ascontiguousarray(z).reshape(*z.shape[:2], math.prod(z.shape[2:]))
+        return _Epilogue(epilogue, bias, residual, kind, np.array(params, dtype=dtype))
 
-    return finish
+    return prepare
 
 
 @register("FusedConv", domain=FUSED_DOMAIN, since=1)
 def fused_conv(node, shapes, opset):
     """Conv (the node's Conv attributes), then an optional residual ``z`` added and an activation.
 
-    For float32/float64 the bias, residual and activation are one compiled pass over the output
-    (the convolution itself then runs without its bias); other dtypes take numpy passes in place."""
-    conv_kernel = conv(node, shapes, opset)
+    For float32/float64 the bias, residual and activation are one compiled pass over each block of
+    the output as the convolution writes it (see _Epilogue); other dtypes, and residuals that only
+    broadcast to the output, take numpy passes in place after the convolution."""
+    resolve = _conv_resolver(node, shapes)
     activate = _in_place_activation(node)
-    finish = _compiled_epilogue(node)
+    prepare = _compiled_epilogue(node)
 
     def kernel(x, w, b=None, z=None):
-        if takes_compiled(x):
-            (y,) = conv_kernel(x, w, None)  # always a fresh array, so it may be overwritten
-            if z is None or (z.shape == y.shape and z.dtype == y.dtype):
-                finish(y, b, z)
-                return (y,)
-            if b is not None:  # a residual that broadcasts: numpy passes from here
-                y += b.reshape(-1, *(1,) * (y.ndim - 2))
-        else:
-            (y,) = conv_kernel(x, w, b)
+        path, out_shape = resolve(x, w, b)
+        if takes_compiled(x) and (z is None or (z.shape == out_shape and z.dtype == x.dtype)):
+            return (path(x, w, None, prepare(b, z, x.dtype)),)
+        y = path(x, w, b, None)  # a fresh array, so it may be overwritten
         if z is not None:
             y = _add_residual(y, z)
         if activate is not None:
