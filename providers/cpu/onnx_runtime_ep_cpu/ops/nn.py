@@ -917,14 +917,18 @@ def _compiled_epilogue(node):
     from ..compiled import epilogue
 
     kind, params = _activation_code(node)
+    # Per dtype, built once: the activation's parameters and the empty stand-ins for no bias/residual.
+    constants = {np.dtype(t): (np.array(params, dtype=t), epilogue.absent(t, 1), epilogue.absent(t, 3))
+                 for t in (np.float32, np.float64)}
 
     def prepare(b, z, dtype):
-        bias = epilogue.absent(dtype, 1) if b is None else np.ascontiguousarray(b.reshape(-1), dtype=dtype)
+        arguments, no_bias, no_residual = constants[dtype]
+        bias = no_bias if b is None else np.ascontiguousarray(b.reshape(-1), dtype=dtype)
         if z is None:
-            residual = epilogue.absent(dtype, 3)
+            residual = no_residual
         else:
             residual = np.ascontiguousarray(z).reshape(*z.shape[:2], math.prod(z.shape[2:]))
-        return _Epilogue(epilogue, bias, residual, kind, np.array(params, dtype=dtype))
+        return _Epilogue(epilogue, bias, residual, kind, arguments)
 
     return prepare
 
