@@ -21,10 +21,14 @@ collect_ignore_glob = [] if _providers_installed() else ["test_*.py"]
 from model_helpers import make_model, tensor_info  # noqa: E402
 
 
+def _bias_row():
+    return onnx.numpy_helper.from_array(np.linspace(-1, 1, 6, dtype=np.float32).reshape(1, 6), "b")
+
+
 @pytest.fixture
 def chain_model():
     """y = Softmax(Relu(x) + b) * x: Relu/Add/Mul can run on the sample device, Softmax cannot."""
-    b = onnx.numpy_helper.from_array(np.linspace(-1, 1, 6, dtype=np.float32).reshape(1, 6), "b")
+    b = _bias_row()
     nodes = [
         helper.make_node("Relu", ["x"], ["r"], name="relu"),
         helper.make_node("Add", ["r", "b"], ["a"], name="add"),
@@ -32,5 +36,17 @@ def chain_model():
         helper.make_node("Mul", ["s", "x"], ["y"], name="mul"),
     ]
     return make_model(nodes, [tensor_info("x", shape=[2, 6])], [tensor_info("y", shape=[2, 6])], [b])
+
+
+@pytest.fixture
+def device_model():
+    """y = Relu(x) * x + b, serialized: every node runs on the sample device."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Mul", ["r", "x"], ["m"], name="mul"),
+        helper.make_node("Add", ["m", "b"], ["y"], name="add"),
+    ]
+    model = make_model(nodes, [tensor_info("x", shape=[2, 6])], [tensor_info("y", shape=[2, 6])], [_bias_row()])
+    return model.SerializeToString()
 
 

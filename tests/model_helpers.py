@@ -7,6 +7,7 @@ import os
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
+from onnx_runtime.contract.markers import hookimpl
 
 LIGHT_DIR = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 LIGHT_MODELS = sorted(f[:-5] for f in os.listdir(LIGHT_DIR) if f.endswith(".onnx"))
@@ -28,3 +29,39 @@ def chain_reference(x: np.ndarray) -> np.ndarray:
     a = np.maximum(x, 0) + b
     e = np.exp(a - a.max(-1, keepdims=True))
     return (e / e.sum(-1, keepdims=True)) * x
+
+
+class CopyCounter:
+    """Counts the copies the given provider handles perform: host to device (uploads), device to host
+    (downloads) and device to device."""
+
+    def __init__(self, *handles):
+        self.uploads = self.downloads = self.device_copies = 0
+        for handle in handles:
+            handle.pm.register(self, name=f"copy-counter-{id(self)}-{id(handle)}")
+
+    @property
+    def host_copies(self) -> int:
+        return self.uploads + self.downloads
+
+    @hookimpl(wrapper=True)
+    def copy_from_host(self):
+        self.uploads += 1
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def copy_to_host(self):
+        self.downloads += 1
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def copy(self):
+        self.device_copies += 1
+        return (yield)
+
+    def per_call(self, call) -> tuple[int, int, int]:
+        """(uploads, downloads, device copies) of one ``call()``."""
+        before = (self.uploads, self.downloads, self.device_copies)
+        call()
+        return tuple(now - then for now, then in zip((self.uploads, self.downloads, self.device_copies), before))
+

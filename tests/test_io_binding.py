@@ -5,10 +5,9 @@ from __future__ import annotations
 import gc
 
 import numpy as np
-import onnx
 import onnx_runtime as ort
 import pytest
-from model_helpers import chain_reference, make_model, tensor_info
+from model_helpers import CopyCounter, chain_reference, make_model, tensor_info
 from onnx import TensorProto, helper
 from onnx_runtime.contract.markers import hookimpl
 from onnx_runtime.errors import InvalidArgumentError, ProviderNotAvailableError
@@ -16,48 +15,6 @@ from onnx_runtime.errors import InvalidArgumentError, ProviderNotAvailableError
 SAMPLE = "SampleDeviceExecutionProvider"
 CPU = "CPUExecutionProvider"
 SAMPLE_TYPE, SAMPLE_ID = "other", 7  # the sample provider's device: DeviceId(OTHER, 7)
-
-
-class CopyCounter:
-    """Counts the host<->device and device<->device copies a provider handle performs."""
-
-    def __init__(self, handle):
-        self.uploads = self.downloads = self.device_copies = 0
-        handle.pm.register(self, name=f"copy-counter-{id(self)}")
-
-    @hookimpl(wrapper=True)
-    def copy_from_host(self):
-        self.uploads += 1
-        return (yield)
-
-    @hookimpl(wrapper=True)
-    def copy_to_host(self):
-        self.downloads += 1
-        return (yield)
-
-    @hookimpl(wrapper=True)
-    def copy(self):
-        self.device_copies += 1
-        return (yield)
-
-    def per_call(self, call) -> tuple[int, int, int]:
-        """(uploads, downloads, device copies) of one ``call()``."""
-        before = (self.uploads, self.downloads, self.device_copies)
-        call()
-        return tuple(now - then for now, then in zip((self.uploads, self.downloads, self.device_copies), before))
-
-
-@pytest.fixture
-def device_model():
-    """y = Relu(x) * x + b: every node runs on the sample device."""
-    b = onnx.numpy_helper.from_array(np.linspace(-1, 1, 6, dtype=np.float32).reshape(1, 6), "b")
-    nodes = [
-        helper.make_node("Relu", ["x"], ["r"], name="relu"),
-        helper.make_node("Mul", ["r", "x"], ["m"], name="mul"),
-        helper.make_node("Add", ["m", "b"], ["y"], name="add"),
-    ]
-    model = make_model(nodes, [tensor_info("x", shape=[2, 6])], [tensor_info("y", shape=[2, 6])], [b])
-    return model.SerializeToString()
 
 
 def _x(seed: int = 0) -> np.ndarray:

@@ -9,31 +9,11 @@ import numpy as np
 import onnx
 import onnx_runtime as ort
 import pytest
+from model_helpers import CopyCounter
 from onnx import TensorProto, helper
-from onnx_runtime.contract.markers import hookimpl
 
 CUDA = "CUDAExecutionProvider"
 VOCAB, HIDDEN = 16, 8
-
-
-class HostCopyCounter:
-    """Counts the host<->device copies a provider handle performs."""
-
-    def __init__(self, *handles):
-        self.copies = 0
-        self.handles = handles
-        for handle in handles:
-            handle.pm.register(self, name=f"host-copy-counter-{id(self)}-{id(handle)}")
-
-    @hookimpl(wrapper=True)
-    def copy_from_host(self):
-        self.copies += 1
-        return (yield)
-
-    @hookimpl(wrapper=True)
-    def copy_to_host(self):
-        self.copies += 1
-        return (yield)
 
 
 @pytest.fixture(autouse=True)
@@ -105,17 +85,17 @@ def test_device_inputs_and_outputs_never_cross_the_host(affine_model):
     binding.bind_ortvalue_input("x", x)
     binding.bind_output("y", "cuda")
     sess.run_with_iobinding(binding)
-    counter = HostCopyCounter(device, x.tensor.provider)
+    counter = CopyCounter(device, x.tensor.provider)
     for _ in range(3):
         sess.run_with_iobinding(binding)
     binding.synchronize_outputs()
-    assert counter.copies == 0
+    assert counter.host_copies == 0
     (y,) = binding.get_outputs()
     assert y.device_name() == "cuda" and y.tensor.buffer.host is None
     np.testing.assert_allclose(binding.copy_outputs_to_cpu()[0], reference(_x()), rtol=1e-5, atol=1e-6)
-    assert counter.copies == 1  # the download asked for
+    assert counter.host_copies == 1  # the download asked for
     sess.run(None, {"x": _x()})
-    assert counter.copies == 3  # run() uploads x and downloads y
+    assert counter.host_copies == 3  # run() uploads x and downloads y
 
 
 def test_a_bound_output_buffer_is_written_in_place(affine_model):
@@ -169,14 +149,14 @@ def test_greedy_decode_feeds_each_step_its_previous_output_on_the_device(decode_
     binding.bind_ortvalue_input("token", ort.OrtValue.ortvalue_from_numpy(np.array([3], np.int64), "cuda"))
     binding.bind_output("next", "cuda")
     tokens, want = [], [3]
-    counter = HostCopyCounter(device)
+    counter = CopyCounter(device)
     for _ in range(6):
         sess.run_with_iobinding(binding)
         (step,) = binding.get_outputs()
         tokens.append(step)
         binding.bind_ortvalue_input("token", step)  # step n's output is step n+1's input
         want.append(int(np.argmax(embedding[want[-1]] @ projection)))
-    assert counter.copies == 0
+    assert counter.host_copies == 0
     assert [int(t.numpy()[0]) for t in tokens] == want[1:]
     assert len({t.data_ptr() for t in tokens}) == len(tokens)  # each step's token is its own device buffer
 
@@ -210,14 +190,14 @@ def test_captured_runs_read_bound_device_inputs_at_their_addresses(affine_model)
     binding = sess.io_binding()
     binding.bind_ortvalue_input("x", x)
     binding.bind_ortvalue_output("y", y)
-    counter = HostCopyCounter(sess.provider_handle(CUDA), x.tensor.provider)
+    counter = CopyCounter(sess.provider_handle(CUDA), x.tensor.provider)
     runner = sess._executor.graphs
     for seed in range(4):  # size, capture, then replays: each reads x where it is
         x.update_inplace(_x(seed))
         sess.run_with_iobinding(binding)
         np.testing.assert_allclose(y.numpy(), reference(_x(seed)), rtol=1e-5, atol=1e-6)
     assert sess.device_graph_status() == "replaying" and (runner.captures, runner.replays) == (1, 3)
-    assert counter.copies == 4 + 4  # only the test's own update_inplace uploads and y.numpy() downloads
+    assert counter.host_copies == 4 + 4  # only the test's own update_inplace uploads and y.numpy() downloads
     other = ort.OrtValue.ortvalue_from_numpy(_x(9), "cuda")  # another address: another signature, eager first
     binding.bind_ortvalue_input("x", other)
     sess.run_with_iobinding(binding)
@@ -232,7 +212,7 @@ def test_a_captured_decode_loop_ping_pongs_two_device_buffers(decode_model):
     sess = ort.InferenceSession(decode_model, options, providers=[CUDA])
     buffers = [ort.OrtValue.ortvalue_from_numpy(np.array([3], np.int64), "cuda"),
                ort.OrtValue.ortvalue_from_shape_and_type([1], np.int64, "cuda")]
-    counter = HostCopyCounter(sess.provider_handle(CUDA), buffers[0].tensor.provider)
+    counter = CopyCounter(sess.provider_handle(CUDA), buffers[0].tensor.provider)
     binding = sess.io_binding()
     want = [3]
     for step in range(8):
@@ -240,7 +220,7 @@ def test_a_captured_decode_loop_ping_pongs_two_device_buffers(decode_model):
         binding.bind_ortvalue_output("next", buffers[(step + 1) % 2])
         sess.run_with_iobinding(binding)
         want.append(int(np.argmax(embedding[want[-1]] @ projection)))
-    assert counter.copies == 0
+    assert counter.host_copies == 0
     runner = sess._executor.graphs
     assert sess.device_graph_status() == "replaying" and (runner.captures, runner.replays) == (2, 6)
     assert int(buffers[0].numpy()[0]) == want[-1]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import jit, takes  # noqa: F401  (takes: for the callers)
+from . import jit
 
 
 @jit

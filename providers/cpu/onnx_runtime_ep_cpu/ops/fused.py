@@ -22,8 +22,6 @@ from .nn import _stash_dtype
 from .shape import _reshape
 from .transformer import rms_normalization
 
-_COMPILED = COMPILED_DTYPES
-
 
 def _compiled_decoder():
     from ..compiled import decoder  # numba loads only for models that need it
@@ -82,7 +80,7 @@ def rotate_half_embedding(node, shapes, opset):
     plans = _RotationPlan(half, end)
 
     def kernel(q, cos, sin):
-        if q.dtype in _COMPILED and q.dtype == cos.dtype == sin.dtype and cos.shape == sin.shape:
+        if q.dtype in COMPILED_DTYPES and q.dtype == cos.dtype == sin.dtype and cos.shape == sin.shape:
             plan = plans(q.shape, cos.shape)
             if plan is not None:
                 rows, q_2d, table_2d = plan
@@ -101,7 +99,7 @@ def skip_rms_normalization(node, shapes, opset):
     stash_type), one compiled pass per row; otherwise Add then the RMSNormalization kernel."""
     epsilon = float(node.attr("epsilon", 1e-5))
     stash = _stash_dtype(node)
-    stash = stash if stash in _COMPILED else None  # the compiled pass keeps the statistics in the input's dtype
+    stash = stash if stash in COMPILED_DTYPES else None  # the compiled pass keeps the statistics in the input's dtype
     norm = rms_normalization(Node("RMSNormalization", ["x", "scale"], ["y"], name=node.name, attrs={
         "axis": -1, "epsilon": epsilon, "stash_type": int(node.attr("stash_type", 1))}, opset=23),
         [shapes[0], shapes[2]], 23)
@@ -137,7 +135,7 @@ def swish_mul(node, shapes, opset):
 
     @_quiet  # exp overflows to inf for large negative inputs, giving the correct limit 0
     def numpy_kernel(a, b):
-        if a.dtype not in _COMPILED:  # half precision: Swish computes in float32 and casts back
+        if a.dtype not in COMPILED_DTYPES:  # half precision: Swish computes in float32 and casts back
             x = a.astype(np.float32)
             y = x / (1 + np.exp(-x.dtype.type(alpha) * x))
             return (y.astype(a.dtype) * b,)
@@ -151,7 +149,8 @@ def swish_mul(node, shapes, opset):
         return (t * b,)  # b broadcasts
 
     def kernel(a, b):
-        if a.dtype in _COMPILED and a.dtype == b.dtype and a.shape == b.shape and a.size <= _SWISH_MUL_COMPILED_SIZE:
+        small = a.shape == b.shape and a.size <= _SWISH_MUL_COMPILED_SIZE
+        if small and a.dtype in COMPILED_DTYPES and a.dtype == b.dtype:
             out = np.empty(a.shape, a.dtype)
             compiled.swish_mul(a.reshape(-1), b.reshape(-1), alpha, out.reshape(-1))
             return (out,)

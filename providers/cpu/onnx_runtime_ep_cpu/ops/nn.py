@@ -1085,7 +1085,7 @@ def _compiled_pool(loops, x: np.ndarray, geo: _Geometry, include_pad: bool | Non
     take float32/float64 with 1-D or 2-D windows (a 1-D window is a 2-D one over a single row);
     None where they do not apply."""
     rank = len(geo.kernel)
-    if rank > 2 or not loops.takes(x) or x.size == 0 or 0 in geo.out:
+    if rank > 2 or not takes_compiled(x) or x.size == 0 or 0 in geo.out:
         return None
     fields = (geo.kernel, geo.strides, geo.dilations, geo.begin, geo.end, geo.in_shape)
     if rank == 1:
@@ -1181,7 +1181,7 @@ def global_average_pool(node, shapes, opset):
 
     def kernel(x):
         size = math.prod(x.shape[2:])
-        if loops.takes(x) and x.ndim > 2 and 0 < size <= loops.PLANE_SUM_LIMIT and x.size:
+        if takes_compiled(x) and x.ndim > 2 and 0 < size <= loops.PLANE_SUM_LIMIT and x.size:
             y = np.empty(x.shape[:2] + (1,) * (x.ndim - 2), dtype=x.dtype)
             loops.plane_means(np.ascontiguousarray(x).reshape(-1, size), y.reshape(-1), size)
             return (y,)
@@ -1241,18 +1241,23 @@ def _batch_norm_stats(x, axes, mean, var, momentum, dtype):
     return batch_mean, batch_var, running_mean, running_var
 
 
-def _compiled_channel_affine(x: np.ndarray, factor: np.ndarray, shift: np.ndarray, code) -> np.ndarray:
-    """x * factor + shift for (C,) parameters, then the activation ``code`` = (kind, params): one
-    compiled pass."""
-    from ..compiled import epilogue
-
+def _channel_affine_loop(code):
+    """``affine(x, factor, shift)``: x * factor + shift for (C,) parameters, then the activation
+    ``code`` = (kind, params), in one compiled pass (float32/float64 ``x``; numba loads on the first call)."""
     kind, params = code
-    n, c = x.shape[:2]
-    rows = np.ascontiguousarray(x).reshape(n, c, math.prod(x.shape[2:]))
-    y = np.empty_like(rows)
-    epilogue.channel_affine(rows, factor.astype(x.dtype, copy=False), shift.astype(x.dtype, copy=False), y,
-                            kind, np.array(params, dtype=x.dtype))
-    return y.reshape(x.shape)
+    arguments = {np.dtype(t): np.array(params, dtype=t) for t in (np.float32, np.float64)}
+
+    def affine(x, factor, shift):
+        from ..compiled import epilogue
+
+        n, c = x.shape[:2]
+        rows = np.ascontiguousarray(x).reshape(n, c, math.prod(x.shape[2:]))
+        y = np.empty_like(rows)
+        epilogue.channel_affine(rows, factor.astype(x.dtype, copy=False), shift.astype(x.dtype, copy=False), y,
+                                kind, arguments[x.dtype])
+        return y.reshape(x.shape)
+
+    return affine
 
 
 def _batch_norm_kernel(node, training: bool, spatial: bool, fused_activation: bool = False):
@@ -1269,7 +1274,7 @@ def _batch_norm_kernel(node, training: bool, spatial: bool, fused_activation: bo
     n_outputs = len(node.outputs)
     prepared = _Prepared()
     activate = _in_place_activation(node) if fused_activation else None  # validates the activation
-    code = _activation_code(node) if fused_activation else (0, [0.0, 0.0])
+    affine = _channel_affine_loop(_activation_code(node) if fused_activation else (0, [0.0, 0.0]))
 
     def inference(x, scale, bias, mean, var):
         dtype = _compute_dtype(x.dtype)
@@ -1277,7 +1282,7 @@ def _batch_norm_kernel(node, training: bool, spatial: bool, fused_activation: bo
             factor, shift = prepared.get(dtype, (scale, bias, mean, var), lambda: _affine_params(
                 *(p.astype(dtype, copy=False) for p in (mean, var, scale, bias)), epsilon, dtype))
             if takes_compiled(x):
-                return _compiled_channel_affine(x, factor, shift, code)
+                return affine(x, factor, shift)
             y = _per_channel_affine(x, factor, shift, dtype)
         else:
             s, b, mu, v = (_channel_param(p, x.ndim, dtype) for p in (scale, bias, mean, var))
@@ -1487,7 +1492,7 @@ def lrn(node, shapes, opset):
     from ..compiled import lrn as loops  # numba loads only for models with LRN
 
     def kernel(x):
-        if loops.takes(x) and x.ndim >= 3 and x.size:
+        if takes_compiled(x) and x.ndim >= 3 and x.size:
             return (_lrn_compiled(loops, x, size, before, alpha, beta, bias),)
         xc = _upcast(x)
         squares = np.zeros((x.shape[0], x.shape[1] + size - 1, *x.shape[2:]), dtype=xc.dtype)
