@@ -1,4 +1,5 @@
-"""Linear-algebra kernels: MatMul, Gemm, MatMulInteger, Einsum (all through numpy's BLAS paths)."""
+"""Linear-algebra kernels: MatMul, Gemm, MatMulInteger, Einsum (through numpy's BLAS paths; a float32
+Gemm of a few rows, a CNN's classifier, through compiled/gemv.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
+from ..threads import helper_count, kernel_threads
 
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
@@ -91,6 +93,35 @@ def _scale(y: np.ndarray, factor: float) -> np.ndarray:
     return y * factor
 
 
+# Products of at most this many rows of ``a`` (a classifier's batch) run compiled/gemv.py's loops on
+# the convolution helpers' threads instead of BLAS (see that module for why); from this many weights
+# on they are split across the threads.
+_GEMV_ROWS = 8
+_GEMV_SPLIT_WEIGHTS = 1 << 16
+
+
+def _few_rows_product(a: np.ndarray, b: np.ndarray, transposed: bool) -> np.ndarray | None:
+    """``a @ b.T`` (transposed) or ``a @ b`` through compiled/gemv.py for float32 ``a`` with few rows;
+    None where it does not apply (then BLAS computes it)."""
+    if not (a.dtype == b.dtype == np.float32 and a.shape[0] <= _GEMV_ROWS and a.size and b.size):
+        return None
+    from ..compiled import gemm, workers
+
+    if not gemm.AVAILABLE:  # no packed convolution on this host either: BLAS has the threads to itself
+        return None
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    n = b.shape[0] if transposed else b.shape[1]
+    y = np.empty((a.shape[0], n), dtype=np.float32)
+    threads = kernel_threads() if b.size >= _GEMV_SPLIT_WEIGHTS else 1
+    bounds = [n * t // threads for t in range(threads + 1)]
+    parts = [(transposed, a, b, y, first, end) for first, end in zip(bounds, bounds[1:]) if end > first]
+    if len(parts) > 1:
+        workers.run_product(parts, helper_count())
+    else:
+        workers.product_here(*parts[0])
+    return y
+
+
 def _gemm_kernel(node, c_must_match: bool):
     alpha = float(node.attr("alpha", 1.0))
     beta = float(node.attr("beta", 1.0))
@@ -102,7 +133,11 @@ def _gemm_kernel(node, c_must_match: bool):
             raise InvalidArgumentError(
                 f"node {node.name!r} (Gemm): inputs must be matrices, got shapes {a.shape} and {b.shape}"
             )
-        y = _scale(_matmul(a.T if trans_a else a, b.T if trans_b else b), alpha)
+        left = a.T if trans_a else a
+        y = _few_rows_product(left, b, trans_b) if left.shape[1] == b.shape[1 if trans_b else 0] else None
+        if y is None:
+            y = _matmul(left, b.T if trans_b else b)
+        y = _scale(y, alpha)
         if c is not None and beta != 0:
             if c_must_match and c.shape != y.shape:
                 raise InvalidArgumentError(

@@ -19,6 +19,7 @@ input one spatial dim at a time, so Python only loops over the (few) kernel taps
 from __future__ import annotations
 
 import math
+import threading
 from functools import reduce
 
 import numpy as np
@@ -32,6 +33,7 @@ from ..blas import gemm_accumulate
 from ..compiled import takes as takes_compiled
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
+from ..threads import helper_count, kernel_threads
 from .special import _scaled_coefficients, erf_float32, erf_float64
 
 # -- shared helpers ------------------------------------------------------------------------------
@@ -760,6 +762,144 @@ def _use_taps(geo: _Geometry, group: int, c: int, m: int, dtype) -> bool:
 _TAPS_COLUMN_BYTES = 12 << 20
 
 
+def _packed_conv_applies(geo: _Geometry, group: int, x: np.ndarray) -> bool:
+    """Whether compiled/gemm.py's packed convolution runs this one: 2-D float32 windows with some output
+    on AVX-512 hosts (depthwise convolutions keep their own loop)."""
+    if x.dtype != np.float32 or len(geo.kernel) != 2 or (group == x.shape[1] and group > 1) \
+            or x.size == 0 or 0 in geo.out:
+        return False
+    from ..compiled import gemm  # numba (and the IR microkernel) load only for models that need them
+
+    return gemm.AVAILABLE
+
+
+def _lane_grid(geo: _Geometry, padded_width: int) -> int:
+    """The width of the rows the packed convolution's lanes run over: the padded width for stride-1
+    windows (each column row of a panel is then one contiguous copy) unless the columns past the
+    output's width would waste more than the copies save (narrow images); else the output's width."""
+    if geo.strides == (1, 1) and padded_width <= geo.out[1] * _GRID_WASTE:
+        return padded_width
+    return geo.out[1]
+
+
+_GRID_WASTE = 1.3
+
+# Below this many multiply-adds per thread the hand-off to a helper thread costs more than it saves.
+_SPLIT_MACS = 1 << 20
+
+
+class _PackedConv:
+    """One geometry's packed convolution (compiled/gemm.py): weights packed once per constant array,
+    the output's pixel panels split evenly across the kernel threads (threads.py), and a FusedConv's
+    bias, residual and activation applied as each output tile is stored."""
+
+    def __init__(self, geo: _Geometry, group: int, x_shape, w_shape, prepared: _Prepared):
+        from ..compiled import gemm
+
+        self._gemm, self._geo, self._group, self._prepared = gemm, geo, group, prepared
+        self._n, c = x_shape[:2]
+        self._m = w_shape[0]
+        self._cg, self._mg = c // group, self._m // group
+        self._pixels = math.prod(geo.out)
+        self._padded = geo.padded_shape(tuple(x_shape))[2:]
+        self._grid = _lane_grid(geo, self._padded[1])
+        self._lanes = geo.out[0] * self._grid
+        self._macs = self._n * self._m * self._cg * math.prod(geo.kernel) * self._pixels
+        self._plans: dict[int, list] = {}  # per thread count: the task arrays
+        self._no_residual = np.empty((1, 0), dtype=np.float32)
+        (kh, kw), (dh, dw), (hp, wp) = geo.kernel, geo.dilations, self._padded
+        self._taps = gemm.tap_offsets(self._cg, kh, kw, dh, dw, wp, hp * wp)
+        self._packed = gemm.packed_offsets(self._cg * kh * kw)
+
+    def _plan(self, threads: int) -> list:
+        """Per thread, its tasks (image, group, first panel, end panel, first tile, end tile): the
+        panels of every (image, group) split evenly, or, where there are too few panels to go round
+        (small images), each unit's weight tiles, so each thread also reads only its share of the
+        weights."""
+        plan = self._plans.get(threads)
+        if plan is None:
+            panels = -(-self._lanes // self._gemm.NR)
+            tiles = -(-self._mg // self._gemm.MR)
+            units = [(n, g) for n in range(self._n) for g in range(self._group)]
+            by_tiles = threads > 1 and panels * len(units) < 4 * threads and tiles >= 2 * threads
+            total = (tiles if by_tiles else panels) * len(units)
+            parts, taken = [], 0
+            for t in range(threads):
+                goal = total * (t + 1) // threads
+                tasks = []
+                while taken < goal:
+                    unit, first = divmod(taken, tiles if by_tiles else panels)
+                    end = min(tiles if by_tiles else panels, first + goal - taken)
+                    if by_tiles:
+                        tasks.append((*units[unit], 0, panels, first, end))
+                    else:
+                        tasks.append((*units[unit], first, end, 0, tiles))
+                    taken += end - first
+                parts.append(np.array(tasks, dtype=np.int64).reshape(-1, 6))
+            plan = self._plans[threads] = parts
+        return plan
+
+    def _weights(self, w):
+        def build():
+            flat = w.astype(np.float32, copy=False).reshape(self._group, self._mg, -1)
+            return np.stack([self._gemm.pack_weights(flat[g]) for g in range(self._group)])
+
+        return self._prepared.get("packed", (w,), build)
+
+    def _bias(self, b, tiles: int) -> np.ndarray:
+        padded = np.zeros((self._group, tiles * self._gemm.MR), dtype=np.float32)
+        if b is not None and b.size:
+            padded[:, : self._mg] = b.reshape(self._group, self._mg)
+        return padded
+
+    def __call__(self, x, w, b, finish):
+        geo = self._geo
+        weights = self._weights(w)
+        flags, bounds, residual = 0, _IDENTITY_BOUNDS, self._no_residual
+        if finish is not None:
+            b, bounds = finish.bias, finish.bounds
+            if finish.residual.size:
+                residual, flags = finish.residual.reshape(self._n, -1), 2
+        if b is not None and b.size:
+            flags |= 1
+        bias = self._bias(b, weights.shape[1])
+        xp = np.ascontiguousarray(geo.pad(x, 0)).reshape(self._n, -1)
+        y = np.empty((self._n, self._m, *geo.out), dtype=np.float32)
+        (kh, kw), (sh, sw), (dh, dw) = geo.kernel, geo.strides, geo.dilations
+        hp, wp = self._padded
+        threads = max(1, min(kernel_threads(), self._macs // _SPLIT_MACS))
+        oh, ow = geo.out
+        parts = [(xp, weights, bias, y.reshape(self._n, -1), residual, flags, bounds, self._mg, oh, ow, self._grid,
+                  self._cg, kh, kw, sh, sw, dh, dw, wp, hp * wp, self._taps, self._packed, tasks)
+                 for tasks in self._plan(threads) if len(tasks)]
+        if len(parts) > 1:
+            from ..compiled import workers
+
+            workers.run_conv(parts, _packed_conv_part, helper_count())
+        else:
+            _packed_conv_part(*parts[0])
+        return y
+
+
+_scratch = threading.local()  # per thread: (packed-panel buffer, edge tile), reused across calls
+
+
+def _packed_conv_part(*arguments) -> None:
+    """compiled/gemm.py's conv_tasks on this thread's scratch buffers: fresh ones would cost a page fault
+    per 4 KiB on every call (they are large enough for malloc to map them anew)."""
+    from ..compiled import gemm
+
+    depth = arguments[11] * arguments[12] * arguments[13]
+    size = gemm.scratch_size(depth)
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None or buffers[0].size < size:
+        buffers = _scratch.buffers = (np.empty(size, dtype=np.float32), np.empty(gemm.MR * gemm.NR, dtype=np.float32))
+    gemm.conv_tasks(*arguments, *buffers)
+
+
+_IDENTITY_BOUNDS = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)
+
+
 @register("Conv", since=1)
 def conv(node, shapes, opset):
     resolve = _conv_resolver(node, shapes)
@@ -803,7 +943,10 @@ def _conv_path(geo: _Geometry, group: int, x: np.ndarray, w: np.ndarray, prepare
     def grouped(w, b):
         return prepared.get("grouped", (w, b), lambda: _grouped_weights(w, b, group, dtype))
 
-    if group == c and group > 1 and _depthwise_compiles(geo, x):
+    if _packed_conv_applies(geo, group, x):
+        compute = _PackedConv(geo, group, x.shape, w.shape, prepared)
+        blocks = True
+    elif group == c and group > 1 and _depthwise_compiles(geo, x):
         compute = _compiled_depthwise(geo, m, prepared, dtype)
     elif group == c and group > 1:
         def compute(xc, w, b):
@@ -890,25 +1033,43 @@ class _Epilogue:
     """A FusedConv's bias, residual and activation for one run, applied by the compiled loops of
     compiled/epilogue.py to a float32/float64 conv output (N, M, P) in place: to a block of output
     pixels right after the matmul that wrote it (still in cache), or while the taps path crops its
-    padded rows. The same arithmetic, in the same order, as conv-then-epilogue."""
+    padded rows. The same arithmetic, in the same order, as conv-then-epilogue. The packed
+    convolution reads ``bias`` (empty for none), ``residual`` (N, M, P; empty for none) and
+    ``bounds`` (the activation as low, high, slope) and applies them itself."""
 
-    __slots__ = ("_loops", "_bias", "_residual", "_kind", "_params")
+    __slots__ = ("_loops", "bias", "residual", "_kind", "_params", "bounds")
 
-    def __init__(self, loops, bias, residual, kind, params):
-        self._loops, self._bias, self._residual, self._kind, self._params = loops, bias, residual, kind, params
+    def __init__(self, loops, bias, residual, kind, params, bounds):
+        self._loops, self.bias, self.residual, self._kind, self._params = loops, bias, residual, kind, params
+        self.bounds = bounds
 
     def rows(self, y, first: int, end: int, image: int | None = None) -> None:
         """Finish pixels first .. end of every channel of ``y`` (N, M, P), or of one image of it."""
-        residual = self._residual
+        residual = self.residual
         if image is not None:
             y, residual = y[image:image + 1], residual[image:image + 1]
-        self._loops.bias_residual_activation(y, self._bias, residual, self._kind, self._params, first, end)
+        self._loops.bias_residual_activation(y, self.bias, residual, self._kind, self._params, first, end)
 
     def crop(self, rows, y, width: int, image: int) -> None:
         """Write image ``image`` of ``y`` (N, M, OH*width) from its padded-row results ``rows``
         (M, OH*Wp), finished."""
         self._loops.crop_bias_residual_activation(rows.reshape(1, *rows.shape), y[image:image + 1], width,
-                                                  self._bias, self._residual[image:image + 1], self._kind, self._params)
+                                                  self.bias, self.residual[image:image + 1], self._kind, self._params)
+
+
+def _activation_bounds(kind: int, params, dtype) -> np.ndarray:
+    """The activation as compiled/epilogue.py's (low, high, slope): v*slope below zero, then max with
+    low, then min with high (each the identity where the activation does not use it)."""
+    from ..compiled import epilogue
+
+    low, high, slope = -math.inf, math.inf, 1.0
+    if kind == epilogue.RELU:
+        low = 0.0
+    elif kind == epilogue.CLIP:
+        low, high = params
+    elif kind == epilogue.LEAKY_RELU:
+        slope = params[0]
+    return np.array([low, high, slope], dtype=dtype)
 
 
 def _compiled_epilogue(node):
@@ -917,18 +1078,20 @@ def _compiled_epilogue(node):
     from ..compiled import epilogue
 
     kind, params = _activation_code(node)
-    # Per dtype, built once: the activation's parameters and the empty stand-ins for no bias/residual.
-    constants = {np.dtype(t): (np.array(params, dtype=t), epilogue.absent(t, 1), epilogue.absent(t, 3))
+    # Per dtype, built once: the activation's parameters and bounds, and the empty stand-ins for no
+    # bias/residual.
+    constants = {np.dtype(t): (np.array(params, dtype=t), _activation_bounds(kind, params, t), epilogue.absent(t, 1),
+                               epilogue.absent(t, 3))
                  for t in (np.float32, np.float64)}
 
     def prepare(b, z, dtype):
-        arguments, no_bias, no_residual = constants[dtype]
+        arguments, bounds, no_bias, no_residual = constants[dtype]
         bias = no_bias if b is None else np.ascontiguousarray(b.reshape(-1), dtype=dtype)
         if z is None:
             residual = no_residual
         else:
             residual = np.ascontiguousarray(z).reshape(*z.shape[:2], math.prod(z.shape[2:]))
-        return _Epilogue(epilogue, bias, residual, kind, arguments)
+        return _Epilogue(epilogue, bias, residual, kind, arguments, bounds)
 
     return prepare
 

@@ -1,0 +1,379 @@
+"""Packed float32 convolution: a register-tiled GEMM microkernel written as LLVM IR, fed straight
+from the input image, with the convolution's epilogue applied while the tile is still in registers.
+
+numpy's OpenBLAS computes a convolution's product well, but a convolution through it is three passes:
+the im2col copy, the product (which packs its operands again), and the epilogue (bias, residual,
+activation). Here the column matrix is never built: each panel of NR output pixels is packed from the
+zero-padded input directly into the (K, NR) layout the microkernel reads, and the microkernel keeps an
+MR x NR tile of the output in vector registers over the whole reduction, then adds the bias and the
+residual and applies the activation as it stores the tile. The weights are packed once per session
+into (M / MR, K * MR) panels.
+
+The microkernel is emitted as LLVM IR through a numba intrinsic (24 AVX-512 accumulators, one fused
+multiply-add per weight and half panel), since numba's own loops cannot keep an accumulator tile in
+registers. Reductions run in the order k = 0 .. K-1 for every output, whichever thread or tile
+computes it, so results do not depend on the partition. Used only where the host has AVX-512
+(``AVAILABLE``); elsewhere the convolution keeps its BLAS paths.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import binding, ir
+from numba import types
+from numba.extending import intrinsic
+
+from . import jit
+
+MR, NR = 12, 32  # output channels x output pixels per tile: 24 zmm accumulators
+_LANES = 16
+
+
+def _host_has_avx512() -> bool:
+    try:
+        return bool(binding.get_host_cpu_features().get("avx512f"))
+    except RuntimeError:  # features unknown on this host
+        return False
+
+
+AVAILABLE = _host_has_avx512()
+
+_F32 = ir.FloatType()
+_VEC = ir.VectorType(_F32, _LANES)
+_I64 = ir.IntType(64)
+_I32 = ir.IntType(32)
+_BYTE_PTR = ir.IntType(8).as_pointer()
+
+
+def _declare(module, name: str, function_type):
+    return module.globals.get(name) or ir.Function(module, function_type, name)
+
+
+@intrinsic
+def _microkernel(typingctx, a, b, rows, c, depth, ldc, bias, residual, ldr, flags, bounds):
+    """c[i*ldc + j] = act(sum_k a[k*MR + i] * b[rows[k] + j] (+ bias[i]) (+ residual[i*ldr + j])) for an
+    MR x NR tile; ``flags`` bit 0: add the bias, bit 1: add the residual; ``bounds`` = (low, high,
+    slope) of the activation, as compiled/epilogue.py's _activate (NaN passes through). ``rows`` holds
+    where each of the K rows of NR lanes starts in ``b``: k*NR in a packed panel, or a tap's offset in
+    the image itself."""
+    signature = types.void(a, b, rows, c, depth, ldc, bias, residual, ldr, flags, bounds)
+
+    def codegen(context, builder, sig, args):
+        def data(index):
+            return context.make_array(sig.args[index])(context, builder, args[index]).data
+
+        a_ptr, b_ptr, rows_ptr, c_ptr, bias_ptr, res_ptr, bounds_ptr = (data(i) for i in (0, 1, 2, 3, 6, 7, 10))
+        depth_v, ldc_v, ldr_v, flags_v = args[4], args[5], args[8], args[9]
+        fma = _declare(builder.module, "llvm.fma.v16f32", ir.FunctionType(_VEC, [_VEC, _VEC, _VEC]))
+        prefetch = _declare(builder.module, "llvm.prefetch.p0",
+                            ir.FunctionType(ir.VoidType(), [_BYTE_PTR, _I32, _I32, _I32]))
+        vec_ptr = _VEC.as_pointer()
+        undef = ir.Constant(_VEC, ir.Undefined)
+        broadcast_mask = ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES)
+
+        def const(value):
+            return ir.Constant(_I64, value)
+
+        def splat(scalar):
+            return builder.shuffle_vector(builder.insert_element(undef, scalar, ir.Constant(_I32, 0)), undef,
+                                          broadcast_mask)
+
+        def vector_at(pointer, offset):
+            return builder.bitcast(builder.gep(pointer, [offset]), vec_ptr)
+
+        # The reduction: one loop, MR*2 accumulators carried in phi nodes (registers).
+        entry = builder.block
+        loop = builder.append_basic_block("tile.loop")
+        store = builder.append_basic_block("tile.store")
+        builder.cbranch(builder.icmp_signed(">", depth_v, const(0)), loop, store)
+        builder.position_at_end(loop)
+        k = builder.phi(_I64)
+        k.add_incoming(const(0), entry)
+        zero = ir.Constant(_VEC, [0.0] * _LANES)
+        acc = []
+        for _ in range(2 * MR):
+            phi = builder.phi(_VEC)
+            phi.add_incoming(zero, entry)
+            acc.append(phi)
+        b_row = builder.load(builder.gep(rows_ptr, [k]))
+        b_lo = builder.load(vector_at(b_ptr, b_row), align=4)
+        b_hi = builder.load(vector_at(b_ptr, builder.add(b_row, const(_LANES))), align=4)
+        # The same row of the next panel, read in place (right after this one in the image): a
+        # prefetch, since the K rows of a panel are K streams too many for the hardware prefetcher.
+        for ahead in (NR, NR + _LANES):
+            target = builder.bitcast(builder.gep(b_ptr, [builder.add(b_row, const(ahead))]), _BYTE_PTR)
+            builder.call(prefetch, [target, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        a_row = builder.mul(k, const(MR))
+        summed = []
+        for i in range(MR):
+            weight = splat(builder.load(builder.gep(a_ptr, [builder.add(a_row, const(i))])))
+            summed.append(builder.call(fma, [weight, b_lo, acc[2 * i]]))
+            summed.append(builder.call(fma, [weight, b_hi, acc[2 * i + 1]]))
+        k_next = builder.add(k, const(1))
+        body = builder.block
+        k.add_incoming(k_next, body)
+        for phi, value in zip(acc, summed):
+            phi.add_incoming(value, body)
+        builder.cbranch(builder.icmp_signed("<", k_next, depth_v), loop, store)
+
+        # The epilogue, as the tile is stored.
+        builder.position_at_end(store)
+        totals = []
+        for i in range(2 * MR):
+            phi = builder.phi(_VEC)
+            phi.add_incoming(zero, entry)
+            phi.add_incoming(summed[i], body)
+            totals.append(phi)
+        with_bias = builder.icmp_signed("!=", builder.and_(flags_v, const(1)), const(0))
+        with_residual = builder.icmp_signed("!=", builder.and_(flags_v, const(2)), const(0))
+        low, high, slope = (splat(builder.load(builder.gep(bounds_ptr, [const(i)]))) for i in range(3))
+        for i in range(MR):
+            bias_v = splat(builder.load(builder.gep(bias_ptr, [const(i)])))
+            for half in range(2):
+                v = totals[2 * i + half]
+                v = builder.select(with_bias, builder.fadd(v, bias_v), v)  # adding 0 would turn -0.0 into +0.0
+                totals[2 * i + half] = v
+        finish = builder.append_basic_block("tile.finish")
+        add_residual = builder.append_basic_block("tile.residual")
+        before = builder.block
+        builder.cbranch(with_residual, add_residual, finish)
+        builder.position_at_end(add_residual)
+        with_res = []
+        for i in range(MR):
+            row = builder.mul(const(i), ldr_v)
+            for half in range(2):
+                z = builder.load(vector_at(res_ptr, builder.add(row, const(half * _LANES))), align=4)
+                with_res.append(builder.fadd(totals[2 * i + half], z))
+        builder.branch(finish)
+        builder.position_at_end(finish)
+        merged = []
+        for total, summed_residual in zip(totals, with_res):
+            phi = builder.phi(_VEC)
+            phi.add_incoming(total, before)
+            phi.add_incoming(summed_residual, add_residual)
+            merged.append(phi)
+        for i in range(MR):
+            row = builder.mul(const(i), ldc_v)
+            for half in range(2):
+                v = merged[2 * i + half]
+                negative = builder.fcmp_ordered("<", v, zero)
+                v = builder.select(negative, builder.fmul(v, slope), v)
+                v = builder.select(builder.fcmp_ordered("<", v, low), low, v)
+                v = builder.select(builder.fcmp_ordered(">", v, high), high, v)
+                builder.store(v, vector_at(c_ptr, builder.add(row, const(half * _LANES))), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def _copy_panel_row(typingctx, dst, dst_at, src, src_at):
+    """dst[dst_at : dst_at + NR] = src[src_at : src_at + NR] as NR / 16 vector loads and stores (LLVM
+    leaves this copy scalar: it cannot rule out that the arrays overlap)."""
+    signature = types.void(dst, dst_at, src, src_at)
+
+    def codegen(context, builder, sig, args):
+        dst_ptr = context.make_array(sig.args[0])(context, builder, args[0]).data
+        src_ptr = context.make_array(sig.args[2])(context, builder, args[2]).data
+        vec_ptr = _VEC.as_pointer()
+        for half in range(NR // _LANES):
+            offset = ir.Constant(_I64, half * _LANES)
+            source = builder.bitcast(builder.gep(src_ptr, [builder.add(args[3], offset)]), vec_ptr)
+            target = builder.bitcast(builder.gep(dst_ptr, [builder.add(args[1], offset)]), vec_ptr)
+            builder.store(builder.load(source, align=4), target, align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+def pack_weights(w: np.ndarray) -> np.ndarray:
+    """(M, K) weights as (ceil(M / MR), K * MR) float32 panels: panel t holds rows t*MR .. t*MR + MR - 1
+    interleaved by k (zero rows past M), the order the microkernel reads them."""
+    m, depth = w.shape
+    tiles = -(-m // MR)
+    padded = np.zeros((tiles * MR, depth), dtype=np.float32)
+    padded[:m] = w
+    return np.ascontiguousarray(padded.reshape(tiles, MR, depth).transpose(0, 2, 1).reshape(tiles, depth * MR))
+
+
+# Panels packed per chunk and weight tiles per block: about 512 KiB each, so a chunk of packed input
+# and a block of weights stay in the L2 cache while every pairing of their tiles is computed.
+_CHUNK_BYTES = 1 << 19
+
+
+@jit
+def _pack_runs(xp, buf, start, count, channels, kh, kw, sh, sw, dh, dw, wp, plane, ow):
+    """buf[k*NR + q] = column k of output pixel start + q from the zero-padded image ``xp`` (flat,
+    channels x plane, rows wp wide), for q < count; zero lanes after. k = (c*kh + i)*kw + j. The
+    panel's pixels are copied per output row they lie on (any stride)."""
+    depth = channels * kh * kw
+    q = 0
+    while q < count:
+        pixel = start + q
+        oy, ox = pixel // ow, pixel % ow
+        run = min(count - q, ow - ox)  # the panel's pixels on output row oy
+        origin = oy * sh * wp + ox * sw
+        for c in range(channels):
+            for i in range(kh):
+                for j in range(kw):
+                    src = np.uint64(c * plane + origin + i * dh * wp + j * dw)
+                    dst = np.uint64(((c * kh + i) * kw + j) * NR + q)
+                    if sw == 1:
+                        for r in range(run):
+                            buf[dst + np.uint64(r)] = xp[src + np.uint64(r)]
+                    else:
+                        for r in range(run):
+                            buf[dst + np.uint64(r)] = xp[src + np.uint64(r * sw)]
+        q += run
+    if count < NR:
+        for k in range(depth):
+            for r in range(count, NR):
+                buf[k * NR + r] = 0
+
+
+@jit
+def _pack_grid(xp, buf, start, panels, panel_size, channels, kh, kw, dh, dw, wp, plane):
+    """_pack_runs for ``panels`` consecutive panels of a stride-1 window whose lanes run over the
+    padded grid (output rows wp wide; where that is wider than the output, the columns past its width
+    are computed and dropped): each column row of the panels is then one contiguous run of the image,
+    read in order (the hardware prefetches it; panel by panel, each row costs a cache miss), cut
+    only where ``xp`` ends (the dropped lanes' values do not matter). Panel p goes to
+    buf[p * panel_size:]."""
+    size = xp.shape[0]
+    for c in range(channels):
+        for i in range(kh):
+            for j in range(kw):
+                row = c * plane + start + i * dh * wp + j * dw
+                dst = ((c * kh + i) * kw + j) * NR
+                for p in range(panels):
+                    src = row + p * NR
+                    at = p * panel_size + dst
+                    if src + NR <= size:
+                        _copy_panel_row(buf, at, xp, src)
+                    else:
+                        for r in range(NR):
+                            buf[at + r] = xp[src + r] if src + r < size else 0
+
+
+@jit
+def _store_lanes(tile, y, residual, ldy, row0, rows, start, grid, ow, oh, flags, bounds):
+    """The lanes of a tile (rows x NR, already holding the bias) that are output pixels, finished with
+    the residual and activation: lane q is grid position start + q, on output row (start + q) // grid,
+    column (start + q) % grid, which is a pixel where the column is < ow and the row < oh."""
+    low, high, slope = bounds[0], bounds[1], bounds[2]
+    q = 0
+    while q < NR:
+        position = start + q
+        oy, ox = position // grid, position % grid
+        if oy >= oh:
+            break
+        run = min(NR - q, grid - ox)
+        count = min(run, ow - ox)
+        for i in range(rows):
+            at = np.uint64((row0 + i) * ldy + oy * ow + ox)
+            lane = np.uint64(i * NR + q)
+            if flags & 2:
+                for r in range(count):
+                    v = tile[lane + np.uint64(r)] + residual[at + np.uint64(r)]
+                    v = v * slope if v < 0 else v
+                    v = low if v < low else v
+                    y[at + np.uint64(r)] = high if v > high else v
+            else:
+                for r in range(count):
+                    v = tile[lane + np.uint64(r)]
+                    v = v * slope if v < 0 else v
+                    v = low if v < low else v
+                    y[at + np.uint64(r)] = high if v > high else v
+        q += run
+
+
+@jit
+def conv_panels(xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, grid, channels, kh, kw, sh, sw, dh,
+                dw, wp, plane, taps, packed, first, end, tile_first, tile_end, buf, tile):
+    """Panels first .. end (NR lanes each) and weight tiles tile_first .. tile_end (MR output channels
+    each) of one image (and group): y (m_rows * oh * ow, flat) = act(weights * columns(xp) + bias +
+    residual), see the module docstring. ``bias`` is padded to
+    whole tiles; ``buf`` holds a chunk of packed panels, ``tile`` (MR * NR) the tiles stored lane by lane.
+
+    Lanes run over output rows ``grid`` wide. For stride 1, ``grid`` is the padded width ``wp`` (the
+    lanes past ow computed and dropped): the lanes of each column row are then a contiguous run of
+    the image at ``taps[k]`` (the tap's offset) from the panel's start, and the microkernel reads them
+    there, without packing. Otherwise (grid = ow) each panel is packed (``packed`` = k * NR)."""
+    tiles = weights.shape[0]
+    depth = channels * kh * kw
+    pixels = oh * ow
+    lanes = oh * grid
+    panel_size = depth * NR
+    direct = grid == wp and sh == 1 and sw == 1
+    reach = taps[depth - 1] + NR if depth > 0 else NR  # a panel read in place needs start + reach <= size
+    chunk = end - first if direct else max(1, min(buf.shape[0] // panel_size, end - first))
+    block = max(1, min(tiles, _CHUNK_BYTES // max(1, depth * MR * 4)))
+    for chunk_start in range(first, end, chunk):
+        chunk_end = min(end, chunk_start + chunk)
+        if not direct:
+            for p in range(chunk_start, chunk_end):
+                start = p * NR
+                _pack_runs(xp, buf[(p - chunk_start) * panel_size:], start, min(NR, pixels - start), channels, kh, kw,
+                           sh, sw, dh, dw, wp, plane, ow)
+        for block_start in range(tile_first, tile_end, block):
+            for p in range(chunk_start, chunk_end):
+                start = p * NR
+                if not direct:
+                    b, rows_at = buf[(p - chunk_start) * panel_size:], packed
+                elif start + reach <= xp.shape[0]:
+                    b, rows_at = xp[start:], taps
+                else:  # the image ends within this panel's reach: a bounded copy
+                    _pack_grid(xp, buf, start, 1, panel_size, channels, kh, kw, dh, dw, wp, plane)
+                    b, rows_at = buf, packed
+                whole = grid == ow and start + NR <= lanes  # every lane a pixel, in order
+                for t in range(block_start, min(tile_end, block_start + block)):
+                    row0 = t * MR
+                    rows = min(MR, m_rows - row0)
+                    if whole and rows == MR:
+                        at = row0 * pixels + start
+                        _microkernel(weights[t], b, rows_at, y[at:], depth, pixels, bias[row0:], residual[at:],
+                                     pixels, flags, bounds)
+                    else:
+                        _microkernel(weights[t], b, rows_at, tile, depth, NR, bias[row0:], tile, NR, flags & 1,
+                                     _IDENTITY)
+                        _store_lanes(tile, y, residual, pixels, row0, rows, start, grid, ow, oh, flags, bounds)
+
+
+_IDENTITY = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)
+
+
+def tap_offsets(channels: int, kh: int, kw: int, dh: int, dw: int, wp: int, plane: int) -> np.ndarray:
+    """Where column row k = (c*kh + i)*kw + j of a panel read in place starts, from the panel's start in
+    the padded image: c*plane + i*dh*wp + j*dw (increasing in k)."""
+    c, i, j = np.meshgrid(np.arange(channels), np.arange(kh), np.arange(kw), indexing="ij")
+    return np.ascontiguousarray((c * plane + i * dh * wp + j * dw).reshape(-1), dtype=np.int64)
+
+
+def packed_offsets(depth: int) -> np.ndarray:
+    """Where column row k of a packed panel starts: k * NR."""
+    return np.arange(depth, dtype=np.int64) * NR
+
+
+def scratch_size(depth: int) -> int:
+    """Floats of packed-panel buffer conv_tasks needs for a reduction of ``depth``: one chunk."""
+    return max(depth * NR, _CHUNK_BYTES // 4)
+
+
+@jit
+def conv_tasks(xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, grid, channels, kh, kw, sh, sw, dh, dw,
+               wp, plane, taps, packed, tasks, buf, tile):
+    """conv_panels for each task (image, group, first panel, end panel, first tile, end tile) of ``tasks``
+    (T, 6): xp is the
+    zero-padded input (N, C * plane), y and residual (N, M * oh * ow) with M = groups * m_rows, weights
+    (G, tiles, K * MR) and bias (G, tiles * MR); ``taps`` and ``packed`` the row offsets of
+    conv_panels (tap_offsets, packed_offsets). One call per thread, with its own ``buf`` (at least
+    scratch_size(K) floats) and ``tile`` (MR * NR floats)."""
+    group_in, group_out = channels * plane, m_rows * oh * ow
+    for t in range(tasks.shape[0]):
+        n, g, first, end = tasks[t, 0], tasks[t, 1], tasks[t, 2], tasks[t, 3]
+        tile_first, tile_end = tasks[t, 4], tasks[t, 5]
+        image = xp[n, g * group_in:(g + 1) * group_in]
+        out = y[n, g * group_out:(g + 1) * group_out]
+        res = residual[n, g * group_out:(g + 1) * group_out] if flags & 2 else residual[0, :0]
+        conv_panels(image, weights[g], bias[g], out, res, flags, bounds, m_rows, oh, ow, grid, channels, kh, kw,
+                    sh, sw, dh, dw, wp, plane, taps, packed, first, end, tile_first, tile_end, buf, tile)

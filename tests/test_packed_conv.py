@@ -1,0 +1,203 @@
+"""The packed float32 convolution (compiled/gemm.py), its helper threads (compiled/workers.py) and the
+few-row products that share them (compiled/gemv.py), against onnx's reference evaluator and numpy."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from onnx import helper
+from onnx.reference import ReferenceEvaluator
+from onnx_runtime.ir import Node
+from onnx_runtime_ep_cpu import threads
+from onnx_runtime_ep_cpu.compiled import gemm
+from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
+from onnx_runtime_ep_cpu.ops import linalg, nn
+from test_compiled_epilogue import ACTIVATIONS, _activate
+
+pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="the packed convolution needs an AVX-512 host")
+
+
+@pytest.fixture(params=[1, 2], ids=["one thread", "two threads"])
+def kernel_threads(request, monkeypatch):
+    """Run with one thread, and with two (a helper thread, even on a one-CPU machine)."""
+    monkeypatch.setattr(threads, "_threads", request.param)
+    monkeypatch.setattr(nn, "_SPLIT_MACS", 1)  # split even the small test convolutions
+    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
+    return request.param
+
+
+def _taken(monkeypatch) -> list:
+    """Records each call of the packed path."""
+    calls = []
+    real = nn._PackedConv.__call__
+    monkeypatch.setattr(nn._PackedConv, "__call__", lambda self, *a: calls.append(self) or real(self, *a))
+    return calls
+
+
+def _reference(x, w, b, attrs):
+    inputs = ["x", "w"] + (["b"] if b is not None else [])
+    node = helper.make_node("Conv", inputs, ["y"], **attrs)
+    feeds = {"x": x, "w": w, **({"b": b} if b is not None else {})}
+    return ReferenceEvaluator(node).run(None, feeds)[0]
+
+
+# (x shape, w shape, Conv attributes): both lane layouts (the padded grid of stride-1 windows and
+# packed panels), edge tiles in both directions, groups, batches, dilations, asymmetric and auto pads.
+GEOMETRIES = {
+    "3x3 same": ((1, 5, 9, 11), (13, 5, 3, 3), dict(pads=[1, 1, 1, 1])),
+    "3x3 same, wide": ((2, 16, 30, 40), (40, 16, 3, 3), dict(pads=[1, 1, 1, 1])),
+    "1x1": ((2, 24, 7, 9), (30, 24, 1, 1), {}),
+    "1x1 stride 2": ((1, 8, 13, 11), (12, 8, 1, 1), dict(strides=[2, 2])),
+    "3x3 stride 2": ((1, 6, 17, 15), (25, 6, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2])),
+    "7x7 stride 2 stem": ((1, 3, 40, 36), (16, 3, 7, 7), dict(pads=[3, 3, 3, 3], strides=[2, 2])),
+    "5x5 dilated": ((1, 4, 21, 23), (7, 4, 5, 5), dict(pads=[4, 4, 4, 4], dilations=[2, 2])),
+    "asymmetric pads": ((1, 3, 10, 12), (11, 3, 3, 2), dict(pads=[0, 2, 1, 0])),
+    "same_lower": ((1, 4, 9, 8), (6, 4, 4, 3), dict(auto_pad="SAME_LOWER")),
+    "valid, strides 3x2": ((1, 5, 16, 17), (9, 5, 3, 3), dict(auto_pad="VALID", strides=[3, 2])),
+    "groups": ((2, 6, 10, 10), (9, 2, 3, 3), dict(pads=[1, 1, 1, 1], group=3)),
+    "one output channel": ((1, 7, 6, 6), (1, 7, 3, 3), {}),
+    "tiny image, many channels": ((1, 200, 3, 3), (50, 200, 3, 3), dict(pads=[1, 1, 1, 1])),
+    "one pixel": ((3, 64, 1, 1), (20, 64, 1, 1), {}),
+}
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no bias"])
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+def test_packed_conv_matches_the_reference(monkeypatch, kernel_threads, geometry, with_bias):
+    x_shape, w_shape, attrs = GEOMETRIES[geometry]
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(x_shape, dtype=np.float32)
+    w = rng.standard_normal(w_shape, dtype=np.float32)
+    w.flags.writeable = False
+    b = rng.standard_normal(w_shape[0], dtype=np.float32) if with_bias else None
+    attrs = dict(kernel_shape=list(w_shape[2:]), **attrs)
+    taken = _taken(monkeypatch)
+    conv = nn.conv(Node("Conv", ["x", "w"] + (["b"] if with_bias else []), ["y"], attrs=attrs, opset=13), None, 13)
+    (y,) = conv(x, w, b)
+    (again,) = conv(x, w, b)  # weights packed once, reused
+    expected = _reference(x, w, b, attrs)
+    assert taken and y.dtype == np.float32 and y.shape == expected.shape
+    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4 * np.sqrt(np.prod(w_shape[1:])))
+    np.testing.assert_array_equal(again, y)
+
+
+@pytest.mark.parametrize("kind,params", ACTIVATIONS)
+@pytest.mark.parametrize("with_bias,with_residual", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("geometry", ["3x3 same", "3x3 stride 2", "groups", "1x1"])
+def test_fused_conv_is_conv_then_epilogue_exactly(monkeypatch, kernel_threads, geometry, kind, params, with_bias,
+                                                   with_residual):
+    """The microkernel adds the bias, the residual and applies the activation as it stores each tile,
+    in the order of the unfused nodes: bit for bit what Conv (no bias) then those passes give."""
+    x_shape, w_shape, attrs = GEOMETRIES[geometry]
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal(x_shape, dtype=np.float32)
+    w = rng.standard_normal(w_shape, dtype=np.float32)
+    w.flags.writeable = False
+    b = rng.standard_normal(w_shape[0], dtype=np.float32) if with_bias else None
+    attrs = dict(kernel_shape=list(w_shape[2:]), **attrs)
+    taken = _taken(monkeypatch)
+    (expected,) = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
+    z = rng.standard_normal(expected.shape, dtype=np.float32) if with_residual else None
+    if z is not None:
+        z[0, 0, 0, :2] = [np.nan, -np.inf]  # NaN and infinities pass through every activation as in numpy
+    if b is not None:
+        expected = expected + b.reshape(-1, 1, 1)
+    if z is not None:
+        expected = expected + z
+    expected = _activate(expected, kind, params)
+    if kind is not None:
+        attrs.update(activation=kind, activation_params=params)
+    node = Node("FusedConv", ["x", "w", "b", "z"], ["y"], domain=FUSED_DOMAIN, attrs=attrs, opset=1)
+    (got,) = nn.fused_conv(node, None, 1)(x, w, b, z)
+    assert len(taken) == 2
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_results_do_not_depend_on_the_thread_count(monkeypatch):
+    """Each output is reduced over k in the same order whichever thread computes it."""
+    monkeypatch.setattr(nn, "_SPLIT_MACS", 1)
+    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 32, 20, 20), dtype=np.float32)
+    w = rng.standard_normal((36, 32, 3, 3), dtype=np.float32)
+    attrs = dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    results = []
+    for count in (1, 2):
+        monkeypatch.setattr(threads, "_threads", count)
+        conv = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)
+        results.append(conv(x, w)[0])
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_a_sleeping_helper_leaves_the_job_to_the_caller_and_wakes_up(monkeypatch):
+    """A helper idle past its spin time blocks; the next job runs on the caller alone (correctly) and
+    wakes the helper, which takes its share of the jobs after that."""
+    from onnx_runtime_ep_cpu.compiled import workers
+
+    monkeypatch.setattr(workers, "_SPIN_SECONDS", 0.02)
+    pool = workers.Helpers(1)
+    helper_thread = pool._helpers[0]
+    rng = np.random.default_rng(10)
+    a = rng.standard_normal((2, 300), dtype=np.float32)
+    w = rng.standard_normal((64, 300), dtype=np.float32)
+    expected = a @ w.T
+
+    def run() -> bool:
+        """One job in two parts; whether the helper ran one."""
+        helper_thread.mailbox[workers.CPU] = -1
+        y = np.zeros((2, 64), np.float32)
+        pool.run(workers._post_product, [(True, a, w, y, 0, 32), (True, a, w, y, 32, 64)], workers.product_here)
+        np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4)
+        return helper_thread.mailbox[workers.CPU] >= 0
+
+    for _ in range(2):
+        threading.Event().wait(0.1)  # past the spin time: the helper blocks
+        assert not run()  # the caller ran both parts (and woke the helper)
+    for _ in range(200):  # awake within milliseconds, it spins for 20 ms between jobs
+        if run():
+            break
+        threading.Event().wait(0.005)
+    else:
+        pytest.fail("the helper never took a part")
+
+
+@pytest.mark.parametrize("rows,depth,columns", [(1, 1024, 1000), (3, 100, 7), (8, 33, 5), (1, 64, 4), (2, 1, 3)])
+@pytest.mark.parametrize("trans_b", [True, False])
+def test_few_row_gemm_matches_numpy(kernel_threads, rows, depth, columns, trans_b):
+    rng = np.random.default_rng(12)
+    a = rng.standard_normal((rows, depth), dtype=np.float32)
+    b = rng.standard_normal((columns, depth) if trans_b else (depth, columns), dtype=np.float32)
+    c = rng.standard_normal(columns, dtype=np.float32)
+    node = Node("Gemm", ["a", "b", "c"], ["y"], attrs=dict(transB=int(trans_b), alpha=0.5, beta=2.0), opset=13)
+    (y,) = linalg.gemm_7(node, None, 13)(a, b, c)
+    expected = 0.5 * (a @ (b.T if trans_b else b)) + 2.0 * c
+    assert y.dtype == np.float32
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4 * np.sqrt(depth))
+
+
+def test_many_rows_and_float64_stay_on_blas(monkeypatch):
+    from onnx_runtime_ep_cpu.compiled import workers
+
+    monkeypatch.setattr(workers, "product_here", lambda *a: pytest.fail("gemv ran"))
+    monkeypatch.setattr(workers, "run_product", lambda *a: pytest.fail("gemv ran"))
+    gemm_kernel = linalg.gemm_7(Node("Gemm", ["a", "b"], ["y"], attrs={}, opset=13), None, 13)
+    for a, b in [(np.ones((9, 4), np.float32), np.ones((4, 3), np.float32)),
+                 (np.ones((1, 4), np.float64), np.ones((4, 3), np.float64))]:
+        (y,) = gemm_kernel(a, b)
+        np.testing.assert_array_equal(y, a @ b)
+
+
+def test_hosts_without_avx512_keep_the_blas_paths(monkeypatch):
+    monkeypatch.setattr(gemm, "AVAILABLE", False)
+    taken = _taken(monkeypatch)
+    x = np.ones((1, 3, 5, 5), np.float32)
+    w = np.ones((4, 3, 3, 3), np.float32)
+    conv = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=dict(kernel_shape=[3, 3]), opset=13), None, 13)
+    (y,) = conv(x, w)
+    assert not taken
+    np.testing.assert_array_equal(y, np.full((1, 4, 3, 3), 27, np.float32))
+    (product,) = linalg.gemm_7(Node("Gemm", ["a", "b"], ["y"], attrs={}, opset=13), None, 13)(
+        np.ones((1, 4), np.float32), np.ones((4, 2), np.float32))
+    np.testing.assert_array_equal(product, np.full((1, 2), 4, np.float32))
