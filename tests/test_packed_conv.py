@@ -201,3 +201,14 @@ def test_hosts_without_avx512_keep_the_blas_paths(monkeypatch):
     (product,) = linalg.gemm_7(Node("Gemm", ["a", "b"], ["y"], attrs={}, opset=13), None, 13)(
         np.ones((1, 4), np.float32), np.ones((4, 2), np.float32))
     np.testing.assert_array_equal(product, np.full((1, 2), 4, np.float32))
+
+
+def test_tile_heights_follow_the_channel_count():
+    # 8-high tiles where 12-high ones would leave more rows empty: 64 = 8 x 8 rather than 72 = 6 x 12.
+    counts = (1, 12, 16, 24, 32, 64, 96, 128, 160, 256)
+    assert [gemm.tile_rows(m) for m in counts] == [8, 12, 8, 12, 8, 8, 12, 12, 12, 12]
+    w = np.arange(5 * 3, dtype=np.float32).reshape(5, 3)
+    packed = gemm.pack_weights(w, 8)
+    assert packed.shape == (1, 3 * 8)
+    np.testing.assert_array_equal(packed.reshape(3, 8)[:, :5], w.T)  # interleaved by k, zero rows past M
+    np.testing.assert_array_equal(packed.reshape(3, 8)[:, 5:], 0)

@@ -158,7 +158,7 @@ def _run_product(m):
 
 
 @jit
-def _run_posted(m, buf, tile):
+def _run_posted(m, buf):
     if m[KIND] != CONV:
         _run_product(m)
         return
@@ -174,7 +174,7 @@ def _run_posted(m, buf, tile):
     tasks = carray(_int_pointer(m[a + 21]), (m[a + 22], 6))
     gemm.conv_tasks(xp, weights, bias, y, residual, m[a + 23], bounds, m[a + 24], m[a + 25], m[a + 26], m[a + 27],
                     m[a + 28], m[a + 29], m[a + 30], m[a + 31], m[a + 32], m[a + 33], m[a + 34], m[a + 35],
-                    m[a + 36], taps, packed, tasks, buf, tile)
+                    m[a + 36], taps, packed, tasks, buf)
 
 
 @jit
@@ -183,7 +183,6 @@ def _serve(mailbox, spin_cycles):
     mark the helper asleep and return (unless a job arrived meanwhile)."""
     _atomic_store(mailbox, SLEEPING, 0)
     buf = np.empty(0, dtype=np.float32)
-    tile = np.empty(gemm.MR * gemm.NR, dtype=np.float32)
     seen = _atomic_load(mailbox, DONE)
     idle_since = _cycles()
     while True:
@@ -194,7 +193,7 @@ def _serve(mailbox, spin_cycles):
             if mailbox[KIND] == CONV and buf.shape[0] < size:
                 buf = np.empty(size, dtype=np.float32)
             mailbox[CPU] = _sched_getcpu()
-            _run_posted(mailbox, buf, tile)
+            _run_posted(mailbox, buf)
             seen = posted
             _atomic_store(mailbox, DONE, posted)
             idle_since = _cycles()

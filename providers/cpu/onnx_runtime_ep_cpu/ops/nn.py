@@ -800,6 +800,7 @@ class _PackedConv:
         self._n, c = x_shape[:2]
         self._m = w_shape[0]
         self._cg, self._mg = c // group, self._m // group
+        self._rows = gemm.tile_rows(self._mg)  # output channels per tile
         self._pixels = math.prod(geo.out)
         self._padded = geo.padded_shape(tuple(x_shape))[2:]
         self._grid = _lane_grid(geo, self._padded[1])
@@ -819,7 +820,7 @@ class _PackedConv:
         plan = self._plans.get(threads)
         if plan is None:
             panels = -(-self._lanes // self._gemm.NR)
-            tiles = -(-self._mg // self._gemm.MR)
+            tiles = -(-self._mg // self._rows)
             units = [(n, g) for n in range(self._n) for g in range(self._group)]
             by_tiles = threads > 1 and panels * len(units) < 4 * threads and tiles >= 2 * threads
             total = (tiles if by_tiles else panels) * len(units)
@@ -842,12 +843,12 @@ class _PackedConv:
     def _weights(self, w):
         def build():
             flat = w.astype(np.float32, copy=False).reshape(self._group, self._mg, -1)
-            return np.stack([self._gemm.pack_weights(flat[g]) for g in range(self._group)])
+            return np.stack([self._gemm.pack_weights(flat[g], self._rows) for g in range(self._group)])
 
         return self._prepared.get("packed", (w,), build)
 
     def _bias(self, b, tiles: int) -> np.ndarray:
-        padded = np.zeros((self._group, tiles * self._gemm.MR), dtype=np.float32)
+        padded = np.zeros((self._group, tiles * self._rows), dtype=np.float32)
         if b is not None and b.size:
             padded[:, : self._mg] = b.reshape(self._group, self._mg)
         return padded
@@ -881,20 +882,20 @@ class _PackedConv:
         return y
 
 
-_scratch = threading.local()  # per thread: (packed-panel buffer, edge tile), reused across calls
+_scratch = threading.local()  # per thread: the packed-panel buffer, reused across calls
 
 
 def _packed_conv_part(*arguments) -> None:
-    """compiled/gemm.py's conv_tasks on this thread's scratch buffers: fresh ones would cost a page fault
-    per 4 KiB on every call (they are large enough for malloc to map them anew)."""
+    """compiled/gemm.py's conv_tasks on this thread's scratch buffer: a fresh one would cost a page fault
+    per 4 KiB on every call (it is large enough for malloc to map it anew)."""
     from ..compiled import gemm
 
     depth = arguments[11] * arguments[12] * arguments[13]
     size = gemm.scratch_size(depth)
-    buffers = getattr(_scratch, "buffers", None)
-    if buffers is None or buffers[0].size < size:
-        buffers = _scratch.buffers = (np.empty(size, dtype=np.float32), np.empty(gemm.MR * gemm.NR, dtype=np.float32))
-    gemm.conv_tasks(*arguments, *buffers)
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.size < size:
+        buffer = _scratch.buffer = np.empty(size, dtype=np.float32)
+    gemm.conv_tasks(*arguments, buffer)
 
 
 _IDENTITY_BOUNDS = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)
