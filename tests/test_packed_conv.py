@@ -212,3 +212,47 @@ def test_tile_heights_follow_the_channel_count():
     assert packed.shape == (1, 3 * 8)
     np.testing.assert_array_equal(packed.reshape(3, 8)[:, :5], w.T)  # interleaved by k, zero rows past M
     np.testing.assert_array_equal(packed.reshape(3, 8)[:, 5:], 0)
+
+
+@pytest.mark.parametrize("op,attrs", [
+    ("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2])),
+    ("AveragePool", dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1], count_include_pad=1)),
+    ("AveragePool", dict(kernel_shape=[2, 3], strides=[2, 1], ceil_mode=1)),
+])
+def test_pooling_split_across_threads_matches_the_reference(monkeypatch, kernel_threads, op, attrs):
+    from onnx_runtime_ep_cpu.compiled import workers
+
+    monkeypatch.setattr(nn, "_SPLIT_ELEMENTS", 1)
+    splits = []
+    real = workers.run_pool
+    monkeypatch.setattr(workers, "run_pool", lambda parts, count: splits.append(len(parts)) or real(parts, count))
+    x = np.random.default_rng(13).standard_normal((2, 5, 11, 9), dtype=np.float32)
+    node = Node(op, ["x"], ["y"], attrs=attrs, opset=19)
+    (y,) = (nn.max_pool if op == "MaxPool" else nn.average_pool)(node, None, 19)(x)
+    expected = ReferenceEvaluator(helper.make_node(op, ["x"], ["y"], **attrs)).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-6)
+    assert splits == ([] if kernel_threads == 1 else [2])
+
+
+@pytest.mark.parametrize("activation", [None, "Relu"])
+def test_batch_normalization_split_across_threads(monkeypatch, kernel_threads, activation):
+    from onnx_runtime_ep_cpu.compiled import workers
+    from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN as domain
+
+    monkeypatch.setattr(nn, "_SPLIT_ELEMENTS", 1)
+    splits = []
+    real = workers.run_affine
+    monkeypatch.setattr(workers, "run_affine", lambda parts, count: splits.append(len(parts)) or real(parts, count))
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((1, 7, 6, 5), dtype=np.float32)
+    scale, bias, mean = (rng.standard_normal(7, dtype=np.float32) for _ in range(3))
+    var = rng.random(7, dtype=np.float32) + 0.5
+    attrs = {} if activation is None else dict(activation=activation, activation_params=[])
+    node = Node("FusedBatchNormalization", ["x", "s", "b", "m", "v"], ["y"], domain=domain, attrs=attrs, opset=1)
+    (y,) = nn.fused_batch_normalization(node, None, 1)(x, scale, bias, mean, var)
+    expected = ReferenceEvaluator(helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"])).run(
+        None, dict(x=x, s=scale, b=bias, m=mean, v=var))[0]
+    if activation == "Relu":
+        expected = np.maximum(expected, 0)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+    assert splits == ([] if kernel_threads == 1 else [2])

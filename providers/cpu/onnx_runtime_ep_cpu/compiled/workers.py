@@ -32,12 +32,13 @@ from llvmlite import ir
 from numba import carray, types
 from numba.extending import intrinsic
 
-from . import gemm, gemv, jit
+from . import epilogue, gemm, gemv, jit, pooling
 
 # Mailbox slots. Sequence numbers: POSTED is bumped by the caller, DONE set by the helper.
 POSTED, DONE, SLEEPING, CPU, KIND = 0, 1, 2, 3, 4  # CPU: where the helper ran its last job
 _ARGS = 8  # job arguments from here on, see _post_conv and _post_product
-CONV, PRODUCT, PRODUCT_TRANSPOSED = 0, 1, 2  # kinds of job: gemm.conv_tasks, gemv's two loops
+# Kinds of job: gemm.conv_tasks, gemv's two loops, pooling.pool_2d, epilogue.channel_affine.
+CONV, PRODUCT, PRODUCT_TRANSPOSED, POOL, AFFINE = 0, 1, 2, 3, 4
 _MAILBOX_SIZE = 64
 _SPIN_SECONDS = 5e-3
 
@@ -158,8 +159,61 @@ def _run_product(m):
 
 
 @jit
+def _post_pool(mailbox, planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w):
+    """Write a pooling.pool_2d job into ``mailbox`` and publish it, as _post_conv."""
+    m = mailbox
+    s = _ARGS
+    m[s + 0], m[s + 1], m[s + 2], m[s + 3] = planes.ctypes.data, planes.shape[0], planes.shape[1], planes.shape[2]
+    m[s + 4], m[s + 5], m[s + 6], m[s + 7] = rows.ctypes.data, rows.shape[0], rows.shape[1], rows.shape[2]
+    m[s + 8], m[s + 9], m[s + 10], m[s + 11], m[s + 12], m[s + 13] = kh, kw, sh, sw, dh, dw
+    m[s + 14], m[s + 15], m[s + 16] = ph, pw, is_max
+    m[s + 17], m[s + 18], m[s + 19], m[s + 20] = lo_h, hi_h, lo_w, hi_w
+    m[KIND] = POOL
+    return _publish(m)
+
+
+@jit
+def _run_pool(m):
+    s = _ARGS
+    planes = carray(_float_pointer(m[s + 0]), (m[s + 1], m[s + 2], m[s + 3]))
+    rows = carray(_float_pointer(m[s + 4]), (m[s + 5], m[s + 6], m[s + 7]))
+    pooling.pool_2d(planes, rows, m[s + 8], m[s + 9], m[s + 10], m[s + 11], m[s + 12], m[s + 13], m[s + 14],
+                    m[s + 15], m[s + 16] != 0, m[s + 17], m[s + 18], m[s + 19], m[s + 20])
+
+
+@jit
+def _post_affine(mailbox, x, factor, shift, out, kind, params):
+    """Write an epilogue.channel_affine job into ``mailbox`` and publish it, as _post_conv."""
+    m = mailbox
+    s = _ARGS
+    m[s + 0], m[s + 1], m[s + 2], m[s + 3] = x.ctypes.data, x.shape[0], x.shape[1], x.shape[2]
+    m[s + 4], m[s + 5], m[s + 6] = factor.ctypes.data, shift.ctypes.data, out.ctypes.data
+    m[s + 7], m[s + 8] = kind, params.ctypes.data
+    m[KIND] = AFFINE
+    return _publish(m)
+
+
+@jit
+def _run_affine(m):
+    s = _ARGS
+    shape = (m[s + 1], m[s + 2], m[s + 3])
+    x = carray(_float_pointer(m[s + 0]), shape)
+    factor = carray(_float_pointer(m[s + 4]), (m[s + 2],))
+    shift = carray(_float_pointer(m[s + 5]), (m[s + 2],))
+    out = carray(_float_pointer(m[s + 6]), shape)
+    epilogue.channel_affine(x, factor, shift, out, m[s + 7], carray(_float_pointer(m[s + 8]), (2,)))
+
+
+@jit
 def _run_posted(m, buf):
-    if m[KIND] != CONV:
+    kind = m[KIND]
+    if kind == POOL:
+        _run_pool(m)
+        return
+    if kind == AFFINE:
+        _run_affine(m)
+        return
+    if kind != CONV:
         _run_product(m)
         return
     a = _ARGS
@@ -359,3 +413,18 @@ def run_product(parts, count: int) -> None:
 def product_here(transposed, a, w, y, first, end) -> None:
     """One gemv part on the calling thread."""
     (gemv.rows_times_transposed if transposed else gemv.rows_times)(a, w, y, first, end)
+
+
+def run_pool(parts, count: int) -> None:
+    """pooling.pool_2d on every part, (planes, rows, kh, ..., hi_w) each (see Helpers.run)."""
+    helpers(count).run(_post_pool, parts, pool_here)
+
+
+def pool_here(planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w) -> None:
+    """One pooling part on the calling thread."""
+    pooling.pool_2d(planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, bool(is_max), lo_h, hi_h, lo_w, hi_w)
+
+
+def run_affine(parts, count: int) -> None:
+    """epilogue.channel_affine on every part, (x, factor, shift, out, kind, params) each (see Helpers.run)."""
+    helpers(count).run(_post_affine, parts, epilogue.channel_affine)

@@ -1263,8 +1263,34 @@ def _compiled_pool(loops, x: np.ndarray, geo: _Geometry, include_pad: bool | Non
     (lo_h, hi_h), (lo_w, hi_w) = (
         (0, p + n + e) if include_pad else (p, p + n) for p, n, e in ((ph, h, eh), (pw, w, ew))
     )
-    loops.pool_2d(planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, include_pad is None, lo_h, hi_h, lo_w, hi_w)
+    arguments = (kh, kw, sh, sw, dh, dw, ph, pw, include_pad is None, lo_h, hi_h, lo_w, hi_w)
+    spans = _thread_spans(planes.shape[0], x.size, x.dtype)
+    if spans is None:
+        loops.pool_2d(planes, rows, *arguments)
+    else:
+        from ..compiled import workers
+
+        workers.run_pool([(planes[a:b], rows[a:b], *arguments) for a, b in spans], helper_count())
     return y
+
+
+# Below this many input elements an elementwise kernel (pooling, normalization) stays on one thread.
+_SPLIT_ELEMENTS = 1 << 16
+
+
+def _thread_spans(count: int, elements: int, dtype) -> list[tuple[int, int]] | None:
+    """``count`` independent rows (planes, channels) split evenly across the kernel threads, for a
+    float32 kernel the helper threads of compiled/workers.py run; None to run on this thread alone
+    (small work, other dtypes, one thread, or a host without the packed convolution's helpers)."""
+    threads = min(kernel_threads(), count)
+    if threads < 2 or elements < _SPLIT_ELEMENTS or dtype != np.float32:
+        return None
+    from ..compiled import gemm
+
+    if not gemm.AVAILABLE:
+        return None
+    bounds = [count * t // threads for t in range(threads + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 @register("MaxPool", since=1)
@@ -1417,8 +1443,16 @@ def _channel_affine_loop(code):
         n, c = x.shape[:2]
         rows = np.ascontiguousarray(x).reshape(n, c, math.prod(x.shape[2:]))
         y = np.empty_like(rows)
-        epilogue.channel_affine(rows, factor.astype(x.dtype, copy=False), shift.astype(x.dtype, copy=False), y,
-                                kind, arguments[x.dtype])
+        factor = np.ascontiguousarray(factor, dtype=x.dtype)
+        shift = np.ascontiguousarray(shift, dtype=x.dtype)
+        spans = _thread_spans(c, x.size, x.dtype) if n == 1 else None  # one image: its channels are contiguous
+        if spans is None:
+            epilogue.channel_affine(rows, factor, shift, y, kind, arguments[x.dtype])
+        else:
+            from ..compiled import workers
+
+            workers.run_affine([(rows[:, a:b], factor[a:b], shift[a:b], y[:, a:b], kind, arguments[x.dtype])
+                                for a, b in spans], helper_count())
         return y.reshape(x.shape)
 
     return affine
