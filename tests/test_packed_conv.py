@@ -256,3 +256,23 @@ def test_batch_normalization_split_across_threads(monkeypatch, kernel_threads, a
         expected = np.maximum(expected, 0)
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
     assert splits == ([] if kernel_threads == 1 else [2])
+
+
+@pytest.mark.parametrize("attrs", [dict(pads=[1, 1, 1, 1]), dict(pads=[1, 1, 1, 1], strides=[2, 2]),
+                                   dict(pads=[0, 1, 2, 0], dilations=[2, 1])])
+@pytest.mark.parametrize("multiplier", [1, 2])
+def test_depthwise_split_across_threads_matches_the_reference(monkeypatch, kernel_threads, attrs, multiplier):
+    from onnx_runtime_ep_cpu.compiled import workers
+
+    monkeypatch.setattr(nn, "_SPLIT_ELEMENTS", 1)
+    splits = []
+    real = workers.run_depthwise
+    monkeypatch.setattr(workers, "run_depthwise", lambda parts, count: splits.append(len(parts)) or real(parts, count))
+    rng = np.random.default_rng(15)
+    x = rng.standard_normal((1, 6, 9, 10), dtype=np.float32)
+    w = rng.standard_normal((6 * multiplier, 1, 3, 3), dtype=np.float32)
+    b = rng.standard_normal(6 * multiplier, dtype=np.float32)
+    attrs = dict(kernel_shape=[3, 3], group=6, **attrs)
+    (y,) = nn.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)(x, w, b)
+    np.testing.assert_allclose(y, _reference(x, w, b, attrs), rtol=1e-5, atol=1e-5)
+    assert splits == ([] if kernel_threads == 1 else [2])

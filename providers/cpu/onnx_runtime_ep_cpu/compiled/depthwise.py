@@ -84,6 +84,23 @@ class DepthwisePlan:
                    self.strides, self.begin, self.taps, self.rows, self.width, self.size, *self.fill_map, self.crop_map)
         return y
 
+    def channel_parts(self, x: np.ndarray, weights: np.ndarray, bias: np.ndarray, spans) -> tuple:
+        """(y, parts): the output for one image ``x`` (1, C, H, W), and _depthwise's arguments for each
+        (first, end) span of input channels, which are independent (run them with ``run``)."""
+        c = x.shape[1]
+        multiplier = weights.shape[0] // c
+        y = np.empty((1, weights.shape[0], *self.out), dtype=x.dtype)
+        planes, outputs = x.reshape(c, -1), y.reshape(weights.shape[0], -1)
+        taps = weights.reshape(weights.shape[0], -1)
+        parts = [(planes[a:b].reshape(-1), taps[a * multiplier:b * multiplier].reshape(-1),
+                  bias[a * multiplier:b * multiplier], outputs[a * multiplier:b * multiplier].reshape(-1), 1, b - a,
+                  self.in_shape, self.out, self.strides, self.begin, self.taps, self.rows, self.width, self.size,
+                  *self.fill_map, self.crop_map)
+                 for a, b in spans]
+        return y, parts
+
+
+
 
 @_inline
 def _fill_planes(planes, x, start, h, w, begin_h, begin_w, sh, sw, rows, width, size):
@@ -191,3 +208,7 @@ def _depthwise(x, weights, bias, y, n_images, channels, in_shape, out, strides, 
                             dst, src = _U(target + r * ow), _U((r - r0) * width)
                             for q in range(_U(ow)):
                                 y[dst + q] = acc[src + q]
+
+
+# The loop itself, for the parts of DepthwisePlan.channel_parts (called from Python or compiled code).
+run = _depthwise

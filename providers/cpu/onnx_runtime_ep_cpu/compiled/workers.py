@@ -32,13 +32,14 @@ from llvmlite import ir
 from numba import carray, types
 from numba.extending import intrinsic
 
-from . import epilogue, gemm, gemv, jit, pooling
+from . import depthwise, epilogue, gemm, gemv, jit, pooling
 
 # Mailbox slots. Sequence numbers: POSTED is bumped by the caller, DONE set by the helper.
 POSTED, DONE, SLEEPING, CPU, KIND = 0, 1, 2, 3, 4  # CPU: where the helper ran its last job
 _ARGS = 8  # job arguments from here on, see _post_conv and _post_product
-# Kinds of job: gemm.conv_tasks, gemv's two loops, pooling.pool_2d, epilogue.channel_affine.
-CONV, PRODUCT, PRODUCT_TRANSPOSED, POOL, AFFINE = 0, 1, 2, 3, 4
+# Kinds of job: gemm.conv_tasks, gemv's two loops, pooling.pool_2d, epilogue.channel_affine,
+# depthwise._depthwise.
+CONV, PRODUCT, PRODUCT_TRANSPOSED, POOL, AFFINE, DEPTHWISE = 0, 1, 2, 3, 4, 5
 _MAILBOX_SIZE = 64
 _SPIN_SECONDS = 5e-3
 
@@ -100,6 +101,7 @@ def _pointer_intrinsic(element):
 
 _float_pointer = _pointer_intrinsic(types.float32)
 _int_pointer = _pointer_intrinsic(types.int64)
+_offset_pointer = _pointer_intrinsic(types.uint64)
 
 
 @jit
@@ -205,8 +207,40 @@ def _run_affine(m):
 
 
 @jit
+def _post_depthwise(mailbox, x, weights, bias, y, n_images, channels, in_shape, out, strides, begin, taps, rows, width,
+                    size, inputs, places, grid):
+    """Write a depthwise._depthwise job into ``mailbox`` and publish it, as _post_conv."""
+    m = mailbox
+    s = _ARGS
+    m[s + 0], m[s + 1], m[s + 2], m[s + 3] = x.ctypes.data, x.shape[0], weights.ctypes.data, weights.shape[0]
+    m[s + 4], m[s + 5], m[s + 6], m[s + 7] = bias.ctypes.data, bias.shape[0], y.ctypes.data, y.shape[0]
+    m[s + 8], m[s + 9] = n_images, channels
+    m[s + 10], m[s + 11], m[s + 12], m[s + 13] = in_shape[0], in_shape[1], out[0], out[1]
+    m[s + 14], m[s + 15], m[s + 16], m[s + 17] = strides[0], strides[1], begin[0], begin[1]
+    m[s + 18], m[s + 19], m[s + 20], m[s + 21], m[s + 22] = taps.ctypes.data, taps.shape[0], rows, width, size
+    m[s + 23], m[s + 24], m[s + 25] = inputs.ctypes.data, places.ctypes.data, inputs.shape[0]
+    m[s + 26], m[s + 27] = grid.ctypes.data, grid.shape[0]
+    m[KIND] = DEPTHWISE
+    return _publish(m)
+
+
+@jit
+def _run_depthwise(m):
+    s = _ARGS
+    depthwise.run(carray(_float_pointer(m[s + 0]), (m[s + 1],)), carray(_float_pointer(m[s + 2]), (m[s + 3],)),
+                  carray(_float_pointer(m[s + 4]), (m[s + 5],)), carray(_float_pointer(m[s + 6]), (m[s + 7],)),
+                  m[s + 8], m[s + 9], (m[s + 10], m[s + 11]), (m[s + 12], m[s + 13]), (m[s + 14], m[s + 15]),
+                  (m[s + 16], m[s + 17]), carray(_offset_pointer(m[s + 18]), (m[s + 19],)), m[s + 20], m[s + 21],
+                  m[s + 22], carray(_offset_pointer(m[s + 23]), (m[s + 25],)),
+                  carray(_offset_pointer(m[s + 24]), (m[s + 25],)), carray(_offset_pointer(m[s + 26]), (m[s + 27],)))
+
+
+@jit
 def _run_posted(m, buf):
     kind = m[KIND]
+    if kind == DEPTHWISE:
+        _run_depthwise(m)
+        return
     if kind == POOL:
         _run_pool(m)
         return
@@ -428,3 +462,8 @@ def pool_here(planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, 
 def run_affine(parts, count: int) -> None:
     """epilogue.channel_affine on every part, (x, factor, shift, out, kind, params) each (see Helpers.run)."""
     helpers(count).run(_post_affine, parts, epilogue.channel_affine)
+
+
+def run_depthwise(parts, count: int) -> None:
+    """depthwise.run on every part of DepthwisePlan.channel_parts (see Helpers.run)."""
+    helpers(count).run(_post_depthwise, parts, depthwise.run)

@@ -684,7 +684,17 @@ def _compiled_depthwise(geo: _Geometry, m: int, prepared: _Prepared, dtype):
 
     def compute(x, w, b):
         flat_w, bias = prepared.get("depthwise", (w, b), lambda: weights(w, b))
-        return plan(np.ascontiguousarray(x), flat_w, bias)
+        x = np.ascontiguousarray(x)
+        # The work counted as elements times taps: each output reads a window of the input.
+        work = max(x.size, math.prod(geo.out) * m) * flat_w.shape[1]
+        spans = _thread_spans(x.shape[1], work, x.dtype) if x.shape[0] == 1 else None
+        if spans is None:
+            return plan(x, flat_w, bias)
+        from ..compiled import workers
+
+        y, parts = plan.channel_parts(x, flat_w, bias, spans)  # one image: its channels are independent
+        workers.run_depthwise(parts, helper_count())
+        return y
 
     return compute
 
@@ -809,8 +819,12 @@ class _PackedConv:
         self._plans: dict[int, list] = {}  # per thread count: the task arrays
         self._no_residual = np.empty((1, 0), dtype=np.float32)
         (kh, kw), (dh, dw), (hp, wp) = geo.kernel, geo.dilations, self._padded
-        self._taps = gemm.tap_offsets(self._cg, kh, kw, dh, dw, wp, hp * wp)
-        self._packed = gemm.packed_offsets(self._cg * kh * kw)
+        # conv_tasks' arguments that stay the same from call to call.
+        (sh, sw), (oh, ow) = geo.strides, geo.out
+        self._fixed = (self._mg, oh, ow, self._grid, self._cg, kh, kw, sh, sw, dh, dw, wp, hp * wp,
+                       gemm.tap_offsets(self._cg, kh, kw, dh, dw, wp, hp * wp), gemm.packed_offsets(self._cg * kh * kw))
+        self._bias_cache = (None, None)  # (the bias array last seen, its padded copy)
+        self._padded_inputs: dict[int, np.ndarray] = {}  # per calling thread: a padded input buffer
 
     def _plan(self, threads: int) -> list:
         """Per thread, its tasks (image, group, first panel, end panel, first tile, end tile): the
@@ -848,10 +862,31 @@ class _PackedConv:
         return self._prepared.get("packed", (w,), build)
 
     def _bias(self, b, tiles: int) -> np.ndarray:
+        """The bias padded to whole tiles per group, kept while the same read-only array comes in."""
+        seen, padded = self._bias_cache  # one read: another thread may swap in a new pair meanwhile
+        if seen is not None and seen is b:
+            return padded
         padded = np.zeros((self._group, tiles * self._rows), dtype=np.float32)
         if b is not None and b.size:
             padded[:, : self._mg] = b.reshape(self._group, self._mg)
+            if not b.flags.writeable:
+                self._bias_cache = (b, padded)
         return padded
+
+    def _padded_input(self, x) -> np.ndarray:
+        """x zero-padded, as (N, C * plane): x itself without pads; else a buffer of the calling thread
+        whose borders stay zero from call to call, so only the interior is copied."""
+        geo = self._geo
+        if geo.unpadded:
+            return np.ascontiguousarray(x).reshape(self._n, -1)
+        thread = threading.get_ident()
+        buffer = self._padded_inputs.get(thread)
+        if buffer is None:
+            if len(self._padded_inputs) >= 8:  # callers come and go: keep the buffers of a few
+                self._padded_inputs.clear()
+            buffer = self._padded_inputs[thread] = np.zeros(geo.padded_shape(x.shape), dtype=np.float32)
+        buffer[geo._inner] = x
+        return buffer.reshape(self._n, -1)
 
     def __call__(self, x, w, b, finish):
         geo = self._geo
@@ -864,15 +899,11 @@ class _PackedConv:
         if b is not None and b.size:
             flags |= 1
         bias = self._bias(b, weights.shape[1])
-        xp = np.ascontiguousarray(geo.pad(x, 0)).reshape(self._n, -1)
+        xp = self._padded_input(x)
         y = np.empty((self._n, self._m, *geo.out), dtype=np.float32)
-        (kh, kw), (sh, sw), (dh, dw) = geo.kernel, geo.strides, geo.dilations
-        hp, wp = self._padded
         threads = max(1, min(kernel_threads(), self._macs // _SPLIT_MACS))
-        oh, ow = geo.out
-        parts = [(xp, weights, bias, y.reshape(self._n, -1), residual, flags, bounds, self._mg, oh, ow, self._grid,
-                  self._cg, kh, kw, sh, sw, dh, dw, wp, hp * wp, self._taps, self._packed, tasks)
-                 for tasks in self._plan(threads) if len(tasks)]
+        head = (xp, weights, bias, y.reshape(self._n, -1), residual, flags, bounds, *self._fixed)
+        parts = [(*head, tasks) for tasks in self._plan(threads) if len(tasks)]
         if len(parts) > 1:
             from ..compiled import workers
 
@@ -1274,7 +1305,8 @@ def _compiled_pool(loops, x: np.ndarray, geo: _Geometry, include_pad: bool | Non
     return y
 
 
-# Below this many input elements an elementwise kernel (pooling, normalization) stays on one thread.
+# Below this much work (input elements; times taps for a depthwise convolution) a kernel split by
+# planes or channels (pooling, normalization, depthwise convolution) stays on one thread.
 _SPLIT_ELEMENTS = 1 << 16
 
 
