@@ -36,6 +36,23 @@ def _taken(monkeypatch) -> list:
     return calls
 
 
+def _split_spy(monkeypatch, kind: str) -> list:
+    """Records the number of parts of each job of ``kind`` (a jobs.py name) run through workers.run."""
+    from onnx_runtime_ep_cpu.compiled import jobs, workers
+
+    splits = []
+    real = workers.run
+    wanted = getattr(jobs, kind)
+
+    def spy(job, parts, count):
+        if job is wanted:
+            splits.append(len(parts))
+        return real(job, parts, count)
+
+    monkeypatch.setattr(workers, "run", spy)
+    return splits
+
+
 def _reference(x, w, b, attrs):
     inputs = ["x", "w"] + (["b"] if b is not None else [])
     node = helper.make_node("Conv", inputs, ["y"], **attrs)
@@ -134,7 +151,7 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch):
 def test_a_sleeping_helper_leaves_the_job_to_the_caller_and_wakes_up(monkeypatch):
     """A helper idle past its spin time blocks; the next job runs on the caller alone (correctly) and
     wakes the helper, which takes its share of the jobs after that."""
-    from onnx_runtime_ep_cpu.compiled import workers
+    from onnx_runtime_ep_cpu.compiled import jobs, workers
 
     monkeypatch.setattr(workers, "_SPIN_SECONDS", 0.02)
     pool = workers.Helpers(1)
@@ -148,7 +165,7 @@ def test_a_sleeping_helper_leaves_the_job_to_the_caller_and_wakes_up(monkeypatch
         """One job in two parts; whether the helper ran one."""
         helper_thread.mailbox[workers.CPU] = -1
         y = np.zeros((2, 64), np.float32)
-        pool.run(workers._post_product, [(True, a, w, y, 0, 32), (True, a, w, y, 32, 64)], workers.product_here)
+        pool.run(jobs.PRODUCT, [(True, a, w, y, 0, 32), (True, a, w, y, 32, 64)])
         np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4)
         return helper_thread.mailbox[workers.CPU] >= 0
 
@@ -180,8 +197,7 @@ def test_few_row_gemm_matches_numpy(kernel_threads, rows, depth, columns, trans_
 def test_many_rows_and_float64_stay_on_blas(monkeypatch):
     from onnx_runtime_ep_cpu.compiled import workers
 
-    monkeypatch.setattr(workers, "product_here", lambda *a: pytest.fail("gemv ran"))
-    monkeypatch.setattr(workers, "run_product", lambda *a: pytest.fail("gemv ran"))
+    monkeypatch.setattr(workers, "run", lambda *a: pytest.fail("gemv ran"))
     gemm_kernel = linalg.gemm_7(Node("Gemm", ["a", "b"], ["y"], attrs={}, opset=13), None, 13)
     for a, b in [(np.ones((9, 4), np.float32), np.ones((4, 3), np.float32)),
                  (np.ones((1, 4), np.float64), np.ones((4, 3), np.float64))]:
@@ -220,29 +236,23 @@ def test_tile_heights_follow_the_channel_count():
     ("AveragePool", dict(kernel_shape=[2, 3], strides=[2, 1], ceil_mode=1)),
 ])
 def test_pooling_split_across_threads_matches_the_reference(monkeypatch, kernel_threads, op, attrs):
-    from onnx_runtime_ep_cpu.compiled import workers
 
     monkeypatch.setattr(nn, "_SPLIT_ELEMENTS", 1)
-    splits = []
-    real = workers.run_pool
-    monkeypatch.setattr(workers, "run_pool", lambda parts, count: splits.append(len(parts)) or real(parts, count))
+    splits = _split_spy(monkeypatch, "POOL")
     x = np.random.default_rng(13).standard_normal((2, 5, 11, 9), dtype=np.float32)
     node = Node(op, ["x"], ["y"], attrs=attrs, opset=19)
     (y,) = (nn.max_pool if op == "MaxPool" else nn.average_pool)(node, None, 19)(x)
     expected = ReferenceEvaluator(helper.make_node(op, ["x"], ["y"], **attrs)).run(None, {"x": x})[0]
     np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-6)
-    assert splits == ([] if kernel_threads == 1 else [2])
+    assert splits == [kernel_threads]
 
 
 @pytest.mark.parametrize("activation", [None, "Relu"])
 def test_batch_normalization_split_across_threads(monkeypatch, kernel_threads, activation):
-    from onnx_runtime_ep_cpu.compiled import workers
     from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN as domain
 
     monkeypatch.setattr(nn, "_SPLIT_ELEMENTS", 1)
-    splits = []
-    real = workers.run_affine
-    monkeypatch.setattr(workers, "run_affine", lambda parts, count: splits.append(len(parts)) or real(parts, count))
+    splits = _split_spy(monkeypatch, "AFFINE")
     rng = np.random.default_rng(14)
     x = rng.standard_normal((1, 7, 6, 5), dtype=np.float32)
     scale, bias, mean = (rng.standard_normal(7, dtype=np.float32) for _ in range(3))
@@ -255,19 +265,16 @@ def test_batch_normalization_split_across_threads(monkeypatch, kernel_threads, a
     if activation == "Relu":
         expected = np.maximum(expected, 0)
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
-    assert splits == ([] if kernel_threads == 1 else [2])
+    assert splits == [kernel_threads]
 
 
 @pytest.mark.parametrize("attrs", [dict(pads=[1, 1, 1, 1]), dict(pads=[1, 1, 1, 1], strides=[2, 2]),
                                    dict(pads=[0, 1, 2, 0], dilations=[2, 1])])
 @pytest.mark.parametrize("multiplier", [1, 2])
 def test_depthwise_split_across_threads_matches_the_reference(monkeypatch, kernel_threads, attrs, multiplier):
-    from onnx_runtime_ep_cpu.compiled import workers
 
     monkeypatch.setattr(nn, "_SPLIT_ELEMENTS", 1)
-    splits = []
-    real = workers.run_depthwise
-    monkeypatch.setattr(workers, "run_depthwise", lambda parts, count: splits.append(len(parts)) or real(parts, count))
+    splits = _split_spy(monkeypatch, "DEPTHWISE")
     rng = np.random.default_rng(15)
     x = rng.standard_normal((1, 6, 9, 10), dtype=np.float32)
     w = rng.standard_normal((6 * multiplier, 1, 3, 3), dtype=np.float32)
@@ -275,4 +282,4 @@ def test_depthwise_split_across_threads_matches_the_reference(monkeypatch, kerne
     attrs = dict(kernel_shape=[3, 3], group=6, **attrs)
     (y,) = nn.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)(x, w, b)
     np.testing.assert_allclose(y, _reference(x, w, b, attrs), rtol=1e-5, atol=1e-5)
-    assert splits == ([] if kernel_threads == 1 else [2])
+    assert splits == [kernel_threads]

@@ -1,13 +1,19 @@
-"""Helper threads for the packed convolution (and the few-row products of gemv.py) that wait for
-work by spinning in compiled code.
+"""Helper threads for the compiled kernels that split their work (the packed convolution, the
+few-row products of gemv.py, pooling, batch normalization, depthwise convolution), waiting for work
+by spinning in compiled code.
 
 A Python thread pool hands work over through locks and the GIL: ~50 µs on this kind of machine
 before the helper starts, more than many convolutions take. Here each helper thread runs a compiled
 loop (``_serve``) that watches its mailbox, an int64 array: the caller writes a job there (the
-arrays' addresses and shapes, and the loop's scalars) and bumps a sequence number, the helper runs
-it and publishes the number back, all through atomic loads and stores, so a job starts within a
-microsecond. The caller keeps every array of a job alive until the job is done (``run`` waits for
-it), which is what makes handing raw addresses over safe.
+arrays' addresses and shapes, the loop's scalars, and the address of the compiled runner of its
+Kind) and bumps a sequence number, the helper runs it and publishes the number back, all through
+atomic loads and stores, so a job starts within a microsecond. The caller keeps every array of a job
+alive until the job is done (``Helpers.run`` waits for it), which is what makes handing raw
+addresses over safe.
+
+Each Kind's runner is a C callback (numba ``cfunc``) compiled the first time a model needs it, and
+the caller runs its own part through the same callback, so each kernel is compiled once; a serving
+loop that called every kernel directly would compile them all, for every model, on the first run.
 
 Measured on a 2-CPU virtual machine, and built around it:
 - The spin reads the time-stamp counter; the ``pause`` instruction made the host trap the spinning
@@ -23,6 +29,7 @@ Measured on a 2-CPU virtual machine, and built around it:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -32,15 +39,13 @@ from llvmlite import ir
 from numba import carray, types
 from numba.extending import intrinsic
 
-from . import depthwise, epilogue, gemm, gemv, jit, pooling
+from . import jit
 
-# Mailbox slots. Sequence numbers: POSTED is bumped by the caller, DONE set by the helper.
-POSTED, DONE, SLEEPING, CPU, KIND = 0, 1, 2, 3, 4  # CPU: where the helper ran its last job
-_ARGS = 8  # job arguments from here on, see _post_conv and _post_product
-# Kinds of job: gemm.conv_tasks, gemv's two loops, pooling.pool_2d, epilogue.channel_affine,
-# depthwise._depthwise.
-CONV, PRODUCT, PRODUCT_TRANSPOSED, POOL, AFFINE, DEPTHWISE = 0, 1, 2, 3, 4, 5
-_MAILBOX_SIZE = 64
+# Mailbox slots. Sequence numbers: POSTED is bumped by the caller, DONE set by the helper. RUNNER:
+# the address of the job's compiled runner (a Kind's); BUFFER, BUFFER_SIZE: the runner's scratch.
+POSTED, DONE, SLEEPING, CPU, RUNNER, BUFFER, BUFFER_SIZE = 0, 1, 2, 3, 4, 5, 6  # CPU: of the last job
+ARGS = 8  # the job's arguments from here on, as its Kind's writer puts them
+MAILBOX_SIZE = 64
 _SPIN_SECONDS = 5e-3
 
 
@@ -86,6 +91,20 @@ def _cycles(typingctx):
 _sched_getcpu = types.ExternalFunction("sched_getcpu", types.int32())
 
 
+@intrinsic
+def _call_runner(typingctx, address, mailbox):
+    """Call the compiled runner at ``address`` (a ``void(int64*)`` C function) on ``mailbox``'s data."""
+    signature = types.void(address, mailbox)
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[1])(context, builder, args[1]).data
+        runner_type = ir.FunctionType(ir.VoidType(), [data.type])
+        builder.call(builder.inttoptr(args[0], runner_type.as_pointer()), [data])
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
 def _pointer_intrinsic(element):
     @intrinsic
     def as_pointer(typingctx, address):
@@ -105,29 +124,6 @@ _offset_pointer = _pointer_intrinsic(types.uint64)
 
 
 @jit
-def _post_conv(mailbox, xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, grid, channels, kh, kw, sh,
-               sw, dh, dw, wp, plane, taps, packed, tasks):
-    """Write a conv_tasks job into ``mailbox`` and publish it; returns its sequence number and whether
-    the helper had gone to sleep (then it needs waking)."""
-    m = mailbox
-    a = _ARGS
-    m[a + 0], m[a + 1], m[a + 2] = xp.ctypes.data, xp.shape[0], xp.shape[1]
-    m[a + 3], m[a + 4], m[a + 5], m[a + 6] = weights.ctypes.data, weights.shape[0], weights.shape[1], weights.shape[2]
-    m[a + 7], m[a + 8], m[a + 9] = bias.ctypes.data, bias.shape[0], bias.shape[1]
-    m[a + 10], m[a + 11], m[a + 12] = y.ctypes.data, y.shape[0], y.shape[1]
-    m[a + 13], m[a + 14], m[a + 15] = residual.ctypes.data, residual.shape[0], residual.shape[1]
-    m[a + 16] = bounds.ctypes.data
-    m[a + 17], m[a + 18] = taps.ctypes.data, taps.shape[0]
-    m[a + 19], m[a + 20] = packed.ctypes.data, packed.shape[0]
-    m[a + 21], m[a + 22] = tasks.ctypes.data, tasks.shape[0]
-    m[a + 23], m[a + 24], m[a + 25], m[a + 26], m[a + 27] = flags, m_rows, oh, ow, grid
-    m[a + 28], m[a + 29], m[a + 30], m[a + 31], m[a + 32] = channels, kh, kw, sh, sw
-    m[a + 33], m[a + 34], m[a + 35], m[a + 36] = dh, dw, wp, plane
-    m[KIND] = CONV
-    return _publish(m)
-
-
-@jit
 def _publish(m):
     sequence = _atomic_load(m, POSTED) + 1
     _atomic_store(m, POSTED, sequence)
@@ -135,153 +131,17 @@ def _publish(m):
 
 
 @jit
-def _post_product(mailbox, transposed, a, w, y, first, end):
-    """Write a gemv job (rows_times or rows_times_transposed over columns first .. end) into
-    ``mailbox`` and publish it, as _post_conv."""
-    m = mailbox
-    s = _ARGS
-    m[s + 0], m[s + 1], m[s + 2] = a.ctypes.data, a.shape[0], a.shape[1]
-    m[s + 3], m[s + 4], m[s + 5] = w.ctypes.data, w.shape[0], w.shape[1]
-    m[s + 6], m[s + 7], m[s + 8] = y.ctypes.data, y.shape[0], y.shape[1]
-    m[s + 9], m[s + 10] = first, end
-    m[KIND] = PRODUCT_TRANSPOSED if transposed else PRODUCT
-    return _publish(m)
-
-
-@jit
-def _run_product(m):
-    s = _ARGS
-    a = carray(_float_pointer(m[s + 0]), (m[s + 1], m[s + 2]))
-    w = carray(_float_pointer(m[s + 3]), (m[s + 4], m[s + 5]))
-    y = carray(_float_pointer(m[s + 6]), (m[s + 7], m[s + 8]))
-    if m[KIND] == PRODUCT_TRANSPOSED:
-        gemv.rows_times_transposed(a, w, y, m[s + 9], m[s + 10])
-    else:
-        gemv.rows_times(a, w, y, m[s + 9], m[s + 10])
-
-
-@jit
-def _post_pool(mailbox, planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w):
-    """Write a pooling.pool_2d job into ``mailbox`` and publish it, as _post_conv."""
-    m = mailbox
-    s = _ARGS
-    m[s + 0], m[s + 1], m[s + 2], m[s + 3] = planes.ctypes.data, planes.shape[0], planes.shape[1], planes.shape[2]
-    m[s + 4], m[s + 5], m[s + 6], m[s + 7] = rows.ctypes.data, rows.shape[0], rows.shape[1], rows.shape[2]
-    m[s + 8], m[s + 9], m[s + 10], m[s + 11], m[s + 12], m[s + 13] = kh, kw, sh, sw, dh, dw
-    m[s + 14], m[s + 15], m[s + 16] = ph, pw, is_max
-    m[s + 17], m[s + 18], m[s + 19], m[s + 20] = lo_h, hi_h, lo_w, hi_w
-    m[KIND] = POOL
-    return _publish(m)
-
-
-@jit
-def _run_pool(m):
-    s = _ARGS
-    planes = carray(_float_pointer(m[s + 0]), (m[s + 1], m[s + 2], m[s + 3]))
-    rows = carray(_float_pointer(m[s + 4]), (m[s + 5], m[s + 6], m[s + 7]))
-    pooling.pool_2d(planes, rows, m[s + 8], m[s + 9], m[s + 10], m[s + 11], m[s + 12], m[s + 13], m[s + 14],
-                    m[s + 15], m[s + 16] != 0, m[s + 17], m[s + 18], m[s + 19], m[s + 20])
-
-
-@jit
-def _post_affine(mailbox, x, factor, shift, out, kind, params):
-    """Write an epilogue.channel_affine job into ``mailbox`` and publish it, as _post_conv."""
-    m = mailbox
-    s = _ARGS
-    m[s + 0], m[s + 1], m[s + 2], m[s + 3] = x.ctypes.data, x.shape[0], x.shape[1], x.shape[2]
-    m[s + 4], m[s + 5], m[s + 6] = factor.ctypes.data, shift.ctypes.data, out.ctypes.data
-    m[s + 7], m[s + 8] = kind, params.ctypes.data
-    m[KIND] = AFFINE
-    return _publish(m)
-
-
-@jit
-def _run_affine(m):
-    s = _ARGS
-    shape = (m[s + 1], m[s + 2], m[s + 3])
-    x = carray(_float_pointer(m[s + 0]), shape)
-    factor = carray(_float_pointer(m[s + 4]), (m[s + 2],))
-    shift = carray(_float_pointer(m[s + 5]), (m[s + 2],))
-    out = carray(_float_pointer(m[s + 6]), shape)
-    epilogue.channel_affine(x, factor, shift, out, m[s + 7], carray(_float_pointer(m[s + 8]), (2,)))
-
-
-@jit
-def _post_depthwise(mailbox, x, weights, bias, y, n_images, channels, in_shape, out, strides, begin, taps, rows, width,
-                    size, inputs, places, grid):
-    """Write a depthwise._depthwise job into ``mailbox`` and publish it, as _post_conv."""
-    m = mailbox
-    s = _ARGS
-    m[s + 0], m[s + 1], m[s + 2], m[s + 3] = x.ctypes.data, x.shape[0], weights.ctypes.data, weights.shape[0]
-    m[s + 4], m[s + 5], m[s + 6], m[s + 7] = bias.ctypes.data, bias.shape[0], y.ctypes.data, y.shape[0]
-    m[s + 8], m[s + 9] = n_images, channels
-    m[s + 10], m[s + 11], m[s + 12], m[s + 13] = in_shape[0], in_shape[1], out[0], out[1]
-    m[s + 14], m[s + 15], m[s + 16], m[s + 17] = strides[0], strides[1], begin[0], begin[1]
-    m[s + 18], m[s + 19], m[s + 20], m[s + 21], m[s + 22] = taps.ctypes.data, taps.shape[0], rows, width, size
-    m[s + 23], m[s + 24], m[s + 25] = inputs.ctypes.data, places.ctypes.data, inputs.shape[0]
-    m[s + 26], m[s + 27] = grid.ctypes.data, grid.shape[0]
-    m[KIND] = DEPTHWISE
-    return _publish(m)
-
-
-@jit
-def _run_depthwise(m):
-    s = _ARGS
-    depthwise.run(carray(_float_pointer(m[s + 0]), (m[s + 1],)), carray(_float_pointer(m[s + 2]), (m[s + 3],)),
-                  carray(_float_pointer(m[s + 4]), (m[s + 5],)), carray(_float_pointer(m[s + 6]), (m[s + 7],)),
-                  m[s + 8], m[s + 9], (m[s + 10], m[s + 11]), (m[s + 12], m[s + 13]), (m[s + 14], m[s + 15]),
-                  (m[s + 16], m[s + 17]), carray(_offset_pointer(m[s + 18]), (m[s + 19],)), m[s + 20], m[s + 21],
-                  m[s + 22], carray(_offset_pointer(m[s + 23]), (m[s + 25],)),
-                  carray(_offset_pointer(m[s + 24]), (m[s + 25],)), carray(_offset_pointer(m[s + 26]), (m[s + 27],)))
-
-
-@jit
-def _run_posted(m, buf):
-    kind = m[KIND]
-    if kind == DEPTHWISE:
-        _run_depthwise(m)
-        return
-    if kind == POOL:
-        _run_pool(m)
-        return
-    if kind == AFFINE:
-        _run_affine(m)
-        return
-    if kind != CONV:
-        _run_product(m)
-        return
-    a = _ARGS
-    xp = carray(_float_pointer(m[a + 0]), (m[a + 1], m[a + 2]))
-    weights = carray(_float_pointer(m[a + 3]), (m[a + 4], m[a + 5], m[a + 6]))
-    bias = carray(_float_pointer(m[a + 7]), (m[a + 8], m[a + 9]))
-    y = carray(_float_pointer(m[a + 10]), (m[a + 11], m[a + 12]))
-    residual = carray(_float_pointer(m[a + 13]), (m[a + 14], m[a + 15]))
-    bounds = carray(_float_pointer(m[a + 16]), (3,))
-    taps = carray(_int_pointer(m[a + 17]), (m[a + 18],))
-    packed = carray(_int_pointer(m[a + 19]), (m[a + 20],))
-    tasks = carray(_int_pointer(m[a + 21]), (m[a + 22], 6))
-    gemm.conv_tasks(xp, weights, bias, y, residual, m[a + 23], bounds, m[a + 24], m[a + 25], m[a + 26], m[a + 27],
-                    m[a + 28], m[a + 29], m[a + 30], m[a + 31], m[a + 32], m[a + 33], m[a + 34], m[a + 35],
-                    m[a + 36], taps, packed, tasks, buf)
-
-
-@jit
 def _serve(mailbox, spin_cycles):
     """Run the jobs posted to ``mailbox`` until none came for ``spin_cycles`` time-stamp cycles; then
     mark the helper asleep and return (unless a job arrived meanwhile)."""
     _atomic_store(mailbox, SLEEPING, 0)
-    buf = np.empty(0, dtype=np.float32)
     seen = _atomic_load(mailbox, DONE)
     idle_since = _cycles()
     while True:
         posted = _atomic_load(mailbox, POSTED)
         if posted != seen:
-            depth = mailbox[_ARGS + 28] * mailbox[_ARGS + 29] * mailbox[_ARGS + 30]
-            size = max(depth * gemm.NR, gemm._CHUNK_BYTES // 4)
-            if mailbox[KIND] == CONV and buf.shape[0] < size:
-                buf = np.empty(size, dtype=np.float32)
             mailbox[CPU] = _sched_getcpu()
-            _run_posted(mailbox, buf)
+            _call_runner(mailbox[RUNNER], mailbox)
             seen = posted
             _atomic_store(mailbox, DONE, posted)
             idle_since = _cycles()
@@ -297,11 +157,9 @@ def _serve(mailbox, spin_cycles):
 
 @jit
 def _relax():
-    """One step of a spin-wait: ~200 cycles of reading the time-stamp counter, then a yield of the CPU
-    to any other runnable thread (BLAS's threads, which the scheduler may have put on this CPU, would
-    otherwise wait for the end of a time slice). Not the ``pause`` instruction: on a virtual machine
-    it makes the host trap the spinning CPU (pause-loop exiting), which was measured to slow
-    memory-bound work on the other CPU fivefold."""
+    """One step of a spin-wait: ~200 cycles of reading the time-stamp counter. Not the ``pause``
+    instruction: on a virtual machine it makes the host trap the spinning CPU (pause-loop exiting),
+    which was measured to slow memory-bound work on the other CPU fivefold."""
     start = _cycles()
     while _cycles() - start < 200:
         pass
@@ -335,15 +193,116 @@ def _cycles_per_second() -> float:
     return (_read_cycles() - start) / (time.perf_counter() - clock)
 
 
+# Runner signature: the mailbox's data.
+_RUNNER_SIGNATURE = types.void(types.CPointer(types.int64))
+
+
+@jit
+def mailbox_view(pointer):
+    """The mailbox a runner receives, as an array (for compiled runners)."""
+    return carray(pointer, (MAILBOX_SIZE,))
+
+
+@jit
+def float_array(address, shape):
+    """The float32 array at ``address`` (for compiled runners)."""
+    return carray(_float_pointer(address), shape)
+
+
+@jit
+def int_array(address, shape):
+    """The int64 array at ``address`` (for compiled runners)."""
+    return carray(_int_pointer(address), shape)
+
+
+@jit
+def offset_array(address, shape):
+    """The uint64 array at ``address`` (for compiled runners)."""
+    return carray(_offset_pointer(address), shape)
+
+
+class Kind:
+    """A kind of job: ``writer(mailbox, *arguments)`` (compiled) puts a part's arguments into a mailbox
+    from slot ARGS on; ``compile_runner()`` returns the numba ``cfunc`` that runs them from there
+    (compiled on first use, cached on disk); ``scratch(arguments)`` the float32 scratch floats the
+    runner needs (0 for none)."""
+
+    def __init__(self, writer, compile_runner, scratch=None):
+        self._writer, self._compile_runner, self._scratch = writer, compile_runner, scratch
+        self._runner = None
+        self._lock = threading.Lock()
+
+    def _address(self) -> int:
+        runner = self._runner
+        if runner is None:
+            with self._lock:
+                if self._runner is None:
+                    self._runner = self._compile_runner()
+                runner = self._runner
+        return runner.address
+
+    def write(self, mailbox, scratch_owner, arguments) -> None:
+        """The part's arguments, runner and scratch into ``mailbox``; ``scratch_owner`` keeps the
+        scratch buffer (an object with a ``scratch`` attribute), grown as needed."""
+        mailbox[RUNNER] = self._address()
+        size = self._scratch(arguments) if self._scratch is not None else 0
+        buffer = getattr(scratch_owner, "scratch", None)
+        if size and (buffer is None or buffer.size < size):
+            buffer = scratch_owner.scratch = np.empty(size, dtype=np.float32)
+        mailbox[BUFFER], mailbox[BUFFER_SIZE] = (buffer.ctypes.data, buffer.size) if size else (0, 0)
+        self._writer(mailbox, *arguments)
+
+    def here(self, arguments) -> None:
+        """Run one part on the calling thread (through the same compiled runner)."""
+        local = _local_mailbox()
+        self.write(local.mailbox, local, arguments)
+        _call_here(local.runner(self._address()), local.mailbox)
+
+
+_locals = threading.local()  # per calling thread: a mailbox, scratch, and ctypes views of runners
+
+
+def _local_mailbox():
+    local = _locals.__dict__
+    if "mailbox" not in local:
+        _locals.mailbox = np.zeros(MAILBOX_SIZE, dtype=np.int64)
+        runners: dict[int, object] = {}
+        prototype = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+        def runner(address):
+            function = runners.get(address)
+            if function is None:
+                function = runners[address] = prototype(address)
+            return function
+
+        _locals.runner = runner
+    return _locals
+
+
+def _call_here(function, mailbox) -> None:
+    function(mailbox.ctypes.data)  # ctypes releases the GIL for the call
+
+
+def compile_runner(entry):
+    """``entry`` (a module-level function of a mailbox pointer) as a cached C callback."""
+    import numba
+
+    try:
+        return numba.cfunc(_RUNNER_SIGNATURE, cache=True, nopython=True)(entry)
+    except RuntimeError:  # no writable cache location: compile per process
+        return numba.cfunc(_RUNNER_SIGNATURE, nopython=True)(entry)
+
+
 class _Helper:
     """One helper thread and its mailbox."""
 
     def __init__(self, spin_cycles: int):
-        self.mailbox = np.zeros(_MAILBOX_SIZE, dtype=np.int64)
+        self.mailbox = np.zeros(MAILBOX_SIZE, dtype=np.int64)
         self.mailbox[CPU] = -1
+        self.scratch = None
         self.wake = threading.Event()
         self._spin_cycles = spin_cycles
-        self.thread = threading.Thread(target=self._loop, name="onnx-runtime-conv", daemon=True)
+        self.thread = threading.Thread(target=self._loop, name="onnx-runtime-helper", daemon=True)
         self.thread.start()
 
     def _loop(self):
@@ -360,8 +319,9 @@ class _Helper:
             return False
         return True
 
-    def post(self, poster, arguments) -> int:
-        sequence, asleep = poster(self.mailbox, *arguments)
+    def post(self, kind: Kind, arguments) -> int:
+        kind.write(self.mailbox, self, arguments)
+        sequence, asleep = _publish(self.mailbox)
         if asleep:  # it went to sleep after awake(): the job waits for it
             self.wake.set()
         return sequence
@@ -398,22 +358,22 @@ class Helpers:
                     pass
             helper.mailbox[CPU] = -1
 
-    def run(self, poster, parts, run_here) -> None:
-        """One job per part: parts[0] by ``run_here(*part)`` on the calling thread, the others posted to
-        the helpers by ``poster(mailbox, *part)`` (_post_conv, _post_product); returns when all are
-        done. A caller that finds the helpers busy (sessions run from several threads) runs every
-        part itself, and so does it with the parts of sleeping helpers (while they wake up)."""
+    def run(self, kind: Kind, parts) -> None:
+        """One job of ``kind`` per part: parts[0] on the calling thread, the others on the helpers;
+        returns when all are done. A caller that finds the helpers busy (sessions run from several
+        threads) runs every part itself, and so does it with the parts of sleeping helpers (while
+        they wake up)."""
         if not self._busy.acquire(blocking=False):
             for part in parts:
-                run_here(*part)
+                kind.here(part)
             return
         try:
             self._spread()
             ready = [helper for helper in self._helpers if helper.awake()]
-            posted = [(helper, helper.post(poster, part)) for helper, part in zip(ready, parts[1:])]
+            posted = [(helper, helper.post(kind, part)) for helper, part in zip(ready, parts[1:])]
             try:
                 for part in [parts[0], *parts[1 + len(posted):]]:  # beyond the helpers' count: here
-                    run_here(*part)
+                    kind.here(part)
             finally:
                 for helper, sequence in posted:
                     helper.wait(sequence)
@@ -434,36 +394,10 @@ def helpers(count: int) -> Helpers:
         return _helpers
 
 
-def run_conv(parts, run_here, count: int) -> None:
-    """gemm.conv_tasks on every part (see Helpers.run), ``count`` helpers in the process."""
-    helpers(count).run(_post_conv, parts, run_here)
-
-
-def run_product(parts, count: int) -> None:
-    """gemv's loops on every part, (transposed, a, w, y, first, end) each (see Helpers.run)."""
-    helpers(count).run(_post_product, parts, product_here)
-
-
-def product_here(transposed, a, w, y, first, end) -> None:
-    """One gemv part on the calling thread."""
-    (gemv.rows_times_transposed if transposed else gemv.rows_times)(a, w, y, first, end)
-
-
-def run_pool(parts, count: int) -> None:
-    """pooling.pool_2d on every part, (planes, rows, kh, ..., hi_w) each (see Helpers.run)."""
-    helpers(count).run(_post_pool, parts, pool_here)
-
-
-def pool_here(planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w) -> None:
-    """One pooling part on the calling thread."""
-    pooling.pool_2d(planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, bool(is_max), lo_h, hi_h, lo_w, hi_w)
-
-
-def run_affine(parts, count: int) -> None:
-    """epilogue.channel_affine on every part, (x, factor, shift, out, kind, params) each (see Helpers.run)."""
-    helpers(count).run(_post_affine, parts, epilogue.channel_affine)
-
-
-def run_depthwise(parts, count: int) -> None:
-    """depthwise.run on every part of DepthwisePlan.channel_parts (see Helpers.run)."""
-    helpers(count).run(_post_depthwise, parts, depthwise.run)
+def run(kind: Kind, parts, count: int) -> None:
+    """One job of ``kind`` per part, split across the calling thread and ``count`` helpers (one part
+    runs on the calling thread alone)."""
+    if len(parts) == 1:
+        kind.here(parts[0])
+    else:
+        helpers(count).run(kind, parts)

@@ -105,7 +105,7 @@ def _few_rows_product(a: np.ndarray, b: np.ndarray, transposed: bool) -> np.ndar
     None where it does not apply (then BLAS computes it)."""
     if not (a.dtype == b.dtype == np.float32 and a.shape[0] <= _GEMV_ROWS and a.size and b.size):
         return None
-    from ..compiled import gemm, workers
+    from ..compiled import gemm, jobs, workers
 
     if not gemm.AVAILABLE:  # no packed convolution on this host either: BLAS has the threads to itself
         return None
@@ -115,10 +115,7 @@ def _few_rows_product(a: np.ndarray, b: np.ndarray, transposed: bool) -> np.ndar
     threads = kernel_threads() if b.size >= _GEMV_SPLIT_WEIGHTS else 1
     bounds = [n * t // threads for t in range(threads + 1)]
     parts = [(transposed, a, b, y, first, end) for first, end in zip(bounds, bounds[1:]) if end > first]
-    if len(parts) > 1:
-        workers.run_product(parts, helper_count())
-    else:
-        workers.product_here(*parts[0])
+    workers.run(jobs.PRODUCT, parts, helper_count())
     return y
 
 

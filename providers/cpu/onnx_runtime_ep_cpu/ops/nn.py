@@ -690,10 +690,10 @@ def _compiled_depthwise(geo: _Geometry, m: int, prepared: _Prepared, dtype):
         spans = _thread_spans(x.shape[1], work, x.dtype) if x.shape[0] == 1 else None
         if spans is None:
             return plan(x, flat_w, bias)
-        from ..compiled import workers
+        from ..compiled import jobs, workers
 
         y, parts = plan.channel_parts(x, flat_w, bias, spans)  # one image: its channels are independent
-        workers.run_depthwise(parts, helper_count())
+        workers.run(jobs.DEPTHWISE, parts, helper_count())
         return y
 
     return compute
@@ -804,9 +804,10 @@ class _PackedConv:
     bias, residual and activation applied as each output tile is stored."""
 
     def __init__(self, geo: _Geometry, group: int, x_shape, w_shape, prepared: _Prepared):
-        from ..compiled import gemm
+        from ..compiled import gemm, jobs, workers
 
-        self._gemm, self._geo, self._group, self._prepared = gemm, geo, group, prepared
+        self._gemm, self._jobs, self._workers = gemm, jobs, workers
+        self._geo, self._group, self._prepared = geo, group, prepared
         self._n, c = x_shape[:2]
         self._m = w_shape[0]
         self._cg, self._mg = c // group, self._m // group
@@ -904,29 +905,8 @@ class _PackedConv:
         threads = max(1, min(kernel_threads(), self._macs // _SPLIT_MACS))
         head = (xp, weights, bias, y.reshape(self._n, -1), residual, flags, bounds, *self._fixed)
         parts = [(*head, tasks) for tasks in self._plan(threads) if len(tasks)]
-        if len(parts) > 1:
-            from ..compiled import workers
-
-            workers.run_conv(parts, _packed_conv_part, helper_count())
-        else:
-            _packed_conv_part(*parts[0])
+        self._workers.run(self._jobs.CONV, parts, helper_count())
         return y
-
-
-_scratch = threading.local()  # per thread: the packed-panel buffer, reused across calls
-
-
-def _packed_conv_part(*arguments) -> None:
-    """compiled/gemm.py's conv_tasks on this thread's scratch buffer: a fresh one would cost a page fault
-    per 4 KiB on every call (it is large enough for malloc to map it anew)."""
-    from ..compiled import gemm
-
-    depth = arguments[11] * arguments[12] * arguments[13]
-    size = gemm.scratch_size(depth)
-    buffer = getattr(_scratch, "buffer", None)
-    if buffer is None or buffer.size < size:
-        buffer = _scratch.buffer = np.empty(size, dtype=np.float32)
-    gemm.conv_tasks(*arguments, buffer)
 
 
 _IDENTITY_BOUNDS = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)
@@ -1299,9 +1279,9 @@ def _compiled_pool(loops, x: np.ndarray, geo: _Geometry, include_pad: bool | Non
     if spans is None:
         loops.pool_2d(planes, rows, *arguments)
     else:
-        from ..compiled import workers
+        from ..compiled import jobs, workers
 
-        workers.run_pool([(planes[a:b], rows[a:b], *arguments) for a, b in spans], helper_count())
+        workers.run(jobs.POOL, [(planes[a:b], rows[a:b], *arguments) for a, b in spans], helper_count())
     return y
 
 
@@ -1312,17 +1292,18 @@ _SPLIT_ELEMENTS = 1 << 16
 
 def _thread_spans(count: int, elements: int, dtype) -> list[tuple[int, int]] | None:
     """``count`` independent rows (planes, channels) split evenly across the kernel threads, for a
-    float32 kernel the helper threads of compiled/workers.py run; None to run on this thread alone
-    (small work, other dtypes, one thread, or a host without the packed convolution's helpers)."""
-    threads = min(kernel_threads(), count)
-    if threads < 2 or elements < _SPLIT_ELEMENTS or dtype != np.float32:
+    float32 kernel that runs as a job of compiled/jobs.py (on the helper threads of workers.py, or on
+    this one alone: one span when the work is small or there is one thread). None where the jobs do
+    not run (other dtypes, hosts without the packed convolution): the caller calls its loop itself."""
+    if dtype != np.float32:
         return None
     from ..compiled import gemm
 
     if not gemm.AVAILABLE:
         return None
-    bounds = [count * t // threads for t in range(threads + 1)]
-    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    threads = min(kernel_threads(), count) if elements >= _SPLIT_ELEMENTS else 1
+    bounds = [count * t // max(threads, 1) for t in range(max(threads, 1) + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a] or [(0, count)]
 
 
 @register("MaxPool", since=1)
@@ -1481,10 +1462,10 @@ def _channel_affine_loop(code):
         if spans is None:
             epilogue.channel_affine(rows, factor, shift, y, kind, arguments[x.dtype])
         else:
-            from ..compiled import workers
+            from ..compiled import jobs, workers
 
-            workers.run_affine([(rows[:, a:b], factor[a:b], shift[a:b], y[:, a:b], kind, arguments[x.dtype])
-                                for a, b in spans], helper_count())
+            workers.run(jobs.AFFINE, [(rows[:, a:b], factor[a:b], shift[a:b], y[:, a:b], kind, arguments[x.dtype])
+                                      for a, b in spans], helper_count())
         return y.reshape(x.shape)
 
     return affine

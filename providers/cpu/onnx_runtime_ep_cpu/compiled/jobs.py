@@ -1,0 +1,142 @@
+"""The kinds of job the helper threads of workers.py run: for each, a writer that puts one part's
+arguments into a mailbox (compiled) and a runner entry that reads them back and calls the kernel
+(compiled on first use as a C callback, see workers.Kind). Slots are counted from workers.ARGS."""
+
+from __future__ import annotations
+
+from . import depthwise, epilogue, gemm, gemv, jit, pooling
+from .workers import ARGS, BUFFER, BUFFER_SIZE, Kind, compile_runner, float_array, int_array, mailbox_view, offset_array
+
+
+@jit
+def _write_conv(m, xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, grid, channels, kh, kw, sh, sw, dh,
+                dw, wp, plane, taps, packed, tasks):
+    a = ARGS
+    m[a + 0], m[a + 1], m[a + 2] = xp.ctypes.data, xp.shape[0], xp.shape[1]
+    m[a + 3], m[a + 4], m[a + 5], m[a + 6] = weights.ctypes.data, weights.shape[0], weights.shape[1], weights.shape[2]
+    m[a + 7], m[a + 8], m[a + 9] = bias.ctypes.data, bias.shape[0], bias.shape[1]
+    m[a + 10], m[a + 11], m[a + 12] = y.ctypes.data, y.shape[0], y.shape[1]
+    m[a + 13], m[a + 14], m[a + 15] = residual.ctypes.data, residual.shape[0], residual.shape[1]
+    m[a + 16] = bounds.ctypes.data
+    m[a + 17], m[a + 18] = taps.ctypes.data, taps.shape[0]
+    m[a + 19], m[a + 20] = packed.ctypes.data, packed.shape[0]
+    m[a + 21], m[a + 22] = tasks.ctypes.data, tasks.shape[0]
+    m[a + 23], m[a + 24], m[a + 25], m[a + 26], m[a + 27] = flags, m_rows, oh, ow, grid
+    m[a + 28], m[a + 29], m[a + 30], m[a + 31], m[a + 32] = channels, kh, kw, sh, sw
+    m[a + 33], m[a + 34], m[a + 35], m[a + 36] = dh, dw, wp, plane
+
+
+def _conv_entry(pointer):
+    m = mailbox_view(pointer)
+    a = ARGS
+    gemm.conv_tasks(float_array(m[a + 0], (m[a + 1], m[a + 2])), float_array(m[a + 3], (m[a + 4], m[a + 5], m[a + 6])),
+                    float_array(m[a + 7], (m[a + 8], m[a + 9])), float_array(m[a + 10], (m[a + 11], m[a + 12])),
+                    float_array(m[a + 13], (m[a + 14], m[a + 15])), m[a + 23], float_array(m[a + 16], (3,)),
+                    m[a + 24], m[a + 25], m[a + 26], m[a + 27], m[a + 28], m[a + 29], m[a + 30], m[a + 31],
+                    m[a + 32], m[a + 33], m[a + 34], m[a + 35], m[a + 36], int_array(m[a + 17], (m[a + 18],)),
+                    int_array(m[a + 19], (m[a + 20],)), int_array(m[a + 21], (m[a + 22], 6)),
+                    float_array(m[BUFFER], (m[BUFFER_SIZE],)))
+
+
+# gemm.conv_tasks, one part: (xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, grid,
+# channels, kh, kw, sh, sw, dh, dw, wp, plane, taps, packed, tasks).
+CONV = Kind(_write_conv, lambda: compile_runner(_conv_entry),
+            scratch=lambda part: gemm.scratch_size(part[11] * part[12] * part[13]))
+
+
+@jit
+def _write_product(m, transposed, a, w, y, first, end):
+    s = ARGS
+    m[s + 0], m[s + 1], m[s + 2] = a.ctypes.data, a.shape[0], a.shape[1]
+    m[s + 3], m[s + 4], m[s + 5] = w.ctypes.data, w.shape[0], w.shape[1]
+    m[s + 6], m[s + 7], m[s + 8] = y.ctypes.data, y.shape[0], y.shape[1]
+    m[s + 9], m[s + 10], m[s + 11] = first, end, 1 if transposed else 0
+
+
+def _product_entry(pointer):
+    m = mailbox_view(pointer)
+    s = ARGS
+    a = float_array(m[s + 0], (m[s + 1], m[s + 2]))
+    w = float_array(m[s + 3], (m[s + 4], m[s + 5]))
+    y = float_array(m[s + 6], (m[s + 7], m[s + 8]))
+    if m[s + 11]:
+        gemv.rows_times_transposed(a, w, y, m[s + 9], m[s + 10])
+    else:
+        gemv.rows_times(a, w, y, m[s + 9], m[s + 10])
+
+
+# gemv's loops, one part: (transposed, a, w, y, first column, end column).
+PRODUCT = Kind(_write_product, lambda: compile_runner(_product_entry))
+
+
+@jit
+def _write_pool(m, planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w):
+    s = ARGS
+    m[s + 0], m[s + 1], m[s + 2], m[s + 3] = planes.ctypes.data, planes.shape[0], planes.shape[1], planes.shape[2]
+    m[s + 4], m[s + 5], m[s + 6], m[s + 7] = rows.ctypes.data, rows.shape[0], rows.shape[1], rows.shape[2]
+    m[s + 8], m[s + 9], m[s + 10], m[s + 11], m[s + 12], m[s + 13] = kh, kw, sh, sw, dh, dw
+    m[s + 14], m[s + 15], m[s + 16] = ph, pw, is_max
+    m[s + 17], m[s + 18], m[s + 19], m[s + 20] = lo_h, hi_h, lo_w, hi_w
+
+
+def _pool_entry(pointer):
+    m = mailbox_view(pointer)
+    s = ARGS
+    pooling.pool_2d(float_array(m[s + 0], (m[s + 1], m[s + 2], m[s + 3])),
+                    float_array(m[s + 4], (m[s + 5], m[s + 6], m[s + 7])), m[s + 8], m[s + 9], m[s + 10], m[s + 11],
+                    m[s + 12], m[s + 13], m[s + 14], m[s + 15], m[s + 16] != 0, m[s + 17], m[s + 18], m[s + 19],
+                    m[s + 20])
+
+
+# pooling.pool_2d, one part: (planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w).
+POOL = Kind(_write_pool, lambda: compile_runner(_pool_entry))
+
+
+@jit
+def _write_affine(m, x, factor, shift, out, kind, params):
+    s = ARGS
+    m[s + 0], m[s + 1], m[s + 2], m[s + 3] = x.ctypes.data, x.shape[0], x.shape[1], x.shape[2]
+    m[s + 4], m[s + 5], m[s + 6] = factor.ctypes.data, shift.ctypes.data, out.ctypes.data
+    m[s + 7], m[s + 8] = kind, params.ctypes.data
+
+
+def _affine_entry(pointer):
+    m = mailbox_view(pointer)
+    s = ARGS
+    shape = (m[s + 1], m[s + 2], m[s + 3])
+    epilogue.channel_affine(float_array(m[s + 0], shape), float_array(m[s + 4], (m[s + 2],)),
+                            float_array(m[s + 5], (m[s + 2],)), float_array(m[s + 6], shape), m[s + 7],
+                            float_array(m[s + 8], (2,)))
+
+
+# epilogue.channel_affine, one part: (x, factor, shift, out, kind, params), float32 (N, C, P) arrays.
+AFFINE = Kind(_write_affine, lambda: compile_runner(_affine_entry))
+
+
+@jit
+def _write_depthwise(m, x, weights, bias, y, n_images, channels, in_shape, out, strides, begin, taps, rows, width, size,
+                     inputs, places, grid):
+    s = ARGS
+    m[s + 0], m[s + 1], m[s + 2], m[s + 3] = x.ctypes.data, x.shape[0], weights.ctypes.data, weights.shape[0]
+    m[s + 4], m[s + 5], m[s + 6], m[s + 7] = bias.ctypes.data, bias.shape[0], y.ctypes.data, y.shape[0]
+    m[s + 8], m[s + 9] = n_images, channels
+    m[s + 10], m[s + 11], m[s + 12], m[s + 13] = in_shape[0], in_shape[1], out[0], out[1]
+    m[s + 14], m[s + 15], m[s + 16], m[s + 17] = strides[0], strides[1], begin[0], begin[1]
+    m[s + 18], m[s + 19], m[s + 20], m[s + 21], m[s + 22] = taps.ctypes.data, taps.shape[0], rows, width, size
+    m[s + 23], m[s + 24], m[s + 25] = inputs.ctypes.data, places.ctypes.data, inputs.shape[0]
+    m[s + 26], m[s + 27] = grid.ctypes.data, grid.shape[0]
+
+
+def _depthwise_entry(pointer):
+    m = mailbox_view(pointer)
+    s = ARGS
+    depthwise.run(float_array(m[s + 0], (m[s + 1],)), float_array(m[s + 2], (m[s + 3],)),
+                  float_array(m[s + 4], (m[s + 5],)), float_array(m[s + 6], (m[s + 7],)), m[s + 8], m[s + 9],
+                  (m[s + 10], m[s + 11]), (m[s + 12], m[s + 13]), (m[s + 14], m[s + 15]), (m[s + 16], m[s + 17]),
+                  offset_array(m[s + 18], (m[s + 19],)), m[s + 20], m[s + 21], m[s + 22],
+                  offset_array(m[s + 23], (m[s + 25],)), offset_array(m[s + 24], (m[s + 25],)),
+                  offset_array(m[s + 26], (m[s + 27],)))
+
+
+# depthwise.run, one part of DepthwisePlan.channel_parts.
+DEPTHWISE = Kind(_write_depthwise, lambda: compile_runner(_depthwise_entry))
