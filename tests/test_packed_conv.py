@@ -283,3 +283,34 @@ def test_depthwise_split_across_threads_matches_the_reference(monkeypatch, kerne
     (y,) = nn.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)(x, w, b)
     np.testing.assert_allclose(y, _reference(x, w, b, attrs), rtol=1e-5, atol=1e-5)
     assert splits == [kernel_threads]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "register_at_fork"), reason="needs fork")
+def test_a_forked_child_starts_its_own_helpers(monkeypatch):
+    """The parent's helper threads do not exist in a forked child: it must not post jobs to their
+    mailboxes (it would wait forever), but start helpers of its own."""
+    import os
+
+    from onnx_runtime_ep_cpu.compiled import workers
+
+    monkeypatch.setattr(nn, "_SPLIT_MACS", 1)
+    monkeypatch.setattr(threads, "_threads", 2)
+    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
+    rng = np.random.default_rng(16)
+    x = rng.standard_normal((1, 8, 12, 12), dtype=np.float32)
+    w = rng.standard_normal((16, 8, 3, 3), dtype=np.float32)
+    conv = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=dict(kernel_shape=[3, 3]), opset=13), None, 13)
+    (expected,) = conv(x, w)
+    assert workers._helpers is not None
+    child = os.fork()
+    if child == 0:  # the child: the verdict as its exit status, without cleanup
+        status = 1
+        try:
+            if workers._helpers is None:
+                status = 2
+                (got,) = conv(x, w)  # starts the child's own helpers
+                status = 0 if workers._helpers is not None and np.array_equal(got, expected) else 3
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

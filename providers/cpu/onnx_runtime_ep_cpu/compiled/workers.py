@@ -385,6 +385,16 @@ _helpers: Helpers | None = None
 _helpers_lock = threading.Lock()
 
 
+def _forget_helpers() -> None:
+    # A forked child has none of the parent's threads: it starts its own helpers when it needs them.
+    global _helpers, _helpers_lock
+    _helpers, _helpers_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_helpers)
+
+
 def helpers(count: int) -> Helpers:
     """The process's helpers (``count`` threads, started on first use)."""
     global _helpers
