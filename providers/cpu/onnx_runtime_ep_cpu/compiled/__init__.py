@@ -7,10 +7,12 @@ the numpy kernels keep every other dtype. Modules of this package are imported b
 factories that use them, and ``jit`` imports numba on first use, so numba loads (~0.2 s) only
 for models that need it.
 
-Every loop runs on the calling thread (``parallel`` stays off): numpy's OpenBLAS keeps its worker
-threads spinning for a while after each matrix product, and a second thread pool fighting them for
-the same cores was measured up to 10x slower than one thread. Compiled code is cached on disk
-(``cache=True``), so a process pays numba's compile time once per loop and dtype, not per session.
+Every loop is serial (numba's ``parallel`` stays off: its OpenMP pool fought numpy's spinning
+OpenBLAS workers, up to 10x slower than one thread). The kernels that split their work across cores
+(the packed convolution of gemm.py, pooling, batch normalization, depthwise convolution, few-row
+products) run one part per thread on the helper threads of workers.py, as the job kinds of jobs.py.
+Compiled code is cached on disk (``cache=True``), so a process pays numba's compile time once per
+loop and dtype, not per session.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Sliding-window ops share :class:`_Window` (attribute parsing and validation) and :class:`_Geometry`
 (pads and output size resolved for one input shape). Convolution picks a path once per input
-signature: a plain matmul for 1x1 kernels, a compiled loop for depthwise kernels (compiled/depthwise.py;
+signature: for 2-D float32 windows on AVX-512 hosts (depthwise ones aside) the packed convolution of
+compiled/gemm.py (:class:`_PackedConv`, split across the helper threads, epilogue fused); otherwise
+a plain matmul for 1x1 kernels, a compiled loop for depthwise kernels (compiled/depthwise.py;
 per-channel matmuls over cache-sized blocks for other dtypes), one matmul per kernel tap when there are
 few output channels or the column matrix would be large (BLAS accumulating the taps, see blas.py),
 Winograd F(2x2, 3x3) for wide 3x3 layers on small images, im2col over the unpadded image rows when a
@@ -13,7 +15,9 @@ apply bias, residual and activation in one compiled pass (compiled/epilogue.py),
 place for other dtypes.
 MaxPool/AveragePool over 1-D and 2-D windows, GlobalAveragePool and LRN run compiled loops
 (compiled/pooling.py, compiled/lrn.py) for float32/float64; otherwise pooling folds the unpadded
-input one spatial dim at a time, so Python only loops over the (few) kernel taps.
+input one spatial dim at a time, so Python only loops over the (few) kernel taps. float32 pooling,
+batch normalization and depthwise convolution of one image split their planes/channels across the
+helper threads (:func:`_thread_spans`).
 """
 
 from __future__ import annotations
