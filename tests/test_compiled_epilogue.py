@@ -182,18 +182,26 @@ def test_fused_conv_finishes_every_path_as_conv_then_epilogue(monkeypatch, path,
     conv = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)
     (expected,) = conv(x, w)  # without its bias: the fused node adds it in the epilogue, in the same order
     z = rng.standard_normal(expected.shape).astype(dtype) if with_residual else None
+    got, expected = fused_and_unfused(x, w, b, z, attrs, kind, params, expected)
+    assert got.dtype == dtype and got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected)
+    assert function is None or set(taken) == {function}  # the path the shapes are meant to take
+
+
+def fused_and_unfused(x, w, b, z, attrs, kind, params, conv_out):
+    """(FusedConv's output for these inputs, what the unfused nodes give: ``conv_out`` (the Conv
+    without its bias) plus the bias, plus the residual, then the activation, in that order)."""
+    expected = conv_out
     if b is not None:
         expected = expected + b.reshape(-1, 1, 1)
     if z is not None:
         expected = expected + z
     expected = _activate(expected, kind, params)
     if kind is not None:
-        attrs.update(activation=kind, activation_params=params)
+        attrs = dict(attrs, activation=kind, activation_params=params)
     node = Node("FusedConv", ["x", "w", "b", "z"], ["y"], domain=FUSED_DOMAIN, attrs=attrs, opset=1)
     (got,) = nn.fused_conv(node, None, 1)(x, w, b, z)
-    assert got.dtype == dtype and got.shape == expected.shape
-    np.testing.assert_array_equal(got, expected)
-    assert function is None or set(taken) == {function}  # the path the shapes are meant to take
+    return got, expected
 
 
 def test_crop_epilogue_loop_against_numpy():

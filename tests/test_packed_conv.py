@@ -12,9 +12,8 @@ from onnx.reference import ReferenceEvaluator
 from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu import threads
 from onnx_runtime_ep_cpu.compiled import gemm
-from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
 from onnx_runtime_ep_cpu.ops import linalg, nn
-from test_compiled_epilogue import ACTIVATIONS, _activate
+from test_compiled_epilogue import ACTIVATIONS, fused_and_unfused
 
 pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="the packed convolution needs an AVX-512 host")
 
@@ -34,6 +33,17 @@ def _taken(monkeypatch) -> list:
     real = nn._PackedConv.__call__
     monkeypatch.setattr(nn._PackedConv, "__call__", lambda self, *a: calls.append(self) or real(self, *a))
     return calls
+
+
+def _inputs(geometry: str, seed: int, with_bias: bool):
+    """(rng, x, w read-only as an initializer, b or None, the Conv attributes) for a GEOMETRIES entry."""
+    x_shape, w_shape, attrs = GEOMETRIES[geometry]
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(x_shape, dtype=np.float32)
+    w = rng.standard_normal(w_shape, dtype=np.float32)
+    w.flags.writeable = False
+    b = rng.standard_normal(w_shape[0], dtype=np.float32) if with_bias else None
+    return rng, x, w, b, dict(kernel_shape=list(w_shape[2:]), **attrs)
 
 
 def _split_spy(monkeypatch, kind: str) -> list:
@@ -83,13 +93,8 @@ GEOMETRIES = {
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no bias"])
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
 def test_packed_conv_matches_the_reference(monkeypatch, kernel_threads, geometry, with_bias):
-    x_shape, w_shape, attrs = GEOMETRIES[geometry]
-    rng = np.random.default_rng(7)
-    x = rng.standard_normal(x_shape, dtype=np.float32)
-    w = rng.standard_normal(w_shape, dtype=np.float32)
-    w.flags.writeable = False
-    b = rng.standard_normal(w_shape[0], dtype=np.float32) if with_bias else None
-    attrs = dict(kernel_shape=list(w_shape[2:]), **attrs)
+    rng, x, w, b, attrs = _inputs(geometry, 7, with_bias)
+    w_shape = w.shape
     taken = _taken(monkeypatch)
     conv = nn.conv(Node("Conv", ["x", "w"] + (["b"] if with_bias else []), ["y"], attrs=attrs, opset=13), None, 13)
     (y,) = conv(x, w, b)
@@ -107,27 +112,13 @@ def test_fused_conv_is_conv_then_epilogue_exactly(monkeypatch, kernel_threads, g
                                                    with_residual):
     """The microkernel adds the bias, the residual and applies the activation as it stores each tile,
     in the order of the unfused nodes: bit for bit what Conv (no bias) then those passes give."""
-    x_shape, w_shape, attrs = GEOMETRIES[geometry]
-    rng = np.random.default_rng(8)
-    x = rng.standard_normal(x_shape, dtype=np.float32)
-    w = rng.standard_normal(w_shape, dtype=np.float32)
-    w.flags.writeable = False
-    b = rng.standard_normal(w_shape[0], dtype=np.float32) if with_bias else None
-    attrs = dict(kernel_shape=list(w_shape[2:]), **attrs)
+    rng, x, w, b, attrs = _inputs(geometry, 8, with_bias)
     taken = _taken(monkeypatch)
-    (expected,) = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
-    z = rng.standard_normal(expected.shape, dtype=np.float32) if with_residual else None
+    (conv_out,) = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
+    z = rng.standard_normal(conv_out.shape, dtype=np.float32) if with_residual else None
     if z is not None:
         z[0, 0, 0, :2] = [np.nan, -np.inf]  # NaN and infinities pass through every activation as in numpy
-    if b is not None:
-        expected = expected + b.reshape(-1, 1, 1)
-    if z is not None:
-        expected = expected + z
-    expected = _activate(expected, kind, params)
-    if kind is not None:
-        attrs.update(activation=kind, activation_params=params)
-    node = Node("FusedConv", ["x", "w", "b", "z"], ["y"], domain=FUSED_DOMAIN, attrs=attrs, opset=1)
-    (got,) = nn.fused_conv(node, None, 1)(x, w, b, z)
+    got, expected = fused_and_unfused(x, w, b, z, attrs, kind, params, conv_out)
     assert len(taken) == 2
     np.testing.assert_array_equal(got, expected)
 
