@@ -3,11 +3,14 @@ from the input image, with the convolution's epilogue applied while the tile is 
 
 numpy's OpenBLAS computes a convolution's product well, but a convolution through it is three passes:
 the im2col copy, the product (which packs its operands again), and the epilogue (bias, residual,
-activation). Here the column matrix is never built: each panel of NR output pixels is packed from the
-zero-padded input directly into the (K, NR) layout the microkernel reads, and the microkernel keeps an
-MR x NR tile of the output in vector registers over the whole reduction, then adds the bias and the
-residual and applies the activation as it stores the tile. The weights are packed once per session
-into (M / MR, K * MR) panels.
+activation). Here the column matrix is never built. Lanes of 32 output pixels form a panel; for a
+stride-1 window the lanes run over the zero-padded image's rows, so each column row of a panel is a
+contiguous run of the image (one offset per kernel tap) that the microkernel reads in place; other
+windows pack each panel into the (K, NR) layout first. The microkernel keeps an MR x NR tile of the
+output in vector registers over a block of the reduction, then adds the bias and the residual and
+applies the activation as it stores the tile. The weights are packed once per constant array into
+(M / MR, K * MR) panels, MR = 12 output channels per tile, or 8 where 12 would leave many rows of the
+last tile empty.
 
 The microkernel is emitted as LLVM IR through a numba intrinsic (24 AVX-512 accumulators, one fused
 multiply-add per weight and half panel), since numba's own loops cannot keep an accumulator tile in
@@ -26,7 +29,6 @@ from numba.extending import intrinsic
 from . import jit
 
 MR, NR = 12, 32  # output channels (at most) x output pixels per tile: 24 zmm accumulators
-TILE_ROWS = (12, 8)  # the tile heights: 8 where 12 would leave many rows of the last tile empty
 BIAS, RESIDUAL, ACCUMULATE, PARTIAL = 1, 2, 4, 8  # the microkernel's flags
 _LANES = 16
 
