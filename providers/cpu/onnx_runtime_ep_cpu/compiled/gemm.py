@@ -383,7 +383,11 @@ def conv_panels(xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, g
                 else:  # the image ends within this panel's reach: a bounded copy
                     _pack_grid(xp, buf, start, 1, panel_size, channels, kh, kw, dh, dw, wp, plane)
                     b, rows_at = buf, packed
-                whole = grid == ow and start + NR <= lanes  # every lane a pixel, in order
+                # Whether the panel's lanes are NR pixels in a row of y, from ``origin``: every lane a pixel
+                # in order (grid = ow), or the panel lies within one output row (grid = wp).
+                line, column = start // grid, start % grid
+                whole = start + NR <= lanes and (grid == ow or column + NR <= ow)
+                origin = start if grid == ow else line * ow + column
                 # Blocks of k: a block's rows of the panel stay in L1 while every tile of the block uses them.
                 for k0 in range(0, depth, span):
                     count = min(span, depth - k0)
@@ -393,7 +397,7 @@ def conv_panels(xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, g
                         row0 = t * mr
                         a = weights[t, k0 * mr:]
                         if whole and row0 + mr <= m_rows:
-                            at = row0 * pixels + start
+                            at = row0 * pixels + origin
                             _tile(mr, a, b, rows_at[k0:], y[at:], count, pixels, bias[row0:], residual[at:], pixels,
                                   flags | step, bounds)
                         else:
