@@ -141,7 +141,7 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch):
 
 def test_a_sleeping_helper_leaves_the_job_to_the_caller_and_wakes_up(monkeypatch):
     """A helper idle past its spin time blocks; the next job runs on the caller alone (correctly) and
-    wakes the helper, which takes its share of the jobs after that."""
+    wakes the helper, which takes its share of the jobs after that; a long job waits for it."""
     from onnx_runtime_ep_cpu.compiled import jobs, workers
 
     monkeypatch.setattr(workers, "_SPIN_SECONDS", 0.02)
@@ -152,11 +152,11 @@ def test_a_sleeping_helper_leaves_the_job_to_the_caller_and_wakes_up(monkeypatch
     w = rng.standard_normal((64, 300), dtype=np.float32)
     expected = a @ w.T
 
-    def run() -> bool:
+    def run(long: bool = False) -> bool:
         """One job in two parts; whether the helper ran one."""
         helper_thread.mailbox[workers.CPU] = -1
         y = np.zeros((2, 64), np.float32)
-        pool.run(jobs.PRODUCT, [(True, a, w, y, 0, 32), (True, a, w, y, 32, 64)])
+        pool.run(jobs.PRODUCT, [(True, a, w, y, 0, 32), (True, a, w, y, 32, 64)], long)
         np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4)
         return helper_thread.mailbox[workers.CPU] >= 0
 
@@ -169,6 +169,8 @@ def test_a_sleeping_helper_leaves_the_job_to_the_caller_and_wakes_up(monkeypatch
         threading.Event().wait(0.005)
     else:
         pytest.fail("the helper never took a part")
+    threading.Event().wait(0.1)
+    assert run(long=True)  # a long job waits for the sleeping helper to wake and take its part
 
 
 @pytest.mark.parametrize("rows,depth,columns", [(1, 1024, 1000), (3, 100, 7), (8, 33, 5), (1, 64, 4), (2, 1, 3)])

@@ -358,18 +358,20 @@ class Helpers:
                     pass
             helper.mailbox[CPU] = -1
 
-    def run(self, kind: Kind, parts) -> None:
+    def run(self, kind: Kind, parts, long: bool = False) -> None:
         """One job of ``kind`` per part: parts[0] on the calling thread, the others on the helpers;
         returns when all are done. A caller that finds the helpers busy (sessions run from several
         threads) runs every part itself, and so does it with the parts of sleeping helpers (while
-        they wake up)."""
+        they wake up), unless the parts are ``long`` (milliseconds each): those are posted anyway and
+        wait for the helper to wake (a helper that woke during a long job run alone would go back to
+        sleep before the next one)."""
         if not self._busy.acquire(blocking=False):
             for part in parts:
                 kind.here(part)
             return
         try:
             self._spread()
-            ready = [helper for helper in self._helpers if helper.awake()]
+            ready = [helper for helper in self._helpers if helper.awake() or long]
             posted = [(helper, helper.post(kind, part)) for helper, part in zip(ready, parts[1:])]
             try:
                 for part in [parts[0], *parts[1 + len(posted):]]:  # beyond the helpers' count: here
@@ -404,10 +406,10 @@ def helpers(count: int) -> Helpers:
         return _helpers
 
 
-def run(kind: Kind, parts, count: int) -> None:
+def run(kind: Kind, parts, count: int, long: bool = False) -> None:
     """One job of ``kind`` per part, split across the calling thread and ``count`` helpers (one part
-    runs on the calling thread alone)."""
+    runs on the calling thread alone); ``long``: see Helpers.run."""
     if len(parts) == 1:
         kind.here(parts[0])
     else:
-        helpers(count).run(kind, parts)
+        helpers(count).run(kind, parts, long)

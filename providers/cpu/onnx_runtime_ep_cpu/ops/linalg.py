@@ -98,6 +98,7 @@ def _scale(y: np.ndarray, factor: float) -> np.ndarray:
 # on they are split across the threads.
 _GEMV_ROWS = 8
 _GEMV_SPLIT_WEIGHTS = 1 << 16
+_GEMV_LONG_WEIGHTS = 1 << 24  # per thread (milliseconds: waits for a sleeping helper, see workers.py)
 
 
 def _few_rows_product(a: np.ndarray, b: np.ndarray, transposed: bool) -> np.ndarray | None:
@@ -115,7 +116,7 @@ def _few_rows_product(a: np.ndarray, b: np.ndarray, transposed: bool) -> np.ndar
     threads = kernel_threads() if b.size >= _GEMV_SPLIT_WEIGHTS else 1
     bounds = [n * t // threads for t in range(threads + 1)]
     parts = [(transposed, a, b, y, first, end) for first, end in zip(bounds, bounds[1:]) if end > first]
-    workers.run(jobs.PRODUCT, parts, helper_count())
+    workers.run(jobs.PRODUCT, parts, helper_count(), b.size * a.shape[0] >= _GEMV_LONG_WEIGHTS * len(parts))
     return y
 
 

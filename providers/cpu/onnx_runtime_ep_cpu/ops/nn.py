@@ -798,8 +798,10 @@ def _lane_grid(geo: _Geometry, padded_width: int) -> int:
 
 _GRID_WASTE = 1.3
 
-# Below this many multiply-adds per thread the hand-off to a helper thread costs more than it saves.
+# Below this many multiply-adds per thread the hand-off to a helper thread costs more than it saves;
+# from this many per thread (milliseconds), a part waits for a sleeping helper to wake up.
 _SPLIT_MACS = 1 << 20
+_LONG_MACS = 1 << 28
 
 
 class _PackedConv:
@@ -909,7 +911,7 @@ class _PackedConv:
         threads = max(1, min(kernel_threads(), self._macs // _SPLIT_MACS))
         head = (xp, weights, bias, y.reshape(self._n, -1), residual, flags, bounds, *self._fixed)
         parts = [(*head, tasks) for tasks in self._plan(threads) if len(tasks)]
-        self._workers.run(self._jobs.CONV, parts, helper_count())
+        self._workers.run(self._jobs.CONV, parts, helper_count(), self._macs >= _LONG_MACS * len(parts))
         return y
 
 
