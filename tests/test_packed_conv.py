@@ -307,3 +307,16 @@ def test_a_forked_child_starts_its_own_helpers(monkeypatch):
             os._exit(status)
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("kept_bytes", [0, 1 << 20], ids=["fresh padded copy", "kept padded buffer"])
+def test_padded_inputs_fresh_or_kept_give_the_reference(monkeypatch, kernel_threads, kept_bytes):
+    """Small padded inputs go into a buffer kept per thread (borders zeroed once); larger ones into a
+    fresh copy. Two different inputs in a row must each give their own reference result."""
+    monkeypatch.setattr(nn, "_KEPT_PADDED_BYTES", kept_bytes)
+    rng, x, w, b, attrs = _inputs("asymmetric pads", 17, True)
+    conv = nn.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)
+    for _ in range(2):
+        (y,) = conv(x, w, b)
+        np.testing.assert_allclose(y, _reference(x, w, b, attrs), rtol=1e-4, atol=1e-4)
+        x = rng.standard_normal(x.shape, dtype=np.float32) * 3

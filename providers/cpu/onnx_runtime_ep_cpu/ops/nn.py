@@ -881,11 +881,14 @@ class _PackedConv:
         return padded
 
     def _padded_input(self, x) -> np.ndarray:
-        """x zero-padded, as (N, C * plane): x itself without pads; else a buffer of the calling thread
-        whose borders stay zero from call to call, so only the interior is copied."""
+        """x zero-padded, as (N, C * plane): x itself without pads; for small inputs, a buffer of the
+        calling thread whose borders stay zero from call to call, so only the interior is copied (kept
+        per node, hence only up to _KEPT_PADDED_BYTES); else a fresh padded copy."""
         geo = self._geo
         if geo.unpadded:
             return np.ascontiguousarray(x).reshape(self._n, -1)
+        if 4 * math.prod(geo.padded_shape(x.shape)) > _KEPT_PADDED_BYTES:
+            return np.ascontiguousarray(geo.pad(x, 0)).reshape(self._n, -1)
         thread = threading.get_ident()
         buffer = self._padded_inputs.get(thread)
         if buffer is None:
@@ -916,6 +919,7 @@ class _PackedConv:
 
 
 _IDENTITY_BOUNDS = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)
+_KEPT_PADDED_BYTES = 1 << 20
 
 
 @register("Conv", since=1)
