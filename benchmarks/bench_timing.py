@@ -37,9 +37,10 @@ def in_blocks(runners: dict[str, Callable[[], object]], repeat: int, warmup: int
 
     Thread pools keep their workers spinning for a while after a call (OpenBLAS's, onnxruntime's with
     its default ``allow_spinning``, this runtime's CPU helper threads for 5 ms), which speeds up a
-    runtime's next call and slows down whatever else runs meanwhile. Within a block each runtime runs as it does for a user calling it in a loop, pools
-    warm; the pause lets the pools go idle before another runtime's block, so none pays for another's
-    spinning. The first call of each block is untimed (the pool wakes up there).
+    runtime's next call and slows down whatever else runs meanwhile. Within a block each runtime runs
+    as it does for a user calling it in a loop, pools warm; the pause lets the pools go idle before
+    another runtime's block, so none pays for another's spinning. The first call of each block is
+    untimed (the pool wakes up there).
     """
     names = list(runners)
     for _ in range(warmup):
