@@ -26,14 +26,28 @@ FUSED_DOMAIN = "ai.onnx_runtime.cpu"
 
 
 class _View:
-    """Producer/consumer look-ups over a graph, and its constants by value."""
+    """Producer/consumer look-ups over a graph, and its constants by value. The maps are built when a
+    match first asks: most passes find no anchor node in most graphs (a 1,000-node chain paid ~0.5 ms
+    per pass for maps nobody read)."""
 
     def __init__(self, graph: Graph):
         self.graph = graph
-        self.producer = graph.producers()
-        self.consumers = graph.consumers()
         self.outputs = {vi.name for vi in graph.outputs}
+        self._producer: dict[str, Node] | None = None
+        self._consumers: dict[str, list[Node]] | None = None
         self._inner_reads: set[str] | None = None
+
+    @property
+    def producer(self) -> dict[str, Node]:
+        if self._producer is None:
+            self._producer = self.graph.producers()
+        return self._producer
+
+    @property
+    def consumers(self) -> dict[str, list[Node]]:
+        if self._consumers is None:
+            self._consumers = self.graph.consumers()
+        return self._consumers
 
     @property
     def inner_reads(self) -> set[str]:
