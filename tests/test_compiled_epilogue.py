@@ -212,12 +212,13 @@ def test_crop_epilogue_loop_against_numpy():
     bias, residual = rng.standard_normal(3).astype(np.float32), rng.standard_normal((2, 3, 20)).astype(np.float32)
     cropped = rows.reshape(2, 3, 4, 7)[..., :5].reshape(2, 3, 20)
     y = np.empty((2, 3, 20), np.float32)
-    slope = np.array([0.25, 0], np.float32)
-    epilogue.crop_bias_residual_activation(rows, y, 5, bias, residual, epilogue.LEAKY_RELU, slope)
+    leaky = epilogue.activation_bounds(epilogue.LEAKY_RELU, [0.25, 0], np.float32)
+    epilogue.crop_bias_residual_activation(rows, y, 5, bias, residual, leaky)
     expected = cropped + bias.reshape(3, 1) + residual
     np.testing.assert_array_equal(y, np.where(expected < 0, expected * np.float32(0.25), expected))
     none = epilogue.absent(np.float32, 1)
-    epilogue.crop_bias_residual_activation(rows, y, 5, none, epilogue.absent(np.float32, 3), epilogue.NONE, slope)
+    identity = epilogue.activation_bounds(epilogue.NONE, [], np.float32)
+    epilogue.crop_bias_residual_activation(rows, y, 5, none, epilogue.absent(np.float32, 3), identity)
     np.testing.assert_array_equal(y, cropped)
 
 
@@ -225,11 +226,11 @@ def test_row_range_epilogue_leaves_other_pixels():
     from onnx_runtime_ep_cpu.compiled import epilogue
 
     y = -np.ones((2, 3, 10), np.float64)
-    epilogue.bias_residual_activation(y, epilogue.absent(y.dtype, 1), epilogue.absent(y.dtype, 3), epilogue.RELU,
-                                      np.zeros(2), 4, 7)
+    relu = epilogue.activation_bounds(epilogue.RELU, [], y.dtype)
+    epilogue.bias_residual_activation(y, epilogue.absent(y.dtype, 1), epilogue.absent(y.dtype, 3), relu, 4, 7)
     assert (y[..., 4:7] == 0).all() and (y[..., :4] == -1).all() and (y[..., 7:] == -1).all()
     # Without a bias nothing is added: -0.0 stays -0.0 (adding a zero bias would make it +0.0).
     y = np.full((1, 1, 3), -0.0)
-    epilogue.bias_residual_activation(y, epilogue.absent(y.dtype, 1), epilogue.absent(y.dtype, 3), epilogue.NONE,
-                                      np.zeros(2), 0, 3)
+    identity = epilogue.activation_bounds(epilogue.NONE, [], y.dtype)
+    epilogue.bias_residual_activation(y, epilogue.absent(y.dtype, 1), epilogue.absent(y.dtype, 3), identity, 0, 3)
     assert np.signbit(y).all()

@@ -3,9 +3,10 @@ a residual, and an activation applied to each element once, instead of one numpy
 
 Arrays are (N, C, P): batch, channels, pixels (contiguous). The activation is a code with a
 two-element ``params`` array of the data's dtype (Clip's bounds; LeakyRelu's slope first), chosen
-outside the inner loop so each loop stays branch-free. The
-arithmetic is numpy's: the same operations in the same order, in the array's dtype, and NaN
-propagates through every activation as through np.maximum/np.minimum.
+outside the inner loop so each loop stays branch-free; the conv epilogues take it as
+activation_bounds (low, high, slope), built once per node. The arithmetic is numpy's: the same
+operations in the same order, in the array's dtype, and NaN propagates through every activation as
+through np.maximum/np.minimum.
 """
 
 from __future__ import annotations
@@ -50,19 +51,18 @@ def channel_affine(x, factor, shift, out, kind, params):
             _activate_row(dst, kind, params)
 
 
-@jit
-def _bounds(kind, params):
-    """The activation as (low, high, slope): v*slope below zero, then max with low, then min with high.
-    Each step is the identity for the activations that do not use it (slope 1 multiplies exactly)."""
-    bounds = np.empty(3, dtype=params.dtype)
-    bounds[0], bounds[1], bounds[2] = -np.inf, np.inf, 1
+def activation_bounds(kind: int, params, dtype) -> np.ndarray:
+    """The activation as (low, high, slope), the form the one-pass loops (and gemm.py's microkernel)
+    apply: v*slope below zero, then max with low, then min with high. Each step is the identity for
+    the activations that do not use it (slope 1 multiplies exactly)."""
+    low, high, slope = -np.inf, np.inf, 1.0
     if kind == RELU:
-        bounds[0] = 0
+        low = 0.0
     elif kind == CLIP:
-        bounds[0], bounds[1] = params[0], params[1]
+        low, high = params[0], params[1]
     elif kind == LEAKY_RELU:
-        bounds[2] = params[0]
-    return bounds
+        slope = params[0]
+    return np.array([low, high, slope], dtype=dtype)
 
 
 @jit
@@ -125,12 +125,12 @@ def _finish_crop(row, source, lines, width, padded, with_bias, bias, residual, b
 
 
 @jit
-def bias_residual_activation(y, bias, residual, kind, params, first, end):
+def bias_residual_activation(y, bias, residual, bounds, first, end):
     """y = activation(y + bias[c] + residual) in place for pixels first .. end of every (N, C) row,
     so a convolution can finish each block of output rows while it is still in cache; an empty
-    ``bias`` or ``residual`` is skipped (one compiled loop for every combination)."""
+    ``bias`` or ``residual`` is skipped (one compiled loop for every combination). ``bounds``: the
+    activation, from activation_bounds."""
     with_bias, with_residual = bias.shape[0] > 0, residual.shape[0] > 0
-    bounds = _bounds(kind, params)
     none = bias[:0]
     for n in range(y.shape[0]):
         for c in range(y.shape[1]):
@@ -140,14 +140,13 @@ def bias_residual_activation(y, bias, residual, kind, params, first, end):
 
 
 @jit
-def crop_bias_residual_activation(rows, y, width, bias, residual, kind, params):
+def crop_bias_residual_activation(rows, y, width, bias, residual, bounds):
     """y[n, c, r*width + q] = activation(rows[n, c, r*Wp + q] + bias[c] + residual[n, c, r*width + q]):
     the padded-row results (N, C, OH*Wp) of a convolution by taps cropped to the (N, C, OH*width)
     output and finished in the same pass; an empty ``bias`` or ``residual`` is skipped."""
     with_bias, with_residual = bias.shape[0] > 0, residual.shape[0] > 0
     lines = y.shape[2] // width if width > 0 else 0
     padded = rows.shape[2] // lines if lines > 0 else 0
-    bounds = _bounds(kind, params)
     none = bias[:0]
     for n in range(y.shape[0]):
         for c in range(y.shape[1]):

@@ -26,11 +26,10 @@ from llvmlite import binding, ir
 from numba import types
 from numba.extending import intrinsic
 
-from . import jit
+from . import jit, llvm
 
 MR, NR = 12, 32  # output channels (at most) x output pixels per tile: 24 zmm accumulators
 BIAS, RESIDUAL, ACCUMULATE, PARTIAL = 1, 2, 4, 8  # the microkernel's flags
-_LANES = 16
 
 
 def _host_has_avx512() -> bool:
@@ -42,15 +41,6 @@ def _host_has_avx512() -> bool:
 
 AVAILABLE = _host_has_avx512()
 
-_F32 = ir.FloatType()
-_VEC = ir.VectorType(_F32, _LANES)
-_I64 = ir.IntType(64)
-_I32 = ir.IntType(32)
-_BYTE_PTR = ir.IntType(8).as_pointer()
-
-
-def _declare(module, name: str, function_type):
-    return module.globals.get(name) or ir.Function(module, function_type, name)
 
 
 def _tile_kernel(rows_per_tile: int):
@@ -73,25 +63,25 @@ def _tile_kernel(rows_per_tile: int):
 
             a_ptr, b_ptr, rows_ptr, c_ptr, bias_ptr, res_ptr, bounds_ptr = (data(i) for i in (0, 1, 2, 3, 6, 7, 10))
             depth_v, ldc_v, ldr_v, flags_v = args[4], args[5], args[8], args[9]
-            fma = _declare(builder.module, "llvm.fma.v16f32", ir.FunctionType(_VEC, [_VEC, _VEC, _VEC]))
-            prefetch = _declare(builder.module, "llvm.prefetch.p0",
-                                ir.FunctionType(ir.VoidType(), [_BYTE_PTR, _I32, _I32, _I32]))
-            vec_ptr = _VEC.as_pointer()
-            undef = ir.Constant(_VEC, ir.Undefined)
-            broadcast_mask = ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES)
+            fma = llvm.fma(builder.module)
+            prefetch = llvm.declare(builder.module, "llvm.prefetch.p0",
+                                ir.FunctionType(ir.VoidType(), [llvm.BYTE_PTR, llvm.I32, llvm.I32, llvm.I32]))
+            vec_ptr = llvm.VEC.as_pointer()
+            undef = ir.Constant(llvm.VEC, ir.Undefined)
+            broadcast_mask = ir.Constant(ir.VectorType(llvm.I32, llvm.LANES), [0] * llvm.LANES)
 
             def const(value):
-                return ir.Constant(_I64, value)
+                return ir.Constant(llvm.I64, value)
 
             def splat(scalar):
-                return builder.shuffle_vector(builder.insert_element(undef, scalar, ir.Constant(_I32, 0)), undef,
+                return builder.shuffle_vector(builder.insert_element(undef, scalar, ir.Constant(llvm.I32, 0)), undef,
                                               broadcast_mask)
 
             def vector_at(pointer, offset):
                 return builder.bitcast(builder.gep(pointer, [offset]), vec_ptr)
 
             # The starting values: zero, or the partial sums of earlier blocks of k stored in c.
-            zero = ir.Constant(_VEC, [0.0] * _LANES)
+            zero = ir.Constant(llvm.VEC, [0.0] * llvm.LANES)
             entry = builder.block
             load = builder.append_basic_block("tile.load")
             start = builder.append_basic_block("tile.start")
@@ -100,13 +90,14 @@ def _tile_kernel(rows_per_tile: int):
             accumulate = builder.icmp_signed("!=", builder.and_(flags_v, const(ACCUMULATE)), const(0))
             builder.cbranch(accumulate, load, start)
             builder.position_at_end(load)
-            loaded = [builder.load(vector_at(c_ptr, builder.add(builder.mul(const(i), ldc_v), const(half * _LANES))),
-                                   align=4) for i in range(MR) for half in range(2)]
+            loaded = [builder.load(vector_at(c_ptr, builder.add(builder.mul(const(i), ldc_v),
+                                                                const(half * llvm.LANES))), align=4)
+                      for i in range(MR) for half in range(2)]
             builder.branch(start)
             builder.position_at_end(start)
             initial = []
             for value in loaded:
-                phi = builder.phi(_VEC)
+                phi = builder.phi(llvm.VEC)
                 phi.add_incoming(zero, entry)
                 phi.add_incoming(value, load)
                 initial.append(phi)
@@ -114,21 +105,22 @@ def _tile_kernel(rows_per_tile: int):
 
             # The reduction: one loop, MR*2 accumulators carried in phi nodes (registers).
             builder.position_at_end(loop)
-            k = builder.phi(_I64)
+            k = builder.phi(llvm.I64)
             k.add_incoming(const(0), start)
             acc = []
             for value in initial:
-                phi = builder.phi(_VEC)
+                phi = builder.phi(llvm.VEC)
                 phi.add_incoming(value, start)
                 acc.append(phi)
             b_row = builder.load(builder.gep(rows_ptr, [k]))
             b_lo = builder.load(vector_at(b_ptr, b_row), align=4)
-            b_hi = builder.load(vector_at(b_ptr, builder.add(b_row, const(_LANES))), align=4)
+            b_hi = builder.load(vector_at(b_ptr, builder.add(b_row, const(llvm.LANES))), align=4)
             # The same row of the next panel, read in place (right after this one in the image): a
             # prefetch, since the K rows of a panel are K streams too many for the hardware prefetcher.
-            for ahead in (NR, NR + _LANES):
-                target = builder.bitcast(builder.gep(b_ptr, [builder.add(b_row, const(ahead))]), _BYTE_PTR)
-                builder.call(prefetch, [target, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+            for ahead in (NR, NR + llvm.LANES):
+                target = builder.bitcast(builder.gep(b_ptr, [builder.add(b_row, const(ahead))]), llvm.BYTE_PTR)
+                read, locality, data = (ir.Constant(llvm.I32, v) for v in (0, 3, 1))
+                builder.call(prefetch, [target, read, locality, data])
             a_row = builder.mul(k, const(MR))
             summed = []
             for i in range(MR):
@@ -146,7 +138,7 @@ def _tile_kernel(rows_per_tile: int):
             builder.position_at_end(store)
             totals = []
             for i in range(2 * MR):
-                phi = builder.phi(_VEC)
+                phi = builder.phi(llvm.VEC)
                 phi.add_incoming(initial[i], start)
                 phi.add_incoming(summed[i], body)
                 totals.append(phi)
@@ -158,7 +150,7 @@ def _tile_kernel(rows_per_tile: int):
             for i in range(MR):
                 row = builder.mul(const(i), ldc_v)
                 for half in range(2):
-                    target = vector_at(c_ptr, builder.add(row, const(half * _LANES)))
+                    target = vector_at(c_ptr, builder.add(row, const(half * llvm.LANES)))
                     builder.store(totals[2 * i + half], target, align=4)
             done = builder.append_basic_block("tile.done")
             builder.branch(done)
@@ -181,13 +173,13 @@ def _tile_kernel(rows_per_tile: int):
             for i in range(MR):
                 row = builder.mul(const(i), ldr_v)
                 for half in range(2):
-                    z = builder.load(vector_at(res_ptr, builder.add(row, const(half * _LANES))), align=4)
+                    z = builder.load(vector_at(res_ptr, builder.add(row, const(half * llvm.LANES))), align=4)
                     with_res.append(builder.fadd(totals[2 * i + half], z))
             builder.branch(finish)
             builder.position_at_end(finish)
             merged = []
             for total, summed_residual in zip(totals, with_res):
-                phi = builder.phi(_VEC)
+                phi = builder.phi(llvm.VEC)
                 phi.add_incoming(total, before)
                 phi.add_incoming(summed_residual, add_residual)
                 merged.append(phi)
@@ -199,7 +191,7 @@ def _tile_kernel(rows_per_tile: int):
                     v = builder.select(negative, builder.fmul(v, slope), v)
                     v = builder.select(builder.fcmp_ordered("<", v, low), low, v)
                     v = builder.select(builder.fcmp_ordered(">", v, high), high, v)
-                    builder.store(v, vector_at(c_ptr, builder.add(row, const(half * _LANES))), align=4)
+                    builder.store(v, vector_at(c_ptr, builder.add(row, const(half * llvm.LANES))), align=4)
             builder.branch(done)
             builder.position_at_end(done)
             return context.get_dummy_value()
@@ -208,8 +200,7 @@ def _tile_kernel(rows_per_tile: int):
     return microkernel
 
 
-_KERNELS = {12: _tile_kernel(12), 8: _tile_kernel(8)}
-_microkernel_12, _microkernel_8 = _KERNELS[12], _KERNELS[8]
+_microkernel_12, _microkernel_8 = _tile_kernel(12), _tile_kernel(8)
 
 
 @intrinsic
@@ -221,9 +212,9 @@ def _copy_panel_row(typingctx, dst, dst_at, src, src_at):
     def codegen(context, builder, sig, args):
         dst_ptr = context.make_array(sig.args[0])(context, builder, args[0]).data
         src_ptr = context.make_array(sig.args[2])(context, builder, args[2]).data
-        vec_ptr = _VEC.as_pointer()
-        for half in range(NR // _LANES):
-            offset = ir.Constant(_I64, half * _LANES)
+        vec_ptr = llvm.VEC.as_pointer()
+        for half in range(NR // llvm.LANES):
+            offset = ir.Constant(llvm.I64, half * llvm.LANES)
             source = builder.bitcast(builder.gep(src_ptr, [builder.add(args[3], offset)]), vec_ptr)
             target = builder.bitcast(builder.gep(dst_ptr, [builder.add(args[1], offset)]), vec_ptr)
             builder.store(builder.load(source, align=4), target, align=4)

@@ -15,15 +15,12 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from . import compiler
+from . import compiler, llvm
 
 _vectorized = compiler(fastmath={"reassoc", "contract"})
 
-_LANES, _CHAINS, _ROWS = 16, 2, 4
-_BLOCK = _LANES * _CHAINS  # elements of k per loop step
-_F32 = ir.FloatType()
-_VEC = ir.VectorType(_F32, _LANES)
-_I64 = ir.IntType(64)
+_CHAINS, _ROWS = 2, 4
+_BLOCK = llvm.LANES * _CHAINS  # elements of k per loop step
 
 
 @intrinsic
@@ -36,32 +33,30 @@ def _dot_rows(typingctx, x, w, stride, blocks, out):
     def codegen(context, builder, sig, args):
         x_ptr, w_ptr, out_ptr = (context.make_array(sig.args[i])(context, builder, args[i]).data for i in (0, 1, 4))
         stride, blocks = args[2], args[3]
-        module = builder.module
-        name = "llvm.fma.v16f32"
-        fma = module.globals.get(name) or ir.Function(module, ir.FunctionType(_VEC, [_VEC] * 3), name)
-        vec_ptr = _VEC.as_pointer()
-        zero = ir.Constant(_VEC, [0.0] * _LANES)
+        fma = llvm.fma(builder.module)
+        vec_ptr = llvm.VEC.as_pointer()
+        zero = ir.Constant(llvm.VEC, [0.0] * llvm.LANES)
         entry = builder.block
         loop = builder.append_basic_block("dot.loop")
         done = builder.append_basic_block("dot.done")
-        builder.cbranch(builder.icmp_signed(">", blocks, ir.Constant(_I64, 0)), loop, done)
+        builder.cbranch(builder.icmp_signed(">", blocks, ir.Constant(llvm.I64, 0)), loop, done)
         builder.position_at_end(loop)
-        block = builder.phi(_I64)
-        block.add_incoming(ir.Constant(_I64, 0), entry)
-        chains = [builder.phi(_VEC) for _ in range(_ROWS * _CHAINS)]
+        block = builder.phi(llvm.I64)
+        block.add_incoming(ir.Constant(llvm.I64, 0), entry)
+        chains = [builder.phi(llvm.VEC) for _ in range(_ROWS * _CHAINS)]
         for chain in chains:
             chain.add_incoming(zero, entry)
-        base = builder.mul(block, ir.Constant(_I64, _BLOCK))
+        base = builder.mul(block, ir.Constant(llvm.I64, _BLOCK))
         summed = []
         for c in range(_CHAINS):
-            at = builder.add(base, ir.Constant(_I64, c * _LANES))
+            at = builder.add(base, ir.Constant(llvm.I64, c * llvm.LANES))
             xv = builder.load(builder.bitcast(builder.gep(x_ptr, [at]), vec_ptr), align=4)
             for j in range(_ROWS):
-                row_at = builder.add(at, builder.mul(stride, ir.Constant(_I64, j)))
+                row_at = builder.add(at, builder.mul(stride, ir.Constant(llvm.I64, j)))
                 wv = builder.load(builder.bitcast(builder.gep(w_ptr, [row_at]), vec_ptr), align=4)
                 summed.append((j * _CHAINS + c, builder.call(fma, [xv, wv, chains[j * _CHAINS + c]])))
         summed = [value for _, value in sorted(summed, key=lambda item: item[0])]
-        following = builder.add(block, ir.Constant(_I64, 1))
+        following = builder.add(block, ir.Constant(llvm.I64, 1))
         block.add_incoming(following, loop)
         for chain, value in zip(chains, summed):
             chain.add_incoming(value, loop)
@@ -69,7 +64,7 @@ def _dot_rows(typingctx, x, w, stride, blocks, out):
         builder.position_at_end(done)
         totals = []
         for i in range(_ROWS * _CHAINS):
-            phi = builder.phi(_VEC)
+            phi = builder.phi(llvm.VEC)
             phi.add_incoming(zero, entry)
             phi.add_incoming(summed[i], loop)
             totals.append(phi)
@@ -77,10 +72,10 @@ def _dot_rows(typingctx, x, w, stride, blocks, out):
             vector = totals[j * _CHAINS]
             for c in range(1, _CHAINS):
                 vector = builder.fadd(vector, totals[j * _CHAINS + c])
-            total = builder.extract_element(vector, ir.Constant(ir.IntType(32), 0))
-            for lane in range(1, _LANES):
-                total = builder.fadd(total, builder.extract_element(vector, ir.Constant(ir.IntType(32), lane)))
-            builder.store(total, builder.gep(out_ptr, [ir.Constant(_I64, j)]))
+            total = builder.extract_element(vector, ir.Constant(llvm.I32, 0))
+            for lane in range(1, llvm.LANES):
+                total = builder.fadd(total, builder.extract_element(vector, ir.Constant(llvm.I32, lane)))
+            builder.store(total, builder.gep(out_ptr, [ir.Constant(llvm.I64, j)]))
         return context.get_dummy_value()
 
     return signature, codegen

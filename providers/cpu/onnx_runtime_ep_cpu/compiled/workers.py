@@ -39,7 +39,7 @@ from llvmlite import ir
 from numba import carray, types
 from numba.extending import intrinsic
 
-from . import jit
+from . import jit, llvm
 
 # Mailbox slots. Sequence numbers: POSTED is bumped by the caller, DONE set by the helper. RUNNER:
 # the address of the job's compiled runner (a Kind's); BUFFER, BUFFER_SIZE: the runner's scratch.
@@ -80,9 +80,7 @@ def _cycles(typingctx):
     signature = types.int64()
 
     def codegen(context, builder, sig, args):
-        module = builder.module
-        name = "llvm.readcyclecounter"
-        read = module.globals.get(name) or ir.Function(module, ir.FunctionType(ir.IntType(64), []), name)
+        read = llvm.declare(builder.module, "llvm.readcyclecounter", ir.FunctionType(llvm.I64, []))
         return builder.call(read, [])
 
     return signature, codegen

@@ -832,6 +832,7 @@ class _PackedConv:
                        gemm.tap_offsets(self._cg, kh, kw, dh, dw, wp, hp * wp), gemm.packed_offsets(self._cg * kh * kw))
         self._bias_cache = (None, None)  # (the bias array last seen, its padded copy)
         self._padded_inputs: dict[int, np.ndarray] = {}  # per calling thread: a padded input buffer
+        self._keeps_padded = 4 * math.prod(geo.padded_shape(tuple(x_shape))) <= _KEPT_PADDED_BYTES
 
     def _plan(self, threads: int) -> list:
         """Per thread, its tasks (image, group, first panel, end panel, first tile, end tile): the
@@ -887,7 +888,7 @@ class _PackedConv:
         geo = self._geo
         if geo.unpadded:
             return np.ascontiguousarray(x).reshape(self._n, -1)
-        if 4 * math.prod(geo.padded_shape(x.shape)) > _KEPT_PADDED_BYTES:
+        if not self._keeps_padded:
             return np.ascontiguousarray(geo.pad(x, 0)).reshape(self._n, -1)
         thread = threading.get_ident()
         buffer = self._padded_inputs.get(thread)
@@ -1059,39 +1060,23 @@ class _Epilogue:
     convolution reads ``bias`` (empty for none), ``residual`` (N, M, P; empty for none) and
     ``bounds`` (the activation as low, high, slope) and applies them itself."""
 
-    __slots__ = ("_loops", "bias", "residual", "_kind", "_params", "bounds")
+    __slots__ = ("_loops", "bias", "residual", "bounds")
 
-    def __init__(self, loops, bias, residual, kind, params, bounds):
-        self._loops, self.bias, self.residual, self._kind, self._params = loops, bias, residual, kind, params
-        self.bounds = bounds
+    def __init__(self, loops, bias, residual, bounds):
+        self._loops, self.bias, self.residual, self.bounds = loops, bias, residual, bounds
 
     def rows(self, y, first: int, end: int, image: int | None = None) -> None:
         """Finish pixels first .. end of every channel of ``y`` (N, M, P), or of one image of it."""
         residual = self.residual
         if image is not None:
             y, residual = y[image:image + 1], residual[image:image + 1]
-        self._loops.bias_residual_activation(y, self.bias, residual, self._kind, self._params, first, end)
+        self._loops.bias_residual_activation(y, self.bias, residual, self.bounds, first, end)
 
     def crop(self, rows, y, width: int, image: int) -> None:
         """Write image ``image`` of ``y`` (N, M, OH*width) from its padded-row results ``rows``
         (M, OH*Wp), finished."""
         self._loops.crop_bias_residual_activation(rows.reshape(1, *rows.shape), y[image:image + 1], width,
-                                                  self.bias, self.residual[image:image + 1], self._kind, self._params)
-
-
-def _activation_bounds(kind: int, params, dtype) -> np.ndarray:
-    """The activation as compiled/epilogue.py's (low, high, slope): v*slope below zero, then max with
-    low, then min with high (each the identity where the activation does not use it)."""
-    from ..compiled import epilogue
-
-    low, high, slope = -math.inf, math.inf, 1.0
-    if kind == epilogue.RELU:
-        low = 0.0
-    elif kind == epilogue.CLIP:
-        low, high = params
-    elif kind == epilogue.LEAKY_RELU:
-        slope = params[0]
-    return np.array([low, high, slope], dtype=dtype)
+                                                  self.bias, self.residual[image:image + 1], self.bounds)
 
 
 def _compiled_epilogue(node):
@@ -1100,20 +1085,19 @@ def _compiled_epilogue(node):
     from ..compiled import epilogue
 
     kind, params = _activation_code(node)
-    # Per dtype, built once: the activation's parameters and bounds, and the empty stand-ins for no
-    # bias/residual.
-    constants = {np.dtype(t): (np.array(params, dtype=t), _activation_bounds(kind, params, t), epilogue.absent(t, 1),
+    # Per dtype, built once: the activation's bounds and the empty stand-ins for no bias/residual.
+    constants = {np.dtype(t): (epilogue.activation_bounds(kind, params, t), epilogue.absent(t, 1),
                                epilogue.absent(t, 3))
                  for t in (np.float32, np.float64)}
 
     def prepare(b, z, dtype):
-        arguments, bounds, no_bias, no_residual = constants[dtype]
+        bounds, no_bias, no_residual = constants[dtype]
         bias = no_bias if b is None else np.ascontiguousarray(b.reshape(-1), dtype=dtype)
         if z is None:
             residual = no_residual
         else:
             residual = np.ascontiguousarray(z).reshape(*z.shape[:2], math.prod(z.shape[2:]))
-        return _Epilogue(epilogue, bias, residual, kind, arguments, bounds)
+        return _Epilogue(epilogue, bias, residual, bounds)
 
     return prepare
 
