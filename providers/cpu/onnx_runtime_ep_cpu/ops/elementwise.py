@@ -450,18 +450,30 @@ def _cast_options(node):
     return saturate, round_mode
 
 
+def _cast_kernel(to, saturate=True, round_mode="up"):
+    if to is DataType.STRING or to is DataType.FLOAT8E8M0 or to in _SATURATING_FLOAT8:
+        return lambda x: (_cast(x, to, saturate, round_mode),)
+    dtype = to.numpy
+
+    def kernel(x):
+        # Integers and booleans convert to a numeric type without floating-point warnings: no errstate
+        # (its context costs more than casting a decoder's position ids).
+        if x.dtype.kind in "biu":
+            return (x.astype(dtype, copy=False),)
+        return (_cast(x, to, saturate, round_mode),)
+
+    return kernel
+
+
 @register("Cast", since=1)
 def cast_v1(node, shapes, opset):
     # Cast-1 spells 'to' as a type name ("FLOAT"); later versions use the enum value.
-    to = _target_type(node, node.attr("to"))
-    return lambda x: (_cast(x, to),)
+    return _cast_kernel(_target_type(node, node.attr("to")))
 
 
 @register("Cast", since=19)
 def cast(node, shapes, opset):
-    to = _target_type(node, node.attr("to"))
-    saturate, round_mode = _cast_options(node)
-    return lambda x: (_cast(x, to, saturate, round_mode),)
+    return _cast_kernel(_target_type(node, node.attr("to")), *_cast_options(node))
 
 
 @register("CastLike", since=15)
