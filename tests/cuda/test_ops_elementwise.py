@@ -34,7 +34,11 @@ BF16 = ml_dtypes.bfloat16
 
 @pytest.fixture(scope="module", autouse=True)
 def device_mode():
-    """The simulator unless the real driver was asked for; skips when the chosen one is not usable."""
+    """The simulator unless the real driver was asked for; skips when the chosen one is not usable. The
+    provider registry caches availability at discovery (an earlier test may have found no driver), so it
+    is refreshed on the way in and out."""
+    from onnx_runtime.discovery import registry
+
     with pytest.MonkeyPatch.context() as patch:
         if REAL:
             patch.delenv(driver.SIM_ENV, raising=False)
@@ -43,7 +47,9 @@ def device_mode():
         reason = driver.probe()
         if reason:
             pytest.skip(f"the CUDA {'driver' if REAL else 'simulator'} is not usable: {reason}")
+        registry().refresh()
         yield
+    registry().refresh()
 
 
 # -- shared harness -------------------------------------------------------------------------------------------
