@@ -1,5 +1,6 @@
-"""The packed float32 convolution (compiled/gemm.py), its helper threads (compiled/workers.py) and the
-few-row products that share them (compiled/gemv.py), against onnx's reference evaluator and numpy."""
+"""The packed float32 convolution (compiled/gemm.py) and its helper threads (compiled/workers.py), with
+the kernels that share them (pooling, batch normalization, depthwise convolution), against onnx's
+reference evaluator (the few-row products: test_few_row_products.py)."""
 
 from __future__ import annotations
 
@@ -158,9 +159,9 @@ def test_a_sleeping_helper_leaves_the_job_to_the_caller_and_wakes_up(monkeypatch
     def run(long: bool = False) -> bool:
         """One job in two parts; whether the helper ran one."""
         helper_thread.mailbox[workers.CPU] = -1
-        y = np.zeros((2, 64), np.float32)
-        pool.run(jobs.PRODUCT, [(True, a, w, y, 0, 32), (True, a, w, y, 32, 64)], long)
-        np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4)
+        sums = np.zeros((1, 2, 64), np.float32)
+        pool.run(jobs.PRODUCT, [(True, a, w, sums, 2, 0, 1), (True, a, w, sums, 2, 1, 2)], long)
+        np.testing.assert_allclose(sums[0], expected, rtol=1e-5, atol=1e-4)
         return helper_thread.mailbox[workers.CPU] >= 0
 
     for _ in range(2):
@@ -174,31 +175,6 @@ def test_a_sleeping_helper_leaves_the_job_to_the_caller_and_wakes_up(monkeypatch
         pytest.fail("the helper never took a part")
     threading.Event().wait(0.1)
     assert run(long=True)  # a long job waits for the sleeping helper to wake and take its part
-
-
-@pytest.mark.parametrize("rows,depth,columns", [(1, 1024, 1000), (3, 100, 7), (8, 33, 5), (1, 64, 4), (2, 1, 3)])
-@pytest.mark.parametrize("trans_b", [True, False])
-def test_few_row_gemm_matches_numpy(kernel_threads, rows, depth, columns, trans_b):
-    rng = np.random.default_rng(12)
-    a = rng.standard_normal((rows, depth), dtype=np.float32)
-    b = rng.standard_normal((columns, depth) if trans_b else (depth, columns), dtype=np.float32)
-    c = rng.standard_normal(columns, dtype=np.float32)
-    node = Node("Gemm", ["a", "b", "c"], ["y"], attrs=dict(transB=int(trans_b), alpha=0.5, beta=2.0), opset=13)
-    (y,) = linalg.gemm_7(node, None, 13)(a, b, c)
-    expected = 0.5 * (a @ (b.T if trans_b else b)) + 2.0 * c
-    assert y.dtype == np.float32
-    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4 * np.sqrt(depth))
-
-
-def test_many_rows_and_float64_stay_on_blas(monkeypatch):
-    from onnx_runtime_ep_cpu.compiled import workers
-
-    monkeypatch.setattr(workers, "run", lambda *a: pytest.fail("gemv ran"))
-    gemm_kernel = linalg.gemm_7(Node("Gemm", ["a", "b"], ["y"], attrs={}, opset=13), None, 13)
-    for a, b in [(np.ones((9, 4), np.float32), np.ones((4, 3), np.float32)),
-                 (np.ones((1, 4), np.float64), np.ones((4, 3), np.float64))]:
-        (y,) = gemm_kernel(a, b)
-        np.testing.assert_array_equal(y, a @ b)
 
 
 def test_hosts_without_avx512_keep_the_blas_paths(monkeypatch):

@@ -1,11 +1,16 @@
-"""Matrix-vector products (a few rows of ``a`` times a weight matrix) for float32/float64, split
-across the packed convolution's helper threads (workers.py) by output columns.
+"""Few-row products (a few rows of ``a`` times a weight matrix, float32): a decode step's MatMuls and a
+CNN's classifier, split across the packed convolution's helper threads (workers.py).
 
-A CNN's classifier is such a product. Through numpy's multi-threaded BLAS it would leave BLAS's
-worker thread spinning for ~0.1 s after the call, on a CPU the convolution helpers need: the next
-inference's convolutions then run at a fraction of their speed. These loops keep the whole model on
-one set of threads. Reductions over k run in vector chains, so sums may round differently from
-BLAS's, as BLAS's own blockings do. float32 only (the helpers' jobs are float32).
+Such a product reads every weight once, so it runs at the speed weights stream from memory or the L3
+cache; two cores stream nearly twice as fast as one (54 vs 29 GB/s measured on this 2-core VM), which
+numpy's BLAS does not get at these sizes. ``a @ w`` (w K x N, MatMul's layout) runs in blocks of k,
+each block one contiguous stretch of w, with the blocks' sums added in block order; ``a @ w.T`` (Gemm's
+transB) in spans of w's rows, each a dot product. Either way an output's sum has the same order on
+any number of threads. (Sums may round differently from BLAS's, as BLAS's own blockings do.)
+
+A CNN's classifier also stays off numpy's multi-threaded BLAS for another reason: its worker thread
+keeps spinning ~0.1 s after each call, on a CPU the convolution helpers need, so the next
+inference's convolutions would run at a fraction of their speed.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from . import compiler, llvm
+from . import compiler, jit, llvm
 
 _vectorized = compiler(fastmath={"reassoc", "contract"})
+_axpy = compiler(fastmath={"contract"})  # sums stay in k order
 
 _CHAINS, _ROWS = 2, 4
 _BLOCK = llvm.LANES * _CHAINS  # elements of k per loop step
@@ -108,15 +114,58 @@ def rows_times_transposed(a, w, y, first, end):
                 y[r, n + j] = total
 
 
-@_vectorized
-def rows_times(a, w, y, first, end):
-    """y[r, n] = sum_k a[r, k] * w[k, n] for n in first .. end (w is K x N), as axpy passes over w's rows."""
-    rows, depth = a.shape
-    for r in range(rows):
-        out = y[r, first:end]
-        out[:] = 0
-        for k in range(depth):
-            factor = a[r, k]
-            line = w[k, first:end]
+# The reduction of ``a @ w`` (w K x N) runs in blocks of this many rows of w: a block is one contiguous
+# stretch of memory (the hardware prefetcher's best case; a decode step streams every weight from the
+# L3 cache or memory once), threads take whole blocks, and the blocks' sums are added in block order,
+# so the result does not depend on how many threads computed it.
+DEPTH_BLOCK = 128
+
+
+def column_spans(blocks: int, n: int, threads: int) -> int:
+    """Column spans of ``a @ w`` (N columns, ``blocks`` blocks of k) for ``threads`` threads: the work
+    items are the (block, span) pairs. Columns are split only when there are fewer blocks than threads
+    (which does not change any sum)."""
+    return max(1, min(-(-threads // blocks), n // (4 * llvm.LANES)))
+
+
+@_axpy
+def _block_rows(a, w, out, first_k, end_k, first, end):
+    """out[r, n] = sum of a[r, k] * w[k, n] for k in first_k .. end_k, in k order, for columns n in
+    first .. end: four rows of w per pass over out (which stays in the L1 cache)."""
+    for r in range(a.shape[0]):
+        x = a[r]
+        line = out[r, first:end]
+        line[:] = 0
+        k = first_k
+        while k + 4 <= end_k:
+            x0, x1, x2, x3 = x[k], x[k + 1], x[k + 2], x[k + 3]
+            w0, w1, w2, w3 = w[k, first:end], w[k + 1, first:end], w[k + 2, first:end], w[k + 3, first:end]
             for n in range(end - first):
-                out[n] += factor * line[n]
+                line[n] = (((line[n] + x0 * w0[n]) + x1 * w1[n]) + x2 * w2[n]) + x3 * w3[n]
+            k += 4
+        while k < end_k:
+            x0 = x[k]
+            w0 = w[k, first:end]
+            for n in range(end - first):
+                line[n] = line[n] + x0 * w0[n]
+            k += 1
+
+
+@_axpy
+def rows_times(a, w, sums, spans, first, end):
+    """Work items first .. end of y = a @ w (w is K x N; item = block of k * spans + column span, see
+    column_spans): block b's sums go to sums[b]; sum_blocks adds them once every item is done."""
+    depth, n = w.shape
+    for item in range(first, end):
+        block, span = item // spans, item % spans
+        low = (n * span // spans) // llvm.LANES * llvm.LANES
+        high = n if span == spans - 1 else (n * (span + 1) // spans) // llvm.LANES * llvm.LANES
+        _block_rows(a, w, sums[block], block * DEPTH_BLOCK, min(depth, (block + 1) * DEPTH_BLOCK), low, high)
+
+
+@jit
+def sum_blocks(sums):
+    """sums[0] += sums[1] + sums[2] + ..., in that order (rows_times's block sums)."""
+    y = sums[0]
+    for block in range(1, sums.shape[0]):
+        y += sums[block]

@@ -5,7 +5,20 @@ arguments into a mailbox (compiled) and a runner entry that reads them back and 
 from __future__ import annotations
 
 from . import depthwise, epilogue, gemm, gemv, jit, pooling
-from .workers import ARGS, BUFFER, BUFFER_SIZE, Kind, compile_runner, float_array, int_array, mailbox_view, offset_array
+from .workers import (
+    ARGS,
+    BUFFER,
+    BUFFER_SIZE,
+    PENDING,
+    Kind,
+    collect,
+    compile_runner,
+    float_array,
+    int_array,
+    mailbox_view,
+    offer,
+    offset_array,
+)
 
 
 @jit
@@ -45,28 +58,64 @@ CONV = Kind(_write_conv, lambda: compile_runner(_conv_entry),
 
 
 @jit
-def _write_product(m, transposed, a, w, y, first, end):
+def _write_product(m, transposed, a, w, sums, spans, first, end):
     s = ARGS
     m[s + 0], m[s + 1], m[s + 2] = a.ctypes.data, a.shape[0], a.shape[1]
     m[s + 3], m[s + 4], m[s + 5] = w.ctypes.data, w.shape[0], w.shape[1]
-    m[s + 6], m[s + 7], m[s + 8] = y.ctypes.data, y.shape[0], y.shape[1]
-    m[s + 9], m[s + 10], m[s + 11] = first, end, 1 if transposed else 0
+    m[s + 6], m[s + 7], m[s + 8], m[s + 9] = sums.ctypes.data, sums.shape[0], sums.shape[1], sums.shape[2]
+    m[s + 10], m[s + 11], m[s + 12], m[s + 13] = spans, first, end, 1 if transposed else 0
+
+
+@jit
+def product_items(transposed, a, w, sums, spans, first, end):
+    """Work items first .. end of a few-row product: column spans of y = a @ w.T (``transposed``, w
+    N x K; ``spans`` of them) into sums[0], or gemv.rows_times's (block, span) items of y = a @ w
+    (block b's sums into sums[b]; gemv.sum_blocks adds them into sums[0])."""
+    if transposed:
+        n = w.shape[0]
+        gemv.rows_times_transposed(a, w, sums[0], n * first // spans, n * end // spans)
+    else:
+        gemv.rows_times(a, w, sums, spans, first, end)
+
+
+@jit
+def product(transposed, a, w, sums, spans, items):
+    """Every item of a few-row product on the calling thread; the result in sums[0]."""
+    product_items(transposed, a, w, sums, spans, 0, items)
+    gemv.sum_blocks(sums)
 
 
 def _product_entry(pointer):
     m = mailbox_view(pointer)
     s = ARGS
-    a = float_array(m[s + 0], (m[s + 1], m[s + 2]))
-    w = float_array(m[s + 3], (m[s + 4], m[s + 5]))
-    y = float_array(m[s + 6], (m[s + 7], m[s + 8]))
-    if m[s + 11]:
-        gemv.rows_times_transposed(a, w, y, m[s + 9], m[s + 10])
-    else:
-        gemv.rows_times(a, w, y, m[s + 9], m[s + 10])
+    product_items(m[s + 13] != 0, float_array(m[s + 0], (m[s + 1], m[s + 2])),
+                  float_array(m[s + 3], (m[s + 4], m[s + 5])), float_array(m[s + 6], (m[s + 7], m[s + 8], m[s + 9])),
+                  m[s + 10], m[s + 11], m[s + 12])
 
 
-# gemv's loops, one part: (transposed, a, w, y, first column, end column).
+# product_items, one part: (transposed, a, w, sums, spans, first item, end item).
 PRODUCT = Kind(_write_product, lambda: compile_runner(_product_entry))
+
+
+@jit
+def split_product(transposed, a, w, sums, spans, items, parts, mailboxes, states, runner):
+    """A few-row product's ``items`` in ``parts`` parts: part 0 on the calling thread, part i on helper
+    i - 1 (on the caller when that helper is asleep or missing), posted from here (workers.offer:
+    the per-call Python of workers.run would cost as much as a decode step's product). Returns
+    workers.collect's result; unless it has workers.PENDING set, the block sums are added too."""
+    helpers = min(parts - 1, mailboxes.shape[0])
+    for part in range(1, parts):
+        first, end = items * part // parts, items * (part + 1) // parts
+        if part - 1 < helpers:
+            _write_product(mailboxes[part - 1], transposed, a, w, sums, spans, first, end)
+            if offer(mailboxes, states, part - 1, runner):
+                continue
+        product_items(transposed, a, w, sums, spans, first, end)
+    product_items(transposed, a, w, sums, spans, 0, items // parts)
+    result = collect(mailboxes, states, helpers)
+    if not result & PENDING:
+        gemv.sum_blocks(sums)
+    return result
 
 
 @jit

@@ -191,6 +191,51 @@ def _cycles_per_second() -> float:
     return (_read_cycles() - start) / (time.perf_counter() - clock)
 
 
+# Posting from compiled code (a kernel whose per-call Python overhead would cost as much as its work,
+# e.g. a decode step's matrix-vector products): the caller holds the helpers (Helpers.reserve), writes
+# a part's arguments into a helper's mailbox with its Kind's writer, then ``offer``s it; after running
+# its own part it ``collect``s the others. What compiled code cannot do (wake a sleeping helper: an
+# Event; move a helper off the caller's CPU) is left in ``states`` for Helpers.settle.
+SKIPPED = -(1 << 63)  # states[h]: helper h was asleep, its part ran on the caller (wake it for later jobs)
+PENDING = 1  # collect's result: a part may still be running (on a helper that fell asleep: settle waits)
+_SPREAD = 2  # collect's result: a helper ran on the caller's CPU
+_WAKE = 4  # collect's result: a helper was asleep
+
+
+@jit
+def offer(mailboxes, states, helper, runner):
+    """Post the job written in mailboxes[helper] to that helper, if it is spinning; whether it was
+    posted (if not, states[helper] = SKIPPED and the caller runs the part)."""
+    mailbox = mailboxes[helper]
+    if _atomic_load(mailbox, SLEEPING) != 0:
+        states[helper] = SKIPPED
+        return False
+    mailbox[RUNNER], mailbox[BUFFER], mailbox[BUFFER_SIZE] = runner, 0, 0
+    sequence, asleep = _publish(mailbox)
+    states[helper] = -sequence if asleep else sequence  # negative: fell asleep meanwhile, settle wakes it
+    return True
+
+
+@jit
+def collect(mailboxes, states, helpers):
+    """Wait for the parts offered to helpers < ``helpers``; returns 0, or non-zero when Helpers.settle
+    must run (a helper to wake and maybe wait for, or to move off the caller's CPU)."""
+    here = _sched_getcpu()
+    result = 0
+    for helper in range(helpers):
+        state = states[helper]
+        if state > 0:
+            _wait(mailboxes[helper], state)
+            states[helper] = 0
+            if mailboxes[helper, CPU] == here:
+                result |= _SPREAD
+        elif state == SKIPPED:
+            result |= _WAKE
+        elif state != 0:
+            result |= PENDING
+    return result
+
+
 # Runner signature: the mailbox's data.
 _RUNNER_SIGNATURE = types.void(types.CPointer(types.int64))
 
@@ -230,7 +275,8 @@ class Kind:
         self._runner = None
         self._lock = threading.Lock()
 
-    def _address(self) -> int:
+    def address(self) -> int:
+        """The address of the compiled runner (compiled on first use)."""
         runner = self._runner
         if runner is None:
             with self._lock:
@@ -242,7 +288,7 @@ class Kind:
     def write(self, mailbox, scratch_owner, arguments) -> None:
         """The part's arguments, runner and scratch into ``mailbox``; ``scratch_owner`` keeps the
         scratch buffer (an object with a ``scratch`` attribute), grown as needed."""
-        mailbox[RUNNER] = self._address()
+        mailbox[RUNNER] = self.address()
         size = self._scratch(arguments) if self._scratch is not None else 0
         buffer = getattr(scratch_owner, "scratch", None)
         if size and (buffer is None or buffer.size < size):
@@ -254,7 +300,7 @@ class Kind:
         """Run one part on the calling thread (through the same compiled runner)."""
         local = _local_mailbox()
         self.write(local.mailbox, local, arguments)
-        _call_here(local.runner(self._address()), local.mailbox)
+        _call_here(local.runner(self.address()), local.mailbox)
 
 
 _locals = threading.local()  # per calling thread: a mailbox, scratch, and ctypes views of runners
@@ -292,10 +338,10 @@ def compile_runner(entry):
 
 
 class _Helper:
-    """One helper thread and its mailbox."""
+    """One helper thread and its mailbox (a row of Helpers.mailboxes)."""
 
-    def __init__(self, spin_cycles: int):
-        self.mailbox = np.zeros(MAILBOX_SIZE, dtype=np.int64)
+    def __init__(self, mailbox: np.ndarray, spin_cycles: int):
+        self.mailbox = mailbox
         self.mailbox[CPU] = -1
         self.scratch = None
         self.wake = threading.Event()
@@ -339,8 +385,31 @@ class Helpers:
     def __init__(self, count: int):
         spin_cycles = max(1, int(_cycles_per_second() * _SPIN_SECONDS))
         self._cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        self._helpers = [_Helper(spin_cycles) for _ in range(count)]
+        self.mailboxes = np.zeros((count, MAILBOX_SIZE), dtype=np.int64)  # for compiled callers: see offer
+        self.states = np.zeros(count, dtype=np.int64)
+        self._helpers = [_Helper(self.mailboxes[i], spin_cycles) for i in range(count)]
         self._busy = threading.Lock()
+
+    def reserve(self) -> bool:
+        """Hold the helpers for a compiled caller (offer/collect); False when another caller has them.
+        Give them back with release()."""
+        return self._busy.acquire(blocking=False)
+
+    def release(self) -> None:
+        self._busy.release()
+
+    def settle(self, result: int) -> None:
+        """What a compiled caller's ``collect`` left to Python (its non-zero ``result``): wake helpers
+        found asleep, wait for parts posted to one that fell asleep meanwhile, move helpers off the
+        caller's CPU."""
+        for helper, state in zip(self._helpers, self.states):
+            if state != 0:
+                helper.wake.set()
+            if SKIPPED < state < 0:
+                helper.wait(-state)
+        self.states[:] = 0
+        if result & _SPREAD:
+            self._spread()
 
     def _spread(self) -> None:
         """Move helpers off the caller's CPU: helper i to the i-th of the other CPUs."""
@@ -398,6 +467,9 @@ if hasattr(os, "register_at_fork"):
 def helpers(count: int) -> Helpers:
     """The process's helpers (``count`` threads, started on first use)."""
     global _helpers
+    pool = _helpers  # one read: set once per process (a forked child starts afresh)
+    if pool is not None:
+        return pool
     with _helpers_lock:
         if _helpers is None:
             _helpers = Helpers(count)

@@ -24,14 +24,20 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 _BLAS_FLOATS = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+_FLOAT32 = np.dtype(np.float32)
 
 
 @register("MatMul", since=1)
 def matmul(node, shapes, opset):
     def kernel(a, b):
-        # Single and double precision go straight to BLAS: the per-call checks below cost as much as
+        # Single and double precision go straight to BLAS (or, for a few rows of float32 times a matrix,
+        # a decode step's products, to compiled/gemv.py): the per-call checks below cost as much as
         # the product of a small decode-step matrix.
         if a.dtype is b.dtype and a.dtype in _BLAS_FLOATS and b.ndim > 1:
+            if b.ndim == 2 and a.ndim > 1 and a.size <= _GEMV_ROWS * b.shape[0]:
+                y = _few_rows_product(a, b, False)
+                if y is not None:
+                    return (y,)
             return (np.matmul(a, b),)
         # asarray: two 1-D inputs make np.matmul return a numpy scalar, and kernels return arrays.
         return (np.asarray(_matmul(a, b)).astype(a.dtype, copy=False),)
@@ -97,27 +103,97 @@ def _scale(y: np.ndarray, factor: float) -> np.ndarray:
 # the convolution helpers' threads instead of BLAS (see that module for why); from this many weights
 # on they are split across the threads.
 _GEMV_ROWS = 8
-_GEMV_SPLIT_WEIGHTS = 1 << 16
+_GEMV_SPLIT_WEIGHTS = 1 << 14
 _GEMV_LONG_WEIGHTS = 1 << 24  # per thread (milliseconds: waits for a sleeping helper, see workers.py)
 
 
 def _few_rows_product(a: np.ndarray, b: np.ndarray, transposed: bool) -> np.ndarray | None:
-    """``a @ b.T`` (transposed) or ``a @ b`` through compiled/gemv.py for float32 ``a`` with few rows;
-    None where it does not apply (then BLAS computes it)."""
-    if not (a.dtype == b.dtype == np.float32 and a.shape[0] <= _GEMV_ROWS and a.size and b.size):
+    """``a @ b.T`` (transposed) or ``a @ b`` through compiled/gemv.py for float32 ``a`` with few rows
+    (and any leading dimensions: (..., K) @ (K, N) gives (..., N)); None where it does not apply (then
+    BLAS computes it)."""
+    if not (a.dtype is b.dtype is _FLOAT32 and a.size <= _GEMV_ROWS * a.shape[-1] and a.size and b.size
+            and a.shape[-1] == b.shape[transposed] and _gemv_host()):
         return None
-    from ..compiled import gemm, jobs, workers
+    key = (a.shape, b.shape, transposed, kernel_threads())
+    split = _splits.get(key)
+    if split is None:
+        if len(_splits) > 1024:  # shapes vary without bound (e.g. a growing sequence): start over
+            _splits.clear()
+        split = _splits[key] = _Split(a.shape, b.shape, transposed, key[3])
+    return split(a, b)
 
-    if not gemm.AVAILABLE:  # no packed convolution on this host either: BLAS has the threads to itself
-        return None
-    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    n = b.shape[0] if transposed else b.shape[1]
-    y = np.empty((a.shape[0], n), dtype=np.float32)
-    threads = kernel_threads() if b.size >= _GEMV_SPLIT_WEIGHTS else 1
-    bounds = [n * t // threads for t in range(threads + 1)]
-    parts = [(transposed, a, b, y, first, end) for first, end in zip(bounds, bounds[1:]) if end > first]
-    workers.run(jobs.PRODUCT, parts, helper_count(), b.size * a.shape[0] >= _GEMV_LONG_WEIGHTS * len(parts))
-    return y
+
+class _Split:
+    """How one shape of few-row product is computed and split across threads (see compiled/gemv.py),
+    decided once: the per-call Python is what a decode step's small products would otherwise pay."""
+
+    def __init__(self, shape: tuple, weights: tuple, transposed: bool, threads: int):
+        from ..compiled import gemv, jobs, workers
+
+        n, depth = weights if transposed else weights[::-1]
+        rows = int(np.prod(shape[:-1]))
+        if weights[0] * weights[1] < _GEMV_SPLIT_WEIGHTS:
+            threads = 1
+        # Block 0 of a @ b sums into sums[0], block b > 0 into sums[b] (added in order after).
+        blocks = 1 if transposed else -(-depth // gemv.DEPTH_BLOCK)
+        self._shape, self._rows, self._output = (blocks, rows, n), (rows, depth), shape[:-1] + (n,)
+        self._transposed = transposed
+        self._spans = threads if transposed else gemv.column_spans(blocks, n, threads)
+        self._items = blocks * self._spans
+        self._parts = min(threads, self._items)
+        # Milliseconds per part: posted to sleeping helpers too, waiting for them (see workers.py).
+        self._long = weights[0] * weights[1] * rows >= _GEMV_LONG_WEIGHTS * self._parts
+        self._runner = jobs.PRODUCT.address() if self._parts > 1 else 0
+        self._split, self._product, self._sum, self._pending = (jobs.split_product, jobs.product, gemv.sum_blocks,
+                                                               workers.PENDING)
+        self._jobs, self._workers = jobs, workers
+
+    def __call__(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        a = np.ascontiguousarray(a).reshape(self._rows)
+        b = np.ascontiguousarray(b)
+        sums = np.empty(self._shape, dtype=np.float32)
+        # The process's helpers, looked up per call: a forked child has none of its parent's.
+        pool = self._workers.helpers(helper_count()) if self._parts > 1 else None
+        if pool is None or self._long or not pool.reserve():  # (not reserved: another thread's kernel has them)
+            if pool is not None and self._long:
+                self._run_long(a, b, sums)
+            else:
+                self._product(self._transposed, a, b, sums, self._spans, self._items)
+            return sums[0].reshape(self._output)
+        try:
+            result = self._split(self._transposed, a, b, sums, self._spans, self._items, self._parts, pool.mailboxes,
+                                 pool.states, self._runner)
+            if result:
+                pool.settle(result)
+        finally:
+            pool.release()
+        if result & self._pending:
+            self._sum(sums)
+        return sums[0].reshape(self._output)
+
+    def _run_long(self, a, b, sums) -> None:
+        items, parts = self._items, self._parts
+        bounds = [items * p // parts for p in range(parts + 1)]
+        self._workers.run(self._jobs.PRODUCT, [(self._transposed, a, b, sums, self._spans, first, end)
+                                               for first, end in zip(bounds, bounds[1:])], helper_count(), True)
+        self._sum(sums)
+
+
+_splits: dict[tuple, _Split] = {}
+
+
+def _gemv_host() -> bool:
+    """Whether the host runs compiled/gemv.py's loops (AVX-512, as the packed convolution: elsewhere
+    BLAS keeps the threads to itself)."""
+    global _GEMV_HOST
+    if _GEMV_HOST is None:
+        from ..compiled import gemm
+
+        _GEMV_HOST = gemm.AVAILABLE
+    return _GEMV_HOST
+
+
+_GEMV_HOST: bool | None = None
 
 
 def _gemm_kernel(node, c_must_match: bool):
