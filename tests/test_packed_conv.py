@@ -257,6 +257,31 @@ def test_depthwise_split_across_threads_matches_the_reference(monkeypatch, kerne
     assert splits == [kernel_threads]
 
 
+def test_a_split_convolution_posts_a_part_to_the_helper(monkeypatch):
+    """Posted from compiled code (jobs.split_conv): once the helper is awake it runs the second part,
+    with its own scratch for packed panels (a strided convolution packs them), same result throughout."""
+    from onnx_runtime_ep_cpu.compiled import workers
+
+    monkeypatch.setattr(nn, "_SPLIT_MACS", 1)
+    monkeypatch.setattr(threads, "_threads", 2)
+    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
+    rng, x, w, b, attrs = _inputs("3x3 stride 2", 18, True)
+    conv = nn.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)
+    (first,) = conv(x, w, b)
+    np.testing.assert_allclose(first, _reference(x, w, b, attrs), rtol=1e-4, atol=1e-4)
+    pool = workers.helpers(threads.helper_count())
+    for _ in range(200):
+        pool.mailboxes[0, workers.CPU] = -1
+        (again,) = conv(x, w, b)
+        np.testing.assert_array_equal(again, first)
+        if pool.mailboxes[0, workers.CPU] >= 0:
+            break
+        threading.Event().wait(0.005)
+    else:
+        pytest.fail("the helper never took a part")
+    assert pool.mailboxes[0, workers.BUFFER_SIZE] >= gemm.scratch_size(w[0].size)
+
+
 @pytest.mark.skipif(not hasattr(__import__("os"), "register_at_fork"), reason="needs fork")
 def test_a_forked_child_starts_its_own_helpers(monkeypatch):
     """The parent's helper threads do not exist in a forked child: it must not post jobs to their

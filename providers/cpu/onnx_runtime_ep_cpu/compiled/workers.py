@@ -210,7 +210,7 @@ def offer(mailboxes, states, helper, runner):
     if _atomic_load(mailbox, SLEEPING) != 0:
         states[helper] = SKIPPED
         return False
-    mailbox[RUNNER], mailbox[BUFFER], mailbox[BUFFER_SIZE] = runner, 0, 0
+    mailbox[RUNNER] = runner  # (the helper's scratch stays in BUFFER: see Helpers.ensure_scratch)
     sequence, asleep = _publish(mailbox)
     states[helper] = -sequence if asleep else sequence  # negative: fell asleep meanwhile, settle wakes it
     return True
@@ -286,14 +286,11 @@ class Kind:
         return runner.address
 
     def write(self, mailbox, scratch_owner, arguments) -> None:
-        """The part's arguments, runner and scratch into ``mailbox``; ``scratch_owner`` keeps the
-        scratch buffer (an object with a ``scratch`` attribute), grown as needed."""
+        """The part's arguments and runner into ``mailbox``, whose owner's scratch (``scratch_owner``: a
+        _Helper or the calling thread's locals) is grown as the part needs."""
         mailbox[RUNNER] = self.address()
-        size = self._scratch(arguments) if self._scratch is not None else 0
-        buffer = getattr(scratch_owner, "scratch", None)
-        if size and (buffer is None or buffer.size < size):
-            buffer = scratch_owner.scratch = np.empty(size, dtype=np.float32)
-        mailbox[BUFFER], mailbox[BUFFER_SIZE] = (buffer.ctypes.data, buffer.size) if size else (0, 0)
+        if self._scratch is not None:
+            _grow_scratch(scratch_owner, mailbox, self._scratch(arguments))
         self._writer(mailbox, *arguments)
 
     def here(self, arguments) -> None:
@@ -303,6 +300,29 @@ class Kind:
         _call_here(local.runner(self.address()), local.mailbox)
 
 
+def _grow_scratch(owner, mailbox, floats: int) -> None:
+    """``owner.scratch`` (a float32 buffer) at least ``floats`` long; its address and size stay in the
+    mailbox's BUFFER slots, where runners find it."""
+    buffer = owner.scratch
+    if floats and (buffer is None or buffer.size < floats):
+        buffer = owner.scratch = np.empty(floats, dtype=np.float32)
+        mailbox[BUFFER], mailbox[BUFFER_SIZE] = buffer.ctypes.data, buffer.size
+
+
+def local_mailbox(floats: int) -> np.ndarray:
+    """The calling thread's mailbox, through which it runs its own parts of split jobs, with at least
+    ``floats`` of scratch: for compiled callers (run_here)."""
+    local = _local_mailbox()
+    _grow_scratch(local, local.mailbox, floats)
+    return local.mailbox
+
+
+@jit
+def run_here(runner, mailbox):
+    """Run the job written in ``mailbox`` (the caller's own) with the compiled runner at ``runner``."""
+    _call_runner(runner, mailbox)
+
+
 _locals = threading.local()  # per calling thread: a mailbox, scratch, and ctypes views of runners
 
 
@@ -310,6 +330,7 @@ def _local_mailbox():
     local = _locals.__dict__
     if "mailbox" not in local:
         _locals.mailbox = np.zeros(MAILBOX_SIZE, dtype=np.int64)
+        _locals.scratch = None
         runners: dict[int, object] = {}
         prototype = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
@@ -389,6 +410,7 @@ class Helpers:
         self.states = np.zeros(count, dtype=np.int64)
         self._helpers = [_Helper(self.mailboxes[i], spin_cycles) for i in range(count)]
         self._busy = threading.Lock()
+        self._scratch_floats = 0  # what ensure_scratch has given every helper
 
     def reserve(self) -> bool:
         """Hold the helpers for a compiled caller (offer/collect); False when another caller has them.
@@ -397,6 +419,14 @@ class Helpers:
 
     def release(self) -> None:
         self._busy.release()
+
+    def ensure_scratch(self, floats: int) -> None:
+        """Every helper's scratch at least ``floats`` long, for parts posted from compiled code (offer);
+        only while the helpers are reserved (idle)."""
+        if floats > self._scratch_floats:
+            for helper in self._helpers:
+                _grow_scratch(helper, helper.mailbox, floats)
+            self._scratch_floats = floats
 
     def settle(self, result: int) -> None:
         """What a compiled caller's ``collect`` left to Python (its non-zero ``result``): wake helpers

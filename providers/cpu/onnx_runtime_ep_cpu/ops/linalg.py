@@ -185,15 +185,15 @@ _splits: dict[tuple, _Split] = {}
 def _gemv_host() -> bool:
     """Whether the host runs compiled/gemv.py's loops (AVX-512, as the packed convolution: elsewhere
     BLAS keeps the threads to itself)."""
-    global _GEMV_HOST
-    if _GEMV_HOST is None:
+    global _gemm
+    if _gemm is None:
         from ..compiled import gemm
 
-        _GEMV_HOST = gemm.AVAILABLE
-    return _GEMV_HOST
+        _gemm = gemm
+    return _gemm.AVAILABLE
 
 
-_GEMV_HOST: bool | None = None
+_gemm = None  # compiled/gemm.py, imported on first use (numba loads only for models that need it)
 
 
 def _gemm_kernel(node, c_must_match: bool):

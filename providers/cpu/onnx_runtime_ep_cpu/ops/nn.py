@@ -828,17 +828,21 @@ class _PackedConv:
         (kh, kw), (dh, dw), (hp, wp) = geo.kernel, geo.dilations, self._padded
         # conv_tasks' arguments that stay the same from call to call.
         (sh, sw), (oh, ow) = geo.strides, geo.out
-        self._fixed = (self._mg, oh, ow, self._grid, self._cg, kh, kw, sh, sw, dh, dw, wp, hp * wp,
-                       gemm.tap_offsets(self._cg, kh, kw, dh, dw, wp, hp * wp), gemm.packed_offsets(self._cg * kh * kw))
+        self._geometry = np.array([self._mg, oh, ow, self._grid, self._cg, kh, kw, sh, sw, dh, dw, wp, hp * wp],
+                                  dtype=np.int64)
+        self._offsets = (gemm.tap_offsets(self._cg, kh, kw, dh, dw, wp, hp * wp),
+                         gemm.packed_offsets(self._cg * kh * kw))
+        self._scratch = gemm.scratch_size(self._cg * kh * kw)
+        self._alone = (np.zeros((0, workers.MAILBOX_SIZE), dtype=np.int64), np.zeros(0, dtype=np.int64))  # no helpers
         self._bias_cache = (None, None)  # (the bias array last seen, its padded copy)
         self._padded_inputs: dict[int, np.ndarray] = {}  # per calling thread: a padded input buffer
         self._keeps_padded = 4 * math.prod(geo.padded_shape(tuple(x_shape))) <= _KEPT_PADDED_BYTES
 
-    def _plan(self, threads: int) -> list:
-        """Per thread, its tasks (image, group, first panel, end panel, first tile, end tile): the
-        panels of every (image, group) split evenly, or, where there are too few panels to go round
-        (small images), each unit's weight tiles, so each thread also reads only its share of the
-        weights."""
+    def _plan(self, threads: int) -> tuple:
+        """(per thread its tasks, all of them in one array, where each thread's start there): tasks
+        (image, group, first panel, end panel, first tile, end tile) that split the panels of every
+        (image, group) evenly, or, where there are too few panels to go round (small images), each
+        unit's weight tiles, so each thread also reads only its share of the weights."""
         plan = self._plans.get(threads)
         if plan is None:
             panels = -(-self._lanes // self._gemm.NR)
@@ -859,7 +863,9 @@ class _PackedConv:
                         tasks.append((*units[unit], first, end, 0, tiles))
                     taken += end - first
                 parts.append(np.array(tasks, dtype=np.int64).reshape(-1, 6))
-            plan = self._plans[threads] = parts
+            # For jobs.split_conv: every part's tasks in one array, and where each part's start.
+            ranges = np.cumsum([0] + [len(tasks) for tasks in parts]).astype(np.int64)
+            plan = self._plans[threads] = (parts, np.concatenate(parts), ranges)
         return plan
 
     def _weights(self, w):
@@ -913,9 +919,30 @@ class _PackedConv:
         xp = self._padded_input(x)
         y = np.empty((self._n, self._m, *geo.out), dtype=np.float32)
         threads = max(1, min(kernel_threads(), self._macs // _SPLIT_MACS))
-        head = (xp, weights, bias, y.reshape(self._n, -1), residual, flags, bounds, *self._fixed)
-        parts = [(*head, tasks) for tasks in self._plan(threads) if len(tasks)]
-        self._workers.run(self._jobs.CONV, parts, helper_count(), self._macs >= _LONG_MACS * len(parts))
+        parts, tasks, ranges = self._plan(threads)
+        head = (xp, weights, bias, y.reshape(self._n, -1), residual, flags, bounds)
+        workers = self._workers
+        pool = workers.helpers(helper_count()) if threads > 1 else None
+        if pool is not None and self._macs >= _LONG_MACS * threads:
+            # Milliseconds per part: through workers.run, whose parts wait for a sleeping helper.
+            fixed = (*self._geometry.tolist(), *self._offsets)
+            workers.run(self._jobs.CONV, [(*head, *fixed, share) for share in parts if len(share)], helper_count(),
+                        True)
+            return y
+        # Posted from compiled code (jobs.split_conv): per call, the Python of workers.run cost about as
+        # much as a small convolution's arithmetic.
+        own, runner = workers.local_mailbox(self._scratch), self._jobs.CONV.address()
+        if pool is None or not pool.reserve():  # one thread, or another caller has the helpers
+            self._jobs.split_conv(*head, self._geometry, *self._offsets, tasks, ranges, own, *self._alone, runner)
+            return y
+        try:
+            pool.ensure_scratch(self._scratch)
+            result = self._jobs.split_conv(*head, self._geometry, *self._offsets, tasks, ranges, own, pool.mailboxes,
+                                           pool.states, runner)
+            if result:
+                pool.settle(result)
+        finally:
+            pool.release()
         return y
 
 
