@@ -15,6 +15,11 @@ Each Kind's runner is a C callback (numba ``cfunc``) compiled the first time a m
 the caller runs its own part through the same callback, so each kernel is compiled once; a serving
 loop that called every kernel directly would compile them all, for every model, on the first run.
 
+Posting is itself compiled (``offer``, ``collect``): ``Helpers.run`` writes each part with its
+Kind's compiled writer, and the kernels with the most calls per inference (convolutions, few-row
+products) post all their parts from one compiled function (jobs.split_conv, jobs.split_product),
+since a job's Python costs about as much as a small convolution's arithmetic.
+
 Measured on a 2-CPU virtual machine, and built around it:
 - The spin reads the time-stamp counter; the ``pause`` instruction made the host trap the spinning
   CPU (pause-loop exiting), which slowed memory-bound work on the other CPU fivefold.
@@ -29,7 +34,6 @@ Measured on a 2-CPU virtual machine, and built around it:
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import time
@@ -297,7 +301,7 @@ class Kind:
         """Run one part on the calling thread (through the same compiled runner)."""
         local = _local_mailbox()
         self.write(local.mailbox, local, arguments)
-        _call_here(local.runner(self.address()), local.mailbox)
+        run_here(self.address(), local.mailbox)
 
 
 def _grow_scratch(owner, mailbox, floats: int) -> None:
@@ -323,7 +327,7 @@ def run_here(runner, mailbox):
     _call_runner(runner, mailbox)
 
 
-_locals = threading.local()  # per calling thread: a mailbox, scratch, and ctypes views of runners
+_locals = threading.local()  # per calling thread: a mailbox and its scratch
 
 
 def _local_mailbox():
@@ -331,21 +335,7 @@ def _local_mailbox():
     if "mailbox" not in local:
         _locals.mailbox = np.zeros(MAILBOX_SIZE, dtype=np.int64)
         _locals.scratch = None
-        runners: dict[int, object] = {}
-        prototype = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-        def runner(address):
-            function = runners.get(address)
-            if function is None:
-                function = runners[address] = prototype(address)
-            return function
-
-        _locals.runner = runner
     return _locals
-
-
-def _call_here(function, mailbox) -> None:
-    function(mailbox.ctypes.data)  # ctypes releases the GIL for the call
 
 
 def compile_runner(entry):
@@ -376,18 +366,11 @@ class _Helper:
             self.wake.wait()
             self.wake.clear()
 
-    def awake(self) -> bool:
-        """Whether the helper is spinning for work; if not, wake it (for later jobs: waking takes up
-        to milliseconds on a virtual machine whose idle CPU the host has descheduled)."""
-        if _load(self.mailbox, SLEEPING):
-            self.wake.set()
-            return False
-        return True
-
     def post(self, kind: Kind, arguments) -> int:
+        """Post a part whether or not the helper is spinning (a sleeping one is woken to run it)."""
         kind.write(self.mailbox, self, arguments)
         sequence, asleep = _publish(self.mailbox)
-        if asleep:  # it went to sleep after awake(): the job waits for it
+        if asleep:
             self.wake.set()
         return sequence
 
@@ -467,17 +450,38 @@ class Helpers:
                 kind.here(part)
             return
         try:
-            self._spread()
-            ready = [helper for helper in self._helpers if helper.awake() or long]
-            posted = [(helper, helper.post(kind, part)) for helper, part in zip(ready, parts[1:])]
+            if long:
+                self._run_long(kind, parts)
+                return
+            # Posted as compiled callers do (offer/collect), each part's arguments written by the kind's
+            # compiled writer: a few microseconds per job (a Python hand-off measured ~50).
+            runner, count = kind.address(), min(len(parts) - 1, len(self._helpers))
+            here = [parts[0], *parts[1 + count:]]
+            for index in range(count):
+                helper = self._helpers[index]
+                kind.write(helper.mailbox, helper, parts[index + 1])
+                if not offer(self.mailboxes, self.states, index, runner):
+                    here.append(parts[index + 1])
             try:
-                for part in [parts[0], *parts[1 + len(posted):]]:  # beyond the helpers' count: here
+                for part in here:
                     kind.here(part)
             finally:
-                for helper, sequence in posted:
-                    helper.wait(sequence)
+                result = collect(self.mailboxes, self.states, count)
+                if result:
+                    self.settle(result)
         finally:
             self._busy.release()
+
+    def _run_long(self, kind: Kind, parts) -> None:
+        """Parts of milliseconds: posted to sleeping helpers too, waiting for them to wake."""
+        self._spread()
+        posted = [(helper, helper.post(kind, part)) for helper, part in zip(self._helpers, parts[1:])]
+        try:
+            for part in [parts[0], *parts[1 + len(posted):]]:  # beyond the helpers' count: here
+                kind.here(part)
+        finally:
+            for helper, sequence in posted:
+                helper.wait(sequence)
 
 
 _helpers: Helpers | None = None
