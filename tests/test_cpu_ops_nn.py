@@ -258,6 +258,67 @@ def test_fused_batchnorm_equals_batchnorm_then_activation(dtype, activation, par
     np.testing.assert_array_equal(fused, expected)
 
 
+def _concat_model(batch: int, dtype=TensorProto.FLOAT, extra_reader: bool = False):
+    """A SqueezeNet fire module's tail: a 1x1 and a 3x3 convolution (each with a Relu) of one input,
+    an Inception-style third branch (a strided 3x3 of a pooled input), concatenated on channels."""
+    np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
+    inits = {"w1": rand(4, 3, 1, 1), "b1": rand(4), "w3": rand(5, 3, 3, 3), "b3": rand(5), "w5": rand(2, 3, 3, 3)}
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"]), helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["x", "w3", "b3"], ["c3"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c3"], ["r3"]),
+             helper.make_node("MaxPool", ["x"], ["p"], kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["p", "w5"], ["c5"], pads=[1, 1, 1, 1]),
+             helper.make_node("Concat", ["r1", "r3", "c5"], ["y"], axis=1)]
+    outputs = [helper.make_tensor_value_info("y", dtype, None)]
+    if extra_reader:  # r3 is also a graph output: the Concat may not take it over
+        outputs.append(helper.make_tensor_value_info("r3", dtype, None))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", dtype, [batch, 3, 7, 7])], outputs,
+                              initializer=[onnx.numpy_helper.from_array(v.astype(np_dtype), k)
+                                           for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.DOUBLE])
+def test_convolutions_write_straight_into_their_concat(batch, dtype):
+    """The Concat goes: each convolution fills its channels of one tensor (in place for one image),
+    with the unfused graph's results, for both convolution paths (float32's packed kernel: bit for
+    bit; float64's BLAS paths, where the fused activation's epilogue adds the bias after the product
+    rather than in it) and several images."""
+    model = _concat_model(batch, dtype)
+    x = rand(batch, 3, 7, 7).astype(helper.tensor_dtype_to_np_dtype(dtype))
+    session, (fused,) = _run(model, {"x": x})
+    op_types = [node.op_type for node in session.model.graph.nodes]
+    assert "Concat" not in op_types and op_types.count("FusedConv") == 3, op_types
+    assert [n.attrs.get("concat_offset") for n in session.model.graph.nodes if n.op_type == "FusedConv"] == [0, 4, 9]
+    _, unfused = _run(_pin_intermediates(model), {"x": x})
+    assert fused.shape == (batch, 11, 7, 7)
+    if dtype == TensorProto.FLOAT:
+        np.testing.assert_array_equal(fused, unfused[0])
+    else:
+        np.testing.assert_allclose(fused, unfused[0], rtol=1e-12, atol=1e-14)
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], fused)  # again: a fresh tensor, same values
+
+
+def test_a_concat_input_read_elsewhere_keeps_the_concat():
+    session, (y, r3) = _run(_concat_model(1, extra_reader=True), {"x": rand(1, 3, 7, 7)})
+    assert "Concat" in [node.op_type for node in session.model.graph.nodes]
+    np.testing.assert_array_equal(y[:, 4:9], r3)
+
+
+def test_into_concat_rejects_a_mismatched_buffer():
+    node = Node("FusedConv", ["x", "w", "", "", "into"], ["y"], name="part",
+                attrs={"kernel_shape": [1, 1], "concat_channels": 6, "concat_offset": 2}, opset=1)
+    kernel = nn.fused_conv(node, [None] * 5, 1)
+    x, w = rand(1, 3, 4, 4), rand(4, 3, 1, 1)
+    (y,) = kernel(x, w, None, None, np.zeros((1, 6, 4, 4), F32))
+    np.testing.assert_array_equal(y[:, :2], 0)
+    with pytest.raises(InvalidArgumentError, match="concatenation so far"):
+        kernel(x, w, None, None, np.zeros((1, 6, 5, 4), F32))
+    with pytest.raises(InvalidArgumentError, match="do not fit"):
+        kernel(x, rand(5, 3, 1, 1), None, None, np.zeros((1, 6, 4, 4), F32))
+
+
 def test_fusion_leaves_a_first_listed_providers_nodes_alone():
     # The sample device provider runs Relu and Add: listed first, it keeps them, so nothing is fused.
     model, _ = _fusion_model("add_relu")

@@ -8,6 +8,7 @@ FusedConv does. The results are the same values: the same float operations run i
 
 - Conv [-> Add/Sum(other)] [-> Relu | Clip(constant bounds) | LeakyRelu]  ->  FusedConv
 - BatchNormalization (inference) -> Relu | Clip | LeakyRelu  ->  FusedBatchNormalization
+- Concat(axis=1) of convolutions read nowhere else  ->  a chain of FusedConv writing into one tensor
 """
 
 from __future__ import annotations
@@ -140,4 +141,57 @@ def fuse_conv_activations(graph: Graph, owns=None) -> bool:
     return True
 
 
-CONV_PASSES = [fuse_conv_activations]
+def _concat_axis(node: Node) -> int | None:
+    axis = node.attr("axis")
+    return None if axis is None else int(axis)
+
+
+def _conv_producers(graph: Graph, matcher: _Matcher, concat: Node) -> list[tuple[Node, int]] | None:
+    """For a channel Concat of 2-D convolution outputs that it alone reads: each producing Conv/FusedConv
+    with its output channel count (from its constant weights); None otherwise."""
+    if not _plain(concat, "Concat") or _concat_axis(concat) != 1 or len(concat.inputs) < 2 \
+            or len(set(concat.inputs)) != len(concat.inputs):
+        return None
+    found = []
+    for name in concat.inputs:
+        conv = matcher.feeds_only(name, concat) if name else None
+        if conv is None or not (_plain(conv, "Conv") or (conv.op_type == "FusedConv" and conv.domain == FUSED_DOMAIN
+                                                          and not conv.attr("concat_channels"))):
+            return None
+        weights = constant(graph, conv.inputs[1]) if len(conv.inputs) > 1 else None
+        if weights is None or weights.ndim != 4 or conv.outputs[0] != name or len(conv.outputs) != 1:
+            return None
+        found.append((conv, int(weights.shape[0])))
+    return found
+
+
+def fuse_concat_convs(graph: Graph, owns=None) -> bool:
+    """Channel Concats of convolution outputs: each convolution writes its channels straight into the
+    concatenated tensor (a chain of FusedConv nodes, each taking the buffer the previous one filled
+    part of and filling its own channels), so the Concat's copy of every input goes (a SqueezeNet fire
+    module's, an Inception block's)."""
+    matcher = _Matcher(graph)
+    changed = False
+    for concat in list(graph.nodes):
+        producers = _conv_producers(graph, matcher, concat)
+        if producers is None or (owns is not None and not all(owns(n) for n in [concat, *(c for c, _ in producers)])):
+            continue
+        total = sum(channels for _, channels in producers)
+        previous, offset, fused = "", 0, []
+        for index, (conv, channels) in enumerate(producers):
+            attrs = dict(conv.attrs, concat_channels=total, concat_offset=offset)
+            inputs = list(conv.inputs) + [""] * (4 - len(conv.inputs)) + [previous] if previous else list(conv.inputs)
+            last = index == len(producers) - 1
+            output = concat.outputs[0] if last else f"{concat.outputs[0]}/concat_part{index}"
+            name = f"{conv.name or concat.name}/into_concat"
+            fused.append(Node("FusedConv", inputs, [output], name=name, domain=FUSED_DOMAIN, attrs=attrs, opset=1))
+            previous, offset = output, offset + channels
+        replaced = {id(conv): node for (conv, _), node in zip(producers, fused)}
+        graph.nodes = [replaced.get(id(n), n) for n in graph.nodes]
+        remove_nodes(graph, [concat])  # the session re-sorts: each part now reads the one before
+        matcher = _Matcher(graph)
+        changed = True
+    return changed
+
+
+CONV_PASSES = [fuse_conv_activations, fuse_concat_convs]

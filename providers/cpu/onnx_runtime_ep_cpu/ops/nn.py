@@ -905,7 +905,7 @@ class _PackedConv:
         buffer[geo._inner] = x
         return buffer.reshape(self._n, -1)
 
-    def __call__(self, x, w, b, finish):
+    def __call__(self, x, w, b, finish, out=None):
         geo = self._geo
         weights = self._weights(w)
         flags, bounds, residual = 0, _IDENTITY_BOUNDS, self._no_residual
@@ -917,7 +917,7 @@ class _PackedConv:
             flags |= 1
         bias = self._bias(b, weights.shape[1])
         xp = self._padded_input(x)
-        y = np.empty((self._n, self._m, *geo.out), dtype=np.float32)
+        y = np.empty((self._n, self._m, *geo.out), dtype=np.float32) if out is None else out
         threads = max(1, min(kernel_threads(), self._macs // _SPLIT_MACS))
         parts, tasks, ranges = self._plan(threads)
         head = (xp, weights, bias, y.reshape(self._n, -1), residual, flags, bounds)
@@ -1020,8 +1020,14 @@ def _conv_path(geo: _Geometry, group: int, x: np.ndarray, w: np.ndarray, prepare
             return _conv_im2col(xc, grouped(w, b), geo, group, b is not None, finish)
         blocks = True
 
-    def path(x, w, b, finish):
+    def path(x, w, b, finish, out=None):
+        """The convolution; with ``out`` (C-contiguous, the output's shape and dtype), written there."""
         xc = x.astype(dtype, copy=False)
+        if out is not None and dtype == x.dtype and isinstance(compute, _PackedConv):
+            return compute(xc, w, b, finish, out)
+        if out is not None:
+            out[...] = path(x, w, b, finish)
+            return out
         if blocks:
             y = compute(xc, w, b, finish)
         else:
@@ -1139,19 +1145,53 @@ def fused_conv(node, shapes, opset):
     resolve = _conv_resolver(node, shapes)
     activate = _in_place_activation(node)
     prepare = _compiled_epilogue(node)
+    concat = node.attr("concat_channels")
 
-    def kernel(x, w, b=None, z=None):
+    def convolve(x, w, b, z, out=None):
         path, out_shape = resolve(x, w, b)
         if takes_compiled(x) and (z is None or (z.shape == out_shape and z.dtype == x.dtype)):
-            return (path(x, w, None, prepare(b, z, x.dtype)),)
+            return path(x, w, None, prepare(b, z, x.dtype), out)
         y = path(x, w, b, None)  # a fresh array, so it may be overwritten
         if z is not None:
             y = _add_residual(y, z)
         if activate is not None:
             activate(y)
-        return (y,)
+        if out is not None:
+            out[...] = y
+            return out
+        return y
 
-    return kernel
+    if not concat:
+        return lambda x, w, b=None, z=None: (convolve(x, w, b, z),)
+    concat, offset = int(concat), int(node.attr("concat_offset", 0))
+
+    def into_concat(x, w, b=None, z=None, into=None):
+        """Write the output's channels at ``offset`` of the concatenated tensor: ``into`` (filled by the
+        convolutions before this one, see conv_fusions.fuse_concat_convs), or a new one for the first."""
+        _, out_shape = resolve(x, w, b)
+        shape = (out_shape[0], concat, *out_shape[2:])
+        if into is None:
+            into = np.empty(shape, dtype=x.dtype)
+        elif into.shape != shape or into.dtype != x.dtype:
+            raise InvalidArgumentError(
+                f"node {node.name!r} (FusedConv into a Concat): the concatenation so far is {into.dtype}"
+                f"{list(into.shape)}, this convolution's output {x.dtype}{list(out_shape)} needs "
+                f"{x.dtype}{list(shape)}; the Concat's inputs must agree in every axis but 1"
+            )
+        target = into[:, offset:offset + out_shape[1]]
+        if target.shape != out_shape:
+            raise InvalidArgumentError(
+                f"node {node.name!r} (FusedConv into a Concat): {out_shape[1]} output channels do not fit at "
+                f"channel {offset} of the {concat} concatenated; the weights must keep the shape they were "
+                f"fused with"
+            )
+        if target.flags.c_contiguous:  # one image: written in place
+            convolve(x, w, b, z, target)
+        else:  # several images: each one's channels are a separate run
+            target[...] = convolve(x, w, b, z)
+        return (into,)
+
+    return into_concat
 
 
 class _TransposeWindow:
