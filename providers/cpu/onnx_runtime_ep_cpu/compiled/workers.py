@@ -23,9 +23,11 @@ since a job's Python costs about as much as a small convolution's arithmetic.
 Measured on a 2-CPU virtual machine, and built around it:
 - The spin reads the time-stamp counter; the ``pause`` instruction made the host trap the spinning
   CPU (pause-loop exiting), which slowed memory-bound work on the other CPU fivefold.
-- A helper idle for ``_SPIN_SECONDS`` blocks on an Event, so an idle process burns no CPU. Waking a
-  blocked thread took up to milliseconds (the host deschedules an idle virtual CPU), so a caller
-  that finds its helper asleep does the whole job itself and only wakes the helper for later jobs.
+- A helper idle for ``_SPIN_SECONDS`` sleeps in the kernel (a futex, from compiled code), so an idle
+  process burns no CPU. Waking a blocked thread took up to milliseconds (the host deschedules an
+  idle virtual CPU), so a caller that finds its helper asleep does the whole job itself and only
+  wakes the helper for later jobs. The helper never takes the GIL after it starts: one that slept on
+  a Python Event made the caller stall in GIL handoffs, whole 5 ms switch intervals, on waking it.
 - A helper the scheduler put on the caller's CPU is moved off it (``Helpers._spread``).
 - Another pool spinning on the same CPUs (numpy's multi-threaded BLAS keeps a worker spinning for
   ~0.1 s after each call) takes half of every helper's time slice: the models whose convolutions
@@ -132,10 +134,21 @@ def _publish(m):
     return sequence, _atomic_load(m, SLEEPING) != 0  # (the load after the store: see _serve)
 
 
+# Sleeping and waking through a futex on the SLEEPING slot (its low 32 bits: x86-64 is little-endian),
+# from compiled code: a helper that waited on a Python Event needed the GIL to wake, and the caller's
+# thread, made to hand the GIL over, stalled for whole 5 ms switch intervals (decode steps of 5-15 ms
+# instead of 0.8 after each idle spell, measured). Linux x86-64 only (the hosts the packed convolution
+# runs on); the futex wait has no timeout.
+_syscall = types.ExternalFunction("syscall", types.int64(types.int64, types.int64, types.int64, types.int64,
+                                                         types.int64))
+_SYS_FUTEX, _FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = 202, 128, 129
+
+
 @jit
 def _serve(mailbox, spin_cycles):
-    """Run the jobs posted to ``mailbox`` until none came for ``spin_cycles`` time-stamp cycles; then
-    mark the helper asleep and return (unless a job arrived meanwhile)."""
+    """Run the jobs posted to ``mailbox``, for ever; after ``spin_cycles`` time-stamp cycles without
+    one, sleep (SLEEPING set, blocked in the kernel) until ``wake`` is called."""
+    sleeping = mailbox.ctypes.data + SLEEPING * 8
     _atomic_store(mailbox, SLEEPING, 0)
     seen = _atomic_load(mailbox, DONE)
     idle_since = _cycles()
@@ -151,10 +164,21 @@ def _serve(mailbox, spin_cycles):
         _relax()
         if _cycles() - idle_since > spin_cycles:
             _atomic_store(mailbox, SLEEPING, 1)
+            # A job posted before SLEEPING was set is seen here; one posted after sees SLEEPING and wakes
+            # this thread (sequentially consistent stores and loads on both sides, see _publish).
             if _atomic_load(mailbox, POSTED) == seen:
-                return
+                while _atomic_load(mailbox, SLEEPING) != 0:
+                    _syscall(_SYS_FUTEX, sleeping, _FUTEX_WAIT_PRIVATE, 1, 0)  # returns at once unless still 1
             _atomic_store(mailbox, SLEEPING, 0)
             idle_since = _cycles()
+
+
+@jit
+def wake(mailbox):
+    """Wake the helper serving ``mailbox`` if it sleeps."""
+    if _atomic_load(mailbox, SLEEPING) != 0:
+        _atomic_store(mailbox, SLEEPING, 0)
+        _syscall(_SYS_FUTEX, mailbox.ctypes.data + SLEEPING * 8, _FUTEX_WAKE_PRIVATE, 1, 0)
 
 
 @jit
@@ -355,23 +379,16 @@ class _Helper:
         self.mailbox = mailbox
         self.mailbox[CPU] = -1
         self.scratch = None
-        self.wake = threading.Event()
-        self._spin_cycles = spin_cycles
-        self.thread = threading.Thread(target=self._loop, name="onnx-runtime-helper", daemon=True)
+        self.thread = threading.Thread(target=_serve, args=(self.mailbox, spin_cycles), name="onnx-runtime-helper",
+                                       daemon=True)
         self.thread.start()
-
-    def _loop(self):
-        while True:
-            _serve(self.mailbox, self._spin_cycles)
-            self.wake.wait()
-            self.wake.clear()
 
     def post(self, kind: Kind, arguments) -> int:
         """Post a part whether or not the helper is spinning (a sleeping one is woken to run it)."""
         kind.write(self.mailbox, self, arguments)
         sequence, asleep = _publish(self.mailbox)
         if asleep:
-            self.wake.set()
+            wake(self.mailbox)
         return sequence
 
     def wait(self, sequence: int) -> None:
@@ -417,7 +434,7 @@ class Helpers:
         caller's CPU."""
         for helper, state in zip(self._helpers, self.states):
             if state != 0:
-                helper.wake.set()
+                wake(helper.mailbox)
             if SKIPPED < state < 0:
                 helper.wait(-state)
         self.states[:] = 0
