@@ -190,9 +190,12 @@ def test_fused_conv_finishes_every_path_as_conv_then_epilogue(monkeypatch, path,
 
 def fused_and_unfused(x, w, b, z, attrs, kind, params, conv_out):
     """(FusedConv's output for these inputs, what the unfused nodes give: ``conv_out`` (the Conv
-    without its bias) plus the bias, plus the residual, then the activation, in that order)."""
+    without its bias) plus the bias, plus the residual, then the activation, in that order; without a
+    residual or an activation, the Conv itself, bias included, as a FusedConv then is)."""
     expected = conv_out
-    if b is not None:
+    if kind is None and z is None and b is not None:
+        (expected,) = nn.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)(x, w, b)
+    elif b is not None:
         expected = expected + b.reshape(-1, 1, 1)
     if z is not None:
         expected = expected + z

@@ -319,6 +319,92 @@ def test_into_concat_rejects_a_mismatched_buffer():
         kernel(x, rand(5, 3, 1, 1), None, None, np.zeros((1, 6, 4, 4), F32))
 
 
+def _shuffle_model(groups: int, per_group: int, depthwise: bool = True, activation: bool = False):
+    """ShuffleNet's channel shuffle (Reshape -> Transpose -> Reshape) of a convolution's output, read by
+    a 3x3 depthwise convolution (or by a plain one)."""
+    c = groups * per_group
+    shape = (1, c, 9, 9)
+    inits = {"w0": rand(c, 3, 1, 1), "split": np.array([1, groups, per_group, 9, 9], np.int64),
+             "merge": np.array(shape, np.int64), "wd": rand(c, 1 if depthwise else c, 3, 3), "bd": rand(c)}
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"]),
+             helper.make_node("Reshape", ["c0", "split"], ["r"]),
+             helper.make_node("Transpose", ["r"], ["t"], perm=[0, 2, 1, 3, 4]),
+             helper.make_node("Reshape", ["t", "merge"], ["s"]),
+             helper.make_node("Conv", ["s", "wd", "bd"], ["d"], pads=[1, 1, 1, 1], strides=[2, 2],
+                              group=c if depthwise else 1)]
+    if activation:
+        nodes.append(helper.make_node("Relu", ["d"], ["y"]))
+    else:
+        nodes[-1].output[0] = "y"
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 9, 9])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              initializer=[onnx.numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("activation", [False, True])
+def test_a_depthwise_convolution_reads_through_a_channel_shuffle(monkeypatch, threads, activation):
+    """The shuffle's copy goes: the depthwise loop reads each channel from where the shuffle would take
+    it, also when its channels are split across threads: the same bits as the fused convolution of the
+    shuffled tensor, and the unfused nodes' values (a FusedConv adds its bias after the convolution)."""
+    from onnx_runtime_ep_cpu import threads as thread_settings
+
+    monkeypatch.setattr(thread_settings, "_threads", threads)
+    monkeypatch.setattr(thread_settings, "_DEFAULT_THREADS", max(2, thread_settings._DEFAULT_THREADS))
+    monkeypatch.setattr(nn, "_SPLIT_ELEMENTS", 1)
+    model = _shuffle_model(3, 4, activation=activation)
+    x = rand(1, 3, 9, 9)
+    session, (fused,) = _run(model, {"x": x})
+    nodes = [(node.op_type, node.attrs.get("shuffle_shape")) for node in session.model.graph.nodes]
+    assert nodes == [("Conv", None), ("FusedConv", [1, 3, 4, 9, 9])], nodes
+    _, unfused = _run(_pin_intermediates(model), {"x": x})
+    if activation:  # a FusedConv with an activation adds its bias after the convolution
+        np.testing.assert_allclose(fused, unfused[0], rtol=1e-5, atol=1e-6)
+    else:  # without, it is the Conv itself
+        np.testing.assert_array_equal(fused, unfused[0])
+    node = session.model.graph.nodes[1]
+    plain = Node("FusedConv", node.inputs, node.outputs, name="plain", opset=1,
+                 attrs={k: v for k, v in node.attrs.items() if k != "shuffle_shape"})
+    (c0,) = _run_first_conv(model, x)
+    shuffled = c0.reshape(1, 3, 4, 9, 9).transpose(0, 2, 1, 3, 4).reshape(1, 12, 9, 9)
+    weights = [session.model.graph.initializers[name] for name in node.inputs[1:3]]
+    (expected,) = nn.fused_conv(plain, [None] * 3, 1)(shuffled, *weights)
+    (through,) = nn.fused_conv(node, [None] * 3, 1)(c0, *weights)
+    np.testing.assert_array_equal(through, expected)
+    np.testing.assert_array_equal(fused, expected)
+
+
+def _run_first_conv(model, x):
+    """The output of the model's first Conv (the shuffle's input)."""
+    first = onnx.ModelProto()
+    first.CopyFrom(model)
+    del first.graph.node[1:]
+    del first.graph.output[:]
+    first.graph.output.extend([helper.make_tensor_value_info("c0", TensorProto.FLOAT, None)])
+    return _run(first, {"x": x})[1]
+
+
+def test_a_channel_shuffle_before_a_dense_convolution_stays():
+    session, (y,) = _run(_shuffle_model(2, 3, depthwise=False), {"x": rand(1, 3, 9, 9)})
+    assert not any(node.attrs.get("shuffle_shape") for node in session.model.graph.nodes)
+    assert "Reshape" in [node.op_type for node in session.model.graph.nodes]  # the shuffle is still computed
+    assert y.shape == (1, 6, 5, 5)
+
+
+def test_a_shuffled_fused_conv_given_another_shape_shuffles_as_the_nodes_would():
+    node = Node("FusedConv", ["x", "w"], ["y"], name="dw", opset=1,
+                attrs={"kernel_shape": [1, 1], "group": 6, "shuffle_shape": [1, 2, 3, 4, 4]})
+    kernel = nn.fused_conv(node, [None] * 2, 1)
+    w = rand(6, 1, 1, 1)
+    x = rand(1, 6, 4, 4)
+    (y,) = kernel(x, w)
+    shuffled = x.reshape(1, 2, 3, 4, 4).transpose(0, 2, 1, 3, 4).reshape(1, 6, 4, 4)
+    np.testing.assert_allclose(y, shuffled * w.reshape(1, 6, 1, 1), rtol=1e-6)
+    with pytest.raises(ValueError, match="reshape"):  # Reshape's own error for a tensor that does not fit
+        kernel(rand(2, 6, 4, 4), w)
+
+
 def test_fusion_leaves_a_first_listed_providers_nodes_alone():
     # The sample device provider runs Relu and Add: listed first, it keeps them, so nothing is fused.
     model, _ = _fusion_model("add_relu")

@@ -9,6 +9,7 @@ FusedConv does. The results are the same values: the same float operations run i
 - Conv [-> Add/Sum(other)] [-> Relu | Clip(constant bounds) | LeakyRelu]  ->  FusedConv
 - BatchNormalization (inference) -> Relu | Clip | LeakyRelu  ->  FusedBatchNormalization
 - Concat(axis=1) of convolutions read nowhere else  ->  a chain of FusedConv writing into one tensor
+- channel shuffle (Reshape -> Transpose -> Reshape) -> depthwise Conv  ->  FusedConv reading through it
 """
 
 from __future__ import annotations
@@ -194,4 +195,58 @@ def fuse_concat_convs(graph: Graph, owns=None) -> bool:
     return changed
 
 
-CONV_PASSES = [fuse_conv_activations, fuse_concat_convs]
+def _reshape_target(graph: Graph, node: Node | None) -> tuple[int, ...] | None:
+    """A Reshape's constant target shape when every dimension is given (no 0 or -1), else None."""
+    if not _plain(node, "Reshape") or node.opset < 5 or len(node.inputs) != 2:
+        return None
+    shape = constant(graph, node.inputs[1])
+    if shape is None or shape.dtype.kind not in "iu" or shape.ndim != 1 or (shape <= 0).any():
+        return None
+    return tuple(int(d) for d in shape)
+
+
+def _shuffle_into(graph: Graph, matcher: _Matcher, conv: Node) -> tuple[list[Node], tuple[int, ...]] | None:
+    """For a depthwise convolution of a channel shuffle that it alone reads (ShuffleNet's
+    Reshape(N, g, C/g, H, W) -> Transpose(0, 2, 1, 3, 4) -> Reshape(N, C, H, W)): the shuffle's three
+    nodes and its first shape."""
+    if not (_plain(conv, "Conv") or (conv.op_type == "FusedConv" and conv.domain == FUSED_DOMAIN
+                                      and conv.attr("shuffle_shape") is None)):
+        return None
+    merge = matcher.feeds_only(conv.inputs[0], conv)
+    transpose = matcher.feeds_only(merge.inputs[0], merge) if _plain(merge, "Reshape") else None
+    split = matcher.feeds_only(transpose.inputs[0], transpose) if _plain(transpose, "Transpose") else None
+    first, last = _reshape_target(graph, split), _reshape_target(graph, merge)
+    perm = [int(p) for p in transpose.attr("perm", [])] if transpose is not None else []
+    if first is None or last is None or len(first) != 5 or perm != [0, 2, 1, 3, 4]:
+        return None
+    n, groups, per_group, h, w = first
+    weights = constant(graph, conv.inputs[1]) if len(conv.inputs) > 1 else None
+    depthwise = (weights is not None and weights.ndim == 4 and weights.shape[:2] == (groups * per_group, 1)
+                 and int(conv.attr("group", 1)) == groups * per_group)
+    if last != (n, groups * per_group, h, w) or not depthwise:
+        return None
+    return [split, transpose, merge], first
+
+
+def fuse_channel_shuffle(graph: Graph, owns=None) -> bool:
+    """A depthwise convolution reads its input's channel shuffle in place: each of its channels from the
+    input channel the shuffle would move there (a FusedConv with ``shuffle_shape``), so the shuffled
+    copy of the feature map goes (ShuffleNet: one per unit)."""
+    matcher, changed = _Matcher(graph), False
+    for conv in list(graph.nodes):
+        found = _shuffle_into(graph, matcher, conv)
+        if found is None:
+            continue
+        shuffle, shape = found
+        if owns is not None and not all(owns(n) for n in [*shuffle, conv]):
+            continue
+        attrs = dict(conv.attrs, shuffle_shape=list(shape))
+        fused = Node("FusedConv", [shuffle[0].inputs[0], *conv.inputs[1:]], list(conv.outputs),
+                     name=f"{conv.name}/shuffled", domain=FUSED_DOMAIN, attrs=attrs, opset=1)
+        graph.nodes = [fused if n is conv else n for n in graph.nodes]
+        remove_nodes(graph, shuffle)
+        matcher, changed = _Matcher(graph), True
+    return changed
+
+
+CONV_PASSES = [fuse_conv_activations, fuse_concat_convs, fuse_channel_shuffle]

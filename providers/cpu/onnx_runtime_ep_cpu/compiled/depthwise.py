@@ -77,27 +77,42 @@ class DepthwisePlan:
         (oh, ow) = self.out
         return (np.arange(oh)[:, None] * self.width + np.arange(ow)[None, :]).reshape(-1).astype(np.uint64)
 
-    def __call__(self, x: np.ndarray, weights: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    def __call__(self, x: np.ndarray, weights: np.ndarray, bias: np.ndarray, source=None) -> np.ndarray:
+        """The convolution of every image of x; ``source`` (uint64, one per channel) reads channel c of each
+        image from x's channel source[c] (a channel shuffle folded in; the identity when None)."""
         n, c = x.shape[:2]
         y = np.empty((n, weights.shape[0], *self.out), dtype=x.dtype)
         _depthwise(x.reshape(-1), weights.reshape(-1), bias, y.reshape(-1), n, c, self.in_shape, self.out,
-                   self.strides, self.begin, self.taps, self.rows, self.width, self.size, *self.fill_map, self.crop_map)
+                   self.strides, self.begin, self.taps, self.rows, self.width, self.size, *self.fill_map, self.crop_map,
+                   identity_channels(c) if source is None else source)
         return y
 
-    def channel_parts(self, x: np.ndarray, weights: np.ndarray, bias: np.ndarray, spans) -> tuple:
+    def channel_parts(self, x: np.ndarray, weights: np.ndarray, bias: np.ndarray, spans, source=None) -> tuple:
         """(y, parts): the output for one image ``x`` (1, C, H, W), and _depthwise's arguments for each
-        (first, end) span of input channels, which are independent (run them with ``run``)."""
+        (first, end) span of channels, which are independent (run them with ``run``); ``source`` as for
+        __call__."""
         c = x.shape[1]
         multiplier = weights.shape[0] // c
         y = np.empty((1, weights.shape[0], *self.out), dtype=x.dtype)
-        planes, outputs = x.reshape(c, -1), y.reshape(weights.shape[0], -1)
+        outputs, flat = y.reshape(weights.shape[0], -1), x.reshape(-1)
         taps = weights.reshape(weights.shape[0], -1)
-        parts = [(planes[a:b].reshape(-1), taps[a * multiplier:b * multiplier].reshape(-1),
-                  bias[a * multiplier:b * multiplier], outputs[a * multiplier:b * multiplier].reshape(-1), 1, b - a,
-                  self.in_shape, self.out, self.strides, self.begin, self.taps, self.rows, self.width, self.size,
-                  *self.fill_map, self.crop_map)
+        source = identity_channels(c) if source is None else source
+        parts = [(flat, taps[a * multiplier:b * multiplier].reshape(-1), bias[a * multiplier:b * multiplier],
+                  outputs[a * multiplier:b * multiplier].reshape(-1), 1, b - a, self.in_shape, self.out, self.strides,
+                  self.begin, self.taps, self.rows, self.width, self.size, *self.fill_map, self.crop_map, source[a:b])
                  for a, b in spans]
         return y, parts
+
+
+_identities: dict[int, np.ndarray] = {}
+
+
+def identity_channels(count: int) -> np.ndarray:
+    """0 .. count - 1 as uint64: the channel map of a convolution without a shuffle."""
+    found = _identities.get(count)
+    if found is None:
+        found = _identities[count] = np.arange(count, dtype=np.uint64)
+    return found
 
 
 
@@ -173,10 +188,11 @@ def _sum_taps(acc, planes, start, count, taps, weights, first_tap, bias):
 
 @_fused
 def _depthwise(x, weights, bias, y, n_images, channels, in_shape, out, strides, begin, taps, rows, width, size,
-               inputs, places, grid):
+               inputs, places, grid, source):
     """y[n, m] = bias[m] + the convolution of x[n, m // multiplier] with weights[m], on flat arrays;
     copies in go through the index maps ``inputs``/``places`` and copies out through ``grid`` when
-    those are not empty."""
+    those are not empty. Channel c of image n is read from x's channel source[c] of that image (x may
+    hold more channels per image than ``channels``: a part of them, or a shuffle's source)."""
     h, w = in_shape
     oh, ow = out
     sh, sw = strides
@@ -186,9 +202,10 @@ def _depthwise(x, weights, bias, y, n_images, channels, in_shape, out, strides, 
     planes = np.zeros(sh * sw * size + _STEP, dtype=x.dtype)
     block_rows = oh if crop_maps else max(1, min(oh, _BLOCK // width))
     acc = np.empty(block_rows * width + _STEP, dtype=x.dtype)
+    image_channels = x.shape[0] // max(1, n_images * h * w)
     for n in range(n_images):
         for c in range(channels):
-            start = (n * channels + c) * h * w
+            start = (n * image_channels + np.int64(source[c])) * h * w
             if fill_maps:
                 for e in range(inputs.shape[0]):
                     planes[places[e]] = x[_U(start) + inputs[e]]

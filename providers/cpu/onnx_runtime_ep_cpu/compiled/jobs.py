@@ -196,7 +196,7 @@ AFFINE = Kind(_write_affine, lambda: compile_runner(_affine_entry))
 
 @jit
 def _write_depthwise(m, x, weights, bias, y, n_images, channels, in_shape, out, strides, begin, taps, rows, width, size,
-                     inputs, places, grid):
+                     inputs, places, grid, source):
     s = ARGS
     m[s + 0], m[s + 1], m[s + 2], m[s + 3] = x.ctypes.data, x.shape[0], weights.ctypes.data, weights.shape[0]
     m[s + 4], m[s + 5], m[s + 6], m[s + 7] = bias.ctypes.data, bias.shape[0], y.ctypes.data, y.shape[0]
@@ -206,6 +206,7 @@ def _write_depthwise(m, x, weights, bias, y, n_images, channels, in_shape, out, 
     m[s + 18], m[s + 19], m[s + 20], m[s + 21], m[s + 22] = taps.ctypes.data, taps.shape[0], rows, width, size
     m[s + 23], m[s + 24], m[s + 25] = inputs.ctypes.data, places.ctypes.data, inputs.shape[0]
     m[s + 26], m[s + 27] = grid.ctypes.data, grid.shape[0]
+    m[s + 28], m[s + 29] = source.ctypes.data, source.shape[0]
 
 
 def _depthwise_entry(pointer):
@@ -216,7 +217,7 @@ def _depthwise_entry(pointer):
                   (m[s + 10], m[s + 11]), (m[s + 12], m[s + 13]), (m[s + 14], m[s + 15]), (m[s + 16], m[s + 17]),
                   offset_array(m[s + 18], (m[s + 19],)), m[s + 20], m[s + 21], m[s + 22],
                   offset_array(m[s + 23], (m[s + 25],)), offset_array(m[s + 24], (m[s + 25],)),
-                  offset_array(m[s + 26], (m[s + 27],)))
+                  offset_array(m[s + 26], (m[s + 27],)), offset_array(m[s + 28], (m[s + 29],)))
 
 
 # depthwise.run, one part of DepthwisePlan.channel_parts.

@@ -686,20 +686,22 @@ def _compiled_depthwise(geo: _Geometry, m: int, prepared: _Prepared, dtype):
         bias = np.zeros(m, dtype) if b is None else np.array(b, dtype=dtype)
         return np.array(w.reshape(m, -1), dtype=dtype, order="C"), bias
 
-    def compute(x, w, b):
+    def compute(x, w, b, source=None):
+        """``source``: the channel map of a channel shuffle folded in (see _ChannelShuffle), or None."""
         flat_w, bias = prepared.get("depthwise", (w, b), lambda: weights(w, b))
         x = np.ascontiguousarray(x)
         # The work counted as elements times taps: each output reads a window of the input.
         work = max(x.size, math.prod(geo.out) * m) * flat_w.shape[1]
         spans = _thread_spans(x.shape[1], work, x.dtype) if x.shape[0] == 1 else None
         if spans is None:
-            return plan(x, flat_w, bias)
+            return plan(x, flat_w, bias, source)
         from ..compiled import jobs, workers
 
-        y, parts = plan.channel_parts(x, flat_w, bias, spans)  # one image: its channels are independent
+        y, parts = plan.channel_parts(x, flat_w, bias, spans, source)  # one image: independent channels
         workers.run(jobs.DEPTHWISE, parts, helper_count())
         return y
 
+    compute.reads_shuffled = True  # takes a channel map instead of a shuffled copy of x
     return compute
 
 
@@ -1020,18 +1022,23 @@ def _conv_path(geo: _Geometry, group: int, x: np.ndarray, w: np.ndarray, prepare
             return _conv_im2col(xc, grouped(w, b), geo, group, b is not None, finish)
         blocks = True
 
-    def path(x, w, b, finish, out=None):
-        """The convolution; with ``out`` (C-contiguous, the output's shape and dtype), written there."""
+    reads_shuffled = getattr(compute, "reads_shuffled", False)
+
+    def path(x, w, b, finish, out=None, shuffle=None):
+        """The convolution; with ``out`` (C-contiguous, the output's shape and dtype), written there; with
+        ``shuffle`` (a _ChannelShuffle), of x's channels shuffled."""
+        if shuffle is not None and not reads_shuffled:
+            x, shuffle = shuffle.apply(x), None
         xc = x.astype(dtype, copy=False)
         if out is not None and dtype == x.dtype and isinstance(compute, _PackedConv):
             return compute(xc, w, b, finish, out)
         if out is not None:
-            out[...] = path(x, w, b, finish)
+            out[...] = path(x, w, b, finish, None, shuffle)
             return out
         if blocks:
             y = compute(xc, w, b, finish)
         else:
-            y = compute(xc, w, b)
+            y = compute(xc, w, b) if shuffle is None else compute(xc, w, b, shuffle.source)
             if finish is not None:
                 y = np.ascontiguousarray(y)  # finished in place, through a reshaped view
                 finish.rows(y.reshape(n, m, math.prod(geo.out)), 0, math.prod(geo.out))
@@ -1137,7 +1144,8 @@ def _compiled_epilogue(node):
 
 @register("FusedConv", domain=FUSED_DOMAIN, since=1)
 def fused_conv(node, shapes, opset):
-    """Conv (the node's Conv attributes), then an optional residual ``z`` added and an activation.
+    """Conv (the node's Conv attributes), then an optional residual ``z`` added and an activation
+    (without either, the Conv itself: conv_fusions.py's Concat and channel-shuffle fusions).
 
     For float32/float64 the bias, residual and activation are one compiled pass over each block of
     the output as the convolution writes it (see _Epilogue); other dtypes, and residuals that only
@@ -1146,12 +1154,20 @@ def fused_conv(node, shapes, opset):
     activate = _in_place_activation(node)
     prepare = _compiled_epilogue(node)
     concat = node.attr("concat_channels")
+    shuffled = _ChannelShuffle(node) if node.attr("shuffle_shape") is not None else None
 
     def convolve(x, w, b, z, out=None):
+        shuffle = None
+        if shuffled is not None:  # x is the shuffle's input: the convolution reads it through the shuffle
+            shuffle = shuffled.over(x)
+            if shuffle is None:
+                x = shuffled.apply(x)
         path, out_shape = resolve(x, w, b)
+        if activate is None and z is None:  # the Conv itself (into a Concat, or through a shuffle)
+            return path(x, w, b, None, out, shuffle)
         if takes_compiled(x) and (z is None or (z.shape == out_shape and z.dtype == x.dtype)):
-            return path(x, w, None, prepare(b, z, x.dtype), out)
-        y = path(x, w, b, None)  # a fresh array, so it may be overwritten
+            return path(x, w, None, prepare(b, z, x.dtype), out, shuffle)
+        y = path(x, w, b, None, None, shuffle)  # a fresh array, so it may be overwritten
         if z is not None:
             y = _add_residual(y, z)
         if activate is not None:
@@ -1192,6 +1208,27 @@ def fused_conv(node, shapes, opset):
         return (into,)
 
     return into_concat
+
+
+class _ChannelShuffle:
+    """A FusedConv's channel shuffle (conv_fusions.fuse_channel_shuffle): its input x (N, C, H, W) is read
+    as Reshape(x, (N, g, C/g, H, W)) -> Transpose(0, 2, 1, 3, 4) -> Reshape((N, C, H, W)), the node's
+    ``shuffle_shape`` being the first shape; shuffled channel c is x's channel (c % g) * C/g + c // g."""
+
+    def __init__(self, node):
+        self.split = tuple(int(d) for d in node.attr("shuffle_shape"))
+        n, groups, per_group, h, w = self.split
+        self.shape = (n, groups * per_group, h, w)
+        channels = np.arange(groups * per_group)
+        self.source = ((channels % groups) * per_group + channels // groups).astype(np.uint64)
+
+    def over(self, x):
+        """This shuffle when x has the shape it was fused for (else None: apply it)."""
+        return self if x.shape == self.shape else None
+
+    def apply(self, x):
+        """The shuffled tensor itself, as the three nodes compute it."""
+        return np.reshape(x, self.split).transpose(0, 2, 1, 3, 4).reshape(self.shape)
 
 
 class _TransposeWindow:
