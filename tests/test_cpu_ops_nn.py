@@ -405,6 +405,65 @@ def test_a_shuffled_fused_conv_given_another_shape_shuffles_as_the_nodes_would()
         kernel(rand(2, 6, 4, 4), w)
 
 
+def _dense_model(batch: int, layers: int = 3, branch: bool = False):
+    """A DenseNet block: each layer's features (Relu -> 3x3 Conv, 2 channels) appended to all before them;
+    the first concatenation is also a graph output. With ``branch``, it is appended to twice."""
+    nodes, inits, so_far = [helper.make_node("MaxPool", ["x"], ["x0"], kernel_shape=[1, 1])], {}, "x0"
+    channels = 3
+    for k in range(layers):
+        inits[f"w{k}"] = rand(2, channels, 3, 3)
+        nodes += [helper.make_node("Relu", [so_far], [f"r{k}"]),
+                  helper.make_node("Conv", [f"r{k}", f"w{k}"], [f"n{k}"], pads=[1, 1, 1, 1]),
+                  helper.make_node("Concat", [so_far, f"n{k}"], [f"c{k}"], axis=1)]
+        so_far, channels = f"c{k}", channels + 2
+    outputs = [so_far, "c0"]
+    if branch:  # c0 appended to a second time: the chain must stop before c1
+        inits["wb"] = rand(2, 5, 3, 3)
+        nodes += [helper.make_node("Conv", ["c0", "wb"], ["nb"], pads=[1, 1, 1, 1]),
+                  helper.make_node("Concat", ["c0", "nb"], ["cb"], axis=1)]
+        outputs.append("cb")
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, 6, 6])],
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs],
+                              initializer=[onnx.numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("branch", [False, True])
+def test_dense_concats_append_into_one_tensor(batch, branch):
+    """Each layer's convolution writes behind the features so far, which later layers read as views:
+    the same bits as the Concats, the earlier concatenations (graph outputs) unchanged by later
+    appends; a concatenation appended to twice keeps its own copies."""
+    model = _dense_model(batch, branch=branch)
+    x = rand(batch, 3, 6, 6)
+    session, fused = _run(model, {"x": x})
+    op_types = [node.op_type for node in session.model.graph.nodes]
+    # Appended to twice, c0 ends its chain; c1's and cb's chains each copy it into a buffer of their own.
+    assert op_types.count("ConcatBuffer") == (3 if branch else 1) and "Concat" not in op_types, op_types
+    _, unfused = _run(_pin_intermediates(model), {"x": x})
+    assert [y.shape for y in fused] == [(batch, 9, 6, 6), (batch, 5, 6, 6)] + ([(batch, 7, 6, 6)] if branch else [])
+    for got, expected in zip(fused, unfused):
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_an_appending_conv_given_a_plain_tensor_concatenates_it():
+    node = Node("FusedConv", ["x", "w", "", "", "so_far"], ["y"], name="append", opset=1,
+                attrs={"kernel_shape": [1, 1], "append": 1})
+    kernel = nn.fused_conv(node, [None] * 5, 1)
+    x, w, so_far = rand(1, 3, 4, 4), rand(2, 3, 1, 1), rand(1, 5, 4, 4)
+    (y,) = kernel(x, w, None, None, so_far)
+    np.testing.assert_array_equal(y[:, :5], so_far)
+    np.testing.assert_allclose(y[:, 5:], np.einsum("oc,nchw->nohw", w[:, :, 0, 0], x), rtol=1e-5, atol=1e-6)
+    start_buffer = nn.concat_buffer(Node("ConcatBuffer", ["x"], ["y"], attrs={"extra": 2}, opset=1), None, 1)
+    (start,) = start_buffer(so_far)
+    np.testing.assert_array_equal(start, so_far)
+    (appended,) = kernel(x, w, None, None, start)
+    assert appended.base is start.base  # written behind, not copied
+    np.testing.assert_array_equal(appended, y)
+    with pytest.raises(InvalidArgumentError, match="at least two dimensions"):
+        start_buffer(rand(3))
+
+
 def test_fusion_leaves_a_first_listed_providers_nodes_alone():
     # The sample device provider runs Relu and Add: listed first, it keeps them, so nothing is fused.
     model, _ = _fusion_model("add_relu")

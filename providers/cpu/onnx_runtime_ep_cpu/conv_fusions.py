@@ -10,6 +10,7 @@ FusedConv does. The results are the same values: the same float operations run i
 - BatchNormalization (inference) -> Relu | Clip | LeakyRelu  ->  FusedBatchNormalization
 - Concat(axis=1) of convolutions read nowhere else  ->  a chain of FusedConv writing into one tensor
 - channel shuffle (Reshape -> Transpose -> Reshape) -> depthwise Conv  ->  FusedConv reading through it
+- Concat(Concat(Concat(x0, conv1), conv2), ...)  ->  ConcatBuffer(x0) and FusedConv appending to it
 """
 
 from __future__ import annotations
@@ -249,4 +250,69 @@ def fuse_channel_shuffle(graph: Graph, owns=None) -> bool:
     return changed
 
 
-CONV_PASSES = [fuse_conv_activations, fuse_concat_convs, fuse_channel_shuffle]
+def _appendable_conv(graph: Graph, matcher: _Matcher, concat: Node, name: str) -> tuple[Node, int] | None:
+    """The 2-D convolution producing ``name`` for ``concat`` alone, and its output channel count."""
+    conv = matcher.feeds_only(name, concat) if name else None
+    if conv is None or not (_plain(conv, "Conv") or (conv.op_type == "FusedConv" and conv.domain == FUSED_DOMAIN
+                                                      and not conv.attr("concat_channels")
+                                                      and conv.attr("shuffle_shape") is None)):
+        return None
+    weights = constant(graph, conv.inputs[1]) if len(conv.inputs) > 1 else None
+    if weights is None or weights.ndim != 4 or len(conv.outputs) != 1:
+        return None
+    return conv, int(weights.shape[0])
+
+
+def _dense_step(graph: Graph, matcher: _Matcher, concat: Node) -> tuple[Node, int] | None:
+    """For Concat(axis=1)(previous, new convolution): the convolution and its channel count."""
+    if not _plain(concat, "Concat") or _concat_axis(concat) != 1 or len(concat.inputs) != 2 \
+            or concat.inputs[0] == concat.inputs[1]:
+        return None
+    return _appendable_conv(graph, matcher, concat, concat.inputs[1])
+
+
+def fuse_dense_concats(graph: Graph, owns=None) -> bool:
+    """DenseNet's growing Concats (each layer's features appended to everything before them): the chain
+    C1 = Concat(x0, n1), C2 = Concat(C1, n2), ... becomes one tensor allocated once (ConcatBuffer, x0
+    copied in), each layer's convolution writing its channels after the others' and returning the
+    channels so far as a view (FusedConv with ``append``), so the copy of all earlier features per
+    layer goes. A link C(k-1) -> C(k) needs C(k) to be C(k-1)'s only Concat reader (a second append
+    would write the same channels); C(k-1)'s other readers (the next layer) see a view."""
+    matcher, changed = _Matcher(graph), False
+    for head in list(graph.nodes):
+        step = _dense_step(graph, matcher, head)
+        if step is None or (owns is not None and not owns(head)):
+            continue
+        previous = matcher.producer.get(head.inputs[0])
+        if previous is not None and _dense_step(graph, matcher, previous) is not None \
+                and [r.op_type for r in matcher.uses.readers.get(previous.outputs[0], [])].count("Concat") == 1:
+            continue  # not the chain's first link: taken with its head
+        chain = [(head, *step)]
+        while True:
+            readers = matcher.uses.readers.get(chain[-1][0].outputs[0], [])
+            concats = [r for r in readers if _plain(r, "Concat")]
+            if len(concats) != 1 or concats[0].inputs[0] != chain[-1][0].outputs[0]:
+                break
+            following = _dense_step(graph, matcher, concats[0])
+            if following is None or (owns is not None and not owns(concats[0])):
+                break
+            chain.append((concats[0], *following))
+        if owns is not None and not all(owns(conv) for _, conv, _ in chain):
+            continue
+        buffer = f"{head.outputs[0]}/buffer"
+        nodes = [Node("ConcatBuffer", [head.inputs[0]], [buffer], name=f"{head.name}/buffer", domain=FUSED_DOMAIN,
+                      attrs={"extra": sum(channels for _, _, channels in chain)}, opset=1)]
+        replaced, previous_name = {}, buffer
+        for concat, conv, _ in chain:
+            inputs = list(conv.inputs) + [""] * (4 - len(conv.inputs)) + [previous_name]
+            replaced[id(conv)] = Node("FusedConv", inputs, list(concat.outputs),
+                                      name=f"{conv.name or concat.name}/append", domain=FUSED_DOMAIN,
+                                      attrs=dict(conv.attrs, append=1), opset=1)
+            previous_name = concat.outputs[0]
+        graph.nodes = nodes + [replaced.get(id(n), n) for n in graph.nodes]
+        remove_nodes(graph, [concat for concat, _, _ in chain])  # the session re-sorts
+        matcher, changed = _Matcher(graph), True
+    return changed
+
+
+CONV_PASSES = [fuse_conv_activations, fuse_concat_convs, fuse_channel_shuffle, fuse_dense_concats]

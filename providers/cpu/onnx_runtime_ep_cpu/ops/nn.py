@@ -1177,6 +1177,8 @@ def fused_conv(node, shapes, opset):
             return out
         return y
 
+    if node.attr("append"):
+        return _appending(node, resolve, convolve)
     if not concat:
         return lambda x, w, b=None, z=None: (convolve(x, w, b, z),)
     concat, offset = int(concat), int(node.attr("concat_offset", 0))
@@ -1208,6 +1210,49 @@ def fused_conv(node, shapes, opset):
         return (into,)
 
     return into_concat
+
+
+def _appending(node, resolve, convolve):
+    """A FusedConv that appends its output channels to ``so_far``, the channels a ConcatBuffer chain has
+    filled (conv_fusions.fuse_dense_concats): written into the buffer behind them, the result being the
+    view of every channel up to its own. Anything but such a view is concatenated as Concat would."""
+
+    def append(x, w, b=None, z=None, so_far=None):
+        _, out_shape = resolve(x, w, b)
+        base, filled = so_far.base, so_far.shape[1]
+        others = out_shape[:1] + out_shape[2:]  # the dimensions besides the channels
+        if not (isinstance(base, np.ndarray) and base.ndim == so_far.ndim == 4 and base.flags.c_contiguous
+                and base.dtype == so_far.dtype == x.dtype and base.shape[1] >= filled + out_shape[1]
+                and so_far.shape[:1] + so_far.shape[2:] == base.shape[:1] + base.shape[2:] == others
+                and so_far.strides == base.strides and so_far.ctypes.data == base.ctypes.data):
+            return (np.concatenate([so_far, convolve(x, w, b, z)], axis=1),)
+        target = base[:, filled:filled + out_shape[1]]
+        if target.flags.c_contiguous:  # one image: written in place
+            convolve(x, w, b, z, target)
+        else:
+            target[...] = convolve(x, w, b, z)
+        return (base[:, :filled + out_shape[1]],)
+
+    return append
+
+
+@register("ConcatBuffer", domain=FUSED_DOMAIN, since=1)
+def concat_buffer(node, shapes, opset):
+    """x copied into a tensor with ``extra`` more channels (axis 1) behind it, returned as the view of x's
+    channels: the start of a chain of appending FusedConv nodes (conv_fusions.fuse_dense_concats)."""
+    extra = int(node.attr("extra", 0))
+
+    def kernel(x):
+        if x.ndim < 2:
+            raise InvalidArgumentError(
+                f"node {node.name!r} (ConcatBuffer): the input has shape {list(x.shape)}; channels (axis 1) "
+                f"are appended, so it needs at least two dimensions"
+            )
+        buffer = np.empty((x.shape[0], x.shape[1] + extra, *x.shape[2:]), dtype=x.dtype)
+        buffer[:, :x.shape[1]] = x
+        return (buffer[:, :x.shape[1]],)
+
+    return kernel
 
 
 class _ChannelShuffle:
