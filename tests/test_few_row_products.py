@@ -155,13 +155,7 @@ def test_a_sleeping_helper_is_skipped_then_woken_and_a_late_sleeper_waited_for(m
 
     def run() -> tuple[int, np.ndarray]:
         sums = np.zeros((blocks, 2, 64), np.float32)
-        assert pool.reserve()
-        try:
-            result = jobs.split_product(False, a, w, sums, 1, blocks, 2, pool.mailboxes, pool.states, runner)
-            if result:
-                pool.settle(result)
-        finally:
-            pool.release()
+        result = pool.call(jobs.split_product, (False, a, w, sums, 1, blocks, 2), runner)
         if result & workers.PENDING:
             gemv.sum_blocks(sums)
         np.testing.assert_allclose(sums[0], expected, rtol=1e-5, atol=1e-4)

@@ -220,7 +220,7 @@ def _cycles_per_second() -> float:
 
 
 # Posting from compiled code (a kernel whose per-call Python overhead would cost as much as its work,
-# e.g. a decode step's matrix-vector products): the caller holds the helpers (Helpers.reserve), writes
+# e.g. a decode step's matrix-vector products): the caller holds the helpers (Helpers.call), writes
 # a part's arguments into a helper's mailbox with its Kind's writer, then ``offer``s it; after running
 # its own part it ``collect``s the others. What compiled code cannot do (wake a sleeping helper: an
 # Event; move a helper off the caller's CPU) is left in ``states`` for Helpers.settle.
@@ -238,7 +238,7 @@ def offer(mailboxes, states, helper, runner):
     if _atomic_load(mailbox, SLEEPING) != 0:
         states[helper] = SKIPPED
         return False
-    mailbox[RUNNER] = runner  # (the helper's scratch stays in BUFFER: see Helpers.ensure_scratch)
+    mailbox[RUNNER] = runner  # (the helper's scratch stays in BUFFER: see Helpers._ensure_scratch)
     sequence, asleep = _publish(mailbox)
     states[helper] = -sequence if asleep else sequence  # negative: fell asleep meanwhile, settle wakes it
     return True
@@ -410,19 +410,26 @@ class Helpers:
         self.states = np.zeros(count, dtype=np.int64)
         self._helpers = [_Helper(self.mailboxes[i], spin_cycles) for i in range(count)]
         self._busy = threading.Lock()
-        self._scratch_floats = 0  # what ensure_scratch has given every helper
+        self._scratch_floats = 0  # what _ensure_scratch has given every helper
 
-    def reserve(self) -> bool:
-        """Hold the helpers for a compiled caller (offer/collect); False when another caller has them.
-        Give them back with release()."""
-        return self._busy.acquire(blocking=False)
+    def call(self, function, arguments: tuple, runner: int, scratch: int = 0) -> int | None:
+        """``function(*arguments, mailboxes, states, runner)``, a compiled caller that posts its parts with
+        offer/collect and returns collect's result, while it holds the helpers (each given ``scratch``
+        floats first), then settle; None, without calling it, when another caller holds them."""
+        if not self._busy.acquire(blocking=False):
+            return None
+        try:
+            self._ensure_scratch(scratch)
+            result = function(*arguments, self.mailboxes, self.states, runner)
+            if result:
+                self.settle(result)
+            return result
+        finally:
+            self._busy.release()
 
-    def release(self) -> None:
-        self._busy.release()
-
-    def ensure_scratch(self, floats: int) -> None:
+    def _ensure_scratch(self, floats: int) -> None:
         """Every helper's scratch at least ``floats`` long, for parts posted from compiled code (offer);
-        only while the helpers are reserved (idle)."""
+        only while the helpers are held (idle)."""
         if floats > self._scratch_floats:
             for helper in self._helpers:
                 _grow_scratch(helper, helper.mailbox, floats)

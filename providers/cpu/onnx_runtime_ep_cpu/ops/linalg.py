@@ -154,20 +154,14 @@ class _Split:
         sums = np.empty(self._shape, dtype=np.float32)
         # The process's helpers, looked up per call: a forked child has none of its parent's.
         pool = self._workers.helpers(helper_count()) if self._parts > 1 else None
-        if pool is None or self._long or not pool.reserve():  # (not reserved: another thread's kernel has them)
-            if pool is not None and self._long:
-                self._run_long(a, b, sums)
-            else:
-                self._product(self._transposed, a, b, sums, self._spans, self._items)
+        if pool is not None and self._long:
+            self._run_long(a, b, sums)
             return sums[0].reshape(self._output)
-        try:
-            result = self._split(self._transposed, a, b, sums, self._spans, self._items, self._parts, pool.mailboxes,
-                                 pool.states, self._runner)
-            if result:
-                pool.settle(result)
-        finally:
-            pool.release()
-        if result & self._pending:
+        result = None if pool is None else pool.call(
+            self._split, (self._transposed, a, b, sums, self._spans, self._items, self._parts), self._runner)
+        if result is None:  # one thread, or another thread's kernel holds the helpers
+            self._product(self._transposed, a, b, sums, self._spans, self._items)
+        elif result & self._pending:
             self._sum(sums)
         return sums[0].reshape(self._output)
 

@@ -934,17 +934,9 @@ class _PackedConv:
         # Posted from compiled code (jobs.split_conv): per call, the Python of workers.run cost about as
         # much as a small convolution's arithmetic.
         own, runner = workers.local_mailbox(self._scratch), self._jobs.CONV.address()
-        if pool is None or not pool.reserve():  # one thread, or another caller has the helpers
-            self._jobs.split_conv(*head, self._geometry, *self._offsets, tasks, ranges, own, *self._alone, runner)
-            return y
-        try:
-            pool.ensure_scratch(self._scratch)
-            result = self._jobs.split_conv(*head, self._geometry, *self._offsets, tasks, ranges, own, pool.mailboxes,
-                                           pool.states, runner)
-            if result:
-                pool.settle(result)
-        finally:
-            pool.release()
+        arguments = (*head, self._geometry, *self._offsets, tasks, ranges, own)
+        if pool is None or pool.call(self._jobs.split_conv, arguments, runner, self._scratch) is None:
+            self._jobs.split_conv(*arguments, *self._alone, runner)  # one thread, or another caller has the helpers
         return y
 
 
