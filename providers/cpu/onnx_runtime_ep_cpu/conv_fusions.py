@@ -172,8 +172,9 @@ def fuse_concat_convs(graph: Graph, owns=None) -> bool:
     concatenated tensor (a chain of FusedConv nodes, each taking the buffer the previous one filled
     part of and filling its own channels), so the Concat's copy of every input goes (a SqueezeNet fire
     module's, an Inception block's)."""
-    matcher = _Matcher(graph)
-    changed = False
+    matcher = _Matcher(graph)  # one view for every match: the matches share no node
+    replaced: dict[int, Node] = {}
+    removed: list[Node] = []
     for concat in list(graph.nodes):
         producers = _conv_producers(graph, matcher, concat)
         if producers is None or (owns is not None and not all(owns(n) for n in [concat, *(c for c, _ in producers)])):
@@ -188,12 +189,9 @@ def fuse_concat_convs(graph: Graph, owns=None) -> bool:
             name = f"{conv.name or concat.name}/into_concat"
             fused.append(Node("FusedConv", inputs, [output], name=name, domain=FUSED_DOMAIN, attrs=attrs, opset=1))
             previous, offset = output, offset + channels
-        replaced = {id(conv): node for (conv, _), node in zip(producers, fused)}
-        graph.nodes = [replaced.get(id(n), n) for n in graph.nodes]
-        remove_nodes(graph, [concat])  # the session re-sorts: each part now reads the one before
-        matcher = _Matcher(graph)
-        changed = True
-    return changed
+        replaced.update({id(conv): node for (conv, _), node in zip(producers, fused)})
+        removed.append(concat)  # each part now reads the one before
+    return _rewrite(graph, replaced, removed)
 
 
 def _reshape_target(graph: Graph, node: Node | None) -> tuple[int, ...] | None:
@@ -233,7 +231,9 @@ def fuse_channel_shuffle(graph: Graph, owns=None) -> bool:
     """A depthwise convolution reads its input's channel shuffle in place: each of its channels from the
     input channel the shuffle would move there (a FusedConv with ``shuffle_shape``), so the shuffled
     copy of the feature map goes (ShuffleNet: one per unit)."""
-    matcher, changed = _Matcher(graph), False
+    matcher = _Matcher(graph)  # one view for every match: the matches share no node
+    replaced: dict[int, Node] = {}
+    removed: list[Node] = []
     for conv in list(graph.nodes):
         found = _shuffle_into(graph, matcher, conv)
         if found is None:
@@ -242,12 +242,20 @@ def fuse_channel_shuffle(graph: Graph, owns=None) -> bool:
         if owns is not None and not all(owns(n) for n in [*shuffle, conv]):
             continue
         attrs = dict(conv.attrs, shuffle_shape=list(shape))
-        fused = Node("FusedConv", [shuffle[0].inputs[0], *conv.inputs[1:]], list(conv.outputs),
-                     name=f"{conv.name}/shuffled", domain=FUSED_DOMAIN, attrs=attrs, opset=1)
-        graph.nodes = [fused if n is conv else n for n in graph.nodes]
-        remove_nodes(graph, shuffle)
-        matcher, changed = _Matcher(graph), True
-    return changed
+        replaced[id(conv)] = Node("FusedConv", [shuffle[0].inputs[0], *conv.inputs[1:]], list(conv.outputs),
+                                  name=f"{conv.name}/shuffled", domain=FUSED_DOMAIN, attrs=attrs, opset=1)
+        removed += shuffle
+    return _rewrite(graph, replaced, removed)
+
+
+def _rewrite(graph: Graph, replaced: dict[int, Node], removed: list[Node], added: list[Node] = ()) -> bool:
+    """Swap in the ``replaced`` nodes (by the id of the node each replaces), add ``added`` and drop
+    ``removed``; the session re-sorts the nodes. Whether anything changed."""
+    if not replaced and not added:
+        return False
+    graph.nodes = list(added) + [replaced.get(id(n), n) for n in graph.nodes]
+    remove_nodes(graph, removed)
+    return True
 
 
 def _appendable_conv(graph: Graph, matcher: _Matcher, concat: Node, name: str) -> tuple[Node, int] | None:
@@ -278,7 +286,10 @@ def fuse_dense_concats(graph: Graph, owns=None) -> bool:
     channels so far as a view (FusedConv with ``append``), so the copy of all earlier features per
     layer goes. A link C(k-1) -> C(k) needs C(k) to be C(k-1)'s only Concat reader (a second append
     would write the same channels); C(k-1)'s other readers (the next layer) see a view."""
-    matcher, changed = _Matcher(graph), False
+    matcher = _Matcher(graph)  # one view for every chain: the chains share no node
+    replaced: dict[int, Node] = {}
+    removed: list[Node] = []
+    added: list[Node] = []
     for head in list(graph.nodes):
         step = _dense_step(graph, matcher, head)
         if step is None or (owns is not None and not owns(head)):
@@ -300,19 +311,17 @@ def fuse_dense_concats(graph: Graph, owns=None) -> bool:
         if owns is not None and not all(owns(conv) for _, conv, _ in chain):
             continue
         buffer = f"{head.outputs[0]}/buffer"
-        nodes = [Node("ConcatBuffer", [head.inputs[0]], [buffer], name=f"{head.name}/buffer", domain=FUSED_DOMAIN,
-                      attrs={"extra": sum(channels for _, _, channels in chain)}, opset=1)]
-        replaced, previous_name = {}, buffer
+        added.append(Node("ConcatBuffer", [head.inputs[0]], [buffer], name=f"{head.name}/buffer", domain=FUSED_DOMAIN,
+                          attrs={"extra": sum(channels for _, _, channels in chain)}, opset=1))
+        previous_name = buffer
         for concat, conv, _ in chain:
             inputs = list(conv.inputs) + [""] * (4 - len(conv.inputs)) + [previous_name]
             replaced[id(conv)] = Node("FusedConv", inputs, list(concat.outputs),
                                       name=f"{conv.name or concat.name}/append", domain=FUSED_DOMAIN,
                                       attrs=dict(conv.attrs, append=1), opset=1)
             previous_name = concat.outputs[0]
-        graph.nodes = nodes + [replaced.get(id(n), n) for n in graph.nodes]
-        remove_nodes(graph, [concat for concat, _, _ in chain])  # the session re-sorts
-        matcher, changed = _Matcher(graph), True
-    return changed
+            removed.append(concat)
+    return _rewrite(graph, replaced, removed, added)
 
 
 CONV_PASSES = [fuse_conv_activations, fuse_concat_convs, fuse_channel_shuffle, fuse_dense_concats]
