@@ -139,13 +139,15 @@ def test_a_decode_step_shaped_model_matches_the_reference(monkeypatch):
     assert len(taken) == 6
 
 
-def test_a_sleeping_helper_is_skipped_then_woken_and_a_late_sleeper_waited_for(monkeypatch):
+def test_a_sleeping_helper_is_skipped_and_woken_and_a_late_sleeper_runs_its_part(monkeypatch):
     """Posting from compiled code: a helper found asleep is skipped (the caller runs its part) and woken
-    by Helpers.settle; a part posted to a helper that fell asleep just after is waited for there."""
+    (from compiled code, a futex) for later jobs; a part posted to a helper that fell asleep just as it
+    came is run once the waker wakes it."""
     from onnx_runtime_ep_cpu.compiled import jobs, workers
 
     monkeypatch.setattr(workers, "_SPIN_SECONDS", 0.02)
     pool = workers.Helpers(1)
+    mailbox = pool.mailboxes[0]
     rng = np.random.default_rng(25)
     a = rng.standard_normal((2, 300), dtype=np.float32)
     w = rng.standard_normal((300, 64), dtype=np.float32)
@@ -153,41 +155,42 @@ def test_a_sleeping_helper_is_skipped_then_woken_and_a_late_sleeper_waited_for(m
     blocks = -(-300 // gemv.DEPTH_BLOCK)
     runner = jobs.PRODUCT.address()
 
-    def run() -> tuple[int, np.ndarray]:
+    def run() -> np.ndarray:
         sums = np.zeros((blocks, 2, 64), np.float32)
-        result = pool.call(jobs.split_product, (False, a, w, sums, 1, blocks, 2), runner)
-        if result & workers.PENDING:
-            gemv.sum_blocks(sums)
+        assert pool.call(jobs.split_product, (False, a, w, sums, 1, blocks, 2), runner) is not None
         np.testing.assert_allclose(sums[0], expected, rtol=1e-5, atol=1e-4)
-        return result, sums[0].copy()
+        return sums[0].copy()
 
-    threading.Event().wait(0.1)  # past the spin time: the helper blocks
-    result, first = run()
-    assert result == workers._WAKE  # skipped and woken
-    for _ in range(200):  # awake within milliseconds
-        pool.mailboxes[0, workers.CPU] = -1
-        result, again = run()
-        if pool.mailboxes[0, workers.CPU] >= 0:
+    threading.Event().wait(0.1)  # past the spin time: the helper sleeps
+    assert workers._load(mailbox, workers.SLEEPING)
+    mailbox[workers.CPU] = -1
+    first = run()
+    assert mailbox[workers.CPU] == -1  # skipped: the caller ran both parts
+    for _ in range(200):  # woken by that call, it takes parts within milliseconds
+        mailbox[workers.CPU] = -1
+        again = run()
+        if mailbox[workers.CPU] >= 0:
             break
         threading.Event().wait(0.005)
     else:
         pytest.fail("the helper never took a part")
     np.testing.assert_array_equal(again, first)
 
-    # A late sleeper: the helper asleep, a part posted to it anyway (as when it fell asleep between
-    # offer's check and the post): settle wakes it and waits for the part.
+    # A late sleeper: a part posted while the helper sleeps (as when it fell asleep between offer's check
+    # and the post) waits in its mailbox until wake, then runs.
     threading.Event().wait(0.1)
-    assert workers._load(pool.mailboxes[0], workers.SLEEPING)
+    assert workers._load(mailbox, workers.SLEEPING)
     sums = np.zeros((blocks, 2, 64), np.float32)
-    jobs._write_product(pool.mailboxes[0], False, a, w, sums, 1, 0, blocks)
-    pool.mailboxes[0, workers.RUNNER] = runner
-    sequence, asleep = workers._publish(pool.mailboxes[0])
+    jobs._write_product(mailbox, False, a, w, sums, 1, 0, blocks)
+    mailbox[workers.RUNNER] = runner
+    sequence, asleep = workers._publish(mailbox)
     assert asleep
-    pool.states[0] = -sequence
-    pool.settle(workers.PENDING)
+    threading.Event().wait(0.05)
+    assert workers._load(mailbox, workers.DONE) != sequence  # asleep: not run yet
+    workers.wake(mailbox)
+    pool._helpers[0].wait(sequence)
     gemv.sum_blocks(sums)
     np.testing.assert_array_equal(sums[0], first)
-    assert not pool.states.any()
 
 
 @pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="needs fork")

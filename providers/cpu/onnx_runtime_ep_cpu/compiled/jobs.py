@@ -11,7 +11,6 @@ from .workers import (
     ARGS,
     BUFFER,
     BUFFER_SIZE,
-    PENDING,
     Kind,
     collect,
     compile_runner,
@@ -133,8 +132,8 @@ PRODUCT = Kind(_write_product, lambda: compile_runner(_product_entry))
 def split_product(transposed, a, w, sums, spans, items, parts, mailboxes, states, runner):
     """A few-row product's ``items`` in ``parts`` parts: part 0 on the calling thread, part i on helper
     i - 1 (on the caller when that helper is asleep or missing), posted from here (workers.offer:
-    the per-call Python of workers.run would cost as much as a decode step's product). Returns
-    workers.collect's result; unless it has workers.PENDING set, the block sums are added too."""
+    the per-call Python of workers.run would cost as much as a decode step's product), then the
+    block sums added. Returns workers.collect's result."""
     helpers = min(parts - 1, mailboxes.shape[0])
     for part in range(1, parts):
         first, end = items * part // parts, items * (part + 1) // parts
@@ -145,8 +144,7 @@ def split_product(transposed, a, w, sums, spans, items, parts, mailboxes, states
         product_items(transposed, a, w, sums, spans, first, end)
     product_items(transposed, a, w, sums, spans, 0, items // parts)
     result = collect(mailboxes, states, helpers)
-    if not result & PENDING:
-        gemv.sum_blocks(sums)
+    gemv.sum_blocks(sums)
     return result
 
 

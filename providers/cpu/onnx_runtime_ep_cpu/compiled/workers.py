@@ -222,45 +222,42 @@ def _cycles_per_second() -> float:
 # Posting from compiled code (a kernel whose per-call Python overhead would cost as much as its work,
 # e.g. a decode step's matrix-vector products): the caller holds the helpers (Helpers.call), writes
 # a part's arguments into a helper's mailbox with its Kind's writer, then ``offer``s it; after running
-# its own part it ``collect``s the others. What compiled code cannot do (wake a sleeping helper: an
-# Event; move a helper off the caller's CPU) is left in ``states`` for Helpers.settle.
-SKIPPED = -(1 << 63)  # states[h]: helper h was asleep, its part ran on the caller (wake it for later jobs)
-PENDING = 1  # collect's result: a part may still be running (on a helper that fell asleep: settle waits)
-_SPREAD = 2  # collect's result: a helper ran on the caller's CPU
-_WAKE = 4  # collect's result: a helper was asleep
+# its own part it ``collect``s the others. What compiled code cannot do (move a helper off the
+# caller's CPU: its affinity) is left to Helpers.settle.
+_SPREAD = 1  # collect's result: a helper ran on the caller's CPU
 
 
 @jit
 def offer(mailboxes, states, helper, runner):
-    """Post the job written in mailboxes[helper] to that helper, if it is spinning; whether it was
-    posted (if not, states[helper] = SKIPPED and the caller runs the part)."""
+    """Post the job written in mailboxes[helper] to that helper if it is spinning (states[helper] = the
+    job's sequence number), and return True; a sleeping helper is woken for later jobs and False
+    returned (the caller runs the part). A helper that fell asleep just as the job came is woken to
+    run it."""
     mailbox = mailboxes[helper]
     if _atomic_load(mailbox, SLEEPING) != 0:
-        states[helper] = SKIPPED
+        wake(mailbox)  # waking takes up to milliseconds: not for this job
+        states[helper] = 0
         return False
     mailbox[RUNNER] = runner  # (the helper's scratch stays in BUFFER: see Helpers._ensure_scratch)
     sequence, asleep = _publish(mailbox)
-    states[helper] = -sequence if asleep else sequence  # negative: fell asleep meanwhile, settle wakes it
+    if asleep:
+        wake(mailbox)
+    states[helper] = sequence
     return True
 
 
 @jit
 def collect(mailboxes, states, helpers):
-    """Wait for the parts offered to helpers < ``helpers``; returns 0, or non-zero when Helpers.settle
-    must run (a helper to wake and maybe wait for, or to move off the caller's CPU)."""
+    """Wait for the parts offered to helpers < ``helpers``; returns 0, or _SPREAD when Helpers.settle
+    must move a helper off the caller's CPU."""
     here = _sched_getcpu()
     result = 0
     for helper in range(helpers):
-        state = states[helper]
-        if state > 0:
-            _wait(mailboxes[helper], state)
+        if states[helper] > 0:
+            _wait(mailboxes[helper], states[helper])
             states[helper] = 0
             if mailboxes[helper, CPU] == here:
                 result |= _SPREAD
-        elif state == SKIPPED:
-            result |= _WAKE
-        elif state != 0:
-            result |= PENDING
     return result
 
 
@@ -436,15 +433,8 @@ class Helpers:
             self._scratch_floats = floats
 
     def settle(self, result: int) -> None:
-        """What a compiled caller's ``collect`` left to Python (its non-zero ``result``): wake helpers
-        found asleep, wait for parts posted to one that fell asleep meanwhile, move helpers off the
-        caller's CPU."""
-        for helper, state in zip(self._helpers, self.states):
-            if state != 0:
-                wake(helper.mailbox)
-            if SKIPPED < state < 0:
-                helper.wait(-state)
-        self.states[:] = 0
+        """What a compiled caller's ``collect`` left to Python (its non-zero ``result``): move helpers off
+        the caller's CPU."""
         if result & _SPREAD:
             self._spread()
 

@@ -144,8 +144,7 @@ class _Split:
         # Milliseconds per part: posted to sleeping helpers too, waiting for them (see workers.py).
         self._long = weights[0] * weights[1] * rows >= _GEMV_LONG_WEIGHTS * self._parts
         self._runner = jobs.PRODUCT.address() if self._parts > 1 else 0
-        self._split, self._product, self._sum, self._pending = (jobs.split_product, jobs.product, gemv.sum_blocks,
-                                                               workers.PENDING)
+        self._split, self._product, self._sum = jobs.split_product, jobs.product, gemv.sum_blocks
         self._jobs, self._workers = jobs, workers
 
     def __call__(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -161,8 +160,6 @@ class _Split:
             self._split, (self._transposed, a, b, sums, self._spans, self._items, self._parts), self._runner)
         if result is None:  # one thread, or another thread's kernel holds the helpers
             self._product(self._transposed, a, b, sums, self._spans, self._items)
-        elif result & self._pending:
-            self._sum(sums)
         return sums[0].reshape(self._output)
 
     def _run_long(self, a, b, sums) -> None:
