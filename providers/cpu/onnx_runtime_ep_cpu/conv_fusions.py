@@ -148,23 +148,35 @@ def _concat_axis(node: Node) -> int | None:
     return None if axis is None else int(axis)
 
 
+def _rewritable_conv(node: Node | None) -> bool:
+    """A Conv, or a FusedConv with none of the roles these passes give (a concat part, a shuffle reader,
+    an appender): those keep the extra input they were given."""
+    if _plain(node, "Conv"):
+        return True
+    return (node is not None and node.op_type == "FusedConv" and node.domain == FUSED_DOMAIN
+            and not any(node.attr(role) is not None for role in ("concat_channels", "shuffle_shape", "append")))
+
+
+def _sole_conv(graph: Graph, matcher: _Matcher, reader: Node, name: str) -> tuple[Node, int] | None:
+    """The 2-D convolution producing ``name`` for ``reader`` alone, and its output channel count (from
+    its constant weights)."""
+    conv = matcher.feeds_only(name, reader) if name else None
+    if not _rewritable_conv(conv) or len(conv.outputs) != 1:
+        return None
+    weights = constant(graph, conv.inputs[1]) if len(conv.inputs) > 1 else None
+    if weights is None or weights.ndim != 4:
+        return None
+    return conv, int(weights.shape[0])
+
+
 def _conv_producers(graph: Graph, matcher: _Matcher, concat: Node) -> list[tuple[Node, int]] | None:
     """For a channel Concat of 2-D convolution outputs that it alone reads: each producing Conv/FusedConv
-    with its output channel count (from its constant weights); None otherwise."""
+    with its output channel count; None otherwise."""
     if not _plain(concat, "Concat") or _concat_axis(concat) != 1 or len(concat.inputs) < 2 \
             or len(set(concat.inputs)) != len(concat.inputs):
         return None
-    found = []
-    for name in concat.inputs:
-        conv = matcher.feeds_only(name, concat) if name else None
-        if conv is None or not (_plain(conv, "Conv") or (conv.op_type == "FusedConv" and conv.domain == FUSED_DOMAIN
-                                                          and not conv.attr("concat_channels"))):
-            return None
-        weights = constant(graph, conv.inputs[1]) if len(conv.inputs) > 1 else None
-        if weights is None or weights.ndim != 4 or conv.outputs[0] != name or len(conv.outputs) != 1:
-            return None
-        found.append((conv, int(weights.shape[0])))
-    return found
+    found = [_sole_conv(graph, matcher, concat, name) for name in concat.inputs]
+    return None if None in found else found
 
 
 def fuse_concat_convs(graph: Graph, owns=None) -> bool:
@@ -208,8 +220,7 @@ def _shuffle_into(graph: Graph, matcher: _Matcher, conv: Node) -> tuple[list[Nod
     """For a depthwise convolution of a channel shuffle that it alone reads (ShuffleNet's
     Reshape(N, g, C/g, H, W) -> Transpose(0, 2, 1, 3, 4) -> Reshape(N, C, H, W)): the shuffle's three
     nodes and its first shape."""
-    if not (_plain(conv, "Conv") or (conv.op_type == "FusedConv" and conv.domain == FUSED_DOMAIN
-                                      and conv.attr("shuffle_shape") is None)):
+    if not _rewritable_conv(conv):
         return None
     merge = matcher.feeds_only(conv.inputs[0], conv)
     transpose = matcher.feeds_only(merge.inputs[0], merge) if _plain(merge, "Reshape") else None
@@ -258,25 +269,12 @@ def _rewrite(graph: Graph, replaced: dict[int, Node], removed: list[Node], added
     return True
 
 
-def _appendable_conv(graph: Graph, matcher: _Matcher, concat: Node, name: str) -> tuple[Node, int] | None:
-    """The 2-D convolution producing ``name`` for ``concat`` alone, and its output channel count."""
-    conv = matcher.feeds_only(name, concat) if name else None
-    if conv is None or not (_plain(conv, "Conv") or (conv.op_type == "FusedConv" and conv.domain == FUSED_DOMAIN
-                                                      and not conv.attr("concat_channels")
-                                                      and conv.attr("shuffle_shape") is None)):
-        return None
-    weights = constant(graph, conv.inputs[1]) if len(conv.inputs) > 1 else None
-    if weights is None or weights.ndim != 4 or len(conv.outputs) != 1:
-        return None
-    return conv, int(weights.shape[0])
-
-
 def _dense_step(graph: Graph, matcher: _Matcher, concat: Node) -> tuple[Node, int] | None:
     """For Concat(axis=1)(previous, new convolution): the convolution and its channel count."""
     if not _plain(concat, "Concat") or _concat_axis(concat) != 1 or len(concat.inputs) != 2 \
             or concat.inputs[0] == concat.inputs[1]:
         return None
-    return _appendable_conv(graph, matcher, concat, concat.inputs[1])
+    return _sole_conv(graph, matcher, concat, concat.inputs[1])
 
 
 def fuse_dense_concats(graph: Graph, owns=None) -> bool:
