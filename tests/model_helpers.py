@@ -13,6 +13,15 @@ LIGHT_DIR = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "dat
 LIGHT_MODELS = sorted(f[:-5] for f in os.listdir(LIGHT_DIR) if f.endswith(".onnx"))
 
 
+def record_calls(monkeypatch, cls) -> list:
+    """The instances of ``cls`` called from now on (this test), one entry per call: its __call__ patched
+    to note ``self`` and go on."""
+    calls = []
+    real = cls.__call__
+    monkeypatch.setattr(cls, "__call__", lambda self, *args: calls.append(self) or real(self, *args))
+    return calls
+
+
 def tensor_info(name, elem=TensorProto.FLOAT, shape=None):
     return helper.make_tensor_value_info(name, elem, shape)
 

@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+from model_helpers import record_calls
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnx_runtime.ir import Node
@@ -31,10 +32,7 @@ def kernel_threads(request, monkeypatch):
 
 def _taken(monkeypatch) -> list:
     """Records each few-row product computed by gemv.py."""
-    calls = []
-    real = linalg._Split.__call__
-    monkeypatch.setattr(linalg._Split, "__call__", lambda self, *a: calls.append(self) or real(self, *a))
-    return calls
+    return record_calls(monkeypatch, linalg._Split)
 
 
 def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:

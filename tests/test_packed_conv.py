@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+from model_helpers import record_calls
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 from onnx_runtime.ir import Node
@@ -30,10 +31,7 @@ def kernel_threads(request, monkeypatch):
 
 def _taken(monkeypatch) -> list:
     """Records each call of the packed path."""
-    calls = []
-    real = nn._PackedConv.__call__
-    monkeypatch.setattr(nn._PackedConv, "__call__", lambda self, *a: calls.append(self) or real(self, *a))
-    return calls
+    return record_calls(monkeypatch, nn._PackedConv)
 
 
 def _inputs(geometry: str, seed: int, with_bias: bool):
