@@ -85,8 +85,6 @@ def _tile_kernel(rows_per_tile: int):
             entry = builder.block
             load = builder.append_basic_block("tile.load")
             start = builder.append_basic_block("tile.start")
-            loop = builder.append_basic_block("tile.loop")
-            store = builder.append_basic_block("tile.store")
             accumulate = builder.icmp_signed("!=", builder.and_(flags_v, const(ACCUMULATE)), const(0))
             builder.cbranch(accumulate, load, start)
             builder.position_at_end(load)
@@ -101,47 +99,30 @@ def _tile_kernel(rows_per_tile: int):
                 phi.add_incoming(zero, entry)
                 phi.add_incoming(value, load)
                 initial.append(phi)
-            builder.cbranch(builder.icmp_signed(">", depth_v, const(0)), loop, store)
 
-            # The reduction: one loop, MR*2 accumulators carried in phi nodes (registers).
-            builder.position_at_end(loop)
-            k = builder.phi(llvm.I64)
-            k.add_incoming(const(0), start)
-            acc = []
-            for value in initial:
-                phi = builder.phi(llvm.VEC)
-                phi.add_incoming(value, start)
-                acc.append(phi)
-            b_row = builder.load(builder.gep(rows_ptr, [k]))
-            b_lo = builder.load(vector_at(b_ptr, b_row), align=4)
-            b_hi = builder.load(vector_at(b_ptr, builder.add(b_row, const(llvm.LANES))), align=4)
-            # The same row of the next panel, read in place (right after this one in the image): a
-            # prefetch, since the K rows of a panel are K streams too many for the hardware prefetcher.
-            for ahead in (NR, NR + llvm.LANES):
-                target = builder.bitcast(builder.gep(b_ptr, [builder.add(b_row, const(ahead))]), llvm.BYTE_PTR)
-                read, locality, data = (ir.Constant(llvm.I32, v) for v in (0, 3, 1))
-                builder.call(prefetch, [target, read, locality, data])
-            a_row = builder.mul(k, const(MR))
-            summed = []
-            for i in range(MR):
-                weight = splat(builder.load(builder.gep(a_ptr, [builder.add(a_row, const(i))])))
-                summed.append(builder.call(fma, [weight, b_lo, acc[2 * i]]))
-                summed.append(builder.call(fma, [weight, b_hi, acc[2 * i + 1]]))
-            k_next = builder.add(k, const(1))
-            body = builder.block
-            k.add_incoming(k_next, body)
-            for phi, value in zip(acc, summed):
-                phi.add_incoming(value, body)
-            builder.cbranch(builder.icmp_signed("<", k_next, depth_v), loop, store)
+            def row(k, acc):
+                """One k: the tile's MR x 2 accumulators plus row k of a times row k of the panel."""
+                b_row = builder.load(builder.gep(rows_ptr, [k]))
+                b_lo = builder.load(vector_at(b_ptr, b_row), align=4)
+                b_hi = builder.load(vector_at(b_ptr, builder.add(b_row, const(llvm.LANES))), align=4)
+                # The same row of the next panel, read in place (right after this one in the image): a
+                # prefetch, since the K rows of a panel are K streams too many for the hardware prefetcher.
+                for ahead in (NR, NR + llvm.LANES):
+                    target = builder.bitcast(builder.gep(b_ptr, [builder.add(b_row, const(ahead))]), llvm.BYTE_PTR)
+                    read, locality, data = (ir.Constant(llvm.I32, v) for v in (0, 3, 1))
+                    builder.call(prefetch, [target, read, locality, data])
+                a_row = builder.mul(k, const(MR))
+                summed = []
+                for i in range(MR):
+                    weight = splat(builder.load(builder.gep(a_ptr, [builder.add(a_row, const(i))])))
+                    summed.append(builder.call(fma, [weight, b_lo, acc[2 * i]]))
+                    summed.append(builder.call(fma, [weight, b_hi, acc[2 * i + 1]]))
+                return summed
+
+            # The reduction: one loop, MR*2 accumulators carried in registers.
+            totals = llvm.counted_loop(builder, depth_v, initial, row, "tile")
 
             # The epilogue, as the tile is stored; partial sums are stored as they are.
-            builder.position_at_end(store)
-            totals = []
-            for i in range(2 * MR):
-                phi = builder.phi(llvm.VEC)
-                phi.add_incoming(initial[i], start)
-                phi.add_incoming(summed[i], body)
-                totals.append(phi)
             store_partial = builder.append_basic_block("tile.partial")
             epilogue = builder.append_basic_block("tile.epilogue")
             builder.cbranch(builder.icmp_signed("!=", builder.and_(flags_v, const(PARTIAL)), const(0)), store_partial,

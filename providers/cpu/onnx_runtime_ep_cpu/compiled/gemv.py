@@ -42,38 +42,21 @@ def _dot_rows(typingctx, x, w, stride, blocks, out):
         fma = llvm.fma(builder.module)
         vec_ptr = llvm.VEC.as_pointer()
         zero = ir.Constant(llvm.VEC, [0.0] * llvm.LANES)
-        entry = builder.block
-        loop = builder.append_basic_block("dot.loop")
-        done = builder.append_basic_block("dot.done")
-        builder.cbranch(builder.icmp_signed(">", blocks, ir.Constant(llvm.I64, 0)), loop, done)
-        builder.position_at_end(loop)
-        block = builder.phi(llvm.I64)
-        block.add_incoming(ir.Constant(llvm.I64, 0), entry)
-        chains = [builder.phi(llvm.VEC) for _ in range(_ROWS * _CHAINS)]
-        for chain in chains:
-            chain.add_incoming(zero, entry)
-        base = builder.mul(block, ir.Constant(llvm.I64, _BLOCK))
-        summed = []
-        for c in range(_CHAINS):
-            at = builder.add(base, ir.Constant(llvm.I64, c * llvm.LANES))
-            xv = builder.load(builder.bitcast(builder.gep(x_ptr, [at]), vec_ptr), align=4)
-            for j in range(_ROWS):
-                row_at = builder.add(at, builder.mul(stride, ir.Constant(llvm.I64, j)))
-                wv = builder.load(builder.bitcast(builder.gep(w_ptr, [row_at]), vec_ptr), align=4)
-                summed.append((j * _CHAINS + c, builder.call(fma, [xv, wv, chains[j * _CHAINS + c]])))
-        summed = [value for _, value in sorted(summed, key=lambda item: item[0])]
-        following = builder.add(block, ir.Constant(llvm.I64, 1))
-        block.add_incoming(following, loop)
-        for chain, value in zip(chains, summed):
-            chain.add_incoming(value, loop)
-        builder.cbranch(builder.icmp_signed("<", following, blocks), loop, done)
-        builder.position_at_end(done)
-        totals = []
-        for i in range(_ROWS * _CHAINS):
-            phi = builder.phi(llvm.VEC)
-            phi.add_incoming(zero, entry)
-            phi.add_incoming(summed[i], loop)
-            totals.append(phi)
+
+        def block(index, chains):
+            """One block of _BLOCK elements of k: every row's chains plus x times that row."""
+            base = builder.mul(index, ir.Constant(llvm.I64, _BLOCK))
+            summed = [None] * (_ROWS * _CHAINS)
+            for c in range(_CHAINS):
+                at = builder.add(base, ir.Constant(llvm.I64, c * llvm.LANES))
+                xv = builder.load(builder.bitcast(builder.gep(x_ptr, [at]), vec_ptr), align=4)
+                for j in range(_ROWS):
+                    row_at = builder.add(at, builder.mul(stride, ir.Constant(llvm.I64, j)))
+                    wv = builder.load(builder.bitcast(builder.gep(w_ptr, [row_at]), vec_ptr), align=4)
+                    summed[j * _CHAINS + c] = builder.call(fma, [xv, wv, chains[j * _CHAINS + c]])
+            return summed
+
+        totals = llvm.counted_loop(builder, blocks, [zero] * (_ROWS * _CHAINS), block, "dot")
         for j in range(_ROWS):
             vector = totals[j * _CHAINS]
             for c in range(1, _CHAINS):

@@ -1,5 +1,6 @@
 """What the LLVM-IR intrinsics of gemm.py, gemv.py and workers.py share: the vector types they
-compute in and the declaration of LLVM's own intrinsic functions in the module being built."""
+compute in, the declaration of LLVM's own intrinsic functions in the module being built, and the
+counted loop that carries accumulators in registers."""
 
 from __future__ import annotations
 
@@ -21,3 +22,37 @@ def declare(module, name: str, function_type):
 def fma(module):
     """llvm.fma on 16 float32 lanes: a * b + c, rounded once."""
     return declare(module, "llvm.fma.v16f32", ir.FunctionType(VEC, [VEC, VEC, VEC]))
+
+
+def counted_loop(builder, count, initial: list, body, name: str) -> list:
+    """Emit ``for k in range(count)`` carrying the values ``initial`` through ``body(k, values) -> new
+    values`` in phi nodes (registers, where a loop over memory would spill them); returns the values
+    after the loop (``initial`` when count <= 0), with the builder placed after it."""
+    zero = ir.Constant(I64, 0)
+    entry = builder.block
+    loop = builder.append_basic_block(f"{name}.loop")
+    done = builder.append_basic_block(f"{name}.done")
+    builder.cbranch(builder.icmp_signed(">", count, zero), loop, done)
+    builder.position_at_end(loop)
+    k = builder.phi(I64)
+    k.add_incoming(zero, entry)
+    carried = []
+    for value in initial:
+        phi = builder.phi(value.type)
+        phi.add_incoming(value, entry)
+        carried.append(phi)
+    updated = body(k, carried)
+    following = builder.add(k, ir.Constant(I64, 1))
+    tail = builder.block
+    k.add_incoming(following, tail)
+    for phi, value in zip(carried, updated):
+        phi.add_incoming(value, tail)
+    builder.cbranch(builder.icmp_signed("<", following, count), loop, done)
+    builder.position_at_end(done)
+    finals = []
+    for value, new in zip(initial, updated):
+        phi = builder.phi(value.type)
+        phi.add_incoming(value, entry)
+        phi.add_incoming(new, tail)
+        finals.append(phi)
+    return finals

@@ -1017,12 +1017,13 @@ def _conv_path(geo: _Geometry, group: int, x: np.ndarray, w: np.ndarray, prepare
     reads_shuffled = getattr(compute, "reads_shuffled", False)
 
     def path(x, w, b, finish, out=None, shuffle=None):
-        """The convolution; with ``out`` (C-contiguous, the output's shape and dtype), written there; with
+        """The convolution; with ``out`` (the output's shape and dtype), written there (in place by the
+        packed convolution when ``out`` is C-contiguous: one image's channels of a larger tensor); with
         ``shuffle`` (a _ChannelShuffle), of x's channels shuffled."""
         if shuffle is not None and not reads_shuffled:
             x, shuffle = shuffle.apply(x), None
         xc = x.astype(dtype, copy=False)
-        if out is not None and dtype == x.dtype and isinstance(compute, _PackedConv):
+        if out is not None and dtype == x.dtype and out.flags.c_contiguous and isinstance(compute, _PackedConv):
             return compute(xc, w, b, finish, out)
         if out is not None:
             out[...] = path(x, w, b, finish, None, shuffle)
@@ -1195,10 +1196,7 @@ def fused_conv(node, shapes, opset):
                 f"channel {offset} of the {concat} concatenated; the weights must keep the shape they were "
                 f"fused with"
             )
-        if target.flags.c_contiguous:  # one image: written in place
-            convolve(x, w, b, z, target)
-        else:  # several images: each one's channels are a separate run
-            target[...] = convolve(x, w, b, z)
+        convolve(x, w, b, z, target)
         return (into,)
 
     return into_concat
@@ -1218,11 +1216,7 @@ def _appending(node, resolve, convolve):
                 and so_far.shape[:1] + so_far.shape[2:] == base.shape[:1] + base.shape[2:] == others
                 and so_far.strides == base.strides and so_far.ctypes.data == base.ctypes.data):
             return (np.concatenate([so_far, convolve(x, w, b, z)], axis=1),)
-        target = base[:, filled:filled + out_shape[1]]
-        if target.flags.c_contiguous:  # one image: written in place
-            convolve(x, w, b, z, target)
-        else:
-            target[...] = convolve(x, w, b, z)
+        convolve(x, w, b, z, base[:, filled:filled + out_shape[1]])
         return (base[:, :filled + out_shape[1]],)
 
     return append
