@@ -93,12 +93,7 @@ def _tile_kernel(rows_per_tile: int):
                       for i in range(MR) for half in range(2)]
             builder.branch(start)
             builder.position_at_end(start)
-            initial = []
-            for value in loaded:
-                phi = builder.phi(llvm.VEC)
-                phi.add_incoming(zero, entry)
-                phi.add_incoming(value, load)
-                initial.append(phi)
+            initial = llvm.merged(builder, ([zero] * len(loaded), entry), (loaded, load))
 
             def row(k, acc):
                 """One k: the tile's MR x 2 accumulators plus row k of a times row k of the panel."""
@@ -158,12 +153,7 @@ def _tile_kernel(rows_per_tile: int):
                     with_res.append(builder.fadd(totals[2 * i + half], z))
             builder.branch(finish)
             builder.position_at_end(finish)
-            merged = []
-            for total, summed_residual in zip(totals, with_res):
-                phi = builder.phi(llvm.VEC)
-                phi.add_incoming(total, before)
-                phi.add_incoming(summed_residual, add_residual)
-                merged.append(phi)
+            merged = llvm.merged(builder, (totals, before), (with_res, add_residual))
             for i in range(MR):
                 row = builder.mul(const(i), ldc_v)
                 for half in range(2):

@@ -49,10 +49,16 @@ def counted_loop(builder, count, initial: list, body, name: str) -> list:
         phi.add_incoming(value, tail)
     builder.cbranch(builder.icmp_signed("<", following, count), loop, done)
     builder.position_at_end(done)
-    finals = []
-    for value, new in zip(initial, updated):
-        phi = builder.phi(value.type)
-        phi.add_incoming(value, entry)
-        phi.add_incoming(new, tail)
-        finals.append(phi)
-    return finals
+    return merged(builder, (initial, entry), (updated, tail))
+
+
+def merged(builder, first: tuple, second: tuple) -> list:
+    """Where two paths join: per value, a phi of (values, block) ``first`` and ``second``."""
+    (values_a, block_a), (values_b, block_b) = first, second
+    phis = []
+    for a, b in zip(values_a, values_b):
+        phi = builder.phi(a.type)
+        phi.add_incoming(a, block_a)
+        phi.add_incoming(b, block_b)
+        phis.append(phi)
+    return phis
