@@ -55,7 +55,8 @@ def _product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 @register("FusedMatMul", domain=FUSED_DOMAIN, since=1)
 def fused_matmul(node, shapes, opset):
     """MatMul + bias [-> Gelu] [+ residual] (see fusions.fuse_matmul_bias): BLAS for the product, then one
-    compiled pass (three with Gelu's tanh) over it for float32/float64; the unfused kernels otherwise."""
+    compiled pass over it in place (float64's Gelu: three, numpy's tanh between) for float32/float64; the
+    unfused kernels otherwise."""
     from ..compiled import transformer as compiled
     from .nn import _gelu_erf, _gelu_series, _gelu_tanh
 
@@ -78,7 +79,7 @@ def fused_matmul(node, shapes, opset):
                 return (y,)
             coefficients = series.get(y.dtype)
             if coefficients is not None:
-                return (compiled.gelu(rows, coefficients, bias, skip).reshape(y.shape),)
+                return (compiled.gelu(rows, coefficients, bias, skip, out=rows).reshape(y.shape),)
         # Anything else: the unfused nodes' arithmetic, in their order.
         y = bias + y
         if gelu is not None:
