@@ -81,6 +81,11 @@ def test_gelu_float32_whole_range_and_epilogue_forms():
         np.testing.assert_array_equal(inplace, compiled.gelu(x, coefficients, bias))
 
 
+def test_gelu_float32_loop_refuses_a_series_it_has_no_loop_for():
+    with pytest.raises(ValueError, match="degree 6"):
+        compiled.gelu(np.ones((2, 8), np.float32), np.ones(3, np.float32))
+
+
 def test_gelu_tanh_float64_compiles_and_matches():
     x = _special(RNG.standard_normal((4, 130)) * 3)
     kernel = nn.gelu(Node("Gelu", ["x"], ["y"], attrs={"approximate": "tanh"}, opset=20), None, 20)

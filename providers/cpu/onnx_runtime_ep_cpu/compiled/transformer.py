@@ -164,13 +164,16 @@ def sigmoid_float32(z):
 def gelu_float32_(x, bias, y, residual, coefficients):
     """y = u * sigmoid(2 s) (+ residual) for u = x + bias and s = u * P(u^2), float32 (M, N) rows, in one
     pass per row (sigmoid_float32 vectorizes); bias and residual may be empty, P's coefficients lowest
-    first. u * sigmoid(2 s) is Gelu's 0.5 * u * (1 + tanh(s)) without its cancellation where tanh(s)
-    nears -1 (the negative tail keeps its relative accuracy); s is odd_series' in its order."""
+    first: degree 6 (the erf form's series) or 1 (the tanh form's), the two _gelu_series gives. u * sigmoid(2 s)
+    is Gelu's 0.5 * u * (1 + tanh(s)) without its cancellation where tanh(s) nears -1 (the negative tail
+    keeps its relative accuracy); s is odd_series' in its order."""
     rows, cols = x.shape
     top = coefficients.shape[0] - 1
+    if top != 6 and top != 1:
+        raise ValueError("gelu_float32_ takes a series of degree 6 (erf form) or 1 (tanh form)")
     with_bias, with_residual = bias.shape[0] > 0, residual.shape[0] > 0
     two = np.float32(2)
-    u, t = np.empty(cols, np.float32), np.empty(cols, np.float32)
+    u = np.empty(cols, np.float32)
     c0, c1 = coefficients[0], coefficients[1]
     for i in range(rows):
         xi, yi = x[i], y[i]
@@ -186,14 +189,10 @@ def gelu_float32_(x, bias, y, residual, coefficients):
                 q = v * v
                 series = ((((((q * c6 + c5) * q + c4) * q + c3) * q + c2) * q + c1) * q + c0) * v
                 yi[j] = v * sigmoid_float32(two * series)
-        elif top == 1:  # the tanh approximation's
+        else:  # the tanh approximation's
             for j in range(cols):
                 v = u[j]
                 yi[j] = v * sigmoid_float32(two * ((v * v * c1 + c0) * v))
-        else:
-            odd_series(u.reshape(1, cols), bias[:0], t.reshape(1, cols), coefficients)
-            for j in range(cols):
-                yi[j] = u[j] * sigmoid_float32(two * t[j])
         if with_residual:
             ri = residual[i]
             for j in range(cols):
