@@ -43,9 +43,125 @@ AVAILABLE = _host_has_avx512()
 
 
 
+def _emit_tile(context, builder, mr: int, pointers: tuple, values: tuple, lda=None) -> None:
+    """The IR of one MR x NR tile (see _tile_kernel): ``pointers`` = (a, b, rows, c, bias, residual,
+    bounds), ``values`` = (depth, ldc, ldr, flags). With ``lda`` (matmul_kernel) a's row i starts at
+    i * lda and k runs along it (a row-major matrix read in place) and the bias is per lane (a
+    MatMul's, over the output's columns); without, a is the packed panel (a[k*MR + i]) and the bias
+    per row (a convolution's, per output channel)."""
+    a_ptr, b_ptr, rows_ptr, c_ptr, bias_ptr, res_ptr, bounds_ptr = pointers
+    depth_v, ldc_v, ldr_v, flags_v = values
+    fma = llvm.fma(builder.module)
+    prefetch = llvm.declare(builder.module, "llvm.prefetch.p0",
+                            ir.FunctionType(ir.VoidType(), [llvm.BYTE_PTR, llvm.I32, llvm.I32, llvm.I32]))
+    vec_ptr = llvm.VEC.as_pointer()
+    undef = ir.Constant(llvm.VEC, ir.Undefined)
+    broadcast_mask = ir.Constant(ir.VectorType(llvm.I32, llvm.LANES), [0] * llvm.LANES)
+
+    def const(value):
+        return ir.Constant(llvm.I64, value)
+
+    def splat(scalar):
+        return builder.shuffle_vector(builder.insert_element(undef, scalar, ir.Constant(llvm.I32, 0)), undef,
+                                      broadcast_mask)
+
+    def vector_at(pointer, offset):
+        return builder.bitcast(builder.gep(pointer, [offset]), vec_ptr)
+
+    # The starting values: zero, or the partial sums of earlier blocks of k stored in c.
+    zero = ir.Constant(llvm.VEC, [0.0] * llvm.LANES)
+    entry = builder.block
+    a_rows = None if lda is None else [builder.mul(const(i), lda) for i in range(mr)]  # where a's rows start
+    load = builder.append_basic_block("tile.load")
+    start = builder.append_basic_block("tile.start")
+    accumulate = builder.icmp_signed("!=", builder.and_(flags_v, const(ACCUMULATE)), const(0))
+    builder.cbranch(accumulate, load, start)
+    builder.position_at_end(load)
+    loaded = [builder.load(vector_at(c_ptr, builder.add(builder.mul(const(i), ldc_v), const(half * llvm.LANES))),
+                           align=4)
+              for i in range(mr) for half in range(2)]
+    builder.branch(start)
+    builder.position_at_end(start)
+    initial = llvm.merged(builder, ([zero] * len(loaded), entry), (loaded, load))
+
+    def row(k, acc):
+        """One k: the tile's MR x 2 accumulators plus row k of a times row k of the panel."""
+        b_row = builder.load(builder.gep(rows_ptr, [k]))
+        b_lo = builder.load(vector_at(b_ptr, b_row), align=4)
+        b_hi = builder.load(vector_at(b_ptr, builder.add(b_row, const(llvm.LANES))), align=4)
+        # The same row of the next panel, read in place (right after this one in the image): a
+        # prefetch, since the K rows of a panel are K streams too many for the hardware prefetcher.
+        for ahead in (NR, NR + llvm.LANES):
+            target = builder.bitcast(builder.gep(b_ptr, [builder.add(b_row, const(ahead))]), llvm.BYTE_PTR)
+            read, locality, data = (ir.Constant(llvm.I32, v) for v in (0, 3, 1))
+            builder.call(prefetch, [target, read, locality, data])
+        a_row = builder.mul(k, const(mr)) if a_rows is None else k
+        summed = []
+        for i in range(mr):
+            at = builder.add(a_row, const(i)) if a_rows is None else builder.add(a_rows[i], k)
+            weight = splat(builder.load(builder.gep(a_ptr, [at])))
+            summed.append(builder.call(fma, [weight, b_lo, acc[2 * i]]))
+            summed.append(builder.call(fma, [weight, b_hi, acc[2 * i + 1]]))
+        return summed
+
+    # The reduction: one loop, MR*2 accumulators carried in registers.
+    totals = llvm.counted_loop(builder, depth_v, initial, row, "tile")
+
+    # The epilogue, as the tile is stored; partial sums are stored as they are.
+    store_partial = builder.append_basic_block("tile.partial")
+    epilogue = builder.append_basic_block("tile.epilogue")
+    builder.cbranch(builder.icmp_signed("!=", builder.and_(flags_v, const(PARTIAL)), const(0)), store_partial,
+                    epilogue)
+    builder.position_at_end(store_partial)
+    for i in range(mr):
+        row_at = builder.mul(const(i), ldc_v)
+        for half in range(2):
+            target = vector_at(c_ptr, builder.add(row_at, const(half * llvm.LANES)))
+            builder.store(totals[2 * i + half], target, align=4)
+    done = builder.append_basic_block("tile.done")
+    builder.branch(done)
+    builder.position_at_end(epilogue)
+    with_bias = builder.icmp_signed("!=", builder.and_(flags_v, const(BIAS)), const(0))
+    with_residual = builder.icmp_signed("!=", builder.and_(flags_v, const(RESIDUAL)), const(0))
+    low, high, slope = (splat(builder.load(builder.gep(bounds_ptr, [const(i)]))) for i in range(3))
+    if lda is not None:  # a bias per lane: the same two vectors for every row
+        lane_bias = [builder.load(vector_at(bias_ptr, const(half * llvm.LANES)), align=4) for half in range(2)]
+    for i in range(mr):
+        row_bias = splat(builder.load(builder.gep(bias_ptr, [const(i)]))) if lda is None else None
+        for half in range(2):
+            v = totals[2 * i + half]
+            bias_v = row_bias if lda is None else lane_bias[half]
+            v = builder.select(with_bias, builder.fadd(v, bias_v), v)  # adding 0 would turn -0.0 into +0.0
+            totals[2 * i + half] = v
+    finish = builder.append_basic_block("tile.finish")
+    add_residual = builder.append_basic_block("tile.residual")
+    before = builder.block
+    builder.cbranch(with_residual, add_residual, finish)
+    builder.position_at_end(add_residual)
+    with_res = []
+    for i in range(mr):
+        row_at = builder.mul(const(i), ldr_v)
+        for half in range(2):
+            z = builder.load(vector_at(res_ptr, builder.add(row_at, const(half * llvm.LANES))), align=4)
+            with_res.append(builder.fadd(totals[2 * i + half], z))
+    builder.branch(finish)
+    builder.position_at_end(finish)
+    merged = llvm.merged(builder, (totals, before), (with_res, add_residual))
+    for i in range(mr):
+        row_at = builder.mul(const(i), ldc_v)
+        for half in range(2):
+            v = merged[2 * i + half]
+            negative = builder.fcmp_ordered("<", v, zero)
+            v = builder.select(negative, builder.fmul(v, slope), v)
+            v = builder.select(builder.fcmp_ordered("<", v, low), low, v)
+            v = builder.select(builder.fcmp_ordered(">", v, high), high, v)
+            builder.store(v, vector_at(c_ptr, builder.add(row_at, const(half * llvm.LANES))), align=4)
+    builder.branch(done)
+    builder.position_at_end(done)
+
+
 def _tile_kernel(rows_per_tile: int):
     """The microkernel for tiles of ``rows_per_tile`` output channels (its MR) x NR pixels."""
-    MR = rows_per_tile  # noqa: N806  (the tile height, as in the rest of the module)
 
     @intrinsic
     def microkernel(typingctx, a, b, rows, c, depth, ldc, bias, residual, ldr, flags, bounds):
@@ -61,110 +177,29 @@ def _tile_kernel(rows_per_tile: int):
             def data(index):
                 return context.make_array(sig.args[index])(context, builder, args[index]).data
 
-            a_ptr, b_ptr, rows_ptr, c_ptr, bias_ptr, res_ptr, bounds_ptr = (data(i) for i in (0, 1, 2, 3, 6, 7, 10))
-            depth_v, ldc_v, ldr_v, flags_v = args[4], args[5], args[8], args[9]
-            fma = llvm.fma(builder.module)
-            prefetch = llvm.declare(builder.module, "llvm.prefetch.p0",
-                                ir.FunctionType(ir.VoidType(), [llvm.BYTE_PTR, llvm.I32, llvm.I32, llvm.I32]))
-            vec_ptr = llvm.VEC.as_pointer()
-            undef = ir.Constant(llvm.VEC, ir.Undefined)
-            broadcast_mask = ir.Constant(ir.VectorType(llvm.I32, llvm.LANES), [0] * llvm.LANES)
+            _emit_tile(context, builder, rows_per_tile, tuple(data(i) for i in (0, 1, 2, 3, 6, 7, 10)),
+                       (args[4], args[5], args[8], args[9]))
+            return context.get_dummy_value()
 
-            def const(value):
-                return ir.Constant(llvm.I64, value)
+        return signature, codegen
+    return microkernel
 
-            def splat(scalar):
-                return builder.shuffle_vector(builder.insert_element(undef, scalar, ir.Constant(llvm.I32, 0)), undef,
-                                              broadcast_mask)
 
-            def vector_at(pointer, offset):
-                return builder.bitcast(builder.gep(pointer, [offset]), vec_ptr)
+def matmul_kernel(rows_per_tile: int):
+    """The microkernel of a MatMul's tiles, ``rows_per_tile`` rows of a row-major ``a`` (read in place,
+    row i at a[i*lda:]) x NR columns: c[i*ldc + j] = act(sum_k a[i*lda + k] * b[rows[k] + j] (+ bias[j])
+    (+ residual[i*ldr + j])), flags and bounds as _tile_kernel's."""
 
-            # The starting values: zero, or the partial sums of earlier blocks of k stored in c.
-            zero = ir.Constant(llvm.VEC, [0.0] * llvm.LANES)
-            entry = builder.block
-            load = builder.append_basic_block("tile.load")
-            start = builder.append_basic_block("tile.start")
-            accumulate = builder.icmp_signed("!=", builder.and_(flags_v, const(ACCUMULATE)), const(0))
-            builder.cbranch(accumulate, load, start)
-            builder.position_at_end(load)
-            loaded = [builder.load(vector_at(c_ptr, builder.add(builder.mul(const(i), ldc_v),
-                                                                const(half * llvm.LANES))), align=4)
-                      for i in range(MR) for half in range(2)]
-            builder.branch(start)
-            builder.position_at_end(start)
-            initial = llvm.merged(builder, ([zero] * len(loaded), entry), (loaded, load))
+    @intrinsic
+    def microkernel(typingctx, a, lda, b, rows, c, depth, ldc, bias, residual, ldr, flags, bounds):
+        signature = types.void(a, lda, b, rows, c, depth, ldc, bias, residual, ldr, flags, bounds)
 
-            def row(k, acc):
-                """One k: the tile's MR x 2 accumulators plus row k of a times row k of the panel."""
-                b_row = builder.load(builder.gep(rows_ptr, [k]))
-                b_lo = builder.load(vector_at(b_ptr, b_row), align=4)
-                b_hi = builder.load(vector_at(b_ptr, builder.add(b_row, const(llvm.LANES))), align=4)
-                # The same row of the next panel, read in place (right after this one in the image): a
-                # prefetch, since the K rows of a panel are K streams too many for the hardware prefetcher.
-                for ahead in (NR, NR + llvm.LANES):
-                    target = builder.bitcast(builder.gep(b_ptr, [builder.add(b_row, const(ahead))]), llvm.BYTE_PTR)
-                    read, locality, data = (ir.Constant(llvm.I32, v) for v in (0, 3, 1))
-                    builder.call(prefetch, [target, read, locality, data])
-                a_row = builder.mul(k, const(MR))
-                summed = []
-                for i in range(MR):
-                    weight = splat(builder.load(builder.gep(a_ptr, [builder.add(a_row, const(i))])))
-                    summed.append(builder.call(fma, [weight, b_lo, acc[2 * i]]))
-                    summed.append(builder.call(fma, [weight, b_hi, acc[2 * i + 1]]))
-                return summed
+        def codegen(context, builder, sig, args):
+            def data(index):
+                return context.make_array(sig.args[index])(context, builder, args[index]).data
 
-            # The reduction: one loop, MR*2 accumulators carried in registers.
-            totals = llvm.counted_loop(builder, depth_v, initial, row, "tile")
-
-            # The epilogue, as the tile is stored; partial sums are stored as they are.
-            store_partial = builder.append_basic_block("tile.partial")
-            epilogue = builder.append_basic_block("tile.epilogue")
-            builder.cbranch(builder.icmp_signed("!=", builder.and_(flags_v, const(PARTIAL)), const(0)), store_partial,
-                            epilogue)
-            builder.position_at_end(store_partial)
-            for i in range(MR):
-                row = builder.mul(const(i), ldc_v)
-                for half in range(2):
-                    target = vector_at(c_ptr, builder.add(row, const(half * llvm.LANES)))
-                    builder.store(totals[2 * i + half], target, align=4)
-            done = builder.append_basic_block("tile.done")
-            builder.branch(done)
-            builder.position_at_end(epilogue)
-            with_bias = builder.icmp_signed("!=", builder.and_(flags_v, const(1)), const(0))
-            with_residual = builder.icmp_signed("!=", builder.and_(flags_v, const(2)), const(0))
-            low, high, slope = (splat(builder.load(builder.gep(bounds_ptr, [const(i)]))) for i in range(3))
-            for i in range(MR):
-                bias_v = splat(builder.load(builder.gep(bias_ptr, [const(i)])))
-                for half in range(2):
-                    v = totals[2 * i + half]
-                    v = builder.select(with_bias, builder.fadd(v, bias_v), v)  # adding 0 would turn -0.0 into +0.0
-                    totals[2 * i + half] = v
-            finish = builder.append_basic_block("tile.finish")
-            add_residual = builder.append_basic_block("tile.residual")
-            before = builder.block
-            builder.cbranch(with_residual, add_residual, finish)
-            builder.position_at_end(add_residual)
-            with_res = []
-            for i in range(MR):
-                row = builder.mul(const(i), ldr_v)
-                for half in range(2):
-                    z = builder.load(vector_at(res_ptr, builder.add(row, const(half * llvm.LANES))), align=4)
-                    with_res.append(builder.fadd(totals[2 * i + half], z))
-            builder.branch(finish)
-            builder.position_at_end(finish)
-            merged = llvm.merged(builder, (totals, before), (with_res, add_residual))
-            for i in range(MR):
-                row = builder.mul(const(i), ldc_v)
-                for half in range(2):
-                    v = merged[2 * i + half]
-                    negative = builder.fcmp_ordered("<", v, zero)
-                    v = builder.select(negative, builder.fmul(v, slope), v)
-                    v = builder.select(builder.fcmp_ordered("<", v, low), low, v)
-                    v = builder.select(builder.fcmp_ordered(">", v, high), high, v)
-                    builder.store(v, vector_at(c_ptr, builder.add(row, const(half * llvm.LANES))), align=4)
-            builder.branch(done)
-            builder.position_at_end(done)
+            _emit_tile(context, builder, rows_per_tile, tuple(data(i) for i in (0, 2, 3, 4, 7, 8, 11)),
+                       (args[5], args[6], args[9], args[10]), lda=args[1])
             return context.get_dummy_value()
 
         return signature, codegen

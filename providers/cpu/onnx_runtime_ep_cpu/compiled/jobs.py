@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import depthwise, epilogue, gemm, gemv, jit, pooling
+from . import depthwise, epilogue, gemm, gemv, jit, matmul, pooling
 from .workers import (
     ARGS,
     BUFFER,
@@ -84,6 +84,54 @@ def split_conv(xp, weights, bias, y, residual, flags, bounds, geometry, taps, pa
         if here[part]:
             _write_conv(own, xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, grid, channels, kh, kw,
                         sh, sw, dh, dw, wp, plane, taps, packed, tasks[ranges[part]:ranges[part + 1]])
+            run_here(runner, own)
+    return collect(mailboxes, states, helpers)
+
+
+@jit
+def _write_matmul(m, x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients, first, end):
+    a = ARGS
+    m[a + 0], m[a + 1], m[a + 2], m[a + 3], m[a + 4] = x.ctypes.data, x.shape[0], lda, rows, depth
+    m[a + 5], m[a + 6], m[a + 7] = packed.ctypes.data, packed.shape[0], packed.shape[1]
+    m[a + 8], m[a + 9] = offsets.ctypes.data, offsets.shape[0]
+    m[a + 10], m[a + 11], m[a + 12], m[a + 13], m[a + 14] = bias.ctypes.data, bias.shape[0], y.ctypes.data, \
+        y.shape[0], n
+    m[a + 15], m[a + 16], m[a + 17] = residual.ctypes.data, residual.shape[0], flags
+    m[a + 18], m[a + 19], m[a + 20], m[a + 21] = coefficients.ctypes.data, coefficients.shape[0], first, end
+
+
+def _matmul_entry(pointer):
+    m = mailbox_view(pointer)
+    a = ARGS
+    matmul.matmul_panels(float_array(m[a + 0], (m[a + 1],)), m[a + 2], m[a + 3], m[a + 4],
+                         float_array(m[a + 5], (m[a + 6], m[a + 7])), int_array(m[a + 8], (m[a + 9],)),
+                         float_array(m[a + 10], (m[a + 11],)), float_array(m[a + 12], (m[a + 13],)), m[a + 14],
+                         float_array(m[a + 15], (m[a + 16],)), m[a + 17], float_array(m[a + 18], (m[a + 19],)),
+                         m[a + 20], m[a + 21], float_array(m[BUFFER], (m[BUFFER_SIZE],)))
+
+
+# matmul.matmul_panels, one part: (x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags,
+# coefficients, first panel, end panel).
+MATMUL = Kind(_write_matmul, lambda: compile_runner(_matmul_entry), scratch=lambda part: matmul.scratch_size(part[3]))
+
+
+@jit
+def split_matmul(x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients, bounds, own,
+                 mailboxes, states, runner):
+    """A packed MatMul's panels in parts, bounds[i] .. bounds[i + 1] for part i, posted as split_conv's
+    (part 0 and those of helpers asleep or missing on the calling thread, through ``own``). Returns
+    workers.collect's result."""
+    parts = bounds.shape[0] - 1
+    helpers = min(parts - 1, mailboxes.shape[0])
+    here = np.ones(parts, dtype=np.bool_)
+    for part in range(1, helpers + 1):
+        _write_matmul(mailboxes[part - 1], x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags,
+                      coefficients, bounds[part], bounds[part + 1])
+        here[part] = not offer(mailboxes, states, part - 1, runner)
+    for part in range(parts):
+        if here[part]:
+            _write_matmul(own, x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients,
+                          bounds[part], bounds[part + 1])
             run_here(runner, own)
     return collect(mailboxes, states, helpers)
 

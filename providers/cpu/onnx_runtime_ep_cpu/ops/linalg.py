@@ -29,15 +29,22 @@ _FLOAT32 = np.dtype(np.float32)
 
 @register("MatMul", since=1)
 def matmul(node, shapes, opset):
+    packed = None  # this node's _PackedProduct, made on first use
+
     def kernel(a, b):
-        # Single and double precision go straight to BLAS (or, for a few rows of float32 times a matrix,
-        # a decode step's products, to compiled/gemv.py): the per-call checks below cost as much as
-        # the product of a small decode-step matrix.
+        # Single and double precision go straight to BLAS (or, for float32 times a constant matrix, to
+        # compiled/gemv.py for a decode step's few rows and compiled/matmul.py for many): the per-call
+        # checks below cost as much as the product of a small decode-step matrix.
+        nonlocal packed
         if a.dtype is b.dtype and a.dtype in _BLAS_FLOATS and b.ndim > 1:
             if b.ndim == 2 and a.ndim > 1 and a.size <= _GEMV_ROWS * b.shape[0]:
                 y = _few_rows_product(a, b, False)
                 if y is not None:
                     return (y,)
+            elif _PackedProduct.applies(a, b):
+                if packed is None:
+                    packed = _PackedProduct()
+                return (packed(a, b),)
             return (np.matmul(a, b),)
         # asarray: two 1-D inputs make np.matmul return a numpy scalar, and kernels return arrays.
         return (np.asarray(_matmul(a, b)).astype(a.dtype, copy=False),)
@@ -50,6 +57,92 @@ def _product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if a.dtype is b.dtype and a.dtype in _BLAS_FLOATS and a.ndim > 1 and a.flags.c_contiguous:
         return np.matmul(a.reshape(-1, a.shape[-1]), b).reshape(a.shape[:-1] + (b.shape[-1],))
     return np.asarray(_matmul(a, b)).astype(a.dtype, copy=False)
+
+
+# Products of at least this many rows (a prefill's or batch's) against constant float32 weights run
+# compiled/matmul.py's packed product on the helper threads; from this many multiply-adds per thread
+# they are split, from _LONG_MACS per thread a part waits for a sleeping helper (milliseconds).
+_PACKED_ROWS = 16
+_SPLIT_MACS = 1 << 20
+_LONG_MACS = 1 << 28
+
+
+class _PackedProduct:
+    """One node's products ``a @ b`` (+ bias, Gelu, residual) through compiled/matmul.py, for a float32
+    ``a`` of many rows and a constant 2-D float32 ``b`` (an initializer: the same read-only array on
+    every run), on AVX-512 hosts; ``applies`` says when. The weights are packed once per constant array,
+    the bias padded once per constant array."""
+
+    def __init__(self):
+        from ..compiled import matmul
+        from .nn import _Prepared
+
+        self._matmul = matmul
+        self._weights, self._bias = _Prepared(), _Prepared()
+        self._offsets: dict[int, np.ndarray] = {}  # per depth: gemm.packed_offsets
+        self._empty = np.empty(0, dtype=np.float32)
+
+    @staticmethod
+    def applies(a: np.ndarray, b: np.ndarray) -> bool:
+        return (a.dtype is b.dtype is _FLOAT32 and b.ndim == 2 and a.ndim >= 2 and not b.flags.writeable
+                and a.shape[-1] == b.shape[0] and a.size >= _PACKED_ROWS * b.shape[0] and b.shape[1] > 0
+                and b.shape[0] > 0 and _gemv_host())
+
+    def __call__(self, a, b, bias=None, residual=None, coefficients=None) -> np.ndarray:
+        """a @ b (+ bias) [Gelu with ``coefficients``] (+ residual), as a fresh (..., N) array; ``bias``
+        (N,) and ``residual`` (a's rows, N) float32, where given."""
+        from ..compiled import gemm, jobs, workers
+
+        matmul = self._matmul
+        depth, n = b.shape
+        x = np.ascontiguousarray(a).reshape(-1)
+        rows = x.size // depth
+        packed = self._weights.get("columns", (b,), lambda: matmul.pack_columns(b))
+        offsets = self._offsets.get(depth)
+        if offsets is None:
+            offsets = self._offsets[depth] = gemm.packed_offsets(depth)
+        flags = 0
+        if bias is not None:
+            flags |= gemm.BIAS
+            bias = self._bias.get("padded", (bias,), lambda: matmul.pad_bias(bias, n))
+        else:
+            bias = self._empty
+        if residual is not None:
+            flags |= gemm.RESIDUAL
+            residual = np.ascontiguousarray(residual).reshape(-1)
+        else:
+            residual = self._empty
+        coefficients = self._empty if coefficients is None else coefficients
+        y = np.empty(a.shape[:-1] + (n,), dtype=np.float32)
+        panels = packed.shape[0]
+        macs = rows * depth * n
+        threads = max(1, min(kernel_threads(), panels, macs // _SPLIT_MACS))
+        bounds = np.array([panels * t // threads for t in range(threads + 1)], dtype=np.int64)
+        head = (x, depth, rows, depth, packed, offsets, bias, y.reshape(-1), n, residual, flags, coefficients)
+        scratch = matmul.scratch_size(depth)
+        pool = workers.helpers(helper_count()) if threads > 1 else None
+        if pool is not None and macs >= _LONG_MACS * threads:
+            workers.run(jobs.MATMUL, [(*head, first, end) for first, end in zip(bounds, bounds[1:])], helper_count(),
+                        True)
+            return y
+        own, runner = workers.local_mailbox(scratch), jobs.MATMUL.address()
+        arguments = (*head, bounds, own)
+        if pool is None or pool.call(jobs.split_matmul, arguments, runner, scratch) is None:
+            jobs.split_matmul(*arguments, *_alone(), runner)  # one thread, or another caller has the helpers
+        return y
+
+
+def _alone() -> tuple:
+    """split_* callers' (mailboxes, states) with no helpers."""
+    global _no_helpers
+    if _no_helpers is None:
+        from ..compiled import workers
+
+        _no_helpers = (np.zeros((0, workers.MAILBOX_SIZE), dtype=np.int64), np.zeros(0, dtype=np.int64))
+    return _no_helpers
+
+
+_no_helpers = None
 
 
 @register("FusedMatMul", domain=FUSED_DOMAIN, since=1)
@@ -68,7 +161,16 @@ def fused_matmul(node, shapes, opset):
     gelu, approximate = gelus.get(activation, (None, None))
     series = {np.dtype(t): _gelu_series(approximate, t) for t in _BLAS_FLOATS} if gelu else {}
 
+    packed = None  # this node's _PackedProduct, made on first use
+
     def kernel(a, b, bias, residual=None):
+        nonlocal packed
+        if (_PackedProduct.applies(a, b) and bias.dtype is _FLOAT32 and bias.shape == b.shape[1:]
+                and (residual is None or (residual.dtype is _FLOAT32 and residual.shape == a.shape[:-1] + b.shape[1:]))
+                and (gelu is None or _FLOAT32 in series)):
+            if packed is None:
+                packed = _PackedProduct()
+            return (packed(a, b, bias, residual, series[_FLOAT32] if gelu else None),)
         y = _product(a, b)
         if (y.dtype in _BLAS_FLOATS and y.size and bias.dtype == y.dtype and bias.shape == y.shape[-1:]
                 and (residual is None or (residual.shape == y.shape and residual.dtype == y.dtype))):

@@ -1,0 +1,186 @@
+"""The packed float32 MatMul (compiled/matmul.py): many rows times constant weights, with FusedMatMul's
+bias, Gelu and residual fused, split by column panels across the helper threads; against float64
+numpy, the unfused kernels and onnx's reference evaluator."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from model_helpers import make_model, record_calls, tensor_info
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+from onnx_runtime.ir import Node
+from onnx_runtime_ep_cpu import threads
+from onnx_runtime_ep_cpu.compiled import gemm
+from onnx_runtime_ep_cpu.compiled import transformer as compiled
+from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
+from onnx_runtime_ep_cpu.ops import linalg, nn
+
+pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="the packed MatMul needs an AVX-512 host")
+RNG = np.random.default_rng(41)
+
+
+@pytest.fixture(params=[1, 2, 3], ids=["one thread", "two threads", "three threads"])
+def kernel_threads(request, monkeypatch):
+    """One, two and three threads (parts beyond the helpers run on the caller), splitting even small
+    products."""
+    monkeypatch.setattr(threads, "_threads", request.param)
+    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
+    monkeypatch.setattr(linalg, "_SPLIT_MACS", 1)
+    return request.param
+
+
+def _constant(array: np.ndarray) -> np.ndarray:
+    """An initializer as kernels see it: a read-only array."""
+    array = np.array(array)
+    array.flags.writeable = False
+    return array
+
+
+def _matmul(a, b):
+    (y,) = linalg.matmul(Node("MatMul", ["a", "b"], ["y"], opset=13), None, 13)(a, b)
+    return y
+
+
+def _fused(activation="none"):
+    node = Node("FusedMatMul", ["a", "b", "c", "r"], ["y"], domain=FUSED_DOMAIN, attrs={"activation": activation},
+                opset=1)
+    return linalg.fused_matmul(node, None, 1)
+
+
+# (a's shape, b's shape): row counts that are whole 12- and 8-row tiles and ones that leave 1-11 rows
+# over, leading dimensions, depths from 1 up, widths with and without 32-column tails.
+SHAPES = [
+    ((128, 256), (256, 768)),
+    ((1, 128, 256), (256, 1000)),
+    ((2, 10, 64), (64, 33)),
+    ((16, 1), (1, 5)),
+    ((21, 300), (300, 32)),
+    ((131, 40), (40, 97)),
+    ((9, 3, 17), (17, 64)),
+]
+
+
+@pytest.mark.parametrize("a_shape,b_shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_packed_matmul_matches_float64(monkeypatch, kernel_threads, a_shape, b_shape):
+    a = RNG.standard_normal(a_shape, dtype=np.float32)
+    b = _constant(RNG.standard_normal(b_shape, dtype=np.float32))
+    taken = record_calls(monkeypatch, linalg._PackedProduct)
+    y = _matmul(a, b)
+    expected = a.astype(np.float64) @ b.astype(np.float64)
+    assert taken and y.dtype == np.float32 and y.shape == expected.shape and y.flags.c_contiguous
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.sqrt(b_shape[0]))
+
+
+def test_results_do_not_depend_on_the_thread_count(monkeypatch):
+    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
+    monkeypatch.setattr(linalg, "_SPLIT_MACS", 1)
+    a = RNG.standard_normal((37, 700), dtype=np.float32) * 100
+    b = _constant(RNG.standard_normal((700, 300), dtype=np.float32))
+    results = []
+    for count in (1, 2, 3):
+        monkeypatch.setattr(threads, "_threads", count)
+        results.append(_matmul(a, b))
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], results[2])
+
+
+@pytest.mark.parametrize("activation", ["none", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("rows", [128, 45])
+def test_fused_matmul_is_the_unfused_kernels_bit_for_bit(monkeypatch, kernel_threads, activation, rows):
+    """FusedMatMul's epilogue (bias, Gelu, residual) on the packed product gives the bits of the packed
+    MatMul kernel followed by the Add and Gelu nodes' kernels."""
+    a = (RNG.standard_normal((rows, 96)) * 3).astype(np.float32)
+    b = _constant(RNG.standard_normal((96, 200), dtype=np.float32))
+    bias = _constant(RNG.standard_normal(200, dtype=np.float32))
+    residual = RNG.standard_normal((rows, 200), dtype=np.float32)
+    taken = record_calls(monkeypatch, linalg._PackedProduct)
+    y = _matmul(a, b) + bias
+    gelu = {"gelu": "none", "gelu_tanh": "tanh"}.get(activation)
+    if gelu is not None:
+        y = nn.gelu(Node("Gelu", ["x"], ["y"], attrs={"approximate": gelu}, opset=20), None, 20)(y)[0]
+    np.testing.assert_array_equal(_fused(activation)(a, b, bias, residual)[0], y + residual)
+    np.testing.assert_array_equal(_fused(activation)(a, b, bias)[0], y)
+    assert len(taken) == 3
+
+
+def test_gelu_rows_match_the_exact_gelu(kernel_threads):
+    a = RNG.standard_normal((50, 64), dtype=np.float32)
+    b = _constant(RNG.standard_normal((64, 70), dtype=np.float32) * 0.5)
+    bias = _constant(RNG.standard_normal(70, dtype=np.float32))
+    (y,) = _fused("gelu")(a, b, bias)
+    u = a.astype(np.float64) @ b.astype(np.float64) + bias
+    from scipy.special import erf
+
+    np.testing.assert_allclose(y, 0.5 * u * (1 + erf(u / np.sqrt(2))), rtol=1e-4, atol=1e-5)
+
+
+def test_weights_are_packed_once_per_constant_array(monkeypatch):
+    from onnx_runtime_ep_cpu.compiled import matmul
+
+    packs = []
+    real = matmul.pack_columns
+    monkeypatch.setattr(matmul, "pack_columns", lambda w: packs.append(w) or real(w))
+    kernel = linalg.matmul(Node("MatMul", ["a", "b"], ["y"], opset=13), None, 13)
+    a = RNG.standard_normal((20, 8), dtype=np.float32)
+    b = _constant(RNG.standard_normal((8, 6), dtype=np.float32))
+    for _ in range(3):
+        np.testing.assert_allclose(kernel(a, b)[0], a @ b, rtol=1e-5, atol=1e-5)
+    assert len(packs) == 1
+    other = _constant(b * 2)
+    np.testing.assert_allclose(kernel(a, other)[0], a @ other, rtol=1e-5, atol=1e-5)
+    assert len(packs) == 2
+
+
+def test_fed_weights_few_rows_float64_and_batched_weights_stay_on_blas(monkeypatch):
+    taken = record_calls(monkeypatch, linalg._PackedProduct)
+    for a, b in [(np.ones((20, 4), np.float32), np.ones((4, 3), np.float32)),  # writeable: a fed input
+                 (np.ones((20, 4), np.float64), _constant(np.ones((4, 3), np.float64))),
+                 (np.ones((2, 20, 4), np.float32), _constant(np.ones((2, 4, 3), np.float32))),
+                 (np.ones((15, 4), np.float32), _constant(np.ones((4, 3), np.float32)))]:
+        np.testing.assert_array_equal(_matmul(a, b), a @ b)
+    assert not taken
+
+
+def test_mismatched_depth_is_numpys_error_not_a_read_past_the_weights(monkeypatch):
+    taken = record_calls(monkeypatch, linalg._PackedProduct)
+    with pytest.raises(ValueError, match="mismatch"):
+        _matmul(np.ones((20, 5), np.float32), _constant(np.ones((4, 3), np.float32)))
+    assert not taken
+
+
+def test_a_prefill_shaped_model_matches_the_reference(monkeypatch):
+    """Through a session, as a user runs it: 40 tokens through MatMul + bias + Gelu + MatMul + bias +
+    residual (fused into FusedMatMul nodes) with constant weights."""
+    import onnx_runtime as ort
+
+    monkeypatch.setattr(linalg, "_SPLIT_MACS", 1)
+    w1 = RNG.standard_normal((64, 256), dtype=np.float32) * 0.1
+    w2 = RNG.standard_normal((256, 64), dtype=np.float32) * 0.1
+    b1, b2 = RNG.standard_normal(256, dtype=np.float32), RNG.standard_normal(64, dtype=np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Add", ["h", "b1"], ["hb"]),
+             helper.make_node("Gelu", ["hb"], ["g"]), helper.make_node("MatMul", ["g", "w2"], ["o"]),
+             helper.make_node("Add", ["o", "b2"], ["ob"]), helper.make_node("Add", ["ob", "x"], ["y"])]
+    model = make_model(nodes, [tensor_info("x", TensorProto.FLOAT, [1, 40, 64])],
+                       [tensor_info("y", TensorProto.FLOAT, [1, 40, 64])],
+                       [numpy_helper.from_array(v, n) for n, v in (("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2))],
+                       opset=20)
+    taken = record_calls(monkeypatch, linalg._PackedProduct)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert [n.op_type for n in session.placement().nodes] == ["FusedMatMul", "FusedMatMul"]
+    for _ in range(3):
+        x = RNG.standard_normal((1, 40, 64), dtype=np.float32)
+        (y,) = session.run(None, {"x": x})
+        (expected,) = ReferenceEvaluator(model).run(None, {"x": x})
+        np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4)
+    assert len(taken) == 6
+
+
+def test_compiled_gelu_is_what_the_fused_epilogue_runs():
+    """The epilogue's Gelu is compiled.gelu_float32_ (the Gelu node's loop), per row of the product."""
+    a = RNG.standard_normal((16, 8), dtype=np.float32)
+    b = _constant(RNG.standard_normal((8, 40), dtype=np.float32))
+    bias = _constant(RNG.standard_normal(40, dtype=np.float32))
+    product = _matmul(a, b)
+    coefficients = nn._gelu_series("tanh", np.float32)
+    np.testing.assert_array_equal(_fused("gelu_tanh")(a, b, bias)[0], compiled.gelu(product, coefficients, bias))
