@@ -184,3 +184,31 @@ def test_compiled_gelu_is_what_the_fused_epilogue_runs():
     product = _matmul(a, b)
     coefficients = nn._gelu_series("tanh", np.float32)
     np.testing.assert_array_equal(_fused("gelu_tanh")(a, b, bias)[0], compiled.gelu(product, coefficients, bias))
+
+
+def test_a_part_no_helper_starts_is_taken_back_by_the_caller():
+    """A part posted to a helper that does not start it (here: a mailbox no thread serves, as a helper
+    descheduled behind another process's spinning threads) is run by the caller once its own part is
+    done, in the helper's place, instead of waiting for it."""
+    import threading
+
+    from onnx_runtime_ep_cpu.compiled import jobs, matmul, workers
+
+    a = RNG.standard_normal((40, 64), dtype=np.float32)
+    b = RNG.standard_normal((64, 100), dtype=np.float32)
+    packed, depth, n = matmul.pack_columns(b), 64, 100
+    scratch = np.empty(matmul.scratch_size(depth), dtype=np.float32)
+    mailboxes = np.zeros((1, workers.MAILBOX_SIZE), dtype=np.int64)  # served by no thread
+    mailboxes[0, workers.BUFFER], mailboxes[0, workers.BUFFER_SIZE] = scratch.ctypes.data, scratch.size
+    states = np.zeros(1, dtype=np.int64)
+    y = np.full(40 * n, np.nan, dtype=np.float32)
+    empty = np.empty(0, dtype=np.float32)
+    arguments = (a.reshape(-1), depth, 40, depth, packed, gemm.packed_offsets(depth), empty, y, n, empty, 0, empty,
+                 np.array([0, 2, packed.shape[0]], dtype=np.int64), workers.local_mailbox(matmul.scratch_size(depth)),
+                 mailboxes, states, jobs.MATMUL.address())
+    caller = threading.Thread(target=jobs.split_matmul, args=arguments, daemon=True)
+    caller.start()
+    caller.join(timeout=30)
+    assert not caller.is_alive(), "the caller waited for a helper that never started its part"
+    assert states[0] == 0 and mailboxes[0, workers.CLAIMED] == mailboxes[0, workers.POSTED] == 1
+    np.testing.assert_allclose(y.reshape(40, n), a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)

@@ -29,6 +29,10 @@ Measured on a 2-CPU virtual machine, and built around it:
   wakes the helper for later jobs. The helper never takes the GIL after it starts: one that slept on
   a Python Event made the caller stall in GIL handoffs, whole 5 ms switch intervals, on waking it.
 - A helper the scheduler put on the caller's CPU is moved off it (``Helpers._spread``).
+- A part its helper has not started by the time the caller has run its own is taken back (claimed
+  by compare-and-swap, ``collect``) and run by the caller: such a helper is descheduled, e.g. behind
+  another pool spinning on its CPU, and waiting for it cost whole time slices (a GPT prefill next to
+  onnxruntime's spinning pool: 13 -> 10 ms per run; on an idle machine the helper always starts first).
 - Another pool spinning on the same CPUs (numpy's multi-threaded BLAS keeps a worker spinning for
   ~0.1 s after each call) takes half of every helper's time slice: the models whose convolutions
   run here also run their classifier's product here (gemv.py), not in BLAS.
@@ -50,6 +54,7 @@ from . import jit, llvm
 # Mailbox slots. Sequence numbers: POSTED is bumped by the caller, DONE set by the helper. RUNNER:
 # the address of the job's compiled runner (a Kind's); BUFFER, BUFFER_SIZE: the runner's scratch.
 POSTED, DONE, SLEEPING, CPU, RUNNER, BUFFER, BUFFER_SIZE = 0, 1, 2, 3, 4, 5, 6  # CPU: of the last job
+CLAIMED = 7  # the sequence number of the last job claimed, by the helper or by a caller taking it back
 ARGS = 8  # the job's arguments from here on, as its Kind's writer puts them
 MAILBOX_SIZE = 64
 _SPIN_SECONDS = 5e-3
@@ -76,6 +81,20 @@ def _atomic_store(typingctx, array, index, value):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
         builder.store_atomic(args[2], builder.gep(data, [args[1]]), "seq_cst", 8)
         return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def _atomic_swap_if(typingctx, array, index, expected, value):
+    """array[index] = value if it holds ``expected`` (int64, compare-and-swap, sequentially consistent);
+    returns whether it did."""
+    signature = types.boolean(array, index, expected, value)
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        outcome = builder.cmpxchg(builder.gep(data, [args[1]]), args[2], args[3], "seq_cst", "seq_cst")
+        return builder.extract_value(outcome, 1)
 
     return signature, codegen
 
@@ -155,8 +174,9 @@ def _serve(mailbox, spin_cycles):
     while True:
         posted = _atomic_load(mailbox, POSTED)
         if posted != seen:
-            mailbox[CPU] = _sched_getcpu()
-            _call_runner(mailbox[RUNNER], mailbox)
+            if _claim(mailbox, posted):  # else the caller took the job back (collect) and ran it
+                mailbox[CPU] = _sched_getcpu()
+                _call_runner(mailbox[RUNNER], mailbox)
             seen = posted
             _atomic_store(mailbox, DONE, posted)
             idle_since = _cycles()
@@ -171,6 +191,15 @@ def _serve(mailbox, spin_cycles):
                     _syscall(_SYS_FUTEX, sleeping, _FUTEX_WAIT_PRIVATE, 1, 0)  # returns at once unless still 1
             _atomic_store(mailbox, SLEEPING, 0)
             idle_since = _cycles()
+
+
+@jit
+def _claim(mailbox, sequence):
+    """Claim job ``sequence`` of ``mailbox`` for the calling thread: True for exactly one of the helper
+    and the caller that try (sequence numbers only grow, so an earlier job's claim cannot be mistaken
+    for this one's)."""
+    claimed = _atomic_load(mailbox, CLAIMED)
+    return claimed < sequence and _atomic_swap_if(mailbox, CLAIMED, claimed, sequence)
 
 
 @jit
@@ -248,16 +277,23 @@ def offer(mailboxes, states, helper, runner):
 
 @jit
 def collect(mailboxes, states, helpers):
-    """Wait for the parts offered to helpers < ``helpers``; returns 0, or _SPREAD when Helpers.settle
-    must move a helper off the caller's CPU."""
+    """Wait for the parts offered to helpers < ``helpers``, running here those a helper has not started
+    yet (the caller has run its own part meanwhile, so that helper is not running: descheduled, e.g.
+    by another process's spinning threads on its CPU, where waiting would cost the caller whole time
+    slices); returns 0, or _SPREAD when Helpers.settle must move a helper off the caller's CPU."""
     here = _sched_getcpu()
     result = 0
     for helper in range(helpers):
-        if states[helper] > 0:
-            _wait(mailboxes[helper], states[helper])
+        sequence = states[helper]
+        if sequence > 0:
+            mailbox = mailboxes[helper]
+            if _claim(mailbox, sequence):
+                _call_runner(mailbox[RUNNER], mailbox)  # with the helper's scratch: it is not running
+            else:
+                _wait(mailbox, sequence)
+                if mailbox[CPU] == here:
+                    result |= _SPREAD
             states[helper] = 0
-            if mailboxes[helper, CPU] == here:
-                result |= _SPREAD
     return result
 
 
