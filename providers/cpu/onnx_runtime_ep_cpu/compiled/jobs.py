@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import depthwise, epilogue, gemm, gemv, jit, matmul, pooling
+from . import attention, depthwise, epilogue, gemm, gemv, jit, matmul, pooling
 from .workers import (
     ARGS,
     BUFFER,
@@ -132,6 +132,60 @@ def split_matmul(x, lda, rows, depth, packed, offsets, bias, y, n, residual, fla
         if here[part]:
             _write_matmul(own, x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients,
                           bounds[part], bounds[part + 1])
+            run_here(runner, own)
+    return collect(mailboxes, states, helpers)
+
+
+@jit
+def _write_attention(m, q, q_strides, k, k_strides, v, v_strides, y, y_strides, heads, kv_heads, total, head_size,
+                     value_size, scale, mask, plan, extents, first, end, status):
+    a = ARGS
+    m[a + 0], m[a + 1], m[a + 2] = q.ctypes.data, q.shape[0], q_strides.ctypes.data
+    m[a + 3], m[a + 4], m[a + 5] = k.ctypes.data, k.shape[0], k_strides.ctypes.data
+    m[a + 6], m[a + 7], m[a + 8] = v.ctypes.data, v.shape[0], v_strides.ctypes.data
+    m[a + 9], m[a + 10], m[a + 11] = y.ctypes.data, y.shape[0], y_strides.ctypes.data
+    m[a + 12], m[a + 13], m[a + 14], m[a + 15], m[a + 16] = heads, kv_heads, total, head_size, value_size
+    m[a + 17], m[a + 18], m[a + 19], m[a + 20] = scale.ctypes.data, mask.ctypes.data, mask.shape[0], mask.shape[1]
+    m[a + 21], m[a + 22], m[a + 23] = plan.ctypes.data, plan.shape[0], extents.ctypes.data
+    m[a + 24], m[a + 25], m[a + 26] = first, end, status.ctypes.data
+
+
+def _attention_entry(pointer):
+    m = mailbox_view(pointer)
+    a = ARGS
+    attention.attention_units(
+        float_array(m[a + 0], (m[a + 1],)), int_array(m[a + 2], (3,)), float_array(m[a + 3], (m[a + 4],)),
+        int_array(m[a + 5], (3,)), float_array(m[a + 6], (m[a + 7],)), int_array(m[a + 8], (3,)),
+        float_array(m[a + 9], (m[a + 10],)), int_array(m[a + 11], (3,)), m[a + 12], m[a + 13], m[a + 14], m[a + 15],
+        m[a + 16], float_array(m[a + 17], (1,))[0], float_array(m[a + 18], (m[a + 19], m[a + 20])),
+        int_array(m[a + 21], (m[a + 22], 3)), int_array(m[a + 23], (m[a + 22],)), m[a + 24], m[a + 25],
+        float_array(m[BUFFER], (m[BUFFER_SIZE],)), int_array(m[a + 26], (1,)))
+
+
+# attention.attention_units, one part: (q, q_strides, k, k_strides, v, v_strides, y, y_strides, heads, kv_heads,
+# total, head_size, value_size, scale (a float32 array of one), mask, plan, extents, first unit, end unit, status).
+ATTENTION = Kind(_write_attention, lambda: compile_runner(_attention_entry),
+                 scratch=lambda part: attention.scratch_size(part[11], part[12], part[10]))
+
+
+@jit
+def split_attention(q, q_strides, k, k_strides, v, v_strides, y, y_strides, heads, kv_heads, total, head_size,
+                    value_size, scale, mask, plan, extents, bounds, status, own, mailboxes, states, runner):
+    """Attention's units in parts, bounds[i] .. bounds[i + 1] for part i, posted as split_conv's. Returns
+    workers.collect's result."""
+    parts = bounds.shape[0] - 1
+    helpers = min(parts - 1, mailboxes.shape[0])
+    here = np.ones(parts, dtype=np.bool_)
+    for part in range(1, helpers + 1):
+        _write_attention(mailboxes[part - 1], q, q_strides, k, k_strides, v, v_strides, y, y_strides, heads,
+                         kv_heads, total, head_size, value_size, scale, mask, plan, extents, bounds[part],
+                         bounds[part + 1], status)
+        here[part] = not offer(mailboxes, states, part - 1, runner)
+    for part in range(parts):
+        if here[part]:
+            _write_attention(own, q, q_strides, k, k_strides, v, v_strides, y, y_strides, heads, kv_heads, total,
+                             head_size, value_size, scale, mask, plan, extents, bounds[part], bounds[part + 1],
+                             status)
             run_here(runner, own)
     return collect(mailboxes, states, helpers)
 

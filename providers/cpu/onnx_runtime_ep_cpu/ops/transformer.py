@@ -19,6 +19,7 @@ from onnx_runtime.session.subgraph import Subgraph
 
 from ..compiled import COMPILED_DTYPES
 from ..registry import register
+from ..threads import helper_count, kernel_threads
 from .elementwise import _sigmoid
 from .nn import _compute_dtype, _graph_error, _normalize_axis, _stash_dtype, _upcast
 
@@ -204,6 +205,7 @@ class _Attention:
         frontier_only = self.static_visible is not None and self.static_visible.ndim == 2 and not _has_input(node, 3)
         self.compiled = None
         self.frontier = None
+        self._tiles: dict[tuple, _TiledLayout] = {}  # per input shapes, for _tiled_attention
         if self.softcap <= 0 and not self.wants_qk and not self.has_nonpad and not _has_input(node, 4) \
                 and _softmax_dtype(node, np.float32) == np.float32 and (self.static_visible is None or frontier_only):
             from ..compiled import transformer as compiled
@@ -303,6 +305,8 @@ class _Attention:
         bias = self._compiled_bias(mask)
         if bias is None or q.size == 0 or k.size == 0:
             return None
+        if geo.q_len >= _TILED_ROWS and geo.v_head_size % 32 == 0 and _tiles_run_here():
+            return self._tiled_attention(q, k, v, bias)
         queries = geo.to_heads(q, geo.q_heads)
         keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
         keys_t = keys.swapaxes(-1, -2)
@@ -324,6 +328,40 @@ class _Attention:
         y = np.matmul(scores, values)
         self.compiled.divide_by_row_sums_(scores.reshape(-1, scores.shape[-1]), y.reshape(-1, y.shape[-1]))
         return geo.from_heads(y.reshape(batch, heads, rows, values.shape[-1])), keys, values
+
+    def _tiled_attention(self, q, k, v, bias):
+        """compiled_attention's result through compiled/attention.py: one (batch, head) unit per thread at a
+        time, tiles of query rows over the keys the mask leaves visible to them, the scores kept in
+        cache. None where a row has no finite score (as compiled_attention)."""
+        from ..compiled import jobs, workers
+
+        geo = self.geo
+        q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
+        key = (q.shape, k.shape, v.shape, kernel_threads())
+        layout = self._tiles.get(key)
+        if layout is None:
+            if len(self._tiles) > 64:  # shapes vary without bound (a growing sequence): start over
+                self._tiles.clear()
+            layout = self._tiles[key] = _TiledLayout(geo, q, k, v, self.scale)
+        size = geo.head_size
+        if bias.size:
+            gap = 128.0 + 2.0 * abs(self.scale) * 1.001 * self.compiled.largest_row_norm(q.reshape(-1, size)) * \
+                self.compiled.largest_row_norm(k.reshape(-1, size))  # as _hiding_gap, over every head's rows
+            extents = np.maximum.reduceat(self.compiled.key_extents(bias, 1, gap), layout.starts)
+        else:
+            extents = layout.every_key
+        y = np.empty(layout.y_shape, np.float32)
+        status = np.zeros(1, np.int64)
+        arguments = (q.reshape(-1), layout.q_strides, k.reshape(-1), layout.k_strides, v.reshape(-1),
+                     layout.v_strides, y.reshape(-1), layout.y_strides, *layout.sizes, layout.scale, bias, layout.plan,
+                     extents, layout.bounds, status, workers.local_mailbox(layout.scratch))
+        runner = jobs.ATTENTION.address()
+        pool = workers.helpers(helper_count()) if len(layout.bounds) > 2 else None
+        if pool is None or pool.call(jobs.split_attention, arguments, runner, layout.scratch) is None:
+            jobs.split_attention(*arguments, *_alone(), runner)  # one thread, or another caller has the helpers
+        if status[0]:
+            return None
+        return y, geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
 
     def _hiding_gap(self, queries, keys_t) -> float:
         """How far below a row's largest bias a key's bias must lie for its weight to be exactly zero, for
@@ -392,6 +430,55 @@ class _Attention:
         totals = weights.reshape(-1, weights.shape[-1]) @ np.ones((weights.shape[-1], 1), np.float32)
         y /= totals.reshape(y.shape[:-1] + (1,))
         return geo.from_heads(y.reshape(batch, heads, rows, values.shape[-1])), keys, values
+
+
+# Queries from which attention runs compiled/attention.py's tiles (a prefill's; a decode step's few rows
+# keep compiled_attention's products); work (multiply-adds) per thread from which it is split.
+_TILED_ROWS = 16
+_SPLIT_MACS = 1 << 20
+
+
+def _tiles_run_here() -> bool:
+    """Whether compiled/attention.py runs on this host (AVX-512, as the packed convolution)."""
+    from ..compiled import gemm
+
+    return gemm.AVAILABLE
+
+
+class _TiledLayout:
+    """What _tiled_attention passes compiled/attention.py for one set of C-contiguous input shapes: the
+    query tiles, the element strides of Q, K, V and Y as (B, H, S, D) views of their flat memory, the
+    scalars, the units' split across threads and the scratch each needs."""
+
+    def __init__(self, geo: _AttentionGeometry, q, k, v, scale: float):
+        from ..compiled import attention
+
+        def strides(x, heads):
+            return np.array([stride // 4 for stride in geo.to_heads(x, heads).strides[:3]], np.int64)
+
+        batch, heads = q.shape[0], geo.q_heads
+        self.y_shape = q.shape[:-1] + (heads * geo.v_head_size,) if geo.rank == 3 else \
+            (batch, heads, geo.q_len, geo.v_head_size)
+        self.q_strides, self.k_strides, self.v_strides = strides(q, heads), strides(k, geo.kv_heads), \
+            strides(v, geo.kv_heads)
+        self.y_strides = strides(np.empty(self.y_shape, np.float32), heads)
+        self.sizes = (heads, geo.kv_heads, geo.total_len, geo.head_size, geo.v_head_size)
+        self.scale = np.array([scale], np.float32)
+        self.plan = attention.tiles(geo.q_len)
+        self.starts = np.ascontiguousarray(self.plan[:, 0])
+        self.every_key = np.full(len(self.plan), geo.total_len, np.int64)
+        units = batch * heads
+        work = units * geo.q_len * geo.total_len * (geo.head_size + geo.v_head_size)
+        threads = max(1, min(kernel_threads(), units, work // _SPLIT_MACS))
+        self.bounds = np.array([units * t // threads for t in range(threads + 1)], np.int64)
+        self.scratch = attention.scratch_size(geo.head_size, geo.v_head_size, geo.total_len)
+
+
+def _alone() -> tuple:
+    """split_* callers' (mailboxes, states) with no helpers."""
+    from .linalg import _alone as alone
+
+    return alone()
 
 
 @register("Attention", since=23)

@@ -1,0 +1,125 @@
+"""Float32 scaled dot-product attention, one tile of query rows at a time, through gemm.py's microkernel.
+
+Through numpy, a prefill's attention is a batched QK^T product, a mask-and-shift pass, exp, a
+batched PV product and a division, each a pass over (heads x queries x keys) scores in memory, and
+its products OpenBLAS's (whose spinning pool fights the helper threads of workers.py). Here each
+(batch, head) unit runs on one thread: K^T is packed once per KV head into rows of keys, then for each
+tile of 12 (or 8) query rows the scores tile (rows x visible keys) is computed by the microkernel,
+turned into unnormalized softmax weights in place (scale, mask, shift by the row's maximum, exp), and
+multiplied by V read in place; each output row is divided by its weights' sum as it is stored. The
+scores never leave the core's cache, and keys that the mask hides from every row of a tile (a causal
+mask's future) are not computed at all. Results do not depend on how units are split across threads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import gemm, jit
+from .gemm import NR
+from .transformer import exp_nonpositive_float32, row_max, row_sum
+
+_kernel_12, _kernel_8 = gemm.matmul_kernel(12), gemm.matmul_kernel(8)
+_IDENTITY = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)
+
+
+def padded_keys(total: int) -> int:
+    """Keys rounded up to whole NR-lane panels: the width of packed K^T rows and of a scores tile."""
+    return -(-total // NR) * NR
+
+
+def scratch_size(head_size: int, value_size: int, total: int) -> int:
+    """Floats of scratch attention_units needs: K^T packed, a scores tile, an output tile, padded queries."""
+    return head_size * padded_keys(total) + 12 * padded_keys(total) + 12 * value_size + 12 * head_size
+
+
+def tiles(rows: int) -> np.ndarray:
+    """The query tiles (first row, rows, tile height) of ``rows`` queries: 12-row tiles, then 8."""
+    plan, t0 = [], 0
+    while t0 < rows:
+        mr = 12 if rows - t0 >= 12 else 8
+        plan.append((t0, min(mr, rows - t0), mr))
+        t0 += min(mr, rows - t0)
+    return np.array(plan, dtype=np.int64).reshape(-1, 3)
+
+
+@jit
+def _tile(mr, a, lda, b, rows, c, depth, ldc):
+    if mr == 8:
+        _kernel_8(a, lda, b, rows, c, depth, ldc, c, c, 0, 0, _IDENTITY)
+    else:
+        _kernel_12(a, lda, b, rows, c, depth, ldc, c, c, 0, 0, _IDENTITY)
+
+
+@jit
+def attention_units(q, q_strides, k, k_strides, v, v_strides, y, y_strides, heads, kv_heads, total, head_size,
+                    value_size, scale, mask, plan, extents, first, end, scratch, status):
+    """Units (batch * heads + head) first .. end of softmax(Q K^T * scale + mask) V into y.
+
+    q, k, v and y are flat views of (B, H, S, D)-strided memory from their first element: element
+    (b, h, s, d) at b*strides[0] + h*strides[1] + s*strides[2] + d (q with ``heads``, k and v with
+    ``kv_heads``, which a group of consecutive query heads shares). ``mask``: the (queries, total)
+    additive mask, or empty. ``plan``: tiles(queries); ``extents[t]``: the keys tile t computes (one
+    past the last key a row of it can see). status[0] is set to 1, and the unit abandoned, when a
+    row has no finite score (the caller then takes its general path)."""
+    padded = (total + NR - 1) // NR * NR  # padded_keys(total)
+    packed = scratch[: head_size * padded]
+    scores = scratch[head_size * padded: head_size * padded + 12 * padded]
+    out = scratch[head_size * padded + 12 * padded: head_size * padded + 12 * padded + 12 * value_size]
+    queries = scratch[head_size * padded + 12 * padded + 12 * value_size:]
+    key_rows = np.arange(head_size) * padded  # row d of K^T, in ``packed``
+    value_rows = np.arange(total) * v_strides[2]  # row j of V, from the head's first element
+    with_mask = mask.shape[0] > 0
+    group = heads // kv_heads
+    packed_for = -1
+    for unit in range(first, end):
+        b, h = unit // heads, unit % heads
+        kv = b * kv_heads + h // group
+        k_at, v_at = b * k_strides[0] + (h // group) * k_strides[1], b * v_strides[0] + (h // group) * v_strides[1]
+        if kv != packed_for:  # K^T of this KV head, rows of keys padded with zeros to whole panels
+            for j in range(total):  # (key by key: K's rows read in order, their columns scattered in L1)
+                key = k[k_at + j * k_strides[2]: k_at + j * k_strides[2] + head_size]
+                for d in range(head_size):
+                    packed[d * padded + j] = key[d]
+            for d in range(head_size):
+                packed[d * padded + total: (d + 1) * padded] = 0
+            packed_for = kv
+        q_at, y_at = b * q_strides[0] + h * q_strides[1], b * y_strides[0] + h * y_strides[1]
+        for t in range(plan.shape[0]):
+            t0, rows, mr = plan[t, 0], plan[t, 1], plan[t, 2]
+            extent = extents[t]
+            if rows == mr:
+                a, lda = q[q_at + t0 * q_strides[2]:], q_strides[2]
+            else:  # the last rows, padded with zero rows to a whole tile
+                a, lda = queries, head_size
+                queries[: mr * head_size] = 0
+                for i in range(rows):
+                    for d in range(head_size):
+                        queries[i * head_size + d] = q[q_at + (t0 + i) * q_strides[2] + d]
+            for p in range(-(-extent // NR)):
+                _tile(mr, a, lda, packed[p * NR:], key_rows, scores[p * NR:], head_size, padded)
+            for i in range(rows):
+                row = scores[i * padded: i * padded + extent]
+                if with_mask:
+                    visible = mask[t0 + i]
+                    for j in range(extent):
+                        row[j] = row[j] * scale + visible[j]
+                else:
+                    for j in range(extent):
+                        row[j] = row[j] * scale
+                peak = row_max(row)  # (a NaN score makes its weight, and so its row, NaN, as numpy's softmax)
+                if not (abs(peak) < np.float32(np.inf)):  # a row without a finite score
+                    status[0] = 1
+                    return
+                for j in range(extent):
+                    row[j] = exp_nonpositive_float32(row[j] - peak)
+            for i in range(rows, mr):  # padded rows: weights of zero
+                scores[i * padded: i * padded + extent] = 0
+            for p in range(value_size // NR):
+                _tile(mr, scores, padded, v[v_at + p * NR:], value_rows, out[p * NR:], extent, value_size)
+            for i in range(rows):
+                total_weight = row_sum(scores[i * padded: i * padded + extent])
+                target = y_at + (t0 + i) * y_strides[2]
+                line, source = y[target: target + value_size], out[i * value_size: (i + 1) * value_size]
+                for d in range(value_size):
+                    line[d] = source[d] / total_weight

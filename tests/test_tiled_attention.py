@@ -1,0 +1,118 @@
+"""The tiled float32 attention (compiled/attention.py): query tiles through the microkernel, softmax in
+cache, hidden keys skipped, (batch, head) units split across the helper threads; against the numpy
+paths and onnx's reference evaluator."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_runtime as ort
+import pytest
+from model_helpers import make_model, tensor_info
+from onnx import helper
+from onnx.reference import ReferenceEvaluator
+from onnx_runtime_ep_cpu import threads
+from onnx_runtime_ep_cpu.compiled import attention, gemm
+from onnx_runtime_ep_cpu.ops import transformer as ops_transformer
+from test_compiled_transformer import MASKS, _attention, _mask, _no_compiled, _qkv
+
+pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="the tiled attention needs an AVX-512 host")
+
+
+@pytest.fixture
+def tiled_calls(monkeypatch):
+    """The results of _tiled_attention in this test (None where it handed over to another path)."""
+    results = []
+    real = ops_transformer._Attention._tiled_attention
+    monkeypatch.setattr(ops_transformer._Attention, "_tiled_attention",
+                        lambda self, *args: results.append(real(self, *args)) or results[-1])
+    return results
+
+
+# (batch, query heads, KV heads, queries, keys, head size, value head size... as _qkv: one size, rank)
+GEOMETRIES = [(1, 4, 4, 16, 16, 32, 4), (2, 4, 2, 37, 45, 32, 3), (1, 2, 1, 128, 128, 64, 3),
+              (1, 3, 3, 20, 300, 32, 4), (1, 2, 2, 129, 129, 64, 4)]
+
+
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "-".join(map(str, g)))
+def test_tiled_attention_matches_the_numpy_path(tiled_calls, mask_kind, geometry):
+    batch, q_heads, kv_heads, q_len, kv_len, size, rank = geometry
+    q, k, v = _qkv(batch, q_heads, kv_heads, q_len, kv_len, size, rank)
+    mask = _mask(mask_kind, q_len, kv_len)
+    attrs = {"q_num_heads": q_heads, "kv_num_heads": kv_heads} if rank == 3 else {}
+    if mask_kind == "causal_attr":
+        attrs["is_causal"] = 1
+    shapes = [q.shape, k.shape, v.shape] + ([] if mask is None else [mask.shape])
+    args = (q, k, v) if mask is None else (q, k, v, mask)
+    got = _attention(shapes, scale=0.3, **attrs)(*args)
+    want = _no_compiled(_attention(shapes, scale=0.3, **attrs))(*args)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)  # float32 sums over up to 300 keys
+    # A float mask over every query and key (or none) runs the tiles; a row that sees no key hands over.
+    if mask_kind in ("none", "2d", "4d", "causal_attr"):
+        assert len(tiled_calls) == 1 and tiled_calls[0] is not None
+    elif mask_kind == "row_masked":
+        assert tiled_calls == [None]
+    else:  # boolean and broadcasting masks: the other paths
+        assert not tiled_calls
+
+
+def test_results_do_not_depend_on_the_thread_count(monkeypatch, tiled_calls):
+    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
+    monkeypatch.setattr(ops_transformer, "_SPLIT_MACS", 1)
+    q, k, v = _qkv(2, 4, 2, 50, 50, 32, 3)
+    mask = _mask("2d", 50, 50)
+    results = []
+    for count in (1, 2, 3):
+        monkeypatch.setattr(threads, "_threads", count)
+        attn = _attention([q.shape, k.shape, v.shape, mask.shape], q_num_heads=4, kv_num_heads=2)
+        results.append(attn(q, k, v, mask)[0])
+    assert len(tiled_calls) == 3 and all(r is not None for r in tiled_calls)
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], results[2])
+
+
+def test_a_finite_causal_mask_skips_the_future_and_keeps_the_weights():
+    """-1e9 above the diagonal (a PyTorch export's causal mask): each tile computes only the keys up to
+    its last row, and the outputs are the full computation's."""
+    q, k, v = _qkv(1, 2, 2, 64, 64, 32, 4)
+    mask = np.triu(np.full((64, 64), -1e9, np.float32), 1)
+    plan = attention.tiles(64)
+    assert plan.tolist() == [[0, 12, 12], [12, 12, 12], [24, 12, 12], [36, 12, 12], [48, 12, 12], [60, 4, 8]]
+    shapes = [q.shape, k.shape, v.shape, mask.shape]
+    got = _attention(shapes)(q, k, v, mask)[0]
+    want = _no_compiled(_attention(shapes))(q, k, v, mask)[0]
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5)
+
+
+def test_non_finite_inputs_spread_as_in_the_numpy_path(tiled_calls):
+    """A NaN key makes the weights of the rows that see it NaN (numpy's softmax spreads it over the row),
+    an infinite value spreads through the product; a NaN query leaves its row without a finite score,
+    which the general path decides."""
+    q, k, v = _qkv(1, 2, 2, 24, 24, 32, 4)
+    k[0, 1, 7, 3] = np.nan
+    v[0, 0, 9, 0] = np.inf
+    shapes = [q.shape, k.shape, v.shape]
+    got = _attention(shapes)(q, k, v)[0]
+    want = _no_compiled(_attention(shapes))(q, k, v)[0]
+    assert len(tiled_calls) == 1 and tiled_calls[0][0] is got and np.isnan(got).any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5)
+    q[0, 0, 5, 3] = np.nan
+    got = _attention(shapes)(q, k, v)[0]
+    assert tiled_calls[1] is None
+    np.testing.assert_allclose(got, _no_compiled(_attention(shapes))(q, k, v)[0], rtol=2e-5, atol=1e-5)
+
+
+def test_a_prefill_attention_matches_onnx_reference(tiled_calls):
+    """Through a session, as a user runs it: 3-D Q/K/V of 40 tokens, grouped-query heads, a causal mask."""
+    q, k, v = _qkv(1, 4, 2, 40, 40, 32, 3)
+    nodes = [helper.make_node("Attention", ["q", "k", "v"], ["y"], q_num_heads=4, kv_num_heads=2, is_causal=1)]
+    inputs = [tensor_info(n, shape=list(a.shape)) for n, a in (("q", q), ("k", k), ("v", v))]
+    model = make_model(nodes, inputs, [tensor_info("y", shape=list(q.shape))], opset=23)
+    feeds = {"q": q, "k": k, "v": v}
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    np.testing.assert_allclose(sess.run(None, feeds)[0], ReferenceEvaluator(model).run(None, feeds)[0],
+                               rtol=1e-5, atol=1e-6)
+    assert tiled_calls and tiled_calls[0] is not None
