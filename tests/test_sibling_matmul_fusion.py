@@ -105,13 +105,13 @@ def test_a_weight_read_elsewhere_stays_and_the_pass_can_be_disabled(any_size):
     assert [n.op_type for n in sess.model.graph.nodes] == ["MatMul", "MatMul", "Transpose"]
 
 
-def test_only_products_big_enough_for_blas_to_thread_are_merged():
+def test_only_products_big_enough_to_split_across_threads_are_merged():
     def model(width):
         nodes = [helper.make_node("MatMul", ["x", "wa"], ["a"]), helper.make_node("MatMul", ["x", "wb"], ["b"])]
         return make_model(nodes, [tensor_info("x", shape=[1, 64])], [tensor_info("a"), tensor_info("b")],
                           [_init("wa", (64, width)), _init("wb", (64, width))])
 
     feeds = {"x": RNG.standard_normal((1, 64)).astype(np.float32)}
-    assert 64 * 2 * 3592 < sibling_matmul_fusion._MIN_MERGED_SIZE <= 64 * 2 * 3608
-    assert [n.op_type for n in _checked(model(3592), feeds).model.graph.nodes] == ["MatMul", "MatMul"]
-    assert [n.op_type for n in _checked(model(3608), feeds).model.graph.nodes] == ["MatMul", "Split"]
+    assert 64 * 2 * 504 < sibling_matmul_fusion._MIN_MERGED_SIZE <= 64 * 2 * 512
+    assert [n.op_type for n in _checked(model(504), feeds).model.graph.nodes] == ["MatMul", "MatMul"]
+    assert [n.op_type for n in _checked(model(512), feeds).model.graph.nodes] == ["MatMul", "Split"]
