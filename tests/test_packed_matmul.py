@@ -51,6 +51,7 @@ def _fused(activation="none"):
 # (a's shape, b's shape): row counts that are whole 12- and 8-row tiles and ones that leave 1-11 rows
 # over, leading dimensions, depths from 1 up, widths with and without 32-column tails.
 SHAPES = [
+    ((9, 70), (70, 40)),
     ((128, 256), (256, 768)),
     ((1, 128, 256), (256, 1000)),
     ((2, 10, 64), (64, 33)),
@@ -137,7 +138,7 @@ def test_fed_weights_few_rows_float64_and_batched_weights_stay_on_blas(monkeypat
     for a, b in [(np.ones((20, 4), np.float32), np.ones((4, 3), np.float32)),  # writeable: a fed input
                  (np.ones((20, 4), np.float64), _constant(np.ones((4, 3), np.float64))),
                  (np.ones((2, 20, 4), np.float32), _constant(np.ones((2, 4, 3), np.float32))),
-                 (np.ones((15, 4), np.float32), _constant(np.ones((4, 3), np.float32)))]:
+                 (np.ones((8, 4), np.float32), _constant(np.ones((4, 3), np.float32)))]:  # few rows: gemv.py's
         np.testing.assert_array_equal(_matmul(a, b), a @ b)
     assert not taken
 
@@ -212,3 +213,32 @@ def test_a_part_no_helper_starts_is_taken_back_by_the_caller():
     assert not caller.is_alive(), "the caller waited for a helper that never started its part"
     assert states[0] == 0 and mailboxes[0, workers.CLAIMED] == mailboxes[0, workers.POSTED] == 1
     np.testing.assert_allclose(y.reshape(40, n), a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("c_shape", [None, (60,), (1, 60), (20, 60)])
+def test_gemm_of_a_batch_runs_packed_with_c_as_bias_or_residual(monkeypatch, kernel_threads, trans_b, c_shape):
+    """A classifier's Gemm over a batch (transB weights, C per column or whole) through the packed product."""
+    a = RNG.standard_normal((20, 50), dtype=np.float32)
+    w = _constant(RNG.standard_normal((60, 50) if trans_b else (50, 60), dtype=np.float32))
+    c = None if c_shape is None else _constant(RNG.standard_normal(c_shape, dtype=np.float32))
+    node = Node("Gemm", ["a", "b", "c"], ["y"], attrs=dict(transB=int(trans_b)), opset=13)
+    kernel = linalg.gemm_7(node, None, 13)
+    taken = record_calls(monkeypatch, linalg._PackedProduct)
+    for _ in range(2):  # the second call finds the weights packed
+        (y,) = kernel(a, w) if c is None else kernel(a, w, c)
+        expected = a.astype(np.float64) @ (w.T if trans_b else w).astype(np.float64) + (0 if c is None else c)
+        np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4)
+    assert len(taken) == 2 and len(taken[0]._weights._entry[1]) == 1 and taken[0]._weights._entry[1][0] is w
+
+
+def test_gemm_with_scaling_stays_on_blas(monkeypatch):
+    a = RNG.standard_normal((20, 50), dtype=np.float32)
+    w = _constant(RNG.standard_normal((50, 60), dtype=np.float32))
+    c = _constant(RNG.standard_normal(60, dtype=np.float32))
+    taken = record_calls(monkeypatch, linalg._PackedProduct)
+    for attrs in (dict(alpha=2.0), dict(beta=0.5)):
+        (y,) = linalg.gemm_7(Node("Gemm", ["a", "b", "c"], ["y"], attrs=attrs, opset=13), None, 13)(a, w, c)
+        want = attrs.get("alpha", 1.0) * (a.astype(np.float64) @ w) + attrs.get("beta", 1.0) * c
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-4)
+    assert not taken

@@ -62,7 +62,7 @@ def _product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 # Products of at least this many rows (a prefill's or batch's) against constant float32 weights run
 # compiled/matmul.py's packed product on the helper threads; from this many multiply-adds per thread
 # they are split, from _LONG_MACS per thread a part waits for a sleeping helper (milliseconds).
-_PACKED_ROWS = 16
+_PACKED_ROWS = 9  # past the few-row products' _GEMV_ROWS: no float32 product of constant weights is OpenBLAS's
 _SPLIT_MACS = 1 << 20
 _LONG_MACS = 1 << 28
 
@@ -88,16 +88,17 @@ class _PackedProduct:
                 and a.shape[-1] == b.shape[0] and a.size >= _PACKED_ROWS * b.shape[0] and b.shape[1] > 0
                 and b.shape[0] > 0 and _gemv_host())
 
-    def __call__(self, a, b, bias=None, residual=None, coefficients=None) -> np.ndarray:
+    def __call__(self, a, b, bias=None, residual=None, coefficients=None, weights=None) -> np.ndarray:
         """a @ b (+ bias) [Gelu with ``coefficients``] (+ residual), as a fresh (..., N) array; ``bias``
-        (N,) and ``residual`` (a's rows, N) float32, where given."""
+        (N,) and ``residual`` (a's rows, N) float32, where given. ``weights``: the constant array ``b``
+        is a view of (Gemm's transB), which identifies it from call to call (a view is new each time)."""
         from ..compiled import gemm, jobs, workers
 
         matmul = self._matmul
         depth, n = b.shape
         x = np.ascontiguousarray(a).reshape(-1)
         rows = x.size // depth
-        packed = self._weights.get("columns", (b,), lambda: matmul.pack_columns(b))
+        packed = self._weights.get("columns", (b if weights is None else weights,), lambda: matmul.pack_columns(b))
         offsets = self._offsets.get(depth)
         if offsets is None:
             offsets = self._offsets[depth] = gemm.packed_offsets(depth)
@@ -296,12 +297,27 @@ def _gemm_kernel(node, c_must_match: bool):
     trans_a = bool(node.attr("transA", 0))
     trans_b = bool(node.attr("transB", 0))
 
+    packed = None  # this node's _PackedProduct, made on first use
+
     def kernel(a, b, c=None):
+        nonlocal packed
         if a.ndim != 2 or b.ndim != 2:
             raise InvalidArgumentError(
                 f"node {node.name!r} (Gemm): inputs must be matrices, got shapes {a.shape} and {b.shape}"
             )
         left = a.T if trans_a else a
+        right = b.T if trans_b else b
+        if alpha == 1 and a.shape[0] > _GEMV_ROWS and _PackedProduct.applies(left, right):
+            # A batch through a constant layer (a classifier's): compiled/matmul.py, C as its bias or residual.
+            rows, n = left.shape[0], right.shape[1]
+            term = None if c is None or beta == 0 else c if beta == 1 else None
+            if term is not None and term.dtype is _FLOAT32 and term.shape in ((n,), (1, n), (rows, n)) or c is None \
+                    or beta == 0:
+                if packed is None:
+                    packed = _PackedProduct()
+                full = term is not None and term.shape == (rows, n) and (rows, n) != (1, n)
+                bias = None if term is None or full else term if term.ndim == 1 else term.reshape(n)
+                return (packed(left, right, bias, term if full else None, None, b),)
         y = _few_rows_product(left, b, trans_b) if left.shape[1] == b.shape[1 if trans_b else 0] else None
         if y is None:
             y = _matmul(left, b.T if trans_b else b)
