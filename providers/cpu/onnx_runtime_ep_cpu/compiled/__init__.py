@@ -9,8 +9,9 @@ for models that need it.
 
 Every loop is serial (numba's ``parallel`` stays off: its OpenMP pool fought numpy's spinning
 OpenBLAS workers, up to 10x slower than one thread). The kernels that split their work across cores
-(the packed convolution of gemm.py, pooling, batch normalization, depthwise convolution, few-row
-products) run one part per thread on the helper threads of workers.py, as the job kinds of jobs.py.
+(the packed convolution of gemm.py, the packed products of matmul.py, attention.py's tiles, pooling,
+batch normalization, depthwise convolution, few-row products) run one part per thread on the helper
+threads of workers.py, as the job kinds of jobs.py.
 Compiled code is cached on disk (``cache=True``), so a process pays numba's compile time once per
 loop and dtype, not per session.
 """

@@ -1,6 +1,6 @@
 """Helper threads for the compiled kernels that split their work (the packed convolution, the
-few-row products of gemv.py, pooling, batch normalization, depthwise convolution), waiting for work
-by spinning in compiled code.
+packed products of matmul.py, attention.py's tiles, the few-row products of gemv.py, pooling, batch
+normalization, depthwise convolution), waiting for work by spinning in compiled code.
 
 A Python thread pool hands work over through locks and the GIL: ~50 µs on this kind of machine
 before the helper starts, more than many convolutions take. Here each helper thread runs a compiled

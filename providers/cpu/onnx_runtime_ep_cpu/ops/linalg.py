@@ -1,5 +1,6 @@
-"""Linear-algebra kernels: MatMul, Gemm, MatMulInteger, Einsum (through numpy's BLAS paths; a float32
-Gemm of a few rows, a CNN's classifier, through compiled/gemv.py)."""
+"""Linear-algebra kernels: MatMul, Gemm, MatMulInteger, Einsum (through numpy's BLAS paths; on AVX-512
+hosts, float32 products of constant weights through compiled/gemv.py for a few rows, a decode step's or
+a CNN's classifier, and compiled/matmul.py for more, a prefill's or a batch's)."""
 
 from __future__ import annotations
 
@@ -148,9 +149,10 @@ _no_helpers = None
 
 @register("FusedMatMul", domain=FUSED_DOMAIN, since=1)
 def fused_matmul(node, shapes, opset):
-    """MatMul + bias [-> Gelu] [+ residual] (see fusions.fuse_matmul_bias): BLAS for the product, then one
-    compiled pass over it in place (float64's Gelu: three, numpy's tanh between) for float32/float64; the
-    unfused kernels otherwise."""
+    """MatMul + bias [-> Gelu] [+ residual] (see fusions.fuse_matmul_bias): float32 against constant weights
+    through compiled/matmul.py, the epilogue fused; otherwise BLAS for the product, then one compiled pass
+    over it in place (float64's Gelu: three, numpy's tanh between) for float32/float64; the unfused kernels
+    for other dtypes."""
     from ..compiled import transformer as compiled
     from .nn import _gelu_erf, _gelu_series, _gelu_tanh
 
