@@ -323,3 +323,46 @@ def test_padded_inputs_fresh_or_kept_give_the_reference(monkeypatch, kernel_thre
         (y,) = conv(x, w, b)
         np.testing.assert_allclose(y, _reference(x, w, b, attrs), rtol=1e-4, atol=1e-4)
         x = rng.standard_normal(x.shape, dtype=np.float32) * 3
+
+
+STRIDED = ["3x3 stride 2", "7x7 stride 2 stem", "valid, strides 3x2", "3x3 stride 2, dilated", "7x7 stride 2, even size",
+           "stride 3", "stride 2, asymmetric pads", "groups, stride 2"]
+GEOMETRIES["stride 2, asymmetric pads"] = ((1, 4, 12, 13), (5, 4, 3, 3), dict(pads=[0, 1, 2, 1], strides=[2, 2]))
+GEOMETRIES["groups, stride 2"] = ((2, 6, 11, 11), (9, 2, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2], group=3))
+
+
+@pytest.mark.parametrize("kept_bytes", [0, 1 << 20], ids=["fresh phases", "kept phase buffer"])
+@pytest.mark.parametrize("geometry", STRIDED)
+def test_strided_windows_over_the_phase_split_image_give_the_packed_panels_bits(monkeypatch, kernel_threads,
+                                                                                 geometry, kept_bytes):
+    """A strided window read in place from the image split into its stride's phases gives exactly the
+    packed panels' result (the same reduction order), and the reference's; a kept buffer's zeros stay."""
+    monkeypatch.setattr(nn, "_KEPT_PADDED_BYTES", kept_bytes)
+    rng, x, w, b, attrs = _inputs(geometry, 21, True)
+    taken = _taken(monkeypatch)
+    node = Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13)
+    monkeypatch.setattr(nn, "_PHASE_MACS", 0)
+    phased = nn.conv(node, None, 13)
+    phased(x, w, b)  # (the path is chosen on the first call)
+    monkeypatch.setattr(nn, "_PHASE_MACS", 10**9)
+    packed = nn.conv(node, None, 13)
+    packed(x, w, b)
+    for _ in range(2):  # a second input: the kept buffer holds the first one's cells, rewritten
+        (y,) = phased(x, w, b)
+        np.testing.assert_array_equal(y, packed(x, w, b)[0])
+        tolerance = 1e-4 * np.sqrt(np.prod(w.shape[1:]))
+        np.testing.assert_allclose(y, _reference(x, w, b, attrs), rtol=1e-4, atol=tolerance)
+        x = rng.standard_normal(x.shape, dtype=np.float32) * 3
+    assert taken[0]._phases is not None and taken[1]._phases is None
+
+
+def test_which_strided_windows_run_over_phases():
+    def phases(kernel, strides, out_channels, in_shape=(28, 28), pads=(1, 1)):
+        out = tuple((n + 2 * p - k) // s + 1 for n, p, k, s in zip(in_shape, pads, kernel, strides))
+        geo = nn._Geometry(in_shape, kernel, strides, (1, 1), pads, pads, out)
+        return nn._phase_split(geo, geo.padded_shape(in_shape), out_channels)
+
+    assert phases((3, 3), (2, 2), 256) == (15, 15)  # 256 * 9 / 4 multiply-adds per input value
+    assert phases((3, 3), (2, 2), 64) is None  # too few for the split's copy to pay
+    assert phases((1, 1), (2, 2), 1024, pads=(0, 0)) is None  # one phase of four read
+    assert phases((3, 3), (1, 1), 1024) is None  # stride 1 reads the image itself

@@ -5,7 +5,8 @@ numpy's OpenBLAS computes a convolution's product well, but a convolution throug
 the im2col copy, the product (which packs its operands again), and the epilogue (bias, residual,
 activation). Here the column matrix is never built. Lanes of 32 output pixels form a panel; for a
 stride-1 window the lanes run over the zero-padded image's rows, so each column row of a panel is a
-contiguous run of the image (one offset per kernel tap) that the microkernel reads in place; other
+contiguous run of the image (one offset per kernel tap) that the microkernel reads in place, and so
+do they for a strided window over the image split into its stride's phases (phase_tap_offsets); other
 windows pack each panel into the (K, NR) layout first. The microkernel keeps an MR x NR tile of the
 output in vector registers over a block of the reduction, then adds the bias and the residual and
 applies the activation as it stores the tile. The weights are packed once per constant array into
@@ -283,27 +284,17 @@ def _pack_runs(xp, buf, start, count, channels, kh, kw, sh, sw, dh, dw, wp, plan
 
 
 @jit
-def _pack_grid(xp, buf, start, panels, panel_size, channels, kh, kw, dh, dw, wp, plane):
-    """_pack_runs for ``panels`` consecutive panels of a stride-1 window whose lanes run over the
-    padded grid (output rows wp wide; where that is wider than the output, the columns past its width
-    are computed and dropped): each column row of the panels is then one contiguous run of the image,
-    read in order (the hardware prefetches it; panel by panel, each row costs a cache miss), cut
-    only where ``xp`` ends (the dropped lanes' values do not matter). Panel p goes to
-    buf[p * panel_size:]."""
+def _pack_taps(xp, buf, start, taps):
+    """A panel read in place (column row k at start + taps[k], NR lanes) copied into buf[k * NR:], cut
+    where ``xp`` ends (the lanes past it belong to dropped columns: their values do not matter)."""
     size = xp.shape[0]
-    for c in range(channels):
-        for i in range(kh):
-            for j in range(kw):
-                row = c * plane + start + i * dh * wp + j * dw
-                dst = ((c * kh + i) * kw + j) * NR
-                for p in range(panels):
-                    src = row + p * NR
-                    at = p * panel_size + dst
-                    if src + NR <= size:
-                        _copy_panel_row(buf, at, xp, src)
-                    else:
-                        for r in range(NR):
-                            buf[at + r] = xp[src + r] if src + r < size else 0
+    for k in range(taps.shape[0]):
+        src = start + taps[k]
+        if src + NR <= size:
+            _copy_panel_row(buf, k * NR, xp, src)
+        else:
+            for r in range(NR):
+                buf[k * NR + r] = xp[src + r] if src + r < size else 0
 
 
 @jit
@@ -356,7 +347,9 @@ def conv_panels(xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, g
     lanes = oh * grid
     panel_size = depth * NR
     direct = grid == wp and sh == 1 and sw == 1
-    reach = taps[depth - 1] + NR if depth > 0 else NR  # a panel read in place needs start + reach <= size
+    reach = NR  # a panel read in place needs start + reach <= size
+    for k in range(depth if direct else 0):
+        reach = max(reach, taps[k] + NR)
     chunk = end - first if direct else max(1, min(buf.shape[0] // panel_size, end - first))
     mr = weights.shape[1] // max(depth, 1)  # the tile height the weights were packed for
     span = min(depth, _DEPTH_BLOCK)
@@ -378,7 +371,7 @@ def conv_panels(xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, g
                 elif start + reach <= xp.shape[0]:
                     b, rows_at = xp[start:], taps
                 else:  # the image ends within this panel's reach: a bounded copy
-                    _pack_grid(xp, buf, start, 1, panel_size, channels, kh, kw, dh, dw, wp, plane)
+                    _pack_taps(xp, buf, start, taps)
                     b, rows_at = buf, packed
                 # Whether the panel's lanes are NR pixels in a row of y, from ``origin``: every lane a pixel
                 # in order (grid = ow), or the panel lies within one output row (grid = wp).
@@ -426,6 +419,20 @@ def tap_offsets(channels: int, kh: int, kw: int, dh: int, dw: int, wp: int, plan
     the padded image: c*plane + i*dh*wp + j*dw (increasing in k)."""
     c, i, j = np.meshgrid(np.arange(channels), np.arange(kh), np.arange(kw), indexing="ij")
     return np.ascontiguousarray((c * plane + i * dh * wp + j * dw).reshape(-1), dtype=np.int64)
+
+
+def phase_tap_offsets(channels: int, kh: int, kw: int, sh: int, sw: int, dh: int, dw: int, phase_height: int,
+                      phase_width: int) -> np.ndarray:
+    """tap_offsets for a strided window over the padded image split into its sh x sw phases (phase (p, q)
+    holds rows p, p + sh, ... and columns q, q + sw, ...; laid out (p, q, channel, row, column), each
+    plane phase_height x phase_width): tap (i, j) of channel c reads phase (i*dh % sh, j*dw % sw) of c,
+    shifted (i*dh // sh) rows and (j*dw // sw) columns. Output (y, x) then reads its taps at its own
+    position y * phase_width + x of every phase, as a stride-1 window reads the image: the microkernel
+    reads the panels in place."""
+    c, i, j = np.meshgrid(np.arange(channels), np.arange(kh) * dh, np.arange(kw) * dw, indexing="ij")
+    plane = phase_height * phase_width
+    offsets = (((i % sh) * sw + j % sw) * channels + c) * plane + (i // sh) * phase_width + j // sw
+    return np.ascontiguousarray(offsets.reshape(-1), dtype=np.int64)
 
 
 def packed_offsets(depth: int) -> np.ndarray:
