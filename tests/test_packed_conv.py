@@ -325,8 +325,8 @@ def test_padded_inputs_fresh_or_kept_give_the_reference(monkeypatch, kernel_thre
         x = rng.standard_normal(x.shape, dtype=np.float32) * 3
 
 
-STRIDED = ["3x3 stride 2", "7x7 stride 2 stem", "valid, strides 3x2", "3x3 stride 2, dilated", "7x7 stride 2, even size",
-           "stride 3", "stride 2, asymmetric pads", "groups, stride 2"]
+STRIDED = ["3x3 stride 2", "7x7 stride 2 stem", "valid, strides 3x2", "3x3 stride 2, dilated",
+           "7x7 stride 2, even size", "stride 3", "stride 2, asymmetric pads", "groups, stride 2"]
 GEOMETRIES["stride 2, asymmetric pads"] = ((1, 4, 12, 13), (5, 4, 3, 3), dict(pads=[0, 1, 2, 1], strides=[2, 2]))
 GEOMETRIES["groups, stride 2"] = ((2, 6, 11, 11), (9, 2, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2], group=3))
 
