@@ -325,8 +325,8 @@ def test_padded_inputs_fresh_or_kept_give_the_reference(monkeypatch, kernel_thre
         x = rng.standard_normal(x.shape, dtype=np.float32) * 3
 
 
-STRIDED = ["3x3 stride 2", "7x7 stride 2 stem", "valid, strides 3x2", "3x3 stride 2, dilated",
-           "7x7 stride 2, even size", "stride 3", "stride 2, asymmetric pads", "groups, stride 2"]
+STRIDED = ["3x3 stride 2", "7x7 stride 2 stem", "valid, strides 3x2", "7x7 stride 2, even size", "stride 3",
+           "stride 2, asymmetric pads", "groups, stride 2"]
 GEOMETRIES["stride 2, asymmetric pads"] = ((1, 4, 12, 13), (5, 4, 3, 3), dict(pads=[0, 1, 2, 1], strides=[2, 2]))
 GEOMETRIES["groups, stride 2"] = ((2, 6, 11, 11), (9, 2, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2], group=3))
 
@@ -357,12 +357,14 @@ def test_strided_windows_over_the_phase_split_image_give_the_packed_panels_bits(
 
 
 def test_which_strided_windows_run_over_phases():
-    def phases(kernel, strides, out_channels, in_shape=(28, 28), pads=(1, 1)):
-        out = tuple((n + 2 * p - k) // s + 1 for n, p, k, s in zip(in_shape, pads, kernel, strides))
-        geo = nn._Geometry(in_shape, kernel, strides, (1, 1), pads, pads, out)
+    def phases(kernel, strides, out_channels, in_shape=(28, 28), pads=(1, 1), dilations=(1, 1)):
+        out = tuple((n + 2 * p - d * (k - 1) - 1) // s + 1
+                    for n, p, k, s, d in zip(in_shape, pads, kernel, strides, dilations))
+        geo = nn._Geometry(in_shape, kernel, strides, dilations, pads, pads, out)
         return nn._phase_split(geo, geo.padded_shape(in_shape), out_channels)
 
     assert phases((3, 3), (2, 2), 256) == (15, 15)  # 256 * 9 / 4 multiply-adds per input value
     assert phases((3, 3), (2, 2), 64) is None  # too few for the split's copy to pay
     assert phases((1, 1), (2, 2), 1024, pads=(0, 0)) is None  # one phase of four read
+    assert phases((3, 3), (2, 2), 256, dilations=(2, 2), pads=(2, 2)) is None  # dilated: one phase read too
     assert phases((3, 3), (1, 1), 1024) is None  # stride 1 reads the image itself

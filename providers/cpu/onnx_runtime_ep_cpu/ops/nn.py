@@ -806,13 +806,15 @@ def _phase_split(geo: _Geometry, padded: tuple, outputs: int) -> tuple[int, int]
     image split into its stride's phases, else None. Phase (p, q) holds every sh-th row from p and sw-th
     column from q; an output's taps then lie at its own position in the phases they read, so the window
     reads them in place, as a stride-1 window does its image (compiled/gemm.phase_tap_offsets), where the
-    strided window otherwise packs every panel first (a gather per run of a few pixels). For windows at
-    least as large as the stride (3x3/2, 7x7/2, 11x11/4: every phase is read; a 1x1/2 window reads one),
-    with at least _PHASE_MACS multiply-adds per input value (the split is a copy of the input), and phases
-    no wider than _GRID_WASTE times the output (the lanes past its width are dropped)."""
-    (sh, sw), (kh, kw), ow = geo.strides, geo.kernel, geo.out[1]
+    strided window otherwise packs every panel first (a gather per run of a few pixels). For windows whose
+    taps read every phase (3x3/2, 7x7/2, 11x11/4; a 1x1/2 window reads one, and its packed panels, a
+    gather of those pixels only, measured 15-40% faster than copying that phase), with at least
+    _PHASE_MACS multiply-adds per input value (the split is a copy of the input), and phases no wider than
+    _GRID_WASTE times the output (the lanes past its width are dropped)."""
+    (sh, sw), (kh, kw), (dh, dw), ow = geo.strides, geo.kernel, geo.dilations, geo.out[1]
     phase_h, phase_w = -(-padded[0] // sh), -(-padded[1] // sw)
-    if (sh, sw) == (1, 1) or kh < sh or kw < sw or phase_w > ow * _GRID_WASTE \
+    read = {(i * dh % sh, j * dw % sw) for i in range(kh) for j in range(kw)}
+    if (sh, sw) == (1, 1) or len(read) < sh * sw or phase_w > ow * _GRID_WASTE \
             or outputs * kh * kw < _PHASE_MACS * sh * sw:
         return None
     return phase_h, phase_w
