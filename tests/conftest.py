@@ -21,6 +21,20 @@ collect_ignore_glob = [] if _providers_installed() else ["test_*.py"]
 from model_helpers import make_model, tensor_info  # noqa: E402
 
 
+@pytest.fixture(params=[1, 2, 3], ids=["one thread", "two threads", "three threads"])
+def kernel_threads(request, monkeypatch):
+    """The CPU provider's matrix products on one, two and three threads (parts beyond the helpers run on
+    the caller), splitting even small products. (test_packed_conv.py has its own.)"""
+    from onnx_runtime_ep_cpu import threads
+    from onnx_runtime_ep_cpu.ops import linalg
+
+    monkeypatch.setattr(threads, "_threads", request.param)
+    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
+    monkeypatch.setattr(linalg, "_GEMV_SPLIT_WEIGHTS", 1)
+    monkeypatch.setattr(linalg, "_SPLIT_MACS", 1)
+    return request.param
+
+
 def _bias_row():
     return onnx.numpy_helper.from_array(np.linspace(-1, 1, 6, dtype=np.float32).reshape(1, 6), "b")
 

@@ -20,16 +20,6 @@ from onnx_runtime_ep_cpu.ops import linalg
 pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="the few-row products run on AVX-512 hosts only")
 
 
-@pytest.fixture(params=[1, 2, 3], ids=["one thread", "two threads", "three threads"])
-def kernel_threads(request, monkeypatch):
-    """One, two and three threads (parts beyond the helpers run on the caller), splitting even small
-    products."""
-    monkeypatch.setattr(threads, "_threads", request.param)
-    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
-    monkeypatch.setattr(linalg, "_GEMV_SPLIT_WEIGHTS", 1)
-    return request.param
-
-
 def _taken(monkeypatch) -> list:
     """Records each few-row product computed by gemv.py."""
     return record_calls(monkeypatch, linalg._Split)
@@ -66,14 +56,18 @@ def test_few_row_matmul_matches_float64(monkeypatch, kernel_threads, a_shape, b_
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.sqrt(b_shape[0]))
 
 
-def test_results_do_not_depend_on_the_thread_count(monkeypatch):
-    """Blocks of k are summed in block order wherever they were computed: the same bits from one thread,
-    two, or three (whose third part runs on the caller)."""
+@pytest.mark.parametrize("rows", [3, 37], ids=["few rows (gemv.py)", "many rows (matmul.py)"])
+def test_results_do_not_depend_on_the_thread_count(monkeypatch, rows):
+    """Blocks of k are summed in block order wherever they were computed (few rows), each output's sum runs
+    k = 0 .. K-1 whichever thread has its panel (many): the same bits from one thread, two, or three
+    (whose third part runs on the caller)."""
     monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
     monkeypatch.setattr(linalg, "_GEMV_SPLIT_WEIGHTS", 1)
+    monkeypatch.setattr(linalg, "_SPLIT_MACS", 1)
     rng = np.random.default_rng(22)
-    a = rng.standard_normal((3, 700), dtype=np.float32) * 100
+    a = rng.standard_normal((rows, 700), dtype=np.float32) * 100
     b = rng.standard_normal((700, 300), dtype=np.float32)
+    b.flags.writeable = False  # an initializer (many rows of float32 run compiled/matmul.py against constants)
     results = []
     for count in (1, 2, 3):
         monkeypatch.setattr(threads, "_threads", count)

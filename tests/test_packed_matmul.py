@@ -10,24 +10,14 @@ from model_helpers import make_model, record_calls, tensor_info
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnx_runtime.ir import Node
-from onnx_runtime_ep_cpu import threads
 from onnx_runtime_ep_cpu.compiled import gemm
 from onnx_runtime_ep_cpu.compiled import transformer as compiled
 from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
 from onnx_runtime_ep_cpu.ops import linalg, nn
+from test_few_row_products import _matmul
 
 pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="the packed MatMul needs an AVX-512 host")
 RNG = np.random.default_rng(41)
-
-
-@pytest.fixture(params=[1, 2, 3], ids=["one thread", "two threads", "three threads"])
-def kernel_threads(request, monkeypatch):
-    """One, two and three threads (parts beyond the helpers run on the caller), splitting even small
-    products."""
-    monkeypatch.setattr(threads, "_threads", request.param)
-    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
-    monkeypatch.setattr(linalg, "_SPLIT_MACS", 1)
-    return request.param
 
 
 def _constant(array: np.ndarray) -> np.ndarray:
@@ -35,11 +25,6 @@ def _constant(array: np.ndarray) -> np.ndarray:
     array = np.array(array)
     array.flags.writeable = False
     return array
-
-
-def _matmul(a, b):
-    (y,) = linalg.matmul(Node("MatMul", ["a", "b"], ["y"], opset=13), None, 13)(a, b)
-    return y
 
 
 def _fused(activation="none"):
@@ -71,19 +56,6 @@ def test_packed_matmul_matches_float64(monkeypatch, kernel_threads, a_shape, b_s
     expected = a.astype(np.float64) @ b.astype(np.float64)
     assert taken and y.dtype == np.float32 and y.shape == expected.shape and y.flags.c_contiguous
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.sqrt(b_shape[0]))
-
-
-def test_results_do_not_depend_on_the_thread_count(monkeypatch):
-    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
-    monkeypatch.setattr(linalg, "_SPLIT_MACS", 1)
-    a = RNG.standard_normal((37, 700), dtype=np.float32) * 100
-    b = _constant(RNG.standard_normal((700, 300), dtype=np.float32))
-    results = []
-    for count in (1, 2, 3):
-        monkeypatch.setattr(threads, "_threads", count)
-        results.append(_matmul(a, b))
-    np.testing.assert_array_equal(results[0], results[1])
-    np.testing.assert_array_equal(results[0], results[2])
 
 
 @pytest.mark.parametrize("activation", ["none", "gelu", "gelu_tanh"])

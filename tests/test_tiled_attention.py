@@ -13,7 +13,7 @@ from onnx.reference import ReferenceEvaluator
 from onnx_runtime_ep_cpu import threads
 from onnx_runtime_ep_cpu.compiled import attention, gemm
 from onnx_runtime_ep_cpu.ops import transformer as ops_transformer
-from test_compiled_transformer import MASKS, _attention, _mask, _no_compiled, _qkv
+from test_compiled_transformer import MASKS, _attention, _mask, _no_compiled, _qkv, compiled_and_numpy_attention
 
 pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="the tiled attention needs an AVX-512 host")
 
@@ -36,19 +36,7 @@ GEOMETRIES = [(1, 4, 4, 16, 16, 32, 4), (2, 4, 2, 37, 45, 32, 3), (1, 2, 1, 128,
 @pytest.mark.parametrize("mask_kind", MASKS)
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "-".join(map(str, g)))
 def test_tiled_attention_matches_the_numpy_path(tiled_calls, mask_kind, geometry):
-    batch, q_heads, kv_heads, q_len, kv_len, size, rank = geometry
-    q, k, v = _qkv(batch, q_heads, kv_heads, q_len, kv_len, size, rank)
-    mask = _mask(mask_kind, q_len, kv_len)
-    attrs = {"q_num_heads": q_heads, "kv_num_heads": kv_heads} if rank == 3 else {}
-    if mask_kind == "causal_attr":
-        attrs["is_causal"] = 1
-    shapes = [q.shape, k.shape, v.shape] + ([] if mask is None else [mask.shape])
-    args = (q, k, v) if mask is None else (q, k, v, mask)
-    got = _attention(shapes, scale=0.3, **attrs)(*args)
-    want = _no_compiled(_attention(shapes, scale=0.3, **attrs))(*args)
-    for g, w in zip(got, want):
-        assert g.shape == w.shape
-        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)  # float32 sums over up to 300 keys
+    compiled_and_numpy_attention(mask_kind, geometry, atol=1e-5)  # float32 sums over up to 300 keys
     # A float mask over every query and key (or none) runs the tiles; a row that sees no key hands over.
     if mask_kind in ("none", "2d", "4d", "causal_attr"):
         assert len(tiled_calls) == 1 and tiled_calls[0] is not None

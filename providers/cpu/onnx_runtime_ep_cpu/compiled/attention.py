@@ -17,7 +17,7 @@ import numpy as np
 
 from . import gemm, jit
 from .gemm import NR
-from .transformer import exp_nonpositive_float32, row_max, row_sum
+from .transformer import exp_nonpositive_float32, mask_and_shift_, row_sum
 
 _kernel_12, _kernel_8 = gemm.matmul_kernel(12), gemm.matmul_kernel(8)
 _IDENTITY = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)
@@ -69,7 +69,6 @@ def attention_units(q, q_strides, k, k_strides, v, v_strides, y, y_strides, head
     queries = scratch[head_size * padded + 12 * padded + 12 * value_size:]
     key_rows = np.arange(head_size) * padded  # row d of K^T, in ``packed``
     value_rows = np.arange(total) * v_strides[2]  # row j of V, from the head's first element
-    with_mask = mask.shape[0] > 0
     group = heads // kv_heads
     packed_for = -1
     for unit in range(first, end):
@@ -100,19 +99,13 @@ def attention_units(q, q_strides, k, k_strides, v, v_strides, y, y_strides, head
                 _tile(mr, a, lda, packed[p * NR:], key_rows, scores[p * NR:], head_size, padded)
             for i in range(rows):
                 row = scores[i * padded: i * padded + extent]
-                if with_mask:
-                    visible = mask[t0 + i]
-                    for j in range(extent):
-                        row[j] = row[j] * scale + visible[j]
-                else:
-                    for j in range(extent):
-                        row[j] = row[j] * scale
-                peak = row_max(row)  # (a NaN score makes its weight, and so its row, NaN, as numpy's softmax)
-                if not (abs(peak) < np.float32(np.inf)):  # a row without a finite score
+                # Scale, mask, minus the row's maximum (a NaN score makes its weight, and so its row, NaN, as
+                # numpy's softmax); False for a row without a finite score.
+                if not mask_and_shift_(row.reshape(1, 1, extent), scale, mask, t0 + i):
                     status[0] = 1
                     return
                 for j in range(extent):
-                    row[j] = exp_nonpositive_float32(row[j] - peak)
+                    row[j] = exp_nonpositive_float32(row[j])
             for i in range(rows, mr):  # padded rows: weights of zero
                 scores[i * padded: i * padded + extent] = 0
             for p in range(value_size // NR):
