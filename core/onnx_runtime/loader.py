@@ -173,9 +173,11 @@ def convert_type(tp: onnx.TypeProto) -> TypeInfo:
         tt = getattr(tp, which)
         shape = None
         if tt.HasField("shape"):
-            shape = tuple(
-                d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
-            )
+            # (A list comprehension, and HasField only where the value reads 0: each protobuf access
+            # costs, and value infos are read for every tensor of the graph at session creation.)
+            shape = tuple([
+                d.dim_value or (0 if d.HasField("dim_value") else (d.dim_param or None)) for d in tt.shape.dim
+            ])
         dtype = _DATA_TYPES.get(tt.elem_type)
         return TypeInfo("tensor" if which == "tensor_type" else "sparse_tensor", dtype, shape)
     if which == "sequence_type":
@@ -320,13 +322,14 @@ def _outer_reads(graph: Graph, outer: set[str]) -> set[str]:
 
 def topological_order(graph: Graph, outer: set[str]) -> list[Node]:
     """Nodes in dependency order (stable: ties keep file order); rejects cycles and undefined inputs."""
-    available = set(graph.initializers) | {vi.name for vi in graph.inputs} | outer | {""}
+    inputs = {vi.name for vi in graph.inputs}
+    available = set(graph.initializers) | inputs | outer | {""}
     producer: dict[str, int] = {}
     for index, node in enumerate(graph.nodes):
         for out in node.outputs:
             if not out:
                 continue
-            if out in producer or out in graph.initializers or out in {vi.name for vi in graph.inputs}:
+            if out in producer or out in graph.initializers or out in inputs:
                 raise InvalidGraphError(
                     f"value {out!r} is produced by more than one node (second: {node.name!r}); ONNX graphs are SSA"
                 )
