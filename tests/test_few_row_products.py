@@ -217,3 +217,35 @@ def test_few_row_gemm_matches_numpy(kernel_threads, rows, depth, columns, trans_
     expected = 0.5 * (a @ (b.T if trans_b else b)) + 2.0 * c
     assert y.dtype == np.float32
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4 * np.sqrt(depth))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("activation", [None, "Relu"])
+def test_a_convolutional_classifier_is_a_few_row_product(monkeypatch, kernel_threads, batch, activation):
+    """A 1x1 convolution over the 1x1 image global pooling leaves (DenseNet's classifier) runs as a
+    few-row product, with a FusedConv's bias, residual and activation after it, as a user's session does."""
+    import onnx_runtime as ort
+
+    rng = np.random.default_rng(27)
+    w = rng.standard_normal((40, 96, 1, 1), dtype=np.float32)
+    b = rng.standard_normal(40, dtype=np.float32)
+    nodes = [helper.make_node("GlobalAveragePool", ["x"], ["g"]), helper.make_node("Conv", ["g", "w", "b"], ["c"])]
+    if activation:
+        nodes += [helper.make_node("Add", ["c", "r"], ["s"]), helper.make_node(activation, ["s"], ["y"])]
+    else:
+        nodes[-1].output[0] = "y"
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 96, 5, 5])]
+    if activation:
+        inputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, [batch, 40, 1, 1]))
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    graph = helper.make_graph(nodes, "classifier", inputs, outputs,
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    taken = _taken(monkeypatch)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {"x": rng.standard_normal((batch, 96, 5, 5), dtype=np.float32)}
+    if activation:
+        feeds["r"] = rng.standard_normal((batch, 40, 1, 1), dtype=np.float32)
+    (y,) = session.run(None, feeds)
+    np.testing.assert_allclose(y, ReferenceEvaluator(model).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
+    assert len(taken) == 1 and y.shape == (batch, 40, 1, 1)

@@ -88,7 +88,7 @@ GEOMETRIES = {
     "groups": ((2, 6, 10, 10), (9, 2, 3, 3), dict(pads=[1, 1, 1, 1], group=3)),
     "one output channel": ((1, 7, 6, 6), (1, 7, 3, 3), {}),
     "tiny image, many channels": ((1, 200, 3, 3), (50, 200, 3, 3), dict(pads=[1, 1, 1, 1])),
-    "one pixel": ((3, 64, 1, 1), (20, 64, 1, 1), {}),
+    "one pixel": ((9, 64, 1, 1), (20, 64, 1, 1), {}),  # (8 images or fewer: a few-row product)
 }
 
 

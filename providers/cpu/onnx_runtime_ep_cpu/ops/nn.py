@@ -789,6 +789,31 @@ def _packed_conv_applies(geo: _Geometry, group: int, x: np.ndarray) -> bool:
     return gemm.AVAILABLE
 
 
+def _pixel_product_applies(geo: _Geometry, group: int, x: np.ndarray) -> bool:
+    """Whether a convolution is a few-row product: a 1x1 kernel over a 1x1 image (a convolutional
+    classifier after global pooling, as DenseNet's and MobileNet's) of float32 with a few images. The
+    packed convolution would compute 32 lanes for its one pixel (DenseNet's 1024 -> 1000: 762 us)."""
+    from .linalg import _GEMV_ROWS
+
+    return (group == 1 and x.dtype == np.float32 and len(geo.kernel) == 2 and geo.kernel == (1, 1)
+            and geo.in_shape == (1, 1) and geo.unpadded and 0 < x.shape[0] <= _GEMV_ROWS and x.shape[1] > 0)
+
+
+def _pixel_product(x: np.ndarray, w: np.ndarray, b) -> np.ndarray:
+    """y (N, M, 1, 1) = w (M, C, 1, 1) applied to x's one pixel per image (N, C, 1, 1) (+ b), through
+    linalg's few-row products (compiled/gemv.py on AVX-512 hosts, BLAS elsewhere)."""
+    from .linalg import _few_rows_product
+
+    n, c, m = x.shape[0], x.shape[1], w.shape[0]
+    rows, weights = x.reshape(n, c), w.reshape(m, c)
+    y = _few_rows_product(rows, weights, True)
+    if y is None:
+        y = rows @ weights.T
+    if b is not None:
+        y += b.astype(np.float32, copy=False)
+    return y.reshape(n, m, 1, 1)
+
+
 def _lane_grid(geo: _Geometry, padded_width: int) -> int:
     """The width of the rows the packed convolution's lanes run over: the padded width for stride-1
     windows (each column row of a panel is then one contiguous copy) unless the columns past the
@@ -1049,7 +1074,10 @@ def _conv_path(geo: _Geometry, group: int, x: np.ndarray, w: np.ndarray, prepare
     def grouped(w, b):
         return prepared.get("grouped", (w, b), lambda: _grouped_weights(w, b, group, dtype))
 
-    if _packed_conv_applies(geo, group, x):
+    if _pixel_product_applies(geo, group, x):
+        def compute(xc, w, b):
+            return _pixel_product(xc, w, b)
+    elif _packed_conv_applies(geo, group, x):
         compute = _PackedConv(geo, group, x.shape, w.shape, prepared)
         blocks = True
     elif group == c and group > 1 and _depthwise_compiles(geo, x):
