@@ -203,6 +203,15 @@ def test_gemm_of_a_batch_runs_packed_with_c_as_bias_or_residual(monkeypatch, ker
     assert len(taken) == 2 and len(taken[0]._weights._entry[1]) == 1 and taken[0]._weights._entry[1][0] is w
 
 
+def test_gemm_with_trans_a_runs_packed(monkeypatch, kernel_threads):
+    a = RNG.standard_normal((50, 20), dtype=np.float32)  # A^T: 20 rows of 50
+    w = _constant(RNG.standard_normal((50, 60), dtype=np.float32))
+    taken = record_calls(monkeypatch, linalg._PackedProduct)
+    (y,) = linalg.gemm_7(Node("Gemm", ["a", "b"], ["y"], attrs=dict(transA=1), opset=13), None, 13)(a, w)
+    np.testing.assert_allclose(y, a.T.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+    assert len(taken) == 1
+
+
 def test_gemm_with_scaling_stays_on_blas(monkeypatch):
     a = RNG.standard_normal((20, 50), dtype=np.float32)
     w = _constant(RNG.standard_normal((50, 60), dtype=np.float32))

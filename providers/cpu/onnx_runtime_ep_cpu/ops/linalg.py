@@ -309,7 +309,7 @@ def _gemm_kernel(node, c_must_match: bool):
             )
         left = a.T if trans_a else a
         right = b.T if trans_b else b
-        if alpha == 1 and a.shape[0] > _GEMV_ROWS and _PackedProduct.applies(left, right):
+        if alpha == 1 and left.shape[0] > _GEMV_ROWS and _PackedProduct.applies(left, right):
             # A batch through a constant layer (a classifier's): compiled/matmul.py, C as its bias or residual.
             rows, n = left.shape[0], right.shape[1]
             term = None if c is None or beta == 0 else c if beta == 1 else None
