@@ -87,21 +87,17 @@ class DepthwisePlan:
                    identity_channels(c) if source is None else source)
         return y
 
-    def channel_parts(self, x: np.ndarray, weights: np.ndarray, bias: np.ndarray, spans, source=None) -> tuple:
-        """(y, parts): the output for one image ``x`` (1, C, H, W), and _depthwise's arguments for each
-        (first, end) span of channels, which are independent (run them with ``run``); ``source`` as for
-        __call__."""
-        c = x.shape[1]
-        multiplier = weights.shape[0] // c
-        y = np.empty((1, weights.shape[0], *self.out), dtype=x.dtype)
-        outputs, flat = y.reshape(weights.shape[0], -1), x.reshape(-1)
-        taps = weights.reshape(weights.shape[0], -1)
-        source = identity_channels(c) if source is None else source
-        parts = [(flat, taps[a * multiplier:b * multiplier].reshape(-1), bias[a * multiplier:b * multiplier],
-                  outputs[a * multiplier:b * multiplier].reshape(-1), 1, b - a, self.in_shape, self.out, self.strides,
-                  self.begin, self.taps, self.rows, self.width, self.size, *self.fill_map, self.crop_map, source[a:b])
-                 for a, b in spans]
-        return y, parts
+    def split_channels(self, x: np.ndarray, weights: np.ndarray, bias: np.ndarray, bounds: np.ndarray, source,
+                       run) -> np.ndarray:
+        """The output for one image ``x`` (1, C, H, W), its channels bounds[i] .. bounds[i + 1] computed as
+        part i of jobs.split_depthwise, whose arguments up to ``bounds`` ``run`` takes (it adds the rest);
+        ``source`` as for __call__."""
+        c, outputs = x.shape[1], weights.shape[0]
+        y = np.empty((1, outputs, *self.out), dtype=x.dtype)
+        run((x.reshape(-1), weights.reshape(outputs, -1), bias, y.reshape(outputs, -1), outputs // c, self.in_shape,
+             self.out, self.strides, self.begin, self.taps, self.rows, self.width, self.size, *self.fill_map,
+             self.crop_map, identity_channels(c) if source is None else source, bounds))
+        return y
 
 
 _identities: dict[int, np.ndarray] = {}
@@ -227,5 +223,5 @@ def _depthwise(x, weights, bias, y, n_images, channels, in_shape, out, strides, 
                                 y[dst + q] = acc[src + q]
 
 
-# The loop itself, for the parts of DepthwisePlan.channel_parts (called from Python or compiled code).
+# The loop itself, for the parts of DepthwisePlan.split_channels (jobs.split_depthwise, jobs.DEPTHWISE).
 run = _depthwise

@@ -696,10 +696,17 @@ def _compiled_depthwise(geo: _Geometry, m: int, prepared: _Prepared, dtype):
         if spans is None:
             return plan(x, flat_w, bias, source)
         from ..compiled import jobs, workers
+        from .linalg import _alone
 
-        y, parts = plan.channel_parts(x, flat_w, bias, spans, source)  # one image: independent channels
-        workers.run(jobs.DEPTHWISE, parts, helper_count())
-        return y
+        def run(arguments):
+            """jobs.split_depthwise: posted from compiled code, as the packed convolution's parts."""
+            own, runner = workers.local_mailbox(0), jobs.DEPTHWISE.address()
+            pool = workers.helpers(helper_count()) if len(spans) > 1 else None
+            if pool is None or pool.call(jobs.split_depthwise, (*arguments, own), runner) is None:
+                jobs.split_depthwise(*arguments, own, *_alone(), runner)  # one part, or the helpers are busy
+
+        bounds = np.array([first for first, _ in spans] + [spans[-1][1]], dtype=np.int64)
+        return plan.split_channels(x, flat_w, bias, bounds, source, run)  # one image: independent channels
 
     compute.reads_shuffled = True  # takes a channel map instead of a shuffled copy of x
     return compute
