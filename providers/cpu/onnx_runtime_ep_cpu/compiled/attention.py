@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import gemm, jit
-from .gemm import NR
+from . import jit
+from .gemm import IDENTITY, NR
+from .matmul import tile
 from .transformer import exp_nonpositive_float32, mask_and_shift_, row_sum
 
-_kernel_12, _kernel_8 = gemm.matmul_kernel(12), gemm.matmul_kernel(8)
-_IDENTITY = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)
 
-
-def padded_keys(total: int) -> int:
+@jit
+def padded_keys(total):
     """Keys rounded up to whole NR-lane panels: the width of packed K^T rows and of a scores tile."""
     return -(-total // NR) * NR
 
@@ -45,10 +44,8 @@ def tiles(rows: int) -> np.ndarray:
 
 @jit
 def _tile(mr, a, lda, b, rows, c, depth, ldc):
-    if mr == 8:
-        _kernel_8(a, lda, b, rows, c, depth, ldc, c, c, 0, 0, _IDENTITY)
-    else:
-        _kernel_12(a, lda, b, rows, c, depth, ldc, c, c, 0, 0, _IDENTITY)
+    """matmul.tile without bias, residual or activation."""
+    tile(mr, a, lda, b, rows, c, depth, ldc, c, c, 0, 0, IDENTITY)
 
 
 @jit
@@ -62,7 +59,7 @@ def attention_units(q, q_strides, k, k_strides, v, v_strides, y, y_strides, head
     additive mask, or empty. ``plan``: tiles(queries); ``extents[t]``: the keys tile t computes (one
     past the last key a row of it can see). status[0] is set to 1, and the unit abandoned, when a
     row has no finite score (the caller then takes its general path)."""
-    padded = (total + NR - 1) // NR * NR  # padded_keys(total)
+    padded = padded_keys(total)
     packed = scratch[: head_size * padded]
     scores = scratch[head_size * padded: head_size * padded + 12 * padded]
     out = scratch[head_size * padded + 12 * padded: head_size * padded + 12 * padded + 12 * value_size]

@@ -393,7 +393,7 @@ def conv_panels(xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, g
                         else:
                             own = partial[(t - block_start) * mr * NR:]
                             _tile(mr, a, b, rows_at[k0:], own, count, NR, bias[row0:], own, NR, (flags & BIAS) | step,
-                                  _IDENTITY)
+                                  IDENTITY)
                             if last:
                                 _store_lanes(own, y, residual, pixels, row0, min(mr, m_rows - row0), start, grid, ow,
                                              oh, flags, bounds)
@@ -411,7 +411,7 @@ def _tile(mr, a, b, rows, c, depth, ldc, bias, residual, ldr, flags, bounds):
 # Rows of k per block: the block's rows of a panel (64 KiB) stay near the core across the tiles
 # (measured on whole models: 5-10% faster than without blocks; 256 no better than 512).
 _DEPTH_BLOCK = 512
-_IDENTITY = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)
+IDENTITY = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)  # the bounds of no activation
 
 
 def tap_offsets(channels: int, kh: int, kw: int, dh: int, dw: int, wp: int, plane: int) -> np.ndarray:

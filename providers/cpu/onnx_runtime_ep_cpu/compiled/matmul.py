@@ -17,11 +17,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import gemm, jit
-from .gemm import BIAS, NR, RESIDUAL
+from .gemm import BIAS, IDENTITY, NR, RESIDUAL
 from .transformer import gelu_float32_
 
 _kernel_12, _kernel_8 = gemm.matmul_kernel(12), gemm.matmul_kernel(8)
-_IDENTITY = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)
 
 
 def pack_columns(w: np.ndarray) -> np.ndarray:
@@ -49,7 +48,8 @@ def scratch_size(depth: int) -> int:
 
 
 @jit
-def _tile(mr, a, lda, b, rows, c, depth, ldc, bias, residual, ldr, flags, bounds):
+def tile(mr, a, lda, b, rows, c, depth, ldc, bias, residual, ldr, flags, bounds):
+    """gemm.matmul_kernel's tile, ``mr`` (12 or 8) rows high."""
     if mr == 8:
         _kernel_8(a, lda, b, rows, c, depth, ldc, bias, residual, ldr, flags, bounds)
     else:
@@ -87,11 +87,11 @@ def matmul_panels(x, lda, m, depth, packed, offsets, bias, y, n, residual, flags
             column = p * NR
             at = t0 * n + column
             if left >= mr and column + NR <= n:
-                _tile(mr, a, ld, packed[p], offsets, y[at:], depth, n, bias[column:], residual[at:], n, tile_flags,
-                      _IDENTITY)
+                tile(mr, a, ld, packed[p], offsets, y[at:], depth, n, bias[column:], residual[at:], n, tile_flags,
+                      IDENTITY)
             else:  # a tile past y's last rows or columns: into ``own``, then its part in y
-                _tile(mr, a, ld, packed[p], offsets, own, depth, NR, bias[column:], own, NR, tile_flags & BIAS,
-                      _IDENTITY)
+                tile(mr, a, ld, packed[p], offsets, own, depth, NR, bias[column:], own, NR, tile_flags & BIAS,
+                      IDENTITY)
                 width = min(NR, n - column)
                 for i in range(rows):
                     if tile_flags & RESIDUAL:

@@ -560,6 +560,18 @@ def helpers(count: int) -> Helpers:
         return _helpers
 
 
+_NO_HELPERS = (np.zeros((0, MAILBOX_SIZE), dtype=np.int64), np.zeros(0, dtype=np.int64))  # (mailboxes, states)
+
+
+def call(function, arguments: tuple, runner: int, scratch: int, count: int) -> None:
+    """``function(*arguments, mailboxes, states, runner)``, a compiled caller that posts its parts (jobs.split_*),
+    with the process's ``count`` helpers (started on first use; 0: none); every part on the calling thread
+    when there are none or another caller holds them. ``scratch``: the floats each helper's part needs."""
+    if count and helpers(count).call(function, arguments, runner, scratch) is not None:
+        return
+    function(*arguments, *_NO_HELPERS, runner)
+
+
 def run(kind: Kind, parts, count: int, long: bool = False) -> None:
     """One job of ``kind`` per part, split across the calling thread and ``count`` helpers (one part
     runs on the calling thread alone); ``long``: see Helpers.run."""

@@ -122,29 +122,13 @@ class _PackedProduct:
         bounds = np.array([panels * t // threads for t in range(threads + 1)], dtype=np.int64)
         head = (x, depth, rows, depth, packed, offsets, bias, y.reshape(-1), n, residual, flags, coefficients)
         scratch = matmul.scratch_size(depth)
-        pool = workers.helpers(helper_count()) if threads > 1 else None
-        if pool is not None and macs >= _LONG_MACS * threads:
+        if threads > 1 and macs >= _LONG_MACS * threads:
             workers.run(jobs.MATMUL, [(*head, first, end) for first, end in zip(bounds, bounds[1:])], helper_count(),
                         True)
             return y
-        own, runner = workers.local_mailbox(scratch), jobs.MATMUL.address()
-        arguments = (*head, bounds, own)
-        if pool is None or pool.call(jobs.split_matmul, arguments, runner, scratch) is None:
-            jobs.split_matmul(*arguments, *_alone(), runner)  # one thread, or another caller has the helpers
+        workers.call(jobs.split_matmul, (*head, bounds, workers.local_mailbox(scratch)), jobs.MATMUL.address(),
+                     scratch, helper_count() if threads > 1 else 0)
         return y
-
-
-def _alone() -> tuple:
-    """split_* callers' (mailboxes, states) with no helpers."""
-    global _no_helpers
-    if _no_helpers is None:
-        from ..compiled import workers
-
-        _no_helpers = (np.zeros((0, workers.MAILBOX_SIZE), dtype=np.int64), np.zeros(0, dtype=np.int64))
-    return _no_helpers
-
-
-_no_helpers = None
 
 
 @register("FusedMatMul", domain=FUSED_DOMAIN, since=1)
@@ -280,8 +264,8 @@ _splits: dict[tuple, _Split] = {}
 
 
 def _gemv_host() -> bool:
-    """Whether the host runs compiled/gemv.py's loops (AVX-512, as the packed convolution: elsewhere
-    BLAS keeps the threads to itself)."""
+    """Whether the host runs the compiled products (compiled/gemv.py, matmul.py, attention.py): AVX-512, as
+    the packed convolution; elsewhere BLAS keeps the threads to itself."""
     global _gemm
     if _gemm is None:
         from ..compiled import gemm
@@ -309,17 +293,17 @@ def _gemm_kernel(node, c_must_match: bool):
             )
         left = a.T if trans_a else a
         right = b.T if trans_b else b
-        if alpha == 1 and left.shape[0] > _GEMV_ROWS and _PackedProduct.applies(left, right):
-            # A batch through a constant layer (a classifier's): compiled/matmul.py, C as its bias or residual.
-            rows, n = left.shape[0], right.shape[1]
-            term = None if c is None or beta == 0 else c if beta == 1 else None
-            if term is not None and term.dtype is _FLOAT32 and term.shape in ((n,), (1, n), (rows, n)) or c is None \
-                    or beta == 0:
-                if packed is None:
-                    packed = _PackedProduct()
-                full = term is not None and term.shape == (rows, n) and (rows, n) != (1, n)
-                bias = None if term is None or full else term if term.ndim == 1 else term.reshape(n)
-                return (packed(left, right, bias, term if full else None, None, b),)
+        term = c if c is not None and beta != 0 else None  # what C adds
+        rows, n = left.shape[0], right.shape[-1]
+        if alpha == 1 and rows > _GEMV_ROWS and _PackedProduct.applies(left, right) and (
+                term is None or (beta == 1 and term.dtype is _FLOAT32 and term.shape in ((n,), (1, n), (rows, n)))):
+            # A batch through a constant layer (a classifier's): compiled/matmul.py, C as its bias (a row) or
+            # residual (a whole output; the batch has more than one row).
+            if packed is None:
+                packed = _PackedProduct()
+            row = term is not None and term.size == n
+            bias = (term if term.ndim == 1 else term.reshape(n)) if row else None  # (a 1-D C itself: its pad is kept)
+            return (packed(left, right, bias, None if row else term, None, b),)
         y = _few_rows_product(left, b, trans_b) if left.shape[1] == b.shape[1 if trans_b else 0] else None
         if y is None:
             y = _matmul(left, b.T if trans_b else b)

@@ -696,14 +696,11 @@ def _compiled_depthwise(geo: _Geometry, m: int, prepared: _Prepared, dtype):
         if spans is None:
             return plan(x, flat_w, bias, source)
         from ..compiled import jobs, workers
-        from .linalg import _alone
 
         def run(arguments):
             """jobs.split_depthwise: posted from compiled code, as the packed convolution's parts."""
-            own, runner = workers.local_mailbox(0), jobs.DEPTHWISE.address()
-            pool = workers.helpers(helper_count()) if len(spans) > 1 else None
-            if pool is None or pool.call(jobs.split_depthwise, (*arguments, own), runner) is None:
-                jobs.split_depthwise(*arguments, own, *_alone(), runner)  # one part, or the helpers are busy
+            workers.call(jobs.split_depthwise, (*arguments, workers.local_mailbox(0)), jobs.DEPTHWISE.address(), 0,
+                         helper_count() if len(spans) > 1 else 0)
 
         bounds = np.array([first for first, _ in spans] + [spans[-1][1]], dtype=np.int64)
         return plan.split_channels(x, flat_w, bias, bounds, source, run)  # one image: independent channels
@@ -899,7 +896,6 @@ class _PackedConv:
             taps = gemm.tap_offsets(self._cg, kh, kw, dh, dw, wp, hp * wp)
         self._offsets = (taps, gemm.packed_offsets(self._cg * kh * kw))
         self._scratch = gemm.scratch_size(self._cg * kh * kw)
-        self._alone = (np.zeros((0, workers.MAILBOX_SIZE), dtype=np.int64), np.zeros(0, dtype=np.int64))  # no helpers
         self._bias_cache = (None, None)  # (the bias array last seen, its padded copy)
         self._padded_inputs: dict[int, np.ndarray] = {}  # per calling thread: a padded input buffer
         self._keeps_padded = 4 * math.prod(geo.padded_shape(tuple(x_shape))) <= _KEPT_PADDED_BYTES
@@ -962,13 +958,8 @@ class _PackedConv:
         columns q, q + sw, ...; for small inputs in a buffer of the calling thread whose zeros (the pads,
         and the cells past the padded image) stay from call to call, so only x's cells are copied."""
         geo = self._geo
-        buffer = self._padded_inputs.get(threading.get_ident()) if self._keeps_padded else None
-        if buffer is None:
-            buffer = np.zeros(self._phase_shape, dtype=np.float32)
-            if self._keeps_padded:
-                if len(self._padded_inputs) >= 8:  # callers come and go: keep the buffers of a few
-                    self._padded_inputs.clear()
-                self._padded_inputs[threading.get_ident()] = buffer
+        shape = self._phase_shape
+        buffer = self._kept_buffer(shape) if self._keeps_padded else np.zeros(shape, dtype=np.float32)
         n, _, h, w = x.shape
         grouped = x.reshape(n, self._group, self._cg, h, w)
         (sh, sw), (bh, bw) = geo.strides, geo.begin
@@ -992,14 +983,21 @@ class _PackedConv:
             return np.ascontiguousarray(x).reshape(self._n, -1)
         if not self._keeps_padded:
             return np.ascontiguousarray(geo.pad(x, 0)).reshape(self._n, -1)
+        buffer = self._kept_buffer(geo.padded_shape(x.shape))
+        buffer[geo._inner] = x
+        return buffer.reshape(self._n, -1)
+
+    def _kept_buffer(self, shape) -> np.ndarray:
+        """The calling thread's zeroed input buffer for this node, kept from call to call (its zeros, the
+        pads, stay: only the input's cells are written); for the buffers' memory, up to _KEPT_PADDED_BYTES
+        per node and a few threads."""
         thread = threading.get_ident()
         buffer = self._padded_inputs.get(thread)
         if buffer is None:
             if len(self._padded_inputs) >= 8:  # callers come and go: keep the buffers of a few
                 self._padded_inputs.clear()
-            buffer = self._padded_inputs[thread] = np.zeros(geo.padded_shape(x.shape), dtype=np.float32)
-        buffer[geo._inner] = x
-        return buffer.reshape(self._n, -1)
+            buffer = self._padded_inputs[thread] = np.zeros(shape, dtype=np.float32)
+        return buffer
 
     def __call__(self, x, w, b, finish, out=None):
         geo = self._geo
@@ -1018,8 +1016,7 @@ class _PackedConv:
         parts, tasks, ranges = self._plan(threads)
         head = (xp, weights, bias, y.reshape(self._n, -1), residual, flags, bounds)
         workers = self._workers
-        pool = workers.helpers(helper_count()) if threads > 1 else None
-        if pool is not None and self._macs >= _LONG_MACS * threads:
+        if threads > 1 and self._macs >= _LONG_MACS * threads:
             # Milliseconds per part: through workers.run, whose parts wait for a sleeping helper.
             fixed = (*self._geometry.tolist(), *self._offsets)
             workers.run(self._jobs.CONV, [(*head, *fixed, share) for share in parts if len(share)], helper_count(),
@@ -1027,10 +1024,9 @@ class _PackedConv:
             return y
         # Posted from compiled code (jobs.split_conv): per call, the Python of workers.run cost about as
         # much as a small convolution's arithmetic.
-        own, runner = workers.local_mailbox(self._scratch), self._jobs.CONV.address()
-        arguments = (*head, self._geometry, *self._offsets, tasks, ranges, own)
-        if pool is None or pool.call(self._jobs.split_conv, arguments, runner, self._scratch) is None:
-            self._jobs.split_conv(*arguments, *self._alone, runner)  # one thread, or another caller has the helpers
+        arguments = (*head, self._geometry, *self._offsets, tasks, ranges, workers.local_mailbox(self._scratch))
+        workers.call(self._jobs.split_conv, arguments, self._jobs.CONV.address(), self._scratch,
+                     helper_count() if threads > 1 else 0)
         return y
 
 

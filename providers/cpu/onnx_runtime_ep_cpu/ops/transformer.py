@@ -21,6 +21,7 @@ from ..compiled import COMPILED_DTYPES
 from ..registry import register
 from ..threads import helper_count, kernel_threads
 from .elementwise import _sigmoid
+from .linalg import _gemv_host
 from .nn import _compute_dtype, _graph_error, _normalize_axis, _stash_dtype, _upcast
 
 _SOFTMAX_PRECISIONS = (DataType.FLOAT, DataType.FLOAT16, DataType.DOUBLE, DataType.BFLOAT16)
@@ -305,7 +306,7 @@ class _Attention:
         bias = self._compiled_bias(mask)
         if bias is None or q.size == 0 or k.size == 0:
             return None
-        if geo.q_len >= _TILED_ROWS and geo.v_head_size % 32 == 0 and _tiles_run_here():
+        if geo.q_len >= _TILED_ROWS and geo.v_head_size % 32 == 0 and _gemv_host():  # AVX-512, as the products
             return self._tiled_attention(q, k, v, bias)
         queries = geo.to_heads(q, geo.q_heads)
         keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
@@ -355,10 +356,8 @@ class _Attention:
         arguments = (q.reshape(-1), layout.q_strides, k.reshape(-1), layout.k_strides, v.reshape(-1),
                      layout.v_strides, y.reshape(-1), layout.y_strides, *layout.sizes, layout.scale, bias, layout.plan,
                      extents, layout.bounds, status, workers.local_mailbox(layout.scratch))
-        runner = jobs.ATTENTION.address()
-        pool = workers.helpers(helper_count()) if len(layout.bounds) > 2 else None
-        if pool is None or pool.call(jobs.split_attention, arguments, runner, layout.scratch) is None:
-            jobs.split_attention(*arguments, *_alone(), runner)  # one thread, or another caller has the helpers
+        workers.call(jobs.split_attention, arguments, jobs.ATTENTION.address(), layout.scratch,
+                     helper_count() if len(layout.bounds) > 2 else 0)
         if status[0]:
             return None
         return y, geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
@@ -438,13 +437,6 @@ _TILED_ROWS = 16
 _SPLIT_MACS = 1 << 20
 
 
-def _tiles_run_here() -> bool:
-    """Whether compiled/attention.py runs on this host (AVX-512, as the packed convolution)."""
-    from ..compiled import gemm
-
-    return gemm.AVAILABLE
-
-
 class _TiledLayout:
     """What _tiled_attention passes compiled/attention.py for one set of C-contiguous input shapes: the
     query tiles, the element strides of Q, K, V and Y as (B, H, S, D) views of their flat memory, the
@@ -472,13 +464,6 @@ class _TiledLayout:
         threads = max(1, min(kernel_threads(), units, work // _SPLIT_MACS))
         self.bounds = np.array([units * t // threads for t in range(threads + 1)], np.int64)
         self.scratch = attention.scratch_size(geo.head_size, geo.v_head_size, geo.total_len)
-
-
-def _alone() -> tuple:
-    """split_* callers' (mailboxes, states) with no helpers."""
-    from .linalg import _alone as alone
-
-    return alone()
 
 
 @register("Attention", since=23)
