@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 from onnx_runtime.ir import Node
-from onnx_runtime_ep_cpu.compiled import depthwise
+from onnx_runtime_ep_cpu.compiled import depthwise, gemm
 from onnx_runtime_ep_cpu.ops import nn
 
 RNG = np.random.default_rng(11)
@@ -197,3 +197,75 @@ def test_numpy_path_still_matches_direct_convolution(monkeypatch, shape, kernel,
     w = _constant(RNG.standard_normal((2 * c, 1, *kernel)).astype(np.float32))
     b = _constant(RNG.standard_normal(2 * c).astype(np.float32))
     np.testing.assert_allclose(_run(x, w, b, attrs), _reference(x, w, b, attrs), rtol=1e-5, atol=1e-5)
+
+
+needs_avx512 = pytest.mark.skipif(not gemm.AVAILABLE, reason="the direct kernel needs an AVX-512 host")
+
+
+def _plan(shape, strides, pads, kernel=(3, 3), dilations=(1, 1)):
+    """A DepthwisePlan for an (H, W) image, pads (top, left, bottom, right)."""
+    (h, w), (sh, sw), (dh, dw) = shape, strides, dilations
+    out = tuple((n + p0 + p1 - (k - 1) * d - 1) // s + 1
+                for n, p0, p1, k, d, s in zip((h, w), pads[:2], pads[2:], kernel, (dh, dw), (sh, sw)))
+    return depthwise.DepthwisePlan((h, w), kernel, strides, dilations, tuple(pads[:2]), out)
+
+
+@needs_avx512
+def test_direct_kernel_takes_3x3_windows_of_stride_1_and_2():
+    assert _plan((7, 7), (1, 1), (1, 1, 1, 1)).direct
+    assert _plan((14, 15), (2, 2), (0, 1, 1, 0)).direct
+    assert not _plan((14, 15), (1, 2), (1, 1, 1, 1)).direct  # mixed strides: the planes
+    assert not _plan((14, 15), (3, 3), (1, 1, 1, 1)).direct
+    assert not _plan((14, 15), (1, 1), (2, 2, 2, 2), dilations=(2, 2)).direct
+    assert not _plan((14, 15), (1, 1), (2, 2, 2, 2), kernel=(5, 5)).direct
+
+
+ACTIVATIONS = {
+    "none": (-np.inf, np.inf, 1.0),
+    "relu": (0.0, np.inf, 1.0),
+    "clip": (-0.5, 0.75, 1.0),
+    "leaky": (-np.inf, np.inf, 0.125),
+}
+
+
+@needs_avx512
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("shape,pads", [
+    ((7, 7), (1, 1, 1, 1)), ((1, 1), (1, 1, 1, 1)), ((15, 17), (1, 1, 1, 1)), ((8, 33), (0, 1, 1, 0)),
+    ((16, 16), (0, 0, 0, 0)), ((9, 40), (1, 0, 0, 1)), ((22, 5), (1, 1, 0, 0)), ((3, 64), (0, 1, 0, 1)),
+])
+def test_direct_kernel_is_the_plane_loop_bit_for_bit(shape, pads, stride, activation):
+    # Both start from the bias and add the taps in row-major order as fused multiply-adds, pads as zeros:
+    # the same bits, over row blocks with a partial last one (heights 1-22), 16-column chunks with a tail
+    # (widths 1-64), asymmetric pads, two outputs per channel, a channel shuffle, every activation.
+    plan = _plan(shape, (stride, stride), pads)
+    assert plan.direct
+    x = RNG.standard_normal((1, 6, *shape)).astype(np.float32)
+    w = RNG.standard_normal((12, 9)).astype(np.float32)
+    b = RNG.standard_normal(12).astype(np.float32)
+    source = np.array([5, 3, 1, 0, 2, 4], dtype=np.uint64)
+    bounds = np.array(ACTIVATIONS[activation], dtype=np.float32)
+    direct = plan(x, w, b, bounds, source)
+    plan.direct = 0
+    planes = plan(x, w, b, bounds, source)
+    np.testing.assert_array_equal(direct, planes)
+    expected = _reference(x[:, source.astype(np.int64)], w.reshape(12, 1, 3, 3), b,
+                          {"strides": [stride] * 2, "pads": list(pads)})
+    low, high, slope = bounds.astype(np.float64)
+    expected = np.minimum(np.maximum(np.where(expected < 0, expected * slope, expected), low), high)
+    np.testing.assert_allclose(direct, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_avx512
+def test_direct_kernel_splits_channels_across_threads(monkeypatch, kernel_threads):
+    # One image's channels in parts (jobs.split_depthwise), each part by the direct kernel: the same bits.
+    monkeypatch.setattr(nn, "_SPLIT_ELEMENTS", 1)
+    x = RNG.standard_normal((1, 10, 14, 14)).astype(np.float32)
+    w = _constant(RNG.standard_normal((10, 1, 3, 3)).astype(np.float32))
+    b = _constant(RNG.standard_normal(10).astype(np.float32))
+    attrs = {"pads": [1, 1, 1, 1], "strides": [2, 2]}
+    split = _run(x, w, b, attrs)
+    monkeypatch.setattr(nn, "_SPLIT_ELEMENTS", 1 << 40)
+    np.testing.assert_array_equal(split, _run(x, w, b, attrs))
+    np.testing.assert_allclose(split, _reference(x, w, b, attrs), rtol=1e-5, atol=1e-5)

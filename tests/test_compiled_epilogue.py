@@ -182,18 +182,21 @@ def test_fused_conv_finishes_every_path_as_conv_then_epilogue(monkeypatch, path,
     conv = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)
     (expected,) = conv(x, w)  # without its bias: the fused node adds it in the epilogue, in the same order
     z = rng.standard_normal(expected.shape).astype(dtype) if with_residual else None
-    got, expected = fused_and_unfused(x, w, b, z, attrs, kind, params, expected)
+    # The depthwise loop starts its sums from the bias and applies the activation as it stores; with a
+    # residual, the bias is added after the sums, as for the other paths.
+    bias_first = path == "depthwise" and z is None
+    got, expected = fused_and_unfused(x, w, b, z, attrs, kind, params, expected, bias_first)
     assert got.dtype == dtype and got.shape == expected.shape
     np.testing.assert_array_equal(got, expected)
     assert function is None or set(taken) == {function}  # the path the shapes are meant to take
 
 
-def fused_and_unfused(x, w, b, z, attrs, kind, params, conv_out):
+def fused_and_unfused(x, w, b, z, attrs, kind, params, conv_out, bias_first=False):
     """(FusedConv's output for these inputs, what the unfused nodes give: ``conv_out`` (the Conv
     without its bias) plus the bias, plus the residual, then the activation, in that order; without a
-    residual or an activation, the Conv itself, bias included, as a FusedConv then is)."""
+    residual or an activation, or with ``bias_first``, the Conv itself, bias included, then the rest)."""
     expected = conv_out
-    if kind is None and z is None and b is not None:
+    if (bias_first or (kind is None and z is None)) and b is not None:
         (expected,) = nn.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)(x, w, b)
     elif b is not None:
         expected = expected + b.reshape(-1, 1, 1)

@@ -249,7 +249,7 @@ def test_depthwise_split_across_threads_matches_the_reference(monkeypatch, kerne
     monkeypatch.setattr(nn, "_SPLIT_ELEMENTS", 1)
     splits = []  # the parts of each depthwise convolution, posted from compiled code (jobs.split_depthwise)
     real = jobs.split_depthwise
-    monkeypatch.setattr(jobs, "split_depthwise", lambda *a: splits.append(len(a[17]) - 1) or real(*a))
+    monkeypatch.setattr(jobs, "split_depthwise", lambda *a: splits.append(len(a[19]) - 1) or real(*a))
     rng = np.random.default_rng(15)
     x = rng.standard_normal((1, 6, 9, 10), dtype=np.float32)
     w = rng.standard_normal((6 * multiplier, 1, 3, 3), dtype=np.float32)

@@ -66,7 +66,7 @@ def activation_bounds(kind: int, params, dtype) -> np.ndarray:
 
 
 @jit
-def _activate(v, low, high, slope):
+def activate(v, low, high, slope):
     # Comparisons are false for NaN, so NaN passes through as with np.maximum; Clip is max-then-min,
     # so the high bound wins where low > high.
     v = v * slope if v < 0 else v
@@ -84,19 +84,19 @@ def _finish_in_place(row, first, count, with_bias, bias, residual, bounds):
     if with_bias and residual.shape[0] > 0:
         for p in range(count):
             q = first + np.uint64(p)
-            row[q] = _activate(row[q] + bias + residual[q], low, high, slope)
+            row[q] = activate(row[q] + bias + residual[q], low, high, slope)
     elif with_bias:
         for p in range(count):
             q = first + np.uint64(p)
-            row[q] = _activate(row[q] + bias, low, high, slope)
+            row[q] = activate(row[q] + bias, low, high, slope)
     elif residual.shape[0] > 0:
         for p in range(count):
             q = first + np.uint64(p)
-            row[q] = _activate(row[q] + residual[q], low, high, slope)
+            row[q] = activate(row[q] + residual[q], low, high, slope)
     else:
         for p in range(count):
             q = first + np.uint64(p)
-            row[q] = _activate(row[q], low, high, slope)
+            row[q] = activate(row[q], low, high, slope)
 
 
 @jit
@@ -109,19 +109,19 @@ def _finish_crop(row, source, lines, width, padded, with_bias, bias, residual, b
         if with_bias and residual.shape[0] > 0:
             for p in range(width):
                 q = np.uint64(p)
-                row[at + q] = _activate(source[start + q] + bias + residual[at + q], low, high, slope)
+                row[at + q] = activate(source[start + q] + bias + residual[at + q], low, high, slope)
         elif with_bias:
             for p in range(width):
                 q = np.uint64(p)
-                row[at + q] = _activate(source[start + q] + bias, low, high, slope)
+                row[at + q] = activate(source[start + q] + bias, low, high, slope)
         elif residual.shape[0] > 0:
             for p in range(width):
                 q = np.uint64(p)
-                row[at + q] = _activate(source[start + q] + residual[at + q], low, high, slope)
+                row[at + q] = activate(source[start + q] + residual[at + q], low, high, slope)
         else:
             for p in range(width):
                 q = np.uint64(p)
-                row[at + q] = _activate(source[start + q], low, high, slope)
+                row[at + q] = activate(source[start + q], low, high, slope)
 
 
 @jit

@@ -170,7 +170,7 @@ def _tile_kernel(rows_per_tile: int):
         MR x NR tile; ``flags``: BIAS adds the bias, RESIDUAL the residual; ACCUMULATE starts the sums
         from c (the partial sums of earlier blocks of k) instead of zero; PARTIAL stores the sums without
         the epilogue (a block of k before the last). ``bounds`` = (low, high, slope) of the activation, as
-        compiled/epilogue.py's _activate (NaN passes through). ``rows`` holds where each of the K rows of
+        compiled/epilogue.py's activate (NaN passes through). ``rows`` holds where each of the K rows of
         NR lanes starts in ``b``: k*NR in a packed panel, or a tap's offset in the image itself."""
         signature = types.void(a, b, rows, c, depth, ldc, bias, residual, ldr, flags, bounds)
 

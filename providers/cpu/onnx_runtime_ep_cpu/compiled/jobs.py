@@ -296,7 +296,7 @@ AFFINE = Kind(_write_affine, lambda: compile_runner(_affine_entry))
 
 @jit
 def _write_depthwise(m, x, weights, bias, y, n_images, channels, in_shape, out, strides, begin, taps, rows, width, size,
-                     inputs, places, grid, source):
+                     inputs, places, grid, source, activation, direct):
     s = ARGS
     m[s + 0], m[s + 1], m[s + 2], m[s + 3] = x.ctypes.data, x.shape[0], weights.ctypes.data, weights.shape[0]
     m[s + 4], m[s + 5], m[s + 6], m[s + 7] = bias.ctypes.data, bias.shape[0], y.ctypes.data, y.shape[0]
@@ -307,6 +307,7 @@ def _write_depthwise(m, x, weights, bias, y, n_images, channels, in_shape, out, 
     m[s + 23], m[s + 24], m[s + 25] = inputs.ctypes.data, places.ctypes.data, inputs.shape[0]
     m[s + 26], m[s + 27] = grid.ctypes.data, grid.shape[0]
     m[s + 28], m[s + 29] = source.ctypes.data, source.shape[0]
+    m[s + 30], m[s + 31] = activation.ctypes.data, direct
 
 
 def _depthwise_entry(pointer):
@@ -317,7 +318,8 @@ def _depthwise_entry(pointer):
                   (m[s + 10], m[s + 11]), (m[s + 12], m[s + 13]), (m[s + 14], m[s + 15]), (m[s + 16], m[s + 17]),
                   offset_array(m[s + 18], (m[s + 19],)), m[s + 20], m[s + 21], m[s + 22],
                   offset_array(m[s + 23], (m[s + 25],)), offset_array(m[s + 24], (m[s + 25],)),
-                  offset_array(m[s + 26], (m[s + 27],)), offset_array(m[s + 28], (m[s + 29],)))
+                  offset_array(m[s + 26], (m[s + 27],)), offset_array(m[s + 28], (m[s + 29],)),
+                  float_array(m[s + 30], (3,)), m[s + 31])
 
 
 # depthwise.run, one part of DepthwisePlan.split_channels (see split_depthwise).
@@ -326,16 +328,17 @@ DEPTHWISE = Kind(_write_depthwise, lambda: compile_runner(_depthwise_entry))
 
 @jit
 def _write_depthwise_channels(m, x, weights, bias, y, multiplier, in_shape, out, strides, begin, taps, rows, width,
-                              size, inputs, places, grid, source, first, end):
+                              size, inputs, places, grid, source, activation, direct, first, end):
     """_write_depthwise for channels first .. end of one image (weights (M, K), bias (M,), y (M, P))."""
     a, b = first * multiplier, end * multiplier
     _write_depthwise(m, x, weights[a:b].reshape(-1), bias[a:b], y[a:b].reshape(-1), 1, end - first, in_shape, out,
-                     strides, begin, taps, rows, width, size, inputs, places, grid, source[first:end])
+                     strides, begin, taps, rows, width, size, inputs, places, grid, source[first:end], activation,
+                     direct)
 
 
 @jit
 def split_depthwise(x, weights, bias, y, multiplier, in_shape, out, strides, begin, taps, rows, width, size, inputs,
-                    places, grid, source, bounds, own, mailboxes, states, runner):
+                    places, grid, source, activation, direct, bounds, own, mailboxes, states, runner):
     """One image's depthwise convolution in parts, channels bounds[i] .. bounds[i + 1] for part i (weights
     (M, K), bias (M,) and y (M, P) per output channel, ``multiplier`` outputs per channel), posted as
     split_conv's (through workers.run's Python a small layer took ~3 us more: 40.7 -> 37.1 us for 544
@@ -345,12 +348,13 @@ def split_depthwise(x, weights, bias, y, multiplier, in_shape, out, strides, beg
     here = np.ones(parts, dtype=np.bool_)
     for part in range(1, helpers + 1):
         _write_depthwise_channels(mailboxes[part - 1], x, weights, bias, y, multiplier, in_shape, out, strides, begin,
-                                  taps, rows, width, size, inputs, places, grid, source, bounds[part],
-                                  bounds[part + 1])
+                                  taps, rows, width, size, inputs, places, grid, source, activation, direct,
+                                  bounds[part], bounds[part + 1])
         here[part] = not offer(mailboxes, states, part - 1, runner)
     for part in range(parts):
         if here[part]:
             _write_depthwise_channels(own, x, weights, bias, y, multiplier, in_shape, out, strides, begin, taps, rows,
-                                      width, size, inputs, places, grid, source, bounds[part], bounds[part + 1])
+                                      width, size, inputs, places, grid, source, activation, direct, bounds[part],
+                                      bounds[part + 1])
             run_here(runner, own)
     return collect(mailboxes, states, helpers)

@@ -1,4 +1,4 @@
-"""What the LLVM-IR intrinsics of gemm.py, gemv.py and workers.py share: the vector types they
+"""What the LLVM-IR intrinsics of gemm.py, gemv.py, depthwise.py and workers.py share: the vector types they
 compute in, the declaration of LLVM's own intrinsic functions in the module being built, and the
 counted loop that carries accumulators in registers."""
 
@@ -62,3 +62,28 @@ def merged(builder, first: tuple, second: tuple) -> list:
         phi.add_incoming(b, block_b)
         phis.append(phi)
     return phis
+
+
+MASK = ir.VectorType(ir.IntType(1), LANES)  # a lane mask
+LANE_INDEX = ir.VectorType(I32, LANES)  # 32-bit integers per lane
+
+
+def masked_load(module):
+    """llvm.masked.load on 16 float32 lanes: (pointer, alignment, mask, passthru); lanes off the mask
+    are not read (they may lie outside the array) and take passthru's value."""
+    return declare(module, "llvm.masked.load.v16f32.p0",
+                   ir.FunctionType(VEC, [VEC.as_pointer(), I32, MASK, VEC]))
+
+
+def masked_store(module):
+    """llvm.masked.store on 16 float32 lanes: (value, pointer, alignment, mask); lanes off the mask are
+    not written."""
+    return declare(module, "llvm.masked.store.v16f32.p0",
+                   ir.FunctionType(ir.VoidType(), [VEC, VEC.as_pointer(), I32, MASK]))
+
+
+def splat(builder, scalar, vector_type=VEC):
+    """``scalar`` in every lane of a vector of ``vector_type``."""
+    undef = ir.Constant(vector_type, ir.Undefined)
+    first = builder.insert_element(undef, scalar, ir.Constant(I32, 0))
+    return builder.shuffle_vector(first, undef, ir.Constant(LANE_INDEX, [0] * vector_type.count))

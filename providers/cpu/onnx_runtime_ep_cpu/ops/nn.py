@@ -673,37 +673,50 @@ def _depthwise_compiles(geo: _Geometry, x: np.ndarray) -> bool:
 
 
 def _compiled_depthwise(geo: _Geometry, m: int, prepared: _Prepared, dtype):
-    """``compute(x, w, b)`` for a depthwise convolution by the compiled loop (compiled/depthwise.py);
-    a 1-D window runs as a 2-D one of height 1."""
+    """``compute(x, w, b, finish, source=None)`` for a depthwise convolution by the compiled loop
+    (compiled/depthwise.py), which adds the bias and applies the activation of ``finish`` (an
+    _Epilogue, or None) as it stores; a residual is added after. A 1-D window runs as a 2-D one of
+    height 1."""
+    from ..compiled import epilogue
     from ..compiled.depthwise import DepthwisePlan  # numba loads only for models that need it
 
     lift = (1,) * (2 - len(geo.kernel))
     plan = DepthwisePlan(lift + geo.in_shape, lift + geo.kernel, lift + geo.strides, lift + geo.dilations,
                          (0,) * len(lift) + geo.begin, lift + geo.out)
+    identity = epilogue.activation_bounds(epilogue.NONE, (), dtype)
 
     def weights(w, b):
         # Fresh writeable copies: numba compiles a read-only array argument separately.
         bias = np.zeros(m, dtype) if b is None else np.array(b, dtype=dtype)
         return np.array(w.reshape(m, -1), dtype=dtype, order="C"), bias
 
-    def compute(x, w, b, source=None):
+    def compute(x, w, b, finish, source=None):
         """``source``: the channel map of a channel shuffle folded in (see _ChannelShuffle), or None."""
         flat_w, bias = prepared.get("depthwise", (w, b), lambda: weights(w, b))
+        activation, residual = identity, finish is not None and finish.residual.size > 0
+        if finish is not None and not residual:  # (with a residual, finish adds the bias after it)
+            activation = finish.bounds
+            if finish.bias.size:
+                bias = finish.bias if finish.bias.flags.writeable else finish.bias.copy()
         x = np.ascontiguousarray(x)
         # The work counted as elements times taps: each output reads a window of the input.
         work = max(x.size, math.prod(geo.out) * m) * flat_w.shape[1]
         spans = _thread_spans(x.shape[1], work, x.dtype) if x.shape[0] == 1 else None
         if spans is None:
-            return plan(x, flat_w, bias, source)
-        from ..compiled import jobs, workers
+            y = plan(x, flat_w, bias, activation, source)
+        else:
+            from ..compiled import jobs, workers
 
-        def run(arguments):
-            """jobs.split_depthwise: posted from compiled code, as the packed convolution's parts."""
-            workers.call(jobs.split_depthwise, (*arguments, workers.local_mailbox(0)), jobs.DEPTHWISE.address(), 0,
-                         helper_count() if len(spans) > 1 else 0)
+            def run(arguments):
+                """jobs.split_depthwise: posted from compiled code, as the packed convolution's parts."""
+                workers.call(jobs.split_depthwise, (*arguments, workers.local_mailbox(0)), jobs.DEPTHWISE.address(),
+                             0, helper_count() if len(spans) > 1 else 0)
 
-        bounds = np.array([first for first, _ in spans] + [spans[-1][1]], dtype=np.int64)
-        return plan.split_channels(x, flat_w, bias, bounds, source, run)  # one image: independent channels
+            # One image: its channels are independent.
+            y = plan.split_channels(x, flat_w, bias, activation, _span_bounds(spans), source, run)
+        if residual:
+            finish.rows(y.reshape(y.shape[0], m, -1), 0, math.prod(geo.out))
+        return y
 
     compute.reads_shuffled = True  # takes a channel map instead of a shuffled copy of x
     return compute
@@ -1085,6 +1098,7 @@ def _conv_path(geo: _Geometry, group: int, x: np.ndarray, w: np.ndarray, prepare
         blocks = True
     elif group == c and group > 1 and _depthwise_compiles(geo, x):
         compute = _compiled_depthwise(geo, m, prepared, dtype)
+        blocks = True
     elif group == c and group > 1:
         def compute(xc, w, b):
             return _conv_depthwise(xc, grouped(w, b), geo, b is not None)
@@ -1122,9 +1136,9 @@ def _conv_path(geo: _Geometry, group: int, x: np.ndarray, w: np.ndarray, prepare
             out[...] = path(x, w, b, finish, None, shuffle)
             return out
         if blocks:
-            y = compute(xc, w, b, finish)
+            y = compute(xc, w, b, finish) if shuffle is None else compute(xc, w, b, finish, shuffle.source)
         else:
-            y = compute(xc, w, b) if shuffle is None else compute(xc, w, b, shuffle.source)
+            y = compute(xc, w, b)
             if finish is not None:
                 y = np.ascontiguousarray(y)  # finished in place, through a reshaped view
                 finish.rows(y.reshape(n, m, math.prod(geo.out)), 0, math.prod(geo.out))
@@ -1512,20 +1526,41 @@ def _compiled_pool(loops, x: np.ndarray, geo: _Geometry, include_pad: bool | Non
 _SPLIT_ELEMENTS = 1 << 16
 
 
-def _thread_spans(count: int, elements: int, dtype) -> list[tuple[int, int]] | None:
+def _thread_spans(count: int, elements: int, dtype) -> tuple[tuple[int, int], ...] | None:
     """``count`` independent rows (planes, channels) split evenly across the kernel threads, for a
     float32 kernel that runs as a job of compiled/jobs.py (on the helper threads of workers.py, or on
     this one alone: one span when the work is small or there is one thread). None where the jobs do
-    not run (other dtypes, hosts without the packed convolution): the caller calls its loop itself."""
+    not run (other dtypes, hosts without the packed convolution): the caller calls its loop itself.
+    Kept per (count, size, threads): building the spans cost ~3 us per call, paid by every run."""
     if dtype != np.float32:
         return None
-    from ..compiled import gemm
+    threads = kernel_threads()
+    key = (count, elements >= _SPLIT_ELEMENTS, threads)
+    found = _spans.get(key, False)
+    if found is False:
+        from ..compiled import gemm
 
-    if not gemm.AVAILABLE:
-        return None
-    threads = min(kernel_threads(), count) if elements >= _SPLIT_ELEMENTS else 1
-    bounds = [count * t // max(threads, 1) for t in range(max(threads, 1) + 1)]
-    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a] or [(0, count)]
+        found = None
+        if gemm.AVAILABLE:
+            parts = min(threads, count) if key[1] else 1
+            bounds = [count * t // max(parts, 1) for t in range(max(parts, 1) + 1)]
+            found = tuple((a, b) for a, b in zip(bounds, bounds[1:]) if b > a) or ((0, count),)
+        _spans[key] = found
+    return found
+
+
+_spans: dict[tuple, tuple | None] = {}
+
+
+def _span_bounds(spans: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """The spans as part i from bounds[i] to bounds[i + 1] (int64), the form compiled posters take."""
+    found = _bounds.get(spans)
+    if found is None:
+        found = _bounds[spans] = np.array([first for first, _ in spans] + [spans[-1][1]], dtype=np.int64)
+    return found
+
+
+_bounds: dict[tuple, np.ndarray] = {}
 
 
 @register("MaxPool", since=1)
