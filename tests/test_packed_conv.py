@@ -14,6 +14,7 @@ from onnx.reference import ReferenceEvaluator
 from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu import threads
 from onnx_runtime_ep_cpu.compiled import gemm
+from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
 from onnx_runtime_ep_cpu.ops import linalg, nn
 from test_compiled_epilogue import ACTIVATIONS, fused_and_unfused
 
@@ -27,6 +28,19 @@ def kernel_threads(request, monkeypatch):
     monkeypatch.setattr(nn, "_SPLIT_MACS", 1)  # split even the small test convolutions
     monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
     return request.param
+
+
+@pytest.fixture(params=["lanes", "panels"])
+def conv_layout(request, monkeypatch):
+    """The packed convolution with output channels across the lanes (compiled/lanes.py) wherever its
+    column stride allows (even for few channels), or with pixel panels (gemm.py) everywhere."""
+    _force_lanes(monkeypatch, request.param == "lanes")
+    return request.param
+
+
+def _force_lanes(monkeypatch, on: bool) -> None:
+    """Channel lanes wherever the column stride allows them (1 or 2), or nowhere."""
+    monkeypatch.setattr(nn, "_lanes_apply", lambda geo, outputs, depth: on and geo.strides[1] <= 2)
 
 
 def _taken(monkeypatch) -> list:
@@ -89,12 +103,18 @@ GEOMETRIES = {
     "one output channel": ((1, 7, 6, 6), (1, 7, 3, 3), {}),
     "tiny image, many channels": ((1, 200, 3, 3), (50, 200, 3, 3), dict(pads=[1, 1, 1, 1])),
     "one pixel": ((9, 64, 1, 1), (20, 64, 1, 1), {}),  # (8 images or fewer: a few-row product)
+    # Channel-lane tiles: two rows of 7 (an odd height: the last tile shifted up a row), one output row
+    # (the second row read past the image), row chunks of 14 with the last shifted back, 40 channels.
+    "7 wide, odd height": ((2, 8, 9, 7), (40, 8, 3, 3), dict(pads=[1, 1, 1, 1])),
+    "one output row": ((1, 6, 3, 6), (33, 6, 3, 3), dict(pads=[0, 1, 0, 1])),
+    "row chunks": ((1, 4, 5, 31), (35, 4, 3, 3), dict(pads=[1, 1, 1, 1])),
+    "row chunks, stride 2": ((1, 4, 9, 61), (18, 4, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2])),
 }
 
 
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no bias"])
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
-def test_packed_conv_matches_the_reference(monkeypatch, kernel_threads, geometry, with_bias):
+def test_packed_conv_matches_the_reference(monkeypatch, kernel_threads, conv_layout, geometry, with_bias):
     rng, x, w, b, attrs = _inputs(geometry, 7, with_bias)
     w_shape = w.shape
     taken = _taken(monkeypatch)
@@ -109,9 +129,9 @@ def test_packed_conv_matches_the_reference(monkeypatch, kernel_threads, geometry
 
 @pytest.mark.parametrize("kind,params", ACTIVATIONS)
 @pytest.mark.parametrize("with_bias,with_residual", [(True, True), (True, False), (False, True), (False, False)])
-@pytest.mark.parametrize("geometry", ["3x3 same", "3x3 stride 2", "groups", "1x1"])
-def test_fused_conv_is_conv_then_epilogue_exactly(monkeypatch, kernel_threads, geometry, kind, params, with_bias,
-                                                   with_residual):
+@pytest.mark.parametrize("geometry", ["3x3 same", "3x3 stride 2", "groups", "1x1", "7 wide, odd height"])
+def test_fused_conv_is_conv_then_epilogue_exactly(monkeypatch, kernel_threads, conv_layout, geometry, kind, params,
+                                                   with_bias, with_residual):
     """The microkernel adds the bias, the residual and applies the activation as it stores each tile,
     in the order of the unfused nodes: bit for bit what Conv (no bias) then those passes give."""
     rng, x, w, b, attrs = _inputs(geometry, 8, with_bias)
@@ -126,7 +146,7 @@ def test_fused_conv_is_conv_then_epilogue_exactly(monkeypatch, kernel_threads, g
     np.testing.assert_array_equal(got, expected)
 
 
-def test_results_do_not_depend_on_the_thread_count(monkeypatch):
+def test_results_do_not_depend_on_the_thread_count(monkeypatch, conv_layout):
     """Each output is reduced over k in the same order whichever thread computes it."""
     monkeypatch.setattr(nn, "_SPLIT_MACS", 1)
     monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
@@ -317,11 +337,14 @@ def test_a_forked_child_starts_its_own_helpers(monkeypatch):
 
 
 @pytest.mark.parametrize("kept_bytes", [0, 1 << 20], ids=["fresh padded copy", "kept padded buffer"])
-def test_padded_inputs_fresh_or_kept_give_the_reference(monkeypatch, kernel_threads, kept_bytes):
+@pytest.mark.parametrize("geometry", ["asymmetric pads", "1x1", "7 wide, odd height"])
+def test_padded_inputs_fresh_or_kept_give_the_reference(monkeypatch, kernel_threads, conv_layout, kept_bytes,
+                                                        geometry):
     """Small padded inputs go into a buffer kept per thread (borders zeroed once); larger ones into a
-    fresh copy. Two different inputs in a row must each give their own reference result."""
+    fresh copy (for channel-lane tiles with a margin past the image, also without pads, per image of a
+    batch). Two different inputs in a row must each give their own reference result."""
     monkeypatch.setattr(nn, "_KEPT_PADDED_BYTES", kept_bytes)
-    rng, x, w, b, attrs = _inputs("asymmetric pads", 17, True)
+    rng, x, w, b, attrs = _inputs(geometry, 17, True)
     conv = nn.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)
     for _ in range(2):
         (y,) = conv(x, w, b)
@@ -342,6 +365,7 @@ def test_strided_windows_over_the_phase_split_image_give_the_packed_panels_bits(
     """A strided window read in place from the image split into its stride's phases gives exactly the
     packed panels' result (the same reduction order), and the reference's; a kept buffer's zeros stay."""
     monkeypatch.setattr(nn, "_KEPT_PADDED_BYTES", kept_bytes)
+    monkeypatch.setattr(nn, "_lanes_apply", lambda geo, outputs, depth: False)  # (phases: the panels' layout)
     rng, x, w, b, attrs = _inputs(geometry, 21, True)
     taken = _taken(monkeypatch)
     node = Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13)
@@ -372,3 +396,38 @@ def test_which_strided_windows_run_over_phases():
     assert phases((1, 1), (2, 2), 1024, pads=(0, 0)) is None  # one phase of four read
     assert phases((3, 3), (2, 2), 256, dilations=(2, 2), pads=(2, 2)) is None  # dilated: one phase read too
     assert phases((3, 3), (1, 1), 1024) is None  # stride 1 reads the image itself
+
+
+@pytest.mark.parametrize("geometry", sorted(g for g in GEOMETRIES if GEOMETRIES[g][2].get("strides", [1, 1])[1] <= 2))
+def test_channel_lanes_give_the_pixel_panels_bits(monkeypatch, kernel_threads, geometry):
+    """Both kernels reduce k = 0 .. K-1 for every output, then add the bias and residual and apply the
+    activation: the same bits, whichever layout (tile edges, margins, shifted tiles, groups, batches)."""
+    rng, x, w, b, attrs = _inputs(geometry, 23, True)
+    taken = _taken(monkeypatch)
+    node = Node("FusedConv", ["x", "w", "b", "z"], ["y"], domain=FUSED_DOMAIN, opset=1,
+                attrs=dict(attrs, activation="LeakyRelu", activation_params=[0.125]))
+    (conv_out,) = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
+    z = rng.standard_normal(conv_out.shape, dtype=np.float32)
+    results = []
+    for lanes in (True, False):
+        _force_lanes(monkeypatch, lanes)
+        for residual in (z, None):
+            results.append(nn.fused_conv(node, None, 1)(x, w, b, residual)[0])
+    np.testing.assert_array_equal(results[0], results[2])
+    np.testing.assert_array_equal(results[1], results[3])
+    lanes = [conv for conv in taken if conv._by_lanes]
+    assert lanes and len(lanes) < len(taken)
+
+
+def test_which_windows_put_channels_across_the_lanes():
+    def by_lanes(strides, out_channels, kernel=(3, 3), in_shape=(28, 28), pads=(1, 1), channels=64):
+        out = tuple((n + 2 * p - (k - 1) - 1) // s + 1 for n, p, k, s in zip(in_shape, pads, kernel, strides))
+        geo = nn._Geometry(in_shape, kernel, strides, (1, 1), pads, pads, out)
+        return nn._lanes_apply(geo, out_channels, channels * kernel[0] * kernel[1])
+
+    assert by_lanes((1, 1), 64) and by_lanes((2, 2), 128) and by_lanes((3, 2), 256)  # any row stride
+    assert by_lanes((1, 1), 256, in_shape=(13, 13)) and by_lanes((1, 1), 512, in_shape=(7, 7))
+    assert not by_lanes((1, 1), 16)  # half a tile of 32 channels: the pixel panels
+    assert not by_lanes((1, 1), 34, kernel=(1, 1), pads=(0, 0))  # 34 of 64 lanes, where panels fill 98%
+    assert by_lanes((2, 2), 24, in_shape=(224, 224), channels=3)  # a shallow stem: 1.8x faster
+    assert not by_lanes((4, 4), 96, kernel=(11, 11))  # column strides beyond 2: the panels

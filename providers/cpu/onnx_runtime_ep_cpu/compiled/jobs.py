@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention, depthwise, epilogue, gemm, gemv, jit, matmul, pooling
+from . import attention, depthwise, epilogue, gemm, gemv, jit, lanes, matmul, pooling
 from .workers import (
     ARGS,
     BUFFER,
@@ -25,7 +25,7 @@ from .workers import (
 
 @jit
 def _write_conv(m, xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, grid, channels, kh, kw, sh, sw, dh,
-                dw, wp, plane, taps, packed, tasks):
+                dw, wp, plane, by_lanes, taps, packed, tasks):
     a = ARGS
     m[a + 0], m[a + 1], m[a + 2] = xp.ctypes.data, xp.shape[0], xp.shape[1]
     m[a + 3], m[a + 4], m[a + 5], m[a + 6] = weights.ctypes.data, weights.shape[0], weights.shape[1], weights.shape[2]
@@ -38,23 +38,29 @@ def _write_conv(m, xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow
     m[a + 21], m[a + 22] = tasks.ctypes.data, tasks.shape[0]
     m[a + 23], m[a + 24], m[a + 25], m[a + 26], m[a + 27] = flags, m_rows, oh, ow, grid
     m[a + 28], m[a + 29], m[a + 30], m[a + 31], m[a + 32] = channels, kh, kw, sh, sw
-    m[a + 33], m[a + 34], m[a + 35], m[a + 36] = dh, dw, wp, plane
+    m[a + 33], m[a + 34], m[a + 35], m[a + 36], m[a + 37] = dh, dw, wp, plane, by_lanes
 
 
 def _conv_entry(pointer):
     m = mailbox_view(pointer)
     a = ARGS
-    gemm.conv_tasks(float_array(m[a + 0], (m[a + 1], m[a + 2])), float_array(m[a + 3], (m[a + 4], m[a + 5], m[a + 6])),
-                    float_array(m[a + 7], (m[a + 8], m[a + 9])), float_array(m[a + 10], (m[a + 11], m[a + 12])),
-                    float_array(m[a + 13], (m[a + 14], m[a + 15])), m[a + 23], float_array(m[a + 16], (3,)),
-                    m[a + 24], m[a + 25], m[a + 26], m[a + 27], m[a + 28], m[a + 29], m[a + 30], m[a + 31],
-                    m[a + 32], m[a + 33], m[a + 34], m[a + 35], m[a + 36], int_array(m[a + 17], (m[a + 18],)),
-                    int_array(m[a + 19], (m[a + 20],)), int_array(m[a + 21], (m[a + 22], 6)),
-                    float_array(m[BUFFER], (m[BUFFER_SIZE],)))
+    xp = float_array(m[a + 0], (m[a + 1], m[a + 2]))
+    weights = float_array(m[a + 3], (m[a + 4], m[a + 5], m[a + 6]))
+    bias, y = float_array(m[a + 7], (m[a + 8], m[a + 9])), float_array(m[a + 10], (m[a + 11], m[a + 12]))
+    residual, bounds = float_array(m[a + 13], (m[a + 14], m[a + 15])), float_array(m[a + 16], (3,))
+    taps, tasks = int_array(m[a + 17], (m[a + 18],)), int_array(m[a + 21], (m[a + 22], 6))
+    if m[a + 37]:
+        lanes.lane_tasks(xp, weights, bias, y, residual, m[a + 23], bounds, m[a + 24], m[a + 25], m[a + 26],
+                         m[a + 28], m[a + 31], m[a + 32], m[a + 35], m[a + 36], taps, tasks)
+    else:
+        gemm.conv_tasks(xp, weights, bias, y, residual, m[a + 23], bounds, m[a + 24], m[a + 25], m[a + 26],
+                        m[a + 27], m[a + 28], m[a + 29], m[a + 30], m[a + 31], m[a + 32], m[a + 33], m[a + 34],
+                        m[a + 35], m[a + 36], taps, int_array(m[a + 19], (m[a + 20],)), tasks,
+                        float_array(m[BUFFER], (m[BUFFER_SIZE],)))
 
 
-# gemm.conv_tasks, one part: (xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, grid,
-# channels, kh, kw, sh, sw, dh, dw, wp, plane, taps, packed, tasks).
+# gemm.conv_tasks, or lanes.lane_tasks where by_lanes, one part: (xp, weights, bias, y, residual, flags,
+# bounds, m_rows, oh, ow, grid, channels, kh, kw, sh, sw, dh, dw, wp, plane, by_lanes, taps, packed, tasks).
 CONV = Kind(_write_conv, lambda: compile_runner(_conv_entry),
             scratch=lambda part: gemm.scratch_size(part[11] * part[12] * part[13]))
 
@@ -67,10 +73,11 @@ def split_conv(xp, weights, bias, y, residual, flags, bounds, geometry, taps, pa
     on the calling thread through ``own``, its mailbox (workers.local_mailbox), by the same runner as
     the helpers' (conv_tasks compiled into this function measured 2-7% slower on whole models).
     ``geometry`` holds conv_tasks' scalars (m_rows, oh, ow, grid, channels, kh, kw, sh, sw, dh, dw, wp,
-    plane). Returns workers.collect's result."""
+    plane) and by_lanes (lanes.lane_tasks runs the parts). Returns workers.collect's result."""
     m_rows, oh, ow, grid, channels, kh, kw = geometry[0], geometry[1], geometry[2], geometry[3], geometry[4], \
         geometry[5], geometry[6]
     sh, sw, dh, dw, wp, plane = geometry[7], geometry[8], geometry[9], geometry[10], geometry[11], geometry[12]
+    by_lanes = geometry[13]
     parts = ranges.shape[0] - 1
     helpers = min(parts - 1, mailboxes.shape[0])
     here = np.ones(parts, dtype=np.bool_)  # the parts the caller runs: its own, and those no helper took
@@ -78,12 +85,13 @@ def split_conv(xp, weights, bias, y, residual, flags, bounds, geometry, taps, pa
         if part == 0 or part > helpers:
             continue
         _write_conv(mailboxes[part - 1], xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, grid,
-                    channels, kh, kw, sh, sw, dh, dw, wp, plane, taps, packed, tasks[ranges[part]:ranges[part + 1]])
+                    channels, kh, kw, sh, sw, dh, dw, wp, plane, by_lanes, taps, packed,
+                    tasks[ranges[part]:ranges[part + 1]])
         here[part] = not offer(mailboxes, states, part - 1, runner)
     for part in range(parts):
         if here[part]:
             _write_conv(own, xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, grid, channels, kh, kw,
-                        sh, sw, dh, dw, wp, plane, taps, packed, tasks[ranges[part]:ranges[part + 1]])
+                        sh, sw, dh, dw, wp, plane, by_lanes, taps, packed, tasks[ranges[part]:ranges[part + 1]])
             run_here(runner, own)
     return collect(mailboxes, states, helpers)
 

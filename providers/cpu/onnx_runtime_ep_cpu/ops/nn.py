@@ -843,6 +843,28 @@ def _lane_grid(geo: _Geometry, padded_width: int) -> int:
 _GRID_WASTE = 1.3
 
 
+def _lanes_apply(geo: _Geometry, outputs: int, depth: int) -> bool:
+    """Whether the packed convolution puts output channels across its lanes (compiled/lanes.py) for this
+    window with ``outputs`` channels per group and a reduction of ``depth``: column strides 1 and 2 (the
+    kernel's pixel steps), where its share of useful lanes (channels in tiles of 32, pixels in row chunks
+    of 14) times its measured gain at equal shares beats the pixel panels' (pixels in panels of 32 over
+    the lane grid, channels in tiles of 8 or 12). Gains: 1.2-1.5x for 3x3 and 1x1 convolutions, 1.4-1.8x
+    for shallow stems (each panel tile then mostly stores)."""
+    if geo.strides[1] not in (1, 2):
+        return False
+    (oh, ow), pixels = geo.out, math.prod(geo.out)
+    columns = 7 if ow <= 7 else 14
+    rows = 14 // columns
+    lanes = outputs / (32 * -(-outputs // 32)) * pixels / (-(-oh // rows) * rows * -(-ow // columns) * columns)
+    grid = _lane_grid(geo, geo.padded_shape(geo.in_shape)[1])
+    mr = 8 if -(-outputs // 12) * 12 > 1.06 * (-(-outputs // 8) * 8) else 12  # gemm.tile_rows
+    panels = pixels / (32 * -(-(oh * grid) // 32)) * outputs / (mr * -(-outputs // mr))
+    return lanes * (_LANES_GAIN_SHALLOW if depth < 64 else _LANES_GAIN) >= panels
+
+
+_LANES_GAIN, _LANES_GAIN_SHALLOW = 1.25, 1.8
+
+
 def _phase_split(geo: _Geometry, padded: tuple, outputs: int) -> tuple[int, int] | None:
     """(phase height, phase width) when the packed convolution runs this strided window over the padded
     image split into its stride's phases, else None. Phase (p, q) holds every sh-th row from p and sw-th
@@ -879,36 +901,47 @@ class _PackedConv:
     bias, residual and activation applied as each output tile is stored."""
 
     def __init__(self, geo: _Geometry, group: int, x_shape, w_shape, prepared: _Prepared):
-        from ..compiled import gemm, jobs, workers
+        from ..compiled import gemm, jobs, lanes, workers
 
         self._gemm, self._jobs, self._workers = gemm, jobs, workers
         self._geo, self._group, self._prepared = geo, group, prepared
         self._n, c = x_shape[:2]
         self._m = w_shape[0]
         self._cg, self._mg = c // group, self._m // group
-        self._rows = gemm.tile_rows(self._mg)  # output channels per tile
         self._pixels = math.prod(geo.out)
         self._padded = geo.padded_shape(tuple(x_shape))[2:]
-        self._phases = _phase_split(geo, self._padded, self._mg)
-        self._grid = self._phases[1] if self._phases else _lane_grid(geo, self._padded[1])
-        self._lanes = geo.out[0] * self._grid
+        (kh, kw), (dh, dw), (hp, wp) = geo.kernel, geo.dilations, self._padded
+        (sh, sw), (oh, ow) = geo.strides, geo.out
+        # Output channels across the lanes (compiled/lanes.py), or pixel panels (gemm.py).
+        self._by_lanes = _lanes_apply(geo, self._mg, self._cg * kh * kw)
+        self._phases = None if self._by_lanes else _phase_split(geo, self._padded, self._mg)
+        self._margin = 0
+        if self._by_lanes:
+            self._rows = lanes.CHANNELS
+            columns, rows = lanes.shape(ow)
+            self._blocks = -(-oh // rows) * -(-ow // columns)  # the tasks' unit: a tile's pixels
+            if ow < columns or oh < rows:  # a tile reads past the image
+                self._margin = lanes.margin(sh, sw, wp)
+            self._grid = ow
+        else:
+            self._rows = gemm.tile_rows(self._mg)  # output channels per tile
+            self._grid = self._phases[1] if self._phases else _lane_grid(geo, self._padded[1])
+            self._blocks = -(-(oh * self._grid) // gemm.NR)  # the tasks' unit: a panel
         self._macs = self._n * self._m * self._cg * math.prod(geo.kernel) * self._pixels
         self._plans: dict[int, list] = {}  # per thread count: the task arrays
         self._no_residual = np.empty((1, 0), dtype=np.float32)
-        (kh, kw), (dh, dw), (hp, wp) = geo.kernel, geo.dilations, self._padded
         # conv_tasks' arguments that stay the same from call to call.
-        (sh, sw), (oh, ow) = geo.strides, geo.out
         if self._phases:  # a strided window as a stride-1 window over the phases (see _phase_split)
             phase_h, phase_w = self._phases
             self._geometry = np.array([self._mg, oh, ow, self._grid, self._cg, kh, kw, 1, 1, dh, dw, phase_w,
-                                       sh * sw * phase_h * phase_w], dtype=np.int64)
+                                       sh * sw * phase_h * phase_w, 0], dtype=np.int64)
             taps = gemm.phase_tap_offsets(self._cg, kh, kw, sh, sw, dh, dw, phase_h, phase_w)
         else:
-            self._geometry = np.array([self._mg, oh, ow, self._grid, self._cg, kh, kw, sh, sw, dh, dw, wp, hp * wp],
-                                      dtype=np.int64)
+            self._geometry = np.array([self._mg, oh, ow, self._grid, self._cg, kh, kw, sh, sw, dh, dw, wp, hp * wp,
+                                       int(self._by_lanes)], dtype=np.int64)
             taps = gemm.tap_offsets(self._cg, kh, kw, dh, dw, wp, hp * wp)
         self._offsets = (taps, gemm.packed_offsets(self._cg * kh * kw))
-        self._scratch = gemm.scratch_size(self._cg * kh * kw)
+        self._scratch = 0 if self._by_lanes else gemm.scratch_size(self._cg * kh * kw)
         self._bias_cache = (None, None)  # (the bias array last seen, its padded copy)
         self._padded_inputs: dict[int, np.ndarray] = {}  # per calling thread: a padded input buffer
         self._keeps_padded = 4 * math.prod(geo.padded_shape(tuple(x_shape))) <= _KEPT_PADDED_BYTES
@@ -923,7 +956,7 @@ class _PackedConv:
         unit's weight tiles, so each thread also reads only its share of the weights."""
         plan = self._plans.get(threads)
         if plan is None:
-            panels = -(-self._lanes // self._gemm.NR)
+            panels = self._blocks
             tiles = -(-self._mg // self._rows)
             units = [(n, g) for n in range(self._n) for g in range(self._group)]
             by_tiles = threads > 1 and panels * len(units) < 4 * threads and tiles >= 2 * threads
@@ -988,17 +1021,24 @@ class _PackedConv:
         return buffer.reshape(n, -1)
 
     def _padded_input(self, x) -> np.ndarray:
-        """x zero-padded, as (N, C * plane): x itself without pads; for small inputs, a buffer of the
-        calling thread whose borders stay zero from call to call, so only the interior is copied (kept
-        per node, hence only up to _KEPT_PADDED_BYTES); else a fresh padded copy."""
+        """x zero-padded, as (N, C * plane) plus the margin a channel-lane tile may read past it: x itself
+        without pads or margin; for small inputs, a buffer of the calling thread whose borders stay zero
+        from call to call, so only the interior is copied (kept per node, hence only up to
+        _KEPT_PADDED_BYTES); else a fresh padded copy."""
         geo = self._geo
-        if geo.unpadded:
+        if geo.unpadded and not self._margin:
             return np.ascontiguousarray(x).reshape(self._n, -1)
-        if not self._keeps_padded:
+        if not self._keeps_padded and not self._margin:
             return np.ascontiguousarray(geo.pad(x, 0)).reshape(self._n, -1)
-        buffer = self._kept_buffer(geo.padded_shape(x.shape))
-        buffer[geo._inner] = x
-        return buffer.reshape(self._n, -1)
+        shape = geo.padded_shape(x.shape)
+        size = math.prod(shape[1:])
+        if self._keeps_padded:
+            buffer = self._kept_buffer((self._n, size + self._margin))
+        else:
+            buffer = np.zeros((self._n, size + self._margin), dtype=np.float32)
+        for image in range(self._n):  # (rows of the buffer, margin included: each image's a view)
+            buffer[image, :size].reshape(shape[1:])[geo._inner] = x[image]
+        return buffer
 
     def _kept_buffer(self, shape) -> np.ndarray:
         """The calling thread's zeroed input buffer for this node, kept from call to call (its zeros, the
