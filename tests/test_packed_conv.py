@@ -109,6 +109,8 @@ GEOMETRIES = {
     "one output row": ((1, 6, 3, 6), (33, 6, 3, 3), dict(pads=[0, 1, 0, 1])),
     "row chunks": ((1, 4, 5, 31), (35, 4, 3, 3), dict(pads=[1, 1, 1, 1])),
     "row chunks, stride 2": ((1, 4, 9, 61), (18, 4, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2])),
+    # An input past lanes._INPUT_BYTES: the pixel blocks run outermost, the tiles inside.
+    "large input": ((1, 96, 56, 52), (40, 96, 1, 1), {}),
 }
 
 

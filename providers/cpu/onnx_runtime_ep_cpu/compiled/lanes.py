@@ -237,20 +237,30 @@ def lane_tasks(xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, ch
     chunks = -(-ow // columns)
     for t in range(tasks.shape[0]):
         n, g, first, end = tasks[t, 0], tasks[t, 1], tasks[t, 2], tasks[t, 3]
+        tile_first, tile_end = tasks[t, 4], tasks[t, 5]
         image = xp[n, g * group_in:]
         out = y[n, g * group_out:(g + 1) * group_out]
         res = residual[n, g * group_out:(g + 1) * group_out] if flags & RESIDUAL else residual[0, :0]
-        for tile in range(tasks[t, 4], tasks[t, 5]):
-            c0 = tile * CHANNELS
-            w = weights[g, tile]
-            b = bias[g, c0:]
-            kept = min(CHANNELS, m_rows - c0)
-            for block in range(first, end):
+        # Each tile's weights are read once for all the blocks (a tile's outputs: 32 streams of stores);
+        # but where the input would not stay in the L2 cache from tile to tile and the task's weights
+        # would, each pixel block reads its inputs once for all the tiles.
+        blocks_outer = group_in * 4 > _INPUT_BYTES and (tile_end - tile_first) * depth * CHANNELS * 4 <= _WEIGHT_BYTES
+        outer_end, inner_end = (end, tile_end) if blocks_outer else (tile_end, end)
+        for i in range(first if blocks_outer else tile_first, outer_end):
+            for j in range(tile_first if blocks_outer else first, inner_end):
+                block, tile = (i, j) if blocks_outer else (j, i)
+                c0 = tile * CHANNELS
                 row_block, chunk = block // chunks, block % chunks
                 # The last chunk of a row (and the last rows) shifted back to end at the output's edge.
                 x0 = min(chunk * columns, max(0, ow - columns))
                 r0 = min(row_block * rows, max(0, oh - rows))
                 at = c0 * oh * ow + r0 * ow + x0
-                _tile(sw, rows, w, image, r0 * sh * wp + x0 * sw, sh * wp, taps, depth, out[at:],
-                      oh * ow, ow, min(columns, ow - x0), min(rows, oh - r0), kept, b,
-                      res[at:] if flags & RESIDUAL else res, flags, bounds)
+                _tile(sw, rows, weights[g, tile], image, r0 * sh * wp + x0 * sw, sh * wp, taps, depth, out[at:],
+                      oh * ow, ow, min(columns, ow - x0), min(rows, oh - r0), min(CHANNELS, m_rows - c0),
+                      bias[g, c0:], res[at:] if flags & RESIDUAL else res, flags, bounds)
+
+
+# Inputs beyond which, and weights of a task's tiles up to which, its pixel blocks run outermost (see
+# lane_tasks): half the L2 cache of this host's cores (2 MiB). 256 channels of 56x56 into 64, one
+# thread in resnet50's run: 1.6-2.2 -> 1.2-1.3 ms; tiles outermost stay best for smaller inputs.
+_INPUT_BYTES = _WEIGHT_BYTES = 1 << 20
