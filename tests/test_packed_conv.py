@@ -433,3 +433,23 @@ def test_which_windows_put_channels_across_the_lanes():
     assert not by_lanes((1, 1), 34, kernel=(1, 1), pads=(0, 0))  # 34 of 64 lanes, where panels fill 98%
     assert by_lanes((2, 2), 24, in_shape=(224, 224), channels=3)  # a shallow stem: 1.8x faster
     assert not by_lanes((4, 4), 96, kernel=(11, 11))  # column strides beyond 2: the panels
+
+
+def test_channel_lane_tasks_split_by_tiles_where_the_blocks_go_round_unevenly(monkeypatch):
+    # 13 rows of 13 pixels: 13 pixel blocks split 7/6 between two threads, 8 channel tiles 4/4.
+    monkeypatch.setattr(nn, "_SPLIT_MACS", 1)
+    monkeypatch.setattr(threads, "_threads", 2)
+    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
+    taken = _taken(monkeypatch)
+    rng = np.random.default_rng(24)
+    x = rng.standard_normal((1, 64, 13, 13), dtype=np.float32)
+    attrs = dict(kernel_shape=[1, 1])
+    for outputs, by_tiles in ((256, True), (200, False)):  # 7 tiles split 4/3: no better than the blocks
+        w = rng.standard_normal((outputs, 64, 1, 1), dtype=np.float32)
+        (y,) = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
+        np.testing.assert_allclose(y, _reference(x, w, None, attrs), rtol=1e-4, atol=1e-3)
+        conv = taken[-1]
+        assert conv._by_lanes
+        parts = conv._plan(2)[0]
+        tile_ranges = [(task[4], task[5]) for part in parts for task in part]
+        assert (tile_ranges == [(0, 4), (4, 8)]) if by_tiles else all(r == (0, 7) for r in tile_ranges)

@@ -960,6 +960,12 @@ class _PackedConv:
             tiles = -(-self._mg // self._rows)
             units = [(n, g) for n in range(self._n) for g in range(self._group)]
             by_tiles = threads > 1 and panels * len(units) < 4 * threads and tiles >= 2 * threads
+            if self._by_lanes and threads > 1 and tiles >= 2 * threads:
+                # Split by tiles where the pixel blocks go round unevenly and the tiles do better
+                # (squeezenet's classifier: 13 blocks 6/7, 32 tiles 16/16); not where both split
+                # evenly (measured 6-13% slower on resnet50 and densenet121).
+                blocks = _uneven(panels * len(units), threads)
+                by_tiles = blocks > 1.05 and _uneven(tiles, threads) < blocks
             total = (tiles if by_tiles else panels) * len(units)
             parts, taken = [], 0
             for t in range(threads):
@@ -1081,6 +1087,11 @@ class _PackedConv:
         workers.call(self._jobs.split_conv, arguments, self._jobs.CONV.address(), self._scratch,
                      helper_count() if threads > 1 else 0)
         return y
+
+
+def _uneven(count: int, parts: int) -> float:
+    """The largest of ``parts`` near-equal shares of ``count`` units over the mean share."""
+    return -(-count // parts) * parts / count
 
 
 _IDENTITY_BOUNDS = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)
