@@ -453,3 +453,19 @@ def test_channel_lane_tasks_split_by_tiles_where_the_blocks_go_round_unevenly(mo
         parts = conv._plan(2)[0]
         tile_ranges = [(task[4], task[5]) for part in parts for task in part]
         assert (tile_ranges == [(0, 4), (4, 8)]) if by_tiles else all(r == (0, 7) for r in tile_ranges)
+
+
+def test_channel_lane_tasks_split_by_tiles_where_the_weights_outweigh_the_input(monkeypatch):
+    # 7x7 pixels in 4 blocks of two rows (an even split), but 3x3 weights for 224 channels: 7 tiles, 4/3.
+    monkeypatch.setattr(nn, "_SPLIT_MACS", 1)
+    monkeypatch.setattr(threads, "_threads", 2)
+    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
+    taken = _taken(monkeypatch)
+    rng = np.random.default_rng(25)
+    x = rng.standard_normal((1, 48, 7, 7), dtype=np.float32)
+    w = rng.standard_normal((224, 48, 3, 3), dtype=np.float32)
+    attrs = dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    (y,) = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
+    np.testing.assert_allclose(y, _reference(x, w, None, attrs), rtol=1e-4, atol=1e-3)
+    parts = taken[-1]._plan(2)[0]
+    assert [(task[2], task[3], task[4], task[5]) for part in parts for task in part] == [(0, 4, 0, 4), (0, 4, 4, 7)]
