@@ -131,6 +131,41 @@ def test_random_operators_and_graph_outputs_are_not_folded():
     np.testing.assert_array_equal(sess.run(None, {"x": np.ones(2, np.float32)})[1], [2, 2])
 
 
+def test_constant_of_shape_folds_without_a_provider_round_trip(monkeypatch):
+    from onnx_runtime.optimizer.context import PassContext
+
+    evaluated = []
+    real = PassContext.evaluate
+    monkeypatch.setattr(PassContext, "evaluate", lambda self, node, *a: evaluated.append(node.op_type) or real(
+        self, node, *a))
+    nodes = [
+        helper.make_node("ConstantOfShape", ["shape"], ["sevens"], value=helper.make_tensor("v", TensorProto.INT32,
+                                                                                            [1], [7])),
+        helper.make_node("ConstantOfShape", ["shape"], ["zeros"]),  # float32 zero without a value
+        helper.make_node("Cast", ["sevens"], ["cast"], to=TensorProto.FLOAT),
+        helper.make_node("Add", ["x", "cast"], ["xs"]),
+        helper.make_node("Add", ["xs", "zeros"], ["y"]),
+    ]
+    model = make_model(nodes, [tensor_info("x", shape=[2, 3])], [tensor_info("y", shape=[2, 3])],
+                       [_init("shape", np.array([2, 3], np.int64))])
+    sess = _optimized(model, level=LEVEL.ORT_ENABLE_BASIC)
+    assert _ops(sess) == ["Add", "Add"]
+    assert evaluated == ["Cast"]  # the fills were made here, the Cast by the provider's kernel
+    np.testing.assert_array_equal(sess.model.graph.initializers["zeros"], np.zeros((2, 3), np.float32))
+    np.testing.assert_array_equal(sess.model.graph.initializers["cast"], np.full((2, 3), 7, np.float32))
+
+
+def test_constant_of_shape_with_a_negative_dim_is_left_to_the_run():
+    nodes = [helper.make_node("ConstantOfShape", ["shape"], ["filled"]),
+             helper.make_node("Add", ["x", "filled"], ["y"])]
+    model = make_model(nodes, [tensor_info("x", shape=[3])], [tensor_info("y", shape=None)],
+                       [_init("shape", np.array([-3], np.int64))])
+    sess = _session(model, LEVEL.ORT_ENABLE_ALL)
+    assert "ConstantOfShape" in _ops(sess)
+    with pytest.raises(Exception, match="negative|-3"):
+        sess.run(None, {"x": np.ones(3, np.float32)})
+
+
 def test_large_results_fold_only_when_generated_or_replacing_their_inputs():
     big = [2048, 4096]  # 32 MiB of float32, over the 16 MiB limit
     row = _init("row", np.ones((1, 4096), np.float32))  # 16 KiB: not tiny
