@@ -286,3 +286,29 @@ def test_lrn_half_precision_takes_numpy():
     assert y.dtype == np.float16
     expected = numpy_lrn(x.astype(np.float32), 3, 1e-4, 0.75, 1.0).astype(np.float16)
     np.testing.assert_array_equal(y, expected)
+
+
+@pytest.mark.skipif(not __import__("onnx_runtime_ep_cpu.compiled.gemm", fromlist=["AVAILABLE"]).AVAILABLE,
+                    reason="compiled/windows.py's kernel needs an AVX-512 host")
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("pads,ceil_mode", [([0, 0, 0, 0], 0), ([1, 1, 1, 1], 0), ([0, 1, 1, 0], 1), ([0, 0, 0, 0], 1)])
+@pytest.mark.parametrize("height,width", [(1, 5), (7, 7), (9, 16), (22, 17), (15, 40), (30, 3)])
+def test_three_by_three_max_pools_read_the_planes_in_place(monkeypatch, stride, pads, ceil_mode, height, width):
+    # float32 3x3 max pools of stride 1 or 2 run compiled/windows.py's kernel (7 output rows x 16 columns
+    # per call, masked loads at the plane's edges): exactly numpy's maxima, NaN winning, infinities kept.
+    from onnx_runtime_ep_cpu.compiled import jobs, windows, workers
+
+    if height + pads[0] + pads[2] < 3 or width + pads[1] + pads[3] < 3:
+        pytest.skip("no window fits")
+    posted = []
+    real = workers.run
+    monkeypatch.setattr(workers, "run", lambda job, parts, *a: posted.append(job) or real(job, parts, *a))
+    attrs = {"kernel_shape": [3, 3], "strides": [stride, stride], "pads": pads, "ceil_mode": ceil_mode}
+    assert windows.takes_pool(attrs["kernel_shape"], attrs["strides"], (1, 1))
+    x = RNG.standard_normal((2, 3, height, width)).astype(np.float32)
+    x[0, 0, 0, :2] = np.nan
+    x[1, 2, -1, -1] = np.inf
+    x[1, 1, height // 2, width // 2] = -np.inf
+    (y,) = kernel("MaxPool", attrs, x.shape)(x)
+    np.testing.assert_array_equal(y, numpy_pool(x, attrs).astype(np.float32))
+    assert posted == [jobs.POOL]

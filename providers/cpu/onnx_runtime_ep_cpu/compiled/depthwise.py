@@ -12,22 +12,17 @@ and that per-element test keeps LLVM from vectorizing, while array views (slices
 loops were measured to cost reference counting on every row.
 
 On AVX-512 hosts a float32 3x3 window of stride 1 or 2 (the depthwise layers of MobileNet, ShuffleNet,
-EfficientNet) skips the planes: a kernel written as LLVM IR (numba's loops cannot express it) reads
-the input rows in place with masked vector loads, the lanes that fall on the pads masked to zero, and
-computes _ROWS output rows of 16 columns at a time, each input row loaded once for every output row
-that uses it (stride 2: two loads and an even/odd shuffle per tap column) and _ROWS independent sums
-in flight; bias and activation are applied as it stores. On small planes the copies into and out of
-the planes cost more than the taps themselves (544 channels of 7x7: 44 -> 22 us on one thread).
+EfficientNet) skips the planes: windows.py's kernel reads the input rows in place with masked vector
+loads, 7 output rows of 16 columns at a time, bias and activation applied as it stores. On small
+planes the copies into and out of the planes cost more than the taps themselves (544 channels of 7x7:
+44 -> 22 us on one thread).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
 
-from . import compiler, gemm, llvm
+from . import compiler, gemm, llvm, windows
 from .epilogue import activate
 
 # As compiled.jit, and the loop may fuse each multiply-add of a tap into one instruction: half the
@@ -247,145 +242,37 @@ def _depthwise(x, weights, bias, y, n_images, channels, in_shape, out, strides, 
 
 
 
-# -- the direct kernel: 3x3 windows of stride 1 or 2 read in place (float32, AVX-512) --------------
+# -- the direct kernel (compiled/windows.py) -------------------------------------------------------
 
-# Output rows per kernel call: that many independent sums in flight (one row's nine dependent
-# multiply-adds alone stall on their latency), and each input row loaded once for all of them. CNN
-# feature maps are 7 * 2^k high, so 7 leaves no partial block there (measured on one thread, 544
-# channels of 7x7: 4 rows 35 us, 7 rows 27, 8 rows 29).
-_ROWS = 7
 _LANES = llvm.LANES
-_KERNEL = 3  # the window the direct kernel takes: 3x3
-
-
-def _direct_kernel(stride: int):
-    """The intrinsic computing _ROWS output rows x 16 columns of one output channel, stride ``stride``
-    both ways (see _emit_direct)."""
-    @intrinsic
-    def kernel(typingctx, x, rows, weights, w_at, col0, width, zero, y, y_at, ldy, nrows, count, bias, activation,
-               activate):
-        """y[y_at + o*ldy + q] = act(bias + sum_ij weights[w_at + 3i + j] * x[rows[o*stride + i] + col0 +
-        stride*q + j]) for o < nrows, q < count; taps outside 0 .. width-1 columns, and rows marked -1,
-        read as zero (``zero``: a zero row at least ``width`` long). ``activate`` = 0 skips ``activation``."""
-        if not all(getattr(a, "dtype", None) == types.float32 for a in (x, weights, zero, y, activation)):
-            return None  # float32 only
-        signature = types.void(x, rows, weights, w_at, col0, width, zero, y, y_at, ldy, nrows, count, bias,
-                               activation, activate)
-
-        def codegen(context, builder, sig, args):
-            def data(index):
-                return context.make_array(sig.args[index])(context, builder, args[index]).data
-
-            _emit_direct(builder, stride, (data(0), data(1), data(2), data(6), data(7), data(13)),
-                         tuple(args[i] for i in (3, 4, 5, 8, 9, 10, 11, 12, 14)))
-            return context.get_dummy_value()
-
-        return signature, codegen
-
-    return kernel
-
-
-def _emit_direct(builder, stride: int, pointers: tuple, values: tuple) -> None:
-    """The IR of the direct kernel (see _direct_kernel): _ROWS sums of 16 lanes carried in registers."""
-    x_ptr, rows_ptr, w_ptr, zero_ptr, y_ptr, act_ptr = pointers
-    w_at, col0, width, y_at, ldy, nrows, count, bias, activate = values
-    module = builder.module
-    load, store, fma = llvm.masked_load(module), llvm.masked_store(module), llvm.fma(module)
-    vec_ptr = llvm.VEC.as_pointer()
-    align = ir.Constant(llvm.I32, 4)
-    zero = ir.Constant(llvm.VEC, [0.0] * _LANES)
-    lane = ir.Constant(llvm.LANE_INDEX, list(range(_LANES)))
-
-    def const(value):
-        return ir.Constant(llvm.I64, value)
-
-    # The columns a load at col0 + offset covers lie in the row (the others are masked off): one mask per
-    # offset. Stride 1 loads at each tap column; stride 2 loads 32 columns from col0 and col0 + 2 (two
-    # vectors each) and takes the even or odd ones per tap.
-    offsets = list(range(_KERNEL)) if stride == 1 else [t + half for t in (0, 2) for half in (0, _LANES)]
-    first = builder.trunc(col0, llvm.I32)
-    limit = llvm.splat(builder, builder.trunc(width, llvm.I32), llvm.LANE_INDEX)
-    masks = {}
-    for offset in offsets:
-        column = builder.add(llvm.splat(builder, builder.add(first, ir.Constant(llvm.I32, offset)), llvm.LANE_INDEX),
-                             lane)
-        masks[offset] = builder.and_(builder.icmp_signed(">=", column, ir.Constant(llvm.LANE_INDEX, [0] * _LANES)),
-                                     builder.icmp_signed("<", column, limit))
-    taps = [llvm.splat(builder, builder.load(builder.gep(w_ptr, [builder.add(w_at, const(k))])))
-            for k in range(_KERNEL * _KERNEL)]
-    sums = [llvm.splat(builder, bias)] * _ROWS
-    for u in range((_ROWS - 1) * stride + _KERNEL):  # input rows, each loaded once
-        at = builder.load(builder.gep(rows_ptr, [const(u)]))
-        row = builder.select(builder.icmp_signed(">=", at, const(0)), builder.gep(x_ptr, [at]), zero_ptr)
-        loaded = {offset: builder.call(load, [builder.bitcast(builder.gep(row, [builder.add(col0, const(offset))]),
-                                                              vec_ptr), align, masks[offset], zero])
-                  for offset in offsets}
-        if stride == 1:
-            columns = [loaded[j] for j in range(_KERNEL)]
-        else:
-            columns = [builder.shuffle_vector(loaded[j - j % 2], loaded[j - j % 2 + _LANES],
-                                              ir.Constant(llvm.LANE_INDEX, [2 * q + j % 2 for q in range(_LANES)]))
-                       for j in range(_KERNEL)]
-        for o in range(_ROWS):  # the output rows that read this input row, as their kernel row i
-            i = u - o * stride
-            if 0 <= i < _KERNEL:
-                for j in range(_KERNEL):
-                    sums[o] = builder.call(fma, [taps[i * _KERNEL + j], columns[j], sums[o]])
-    # The activation (v*slope below zero, then max with low, min with high: epilogue.activate), if any.
-    plain = builder.block
-    activated_block = builder.append_basic_block("direct.activate")
-    stores = builder.append_basic_block("direct.store")
-    builder.cbranch(builder.icmp_signed("!=", activate, const(0)), activated_block, stores)
-    builder.position_at_end(activated_block)
-    low, high, slope = (llvm.splat(builder, builder.load(builder.gep(act_ptr, [const(k)]))) for k in range(3))
-    activated = []
-    for v in sums:
-        v = builder.select(builder.fcmp_ordered("<", v, zero), builder.fmul(v, slope), v)
-        v = builder.select(builder.fcmp_ordered("<", v, low), low, v)
-        activated.append(builder.select(builder.fcmp_ordered(">", v, high), high, v))
-    builder.branch(stores)
-    builder.position_at_end(stores)
-    finished = llvm.merged(builder, (sums, plain), (activated, activated_block))
-    columns_left = builder.icmp_signed("<", lane, llvm.splat(builder, builder.trunc(count, llvm.I32), llvm.LANE_INDEX))
-    for o in range(_ROWS):
-        inside = llvm.splat(builder, builder.icmp_signed("<", const(o), nrows), llvm.MASK)
-        target = builder.bitcast(builder.gep(y_ptr, [builder.add(y_at, builder.mul(const(o), ldy))]), vec_ptr)
-        builder.call(store, [finished[o], target, align, builder.and_(columns_left, inside)])
-
-
-_direct_1, _direct_2 = _direct_kernel(1), _direct_kernel(2)
 
 
 @_fused
 def _direct(x, weights, bias, y, n_images, channels, in_shape, out, strides, begin, source, activation):
     """_depthwise for float32 3x3 windows of strides (1, 1) or (2, 2) by the direct kernel: for each output
-    channel, blocks of _ROWS output rows x 16 columns."""
+    channel, blocks of windows.ROWS output rows x 16 columns."""
     h, w = in_shape
     oh, ow = out
     stride = strides[0]
     outputs = bias.shape[0]
-    multiplier, k = outputs // channels, _KERNEL * _KERNEL
+    multiplier, k = outputs // channels, 9
     image_channels = x.shape[0] // max(1, n_images * h * w)
-    reach = (_ROWS - 1) * stride + _KERNEL
+    reach = (windows.ROWS - 1) * stride + 3
     rows = np.empty(reach, dtype=np.int64)  # where each input row of a block starts in x, -1 for a pad row
     zero = np.zeros(w + _LANES, dtype=np.float32)
     activate = 0 if activation[0] == -np.inf and activation[1] == np.inf and activation[2] == 1 else 1
     for n in range(n_images):
         for c in range(channels):
             start = (n * image_channels + np.int64(source[c])) * h * w
-            for r0 in range(0, oh, _ROWS):
+            for r0 in range(0, oh, windows.ROWS):
                 for u in range(reach):
                     r = r0 * stride - begin[0] + u
                     rows[u] = start + r * w if 0 <= r < h else -1
                 for m in range(c * multiplier, (c + 1) * multiplier):
                     target = (n * outputs + m) * oh * ow + r0 * ow
                     for q0 in range(0, ow, _LANES):
-                        if stride == 1:
-                            _direct_1(x, rows, weights, m * k, q0 - begin[1], w, zero, y, target + q0, ow, oh - r0,
-                                      min(_LANES, ow - q0), bias[m], activation, activate)
-                        else:
-                            _direct_2(x, rows, weights, m * k, 2 * q0 - begin[1], w, zero, y, target + q0, ow,
-                                      oh - r0, min(_LANES, ow - q0), bias[m], activation, activate)
+                        windows.window(stride, x, rows, weights, m * k, stride * q0 - begin[1], w, zero, y,
+                                       target + q0, ow, oh - r0, min(_LANES, ow - q0), bias[m], activation, activate)
 
 
 @_fused

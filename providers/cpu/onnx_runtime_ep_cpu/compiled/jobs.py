@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention, depthwise, epilogue, gemm, gemv, jit, lanes, matmul, pooling
+from . import attention, depthwise, epilogue, gemm, gemv, jit, lanes, matmul, pooling, windows
 from .workers import (
     ARGS,
     BUFFER,
@@ -271,13 +271,18 @@ def _write_pool(m, planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, h
 def _pool_entry(pointer):
     m = mailbox_view(pointer)
     s = ARGS
-    pooling.pool_2d(float_array(m[s + 0], (m[s + 1], m[s + 2], m[s + 3])),
-                    float_array(m[s + 4], (m[s + 5], m[s + 6], m[s + 7])), m[s + 8], m[s + 9], m[s + 10], m[s + 11],
-                    m[s + 12], m[s + 13], m[s + 14], m[s + 15], m[s + 16] != 0, m[s + 17], m[s + 18], m[s + 19],
-                    m[s + 20])
+    planes = float_array(m[s + 0], (m[s + 1], m[s + 2], m[s + 3]))
+    rows = float_array(m[s + 4], (m[s + 5], m[s + 6], m[s + 7]))
+    kh, kw, sh, sw, dh, dw = m[s + 8], m[s + 9], m[s + 10], m[s + 11], m[s + 12], m[s + 13]
+    if m[s + 16] != 0 and kh == 3 and kw == 3 and sh == sw and sh <= 2 and dh == 1 and dw == 1:
+        windows.max_pool(planes, rows, sh, m[s + 14], m[s + 15])  # (windows.takes_pool)
+    else:
+        pooling.pool_2d(planes, rows, kh, kw, sh, sw, dh, dw, m[s + 14], m[s + 15], m[s + 16] != 0, m[s + 17],
+                        m[s + 18], m[s + 19], m[s + 20])
 
 
-# pooling.pool_2d, one part: (planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w).
+# pooling.pool_2d, one part: (planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w);
+# a 3x3 max pool of stride 1 or 2 by windows.max_pool.
 POOL = Kind(_write_pool, lambda: compile_runner(_pool_entry))
 
 

@@ -1,0 +1,186 @@
+"""3x3 windows of stride 1 or 2 over one float32 plane, read in place: the kernel of depthwise
+convolutions (depthwise.py) and of 3x3 max pools (``max_pool``), written as LLVM IR (AVX-512).
+
+A call computes ROWS output rows of 16 columns: each input row the block needs is loaded once, with
+masked vector loads whose lanes off the row (the pads, and past its end) are not read, and feeds
+every output row whose window covers it; stride 2 loads 32 columns at a time and takes the even or
+odd ones per tap column (one two-vector shuffle). The ROWS results stay in registers, independent
+chains (one row's nine dependent steps alone would stall on their latency). A convolution's lanes
+start from the bias and add weight x tap by fused multiply-adds, taps off the plane reading zero
+(rows off it read a zero row); a max pool's start from -inf and keep the larger (NaN wins, as in
+np.maximum), taps off the plane skipped (masked to -inf).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from . import jit, llvm
+
+# Output rows per call: CNN feature maps are 7 * 2^k high, so 7 leaves no partial block there
+# (measured on one thread, 544 channels of 7x7 depthwise: 4 rows 35 us, 7 rows 27, 8 rows 29).
+ROWS = 7
+_LANES = llvm.LANES
+_KERNEL = 3
+
+
+def _window_kernel(stride: int, pooling: bool):
+    """The intrinsic of one call (see _emit): a depthwise convolution's, or with ``pooling`` a max
+    pool's, stride ``stride`` both ways."""
+
+    @intrinsic
+    def kernel(typingctx, x, rows, weights, w_at, col0, width, zero, y, y_at, ldy, nrows, count, bias, activation,
+               activate):
+        """y[y_at + o*ldy + q] = act(bias + sum_ij weights[w_at + 3i + j] * x[rows[o*stride + i] + col0 +
+        stride*q + j]) for o < nrows, q < count (pooling: the max of those taps); taps outside 0 .. width-1
+        columns, and rows marked -1, read as zero (``zero``: a zero row at least ``width`` long; pooling:
+        skipped). ``activate`` = 0 skips ``activation``; pooling reads neither weights nor bias."""
+        if not all(getattr(a, "dtype", None) == types.float32 for a in (x, weights, zero, y, activation)):
+            return None  # float32 only
+        signature = types.void(x, rows, weights, w_at, col0, width, zero, y, y_at, ldy, nrows, count, bias,
+                               activation, activate)
+
+        def codegen(context, builder, sig, args):
+            def data(index):
+                return context.make_array(sig.args[index])(context, builder, args[index]).data
+
+            _emit(builder, stride, pooling, (data(0), data(1), data(2), data(6), data(7), data(13)),
+                  tuple(args[i] for i in (3, 4, 5, 8, 9, 10, 11, 12, 14)))
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return kernel
+
+
+def _emit(builder, stride: int, pooling: bool, pointers: tuple, values: tuple) -> None:
+    """The IR of one call: ROWS results of 16 lanes carried in registers."""
+    x_ptr, rows_ptr, w_ptr, zero_ptr, y_ptr, act_ptr = pointers
+    w_at, col0, width, y_at, ldy, nrows, count, bias, activate = values
+    module = builder.module
+    load, store, fma = llvm.masked_load(module), llvm.masked_store(module), llvm.fma(module)
+    vec_ptr = llvm.VEC.as_pointer()
+    align = ir.Constant(llvm.I32, 4)
+    zero = ir.Constant(llvm.VEC, [0.0] * _LANES)
+    lowest = ir.Constant(llvm.VEC, [-np.inf] * _LANES)
+    lane = ir.Constant(llvm.LANE_INDEX, list(range(_LANES)))
+
+    def const(value):
+        return ir.Constant(llvm.I64, value)
+
+    # The columns a load at col0 + offset covers lie in the row (the others are masked off): one mask per
+    # offset. Stride 1 loads at each tap column; stride 2 loads 32 columns from col0 and col0 + 2 (two
+    # vectors each) and takes the even or odd ones per tap.
+    offsets = list(range(_KERNEL)) if stride == 1 else [t + half for t in (0, 2) for half in (0, _LANES)]
+    first = builder.trunc(col0, llvm.I32)
+    limit = llvm.splat(builder, builder.trunc(width, llvm.I32), llvm.LANE_INDEX)
+    masks = {}
+    for offset in offsets:
+        column = builder.add(llvm.splat(builder, builder.add(first, ir.Constant(llvm.I32, offset)), llvm.LANE_INDEX),
+                             lane)
+        masks[offset] = builder.and_(builder.icmp_signed(">=", column, ir.Constant(llvm.LANE_INDEX, [0] * _LANES)),
+                                     builder.icmp_signed("<", column, limit))
+    if pooling:
+        results = [lowest] * ROWS
+    else:
+        taps = [llvm.splat(builder, builder.load(builder.gep(w_ptr, [builder.add(w_at, const(k))])))
+                for k in range(_KERNEL * _KERNEL)]
+        results = [llvm.splat(builder, bias)] * ROWS
+    for u in range((ROWS - 1) * stride + _KERNEL):  # input rows, each loaded once
+        at = builder.load(builder.gep(rows_ptr, [const(u)]))
+        inside = builder.icmp_signed(">=", at, const(0))
+        if pooling:  # a row off the plane: every lane masked off, -inf
+            row, row_mask = builder.gep(x_ptr, [builder.select(inside, at, const(0))]), llvm.splat(builder, inside,
+                                                                                                   llvm.MASK)
+        else:  # a row off the plane: the zero row
+            row, row_mask = builder.select(inside, builder.gep(x_ptr, [at]), zero_ptr), None
+        loaded = {}
+        for offset in offsets:
+            mask = masks[offset] if row_mask is None else builder.and_(masks[offset], row_mask)
+            pointer = builder.bitcast(builder.gep(row, [builder.add(col0, const(offset))]), vec_ptr)
+            loaded[offset] = builder.call(load, [pointer, align, mask, lowest if pooling else zero])
+        if stride == 1:
+            columns = [loaded[j] for j in range(_KERNEL)]
+        else:
+            columns = [builder.shuffle_vector(loaded[j - j % 2], loaded[j - j % 2 + _LANES],
+                                              ir.Constant(llvm.LANE_INDEX, [2 * q + j % 2 for q in range(_LANES)]))
+                       for j in range(_KERNEL)]
+        for o in range(ROWS):  # the output rows that read this input row, as their kernel row i
+            i = u - o * stride
+            if 0 <= i < _KERNEL:
+                for j in range(_KERNEL):
+                    v = columns[j]
+                    if pooling:  # the larger, or v where it is NaN
+                        keep = builder.or_(builder.fcmp_ordered(">", v, results[o]),
+                                           builder.fcmp_unordered("uno", v, v))
+                        results[o] = builder.select(keep, v, results[o])
+                    else:
+                        results[o] = builder.call(fma, [taps[i * _KERNEL + j], v, results[o]])
+    # The activation (v*slope below zero, then max with low, min with high: epilogue.activate), if any.
+    plain = builder.block
+    activated_block = builder.append_basic_block("windows.activate")
+    stores = builder.append_basic_block("windows.store")
+    builder.cbranch(builder.icmp_signed("!=", activate, const(0)), activated_block, stores)
+    builder.position_at_end(activated_block)
+    low, high, slope = (llvm.splat(builder, builder.load(builder.gep(act_ptr, [const(k)]))) for k in range(3))
+    activated = []
+    for v in results:
+        v = builder.select(builder.fcmp_ordered("<", v, zero), builder.fmul(v, slope), v)
+        v = builder.select(builder.fcmp_ordered("<", v, low), low, v)
+        activated.append(builder.select(builder.fcmp_ordered(">", v, high), high, v))
+    builder.branch(stores)
+    builder.position_at_end(stores)
+    finished = llvm.merged(builder, (results, plain), (activated, activated_block))
+    columns_left = builder.icmp_signed("<", lane, llvm.splat(builder, builder.trunc(count, llvm.I32), llvm.LANE_INDEX))
+    for o in range(ROWS):
+        inside = llvm.splat(builder, builder.icmp_signed("<", const(o), nrows), llvm.MASK)
+        target = builder.bitcast(builder.gep(y_ptr, [builder.add(y_at, builder.mul(const(o), ldy))]), vec_ptr)
+        builder.call(store, [finished[o], target, align, builder.and_(columns_left, inside)])
+
+
+_convolve_1, _convolve_2 = _window_kernel(1, False), _window_kernel(2, False)
+_pool_1, _pool_2 = _window_kernel(1, True), _window_kernel(2, True)
+
+
+@jit
+def window(stride, x, rows, weights, w_at, col0, width, zero, y, y_at, ldy, nrows, count, bias, activation, activate):
+    """A depthwise convolution's call for this stride (1 or 2): see _window_kernel."""
+    if stride == 1:
+        _convolve_1(x, rows, weights, w_at, col0, width, zero, y, y_at, ldy, nrows, count, bias, activation, activate)
+    else:
+        _convolve_2(x, rows, weights, w_at, col0, width, zero, y, y_at, ldy, nrows, count, bias, activation, activate)
+
+
+def takes_pool(kernel, strides, dilations) -> bool:
+    """Whether ``max_pool`` computes this max pool window: 3x3, strides (1, 1) or (2, 2), no dilation."""
+    return tuple(kernel) == (3, 3) and tuple(strides) in ((1, 1), (2, 2)) and tuple(dilations) == (1, 1)
+
+
+@jit
+def max_pool(planes, out, stride, top, left):
+    """out[p] = the 3x3 max pool of planes[p] (P, H, W) with this stride (1 or 2), ``top``/``left`` pad
+    rows and columns before (those after, and a ceil_mode overhang, come from ``out``'s size); taps off
+    the plane are skipped. float32."""
+    h, w = planes.shape[1], planes.shape[2]
+    oh, ow = out.shape[1], out.shape[2]
+    x, y = planes.reshape(-1), out.reshape(-1)
+    reach = (ROWS - 1) * stride + _KERNEL
+    rows = np.empty(reach, dtype=np.int64)
+    none = np.zeros(_LANES, dtype=np.float32)  # (no weights, zero row or activation)
+    for p in range(planes.shape[0]):
+        start = p * h * w
+        for r0 in range(0, oh, ROWS):
+            for u in range(reach):
+                r = r0 * stride - top + u
+                rows[u] = start + r * w if 0 <= r < h else -1
+            target = p * oh * ow + r0 * ow
+            for q0 in range(0, ow, _LANES):
+                if stride == 1:
+                    _pool_1(x, rows, none, 0, q0 - left, w, none, y, target + q0, ow, oh - r0, min(_LANES, ow - q0),
+                            np.float32(0), none, 0)
+                else:
+                    _pool_2(x, rows, none, 0, 2 * q0 - left, w, none, y, target + q0, ow, oh - r0,
+                            min(_LANES, ow - q0), np.float32(0), none, 0)
