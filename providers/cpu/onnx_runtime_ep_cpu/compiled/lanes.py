@@ -17,8 +17,9 @@ row's last chunk is shifted back to end at the row's end (it recomputes, and sto
 the chunk before it: the same values), and so are the last two rows of an odd height, so the kernel
 reads past the image only where a row (or the image) is narrower than the tile: those inputs get a
 margin (``margin``). Measured on one thread against gemm.py's panels: 3x3 convolutions 1.2-1.5x
-(160-170 GF/s, onnxruntime's 150-165), 1x1 1.1-1.5x, stems of 3 channels 1.4-1.8x; slower only for
-16 output channels or fewer (half the lanes empty), which keep the panels (nn._lanes_apply).
+(160-170 GF/s, onnxruntime's 150-165), 1x1 1.1-1.5x, stems of 3 channels 1.4-1.8x; slower where few
+of a tile's 32 channels are used (16 output channels, ShuffleNet's groups of 34), which keep the
+panels (nn._lanes_apply weighs the useful lanes of both).
 
 Reductions run k = 0 .. K-1 for every output as in gemm.py's microkernel, so the two kernels give the
 same bits.

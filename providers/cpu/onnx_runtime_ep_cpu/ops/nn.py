@@ -896,9 +896,11 @@ _LONG_MACS = 1 << 28
 
 
 class _PackedConv:
-    """One geometry's packed convolution (compiled/gemm.py): weights packed once per constant array,
-    the output's pixel panels split evenly across the kernel threads (threads.py), and a FusedConv's
-    bias, residual and activation applied as each output tile is stored."""
+    """One geometry's packed convolution, output channels across the vector lanes (compiled/lanes.py) or
+    pixel panels (compiled/gemm.py), whichever uses more of its lanes (_lanes_apply): weights packed once
+    per constant array, the output's pixel blocks or panels (or its channel tiles) split evenly across the
+    kernel threads (threads.py), and a FusedConv's bias, residual and activation applied as each output
+    tile is stored."""
 
     def __init__(self, geo: _Geometry, group: int, x_shape, w_shape, prepared: _Prepared):
         from ..compiled import gemm, jobs, lanes, workers
