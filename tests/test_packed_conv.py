@@ -435,12 +435,18 @@ def test_which_windows_put_channels_across_the_lanes():
     assert not by_lanes((4, 4), 96, kernel=(11, 11))  # column strides beyond 2: the panels
 
 
-def test_channel_lane_tasks_split_by_tiles_where_the_blocks_go_round_unevenly(monkeypatch):
-    # 13 rows of 13 pixels: 13 pixel blocks split 7/6 between two threads, 8 channel tiles 4/4.
+@pytest.fixture
+def two_thread_packed_convs(monkeypatch) -> list:
+    """Two kernel threads splitting even small convolutions; the packed convolutions made, in order."""
     monkeypatch.setattr(nn, "_SPLIT_MACS", 1)
     monkeypatch.setattr(threads, "_threads", 2)
     monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
-    taken = _taken(monkeypatch)
+    return _taken(monkeypatch)
+
+
+def test_channel_lane_tasks_split_by_tiles_where_the_blocks_go_round_unevenly(two_thread_packed_convs):
+    # 13 rows of 13 pixels: 13 pixel blocks split 7/6 between two threads, 8 channel tiles 4/4.
+    taken = two_thread_packed_convs
     rng = np.random.default_rng(24)
     x = rng.standard_normal((1, 64, 13, 13), dtype=np.float32)
     attrs = dict(kernel_shape=[1, 1])
@@ -455,12 +461,9 @@ def test_channel_lane_tasks_split_by_tiles_where_the_blocks_go_round_unevenly(mo
         assert (tile_ranges == [(0, 4), (4, 8)]) if by_tiles else all(r == (0, 7) for r in tile_ranges)
 
 
-def test_channel_lane_tasks_split_by_tiles_where_the_weights_outweigh_the_input(monkeypatch):
+def test_channel_lane_tasks_split_by_tiles_where_the_weights_outweigh_the_input(two_thread_packed_convs):
     # 7x7 pixels in 4 blocks of two rows (an even split), but 3x3 weights for 224 channels: 7 tiles, 3/4.
-    monkeypatch.setattr(nn, "_SPLIT_MACS", 1)
-    monkeypatch.setattr(threads, "_threads", 2)
-    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
-    taken = _taken(monkeypatch)
+    taken = two_thread_packed_convs
     rng = np.random.default_rng(25)
     x = rng.standard_normal((1, 48, 7, 7), dtype=np.float32)
     w = rng.standard_normal((224, 48, 3, 3), dtype=np.float32)

@@ -70,8 +70,7 @@ def _transposed(builder, rows: list) -> list:
 def _activated(builder, v, bounds):
     """epilogue.activate on a vector: v*slope below zero, then max with low, then min with high."""
     low, high, slope = bounds
-    zero = ir.Constant(llvm.VEC, [0.0] * _LANES)
-    v = builder.select(builder.fcmp_ordered("<", v, zero), builder.fmul(v, slope), v)
+    v = builder.select(builder.fcmp_ordered("<", v, llvm.ZEROS), builder.fmul(v, slope), v)
     v = builder.select(builder.fcmp_ordered("<", v, low), low, v)
     return builder.select(builder.fcmp_ordered(">", v, high), high, v)
 
@@ -82,10 +81,7 @@ def _emit_tile(builder, stride: int, columns: int, rows: int, pointers: tuple, v
     start, row_step, depth, ldy, y_row, count, nrows, channels, flags = values
     module = builder.module
     fma, store, load = llvm.fma(module), llvm.masked_store(module), llvm.masked_load(module)
-    vec_ptr = llvm.VEC.as_pointer()
-    align = ir.Constant(llvm.I32, 4)
-    zero = ir.Constant(llvm.VEC, [0.0] * _LANES)
-    lane = ir.Constant(llvm.LANE_INDEX, list(range(_LANES)))
+    vec_ptr, align, zero, lane = llvm.VEC.as_pointer(), llvm.ALIGN, llvm.ZEROS, llvm.LANE_NUMBERS
     pixels = columns * rows
 
     def const(value):

@@ -66,6 +66,9 @@ def merged(builder, first: tuple, second: tuple) -> list:
 
 MASK = ir.VectorType(ir.IntType(1), LANES)  # a lane mask
 LANE_INDEX = ir.VectorType(I32, LANES)  # 32-bit integers per lane
+LANE_NUMBERS = ir.Constant(LANE_INDEX, list(range(LANES)))  # 0 .. 15: each lane's own number
+ZEROS = ir.Constant(VEC, [0.0] * LANES)
+ALIGN = ir.Constant(I32, 4)  # the alignment masked loads and stores may assume: a float's
 
 
 def masked_load(module):

@@ -62,11 +62,8 @@ def _emit(builder, stride: int, pooling: bool, pointers: tuple, values: tuple) -
     w_at, col0, width, y_at, ldy, nrows, count, bias, activate = values
     module = builder.module
     load, store, fma = llvm.masked_load(module), llvm.masked_store(module), llvm.fma(module)
-    vec_ptr = llvm.VEC.as_pointer()
-    align = ir.Constant(llvm.I32, 4)
-    zero = ir.Constant(llvm.VEC, [0.0] * _LANES)
+    vec_ptr, align, zero, lane = llvm.VEC.as_pointer(), llvm.ALIGN, llvm.ZEROS, llvm.LANE_NUMBERS
     lowest = ir.Constant(llvm.VEC, [-np.inf] * _LANES)
-    lane = ir.Constant(llvm.LANE_INDEX, list(range(_LANES)))
 
     def const(value):
         return ir.Constant(llvm.I64, value)
