@@ -172,3 +172,18 @@ def test_gelu_lookalikes_stay_unfused(consts, shape):
 def test_gelu_is_not_fused_when_an_intermediate_is_shared():
     nodes = _gelu_nodes("half_x_first") + [helper.make_node("Neg", ["hx"], ["n"])]
     assert "Gelu" not in _ops(ort.InferenceSession(_gelu_model(nodes, extra_outputs=["n"]), providers=["cpu"]))
+
+
+def test_conv_passes_return_at_once_on_a_graph_without_convolutions(monkeypatch):
+    # No Conv, FusedConv or BatchNormalization: no pattern can match, so no pass builds its use maps.
+    from onnx_runtime.ir import Graph, Node
+    from onnx_runtime_ep_cpu import conv_fusions
+
+    def fail(graph):
+        raise AssertionError("a conv pass scanned a graph without convolutions")
+
+    monkeypatch.setattr(conv_fusions, "_Matcher", fail)
+    nodes = [Node("Relu", ["x"], ["r"], name="r"), Node("Add", ["r", "x"], ["y"], name="a")]
+    graph = Graph(name="g", nodes=nodes, inputs=[], outputs=[], initializers={}, value_info={}, opsets={"": 17})
+    assert not any(graph_pass(graph) for graph_pass in conv_fusions.CONV_PASSES)
+    assert [node.op_type for node in graph.nodes] == ["Relu", "Add"]
