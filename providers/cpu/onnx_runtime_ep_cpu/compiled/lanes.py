@@ -211,18 +211,10 @@ def _tile(stride, rows, w, x, start, row_step, taps, depth, y, ldy, y_row, count
 
 
 @jit
-def blocks(count_rows, out_width):
-    """How many tiles of pixels cover an output of count_rows x out_width (the tasks' unit)."""
-    columns = PIXELS // 2 if out_width <= PIXELS // 2 else PIXELS
-    rows = PIXELS // columns
-    return -(-count_rows // rows) * -(-out_width // columns)
-
-
-@jit
 def lane_tasks(xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, channels, sh, sw, wp, plane, taps,
                tasks):
     """gemm.conv_tasks' work by channel-lane tiles: for each task (image, group, first block, end block,
-    first tile, end tile), pixel blocks first .. end (see ``blocks``, row-major) x channel tiles (32
+    first tile, end tile), pixel blocks first .. end (tiles of ``shape``'s pixels, row-major) x channel tiles (32
     output channels) of that image and group. xp: the padded input (N, G * channels * plane, plus a
     margin where ``margin`` says), weights (G, tiles, K * 32) (gemm.pack_weights for 32 rows), bias
     (G, tiles * 32), y and residual (N, M * oh * ow); ``taps`` as gemm.tap_offsets."""
