@@ -240,8 +240,6 @@ def _depthwise(x, weights, bias, y, n_images, channels, in_shape, out, strides, 
                                 y[dst + q] = activate(acc[src + q], low, high, slope)
 
 
-
-
 # -- the direct kernel (compiled/windows.py) -------------------------------------------------------
 
 _LANES = llvm.LANES
@@ -260,19 +258,17 @@ def _direct(x, weights, bias, y, n_images, channels, in_shape, out, strides, beg
     reach = (windows.ROWS - 1) * stride + 3
     rows = np.empty(reach, dtype=np.int64)  # where each input row of a block starts in x, -1 for a pad row
     zero = np.zeros(w + _LANES, dtype=np.float32)
-    activate = 0 if activation[0] == -np.inf and activation[1] == np.inf and activation[2] == 1 else 1
+    activating = 0 if activation[0] == -np.inf and activation[1] == np.inf and activation[2] == 1 else 1
     for n in range(n_images):
         for c in range(channels):
             start = (n * image_channels + np.int64(source[c])) * h * w
             for r0 in range(0, oh, windows.ROWS):
-                for u in range(reach):
-                    r = r0 * stride - begin[0] + u
-                    rows[u] = start + r * w if 0 <= r < h else -1
+                windows.row_starts(rows, start, r0 * stride - begin[0], h, w)
                 for m in range(c * multiplier, (c + 1) * multiplier):
                     target = (n * outputs + m) * oh * ow + r0 * ow
                     for q0 in range(0, ow, _LANES):
                         windows.window(stride, x, rows, weights, m * k, stride * q0 - begin[1], w, zero, y,
-                                       target + q0, ow, oh - r0, min(_LANES, ow - q0), bias[m], activation, activate)
+                                       target + q0, ow, oh - r0, min(_LANES, ow - q0), bias[m], activation, activating)
 
 
 @_fused

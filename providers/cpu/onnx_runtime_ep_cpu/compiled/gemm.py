@@ -56,21 +56,18 @@ def _emit_tile(context, builder, mr: int, pointers: tuple, values: tuple, lda=No
     prefetch = llvm.declare(builder.module, "llvm.prefetch.p0",
                             ir.FunctionType(ir.VoidType(), [llvm.BYTE_PTR, llvm.I32, llvm.I32, llvm.I32]))
     vec_ptr = llvm.VEC.as_pointer()
-    undef = ir.Constant(llvm.VEC, ir.Undefined)
-    broadcast_mask = ir.Constant(ir.VectorType(llvm.I32, llvm.LANES), [0] * llvm.LANES)
 
     def const(value):
         return ir.Constant(llvm.I64, value)
 
     def splat(scalar):
-        return builder.shuffle_vector(builder.insert_element(undef, scalar, ir.Constant(llvm.I32, 0)), undef,
-                                      broadcast_mask)
+        return llvm.splat(builder, scalar)
 
     def vector_at(pointer, offset):
         return builder.bitcast(builder.gep(pointer, [offset]), vec_ptr)
 
     # The starting values: zero, or the partial sums of earlier blocks of k stored in c.
-    zero = ir.Constant(llvm.VEC, [0.0] * llvm.LANES)
+    zero = llvm.ZEROS
     entry = builder.block
     a_rows = None if lda is None else [builder.mul(const(i), lda) for i in range(mr)]  # where a's rows start
     load = builder.append_basic_block("tile.load")
@@ -124,7 +121,7 @@ def _emit_tile(context, builder, mr: int, pointers: tuple, values: tuple, lda=No
     builder.position_at_end(epilogue)
     with_bias = builder.icmp_signed("!=", builder.and_(flags_v, const(BIAS)), const(0))
     with_residual = builder.icmp_signed("!=", builder.and_(flags_v, const(RESIDUAL)), const(0))
-    low, high, slope = (splat(builder.load(builder.gep(bounds_ptr, [const(i)]))) for i in range(3))
+    bounds = [splat(builder.load(builder.gep(bounds_ptr, [const(i)]))) for i in range(3)]
     if lda is not None:  # a bias per lane: the same two vectors for every row
         lane_bias = [builder.load(vector_at(bias_ptr, const(half * llvm.LANES)), align=4) for half in range(2)]
     for i in range(mr):
@@ -151,11 +148,7 @@ def _emit_tile(context, builder, mr: int, pointers: tuple, values: tuple, lda=No
     for i in range(mr):
         row_at = builder.mul(const(i), ldc_v)
         for half in range(2):
-            v = merged[2 * i + half]
-            negative = builder.fcmp_ordered("<", v, zero)
-            v = builder.select(negative, builder.fmul(v, slope), v)
-            v = builder.select(builder.fcmp_ordered("<", v, low), low, v)
-            v = builder.select(builder.fcmp_ordered(">", v, high), high, v)
+            v = llvm.activated(builder, merged[2 * i + half], bounds)
             builder.store(v, vector_at(c_ptr, builder.add(row_at, const(half * llvm.LANES))), align=4)
     builder.branch(done)
     builder.position_at_end(done)

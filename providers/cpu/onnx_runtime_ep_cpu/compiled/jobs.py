@@ -274,8 +274,8 @@ def _pool_entry(pointer):
     planes = float_array(m[s + 0], (m[s + 1], m[s + 2], m[s + 3]))
     rows = float_array(m[s + 4], (m[s + 5], m[s + 6], m[s + 7]))
     kh, kw, sh, sw, dh, dw = m[s + 8], m[s + 9], m[s + 10], m[s + 11], m[s + 12], m[s + 13]
-    if m[s + 16] != 0 and kh == 3 and kw == 3 and sh == sw and sh <= 2 and dh == 1 and dw == 1:
-        windows.max_pool(planes, rows, sh, m[s + 14], m[s + 15])  # (windows.takes_pool)
+    if m[s + 16] != 0 and windows.takes_pool(kh, kw, sh, sw, dh, dw):
+        windows.max_pool(planes, rows, sh, m[s + 14], m[s + 15])
     else:
         pooling.pool_2d(planes, rows, kh, kw, sh, sw, dh, dw, m[s + 14], m[s + 15], m[s + 16] != 0, m[s + 17],
                         m[s + 18], m[s + 19], m[s + 20])

@@ -52,7 +52,6 @@ def margin(stride_rows: int, stride_columns: int, padded_width: int) -> int:
 def _transposed(builder, rows: list) -> list:
     """The 16 x 16 matrix whose 16 vectors are ``rows``, transposed: four rounds, each swapping the
     off-diagonal blocks of pairs of rows one bit apart (one two-vector shuffle per new row)."""
-    index = ir.VectorType(llvm.I32, _LANES)
     for bit in range(4):
         b = 1 << bit
         swapped = list(rows)
@@ -61,18 +60,10 @@ def _transposed(builder, rows: list) -> list:
                 continue
             low = [c if not c & b else _LANES + (c ^ b) for c in range(_LANES)]
             high = [c ^ b if not c & b else _LANES + c for c in range(_LANES)]
-            swapped[r] = builder.shuffle_vector(rows[r], rows[r | b], ir.Constant(index, low))
-            swapped[r | b] = builder.shuffle_vector(rows[r], rows[r | b], ir.Constant(index, high))
+            swapped[r] = builder.shuffle_vector(rows[r], rows[r | b], ir.Constant(llvm.LANE_INDEX, low))
+            swapped[r | b] = builder.shuffle_vector(rows[r], rows[r | b], ir.Constant(llvm.LANE_INDEX, high))
         rows = swapped
     return rows
-
-
-def _activated(builder, v, bounds):
-    """epilogue.activate on a vector: v*slope below zero, then max with low, then min with high."""
-    low, high, slope = bounds
-    v = builder.select(builder.fcmp_ordered("<", v, llvm.ZEROS), builder.fmul(v, slope), v)
-    v = builder.select(builder.fcmp_ordered("<", v, low), low, v)
-    return builder.select(builder.fcmp_ordered(">", v, high), high, v)
 
 
 def _emit_tile(builder, stride: int, columns: int, rows: int, pointers: tuple, values: tuple) -> None:
@@ -146,13 +137,13 @@ def _emit_tile(builder, stride: int, columns: int, rows: int, pointers: tuple, v
     builder.cbranch(with_residual, added, plain)
     builder.position_at_end(plain)
     for h in range(2):
-        rows_out = [_activated(builder, v, bounds) for v in biased[h]] + [zero] * (_LANES - pixels)
+        rows_out = [llvm.activated(builder, v, bounds) for v in biased[h]] + [zero] * (_LANES - pixels)
         store_rows(h, _transposed(builder, rows_out), lambda v, at, mask: v)
     builder.branch(done)
     builder.position_at_end(added)
 
     def with_residual_added(v, at, mask):
-        return _activated(builder, builder.fadd(v, builder.call(load, [vector_at(res_ptr, at), align, mask, zero])),
+        return llvm.activated(builder, builder.fadd(v, builder.call(load, [vector_at(res_ptr, at), align, mask, zero])),
                           bounds)
 
     for h in range(2):

@@ -1,6 +1,6 @@
-"""What the LLVM-IR intrinsics of gemm.py, gemv.py, depthwise.py and workers.py share: the vector types they
-compute in, the declaration of LLVM's own intrinsic functions in the module being built, and the
-counted loop that carries accumulators in registers."""
+"""What the LLVM-IR intrinsics of gemm.py, gemv.py, lanes.py, windows.py and workers.py share: the vector
+types they compute in, the declaration of LLVM's own intrinsic functions in the module being built, the
+counted loop that carries accumulators in registers, and the conv epilogue's activation on a vector."""
 
 from __future__ import annotations
 
@@ -90,3 +90,12 @@ def splat(builder, scalar, vector_type=VEC):
     undef = ir.Constant(vector_type, ir.Undefined)
     first = builder.insert_element(undef, scalar, ir.Constant(I32, 0))
     return builder.shuffle_vector(first, undef, ir.Constant(LANE_INDEX, [0] * vector_type.count))
+
+
+def activated(builder, v, bounds):
+    """compiled/epilogue.py's activate on a vector: v*slope below zero, then max with low, then min with
+    high (``bounds``: those three, splat); comparisons with NaN are false, so NaN passes through."""
+    low, high, slope = bounds
+    v = builder.select(builder.fcmp_ordered("<", v, ZEROS), builder.fmul(v, slope), v)
+    v = builder.select(builder.fcmp_ordered("<", v, low), low, v)
+    return builder.select(builder.fcmp_ordered(">", v, high), high, v)

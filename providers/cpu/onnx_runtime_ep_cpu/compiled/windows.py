@@ -122,12 +122,8 @@ def _emit(builder, stride: int, pooling: bool, pointers: tuple, values: tuple) -
     stores = builder.append_basic_block("windows.store")
     builder.cbranch(builder.icmp_signed("!=", activate, const(0)), activated_block, stores)
     builder.position_at_end(activated_block)
-    low, high, slope = (llvm.splat(builder, builder.load(builder.gep(act_ptr, [const(k)]))) for k in range(3))
-    activated = []
-    for v in results:
-        v = builder.select(builder.fcmp_ordered("<", v, zero), builder.fmul(v, slope), v)
-        v = builder.select(builder.fcmp_ordered("<", v, low), low, v)
-        activated.append(builder.select(builder.fcmp_ordered(">", v, high), high, v))
+    bounds = [llvm.splat(builder, builder.load(builder.gep(act_ptr, [const(k)]))) for k in range(3)]
+    activated = [llvm.activated(builder, v, bounds) for v in results]
     builder.branch(stores)
     builder.position_at_end(stores)
     finished = llvm.merged(builder, (results, plain), (activated, activated_block))
@@ -151,9 +147,19 @@ def window(stride, x, rows, weights, w_at, col0, width, zero, y, y_at, ldy, nrow
         _convolve_2(x, rows, weights, w_at, col0, width, zero, y, y_at, ldy, nrows, count, bias, activation, activate)
 
 
-def takes_pool(kernel, strides, dilations) -> bool:
+@jit
+def takes_pool(kh, kw, sh, sw, dh, dw):
     """Whether ``max_pool`` computes this max pool window: 3x3, strides (1, 1) or (2, 2), no dilation."""
-    return tuple(kernel) == (3, 3) and tuple(strides) in ((1, 1), (2, 2)) and tuple(dilations) == (1, 1)
+    return kh == 3 and kw == 3 and sh == sw and 1 <= sh <= 2 and dh == 1 and dw == 1
+
+
+@jit
+def row_starts(rows, start, first_row, height, width):
+    """rows[u] = where row first_row + u of the (height, width) plane at ``start`` begins, or -1 for a row
+    off the plane: the input rows of one call, as the kernel reads them."""
+    for u in range(rows.shape[0]):
+        r = first_row + u
+        rows[u] = start + r * width if 0 <= r < height else -1
 
 
 @jit
@@ -170,9 +176,7 @@ def max_pool(planes, out, stride, top, left):
     for p in range(planes.shape[0]):
         start = p * h * w
         for r0 in range(0, oh, ROWS):
-            for u in range(reach):
-                r = r0 * stride - top + u
-                rows[u] = start + r * w if 0 <= r < h else -1
+            row_starts(rows, start, r0 * stride - top, h, w)
             target = p * oh * ow + r0 * ow
             for q0 in range(0, ow, _LANES):
                 if stride == 1:

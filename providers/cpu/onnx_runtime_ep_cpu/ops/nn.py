@@ -697,13 +697,15 @@ def _compiled_depthwise(geo: _Geometry, m: int, prepared: _Prepared, dtype):
         if finish is not None and not residual:  # (with a residual, finish adds the bias after it)
             activation = finish.bounds
             if finish.bias.size:
-                bias = finish.bias if finish.bias.flags.writeable else finish.bias.copy()
+                bias = finish.bias
         x = np.ascontiguousarray(x)
         # The work counted as elements times taps: each output reads a window of the input.
         work = max(x.size, math.prod(geo.out) * m) * flat_w.shape[1]
         spans = _thread_spans(x.shape[1], work, x.dtype) if x.shape[0] == 1 else None
         if spans is None:
-            y = plan(x, flat_w, bias, activation, source)
+            # A writeable bias: numba compiles a read-only array argument separately (the parts below
+            # get arrays by address).
+            y = plan(x, flat_w, bias if bias.flags.writeable else bias.copy(), activation, source)
         else:
             from ..compiled import jobs, workers
 
@@ -852,14 +854,16 @@ def _lanes_apply(geo: _Geometry, outputs: int, depth: int) -> bool:
     for shallow stems (each panel tile then mostly stores)."""
     if geo.strides[1] not in (1, 2):
         return False
+    from ..compiled import gemm, lanes  # (loaded already by the packed convolution that asks)
+
     (oh, ow), pixels = geo.out, math.prod(geo.out)
-    columns = 7 if ow <= 7 else 14
-    rows = 14 // columns
-    lanes = outputs / (32 * -(-outputs // 32)) * pixels / (-(-oh // rows) * rows * -(-ow // columns) * columns)
+    columns, rows = lanes.shape(ow)
+    tiles = lanes.CHANNELS * -(-outputs // lanes.CHANNELS)
+    by_lanes = outputs / tiles * pixels / (-(-oh // rows) * rows * -(-ow // columns) * columns)
     grid = _lane_grid(geo, geo.padded_shape(geo.in_shape)[1])
-    mr = 8 if -(-outputs // 12) * 12 > 1.06 * (-(-outputs // 8) * 8) else 12  # gemm.tile_rows
-    panels = pixels / (32 * -(-(oh * grid) // 32)) * outputs / (mr * -(-outputs // mr))
-    return lanes * (_LANES_GAIN_SHALLOW if depth < 64 else _LANES_GAIN) >= panels
+    mr = gemm.tile_rows(outputs)
+    panels = pixels / (gemm.NR * -(-(oh * grid) // gemm.NR)) * outputs / (mr * -(-outputs // mr))
+    return by_lanes * (_LANES_GAIN_SHALLOW if depth < 64 else _LANES_GAIN) >= panels
 
 
 _LANES_GAIN, _LANES_GAIN_SHALLOW = 1.25, 1.8
@@ -2224,4 +2228,3 @@ def gelu(node, shapes, opset):
             return (fn(x).astype(x.dtype, copy=False),)
 
     return kernel
-
