@@ -76,6 +76,28 @@ def test_run_all_outputs_and_subsets_with_dynamic_batch(two_output_model):
     assert shape.tolist() == [2, 3] and total.shape == (2, 3)
 
 
+def test_a_subset_of_outputs_runs_only_the_nodes_it_needs():
+    # The Clip omits its min input ("") and the Dropout omits its mask output (""): an omitted input
+    # names no value, so it must not pull in the Dropout, whose omitted output is also "".
+    nodes = [
+        helper.make_node("Dropout", ["x"], ["dropped", ""], name="dropout"),
+        helper.make_node("Clip", ["x", "", "high"], ["clipped"], name="clip"),
+        helper.make_node("Neg", ["clipped"], ["negated"], name="neg"),
+    ]
+    high = helper.make_tensor("high", TensorProto.FLOAT, [], [1.0])
+    model = make_model(
+        nodes, [tensor_info("x", shape=[2, 3])],
+        [tensor_info("negated", shape=[2, 3]), tensor_info("dropped", shape=[2, 3])], [high],
+    )
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"], disabled_optimizers=["*"])
+    x = np.array([[-2, 0.5, 3], [1, 2, -1]], np.float32)
+    (negated,) = sess.run(["negated"], {"x": x})
+    np.testing.assert_array_equal(negated, -np.minimum(x, 1.0))
+    steps = sess._executor.plan(("negated",)).steps
+    assert [step.node.name for step in steps] == ["clip", "neg"]
+    assert [step.node.name for step in sess._executor.plan(("dropped",)).steps] == ["dropout"]
+
+
 def test_session_from_path_bytes_and_proto_agree(tmp_path, chain_model):
     path = tmp_path / "chain.onnx"
     onnx.save(chain_model, path)

@@ -40,9 +40,13 @@ class TypeInfo:
     @property
     def static_shape(self) -> tuple[int, ...] | None:
         """The shape when every dimension is a concrete int, else None."""
-        if self.shape is None or any(not isinstance(d, int) for d in self.shape):
+        shape = self.shape
+        if shape is None:
             return None
-        return tuple(self.shape)
+        for d in shape:  # (a plain loop: asked per node input at planning, a generator costs 2x)
+            if not isinstance(d, int):
+                return None
+        return tuple(shape)
 
     def describe(self) -> str:
         if self.kind == "tensor":
@@ -94,8 +98,8 @@ class Node:
         for value in self.attrs.values():
             if isinstance(value, Graph):
                 found.append(value)
-            elif isinstance(value, list):
-                found.extend(v for v in value if isinstance(v, Graph))
+            elif isinstance(value, list) and value and isinstance(value[0], Graph):
+                found.extend(value)  # an attribute's list holds one kind (GRAPHS), not mixed
         return found
 
     def __repr__(self) -> str:

@@ -69,6 +69,8 @@ def _read_proto(model) -> tuple[onnx.ModelProto, str | None]:
         with open(path, "rb") as handle:
             data = handle.read()
         proto = _parse(data, path)
+        if _EXTERNAL_KEY not in data:
+            return proto, path  # no tensor can name a data file: skip onnx's walk over every tensor
         try:
             onnx.external_data_helper.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
         except (OSError, ValueError, onnx.checker.ValidationError) as exc:  # missing/escaping file
@@ -80,6 +82,11 @@ def _read_proto(model) -> tuple[onnx.ModelProto, str | None]:
     raise ModelLoadError(
         f"cannot load a model from {type(model).__name__}; pass a file path, the model's bytes, or an onnx.ModelProto"
     )
+
+
+# A tensor stored outside the model names its file under this key (onnx requires it); bytes without
+# it cannot have external data.
+_EXTERNAL_KEY = b"location"
 
 
 def _parse(data: bytes, path: str | None) -> onnx.ModelProto:
@@ -115,7 +122,7 @@ SHAPE_VALUE_LIMIT = 1024
 def _infer_shapes(proto: onnx.ModelProto) -> onnx.GraphProto:
     """The top-level graph of ``proto`` annotated by onnx shape inference (``value_info``, subgraphs
     included), without its large initializers; ``proto.graph`` when inference fails."""
-    light, stand_ins = _without_weights(proto)
+    light, stand_ins = _without_weights(proto) if _has_weights(proto) else (proto, set())
     try:
         inferred = onnx.shape_inference.infer_shapes(light, check_type=False, strict_mode=False, data_prop=True)
     except Exception:
@@ -127,6 +134,10 @@ def _infer_shapes(proto: onnx.ModelProto) -> onnx.GraphProto:
         del inferred.graph.input[:]
         inferred.graph.input.extend(inputs)
     return inferred.graph
+
+
+def _has_weights(proto: onnx.ModelProto) -> bool:
+    return any(_element_count(init) > SHAPE_VALUE_LIMIT for init in proto.graph.initializer)
 
 
 def _without_weights(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
@@ -262,15 +273,16 @@ def convert_graph(gp: onnx.GraphProto, opsets: dict[str, int], outer_scope, init
     inputs = [_value_info(vi) for vi in gp.input if vi.name not in initializers]
     outputs = [_value_info(vi) for vi in gp.output]
 
-    local = set(initializers) | {vi.name for vi in gp.input}
-    for node in gp.node:
-        local.update(o for o in node.output if o)
-    scope = tuple(outer_scope) + tuple(local)
+    scope = None  # the names a subgraph may read from here: built at the first node that has one
 
     nodes = []
     for index, np_node in enumerate(gp.node):
         domain = "" if np_node.domain == "ai.onnx" else np_node.domain
-        attrs = {a.name: convert_attribute(a, opsets, scope) for a in np_node.attribute}
+        attrs = {}
+        for a in np_node.attribute:
+            if scope is None and a.type in _SUBGRAPH_KINDS:
+                scope = _scope(gp, initializers, outer_scope)
+            attrs[a.name] = convert_attribute(a, opsets, scope)
         if domain not in opsets and domain != "":
             raise InvalidGraphError(
                 f"node {np_node.name or index!r} ({np_node.op_type}) uses domain {domain!r}, which the model "
@@ -287,8 +299,19 @@ def convert_graph(gp: onnx.GraphProto, opsets: dict[str, int], outer_scope, init
         value_info=value_info, opsets=opsets, doc=gp.doc_string,
     )
     graph.nodes = topological_order(graph, set(outer_scope))
-    graph.outer_names = sorted(_outer_reads(graph, set(outer_scope)))
+    graph.outer_names = sorted(_outer_reads(graph, set(outer_scope))) if outer_scope else []
     return graph
+
+
+_SUBGRAPH_KINDS = (_ATTR.GRAPH, _ATTR.GRAPHS)
+
+
+def _scope(gp: onnx.GraphProto, initializers, outer_scope) -> tuple[str, ...]:
+    """The outer scope of ``gp``'s subgraphs: everything visible here, enclosing graphs included."""
+    local = set(initializers) | {vi.name for vi in gp.input}
+    for node in gp.node:
+        local.update(o for o in node.output if o)
+    return tuple(outer_scope) + tuple(local)
 
 
 def _dtype_of(array: np.ndarray) -> DataType | None:

@@ -24,7 +24,13 @@ class KernelMatch:
 
     @classmethod
     def supported(cls, cost: float = 1.0) -> KernelMatch:
-        return cls(True, cost=cost)
+        # Asked once per node at placement; the answer is immutable, so one instance per cost serves.
+        match = _SUPPORTED.get(cost)
+        if match is None or type(match) is not cls:
+            match = cls(True, cost=cost)
+            if cls is KernelMatch:
+                _SUPPORTED[cost] = match
+        return match
 
     @classmethod
     def unsupported(cls, reason: str) -> KernelMatch:
@@ -34,6 +40,9 @@ class KernelMatch:
 
     def __bool__(self) -> bool:
         return self.is_supported
+
+
+_SUPPORTED: dict[float, KernelMatch] = {}
 
 
 @runtime_checkable

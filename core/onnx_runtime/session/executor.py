@@ -149,7 +149,6 @@ class Executor:
             array = np.asarray(array)
             array.flags.writeable = False  # a kernel bug or a returned alias must not corrupt weights
             self._consts[name] = array
-        self._producer = graph.producers()
         devices = {id(h): h for h in assignment.values() if not h.is_host_accessible}.values()
         self._validation = [(h, h.hook.register_device_validation_owner()) for h in devices
                             if h.hook.defers_device_validation()]
@@ -166,21 +165,20 @@ class Executor:
         return plan
 
     def _needed_nodes(self, output_names) -> list[Node]:
-        needed: set[int] = set()
-        stack = list(output_names)
-        seen = set()
-        while stack:
-            name = stack.pop()
-            if name in seen:
+        """The nodes ``output_names`` depend on, in graph order: one backward sweep over the
+        (topologically ordered) nodes, collecting what the kept ones read."""
+        wanted = set(output_names)
+        kept: list[Node] = []
+        for node in reversed(self.graph.nodes):
+            if wanted.isdisjoint(node.outputs):
                 continue
-            seen.add(name)
-            node = self._producer.get(name)
-            if node is None or id(node) in needed:
-                continue
-            needed.add(id(node))
-            stack.extend(n for n in node.inputs if n)
-            stack.extend(implicit_inputs(node))
-        return [n for n in self.graph.nodes if id(n) in needed]
+            kept.append(node)
+            wanted.update(node.inputs)
+            if node.attrs:
+                wanted.update(implicit_inputs(node))
+            wanted.discard("")  # an omitted input, not a value some node's omitted output would give
+        kept.reverse()
+        return kept
 
     def _build(self, output_names: tuple[str, ...], feed_devices: dict[str, ProviderHandle] | None = None,
                device_outputs: bool = False) -> Plan:

@@ -8,7 +8,7 @@ otherwise the node goes to the first provider, in the session's priority order, 
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from ..devices import TensorLayout
@@ -107,10 +107,10 @@ def place(graph: Graph, handles: list[ProviderHandle], expander=None) -> tuple[P
     assignment: dict[str, ProviderHandle] = {}
     expanded: dict[str, list[str]] = {}
     origin: dict[str, str] = {}  # expanded node -> the original node it came from
-    pending = list(graph.nodes)
+    pending = deque(graph.nodes)
     placed: list[Node] = []
     while pending:
-        node = pending.pop(0)
+        node = pending.popleft()
         record = NodePlacement(node.name, node.op_type, node.domain, provider="")
         if node.name in claims:
             record.provider, record.claimed = claims[node.name].name, True
@@ -137,7 +137,7 @@ def place(graph: Graph, handles: list[ProviderHandle], expander=None) -> tuple[P
                 expanded[node.name] = [n.name for n in body]
                 for inner in body:
                     origin[inner.name] = origin.get(node.name, f"{node.name!r} ({node.op_type})")
-                pending[:0] = body
+                pending.extendleft(reversed(body))
                 continue
             domain = node.domain or "ai.onnx"
             reasons = "; ".join(f"{p}: {r}" for p, r in record.rejected.items()) or "no providers"
