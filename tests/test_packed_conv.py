@@ -111,6 +111,10 @@ GEOMETRIES = {
     "row chunks, stride 2": ((1, 4, 9, 61), (18, 4, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2])),
     # An input past lanes._INPUT_BYTES: the pixel blocks run outermost, the tiles inside.
     "large input": ((1, 96, 56, 52), (40, 96, 1, 1), {}),
+    # Pointwise windows run as one row of pixels: 169 in chunks of 14 (the last shifted back), and a
+    # plane of 9, narrower than a tile, which reads past it (a margin) even as one row.
+    "1x1 on 13x13": ((1, 40, 13, 13), (64, 40, 1, 1), {}),
+    "1x1 on 3x3": ((2, 20, 3, 3), (40, 20, 1, 1), dict(dilations=[2, 2])),
 }
 
 
@@ -419,6 +423,20 @@ def test_channel_lanes_give_the_pixel_panels_bits(monkeypatch, kernel_threads, g
     np.testing.assert_array_equal(results[1], results[3])
     lanes = [conv for conv in taken if conv._by_lanes]
     assert lanes and len(lanes) < len(taken)
+
+
+def test_a_pointwise_window_reads_its_input_in_place_as_one_row(monkeypatch, kernel_threads):
+    """A 13x13 plane is narrower than a channel-lane tile's 14 pixels: by rows, each tile would read past
+    its row and the input would be copied into a buffer with a margin; as one row of 169 pixels it is
+    read where it is."""
+    rng, x, w, b, attrs = _inputs("1x1 on 13x13", 29, True)
+    taken = _taken(monkeypatch)
+    (y,) = nn.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)(x, w, b)
+    (conv,) = taken
+    assert conv._by_lanes and conv._geo.out == (1, 169) and not conv._margin
+    assert np.shares_memory(conv._padded_input(x.reshape(conv._flat)), x)
+    assert y.shape == (1, 64, 13, 13)
+    np.testing.assert_allclose(y, _reference(x, w, b, attrs), rtol=1e-4, atol=1e-3)
 
 
 def test_which_windows_put_channels_across_the_lanes():
