@@ -312,3 +312,33 @@ def test_three_by_three_max_pools_read_the_planes_in_place(monkeypatch, stride, 
     (y,) = kernel("MaxPool", attrs, x.shape)(x)
     np.testing.assert_array_equal(y, numpy_pool(x, attrs).astype(np.float32))
     assert posted == [jobs.POOL]
+
+
+@pytest.mark.skipif(not __import__("onnx_runtime_ep_cpu.compiled.gemm", fromlist=["AVAILABLE"]).AVAILABLE,
+                    reason="compiled/windows.py's kernel needs an AVX-512 host")
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("pads,ceil_mode", [([0, 0, 0, 0], 0), ([1, 1, 1, 1], 0), ([0, 1, 1, 0], 1), ([0, 0, 0, 0], 1)])
+@pytest.mark.parametrize("include_pad", [0, 1])
+@pytest.mark.parametrize("height,width", [(1, 5), (7, 7), (9, 16), (22, 17), (15, 40), (30, 3)])
+def test_three_by_three_average_pools_read_the_planes_in_place(stride, pads, ceil_mode, include_pad, height, width):
+    # float32 3x3 average pools of stride 1 or 2 run compiled/windows.py's kernel too: row-major sums of the
+    # taps on the plane times the reciprocal tap counts (those of pooling.py, pads counted or not, a
+    # ceil_mode overhang never), within rounding of numpy's quotients; the kernel called directly gives
+    # the operator's result.
+    from onnx_runtime_ep_cpu.compiled import windows
+
+    if height + pads[0] + pads[2] < 3 or width + pads[1] + pads[3] < 3:
+        pytest.skip("no window fits")
+    attrs = {"kernel_shape": [3, 3], "strides": [stride, stride], "pads": pads, "ceil_mode": ceil_mode,
+             "count_include_pad": include_pad}
+    x = (RNG.standard_normal((2, 3, height, width)) * 3).astype(np.float32)
+    (y,) = kernel("AveragePool", attrs, x.shape)(x)
+    np.testing.assert_allclose(y, numpy_pool(x, attrs, bool(include_pad)), rtol=1e-6, atol=1e-6)
+    direct = np.full(y.shape, np.nan, dtype=np.float32)
+    oh, ow = y.shape[2:]
+    # Counted rows and columns, in padded coordinates: the input alone, or with its declared pads.
+    lo_h, hi_h = (0, height + pads[0] + pads[2]) if include_pad else (pads[0], pads[0] + height)
+    lo_w, hi_w = (0, width + pads[1] + pads[3]) if include_pad else (pads[1], pads[1] + width)
+    windows.pool(x.reshape(-1, height, width), direct.reshape(-1, oh, ow), stride, pads[0], pads[1], False,
+                 lo_h, hi_h, lo_w, hi_w)
+    np.testing.assert_array_equal(direct, y)

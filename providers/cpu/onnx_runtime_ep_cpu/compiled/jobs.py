@@ -274,15 +274,16 @@ def _pool_entry(pointer):
     planes = float_array(m[s + 0], (m[s + 1], m[s + 2], m[s + 3]))
     rows = float_array(m[s + 4], (m[s + 5], m[s + 6], m[s + 7]))
     kh, kw, sh, sw, dh, dw = m[s + 8], m[s + 9], m[s + 10], m[s + 11], m[s + 12], m[s + 13]
-    if m[s + 16] != 0 and windows.takes_pool(kh, kw, sh, sw, dh, dw):
-        windows.max_pool(planes, rows, sh, m[s + 14], m[s + 15])
+    if windows.takes_pool(kh, kw, sh, sw, dh, dw):
+        windows.pool(planes, rows, sh, m[s + 14], m[s + 15], m[s + 16] != 0, m[s + 17], m[s + 18], m[s + 19],
+                     m[s + 20])
     else:
         pooling.pool_2d(planes, rows, kh, kw, sh, sw, dh, dw, m[s + 14], m[s + 15], m[s + 16] != 0, m[s + 17],
                         m[s + 18], m[s + 19], m[s + 20])
 
 
 # pooling.pool_2d, one part: (planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w);
-# a 3x3 max pool of stride 1 or 2 by windows.max_pool.
+# a 3x3 pool of stride 1 or 2 by windows.pool.
 POOL = Kind(_write_pool, lambda: compile_runner(_pool_entry))
 
 

@@ -74,7 +74,7 @@ def _pool(x, y, kh, kw, sh, sw, dh, dw, ph, pw, is_max, per_row, per_column):
     cells = y.shape[2] + (kw - 1) * dw // sw  # per phase: enough for the last tap's run
     line = np.full((1, max(pw + x.shape[2], sw * cells)), identity, dtype=x.dtype)
     phases = line if sw == 1 else np.empty((sw, cells), dtype=x.dtype)
-    scale = _reciprocals(per_row, per_column, is_max)
+    scale = reciprocals(per_row, per_column, is_max)
     pad = np.uint64(pw)
     for p in range(x.shape[0]):
         for i in range(out_h):
@@ -234,7 +234,7 @@ def _pool_same_width(x, y, kh, kw, dh, dw, ph, pw, is_max, per_row, per_column):
     # The rows buffer holds ``pw`` identity cells before the rows and enough after for the last taps.
     rows = np.full(pw + cells + max(0, (kw - 1) * dw - pw), identity, dtype=x.dtype)
     pad = np.uint64(pw)
-    scale = _tile(_reciprocals(per_row, per_column, is_max).reshape(1, -1), 0 if is_max else cells)[0]
+    scale = _tile(reciprocals(per_row, per_column, is_max).reshape(1, -1), 0 if is_max else cells)[0]
     xf = x.reshape(-1)
     yf = y.reshape(-1)
     step = np.uint64(dh * width)
@@ -330,7 +330,7 @@ def _pool_rows_buffer(x, y, kh, kw, sh, sw, dh, dw, ph, pw, is_max, per_row, per
     cells = group * out_h * out_pitch
     z = np.empty(0 if direct else cells, dtype=x.dtype)
     first_row, row_count = _row_taps(out_h, kh, sh, dh, ph, height)
-    scale = _reciprocals(per_row, per_column, is_max)
+    scale = reciprocals(per_row, per_column, is_max)
     yf = y.reshape(-1)
     uwidth = np.uint64(width)
     pad = np.uint64(pw)
@@ -381,7 +381,7 @@ def _pool_rows_buffer(x, y, kh, kw, sh, sw, dh, dw, ph, pw, is_max, per_row, per
 
 
 @jit
-def _reciprocals(per_row, per_column, is_max):
+def reciprocals(per_row, per_column, is_max):
     """1 / (tap count) of each output of an average (empty for a max)."""
     scale = np.empty((0 if is_max else per_row.shape[0], per_column.shape[0]), dtype=per_row.dtype)
     for i in range(scale.shape[0]):
@@ -421,7 +421,7 @@ def plane_means(x, y, divisor):
 
 
 @jit
-def _tap_counts(outs, k, s, d, lo, hi, dtype):
+def tap_counts(outs, k, s, d, lo, hi, dtype):
     """How many taps of each of ``outs`` outputs land on padded positions [lo, hi)."""
     counts = np.zeros(outs, dtype=dtype)
     for o in range(outs):
@@ -441,8 +441,8 @@ def pool_2d(x, y, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w
 
     ``is_max`` is a runtime flag (callers pass a Python bool, not a constant), so one compilation
     per dtype serves both ops: LLVM unswitches the loops on it."""
-    per_row = _tap_counts(y.shape[1], kh, sh, dh, lo_h, hi_h, y.dtype)
-    per_column = _tap_counts(y.shape[2], kw, sw, dw, lo_w, hi_w, y.dtype)
+    per_row = tap_counts(y.shape[1], kh, sh, dh, lo_h, hi_h, y.dtype)
+    per_column = tap_counts(y.shape[2], kw, sw, dw, lo_w, hi_w, y.dtype)
     covers = dh == dw == 1 and kh - 1 - ph >= x.shape[1] - 1 and kw - 1 - pw >= x.shape[2] - 1
     whole_planes = y.shape[1] == y.shape[2] == 1 and covers and x.shape[1] * x.shape[2] <= PLANE_SUM_LIMIT
     if whole_planes and not is_max:

@@ -1,5 +1,5 @@
 """3x3 windows of stride 1 or 2 over one float32 plane, read in place: the kernel of depthwise
-convolutions (depthwise.py) and of 3x3 max pools (``max_pool``), written as LLVM IR (AVX-512).
+convolutions (depthwise.py) and of 3x3 max and average pools (``pool``), written as LLVM IR (AVX-512).
 
 A call computes ROWS output rows of 16 columns: each input row the block needs is loaded once, with
 masked vector loads whose lanes off the row (the pads, and past its end) are not read, and feeds
@@ -8,7 +8,9 @@ odd ones per tap column (one two-vector shuffle). The ROWS results stay in regis
 chains (one row's nine dependent steps alone would stall on their latency). A convolution's lanes
 start from the bias and add weight x tap by fused multiply-adds, taps off the plane reading zero
 (rows off it read a zero row); a max pool's start from -inf and keep the larger (NaN wins, as in
-np.maximum), taps off the plane skipped (masked to -inf).
+np.maximum), taps off the plane skipped (masked to -inf); an average pool's add the taps in row-major
+order (those off the plane masked to zero) and multiply the sums by the reciprocal tap counts, as
+pooling.py does.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from . import jit, llvm
+from . import jit, llvm, pooling
 
 # Output rows per call: CNN feature maps are 7 * 2^k high, so 7 leaves no partial block there
 # (measured on one thread, 544 channels of 7x7 depthwise: 4 rows 35 us, 7 rows 27, 8 rows 29).
@@ -27,9 +29,12 @@ _LANES = llvm.LANES
 _KERNEL = 3
 
 
-def _window_kernel(stride: int, pooling: bool):
-    """The intrinsic of one call (see _emit): a depthwise convolution's, or with ``pooling`` a max
-    pool's, stride ``stride`` both ways."""
+CONVOLVE, MAX, AVERAGE = 0, 1, 2  # what a call computes
+
+
+def _window_kernel(stride: int, mode: int):
+    """The intrinsic of one call (see _emit): a depthwise convolution's (CONVOLVE), a max pool's (MAX) or
+    an average pool's (AVERAGE), stride ``stride`` both ways."""
 
     @intrinsic
     def kernel(typingctx, x, rows, weights, w_at, col0, width, zero, y, y_at, ldy, nrows, count, bias, activation,
@@ -37,7 +42,8 @@ def _window_kernel(stride: int, pooling: bool):
         """y[y_at + o*ldy + q] = act(bias + sum_ij weights[w_at + 3i + j] * x[rows[o*stride + i] + col0 +
         stride*q + j]) for o < nrows, q < count (pooling: the max of those taps); taps outside 0 .. width-1
         columns, and rows marked -1, read as zero (``zero``: a zero row at least ``width`` long; pooling:
-        skipped). ``activate`` = 0 skips ``activation``; pooling reads neither weights nor bias."""
+        skipped). ``activate`` = 0 skips ``activation``; pooling reads no bias, a max pool no weights, and an
+        average pool multiplies output (o, q)'s sum by weights[w_at + o*ldy + q] (its reciprocal tap count)."""
         if not all(getattr(a, "dtype", None) == types.float32 for a in (x, weights, zero, y, activation)):
             return None  # float32 only
         signature = types.void(x, rows, weights, w_at, col0, width, zero, y, y_at, ldy, nrows, count, bias,
@@ -47,7 +53,7 @@ def _window_kernel(stride: int, pooling: bool):
             def data(index):
                 return context.make_array(sig.args[index])(context, builder, args[index]).data
 
-            _emit(builder, stride, pooling, (data(0), data(1), data(2), data(6), data(7), data(13)),
+            _emit(builder, stride, mode, (data(0), data(1), data(2), data(6), data(7), data(13)),
                   tuple(args[i] for i in (3, 4, 5, 8, 9, 10, 11, 12, 14)))
             return context.get_dummy_value()
 
@@ -56,7 +62,7 @@ def _window_kernel(stride: int, pooling: bool):
     return kernel
 
 
-def _emit(builder, stride: int, pooling: bool, pointers: tuple, values: tuple) -> None:
+def _emit(builder, stride: int, mode: int, pointers: tuple, values: tuple) -> None:
     """The IR of one call: ROWS results of 16 lanes carried in registers."""
     x_ptr, rows_ptr, w_ptr, zero_ptr, y_ptr, act_ptr = pointers
     w_at, col0, width, y_at, ldy, nrows, count, bias, activate = values
@@ -64,6 +70,8 @@ def _emit(builder, stride: int, pooling: bool, pointers: tuple, values: tuple) -
     load, store, fma = llvm.masked_load(module), llvm.masked_store(module), llvm.fma(module)
     vec_ptr, align, zero, lane = llvm.VEC.as_pointer(), llvm.ALIGN, llvm.ZEROS, llvm.LANE_NUMBERS
     lowest = ir.Constant(llvm.VEC, [-np.inf] * _LANES)
+    pooling = mode != CONVOLVE
+    off = lowest if mode == MAX else zero  # what a tap off the plane reads
 
     def const(value):
         return ir.Constant(llvm.I64, value)
@@ -81,7 +89,7 @@ def _emit(builder, stride: int, pooling: bool, pointers: tuple, values: tuple) -
         masks[offset] = builder.and_(builder.icmp_signed(">=", column, ir.Constant(llvm.LANE_INDEX, [0] * _LANES)),
                                      builder.icmp_signed("<", column, limit))
     if pooling:
-        results = [lowest] * ROWS
+        results = [off] * ROWS
     else:
         taps = [llvm.splat(builder, builder.load(builder.gep(w_ptr, [builder.add(w_at, const(k))])))
                 for k in range(_KERNEL * _KERNEL)]
@@ -89,7 +97,7 @@ def _emit(builder, stride: int, pooling: bool, pointers: tuple, values: tuple) -
     for u in range((ROWS - 1) * stride + _KERNEL):  # input rows, each loaded once
         at = builder.load(builder.gep(rows_ptr, [const(u)]))
         inside = builder.icmp_signed(">=", at, const(0))
-        if pooling:  # a row off the plane: every lane masked off, -inf
+        if pooling:  # a row off the plane: every lane masked off
             row, row_mask = builder.gep(x_ptr, [builder.select(inside, at, const(0))]), llvm.splat(builder, inside,
                                                                                                    llvm.MASK)
         else:  # a row off the plane: the zero row
@@ -98,7 +106,7 @@ def _emit(builder, stride: int, pooling: bool, pointers: tuple, values: tuple) -
         for offset in offsets:
             mask = masks[offset] if row_mask is None else builder.and_(masks[offset], row_mask)
             pointer = builder.bitcast(builder.gep(row, [builder.add(col0, const(offset))]), vec_ptr)
-            loaded[offset] = builder.call(load, [pointer, align, mask, lowest if pooling else zero])
+            loaded[offset] = builder.call(load, [pointer, align, mask, off])
         if stride == 1:
             columns = [loaded[j] for j in range(_KERNEL)]
         else:
@@ -110,12 +118,21 @@ def _emit(builder, stride: int, pooling: bool, pointers: tuple, values: tuple) -
             if 0 <= i < _KERNEL:
                 for j in range(_KERNEL):
                     v = columns[j]
-                    if pooling:  # the larger, or v where it is NaN
+                    if mode == MAX:  # the larger, or v where it is NaN
                         keep = builder.or_(builder.fcmp_ordered(">", v, results[o]),
                                            builder.fcmp_unordered("uno", v, v))
                         results[o] = builder.select(keep, v, results[o])
+                    elif mode == AVERAGE:
+                        results[o] = builder.fadd(results[o], v)
                     else:
                         results[o] = builder.call(fma, [taps[i * _KERNEL + j], v, results[o]])
+    columns_left = builder.icmp_signed("<", lane, llvm.splat(builder, builder.trunc(count, llvm.I32), llvm.LANE_INDEX))
+    row_inside = [llvm.splat(builder, builder.icmp_signed("<", const(o), nrows), llvm.MASK) for o in range(ROWS)]
+    if mode == AVERAGE:  # each sum times its output's reciprocal tap count
+        for o in range(ROWS):
+            at = builder.bitcast(builder.gep(w_ptr, [builder.add(w_at, builder.mul(const(o), ldy))]), vec_ptr)
+            scale = builder.call(load, [at, align, builder.and_(columns_left, row_inside[o]), zero])
+            results[o] = builder.fmul(results[o], scale)
     # The activation (v*slope below zero, then max with low, min with high: epilogue.activate), if any.
     plain = builder.block
     activated_block = builder.append_basic_block("windows.activate")
@@ -127,15 +144,14 @@ def _emit(builder, stride: int, pooling: bool, pointers: tuple, values: tuple) -
     builder.branch(stores)
     builder.position_at_end(stores)
     finished = llvm.merged(builder, (results, plain), (activated, activated_block))
-    columns_left = builder.icmp_signed("<", lane, llvm.splat(builder, builder.trunc(count, llvm.I32), llvm.LANE_INDEX))
     for o in range(ROWS):
-        inside = llvm.splat(builder, builder.icmp_signed("<", const(o), nrows), llvm.MASK)
         target = builder.bitcast(builder.gep(y_ptr, [builder.add(y_at, builder.mul(const(o), ldy))]), vec_ptr)
-        builder.call(store, [finished[o], target, align, builder.and_(columns_left, inside)])
+        builder.call(store, [finished[o], target, align, builder.and_(columns_left, row_inside[o])])
 
 
-_convolve_1, _convolve_2 = _window_kernel(1, False), _window_kernel(2, False)
-_pool_1, _pool_2 = _window_kernel(1, True), _window_kernel(2, True)
+_convolve_1, _convolve_2 = _window_kernel(1, CONVOLVE), _window_kernel(2, CONVOLVE)
+_max_1, _max_2 = _window_kernel(1, MAX), _window_kernel(2, MAX)
+_average_1, _average_2 = _window_kernel(1, AVERAGE), _window_kernel(2, AVERAGE)
 
 
 @jit
@@ -149,7 +165,7 @@ def window(stride, x, rows, weights, w_at, col0, width, zero, y, y_at, ldy, nrow
 
 @jit
 def takes_pool(kh, kw, sh, sw, dh, dw):
-    """Whether ``max_pool`` computes this max pool window: 3x3, strides (1, 1) or (2, 2), no dilation."""
+    """Whether ``pool`` computes this pool window: 3x3, strides (1, 1) or (2, 2), no dilation."""
     return kh == 3 and kw == 3 and sh == sw and 1 <= sh <= 2 and dh == 1 and dw == 1
 
 
@@ -163,25 +179,38 @@ def row_starts(rows, start, first_row, height, width):
 
 
 @jit
-def max_pool(planes, out, stride, top, left):
-    """out[p] = the 3x3 max pool of planes[p] (P, H, W) with this stride (1 or 2), ``top``/``left`` pad
-    rows and columns before (those after, and a ceil_mode overhang, come from ``out``'s size); taps off
-    the plane are skipped. float32."""
+def pool(planes, out, stride, top, left, is_max, lo_h, hi_h, lo_w, hi_w):
+    """out[p] = the 3x3 max (``is_max``) or average pool of planes[p] (P, H, W) with this stride (1 or 2),
+    ``top``/``left`` pad rows and columns before (those after, and a ceil_mode overhang, come from ``out``'s
+    size); a max skips the taps off the plane, an average divides by how many taps land on counted
+    positions, padded rows [lo_h, hi_h) and columns [lo_w, hi_w) (pooling.pool_2d's arguments). float32."""
     h, w = planes.shape[1], planes.shape[2]
     oh, ow = out.shape[1], out.shape[2]
     x, y = planes.reshape(-1), out.reshape(-1)
     reach = (ROWS - 1) * stride + _KERNEL
     rows = np.empty(reach, dtype=np.int64)
-    none = np.zeros(_LANES, dtype=np.float32)  # (no weights, zero row or activation)
+    none = np.zeros(_LANES, dtype=np.float32)  # (no zero row, bias or activation)
+    scale = none
+    if not is_max:  # the reciprocal tap counts, one per output, (oh, ow) as the output's plane
+        scale = pooling.reciprocals(pooling.tap_counts(oh, 3, stride, 1, lo_h, hi_h, out.dtype),
+                                    pooling.tap_counts(ow, 3, stride, 1, lo_w, hi_w, out.dtype), False).reshape(-1)
     for p in range(planes.shape[0]):
         start = p * h * w
         for r0 in range(0, oh, ROWS):
             row_starts(rows, start, r0 * stride - top, h, w)
             target = p * oh * ow + r0 * ow
             for q0 in range(0, ow, _LANES):
-                if stride == 1:
-                    _pool_1(x, rows, none, 0, q0 - left, w, none, y, target + q0, ow, oh - r0, min(_LANES, ow - q0),
-                            np.float32(0), none, 0)
+                col0, count, at = (q0 if stride == 1 else 2 * q0) - left, min(_LANES, ow - q0), r0 * ow + q0
+                if is_max:
+                    if stride == 1:
+                        _max_1(x, rows, none, 0, col0, w, none, y, target + q0, ow, oh - r0, count, np.float32(0),
+                               none, 0)
+                    else:
+                        _max_2(x, rows, none, 0, col0, w, none, y, target + q0, ow, oh - r0, count, np.float32(0),
+                               none, 0)
+                elif stride == 1:
+                    _average_1(x, rows, scale, at, col0, w, none, y, target + q0, ow, oh - r0, count, np.float32(0),
+                               none, 0)
                 else:
-                    _pool_2(x, rows, none, 0, 2 * q0 - left, w, none, y, target + q0, ow, oh - r0,
-                            min(_LANES, ow - q0), np.float32(0), none, 0)
+                    _average_2(x, rows, scale, at, col0, w, none, y, target + q0, ow, oh - r0, count, np.float32(0),
+                               none, 0)
