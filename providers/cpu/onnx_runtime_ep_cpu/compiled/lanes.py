@@ -41,15 +41,13 @@ from .gemm import BIAS, RESIDUAL
 CHANNELS = 32  # output channels per tile: two vectors
 PIXELS = 14  # output pixels per tile
 _LANES = llvm.LANES
-# How many k ahead a tile prefetches its input (the first and last pixel of each row at tap k + AHEAD).
-# Each k reads a new line of another channel's plane, a stride no hardware prefetcher follows; in a model
-# that line was just written by the layer before, often by the other core. Measured in the runs (8, 16,
-# 32 ahead vs none): resnet50 -6%, densenet121 -8%, inception_v2 -4%, vgg19 -2%, squeezenet -2%; 16 best.
+# How many k ahead a tile prefetches its input (the first and last pixel of each row at tap k + AHEAD)
+# and its weights (two lines per k; a tile's first pixel block streams them from L3 or memory, the later
+# blocks find them in L2). Measured in the runs against no prefetch: input 8, 16 or 32 ahead, 16 best
+# (resnet50 -6%, densenet121 -8%, inception_v2 -4%); then weights 32, 64, 128 or 256 ahead, 32 and 64 best
+# (resnet50 -9%, inception_v2 -10%, densenet121 -5%; a 512x7x7 3x3 convolution after a 400 MB sweep of
+# memory 2.6 -> 2.1 ms).
 AHEAD = 16
-# And its weights WEIGHTS_AHEAD k ahead (two lines per k): a tile's first pixel block streams them from
-# memory (the later blocks find them in the L2 cache), and the input's reads, a new page every few k,
-# leave the hardware prefetcher no stream to follow. In the runs (32, 64, 128, 256 ahead vs none):
-# resnet50 -9%, inception_v2 -10%, densenet121 -5%, vgg19 -1%; 32 and 64 best.
 WEIGHTS_AHEAD = 32
 
 
