@@ -132,9 +132,13 @@ def _fold_follower(graph, context, uses: Uses, conv: Node, follower: Node, follo
     weights_name = conv.inputs[1]
     if scale is not None:
         new_bias = new_bias * scale
-        scaled = weights.astype(np.float64) * scale.reshape((channels,) + (1,) * (weights.ndim - 1))
+        # Products in float64 rounded once to the weights' dtype, in one pass (no float64 copy of the
+        # weights: the multiply casts as it goes).
+        scaled = np.empty_like(weights)
+        np.multiply(weights, scale.reshape((channels,) + (1,) * (weights.ndim - 1)), out=scaled, dtype=np.float64,
+                    casting="unsafe")
         weights_name = context.fresh(f"{conv.inputs[1]}_fused")
-        add_initializer(graph, weights_name, scaled.astype(weights.dtype))
+        add_initializer(graph, weights_name, scaled)
     bias_name = context.fresh(f"{bias_name or conv.name + '_bias'}_fused")
     add_initializer(graph, bias_name, (new_bias + shift).astype(weights.dtype))
     uses.forget(follower)
