@@ -222,9 +222,9 @@ def convert_attribute(attr: onnx.AttributeProto, opsets: dict[str, int], outer_s
     if kind == _ATTR.TYPE_PROTO:
         return convert_type(attr.tp)
     if kind == _ATTR.FLOATS:
-        return [float(v) for v in attr.floats]
+        return list(attr.floats)  # (protobuf's repeated scalars iterate as Python floats and ints)
     if kind == _ATTR.INTS:
-        return [int(v) for v in attr.ints]
+        return list(attr.ints)
     if kind == _ATTR.STRINGS:
         return [s.decode("utf-8", errors="surrogateescape") for s in attr.strings]
     if kind == _ATTR.TENSORS:
