@@ -40,7 +40,7 @@ def _window_kernel(stride: int, mode: int):
     def kernel(typingctx, x, rows, weights, w_at, col0, width, zero, y, y_at, ldy, nrows, count, bias, activation,
                activate):
         """y[y_at + o*ldy + q] = act(bias + sum_ij weights[w_at + 3i + j] * x[rows[o*stride + i] + col0 +
-        stride*q + j]) for o < nrows, q < count (pooling: the max of those taps); taps outside 0 .. width-1
+        stride*q + j]) for o < nrows, q < count (pooling: the max, or the sum, of those taps); taps outside 0 .. width-1
         columns, and rows marked -1, read as zero (``zero``: a zero row at least ``width`` long; pooling:
         skipped). ``activate`` = 0 skips ``activation``; pooling reads no bias, a max pool no weights, and an
         average pool multiplies output (o, q)'s sum by weights[w_at + o*ldy + q] (its reciprocal tap count)."""
