@@ -784,6 +784,30 @@ def test_softmax_family_half_and_ties(op):
     check(op, [x], {"axis": 1}, 11)
 
 
+@pytest.mark.parametrize("opset,shape", [(13, (2, 1000)), (13, (3, 4, 7)), (11, (1, 1000, 1, 1)), (13, (5, 1))])
+def test_small_float32_softmax_runs_one_compiled_call(monkeypatch, opset, shape):
+    """A CNN's closing Softmax: one compiled pass per row (the largest non-NaN value, the vectorized exp and
+    the sum, the scaling) within float32 rounding of the exact formula; NaN and infinities as numpy's."""
+    from onnx_runtime_ep_cpu.compiled import transformer
+
+    calls = []
+    real = transformer.softmax_rows_float32_
+    monkeypatch.setattr(transformer, "softmax_rows_float32_", lambda x, y: calls.append(x.shape) or real(x, y))
+    x = (RNG.standard_normal(shape) * 6).astype(F32)
+    flat = x.reshape(-1, x.shape[-1]) if opset >= 13 else x.reshape(x.shape[0], -1)
+    flat[0, :3] = [np.nan, 1.0, 2.0][: flat.shape[1]]
+    if flat.shape[0] > 2:
+        flat[1] = -np.inf
+        flat[2, 0] = np.inf
+    node = Node("Softmax", ["x"], ["y"], attrs={}, opset=opset)
+    (y,) = lookup("Softmax", "", opset)(node, [x.shape], opset)(x)
+    with np.errstate(invalid="ignore"):  # (inf - inf: NaN rows, as the formula gives)
+        exact = np.exp(flat.astype(np.float64) - np.fmax.reduce(flat, axis=1, keepdims=True))
+        exact /= exact.sum(axis=1, keepdims=True)
+    assert calls and y.dtype == F32 and y.shape == x.shape
+    np.testing.assert_allclose(y.reshape(flat.shape), exact, rtol=3e-6, atol=1e-12)
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("dtype", [F32, F16, F64])
 def test_gelu(approximate, dtype):

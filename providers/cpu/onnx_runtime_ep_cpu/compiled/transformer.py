@@ -393,3 +393,20 @@ def layer_norm(x: np.ndarray, scale: np.ndarray, bias, epsilon: float):
     layer_norm_rows(x, scale, _empty(x.dtype, 1) if bias is None else bias, epsilon, y, mean.reshape(-1),
                     inv_std.reshape(-1))
     return y, mean, inv_std
+
+
+@_contracting_jit
+def softmax_rows_float32_(x, y):
+    """y[r] = softmax(x[r]) over the rows of the 2-D float32 x (y may be x): the row's largest non-NaN
+    value, exp(x - that) by exp_nonpositive_float32 with the row's sum, then each times the sum's
+    reciprocal. A NaN, or a row without a finite maximum, gives NaN through the sum, as numpy's formula
+    does. One compiled call for what numpy runs as six: a CNN's closing Softmax of 1000 classes right
+    after its classifier, with numpy's code out of cache, took 51 us in the run that way."""
+    for r in range(x.shape[0]):
+        row, out = x[r], y[r]
+        peak = row_max(row)
+        for j in range(row.shape[0]):
+            out[j] = exp_nonpositive_float32(row[j] - peak)
+        scale = np.float32(1) / row_sum(out)
+        for j in range(row.shape[0]):
+            out[j] *= scale

@@ -2110,6 +2110,13 @@ def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
     """Softmax in four passes over x: subtract the maximum into a fresh array, then exp, sum and
     scale in place. fmax ignores NaN where maximum is slow propagating it; a NaN still spreads over
     its row through the sum."""
+    if x.dtype == np.float32 and axis == x.ndim - 1 and x.flags.c_contiguous and x.size <= _COMPILED_SOFTMAX \
+            and takes_compiled(x):
+        from ..compiled import transformer
+
+        y = np.empty(x.shape, np.float32)
+        transformer.softmax_rows_float32_(x.reshape(-1, x.shape[-1]), y.reshape(-1, x.shape[-1]))
+        return y
     with np.errstate(invalid="ignore"):  # a row of -inf (fully masked) gives NaN, as the spec's formula does
         e = np.subtract(x, np.fmax.reduce(x, axis=axis, keepdims=True))
     np.exp(e, out=e)
@@ -2119,6 +2126,10 @@ def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
         total = e.sum(axis=axis, keepdims=True)
     e *= np.reciprocal(total, out=total)
     return e
+
+
+# Float32 softmaxes up to this many elements run one compiled call (transformer.softmax_rows_float32_).
+_COMPILED_SOFTMAX = 1 << 16
 
 
 def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
