@@ -2107,11 +2107,11 @@ def flatten(node, shapes, opset):
 
 
 def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    """Softmax in four passes over x: subtract the maximum into a fresh array, then exp, sum and
-    scale in place. fmax ignores NaN where maximum is slow propagating it; a NaN still spreads over
-    its row through the sum."""
-    if x.dtype == np.float32 and axis == x.ndim - 1 and x.flags.c_contiguous and x.size <= _COMPILED_SOFTMAX \
-            and takes_compiled(x):
+    """Softmax of float32 x along its last axis, up to _COMPILED_SOFTMAX elements: one compiled call
+    (transformer.softmax_rows_float32_). Otherwise four passes over x: subtract the maximum into a fresh
+    array, then exp, sum and scale in place. fmax ignores NaN where maximum is slow propagating it; a NaN
+    still spreads over its row through the sum (in both)."""
+    if x.dtype == np.float32 and axis == x.ndim - 1 and x.flags.c_contiguous and x.size <= _COMPILED_SOFTMAX:
         from ..compiled import transformer
 
         y = np.empty(x.shape, np.float32)
@@ -2128,7 +2128,7 @@ def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
     return e
 
 
-# Float32 softmaxes up to this many elements run one compiled call (transformer.softmax_rows_float32_).
+# Float32 softmaxes up to this many elements run one compiled call (a CNN's closing 1000 classes).
 _COMPILED_SOFTMAX = 1 << 16
 
 
