@@ -396,3 +396,93 @@ def test_attention_block_with_the_new_key_and_value_read_elsewhere():
     _, present_k, present_v, k_rot, v_heads = sess.run(None, {k: v.astype(np.float32) for k, v in feeds.items()})
     np.testing.assert_array_equal(present_k[:, :, 3:], k_rot)
     np.testing.assert_array_equal(present_v[:, :, 3:], v_heads)
+
+
+# -- Attention of a few queries (a decode step's) --------------------------------------------------
+
+
+@pytest.fixture
+def few_calls(monkeypatch):
+    """The results of _Attention.few_query_attention in this test (None where it handed over)."""
+    results = []
+    real = transformer._Attention.few_query_attention
+    monkeypatch.setattr(transformer._Attention, "few_query_attention",
+                        lambda self, *args: results.append(real(self, *args)) or results[-1])
+    return results
+
+
+# (batch, query heads, KV heads, queries, keys, head size, rank): a decode step's one query over its cache,
+# grouped-query heads, up to four queries, head sizes off the 16-lane vectors, 3-D and 4-D layouts.
+FEW_GEOMETRIES = [(1, 4, 2, 1, 129, 64, 4), (1, 4, 2, 1, 129, 64, 3), (2, 6, 3, 3, 37, 20, 4), (1, 8, 8, 4, 5, 16, 3),
+                  (3, 2, 1, 2, 1, 7, 4)]
+
+
+@pytest.mark.parametrize("geometry", FEW_GEOMETRIES, ids=lambda g: "-".join(map(str, g)))
+@pytest.mark.parametrize("causal", [0, 1])
+def test_few_query_attention_matches_the_numpy_path(few_calls, geometry, causal):
+    """One compiled call per node (the query heads sharing a KV head read its rows), against the numpy
+    path; a causal frontier (top-left: query i sees keys 0 .. i) is the call's bias."""
+    from test_compiled_transformer import _attention, _no_compiled, _qkv
+
+    batch, q_heads, kv_heads, q_len, kv_len, size, rank = geometry
+    q, k, v = _qkv(batch, q_heads, kv_heads, q_len, kv_len, size, rank)
+    attrs = {"q_num_heads": q_heads, "kv_num_heads": kv_heads} if rank == 3 else {}
+    shapes = [q.shape, k.shape, v.shape]
+    got = _attention(shapes, scale=0.3, is_causal=causal, **attrs)(q, k, v)
+    want = _no_compiled(_attention(shapes, scale=0.3, is_causal=causal, **attrs))(q, k, v)
+    assert len(few_calls) == 1 and few_calls[0][0] is got[0]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == np.float32
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
+
+
+def test_few_query_attention_leaves_masks_and_large_products_to_the_other_paths(few_calls, monkeypatch):
+    from test_compiled_transformer import _attention, _qkv
+
+    q, k, v = _qkv(1, 4, 2, 1, 40, 16, 4)
+    mask = RNG.standard_normal((1, 40)).astype(np.float32)
+    assert _attention([q.shape, k.shape, v.shape, mask.shape])(q, k, v, mask)[0].shape == (1, 4, 1, 16)
+    assert not few_calls
+    plain = _attention([q.shape, k.shape, v.shape])
+    assert plain(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))[0].dtype == np.float64
+    assert not few_calls  # float64 keeps the numpy path
+    plain(q, k, v)
+    assert len(few_calls) == 1
+    monkeypatch.setattr(transformer, "_FEW_MACS", 4 * 40 * 16 - 1)  # one multiply-add too many
+    assert _attention([q.shape, k.shape, v.shape])(q, k, v)[0].shape == (1, 4, 1, 16)
+    assert len(few_calls) == 1
+
+
+def test_few_query_attention_non_finite_values_as_the_numpy_path(few_calls):
+    """A NaN key makes its heads' rows NaN as numpy's softmax does, an infinite value spreads through the
+    weighted sum; a NaN query leaves its row without a finite score: the other paths decide it."""
+    from test_compiled_transformer import _attention, _no_compiled, _qkv
+
+    q, k, v = _qkv(1, 4, 2, 1, 24, 16, 4)
+    k[0, 1, 7, 3] = np.nan
+    v[0, 0, 9, 0] = np.inf
+    shapes = [q.shape, k.shape, v.shape]
+    got = _attention(shapes)(q, k, v)[0]
+    want = _no_compiled(_attention(shapes))(q, k, v)[0]
+    assert few_calls[0][0] is got and np.isnan(got[0, 2:]).all() and np.isinf(got[0, :2, 0, 0]).all()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5)
+    q[0, 0, 0, 3] = np.nan
+    got = _attention(shapes)(q, k, v)[0]
+    assert few_calls[1] is None
+    np.testing.assert_allclose(got, _no_compiled(_attention(shapes))(q, k, v)[0], rtol=2e-5, atol=1e-5)
+
+
+def test_a_decode_step_attention_matches_onnx_reference(few_calls):
+    """Through a session, as a user runs it: one new token's 3-D query over a cache of 77 keys, grouped heads."""
+    from onnx.reference import ReferenceEvaluator
+    from test_compiled_transformer import _qkv
+
+    q, k, v = _qkv(1, 8, 2, 1, 77, 32, 3)
+    nodes = [helper.make_node("Attention", ["q", "k", "v"], ["y"], q_num_heads=8, kv_num_heads=2, is_causal=1)]
+    inputs = [tensor_info(n, shape=list(a.shape)) for n, a in (("q", q), ("k", k), ("v", v))]
+    model = make_model(nodes, inputs, [tensor_info("y", shape=list(q.shape))], opset=23)
+    feeds = {"q": q, "k": k, "v": v}
+    got = _session(model).run(None, feeds)[0]
+    np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, feeds)[0], rtol=1e-5, atol=1e-6)
+    assert few_calls and few_calls[0] is not None

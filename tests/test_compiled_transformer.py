@@ -268,7 +268,7 @@ def _attention(shapes, opset=23, **attrs):
 
 
 def _no_compiled(attention):
-    attention.compiled = None
+    attention.compiled = attention.few = None
     return attention
 
 

@@ -1,5 +1,5 @@
 """Compiled loops for the small per-token kernels of a decoder step: RMS normalization (alone or after
-the residual add) and the rotate-half rotary embedding.
+the residual add), the rotate-half rotary embedding, and attention of a few queries over the cache.
 
 At decode sizes (one row of a few hundred values) numpy's cost is its per-call overhead: RMS
 normalization is six ufunc calls and temporaries for 256 values, where one compiled pass over the row
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
-from .transformer import sigmoid_float32
+from .transformer import _contracting_jit, _summing_jit, exp_nonpositive_float32, row_max, row_sum, sigmoid_float32
 
 
 @jit
@@ -97,3 +97,63 @@ def swish_mul(a, b, alpha, out):
     minus_alpha = a.dtype.type(-alpha)
     for j in range(a.shape[0]):
         out[j] = a[j] / (one + np.exp(minus_alpha * a[j])) * b[j]
+
+
+@_summing_jit
+def _dot(a, b):
+    """The dot product of two 1-D arrays (reassociated: it vectorizes)."""
+    total = a.dtype.type(0)
+    for j in range(a.shape[0]):
+        total += a[j] * b[j]
+    return total
+
+
+@_contracting_jit
+def _weighted_rows(weights, rows, out):
+    """out = the sum over t of weights[t] * rows[t] (in t order, one fused multiply-add per term)."""
+    out[:] = 0
+    for t in range(rows.shape[0]):
+        weight = weights[t]
+        row = rows[t]
+        for j in range(out.shape[0]):
+            out[j] += weight * row[j]
+
+
+@_contracting_jit
+def _exp_shifted_sum(scores, peak):
+    """scores = exp(scores - peak) in place (float32, scores <= peak), and their sum."""
+    for t in range(scores.shape[0]):
+        scores[t] = exp_nonpositive_float32(scores[t] - peak)
+    return row_sum(scores)
+
+
+@jit
+def few_query_attention_float32(q, k, v, scale, bias, y):
+    """y[b, h] = softmax(q[b, h] k[b, g]^T * scale + bias) v[b, g] for the query heads h of each KV head g
+    (grouped-query attention: g = h // (query heads / KV heads)), float32 (B, H, M, D) arrays with
+    contiguous rows, ``bias`` (M, T) or empty for none. One pass per query row: its scores, their
+    largest value, exp by transformer.py's polynomial with the sum, the weighted sum of V's rows, then
+    the division. A decode step's attention is a handful of such rows over the cache, where numpy's eight
+    calls cost several times the arithmetic. False, with ``y`` partly written, when a row's largest score
+    is not finite (a fully masked row, inf or NaN): the caller's general path decides those."""
+    batch, heads, rows = q.shape[0], q.shape[1], q.shape[2]
+    keys = k.shape[2]
+    group = heads // k.shape[1]
+    with_bias = bias.shape[0] > 0
+    scores = np.empty(keys, dtype=np.float32)
+    for b in range(batch):
+        for h in range(heads):
+            kh, vh = k[b, h // group], v[b, h // group]
+            for r in range(rows):
+                query = q[b, h, r]
+                for t in range(keys):
+                    scores[t] = _dot(query, kh[t]) * scale + (bias[r, t] if with_bias else np.float32(0))
+                peak = row_max(scores)
+                if not abs(peak) < np.float32(np.inf):
+                    return False
+                total = _exp_shifted_sum(scores, peak)
+                out = y[b, h, r]
+                _weighted_rows(scores, vh, out)
+                for j in range(out.shape[0]):
+                    out[j] /= total
+    return True

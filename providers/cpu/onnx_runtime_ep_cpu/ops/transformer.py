@@ -21,7 +21,7 @@ from ..compiled import COMPILED_DTYPES
 from ..registry import register
 from ..threads import helper_count, kernel_threads
 from .elementwise import _sigmoid
-from .linalg import _gemv_host
+from .linalg import _FLOAT32, _gemv_host
 from .nn import _compute_dtype, _graph_error, _normalize_axis, _stash_dtype, _upcast
 
 _SOFTMAX_PRECISIONS = (DataType.FLOAT, DataType.FLOAT16, DataType.DOUBLE, DataType.BFLOAT16)
@@ -214,6 +214,15 @@ class _Attention:
             self.compiled = compiled
             if frontier_only:
                 self.frontier = np.where(self.static_visible, np.float32(0), np.float32(-np.inf))
+        # A decode step's few queries over the cache: one compiled call (compiled/decoder.py), without a
+        # mask input (a causal frontier is its bias).
+        self.few = None
+        if self.compiled is not None and geo.q_len <= _FEW_QUERIES and not _has_input(node, 3) \
+                and geo.q_heads * geo.q_len * geo.total_len * geo.head_size <= _FEW_MACS:
+            self.few = _compiled_decoder().few_query_attention_float32
+            self._outputs = len(node.outputs)
+            self._few_scale = np.float32(self.scale)
+            self._few_bias = np.empty((0, 0), np.float32) if self.frontier is None else self.frontier
 
     def bias(self, mask: np.ndarray | None, nonpad: np.ndarray | None, dtype) -> np.ndarray | None:
         """The additive attention bias (0 or -inf for masked keys, plus a float mask's values)."""
@@ -239,6 +248,10 @@ class _Attention:
         return bias
 
     def __call__(self, q, k, v, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None):
+        if self.few is not None and q.dtype is _FLOAT32 and k.dtype is _FLOAT32 and v.dtype is _FLOAT32:
+            outputs = self.few_query_attention(q, k, v)
+            if outputs is not None:
+                return outputs
         if self.compiled is not None and q.dtype == k.dtype == v.dtype == np.float32:
             outputs = self.compiled_attention(q, k, v, attn_mask)
             if outputs is not None:
@@ -285,6 +298,19 @@ class _Attention:
         if qk is not None:
             qk = qk.astype(q.dtype, copy=False)
         return (y, present_key, present_value, qk)[: len(self.node.outputs)]
+
+    def few_query_attention(self, q, k, v):
+        """(Y, present_key, present_value) as compiled_attention's for a few queries without a mask input,
+        in one compiled call: numpy's eight calls cost a decode step's attention more than its arithmetic.
+        None where a row has no finite score (the causal frontier hides every key from it, inf or NaN)."""
+        geo = self.geo
+        queries = geo.to_heads(q, geo.q_heads)
+        keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
+        y = np.empty((queries.shape[0], geo.q_heads, geo.q_len, geo.v_head_size), np.float32)
+        if not self.few(np.ascontiguousarray(queries), np.ascontiguousarray(keys), np.ascontiguousarray(values),
+                        self._few_scale, self._few_bias, y):
+            return None
+        return (geo.from_heads(y), keys, values)[:self._outputs]
 
     def _compiled_bias(self, mask) -> np.ndarray | None:
         """The (q_len, total_len) float32 bias the compiled softmax adds (empty for none); None when the
@@ -434,6 +460,11 @@ class _Attention:
 # Queries from which attention runs compiled/attention.py's tiles (a prefill's; a decode step's few rows
 # keep compiled_attention's products); work (multiply-adds) per thread from which it is split.
 _TILED_ROWS = 16
+# A decode step's attention (at most this many queries and multiply-adds, no mask) runs decoder.py's one
+# compiled call; beyond, compiled_attention's BLAS products are faster (its vectorized dot products
+# run ~5 GMAC/s: at 128K multiply-adds alone 32 vs 25 us, at 8K 10 vs 15).
+_FEW_QUERIES = 4
+_FEW_MACS = 1 << 16
 _SPLIT_MACS = 1 << 20
 
 
