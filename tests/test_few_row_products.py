@@ -249,3 +249,43 @@ def test_a_convolutional_classifier_is_a_few_row_product(monkeypatch, kernel_thr
     (y,) = session.run(None, feeds)
     np.testing.assert_allclose(y, ReferenceEvaluator(model).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
     assert len(taken) == 1 and y.shape == (batch, 40, 1, 1)
+
+
+def test_a_node_reuses_its_split_only_for_the_same_constant_and_shape(monkeypatch):
+    """A MatMul node keeps its last few-row product of a constant (a decode step repeats it every run)
+    and skips the lookups; another shape of ``a``, another ``b``, a writable ``b`` or another thread
+    count looks its product up again, and every result is the product of what was passed."""
+    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
+    monkeypatch.setattr(linalg, "_GEMV_SPLIT_WEIGHTS", 1)
+    monkeypatch.setattr(threads, "_threads", 2)
+    kernel = linalg.matmul(Node("MatMul", ["a", "b"], ["y"], opset=13), None, 13)
+    lookups = []
+    real = linalg._few_rows_split
+    monkeypatch.setattr(linalg, "_few_rows_split", lambda *args: lookups.append(args[0].shape) or real(*args))
+    rng = np.random.default_rng(28)
+    b = rng.standard_normal((300, 70), dtype=np.float32)
+    b.flags.writeable = False  # an initializer
+    other = rng.standard_normal((300, 70), dtype=np.float32)
+    other.flags.writeable = False
+
+    def check(a, w):
+        (y,) = kernel(a, w)
+        np.testing.assert_allclose(y, a.astype(np.float64) @ w.astype(np.float64), rtol=1e-5, atol=1e-4)
+
+    steps = [((1, 1, 300), b), ((1, 1, 300), b), ((1, 1, 300), b), ((2, 300), b), ((2, 300), b), ((2, 300), other)]
+    for shape, w in steps:
+        check(rng.standard_normal(shape, dtype=np.float32), w)
+    assert lookups == [(1, 1, 300), (2, 300), (2, 300)]
+    monkeypatch.setattr(threads, "_threads", 1)  # a session set another thread count: looked up again
+    check(rng.standard_normal((2, 300), dtype=np.float32), other)
+    assert lookups[3:] == [(2, 300)]
+    writable = np.array(other)  # a fed matrix may change between runs: never kept
+    check(rng.standard_normal((2, 300), dtype=np.float32), writable)
+    check(rng.standard_normal((2, 300), dtype=np.float32), writable)
+    assert lookups[4:] == [(2, 300), (2, 300)]
+    taken = _taken(monkeypatch)
+    float64 = other.astype(np.float64)
+    float64.flags.writeable = False
+    for _ in range(2):  # float64: declined by the lookup each time, BLAS computes it
+        check(rng.standard_normal((2, 300), dtype=np.float64), float64)
+    assert len(lookups) == 8 and not taken

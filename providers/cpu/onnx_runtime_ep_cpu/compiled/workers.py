@@ -452,7 +452,8 @@ class Helpers:
         if not self._busy.acquire(blocking=False):
             return None
         try:
-            self._ensure_scratch(scratch)
+            if scratch > self._scratch_floats:
+                self._ensure_scratch(scratch)
             result = function(*arguments, self.mailboxes, self.states, runner)
             if result:
                 self.settle(result)

@@ -31,17 +31,24 @@ _FLOAT32 = np.dtype(np.float32)
 @register("MatMul", since=1)
 def matmul(node, shapes, opset):
     packed = None  # this node's _PackedProduct, made on first use
+    # This node's last few-row product of a constant b: (a's shape, b, its _Split, the thread count). A
+    # decode step repeats it every run; the lookups it skips cost more than a third of a small product.
+    last = (None, None, None, 0)
 
     def kernel(a, b):
         # Single and double precision go straight to BLAS (or, for float32 times a constant matrix, to
         # compiled/gemv.py for a decode step's few rows and compiled/matmul.py for many): the per-call
         # checks below cost as much as the product of a small decode-step matrix.
-        nonlocal packed
+        nonlocal packed, last
+        if b is last[1] and a.shape == last[0] and a.dtype is b.dtype and kernel_threads() == last[3]:
+            return (last[2](a, b),)
         if a.dtype is b.dtype and a.dtype in _BLAS_FLOATS and b.ndim > 1:
             if b.ndim == 2 and a.ndim > 1 and a.size <= _GEMV_ROWS * b.shape[0]:
-                y = _few_rows_product(a, b, False)
-                if y is not None:
-                    return (y,)
+                split = _few_rows_split(a, b, False)
+                if split is not None:
+                    if not b.flags.writeable and b.flags.c_contiguous:  # a constant: the same array every run
+                        last = (a.shape, b, split, kernel_threads())
+                    return (split(a, b),)
             elif _PackedProduct.applies(a, b):
                 if packed is None:
                     packed = _PackedProduct()
@@ -201,6 +208,12 @@ def _few_rows_product(a: np.ndarray, b: np.ndarray, transposed: bool) -> np.ndar
     """``a @ b.T`` (transposed) or ``a @ b`` through compiled/gemv.py for float32 ``a`` with few rows
     (and any leading dimensions: (..., K) @ (K, N) gives (..., N)); None where it does not apply (then
     BLAS computes it)."""
+    split = _few_rows_split(a, b, transposed)
+    return None if split is None else split(a, b)
+
+
+def _few_rows_split(a: np.ndarray, b: np.ndarray, transposed: bool) -> _Split | None:
+    """The _Split computing _few_rows_product(a, b, transposed), or None where it does not apply."""
     if not (a.dtype is b.dtype is _FLOAT32 and a.size <= _GEMV_ROWS * a.shape[-1] and a.size and b.size
             and a.shape[-1] == b.shape[transposed] and _gemv_host()):
         return None
@@ -210,7 +223,7 @@ def _few_rows_product(a: np.ndarray, b: np.ndarray, transposed: bool) -> np.ndar
         if len(_splits) > 1024:  # shapes vary without bound (e.g. a growing sequence): start over
             _splits.clear()
         split = _splits[key] = _Split(a.shape, b.shape, transposed, key[3])
-    return split(a, b)
+    return split
 
 
 class _Split:
@@ -238,18 +251,21 @@ class _Split:
         self._jobs, self._workers = jobs, workers
 
     def __call__(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        a = np.ascontiguousarray(a).reshape(self._rows)
-        b = np.ascontiguousarray(b)
+        a = np.ascontiguousarray(a).reshape(self._rows)  # the loops read raw rows
+        if not b.flags.c_contiguous:
+            b = np.ascontiguousarray(b)
         sums = np.empty(self._shape, dtype=np.float32)
-        # The process's helpers, looked up per call: a forked child has none of its parent's.
-        pool = self._workers.helpers(helper_count()) if self._parts > 1 else None
-        if pool is not None and self._long:
-            self._run_long(a, b, sums)
-            return sums[0].reshape(self._output)
-        result = None if pool is None else pool.call(
-            self._split, (self._transposed, a, b, sums, self._spans, self._items, self._parts), self._runner)
-        if result is None:  # one thread, or another thread's kernel holds the helpers
-            self._product(self._transposed, a, b, sums, self._spans, self._items)
+        if self._parts > 1:
+            # The process's helpers, looked up per call: a forked child has none of its parent's.
+            pool = self._workers.helpers(helper_count())
+            if self._long:
+                self._run_long(a, b, sums)
+                return sums[0].reshape(self._output)
+            if pool.call(self._split, (self._transposed, a, b, sums, self._spans, self._items, self._parts),
+                         self._runner) is not None:
+                return sums[0].reshape(self._output)
+        # One thread, or another thread's kernel holds the helpers.
+        self._product(self._transposed, a, b, sums, self._spans, self._items)
         return sums[0].reshape(self._output)
 
     def _run_long(self, a, b, sums) -> None:
