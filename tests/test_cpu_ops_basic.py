@@ -376,6 +376,30 @@ def test_split_versions():
     check("Split", [x, i64([1, 1, 4])], opset=18, n_outputs=3)
 
 
+def test_split_repeated_calls_follow_shapes_and_sizes():
+    """A node keeps the parts' indices of its last shape and constant sizes (a decode step splits the same
+    shape every run); another shape, another sizes array or a fed (writable) one works them out again."""
+    kernel = make_kernel("Split", [f32(6, 4), i64([2, 4])], {"axis": 0}, opset=13, n_outputs=2)
+    constant, other = i64([2, 4]), i64([5, 1])
+    constant.flags.writeable = other.flags.writeable = False
+    fed = i64([3, 3])
+    for x, split, rows in [(f32(6, 4), constant, [2, 4]), (f32(6, 4), constant, [2, 4]), (f32(6, 3), constant, [2, 4]),
+                           (f32(6, 3), other, [5, 1]), (f32(6, 3), fed, [3, 3]), (f32(6, 3), fed, [3, 3]),
+                           (f32(6, 3), other, [5, 1])]:
+        fed[:] = [3, 3] if x.shape[1] == 3 else [2, 4]
+        parts = kernel(x, split)
+        assert [p.shape for p in parts] == [(n, x.shape[1]) for n in rows]
+        np.testing.assert_array_equal(np.concatenate(parts), x)
+        assert all(np.shares_memory(p, x) for p in parts)  # views
+    fed[:] = [1, 5]  # the same fed array with new values: not the last call's parts
+    assert [p.shape[0] for p in kernel(f32(6, 3), fed)] == [1, 5]
+    even = make_kernel("Split", [f32(6, 4)], {"axis": -1}, opset=13, n_outputs=2)
+    for x in (f32(6, 4), f32(6, 4), f32(2, 8)):
+        assert [p.shape for p in even(x)] == [(x.shape[0], x.shape[1] // 2)] * 2
+    with pytest.raises(Exception, match="summing to dimension"):
+        kernel(f32(7, 3), constant)
+
+
 @pytest.mark.parametrize(
     "starts, ends, axes, steps",
     [
