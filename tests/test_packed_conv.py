@@ -462,6 +462,20 @@ def two_thread_packed_convs(monkeypatch) -> list:
     return _taken(monkeypatch)
 
 
+def _shares(parts) -> list:
+    """Each thread's share of a one-image packed convolution's plan as (its pixel blocks, its channel tiles),
+    checking that its tasks cut the share in order into at most nn._SUBTASKS pieces along one of the two."""
+    shares = []
+    for part in parts:
+        assert 1 <= len(part) <= nn._SUBTASKS and (part[:, :2] == 0).all()
+        blocks, tiles = (part[0, 2], part[-1, 3]), (part[0, 4], part[-1, 5])
+        cut_blocks = (part[1:, 2] == part[:-1, 3]).all() and (part[:, 4:6] == tiles).all()
+        cut_tiles = (part[1:, 4] == part[:-1, 5]).all() and (part[:, 2:4] == blocks).all()
+        assert cut_blocks or cut_tiles
+        shares.append((tuple(map(int, blocks)), tuple(map(int, tiles))))
+    return shares
+
+
 def test_channel_lane_tasks_split_by_tiles_where_the_blocks_go_round_unevenly(two_thread_packed_convs):
     # 13 rows of 13 pixels: 13 pixel blocks split 7/6 between two threads, 8 channel tiles 4/4.
     taken = two_thread_packed_convs
@@ -474,9 +488,8 @@ def test_channel_lane_tasks_split_by_tiles_where_the_blocks_go_round_unevenly(tw
         np.testing.assert_allclose(y, _reference(x, w, None, attrs), rtol=1e-4, atol=1e-3)
         conv = taken[-1]
         assert conv._by_lanes
-        parts = conv._plan(2)[0]
-        tile_ranges = [(task[4], task[5]) for part in parts for task in part]
-        assert (tile_ranges == [(0, 4), (4, 8)]) if by_tiles else all(r == (0, 7) for r in tile_ranges)
+        shares = _shares(conv._plan(2)[0])
+        assert shares == ([((0, 13), (0, 4)), ((0, 13), (4, 8))] if by_tiles else [((0, 6), (0, 7)), ((6, 13), (0, 7))])
 
 
 def test_channel_lane_tasks_split_by_tiles_where_the_weights_outweigh_the_input(two_thread_packed_convs):
@@ -488,5 +501,41 @@ def test_channel_lane_tasks_split_by_tiles_where_the_weights_outweigh_the_input(
     attrs = dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])
     (y,) = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
     np.testing.assert_allclose(y, _reference(x, w, None, attrs), rtol=1e-4, atol=1e-3)
-    parts = taken[-1]._plan(2)[0]
-    assert [(task[2], task[3], task[4], task[5]) for part in parts for task in part] == [(0, 4, 0, 3), (0, 4, 3, 7)]
+    assert _shares(taken[-1]._plan(2)[0]) == [((0, 4), (0, 3)), ((0, 4), (3, 7))]
+
+
+def test_threads_claim_each_task_once_through_the_claims(monkeypatch, two_thread_packed_convs):
+    """A share's tasks go out one at a time through its claims counter: with no helper to post to, the
+    caller runs its share and then claims the other's (the result is whole); a share whose tasks were
+    all given out before is not run again (its outputs are left as they were)."""
+    from onnx_runtime_ep_cpu.compiled import jobs, workers
+
+    monkeypatch.setattr(workers, "helpers", lambda count: pytest.fail("no helper is used"))
+    monkeypatch.setattr(nn, "helper_count", lambda: 0)  # workers.call runs every share on the caller
+    calls = []
+    real = jobs.split_conv
+    monkeypatch.setattr(jobs, "split_conv", lambda *args: calls.append(args) or real(*args))
+    rng = np.random.default_rng(26)
+    x = rng.standard_normal((1, 32, 20, 20), dtype=np.float32)
+    w = rng.standard_normal((64, 32, 3, 3), dtype=np.float32)
+    attrs = dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    kernel = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)
+    want = _reference(x, w, None, attrs)
+    np.testing.assert_allclose(kernel(x, w)[0], want, rtol=1e-4, atol=1e-3)
+    tasks, ranges, claims = calls[-1][10:13]
+    counts = np.diff(ranges)
+    assert len(counts) == 2 and (counts > 1).all() and (claims >= counts).all()  # every task of both shares claimed
+    shares = two_thread_packed_convs[-1]._plan(2)[0]
+    (blocks_1, tiles_1), = _shares(shares[1:])
+    assert tiles_1 == (0, 2) and blocks_1[0] > 0  # the second share: the later pixel blocks, every tile
+
+    def given_out(*args):  # the second share's tasks all claimed already (by a thread that ran them)
+        args[12][1] = counts[1]
+        return real(*args)
+
+    monkeypatch.setattr(jobs, "split_conv", given_out)
+    out = np.full(want.shape, np.nan, dtype=np.float32)
+    two_thread_packed_convs[-1](x, w, None, None, out)
+    ran = ~np.isnan(out)
+    np.testing.assert_allclose(out[ran], want[ran], rtol=1e-4, atol=1e-3)
+    assert ran.any() and not ran.all()

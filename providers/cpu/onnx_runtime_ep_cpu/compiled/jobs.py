@@ -12,6 +12,7 @@ from .workers import (
     BUFFER,
     BUFFER_SIZE,
     Kind,
+    claim_next,
     collect,
     compile_runner,
     float_array,
@@ -25,7 +26,7 @@ from .workers import (
 
 @jit
 def _write_conv(m, xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, grid, channels, kh, kw, sh, sw, dh,
-                dw, wp, plane, by_lanes, taps, packed, tasks):
+                dw, wp, plane, by_lanes, taps, packed, tasks, ranges, claims, part):
     a = ARGS
     m[a + 0], m[a + 1], m[a + 2] = xp.ctypes.data, xp.shape[0], xp.shape[1]
     m[a + 3], m[a + 4], m[a + 5], m[a + 6] = weights.ctypes.data, weights.shape[0], weights.shape[1], weights.shape[2]
@@ -39,6 +40,8 @@ def _write_conv(m, xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow
     m[a + 23], m[a + 24], m[a + 25], m[a + 26], m[a + 27] = flags, m_rows, oh, ow, grid
     m[a + 28], m[a + 29], m[a + 30], m[a + 31], m[a + 32] = channels, kh, kw, sh, sw
     m[a + 33], m[a + 34], m[a + 35], m[a + 36], m[a + 37] = dh, dw, wp, plane, by_lanes
+    m[a + 38], m[a + 39], m[a + 40] = ranges.ctypes.data, claims.ctypes.data, claims.shape[0]
+    m[a + 41] = part
 
 
 def _conv_entry(pointer):
@@ -49,50 +52,58 @@ def _conv_entry(pointer):
     bias, y = float_array(m[a + 7], (m[a + 8], m[a + 9])), float_array(m[a + 10], (m[a + 11], m[a + 12]))
     residual, bounds = float_array(m[a + 13], (m[a + 14], m[a + 15])), float_array(m[a + 16], (3,))
     taps, tasks = int_array(m[a + 17], (m[a + 18],)), int_array(m[a + 21], (m[a + 22], 6))
-    if m[a + 37]:
-        lanes.lane_tasks(xp, weights, bias, y, residual, m[a + 23], bounds, m[a + 24], m[a + 25], m[a + 26],
-                         m[a + 28], m[a + 31], m[a + 32], m[a + 35], m[a + 36], taps, tasks)
-    else:
-        gemm.conv_tasks(xp, weights, bias, y, residual, m[a + 23], bounds, m[a + 24], m[a + 25], m[a + 26],
-                        m[a + 27], m[a + 28], m[a + 29], m[a + 30], m[a + 31], m[a + 32], m[a + 33], m[a + 34],
-                        m[a + 35], m[a + 36], taps, int_array(m[a + 19], (m[a + 20],)), tasks,
-                        float_array(m[BUFFER], (m[BUFFER_SIZE],)))
+    parts, part = m[a + 40], m[a + 41]
+    ranges, claims = int_array(m[a + 38], (parts + 1,)), int_array(m[a + 39], (parts,))
+    # The part's own tasks in order, then those the other parts' threads have not claimed yet.
+    for step in range(parts):
+        share = (part + step) % parts
+        first, count = ranges[share], ranges[share + 1] - ranges[share]
+        while True:
+            t = claim_next(claims, share)
+            if t >= count:
+                break
+            task = tasks[first + t:first + t + 1]
+            if m[a + 37]:
+                lanes.lane_tasks(xp, weights, bias, y, residual, m[a + 23], bounds, m[a + 24], m[a + 25], m[a + 26],
+                                 m[a + 28], m[a + 31], m[a + 32], m[a + 35], m[a + 36], taps, task)
+            else:
+                gemm.conv_tasks(xp, weights, bias, y, residual, m[a + 23], bounds, m[a + 24], m[a + 25], m[a + 26],
+                                m[a + 27], m[a + 28], m[a + 29], m[a + 30], m[a + 31], m[a + 32], m[a + 33],
+                                m[a + 34], m[a + 35], m[a + 36], taps, int_array(m[a + 19], (m[a + 20],)), task,
+                                float_array(m[BUFFER], (m[BUFFER_SIZE],)))
 
 
-# gemm.conv_tasks, or lanes.lane_tasks where by_lanes, one part: (xp, weights, bias, y, residual, flags,
-# bounds, m_rows, oh, ow, grid, channels, kh, kw, sh, sw, dh, dw, wp, plane, by_lanes, taps, packed, tasks).
+# gemm.conv_tasks, or lanes.lane_tasks where by_lanes, one part: (xp, weights, bias, y, residual, flags, bounds,
+# m_rows, oh, ow, grid, channels, kh, kw, sh, sw, dh, dw, wp, plane, by_lanes, taps, packed, tasks, ranges,
+# claims, part). Part p's tasks are tasks[ranges[p]:ranges[p + 1]], claimed one by one through claims[p]
+# (zeros at first): the part's thread runs its own, then any another part's thread has not claimed.
 CONV = Kind(_write_conv, lambda: compile_runner(_conv_entry),
             scratch=lambda part: gemm.scratch_size(part[11] * part[12] * part[13]))
 
 
 @jit
-def split_conv(xp, weights, bias, y, residual, flags, bounds, geometry, taps, packed, tasks, ranges, own, mailboxes,
-               states, runner):
-    """A packed convolution's tasks in parts, tasks[ranges[i]:ranges[i + 1]] for part i: part i > 0 posted
-    to helper i - 1 from here (as split_product's), part 0, and those of helpers asleep or missing, run
-    on the calling thread through ``own``, its mailbox (workers.local_mailbox), by the same runner as
-    the helpers' (conv_tasks compiled into this function measured 2-7% slower on whole models).
-    ``geometry`` holds conv_tasks' scalars (m_rows, oh, ow, grid, channels, kh, kw, sh, sw, dh, dw, wp,
-    plane) and by_lanes (lanes.lane_tasks runs the parts). Returns workers.collect's result."""
+def split_conv(xp, weights, bias, y, residual, flags, bounds, geometry, taps, packed, tasks, ranges, claims, own,
+               mailboxes, states, runner):
+    """A packed convolution's tasks in parts (see CONV): part i > 0 posted to helper i - 1 from here (as
+    split_product's), part 0 run on the calling thread through ``own``, its mailbox (workers.local_mailbox),
+    by the same runner as the helpers' (conv_tasks compiled into this function measured 2-7% slower on whole
+    models); the caller then claims what no helper has (the parts of helpers asleep or missing, and the
+    tasks of a helper that fell behind). ``geometry`` holds conv_tasks' scalars (m_rows, oh, ow, grid,
+    channels, kh, kw, sh, sw, dh, dw, wp, plane) and by_lanes (lanes.lane_tasks runs the parts); ``claims``
+    zeros, one per part. Returns workers.collect's result."""
     m_rows, oh, ow, grid, channels, kh, kw = geometry[0], geometry[1], geometry[2], geometry[3], geometry[4], \
         geometry[5], geometry[6]
     sh, sw, dh, dw, wp, plane = geometry[7], geometry[8], geometry[9], geometry[10], geometry[11], geometry[12]
     by_lanes = geometry[13]
     parts = ranges.shape[0] - 1
     helpers = min(parts - 1, mailboxes.shape[0])
-    here = np.ones(parts, dtype=np.bool_)  # the parts the caller runs: its own, and those no helper took
-    for part in range(parts):
-        if part == 0 or part > helpers:
-            continue
+    for part in range(1, helpers + 1):
         _write_conv(mailboxes[part - 1], xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, grid,
-                    channels, kh, kw, sh, sw, dh, dw, wp, plane, by_lanes, taps, packed,
-                    tasks[ranges[part]:ranges[part + 1]])
-        here[part] = not offer(mailboxes, states, part - 1, runner)
-    for part in range(parts):
-        if here[part]:
-            _write_conv(own, xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, grid, channels, kh, kw,
-                        sh, sw, dh, dw, wp, plane, by_lanes, taps, packed, tasks[ranges[part]:ranges[part + 1]])
-            run_here(runner, own)
+                    channels, kh, kw, sh, sw, dh, dw, wp, plane, by_lanes, taps, packed, tasks, ranges, claims, part)
+        offer(mailboxes, states, part - 1, runner)
+    _write_conv(own, xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, grid, channels, kh, kw, sh, sw,
+                dh, dw, wp, plane, by_lanes, taps, packed, tasks, ranges, claims, 0)
+    run_here(runner, own)
     return collect(mailboxes, states, helpers)
 
 

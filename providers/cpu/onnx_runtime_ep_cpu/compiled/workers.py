@@ -33,6 +33,9 @@ Measured on a 2-CPU virtual machine, and built around it:
   by compare-and-swap, ``collect``) and run by the caller: such a helper is descheduled, e.g. behind
   another pool spinning on its CPU, and waiting for it cost whole time slices (a GPT prefill next to
   onnxruntime's spinning pool: 13 -> 10 ms per run; on an idle machine the helper always starts first).
+- A helper that started but runs slowly (its CPU shared with another busy process) is not waited for
+  either where a kernel cuts each thread's share into tasks claimed one at a time (``claim_next``; the
+  packed convolution, jobs.CONV): the thread that finished first claims the tasks the other has not.
 - Another pool spinning on the same CPUs (numpy's multi-threaded BLAS keeps a worker spinning for
   ~0.1 s after each call) takes half of every helper's time slice: the models whose convolutions
   run here also run their classifier's product here (gemv.py), not in BLAS.
@@ -97,6 +100,27 @@ def _atomic_swap_if(typingctx, array, index, expected, value):
         return builder.extract_value(outcome, 1)
 
     return signature, codegen
+
+
+@intrinsic
+def _atomic_add(typingctx, array, index, value):
+    """array[index] += value (int64, one atomic read-modify-write, sequentially consistent); returns the
+    value before."""
+    signature = types.int64(array, index, value)
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return builder.atomic_rmw("add", builder.gep(data, [args[1]]), args[2], "seq_cst")
+
+    return signature, codegen
+
+
+@jit
+def claim_next(counters, index):
+    """The next unclaimed item of counters[index]'s share (0, 1, 2, ...): each number goes to exactly one
+    of the threads that claim from it, so a thread that finished its own share can take the items of a
+    helper that fell behind (descheduled, or on a CPU the host slowed) instead of waiting for it."""
+    return _atomic_add(counters, index, 1)
 
 
 @intrinsic
