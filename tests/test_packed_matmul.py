@@ -161,7 +161,7 @@ def test_compiled_gelu_is_what_the_fused_epilogue_runs():
 def test_a_part_no_helper_starts_is_taken_back_by_the_caller():
     """A part posted to a helper that does not start it (here: a mailbox no thread serves, as a helper
     descheduled behind another process's spinning threads) is run by the caller once its own part is
-    done, in the helper's place, instead of waiting for it."""
+    done, in the helper's place, instead of waiting for it: its tasks claimed, then the job itself taken back."""
     import threading
 
     from onnx_runtime_ep_cpu.compiled import jobs, matmul, workers
@@ -176,8 +176,9 @@ def test_a_part_no_helper_starts_is_taken_back_by_the_caller():
     y = np.full(40 * n, np.nan, dtype=np.float32)
     empty = np.empty(0, dtype=np.float32)
     arguments = (a.reshape(-1), depth, 40, depth, packed, gemm.packed_offsets(depth), empty, y, n, empty, 0, empty,
-                 np.array([0, 2, packed.shape[0]], dtype=np.int64), workers.local_mailbox(matmul.scratch_size(depth)),
-                 mailboxes, states, jobs.MATMUL.address())
+                 np.array([0, 2, packed.shape[0]], dtype=np.int64), np.array([0, 1, 2], dtype=np.int64),
+                 np.zeros(2, dtype=np.int64), workers.local_mailbox(matmul.scratch_size(depth)), mailboxes, states,
+                 jobs.MATMUL.address())
     caller = threading.Thread(target=jobs.split_matmul, args=arguments, daemon=True)
     caller.start()
     caller.join(timeout=30)
@@ -222,3 +223,16 @@ def test_gemm_with_scaling_stays_on_blas(monkeypatch):
         want = attrs.get("alpha", 1.0) * (a.astype(np.float64) @ w) + attrs.get("beta", 1.0) * c
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-4)
     assert not taken
+
+
+@pytest.mark.parametrize("panels,threads", [(24, 2), (7, 2), (3, 2), (1, 1), (10, 3)])
+def test_each_threads_share_of_panels_is_cut_into_claimed_tasks(panels, threads):
+    """Thread t's even share of the panels, as up to _SUBTASKS tasks in order (jobs.MATMUL claims them one
+    at a time: a thread done first takes what another has not started)."""
+    bounds, ranges = linalg._PackedProduct()._tasks(panels, threads)
+    assert bounds[0] == 0 and bounds[-1] == panels and (np.diff(bounds) > 0).all()
+    assert len(ranges) == threads + 1 and ranges[0] == 0 and ranges[-1] == len(bounds) - 1
+    for t in range(threads):
+        share = bounds[ranges[t]:ranges[t + 1] + 1]
+        assert share[0] == panels * t // threads and share[-1] == panels * (t + 1) // threads
+        assert 1 <= len(share) - 1 <= linalg._SUBTASKS

@@ -108,7 +108,8 @@ def split_conv(xp, weights, bias, y, residual, flags, bounds, geometry, taps, pa
 
 
 @jit
-def _write_matmul(m, x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients, first, end):
+def _write_matmul(m, x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients, bounds, ranges,
+                  claims, part):
     a = ARGS
     m[a + 0], m[a + 1], m[a + 2], m[a + 3], m[a + 4] = x.ctypes.data, x.shape[0], lda, rows, depth
     m[a + 5], m[a + 6], m[a + 7] = packed.ctypes.data, packed.shape[0], packed.shape[1]
@@ -116,42 +117,52 @@ def _write_matmul(m, x, lda, rows, depth, packed, offsets, bias, y, n, residual,
     m[a + 10], m[a + 11], m[a + 12], m[a + 13], m[a + 14] = bias.ctypes.data, bias.shape[0], y.ctypes.data, \
         y.shape[0], n
     m[a + 15], m[a + 16], m[a + 17] = residual.ctypes.data, residual.shape[0], flags
-    m[a + 18], m[a + 19], m[a + 20], m[a + 21] = coefficients.ctypes.data, coefficients.shape[0], first, end
+    m[a + 18], m[a + 19] = coefficients.ctypes.data, coefficients.shape[0]
+    m[a + 20], m[a + 21], m[a + 22] = bounds.ctypes.data, bounds.shape[0], ranges.ctypes.data
+    m[a + 23], m[a + 24], m[a + 25] = claims.ctypes.data, claims.shape[0], part
 
 
 def _matmul_entry(pointer):
     m = mailbox_view(pointer)
     a = ARGS
-    matmul.matmul_panels(float_array(m[a + 0], (m[a + 1],)), m[a + 2], m[a + 3], m[a + 4],
-                         float_array(m[a + 5], (m[a + 6], m[a + 7])), int_array(m[a + 8], (m[a + 9],)),
-                         float_array(m[a + 10], (m[a + 11],)), float_array(m[a + 12], (m[a + 13],)), m[a + 14],
-                         float_array(m[a + 15], (m[a + 16],)), m[a + 17], float_array(m[a + 18], (m[a + 19],)),
-                         m[a + 20], m[a + 21], float_array(m[BUFFER], (m[BUFFER_SIZE],)))
+    bounds = int_array(m[a + 20], (m[a + 21],))
+    parts, part = m[a + 24], m[a + 25]
+    ranges, claims = int_array(m[a + 22], (parts + 1,)), int_array(m[a + 23], (parts,))
+    for step in range(parts):  # the part's own tasks, then those the other parts' threads have not claimed
+        share = (part + step) % parts
+        first, count = ranges[share], ranges[share + 1] - ranges[share]
+        while True:
+            t = claim_next(claims, share)
+            if t >= count:
+                break
+            matmul.matmul_panels(float_array(m[a + 0], (m[a + 1],)), m[a + 2], m[a + 3], m[a + 4],
+                                 float_array(m[a + 5], (m[a + 6], m[a + 7])), int_array(m[a + 8], (m[a + 9],)),
+                                 float_array(m[a + 10], (m[a + 11],)), float_array(m[a + 12], (m[a + 13],)),
+                                 m[a + 14], float_array(m[a + 15], (m[a + 16],)), m[a + 17],
+                                 float_array(m[a + 18], (m[a + 19],)), bounds[first + t], bounds[first + t + 1],
+                                 float_array(m[BUFFER], (m[BUFFER_SIZE],)))
 
 
 # matmul.matmul_panels, one part: (x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags,
-# coefficients, first panel, end panel).
+# coefficients, bounds, ranges, claims, part). Task i covers panels bounds[i] .. bounds[i + 1]; part p's tasks
+# are ranges[p] .. ranges[p + 1], claimed one by one through claims[p] (zeros at first), as jobs.CONV's.
 MATMUL = Kind(_write_matmul, lambda: compile_runner(_matmul_entry), scratch=lambda part: matmul.scratch_size(part[3]))
 
 
 @jit
-def split_matmul(x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients, bounds, own,
-                 mailboxes, states, runner):
-    """A packed MatMul's panels in parts, bounds[i] .. bounds[i + 1] for part i, posted as split_conv's
-    (part 0 and those of helpers asleep or missing on the calling thread, through ``own``). Returns
-    workers.collect's result."""
-    parts = bounds.shape[0] - 1
+def split_matmul(x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients, bounds, ranges,
+                 claims, own, mailboxes, states, runner):
+    """A packed MatMul's panel tasks in parts (see MATMUL), posted as split_conv's: part 0 on the calling
+    thread through ``own``, which then claims what no helper has. Returns workers.collect's result."""
+    parts = ranges.shape[0] - 1
     helpers = min(parts - 1, mailboxes.shape[0])
-    here = np.ones(parts, dtype=np.bool_)
     for part in range(1, helpers + 1):
         _write_matmul(mailboxes[part - 1], x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags,
-                      coefficients, bounds[part], bounds[part + 1])
-        here[part] = not offer(mailboxes, states, part - 1, runner)
-    for part in range(parts):
-        if here[part]:
-            _write_matmul(own, x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients,
-                          bounds[part], bounds[part + 1])
-            run_here(runner, own)
+                      coefficients, bounds, ranges, claims, part)
+        offer(mailboxes, states, part - 1, runner)
+    _write_matmul(own, x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients, bounds, ranges,
+                  claims, 0)
+    run_here(runner, own)
     return collect(mailboxes, states, helpers)
 
 

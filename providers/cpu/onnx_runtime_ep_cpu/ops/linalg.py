@@ -73,6 +73,7 @@ def _product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 _PACKED_ROWS = 9  # past the few-row products' _GEMV_ROWS: no float32 product of constant weights is OpenBLAS's
 _SPLIT_MACS = 1 << 20
 _LONG_MACS = 1 << 28
+_SUBTASKS = 4  # tasks per thread's share, claimed one at a time (as the packed convolution's: see nn.py)
 
 
 class _PackedProduct:
@@ -88,6 +89,7 @@ class _PackedProduct:
         self._matmul = matmul
         self._weights, self._bias = _Prepared(), _Prepared()
         self._offsets: dict[int, np.ndarray] = {}  # per depth: gemm.packed_offsets
+        self._task_cache: dict[tuple, tuple] = {}  # per (panels, threads): _tasks
         self._empty = np.empty(0, dtype=np.float32)
 
     @staticmethod
@@ -126,16 +128,32 @@ class _PackedProduct:
         panels = packed.shape[0]
         macs = rows * depth * n
         threads = max(1, min(kernel_threads(), panels, macs // _SPLIT_MACS))
-        bounds = np.array([panels * t // threads for t in range(threads + 1)], dtype=np.int64)
-        head = (x, depth, rows, depth, packed, offsets, bias, y.reshape(-1), n, residual, flags, coefficients)
+        bounds, ranges = self._tasks(panels, threads)
+        claims = np.zeros(threads, dtype=np.int64)  # per call: what each thread's tasks have given out
+        head = (x, depth, rows, depth, packed, offsets, bias, y.reshape(-1), n, residual, flags, coefficients, bounds,
+                ranges, claims)
         scratch = matmul.scratch_size(depth)
         if threads > 1 and macs >= _LONG_MACS * threads:
-            workers.run(jobs.MATMUL, [(*head, first, end) for first, end in zip(bounds, bounds[1:])], helper_count(),
-                        True)
+            workers.run(jobs.MATMUL, [(*head, part) for part in range(threads)], helper_count(), True)
             return y
-        workers.call(jobs.split_matmul, (*head, bounds, workers.local_mailbox(scratch)), jobs.MATMUL.address(),
-                     scratch, helper_count() if threads > 1 else 0)
+        workers.call(jobs.split_matmul, (*head, workers.local_mailbox(scratch)), jobs.MATMUL.address(), scratch,
+                     helper_count() if threads > 1 else 0)
         return y
+
+    def _tasks(self, panels: int, threads: int) -> tuple:
+        """(bounds, ranges): each thread's even share of the panels cut into up to _SUBTASKS tasks of
+        panels bounds[i] .. bounds[i + 1], thread t's tasks ranges[t] .. ranges[t + 1] (see jobs.MATMUL)."""
+        key = (panels, threads)
+        tasks = self._task_cache.get(key)
+        if tasks is None:
+            bounds, ranges = [0], [0]
+            for t in range(threads):
+                first, end = panels * t // threads, panels * (t + 1) // threads
+                cuts = max(1, min(_SUBTASKS, end - first))
+                bounds += [first + (end - first) * (c + 1) // cuts for c in range(cuts)]
+                ranges.append(len(bounds) - 1)
+            tasks = self._task_cache[key] = (np.array(bounds, dtype=np.int64), np.array(ranges, dtype=np.int64))
+        return tasks
 
 
 @register("FusedMatMul", domain=FUSED_DOMAIN, since=1)
