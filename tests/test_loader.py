@@ -14,6 +14,7 @@ import onnx_runtime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime import ir
+from onnx_runtime import loader as model_loader
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidGraphError, ModelLoadError
 from onnx_runtime.loader import load_model
@@ -251,9 +252,14 @@ def test_loading_does_not_mutate_the_callers_proto(add_relu):
     assert add_relu.SerializeToString() == before
 
 
-def test_external_data(add_relu, tmp_path):
+@pytest.mark.parametrize("scan_limit", [None, 0], ids=["searched for its key", "past the search limit: walked"])
+def test_external_data(add_relu, tmp_path, monkeypatch, scan_limit):
+    if scan_limit is not None:  # a model larger than the limit: onnx's walk over its tensors finds the file
+        monkeypatch.setattr(model_loader, "_SCAN_LIMIT", scan_limit)
     path = tmp_path / "ext.onnx"
-    onnx.save_model(add_relu, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+    proto = onnx.ModelProto()
+    proto.CopyFrom(add_relu)  # (saving moves the tensors' data out of the proto it is given)
+    onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="ext.onnx.data", size_threshold=0)
     data_file = tmp_path / "ext.onnx.data"
     assert data_file.exists() and data_file.stat().st_size == 24
