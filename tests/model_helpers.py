@@ -22,6 +22,15 @@ def record_calls(monkeypatch, cls) -> list:
     return calls
 
 
+def record_results(monkeypatch, cls, name: str) -> list:
+    """The results of method ``name`` of ``cls`` from now on (this test), in call order: the method patched
+    to note each result and return it."""
+    results = []
+    real = getattr(cls, name)
+    monkeypatch.setattr(cls, name, lambda self, *args: results.append(real(self, *args)) or results[-1])
+    return results
+
+
 def tensor_info(name, elem=TensorProto.FLOAT, shape=None):
     return helper.make_tensor_value_info(name, elem, shape)
 

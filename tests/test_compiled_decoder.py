@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_runtime as ort
 import pytest
-from model_helpers import make_model, tensor_info
+from model_helpers import make_model, record_results, tensor_info
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
@@ -404,11 +404,7 @@ def test_attention_block_with_the_new_key_and_value_read_elsewhere():
 @pytest.fixture
 def few_calls(monkeypatch):
     """The results of _Attention.few_query_attention in this test (None where it handed over)."""
-    results = []
-    real = transformer._Attention.few_query_attention
-    monkeypatch.setattr(transformer._Attention, "few_query_attention",
-                        lambda self, *args: results.append(real(self, *args)) or results[-1])
-    return results
+    return record_results(monkeypatch, transformer._Attention, "few_query_attention")
 
 
 # (batch, query heads, KV heads, queries, keys, head size, rank): a decode step's one query over its cache,
@@ -456,33 +452,15 @@ def test_few_query_attention_leaves_masks_and_large_products_to_the_other_paths(
 def test_few_query_attention_non_finite_values_as_the_numpy_path(few_calls):
     """A NaN key makes its heads' rows NaN as numpy's softmax does, an infinite value spreads through the
     weighted sum; a NaN query leaves its row without a finite score: the other paths decide it."""
-    from test_compiled_transformer import _attention, _no_compiled, _qkv
+    from test_compiled_transformer import _qkv, non_finite_values_spread_as_in_the_numpy_path
 
-    q, k, v = _qkv(1, 4, 2, 1, 24, 16, 4)
-    k[0, 1, 7, 3] = np.nan
-    v[0, 0, 9, 0] = np.inf
-    shapes = [q.shape, k.shape, v.shape]
-    got = _attention(shapes)(q, k, v)[0]
-    want = _no_compiled(_attention(shapes))(q, k, v)[0]
-    assert few_calls[0][0] is got and np.isnan(got[0, 2:]).all() and np.isinf(got[0, :2, 0, 0]).all()
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5)
-    q[0, 0, 0, 3] = np.nan
-    got = _attention(shapes)(q, k, v)[0]
-    assert few_calls[1] is None
-    np.testing.assert_allclose(got, _no_compiled(_attention(shapes))(q, k, v)[0], rtol=2e-5, atol=1e-5)
+    got = non_finite_values_spread_as_in_the_numpy_path(*_qkv(1, 4, 2, 1, 24, 16, 4), few_calls, (0, 0, 0, 3))
+    assert np.isnan(got[0, 2:]).all() and np.isinf(got[0, :2, 0, 0]).all()  # KV head 1's query heads; head 0's
 
 
 def test_a_decode_step_attention_matches_onnx_reference(few_calls):
     """Through a session, as a user runs it: one new token's 3-D query over a cache of 77 keys, grouped heads."""
-    from onnx.reference import ReferenceEvaluator
-    from test_compiled_transformer import _qkv
+    from test_compiled_transformer import _qkv, session_attention_matches_reference
 
-    q, k, v = _qkv(1, 8, 2, 1, 77, 32, 3)
-    nodes = [helper.make_node("Attention", ["q", "k", "v"], ["y"], q_num_heads=8, kv_num_heads=2, is_causal=1)]
-    inputs = [tensor_info(n, shape=list(a.shape)) for n, a in (("q", q), ("k", k), ("v", v))]
-    model = make_model(nodes, inputs, [tensor_info("y", shape=list(q.shape))], opset=23)
-    feeds = {"q": q, "k": k, "v": v}
-    got = _session(model).run(None, feeds)[0]
-    np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, feeds)[0], rtol=1e-5, atol=1e-6)
+    session_attention_matches_reference(*_qkv(1, 8, 2, 1, 77, 32, 3), q_num_heads=8, kv_num_heads=2, is_causal=1)
     assert few_calls and few_calls[0] is not None

@@ -280,6 +280,38 @@ def _qkv(batch, q_heads, kv_heads, q_len, kv_len, size, rank):
     return make(q_heads, q_len), make(kv_heads, kv_len), make(kv_heads, kv_len)
 
 
+def session_attention_matches_reference(q, k, v, **attrs):
+    """One Attention node over 3-D q, k, v (``attrs``: its heads, causality) through a session, as a user runs
+    it, against onnx's reference evaluator."""
+    nodes = [helper.make_node("Attention", ["q", "k", "v"], ["y"], **attrs)]
+    inputs = [tensor_info(n, shape=list(a.shape)) for n, a in (("q", q), ("k", k), ("v", v))]
+    model = make_model(nodes, inputs, [tensor_info("y", shape=list(q.shape))], opset=23)
+    feeds = {"q": q, "k": k, "v": v}
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    np.testing.assert_allclose(sess.run(None, feeds)[0], ReferenceEvaluator(model).run(None, feeds)[0],
+                               rtol=1e-5, atol=1e-6)
+
+
+def non_finite_values_spread_as_in_the_numpy_path(q, k, v, calls, nan_query) -> np.ndarray:
+    """A NaN key (in KV head 1) and an infinite value (head 0) through the path whose results ``calls``
+    records, against the numpy path: NaN in the same places, the rest close; then a NaN query (at index
+    ``nan_query``) leaves its row without a finite score, which that path hands over (None) and the
+    general path decides. Returns the first result."""
+    k[0, 1, 7, 3] = np.nan
+    v[0, 0, 9, 0] = np.inf
+    shapes = [q.shape, k.shape, v.shape]
+    got = _attention(shapes)(q, k, v)[0]
+    want = _no_compiled(_attention(shapes))(q, k, v)[0]
+    assert len(calls) == 1 and calls[0][0] is got and np.isnan(got).any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5)
+    q[nan_query] = np.nan
+    second = _attention(shapes)(q, k, v)[0]
+    assert calls[1] is None
+    np.testing.assert_allclose(second, _no_compiled(_attention(shapes))(q, k, v)[0], rtol=2e-5, atol=1e-5)
+    return got
+
+
 MASKS = ["none", "2d", "4d", "causal_attr", "row_masked", "broadcast_row", "bool"]
 
 

@@ -5,15 +5,21 @@ paths and onnx's reference evaluator."""
 from __future__ import annotations
 
 import numpy as np
-import onnx_runtime as ort
 import pytest
-from model_helpers import make_model, tensor_info
-from onnx import helper
-from onnx.reference import ReferenceEvaluator
+from model_helpers import record_results
 from onnx_runtime_ep_cpu import threads
 from onnx_runtime_ep_cpu.compiled import attention, gemm
 from onnx_runtime_ep_cpu.ops import transformer as ops_transformer
-from test_compiled_transformer import MASKS, _attention, _mask, _no_compiled, _qkv, compiled_and_numpy_attention
+from test_compiled_transformer import (
+    MASKS,
+    _attention,
+    _mask,
+    _no_compiled,
+    _qkv,
+    compiled_and_numpy_attention,
+    non_finite_values_spread_as_in_the_numpy_path,
+    session_attention_matches_reference,
+)
 
 pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="the tiled attention needs an AVX-512 host")
 
@@ -21,11 +27,7 @@ pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="the tiled attention 
 @pytest.fixture
 def tiled_calls(monkeypatch):
     """The results of _tiled_attention in this test (None where it handed over to another path)."""
-    results = []
-    real = ops_transformer._Attention._tiled_attention
-    monkeypatch.setattr(ops_transformer._Attention, "_tiled_attention",
-                        lambda self, *args: results.append(real(self, *args)) or results[-1])
-    return results
+    return record_results(monkeypatch, ops_transformer._Attention, "_tiled_attention")
 
 
 # (batch, query heads, KV heads, queries, keys, head size, value head size... as _qkv: one size, rank)
@@ -78,29 +80,10 @@ def test_non_finite_inputs_spread_as_in_the_numpy_path(tiled_calls):
     """A NaN key makes the weights of the rows that see it NaN (numpy's softmax spreads it over the row),
     an infinite value spreads through the product; a NaN query leaves its row without a finite score,
     which the general path decides."""
-    q, k, v = _qkv(1, 2, 2, 24, 24, 32, 4)
-    k[0, 1, 7, 3] = np.nan
-    v[0, 0, 9, 0] = np.inf
-    shapes = [q.shape, k.shape, v.shape]
-    got = _attention(shapes)(q, k, v)[0]
-    want = _no_compiled(_attention(shapes))(q, k, v)[0]
-    assert len(tiled_calls) == 1 and tiled_calls[0][0] is got and np.isnan(got).any()
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5)
-    q[0, 0, 5, 3] = np.nan
-    got = _attention(shapes)(q, k, v)[0]
-    assert tiled_calls[1] is None
-    np.testing.assert_allclose(got, _no_compiled(_attention(shapes))(q, k, v)[0], rtol=2e-5, atol=1e-5)
+    non_finite_values_spread_as_in_the_numpy_path(*_qkv(1, 2, 2, 24, 24, 32, 4), tiled_calls, (0, 0, 5, 3))
 
 
 def test_a_prefill_attention_matches_onnx_reference(tiled_calls):
     """Through a session, as a user runs it: 3-D Q/K/V of 40 tokens, grouped-query heads, a causal mask."""
-    q, k, v = _qkv(1, 4, 2, 40, 40, 32, 3)
-    nodes = [helper.make_node("Attention", ["q", "k", "v"], ["y"], q_num_heads=4, kv_num_heads=2, is_causal=1)]
-    inputs = [tensor_info(n, shape=list(a.shape)) for n, a in (("q", q), ("k", k), ("v", v))]
-    model = make_model(nodes, inputs, [tensor_info("y", shape=list(q.shape))], opset=23)
-    feeds = {"q": q, "k": k, "v": v}
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
-    np.testing.assert_allclose(sess.run(None, feeds)[0], ReferenceEvaluator(model).run(None, feeds)[0],
-                               rtol=1e-5, atol=1e-6)
+    session_attention_matches_reference(*_qkv(1, 4, 2, 40, 40, 32, 3), q_num_heads=4, kv_num_heads=2, is_causal=1)
     assert tiled_calls and tiled_calls[0] is not None

@@ -12,7 +12,7 @@ from .workers import (
     BUFFER,
     BUFFER_SIZE,
     Kind,
-    claim_next,
+    claim_task,
     collect,
     compile_runner,
     float_array,
@@ -54,23 +54,20 @@ def _conv_entry(pointer):
     taps, tasks = int_array(m[a + 17], (m[a + 18],)), int_array(m[a + 21], (m[a + 22], 6))
     parts, part = m[a + 40], m[a + 41]
     ranges, claims = int_array(m[a + 38], (parts + 1,)), int_array(m[a + 39], (parts,))
-    # The part's own tasks in order, then those the other parts' threads have not claimed yet.
-    for step in range(parts):
-        share = (part + step) % parts
-        first, count = ranges[share], ranges[share + 1] - ranges[share]
-        while True:
-            t = claim_next(claims, share)
-            if t >= count:
-                break
-            task = tasks[first + t:first + t + 1]
-            if m[a + 37]:
-                lanes.lane_tasks(xp, weights, bias, y, residual, m[a + 23], bounds, m[a + 24], m[a + 25], m[a + 26],
-                                 m[a + 28], m[a + 31], m[a + 32], m[a + 35], m[a + 36], taps, task)
-            else:
-                gemm.conv_tasks(xp, weights, bias, y, residual, m[a + 23], bounds, m[a + 24], m[a + 25], m[a + 26],
-                                m[a + 27], m[a + 28], m[a + 29], m[a + 30], m[a + 31], m[a + 32], m[a + 33],
-                                m[a + 34], m[a + 35], m[a + 36], taps, int_array(m[a + 19], (m[a + 20],)), task,
-                                float_array(m[BUFFER], (m[BUFFER_SIZE],)))
+    cursor = np.zeros(1, dtype=np.int64)
+    while True:  # the part's own tasks in order, then those the other parts' threads have not claimed yet
+        i = claim_task(claims, ranges, part, cursor)
+        if i < 0:
+            break
+        task = tasks[i:i + 1]
+        if m[a + 37]:
+            lanes.lane_tasks(xp, weights, bias, y, residual, m[a + 23], bounds, m[a + 24], m[a + 25], m[a + 26],
+                             m[a + 28], m[a + 31], m[a + 32], m[a + 35], m[a + 36], taps, task)
+        else:
+            gemm.conv_tasks(xp, weights, bias, y, residual, m[a + 23], bounds, m[a + 24], m[a + 25], m[a + 26],
+                            m[a + 27], m[a + 28], m[a + 29], m[a + 30], m[a + 31], m[a + 32], m[a + 33], m[a + 34],
+                            m[a + 35], m[a + 36], taps, int_array(m[a + 19], (m[a + 20],)), task,
+                            float_array(m[BUFFER], (m[BUFFER_SIZE],)))
 
 
 # gemm.conv_tasks, or lanes.lane_tasks where by_lanes, one part: (xp, weights, bias, y, residual, flags, bounds,
@@ -128,19 +125,16 @@ def _matmul_entry(pointer):
     bounds = int_array(m[a + 20], (m[a + 21],))
     parts, part = m[a + 24], m[a + 25]
     ranges, claims = int_array(m[a + 22], (parts + 1,)), int_array(m[a + 23], (parts,))
-    for step in range(parts):  # the part's own tasks, then those the other parts' threads have not claimed
-        share = (part + step) % parts
-        first, count = ranges[share], ranges[share + 1] - ranges[share]
-        while True:
-            t = claim_next(claims, share)
-            if t >= count:
-                break
-            matmul.matmul_panels(float_array(m[a + 0], (m[a + 1],)), m[a + 2], m[a + 3], m[a + 4],
-                                 float_array(m[a + 5], (m[a + 6], m[a + 7])), int_array(m[a + 8], (m[a + 9],)),
-                                 float_array(m[a + 10], (m[a + 11],)), float_array(m[a + 12], (m[a + 13],)),
-                                 m[a + 14], float_array(m[a + 15], (m[a + 16],)), m[a + 17],
-                                 float_array(m[a + 18], (m[a + 19],)), bounds[first + t], bounds[first + t + 1],
-                                 float_array(m[BUFFER], (m[BUFFER_SIZE],)))
+    cursor = np.zeros(1, dtype=np.int64)
+    while True:  # the part's own tasks, then those the other parts' threads have not claimed
+        i = claim_task(claims, ranges, part, cursor)
+        if i < 0:
+            break
+        matmul.matmul_panels(float_array(m[a + 0], (m[a + 1],)), m[a + 2], m[a + 3], m[a + 4],
+                             float_array(m[a + 5], (m[a + 6], m[a + 7])), int_array(m[a + 8], (m[a + 9],)),
+                             float_array(m[a + 10], (m[a + 11],)), float_array(m[a + 12], (m[a + 13],)), m[a + 14],
+                             float_array(m[a + 15], (m[a + 16],)), m[a + 17], float_array(m[a + 18], (m[a + 19],)),
+                             bounds[i], bounds[i + 1], float_array(m[BUFFER], (m[BUFFER_SIZE],)))
 
 
 # matmul.matmul_panels, one part: (x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags,

@@ -34,7 +34,7 @@ Measured on a 2-CPU virtual machine, and built around it:
   another pool spinning on its CPU, and waiting for it cost whole time slices (a GPT prefill next to
   onnxruntime's spinning pool: 13 -> 10 ms per run; on an idle machine the helper always starts first).
 - A helper that started but runs slowly (its CPU shared with another busy process) is not waited for
-  either where a kernel cuts each thread's share into tasks claimed one at a time (``claim_next``; the
+  either where a kernel cuts each thread's share into tasks claimed one at a time (``claim_task``; the
   packed convolution and packed products, jobs.CONV and jobs.MATMUL): the thread that finished first
   claims the tasks the other has not.
 - Another pool spinning on the same CPUs (numpy's multi-threaded BLAS keeps a worker spinning for
@@ -122,6 +122,21 @@ def claim_next(counters, index):
     of the threads that claim from it, so a thread that finished its own share can take the items of a
     helper that fell behind (descheduled, or on a CPU the host slowed) instead of waiting for it."""
     return _atomic_add(counters, index, 1)
+
+
+@jit
+def claim_task(claims, ranges, part, cursor):
+    """The next task for part ``part``'s thread, where share s holds tasks ranges[s] .. ranges[s + 1] given
+    out through claims[s]: its own share's in order, then the unclaimed ones of the shares after it; -1
+    once none is left. ``cursor``: one int64, zero at first, the shares this thread has emptied."""
+    parts = claims.shape[0]
+    while cursor[0] < parts:
+        share = (part + cursor[0]) % parts
+        t = claim_next(claims, share)
+        if t < ranges[share + 1] - ranges[share]:
+            return ranges[share] + t
+        cursor[0] += 1
+    return -1
 
 
 @intrinsic
