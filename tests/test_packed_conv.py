@@ -539,3 +539,21 @@ def test_threads_claim_each_task_once_through_the_claims(monkeypatch, two_thread
     ran = ~np.isnan(out)
     np.testing.assert_allclose(out[ran], want[ran], rtol=1e-4, atol=1e-3)
     assert ran.any() and not ran.all()
+
+
+def test_a_fused_convolutions_constant_bias_is_padded_once(monkeypatch):
+    """A FusedConv hands the packed convolution its bias initializer itself (not a fresh view per run), so the
+    bias padded to whole tiles is made on the first run and reused."""
+    rng, x, w, b, attrs = _inputs("1x1 on 13x13", 31, True)
+    b.flags.writeable = False  # an initializer
+    taken = _taken(monkeypatch)
+    node = Node("FusedConv", ["x", "w", "b"], ["y"], domain=FUSED_DOMAIN, opset=1, attrs=dict(attrs, activation="Relu"))
+    kernel = nn.fused_conv(node, None, 1)
+    first = kernel(x, w, b)[0]
+    conv = taken[-1]
+    padded = conv._bias_cache[1]
+    assert conv._bias_cache[0] is b
+    second = kernel(x, w, b)[0]
+    assert conv._bias_cache[1] is padded and taken[-1] is conv
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_allclose(first, np.maximum(_reference(x, w, b, attrs), 0), rtol=1e-4, atol=1e-3)

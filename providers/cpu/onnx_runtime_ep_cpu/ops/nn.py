@@ -1313,7 +1313,12 @@ def _compiled_epilogue(node):
 
     def prepare(b, z, dtype):
         bounds, no_bias, no_residual = constants[dtype]
-        bias = no_bias if b is None else np.ascontiguousarray(b.reshape(-1), dtype=dtype)
+        if b is None:
+            bias = no_bias
+        elif b.ndim == 1 and b.dtype == dtype and b.flags.c_contiguous:
+            bias = b  # the array itself, so the kernels' caches keyed on it (a padded copy) hold from run to run
+        else:
+            bias = np.ascontiguousarray(b.reshape(-1), dtype=dtype)
         if z is None:
             residual = no_residual
         else:
