@@ -557,3 +557,34 @@ def test_a_fused_convolutions_constant_bias_is_padded_once(monkeypatch):
     assert conv._bias_cache[1] is padded and taken[-1] is conv
     np.testing.assert_array_equal(first, second)
     np.testing.assert_allclose(first, np.maximum(_reference(x, w, b, attrs), 0), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("top,left,height,width", [(1, 1, 9, 9), (0, 2, 7, 12), (3, 0, 7, 5), (2, 3, 8, 10)])
+def test_pad_planes_writes_every_cell_of_the_buffer(top, left, height, width):
+    """gemm.pad_planes over a buffer full of garbage: the planes at (top, left), every other cell zero (pads
+    after each plane's rows and columns, and the margin past the last plane)."""
+    from onnx_runtime_ep_cpu.compiled import gemm
+
+    x = np.random.default_rng(32).standard_normal((3, 4, 5), dtype=np.float32)
+    out = np.full(3 * height * width + 7, np.nan, dtype=np.float32)
+    gemm.pad_planes(x, out, top, left, height, width)
+    want = np.zeros(out.shape, dtype=np.float32)
+    want[:3 * height * width].reshape(3, height, width)[:, top:top + 4, left:left + 5] = x
+    np.testing.assert_array_equal(out, want)
+
+
+def test_padded_inputs_share_the_threads_scratch(monkeypatch, kernel_threads):
+    """A padded input is written into the calling thread's scratch (no buffer per node or call), which the
+    next convolution overwrites whole: results stay those of each convolution alone."""
+    taken = _taken(monkeypatch)
+    rng = np.random.default_rng(33)
+    attrs = dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    big = rng.standard_normal((1, 8, 20, 20), dtype=np.float32)
+    small = rng.standard_normal((1, 4, 6, 6), dtype=np.float32)
+    kernels = [nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13) for _ in range(2)]
+    weights = [rng.standard_normal((16, x.shape[1], 3, 3), dtype=np.float32) for x in (big, small)]
+    for _ in range(2):
+        for kernel, x, w in zip(kernels, (big, small), weights):
+            np.testing.assert_allclose(kernel(x, w)[0], _reference(x, w, None, attrs), rtol=1e-4, atol=1e-3)
+    xp = taken[-1]._padded_input(small)
+    assert np.shares_memory(xp, nn._scratch(1)) and len(taken) == 4

@@ -247,6 +247,37 @@ _CHUNK_BYTES = 1 << 19
 
 
 @jit
+def pad_planes(x, out, top, left, padded_height, padded_width):
+    """out = the planes of x (C, H, W) with ``top`` zero rows and ``left`` zero columns before each and zeros
+    after, up to (padded_height, padded_width), as C * padded_height * padded_width values; the rest of
+    out (a margin) zero. Every cell written, so ``out`` may be any scratch buffer: numpy's assignment into
+    the interior of a padded view copied row by row (512 planes of 7x7: ~70 us, here a few)."""
+    channels, height, width = x.shape
+    plane = padded_height * padded_width
+    for c in range(channels):
+        # (Loop indices from range over slices: numba then knows them non-negative and the loops vectorize.)
+        _zero(out[c * plane:c * plane + top * padded_width])
+        for r in range(height):
+            row = out[c * plane + (top + r) * padded_width:c * plane + (top + r + 1) * padded_width]
+            line = x[c, r]
+            for j in range(left):
+                row[j] = 0
+            inner = row[left:left + width]
+            for j in range(width):
+                inner[j] = line[j]
+            for j in range(left + width, padded_width):
+                row[j] = 0
+        _zero(out[c * plane + (top + height) * padded_width:(c + 1) * plane])
+    _zero(out[channels * plane:])
+
+
+@jit
+def _zero(a):
+    for j in range(a.shape[0]):
+        a[j] = 0
+
+
+@jit
 def _pack_runs(xp, buf, start, count, channels, kh, kw, sh, sw, dh, dw, wp, plane, ow):
     """buf[k*NR + q] = column k of output pixel start + q from the zero-padded image ``xp`` (flat,
     channels x plane, rows wp wide), for q < count; zero lanes after. k = (c*kh + i)*kw + j. The
