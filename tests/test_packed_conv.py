@@ -588,3 +588,28 @@ def test_padded_inputs_share_the_threads_scratch(monkeypatch, kernel_threads):
             np.testing.assert_allclose(kernel(x, w)[0], _reference(x, w, None, attrs), rtol=1e-4, atol=1e-3)
     xp = taken[-1]._padded_input(small)
     assert np.shares_memory(xp, nn._scratch(1)) and len(taken) == 4
+
+
+def test_a_padded_input_split_across_the_helpers_is_the_same_buffer(monkeypatch, kernel_threads):
+    """From _SPLIT_PAD_BYTES on, the helpers pad their share of the channels (jobs.split_pad; a part no helper
+    takes runs on the caller): the same cells as one thread's gemm.pad_planes, margin included."""
+    from onnx_runtime_ep_cpu.compiled import gemm, jobs
+
+    monkeypatch.setattr(nn, "_SPLIT_PAD_BYTES", 1)
+    splits = []
+    real = jobs.split_pad
+    monkeypatch.setattr(jobs, "split_pad", lambda *args: splits.append(args[0].shape) or real(*args))
+    taken = _taken(monkeypatch)
+    rng = np.random.default_rng(34)
+    x = rng.standard_normal((2, 7, 11, 13), dtype=np.float32)
+    w = rng.standard_normal((40, 7, 3, 3), dtype=np.float32)
+    attrs = dict(kernel_shape=[3, 3], pads=[2, 1, 0, 1])
+    (y,) = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
+    np.testing.assert_allclose(y, _reference(x, w, None, attrs), rtol=1e-4, atol=1e-3)
+    assert splits == ([(7, 11, 13)] * 2 if kernel_threads > 1 else [])
+    conv = taken[-1]
+    got = conv._padded_input(x).copy()
+    want = np.full(got.shape, np.nan, dtype=np.float32)
+    for image in range(2):
+        gemm.pad_planes(x[image], want[image], 2, 1, 13, 15)
+    np.testing.assert_array_equal(got, want)

@@ -275,6 +275,50 @@ def split_product(transposed, a, w, sums, spans, items, parts, mailboxes, states
 
 
 @jit
+def pad_channels(x, out, top, left, padded_height, padded_width, first, end):
+    """gemm.pad_planes for channels first .. end of x (C, H, W) into their planes of ``out`` (the last
+    channels' part also zeroes the margin past the planes)."""
+    plane = padded_height * padded_width
+    stop = out.shape[0] if end == x.shape[0] else end * plane
+    gemm.pad_planes(x[first:end], out[first * plane:stop], top, left, padded_height, padded_width)
+
+
+@jit
+def _write_pad(m, x, out, top, left, padded_height, padded_width, first, end):
+    s = ARGS
+    m[s + 0], m[s + 1], m[s + 2], m[s + 3] = x.ctypes.data, x.shape[0], x.shape[1], x.shape[2]
+    m[s + 4], m[s + 5], m[s + 6], m[s + 7] = out.ctypes.data, out.shape[0], top, left
+    m[s + 8], m[s + 9], m[s + 10], m[s + 11] = padded_height, padded_width, first, end
+
+
+def _pad_entry(pointer):
+    m = mailbox_view(pointer)
+    s = ARGS
+    pad_channels(float_array(m[s + 0], (m[s + 1], m[s + 2], m[s + 3])), float_array(m[s + 4], (m[s + 5],)), m[s + 6],
+                 m[s + 7], m[s + 8], m[s + 9], m[s + 10], m[s + 11])
+
+
+# pad_channels, one part: (x, out, top, left, padded height, padded width, first channel, end channel).
+PAD = Kind(_write_pad, lambda: compile_runner(_pad_entry))
+
+
+@jit
+def split_pad(x, out, top, left, padded_height, padded_width, mailboxes, states, runner):
+    """A convolution's padded input (gemm.pad_planes) with its channels split between the calling thread and
+    the helpers, posted as split_product's parts (a helper asleep or missing: its part here). Memory-bound,
+    so the second core's bandwidth halves it. Returns workers.collect's result."""
+    channels = x.shape[0]
+    parts = min(mailboxes.shape[0] + 1, channels)
+    for part in range(1, parts):
+        first, end = channels * part // parts, channels * (part + 1) // parts
+        _write_pad(mailboxes[part - 1], x, out, top, left, padded_height, padded_width, first, end)
+        if not offer(mailboxes, states, part - 1, runner):
+            pad_channels(x, out, top, left, padded_height, padded_width, first, end)
+    pad_channels(x, out, top, left, padded_height, padded_width, 0, channels // parts)
+    return collect(mailboxes, states, parts - 1)
+
+
+@jit
 def _write_pool(m, planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w):
     s = ARGS
     m[s + 0], m[s + 1], m[s + 2], m[s + 3] = planes.ctypes.data, planes.shape[0], planes.shape[1], planes.shape[2]
