@@ -225,14 +225,29 @@ def test_gemm_with_scaling_stays_on_blas(monkeypatch):
     assert not taken
 
 
+@pytest.mark.parametrize("subtasks", [1, 4])
 @pytest.mark.parametrize("panels,threads", [(24, 2), (7, 2), (3, 2), (1, 1), (10, 3)])
-def test_each_threads_share_of_panels_is_cut_into_claimed_tasks(panels, threads):
+def test_each_threads_share_of_panels_is_cut_into_claimed_tasks(monkeypatch, panels, threads, subtasks):
     """Thread t's even share of the panels, as up to _SUBTASKS tasks in order (jobs.MATMUL claims them one
     at a time: a thread done first takes what another has not started)."""
+    monkeypatch.setattr(linalg, "_SUBTASKS", subtasks)
     bounds, ranges = linalg._PackedProduct()._tasks(panels, threads)
     assert bounds[0] == 0 and bounds[-1] == panels and (np.diff(bounds) > 0).all()
     assert len(ranges) == threads + 1 and ranges[0] == 0 and ranges[-1] == len(bounds) - 1
     for t in range(threads):
         share = bounds[ranges[t]:ranges[t + 1] + 1]
         assert share[0] == panels * t // threads and share[-1] == panels * (t + 1) // threads
-        assert 1 <= len(share) - 1 <= linalg._SUBTASKS
+        assert 1 <= len(share) - 1 <= subtasks and len(share) - 1 == min(subtasks, share[-1] - share[0])
+
+
+def test_products_cut_into_more_tasks_give_the_same_bits(monkeypatch, kernel_threads):
+    """However the shares are cut into claimed tasks, each output column's sum runs k = 0 .. K-1 in one
+    panel: the same bits as the shares whole."""
+    a = RNG.standard_normal((40, 96), dtype=np.float32)
+    b = _constant(RNG.standard_normal((96, 300), dtype=np.float32))
+    results = []
+    for subtasks in (1, 4):
+        monkeypatch.setattr(linalg, "_SUBTASKS", subtasks)
+        results.append(_matmul(a, b))
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_allclose(results[1], a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)

@@ -35,8 +35,8 @@ Measured on a 2-CPU virtual machine, and built around it:
   onnxruntime's spinning pool: 13 -> 10 ms per run; on an idle machine the helper always starts first).
 - A helper that started but runs slowly (its CPU shared with another busy process) is not waited for
   either where a kernel cuts each thread's share into tasks claimed one at a time (``claim_task``; the
-  packed convolution and packed products, jobs.CONV and jobs.MATMUL): the thread that finished first
-  claims the tasks the other has not.
+  packed convolution, jobs.CONV; jobs.MATMUL claims shares whole): the thread that finished first claims
+  the tasks the other has not.
 - Another pool spinning on the same CPUs (numpy's multi-threaded BLAS keeps a worker spinning for
   ~0.1 s after each call) takes half of every helper's time slice: the models whose convolutions
   run here also run their classifier's product here (gemv.py), not in BLAS.

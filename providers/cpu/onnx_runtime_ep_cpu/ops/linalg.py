@@ -73,7 +73,10 @@ def _product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 _PACKED_ROWS = 9  # past the few-row products' _GEMV_ROWS: no float32 product of constant weights is OpenBLAS's
 _SPLIT_MACS = 1 << 20
 _LONG_MACS = 1 << 28
-_SUBTASKS = 4  # tasks per thread's share, claimed one at a time (as the packed convolution's: see nn.py)
+# Tasks per thread's share, claimed one at a time as the packed convolution's (see nn.py): one, the share
+# whole, which the caller still takes over when its helper has not started it. Cut in 2 or 4 a GPT prefill
+# ran 2-4% slower unloaded (in-process A/B, both orders), 7% faster with another process on the helper's CPU.
+_SUBTASKS = 1
 
 
 class _PackedProduct:
