@@ -40,8 +40,9 @@ def matmul(node, shapes, opset):
         # compiled/gemv.py for a decode step's few rows and compiled/matmul.py for many): the per-call
         # checks below cost as much as the product of a small decode-step matrix.
         nonlocal packed, last
-        if b is last[1] and a.shape == last[0] and a.dtype is b.dtype and kernel_threads() == last[3]:
-            return (last[2](a, b),)
+        shape, weights, kept, threads = last  # one read: another thread running this node may replace it
+        if b is weights and a.shape == shape and a.dtype is b.dtype and kernel_threads() == threads:
+            return (kept(a, b),)
         if a.dtype is b.dtype and a.dtype in _BLAS_FLOATS and b.ndim > 1:
             if b.ndim == 2 and a.ndim > 1 and a.size <= _GEMV_ROWS * b.shape[0]:
                 split = _few_rows_split(a, b, False)

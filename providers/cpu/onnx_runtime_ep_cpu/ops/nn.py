@@ -1138,7 +1138,8 @@ def _uneven(count: int, parts: int) -> float:
 # Tasks per thread's share of a packed convolution: a thread that finished its own claims those another
 # has not started, so a helper on a CPU shared with another busy process no longer holds the caller back
 # (such a process on the helper's CPU 30% of each 0.5 ms, one share per thread -> 4 tasks: resnet50 53
-# -> 46 ms, inception_v2 28 -> 25, densenet121 47 -> 43; 2 tasks gained little; unloaded, within 1-2%).
+# -> 46 ms, inception_v2 28 -> 25, densenet121 47 -> 43; 2 tasks gained little; unloaded within 1%, in-process
+# A/B of 1 and 4 tasks, both orders).
 _SUBTASKS = 4
 
 _IDENTITY_BOUNDS = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)

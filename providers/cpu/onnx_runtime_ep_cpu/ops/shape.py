@@ -211,8 +211,9 @@ def _split_kernel(node, sizes_attr=None, uneven_last=False):
 
     def kernel(x, split=None):
         nonlocal last
-        if x.shape == last[0] and split is last[1]:
-            return tuple([x[index] for index in last[2]])
+        shape, sizes, indices = last  # one read: another thread running this node may replace it
+        if x.shape == shape and split is sizes:
+            return tuple([x[index] for index in indices])
         ax = normalize_axis(axis, x.ndim)
         if split is not None and split.size:
             sizes = split.tolist()
