@@ -462,6 +462,18 @@ def two_thread_packed_convs(monkeypatch) -> list:
     return _taken(monkeypatch)
 
 
+def _checked_conv(seed: int, x_shape, w_shape, pads) -> np.ndarray:
+    """A Conv of random x and w (a 3x3 window with ``pads``) through the CPU kernel, checked against onnx's
+    reference; returns x."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(x_shape, dtype=np.float32)
+    w = rng.standard_normal(w_shape, dtype=np.float32)
+    attrs = dict(kernel_shape=[3, 3], pads=pads)
+    (y,) = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
+    np.testing.assert_allclose(y, _reference(x, w, None, attrs), rtol=1e-4, atol=1e-3)
+    return x
+
+
 def _shares(parts) -> list:
     """Each thread's share of a one-image packed convolution's plan as (its pixel blocks, its channel tiles),
     checking that its tasks cut the share in order into at most nn._SUBTASKS pieces along one of the two."""
@@ -494,14 +506,8 @@ def test_channel_lane_tasks_split_by_tiles_where_the_blocks_go_round_unevenly(tw
 
 def test_channel_lane_tasks_split_by_tiles_where_the_weights_outweigh_the_input(two_thread_packed_convs):
     # 7x7 pixels in 4 blocks of two rows (an even split), but 3x3 weights for 224 channels: 7 tiles, 3/4.
-    taken = two_thread_packed_convs
-    rng = np.random.default_rng(25)
-    x = rng.standard_normal((1, 48, 7, 7), dtype=np.float32)
-    w = rng.standard_normal((224, 48, 3, 3), dtype=np.float32)
-    attrs = dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])
-    (y,) = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
-    np.testing.assert_allclose(y, _reference(x, w, None, attrs), rtol=1e-4, atol=1e-3)
-    assert _shares(taken[-1]._plan(2)[0]) == [((0, 4), (0, 3)), ((0, 4), (3, 7))]
+    _checked_conv(25, (1, 48, 7, 7), (224, 48, 3, 3), [1, 1, 1, 1])
+    assert _shares(two_thread_packed_convs[-1]._plan(2)[0]) == [((0, 4), (0, 3)), ((0, 4), (3, 7))]
 
 
 def test_threads_claim_each_task_once_through_the_claims(monkeypatch, two_thread_packed_convs):
@@ -600,12 +606,7 @@ def test_a_padded_input_split_across_the_helpers_is_the_same_buffer(monkeypatch,
     real = jobs.split_pad
     monkeypatch.setattr(jobs, "split_pad", lambda *args: splits.append(args[0].shape) or real(*args))
     taken = _taken(monkeypatch)
-    rng = np.random.default_rng(34)
-    x = rng.standard_normal((2, 7, 11, 13), dtype=np.float32)
-    w = rng.standard_normal((40, 7, 3, 3), dtype=np.float32)
-    attrs = dict(kernel_shape=[3, 3], pads=[2, 1, 0, 1])
-    (y,) = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
-    np.testing.assert_allclose(y, _reference(x, w, None, attrs), rtol=1e-4, atol=1e-3)
+    x = _checked_conv(34, (2, 7, 11, 13), (40, 7, 3, 3), [2, 1, 0, 1])
     assert splits == ([(7, 11, 13)] * 2 if kernel_threads > 1 else [])
     conv = taken[-1]
     got = conv._padded_input(x).copy()
