@@ -342,14 +342,14 @@ def test_a_forked_child_starts_its_own_helpers(monkeypatch):
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-@pytest.mark.parametrize("kept_bytes", [0, 1 << 20], ids=["fresh padded copy", "kept padded buffer"])
+@pytest.mark.parametrize("split_bytes", [1, 1 << 40], ids=["padded by the helpers too", "padded by the caller"])
 @pytest.mark.parametrize("geometry", ["asymmetric pads", "1x1", "7 wide, odd height"])
-def test_padded_inputs_fresh_or_kept_give_the_reference(monkeypatch, kernel_threads, conv_layout, kept_bytes,
-                                                        geometry):
-    """Small padded inputs go into a buffer kept per thread (borders zeroed once); larger ones into a
-    fresh copy (for channel-lane tiles with a margin past the image, also without pads, per image of a
-    batch). Two different inputs in a row must each give their own reference result."""
-    monkeypatch.setattr(nn, "_KEPT_PADDED_BYTES", kept_bytes)
+def test_padded_inputs_in_the_scratch_give_the_reference(monkeypatch, kernel_threads, conv_layout, split_bytes,
+                                                         geometry):
+    """Padded inputs (for channel-lane tiles with a margin past the image, also without pads; per image of
+    a batch) are written whole into the calling thread's scratch, by the caller or split with the helpers.
+    Two different inputs in a row must each give their own reference result."""
+    monkeypatch.setattr(nn, "_SPLIT_PAD_BYTES", split_bytes)
     rng, x, w, b, attrs = _inputs(geometry, 17, True)
     conv = nn.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)
     for _ in range(2):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
-from .transformer import _contracting_jit, _summing_jit, exp_nonpositive_float32, row_max, row_sum, sigmoid_float32
+from .transformer import _contracting_jit, _summing_jit, exp_shifted_sum_, row_max, sigmoid_float32
 
 
 @jit
@@ -119,14 +119,6 @@ def _weighted_rows(weights, rows, out):
             out[j] += weight * row[j]
 
 
-@_contracting_jit
-def _exp_shifted_sum(scores, peak):
-    """scores = exp(scores - peak) in place (float32, scores <= peak), and their sum."""
-    for t in range(scores.shape[0]):
-        scores[t] = exp_nonpositive_float32(scores[t] - peak)
-    return row_sum(scores)
-
-
 @jit
 def few_query_attention_float32(q, k, v, scale, bias, y):
     """y[b, h] = softmax(q[b, h] k[b, g]^T * scale + bias) v[b, g] for the query heads h of each KV head g
@@ -140,7 +132,7 @@ def few_query_attention_float32(q, k, v, scale, bias, y):
     keys = k.shape[2]
     group = heads // k.shape[1]
     with_bias = bias.shape[0] > 0
-    scores = np.empty(keys, dtype=np.float32)
+    scores, weights = np.empty(keys, dtype=np.float32), np.empty(keys, dtype=np.float32)
     for b in range(batch):
         for h in range(heads):
             kh, vh = k[b, h // group], v[b, h // group]
@@ -151,9 +143,9 @@ def few_query_attention_float32(q, k, v, scale, bias, y):
                 peak = row_max(scores)
                 if not abs(peak) < np.float32(np.inf):
                     return False
-                total = _exp_shifted_sum(scores, peak)
+                total = exp_shifted_sum_(scores, peak, weights)
                 out = y[b, h, r]
-                _weighted_rows(scores, vh, out)
+                _weighted_rows(weights, vh, out)
                 for j in range(out.shape[0]):
                     out[j] /= total
     return True

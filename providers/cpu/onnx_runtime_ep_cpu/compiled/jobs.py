@@ -73,7 +73,7 @@ def _conv_entry(pointer):
 # gemm.conv_tasks, or lanes.lane_tasks where by_lanes, one part: (xp, weights, bias, y, residual, flags, bounds,
 # m_rows, oh, ow, grid, channels, kh, kw, sh, sw, dh, dw, wp, plane, by_lanes, taps, packed, tasks, ranges,
 # claims, part). Part p's tasks are tasks[ranges[p]:ranges[p + 1]], claimed one by one through claims[p]
-# (zeros at first): the part's thread runs its own, then any another part's thread has not claimed.
+# (zeros at first): the part's thread runs its own, then those no other part's thread has claimed.
 CONV = Kind(_write_conv, lambda: compile_runner(_conv_entry),
             scratch=lambda part: gemm.scratch_size(part[11] * part[12] * part[13]))
 

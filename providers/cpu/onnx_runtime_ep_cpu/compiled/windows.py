@@ -12,9 +12,8 @@ np.maximum), taps off the plane skipped (masked to -inf): separably (each input 
 shared by the output rows that read it) by vmaxps, which drops a NaN tap, while the sums of the rows
 loaded show whether one was read; only then the call runs again per tap keeping NaN (a compare and a mask
 or per tap more: 64x111x111 /2 on one thread 224 -> 189 us, 96x28x28 /1 49 -> 32). An average pool's
-add the taps in row-major
-order (those off the plane masked to zero) and multiply the sums by the reciprocal tap counts, as
-pooling.py does.
+add the taps in row-major order (those off the plane masked to zero) and multiply the sums by the
+reciprocal tap counts, as pooling.py does.
 """
 
 from __future__ import annotations
@@ -123,11 +122,12 @@ def _emit(builder, stride: int, mode: int, pointers: tuple, values: tuple) -> No
                 columns = [builder.shuffle_vector(loaded[j - j % 2], loaded[j - j % 2 + _LANES],
                                                   ir.Constant(llvm.LANE_INDEX, [2 * q + j % 2 for q in range(_LANES)]))
                            for j in range(_KERNEL)]
-            if mode == MAX and not exact:  # the loads that cover every column read; short dependency chains
+            if mode == MAX and not exact:
+                # The sum of the loads that cover every column read (short dependency chains), and the row's
+                # 3-column maxima, shared by the output rows that read it (separable).
                 row_sum = builder.fadd(loaded[0], loaded[2]) if stride == 1 else \
                     builder.fadd(builder.fadd(loaded[0], loaded[_LANES]), loaded[2 + _LANES])
                 checks[u % 3] = builder.fadd(checks[u % 3], row_sum)
-            if mode == MAX and not exact:  # separable: the row's 3-column maxima, shared by its output rows
                 columns = [larger(larger(columns[0], columns[1]), columns[2])]
             for o in range(ROWS):  # the output rows that read this input row, as their kernel row i
                 i = u - o * stride

@@ -117,22 +117,16 @@ def _atomic_add(typingctx, array, index, value):
 
 
 @jit
-def claim_next(counters, index):
-    """The next unclaimed item of counters[index]'s share (0, 1, 2, ...): each number goes to exactly one
-    of the threads that claim from it, so a thread that finished its own share can take the items of a
-    helper that fell behind (descheduled, or on a CPU the host slowed) instead of waiting for it."""
-    return _atomic_add(counters, index, 1)
-
-
-@jit
 def claim_task(claims, ranges, part, cursor):
     """The next task for part ``part``'s thread, where share s holds tasks ranges[s] .. ranges[s + 1] given
-    out through claims[s]: its own share's in order, then the unclaimed ones of the shares after it; -1
-    once none is left. ``cursor``: one int64, zero at first, the shares this thread has emptied."""
+    out through claims[s] (an atomic add: each number goes to exactly one thread): its own share's in
+    order, then the unclaimed ones of the shares after it, so a thread that finished its own takes the
+    tasks of a helper that fell behind (descheduled, or on a CPU the host slowed) instead of waiting for
+    it; -1 once none is left. ``cursor``: one int64, zero at first, the shares this thread has emptied."""
     parts = claims.shape[0]
     while cursor[0] < parts:
         share = (part + cursor[0]) % parts
-        t = claim_next(claims, share)
+        t = _atomic_add(claims, share, 1)
         if t < ranges[share + 1] - ranges[share]:
             return ranges[share] + t
         cursor[0] += 1
@@ -492,8 +486,7 @@ class Helpers:
         if not self._busy.acquire(blocking=False):
             return None
         try:
-            if scratch > self._scratch_floats:
-                self._ensure_scratch(scratch)
+            self._ensure_scratch(scratch)
             result = function(*arguments, self.mailboxes, self.states, runner)
             if result:
                 self.settle(result)

@@ -959,8 +959,7 @@ class _PackedConv:
         self._offsets = (taps, gemm.packed_offsets(self._cg * kh * kw))
         self._scratch = 0 if self._by_lanes else gemm.scratch_size(self._cg * kh * kw)
         self._bias_cache = (None, None)  # (the bias array last seen, its padded copy)
-        self._padded_inputs: dict[int, np.ndarray] = {}  # per calling thread: a padded input buffer
-        self._keeps_padded = 4 * math.prod(geo.padded_shape(tuple(x_shape))) <= _KEPT_PADDED_BYTES
+        self._padded_inputs: dict[int, np.ndarray] = {}  # per calling thread: a phase-split input buffer
         if self._phases:
             self._phase_shape = (self._n, group, *geo.strides, self._cg, *self._phases)
             self._keeps_padded = 4 * math.prod(self._phase_shape) <= _KEPT_PADDED_BYTES
@@ -1070,9 +1069,9 @@ class _PackedConv:
         return buffer
 
     def _kept_buffer(self, shape) -> np.ndarray:
-        """The calling thread's zeroed input buffer for this node, kept from call to call (its zeros, the
-        pads, stay: only the input's cells are written); for the buffers' memory, up to _KEPT_PADDED_BYTES
-        per node and a few threads."""
+        """The calling thread's zeroed phase-split input buffer for this node, kept from call to call (its
+        zeros, the pads, stay: only the input's cells are written); for the buffers' memory, up to
+        _KEPT_PADDED_BYTES per node and a few threads."""
         thread = threading.get_ident()
         buffer = self._padded_inputs.get(thread)
         if buffer is None:
