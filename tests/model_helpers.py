@@ -13,6 +13,22 @@ LIGHT_DIR = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "dat
 LIGHT_MODELS = sorted(f[:-5] for f in os.listdir(LIGHT_DIR) if f.endswith(".onnx"))
 
 
+def light_model(name: str) -> tuple[onnx.ModelProto, str, list[int]]:
+    """One of the onnx wheel's light CNNs: (model, its data input's name, that input's shape)."""
+    model = onnx.load(os.path.join(LIGHT_DIR, f"{name}.onnx"))
+    initializers = {i.name for i in model.graph.initializer}
+    (data,) = [i for i in model.graph.input if i.name not in initializers]
+    return model, data.name, [d.dim_value for d in data.type.tensor_type.shape.dim]
+
+
+def with_softmax_logits(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
+    """A copy of ``model`` that also outputs its closing Softmax's input, and that input's name."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    (softmax,) = [node for node in model.graph.node if node.op_type == "Softmax"]
+    model.graph.output.append(helper.make_tensor_value_info(softmax.input[0], TensorProto.FLOAT, None))
+    return model, softmax.input[0]
+
+
 def record_calls(monkeypatch, cls) -> list:
     """The instances of ``cls`` called from now on (this test), one entry per call: its __call__ patched
     to note ``self`` and go on."""

@@ -8,8 +8,9 @@ import numpy as np
 import onnx
 import onnx_runtime as ort
 import pytest
-from model_helpers import LIGHT_DIR, LIGHT_MODELS
+from model_helpers import LIGHT_DIR, LIGHT_MODELS, light_model, with_softmax_logits
 from onnx import numpy_helper
+from reference64 import run_float64
 
 
 def test_all_nine_light_models_are_shipped():
@@ -26,7 +27,15 @@ def test_all_nine_light_models_are_shipped():
     ]
 
 
-@pytest.mark.parametrize("name", LIGHT_MODELS)
+# light_squeezenet's closing product has identical weight rows and one bias: its 1,000 logits are equal in
+# exact arithmetic, for any input, and its shipped output is their softmax, 1/1000 each. In float32 they
+# are about 2.7e9 (256 apart per ulp), and a product whose rows accumulate in different orders (OpenBLAS's
+# edge kernels do) leaves them some ulps apart, which the softmax turns into 0 or 1/k. Its logits are
+# checked instead: test_light_squeezenet_logits_are_tied_within_float32_error.
+SHIPPED_OUTPUT_WELL_CONDITIONED = [name for name in LIGHT_MODELS if name != "light_squeezenet"]
+
+
+@pytest.mark.parametrize("name", SHIPPED_OUTPUT_WELL_CONDITIONED)
 def test_light_model_reproduces_its_shipped_output(name):
     sess = ort.InferenceSession(os.path.join(LIGHT_DIR, f"{name}.onnx"), providers=["CPUExecutionProvider"])
     (arg,) = sess.get_inputs()
@@ -35,6 +44,19 @@ def test_light_model_reproduces_its_shipped_output(name):
     assert got.shape == expected.shape and got.dtype == expected.dtype
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     assert set(sess.placement().summary()) == {"CPUExecutionProvider"}
+
+
+def test_light_squeezenet_logits_are_tied_within_float32_error():
+    model, data, shape = light_model("light_squeezenet")
+    model, logits = with_softmax_logits(model)
+    shipped = numpy_helper.to_array(onnx.load_tensor(os.path.join(LIGHT_DIR, "light_squeezenet_output_0.pb")))
+    x = np.zeros(shape, np.float32)
+    exact = run_float64(model, {data: x}, [logits])[0]
+    assert np.ptp(exact) == 0 and np.allclose(shipped, 1 / shipped.size, rtol=1e-6)  # tied: a uniform softmax
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    probabilities, got = sess.run(None, {data: x})
+    np.testing.assert_allclose(got, exact, rtol=1e-5)  # float32 through 26 convolutions: a few ulps per layer
+    assert probabilities.shape == shipped.shape and np.isclose(probabilities.sum(), 1, rtol=1e-5)
 
 
 # (light_squeezenet is left out: the reference evaluator applies Softmax-13 semantics to its opset-9

@@ -3,8 +3,6 @@ provider, plus two small networks run end to end through CUDA+CPU."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import onnx
 import onnx_runtime as ort
@@ -155,16 +153,15 @@ def test_a_small_cnn_runs_entirely_on_cuda():
 
 
 def test_squeezenet_through_cuda_and_cpu():
-    from model_helpers import LIGHT_DIR
+    from model_helpers import light_model, with_softmax_logits
 
-    path = os.path.join(LIGHT_DIR, "light_squeezenet.onnx")
-    model = onnx.load(path)
-    initializers = {i.name for i in model.graph.initializer}
-    (data,) = [i for i in model.graph.input if i.name not in initializers]
-    shape = [d.dim_value for d in data.type.tensor_type.shape.dim]
-    feeds = {data.name: random(shape, seed=9)}
-    session = ort.InferenceSession(path, providers=CUDA_FIRST)
+    # Its closing softmax is of logits equal in exact arithmetic (test_light_models.py says why): the two
+    # providers' logits are compared, where float32 rounding stays small.
+    model, data, shape = light_model("light_squeezenet")
+    model, _ = with_softmax_logits(model)
+    feeds = {data: random(shape, seed=9)}
+    session = ort.InferenceSession(model.SerializeToString(), providers=CUDA_FIRST)
     on_cuda = {n.op_type for n in session.placement() if n.provider == CUDA}
     assert {"Conv", "MaxPool", "Concat", "GlobalAveragePool"} <= on_cuda
-    expected = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feeds)
-    np.testing.assert_allclose(session.run(None, feeds)[0], expected[0], rtol=1e-4, atol=1e-6)
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_allclose(session.run(None, feeds)[1], expected[1], rtol=1e-4)

@@ -397,7 +397,13 @@ def test_cast(source, target):
     got, = on_cuda(model).run(None, {"x": x})
     want = x.astype(target)
     assert got.dtype == want.dtype
-    np.testing.assert_array_equal(got.astype(np.float64), want.astype(np.float64))
+    # ONNX leaves a float cast to an integer type undefined out of the target's range: only values in range
+    # are compared (an integer cast out of range wraps, which the spec defines, and is compared).
+    checked = np.ones(x.shape, bool)
+    if np.dtype(source).kind not in "biu" and np.dtype(target).kind in "iu":
+        info, whole = np.iinfo(target), np.trunc(x.astype(np.float64))
+        checked = (whole >= info.min) & (whole <= info.max)
+    np.testing.assert_array_equal(got.astype(np.float64)[checked], want.astype(np.float64)[checked])
 
 
 def test_cast_like_and_float_specials():

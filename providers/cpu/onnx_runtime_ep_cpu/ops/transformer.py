@@ -2,9 +2,11 @@
 SwiGLU and CausalConvWithState.
 
 The spec defines these as functions; here they are direct numpy kernels. Half-precision inputs
-(float16, bfloat16) compute in float32 and are cast back once, at the end. Grouped-query attention
-never materializes repeated key/value heads: the ``q_num_heads / kv_num_heads`` query heads that
-share one KV head are folded into the rows of a single batched matmul against that head.
+(float16, bfloat16) compute in float32; Attention rounds to the input type where its function body's
+ops do (the scaled Q and K, the scores, the biased scores, the probabilities), the others once, at
+the end. Grouped-query attention never materializes repeated key/value heads: the
+``q_num_heads / kv_num_heads`` query heads that share one KV head are folded into the rows of a
+single batched matmul against that head.
 """
 
 from __future__ import annotations
@@ -64,6 +66,14 @@ def _softmax_(x: np.ndarray) -> np.ndarray:
     total[total == 0] = 1
     x /= total
     return x
+
+
+def _rounding_to(narrow: np.dtype, wide: np.dtype):
+    """For a half-precision input computed in float32, the function rounding a float32 result to the input
+    type and back (None otherwise): a kernel that stands for a function body rounds where its ops do."""
+    if narrow == wide:
+        return None
+    return lambda x: x.astype(narrow).astype(wide)
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -267,20 +277,28 @@ class _Attention:
         present_value = v if past_value is None else np.concatenate((past_value, v), axis=2)
         dtype = _compute_dtype(q.dtype)
         softmax_dtype = _compute_dtype(_softmax_dtype(self.node, dtype))
+        rounded = _rounding_to(q.dtype, dtype)
 
-        queries = geo.to_heads(q, geo.q_heads).astype(dtype) * dtype.type(self.scale)
+        queries = geo.to_heads(q, geo.q_heads).astype(dtype)
         keys = present_key.astype(dtype, copy=False).swapaxes(-1, -2)
+        if rounded is None:
+            queries = queries * dtype.type(self.scale)
+        else:  # as the function body: both sides times sqrt(scale) in the input type
+            root = dtype.type(q.dtype.type(math.sqrt(self.scale)))
+            queries, keys = rounded(queries * root), rounded(keys * root)
         scores = _grouped_matmul(queries, keys, geo.kv_heads)
+        rounded = rounded or (lambda x: x)
+        scores = rounded(scores)
         qk = scores.copy() if self.wants_qk and self.mode == 0 else None
         if self.softcap > 0:
             cap = dtype.type(self.softcap)
-            np.tanh(scores / cap, out=scores)
-            scores *= cap
+            scores = rounded(np.tanh(rounded(scores / cap)))
+            scores = rounded(scores * cap)
         if self.wants_qk and self.mode == 1:
             qk = scores.copy()
         bias = self.bias(attn_mask, nonpad_kv_seqlen, dtype)
         if bias is not None:
-            scores += bias
+            scores = rounded(scores + bias)
         if self.wants_qk and self.mode == 2:
             qk = scores.copy()
 
@@ -293,7 +311,7 @@ class _Attention:
         if self.wants_qk and self.mode == 3:
             qk = probs
         values = present_value.astype(dtype, copy=False)
-        y = _grouped_matmul(probs.astype(dtype, copy=False), values, geo.kv_heads)
+        y = _grouped_matmul(rounded(probs.astype(dtype, copy=False)), values, geo.kv_heads)
         y = geo.from_heads(y).astype(q.dtype, copy=False)
         if qk is not None:
             qk = qk.astype(q.dtype, copy=False)
