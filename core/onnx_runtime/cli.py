@@ -65,7 +65,7 @@ def cmd_info(args) -> int:
     print(f"nodes: {len(placement)}")
     for provider, count in placement.summary().items():
         print(f"  {provider}: {count} nodes")
-    declined = {}
+    declined: dict[tuple[str, str], list[str]] = {}  # (provider, reason) -> operators
     for record in placement:
         for provider, reason in record.rejected.items():
             declined.setdefault((provider, reason), []).append(record.op_type)
@@ -133,7 +133,7 @@ def cmd_run(args) -> int:
     print(f"time per run: median {statistics.median(times) * 1e3:.2f} ms over {len(times)} runs")
     if args.profile:
         _print_profile(sess)
-    if checking:
+    if expected_path is not None:  # checking the default model
         import onnx
         from onnx import numpy_helper
 

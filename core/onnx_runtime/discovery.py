@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points  # entry_points(group=...): Python >= 3.10, as the project requires
 
 import pluggy
 
@@ -16,11 +18,6 @@ from .contract.kernels import Availability
 from .contract.markers import PROJECT
 from .errors import InvalidArgumentError, PluginError, ProviderNotAvailableError
 from .provider_handle import ProviderHandle
-
-try:  # the stdlib's entry_points(group=...) exists from Python 3.10
-    from importlib.metadata import entry_points
-except ImportError:  # pragma: no cover
-    from importlib_metadata import entry_points
 
 ENTRY_POINT_GROUP = "onnx_runtime.providers"
 
@@ -32,7 +29,7 @@ EXTRAS = {"cpu": "pip install 'onnx-runtime[cpu]'", "cuda": "pip install 'onnx-r
 class ProviderEntry:
     """A discovered provider class and what is known of it without initializing a device."""
 
-    cls: type
+    cls: Callable[[], object]  # a provider class, or a factory returning an instance registered in-process
     name: str
     short_name: str
     source: str
@@ -57,7 +54,8 @@ class ProviderRegistry:
 
     def __init__(self):
         self._lock = threading.RLock()
-        self._entries: list[ProviderEntry] | None = None
+        self._entries: list[ProviderEntry] = []
+        self._discovered = False  # the entry points are loaded at the first query, and again after refresh()
         self._in_process: list[tuple[object, str]] = []
         self.broken: list[BrokenPlugin] = []
 
@@ -72,23 +70,25 @@ class ProviderRegistry:
 
     def unregister(self, name: str) -> None:
         with self._lock:
-            gone = {e.source for e in self.entries() if _matches(e, name)}
+            entries = self.entries()
+            gone = {e.source for e in entries if _matches(e, name)}
             if not gone:
-                registered = [e.name for e in self._entries]
+                registered = [e.name for e in entries]
                 raise InvalidArgumentError(f"no provider named {name!r} is registered; registered: {registered}")
-            self._entries = [e for e in self._entries if not _matches(e, name)]
+            self._entries = [e for e in entries if not _matches(e, name)]
             self._in_process = [(p, s) for p, s in self._in_process if s not in gone]
 
     def refresh(self) -> None:
         """Forget what was discovered; the next query loads the entry points again."""
         with self._lock:
-            self._entries = None
+            self._entries = []
+            self._discovered = False
             self.broken = []
 
     # -- queries --------------------------------------------------------------------------------
     def entries(self) -> list[ProviderEntry]:
         with self._lock:
-            if self._entries is None:
+            if not self._discovered:
                 self._discover()
             return list(self._entries)
 
@@ -112,6 +112,7 @@ class ProviderRegistry:
     # -- discovery ------------------------------------------------------------------------------
     def _discover(self) -> None:
         self._entries = []
+        self._discovered = True
         self.broken = []
         for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
             dist = getattr(ep, "dist", None)
@@ -162,7 +163,7 @@ class ProviderRegistry:
         warnings.warn(f"onnx-runtime: skipping {source}: {reason}", RuntimeWarning, stacklevel=3)
 
 
-def _provider_classes(plugin) -> list[type]:
+def _provider_classes(plugin) -> list[Callable[[], object]]:
     """The provider factories a plugin contributes: a class is its own contribution, and a provider
     instance registered in-process is shared by every session that uses it."""
     if isinstance(plugin, type) and not hasattr(plugin, "onnx_runtime_providers"):

@@ -18,7 +18,7 @@ import onnx.defs
 
 from .dtypes import DataType
 from .errors import InvalidGraphError
-from .ir import Graph, Node, TypeInfo, ValueInfo
+from .ir import Dim, Graph, Node, ValueInfo
 from .loader import convert_attribute, convert_type
 
 
@@ -59,10 +59,13 @@ class FunctionExpander:
         if version in dependent:
             input_types = []
             for name in node.proto.input:
-                info = graph.type_of(name) if name else None
-                if name and (info is None or info.dtype is None):
+                if not name:
+                    input_types.append(b"")
+                    continue
+                info = graph.type_of(name)
+                if info is None or info.dtype is None:
                     return None  # the body depends on input types we do not know
-                input_types.append(_type_proto(info).SerializeToString() if name else b"")
+                input_types.append(_type_proto(info.dtype).SerializeToString())
             data = schema.get_context_dependent_function_with_opset_version(
                 version, node.proto.SerializeToString(), input_types
             )
@@ -141,7 +144,7 @@ class FunctionExpander:
             produced = any(name in nd.outputs for nd in new_nodes)
             info = graph.type_of(name)
             if not produced and info is not None and info.is_tensor and info.dtype is not None:
-                inputs.append(onnx.helper.make_value_info(name, _type_proto(info, keep_shape=True)))
+                inputs.append(onnx.helper.make_value_info(name, _type_proto(info.dtype, info.shape)))
         outputs = [onnx.helper.make_value_info(n, onnx.TypeProto()) for nd in new_nodes for n in nd.outputs if n]
         probe = onnx.helper.make_model(
             onnx.helper.make_graph([nd.proto for nd in new_nodes], "body", inputs, outputs),
@@ -161,16 +164,15 @@ def _schema_with_function(node: Node):
         schema = onnx.defs.get_schema(node.op_type, node.opset, node.domain)
     except Exception:
         return None
-    if schema.has_function or schema.has_context_dependent_function:
+    if schema.has_function or schema.has_context_dependent_function:  # type: ignore[attr-defined]  # stubs lack it
         return schema
     return None
 
 
-def _type_proto(info: TypeInfo, keep_shape: bool = False) -> onnx.TypeProto:
-    shape = None
-    if keep_shape and info.shape is not None:
-        shape = [d if isinstance(d, int) else (d if isinstance(d, str) else None) for d in info.shape]
-    return onnx.helper.make_tensor_type_proto(int(DataType(info.dtype)), shape)
+def _type_proto(dtype: DataType, shape: tuple[Dim, ...] | None = None) -> onnx.TypeProto:
+    """A tensor type; ``shape`` (None: no shape) keeps its known and symbolic dims."""
+    dims = None if shape is None else [d if isinstance(d, (int, str)) else None for d in shape]
+    return onnx.helper.make_tensor_type_proto(int(dtype), dims)
 
 
 def _rename_outer_reads(graph: onnx.GraphProto, rename: dict[str, str]) -> None:

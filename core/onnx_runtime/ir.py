@@ -46,7 +46,7 @@ class TypeInfo:
         for d in shape:  # (a plain loop: asked per node input at planning, a generator costs 2x)
             if not isinstance(d, int):
                 return None
-        return tuple(shape)
+        return tuple(shape)  # type: ignore[arg-type]  # every dim is an int: checked above
 
     def describe(self) -> str:
         if self.kind == "tensor":

@@ -385,7 +385,7 @@ def topological_order(graph: Graph, outer: set[str]) -> list[Node]:
     if len(order) != len(graph.nodes):
         stuck = [graph.nodes[i].name for i in range(len(graph.nodes)) if waiting[i] > 0][:5]
         raise InvalidGraphError(f"graph {graph.name!r} has a cycle through nodes {stuck}")
-    for out in graph.outputs:
-        if out.name not in producer and out.name not in available:
-            raise InvalidGraphError(f"graph output {out.name!r} is not produced by any node, input or initializer")
+    for output in graph.outputs:
+        if output.name not in producer and output.name not in available:
+            raise InvalidGraphError(f"graph output {output.name!r} is not produced by any node, input or initializer")
     return [graph.nodes[i] for i in order]

@@ -89,11 +89,11 @@ class Tensor:
         array = np.asarray(array)
         dtype = DataType.from_numpy(array.dtype)
         tensor = cls.empty(dtype, array.shape, provider)
-        if dtype is DataType.STRING:
+        if tensor._strings is not None:
             tensor._strings[...] = array
             return tensor
         if array.size:
-            tensor._allocator.copy_from_host(np.ascontiguousarray(array), tensor._buffer)
+            tensor._allocator.copy_from_host(np.ascontiguousarray(array), tensor.buffer)
         return tensor
 
     @classmethod
@@ -110,7 +110,7 @@ class Tensor:
             )
         tensor = cls.empty(dtype, shape, provider)
         if expected:
-            tensor._allocator.copy_from_host(data, tensor._buffer)
+            tensor._allocator.copy_from_host(data, tensor.buffer)
         return tensor
 
     @classmethod
@@ -163,7 +163,10 @@ class Tensor:
 
     @property
     def buffer(self) -> DeviceBuffer:
+        """The device buffer holding the elements; a string tensor has none (see :meth:`numpy`)."""
         self._check_open()
+        if self._buffer is None:
+            raise InvalidArgumentError("string tensors have no device buffer; read them with numpy()")
         return self._buffer
 
     @property
@@ -189,10 +192,12 @@ class Tensor:
         self._check_open()
         if self._strings is not None:
             return self._strings
-        if self._buffer.host is not None:
-            raw = self._buffer.host_view()[: self.nbytes]
+        buffer = self._buffer
+        assert buffer is not None  # only string tensors have none
+        if buffer.host is not None:
+            raw = buffer.host_view()[: self.nbytes]
         else:
-            raw = self._allocator.download(self._buffer, self.nbytes)
+            raw = self._allocator.download(buffer, self.nbytes)
         return raw.view(self.dtype.numpy).reshape(self.shape)
 
     def __array__(self, dtype=None, copy=None):
@@ -218,10 +223,11 @@ class Tensor:
             return Tensor.from_numpy(self._strings.copy())
         clone = Tensor.empty(self.dtype, self.shape, self._allocator)
         if self.nbytes:
-            if self._buffer.host is not None:
-                self._allocator.copy_from_host(self._buffer.host_view()[: self.nbytes], clone._buffer)
+            buffer = self.buffer
+            if buffer.host is not None:
+                self._allocator.copy_from_host(buffer.host_view()[: self.nbytes], clone.buffer)
             else:
-                self._allocator.hook.copy(src=self._buffer, dst=clone._buffer, size=self.nbytes)
+                self._allocator.hook.copy(src=buffer, dst=clone.buffer, size=self.nbytes)
         return clone
 
     def sync(self) -> None:
@@ -252,7 +258,7 @@ class Tensor:
     # -- release --------------------------------------------------------------------------------
     def close(self) -> None:
         """Return the buffer to its provider, then release any import guard; idempotent."""
-        allocator, self._allocator = self._allocator, None
+        allocator, self._allocator = self._allocator, None  # type: ignore[assignment]  # None marks it closed
         if allocator is None:
             return
         buffer, self._buffer = self._buffer, None

@@ -94,7 +94,10 @@ class WindowAttributes:
         if self.kernel is not None and weight_kernel is not None and self.kernel != tuple(weight_kernel):
             raise _attribute_error(self.node, "kernel_shape",
                                    f"is {list(self.kernel)} but the weight has kernel {list(weight_kernel)}")
-        kernel = tuple(weight_kernel if weight_kernel is not None else self.kernel)
+        implied = weight_kernel if weight_kernel is not None else self.kernel
+        if implied is None:
+            raise _attribute_error(self.node, "kernel_shape", "is missing and no weight implies it")
+        kernel = tuple(implied)
         self.check_rank(rank)
         strides = self.strides or (1,) * rank
         dilations = self.dilations or (1,) * rank

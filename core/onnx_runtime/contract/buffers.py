@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
 from ..devices import DeviceId
 from ..errors import InvalidArgumentError
+
+# Host memory the copy hooks accept: bytes-like, or a C-contiguous array (read as its bytes).
+HostBytes: TypeAlias = bytes | bytearray | memoryview | np.ndarray
+# Host memory a download may write: a writable buffer, or a C-contiguous array.
+WritableHostBytes: TypeAlias = bytearray | memoryview | np.ndarray
 
 
 class Ownership(enum.Enum):

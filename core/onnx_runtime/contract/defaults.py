@@ -10,6 +10,9 @@ fences, and "not supported by <provider>" errors for device-only features.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
 from ..devices import DeviceId, DeviceType
@@ -20,8 +23,15 @@ from .kernels import Availability, KernelMatch
 from .markers import hookimpl
 from .validation import DeviceValidationOwner, DeviceValidationRegistration, DeviceValidationToken
 
+if TYPE_CHECKING:
+    from ..ir import Node
+    from ..provider_handle import ProviderHandle
+    from .buffers import Fence, HostBytes, WritableHostBytes
+    from .graphs import CaptureRegionShapeStatus, DeviceGraphOwner
+    from .kernels import EpContext, GraphPass, Kernel
 
-def host_bytes_of(src) -> np.ndarray:
+
+def host_bytes_of(src: HostBytes) -> np.ndarray:
     """A flat uint8 view of host data (bytes, bytearray, memoryview, or C-contiguous array)."""
     if isinstance(src, np.ndarray):
         if not src.flags.c_contiguous:
@@ -30,7 +40,7 @@ def host_bytes_of(src) -> np.ndarray:
     return np.frombuffer(src, dtype=np.uint8)
 
 
-def writable_host_bytes_of(dst) -> np.ndarray:
+def writable_host_bytes_of(dst: WritableHostBytes) -> np.ndarray:
     view = host_bytes_of(dst)
     if not view.flags.writeable:
         raise InvalidArgumentError("the host destination is read-only; pass a bytearray or a writable array")
@@ -40,7 +50,7 @@ def writable_host_bytes_of(dst) -> np.ndarray:
 class DefaultFallbacks:
     """Default implementations, bound to one provider instance's :class:`ProviderHandle`."""
 
-    def __init__(self, handle):
+    def __init__(self, handle: ProviderHandle) -> None:
         self._handle = handle
         self._allocations = 0
         self._frees = 0
@@ -70,58 +80,60 @@ class DefaultFallbacks:
 
     # -- identity -------------------------------------------------------------------------------
     @hookimpl(trylast=True)
-    def short_name(self):
+    def short_name(self) -> str:
         return self._handle.hook.name().replace("ExecutionProvider", "").lower() or self._handle.hook.name()
 
     @hookimpl(trylast=True)
-    def device_type(self):
+    def device_type(self) -> DeviceType:
         return DeviceType.CPU
 
     @hookimpl(trylast=True)
-    def device_id(self):
+    def device_id(self) -> DeviceId:
         return DeviceId(self._handle.hook.device_type(), 0)
 
     @hookimpl(trylast=True)
-    def availability(self):
+    def availability(self) -> Availability:
         return Availability.yes()
 
     # -- lifecycle --------------------------------------------------------------------------------
     @hookimpl(trylast=True)
-    def initialize(self, options):
+    def initialize(self, options: dict[str, str]) -> None:
         if options:
             raise InvalidArgumentError(
                 f"{self._name} accepts no provider options, got {sorted(options)}; remove them"
             )
 
     @hookimpl(trylast=True)
-    def shutdown(self):
+    def shutdown(self) -> None:
         return None
 
     # -- capability -------------------------------------------------------------------------------
     @hookimpl(trylast=True)
-    def supports_op(self, node):
+    def supports_op(self, node: Node) -> KernelMatch:
         return KernelMatch.unsupported(
             f"{self._name} implements no operators (it has no `supports_op` hook)"
         )
 
     @hookimpl(trylast=True)
-    def get_kernel(self, node):
+    def get_kernel(self, node: Node) -> Kernel:
         raise self._unsupported(f"creating a kernel for {node.op_type}", "get_kernel")
 
     @hookimpl(trylast=True)
-    def host_inputs(self):
+    def host_inputs(self) -> tuple[int, ...] | None:
         return None  # undeclared: the capture-region analysis assumes nothing about the node's inputs
 
     @hookimpl(trylast=True)
-    def claim_nodes(self):
+    def claim_nodes(self) -> list[str]:
         return []
 
     @hookimpl(trylast=True)
-    def custom_passes(self):
+    def custom_passes(self) -> list[GraphPass]:
         return []
 
     @hookimpl(trylast=True)
-    def plan_capture_region(self, node, shape_status):
+    def plan_capture_region(
+        self, node: Node, shape_status: CaptureRegionShapeStatus
+    ) -> StructuralCaptureDecline | None:
         if is_control_flow_or_sequence(node):
             return StructuralCaptureDecline.HOST_CONTROL_FLOW_OR_SEQUENCE
         if not shape_status.outputs_resolved:
@@ -132,7 +144,7 @@ class DefaultFallbacks:
 
     # -- memory -----------------------------------------------------------------------------------
     @hookimpl(trylast=True)
-    def allocate(self, size, alignment):
+    def allocate(self, size: int, alignment: int) -> DeviceBuffer:
         device = self._device()
         if not device.is_host_accessible:
             raise self._unsupported(f"allocating memory on {device}", "allocate")
@@ -141,7 +153,9 @@ class DefaultFallbacks:
         return buffer
 
     @hookimpl(trylast=True)
-    def allocate_committed(self, size, alignment, committed_ranges):
+    def allocate_committed(
+        self, size: int, alignment: int, committed_ranges: Sequence[tuple[int, int]] | None
+    ) -> DeviceBuffer:
         for start, stop in committed_ranges or ():
             if not 0 <= start <= stop <= size:
                 raise InvalidArgumentError(
@@ -150,33 +164,33 @@ class DefaultFallbacks:
         return self._handle.hook.allocate(size=size, alignment=alignment)
 
     @hookimpl(trylast=True)
-    def commit_allocation_range(self, buffer, offset, nbytes):
+    def commit_allocation_range(self, buffer: DeviceBuffer, offset: int, nbytes: int) -> None:
         check_range(self._name, "commit", buffer, offset, nbytes)
 
     @hookimpl(trylast=True)
-    def commit_allocation_ranges(self, ranges):
+    def commit_allocation_ranges(self, ranges: Sequence[tuple[DeviceBuffer, int, int]]) -> None:
         for buffer, offset, nbytes in ranges:
             self._handle.hook.commit_allocation_range(buffer=buffer, offset=offset, nbytes=nbytes)
 
     @hookimpl(trylast=True)
-    def allocation_committed_bytes(self, buffer):
+    def allocation_committed_bytes(self, buffer: DeviceBuffer) -> int:
         return buffer.size
 
     @hookimpl(trylast=True)
-    def deallocate(self, buffer):
+    def deallocate(self, buffer: DeviceBuffer) -> None:
         if buffer.host is None and not buffer.device.is_host_accessible:
             raise self._unsupported(f"freeing memory on {buffer.device}", "deallocate")
         self._frees += 1
 
     @hookimpl(trylast=True)
-    def device_allocation_counts(self):
+    def device_allocation_counts(self) -> tuple[int, int] | None:
         if self._handle.implements("allocate") or self._handle.implements("deallocate"):
             return None  # the provider manages (part of) its memory itself; these counts would be partial
         return (self._allocations, self._frees)
 
     # -- copies -----------------------------------------------------------------------------------
     @hookimpl(trylast=True)
-    def copy(self, src, dst, size):
+    def copy(self, src: DeviceBuffer, dst: DeviceBuffer, size: int) -> None:
         if size < 0:
             raise InvalidArgumentError(f"{self._name}: copy size must be non-negative, got {size}")
         source = self._require_host(src, "copy", "copy")
@@ -190,24 +204,24 @@ class DefaultFallbacks:
         target[:size] = source[:size]
 
     @hookimpl(trylast=True)
-    def copy_async(self, src, dst, size):
+    def copy_async(self, src: DeviceBuffer, dst: DeviceBuffer, size: int) -> Fence:
         self._handle.hook.copy(src=src, dst=dst, size=size)
         return SIGNALLED
 
     @hookimpl(trylast=True)
-    def wait_fence(self, fence):
+    def wait_fence(self, fence: Fence) -> None:
         return None
 
     @hookimpl(trylast=True)
-    def record_compute_fence(self):
+    def record_compute_fence(self) -> Fence:
         return SIGNALLED
 
     @hookimpl(trylast=True)
-    def copy_wait_fence(self, fence):
+    def copy_wait_fence(self, fence: Fence) -> None:
         return None
 
     @hookimpl(trylast=True)
-    def copy_from_host(self, src, dst):
+    def copy_from_host(self, src: HostBytes, dst: DeviceBuffer) -> None:
         data = host_bytes_of(src)
         if data.size > dst.size:
             raise InvalidArgumentError(
@@ -220,7 +234,7 @@ class DefaultFallbacks:
         target[: data.size] = data
 
     @hookimpl(trylast=True)
-    def copy_from_host_at(self, src, dst, byte_offset):
+    def copy_from_host_at(self, src: HostBytes, dst: DeviceBuffer, byte_offset: int) -> None:
         data = host_bytes_of(src)
         check_range(self._name, "host upload", dst, byte_offset, data.size)
         if data.size == 0:
@@ -230,7 +244,7 @@ class DefaultFallbacks:
         target[byte_offset: byte_offset + data.size] = data
 
     @hookimpl(trylast=True)
-    def copy_to_host(self, src, dst):
+    def copy_to_host(self, src: DeviceBuffer, dst: WritableHostBytes) -> None:
         target = writable_host_bytes_of(dst)
         if target.size > src.size:
             raise InvalidArgumentError(
@@ -241,7 +255,9 @@ class DefaultFallbacks:
         target[:] = self._require_host(src, "host download", "copy_to_host")[: target.size]
 
     @hookimpl(trylast=True)
-    def copy_device_to_device(self, src, src_offset, dst, dst_offset, nbytes):
+    def copy_device_to_device(
+        self, src: DeviceBuffer, src_offset: int, dst: DeviceBuffer, dst_offset: int, nbytes: int
+    ) -> None:
         check_range(self._name, "device-to-device copy source", src, src_offset, nbytes)
         check_range(self._name, "device-to-device copy destination", dst, dst_offset, nbytes)
         source = self._require_host(src, "device-to-device copy", "copy_device_to_device")
@@ -250,49 +266,49 @@ class DefaultFallbacks:
         target[dst_offset: dst_offset + nbytes] = source[src_offset: src_offset + nbytes]
 
     @hookimpl(trylast=True)
-    def sync(self):
+    def sync(self) -> None:
         return None
 
     # -- decode helpers ---------------------------------------------------------------------------
     @hookimpl(trylast=True)
-    def device_argmax_supported(self):
+    def device_argmax_supported(self) -> bool:
         return False
 
     @hookimpl(trylast=True)
-    def device_argmax(self):
+    def device_argmax(self) -> None:
         raise self._unsupported("device argmax", "device_argmax")
 
     @hookimpl(trylast=True)
-    def device_token_writer(self):
+    def device_token_writer(self) -> None:
         raise self._unsupported("the device token writer", "device_token_writer")
 
     # -- device graphs: single slot ---------------------------------------------------------------
     @hookimpl(trylast=True)
-    def begin_device_graph_capture(self):
+    def begin_device_graph_capture(self) -> None:
         raise self._unsupported("device graph capture", "begin_device_graph_capture")
 
     @hookimpl(trylast=True)
-    def end_device_graph_capture(self):
+    def end_device_graph_capture(self) -> None:
         raise self._unsupported("device graph capture", "end_device_graph_capture")
 
     @hookimpl(trylast=True)
-    def abort_device_graph_capture(self):
+    def abort_device_graph_capture(self) -> None:
         return None
 
     @hookimpl(trylast=True)
-    def replay_device_graph(self):
+    def replay_device_graph(self) -> None:
         raise self._unsupported("device graph replay", "replay_device_graph")
 
     @hookimpl(trylast=True)
-    def replay_device_graph_segment(self):
+    def replay_device_graph_segment(self) -> None:
         raise self._unsupported("segmented device graph replay", "replay_device_graph_segment")
 
     @hookimpl(trylast=True)
-    def reset_device_graph(self):
+    def reset_device_graph(self) -> bool:
         return False
 
     # -- device graphs: slot routing ----------------------------------------------------------------
-    def _route(self, slot, hook: str, **kwargs):
+    def _route(self, slot: DeviceGraphSlot, hook: str, **kwargs: Any) -> Any:
         if DeviceGraphSlot(slot) is DeviceGraphSlot.PRIMARY:
             return getattr(self._handle.hook, hook)(**kwargs)
         raise NotSupportedError(
@@ -301,113 +317,123 @@ class DefaultFallbacks:
         )
 
     @hookimpl(trylast=True)
-    def begin_device_graph_capture_in(self, slot, kernels):
+    def begin_device_graph_capture_in(self, slot: DeviceGraphSlot, kernels: Sequence[Kernel]) -> None:
         return self._route(slot, "begin_device_graph_capture", kernels=kernels)
 
     @hookimpl(trylast=True)
-    def end_device_graph_capture_in(self, slot):
+    def end_device_graph_capture_in(self, slot: DeviceGraphSlot) -> None:
         return self._route(slot, "end_device_graph_capture")
 
     @hookimpl(trylast=True)
-    def abort_device_graph_capture_in(self, slot):
+    def abort_device_graph_capture_in(self, slot: DeviceGraphSlot) -> None:
         return self._route(slot, "abort_device_graph_capture")
 
     @hookimpl(trylast=True)
-    def replay_device_graph_in(self, slot):
+    def replay_device_graph_in(self, slot: DeviceGraphSlot) -> None:
         return self._route(slot, "replay_device_graph")
 
     @hookimpl(trylast=True)
-    def replay_device_graph_segment_in(self, slot, index):
+    def replay_device_graph_segment_in(self, slot: DeviceGraphSlot, index: int) -> None:
         return self._route(slot, "replay_device_graph_segment", index=index)
 
     @hookimpl(trylast=True)
-    def reset_device_graph_in(self, slot):
+    def reset_device_graph_in(self, slot: DeviceGraphSlot) -> bool:
         if DeviceGraphSlot(slot) is DeviceGraphSlot.PRIMARY:
             return self._handle.hook.reset_device_graph()
         return False  # nothing is ever installed in a slot a single-slot provider does not own
 
     @hookimpl(trylast=True)
-    def has_device_graph_in(self, slot):
+    def has_device_graph_in(self, slot: DeviceGraphSlot) -> bool:
         return True
 
     # -- device graphs: owner-scoped ------------------------------------------------------------------
     @hookimpl(trylast=True)
-    def begin_owned_device_graph_capture(self, owner, slot, continuation, kernels):
+    def begin_owned_device_graph_capture(
+        self,
+        owner: DeviceGraphOwner,
+        slot: DeviceGraphSlot,
+        continuation: DeviceGraphToken | None,
+        kernels: Sequence[Kernel],
+    ) -> DeviceGraphToken:
         self._handle.hook.begin_device_graph_capture_in(slot=slot, kernels=kernels)
         return continuation if continuation is not None else DeviceGraphToken(owner, DeviceGraphSlot(slot), 1)
 
     @hookimpl(trylast=True)
-    def end_owned_device_graph_capture(self, token):
+    def end_owned_device_graph_capture(self, token: DeviceGraphToken) -> None:
         return self._handle.hook.end_device_graph_capture_in(slot=token.slot)
 
     @hookimpl(trylast=True)
-    def abort_owned_device_graph_capture(self, token):
+    def abort_owned_device_graph_capture(self, token: DeviceGraphToken) -> None:
         return self._handle.hook.abort_device_graph_capture_in(slot=token.slot)
 
     @hookimpl(trylast=True)
-    def replay_owned_device_graph(self, token):
+    def replay_owned_device_graph(self, token: DeviceGraphToken) -> None:
         return self._handle.hook.replay_device_graph_in(slot=token.slot)
 
     @hookimpl(trylast=True)
-    def replay_owned_device_graph_segment(self, token, index):
+    def replay_owned_device_graph_segment(self, token: DeviceGraphToken, index: int) -> None:
         return self._handle.hook.replay_device_graph_segment_in(slot=token.slot, index=index)
 
     @hookimpl(trylast=True)
-    def reset_owned_device_graph(self, token):
+    def reset_owned_device_graph(self, token: DeviceGraphToken) -> bool:
         return self._handle.hook.reset_device_graph_in(slot=token.slot)
 
     @hookimpl(trylast=True)
-    def retire_owned_device_graphs(self, owner):
+    def retire_owned_device_graphs(self, owner: DeviceGraphOwner) -> None:
         return None
 
     @hookimpl(trylast=True)
-    def has_owned_device_graph(self, token):
+    def has_owned_device_graph(self, token: DeviceGraphToken) -> bool:
         return self._handle.hook.has_device_graph_in(slot=token.slot)
 
     # -- validation -------------------------------------------------------------------------------
     @hookimpl(trylast=True)
-    def register_device_validation_owner(self):
+    def register_device_validation_owner(self) -> DeviceValidationRegistration:
         return DeviceValidationRegistration(DeviceValidationOwner.new())
 
     @hookimpl(trylast=True)
-    def unregister_device_validation_owner(self, registration):
+    def unregister_device_validation_owner(self, registration: DeviceValidationRegistration) -> None:
         return None
 
     @hookimpl(trylast=True)
-    def begin_device_validation(self, registration):
+    def begin_device_validation(self, registration: DeviceValidationRegistration) -> DeviceValidationToken:
         return DeviceValidationToken(registration.owner, 0)
 
     @hookimpl(trylast=True)
-    def add_device_validation_recipient(self, submission, recipient):
+    def add_device_validation_recipient(
+        self, submission: DeviceValidationToken, recipient: DeviceValidationRegistration
+    ) -> DeviceValidationToken:
         return DeviceValidationToken(recipient.owner, submission.generation)
 
     @hookimpl(trylast=True)
-    def activate_device_validation(self, submission):
+    def activate_device_validation(self, submission: DeviceValidationToken) -> None:
         return None
 
     @hookimpl(trylast=True)
-    def abort_device_validation_submission(self, submission):
+    def abort_device_validation_submission(self, submission: DeviceValidationToken) -> int:
         return 0
 
     @hookimpl(trylast=True)
-    def defers_device_validation(self):
+    def defers_device_validation(self) -> bool:
         return False
 
     @hookimpl(trylast=True)
-    def consume_device_validation_error(self, registration, token):
+    def consume_device_validation_error(
+        self, registration: DeviceValidationRegistration, token: DeviceValidationToken
+    ) -> int:
         return 0
 
     # -- compiled contexts --------------------------------------------------------------------------
     @hookimpl(trylast=True)
-    def context_source_keys(self):
+    def context_source_keys(self) -> list[str]:
         return []
 
     @hookimpl(trylast=True)
-    def save_context(self):
+    def save_context(self) -> EpContext:
         raise self._unsupported("saving a compiled EPContext", "save_context")
 
     @hookimpl(trylast=True)
-    def load_context(self, context):
+    def load_context(self, context: EpContext) -> None:
         raise self._unsupported("loading a compiled EPContext", "load_context")
 
 

@@ -17,6 +17,11 @@ Cross-cutting plugins (tracing, allocation accounting) can wrap any hook with pl
 Hooks are the control plane: placement, kernel creation, planning, copies at boundaries, capture.
 The data plane is the kernels ``get_kernel`` returns, which the executor calls directly.
 
+Every hook below is typed and ends its docstring with two lines: ``Default:`` says what the core's
+default does when the provider does not implement the hook, and ``Called by:`` names the core module
+that calls it and when ("not by the core" marks hooks that exist for providers, tools and tests; the
+session works without them).
+
 Errors. Raise :class:`onnx_runtime.errors.ProviderError` (or a subclass) with a message that names
 the provider, what was wrong and how to fix it.
 
@@ -26,14 +31,33 @@ names a module (or object) implementing the discovery hook :meth:`DiscoverySpec.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
 from .markers import hookspec
+
+if TYPE_CHECKING:
+    from ..devices import DeviceId, DeviceType, TensorLayout
+    from ..dtypes import DataType
+    from ..ir import Dim, Graph, Node
+    from ..provider_handle import ProviderHandle
+    from .buffers import DeviceBuffer, Fence, HostBytes, WritableHostBytes
+    from .graphs import (
+        CaptureRegionShapeStatus,
+        DeviceGraphOwner,
+        DeviceGraphSlot,
+        DeviceGraphToken,
+        StructuralCaptureDecline,
+    )
+    from .kernels import ArgmaxTieBreak, Availability, EpContext, GraphPass, Kernel, KernelMatch
+    from .validation import DeviceValidationRegistration, DeviceValidationToken
 
 
 class DiscoverySpec:
     """Process-wide hooks, implemented by the module an entry point names."""
 
     @hookspec
-    def onnx_runtime_providers(self):
+    def onnx_runtime_providers(self) -> list[Callable[[], object]]:
         """Return a list of provider classes this plugin contributes.
 
         Each class must be constructible with no arguments and without touching a device;
@@ -42,6 +66,11 @@ class DiscoverySpec:
             @hookimpl
             def onnx_runtime_providers():
                 return [MyExecutionProvider]
+
+        Default: none; an entry point that names neither a provider class nor a plugin implementing
+        this hook is reported as broken (``onnx-runtime providers`` lists it).
+        Called by: discovery.py, once per plugin when the provider registry loads the entry points
+        (first use) and on ``onnx_runtime.register_provider``.
         """
 
 
@@ -50,36 +79,57 @@ class ExecutionProviderSpec:
 
     # -- identity -----------------------------------------------------------------------------
     @hookspec(firstresult=True)
-    def name(self):
-        """The provider's name as onnxruntime spells it, e.g. ``"CPUExecutionProvider"``."""
+    def name(self) -> str:
+        """The provider's name as onnxruntime spells it, e.g. ``"CPUExecutionProvider"``.
 
-    @hookspec(firstresult=True)
-    def short_name(self):
-        """A short alias accepted wherever a provider name is, e.g. ``"cpu"``.
-
-        Default: the name lower-cased without ``ExecutionProvider``.
+        Default: none: the hook is required, and a provider without it is rejected with a
+        :class:`PluginError`.
+        Called by: provider_handle.py, once when a handle is created (at discovery and for every
+        session); the handle keeps the answer.
         """
 
     @hookspec(firstresult=True)
-    def device_type(self):
-        """The :class:`onnx_runtime.DeviceType` of the memory this provider's kernels use. Default CPU."""
+    def short_name(self) -> str:
+        """A short alias accepted wherever a provider name is, e.g. ``"cpu"``.
+
+        Default: the name lower-cased without ``ExecutionProvider``.
+        Called by: provider_handle.py, once when a handle is created; the handle keeps the answer.
+        """
 
     @hookspec(firstresult=True)
-    def device_id(self):
-        """The :class:`onnx_runtime.DeviceId` this instance runs on. Default ``DeviceId(device_type(), 0)``."""
+    def device_type(self) -> DeviceType:
+        """The :class:`onnx_runtime.DeviceType` of the memory this provider's kernels use.
+
+        Default: ``DeviceType.CPU``.
+        Called by: provider_handle.py, when a handle is created and again after ``initialize``.
+        """
 
     @hookspec(firstresult=True)
-    def availability(self):
+    def device_id(self) -> DeviceId:
+        """The :class:`onnx_runtime.DeviceId` this instance runs on.
+
+        Its ``is_host_accessible`` decides whether the core reads the provider's buffers directly or
+        copies through ``copy_from_host`` / ``copy_to_host``.
+        Default: ``DeviceId(device_type(), 0)``.
+        Called by: provider_handle.py, when a handle is created and again after ``initialize``; the
+        default ``allocate`` asks it per allocation.
+        """
+
+    @hookspec(firstresult=True)
+    def availability(self) -> Availability:
         """An :class:`Availability`: can this provider run on this machine, and if not, why.
 
         Called before ``initialize`` and must be cheap and side-effect free (e.g. probe for a
         driver library). The reason is shown by ``onnx-runtime providers`` and in session errors,
-        so say what is missing and how to get it. Default: available.
+        so say what is missing and how to get it. An exception is reported as unavailable.
+        Default: available.
+        Called by: provider_handle.py (``ProviderHandle.availability``), once per provider at
+        discovery (discovery.py); sessions read the registry's answer.
         """
 
     # -- lifecycle ----------------------------------------------------------------------------
     @hookspec(firstresult=True)
-    def initialize(self, options, handle, session_config):
+    def initialize(self, options: dict[str, str], handle: ProviderHandle, session_config: dict[str, str]) -> None:
         """Acquire device resources. ``options`` maps namespaced keys to strings.
 
         The session passes the user's ``provider_options`` for this provider. Unknown keys should
@@ -88,17 +138,32 @@ class ExecutionProviderSpec:
         :class:`onnx_runtime.Tensor` outputs on this device from kernels that have no device input.
         ``session_config`` holds session-wide settings as strings under onnxruntime's key names
         (``session.intra_op_num_threads``, ``session.use_deterministic_compute``, and every
-        ``SessionOptions.add_session_config_entry``); honour the ones that apply. Default: accept no
-        options.
+        ``SessionOptions.add_session_config_entry``); honour the ones that apply.
+        Default: accept no options (any option raises :class:`InvalidArgumentError`).
+        Called by: provider_handle.py (``ProviderHandle.initialize``), once per instance: at session
+        creation (session/inference_session.py), for ``OrtValue`` device tensors (ort_value.py) and
+        for the core's host allocator (host.py).
         """
 
     @hookspec(firstresult=True)
-    def shutdown(self):
-        """Release device resources. Called once when the last session using the instance closes."""
+    def shutdown(self) -> None:
+        """Release device resources acquired by ``initialize``.
+
+        Default: nothing to release.
+        Called by: provider_handle.py (``ProviderHandle.shutdown``), once when the session that
+        initialized the instance closes (session/inference_session.py).
+        """
 
     # -- capability and kernels ---------------------------------------------------------------
     @hookspec(firstresult=True)
-    def supports_op(self, node, opset, shapes, dtypes, layouts):
+    def supports_op(
+        self,
+        node: Node,
+        opset: int,
+        shapes: Sequence[tuple[Dim, ...] | None],
+        dtypes: Sequence[DataType | None],
+        layouts: Sequence[TensorLayout],
+    ) -> KernelMatch:
         """Whether this provider can run ``node`` and at what cost: a :class:`KernelMatch`.
 
         ``opset`` is the model's opset for the node's domain; ``shapes`` per input a tuple of dims
@@ -107,12 +172,20 @@ class ExecutionProviderSpec:
         ``node.inputs`` uses "" for omitted optional inputs (its shape and dtype are None).
         An unsupported answer must say what the provider accepts and how to fix it.
         Default: unsupported (the provider implements no operators).
+        Called by: session/placement.py (through ``ProviderHandle.supports_op``), per node and
+        provider in priority order until one accepts, at session creation; also before placement by
+        the optimizer's passes (optimizer/context.py) and the ownership test of ``custom_passes``
+        (session/inference_session.py).
         """
 
     @hookspec(firstresult=True)
-    def get_kernel(self, node, shapes, opset, graph):
+    def get_kernel(
+        self, node: Node, shapes: Sequence[tuple[int, ...] | None], opset: int, graph: Graph
+    ) -> Kernel:
         """A kernel for ``node`` specialized to concrete input ``shapes`` (tuples of ints).
 
+        ``shapes`` holds None for an omitted optional input, and for every input of a control-flow
+        node, whose one kernel runs any shapes through its compiled subgraphs.
         ``graph`` is the :class:`onnx_runtime.ir.Graph` holding the node, for the rare operator
         defined over other nodes of its graph (``Gradient``), and for the values of constant inputs:
         an input named in ``graph.initializers`` holds that value on every run, so a device kernel can
@@ -121,10 +194,14 @@ class ExecutionProviderSpec:
         The kernel is a callable ``kernel(*inputs) -> tuple of outputs`` (see :class:`Kernel`).
         The session caches kernels per (node, input shapes). Raise :class:`InvalidGraphError` for
         an attribute combination the operator's spec forbids, naming the node and the attribute.
+        Default: raises :class:`NotSupportedError` (the provider creates no kernels).
+        Called by: session/executor.py, when it plans the session's runs (at session creation) for a
+        node whose input shapes are all static, else at the first run with each new tuple of input
+        shapes; also by constant folding (optimizer/context.py) on host providers.
         """
 
     @hookspec(firstresult=True)
-    def host_inputs(self, node, opset):
+    def host_inputs(self, node: Node, opset: int) -> tuple[int, ...] | None:
         """Positions of ``node``'s inputs whose *values* its kernel reads on the host, or None.
 
         Shape-like inputs (Reshape's shape, Slice's starts/ends/axes/steps, Expand's shape, Tile's
@@ -139,299 +216,560 @@ class ExecutionProviderSpec:
         input is not a constant (naming the input), and admits a node whose output shape inference could
         not resolve when its input shapes are resolved and its host inputs are constants.
         Default: None (not declared; nothing is assumed).
+        Called by: session/device_graphs.py, once per node of a plan when a session with
+        ``session.graph_capture`` enabled first runs that plan.
         """
 
     @hookspec(firstresult=True)
-    def claim_nodes(self, graph):
+    def claim_nodes(self, graph: Graph) -> Iterable[str]:
         """Names of nodes this provider claims unconditionally, before cost-based placement.
 
         Default: none.
+        Called by: session/placement.py, once per provider at session creation, before any
+        ``supports_op``.
         """
 
     @hookspec(firstresult=True)
-    def custom_passes(self):
+    def custom_passes(self) -> Sequence[GraphPass]:
         """Provider-specific graph passes run after the generic optimizer.
 
         A pass is a callable ``pass_(graph) -> bool`` or ``pass_(graph, owns) -> bool`` rewriting an
         :class:`onnx_runtime.ir.Graph` in place and returning whether it changed anything.
         ``owns(node)`` says whether placement would give the node to this provider (no provider
         listed before it accepts it): fuse only nodes you own, so a fusion never pulls work away from
-        a provider the user listed first. Default: none.
+        a provider the user listed first.
+        Default: none.
+        Called by: session/inference_session.py, once per provider in priority order at session
+        creation, after the generic optimizer and before placement.
         """
 
     @hookspec(firstresult=True)
-    def plan_capture_region(self, node, shape_status):
+    def plan_capture_region(
+        self, node: Node, shape_status: CaptureRegionShapeStatus
+    ) -> StructuralCaptureDecline | str | None:
         """Why ``node`` must stay out of a device-graph capture region, or None to admit it.
 
-        ``shape_status`` is a :class:`CaptureRegionShapeStatus`. The default declines, in this
-        order: control-flow and sequence operators, an unresolved output shape, an unresolved
-        input shape. An override must still decline whenever either shape is unresolved.
+        ``shape_status`` is a :class:`CaptureRegionShapeStatus`. The answer is a
+        :class:`StructuralCaptureDecline` or a string (anything with a ``reason`` attribute is shown
+        by it). An override must still decline whenever either shape is unresolved.
+        Default: declines, in this order: control-flow and sequence operators, an unresolved output
+        shape, an unresolved input shape.
+        Called by: session/device_graphs.py, once per node of a plan when a session with
+        ``session.graph_capture`` enabled first runs that plan.
         """
 
     # -- memory -------------------------------------------------------------------------------
     @hookspec(firstresult=True)
-    def allocate(self, size, alignment):
+    def allocate(self, size: int, alignment: int) -> DeviceBuffer:
         """A new owned :class:`DeviceBuffer` of ``size`` bytes aligned to ``alignment``.
 
-        Default: aligned host memory when the device is host-accessible; else not supported.
+        Default: aligned host memory when the device is host-accessible; else
+        :class:`NotSupportedError`.
+        Called by: provider_handle.py (``ProviderHandle.allocate``), for every tensor created on this
+        provider's device (tensor.py: kernel outputs, uploads of feeds and weights), and once per
+        captured signature for the capture arena (session/device_graphs.py).
         """
 
     @hookspec(firstresult=True)
-    def allocate_committed(self, size, alignment, committed_ranges):
+    def allocate_committed(
+        self, size: int, alignment: int, committed_ranges: Sequence[tuple[int, int]] | None
+    ) -> DeviceBuffer:
         """Allocate address space, committing only ``committed_ranges`` (list of (start, stop)).
 
-        Providers that cannot reserve without committing use the default: allocate everything.
+        Default: checks that the ranges lie inside the allocation, then allocates everything
+        through ``allocate`` (for providers that cannot reserve without committing).
+        Called by: not by the core (providers and tools that reserve address space).
         """
 
     @hookspec(firstresult=True)
-    def commit_allocation_range(self, buffer, offset, nbytes):
-        """Ensure ``buffer[offset:offset+nbytes]`` is backed by memory. Default: bounds check only."""
+    def commit_allocation_range(self, buffer: DeviceBuffer, offset: int, nbytes: int) -> None:
+        """Ensure ``buffer[offset:offset+nbytes]`` is backed by memory.
+
+        Default: bounds check only (``allocate_committed``'s default commits everything).
+        Called by: not by the core; the default ``commit_allocation_ranges``, once per range.
+        """
 
     @hookspec(firstresult=True)
-    def commit_allocation_ranges(self, ranges):
-        """Commit a list of ``(buffer, offset, nbytes)`` as one transaction. Default: one by one."""
+    def commit_allocation_ranges(self, ranges: Sequence[tuple[DeviceBuffer, int, int]]) -> None:
+        """Commit a list of ``(buffer, offset, nbytes)`` as one transaction.
+
+        Default: ``commit_allocation_range`` for each, in order.
+        Called by: not by the core (providers and tools that reserve address space).
+        """
 
     @hookspec(firstresult=True)
-    def allocation_committed_bytes(self, buffer):
-        """Bytes of ``buffer`` backed by memory. Default: all of it."""
+    def allocation_committed_bytes(self, buffer: DeviceBuffer) -> int:
+        """Bytes of ``buffer`` backed by memory.
+
+        Default: all of it (``buffer.size``).
+        Called by: not by the core (providers and tools that reserve address space).
+        """
 
     @hookspec(firstresult=True)
-    def deallocate(self, buffer):
+    def deallocate(self, buffer: DeviceBuffer) -> None:
         """Free an owned buffer this provider allocated.
 
         The core calls this at most once per buffer and never for borrowed buffers, so an
-        implementation only releases memory. Default: drop the host backing.
+        implementation only releases memory.
+        Default: nothing to release for host memory (the handle then drops the host backing);
+        :class:`NotSupportedError` for a device buffer without one.
+        Called by: provider_handle.py (``ProviderHandle.deallocate``), when a tensor on this device
+        is closed or collected (tensor.py; intermediates right after their last consumer), and when
+        a capture arena is freed (session/device_graphs.py).
         """
 
     @hookspec(firstresult=True)
-    def device_allocation_counts(self):
-        """``(allocations, frees)`` made through this provider so far, or None when not counted."""
+    def device_allocation_counts(self) -> tuple[int, int] | None:
+        """``(allocations, frees)`` made through this provider so far, or None when not counted.
+
+        Default: the counts of the default ``allocate`` and ``deallocate``; None once the provider
+        implements either (the counts would be partial).
+        Called by: provider_handle.py (``ProviderHandle.allocation_counts``), on request only (tests
+        and tools); no session calls it.
+        """
 
     # -- copies and ordering ------------------------------------------------------------------
     @hookspec(firstresult=True)
-    def copy(self, src, dst, size):
+    def copy(self, src: DeviceBuffer, dst: DeviceBuffer, size: int) -> None:
         """Synchronously copy ``size`` bytes from buffer ``src`` to buffer ``dst``.
 
         Default: host memcpy when both are host-accessible, with bounds checks.
+        Called by: tensor.py (``Tensor.try_clone`` of a device tensor, which captured runs use for
+        outputs kept on the device), and session/io_binding.py when a kernel's output on this device
+        is written into a bound output buffer on it.
         """
 
     @hookspec(firstresult=True)
-    def copy_async(self, src, dst, size):
+    def copy_async(self, src: DeviceBuffer, dst: DeviceBuffer, size: int) -> Fence:
         """Enqueue a copy on the transfer stream and return a :class:`Fence` for its completion.
 
-        A consumer of ``dst`` must be ordered after it with ``wait_fence``. Default: copy
-        synchronously and return an already-signalled fence.
+        A consumer of ``dst`` must be ordered after it with ``wait_fence``.
+        Default: ``copy`` synchronously and return an already-signalled fence.
+        Called by: not by the core (providers' own kernels and tools).
         """
 
     @hookspec(firstresult=True)
-    def wait_fence(self, fence):
-        """Make the compute stream wait for ``fence`` (no host blocking). Default: no-op."""
+    def wait_fence(self, fence: Fence) -> None:
+        """Make the compute stream wait for ``fence`` (no host blocking).
+
+        Default: no-op.
+        Called by: not by the core (providers' own kernels and tools).
+        """
 
     @hookspec(firstresult=True)
-    def record_compute_fence(self):
+    def record_compute_fence(self) -> Fence:
         """A :class:`Fence` over all compute enqueued so far (for write-after-read ordering of a
-        later transfer into a buffer that compute still reads). Default: signalled."""
+        later transfer into a buffer that compute still reads).
+
+        Default: an already-signalled fence.
+        Called by: not by the core (providers' own kernels and tools).
+        """
 
     @hookspec(firstresult=True)
-    def copy_wait_fence(self, fence):
-        """Make the transfer stream wait for a compute ``fence``. Default: no-op."""
+    def copy_wait_fence(self, fence: Fence) -> None:
+        """Make the transfer stream wait for a compute ``fence``.
+
+        Default: no-op.
+        Called by: not by the core (providers' own kernels and tools).
+        """
 
     @hookspec(firstresult=True)
-    def copy_from_host(self, src, dst):
+    def copy_from_host(self, src: HostBytes, dst: DeviceBuffer) -> None:
         """Synchronously upload host bytes ``src`` (bytes-like or C-contiguous array) into ``dst``.
 
-        Default (host-accessible ``dst``): bounds-checked memcpy.
+        Default: bounds-checked memcpy into a host-accessible ``dst``; else :class:`NotSupportedError`.
+        Called by: provider_handle.py (``ProviderHandle.copy_from_host``), for every upload: tensors
+        created from host data (tensor.py: feeds and weights crossing to this device, ``OrtValue``),
+        host values written into bound outputs (session/io_binding.py), and the feeds of each replayed
+        device graph (session/device_graphs.py).
         """
 
     @hookspec(firstresult=True)
-    def copy_from_host_at(self, src, dst, byte_offset):
-        """Upload ``src`` into ``dst`` starting at ``byte_offset``; overflow and bounds checked."""
+    def copy_from_host_at(self, src: HostBytes, dst: DeviceBuffer, byte_offset: int) -> None:
+        """Upload ``src`` into ``dst`` starting at ``byte_offset``; overflow and bounds checked.
+
+        Default: bounds-checked memcpy into a host-accessible ``dst``; else :class:`NotSupportedError`.
+        Called by: not by the core (providers and tools updating part of a buffer).
+        """
 
     @hookspec(firstresult=True)
-    def copy_to_host(self, src, dst):
+    def copy_to_host(self, src: DeviceBuffer, dst: WritableHostBytes) -> None:
         """Synchronously download the first ``len(dst)`` bytes of buffer ``src`` into writable
-        host memory ``dst`` (bytearray, memoryview or uint8 array)."""
+        host memory ``dst`` (bytearray, memoryview or uint8 array).
+
+        Default: bounds-checked memcpy from a host-accessible ``src``; else :class:`NotSupportedError`.
+        Called by: provider_handle.py (``ProviderHandle.copy_to_host`` and ``download``), whenever a
+        tensor on this device is read on the host (tensor.py ``Tensor.numpy``: outputs, values a host
+        node consumes).
+        """
 
     @hookspec(firstresult=True)
-    def copy_device_to_device(self, src, src_offset, dst, dst_offset, nbytes):
+    def copy_device_to_device(
+        self, src: DeviceBuffer, src_offset: int, dst: DeviceBuffer, dst_offset: int, nbytes: int
+    ) -> None:
         """Stream-ordered device-to-device copy between two buffers of this provider.
 
-        Default: host memcpy on host-accessible devices; else not supported.
+        Default: host memmove on host-accessible devices, bounds checked; else
+        :class:`NotSupportedError`.
+        Called by: not by the core (providers and tools).
         """
 
     @hookspec(firstresult=True)
-    def sync(self):
-        """Block until all work enqueued on this provider has completed. Default: no-op."""
+    def sync(self) -> None:
+        """Block until all work enqueued on this provider has completed.
+
+        Default: no-op.
+        Called by: provider_handle.py (``ProviderHandle.sync``), from ``Tensor.sync`` (tensor.py,
+        before a DLPack export) and IO binding's ``synchronize_inputs`` / ``synchronize_outputs``
+        (session/io_binding.py).
+        """
 
     # -- on-device greedy decoding --------------------------------------------------------------
     @hookspec(firstresult=True)
-    def device_argmax_supported(self):
-        """Whether ``device_argmax`` is implemented. Default: False."""
+    def device_argmax_supported(self) -> bool:
+        """Whether ``device_argmax`` is implemented.
+
+        Default: False.
+        Called by: not by the core (decoding loops built on the contract).
+        """
 
     @hookspec(firstresult=True)
-    def device_argmax(self, logits, elements, batch, dtype, result, tie_break):
+    def device_argmax(
+        self,
+        logits: DeviceBuffer,
+        elements: int,
+        batch: int,
+        dtype: DataType,
+        result: DeviceBuffer,
+        tie_break: ArgmaxTieBreak,
+    ) -> None:
         """Argmax over ``batch`` rows of ``elements`` contiguous ``dtype`` values in ``logits``.
 
         ``result`` receives two native-endian uint32 words per row at word ``2*row``: the index,
         then the latched device capture-error bitmask. ``tie_break`` is an
-        :class:`ArgmaxTieBreak`. Allocation-free; no host synchronization. Default: not supported.
+        :class:`ArgmaxTieBreak`. Allocation-free; no host synchronization.
+        Default: :class:`NotSupportedError`.
+        Called by: not by the core (decoding loops built on the contract).
         """
 
     @hookspec(firstresult=True)
-    def device_token_writer(self, result, input_ids, position_ids, attention_mask, scratch,
-                            capacity, next_position, mask_len, write_position, step):
+    def device_token_writer(
+        self,
+        result: DeviceBuffer,
+        input_ids: DeviceBuffer,
+        position_ids: DeviceBuffer,
+        attention_mask: DeviceBuffer,
+        scratch: DeviceBuffer,
+        capacity: int,
+        next_position: int,
+        mask_len: int,
+        write_position: bool,
+        step: int,
+    ) -> None:
         """Fold the token just selected by ``device_argmax`` (``result`` word 0) into the decode
         bindings, device to device: write it as int64 into ``input_ids``; if ``write_position``,
         write ``next_position`` (int64) into ``position_ids``; set ``attention_mask`` (int64) to 1
         at ``next_position`` when ``next_position < mask_len``; store the token in uint32
         ``scratch[step]``; OR ``result`` word 1 into ``scratch[capacity]``. No host sync.
-        Default: not supported.
+
+        Default: :class:`NotSupportedError`.
+        Called by: not by the core (decoding loops built on the contract).
         """
 
     # -- device graphs: single slot -------------------------------------------------------------
     @hookspec(firstresult=True)
-    def begin_device_graph_capture(self, kernels):
-        """Begin recording the given already-compiled kernels into a device graph."""
+    def begin_device_graph_capture(self, kernels: Sequence[Kernel]) -> None:
+        """Begin recording the given already-compiled kernels into a device graph.
+
+        Default: :class:`NotSupportedError`.
+        Called by: contract/defaults.py, the default ``begin_device_graph_capture_in`` for the
+        PRIMARY slot (so, through the owner-scoped defaults, at a capture in session/device_graphs.py).
+        """
 
     @hookspec(firstresult=True)
-    def end_device_graph_capture(self):
-        """End capture and install the executable graph."""
+    def end_device_graph_capture(self) -> None:
+        """End capture and install the executable graph.
+
+        Default: :class:`NotSupportedError`.
+        Called by: contract/defaults.py, the default ``end_device_graph_capture_in`` for PRIMARY.
+        """
 
     @hookspec(firstresult=True)
-    def abort_device_graph_capture(self):
+    def abort_device_graph_capture(self) -> None:
         """End an in-progress capture without installing it, leaving the stream idle so that a
-        later reset succeeds. Default: nothing to abort."""
+        later reset succeeds.
+
+        Default: nothing to abort.
+        Called by: contract/defaults.py, the default ``abort_device_graph_capture_in`` for PRIMARY.
+        """
 
     @hookspec(firstresult=True)
-    def replay_device_graph(self):
-        """Replay the installed graph (every segment, in capture order)."""
+    def replay_device_graph(self) -> None:
+        """Replay the installed graph (every segment, in capture order).
+
+        Default: :class:`NotSupportedError`.
+        Called by: contract/defaults.py, the default ``replay_device_graph_in`` for PRIMARY.
+        """
 
     @hookspec(firstresult=True)
-    def replay_device_graph_segment(self, index):
-        """Replay one captured segment by its zero-based capture order."""
+    def replay_device_graph_segment(self, index: int) -> None:
+        """Replay one captured segment by its zero-based capture order.
+
+        Default: :class:`NotSupportedError`.
+        Called by: contract/defaults.py, the default ``replay_device_graph_segment_in`` for PRIMARY.
+        """
 
     @hookspec(firstresult=True)
-    def reset_device_graph(self):
-        """Destroy the installed graph; return whether one existed. Default: False."""
+    def reset_device_graph(self) -> bool:
+        """Destroy the installed graph; return whether one existed.
+
+        Default: False.
+        Called by: contract/defaults.py, the default ``reset_device_graph_in`` for PRIMARY.
+        """
 
     # -- device graphs: slot-routed (defaults route PRIMARY to the single-slot hooks) ------------
     @hookspec(firstresult=True)
-    def begin_device_graph_capture_in(self, slot, kernels):
-        """Slot-parameterized ``begin_device_graph_capture``; other slots are rejected by default."""
+    def begin_device_graph_capture_in(self, slot: DeviceGraphSlot, kernels: Sequence[Kernel]) -> None:
+        """Slot-parameterized ``begin_device_graph_capture``.
+
+        Default: PRIMARY goes to ``begin_device_graph_capture``; other slots raise
+        :class:`NotSupportedError` naming the provider and the slot.
+        Called by: contract/defaults.py, the default ``begin_owned_device_graph_capture``.
+        """
 
     @hookspec(firstresult=True)
-    def end_device_graph_capture_in(self, slot):
-        """Slot-parameterized ``end_device_graph_capture``."""
+    def end_device_graph_capture_in(self, slot: DeviceGraphSlot) -> None:
+        """Slot-parameterized ``end_device_graph_capture``.
+
+        Default: PRIMARY goes to ``end_device_graph_capture``; other slots raise
+        :class:`NotSupportedError`.
+        Called by: contract/defaults.py, the default ``end_owned_device_graph_capture``.
+        """
 
     @hookspec(firstresult=True)
-    def abort_device_graph_capture_in(self, slot):
-        """Slot-parameterized ``abort_device_graph_capture``."""
+    def abort_device_graph_capture_in(self, slot: DeviceGraphSlot) -> None:
+        """Slot-parameterized ``abort_device_graph_capture``.
+
+        Default: PRIMARY goes to ``abort_device_graph_capture``; other slots raise
+        :class:`NotSupportedError`.
+        Called by: contract/defaults.py, the default ``abort_owned_device_graph_capture``.
+        """
 
     @hookspec(firstresult=True)
-    def replay_device_graph_in(self, slot):
-        """Slot-parameterized ``replay_device_graph``."""
+    def replay_device_graph_in(self, slot: DeviceGraphSlot) -> None:
+        """Slot-parameterized ``replay_device_graph``.
+
+        Default: PRIMARY goes to ``replay_device_graph``; other slots raise
+        :class:`NotSupportedError`.
+        Called by: contract/defaults.py, the default ``replay_owned_device_graph``.
+        """
 
     @hookspec(firstresult=True)
-    def replay_device_graph_segment_in(self, slot, index):
-        """Slot-parameterized ``replay_device_graph_segment``."""
+    def replay_device_graph_segment_in(self, slot: DeviceGraphSlot, index: int) -> None:
+        """Slot-parameterized ``replay_device_graph_segment``.
+
+        Default: PRIMARY goes to ``replay_device_graph_segment``; other slots raise
+        :class:`NotSupportedError`.
+        Called by: contract/defaults.py, the default ``replay_owned_device_graph_segment``.
+        """
 
     @hookspec(firstresult=True)
-    def reset_device_graph_in(self, slot):
-        """Slot-parameterized ``reset_device_graph``. By default a never-installed non-PRIMARY
-        slot returns False (so unconditional reset sweeps are safe on every provider)."""
+    def reset_device_graph_in(self, slot: DeviceGraphSlot) -> bool:
+        """Slot-parameterized ``reset_device_graph``.
+
+        Default: PRIMARY goes to ``reset_device_graph``; a never-installed non-PRIMARY slot returns
+        False (so unconditional reset sweeps are safe on every provider).
+        Called by: contract/defaults.py, the default ``reset_owned_device_graph``.
+        """
 
     @hookspec(firstresult=True)
-    def has_device_graph_in(self, slot):
-        """Whether ``slot`` holds a replayable graph. Default True (providers that never lose a
-        graph out-of-band need not track it)."""
+    def has_device_graph_in(self, slot: DeviceGraphSlot) -> bool:
+        """Whether ``slot`` holds a replayable graph.
+
+        Default: True (providers that never lose a graph out-of-band need not track it).
+        Called by: contract/defaults.py, the default ``has_owned_device_graph``.
+        """
 
     # -- device graphs: owner-scoped tokens -------------------------------------------------------
     @hookspec(firstresult=True)
-    def begin_owned_device_graph_capture(self, owner, slot, continuation, kernels):
+    def begin_owned_device_graph_capture(
+        self,
+        owner: DeviceGraphOwner,
+        slot: DeviceGraphSlot,
+        continuation: DeviceGraphToken | None,
+        kernels: Sequence[Kernel],
+    ) -> DeviceGraphToken:
         """Begin capture in ``owner``'s namespace; return the :class:`DeviceGraphToken`.
 
         ``continuation`` is the token of the generation being extended by a later segment, or
         None for a fresh capture, which mints a new generation.
+        Default: ``begin_device_graph_capture_in(slot, kernels)``, then ``continuation``, or
+        generation 1 of ``owner`` in ``slot`` for a fresh capture.
+        Called by: session/device_graphs.py, at the capture run (the second run of a feed signature)
+        of a session with ``session.graph_capture`` enabled; a session captures only on a provider
+        that implements this hook or one of the capture hooks it defaults to.
         """
 
     @hookspec(firstresult=True)
-    def end_owned_device_graph_capture(self, token):
-        """End the capture identified by ``token``."""
+    def end_owned_device_graph_capture(self, token: DeviceGraphToken) -> None:
+        """End the capture identified by ``token``.
+
+        Default: ``end_device_graph_capture_in(token.slot)``.
+        Called by: session/device_graphs.py, once the captured kernels were recorded.
+        """
 
     @hookspec(firstresult=True)
-    def abort_owned_device_graph_capture(self, token):
-        """Abort the capture identified by ``token``."""
+    def abort_owned_device_graph_capture(self, token: DeviceGraphToken) -> None:
+        """Abort the capture identified by ``token``.
+
+        Default: ``abort_device_graph_capture_in(token.slot)``.
+        Called by: session/device_graphs.py, when a capture fails (then ``reset_owned_device_graph``).
+        """
 
     @hookspec(firstresult=True)
-    def replay_owned_device_graph(self, token):
-        """Replay exactly the generation ``token`` names; a stale token is an error."""
+    def replay_owned_device_graph(self, token: DeviceGraphToken) -> None:
+        """Replay exactly the generation ``token`` names; a stale token is an error.
+
+        Default: ``replay_device_graph_in(token.slot)``.
+        Called by: session/device_graphs.py, right after a capture and at every later run with the
+        same feed signature.
+        """
 
     @hookspec(firstresult=True)
-    def replay_owned_device_graph_segment(self, token, index):
-        """Replay one segment of exactly the generation ``token`` names."""
+    def replay_owned_device_graph_segment(self, token: DeviceGraphToken, index: int) -> None:
+        """Replay one segment of exactly the generation ``token`` names.
+
+        Default: ``replay_device_graph_segment_in(token.slot, index)``.
+        Called by: not by the core (the session replays whole graphs).
+        """
 
     @hookspec(firstresult=True)
-    def reset_owned_device_graph(self, token):
+    def reset_owned_device_graph(self, token: DeviceGraphToken) -> bool:
         """Reset only the generation ``token`` names; return whether it was installed. A stale
-        or foreign token resets nothing and returns False."""
+        or foreign token resets nothing and returns False.
+
+        Default: ``reset_device_graph_in(token.slot)``.
+        Called by: session/device_graphs.py, after a failed capture and when a signature's graph is
+        dropped (least recently used beyond the limit, lost out of band, or the session closes).
+        """
 
     @hookspec(firstresult=True)
-    def retire_owned_device_graphs(self, owner):
-        """Drop every (empty) graph-lifecycle slot of ``owner`` at its final teardown."""
+    def retire_owned_device_graphs(self, owner: DeviceGraphOwner) -> None:
+        """Drop every (empty) graph-lifecycle slot of ``owner`` at its final teardown.
+
+        Default: nothing to drop.
+        Called by: session/device_graphs.py, when a signature's graph is dropped, after its reset.
+        """
 
     @hookspec(firstresult=True)
-    def has_owned_device_graph(self, token):
-        """Whether exactly the generation ``token`` names is installed and replayable."""
+    def has_owned_device_graph(self, token: DeviceGraphToken) -> bool:
+        """Whether exactly the generation ``token`` names is installed and replayable.
+
+        Default: ``has_device_graph_in(token.slot)``.
+        Called by: session/device_graphs.py, before every replay; False makes the session capture
+        that signature afresh.
+        """
 
     # -- deferred device validation ---------------------------------------------------------------
     @hookspec(firstresult=True)
-    def register_device_validation_owner(self):
-        """Register an executor or binding once at setup; return a :class:`DeviceValidationRegistration`."""
+    def register_device_validation_owner(self) -> DeviceValidationRegistration:
+        """Register an executor or binding once at setup; return a :class:`DeviceValidationRegistration`.
+
+        Default: a registration of a new :class:`DeviceValidationOwner`.
+        Called by: session/executor.py, once per device provider of a session at its creation, when
+        ``defers_device_validation`` is True.
+        """
 
     @hookspec(firstresult=True)
-    def unregister_device_validation_owner(self, registration):
-        """Retire a registration at teardown."""
+    def unregister_device_validation_owner(self, registration: DeviceValidationRegistration) -> None:
+        """Retire a registration at teardown.
+
+        Default: nothing to retire.
+        Called by: session/executor.py, when the session closes.
+        """
 
     @hookspec(firstresult=True)
-    def begin_device_validation(self, registration):
-        """Open one top-level validation generation; return its :class:`DeviceValidationToken`."""
+    def begin_device_validation(self, registration: DeviceValidationRegistration) -> DeviceValidationToken:
+        """Open one top-level validation generation; return its :class:`DeviceValidationToken`.
+
+        Default: generation 0 of the registration's owner.
+        Called by: session/executor.py, at the start of every run (eager, captured or replayed by
+        session/device_graphs.py) on a provider that defers validation.
+        """
 
     @hookspec(firstresult=True)
-    def add_device_validation_recipient(self, submission, recipient):
+    def add_device_validation_recipient(
+        self, submission: DeviceValidationToken, recipient: DeviceValidationRegistration
+    ) -> DeviceValidationToken:
         """Make output binding ``recipient`` (a registration) an exact recipient of the active
-        ``submission``; return the recipient's token for that generation."""
+        ``submission``; return the recipient's token for that generation.
+
+        Default: the submission's generation, under the recipient's owner.
+        Called by: not by the core (bindings that consume a run's flags after it returns).
+        """
 
     @hookspec(firstresult=True)
-    def activate_device_validation(self, submission):
-        """Seal recipients and make the submission consumable."""
+    def activate_device_validation(self, submission: DeviceValidationToken) -> None:
+        """Seal recipients and make the submission consumable.
+
+        Default: nothing to seal.
+        Called by: session/executor.py, once a run's kernels were enqueued (or its graph replayed),
+        before its outputs are read.
+        """
 
     @hookspec(firstresult=True)
-    def abort_device_validation_submission(self, submission):
-        """Recover a submission on an error path; return the flags it had raised (0 if none)."""
+    def abort_device_validation_submission(self, submission: DeviceValidationToken) -> int:
+        """Recover a submission on an error path; return the flags it had raised (0 if none).
+
+        Default: 0.
+        Called by: session/executor.py, when a run fails after ``begin_device_validation``; raised
+        flags are reported as the failure's root cause.
+        """
 
     @hookspec(firstresult=True)
-    def defers_device_validation(self):
-        """Whether validation is deferred to the next host-visible read. Default False."""
+    def defers_device_validation(self) -> bool:
+        """Whether validation is deferred to the next host-visible read.
+
+        Default: False (no validation hook is then called).
+        Called by: session/executor.py, once per device provider at session creation.
+        """
 
     @hookspec(firstresult=True)
-    def consume_device_validation_error(self, registration, token):
+    def consume_device_validation_error(
+        self, registration: DeviceValidationRegistration, token: DeviceValidationToken
+    ) -> int:
         """After a host sync, consume the flags of exactly ``token``'s generation (0 = clean).
 
         Foreign or stale tokens are rejected; concurrent exact consumers see the same result.
+        Default: 0.
+        Called by: session/executor.py, after a run's outputs were read; non-zero flags raise a
+        :class:`DeviceValidationError`.
         """
 
     # -- compiled contexts ------------------------------------------------------------------------
     @hookspec(firstresult=True)
-    def context_source_keys(self):
-        """``EPContext`` source keys this provider accepts. Default: none."""
+    def context_source_keys(self) -> Sequence[str]:
+        """``EPContext`` source keys this provider accepts.
+
+        Default: none.
+        Called by: not by the core (compiled-context caching is not wired into sessions yet).
+        """
 
     @hookspec(firstresult=True)
-    def save_context(self):
-        """Return an :class:`EpContext` for the compiled subgraph. Default: not supported."""
+    def save_context(self) -> EpContext:
+        """Return an :class:`EpContext` for the compiled subgraph.
+
+        Default: :class:`NotSupportedError`.
+        Called by: not by the core (compiled-context caching is not wired into sessions yet).
+        """
 
     @hookspec(firstresult=True)
-    def load_context(self, context):
-        """Restore from an :class:`EpContext`, skipping compilation. Default: not supported."""
+    def load_context(self, context: EpContext) -> None:
+        """Restore from an :class:`EpContext`, skipping compilation.
+
+        Default: :class:`NotSupportedError`.
+        Called by: not by the core (compiled-context caching is not wired into sessions yet).
+        """
 
 
 HOOK_NAMES = tuple(

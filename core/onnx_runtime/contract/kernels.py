@@ -101,5 +101,6 @@ class EpContext:
     metadata: dict[str, str] = field(default_factory=dict)
 
 
-# A graph pass: takes an onnx_runtime.ir.Graph, rewrites it in place, returns True if it changed.
-GraphPass = Callable[[Any], bool]
+# A graph pass: takes an onnx_runtime.ir.Graph (and, optionally, the ``owns(node)`` predicate of
+# ``custom_passes``), rewrites it in place, returns True if it changed.
+GraphPass = Callable[..., bool]

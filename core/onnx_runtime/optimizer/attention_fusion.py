@@ -159,6 +159,7 @@ class _Matcher:
         """Where K and V come from: the K^T Transpose undone, and repeat_kv patterns skipped."""
         key_t = matmul_qk.inputs[1]
         transpose = self.made_by(key_t, "Transpose")
+        perm: list[int] | None
         if transpose is None:
             source, perm, reused = key_t, [0, 1, 3, 2], None
         else:
@@ -378,10 +379,10 @@ def _repeat_count(graph: Graph, node: Node, shape: tuple) -> int | None:
     when it changes no other axis."""
     if len(node.inputs) != 2:
         return None
-    spec = constant(graph, node.inputs[1])
-    if spec is None or spec.shape != (5,):
+    values = constant(graph, node.inputs[1])
+    if values is None or values.shape != (5,):
         return None
-    spec = [int(n) for n in spec]
+    spec = [int(n) for n in values]
     times = spec[2]
     if times < 1:
         return None

@@ -112,8 +112,10 @@ def _declared_bytes(node: Node, graph: Graph) -> int:
     total = 0
     for name in node.outputs:
         info = graph.type_of(name) if name else None
-        shape = info.static_shape if info is not None and info.is_tensor else None
-        if shape is not None and info.dtype is not None:
+        if info is None or not info.is_tensor or info.dtype is None:
+            continue
+        shape = info.static_shape
+        if shape is not None:
             try:
                 total += math.prod(shape) * info.dtype.numpy.itemsize
             except Exception:  # a dtype numpy cannot hold (strings): size unknown

@@ -24,9 +24,10 @@ def fuse_conv_batchnorm(graph: Graph, context: PassContext) -> bool:
         if not _is_inference_batchnorm(bn) or bn.inputs[0] != conv.outputs[0]:
             return None
         params = [constant(graph, name) for name in bn.inputs[1:5]]
-        if len(params) != 4 or any(p is None or p.shape != (channels,) for p in params):
+        vectors = [p for p in params if p is not None and p.shape == (channels,)]
+        if len(vectors) != 4:
             return None
-        scale, bias, mean, var = (p.astype(np.float64) for p in params)
+        scale, bias, mean, var = (p.astype(np.float64) for p in vectors)
         factor = scale / np.sqrt(var + bn.attr("epsilon", 1e-5))
         return factor, bias - mean * factor
 
@@ -159,7 +160,7 @@ def _other_constant(graph: Graph, node: Node, value: str, dtype, rank: int, chan
 
 
 def _conv_constant(graph: Graph, node: Node, conv: Node, channels: int) -> np.ndarray | None:
-    weights = constant(graph, conv.inputs[1])  # the Conv output's rank is the weights' rank
+    weights = graph.initializers[conv.inputs[1]]  # a constant (see _fold_follower); the output has its rank
     return _other_constant(graph, node, conv.outputs[0], weights.dtype, weights.ndim, channels)
 
 

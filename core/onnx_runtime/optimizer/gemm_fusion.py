@@ -24,11 +24,10 @@ def fuse_matmul_add(graph: Graph, context: PassContext) -> bool:
         found = _bias_add(graph, add, "MatMul", producers, uses)
         if found is None:
             continue
-        matmul, bias_name = found
+        matmul, bias_name, bias = found
         a_info = graph.type_of(matmul.inputs[0])
         a_shape = a_info.static_shape if a_info is not None and a_info.is_tensor else None
         b = constant(graph, matmul.inputs[1])
-        bias = constant(graph, bias_name)
         if (a_shape is None or len(a_shape) != 2 or b is None or b.ndim != 2 or b.dtype.type not in _FLOATS
                 or bias.dtype != b.dtype or not _broadcasts_to(bias.shape, (a_shape[0], b.shape[1]))):
             continue
@@ -61,12 +60,11 @@ def fuse_gemm_add(graph: Graph, context: PassContext) -> bool:
         found = _bias_add(graph, add, "Gemm", producers, uses)
         if found is None:
             continue
-        gemm, bias_name = found
+        gemm, bias_name, bias = found
         info = graph.type_of(gemm.outputs[0])
         shape = info.static_shape if info is not None and info.is_tensor else None
         c_name = gemm.inputs[2] if len(gemm.inputs) > 2 else ""
         c = constant(graph, c_name)
-        bias = constant(graph, bias_name)
         if (gemm.opset < 7 or shape is None or (c_name and c is None) or bias.dtype.type not in _FLOATS
                 or not _broadcasts_to(bias.shape, shape)):
             continue
@@ -85,16 +83,19 @@ def fuse_gemm_add(graph: Graph, context: PassContext) -> bool:
     return bool(removed)
 
 
-def _bias_add(graph: Graph, add: Node, op_type: str, producers, uses: Uses) -> tuple[Node, str] | None:
-    """(producer, constant) when ``add`` adds a constant to the output of an ``op_type`` node it alone reads."""
+def _bias_add(graph: Graph, add: Node, op_type: str, producers, uses: Uses) -> tuple[Node, str, np.ndarray] | None:
+    """(producer, constant's name, its value) when ``add`` adds a constant to the output of an ``op_type``
+    node it alone reads."""
     if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or add.opset < 7 or len(add.inputs) != 2:
         return None  # before opset 7 Add broadcasts by attribute
     for position in (0, 1):
         producer = producers.get(add.inputs[position])
         other = add.inputs[1 - position]
         if (producer is not None and producer.op_type == op_type and producer.domain in ("", "ai.onnx")
-                and uses.only_reader(add.inputs[position]) is add and constant(graph, other) is not None):
-            return producer, other
+                and uses.only_reader(add.inputs[position]) is add):
+            value = constant(graph, other)
+            if value is not None:
+                return producer, other, value
     return None
 
 

@@ -62,7 +62,7 @@ def _sibling_groups(graph: Graph) -> list[list[Node]]:
             continue
         groups.setdefault((node.inputs[0], weight.shape[0], weight.dtype, node.opset), []).append(node)
     return [nodes for nodes in groups.values()
-            if len(nodes) > 1 and sum(constant(graph, node.inputs[1]).size for node in nodes) >= _MIN_MERGED_SIZE]
+            if len(nodes) > 1 and sum(graph.initializers[node.inputs[1]].size for node in nodes) >= _MIN_MERGED_SIZE]
 
 
 def _merge(graph: Graph, context: PassContext, siblings: list[Node]) -> list[Node] | None:
@@ -71,7 +71,7 @@ def _merge(graph: Graph, context: PassContext, siblings: list[Node]) -> list[Nod
     if provider is None or any(context.provider_for(node, graph) is not provider for node in siblings[1:]):
         return None
     first = siblings[0]
-    weights = [constant(graph, node.inputs[1]) for node in siblings]
+    weights = [graph.initializers[node.inputs[1]] for node in siblings]  # constants: see _sibling_groups
     sizes = [w.shape[1] for w in weights]
     weight_name = context.fresh(f"{first.name or 'matmul'}_merged_weight")
     product = context.fresh(f"{first.name or 'matmul'}_merged")

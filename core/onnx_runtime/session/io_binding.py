@@ -93,7 +93,7 @@ class IOBinding:
         missing = [name for name, out in self._outputs.items() if out.result is None]
         if missing:
             raise InvalidArgumentError(f"outputs {missing} have no value yet; call run_with_iobinding first")
-        return [out.result for out in self._outputs.values()]
+        return [out.result for out in self._outputs.values() if out.result is not None]  # all set: checked above
 
     def copy_outputs_to_cpu(self) -> list[np.ndarray]:
         return [np.array(value.numpy(), copy=True) for value in self.get_outputs()]
@@ -154,7 +154,7 @@ def _sync(handles) -> None:
         handle.sync()
 
 
-def _host_tensor(array: np.ndarray) -> Tensor:
+def _host_tensor(array: np.ndarray | np.generic) -> Tensor:
     """Wrap a run's host output without copying it when it can be aliased."""
     array = np.asarray(array)
     if array.dtype.kind in "OUS" or not array.flags.c_contiguous:
