@@ -50,7 +50,7 @@ from ..contract.markers import hookimpl
 from ..errors import KernelError, OnnxRuntimeError
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
-from .executor import ShapeKeyedKernel, _downloader, _node_error, _shape_of, _to_host
+from .steps import ShapeKeyedKernel, Step, Steps, downloader, run_steps, shape_of, to_host
 
 MAX_GRAPHS = 8
 MAX_CAPTURE_ATTEMPTS = 3  # an arena that turns out too small is grown and the capture retried this often
@@ -192,6 +192,7 @@ class _Region:
     reason: str = ""
     handle: ProviderHandle | None = None
     node_steps: list = field(default_factory=list)
+    steps: Steps | None = None  # the node steps as a capture runs them (see _CaptureGuard)
     uploads: list[tuple[str, int]] = field(default_factory=list)  # (feed name, device slot)
     downloads: dict[int, int] = field(default_factory=dict)  # host output slot -> device slot
     kept: set[int] = field(default_factory=set)  # output slots returned on the device (IO binding)
@@ -288,7 +289,7 @@ class DeviceGraphRunner:
                 if step.inputs[0] not in feed_names:
                     return _Region(f"{step.provider}: a value computed on the host enters the device region")
                 region.uploads.append((feed_names[step.inputs[0]], step.outputs[0]))
-            elif step.run is _downloader and step.outputs[0] in output_slots:
+            elif step.run is downloader and step.outputs[0] in output_slots:
                 region.downloads[step.outputs[0]] = step.inputs[0]
             else:
                 return _Region(f"{step.provider}: a device value is read on the host during the run")
@@ -298,6 +299,7 @@ class DeviceGraphRunner:
         region.kept = {slot for slot in plan.output_slots if slot in produced}
         if not any(region.handle.implements(hook) for hook in _GRAPH_HOOKS):
             return _Region(f"{region.handle.name} does not implement device graphs (begin_owned_device_graph_capture)")
+        region.steps = Steps([_guarded(step) for step in region.node_steps])
         return region
 
     def _inferred(self, name: str) -> bool:
@@ -335,7 +337,7 @@ class DeviceGraphRunner:
     # -- running ------------------------------------------------------------------------------------
     def run(self, feeds: dict, output_names: tuple[str, ...]) -> list | None:
         """This run's outputs through a device graph, or None when it must run eagerly (see ``status``)."""
-        return self.run_plan(feeds, output_names, self.executor.plan(output_names), _to_host)
+        return self.run_plan(feeds, output_names, self.executor.plan(output_names), to_host)
 
     def run_plan(self, feeds: dict, plan_key, plan, convert) -> list | None:
         """:meth:`run` for any of the executor's plans (``plan_key`` names it); ``convert`` is the executor's
@@ -397,7 +399,7 @@ class DeviceGraphRunner:
         for name, slot in plan.feed_slots.items():
             if name in feeds:
                 env[slot] = feeds[name]
-        token, arena, index, failure = None, None, -1, None
+        token, arena, failure = None, None, None
         try:
             for name, slot in region.uploads:
                 tensor = Tensor.from_numpy(np.ascontiguousarray(feeds[name]), provider=handle)
@@ -408,9 +410,7 @@ class DeviceGraphRunner:
             token = handle.hook.begin_owned_device_graph_capture(
                 owner=entry.owner, slot=DeviceGraphSlot.PRIMARY, continuation=None,
                 kernels=[step.run for step in region.node_steps])
-            for index, step in enumerate(region.node_steps):  # noqa: B007 (read on error)
-                _run_step(step, env)
-            index = -1
+            run_steps(region.steps, env)
             handle.hook.end_owned_device_graph_capture(token=token)
         except BaseException as exc:  # an interrupt too: the stream must not stay in capture mode
             failure = exc
@@ -437,9 +437,12 @@ class DeviceGraphRunner:
             entry.arena_bytes = max(2 * entry.arena_bytes, 1 << 20)
             self.status = "eager: the capture arena was too small; it is grown and the next run captures again"
         else:
-            where = f" at node {region.node_steps[index].node.name!r}" if index >= 0 else ""
-            entry.failure = str(failure) if isinstance(failure, _NotCapturable) else \
-                f"capture failed{where}: {type(failure).__name__}: {failure}"
+            if isinstance(failure, _NotCapturable):
+                entry.failure = str(failure.__cause__)  # the guard's words, not the node error restating them
+            else:
+                step = getattr(failure, "step", None)  # set when a node step failed (see node_error)
+                where = f" at node {step.node.name!r}" if step is not None else ""
+                entry.failure = f"capture failed{where}: {type(failure).__name__}: {failure}"
             self.status = f"eager: {entry.failure}"
         del failure
         return run.eager(self.executor)
@@ -468,7 +471,7 @@ class DeviceGraphRunner:
                 if slot in region.kept:  # the arena's buffer is rewritten by the next replay: hand out a copy
                     outputs.append(entry.outputs[slot].try_clone())
                 elif slot in entry.outputs:
-                    outputs.append(_to_host(entry.outputs[slot]))
+                    outputs.append(to_host(entry.outputs[slot]))
                 else:  # a feed or a constant passed straight through
                     value = feeds[feed_names[slot]] if slot in feed_names else plan.template[slot]
                     outputs.append(run.convert(value))
@@ -511,24 +514,28 @@ class DeviceGraphRunner:
         self._handles.clear()
 
 
-def _run_step(step, env: list) -> None:
-    """One node step of a capture: the executor's loop body, refusing kernels marked not capturable."""
-    inputs = [env[slot] for slot in step.inputs]
-    kernel = step.run
-    if isinstance(kernel, ShapeKeyedKernel):
-        kernel = kernel.cache.get(tuple(_shape_of(x) for x in inputs), kernel)
-    if getattr(kernel, "capturable", True) is False:
-        raise _NotCapturable(f"node {step.node.name!r} ({step.node.op_type}): its kernel is marked not capturable")
-    try:
-        results = step.run(*inputs)
-    except OnnxRuntimeError as exc:
-        raise _node_error(step, exc, type(exc)) from exc
-    except Exception as exc:
-        raise _node_error(step, exc, KernelError) from exc
-    if len(results) < len(step.outputs):
-        raise KernelError(f"kernel of node {step.node.name!r} returned {len(results)} outputs, "
-                          f"it has {len(step.outputs)}")
-    for slot, value in zip(step.outputs, results):
-        env[slot] = value
-    for slot in step.release:
-        env[slot] = None
+
+def _guarded(step: Step) -> Step:
+    """``step`` as a capture runs it: a kernel cached per shape is known only once the capture's shapes are,
+    so it is checked there (the others were checked when the region was planned)."""
+    if not isinstance(step.run, ShapeKeyedKernel):
+        return step
+    return Step(_CaptureGuard(step.run), step.inputs, step.outputs, step.release, step.node, step.provider)
+
+
+class _CaptureGuard:
+    """Runs a shape-keyed kernel in a capture, refusing the kernel its shapes select if it is marked not
+    capturable."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel: ShapeKeyedKernel):
+        self.kernel = kernel
+
+    def __call__(self, *inputs):
+        kernel = self.kernel
+        chosen = kernel.cache.get(tuple(shape_of(x) for x in inputs), kernel)
+        if getattr(chosen, "capturable", True) is False:
+            node = kernel.node
+            raise _NotCapturable(f"node {node.name!r} ({node.op_type}): its kernel is marked not capturable")
+        return kernel(*inputs)

@@ -3,139 +3,38 @@
 Planning (once per requested output set) resolves everything the hot loop would otherwise look up:
 which nodes are needed, each value's slot, the kernel of each node (cached per input shapes),
 copy steps at device boundaries, and after which step each intermediate is released. A run is
-then one loop: gather inputs by slot, call the kernel, store outputs, drop dead values.
+then one loop (:func:`.steps.run_steps`): gather inputs by slot, call the kernel, store outputs,
+drop dead values.
 
 Values live where their producer's provider works: numpy arrays for host-accessible providers,
 :class:`onnx_runtime.Tensor` objects on device providers. Copies move them across.
 
 Device providers that defer validation (their kernels raise flags on invalid data instead of failing)
 get one validation owner per executor: each run is a submission whose flags are consumed after the
-outputs are downloaded, and raised as :class:`DeviceValidationError`. With ``graph_capture`` the run
-may instead replay a device graph (see :mod:`.device_graphs`).
+outputs are downloaded, and raised as :class:`DeviceValidationError`. When the session attaches a
+device-graph runner (:attr:`Executor.graphs`, see :mod:`.device_graphs`), the run may instead replay a
+device graph.
 """
 
 from __future__ import annotations
 
-import operator
-import time
-from dataclasses import dataclass
-
 import numpy as np
 
-from ..errors import DeviceValidationError, KernelError, OnnxRuntimeError, ProviderError
+from ..errors import DeviceValidationError, ProviderError
 from ..ir import Graph, Node
 from ..loader import implicit_inputs
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
 from .placement import Copy, Placement
+from .steps import Plan, ShapeKeyedKernel, Step, downloader, make_kernel, on_device, run_steps, to_host, uploader
 
 _NONE_SLOT = 0  # always holds None: the value of an omitted optional input
-
-
-def _shape_of(value):
-    shape = getattr(value, "shape", None)
-    return tuple(shape) if shape is not None else None
-
-
-class ShapeKeyedKernel:
-    """Kernels of one node cached per input shapes, created on first sight of a shape tuple."""
-
-    __slots__ = ("handle", "node", "graph", "cache")
-
-    def __init__(self, handle: ProviderHandle, node: Node, graph: Graph, first=None, first_key=None):
-        self.handle = handle
-        self.node = node
-        self.graph = graph
-        self.cache = {} if first is None else {first_key: first}
-
-    def __call__(self, *inputs):
-        key = tuple(_shape_of(x) for x in inputs)
-        kernel = self.cache.get(key)
-        if kernel is None:
-            kernel = self.cache[key] = make_kernel(self.handle, self.node, list(key), self.graph)
-        return kernel(*inputs)
-
-
-def make_kernel(handle: ProviderHandle, node: Node, shapes, graph: Graph):
-    kernel = handle.hook.get_kernel(node=node, shapes=shapes, opset=node.opset, graph=graph)
-    if kernel is None or not callable(kernel):
-        raise ProviderError(
-            f"{handle.name}: get_kernel returned {type(kernel).__name__} for node {node.name!r} ({node.op_type}); "
-            f"it must return a callable kernel"
-        )
-    return kernel
-
-
-def _to_host(value):
-    if isinstance(value, Tensor):
-        return value.numpy().copy() if value.provider.is_host_accessible else value.numpy()
-    if isinstance(value, list):  # a sequence
-        return [_to_host(v) for v in value]
-    if isinstance(value, np.generic):
-        return np.asarray(value)
-    return value
-
-
-def _uploader(handle: ProviderHandle):
-    def upload(value):
-        if isinstance(value, Tensor):
-            value = _to_host(value)
-        return (Tensor.from_numpy(np.asarray(value), provider=handle),)
-    upload.handle = handle  # the device it uploads to (device-graph capture hoists feed uploads)
-    return upload
-
-
-def _downloader(value):
-    return (_to_host(value),)
-
-
-def _on_device(value):
-    """An output kept where it was produced: device tensors stay, host values become arrays."""
-    if isinstance(value, Tensor) and not value.provider.is_host_accessible:
-        return value
-    return _to_host(value)
-
-
-@dataclass(slots=True)
-class Step:
-    run: object
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    release: tuple[int, ...]
-    node: Node | None
-    provider: str
-
-
-class Plan:
-    def __init__(self, steps: list[Step], template: list, feed_slots: dict[str, int], output_slots: list[int],
-                 copies: list[Copy], device_feeds: frozenset[str] = frozenset()):
-        self.copies = copies
-        self.device_feeds = device_feeds  # feeds that arrive as Tensors on the device that reads them
-        self.steps = steps
-        # The hot loop's view of the steps: a C-level getter for the inputs (a one-slot slice for a
-        # single input, so it still yields a sequence) and plain tuples instead of attribute lookups.
-        self.fast = [
-            (
-                step.run,
-                operator.itemgetter(*step.inputs) if len(step.inputs) > 1
-                else operator.itemgetter(slice(step.inputs[0], step.inputs[0] + 1)) if step.inputs
-                else operator.itemgetter(slice(0, 0)),
-                step.outputs[0] if len(step.outputs) == 1 else None,
-                step.outputs,
-                step.release,
-            )
-            for step in steps
-        ]
-        self.template = template
-        self.feed_slots = feed_slots
-        self.output_slots = output_slots
 
 
 class Executor:
     """Builds and runs plans for one graph whose nodes are already placed."""
 
-    def __init__(self, graph: Graph, assignment: dict[str, ProviderHandle], placement: Placement,
-                 graph_capture: bool = False):
+    def __init__(self, graph: Graph, assignment: dict[str, ProviderHandle], placement: Placement):
         self.graph = graph
         self.assignment = assignment
         self.placement = placement
@@ -152,10 +51,9 @@ class Executor:
         devices = {id(h): h for h in assignment.values() if not h.is_host_accessible}.values()
         self._validation = [(h, h.hook.register_device_validation_owner()) for h in devices
                             if h.hook.defers_device_validation()]
+        # A DeviceGraphRunner the session attaches when it enables capture; built there, since the runner
+        # drives this executor and importing it here would tie the two modules into a cycle.
         self.graphs = None
-        if graph_capture:
-            from .device_graphs import DeviceGraphRunner  # only sessions that ask for capture load it
-            self.graphs = DeviceGraphRunner(self)
 
     # -- planning -----------------------------------------------------------------------------------
     def plan(self, output_names: tuple[str, ...]) -> Plan:
@@ -218,9 +116,9 @@ class Executor:
                 return copies[key]
             out = new_slot()
             if target is None:
-                steps.append(Step(_downloader, (slot,), (out,), (), None, f"copy {name} to host"))
+                steps.append(Step(downloader, (slot,), (out,), (), None, f"copy {name} to host"))
             else:
-                steps.append(Step(_uploader(target), (slot,), (out,), (), None, f"copy {name} to {target.name}"))
+                steps.append(Step(uploader(target), (slot,), (out,), (), None, f"copy {name} to {target.name}"))
             recorded_copies.append(Copy(name, device.name if device is not None else "host",
                                         target.name if target is not None else "host"))
             copies[key] = out
@@ -295,7 +193,7 @@ class Executor:
 
     def run_eager(self, feeds: dict[str, object], output_names: tuple[str, ...], profile: dict | None = None) -> list:
         """Run every step of the plan, without device graphs."""
-        return self.run_plan(self.plan(output_names), feeds, profile, _to_host)
+        return self.run_plan(self.plan(output_names), feeds, profile, to_host)
 
     def run_bound(self, feeds: dict[str, object], output_names: tuple[str, ...], device_outputs: bool,
                   profile: dict | None = None) -> list:
@@ -317,7 +215,7 @@ class Executor:
         plan = self._bound_plans.get(key)
         if plan is None:
             plan = self._bound_plans[key] = self._build(output_names, feed_devices, device_outputs)
-        convert = _on_device if device_outputs else _to_host
+        convert = on_device if device_outputs else to_host
         if self.graphs is not None and profile is None:
             outputs = self.graphs.run_plan(feeds, key, plan, convert)
             if outputs is not None:
@@ -333,7 +231,7 @@ class Executor:
                 env[slot] = value
         submissions = self.begin_validation() if self._validation else None
         try:
-            self._execute(plan, env, profile)
+            run_steps(plan, env, profile)
             if submissions:
                 self.activate_validation(submissions)
             outputs = [convert(env[slot]) for slot in plan.output_slots]
@@ -344,32 +242,6 @@ class Executor:
         if submissions:
             self.consume_validation(submissions)
         return outputs
-
-    def _execute(self, plan: Plan, env: list, profile: dict | None) -> None:
-        index = 0
-        try:
-            if profile is not None:
-                self._run_profiled(plan, env, profile)
-            else:
-                for index, (run, fetch, single, outs, release) in enumerate(plan.fast):  # noqa: B007 (read on error)
-                    results = run(*fetch(env))
-                    if single is not None:
-                        env[single] = results[0]
-                    else:
-                        if len(results) < len(outs):
-                            raise KernelError(f"kernel returned {len(results)} outputs, the node has {len(outs)}")
-                        for slot, value in zip(outs, results):
-                            env[slot] = value
-                    for slot in release:
-                        env[slot] = None
-        except _ProfiledStepError as wrapped:
-            exc, index = wrapped.args
-            raise _node_error(plan.steps[index], exc, type(exc) if isinstance(exc, OnnxRuntimeError) else KernelError) \
-                from exc
-        except OnnxRuntimeError as exc:
-            raise _node_error(plan.steps[index], exc, type(exc)) from exc
-        except Exception as exc:
-            raise _node_error(plan.steps[index], exc, KernelError) from exc
 
     # -- deferred device validation (one submission per run and device provider) ----------------------
     def begin_validation(self) -> list:
@@ -413,25 +285,6 @@ class Executor:
                     "SessionOptions.add_session_config_entry('session.graph_capture', '1'))")
         return self.graphs.status
 
-    @staticmethod
-    def _run_profiled(plan: Plan, env: list, profile: dict) -> None:
-        """The run loop with a clock around every step; totals go to ``profile`` per operator."""
-        clock = time.perf_counter
-        for index, (step, (run, fetch, _single, outs, release)) in enumerate(zip(plan.steps, plan.fast)):
-            start = clock()
-            try:
-                results = run(*fetch(env))
-            except Exception as exc:
-                raise _ProfiledStepError(exc, index) from exc
-            elapsed = clock() - start
-            key = step.node.op_type if step.node is not None else "copy"
-            total, calls = profile.get(key, (0.0, 0))
-            profile[key] = (total + elapsed, calls + 1)
-            for slot, value in zip(outs, results):
-                env[slot] = value
-            for slot in release:
-                env[slot] = None
-
     def close(self) -> None:
         if self.graphs is not None:
             self.graphs.close()  # graphs first: they reference the validation words and the constants
@@ -445,10 +298,6 @@ class Executor:
         self._bound_plans.clear()
 
 
-class _ProfiledStepError(Exception):
-    """Carries a step failure and its index out of the profiled loop."""
-
-
 def _validation_error(handle: ProviderHandle, flags: int) -> DeviceValidationError:
     return DeviceValidationError(
         f"{handle.name}: device validation failed (flags=0x{flags:x}): a device kernel of this run met invalid "
@@ -456,15 +305,3 @@ def _validation_error(handle: ProviderHandle, flags: int) -> DeviceValidationErr
         f"inputs of the nodes on {handle.name}"
     )
 
-
-def _node_error(step: Step | None, exc: Exception, kind: type) -> Exception:
-    if step is None:
-        return kind(str(exc))
-    if step.node is None:
-        return kind(f"{step.provider} failed: {type(exc).__name__}: {exc}")
-    node = step.node
-    message = f"node {node.name!r} ({node.op_type}) on {step.provider} failed: {type(exc).__name__}: {exc}"
-    try:
-        return kind(message)
-    except TypeError:
-        return KernelError(message)

@@ -220,8 +220,10 @@ class InferenceSession:
                              disabled=kwargs.get("disabled_optimizers") or ())
         self._applied_passes = _run_custom_passes(graph, self._handles, optimized)
         self._placement, assignment = place(graph, self._handles, FunctionExpander(self._model.functions))
-        self._executor = Executor(graph, assignment, self._placement,
-                                  graph_capture=_config_flag(self._sess_options, GRAPH_CAPTURE_KEY))
+        self._executor = Executor(graph, assignment, self._placement)
+        if _config_flag(self._sess_options, GRAPH_CAPTURE_KEY):
+            from .device_graphs import DeviceGraphRunner  # only sessions that ask for capture load it
+            self._executor.graphs = DeviceGraphRunner(self._executor)
         self._inputs = [NodeArg.of(vi) for vi in graph.inputs]
         self._outputs = [NodeArg.of(vi) for vi in graph.outputs]
         self._input_types = {vi.name: vi.type for vi in graph.inputs}

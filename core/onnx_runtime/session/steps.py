@@ -1,0 +1,203 @@
+"""Planned steps and the loop that runs them, shared by the eager executor and the device-graph runner.
+
+A step is one kernel call (a node's, or a copy at a device boundary) over integer value slots. The executor
+(:mod:`.executor`) plans them; :func:`run_steps` runs them, for the executor's eager runs and for the node steps
+a device-graph capture (:mod:`.device_graphs`) records, so both see the same results, releases and errors.
+This module imports neither of them.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import KernelError, OnnxRuntimeError, ProviderError
+from ..ir import Graph, Node
+from ..provider_handle import ProviderHandle
+from ..tensor import Tensor
+from .placement import Copy
+
+
+def shape_of(value):
+    shape = getattr(value, "shape", None)
+    return tuple(shape) if shape is not None else None
+
+
+class ShapeKeyedKernel:
+    """Kernels of one node cached per input shapes, created on first sight of a shape tuple."""
+
+    __slots__ = ("handle", "node", "graph", "cache")
+
+    def __init__(self, handle: ProviderHandle, node: Node, graph: Graph, first=None, first_key=None):
+        self.handle = handle
+        self.node = node
+        self.graph = graph
+        self.cache = {} if first is None else {first_key: first}
+
+    def __call__(self, *inputs):
+        key = tuple(shape_of(x) for x in inputs)
+        kernel = self.cache.get(key)
+        if kernel is None:
+            kernel = self.cache[key] = make_kernel(self.handle, self.node, list(key), self.graph)
+        return kernel(*inputs)
+
+
+def make_kernel(handle: ProviderHandle, node: Node, shapes, graph: Graph):
+    kernel = handle.hook.get_kernel(node=node, shapes=shapes, opset=node.opset, graph=graph)
+    if kernel is None or not callable(kernel):
+        raise ProviderError(
+            f"{handle.name}: get_kernel returned {type(kernel).__name__} for node {node.name!r} ({node.op_type}); "
+            f"it must return a callable kernel"
+        )
+    return kernel
+
+
+# -- host conversions ---------------------------------------------------------------------------------
+def to_host(value):
+    if isinstance(value, Tensor):
+        return value.numpy().copy() if value.provider.is_host_accessible else value.numpy()
+    if isinstance(value, list):  # a sequence
+        return [to_host(v) for v in value]
+    if isinstance(value, np.generic):
+        return np.asarray(value)
+    return value
+
+
+def uploader(handle: ProviderHandle):
+    def upload(value):
+        if isinstance(value, Tensor):
+            value = to_host(value)
+        return (Tensor.from_numpy(np.asarray(value), provider=handle),)
+    upload.handle = handle  # the device it uploads to (device-graph capture hoists feed uploads)
+    return upload
+
+
+def downloader(value):
+    return (to_host(value),)
+
+
+def on_device(value):
+    """An output kept where it was produced: device tensors stay, host values become arrays."""
+    if isinstance(value, Tensor) and not value.provider.is_host_accessible:
+        return value
+    return to_host(value)
+
+
+# -- steps and plans ----------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Step:
+    run: object
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    release: tuple[int, ...]
+    node: Node | None
+    provider: str
+
+
+class Steps:
+    """Steps in run order, with the hot loop's view of them."""
+
+    def __init__(self, steps: list[Step]):
+        self.steps = steps
+        # A C-level getter for the inputs (a one-slot slice for a single input, so it still yields a sequence)
+        # and plain tuples instead of attribute lookups.
+        self.fast = [
+            (
+                step.run,
+                operator.itemgetter(*step.inputs) if len(step.inputs) > 1
+                else operator.itemgetter(slice(step.inputs[0], step.inputs[0] + 1)) if step.inputs
+                else operator.itemgetter(slice(0, 0)),
+                step.outputs[0] if len(step.outputs) == 1 else None,
+                step.outputs,
+                step.release,
+            )
+            for step in steps
+        ]
+
+
+class Plan(Steps):
+    """The steps of one run over a template of slots: feeds go in by name, outputs come out of their slots."""
+
+    def __init__(self, steps: list[Step], template: list, feed_slots: dict[str, int], output_slots: list[int],
+                 copies: list[Copy], device_feeds: frozenset[str] = frozenset()):
+        super().__init__(steps)
+        self.copies = copies
+        self.device_feeds = device_feeds  # feeds that arrive as Tensors on the device that reads them
+        self.template = template
+        self.feed_slots = feed_slots
+        self.output_slots = output_slots
+
+
+# -- running ------------------------------------------------------------------------------------------
+def run_steps(steps: Steps, env: list, profile: dict | None = None) -> None:
+    """Run ``steps`` in order over ``env`` (the values by slot): gather inputs, call the kernel, store outputs,
+    drop dead values. A failure is re-raised as its step's :func:`node_error`. With ``profile`` (a dict), add
+    each operator's (seconds, calls) to it."""
+    index = 0
+    try:
+        if profile is not None:
+            _run_profiled(steps, env, profile)
+        else:
+            for index, (run, fetch, single, outs, release) in enumerate(steps.fast):  # noqa: B007 (read on error)
+                results = run(*fetch(env))
+                if single is not None:
+                    env[single] = results[0]
+                else:
+                    if len(results) < len(outs):
+                        raise KernelError(f"kernel returned {len(results)} outputs, the node has {len(outs)}")
+                    for slot, value in zip(outs, results):
+                        env[slot] = value
+                for slot in release:
+                    env[slot] = None
+    except _ProfiledStepError as wrapped:
+        exc, index = wrapped.args
+        raise node_error(steps.steps[index], exc, type(exc) if isinstance(exc, OnnxRuntimeError) else KernelError) \
+            from exc
+    except OnnxRuntimeError as exc:
+        raise node_error(steps.steps[index], exc, type(exc)) from exc
+    except Exception as exc:
+        raise node_error(steps.steps[index], exc, KernelError) from exc
+
+
+def _run_profiled(steps: Steps, env: list, profile: dict) -> None:
+    """The run loop with a clock around every step; totals go to ``profile`` per operator."""
+    clock = time.perf_counter
+    for index, (step, (run, fetch, _single, outs, release)) in enumerate(zip(steps.steps, steps.fast)):
+        start = clock()
+        try:
+            results = run(*fetch(env))
+        except Exception as exc:
+            raise _ProfiledStepError(exc, index) from exc
+        elapsed = clock() - start
+        key = step.node.op_type if step.node is not None else "copy"
+        total, calls = profile.get(key, (0.0, 0))
+        profile[key] = (total + elapsed, calls + 1)
+        for slot, value in zip(outs, results):
+            env[slot] = value
+        for slot in release:
+            env[slot] = None
+
+
+class _ProfiledStepError(Exception):
+    """Carries a step failure and its index out of the profiled loop."""
+
+
+def node_error(step: Step | None, exc: Exception, kind: type) -> Exception:
+    """The error that reports ``exc``, raised by ``step``, as a ``kind`` naming the step's node and provider. It
+    carries the step as ``step`` (the device-graph runner names the node a capture failed at)."""
+    if step is None:
+        return kind(str(exc))
+    if step.node is None:
+        error = kind(f"{step.provider} failed: {type(exc).__name__}: {exc}")
+    else:
+        node = step.node
+        message = f"node {node.name!r} ({node.op_type}) on {step.provider} failed: {type(exc).__name__}: {exc}"
+        try:
+            error = kind(message)
+        except TypeError:
+            error = KernelError(message)
+    error.step = step
+    return error
