@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import onnx
 import pytest
@@ -21,17 +23,21 @@ collect_ignore_glob = [] if _providers_installed() else ["test_*.py"]
 from model_helpers import make_model, tensor_info  # noqa: E402
 
 
+@pytest.fixture
+def knobs():
+    """``knobs(name=value, ...)``: the CPU provider's tuning knobs (onnx_runtime_ep_cpu/tuning.py) set for the
+    rest of the test, then restored."""
+    from onnx_runtime_ep_cpu import tuning
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(tuning.override(**changes))
+
+
 @pytest.fixture(params=[1, 2, 3], ids=["one thread", "two threads", "three threads"])
-def kernel_threads(request, monkeypatch):
+def kernel_threads(request, knobs):
     """The CPU provider's matrix products on one, two and three threads (parts beyond the helpers run on
     the caller), splitting even small products. (test_packed_conv.py has its own.)"""
-    from onnx_runtime_ep_cpu import threads
-    from onnx_runtime_ep_cpu.ops import linalg
-
-    monkeypatch.setattr(threads, "_threads", request.param)
-    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
-    monkeypatch.setattr(linalg, "_GEMV_SPLIT_WEIGHTS", 1)
-    monkeypatch.setattr(linalg, "_SPLIT_MACS", 1)
+    knobs(threads=request.param, gemv_split_weights=1, split_macs=1)
     return request.param
 
 

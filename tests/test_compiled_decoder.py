@@ -446,7 +446,7 @@ def test_few_query_attention_matches_the_numpy_path(few_calls, geometry, causal)
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
 
 
-def test_few_query_attention_leaves_masks_and_large_products_to_the_other_paths(few_calls, monkeypatch):
+def test_few_query_attention_leaves_masks_and_large_products_to_the_other_paths(few_calls, knobs):
     from test_compiled_transformer import _attention, _qkv
 
     q, k, v = _qkv(1, 4, 2, 1, 40, 16, 4)
@@ -458,7 +458,7 @@ def test_few_query_attention_leaves_masks_and_large_products_to_the_other_paths(
     assert not few_calls  # float64 keeps the numpy path
     plain(q, k, v)
     assert len(few_calls) == 1
-    monkeypatch.setattr(transformer, "_FEW_MACS", 4 * 40 * 16 - 1)  # one multiply-add too many
+    knobs(few_query_macs=4 * 40 * 16 - 1)  # one multiply-add too many
     assert _attention([q.shape, k.shape, v.shape])(q, k, v)[0].shape == (1, 4, 1, 16)
     assert len(few_calls) == 1
 

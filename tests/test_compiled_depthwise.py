@@ -9,15 +9,16 @@ import math
 import numpy as np
 import pytest
 from onnx_runtime.ir import Node
+from onnx_runtime_ep_cpu.algorithms import conv_blas, conv_depthwise, conv_path, window
 from onnx_runtime_ep_cpu.compiled import depthwise, gemm
-from onnx_runtime_ep_cpu.ops import nn
+from onnx_runtime_ep_cpu.ops import conv as conv_ops
 
 RNG = np.random.default_rng(11)
 
 
 def _conv(attrs, shapes):
     node = Node("Conv", ["x", "w", "b"][: len(shapes)], ["y"], name="dw", attrs=dict(attrs), opset=17)
-    return nn.conv(node, list(shapes), 17)
+    return conv_ops.conv(node, list(shapes), 17)
 
 
 def _pads(attrs, spatial, kernel):
@@ -79,7 +80,7 @@ def numpy_path_forbidden(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the numpy depthwise path ran")
 
-    monkeypatch.setattr(nn, "_conv_depthwise", fail)
+    monkeypatch.setattr(conv_path, "conv_depthwise", fail)
 
 
 CASES = [
@@ -164,9 +165,9 @@ def test_compiled_depthwise_matches_the_numpy_path():
     w = _constant(RNG.standard_normal((16, 1, 3, 3)).astype(np.float32))
     b = _constant(RNG.standard_normal(16).astype(np.float32))
     attrs = {"strides": [2, 1], "pads": [1, 1, 1, 1]}
-    window = nn._Window(Node("Conv", ["x", "w"], ["y"], attrs=dict(attrs), opset=17), None, needs_kernel=False)
-    geo = window.resolve(x.shape[2:], w.shape[2:])
-    numpy_y = nn._conv_depthwise(x, nn._grouped_weights(w, b, 8, np.float32), geo, True)
+    attributes = window.Window(Node("Conv", ["x", "w"], ["y"], attrs=dict(attrs), opset=17), None, needs_kernel=False)
+    geo = attributes.resolve(x.shape[2:], w.shape[2:])
+    numpy_y = conv_depthwise.conv_depthwise(x, conv_blas.grouped_weights(w, b, 8, np.float32), geo, True)
     np.testing.assert_allclose(_run(x, w, b, attrs), numpy_y, rtol=1e-5, atol=1e-5)
 
 
@@ -175,7 +176,7 @@ def test_other_dtypes_and_ranks_keep_the_numpy_path(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the compiled depthwise loop ran")
 
-    monkeypatch.setattr(nn, "_compiled_depthwise", fail)
+    monkeypatch.setattr(conv_path, "compiled_depthwise", fail)
     x = RNG.standard_normal((1, 4, 7, 8)).astype(np.float16)
     w = _constant(RNG.standard_normal((4, 1, 3, 3)).astype(np.float16))
     y = _run(x, w, None, {"pads": [1, 1, 1, 1]})
@@ -188,10 +189,10 @@ def test_other_dtypes_and_ranks_keep_the_numpy_path(monkeypatch):
 
 @pytest.mark.parametrize("shape,kernel,attrs", [CASES[0], CASES[2], CASES[5], CASES[11], CASES[-2],
                                                 ((1, 3, 4, 5, 6), (2, 3, 2), {"pads": [1, 0, 1, 0, 1, 1]})])
-def test_numpy_path_still_matches_direct_convolution(monkeypatch, shape, kernel, attrs):
+def test_numpy_path_still_matches_direct_convolution(monkeypatch, shape, kernel, attrs, knobs):
     # The fallback for other dtypes and ranks, forced for float32 and split into small channel blocks.
-    monkeypatch.setattr(nn, "_depthwise_compiles", lambda geo, x: False)
-    monkeypatch.setattr(nn, "_DEPTHWISE_BYTES", 2 * 4 * 10 * 30)
+    monkeypatch.setattr(conv_path, "depthwise_compiles", lambda geo, x: False)
+    knobs(depthwise_block_bytes=2 * 4 * 10 * 30)
     c = shape[1]
     x = RNG.standard_normal(shape).astype(np.float32)
     w = _constant(RNG.standard_normal((2 * c, 1, *kernel)).astype(np.float32))
@@ -258,14 +259,14 @@ def test_direct_kernel_is_the_plane_loop_bit_for_bit(shape, pads, stride, activa
 
 
 @needs_avx512
-def test_direct_kernel_splits_channels_across_threads(monkeypatch, kernel_threads):
+def test_direct_kernel_splits_channels_across_threads(monkeypatch, kernel_threads, knobs):
     # One image's channels in parts (jobs.split_depthwise), each part by the direct kernel: the same bits.
-    monkeypatch.setattr(nn, "_SPLIT_ELEMENTS", 1)
+    knobs(split_elements=1)
     x = RNG.standard_normal((1, 10, 14, 14)).astype(np.float32)
     w = _constant(RNG.standard_normal((10, 1, 3, 3)).astype(np.float32))
     b = _constant(RNG.standard_normal(10).astype(np.float32))
     attrs = {"pads": [1, 1, 1, 1], "strides": [2, 2]}
     split = _run(x, w, b, attrs)
-    monkeypatch.setattr(nn, "_SPLIT_ELEMENTS", 1 << 40)
+    knobs(split_elements=1 << 40)
     np.testing.assert_array_equal(split, _run(x, w, b, attrs))
     np.testing.assert_allclose(split, _reference(x, w, b, attrs), rtol=1e-5, atol=1e-5)

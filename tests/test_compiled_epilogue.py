@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from onnx_runtime.ir import Node
+from onnx_runtime_ep_cpu.algorithms import conv_path
 from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
-from onnx_runtime_ep_cpu.ops import nn
+from onnx_runtime_ep_cpu.ops import conv as conv_ops
+from onnx_runtime_ep_cpu.ops import normalization
 
 ACTIVATIONS = [
     (None, []),
@@ -35,7 +37,7 @@ def _fused_conv(kind, params, **attrs):
         node_attrs.update(activation=kind, activation_params=params)
     node = Node("FusedConv", ["x", "w", "b", "z"], ["y"], domain=FUSED_DOMAIN, attrs=node_attrs, opset=1)
     plain = Node("Conv", ["x", "w", "b"], ["y"], attrs=dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1], **attrs), opset=13)
-    return nn.fused_conv(node, None, 1), nn.conv(plain, None, 13)
+    return conv_ops.fused_conv(node, None, 1), conv_ops.conv(plain, None, 13)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -95,7 +97,7 @@ def test_fused_batch_normalization_matches_numpy(dtype, kind, params):
     if kind is not None:
         attrs.update(activation=kind, activation_params=params)
     node = Node("FusedBatchNormalization", ["x", "s", "b", "m", "v"], ["y"], domain=FUSED_DOMAIN, attrs=attrs, opset=1)
-    (y,) = nn.fused_batch_normalization(node, None, 1)(x, scale, bias, mean, var)
+    (y,) = normalization.fused_batch_normalization(node, None, 1)(x, scale, bias, mean, var)
     wide = [p.astype(np.float64).reshape(1, 4, 1, 1) for p in (scale, bias, mean, var)]
     expected = (x.astype(np.float64) - wide[2]) / np.sqrt(wide[3] + 1e-3) * wide[0] + wide[1]
     expected = _activate(expected, kind, params)
@@ -109,7 +111,7 @@ def test_batch_normalization_compiled_on_non_contiguous_input():
     rng = np.random.default_rng(4)
     x = rng.standard_normal((2, 3, 6, 8)).astype(np.float32)[:, :, ::2, 1:]  # strided view
     params = [np.ones(3, np.float32), np.zeros(3, np.float32), np.full(3, 0.5, np.float32), np.full(3, 4.0, np.float32)]
-    (y,) = nn.batch_normalization_14(node, None, 15)(x, *params)[:1]
+    (y,) = normalization.batch_normalization_14(node, None, 15)(x, *params)[:1]
     np.testing.assert_allclose(y, (x - 0.5) / np.sqrt(4.0 + 1e-5), rtol=1e-5, atol=1e-6)
 
 
@@ -146,14 +148,14 @@ def test_loops_compile_without_a_writable_cache(monkeypatch):
 # taps paths finish each block of rows as they write it (small column budgets force several blocks),
 # the others finish the whole output after the convolution.
 PATHS = {
-    "tight rows": ("_conv_tight_rows", (2, 5, 9, 7), (6, 5, 3, 3), dict(pads=[1, 1, 1, 1])),
-    "tight rows, dilated": ("_conv_tight_rows", (1, 3, 8, 9), (4, 3, 3, 3), dict(pads=[2, 2, 2, 2], dilations=[2, 2])),
-    "im2col": ("_conv_im2col", (2, 4, 9, 8), (5, 4, 3, 3), dict(pads=[1, 0, 2, 1], strides=[2, 2])),
-    "im2col, groups": ("_conv_im2col", (2, 4, 9, 8), (6, 2, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 1], group=2)),
-    "taps": ("_conv_by_taps", (2, 16, 6, 7), (3, 16, 3, 3), dict(pads=[1, 1, 1, 1])),
-    "taps, cropped": ("_conv_by_taps", (1, 12, 6, 5), (2, 12, 3, 2), dict(pads=[0, 2, 1, 0])),
-    "pointwise": ("_conv_pointwise", (2, 6, 4, 5), (7, 6, 1, 1), {}),
-    "winograd": ("_conv_winograd", (1, 192, 6, 12), (192, 192, 3, 3), dict(pads=[1, 1, 1, 1])),
+    "tight rows": ("conv_tight_rows", (2, 5, 9, 7), (6, 5, 3, 3), dict(pads=[1, 1, 1, 1])),
+    "tight rows, dilated": ("conv_tight_rows", (1, 3, 8, 9), (4, 3, 3, 3), dict(pads=[2, 2, 2, 2], dilations=[2, 2])),
+    "im2col": ("conv_im2col", (2, 4, 9, 8), (5, 4, 3, 3), dict(pads=[1, 0, 2, 1], strides=[2, 2])),
+    "im2col, groups": ("conv_im2col", (2, 4, 9, 8), (6, 2, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 1], group=2)),
+    "taps": ("conv_by_taps", (2, 16, 6, 7), (3, 16, 3, 3), dict(pads=[1, 1, 1, 1])),
+    "taps, cropped": ("conv_by_taps", (1, 12, 6, 5), (2, 12, 3, 2), dict(pads=[0, 2, 1, 0])),
+    "pointwise": ("conv_pointwise", (2, 6, 4, 5), (7, 6, 1, 1), {}),
+    "winograd": ("conv_winograd", (1, 192, 6, 12), (192, 192, 3, 3), dict(pads=[1, 1, 1, 1])),
     "depthwise": (None, (2, 4, 6, 6), (4, 1, 3, 3), dict(pads=[1, 1, 1, 1], group=4)),
 }
 
@@ -163,23 +165,23 @@ PATHS = {
 @pytest.mark.parametrize("with_bias,with_residual", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_fused_conv_finishes_every_path_as_conv_then_epilogue(monkeypatch, path, dtype, kind, params, with_bias,
-                                                              with_residual):
-    monkeypatch.setattr(nn, "_IM2COL_BYTES", 256)
-    monkeypatch.setattr(nn, "_use_winograd", lambda geo, group, c, m: c >= 192)
+                                                              with_residual, knobs):
+    knobs(im2col_block_bytes=256)
+    monkeypatch.setattr(conv_path, "use_winograd", lambda geo, group, c, m: c >= 192)
     # The BLAS paths, which float64 takes, and float32 where the packed convolution does not run
     # (hosts without AVX-512); tests/test_packed_conv.py covers that one.
-    monkeypatch.setattr(nn, "_packed_conv_applies", lambda geo, group, x: False)
+    monkeypatch.setattr(conv_path, "packed_conv_applies", lambda geo, group, x: False)
     function, x_shape, w_shape, attrs = PATHS[path]
     taken = []
     if function is not None:
-        real = getattr(nn, function)
-        monkeypatch.setattr(nn, function, lambda *args: taken.append(function) or real(*args))
+        real = getattr(conv_path, function)
+        monkeypatch.setattr(conv_path, function, lambda *args: taken.append(function) or real(*args))
     rng = np.random.default_rng(5)
     x, w = rng.standard_normal(x_shape).astype(dtype), rng.standard_normal(w_shape).astype(dtype)
     w.flags.writeable = False  # an initializer, as Winograd's weight transform wants
     b = rng.standard_normal(w_shape[0]).astype(dtype) if with_bias else None
     attrs = dict(kernel_shape=list(w_shape[2:]), **attrs)
-    conv = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)
+    conv = conv_ops.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)
     (expected,) = conv(x, w)  # without its bias: the fused node adds it in the epilogue, in the same order
     z = rng.standard_normal(expected.shape).astype(dtype) if with_residual else None
     # The depthwise loop starts its sums from the bias and applies the activation as it stores; with a
@@ -197,7 +199,7 @@ def fused_and_unfused(x, w, b, z, attrs, kind, params, conv_out, bias_first=Fals
     residual or an activation, or with ``bias_first``, the Conv itself, bias included, then the rest)."""
     expected = conv_out
     if (bias_first or (kind is None and z is None)) and b is not None:
-        (expected,) = nn.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)(x, w, b)
+        (expected,) = conv_ops.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)(x, w, b)
     elif b is not None:
         expected = expected + b.reshape(-1, 1, 1)
     if z is not None:
@@ -206,7 +208,7 @@ def fused_and_unfused(x, w, b, z, attrs, kind, params, conv_out, bias_first=Fals
     if kind is not None:
         attrs = dict(attrs, activation=kind, activation_params=params)
     node = Node("FusedConv", ["x", "w", "b", "z"], ["y"], domain=FUSED_DOMAIN, attrs=attrs, opset=1)
-    (got,) = nn.fused_conv(node, None, 1)(x, w, b, z)
+    (got,) = conv_ops.fused_conv(node, None, 1)(x, w, b, z)
     return got, expected
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu import ops  # noqa: F401  (fills the registry)
-from onnx_runtime_ep_cpu.ops import nn
+from onnx_runtime_ep_cpu.algorithms import pooling, window
 from onnx_runtime_ep_cpu.registry import lookup
 
 RNG = np.random.default_rng(11)
@@ -27,7 +27,7 @@ def kernel(op, attrs, shape, n_outputs=1, opset=19):
 def numpy_pool(x, attrs, include_pad=None):
     """The numpy fold over the same geometry: max (``include_pad`` None) or average."""
     node = Node("MaxPool", ["x"], ["y"], name="ref", attrs=dict(attrs), opset=19)
-    geo = nn._Window(node, [x.shape], needs_kernel=True).resolve(x.shape[2:])
+    geo = window.Window(node, [x.shape], needs_kernel=True).resolve(x.shape[2:])
     if include_pad is None:
         return geo.reduce_windows(x, np.maximum, -np.inf)
     total = geo.reduce_windows(x, np.add, 0)
@@ -190,7 +190,7 @@ def test_narrow_rows_across_planes(seed):
 @pytest.mark.parametrize("stride", [1, 2, 3])
 def test_wide_rows(stride):
     """Outputs wider than NARROW_ROWS pool row by row."""
-    x = RNG.standard_normal((1, 3, 9, 2 * nn._pool_loops().NARROW_ROWS * stride + 5)).astype(np.float32)
+    x = RNG.standard_normal((1, 3, 9, 2 * pooling.pool_loops().NARROW_ROWS * stride + 5)).astype(np.float32)
     sprinkle_specials(x, RNG, 4)
     for pads in ([0, 0, 0, 0], [1, 2, 1, 0]):
         check_pools(x, {"kernel_shape": [3, 3], "strides": [stride, stride], "pads": pads})
@@ -222,7 +222,7 @@ def test_non_contiguous_input():
 
 
 def test_float_inputs_take_compiled_loops(monkeypatch):
-    loops = nn._pool_loops()
+    loops = pooling.pool_loops()
     calls = []
     loop = loops.pool_2d
     monkeypatch.setattr(loops, "pool_2d", lambda *args: calls.append(args[10]) or loop(*args))  # is_max
@@ -235,7 +235,7 @@ def test_float_inputs_take_compiled_loops(monkeypatch):
 @pytest.mark.parametrize("dtype", [np.int8, np.int32, np.float16])
 def test_other_dtypes_take_numpy(monkeypatch, dtype):
     """Integer and half-precision inputs never reach the compiled loops."""
-    monkeypatch.setattr(nn._pool_loops(), "pool_2d", None)
+    monkeypatch.setattr(pooling.pool_loops(), "pool_2d", None)
     x = RNG.integers(-100, 100, (1, 2, 7, 8)).astype(dtype)
     attrs = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
     y = kernel("MaxPool", attrs, x.shape)(x)[0]
@@ -248,7 +248,7 @@ def test_other_dtypes_take_numpy(monkeypatch, dtype):
 
 
 def test_three_d_and_indices_take_numpy(monkeypatch):
-    monkeypatch.setattr(nn._pool_loops(), "pool_2d", None)
+    monkeypatch.setattr(pooling.pool_loops(), "pool_2d", None)
     x = RNG.standard_normal((1, 2, 4, 5, 6)).astype(np.float32)
     attrs = {"kernel_shape": [2, 2, 2]}
     np.testing.assert_array_equal(kernel("MaxPool", attrs, x.shape)(x)[0], numpy_pool(x, attrs))

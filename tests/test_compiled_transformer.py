@@ -12,9 +12,11 @@ from model_helpers import make_model, tensor_info
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnx_runtime.ir import Node
+from onnx_runtime_ep_cpu.algorithms import activations
 from onnx_runtime_ep_cpu.compiled import transformer as compiled
 from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
-from onnx_runtime_ep_cpu.ops import linalg, nn
+from onnx_runtime_ep_cpu.ops import activation as activation_ops
+from onnx_runtime_ep_cpu.ops import linalg, normalization
 from onnx_runtime_ep_cpu.ops import transformer as ops_transformer
 from reference64 import assert_within, product_error_bound, unit_roundoff
 
@@ -45,10 +47,10 @@ def _exact_gelu(x: np.ndarray, approximate: str) -> np.ndarray:
 @pytest.mark.parametrize("shape", [(2, 3, 200), (5, 64), (7,), (3, 1, 5)])
 def test_gelu_float32_is_accurate_and_keeps_special_values(approximate, shape):
     x = _special((RNG.standard_normal(shape) * 4).astype(np.float32))
-    kernel = nn.gelu(Node("Gelu", ["x"], ["y"], attrs={"approximate": approximate}, opset=20), None, 20)
+    kernel = activation_ops.gelu(Node("Gelu", ["x"], ["y"], attrs={"approximate": approximate}, opset=20), None, 20)
     got = kernel(x)[0]
     assert got.shape == x.shape and got.dtype == x.dtype
-    numpy_fn = nn._gelu_erf if approximate == "none" else nn._gelu_tanh
+    numpy_fn = activations.gelu_erf if approximate == "none" else activations.gelu_tanh
     with np.errstate(all="ignore"):
         want = numpy_fn(x)
     special = ~np.isfinite(x) | (np.abs(x) >= 60) | (x == 0)  # inf -> inf, -inf -> NaN, NaN, signed zeros
@@ -61,7 +63,7 @@ def test_gelu_float32_tanh_form_keeps_relative_accuracy_in_the_negative_tail():
     # 0.5 * x * (1 + tanh(s)) cancels where tanh(s) nears -1 (numpy's kernel: 13x off at x = -8); the
     # compiled loop computes x * sigmoid(2 s) instead.
     x = np.linspace(-10, -0.5, 4000, dtype=np.float32).reshape(4, 1000)
-    kernel = nn.gelu(Node("Gelu", ["x"], ["y"], attrs={"approximate": "tanh"}, opset=20), None, 20)
+    kernel = activation_ops.gelu(Node("Gelu", ["x"], ["y"], attrs={"approximate": "tanh"}, opset=20), None, 20)
     # (atol: results below float32's normal range, x < -9.9, flush to zero)
     np.testing.assert_allclose(kernel(x)[0], _exact_gelu(x, "tanh"), rtol=2e-5, atol=1e-36)
 
@@ -72,7 +74,7 @@ def test_gelu_float32_whole_range_and_epilogue_forms():
     bias = (RNG.standard_normal(300) * 0.1).astype(np.float32)
     residual = RNG.standard_normal((64, 300)).astype(np.float32)
     for approximate in ("none", "tanh"):
-        coefficients = nn._gelu_series(approximate, np.float32)
+        coefficients = activations.gelu_series(approximate, np.float32)
         exact = _exact_gelu(x + bias, approximate)
         np.testing.assert_allclose(compiled.gelu(x, coefficients, bias), exact, rtol=2e-6, atol=2e-7)
         with_residual = compiled.gelu(x, coefficients, bias, residual)
@@ -89,16 +91,16 @@ def test_gelu_float32_loop_refuses_a_series_it_has_no_loop_for():
 
 def test_gelu_tanh_float64_compiles_and_matches():
     x = _special(RNG.standard_normal((4, 130)) * 3)
-    kernel = nn.gelu(Node("Gelu", ["x"], ["y"], attrs={"approximate": "tanh"}, opset=20), None, 20)
+    kernel = activation_ops.gelu(Node("Gelu", ["x"], ["y"], attrs={"approximate": "tanh"}, opset=20), None, 20)
     with np.errstate(all="ignore"):
-        np.testing.assert_array_equal(kernel(x)[0], nn._gelu_tanh(x))
+        np.testing.assert_array_equal(kernel(x)[0], activations.gelu_tanh(x))
 
 
 @pytest.mark.parametrize("dtype,approximate", [(np.float16, "none"), (np.float64, "none"), (np.float16, "tanh")])
 def test_gelu_other_dtypes_keep_numpy_path(monkeypatch, dtype, approximate):
     monkeypatch.setattr(compiled, "gelu", lambda *a, **k: pytest.fail("compiled path taken"))
     x = (RNG.standard_normal((3, 70)) * 2).astype(dtype)
-    kernel = nn.gelu(Node("Gelu", ["x"], ["y"], attrs={"approximate": approximate}, opset=20), None, 20)
+    kernel = activation_ops.gelu(Node("Gelu", ["x"], ["y"], attrs={"approximate": approximate}, opset=20), None, 20)
     got = kernel(x)[0]
     erf = np.vectorize(math.erf)
     xd = x.astype(np.float64)
@@ -116,7 +118,7 @@ def _layer_norm(axis=-1, epsilon=1e-5, outputs=3, stash=None):
     if stash is not None:
         attrs["stash_type"] = stash
     node = Node("LayerNormalization", ["x", "s", "b"], ["y", "mean", "inv_std"][:outputs], attrs=attrs, opset=17)
-    return nn.layer_normalization(node, None, 17)
+    return normalization.layer_normalization(node, None, 17)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -130,7 +132,7 @@ def test_layer_norm_compiled_matches_numpy_path(monkeypatch, dtype, shape, axis,
     stash = 11 if dtype == np.float64 else 1
     kernel = _layer_norm(axis, stash=stash)
     got = kernel(x, scale, bias)
-    monkeypatch.setattr(nn, "_layer_norm_compiles", lambda *a: False)
+    monkeypatch.setattr(normalization, "layer_norm_compiles", lambda *a: False)
     want = kernel(x, scale, bias)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     for g, w in zip(got, want):
@@ -247,7 +249,7 @@ def test_fused_matmul_kernel_is_within_float32_error_of_the_exact_result(activat
         bound = product_error_bound(a, b, addends=(bias,))
         y = np.matmul(a, b) + bias
         if gelu is not None:
-            y = nn.gelu(Node("Gelu", ["x"], ["y"], attrs={"approximate": gelu}, opset=20), None, 20)(y)[0]
+            y = activation_ops.gelu(Node("Gelu", ["x"], ["y"], attrs={"approximate": gelu}, opset=20), None, 20)(y)[0]
             exact = _exact_gelu(exact, gelu)
             bound = _GELU_SLOPE * bound + 2e-6 * np.abs(exact) + 2e-7  # the Gelu kernel's accuracy, tested above
         with_residual = exact + residual

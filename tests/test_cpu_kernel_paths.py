@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu import blas, ops  # noqa: F401  (ops fills the registry)
-from onnx_runtime_ep_cpu.ops import nn
+from onnx_runtime_ep_cpu.algorithms import conv_blas, conv_path, window
 from onnx_runtime_ep_cpu.registry import lookup
 
 RNG = np.random.default_rng(7)
@@ -130,9 +130,9 @@ def test_conv_im2col(with_bias, attrs):
     assert_conv(x, w, constant(rand(6)) if with_bias else None, attrs)
 
 
-def test_conv_im2col_in_row_blocks(monkeypatch):
+def test_conv_im2col_in_row_blocks(monkeypatch, knobs):
     # A budget of a few output rows splits the column matrix into several blocks, the last one short.
-    monkeypatch.setattr(nn, "_IM2COL_BYTES", 4 * 2 * 2 * (3 * 9 + 1) * 9)
+    knobs(im2col_block_bytes=4 * 2 * 2 * (3 * 9 + 1) * 9)
     x, w, b = rand(2, 3, 11, 11), constant(rand(5, 3, 3, 3)), constant(rand(5))
     assert_conv(x, w, b, {"pads": [1, 1, 1, 1]})
 
@@ -153,20 +153,20 @@ def test_conv_im2col_other_ranks(shape, kernel_shape):
     ((2, 4), {"pads": [1, 3, 0, 0], "dilations": [3, 1]}),  # every tap wraps on the left
 ])
 @pytest.mark.parametrize("rows_per_block", [1, 3, 99])
-def test_conv_tight_rows_compiled_fill(monkeypatch, kernel_shape, attrs, rows_per_block):
+def test_conv_tight_rows_compiled_fill(monkeypatch, kernel_shape, attrs, rows_per_block, knobs):
     # Outputs as wide as the input: the compiled loop fills each column block straight from x;
     # checked exactly against the numpy fill (staged rows, wrapped columns zeroed) and against Conv.
     c, width = 3, 6
     depth = c * math.prod(kernel_shape)
-    monkeypatch.setattr(nn, "_IM2COL_BYTES", 4 * depth * width * rows_per_block)
+    knobs(im2col_block_bytes=4 * depth * width * rows_per_block)
     geo = geometry(attrs, (7, width), kernel_shape)
-    assert nn._tight_fits(geo) and not nn._use_taps(geo, 1, c, 5, np.dtype(np.float32))
+    assert conv_blas.tight_fits(geo) and not conv_path.use_taps(geo, 1, c, 5, np.dtype(np.float32))
     x, w = rand(2, c, 7, width), constant(rand(5, c, *kernel_shape))
     assert_conv(x, w, constant(rand(5)), dict(attrs, kernel_shape=list(kernel_shape)))
     compiled, staged = (np.full((depth, 99 * width), np.nan, np.float32) for _ in range(2))
-    nn._tight_fill(x, geo, compiled)(1, 1, geo.out[0] - 1)
-    monkeypatch.setattr(nn, "takes_compiled", lambda *arrays: False)
-    nn._tight_fill(x, geo, staged)(1, 1, geo.out[0] - 1)
+    conv_blas.tight_fill(x, geo, compiled)(1, 1, geo.out[0] - 1)
+    monkeypatch.setattr(conv_blas, "takes_compiled", lambda *arrays: False)
+    conv_blas.tight_fill(x, geo, staged)(1, 1, geo.out[0] - 1)
     np.testing.assert_array_equal(compiled, staged)
 
 
@@ -174,7 +174,7 @@ def test_conv_tight_rows_integers_take_the_numpy_fill():
     geo = geometry({"pads": [1, 1, 1, 1]}, (5, 4), (3, 3))
     x = np.arange(2 * 3 * 5 * 4).reshape(2, 3, 5, 4)
     w = np.arange(4 * 27).reshape(1, 4, 27) % 5 - 2
-    y = nn._conv_tight_rows(x, w, geo, False)
+    y = conv_blas.conv_tight_rows(x, w, geo, False)
     assert y.dtype == x.dtype
     np.testing.assert_array_equal(y, conv_reference(x, w.reshape(4, 3, 3, 3), None, {"pads": [1, 1, 1, 1]}))
 
@@ -197,19 +197,19 @@ def test_conv_by_taps(attrs, with_bias):
     c, m = 16, 3  # 4 * m <= c: one matmul per kernel tap
     kernel_shape = attrs.get("kernel_shape", [3, 3])
     x, w = rand(2, c, 8, 9), constant(rand(m, c, *kernel_shape))
-    assert nn._use_taps(geometry(attrs, (8, 9), tuple(kernel_shape)), 1, c, m, np.dtype(np.float32))
+    assert conv_path.use_taps(geometry(attrs, (8, 9), tuple(kernel_shape)), 1, c, m, np.dtype(np.float32))
     assert_conv(x, w, constant(rand(m)) if with_bias else None, attrs)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_conv_by_taps_accumulating_in_blas(monkeypatch, dtype, with_bias):
+def test_conv_by_taps_accumulating_in_blas(monkeypatch, dtype, with_bias, knobs):
     # A column matrix past the budget (made small here): per-tap products accumulated in place by BLAS.
-    monkeypatch.setattr(nn, "_TAPS_COLUMN_BYTES", 1 << 10)
+    knobs(taps_column_bytes=1 << 10)
     c, m, attrs = 8, 24, {"pads": [1, 2, 1, 0], "dilations": [1, 2]}
     x, w = rand(2, c, 16, 18, dtype=dtype), constant(rand(m, c, 3, 3, dtype=dtype))
     assert blas.available(dtype)
-    assert nn._use_taps(geometry(attrs, (16, 18), (3, 3)), 1, c, m, np.dtype(dtype))
+    assert conv_path.use_taps(geometry(attrs, (16, 18), (3, 3)), 1, c, m, np.dtype(dtype))
     b = constant(rand(m, dtype=dtype)) if with_bias else None
     y = run_conv(x, w, b, attrs)
     expected = conv_reference(x, w, b, attrs)
@@ -236,7 +236,7 @@ def test_gemm_accumulate_on_strided_views(monkeypatch, reachable):
 
 
 def geometry(attrs, in_shape, kernel_shape):
-    return nn._Window(Node("Conv", [], [], attrs=attrs), [], needs_kernel=False).resolve(in_shape, kernel_shape)
+    return window.Window(Node("Conv", [], [], attrs=attrs), [], needs_kernel=False).resolve(in_shape, kernel_shape)
 
 
 @pytest.mark.parametrize("attrs,size", [
@@ -248,7 +248,7 @@ def geometry(attrs, in_shape, kernel_shape):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_conv_winograd(attrs, size, with_bias, dtype):
     c, m = 192, 192
-    assert nn._use_winograd(geometry(attrs, size, (3, 3)), 1, c, m)
+    assert conv_path.use_winograd(geometry(attrs, size, (3, 3)), 1, c, m)
     x, w = rand(2, c, *size, dtype=dtype), constant(rand(m, c, 3, 3, dtype=dtype))
     b = constant(rand(m, dtype=dtype)) if with_bias else None
     y = run_conv(x, w, b, attrs)
@@ -262,9 +262,9 @@ def test_conv_winograd(attrs, size, with_bias, dtype):
 @pytest.mark.parametrize("multiplier", [1, 2])
 @pytest.mark.parametrize("attrs", [{"pads": [1, 1, 1, 1]}, {"pads": [2, 0, 1, 2], "dilations": [1, 2]}])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_conv_depthwise(monkeypatch, multiplier, attrs, with_bias):
+def test_conv_depthwise(monkeypatch, multiplier, attrs, with_bias, knobs):
     # A budget of two channels' columns makes several channel blocks, the last one short.
-    monkeypatch.setattr(nn, "_DEPTHWISE_BYTES", 2 * 4 * 10 * 7 * 12)
+    knobs(depthwise_block_bytes=2 * 4 * 10 * 7 * 12)
     c = 5
     x, w = rand(2, c, 7, 9), constant(rand(c * multiplier, 1, 3, 3))
     attrs = {**attrs, "group": c}
@@ -277,8 +277,8 @@ def test_conv_depthwise(monkeypatch, multiplier, attrs, with_bias):
     ((1, 6, 5, 6, 7), (3, 2, 2), {"strides": [1, 2, 1]}),  # 3-D
 ])
 @pytest.mark.parametrize("multiplier", [1, 3])
-def test_conv_depthwise_strided_windows(monkeypatch, shape, kernel_shape, attrs, multiplier):
-    monkeypatch.setattr(nn, "_DEPTHWISE_BYTES", 2 * 4 * 10 * 30)  # a few channels per block
+def test_conv_depthwise_strided_windows(monkeypatch, shape, kernel_shape, attrs, multiplier, knobs):
+    knobs(depthwise_block_bytes=2 * 4 * 10 * 30)  # a few channels per block
     c = shape[1]
     x, w, b = rand(*shape), constant(rand(c * multiplier, 1, *kernel_shape)), constant(rand(c * multiplier))
     assert_conv(x, w, b, {**attrs, "group": c})
@@ -461,7 +461,7 @@ def exact_erf(x):
 
 
 def test_float32_erf_is_within_two_ulps_of_one_everywhere():
-    from onnx_runtime_ep_cpu.ops.special import erf_float32
+    from onnx_runtime_ep_cpu.algorithms.erf import erf_float32
 
     x = np.concatenate([np.linspace(-9, 9, 900_001), np.geomspace(1.2e-38, 9, 100_000),
                         -np.geomspace(1.2e-38, 9, 1000), np.geomspace(9, 3e38, 1000)]).astype(np.float32)
@@ -477,7 +477,7 @@ def test_float32_erf_is_within_two_ulps_of_one_everywhere():
 
 
 def test_float32_erf_special_values():
-    from onnx_runtime_ep_cpu.ops.special import erf_float32
+    from onnx_runtime_ep_cpu.algorithms.erf import erf_float32
 
     subnormal = np.array([1e-45, 3e-45, 1e-40, -1e-39, 1.1e-38], np.float32)
     np.testing.assert_allclose(erf_float32(subnormal), exact_erf(subnormal).astype(np.float32), rtol=0, atol=3e-45)
@@ -614,7 +614,7 @@ def test_split_returns_views_cut_at_the_sizes(shape, axis, sizes):
 def test_taps_path_takes_over_from_large_column_matrices():
     same = {"pads": [1, 1, 1, 1]}
     f32 = np.dtype(np.float32)
-    assert nn._use_taps(geometry(same, (112, 112), (3, 3)), 1, 32, 32, f32)  # 14 MiB of columns
-    assert not nn._use_taps(geometry(same, (56, 56), (3, 3)), 1, 64, 64, f32)  # 7 MiB: im2col
-    assert not nn._use_taps(geometry(same, (112, 112), (3, 3)), 2, 32, 32, f32)  # grouped
-    assert not nn._use_taps(geometry({"strides": [2, 2]}, (112, 112), (3, 3)), 1, 64, 64, f32)
+    assert conv_path.use_taps(geometry(same, (112, 112), (3, 3)), 1, 32, 32, f32)  # 14 MiB of columns
+    assert not conv_path.use_taps(geometry(same, (56, 56), (3, 3)), 1, 64, 64, f32)  # 7 MiB: im2col
+    assert not conv_path.use_taps(geometry(same, (112, 112), (3, 3)), 2, 32, 32, f32)  # grouped
+    assert not conv_path.use_taps(geometry({"strides": [2, 2]}, (112, 112), (3, 3)), 1, 64, 64, f32)

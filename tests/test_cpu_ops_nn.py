@@ -1,4 +1,5 @@
-"""CPU kernels for nn.py and linalg.py against onnx's reference evaluator.
+"""CPU kernels of the convolution, pooling, normalization, softmax, activation and linalg families against
+onnx's reference evaluator.
 
 Each case builds one single-node model with onnx.helper, runs it through
 ``onnx.reference.ReferenceEvaluator``, and calls the registered kernel directly, both with static
@@ -19,7 +20,9 @@ from onnx.reference import ReferenceEvaluator
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu import ops  # noqa: F401  (fills the registry)
-from onnx_runtime_ep_cpu.ops import nn
+from onnx_runtime_ep_cpu.algorithms import conv_blas, window
+from onnx_runtime_ep_cpu.ops import conv as conv_ops
+from onnx_runtime_ep_cpu.ops import normalization
 from onnx_runtime_ep_cpu.registry import lookup
 from reference64 import assert_within, gamma, run_float64
 
@@ -115,9 +118,9 @@ def test_conv_dtypes_and_opsets(opset, dtype):
 
 
 @pytest.mark.parametrize("x_shape,w_shape,attrs", [CONV_CASES[1], CONV_CASES[4], CONV_CASES[12]])
-def test_conv_in_row_blocks(monkeypatch, x_shape, w_shape, attrs):
+def test_conv_in_row_blocks(monkeypatch, x_shape, w_shape, attrs, knobs):
     # Large images build the im2col matrix a block of output rows at a time; force tiny blocks.
-    monkeypatch.setattr(nn, "_IM2COL_BYTES", 64)
+    knobs(im2col_block_bytes=64)
     check("Conv", [rand(*x_shape), rand(*w_shape), rand(w_shape[0])], attrs, 11)
 
 
@@ -135,12 +138,12 @@ def test_depthwise_stride_one_rows(pads, dilations, multiplier):
 
 @pytest.mark.parametrize("pads,dilations", [([1, 1, 1, 1], [1, 1]), ([0, 2, 2, 0], [1, 1]), ([2, 1, 2, 3], [2, 2])])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_conv_over_unpadded_rows(monkeypatch, pads, dilations, with_bias):
+def test_conv_over_unpadded_rows(monkeypatch, pads, dilations, with_bias, knobs):
     # Outputs as wide as the input: im2col from the unpadded rows, here a few output rows per block.
-    monkeypatch.setattr(nn, "_IM2COL_BYTES", 4 * 28 * 9 * 2)
+    knobs(im2col_block_bytes=4 * 28 * 9 * 2)
     x, w = rand(2, 3, 6, 9, low=1, high=2), rand(4, 3, 3, 3)
-    geo = nn._Window(Node("Conv", [], [], attrs={"pads": pads, "dilations": dilations}), [], needs_kernel=False)
-    assert nn._tight_fits(geo.resolve((6, 9), (3, 3)))
+    geo = window.Window(Node("Conv", [], [], attrs={"pads": pads, "dilations": dilations}), [], needs_kernel=False)
+    assert conv_blas.tight_fits(geo.resolve((6, 9), (3, 3)))
     check("Conv", [x, w, rand(4) if with_bias else None], {"pads": pads, "dilations": dilations}, 11)
 
 
@@ -282,7 +285,7 @@ def test_fused_batchnorm_equals_batchnorm_then_activation(dtype, activation, par
     stats = [rand(5, dtype=dtype), rand(5, dtype=dtype), rand(5, dtype=dtype), rand(5, dtype=dtype, low=0.5, high=2)]
     node = Node("FusedBatchNormalization", ["x", "s", "b", "m", "v"], ["y"], name="f",
                 attrs={"epsilon": 1e-3, "activation": activation, "activation_params": params}, opset=1)
-    (fused,) = nn.fused_batch_normalization(node, [None] * 5, 1)(x, *stats)
+    (fused,) = normalization.fused_batch_normalization(node, [None] * 5, 1)(x, *stats)
     (normalized,) = ours("BatchNormalization", [x, *stats], {"epsilon": 1e-3}, 15)
     act_inputs = [normalized] + ([np.array(p, dtype) for p in params] if activation == "Clip" else [])
     act_attrs = {"alpha": params[0]} if activation == "LeakyRelu" else {}
@@ -343,7 +346,7 @@ def test_a_concat_input_read_elsewhere_keeps_the_concat():
 def test_into_concat_rejects_a_mismatched_buffer():
     node = Node("FusedConv", ["x", "w", "", "", "into"], ["y"], name="part",
                 attrs={"kernel_shape": [1, 1], "concat_channels": 6, "concat_offset": 2}, opset=1)
-    kernel = nn.fused_conv(node, [None] * 5, 1)
+    kernel = conv_ops.fused_conv(node, [None] * 5, 1)
     x, w = rand(1, 3, 4, 4), rand(4, 3, 1, 1)
     (y,) = kernel(x, w, None, None, np.zeros((1, 6, 4, 4), F32))
     np.testing.assert_array_equal(y[:, :2], 0)
@@ -378,15 +381,13 @@ def _shuffle_model(groups: int, per_group: int, depthwise: bool = True, activati
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("activation", [False, True])
-def test_a_depthwise_convolution_reads_through_a_channel_shuffle(monkeypatch, threads, activation):
+def test_a_depthwise_convolution_reads_through_a_channel_shuffle(monkeypatch, threads, activation, knobs):
     """The shuffle's copy goes: the depthwise loop reads each channel from where the shuffle would take
     it, also when its channels are split across threads: the same bits as the fused convolution of the
     shuffled tensor, and the unfused nodes' values (a FusedConv adds its bias after the convolution)."""
-    from onnx_runtime_ep_cpu import threads as thread_settings
 
-    monkeypatch.setattr(thread_settings, "_threads", threads)
-    monkeypatch.setattr(thread_settings, "_DEFAULT_THREADS", max(2, thread_settings._DEFAULT_THREADS))
-    monkeypatch.setattr(nn, "_SPLIT_ELEMENTS", 1)
+    knobs(threads=threads)
+    knobs(split_elements=1)
     model = _shuffle_model(3, 4, activation=activation)
     x = rand(1, 3, 9, 9)
     session, (fused,) = _run(model, {"x": x})
@@ -403,8 +404,8 @@ def test_a_depthwise_convolution_reads_through_a_channel_shuffle(monkeypatch, th
     (c0,) = _run_first_conv(model, x)
     shuffled = c0.reshape(1, 3, 4, 9, 9).transpose(0, 2, 1, 3, 4).reshape(1, 12, 9, 9)
     weights = [session.model.graph.initializers[name] for name in node.inputs[1:3]]
-    (expected,) = nn.fused_conv(plain, [None] * 3, 1)(shuffled, *weights)
-    (through,) = nn.fused_conv(node, [None] * 3, 1)(c0, *weights)
+    (expected,) = conv_ops.fused_conv(plain, [None] * 3, 1)(shuffled, *weights)
+    (through,) = conv_ops.fused_conv(node, [None] * 3, 1)(c0, *weights)
     np.testing.assert_array_equal(through, expected)
     np.testing.assert_array_equal(fused, expected)
 
@@ -429,7 +430,7 @@ def test_a_channel_shuffle_before_a_dense_convolution_stays():
 def test_a_shuffled_fused_conv_given_another_shape_shuffles_as_the_nodes_would():
     node = Node("FusedConv", ["x", "w"], ["y"], name="dw", opset=1,
                 attrs={"kernel_shape": [1, 1], "group": 6, "shuffle_shape": [1, 2, 3, 4, 4]})
-    kernel = nn.fused_conv(node, [None] * 2, 1)
+    kernel = conv_ops.fused_conv(node, [None] * 2, 1)
     w = rand(6, 1, 1, 1)
     x = rand(1, 6, 4, 4)
     (y,) = kernel(x, w)
@@ -483,12 +484,12 @@ def test_dense_concats_append_into_one_tensor(batch, branch):
 def test_an_appending_conv_given_a_plain_tensor_concatenates_it():
     node = Node("FusedConv", ["x", "w", "", "", "so_far"], ["y"], name="append", opset=1,
                 attrs={"kernel_shape": [1, 1], "append": 1})
-    kernel = nn.fused_conv(node, [None] * 5, 1)
+    kernel = conv_ops.fused_conv(node, [None] * 5, 1)
     x, w, so_far = rand(1, 3, 4, 4), rand(2, 3, 1, 1), rand(1, 5, 4, 4)
     (y,) = kernel(x, w, None, None, so_far)
     np.testing.assert_array_equal(y[:, :5], so_far)
     np.testing.assert_allclose(y[:, 5:], np.einsum("oc,nchw->nohw", w[:, :, 0, 0], x), rtol=1e-5, atol=1e-6)
-    start_buffer = nn.concat_buffer(Node("ConcatBuffer", ["x"], ["y"], attrs={"extra": 2}, opset=1), None, 1)
+    start_buffer = conv_ops.concat_buffer(Node("ConcatBuffer", ["x"], ["y"], attrs={"extra": 2}, opset=1), None, 1)
     (start,) = start_buffer(so_far)
     np.testing.assert_array_equal(start, so_far)
     (appended,) = kernel(x, w, None, None, start)
@@ -511,7 +512,7 @@ def test_fusion_leaves_a_first_listed_providers_nodes_alone():
 def test_fused_activation_rejects_an_unknown_kind():
     node = Node("FusedConv", ["x", "w"], ["y"], name="f", attrs={"activation": "Tanh"}, opset=1)
     with pytest.raises(InvalidGraphError, match="activation"):
-        nn.fused_conv(node, [None, None], 1)
+        conv_ops.fused_conv(node, [None, None], 1)
 
 
 # -- ConvTranspose -------------------------------------------------------------------------------
@@ -677,7 +678,7 @@ def test_fused_batchnorm_relu_special_values(shape):
     x.flat[:4] = [np.nan, np.inf, -np.inf, 0.0]
     node = Node("FusedBatchNormalization", ["x", "s", "b", "m", "v"], ["y"], name="f",
                 attrs={"activation": "Relu"}, opset=1)
-    (fused,) = nn.fused_batch_normalization(node, [None] * 5, 1)(x, *stats)
+    (fused,) = normalization.fused_batch_normalization(node, [None] * 5, 1)(x, *stats)
     (normalized,) = ours("BatchNormalization", [x, *stats], {}, 15)
     np.testing.assert_array_equal(fused, np.maximum(normalized, 0))
     assert np.isnan(fused.flat[0]) and (fused >= 0).sum() == fused.size - 1
@@ -854,7 +855,7 @@ def test_gelu(approximate, dtype):
 
 
 def test_erf_is_accurate_in_float64_and_float32():
-    from onnx_runtime_ep_cpu.ops.special import erf_float32, erf_float64
+    from onnx_runtime_ep_cpu.algorithms.erf import erf_float32, erf_float64
 
     x = np.concatenate([np.linspace(-7, 7, 20001), [0.0, 1e-300, -1e-10, np.inf, -np.inf]])
     expected = np.array([math.erf(v) for v in x])

@@ -13,7 +13,7 @@ from model_helpers import record_calls
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnx_runtime.ir import Node
-from onnx_runtime_ep_cpu import threads
+from onnx_runtime_ep_cpu.algorithms import products
 from onnx_runtime_ep_cpu.compiled import gemm, gemv
 from onnx_runtime_ep_cpu.ops import linalg
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="the few-row products
 
 def _taken(monkeypatch) -> list:
     """Records each few-row product computed by gemv.py."""
-    return record_calls(monkeypatch, linalg._Split)
+    return record_calls(monkeypatch, products.Split)
 
 
 def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -57,20 +57,19 @@ def test_few_row_matmul_matches_float64(monkeypatch, kernel_threads, a_shape, b_
 
 
 @pytest.mark.parametrize("rows", [3, 37], ids=["few rows (gemv.py)", "many rows (matmul.py)"])
-def test_results_do_not_depend_on_the_thread_count(monkeypatch, rows):
+def test_results_do_not_depend_on_the_thread_count(monkeypatch, rows, knobs):
     """Blocks of k are summed in block order wherever they were computed (few rows), each output's sum runs
     k = 0 .. K-1 whichever thread has its panel (many): the same bits from one thread, two, or three
     (whose third part runs on the caller)."""
-    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
-    monkeypatch.setattr(linalg, "_GEMV_SPLIT_WEIGHTS", 1)
-    monkeypatch.setattr(linalg, "_SPLIT_MACS", 1)
+    knobs(gemv_split_weights=1)
+    knobs(split_macs=1)
     rng = np.random.default_rng(22)
     a = rng.standard_normal((rows, 700), dtype=np.float32) * 100
     b = rng.standard_normal((700, 300), dtype=np.float32)
     b.flags.writeable = False  # an initializer (many rows of float32 run compiled/matmul.py against constants)
     results = []
     for count in (1, 2, 3):
-        monkeypatch.setattr(threads, "_threads", count)
+        knobs(threads=count)
         results.append(_matmul(a, b))
     np.testing.assert_array_equal(results[0], results[1])
     np.testing.assert_array_equal(results[0], results[2])
@@ -106,11 +105,11 @@ def test_many_rows_float64_and_batched_weights_stay_on_blas(monkeypatch):
     assert not taken
 
 
-def test_a_decode_step_shaped_model_matches_the_reference(monkeypatch):
+def test_a_decode_step_shaped_model_matches_the_reference(monkeypatch, knobs):
     """Through a session, as a user runs it: one token's hidden state through constant projections."""
     import onnx_runtime as ort
 
-    monkeypatch.setattr(linalg, "_GEMV_SPLIT_WEIGHTS", 1)
+    knobs(gemv_split_weights=1)
     rng = np.random.default_rng(24)
     w1 = rng.standard_normal((64, 96), dtype=np.float32) * 0.1
     w2 = rng.standard_normal((96, 64), dtype=np.float32) * 0.1
@@ -186,10 +185,9 @@ def test_a_sleeping_helper_is_skipped_and_woken_and_a_late_sleeper_runs_its_part
 
 
 @pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="needs fork")
-def test_a_forked_child_does_not_post_to_its_parents_helpers(monkeypatch):
-    monkeypatch.setattr(threads, "_threads", 2)
-    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
-    monkeypatch.setattr(linalg, "_GEMV_SPLIT_WEIGHTS", 1)
+def test_a_forked_child_does_not_post_to_its_parents_helpers(monkeypatch, knobs):
+    knobs(threads=2)
+    knobs(gemv_split_weights=1)
     rng = np.random.default_rng(26)
     a = rng.standard_normal((1, 300), dtype=np.float32)
     b = rng.standard_normal((300, 40), dtype=np.float32)
@@ -251,17 +249,16 @@ def test_a_convolutional_classifier_is_a_few_row_product(monkeypatch, kernel_thr
     assert len(taken) == 1 and y.shape == (batch, 40, 1, 1)
 
 
-def test_a_node_reuses_its_split_only_for_the_same_constant_and_shape(monkeypatch):
+def test_a_node_reuses_its_split_only_for_the_same_constant_and_shape(monkeypatch, knobs):
     """A MatMul node keeps its last few-row product of a constant (a decode step repeats it every run)
     and skips the lookups; another shape of ``a``, another ``b``, a writable ``b`` or another thread
     count looks its product up again, and every result is the product of what was passed."""
-    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
-    monkeypatch.setattr(linalg, "_GEMV_SPLIT_WEIGHTS", 1)
-    monkeypatch.setattr(threads, "_threads", 2)
+    knobs(gemv_split_weights=1)
+    knobs(threads=2)
     kernel = linalg.matmul(Node("MatMul", ["a", "b"], ["y"], opset=13), None, 13)
     lookups = []
-    real = linalg._few_rows_split
-    monkeypatch.setattr(linalg, "_few_rows_split", lambda *args: lookups.append(args[0].shape) or real(*args))
+    real = products.few_rows_split
+    monkeypatch.setattr(linalg, "few_rows_split", lambda *args: lookups.append(args[0].shape) or real(*args))
     rng = np.random.default_rng(28)
     b = rng.standard_normal((300, 70), dtype=np.float32)
     b.flags.writeable = False  # an initializer
@@ -276,7 +273,7 @@ def test_a_node_reuses_its_split_only_for_the_same_constant_and_shape(monkeypatc
     for shape, w in steps:
         check(rng.standard_normal(shape, dtype=np.float32), w)
     assert lookups == [(1, 1, 300), (2, 300), (2, 300)]
-    monkeypatch.setattr(threads, "_threads", 1)  # a session set another thread count: looked up again
+    knobs(threads=1)  # a session set another thread count: looked up again
     check(rng.standard_normal((2, 300), dtype=np.float32), other)
     assert lookups[3:] == [(2, 300)]
     writable = np.array(other)  # a fed matrix may change between runs: never kept

@@ -13,20 +13,22 @@ from onnx import helper
 from onnx.reference import ReferenceEvaluator
 from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu import threads
+from onnx_runtime_ep_cpu.algorithms import conv_packed, split, window
 from onnx_runtime_ep_cpu.compiled import gemm
 from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
-from onnx_runtime_ep_cpu.ops import linalg, nn
+from onnx_runtime_ep_cpu.ops import conv as conv_ops
+from onnx_runtime_ep_cpu.ops import linalg, normalization, pool
+from onnx_runtime_ep_cpu.tuning import KNOBS
 from test_compiled_epilogue import ACTIVATIONS, fused_and_unfused
 
 pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="the packed convolution needs an AVX-512 host")
 
 
 @pytest.fixture(params=[1, 2], ids=["one thread", "two threads"])
-def kernel_threads(request, monkeypatch):
+def kernel_threads(request, monkeypatch, knobs):
     """Run with one thread, and with two (a helper thread, even on a one-CPU machine)."""
-    monkeypatch.setattr(threads, "_threads", request.param)
-    monkeypatch.setattr(nn, "_SPLIT_MACS", 1)  # split even the small test convolutions
-    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
+    knobs(threads=request.param)
+    knobs(split_macs=1)  # split even the small test convolutions
     return request.param
 
 
@@ -40,12 +42,12 @@ def conv_layout(request, monkeypatch):
 
 def _force_lanes(monkeypatch, on: bool) -> None:
     """Channel lanes wherever the column stride allows them (1 or 2), or nowhere."""
-    monkeypatch.setattr(nn, "_lanes_apply", lambda geo, outputs, depth: on and geo.strides[1] <= 2)
+    monkeypatch.setattr(conv_packed, "lanes_apply", lambda geo, outputs, depth: on and geo.strides[1] <= 2)
 
 
 def _taken(monkeypatch) -> list:
     """Records each call of the packed path."""
-    return record_calls(monkeypatch, nn._PackedConv)
+    return record_calls(monkeypatch, conv_packed.PackedConv)
 
 
 def _inputs(geometry: str, seed: int, with_bias: bool):
@@ -124,7 +126,8 @@ def test_packed_conv_matches_the_reference(monkeypatch, kernel_threads, conv_lay
     rng, x, w, b, attrs = _inputs(geometry, 7, with_bias)
     w_shape = w.shape
     taken = _taken(monkeypatch)
-    conv = nn.conv(Node("Conv", ["x", "w"] + (["b"] if with_bias else []), ["y"], attrs=attrs, opset=13), None, 13)
+    node = Node("Conv", ["x", "w"] + (["b"] if with_bias else []), ["y"], attrs=attrs, opset=13)
+    conv = conv_ops.conv(node, None, 13)
     (y,) = conv(x, w, b)
     (again,) = conv(x, w, b)  # weights packed once, reused
     expected = _reference(x, w, b, attrs)
@@ -142,7 +145,7 @@ def test_fused_conv_is_conv_then_epilogue_exactly(monkeypatch, kernel_threads, c
     in the order of the unfused nodes: bit for bit what Conv (no bias) then those passes give."""
     rng, x, w, b, attrs = _inputs(geometry, 8, with_bias)
     taken = _taken(monkeypatch)
-    (conv_out,) = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
+    (conv_out,) = conv_ops.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
     z = rng.standard_normal(conv_out.shape, dtype=np.float32) if with_residual else None
     if z is not None:
         z[0, 0, 0, :2] = [np.nan, -np.inf]  # NaN and infinities pass through every activation as in numpy
@@ -152,18 +155,17 @@ def test_fused_conv_is_conv_then_epilogue_exactly(monkeypatch, kernel_threads, c
     np.testing.assert_array_equal(got, expected)
 
 
-def test_results_do_not_depend_on_the_thread_count(monkeypatch, conv_layout):
+def test_results_do_not_depend_on_the_thread_count(monkeypatch, conv_layout, knobs):
     """Each output is reduced over k in the same order whichever thread computes it."""
-    monkeypatch.setattr(nn, "_SPLIT_MACS", 1)
-    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
+    knobs(split_macs=1)
     rng = np.random.default_rng(9)
     x = rng.standard_normal((2, 32, 20, 20), dtype=np.float32)
     w = rng.standard_normal((36, 32, 3, 3), dtype=np.float32)
     attrs = dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])
     results = []
     for count in (1, 2):
-        monkeypatch.setattr(threads, "_threads", count)
-        conv = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)
+        knobs(threads=count)
+        conv = conv_ops.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)
         results.append(conv(x, w)[0])
     np.testing.assert_array_equal(results[0], results[1])
 
@@ -207,7 +209,7 @@ def test_hosts_without_avx512_keep_the_blas_paths(monkeypatch):
     taken = _taken(monkeypatch)
     x = np.ones((1, 3, 5, 5), np.float32)
     w = np.ones((4, 3, 3, 3), np.float32)
-    conv = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=dict(kernel_shape=[3, 3]), opset=13), None, 13)
+    conv = conv_ops.conv(Node("Conv", ["x", "w"], ["y"], attrs=dict(kernel_shape=[3, 3]), opset=13), None, 13)
     (y,) = conv(x, w)
     assert not taken
     np.testing.assert_array_equal(y, np.full((1, 4, 3, 3), 27, np.float32))
@@ -232,23 +234,23 @@ def test_tile_heights_follow_the_channel_count():
     ("AveragePool", dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1], count_include_pad=1)),
     ("AveragePool", dict(kernel_shape=[2, 3], strides=[2, 1], ceil_mode=1)),
 ])
-def test_pooling_split_across_threads_matches_the_reference(monkeypatch, kernel_threads, op, attrs):
+def test_pooling_split_across_threads_matches_the_reference(monkeypatch, kernel_threads, op, attrs, knobs):
 
-    monkeypatch.setattr(nn, "_SPLIT_ELEMENTS", 1)
+    knobs(split_elements=1)
     splits = _split_spy(monkeypatch, "POOL")
     x = np.random.default_rng(13).standard_normal((2, 5, 11, 9), dtype=np.float32)
     node = Node(op, ["x"], ["y"], attrs=attrs, opset=19)
-    (y,) = (nn.max_pool if op == "MaxPool" else nn.average_pool)(node, None, 19)(x)
+    (y,) = (pool.max_pool if op == "MaxPool" else pool.average_pool)(node, None, 19)(x)
     expected = ReferenceEvaluator(helper.make_node(op, ["x"], ["y"], **attrs)).run(None, {"x": x})[0]
     np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-6)
     assert splits == [kernel_threads]
 
 
 @pytest.mark.parametrize("activation", [None, "Relu"])
-def test_batch_normalization_split_across_threads(monkeypatch, kernel_threads, activation):
+def test_batch_normalization_split_across_threads(monkeypatch, kernel_threads, activation, knobs):
     from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN as domain
 
-    monkeypatch.setattr(nn, "_SPLIT_ELEMENTS", 1)
+    knobs(split_elements=1)
     splits = _split_spy(monkeypatch, "AFFINE")
     rng = np.random.default_rng(14)
     x = rng.standard_normal((1, 7, 6, 5), dtype=np.float32)
@@ -256,7 +258,7 @@ def test_batch_normalization_split_across_threads(monkeypatch, kernel_threads, a
     var = rng.random(7, dtype=np.float32) + 0.5
     attrs = {} if activation is None else dict(activation=activation, activation_params=[])
     node = Node("FusedBatchNormalization", ["x", "s", "b", "m", "v"], ["y"], domain=domain, attrs=attrs, opset=1)
-    (y,) = nn.fused_batch_normalization(node, None, 1)(x, scale, bias, mean, var)
+    (y,) = normalization.fused_batch_normalization(node, None, 1)(x, scale, bias, mean, var)
     expected = ReferenceEvaluator(helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"])).run(
         None, dict(x=x, s=scale, b=bias, m=mean, v=var))[0]
     if activation == "Relu":
@@ -268,11 +270,11 @@ def test_batch_normalization_split_across_threads(monkeypatch, kernel_threads, a
 @pytest.mark.parametrize("attrs", [dict(pads=[1, 1, 1, 1]), dict(pads=[1, 1, 1, 1], strides=[2, 2]),
                                    dict(pads=[0, 1, 2, 0], dilations=[2, 1])])
 @pytest.mark.parametrize("multiplier", [1, 2])
-def test_depthwise_split_across_threads_matches_the_reference(monkeypatch, kernel_threads, attrs, multiplier):
+def test_depthwise_split_across_threads_matches_the_reference(monkeypatch, kernel_threads, attrs, multiplier, knobs):
 
     from onnx_runtime_ep_cpu.compiled import jobs
 
-    monkeypatch.setattr(nn, "_SPLIT_ELEMENTS", 1)
+    knobs(split_elements=1)
     splits = []  # the parts of each depthwise convolution, posted from compiled code (jobs.split_depthwise)
     real = jobs.split_depthwise
     monkeypatch.setattr(jobs, "split_depthwise", lambda *a: splits.append(len(a[19]) - 1) or real(*a))
@@ -281,21 +283,20 @@ def test_depthwise_split_across_threads_matches_the_reference(monkeypatch, kerne
     w = rng.standard_normal((6 * multiplier, 1, 3, 3), dtype=np.float32)
     b = rng.standard_normal(6 * multiplier, dtype=np.float32)
     attrs = dict(kernel_shape=[3, 3], group=6, **attrs)
-    (y,) = nn.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)(x, w, b)
+    (y,) = conv_ops.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)(x, w, b)
     np.testing.assert_allclose(y, _reference(x, w, b, attrs), rtol=1e-5, atol=1e-5)
     assert splits == [kernel_threads]
 
 
-def test_a_split_convolution_posts_a_part_to_the_helper(monkeypatch):
+def test_a_split_convolution_posts_a_part_to_the_helper(monkeypatch, knobs):
     """Posted from compiled code (jobs.split_conv): once the helper is awake it runs the second part,
     with its own scratch for packed panels (a strided convolution packs them), same result throughout."""
     from onnx_runtime_ep_cpu.compiled import workers
 
-    monkeypatch.setattr(nn, "_SPLIT_MACS", 1)
-    monkeypatch.setattr(threads, "_threads", 2)
-    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
+    knobs(split_macs=1)
+    knobs(threads=2)
     rng, x, w, b, attrs = _inputs("3x3 stride 2", 18, True)
-    conv = nn.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)
+    conv = conv_ops.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)
     (first,) = conv(x, w, b)
     np.testing.assert_allclose(first, _reference(x, w, b, attrs), rtol=1e-4, atol=1e-4)
     pool = workers.helpers(threads.helper_count())
@@ -312,20 +313,19 @@ def test_a_split_convolution_posts_a_part_to_the_helper(monkeypatch):
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "register_at_fork"), reason="needs fork")
-def test_a_forked_child_starts_its_own_helpers(monkeypatch):
+def test_a_forked_child_starts_its_own_helpers(monkeypatch, knobs):
     """The parent's helper threads do not exist in a forked child: it must not post jobs to their
     mailboxes (it would wait forever), but start helpers of its own."""
     import os
 
     from onnx_runtime_ep_cpu.compiled import workers
 
-    monkeypatch.setattr(nn, "_SPLIT_MACS", 1)
-    monkeypatch.setattr(threads, "_threads", 2)
-    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
+    knobs(split_macs=1)
+    knobs(threads=2)
     rng = np.random.default_rng(16)
     x = rng.standard_normal((1, 8, 12, 12), dtype=np.float32)
     w = rng.standard_normal((16, 8, 3, 3), dtype=np.float32)
-    conv = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=dict(kernel_shape=[3, 3]), opset=13), None, 13)
+    conv = conv_ops.conv(Node("Conv", ["x", "w"], ["y"], attrs=dict(kernel_shape=[3, 3]), opset=13), None, 13)
     (expected,) = conv(x, w)
     assert workers._helpers is not None
     child = os.fork()
@@ -345,13 +345,13 @@ def test_a_forked_child_starts_its_own_helpers(monkeypatch):
 @pytest.mark.parametrize("split_bytes", [1, 1 << 40], ids=["padded by the helpers too", "padded by the caller"])
 @pytest.mark.parametrize("geometry", ["asymmetric pads", "1x1", "7 wide, odd height"])
 def test_padded_inputs_in_the_scratch_give_the_reference(monkeypatch, kernel_threads, conv_layout, split_bytes,
-                                                         geometry):
+                                                         geometry, knobs):
     """Padded inputs (for channel-lane tiles with a margin past the image, also without pads; per image of
     a batch) are written whole into the calling thread's scratch, by the caller or split with the helpers.
     Two different inputs in a row must each give their own reference result."""
-    monkeypatch.setattr(nn, "_SPLIT_PAD_BYTES", split_bytes)
+    knobs(split_pad_bytes=split_bytes)
     rng, x, w, b, attrs = _inputs(geometry, 17, True)
-    conv = nn.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)
+    conv = conv_ops.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)
     for _ in range(2):
         (y,) = conv(x, w, b)
         np.testing.assert_allclose(y, _reference(x, w, b, attrs), rtol=1e-4, atol=1e-4)
@@ -367,19 +367,19 @@ GEOMETRIES["groups, stride 2"] = ((2, 6, 11, 11), (9, 2, 3, 3), dict(pads=[1, 1,
 @pytest.mark.parametrize("kept_bytes", [0, 1 << 20], ids=["fresh phases", "kept phase buffer"])
 @pytest.mark.parametrize("geometry", STRIDED)
 def test_strided_windows_over_the_phase_split_image_give_the_packed_panels_bits(monkeypatch, kernel_threads,
-                                                                                 geometry, kept_bytes):
+                                                                                 geometry, kept_bytes, knobs):
     """A strided window read in place from the image split into its stride's phases gives exactly the
     packed panels' result (the same reduction order), and the reference's; a kept buffer's zeros stay."""
-    monkeypatch.setattr(nn, "_KEPT_PADDED_BYTES", kept_bytes)
-    monkeypatch.setattr(nn, "_lanes_apply", lambda geo, outputs, depth: False)  # (phases: the panels' layout)
+    knobs(kept_padded_bytes=kept_bytes)
+    monkeypatch.setattr(conv_packed, "lanes_apply", lambda geo, outputs, depth: False)  # (phases: the panels' layout)
     rng, x, w, b, attrs = _inputs(geometry, 21, True)
     taken = _taken(monkeypatch)
     node = Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13)
-    monkeypatch.setattr(nn, "_PHASE_MACS", 0)
-    phased = nn.conv(node, None, 13)
+    knobs(phase_macs=0)
+    phased = conv_ops.conv(node, None, 13)
     phased(x, w, b)  # (the path is chosen on the first call)
-    monkeypatch.setattr(nn, "_PHASE_MACS", 10**9)
-    packed = nn.conv(node, None, 13)
+    knobs(phase_macs=10**9)
+    packed = conv_ops.conv(node, None, 13)
     packed(x, w, b)
     for _ in range(2):  # a second input: the kept buffer holds the first one's cells, rewritten
         (y,) = phased(x, w, b)
@@ -394,8 +394,8 @@ def test_which_strided_windows_run_over_phases():
     def phases(kernel, strides, out_channels, in_shape=(28, 28), pads=(1, 1), dilations=(1, 1)):
         out = tuple((n + 2 * p - d * (k - 1) - 1) // s + 1
                     for n, p, k, s, d in zip(in_shape, pads, kernel, strides, dilations))
-        geo = nn._Geometry(in_shape, kernel, strides, dilations, pads, pads, out)
-        return nn._phase_split(geo, geo.padded_shape(in_shape), out_channels)
+        geo = window.Geometry(in_shape, kernel, strides, dilations, pads, pads, out)
+        return conv_packed.phase_split(geo, geo.padded_shape(in_shape), out_channels)
 
     assert phases((3, 3), (2, 2), 256) == (15, 15)  # 256 * 9 / 4 multiply-adds per input value
     assert phases((3, 3), (2, 2), 64) is None  # too few for the split's copy to pay
@@ -412,13 +412,13 @@ def test_channel_lanes_give_the_pixel_panels_bits(monkeypatch, kernel_threads, g
     taken = _taken(monkeypatch)
     node = Node("FusedConv", ["x", "w", "b", "z"], ["y"], domain=FUSED_DOMAIN, opset=1,
                 attrs=dict(attrs, activation="LeakyRelu", activation_params=[0.125]))
-    (conv_out,) = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
+    (conv_out,) = conv_ops.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
     z = rng.standard_normal(conv_out.shape, dtype=np.float32)
     results = []
     for lanes in (True, False):
         _force_lanes(monkeypatch, lanes)
         for residual in (z, None):
-            results.append(nn.fused_conv(node, None, 1)(x, w, b, residual)[0])
+            results.append(conv_ops.fused_conv(node, None, 1)(x, w, b, residual)[0])
     np.testing.assert_array_equal(results[0], results[2])
     np.testing.assert_array_equal(results[1], results[3])
     lanes = [conv for conv in taken if conv._by_lanes]
@@ -431,7 +431,7 @@ def test_a_pointwise_window_reads_its_input_in_place_as_one_row(monkeypatch, ker
     read where it is."""
     rng, x, w, b, attrs = _inputs("1x1 on 13x13", 29, True)
     taken = _taken(monkeypatch)
-    (y,) = nn.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)(x, w, b)
+    (y,) = conv_ops.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)(x, w, b)
     (conv,) = taken
     assert conv._by_lanes and conv._geo.out == (1, 169) and not conv._margin
     assert np.shares_memory(conv._padded_input(x.reshape(conv._flat)), x)
@@ -442,8 +442,8 @@ def test_a_pointwise_window_reads_its_input_in_place_as_one_row(monkeypatch, ker
 def test_which_windows_put_channels_across_the_lanes():
     def by_lanes(strides, out_channels, kernel=(3, 3), in_shape=(28, 28), pads=(1, 1), channels=64):
         out = tuple((n + 2 * p - (k - 1) - 1) // s + 1 for n, p, k, s in zip(in_shape, pads, kernel, strides))
-        geo = nn._Geometry(in_shape, kernel, strides, (1, 1), pads, pads, out)
-        return nn._lanes_apply(geo, out_channels, channels * kernel[0] * kernel[1])
+        geo = window.Geometry(in_shape, kernel, strides, (1, 1), pads, pads, out)
+        return conv_packed.lanes_apply(geo, out_channels, channels * kernel[0] * kernel[1])
 
     assert by_lanes((1, 1), 64) and by_lanes((2, 2), 128) and by_lanes((3, 2), 256)  # any row stride
     assert by_lanes((1, 1), 256, in_shape=(13, 13)) and by_lanes((1, 1), 512, in_shape=(7, 7))
@@ -454,11 +454,10 @@ def test_which_windows_put_channels_across_the_lanes():
 
 
 @pytest.fixture
-def two_thread_packed_convs(monkeypatch) -> list:
+def two_thread_packed_convs(monkeypatch, knobs) -> list:
     """Two kernel threads splitting even small convolutions; the packed convolutions made, in order."""
-    monkeypatch.setattr(nn, "_SPLIT_MACS", 1)
-    monkeypatch.setattr(threads, "_threads", 2)
-    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
+    knobs(split_macs=1)
+    knobs(threads=2)
     return _taken(monkeypatch)
 
 
@@ -469,17 +468,17 @@ def _checked_conv(seed: int, x_shape, w_shape, pads) -> np.ndarray:
     x = rng.standard_normal(x_shape, dtype=np.float32)
     w = rng.standard_normal(w_shape, dtype=np.float32)
     attrs = dict(kernel_shape=[3, 3], pads=pads)
-    (y,) = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
+    (y,) = conv_ops.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
     np.testing.assert_allclose(y, _reference(x, w, None, attrs), rtol=1e-4, atol=1e-3)
     return x
 
 
 def _shares(parts) -> list:
     """Each thread's share of a one-image packed convolution's plan as (its pixel blocks, its channel tiles),
-    checking that its tasks cut the share in order into at most nn._SUBTASKS pieces along one of the two."""
+    checking that its tasks cut the share in order into at most conv_tasks_per_thread pieces along one of the two."""
     shares = []
     for part in parts:
-        assert 1 <= len(part) <= nn._SUBTASKS and (part[:, :2] == 0).all()
+        assert 1 <= len(part) <= KNOBS.conv_tasks_per_thread and (part[:, :2] == 0).all()
         blocks, tiles = (part[0, 2], part[-1, 3]), (part[0, 4], part[-1, 5])
         cut_blocks = (part[1:, 2] == part[:-1, 3]).all() and (part[:, 4:6] == tiles).all()
         cut_tiles = (part[1:, 4] == part[:-1, 5]).all() and (part[:, 2:4] == blocks).all()
@@ -496,7 +495,7 @@ def test_channel_lane_tasks_split_by_tiles_where_the_blocks_go_round_unevenly(tw
     attrs = dict(kernel_shape=[1, 1])
     for outputs, by_tiles in ((256, True), (200, False)):  # 7 tiles split 4/3: no better than the blocks
         w = rng.standard_normal((outputs, 64, 1, 1), dtype=np.float32)
-        (y,) = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
+        (y,) = conv_ops.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
         np.testing.assert_allclose(y, _reference(x, w, None, attrs), rtol=1e-4, atol=1e-3)
         conv = taken[-1]
         assert conv._by_lanes
@@ -517,7 +516,7 @@ def test_threads_claim_each_task_once_through_the_claims(monkeypatch, two_thread
     from onnx_runtime_ep_cpu.compiled import jobs, workers
 
     monkeypatch.setattr(workers, "helpers", lambda count: pytest.fail("no helper is used"))
-    monkeypatch.setattr(nn, "helper_count", lambda: 0)  # workers.call runs every share on the caller
+    monkeypatch.setattr(conv_packed, "helper_count", lambda: 0)  # workers.call runs every share on the caller
     calls = []
     real = jobs.split_conv
     monkeypatch.setattr(jobs, "split_conv", lambda *args: calls.append(args) or real(*args))
@@ -525,7 +524,7 @@ def test_threads_claim_each_task_once_through_the_claims(monkeypatch, two_thread
     x = rng.standard_normal((1, 32, 20, 20), dtype=np.float32)
     w = rng.standard_normal((64, 32, 3, 3), dtype=np.float32)
     attrs = dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])
-    kernel = nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)
+    kernel = conv_ops.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)
     want = _reference(x, w, None, attrs)
     np.testing.assert_allclose(kernel(x, w)[0], want, rtol=1e-4, atol=1e-3)
     tasks, ranges, claims = calls[-1][10:13]
@@ -554,7 +553,7 @@ def test_a_fused_convolutions_constant_bias_is_padded_once(monkeypatch):
     b.flags.writeable = False  # an initializer
     taken = _taken(monkeypatch)
     node = Node("FusedConv", ["x", "w", "b"], ["y"], domain=FUSED_DOMAIN, opset=1, attrs=dict(attrs, activation="Relu"))
-    kernel = nn.fused_conv(node, None, 1)
+    kernel = conv_ops.fused_conv(node, None, 1)
     first = kernel(x, w, b)[0]
     conv = taken[-1]
     padded = conv._bias_cache[1]
@@ -587,21 +586,21 @@ def test_padded_inputs_share_the_threads_scratch(monkeypatch, kernel_threads):
     attrs = dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])
     big = rng.standard_normal((1, 8, 20, 20), dtype=np.float32)
     small = rng.standard_normal((1, 4, 6, 6), dtype=np.float32)
-    kernels = [nn.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13) for _ in range(2)]
+    kernels = [conv_ops.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13) for _ in range(2)]
     weights = [rng.standard_normal((16, x.shape[1], 3, 3), dtype=np.float32) for x in (big, small)]
     for _ in range(2):
         for kernel, x, w in zip(kernels, (big, small), weights):
             np.testing.assert_allclose(kernel(x, w)[0], _reference(x, w, None, attrs), rtol=1e-4, atol=1e-3)
     xp = taken[-1]._padded_input(small)
-    assert np.shares_memory(xp, nn._scratch(1)) and len(taken) == 4
+    assert np.shares_memory(xp, split.scratch(1)) and len(taken) == 4
 
 
-def test_a_padded_input_split_across_the_helpers_is_the_same_buffer(monkeypatch, kernel_threads):
+def test_a_padded_input_split_across_the_helpers_is_the_same_buffer(monkeypatch, kernel_threads, knobs):
     """From _SPLIT_PAD_BYTES on, the helpers pad their share of the channels (jobs.split_pad; a part no helper
     takes runs on the caller): the same cells as one thread's gemm.pad_planes, margin included."""
     from onnx_runtime_ep_cpu.compiled import gemm, jobs
 
-    monkeypatch.setattr(nn, "_SPLIT_PAD_BYTES", 1)
+    knobs(split_pad_bytes=1)
     splits = []
     real = jobs.split_pad
     monkeypatch.setattr(jobs, "split_pad", lambda *args: splits.append(args[0].shape) or real(*args))

@@ -10,10 +10,12 @@ from model_helpers import make_model, record_calls, tensor_info
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnx_runtime.ir import Node
+from onnx_runtime_ep_cpu.algorithms import activations, products
 from onnx_runtime_ep_cpu.compiled import gemm
 from onnx_runtime_ep_cpu.compiled import transformer as compiled
 from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
-from onnx_runtime_ep_cpu.ops import linalg, nn
+from onnx_runtime_ep_cpu.ops import activation as activation_ops
+from onnx_runtime_ep_cpu.ops import linalg
 from test_compiled_transformer import _exact_gelu
 from test_few_row_products import _matmul
 
@@ -52,7 +54,7 @@ SHAPES = [
 def test_packed_matmul_matches_float64(monkeypatch, kernel_threads, a_shape, b_shape):
     a = RNG.standard_normal(a_shape, dtype=np.float32)
     b = _constant(RNG.standard_normal(b_shape, dtype=np.float32))
-    taken = record_calls(monkeypatch, linalg._PackedProduct)
+    taken = record_calls(monkeypatch, products.PackedProduct)
     y = _matmul(a, b)
     expected = a.astype(np.float64) @ b.astype(np.float64)
     assert taken and y.dtype == np.float32 and y.shape == expected.shape and y.flags.c_contiguous
@@ -68,11 +70,11 @@ def test_fused_matmul_is_the_unfused_kernels_bit_for_bit(monkeypatch, kernel_thr
     b = _constant(RNG.standard_normal((96, 200), dtype=np.float32))
     bias = _constant(RNG.standard_normal(200, dtype=np.float32))
     residual = RNG.standard_normal((rows, 200), dtype=np.float32)
-    taken = record_calls(monkeypatch, linalg._PackedProduct)
+    taken = record_calls(monkeypatch, products.PackedProduct)
     y = _matmul(a, b) + bias
     gelu = {"gelu": "none", "gelu_tanh": "tanh"}.get(activation)
     if gelu is not None:
-        y = nn.gelu(Node("Gelu", ["x"], ["y"], attrs={"approximate": gelu}, opset=20), None, 20)(y)[0]
+        y = activation_ops.gelu(Node("Gelu", ["x"], ["y"], attrs={"approximate": gelu}, opset=20), None, 20)(y)[0]
     np.testing.assert_array_equal(_fused(activation)(a, b, bias, residual)[0], y + residual)
     np.testing.assert_array_equal(_fused(activation)(a, b, bias)[0], y)
     assert len(taken) == 3
@@ -105,7 +107,7 @@ def test_weights_are_packed_once_per_constant_array(monkeypatch):
 
 
 def test_fed_weights_few_rows_float64_and_batched_weights_stay_on_blas(monkeypatch):
-    taken = record_calls(monkeypatch, linalg._PackedProduct)
+    taken = record_calls(monkeypatch, products.PackedProduct)
     for a, b in [(np.ones((20, 4), np.float32), np.ones((4, 3), np.float32)),  # writeable: a fed input
                  (np.ones((20, 4), np.float64), _constant(np.ones((4, 3), np.float64))),
                  (np.ones((2, 20, 4), np.float32), _constant(np.ones((2, 4, 3), np.float32))),
@@ -115,18 +117,18 @@ def test_fed_weights_few_rows_float64_and_batched_weights_stay_on_blas(monkeypat
 
 
 def test_mismatched_depth_is_numpys_error_not_a_read_past_the_weights(monkeypatch):
-    taken = record_calls(monkeypatch, linalg._PackedProduct)
+    taken = record_calls(monkeypatch, products.PackedProduct)
     with pytest.raises(ValueError, match="mismatch"):
         _matmul(np.ones((20, 5), np.float32), _constant(np.ones((4, 3), np.float32)))
     assert not taken
 
 
-def test_a_prefill_shaped_model_matches_the_reference(monkeypatch):
+def test_a_prefill_shaped_model_matches_the_reference(monkeypatch, knobs):
     """Through a session, as a user runs it: 40 tokens through MatMul + bias + Gelu + MatMul + bias +
     residual (fused into FusedMatMul nodes) with constant weights."""
     import onnx_runtime as ort
 
-    monkeypatch.setattr(linalg, "_SPLIT_MACS", 1)
+    knobs(split_macs=1)
     w1 = RNG.standard_normal((64, 256), dtype=np.float32) * 0.1
     w2 = RNG.standard_normal((256, 64), dtype=np.float32) * 0.1
     b1, b2 = RNG.standard_normal(256, dtype=np.float32), RNG.standard_normal(64, dtype=np.float32)
@@ -137,7 +139,7 @@ def test_a_prefill_shaped_model_matches_the_reference(monkeypatch):
                        [tensor_info("y", TensorProto.FLOAT, [1, 40, 64])],
                        [numpy_helper.from_array(v, n) for n, v in (("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2))],
                        opset=20)
-    taken = record_calls(monkeypatch, linalg._PackedProduct)
+    taken = record_calls(monkeypatch, products.PackedProduct)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     assert [n.op_type for n in session.placement().nodes] == ["FusedMatMul", "FusedMatMul"]
     for _ in range(3):
@@ -154,7 +156,7 @@ def test_compiled_gelu_is_what_the_fused_epilogue_runs():
     b = _constant(RNG.standard_normal((8, 40), dtype=np.float32))
     bias = _constant(RNG.standard_normal(40, dtype=np.float32))
     product = _matmul(a, b)
-    coefficients = nn._gelu_series("tanh", np.float32)
+    coefficients = activations.gelu_series("tanh", np.float32)
     np.testing.assert_array_equal(_fused("gelu_tanh")(a, b, bias)[0], compiled.gelu(product, coefficients, bias))
 
 
@@ -196,7 +198,7 @@ def test_gemm_of_a_batch_runs_packed_with_c_as_bias_or_residual(monkeypatch, ker
     c = None if c_shape is None else _constant(RNG.standard_normal(c_shape, dtype=np.float32))
     node = Node("Gemm", ["a", "b", "c"], ["y"], attrs=dict(transB=int(trans_b)), opset=13)
     kernel = linalg.gemm_7(node, None, 13)
-    taken = record_calls(monkeypatch, linalg._PackedProduct)
+    taken = record_calls(monkeypatch, products.PackedProduct)
     for _ in range(2):  # the second call finds the weights packed
         (y,) = kernel(a, w) if c is None else kernel(a, w, c)
         expected = a.astype(np.float64) @ (w.T if trans_b else w).astype(np.float64) + (0 if c is None else c)
@@ -207,7 +209,7 @@ def test_gemm_of_a_batch_runs_packed_with_c_as_bias_or_residual(monkeypatch, ker
 def test_gemm_with_trans_a_runs_packed(monkeypatch, kernel_threads):
     a = RNG.standard_normal((50, 20), dtype=np.float32)  # A^T: 20 rows of 50
     w = _constant(RNG.standard_normal((50, 60), dtype=np.float32))
-    taken = record_calls(monkeypatch, linalg._PackedProduct)
+    taken = record_calls(monkeypatch, products.PackedProduct)
     (y,) = linalg.gemm_7(Node("Gemm", ["a", "b"], ["y"], attrs=dict(transA=1), opset=13), None, 13)(a, w)
     np.testing.assert_allclose(y, a.T.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
     assert len(taken) == 1
@@ -217,7 +219,7 @@ def test_gemm_with_scaling_stays_on_blas(monkeypatch):
     a = RNG.standard_normal((20, 50), dtype=np.float32)
     w = _constant(RNG.standard_normal((50, 60), dtype=np.float32))
     c = _constant(RNG.standard_normal(60, dtype=np.float32))
-    taken = record_calls(monkeypatch, linalg._PackedProduct)
+    taken = record_calls(monkeypatch, products.PackedProduct)
     for attrs in (dict(alpha=2.0), dict(beta=0.5)):
         (y,) = linalg.gemm_7(Node("Gemm", ["a", "b", "c"], ["y"], attrs=attrs, opset=13), None, 13)(a, w, c)
         want = attrs.get("alpha", 1.0) * (a.astype(np.float64) @ w) + attrs.get("beta", 1.0) * c
@@ -227,11 +229,11 @@ def test_gemm_with_scaling_stays_on_blas(monkeypatch):
 
 @pytest.mark.parametrize("subtasks", [1, 4])
 @pytest.mark.parametrize("panels,threads", [(24, 2), (7, 2), (3, 2), (1, 1), (10, 3)])
-def test_each_threads_share_of_panels_is_cut_into_claimed_tasks(monkeypatch, panels, threads, subtasks):
-    """Thread t's even share of the panels, as up to _SUBTASKS tasks in order (jobs.MATMUL claims them one
-    at a time: a thread done first takes what another has not started)."""
-    monkeypatch.setattr(linalg, "_SUBTASKS", subtasks)
-    bounds, ranges = linalg._PackedProduct()._tasks(panels, threads)
+def test_each_threads_share_of_panels_is_cut_into_claimed_tasks(monkeypatch, panels, threads, subtasks, knobs):
+    """Thread t's even share of the panels, as up to product_tasks_per_thread tasks in order (jobs.MATMUL claims
+    them one at a time: a thread done first takes what another has not started)."""
+    knobs(product_tasks_per_thread=subtasks)
+    bounds, ranges = products.PackedProduct()._tasks(panels, threads)
     assert bounds[0] == 0 and bounds[-1] == panels and (np.diff(bounds) > 0).all()
     assert len(ranges) == threads + 1 and ranges[0] == 0 and ranges[-1] == len(bounds) - 1
     for t in range(threads):
@@ -240,14 +242,14 @@ def test_each_threads_share_of_panels_is_cut_into_claimed_tasks(monkeypatch, pan
         assert 1 <= len(share) - 1 <= subtasks and len(share) - 1 == min(subtasks, share[-1] - share[0])
 
 
-def test_products_cut_into_more_tasks_give_the_same_bits(monkeypatch, kernel_threads):
+def test_products_cut_into_more_tasks_give_the_same_bits(monkeypatch, kernel_threads, knobs):
     """However the shares are cut into claimed tasks, each output column's sum runs k = 0 .. K-1 in one
     panel: the same bits as the shares whole."""
     a = RNG.standard_normal((40, 96), dtype=np.float32)
     b = _constant(RNG.standard_normal((96, 300), dtype=np.float32))
     results = []
     for subtasks in (1, 4):
-        monkeypatch.setattr(linalg, "_SUBTASKS", subtasks)
+        knobs(product_tasks_per_thread=subtasks)
         results.append(_matmul(a, b))
     np.testing.assert_array_equal(results[0], results[1])
     np.testing.assert_allclose(results[1], a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from model_helpers import record_results
-from onnx_runtime_ep_cpu import threads
 from onnx_runtime_ep_cpu.compiled import attention, gemm
 from onnx_runtime_ep_cpu.ops import transformer as ops_transformer
 from test_compiled_transformer import (
@@ -48,14 +47,13 @@ def test_tiled_attention_matches_the_numpy_path(tiled_calls, mask_kind, geometry
         assert not tiled_calls
 
 
-def test_results_do_not_depend_on_the_thread_count(monkeypatch, tiled_calls):
-    monkeypatch.setattr(threads, "_DEFAULT_THREADS", max(2, threads._DEFAULT_THREADS))
-    monkeypatch.setattr(ops_transformer, "_SPLIT_MACS", 1)
+def test_results_do_not_depend_on_the_thread_count(monkeypatch, tiled_calls, knobs):
+    knobs(split_macs=1)
     q, k, v = _qkv(2, 4, 2, 50, 50, 32, 3)
     mask = _mask("2d", 50, 50)
     results = []
     for count in (1, 2, 3):
-        monkeypatch.setattr(threads, "_threads", count)
+        knobs(threads=count)
         attn = _attention([q.shape, k.shape, v.shape, mask.shape], q_num_heads=4, kv_num_heads=2)
         results.append(attn(q, k, v, mask)[0])
     assert len(tiled_calls) == 3 and all(r is not None for r in tiled_calls)

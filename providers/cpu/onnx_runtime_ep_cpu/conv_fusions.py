@@ -3,7 +3,7 @@ the Conv or inference BatchNormalization that produces its input.
 
 CNN exporters write ``Conv -> Relu`` and ``Conv -> Add(residual) -> Relu`` as separate nodes; each
 then reads and writes a whole feature map and allocates a new one. Fused, the Conv's fresh output
-takes the residual and the activation in place (see ``FusedConv`` in ops/nn.py), as onnxruntime's
+takes the residual and the activation in place (see ``FusedConv`` in ops/conv.py), as onnxruntime's
 FusedConv does. The results are the same values: the same float operations run in the same order.
 
 - Conv [-> Add/Sum(other)] [-> Relu | Clip(constant bounds) | LeakyRelu]  ->  FusedConv

@@ -17,18 +17,22 @@ import os
 from onnx_runtime.errors import InvalidArgumentError
 from threadpoolctl import threadpool_limits
 
+from .tuning import KNOBS
+
 _DEFAULT_THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 _threads = _DEFAULT_THREADS  # threads a split kernel uses, the caller's included
 
 
 def kernel_threads() -> int:
-    """How many threads a kernel that splits its work uses, the calling one included."""
-    return _threads
+    """How many threads a kernel that splits its work uses, the calling one included (the ``threads``
+    knob of tuning.py, else the session's setting)."""
+    return KNOBS.threads or _threads
 
 
 def helper_count() -> int:
-    """How many helper threads the split kernels start (once per process): one per other core."""
-    return max(1, _DEFAULT_THREADS - 1)
+    """How many helper threads the split kernels start (once per process): one per other core (or the
+    ``helpers`` knob of tuning.py)."""
+    return KNOBS.helpers or max(1, _DEFAULT_THREADS - 1)
 
 
 def apply_thread_settings(session_config: dict[str, str]) -> int | None:

@@ -1,7 +1,10 @@
 """numpy kernels, one module per operator family. Importing this package fills the registry."""
 
 from . import (  # noqa: F401  (imported for their @register side effects)
+    activation,
     control_flow,
+    conv,
+    dropout,
     elementwise,
     fused,
     generator,
@@ -10,14 +13,16 @@ from . import (  # noqa: F401  (imported for their @register side effects)
     linalg,
     loss,
     ml,
-    nn,
+    normalization,
     numeric,
+    pool,
     quantization,
     recurrent,
     reduction,
     sequence,
     shape,
     signal,
+    softmax,
     text,
     training,
     transformer,

@@ -1,5 +1,5 @@
-"""Elementwise kernels: arithmetic, math functions, activations, comparison and logic, bitwise ops,
-Clip, variadic Min/Max/Sum/Mean, Where, Cast/CastLike and Identity.
+"""Elementwise kernels: arithmetic, math functions, the activations without attributes, comparison and
+logic, bitwise ops, Clip, variadic Min/Max/Sum/Mean, Where, Cast/CastLike and Identity.
 
 Inputs of one op share one dtype (the ONNX type constraints say so), so numpy keeps that dtype;
 scalars taken from attributes are cast to the input dtype so they never promote float32 to float64.
@@ -14,59 +14,11 @@ import numpy as np
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidGraphError
 
+from ..algorithms.activations import hard_swish, mish, sigmoid, softplus, softsign
+from ..algorithms.erf import erf
+from ..algorithms.precision import scalar
 from ..registry import register
-from .special import erf_float32, erf_float64
-
-
-def _quiet(fn):
-    """Run ``fn`` with numpy's floating-point warnings off: inf/nan results are ONNX semantics."""
-
-    @functools.wraps(fn)
-    def wrapper(*args):
-        with np.errstate(all="ignore"):
-            return fn(*args)
-
-    return wrapper
-
-
-def _scalar(value, dtype):
-    """An attribute scalar as a 0-d array of ``dtype``, so it does not promote the input."""
-    return np.asarray(value, dtype=dtype)
-
-
-# -- unary math -------------------------------------------------------------------------------------
-
-def _erf(x):
-    if x.dtype == np.float64:
-        return erf_float64(x)
-    return erf_float32(x).astype(x.dtype, copy=False)  # half-precision floats compute in float32
-
-
-def _sigmoid(x):
-    return 1 / (1 + np.exp(-x))
-
-
-def _softplus(x):
-    return np.logaddexp(x, _scalar(0, x.dtype))
-
-
-def _softsign(x):
-    return x / (1 + np.abs(x))
-
-
-def _mish(x):
-    return x * np.tanh(_softplus(x))
-
-
-def _hard_sigmoid(x, alpha, beta):
-    linear = _scalar(alpha, x.dtype) * x + _scalar(beta, x.dtype)
-    # minimum/maximum rather than np.clip, which turns bfloat16 into float32
-    return np.minimum(np.maximum(linear, _scalar(0, x.dtype)), _scalar(1, x.dtype))
-
-
-def _hard_swish(x):
-    return x * _hard_sigmoid(x, 1 / 6, 0.5)
-
+from ._common import quiet
 
 # op_type: (first opset, function). Later versions only added types, so one registration covers them.
 _UNARY = {
@@ -81,12 +33,12 @@ _UNARY = {
     "Round": (11, np.round),  # numpy rounds half to even, as ONNX requires
     "Sign": (9, np.sign),
     "Tanh": (1, np.tanh),
-    "Sigmoid": (1, _sigmoid),
-    "Softplus": (1, _softplus),
-    "Softsign": (1, _softsign),
-    "Mish": (18, _mish),
-    "HardSwish": (14, _hard_swish),
-    "Erf": (9, _erf),
+    "Sigmoid": (1, sigmoid),
+    "Softplus": (1, softplus),
+    "Softsign": (1, softsign),
+    "Mish": (18, mish),
+    "HardSwish": (14, hard_swish),
+    "Erf": (9, erf),
     "Sin": (7, np.sin),
     "Cos": (7, np.cos),
     "Tan": (7, np.tan),
@@ -104,14 +56,14 @@ _UNARY = {
 }
 
 
-# Ops that raise no floating-point warning for any input (inf and NaN included): they skip _quiet's
+# Ops that raise no floating-point warning for any input (inf and NaN included): they skip quiet's
 # np.errstate, which costs more than the op itself on small tensors (~1 us per call).
 _NEVER_WARN = frozenset({"Neg", "Abs", "Floor", "Ceil", "Round", "Sign", "Tanh", "Atan", "Asinh", "IsNaN", "Not",
                          "BitwiseNot"})
 
 
-def _unary_factory(fn, quiet: bool):
-    fn = _quiet(fn) if quiet else fn
+def _unary_factory(fn, silenced: bool):
+    fn = quiet(fn) if silenced else fn
 
     def factory(node, shapes, opset):
         return lambda x: (fn(x),)
@@ -120,7 +72,7 @@ def _unary_factory(fn, quiet: bool):
 
 
 for _op, (_since, _fn) in _UNARY.items():
-    register(_op, since=_since)(_unary_factory(_fn, quiet=_op not in _NEVER_WARN))
+    register(_op, since=_since)(_unary_factory(_fn, silenced=_op not in _NEVER_WARN))
 
 
 @register("Identity", since=1)
@@ -143,88 +95,6 @@ def is_inf(node, shapes, opset):
         return (inf,)
 
     return kernel
-
-
-# -- activations with attributes ----------------------------------------------------------------------
-
-
-@register("Relu", since=1)
-def relu(node, shapes, opset):
-    return lambda x: (np.maximum(x, _scalar(0, x.dtype)),)
-
-
-@register("LeakyRelu", since=1)
-def leaky_relu(node, shapes, opset):
-    alpha = node.attr("alpha", 0.01)
-    return lambda x: (np.where(x < 0, _scalar(alpha, x.dtype) * x, x),)
-
-
-@register("PRelu", since=1)
-def prelu_1(node, shapes, opset):
-    # Before opset 7 a 1-D slope holds one value per channel (axis 1), whatever the input's rank.
-    def kernel(x, slope):
-        if slope.ndim == 1 and slope.size > 1 and x.ndim >= 2 and slope.size == x.shape[1]:
-            slope = slope.reshape(-1, *([1] * (x.ndim - 2)))
-        return (np.where(x < 0, slope * x, x).astype(x.dtype, copy=False),)
-
-    return kernel
-
-
-@register("PRelu", since=7)
-def prelu(node, shapes, opset):
-    # The slope broadcasts onto x (unidirectional broadcasting, numpy rules).
-    return lambda x, slope: (np.where(x < 0, slope * x, x).astype(x.dtype, copy=False),)
-
-
-@register("ThresholdedRelu", since=10)
-def thresholded_relu(node, shapes, opset):
-    alpha = node.attr("alpha", 1.0)
-    return lambda x: (np.where(x > _scalar(alpha, x.dtype), x, _scalar(0, x.dtype)),)
-
-
-@register("Elu", since=1)
-def elu(node, shapes, opset):
-    alpha = node.attr("alpha", 1.0)
-
-    @_quiet
-    def kernel(x):
-        return (np.where(x < 0, _scalar(alpha, x.dtype) * np.expm1(x), x),)
-
-    return kernel
-
-
-@register("Selu", since=1)
-def selu(node, shapes, opset):
-    alpha = node.attr("alpha", 1.6732632423543772848170429916717)
-    gamma = node.attr("gamma", 1.0507009873554804934193349852946)
-
-    @_quiet
-    def kernel(x):
-        negative = _scalar(alpha, x.dtype) * np.expm1(x)
-        return (_scalar(gamma, x.dtype) * np.where(x > 0, x, negative),)
-
-    return kernel
-
-
-@register("Celu", since=12)
-def celu(node, shapes, opset):
-    alpha = node.attr("alpha", 1.0)
-
-    @_quiet
-    def kernel(x):
-        a = _scalar(alpha, x.dtype)
-        return (np.maximum(x, 0) + np.minimum(0, a * np.expm1(x / a)),)
-
-    return kernel
-
-
-@register("HardSigmoid", since=1)
-def hard_sigmoid(node, shapes, opset):
-    alpha, beta = node.attr("alpha", 0.2), node.attr("beta", 0.5)
-    return lambda x: (_hard_sigmoid(x, alpha, beta),)
-
-
-# -- binary arithmetic, comparison, logic -------------------------------------------------------------
 
 
 def _int_div(a, b):
@@ -250,8 +120,8 @@ _BINARY = {
     "Add": (np.add, 1, True),
     "Sub": (np.subtract, 1, True),
     "Mul": (np.multiply, 1, True),
-    "Div": (_quiet(_div), 1, True),
-    "Pow": (_quiet(_pow), 1, True),
+    "Div": (quiet(_div), 1, True),
+    "Pow": (quiet(_pow), 1, True),
     "And": (np.logical_and, 1, True),
     "Or": (np.logical_or, 1, True),
     "Xor": (np.logical_xor, 1, True),
@@ -305,7 +175,7 @@ def mod(node, shapes, opset):
     if fmod not in (0, 1):
         raise InvalidGraphError(f"node {node.name!r} (Mod): attribute 'fmod' is {fmod}; expected 0 or 1")
     # np.fmod truncates (C fmod, sign of A); np.mod floors (Python %, sign of B).
-    fn = _quiet(np.fmod if fmod else np.mod)
+    fn = quiet(np.fmod if fmod else np.mod)
     return lambda a, b: (fn(a, b),)
 
 
@@ -325,9 +195,6 @@ def bit_shift(node, shapes, opset):
 @register("Where", since=9)
 def where(node, shapes, opset):
     return lambda condition, x, y: (np.where(condition, x, y),)
-
-
-# -- Clip and variadic ops ----------------------------------------------------------------------------
 
 
 def _clip(x, low, high):
@@ -358,7 +225,11 @@ def _variadic_factory(fn):
 
 
 register("Max", since=1)(_variadic_factory(np.maximum))
+
+
 register("Min", since=1)(_variadic_factory(np.minimum))
+
+
 register("Sum", since=1)(_variadic_factory(np.add))
 
 
@@ -366,12 +237,10 @@ register("Sum", since=1)(_variadic_factory(np.add))
 def mean(node, shapes, opset):
     def kernel(*xs):
         total = functools.reduce(np.add, xs)
-        return (np.divide(total, _scalar(len(xs), total.dtype)),)
+        return (np.divide(total, scalar(len(xs), total.dtype)),)
 
     return kernel
 
-
-# -- Cast ---------------------------------------------------------------------------------------------
 
 _SATURATING_FLOAT8 = {
     DataType.FLOAT8E4M3FN,
@@ -379,6 +248,8 @@ _SATURATING_FLOAT8 = {
     DataType.FLOAT8E5M2,
     DataType.FLOAT8E5M2FNUZ,
 }
+
+
 _ROUND_MODES = ("up", "down", "nearest")
 
 
@@ -416,8 +287,8 @@ def _parse_strings(x, dtype):
     return x.astype(np.float64).astype(dtype)
 
 
-@_quiet
-def _cast(x, to, saturate=True, round_mode="up"):
+@quiet
+def cast_to(x, to, saturate=True, round_mode="up"):
     if to is DataType.STRING:
         return x if x.dtype == object else x.astype(str).astype(object)
     dtype = to.numpy
@@ -452,7 +323,7 @@ def _cast_options(node):
 
 def _cast_kernel(to, saturate=True, round_mode="up"):
     if to is DataType.STRING or to is DataType.FLOAT8E8M0 or to in _SATURATING_FLOAT8:
-        return lambda x: (_cast(x, to, saturate, round_mode),)
+        return lambda x: (cast_to(x, to, saturate, round_mode),)
     dtype = to.numpy
 
     def kernel(x):
@@ -460,7 +331,7 @@ def _cast_kernel(to, saturate=True, round_mode="up"):
         # (its context costs more than casting a decoder's position ids).
         if x.dtype.kind in "biu":
             return (x.astype(dtype, copy=False),)
-        return (_cast(x, to, saturate, round_mode),)
+        return (cast_to(x, to, saturate, round_mode),)
 
     return kernel
 
@@ -479,4 +350,4 @@ def cast(node, shapes, opset):
 @register("CastLike", since=15)
 def cast_like(node, shapes, opset):
     saturate, round_mode = _cast_options(node)
-    return lambda x, like: (_cast(x, DataType.from_numpy(like.dtype), saturate, round_mode),)
+    return lambda x, like: (cast_to(x, DataType.from_numpy(like.dtype), saturate, round_mode),)

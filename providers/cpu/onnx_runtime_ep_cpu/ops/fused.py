@@ -17,9 +17,8 @@ from onnx_runtime.ir import Node
 from ..compiled import COMPILED_DTYPES
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
-from .elementwise import _quiet
-from .nn import _stash_dtype
-from .shape import _reshape
+from ._common import quiet, stash_dtype
+from .shape import reshape_to
 from .transformer import rms_normalization
 
 
@@ -58,7 +57,7 @@ class _RotationPlan:
     def _plan(self, q_shape, table_shape):
         """None unless the rotation covers q's last axis and the tables broadcast to q's shape without
         enlarging it, with q's last axis as theirs."""
-        if not q_shape or q_shape[-1] != self.end or not 0 <= self.half <= self.end or 0 in q_shape \
+        if not q_shape or q_shape[-1] != self.end or not 0 <= self.half <= self.end or 0 in q_shape\
                 or len(table_shape) > len(q_shape) or table_shape[-1:] != q_shape[-1:]:
             return None
         try:
@@ -98,7 +97,7 @@ def skip_rms_normalization(node, shapes, opset):
     axis. When a, b and the weight share a float32/float64 dtype that is also the statistics' (the norm's
     stash_type), one compiled pass per row; otherwise Add then the RMSNormalization kernel."""
     epsilon = float(node.attr("epsilon", 1e-5))
-    stash = _stash_dtype(node)
+    stash = stash_dtype(node)
     stash = stash if stash in COMPILED_DTYPES else None  # the compiled pass keeps the statistics in the input's dtype
     norm = rms_normalization(Node("RMSNormalization", ["x", "scale"], ["y"], name=node.name, attrs={
         "axis": -1, "epsilon": epsilon, "stash_type": int(node.attr("stash_type", 1))}, opset=23),
@@ -106,7 +105,7 @@ def skip_rms_normalization(node, shapes, opset):
     compiled = _compiled_decoder()
 
     def kernel(a, b, weight):
-        if a.dtype == stash and a.dtype == b.dtype == weight.dtype and a.shape == b.shape and a.size \
+        if a.dtype == stash and a.dtype == b.dtype == weight.dtype and a.shape == b.shape and a.size\
                 and weight.shape == a.shape[-1:]:
             n = a.shape[-1]
             out, total = np.empty(a.shape, a.dtype), np.empty(a.shape, a.dtype)
@@ -134,7 +133,7 @@ def swish_mul(node, shapes, opset):
     alpha = float(node.attr("alpha", 1.0))
     compiled = _compiled_decoder()
 
-    @_quiet  # exp overflows to inf for large negative inputs, giving the correct limit 0
+    @quiet  # exp overflows to inf for large negative inputs, giving the correct limit 0
     def numpy_kernel(a, b):
         if a.dtype not in COMPILED_DTYPES:  # half precision: Swish computes in float32 and casts back
             x = a.astype(np.float32)
@@ -166,7 +165,7 @@ def _static_reshape(node):
     attribute (a 0 copies x's dimension unless ``allowzero``)."""
     shape = [int(d) for d in np.asarray(node.attr("shape")).reshape(-1)]
     if 0 in shape and not node.attr("allowzero", 0):
-        return lambda x: _reshape(x, shape)
+        return lambda x: reshape_to(x, shape)
     shape = tuple(shape)
     return lambda x: x.reshape(shape)
 

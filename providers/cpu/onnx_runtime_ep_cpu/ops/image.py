@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 from onnx_runtime.errors import InvalidArgumentError
 
+from ..algorithms.precision import compute_dtype
 from ..registry import register
-from .nn import _compute_dtype, _graph_error, _group, _normalize_axis
+from ._common import graph_error, group_count, normalize_axis
 
 # -- shared helpers ------------------------------------------------------------------------------
 
@@ -25,7 +26,7 @@ from .nn import _compute_dtype, _graph_error, _group, _normalize_axis
 def _choice(node, attr: str, default: str, allowed) -> str:
     value = node.attr(attr, default)
     if value not in allowed:
-        raise _graph_error(node, attr, f"is {value!r}; expected one of {', '.join(map(repr, allowed))}")
+        raise graph_error(node, attr, f"is {value!r}; expected one of {', '.join(map(repr, allowed))}")
     return value
 
 
@@ -35,7 +36,7 @@ def _ints_attr(node, attr: str, default, minimum: int) -> tuple[int, ...] | None
         return default
     value = tuple(int(v) for v in value)
     if any(v < minimum for v in value):
-        raise _graph_error(node, attr, f"is {list(value)}; expected values >= {minimum}")
+        raise graph_error(node, attr, f"is {list(value)}; expected values >= {minimum}")
     return value
 
 
@@ -277,9 +278,9 @@ def _resize_axes(node, rank: int) -> list[int]:
     axes = node.attr("axes")
     if axes is None:
         return list(range(rank))
-    axes = [_normalize_axis(node, int(a), rank) for a in axes]
+    axes = [normalize_axis(node, int(a), rank) for a in axes]
     if len(set(axes)) != len(axes):
-        raise _graph_error(node, "axes", f"is {list(node.attr('axes'))}; expected distinct axes")
+        raise graph_error(node, "axes", f"is {list(node.attr('axes'))}; expected distinct axes")
     return axes
 
 
@@ -319,7 +320,7 @@ def _legacy_resize(node, scales_attr: bool):
     if scales_attr:
         fixed = node.attr("scales")
         if fixed is None or any(v < 1 for v in fixed):
-            raise _graph_error(node, "scales", f"is {fixed}; expected one value >= 1 per input axis")
+            raise graph_error(node, "scales", f"is {fixed}; expected one value >= 1 per input axis")
         fixed = np.asarray(fixed, dtype=np.float32)
 
     def kernel(x, scales=None):
@@ -544,10 +545,10 @@ def _roi_align_kernel(node, half_pixel: bool):
     mode = _choice(node, "mode", "avg", ("avg", "max"))
     out_h, out_w = int(node.attr("output_height", 1)), int(node.attr("output_width", 1))
     if out_h < 1 or out_w < 1:
-        raise _graph_error(node, "output_height", f"and output_width are {out_h}, {out_w}; expected positive sizes")
+        raise graph_error(node, "output_height", f"and output_width are {out_h}, {out_w}; expected positive sizes")
     ratio = int(node.attr("sampling_ratio", 0))
     if ratio < 0:
-        raise _graph_error(node, "sampling_ratio", f"is {ratio}; expected a value >= 0")
+        raise graph_error(node, "sampling_ratio", f"is {ratio}; expected a value >= 0")
     spatial_scale = float(node.attr("spatial_scale", 1.0))
     shift = 0.5 if half_pixel else 0.0
 
@@ -580,7 +581,7 @@ def _roi_align_kernel(node, half_pixel: bool):
                                         "(num_rois, 4) and (num_rois,)")
         if np.any((batch_indices < 0) | (batch_indices >= x.shape[0])):
             raise _argument_error(node, f"batch_indices {batch_indices.tolist()} must lie in [0, {x.shape[0]})")
-        xc = x.astype(_compute_dtype(x.dtype), copy=False)
+        xc = x.astype(compute_dtype(x.dtype), copy=False)
         y = np.zeros((rois.shape[0], x.shape[1], out_h, out_w), dtype=xc.dtype)
         for i, (roi, b) in enumerate(zip(rois, batch_indices)):
             y[i] = pool(xc[b], roi)
@@ -644,10 +645,10 @@ def _select_boxes(corners: np.ndarray, scores: np.ndarray, limit: int, iou, scor
 def non_max_suppression(node, shapes, opset):
     center_point = int(node.attr("center_point_box", 0))
     if center_point not in (0, 1):
-        raise _graph_error(node, "center_point_box", f"is {center_point}; expected 0 or 1")
+        raise graph_error(node, "center_point_box", f"is {center_point}; expected 0 or 1")
 
     def kernel(boxes, scores, max_output_boxes_per_class=None, iou_threshold=None, score_threshold=None):
-        if boxes.ndim != 3 or boxes.shape[2] != 4 or scores.ndim != 3 or scores.shape[0] != boxes.shape[0] \
+        if boxes.ndim != 3 or boxes.shape[2] != 4 or scores.ndim != 3 or scores.shape[0] != boxes.shape[0]\
                 or scores.shape[2] != boxes.shape[1]:
             raise _argument_error(node, f"boxes {boxes.shape} and scores {scores.shape} must be "
                                         "(batch, boxes, 4) and (batch, classes, boxes)")
@@ -675,7 +676,7 @@ def _window_attrs(node, rank: int):
     pads = _ints_attr(node, "pads", (0,) * (2 * rank), 0)
     for name, value, size in (("strides", strides, rank), ("dilations", dilations, rank), ("pads", pads, 2 * rank)):
         if len(value) != size:
-            raise _graph_error(node, name, f"has {len(value)} values; expected {size} for {rank} spatial dims")
+            raise graph_error(node, name, f"has {len(value)} values; expected {size} for {rank} spatial dims")
     return strides, dilations, pads[:rank], pads[rank:]
 
 
@@ -698,7 +699,7 @@ def col2im(node, shapes, opset):
             raise _argument_error(node, f"input {data.shape} does not hold blocks {list(block)} of image "
                                         f"{list(image)}; expected (N, C * {taps}, {math.prod(counts)})")
         c = channels_blocks // taps
-        cols = data.astype(_compute_dtype(data.dtype), copy=False).reshape(n, c, *block, *counts)
+        cols = data.astype(compute_dtype(data.dtype), copy=False).reshape(n, c, *block, *counts)
         padded = np.zeros((n, c, *(i + b + e for i, b, e in zip(image, begin, end))), dtype=cols.dtype)
         for offset in np.ndindex(*block):
             window = tuple(slice(o * d, o * d + (k - 1) * s + 1, s)
@@ -715,10 +716,10 @@ def col2im(node, shapes, opset):
 
 @register("DeformConv", since=19)
 def deform_conv(node, shapes, opset):
-    group = _group(node)
+    group = group_count(node)
     offset_group = int(node.attr("offset_group", 1))
     if offset_group < 1:
-        raise _graph_error(node, "offset_group", f"is {offset_group}; expected a positive group count")
+        raise graph_error(node, "offset_group", f"is {offset_group}; expected a positive group count")
     kernel_attr = _ints_attr(node, "kernel_shape", None, 1)
 
     def sample(x, offset, mask, kshape, strides, dilations, begin, out):
@@ -730,7 +731,7 @@ def deform_conv(node, shapes, opset):
         off = offset.reshape(n, offset_group, taps, rank, positions)
         out_index = np.indices(out).reshape(rank, 1, positions)
         tap_index = np.indices(kshape).reshape(rank, taps, 1)
-        base = out_index * np.array(strides)[:, None, None] - np.array(begin)[:, None, None] \
+        base = out_index * np.array(strides)[:, None, None] - np.array(begin)[:, None, None]\
             + tap_index * np.array(dilations)[:, None, None]
         corners = [_linear_taps(base[d] + off[:, :, :, d]) for d in range(rank)]
         table = np.ascontiguousarray(x.reshape(n, offset_group, cg, -1).transpose(0, 1, 3, 2))
@@ -745,7 +746,7 @@ def deform_conv(node, shapes, opset):
         rank = len(sizes)
         kshape = tuple(w.shape[2:])
         if kernel_attr is not None and kernel_attr != kshape:
-            raise _graph_error(node, "kernel_shape", f"is {list(kernel_attr)} but the weight has kernel {list(kshape)}")
+            raise graph_error(node, "kernel_shape", f"is {list(kernel_attr)} but the weight has kernel {list(kshape)}")
         strides, dilations, begin, end = _window_attrs(node, rank)
         out = _window_counts(sizes, kshape, strides, dilations, begin, end)
         m = w.shape[0]
@@ -756,7 +757,7 @@ def deform_conv(node, shapes, opset):
         if offset.shape != (n, offset_group * taps * rank, *out):
             raise _argument_error(node, f"offset shape {offset.shape}; expected "
                                         f"{(n, offset_group * taps * rank, *out)}")
-        dtype = _compute_dtype(x.dtype)
+        dtype = compute_dtype(x.dtype)
         cols = sample(x.astype(dtype, copy=False), offset.astype(dtype, copy=False), mask,
                       kshape, strides, dilations, begin, out)
         weights = w.astype(dtype, copy=False).reshape(group, m // group, -1)
@@ -775,12 +776,12 @@ def deform_conv(node, shapes, opset):
 def max_unpool(node, shapes, opset):
     kshape = _ints_attr(node, "kernel_shape", None, 1)
     if kshape is None:
-        raise _graph_error(node, "kernel_shape", "is missing; MaxUnpool requires it")
+        raise graph_error(node, "kernel_shape", "is missing; MaxUnpool requires it")
     rank = len(kshape)
     strides = _ints_attr(node, "strides", (1,) * rank, 1)
     pads = _ints_attr(node, "pads", (0,) * (2 * rank), 0)
     if len(strides) != rank or len(pads) != 2 * rank:
-        raise _graph_error(node, "strides", f"and pads have {len(strides)} and {len(pads)} values; "
+        raise graph_error(node, "strides", f"and pads have {len(strides)} and {len(pads)} values; "
                                             f"expected {rank} and {2 * rank}")
 
     def kernel(x, indices, output_shape=None):
@@ -816,7 +817,7 @@ def center_crop_pad(node, shapes, opset):
     axes_attr = node.attr("axes")
 
     def kernel(x, shape):
-        axes = list(range(x.ndim)) if axes_attr is None else [_normalize_axis(node, int(a), x.ndim) for a in axes_attr]
+        axes = list(range(x.ndim)) if axes_attr is None else [normalize_axis(node, int(a), x.ndim) for a in axes_attr]
         target = [int(v) for v in shape.reshape(-1)]
         if len(target) != len(axes) or any(t < 0 for t in target):
             raise _argument_error(node, f"shape {target} must hold one non-negative size per axis {axes}")

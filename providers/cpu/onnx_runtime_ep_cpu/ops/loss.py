@@ -11,8 +11,10 @@ from __future__ import annotations
 import numpy as np
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
+from ..algorithms.precision import upcast
+from ..algorithms.softmax import log_softmax
 from ..registry import register
-from .nn import _log_softmax, _upcast, _wants
+from ._common import wants_output
 
 _REDUCTIONS = ("none", "sum", "mean")
 
@@ -76,7 +78,7 @@ def negative_log_likelihood_loss(node, shapes, opset):
     attrs = _LossAttrs(node)
 
     def kernel(x, target, weight=None):
-        return (_nll(attrs, _upcast(x), target, weight).astype(x.dtype, copy=False),)
+        return (_nll(attrs, upcast(x), target, weight).astype(x.dtype, copy=False),)
 
     return kernel
 
@@ -84,12 +86,12 @@ def negative_log_likelihood_loss(node, shapes, opset):
 @register("SoftmaxCrossEntropyLoss", since=12)
 def softmax_cross_entropy_loss(node, shapes, opset):
     attrs = _LossAttrs(node)
-    with_log_prob = _wants(node, 1)
+    with_log_prob = wants_output(node, 1)
 
     def kernel(scores, labels, weights=None):
         if scores.ndim < 2:
             raise attrs.error(f"scores have shape {scores.shape}; expected (N, C) or (N, C, d1, ..., dk)")
-        log_prob = _log_softmax(_upcast(scores), 1)
+        log_prob = log_softmax(upcast(scores), 1)
         loss = _nll(attrs, log_prob, labels, weights).astype(scores.dtype, copy=False)
         return (loss, log_prob.astype(scores.dtype, copy=False)) if with_log_prob else (loss,)
 

@@ -12,14 +12,11 @@ import math
 import numpy as np
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
+from ..algorithms.erf import erf
 from ..registry import register
-from .elementwise import _erf
+from ._common import graph_error
 
 ML = "ai.onnx.ml"
-
-
-def _graph_error(node, attr: str, message: str) -> InvalidGraphError:
-    return InvalidGraphError(f"node {node.name!r} ({node.op_type}): attribute {attr!r} {message}")
 
 
 def _is_string(x: np.ndarray) -> bool:
@@ -99,11 +96,11 @@ def _encoder_lookup(node, with_tensor: bool) -> _Lookup:
     keys, _ = _encoder_array(node, "keys", with_tensor)
     values, _ = _encoder_array(node, "values", with_tensor)
     if keys.size != values.size:
-        raise _graph_error(node, "values", f"has {values.size} entries for {keys.size} keys; expected one per key")
+        raise graph_error(node, "values", f"has {values.size} entries for {keys.size} keys; expected one per key")
     if with_tensor and node.attr("default_tensor") is not None:
         default = np.asarray(node.attr("default_tensor")).reshape(-1)
         if default.size != 1:
-            raise _graph_error(node, "default_tensor", f"has {default.size} elements; expected one")
+            raise graph_error(node, "default_tensor", f"has {default.size} elements; expected one")
         default = default[0]
     else:
         name, fallback = _DEFAULTS[_value_kind(values)]
@@ -144,17 +141,17 @@ _NONE, _SOFTMAX, _LOGISTIC, _SOFTMAX_ZERO, _PROBIT = range(5)
 def _int_array(node, name: str, size: int | None = None, default=None) -> np.ndarray:
     value = node.attr(name, default)
     if value is None:
-        raise _graph_error(node, name, "is missing; it is required")
+        raise graph_error(node, name, "is missing; it is required")
     array = np.asarray(value, dtype=np.int64).reshape(-1)
     if size is not None and array.size != size:
-        raise _graph_error(node, name, f"has {array.size} entries; expected {size}, one per node")
+        raise graph_error(node, name, f"has {array.size} entries; expected {size}, one per node")
     return array
 
 
 def _enum_attr(node, name: str, default: int, count: int) -> int:
     value = int(node.attr(name, default))
     if not 0 <= value < count:
-        raise _graph_error(node, name, f"is {value}; expected a value in [0, {count - 1}]")
+        raise graph_error(node, name, f"is {value}; expected a value in [0, {count - 1}]")
     return value
 
 
@@ -166,7 +163,7 @@ def _membership_table(node, modes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if member_nodes.size == 0:
         return row, np.empty((0, 0))
     if members is None:
-        raise _graph_error(node, "membership_values", "is missing; BRANCH_MEMBER nodes need it")
+        raise graph_error(node, "membership_values", "is missing; BRANCH_MEMBER nodes need it")
     values = np.asarray(members, dtype=np.float64).reshape(-1)
     # Sets are NaN-delimited; a trailing NaN ends the last set rather than opening an empty one.
     sets = np.split(values, np.flatnonzero(np.isnan(values)))
@@ -174,7 +171,7 @@ def _membership_table(node, modes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if len(sets) > member_nodes.size and sets[-1].size == 0:
         sets = sets[:-1]
     if len(sets) != member_nodes.size:
-        raise _graph_error(
+        raise graph_error(
             node,
             "membership_values",
             f"holds {len(sets)} sets; expected {member_nodes.size}, one per BRANCH_MEMBER node",
@@ -193,15 +190,15 @@ class _Forest:
     def __init__(self, node):
         modes = node.attr("nodes_modes")
         if modes is None:
-            raise _graph_error(node, "nodes_modes", "is missing; it is required")
+            raise graph_error(node, "nodes_modes", "is missing; it is required")
         self.modes = np.asarray(modes, dtype=np.int64).reshape(-1)
         n = self.modes.size
         if n == 0 or self.modes.min() < _LEQ or self.modes.max() > _MEMBER:
-            raise _graph_error(node, "nodes_modes", "must list one mode in [0, 6] per node")
+            raise graph_error(node, "nodes_modes", "must list one mode in [0, 6] per node")
         self.features = _int_array(node, "nodes_featureids", n)
         self.splits = np.asarray(node.attr("nodes_splits", []), dtype=np.float64).reshape(-1)
         if self.splits.size != n:
-            raise _graph_error(node, "nodes_splits", f"has {self.splits.size} entries; expected {n}, one per node")
+            raise graph_error(node, "nodes_splits", f"has {self.splits.size} entries; expected {n}, one per node")
         self.split_dtype = np.asarray(node.attr("nodes_splits")).dtype
         self.nan_true = _int_array(node, "nodes_missing_value_tracks_true", n, [0] * n).astype(bool)
         self.member_row, self.member_table = _membership_table(node, self.modes)
@@ -209,12 +206,12 @@ class _Forest:
         self.targets = _int_array(node, "leaf_targetids", self.weights.size)
         self.n_targets = int(node.attr("n_targets", int(self.targets.max(initial=-1)) + 1))
         if self.targets.size and (self.targets.min() < 0 or self.targets.max() >= self.n_targets):
-            raise _graph_error(node, "leaf_targetids", f"must lie in [0, {self.n_targets}) (n_targets)")
+            raise graph_error(node, "leaf_targetids", f"must lie in [0, {self.n_targets}) (n_targets)")
         self.true_next = self._branches(node, "true", n)
         self.false_next = self._branches(node, "false", n)
         self.roots = _int_array(node, "tree_roots")
         if self.roots.size == 0 or self.roots.min() < 0 or self.roots.max() >= n:
-            raise _graph_error(node, "tree_roots", f"must list at least one node index in [0, {n})")
+            raise graph_error(node, "tree_roots", f"must list at least one node index in [0, {n})")
         self.aggregate = _enum_attr(node, "aggregate_function", _SUM, 4)
         self.post_transform = _enum_attr(node, "post_transform", _NONE, 5)
 
@@ -223,7 +220,7 @@ class _Forest:
         is_leaf = _int_array(node, f"nodes_{side}leafs", n).astype(bool)
         bound = np.where(is_leaf, self.weights.size, n)
         if ids.size and (ids.min() < 0 or np.any(ids >= bound)):
-            raise _graph_error(node, f"nodes_{side}nodeids", "points past the nodes or leaves it indexes")
+            raise graph_error(node, f"nodes_{side}nodeids", "points past the nodes or leaves it indexes")
         return np.where(is_leaf, -1 - ids, ids)
 
     def _goes_true(self, nodes: np.ndarray, values: np.ndarray, splits: np.ndarray) -> np.ndarray:
@@ -299,7 +296,7 @@ def _erfinv(y: np.ndarray) -> np.ndarray:
             p = np.where(w < 5, a + p * central, b + p * tail)
         x = p * y
         for _ in range(2):
-            x = x - (_erf(x) - y) / (2 / math.sqrt(math.pi) * np.exp(-x * x))
+            x = x - (erf(x) - y) / (2 / math.sqrt(math.pi) * np.exp(-x * x))
         return np.where(np.abs(y) == 1, np.copysign(np.inf, y), x)
 
 

@@ -1,7 +1,7 @@
 """Numeric kernels: CumProd, Det, ReverseSequence, TensorScatter, LpNormalization, Shrink,
 MeanVarianceNormalization and Swish.
 
-Half-precision floats compute in float32 (as in nn.py) and round back to the input type once.
+Half-precision floats compute in float32 (algorithms/precision.py) and round back to the input type once.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
+from ..algorithms.precision import compute_dtype, upcast
 from ..registry import register
-from .elementwise import _quiet
-from .nn import _compute_dtype, _normalize_axis, _upcast
+from ._common import normalize_axis, quiet
 
 
 def _error(node, attr: str, message: str) -> InvalidGraphError:
@@ -33,8 +33,8 @@ def cum_prod(node, shapes, opset):
     def kernel(x, axis):
         if axis.size != 1:
             raise _argument_error(node, f"axis has shape {axis.shape}; expected a scalar")
-        ax = _normalize_axis(node, int(axis.reshape(())), max(x.ndim, 1))
-        data = _upcast(x)
+        ax = normalize_axis(node, int(axis.reshape(())), max(x.ndim, 1))
+        data = upcast(x)
         if reverse:
             data = np.flip(data, ax)
         # dtype= keeps int32 from widening to the platform integer.
@@ -57,7 +57,7 @@ def det(node, shapes, opset):
     def kernel(x):
         if x.ndim < 2 or x.shape[-1] != x.shape[-2]:
             raise _argument_error(node, f"input has shape {x.shape}; expected [*, M, M]")
-        return (np.asarray(np.linalg.det(_upcast(x))).astype(x.dtype, copy=False),)
+        return (np.asarray(np.linalg.det(upcast(x))).astype(x.dtype, copy=False),)
 
     return kernel
 
@@ -105,7 +105,7 @@ def tensor_scatter(node, shapes, opset):
 
     def kernel(past_cache, update, write_indices=None):
         rank = past_cache.ndim
-        axis = _normalize_axis(node, axis_attr, rank)
+        axis = normalize_axis(node, axis_attr, rank)
         if axis == 0:
             raise _error(node, "axis", f"is {axis_attr}, the batch dimension; expected a sequence dimension")
         if update.ndim != rank or any(u != p for i, (u, p) in enumerate(zip(update.shape, past_cache.shape))
@@ -143,8 +143,8 @@ def lp_normalization(node, shapes, opset):
     axis_attr = int(node.attr("axis", -1))
 
     def kernel(x):
-        axis = _normalize_axis(node, axis_attr, x.ndim)
-        xc = _upcast(x)
+        axis = normalize_axis(node, axis_attr, x.ndim)
+        xc = upcast(x)
         if p == 1:
             norm = np.sum(np.abs(xc), axis=axis, keepdims=True)
         else:
@@ -165,8 +165,8 @@ def mean_variance_normalization(node, shapes, opset):
     axes_attr = [int(a) for a in node.attr("axes", [0, 2, 3])]
 
     def kernel(x):
-        axes = tuple(sorted({_normalize_axis(node, a, x.ndim) for a in axes_attr}))
-        xc = _upcast(x)
+        axes = tuple(sorted({normalize_axis(node, a, x.ndim) for a in axes_attr}))
+        xc = upcast(x)
         centred = xc - np.mean(xc, axis=axes, keepdims=True)
         std = np.sqrt(np.mean(centred * centred, axis=axes, keepdims=True))
         return ((centred / (std + xc.dtype.type(_MVN_EPSILON))).astype(x.dtype, copy=False),)
@@ -184,7 +184,7 @@ def shrink(node, shapes, opset):
 
     def kernel(x):
         # Integer inputs compare and shift in float64 (exact for the attribute values) and cast back.
-        dtype = _compute_dtype(x.dtype) if x.dtype.kind == "f" else np.dtype(np.float64)
+        dtype = compute_dtype(x.dtype) if x.dtype.kind == "f" else np.dtype(np.float64)
         xc = x.astype(dtype, copy=False)
         low, high, shift = dtype.type(-lambd), dtype.type(lambd), dtype.type(bias)
         y = np.where(xc < low, xc + shift, np.where(xc > high, xc - shift, dtype.type(0)))
@@ -197,9 +197,9 @@ def shrink(node, shapes, opset):
 def swish(node, shapes, opset):
     alpha = float(node.attr("alpha", 1.0))
 
-    @_quiet  # exp overflows to inf for large negative inputs, giving the correct limit 0
+    @quiet  # exp overflows to inf for large negative inputs, giving the correct limit 0
     def kernel(x):
-        xc = _upcast(x)
+        xc = upcast(x)
         y = xc / (1 + np.exp(-xc.dtype.type(alpha) * xc))
         return (y.astype(x.dtype, copy=False),)
 

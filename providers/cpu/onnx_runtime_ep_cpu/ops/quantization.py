@@ -15,9 +15,10 @@ from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from ..registry import register
-from .elementwise import _cast, _quiet
-from .linalg import _zero_point_rows
-from .nn import conv
+from ._common import quiet
+from .conv import conv
+from .elementwise import cast_to
+from .linalg import zero_point_rows
 
 _INTEGER_TARGETS = {
     DataType.UINT8, DataType.INT8, DataType.UINT16, DataType.INT16,
@@ -112,7 +113,7 @@ def _integer_range(target: DataType) -> tuple[int, int]:
     return int(info.min), int(info.max)
 
 
-@_quiet
+@quiet
 def _to_quantized(values: np.ndarray, zero_point, target: DataType, saturate: bool = True) -> np.ndarray:
     """``values`` (already divided by the scale) plus the zero point, rounded and saturated to ``target``.
 
@@ -125,10 +126,10 @@ def _to_quantized(values: np.ndarray, zero_point, target: DataType, saturate: bo
         wide = np.rint(values.astype(np.float64)) + np.asarray(zero).astype(np.float64)
         return np.clip(wide, low, high).astype(target.numpy)
     wide = values.astype(np.float32) + np.asarray(zero).astype(np.float32)
-    return _cast(wide, target, saturate)
+    return cast_to(wide, target, saturate)
 
 
-@_quiet
+@quiet
 def _divide(x: np.ndarray, scale: np.ndarray, precision: np.dtype) -> np.ndarray:
     """``x / scale`` at ``precision``: both operands round to it, and their float32 quotient then
     rounds to float16/bfloat16 exactly as a native division would; int32 divides in float64."""
@@ -258,7 +259,7 @@ def dequantize_linear_23(node, shapes, opset):
 def dynamic_quantize_linear(node, shapes, opset):
     low, high = _integer_range(DataType.UINT8)
 
-    @_quiet
+    @quiet
     def kernel(x):
         x = x.astype(np.float32, copy=False)
         # The range always includes 0, so that 0 quantizes exactly.
@@ -279,7 +280,7 @@ def dynamic_quantize_linear(node, shapes, opset):
 
 def _rows(param: np.ndarray, operand: np.ndarray) -> np.ndarray:
     """A 1-D per-row parameter of a matrix operand (length M) broadcast along its rows."""
-    return _zero_point_rows(param, operand) if param.ndim == 1 else param
+    return zero_point_rows(param, operand) if param.ndim == 1 else param
 
 
 @register("QLinearMatMul", since=10)

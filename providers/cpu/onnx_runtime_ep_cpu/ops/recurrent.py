@@ -13,50 +13,51 @@ from __future__ import annotations
 import numpy as np
 from onnx_runtime.errors import InvalidArgumentError
 
+from ..algorithms.activations import hard_sigmoid_of, sigmoid, softplus, softsign
+from ..algorithms.precision import compute_dtype, scalar
 from ..registry import register
-from .elementwise import _hard_sigmoid, _quiet, _scalar, _sigmoid, _softplus, _softsign
-from .nn import _compute_dtype, _graph_error
+from ._common import graph_error, quiet
 
 _DIRECTIONS = ("forward", "reverse", "bidirectional")
 
 
 def _relu(x, alpha, beta):
-    return np.maximum(x, _scalar(0, x.dtype))
+    return np.maximum(x, scalar(0, x.dtype))
 
 
 def _affine(x, alpha, beta):
-    return _scalar(alpha, x.dtype) * x + _scalar(beta, x.dtype)
+    return scalar(alpha, x.dtype) * x + scalar(beta, x.dtype)
 
 
 def _leaky_relu(x, alpha, beta):
-    return np.where(x >= 0, x, _scalar(alpha, x.dtype) * x)
+    return np.where(x >= 0, x, scalar(alpha, x.dtype) * x)
 
 
 def _thresholded_relu(x, alpha, beta):
-    return np.where(x >= _scalar(alpha, x.dtype), x, _scalar(0, x.dtype))
+    return np.where(x >= scalar(alpha, x.dtype), x, scalar(0, x.dtype))
 
 
 def _scaled_tanh(x, alpha, beta):
-    return _scalar(alpha, x.dtype) * np.tanh(_scalar(beta, x.dtype) * x)
+    return scalar(alpha, x.dtype) * np.tanh(scalar(beta, x.dtype) * x)
 
 
 def _elu(x, alpha, beta):
-    return np.where(x >= 0, x, _scalar(alpha, x.dtype) * np.expm1(x))
+    return np.where(x >= 0, x, scalar(alpha, x.dtype) * np.expm1(x))
 
 
 # lower-cased name: (function(x, alpha, beta), default alpha, default beta); None = not used.
 _ACTIVATIONS = {
     "relu": (_relu, None, None),
     "tanh": (lambda x, alpha, beta: np.tanh(x), None, None),
-    "sigmoid": (lambda x, alpha, beta: _sigmoid(x), None, None),
+    "sigmoid": (lambda x, alpha, beta: sigmoid(x), None, None),
     "affine": (_affine, 1.0, 0.0),
     "leakyrelu": (_leaky_relu, 0.01, None),
     "thresholdedrelu": (_thresholded_relu, 1.0, None),
     "scaledtanh": (_scaled_tanh, 1.0, 1.0),
-    "hardsigmoid": (lambda x, alpha, beta: _hard_sigmoid(x, alpha, beta), 0.2, 0.5),
+    "hardsigmoid": (lambda x, alpha, beta: hard_sigmoid_of(x, alpha, beta), 0.2, 0.5),
     "elu": (_elu, 1.0, None),
-    "softsign": (lambda x, alpha, beta: _softsign(x), None, None),
-    "softplus": (lambda x, alpha, beta: _softplus(x), None, None),
+    "softsign": (lambda x, alpha, beta: softsign(x), None, None),
+    "softplus": (lambda x, alpha, beta: softplus(x), None, None),
 }
 
 
@@ -71,19 +72,19 @@ class _RecurrentSpec:
         self.node = node
         self.direction = node.attr("direction", "forward")
         if self.direction not in _DIRECTIONS:
-            raise _graph_error(node, "direction", f"is {self.direction!r}; expected one of {', '.join(_DIRECTIONS)}")
+            raise graph_error(node, "direction", f"is {self.direction!r}; expected one of {', '.join(_DIRECTIONS)}")
         self.num_directions = 2 if self.direction == "bidirectional" else 1
         self.layout = int(node.attr("layout", 0))
         if self.layout not in (0, 1):
-            raise _graph_error(node, "layout", f"is {self.layout}; expected 0 or 1")
+            raise graph_error(node, "layout", f"is {self.layout}; expected 0 or 1")
         hidden = node.attr("hidden_size")
         self.hidden_size = None if hidden is None else int(hidden)
         if self.hidden_size is not None and self.hidden_size < 1:
-            raise _graph_error(node, "hidden_size", f"is {self.hidden_size}; expected a positive size")
+            raise graph_error(node, "hidden_size", f"is {self.hidden_size}; expected a positive size")
         clip = node.attr("clip")
         self.clip = None if clip is None else float(clip)
         if self.clip is not None and self.clip < 0:
-            raise _graph_error(node, "clip", f"is {self.clip}; expected a non-negative threshold")
+            raise graph_error(node, "clip", f"is {self.clip}; expected a non-negative threshold")
         self.activations = self._parse_activations(defaults)
 
     def _parse_activations(self, defaults):
@@ -92,7 +93,7 @@ class _RecurrentSpec:
         if len(names) == count and self.num_directions == 2:
             names *= 2  # one list given for a bidirectional node serves both directions
         if len(names) != count * self.num_directions:
-            raise _graph_error(
+            raise graph_error(
                 node, "activations",
                 f"has {len(names)} functions; expected {count} per direction ({count * self.num_directions} in all)",
             )
@@ -103,7 +104,7 @@ class _RecurrentSpec:
         for name in names:
             entry = _ACTIVATIONS.get(str(name).lower())
             if entry is None:
-                raise _graph_error(
+                raise graph_error(
                     node, "activations", f"names unknown function {name!r}; expected one of {sorted(_ACTIVATIONS)}"
                 )
             fn, alpha, beta = entry
@@ -111,14 +112,14 @@ class _RecurrentSpec:
                 alpha = float(alphas.pop(0))
             if beta is not None and betas:
                 beta = float(betas.pop(0))
-            bound.append(_quiet(lambda x, fn=fn, alpha=alpha, beta=beta: fn(x, alpha, beta)))
+            bound.append(quiet(lambda x, fn=fn, alpha=alpha, beta=beta: fn(x, alpha, beta)))
         return [bound[d * count:(d + 1) * count] for d in range(self.num_directions)]
 
     def clipped(self, x: np.ndarray) -> np.ndarray:
         """Apply the cell clip (to the inputs of the activations) when the node sets one."""
         if self.clip is None:
             return x
-        return np.minimum(np.maximum(x, _scalar(-self.clip, x.dtype)), _scalar(self.clip, x.dtype))
+        return np.minimum(np.maximum(x, scalar(-self.clip, x.dtype)), scalar(self.clip, x.dtype))
 
     def check(self, w: np.ndarray, r: np.ndarray, gates: int) -> int:
         """The hidden size, after checking the weights against the node's attributes."""
@@ -153,7 +154,7 @@ def _run(spec: _RecurrentSpec, cell, x, w, r, b, seq_lens, states, gates: int):
     step; its first state is the hidden output. Returns Y (seq, dirs, batch, hidden) and the
     final states, in the node's layout and X's dtype.
     """
-    dtype = _compute_dtype(x.dtype)
+    dtype = compute_dtype(x.dtype)
     xs = _to_time_major(x, spec.layout, dtype)
     seq, batch = xs.shape[:2]
     hidden = spec.check(w, r, gates)
@@ -206,7 +207,7 @@ def rnn(node, shapes, opset):
     spec = _RecurrentSpec(node, ("Tanh",))
 
     def kernel(x, w, r, b=None, seq_lens=None, h0=None):
-        dtype = _compute_dtype(x.dtype)
+        dtype = compute_dtype(x.dtype)
         rt, rb = _recurrence(r, b, 1, r.shape[-1], dtype)
 
         def cell(d, xw_t, states):
@@ -225,7 +226,7 @@ def gru(node, shapes, opset):
     linear_before_reset = bool(node.attr("linear_before_reset", 0))
 
     def kernel(x, w, r, b=None, seq_lens=None, h0=None):
-        dtype = _compute_dtype(x.dtype)
+        dtype = compute_dtype(x.dtype)
         hidden = r.shape[-1]
         rt, rb = _recurrence(r, b, 3, hidden, dtype)
 
@@ -256,7 +257,7 @@ def lstm(node, shapes, opset):
     input_forget = bool(node.attr("input_forget", 0))
 
     def kernel(x, w, r, b=None, seq_lens=None, h0=None, c0=None, p=None):
-        dtype = _compute_dtype(x.dtype)
+        dtype = compute_dtype(x.dtype)
         hidden = r.shape[-1]
         rt, rb = _recurrence(r, b, 4, hidden, dtype)
         peep = None if p is None else p.astype(dtype, copy=False).reshape(r.shape[0], 3, hidden)

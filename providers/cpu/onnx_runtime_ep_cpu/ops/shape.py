@@ -34,7 +34,7 @@ def normalize_axes(axes, rank: int) -> list[int]:
     return result
 
 
-def _graph_error(node, attribute, problem, expected):
+def _attribute_error(node, attribute, problem, expected):
     return InvalidGraphError(
         f"node {node.name!r} ({node.op_type}): attribute '{attribute}' {problem}; expected {expected}"
     )
@@ -43,7 +43,7 @@ def _graph_error(node, attribute, problem, expected):
 # -- Reshape, Transpose, Squeeze, Unsqueeze -----------------------------------------------------------
 
 
-def _reshape(x, shape, allowzero=False):
+def reshape_to(x, shape, allowzero=False):
     # The shape is nearly always a 1-D int64 array; the generic conversion costs a microsecond more.
     if isinstance(shape, np.ndarray) and shape.ndim == 1:
         shape = shape.tolist()
@@ -57,13 +57,13 @@ def _reshape(x, shape, allowzero=False):
 @register("Reshape", since=1)
 def reshape_v1(node, shapes, opset):
     shape = node.attr("shape")
-    return lambda x: (_reshape(x, shape),)
+    return lambda x: (reshape_to(x, shape),)
 
 
 @register("Reshape", since=5)
 def reshape(node, shapes, opset):
     allowzero = bool(node.attr("allowzero", 0))
-    return lambda x, shape: (_reshape(x, shape, allowzero),)
+    return lambda x, shape: (reshape_to(x, shape, allowzero),)
 
 
 @register("Transpose", since=1)
@@ -101,7 +101,7 @@ def _unsqueeze(x, axes):
 def unsqueeze_v1(node, shapes, opset):
     axes = node.attr("axes")
     if axes is None:
-        raise _graph_error(node, "axes", "is missing", "a list of axes to insert")
+        raise _attribute_error(node, "axes", "is missing", "a list of axes to insert")
     return lambda x: (_unsqueeze(x, axes),)
 
 
@@ -176,7 +176,7 @@ def _concat_factory(default_axis):
     def factory(node, shapes, opset):
         axis = node.attr("axis", default_axis)
         if axis is None:
-            raise _graph_error(node, "axis", "is missing", "the axis to concatenate on")
+            raise _attribute_error(node, "axis", "is missing", "the axis to concatenate on")
         if shapes and shapes[0] is not None and -len(shapes[0]) <= axis < len(shapes[0]):
             fixed = normalize_axis(axis, len(shapes[0]))  # a known rank: normalized once, not per call
             return lambda *xs: (np.concatenate(xs, axis=fixed),)
@@ -263,7 +263,7 @@ def split_v13(node, shapes, opset):
 def split(node, shapes, opset):
     num_outputs = node.attr("num_outputs")
     if num_outputs is not None and num_outputs != len(node.outputs):
-        raise _graph_error(node, "num_outputs", f"is {num_outputs}", f"the node's {len(node.outputs)} outputs")
+        raise _attribute_error(node, "num_outputs", f"is {num_outputs}", f"the node's {len(node.outputs)} outputs")
     return _split_kernel(node, uneven_last=num_outputs is not None)
 
 
@@ -295,7 +295,7 @@ def _slice(x, starts, ends, axes=None, steps=None):
 def slice_v1(node, shapes, opset):
     starts, ends, axes = node.attr("starts"), node.attr("ends"), node.attr("axes")
     if starts is None or ends is None:
-        raise _graph_error(node, "starts", "or 'ends' is missing", "both starts and ends")
+        raise _attribute_error(node, "starts", "or 'ends' is missing", "both starts and ends")
     return lambda x: (_slice(x, starts, ends, axes),)
 
 
@@ -350,7 +350,7 @@ _SCATTER_REDUCTIONS = {"add": np.add, "mul": np.multiply, "max": np.maximum, "mi
 def _scatter_reduction(node):
     reduction = node.attr("reduction", "none")
     if reduction != "none" and reduction not in _SCATTER_REDUCTIONS:
-        raise _graph_error(node, "reduction", f"is {reduction!r}", f"'none' or one of {list(_SCATTER_REDUCTIONS)}")
+        raise _attribute_error(node, "reduction", f"is {reduction!r}", f"'none' or one of {list(_SCATTER_REDUCTIONS)}")
     return _SCATTER_REDUCTIONS.get(reduction)
 
 
@@ -395,7 +395,7 @@ def _pad_mode(node, opset):
     mode = node.attr("mode", "constant")
     allowed = _PAD_MODES + (("wrap",) if opset >= 19 else ())
     if mode not in allowed:
-        raise _graph_error(node, "mode", f"is {mode!r}", f"one of {allowed}")
+        raise _attribute_error(node, "mode", f"is {mode!r}", f"one of {allowed}")
     return mode
 
 
@@ -445,7 +445,7 @@ def pad(node, shapes, opset):
 def _blocksize(node):
     blocksize = node.attr("blocksize")
     if not isinstance(blocksize, int) or blocksize < 1:
-        raise _graph_error(node, "blocksize", f"is {blocksize!r}", "a positive integer")
+        raise _attribute_error(node, "blocksize", f"is {blocksize!r}", "a positive integer")
     return blocksize
 
 
@@ -454,7 +454,7 @@ def depth_to_space(node, shapes, opset):
     b = _blocksize(node)
     mode = node.attr("mode", "DCR")
     if mode not in ("DCR", "CRD"):
-        raise _graph_error(node, "mode", f"is {mode!r}", "'DCR' or 'CRD'")
+        raise _attribute_error(node, "mode", f"is {mode!r}", "'DCR' or 'CRD'")
 
     def kernel(x):
         n, c, h, w = x.shape
@@ -472,7 +472,7 @@ def space_to_depth(node, shapes, opset):
     b = _blocksize(node)
     mode = node.attr("mode", "DCR")  # the attribute exists from opset 28 on
     if mode not in ("DCR", "CRD"):
-        raise _graph_error(node, "mode", f"is {mode!r}", "'DCR' or 'CRD'")
+        raise _attribute_error(node, "mode", f"is {mode!r}", "'DCR' or 'CRD'")
     # Output depth is ordered (row block, column block, channel) for DCR, (channel, row, column) for CRD.
     order = (0, 3, 5, 1, 2, 4) if mode == "DCR" else (0, 1, 3, 5, 2, 4)
 
@@ -559,7 +559,7 @@ def _top_k(x, k, axis, largest):
 def top_k_v1(node, shapes, opset):
     k, axis = node.attr("k"), node.attr("axis", -1)
     if k is None:
-        raise _graph_error(node, "k", "is missing", "the number of elements to keep")
+        raise _attribute_error(node, "k", "is missing", "the number of elements to keep")
     return lambda x: _top_k(x, k, axis, largest=True)
 
 
@@ -587,5 +587,21 @@ def unique(node, shapes, opset):
             values = np.take(values, order, axis=0 if ax is None else ax)
             first, inverse, counts = first[order], rank[inverse], counts[order]
         return tuple([values] + [a.reshape(-1).astype(np.int64) for a in (first, inverse, counts)])
+
+    return kernel
+
+
+@register("Flatten", since=1)
+def flatten(node, shapes, opset):
+    axis = int(node.attr("axis", 1))
+
+    def kernel(x):
+        if not -x.ndim <= axis <= x.ndim:
+            raise InvalidArgumentError(
+                f"node {node.name!r} (Flatten): axis {axis} is out of range for a rank-{x.ndim} input; "
+                f"expected a value in [{-x.ndim}, {x.ndim}]"
+            )
+        split = axis % x.ndim if axis < 0 else axis
+        return (x.reshape(math.prod(x.shape[:split]), math.prod(x.shape[split:])),)
 
     return kernel

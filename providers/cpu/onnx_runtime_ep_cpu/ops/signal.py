@@ -16,7 +16,7 @@ from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidArgumentError
 
 from ..registry import register
-from .nn import _graph_error
+from ._common import graph_error
 
 
 def _complex_dtype(dtype) -> np.dtype:
@@ -47,7 +47,7 @@ def _scalar_int(node, value, name: str) -> int:
 def _flag(node, name: str, default: int = 0) -> bool:
     value = int(node.attr(name, default))
     if value not in (0, 1):
-        raise _graph_error(node, name, f"is {value}; expected 0 or 1")
+        raise graph_error(node, name, f"is {value}; expected 0 or 1")
     return bool(value)
 
 
@@ -96,7 +96,7 @@ def dft_17(node, shapes, opset):
     axis = int(node.attr("axis", 1))
     rank = len(shapes[0]) if shapes and shapes[0] is not None else None
     if axis == -1 or (rank is not None and not _valid_axis(axis, rank)):
-        raise _graph_error(node, "axis", f"is {axis}; expected a signal axis of the rank-{rank} input, not its last")
+        raise graph_error(node, "axis", f"is {axis}; expected a signal axis of the rank-{rank} input, not its last")
     inverse, onesided = _flag(node, "inverse"), _flag(node, "onesided")
     return lambda x, dft_length=None: (_dft(node, x, dft_length, axis, inverse, onesided),)
 
@@ -163,7 +163,7 @@ def _output_dtype(node) -> np.dtype:
         dtype = None
     if dtype is None or dtype in (DataType.STRING, DataType.BOOL, DataType.UNDEFINED, DataType.COMPLEX64,
                                   DataType.COMPLEX128):
-        raise _graph_error(node, "output_datatype", f"is {code}; expected a numeric TensorProto data type")
+        raise graph_error(node, "output_datatype", f"is {code}; expected a numeric TensorProto data type")
     return dtype.numpy
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from onnx_runtime.errors import InvalidArgumentError
 
 from ..registry import register
-from .nn import _graph_error
+from ._common import graph_error
 
 
 def _strings(values, shape) -> np.ndarray:
@@ -33,7 +33,7 @@ def string_split(node, shapes, opset):
     maxsplit = node.attr("maxsplit")
     maxsplit = -1 if maxsplit is None else int(maxsplit)
     if maxsplit < -1:
-        raise _graph_error(node, "maxsplit", f"is {maxsplit}; expected a non-negative count")
+        raise graph_error(node, "maxsplit", f"is {maxsplit}; expected a non-negative count")
 
     def kernel(x):
         parts = [str(s).split(delimiter, maxsplit) for s in x.reshape(-1)]
@@ -54,7 +54,7 @@ _CASE_ACTIONS = {"NONE": None, "LOWER": str.lower, "UPPER": str.upper}
 def string_normalizer(node, shapes, opset):
     action = node.attr("case_change_action", "NONE") or "NONE"
     if action not in _CASE_ACTIONS:
-        raise _graph_error(node, "case_change_action", f"is {action!r}; expected one of {', '.join(_CASE_ACTIONS)}")
+        raise graph_error(node, "case_change_action", f"is {action!r}; expected one of {', '.join(_CASE_ACTIONS)}")
     change = _CASE_ACTIONS[action]
     case_sensitive = bool(int(node.attr("is_case_sensitive", 0)))
     # Case changes follow Unicode rules (Python's str methods), whatever the locale attribute says.
@@ -138,12 +138,12 @@ def _re2_to_python(pattern: str) -> str:
 def regex_full_match(node, shapes, opset):
     pattern = node.attr("pattern")
     if pattern is None:
-        raise _graph_error(node, "pattern", "is missing; RegexFullMatch requires a pattern")
+        raise graph_error(node, "pattern", "is missing; RegexFullMatch requires a pattern")
     try:
         # RE2's \w, \d, \s and \b are ASCII classes.
         regex = re.compile(_re2_to_python(pattern), re.ASCII)
     except re.error as exc:
-        raise _graph_error(node, "pattern", f"{pattern!r} is not a valid regular expression ({exc})") from None
+        raise graph_error(node, "pattern", f"{pattern!r} is not a valid regular expression ({exc})") from None
 
     def kernel(x):
         matches = [regex.fullmatch(str(s)) is not None for s in x.reshape(-1)]
@@ -206,16 +206,16 @@ class _TfIdfSpec:
         self.node = node
         self.mode = node.attr("mode")
         if self.mode not in _TFIDF_MODES:
-            raise _graph_error(node, "mode", f"is {self.mode!r}; expected one of {', '.join(_TFIDF_MODES)}")
+            raise graph_error(node, "mode", f"is {self.mode!r}; expected one of {', '.join(_TFIDF_MODES)}")
         self.min_n = int(node.attr("min_gram_length", 1))
         self.max_n = int(node.attr("max_gram_length", 1))
         if not 1 <= self.min_n <= self.max_n:
-            raise _graph_error(
+            raise graph_error(
                 node, "min_gram_length", f"is {self.min_n} with max_gram_length {self.max_n}; expected 1 <= min <= max"
             )
         self.max_skip = int(node.attr("max_skip_count", 0))
         if self.max_skip < 0:
-            raise _graph_error(node, "max_skip_count", f"is {self.max_skip}; expected a non-negative count")
+            raise graph_error(node, "max_skip_count", f"is {self.max_skip}; expected a non-negative count")
         pool = self._pool()
         self.strings = pool.dtype == object
         self.vocab = np.unique(pool)
@@ -223,7 +223,7 @@ class _TfIdfSpec:
         self.levels, self.pool_ngrams = self._levels(pool)
         total = self.pool_ngrams
         if self.indexes.size != total or (self.indexes < 0).any():
-            raise _graph_error(
+            raise graph_error(
                 node, "ngram_indexes", f"has {self.indexes.size} entries; expected {total} non-negative output "
                 "positions, one per n-gram of the pool"
             )
@@ -234,7 +234,7 @@ class _TfIdfSpec:
         weights = node.attr("weights")
         self.weights = None if weights is None else np.asarray(weights, dtype=np.float32).reshape(-1)
         if self.weights is not None and (self.weights.size != total or self.width > total):
-            raise _graph_error(
+            raise graph_error(
                 node, "weights", f"has {self.weights.size} entries for {total} n-grams and {self.width} output "
                 "positions; expected one weight per n-gram, with ngram_indexes below that count"
             )
@@ -242,7 +242,7 @@ class _TfIdfSpec:
     def _pool(self) -> np.ndarray:
         strings, ints = self.node.attr("pool_strings"), self.node.attr("pool_int64s")
         if (strings is None) == (ints is None):
-            raise _graph_error(self.node, "pool_strings", "and pool_int64s: exactly one of them must be set")
+            raise graph_error(self.node, "pool_strings", "and pool_int64s: exactly one of them must be set")
         if strings is not None:
             return _strings([str(s) for s in strings], (len(strings),))
         return np.asarray(ints, dtype=np.int64).reshape(-1)
@@ -253,12 +253,12 @@ class _TfIdfSpec:
         starts = [int(c) for c in self.node.attr("ngram_counts", [])]
         bounds = starts + [pool.size]
         if any(a > b for a, b in zip(bounds, bounds[1:])) or (starts and starts[0] < 0):
-            raise _graph_error(self.node, "ngram_counts", f"is {starts}; expected ascending offsets into the pool")
+            raise graph_error(self.node, "ngram_counts", f"is {starts}; expected ascending offsets into the pool")
         ids = _lookup(self.vocab, pool)
         levels, count = {}, 0
         for n, (start, stop) in enumerate(zip(bounds, bounds[1:]), start=1):
             if (stop - start) % n:
-                raise _graph_error(
+                raise graph_error(
                     self.node, "ngram_counts", f"gives {stop - start} pool entries to {n}-grams; not a multiple of {n}"
                 )
             ngrams = ids[start:stop].reshape(-1, n)

@@ -19,12 +19,14 @@ from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 from onnx_runtime.loader import implicit_inputs
 from onnx_runtime.session.subgraph import Subgraph
 
+from ..algorithms.activations import sigmoid
+from ..algorithms.precision import FLOAT32, compute_dtype, upcast
+from ..algorithms.products import gemv_host
 from ..compiled import COMPILED_DTYPES
 from ..registry import register
 from ..threads import helper_count, kernel_threads
-from .elementwise import _sigmoid
-from .linalg import _FLOAT32, _gemv_host
-from .nn import _compute_dtype, _graph_error, _normalize_axis, _stash_dtype, _upcast
+from ..tuning import KNOBS
+from ._common import graph_error, normalize_axis, stash_dtype
 
 _SOFTMAX_PRECISIONS = (DataType.FLOAT, DataType.FLOAT16, DataType.DOUBLE, DataType.BFLOAT16)
 
@@ -50,7 +52,7 @@ def _softmax_dtype(node, default: np.dtype) -> np.dtype:
     if precision is None:
         return np.dtype(default)
     if int(precision) not in _SOFTMAX_PRECISIONS:
-        raise _graph_error(node, "softmax_precision", f"is {precision}; expected 1, 10, 11 or 16")
+        raise graph_error(node, "softmax_precision", f"is {precision}; expected 1, 10, 11 or 16")
     return np.dtype(DataType(int(precision)).numpy)
 
 
@@ -78,7 +80,7 @@ def _rounding_to(narrow: np.dtype, wide: np.dtype):
 
 def _silu(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):  # exp overflow for very negative x: sigmoid is 0 there
-        return x * _sigmoid(x)
+        return x * sigmoid(x)
 
 
 def _grouped_matmul(a: np.ndarray, b: np.ndarray, kv_heads: int) -> np.ndarray:
@@ -194,7 +196,7 @@ class _Attention:
         self.softcap = float(node.attr("softcap", 0.0))
         self.mode = int(node.attr("qk_matmul_output_mode", 0))
         if self.mode not in (0, 1, 2, 3):
-            raise _graph_error(node, "qk_matmul_output_mode", f"is {self.mode}; expected 0, 1, 2 or 3")
+            raise graph_error(node, "qk_matmul_output_mode", f"is {self.mode}; expected 0, 1, 2 or 3")
         self.wants_qk = _has_output(node, 3)
         self.causal = bool(node.attr("is_causal", 0))
         # Sliding windows arrived in opset 25; earlier opsets have no such attributes.
@@ -202,7 +204,7 @@ class _Attention:
         self.right = int(node.attr("right_window_size", -1)) if opset >= 25 else -1
         for attr, value in (("left_window_size", self.left), ("right_window_size", self.right)):
             if value < -1:
-                raise _graph_error(node, attr, f"is {value}; expected -1 (unbounded) or a size >= 0")
+                raise graph_error(node, attr, f"is {value}; expected -1 (unbounded) or a size >= 0")
         _softmax_dtype(node, np.float32)  # validates the attribute
         # Without nonpad_kv_seqlen the causal/window frontier depends on shapes only: build it once.
         self.static_visible = None if self.has_nonpad else _visible_keys(
@@ -217,7 +219,7 @@ class _Attention:
         self.compiled = None
         self.frontier = None
         self._tiles: dict[tuple, _TiledLayout] = {}  # per input shapes, for _tiled_attention
-        if self.softcap <= 0 and not self.wants_qk and not self.has_nonpad and not _has_input(node, 4) \
+        if self.softcap <= 0 and not self.wants_qk and not self.has_nonpad and not _has_input(node, 4)\
                 and _softmax_dtype(node, np.float32) == np.float32 and (self.static_visible is None or frontier_only):
             from ..compiled import transformer as compiled
 
@@ -227,8 +229,8 @@ class _Attention:
         # A decode step's few queries over the cache: one compiled call (compiled/decoder.py), without a
         # mask input (a causal frontier is its bias).
         self.few = None
-        if self.compiled is not None and geo.q_len <= _FEW_QUERIES and not _has_input(node, 3) \
-                and geo.q_heads * geo.q_len * geo.total_len * geo.head_size <= _FEW_MACS:
+        if self.compiled is not None and geo.q_len <= _FEW_QUERIES and not _has_input(node, 3)\
+                and geo.q_heads * geo.q_len * geo.total_len * geo.head_size <= KNOBS.few_query_macs:
             self.few = _compiled_decoder().few_query_attention_float32
             self._outputs = len(node.outputs)
             self._few_scale = np.float32(self.scale)
@@ -258,7 +260,7 @@ class _Attention:
         return bias
 
     def __call__(self, q, k, v, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None):
-        if self.few is not None and q.dtype is _FLOAT32 and k.dtype is _FLOAT32 and v.dtype is _FLOAT32:
+        if self.few is not None and q.dtype is FLOAT32 and k.dtype is FLOAT32 and v.dtype is FLOAT32:
             outputs = self.few_query_attention(q, k, v)
             if outputs is not None:
                 return outputs
@@ -275,8 +277,8 @@ class _Attention:
         v = geo.to_heads(v, geo.kv_heads)
         present_key = k if past_key is None else np.concatenate((past_key, k), axis=2)
         present_value = v if past_value is None else np.concatenate((past_value, v), axis=2)
-        dtype = _compute_dtype(q.dtype)
-        softmax_dtype = _compute_dtype(_softmax_dtype(self.node, dtype))
+        dtype = compute_dtype(q.dtype)
+        softmax_dtype = compute_dtype(_softmax_dtype(self.node, dtype))
         rounded = _rounding_to(q.dtype, dtype)
 
         queries = geo.to_heads(q, geo.q_heads).astype(dtype)
@@ -336,7 +338,7 @@ class _Attention:
         geo = self.geo
         if mask is None:
             return np.empty((0, 0), np.float32) if self.frontier is None else self.frontier
-        if self.frontier is not None or mask.dtype != np.float32 or mask.ndim < 2 \
+        if self.frontier is not None or mask.dtype != np.float32 or mask.ndim < 2\
                 or mask.shape[-2:] != (geo.q_len, geo.total_len) or any(d != 1 for d in mask.shape[:-2]):
             return None
         return np.ascontiguousarray(mask.reshape(mask.shape[-2:]))
@@ -350,7 +352,7 @@ class _Attention:
         bias = self._compiled_bias(mask)
         if bias is None or q.size == 0 or k.size == 0:
             return None
-        if geo.q_len >= _TILED_ROWS and geo.v_head_size % 32 == 0 and _gemv_host():  # AVX-512, as the products
+        if geo.q_len >= _TILED_ROWS and geo.v_head_size % 32 == 0 and gemv_host():  # AVX-512, as the products
             return self._tiled_attention(q, k, v, bias)
         queries = geo.to_heads(q, geo.q_heads)
         keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
@@ -390,7 +392,7 @@ class _Attention:
             layout = self._tiles[key] = _TiledLayout(geo, q, k, v, self.scale)
         size = geo.head_size
         if bias.size:
-            gap = 128.0 + 2.0 * abs(self.scale) * 1.001 * self.compiled.largest_row_norm(q.reshape(-1, size)) * \
+            gap = 128.0 + 2.0 * abs(self.scale) * 1.001 * self.compiled.largest_row_norm(q.reshape(-1, size)) *\
                 self.compiled.largest_row_norm(k.reshape(-1, size))  # as _hiding_gap, over every head's rows
             extents = np.maximum.reduceat(self.compiled.key_extents(bias, 1, gap), layout.starts)
         else:
@@ -415,7 +417,7 @@ class _Attention:
         and float32 exp of anything below -104 is 0. A finite mask such as -1e9 on future keys then skips
         their products like -inf does; non-finite queries or keys skip nothing (inf)."""
         size = queries.shape[-1]
-        reach = self.compiled.largest_row_norm(queries.reshape(-1, size)) * \
+        reach = self.compiled.largest_row_norm(queries.reshape(-1, size)) *\
             self.compiled.largest_column_norm(keys_t.reshape(-1, size, keys_t.shape[-1]))
         return 128.0 + 2.0 * abs(self.scale) * reach * 1.001  # margins: float32 scores, the norms' rounding
 
@@ -476,14 +478,11 @@ class _Attention:
 
 
 # Queries from which attention runs compiled/attention.py's tiles (a prefill's; a decode step's few rows
-# keep compiled_attention's products); work (multiply-adds) per thread from which it is split.
+# keep compiled_attention's products).
 _TILED_ROWS = 16
-# A decode step's attention (at most this many queries and multiply-adds, no mask) runs decoder.py's one
-# compiled call; beyond, compiled_attention's BLAS products are faster (its vectorized dot products
-# run ~5 GMAC/s: at 128K multiply-adds alone 32 vs 25 us, at 8K 10 vs 15).
+# A decode step's attention (at most this many queries, up to the few_query_macs knob's multiply-adds, no
+# mask) runs decoder.py's one compiled call.
 _FEW_QUERIES = 4
-_FEW_MACS = 1 << 16
-_SPLIT_MACS = 1 << 20
 
 
 class _TiledLayout:
@@ -498,9 +497,9 @@ class _TiledLayout:
             return np.array([stride // 4 for stride in geo.to_heads(x, heads).strides[:3]], np.int64)
 
         batch, heads = q.shape[0], geo.q_heads
-        self.y_shape = q.shape[:-1] + (heads * geo.v_head_size,) if geo.rank == 3 else \
+        self.y_shape = q.shape[:-1] + (heads * geo.v_head_size,) if geo.rank == 3 else\
             (batch, heads, geo.q_len, geo.v_head_size)
-        self.q_strides, self.k_strides, self.v_strides = strides(q, heads), strides(k, geo.kv_heads), \
+        self.q_strides, self.k_strides, self.v_strides = strides(q, heads), strides(k, geo.kv_heads),\
             strides(v, geo.kv_heads)
         self.y_strides = strides(np.empty(self.y_shape, np.float32), heads)
         self.sizes = (heads, geo.kv_heads, geo.total_len, geo.head_size, geo.v_head_size)
@@ -510,7 +509,7 @@ class _TiledLayout:
         self.every_key = np.full(len(self.plan), geo.total_len, np.int64)
         units = batch * heads
         work = units * geo.q_len * geo.total_len * (geo.head_size + geo.v_head_size)
-        threads = max(1, min(kernel_threads(), units, work // _SPLIT_MACS))
+        threads = max(1, min(kernel_threads(), units, work // KNOBS.split_macs))
         self.bounds = np.array([units * t // threads for t in range(threads + 1)], np.int64)
         self.scratch = attention.scratch_size(geo.head_size, geo.v_head_size, geo.total_len)
 
@@ -538,7 +537,7 @@ def _modifier(node, attr: str, handle) -> Subgraph | None:
     if graph is None:
         return None
     if len(graph.inputs) != 1 or len(graph.outputs) != 1:
-        raise _graph_error(
+        raise graph_error(
             node, attr, f"has {len(graph.inputs)} inputs and {len(graph.outputs)} outputs; expected 1 and 1"
         )
     return Subgraph(graph, [handle])
@@ -556,11 +555,11 @@ def flex_attention(node, shapes, opset, handle):
             raise _argument_error(node, f"Q, K and V must be rank 4; got shapes {q.shape}, {k.shape}, {v.shape}")
         _gqa_heads(node, q.shape[1], k.shape[1])
         outer = dict(zip(outer_names, outer_values))
-        dtype = _compute_dtype(q.dtype)
+        dtype = compute_dtype(q.dtype)
         # The modifier subgraphs see scores and probabilities in the softmax precision: float32 for
         # float/half inputs, double for double, unless softmax_precision says otherwise.
         mod_dtype = _softmax_dtype(node, np.float64 if q.dtype == np.float64 else np.float32)
-        softmax_dtype = _compute_dtype(mod_dtype)
+        softmax_dtype = compute_dtype(mod_dtype)
         scale = 1 / math.sqrt(q.shape[3]) if scale_attr is None else float(scale_attr)
 
         queries = q.astype(dtype) * dtype.type(scale)
@@ -585,16 +584,16 @@ _UPDATE_RULES = ("linear", "gated", "delta", "gated_delta")
 def linear_attention(node, shapes, opset):
     rule = node.attr("update_rule", "gated_delta")
     if rule not in _UPDATE_RULES:
-        raise _graph_error(node, "update_rule", f"is {rule!r}; expected one of {', '.join(_UPDATE_RULES)}")
+        raise graph_error(node, "update_rule", f"is {rule!r}; expected one of {', '.join(_UPDATE_RULES)}")
     heads = {}
     for attr in ("q_num_heads", "kv_num_heads"):
         value = node.attr(attr)
         if value is None or int(value) <= 0:
-            raise _graph_error(node, attr, f"is {value}; it is required and must be positive")
+            raise graph_error(node, attr, f"is {value}; it is required and must be positive")
         heads[attr] = int(value)
     q_heads, kv_heads = heads["q_num_heads"], heads["kv_num_heads"]
     if q_heads % kv_heads:
-        raise _graph_error(node, "q_num_heads", f"({q_heads}) must be a multiple of kv_num_heads ({kv_heads})")
+        raise graph_error(node, "q_num_heads", f"({q_heads}) must be a multiple of kv_num_heads ({kv_heads})")
     gated = rule in ("gated", "gated_delta")
     delta = rule in ("delta", "gated_delta")
     for needed, index, name in ((gated, 4, "decay"), (delta, 5, "beta")):
@@ -649,7 +648,7 @@ def linear_attention(node, shapes, opset):
 def causal_conv_with_state(node, shapes, opset):
     activation = node.attr("activation", "none")
     if activation not in ("none", "silu", "swish"):
-        raise _graph_error(node, "activation", f"is {activation!r}; expected 'none', 'silu' or 'swish'")
+        raise graph_error(node, "activation", f"is {activation!r}; expected 'none', 'silu' or 'swish'")
 
     def kernel(x, weight, bias=None, past_state=None):
         batch, channels, length = x.shape
@@ -657,7 +656,7 @@ def causal_conv_with_state(node, shapes, opset):
         if past_state is None:
             past_state = np.zeros((batch, channels, taps - 1), dtype=x.dtype)
         padded = np.concatenate((past_state.astype(x.dtype, copy=False), x), axis=2)
-        dtype = _compute_dtype(x.dtype)
+        dtype = compute_dtype(x.dtype)
         xc = padded.astype(dtype, copy=False)
         w = weight.reshape(channels, taps, 1).astype(dtype, copy=False)
         # Depthwise causal conv: output t sees padded positions t .. t + taps - 1.
@@ -686,7 +685,7 @@ def _compiled_decoder():
 def rms_normalization(node, shapes, opset):
     epsilon = float(node.attr("epsilon", 1e-5))
     axis = int(node.attr("axis", -1))
-    stash = _stash_dtype(node)
+    stash = stash_dtype(node)
     # One compiled pass per row when the statistics stay in the input's float32/float64 (see compiled/decoder.py).
     compiled = _compiled_decoder() if stash in COMPILED_DTYPES else None
 
@@ -704,11 +703,11 @@ def rms_normalization(node, shapes, opset):
             y = x / np.sqrt(mean_square, out=mean_square)
             y *= scale
             return (y,)
-        axes = tuple(range(_normalize_axis(node, axis, x.ndim), x.ndim))
+        axes = tuple(range(normalize_axis(node, axis, x.ndim), x.ndim))
         xs = x.astype(stash)
         mean_square = np.mean(np.square(xs), axis=axes, keepdims=True)
         xs /= np.sqrt(mean_square + stash.type(epsilon))
-        dtype = _compute_dtype(np.result_type(_compute_dtype(x.dtype), _compute_dtype(scale.dtype)))
+        dtype = compute_dtype(np.result_type(compute_dtype(x.dtype), compute_dtype(scale.dtype)))
         y = xs.astype(dtype, copy=False) * scale.astype(dtype, copy=False)
         return (y.astype(scale.dtype, copy=False),)
 
@@ -726,7 +725,7 @@ def rotary_embedding(node, shapes, opset):
             heads_view, expand = x, (slice(None), None)
         elif x.ndim == 3:  # (B, S, H * D)
             if num_heads <= 0:
-                raise _graph_error(node, "num_heads", "is required (and positive) for a 3-D input")
+                raise graph_error(node, "num_heads", "is required (and positive) for a 3-D input")
             heads_view, expand = x.reshape(x.shape[0], x.shape[1], num_heads, -1), (slice(None), slice(None), None)
         else:
             raise _argument_error(node, f"input has rank {x.ndim}; expected 3 or 4")
@@ -739,7 +738,7 @@ def rotary_embedding(node, shapes, opset):
         half = dim // 2
         if cos_cache.shape[-1] != half or sin_cache.shape[-1] != half:
             raise _argument_error(node, f"cos/sin caches must have last dim {half} (rotary dim / 2)")
-        dtype = _compute_dtype(x.dtype)
+        dtype = compute_dtype(x.dtype)
         cos = cos_cache.astype(dtype, copy=False)[expand]
         sin = sin_cache.astype(dtype, copy=False)[expand]
         out = heads_view.astype(dtype)  # a copy; dims past the rotary dim pass through
@@ -763,9 +762,9 @@ def swiglu(node, shapes, opset):
     def kernel(a, b):
         if a.shape != b.shape:
             raise _argument_error(node, f"A {a.shape} and B {b.shape} must have the same shape (no broadcasting)")
-        gate = _upcast(a)
+        gate = upcast(a)
         with np.errstate(over="ignore"):  # exp overflow for very negative gates: sigmoid is 0 there
-            y = gate * _sigmoid(gate * gate.dtype.type(alpha)) * _upcast(b)
+            y = gate * sigmoid(gate * gate.dtype.type(alpha)) * upcast(b)
         return (y.astype(a.dtype, copy=False),)
 
     return kernel

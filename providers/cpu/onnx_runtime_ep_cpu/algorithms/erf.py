@@ -23,7 +23,7 @@ _ERF_TANH_P = (
 
 
 @functools.cache
-def _scaled_coefficients(scale: float) -> tuple[np.float32, ...]:
+def scaled_coefficients(scale: float) -> tuple[np.float32, ...]:
     """P's coefficients for erf(scale * x): the k-th one times scale^(2k + 1), rounded to float32 once."""
     return tuple(np.float32(c * scale ** (2 * k + 1)) for k, c in enumerate(_ERF_TANH_P))
 
@@ -35,7 +35,7 @@ def erf_float32(x, scale: float = 1.0) -> np.ndarray:
     ``scale`` lets Gelu take erf(x / sqrt(2)) without a pass for the division.
     """
     x = np.asarray(x, dtype=np.float32)
-    coefficients = _scaled_coefficients(scale)
+    coefficients = scaled_coefficients(scale)
     with np.errstate(over="ignore"):  # x^2 and the series overflow to inf for huge |x|; tanh gives +-1
         square = np.square(x, out=np.empty_like(x))  # out=: a 0-d input still gets an array
         series = np.multiply(square, coefficients[-1], out=np.empty_like(x))
@@ -75,3 +75,10 @@ def erf_float64(x: np.ndarray) -> np.ndarray:
         u = 2 * (t[mask] - i) - 1
         y[mask] = chebyshev.chebval(u, coefs) * (t[mask] if i == 0 else 1)
     return np.copysign(y, x)
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """erf of a float array: float64 as it is, others (half precision included) computed in float32."""
+    if x.dtype == np.float64:
+        return erf_float64(x)
+    return erf_float32(x).astype(x.dtype, copy=False)

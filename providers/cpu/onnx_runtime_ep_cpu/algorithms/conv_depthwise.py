@@ -1,0 +1,110 @@
+"""Depthwise convolution (one input channel per group): the compiled loop of compiled/depthwise.py for
+1-D/2-D float32/float64 windows (bias and activation applied as it stores, one image's channels split
+across the helper threads), else per-channel products over cache-sized blocks of channels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..compiled import takes as takes_compiled
+from ..threads import helper_count
+from ..tuning import KNOBS
+from .conv_blas import crop_rows, tap_source
+from .prepared import Prepared
+from .split import span_bounds, thread_spans
+from .window import Geometry
+
+
+def conv_depthwise(x, weights, geo: Geometry, with_bias: bool) -> np.ndarray:
+    """Convolution with one input channel per group: per channel, a (multiplier, K) matmul over its
+    K kernel taps, for a cache-sized block of channels at a time (one batched matmul over all the
+    channels would stream a column matrix K times the input through memory). The path for what the
+    compiled loop does not take (see depthwise_compiles): dtypes other than float32/float64, 3-D windows.
+
+    Stride-1 2-D windows copy their taps as long contiguous runs of the flattened rows (see
+    tap_source); outputs computed on a grid wider than the output are cropped at the end.
+    """
+    n, c = x.shape[:2]
+    multiplier, depth = weights.shape[1:]
+    taps = math.prod(geo.kernel)
+    source, run, wrapped = tap_source(x, geo)
+    length = math.prod(run)
+    block = max(1, min(c, KNOBS.depthwise_block_bytes // max(1, depth * length * x.itemsize)))
+    cols = np.empty((block, depth, length), dtype=x.dtype)
+    if with_bias:
+        cols[:, taps] = 1
+    y = np.empty((n, c * multiplier, *geo.out), dtype=x.dtype)
+    rows = np.empty((c, multiplier, length), dtype=x.dtype) if tuple(run) != geo.out else None
+    for image in range(n):
+        target = rows if rows is not None else y[image].reshape(c, multiplier, length, copy=False)
+        for start in range(0, c, block):
+            stop = min(c, start + block)
+            part = cols[: stop - start]
+            tap_cols = part[:, :taps].reshape(stop - start, *geo.kernel, *run, copy=False)
+            np.copyto(tap_cols, source[image, start:stop])
+            for j, first, end in wrapped:
+                tap_cols[:, :, j, :, first:end] = 0
+            np.matmul(weights[start:stop], part, out=target[start:stop])
+        if rows is not None:
+            crop_rows(rows.reshape(-1, length), geo, y[image])
+    return y
+
+
+def depthwise_compiles(geo: Geometry, x: np.ndarray) -> bool:
+    """Whether the compiled depthwise loop takes this convolution: 1-D or 2-D, float32/float64."""
+    return len(geo.kernel) <= 2 and takes_compiled(x)
+
+
+def compiled_depthwise(geo: Geometry, m: int, prepared: Prepared, dtype):
+    """``compute(x, w, b, finish, source=None)`` for a depthwise convolution by the compiled loop
+    (compiled/depthwise.py), which adds the bias and applies the activation of ``finish`` (an
+    _Epilogue, or None) as it stores; a residual is added after. A 1-D window runs as a 2-D one of
+    height 1."""
+    from ..compiled import epilogue
+    from ..compiled.depthwise import DepthwisePlan  # numba loads only for models that need it
+
+    lift = (1,) * (2 - len(geo.kernel))
+    plan = DepthwisePlan(lift + geo.in_shape, lift + geo.kernel, lift + geo.strides, lift + geo.dilations,
+                         (0,) * len(lift) + geo.begin, lift + geo.out)
+    identity = epilogue.activation_bounds(epilogue.NONE, (), dtype)
+
+    def weights(w, b):
+        # Fresh writeable copies: numba compiles a read-only array argument separately.
+        bias = np.zeros(m, dtype) if b is None else np.array(b, dtype=dtype)
+        return np.array(w.reshape(m, -1), dtype=dtype, order="C"), bias
+
+    def compute(x, w, b, finish, source=None):
+        """``source``: the channel map of a channel shuffle folded in (see _ChannelShuffle), or None."""
+        flat_w, bias = prepared.get("depthwise", (w, b), lambda: weights(w, b))
+        activation, residual = identity, finish is not None and finish.residual.size > 0
+        if finish is not None and not residual:  # (with a residual, finish adds the bias after it)
+            activation = finish.bounds
+            if finish.bias.size:
+                bias = finish.bias
+        x = np.ascontiguousarray(x)
+        # The work counted as elements times taps: each output reads a window of the input.
+        work = max(x.size, math.prod(geo.out) * m) * flat_w.shape[1]
+        spans = thread_spans(x.shape[1], work, x.dtype) if x.shape[0] == 1 else None
+        if spans is None:
+            # A writeable bias: numba compiles a read-only array argument separately (the parts below
+            # get arrays by address).
+            y = plan(x, flat_w, bias if bias.flags.writeable else bias.copy(), activation, source)
+        else:
+            from ..compiled import jobs, workers
+
+            def run(arguments):
+                """jobs.split_depthwise: posted from compiled code, as the packed convolution's parts."""
+                workers.call(jobs.split_depthwise, (*arguments, workers.local_mailbox(0)), jobs.DEPTHWISE.address(),
+                             0, helper_count() if len(spans) > 1 else 0)
+
+            # One image: its channels are independent.
+            y = plan.split_channels(x, flat_w, bias, activation, span_bounds(spans), source, run)
+        if residual:
+            finish.rows(y.reshape(y.shape[0], m, -1), 0, math.prod(geo.out))
+        return y
+
+    compute.reads_shuffled = True  # takes a channel map instead of a shuffled copy of x
+    return compute

@@ -1,0 +1,141 @@
+"""Which algorithm computes a convolution, chosen once per input signature: a few-row product for a 1x1
+kernel over a 1x1 image, the packed convolution (2-D float32 on AVX-512 hosts), the depthwise loops,
+per-tap products, Winograd, a plain product for 1x1 kernels, im2col over contiguous rows, or im2col.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..blas import available as blas_accumulates
+from ..tuning import KNOBS
+from .conv_blas import (
+    conv_by_taps,
+    conv_im2col,
+    conv_pointwise,
+    conv_tight_rows,
+    conv_winograd,
+    grouped_weights,
+    rows_fit,
+    tap_weights,
+    tight_fits,
+    winograd_weights,
+)
+from .conv_depthwise import compiled_depthwise, conv_depthwise, depthwise_compiles
+from .conv_packed import PackedConv, packed_conv_applies
+from .precision import compute_dtype
+from .prepared import Prepared
+from .products import GEMV_ROWS, few_rows_product
+from .window import Geometry
+
+
+def use_taps(geo: Geometry, group: int, c: int, m: int, dtype) -> bool:
+    """Per-tap matmuls pay off for stride-1 2-D kernels with a few outputs per input channel, and,
+    where BLAS accumulates in place, for few input channels on wide images: the im2col copy (K times
+    the input) then costs more than the shorter products, and the padded rows waste little."""
+    if group != 1 or not rows_fit(geo):
+        return False
+    column_bytes = c * math.prod(geo.kernel) * math.prod(geo.out) * dtype.itemsize
+    return 4 * m <= c or (blas_accumulates(dtype) and column_bytes >= KNOBS.taps_column_bytes)
+
+
+def use_winograd(geo: Geometry, group: int, c: int, m: int) -> bool:
+    """Winograd pays where the channel-mixing products dominate: enough input channels for long
+    products (K = C) and enough outputs, on images with enough tiles per product (measured in
+    the CNN benchmarks: a 7x7 image loses; below 192 channels the im2col paths measured faster) but
+    small enough for the tile stacks to stay near the cache."""
+    return (geo.kernel == (3, 3) and geo.strides == (1, 1) and geo.dilations == (1, 1) and group == 1
+            and c >= 192 and m >= 192 and 12 * 12 <= math.prod(geo.out) <= 28 * 28)
+
+
+def pixel_product_applies(geo: Geometry, group: int, x: np.ndarray) -> bool:
+    """Whether a convolution is a few-row product: a 1x1 kernel over a 1x1 image (a convolutional
+    classifier after global pooling, as DenseNet's and MobileNet's) of float32 with a few images. The
+    packed convolution would compute 32 lanes for its one pixel (DenseNet's 1024 -> 1000: 762 us)."""
+    return (group == 1 and x.dtype == np.float32 and len(geo.kernel) == 2 and geo.kernel == (1, 1)
+            and geo.in_shape == (1, 1) and geo.unpadded and 0 < x.shape[0] <= GEMV_ROWS and x.shape[1] > 0)
+
+
+def pixel_product(x: np.ndarray, w: np.ndarray, b) -> np.ndarray:
+    """y (N, M, 1, 1) = w (M, C, 1, 1) applied to x's one pixel per image (N, C, 1, 1) (+ b), through
+    linalg's few-row products (compiled/gemv.py on AVX-512 hosts, BLAS elsewhere)."""
+    n, c, m = x.shape[0], x.shape[1], w.shape[0]
+    rows, weights = x.reshape(n, c), w.reshape(m, c)
+    y = few_rows_product(rows, weights, True)
+    if y is None:
+        y = rows @ weights.T
+    if b is not None:
+        y += b.astype(np.float32, copy=False)
+    return y.reshape(n, m, 1, 1)
+
+
+def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared):
+    """``path(x, w, b, finish) -> y`` for inputs shaped like ``x`` and ``w``: the convolution algorithm
+    for this geometry, chosen once per input signature. ``finish`` (an _Epilogue for float32/float64,
+    or None) is a FusedConv's bias, residual and activation: the im2col, tight-row and taps paths
+    apply it to each block of output as they write it, the others to the whole output at the end."""
+    dtype = compute_dtype(x.dtype)
+    n, c, m = x.shape[0], x.shape[1], w.shape[0]
+    out_shape = (n, m, *geo.out)
+    blocks = False  # whether compute takes ``finish``
+
+    def grouped(w, b):
+        return prepared.get("grouped", (w, b), lambda: grouped_weights(w, b, group, dtype))
+
+    if pixel_product_applies(geo, group, x):
+        def compute(xc, w, b):
+            return pixel_product(xc, w, b)
+    elif packed_conv_applies(geo, group, x):
+        compute = PackedConv(geo, group, x.shape, w.shape, prepared)
+        blocks = True
+    elif group == c and group > 1 and depthwise_compiles(geo, x):
+        compute = compiled_depthwise(geo, m, prepared, dtype)
+        blocks = True
+    elif group == c and group > 1:
+        def compute(xc, w, b):
+            return conv_depthwise(xc, grouped(w, b), geo, b is not None)
+    elif use_taps(geo, group, c, m, dtype):
+        def compute(xc, w, b, finish):
+            return conv_by_taps(xc, prepared.get("taps", (w,), lambda: tap_weights(w, dtype)), b, geo, finish)
+        blocks = True
+    elif use_winograd(geo, group, c, m) and not w.flags.writeable:  # its weight transform is done once
+        def compute(xc, w, b):
+            return conv_winograd(xc, prepared.get("winograd", (w,), lambda: winograd_weights(w, dtype)), b, geo)
+    elif all(k == 1 for k in geo.kernel) and geo.unpadded and all(s == 1 for s in geo.strides):
+        def compute(xc, w, b):
+            return conv_pointwise(xc, grouped(w, b), group, b is not None)
+    elif group == 1 and tight_fits(geo):
+        def compute(xc, w, b, finish):
+            return conv_tight_rows(xc, grouped(w, b), geo, b is not None, finish)
+        blocks = True
+    else:
+        def compute(xc, w, b, finish):
+            return conv_im2col(xc, grouped(w, b), geo, group, b is not None, finish)
+        blocks = True
+
+    reads_shuffled = getattr(compute, "reads_shuffled", False)
+
+    def path(x, w, b, finish, out=None, shuffle=None):
+        """The convolution; with ``out`` (the output's shape and dtype), written there (in place by the
+        packed convolution when ``out`` is C-contiguous: one image's channels of a larger tensor); with
+        ``shuffle`` (a _ChannelShuffle), of x's channels shuffled."""
+        if shuffle is not None and not reads_shuffled:
+            x, shuffle = shuffle.apply(x), None
+        xc = x.astype(dtype, copy=False)
+        if out is not None and dtype == x.dtype and out.flags.c_contiguous and isinstance(compute, PackedConv):
+            return compute(xc, w, b, finish, out)
+        if out is not None:
+            out[...] = path(x, w, b, finish, None, shuffle)
+            return out
+        if blocks:
+            y = compute(xc, w, b, finish) if shuffle is None else compute(xc, w, b, finish, shuffle.source)
+        else:
+            y = compute(xc, w, b)
+            if finish is not None:
+                y = np.ascontiguousarray(y)  # finished in place, through a reshaped view
+                finish.rows(y.reshape(n, m, math.prod(geo.out)), 0, math.prod(geo.out))
+        return y.reshape(out_shape).astype(x.dtype, copy=False)
+
+    return path

@@ -1,0 +1,74 @@
+"""Pooling by the compiled loops of compiled/pooling.py (1-D/2-D float32/float64 windows, planes split
+across the helper threads), and max pooling with the indices of its maxima.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..compiled import takes as takes_compiled
+from ..threads import helper_count
+from .split import thread_spans
+from .window import Geometry
+
+
+def lowest(dtype: np.dtype):
+    return np.iinfo(dtype).min if np.issubdtype(dtype, np.integer) else -np.inf
+
+
+def max_pool_with_indices(geo: Geometry, xp: np.ndarray, x_shape, column_major: bool):
+    """Max and its flat index into the unpadded input, row-major (or column-major over spatial dims)."""
+    n, c = x_shape[:2]
+    rank = len(geo.kernel)
+    flat = geo.windows(xp).reshape(n, c, -1, *geo.out)
+    arg = flat.argmax(axis=2)
+    y = np.take_along_axis(flat, arg[:, :, None], axis=2)[:, :, 0]
+    taps = np.unravel_index(arg, geo.kernel)
+    spatial = np.zeros(arg.shape, dtype=np.int64)
+    order = range(rank - 1, -1, -1) if column_major else range(rank)
+    for i in order:
+        grid = np.arange(geo.out[i]).reshape((-1,) + (1,) * (rank - 1 - i))
+        pos = grid * geo.strides[i] - geo.begin[i] + taps[i] * geo.dilations[i]
+        pos = np.clip(pos, 0, geo.in_shape[i] - 1)  # only an all-padding window could point outside
+        spatial = spatial * geo.in_shape[i] + pos
+    planes = np.arange(n * c, dtype=np.int64).reshape((n, c) + (1,) * rank) * math.prod(geo.in_shape)
+    return y, planes + spatial
+
+
+def pool_loops():
+    """The compiled pooling loops; imported by the op factories, so numba loads only for models that pool."""
+    from ..compiled import pooling
+
+    return pooling
+
+
+def compiled_pool(loops, x: np.ndarray, geo: Geometry, include_pad: bool | None = None):
+    """Max pooling (``include_pad`` None) or average pooling of ``x`` by the compiled loops, which
+    take float32/float64 with 1-D or 2-D windows (a 1-D window is a 2-D one over a single row);
+    None where they do not apply."""
+    rank = len(geo.kernel)
+    if rank > 2 or not takes_compiled(x) or x.size == 0 or 0 in geo.out:
+        return None
+    fields = (geo.kernel, geo.strides, geo.dilations, geo.begin, geo.end, geo.in_shape)
+    if rank == 1:
+        fields = tuple((unit, *field) for unit, field in zip((1, 1, 1, 0, 0, 1), fields))
+    (kh, kw), (sh, sw), (dh, dw), (ph, pw), (eh, ew), (h, w) = fields
+    planes = np.ascontiguousarray(x).reshape(-1, h, w)
+    y = np.empty(x.shape[:2] + geo.out, dtype=x.dtype)
+    rows = y.reshape(planes.shape[0], -1, y.shape[-1])
+    # The positions an average counts, in padded coordinates: the input, plus the declared pads
+    # with count_include_pad; a ceil_mode overhang never counts.
+    (lo_h, hi_h), (lo_w, hi_w) = (
+        (0, p + n + e) if include_pad else (p, p + n) for p, n, e in ((ph, h, eh), (pw, w, ew))
+    )
+    arguments = (kh, kw, sh, sw, dh, dw, ph, pw, include_pad is None, lo_h, hi_h, lo_w, hi_w)
+    spans = thread_spans(planes.shape[0], x.size, x.dtype)
+    if spans is None:
+        loops.pool_2d(planes, rows, *arguments)
+    else:
+        from ..compiled import jobs, workers
+
+        workers.run(jobs.POOL, [(planes[a:b], rows[a:b], *arguments) for a, b in spans], helper_count())
+    return y

@@ -1,0 +1,206 @@
+"""Matrix products: numpy's BLAS, and on AVX-512 hosts, float32 products of constant weights through
+compiled/gemv.py for a few rows (a decode step's or a CNN's classifier) and compiled/matmul.py for
+more (a prefill's or a batch's), split across the helper threads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..threads import helper_count, kernel_threads
+from ..tuning import KNOBS, when_changed
+from .precision import BLAS_FLOATS, FLOAT32, compute_dtype
+from .prepared import Prepared
+
+
+def blas_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    dtype = compute_dtype(a.dtype)
+    return np.matmul(a.astype(dtype, copy=False), b.astype(dtype, copy=False))
+
+
+def product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """A fresh C-contiguous ``a @ b`` for a 2-D ``b``: one 2-D BLAS call when a's rows are contiguous."""
+    if a.dtype is b.dtype and a.dtype in BLAS_FLOATS and a.ndim > 1 and a.flags.c_contiguous:
+        return np.matmul(a.reshape(-1, a.shape[-1]), b).reshape(a.shape[:-1] + (b.shape[-1],))
+    return np.asarray(blas_matmul(a, b)).astype(a.dtype, copy=False)
+
+
+# Products of at least this many rows (a prefill's or batch's) against constant float32 weights run
+# compiled/matmul.py's packed product on the helper threads; from this many multiply-adds per thread
+# they are split, from _LONG_MACS per thread a part waits for a sleeping helper (milliseconds).
+PACKED_ROWS = 9  # past the few-row products' GEMV_ROWS: no float32 product of constant weights is OpenBLAS's
+
+
+class PackedProduct:
+    """One node's products ``a @ b`` (+ bias, Gelu, residual) through compiled/matmul.py, for a float32
+    ``a`` of many rows and a constant 2-D float32 ``b`` (an initializer: the same read-only array on
+    every run), on AVX-512 hosts; ``applies`` says when. The weights are packed once per constant array,
+    the bias padded once per constant array."""
+
+    def __init__(self):
+        from ..compiled import matmul
+
+        self._matmul = matmul
+        self._weights, self._bias = Prepared(), Prepared()
+        self._offsets: dict[int, np.ndarray] = {}  # per depth: gemm.packed_offsets
+        self._task_cache: dict[tuple, tuple] = {}  # per (panels, threads): _tasks
+        self._empty = np.empty(0, dtype=np.float32)
+
+    @staticmethod
+    def applies(a: np.ndarray, b: np.ndarray) -> bool:
+        return (a.dtype is b.dtype is FLOAT32 and b.ndim == 2 and a.ndim >= 2 and not b.flags.writeable
+                and a.shape[-1] == b.shape[0] and a.size >= PACKED_ROWS * b.shape[0] and b.shape[1] > 0
+                and b.shape[0] > 0 and gemv_host())
+
+    def __call__(self, a, b, bias=None, residual=None, coefficients=None, weights=None) -> np.ndarray:
+        """a @ b (+ bias) [Gelu with ``coefficients``] (+ residual), as a fresh (..., N) array; ``bias``
+        (N,) and ``residual`` (a's rows, N) float32, where given. ``weights``: the constant array ``b``
+        is a view of (Gemm's transB), which identifies it from call to call (a view is new each time)."""
+        from ..compiled import gemm, jobs, workers
+
+        matmul = self._matmul
+        depth, n = b.shape
+        x = np.ascontiguousarray(a).reshape(-1)
+        rows = x.size // depth
+        packed = self._weights.get("columns", (b if weights is None else weights,), lambda: matmul.pack_columns(b))
+        offsets = self._offsets.get(depth)
+        if offsets is None:
+            offsets = self._offsets[depth] = gemm.packed_offsets(depth)
+        flags = 0
+        if bias is not None:
+            flags |= gemm.BIAS
+            bias = self._bias.get("padded", (bias,), lambda: matmul.pad_bias(bias, n))
+        else:
+            bias = self._empty
+        if residual is not None:
+            flags |= gemm.RESIDUAL
+            residual = np.ascontiguousarray(residual).reshape(-1)
+        else:
+            residual = self._empty
+        coefficients = self._empty if coefficients is None else coefficients
+        y = np.empty(a.shape[:-1] + (n,), dtype=np.float32)
+        panels = packed.shape[0]
+        macs = rows * depth * n
+        threads = max(1, min(kernel_threads(), panels, macs // KNOBS.split_macs))
+        bounds, ranges = self._tasks(panels, threads)
+        claims = np.zeros(threads, dtype=np.int64)  # per call: what each thread's tasks have given out
+        head = (x, depth, rows, depth, packed, offsets, bias, y.reshape(-1), n, residual, flags, coefficients, bounds,
+                ranges, claims)
+        scratch = matmul.scratch_size(depth)
+        if threads > 1 and macs >= KNOBS.long_macs * threads:
+            workers.run(jobs.MATMUL, [(*head, part) for part in range(threads)], helper_count(), True)
+            return y
+        workers.call(jobs.split_matmul, (*head, workers.local_mailbox(scratch)), jobs.MATMUL.address(), scratch,
+                     helper_count() if threads > 1 else 0)
+        return y
+
+    def _tasks(self, panels: int, threads: int) -> tuple:
+        """(bounds, ranges): each thread's even share of the panels cut into up to the product_tasks_per_thread knob's
+        tasks of panels bounds[i] .. bounds[i + 1], thread t's tasks ranges[t] .. ranges[t + 1] (see jobs.MATMUL)."""
+        key = (panels, threads, KNOBS.product_tasks_per_thread)
+        tasks = self._task_cache.get(key)
+        if tasks is None:
+            bounds, ranges = [0], [0]
+            for t in range(threads):
+                first, end = panels * t // threads, panels * (t + 1) // threads
+                cuts = max(1, min(KNOBS.product_tasks_per_thread, end - first))
+                bounds += [first + (end - first) * (c + 1) // cuts for c in range(cuts)]
+                ranges.append(len(bounds) - 1)
+            tasks = self._task_cache[key] = (np.array(bounds, dtype=np.int64), np.array(ranges, dtype=np.int64))
+        return tasks
+
+
+# Products of at most this many rows of ``a`` (a classifier's batch) run compiled/gemv.py's loops on
+# the convolution helpers' threads instead of BLAS (see that module for why); from this many weights
+# on they are split across the threads.
+GEMV_ROWS = 8
+
+
+def few_rows_product(a: np.ndarray, b: np.ndarray, transposed: bool) -> np.ndarray | None:
+    """``a @ b.T`` (transposed) or ``a @ b`` through compiled/gemv.py for float32 ``a`` with few rows
+    (and any leading dimensions: (..., K) @ (K, N) gives (..., N)); None where it does not apply (then
+    BLAS computes it)."""
+    split = few_rows_split(a, b, transposed)
+    return None if split is None else split(a, b)
+
+
+def few_rows_split(a: np.ndarray, b: np.ndarray, transposed: bool) -> Split | None:
+    """The Split computing few_rows_product(a, b, transposed), or None where it does not apply."""
+    if not (a.dtype is b.dtype is FLOAT32 and a.size <= GEMV_ROWS * a.shape[-1] and a.size and b.size
+            and a.shape[-1] == b.shape[transposed] and gemv_host()):
+        return None
+    key = (a.shape, b.shape, transposed, kernel_threads())
+    split = _splits.get(key)
+    if split is None:
+        if len(_splits) > 1024:  # shapes vary without bound (e.g. a growing sequence): start over
+            _splits.clear()
+        split = _splits[key] = Split(a.shape, b.shape, transposed, key[3])
+    return split
+
+
+class Split:
+    """How one shape of few-row product is computed and split across threads (see compiled/gemv.py),
+    decided once: the per-call Python is what a decode step's small products would otherwise pay."""
+
+    def __init__(self, shape: tuple, weights: tuple, transposed: bool, threads: int):
+        from ..compiled import gemv, jobs, workers
+
+        n, depth = weights if transposed else weights[::-1]
+        rows = int(np.prod(shape[:-1]))
+        if weights[0] * weights[1] < KNOBS.gemv_split_weights:
+            threads = 1
+        # Block 0 of a @ b sums into sums[0], block b > 0 into sums[b] (added in order after).
+        blocks = 1 if transposed else -(-depth // gemv.DEPTH_BLOCK)
+        self._shape, self._rows, self._output = (blocks, rows, n), (rows, depth), shape[:-1] + (n,)
+        self._transposed = transposed
+        self._spans = threads if transposed else gemv.column_spans(blocks, n, threads)
+        self._items = blocks * self._spans
+        self._parts = min(threads, self._items)
+        # Milliseconds per part: posted to sleeping helpers too, waiting for them (see workers.py).
+        self._long = weights[0] * weights[1] * rows >= KNOBS.gemv_long_weights * self._parts
+        self._runner = jobs.PRODUCT.address() if self._parts > 1 else 0
+        self._split, self._product, self._sum = jobs.split_product, jobs.product, gemv.sum_blocks
+        self._jobs, self._workers = jobs, workers
+
+    def __call__(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        a = np.ascontiguousarray(a).reshape(self._rows)  # the loops read raw rows
+        if not b.flags.c_contiguous:
+            b = np.ascontiguousarray(b)
+        sums = np.empty(self._shape, dtype=np.float32)
+        if self._parts > 1:
+            # The process's helpers, looked up per call: a forked child has none of its parent's.
+            pool = self._workers.helpers(helper_count())
+            if self._long:
+                self._run_long(a, b, sums)
+                return sums[0].reshape(self._output)
+            if pool.call(self._split, (self._transposed, a, b, sums, self._spans, self._items, self._parts),
+                         self._runner) is not None:
+                return sums[0].reshape(self._output)
+        # One thread, or another thread's kernel holds the helpers.
+        self._product(self._transposed, a, b, sums, self._spans, self._items)
+        return sums[0].reshape(self._output)
+
+    def _run_long(self, a, b, sums) -> None:
+        items, parts = self._items, self._parts
+        bounds = [items * p // parts for p in range(parts + 1)]
+        self._workers.run(self._jobs.PRODUCT, [(self._transposed, a, b, sums, self._spans, first, end)
+                                               for first, end in zip(bounds, bounds[1:])], helper_count(), True)
+        self._sum(sums)
+
+
+_splits: dict[tuple, Split] = {}
+when_changed(_splits.clear)  # a Split's threads and waits follow the knobs it was made with
+
+
+def gemv_host() -> bool:
+    """Whether the host runs the compiled products (compiled/gemv.py, matmul.py, attention.py): AVX-512, as
+    the packed convolution; elsewhere BLAS keeps the threads to itself."""
+    global _gemm
+    if _gemm is None:
+        from ..compiled import gemm
+
+        _gemm = gemm
+    return _gemm.AVAILABLE
+
+
+_gemm = None  # compiled/gemm.py, imported on first use (numba loads only for models that need it)

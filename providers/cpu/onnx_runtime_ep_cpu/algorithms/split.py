@@ -1,0 +1,67 @@
+"""How kernels split their work across the helper threads: planes or channels in even spans (pooling, batch
+normalization, depthwise convolution), the calling thread's scratch buffer, and the measure of an uneven
+split. The sizes that decide are knobs of tuning.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ..threads import kernel_threads
+from ..tuning import KNOBS
+
+
+def thread_spans(count: int, elements: int, dtype) -> tuple[tuple[int, int], ...] | None:
+    """``count`` independent rows (planes, channels) split evenly across the kernel threads, for a
+    float32 kernel that runs as a job of compiled/jobs.py (on the helper threads of workers.py, or on
+    this one alone: one span when the work is small or there is one thread). None where the jobs do
+    not run (other dtypes, hosts without the packed convolution): the caller calls its loop itself.
+    Kept per (count, size, threads): building the spans cost ~3 us per call, paid by every run."""
+    if dtype != np.float32:
+        return None
+    threads = kernel_threads()
+    key = (count, elements >= KNOBS.split_elements, threads)
+    found = _spans.get(key, False)
+    if found is False:
+        from ..compiled import gemm
+
+        found = None
+        if gemm.AVAILABLE:
+            parts = min(threads, count) if key[1] else 1
+            bounds = [count * t // max(parts, 1) for t in range(max(parts, 1) + 1)]
+            found = tuple((a, b) for a, b in zip(bounds, bounds[1:]) if b > a) or ((0, count),)
+        _spans[key] = found
+    return found
+
+
+_spans: dict[tuple, tuple | None] = {}
+
+
+def span_bounds(spans: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """The spans as part i from bounds[i] to bounds[i + 1] (int64), the form compiled posters take."""
+    found = _bounds.get(spans)
+    if found is None:
+        found = _bounds[spans] = np.array([first for first, _ in spans] + [spans[-1][1]], dtype=np.int64)
+    return found
+
+
+_bounds: dict[tuple, np.ndarray] = {}
+
+
+_scratches = threading.local()  # per calling thread: the buffer of scratch
+
+
+def scratch(floats: int) -> np.ndarray:
+    """The calling thread's float32 scratch, ``floats`` long (grown as needed, reused by every kernel that
+    asks: a kernel's use ends when it returns)."""
+    buffer = getattr(_scratches, "buffer", None)
+    if buffer is None or buffer.size < floats:
+        buffer = _scratches.buffer = np.empty(max(floats, 1), dtype=np.float32)
+    return buffer[:floats]
+
+
+def uneven(count: int, parts: int) -> float:
+    """The largest of ``parts`` near-equal shares of ``count`` units over the mean share."""
+    return -(-count // parts) * parts / count

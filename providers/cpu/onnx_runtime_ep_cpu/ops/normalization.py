@@ -1,0 +1,227 @@
+"""BatchNormalization (and FusedBatchNormalization, with its activation), InstanceNormalization,
+LayerNormalization, GroupNormalization and LRN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from onnx_runtime.errors import InvalidArgumentError
+
+from ..algorithms.normalization import (
+    affine_normalize,
+    affine_params,
+    batch_norm_stats,
+    broadcasts_into,
+    channel_affine_loop,
+    layer_norm_compiles,
+    lrn_compiled,
+    per_channel_affine,
+    standardize,
+    standardize_rows,
+)
+from ..algorithms.precision import compute_dtype, upcast
+from ..algorithms.prepared import Prepared
+from ..compiled import takes as takes_compiled
+from ..fusions import FUSED_DOMAIN
+from ..registry import register
+from ._common import (
+    activation_code,
+    channel_param,
+    graph_error,
+    in_place_activation,
+    normalize_axis,
+    spatial_axes,
+    stash_dtype,
+)
+
+
+def _batch_norm_kernel(node, training: bool, spatial: bool, fused_activation: bool = False):
+    """BatchNormalization returning as many outputs as the node lists.
+
+    Training mode normalizes with the batch statistics and returns the updated running mean/var
+    (and, before opset 14, the batch mean/var). Inference mode passes the running statistics
+    through for any optional outputs listed, as they do not change; for float32/float64 it is one
+    compiled pass. With ``fused_activation`` (FusedBatchNormalization) it also applies the node's
+    activation (inside that pass when compiled).
+    """
+    epsilon = float(node.attr("epsilon", 1e-5))
+    momentum = float(node.attr("momentum", 0.9))
+    n_outputs = len(node.outputs)
+    prepared = Prepared()
+    activate = in_place_activation(node) if fused_activation else None  # validates the activation
+    affine = channel_affine_loop(activation_code(node) if fused_activation else (0, [0.0, 0.0]))
+
+    def inference(x, scale, bias, mean, var):
+        dtype = compute_dtype(x.dtype)
+        if x.ndim >= 2 and all(p.shape == (x.shape[1],) for p in (scale, bias, mean, var)):
+            factor, shift = prepared.get(dtype, (scale, bias, mean, var), lambda: affine_params(
+                *(p.astype(dtype, copy=False) for p in (mean, var, scale, bias)), epsilon, dtype))
+            if takes_compiled(x):
+                return affine(x, factor, shift)
+            y = per_channel_affine(x, factor, shift, dtype)
+        else:
+            s, b, mu, v = (channel_param(p, x.ndim, dtype) for p in (scale, bias, mean, var))
+            y = affine_normalize(x, mu, v, s, b, epsilon, dtype)
+        y = y.astype(x.dtype, copy=False)
+        if activate is not None:
+            activate(y)
+        return y
+
+    def kernel(x, scale, bias, mean, var):
+        if not training:
+            y = inference(x, scale, bias, mean, var)
+            return (y, mean, var, mean, var)[:n_outputs]
+        dtype = compute_dtype(x.dtype)
+        s, b = (channel_param(p, x.ndim, dtype) for p in (scale, bias))
+        axes = (0,) if not spatial else (0, *range(2, x.ndim))
+        batch_mean, batch_var, run_mean, run_var = batch_norm_stats(
+            x, axes, mean.astype(dtype), var.astype(dtype), momentum, dtype)
+        y = affine_normalize(x, batch_mean[0], batch_var[0], s, b, epsilon, dtype)
+        outputs = (y, run_mean, run_var, batch_mean.reshape(mean.shape), batch_var.reshape(var.shape))
+        return tuple(t.astype(x.dtype, copy=False) for t in outputs[:n_outputs])
+
+    return kernel
+
+
+@register("FusedBatchNormalization", domain=FUSED_DOMAIN, since=1)
+def fused_batch_normalization(node, shapes, opset):
+    """Inference BatchNormalization, then an activation in place on its fresh output."""
+    normalize = _batch_norm_kernel(node, training=False, spatial=True, fused_activation=True)
+
+    def kernel(x, scale, bias, mean, var):
+        return normalize(x, scale, bias, mean, var)[:1]
+
+    return kernel
+
+
+def _lists_training_outputs(node) -> bool:
+    return any(node.outputs[1:])
+
+
+@register("BatchNormalization", since=1)
+def batch_normalization_1(node, shapes, opset):
+    # Before opset 14 training mode is implied by naming the optional statistics outputs (opset < 7
+    # also requires is_test=0); plain inference ignores is_test, which old exporters left unset.
+    training = _lists_training_outputs(node) and not int(node.attr("is_test", 0))
+    return _batch_norm_kernel(node, training=training, spatial=bool(node.attr("spatial", 1)))
+
+
+@register("BatchNormalization", since=9)
+def batch_normalization_9(node, shapes, opset):
+    return _batch_norm_kernel(node, training=_lists_training_outputs(node), spatial=True)
+
+
+@register("BatchNormalization", since=14)
+def batch_normalization_14(node, shapes, opset):
+    return _batch_norm_kernel(node, training=bool(node.attr("training_mode", 0)), spatial=True)
+
+
+@register("InstanceNormalization", since=1)
+def instance_normalization(node, shapes, opset):
+    epsilon = float(node.attr("epsilon", 1e-5))
+
+    def kernel(x, scale, bias):
+        dtype = compute_dtype(x.dtype)
+        normalized, _, _ = standardize(x.astype(dtype, copy=False), spatial_axes(x), epsilon)
+        y = normalized * channel_param(scale, x.ndim, dtype) + channel_param(bias, x.ndim, dtype)
+        return (y.astype(x.dtype, copy=False),)
+
+    return kernel
+
+
+@register("LayerNormalization", since=17)
+def layer_normalization(node, shapes, opset):
+    epsilon = float(node.attr("epsilon", 1e-5))
+    axis = int(node.attr("axis", -1))
+    stash = stash_dtype(node)
+    n_outputs = len(node.outputs)
+    from ..compiled import transformer as compiled
+
+    def kernel(x, scale, bias=None):
+        start = normalize_axis(node, axis, x.ndim)
+        stats_shape = x.shape[:start] + (1,) * (x.ndim - start)
+        if layer_norm_compiles(x, scale, bias, start, stash):
+            rows = np.ascontiguousarray(x).reshape(math.prod(x.shape[:start]), -1)
+            y, mean, inv_std = compiled.layer_norm(rows, np.ascontiguousarray(scale).reshape(-1),
+                                                   None if bias is None else np.ascontiguousarray(bias).reshape(-1),
+                                                   epsilon)
+            return (y.reshape(x.shape), mean.reshape(stats_shape), inv_std.reshape(stats_shape))[:n_outputs]
+        xs = x.astype(stash, copy=False)
+        if stash in (np.float32, np.float64):
+            rows = xs.reshape(math.prod(x.shape[:start]), math.prod(x.shape[start:]))
+            normalized, mean, inv_std = standardize_rows(rows, epsilon)
+        else:  # half-precision statistics, as the spec computes them (numpy has no BLAS for them)
+            normalized, mean, inv_std = standardize(xs, tuple(range(start, x.ndim)), epsilon)
+        # Scale and shift happen in x's precision, after casting back (the spec's second stage).
+        y = normalized.astype(x.dtype, copy=False).reshape(x.shape)
+        for param, apply in ((scale, np.multiply), (bias, np.add)):
+            if param is not None:
+                y = apply(y, param, out=y) if broadcasts_into(param.shape, y.shape) else apply(y, param)
+        return (y.astype(x.dtype, copy=False), mean.reshape(stats_shape), inv_std.reshape(stats_shape))[:n_outputs]
+
+    return kernel
+
+
+def _group_norm_kernel(node, per_group_params: bool, stash: np.dtype | None):
+    epsilon = float(node.attr("epsilon", 1e-5))
+    groups = node.attr("num_groups")
+    if groups is None or int(groups) < 1:
+        raise graph_error(node, "num_groups", f"is {groups}; expected a positive group count")
+    groups = int(groups)
+
+    def kernel(x, scale, bias):
+        n, c = x.shape[:2]
+        if c % groups:
+            raise InvalidArgumentError(
+                f"node {node.name!r} (GroupNormalization): {c} channels do not split into "
+                f"num_groups={groups} equal groups"
+            )
+        grouped = x.astype(stash or compute_dtype(x.dtype)).reshape(n, groups, -1)
+        normalized, _, _ = standardize(grouped, (2,), epsilon)
+        normalized = normalized.reshape(x.shape).astype(x.dtype)
+        if per_group_params:
+            scale, bias = (np.repeat(p, c // groups) for p in (scale, bias))
+        y = normalized * channel_param(scale, x.ndim, x.dtype) + channel_param(bias, x.ndim, x.dtype)
+        return (y.astype(x.dtype, copy=False),)
+
+    return kernel
+
+
+@register("GroupNormalization", since=18)
+def group_normalization_18(node, shapes, opset):
+    # Opset 18 takes scale/bias per group and has no stash_type (half precision computes in float32).
+    return _group_norm_kernel(node, per_group_params=True, stash=None)
+
+
+@register("GroupNormalization", since=21)
+def group_normalization_21(node, shapes, opset):
+    return _group_norm_kernel(node, per_group_params=False, stash=stash_dtype(node))
+
+
+@register("LRN", since=1)
+def lrn(node, shapes, opset):
+    size = node.attr("size")
+    if size is None or int(size) < 1:
+        raise graph_error(node, "size", f"is {size}; expected a positive channel window size")
+    size = int(size)
+    alpha = float(node.attr("alpha", 1e-4))
+    beta = float(node.attr("beta", 0.75))
+    bias = float(node.attr("bias", 1.0))
+    before = (size - 1) // 2  # the window over channels is [c - before, c - before + size)
+    from ..compiled import lrn as loops  # numba loads only for models with LRN
+
+    def kernel(x):
+        if takes_compiled(x) and x.ndim >= 3 and x.size:
+            return (lrn_compiled(loops, x, size, before, alpha, beta, bias),)
+        xc = upcast(x)
+        squares = np.zeros((x.shape[0], x.shape[1] + size - 1, *x.shape[2:]), dtype=xc.dtype)
+        np.square(xc, out=squares[:, before:before + x.shape[1]])
+        total = squares[:, : x.shape[1]].copy()
+        for offset in range(1, size):
+            total += squares[:, offset:offset + x.shape[1]]
+        y = xc / np.power(bias + (alpha / size) * total, beta)
+        return (y.astype(x.dtype, copy=False),)
+
+    return kernel

@@ -1,0 +1,116 @@
+"""MaxPool, AveragePool, LpPool and the global pools: compiled loops where they apply
+(algorithms/pooling.py), else windows folded one spatial dim at a time (algorithms/window.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..algorithms.pooling import compiled_pool, lowest, max_pool_with_indices, pool_loops
+from ..algorithms.precision import compute_dtype, upcast
+from ..algorithms.window import Window
+from ..compiled import takes as takes_compiled
+from ..registry import register
+from ._common import graph_error, spatial_axes, wants_output
+
+
+@register("MaxPool", since=1)
+def max_pool(node, shapes, opset):
+    window = Window(node, shapes, needs_kernel=True)
+    storage_order = int(node.attr("storage_order", 0))
+    if storage_order not in (0, 1):
+        raise graph_error(node, "storage_order", f"is {storage_order}; expected 0 (row major) or 1")
+    with_indices = wants_output(node, 1)
+    loops = None if with_indices else pool_loops()
+
+    def kernel(x):
+        geo = window.resolve(x.shape[2:])
+        if with_indices:
+            xp = geo.pad(x, lowest(x.dtype))
+            return max_pool_with_indices(geo, xp, x.shape, column_major=storage_order == 1)
+        y = compiled_pool(loops, x, geo)
+        return (geo.reduce_windows(x, np.maximum, lowest(x.dtype)) if y is None else y,)
+
+    return kernel
+
+
+@register("AveragePool", since=1)
+def average_pool(node, shapes, opset):
+    window = Window(node, shapes, needs_kernel=True)
+    include_pad = bool(node.attr("count_include_pad", 0))
+    loops = pool_loops()
+
+    def kernel(x):
+        geo = window.resolve(x.shape[2:])
+        y = compiled_pool(loops, x, geo, include_pad)
+        if y is not None:
+            return (y,)
+        xc = upcast(x)
+        total = geo.reduce_windows(xc, np.add, 0)
+        total /= geo.divisor(include_pad, xc.dtype)
+        return (total.astype(x.dtype, copy=False),)
+
+    return kernel
+
+
+def _lp_power(node) -> float:
+    p = node.attr("p", 2)
+    if p <= 0:
+        raise graph_error(node, "p", f"is {p}; expected a positive norm order")
+    return p
+
+
+def _lp_root(total: np.ndarray, p: float) -> np.ndarray:
+    return np.sqrt(total) if p == 2 else np.power(total, 1.0 / p)
+
+
+def _lp_terms(x: np.ndarray, p: float) -> np.ndarray:
+    x = upcast(x)
+    return np.square(x) if p == 2 else np.power(np.abs(x), p)
+
+
+@register("LpPool", since=1)
+def lp_pool(node, shapes, opset):
+    window = Window(node, shapes, needs_kernel=True)
+    p = _lp_power(node)
+
+    def kernel(x):
+        geo = window.resolve(x.shape[2:])
+        total = geo.reduce_windows(_lp_terms(x, p), np.add, 0)
+        return (_lp_root(total, p).astype(x.dtype, copy=False),)
+
+    return kernel
+
+
+@register("GlobalAveragePool", since=1)
+def global_average_pool(node, shapes, opset):
+    loops = pool_loops()
+
+    def kernel(x):
+        size = math.prod(x.shape[2:])
+        if takes_compiled(x) and x.ndim > 2 and 0 < size <= loops.PLANE_SUM_LIMIT and x.size:
+            y = np.empty(x.shape[:2] + (1,) * (x.ndim - 2), dtype=x.dtype)
+            loops.plane_means(np.ascontiguousarray(x).reshape(-1, size), y.reshape(-1), size)
+            return (y,)
+        y = x.mean(axis=spatial_axes(x), keepdims=True, dtype=compute_dtype(x.dtype))
+        return (y.astype(x.dtype, copy=False),)
+
+    return kernel
+
+
+@register("GlobalMaxPool", since=1)
+def global_max_pool(node, shapes, opset):
+    return lambda x: (x.max(axis=spatial_axes(x), keepdims=True),)
+
+
+@register("GlobalLpPool", since=1)
+def global_lp_pool(node, shapes, opset):
+    p = _lp_power(node)
+
+    def kernel(x):
+        total = _lp_terms(x, p).sum(axis=spatial_axes(x), keepdims=True)
+        return (_lp_root(total, p).astype(x.dtype, copy=False),)
+
+    return kernel

@@ -1,0 +1,127 @@
+"""The CPU provider's tuning knobs: the sizes at which its kernels change algorithm or split their work
+across threads, and how many threads they use.
+
+The defaults were measured on the benchmarks (benchmarks/RESULTS.md; each knob's commit says how).
+Change them to experiment, or in tests to reach a path with small inputs::
+
+    from onnx_runtime_ep_cpu import tuning
+
+    with tuning.override(split_macs=1, threads=3):   # split even a tiny product, over three threads
+        session.run(None, feeds)
+
+For a whole process, set ``ONNX_RUNTIME_CPU_<KNOB>`` (e.g. ``ONNX_RUNTIME_CPU_SPLIT_MACS=1``) before
+the provider is imported. Kernels read the knobs when they are built (a session's first run with a
+shape) and when they split a call; knobs change how the work is done, never the result beyond float
+rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+
+from onnx_runtime.errors import InvalidArgumentError
+
+_ENVIRONMENT_PREFIX = "ONNX_RUNTIME_CPU_"
+
+
+@dataclasses.dataclass
+class Knobs:
+    """Every knob, with its default. Sizes are in multiply-adds (macs), elements or bytes."""
+
+    # -- threads ------------------------------------------------------------------------------------
+    #: Threads a split kernel uses, the caller's included; None: the session's intra_op_num_threads
+    #: (threads.py), by default one per CPU this process may use.
+    threads: int | None = None
+    #: Helper threads the split kernels start (once per process); None: one per other usable CPU.
+    helpers: int | None = None
+    #: Below this many multiply-adds per thread a convolution or product stays on one thread: the
+    #: hand-off to a helper costs more than it saves.
+    split_macs: int = 1 << 20
+    #: From this many multiply-adds per thread (milliseconds of work), a part waits for a sleeping helper.
+    long_macs: int = 1 << 28
+    #: Below this much work (input elements; times taps for a depthwise convolution) a kernel split by
+    #: planes or channels (pooling, batch normalization, depthwise convolution) stays on one thread.
+    split_elements: int = 1 << 16
+    #: Tasks per thread's share of a packed convolution, claimed one at a time, so that a thread done
+    #: first takes what a slower one (a CPU shared with another process) has not started.
+    conv_tasks_per_thread: int = 4
+    #: The same for the packed products; cut finer, a prefill measured slower on a quiet machine.
+    product_tasks_per_thread: int = 1
+    #: Few-row products (compiled/gemv.py) of at least this many weights are split across the threads.
+    gemv_split_weights: int = 1 << 14
+    #: From this many weights per thread a few-row product's part waits for a sleeping helper.
+    gemv_long_weights: int = 1 << 24
+    #: From this size an image's padded copy for the packed convolution is split across the helpers
+    #: (a memory-bound copy: the second core's bandwidth).
+    split_pad_bytes: int = 1 << 16
+
+    # -- algorithm choice ----------------------------------------------------------------------------
+    #: im2col writes its column matrix one block of output rows at a time, about an L2 cache per block.
+    im2col_block_bytes: int = 1 << 22
+    #: Column-buffer block of the per-channel depthwise convolution (tiny products: a cache-sized buffer).
+    depthwise_block_bytes: int = 1 << 19
+    #: From this column-matrix size, stride-1 convolutions take per-tap products accumulated in BLAS
+    #: instead of im2col (the column matrix would stream through memory).
+    taps_column_bytes: int = 12 << 20
+    #: A strided window runs over its input split into the stride's phases from this many multiply-adds
+    #: per input value (the split is a copy of the input).
+    phase_macs: int = 500
+    #: Phase-split inputs up to this size are kept per node and thread, their zero pads written once.
+    kept_padded_bytes: int = 1 << 20
+    #: A decode step's attention of up to this many multiply-adds runs one compiled call; beyond, BLAS's
+    #: batched products are faster.
+    few_query_macs: int = 1 << 16
+
+
+KNOBS = Knobs()
+_on_change: list[Callable[[], None]] = []
+
+
+def when_changed(clear: Callable[[], None]) -> None:
+    """Call ``clear`` (a cache's clear method) whenever a knob changes: kernels cache decisions made
+    with the knobs (how a shape of product is split, for one)."""
+    _on_change.append(clear)
+
+
+def _set(changes: dict) -> None:
+    names = {field.name for field in dataclasses.fields(Knobs)}
+    unknown = sorted(set(changes) - names)
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown CPU tuning knob(s) {unknown}; the knobs are {sorted(names)} (onnx_runtime_ep_cpu/tuning.py)")
+    for name, value in changes.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise InvalidArgumentError(f"CPU tuning knob {name!r} is {value!r}; expected a positive integer")
+        setattr(KNOBS, name, value)
+    for clear in _on_change:
+        clear()
+
+
+@contextlib.contextmanager
+def override(**changes: int | None) -> Iterator[Knobs]:
+    """Set the given knobs for the ``with`` block (the process's kernels all see them), then restore them."""
+    before = dataclasses.asdict(KNOBS)
+    _set(changes)
+    try:
+        yield KNOBS
+    finally:
+        _set(before)
+
+
+def _from_environment(environ) -> dict:
+    changes = {}
+    for field in dataclasses.fields(Knobs):
+        text = environ.get(_ENVIRONMENT_PREFIX + field.name.upper())
+        if text is not None:
+            try:
+                changes[field.name] = int(text)
+            except ValueError:
+                raise InvalidArgumentError(
+                    f"{_ENVIRONMENT_PREFIX}{field.name.upper()}={text!r}: expected an integer") from None
+    return changes
+
+
+_set(_from_environment(os.environ))
