@@ -101,3 +101,29 @@ def activation_code(node):
     params = [float(p) for p in node.attr("activation_params", [])]
     codes = {None: epilogue.NONE, "Relu": epilogue.RELU, "Clip": epilogue.CLIP, "LeakyRelu": epilogue.LEAKY_RELU}
     return codes[kind], (params + [0.0, 0.0])[:2]
+
+
+def choice_attr(node, attr: str, default: str, allowed) -> str:
+    value = node.attr(attr, default)
+    if value not in allowed:
+        raise graph_error(node, attr, f"is {value!r}; expected one of {', '.join(map(repr, allowed))}")
+    return value
+
+
+def ints_attr(node, attr: str, default, minimum: int) -> tuple[int, ...] | None:
+    value = node.attr(attr)
+    if value is None:
+        return default
+    value = tuple(int(v) for v in value)
+    if any(v < minimum for v in value):
+        raise graph_error(node, attr, f"is {list(value)}; expected values >= {minimum}")
+    return value
+
+
+def argument_error(node, message: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"node {node.name!r} ({node.op_type}): {message}")
+
+
+def present(value) -> bool:
+    """Whether an optional input was fed with data (old opsets pass empty tensors for 'absent')."""
+    return value is not None and value.size > 0

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 from onnx_runtime.dtypes import DataType
-from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
+from onnx_runtime.errors import InvalidGraphError
 from onnx_runtime.loader import implicit_inputs
 from onnx_runtime.session.subgraph import Subgraph
 
@@ -26,7 +26,7 @@ from ..compiled import COMPILED_DTYPES
 from ..registry import register
 from ..threads import helper_count, kernel_threads
 from ..tuning import KNOBS
-from ._common import graph_error, normalize_axis, stash_dtype
+from ._common import argument_error, graph_error, normalize_axis, stash_dtype
 
 _SOFTMAX_PRECISIONS = (DataType.FLOAT, DataType.FLOAT16, DataType.DOUBLE, DataType.BFLOAT16)
 
@@ -40,10 +40,6 @@ def _has_input(node, index: int) -> bool:
 
 def _has_output(node, index: int) -> bool:
     return len(node.outputs) > index and bool(node.outputs[index])
-
-
-def _argument_error(node, message: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"node {node.name!r} ({node.op_type}): {message}")
 
 
 def _softmax_dtype(node, default: np.dtype) -> np.dtype:
@@ -93,7 +89,7 @@ def _grouped_matmul(a: np.ndarray, b: np.ndarray, kv_heads: int) -> np.ndarray:
 
 def _gqa_heads(node, q_heads: int, kv_heads: int) -> None:
     if kv_heads <= 0 or q_heads % kv_heads:
-        raise _argument_error(
+        raise argument_error(
             node, f"{q_heads} query heads do not split evenly over {kv_heads} key/value heads; "
             f"q_num_heads must be a positive multiple of kv_num_heads"
         )
@@ -119,14 +115,14 @@ class _AttentionGeometry:
             for name, hidden, heads in (("Q", q[2], self.q_heads), ("K", k[2], self.kv_heads),
                                         ("V", v[2], self.kv_heads)):
                 if heads <= 0 or hidden % heads:
-                    raise _argument_error(node, f"{name} hidden size {hidden} does not split into {heads} heads")
+                    raise argument_error(node, f"{name} hidden size {hidden} does not split into {heads} heads")
             self.q_len, self.kv_len = q[1], k[1]
             self.head_size, self.v_head_size = q[2] // self.q_heads, v[2] // self.kv_heads
         elif self.rank == 4:
             _, self.q_heads, self.q_len, self.head_size = q
             self.kv_heads, self.kv_len, self.v_head_size = k[1], k[2], v[3]
         else:
-            raise _argument_error(node, f"Q has rank {self.rank}; expected 3 or 4")
+            raise argument_error(node, f"Q has rank {self.rank}; expected 3 or 4")
         _gqa_heads(node, self.q_heads, self.kv_heads)
         past = shapes[4] if len(shapes) > 4 else None
         self.past_len = past[2] if past is not None else 0
@@ -552,7 +548,7 @@ def flex_attention(node, shapes, opset, handle):
 
     def kernel(q, k, v, *outer_values):
         if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-            raise _argument_error(node, f"Q, K and V must be rank 4; got shapes {q.shape}, {k.shape}, {v.shape}")
+            raise argument_error(node, f"Q, K and V must be rank 4; got shapes {q.shape}, {k.shape}, {v.shape}")
         _gqa_heads(node, q.shape[1], k.shape[1])
         outer = dict(zip(outer_names, outer_values))
         dtype = compute_dtype(q.dtype)
@@ -617,7 +613,7 @@ def linear_attention(node, shapes, opset):
         if gated:
             per_key = decay.shape[-1] == kv_heads * d_k
             if not per_key and decay.shape[-1] != kv_heads:
-                raise _argument_error(
+                raise argument_error(
                     node, f"decay's last dim {decay.shape[-1]} must be {kv_heads} or {kv_heads * d_k}"
                 )
             gate = np.exp(decay.astype(f32)).reshape(batch, steps, kv_heads, d_k if per_key else 1, 1)
@@ -728,16 +724,16 @@ def rotary_embedding(node, shapes, opset):
                 raise graph_error(node, "num_heads", "is required (and positive) for a 3-D input")
             heads_view, expand = x.reshape(x.shape[0], x.shape[1], num_heads, -1), (slice(None), slice(None), None)
         else:
-            raise _argument_error(node, f"input has rank {x.ndim}; expected 3 or 4")
+            raise argument_error(node, f"input has rank {x.ndim}; expected 3 or 4")
         head_size = heads_view.shape[-1]
         dim = rotary_dim or head_size
         if dim % 2 or dim > head_size:
-            raise _argument_error(node, f"rotary_embedding_dim {dim} must be even and at most head size {head_size}")
+            raise argument_error(node, f"rotary_embedding_dim {dim} must be even and at most head size {head_size}")
         if position_ids is not None:
             cos_cache, sin_cache = cos_cache[position_ids], sin_cache[position_ids]
         half = dim // 2
         if cos_cache.shape[-1] != half or sin_cache.shape[-1] != half:
-            raise _argument_error(node, f"cos/sin caches must have last dim {half} (rotary dim / 2)")
+            raise argument_error(node, f"cos/sin caches must have last dim {half} (rotary dim / 2)")
         dtype = compute_dtype(x.dtype)
         cos = cos_cache.astype(dtype, copy=False)[expand]
         sin = sin_cache.astype(dtype, copy=False)[expand]
@@ -761,7 +757,7 @@ def swiglu(node, shapes, opset):
 
     def kernel(a, b):
         if a.shape != b.shape:
-            raise _argument_error(node, f"A {a.shape} and B {b.shape} must have the same shape (no broadcasting)")
+            raise argument_error(node, f"A {a.shape} and B {b.shape} must have the same shape (no broadcasting)")
         gate = upcast(a)
         with np.errstate(over="ignore"):  # exp overflow for very negative gates: sigmoid is 0 there
             y = gate * sigmoid(gate * gate.dtype.type(alpha)) * upcast(b)
