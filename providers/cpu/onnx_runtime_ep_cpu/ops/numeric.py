@@ -7,19 +7,15 @@ Half-precision floats compute in float32 (algorithms/precision.py) and round bac
 from __future__ import annotations
 
 import numpy as np
-from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
+from onnx_runtime.errors import InvalidGraphError
 
 from ..algorithms.precision import compute_dtype, upcast
 from ..registry import register
-from ._common import normalize_axis, quiet
+from ._common import argument_error, normalize_axis, quiet
 
 
 def _error(node, attr: str, message: str) -> InvalidGraphError:
     return InvalidGraphError(f"node {node.name!r} ({node.op_type}): attribute {attr!r} {message}")
-
-
-def _argument_error(node, message: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"node {node.name!r} ({node.op_type}): {message}")
 
 
 # -- CumProd ----------------------------------------------------------------------------------------
@@ -32,7 +28,7 @@ def cum_prod(node, shapes, opset):
 
     def kernel(x, axis):
         if axis.size != 1:
-            raise _argument_error(node, f"axis has shape {axis.shape}; expected a scalar")
+            raise argument_error(node, f"axis has shape {axis.shape}; expected a scalar")
         ax = normalize_axis(node, int(axis.reshape(())), max(x.ndim, 1))
         data = upcast(x)
         if reverse:
@@ -56,7 +52,7 @@ def cum_prod(node, shapes, opset):
 def det(node, shapes, opset):
     def kernel(x):
         if x.ndim < 2 or x.shape[-1] != x.shape[-2]:
-            raise _argument_error(node, f"input has shape {x.shape}; expected [*, M, M]")
+            raise argument_error(node, f"input has shape {x.shape}; expected [*, M, M]")
         return (np.asarray(np.linalg.det(upcast(x))).astype(x.dtype, copy=False),)
 
     return kernel
@@ -79,7 +75,7 @@ def reverse_sequence(node, shapes, opset):
         steps, batch = x.shape[time_axis], x.shape[batch_axis]
         lens = sequence_lens.reshape(-1).astype(np.int64)
         if lens.shape != (batch,) or np.any((lens < 0) | (lens > steps)):
-            raise _argument_error(
+            raise argument_error(
                 node, f"sequence_lens {lens.tolist()} must hold {batch} lengths in [0, {steps}]"
             )
         # Source time index of every (time, batch) output position: reversed within the length.
@@ -110,7 +106,7 @@ def tensor_scatter(node, shapes, opset):
             raise _error(node, "axis", f"is {axis_attr}, the batch dimension; expected a sequence dimension")
         if update.ndim != rank or any(u != p for i, (u, p) in enumerate(zip(update.shape, past_cache.shape))
                                       if i != axis):
-            raise _argument_error(
+            raise argument_error(
                 node, f"update {update.shape} must match past_cache {past_cache.shape} outside axis {axis}"
             )
         batch, length, capacity = past_cache.shape[0], update.shape[axis], past_cache.shape[axis]
@@ -119,7 +115,7 @@ def tensor_scatter(node, shapes, opset):
         if mode == "circular":
             positions %= capacity
         elif np.any(starts < 0) or np.any(positions >= capacity):
-            raise _argument_error(
+            raise argument_error(
                 node, f"write_indices {starts.tolist()} plus {length} updates overrun the cache length {capacity}"
             )
         shape = (batch,) + (1,) * (axis - 1) + (length,) + (1,) * (rank - axis - 1)

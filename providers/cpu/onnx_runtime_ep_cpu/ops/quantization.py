@@ -12,10 +12,10 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 from onnx_runtime.dtypes import DataType
-from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
+from onnx_runtime.errors import InvalidGraphError
 
 from ..registry import register
-from ._common import quiet
+from ._common import argument_error, quiet
 from .conv import conv
 from .elementwise import cast_to
 from .linalg import zero_point_rows
@@ -34,10 +34,6 @@ _PRECISIONS = _DEQUANTIZED | {DataType.INT32}
 
 def _error(node, attr: str, message: str) -> InvalidGraphError:
     return InvalidGraphError(f"node {node.name!r} ({node.op_type}): attribute {attr!r} {message}")
-
-
-def _argument_error(node, message: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"node {node.name!r} ({node.op_type}): {message}")
 
 
 def _type_attr(node, name: str, allowed: set[DataType]) -> DataType | None:
@@ -72,7 +68,7 @@ class _Granularity:
 
     def _axis(self, rank: int) -> int:
         if not -rank <= self.axis < rank:
-            raise _argument_error(self.node, f"axis {self.axis} is out of range for a rank-{rank} input")
+            raise argument_error(self.node, f"axis {self.axis} is out of range for a rank-{rank} input")
         return self.axis % rank
 
     def expand(self, param: np.ndarray, x_shape: tuple[int, ...]) -> np.ndarray:
@@ -80,11 +76,11 @@ class _Granularity:
         if param.size == 1 and param.ndim <= 1:  # one block covering everything is per-tensor too
             return param.reshape(())
         if not self.per_axis or not x_shape:
-            raise _argument_error(self.node, f"a parameter of shape {param.shape} needs per-tensor (scalar) form here")
+            raise argument_error(self.node, f"a parameter of shape {param.shape} needs per-tensor (scalar) form here")
         axis = self._axis(len(x_shape))
         if not self.block_size:
             if param.ndim != 1 or param.shape[0] != x_shape[axis]:
-                raise _argument_error(
+                raise argument_error(
                     self.node, f"per-axis parameter of shape {param.shape} does not match dimension {axis} "
                     f"({x_shape[axis]}) of the input {x_shape}"
                 )
@@ -98,7 +94,7 @@ class _Granularity:
         )
         # Every block but the last is full: Si blocks of size B cover Di, and Si - 1 do not.
         if not others_match or not (param.shape[axis] - 1) * b < x_shape[axis] <= param.shape[axis] * b:
-            raise _argument_error(
+            raise argument_error(
                 self.node, f"blocked parameter of shape {param.shape} does not fit input {x_shape} with "
                 f"axis {axis} and block_size {b}"
             )
@@ -144,12 +140,12 @@ def _quantize_target(node, zero_point, output_dtype: DataType | None) -> DataTyp
         return output_dtype or DataType.UINT8
     target = DataType.from_numpy(zero_point.dtype)
     if output_dtype is not None and output_dtype is not target:
-        raise _argument_error(
+        raise argument_error(
             node, f"y_zero_point is {target.name} but attribute 'output_dtype' asks for {output_dtype.name}; "
             "they must agree"
         )
     if target not in _INTEGER_TARGETS | _FLOAT_TARGETS:
-        raise _argument_error(node, f"y_zero_point has type {target.name}, which is not a quantized type")
+        raise argument_error(node, f"y_zero_point has type {target.name}, which is not a quantized type")
     return target
 
 
@@ -217,7 +213,7 @@ def _dequantize_factory(node, *, per_axis=True, blocked=False, typed=False):
     def kernel(x, x_scale, x_zero_point=None):
         out = output_dtype or DataType.from_numpy(x_scale.dtype)
         if out not in _DEQUANTIZED:
-            raise _argument_error(
+            raise argument_error(
                 node, f"x_scale is {out.name}, which is no output type; set attribute 'output_dtype'"
             )
         scale = granularity.expand(x_scale, x.shape)
@@ -311,7 +307,7 @@ def _integer_conv(node, shapes, opset):
 
     def run(x, w, x_zero_point, w_zero_point):
         if x_zero_point is not None and x_zero_point.size != 1:
-            raise _argument_error(node, f"x_zero_point has shape {x_zero_point.shape}; expected a scalar")
+            raise argument_error(node, f"x_zero_point has shape {x_zero_point.shape}; expected a scalar")
         x_zero = None if x_zero_point is None else x_zero_point.reshape(())
         # The weight's leading dim is its output channel: (M,) zero points broadcast as (M, 1, ...).
         w_zero = None if w_zero_point is None else _output_channels(w_zero_point, w.ndim + 1)
@@ -366,7 +362,7 @@ def bit_cast(node, shapes, opset):
     def kernel(x):
         source = DataType.from_numpy(x.dtype)
         if source is DataType.STRING or source.bits != target.bits:
-            raise _argument_error(
+            raise argument_error(
                 node, f"cannot bit-cast {source.name} to {target.name}: the bit widths differ"
             )
         if target.is_packed:
