@@ -10,8 +10,8 @@ from pathlib import Path
 
 import onnx_runtime
 import pytest
-from onnx_runtime import devices, dtypes, ir, provider_handle
-from onnx_runtime.contract import buffers, graphs, hookspecs, kernels, validation
+from onnx_runtime import devices, dtypes, ir
+from onnx_runtime.contract import buffers, graphs, handle, hookspecs, kernels, validation
 from onnx_runtime.contract.hookspecs import HOOK_NAMES, DiscoverySpec, ExecutionProviderSpec
 
 CORE = Path(onnx_runtime.__file__).parent
@@ -21,7 +21,7 @@ HOOKS = [(DiscoverySpec, "onnx_runtime_providers")] + [(ExecutionProviderSpec, n
 def _namespace() -> dict:
     """What the specification's annotations name (its imports are for type checkers only)."""
     namespace = vars(collections.abc) | vars(typing)
-    for module in (devices, dtypes, ir, provider_handle, buffers, graphs, kernels, validation, hookspecs):
+    for module in (devices, dtypes, ir, buffers, graphs, handle, kernels, validation, hookspecs):
         namespace |= vars(module)
     return namespace
 

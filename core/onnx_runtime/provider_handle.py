@@ -68,7 +68,7 @@ class ProviderHandle:
             **{n: getattr(defaults, n) for n in HOOK_NAMES if n not in self._implemented and hasattr(defaults, n)}
         )
         self.pm.register(fallbacks, name="defaults")
-        self.hook = self.pm.hook
+        self.hook: pluggy.HookRelay = self.pm.hook
         self.name: str = self.hook.name()
         if not isinstance(self.name, str) or not self.name:
             raise PluginError(f"provider {label}: the `name` hook must return a non-empty string")

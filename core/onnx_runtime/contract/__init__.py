@@ -13,14 +13,15 @@ from .graphs import (
     StructuralCaptureDecline,
     is_control_flow_or_sequence,
 )
+from .handle import ContractHandle
 from .hookspecs import HOOK_NAMES, DiscoverySpec, ExecutionProviderSpec
 from .kernels import ArgmaxTieBreak, Availability, EpContext, GraphPass, Kernel, KernelMatch
 from .markers import PROJECT, hookimpl, hookspec
 from .validation import DeviceValidationOwner, DeviceValidationRegistration, DeviceValidationToken
 
 __all__ = [
-    "ArgmaxTieBreak", "Availability", "CaptureRegionShapeStatus", "DefaultFallbacks", "DeviceBuffer",
-    "DeviceGraphOwner", "DeviceGraphSlot", "DeviceGraphToken", "DeviceValidationOwner",
+    "ArgmaxTieBreak", "Availability", "CaptureRegionShapeStatus", "ContractHandle", "DefaultFallbacks",
+    "DeviceBuffer", "DeviceGraphOwner", "DeviceGraphSlot", "DeviceGraphToken", "DeviceValidationOwner",
     "DeviceValidationRegistration", "DeviceValidationToken", "DiscoverySpec", "EpContext",
     "ExecutionProviderSpec", "Fence", "GraphPass", "HOOK_NAMES", "Kernel", "KernelMatch", "Ownership",
     "PROJECT", "SIGNALLED", "StructuralCaptureDecline", "hookimpl", "hookspec",

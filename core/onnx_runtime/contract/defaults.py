@@ -25,9 +25,9 @@ from .validation import DeviceValidationOwner, DeviceValidationRegistration, Dev
 
 if TYPE_CHECKING:
     from ..ir import Node
-    from ..provider_handle import ProviderHandle
     from .buffers import Fence, HostBytes, WritableHostBytes
     from .graphs import CaptureRegionShapeStatus, DeviceGraphOwner
+    from .handle import ContractHandle
     from .kernels import EpContext, GraphPass, Kernel
 
 
@@ -50,7 +50,7 @@ def writable_host_bytes_of(dst: WritableHostBytes) -> np.ndarray:
 class DefaultFallbacks:
     """Default implementations, bound to one provider instance's :class:`ProviderHandle`."""
 
-    def __init__(self, handle: ProviderHandle) -> None:
+    def __init__(self, handle: ContractHandle) -> None:
         self._handle = handle
         self._allocations = 0
         self._frees = 0

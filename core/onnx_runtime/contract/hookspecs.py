@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from ..devices import DeviceId, DeviceType, TensorLayout
     from ..dtypes import DataType
     from ..ir import Dim, Graph, Node
-    from ..provider_handle import ProviderHandle
     from .buffers import DeviceBuffer, Fence, HostBytes, WritableHostBytes
     from .graphs import (
         CaptureRegionShapeStatus,
@@ -49,6 +48,7 @@ if TYPE_CHECKING:
         DeviceGraphToken,
         StructuralCaptureDecline,
     )
+    from .handle import ContractHandle
     from .kernels import ArgmaxTieBreak, Availability, EpContext, GraphPass, Kernel, KernelMatch
     from .validation import DeviceValidationRegistration, DeviceValidationToken
 
@@ -129,12 +129,13 @@ class ExecutionProviderSpec:
 
     # -- lifecycle ----------------------------------------------------------------------------
     @hookspec(firstresult=True)
-    def initialize(self, options: dict[str, str], handle: ProviderHandle, session_config: dict[str, str]) -> None:
+    def initialize(self, options: dict[str, str], handle: ContractHandle, session_config: dict[str, str]) -> None:
         """Acquire device resources. ``options`` maps namespaced keys to strings.
 
         The session passes the user's ``provider_options`` for this provider. Unknown keys should
         raise :class:`InvalidArgumentError` naming the key and the accepted ones. ``handle`` is the
-        :class:`ProviderHandle` the core dispatches this instance through: keep it to create
+        :class:`ProviderHandle` the core dispatches this instance through (typed as the
+        :class:`~onnx_runtime.contract.handle.ContractHandle` it satisfies): keep it to create
         :class:`onnx_runtime.Tensor` outputs on this device from kernels that have no device input.
         ``session_config`` holds session-wide settings as strings under onnxruntime's key names
         (``session.intra_op_num_threads``, ``session.use_deterministic_compute``, and every

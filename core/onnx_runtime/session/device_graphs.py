@@ -40,7 +40,9 @@ captured during a submission keeps raising flags into the executor's validation 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -48,9 +50,13 @@ from ..contract.buffers import DeviceBuffer, Ownership
 from ..contract.graphs import CaptureRegionShapeStatus, DeviceGraphOwner, DeviceGraphSlot, DeviceGraphToken
 from ..contract.markers import hookimpl
 from ..errors import KernelError, OnnxRuntimeError
+from ..ir import Node
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
-from .steps import ShapeKeyedKernel, Step, Steps, downloader, run_steps, shape_of, to_host
+from .steps import Plan, ShapeKeyedKernel, Step, Steps, Uploader, downloader, run_steps, shape_of, to_host
+
+if TYPE_CHECKING:
+    from .executor import Executor
 
 MAX_GRAPHS = 8
 MAX_CAPTURE_ATTEMPTS = 3  # an arena that turns out too small is grown and the capture retried this often
@@ -187,26 +193,25 @@ class _AllocationRecorder:
 
 @dataclass
 class _Region:
-    """What capturing one plan involves, or why it cannot be captured."""
+    """What capturing one plan involves. A plan that cannot be captured has a reason instead (a str)."""
 
-    reason: str = ""
-    handle: ProviderHandle | None = None
-    node_steps: list = field(default_factory=list)
-    steps: Steps | None = None  # the node steps as a capture runs them (see _CaptureGuard)
-    uploads: list[tuple[str, int]] = field(default_factory=list)  # (feed name, device slot)
-    downloads: dict[int, int] = field(default_factory=dict)  # host output slot -> device slot
-    kept: set[int] = field(default_factory=set)  # output slots returned on the device (IO binding)
+    handle: ProviderHandle  # the one device provider every node runs on
+    node_steps: list[Step]
+    steps: Steps  # the node steps as a capture runs them (see _CaptureGuard)
+    uploads: list[tuple[str, int]]  # (feed name, device slot)
+    downloads: dict[int, int]  # host output slot -> device slot
+    kept: set[int]  # output slots returned on the device (IO binding)
 
 
 @dataclass(eq=False)
 class _Run:
     """One run's plan, feeds and output conversion (the executor's), as the runner passes them along."""
 
-    plan: object
+    plan: Plan
     feeds: dict
-    convert: object
+    convert: Callable[[Any], Any]
 
-    def eager(self, executor) -> list:
+    def eager(self, executor: Executor) -> list:
         return executor.run_plan(self.plan, self.feeds, None, self.convert)
 
 
@@ -214,6 +219,7 @@ class _Run:
 class _Entry:
     """One captured feed signature."""
 
+    handle: ProviderHandle  # its region's device provider
     owner: DeviceGraphOwner
     arena_bytes: int
     attempts: int = 0
@@ -227,12 +233,12 @@ class _Entry:
 class DeviceGraphRunner:
     """Captures and replays the runs of one :class:`Executor` (see the module docstring)."""
 
-    def __init__(self, executor):
+    def __init__(self, executor: Executor):
         self.executor = executor
         self.status = "eager: no run yet"
         self.captures = 0
         self.replays = 0
-        self._regions: dict[tuple, _Region] = {}  # plan key (output names, or IO binding's) -> region
+        self._regions: dict[tuple, _Region | str] = {}  # plan key (output names, or IO binding's) -> region
         self._bound: set[str] = set()
         self._derived: set[str] = set()  # values whose shapes follow from resolved inputs and constants
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
@@ -240,13 +246,14 @@ class DeviceGraphRunner:
         self._handles: dict[int, ProviderHandle] = {}  # the handles the arena server is registered on
 
     # -- eligibility --------------------------------------------------------------------------------
-    def _region(self, plan_key, plan) -> _Region:
+    def _region(self, plan_key: tuple, plan: Plan) -> _Region | str:
         region = self._regions.get(plan_key)
         if region is None:
             region = self._regions[plan_key] = self._analyze(plan)
         return region
 
-    def _analyze(self, plan) -> _Region:
+    def _analyze(self, plan: Plan) -> _Region | str:
+        """The region capturing ``plan`` involves, or the reason it cannot be captured."""
         executor = self.executor
         graph = executor.graph
         # Symbolic dims of the graph inputs are fixed by the feeds, so shapes built from them are resolved.
@@ -256,7 +263,8 @@ class DeviceGraphRunner:
         self._derive_shapes(plan, host_inputs)
         feed_names = {slot: name for name, slot in plan.feed_slots.items()}
         output_slots = set(plan.output_slots)
-        region = _Region()
+        device: ProviderHandle | None = None
+        node_steps: list[Step] = []
         for step in plan.steps:  # the nodes first: a host node is the reason, not the copies around it
             node = step.node
             if node is None:
@@ -264,43 +272,44 @@ class DeviceGraphRunner:
             handle = executor.assignment[node.name]
             label = f"node {node.name!r} ({node.op_type})"
             if handle.is_host_accessible:
-                return _Region(f"{label} runs on {handle.name}, a host provider, inside the capture region; every "
-                               f"node must run on one device provider")
-            if region.handle is None:
-                region.handle = handle
-            elif handle is not region.handle:
-                return _Region(f"nodes run on two device providers ({region.handle.name} and {handle.name})")
+                return (f"{label} runs on {handle.name}, a host provider, inside the capture region; every "
+                        f"node must run on one device provider")
+            if device is None:
+                device = handle
+            elif handle is not device:
+                return f"nodes run on two device providers ({device.name} and {handle.name})"
             for position in host_inputs[id(node)] or ():
                 name = node.inputs[position] if position < len(node.inputs) else ""
                 if name and name not in graph.initializers:
-                    return _Region(f"{label} reads input {position} ({name!r}) on the host, and it is computed at "
-                                   f"run time, not a constant: the kernel copies it back from the device at every "
-                                   f"run, a synchronization a capture cannot record")
+                    return (f"{label} reads input {position} ({name!r}) on the host, and it is computed at "
+                            f"run time, not a constant: the kernel copies it back from the device at every "
+                            f"run, a synchronization a capture cannot record")
             decline = handle.hook.plan_capture_region(node=node, shape_status=self._shape_status(node))
             if decline is not None:
-                return _Region(f"{label}: {getattr(decline, 'reason', decline)}")
+                return f"{label}: {getattr(decline, 'reason', decline)}"
             if getattr(step.run, "capturable", True) is False:
-                return _Region(f"{label}: its kernel is marked not capturable")
-            region.node_steps.append(step)
+                return f"{label}: its kernel is marked not capturable"
+            node_steps.append(step)
+        uploads: list[tuple[str, int]] = []
+        downloads: dict[int, int] = {}
         for step in plan.steps:  # copies at the region's edges: feeds in, outputs out
             if step.node is not None:
                 continue
-            if getattr(step.run, "handle", None) is not None:  # host -> device
+            if isinstance(step.run, Uploader):  # host -> device
                 if step.inputs[0] not in feed_names:
-                    return _Region(f"{step.provider}: a value computed on the host enters the device region")
-                region.uploads.append((feed_names[step.inputs[0]], step.outputs[0]))
+                    return f"{step.provider}: a value computed on the host enters the device region"
+                uploads.append((feed_names[step.inputs[0]], step.outputs[0]))
             elif step.run is downloader and step.outputs[0] in output_slots:
-                region.downloads[step.outputs[0]] = step.inputs[0]
+                downloads[step.outputs[0]] = step.inputs[0]
             else:
-                return _Region(f"{step.provider}: a device value is read on the host during the run")
-        if region.handle is None:
-            return _Region("no node runs on a device provider")
-        produced = {slot for step in region.node_steps for slot in step.outputs}
-        region.kept = {slot for slot in plan.output_slots if slot in produced}
-        if not any(region.handle.implements(hook) for hook in _GRAPH_HOOKS):
-            return _Region(f"{region.handle.name} does not implement device graphs (begin_owned_device_graph_capture)")
-        region.steps = Steps([_guarded(step) for step in region.node_steps])
-        return region
+                return f"{step.provider}: a device value is read on the host during the run"
+        if device is None:
+            return "no node runs on a device provider"
+        produced = {slot for step in node_steps for slot in step.outputs}
+        kept = {slot for slot in plan.output_slots if slot in produced}
+        if not any(device.implements(hook) for hook in _GRAPH_HOOKS):
+            return f"{device.name} does not implement device graphs (begin_owned_device_graph_capture)"
+        return _Region(device, node_steps, Steps([_guarded(step) for step in node_steps]), uploads, downloads, kept)
 
     def _inferred(self, name: str) -> bool:
         """Whether ``name``'s shape is an initializer's or one shape inference expressed in the feeds' dims."""
@@ -311,21 +320,23 @@ class DeviceGraphRunner:
         return bool(info is not None and info.is_tensor and info.shape is not None
                     and all(isinstance(d, int) or (isinstance(d, str) and d in bound) for d in info.shape))
 
-    def _derive_shapes(self, plan, host_inputs: dict) -> None:
+    def _derive_shapes(self, plan: Plan, host_inputs: dict[int, tuple[int, ...] | None]) -> None:
         """Resolve, in plan order, the outputs of nodes whose declared host inputs are constants and whose
         input shapes are resolved (see the module docstring)."""
         graph = self.executor.graph
         self._derived = set()
         for step in plan.steps:
             node = step.node
-            declared = host_inputs.get(id(node)) if node is not None else None
+            if node is None:
+                continue
+            declared = host_inputs.get(id(node))
             if declared is None or any(node.inputs[p] not in graph.initializers for p in declared
                                        if p < len(node.inputs) and node.inputs[p]):
                 continue
             if all(name in self._derived or self._inferred(name) for name in node.inputs if name):
                 self._derived.update(name for name in node.outputs if name)
 
-    def _shape_status(self, node) -> CaptureRegionShapeStatus:
+    def _shape_status(self, node: Node) -> CaptureRegionShapeStatus:
         derived = self._derived
 
         def resolved(name: str) -> bool:
@@ -339,14 +350,14 @@ class DeviceGraphRunner:
         """This run's outputs through a device graph, or None when it must run eagerly (see ``status``)."""
         return self.run_plan(feeds, output_names, self.executor.plan(output_names), to_host)
 
-    def run_plan(self, feeds: dict, plan_key, plan, convert) -> list | None:
+    def run_plan(self, feeds: dict, plan_key: tuple, plan: Plan, convert: Callable[[Any], Any]) -> list | None:
         """:meth:`run` for any of the executor's plans (``plan_key`` names it); ``convert`` is the executor's
         conversion of output values, used for outputs that pass straight through."""
         region = self._region(plan_key, plan)
-        if region.reason:
-            self.status = f"eager: {region.reason}"
+        if isinstance(region, str):
+            self.status = f"eager: {region}"
             return None
-        signature = []
+        signature: list[tuple] = []
         for name, value in feeds.items():
             if isinstance(value, np.ndarray):
                 signature.append((name, value.shape, value.dtype.str))
@@ -371,7 +382,7 @@ class DeviceGraphRunner:
             return self._size(key, region, run)
         return self._replay(entry, region, run)
 
-    def _size(self, key, region: _Region, run: _Run) -> list:
+    def _size(self, key: tuple, region: _Region, run: _Run) -> list:
         self._attach(region.handle)
         recorder = _AllocationRecorder()
         region.handle.pm.register(recorder, name=f"device-graph-sizing-{id(recorder)}")
@@ -379,7 +390,7 @@ class DeviceGraphRunner:
             outputs = run.eager(self.executor)
         finally:
             region.handle.pm.unregister(recorder)
-        self._entries[key] = _Entry(DeviceGraphOwner.new(), recorder.layout.top)
+        self._entries[key] = _Entry(region.handle, DeviceGraphOwner.new(), recorder.layout.top)
         while len(self._entries) > MAX_GRAPHS:
             self._drop(next(iter(self._entries)))
         self.status = "eager: warming up (the next run with these feed shapes is captured)"
@@ -497,9 +508,9 @@ class DeviceGraphRunner:
         if arena is not None:
             arena.close()  # stream-ordered after the last replay that used it
 
-    def _drop(self, key) -> None:
+    def _drop(self, key: tuple) -> None:
         entry = self._entries.pop(key)
-        handle = self._regions[key[0]].handle
+        handle = entry.handle
         if entry.token is not None:
             handle.hook.reset_owned_device_graph(token=entry.token)
         handle.hook.retire_owned_device_graphs(owner=entry.owner)

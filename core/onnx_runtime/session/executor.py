@@ -18,17 +18,37 @@ device graph.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Protocol
+
 import numpy as np
 
+from ..contract.kernels import KernelFn
 from ..errors import DeviceValidationError, ProviderError
 from ..ir import Graph, Node
 from ..loader import implicit_inputs
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
 from .placement import Copy, Placement
-from .steps import Plan, ShapeKeyedKernel, Step, downloader, make_kernel, on_device, run_steps, to_host, uploader
+from .steps import Plan, ShapeKeyedKernel, Step, Uploader, downloader, make_kernel, on_device, run_steps, to_host
 
 _NONE_SLOT = 0  # always holds None: the value of an omitted optional input
+
+
+class GraphRunner(Protocol):
+    """What the executor asks of the device-graph runner the session attaches, which
+    :class:`.device_graphs.DeviceGraphRunner` satisfies structurally. Described here rather than imported: the
+    runner drives this executor, and importing it would tie the two modules into a cycle."""
+
+    @property
+    def status(self) -> str: ...
+
+    def run(self, feeds: dict[str, object], output_names: tuple[str, ...]) -> list | None: ...
+
+    def run_plan(self, feeds: dict[str, object], plan_key: tuple, plan: Plan,
+                 convert: Callable[[Any], Any]) -> list | None: ...
+
+    def close(self) -> None: ...
 
 
 class Executor:
@@ -41,7 +61,7 @@ class Executor:
         self._plans: dict[tuple[str, ...], Plan] = {}
         self._bound_plans: dict[tuple, Plan] = {}  # IO binding: (outputs, feeds on devices, device outputs)
         self._devices = {h.device_id: h for h in assignment.values() if not h.is_host_accessible}
-        self._kernels: dict[int, object] = {}  # id(node) -> kernel (shared across plans)
+        self._kernels: dict[int, KernelFn] = {}  # id(node) -> kernel (shared across plans)
         self._device_constants: dict[tuple[str, int], Tensor] = {}
         self._consts = {}
         for name, array in graph.initializers.items():
@@ -51,9 +71,8 @@ class Executor:
         devices = {id(h): h for h in assignment.values() if not h.is_host_accessible}.values()
         self._validation = [(h, h.hook.register_device_validation_owner()) for h in devices
                             if h.hook.defers_device_validation()]
-        # A DeviceGraphRunner the session attaches when it enables capture; built there, since the runner
-        # drives this executor and importing it here would tie the two modules into a cycle.
-        self.graphs = None
+        # The device-graph runner the session attaches when it enables capture (see GraphRunner).
+        self.graphs: GraphRunner | None = None
 
     # -- planning -----------------------------------------------------------------------------------
     def plan(self, output_names: tuple[str, ...]) -> Plan:
@@ -118,7 +137,7 @@ class Executor:
             if target is None:
                 steps.append(Step(downloader, (slot,), (out,), (), None, f"copy {name} to host"))
             else:
-                steps.append(Step(uploader(target), (slot,), (out,), (), None, f"copy {name} to {target.name}"))
+                steps.append(Step(Uploader(target), (slot,), (out,), (), None, f"copy {name} to {target.name}"))
             recorded_copies.append(Copy(name, device.name if device is not None else "host",
                                         target.name if target is not None else "host"))
             copies[key] = out
@@ -146,7 +165,7 @@ class Executor:
         self._assign_releases(steps, set(output_slots) | set(feed_slots.values()))
         return Plan(steps, template, feed_slots, output_slots, recorded_copies, frozenset(feed_devices))
 
-    def _kernel_for(self, node: Node, handle: ProviderHandle):
+    def _kernel_for(self, node: Node, handle: ProviderHandle) -> KernelFn:
         kernel = self._kernels.get(id(node))
         if kernel is None:
             shapes = []
@@ -222,7 +241,8 @@ class Executor:
                 return outputs
         return self.run_plan(plan, feeds, profile, convert)
 
-    def run_plan(self, plan: Plan, feeds: dict[str, object], profile: dict | None, convert) -> list:
+    def run_plan(self, plan: Plan, feeds: dict[str, object], profile: dict | None,
+                 convert: Callable[[Any], Any]) -> list:
         """Run ``plan`` eagerly; ``convert`` turns each output slot's value into what the caller gets."""
         env = list(plan.template)
         for name, value in feeds.items():

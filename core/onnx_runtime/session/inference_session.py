@@ -115,7 +115,8 @@ def session_config(options: SessionOptions) -> dict[str, str]:
 
 
 def _create_handles(requested: list[tuple[str, dict]], session_config: dict | None = None) -> list[ProviderHandle]:
-    handles, unavailable = [], []
+    handles: list[ProviderHandle] = []
+    unavailable: list[str] = []
     for name, options in requested:
         entry = registry().require(name)
         if not entry.availability.available:
@@ -345,10 +346,13 @@ class InferenceSession:
         return device_handle(kind, int(device_id))
 
     def _checked_input(self, name: str, value):
+        return _check_feed(name, value, self._check_input_name(name))
+
+    def _check_input_name(self, name: str) -> TypeInfo:
         expected = self._input_types.get(name)
         if expected is None:
             raise InvalidArgumentError(f"unknown input {name!r}; the model's inputs are {list(self._input_types)}")
-        return _check_feed(name, value, expected)
+        return expected
 
     def _check_output_name(self, name: str) -> TypeInfo:
         expected = self._output_types.get(name)
@@ -358,14 +362,7 @@ class InferenceSession:
 
     def _check_bound(self, name: str, tensor: Tensor, output: bool) -> None:
         """A tensor bound to an input or output: its type and shape against the model's, without reading it."""
-        if output:
-            expected = self._check_output_name(name)
-        else:
-            expected = self._input_types.get(name)
-            if expected is None:
-                raise InvalidArgumentError(
-                    f"unknown input {name!r}; the model's inputs are {list(self._input_types)}"
-                )
+        expected = self._check_output_name(name) if output else self._check_input_name(name)
         if expected.kind != "tensor":
             raise InvalidArgumentError(f"{name!r} is a {expected.describe()}; only tensors can be bound")
         _check_type_and_shape("output" if output else "input", name, tensor.dtype, tensor.shape, expected)
@@ -417,12 +414,7 @@ class InferenceSession:
             )
         feeds = {}
         for name, value in input_feed.items():
-            expected = self._input_types.get(name)
-            if expected is None:
-                raise InvalidArgumentError(
-                    f"unknown input {name!r}; the model's inputs are {list(self._input_types)}"
-                )
-            feeds[name] = _check_feed(name, value, expected)
+            feeds[name] = _check_feed(name, value, self._check_input_name(name))
         self._check_missing(feeds)
         return feeds
 

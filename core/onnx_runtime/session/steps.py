@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..contract.kernels import KernelFn
 from ..errors import KernelError, OnnxRuntimeError, ProviderError
 from ..ir import Graph, Node
 from ..provider_handle import ProviderHandle
@@ -66,13 +67,18 @@ def to_host(value):
     return value
 
 
-def uploader(handle: ProviderHandle):
-    def upload(value):
+class Uploader:
+    """A copy step to ``handle``'s device; the handle says where (device-graph capture hoists feed uploads)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: ProviderHandle):
+        self.handle = handle
+
+    def __call__(self, value) -> tuple[Tensor]:
         if isinstance(value, Tensor):
             value = to_host(value)
-        return (Tensor.from_numpy(np.asarray(value), provider=handle),)
-    upload.handle = handle  # the device it uploads to (device-graph capture hoists feed uploads)
-    return upload
+        return (Tensor.from_numpy(np.asarray(value), provider=self.handle),)
 
 
 def downloader(value):
@@ -89,7 +95,7 @@ def on_device(value):
 # -- steps and plans ----------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Step:
-    run: object
+    run: KernelFn  # the node's kernel, or a copy (an Uploader, or downloader)
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     release: tuple[int, ...]
