@@ -24,7 +24,7 @@ import math
 import numpy as np
 from onnx_runtime.ir import Graph, Node, TypeInfo, ValueInfo
 
-from .fusions import FUSED_DOMAIN, _other, _owned, _replace, _until_fixed, _View
+from .fusions import FUSED_DOMAIN, GraphView, other_input, owned, replace_nodes, until_fixed
 
 
 def _rank(graph: Graph, name: str) -> int | None:
@@ -37,7 +37,7 @@ def _is(node: Node | None, op_type: str) -> bool:
 
 
 def fuse_skip_rms_norm(graph: Graph, owns=None) -> bool:
-    view = _View(graph)
+    view = GraphView(graph)
     for norm in list(graph.nodes):
         if not _is(norm, "RMSNormalization") or len(norm.inputs) != 2 or len(norm.outputs) != 1:
             continue
@@ -45,33 +45,33 @@ def fuse_skip_rms_norm(graph: Graph, owns=None) -> bool:
         if add is None or len(add.inputs) != 2 or not all(add.inputs):
             continue
         axis, rank = int(norm.attr("axis", -1)), _rank(graph, norm.inputs[0])
-        if (axis != -1 and (rank is None or axis != rank - 1)) or not _owned(owns, [add, norm]):
+        if (axis != -1 and (rank is None or axis != rank - 1)) or not owned(owns, [add, norm]):
             continue  # the fused kernel normalizes the last axis (a broadcasting add takes its numpy path)
         attrs = {"epsilon": float(norm.attr("epsilon", 1e-5)), "stash_type": int(norm.attr("stash_type", 1))}
         fused = Node("SkipRMSNormalization", [*add.inputs, norm.inputs[1]], [norm.outputs[0], add.outputs[0]],
                      name=f"{norm.name}/skip", domain=FUSED_DOMAIN, attrs=attrs, opset=1)
-        _replace(graph, [add, norm], fused)
+        replace_nodes(graph, [add, norm], fused)
         return True
     return False
 
 
 def fuse_swish_mul(graph: Graph, owns=None) -> bool:
-    view = _View(graph)
+    view = GraphView(graph)
     for swish in list(graph.nodes):
         if not _is(swish, "Swish"):
             continue
         gate = view.only_consumer(swish.outputs[0], "Mul")
-        other = _other(gate, swish.outputs[0]) if gate else None
-        if other is None or other == swish.outputs[0] or not _owned(owns, [swish, gate]):
+        other = other_input(gate, swish.outputs[0]) if gate else None
+        if other is None or other == swish.outputs[0] or not owned(owns, [swish, gate]):
             continue
         fused = Node("SwishMul", [swish.inputs[0], other], list(gate.outputs), name=f"{gate.name}/swish_mul",
                      domain=FUSED_DOMAIN, attrs={"alpha": float(swish.attr("alpha", 1.0))}, opset=1)
-        _replace(graph, [swish, gate], fused)
+        replace_nodes(graph, [swish, gate], fused)
         return True
     return False
 
 
-def _constant_shape(view: _View, reshape: Node) -> np.ndarray | None:
+def _constant_shape(view: GraphView, reshape: Node) -> np.ndarray | None:
     """The target shape of a Reshape (opset >= 5) when it is a constant, else None."""
     if reshape.opset < 5 or len(reshape.inputs) != 2:
         return None
@@ -92,34 +92,34 @@ def _fuse_layout_pair(graph: Graph, kind: str, first: Node, second: Node, reshap
     attrs = {"shape": shape.tolist(), "perm": perm, "allowzero": int(reshape.attr("allowzero", 0))}
     fused = Node(kind, [first.inputs[0]], list(second.outputs), name=f"{second.name}/{kind}",
                  domain=FUSED_DOMAIN, attrs=attrs, opset=1)
-    _replace(graph, [first, second], fused)
+    replace_nodes(graph, [first, second], fused)
 
 
 def fuse_reshape_transpose(graph: Graph, owns=None) -> bool:
     # Every pair in one scan (a CNN's channel shuffles have dozens): a pair is two nodes that only
     # read each other, so fusing one leaves the others' producers and consumers as the view saw them.
-    view, changed = _View(graph), False
+    view, changed = GraphView(graph), False
     for reshape in list(graph.nodes):
         if not _is(reshape, "Reshape"):
             continue
         shape = _constant_shape(view, reshape)
         transpose = view.only_consumer(reshape.outputs[0], "Transpose") if shape is not None else None
         perm = _perm(transpose, len(shape)) if transpose else None
-        if perm is not None and sorted(perm) == list(range(len(shape))) and _owned(owns, [reshape, transpose]):
+        if perm is not None and sorted(perm) == list(range(len(shape))) and owned(owns, [reshape, transpose]):
             _fuse_layout_pair(graph, "ReshapeTranspose", reshape, transpose, reshape, shape, perm)
             changed = True
     return changed
 
 
 def fuse_transpose_reshape(graph: Graph, owns=None) -> bool:
-    view, changed = _View(graph), False  # every pair in one scan, as above
+    view, changed = GraphView(graph), False  # every pair in one scan, as above
     for transpose in list(graph.nodes):
         if not _is(transpose, "Transpose"):
             continue
         reshape = view.only_consumer(transpose.outputs[0], "Reshape")
         shape = _constant_shape(view, reshape) if reshape else None
         perm = _perm(transpose, _rank(graph, transpose.inputs[0])) if shape is not None else None
-        if perm is not None and sorted(perm) == list(range(len(perm))) and _owned(owns, [transpose, reshape]):
+        if perm is not None and sorted(perm) == list(range(len(perm))) and owned(owns, [transpose, reshape]):
             _fuse_layout_pair(graph, "TransposeReshape", transpose, reshape, reshape, shape, perm)
             changed = True
     return changed
@@ -208,5 +208,5 @@ def infer_fused_types(graph: Graph, owns=None) -> bool:
     return changed
 
 
-DECODER_PASSES = [*(_until_fixed(f) for f in (fuse_skip_rms_norm, fuse_swish_mul, fuse_reshape_transpose,
+DECODER_PASSES = [*(until_fixed(f) for f in (fuse_skip_rms_norm, fuse_swish_mul, fuse_reshape_transpose,
                                               fuse_transpose_reshape)), infer_fused_types]

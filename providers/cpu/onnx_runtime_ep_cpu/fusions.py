@@ -25,7 +25,7 @@ from onnx_runtime.ir import Graph, Node
 FUSED_DOMAIN = "ai.onnx_runtime.cpu"
 
 
-class _View:
+class GraphView:
     """Producer/consumer look-ups over a graph, and its constants by value. The maps are built when a
     match first asks: most passes find no anchor node in most graphs (a 1,000-node chain paid ~0.5 ms
     per pass for maps nobody read)."""
@@ -76,18 +76,18 @@ class _View:
         return node if node is not None and node.op_type == op_type and not node.domain else None
 
 
-def _other(node: Node, name: str) -> str | None:
+def other_input(node: Node, name: str) -> str | None:
     """The input of a two-input node that is not ``name``."""
     if len(node.inputs) != 2 or name not in node.inputs:
         return None
     return node.inputs[1] if node.inputs[0] == name else node.inputs[0]
 
 
-def _owned(owns, nodes: list[Node]) -> bool:
+def owned(owns, nodes: list[Node]) -> bool:
     return owns is None or all(owns(n) for n in nodes)
 
 
-def _replace(graph: Graph, removed: list[Node], fused: Node) -> None:
+def replace_nodes(graph: Graph, removed: list[Node], fused: Node) -> None:
     """Put ``fused`` where the last removed node was (its inputs are all produced earlier)."""
     gone = {id(n) for n in removed}
     position = max(graph.nodes.index(n) for n in removed)
@@ -101,7 +101,7 @@ def _last_axis(axes, rank_hint) -> bool:
 
 
 def fuse_rms_norm(graph: Graph, owns=None) -> bool:
-    view = _View(graph)
+    view = GraphView(graph)
     for mean in list(graph.nodes):
         if mean.op_type != "ReduceMean" or mean.domain or int(mean.attr("keepdims", 1)) != 1:
             continue
@@ -117,7 +117,7 @@ def fuse_rms_norm(graph: Graph, owns=None) -> bool:
         if view.only_consumer(square.outputs[0], "ReduceMean") is not mean:
             continue
         add = view.only_consumer(mean.outputs[0], "Add")
-        eps_name = _other(add, mean.outputs[0]) if add else None
+        eps_name = other_input(add, mean.outputs[0]) if add else None
         eps = view.const(eps_name) if eps_name else None
         root = view.only_consumer(add.outputs[0], "Sqrt") if add else None
         div = view.only_consumer(root.outputs[0], "Div") if root else None
@@ -125,23 +125,23 @@ def fuse_rms_norm(graph: Graph, owns=None) -> bool:
                 or not view.scalar(div.inputs[0], 1.0):
             continue
         scale = view.only_consumer(div.outputs[0], "Mul")
-        if scale is None or _other(scale, div.outputs[0]) != x:
+        if scale is None or other_input(scale, div.outputs[0]) != x:
             continue
         weigh = view.only_consumer(scale.outputs[0], "Mul")
-        weight = _other(weigh, scale.outputs[0]) if weigh else None
+        weight = other_input(weigh, scale.outputs[0]) if weigh else None
         if weight is None or view.const(weight) is None or view.const(weight).ndim != 1:
             continue
         matched = [square, mean, add, root, div, scale, weigh]
-        if not _owned(owns, matched):
+        if not owned(owns, matched):
             continue
         fused = Node("RMSNormalization", [x, weight], list(weigh.outputs), name=f"{weigh.name}/rms_norm",
                      attrs={"axis": -1, "epsilon": float(eps.reshape(-1)[0])}, opset=23)
-        _replace(graph, matched, fused)
+        replace_nodes(graph, matched, fused)
         return True
     return False
 
 
-def _slice_bounds(view: _View, node: Node):
+def _slice_bounds(view: GraphView, node: Node):
     """(start, end) of a Slice over the last axis with step 1, from constant inputs; else None."""
     if node.op_type != "Slice" or node.domain or len(node.inputs) < 4:
         return None
@@ -154,7 +154,7 @@ def _slice_bounds(view: _View, node: Node):
 
 
 def fuse_rotate_half(graph: Graph, owns=None) -> bool:
-    view = _View(graph)
+    view = GraphView(graph)
     for concat in list(graph.nodes):
         if concat.op_type != "Concat" or concat.domain or int(concat.attr("axis", 0)) != -1 or len(concat.inputs) != 2:
             continue
@@ -171,39 +171,40 @@ def fuse_rotate_half(graph: Graph, owns=None) -> bool:
                 is not concat or view.only_consumer(low.outputs[0], "Concat") is not concat:
             continue
         rotate = view.only_consumer(concat.outputs[0], "Mul")
-        sin = _other(rotate, concat.outputs[0]) if rotate else None
+        sin = other_input(rotate, concat.outputs[0]) if rotate else None
         add = view.only_consumer(rotate.outputs[0], "Add") if rotate else None
-        direct = view.producer.get(_other(add, rotate.outputs[0])) if add else None
+        direct = view.producer.get(other_input(add, rotate.outputs[0])) if add else None
         if sin is None or direct is None or direct.op_type != "Mul" or direct.domain or q not in direct.inputs \
                 or view.only_consumer(direct.outputs[0], "Add") is not add:
             continue
-        cos = _other(direct, q)
+        cos = other_input(direct, q)
         matched = [direct, low, high, neg, concat, rotate, add]
-        if not _owned(owns, matched):
+        if not owned(owns, matched):
             continue
         fused = Node("RotateHalfEmbedding", [q, cos, sin], list(add.outputs), name=f"{add.name}/rotate_half",
                      domain=FUSED_DOMAIN, attrs={"half": low_bounds[1], "end": high_bounds[1]}, opset=1)
-        _replace(graph, matched, fused)
+        replace_nodes(graph, matched, fused)
         return True
     return False
 
 
 def fuse_silu(graph: Graph, owns=None) -> bool:
-    view = _View(graph)
+    view = GraphView(graph)
     for sigmoid in list(graph.nodes):
         if sigmoid.op_type != "Sigmoid" or sigmoid.domain:
             continue
         gate = view.only_consumer(sigmoid.outputs[0], "Mul")
-        if gate is None or _other(gate, sigmoid.outputs[0]) != sigmoid.inputs[0] or not _owned(owns, [sigmoid, gate]):
+        if (gate is None or other_input(gate, sigmoid.outputs[0]) != sigmoid.inputs[0]
+                or not owned(owns, [sigmoid, gate])):
             continue
         fused = Node("Swish", [sigmoid.inputs[0]], list(gate.outputs), name=f"{gate.name}/silu",
                      attrs={"alpha": 1.0}, opset=24)
-        _replace(graph, [sigmoid, gate], fused)
+        replace_nodes(graph, [sigmoid, gate], fused)
         return True
     return False
 
 
-def _constant_of(view: _View, name: str, value: float, like: str) -> bool:
+def _constant_of(view: GraphView, name: str, value: float, like: str) -> bool:
     """Whether ``name`` is a constant ``value`` (rounded to its own dtype) that leaves ``like``'s shape
     alone when broadcast against it (a scalar, or a size-1 array of no higher rank)."""
     array = view.const(name)
@@ -214,7 +215,7 @@ def _constant_of(view: _View, name: str, value: float, like: str) -> bool:
     return array.ndim == 0 or (info is not None and info.shape is not None and array.ndim <= len(info.shape))
 
 
-def _gelu_input(view: _View, erf: Node) -> tuple[str, Node] | None:
+def _gelu_input(view: GraphView, erf: Node) -> tuple[str, Node] | None:
     """(x, the node computing x / sqrt(2)) when Erf reads x / sqrt(2) or x * (1 / sqrt(2))."""
     scale = view.producer.get(erf.inputs[0])
     if scale is None or scale.domain or len(scale.inputs) != 2:
@@ -228,24 +229,24 @@ def _gelu_input(view: _View, erf: Node) -> tuple[str, Node] | None:
     return None
 
 
-def _gelu_product(view: _View, x: str, mul: Node, factor: str) -> list[Node] | None:
+def _gelu_product(view: GraphView, x: str, mul: Node, factor: str) -> list[Node] | None:
     """The two Muls forming x * 0.5 * (1 + erf) from ``mul`` = (1 + erf) * ``factor``, in the order they
     run: (x * (1 + erf)) * 0.5, ((1 + erf) * 0.5) * x, or (x * 0.5) * (1 + erf)."""
     if factor == x or _constant_of(view, factor, 0.5, x):
         outer = view.only_consumer(mul.outputs[0], "Mul")
-        last = _other(outer, mul.outputs[0]) if outer else None
+        last = other_input(outer, mul.outputs[0]) if outer else None
         if last is None or not (_constant_of(view, last, 0.5, x) if factor == x else last == x):
             return None
         return [mul, outer]
     half = view.made_by(factor, "Mul")
     if half is None or view.only_consumer(factor, "Mul") is not mul or x not in half.inputs \
-            or not _constant_of(view, _other(half, x), 0.5, x):
+            or not _constant_of(view, other_input(half, x), 0.5, x):
         return None
     return [half, mul]
 
 
 def fuse_gelu(graph: Graph, owns=None) -> bool:
-    view = _View(graph)
+    view = GraphView(graph)
     for erf in list(graph.nodes):
         if erf.op_type != "Erf" or erf.domain:
             continue
@@ -254,19 +255,19 @@ def fuse_gelu(graph: Graph, owns=None) -> bool:
             continue
         x, scale = found
         add = view.only_consumer(erf.outputs[0], "Add")
-        if add is None or not _constant_of(view, _other(add, erf.outputs[0]), 1.0, x):
+        if add is None or not _constant_of(view, other_input(add, erf.outputs[0]), 1.0, x):
             continue
         mul = view.only_consumer(add.outputs[0], "Mul")
-        factor = _other(mul, add.outputs[0]) if mul else None
+        factor = other_input(mul, add.outputs[0]) if mul else None
         matched = _gelu_product(view, x, mul, factor) if factor else None
         if matched is None:
             continue
         matched = [scale, erf, add, *matched]
-        if not _owned(owns, matched):
+        if not owned(owns, matched):
             continue
         fused = Node("Gelu", [x], list(matched[-1].outputs), name=f"{matched[-1].name}/gelu",
                      attrs={"approximate": "none"}, opset=20)
-        _replace(graph, matched, fused)
+        replace_nodes(graph, matched, fused)
         return True
     return False
 
@@ -280,13 +281,13 @@ def fuse_matmul_bias(graph: Graph, owns=None) -> bool:
     the bias, activation and residual become one pass over the fresh product instead of a node each.
     B is a constant float matrix and bias a constant vector of its column count; A may have any rank
     (the optimizer's Gemm fusion takes the 2-D products of static shape first)."""
-    view = _View(graph)
+    view = GraphView(graph)
     for matmul in list(graph.nodes):
         if matmul.op_type != "MatMul" or matmul.domain or len(matmul.inputs) != 2:
             continue
         weight = view.const(matmul.inputs[1])
         add = view.only_consumer(matmul.outputs[0], "Add")
-        bias_name = _other(add, matmul.outputs[0]) if add else None
+        bias_name = other_input(add, matmul.outputs[0]) if add else None
         bias = view.const(bias_name) if bias_name else None
         if weight is None or weight.ndim != 2 or weight.dtype not in (np.float32, np.float64) or bias is None \
                 or bias.dtype != weight.dtype or bias.shape != (weight.shape[1],):
@@ -297,20 +298,20 @@ def fuse_matmul_bias(graph: Graph, owns=None) -> bool:
             matched.append(gelu)
             activation = _GELU_ACTIVATIONS[gelu.attr("approximate", "none")]
         residual_add = view.only_consumer(matched[-1].outputs[0], "Add")
-        residual = _other(residual_add, matched[-1].outputs[0]) if residual_add else None
+        residual = other_input(residual_add, matched[-1].outputs[0]) if residual_add else None
         if residual is not None and residual != matched[-1].outputs[0]:
             matched.append(residual_add)
             inputs.append(residual)
-        if not _owned(owns, matched):
+        if not owned(owns, matched):
             continue
         fused = Node("FusedMatMul", inputs, list(matched[-1].outputs), name=f"{matmul.name}/fused",
                      domain=FUSED_DOMAIN, attrs={"activation": activation}, opset=1)
-        _replace(graph, matched, fused)
+        replace_nodes(graph, matched, fused)
         return True
     return False
 
 
-def _until_fixed(fuse):
+def until_fixed(fuse):
     """A pass applying ``fuse`` until it finds nothing more (each call rewrites one match)."""
 
     def graph_pass(graph: Graph, owns) -> bool:
@@ -324,4 +325,4 @@ def _until_fixed(fuse):
 
 
 # fuse_matmul_bias after fuse_gelu: it folds the Gelu nodes that pass makes.
-PASSES = [_until_fixed(f) for f in (fuse_rms_norm, fuse_rotate_half, fuse_silu, fuse_gelu, fuse_matmul_bias)]
+PASSES = [until_fixed(f) for f in (fuse_rms_norm, fuse_rotate_half, fuse_silu, fuse_gelu, fuse_matmul_bias)]

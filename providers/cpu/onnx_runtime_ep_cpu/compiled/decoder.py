@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
-from .transformer import _contracting_jit, _summing_jit, exp_shifted_sum_, row_max, sigmoid_float32
+from .transformer import contracting_jit, exp_shifted_sum_, row_max, sigmoid_float32, summing_jit
 
 
 @jit
@@ -99,7 +99,7 @@ def swish_mul(a, b, alpha, out):
         out[j] = a[j] / (one + np.exp(minus_alpha * a[j])) * b[j]
 
 
-@_summing_jit
+@summing_jit
 def _dot(a, b):
     """The dot product of two 1-D arrays (reassociated: it vectorizes)."""
     total = a.dtype.type(0)
@@ -108,7 +108,7 @@ def _dot(a, b):
     return total
 
 
-@_contracting_jit
+@contracting_jit
 def _weighted_rows(weights, rows, out):
     """out = the sum over t of weights[t] * rows[t] (in t order, one fused multiply-add per term)."""
     out[:] = 0

@@ -18,13 +18,13 @@ from . import compiler, jit
 # The row sums alone may reassociate: LLVM then vectorizes them (3x faster than eight interleaved
 # partial sums). Their order differs from numpy's (BLAS) sums anyway; nothing else is reordered,
 # and NaN/inf handling is unchanged (no nnan/ninf).
-_summing_jit = compiler(fastmath={"reassoc"})
+summing_jit = compiler(fastmath={"reassoc"})
 # The float32 Gelu may fuse multiply-adds (one rounding instead of two): 1.5x faster, no less accurate;
 # the Gelu node and FusedMatMul both compute it here, so they still match each other bit for bit.
-_contracting_jit = compiler(fastmath={"contract"})
+contracting_jit = compiler(fastmath={"contract"})
 
 
-@_summing_jit
+@summing_jit
 def row_sum(row):
     total = row.dtype.type(0)
     for j in range(row.shape[0]):
@@ -32,7 +32,7 @@ def row_sum(row):
     return total
 
 
-@_summing_jit
+@summing_jit
 def squared_deviation_sum(row, mean):
     """Sum of (row - mean)^2."""
     total = row.dtype.type(0)
@@ -141,7 +141,7 @@ _EXP_C5, _EXP_C6 = np.float32(0.008356703445315361), np.float32(0.00142988562583
 _EXP_FLOOR = np.float32(-87.0)
 
 
-@_contracting_jit
+@contracting_jit
 def exp_nonpositive_float32(a):
     """exp(a) for a float32 a <= 0 by the polynomial above (NaN stays NaN)."""
     clamped = _EXP_FLOOR if a < _EXP_FLOOR else a
@@ -152,7 +152,7 @@ def exp_nonpositive_float32(a):
     return np.float32(0) if a < _EXP_FLOOR else p * scale
 
 
-@_contracting_jit
+@contracting_jit
 def sigmoid_float32(z):
     """1 / (1 + exp(-z)) for a float32 z, as e / (1 + e) with e = exp(-|z|) for z < 0: no overflow, and
     the small values of a negative z keep their relative accuracy (1 + tanh(z / 2) would cancel)."""
@@ -160,7 +160,7 @@ def sigmoid_float32(z):
     return (np.float32(1) if z >= np.float32(0) else e) / (np.float32(1) + e)
 
 
-@_contracting_jit
+@contracting_jit
 def gelu_float32_(x, bias, y, residual, coefficients):
     """y = u * sigmoid(2 s) (+ residual) for u = x + bias and s = u * P(u^2), float32 (M, N) rows, in one
     pass per row (sigmoid_float32 vectorizes); bias and residual may be empty, P's coefficients lowest
@@ -292,7 +292,7 @@ def key_extents(mask, block, gap):
     return extents
 
 
-@_summing_jit
+@summing_jit
 def largest_row_norm(x):
     """The largest Euclidean norm of the rows of x (M, N), summed in float64; inf when some value is
     not finite."""
@@ -308,7 +308,7 @@ def largest_row_norm(x):
     return np.sqrt(best)
 
 
-@_summing_jit
+@summing_jit
 def largest_column_norm(x):
     """The largest Euclidean norm of the columns of the matrices x[a] (A, D, T), summed in float64; inf
     when some value is not finite."""
@@ -395,7 +395,7 @@ def layer_norm(x: np.ndarray, scale: np.ndarray, bias, epsilon: float):
     return y, mean, inv_std
 
 
-@_contracting_jit
+@contracting_jit
 def exp_shifted_sum_(x, peak, out):
     """out = exp(x - peak) by exp_nonpositive_float32 (float32 1-D, x <= peak), and its sum. ``out`` may be
     x, but the loop vectorizes only over distinct arrays (the same array twice ran 7x slower)."""
@@ -404,7 +404,7 @@ def exp_shifted_sum_(x, peak, out):
     return row_sum(out)
 
 
-@_contracting_jit
+@contracting_jit
 def softmax_rows_float32_(x, y):
     """y[r] = softmax(x[r]) over the rows of the 2-D float32 x (y may be x, slower): the row's largest non-NaN
     value, exp(x - that) by exp_nonpositive_float32 with the row's sum, then each times the sum's
