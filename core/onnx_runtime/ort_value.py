@@ -67,7 +67,7 @@ def _unavailable(kind: str, device_id: int, entries) -> ProviderNotAvailableErro
     )
 
 
-def _element_type(element_type) -> DataType:
+def element_type_of(element_type) -> DataType:
     try:
         return DataType.from_numpy(np.dtype(element_type))
     except (TypeError, ValueError, InvalidArgumentError) as exc:
@@ -96,7 +96,7 @@ class OrtValue:
     @staticmethod
     def ortvalue_from_shape_and_type(shape, element_type, device_type: str = "cpu", device_id: int = 0) -> OrtValue:
         """An uninitialized value of ``shape`` and ``element_type`` (a numpy type) on the device."""
-        dtype = _element_type(element_type)
+        dtype = element_type_of(element_type)
         return OrtValue(Tensor.empty(dtype, shape, provider=device_handle(device_type, device_id)))
 
     def update_inplace(self, array) -> None:

@@ -23,7 +23,7 @@ class DeviceGraphSlot(enum.IntEnum):
     COUNT = 2  # number of slots (not a slot)
 
 
-class _IdentitySpace:
+class IdentitySpace:
     """Process-unique, never-reused identities (no ABA reuse of a retired owner)."""
 
     def __init__(self):
@@ -35,8 +35,7 @@ class _IdentitySpace:
             return next(self._next)
 
 
-_GRAPH_OWNERS = _IdentitySpace()
-_VALIDATION_OWNERS = _IdentitySpace()
+_GRAPH_OWNERS = IdentitySpace()
 
 
 @dataclass(frozen=True, slots=True)

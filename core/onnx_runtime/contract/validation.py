@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .graphs import _VALIDATION_OWNERS
+from .graphs import IdentitySpace
+
+_OWNERS = IdentitySpace()  # validation owners' identities, a space apart from graph owners'
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +23,7 @@ class DeviceValidationOwner:
 
     @classmethod
     def new(cls) -> DeviceValidationOwner:
-        return cls(_VALIDATION_OWNERS.mint())
+        return cls(_OWNERS.mint())
 
 
 @dataclass(eq=False, slots=True)

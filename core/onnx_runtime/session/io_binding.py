@@ -21,7 +21,7 @@ import numpy as np
 from ..contract.buffers import DeviceBuffer, Ownership
 from ..dtypes import DataType
 from ..errors import InvalidArgumentError
-from ..ort_value import OrtValue, _element_type
+from ..ort_value import OrtValue, element_type_of
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
 
@@ -126,7 +126,7 @@ class IOBinding:
 
     def _borrow(self, device_type, device_id, element_type, shape, buffer_ptr, writable: bool) -> Tensor:
         handle = self._session._device_handle(device_type, device_id)
-        dtype = _element_type(element_type)
+        dtype = element_type_of(element_type)
         shape = tuple(int(d) for d in shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.numpy.itemsize
         ptr = int(buffer_ptr)
