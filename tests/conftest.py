@@ -17,7 +17,8 @@ def _providers_installed() -> bool:
 
 
 # With no provider installed (tox -e core) only tests/core_only runs; with providers, everything else.
-collect_ignore = ["sample_provider"] + (["core_only"] if _providers_installed() else ["conformance", "cuda"])
+collect_ignore = ["sample_provider"] + (
+    ["core_only"] if _providers_installed() else ["conformance", "core", "cpu", "cuda"])
 collect_ignore_glob = [] if _providers_installed() else ["test_*.py"]
 
 from model_helpers import make_model, tensor_info  # noqa: E402

@@ -169,7 +169,7 @@ def test_fused_conv_finishes_every_path_as_conv_then_epilogue(monkeypatch, path,
     knobs(im2col_block_bytes=256)
     monkeypatch.setattr(conv_path, "use_winograd", lambda geo, group, c, m: c >= 192)
     # The BLAS paths, which float64 takes, and float32 where the packed convolution does not run
-    # (hosts without AVX-512); tests/test_packed_conv.py covers that one.
+    # (hosts without AVX-512); test_packed_conv.py covers that one.
     monkeypatch.setattr(conv_path, "packed_conv_applies", lambda geo, group, x: False)
     function, x_shape, w_shape, attrs = PATHS[path]
     taken = []

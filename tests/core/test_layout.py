@@ -8,7 +8,7 @@ import ast
 import graphlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"onnx_runtime": ROOT / "core" / "onnx_runtime"}
 PACKAGES.update({path.name: path for path in sorted((ROOT / "providers").glob("*/onnx_runtime_ep_*")) if path.is_dir()})
 LONGEST = 800

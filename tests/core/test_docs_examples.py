@@ -25,7 +25,7 @@ import pytest
 from onnx import TensorProto, helper
 from onnx_runtime.errors import UnsupportedOperatorError
 
-GUIDE = Path(__file__).resolve().parents[1] / "docs" / "writing-a-provider.md"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "writing-a-provider.md"
 FENCE = re.compile(r"^(?:<!-- (?P<marker>runnable|output) -->\n)?```(?P<lang>\w*)\n(?P<code>.*?)^```$", re.M | re.S)
 FILE_COMMENT = re.compile(r"#\s*(?P<path>[\w/]+)\.py\s*$")
 MY = "MyExecutionProvider"

@@ -18,7 +18,7 @@ from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu.ops.transformer import _Attention
 
 RNG = np.random.default_rng(0)
-MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "benchmarks", ".models")
+MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", ".models")
 B, HEADS, KV_HEADS, SEQ, SIZE = 2, 4, 2, 5, 8
 ELEM = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}
 
