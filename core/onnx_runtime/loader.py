@@ -86,8 +86,7 @@ def _read_proto(model) -> tuple[onnx.ModelProto, str | None]:
 
 # A tensor stored outside the model names its file under this key (onnx requires it); bytes without
 # it cannot have external data. Up to _SCAN_LIMIT bytes the search is cheaper than onnx's walk over every
-# tensor (a 1,000-node chain: 1.2 ms walked); past it, weights make most of the bytes and the walk is
-# (a 14.7 MB decoder: searched 7.6 ms, walked 1.4).
+# tensor; past it, weights make most of the bytes and the walk is cheaper (measured in 50054a1, dc8afb1).
 _EXTERNAL_KEY = b"location"
 _SCAN_LIMIT = 1 << 20
 

@@ -29,8 +29,8 @@ _DISCOVERY_HOOKS = {"onnx_runtime_providers"}
 class _ContractManager(pluggy.PluginManager):
     """pluggy's manager, skipping dunder names when it looks for hook specifications and implementations:
     no hook of the contract is one, and they are most of what ``dir()`` lists (27 of the CPU provider's
-    33 names). pluggy inspects each name statically (``inspect.getattr_static``), which cost every session
-    creation ~2 ms for the provider, its fallbacks and the specification."""
+    33 names). pluggy inspects each name statically (``inspect.getattr_static``), a cost every session
+    creation paid for the provider, its fallbacks and the specification (measured in 812ef5d)."""
 
     def parse_hookimpl_opts(self, plugin, name: str):
         return None if name.startswith("__") else super().parse_hookimpl_opts(plugin, name)
@@ -53,7 +53,7 @@ class ProviderHandle:
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"provider {label} has an invalid hook implementation: {exc}") from None
         # What register found (pluggy keeps a hook without a spec as an unverified caller): read
-        # back rather than parsed twice, which costs every session creation ~1 ms.
+        # back rather than parsed twice, a cost every session creation paid (measured in 50054a1).
         implemented = {caller.name for caller in self.pm.get_hookcallers(provider) or ()}
         unknown = sorted(implemented - set(HOOK_NAMES) - _DISCOVERY_HOOKS)
         if unknown:

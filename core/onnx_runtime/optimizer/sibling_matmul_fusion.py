@@ -21,9 +21,9 @@ _FLOATS = (np.float16, np.float32, np.float64)
 _ONNX = ("", "ai.onnx")
 # Merging pays when the merged product is big enough to split across threads: the CPU provider's
 # few-row products split from 16384 weights (OpenBLAS's own from 460800), and merged products of at least
-# 65536 measured faster (a LLaMA-like decode step, its q/k/v at 131072 and gate/up at 393216 weights
-# merged: 0.754 -> 0.703 ms, alternating in one process); below that the pieces and the merged product
-# stream the weights at the same speed, and the Split the merge adds costs more than the calls it saves.
+# 65536 measured faster on a LLaMA-like decode step's q/k/v and gate/up (a74a05e); below that the pieces
+# and the merged product stream the weights at the same speed, and the Split the merge adds costs more
+# than the calls it saves.
 _MIN_MERGED_SIZE = 65_536
 # Split takes its sizes as an input from opset 13 on, as an attribute before.
 _SPLIT_SIZES_AS_INPUT = 13

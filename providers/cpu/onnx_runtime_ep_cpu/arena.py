@@ -3,8 +3,8 @@
 onnxruntime keeps freed CPU buffers in an arena and hands them to the next allocation. numpy
 allocates through malloc, and glibc by default serves every block above ``M_MMAP_THRESHOLD``
 (128 KiB) with a fresh mmap, unmaps it on free and trims the heap top above ``M_TRIM_THRESHOLD``:
-each intermediate of a model run then costs a page fault per 4 KiB on first touch (about 1,500
-per squeezenet run). Raising both thresholds makes malloc's own heap the arena: a run's freed
+each intermediate of a model run then costs a page fault per 4 KiB on first touch (measured in
+82c988f). Raising both thresholds makes malloc's own heap the arena: a run's freed
 intermediates stay mapped and the next run's arrays reuse them without faults.
 
 malloc is process-wide, so this is too (like the BLAS threads): the first session that asks for

@@ -27,8 +27,8 @@ FUSED_DOMAIN = "ai.onnx_runtime.cpu"
 
 class GraphView:
     """Producer/consumer look-ups over a graph, and its constants by value. The maps are built when a
-    match first asks: most passes find no anchor node in most graphs (a 1,000-node chain paid ~0.5 ms
-    per pass for maps nobody read)."""
+    match first asks: most passes find no anchor node in most graphs, which then paid for maps nobody
+    read (measured in 3ffd566)."""
 
     def __init__(self, graph: Graph):
         self.graph = graph

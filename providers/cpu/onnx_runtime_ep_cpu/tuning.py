@@ -1,7 +1,8 @@
 """The CPU provider's tuning knobs: the sizes at which its kernels change algorithm or split their work
 across threads, and how many threads they use.
 
-The defaults were measured on the benchmarks (benchmarks/RESULTS.md; each knob's commit says how).
+Each default names the commit that set it; the commit message (and benchmarks/RESULTS.md) says what
+was measured.
 Change them to experiment, or in tests to reach a path with small inputs::
 
     from onnx_runtime_ep_cpu import tuning
@@ -38,41 +39,48 @@ class Knobs:
     #: Helper threads the split kernels start (once per process); None: one per other usable CPU.
     helpers: int | None = None
     #: Below this many multiply-adds per thread a convolution or product stays on one thread: the
-    #: hand-off to a helper costs more than it saves.
+    #: hand-off to a helper costs more than it saves (0f3b016).
     split_macs: int = 1 << 20
-    #: From this many multiply-adds per thread (milliseconds of work), a part waits for a sleeping helper.
+    #: From this many multiply-adds per thread (milliseconds of work), a part waits for a sleeping helper
+    #: rather than running alone, so the helper is awake for the next part (measured in 8f78cef).
     long_macs: int = 1 << 28
     #: Below this much work (input elements; times taps for a depthwise convolution) a kernel split by
-    #: planes or channels (pooling, batch normalization, depthwise convolution) stays on one thread.
+    #: planes or channels (pooling, batch normalization, depthwise convolution) stays on one thread
+    #: (39c4fd8).
     split_elements: int = 1 << 16
     #: Tasks per thread's share of a packed convolution, claimed one at a time, so that a thread done
-    #: first takes what a slower one (a CPU shared with another process) has not started.
+    #: first takes what a slower one (a CPU shared with another process) has not started (measured in
+    #: 08cafa2).
     conv_tasks_per_thread: int = 4
-    #: The same for the packed products; cut finer, a prefill measured slower on a quiet machine.
+    #: The same for the packed products; cut finer, a prefill measured slower on a quiet machine (25f146c).
     product_tasks_per_thread: int = 1
-    #: Few-row products (compiled/gemv.py) of at least this many weights are split across the threads.
+    #: Few-row products (compiled/gemv.py) of at least this many weights are split across the threads
+    #: (measured in baa9e65).
     gemv_split_weights: int = 1 << 14
-    #: From this many weights per thread a few-row product's part waits for a sleeping helper.
+    #: From this many weights per thread a few-row product's part waits for a sleeping helper (8f78cef).
     gemv_long_weights: int = 1 << 24
     #: From this size an image's padded copy for the packed convolution is split across the helpers
-    #: (a memory-bound copy: the second core's bandwidth).
+    #: (a memory-bound copy: the second core's bandwidth; measured in 91616ec).
     split_pad_bytes: int = 1 << 16
 
     # -- algorithm choice ----------------------------------------------------------------------------
-    #: im2col writes its column matrix one block of output rows at a time, about an L2 cache per block.
+    #: im2col writes its column matrix one block of output rows at a time, about an L2 cache per block
+    #: (909bafb).
     im2col_block_bytes: int = 1 << 22
-    #: Column-buffer block of the per-channel depthwise convolution (tiny products: a cache-sized buffer).
+    #: Column-buffer block of the per-channel depthwise convolution (tiny products: a cache-sized buffer;
+    #: 1880a80).
     depthwise_block_bytes: int = 1 << 19
     #: From this column-matrix size, stride-1 convolutions take per-tap products accumulated in BLAS
-    #: instead of im2col (the column matrix would stream through memory).
+    #: instead of im2col (the column matrix would stream through memory; measured in afcca01).
     taps_column_bytes: int = 12 << 20
     #: A strided window runs over its input split into the stride's phases from this many multiply-adds
-    #: per input value (the split is a copy of the input).
+    #: per input value (the split is a copy of the input; measured in 0e2d32d).
     phase_macs: int = 500
-    #: Phase-split inputs up to this size are kept per node and thread, their zero pads written once.
+    #: Phase-split inputs up to this size are kept per node and thread, their zero pads written once
+    #: (a bound on the memory kept; 01b5c9a).
     kept_padded_bytes: int = 1 << 20
     #: A decode step's attention of up to this many multiply-adds runs one compiled call; beyond, BLAS's
-    #: batched products are faster.
+    #: batched products are faster (measured in 950a522).
     few_query_macs: int = 1 << 16
 
 

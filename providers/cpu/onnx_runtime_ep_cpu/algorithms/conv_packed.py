@@ -45,9 +45,9 @@ def lanes_apply(geo: Geometry, outputs: int, depth: int) -> bool:
     """Whether the packed convolution puts output channels across its lanes (compiled/lanes.py) for this
     window with ``outputs`` channels per group and a reduction of ``depth``: column strides 1 and 2 (the
     kernel's pixel steps), where its share of useful lanes (channels in tiles of 32, pixels in row chunks
-    of 14) times its measured gain at equal shares beats the pixel panels' (pixels in panels of 32 over
-    the lane grid, channels in tiles of 8 or 12). Gains: 1.2-1.5x for 3x3 and 1x1 convolutions, 1.4-1.8x
-    for shallow stems (each panel tile then mostly stores)."""
+    of 14) times its gain at equal shares (_LANES_GAIN; _LANES_GAIN_SHALLOW for shallow stems, where each
+    panel tile mostly stores; measured in 14dd70b) beats the pixel panels' (pixels in panels of 32 over the
+    lane grid, channels in tiles of 8 or 12)."""
     if geo.strides[1] not in (1, 2):
         return False
     from ..compiled import gemm, lanes  # (loaded already by the packed convolution that asks)
@@ -72,7 +72,7 @@ def phase_split(geo: Geometry, padded: tuple, outputs: int) -> tuple[int, int] |
     reads them in place, as a stride-1 window does its image (compiled/gemm.phase_tap_offsets), where the
     strided window otherwise packs every panel first (a gather per run of a few pixels). For windows whose
     taps read every phase (3x3/2, 7x7/2, 11x11/4; a 1x1/2 window reads one, and its packed panels, a
-    gather of those pixels only, measured 15-40% faster than copying that phase), with at least
+    gather of those pixels only, measured faster than copying that phase in d171de6), with at least
     _PHASE_MACS multiply-adds per input value (the split is a copy of the input), and phases no wider than
     _GRID_WASTE times the output (the lanes past its width are dropped)."""
     (sh, sw), (kh, kw), (dh, dw), ow = geo.strides, geo.kernel, geo.dilations, geo.out[1]
@@ -100,8 +100,8 @@ class PackedConv:
         if geo.kernel == (1, 1) and geo.strides == (1, 1) and geo.unpadded:
             # A pointwise window is a product over the pixels, which may run as one long row: tiles
             # take its chunks without each row's tail, and a plane narrower than a tile's 14 pixels
-            # (squeezenet's 13x13) needs no margin, so no padded copy of the input (512x13x13 -> 64 on
-            # two threads: 100 -> 58 us; with the copy, two threads ran no faster than one).
+            # (squeezenet's 13x13) needs no margin, so no padded copy of the input (with the copy, two
+            # threads ran no faster than one; measured in 8827030).
             pixels = math.prod(geo.out)
             geo = Geometry((1, pixels), (1, 1), (1, 1), (1, 1), (0, 0), (0, 0), (1, pixels))
             x_shape = self._flat = (x_shape[0], x_shape[1], 1, pixels)
@@ -163,10 +163,9 @@ class PackedConv:
             by_tiles = threads > 1 and panels * len(units) < 4 * threads and tiles >= 2 * threads
             if self._by_lanes and threads > 1 and tiles >= 2 * threads:
                 # Split by tiles where the pixel blocks go round unevenly and the tiles do better
-                # (squeezenet's classifier: 13 blocks 7/6, 32 tiles 16/16), or where the weights
-                # outweigh the input 4 to 1 (each thread then reads its share of them, not all: in
-                # resnet50's run 0.92, inception_v2's 0.94-0.96; all even splits by tiles were 6-13%
-                # slower on resnet50 and densenet121).
+                # (squeezenet's classifier: 13 blocks 7/6, 32 tiles 16/16; 6d569bd), or where the weights
+                # outweigh the input 4 to 1 (each thread then reads its share of them, not all; 1427375).
+                # Splitting by tiles wherever both splits are even measured slower (6d569bd).
                 blocks = uneven(panels * len(units), threads)
                 heavy = self._mg * math.prod(self._geo.kernel) > 4 * math.prod(self._padded)
                 by_tiles = (blocks > 1.05 and uneven(tiles, threads) < blocks) or (
@@ -236,7 +235,7 @@ class PackedConv:
         """x zero-padded, as (N, C * plane) plus the margin a channel-lane tile may read past it: x itself
         without pads or margin; else the calling thread's scratch buffer, every cell written by
         gemm.pad_planes (pads and margin zero). numpy's copy into a padded view went row by row, and a
-        fresh buffer per call paid its page faults: densenet121's 58 padded inputs took 3.5 ms a run."""
+        fresh buffer per call paid its page faults (measured in 41debc9)."""
         geo = self._geo
         x = np.ascontiguousarray(x)
         if geo.unpadded and not self._margin:

@@ -8,7 +8,7 @@ factories that use them, and ``jit`` imports numba on first use, so numba loads 
 for models that need it.
 
 Every loop is serial (numba's ``parallel`` stays off: its OpenMP pool fought numpy's spinning
-OpenBLAS workers, up to 10x slower than one thread). The kernels that split their work across cores
+OpenBLAS workers, slower than one thread; measured in afcca01). The kernels that split their work across cores
 (the packed convolution of gemm.py, the packed products of matmul.py, attention.py's tiles, pooling,
 batch normalization, depthwise convolution, few-row products) run one part per thread on the helper
 threads of workers.py, as the job kinds of jobs.py.

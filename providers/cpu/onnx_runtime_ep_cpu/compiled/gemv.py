@@ -2,8 +2,8 @@
 CNN's classifier, split across the packed convolution's helper threads (workers.py).
 
 Such a product reads every weight once, so it runs at the speed weights stream from memory or the L3
-cache; two cores stream nearly twice as fast as one (54 vs 29 GB/s measured on this 2-core VM), which
-numpy's BLAS does not get at these sizes. ``a @ w`` (w K x N, MatMul's layout) runs in blocks of k,
+cache; two cores stream nearly twice as fast as one (measured in baa9e65), which numpy's BLAS does not
+get at these sizes. ``a @ w`` (w K x N, MatMul's layout) runs in blocks of k,
 each block one contiguous stretch of w, with the blocks' sums added in block order; ``a @ w.T`` (Gemm's
 transB) in spans of w's rows, each a dot product. Either way an output's sum has the same order on
 any number of threads. (Sums may round differently from BLAS's, as BLAS's own blockings do.)

@@ -16,10 +16,10 @@ A tile covers 14 pixels of one output row, or two rows of 7 where the output is 
 row's last chunk is shifted back to end at the row's end (it recomputes, and stores again, pixels of
 the chunk before it: the same values), and so are the last two rows of an odd height, so the kernel
 reads past the image only where a row (or the image) is narrower than the tile: those inputs get a
-margin (``margin``). Measured on one thread against gemm.py's panels: 3x3 convolutions 1.2-1.5x
-(160-170 GF/s, onnxruntime's 150-165), 1x1 1.1-1.5x, stems of 3 channels 1.4-1.8x; slower where few
-of a tile's 32 channels are used (16 output channels, ShuffleNet's groups of 34), which keep the
-panels (nn._lanes_apply weighs the useful lanes of both).
+margin (``margin``). On one thread it runs 3x3 and 1x1 convolutions and shallow stems faster than
+gemm.py's panels (measured in 14dd70b), but slower where few of a tile's 32 channels are used (16
+output channels, ShuffleNet's groups of 34), which keep the panels (algorithms/conv_packed.lanes_apply
+weighs the useful lanes of both).
 
 Each k's input is a line of another channel's plane (a stride the hardware prefetchers do not follow),
 and in a model the layer before has just written it, often from the other core: the tile prefetches
@@ -43,10 +43,8 @@ PIXELS = 14  # output pixels per tile
 _LANES = llvm.LANES
 # How many k ahead a tile prefetches its input (the first and last pixel of each row at tap k + AHEAD)
 # and its weights (two lines per k; a tile's first pixel block streams them from L3 or memory, the later
-# blocks find them in L2). Measured in the runs against no prefetch: input 8, 16 or 32 ahead, 16 best
-# (resnet50 -6%, densenet121 -8%, inception_v2 -4%); then weights 32, 64, 128 or 256 ahead, 32 and 64 best
-# (resnet50 -9%, inception_v2 -10%, densenet121 -5%; a 512x7x7 3x3 convolution after a 400 MB sweep of
-# memory 2.6 -> 2.1 ms).
+# blocks find them in L2). Both distances measured best in the CNN runs: the input's among 8, 16 and 32
+# (8827030), the weights' among 32 to 256 (c61b12b).
 AHEAD = 16
 WEIGHTS_AHEAD = 32
 
@@ -216,7 +214,7 @@ def _tile(stride, rows, w, x, start, row_step, taps, depth, y, ldy, y_row, count
           flags, bounds):
     """The kernel for this stride (1 or 2) and tile shape. numba calls an intrinsic only by its name, so each
     variant is named here (as gemm.py's _tile); one intrinsic switching between the four bodies in its IR ran
-    1-4% slower on one thread (16x55x55 3x3 -> 64: 399-402 vs 410-416 us)."""
+    slower (measured in cfdbe2d)."""
     if stride == 1:
         if rows == 1:
             _row_1(w, x, start, row_step, taps, depth, y, ldy, y_row, count, nrows, channels, bias, residual, flags,
@@ -272,6 +270,6 @@ def lane_tasks(xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, ch
 
 
 # Inputs beyond which, and weights of a task's tiles up to which, its pixel blocks run outermost (see
-# lane_tasks): half the L2 cache of this host's cores (2 MiB). 256 channels of 56x56 into 64, one
-# thread in resnet50's run: 1.6-2.2 -> 1.2-1.3 ms; tiles outermost stay best for smaller inputs.
+# lane_tasks): half the L2 cache of this host's cores (2 MiB), so each block's inputs are read once for all
+# tiles (measured in 1fbf085); tiles outermost stay best for smaller inputs.
 _INPUT_BYTES = _WEIGHT_BYTES = 1 << 20

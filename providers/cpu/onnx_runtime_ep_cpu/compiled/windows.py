@@ -11,9 +11,9 @@ start from the bias and add weight x tap by fused multiply-adds, taps off the pl
 np.maximum), taps off the plane skipped (masked to -inf): separably (each input row's 3-column maxima,
 shared by the output rows that read it) by vmaxps, which drops a NaN tap, while the sums of the rows
 loaded show whether one was read; only then the call runs again per tap keeping NaN (a compare and a mask
-or per tap more: 64x111x111 /2 on one thread 224 -> 189 us, 96x28x28 /1 49 -> 32). An average pool's
-add the taps in row-major order (those off the plane masked to zero) and multiply the sums by the
-reciprocal tap counts, as pooling.py does.
+per tap more, which the separable maxima save: measured in 39dedc0). An average pool's add the taps in
+row-major order (those off the plane masked to zero) and multiply the sums by the reciprocal tap counts,
+as pooling.py does.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from numba.extending import intrinsic
 
 from . import jit, llvm, pooling
 
-# Output rows per call: CNN feature maps are 7 * 2^k high, so 7 leaves no partial block there
-# (measured on one thread, 544 channels of 7x7 depthwise: 4 rows 35 us, 7 rows 27, 8 rows 29).
+# Output rows per call: CNN feature maps are 7 * 2^k high, so 7 leaves no partial block there (7 measured
+# faster than 4 or 8 in d57ce75).
 ROWS = 7
 _LANES = llvm.LANES
 _KERNEL = 3

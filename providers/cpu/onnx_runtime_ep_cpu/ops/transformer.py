@@ -166,7 +166,7 @@ def _visible_keys(q_len: int, total_len: int, offset, causal: bool, left: int, r
 
 
 # Query rows per block of the compiled attention when a mask hides trailing keys from some rows
-# (measured on causal prefill: 32 beats 16 and 64).
+# (32 beat 16 and 64 on a causal prefill; afcca01).
 _ROW_BLOCK = 32
 
 
