@@ -2,6 +2,10 @@
 
 from . import (  # noqa: F401  (imported for their @register side effects)
     activation,
+    contrib_activation,
+    contrib_linalg,
+    contrib_normalization,
+    contrib_transformer,
     control_flow,
     conv,
     detection,

@@ -11,6 +11,9 @@ import numpy as np
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
+# The domain of onnxruntime's contrib operators (docs/ContribOperators.md).
+CONTRIB_DOMAIN = "com.microsoft"
+
 
 def graph_error(node, attr: str, message: str) -> InvalidGraphError:
     return InvalidGraphError(f"node {node.name!r} ({node.op_type}): attribute {attr!r} {message}")

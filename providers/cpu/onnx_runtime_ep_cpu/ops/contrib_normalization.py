@@ -1,0 +1,193 @@
+"""onnxruntime's contrib layer normalizations: SkipLayerNormalization, SkipSimplifiedLayerNormalization and
+EmbedLayerNormalization (domain com.microsoft, docs/ContribOperators.md), and SimplifiedLayerNormalization
+(RMS normalization), which onnxruntime registers and its optimizer emits in the default ONNX domain.
+
+Half-precision inputs compute in float32 (the statistics always do) and are rounded once, at the outputs;
+the statistics outputs (mean, inv_std_var) are float32 as the specs type them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..algorithms.normalization import broadcasts_into, standardize_rows
+from ..algorithms.precision import compute_dtype
+from ..registry import register
+from ._common import CONTRIB_DOMAIN, argument_error, graph_error, normalize_axis, stash_dtype
+
+_F32 = np.dtype(np.float32)
+# The contrib kernels' default epsilon for the Skip/Embed normalizations (their schemas' default).
+_CONTRIB_EPSILON = 1e-12
+
+
+def _epsilon(node, default: float) -> float:
+    epsilon = float(node.attr("epsilon", default))
+    if epsilon < 0 or math.isnan(epsilon):
+        raise graph_error(node, "epsilon", f"is {epsilon}; expected a non-negative value")
+    return epsilon
+
+
+def _rms_rows(rows: np.ndarray, epsilon: float) -> tuple[np.ndarray, np.ndarray]:
+    """(rows * inv_rms, inv_rms) over a 2-D array's rows: inv_rms = 1 / sqrt(mean(x^2) + epsilon)."""
+    mean_square = np.einsum("ij,ij->i", rows, rows)[:, None]
+    mean_square /= max(rows.shape[1], 1)
+    mean_square += rows.dtype.type(epsilon)
+    inv = np.reciprocal(np.sqrt(mean_square, out=mean_square), out=mean_square)
+    return rows * inv, inv
+
+
+def _vector(node, name: str, value, size: int, dtype) -> np.ndarray | None:
+    """A (hidden,) parameter in ``dtype`` (None when omitted)."""
+    if value is None:
+        return None
+    if value.shape != (size,):
+        raise argument_error(node, f"{name} has shape {value.shape}; expected ({size},), the hidden size")
+    return value.astype(dtype, copy=False)
+
+
+# -- SkipLayerNormalization / SkipSimplifiedLayerNormalization ----------------------------------
+
+
+def _skip_sum(node, x, skip, bias, dtype) -> np.ndarray:
+    """input + skip (+ bias) as a fresh (rows, hidden) array of ``dtype``."""
+    if x.ndim not in (2, 3) or skip.shape[-1:] != x.shape[-1:] or not broadcasts_into(skip.shape, x.shape):
+        raise argument_error(node, f"input {x.shape} and skip {skip.shape} do not fit; expected a 2-D or 3-D input "
+                             f"and a skip of its shape, (1, S, H) or (S, H)")
+    total = x.astype(dtype)
+    total += skip.astype(dtype, copy=False)
+    if bias is not None:
+        total += _vector(node, "bias", bias, x.shape[-1], dtype)
+    return total.reshape(-1, x.shape[-1])
+
+
+def _skip_outputs(node, x, y, mean, inv, total) -> tuple:
+    """(output, mean, inv_std_var, input_skip_bias_sum), as many as the node lists."""
+    stats = x.shape[:-1] + (1,)
+    outputs = (y.reshape(x.shape).astype(x.dtype, copy=False), mean.reshape(stats).astype(_F32, copy=False),
+               inv.reshape(stats).astype(_F32, copy=False), total.reshape(x.shape).astype(x.dtype, copy=False))
+    return outputs[:len(node.outputs)]
+
+
+@register("SkipLayerNormalization", domain=CONTRIB_DOMAIN, since=1)
+def skip_layer_normalization(node, shapes, opset):
+    """LayerNorm(input + skip + bias) * gamma + beta over the hidden axis."""
+    epsilon = _epsilon(node, _CONTRIB_EPSILON)
+
+    def kernel(x, skip, gamma, beta=None, bias=None):
+        dtype = compute_dtype(x.dtype)
+        total = _skip_sum(node, x, skip, bias, dtype)
+        normalized, mean, inv = standardize_rows(total, epsilon)
+        normalized *= _vector(node, "gamma", gamma, x.shape[-1], dtype)
+        if beta is not None:
+            normalized += _vector(node, "beta", beta, x.shape[-1], dtype)
+        return _skip_outputs(node, x, normalized, mean, inv, total)
+
+    return kernel
+
+
+@register("SkipSimplifiedLayerNormalization", domain=CONTRIB_DOMAIN, since=1)
+def skip_simplified_layer_normalization(node, shapes, opset):
+    """RMSNorm(input + skip + bias) * gamma. RMS normalization has no mean: that optional output is zeros
+    (as onnxruntime's kernel leaves it)."""
+    epsilon = _epsilon(node, _CONTRIB_EPSILON)
+
+    def kernel(x, skip, gamma, bias=None):
+        dtype = compute_dtype(x.dtype)
+        total = _skip_sum(node, x, skip, bias, dtype)
+        normalized, inv = _rms_rows(total, epsilon)
+        normalized *= _vector(node, "gamma", gamma, x.shape[-1], dtype)
+        return _skip_outputs(node, x, normalized, np.zeros_like(inv), inv, total)
+
+    return kernel
+
+
+# -- SimplifiedLayerNormalization ----------------------------------------------------------------
+
+
+@register("SimplifiedLayerNormalization", since=1)
+def simplified_layer_normalization(node, shapes, opset):
+    """X / sqrt(mean(X^2 over axis..) + epsilon) * scale, the statistics in stash_type; Y has scale's dtype
+    (onnxruntime's schema types it so), inv_std_var the stash type, shaped X.shape[:axis] + (1, ...)."""
+    epsilon = _epsilon(node, 1e-5)
+    axis = int(node.attr("axis", -1))
+    stash = stash_dtype(node)
+    if stash not in (np.float32, np.float64):
+        raise graph_error(node, "stash_type", f"is {node.attr('stash_type')}; expected 1 (float) or 11 (double)")
+
+    def kernel(x, scale):
+        start = normalize_axis(node, axis, x.ndim)
+        normalized_shape = x.shape[start:]
+        if not broadcasts_into(scale.shape, normalized_shape):
+            raise argument_error(node, f"scale has shape {scale.shape}; expected a suffix of the normalized shape "
+                                 f"{normalized_shape}")
+        rows = x.astype(stash).reshape(math.prod(x.shape[:start]), -1)
+        normalized, inv = _rms_rows(rows, epsilon)
+        dtype = np.result_type(stash, compute_dtype(scale.dtype))
+        y = normalized.reshape(x.shape).astype(dtype, copy=False) * scale.astype(dtype, copy=False)
+        stats = x.shape[:start] + (1,) * (x.ndim - start)
+        return (y.astype(scale.dtype, copy=False), inv.reshape(stats))[:len(node.outputs)]
+
+    return kernel
+
+
+# -- EmbedLayerNormalization ---------------------------------------------------------------------
+
+
+def _lookup(node, name: str, table, ids) -> np.ndarray:
+    """table[ids], every id checked to lie inside the table."""
+    ids = np.asarray(ids)
+    if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
+        raise argument_error(node, f"{name} hold values up to {ids.max()} (min {ids.min()}); expected ids in "
+                             f"[0, {table.shape[0]}), the rows of its embedding table")
+    return table[ids]
+
+
+def _embedding_sum(node, input_ids, segment_ids, word, position, segment, position_ids, dtype):
+    """word[input_ids] + position[position_ids or 0..S-1] (+ segment[segment_ids]), (B, S, H) in ``dtype``."""
+    if input_ids.ndim != 2:
+        raise argument_error(node, f"input_ids has shape {input_ids.shape}; expected (batch, sequence)")
+    batch, steps = input_ids.shape
+    if word.ndim != 2 or position.shape[1:] != word.shape[1:] or (segment is not None and
+                                                                   segment.shape[1:] != word.shape[1:]):
+        raise argument_error(node, "word, position and segment embeddings must be 2-D tables of one hidden size")
+    if (segment_ids is None) != (segment is None):
+        raise argument_error(node, "segment_ids and segment_embedding must be given together")
+    if position_ids is None:
+        position_ids = np.arange(steps)
+    elif position_ids.shape not in ((batch, steps), (1, steps)):
+        raise argument_error(node, f"position_ids has shape {position_ids.shape}; expected ({batch}, {steps}) or "
+                             f"(1, {steps})")
+    total = _lookup(node, "input_ids", word, input_ids).astype(dtype)
+    total += _lookup(node, "position_ids", position, position_ids).astype(dtype, copy=False)
+    if segment is not None:
+        if segment_ids.shape != input_ids.shape:
+            raise argument_error(node, f"segment_ids has shape {segment_ids.shape}; expected {input_ids.shape}")
+        total += _lookup(node, "segment_ids", segment, segment_ids).astype(dtype, copy=False)
+    return total
+
+
+@register("EmbedLayerNormalization", domain=CONTRIB_DOMAIN, since=1)
+def embed_layer_normalization(node, shapes, opset):
+    """LayerNorm(word + position (+ segment) embeddings) * gamma + beta; mask_index counts each row's ones
+    in mask (zeros without a mask); embedding_sum is the sum before normalization."""
+    epsilon = _epsilon(node, _CONTRIB_EPSILON)
+
+    def kernel(input_ids, segment_ids, word_embedding, position_embedding, segment_embedding, gamma, beta,
+               mask=None, position_ids=None):
+        dtype = compute_dtype(word_embedding.dtype)
+        total = _embedding_sum(node, input_ids, segment_ids, word_embedding, position_embedding,
+                               segment_embedding, position_ids, dtype)
+        hidden = total.shape[-1]
+        normalized, _, _ = standardize_rows(total.reshape(-1, hidden), epsilon)
+        normalized *= _vector(node, "gamma", gamma, hidden, dtype)
+        normalized += _vector(node, "beta", beta, hidden, dtype)
+        if mask is not None and mask.shape != input_ids.shape:
+            raise argument_error(node, f"mask has shape {mask.shape}; expected {input_ids.shape}")
+        counts = (mask == 1).sum(axis=1) if mask is not None else np.zeros(input_ids.shape[0])
+        outputs = (normalized.reshape(total.shape).astype(word_embedding.dtype, copy=False),
+                   counts.astype(np.int32), total.astype(word_embedding.dtype, copy=False))
+        return outputs[:len(node.outputs)]
+
+    return kernel
