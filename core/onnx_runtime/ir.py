@@ -154,3 +154,24 @@ class Model:
     metadata: dict[str, str] = field(default_factory=dict)
     functions: dict[tuple[str, str], Any] = field(default_factory=dict)
     path: str | None = None
+    # The model as onnx shape inference reads it (large initializers as typed inputs): inferred anew
+    # per input signature when a session specializes its graph (session/specialize.py).
+    inference_proto: Any = None
+
+
+def clone_graph(graph: Graph) -> Graph:
+    """A copy of ``graph`` that passes may rewrite without touching the original: nodes, their lists and
+    attributes, value infos and subgraphs are copied; weights (numpy arrays, read-only) are shared."""
+    nodes = [Node(n.op_type, list(n.inputs), list(n.outputs), n.name, n.domain,
+                  {k: _clone_attribute(v) for k, v in n.attrs.items()} if n.attrs else {}, n.opset, n.doc, n.proto)
+             for n in graph.nodes]
+    return Graph(graph.name, nodes, list(graph.inputs), list(graph.outputs), dict(graph.initializers),
+                 dict(graph.value_info), dict(graph.opsets), list(graph.outer_names), graph.doc)
+
+
+def _clone_attribute(value: Any) -> Any:
+    if isinstance(value, Graph):
+        return clone_graph(value)
+    if isinstance(value, list):
+        return [_clone_attribute(v) for v in value]
+    return value

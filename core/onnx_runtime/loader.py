@@ -27,8 +27,9 @@ def load_model(model, infer_shapes: bool = True) -> Model:
     proto, path = _read_proto(model)
     _check_header(proto, path)
     top = proto.graph
+    light = None
     if infer_shapes:
-        top = _infer_shapes(proto)
+        light, top = _infer_shapes(proto)
     opsets = {("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in proto.opset_import}
     try:
         graph = convert_graph(top, opsets, outer_scope=(), initializer_protos=proto.graph.initializer)
@@ -48,6 +49,7 @@ def load_model(model, infer_shapes: bool = True) -> Model:
         metadata={p.key: p.value for p in proto.metadata_props},
         functions={(f.domain, f.name): f for f in proto.functions},
         path=path,
+        inference_proto=light,
     )
 
 
@@ -121,21 +123,30 @@ def _check_header(proto: onnx.ModelProto, path: str | None) -> None:
 SHAPE_VALUE_LIMIT = 1024
 
 
-def _infer_shapes(proto: onnx.ModelProto) -> onnx.GraphProto:
-    """The top-level graph of ``proto`` annotated by onnx shape inference (``value_info``, subgraphs
-    included), without its large initializers; ``proto.graph`` when inference fails."""
+def _infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto | None, onnx.GraphProto]:
+    """(the model as shape inference reads it, without its large initializers; the top-level graph of
+    ``proto`` annotated by onnx shape inference: ``value_info``, subgraphs included). When inference
+    fails: (None, ``proto.graph``)."""
     light, stand_ins = _without_weights(proto) if _has_weights(proto) else (proto, set())
-    try:
-        inferred = onnx.shape_inference.infer_shapes(light, check_type=False, strict_mode=False, data_prop=True)
-    except Exception:
+    inferred = infer_graph(light)
+    if inferred is None:
         # Shape inference is an optimization aid: models it cannot handle still run, with shapes
         # resolved at run time.
-        return proto.graph
+        return None, proto.graph
     if stand_ins:
-        inputs = [vi for vi in inferred.graph.input if vi.name not in stand_ins]
-        del inferred.graph.input[:]
-        inferred.graph.input.extend(inputs)
-    return inferred.graph
+        inputs = [vi for vi in inferred.input if vi.name not in stand_ins]
+        del inferred.input[:]
+        inferred.input.extend(inputs)
+    return light, inferred
+
+
+def infer_graph(light: onnx.ModelProto) -> onnx.GraphProto | None:
+    """``light``'s graph annotated by onnx shape inference (data propagation included), or None when
+    inference fails."""
+    try:
+        return onnx.shape_inference.infer_shapes(light, check_type=False, strict_mode=False, data_prop=True).graph
+    except Exception:
+        return None
 
 
 def _has_weights(proto: onnx.ModelProto) -> bool:

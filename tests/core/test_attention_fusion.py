@@ -28,7 +28,7 @@ def _init(name, array):
 
 
 def _attention_graph(layout="gpt", scale="Div", mask="const", dtype=np.float32, softmax_axis=-1, opset=17,
-                     extra_nodes=(), extra_outputs=()):
+                     extra_nodes=(), extra_outputs=(), guard=False):
     """MatMul(Q, K^T) -> scale -> [+ mask] -> Softmax -> MatMul(., V), with K^T and V made as
     ``layout`` says: "gpt" (K^T = Transpose(k, [0, 2, 3, 1]) of a (B, S, H, D) k), "repeat" (repeat_kv
     of (B, KV_HEADS, S, D) k and v, then K^T = Transpose(., [0, 1, 3, 2])), "repeat_k" (only K
@@ -54,7 +54,13 @@ def _attention_graph(layout="gpt", scale="Div", mask="const", dtype=np.float32, 
                       helper.make_node("Reshape", [f"{name}_t", "merged"], [f"{name}_rep"])]
         nodes.append(helper.make_node("Transpose", ["k_rep"], ["kt"], perm=[0, 1, 3, 2]))
     v_name = "v_rep" if layout == "repeat" else "v"
-    nodes.append(helper.make_node("MatMul", ["q", "kt"], ["scores"]))
+    q_name, kt_name = "q", "kt"
+    if scale == "inputs":  # PyTorch's scaled_dot_product_attention: Q and K^T times sqrt(scale) each
+        inits.append(_init("root", np.array(0.2 ** 0.5, dtype)))
+        nodes += [helper.make_node("Mul", ["q", "root"], ["q_scaled"]),
+                  helper.make_node("Mul", ["kt", "root"], ["kt_scaled"])]
+        q_name, kt_name = "q_scaled", "kt_scaled"
+    nodes.append(helper.make_node("MatMul", [q_name, kt_name], ["scores"]))
     scaled = "scores"
     if scale in ("Div", "Mul"):
         inits.append(_init("c", np.array(8.0 if scale == "Div" else 0.2, dtype)))
@@ -64,21 +70,32 @@ def _attention_graph(layout="gpt", scale="Div", mask="const", dtype=np.float32, 
         inputs.append(tensor_info("c", elem, []))
         nodes.append(helper.make_node("Div", ["scores", "c"], ["scaled"]))
         scaled = "scaled"
-    logits = scaled
-    if mask is not None:
-        if isinstance(mask, np.ndarray):
-            inits.append(_init("mask", mask.astype(dtype)))
-        elif mask == "const":
-            causal = np.triu(np.full((SEQ, SEQ), -np.inf), 1)
-            inits.append(_init("mask", causal.astype(dtype)))
-        else:
-            inputs.append(tensor_info("mask", elem, list(mask)))
-        nodes.append(helper.make_node("Add", ["mask", scaled], ["masked"]))  # mask first: either order fuses
-        logits = "masked"
-    nodes += [helper.make_node("Softmax", [logits], ["probs"], axis=softmax_axis),
-              helper.make_node("MatMul", ["probs", v_name], ["y"]), *extra_nodes]
+    logits = _masked(scaled, mask, dtype, inits, inputs, nodes)
+    nodes.append(helper.make_node("Softmax", [logits], ["probs"], axis=softmax_axis))
+    probs = "probs"
+    if guard:  # rows the mask hides entirely: NaN from Softmax, zeroed
+        inits.append(_init("zero", np.array([0.0], dtype)))
+        nodes += [helper.make_node("IsNaN", ["probs"], ["nan"]),
+                  helper.make_node("Where", ["nan", "zero", "probs"], ["guarded"])]
+        probs = "guarded"
+    nodes += [helper.make_node("MatMul", [probs, v_name], ["y"]), *extra_nodes]
     outputs = [tensor_info("y", elem, None)] + [tensor_info(name, elem, None) for name in extra_outputs]
     return make_model(nodes, inputs, outputs, inits, opset=opset)
+
+
+def _masked(scores: str, mask, dtype, inits: list, inputs: list, nodes: list) -> str:
+    """The scores with ``mask`` added (a constant array, "const" for a causal one, a shape for a graph input,
+    or None), appending what that takes to ``inits``, ``inputs`` and ``nodes``."""
+    if mask is None:
+        return scores
+    if isinstance(mask, np.ndarray):
+        inits.append(_init("mask", mask.astype(dtype)))
+    elif mask == "const":
+        inits.append(_init("mask", np.triu(np.full((SEQ, SEQ), -np.inf), 1).astype(dtype)))
+    else:
+        inputs.append(tensor_info("mask", ELEM[dtype], list(mask)))
+    nodes.append(helper.make_node("Add", ["mask", scores], ["masked"]))  # mask first: either order fuses
+    return "masked"
 
 
 def _session(model, **kwargs):
@@ -236,6 +253,24 @@ def test_a_mask_attention_would_read_differently_does_not_fuse(mask_shape):
     model = _attention_graph("gpt", mask=mask_shape)
     sess = _session(model)
     assert "Attention" not in _ops(sess)
+
+
+@pytest.mark.parametrize("mask", ["const", None])
+def test_q_and_k_each_scaled_fuse_with_the_product_of_the_scales(mask):
+    sess = _fused(_attention_graph("gpt", "inputs", mask))
+    assert _attention_node(sess).attrs["scale"] == pytest.approx(float(np.float32(0.2 ** 0.5)) ** 2)
+    assert "Mul" not in _ops(sess)
+
+
+def test_a_nan_guard_after_softmax_fuses_even_where_the_mask_hides_a_whole_row():
+    """Where(IsNaN(p), 0, p) zeroes the rows Softmax made NaN: Attention gives those rows zeros itself."""
+    mask = np.zeros((SEQ, SEQ))
+    mask[1] = -np.inf
+    sess = _fused(_attention_graph("gpt", "Div", mask, guard=True))
+    assert "IsNaN" not in _ops(sess) and "Where" not in _ops(sess)
+    y = sess.run(None, _feeds(sess))[0]
+    np.testing.assert_array_equal(y[:, :, 1], 0)
+    assert np.isfinite(y).all()
 
 
 def test_a_constant_mask_that_masks_a_whole_row_does_not_fuse():

@@ -438,3 +438,36 @@ def test_light_models_match_the_unoptimized_session_on_random_input(name):
     plain_nodes = len(_session(path, LEVEL.ORT_DISABLE_ALL).model.graph.nodes)
     assert len(sess.model.graph.nodes) < plain_nodes / 2
     assert not any(n.op_type == "ConstantOfShape" for n in sess.model.graph.nodes)
+
+
+def _linear_model(trans_b: bool, bias: bool, leading=(2, 3)):
+    """Reshape(x, (-1, K)) -> Gemm -> Reshape(., (*leading, N)): PyTorch's Linear as exported."""
+    k, n = 8, 5
+    w = RNG.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    inits = [_init("w", w), _init("flat", np.array([-1, k])), _init("back", np.array([*leading, n]))]
+    gemm_inputs = ["x2", "w"]
+    if bias:
+        inits.append(_init("b", RNG.standard_normal(n).astype(np.float32)))
+        gemm_inputs.append("b")
+    nodes = [helper.make_node("Reshape", ["x", "flat"], ["x2"]),
+             helper.make_node("Gemm", gemm_inputs, ["y2"], transB=int(trans_b)),
+             helper.make_node("Reshape", ["y2", "back"], ["y"])]
+    return make_model(nodes, [tensor_info("x", TensorProto.FLOAT, [*leading, k])],
+                      [tensor_info("y", TensorProto.FLOAT, None)], inits)
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_gemm_flattened_between_reshapes_becomes_a_matmul(trans_b, bias):
+    sess = _optimized(_linear_model(trans_b, bias), LEVEL.ORT_ENABLE_BASIC)
+    assert "Gemm" in _ops(sess)  # the fusions run at the extended level only
+    sess = _optimized(_linear_model(trans_b, bias))
+    assert "optimizer:unflatten_gemm" in sess.applied_passes()
+    assert "Gemm" not in _ops(sess) and "Reshape" not in _ops(sess)
+
+
+def test_a_gemm_whose_reshapes_change_the_rows_stays():
+    model = _linear_model(False, True)
+    model.graph.initializer[2].CopyFrom(_init("back", np.array([3, 2, 5])))  # not x's leading dims
+    sess = _optimized(model)
+    assert "Gemm" in _ops(sess)

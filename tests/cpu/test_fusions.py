@@ -174,6 +174,47 @@ def test_gelu_is_not_fused_when_an_intermediate_is_shared():
     assert "Gelu" not in _ops(ort.InferenceSession(_gelu_model(nodes, extra_outputs=["n"]), providers=["cpu"]))
 
 
+def _gelu_tanh_nodes(cube, order, swap=False):
+    """x * 0.5 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))), x^3 as ``cube`` ("pow", "mul_mul")."""
+    def mul(a, b, out):
+        return helper.make_node("Mul", [b, a] if swap else [a, b], [out])
+
+    if cube == "pow":
+        nodes = [helper.make_node("Pow", ["x", "three"], ["x3"])]
+    else:
+        nodes = [mul("x", "x", "x2"), mul("x2", "x", "x3")]
+    nodes += [mul("x3", "c", "cx3"), helper.make_node("Add", ["x", "cx3"], ["inner"]), mul("inner", "k", "arg"),
+              helper.make_node("Tanh", ["arg"], ["t"]), helper.make_node("Add", ["t", "one"], ["p"])]
+    if order == "x_first":
+        return nodes + [mul("x", "p", "xp"), mul("xp", "half", "y")]
+    return nodes + [mul("x", "half", "hx"), mul("hx", "p", "y")]  # GPT-2's NewGELU
+
+
+@pytest.mark.parametrize("cube", ["pow", "mul_mul"])
+@pytest.mark.parametrize("order", ["x_first", "half_x_first"])
+@pytest.mark.parametrize("swap", [False, True])
+def test_gelu_tanh_pattern_becomes_gelu_with_the_unfused_results(cube, order, swap):
+    nodes = _gelu_tanh_nodes(cube, order, swap)
+    consts = {"three": 3.0, "c": 0.044715, "k": math.sqrt(2 / math.pi)}
+    sess = ort.InferenceSession(_gelu_model(nodes, consts), providers=["cpu"])
+    assert _ops(sess) == ["Gelu"] and sess.model.graph.nodes[0].attrs["approximate"] == "tanh"
+    unfused = ort.InferenceSession(_gelu_model(nodes, consts, extra_outputs=["t"]), providers=["cpu"])
+    assert "Gelu" not in _ops(unfused)
+    x = np.random.default_rng(3).standard_normal((2, 3, 8)).astype(np.float32) * 4
+    x64 = x.astype(np.float64)
+    want = 0.5 * x64 * (1 + np.tanh(math.sqrt(2 / math.pi) * (x64 + 0.044715 * x64 ** 3)))
+    got = sess.run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(unfused.run(None, {"x": x})[0], want, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("consts", [{"c": 0.0447}, {"k": 0.8}, {"three": 2.0}])
+def test_gelu_tanh_lookalikes_stay_unfused(consts):
+    values = {"three": 3.0, "c": 0.044715, "k": math.sqrt(2 / math.pi), **consts}
+    sess = ort.InferenceSession(_gelu_model(_gelu_tanh_nodes("pow", "half_x_first"), values), providers=["cpu"])
+    assert "Gelu" not in _ops(sess) and "Tanh" in _ops(sess)
+
+
 def test_conv_passes_return_at_once_on_a_graph_without_convolutions(monkeypatch):
     # No Conv, FusedConv or BatchNormalization: no pattern can match, so no pass builds its use maps.
     from onnx_runtime.ir import Graph, Node

@@ -76,6 +76,7 @@ class _Match:
     grouped: bool  # K and V are un-repeated: Q's heads share them in groups
     core: list[Node]  # first MatMul ... second MatMul, in order: the nodes Attention computes
     dropped: list[Node] = field(default_factory=list)  # nodes feeding the core that go with it
+    guarded: bool = False  # Softmax's NaN (a row the mask hides entirely) is zeroed, as Attention does
 
 
 @dataclass
@@ -106,9 +107,11 @@ class _Matcher:
     def match(self, softmax: Node) -> _Match | None:
         if softmax.op_type != "Softmax" or softmax.domain not in _ONNX or not _on_last_axis(softmax):
             return None
-        matmul_v = self.uses.only_reader(softmax.outputs[0])
+        guard = self._nan_guard(softmax)
+        probabilities = guard[-1].outputs[0] if guard else softmax.outputs[0]
+        matmul_v = self.uses.only_reader(probabilities)
         if (matmul_v is None or matmul_v.op_type != "MatMul" or matmul_v.domain not in _ONNX
-                or matmul_v.inputs[0] != softmax.outputs[0]):
+                or matmul_v.inputs[0] != probabilities):
             return None
         core = self._scores(softmax.inputs[0], softmax)
         if core is None:
@@ -118,10 +121,45 @@ class _Matcher:
         dtype = _dtype_of(self.graph, matmul_qk.outputs[0])
         if dtype not in _DTYPES:
             return None
-        match = self._key_value(matmul_qk, matmul_v, nodes + [softmax, matmul_v], scale, mask)
-        if match is None or not self._shapes_fit(match, dtype):
+        q, q_scale = self._unscaled(matmul_qk.inputs[0], matmul_qk)
+        key_t, k_scale = self._unscaled(matmul_qk.inputs[1], matmul_qk)
+        match = self._key_value(matmul_qk, q, key_t, matmul_v, nodes + [softmax, *guard, matmul_v],
+                                scale * q_scale[0] * k_scale[0], mask)
+        if match is None:
             return None
-        return match
+        match.dropped += q_scale[1] + k_scale[1]
+        match.guarded = bool(guard)
+        return match if self._shapes_fit(match, dtype) else None
+
+    def _nan_guard(self, softmax: Node) -> list[Node]:
+        """[IsNaN, Where] when Softmax's output is read only by Where(IsNaN(p), 0, p) (exporters zero the
+        rows a mask hides entirely, where Softmax gives NaN): Attention outputs zeros there itself."""
+        readers = self.uses.readers.get(softmax.outputs[0], [])
+        if len(readers) != 2 or self.uses.pinned(softmax.outputs[0]):
+            return []
+        isnan = next((r for r in readers if r.op_type == "IsNaN" and r.domain in _ONNX), None)
+        where = next((r for r in readers if r.op_type == "Where" and r.domain in _ONNX), None)
+        if isnan is None or where is None or self.uses.only_reader(isnan.outputs[0]) is not where \
+                or where.inputs[0] != isnan.outputs[0] or where.inputs[2] != softmax.outputs[0]:
+            return []
+        zero = constant(self.graph, where.inputs[1])
+        if zero is None or zero.size != 1 or float(zero.reshape(-1)[0]) != 0.0 or zero.ndim > 4:
+            return []
+        return [isnan, where]
+
+    def _unscaled(self, name: str, reader: Node) -> tuple[str, tuple[float, list[Node]]]:
+        """(what ``name`` scales, (the factor, [the scaling node])) when ``name`` is a Mul by (or Div by) a
+        constant scalar that ``reader`` alone reads (exporters scale Q and K by sqrt(scale) each); else
+        (``name``, (1.0, []))."""
+        for op_type in ("Mul", "Div"):
+            node = self.made_by(name, op_type, reader)
+            if node is None or node.opset < 7 or len(node.inputs) != 2:
+                continue
+            for position in ((0, 1) if op_type == "Mul" else (0,)):
+                factor = _scalar(self.graph, node.inputs[1 - position])
+                if factor is not None and factor != 0 and constant(self.graph, node.inputs[position]) is None:
+                    return node.inputs[position], (factor if op_type == "Mul" else 1.0 / factor, [node])
+        return name, (1.0, [])
 
     def _scores(self, name: str, reader: Node):
         """([MatMul, scale node?, mask Add?], scale, mask) for the Softmax input ``name``, or None."""
@@ -155,9 +193,9 @@ class _Matcher:
                     return [matmul, node], 1.0 / factor if op_type == "Div" else factor
         return None
 
-    def _key_value(self, matmul_qk: Node, matmul_v: Node, core: list[Node], scale: float, mask: str):
+    def _key_value(self, matmul_qk: Node, q: str, key_t: str, matmul_v: Node, core: list[Node], scale: float,
+                   mask: str):
         """Where K and V come from: the K^T Transpose undone, and repeat_kv patterns skipped."""
-        key_t = matmul_qk.inputs[1]
         transpose = self.made_by(key_t, "Transpose")
         perm: list[int] | None
         if transpose is None:
@@ -167,10 +205,12 @@ class _Matcher:
             if len(forward) != 4:
                 return None
             source, perm = transpose.inputs[0], [forward[0], forward[1], forward[3], forward[2]]
-            reused = transpose if self.uses.only_reader(key_t) is matmul_qk else None
+            reader = self.uses.only_reader(key_t)
+            reused = transpose if reader is matmul_qk or (reader is not None and key_t != matmul_qk.inputs[1]
+                                                          and reader.outputs[0] == matmul_qk.inputs[1]) else None
         if perm == [0, 1, 2, 3]:
             perm = None
-        match = _Match(q=matmul_qk.inputs[0], k_source=source, k_perm=perm, k_transpose=reused,
+        match = _Match(q=q, k_source=source, k_perm=perm, k_transpose=reused,
                        v=matmul_v.inputs[1], mask=mask, scale=scale, k_shape=(), grouped=False, core=core)
         if perm is None and reused is not None:
             match.dropped.append(reused)
@@ -238,9 +278,9 @@ class _Matcher:
         # Without skipped repeats the MatMuls pair heads one to one, or broadcast a single K/V head.
         if not (match.grouped or _same(q[1], k[1]) or k[1] == 1):
             return False
-        return not match.mask or self._mask_fits(match.mask, (q[0], q[1], q[2], k[2]), dtype)
+        return not match.mask or self._mask_fits(match.mask, (q[0], q[1], q[2], k[2]), dtype, match.guarded)
 
-    def _mask_fits(self, mask: str, scores: tuple, dtype: DataType) -> bool:
+    def _mask_fits(self, mask: str, scores: tuple, dtype: DataType, guarded: bool) -> bool:
         shape = self.shapes.of(mask)
         if shape is None or not 1 <= len(shape) <= 4 or _dtype_of(self.graph, mask) != dtype:
             return False
@@ -249,7 +289,7 @@ class _Matcher:
         if not all(dim == 1 or _same(dim, want) for dim, want in zip(shape, scores[-len(shape):])):
             return False
         values = constant(self.graph, mask)
-        return values is None or not np.isneginf(values).all(axis=-1).any()
+        return guarded or values is None or not np.isneginf(values).all(axis=-1).any()
 
 
 def _commit(graph: Graph, context: PassContext, uses: Uses, match: _Match) -> list[Node] | None:

@@ -34,8 +34,11 @@ TINY_BYTES = 4096
 def fold_constants(graph: Graph, context: PassContext) -> bool:
     uses = Uses(graph)
     folded: set[int] = set()
+    partial: dict[str, tuple] = {}  # Shape outputs with some dims unknown: their known dims, None elsewhere
     for node in graph.nodes:
         values = _fold(node, graph, uses, context)
+        if values is None:
+            values = _partial_shape_value(node, graph, partial)
         if values is None:
             continue
         for name, value in zip(node.outputs, values):
@@ -91,6 +94,50 @@ def _static_shape_value(node: Node, graph: Graph) -> np.ndarray | None:
         return np.array(math.prod(shape), dtype=np.int64)
     # Python slicing clamps start/end after adding the rank to negatives, exactly as Shape-15 does.
     return np.array(shape[slice(node.attr("start", 0), node.attr("end"))], dtype=np.int64)
+
+
+def _partial_shape_value(node: Node, graph: Graph, partial: dict[str, tuple]) -> list[np.ndarray] | None:
+    """Where a shape is only partly known (a dimension symbolic): ``Shape`` is noted in ``partial``, and a
+    ``Gather`` or ``Slice`` of it with constant indices that picks known dimensions only folds (the exporters'
+    per-dimension Shape -> Gather/Slice chains)."""
+    if node.domain not in ("", "ai.onnx") or not node.inputs:
+        return None
+    if node.op_type == "Shape":
+        info = graph.type_of(node.inputs[0])
+        if info is not None and info.is_tensor and info.shape is not None:
+            partial[node.outputs[0]] = tuple(
+                d if isinstance(d, int) else None for d in info.shape[slice(node.attr("start", 0), node.attr("end"))])
+        return None
+    known = partial.get(node.inputs[0])
+    if known is None or node.outputs[0] in {vi.name for vi in graph.outputs}:
+        return None
+    dims: tuple = known
+    constants = [graph.initializers.get(name) if name else None for name in node.inputs[1:]]
+    if any(name and value is None for name, value in zip(node.inputs[1:], constants)):
+        return None
+    picked = None
+    if node.op_type == "Gather" and node.attr("axis", 0) in (0, -1) and constants and constants[0] is not None \
+            and constants[0].dtype.kind in "iu":
+        indices = constants[0]
+        if np.all((indices >= -len(dims)) & (indices < len(dims))):
+            picked = np.asarray([dims[int(i)] for i in indices.reshape(-1)], dtype=object).reshape(indices.shape)
+    elif node.op_type == "Slice" and node.opset >= 10 and len(constants) >= 2 and constants[0] is not None \
+            and constants[1] is not None:
+        starts, ends = constants[0], constants[1]
+        axes = constants[2] if len(constants) > 2 else None
+        steps = constants[3] if len(constants) > 3 else None
+        if starts.size == 1 and ends.size == 1 and (axes is None or int(axes.reshape(-1)[0]) in (0, -1)):
+            step = 1 if steps is None else int(steps.reshape(-1)[0])
+            if step != 0:
+                picked = np.asarray(dims[slice(int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0]), step)],
+                                    dtype=object)
+    if picked is None:
+        return None
+    if any(d is None for d in picked.reshape(-1)):
+        if picked.ndim == 1:
+            partial[node.outputs[0]] = tuple(picked)
+        return None
+    return [picked.astype(np.int64)]
 
 
 def _filled_value(node: Node, graph: Graph) -> np.ndarray | None:

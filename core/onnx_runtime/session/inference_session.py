@@ -26,6 +26,7 @@ from .executor import Executor
 from .io_binding import IOBinding
 from .options import RunOptions, SessionOptions
 from .placement import Placement, input_facts, place
+from .specialize import Specializer
 
 
 @dataclass(frozen=True)
@@ -217,9 +218,11 @@ class InferenceSession:
         self._handles = _create_handles(requested, session_config(self._sess_options))
         self._provider_options = {name: dict(opts) for name, opts in requested}
         graph = self._model.graph
+        self._disabled = kwargs.get("disabled_optimizers") or ()
         optimized = optimize(graph, self._handles, self._sess_options.graph_optimization_level,
-                             disabled=kwargs.get("disabled_optimizers") or ())
+                             disabled=self._disabled)
         self._applied_passes = _run_custom_passes(graph, self._handles, optimized)
+        self._specializer = self._specializer_for(graph)
         self._placement, assignment = place(graph, self._handles, FunctionExpander(self._model.functions))
         self._executor = Executor(graph, assignment, self._placement)
         if _config_flag(self._sess_options, GRAPH_CAPTURE_KEY):
@@ -236,6 +239,39 @@ class InferenceSession:
         self._profile: dict | None = {} if self._sess_options.enable_profiling else None
         self._profile_runs: list[float] = []
         self._closed = False
+
+    def _specializer_for(self, graph) -> Specializer | None:
+        """Shape specialization (session/specialize.py) for a graph whose inputs have symbolic dimensions,
+        when the optimizer runs, every provider works on the host and the config does not turn it off
+        (``session.specialize_shapes`` = "0")."""
+        if self._model.inference_proto is None or self._sess_options.graph_optimization_level < 1 \
+                or not _config_flag(self._sess_options, SPECIALIZE_KEY, default="1") \
+                or _config_flag(self._sess_options, GRAPH_CAPTURE_KEY) \
+                or not all(handle.is_host_accessible for handle in self._handles) \
+                or all(vi.type.static_shape is not None or not vi.type.is_tensor for vi in graph.inputs):
+            return None
+        return Specializer(graph, [vi.name for vi in graph.inputs], self._model.inference_proto, self._handles,
+                           self._specialize)
+
+    def _specialize(self, graph) -> Executor:
+        """The optimizer, the providers' passes, placement and a planned executor over ``graph`` (a copy of
+        this session's graph with the shapes of one input signature)."""
+        applied = optimize(graph, self._handles, self._sess_options.graph_optimization_level, disabled=self._disabled)
+        _run_custom_passes(graph, self._handles, applied)
+        placement, assignment = place(graph, self._handles, FunctionExpander(self._model.functions))
+        executor = Executor(graph, assignment, placement)
+        executor.plan(self._output_names)  # kernels made now, as at session creation
+        return executor
+
+    def graph_for(self, input_feed: dict):
+        """The graph a run with ``input_feed`` executes: its specialization for these inputs' shapes (made now
+        if new), or the session's graph (``model.graph``)."""
+        return self._executor_for(self._validate_feeds(input_feed)).graph
+
+    def _executor_for(self, feeds: dict) -> Executor:
+        if self._specializer is None:
+            return self._executor
+        return self._specializer.executor_for(feeds) or self._executor
 
     # -- the onnxruntime API --------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
@@ -301,10 +337,11 @@ class InferenceSession:
                     f"unknown output {name!r}; the model's outputs are {list(self._output_names)}"
                 )
         feeds = self._validate_feeds(input_feed)
+        executor = self._executor_for(feeds)
         if self._profile is None:
-            return self._executor.run(feeds, names)
+            return executor.run(feeds, names)
         start = time.perf_counter()
-        outputs = self._executor.run(feeds, names, self._profile)
+        outputs = executor.run(feeds, names, self._profile)
         self._profile_runs.append(time.perf_counter() - start)
         return outputs
 
@@ -396,6 +433,8 @@ class InferenceSession:
         if self._closed:
             return
         self._closed = True
+        if self._specializer is not None:
+            self._specializer.close()
         self._executor.close()
         for handle in self._handles:
             handle.shutdown()
@@ -426,10 +465,11 @@ class InferenceSession:
 
 
 GRAPH_CAPTURE_KEY = "session.graph_capture"  # "1": capture runs into device graphs and replay them
+SPECIALIZE_KEY = "session.specialize_shapes"  # "0": no per-signature specialization (session/specialize.py)
 
 
-def _config_flag(options: SessionOptions, key: str) -> bool:
-    value = options.config().get(key, "0").strip().lower()
+def _config_flag(options: SessionOptions, key: str, default: str = "0") -> bool:
+    value = options.config().get(key, default).strip().lower()
     if value not in ("0", "1"):
         raise InvalidArgumentError(f"session config entry {key!r} must be '0' or '1', got {value!r}")
     return value == "1"

@@ -9,7 +9,8 @@ intermediate read only inside the pattern) and leaves anything else alone:
 - rotate-half rotary embedding: q * cos + concat(-q[..., h:], q[..., :h]) * sin  ->  RotateHalfEmbedding
 - SiLU: x * sigmoid(x)  ->  Swish (opset 24)
 - exact GELU: x * 0.5 * (1 + erf(x / sqrt(2))), in any Mul order, dividing by sqrt(2) or multiplying by
-  1 / sqrt(2)  ->  Gelu (opset 20)
+  1 / sqrt(2)  ->  Gelu (opset 20); its tanh form, x * 0.5 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3)))
+  with x^3 as Pow or products  ->  Gelu(approximate="tanh")
 - MatMul by a constant matrix + constant bias, then optionally Gelu, then optionally + a residual
   ->  FusedMatMul
 """
@@ -245,7 +246,78 @@ def _gelu_product(view: GraphView, x: str, mul: Node, factor: str) -> list[Node]
     return [half, mul]
 
 
+def _cubed(view: GraphView, name: str, x: str) -> list[Node] | None:
+    """The nodes computing ``name`` = x^3: Pow(x, 3), x * (x * x) or (x * x) * x, each read only here."""
+    node = view.producer.get(name)
+    if node is None or node.domain:
+        return None
+    if node.op_type == "Pow" and node.inputs[0] == x and _constant_of(view, node.inputs[1], 3.0, x):
+        return [node]
+    if node.op_type != "Mul" or x not in node.inputs:
+        return None
+    square = view.producer.get(other_input(node, x) or "")
+    if square is None or square.op_type != "Mul" or square.domain or square.inputs != [x, x] \
+            or view.only_consumer(square.outputs[0], "Mul") is not node:
+        return None
+    return [square, node]
+
+
+def _gelu_tanh_input(view: GraphView, tanh: Node) -> tuple[str, list[Node]] | None:
+    """(x, the nodes computing sqrt(2 / pi) * (x + 0.044715 * x^3)) for the Tanh of the Gelu's tanh form."""
+    scaled = view.made_by(tanh.inputs[0], "Mul")
+    if scaled is None or view.only_consumer(scaled.outputs[0], "Tanh") is not tanh:
+        return None
+    for total, factor in (scaled.inputs, scaled.inputs[::-1]):
+        add = view.made_by(total, "Add")
+        if add is None or view.only_consumer(total, "Mul") is not scaled:
+            continue
+        for x, term in (add.inputs, add.inputs[::-1]):
+            inner = view.made_by(term, "Mul")
+            if inner is None or not _constant_of(view, factor, math.sqrt(2 / math.pi), x) \
+                    or view.only_consumer(term, "Add") is not add:
+                continue
+            for cube, coefficient in (inner.inputs, inner.inputs[::-1]):
+                cubing = _cubed(view, cube, x) if _constant_of(view, coefficient, 0.044715, x) else None
+                if cubing is not None and view.only_consumer(cube, "Mul") is inner:
+                    return x, [*cubing, inner, add, scaled]
+    return None
+
+
 def fuse_gelu(graph: Graph, owns=None) -> bool:
+    """Gelu in both of its forms: exact (Erf) and tanh."""
+    return _fuse_gelu_exact(graph, owns) or _fuse_gelu_tanh(graph, owns)
+
+
+def _fuse_gelu_tanh(graph: Graph, owns=None) -> bool:
+    """x * 0.5 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))), in any Mul order and with x^3 as Pow or
+    products -> Gelu(approximate="tanh")."""
+    view = GraphView(graph)
+    for tanh in list(graph.nodes):
+        if tanh.op_type != "Tanh" or tanh.domain:
+            continue
+        found = _gelu_tanh_input(view, tanh)
+        if found is None:
+            continue
+        x, inner = found
+        add = view.only_consumer(tanh.outputs[0], "Add")
+        if add is None or not _constant_of(view, other_input(add, tanh.outputs[0]), 1.0, x):
+            continue
+        mul = view.only_consumer(add.outputs[0], "Mul")
+        factor = other_input(mul, add.outputs[0]) if mul else None
+        product = _gelu_product(view, x, mul, factor) if factor else None
+        if product is None:
+            continue
+        matched = [*inner, tanh, add, *product]
+        if not owned(owns, matched):
+            continue
+        fused = Node("Gelu", [x], list(matched[-1].outputs), name=f"{matched[-1].name}/gelu",
+                     attrs={"approximate": "tanh"}, opset=20)
+        replace_nodes(graph, matched, fused)
+        return True
+    return False
+
+
+def _fuse_gelu_exact(graph: Graph, owns=None) -> bool:
     view = GraphView(graph)
     for erf in list(graph.nodes):
         if erf.op_type != "Erf" or erf.domain:

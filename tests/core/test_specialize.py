@@ -1,0 +1,151 @@
+"""Graphs specialized per input signature (session/specialize.py): shape subgraphs fold, the results equal the
+generic plan's, a decode loop's growing dimension becomes symbolic after its second length, and what cannot be
+specialized runs the generic plan."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import onnx_runtime as ort
+import pytest
+from model_helpers import make_model, tensor_info
+from onnx import TensorProto, helper, numpy_helper
+
+RNG = np.random.default_rng(5)
+HIDDEN = 8
+
+
+def _init(name, array):
+    return numpy_helper.from_array(np.asarray(array), name)
+
+
+@functools.cache
+def _model():
+    """y = Reshape(x @ W, (batch, seq, 2, HIDDEN / 2)) with the target computed from Shape(x) the way exporters
+    spell it (Shape -> Gather -> Unsqueeze -> Concat), plus a Range over the sequence length (a value onnx's
+    inference cannot compute from its computed bounds) broadcast onto it; the past's length feeds the output's
+    sum only through a Shape of a symbolic dimension."""
+    inits = [_init("w", RNG.standard_normal((HIDDEN, HIDDEN)).astype(np.float32)), _init("zero", np.array(0)),
+             _init("one", np.array(1)), _init("axes0", np.array([0])), _init("heads", np.array([2])),
+             _init("size", np.array([HIDDEN // 2])), _init("tail", np.array([1, 2]))]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["p"]),
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Gather", ["shape", "zero"], ["batch"]),
+        helper.make_node("Gather", ["shape", "one"], ["seq"]),
+        helper.make_node("Unsqueeze", ["batch", "axes0"], ["batch1"]),
+        helper.make_node("Unsqueeze", ["seq", "axes0"], ["seq1"]),
+        helper.make_node("Concat", ["batch1", "seq1", "heads", "size"], ["target"], axis=0),
+        helper.make_node("Reshape", ["p", "target"], ["r"]),
+        helper.make_node("Range", ["zero", "seq", "one"], ["positions"]),
+        helper.make_node("Cast", ["positions"], ["positions_f"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["positions_f", "tail"], ["positions_3"]),
+        helper.make_node("Add", ["r", "positions_3"], ["y"]),
+        helper.make_node("Shape", ["past"], ["past_shape"], start=1, end=2),
+        helper.make_node("Cast", ["past_shape"], ["past_length"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["past"], ["past_total"], keepdims=0),
+        helper.make_node("Add", ["past_total", "past_length"], ["z"]),
+    ]
+    inputs = [tensor_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN]),
+              tensor_info("past", TensorProto.FLOAT, ["batch", "past_len"])]
+    outputs = [tensor_info("y", TensorProto.FLOAT, None), tensor_info("z", TensorProto.FLOAT, None)]
+    return make_model(nodes, inputs, outputs, inits, opset=17).SerializeToString()
+
+
+def _feeds(batch, seq, past):
+    return {"x": RNG.standard_normal((batch, seq, HIDDEN)).astype(np.float32),
+            "past": RNG.standard_normal((batch, past)).astype(np.float32)}
+
+
+def _expected(sess_generic, feeds):
+    return sess_generic.run(None, feeds)
+
+
+def _session(**config):
+    options = ort.SessionOptions()
+    for key, value in config.items():
+        options.add_session_config_entry(key, value)
+    return ort.InferenceSession(_model(), options, providers=["cpu"])
+
+
+def _ops(graph):
+    return [node.op_type for node in graph.nodes]
+
+
+def test_a_signature_folds_the_shape_subgraphs_and_gives_the_generic_results():
+    sess, generic = _session(), _session(**{"session.specialize_shapes": "0"})
+    assert generic.graph_for(_feeds(2, 3, 4)) is generic.model.graph and "Shape" in _ops(generic.model.graph)
+    feeds = _feeds(2, 3, 4)
+    for got, want in zip(sess.run(None, feeds), generic.run(None, feeds)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    ops = _ops(sess.graph_for(feeds))
+    assert not {"Shape", "Gather", "Concat", "Range"} & set(ops), ops
+
+
+def test_a_dimension_that_changes_becomes_symbolic_and_one_plan_serves_every_length():
+    sess, generic = _session(), _session(**{"session.specialize_shapes": "0"})
+    specializer = sess._specializer
+    first = sess.graph_for(_feeds(1, 1, 4))
+    for past in (5, 6, 9):  # a decode loop: the past grows, the step stays one token
+        feeds = _feeds(1, 1, past)
+        for got, want in zip(sess.run(None, feeds), generic.run(None, feeds)):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    symbolic = sess.graph_for(_feeds(1, 1, 12))
+    assert symbolic is not first and sess.graph_for(_feeds(1, 1, 20)) is symbolic
+    assert len(specializer._templates) == 1 and len(specializer._exact) == 1
+    ops = _ops(symbolic)
+    # The token's shapes are still known: their subgraph folds; the past's length is read at run time.
+    assert "Concat" not in ops and "Range" not in ops and "Shape" in ops, ops
+    assert sess.graph_for(_feeds(2, 1, 12)) is not symbolic  # another batch: not the template's
+
+
+def test_symbols_shared_by_dimensions_that_agreed_hold_only_while_they_agree():
+    from onnx_runtime.session.specialize import _Template
+
+    template = _Template(((1, (0,)), ((0,), 8)), 1)
+    assert template.matches(((1, 5), (5, 8)))
+    assert not template.matches(((1, 5), (6, 8)))
+    assert not template.matches(((2, 5), (5, 8)))
+    assert not template.matches(((1, 5, 1), (5, 8)))
+
+
+def test_specializations_are_bounded_and_then_the_generic_plan_runs(monkeypatch):
+    from onnx_runtime.session import specialize
+
+    monkeypatch.setattr(specialize, "LIMIT", 2)
+    sess, generic = _session(), _session(**{"session.specialize_shapes": "0"})
+    for batch in (1, 2, 3, 4):  # batch and seq both change: exact, then a template, then the bound
+        feeds = _feeds(batch, batch + 1, 3)
+        for got, want in zip(sess.run(None, feeds), generic.run(None, feeds)):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    specializer = sess._specializer
+    assert len(specializer._exact) + len(specializer._templates) <= 2
+
+
+def test_static_inputs_and_disabled_optimization_need_no_specializer():
+    model = make_model([helper.make_node("Relu", ["x"], ["y"])], [tensor_info("x", TensorProto.FLOAT, [2, 3])],
+                       [tensor_info("y", TensorProto.FLOAT, None)])
+    assert ort.InferenceSession(model.SerializeToString(), providers=["cpu"])._specializer is None
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    assert ort.InferenceSession(_model(), options, providers=["cpu"])._specializer is None
+
+
+def test_a_failed_specialization_warns_once_and_runs_the_generic_plan(monkeypatch):
+    sess = _session()
+    monkeypatch.setattr(sess._specializer, "_prepare", lambda graph: 1 / 0)
+    feeds = _feeds(1, 2, 3)
+    with pytest.warns(RuntimeWarning, match="shape specialization failed"):
+        got = sess.run(None, feeds)
+    want = _session(**{"session.specialize_shapes": "0"}).run(None, feeds)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert sess.graph_for(_feeds(1, 3, 3)) is sess.model.graph  # no second attempt: the generic plan
+
+
+def test_closing_the_session_closes_its_specializations():
+    sess = _session()
+    sess.run(None, _feeds(1, 2, 3))
+    sess.close()
+    assert not sess._specializer._exact and not sess._specializer._templates
