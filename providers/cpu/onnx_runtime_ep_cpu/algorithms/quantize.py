@@ -1,0 +1,85 @@
+"""Linear (de)quantization arithmetic shared by the com.microsoft quantized operators.
+
+Integers widen to int64 (or float64, which holds every 8-bit product sum exactly) before any
+arithmetic, so sums and differences are exact; quantizing divides in float32 as QuantizeLinear does
+for float32 data, rounds half to even and saturates to the target type's range.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+_F32 = np.dtype(np.float32)
+
+
+def integer_range(dtype) -> tuple[int, int]:
+    info = ml_dtypes.iinfo(np.dtype(dtype))
+    return int(info.min), int(info.max)
+
+
+def widen(q: np.ndarray, zero_point=None) -> np.ndarray:
+    """``q - zero_point`` exactly, as int64."""
+    wide = np.asarray(q).astype(np.int64)
+    if zero_point is None:
+        return wide
+    return wide - np.asarray(zero_point).astype(np.int64)
+
+
+def dequantize(q: np.ndarray, scale, zero_point=None) -> np.ndarray:
+    """``(q - zero_point) * scale`` in float32: the float32 tensor DequantizeLinear would produce."""
+    centered = widen(q, zero_point).astype(_F32)
+    return centered * np.asarray(scale).astype(_F32)
+
+
+def round_saturate(values: np.ndarray, zero_point, dtype) -> np.ndarray:
+    """``rint(values) + zero_point`` (ties to even) clamped to ``dtype``'s range, as ``dtype``."""
+    low, high = integer_range(dtype)
+    with np.errstate(invalid="ignore"):
+        wide = np.rint(np.asarray(values, dtype=np.float64))
+    if zero_point is not None:
+        wide = wide + np.asarray(zero_point).astype(np.float64)
+    # NaN has no integer image; 0 (the zero point's neighbourhood) is what the clip leaves of it elsewhere.
+    wide = np.nan_to_num(wide, nan=0.0)
+    return np.clip(wide, low, high).astype(dtype)
+
+
+def quantize(values: np.ndarray, scale, zero_point, dtype) -> np.ndarray:
+    """QuantizeLinear of float32 ``values``: ``values / scale`` in float32, then rounded and saturated."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        quotient = np.asarray(values).astype(_F32) / np.asarray(scale).astype(_F32)
+    return round_saturate(quotient, zero_point, dtype)
+
+
+def lookup_table(dtype, x_scale, x_zero_point, fn, y_scale, y_zero_point) -> np.ndarray:
+    """quantize(fn(dequantize(q))) for every value q of the 8-bit ``dtype``, indexed by q's byte."""
+    dtype = np.dtype(dtype)
+    codes = np.arange(256, dtype=np.uint8).view(dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        values = np.asarray(fn(dequantize(codes, x_scale, x_zero_point)), dtype=_F32)
+    return quantize(values, y_scale, y_zero_point, dtype)
+
+
+def apply_table(table: np.ndarray, q: np.ndarray) -> np.ndarray:
+    return table[np.asarray(q).view(np.uint8)]
+
+
+def dynamic_uint8(x: np.ndarray) -> tuple[np.float32, np.uint8, np.ndarray]:
+    """DynamicQuantizeLinear: (scale, zero point, quantized x) over a range widened to include 0."""
+    x = x.astype(_F32, copy=False)
+    low = min(_F32.type(0), x.min()) if x.size else _F32.type(0)
+    high = max(_F32.type(0), x.max()) if x.size else _F32.type(0)
+    # All zeros: any scale reproduces them; 1 keeps it usable as a divisor.
+    scale = _F32.type((high - low) / _F32.type(255)) if high > low else _F32.type(1)
+    zero_point = np.uint8(np.clip(np.rint(_F32.type(0) - low / scale), 0, 255))
+    return scale, zero_point, quantize(x, scale, zero_point, np.uint8)
+
+
+def int_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """An integer matrix product (broadcast over batch dims) as int32 accumulation would give it.
+
+    float64 holds every partial sum of 8- and 16-bit products exactly for any realistic depth, and
+    goes through BLAS; the result wraps through int64 as a 32-bit accumulator would.
+    """
+    product = np.matmul(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
+    return np.asarray(product).astype(np.int64).astype(np.int32)
