@@ -1,26 +1,70 @@
-"""Threads: the session options that govern the CPU provider's matrix kernels.
+"""Threads: how many the CPU provider's split kernels use, and numpy's BLAS pool.
 
-numpy's BLAS has one process-wide thread pool, and the packed convolution (compiled/gemm.py) its
-own helper threads (compiled/workers.py), so these settings apply to the process: the last session
-created with an explicit setting wins. ``intra_op_num_threads`` (0 = default: BLAS's own default, and
-one convolution thread per available core) sets both pool sizes. ``use_deterministic_compute``
-runs BLAS on one thread: threaded GEMV/GEMM partition the output across threads, and different
-partitions can round identical columns differently, which a model with huge activations (the onnx
-package's light CNNs reach 1e19) turns into visibly different softmax outputs across machines. (The
-packed convolution's results do not depend on its partition.)
+The default is one thread per CPU this process may use: its affinity set, capped by a cgroup CPU quota
+(a container's ``--cpus``), not the machine's core count. ``intra_op_num_threads`` (0 = that default)
+sets it for the process: the last session created with an explicit setting wins. numpy's BLAS runs on
+one thread by default (the ``blas_threads`` knob of tuning.py): OpenBLAS's own pool spins on cores
+another process may hold and waits for threads the OS descheduled, where the split kernels hand out
+their parts as tasks claimed one at a time. ``use_deterministic_compute`` runs everything on one
+thread: threaded GEMV/GEMM partition the output, and different partitions can round identical columns
+differently, which a model with huge activations turns into visibly different softmax outputs across
+machines. (The packed convolution's results do not depend on its partition.)
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 from onnx_runtime.errors import InvalidArgumentError
 from threadpoolctl import threadpool_limits
 
-from .tuning import KNOBS
+from .tuning import KNOBS, when_changed
 
-_DEFAULT_THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+def usable_cpus(affinity: int | None = None, quota: float | None = None) -> int:
+    """The CPUs this process may use: its affinity set, capped by its cgroup's CPU quota (rounded up)."""
+    if affinity is None:
+        affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if quota is None:
+        quota = cgroup_cpu_quota()
+    return max(1, min(affinity, math.ceil(quota))) if quota is not None else max(1, affinity)
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs' worth of time per period the process's cgroup allows (cgroup v2's cpu.max, v1's
+    cpu.cfs_quota_us / cpu.cfs_period_us), or None without a limit."""
+    for path in _cgroup_v2_paths(root):
+        try:
+            quota, period = open(path).read().split()[:2]
+        except (OSError, ValueError):
+            continue
+        return None if quota == "max" else int(quota) / int(period)
+    for directory in (f"{root}/cpu", f"{root}/cpu,cpuacct"):
+        try:
+            quota = int(open(f"{directory}/cpu.cfs_quota_us").read())
+            period = int(open(f"{directory}/cpu.cfs_period_us").read())
+        except (OSError, ValueError):
+            continue
+        return None if quota <= 0 or period <= 0 else quota / period
+    return None
+
+
+def _cgroup_v2_paths(root: str) -> list[str]:
+    """cpu.max of the process's own cgroup (from /proc/self/cgroup), then of the root."""
+    paths = []
+    try:
+        for line in open("/proc/self/cgroup"):
+            if line.startswith("0::"):
+                paths.append(f"{root}{line[3:].strip().rstrip('/')}/cpu.max")
+    except OSError:
+        pass
+    return paths + [f"{root}/cpu.max"]
+
+
+_DEFAULT_THREADS = usable_cpus()
 _threads = _DEFAULT_THREADS  # threads a split kernel uses, the caller's included
+_blas_applied: int | None = None  # the BLAS pool size set (None: not yet)
 
 
 def kernel_threads() -> int:
@@ -35,8 +79,25 @@ def helper_count() -> int:
     return KNOBS.helpers or max(1, _DEFAULT_THREADS - 1)
 
 
+def limit_blas_threads() -> None:
+    """Set numpy's BLAS pool to the ``blas_threads`` knob's size (when it is not that size already)."""
+    global _blas_applied
+    if _blas_applied != KNOBS.blas_threads:
+        threadpool_limits(limits=KNOBS.blas_threads, user_api="blas")
+        _blas_applied = KNOBS.blas_threads
+
+
+def _follow_the_knob() -> None:
+    if _blas_applied is not None:  # once a session set it, a changed knob changes the pool
+        limit_blas_threads()
+
+
+when_changed(_follow_the_knob)
+
+
 def apply_thread_settings(session_config: dict[str, str]) -> int | None:
-    """Apply the thread settings of ``session_config``; returns the BLAS thread limit set, if any."""
+    """Apply the thread settings of ``session_config``; returns the thread count set, if any."""
+    limit_blas_threads()
     try:
         threads = int(session_config.get("session.intra_op_num_threads", "0"))
     except ValueError:
@@ -49,7 +110,6 @@ def apply_thread_settings(session_config: dict[str, str]) -> int | None:
         threads = 1
     if threads == 0:
         return None
-    threadpool_limits(limits=threads, user_api="blas")
     global _threads
     _threads = min(threads, _DEFAULT_THREADS)
     return threads

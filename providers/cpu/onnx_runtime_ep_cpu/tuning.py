@@ -38,6 +38,9 @@ class Knobs:
     threads: int | None = None
     #: Helper threads the split kernels start (once per process); None: one per other usable CPU.
     helpers: int | None = None
+    #: numpy's BLAS pool (OpenBLAS's own threads, which spin and wait on a shared CPU): one by default,
+    #: the split kernels use the other CPUs.
+    blas_threads: int = 1
     #: Below this many multiply-adds per thread a convolution or product stays on one thread: the
     #: hand-off to a helper costs more than it saves (0f3b016).
     split_macs: int = 1 << 20

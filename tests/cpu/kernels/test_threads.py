@@ -1,5 +1,5 @@
-"""Session options that set the CPU provider's threads: BLAS's and the helper threads' of its own split
-kernels (process-wide, as numpy's BLAS is)."""
+"""The CPU provider's threads: the split kernels' count (session options, the CPUs the process may use) and
+numpy's BLAS pool (the ``blas_threads`` knob), both process-wide as numpy's BLAS is."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import onnx_runtime as ort
 import pytest
 from onnx_runtime.errors import InvalidArgumentError
 from onnx_runtime_ep_cpu import threads
-from threadpoolctl import threadpool_info, threadpool_limits
+from threadpoolctl import threadpool_info
 
 
 def _blas_threads() -> set[int]:
@@ -16,11 +16,8 @@ def _blas_threads() -> set[int]:
 
 
 @pytest.fixture
-def restore_blas_threads(monkeypatch):
-    before = max(_blas_threads())
-    monkeypatch.setattr(threads, "_threads", threads._threads)  # restored after the test
-    yield
-    threadpool_limits(limits=before, user_api="blas")
+def restore_threads(monkeypatch):
+    monkeypatch.setattr(threads, "_threads", threads._threads)  # a session's setting is process-wide
 
 
 def _session(chain_model, **settings):
@@ -30,25 +27,51 @@ def _session(chain_model, **settings):
     return ort.InferenceSession(chain_model.SerializeToString(), options, providers=["cpu"])
 
 
-def test_intra_op_num_threads_sets_the_blas_pool(chain_model, restore_blas_threads):
+def test_intra_op_num_threads_sets_the_split_kernels_and_blas_keeps_one(chain_model, restore_threads):
     _session(chain_model, intra_op_num_threads=1)
-    assert _blas_threads() == {1}
     assert threads.kernel_threads() == 1  # the split kernels run on the caller alone
     sess = _session(chain_model, intra_op_num_threads=2)
-    assert _blas_threads() == {2}
     assert threads.kernel_threads() == min(2, threads._DEFAULT_THREADS)
+    assert _blas_threads() == {1}  # OpenBLAS's own pool stays at the knob's size
     assert sess.run(None, {"x": np.ones((2, 6), np.float32)})[0].shape == (2, 6)
 
 
-def test_deterministic_compute_runs_blas_on_one_thread(chain_model, restore_blas_threads):
+def test_the_blas_threads_knob_sizes_numpys_pool(chain_model, restore_threads, knobs):
+    _session(chain_model)
+    assert _blas_threads() == {1}
+    knobs(blas_threads=2)
+    assert _blas_threads() == {2}
+
+
+def test_deterministic_compute_runs_on_one_thread(chain_model, restore_threads):
     _session(chain_model, intra_op_num_threads=2, use_deterministic_compute=True)
     assert _blas_threads() == {1}
     assert threads.kernel_threads() == 1
 
 
-def test_zero_keeps_the_default_and_negative_is_refused(chain_model, restore_blas_threads):
-    before = _blas_threads()
+def test_zero_keeps_the_default_and_negative_is_refused(chain_model, restore_threads):
     _session(chain_model, intra_op_num_threads=0)
-    assert _blas_threads() == before
+    assert threads.kernel_threads() == threads._DEFAULT_THREADS
     with pytest.raises(InvalidArgumentError, match="intra_op_num_threads must be >= 0"):
         _session(chain_model, intra_op_num_threads=-1)
+
+
+def test_the_default_is_the_cpus_the_process_may_use(tmp_path):
+    assert threads.usable_cpus(affinity=8, quota=None) == 8
+    assert threads.usable_cpus(affinity=8, quota=1.5) == 2  # a container's --cpus=1.5
+    assert threads.usable_cpus(affinity=2, quota=4.0) == 2
+    assert threads.usable_cpus(affinity=4, quota=0.2) == 1
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert threads.cgroup_cpu_quota(str(v1)) == 1.5
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert threads.cgroup_cpu_quota(str(v1)) is None
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("300000 100000\n")
+    assert threads.cgroup_cpu_quota(str(v2)) == 3.0
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert threads.cgroup_cpu_quota(str(v2)) is None
+    assert threads.cgroup_cpu_quota(str(tmp_path / "none")) is None
