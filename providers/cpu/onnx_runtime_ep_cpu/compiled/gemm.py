@@ -17,30 +17,23 @@ The microkernel is emitted as LLVM IR through a numba intrinsic (24 AVX-512 accu
 multiply-add per weight and half panel), since numba's own loops cannot keep an accumulator tile in
 registers. Reductions run in the order k = 0 .. K-1 for every output, whichever thread or tile
 computes it, so results do not depend on the partition. Used only where the host has AVX-512
-(``AVAILABLE``); elsewhere the convolution keeps its BLAS paths.
+(``AVAILABLE``, host.AVX512); elsewhere the convolution keeps its BLAS paths.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import binding, ir
+from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from . import jit, llvm
+from . import host, jit, llvm
 
 MR, NR = 12, 32  # output channels (at most) x output pixels per tile: 24 zmm accumulators
 BIAS, RESIDUAL, ACCUMULATE, PARTIAL = 1, 2, 4, 8  # the microkernel's flags
 
 
-def _host_has_avx512() -> bool:
-    try:
-        return bool(binding.get_host_cpu_features().get("avx512f"))
-    except RuntimeError:  # features unknown on this host
-        return False
-
-
-AVAILABLE = _host_has_avx512()
+AVAILABLE = host.AVX512  # read by the callers of every 16-lane kernel (see host.py)
 
 
 

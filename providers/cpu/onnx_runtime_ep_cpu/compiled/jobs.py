@@ -1,81 +1,45 @@
-"""The kinds of job the helper threads of workers.py run: for each, a writer that puts one part's
-arguments into a mailbox (compiled) and a runner entry that reads them back and calls the kernel
-(compiled on first use as a C callback, see workers.Kind). Slots are counted from workers.ARGS."""
+"""The kinds of job the helper threads of workers.py run: for each, its arguments described once as
+mailbox fields (mailbox.py), from which workers.Kind generates the compiled writer that puts one part's
+arguments into a mailbox and the reader of its runner (compiled on first use as a C callback), which
+calls the kind's body with them by name; and the compiled callers that post the parts (split_*)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from . import attention, depthwise, epilogue, gemm, gemv, jit, lanes, matmul, pooling, windows
-from .workers import (
-    ARGS,
-    BUFFER,
-    BUFFER_SIZE,
-    Kind,
-    claim_task,
-    collect,
-    compile_runner,
-    float_array,
-    int_array,
-    mailbox_view,
-    offer,
-    offset_array,
-    run_here,
-)
+from .mailbox import STORED, flag, floats, ints, offsets, pair, scalar
+from .workers import Kind, claim_task, collect, offer, run_here
 
 
 @jit
-def _write_conv(m, xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, grid, channels, kh, kw, sh, sw, dh,
-                dw, wp, plane, by_lanes, taps, packed, tasks, ranges, claims, part):
-    a = ARGS
-    m[a + 0], m[a + 1], m[a + 2] = xp.ctypes.data, xp.shape[0], xp.shape[1]
-    m[a + 3], m[a + 4], m[a + 5], m[a + 6] = weights.ctypes.data, weights.shape[0], weights.shape[1], weights.shape[2]
-    m[a + 7], m[a + 8], m[a + 9] = bias.ctypes.data, bias.shape[0], bias.shape[1]
-    m[a + 10], m[a + 11], m[a + 12] = y.ctypes.data, y.shape[0], y.shape[1]
-    m[a + 13], m[a + 14], m[a + 15] = residual.ctypes.data, residual.shape[0], residual.shape[1]
-    m[a + 16] = bounds.ctypes.data
-    m[a + 17], m[a + 18] = taps.ctypes.data, taps.shape[0]
-    m[a + 19], m[a + 20] = packed.ctypes.data, packed.shape[0]
-    m[a + 21], m[a + 22] = tasks.ctypes.data, tasks.shape[0]
-    m[a + 23], m[a + 24], m[a + 25], m[a + 26], m[a + 27] = flags, m_rows, oh, ow, grid
-    m[a + 28], m[a + 29], m[a + 30], m[a + 31], m[a + 32] = channels, kh, kw, sh, sw
-    m[a + 33], m[a + 34], m[a + 35], m[a + 36], m[a + 37] = dh, dw, wp, plane, by_lanes
-    m[a + 38], m[a + 39], m[a + 40] = ranges.ctypes.data, claims.ctypes.data, claims.shape[0]
-    m[a + 41] = part
-
-
-def _conv_entry(pointer):
-    m = mailbox_view(pointer)
-    a = ARGS
-    xp = float_array(m[a + 0], (m[a + 1], m[a + 2]))
-    weights = float_array(m[a + 3], (m[a + 4], m[a + 5], m[a + 6]))
-    bias, y = float_array(m[a + 7], (m[a + 8], m[a + 9])), float_array(m[a + 10], (m[a + 11], m[a + 12]))
-    residual, bounds = float_array(m[a + 13], (m[a + 14], m[a + 15])), float_array(m[a + 16], (3,))
-    taps, tasks = int_array(m[a + 17], (m[a + 18],)), int_array(m[a + 21], (m[a + 22], 6))
-    parts, part = m[a + 40], m[a + 41]
-    ranges, claims = int_array(m[a + 38], (parts + 1,)), int_array(m[a + 39], (parts,))
+def _run_conv(xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, grid, channels, kh, kw, sh, sw, dh, dw,
+              wp, plane, by_lanes, taps, packed, tasks, ranges, claims, part, scratch):
     cursor = np.zeros(1, dtype=np.int64)
     while True:  # the part's own tasks in order, then those the other parts' threads have not claimed yet
         i = claim_task(claims, ranges, part, cursor)
         if i < 0:
             break
         task = tasks[i:i + 1]
-        if m[a + 37]:
-            lanes.lane_tasks(xp, weights, bias, y, residual, m[a + 23], bounds, m[a + 24], m[a + 25], m[a + 26],
-                             m[a + 28], m[a + 31], m[a + 32], m[a + 35], m[a + 36], taps, task)
+        if by_lanes:
+            lanes.lane_tasks(xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, channels, sh, sw, wp,
+                             plane, taps, task)
         else:
-            gemm.conv_tasks(xp, weights, bias, y, residual, m[a + 23], bounds, m[a + 24], m[a + 25], m[a + 26],
-                            m[a + 27], m[a + 28], m[a + 29], m[a + 30], m[a + 31], m[a + 32], m[a + 33], m[a + 34],
-                            m[a + 35], m[a + 36], taps, int_array(m[a + 19], (m[a + 20],)), task,
-                            float_array(m[BUFFER], (m[BUFFER_SIZE],)))
+            gemm.conv_tasks(xp, weights, bias, y, residual, flags, bounds, m_rows, oh, ow, grid, channels, kh, kw,
+                            sh, sw, dh, dw, wp, plane, taps, packed, task, scratch)
 
 
-# gemm.conv_tasks, or lanes.lane_tasks where by_lanes, one part: (xp, weights, bias, y, residual, flags, bounds,
-# m_rows, oh, ow, grid, channels, kh, kw, sh, sw, dh, dw, wp, plane, by_lanes, taps, packed, tasks, ranges,
-# claims, part). Part p's tasks are tasks[ranges[p]:ranges[p + 1]], claimed one by one through claims[p]
+# gemm.conv_tasks, or lanes.lane_tasks where by_lanes, one part. Part p's tasks (image, group, first panel,
+# end panel, first tile, end tile) are tasks[ranges[p]:ranges[p + 1]], claimed one by one through claims[p]
 # (zeros at first): the part's thread runs its own, then those no other part's thread has claimed.
-CONV = Kind(_write_conv, lambda: compile_runner(_conv_entry),
-            scratch=lambda part: gemm.scratch_size(part[11] * part[12] * part[13]))
+CONV = Kind("conv", (
+    floats("xp", 2), floats("weights", 3), floats("bias", 2), floats("y", 2), floats("residual", 2), scalar("flags"),
+    floats("bounds", shape=(3,)), scalar("m_rows"), scalar("oh"), scalar("ow"), scalar("grid"), scalar("channels"),
+    scalar("kh"), scalar("kw"), scalar("sh"), scalar("sw"), scalar("dh"), scalar("dw"), scalar("wp"), scalar("plane"),
+    scalar("by_lanes"), ints("taps"), ints("packed"), ints("tasks", shape=(STORED, 6)),
+    ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"), scalar("part"),
+), _run_conv, scratch=lambda channels, kh, kw: gemm.scratch_size(channels * kh * kw), home=__name__)
+_write_conv = CONV.writer
 
 
 @jit
@@ -105,42 +69,25 @@ def split_conv(xp, weights, bias, y, residual, flags, bounds, geometry, taps, pa
 
 
 @jit
-def _write_matmul(m, x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients, bounds, ranges,
-                  claims, part):
-    a = ARGS
-    m[a + 0], m[a + 1], m[a + 2], m[a + 3], m[a + 4] = x.ctypes.data, x.shape[0], lda, rows, depth
-    m[a + 5], m[a + 6], m[a + 7] = packed.ctypes.data, packed.shape[0], packed.shape[1]
-    m[a + 8], m[a + 9] = offsets.ctypes.data, offsets.shape[0]
-    m[a + 10], m[a + 11], m[a + 12], m[a + 13], m[a + 14] = bias.ctypes.data, bias.shape[0], y.ctypes.data, \
-        y.shape[0], n
-    m[a + 15], m[a + 16], m[a + 17] = residual.ctypes.data, residual.shape[0], flags
-    m[a + 18], m[a + 19] = coefficients.ctypes.data, coefficients.shape[0]
-    m[a + 20], m[a + 21], m[a + 22] = bounds.ctypes.data, bounds.shape[0], ranges.ctypes.data
-    m[a + 23], m[a + 24], m[a + 25] = claims.ctypes.data, claims.shape[0], part
-
-
-def _matmul_entry(pointer):
-    m = mailbox_view(pointer)
-    a = ARGS
-    bounds = int_array(m[a + 20], (m[a + 21],))
-    parts, part = m[a + 24], m[a + 25]
-    ranges, claims = int_array(m[a + 22], (parts + 1,)), int_array(m[a + 23], (parts,))
+def _run_matmul(x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients, bounds, ranges, claims,
+                part, scratch):
     cursor = np.zeros(1, dtype=np.int64)
     while True:  # the part's own tasks, then those the other parts' threads have not claimed
         i = claim_task(claims, ranges, part, cursor)
         if i < 0:
             break
-        matmul.matmul_panels(float_array(m[a + 0], (m[a + 1],)), m[a + 2], m[a + 3], m[a + 4],
-                             float_array(m[a + 5], (m[a + 6], m[a + 7])), int_array(m[a + 8], (m[a + 9],)),
-                             float_array(m[a + 10], (m[a + 11],)), float_array(m[a + 12], (m[a + 13],)), m[a + 14],
-                             float_array(m[a + 15], (m[a + 16],)), m[a + 17], float_array(m[a + 18], (m[a + 19],)),
-                             bounds[i], bounds[i + 1], float_array(m[BUFFER], (m[BUFFER_SIZE],)))
+        matmul.matmul_panels(x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients,
+                             bounds[i], bounds[i + 1], scratch)
 
 
-# matmul.matmul_panels, one part: (x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags,
-# coefficients, bounds, ranges, claims, part). Task i covers panels bounds[i] .. bounds[i + 1]; part p's tasks
-# are ranges[p] .. ranges[p + 1], claimed one by one through claims[p] (zeros at first), as jobs.CONV's.
-MATMUL = Kind(_write_matmul, lambda: compile_runner(_matmul_entry), scratch=lambda part: matmul.scratch_size(part[3]))
+# matmul.matmul_panels, one part. Task i covers panels bounds[i] .. bounds[i + 1]; part p's tasks are
+# ranges[p] .. ranges[p + 1], claimed one by one through claims[p] (zeros at first), as CONV's.
+MATMUL = Kind("matmul", (
+    floats("x"), scalar("lda"), scalar("rows"), scalar("depth"), floats("packed", 2), ints("offsets"), floats("bias"),
+    floats("y"), scalar("n"), floats("residual"), scalar("flags"), floats("coefficients"), ints("bounds"),
+    ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"), scalar("part"),
+), _run_matmul, scratch=lambda depth: matmul.scratch_size(depth), home=__name__)
+_write_matmul = MATMUL.writer
 
 
 @jit
@@ -161,35 +108,22 @@ def split_matmul(x, lda, rows, depth, packed, offsets, bias, y, n, residual, fla
 
 
 @jit
-def _write_attention(m, q, q_strides, k, k_strides, v, v_strides, y, y_strides, heads, kv_heads, total, head_size,
-                     value_size, scale, mask, plan, extents, first, end, status):
-    a = ARGS
-    m[a + 0], m[a + 1], m[a + 2] = q.ctypes.data, q.shape[0], q_strides.ctypes.data
-    m[a + 3], m[a + 4], m[a + 5] = k.ctypes.data, k.shape[0], k_strides.ctypes.data
-    m[a + 6], m[a + 7], m[a + 8] = v.ctypes.data, v.shape[0], v_strides.ctypes.data
-    m[a + 9], m[a + 10], m[a + 11] = y.ctypes.data, y.shape[0], y_strides.ctypes.data
-    m[a + 12], m[a + 13], m[a + 14], m[a + 15], m[a + 16] = heads, kv_heads, total, head_size, value_size
-    m[a + 17], m[a + 18], m[a + 19], m[a + 20] = scale.ctypes.data, mask.ctypes.data, mask.shape[0], mask.shape[1]
-    m[a + 21], m[a + 22], m[a + 23] = plan.ctypes.data, plan.shape[0], extents.ctypes.data
-    m[a + 24], m[a + 25], m[a + 26] = first, end, status.ctypes.data
+def _run_attention(q, q_strides, k, k_strides, v, v_strides, y, y_strides, heads, kv_heads, total, head_size,
+                   value_size, scale, mask, plan, extents, first, end, status, scratch):
+    attention.attention_units(q, q_strides, k, k_strides, v, v_strides, y, y_strides, heads, kv_heads, total,
+                              head_size, value_size, scale[0], mask, plan, extents, first, end, scratch, status)
 
 
-def _attention_entry(pointer):
-    m = mailbox_view(pointer)
-    a = ARGS
-    attention.attention_units(
-        float_array(m[a + 0], (m[a + 1],)), int_array(m[a + 2], (3,)), float_array(m[a + 3], (m[a + 4],)),
-        int_array(m[a + 5], (3,)), float_array(m[a + 6], (m[a + 7],)), int_array(m[a + 8], (3,)),
-        float_array(m[a + 9], (m[a + 10],)), int_array(m[a + 11], (3,)), m[a + 12], m[a + 13], m[a + 14], m[a + 15],
-        m[a + 16], float_array(m[a + 17], (1,))[0], float_array(m[a + 18], (m[a + 19], m[a + 20])),
-        int_array(m[a + 21], (m[a + 22], 3)), int_array(m[a + 23], (m[a + 22],)), m[a + 24], m[a + 25],
-        float_array(m[BUFFER], (m[BUFFER_SIZE],)), int_array(m[a + 26], (1,)))
-
-
-# attention.attention_units, one part: (q, q_strides, k, k_strides, v, v_strides, y, y_strides, heads, kv_heads,
-# total, head_size, value_size, scale (a float32 array of one), mask, plan, extents, first unit, end unit, status).
-ATTENTION = Kind(_write_attention, lambda: compile_runner(_attention_entry),
-                 scratch=lambda part: attention.scratch_size(part[11], part[12], part[10]))
+# attention.attention_units, one part: units first .. end; ``scale`` a float32 array of one.
+ATTENTION = Kind("attention", (
+    floats("q"), ints("q_strides", shape=(3,)), floats("k"), ints("k_strides", shape=(3,)), floats("v"),
+    ints("v_strides", shape=(3,)), floats("y"), ints("y_strides", shape=(3,)), scalar("heads"), scalar("kv_heads"),
+    scalar("total"), scalar("head_size"), scalar("value_size"), floats("scale", shape=(1,)), floats("mask", 2),
+    ints("plan", shape=(STORED, 3)), ints("extents", shape=("plan.shape[0]",)), scalar("first"), scalar("end"),
+    ints("status", shape=(1,)),
+), _run_attention, scratch=lambda head_size, value_size, total: attention.scratch_size(head_size, value_size, total),
+    home=__name__)
+_write_attention = ATTENTION.writer
 
 
 @jit
@@ -215,15 +149,6 @@ def split_attention(q, q_strides, k, k_strides, v, v_strides, y, y_strides, head
 
 
 @jit
-def _write_product(m, transposed, a, w, sums, spans, first, end):
-    s = ARGS
-    m[s + 0], m[s + 1], m[s + 2] = a.ctypes.data, a.shape[0], a.shape[1]
-    m[s + 3], m[s + 4], m[s + 5] = w.ctypes.data, w.shape[0], w.shape[1]
-    m[s + 6], m[s + 7], m[s + 8], m[s + 9] = sums.ctypes.data, sums.shape[0], sums.shape[1], sums.shape[2]
-    m[s + 10], m[s + 11], m[s + 12], m[s + 13] = spans, first, end, 1 if transposed else 0
-
-
-@jit
 def product_items(transposed, a, w, sums, spans, first, end):
     """Work items first .. end of a few-row product: column spans of y = a @ w.T (``transposed``, w
     N x K; ``spans`` of them) into sums[0], or gemv.rows_times's (block, span) items of y = a @ w
@@ -242,16 +167,12 @@ def product(transposed, a, w, sums, spans, items):
     gemv.sum_blocks(sums)
 
 
-def _product_entry(pointer):
-    m = mailbox_view(pointer)
-    s = ARGS
-    product_items(m[s + 13] != 0, float_array(m[s + 0], (m[s + 1], m[s + 2])),
-                  float_array(m[s + 3], (m[s + 4], m[s + 5])), float_array(m[s + 6], (m[s + 7], m[s + 8], m[s + 9])),
-                  m[s + 10], m[s + 11], m[s + 12])
-
-
-# product_items, one part: (transposed, a, w, sums, spans, first item, end item).
-PRODUCT = Kind(_write_product, lambda: compile_runner(_product_entry))
+# product_items, one part: items first .. end.
+PRODUCT = Kind("product", (
+    flag("transposed"), floats("a", 2), floats("w", 2), floats("sums", 3), scalar("spans"), scalar("first"),
+    scalar("end"),
+), product_items, home=__name__)
+_write_product = PRODUCT.writer
 
 
 @jit
@@ -283,23 +204,12 @@ def pad_channels(x, out, top, left, padded_height, padded_width, first, end):
     gemm.pad_planes(x[first:end], out[first * plane:stop], top, left, padded_height, padded_width)
 
 
-@jit
-def _write_pad(m, x, out, top, left, padded_height, padded_width, first, end):
-    s = ARGS
-    m[s + 0], m[s + 1], m[s + 2], m[s + 3] = x.ctypes.data, x.shape[0], x.shape[1], x.shape[2]
-    m[s + 4], m[s + 5], m[s + 6], m[s + 7] = out.ctypes.data, out.shape[0], top, left
-    m[s + 8], m[s + 9], m[s + 10], m[s + 11] = padded_height, padded_width, first, end
-
-
-def _pad_entry(pointer):
-    m = mailbox_view(pointer)
-    s = ARGS
-    pad_channels(float_array(m[s + 0], (m[s + 1], m[s + 2], m[s + 3])), float_array(m[s + 4], (m[s + 5],)), m[s + 6],
-                 m[s + 7], m[s + 8], m[s + 9], m[s + 10], m[s + 11])
-
-
-# pad_channels, one part: (x, out, top, left, padded height, padded width, first channel, end channel).
-PAD = Kind(_write_pad, lambda: compile_runner(_pad_entry))
+# pad_channels, one part: channels first .. end.
+PAD = Kind("pad", (
+    floats("x", 3), floats("out"), scalar("top"), scalar("left"), scalar("padded_height"), scalar("padded_width"),
+    scalar("first"), scalar("end"),
+), pad_channels, home=__name__)
+_write_pad = PAD.writer
 
 
 @jit
@@ -319,85 +229,38 @@ def split_pad(x, out, top, left, padded_height, padded_width, mailboxes, states,
 
 
 @jit
-def _write_pool(m, planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w):
-    s = ARGS
-    m[s + 0], m[s + 1], m[s + 2], m[s + 3] = planes.ctypes.data, planes.shape[0], planes.shape[1], planes.shape[2]
-    m[s + 4], m[s + 5], m[s + 6], m[s + 7] = rows.ctypes.data, rows.shape[0], rows.shape[1], rows.shape[2]
-    m[s + 8], m[s + 9], m[s + 10], m[s + 11], m[s + 12], m[s + 13] = kh, kw, sh, sw, dh, dw
-    m[s + 14], m[s + 15], m[s + 16] = ph, pw, is_max
-    m[s + 17], m[s + 18], m[s + 19], m[s + 20] = lo_h, hi_h, lo_w, hi_w
-
-
-def _pool_entry(pointer):
-    m = mailbox_view(pointer)
-    s = ARGS
-    planes = float_array(m[s + 0], (m[s + 1], m[s + 2], m[s + 3]))
-    rows = float_array(m[s + 4], (m[s + 5], m[s + 6], m[s + 7]))
-    kh, kw, sh, sw, dh, dw = m[s + 8], m[s + 9], m[s + 10], m[s + 11], m[s + 12], m[s + 13]
+def _run_pool(planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w):
     if windows.takes_pool(kh, kw, sh, sw, dh, dw):
-        windows.pool(planes, rows, sh, m[s + 14], m[s + 15], m[s + 16] != 0, m[s + 17], m[s + 18], m[s + 19],
-                     m[s + 20])
+        windows.pool(planes, rows, sh, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w)
     else:
-        pooling.pool_2d(planes, rows, kh, kw, sh, sw, dh, dw, m[s + 14], m[s + 15], m[s + 16] != 0, m[s + 17],
-                        m[s + 18], m[s + 19], m[s + 20])
+        pooling.pool_2d(planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w)
 
 
-# pooling.pool_2d, one part: (planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w);
-# a 3x3 pool of stride 1 or 2 by windows.pool.
-POOL = Kind(_write_pool, lambda: compile_runner(_pool_entry))
+# pooling.pool_2d, one part (its planes); a 3x3 pool of stride 1 or 2 by windows.pool.
+POOL = Kind("pool", (
+    floats("planes", 3), floats("rows", 3), scalar("kh"), scalar("kw"), scalar("sh"), scalar("sw"), scalar("dh"),
+    scalar("dw"), scalar("ph"), scalar("pw"), flag("is_max"), scalar("lo_h"), scalar("hi_h"), scalar("lo_w"),
+    scalar("hi_w"),
+), _run_pool, home=__name__)
+_write_pool = POOL.writer
 
 
-@jit
-def _write_affine(m, x, factor, shift, out, kind, params):
-    s = ARGS
-    m[s + 0], m[s + 1], m[s + 2], m[s + 3] = x.ctypes.data, x.shape[0], x.shape[1], x.shape[2]
-    m[s + 4], m[s + 5], m[s + 6] = factor.ctypes.data, shift.ctypes.data, out.ctypes.data
-    m[s + 7], m[s + 8] = kind, params.ctypes.data
-
-
-def _affine_entry(pointer):
-    m = mailbox_view(pointer)
-    s = ARGS
-    shape = (m[s + 1], m[s + 2], m[s + 3])
-    epilogue.channel_affine(float_array(m[s + 0], shape), float_array(m[s + 4], (m[s + 2],)),
-                            float_array(m[s + 5], (m[s + 2],)), float_array(m[s + 6], shape), m[s + 7],
-                            float_array(m[s + 8], (2,)))
-
-
-# epilogue.channel_affine, one part: (x, factor, shift, out, kind, params), float32 (N, C, P) arrays.
-AFFINE = Kind(_write_affine, lambda: compile_runner(_affine_entry))
-
-
-@jit
-def _write_depthwise(m, x, weights, bias, y, n_images, channels, in_shape, out, strides, begin, taps, rows, width, size,
-                     inputs, places, grid, source, activation, direct):
-    s = ARGS
-    m[s + 0], m[s + 1], m[s + 2], m[s + 3] = x.ctypes.data, x.shape[0], weights.ctypes.data, weights.shape[0]
-    m[s + 4], m[s + 5], m[s + 6], m[s + 7] = bias.ctypes.data, bias.shape[0], y.ctypes.data, y.shape[0]
-    m[s + 8], m[s + 9] = n_images, channels
-    m[s + 10], m[s + 11], m[s + 12], m[s + 13] = in_shape[0], in_shape[1], out[0], out[1]
-    m[s + 14], m[s + 15], m[s + 16], m[s + 17] = strides[0], strides[1], begin[0], begin[1]
-    m[s + 18], m[s + 19], m[s + 20], m[s + 21], m[s + 22] = taps.ctypes.data, taps.shape[0], rows, width, size
-    m[s + 23], m[s + 24], m[s + 25] = inputs.ctypes.data, places.ctypes.data, inputs.shape[0]
-    m[s + 26], m[s + 27] = grid.ctypes.data, grid.shape[0]
-    m[s + 28], m[s + 29] = source.ctypes.data, source.shape[0]
-    m[s + 30], m[s + 31] = activation.ctypes.data, direct
-
-
-def _depthwise_entry(pointer):
-    m = mailbox_view(pointer)
-    s = ARGS
-    depthwise.run(float_array(m[s + 0], (m[s + 1],)), float_array(m[s + 2], (m[s + 3],)),
-                  float_array(m[s + 4], (m[s + 5],)), float_array(m[s + 6], (m[s + 7],)), m[s + 8], m[s + 9],
-                  (m[s + 10], m[s + 11]), (m[s + 12], m[s + 13]), (m[s + 14], m[s + 15]), (m[s + 16], m[s + 17]),
-                  offset_array(m[s + 18], (m[s + 19],)), m[s + 20], m[s + 21], m[s + 22],
-                  offset_array(m[s + 23], (m[s + 25],)), offset_array(m[s + 24], (m[s + 25],)),
-                  offset_array(m[s + 26], (m[s + 27],)), offset_array(m[s + 28], (m[s + 29],)),
-                  float_array(m[s + 30], (3,)), m[s + 31])
+# epilogue.channel_affine, one part (its channels): float32 (N, C, P) arrays.
+AFFINE = Kind("affine", (
+    floats("x", 3), floats("factor", shape=("x.shape[1]",)), floats("shift", shape=("x.shape[1]",)),
+    floats("out", shape=("x.shape[0]", "x.shape[1]", "x.shape[2]")), scalar("kind"), floats("params", shape=(2,)),
+), epilogue.channel_affine, home=__name__)
+_write_affine = AFFINE.writer
 
 
 # depthwise.run, one part of DepthwisePlan.split_channels (see split_depthwise).
-DEPTHWISE = Kind(_write_depthwise, lambda: compile_runner(_depthwise_entry))
+DEPTHWISE = Kind("depthwise", (
+    floats("x"), floats("weights"), floats("bias"), floats("y"), scalar("n_images"), scalar("channels"),
+    pair("in_shape"), pair("out"), pair("strides"), pair("begin"), offsets("taps"), scalar("rows"), scalar("width"),
+    scalar("size"), offsets("inputs"), offsets("places", shape=("inputs.shape[0]",)), offsets("grid"),
+    offsets("source"), floats("activation", shape=(3,)), scalar("direct"),
+), depthwise.run, home=__name__)
+_write_depthwise = DEPTHWISE.writer
 
 
 @jit

@@ -40,26 +40,32 @@ Measured on a 2-CPU virtual machine, and built around it:
 - Another pool spinning on the same CPUs (numpy's multi-threaded BLAS keeps a worker spinning for
   ~0.1 s after each call) takes half of every helper's time slice: the models whose convolutions
   run here also run their classifier's product here (gemv.py), not in BLAS.
+
+Helpers run on Linux x86-64 only (the futex by syscall number, the time-stamp counter: host.py); on
+other platforms ``helpers`` starts none and every part runs on the calling thread.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import sys
 import threading
 import time
+import warnings
 
 import numpy as np
 from llvmlite import ir
 from numba import carray, types
 from numba.extending import intrinsic
 
-from . import jit, llvm
+from . import host, jit, llvm, mailbox
 
 # Mailbox slots. Sequence numbers: POSTED is bumped by the caller, DONE set by the helper. RUNNER:
 # the address of the job's compiled runner (a Kind's); BUFFER, BUFFER_SIZE: the runner's scratch.
 POSTED, DONE, SLEEPING, CPU, RUNNER, BUFFER, BUFFER_SIZE = 0, 1, 2, 3, 4, 5, 6  # CPU: of the last job
 CLAIMED = 7  # the sequence number of the last job claimed, by the helper or by a caller taking it back
-ARGS = 8  # the job's arguments from here on, as its Kind's writer puts them
+ARGS = 8  # the job's arguments from here on, where its Kind's layout puts them (mailbox.py)
 MAILBOX_SIZE = 64
 _SPIN_SECONDS = 5e-3
 
@@ -145,7 +151,30 @@ def _cycles(typingctx):
     return signature, codegen
 
 
-_sched_getcpu = types.ExternalFunction("sched_getcpu", types.int32())
+@jit
+def _no_cpu():
+    """sched_getcpu's stand-in where no helper thread runs: -1, no CPU known."""
+    return np.int32(-1)
+
+
+@jit
+def _no_syscall(number, a, b, c, d):
+    """syscall's stand-in where no helper thread runs (never called there: no helper sleeps)."""
+    return -1
+
+
+def system_calls(helper_threads: bool) -> tuple:
+    """(sched_getcpu, syscall) for compiled code: the C library's where helper threads run
+    (host.HELPER_THREADS), else compiled stand-ins, so that the compiled callers (offer, collect) still
+    link on a platform whose C library lacks them, where they run every part on the calling thread."""
+    if not helper_threads:
+        return _no_cpu, _no_syscall
+    return (types.ExternalFunction("sched_getcpu", types.int32()),
+            types.ExternalFunction("syscall", types.int64(types.int64, types.int64, types.int64, types.int64,
+                                                          types.int64)))
+
+
+_sched_getcpu, _syscall = system_calls(host.HELPER_THREADS)
 
 
 @intrinsic
@@ -190,11 +219,9 @@ def _publish(m):
 # Sleeping and waking through a futex on the SLEEPING slot (its low 32 bits: x86-64 is little-endian),
 # from compiled code: a helper that waited on a Python Event needed the GIL to wake, and the caller's
 # thread, made to hand the GIL over, stalled for whole 5 ms switch intervals (decode steps of 5-15 ms
-# instead of 0.8 after each idle spell, measured). Linux x86-64 only (the hosts the packed convolution
-# runs on); the futex wait has no timeout.
-_syscall = types.ExternalFunction("syscall", types.int64(types.int64, types.int64, types.int64, types.int64,
-                                                         types.int64))
-_SYS_FUTEX, _FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = 202, 128, 129
+# instead of 0.8 after each idle spell, measured). Linux x86-64 only (host.py); the futex wait has no
+# timeout.
+_SYS_FUTEX, _FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = host.SYS_FUTEX, host.FUTEX_WAIT_PRIVATE, host.FUTEX_WAKE_PRIVATE
 
 
 @jit
@@ -359,14 +386,36 @@ def offset_array(address, shape):
     return carray(_offset_pointer(address), shape)
 
 
-class Kind:
-    """A kind of job: ``writer(mailbox, *arguments)`` (compiled) puts a part's arguments into a mailbox
-    from slot ARGS on; ``compile_runner()`` returns the numba ``cfunc`` that runs them from there
-    (compiled on first use, cached on disk); ``scratch(arguments)`` the float32 scratch floats the
-    runner needs (0 for none)."""
+def _parameters(function) -> list[str]:
+    """The parameter names of ``function`` (a numba dispatcher's: of its Python function)."""
+    return list(inspect.signature(getattr(function, "py_func", function)).parameters)
 
-    def __init__(self, writer, compile_runner, scratch=None):
-        self._writer, self._compile_runner, self._scratch = writer, compile_runner, scratch
+
+class Kind:
+    """A kind of job, described once by its ``fields`` (a mailbox.Layout from slot ARGS on), from which
+    come its ``writer(mailbox, *arguments)`` and ``reader(mailbox) -> arguments`` (both compiled) and its
+    runner: a numba ``cfunc`` (compiled on first use, cached on disk) that reads a part's arguments and
+    calls ``body`` with them by parameter name, the body's ``scratch`` being the mailbox's scratch buffer
+    (BUFFER). ``scratch``: the float32 scratch floats a part needs, a function of the fields its
+    parameters name (None: no scratch). ``home``: the name of the module that describes the kind, whose
+    code the generated functions count as (numba caches them next to it, while its text is unchanged)."""
+
+    def __init__(self, name: str, fields, body, scratch=None, *, home: str):
+        layout = self.layout = mailbox.Layout(fields, ARGS, MAILBOX_SIZE)
+        names = [field.name for field in layout.fields]
+        self._scratch = scratch
+        self._scratch_fields = [names.index(parameter) for parameter in _parameters(scratch)] if scratch else []
+        namespace = {"__name__": home, "mailbox_view": mailbox_view, "float_array": float_array,
+                     "int_array": int_array, "offset_array": offset_array, "_body": body}
+        writer, reader, entry = f"_write_{name}", f"_read_{name}", f"_{name}_entry"
+        buffer = f"float_array(m[{BUFFER}], (m[{BUFFER_SIZE}],))"
+        sources = (layout.writer_source(writer), layout.reader_source(reader),
+                   layout.entry_source(entry, reader, "_body", _parameters(body), {"scratch": buffer}))
+        self.source = "\n".join(sources)  # what the kind compiles, to read
+        filename = sys.modules[home].__file__
+        self.writer = jit(mailbox.define(sources[0], writer, namespace, filename))
+        self.reader = namespace[reader] = jit(mailbox.define(sources[1], reader, namespace, filename))
+        self._entry = mailbox.define(sources[2], entry, namespace, filename)
         self._runner = None
         self._lock = threading.Lock()
 
@@ -376,7 +425,7 @@ class Kind:
         if runner is None:
             with self._lock:
                 if self._runner is None:
-                    self._runner = self._compile_runner()
+                    self._runner = compile_runner(self._entry)
                 runner = self._runner
         return runner.address
 
@@ -385,8 +434,12 @@ class Kind:
         _Helper or the calling thread's locals) is grown as the part needs."""
         mailbox[RUNNER] = self.address()
         if self._scratch is not None:
-            _grow_scratch(scratch_owner, mailbox, self._scratch(arguments))
-        self._writer(mailbox, *arguments)
+            _grow_scratch(scratch_owner, mailbox, self.scratch_floats(arguments))
+        self.writer(mailbox, *arguments)
+
+    def scratch_floats(self, arguments) -> int:
+        """The float32 scratch a part of these arguments needs."""
+        return self._scratch(*[arguments[i] for i in self._scratch_fields]) if self._scratch is not None else 0
 
     def here(self, arguments) -> None:
         """Run one part on the calling thread (through the same compiled runner)."""
@@ -471,7 +524,9 @@ class Helpers:
     the other CPUs (its affinity; the caller's own is never changed)."""
 
     def __init__(self, count: int):
-        spin_cycles = max(1, int(_cycles_per_second() * _SPIN_SECONDS))
+        if count and not host.HELPER_THREADS:
+            raise RuntimeError(f"onnx-runtime: no helper threads: {host.HELPERS_REFUSED}")
+        spin_cycles = max(1, int(_cycles_per_second() * _SPIN_SECONDS)) if count else 1
         self._cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self.mailboxes = np.zeros((count, MAILBOX_SIZE), dtype=np.int64)  # for compiled callers: see offer
         self.states = np.zeros(count, dtype=np.int64)
@@ -583,15 +638,26 @@ if hasattr(os, "register_at_fork"):
 
 
 def helpers(count: int) -> Helpers:
-    """The process's helpers (``count`` threads, started on first use)."""
+    """The process's helpers (``count`` threads, started on first use; none, with a warning, on a
+    platform that cannot run them: see host.py)."""
     global _helpers
     pool = _helpers  # one read: set once per process (a forked child starts afresh)
     if pool is not None:
         return pool
     with _helpers_lock:
         if _helpers is None:
-            _helpers = Helpers(count)
+            _helpers = Helpers(_allowed(count, host.HELPERS_REFUSED))
         return _helpers
+
+
+def _allowed(count: int, refusal: str) -> int:
+    """The helper threads to start: ``count``, or none (said once, in a RuntimeWarning) where ``refusal``
+    (host.HELPERS_REFUSED) says why the platform cannot run them."""
+    if count and refusal:
+        warnings.warn(f"onnx-runtime: {refusal}; the split kernels run every part on the calling thread",
+                      RuntimeWarning, stacklevel=4)
+        return 0
+    return count
 
 
 _NO_HELPERS = (np.zeros((0, MAILBOX_SIZE), dtype=np.int64), np.zeros(0, dtype=np.int64))  # (mailboxes, states)

@@ -1,0 +1,57 @@
+"""What the compiled kernels assume of the host, stated once and checked at import.
+
+- The helper threads of workers.py sleep and wake through the futex system call, made from compiled
+  code by number (``syscall(SYS_futex, ...)``: libc has no futex wrapper), on the low 32 bits of an
+  int64 mailbox slot (little-endian); they read the time-stamp counter (LLVM's readcyclecounter: rdtsc,
+  cheap and unprivileged on x86-64 only) and sched_getcpu (glibc, musl). So: Linux on x86-64, in a
+  64-bit process. Elsewhere no helper thread starts and the split kernels run every part on the calling
+  thread (workers.helpers says so once, in a RuntimeWarning), and workers.py compiles stand-ins for the
+  system calls, so the compiled callers still link.
+- The packed convolution and products, the 3x3 windows and the lane tiles (gemm.py, matmul.py, gemv.py,
+  attention.py, windows.py, lanes.py) are written for AVX-512's 16 float32 lanes: used only where the
+  host CPU reports avx512f (``AVX512``, read as gemm.AVAILABLE), else the callers keep numpy's paths.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+# SYS_futex by (system, machine): the syscall numbers differ per architecture (x86-64's 202 is
+# another call on arm64 and on 32-bit x86), so only the platforms listed here start helper threads.
+FUTEX_SYSCALLS = {("Linux", "x86_64"): 202}
+FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129  # FUTEX_WAIT / FUTEX_WAKE | FUTEX_PRIVATE_FLAG (Linux)
+
+_X86_64 = frozenset({"x86_64", "amd64"})  # platform.machine()'s spellings (Linux and macOS, BSD and Windows)
+
+
+def helper_threads_refusal(system: str, machine: str, byteorder: str, pointer_bits: int) -> str:
+    """Why workers.py cannot start helper threads on this platform, or "" where it can."""
+    where = f"{system} on {machine or 'an unknown machine'}"
+    if (system, machine) not in FUTEX_SYSCALLS:
+        return f"the helper threads need Linux on x86-64 (the futex system call by number, rdtsc), not {where}"
+    if byteorder != "little" or pointer_bits != 64:
+        return f"the helper threads need a 64-bit little-endian process, not {pointer_bits}-bit {byteorder}-endian"
+    return ""
+
+
+def avx512(machine: str, features: dict) -> bool:
+    """Whether the 16-lane float32 kernels run: an x86-64 CPU whose features (llvmlite's host features,
+    name -> bool) include avx512f."""
+    return machine.lower() in _X86_64 and bool(features.get("avx512f"))
+
+
+def _host_features() -> dict:
+    from llvmlite import binding
+
+    try:
+        return dict(binding.get_host_cpu_features())
+    except RuntimeError:  # features unknown on this host
+        return {}
+
+
+SYSTEM, MACHINE = platform.system(), platform.machine()
+HELPERS_REFUSED = helper_threads_refusal(SYSTEM, MACHINE, sys.byteorder, 64 if sys.maxsize > 2**32 else 32)
+HELPER_THREADS = not HELPERS_REFUSED
+SYS_FUTEX = FUTEX_SYSCALLS.get((SYSTEM, MACHINE), -1)  # -1: no helper threads, never called
+AVX512 = avx512(MACHINE, _host_features())
