@@ -312,7 +312,7 @@ def convert_graph(gp: onnx.GraphProto, opsets: dict[str, int], outer_scope, init
         value_info=value_info, opsets=opsets, doc=gp.doc_string,
     )
     graph.nodes = topological_order(graph, set(outer_scope))
-    graph.outer_names = sorted(_outer_reads(graph, set(outer_scope))) if outer_scope else []
+    graph.outer_names = sorted(outer_reads(graph, set(outer_scope))) if outer_scope else []
     return graph
 
 
@@ -342,7 +342,7 @@ def implicit_inputs(node: Node) -> list[str]:
     return names
 
 
-def _outer_reads(graph: Graph, outer: set[str]) -> set[str]:
+def outer_reads(graph: Graph, outer: set[str]) -> set[str]:
     defined = set(graph.initializers) | {vi.name for vi in graph.inputs}
     reads: set[str] = set()
     for node in graph.nodes:

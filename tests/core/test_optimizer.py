@@ -48,10 +48,13 @@ def _init(name, array):
     return numpy_helper.from_array(np.asarray(array), name)
 
 
-def _check_value_info(graph):
-    """value_info describes exactly the values that exist (inputs, outputs, initializers, node outputs)."""
+def _check_value_info(graph, outer=False):
+    """value_info describes exactly the values that exist (inputs, outputs, initializers, node outputs, and in a
+    subgraph the outer values it reads)."""
     existing = {vi.name for vi in graph.inputs + graph.outputs} | set(graph.initializers)
     existing |= {out for node in graph.nodes for out in node.outputs if out}
+    if outer:
+        existing |= set(graph.outer_names)
     assert set(graph.value_info) <= existing, set(graph.value_info) - existing
 
 
@@ -273,16 +276,71 @@ def test_subgraphs_are_optimized_and_keep_their_outer_reads():
         np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x + 4 if x.sum() > 0 else x - 4)
 
 
-def test_a_node_with_subgraphs_is_not_folded_even_on_constant_inputs():
-    def branch(name, value):
-        body = [helper.make_node("Constant", [], [f"{name}_v"], value=helper.make_tensor("v", 1, [1], [value]))]
-        return helper.make_graph(body, name, [], [tensor_info(f"{name}_v", shape=[1])])
+def _constant_branch(name, value):
+    body = [helper.make_node("Constant", [], [f"{name}_v"], value=helper.make_tensor("v", 1, [1], [value]))]
+    return helper.make_graph(body, name, [], [tensor_info(f"{name}_v", shape=[1])])
 
-    nodes = [helper.make_node("If", ["flag"], ["k"], then_branch=branch("then", 1.0), else_branch=branch("else", 2.0)),
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_an_if_with_a_constant_condition_becomes_the_branch_it_takes(flag):
+    nodes = [helper.make_node("If", ["flag"], ["k"], then_branch=_constant_branch("then", 1.0),
+                              else_branch=_constant_branch("else", 2.0)),
              helper.make_node("Add", ["x", "k"], ["y"])]
     model = make_model(nodes, [tensor_info("x", shape=[2])], [tensor_info("y", shape=[2])],
-                       [_init("flag", np.array(True))])
-    assert _ops(_optimized(model)) == ["If", "Add"]
+                       [_init("flag", np.array(flag))])
+    sess = _optimized(model)
+    assert _ops(sess) == ["Add"]
+    x = np.array([1.0, -1.0], np.float32)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x + (1.0 if flag else 2.0))
+    _check_value_info(sess.model.graph)
+
+
+def test_an_if_decided_by_a_static_shape_inside_a_branch_is_inlined_there():
+    """Exporters guard squeezes with If(Shape(x)[-1] == 1): in a branch of an If the optimizer cannot decide
+    (its condition is a feed), the outer value's static shape still decides the inner one."""
+    def squeeze_guard(prefix):
+        inner_then = helper.make_graph([helper.make_node("Squeeze", ["x", "last"], [f"{prefix}_sq"])],
+                                       f"{prefix}_then", [], [tensor_info(f"{prefix}_sq", shape=None)])
+        inner_else = helper.make_graph([helper.make_node("Identity", ["x"], [f"{prefix}_id"])],
+                                       f"{prefix}_else", [], [tensor_info(f"{prefix}_id", shape=None)])
+        body = [helper.make_node("Shape", ["x"], [f"{prefix}_shape"]),
+                helper.make_node("Gather", [f"{prefix}_shape", "last"], [f"{prefix}_dim"]),
+                helper.make_node("Equal", [f"{prefix}_dim", "one"], [f"{prefix}_is_one"]),
+                helper.make_node("Squeeze", [f"{prefix}_is_one"], [f"{prefix}_cond"]),
+                helper.make_node("If", [f"{prefix}_cond"], [f"{prefix}_v"], then_branch=inner_then,
+                                 else_branch=inner_else),
+                helper.make_node("ReduceSum", [f"{prefix}_v"], [f"{prefix}_out"], keepdims=0)]
+        return helper.make_graph(body, prefix, [], [tensor_info(f"{prefix}_out", shape=None)])
+
+    nodes = [helper.make_node("If", ["flag"], ["y"], then_branch=squeeze_guard("a"), else_branch=squeeze_guard("b"))]
+    model = make_model(nodes, [tensor_info("x", shape=[2, 1]), tensor_info("flag", TensorProto.BOOL, shape=[])],
+                       [tensor_info("y", shape=None)],
+                       [_init("last", np.array([-1], np.int64)), _init("one", np.array([1], np.int64))])
+    sess = _session(model)
+    for branch in sess.model.graph.nodes[0].subgraphs():
+        assert [n.op_type for n in branch.nodes] == ["Squeeze", "ReduceSum"], branch.nodes
+        assert branch.outer_names == ["last", "x"]
+        _check_value_info(branch, outer=True)
+    x = np.array([[1.5], [2.0]], np.float32)
+    for flag in (True, False):
+        np.testing.assert_allclose(sess.run(None, {"x": x, "flag": np.array(flag)})[0], 3.5)
+
+
+def test_a_loop_is_not_folded_even_on_constant_inputs():
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("Add", ["acc", "step"], ["acc_out"])],
+        "body", [tensor_info("i", TensorProto.INT64, []), tensor_info("cond_in", TensorProto.BOOL, []),
+                 tensor_info("acc", shape=[1])],
+        [tensor_info("cond_out", TensorProto.BOOL, []), tensor_info("acc_out", shape=[1])])
+    nodes = [helper.make_node("Loop", ["trips", "", "start"], ["k"], body=body),
+             helper.make_node("Add", ["x", "k"], ["y"])]
+    model = make_model(nodes, [tensor_info("x", shape=[2])], [tensor_info("y", shape=[2])],
+                       [_init("trips", np.array(3, np.int64)), _init("start", np.zeros(1, np.float32)),
+                        _init("step", np.ones(1, np.float32))])
+    sess = _optimized(model)
+    assert _ops(sess) == ["Loop", "Add"]
+    np.testing.assert_array_equal(sess.run(None, {"x": np.zeros(2, np.float32)})[0], [3.0, 3.0])
 
 
 # -- Conv and BatchNormalization fusions ---------------------------------------------------------------------

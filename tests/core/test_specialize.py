@@ -149,3 +149,79 @@ def test_closing_the_session_closes_its_specializations():
     sess.run(None, _feeds(1, 2, 3))
     sess.close()
     assert not sess._specializer._exact and not sess._specializer._templates
+
+
+@functools.cache
+def _guarded_model():
+    """A model shaped like exported voice/streaming models: an If on a feed (a sample rate) whose branches pad
+    ``x`` by computed amounts, then squeeze its last axis only when it is 1 (If(Shape(x)[-1] == 1)), and
+    check the rank of the result before a reduction (If(Size(Shape(v)) == 2)). Nothing of this is constant
+    until ``x``'s shape is known, and then only inside the branches."""
+    def branch(prefix, scale):
+        def guard(name, cond, then_nodes, then_out, source):
+            then = helper.make_graph(then_nodes, f"{name}_then", [], [tensor_info(then_out, shape=None)])
+            other = helper.make_graph([helper.make_node("Identity", [source], [f"{name}_id"])], f"{name}_else", [],
+                                      [tensor_info(f"{name}_id", shape=None)])
+            return helper.make_node("If", [cond], [f"{name}_v"], then_branch=then, else_branch=other)
+
+        body = [
+            helper.make_node("Concat", ["zeros2", "pad_amount"], [f"{prefix}_pads"], axis=0),
+            helper.make_node("Pad", ["x", f"{prefix}_pads"], [f"{prefix}_padded"]),
+            helper.make_node("Shape", [f"{prefix}_padded"], [f"{prefix}_shape"]),
+            helper.make_node("Gather", [f"{prefix}_shape", "last"], [f"{prefix}_dim"]),
+            helper.make_node("Equal", [f"{prefix}_dim", "one"], [f"{prefix}_is_one"]),
+            helper.make_node("Squeeze", [f"{prefix}_is_one"], [f"{prefix}_cond"]),
+            guard(f"{prefix}_sq", f"{prefix}_cond",
+                  [helper.make_node("Squeeze", [f"{prefix}_padded", "last"], [f"{prefix}_squeezed"])],
+                  f"{prefix}_squeezed", f"{prefix}_padded"),
+            helper.make_node("Shape", [f"{prefix}_sq_v"], [f"{prefix}_vshape"]),
+            helper.make_node("Size", [f"{prefix}_vshape"], [f"{prefix}_rank"]),
+            helper.make_node("Equal", [f"{prefix}_rank", "two"], [f"{prefix}_is_matrix"]),
+            guard(f"{prefix}_mx", f"{prefix}_is_matrix",
+                  [helper.make_node("Unsqueeze", [f"{prefix}_sq_v", "last"], [f"{prefix}_lifted"])],
+                  f"{prefix}_lifted", f"{prefix}_sq_v"),
+            helper.make_node("Mul", [f"{prefix}_mx_v", scale], [f"{prefix}_scaled"]),
+            helper.make_node("ReduceSum", [f"{prefix}_scaled", "last"], [f"{prefix}_out"], keepdims=0),
+        ]
+        return helper.make_graph(body, prefix, [], [tensor_info(f"{prefix}_out", shape=None)])
+
+    nodes = [helper.make_node("Equal", ["rate", "rate_16k"], ["is_16k"]),
+             helper.make_node("If", ["is_16k"], ["y"], then_branch=branch("wide", "two_f"),
+                              else_branch=branch("narrow", "three_f"))]
+    inits = [_init("zeros2", np.zeros(3, np.int64)), _init("pad_amount", np.array([0, 0, 0], np.int64)),
+             _init("last", np.array([-1], np.int64)), _init("one", np.array([1], np.int64)),
+             _init("two", np.array(2, np.int64)), _init("rate_16k", np.array(16000, np.int64)),
+             _init("two_f", np.array(2, np.float32)), _init("three_f", np.array(3, np.float32))]
+    inputs = [tensor_info("x", TensorProto.FLOAT, ["a", "b", "c"]), tensor_info("rate", TensorProto.INT64, [])]
+    return make_model(nodes, inputs, [tensor_info("y", TensorProto.FLOAT, None)], inits, opset=17).SerializeToString()
+
+
+def _branch_ops(graph):
+    ops = []
+    for node in graph.walk():
+        ops.append(node.op_type)
+    return ops
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 1), (2, 4, 3), (4, 1, 1)])
+def test_shape_guards_inside_branches_fold_once_the_shapes_are_known(shape):
+    sess = ort.InferenceSession(_guarded_model(), providers=["cpu"])
+    generic = _session_of(_guarded_model(), **{"session.specialize_shapes": "0"})
+    x = RNG.standard_normal(shape).astype(np.float32)
+    for rate in (16000, 8000):
+        feeds = {"x": x, "rate": np.array(rate, np.int64)}
+        got, want = sess.run(None, feeds)[0], generic.run(None, feeds)[0]
+        squeezed = x[..., 0] if shape[-1] == 1 else x
+        lifted = squeezed[..., None] if squeezed.ndim == 2 else squeezed
+        np.testing.assert_allclose(got, (lifted * (2 if rate == 16000 else 3)).sum(-1), rtol=1e-6)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    ops = _branch_ops(sess.graph_for(feeds))
+    assert ops.count("If") == 1 and not {"Shape", "Size", "Gather", "Equal"} & set(ops[2:]), ops
+    assert "If" in _branch_ops(generic.graph_for(feeds))[2:]  # generically, the guards stay
+
+
+def _session_of(model, **config):
+    options = ort.SessionOptions()
+    for key, value in config.items():
+        options.add_session_config_entry(key, value)
+    return ort.InferenceSession(model, options, providers=["cpu"])

@@ -10,6 +10,7 @@ until a round changes nothing, then does the same in every subgraph (If/Loop/Sca
 from __future__ import annotations
 
 from ..ir import Graph, Node
+from ..loader import outer_reads
 from ..provider_handle import ProviderHandle
 from .attention_fusion import fuse_attention
 from .constant_folding import fold_constants
@@ -17,6 +18,7 @@ from .context import PassContext
 from .conv_fusion import fuse_batchnorm_affine, fuse_conv_add, fuse_conv_batchnorm, fuse_conv_mul
 from .elimination import eliminate_identities, remove_dead_nodes
 from .gemm_fusion import fuse_gemm_add, fuse_matmul_add, unflatten_gemm
+from .rewrite import share_outer_types
 from .sibling_matmul_fusion import fuse_sibling_matmuls
 
 # GraphOptimizationLevel values (not imported: the session package imports this one).
@@ -40,15 +42,19 @@ def passes_for(level: int) -> tuple:
     return BASIC_PASSES if level < ENABLE_EXTENDED else ALL_PASSES
 
 
-def optimize(graph: Graph, handles: list[ProviderHandle], level: int, disabled=()) -> list[str]:
+def optimize(graph: Graph, handles: list[ProviderHandle], level: int, disabled=(),
+             folded: dict | None = None) -> list[str]:
     """Optimize ``graph`` (and its subgraphs) in place; return the names (``optimizer:<pass>``) of
     the passes that changed it. ``disabled`` names passes to skip (``fold_constants`` or
-    ``optimizer:fold_constants``)."""
+    ``optimizer:fold_constants``); ``folded``, when given, receives the small values constant folding
+    computed (see PassContext.folded)."""
     skipped = {name.removeprefix("optimizer:") for name in disabled}
     passes = [p for p in passes_for(level) if p.__name__ not in skipped]
     applied: list[str] = []
     if passes:
-        _optimize(graph, passes, PassContext(graph, handles), applied)
+        context = PassContext(graph, handles)
+        context.folded = folded
+        _optimize(graph, passes, context, applied)
     return [f"optimizer:{name}" for name in applied]
 
 
@@ -64,9 +70,16 @@ def _optimize(graph: Graph, passes, context: PassContext, applied: list[str]) ->
                     applied.append(graph_pass.__name__)
         if not changed:
             break
-    for node in graph.nodes:
-        for sub in node.subgraphs():
-            _optimize(sub, passes, context, applied)
+    with context.inside(graph):
+        for node in graph.nodes:
+            for sub in node.subgraphs():
+                share_outer_types(sub, graph)
+                _optimize(sub, passes, context, applied)
+                # Folding may have dropped reads of outer values: the enclosing graph need not keep them.
+                read = sorted(outer_reads(sub, set(sub.outer_names)))
+                for name in set(sub.outer_names) - set(read):
+                    sub.value_info.pop(name, None)
+                sub.outer_names = read
 
 
 def _reads_graph_by_name(node: Node) -> bool:
@@ -75,4 +88,4 @@ def _reads_graph_by_name(node: Node) -> bool:
     return node.op_type == "Gradient" and node.domain == "ai.onnx.preview.training"
 
 
-__all__ = ["ALL_PASSES", "BASIC_PASSES", "PassContext", "optimize", "passes_for"]
+__all__ = ["ALL_PASSES", "BASIC_PASSES", "PassContext", "optimize", "passes_for", "share_outer_types"]

@@ -6,17 +6,24 @@ sweep, so chains fold at once), or when it only asks for the static shape of its
 what the run would have; ``ConstantOfShape`` of a constant shape, whose output the spec fixes
 (``value`` repeated), is filled here: exported models carry hundreds, and a provider round trip for
 each was a large share of their session creation (measured in b39d876).
+
+An ``If`` whose condition is constant becomes the nodes of the branch it takes, which fold in turn:
+exported models guard shape-dependent code with ``If`` on a shape comparison, and once a run's shapes
+are known (session/specialize.py) the comparison folds. In a subgraph, the enclosing graphs' constants
+and shapes (``PassContext.outer_constants``/``outer_types``) count as the subgraph's own.
 """
 
 from __future__ import annotations
 
 import math
+from collections import ChainMap
 
 import numpy as np
 
-from ..ir import Graph, Node
+from ..ir import Graph, Node, TypeInfo, ValueInfo
+from ..loader import SHAPE_VALUE_LIMIT
 from .context import PassContext
-from .rewrite import Uses, add_initializer
+from .rewrite import Uses, add_initializer, new_node, share_outer_types
 
 # Fresh values on every run, by design.
 NONDETERMINISTIC = frozenset({
@@ -32,18 +39,55 @@ TINY_BYTES = 4096
 
 
 def fold_constants(graph: Graph, context: PassContext) -> bool:
+    scope = _Scope(graph, context)
+    changed = False
+    while True:  # an inlined branch's nodes fold in the next sweep, and may decide another If
+        folded = _sweep(graph, context, scope)
+        inlined = _inline_decided_branches(graph, context, scope)
+        changed |= folded or inlined
+        if not inlined:
+            return changed
+
+
+def fold_constants_everywhere(graph: Graph, context: PassContext) -> bool:
+    """:func:`fold_constants` in ``graph`` and then, seeing its constants and shapes, in its subgraphs."""
+    changed = fold_constants(graph, context)
+    with context.inside(graph):
+        for node in graph.nodes:
+            for sub in node.subgraphs():
+                share_outer_types(sub, graph)
+                changed |= fold_constants_everywhere(sub, context)
+    return changed
+
+
+class _Scope:
+    """Constants and value types visible in ``graph``: its own, then the enclosing graphs'."""
+
+    def __init__(self, graph: Graph, context: PassContext):
+        self.graph = graph
+        self.constants = ChainMap(graph.initializers, context.outer_constants)  # type: ignore[arg-type]
+        self._outer_types = context.outer_types
+
+    def type_of(self, name: str) -> TypeInfo | None:
+        info = self.graph.value_info.get(name) or self._outer_types.get(name)
+        return info.type if info is not None else None
+
+
+def _sweep(graph: Graph, context: PassContext, scope: _Scope) -> bool:
     uses = Uses(graph)
     folded: set[int] = set()
     partial: dict[str, tuple] = {}  # Shape outputs with some dims unknown: their known dims, None elsewhere
     for node in graph.nodes:
-        values = _fold(node, graph, uses, context)
+        values = _fold(node, graph, uses, context, scope)
         if values is None:
-            values = _partial_shape_value(node, graph, partial)
+            values = _partial_shape_value(node, graph, partial, scope)
         if values is None:
             continue
         for name, value in zip(node.outputs, values):
             if name:
                 add_initializer(graph, name, value)
+                if context.folded is not None and value.size <= SHAPE_VALUE_LIMIT:
+                    context.folded[name] = value
         folded.add(id(node))
     if not folded:
         return False
@@ -51,20 +95,55 @@ def fold_constants(graph: Graph, context: PassContext) -> bool:
     return True
 
 
-def _fold(node: Node, graph: Graph, uses: Uses, context: PassContext) -> list[np.ndarray] | None:
+def _inline_decided_branches(graph: Graph, context: PassContext, scope: _Scope) -> bool:
+    """Replace each ``If`` with a constant condition by the branch it takes: the branch's nodes, constants
+    and value types join the graph (ONNX names are unique across subgraphs, so nothing clashes), and an
+    Identity per output gives the If's outputs their values (eliminate_identities removes most)."""
+    nodes: list[Node] = []
+    inlined = False
+    for node in graph.nodes:
+        condition = scope.constants.get(node.inputs[0]) if node.op_type == "If" and node.inputs \
+            and node.domain in ("", "ai.onnx") else None
+        if condition is None or condition.size != 1:
+            nodes.append(node)
+            continue
+        branch = node.attr("then_branch" if bool(condition.reshape(-1)[0]) else "else_branch")
+        if not isinstance(branch, Graph) or len(branch.outputs) != len(node.outputs):
+            nodes.append(node)
+            continue
+        for name, array in branch.initializers.items():
+            graph.initializers[name] = array
+        for info in (*branch.value_info.values(), *branch.outputs):
+            graph.value_info.setdefault(info.name, info)
+        nodes.extend(branch.nodes)
+        opset = graph.opsets.get("", node.opset)
+        for source, target in zip(branch.outputs, node.outputs):
+            if target:
+                nodes.append(new_node("Identity", [source.name], [target], context.fresh(f"{node.name}_taken"), opset))
+                known = branch.value_info.get(source.name, source)  # the taken branch's type, not both's merge
+                if known.type.is_tensor and known.type.dtype is not None:
+                    graph.value_info[target] = ValueInfo(target, known.type)
+        inlined = True
+    if inlined:
+        graph.nodes = nodes
+    return inlined
+
+
+def _fold(node: Node, graph: Graph, uses: Uses, context: PassContext, scope: _Scope) -> list[np.ndarray] | None:
     """The node's output values when it can and should be folded, else None."""
     if node.domain not in FOLDABLE_DOMAINS or node.op_type in NONDETERMINISTIC:
         return None
     if any(out in uses.graph_outputs for out in node.outputs):
         return None  # graph outputs stay computed: a run returns fresh arrays, not a shared constant
-    static = _static_shape_value(node, graph)
+    static = _static_shape_value(node, scope)
     if static is None:
-        static = _filled_value(node, graph)
+        static = _filled_value(node, scope)
     if static is not None:
         return [static]
-    if any(name and name not in graph.initializers for name in node.inputs) or node.subgraphs():
+    constants = scope.constants
+    if any(name and name not in constants for name in node.inputs) or node.subgraphs():
         return None
-    inputs = [graph.initializers[name] if name else None for name in node.inputs]
+    inputs = [constants[name] if name else None for name in node.inputs]
     for array in inputs:
         if array is not None:
             array.flags.writeable = False  # a kernel must not be able to change a weight
@@ -82,11 +161,11 @@ def _fold(node: Node, graph: Graph, uses: Uses, context: PassContext) -> list[np
     return [value.copy() if isinstance(value, np.ndarray) and value.base is not None else value for value in values]
 
 
-def _static_shape_value(node: Node, graph: Graph) -> np.ndarray | None:
+def _static_shape_value(node: Node, scope: _Scope) -> np.ndarray | None:
     """``Shape`` or ``Size`` of a value whose shape is fully known, computed without running."""
     if node.op_type not in ("Shape", "Size") or node.domain not in ("", "ai.onnx") or not node.inputs:
         return None
-    info = graph.type_of(node.inputs[0])
+    info = scope.type_of(node.inputs[0])
     shape = info.static_shape if info is not None and info.is_tensor else None
     if shape is None:
         return None
@@ -96,14 +175,15 @@ def _static_shape_value(node: Node, graph: Graph) -> np.ndarray | None:
     return np.array(shape[slice(node.attr("start", 0), node.attr("end"))], dtype=np.int64)
 
 
-def _partial_shape_value(node: Node, graph: Graph, partial: dict[str, tuple]) -> list[np.ndarray] | None:
+def _partial_shape_value(node: Node, graph: Graph, partial: dict[str, tuple], scope: _Scope) \
+        -> list[np.ndarray] | None:
     """Where a shape is only partly known (a dimension symbolic): ``Shape`` is noted in ``partial``, and a
     ``Gather`` or ``Slice`` of it with constant indices that picks known dimensions only folds (the exporters'
     per-dimension Shape -> Gather/Slice chains)."""
     if node.domain not in ("", "ai.onnx") or not node.inputs:
         return None
     if node.op_type == "Shape":
-        info = graph.type_of(node.inputs[0])
+        info = scope.type_of(node.inputs[0])
         if info is not None and info.is_tensor and info.shape is not None:
             partial[node.outputs[0]] = tuple(
                 d if isinstance(d, int) else None for d in info.shape[slice(node.attr("start", 0), node.attr("end"))])
@@ -112,7 +192,7 @@ def _partial_shape_value(node: Node, graph: Graph, partial: dict[str, tuple]) ->
     if known is None or node.outputs[0] in {vi.name for vi in graph.outputs}:
         return None
     dims: tuple = known
-    constants = [graph.initializers.get(name) if name else None for name in node.inputs[1:]]
+    constants = [scope.constants.get(name) if name else None for name in node.inputs[1:]]
     if any(name and value is None for name, value in zip(node.inputs[1:], constants)):
         return None
     picked = None
@@ -140,13 +220,13 @@ def _partial_shape_value(node: Node, graph: Graph, partial: dict[str, tuple]) ->
     return [picked.astype(np.int64)]
 
 
-def _filled_value(node: Node, graph: Graph) -> np.ndarray | None:
+def _filled_value(node: Node, scope: _Scope) -> np.ndarray | None:
     """``ConstantOfShape`` of a constant, non-negative shape: ``value``'s one element (float32 zero
     without it) in every cell (generated from a tiny input: any size may fold, see _may_fold); anything
     else is left to the provider's kernel (which reports bad input at the run)."""
     if node.op_type != "ConstantOfShape" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 1:
         return None
-    shape = graph.initializers.get(node.inputs[0])
+    shape = scope.constants.get(node.inputs[0])
     value = node.attr("value")
     fill = np.zeros(1, dtype=np.float32) if value is None else np.asarray(value)
     if shape is None or shape.ndim != 1 or shape.dtype != np.int64 or fill.size != 1 or (shape < 0).any():

@@ -1,13 +1,17 @@
-"""What passes need beyond the graph: the session's providers (to evaluate and place nodes) and
-fresh value names."""
+"""What passes need beyond the graph: the session's providers (to evaluate and place nodes), fresh value
+names, and, in a subgraph, what the enclosing graphs know (their constants and value types)."""
 
 from __future__ import annotations
+
+from collections import ChainMap
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import numpy as np
 
 from ..devices import TensorLayout
 from ..dtypes import DataType
-from ..ir import Graph, Node
+from ..ir import Graph, Node, ValueInfo
 from ..provider_handle import ProviderHandle
 
 
@@ -15,6 +19,24 @@ class PassContext:
     def __init__(self, graph: Graph, handles: list[ProviderHandle]):
         self.handles = list(handles)
         self._names = _all_names(graph)
+        # Constants and value infos of the enclosing graphs while a pass runs on a subgraph (empty at the top):
+        # a branch reads its graph's shapes and constants by name, and folds with them.
+        self.outer_constants: Mapping[str, np.ndarray] = {}
+        self.outer_types: Mapping[str, ValueInfo] = {}
+        # Where set, constant folding records here the small values it computed (by name, in any graph):
+        # shape specialization tells onnx inference about them (session/specialize.py).
+        self.folded: dict[str, np.ndarray] | None = None
+
+    @contextmanager
+    def inside(self, parent: Graph) -> Iterator[None]:
+        """Passes run meanwhile on a subgraph of ``parent``: its constants and types become the outer ones."""
+        saved = self.outer_constants, self.outer_types
+        self.outer_constants = ChainMap(parent.initializers, saved[0])  # type: ignore[arg-type]
+        self.outer_types = ChainMap(parent.value_info, saved[1])  # type: ignore[arg-type]
+        try:
+            yield
+        finally:
+            self.outer_constants, self.outer_types = saved
 
     def fresh(self, base: str) -> str:
         """A value or node name no graph of the model uses yet (so no subgraph can see it shadowed)."""

@@ -152,6 +152,15 @@ def remove_nodes(graph: Graph, removed: list[Node]) -> None:
                 forget_value(graph, out)
 
 
+def share_outer_types(sub: Graph, parent: Graph) -> None:
+    """Give ``sub``'s value_info the types ``parent`` knows of the outer values ``sub`` reads, so that its
+    passes and its kernels see their shapes as the enclosing graph does."""
+    for name in sub.outer_names:
+        info = parent.value_info.get(name)
+        if info is not None:
+            sub.value_info[name] = info
+
+
 def channel_vector(array: np.ndarray, rank: int, channels: int) -> np.ndarray | None:
     """``array`` as one value per channel (axis 1) when, broadcast against a rank-``rank`` tensor
     with ``channels`` channels, it varies along that axis at most and adds no dimension."""

@@ -219,10 +219,11 @@ class InferenceSession:
         self._provider_options = {name: dict(opts) for name, opts in requested}
         graph = self._model.graph
         self._disabled = kwargs.get("disabled_optimizers") or ()
+        folded: dict = {}
         optimized = optimize(graph, self._handles, self._sess_options.graph_optimization_level,
-                             disabled=self._disabled)
+                             disabled=self._disabled, folded=folded)
         self._applied_passes = _run_custom_passes(graph, self._handles, optimized)
-        self._specializer = self._specializer_for(graph)
+        self._specializer = self._specializer_for(graph, folded)
         self._placement, assignment = place(graph, self._handles, FunctionExpander(self._model.functions))
         self._executor = Executor(graph, assignment, self._placement)
         if _config_flag(self._sess_options, GRAPH_CAPTURE_KEY):
@@ -240,7 +241,7 @@ class InferenceSession:
         self._profile_runs: list[float] = []
         self._closed = False
 
-    def _specializer_for(self, graph) -> Specializer | None:
+    def _specializer_for(self, graph, folded: dict) -> Specializer | None:
         """Shape specialization (session/specialize.py) for a graph whose inputs have symbolic dimensions,
         when the optimizer runs, every provider works on the host and the config does not turn it off
         (``session.specialize_shapes`` = "0")."""
@@ -251,7 +252,7 @@ class InferenceSession:
                 or all(vi.type.static_shape is not None or not vi.type.is_tensor for vi in graph.inputs):
             return None
         return Specializer(graph, [vi.name for vi in graph.inputs], self._model.inference_proto, self._handles,
-                           self._specialize)
+                           self._specialize, folded)
 
     def _specialize(self, graph) -> Executor:
         """The optimizer, the providers' passes, placement and a planned executor over ``graph`` (a copy of

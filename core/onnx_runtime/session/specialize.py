@@ -28,7 +28,7 @@ from onnx import numpy_helper
 from ..ir import Graph, ValueInfo, clone_graph
 from ..loader import SHAPE_VALUE_LIMIT, convert_type, infer_graph
 from ..optimizer import PassContext
-from ..optimizer.constant_folding import fold_constants
+from ..optimizer.constant_folding import fold_constants_everywhere
 from ..provider_handle import ProviderHandle
 from .executor import Executor
 
@@ -70,11 +70,14 @@ class Specializer:
     """The specialized executors of one session, made on first sight of a signature."""
 
     def __init__(self, graph: Graph, inputs: list[str], proto: onnx.ModelProto, handles: list[ProviderHandle],
-                 prepare: Callable[[Graph], Executor]):
+                 prepare: Callable[[Graph], Executor], folded: dict[str, np.ndarray] | None = None):
         self._graph = clone_graph(graph)  # the session's optimized graph, before placement
         self._inputs = inputs
         self._proto = proto
-        self._produced = {out for node in proto.graph.node for out in node.output if out}
+        self._produced = {out for sub in _graph_protos(proto.graph) for node in sub.node for out in node.output if out}
+        # What folding at session creation computed of the model's values: the optimized graph may no longer
+        # hold them (an If it decided is gone with its condition), but inference over the model needs them.
+        self._creation_constants = {name: value for name, value in (folded or {}).items() if name in self._produced}
         self._handles = handles
         self._prepare = prepare
         self._exact: dict[tuple, Executor | None] = {}
@@ -158,16 +161,17 @@ class Specializer:
         at values it cannot compute (a Range of computed bounds, say) and constant folding at unknown shapes:
         rounds alternate between them, inference seeing what folding found, until neither finds more."""
         context = PassContext(graph, self._handles)
-        found: dict[str, np.ndarray] = {}
+        found: dict[str, np.ndarray] = dict(self._creation_constants)
         for _ in range(MAX_ROUNDS):
             inferred = self._infer(dims, found)
             if inferred is None:
-                return bool(found)
+                return len(found) > len(self._creation_constants)
             _apply_types(graph, inferred)
-            before = set(graph.initializers)
-            fold_constants(graph, context)
-            new = {name: graph.initializers[name] for name in graph.initializers.keys() - before
-                   if name in self._produced and graph.initializers[name].size <= SHAPE_VALUE_LIMIT}
+            fold_constants_everywhere(graph, context)
+            # What the model computes and the graph holds as a constant (folded now, or at session creation
+            # where inference had not seen it) is a constant for the next round's inference.
+            new = {name: value for name, value in _constants(graph).items()
+                   if name not in found and name in self._produced and value.size <= SHAPE_VALUE_LIMIT}
             if not new:
                 return True
             found.update(new)
@@ -175,7 +179,7 @@ class Specializer:
 
     def _infer(self, dims: tuple, found: dict[str, np.ndarray]) -> onnx.GraphProto | None:
         """onnx shape inference over the model with input shapes ``dims`` and the values ``found`` so far as
-        constants (the nodes that produced them dropped)."""
+        constants of the graphs that computed them (the nodes that produced them dropped)."""
         proto = onnx.ModelProto()
         proto.CopyFrom(self._proto)
         by_name = {vi.name: vi for vi in proto.graph.input}
@@ -192,27 +196,137 @@ class Specializer:
                 else:
                     entry.dim_param = f"specialized_{dim[0]}"
         if found:
-            kept = [node for node in proto.graph.node if not all(out in found for out in node.output if out)]
-            del proto.graph.node[:]
-            proto.graph.node.extend(kept)
-            proto.graph.initializer.extend(numpy_helper.from_array(value, name) for name, value in found.items())
+            _substitute(proto.graph, found)
         return infer_graph(proto)
 
 
+def _graph_protos(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
+    """``graph`` and every subgraph in it, depth first."""
+    found = [graph]
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                found.extend(_graph_protos(attribute.g))
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for sub in attribute.graphs:
+                    found.extend(_graph_protos(sub))
+    return found
+
+
+def _substitute(graph: onnx.GraphProto, found: dict[str, np.ndarray],
+                outer: dict[str, onnx.TensorProto] | None = None) -> None:
+    """Replace the nodes of ``graph`` and its subgraphs that compute values of ``found`` by initializers
+    of the graph they were in, and each ``If`` that ``found`` decides by the branch it takes (as constant
+    folding inlines it: the branch's nodes, then an Identity per output). ``outer``: the small constants of
+    the enclosing graphs, which onnx's inference of a subgraph does not see as values: a subgraph reads
+    them through local copies."""
+    while _substitute_here(graph, found):  # an inlined branch may hold more of both
+        pass
+    if outer:
+        _localize(graph, outer)
+    visible = dict(outer or {})
+    visible.update((init.name, init) for init in graph.initializer if _elements(init) <= SHAPE_VALUE_LIMIT)
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                _substitute(attribute.g, found, visible)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for sub in attribute.graphs:
+                    _substitute(sub, found, visible)
+
+
+def _elements(tensor: onnx.TensorProto) -> int:
+    count = 1
+    for dim in tensor.dims:
+        count *= dim
+    return count
+
+
+def _localize(graph: onnx.GraphProto, outer: dict[str, onnx.TensorProto]) -> None:
+    """Make ``graph``'s nodes read the outer constants they use from copies local to ``graph`` (fresh names:
+    a subgraph may not redefine an outer name). Only inputs are renamed; every value keeps its name."""
+    defined = {init.name for init in graph.initializer} | {vi.name for vi in graph.input}
+    defined.update(out for node in graph.node for out in node.output)
+    aliases: dict[str, str] = {}
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            if not name or name in defined or name not in outer:
+                continue
+            alias = aliases.get(name)
+            if alias is None:
+                alias = aliases[name] = f"{name}__specialized_{len(defined)}_{len(aliases)}"
+                copy = graph.initializer.add()
+                copy.CopyFrom(outer[name])
+                copy.name = alias
+            node.input[index] = alias
+
+
+def _substitute_here(graph: onnx.GraphProto, found: dict[str, np.ndarray]) -> bool:
+    kept: list[onnx.NodeProto] = []
+    changed = False
+    for node in graph.node:
+        outputs = [out for out in node.output if out]
+        if outputs and all(out in found for out in outputs):
+            graph.initializer.extend(numpy_helper.from_array(found[out], out) for out in outputs)
+        elif node.op_type == "If" and node.domain in ("", "ai.onnx") and node.input[0] in found \
+                and found[node.input[0]].size == 1:
+            taken = "then_branch" if bool(found[node.input[0]].reshape(-1)[0]) else "else_branch"
+            branch = next(a.g for a in node.attribute if a.name == taken)
+            kept.extend(branch.node)
+            graph.initializer.extend(branch.initializer)
+            kept.extend(onnx.helper.make_node("Identity", [source.name], [target])
+                        for source, target in zip(branch.output, node.output) if target)
+        else:
+            kept.append(node)
+            continue
+        changed = True
+    if changed:
+        del graph.node[:]  # (re-adding copies the nodes: subgraphs are reached after this, on the copies)
+        graph.node.extend(kept)
+    return changed
+
+
+def _constants(graph: Graph) -> dict[str, np.ndarray]:
+    """The initializers of ``graph`` and its subgraphs, by name (unique model-wide)."""
+    found = dict(graph.initializers)
+    for node in graph.nodes:
+        for sub in node.subgraphs():
+            found.update(_constants(sub))
+    return found
+
+
 def _apply_types(graph: Graph, inferred: onnx.GraphProto) -> None:
-    """Give ``graph``'s values (and inputs) the types inference found; values the optimizer created keep
-    theirs. A dimension inference left unknown stays as the graph had it."""
-    found = {vi.name: vi for vi in (*inferred.value_info, *inferred.input, *inferred.output)}
-    for name, vi in found.items():
-        old = graph.value_info.get(name)
-        if old is None and name not in {i.name for i in graph.inputs}:
-            continue
-        new = convert_type(vi.type)
-        if old is not None and old.type.is_tensor and new.is_tensor and new.shape is not None \
-                and old.type.shape is not None and len(old.type.shape) == len(new.shape):
-            new.shape = tuple(n if n is not None else o for n, o in zip(new.shape, old.type.shape))
-        if old is not None and (not new.is_tensor or new.dtype is None):
-            continue
-        graph.value_info[name] = ValueInfo(name, new)
+    """Give ``graph``'s values (and inputs), and its subgraphs' values, the types inference found; values the
+    optimizer created keep theirs. A dimension inference left unknown stays as the graph had it."""
+    found: dict[str, onnx.ValueInfoProto] = {}
+    for sub in _graph_protos(inferred):  # names are unique model-wide
+        for vi in (*sub.value_info, *sub.input, *sub.output):
+            found.setdefault(vi.name, vi)
+    _apply_found(graph, found)
+
+
+def _apply_found(graph: Graph, found: dict) -> None:
+    for name, old in list(graph.value_info.items()):
+        vi = found.get(name)
+        if vi is not None:
+            _update(graph, name, old, vi)
+    # Values the graph has but knew no type of (an input, or a node output inference had left untyped).
+    untyped = {vi.name for vi in graph.inputs} | {out for node in graph.nodes for out in node.outputs if out}
+    for name in untyped - graph.value_info.keys():
+        if name in found:
+            _update(graph, name, None, found[name])
     graph.inputs = [ValueInfo(vi.name, graph.value_info[vi.name].type, vi.doc) if vi.name in graph.value_info else vi
                     for vi in graph.inputs]
+    for node in graph.nodes:
+        for sub in node.subgraphs():
+            _apply_found(sub, found)
+
+
+def _update(graph: Graph, name: str, old: ValueInfo | None, vi: onnx.ValueInfoProto) -> None:
+    new = convert_type(vi.type)
+    if old is not None and old.type.is_tensor and new.is_tensor and new.shape is not None \
+            and old.type.shape is not None and len(old.type.shape) == len(new.shape):
+        new.shape = tuple(n if n is not None else o for n, o in zip(new.shape, old.type.shape))
+    if old is not None and (not new.is_tensor or new.dtype is None):
+        return
+    graph.value_info[name] = ValueInfo(name, new)
