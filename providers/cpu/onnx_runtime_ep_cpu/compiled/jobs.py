@@ -47,8 +47,8 @@ def split_conv(xp, weights, bias, y, residual, flags, bounds, geometry, taps, pa
                mailboxes, states, runner):
     """A packed convolution's tasks in parts (see CONV): part i > 0 posted to helper i - 1 from here (as
     split_product's), part 0 run on the calling thread through ``own``, its mailbox (workers.local_mailbox),
-    by the same runner as the helpers' (conv_tasks compiled into this function measured 2-7% slower on whole
-    models); the caller then claims what no helper has (the parts of helpers asleep or missing, and the
+    by the same runner as the helpers' (conv_tasks compiled into this function was slower on whole models:
+    6ce6c5d); the caller then claims what no helper has (the parts of helpers asleep or missing, and the
     tasks of a helper that fell behind). ``geometry`` holds conv_tasks' scalars (m_rows, oh, ow, grid,
     channels, kh, kw, sh, sw, dh, dw, wp, plane) and by_lanes (lanes.lane_tasks runs the parts); ``claims``
     zeros, one per part. Returns workers.collect's result."""
@@ -278,8 +278,8 @@ def split_depthwise(x, weights, bias, y, multiplier, in_shape, out, strides, beg
                     places, grid, source, activation, direct, bounds, own, mailboxes, states, runner):
     """One image's depthwise convolution in parts, channels bounds[i] .. bounds[i + 1] for part i (weights
     (M, K), bias (M,) and y (M, P) per output channel, ``multiplier`` outputs per channel), posted as
-    split_conv's (through workers.run's Python a small layer took ~3 us more: 40.7 -> 37.1 us for 544
-    channels of 7x7 on two threads). Returns workers.collect's result."""
+    split_conv's (workers.run's Python cost a small layer measurably more: 8de201a). Returns
+    workers.collect's result."""
     parts = bounds.shape[0] - 1
     helpers = min(parts - 1, mailboxes.shape[0])
     here = np.ones(parts, dtype=np.bool_)

@@ -2,8 +2,8 @@
 packed products of matmul.py, attention.py's tiles, the few-row products of gemv.py, pooling, batch
 normalization, depthwise convolution), waiting for work by spinning in compiled code.
 
-A Python thread pool hands work over through locks and the GIL: ~50 µs on this kind of machine
-before the helper starts, more than many convolutions take. Here each helper thread runs a compiled
+A Python thread pool hands work over through locks and the GIL: tens of microseconds before the
+helper starts, more than many convolutions take (0f3b016). Here each helper thread runs a compiled
 loop (``_serve``) that watches its mailbox, an int64 array: the caller writes a job there (the
 arrays' addresses and shapes, the loop's scalars, and the address of the compiled runner of its
 Kind) and bumps a sequence number, the helper runs it and publishes the number back, all through
@@ -22,17 +22,17 @@ since a job's Python costs about as much as a small convolution's arithmetic.
 
 Measured on a 2-CPU virtual machine, and built around it:
 - The spin reads the time-stamp counter; the ``pause`` instruction made the host trap the spinning
-  CPU (pause-loop exiting), which slowed memory-bound work on the other CPU fivefold.
+  CPU (pause-loop exiting), which slowed memory-bound work on the other CPU several times over (0f3b016).
 - A helper idle for ``_SPIN_SECONDS`` sleeps in the kernel (a futex, from compiled code), so an idle
   process burns no CPU. Waking a blocked thread took up to milliseconds (the host deschedules an
   idle virtual CPU), so a caller that finds its helper asleep does the whole job itself and only
   wakes the helper for later jobs. The helper never takes the GIL after it starts: one that slept on
-  a Python Event made the caller stall in GIL handoffs, whole 5 ms switch intervals, on waking it.
+  a Python Event made the caller stall in GIL handoffs, whole switch intervals, on waking it (c8dc8a0).
 - A helper the scheduler put on the caller's CPU is moved off it (``Helpers._spread``).
 - A part its helper has not started by the time the caller has run its own is taken back (claimed
   by compare-and-swap, ``collect``) and run by the caller: such a helper is descheduled, e.g. behind
-  another pool spinning on its CPU, and waiting for it cost whole time slices (a GPT prefill next to
-  onnxruntime's spinning pool: 13 -> 10 ms per run; on an idle machine the helper always starts first).
+  another pool spinning on its CPU, and waiting for it cost whole time slices (7c8544f; on an idle
+  machine the helper always starts first).
 - A helper that started but runs slowly (its CPU shared with another busy process) is not waited for
   either where a kernel cuts each thread's share into tasks claimed one at a time (``claim_task``; the
   packed convolution, jobs.CONV; jobs.MATMUL claims shares whole): the thread that finished first claims
@@ -218,9 +218,8 @@ def _publish(m):
 
 # Sleeping and waking through a futex on the SLEEPING slot (its low 32 bits: x86-64 is little-endian),
 # from compiled code: a helper that waited on a Python Event needed the GIL to wake, and the caller's
-# thread, made to hand the GIL over, stalled for whole 5 ms switch intervals (decode steps of 5-15 ms
-# instead of 0.8 after each idle spell, measured). Linux x86-64 only (host.py); the futex wait has no
-# timeout.
+# thread, made to hand the GIL over, stalled for whole switch intervals after each idle spell (c8dc8a0).
+# Linux x86-64 only (host.py); the futex wait has no timeout.
 _SYS_FUTEX, _FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = host.SYS_FUTEX, host.FUTEX_WAIT_PRIVATE, host.FUTEX_WAKE_PRIVATE
 
 
