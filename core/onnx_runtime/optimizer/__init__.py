@@ -10,7 +10,6 @@ until a round changes nothing, then does the same in every subgraph (If/Loop/Sca
 from __future__ import annotations
 
 from ..ir import Graph, Node
-from ..loader import outer_reads
 from ..provider_handle import ProviderHandle
 from .attention_fusion import fuse_attention
 from .constant_folding import fold_constants
@@ -18,7 +17,7 @@ from .context import PassContext
 from .conv_fusion import fuse_batchnorm_affine, fuse_conv_add, fuse_conv_batchnorm, fuse_conv_mul
 from .elimination import eliminate_identities, remove_dead_nodes
 from .gemm_fusion import fuse_gemm_add, fuse_matmul_add, unflatten_gemm
-from .rewrite import share_outer_types
+from .rewrite import visit_subgraphs
 from .sibling_matmul_fusion import fuse_sibling_matmuls
 
 # GraphOptimizationLevel values (not imported: the session package imports this one).
@@ -70,16 +69,7 @@ def _optimize(graph: Graph, passes, context: PassContext, applied: list[str]) ->
                     applied.append(graph_pass.__name__)
         if not changed:
             break
-    with context.inside(graph):
-        for node in graph.nodes:
-            for sub in node.subgraphs():
-                share_outer_types(sub, graph)
-                _optimize(sub, passes, context, applied)
-                # Folding may have dropped reads of outer values: the enclosing graph need not keep them.
-                read = sorted(outer_reads(sub, set(sub.outer_names)))
-                for name in set(sub.outer_names) - set(read):
-                    sub.value_info.pop(name, None)
-                sub.outer_names = read
+    visit_subgraphs(graph, context, lambda sub: _optimize(sub, passes, context, applied))
 
 
 def _reads_graph_by_name(node: Node) -> bool:
@@ -88,4 +78,4 @@ def _reads_graph_by_name(node: Node) -> bool:
     return node.op_type == "Gradient" and node.domain == "ai.onnx.preview.training"
 
 
-__all__ = ["ALL_PASSES", "BASIC_PASSES", "PassContext", "optimize", "passes_for", "share_outer_types"]
+__all__ = ["ALL_PASSES", "BASIC_PASSES", "PassContext", "optimize", "passes_for"]

@@ -23,7 +23,7 @@ import numpy as np
 from ..ir import Graph, Node, TypeInfo, ValueInfo
 from ..loader import SHAPE_VALUE_LIMIT
 from .context import PassContext
-from .rewrite import Uses, add_initializer, new_node, share_outer_types
+from .rewrite import Uses, add_initializer, new_node, visit_subgraphs
 
 # Fresh values on every run, by design.
 NONDETERMINISTIC = frozenset({
@@ -51,13 +51,9 @@ def fold_constants(graph: Graph, context: PassContext) -> bool:
 
 def fold_constants_everywhere(graph: Graph, context: PassContext) -> bool:
     """:func:`fold_constants` in ``graph`` and then, seeing its constants and shapes, in its subgraphs."""
-    changed = fold_constants(graph, context)
-    with context.inside(graph):
-        for node in graph.nodes:
-            for sub in node.subgraphs():
-                share_outer_types(sub, graph)
-                changed |= fold_constants_everywhere(sub, context)
-    return changed
+    changed = [fold_constants(graph, context)]
+    visit_subgraphs(graph, context, lambda sub: changed.append(fold_constants_everywhere(sub, context)))
+    return any(changed)
 
 
 class _Scope:
@@ -80,7 +76,7 @@ def _sweep(graph: Graph, context: PassContext, scope: _Scope) -> bool:
     for node in graph.nodes:
         values = _fold(node, graph, uses, context, scope)
         if values is None:
-            values = _partial_shape_value(node, graph, partial, scope)
+            values = _partial_shape_value(node, uses, partial, scope)
         if values is None:
             continue
         for name, value in zip(node.outputs, values):
@@ -175,7 +171,7 @@ def _static_shape_value(node: Node, scope: _Scope) -> np.ndarray | None:
     return np.array(shape[slice(node.attr("start", 0), node.attr("end"))], dtype=np.int64)
 
 
-def _partial_shape_value(node: Node, graph: Graph, partial: dict[str, tuple], scope: _Scope) \
+def _partial_shape_value(node: Node, uses: Uses, partial: dict[str, tuple], scope: _Scope) \
         -> list[np.ndarray] | None:
     """Where a shape is only partly known (a dimension symbolic): ``Shape`` is noted in ``partial``, and a
     ``Gather`` or ``Slice`` of it with constant indices that picks known dimensions only folds (the exporters'
@@ -189,7 +185,7 @@ def _partial_shape_value(node: Node, graph: Graph, partial: dict[str, tuple], sc
                 d if isinstance(d, int) else None for d in info.shape[slice(node.attr("start", 0), node.attr("end"))])
         return None
     known = partial.get(node.inputs[0])
-    if known is None or node.outputs[0] in {vi.name for vi in graph.outputs}:
+    if known is None or node.outputs[0] in uses.graph_outputs:
         return None
     dims: tuple = known
     constants = [scope.constants.get(name) if name else None for name in node.inputs[1:]]

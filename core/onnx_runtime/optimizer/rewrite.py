@@ -6,6 +6,7 @@ inputs and outputs, and keeps ``graph.value_info`` describing exactly the values
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cached_property
 
 import numpy as np
@@ -13,7 +14,8 @@ import onnx
 
 from ..dtypes import DataType
 from ..ir import Graph, Node, TypeInfo, ValueInfo
-from ..loader import implicit_inputs
+from ..loader import implicit_inputs, outer_reads
+from .context import PassContext
 
 
 class Uses:
@@ -152,13 +154,23 @@ def remove_nodes(graph: Graph, removed: list[Node]) -> None:
                 forget_value(graph, out)
 
 
-def share_outer_types(sub: Graph, parent: Graph) -> None:
-    """Give ``sub``'s value_info the types ``parent`` knows of the outer values ``sub`` reads, so that its
-    passes and its kernels see their shapes as the enclosing graph does."""
-    for name in sub.outer_names:
-        info = parent.value_info.get(name)
-        if info is not None:
-            sub.value_info[name] = info
+def visit_subgraphs(graph: Graph, context: PassContext, visit: Callable[[Graph], object]) -> None:
+    """``visit(sub)`` for each subgraph of ``graph``, with ``graph``'s constants and shapes as the outer ones
+    (``context.inside``) and the types of the outer values ``sub`` reads in its value_info, so its passes and
+    kernels see their shapes; afterwards ``sub``'s outer reads are recomputed (folding may have dropped some,
+    which the enclosing graph then need not keep)."""
+    with context.inside(graph):
+        for node in graph.nodes:
+            for sub in node.subgraphs():
+                for name in sub.outer_names:
+                    info = graph.value_info.get(name)
+                    if info is not None:
+                        sub.value_info[name] = info
+                visit(sub)
+                read = sorted(outer_reads(sub, set(sub.outer_names)))
+                for name in set(sub.outer_names) - set(read):
+                    sub.value_info.pop(name, None)
+                sub.outer_names = read
 
 
 def channel_vector(array: np.ndarray, rank: int, channels: int) -> np.ndarray | None:

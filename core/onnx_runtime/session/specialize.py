@@ -204,12 +204,18 @@ def _graph_protos(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
     """``graph`` and every subgraph in it, depth first."""
     found = [graph]
     for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                found.extend(_graph_protos(attribute.g))
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for sub in attribute.graphs:
-                    found.extend(_graph_protos(sub))
+        for sub in _node_subgraphs(node):
+            found.extend(_graph_protos(sub))
+    return found
+
+
+def _node_subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    found: list[onnx.GraphProto] = []
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            found.append(attribute.g)
+        elif attribute.type == onnx.AttributeProto.GRAPHS:
+            found.extend(attribute.graphs)
     return found
 
 
@@ -227,12 +233,8 @@ def _substitute(graph: onnx.GraphProto, found: dict[str, np.ndarray],
     visible = dict(outer or {})
     visible.update((init.name, init) for init in graph.initializer if _elements(init) <= SHAPE_VALUE_LIMIT)
     for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                _substitute(attribute.g, found, visible)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for sub in attribute.graphs:
-                    _substitute(sub, found, visible)
+        for sub in _node_subgraphs(node):
+            _substitute(sub, found, visible)
 
 
 def _elements(tensor: onnx.TensorProto) -> int:
@@ -289,9 +291,9 @@ def _substitute_here(graph: onnx.GraphProto, found: dict[str, np.ndarray]) -> bo
 def _constants(graph: Graph) -> dict[str, np.ndarray]:
     """The initializers of ``graph`` and its subgraphs, by name (unique model-wide)."""
     found = dict(graph.initializers)
-    for node in graph.nodes:
+    for node in graph.walk():
         for sub in node.subgraphs():
-            found.update(_constants(sub))
+            found.update(sub.initializers)
     return found
 
 
