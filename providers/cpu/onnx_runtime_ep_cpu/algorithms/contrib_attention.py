@@ -1,5 +1,6 @@
 """The arithmetic of onnxruntime's contrib attention operators (com.microsoft Attention, MultiHeadAttention,
-GroupQueryAttention, RotaryEmbedding): heads, rotary embedding, the additive masks of their key-padding
+GroupQueryAttention, RotaryEmbedding), whose grouped products and in-place softmax the ONNX Attention kernel
+(ops/transformer.py) uses too: heads, rotary embedding, the additive masks of their key-padding
 conventions, and scaled dot-product attention with grouped key/value heads, a soft cap and a softmax sink.
 
 Everything here runs in the caller's compute dtype (float32 for half-precision inputs); masks are additive

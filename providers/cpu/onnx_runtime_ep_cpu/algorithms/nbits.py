@@ -21,11 +21,6 @@ def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
     return values.reshape(packed.shape[:-1] + (packed.shape[-1] * per_byte,))
 
 
-def nibbles(values: np.ndarray) -> np.ndarray:
-    """The integer values of an int4/uint4 array (ml_dtypes keeps each in its own byte) as int64."""
-    return np.asarray(values).astype(np.int64)
-
-
 def block_weights(quantized, scales, zero_points, group) -> np.ndarray:
     """Dequantized (N, K) weights in float64: ``(q - zero_point) * scale`` per element, each column k of
     row n taking block ``group[k]``'s scale and zero point from row n of (N, blocks) ``scales`` and

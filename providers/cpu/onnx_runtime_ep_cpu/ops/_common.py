@@ -19,6 +19,11 @@ def graph_error(node, attr: str, message: str) -> InvalidGraphError:
     return InvalidGraphError(f"node {node.name!r} ({node.op_type}): attribute {attr!r} {message}")
 
 
+def has_input(node, index: int) -> bool:
+    """Whether the node gives an optional input at ``index`` (listed and named)."""
+    return len(node.inputs) > index and bool(node.inputs[index])
+
+
 def wants_output(node, index: int) -> bool:
     """Whether the node lists an optional output at ``index``."""
     return len(node.outputs) > index

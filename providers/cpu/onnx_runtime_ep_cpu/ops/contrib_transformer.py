@@ -25,21 +25,12 @@ from ..algorithms.contrib_attention import (
 )
 from ..algorithms.precision import compute_dtype
 from ..registry import register
-from ._common import CONTRIB_DOMAIN, argument_error, graph_error
+from ._common import CONTRIB_DOMAIN, argument_error, graph_error, has_input, wants_output
 
 _MASK_SHAPES = "(B), (2 * B), (B, T), (B, S, T) or (B, 1, M, M) with M >= T"
 
 
 # -- shared --------------------------------------------------------------------------------------
-
-
-def _given(node, index: int) -> bool:
-    return len(node.inputs) > index and bool(node.inputs[index])
-
-
-def _lists(node, index: int) -> bool:
-    """Whether the node lists output ``index`` (named or not: the kernel returns every listed output)."""
-    return len(node.outputs) > index
 
 
 def _positive(node, attr: str) -> int:
@@ -140,7 +131,7 @@ class _Attention:
         """(keys, values, present, past length): the keys and values attended and the present state."""
         node = self.node
         if past is None:
-            return k, v, (np.stack((k, v)) if _lists(node, 1) else None), 0
+            return k, v, (np.stack((k, v)) if wants_output(node, 1) else None), 0
         if past.ndim != 5 or past.shape[0] != 2 or past.shape[1:3] != k.shape[:2] or past.shape[4] != k.shape[3] \
                 or k.shape[3] != v.shape[3]:
             raise argument_error(node, f"past has shape {past.shape}; expected (2, {k.shape[0]}, {k.shape[1]}, "
@@ -169,7 +160,7 @@ class _Attention:
         scores_bias = _with_attention_bias(node, scores_bias, attention_bias, (batch, heads, q_len, total), dtype)
         y, _ = attend(q, keys, values, _scale(node, q.shape[3]), scores_bias)
         outputs = [merge_heads(y).astype(x.dtype, copy=False)]
-        if _lists(node, 1):
+        if wants_output(node, 1):
             outputs.append(present.astype(x.dtype, copy=False))
         return tuple(outputs)
 
@@ -289,10 +280,10 @@ class _MultiHeadAttention:
         scores_bias = _padding_bias(node, key_padding_mask, shape[0], shape[2], shape[3], past, dtype)
         scores_bias = _unidirectional(node, scores_bias, shape[2], shape[3], past, dtype)
         scores_bias = _with_attention_bias(node, scores_bias, attention_bias, shape, dtype)
-        y, scores = attend(q, keys, values, _scale(node, q.shape[3]), scores_bias, keep=_lists(node, 3))
+        y, scores = attend(q, keys, values, _scale(node, q.shape[3]), scores_bias, keep=wants_output(node, 3))
         outputs = [merge_heads(y).astype(query.dtype, copy=False), present_k, present_v]
         outputs[1:] = [t.astype(query.dtype, copy=False) for t in outputs[1:]]
-        if _lists(node, 3):
+        if wants_output(node, 3):
             logits = np.broadcast_to(scores.logits, shape)
             outputs.append(logits.astype(_declared(self.graph, node, 3, query.dtype)))
         return tuple(outputs[:len(node.outputs)])
@@ -341,7 +332,7 @@ class _GroupQueryAttention:
                 raise graph_error(node, attr, f"is {node.attr(attr)!r}; a quantized KV cache is not supported "
                                   f"here (expected 'NONE')")
         for index, name in _GQA_UNSUPPORTED_INPUTS.items():
-            if _given(node, index):
+            if has_input(node, index):
                 raise argument_error(node, f"input {name!r} is not supported on the CPU provider; omit it")
 
     def split(self, query, key, value, dtype):
@@ -462,11 +453,11 @@ class _GroupQueryAttention:
         hidden = self.hidden(past, lengths, steps, length)
         bias = hide(self.bias(attention_bias, shape, total, dtype), hidden, dtype)
         y, scores = attend(q, keys, values, _scale(node, q.shape[3]), bias, self.softcap,
-                           self.sink(head_sink, dtype), keep=self.qk_mode > 0 and _lists(node, 3))
+                           self.sink(head_sink, dtype), keep=self.qk_mode > 0 and wants_output(node, 3))
         cache_dtype = query.dtype if past_key is None else past_key.dtype
         outputs = [merge_heads(y).astype(query.dtype, copy=False), keys.astype(cache_dtype, copy=False),
                    values.astype(cache_dtype, copy=False)]
-        if _lists(node, 3):
+        if wants_output(node, 3):
             outputs.append(self.qk(scores, hidden, shape, query.dtype))
         return tuple(outputs[:len(node.outputs)])
 

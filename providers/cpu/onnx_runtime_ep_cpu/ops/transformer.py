@@ -20,22 +20,19 @@ from onnx_runtime.loader import implicit_inputs
 from onnx_runtime.session.subgraph import Subgraph
 
 from ..algorithms.activations import sigmoid
+from ..algorithms.contrib_attention import grouped_matmul, softmax_
 from ..algorithms.precision import FLOAT32, compute_dtype, upcast
 from ..algorithms.products import gemv_host
 from ..compiled import COMPILED_DTYPES
 from ..registry import register
 from ..threads import helper_count, kernel_threads
 from ..tuning import KNOBS
-from ._common import argument_error, graph_error, normalize_axis, stash_dtype
+from ._common import argument_error, graph_error, has_input, normalize_axis, stash_dtype
 
 _SOFTMAX_PRECISIONS = (DataType.FLOAT, DataType.FLOAT16, DataType.DOUBLE, DataType.BFLOAT16)
 
 
 # -- shared helpers ------------------------------------------------------------------------------
-
-
-def _has_input(node, index: int) -> bool:
-    return len(node.inputs) > index and bool(node.inputs[index])
 
 
 def _has_output(node, index: int) -> bool:
@@ -52,20 +49,6 @@ def _softmax_dtype(node, default: np.dtype) -> np.dtype:
     return np.dtype(DataType(int(precision)).numpy)
 
 
-def _softmax_(x: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis, in place. A row of only -inf (fully masked) becomes zeros, not NaN."""
-    if x.shape[-1] == 0:  # no keys: nothing to normalize (the weighted sum of no values is zero)
-        return x
-    peak = x.max(axis=-1, keepdims=True)
-    peak[np.isneginf(peak)] = 0
-    x -= peak
-    np.exp(x, out=x)
-    total = x.sum(axis=-1, keepdims=True)
-    total[total == 0] = 1
-    x /= total
-    return x
-
-
 def _rounding_to(narrow: np.dtype, wide: np.dtype):
     """For a half-precision input computed in float32, the function rounding a float32 result to the input
     type and back (None otherwise): a kernel that stands for a function body rounds where its ops do."""
@@ -77,14 +60,6 @@ def _rounding_to(narrow: np.dtype, wide: np.dtype):
 def _silu(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):  # exp overflow for very negative x: sigmoid is 0 there
         return x * sigmoid(x)
-
-
-def _grouped_matmul(a: np.ndarray, b: np.ndarray, kv_heads: int) -> np.ndarray:
-    """``a @ b`` per head, where ``a`` (B, Hq, M, K) has ``Hq / kv_heads`` consecutive heads per head of
-    ``b`` (B, kv_heads, K, N): the group's rows go through one matmul. Returns (B, Hq, M, N)."""
-    batch, heads, rows, _ = a.shape
-    folded = a.reshape(batch, kv_heads, (heads // kv_heads) * rows, a.shape[-1])
-    return np.matmul(folded, b).reshape(batch, heads, rows, b.shape[-1])
 
 
 def _gqa_heads(node, q_heads: int, kv_heads: int) -> None:
@@ -177,12 +152,12 @@ class _Attention:
     def __init__(self, node, shapes, opset):
         self.node = node
         self.geo = geo = _AttentionGeometry(node, shapes)
-        if _has_input(node, 4) != _has_input(node, 5):
+        if has_input(node, 4) != has_input(node, 5):
             raise InvalidGraphError(
                 f"node {node.name!r} (Attention): 'past_key' and 'past_value' must be given together"
             )
-        self.has_nonpad = _has_input(node, 6)
-        if self.has_nonpad and _has_input(node, 4):
+        self.has_nonpad = has_input(node, 6)
+        if self.has_nonpad and has_input(node, 4):
             raise InvalidGraphError(
                 f"node {node.name!r} (Attention): 'nonpad_kv_seqlen' marks an external KV cache and cannot be "
                 f"combined with 'past_key'/'past_value'"
@@ -207,15 +182,15 @@ class _Attention:
             geo.q_len, geo.total_len, geo.past_len, self.causal, self.left, self.right, None)
         # Plain scaled-dot-product attention (what the optimizer's attention fusion produces) runs
         # in place; float32 inputs and a float32 or no mask are checked per call.
-        self.plain = (self.softcap <= 0 and not self.wants_qk and not self.has_nonpad and not _has_input(node, 4)
+        self.plain = (self.softcap <= 0 and not self.wants_qk and not self.has_nonpad and not has_input(node, 4)
                       and self.static_visible is None and _softmax_dtype(node, np.float32) == np.float32)
         # The compiled path takes plain attention and also a causal/window frontier without a mask
         # (as a precomputed additive bias); float32 operands are checked per call.
-        frontier_only = self.static_visible is not None and self.static_visible.ndim == 2 and not _has_input(node, 3)
+        frontier_only = self.static_visible is not None and self.static_visible.ndim == 2 and not has_input(node, 3)
         self.compiled = None
         self.frontier = None
         self._tiles: dict[tuple, _TiledLayout] = {}  # per input shapes, for _tiled_attention
-        if self.softcap <= 0 and not self.wants_qk and not self.has_nonpad and not _has_input(node, 4)\
+        if self.softcap <= 0 and not self.wants_qk and not self.has_nonpad and not has_input(node, 4)\
                 and _softmax_dtype(node, np.float32) == np.float32 and (self.static_visible is None or frontier_only):
             from ..compiled import transformer as compiled
 
@@ -225,7 +200,7 @@ class _Attention:
         # A decode step's few queries over the cache: one compiled call (compiled/decoder.py), without a
         # mask input (a causal frontier is its bias).
         self.few = None
-        if self.compiled is not None and geo.q_len <= _FEW_QUERIES and not _has_input(node, 3)\
+        if self.compiled is not None and geo.q_len <= _FEW_QUERIES and not has_input(node, 3)\
                 and geo.q_heads * geo.q_len * geo.total_len * geo.head_size <= KNOBS.few_query_macs:
             self.few = _compiled_decoder().few_query_attention_float32
             self._outputs = len(node.outputs)
@@ -284,7 +259,7 @@ class _Attention:
         else:  # as the function body: both sides times sqrt(scale) in the input type
             root = dtype.type(q.dtype.type(math.sqrt(self.scale)))
             queries, keys = rounded(queries * root), rounded(keys * root)
-        scores = _grouped_matmul(queries, keys, geo.kv_heads)
+        scores = grouped_matmul(queries, keys)
         rounded = rounded or (lambda x: x)
         scores = rounded(scores)
         qk = scores.copy() if self.wants_qk and self.mode == 0 else None
@@ -300,7 +275,7 @@ class _Attention:
         if self.wants_qk and self.mode == 2:
             qk = scores.copy()
 
-        probs = _softmax_(scores.astype(softmax_dtype, copy=False))
+        probs = softmax_(scores.astype(softmax_dtype, copy=False))
         if bias is not None and bias.size:
             # A query that may attend no key at all outputs zeros (decided on the bias, not the scores).
             dead = np.isneginf(bias.max(axis=-1, keepdims=True))
@@ -309,7 +284,7 @@ class _Attention:
         if self.wants_qk and self.mode == 3:
             qk = probs
         values = present_value.astype(dtype, copy=False)
-        y = _grouped_matmul(rounded(probs.astype(dtype, copy=False)), values, geo.kv_heads)
+        y = grouped_matmul(rounded(probs.astype(dtype, copy=False)), values)
         y = geo.from_heads(y).astype(q.dtype, copy=False)
         if qk is not None:
             qk = qk.astype(q.dtype, copy=False)
@@ -559,13 +534,13 @@ def flex_attention(node, shapes, opset, handle):
         scale = 1 / math.sqrt(q.shape[3]) if scale_attr is None else float(scale_attr)
 
         queries = q.astype(dtype) * dtype.type(scale)
-        scores = _grouped_matmul(queries, k.astype(dtype, copy=False).swapaxes(-1, -2), k.shape[1])
+        scores = grouped_matmul(queries, k.astype(dtype, copy=False).swapaxes(-1, -2))
         if score_mod is not None:
             scores = np.asarray(score_mod.run([scores.astype(mod_dtype, copy=False)], outer)[0])
-        probs = _softmax_(scores.astype(softmax_dtype))
+        probs = softmax_(scores.astype(softmax_dtype))
         if prob_mod is not None:
             probs = np.asarray(prob_mod.run([probs.astype(mod_dtype, copy=False)], outer)[0])
-        y = _grouped_matmul(probs.astype(dtype, copy=False), v.astype(dtype, copy=False), k.shape[1])
+        y = grouped_matmul(probs.astype(dtype, copy=False), v.astype(dtype, copy=False))
         return (y.astype(v.dtype, copy=False),)
 
     return kernel
@@ -593,7 +568,7 @@ def linear_attention(node, shapes, opset):
     gated = rule in ("gated", "gated_delta")
     delta = rule in ("delta", "gated_delta")
     for needed, index, name in ((gated, 4, "decay"), (delta, 5, "beta")):
-        if needed and not _has_input(node, index):
+        if needed and not has_input(node, index):
             raise InvalidGraphError(f"node {node.name!r} (LinearAttention): update_rule {rule!r} needs input {name!r}")
     scale_attr = float(node.attr("scale", 0.0))
     group = q_heads // kv_heads
