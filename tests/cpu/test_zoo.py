@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -39,27 +40,12 @@ ort = pytest.importorskip("onnxruntime", reason="onnxruntime is the oracle: inst
 
 import onnx_runtime  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from zoo_feeds import make_feeds  # noqa: E402  (shared with benchmarks/zoo_bench.py)
+
 MODELS = json.loads(MANIFEST.read_text())["models"]
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "int4": 1e-3}
 INT8_QERR_FACTOR, INT8_FLOOR = 2.0, 1e-3
-
-
-def make_feed(feed: dict, rng: np.random.Generator) -> np.ndarray:
-    """One input from its manifest description (the fields benchmarks/zoo.py writes)."""
-    shape, dtype, fill = feed["shape"], np.dtype(feed["dtype"]), feed["fill"]
-    if fill == "ids":
-        return rng.integers(0, feed["high"], size=shape).astype(dtype)
-    if fill == "positions":
-        return np.ascontiguousarray(np.broadcast_to(np.arange(feed["start"], feed["start"] + shape[-1]), shape),
-                                    dtype=dtype)
-    if fill == "normal":
-        return rng.standard_normal(shape).astype(dtype)
-    return (np.ones if fill == "ones" else np.zeros)(shape, dtype)
-
-
-def make_feeds(call: dict) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    return {feed["name"]: make_feed(feed, rng) for feed in call["feeds"]}
 
 
 def cases():

@@ -1,0 +1,94 @@
+"""benchmarks/zoo_bench.py: its feeds describe one sequence per decoder call, and a --quick run over one small
+zoo model reports every number the issue's targets need, finite and positive. Skipped when the zoo is not built.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ZOO = Path(os.environ.get("ONNX_RUNTIME_ZOO") or ROOT / "benchmarks/.models/zoo")
+MANIFEST = ZOO / "manifest.json"
+if not MANIFEST.is_file():
+    pytest.skip(f"the model zoo is not built ({MANIFEST} is missing): run scripts/build_zoo.sh",
+                allow_module_level=True)
+pytest.importorskip("onnxruntime", reason="the benchmark compares with onnxruntime: install the test extra")
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from zoo_feeds import InconsistentFeeds, check_consistent, make_feeds  # noqa: E402
+
+MODELS = [m for m in json.loads(MANIFEST.read_text())["models"] if m["status"] == "ok"]
+DECODERS = [m for m in MODELS if "decode" in m["calls"]]
+SMALL = "bert.torchscript.fp32"  # few nodes, one call: the quickest model to create and run
+
+
+def test_manifest_calls_are_consistent():
+    for model in MODELS:
+        for call in model["calls"].values():
+            check_consistent(call)
+
+
+@pytest.mark.skipif(not DECODERS, reason="no decoder with past in the zoo")
+def test_inconsistent_decoder_feeds_are_refused():
+    call = DECODERS[0]["calls"]["decode"]
+    feeds = make_feeds(call)
+    past = next(v for k, v in feeds.items() if k.startswith("past_key_values.") and ".encoder." not in k).shape[2]
+    if "attention_mask" in feeds:
+        assert feeds["attention_mask"].shape[-1] == past + feeds["input_ids"].shape[-1]
+    if "position_ids" in feeds:
+        assert feeds["position_ids"][0, 0] == past
+    for field, change in (("attention_mask", lambda f: f["shape"].__setitem__(-1, f["shape"][-1] - 1)),
+                          ("position_ids", lambda f: f.__setitem__("start", 0)),
+                          ("past_key_values.0", lambda f: f["shape"].__setitem__(2, f["shape"][2] + 1))):
+        broken = copy.deepcopy(call)
+        targets = [f for f in broken["feeds"] if f["name"].startswith(field)]
+        if not targets:
+            continue
+        change(targets[0])
+        with pytest.raises(InconsistentFeeds):
+            check_consistent(broken)
+
+
+def finite_positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.skipif(SMALL not in {m["name"] for m in MODELS}, reason=f"{SMALL} is not in the zoo")
+def test_quick_run(tmp_path):
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/zoo_bench.py"), "--quick", "--zoo", str(ZOO),
+                           "--models", SMALL, "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
+    assert "| target | limit | holds | worst |" in done.stdout
+    data = json.loads(out.read_text())
+    (result,) = data["results"]
+    assert result["name"] == SMALL and "error" not in result
+    for measured in result["steady"]["calls"].values():
+        assert measured["max_rel_diff"] < 1e-3  # the timed runs compute the same thing
+        for condition in ("quiet", "busy"):
+            for threads in ("1", "default"):
+                for runtime in ("ours", "ort"):
+                    s = measured[f"{condition}/{threads}/{runtime}"]
+                    assert s["n"] >= 10
+                    assert all(finite_positive(s[k]) for k in ("median", "p10", "p90", "min", "max"))
+                    assert s["min"] <= s["p10"] <= s["median"] <= s["p90"] <= s["max"]
+                    assert math.isfinite(s["spread"]) and s["spread"] >= 0
+                    if condition == "busy":
+                        assert finite_positive(s["max_over_quiet"])
+    for runtime in ("ours", "ort"):
+        cold = result["cold"][runtime]
+        assert all(finite_positive(cold[k]) for k in ("import_s", "create_s", "create_first_s"))
+        assert all(finite_positive(v) for v in cold["first_s"].values())
+        assert cold["rss_peak"] >= cold["rss_before_session"] > cold["rss_start"] > 0
+    rows = data["verdicts"]["rows"]
+    assert {row["target"] for row in rows} >= {"session creation + first runs", "peak RSS of the process"}
+    assert all(finite_positive(row["value"]) and isinstance(row["holds"], bool) for row in rows)
+    assert all(math.isfinite(v["value"]) for v in data["verdicts"]["overall"].values())
