@@ -1,4 +1,6 @@
-"""Removing what a run does not need: dead nodes and initializers, Identity and inference Dropout."""
+"""Removing what a run does not need: dead nodes and initializers, Identity and inference Dropout, and
+the no-ops exporters write (a Cast to the type the value has, a one-input Concat, a product with or a
+quotient by a constant 1 that broadcasts nothing)."""
 
 from __future__ import annotations
 
@@ -27,12 +29,13 @@ def remove_dead_nodes(graph: Graph, context: PassContext) -> bool:
 
 
 def eliminate_identities(graph: Graph, context: PassContext) -> bool:
-    """Bypass Identity and inference-mode Dropout: their readers read the input instead.
+    """Bypass Identity, inference-mode Dropout and no-op Cast/Concat/Mul/Div: their readers read the
+    (data) input instead.
 
     When the node's output is a graph output, the input's producer takes over the output's name
     instead, so the graph's outputs keep their names. A value a subgraph reads by name is left alone.
     """
-    if not any(node.op_type in ("Identity", "Dropout") for node in graph.nodes):
+    if not any(node.op_type in _CANDIDATES for node in graph.nodes):
         return False
     uses = Uses(graph)
     producers = graph.producers()
@@ -40,7 +43,7 @@ def eliminate_identities(graph: Graph, context: PassContext) -> bool:
     for node in graph.nodes:
         if not _is_passthrough(node, graph, uses):
             continue
-        source, output = node.inputs[0], node.outputs[0]
+        source, output = _source(node, graph), node.outputs[0]
         if output in uses.implicit:
             continue
         if output in uses.graph_outputs:
@@ -63,11 +66,48 @@ def eliminate_identities(graph: Graph, context: PassContext) -> bool:
     return bool(removed)
 
 
+_CANDIDATES = frozenset({"Identity", "Dropout", "Cast", "Concat", "Mul", "Div"})
+
+
+def _source(node: Node, graph: Graph) -> str:
+    """The input a pass-through node's output equals (Mul by 1 may have the 1 first)."""
+    if node.op_type == "Mul" and _is_one(graph, node.inputs[0], node.inputs[1]):
+        return node.inputs[1]
+    return node.inputs[0]
+
+
+def _is_one(graph: Graph, name: str, other: str) -> bool:
+    """Whether ``name`` is a constant 1 that, broadcast against ``other``, leaves its shape alone."""
+    value = constant(graph, name)
+    if value is None or value.size != 1 or value.reshape(-1)[0] != 1:
+        return False
+    info = graph.type_of(other)
+    return value.ndim == 0 or (info is not None and info.shape is not None and value.ndim <= len(info.shape))
+
+
+def _same_type(graph: Graph, a: str, b: str) -> bool:
+    ta, tb = graph.type_of(a), graph.type_of(b)
+    return ta is not None and tb is not None and ta.is_tensor and tb.is_tensor and ta.dtype is not None \
+        and ta.dtype == tb.dtype
+
+
 def _is_passthrough(node: Node, graph: Graph, uses: Uses) -> bool:
     if node.domain not in ("", "ai.onnx") or not node.inputs or not node.inputs[0] or not node.outputs[0]:
         return False
     if node.op_type == "Identity":
         return True
+    if node.op_type == "Cast":  # to the type the input has: the values unchanged, saturate or not
+        source = graph.type_of(node.inputs[0])
+        return source is not None and source.is_tensor and source.dtype is not None \
+            and int(source.dtype) == int(node.attr("to", 0))
+    if node.op_type == "Concat":
+        return len(node.inputs) == 1
+    if node.op_type in ("Mul", "Div") and len(node.inputs) == 2 and all(node.inputs):
+        # x * 1 and x / 1 are exact in every numeric type (NaN, infinities and signed zeros included).
+        x, one = node.inputs
+        if node.op_type == "Mul" and not _is_one(graph, one, x):
+            x, one = one, x
+        return _is_one(graph, one, x) and _same_type(graph, x, node.outputs[0])
     if node.op_type != "Dropout" or any(out and uses.is_read(out) for out in node.outputs[1:]):
         return False
     # Before opset 12 Dropout runs in inference mode; from 12 on, unless training_mode is set.

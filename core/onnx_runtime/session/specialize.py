@@ -135,7 +135,9 @@ class Specializer:
         for ref_shape, shape in zip(reference, signature):
             row = []
             for ref, got in zip(ref_shape, shape):
-                if ref == got:
+                # A dimension that is 1 now stays 1: broadcasting and the fusions depend on it (a decode
+                # step's one token after a prefill), and a later length other than 1 gets its own template.
+                if ref == got or got == 1:
                     row.append(got)
                 else:
                     row.append((symbols.setdefault((ref, got), len(symbols)),))

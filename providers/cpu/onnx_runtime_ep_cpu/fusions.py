@@ -5,7 +5,8 @@ Per-node dispatch costs a few microseconds here, so on a decode step, where tens
 number of nodes decides the time. Each pass matches a pattern exactly (constants by value, every
 intermediate read only inside the pattern) and leaves anything else alone:
 
-- RMS normalization: x * (1 / sqrt(mean(x^2, last axis) + eps)) * weight  ->  RMSNormalization (opset 23)
+- RMS normalization: x * (1 / sqrt(mean(x^2, last axis) + eps)) * weight, the reciprocal as 1 / s,
+  Reciprocal(s) or x / s, the axes an attribute or (opset 18+) an input  ->  RMSNormalization (opset 23)
 - rotate-half rotary embedding: q * cos + concat(-q[..., h:], q[..., :h]) * sin  ->  RotateHalfEmbedding
 - SiLU: x * sigmoid(x)  ->  Swish (opset 24)
 - exact GELU: x * 0.5 * (1 + erf(x / sqrt(2))), in any Mul order, dividing by sqrt(2) or multiplying by
@@ -101,6 +102,24 @@ def _last_axis(axes, rank_hint) -> bool:
     return axes is not None and len(axes) == 1 and (int(axes[0]) == -1 or (rank_hint and int(axes[0]) == rank_hint - 1))
 
 
+def _rms_scaled(view: GraphView, root: Node, x: str) -> list[Node] | None:
+    """The nodes dividing ``x`` by ``root`` (the Sqrt of mean + eps), as exporters write it: x * (1 / root)
+    (TorchScript's rsqrt), x * Reciprocal(root) (dynamo's) or x / root."""
+    name = root.outputs[0]
+    readers = view.consumers.get(name, [])
+    if len(readers) != 1 or name in view.outputs or name in view.inner_reads or readers[0].domain:
+        return None
+    step = readers[0]
+    if step.op_type == "Div" and step.inputs == [x, name]:
+        return [step]
+    if step.op_type == "Reciprocal" or (step.op_type == "Div" and step.inputs[1] == name
+                                        and view.scalar(step.inputs[0], 1.0)):
+        scale = view.only_consumer(step.outputs[0], "Mul")
+        if scale is not None and other_input(scale, step.outputs[0]) == x:
+            return [step, scale]
+    return None
+
+
 def fuse_rms_norm(graph: Graph, owns=None) -> bool:
     view = GraphView(graph)
     for mean in list(graph.nodes):
@@ -121,18 +140,16 @@ def fuse_rms_norm(graph: Graph, owns=None) -> bool:
         eps_name = other_input(add, mean.outputs[0]) if add else None
         eps = view.const(eps_name) if eps_name else None
         root = view.only_consumer(add.outputs[0], "Sqrt") if add else None
-        div = view.only_consumer(root.outputs[0], "Div") if root else None
-        if eps is None or eps.size != 1 or div is None or div.inputs[1] != root.outputs[0] \
-                or not view.scalar(div.inputs[0], 1.0):
+        if eps is None or eps.size != 1 or root is None:
             continue
-        scale = view.only_consumer(div.outputs[0], "Mul")
-        if scale is None or other_input(scale, div.outputs[0]) != x:
+        normed = _rms_scaled(view, root, x)
+        if normed is None:
             continue
-        weigh = view.only_consumer(scale.outputs[0], "Mul")
-        weight = other_input(weigh, scale.outputs[0]) if weigh else None
+        weigh = view.only_consumer(normed[-1].outputs[0], "Mul")
+        weight = other_input(weigh, normed[-1].outputs[0]) if weigh else None
         if weight is None or view.const(weight) is None or view.const(weight).ndim != 1:
             continue
-        matched = [square, mean, add, root, div, scale, weigh]
+        matched = [square, mean, add, root, *normed, weigh]
         if not owned(owns, matched):
             continue
         fused = Node("RMSNormalization", [x, weight], list(weigh.outputs), name=f"{weigh.name}/rms_norm",
@@ -143,15 +160,29 @@ def fuse_rms_norm(graph: Graph, owns=None) -> bool:
 
 
 def _slice_bounds(view: GraphView, node: Node):
-    """(start, end) of a Slice over the last axis with step 1, from constant inputs; else None."""
+    """(start, end) of a Slice over the last axis with step 1, from constant inputs; else None. The axis may
+    be -1 or, where the input's rank is known, rank - 1 (the dynamo exporter's spelling); an end past the
+    axis (INT64_MAX, "to the end") is clamped to its size where that is known."""
     if node.op_type != "Slice" or node.domain or len(node.inputs) < 4:
         return None
     starts, ends, axes = (view.const(n) for n in node.inputs[1:4])
     steps = view.const(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else np.array([1])
-    if any(v is None or v.size != 1 for v in (starts, ends, axes, steps)) or int(steps[0]) != 1 \
-            or int(axes.reshape(-1)[0]) != -1:
+    if any(v is None or v.size != 1 for v in (starts, ends, axes, steps)) or int(steps.reshape(-1)[0]) != 1:
         return None
-    return int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
+    info = view.graph.type_of(node.inputs[0])
+    shape = info.shape if info is not None else None
+    axis = int(axes.reshape(-1)[0])
+    if axis != -1 and (shape is None or axis != len(shape) - 1):
+        return None
+    start, end = int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
+    size = shape[-1] if shape else None
+    if isinstance(size, int):
+        if start < 0 or end < 0:  # negative bounds count from the end: only a known size says where
+            start, end = (b + size if b < 0 else b for b in (start, end))
+        end = min(end, size)
+    elif start < 0 or end < 0:
+        return None
+    return start, end
 
 
 def fuse_rotate_half(graph: Graph, owns=None) -> bool:
@@ -206,11 +237,12 @@ def fuse_silu(graph: Graph, owns=None) -> bool:
 
 
 def _constant_of(view: GraphView, name: str, value: float, like: str) -> bool:
-    """Whether ``name`` is a constant ``value`` (rounded to its own dtype) that leaves ``like``'s shape
-    alone when broadcast against it (a scalar, or a size-1 array of no higher rank)."""
+    """Whether ``name`` is a constant ``value`` (rounded to its own dtype, or to float16: a half-precision
+    model's constant, widened by precision_fusions) that leaves ``like``'s shape alone when broadcast
+    against it (a scalar, or a size-1 array of no higher rank)."""
     array = view.const(name)
     if array is None or array.size != 1 or array.dtype.kind != "f" \
-            or array.reshape(-1)[0] != np.asarray(value, dtype=array.dtype):
+            or array.reshape(-1)[0] not in (np.asarray(value, dtype=array.dtype), np.float16(value)):
         return False
     info = view.graph.type_of(like)
     return array.ndim == 0 or (info is not None and info.shape is not None and array.ndim <= len(info.shape))

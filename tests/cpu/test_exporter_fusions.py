@@ -1,0 +1,184 @@
+"""Fusions on the spellings the two torch exporters write (TorchScript at opset 17, dynamo at opset 18+), as
+the zoo's exports contain them: each small graph runs fused and is compared with a float64 reference of
+what the unfused graph computes, and the fused kernel must be what runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_runtime as ort
+import pytest
+from model_helpers import make_model, tensor_info
+from onnx import TensorProto, helper, numpy_helper
+
+INT64_MAX = np.iinfo(np.int64).max
+
+
+def _const(name, value, dtype=None):
+    array = np.asarray(value)
+    dtype = dtype or (np.float32 if array.dtype.kind == "f" else np.int64)
+    return numpy_helper.from_array(array.astype(dtype), name)
+
+
+def _session(model):
+    return ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+
+
+def _ops(sess):
+    return [n.op_type for n in sess.placement()]
+
+
+# -- no-ops the exporters write ------------------------------------------------------------------
+
+def test_same_type_cast_one_input_concat_and_product_with_one_are_bypassed():
+    nodes = [
+        helper.make_node("Cast", ["x"], ["c"], to=TensorProto.FLOAT),  # TorchScript's float -> float
+        helper.make_node("Mul", ["one", "c"], ["m"]),  # rotary's cos * attention_scaling (1.0)
+        helper.make_node("Concat", ["m"], ["k"], axis=-2),  # a past/present Concat of one input
+        helper.make_node("Div", ["k", "one"], ["d"]),
+        helper.make_node("Relu", ["d"], ["y"]),
+    ]
+    model = make_model(nodes, [tensor_info("x", shape=[2, 3])], [tensor_info("y", shape=[2, 3])],
+                       [_const("one", 1.0)])
+    sess = _session(model)
+    assert _ops(sess) == ["Relu"]
+    x = np.array([[-1.0, -0.0, 2.0], [np.inf, -np.inf, 0.5]], np.float32)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], np.maximum(x, 0))
+
+
+def test_casts_that_convert_and_products_that_broadcast_stay():
+    nodes = [
+        helper.make_node("Cast", ["x"], ["c"], to=TensorProto.DOUBLE),
+        helper.make_node("Cast", ["c"], ["f"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["f", "ones"], ["y"]),  # [1, 1, 1] against [2, 3]: the result has rank 3
+    ]
+    model = make_model(nodes, [tensor_info("x", shape=[2, 3])], [tensor_info("y", shape=[1, 2, 3])],
+                       [_const("ones", np.ones((1, 1, 1)))])
+    sess = _session(model)
+    assert _ops(sess).count("Cast") == 2 and "Mul" in _ops(sess)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    got = sess.run(None, {"x": x})[0]
+    assert got.shape == (1, 2, 3)
+    np.testing.assert_array_equal(got, x[None])
+
+
+# -- RMS normalization ---------------------------------------------------------------------------
+
+def _rms_nodes(spelling: str):
+    """x -> RMSNorm(x) * w as each exporter writes LlamaRMSNorm / T5LayerNorm."""
+    if spelling == "torchscript":  # opset 17: axes an attribute, rsqrt as 1 / sqrt, float casts around it
+        return [
+            helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT),
+            helper.make_node("Pow", ["xf", "two"], ["sq"]),
+            helper.make_node("ReduceMean", ["sq"], ["ms"], axes=[-1], keepdims=1),
+            helper.make_node("Add", ["ms", "eps"], ["mse"]),
+            helper.make_node("Sqrt", ["mse"], ["rms"]),
+            helper.make_node("Div", ["one", "rms"], ["inv"]),
+            helper.make_node("Mul", ["xf", "inv"], ["xn"]),
+            helper.make_node("Cast", ["xn"], ["xc"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", ["w", "xc"], ["y"]),
+        ], 17
+    if spelling == "dynamo":  # opset 18+: axes an input, rsqrt as Reciprocal(Sqrt), the weight first
+        return [
+            helper.make_node("Pow", ["x", "two"], ["sq"]),
+            helper.make_node("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1),
+            helper.make_node("Add", ["ms", "eps"], ["mse"]),
+            helper.make_node("Sqrt", ["mse"], ["rms"]),
+            helper.make_node("Reciprocal", ["rms"], ["inv"]),
+            helper.make_node("Mul", ["x", "inv"], ["xn"]),
+            helper.make_node("Mul", ["w", "xn"], ["y"]),
+        ], 20
+    return [  # x / sqrt(...)
+        helper.make_node("Pow", ["x", "two"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1),
+        helper.make_node("Add", ["ms", "eps"], ["mse"]),
+        helper.make_node("Sqrt", ["mse"], ["rms"]),
+        helper.make_node("Div", ["x", "rms"], ["xn"]),
+        helper.make_node("Mul", ["xn", "w"], ["y"]),
+    ], 18
+
+
+@pytest.mark.parametrize("spelling", ["torchscript", "dynamo", "divide"])
+def test_rms_norm_in_each_exporters_spelling_becomes_one_node(spelling):
+    nodes, opset = _rms_nodes(spelling)
+    w = np.linspace(0.5, 1.5, 16).astype(np.float32)
+    inits = [_const("two", 2.0), _const("eps", 1e-6), _const("one", 1.0), _const("axes", [-1]),
+             numpy_helper.from_array(w, "w")]
+    used = {name for node in nodes for name in node.input}
+    model = make_model(nodes, [tensor_info("x", shape=[1, 5, 16])], [tensor_info("y", shape=[1, 5, 16])],
+                       [i for i in inits if i.name in used], opset=opset)
+    sess = _session(model)
+    assert _ops(sess) == ["RMSNormalization"], _ops(sess)
+    x = np.random.default_rng(0).standard_normal((1, 5, 16)).astype(np.float32) * 3
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=2e-6, atol=1e-6)
+
+
+def test_rms_norm_whose_reciprocal_is_read_elsewhere_stays_unfused():
+    nodes, opset = _rms_nodes("dynamo")
+    w = np.ones(16, np.float32)
+    inits = [_const("two", 2.0), _const("eps", 1e-6), _const("axes", [-1]), numpy_helper.from_array(w, "w")]
+    model = make_model(nodes, [tensor_info("x", shape=[1, 5, 16])],
+                       [tensor_info("y", shape=[1, 5, 16]), tensor_info("inv", shape=[1, 5, 1])], inits, opset=opset)
+    sess = _session(model)
+    assert "RMSNormalization" not in _ops(sess)
+    x = np.random.default_rng(1).standard_normal((1, 5, 16)).astype(np.float32)
+    y, inv = sess.run(None, {"x": x})
+    want_inv = 1 / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(inv, want_inv, rtol=2e-6)
+    np.testing.assert_allclose(y, x * want_inv, rtol=2e-6, atol=1e-6)
+
+
+# -- rotary embedding ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("axis,end", [(3, INT64_MAX), (-1, 16), (3, 16)])
+def test_rotate_half_with_the_axis_counted_from_the_front_and_an_open_end(axis, end):
+    """Both exporters slice LLaMA's rotate_half over axis 3 of the [batch, heads, seq, head_dim] query, the
+    second half up to INT64_MAX."""
+    nodes = [
+        helper.make_node("Mul", ["q", "cos"], ["qc"]),
+        helper.make_node("Slice", ["q", "zero", "half", "axis", "step"], ["q1"]),
+        helper.make_node("Slice", ["q", "half", "end", "axis", "step"], ["q2"]),
+        helper.make_node("Neg", ["q2"], ["nq2"]),
+        helper.make_node("Concat", ["nq2", "q1"], ["rot"], axis=-1),
+        helper.make_node("Mul", ["rot", "sin"], ["rs"]),
+        helper.make_node("Add", ["qc", "rs"], ["y"]),
+    ]
+    inits = [_const("zero", [0]), _const("half", [8]), _const("end", [end]), _const("axis", [axis]),
+             _const("step", [1])]
+    q_shape, table_shape = [1, 4, 3, 16], [1, 1, 3, 16]
+    model = make_model(nodes, [tensor_info("q", shape=q_shape), tensor_info("cos", shape=table_shape),
+                               tensor_info("sin", shape=table_shape)], [tensor_info("y", shape=q_shape)], inits)
+    sess = _session(model)
+    assert _ops(sess) == ["RotateHalfEmbedding"]
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal(q_shape).astype(np.float32)
+    angles = rng.standard_normal(table_shape)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    q64 = q.astype(np.float64)
+    want = q64 * cos + np.concatenate((-q64[..., 8:], q64[..., :8]), -1) * sin
+    np.testing.assert_allclose(sess.run(None, {"q": q, "cos": cos, "sin": sin})[0], want, rtol=1e-6, atol=1e-6)
+
+
+def test_rotate_half_whose_half_is_read_elsewhere_stays_unfused():
+    nodes = [
+        helper.make_node("Mul", ["q", "cos"], ["qc"]),
+        helper.make_node("Slice", ["q", "zero", "half", "axis"], ["q1"]),
+        helper.make_node("Slice", ["q", "half", "end", "axis"], ["q2"]),
+        helper.make_node("Neg", ["q2"], ["nq2"]),
+        helper.make_node("Concat", ["nq2", "q1"], ["rot"], axis=-1),
+        helper.make_node("Mul", ["rot", "sin"], ["rs"]),
+        helper.make_node("Add", ["qc", "rs"], ["y"]),
+    ]
+    inits = [_const("zero", [0]), _const("half", [8]), _const("end", [INT64_MAX]), _const("axis", [3])]
+    q_shape = [1, 2, 3, 16]
+    model = make_model(nodes, [tensor_info(n, shape=q_shape) for n in ("q", "cos", "sin")],
+                       [tensor_info("y", shape=q_shape), tensor_info("q2", shape=[1, 2, 3, 8])], inits)
+    sess = _session(model)
+    assert "RotateHalfEmbedding" not in _ops(sess)
+    rng = np.random.default_rng(3)
+    q, cos, sin = (rng.standard_normal(q_shape).astype(np.float32) for _ in range(3))
+    y, q2 = sess.run(None, {"q": q, "cos": cos, "sin": sin})
+    np.testing.assert_array_equal(q2, q[..., 8:])
+    want = q.astype(np.float64) * cos + np.concatenate((-q[..., 8:], q[..., :8]), -1).astype(np.float64) * sin
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
