@@ -1,6 +1,7 @@
 """Which algorithm computes a convolution, chosen once per input signature: a few-row product for a 1x1
-kernel over a 1x1 image, the packed convolution (2-D float32 on AVX-512 hosts), the depthwise loops,
-per-tap products, Winograd, a plain product for 1x1 kernels, im2col over contiguous rows, or im2col.
+kernel over a 1x1 image, the packed convolution (2-D float32 on AVX-512 hosts), the depthwise loops, a
+direct gathered loop for few output positions, per-tap products, Winograd, a plain product for 1x1
+kernels, im2col over contiguous rows, or im2col.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import math
 import numpy as np
 
 from ..blas import available as blas_accumulates
+from ..compiled import takes as takes_compiled
 from ..tuning import KNOBS
 from .conv_blas import (
     conv_by_taps,
@@ -48,6 +50,41 @@ def use_winograd(geo: Geometry, group: int, c: int, m: int) -> bool:
     enough for the tile stacks to stay near the cache."""
     return (geo.kernel == (3, 3) and geo.strides == (1, 1) and geo.dilations == (1, 1) and group == 1
             and c >= 192 and m >= 192 and 12 * 12 <= math.prod(geo.out) <= 28 * 28)
+
+
+# A direct loop pays while the products are too short for BLAS's setup: up to this many output positions
+# per image, with a gather table of at most _DIRECT_TABLE entries.
+DIRECT_POSITIONS = 16
+_DIRECT_TABLE = 1 << 18
+
+
+def direct_applies(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray) -> bool:
+    """Whether a convolution has so few output positions per image (a streaming model's frames) that the
+    compiled direct loop (compiled/smallconv.py) beats im2col and a BLAS product."""
+    positions = math.prod(geo.out)
+    return (takes_compiled(x) and compute_dtype(x.dtype) == x.dtype and 0 < positions <= DIRECT_POSITIONS
+            and positions * w[0].size <= _DIRECT_TABLE and x.shape[0] > 0 and w.shape[0] > 0)
+
+
+def direct_conv(geo: Geometry, group: int, x_shape, w_shape, prepared: Prepared, dtype):
+    """``compute(x, w, b)`` by compiled/smallconv.py's gathered loop; its offset table is built here, once."""
+    from ..compiled.smallconv import conv_gathered, gather_table
+
+    n, c, m = x_shape[0], x_shape[1], w_shape[0]
+    cg, mg = c // group, m // group
+    table = gather_table(geo.in_shape, geo.kernel, geo.strides, geo.dilations, geo.begin, geo.out, cg)
+    positions = table.shape[0]
+    no_bias = np.empty((0, 0), dtype)
+
+    def compute(xc, w, b):
+        weights = prepared.get("direct", (w,), lambda: np.ascontiguousarray(
+            w.astype(dtype, copy=False).reshape(group, mg, -1)))
+        bias = no_bias if b is None else b.astype(dtype, copy=False).reshape(group, mg)
+        y = np.empty((n, group, mg, positions), dtype)
+        conv_gathered(np.ascontiguousarray(xc).reshape(n, group, -1), weights, bias, table, y)
+        return y
+
+    return compute
 
 
 def pixel_product_applies(geo: Geometry, group: int, x: np.ndarray) -> bool:
@@ -96,6 +133,8 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
     elif group == c and group > 1:
         def compute(xc, w, b):
             return conv_depthwise(xc, grouped(w, b), geo, b is not None)
+    elif direct_applies(geo, group, x, w):
+        compute = direct_conv(geo, group, x.shape, w.shape, prepared, dtype)
     elif use_taps(geo, group, c, m, dtype):
         def compute(xc, w, b, finish):
             return conv_by_taps(xc, prepared.get("taps", (w,), lambda: tap_weights(w, dtype)), b, geo, finish)

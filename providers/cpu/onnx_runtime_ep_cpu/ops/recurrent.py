@@ -15,6 +15,7 @@ from onnx_runtime.errors import InvalidArgumentError
 
 from ..algorithms.activations import hard_sigmoid_of, sigmoid, softplus, softsign
 from ..algorithms.precision import compute_dtype, scalar
+from ..compiled import takes as takes_compiled
 from ..registry import register
 from ._common import graph_error, quiet
 
@@ -255,9 +256,14 @@ def lstm(node, shapes, opset):
     # Later versions only dropped output_sequence and added layout (14) and types.
     spec = _RecurrentSpec(node, ("Sigmoid", "Tanh", "Tanh"))
     input_forget = bool(node.attr("input_forget", 0))
+    names = [str(name).lower() for name in node.attr("activations") or ()]
+    plain = (not names or names == ["sigmoid", "tanh", "tanh"] * spec.num_directions) and spec.clip is None \
+        and not input_forget
 
     def kernel(x, w, r, b=None, seq_lens=None, h0=None, c0=None, p=None):
         dtype = compute_dtype(x.dtype)
+        if plain and p is None and seq_lens is None and dtype == x.dtype and takes_compiled(x, w, r):
+            return _outputs(node, _lstm_compiled(spec, x, w, r, b, h0, c0))
         hidden = r.shape[-1]
         rt, rb = _recurrence(r, b, 4, hidden, dtype)
         peep = None if p is None else p.astype(dtype, copy=False).reshape(r.shape[0], 3, hidden)
@@ -282,3 +288,46 @@ def lstm(node, shapes, opset):
         return _outputs(node, _run(spec, cell, x, w, r, b, seq_lens, [h0, c0], gates=4))
 
     return kernel
+
+
+# Up to this many (time step, batch entry) pairs the compiled loop also projects the input; past it one
+# BLAS product does, ahead of the loop.
+_PROJECT_IN_LOOP = 16
+
+
+def _lstm_compiled(spec: _RecurrentSpec, x, w, r, b, h0, c0) -> list:
+    """LSTM with the default activations, no clip, peepholes or sequence lengths, by compiled/lstm.py:
+    the same outputs as :func:`_run` (Y, Y_h, Y_c in the node's layout)."""
+    from ..compiled.lstm import lstm_steps
+
+    dtype = x.dtype
+    xs = np.ascontiguousarray(_to_time_major(x, spec.layout, dtype))
+    seq, batch = xs.shape[:2]
+    hidden = spec.check(w, r, 4)
+    dirs = spec.num_directions
+    if xs.shape[2] != w.shape[2]:
+        raise InvalidArgumentError(
+            f"node {spec.node.name!r} (LSTM): X has {xs.shape[2]} features but W {w.shape} expects {w.shape[2]}")
+    states = []
+    for s in (h0, c0):
+        if s is None:
+            states.append(np.zeros((dirs, batch, hidden), dtype))
+        else:
+            states.append(np.array(_to_time_major(s, spec.layout, dtype), dtype=dtype, order="C"))
+    if states[0].shape != (dirs, batch, hidden) or states[1].shape != (dirs, batch, hidden):
+        raise InvalidArgumentError(
+            f"node {spec.node.name!r} (LSTM): initial states {states[0].shape} and {states[1].shape} must be "
+            f"{(dirs, batch, hidden)}")
+    h, c = states
+    y = np.empty((seq, dirs, batch, hidden), dtype)
+    projected = seq * batch > _PROJECT_IN_LOOP
+    for d in range(dirs):
+        wd, rd = np.ascontiguousarray(w[d]), np.ascontiguousarray(r[d])
+        bias = np.zeros(4 * hidden, dtype) if b is None else b[d, : 4 * hidden] + b[d, 4 * hidden:]
+        source = xs @ wd.T if projected else xs
+        out = y[:, d] if dirs > 1 else y.reshape(seq, batch, hidden)
+        lstm_steps(source, wd, rd, np.ascontiguousarray(bias, dtype=dtype), h[d], c[d], out,
+                   spec.direction == "reverse" or d == 1, projected)
+    if spec.layout:
+        return [y.transpose(2, 0, 1, 3), np.swapaxes(h, 0, 1), np.swapaxes(c, 0, 1)]
+    return [y, h, c]

@@ -411,9 +411,57 @@ def _pad(x, pads, mode, value=0, axes=None):
     crop = tuple(slice(max(-b, 0), dim - max(-e, 0)) for dim, b, e in zip(x.shape, begin, end))
     x = x[crop]
     width = [(max(b, 0), max(e, 0)) for b, e in zip(begin, end)]
+    if _pads_by_slices(x.shape, width, mode):
+        return _pad_by_slices(x, width, mode, value)
     if mode == "constant":
         return np.pad(x, width, mode="constant", constant_values=np.asarray(value, dtype=x.dtype).reshape(()))
     return np.pad(x, width, mode=mode)
+
+
+def _pads_by_slices(shape, width, mode) -> bool:
+    """Whether each border is one slice copy: reflect within the axis (pads < dim), wrap (pads <= dim),
+    edge of a non-empty axis, or any constant. Wider reflections repeat; numpy.pad does those."""
+    if mode == "constant":
+        return True
+    limit = {"reflect": -1, "wrap": 0, "edge": None}[mode]
+    return all(dim > 0 and (limit is None or (b <= dim + limit and e <= dim + limit))
+               for dim, (b, e) in zip(shape, width) if b or e)
+
+
+def _pad_by_slices(x, width, mode, value):
+    """numpy.pad's result with one slice copy per border, axis by axis: an axis's borders span the
+    already padded earlier axes, so corners come out as numpy.pad's."""
+    out = np.empty(tuple(d + b + e for d, (b, e) in zip(x.shape, width)), dtype=x.dtype)
+    inner = tuple(slice(b, b + d) for d, (b, _) in zip(x.shape, width))
+    out[inner] = x
+    if mode == "constant":
+        fill = np.asarray(value, dtype=x.dtype).reshape(())
+    for axis, (d, (b, e)) in enumerate(zip(x.shape, width)):
+        if not (b or e):
+            continue
+        lead, tail = (slice(None),) * axis, inner[axis + 1:]
+        for dst, src in _border_sources(mode, d, b, e):
+            if mode == "constant":
+                out[(*lead, dst, *tail)] = fill
+            else:
+                out[(*lead, dst, *tail)] = out[(*lead, src, *tail)]
+    return out
+
+
+def _border_sources(mode, d, b, e):
+    """(destination, source) slices along one axis of the padded array for its begin and end borders."""
+    last = b + d - 1  # the input's last position in the padded array
+    pairs = []
+    if b:
+        source = {"reflect": slice(2 * b, b, -1), "edge": slice(b, b + 1), "wrap": slice(last + 1 - b, last + 1),
+                  "constant": None}[mode]
+        pairs.append((slice(0, b), source))
+    if e:
+        stop = last - 1 - e
+        source = {"reflect": slice(last - 1, None if stop < 0 else stop, -1), "edge": slice(last, last + 1),
+                  "wrap": slice(b, b + e), "constant": None}[mode]
+        pairs.append((slice(last + 1, last + 1 + e), source))
+    return pairs
 
 
 @register("Pad", since=1)

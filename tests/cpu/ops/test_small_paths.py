@@ -1,0 +1,182 @@
+"""The small-tensor paths of a streaming model's operators (silero-vad's frames): the direct convolution for
+few output positions (compiled/smallconv.py), the compiled LSTM (compiled/lstm.py) and Pad by slice copies.
+Each is checked against a float64 reference within a stated bound, and shown to be the path taken."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from node_reference import F32, F64, ours, rand, reference
+from onnx_runtime_ep_cpu import ops  # noqa: F401  (fills the registry)
+from onnx_runtime_ep_cpu.compiled import lstm as compiled_lstm
+from onnx_runtime_ep_cpu.compiled import smallconv
+from onnx_runtime_ep_cpu.ops import shape as shape_ops
+from reference64 import assert_within, gamma
+
+
+def _spy(monkeypatch, module, name):
+    calls = []
+    original = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+# -- Conv with few output positions -------------------------------------------------------------
+
+DIRECT_CASES = [
+    # x shape, w shape, attrs: silero-vad's STFT and encoder convolutions (scaled down), then other windows
+    ((1, 1, 96), (18, 1, 32), {"strides": [16]}),
+    ((1, 9, 3), (8, 9, 3), {"pads": [1, 1]}),
+    ((1, 8, 3), (4, 8, 3), {"pads": [1, 1], "strides": [2]}),
+    ((2, 4, 1), (8, 4, 3), {"pads": [1, 1]}),
+    ((1, 6, 1), (1, 6, 1), {}),
+    ((2, 4, 5), (6, 2, 3), {"group": 2, "pads": [2, 0], "dilations": [2]}),
+    ((1, 3, 4, 3), (5, 3, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 1]}),
+    ((1, 2, 2, 2, 3), (3, 2, 2, 2, 2), {"pads": [1, 0, 0, 0, 1, 0]}),
+]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", DIRECT_CASES)
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_direct_conv_is_taken_and_within_the_rounding_bound(monkeypatch, x_shape, w_shape, attrs, with_bias, dtype):
+    calls = _spy(monkeypatch, smallconv, "conv_gathered")
+    x, w = rand(*x_shape, dtype=dtype), rand(*w_shape, dtype=dtype)
+    b = rand(w_shape[0], dtype=dtype) if with_bias else None
+    inputs = [x, w] + ([b] if with_bias else [])
+    (got,) = ours("Conv", inputs, attrs, 11)
+    assert calls, "the direct convolution was not taken"
+    exact = reference("Conv", [a.astype(F64) for a in inputs], attrs, 11)[0]
+    magnitude = reference("Conv", [np.abs(a).astype(F64) for a in inputs], attrs, 11)[0]
+    depth = int(np.prod(w_shape[1:])) + 1
+    assert got.dtype == dtype and got.shape == exact.shape
+    assert_within(got, exact, gamma(depth, dtype) * magnitude)
+
+
+def test_direct_conv_leaves_wide_outputs_to_the_products(monkeypatch):
+    calls = _spy(monkeypatch, smallconv, "conv_gathered")
+    ours("Conv", [rand(1, 4, 40), rand(6, 4, 3)], {"pads": [1, 1]}, 11)
+    assert not calls
+
+
+# -- LSTM ---------------------------------------------------------------------------------------
+
+
+def _sigmoid(v):
+    return 1 / (1 + np.exp(-v))
+
+
+def _lstm_reference(x, w, r, b, h0, c0, direction, layout):
+    """LSTM in float64, one step at a time, straight from the operator's definition."""
+    x, w, r = (np.asarray(a, F64) for a in (x, w, r))
+    if layout:
+        x = x.swapaxes(0, 1)
+        h0 = None if h0 is None else h0.swapaxes(0, 1)
+        c0 = None if c0 is None else c0.swapaxes(0, 1)
+    seq, batch = x.shape[:2]
+    dirs, hidden = w.shape[0], r.shape[-1]
+    y = np.zeros((seq, dirs, batch, hidden))
+    finals = []
+    for d in range(dirs):
+        h = np.zeros((batch, hidden)) if h0 is None else np.asarray(h0[d], F64)
+        c = np.zeros((batch, hidden)) if c0 is None else np.asarray(c0[d], F64)
+        bias = np.zeros(8 * hidden) if b is None else np.asarray(b[d], F64)
+        steps = range(seq - 1, -1, -1) if direction == "reverse" or d == 1 else range(seq)
+        for t in steps:
+            gates = x[t] @ w[d].T + h @ r[d].T + bias[:4 * hidden] + bias[4 * hidden:]
+            i, o, f, g = (gates[:, k * hidden:(k + 1) * hidden] for k in range(4))
+            c = _sigmoid(f) * c + _sigmoid(i) * np.tanh(g)
+            h = _sigmoid(o) * np.tanh(c)
+            y[t, d] = h
+        finals.append((h, c))
+    yh, yc = np.stack([f[0] for f in finals]), np.stack([f[1] for f in finals])
+    if layout:
+        return y.transpose(2, 0, 1, 3), yh.swapaxes(0, 1), yc.swapaxes(0, 1)
+    return y, yh, yc
+
+
+LSTM_CASES = [
+    # direction, layout, seq, batch, inputs, hidden, with bias and states
+    ("forward", 0, 1, 1, 16, 16, True),  # a streaming model's one step
+    ("forward", 0, 1, 1, 8, 4, False),
+    ("bidirectional", 0, 3, 2, 5, 6, True),
+    ("reverse", 1, 4, 3, 6, 5, True),
+    ("forward", 0, 12, 2, 7, 8, True),  # past _PROJECT_IN_LOOP: the input projection is one product
+    ("bidirectional", 1, 9, 2, 3, 4, False),
+]
+
+
+@pytest.mark.parametrize("direction,layout,seq,batch,inputs,hidden,full", LSTM_CASES)
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_compiled_lstm_is_taken_and_matches_float64(monkeypatch, direction, layout, seq, batch, inputs, hidden,
+                                                     full, dtype):
+    calls = _spy(monkeypatch, compiled_lstm, "lstm_steps")
+    dirs = 2 if direction == "bidirectional" else 1
+    x = rand(*((batch, seq) if layout else (seq, batch)), inputs, dtype=dtype)
+    w, r = rand(dirs, 4 * hidden, inputs, dtype=dtype), rand(dirs, 4 * hidden, hidden, dtype=dtype)
+    state_shape = (batch, dirs, hidden) if layout else (dirs, batch, hidden)
+    b = rand(dirs, 8 * hidden, dtype=dtype) if full else None
+    h0 = rand(*state_shape, dtype=dtype) if full else None
+    c0 = rand(*state_shape, dtype=dtype) if full else None
+    attrs = {"hidden_size": hidden, "direction": direction, "layout": layout}
+    got = ours("LSTM", [x, w, r, b, None, h0, c0], attrs, 14, n_outputs=3)
+    assert len(calls) == dirs, "the compiled LSTM was not taken"
+    # Each step's sums have inputs + hidden + 2 terms of magnitude below inputs + hidden + 2; the state
+    # carries a step's rounding into the next, so the bound grows with the sequence.
+    tol = gamma(inputs + hidden + 2, dtype) * (inputs + hidden + 2) * 4 * seq
+    for g, e in zip(got, _lstm_reference(x, w, r, b, h0, c0, direction, layout)):
+        assert g.dtype == dtype and g.shape == e.shape
+        assert_within(g, e, np.full(e.shape, tol))
+
+
+def test_lstm_with_peepholes_keeps_the_numpy_path(monkeypatch):
+    calls = _spy(monkeypatch, compiled_lstm, "lstm_steps")
+    x, w, r, b = rand(2, 1, 3), rand(1, 8, 3), rand(1, 8, 2), rand(1, 16)
+    p = rand(1, 6)
+    got = ours("LSTM", [x, w, r, b, None, None, None, p], {"hidden_size": 2}, 14, n_outputs=3)
+    expected = reference("LSTM", [x, w, r, b, None, None, None, p], {"hidden_size": 2}, 14, n_outputs=3)
+    assert not calls
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+# -- Pad by slices --------------------------------------------------------------------------------
+
+PAD_CASES = [
+    ((1, 512), [0, 64, 0, 64]),  # silero-vad's reflection of a frame
+    ((3, 4), [1, 2, 2, 1]),
+    ((2, 3, 4), [1, 0, 2, 1, 2, 3]),
+    ((5,), [4, 4]),
+    ((3, 4), [-1, 1, 1, -2]),
+]
+
+
+@pytest.mark.parametrize("shape,pads", PAD_CASES)
+@pytest.mark.parametrize("mode", ["constant", "reflect", "edge", "wrap"])
+def test_pad_by_slices_equals_numpy_pad(monkeypatch, shape, pads, mode):
+    rank = len(shape)
+    begin, end = pads[:rank], pads[rank:]
+    width = [(max(b, 0), max(e, 0)) for b, e in zip(begin, end)]
+    kept = tuple(slice(max(-b, 0), d - max(-e, 0)) for d, b, e in zip(shape, begin, end))
+    x = rand(*shape)
+    limit = {"reflect": 1, "wrap": 0}.get(mode)
+    if limit is not None and any(max(b, e) > d - limit for d, (b, e) in zip(x[kept].shape, width)):
+        pytest.skip("a reflection or wrap wider than the axis: numpy.pad's own case")
+    calls = _spy(monkeypatch, shape_ops, "_pad_by_slices")
+    extra = {"constant_values": F32(1.5)} if mode == "constant" else {}
+    expected = np.pad(x[kept], width, mode=mode, **extra)
+    value = [np.array(1.5, F32)] if mode == "constant" else []
+    (got,) = ours("Pad", [x, np.array(pads, np.int64), *value], {"mode": mode}, 19)
+    assert calls
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_pad_wider_than_the_axis_reflects_repeatedly():
+    x = rand(3)
+    (got,) = ours("Pad", [x, np.array([5, 4], np.int64)], {"mode": "reflect"}, 19)
+    np.testing.assert_array_equal(got, np.pad(x, (5, 4), mode="reflect"))
