@@ -67,6 +67,13 @@ def apply_table(table: np.ndarray, q: np.ndarray) -> np.ndarray:
 def dynamic_uint8(x: np.ndarray) -> tuple[np.float32, np.uint8, np.ndarray]:
     """DynamicQuantizeLinear: (scale, zero point, quantized x) over a range widened to include 0."""
     x = x.astype(_F32, copy=False)
+    if x.size:
+        from ..compiled import quantize as compiled
+
+        q = np.empty(x.shape, np.uint8)
+        scale, zero_point = compiled.dynamic_quantize(np.ascontiguousarray(x).reshape(-1), q.reshape(-1))
+        # Zero point 0 with every code 0 is an empty range (all zeros), which takes scale 1 here.
+        return _F32.type(scale if zero_point or q.any() else 1), np.uint8(zero_point), q
     low = min(_F32.type(0), x.min()) if x.size else _F32.type(0)
     high = max(_F32.type(0), x.max()) if x.size else _F32.type(0)
     # All zeros: any scale reproduces them; 1 keeps it usable as a divisor.
@@ -83,3 +90,62 @@ def int_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """
     product = np.matmul(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
     return np.asarray(product).astype(np.int64).astype(np.int32)
+
+
+_EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
+
+
+class IntegerProduct:
+    """``(A - a_zero) @ (B - b_zero)`` in int32 through compiled/qgemm.py, for 8-bit A (..., M, K) and a 2-D
+    8-bit B (K, N); B with its zero points subtracted is packed once per set of constant inputs.
+
+    A's zero point is per tensor or, for a matrix A, per row (M,); B's per tensor or per column (N,).
+    ``__call__`` returns None for anything else (a batched B, other types), which callers compute with
+    ``int_matmul`` instead.
+    """
+
+    __slots__ = ("_prepared",)
+
+    def __init__(self):
+        from .prepared import Prepared
+
+        self._prepared = Prepared()
+
+    def __call__(self, a: np.ndarray, b: np.ndarray, a_zero=None, b_zero=None,
+                 trans_b: bool = False) -> np.ndarray | None:
+        """The int32 product, or None where this path does not apply. ``trans_b``: B is given as (N, K)."""
+        if a.dtype not in _EIGHT_BIT or b.dtype not in _EIGHT_BIT or b.ndim != 2 or a.ndim < 1:
+            return None
+        columns, depth = b.shape if trans_b else b.shape[::-1]
+        if a.shape[-1] != depth:
+            return None
+        rows_zero = _zeros(a_zero)
+        if rows_zero is None or (rows_zero.size > 1 and (a.ndim != 2 or rows_zero.size != a.shape[0])):
+            return None
+        b_zeros = _zeros(b_zero)
+        if b_zeros is None or b_zeros.size not in (1, columns):
+            return None
+        from ..compiled import qgemm
+
+        def pack():
+            packed = np.empty((columns, depth), np.int16)
+            qgemm.pack_columns(b.T if trans_b else b, b_zeros, packed)
+            return packed
+
+        packed = self._prepared.get(trans_b, (b, b_zero), pack)
+        flat = np.ascontiguousarray(a).reshape(-1, depth)
+        out = np.empty((flat.shape[0], columns), np.int32)
+        qgemm.product(flat, rows_zero, packed, out)
+        return out.reshape(a.shape[:-1] + (columns,))
+
+
+def _zeros(zero_point) -> np.ndarray | None:
+    """A zero point as a flat int32 array (0 when absent); None when it is not a vector or scalar of integers."""
+    if zero_point is None:
+        return np.zeros(1, np.int32)
+    zero_point = np.asarray(zero_point)
+    if zero_point.dtype.kind not in "iu" or zero_point.size == 0:
+        return None
+    if zero_point.ndim > 1 and zero_point.size != max(zero_point.shape):
+        return None
+    return zero_point.reshape(-1).astype(np.int32)

@@ -17,6 +17,7 @@ from onnx_runtime.dtypes import DataType
 
 from ..algorithms.activations import sigmoid
 from ..algorithms.quantize import (
+    IntegerProduct,
     apply_table,
     dequantize,
     dynamic_uint8,
@@ -307,6 +308,16 @@ def _column_param(node, name: str, value, columns: int, dtype=None):
     return value
 
 
+def _qgemm_product(node, product, trans_a, trans_b, a, a_zero_point, b, b_zero_point):
+    """The int32 accumulator of QGemm: compiled for a non-transposed A, else exact through int_matmul."""
+    (left, a_zero), (right, b_zero) = _qgemm_operands(node, trans_a, trans_b, a, a_zero_point, b, b_zero_point)
+    if not trans_a:
+        acc = product(a, b, a_zero, b_zero, trans_b=trans_b)
+        if acc is not None:
+            return acc, right.shape[1]
+    return int_matmul(widen(left, a_zero), widen(right, b_zero)), right.shape[1]
+
+
 def _qgemm_operands(node, trans_a, trans_b, a, a_zero_point, b, b_zero_point):
     eight_bit(node, "A", a)
     eight_bit(node, "B", b)
@@ -318,7 +329,7 @@ def _qgemm_operands(node, trans_a, trans_b, a, a_zero_point, b, b_zero_point):
                              "have different inner dimensions")
     a_zero = scalar(node, "a_zero_point", a_zero_point, a.dtype)
     b_zero = _column_param(node, "b_zero_point", b_zero_point, right.shape[1], b.dtype)
-    return widen(left, a_zero), widen(right, b_zero)
+    return (left, a_zero), (right, b_zero)
 
 
 def _add_c(node, acc, c):
@@ -339,12 +350,13 @@ def _add_c(node, acc, c):
 def qgemm(node, shapes, opset):
     alpha = float(node.attr("alpha", 1.0))
     trans_a, trans_b = bool(node.attr("transA", 0)), bool(node.attr("transB", 0))
+    product = IntegerProduct()
 
     def kernel(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c=None, y_scale=None, y_zero_point=None):
-        left, right = _qgemm_operands(node, trans_a, trans_b, a, a_zero_point, b, b_zero_point)
-        acc = _add_c(node, int_matmul(left, right), c)
+        acc, columns = _qgemm_product(node, product, trans_a, trans_b, a, a_zero_point, b, b_zero_point)
+        acc = _add_c(node, acc, c)
         scale = alpha * float_scale(node, "a_scale", a_scale).astype(_F64) * _column_param(
-            node, "b_scale", b_scale, right.shape[1]).astype(_F64)
+            node, "b_scale", b_scale, columns).astype(_F64)
         if y_zero_point is None and y_scale is None:
             return ((acc * scale).astype(_F32),)
         if y_zero_point is None or y_scale is None:
@@ -406,9 +418,13 @@ def _bias(node, bias, columns: int, dtype):
     return bias
 
 
-def _integer_to_float(a, a_scale, a_zero, b, b_scale, b_zero):
+def _integer_to_float(product, a, a_scale, a_zero, b, b_scale, b_zero):
     """(A - a_zero) * a_scale @ (B - b_zero) * b_scale in float64: an exact integer product rescaled when
     A's scale is per tensor; per-K scales of A (which no integer product can factor out) scale A first."""
+    if a_scale.ndim == 0 and (a_zero is None or a_zero.ndim == 0):
+        acc = product(a, b, a_zero, b_zero)
+        if acc is not None:
+            return acc * (a_scale.astype(_F64) * b_scale.astype(_F64))
     bc = widen(b, b_zero)
     if a_scale.ndim == 0:
         return int_matmul(widen(a, a_zero), bc) * (a_scale.astype(_F64) * b_scale.astype(_F64))
@@ -426,6 +442,8 @@ def _finish(y, bias, dtype):
 
 @register("MatMulIntegerToFloat", domain=CONTRIB_DOMAIN, since=1)
 def matmul_integer_to_float(node, shapes, opset):
+    product = IntegerProduct()
+
     def kernel(a, b, a_scale, b_scale, a_zero_point=None, b_zero_point=None, bias=None):
         eight_bit(node, "A", a)
         eight_bit(node, "B", b)
@@ -434,7 +452,7 @@ def matmul_integer_to_float(node, shapes, opset):
         if dtype not in (_F32, np.dtype(np.float16)) or b_scale.dtype != dtype:
             raise argument_error(node, f"a_scale ({a_scale.dtype}) and b_scale ({b_scale.dtype}) must both be "
                                  "float32 or both float16")
-        y = _integer_to_float(a, _a_param(node, "a_scale", a_scale, a),
+        y = _integer_to_float(product, a, _a_param(node, "a_scale", a_scale, a),
                               _a_param(node, "a_zero_point", a_zero_point, a, a.dtype),
                               b, _b_param(node, "b_scale", b_scale, b),
                               _b_param(node, "b_zero_point", b_zero_point, b, b.dtype))
@@ -445,6 +463,8 @@ def matmul_integer_to_float(node, shapes, opset):
 
 @register("DynamicQuantizeMatMul", domain=CONTRIB_DOMAIN, since=1)
 def dynamic_quantize_matmul(node, shapes, opset):
+    product = IntegerProduct()
+
     def kernel(a, b, b_scale, b_zero_point=None, bias=None):
         if a.dtype != _F32 or b_scale.dtype != _F32:
             raise argument_error(node, f"A ({a.dtype}) and b_scale ({b_scale.dtype}) must be float32")
@@ -452,8 +472,9 @@ def dynamic_quantize_matmul(node, shapes, opset):
         _matmul_shapes(node, a, b)
         # A is quantized to uint8 over its whole range, as DynamicQuantizeLinear does.
         a_scale, a_zero, aq = dynamic_uint8(a)
-        y = _integer_to_float(aq, np.asarray(a_scale), a_zero, b, _b_param(node, "b_scale", b_scale, b),
-                              _b_param(node, "b_zero_point", b_zero_point, b, b.dtype))
+        b_scale = _b_param(node, "b_scale", b_scale, b)
+        b_zero = _b_param(node, "b_zero_point", b_zero_point, b, b.dtype)
+        y = _integer_to_float(product, aq, np.asarray(a_scale), np.asarray(a_zero), b, b_scale, b_zero)
         return (_finish(y, _bias(node, bias, b.shape[-1], _F32), _F32),)
 
     return kernel

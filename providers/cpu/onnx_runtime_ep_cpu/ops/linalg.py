@@ -1,4 +1,4 @@
-"""Linear-algebra kernels: MatMul, Gemm, MatMulInteger, Einsum (through numpy's BLAS paths; on AVX-512
+"""Linear-algebra kernels: MatMul, Gemm, Einsum (through numpy's BLAS paths; on AVX-512
 hosts, float32 products of constant weights through compiled/gemv.py for a few rows, a decode step's or
 a CNN's classifier, and compiled/matmul.py for more, a prefill's or a batch's)."""
 
@@ -169,22 +169,6 @@ def zero_point_rows(zero_point: np.ndarray, a: np.ndarray) -> np.ndarray:
     if zero_point.ndim == 1 and zero_point.size > 1 and a.ndim >= 2:
         return zero_point.reshape(-1, 1)
     return zero_point
-
-
-@register("MatMulInteger", since=10)
-def matmul_integer(node, shapes, opset):
-    def kernel(a, b, a_zero_point=None, b_zero_point=None):
-        # float64 holds every partial sum of 8-bit products exactly (K up to ~1e11) and uses BLAS.
-        af = a.astype(np.float64)
-        if a_zero_point is not None:
-            af -= zero_point_rows(a_zero_point, a)
-        bf = b.astype(np.float64)
-        if b_zero_point is not None:
-            bf -= b_zero_point
-        # Through int64 so that sums past int32 wrap like the integer accumulation they stand for.
-        return (np.matmul(af, bf).astype(np.int64).astype(np.int32),)
-
-    return kernel
 
 
 @register("Einsum", since=12)

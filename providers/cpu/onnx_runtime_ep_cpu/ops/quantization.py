@@ -1,19 +1,25 @@
-"""Quantization kernels: QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear, QLinearMatMul,
-QLinearConv, ConvInteger, and BitCast.
+"""Quantization kernels: QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear, MatMulInteger,
+QLinearMatMul, QLinearConv, ConvInteger, and BitCast.
 
 Quantizing to an integer type rounds half to even and saturates to the type's range; float8 and
 float4 targets round through ml_dtypes' casts (float8 saturating as the ``saturate`` attribute says,
-float4 always, having no infinity). Integer accumulations run in float64, which holds every sum of
+float4 always, having no infinity). float32 data to and from 8- and 16-bit integers, per tensor or per
+axis, runs in compiled/quantize.py's one-pass loops. Products of 8-bit matrices by a 2-D weight run in
+int32 through compiled/qgemm.py; other integer accumulations run in float64, which holds every sum of
 8-bit products exactly and goes through BLAS.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import ml_dtypes
 import numpy as np
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidGraphError
 
+from ..algorithms.quantize import IntegerProduct
 from ..registry import register
 from ._common import argument_error, quiet
 from .conv import conv
@@ -66,6 +72,19 @@ class _Granularity:
         if self.block_size < 0:
             raise _error(node, "block_size", f"is {self.block_size}; expected a non-negative block size")
 
+    def channels(self, param: np.ndarray, x_shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """(outer, C, inner): ``x`` viewed so that a per-tensor (C = 1) or per-axis ``param`` has one value per
+        channel C; None for blocked parameters (which the compiled loops leave to numpy)."""
+        size = math.prod(x_shape)
+        if param.size == 1 and param.ndim <= 1:
+            return 1, 1, size
+        if self.block_size or not self.per_axis or param.ndim != 1 or not x_shape:
+            return None
+        axis = self._axis(len(x_shape))
+        if param.shape[0] != x_shape[axis]:
+            return None
+        return math.prod(x_shape[:axis]), x_shape[axis], math.prod(x_shape[axis + 1:])
+
     def _axis(self, rank: int) -> int:
         if not -rank <= self.axis < rank:
             raise argument_error(self.node, f"axis {self.axis} is out of range for a rank-{rank} input")
@@ -104,6 +123,7 @@ class _Granularity:
 # -- QuantizeLinear ---------------------------------------------------------------------------------
 
 
+@functools.cache
 def _integer_range(target: DataType) -> tuple[int, int]:
     info = ml_dtypes.iinfo(target.numpy)
     return int(info.min), int(info.max)
@@ -135,6 +155,29 @@ def _divide(x: np.ndarray, scale: np.ndarray, precision: np.dtype) -> np.ndarray
     return quotient.astype(precision).astype(np.float32, copy=False)
 
 
+_F32 = np.dtype(np.float32)
+# The targets the compiled loops (compiled/quantize.py) take: float32 data to 8- and 16-bit integers.
+_COMPILED_TARGETS = {DataType.UINT8, DataType.INT8, DataType.UINT16, DataType.INT16}
+_COMPILED_CODES = {t.numpy for t in _COMPILED_TARGETS}
+
+
+def _layout(granularity: _Granularity, x: np.ndarray, scale: np.ndarray, zero_point) -> tuple | None:
+    """(outer, C, inner) for the compiled loops when the parameters are per tensor or per axis, else None."""
+    layout = granularity.channels(scale, x.shape)
+    if layout is None or (zero_point is not None and zero_point.size != scale.size):
+        return None
+    if x.size == 0:
+        return None
+    return layout
+
+
+def _channel_params(scale: np.ndarray, zero_point) -> tuple[np.ndarray, np.ndarray]:
+    """The scale (float32) and zero point (int32) as one value per channel."""
+    flat = scale.reshape(-1)
+    zero = np.zeros(flat.shape, np.int32) if zero_point is None else zero_point.reshape(-1).astype(np.int32)
+    return flat, zero
+
+
 def _quantize_target(node, zero_point, output_dtype: DataType | None) -> DataType:
     if zero_point is None:
         return output_dtype or DataType.UINT8
@@ -157,6 +200,17 @@ def _quantize_factory(node, *, per_axis=True, blocked=False, saturating=False, t
 
     def kernel(x, y_scale, y_zero_point=None):
         target = _quantize_target(node, y_zero_point, output_dtype)
+        if (target in _COMPILED_TARGETS and x.dtype == _F32 and y_scale.dtype == _F32
+                and (precision is None or precision is DataType.FLOAT)):
+            layout = _layout(granularity, x, y_scale, y_zero_point)
+            if layout is not None:
+                from ..compiled import quantize as compiled
+
+                low, high = _integer_range(target)
+                out = np.empty(x.shape, target.numpy)
+                compiled.quantize(np.ascontiguousarray(x).reshape(layout), *_channel_params(y_scale, y_zero_point),
+                                  low, high, out.reshape(layout))
+                return (out,)
         scale = granularity.expand(y_scale, x.shape)
         zero = None if y_zero_point is None else granularity.expand(y_zero_point, x.shape)
         # The division runs at the precision attribute's type, else the scale's (float32 for float8e8m0).
@@ -216,6 +270,15 @@ def _dequantize_factory(node, *, per_axis=True, blocked=False, typed=False):
             raise argument_error(
                 node, f"x_scale is {out.name}, which is no output type; set attribute 'output_dtype'"
             )
+        if x.dtype in _COMPILED_CODES and x_scale.dtype == _F32 and out is DataType.FLOAT:
+            layout = _layout(granularity, x, x_scale, x_zero_point)
+            if layout is not None:
+                from ..compiled import quantize as compiled
+
+                y = np.empty(x.shape, _F32)
+                compiled.dequantize(np.ascontiguousarray(x).reshape(layout), *_channel_params(x_scale, x_zero_point),
+                                    y.reshape(layout))
+                return (y,)
         scale = granularity.expand(x_scale, x.shape)
         zero = None if x_zero_point is None else granularity.expand(x_zero_point, x.shape)
         # Multiply in float32 and round once to the output type: a half-precision output gets the
@@ -258,15 +321,15 @@ def dynamic_quantize_linear(node, shapes, opset):
     @quiet
     def kernel(x):
         x = x.astype(np.float32, copy=False)
-        # The range always includes 0, so that 0 quantizes exactly.
-        x_min = min(np.float32(0), x.min()) if x.size else np.float32(0)
-        x_max = max(np.float32(0), x.max()) if x.size else np.float32(0)
-        # All zeros: any scale reproduces them; a unit range keeps the scale usable as a divisor.
-        span = x_max - x_min if x_max > x_min else np.float32(1)
-        scale = np.float32(span / np.float32(high - low))
-        zero_point = np.clip(np.rint(np.float32(low) - x_min / scale), low, high).astype(np.uint8)
-        y = _to_quantized(x / scale, zero_point, DataType.UINT8)
-        return y, np.asarray(scale), np.asarray(zero_point)
+        if x.size:
+            from ..compiled import quantize as compiled
+
+            y = np.empty(x.shape, np.uint8)
+            scale, zero_point = compiled.dynamic_quantize(np.ascontiguousarray(x).reshape(-1), y.reshape(-1))
+            # The compiled loop's float32 results come back as Python floats, exactly.
+            return y, np.asarray(scale, np.float32), np.asarray(zero_point, np.uint8)
+        # Empty: the range is [0, 0], which takes a unit scale.
+        return x.astype(np.uint8), np.asarray(np.float32(1) / np.float32(high - low)), np.asarray(0, np.uint8)
 
     return kernel
 
@@ -279,10 +342,42 @@ def _rows(param: np.ndarray, operand: np.ndarray) -> np.ndarray:
     return zero_point_rows(param, operand) if param.ndim == 1 else param
 
 
+@register("MatMulInteger", since=10)
+def matmul_integer(node, shapes, opset):
+    product = IntegerProduct()
+
+    def kernel(a, b, a_zero_point=None, b_zero_point=None):
+        y = product(a, b, a_zero_point, b_zero_point)
+        if y is not None:
+            return (y,)
+        # Batched B, or zero points of other shapes: float64 holds every partial sum of 8-bit products
+        # exactly (K up to ~1e11) and uses BLAS.
+        af = a.astype(np.float64)
+        if a_zero_point is not None:
+            af -= zero_point_rows(a_zero_point, a)
+        bf = b.astype(np.float64)
+        if b_zero_point is not None:
+            bf -= b_zero_point
+        # Through int64 so that sums past int32 wrap like the integer accumulation they stand for.
+        return (np.matmul(af, bf).astype(np.int64).astype(np.int32),)
+
+    return kernel
+
+
 @register("QLinearMatMul", since=10)
 def qlinear_matmul(node, shapes, opset):
+    integer_product = IntegerProduct()
+
     # 21 adds float8 operands and half-precision scales; the same arithmetic covers them.
     def kernel(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point):
+        if a_scale.size == 1 and y_scale.size == 1 and y_zero_point.size == 1:
+            acc = integer_product(a, b, a_zero_point, b_zero_point)
+            if acc is not None:
+                # The exact integer sum, rescaled once in float64.
+                multiplier = a_scale.astype(np.float64).reshape(()) * b_scale.astype(np.float64).reshape(-1)
+                values = acc * (multiplier / y_scale.astype(np.float64).reshape(()))
+                target = DataType.from_numpy(y_zero_point.dtype)
+                return (_to_quantized(values, y_zero_point.reshape(()), target),)
         a_real = _centered(a, _rows(a_zero_point, a)) * _rows(a_scale, a).astype(np.float64)
         b_real = _centered(b, b_zero_point) * b_scale.astype(np.float64)
         product = np.asarray(np.matmul(a_real, b_real))

@@ -1,0 +1,97 @@
+"""One-pass linear (de)quantization of float32 data to and from 8- and 16-bit integers: QuantizeLinear,
+DequantizeLinear, DynamicQuantizeLinear and a QuantizeLinear -> DequantizeLinear pair, per tensor or per
+channel.
+
+numpy needs a pass per step (divide, round, add the zero point, clip, cast; widen, subtract, convert,
+multiply), each over a temporary; these loops do each element once. Arrays are (outer, C, inner), contiguous,
+with one float32 scale and one zero point per channel C (C = 1: per tensor). The arithmetic is
+QuantizeLinear's for float32: the quotient x / scale in float32, rounded half to even, plus the zero point,
+saturated to [low, high] (NaN gives 0, as numpy's clip-then-cast does); dequantizing converts the exact
+difference q - zero point to float32 and multiplies by the scale once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import jit
+
+
+@jit
+def quantize(x, scale, zero, low, high, out):
+    """out = saturate(rint(x / scale) + zero) per channel; ``low``/``high`` the target type's range."""
+    outer, channels, inner = x.shape
+    lo, hi = np.float32(low), np.float32(high)
+    for o in range(outer):
+        for c in range(channels):
+            s = scale[c]
+            z = np.float32(zero[c])
+            for i in range(inner):
+                v = np.rint(x[o, c, i] / s) + z
+                v = lo if v < lo else v
+                v = hi if v > hi else v
+                out[o, c, i] = np.int32(v) if v == v else 0
+
+
+@jit
+def dequantize(q, scale, zero, out):
+    """out = float32(q - zero) * scale per channel."""
+    outer, channels, inner = q.shape
+    for o in range(outer):
+        for c in range(channels):
+            s = scale[c]
+            z = np.float32(zero[c])
+            for i in range(inner):
+                # Codes and zero points of 8- and 16-bit types are exact in float32, and so is their difference;
+                # converting each straight to float32 lets LLVM vectorize the loop.
+                out[o, c, i] = (np.float32(q[o, c, i]) - z) * s
+
+
+@jit
+def fake_quantize(x, scale, zero, low, high, out):
+    """DequantizeLinear(QuantizeLinear(x)) with one scale and zero point: the float32 value of each rounded,
+    saturated code, without the integer tensor between."""
+    outer, channels, inner = x.shape
+    lo, hi = np.float32(low), np.float32(high)
+    for o in range(outer):
+        for c in range(channels):
+            s = scale[c]
+            z = np.float32(zero[c])
+            for i in range(inner):
+                v = np.rint(x[o, c, i] / s) + z
+                v = lo if v < lo else v
+                v = hi if v > hi else v
+                out[o, c, i] = (v - z) * s if v == v else (np.float32(0) - z) * s
+
+
+@jit
+def value_range(x):
+    """(min, max) of a flat float32 array, each widened to include 0 (DynamicQuantizeLinear's range).
+    NaN is skipped, as the comparisons are false for it."""
+    low = np.float32(0)
+    high = np.float32(0)
+    for i in range(x.shape[0]):
+        v = x[i]
+        low = v if v < low else low
+        high = v if v > high else high
+    return low, high
+
+
+@jit
+def dynamic_quantize(x, out):
+    """DynamicQuantizeLinear of a flat float32 array into ``out`` (uint8): returns (scale, zero point).
+
+    The range is [min(x, 0), max(x, 0)] (NaN skipped), mapped onto [0, 255]; all zeros take scale 1. Scale
+    and zero point are computed in float32 as numpy computes them from float32 scalars."""
+    low, high = value_range(x)
+    span = high - low if high > low else np.float32(1)
+    scale = span / np.float32(255)
+    zero = np.rint(np.float32(0) - low / scale)
+    zero = np.float32(0) if zero < 0 else zero
+    zero = np.float32(255) if zero > 255 else zero
+    for i in range(x.shape[0]):
+        v = np.rint(x[i] / scale) + zero
+        v = np.float32(0) if v < 0 else v
+        v = np.float32(255) if v > 255 else v
+        out[i] = np.int32(v) if v == v else 0
+    return scale, zero

@@ -1,0 +1,128 @@
+"""compiled/qgemm.py's int32 products and compiled/quantize.py's (de)quantization loops, exactly against numpy
+references: int64 sums wrapped to int32, and QuantizeLinear's float32 division, ties-to-even rounding and
+saturation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx_runtime_ep_cpu.algorithms.quantize import IntegerProduct
+from onnx_runtime_ep_cpu.compiled import qgemm
+from onnx_runtime_ep_cpu.compiled import quantize as compiled
+
+U8, I8 = np.uint8, np.int8
+RANGES = {U8: (0, 255), I8: (-128, 127), np.uint16: (0, 65535), np.int16: (-32768, 32767)}
+
+
+def reference(a, b, a_zero, b_zero):
+    """(a - a_zero) @ (b - b_zero) in int64, wrapped to int32 as a 32-bit accumulator wraps."""
+    centred_a = a.astype(np.int64) - np.asarray(a_zero, np.int64).reshape(-1, 1)
+    centred_b = b.astype(np.int64) - np.asarray(b_zero, np.int64).reshape(1, -1)
+    return (centred_a @ centred_b).astype(np.int32)
+
+
+def operand(rng, shape, dtype):
+    low, high = RANGES[dtype]
+    values = rng.integers(low, high + 1, size=shape).astype(dtype)
+    values.flat[:2] = (low, high)[: values.size]  # the ends of the range, always
+    return values
+
+
+@pytest.mark.parametrize("a_type", [U8, I8])
+@pytest.mark.parametrize("b_type", [U8, I8])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (3, 17, 5), (7, 33, 31), (2, 64, 64), (5, 100, 70), (1, 255, 33)])
+def test_product_exact(a_type, b_type, shape):
+    m, k, n = shape
+    rng = np.random.default_rng(m * 1000 + k * 10 + n)
+    a, b = operand(rng, (m, k), a_type), operand(rng, (k, n), b_type)
+    for a_zero, b_zero in [(RANGES[a_type][0], RANGES[b_type][1]), (RANGES[a_type][1], RANGES[b_type][0]), (0, 0)]:
+        got = IntegerProduct()(a, b, np.asarray(a_zero, a_type), np.asarray(b_zero, b_type))
+        np.testing.assert_array_equal(got, reference(a, b, a_zero, b_zero))
+
+
+def test_product_per_row_and_column_zero_points_and_transposed_weight():
+    rng = np.random.default_rng(7)
+    a, b = operand(rng, (6, 37), U8), operand(rng, (37, 9), I8)
+    a_zero, b_zero = operand(rng, (6,), U8), operand(rng, (9,), I8)
+    product = IntegerProduct()
+    np.testing.assert_array_equal(product(a, b, a_zero, b_zero), reference(a, b, a_zero, b_zero))
+    bt = np.ascontiguousarray(b.T)
+    np.testing.assert_array_equal(product(a, bt, a_zero, b_zero, trans_b=True), reference(a, b, a_zero, b_zero))
+
+
+def test_product_batched_a_and_constant_weight_reused():
+    rng = np.random.default_rng(3)
+    a, b = operand(rng, (2, 3, 19), I8), operand(rng, (19, 11), U8)
+    b.flags.writeable = False  # a constant: packed once, then reused
+    product = IntegerProduct()
+    for _ in range(2):
+        got = product(a, b, np.asarray(-3, I8), np.asarray(200, U8))
+        np.testing.assert_array_equal(got.reshape(6, 11), reference(a.reshape(6, 19), b, -3, 200))
+    # a different weight of the same shape is not mistaken for the packed one
+    b2 = operand(rng, (19, 11), U8)
+    np.testing.assert_array_equal(product(a, b2).reshape(6, 11), reference(a.reshape(6, 19), b2, 0, 0))
+
+
+def test_product_wraps_like_int32():
+    k = 40000  # 255 * 255 * k passes 2**31
+    a = np.full((1, k), 255, U8)
+    b = np.zeros((k, 2), U8)
+    got = IntegerProduct()(a, b, None, np.asarray(255, U8))
+    want = reference(a, b, 0, 255)
+    assert want[0, 0] != -255 * 255 * k  # it did wrap
+    np.testing.assert_array_equal(got, want)
+
+
+def test_product_declines_what_it_does_not_cover():
+    product = IntegerProduct()
+    a = np.zeros((2, 3), U8)
+    assert product(a, np.zeros((2, 3, 4), U8)) is None  # batched B
+    assert product(a.astype(np.int16), np.zeros((3, 4), U8)) is None  # 16-bit
+    assert product(np.zeros((2, 2, 3), U8), np.zeros((3, 4), U8), np.zeros(2, U8)) is None  # per-row zero, batched A
+
+
+def quantize_reference(x, scale, zero, dtype):
+    low, high = RANGES[dtype]
+    q = np.rint((x / scale).astype(np.float64)) + zero
+    return np.clip(np.nan_to_num(q, nan=0.0), low, high).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [U8, I8, np.uint16, np.int16])
+def test_quantize_and_dequantize_exact(dtype):
+    rng = np.random.default_rng(1)
+    low, high = RANGES[dtype]
+    scale = np.array([0.1, 0.5, 3.0], np.float32)
+    zero = np.array([low, high, (low + high) // 2], np.int32)
+    x = (rng.standard_normal((2, 3, 29)) * 100 * (high - low) / 255).astype(np.float32)
+    x[0, :, :6] = np.array([0.05, 0.15, -0.25, 1e30, -np.inf, np.nan], np.float32)[None]  # ties, saturation, NaN
+    x[1, :, :3] = (np.array([0.5, 1.5, 2.5], np.float32) * scale[:, None])  # exact ties: half to even
+    out = np.empty(x.shape, dtype)
+    compiled.quantize(x, scale, zero, low, high, out)
+    want = quantize_reference(x, scale[:, None], zero[:, None], dtype)
+    np.testing.assert_array_equal(out, want)
+    back = np.empty(x.shape, np.float32)
+    compiled.dequantize(out, scale, zero, back)
+    np.testing.assert_array_equal(back, (out.astype(np.int64) - zero[:, None]).astype(np.float32) * scale[:, None])
+    fake = np.empty(x.shape, np.float32)
+    compiled.fake_quantize(x, scale, zero, low, high, fake)
+    np.testing.assert_array_equal(fake, back)
+
+
+def test_dynamic_quantize_matches_numpy_float32_arithmetic():
+    rng = np.random.default_rng(2)
+    for x in [rng.standard_normal(50).astype(np.float32), np.abs(rng.standard_normal(9)).astype(np.float32) + 1,
+              -np.abs(rng.standard_normal(9)).astype(np.float32), np.zeros(4, np.float32)]:
+        out = np.empty(x.shape, U8)
+        scale, zero = compiled.dynamic_quantize(x, out)
+        low, high = min(np.float32(0), x.min()), max(np.float32(0), x.max())
+        want_scale = np.float32((high - low) / np.float32(255)) if high > low else np.float32(1) / np.float32(255)
+        want_zero = np.clip(np.rint(np.float32(0) - low / want_scale), 0, 255)
+        assert np.float32(scale) == want_scale and zero == want_zero
+        np.testing.assert_array_equal(out, quantize_reference(x, want_scale, want_zero, U8))
+
+
+def test_pack_columns_subtracts_per_column_zero_points():
+    b = np.array([[0, 255], [7, 128]], U8)
+    packed = np.empty((2, 2), np.int16)
+    qgemm.pack_columns(b, np.array([255, 0], np.int32), packed)
+    np.testing.assert_array_equal(packed, [[-255, -248], [255, 128]])
