@@ -389,6 +389,22 @@ def test_qattention_attributes(attrs):
     assert_floats(ours[0], theirs[0], atol=1e-4, rtol=1e-4)
 
 
+def test_qattention_scale_zero_is_the_default():
+    # onnxruntime reads scale = 0 as "not given": 1 / sqrt(head size), as for com.microsoft Attention.
+    head, zeros = qattention_inputs(I8, True)
+    mask = np.array([2, 4], np.int32)
+    ours, theirs = run_both("QAttention", head + [mask] + zeros, {"num_heads": 2, "scale": 0.0})
+    assert_floats(ours[0], theirs[0], atol=1e-4, rtol=1e-4)
+    default, _ = run_both("QAttention", head + [mask] + zeros, {"num_heads": 2})
+    assert_floats(ours[0], default[0], atol=0, rtol=0)
+
+
+def test_qattention_unidirectional_with_a_raw_mask():
+    head, zeros = qattention_inputs(U8, False)
+    ours, theirs = run_both("QAttention", head + [MASKS["raw_2d"]] + zeros, {"num_heads": 2, "unidirectional": 1})
+    assert_floats(ours[0], theirs[0], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("unidirectional", [0, 1])
 @pytest.mark.parametrize("seq", [1, 3])
 def test_qattention_past_and_present(unidirectional, seq):
@@ -432,6 +448,15 @@ def test_qembed_layer_normalization(dtype, with_segment, with_mask):
     ours, theirs = run_both("QEmbedLayerNormalization", inputs, {"epsilon": 1e-5}, n_outputs=2)
     assert_floats(ours[0], theirs[0], atol=1e-4, rtol=1e-4)
     assert_integers(ours[1], theirs[1])
+
+
+def test_qembed_mask_index_counts_ones_only():
+    # Entries other than 0 and 1 are not words: onnxruntime counts mask == 1, as EmbedLayerNormalization does.
+    inputs = qembed_inputs(I8, True, True)
+    inputs[7] = np.array([[1, 2, 1, 0, 0], [1, 0, -1, 1, 1]], np.int32)
+    ours, theirs = run_both("QEmbedLayerNormalization", inputs, {"epsilon": 1e-5}, n_outputs=2)
+    assert_integers(ours[1], theirs[1])
+    assert_integers(ours[1], np.array([2, 3], np.int32))
 
 
 # -- bad inputs ------------------------------------------------------------------------------------

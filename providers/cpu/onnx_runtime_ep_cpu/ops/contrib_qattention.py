@@ -3,14 +3,18 @@ as docs/ContribOperators.md defines them.
 
 QAttention's input projection is an exact integer product (input - zero point) x (weight - zero point),
 rescaled by input_scale * weight_scale (per tensor or per column) plus the float bias; the attention
-that follows is com.microsoft.Attention's, in float64, rounded once to the output type.
+that follows is com.microsoft.Attention's (algorithms/contrib_attention.py: its mask conventions, scale and
+softmax), in float32 as onnxruntime computes it.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from ..algorithms.quantize import dequantize, int_matmul, widen
+from ..algorithms.contrib_attention import attend, causal_hidden, key_mask_bias, merge_heads, split_heads
+from ..algorithms.quantize import IntegerProduct, dequantize, int_matmul, widen
 from ..registry import register
 from ._common import CONTRIB_DOMAIN, argument_error, graph_error, wants_output
 from .contrib_quantization import eight_bit, scalar
@@ -30,7 +34,7 @@ class _AttentionAttrs:
             raise graph_error(node, "num_heads", f"is {heads!r}; expected a positive head count")
         self.heads = int(heads)
         self.causal = bool(node.attr("unidirectional", 0))
-        self.scale = node.attr("scale")
+        self.scale = node.attr("scale")  # None or 0: the default
         self.filter = float(node.attr("mask_filter_value", -10000.0))
         for name in ("do_rotary", "past_present_share_buffer"):
             if int(node.attr(name, 0)):
@@ -38,8 +42,9 @@ class _AttentionAttrs:
                                   "a shared past/present buffer (expected 0)")
 
 
-def _projection(node, heads, x, w, bias, x_scale, w_scale, x_zero_point, w_zero_point):
-    """(B, S, 3 * hidden) float64 Q/K/V projections: exact integer product, rescaled, plus bias."""
+def _projection(node, product, heads, x, w, bias, x_scale, w_scale, x_zero_point, w_zero_point):
+    """(B, S, 3 * hidden) float32 Q/K/V projections: an exact integer product, rescaled in float64, plus the
+    bias, rounded once."""
     eight_bit(node, "input", x)
     eight_bit(node, "weight", w)
     if x.ndim != 3 or w.ndim != 2 or x.shape[2] != w.shape[0] or w.shape[1] % 3 or (w.shape[1] // 3) % heads:
@@ -52,7 +57,10 @@ def _projection(node, heads, x, w, bias, x_scale, w_scale, x_zero_point, w_zero_
     w_zero = _per_column(node, "weight_zero_point", w_zero_point, columns, w.dtype)
     scale = scalar(node, "input_scale", x_scale).astype(_F64) * _per_column(
         node, "weight_scale", w_scale, columns).astype(_F64)
-    return int_matmul(widen(x, x_zero), widen(w, w_zero)) * scale + bias.astype(_F64)
+    acc = product(x, w, x_zero, w_zero)
+    if acc is None:
+        acc = int_matmul(widen(x, x_zero), widen(w, w_zero))
+    return (acc * scale + bias.astype(_F64)).astype(_F32)
 
 
 def _per_column(node, name, value, columns, dtype=None):
@@ -63,87 +71,55 @@ def _per_column(node, name, value, columns, dtype=None):
     return value
 
 
-def _heads(t: np.ndarray, heads: int) -> np.ndarray:
-    b, s, hidden = t.shape
-    return t.reshape(b, s, heads, hidden // heads).transpose(0, 2, 1, 3)
-
-
-def _with_past(node, k, v, past):
+def _present(node, k, v, past):
+    """The stacked (2, B, N, P + S, H) keys and values: past's followed by this step's."""
+    new = np.stack((k, v))
     if past is None:
-        return k, v
+        return new
     if past.ndim != 5 or past.shape[0] != 2 or past.shape[1:3] != k.shape[:2] or past.shape[4] != k.shape[3]:
         raise argument_error(node, f"past has shape {past.shape}; expected (2, {k.shape[0]}, {k.shape[1]}, "
                              f"past_sequence_length, {k.shape[3]})")
-    return np.concatenate([past[0].astype(_F64), k], axis=2), np.concatenate([past[1].astype(_F64), v], axis=2)
+    return np.concatenate((past.astype(_F32), new), axis=3)
 
 
-def _index_mask(node, mask, batch, total):
-    """Key positions (B, T) kept by a 1-D mask index: valid lengths (B) or end and start positions (2B)."""
-    positions = np.arange(total)
-    if mask.shape == (batch,):
-        return positions[None, :] < mask[:, None]
-    if mask.shape == (2 * batch,):
-        end, start = mask[:batch, None], mask[batch:, None]
-        return (positions[None, :] < end) & (positions[None, :] >= start)
-    raise argument_error(node, f"mask_index has shape {mask.shape}; expected ({batch},) or ({2 * batch},)")
-
-
-def _kept(node, mask, batch, seq, total):
-    """(B, S, T) booleans: which key positions each query may attend to, from the mask alone."""
-    if mask.dtype != np.int32:
-        raise argument_error(node, f"mask_index is {mask.dtype}; expected int32")
-    if mask.ndim == 1:
-        return np.broadcast_to(_index_mask(node, mask, batch, total)[:, None, :], (batch, seq, total))
-    if mask.shape == (batch, total):
-        return np.broadcast_to((mask > 0)[:, None, :], (batch, seq, total))
-    if mask.shape == (batch, seq, total):
-        return mask > 0
-    raise argument_error(node, f"mask_index has shape {mask.shape}; expected ({batch},), ({2 * batch},), "
-                         f"({batch}, {total}) or ({batch}, {seq}, {total})")
-
-
-def _additive_mask(node, attrs, mask, batch, seq, total):
-    """(B, 1, S, T) float64 added to the scaled scores, or None: mask_filter_value where the mask drops a
-    key, plus mask_filter_value again past each query's position when unidirectional."""
+def _scores_bias(node, attrs, mask, batch, seq, total, past):
+    """The additive (B, 1, S|1, T) bias of the attention scores, or None: com.microsoft Attention's key
+    padding conventions with mask_filter_value, then the dtype's lowest value after each query's position
+    when unidirectional (as onnxruntime's shared attention code fills both)."""
     bias = None
     if mask is not None:
-        bias = np.where(_kept(node, mask, batch, seq, total), 0.0, attrs.filter)
-    if attrs.causal and seq > 1:
-        past = total - seq
-        future = np.arange(total)[None, :] > (past + np.arange(seq))[:, None]
-        causal = np.where(future, attrs.filter, 0.0)
-        bias = causal[None] if bias is None else bias + causal
-    return None if bias is None else bias[:, None]
-
-
-def _attend(q, k, v, bias, scale):
-    scores = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
-    if bias is not None:
-        scores = scores + bias
-    scores -= scores.max(axis=-1, keepdims=True)
-    e = np.exp(scores)
-    return np.matmul(e / e.sum(axis=-1, keepdims=True), v)
+        if mask.dtype != np.int32:
+            raise argument_error(node, f"mask_index is {mask.dtype}; expected int32")
+        bias = key_mask_bias(mask, batch, seq, total, past, _F32.type(attrs.filter))
+        if bias is None:
+            raise argument_error(node, f"mask_index has shape {mask.shape}; expected ({batch},), ({2 * batch},), "
+                                 f"({batch}, {total}), ({batch}, {seq}, {total}) or ({batch}, 1, M, M)")
+    if attrs.causal:
+        bias = np.where(causal_hidden(seq, total, past), np.finfo(_F32).min, _F32.type(0) if bias is None else bias)
+    return bias
 
 
 @register("QAttention", domain=CONTRIB_DOMAIN, since=1)
 def qattention(node, shapes, opset):
     attrs = _AttentionAttrs(node)
     want_present = wants_output(node, 1)
+    product = IntegerProduct()
 
     def kernel(x, w, bias, x_scale, w_scale, mask_index=None, x_zero_point=None, w_zero_point=None, past=None):
-        qkv = _projection(node, attrs.heads, x, w, bias, x_scale, w_scale, x_zero_point, w_zero_point)
+        qkv = _projection(node, product, attrs.heads, x, w, bias, x_scale, w_scale, x_zero_point, w_zero_point)
         hidden = qkv.shape[2] // 3
-        q, k, v = (_heads(qkv[..., i * hidden:(i + 1) * hidden], attrs.heads) for i in range(3))
-        k, v = _with_past(node, k, v, past)
-        batch, seq, total = x.shape[0], x.shape[1], k.shape[2]
-        scale = attrs.scale if attrs.scale is not None else 1.0 / np.sqrt(hidden // attrs.heads)
-        bias_mask = None if mask_index is None and not attrs.causal else _additive_mask(
-            node, attrs, mask_index, batch, seq, total)
-        out = _attend(q, k, v, bias_mask, float(scale)).transpose(0, 2, 1, 3).reshape(batch, seq, hidden)
-        dtype = bias.dtype
-        outputs = (out.astype(dtype),)
+        q, k, v = (split_heads(qkv[..., i * hidden:(i + 1) * hidden], attrs.heads) for i in range(3))
+        present = _present(node, k, v, past)
+        keys, values = present[0], present[1]
+        batch, seq, total = x.shape[0], x.shape[1], keys.shape[2]
+        head_size = hidden // attrs.heads
+        # 0 (or absent) means the default, 1 / sqrt(head size), as for com.microsoft Attention.
+        scale = 1 / math.sqrt(head_size) if not attrs.scale else float(attrs.scale)
+        scores_bias = _scores_bias(node, attrs, mask_index, batch, seq, total, total - seq)
+        y, _ = attend(q, keys, values, scale, scores_bias)
+        outputs = (merge_heads(y).astype(bias.dtype),)
         if want_present:
-            outputs += (np.stack([k, v]).astype(dtype),)
+            outputs += (present.astype(bias.dtype),)
         return outputs
 
     return kernel
@@ -195,8 +171,9 @@ def _mask_index(node, mask, batch_shape):
         return np.zeros(batch_shape[0], np.int32)
     if mask.dtype != np.int32 or mask.shape != batch_shape:
         raise argument_error(node, f"mask is {mask.dtype}{mask.shape}; expected int32 {batch_shape}")
-    # The number of words: the positions the mask keeps.
-    return np.count_nonzero(mask, axis=1).astype(np.int32)
+    # The number of words: the positions whose mask is 1 (onnxruntime counts those, as EmbedLayerNormalization
+    # does, not every non-zero entry).
+    return (mask == 1).sum(axis=1, dtype=np.int32)
 
 
 @register("QEmbedLayerNormalization", domain=CONTRIB_DOMAIN, since=1)
