@@ -182,3 +182,79 @@ def test_rotate_half_whose_half_is_read_elsewhere_stays_unfused():
     np.testing.assert_array_equal(q2, q[..., 8:])
     want = q.astype(np.float64) * cos + np.concatenate((-q[..., 8:], q[..., :8]), -1).astype(np.float64) * sin
     np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+
+
+def test_expand_and_reshape_to_the_shape_a_value_has_are_bypassed():
+    nodes = [
+        helper.make_node("Reshape", ["x", "flat"], ["f"]),  # TorchScript's mask: Reshape(-1), then back
+        helper.make_node("Reshape", ["f", "back"], ["b"]),
+        helper.make_node("Expand", ["b", "same"], ["e"]),
+        helper.make_node("Relu", ["e"], ["y"]),
+    ]
+    model = make_model(nodes, [tensor_info("x", shape=[1, 1, 1, 6])], [tensor_info("y", shape=[1, 1, 1, 6])],
+                       [_const("flat", [-1]), _const("back", [1, 1, 1, 6]), _const("same", [1, 1, 1, 6])])
+    sess = _session(model)
+    # The outer Reshape reads x directly (its target copies nothing from [6]), then keeps x's shape.
+    assert _ops(sess) == ["Relu"]
+    x = np.arange(-3, 3, dtype=np.float32).reshape(1, 1, 1, 6)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], np.maximum(x, 0))
+
+
+def test_reshapes_that_copy_a_dimension_from_the_inner_one_stay_chained():
+    nodes = [
+        helper.make_node("Reshape", ["x", "split"], ["f"]),
+        helper.make_node("Reshape", ["f", "copy"], ["y"]),  # 0 copies f's dimension 0 (2), not x's (6)
+    ]
+    model = make_model(nodes, [tensor_info("x", shape=[6, 2])], [tensor_info("y", shape=[2, 6])],
+                       [_const("split", [2, 3, 2]), _const("copy", [0, -1])])
+    sess = _session(model)
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x.reshape(2, 6))
+    assert _ops(sess).count("Reshape") == 2
+
+
+def test_an_expand_that_broadcasts_stays():
+    nodes = [helper.make_node("Expand", ["x", "wide"], ["y"])]
+    model = make_model(nodes, [tensor_info("x", shape=[1, 1, 6])], [tensor_info("y", shape=[1, 2, 6])],
+                       [_const("wide", [1, 2, 1])])
+    sess = _session(model)
+    assert _ops(sess) == ["Expand"]
+    x = np.arange(6, dtype=np.float32).reshape(1, 1, 6)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], np.broadcast_to(x, (1, 2, 6)))
+
+
+# -- attention -----------------------------------------------------------------------------------
+
+def _attention_model(bias_first: bool):
+    """T5's attention in both exporters: unscaled scores, + a (folded) relative position bias, + the mask
+    built from attention_mask (here an input), Softmax, times V."""
+    scores = helper.make_node("MatMul", ["q", "kt"], ["s"])
+    biased = helper.make_node("Add", ["s", "bias"] if bias_first else ["bias", "s"], ["sb"])
+    masked = helper.make_node("Add", ["sb", "mask"] if bias_first else ["mask", "sb"], ["sm"])
+    nodes = [
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+        scores, biased, masked,
+        helper.make_node("Softmax", ["sm"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "v"], ["y"]),
+    ]
+    shape = [1, 4, 6, 8]
+    bias = np.random.default_rng(4).standard_normal((1, 4, 6, 6)).astype(np.float32)
+    return make_model(nodes, [tensor_info(n, shape=shape) for n in ("q", "k", "v")]
+                      + [tensor_info("mask", shape=[1, 1, 1, 6])], [tensor_info("y", shape=shape)],
+                      [numpy_helper.from_array(bias, "bias")], opset=17), bias
+
+
+@pytest.mark.parametrize("bias_first", [True, False])
+def test_attention_with_a_position_bias_and_a_mask_becomes_one_node(bias_first):
+    model, bias = _attention_model(bias_first)
+    sess = _session(model)
+    ops = _ops(sess)
+    assert "Attention" in ops and "Softmax" not in ops and "MatMul" not in ops, ops
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, 4, 6, 8)).astype(np.float32) for _ in range(3))
+    mask = np.where(np.arange(6) < 4, 0.0, np.finfo(np.float32).min).astype(np.float32).reshape(1, 1, 1, 6)
+    scores = q.astype(np.float64) @ k.astype(np.float64).transpose(0, 1, 3, 2) + bias + mask
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    want = (weights / weights.sum(-1, keepdims=True)) @ v
+    got = sess.run(None, {"q": q, "k": k, "v": v, "mask": mask})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -15,7 +15,7 @@ from .attention_fusion import fuse_attention
 from .constant_folding import fold_constants
 from .context import PassContext
 from .conv_fusion import fuse_batchnorm_affine, fuse_conv_add, fuse_conv_batchnorm, fuse_conv_mul
-from .elimination import eliminate_identities, remove_dead_nodes
+from .elimination import collapse_reshapes, eliminate_identities, remove_dead_nodes
 from .gemm_fusion import fuse_gemm_add, fuse_matmul_add, unflatten_gemm
 from .rewrite import visit_subgraphs
 from .sibling_matmul_fusion import fuse_sibling_matmuls
@@ -27,7 +27,7 @@ ENABLE_EXTENDED = 2
 BASIC_PASSES = (fold_constants, eliminate_identities, remove_dead_nodes)
 ALL_PASSES = BASIC_PASSES + (
     fuse_conv_batchnorm, fuse_conv_mul, fuse_conv_add, fuse_batchnorm_affine, unflatten_gemm, fuse_matmul_add,
-    fuse_gemm_add, fuse_attention, fuse_sibling_matmuls,
+    fuse_gemm_add, fuse_attention, fuse_sibling_matmuls, collapse_reshapes,
 )
 # Each round can only shrink the graph; real models settle in two or three.
 MAX_ROUNDS = 8

@@ -1,7 +1,9 @@
 """Attention spelled out node by node becomes one ONNX ``Attention`` (opset 23):
 
-    MatMul(Q, K^T) -> [Div by c | Mul by c] -> [Add mask] -> Softmax(last axis) -> MatMul(., V)
-        ->  Attention(Q, K, V[, mask], scale=1/c | c | 1)
+    MatMul(Q, K^T) -> [Div by c | Mul by c] -> [Add mask [-> Add mask2]] -> Softmax(last axis) -> MatMul(., V)
+        ->  Attention(Q, K, V[, mask (+ mask2)], scale=1/c | c | 1)
+
+Two Adds are a position bias and an attention mask (T5 in both exporters): one Add sums them for Attention.
 
 K^T is usually a Transpose: its permutation is changed (or the Transpose dropped) so that it yields
 K; any other K^T gets a Transpose. Grouped-query models repeat each KV head for the query heads that
@@ -71,12 +73,14 @@ class _Match:
     k_transpose: Node | None  # the K^T Transpose, to re-permute (``k_perm``) or drop (no ``k_perm``)
     v: str
     mask: str
+    mask_parts: tuple[str, str] | None  # a position bias and a mask that one inserted Add sums into ``mask``
     scale: float
     k_shape: tuple
     grouped: bool  # K and V are un-repeated: Q's heads share them in groups
     core: list[Node]  # first MatMul ... second MatMul, in order: the nodes Attention computes
     dropped: list[Node] = field(default_factory=list)  # nodes feeding the core that go with it
     guarded: bool = False  # Softmax's NaN (a row the mask hides entirely) is zeroed, as Attention does
+    mask_shape: tuple = ()  # the summed mask's, with ``mask_parts``
 
 
 @dataclass
@@ -117,6 +121,8 @@ class _Matcher:
         if core is None:
             return None
         nodes, scale, mask = core
+        parts = mask if isinstance(mask, tuple) else None
+        mask = parts[0] if parts else mask
         matmul_qk = nodes[0]
         dtype = _dtype_of(self.graph, matmul_qk.outputs[0])
         if dtype not in _DTYPES:
@@ -127,6 +133,7 @@ class _Matcher:
                                 scale * q_scale[0] * k_scale[0], mask)
         if match is None:
             return None
+        match.mask_parts = parts
         match.dropped += q_scale[1] + k_scale[1]
         match.guarded = bool(guard)
         return match if self._shapes_fit(match, dtype) else None
@@ -172,6 +179,16 @@ class _Matcher:
                 if found is not None:
                     nodes, scale = found
                     return nodes + [add], scale, add.inputs[1 - position]
+            for position in (0, 1):  # (scores + bias) + mask
+                inner = self.made_by(add.inputs[position], "Add", add)
+                if inner is None or inner.opset < 7 or len(inner.inputs) != 2:
+                    continue
+                for inner_position in (0, 1):
+                    found = self._scaled(inner.inputs[inner_position], inner)
+                    if found is not None:
+                        nodes, scale = found
+                        return nodes + [inner, add], scale, (inner.inputs[1 - inner_position],
+                                                            add.inputs[1 - position])
             return None
         found = self._scaled(name, reader)
         return None if found is None else (found[0], found[1], "")
@@ -211,7 +228,8 @@ class _Matcher:
         if perm == [0, 1, 2, 3]:
             perm = None
         match = _Match(q=q, k_source=source, k_perm=perm, k_transpose=reused,
-                       v=matmul_v.inputs[1], mask=mask, scale=scale, k_shape=(), grouped=False, core=core)
+                       v=matmul_v.inputs[1], mask=mask, mask_parts=None, scale=scale, k_shape=(), grouped=False,
+                       core=core)
         if perm is None and reused is not None:
             match.dropped.append(reused)
             self._skip_repeats(match, reused, matmul_v)
@@ -278,7 +296,16 @@ class _Matcher:
         # Without skipped repeats the MatMuls pair heads one to one, or broadcast a single K/V head.
         if not (match.grouped or _same(q[1], k[1]) or k[1] == 1):
             return False
-        return not match.mask or self._mask_fits(match.mask, (q[0], q[1], q[2], k[2]), dtype, match.guarded)
+        scores = (q[0], q[1], q[2], k[2])
+        parts = match.mask_parts or ((match.mask,) if match.mask else ())
+        if not all(self._mask_fits(part, scores, dtype, match.guarded) for part in parts):
+            return False
+        if match.mask_parts:
+            shape = _broadcast(*(self.shapes.of(part) for part in match.mask_parts))
+            if shape is None:
+                return False
+            match.mask_shape = shape
+        return True
 
     def _mask_fits(self, mask: str, scores: tuple, dtype: DataType, guarded: bool) -> bool:
         shape = self.shapes.of(mask)
@@ -300,7 +327,13 @@ def _commit(graph: Graph, context: PassContext, uses: Uses, match: _Match) -> li
     if match.k_perm is not None:
         key = context.fresh(f"{match.core[0].name or match.k_source}_key")
         graph.value_info[key] = ValueInfo(key, TypeInfo("tensor", _dtype_of(graph, match.q), match.k_shape))
-    inputs = [match.q, key, match.v] + ([match.mask] if match.mask else [])
+    mask = match.mask
+    if match.mask_parts:
+        mask = context.fresh(f"{match.core[0].name or match.mask}_mask")
+        graph.value_info[mask] = ValueInfo(mask, TypeInfo("tensor", _dtype_of(graph, match.mask), match.mask_shape))
+        inserted.append(new_node("Add", list(match.mask_parts), [mask], name=context.fresh(f"{mask}_add"),
+                                 opset=match.core[0].opset))
+    inputs = [match.q, key, match.v] + ([mask] if mask else [])
     output = match.core[-1].outputs[0]
     attention = new_node("Attention", inputs, [output], name=context.fresh(f"{match.core[-2].name}_attention"),
                          opset=ATTENTION_OPSET, scale=float(match.scale))
@@ -309,6 +342,8 @@ def _commit(graph: Graph, context: PassContext, uses: Uses, match: _Match) -> li
                                for node in match.core[1:] + [attention]):
         if match.k_perm is not None:
             del graph.value_info[key]
+        if match.mask_parts:
+            del graph.value_info[mask]
         return None
     if match.k_perm is not None:
         if match.k_transpose is not None:
@@ -375,6 +410,22 @@ def _merge(known: tuple | None, inferred: tuple | None) -> tuple | None:
         return known if known is not None else inferred
     return tuple(a if isinstance(a, int) else b if isinstance(b, int) else a if a is not None else b
                  for a, b in zip(known, inferred))
+
+
+def _broadcast(a: tuple | None, b: tuple | None) -> tuple | None:
+    """The shape two masks broadcast to, when every dimension is provably known; else None."""
+    if a is None or b is None:
+        return None
+    a, b = (1,) * (len(b) - len(a)) + tuple(a), (1,) * (len(a) - len(b)) + tuple(b)
+    out = []
+    for x, y in zip(a, b):
+        if x == 1 or _same(x, y):
+            out.append(y)
+        elif y == 1:
+            out.append(x)
+        else:
+            return None
+    return tuple(out)
 
 
 def _same(a: Dim, b: Dim) -> bool:

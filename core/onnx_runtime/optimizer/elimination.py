@@ -1,8 +1,12 @@
 """Removing what a run does not need: dead nodes and initializers, Identity and inference Dropout, and
 the no-ops exporters write (a Cast to the type the value has, a one-input Concat, a product with or a
-quotient by a constant 1 that broadcasts nothing)."""
+quotient by a constant 1 that broadcasts nothing, an Expand or Reshape to the shape the value has)."""
 
 from __future__ import annotations
+
+import math
+
+import numpy as np
 
 from ..ir import Graph, Node
 from ..loader import implicit_inputs
@@ -66,7 +70,7 @@ def eliminate_identities(graph: Graph, context: PassContext) -> bool:
     return bool(removed)
 
 
-_CANDIDATES = frozenset({"Identity", "Dropout", "Cast", "Concat", "Mul", "Div"})
+_CANDIDATES = frozenset({"Identity", "Dropout", "Cast", "Concat", "Mul", "Div", "Expand", "Reshape"})
 
 
 def _source(node: Node, graph: Graph) -> str:
@@ -85,6 +89,22 @@ def _is_one(graph: Graph, name: str, other: str) -> bool:
     return value.ndim == 0 or (info is not None and info.shape is not None and value.ndim <= len(info.shape))
 
 
+def _reshaped(shape: tuple[int, ...], target: list[int], allowzero: bool) -> tuple[int, ...] | None:
+    """The shape Reshape gives ``shape`` for ``target`` (0 copies a dimension unless ``allowzero``, one -1
+    takes what the rest leave), or None where the target is not valid for it."""
+    dims = [shape[axis] if want == 0 and not allowzero and axis < len(shape) else want
+            for axis, want in enumerate(target)]
+    if dims.count(-1) > 1 or any(d < -1 for d in dims):
+        return None
+    size = math.prod(shape)
+    if -1 in dims:
+        rest = math.prod(d for d in dims if d != -1)
+        if rest == 0 or size % rest:
+            return None
+        dims[dims.index(-1)] = size // rest
+    return tuple(dims) if math.prod(dims) == size else None
+
+
 def _same_type(graph: Graph, a: str, b: str) -> bool:
     ta, tb = graph.type_of(a), graph.type_of(b)
     return ta is not None and tb is not None and ta.is_tensor and tb.is_tensor and ta.dtype is not None \
@@ -96,6 +116,8 @@ def _is_passthrough(node: Node, graph: Graph, uses: Uses) -> bool:
         return False
     if node.op_type == "Identity":
         return True
+    if node.op_type == "Dropout":
+        return _inference_dropout(node, graph, uses)
     if node.op_type == "Cast":  # to the type the input has: the values unchanged, saturate or not
         source = graph.type_of(node.inputs[0])
         return source is not None and source.is_tensor and source.dtype is not None \
@@ -108,7 +130,13 @@ def _is_passthrough(node: Node, graph: Graph, uses: Uses) -> bool:
         if node.op_type == "Mul" and not _is_one(graph, one, x):
             x, one = one, x
         return _is_one(graph, one, x) and _same_type(graph, x, node.outputs[0])
-    if node.op_type != "Dropout" or any(out and uses.is_read(out) for out in node.outputs[1:]):
+    if node.op_type in ("Expand", "Reshape") and len(node.inputs) == 2 and node.opset >= 5:
+        return _keeps_shape(node, graph)
+    return False
+
+
+def _inference_dropout(node: Node, graph: Graph, uses: Uses) -> bool:
+    if any(out and uses.is_read(out) for out in node.outputs[1:]):
         return False
     # Before opset 12 Dropout runs in inference mode; from 12 on, unless training_mode is set.
     training = node.inputs[2] if node.opset >= 12 and len(node.inputs) > 2 else ""
@@ -116,3 +144,40 @@ def _is_passthrough(node: Node, graph: Graph, uses: Uses) -> bool:
         return True
     flag = constant(graph, training)
     return flag is not None and not flag.any()
+
+
+def _keeps_shape(node: Node, graph: Graph) -> bool:
+    """An Expand or Reshape to the static shape its input has."""
+    info = graph.type_of(node.inputs[0])
+    shape = info.static_shape if info is not None and info.is_tensor else None
+    target = constant(graph, node.inputs[1])
+    if shape is None or target is None or target.ndim != 1:
+        return False
+    if node.op_type == "Expand":
+        try:
+            return np.broadcast_shapes(shape, tuple(int(n) for n in target)) == shape
+        except ValueError:
+            return False
+    return _reshaped(shape, [int(n) for n in target], bool(node.attr("allowzero", 0))) == shape
+
+
+def collapse_reshapes(graph: Graph, context: PassContext) -> bool:
+    """Reshape(Reshape(x, a), b) reads x: the outer target alone decides the result when it copies no
+    dimension from the intermediate value (no 0 in it, or allowzero). The inner Reshape goes when nothing
+    else reads it (remove_dead_nodes)."""
+    if sum(node.op_type == "Reshape" for node in graph.nodes) < 2:
+        return False
+    producers = graph.producers()
+    changed = False
+    for node in graph.nodes:
+        if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or node.opset < 5 or len(node.inputs) != 2:
+            continue
+        inner = producers.get(node.inputs[0])
+        if inner is None or inner.op_type != "Reshape" or inner.domain not in ("", "ai.onnx") or inner.opset < 5:
+            continue
+        target = constant(graph, node.inputs[1])
+        if target is None or (0 in target.tolist() and not int(node.attr("allowzero", 0))):
+            continue
+        set_io(node, inputs=[inner.inputs[0], node.inputs[1]])
+        changed = True
+    return changed
