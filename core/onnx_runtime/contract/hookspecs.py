@@ -238,7 +238,8 @@ class ExecutionProviderSpec:
         :class:`onnx_runtime.ir.Graph` in place and returning whether it changed anything.
         ``owns(node)`` says whether placement would give the node to this provider (no provider
         listed before it accepts it): fuse only nodes you own, so a fusion never pulls work away from
-        a provider the user listed first.
+        a provider the user listed first. A pass with a true ``before_optimizer`` attribute runs before
+        the generic optimizer instead (a rewrite whose result the optimizer's fusions should see).
         Default: none.
         Called by: session/inference_session.py, once per provider in priority order at session
         creation, after the generic optimizer and before placement.

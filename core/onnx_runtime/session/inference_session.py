@@ -160,14 +160,17 @@ def _first_accepting(graph, handles: list[ProviderHandle], node) -> ProviderHand
     return None
 
 
-def _run_custom_passes(graph, handles: list[ProviderHandle], applied: list[str]) -> list[str]:
+def _run_custom_passes(graph, handles: list[ProviderHandle], applied: list[str], early: bool = False) -> list[str]:
     """Each provider's ``custom_passes``, in provider order, after the optimizer passes ``applied``;
     returns the names of all passes that changed the graph. The result is re-validated (SSA, no
-    cycles, every read defined) before placement."""
+    cycles, every read defined) before placement. With ``early``, only the passes marked
+    ``before_optimizer`` (run before the generic optimizer), else only the others."""
     changed = list(applied)
     for index, handle in enumerate(handles):
         owns = _ownership(graph, handles, index)
         for graph_pass in handle.hook.custom_passes() or []:
+            if bool(getattr(graph_pass, "before_optimizer", False)) != early:
+                continue
             name = f"{handle.name}:{getattr(graph_pass, '__name__', type(graph_pass).__name__)}"
             try:
                 takes_owns = len(inspect.signature(graph_pass).parameters) >= 2
@@ -220,9 +223,10 @@ class InferenceSession:
         graph = self._model.graph
         self._disabled = kwargs.get("disabled_optimizers") or ()
         folded: dict = {}
+        early = _run_custom_passes(graph, self._handles, [], early=True)
         optimized = optimize(graph, self._handles, self._sess_options.graph_optimization_level,
                              disabled=self._disabled, folded=folded)
-        self._applied_passes = _run_custom_passes(graph, self._handles, optimized)
+        self._applied_passes = _run_custom_passes(graph, self._handles, early + optimized)
         self._specializer = self._specializer_for(graph, folded)
         self._placement, assignment = place(graph, self._handles, FunctionExpander(self._model.functions))
         self._executor = Executor(graph, assignment, self._placement)
@@ -257,8 +261,9 @@ class InferenceSession:
     def _specialize(self, graph) -> Executor:
         """The optimizer, the providers' passes, placement and a planned executor over ``graph`` (a copy of
         this session's graph with the shapes of one input signature)."""
+        early = _run_custom_passes(graph, self._handles, [], early=True)
         applied = optimize(graph, self._handles, self._sess_options.graph_optimization_level, disabled=self._disabled)
-        _run_custom_passes(graph, self._handles, applied)
+        _run_custom_passes(graph, self._handles, early + applied)
         placement, assignment = place(graph, self._handles, FunctionExpander(self._model.functions))
         executor = Executor(graph, assignment, placement)
         executor.plan(self._output_names)  # kernels made now, as at session creation

@@ -73,11 +73,15 @@ class Specializer:
                  prepare: Callable[[Graph], Executor], folded: dict[str, np.ndarray] | None = None):
         self._graph = clone_graph(graph)  # the session's optimized graph, before placement
         self._inputs = inputs
-        self._proto = proto
+        self._proto = _in_order(proto)
         self._produced = {out for sub in _graph_protos(proto.graph) for node in sub.node for out in node.output if out}
         # What folding at session creation computed of the model's values: the optimized graph may no longer
         # hold them (an If it decided is gone with its condition), but inference over the model needs them.
         self._creation_constants = {name: value for name, value in (folded or {}).items() if name in self._produced}
+        # The float type each value has in the model: a provider's pass may compute a value in another
+        # (half-precision models in float32), and inference over the model needs its constants as written.
+        self._written = {vi.name: vi.type.tensor_type.elem_type for sub in _graph_protos(proto.graph)
+                         for vi in (*sub.value_info, *sub.output) if vi.type.HasField("tensor_type")}
         self._handles = handles
         self._prepare = prepare
         self._exact: dict[tuple, Executor | None] = {}
@@ -184,6 +188,11 @@ class Specializer:
         constants of the graphs that computed them (the nodes that produced them dropped)."""
         proto = onnx.ModelProto()
         proto.CopyFrom(self._proto)
+        for sub in _graph_protos(proto.graph):  # symbolic guesses (a converter's annotations) would stay symbolic
+            generic = [vi for vi in sub.value_info if any(d.HasField("dim_param") or not d.HasField("dim_value")
+                                                          for d in vi.type.tensor_type.shape.dim)]
+            for vi in generic:
+                sub.value_info.remove(vi)
         by_name = {vi.name: vi for vi in proto.graph.input}
         for name, shape in zip(self._inputs, dims):
             vi = by_name.get(name)
@@ -198,8 +207,45 @@ class Specializer:
                 else:
                     entry.dim_param = f"specialized_{dim[0]}"
         if found:
-            _substitute(proto.graph, found)
+            _substitute(proto.graph, {name: self._as_written(name, value) for name, value in found.items()})
         return infer_graph(proto)
+
+    def _as_written(self, name: str, value: np.ndarray) -> np.ndarray:
+        elem_type = self._written.get(name)
+        if elem_type is None or value.dtype.kind != "f":
+            return value
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
+        return value.astype(dtype) if dtype.kind == "f" and dtype != value.dtype else value
+
+
+def _in_order(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` with its graph's nodes in topological order (a copy where they were not): onnx's inference
+    types a value only after its producer, and some converters append nodes they insert (the float16
+    converter's input Casts) after their readers. A cycle or an unknown read keeps the written order."""
+    nodes = list(proto.graph.node)
+    producer = {out: index for index, node in enumerate(nodes) for out in node.output if out}
+    waiting = [{producer[name] for name in node.input if name in producer} for node in nodes]
+    readers: dict[int, list[int]] = {}
+    for index, needs in enumerate(waiting):
+        for need in needs:
+            readers.setdefault(need, []).append(index)
+    ready = [index for index, needs in enumerate(waiting) if not needs]
+    ordered: list[onnx.NodeProto] = []
+    for index in ready:  # grows while read: a node joins once its producers are in
+        ordered.append(nodes[index])
+        for reader in readers.get(index, ()):
+            waiting[reader].discard(index)
+            if not waiting[reader]:
+                ready.append(reader)
+    if len(ordered) != len(nodes):
+        return proto
+    if all(a is b for a, b in zip(ordered, nodes)):
+        return proto
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    del copy.graph.node[:]
+    copy.graph.node.extend(ordered)
+    return copy
 
 
 def _graph_protos(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
@@ -287,6 +333,11 @@ def _substitute_here(graph: onnx.GraphProto, found: dict[str, np.ndarray]) -> bo
     if changed:
         del graph.node[:]  # (re-adding copies the nodes: subgraphs are reached after this, on the copies)
         graph.node.extend(kept)
+        # A constant's shape is its array's: an earlier inference's guess (symbolic dimensions) would stay.
+        constants = {init.name for init in graph.initializer}
+        stale = [vi for vi in graph.value_info if vi.name in constants]
+        for vi in stale:
+            graph.value_info.remove(vi)
     return changed
 
 
@@ -333,4 +384,6 @@ def _update(graph: Graph, name: str, old: ValueInfo | None, vi: onnx.ValueInfoPr
         new.shape = tuple(n if n is not None else o for n, o in zip(new.shape, old.type.shape))
     if old is not None and (not new.is_tensor or new.dtype is None):
         return
+    if old is not None and old.type.is_tensor and old.type.dtype is not None:
+        new.dtype = old.type.dtype  # the graph's element types are the session's (its passes may widen some)
     graph.value_info[name] = ValueInfo(name, new)

@@ -16,6 +16,7 @@ from .arena import apply_arena_settings
 from .conv_fusions import CONV_PASSES
 from .decoder_fusions import DECODER_PASSES
 from .fusions import PASSES
+from .precision_fusions import PRECISION_PASSES
 from .registry import NEEDS, lookup, registered_versions
 from .threads import apply_thread_settings
 
@@ -61,7 +62,8 @@ class CPUExecutionProvider:
 
     @hookimpl
     def custom_passes(self):
-        return [*PASSES, *CONV_PASSES, *DECODER_PASSES]  # decoder passes read what PASSES fuse
+        # PRECISION_PASSES run before the generic optimizer; decoder passes read what PASSES fuse
+        return [*PRECISION_PASSES, *PASSES, *CONV_PASSES, *DECODER_PASSES]
 
     @hookimpl
     def get_kernel(self, node, shapes, opset, graph):
