@@ -258,3 +258,67 @@ def test_attention_with_a_position_bias_and_a_mask_becomes_one_node(bias_first):
     want = (weights / weights.sum(-1, keepdims=True)) @ v
     got = sess.run(None, {"q": q, "k": k, "v": v, "mask": mask})[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _gqa_model(seq):
+    """LLaMA's grouped-query attention as the exporters write it: repeat_kv (Unsqueeze at axis 2, Expand,
+    Reshape merging the head axes) on K and V, scores scaled, a mask added. ``seq``: the sequence length, or
+    a symbol (the generic graph then fuses Attention before the repeats are provable)."""
+    nodes = [
+        helper.make_node("Unsqueeze", ["k", "two"], ["k5"]),
+        helper.make_node("Expand", ["k5", "k_wide"], ["k_rep"]),
+        helper.make_node("Reshape", ["k_rep", "k_merged"], ["k_all"], allowzero=1),
+        helper.make_node("Unsqueeze", ["v", "two"], ["v5"]),
+        helper.make_node("Expand", ["v5", "v_wide"], ["v_rep"]),
+        helper.make_node("Reshape", ["v_rep", "v_merged"], ["v_all"], allowzero=1),
+        helper.make_node("Transpose", ["k_all"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "kt"], ["s"]),
+        helper.make_node("Mul", ["s", "scale"], ["ss"]),
+        helper.make_node("Add", ["ss", "mask"], ["sm"]),
+        helper.make_node("Softmax", ["sm"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "v_all"], ["y"]),
+    ]
+    if isinstance(seq, int):  # constant targets, as specialization folds them
+        targets = [_const("k_wide", [1, 2, 2, seq, 8]), _const("k_merged", [1, 4, seq, 8]),
+                   _const("v_wide", [1, 2, 2, seq, 8]), _const("v_merged", [1, 4, seq, 8])]
+        extra_nodes = []
+    else:  # computed from Shape(k), as exported
+        extra_nodes = [
+            helper.make_node("Shape", ["k"], ["k_shape"]),
+            helper.make_node("Gather", ["k_shape", "axis2"], ["len"], axis=0),
+            helper.make_node("Concat", ["one_two_two", "len", "eight"], ["k_wide"], axis=0),
+            helper.make_node("Concat", ["one_four", "len", "eight"], ["k_merged"], axis=0),
+            helper.make_node("Identity", ["k_wide"], ["v_wide"]),
+            helper.make_node("Identity", ["k_merged"], ["v_merged"]),
+        ]
+        targets = [_const("axis2", [2]), _const("one_two_two", [1, 2, 2]), _const("eight", [8]),
+                   _const("one_four", [1, 4])]
+    model = make_model(
+        extra_nodes + nodes,
+        [tensor_info("q", shape=[1, 4, seq, 8]), tensor_info("k", shape=[1, 2, seq, 8]),
+         tensor_info("v", shape=[1, 2, seq, 8]), tensor_info("mask", shape=[1, 1, seq, seq])],
+        [tensor_info("y", shape=[1, 4, seq, 8])],
+        [_const("two", [2]), _const("scale", 8 ** -0.5)] + targets, opset=17)
+    if not isinstance(seq, int):  # dynamo declares every value's symbolic shape: Attention fuses generically
+        model.graph.value_info.extend(tensor_info(name, shape=[1, 4, seq, 8]) for name in ("k_all", "v_all"))
+    return model
+
+
+def _gqa_feeds_and_reference(seq):
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((1, 4, seq, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, seq, 8)).astype(np.float32) for _ in range(2))
+    mask = np.triu(np.full((seq, seq), np.finfo(np.float32).min, np.float32), 1).reshape(1, 1, seq, seq)
+    k_all, v_all = (np.repeat(t.astype(np.float64), 2, axis=1) for t in (k, v))
+    scores = q.astype(np.float64) @ k_all.transpose(0, 1, 3, 2) * 8 ** -0.5 + mask
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return {"q": q, "k": k, "v": v, "mask": mask}, (weights / weights.sum(-1, keepdims=True)) @ v_all
+
+
+@pytest.mark.parametrize("seq", [5, "seq"])
+def test_grouped_query_attention_reads_the_unrepeated_key_and_value(seq):
+    sess = _session(_gqa_model(seq))
+    feeds, want = _gqa_feeds_and_reference(5)
+    ops = [node.op_type for node in sess.graph_for(feeds).nodes]
+    assert "Attention" in ops and not {"Expand", "Unsqueeze", "Reshape", "Softmax"} & set(ops), ops
+    np.testing.assert_allclose(sess.run(None, feeds)[0], want, rtol=1e-5, atol=1e-6)

@@ -44,7 +44,7 @@ def fuse_attention(graph: Graph, context: PassContext) -> bool:
     """Replace each exactly matched attention pattern with one Attention node where the second
     MatMul was (every input of the pattern exists by then)."""
     present = {node.op_type for node in graph.nodes}
-    if "Softmax" not in present or "MatMul" not in present:
+    if ("Softmax" not in present or "MatMul" not in present) and "Attention" not in present:
         return False
     matcher = _Matcher(graph)
     replaced: dict[int, list[Node]] = {}
@@ -58,11 +58,35 @@ def fuse_attention(graph: Graph, context: PassContext) -> bool:
             continue
         replaced[id(match.core[-1])] = fused
         removed.extend(match.core[:-1] + match.dropped)
-    if not replaced:
+    removed.extend(_ungroup_repeats(graph, matcher))
+    if not replaced and not removed:
         return False
     graph.nodes = [new for node in graph.nodes for new in replaced.get(id(node), [node])]
     remove_nodes(graph, removed)
     return True
+
+
+def _ungroup_repeats(graph: Graph, matcher: _Matcher) -> list[Node]:
+    """An Attention fused before its K and V repeats were provable (a generic graph's unknown shapes, then
+    specialized) reads the un-repeated K and V once they are; returns the repeat nodes it no longer reads."""
+    removed: list[Node] = []
+    for node in graph.nodes:
+        if node.op_type != "Attention" or node.domain not in _ONNX or len(node.inputs) not in (3, 4):
+            continue
+        key, value = matcher.repeat(node.inputs[1], node), matcher.repeat(node.inputs[2], node)
+        if key is None or value is None or key.times != value.times or node.inputs[1] == node.inputs[2]:
+            continue
+        q, k, v = matcher.shapes.of(node.inputs[0]), matcher.shapes.of(key.kv), matcher.shapes.of(value.kv)
+        if q is None or k is None or v is None or len(q) != 4 or len(k) != 4 or len(v) != 4:
+            continue
+        if not (_same(k[1], v[1]) and isinstance(q[1], int) and isinstance(k[1], int) and q[1] == k[1] * key.times):
+            continue
+        for nodes in (key.nodes, value.nodes):
+            for dropped in nodes:
+                matcher.uses.forget(dropped)
+        matcher.uses.rewire(node, inputs=[node.inputs[0], key.kv, value.kv, *node.inputs[3:]])
+        removed += key.nodes + value.nodes
+    return removed
 
 
 @dataclass
