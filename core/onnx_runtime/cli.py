@@ -4,6 +4,7 @@
     onnx-runtime info MODEL [--providers cpu] [--nodes]
     onnx-runtime run [MODEL] [--input NAME=FILE.npy ...] [--providers cpu] [--repeat N]
     onnx-runtime bench MODEL [--input NAME=FILE.npy ...] [--providers cpu] [--repeat N] [--warmup N]
+    onnx-runtime compile [MODEL ...] [--providers cpu] [--jobs N]
 
 Without MODEL, ``run`` runs the embedded default: light_resnet50 from the installed onnx package,
 checked against the output shipped beside it.
@@ -209,6 +210,29 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_compile(args) -> int:
+    from .ahead import compile_ahead, default_corpus
+
+    for path in args.models:
+        if not os.path.isfile(path):
+            raise SystemExit(f"compile: model file {path!r} does not exist")
+    models = [(os.path.basename(p), p) for p in args.models] if args.models else default_corpus()
+    jobs = args.jobs or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    if jobs < 1:
+        raise SystemExit("--jobs must be at least 1")
+    print(f"compiling ahead: {len(models)} models, {jobs} processes")
+    start = time.perf_counter()
+
+    def report(result) -> None:
+        print(f"  {result.name}: {result.seconds:.1f} s" + (f" ({result.error})" if result.error else ""))
+
+    results = compile_ahead(models, _providers_arg(args.providers), jobs, report=report)
+    failed = [r for r in results if r.error]
+    print(f"done in {time.perf_counter() - start:.1f} s; later processes load the cached kernels"
+          + (f"; {len(failed)} models failed" if failed else ""))
+    return 1 if failed else 0
+
+
 def _print_profile(sess) -> None:
     summary = sess.profile_summary()
     total = sum(seconds for seconds, _ in summary.values()) or 1.0
@@ -242,6 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=100, help="timed runs (default 100)")
     p.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("compile", help="compile and cache the providers' kernels ahead, by running models once")
+    p.add_argument("models", nargs="*", metavar="MODEL",
+                   help="the models to compile for (default: onnx's light CNNs and a transformer block)")
+    p.add_argument("--providers", help="comma-separated provider names (default: all available)")
+    p.add_argument("--jobs", type=int, help="worker processes (default: the CPUs this process may use)")
+    p.set_defaults(func=cmd_compile)
     return parser
 
 

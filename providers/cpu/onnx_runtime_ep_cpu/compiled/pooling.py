@@ -129,16 +129,15 @@ GROUP_CELLS = 1024
 
 @jit
 def _tile(pattern, total):
-    """``pattern`` (rows, n) repeated along its rows to ``total`` >= n cells, by doubling copies
-    (whole-slice copies, which run as memory copies)."""
-    n = pattern.shape[1]
-    tiled = np.empty((pattern.shape[0], total), dtype=pattern.dtype)
-    tiled[:, :n] = pattern
-    filled = n
-    while 0 < filled < total:
-        more = min(filled, total - filled)
-        tiled[:, filled:filled + more] = tiled[:, :more]
-        filled += more
+    """``pattern`` (rows, n) repeated along its rows to ``total`` cells. Element loops, not slice
+    assignments: numba compiles a boolean slice assignment for many seconds, and this runs once per
+    call on a few thousand cells."""
+    rows, n = pattern.shape
+    tiled = np.empty((rows, total), dtype=pattern.dtype)
+    for r in range(rows if n > 0 else 0):  # an empty pattern (a max pool's scales) tiles to nothing
+        for start in range(0, total, n):
+            for i in range(min(n, total - start)):
+                tiled[r, start + i] = pattern[r, i]
     return tiled
 
 
