@@ -140,7 +140,8 @@ def _gelu_block(rows=(2, 3), k=32, n=48):
 
 def test_matmul_bias_gelu_residual_runs_the_float32_fused_kernel():
     model, feeds = _gelu_block()
-    _check(model, feeds, ["FusedMatMul"], ["MatMul", "Erf", "Div"])
+    sess = _check(model, feeds, ["FusedMatMul"], ["MatMul", "Erf", "Div"])
+    assert _ops(sess).count("RoundToHalf") == 2 and "Cast" not in _ops(sess)  # the inputs' roundings, once each
 
 
 def test_float16_inputs_and_outputs_are_converted_at_the_edges():
@@ -231,3 +232,26 @@ def test_single_float16_operator_keeps_float16_semantics():
     got = sess.run(None, {"a": a, "b": b})[0]
     assert got.dtype == np.float16
     np.testing.assert_array_equal(got, a + b)
+
+
+@pytest.mark.parametrize("half", [np.float16, "bfloat16"])
+def test_round_to_half_equals_the_two_casts(half):
+    """RoundToHalf's compiled passes against numpy's (ml_dtypes') conversions, bit for bit: random bit patterns
+    (every exponent, NaN and infinities among them), the subnormal range, the overflow threshold, signed zeros."""
+    import ml_dtypes
+    from onnx_runtime_ep_cpu.algorithms.precision import round_to
+
+    dtype = np.dtype(ml_dtypes.bfloat16 if half == "bfloat16" else half)
+    rng = np.random.default_rng(6)
+    patterns = rng.integers(0, 2 ** 32, size=200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    tiny = rng.uniform(-2.0 ** -13, 2.0 ** -13, 50_000).astype(np.float32)
+    edges = np.array([0.0, -0.0, -1e-9, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -25, 65504, 65519.99, 65520, -65520,
+                      3.4e38, -3.4e38, np.inf, -np.inf, np.nan, 1e-45], np.float32)
+    for x in (patterns, tiny, edges, rng.standard_normal((3, 5, 7)).astype(np.float32)):
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = x.astype(dtype).astype(np.float32)
+        got = round_to(x, dtype)
+        assert got.shape == x.shape and got.dtype == np.float32
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        finite = ~np.isnan(want)
+        np.testing.assert_array_equal(got.view(np.uint32)[finite], want.view(np.uint32)[finite])

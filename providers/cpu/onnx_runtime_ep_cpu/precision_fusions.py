@@ -11,9 +11,10 @@ no float16 kernel for and keeps the values between them in float32):
 - half-precision weights (initializers) are widened to float32 once, here, at session creation;
 - every half-precision value becomes float32, and the attributes that name or hold a half-precision type
   (Cast's and the generators' ``to``/``dtype``, ConstantOfShape's value) follow;
-- the roundings the graph writes stay: a Cast to float16 becomes a Cast to float16 and back, so a value the
-  model rounds (its inputs at the edge, the converter's casts around the operators it keeps in float32) is
-  rounded as before; half-precision graph inputs and outputs keep their type, converted once at the edge.
+- the roundings the graph writes stay: a Cast to float16 of a float32 value becomes RoundToHalf (the Cast to
+  float16 and back in one compiled pass; from other types, the two Casts), so a value the model rounds (its
+  inputs at the edge, the converter's casts around the operators it keeps in float32) is rounded as before;
+  half-precision graph inputs and outputs keep their type, converted once at the edge.
 
 The optimizer and the fusions then see a float32 graph. The pass fires only on models with half-precision
 weights (an initializer a MatMul, Gemm, convolution or Gather reads), every node of whose half-precision part
@@ -26,6 +27,8 @@ from __future__ import annotations
 import numpy as np
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.ir import Graph, Node, TypeInfo, ValueInfo
+
+from .fusions import FUSED_DOMAIN
 
 HALF = frozenset({DataType.FLOAT16, DataType.BFLOAT16})
 # Operators whose constant inputs are weights: a half-precision one marks a converted model.
@@ -143,7 +146,7 @@ class _Rewriter:
         return head, tail
 
     def node(self, node: Node) -> list[Node]:
-        """``node`` computing in float32, with the Cast after it where it rounds to a half type."""
+        """``node`` computing in float32; a Cast to a half type becomes the rounding it computes."""
         for attr in _TYPE_ATTRS:
             if node.attrs.get(attr) in HALF and not (node.op_type == "Cast" and attr == "to"):
                 node.attrs[attr] = int(DataType.FLOAT)
@@ -158,6 +161,9 @@ class _Rewriter:
         node.attrs["to"] = int(DataType.FLOAT)
         if source_type in (to, DataType.BOOL):
             return [node]  # already of the type (a no-op Cast), or a bool: exact in float32
+        if source_type in (DataType.FLOAT, *HALF):  # float32 now: rounded in place of the two Casts
+            return [Node("RoundToHalf", list(node.inputs), list(node.outputs), name=node.name, domain=FUSED_DOMAIN,
+                         attrs={"to": int(to)}, opset=1)]
         # The rounding the graph writes: to the half type, and back to float32 for the readers.
         rounded = self.fresh(f"{node.outputs[0]}/{to.name.lower()}")
         narrow = self.cast(node.inputs[0], rounded, to, node.outputs[0])

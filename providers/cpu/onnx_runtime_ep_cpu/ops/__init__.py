@@ -24,6 +24,7 @@ from . import (  # noqa: F401  (imported for their @register side effects)
     normalization,
     numeric,
     pool,
+    precision,
     quantization,
     recurrent,
     reduction,
