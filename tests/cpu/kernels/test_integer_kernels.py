@@ -126,3 +126,57 @@ def test_pack_columns_subtracts_per_column_zero_points():
     packed = np.empty((2, 2), np.int16)
     qgemm.pack_columns(b, np.array([255, 0], np.int32), packed)
     np.testing.assert_array_equal(packed, [[-255, -248], [255, 128]])
+
+
+def conv_reference(x, w, x_zero, w_zero, pad):
+    """ConvInteger in int64 (stride 1, symmetric padding with the zero point), wrapped to int32."""
+    xc = np.pad(x.astype(np.int64), ((0, 0), (0, 0), (pad, pad), (pad, pad)), constant_values=int(x_zero)) - int(x_zero)
+    wc = w.astype(np.int64) - np.asarray(w_zero, np.int64).reshape(-1, 1, 1, 1)
+    windows = np.lib.stride_tricks.sliding_window_view(xc, w.shape[2:], axis=(2, 3))  # N, C, H, W, kh, kw
+    return np.einsum("nchwij,mcij->nmhw", windows, wc).astype(np.int32)
+
+
+@pytest.mark.parametrize("weight_scale", [1, 200])  # small weights: the exact float32 path; large: float64
+@pytest.mark.parametrize("x_type", [U8, I8])
+def test_conv_integer_exact(weight_scale, x_type):
+    from onnx_runtime.ir import Node
+    from onnx_runtime_ep_cpu.ops.quantization import conv_integer
+
+    rng = np.random.default_rng(weight_scale)
+    channels = 40  # 40 * 9 taps * 127 * 255 passes 2**24: the large weights need float64
+    x = operand(rng, (2, channels, 7, 6), x_type)
+    w = np.clip(rng.integers(-1, 2, (5, channels, 3, 3)) * weight_scale, -128, 127).astype(I8)
+    w[0].flat[:3] = (-128, 127, -128)
+    x_zero, w_zero = np.asarray(RANGES[x_type][1], x_type), np.array([-128, 127, 0, 3, -5], I8)
+    kernel = conv_integer(Node("ConvInteger", [], [], name="c", attrs={"pads": [1, 1, 1, 1]}), None, 10)
+    for _ in range(2):  # the second call reuses the prepared weight
+        (got,) = kernel(x, w, x_zero, w_zero)
+        np.testing.assert_array_equal(got, conv_reference(x, w, x_zero, w_zero, 1))
+
+
+BROADCASTS = [((2, 3, 4), (2, 3, 4)), ((2, 3, 4), (4,)), ((1, 4), (3, 4)), ((2, 3, 4), ()), ((3, 4), (2, 3, 4)),
+              ((2, 3, 1), (2, 3, 4)), ((5,), (1,)), ((2, 0, 3), (3,))]
+
+
+@pytest.mark.parametrize(("a_shape", "b_shape"), BROADCASTS)
+@pytest.mark.parametrize("op", ["QLinearAdd", "QLinearMul"])
+@pytest.mark.parametrize("dtype", [U8, I8])
+def test_qlinear_binary_exact(a_shape, b_shape, op, dtype):
+    """The compiled pass (and the numpy path it leaves column broadcasts to) against the float64 formula."""
+    from onnx_runtime.ir import Node
+    from onnx_runtime_ep_cpu.ops.contrib_quantization import qlinear_add, qlinear_mul
+
+    rng = np.random.default_rng(len(a_shape) * 10 + len(b_shape))
+    a, b = operand(rng, a_shape, dtype), operand(rng, b_shape, dtype)
+    low, high = RANGES[dtype]
+    scales = [np.array(s, np.float32) for s in (0.037, 0.011, 0.05 if op == "QLinearAdd" else 0.003)]
+    zeros = [np.array(z, dtype) for z in (low, high, (low + high) // 2)]
+    factory = qlinear_add if op == "QLinearAdd" else qlinear_mul
+    kernel = factory(Node(op, [], [], name="q", domain="com.microsoft"), None, 1)
+    (got,) = kernel(a, scales[0], zeros[0], b, scales[1], zeros[1], scales[2], zeros[2])
+    x = a.astype(np.int64) - int(zeros[0])
+    y = b.astype(np.int64) - int(zeros[1])
+    sa, sb, sc = (float(s) for s in scales)
+    values = (sa * x + sb * y) / sc if op == "QLinearAdd" else (x * y) * (sa * sb / sc)
+    want = np.clip(np.rint(values) + int(zeros[2]), low, high).astype(dtype)
+    np.testing.assert_array_equal(got, want)

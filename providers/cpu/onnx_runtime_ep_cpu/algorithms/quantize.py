@@ -7,6 +7,8 @@ for float32 data, rounds half to even and saturates to the target type's range.
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 
@@ -14,7 +16,12 @@ _F32 = np.dtype(np.float32)
 
 
 def integer_range(dtype) -> tuple[int, int]:
-    info = ml_dtypes.iinfo(np.dtype(dtype))
+    return _integer_range(np.dtype(dtype))
+
+
+@functools.cache
+def _integer_range(dtype: np.dtype) -> tuple[int, int]:
+    info = ml_dtypes.iinfo(dtype)
     return int(info.min), int(info.max)
 
 

@@ -95,3 +95,31 @@ def dynamic_quantize(x, out):
         v = np.float32(255) if v > 255 else v
         out[i] = np.int32(v) if v == v else 0
     return scale, zero
+
+
+@jit
+def requantize_binary(a, a_step, b, b_step, zeros, scales, low, high, multiply, out):
+    """QLinearAdd (``multiply`` False) or QLinearMul of flat 8-bit operands into ``out`` viewed as (R, C):
+    element (r, c) of an operand is ``x[r * step[0] + c * step[1]]`` (steps (C, 1): the full tensor; (0, 1):
+    one row repeated; (0, 0): a scalar). ``zeros``: int64 (a, b, c); ``scales``: float64 (a, b, c).
+
+    The arithmetic is the numpy kernel's, in float64: ``(sa * (a - za) + sb * (b - zb)) / sc`` or
+    ``(a - za) * (b - zb) * (sa * sb / sc)``, rounded half to even, plus zc, saturated."""
+    rows, cols = out.shape
+    za, zb, zc = zeros[0], zeros[1], np.float64(zeros[2])
+    sa, sb, sc = scales[0], scales[1], scales[2]
+    factor = sa * sb / sc
+    lo, hi = np.float64(low), np.float64(high)
+    for r in range(rows):
+        a_row, b_row = r * a_step[0], r * b_step[0]
+        for c in range(cols):
+            x = np.int64(a[a_row + c * a_step[1]]) - za
+            y = np.int64(b[b_row + c * b_step[1]]) - zb
+            if multiply:
+                v = np.float64(x * y) * factor
+            else:
+                v = (sa * np.float64(x) + sb * np.float64(y)) / sc
+            v = np.rint(v) + zc
+            v = lo if v < lo else v
+            v = hi if v > hi else v
+            out[r, c] = np.int64(v)

@@ -22,6 +22,7 @@ from ..algorithms.quantize import (
     dequantize,
     dynamic_uint8,
     int_matmul,
+    integer_range,
     lookup_table,
     quantize,
     round_saturate,
@@ -69,9 +70,47 @@ def same_type(node, names: tuple[str, str], a: np.ndarray, b: np.ndarray) -> Non
 # -- QLinearAdd, QLinearMul ------------------------------------------------------------------------
 
 
+def _steps(x: np.ndarray, shape: tuple[int, ...], cols: int) -> tuple[int, int] | None:
+    """How compiled/quantize.requantize_binary walks operand ``x`` of an output ``shape`` viewed as (R, cols):
+    the whole tensor, a repeated trailing row of ``cols``, or a scalar; None for other broadcasts."""
+    if x.size == 1:
+        return 0, 0
+    if x.shape == shape:
+        return cols, 1
+    trailing = x.shape[next((i for i, d in enumerate(x.shape) if d != 1), x.ndim):]  # leading 1s dropped
+    if x.size == cols and shape[len(shape) - len(trailing):] == trailing:
+        return 0, 1
+    return None
+
+
+def _compiled_binary(a, b, shape, zeros, scales, dtype, multiply) -> np.ndarray | None:
+    """QLinearAdd/QLinearMul in one compiled pass, when each operand is whole, a trailing row or a scalar."""
+    if not math.prod(shape):
+        return None
+    repeated = [x.size != 1 and x.shape != shape for x in (a, b)]
+    if any(repeated):  # a broadcast operand: rows of its size; else one row of the whole tensor
+        cols = (a if repeated[0] else b).size
+    else:
+        cols = math.prod(shape)
+    steps = [_steps(x, shape, cols) for x in (a, b)]
+    if None in steps:
+        return None
+    from ..compiled import quantize as compiled
+
+    low, high = integer_range(dtype)
+    out = np.empty(shape, dtype)
+    compiled.requantize_binary(
+        np.ascontiguousarray(a).reshape(-1), np.array(steps[0], np.int64),
+        np.ascontiguousarray(b).reshape(-1), np.array(steps[1], np.int64),
+        np.array([0 if z is None else int(z) for z in zeros], np.int64),
+        np.array([float(s) for s in scales], np.float64), low, high, multiply, out.reshape(-1, cols))
+    return out
+
+
 def _binary(node, combine):
     """C = combine(A, B) on the real values, requantized: the zero points come off exactly (int64), the scales
-    join in float64, and the result rounds once."""
+    join in float64, and the result rounds once (in one compiled pass for the common broadcasts)."""
+    multiply = combine is _mul
 
     def kernel(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point=None):
         dtype = eight_bit(node, "A", a)
@@ -81,9 +120,12 @@ def _binary(node, combine):
         scales = [float_scale(node, n, s) for n, s in
                   (("A_scale", a_scale), ("B_scale", b_scale), ("C_scale", c_scale))]
         try:
-            np.broadcast_shapes(a.shape, b.shape)
+            shape = np.broadcast_shapes(a.shape, b.shape)
         except ValueError:
             raise argument_error(node, f"A {a.shape} and B {b.shape} do not broadcast") from None
+        out = _compiled_binary(a, b, shape, zeros, scales, dtype, multiply)
+        if out is not None:
+            return (out,)
         values = combine(widen(a, zeros[0]), widen(b, zeros[1]), *(s.astype(_F64) for s in scales))
         return (round_saturate(values, zeros[2], dtype),)
 

@@ -19,6 +19,7 @@ import numpy as np
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidGraphError
 
+from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import IntegerProduct
 from ..registry import register
 from ._common import argument_error, quiet
@@ -156,6 +157,7 @@ def _divide(x: np.ndarray, scale: np.ndarray, precision: np.dtype) -> np.ndarray
 
 
 _F32 = np.dtype(np.float32)
+_EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
 # The targets the compiled loops (compiled/quantize.py) take: float32 data to 8- and 16-bit integers.
 _COMPILED_TARGETS = {DataType.UINT8, DataType.INT8, DataType.UINT16, DataType.INT16}
 _COMPILED_CODES = {t.numpy for t in _COMPILED_TARGETS}
@@ -393,12 +395,28 @@ def _output_channels(param: np.ndarray, ndim: int) -> np.ndarray:
     return param.reshape(()) if param.size == 1 else param.reshape((-1,) + (1,) * (ndim - 2))
 
 
+# Every integer of magnitude up to 2**24 is a float32, and so is every partial sum of such a convolution
+# that stays below it: then float32 arithmetic (any order, fused multiply-adds or not) is exact.
+_FLOAT32_EXACT = float(1 << 24)
+
+
 def _integer_conv(node, shapes, opset):
-    """conv(x - x_zero_point, w - w_zero_point) in float64, through the float Conv kernel.
+    """conv(x - x_zero_point, w - w_zero_point), exactly, through the float Conv kernel: in float32 when the
+    weights bound every partial sum below 2**24 (255 times the largest sum of |w - w_zero| over one output
+    channel's taps), else in float64. Returns float32 or float64 integers.
 
     Padding the centred input with zeros pads the raw input with its zero point, as ONNX requires.
     """
     float_conv = conv(node, shapes[:1] if shapes else shapes, opset)
+    prepared = Prepared()
+
+    def centred_weight(w, w_zero):
+        wc = _centered(w, w_zero)
+        bound = float(np.abs(wc).reshape(wc.shape[0], -1).sum(axis=1).max()) if wc.size else 0.0
+        narrow = w.dtype in _EIGHT_BIT and bound * 255 < _FLOAT32_EXACT
+        wc = wc.astype(np.float32 if narrow else np.float64)
+        wc.flags.writeable = False  # a constant for the conv kernel's own prepared transforms
+        return wc
 
     def run(x, w, x_zero_point, w_zero_point):
         if x_zero_point is not None and x_zero_point.size != 1:
@@ -406,9 +424,12 @@ def _integer_conv(node, shapes, opset):
         x_zero = None if x_zero_point is None else x_zero_point.reshape(())
         # The weight's leading dim is its output channel: (M,) zero points broadcast as (M, 1, ...).
         w_zero = None if w_zero_point is None else _output_channels(w_zero_point, w.ndim + 1)
-        xc = _centered(x, x_zero).astype(np.float64)
-        wc = _centered(w, w_zero).astype(np.float64)
-        return float_conv(xc, wc)[0]
+        wc = prepared.get("weight", (w, w_zero_point), lambda: centred_weight(w, w_zero))
+        dtype = wc.dtype if x.dtype in _EIGHT_BIT else np.dtype(np.float64)
+        xc = x.astype(dtype)
+        if x_zero is not None:
+            xc -= x_zero.astype(dtype)
+        return float_conv(xc, wc.astype(dtype, copy=False))[0]
 
     return run
 
@@ -429,7 +450,7 @@ def qlinear_conv(node, shapes, opset):
     run = _integer_conv(node, shapes, opset)
 
     def kernel(x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias=None):
-        acc = run(x, w, x_zero_point, w_zero_point)
+        acc = run(x, w, x_zero_point, w_zero_point).astype(np.float64, copy=False)
         if bias is not None:
             acc += _output_channels(bias, acc.ndim)
         # The bias is quantized with scale x_scale * w_scale, so it joins the sum before rescaling.
