@@ -201,6 +201,11 @@ class Executor:
             steps[index].release = tuple(slots)
 
     # -- running ------------------------------------------------------------------------------------
+    @property
+    def runs_plain(self) -> bool:
+        """Whether a run is just its plan's steps: no device graphs and no deferred device validation."""
+        return self.graphs is None and not self._validation
+
     def run(self, feeds: dict[str, object], output_names: tuple[str, ...], profile: dict | None = None) -> list:
         """Run the plan for ``output_names``. With ``profile`` (a dict), add each operator's
         (seconds, calls) to it."""

@@ -39,8 +39,12 @@ class ShapeKeyedKernel:
         self.cache = {} if first is None else {first_key: first}
 
     def __call__(self, *inputs):
-        key = tuple(shape_of(x) for x in inputs)
-        kernel = self.cache.get(key)
+        try:  # arrays (nearly always): their shapes are the key as they are
+            key = tuple([x.shape for x in inputs])
+            kernel = self.cache.get(key)
+        except (AttributeError, TypeError):  # an omitted input (None), a sequence, a shape that is a list
+            key = tuple(shape_of(x) for x in inputs)
+            kernel = self.cache.get(key)
         if kernel is None:
             kernel = self.cache[key] = make_kernel(self.handle, self.node, list(key), self.graph)
         return kernel(*inputs)

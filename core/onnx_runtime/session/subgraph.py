@@ -14,6 +14,7 @@ from ..ir import Graph, TypeInfo
 from ..provider_handle import ProviderHandle
 from .executor import Executor
 from .placement import place
+from .steps import run_steps, to_host
 
 
 class Subgraph:
@@ -36,3 +37,24 @@ class Subgraph:
         feeds = dict(outer or {})
         feeds.update(zip(self.input_names, inputs))
         return self.executor.run(feeds, self.output_names)
+
+    def runner(self, names: list[str]):
+        """``run(values) -> outputs``: this subgraph (one without formal inputs: an If branch) run with
+        ``values`` as the outer-scope values ``names``. The plan and its feed slots are resolved here, once,
+        so a call fills the slots and runs the steps (no feed dict, no plan lookup): a streaming model runs
+        its branches on every call."""
+        executor = self.executor
+        plan = executor.plan(self.output_names)
+        slots = [(plan.feed_slots[name], index) for index, name in enumerate(names) if name in plan.feed_slots]
+        output_slots = plan.output_slots
+
+        def run(values) -> list:
+            if self.input_names or not executor.runs_plain:
+                return self.run([], dict(zip(names, values)))
+            env = list(plan.template)
+            for slot, index in slots:
+                env[slot] = values[index]
+            run_steps(plan, env)
+            return [to_host(env[slot]) for slot in output_slots]
+
+        return run

@@ -180,3 +180,62 @@ def test_pad_wider_than_the_axis_reflects_repeatedly():
     x = rand(3)
     (got,) = ours("Pad", [x, np.array([5, 4], np.int64)], {"mode": "reflect"}, 19)
     np.testing.assert_array_equal(got, np.pad(x, (5, 4), mode="reflect"))
+
+
+# -- Slice, Squeeze and Gather: what a call keeps from the last ------------------------------------
+
+
+def _frozen(*values):
+    for value in values:
+        value.flags.writeable = False
+    return values
+
+
+def _kernel(op, n_inputs, opset=13, **attrs):
+    from onnx_runtime.ir import Node
+    from onnx_runtime_ep_cpu.registry import lookup
+
+    node = Node(op, [f"in{i}" for i in range(n_inputs)], ["out"], name="n", attrs=attrs, opset=opset)
+    return lookup(op, "", opset)(node, [None] * n_inputs, opset)
+
+
+def test_slice_keeps_the_index_of_constant_bounds_per_input_shape():
+    kernel = _kernel("Slice", 5)
+    starts, ends, axes, steps = _frozen(np.array([1, -1]), np.array([-1, 0]), np.array([1, 2]), np.array([1, -1]))
+    for shape in [(2, 5, 4), (2, 5, 4), (3, 7, 6)]:
+        x = rand(*shape)
+        (got,) = kernel(x, starts, ends, axes, steps)
+        np.testing.assert_array_equal(got, x[:, 1:-1, :0:-1])
+
+
+def test_slice_rereads_bounds_that_may_change():
+    kernel = _kernel("Slice", 3)
+    x, starts, ends = rand(6), np.array([1]), np.array([4])
+    np.testing.assert_array_equal(kernel(x, starts, ends)[0], x[1:4])
+    starts[0] = 2  # the same (writeable) array with other contents
+    np.testing.assert_array_equal(kernel(x, starts, ends)[0], x[2:4])
+
+
+def test_squeeze_follows_the_input_shape_and_axes():
+    kernel = _kernel("Squeeze", 2)
+    (axes,) = _frozen(np.array([0, -1]))
+    for shape in [(1, 3, 1), (1, 5, 1), (1, 1, 1)]:
+        assert kernel(np.zeros(shape), axes)[0].shape == np.squeeze(np.zeros(shape), axis=(0, 2)).shape
+    assert kernel(np.zeros((2, 1, 1)), np.array([1, 2]))[0].shape == (2,)
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+@pytest.mark.parametrize("index", [np.array(1), np.array(-1), np.array([0]), np.array(1, np.int32)])
+def test_gather_of_one_index_equals_take(axis, index):
+    x = rand(3, 2, 4)
+    (got,) = _kernel("Gather", 2, axis=axis)(x, index)
+    expected = np.take(x, index, axis=axis)
+    assert isinstance(got, np.ndarray) and got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_gather_of_one_index_of_a_vector_is_an_array_and_out_of_range_raises():
+    (got,) = _kernel("Gather", 2)(np.array([4, 5, 6]), np.array(2))
+    assert isinstance(got, np.ndarray) and got.shape == () and got == 6
+    with pytest.raises(IndexError):
+        _kernel("Gather", 2)(np.array([4, 5, 6]), np.array(3))

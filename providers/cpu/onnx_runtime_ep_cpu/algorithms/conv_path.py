@@ -76,10 +76,12 @@ def direct_conv(geo: Geometry, group: int, x_shape, w_shape, prepared: Prepared,
     positions = table.shape[0]
     no_bias = np.empty((0, 0), dtype)
 
+    def arranged(w, b):
+        weights = np.ascontiguousarray(w.astype(dtype, copy=False).reshape(group, mg, -1))
+        return weights, no_bias if b is None else np.ascontiguousarray(b.astype(dtype, copy=False).reshape(group, mg))
+
     def compute(xc, w, b):
-        weights = prepared.get("direct", (w,), lambda: np.ascontiguousarray(
-            w.astype(dtype, copy=False).reshape(group, mg, -1)))
-        bias = no_bias if b is None else b.astype(dtype, copy=False).reshape(group, mg)
+        weights, bias = prepared.get("direct", (w, b), lambda: arranged(w, b))
         y = np.empty((n, group, mg, positions), dtype)
         conv_gathered(np.ascontiguousarray(xc).reshape(n, group, -1), weights, bias, table, y)
         return y

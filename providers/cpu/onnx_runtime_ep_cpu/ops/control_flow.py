@@ -16,6 +16,8 @@ from ..registry import register
 
 
 def _scalar_bool(value) -> bool:
+    if isinstance(value, np.ndarray) and value.size == 1:
+        return bool(value)
     return bool(np.asarray(value).reshape(-1)[0])
 
 
@@ -31,12 +33,12 @@ def _outer(node, args, explicit: int) -> dict:
 
 @register("If", since=1, needs=("handle",))
 def if_(node, shapes, opset, handle):
-    then_branch = Subgraph(node.attr("then_branch"), [handle])
-    else_branch = Subgraph(node.attr("else_branch"), [handle])
+    names = implicit_inputs(node)
+    then_branch = Subgraph(node.attr("then_branch"), [handle]).runner(names)
+    else_branch = Subgraph(node.attr("else_branch"), [handle]).runner(names)
 
     def kernel(cond, *outer_values):
-        branch = then_branch if _scalar_bool(cond) else else_branch
-        return tuple(branch.run([], _outer(node, (cond, *outer_values), 1)))
+        return tuple((then_branch if _scalar_bool(cond) else else_branch)(outer_values))
 
     return kernel
 

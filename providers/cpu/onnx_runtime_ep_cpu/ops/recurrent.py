@@ -15,6 +15,7 @@ from onnx_runtime.errors import InvalidArgumentError
 
 from ..algorithms.activations import hard_sigmoid_of, sigmoid, softplus, softsign
 from ..algorithms.precision import compute_dtype, scalar
+from ..algorithms.prepared import Prepared
 from ..compiled import takes as takes_compiled
 from ..registry import register
 from ._common import graph_error, quiet
@@ -259,11 +260,12 @@ def lstm(node, shapes, opset):
     names = [str(name).lower() for name in node.attr("activations") or ()]
     plain = (not names or names == ["sigmoid", "tanh", "tanh"] * spec.num_directions) and spec.clip is None \
         and not input_forget
+    prepared = Prepared()
 
     def kernel(x, w, r, b=None, seq_lens=None, h0=None, c0=None, p=None):
         dtype = compute_dtype(x.dtype)
         if plain and p is None and seq_lens is None and dtype == x.dtype and takes_compiled(x, w, r):
-            return _outputs(node, _lstm_compiled(spec, x, w, r, b, h0, c0))
+            return _outputs(node, _lstm_compiled(spec, x, w, r, b, h0, c0, prepared))
         hidden = r.shape[-1]
         rt, rb = _recurrence(r, b, 4, hidden, dtype)
         peep = None if p is None else p.astype(dtype, copy=False).reshape(r.shape[0], 3, hidden)
@@ -295,7 +297,16 @@ def lstm(node, shapes, opset):
 _PROJECT_IN_LOOP = 16
 
 
-def _lstm_compiled(spec: _RecurrentSpec, x, w, r, b, h0, c0) -> list:
+def _lstm_weights(w, r, b, hidden: int, dtype) -> list:
+    """Per direction: W and R contiguous, and the two biases summed (Wb + Rb)."""
+    weights = []
+    for d in range(w.shape[0]):
+        bias = np.zeros(4 * hidden, dtype) if b is None else b[d, : 4 * hidden] + b[d, 4 * hidden:]
+        weights.append((np.ascontiguousarray(w[d]), np.ascontiguousarray(r[d]), np.ascontiguousarray(bias, dtype)))
+    return weights
+
+
+def _lstm_compiled(spec: _RecurrentSpec, x, w, r, b, h0, c0, prepared: Prepared) -> list:
     """LSTM with the default activations, no clip, peepholes or sequence lengths, by compiled/lstm.py:
     the same outputs as :func:`_run` (Y, Y_h, Y_c in the node's layout)."""
     from ..compiled.lstm import lstm_steps
@@ -321,13 +332,11 @@ def _lstm_compiled(spec: _RecurrentSpec, x, w, r, b, h0, c0) -> list:
     h, c = states
     y = np.empty((seq, dirs, batch, hidden), dtype)
     projected = seq * batch > _PROJECT_IN_LOOP
-    for d in range(dirs):
-        wd, rd = np.ascontiguousarray(w[d]), np.ascontiguousarray(r[d])
-        bias = np.zeros(4 * hidden, dtype) if b is None else b[d, : 4 * hidden] + b[d, 4 * hidden:]
+    weights = prepared.get(("lstm", dtype), (w, r, b), lambda: _lstm_weights(w, r, b, hidden, dtype))
+    for d, (wd, rd, bias) in enumerate(weights):
         source = xs @ wd.T if projected else xs
         out = y[:, d] if dirs > 1 else y.reshape(seq, batch, hidden)
-        lstm_steps(source, wd, rd, np.ascontiguousarray(bias, dtype=dtype), h[d], c[d], out,
-                   spec.direction == "reverse" or d == 1, projected)
+        lstm_steps(source, wd, rd, bias, h[d], c[d], out, spec.direction == "reverse" or d == 1, projected)
     if spec.layout:
         return [y.transpose(2, 0, 1, 3), np.swapaxes(h, 0, 1), np.swapaxes(c, 0, 1)]
     return [y, h, c]

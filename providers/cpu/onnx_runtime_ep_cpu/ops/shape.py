@@ -86,7 +86,19 @@ def squeeze_v1(node, shapes, opset):
 
 @register("Squeeze", since=13)
 def squeeze(node, shapes, opset):
-    return lambda x, axes=None: (_squeeze(x, axes),)
+    # As Unsqueeze: the last (input shape, axes) -> output shape is kept, a reshape per call.
+    last = [(None, None)]
+
+    def kernel(x, axes=None):
+        if not isinstance(axes, np.ndarray) or not isinstance(x, np.ndarray):
+            return (_squeeze(x, axes),)
+        key = (x.shape, axes.dtype, axes.tobytes())
+        entry = last[0]
+        if entry[0] != key:
+            entry = last[0] = (key, _squeeze(x, axes).shape)
+        return (x.reshape(entry[1]),)
+
+    return kernel
 
 
 def _unsqueeze(x, axes):
@@ -281,14 +293,7 @@ def _slice_bounds(start, end, step, dim):
 
 
 def _slice(x, starts, ends, axes=None, steps=None):
-    starts = np.asarray(starts).reshape(-1).tolist()
-    ends = np.asarray(ends).reshape(-1).tolist()
-    axes = range(len(starts)) if axes is None else normalize_axes(axes, x.ndim)
-    steps = [1] * len(starts) if steps is None else np.asarray(steps).reshape(-1).tolist()
-    index = [slice(None)] * x.ndim
-    for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
-        index[axis] = _slice_bounds(start, end, step, x.shape[axis])
-    return x[tuple(index)]
+    return x[_slice_index(x.shape, x.ndim, starts, ends, axes, steps)]
 
 
 @register("Slice", since=1)
@@ -299,9 +304,40 @@ def slice_v1(node, shapes, opset):
     return lambda x: (_slice(x, starts, ends, axes),)
 
 
+def _frozen(value) -> bool:
+    """Whether ``value`` is a read-only array (an initializer: the executor freezes them), or absent: one whose
+    identity stands for its contents, as algorithms/prepared.py's Prepared assumes."""
+    return value is None or (isinstance(value, np.ndarray) and not value.flags.writeable)
+
+
 @register("Slice", since=10)
 def slice_(node, shapes, opset):
-    return lambda x, starts, ends, axes=None, steps=None: (_slice(x, starts, ends, axes, steps),)
+    # Constant starts/ends/axes/steps (nearly always initializers) give the same index for the same input
+    # shape: the last one is kept (as one tuple: sessions may run from several threads).
+    last: list = [((), None, None)]
+
+    def kernel(x, starts, ends, axes=None, steps=None):
+        params = (starts, ends, axes, steps)
+        held, shape, index = last[0]
+        if shape == x.shape and len(held) == 4 and all(a is b for a, b in zip(held, params)):
+            return (x[index],)
+        index = _slice_index(x.shape, x.ndim, starts, ends, axes, steps)
+        if all(_frozen(p) for p in params):
+            last[0] = (params, x.shape, index)
+        return (x[index],)
+
+    return kernel
+
+
+def _slice_index(shape, rank, starts, ends, axes=None, steps=None) -> tuple:
+    starts = np.asarray(starts).reshape(-1).tolist()
+    ends = np.asarray(ends).reshape(-1).tolist()
+    axes = range(len(starts)) if axes is None else normalize_axes(axes, rank)
+    steps = [1] * len(starts) if steps is None else np.asarray(steps).reshape(-1).tolist()
+    index = [slice(None)] * rank
+    for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
+        index[axis] = _slice_bounds(start, end, step, shape[axis])
+    return tuple(index)
 
 
 # -- Gather and Scatter -------------------------------------------------------------------------------
@@ -311,7 +347,19 @@ def slice_(node, shapes, opset):
 def gather(node, shapes, opset):
     axis = node.attr("axis", 0)
     # np.take accepts negative indices and raises IndexError for out-of-range ones.
-    return lambda x, indices: (np.take(x, indices, axis=normalize_axis(axis, x.ndim)),)
+
+    def kernel(x, indices):
+        ax = normalize_axis(axis, x.ndim)
+        # One index (a streaming model picking a state, a shape's entry) is a view: no copy, no np.take.
+        if isinstance(indices, np.ndarray) and indices.size == 1 and indices.ndim <= 1 and indices.dtype.kind in "iu":
+            i, dim = int(indices.reshape(-1)[0]), x.shape[ax]
+            if -dim <= i < dim:
+                i += dim if i < 0 else 0
+                # (Ellipsis last: a 0-d result stays an array instead of becoming a numpy scalar.)
+                return (x[(slice(None),) * ax + ((i,) if indices.ndim == 0 else (slice(i, i + 1),)) + (Ellipsis,)],)
+        return (np.take(x, indices, axis=ax),)
+
+    return kernel
 
 
 @register("GatherElements", since=11)
@@ -400,22 +448,51 @@ def _pad_mode(node, opset):
 
 
 def _pad(x, pads, mode, value=0, axes=None):
+    return _pad_layout(x.shape, pads, mode, axes).apply(x, value)
+
+
+class _PadLayout:
+    """One Pad over one input shape: the crop of negative pads, then either the slice copies of the padded
+    array's borders (see _pads_by_slices) or numpy.pad's widths. Built once per (shape, pads) and kept by
+    the kernel while both stay."""
+
+    __slots__ = ("crop", "width", "mode", "shape", "inner", "copies")
+
+    def __init__(self, shape, begin, end, mode):
+        # Negative pads remove elements: crop first, then pad with what is left.
+        self.crop = tuple(slice(max(-b, 0), dim - max(-e, 0)) for dim, b, e in zip(shape, begin, end))
+        if all(b >= 0 and e >= 0 for b, e in zip(begin, end)):
+            self.crop = None
+        kept = [len(range(dim)[c]) for dim, c in zip(shape, self.crop)] if self.crop else list(shape)
+        self.width = [(max(b, 0), max(e, 0)) for b, e in zip(begin, end)]
+        self.mode = mode
+        self.copies = None
+        if _pads_by_slices(kept, self.width, mode):
+            self.shape = tuple(d + b + e for d, (b, e) in zip(kept, self.width))
+            self.inner = tuple(slice(b, b + d) for d, (b, _) in zip(kept, self.width))
+            self.copies = _border_copies(kept, self.width, mode, self.inner)
+
+    def apply(self, x, value):
+        if self.crop is not None:
+            x = x[self.crop]
+        if self.copies is None:
+            if self.mode == "constant":
+                fill = np.asarray(value, dtype=x.dtype).reshape(())
+                return np.pad(x, self.width, mode="constant", constant_values=fill)
+            return np.pad(x, self.width, mode=self.mode)
+        return _pad_by_slices(x, self, value)
+
+
+def _pad_layout(shape, pads, mode, axes=None) -> _PadLayout:
     pads = np.asarray(pads).reshape(-1).tolist()
-    axes = range(x.ndim) if axes is None else normalize_axes(axes, x.ndim)
+    rank = len(shape)
+    axes = range(rank) if axes is None else normalize_axes(axes, rank)
     if len(pads) != 2 * len(axes):
         raise InvalidArgumentError(f"Pad got {len(pads)} pads for {len(axes)} axes; expected two per axis")
-    begin, end = [0] * x.ndim, [0] * x.ndim
+    begin, end = [0] * rank, [0] * rank
     for i, axis in enumerate(axes):
         begin[axis], end[axis] = pads[i], pads[i + len(axes)]
-    # Negative pads remove elements: crop first, then pad with what is left.
-    crop = tuple(slice(max(-b, 0), dim - max(-e, 0)) for dim, b, e in zip(x.shape, begin, end))
-    x = x[crop]
-    width = [(max(b, 0), max(e, 0)) for b, e in zip(begin, end)]
-    if _pads_by_slices(x.shape, width, mode):
-        return _pad_by_slices(x, width, mode, value)
-    if mode == "constant":
-        return np.pad(x, width, mode="constant", constant_values=np.asarray(value, dtype=x.dtype).reshape(()))
-    return np.pad(x, width, mode=mode)
+    return _PadLayout(shape, begin, end, mode)
 
 
 def _pads_by_slices(shape, width, mode) -> bool:
@@ -428,24 +505,25 @@ def _pads_by_slices(shape, width, mode) -> bool:
                for dim, (b, e) in zip(shape, width) if b or e)
 
 
-def _pad_by_slices(x, width, mode, value):
-    """numpy.pad's result with one slice copy per border, axis by axis: an axis's borders span the
-    already padded earlier axes, so corners come out as numpy.pad's."""
-    out = np.empty(tuple(d + b + e for d, (b, e) in zip(x.shape, width)), dtype=x.dtype)
-    inner = tuple(slice(b, b + d) for d, (b, _) in zip(x.shape, width))
-    out[inner] = x
-    if mode == "constant":
-        fill = np.asarray(value, dtype=x.dtype).reshape(())
-    for axis, (d, (b, e)) in enumerate(zip(x.shape, width)):
-        if not (b or e):
-            continue
+def _pad_by_slices(x, layout: _PadLayout, value):
+    """numpy.pad's result with one slice copy per border (``layout.copies``)."""
+    out = np.empty(layout.shape, dtype=x.dtype)
+    out[layout.inner] = x
+    fill = np.asarray(value, dtype=x.dtype).reshape(()) if layout.mode == "constant" else None
+    for dst, src in layout.copies:
+        out[dst] = fill if src is None else out[src]
+    return out
+
+
+def _border_copies(shape, width, mode, inner) -> list:
+    """(destination, source) index tuples of the padded array, axis by axis: an axis's borders span the
+    already padded earlier axes, so corners come out as numpy.pad's; a constant's source is None."""
+    copies = []
+    for axis, (d, (b, e)) in enumerate(zip(shape, width)):
         lead, tail = (slice(None),) * axis, inner[axis + 1:]
         for dst, src in _border_sources(mode, d, b, e):
-            if mode == "constant":
-                out[(*lead, dst, *tail)] = fill
-            else:
-                out[(*lead, dst, *tail)] = out[(*lead, src, *tail)]
-    return out
+            copies.append(((*lead, dst, *tail), None if src is None else (*lead, src, *tail)))
+    return copies
 
 
 def _border_sources(mode, d, b, e):
@@ -481,8 +559,16 @@ def pad(node, shapes, opset):
     # pads and constant_value became inputs in 11; the optional axes input arrived in 18.
     mode = _pad_mode(node, opset)
 
+    # Constant pads and axes (nearly always initializers): the last layout is kept for the same input shape.
+    last: list = [((), None, None)]
+
     def kernel(x, pads, value=None, axes=None):
-        return (_pad(x, pads, mode, 0 if value is None else value, axes),)
+        held, shape, layout = last[0]
+        if shape != x.shape or len(held) != 2 or held[0] is not pads or held[1] is not axes:
+            layout = _pad_layout(x.shape, pads, mode, axes)
+            if _frozen(pads) and _frozen(axes):
+                last[0] = ((pads, axes), x.shape, layout)
+        return (layout.apply(x, 0 if value is None else value),)
 
     return kernel
 
