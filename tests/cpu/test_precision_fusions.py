@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnx_runtime as ort
@@ -20,18 +21,22 @@ from reference64 import run_float64
 F16 = TensorProto.FLOAT16
 
 
-def _half_tensor(tensor: onnx.TensorProto) -> None:
+def _numpy(elem_type: int) -> np.dtype:
+    return np.dtype(np.float16 if elem_type == F16 else ml_dtypes.bfloat16)
+
+
+def _half_tensor(tensor: onnx.TensorProto, half: int) -> None:
     if tensor.data_type == TensorProto.FLOAT:
-        tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float16), tensor.name))
+        tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(_numpy(half)), tensor.name))
 
 
-def _cast_edges(graph: onnx.GraphProto) -> None:
+def _cast_edges(graph: onnx.GraphProto, half: int) -> None:
     """float32 inputs and outputs kept, a Cast to float16 after each input and from float16 before each output."""
     heads, tails = [], []
     for info in graph.input:
         for node in graph.node:
             node.input[:] = [f"{i}/half" if i == info.name else i for i in node.input]
-        heads.append(helper.make_node("Cast", [info.name], [f"{info.name}/half"], to=F16))
+        heads.append(helper.make_node("Cast", [info.name], [f"{info.name}/half"], to=half))
     for info in graph.output:
         for node in graph.node:
             node.output[:] = [f"{o}/half" if o == info.name else o for o in node.output]
@@ -42,36 +47,36 @@ def _cast_edges(graph: onnx.GraphProto) -> None:
     graph.node.extend(nodes)
 
 
-def to_float16(model: onnx.ModelProto, keep_io_types: bool = True) -> onnx.ModelProto:
+def to_float16(model: onnx.ModelProto, keep_io_types: bool = True, half: int = F16) -> onnx.ModelProto:
     """``model`` (float32 throughout) converted as onnxruntime's convert_float_to_float16 does: float16
     weights, values and constant attributes; with ``keep_io_types``, float32 inputs and outputs and a Cast at
-    each edge."""
+    each edge. ``half``: the type converted to (float16, or bfloat16 the same way)."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     graph = model.graph
     for tensor in graph.initializer:
-        _half_tensor(tensor)
+        _half_tensor(tensor, half)
     for node in graph.node:
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.TENSOR:
-                _half_tensor(attr.t)
+                _half_tensor(attr.t, half)
             if node.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT:
-                attr.i = F16
+                attr.i = half
     for info in [*graph.value_info, *([] if keep_io_types else [*graph.input, *graph.output])]:
         if info.type.tensor_type.elem_type == TensorProto.FLOAT:
-            info.type.tensor_type.elem_type = F16
+            info.type.tensor_type.elem_type = half
     if keep_io_types:
-        _cast_edges(graph)
+        _cast_edges(graph, half)
     onnx.checker.check_model(model)
     return model
 
 
-def rounded_float32(model: onnx.ModelProto) -> onnx.ModelProto:
+def rounded_float32(model: onnx.ModelProto, half: int = F16) -> onnx.ModelProto:
     """``model`` (float32) with its weights rounded to float16 and kept float32: the values the float16 model
     holds, for the float64 reference."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     for tensor in model.graph.initializer:
         if tensor.data_type == TensorProto.FLOAT:
-            array = numpy_helper.to_array(tensor).astype(np.float16).astype(np.float32)
+            array = numpy_helper.to_array(tensor).astype(_numpy(half)).astype(np.float32)
             tensor.CopyFrom(numpy_helper.from_array(array, tensor.name))
     return model
 
@@ -142,6 +147,18 @@ def test_matmul_bias_gelu_residual_runs_the_float32_fused_kernel():
     model, feeds = _gelu_block()
     sess = _check(model, feeds, ["FusedMatMul"], ["MatMul", "Erf", "Div"])
     assert _ops(sess).count("RoundToHalf") == 2 and "Cast" not in _ops(sess)  # the inputs' roundings, once each
+
+
+def test_bfloat16_model_runs_the_float32_fused_kernel():
+    """The same for a bfloat16 model (onnxruntime has no bfloat16 MatMul on CPU: the float64 reference only)."""
+    model, feeds = _gelu_block()
+    sess = ort.InferenceSession(to_float16(model, half=TensorProto.BFLOAT16).SerializeToString(), providers=["cpu"])
+    assert "FusedMatMul" in _ops(sess) and "MatMul" not in _ops(sess), _ops(sess)
+    got = sess.run(None, feeds)[0]
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rounded = {k: v.astype(bf16).astype(np.float32) for k, v in feeds.items()}
+    exact = run_float64(rounded_float32(model, TensorProto.BFLOAT16), rounded)[0]
+    assert np.abs(got - exact).max() <= 1e-5 * np.abs(exact).max()
 
 
 def test_float16_inputs_and_outputs_are_converted_at_the_edges():
@@ -255,3 +272,26 @@ def test_round_to_half_equals_the_two_casts(half):
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
         finite = ~np.isnan(want)
         np.testing.assert_array_equal(got.view(np.uint32)[finite], want.view(np.uint32)[finite])
+
+
+def test_graph_with_control_flow_is_left_in_float16():
+    """A branch reads the outer float16 values with the types it was written for: the pass declines, and the
+    model runs as written (float16 operators: within float16's rounding of the reference)."""
+    rng = np.random.default_rng(7)
+    w = _f32((8, 8), rng, 0.3).astype(np.float16)
+    branch = helper.make_graph([helper.make_node("Identity", ["h"], ["out"])], "branch", [],
+                               [helper.make_tensor_value_info("out", F16, [3, 8])])
+    other = helper.make_graph([helper.make_node("Neg", ["h"], ["out"])], "other", [],
+                              [helper.make_tensor_value_info("out", F16, [3, 8])])
+    nodes = [helper.make_node("Cast", ["x"], ["xh"], to=F16),
+             helper.make_node("MatMul", ["xh", "w"], ["h"]),
+             helper.make_node("If", ["flag"], ["yh"], then_branch=branch, else_branch=other),
+             helper.make_node("Cast", ["yh"], ["y"], to=TensorProto.FLOAT)]
+    model = make_model(nodes, [tensor_info("x", shape=[3, 8]), tensor_info("flag", TensorProto.BOOL, [])],
+                       [tensor_info("y", shape=[3, 8])], [numpy_helper.from_array(w, "w")])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    assert "RoundToHalf" not in _ops(sess) and "Cast" in _ops(sess)
+    x = _f32((3, 8), rng)
+    got = sess.run(None, {"x": x, "flag": np.array(False)})[0]
+    exact = -(x.astype(np.float16).astype(np.float64) @ w.astype(np.float64))
+    assert np.abs(got - exact).max() <= 2.0 ** -10 * np.abs(exact).max() * 4
