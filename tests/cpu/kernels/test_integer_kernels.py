@@ -180,3 +180,23 @@ def test_qlinear_binary_exact(a_shape, b_shape, op, dtype):
     values = (sa * x + sb * y) / sc if op == "QLinearAdd" else (x * y) * (sa * sb / sc)
     want = np.clip(np.rint(values) + int(zeros[2]), low, high).astype(dtype)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_qlinear_conv_requantizes_like_the_float64_formula(per_channel):
+    from onnx_runtime.ir import Node
+    from onnx_runtime_ep_cpu.ops.quantization import qlinear_conv
+
+    rng = np.random.default_rng(11)
+    x, w = operand(rng, (2, 6, 5, 5), U8), operand(rng, (4, 6, 3, 3), I8)
+    x_scale, y_scale, x_zero, y_zero = np.float32(0.02), np.float32(0.07), np.uint8(131), np.uint8(7)
+    w_scale = rng.uniform(0.001, 0.02, 4).astype(np.float32) if per_channel else np.float32(0.01)
+    w_zero = np.zeros(4, I8) if per_channel else np.int8(0)
+    bias = rng.integers(-5000, 5000, 4).astype(np.int32)
+    kernel = qlinear_conv(Node("QLinearConv", [], [], name="c", attrs={"pads": [1, 1, 1, 1]}), None, 10)
+    (got,) = kernel(x, np.asarray(x_scale), np.asarray(x_zero), w, np.asarray(w_scale), np.asarray(w_zero),
+                    np.asarray(y_scale), np.asarray(y_zero), bias)
+    acc = conv_reference(x, w, x_zero, w_zero, 1).astype(np.float64) + bias.reshape(-1, 1, 1)
+    multiplier = np.float64(x_scale) * np.asarray(w_scale, np.float64).reshape(-1, 1, 1) / np.float64(y_scale)
+    want = np.clip(np.rint(acc * multiplier) + int(y_zero), 0, 255).astype(U8)
+    np.testing.assert_array_equal(got, want)

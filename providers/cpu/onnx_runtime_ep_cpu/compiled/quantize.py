@@ -123,3 +123,23 @@ def requantize_binary(a, a_step, b, b_step, zeros, scales, low, high, multiply, 
             v = lo if v < lo else v
             v = hi if v > hi else v
             out[r, c] = np.int64(v)
+
+
+@jit
+def requantize(acc, bias, multiplier, zero, low, high, out):
+    """out = saturate(rint((acc + bias[c]) * multiplier[c]) + zero) for an (outer, C, inner) accumulator
+    (integers held as int32, float32 or float64), in float64: an integer product's requantization, the
+    bias and multiplier per channel C (length 1: per tensor)."""
+    outer, channels, inner = acc.shape
+    one_bias = bias.shape[0] == 1
+    one_multiplier = multiplier.shape[0] == 1
+    lo, hi, z = np.float64(low), np.float64(high), np.float64(zero)
+    for o in range(outer):
+        for c in range(channels):
+            b = bias[0] if one_bias else bias[c]
+            m = multiplier[0] if one_multiplier else multiplier[c]
+            for i in range(inner):
+                v = np.rint((np.float64(acc[o, c, i]) + b) * m) + z
+                v = lo if v < lo else v
+                v = hi if v > hi else v
+                out[o, c, i] = np.int64(v)

@@ -377,9 +377,11 @@ def qlinear_matmul(node, shapes, opset):
             if acc is not None:
                 # The exact integer sum, rescaled once in float64.
                 multiplier = a_scale.astype(np.float64).reshape(()) * b_scale.astype(np.float64).reshape(-1)
-                values = acc * (multiplier / y_scale.astype(np.float64).reshape(()))
+                multiplier = multiplier / float(y_scale.reshape(()))
+                if y_zero_point.dtype in _EIGHT_BIT and acc.size and multiplier.size in (1, acc.shape[-1]):
+                    return (_requantized(acc, (-1, acc.shape[-1], 1), None, multiplier, y_zero_point),)
                 target = DataType.from_numpy(y_zero_point.dtype)
-                return (_to_quantized(values, y_zero_point.reshape(()), target),)
+                return (_to_quantized(acc * multiplier, y_zero_point.reshape(()), target),)
         a_real = _centered(a, _rows(a_zero_point, a)) * _rows(a_scale, a).astype(np.float64)
         b_real = _centered(b, b_zero_point) * b_scale.astype(np.float64)
         product = np.asarray(np.matmul(a_real, b_real))
@@ -445,12 +447,33 @@ def conv_integer(node, shapes, opset):
     return kernel
 
 
+def _requantized(acc, layout, bias, multiplier, zero_point) -> np.ndarray:
+    """compiled/quantize.requantize of an integer accumulator viewed as (outer, C, inner): + bias[c], times
+    multiplier[c] (float64), rounded, + the zero point, saturated to its 8-bit type."""
+    from ..compiled import quantize as compiled
+
+    dtype = zero_point.dtype
+    low, high = _integer_range(DataType.from_numpy(dtype))
+    bias64 = np.zeros(1) if bias is None else bias.astype(np.float64).reshape(-1)
+    out = np.empty(acc.shape, dtype)
+    compiled.requantize(np.ascontiguousarray(acc).reshape(layout), bias64, multiplier, int(zero_point.reshape(())),
+                        low, high, out.reshape(layout))
+    return out
+
+
 @register("QLinearConv", since=10)
 def qlinear_conv(node, shapes, opset):
     run = _integer_conv(node, shapes, opset)
 
     def kernel(x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias=None):
-        acc = run(x, w, x_zero_point, w_zero_point).astype(np.float64, copy=False)
+        acc = run(x, w, x_zero_point, w_zero_point)
+        if y_zero_point.dtype in _EIGHT_BIT and acc.ndim >= 2 and acc.size and y_zero_point.size == 1 \
+                and (bias is None or bias.size == acc.shape[1]) and w_scale.size in (1, acc.shape[1]):
+            # The same float64 arithmetic in one compiled pass.
+            multiplier = x_scale.astype(np.float64).reshape(()) * w_scale.astype(np.float64).reshape(-1)
+            return (_requantized(acc, (acc.shape[0], acc.shape[1], -1), bias, multiplier / float(y_scale.reshape(())),
+                                 y_zero_point),)
+        acc = acc.astype(np.float64, copy=False)
         if bias is not None:
             acc += _output_channels(bias, acc.ndim)
         # The bias is quantized with scale x_scale * w_scale, so it joins the sum before rescaling.
