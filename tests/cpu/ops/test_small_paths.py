@@ -239,3 +239,14 @@ def test_gather_of_one_index_of_a_vector_is_an_array_and_out_of_range_raises():
     assert isinstance(got, np.ndarray) and got.shape == () and got == 6
     with pytest.raises(IndexError):
         _kernel("Gather", 2)(np.array([4, 5, 6]), np.array(3))
+
+
+def test_unsqueeze_follows_the_input_shape_and_axes_that_change():
+    kernel = _kernel("Unsqueeze", 2)
+    (axes,) = _frozen(np.array([0, -1]))
+    for shape in [(3,), (3,), (2, 5)]:
+        assert kernel(np.zeros(shape), axes)[0].shape == (1, *shape, 1)
+    changing = np.array([0])
+    assert kernel(np.zeros((2,)), changing)[0].shape == (1, 2)
+    changing[0] = 1  # the same writeable array with other contents
+    assert kernel(np.zeros((2,)), changing)[0].shape == (2, 1)

@@ -86,17 +86,30 @@ def squeeze_v1(node, shapes, opset):
 
 @register("Squeeze", since=13)
 def squeeze(node, shapes, opset):
-    # As Unsqueeze: the last (input shape, axes) -> output shape is kept, a reshape per call.
-    last = [(None, None)]
+    return _axes_reshape(_squeeze)
+
+
+def _axes_reshape(compute):
+    """``kernel(x, axes)`` for Squeeze/Unsqueeze: ``compute(x, axes)``'s shape, as a reshape of x. The axes
+    are nearly always the same constant: the last (input shape, axes) -> output shape is kept (as one tuple:
+    sessions may run from several threads), found by the axes' identity when they are read-only (see
+    _frozen), else by their contents."""
+    last: list = [(None, None, None)]
 
     def kernel(x, axes=None):
+        held, key, out = last[0]
+        if axes is not None and held is axes and key == x.shape:
+            return (x.reshape(out),)
         if not isinstance(axes, np.ndarray) or not isinstance(x, np.ndarray):
-            return (_squeeze(x, axes),)
-        key = (x.shape, axes.dtype, axes.tobytes())
+            return (compute(x, axes),)
+        if _frozen(axes):
+            held, key = axes, x.shape
+        else:
+            held, key = None, (x.shape, axes.dtype, axes.tobytes())
         entry = last[0]
-        if entry[0] != key:
-            entry = last[0] = (key, _squeeze(x, axes).shape)
-        return (x.reshape(entry[1]),)
+        if entry[0] is not held or entry[1] != key:
+            entry = last[0] = (held, key, compute(x, axes).shape)
+        return (x.reshape(entry[2]),)
 
     return kernel
 
@@ -119,20 +132,7 @@ def unsqueeze_v1(node, shapes, opset):
 
 @register("Unsqueeze", since=13)
 def unsqueeze(node, shapes, opset):
-    # The axes are nearly always the same constant: the last (input shape, axes) -> output shape is kept
-    # (as one tuple: sessions may run from several threads), which saves the axes' normalization per call.
-    last = [(None, None)]
-
-    def kernel(x, axes):
-        if not isinstance(axes, np.ndarray):
-            return (_unsqueeze(x, axes),)
-        key = (x.shape, axes.dtype, axes.tobytes())
-        entry = last[0]
-        if entry[0] != key:
-            entry = last[0] = (key, _unsqueeze(x, axes).shape)
-        return (x.reshape(entry[1]),)
-
-    return kernel
+    return _axes_reshape(_unsqueeze)
 
 
 # -- Shape, Size, Expand, Tile ------------------------------------------------------------------------
