@@ -295,3 +295,26 @@ def test_graph_with_control_flow_is_left_in_float16():
     got = sess.run(None, {"x": x, "flag": np.array(False)})[0]
     exact = -(x.astype(np.float16).astype(np.float64) @ w.astype(np.float64))
     assert np.abs(got - exact).max() <= 2.0 ** -10 * np.abs(exact).max() * 4
+
+
+def test_graph_with_float32_control_flow_still_computes_in_float32():
+    """A branch that neither reads nor makes float16 values (here it picks a float32 shift) leaves the rest of
+    the model free to convert."""
+    rng = np.random.default_rng(8)
+    w = _f32((8, 8), rng, 0.3).astype(np.float16)
+    branches = [helper.make_graph([helper.make_node("Constant", [], ["out"], value=numpy_helper.from_array(
+        np.array(value, np.float32)))], name, [], [helper.make_tensor_value_info("out", TensorProto.FLOAT, [])])
+        for name, value in (("then", 1.0), ("else", -1.0))]
+    nodes = [helper.make_node("Cast", ["x"], ["xh"], to=F16),
+             helper.make_node("MatMul", ["xh", "w"], ["h"]),
+             helper.make_node("Cast", ["h"], ["h32"], to=TensorProto.FLOAT),
+             helper.make_node("If", ["flag"], ["shift"], then_branch=branches[0], else_branch=branches[1]),
+             helper.make_node("Add", ["h32", "shift"], ["y"])]
+    model = make_model(nodes, [tensor_info("x", shape=[3, 8]), tensor_info("flag", TensorProto.BOOL, [])],
+                       [tensor_info("y", shape=[3, 8])], [numpy_helper.from_array(w, "w")])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    assert "RoundToHalf" in _ops(sess) and "If" in _ops(sess)
+    x = _f32((3, 8), rng)
+    got = sess.run(None, {"x": x, "flag": np.array(False)})[0]
+    exact = x.astype(np.float16).astype(np.float64) @ w.astype(np.float64) - 1
+    assert np.abs(got - exact).max() <= 1e-5 * np.abs(exact).max()

@@ -18,8 +18,9 @@ no float16 kernel for and keeps the values between them in float32):
 
 The optimizer and the fusions then see a float32 graph. The pass fires only on models with half-precision
 weights (an initializer a MatMul, Gemm, convolution or Gather reads), every node of whose half-precision part
-this provider runs, in the standard or Microsoft domains, without control flow; graphs of single operators on
-float16 feeds (the ONNX backend cases) keep their per-operator float16 semantics.
+this provider runs, in the standard or Microsoft domains, whose control-flow bodies neither read nor make
+half-precision values; graphs of single operators on float16 feeds (the ONNX backend cases) keep their
+per-operator float16 semantics.
 """
 
 from __future__ import annotations
@@ -69,9 +70,18 @@ def _has_half_weights(graph: Graph, half: _Half) -> bool:
                for node in graph.nodes)
 
 
+def _half_free(graph: Graph) -> bool:
+    """Whether ``graph`` (a branch or loop body) neither holds nor makes a half-precision value."""
+    half = _Half(graph)
+    return not half.types and not any(half.touches(node) for node in graph.nodes) \
+        and all(_half_free(sub) for node in graph.nodes for sub in node.subgraphs())
+
+
 def _convertible(graph: Graph, half: _Half, nodes: list[Node], owns) -> bool:
-    if graph.outer_names or any(node.subgraphs() for node in graph.nodes):
-        return False  # a body would read the outer values with the types it was written for
+    bodies = [sub for node in graph.nodes for sub in node.subgraphs()]
+    if graph.outer_names or any(any(name in half.types for name in sub.outer_names) or not _half_free(sub)
+                                for sub in bodies):
+        return False  # a body would read or make half-precision values with the types it was written for
     inputs = {vi.name for vi in graph.inputs}
     if any(name in inputs for name in graph.initializers if name in half.types):
         return False  # an overridable weight: a feed may replace it in its own type
