@@ -63,6 +63,16 @@ def test_product_batched_a_and_constant_weight_reused():
     np.testing.assert_array_equal(product(a, b2).reshape(6, 11), reference(a.reshape(6, 19), b2, 0, 0))
 
 
+@pytest.mark.parametrize(("a_shape", "b_shape"), [((1, 4, 16, 16), (1, 4, 16, 16)), ((2, 3, 5, 7), (3, 7, 9)),
+                                                  ((5, 7), (2, 7, 3))])
+def test_product_of_stacked_matrices(a_shape, b_shape):
+    rng = np.random.default_rng(len(a_shape) + len(b_shape))
+    a, b = operand(rng, a_shape, U8), operand(rng, b_shape, I8)
+    got = IntegerProduct()(a, b, np.asarray(255, U8), np.asarray(-128, I8))
+    want = np.matmul(a.astype(np.int64) - 255, b.astype(np.int64) + 128).astype(np.int32)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_product_wraps_like_int32():
     k = 40000  # 255 * 255 * k passes 2**31
     a = np.full((1, k), 255, U8)
@@ -76,7 +86,7 @@ def test_product_wraps_like_int32():
 def test_product_declines_what_it_does_not_cover():
     product = IntegerProduct()
     a = np.zeros((2, 3), U8)
-    assert product(a, np.zeros((2, 3, 4), U8)) is None  # batched B
+    assert product(a, np.zeros((2, 3, 4), U8), None, np.zeros(4, U8)) is None  # stacked B, per-column zero
     assert product(a.astype(np.int16), np.zeros((3, 4), U8)) is None  # 16-bit
     assert product(np.zeros((2, 2, 3), U8), np.zeros((3, 4), U8), np.zeros(2, U8)) is None  # per-row zero, batched A
 

@@ -104,10 +104,11 @@ _EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
 
 class IntegerProduct:
     """``(A - a_zero) @ (B - b_zero)`` in int32 through compiled/qgemm.py, for 8-bit A (..., M, K) and a 2-D
-    8-bit B (K, N); B with its zero points subtracted is packed once per set of constant inputs.
+    8-bit B (K, N); B with its zero points subtracted is packed once per set of constant inputs. A stacked B
+    (..., K, N) with per-tensor zero points (attention's products) is packed per call.
 
     A's zero point is per tensor or, for a matrix A, per row (M,); B's per tensor or per column (N,).
-    ``__call__`` returns None for anything else (a batched B, other types), which callers compute with
+    ``__call__`` returns None for anything else (other zero-point shapes, other types), which callers compute with
     ``int_matmul`` instead.
     """
 
@@ -121,7 +122,11 @@ class IntegerProduct:
     def __call__(self, a: np.ndarray, b: np.ndarray, a_zero=None, b_zero=None,
                  trans_b: bool = False) -> np.ndarray | None:
         """The int32 product, or None where this path does not apply. ``trans_b``: B is given as (N, K)."""
-        if a.dtype not in _EIGHT_BIT or b.dtype not in _EIGHT_BIT or b.ndim != 2 or a.ndim < 1:
+        if a.dtype not in _EIGHT_BIT or b.dtype not in _EIGHT_BIT or a.ndim < 1:
+            return None
+        if b.ndim > 2 and not trans_b:
+            return _batched(a, b, a_zero, b_zero)
+        if b.ndim != 2:
             return None
         columns, depth = b.shape if trans_b else b.shape[::-1]
         if a.shape[-1] != depth:
@@ -144,6 +149,26 @@ class IntegerProduct:
         out = np.empty((flat.shape[0], columns), np.int32)
         qgemm.product(flat, rows_zero, packed, out)
         return out.reshape(a.shape[:-1] + (columns,))
+
+
+def _batched(a, b, a_zero, b_zero) -> np.ndarray | None:
+    """Products of stacked matrices, (..., M, K) @ (..., K, N) broadcast over the leading dims, per-tensor zero
+    points only (None otherwise)."""
+    zeros = [_zeros(z) for z in (a_zero, b_zero)]
+    if a.ndim < 2 or any(z is None or z.size != 1 for z in zeros) or a.shape[-1] != b.shape[-2]:
+        return None
+    try:
+        batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except ValueError:
+        return None
+    from ..compiled import qgemm
+
+    rows, depth, columns = a.shape[-2], a.shape[-1], b.shape[-1]
+    left = np.ascontiguousarray(np.broadcast_to(a, batch + (rows, depth))).reshape(-1, rows, depth)
+    right = np.ascontiguousarray(np.broadcast_to(b, batch + (depth, columns))).reshape(-1, depth, columns)
+    out = np.empty((left.shape[0], rows, columns), np.int32)
+    qgemm.batched_product(left, int(zeros[0][0]), right, int(zeros[1][0]), out)
+    return out.reshape(batch + (rows, columns))
 
 
 def _zeros(zero_point) -> np.ndarray | None:

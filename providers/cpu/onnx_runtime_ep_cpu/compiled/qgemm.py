@@ -52,3 +52,17 @@ def product(a, zero, packed, out):
                 for k in range(depth):
                     acc += np.int32(row[k]) * np.int32(column[k])
                 out[m, n] = acc
+
+
+@jit
+def batched_product(a, a_zero, b, b_zero, out):
+    """out[i] = (a[i] - a_zero) @ (b[i] - b_zero) in int32 for (L, M, K) ``a`` and (L, K, N) ``b`` (both
+    operands varying: attention's products), each b[i] packed on the fly like a weight."""
+    count, rows, depth = a.shape
+    columns = b.shape[2]
+    packed = np.empty((columns, depth), np.int16)
+    zero = np.full(1, a_zero, np.int32)
+    b_zeros = np.full(1, b_zero, np.int32)
+    for i in range(count):
+        pack_columns(b[i], b_zeros, packed)
+        product(a[i], zero, packed, out[i])
