@@ -144,7 +144,10 @@ def _gemm_kernel(node, c_must_match: bool):
                     f"output shape {y.shape}; set broadcast=1 or feed a full C"
                 )
             term = c if beta == 1 else c * beta
-            if np.issubdtype(y.dtype, np.floating) and np.broadcast_shapes(y.shape, term.shape) == y.shape:
+            # (Dtype kind and shapes compared directly: np.issubdtype and np.broadcast_shapes cost more than
+            # a one-row product's arithmetic.)
+            if y.dtype.kind == "f" and term.ndim <= y.ndim and all(
+                    t == 1 or t == d for t, d in zip(term.shape[::-1], y.shape[::-1])):
                 y += term
             else:
                 y = y + term
