@@ -602,55 +602,75 @@ def test_begin_owned_capture_mints_generation_one_or_continues():
     token = h.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY, continuation=None, kernels=["k"])
     assert token == DeviceGraphToken(owner, PRIMARY, 1)
     assert isinstance(token.slot, DeviceGraphSlot)
-    later = DeviceGraphToken(owner, PRIMARY, 7)
-    again = h.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY, continuation=later, kernels=[])
-    assert again is later
-    assert rec.calls == [("begin", ["k"]), ("begin", [])]
+    h.hook.end_owned_device_graph_capture(token=token)
+    # A later segment continues the installed generation.
+    again = h.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY, continuation=token, kernels=[])
+    assert again is token
+    h.hook.end_owned_device_graph_capture(token=again)
+    assert rec.calls == [("begin", ["k"]), ("end",), ("begin", []), ("end",)]
+    # A continuation that is not the installed graph is refused before the provider sees it.
+    with pytest.raises(InvalidArgumentError, match="does not name the graph its slot holds"):
+        h.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY,
+                                                continuation=DeviceGraphToken(owner, PRIMARY, 7), kernels=[])
     with pytest.raises(NotSupportedError, match="VERIFY"):
         h.hook.begin_owned_device_graph_capture(owner=owner, slot=VERIFY, continuation=None, kernels=[])
-    assert len(rec.calls) == 2
+    assert len(rec.calls) == 4
+    # A fresh capture destroys the installed graph first and mints the next generation.
+    newer = h.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY, continuation=None, kernels=[])
+    assert newer == DeviceGraphToken(owner, PRIMARY, 2)
+    assert rec.calls[4:] == [("reset",), ("begin", [])]
 
 
 def test_owned_hooks_route_through_token_slot():
     rec = GraphRecorder()
     h = ProviderHandle(rec)
     owner = DeviceGraphOwner.new()
-    primary, verify = DeviceGraphToken(owner, PRIMARY, 3), DeviceGraphToken(owner, VERIFY, 3)
-    h.hook.end_owned_device_graph_capture(token=primary)
+    primary = h.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY, continuation=None, kernels=[])
     h.hook.abort_owned_device_graph_capture(token=primary)
+    primary = h.hook.begin_owned_device_graph_capture(owner=owner, slot=PRIMARY, continuation=None, kernels=[])
+    h.hook.end_owned_device_graph_capture(token=primary)
     h.hook.replay_owned_device_graph(token=primary)
     h.hook.replay_owned_device_graph_segment(token=primary, index=2)
     assert h.hook.reset_owned_device_graph(token=primary) is True
-    assert rec.calls == [("end",), ("abort",), ("replay",), ("segment", 2), ("reset",)]
-    for call in (h.hook.end_owned_device_graph_capture, h.hook.abort_owned_device_graph_capture,
-                 h.hook.replay_owned_device_graph):
-        with pytest.raises(NotSupportedError, match="VERIFY"):
+    assert rec.calls == [("begin", []), ("abort",), ("begin", []), ("end",), ("replay",), ("segment", 2), ("reset",)]
+    verify = DeviceGraphToken(owner, VERIFY, 1)
+    for call in (h.hook.end_owned_device_graph_capture, h.hook.replay_owned_device_graph):
+        with pytest.raises(InvalidArgumentError):  # never captured: refused before reaching the provider
             call(token=verify)
-    with pytest.raises(NotSupportedError, match="VERIFY"):
+    with pytest.raises(InvalidArgumentError):
         h.hook.replay_owned_device_graph_segment(token=verify, index=0)
+    h.hook.abort_owned_device_graph_capture(token=verify)
     assert h.hook.reset_owned_device_graph(token=verify) is False
-    assert len(rec.calls) == 5
+    assert len(rec.calls) == 7
     assert h.hook.retire_owned_device_graphs(owner=owner) is None
+    with pytest.raises(InvalidArgumentError, match="not a DeviceGraphToken"):
+        h.hook.replay_owned_device_graph(token="not a token")
 
 
-def test_has_owned_device_graph_defaults_true_and_routes_through_slot():
-    token = DeviceGraphToken(DeviceGraphOwner.new(), VERIFY, 1)
-    assert tiny().hook.has_owned_device_graph(token=token) is True
+def test_has_owned_device_graph_is_the_installed_token_and_asks_the_slot():
+    rec = GraphRecorder()
+    h = ProviderHandle(rec)
+    never = DeviceGraphToken(DeviceGraphOwner.new(), VERIFY, 1)
+    assert h.hook.has_owned_device_graph(token=never) is False
 
-    class Emptied(Tiny):
+    class Emptied(GraphRecorder):
         def __init__(self):
-            self.asked = []
+            super().__init__()
+            self.present = True
 
         @hookimpl
         def has_device_graph_in(self, slot):
-            self.asked.append(slot)
-            return slot is not VERIFY
+            return self.present
 
     provider = Emptied()
     h = ProviderHandle(provider)
+    token = h.hook.begin_owned_device_graph_capture(owner=DeviceGraphOwner.new(), slot=PRIMARY, continuation=None,
+                                                    kernels=[])
+    h.hook.end_owned_device_graph_capture(token=token)
+    assert h.hook.has_owned_device_graph(token=token) is True
+    assert h.hook.has_owned_device_graph(token=DeviceGraphToken(token.owner, PRIMARY, 2)) is False
+    provider.present = False  # reset out of band by the provider
     assert h.hook.has_owned_device_graph(token=token) is False
-    assert h.hook.has_owned_device_graph(token=DeviceGraphToken(token.owner, PRIMARY, 1)) is True
-    assert provider.asked == [VERIFY, PRIMARY]
 
 
 # -- validation ------------------------------------------------------------------------------------------------------

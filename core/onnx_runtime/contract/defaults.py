@@ -10,6 +10,7 @@ fences, and "not supported by <provider>" errors for device-only features.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,13 @@ def host_bytes_of(src: HostBytes) -> np.ndarray:
     return np.frombuffer(src, dtype=np.uint8)
 
 
+def _slot(slot: Any, provider: str) -> DeviceGraphSlot:
+    try:
+        return DeviceGraphSlot(slot)
+    except ValueError:
+        raise InvalidArgumentError(f"{provider}: {slot!r} is not a device graph slot; use PRIMARY or VERIFY") from None
+
+
 def writable_host_bytes_of(dst: WritableHostBytes) -> np.ndarray:
     view = host_bytes_of(dst)
     if not view.flags.writeable:
@@ -54,6 +62,11 @@ class DefaultFallbacks:
         self._handle = handle
         self._allocations = 0
         self._frees = 0
+        # Owner-scoped graphs on a provider that implements only the slot hooks (see below).
+        self._graph_lock = threading.RLock()
+        self._installed_graphs: dict[DeviceGraphSlot, DeviceGraphToken] = {}
+        self._capturing_graphs: dict[DeviceGraphSlot, DeviceGraphToken] = {}
+        self._graph_generations: dict[tuple[DeviceGraphOwner, DeviceGraphSlot], int] = {}
 
     # -- helpers --------------------------------------------------------------------------------
     @property
@@ -309,7 +322,7 @@ class DefaultFallbacks:
 
     # -- device graphs: slot routing ----------------------------------------------------------------
     def _route(self, slot: DeviceGraphSlot, hook: str, **kwargs: Any) -> Any:
-        if DeviceGraphSlot(slot) is DeviceGraphSlot.PRIMARY:
+        if _slot(slot, self._name) is DeviceGraphSlot.PRIMARY:
             return getattr(self._handle.hook, hook)(**kwargs)
         raise NotSupportedError(
             f"{self._name}: device graph slot {DeviceGraphSlot(slot).name} is not supported "
@@ -338,7 +351,7 @@ class DefaultFallbacks:
 
     @hookimpl(trylast=True)
     def reset_device_graph_in(self, slot: DeviceGraphSlot) -> bool:
-        if DeviceGraphSlot(slot) is DeviceGraphSlot.PRIMARY:
+        if _slot(slot, self._name) is DeviceGraphSlot.PRIMARY:
             return self._handle.hook.reset_device_graph()
         return False  # nothing is ever installed in a slot a single-slot provider does not own
 
@@ -347,6 +360,22 @@ class DefaultFallbacks:
         return True
 
     # -- device graphs: owner-scoped ------------------------------------------------------------------
+    # A provider without these hooks holds one graph per slot, whoever captured it. The defaults keep the
+    # token of the graph each slot holds, so a graph replaced by a later capture (another owner, or the
+    # same owner's other feed signature) is reported dead to its old token: it can neither be replayed
+    # (it would run the newer graph) nor reset the newer graph, and its owner captures again.
+    def _graph_token(self, token: DeviceGraphToken) -> DeviceGraphToken:
+        if not isinstance(token, DeviceGraphToken):
+            raise InvalidArgumentError(f"{self._name}: {token!r} is not a DeviceGraphToken")
+        return token
+
+    def _stale(self, token: DeviceGraphToken) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            f"{self._name}: device graph token (owner {token.owner.id}, slot {token.slot.name}, generation "
+            f"{token.generation}) does not name the graph its slot holds (a later capture replaced it, or it "
+            f"was reset); capture again"
+        )
+
     @hookimpl(trylast=True)
     def begin_owned_device_graph_capture(
         self,
@@ -355,36 +384,83 @@ class DefaultFallbacks:
         continuation: DeviceGraphToken | None,
         kernels: Sequence[Kernel],
     ) -> DeviceGraphToken:
-        self._handle.hook.begin_device_graph_capture_in(slot=slot, kernels=kernels)
-        return continuation if continuation is not None else DeviceGraphToken(owner, DeviceGraphSlot(slot), 1)
+        slot = _slot(slot, self._name)
+        with self._graph_lock:
+            installed = self._installed_graphs.get(slot)
+            if continuation is not None:  # a later segment extends the graph the slot holds
+                if self._graph_token(continuation) != installed or continuation.owner != owner:
+                    raise self._stale(continuation)
+                token = continuation
+            else:
+                if installed is not None:
+                    # The new capture replaces the slot's graph: destroy it first, so a provider that would
+                    # extend an installed graph (a next segment) records a graph of its own.
+                    del self._installed_graphs[slot]
+                    self._handle.hook.reset_device_graph_in(slot=slot)
+                token = DeviceGraphToken(owner, slot, self._graph_generations.get((owner, slot), 0) + 1)
+            self._handle.hook.begin_device_graph_capture_in(slot=slot, kernels=kernels)
+            self._graph_generations[(owner, slot)] = max(token.generation,
+                                                         self._graph_generations.get((owner, slot), 0))
+            self._capturing_graphs[slot] = token
+            return token
 
     @hookimpl(trylast=True)
     def end_owned_device_graph_capture(self, token: DeviceGraphToken) -> None:
-        return self._handle.hook.end_device_graph_capture_in(slot=token.slot)
+        token = self._graph_token(token)
+        with self._graph_lock:
+            if self._capturing_graphs.get(token.slot) != token:
+                raise InvalidArgumentError(
+                    f"{self._name}: no device graph capture of owner {token.owner.id} is in progress in slot "
+                    f"{token.slot.name}"
+                )
+            self._handle.hook.end_device_graph_capture_in(slot=token.slot)
+            del self._capturing_graphs[token.slot]
+            self._installed_graphs[token.slot] = token
 
     @hookimpl(trylast=True)
     def abort_owned_device_graph_capture(self, token: DeviceGraphToken) -> None:
-        return self._handle.hook.abort_device_graph_capture_in(slot=token.slot)
+        token = self._graph_token(token)
+        with self._graph_lock:
+            if self._capturing_graphs.get(token.slot) == token:  # a stale token ends nobody's capture
+                del self._capturing_graphs[token.slot]
+                self._handle.hook.abort_device_graph_capture_in(slot=token.slot)
 
     @hookimpl(trylast=True)
     def replay_owned_device_graph(self, token: DeviceGraphToken) -> None:
+        if self._installed_graphs.get(self._graph_token(token).slot) != token:
+            raise self._stale(token)
         return self._handle.hook.replay_device_graph_in(slot=token.slot)
 
     @hookimpl(trylast=True)
     def replay_owned_device_graph_segment(self, token: DeviceGraphToken, index: int) -> None:
+        if self._installed_graphs.get(self._graph_token(token).slot) != token:
+            raise self._stale(token)
         return self._handle.hook.replay_device_graph_segment_in(slot=token.slot, index=index)
 
     @hookimpl(trylast=True)
     def reset_owned_device_graph(self, token: DeviceGraphToken) -> bool:
-        return self._handle.hook.reset_device_graph_in(slot=token.slot)
+        token = self._graph_token(token)
+        with self._graph_lock:
+            if self._installed_graphs.get(token.slot) != token:
+                return False  # a stale token never resets the newer graph
+            del self._installed_graphs[token.slot]
+            return bool(self._handle.hook.reset_device_graph_in(slot=token.slot))
 
     @hookimpl(trylast=True)
     def retire_owned_device_graphs(self, owner: DeviceGraphOwner) -> None:
-        return None
+        with self._graph_lock:
+            for slot, token in list(self._installed_graphs.items()):
+                if token.owner == owner:  # nothing can replay it any more
+                    del self._installed_graphs[slot]
+                    self._handle.hook.reset_device_graph_in(slot=slot)
+            for key in [key for key in self._graph_generations if key[0] == owner]:
+                del self._graph_generations[key]
 
     @hookimpl(trylast=True)
     def has_owned_device_graph(self, token: DeviceGraphToken) -> bool:
-        return self._handle.hook.has_device_graph_in(slot=token.slot)
+        if self._installed_graphs.get(self._graph_token(token).slot) != token:
+            return False
+        return bool(self._handle.hook.has_device_graph_in(slot=token.slot))
 
     # -- validation -------------------------------------------------------------------------------
     @hookimpl(trylast=True)

@@ -20,7 +20,9 @@ class DeviceGraphSlot(enum.IntEnum):
     PRIMARY = 0  # the shape-invariant M=1 decode graph
     VERIFY = 1  # the fixed-width M=k+1 speculative verify graph
 
-    COUNT = 2  # number of slots (not a slot)
+    # The number of slots, not a slot: a non-member, so iterating the class (a reset sweep) and
+    # DeviceGraphSlot(2) see only real slots.
+    COUNT = enum.nonmember(2)
 
 
 class IdentitySpace:

@@ -87,12 +87,10 @@ class DeviceGraphs:
     @staticmethod
     def _slot(slot) -> DeviceGraphSlot:
         try:
-            slot = DeviceGraphSlot(slot)
+            return DeviceGraphSlot(slot)
         except ValueError:
-            slot = None
-        if slot is None or slot is DeviceGraphSlot.COUNT:
-            raise InvalidArgumentError(f"{NAME}: {slot!r} is not a device graph slot; use PRIMARY or VERIFY")
-        return slot
+            raise InvalidArgumentError(
+                f"{NAME}: {slot!r} is not a device graph slot; use PRIMARY or VERIFY") from None
 
     @staticmethod
     def _token(token) -> DeviceGraphToken:

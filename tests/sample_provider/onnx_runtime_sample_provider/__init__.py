@@ -4,6 +4,11 @@ Its memory is a private table of bytearrays: buffers carry opaque addresses and 
 everything crossing the boundary must go through the contract's copy hooks. It runs Relu, Add and
 Mul on float32 (kernels take and return onnx_runtime.Tensor on its device) and claims the nodes
 named in its ``claim`` option. onnx-runtime's tests use it to exercise placement and copies.
+
+It implements device graphs through the single-slot hooks only (the seed's historical contract, one
+graph per provider; the contract's defaults route the slot and owner-scoped hooks to them): a capture
+records each kernel launch with the addresses it reads and writes instead of running it, and a replay
+runs the recorded launches on whatever those buffers hold then.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ class SampleDeviceExecutionProvider:
         self.claim: list[str] = []
         self.handle = None
         self._addresses = itertools.count(0x1000, 0x1000)
+        self._recording: list | None = None  # the launches of the capture in progress
+        self._graph: list | None = None  # the installed graph's launches
+        self.graph_launches = 0  # launches run by replays
 
     @hookimpl
     def name(self):
@@ -69,8 +77,13 @@ class SampleDeviceExecutionProvider:
         fn = OPS[node.op_type]
 
         def kernel(*inputs: Tensor):
-            result = np.asarray(fn(*[t.numpy() for t in inputs]), dtype=np.float32)
-            return (Tensor.from_numpy(result, provider=inputs[0].provider),)
+            if self._recording is None:
+                result = np.asarray(fn(*[t.numpy() for t in inputs]), dtype=np.float32)
+                return (Tensor.from_numpy(result, provider=inputs[0].provider),)
+            out = Tensor.empty(DataType.FLOAT, np.broadcast_shapes(*(t.shape for t in inputs)),
+                               provider=inputs[0].provider)
+            self._recording.append((fn, [(t.buffer, t.shape) for t in inputs], out.buffer, out.shape))
+            return (out,)
 
         return kernel
 
@@ -117,6 +130,39 @@ class SampleDeviceExecutionProvider:
     @hookimpl
     def sync(self):
         return None
+
+    # -- device graphs: the single-slot hooks -----------------------------------------------------
+    def _float32(self, buffer: DeviceBuffer, shape) -> np.ndarray:
+        return self._bytes(buffer).view(np.float32).reshape(shape)
+
+    @hookimpl
+    def begin_device_graph_capture(self, kernels):
+        if self._recording is not None:
+            raise InvalidArgumentError("SampleDeviceExecutionProvider: a device graph capture is already in progress")
+        self._recording = []
+
+    @hookimpl
+    def end_device_graph_capture(self):
+        if self._recording is None:
+            raise InvalidArgumentError("SampleDeviceExecutionProvider: no device graph capture is in progress")
+        self._graph, self._recording = self._recording, None  # replaces the graph installed before
+
+    @hookimpl
+    def abort_device_graph_capture(self):
+        self._recording = None
+
+    @hookimpl
+    def replay_device_graph(self):
+        if self._graph is None:
+            raise InvalidArgumentError("SampleDeviceExecutionProvider: no device graph is installed; capture one")
+        for fn, inputs, out, shape in self._graph:
+            self._float32(out, shape)[...] = fn(*[self._float32(b, s) for b, s in inputs])
+            self.graph_launches += 1
+
+    @hookimpl
+    def reset_device_graph(self):
+        installed, self._graph = self._graph is not None, None
+        return installed
 
 
 @hookimpl
