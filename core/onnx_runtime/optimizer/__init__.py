@@ -19,6 +19,7 @@ from .elimination import collapse_reshapes, eliminate_identities, remove_dead_no
 from .gemm_fusion import fuse_gemm_add, fuse_matmul_add, unflatten_gemm
 from .rewrite import visit_subgraphs
 from .sibling_matmul_fusion import fuse_sibling_matmuls
+from .symbolic_dims import refine_symbolic_dims
 
 # GraphOptimizationLevel values (not imported: the session package imports this one).
 ENABLE_BASIC = 1
@@ -27,7 +28,7 @@ ENABLE_EXTENDED = 2
 BASIC_PASSES = (fold_constants, eliminate_identities, remove_dead_nodes)
 ALL_PASSES = BASIC_PASSES + (
     fuse_conv_batchnorm, fuse_conv_mul, fuse_conv_add, fuse_batchnorm_affine, unflatten_gemm, fuse_matmul_add,
-    fuse_gemm_add, fuse_attention, fuse_sibling_matmuls, collapse_reshapes,
+    fuse_gemm_add, refine_symbolic_dims, fuse_attention, fuse_sibling_matmuls, collapse_reshapes,
 )
 # Each round can only shrink the graph; real models settle in two or three.
 MAX_ROUNDS = 8

@@ -286,7 +286,7 @@ class _Matcher:
             return None
         target = constant(self.graph, reshape.inputs[1])
         repeat = self.producers.get(reshape.inputs[0])
-        if (target is None or target.shape != (4,) or repeat is None or repeat.op_type not in ("Tile", "Expand")
+        if (repeat is None or repeat.op_type not in ("Tile", "Expand")
                 or self.made_by(reshape.inputs[0], repeat.op_type, reshape) is None):
             return None
         unsqueeze = self.made_by(repeat.inputs[0], "Unsqueeze", repeat)
@@ -295,7 +295,15 @@ class _Matcher:
         kv_shape = self.shapes.of(unsqueeze.inputs[0])
         if kv_shape is None or len(kv_shape) != 4:
             return None
-        batch, heads, length, size = kv_shape
+        if target is None:  # computed targets (a symbolic length): the shapes alone fix what they do
+            return self._repeat_by_shapes(kv_shape, unsqueeze, repeat, reshape)
+        return self._repeat_by_target(kv_shape, target, unsqueeze, repeat, reshape)
+
+    def _repeat_by_target(self, kv: tuple, target: np.ndarray, unsqueeze: Node, repeat: Node,
+                          reshape: Node) -> _Repeat | None:
+        batch, heads, length, size = kv
+        if target.shape != (4,):
+            return None
         times = _repeat_count(self.graph, repeat, (batch, heads, 1, length, size))
         if times is None:
             return None
@@ -309,6 +317,22 @@ class _Matcher:
             # 0 copies the input's dim; -1 is what the element count leaves, which the others fix.
             if want != -1 and not _same(tiled[axis] if want == 0 else want, merged[axis]):
                 return None
+        return _Repeat(unsqueeze.inputs[0], times, [unsqueeze, repeat, reshape])
+
+    def _repeat_by_shapes(self, kv: tuple, unsqueeze: Node, repeat: Node, reshape: Node) -> _Repeat | None:
+        """An Expand from (B, H, 1, S, D) to (B, H, n, S, D) repeats each head n times whatever its target
+        spells, and a Reshape from there to (B, H * n, S, D) merges the two head axes: proven by the shapes."""
+        tiled, merged = self.shapes.of(repeat.outputs[0]), self.shapes.of(reshape.outputs[0])
+        if repeat.op_type != "Expand" or tiled is None or merged is None or len(tiled) != 5 or len(merged) != 4:
+            return None
+        batch, heads, length, size = kv
+        times = tiled[2]
+        if not (isinstance(times, int) and times >= 1 and isinstance(heads, int)):
+            return None
+        if not all(_same(a, b) for a, b in zip(tiled, (batch, heads, times, length, size))):
+            return None
+        if not all(_same(a, b) for a, b in zip(merged, (batch, heads * times, length, size))):
+            return None
         return _Repeat(unsqueeze.inputs[0], times, [unsqueeze, repeat, reshape])
 
     def _shapes_fit(self, match: _Match, dtype: DataType) -> bool:

@@ -181,8 +181,11 @@ def _partial_shape_value(node: Node, uses: Uses, partial: dict[str, tuple], scop
     if node.op_type == "Shape":
         info = scope.type_of(node.inputs[0])
         if info is not None and info.is_tensor and info.shape is not None:
-            partial[node.outputs[0]] = tuple(
-                d if isinstance(d, int) else None for d in info.shape[slice(node.attr("start", 0), node.attr("end"))])
+            window = tuple(d if isinstance(d, int) else None
+                           for d in info.shape[slice(node.attr("start", 0), node.attr("end"))])
+            if None not in window and node.outputs[0] not in uses.graph_outputs:  # Shape-15's window: all known
+                return [np.asarray(window, dtype=np.int64)]
+            partial[node.outputs[0]] = window
         return None
     known = partial.get(node.inputs[0])
     if known is None or node.outputs[0] in uses.graph_outputs:
