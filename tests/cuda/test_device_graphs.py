@@ -354,6 +354,30 @@ def test_slot_hooks_accumulate_segments_until_reset(handle):
     handle.deallocate(buffer)
 
 
+def test_a_reset_sweep_over_every_slot_is_safe(handle):
+    """Iterating DeviceGraphSlot yields the real slots only (COUNT is not one), so a sweep resets each."""
+    assert list(DeviceGraphSlot) == [PRIMARY, VERIFY] and len(DeviceGraphSlot) == DeviceGraphSlot.COUNT
+    buffer = handle.allocate(16, 256)
+    owner = DeviceGraphOwner.new()
+    tokens = []
+    for slot in DeviceGraphSlot:
+        token = handle.hook.begin_owned_device_graph_capture(owner=owner, slot=slot, continuation=None, kernels=[])
+        fill_capture(handle, buffer, 1 + slot, 8)
+        handle.hook.end_owned_device_graph_capture(token=token)
+        tokens.append(token)
+        handle.hook.begin_device_graph_capture_in(slot=slot, kernels=[])
+        fill_capture(handle, buffer, 3 + slot, 8)
+        handle.hook.end_device_graph_capture_in(slot=slot)
+    assert [handle.hook.reset_device_graph_in(slot=slot) for slot in DeviceGraphSlot] == [True, True]
+    assert [handle.hook.reset_device_graph_in(slot=slot) for slot in DeviceGraphSlot] == [False, False]
+    assert [handle.hook.reset_owned_device_graph(token=token) for token in tokens] == [True, True]
+    with pytest.raises(InvalidArgumentError, match="not a device graph slot"):
+        handle.hook.reset_device_graph_in(slot=DeviceGraphSlot.COUNT)
+    assert all_destroyed(handle)
+    handle.hook.retire_owned_device_graphs(owner=owner)
+    handle.deallocate(buffer)
+
+
 def test_shutdown_destroys_what_is_left():
     h = ProviderHandle(CUDAExecutionProvider())
     h.initialize({})
@@ -590,4 +614,38 @@ def test_graph_outputs_that_are_feeds_pass_through():
         np.testing.assert_array_equal(y, 2 * x)
         np.testing.assert_array_equal(x_out, x)
     assert session.device_graph_status() == "replaying"
+    session.close()
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_device_resident_runs_do_not_synchronize_with_the_host(capture, monkeypatch):
+    """Outputs kept on the device, or written into a bound device buffer, are copied on the stream: neither an
+    eager run nor a replay waits for the device (the download that reads the result does)."""
+    ops = ("Axpb", "Axpb")
+    session = capture_session(axpb_model(ops, shape=(4, 8)), capture=capture)
+    handle = session.provider_handle("cuda")
+    device = handle.provider.cuda_device()
+    waits = []
+    synchronize = device._synchronize
+    monkeypatch.setattr(device, "_synchronize", lambda stream, which: (waits.append(which),
+                                                                       synchronize(stream, which)))
+    rng = np.random.default_rng(3)
+    bound = ort.Tensor.zeros(ort.DataType.FLOAT, (4, 8), provider=handle)
+    feed = ort.Tensor.zeros(ort.DataType.FLOAT, (4, 8), provider=handle)  # one address: one signature
+    for keep in ("kept", "bound"):
+        binding = session.io_binding()
+        binding.bind_ortvalue_input("x", ort.OrtValue(feed))
+        if keep == "kept":
+            binding.bind_output("y", "cuda", 0)
+        else:
+            binding.bind_output("y", "cuda", 0, np.float32, [4, 8], bound.device_ptr)
+        for _ in range(4):
+            x = rng.standard_normal((4, 8)).astype(np.float32)
+            handle.copy_from_host(x, feed.buffer)  # an upload waits, before the run
+            waits.clear()
+            session.run_with_iobinding(binding)
+            assert waits == [], f"{keep}: {waits}"
+            np.testing.assert_allclose(binding.copy_outputs_to_cpu()[0], expected(x, ops), rtol=1e-6)
+        if capture:
+            assert session.device_graph_status() == "replaying"
     session.close()

@@ -336,9 +336,9 @@ class ExecutionProviderSpec:
         """Synchronously copy ``size`` bytes from buffer ``src`` to buffer ``dst``.
 
         Default: host memcpy when both are host-accessible, with bounds checks.
-        Called by: tensor.py (``Tensor.try_clone`` of a device tensor, which captured runs use for
-        outputs kept on the device), and session/io_binding.py when a kernel's output on this device
-        is written into a bound output buffer on it.
+        Called by: tensor.py (``Tensor.try_clone`` of a device tensor), and session/io_binding.py
+        (``copy_on_device``) for the device-to-device copies of IO-bound and replayed runs when the
+        provider does not implement ``copy_device_to_device``.
         """
 
     @hookspec(firstresult=True)
@@ -413,7 +413,9 @@ class ExecutionProviderSpec:
 
         Default: host memmove on host-accessible devices, bounds checked; else
         :class:`NotSupportedError`.
-        Called by: not by the core (providers and tools).
+        Called by: session/io_binding.py (``copy_on_device``), where the provider implements it, for a
+        kernel's output written into a bound output buffer and for the copy of a replayed graph's output
+        kept on the device (session/device_graphs.py): no host synchronization.
         """
 
     @hookspec(firstresult=True)
@@ -605,8 +607,11 @@ class ExecutionProviderSpec:
 
         ``continuation`` is the token of the generation being extended by a later segment, or
         None for a fresh capture, which mints a new generation.
-        Default: ``begin_device_graph_capture_in(slot, kernels)``, then ``continuation``, or
-        generation 1 of ``owner`` in ``slot`` for a fresh capture.
+        Default: the slot hooks hold one graph per slot, so the defaults keep the token of the graph
+        each slot holds. A fresh capture resets the graph the slot holds (whoever captured it), calls
+        ``begin_device_graph_capture_in(slot, kernels)`` and mints ``owner``'s next generation in
+        ``slot`` (1 first); a ``continuation`` must be the token the slot holds (else
+        :class:`InvalidArgumentError`) and is returned.
         Called by: session/device_graphs.py, at the capture run (the second run of a feed signature)
         of a session with ``session.graph_capture`` enabled; a session captures only on a provider
         that implements this hook or one of the capture hooks it defaults to.
@@ -616,7 +621,8 @@ class ExecutionProviderSpec:
     def end_owned_device_graph_capture(self, token: DeviceGraphToken) -> None:
         """End the capture identified by ``token``.
 
-        Default: ``end_device_graph_capture_in(token.slot)``.
+        Default: ``end_device_graph_capture_in(token.slot)`` when ``token`` is the capture in progress
+        (else :class:`InvalidArgumentError`); the slot then holds ``token``'s graph.
         Called by: session/device_graphs.py, once the captured kernels were recorded.
         """
 
@@ -624,7 +630,8 @@ class ExecutionProviderSpec:
     def abort_owned_device_graph_capture(self, token: DeviceGraphToken) -> None:
         """Abort the capture identified by ``token``.
 
-        Default: ``abort_device_graph_capture_in(token.slot)``.
+        Default: ``abort_device_graph_capture_in(token.slot)`` when ``token`` is the capture in progress;
+        otherwise nothing.
         Called by: session/device_graphs.py, when a capture fails (then ``reset_owned_device_graph``).
         """
 
@@ -632,7 +639,8 @@ class ExecutionProviderSpec:
     def replay_owned_device_graph(self, token: DeviceGraphToken) -> None:
         """Replay exactly the generation ``token`` names; a stale token is an error.
 
-        Default: ``replay_device_graph_in(token.slot)``.
+        Default: ``replay_device_graph_in(token.slot)`` when the slot holds ``token``'s graph; a token
+        whose graph a later capture replaced is :class:`InvalidArgumentError`, never the other graph.
         Called by: session/device_graphs.py, right after a capture and at every later run with the
         same feed signature.
         """
@@ -641,7 +649,8 @@ class ExecutionProviderSpec:
     def replay_owned_device_graph_segment(self, token: DeviceGraphToken, index: int) -> None:
         """Replay one segment of exactly the generation ``token`` names.
 
-        Default: ``replay_device_graph_segment_in(token.slot, index)``.
+        Default: ``replay_device_graph_segment_in(token.slot, index)`` when the slot holds ``token``'s
+        graph; else :class:`InvalidArgumentError`.
         Called by: not by the core (the session replays whole graphs).
         """
 
@@ -650,7 +659,7 @@ class ExecutionProviderSpec:
         """Reset only the generation ``token`` names; return whether it was installed. A stale
         or foreign token resets nothing and returns False.
 
-        Default: ``reset_device_graph_in(token.slot)``.
+        Default: ``reset_device_graph_in(token.slot)`` when the slot holds ``token``'s graph; else False.
         Called by: session/device_graphs.py, after a failed capture and when a signature's graph is
         dropped (least recently used beyond the limit, lost out of band, or the session closes).
         """
@@ -659,7 +668,7 @@ class ExecutionProviderSpec:
     def retire_owned_device_graphs(self, owner: DeviceGraphOwner) -> None:
         """Drop every (empty) graph-lifecycle slot of ``owner`` at its final teardown.
 
-        Default: nothing to drop.
+        Default: resets a graph of ``owner`` a slot still holds, and forgets its generations.
         Called by: session/device_graphs.py, when a signature's graph is dropped, after its reset.
         """
 
@@ -667,7 +676,8 @@ class ExecutionProviderSpec:
     def has_owned_device_graph(self, token: DeviceGraphToken) -> bool:
         """Whether exactly the generation ``token`` names is installed and replayable.
 
-        Default: ``has_device_graph_in(token.slot)``.
+        Default: whether the slot holds ``token``'s graph (no later capture replaced it) and
+        ``has_device_graph_in(token.slot)``.
         Called by: session/device_graphs.py, before every replay; False makes the session capture
         that signature afresh.
         """

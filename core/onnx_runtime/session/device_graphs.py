@@ -33,7 +33,10 @@ is abandoned for that signature, with the error as the reason. At most ``MAX_GRA
 graph; the least recently used one is dropped (graph reset, owner retired, arena freed).
 
 Each captured signature is its own :class:`DeviceGraphOwner` in the PRIMARY slot, so graphs of
-different signatures never replace each other. Validation submissions work as in eager runs: a graph
+different signatures never replace each other on a provider that keeps a graph per owner. On one that
+holds a single graph (the contract's defaults over the single-slot hooks), a capture replaces the graph
+of the signature before; that signature's token then reports its graph gone, and its next run is
+captured afresh instead of replaying another signature's graph. Validation submissions work as in eager runs: a graph
 captured during a submission keeps raising flags into the executor's validation word at every replay.
 """
 
@@ -53,6 +56,7 @@ from ..errors import KernelError, OnnxRuntimeError
 from ..ir import Node
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
+from .io_binding import copy_on_device
 from .steps import Plan, ShapeKeyedKernel, Step, Steps, Uploader, downloader, run_steps, shape_of, to_host
 
 if TYPE_CHECKING:
@@ -480,7 +484,7 @@ class DeviceGraphRunner:
             outputs = []
             for slot in plan.output_slots:
                 if slot in region.kept:  # the arena's buffer is rewritten by the next replay: hand out a copy
-                    outputs.append(entry.outputs[slot].try_clone())
+                    outputs.append(_device_copy(entry.outputs[slot]))
                 elif slot in entry.outputs:
                     outputs.append(to_host(entry.outputs[slot]))
                 else:  # a feed or a constant passed straight through
@@ -524,6 +528,14 @@ class DeviceGraphRunner:
             handle.pm.unregister(self._server)
         self._handles.clear()
 
+
+
+def _device_copy(tensor: Tensor) -> Tensor:
+    """A copy of the device tensor ``tensor`` on its device, ordered after the replay that wrote it."""
+    clone = Tensor.empty(tensor.dtype, tensor.shape, tensor.provider)
+    if tensor.nbytes:
+        copy_on_device(tensor.provider, tensor.buffer, clone.buffer, tensor.nbytes)
+    return clone
 
 
 def _guarded(step: Step) -> Step:

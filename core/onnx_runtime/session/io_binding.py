@@ -173,6 +173,16 @@ def _moved(value, handle: ProviderHandle) -> Tensor:
     return _host_tensor(value) if handle.is_host_accessible else Tensor.from_numpy(value, provider=handle)
 
 
+def copy_on_device(provider: ProviderHandle, src: DeviceBuffer, dst: DeviceBuffer, nbytes: int) -> None:
+    """Copy ``nbytes`` between two buffers on ``provider``'s device, stream-ordered where the provider
+    offers it: the contract's ``copy`` is synchronous (it waits for the device), a host synchronization
+    nothing here needs, since whatever reads ``dst`` next (a kernel, a download) is ordered after it."""
+    if provider.implements("copy_device_to_device"):
+        provider.hook.copy_device_to_device(src=src, src_offset=0, dst=dst, dst_offset=0, nbytes=nbytes)
+    else:
+        provider.hook.copy(src=src, dst=dst, size=nbytes)
+
+
 def _write_into(name: str, target: Tensor, value) -> None:
     shape = tuple(value.shape)
     dtype = value.dtype if isinstance(value, Tensor) else DataType.from_numpy(np.asarray(value).dtype)
@@ -185,7 +195,7 @@ def _write_into(name: str, target: Tensor, value) -> None:
         return
     if isinstance(value, Tensor) and value.device == target.device and not target.provider.is_host_accessible:
         if value.device_ptr != target.device_ptr:  # the kernel wrote its own buffer: copy on the device
-            target.provider.hook.copy(src=value.buffer, dst=target.buffer, size=target.nbytes)
+            copy_on_device(target.provider, value.buffer, target.buffer, target.nbytes)
         return
     array = np.ascontiguousarray(value.numpy() if isinstance(value, Tensor) else value)
     if target.provider.is_host_accessible:
