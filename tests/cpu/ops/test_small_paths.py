@@ -250,3 +250,26 @@ def test_unsqueeze_follows_the_input_shape_and_axes_that_change():
     assert kernel(np.zeros((2,)), changing)[0].shape == (1, 2)
     changing[0] = 1  # the same writeable array with other contents
     assert kernel(np.zeros((2,)), changing)[0].shape == (2, 1)
+
+
+# -- Sigmoid and Pow(x, 2): the same values with fewer temporaries ---------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float16, F32, F64])
+def test_sigmoid_and_square_give_the_formulas_values(dtype):
+    x = (np.random.default_rng(1).standard_normal(4096) * 40).astype(dtype)
+    x[:5] = [np.inf, -np.inf, np.nan, 0, -0.0]
+    (got,) = _kernel("Sigmoid", 1)(x)
+    with np.errstate(all="ignore"):
+        formula = 1 / (1 + np.exp(-x))  # in x's dtype: what the kernel computed before, operation by operation
+        exact = 1 / (1 + np.exp(-x.astype(F64)))
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got, formula)
+    if dtype != np.float16:  # (float16's exp underflows: the formula's own error)
+        np.testing.assert_allclose(got.astype(F64), exact, rtol=4 * np.finfo(dtype).eps, atol=np.finfo(dtype).tiny,
+                                   equal_nan=True)
+    for exponent in (np.array(2, np.int64), np.array([2.0], dtype)):
+        (square,) = _kernel("Pow", 2)(x, exponent)
+        with np.errstate(all="ignore"):
+            np.testing.assert_array_equal(square, np.power(x, exponent).astype(dtype))
+        assert square.dtype == dtype

@@ -13,6 +13,12 @@ from .precision import scalar, upcast
 
 
 def sigmoid(x):
+    if isinstance(x, np.ndarray) and x.dtype.kind == "f":
+        # The same operations in one fresh buffer: a small tensor's cost is the temporaries' allocations.
+        y = np.negative(x)
+        np.exp(y, out=y)
+        y += 1
+        return np.reciprocal(y, out=y)
     return 1 / (1 + np.exp(-x))
 
 
