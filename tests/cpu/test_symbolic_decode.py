@@ -131,3 +131,20 @@ def test_zoo_decoders_decode_steps_after_a_prefill_match_onnxruntime(model):
     step = sess.graph_for(calls[-1])
     assert step is sess.graph_for(calls[-2])
     assert len(step.nodes) < len(sess.model.graph.nodes)
+
+
+def test_a_reshape_target_that_may_be_zero_is_not_taken_as_the_length():
+    """Reshape(past, [len(past), -1]) copies the input's dimension where the length is 0 (allowzero 0): a
+    bare symbol in a target proves nothing about the output's dimension."""
+    nodes = [
+        helper.make_node("Shape", ["past"], ["shape"], start=2, end=3),
+        helper.make_node("Concat", ["shape", "minus_one"], ["target"], axis=0),
+        helper.make_node("Reshape", ["past", "target"], ["flat"]),
+        helper.make_node("Shape", ["flat"], ["y"]),
+    ]
+    model = make_model(nodes, [tensor_info("past", TensorProto.FLOAT, [1, 2, "past", 4])],
+                       [tensor_info("y", TensorProto.INT64, None)], [_const("minus_one", [-1])], opset=17)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    for past in (3, 5, 0, 7):  # exact, then the template (past symbolic) for 5, 0 and 7
+        got = sess.run(None, {"past": np.zeros((1, 2, past, 4), np.float32)})[0]
+        np.testing.assert_array_equal(got, np.zeros((1, 2, past, 4)).reshape(past or 1, -1).shape)

@@ -135,6 +135,8 @@ class _State:
     def _same_elements(self, node: Node, info: TypeInfo) -> None:
         """Cast, Identity and the reshapes of a value of rank <= 1 into rank <= 1: the elements in order."""
         source = self.value(node.inputs[0])
+        if node.op_type == "Cast" and (info.dtype not in _INTS or _dtype(self.graph, node.inputs[0]) not in _INTS):
+            return  # to or from bool the values change
         rank = len(info.shape) if info.shape is not None else None
         if source is not None and rank is not None and rank <= 1 and (rank == 1 or len(source) == 1):
             self._set(node, list(source), rank == 0)
@@ -300,6 +302,14 @@ class _State:
         return True
 
 
+def _dtype(graph: Graph, name: str) -> DataType | None:
+    info = graph.type_of(name)
+    if info is not None and info.is_tensor:
+        return info.dtype
+    array = constant(graph, name)
+    return None if array is None else DataType.from_numpy(array.dtype)
+
+
 def _proto_of(node: Node) -> onnx.NodeProto | None:
     """A NodeProto for a node a pass made (a fusion's Gelu or RMSNormalization), for onnx inference."""
     try:
@@ -316,6 +326,8 @@ def _reshaped(shape: tuple, target: list, allowzero: bool) -> tuple:
     for axis, t in enumerate(target):
         if t == (None, 0) and not allowzero:
             dims.append(shape[axis] if axis < len(shape) else None)
+        elif t is not None and t[0] is not None and t[1] == 0 and not allowzero:
+            dims.append(None)  # a bare symbol may be 0 at run time, which copies the input's dim instead
         else:
             dims.append(_dim(t) if _known_length(t) else None)
     if target.count((None, -1)) == 1 and all(isinstance(d, int) for d in shape):
