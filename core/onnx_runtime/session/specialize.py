@@ -188,11 +188,14 @@ class Specializer:
         constants of the graphs that computed them (the nodes that produced them dropped)."""
         proto = onnx.ModelProto()
         proto.CopyFrom(self._proto)
-        for sub in _graph_protos(proto.graph):  # symbolic guesses (a converter's annotations) would stay symbolic
-            generic = [vi for vi in sub.value_info if any(d.HasField("dim_param") or not d.HasField("dim_value")
-                                                          for d in vi.type.tensor_type.shape.dim)]
-            for vi in generic:
-                sub.value_info.remove(vi)
+        for sub in _graph_protos(proto.graph):
+            # A symbolic dimension annotated on what onnx infers (a converter's annotations) would stay symbolic:
+            # left unknown, inference fills it in. Other domains' outputs keep theirs: inference has nothing else.
+            inferred = {out for node in sub.node if node.domain in ("", "ai.onnx") for out in node.output}
+            for vi in sub.value_info:
+                if vi.name in inferred:
+                    for dim in vi.type.tensor_type.shape.dim:
+                        dim.ClearField("dim_param")
         by_name = {vi.name: vi for vi in proto.graph.input}
         for name, shape in zip(self._inputs, dims):
             vi = by_name.get(name)
