@@ -199,7 +199,10 @@ def test_attention_pattern_becomes_the_float32_attention_kernel():
               numpy_helper.from_array(mask, "mask"), numpy_helper.from_array(np.array([batch, seq, hidden]), "merged")]
     model = make_model(nodes, [tensor_info("x", shape=[batch, seq, hidden])],
                        [tensor_info("y", shape=[batch, seq, hidden])], inits)
-    _check(model, {"x": _f32((batch, seq, hidden), rng)}, ["Attention"], ["Softmax"])
+    sess = _check(model, {"x": _f32((batch, seq, hidden), rng)}, ["Attention"], ["Softmax"])
+    # The pass runs before the generic optimizer (whose attention fusion then sees float32), not after it.
+    applied = sess.applied_passes()
+    assert applied[0] == "CPUExecutionProvider:compute_half_in_float32" and "optimizer:fuse_attention" in applied
 
 
 def test_convolution_with_relu_runs_the_float32_fused_convolution():
