@@ -322,3 +322,57 @@ def test_grouped_query_attention_reads_the_unrepeated_key_and_value(seq):
     ops = [node.op_type for node in sess.graph_for(feeds).nodes]
     assert "Attention" in ops and not {"Expand", "Unsqueeze", "Reshape", "Softmax"} & set(ops), ops
     np.testing.assert_allclose(sess.run(None, feeds)[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_whose_query_is_scaled_before_its_heads_are_split_takes_the_scale():
+    """Whisper's attention (both exporters): q_proj(x) * head_dim**-0.5, then Reshape and Transpose into heads,
+    and unscaled scores."""
+    nodes = [
+        helper.make_node("Mul", ["x", "scale"], ["xs"]),
+        helper.make_node("Reshape", ["xs", "heads"], ["xh"]),
+        helper.make_node("Transpose", ["xh"], ["q"], perm=[0, 2, 1, 3]),
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "kt"], ["s"]),
+        helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "v"], ["y"]),
+    ]
+    model = make_model(nodes, [tensor_info("x", shape=[1, 6, 8]), tensor_info("k", shape=[1, 2, 6, 4]),
+                               tensor_info("v", shape=[1, 2, 6, 4])], [tensor_info("y", shape=[1, 2, 6, 4])],
+                       [_const("scale", 0.3), _const("heads", [1, 6, 2, 4])])
+    sess = _session(model)
+    ops = _ops(sess)
+    assert "Attention" in ops and "Mul" not in ops and "Softmax" not in ops, ops
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((1, 6, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 6, 4)).astype(np.float32) for _ in range(2))
+    q = (x.astype(np.float64) * np.float32(0.3)).reshape(1, 6, 2, 4).transpose(0, 2, 1, 3)
+    scores = q @ k.astype(np.float64).transpose(0, 1, 3, 2)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    want = (weights / weights.sum(-1, keepdims=True)) @ v
+    np.testing.assert_allclose(sess.run(None, {"x": x, "k": k, "v": v})[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_query_scale_that_broadcasts_stays_a_product():
+    nodes = [
+        helper.make_node("Mul", ["x", "scale"], ["xs"]),  # per-feature scale: not a scalar, not Attention's
+        helper.make_node("Reshape", ["xs", "heads"], ["xh"]),
+        helper.make_node("Transpose", ["xh"], ["q"], perm=[0, 2, 1, 3]),
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "kt"], ["s"]),
+        helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "v"], ["y"]),
+    ]
+    scale = np.linspace(0.1, 0.8, 8).astype(np.float32)
+    model = make_model(nodes, [tensor_info("x", shape=[1, 6, 8]), tensor_info("k", shape=[1, 2, 6, 4]),
+                               tensor_info("v", shape=[1, 2, 6, 4])], [tensor_info("y", shape=[1, 2, 6, 4])],
+                       [numpy_helper.from_array(scale, "scale"), _const("heads", [1, 6, 2, 4])])
+    sess = _session(model)
+    assert "Mul" in _ops(sess)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((1, 6, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 6, 4)).astype(np.float32) for _ in range(2))
+    q = (x.astype(np.float64) * scale).reshape(1, 6, 2, 4).transpose(0, 2, 1, 3)
+    scores = q @ k.astype(np.float64).transpose(0, 1, 3, 2)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    want = (weights / weights.sum(-1, keepdims=True)) @ v
+    np.testing.assert_allclose(sess.run(None, {"x": x, "k": k, "v": v})[0], want, rtol=1e-5, atol=1e-6)

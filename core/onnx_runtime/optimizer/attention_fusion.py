@@ -103,6 +103,7 @@ class _Match:
     grouped: bool  # K and V are un-repeated: Q's heads share them in groups
     core: list[Node]  # first MatMul ... second MatMul, in order: the nodes Attention computes
     dropped: list[Node] = field(default_factory=list)  # nodes feeding the core that go with it
+    rewires: list[tuple[Node, str, str]] = field(default_factory=list)  # (node, input it reads, input it reads now)
     guarded: bool = False  # Softmax's NaN (a row the mask hides entirely) is zeroed, as Attention does
     mask_shape: tuple = ()  # the summed mask's, with ``mask_parts``
 
@@ -159,6 +160,13 @@ class _Matcher:
             return None
         match.mask_parts = parts
         match.dropped += q_scale[1] + k_scale[1]
+        if not q_scale[1] and q_scale[0] == 1.0:  # Whisper scales Q before splitting its heads
+            before = self._scaled_before_layout(q, matmul_qk)
+            if before is not None:
+                factor, mul, layout, source = before
+                match.scale *= factor
+                match.dropped.append(mul)
+                match.rewires.append((layout, mul.outputs[0], source))
         match.guarded = bool(guard)
         return match if self._shapes_fit(match, dtype) else None
 
@@ -177,6 +185,29 @@ class _Matcher:
         if zero is None or zero.size != 1 or float(zero.reshape(-1)[0]) != 0.0 or zero.ndim > 4:
             return []
         return [isnan, where]
+
+    def _scaled_before_layout(self, q: str, reader: Node) -> tuple[float, Node, Node, str] | None:
+        """(factor, the Mul, the first layout node, what the Mul scales) when ``q`` is Transpose/Reshape (one or
+        two, each read only by the next) of a Mul by a constant scalar read only by them: a scalar product
+        commutes with the layout, so Attention's scale takes the factor."""
+        node: Node | None = self.producers.get(q)
+        consumer: Node | None = reader
+        for _ in range(2):
+            if node is None or node.op_type not in ("Transpose", "Reshape") or node.domain not in _ONNX \
+                    or self.uses.only_reader(node.outputs[0]) is not consumer:
+                return None
+            source = node.inputs[0]
+            mul = self.made_by(source, "Mul", node)
+            if mul is not None and mul.opset >= 7 and len(mul.inputs) == 2:
+                for position in (0, 1):
+                    factor = _scalar(self.graph, mul.inputs[1 - position])
+                    value = mul.inputs[position]
+                    if factor is not None and factor != 0 and constant(self.graph, value) is None \
+                            and _dtype_of(self.graph, value) == _dtype_of(self.graph, source) \
+                            and _same_shape(self.shapes.of(value), self.shapes.of(source)):
+                        return factor, mul, node, value
+            node, consumer = self.producers.get(source), node
+        return None
 
     def _unscaled(self, name: str, reader: Node) -> tuple[str, tuple[float, list[Node]]]:
         """(what ``name`` scales, (the factor, [the scaling node])) when ``name`` is a Mul by (or Div by) a
@@ -371,16 +402,11 @@ def _commit(graph: Graph, context: PassContext, uses: Uses, match: _Match) -> li
     """The nodes replacing the second MatMul (an inserted K Transpose, then the Attention), after
     the rewiring the match needs; None, leaving the graph as it was, when the Attention would not
     run on the provider that runs the matched nodes."""
-    key, inserted = match.k_source, []
+    key, inserted = match.k_source, list[Node]()
     if match.k_perm is not None:
         key = context.fresh(f"{match.core[0].name or match.k_source}_key")
         graph.value_info[key] = ValueInfo(key, TypeInfo("tensor", _dtype_of(graph, match.q), match.k_shape))
-    mask = match.mask
-    if match.mask_parts:
-        mask = context.fresh(f"{match.core[0].name or match.mask}_mask")
-        graph.value_info[mask] = ValueInfo(mask, TypeInfo("tensor", _dtype_of(graph, match.mask), match.mask_shape))
-        inserted.append(new_node("Add", list(match.mask_parts), [mask], name=context.fresh(f"{mask}_add"),
-                                 opset=match.core[0].opset))
+    mask = _summed_mask(graph, context, match, inserted) if match.mask_parts else match.mask
     inputs = [match.q, key, match.v] + ([mask] if mask else [])
     output = match.core[-1].outputs[0]
     attention = new_node("Attention", inputs, [output], name=context.fresh(f"{match.core[-2].name}_attention"),
@@ -401,11 +427,22 @@ def _commit(graph: Graph, context: PassContext, uses: Uses, match: _Match) -> li
         else:
             inserted.append(new_node("Transpose", [match.k_source], [key], name=context.fresh(f"{key}_transpose"),
                                      opset=match.core[0].opset, perm=match.k_perm))
+    for node, old, new in match.rewires:
+        uses.rewire(node, inputs=[new if name == old else name for name in node.inputs])
     for node in match.core + match.dropped:
         uses.forget(node)
     for node in inserted + [attention]:
         uses.rewire(node, inputs=node.inputs)  # records the new nodes' reads
     return inserted + [attention]
+
+
+def _summed_mask(graph: Graph, context: PassContext, match: _Match, inserted: list[Node]) -> str:
+    """A new value, bias + mask, and the Add computing it (appended to ``inserted``)."""
+    mask = context.fresh(f"{match.core[0].name or match.mask}_mask")
+    graph.value_info[mask] = ValueInfo(mask, TypeInfo("tensor", _dtype_of(graph, match.mask), match.mask_shape))
+    inserted.append(new_node("Add", list(match.mask_parts or ()), [mask], name=context.fresh(f"{mask}_add"),
+                             opset=match.core[0].opset))
+    return mask
 
 
 class _Shapes:
@@ -474,6 +511,11 @@ def _broadcast(a: tuple | None, b: tuple | None) -> tuple | None:
         else:
             return None
     return tuple(out)
+
+
+def _same_shape(a: tuple | None, b: tuple | None) -> bool:
+    """Both shapes known and provably equal (the Mul broadcasts nothing)."""
+    return a is not None and b is not None and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
 
 
 def _same(a: Dim, b: Dim) -> bool:
