@@ -18,6 +18,7 @@ from onnx import numpy_helper
 from .dtypes import DataType
 from .errors import InvalidGraphError, ModelLoadError
 from .ir import Graph, Model, Node, TypeInfo, ValueInfo
+from .model_checks import check_model_structure
 
 _ATTR = onnx.AttributeProto
 
@@ -26,6 +27,7 @@ def load_model(model, infer_shapes: bool = True) -> Model:
     """Load ``model`` (a path, bytes, or an ``onnx.ModelProto``) into the IR."""
     proto, path = _read_proto(model)
     _check_header(proto, path)
+    check_model_structure(proto, _label(path))  # before shape inference: what it would crash or run away on
     top = proto.graph
     light = None
     if infer_shapes:

@@ -1,0 +1,150 @@
+"""Structural checks a model passes before anything trusts it.
+
+onnx's shape inference, constant folding and function expansion all read the model as written: a required
+input left empty crashes the process inside onnx's shape inference (a C++ null dereference), a model-local
+function that calls itself expands forever, and a declared dimension in the quintillions sends data
+propagation after memory it can never get. ``onnx.checker`` catches these but also refuses models that
+onnxruntime runs (nodes out of topological order, as onnxruntime's float16 converter writes them;
+onnxruntime's own operators in the default domain, as its transformer optimizer writes them), so this
+module checks only what would be unsafe to hand on, against the operator schemas where one exists:
+
+- every node's input and output counts within its schema's, and no required input left empty;
+- every attribute of the type its schema declares;
+- model-local functions free of call cycles;
+- declared dimensions (graph inputs, outputs, value_info) non-negative and below ``MAX_DECLARED_DIM``.
+
+Operators without a schema (custom domains, onnxruntime's contrib operators) pass; placement reports
+later whether a provider runs them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import onnx
+from onnx import defs
+
+from .errors import InvalidGraphError
+
+# Far above any tensor a process can hold (2**40 float32 elements are 4 TiB), far below where a product of
+# a few such dimensions overflows int64.
+MAX_DECLARED_DIM = 2**40
+
+_SINGLE = defs.OpSchema.FormalParameterOption.Single
+
+
+@dataclass(frozen=True)
+class _Rules:
+    """What a schema allows, read once per operator version (reading a schema's fields builds new objects)."""
+
+    inputs: tuple[int, int]
+    outputs: tuple[int, int]
+    required: tuple[tuple[bool, str], ...]  # per formal input: required (Single), name; the last repeats
+    attributes: dict[str, int]
+    since: int
+
+
+@functools.lru_cache(maxsize=4096)
+def _rules(op_type: str, domain: str, version: int) -> _Rules | None:
+    try:
+        schema = defs.get_schema(op_type, version, domain)
+    except defs.SchemaError:
+        return None
+    return _Rules((schema.min_input, schema.max_input), (schema.min_output, schema.max_output),
+                  tuple((p.option == _SINGLE, p.name) for p in schema.inputs),
+                  {name: int(a.type) for name, a in schema.attributes.items()}, schema.since_version)
+
+
+def _node_label(node: onnx.NodeProto) -> str:
+    return f"node {node.name!r} ({node.op_type})" if node.name else f"a {node.op_type} node"
+
+
+def _check_node(node: onnx.NodeProto, opsets: dict[str, int], where: str) -> None:
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    version = opsets.get(domain)
+    rules = _rules(node.op_type, domain, version) if version is not None else None
+    if rules is None:
+        return
+    fix = f"the fix is in the model's exporter (schema: {node.op_type}, opset {rules.since})"
+    for kind, count, (low, high) in (("inputs", len(node.input), rules.inputs),
+                                     ("outputs", len(node.output), rules.outputs)):
+        if not low <= count <= high:
+            raise InvalidGraphError(f"{_node_label(node)} in {where} has {count} {kind}; its schema takes {low} "
+                                    f"to {high}; {fix}")
+    if rules.required and "" in node.input:
+        for i, name in enumerate(node.input):
+            required, formal = rules.required[min(i, len(rules.required) - 1)]
+            if name == "" and required:
+                raise InvalidGraphError(f"{_node_label(node)} in {where}: input {i} ({formal}) is required but "
+                                        f"named ''; connect it to a value; {fix}")
+    for attr in node.attribute:
+        expected = rules.attributes.get(attr.name)
+        if expected is not None and attr.type != onnx.AttributeProto.UNDEFINED and attr.type != expected:
+            raise InvalidGraphError(
+                f"{_node_label(node)} in {where}: attribute {attr.name!r} is "
+                f"{onnx.AttributeProto.AttributeType.Name(attr.type)}; its schema declares "
+                f"{onnx.AttributeProto.AttributeType.Name(expected)}; {fix}")
+
+
+def _check_dims(values, where: str) -> None:
+    for vi in values:
+        tensor = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+        if tensor is None or not tensor.HasField("shape"):
+            continue
+        for axis, dim in enumerate(tensor.shape.dim):
+            if dim.HasField("dim_value") and not 0 <= dim.dim_value < MAX_DECLARED_DIM:
+                raise InvalidGraphError(
+                    f"value {vi.name!r} in {where} declares dimension {axis} as {dim.dim_value}; a dimension must be "
+                    f"in [0, {MAX_DECLARED_DIM}); declare it symbolic (a dim_param) or fix the exporter")
+
+
+def _subgraphs(node: onnx.NodeProto):
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def _check_graph(graph: onnx.GraphProto, opsets: dict[str, int], where: str) -> None:
+    _check_dims([*graph.input, *graph.output, *graph.value_info], where)
+    for node in graph.node:
+        _check_node(node, opsets, where)
+        for body in _subgraphs(node):
+            _check_graph(body, opsets, f"a subgraph of {_node_label(node)} in {where}")
+
+
+def _check_function_cycles(functions) -> None:
+    local = {(f.domain, f.name): f for f in functions}
+    calls = {key: {(n.domain, n.op_type) for n in f.node if (n.domain, n.op_type) in local}
+             for key, f in local.items()}
+    state: dict[tuple[str, str], int] = {}  # 1: on the current call path, 2: finished
+
+    def visit(path):
+        state[path[-1]] = 1
+        for callee in sorted(calls[path[-1]]):
+            if state.get(callee) == 1:
+                cycle = " -> ".join(f"{d}::{n}" for d, n in [*path[path.index(callee):], callee])
+                raise InvalidGraphError(f"model-local functions call each other in a cycle ({cycle}); a function "
+                                        "cannot expand into itself: inline or break the recursion in the exporter")
+            if callee not in state:
+                visit([*path, callee])
+        state[path[-1]] = 2
+
+    for key in sorted(local):
+        if key not in state:
+            visit([key])
+
+
+def check_model_structure(proto: onnx.ModelProto, label: str) -> None:
+    """Raise ``InvalidGraphError`` naming the node, value or function and the rule, for what this module
+    checks (see the module docstring)."""
+    opsets = {("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in proto.opset_import}
+    _check_function_cycles(proto.functions)
+    _check_graph(proto.graph, opsets, f"model {label}")
+    for function in proto.functions:
+        inner = dict(opsets)
+        inner.update({("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in function.opset_import})
+        for node in function.node:
+            _check_node(node, inner, f"function {function.domain}::{function.name}")
