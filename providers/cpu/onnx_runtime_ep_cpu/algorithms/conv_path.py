@@ -73,17 +73,25 @@ def direct_conv(geo: Geometry, group: int, x_shape, w_shape, prepared: Prepared,
     n, c, m = x_shape[0], x_shape[1], w_shape[0]
     cg, mg = c // group, m // group
     table = gather_table(geo.in_shape, geo.kernel, geo.strides, geo.dilations, geo.begin, geo.out, cg)
-    positions = table.shape[0]
+    shape, flat = (n, group, mg, table.shape[0]), (n, group, -1)
     no_bias = np.empty((0, 0), dtype)
 
     def arranged(w, b):
         weights = np.ascontiguousarray(w.astype(dtype, copy=False).reshape(group, mg, -1))
         return weights, no_bias if b is None else np.ascontiguousarray(b.astype(dtype, copy=False).reshape(group, mg))
 
+    kept: list = [(None, None, None)]  # (w, b, arranged): Prepared's rule, inlined for one call's worth of Python
+
     def compute(xc, w, b):
-        weights, bias = prepared.get("direct", (w, b), lambda: arranged(w, b))
-        y = np.empty((n, group, mg, positions), dtype)
-        conv_gathered(np.ascontiguousarray(xc).reshape(n, group, -1), weights, bias, table, y)
+        held_w, held_b, weights_bias = kept[0]
+        if held_w is not w or held_b is not b:
+            weights_bias = prepared.get("direct", (w, b), lambda: arranged(w, b))
+            if not w.flags.writeable and (b is None or not b.flags.writeable):
+                kept[0] = (w, b, weights_bias)
+        weights, bias = weights_bias
+        y = np.empty(shape, dtype)
+        conv_gathered((xc if xc.flags.c_contiguous else np.ascontiguousarray(xc)).reshape(flat), weights, bias,
+                      table, y)
         return y
 
     return compute

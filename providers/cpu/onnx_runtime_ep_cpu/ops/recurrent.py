@@ -16,7 +16,7 @@ from onnx_runtime.errors import InvalidArgumentError
 from ..algorithms.activations import hard_sigmoid_of, sigmoid, softplus, softsign
 from ..algorithms.precision import compute_dtype, scalar
 from ..algorithms.prepared import Prepared
-from ..compiled import takes as takes_compiled
+from ..compiled import COMPILED_DTYPES
 from ..registry import register
 from ._common import graph_error, quiet
 
@@ -260,12 +260,14 @@ def lstm(node, shapes, opset):
     names = [str(name).lower() for name in node.attr("activations") or ()]
     plain = (not names or names == ["sigmoid", "tanh", "tanh"] * spec.num_directions) and spec.clip is None \
         and not input_forget
-    prepared = Prepared()
+    compiled = _CompiledLSTM(spec) if plain else None
+    outputs = len(node.outputs)
 
     def kernel(x, w, r, b=None, seq_lens=None, h0=None, c0=None, p=None):
+        if compiled is not None and p is None and seq_lens is None and x.dtype in COMPILED_DTYPES \
+                and w.dtype == x.dtype and r.dtype == x.dtype:
+            return tuple(compiled(x, w, r, b, h0, c0)[:outputs])
         dtype = compute_dtype(x.dtype)
-        if plain and p is None and seq_lens is None and dtype == x.dtype and takes_compiled(x, w, r):
-            return _outputs(node, _lstm_compiled(spec, x, w, r, b, h0, c0, prepared))
         hidden = r.shape[-1]
         rt, rb = _recurrence(r, b, 4, hidden, dtype)
         peep = None if p is None else p.astype(dtype, copy=False).reshape(r.shape[0], 3, hidden)
@@ -306,37 +308,61 @@ def _lstm_weights(w, r, b, hidden: int, dtype) -> list:
     return weights
 
 
-def _lstm_compiled(spec: _RecurrentSpec, x, w, r, b, h0, c0, prepared: Prepared) -> list:
-    """LSTM with the default activations, no clip, peepholes or sequence lengths, by compiled/lstm.py:
-    the same outputs as :func:`_run` (Y, Y_h, Y_c in the node's layout)."""
-    from ..compiled.lstm import lstm_steps
+class _CompiledLSTM:
+    """LSTM with the default activations, no clip, peepholes or sequence lengths, by compiled/lstm.py: the
+    same outputs as :func:`_run` (Y, Y_h, Y_c in the node's layout). A streaming model calls it once per
+    frame for one step, so the per-call Python is kept to the checks and the state copies."""
 
-    dtype = x.dtype
-    xs = np.ascontiguousarray(_to_time_major(x, spec.layout, dtype))
-    seq, batch = xs.shape[:2]
-    hidden = spec.check(w, r, 4)
-    dirs = spec.num_directions
-    if xs.shape[2] != w.shape[2]:
-        raise InvalidArgumentError(
-            f"node {spec.node.name!r} (LSTM): X has {xs.shape[2]} features but W {w.shape} expects {w.shape[2]}")
-    states = []
-    for s in (h0, c0):
-        if s is None:
-            states.append(np.zeros((dirs, batch, hidden), dtype))
+    def __init__(self, spec: _RecurrentSpec):
+        from ..compiled.lstm import lstm_steps
+
+        self.spec = spec
+        self.steps = lstm_steps
+        self.prepared = Prepared()
+        # (W, R, B, dtype, weights): Prepared's rule, inlined for one call's worth of Python (one tuple: sessions
+        # may run from several threads)
+        self.kept: tuple = (None, None, None, None, None)
+        self.backward = [spec.direction == "reverse" or d == 1 for d in range(spec.num_directions)]
+
+    def __call__(self, x, w, r, b, h0, c0) -> list:
+        spec = self.spec
+        dtype = x.dtype
+        xs = np.swapaxes(x, 0, 1) if spec.layout else x
+        if not xs.flags.c_contiguous:
+            xs = np.ascontiguousarray(xs)
+        seq, batch = xs.shape[:2]
+        hidden = spec.check(w, r, 4)
+        dirs = spec.num_directions
+        if xs.ndim != 3 or xs.shape[2] != w.shape[2]:
+            raise InvalidArgumentError(
+                f"node {spec.node.name!r} (LSTM): X {x.shape} does not match W {w.shape}: expected "
+                f"{w.shape[2]} features")
+        shape = (dirs, batch, hidden)
+        h = self._state(h0, shape, dtype)
+        c = self._state(c0, shape, dtype)
+        y = np.empty((seq, dirs, batch, hidden), dtype)
+        projected = seq * batch > _PROJECT_IN_LOOP
+        held = self.kept
+        if held[0] is w and held[1] is r and held[2] is b and held[3] is dtype:
+            weights = held[4]
         else:
-            states.append(np.array(_to_time_major(s, spec.layout, dtype), dtype=dtype, order="C"))
-    if states[0].shape != (dirs, batch, hidden) or states[1].shape != (dirs, batch, hidden):
-        raise InvalidArgumentError(
-            f"node {spec.node.name!r} (LSTM): initial states {states[0].shape} and {states[1].shape} must be "
-            f"{(dirs, batch, hidden)}")
-    h, c = states
-    y = np.empty((seq, dirs, batch, hidden), dtype)
-    projected = seq * batch > _PROJECT_IN_LOOP
-    weights = prepared.get(("lstm", dtype), (w, r, b), lambda: _lstm_weights(w, r, b, hidden, dtype))
-    for d, (wd, rd, bias) in enumerate(weights):
-        source = xs @ wd.T if projected else xs
-        out = y[:, d] if dirs > 1 else y.reshape(seq, batch, hidden)
-        lstm_steps(source, wd, rd, bias, h[d], c[d], out, spec.direction == "reverse" or d == 1, projected)
-    if spec.layout:
-        return [y.transpose(2, 0, 1, 3), np.swapaxes(h, 0, 1), np.swapaxes(c, 0, 1)]
-    return [y, h, c]
+            weights = self.prepared.get(("lstm", dtype), (w, r, b), lambda: _lstm_weights(w, r, b, hidden, dtype))
+            if all(a is None or not a.flags.writeable for a in (w, r, b)):
+                self.kept = (w, r, b, dtype, weights)
+        for d, (wd, rd, bias) in enumerate(weights):
+            source = xs @ wd.T if projected else xs
+            out = y[:, d] if dirs > 1 else y.reshape(seq, batch, hidden)
+            self.steps(source, wd, rd, bias, h[d], c[d], out, self.backward[d], projected)
+        if spec.layout:
+            return [y.transpose(2, 0, 1, 3), np.swapaxes(h, 0, 1), np.swapaxes(c, 0, 1)]
+        return [y, h, c]
+
+    def _state(self, s, shape: tuple, dtype) -> np.ndarray:
+        """A fresh C-contiguous (directions, batch, hidden) state the loop updates in place: zeros, or a copy."""
+        if s is None:
+            return np.zeros(shape, dtype)
+        state = np.array(np.swapaxes(s, 0, 1) if self.spec.layout else s, dtype=dtype, order="C")
+        if state.shape != shape:
+            raise InvalidArgumentError(
+                f"node {self.spec.node.name!r} (LSTM): initial state {s.shape} must be {shape} after layout")
+        return state
