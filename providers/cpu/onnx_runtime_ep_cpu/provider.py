@@ -17,6 +17,7 @@ from .conv_fusions import CONV_PASSES
 from .decoder_fusions import DECODER_PASSES
 from .fusions import PASSES
 from .precision_fusions import PRECISION_PASSES
+from .qdq_fusions import QDQ_PASSES
 from .registry import NEEDS, lookup, registered_versions
 from .threads import apply_thread_settings
 
@@ -63,7 +64,7 @@ class CPUExecutionProvider:
     @hookimpl
     def custom_passes(self):
         # PRECISION_PASSES run before the generic optimizer; decoder passes read what PASSES fuse
-        return [*PRECISION_PASSES, *PASSES, *CONV_PASSES, *DECODER_PASSES]
+        return [*PRECISION_PASSES, *QDQ_PASSES, *PASSES, *CONV_PASSES, *DECODER_PASSES]
 
     @hookimpl
     def get_kernel(self, node, shapes, opset, graph):

@@ -18,50 +18,60 @@ from . import jit
 
 
 @jit
+def _quantize_row(x, s, z, lo, hi, out):
+    for i in range(x.shape[0]):
+        v = np.rint(x[i] / s) + z
+        v = lo if v < lo else v
+        v = hi if v > hi else v
+        out[i] = np.int32(v) if v == v else 0
+
+
+@jit
 def quantize(x, scale, zero, low, high, out):
     """out = saturate(rint(x / scale) + zero) per channel; ``low``/``high`` the target type's range."""
-    outer, channels, inner = x.shape
+    outer, channels, _ = x.shape
     lo, hi = np.float32(low), np.float32(high)
+    # One contiguous row per call: LLVM vectorizes a 1-D loop, not the innermost index of a 3-D one.
     for o in range(outer):
         for c in range(channels):
-            s = scale[c]
-            z = np.float32(zero[c])
-            for i in range(inner):
-                v = np.rint(x[o, c, i] / s) + z
-                v = lo if v < lo else v
-                v = hi if v > hi else v
-                out[o, c, i] = np.int32(v) if v == v else 0
+            _quantize_row(x[o, c], scale[c], np.float32(zero[c]), lo, hi, out[o, c])
+
+
+@jit
+def _dequantize_row(q, s, z, out):
+    for i in range(q.shape[0]):
+        # Codes and zero points of 8- and 16-bit types are exact in float32, and so is their difference;
+        # converting each straight to float32 lets LLVM vectorize the loop.
+        out[i] = (np.float32(q[i]) - z) * s
 
 
 @jit
 def dequantize(q, scale, zero, out):
     """out = float32(q - zero) * scale per channel."""
-    outer, channels, inner = q.shape
+    outer, channels, _ = q.shape
     for o in range(outer):
         for c in range(channels):
-            s = scale[c]
-            z = np.float32(zero[c])
-            for i in range(inner):
-                # Codes and zero points of 8- and 16-bit types are exact in float32, and so is their difference;
-                # converting each straight to float32 lets LLVM vectorize the loop.
-                out[o, c, i] = (np.float32(q[o, c, i]) - z) * s
+            _dequantize_row(q[o, c], scale[c], np.float32(zero[c]), out[o, c])
+
+
+@jit
+def _fake_quantize_row(x, s, z, lo, hi, out):
+    for i in range(x.shape[0]):
+        v = np.rint(x[i] / s) + z
+        v = lo if v < lo else v
+        v = hi if v > hi else v
+        out[i] = (v - z) * s if v == v else (np.float32(0) - z) * s
 
 
 @jit
 def fake_quantize(x, scale, zero, low, high, out):
     """DequantizeLinear(QuantizeLinear(x)) with one scale and zero point: the float32 value of each rounded,
     saturated code, without the integer tensor between."""
-    outer, channels, inner = x.shape
+    outer, channels, _ = x.shape
     lo, hi = np.float32(low), np.float32(high)
     for o in range(outer):
         for c in range(channels):
-            s = scale[c]
-            z = np.float32(zero[c])
-            for i in range(inner):
-                v = np.rint(x[o, c, i] / s) + z
-                v = lo if v < lo else v
-                v = hi if v > hi else v
-                out[o, c, i] = (v - z) * s if v == v else (np.float32(0) - z) * s
+            _fake_quantize_row(x[o, c], scale[c], np.float32(zero[c]), lo, hi, out[o, c])
 
 
 @jit

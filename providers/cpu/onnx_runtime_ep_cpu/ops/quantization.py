@@ -21,6 +21,7 @@ from onnx_runtime.errors import InvalidGraphError
 
 from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import IntegerProduct
+from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error, quiet
 from .conv import conv
@@ -311,6 +312,42 @@ def dequantize_linear_21(node, shapes, opset):
 @register("DequantizeLinear", since=23)
 def dequantize_linear_23(node, shapes, opset):
     return _dequantize_factory(node, blocked=True, typed=True)
+
+
+# -- QuantizeDequantize (qdq_fusions.py): a QuantizeLinear read only by equal DequantizeLinears -----
+
+
+@register("QuantizeDequantize", domain=FUSED_DOMAIN, since=1)
+def quantize_dequantize(node, shapes, opset):
+    """DequantizeLinear(QuantizeLinear(x, scale, zero), scale, zero) of the QuantizeLinear opset ``opset``
+    (an attribute), in one compiled pass for float32 data, else through the two kernels."""
+    version = int(node.attr("opset", 13))
+    per_axis = version >= 13
+    quantize = _quantize_factory(node, per_axis=per_axis)
+    dequantize = _dequantize_factory(node, per_axis=per_axis)
+    granularity = _Granularity(node, per_axis=per_axis, blocked=False)
+    prepared = Prepared()
+    from ..compiled import quantize as compiled
+
+    def compiled_params(scale, zero_point):
+        """(scale, zero point, low, high) for the compiled loop, or None (other types): built once per
+        constant scale and zero point, as the pass only fuses constant ones."""
+        target = DataType.from_numpy(zero_point.dtype)
+        if target not in _COMPILED_TARGETS or scale.dtype != _F32 or zero_point.size != scale.size:
+            return None
+        return (*_channel_params(scale, zero_point), *_integer_range(target))
+
+    def kernel(x, scale, zero_point):
+        params = prepared.get("params", (scale, zero_point), lambda: compiled_params(scale, zero_point))
+        if params is not None and x.dtype == _F32 and x.size:
+            layout = (1, 1, x.size) if scale.size == 1 else granularity.channels(scale, x.shape)
+            if layout is not None:
+                y = np.empty(x.shape, _F32)
+                compiled.fake_quantize(np.ascontiguousarray(x).reshape(layout), *params, y.reshape(layout))
+                return (y,)
+        return dequantize(quantize(x, scale, zero_point)[0], scale, zero_point)
+
+    return kernel
 
 
 # -- DynamicQuantizeLinear --------------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""QDQ models (onnxruntime's static quantization in QDQ format): a QuantizeLinear whose codes only a
+DequantizeLinear with the same scale and zero point reads is the rounding of an activation to its
+quantization grid, spelled as two operators and an integer tensor. This pass makes it one
+QuantizeDequantize node (ops/quantization.py: one compiled pass, the float32 values DequantizeLinear would
+give, exactly), so the float operators around it run on float32 as in the float model.
+
+The weights' DequantizeLinear nodes read constants and are folded by the optimizer's constant folding before
+this pass runs, so the float convolution and matrix products see float32 weights.
+
+The pattern: QuantizeLinear(x, scale, zero) -> q, read by one or more DequantizeLinear(q, scale', zero'), each
+with the same constant scale and zero point (by value) and the same axis; q is no graph output and no
+subgraph reads it; neither node asks for blocks, an output type or a precision. The first DequantizeLinear's
+output becomes the fused node's; the other readers' outputs are renamed to it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx_runtime.ir import Graph, Node
+
+from .fusions import FUSED_DOMAIN, GraphView, owned, until_fixed
+
+# Attributes that change what QuantizeLinear/DequantizeLinear compute beyond scale, zero point and axis.
+_EXOTIC = ("block_size", "output_dtype", "precision")
+_INTEGER_CODES = frozenset(np.dtype(t) for t in (np.uint8, np.int8, np.uint16, np.int16))
+
+
+def _params(view: GraphView, node: Node) -> tuple | None:
+    """(scale, zero point or None, axis) of a Q or DQ node whose parameters are constants, else None."""
+    if node.domain or any(node.attr(name, 0) for name in _EXOTIC):
+        return None
+    scale = view.const(node.inputs[1]) if len(node.inputs) > 1 else None
+    zero_name = node.inputs[2] if len(node.inputs) > 2 else ""
+    zero = view.const(zero_name) if zero_name else None
+    if scale is None or (zero_name and zero is None):
+        return None
+    return scale, zero, int(node.attr("axis", 1))
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    (scale_a, zero_a, axis_a), (scale_b, zero_b, axis_b) = a, b
+    if scale_a.dtype != scale_b.dtype or scale_a.shape != scale_b.shape or not np.array_equal(scale_a, scale_b):
+        return False
+    if (zero_a is None) != (zero_b is None):
+        return False
+    if zero_a is not None and (zero_a.dtype != zero_b.dtype or not np.array_equal(zero_a, zero_b)):
+        return False
+    return scale_a.size == 1 or axis_a == axis_b
+
+
+def fuse_quantize_dequantize(graph: Graph, owns=None) -> bool:
+    view = GraphView(graph)
+    for quantize in list(graph.nodes):
+        if quantize.op_type != "QuantizeLinear" or quantize.domain:
+            continue
+        codes = quantize.outputs[0]
+        readers = view.consumers.get(codes, [])
+        if not readers or codes in view.outputs or codes in view.inner_reads:
+            continue
+        params = _params(view, quantize)
+        # Integer codes only (without a zero point their type is an attribute's; float8 rounds otherwise).
+        if params is None or params[1] is None or params[1].dtype not in _INTEGER_CODES:
+            continue
+        if not all(r.op_type == "DequantizeLinear" and r.inputs[0] == codes and (p := _params(view, r)) is not None
+                   and _same(params, p) for r in readers):
+            continue
+        first, others = readers[0], readers[1:]
+        renamed = {r.outputs[0] for r in others}
+        if renamed & view.outputs or renamed & view.inner_reads or not owned(owns, [quantize, *readers]):
+            continue
+        fused = Node("QuantizeDequantize", list(quantize.inputs[:3]), [first.outputs[0]],
+                     name=f"{quantize.name}/qdq", domain=FUSED_DOMAIN,
+                     attrs={"axis": params[2], "opset": quantize.opset}, opset=1)
+        gone = {id(r) for r in readers}
+        # Where the QuantizeLinear was: its inputs come before, every reader of the outputs after.
+        graph.nodes = [fused if n is quantize else n for n in graph.nodes if id(n) not in gone]
+        for node in graph.nodes:
+            node.inputs = [first.outputs[0] if name in renamed else name for name in node.inputs]
+        return True
+    return False
+
+
+QDQ_PASSES = [until_fixed(fuse_quantize_dequantize)]

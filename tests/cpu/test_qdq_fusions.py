@@ -1,0 +1,74 @@
+"""qdq_fusions.py: QuantizeLinear -> DequantizeLinear pairs with equal constant parameters become one
+QuantizeDequantize node, whose output is exactly what the two operators give (onnx's reference evaluator as
+the oracle: the graph here has no reductions, so every value is exact), and nothing else is fused."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_runtime as ort
+import pytest
+from model_helpers import make_model, tensor_info
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+
+def _ops(sess):
+    return [n.op_type for n in sess.placement()]
+
+
+def _model(zero_type, second_scale=0.07, per_axis=False, opset=19):
+    """x -> Q -> DQ -> Relu -> Q2 -> (DQ2a, DQ2b) -> Add -> y, and Q2's codes also read by DQ3 with
+    ``second_scale`` (fused only when it equals Q2's 0.05)."""
+    scale = np.array([0.1, 0.2, 0.05], np.float32) if per_axis else np.array(0.1, np.float32)
+    high = int(np.iinfo(zero_type).max)
+    zero = (np.array([0, 3, high], zero_type) if per_axis else np.array(7, zero_type))  # a zero point at the end
+    inits = [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zero, "z"),
+             numpy_helper.from_array(np.array(0.05, np.float32), "s2"),
+             numpy_helper.from_array(np.array(second_scale, np.float32), "s3"),
+             numpy_helper.from_array(np.array(2, zero_type), "z2")]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], axis=1),
+        helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"], axis=1),
+        helper.make_node("Relu", ["d"], ["r"]),
+        helper.make_node("QuantizeLinear", ["r", "s2", "z2"], ["q2"]),
+        helper.make_node("DequantizeLinear", ["q2", "s2", "z2"], ["d2a"]),
+        helper.make_node("DequantizeLinear", ["q2", "s2", "z2"], ["d2b"]),
+        helper.make_node("DequantizeLinear", ["q2", "s3", "z2"], ["d3"]),
+        helper.make_node("Add", ["d2a", "d2b"], ["sum"]),
+        helper.make_node("Add", ["sum", "d3"], ["y"]),
+    ]
+    shape = [2, 3, 4, 5]
+    return make_model(nodes, [tensor_info("x", shape=shape)], [tensor_info("y", shape=shape)], inits, opset=opset)
+
+
+@pytest.mark.parametrize("zero_type", [np.uint8, np.int8, np.uint16, np.int16])
+@pytest.mark.parametrize("per_axis", [False, True])
+def test_qdq_pairs_fuse_and_match_the_reference(zero_type, per_axis):
+    model = _model(zero_type, per_axis=per_axis, opset=21 if zero_type in (np.uint16, np.int16) else 19)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    ops = _ops(sess)
+    assert ops.count("QuantizeDequantize") == 1  # the first pair; Q2 has a reader with another scale
+    assert ops.count("QuantizeLinear") == 1 and ops.count("DequantizeLinear") == 3
+    x = (np.random.default_rng(0).standard_normal((2, 3, 4, 5)) * 30).astype(np.float32)
+    x[0, 0, 0, :4] = [0.35, 0.25, -3e4, 3e4]  # ties (0.35 / 0.1 rounds in float32 first) and saturation
+    want = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], want)
+
+
+def test_every_reader_equal_fuses_all_of_them():
+    model = _model(np.uint8, second_scale=0.05)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    ops = _ops(sess)
+    assert ops.count("QuantizeDequantize") == 2 and "QuantizeLinear" not in ops and "DequantizeLinear" not in ops
+    x = (np.random.default_rng(1).standard_normal((2, 3, 4, 5)) * 30).astype(np.float32)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], ReferenceEvaluator(model).run(None, {"x": x})[0])
+
+
+def test_codes_that_are_a_graph_output_stay():
+    s, z = numpy_helper.from_array(np.array(0.1, np.float32), "s"), numpy_helper.from_array(np.array(3, np.uint8), "z")
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])]
+    model = make_model(nodes, [tensor_info("x", shape=[4])],
+                       [tensor_info("y", shape=[4]), tensor_info("q", TensorProto.UINT8, shape=[4])], [s, z], opset=19)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    assert "QuantizeDequantize" not in _ops(sess)
