@@ -126,3 +126,34 @@ def test_the_corpus_transformer_block_matches_a_float64_reference(past):
     for a, b in zip(got, expected):
         assert a.shape == b.shape
         assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
+
+
+def _run_counting(model: str, cache: str) -> tuple[list[str], str]:
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+    out = subprocess.run([sys.executable, "-c", COUNT_COMPILES, model], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["error"] is None, report["error"]
+    return report["compiled"], out.stderr
+
+
+@pytest.mark.parametrize("damage", ["truncated data", "garbage index"])
+def test_a_damaged_cache_entry_is_dropped_recompiled_and_rewritten(tmp_path, damage):
+    model = softmax_model(tmp_path / "softmax.onnx")
+    cache = str(tmp_path / "cache")
+    first, _ = _run_counting(model, cache)
+    assert first
+    suffix = ".nbc" if damage == "truncated data" else ".nbi"
+    damaged = [os.path.join(folder, name) for folder, _, names in os.walk(cache) for name in names
+               if name.endswith(suffix)]
+    assert damaged
+    for path in damaged:
+        with open(path, "r+b") as f:
+            if damage == "truncated data":
+                f.truncate(os.path.getsize(path) // 2)
+            else:
+                f.write(b"\x80\x04not a pickle at all")
+    again, stderr = _run_counting(model, cache)
+    assert again and "is damaged" in stderr
+    assert _run_counting(model, cache)[0] == []  # the recompiled entries were written back

@@ -18,6 +18,10 @@ loop and dtype, not per session.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import warnings
+
 import numpy as np
 
 # The dtypes the compiled loops take; callers fall back to numpy for the rest. (Compared as dtype
@@ -45,11 +49,49 @@ def compiler(**options):
 
     def decorate(function):
         try:
-            return numba.njit(cache=True, **settings)(function)
-        except RuntimeError:  # "cannot cache function ...: no locator available"
+            dispatcher = numba.njit(cache=True, **settings)(function)
+        except RuntimeError as exc:  # "cannot cache function ...: no locator available"
+            _warn_uncached(exc)
             return numba.njit(**settings)(function)
+        _recover_damaged_entries(dispatcher)
+        return dispatcher
 
     return decorate
+
+
+_warned_uncached = False
+
+
+def _warn_uncached(exc: Exception) -> None:
+    global _warned_uncached
+    if not _warned_uncached:
+        _warned_uncached = True
+        warnings.warn(f"the CPU provider's compiled loops have no writable cache location ({exc}), so every "
+                      "process compiles them again on first use; set NUMBA_CACHE_DIR to a writable folder",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _recover_damaged_entries(dispatcher) -> None:
+    """A cache entry that no longer unpickles (a truncated or overwritten file) is dropped with a warning and
+    the loop compiled again, which rewrites the entry; left alone it would fail every later process."""
+    cache = getattr(dispatcher, "_cache", None)
+    index_path = getattr(getattr(cache, "_cache_file", None), "_index_path", None)
+    if index_path is None:
+        return
+    load = cache.load_overload
+
+    def load_overload(sig, target_context):
+        try:
+            return load(sig, target_context)
+        except Exception as exc:  # UnpicklingError, EOFError, ValueError, ...: whatever a damaged file raises
+            warnings.warn(f"the compiled-loop cache entry {index_path} is damaged ({type(exc).__name__}: {exc}); "
+                          f"it is dropped and {dispatcher.py_func.__qualname__} compiled again",
+                          RuntimeWarning, stacklevel=2)
+            with contextlib.suppress(OSError):
+                os.remove(index_path)  # the next save writes a fresh index; old data files get overwritten
+            return None
+
+    cache.load_overload = load_overload
 
 
 def __getattr__(name: str):
