@@ -376,3 +376,24 @@ def test_a_query_scale_that_broadcasts_stays_a_product():
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     want = (weights / weights.sum(-1, keepdims=True)) @ v
     np.testing.assert_allclose(sess.run(None, {"x": x, "k": k, "v": v})[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_expand_to_the_symbolic_shape_its_input_has_is_bypassed():
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Expand", ["x", "shape"], ["e"]),  # inference gives e x's symbols: nothing grows
+        helper.make_node("Relu", ["e"], ["y"]),
+    ]
+    model = make_model(nodes, [tensor_info("x", shape=[1, "n"])], [tensor_info("y", shape=[1, "n"])],
+                       opset=17)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"],
+                                sess_options=_no_specialization())
+    assert [n.op_type for n in sess.model.graph.nodes] == ["Relu"]
+    x = np.linspace(-1, 1, 5, dtype=np.float32).reshape(1, 5)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], np.maximum(x, 0))
+
+
+def _no_specialization():
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.specialize_shapes", "0")
+    return options

@@ -147,8 +147,13 @@ def _inference_dropout(node: Node, graph: Graph, uses: Uses) -> bool:
 
 
 def _keeps_shape(node: Node, graph: Graph) -> bool:
-    """An Expand or Reshape to the static shape its input has."""
+    """An Expand or Reshape to the shape its input has: static, or the same symbols as inference gave its
+    output (a decode step's mask, whose length is symbolic)."""
     info = graph.type_of(node.inputs[0])
+    out = graph.type_of(node.outputs[0])
+    if info is not None and out is not None and info.is_tensor and out.is_tensor and info.shape is not None \
+            and info.shape == out.shape and None not in info.shape:
+        return True
     shape = info.static_shape if info is not None and info.is_tensor else None
     target = constant(graph, node.inputs[1])
     if shape is None or target is None or target.ndim != 1:

@@ -330,12 +330,21 @@ def _reshaped(shape: tuple, target: list, allowzero: bool) -> tuple:
             dims.append(None)  # a bare symbol may be 0 at run time, which copies the input's dim instead
         else:
             dims.append(_dim(t) if _known_length(t) else None)
-    if target.count((None, -1)) == 1 and all(isinstance(d, int) for d in shape):
-        rest = [d for d, t in zip(dims, target) if t != (None, -1) and isinstance(d, int)]
-        if len(rest) == len(target) - 1:
-            product, size = math.prod(rest), math.prod(shape)
-            if product and size % product == 0:
-                dims[target.index((None, -1))] = size // product
+    if target.count((None, -1)) != 1:
+        return tuple(dims)
+    rest = [d for d, t in zip(dims, target) if t != (None, -1) and isinstance(d, int)]
+    if len(rest) != len(target) - 1:
+        return tuple(dims)
+    product = math.prod(rest)
+    numbers = [d for d in shape if isinstance(d, int)]
+    if len(numbers) == len(shape):
+        if product and math.prod(shape) % product == 0:
+            dims[target.index((None, -1))] = math.prod(shape) // product
+    elif len(numbers) == len(shape) - 1 and product and product == math.prod(numbers):
+        # One symbolic dimension and the other factors cancel: -1 is that dimension ([1, s] -> [1, -1]).
+        (symbolic,) = [d for d in shape if not isinstance(d, int)]
+        if _term(symbolic) is not None:
+            dims[target.index((None, -1))] = symbolic
     return tuple(dims)
 
 
