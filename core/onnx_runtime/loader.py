@@ -18,7 +18,7 @@ from onnx import numpy_helper
 from .dtypes import DataType
 from .errors import InvalidGraphError, ModelLoadError
 from .ir import Graph, Model, Node, TypeInfo, ValueInfo
-from .model_checks import check_model_structure
+from .model_checks import MAX_DECLARED_DIM, check_model_structure
 
 _ATTR = onnx.AttributeProto
 
@@ -75,8 +75,12 @@ def _read_proto(model) -> tuple[onnx.ModelProto, str | None]:
         proto = _parse(data, path)
         if len(data) <= _SCAN_LIMIT and _EXTERNAL_KEY not in data:
             return proto, path  # no tensor can name a data file: skip onnx's walk over every tensor
+        folder = os.path.dirname(os.path.abspath(path))
         try:
-            onnx.external_data_helper.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
+            onnx.external_data_helper.load_external_data_for_model(proto, folder)
+            for tensor in _sparse_parts(proto):  # onnx's walk skips them: they would be read from the cwd
+                if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                    onnx.external_data_helper.load_external_data_for_tensor(tensor, folder)
         except (OSError, ValueError, onnx.checker.ValidationError) as exc:  # missing/escaping file
             raise ModelLoadError(
                 f"model {path!r} references external data that could not be read: {exc}; keep the data "
@@ -253,12 +257,53 @@ def convert_attribute(attr: onnx.AttributeProto, opsets: dict[str, int], outer_s
     raise InvalidGraphError(f"attribute {attr.name!r} has unknown type {kind}")
 
 
+def _sparse_parts(proto: onnx.ModelProto):
+    """The values and indices tensors of every sparse tensor in the model (initializers and attributes,
+    subgraphs and functions included)."""
+    def of_graph(graph):
+        for sparse in graph.sparse_initializer:
+            yield sparse.values
+            yield sparse.indices
+        yield from of_nodes(graph.node)
+
+    def of_nodes(nodes):
+        for node in nodes:
+            for attr in node.attribute:
+                single = [attr.sparse_tensor] if attr.HasField("sparse_tensor") else []
+                for sparse in single + list(attr.sparse_tensors):
+                    yield sparse.values
+                    yield sparse.indices
+                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    yield from of_graph(sub)
+
+    yield from of_graph(proto.graph)
+    for function in proto.functions:
+        yield from of_nodes(function.node)
+
+
 def _sparse_to_dense(sparse: onnx.SparseTensorProto) -> np.ndarray:
-    values = numpy_helper.to_array(sparse.values)
-    indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
-    dims = tuple(sparse.dims)
+    name = sparse.values.name or "(unnamed)"
+    if onnx.TensorProto.EXTERNAL in (sparse.values.data_location, sparse.indices.data_location):
+        raise ModelLoadError(f"sparse tensor {name!r} keeps its data in an external file, which only a model "
+                             "loaded from its path can resolve (next to the model); pass the model's path")
+    try:
+        values = numpy_helper.to_array(sparse.values).reshape(-1)
+        indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
+    except Exception as exc:
+        raise ModelLoadError(f"sparse tensor {name!r} could not be read: {exc}") from exc
+    dims = tuple(int(d) for d in sparse.dims)
+    size = int(np.prod(dims, dtype=object)) if dims else 1
+    count = values.shape[0]
+    flat = indices.ndim == 1
+    if any(d < 0 for d in dims) or size >= MAX_DECLARED_DIM or (
+            indices.shape != ((count,) if flat else (count, len(dims)))) or (
+            indices.size and (indices.min() < 0 or (indices.max() >= size if flat
+                                                    else (indices >= np.array(dims)).any()))):
+        raise InvalidGraphError(
+            f"sparse tensor {name!r}: {count} values at indices of shape {indices.shape} do not fit dims "
+            f"{list(dims)} (indices must be [NNZ] linear or [NNZ, rank], each within the dims)")
     dense = np.zeros(dims, dtype=values.dtype)
-    if indices.ndim == 1:  # linearized indices
+    if flat:  # linearized indices
         dense.reshape(-1)[indices] = values
     else:
         dense[tuple(indices.T)] = values
