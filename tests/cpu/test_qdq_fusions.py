@@ -72,3 +72,41 @@ def test_codes_that_are_a_graph_output_stay():
                        [tensor_info("y", shape=[4]), tensor_info("q", TensorProto.UINT8, shape=[4])], [s, z], opset=19)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
     assert "QuantizeDequantize" not in _ops(sess)
+
+
+def _dynamic_model(with_bias=True, shared_scale_reader=False):
+    """quantize_dynamic's spelling of x @ W + b: DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul by
+    Mul(x scale, W scale) -> Add bias."""
+    rng = np.random.default_rng(5)
+    w = rng.integers(-128, 128, (6, 5)).astype(np.int8)
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(0.02, np.float32), "ws"),
+             numpy_helper.from_array(np.array(-3, np.int8), "wz"),
+             numpy_helper.from_array(rng.standard_normal(5).astype(np.float32), "b")]
+    nodes = [
+        helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
+        helper.make_node("MatMulInteger", ["xq", "w", "xz", "wz"], ["acc"]),
+        helper.make_node("Cast", ["acc"], ["accf"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["xs", "ws"], ["scale"]),
+        helper.make_node("Mul", ["accf", "scale"], ["mm" if with_bias else "y"]),
+    ]
+    outputs = [tensor_info("y", shape=[2, 3, 5])]
+    if with_bias:
+        nodes.append(helper.make_node("Add", ["b", "mm"], ["y"]))
+    if shared_scale_reader:
+        outputs.append(tensor_info("scale", shape=[]))
+    return make_model(nodes, [tensor_info("x", shape=[2, 3, 6])], outputs, inits, opset=17)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("shared", [False, True])
+def test_dynamic_matmul_becomes_matmul_integer_to_float(with_bias, shared):
+    model = _dynamic_model(with_bias, shared)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    ops = _ops(sess)
+    assert "MatMulIntegerToFloat" in ops and "MatMulInteger" not in ops and "Cast" not in ops
+    assert ("Mul" in ops) == shared and "Add" not in ops  # the scales' Mul stays while something else reads it
+    x = np.random.default_rng(2).standard_normal((2, 3, 6)).astype(np.float32)
+    got, want = sess.run(None, {"x": x}), ReferenceEvaluator(model).run(None, {"x": x})
+    # The fused node rescales the exact int32 sum in float64 and rounds once; the graph rounds the
+    # accumulator's float32 product with a float32 scale product, then adds the bias: float32 roundings apart.
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6 * float(np.abs(want[0]).max()))

@@ -80,4 +80,81 @@ def fuse_quantize_dequantize(graph: Graph, owns=None) -> bool:
     return False
 
 
-QDQ_PASSES = [until_fixed(fuse_quantize_dequantize)]
+def _made_by(view: GraphView, name: str, op_type: str) -> Node | None:
+    node = view.producer.get(name)
+    return node if node is not None and node.op_type == op_type and not node.domain else None
+
+
+def _scales_product(view: GraphView, name: str, a_scale: str) -> tuple[Node, str] | None:
+    """(the Mul, the weight's constant scale) when ``name`` is Mul(a_scale, weight scale) in either order."""
+    mul = _made_by(view, name, "Mul")
+    if mul is None or len(mul.inputs) != 2 or a_scale not in mul.inputs:
+        return None
+    other = mul.inputs[1] if mul.inputs[0] == a_scale else mul.inputs[0]
+    scale = view.const(other)
+    return (mul, other) if scale is not None and scale.dtype == np.float32 else None
+
+
+def _dynamic_chain(view: GraphView, matmul: Node) -> tuple | None:
+    """(DynamicQuantizeLinear, Cast, Mul, scales' Mul, weight scale name) around a MatMulInteger of a
+    dynamically quantized input by a constant matrix, or None."""
+    a, w, a_zero, w_zero = matmul.inputs
+    quantize = _made_by(view, a, "DynamicQuantizeLinear")
+    weight = view.const(w)
+    if quantize is None or quantize.outputs[0] != a or quantize.outputs[2] != a_zero or weight is None \
+            or weight.ndim != 2 or view.const(w_zero) is None:
+        return None
+    cast = view.only_consumer(matmul.outputs[0], "Cast")
+    if cast is None or int(cast.attr("to", 0)) != 1:  # to float32
+        return None
+    scale_mul = view.only_consumer(cast.outputs[0], "Mul")
+    if scale_mul is None:
+        return None
+    other = scale_mul.inputs[1] if scale_mul.inputs[0] == cast.outputs[0] else scale_mul.inputs[0]
+    scales = _scales_product(view, other, quantize.outputs[1])
+    return None if scales is None else (quantize, cast, scale_mul, *scales)
+
+
+def fuse_dynamic_matmul(graph: Graph, owns=None) -> bool:
+    """onnxruntime's dynamic quantization spells each MatMul as MatMulInteger(DynamicQuantizeLinear(x), W)
+    -> Cast to float -> Mul by Mul(x's scale, W's scale), then the float model's bias Add: one
+    com.microsoft MatMulIntegerToFloat (with the bias when it is a constant of one value per column) does it
+    in one node, the constant W packed once (its int32 product exact, rescaled in float64 and rounded once
+    to float32, where the graph rounds the accumulator and the scale product to float32 first)."""
+    view = GraphView(graph)
+    for matmul in list(graph.nodes):
+        if matmul.op_type != "MatMulInteger" or matmul.domain or len(matmul.inputs) != 4:
+            continue
+        chain = _dynamic_chain(view, matmul)
+        if chain is None:
+            continue
+        quantize, cast, scale_mul, product, w_scale = chain
+        a, w, a_zero, w_zero = matmul.inputs
+        weight = view.const(w)
+        removed = [matmul, cast, scale_mul]
+        output, bias = scale_mul.outputs[0], ""
+        add = view.only_consumer(output, "Add")
+        if add is not None:
+            candidate = add.inputs[1] if add.inputs[0] == output else add.inputs[0]
+            value = view.const(candidate)
+            if value is not None and value.dtype == np.float32 and value.shape == (weight.shape[1],):
+                removed.append(add)
+                output, bias = add.outputs[0], candidate
+        shared = len(view.consumers.get(product.outputs[0], [])) > 1 or product.outputs[0] in view.outputs \
+            or product.outputs[0] in view.inner_reads
+        if not shared:
+            removed.append(product)
+        if not owned(owns, removed):
+            continue
+        inputs = [a, w, quantize.outputs[1], w_scale, a_zero, w_zero] + ([bias] if bias else [])
+        fused = Node("MatMulIntegerToFloat", inputs, [output], name=f"{matmul.name}/to_float",
+                     domain="com.microsoft", opset=1)
+        gone = {id(n) for n in removed}
+        # Where the MatMulInteger was: every input exists by then (the scales' Mul reads only the quantizer's
+        # output and a constant; the bias is a constant), every reader of the output comes later.
+        graph.nodes = [fused if n is matmul else n for n in graph.nodes if id(n) not in gone or n is matmul]
+        return True
+    return False
+
+
+QDQ_PASSES = [until_fixed(fuse_quantize_dequantize), until_fixed(fuse_dynamic_matmul)]

@@ -112,12 +112,14 @@ class IntegerProduct:
     ``int_matmul`` instead.
     """
 
-    __slots__ = ("_prepared",)
+    __slots__ = ("_prepared", "_qgemm")
 
     def __init__(self):
+        from ..compiled import qgemm
         from .prepared import Prepared
 
         self._prepared = Prepared()
+        self._qgemm = qgemm  # numba loads with the first kernel that needs it
 
     def __call__(self, a: np.ndarray, b: np.ndarray, a_zero=None, b_zero=None,
                  trans_b: bool = False) -> np.ndarray | None:
@@ -137,14 +139,15 @@ class IntegerProduct:
         b_zeros = _zeros(b_zero)
         if b_zeros is None or b_zeros.size not in (1, columns):
             return None
-        from ..compiled import qgemm
+        qgemm = self._qgemm
 
         def pack():
             packed = np.empty((columns, depth), np.int16)
             qgemm.pack_columns(b.T if trans_b else b, b_zeros, packed)
             return packed
 
-        packed = self._prepared.get(trans_b, (b, b_zero), pack)
+        # Keyed on the zero points' values: callers pass them reshaped (a new array object on every call).
+        packed = self._prepared.get((trans_b, b_zeros.tobytes()), (b,), pack)
         flat = np.ascontiguousarray(a).reshape(-1, depth)
         out = np.empty((flat.shape[0], columns), np.int32)
         qgemm.product(flat, rows_zero, packed, out)

@@ -419,6 +419,8 @@ def _matmul_shapes(node, a, b):
     inner_b = b.shape[-2] if b.ndim > 1 else b.shape[0]
     if a.shape[-1] != inner_b:
         raise argument_error(node, f"A {a.shape} and B {b.shape} have different inner dimensions")
+    if b.ndim <= 2:  # no batch dims on B: A's broadcast over it
+        return
     try:
         np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     except ValueError:
