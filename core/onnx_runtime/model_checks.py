@@ -9,7 +9,7 @@ onnxruntime's own operators in the default domain, as its transformer optimizer 
 module checks only what would be unsafe to hand on, against the operator schemas where one exists:
 
 - every node's input and output counts within its schema's, and no required input left empty;
-- every attribute of the type its schema declares;
+- every attribute of the type its schema declares, and every required one present;
 - model-local functions free of call cycles;
 - declared dimensions (graph inputs, outputs, value_info) non-negative and below ``MAX_DECLARED_DIM``.
 
@@ -42,6 +42,7 @@ class _Rules:
     outputs: tuple[int, int]
     required: tuple[tuple[bool, str], ...]  # per formal input: required (Single), name; the last repeats
     attributes: dict[str, int]
+    required_attributes: frozenset[str]
     since: int
 
 
@@ -53,7 +54,8 @@ def _rules(op_type: str, domain: str, version: int) -> _Rules | None:
         return None
     return _Rules((schema.min_input, schema.max_input), (schema.min_output, schema.max_output),
                   tuple((p.option == _SINGLE, p.name) for p in schema.inputs),
-                  {name: int(a.type) for name, a in schema.attributes.items()}, schema.since_version)
+                  {name: int(a.type) for name, a in schema.attributes.items()},
+                  frozenset(name for name, a in schema.attributes.items() if a.required), schema.since_version)
 
 
 def _node_label(node: onnx.NodeProto) -> str:
@@ -78,6 +80,15 @@ def _check_node(node: onnx.NodeProto, opsets: dict[str, int], where: str) -> Non
             if name == "" and required:
                 raise InvalidGraphError(f"{_node_label(node)} in {where}: input {i} ({formal}) is required but "
                                         f"named ''; connect it to a value; {fix}")
+    _check_attributes(node, rules, where, fix)
+
+
+def _check_attributes(node: onnx.NodeProto, rules: _Rules, where: str, fix: str) -> None:
+    if rules.required_attributes:
+        missing = rules.required_attributes.difference(attr.name for attr in node.attribute)
+        if missing:
+            raise InvalidGraphError(f"{_node_label(node)} in {where} lacks the required attribute(s) "
+                                    f"{', '.join(sorted(missing))}; {fix}")
     for attr in node.attribute:
         expected = rules.attributes.get(attr.name)
         if expected is not None and attr.type != onnx.AttributeProto.UNDEFINED and attr.type != expected:

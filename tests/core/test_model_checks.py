@@ -6,6 +6,7 @@ failed test instead of a dead test process."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -121,3 +122,16 @@ def test_optional_inputs_left_empty_still_load_and_run():
     x = np.array([[[[0.1, 0.9], [0.3, -1.0]]]], np.float32)
     (y,) = sess.run(None, {"x": x})
     assert np.array_equal(y, np.minimum(x, 0.5).repeat(2, axis=2).repeat(2, axis=3))
+
+
+@pytest.mark.parametrize("node, expected", [
+    (helper.make_node("Cast", ["x"], ["y"]), "lacks the required attribute(s) to"),
+    (helper.make_node("If", ["c"], ["y"], then_branch=helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["z"])], "then", [], [tensor("z")])), "required attribute(s) else_branch"),
+])
+def test_a_missing_required_attribute_is_refused_at_creation(node, expected):
+    import onnx_runtime
+
+    bad = model([node], [tensor("x"), tensor("c", TensorProto.BOOL, shape=[])], [tensor("y")])
+    with pytest.raises(InvalidGraphError, match=re.escape(expected)):
+        onnx_runtime.InferenceSession(bad.SerializeToString(), providers=["CPUExecutionProvider"])
