@@ -2,8 +2,8 @@
 family, Squeeze/Unsqueeze, Shape/Size, Expand, Tile, Pad, DepthToSpace/SpaceToDepth, Trilu,
 Compress, NonZero, OneHot, TopK and Unique.
 
-Reshape, Transpose, Squeeze, Unsqueeze, Slice and Split may return views of their input: kernels
-never write into their inputs, so sharing the buffer is safe.
+Reshape, Transpose, Squeeze, Unsqueeze, Slice, Split and Gather of one index may return views of their
+input: kernels never write into their inputs, so sharing the buffer is safe.
 """
 
 from __future__ import annotations
