@@ -649,3 +649,53 @@ def test_device_resident_runs_do_not_synchronize_with_the_host(capture, monkeypa
         if capture:
             assert session.device_graph_status() == "replaying"
     session.close()
+
+
+class SlotHooksOnlyCUDAExecutionProvider(CUDAExecutionProvider):
+    """The CUDA provider without its owner-scoped graph hooks, so the session's tokens go through the contract's
+    defaults to the slot hooks, as on a one-graph provider."""
+
+    @ort.hookimpl
+    def name(self):
+        return "SlotHooksOnlyCUDAExecutionProvider"
+
+    @ort.hookimpl
+    def short_name(self):
+        return "cuda-slot-hooks"
+
+
+def _not_a_hook(self, *args, **kwargs):  # an override without the hookimpl marker hides the inherited hook
+    raise AssertionError("the owner-scoped hooks are hidden on this provider")
+
+
+for _hook in ("begin_owned_device_graph_capture", "end_owned_device_graph_capture", "abort_owned_device_graph_capture",
+              "replay_owned_device_graph", "replay_owned_device_graph_segment", "reset_owned_device_graph",
+              "retire_owned_device_graphs", "has_owned_device_graph"):
+    setattr(SlotHooksOnlyCUDAExecutionProvider, _hook, _not_a_hook)
+
+
+def test_signatures_on_the_slot_hooks_each_capture_a_graph_of_their_own():
+    """The CUDA slot hooks extend an installed graph with the next segment; the defaults reset the slot before a
+    fresh capture, so the [5] capture does not become a second segment of the [3] graph, and [3] after [5]
+    captures again rather than replaying anything of [5]'s."""
+    name = SlotHooksOnlyCUDAExecutionProvider.__name__
+    ort.register_provider(SlotHooksOnlyCUDAExecutionProvider)
+    try:
+        ops = ("Axpb", "Axpb")
+        session = capture_session(axpb_model(ops), providers=(name,))
+        provider = session.provider_handle(name).provider
+        assert not session.provider_handle(name).implements("has_owned_device_graph")
+        rng = np.random.default_rng(5)
+        runner = session._executor.graphs
+        for rows in (3, 3, 3, 5, 5, 5, 3, 3, 3):
+            x = rng.standard_normal((rows, 8)).astype(np.float32)
+            (y,) = session.run(None, {"x": x})
+            np.testing.assert_allclose(y, expected(x, ops), rtol=1e-6)
+            slot_token = provider._slot_tokens.get(PRIMARY)
+            if slot_token is not None and provider.device_graphs().has(slot_token):
+                assert provider.device_graphs().segment_count(slot_token) == 1
+        assert session.device_graph_status() == "replaying"
+        assert runner.captures == 3
+        session.close()
+    finally:
+        ort.unregister_provider(name)
