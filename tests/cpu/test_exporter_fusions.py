@@ -397,3 +397,30 @@ def _no_specialization():
     options = ort.SessionOptions()
     options.add_session_config_entry("session.specialize_shapes", "0")
     return options
+
+
+def test_a_gemm_over_the_heads_flattened_view_becomes_a_fused_matmul():
+    """The dynamo GPT-2 export's attention projection: heads [1, H, S, D] -> Transpose -> Reshape(-1, H * D)
+    -> Gemm(W, b) -> Reshape(1, S, N) -> + residual."""
+    nodes = [
+        helper.make_node("Transpose", ["heads"], ["t"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["t", "flat"], ["view"]),
+        helper.make_node("Gemm", ["view", "w", "b"], ["mm"]),
+        helper.make_node("Reshape", ["mm", "back"], ["proj"]),
+        helper.make_node("Add", ["proj", "residual"], ["y"]),
+    ]
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((8, 6)).astype(np.float32)
+    b = rng.standard_normal(6).astype(np.float32)
+    model = make_model(nodes, [tensor_info("heads", shape=[1, 2, 5, 4]), tensor_info("residual", shape=[1, 5, 6])],
+                       [tensor_info("y", shape=[1, 5, 6])],
+                       [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b"), _const("flat", [-1, 8]),
+                        _const("back", [1, 5, 6])], opset=17)
+    sess = _session(model)
+    ops = _ops(sess)
+    assert "Gemm" not in ops and "FusedMatMul" in ops and "Add" not in ops, ops
+    heads = rng.standard_normal((1, 2, 5, 4)).astype(np.float32)
+    residual = rng.standard_normal((1, 5, 6)).astype(np.float32)
+    view = heads.astype(np.float64).transpose(0, 2, 1, 3).reshape(-1, 8)
+    want = (view @ w + b).reshape(1, 5, 6) + residual
+    np.testing.assert_allclose(sess.run(None, {"heads": heads, "residual": residual})[0], want, rtol=1e-5, atol=1e-5)

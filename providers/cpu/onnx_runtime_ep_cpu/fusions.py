@@ -12,6 +12,8 @@ intermediate read only inside the pattern) and leaves anything else alone:
 - exact GELU: x * 0.5 * (1 + erf(x / sqrt(2))), in any Mul order, dividing by sqrt(2) or multiplying by
   1 / sqrt(2)  ->  Gelu (opset 20); its tanh form, x * 0.5 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3)))
   with x^3 as Pow or products  ->  Gelu(approximate="tanh")
+- Gemm over a flattened view whose product a Reshape restores  ->  the view reshaped to the output's
+  leading dimensions, MatMul + bias (which the next pass fuses)
 - MatMul by a constant matrix + constant bias, then optionally Gelu, then optionally + a residual
   ->  FusedMatMul
 """
@@ -376,6 +378,83 @@ def _fuse_gelu_exact(graph: Graph, owns=None) -> bool:
     return False
 
 
+def _gemm_view(view: GraphView, gemm: Node):
+    """(Reshape after ``gemm``, A's producer, the shape A takes now, C's name or None) when ``gemm`` is
+    A [M, K] x B + C of constants (no transposes, alpha = beta = 1), its product read only by a Reshape to
+    lead + (N,) with M = prod(lead), and A, read only by it, a Transpose's output reshaped (or the
+    provider's TransposeReshape)."""
+    if gemm.attr("transA", 0) or gemm.attr("transB", 0) or float(gemm.attr("alpha", 1.0)) != 1.0 \
+            or float(gemm.attr("beta", 1.0)) != 1.0:
+        return None
+    weight = view.const(gemm.inputs[1])
+    bias_name = gemm.inputs[2] if len(gemm.inputs) > 2 and gemm.inputs[2] else None
+    bias = view.const(bias_name) if bias_name else None
+    if weight is None or weight.ndim != 2 or weight.dtype not in (np.float32, np.float64) \
+            or (bias_name and (bias is None or bias.dtype != weight.dtype or bias.shape != (weight.shape[1],))):
+        return None
+    reshape = view.only_consumer(gemm.outputs[0], "Reshape")
+    a_info = view.graph.type_of(gemm.inputs[0])
+    out_info = view.graph.type_of(reshape.outputs[0]) if reshape else None
+    a_shape = a_info.static_shape if a_info is not None else None
+    out_shape = out_info.static_shape if out_info is not None else None
+    if a_shape is None or out_shape is None or len(out_shape) < 3 or 0 in out_shape \
+            or a_shape != (math.prod(out_shape[:-1]), weight.shape[0]) or out_shape[-1] != weight.shape[1]:
+        return None
+    producer = view.producer.get(gemm.inputs[0])
+    readers = view.consumers.get(gemm.inputs[0], [])
+    if producer is None or len(readers) != 1 or gemm.inputs[0] in view.outputs or gemm.inputs[0] in view.inner_reads:
+        return None
+    # A heads layout flattened (Transpose then Reshape, or the pair fused): the optimizer's unflatten_gemm
+    # takes a Reshape of a value whose last axis is already K.
+    if not ((producer.op_type == "TransposeReshape" and producer.domain == FUSED_DOMAIN)
+            or (producer.op_type == "Reshape" and not producer.domain and view.const(producer.inputs[1]) is not None
+                and view.made_by(producer.inputs[0], "Transpose") is not None)):
+        return None
+    return reshape, producer, out_shape[:-1] + (weight.shape[0],), bias_name
+
+
+def fuse_gemm_view(graph: Graph, owns=None) -> bool:
+    """Gemm over a flattened view restored by a Reshape -> the view reshaped to the output's leading
+    dimensions and MatMul [+ Add bias], which fuse_matmul_bias then fuses with the bias and a residual
+    (the dynamo GPT-2 export's attention projection: addmm over the heads' [B * S, H * D] view)."""
+    view = GraphView(graph)
+    for gemm in list(graph.nodes):
+        if gemm.op_type != "Gemm" or gemm.domain or len(gemm.inputs) < 2:
+            continue
+        found = _gemm_view(view, gemm)
+        if found is None:
+            continue
+        reshape, producer, shape, bias_name = found
+        if not owned(owns, [producer, gemm, reshape]):
+            continue
+        a = gemm.inputs[0]
+        if producer.domain == FUSED_DOMAIN:
+            relaid = Node(producer.op_type, list(producer.inputs), [a], name=producer.name, domain=producer.domain,
+                          attrs={**producer.attrs, "shape": list(shape)}, opset=producer.opset)
+        else:
+            target = f"{producer.name or a}/shape"
+            while target in graph.initializers or target in graph.value_info:
+                target += "_"
+            graph.initializers[target] = np.asarray(shape, dtype=np.int64)
+            relaid = Node("Reshape", [producer.inputs[0], target], [a], name=producer.name,
+                          attrs=dict(producer.attrs or {}), opset=producer.opset)
+        replace_nodes(graph, [producer], relaid)
+        info = graph.type_of(a)
+        graph.value_info[a] = type(graph.value_info[a])(a, type(info)("tensor", info.dtype, tuple(shape)))
+        out = reshape.outputs[0]
+        product = out if bias_name is None else f"{gemm.name or out}/product"
+        fused = [Node("MatMul", [a, gemm.inputs[1]], [product], name=f"{gemm.name}/matmul", opset=13)]
+        if bias_name is not None:
+            graph.value_info[product] = type(graph.value_info[out])(product, graph.type_of(out))
+            fused.append(Node("Add", [product, bias_name], [out], name=f"{gemm.name}/bias", opset=14))
+        position = graph.nodes.index(reshape)
+        graph.nodes[position:position + 1] = fused
+        graph.nodes.remove(gemm)
+        graph.value_info.pop(gemm.outputs[0], None)
+        return True
+    return False
+
+
 # FusedMatMul's activation for each Gelu approximation.
 _GELU_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
 
@@ -429,4 +508,5 @@ def until_fixed(fuse):
 
 
 # fuse_matmul_bias after fuse_gelu: it folds the Gelu nodes that pass makes.
-PASSES = [until_fixed(f) for f in (fuse_rms_norm, fuse_rotate_half, fuse_silu, fuse_gelu, fuse_matmul_bias)]
+PASSES = [until_fixed(f) for f in (fuse_rms_norm, fuse_rotate_half, fuse_silu, fuse_gelu, fuse_gemm_view,
+                                   fuse_matmul_bias)]
