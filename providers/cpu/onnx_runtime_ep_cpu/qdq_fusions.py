@@ -1,16 +1,18 @@
-"""QDQ models (onnxruntime's static quantization in QDQ format): a QuantizeLinear whose codes only a
-DequantizeLinear with the same scale and zero point reads is the rounding of an activation to its
-quantization grid, spelled as two operators and an integer tensor. This pass makes it one
-QuantizeDequantize node (ops/quantization.py: one compiled pass, the float32 values DequantizeLinear would
-give, exactly), so the float operators around it run on float32 as in the float model.
+"""Quantized models as onnxruntime's quantization tools write them, run on the float and integer fast paths.
 
-The weights' DequantizeLinear nodes read constants and are folded by the optimizer's constant folding before
-this pass runs, so the float convolution and matrix products see float32 weights.
+QDQ format (static quantization): a QuantizeLinear whose codes only a DequantizeLinear with the same scale and
+zero point reads is the rounding of an activation to its quantization grid, spelled as two operators and an
+integer tensor. ``fuse_quantize_dequantize`` makes it one QuantizeDequantize node (ops/quantization.py: one
+compiled pass, the float32 values DequantizeLinear would give, exactly), so the float operators around it run
+on float32 as in the float model. The weights' DequantizeLinear nodes read constants and are folded by the
+optimizer's constant folding before this pass runs, so the float convolution and matrix products see float32
+weights. The pattern: QuantizeLinear(x, scale, zero) -> q, read by one or more DequantizeLinear(q, scale',
+zero'), each with the same constant scale and zero point (by value) and the same axis; q is no graph output
+and no subgraph reads it; neither node asks for blocks, an output type or a precision. The first
+DequantizeLinear's output becomes the fused node's; the other readers' outputs are renamed to it.
 
-The pattern: QuantizeLinear(x, scale, zero) -> q, read by one or more DequantizeLinear(q, scale', zero'), each
-with the same constant scale and zero point (by value) and the same axis; q is no graph output and no
-subgraph reads it; neither node asks for blocks, an output type or a precision. The first DequantizeLinear's
-output becomes the fused node's; the other readers' outputs are renamed to it.
+Dynamic quantization: ``fuse_dynamic_matmul`` turns MatMulInteger -> Cast -> Mul by the scales' product
+(-> bias Add) into one com.microsoft MatMulIntegerToFloat (see its docstring).
 """
 
 from __future__ import annotations
