@@ -58,9 +58,10 @@ def test_direct_conv_is_taken_and_within_the_rounding_bound(monkeypatch, x_shape
     assert_within(got, exact, gamma(depth, dtype) * magnitude)
 
 
-def test_direct_conv_leaves_wide_outputs_to_the_products(monkeypatch):
+def test_direct_conv_leaves_wide_outputs_and_deep_windows_to_the_products(monkeypatch):
     calls = _spy(monkeypatch, smallconv, "conv_gathered")
-    ours("Conv", [rand(1, 4, 40), rand(6, 4, 3)], {"pads": [1, 1]}, 11)
+    ours("Conv", [rand(1, 4, 40), rand(6, 4, 3)], {"pads": [1, 1]}, 11)  # 40 positions
+    ours("Conv", [rand(1, 2048, 4), rand(4, 2048, 3)], {"pads": [1, 1]}, 11)  # columns past the cache bound
     assert not calls
 
 
@@ -132,6 +133,15 @@ def test_compiled_lstm_is_taken_and_matches_float64(monkeypatch, direction, layo
     for g, e in zip(got, _lstm_reference(x, w, r, b, h0, c0, direction, layout)):
         assert g.dtype == dtype and g.shape == e.shape
         assert_within(g, e, np.full(e.shape, tol))
+
+
+def test_lstm_of_a_large_batch_keeps_the_batched_products(monkeypatch):
+    calls = _spy(monkeypatch, compiled_lstm, "lstm_steps")
+    x, w, r, b = rand(3, 6, 5, dtype=F64), rand(1, 16, 5, dtype=F64), rand(1, 16, 4, dtype=F64), rand(1, 32, dtype=F64)
+    got = ours("LSTM", [x, w, r, b], {"hidden_size": 4}, 14, n_outputs=3)
+    assert not calls
+    for g, e in zip(got, _lstm_reference(x, w, r, b, None, None, "forward", 0)):
+        np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-12)
 
 
 def test_lstm_with_peepholes_keeps_the_numpy_path(monkeypatch):

@@ -53,9 +53,10 @@ def use_winograd(geo: Geometry, group: int, c: int, m: int) -> bool:
 
 
 # A direct loop pays while the products are too short for BLAS's setup: up to this many output positions
-# per image, with a gather table of at most _DIRECT_TABLE entries.
+# per image, with a gather table (and gathered columns) of at most _DIRECT_TABLE entries, which stay in the
+# L1/L2 cache while every output channel's row passes over them.
 DIRECT_POSITIONS = 16
-_DIRECT_TABLE = 1 << 18
+_DIRECT_TABLE = 1 << 14
 
 
 def direct_applies(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray) -> bool:

@@ -265,7 +265,8 @@ def lstm(node, shapes, opset):
 
     def kernel(x, w, r, b=None, seq_lens=None, h0=None, c0=None, p=None):
         if compiled is not None and p is None and seq_lens is None and x.dtype in COMPILED_DTYPES \
-                and w.dtype == x.dtype and r.dtype == x.dtype:
+                and w.dtype == x.dtype and r.dtype == x.dtype and x.ndim == 3 \
+                and x.shape[0 if spec.layout else 1] <= _COMPILED_BATCH:
             return tuple(compiled(x, w, r, b, h0, c0)[:outputs])
         dtype = compute_dtype(x.dtype)
         hidden = r.shape[-1]
@@ -297,6 +298,9 @@ def lstm(node, shapes, opset):
 # Up to this many (time step, batch entry) pairs the compiled loop also projects the input; past it one
 # BLAS product does, ahead of the loop.
 _PROJECT_IN_LOOP = 16
+# The compiled loop reads R once per batch entry and step (dot products), BLAS once per step: past a few
+# entries the numpy path's batched products read less.
+_COMPILED_BATCH = 4
 
 
 def _lstm_weights(w, r, b, hidden: int, dtype) -> list:
