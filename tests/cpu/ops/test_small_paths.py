@@ -34,7 +34,7 @@ DIRECT_CASES = [
     ((1, 9, 3), (8, 9, 3), {"pads": [1, 1]}),
     ((1, 8, 3), (4, 8, 3), {"pads": [1, 1], "strides": [2]}),
     ((2, 4, 1), (8, 4, 3), {"pads": [1, 1]}),
-    ((1, 6, 1), (1, 6, 1), {}),
+    ((1, 6, 1), (1, 6, 1), {"pads": [0, 1]}),
     ((2, 4, 5), (6, 2, 3), {"group": 2, "pads": [2, 0], "dilations": [2]}),
     ((1, 3, 4, 3), (5, 3, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 1]}),
     ((1, 2, 2, 2, 3), (3, 2, 2, 2, 2), {"pads": [1, 0, 0, 0, 1, 0]}),
@@ -62,6 +62,7 @@ def test_direct_conv_leaves_wide_outputs_and_deep_windows_to_the_products(monkey
     calls = _spy(monkeypatch, smallconv, "conv_gathered")
     ours("Conv", [rand(1, 4, 40), rand(6, 4, 3)], {"pads": [1, 1]}, 11)  # 40 positions
     ours("Conv", [rand(1, 2048, 4), rand(4, 2048, 3)], {"pads": [1, 1]}, 11)  # columns past the cache bound
+    ours("Conv", [rand(1, 8, 4, 4), rand(6, 8, 1, 1)], {}, 11)  # pointwise: one product as it is
     assert not calls
 
 

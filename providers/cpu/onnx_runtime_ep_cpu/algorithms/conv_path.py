@@ -63,7 +63,10 @@ def direct_applies(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray) -> b
     """Whether a convolution has so few output positions per image (a streaming model's frames) that the
     compiled direct loop (compiled/smallconv.py) beats im2col and a BLAS product."""
     positions = math.prod(geo.out)
-    return (takes_compiled(x) and compute_dtype(x.dtype) == x.dtype and 0 < positions <= DIRECT_POSITIONS
+    pointwise = all(k == 1 for k in geo.kernel) and geo.unpadded and all(s == 1 for s in geo.strides)
+    # (A pointwise convolution's pixels are its columns already: conv_pointwise is one product, nothing to gather.)
+    return (not pointwise and takes_compiled(x) and compute_dtype(x.dtype) == x.dtype
+            and 0 < positions <= DIRECT_POSITIONS
             and positions * w[0].size <= _DIRECT_TABLE and x.shape[0] > 0 and w.shape[0] > 0)
 
 
