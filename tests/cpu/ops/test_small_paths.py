@@ -284,3 +284,22 @@ def test_sigmoid_and_square_give_the_formulas_values(dtype):
         with np.errstate(all="ignore"):
             np.testing.assert_array_equal(square, np.power(x, exponent).astype(dtype))
         assert square.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("shape", [(), (1, 1, 1), (1, 128), (4, 256)])
+def test_small_sigmoid_runs_the_compiled_loop_within_a_few_ulps(monkeypatch, dtype, shape):
+    from onnx_runtime_ep_cpu.compiled import sigmoid as compiled_sigmoid
+    from onnx_runtime_ep_cpu.ops import elementwise
+
+    monkeypatch.setattr(elementwise, "_sigmoid_loop", [None])
+    calls = _spy(monkeypatch, compiled_sigmoid, "sigmoid_into")
+    x = np.asarray(np.random.default_rng(2).standard_normal(shape) * 40, dtype)
+    if x.size >= 3:
+        x.reshape(-1)[:3] = [np.inf, -np.inf, np.nan]
+    (got,) = _kernel("Sigmoid", 1)(x)
+    assert calls and got.dtype == dtype and got.shape == x.shape
+    with np.errstate(all="ignore"):
+        exact = 1 / (1 + np.exp(-x.astype(F64)))
+    np.testing.assert_allclose(got.astype(F64), exact, rtol=4 * np.finfo(dtype).eps, atol=np.finfo(dtype).tiny,
+                               equal_nan=True)

@@ -17,10 +17,32 @@ from onnx_runtime.errors import InvalidGraphError
 from ..algorithms.activations import hard_swish, mish, sigmoid, softplus, softsign
 from ..algorithms.erf import erf
 from ..algorithms.precision import scalar
+from ..compiled import COMPILED_DTYPES
 from ..registry import register
 from ._common import quiet
 
 # op_type: (first opset, function). Later versions only added types, so one registration covers them.
+# Up to this many elements a Sigmoid runs compiled/sigmoid.py's scalar loop; past it numpy's vectorized exp
+# is faster than the per-call costs the loop saves.
+SMALL_SIGMOID = 1024
+_quiet_sigmoid = quiet(sigmoid)
+_sigmoid_loop: list = [None]  # compiled/sigmoid.py's loop, imported (with numba) on the first small Sigmoid
+
+
+def _sigmoid(x):
+    if isinstance(x, np.ndarray) and x.dtype in COMPILED_DTYPES and x.size <= SMALL_SIGMOID \
+            and x.flags.c_contiguous:
+        loop = _sigmoid_loop[0]
+        if loop is None:
+            from ..compiled.sigmoid import sigmoid_into
+
+            loop = _sigmoid_loop[0] = sigmoid_into
+        y = np.empty_like(x)
+        loop(x.reshape(-1), y.reshape(-1))
+        return y
+    return _quiet_sigmoid(x)
+
+
 _UNARY = {
     "Neg": (1, np.negative),
     "Abs": (1, np.abs),
@@ -33,7 +55,7 @@ _UNARY = {
     "Round": (11, np.round),  # numpy rounds half to even, as ONNX requires
     "Sign": (9, np.sign),
     "Tanh": (1, np.tanh),
-    "Sigmoid": (1, sigmoid),
+    "Sigmoid": (1, _sigmoid),
     "Softplus": (1, softplus),
     "Softsign": (1, softsign),
     "Mish": (18, mish),
@@ -59,7 +81,8 @@ _UNARY = {
 # Ops that raise no floating-point warning for any input (inf and NaN included): they skip quiet's
 # np.errstate, which costs more than the op itself on small tensors (measured in dfe35df).
 NEVER_WARN = frozenset({"Neg", "Abs", "Floor", "Ceil", "Round", "Sign", "Tanh", "Atan", "Asinh", "IsNaN", "Not",
-                        "BitwiseNot"})
+                        "BitwiseNot", "Sigmoid"})  # (_sigmoid silences numpy itself, where numpy computes it)
+
 
 
 def _unary_factory(fn, silenced: bool):
