@@ -91,7 +91,7 @@ def worker_cold(zoo: Path, name: str, runtime: str) -> dict:
         import onnxruntime  # noqa: F401
     out["import_s"] = time.perf_counter() - start
     out["rss_before_session"] = rss_now()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     sess = session(runtime, str(zoo / model["file"]), 0)
     out["create_s"] = time.perf_counter() - start
     out["first_s"] = {}
@@ -99,6 +99,7 @@ def worker_cold(zoo: Path, name: str, runtime: str) -> dict:
         start = time.perf_counter()
         sess.run(None, feed)
         out["first_s"][call] = time.perf_counter() - start
+    out["create_first_cpu_s"] = time.process_time() - start_cpu  # all threads: compiling ones too
     for _ in range(3):
         for feed in feeds.values():
             sess.run(None, feed)
@@ -122,7 +123,7 @@ def stats(samples: list[float], quiet_median: float | None = None) -> dict:
 
     med = statistics.median(ordered)
     out = {"n": len(ordered), "median": med, "p10": pct(0.1), "p90": pct(0.9), "min": ordered[0],
-           "max": ordered[-1], "spread": (pct(0.9) - pct(0.1)) / med}
+           "max": ordered[-1], "spread": (pct(0.9) - pct(0.1)) / med if med > 0 else math.inf}
     if quiet_median:
         out["max_over_quiet"] = ordered[-1] / quiet_median
         out["p90_over_quiet"] = pct(0.9) / quiet_median
@@ -130,26 +131,31 @@ def stats(samples: list[float], quiet_median: float | None = None) -> dict:
 
 
 def in_blocks(runners: dict, repeat: int, block: int, pause: float, max_seconds: float,
-              min_samples: int) -> dict[str, list[float]]:
-    """Seconds per call of each runner: blocks of ``block`` timed calls, the runtimes taking turns (order
-    rotating), ``pause`` seconds before each block and its first call untimed, so neither pays for the other's
-    spinning pool. Stops at ``repeat`` calls each, or after ``max_seconds`` once each has ``min_samples``."""
+              min_samples: int) -> dict[str, tuple[list[float], list[float]]]:
+    """Seconds per call of each runner, wall clock and this process's CPU time: blocks of ``block`` timed
+    calls, the runtimes taking turns (order rotating), ``pause`` seconds before each block and its first call
+    untimed, so neither pays for the other's spinning pool. Stops at ``repeat`` calls each, or after
+    ``max_seconds`` once each has ``min_samples``.
+
+    The CPU time leaves out the time this process waited for a core, which on a loaded host dominates the wall
+    clock; on one thread it is the work of the call (both runtimes compute on the calling thread then)."""
     names = list(runners)
-    times: dict[str, list[float]] = {name: [] for name in names}
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in names}
     began = time.perf_counter()
     round_ = 0
-    while min(len(t) for t in times.values()) < repeat:
-        if time.perf_counter() - began > max_seconds and min(len(t) for t in times.values()) >= min_samples:
+    while min(len(t[0]) for t in times.values()) < repeat:
+        if time.perf_counter() - began > max_seconds and min(len(t[0]) for t in times.values()) >= min_samples:
             break
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
             time.sleep(pause)
-            run = runners[name]
+            run, (wall, cpu) = runners[name], times[name]
             run()
-            for _ in range(min(block, repeat - len(times[name]))):
-                start = time.perf_counter()
+            for _ in range(min(block, repeat - len(wall))):
+                start, start_cpu = time.perf_counter(), time.process_time()
                 run()
-                times[name].append(time.perf_counter() - start)
+                wall.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)
         round_ += 1
     return times
 
@@ -195,9 +201,9 @@ def measure(condition: str, sessions: dict, feeds: dict, threads: list[str], out
             runners = {runtime: (lambda s=sessions[runtime, label], f=feed: s.run(None, f))
                        for runtime in ("ours", "ort")}
             times = in_blocks(runners, args.repeat, args.block, args.pause, args.max_seconds, args.min_samples)
-            for runtime, samples in times.items():
+            for runtime, (wall, cpu) in times.items():
                 quiet = out[call].get(f"quiet/{label}/{runtime}", {}).get("median")
-                out[call][f"{condition}/{label}/{runtime}"] = stats(samples, quiet)
+                out[call][f"{condition}/{label}/{runtime}"] = {**stats(wall, quiet), "cpu": stats(cpu)}
 
 
 def worker_steady(zoo: Path, name: str, args: argparse.Namespace) -> dict:
@@ -293,6 +299,7 @@ def bench_model(zoo: Path, model: dict, args: argparse.Namespace, passthrough: l
                    for key in ("import_s", "create_s", "rss_start", "rss_before_session", "rss_peak", "rss_end")}
         summary["first_s"] = {call: median_of([r["first_s"][call] for r in reps]) for call in model["calls"]}
         summary["create_first_s"] = median_of([r["create_s"] + sum(r["first_s"].values()) for r in reps])
+        summary["create_first_cpu_s"] = median_of([r["create_first_cpu_s"] for r in reps])
         summary["rss_model"] = summary["rss_peak"] - summary["rss_before_session"]
         summary["runs"] = reps
         result["cold"][runtime] = summary
@@ -349,7 +356,22 @@ def verdicts(results: list[dict], threads: list[str], busy: bool) -> dict:
         entry["checked"] += 1
         entry["held"] += row["holds"]
         entry["worst"] = max(entry["worst"], row["value"])
-    return {"overall": overall, "per_target": summary, "rows": rows}
+    return {"overall": overall, "per_target": summary, "rows": rows, "info": informative(results, threads)}
+
+
+def informative(results: list[dict], threads: list[str]) -> dict:
+    """Geomeans that are not targets: CPU-time ratios (robust on a loaded host) and the cold start's."""
+    ok = [r for r in results if "error" not in r]
+
+    def cold(key: str) -> float:
+        return geomean([ratio(r["cold"]["ours"][key], r["cold"]["ort"][key]) for r in ok])
+
+    info = {"cold geomean, wall": cold("create_first_s"), "cold geomean, CPU": cold("create_first_cpu_s")}
+    if "1" in threads:
+        info["quiet geomean, one thread, CPU"] = geomean([
+            ratio(m["quiet/1/ours"]["cpu"]["median"], m["quiet/1/ort"]["cpu"]["median"])
+            for r in ok for m in r["steady"]["calls"].values()])
+    return info
 
 
 # --- the report ------------------------------------------------------------------------------------------------
@@ -368,14 +390,21 @@ def mb(nbytes: float) -> str:
 
 
 def steady_table(ok: list[dict], threads: list[str]) -> list[str]:
-    lines = ["Steady state, quiet: median ms per call, ours / onnxruntime, and the ratio.", "",
-             "| model | call | " + " | ".join(f"{SAYS[label]}: ours / ort | ratio" for label in threads) + " |",
-             "|" + "---|" * (2 + 2 * len(threads))]
+    cpu = "1" in threads
+    lines = ["Steady state, quiet: median ms per call, ours / onnxruntime, and the ratio"
+             + (" (CPU: the process's CPU time per call on one thread, which leaves out waiting for a core)."
+                if cpu else "."), "",
+             "| model | call | " + " | ".join(f"{SAYS[label]}: ours / ort | ratio" for label in threads)
+             + (" | one thread, CPU: ours / ort | ratio" if cpu else "") + " |",
+             "|" + "---|" * (2 + 2 * len(threads) + 2 * cpu)]
     for r in ok:
         for call, m in r["steady"]["calls"].items():
             cells = []
             for label in threads:
                 ours, ort = m[f"quiet/{label}/ours"]["median"], m[f"quiet/{label}/ort"]["median"]
+                cells += [f"{ms(ours)} / {ms(ort)}", fmt(ratio(ours, ort))]
+            if cpu:
+                ours, ort = m["quiet/1/ours"]["cpu"]["median"], m["quiet/1/ort"]["cpu"]["median"]
                 cells += [f"{ms(ours)} / {ms(ort)}", fmt(ratio(ours, ort))]
             lines.append(f"| {r['name']} | {call} | " + " | ".join(cells) + " |")
     return lines
@@ -399,9 +428,10 @@ def busy_table(ok: list[dict], threads: list[str]) -> list[str]:
 def cold_table(ok: list[dict]) -> list[str]:
     lines = ["A fresh process, default threads (medians over the processes): ours' import (s), session creation "
              "and the first run of each call in order (ms), creation + first runs and the ratio, peak RSS of the "
-             "process and in brackets its growth from just before the session (MB).", "",
+             "process and in brackets its growth from just before the session (MB). The CPU ratio compares the "
+             "CPU time of creation + first runs, all threads.", "",
              "| model | ours import | ours create / first | ort create / first | create + first: ours / ort "
-             "| ratio | peak RSS ours / ort | ratio |", "|---|---|---|---|---|---|---|---|"]
+             "| ratio | ratio, CPU | peak RSS ours / ort | ratio |", "|---|---|---|---|---|---|---|---|---|"]
     for r in ok:
         c = r["cold"]
         cells = []
@@ -412,7 +442,8 @@ def cold_table(ok: list[dict]) -> list[str]:
                f"{mb(c['ort']['rss_peak'])} ({mb(c['ort']['rss_model'])})")
         lines.append(f"| {r['name']} | {c['ours']['import_s']:.2f} | {cells[0]} | {cells[1]} | "
                      f"{ms(c['ours']['create_first_s'])} / {ms(c['ort']['create_first_s'])} | "
-                     f"{fmt(ratio(c['ours']['create_first_s'], c['ort']['create_first_s']))} | {rss} | "
+                     f"{fmt(ratio(c['ours']['create_first_s'], c['ort']['create_first_s']))} | "
+                     f"{fmt(ratio(c['ours']['create_first_cpu_s'], c['ort']['create_first_cpu_s']))} | {rss} | "
                      f"{fmt(ratio(c['ours']['rss_peak'], c['ort']['rss_peak']))} |")
     return lines
 
@@ -425,7 +456,7 @@ def verdict_table(verdict: dict) -> list[str]:
     for target, entry in verdict["per_target"].items():
         lines.append(f"| {target} | {entry['limit']} | {entry['held']} of {entry['checked']} | "
                      f"{fmt(entry['worst'])} |")
-    return lines
+    return lines + ["", "Not targets: " + ", ".join(f"{k} {fmt(v)}" for k, v in verdict["info"].items()) + "."]
 
 
 def report(results: list[dict], skipped: list[tuple[str, str]], threads: list[str], busy: bool,
@@ -527,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{time.perf_counter() - began:.0f} s")
     if args.json:
         env["seconds"] = time.perf_counter() - began
+        env["commit_end"] = environment(zoo)["commit"]  # the checkout may move while a long run goes on
         env["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
         args.json.write_text(json.dumps({"environment": env, "results": results, "skipped": skipped,
                                          "verdicts": verdict}, indent=1))

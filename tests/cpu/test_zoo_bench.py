@@ -80,15 +80,17 @@ def test_quick_run(tmp_path):
                     assert s["n"] >= 10
                     assert all(finite_positive(s[k]) for k in ("median", "p10", "p90", "min", "max"))
                     assert s["min"] <= s["p10"] <= s["median"] <= s["p90"] <= s["max"]
+                    assert s["cpu"]["n"] == s["n"] and finite_positive(s["cpu"]["median"])
                     assert math.isfinite(s["spread"]) and s["spread"] >= 0
                     if condition == "busy":
                         assert finite_positive(s["max_over_quiet"])
     for runtime in ("ours", "ort"):
         cold = result["cold"][runtime]
-        assert all(finite_positive(cold[k]) for k in ("import_s", "create_s", "create_first_s"))
+        assert all(finite_positive(cold[k]) for k in ("import_s", "create_s", "create_first_s", "create_first_cpu_s"))
         assert all(finite_positive(v) for v in cold["first_s"].values())
         assert cold["rss_peak"] >= cold["rss_before_session"] > cold["rss_start"] > 0
     rows = data["verdicts"]["rows"]
     assert {row["target"] for row in rows} >= {"session creation + first runs", "peak RSS of the process"}
     assert all(finite_positive(row["value"]) and isinstance(row["holds"], bool) for row in rows)
     assert all(math.isfinite(v["value"]) for v in data["verdicts"]["overall"].values())
+    assert all(finite_positive(v) for v in data["verdicts"]["info"].values())
