@@ -54,7 +54,7 @@ def _rules(op_type: str, domain: str, version: int) -> _Rules | None:
         return None
     return _Rules((schema.min_input, schema.max_input), (schema.min_output, schema.max_output),
                   tuple((p.option == _SINGLE, p.name) for p in schema.inputs),
-                  {name: int(a.type) for name, a in schema.attributes.items()},
+                  {name: int(a.type) for name, a in schema.attributes.items()},  # type: ignore[call-overload]
                   frozenset(name for name, a in schema.attributes.items() if a.required), schema.since_version)
 
 

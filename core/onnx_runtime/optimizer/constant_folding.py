@@ -36,6 +36,9 @@ FOLDABLE_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml"})
 # that die with the fold (or be generated from tiny ones), so that resident memory does not double.
 MAX_FOLDED_BYTES = 16 << 20
 TINY_BYTES = 4096
+# What a fold may generate from tiny inputs (a mask buffer from ConstantOfShape, a Tile or Expand of a
+# constant); anything larger is left to the kernel at run time rather than materialized at creation.
+MAX_GENERATED_BYTES = 256 << 20
 
 
 def fold_constants(graph: Graph, context: PassContext) -> bool:
@@ -143,7 +146,8 @@ def _fold(node: Node, graph: Graph, uses: Uses, context: PassContext, scope: _Sc
     for array in inputs:
         if array is not None:
             array.flags.writeable = False  # a kernel must not be able to change a weight
-    if not _may_fold(node, inputs, uses, _declared_bytes(node, graph)):
+    if not _may_fold(node, inputs, uses, _declared_bytes(node, graph)) \
+            or _generated_bytes(node, inputs) > MAX_GENERATED_BYTES:
         return None
     results = context.evaluate(node, graph, inputs)
     if results is None or len(results) < max((i + 1 for i, out in enumerate(node.outputs) if out), default=0):
@@ -230,6 +234,8 @@ def _filled_value(node: Node, scope: _Scope) -> np.ndarray | None:
     fill = np.zeros(1, dtype=np.float32) if value is None else np.asarray(value)
     if shape is None or shape.ndim != 1 or shape.dtype != np.int64 or fill.size != 1 or (shape < 0).any():
         return None
+    if math.prod(int(d) for d in shape) * fill.dtype.itemsize > MAX_GENERATED_BYTES:
+        return None
     return np.full([int(d) for d in shape], fill.reshape(-1)[0], dtype=fill.dtype)
 
 
@@ -247,6 +253,34 @@ def _declared_bytes(node: Node, graph: Graph) -> int:
             except Exception:  # a dtype numpy cannot hold (strings): size unknown
                 pass
     return total
+
+
+def _generated_bytes(node: Node, inputs: list) -> int:
+    """The output size of the operators whose output size comes from their inputs' values, computed from
+    those values before evaluating (0 where not such an operator or not computable): Tile, Expand,
+    Range, OneHot."""
+    op = node.op_type
+    try:
+        first = inputs[0]
+        if op == "Tile" and first is not None and inputs[1] is not None:
+            repeats = [int(r) for r in np.asarray(inputs[1]).reshape(-1)]
+            return first.nbytes * math.prod(max(r, 0) for r in repeats)
+        if op == "Expand" and first is not None and inputs[1] is not None:
+            target = [int(d) for d in np.asarray(inputs[1]).reshape(-1)]
+            dims = list(first.shape)
+            rank = max(len(dims), len(target))
+            dims, target = [1] * (rank - len(dims)) + dims, [1] * (rank - len(target)) + target
+            return first.itemsize * math.prod(max(a, b, 0) for a, b in zip(dims, target))
+        if op == "Range" and all(v is not None for v in inputs[:3]):
+            start, limit, delta = (float(np.asarray(v).reshape(-1)[0]) for v in inputs[:3])
+            count = math.ceil((limit - start) / delta) if delta else 0
+            return max(count, 0) * np.asarray(first).itemsize
+        if op == "OneHot" and first is not None and inputs[1] is not None and inputs[2] is not None:
+            depth = int(np.asarray(inputs[1]).reshape(-1)[0])
+            return first.size * max(depth, 0) * np.asarray(inputs[2]).itemsize
+    except (TypeError, ValueError, OverflowError, IndexError):
+        return 0  # malformed inputs: the evaluation reports them
+    return 0
 
 
 def _may_fold(node: Node, inputs: list, uses: Uses, result_bytes: int) -> bool:
