@@ -2,7 +2,9 @@
 
 Integers widen to int64 (or float64, which holds every 8-bit product sum exactly) before any
 arithmetic, so sums and differences are exact; quantizing divides in float32 as QuantizeLinear does
-for float32 data, rounds half to even and saturates to the target type's range.
+for float32 data, rounds half to even and saturates to the target type's range. Products of 8-bit
+matrices (``IntegerProduct``) accumulate in int32 through compiled/qgemm.py, which wraps exactly as the
+int64 sum cast to int32 (``int_matmul``, the path for what it declines).
 """
 
 from __future__ import annotations
