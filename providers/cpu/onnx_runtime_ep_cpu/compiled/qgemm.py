@@ -5,8 +5,9 @@ accumulator does.
 B (the weight, usually constant) is packed once per set of constant inputs as int16 (N, K): each column
 with its zero point already subtracted (-255 .. 255 fits). Each row of A is centred into an int16 row
 buffer, and every output is a dot product of two contiguous int16 rows summed in int32: the pattern LLVM
-turns into vpmaddwd on AVX2 (16 products, pairwise added into 8 int32 lanes per instruction) and into
-VNNI's vpdpwssd where the host has AVX-512 VNNI, the same integers either way. Integer addition is
+turns into vpmaddwd on AVX2 (16 products, pairwise added into 8 int32 lanes per instruction; numba
+compiles for the host CPU, so wider or VNNI instructions are LLVM's choice where present), the same
+integers either way. Integer addition is
 associative modulo 2**32, so the result equals the exact int64 sum wrapped to int32 whatever the order.
 """
 
