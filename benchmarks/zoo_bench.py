@@ -514,6 +514,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--runtime", choices=("ours", "ort"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    unknown = set(args.threads.split(",")) - set(THREADS)
+    if unknown or not args.threads:
+        parser.error(f"--threads takes {', '.join(THREADS)} or both, not {args.threads!r}")
     if args.quick:
         args.repeat, args.min_samples, args.max_seconds, args.block = 20, 10, 0.2, 5
         args.pause, args.warmup, args.create_repeat = 0.005, 2, 1
