@@ -9,6 +9,7 @@ that names the problem.
 from __future__ import annotations
 
 import heapq
+import math
 import os
 
 import numpy as np
@@ -150,9 +151,47 @@ def infer_graph(light: onnx.ModelProto) -> onnx.GraphProto | None:
     """``light``'s graph annotated by onnx shape inference (data propagation included), or None when
     inference fails."""
     try:
-        return onnx.shape_inference.infer_shapes(light, check_type=False, strict_mode=False, data_prop=True).graph
+        return onnx.shape_inference.infer_shapes(light, check_type=False, strict_mode=False,
+                                                 data_prop=not _generates_large_values(light.graph)).graph
     except Exception:
         return None
+
+
+# onnx's data propagation computes the values of the operators below in memory, whatever their size: a Range
+# or ConstantOfShape of constants asking for 2**40 elements allocates until the process dies. Shape values
+# are short; a generator of more elements than this is inferred without data propagation.
+_GENERATORS = frozenset({"Range", "ConstantOfShape", "Tile", "Expand"})
+_DATA_PROP_ELEMENTS = 1 << 20
+
+
+def _generates_large_values(graph: onnx.GraphProto) -> bool:
+    """Whether a Range, ConstantOfShape, Tile or Expand of constants (initializers, Constant nodes) would
+    make more than ``_DATA_PROP_ELEMENTS`` elements."""
+    if not any(node.op_type in _GENERATORS for node in graph.node):
+        return False
+    constants = {init.name: init for init in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            constants[node.output[0]] = node.attribute[0].t
+    for node in graph.node:
+        if node.op_type not in _GENERATORS or not all(name in constants for name in node.input if name):
+            continue
+        try:
+            values = [numpy_helper.to_array(constants[name]).reshape(-1) for name in node.input if name]
+            if node.op_type == "Range":
+                start, limit, delta = (float(v[0]) for v in values[:3])
+                count = math.ceil((limit - start) / delta) if delta else 0
+            elif node.op_type == "ConstantOfShape":
+                count = math.prod(int(d) for d in values[0])
+            elif node.op_type == "Tile":
+                count = values[0].size * math.prod(max(int(r), 0) for r in values[1])
+            else:  # Expand: at most the input's size times the target's
+                count = values[0].size * math.prod(max(int(d), 1) for d in values[1])
+        except (ValueError, IndexError, OverflowError, TypeError):
+            continue  # malformed: inference or the kernel reports it
+        if count > _DATA_PROP_ELEMENTS:
+            return True
+    return False
 
 
 def _has_weights(proto: onnx.ModelProto) -> bool:
