@@ -62,6 +62,13 @@ def _node_label(node: onnx.NodeProto) -> str:
     return f"node {node.name!r} ({node.op_type})" if node.name else f"a {node.op_type} node"
 
 
+def _given(names) -> int:
+    count = len(names)
+    while count and not names[count - 1]:
+        count -= 1
+    return count
+
+
 def _check_node(node: onnx.NodeProto, opsets: dict[str, int], where: str) -> None:
     domain = "" if node.domain == "ai.onnx" else node.domain
     version = opsets.get(domain)
@@ -69,17 +76,18 @@ def _check_node(node: onnx.NodeProto, opsets: dict[str, int], where: str) -> Non
     if rules is None:
         return
     fix = f"the fix is in the model's exporter (schema: {node.op_type}, opset {rules.since})"
-    for kind, count, (low, high) in (("inputs", len(node.input), rules.inputs),
-                                     ("outputs", len(node.output), rules.outputs)):
-        if not low <= count <= high:
-            raise InvalidGraphError(f"{_node_label(node)} in {where} has {count} {kind}; its schema takes {low} "
-                                    f"to {high}; {fix}")
     if rules.required and "" in node.input:
-        for i, name in enumerate(node.input):
-            required, formal = rules.required[min(i, len(rules.required) - 1)]
+        for i, name in enumerate(node.input[:len(rules.required)]):  # past the formals: only a variadic's
+            required, formal = rules.required[i]
             if name == "" and required:
                 raise InvalidGraphError(f"{_node_label(node)} in {where}: input {i} ({formal}) is required but "
                                         f"named ''; connect it to a value; {fix}")
+    # Trailing empty names are optional inputs or outputs left out: they do not count.
+    for kind, count, (low, high) in (("inputs", _given(node.input), rules.inputs),
+                                     ("outputs", _given(node.output), rules.outputs)):
+        if not low <= count <= high:
+            raise InvalidGraphError(f"{_node_label(node)} in {where} has {count} {kind}; its schema takes {low} "
+                                    f"to {high}; {fix}")
     _check_attributes(node, rules, where, fix)
 
 

@@ -135,3 +135,9 @@ def test_a_missing_required_attribute_is_refused_at_creation(node, expected):
     bad = model([node], [tensor("x"), tensor("c", TensorProto.BOOL, shape=[])], [tensor("y")])
     with pytest.raises(InvalidGraphError, match=re.escape(expected)):
         onnx_runtime.InferenceSession(bad.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_trailing_empty_names_are_left_out_optionals_not_extra_inputs():
+    ok = model([helper.make_node("Split", ["x", ""], ["a", "b"], axis=0, split=[1, 1])], [tensor("x")],
+               [tensor("a", shape=[1]), tensor("b", shape=[1])], opsets=(("", 11),))
+    check_model_structure(ok, "m")
