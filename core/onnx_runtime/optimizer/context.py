@@ -15,10 +15,25 @@ from ..ir import Graph, Node, ValueInfo
 from ..provider_handle import ProviderHandle
 
 
+class FreshNames:
+    """Value and node names no graph of the model uses yet (subgraphs included, so no body sees one shadowed)."""
+
+    def __init__(self, graph: Graph):
+        self._names = _all_names(graph)
+
+    def __call__(self, base: str) -> str:
+        name, index = base, 0
+        while name in self._names:
+            index += 1
+            name = f"{base}_{index}"
+        self._names.add(name)
+        return name
+
+
 class PassContext:
     def __init__(self, graph: Graph, handles: list[ProviderHandle]):
         self.handles = list(handles)
-        self._names = _all_names(graph)
+        self._fresh = FreshNames(graph)
         # Constants and value infos of the enclosing graphs while a pass runs on a subgraph (empty at the top):
         # a branch reads its graph's shapes and constants by name, and folds with them.
         self.outer_constants: Mapping[str, np.ndarray] = {}
@@ -40,12 +55,7 @@ class PassContext:
 
     def fresh(self, base: str) -> str:
         """A value or node name no graph of the model uses yet (so no subgraph can see it shadowed)."""
-        name, index = base, 0
-        while name in self._names:
-            index += 1
-            name = f"{base}_{index}"
-        self._names.add(name)
-        return name
+        return self._fresh(base)
 
     def provider_for(self, node: Node, graph: Graph, host_only: bool = False) -> ProviderHandle | None:
         """The first provider (session priority order) that accepts ``node``, as placement would choose."""

@@ -280,6 +280,24 @@ def _gelu_product(view: GraphView, x: str, mul: Node, factor: str) -> list[Node]
     return [half, mul]
 
 
+def _gelu_tail(view: GraphView, x: str, activation: str) -> list[Node] | None:
+    """The nodes computing x * 0.5 * (1 + ``activation``) after it (the Add, then the two Muls in the order
+    _gelu_product finds), each read only here; the erf and tanh forms share them."""
+    add = view.only_consumer(activation, "Add")
+    if add is None or not _constant_of(view, other_input(add, activation), 1.0, x):
+        return None
+    mul = view.only_consumer(add.outputs[0], "Mul")
+    factor = other_input(mul, add.outputs[0]) if mul else None
+    product = _gelu_product(view, x, mul, factor) if factor else None
+    return None if product is None else [add, *product]
+
+
+def _replace_with_gelu(graph: Graph, matched: list[Node], x: str, approximate: str) -> None:
+    fused = Node("Gelu", [x], list(matched[-1].outputs), name=f"{matched[-1].name}/gelu",
+                 attrs={"approximate": approximate}, opset=20)
+    replace_nodes(graph, matched, fused)
+
+
 def _cubed(view: GraphView, name: str, x: str) -> list[Node] | None:
     """The nodes computing ``name`` = x^3: Pow(x, 3), x * (x * x) or (x * x) * x, each read only here."""
     node = view.producer.get(name)
@@ -333,21 +351,13 @@ def _fuse_gelu_tanh(graph: Graph, owns=None) -> bool:
         if found is None:
             continue
         x, inner = found
-        add = view.only_consumer(tanh.outputs[0], "Add")
-        if add is None or not _constant_of(view, other_input(add, tanh.outputs[0]), 1.0, x):
+        tail = _gelu_tail(view, x, tanh.outputs[0])
+        if tail is None:
             continue
-        mul = view.only_consumer(add.outputs[0], "Mul")
-        factor = other_input(mul, add.outputs[0]) if mul else None
-        product = _gelu_product(view, x, mul, factor) if factor else None
-        if product is None:
-            continue
-        matched = [*inner, tanh, add, *product]
-        if not owned(owns, matched):
-            continue
-        fused = Node("Gelu", [x], list(matched[-1].outputs), name=f"{matched[-1].name}/gelu",
-                     attrs={"approximate": "tanh"}, opset=20)
-        replace_nodes(graph, matched, fused)
-        return True
+        matched = [*inner, tanh, *tail]
+        if owned(owns, matched):
+            _replace_with_gelu(graph, matched, x, "tanh")
+            return True
     return False
 
 
@@ -360,21 +370,13 @@ def _fuse_gelu_exact(graph: Graph, owns=None) -> bool:
         if found is None or view.only_consumer(erf.inputs[0], "Erf") is not erf:
             continue
         x, scale = found
-        add = view.only_consumer(erf.outputs[0], "Add")
-        if add is None or not _constant_of(view, other_input(add, erf.outputs[0]), 1.0, x):
+        tail = _gelu_tail(view, x, erf.outputs[0])
+        if tail is None:
             continue
-        mul = view.only_consumer(add.outputs[0], "Mul")
-        factor = other_input(mul, add.outputs[0]) if mul else None
-        matched = _gelu_product(view, x, mul, factor) if factor else None
-        if matched is None:
-            continue
-        matched = [scale, erf, add, *matched]
-        if not owned(owns, matched):
-            continue
-        fused = Node("Gelu", [x], list(matched[-1].outputs), name=f"{matched[-1].name}/gelu",
-                     attrs={"approximate": "none"}, opset=20)
-        replace_nodes(graph, matched, fused)
-        return True
+        matched = [scale, erf, *tail]
+        if owned(owns, matched):
+            _replace_with_gelu(graph, matched, x, "none")
+            return True
     return False
 
 

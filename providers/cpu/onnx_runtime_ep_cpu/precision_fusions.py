@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.ir import Graph, Node, TypeInfo, ValueInfo
+from onnx_runtime.optimizer.context import FreshNames
 
 from .fusions import FUSED_DOMAIN
 
@@ -98,17 +99,7 @@ class _Rewriter:
     def __init__(self, graph: Graph, half: _Half):
         self.graph, self.half = graph, half
         self.opset = graph.opsets.get("", 13)
-        self.names = set(graph.initializers) | set(graph.value_info) \
-            | {vi.name for vi in graph.inputs + graph.outputs} \
-            | {name for node in graph.nodes for name in (*node.inputs, *node.outputs, node.name)}
-
-    def fresh(self, base: str) -> str:
-        name, index = base, 0
-        while name in self.names:
-            index += 1
-            name = f"{base}_{index}"
-        self.names.add(name)
-        return name
+        self.fresh = FreshNames(graph)
 
     def cast(self, source: str, target: str, to: DataType, shape_of: str) -> Node:
         """A Cast node, with the value info of ``target`` (the shape of ``shape_of``)."""
