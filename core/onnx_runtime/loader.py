@@ -157,16 +157,17 @@ def infer_graph(light: onnx.ModelProto) -> onnx.GraphProto | None:
         return None
 
 
-# onnx's data propagation computes the values of the operators below in memory, whatever their size: a Range
-# or ConstantOfShape of constants asking for 2**40 elements allocates until the process dies. Shape values
-# are short; a generator of more elements than this is inferred without data propagation.
+# onnx's data propagation computes the 1-D values of the operators below in memory, whatever their size: a
+# Range or a 1-D ConstantOfShape of constants asking for 2**40 elements allocates until the process dies (values
+# of higher rank are not propagated). Shape values are short; a model with a 1-D generator of more elements
+# than this is inferred without data propagation.
 _GENERATORS = frozenset({"Range", "ConstantOfShape", "Tile", "Expand"})
 _DATA_PROP_ELEMENTS = 1 << 20
 
 
 def _generates_large_values(graph: onnx.GraphProto) -> bool:
     """Whether a Range, ConstantOfShape, Tile or Expand of constants (initializers, Constant nodes) would
-    make more than ``_DATA_PROP_ELEMENTS`` elements."""
+    make a 1-D value of more than ``_DATA_PROP_ELEMENTS`` elements."""
     if not any(node.op_type in _GENERATORS for node in graph.node):
         return False
     constants = {init.name: init for init in graph.initializer}
@@ -177,16 +178,17 @@ def _generates_large_values(graph: onnx.GraphProto) -> bool:
         if node.op_type not in _GENERATORS or not all(name in constants for name in node.input if name):
             continue
         try:
-            values = [numpy_helper.to_array(constants[name]).reshape(-1) for name in node.input if name]
+            arrays = [numpy_helper.to_array(constants[name]) for name in node.input if name]
+            values = [a.reshape(-1) for a in arrays]
             if node.op_type == "Range":
                 start, limit, delta = (float(v[0]) for v in values[:3])
                 count = math.ceil((limit - start) / delta) if delta else 0
             elif node.op_type == "ConstantOfShape":
-                count = math.prod(int(d) for d in values[0])
+                count = int(values[0][0]) if values[0].size == 1 else 0
             elif node.op_type == "Tile":
-                count = values[0].size * math.prod(max(int(r), 0) for r in values[1])
-            else:  # Expand: at most the input's size times the target's
-                count = values[0].size * math.prod(max(int(d), 1) for d in values[1])
+                count = values[0].size * max(int(values[1][0]), 0) if arrays[0].ndim == 1 else 0
+            else:  # Expand: 1-D when both the input and the target are
+                count = max(values[0].size, int(values[1][0])) if arrays[0].ndim <= 1 and values[1].size == 1 else 0
         except (ValueError, IndexError, OverflowError, TypeError):
             continue  # malformed: inference or the kernel reports it
         if count > _DATA_PROP_ELEMENTS:

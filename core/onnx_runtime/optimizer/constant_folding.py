@@ -234,8 +234,8 @@ def _filled_value(node: Node, scope: _Scope) -> np.ndarray | None:
     fill = np.zeros(1, dtype=np.float32) if value is None else np.asarray(value)
     if shape is None or shape.ndim != 1 or shape.dtype != np.int64 or fill.size != 1 or (shape < 0).any():
         return None
-    if math.prod(int(d) for d in shape) * fill.dtype.itemsize > MAX_GENERATED_BYTES:
-        return None
+    if _generated_bytes(node, [shape]) > MAX_GENERATED_BYTES:
+        return None  # and _fold does not evaluate it either: the kernel makes it at the run
     return np.full([int(d) for d in shape], fill.reshape(-1)[0], dtype=fill.dtype)
 
 
@@ -257,11 +257,15 @@ def _declared_bytes(node: Node, graph: Graph) -> int:
 
 def _generated_bytes(node: Node, inputs: list) -> int:
     """The output size of the operators whose output size comes from their inputs' values, computed from
-    those values before evaluating (0 where not such an operator or not computable): Tile, Expand,
-    Range, OneHot."""
+    those values before evaluating (0 where not such an operator or not computable): ConstantOfShape,
+    Tile, Expand, Range, OneHot."""
     op = node.op_type
     try:
         first = inputs[0]
+        if op == "ConstantOfShape" and first is not None:
+            value = node.attr("value")
+            itemsize = np.asarray(value).itemsize if value is not None else 4  # float32 zero by default
+            return itemsize * math.prod(max(int(d), 0) for d in np.asarray(first).reshape(-1))
         if op == "Tile" and first is not None and inputs[1] is not None:
             repeats = [int(r) for r in np.asarray(inputs[1]).reshape(-1)]
             return first.nbytes * math.prod(max(r, 0) for r in repeats)
