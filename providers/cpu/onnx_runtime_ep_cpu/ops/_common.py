@@ -19,6 +19,15 @@ def graph_error(node, attr: str, message: str) -> InvalidGraphError:
     return InvalidGraphError(f"node {node.name!r} ({node.op_type}): attribute {attr!r} {message}")
 
 
+def required_attr(node, attr: str, expected: str):
+    """The value of a required attribute, or an InvalidGraphError saying it is missing and what it expects
+    (for operators without an onnx schema, which model_checks cannot check)."""
+    value = node.attr(attr)
+    if value is None:
+        raise graph_error(node, attr, f"is missing; expected {expected}")
+    return value
+
+
 def has_input(node, index: int) -> bool:
     """Whether the node gives an optional input at ``index`` (listed and named)."""
     return len(node.inputs) > index and bool(node.inputs[index])

@@ -29,7 +29,7 @@ from ..algorithms.quantize import (
     widen,
 )
 from ..registry import register
-from ._common import CONTRIB_DOMAIN, argument_error, graph_error, normalize_axis
+from ._common import CONTRIB_DOMAIN, argument_error, graph_error, normalize_axis, required_attr
 from .pool import average_pool
 
 _EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
@@ -209,10 +209,7 @@ def qlinear_leaky_relu(node, shapes, opset):
 
 @register("QLinearSoftmax", domain=CONTRIB_DOMAIN, since=1)
 def qlinear_softmax(node, shapes, opset):
-    version = node.attr("opset")
-    if version is None:
-        raise graph_error(node, "opset", "is missing; expected the opset of the Softmax it replaces (e.g. 13)")
-    version = int(version)
+    version = int(required_attr(node, "opset", "the opset of the Softmax it replaces (e.g. 13)"))
     axis = int(node.attr("axis", 1 if version < 13 else -1))
 
     def kernel(x, x_scale, x_zero_point=None, y_scale=None, y_zero_point=None):
@@ -241,10 +238,7 @@ def qlinear_softmax(node, shapes, opset):
 
 @register("QLinearConcat", domain=CONTRIB_DOMAIN, since=1)
 def qlinear_concat(node, shapes, opset):
-    axis = node.attr("axis")
-    if axis is None:
-        raise graph_error(node, "axis", "is missing; expected the axis to concatenate on")
-    axis = int(axis)
+    axis = int(required_attr(node, "axis", "the axis to concatenate on"))
 
     def kernel(y_scale, y_zero_point, *triples):
         dtype = eight_bit(node, "Y_zero_point", y_zero_point)

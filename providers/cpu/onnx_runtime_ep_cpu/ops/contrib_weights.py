@@ -17,17 +17,14 @@ from onnx_runtime.dtypes import DataType
 from ..algorithms.nbits import block_weights, unpack
 from ..algorithms.prepared import Prepared
 from ..registry import register
-from ._common import CONTRIB_DOMAIN, argument_error, graph_error, normalize_axis
+from ._common import CONTRIB_DOMAIN, argument_error, graph_error, normalize_axis, required_attr
 
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 _FLOATS = (_F32, np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
 def _int_attr(node, name: str, default=None) -> int:
-    value = node.attr(name, default)
-    if value is None:
-        raise graph_error(node, name, "is missing; it is required")
-    return int(value)
+    return int(node.attr(name, default) if default is not None else required_attr(node, name, "an integer"))
 
 
 def _block_size(node, value: int, allow_zero: bool = False) -> int:
