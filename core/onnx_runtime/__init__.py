@@ -44,6 +44,12 @@ from .session import (
     RunOptions,
     SessionOptions,
 )
+from .session.device_io_binding import (
+    DeviceBindingSpec,
+    DeviceBindingTransferStats,
+    DeviceIoBinding,
+    ExternalMemorySpec,
+)
 from .session.io_binding import IOBinding
 from .tensor import Tensor
 
@@ -56,7 +62,8 @@ def get_device() -> str:
 
 
 __all__ = [
-    "ArgmaxTieBreak", "Availability", "CaptureRegionShapeStatus", "DataType", "DeviceBuffer",
+    "ArgmaxTieBreak", "Availability", "CaptureRegionShapeStatus", "DataType", "DeviceBindingSpec",
+    "DeviceBindingTransferStats", "DeviceBuffer", "DeviceIoBinding", "ExternalMemorySpec",
     "DeviceGraphOwner", "DeviceGraphSlot", "DeviceGraphToken", "DeviceId", "DeviceType",
     "DeviceValidationOwner", "DeviceValidationRegistration", "DeviceValidationToken", "EpContext",
     "ExecutionMode", "Fence", "GraphOptimizationLevel", "InferenceSession", "IOBinding", "KernelMatch",

@@ -20,6 +20,7 @@ from ..devices import DeviceId, DeviceType
 from ..errors import InvalidArgumentError, NotSupportedError
 from .buffers import SIGNALLED, DeviceBuffer, Ownership
 from .graphs import DeviceGraphSlot, DeviceGraphToken, StructuralCaptureDecline, is_control_flow_or_sequence
+from .host_decode import host_argmax, host_token_writer
 from .kernels import Availability, KernelMatch
 from .markers import hookimpl
 from .validation import DeviceValidationOwner, DeviceValidationRegistration, DeviceValidationToken
@@ -186,6 +187,11 @@ class DefaultFallbacks:
             self._handle.hook.commit_allocation_range(buffer=buffer, offset=offset, nbytes=nbytes)
 
     @hookimpl(trylast=True)
+    def decommit_allocation_range(self, buffer: DeviceBuffer, offset: int, nbytes: int) -> None:
+        check_range(self._name, "decommit", buffer, offset, nbytes)
+        raise self._unsupported("partial decommit (reserving address space)", "decommit_allocation_range")
+
+    @hookimpl(trylast=True)
     def allocation_committed_bytes(self, buffer: DeviceBuffer) -> int:
         return buffer.size
 
@@ -252,6 +258,8 @@ class DefaultFallbacks:
         check_range(self._name, "host upload", dst, byte_offset, data.size)
         if data.size == 0:
             return None
+        if dst.host is None and self._handle.implements("copy_from_host"):  # the provider's upload, into a range
+            return self._handle.hook.copy_from_host(src=data, dst=dst.alias(byte_offset, data.size, writable=True))
         target = self._require_host(dst, "ranged host upload", "copy_from_host_at")
         _check_writable(self._name, dst)
         target[byte_offset: byte_offset + data.size] = data
@@ -283,17 +291,26 @@ class DefaultFallbacks:
         return None
 
     # -- decode helpers ---------------------------------------------------------------------------
+    # On host memory these run in numpy (contract/host_decode.py), so decode loops need no device.
     @hookimpl(trylast=True)
     def device_argmax_supported(self) -> bool:
-        return False
+        return self._device().is_host_accessible
 
     @hookimpl(trylast=True)
-    def device_argmax(self) -> None:
-        raise self._unsupported("device argmax", "device_argmax")
+    def device_argmax(self, logits: DeviceBuffer, elements: int, batch: int, dtype: Any, result: DeviceBuffer,
+                      tie_break: Any = None) -> None:
+        for buffer in (logits, result):
+            self._require_host(buffer, "device argmax", "device_argmax")
+        host_argmax(self._name, logits, elements, batch, dtype, result, tie_break)
 
     @hookimpl(trylast=True)
-    def device_token_writer(self) -> None:
-        raise self._unsupported("the device token writer", "device_token_writer")
+    def device_token_writer(self, result: DeviceBuffer, input_ids: DeviceBuffer, position_ids: DeviceBuffer,
+                            attention_mask: DeviceBuffer, scratch: DeviceBuffer, capacity: int, next_position: int,
+                            mask_len: int, write_position: bool, step: int) -> None:
+        for buffer in (result, input_ids, position_ids, attention_mask, scratch):
+            self._require_host(buffer, "the device token writer", "device_token_writer")
+        host_token_writer(self._name, result, input_ids, position_ids, attention_mask, scratch, capacity,
+                          next_position, mask_len, write_position, step)
 
     # -- device graphs: single slot ---------------------------------------------------------------
     @hookimpl(trylast=True)

@@ -280,7 +280,7 @@ class ExecutionProviderSpec:
 
         Default: checks that the ranges lie inside the allocation, then allocates everything
         through ``allocate`` (for providers that cannot reserve without committing).
-        Called by: not by the core (providers and tools that reserve address space).
+        Called by: session/device_io_binding.py, once per ``DeviceIoBinding.allocate``.
         """
 
     @hookspec(firstresult=True)
@@ -288,7 +288,7 @@ class ExecutionProviderSpec:
         """Ensure ``buffer[offset:offset+nbytes]`` is backed by memory.
 
         Default: bounds check only (``allocate_committed``'s default commits everything).
-        Called by: not by the core; the default ``commit_allocation_ranges``, once per range.
+        Called by: session/device_io_binding.py (``commit_range``); the default ``commit_allocation_ranges``.
         """
 
     @hookspec(firstresult=True)
@@ -296,7 +296,15 @@ class ExecutionProviderSpec:
         """Commit a list of ``(buffer, offset, nbytes)`` as one transaction.
 
         Default: ``commit_allocation_range`` for each, in order.
-        Called by: not by the core (providers and tools that reserve address space).
+        Called by: session/device_io_binding.py (``DeviceIoBinding.commit_binding_ranges``).
+        """
+
+    @hookspec(firstresult=True)
+    def decommit_allocation_range(self, buffer: DeviceBuffer, offset: int, nbytes: int) -> None:
+        """Release the memory behind ``buffer[offset:offset+nbytes]``, keeping its addresses reserved.
+
+        Default: :class:`NotSupportedError` (an eager allocation has nothing to decommit).
+        Called by: session/device_io_binding.py (``DeviceIoBinding.decommit_range``).
         """
 
     @hookspec(firstresult=True)
@@ -304,7 +312,7 @@ class ExecutionProviderSpec:
         """Bytes of ``buffer`` backed by memory.
 
         Default: all of it (``buffer.size``).
-        Called by: not by the core (providers and tools that reserve address space).
+        Called by: session/device_io_binding.py (``DeviceIoBinding.committed_bytes``).
         """
 
     @hookspec(firstresult=True)
@@ -390,8 +398,8 @@ class ExecutionProviderSpec:
     def copy_from_host_at(self, src: HostBytes, dst: DeviceBuffer, byte_offset: int) -> None:
         """Upload ``src`` into ``dst`` starting at ``byte_offset``; overflow and bounds checked.
 
-        Default: bounds-checked memcpy into a host-accessible ``dst``; else :class:`NotSupportedError`.
-        Called by: not by the core (providers and tools updating part of a buffer).
+        Default: memcpy into a host-accessible ``dst``; else the provider's ``copy_from_host`` into an alias.
+        Called by: session/device_io_binding.py (``DeviceIoBinding.write_bytes``).
         """
 
     @hookspec(firstresult=True)
@@ -433,8 +441,8 @@ class ExecutionProviderSpec:
     def device_argmax_supported(self) -> bool:
         """Whether ``device_argmax`` is implemented.
 
-        Default: False.
-        Called by: not by the core (decoding loops built on the contract).
+        Default: True on a host-accessible device (the default ``device_argmax`` serves it), else False.
+        Called by: session/device_io_binding.py (``DeviceIoBinding.device_argmax_supported``).
         """
 
     @hookspec(firstresult=True)
@@ -452,8 +460,9 @@ class ExecutionProviderSpec:
         ``result`` receives two native-endian uint32 words per row at word ``2*row``: the index,
         then the latched device capture-error bitmask. ``tie_break`` is an
         :class:`ArgmaxTieBreak`. Allocation-free; no host synchronization.
-        Default: :class:`NotSupportedError`.
-        Called by: not by the core (decoding loops built on the contract).
+        Default: numpy over host buffers (contract/host_decode.py; NaN ranks above every number, the second
+        word is 0); :class:`NotSupportedError` for device ones.
+        Called by: session/device_io_binding.py (``DeviceIoBinding.device_argmax``).
         """
 
     @hookspec(firstresult=True)
@@ -476,8 +485,8 @@ class ExecutionProviderSpec:
         at ``next_position`` when ``next_position < mask_len``; store the token in uint32
         ``scratch[step]``; OR ``result`` word 1 into ``scratch[capacity]``. No host sync.
 
-        Default: :class:`NotSupportedError`.
-        Called by: not by the core (decoding loops built on the contract).
+        Default: numpy over host buffers (contract/host_decode.py); :class:`NotSupportedError` for device ones.
+        Called by: session/device_io_binding.py (``DeviceIoBinding.device_token_writer``).
         """
 
     # -- device graphs: single slot -------------------------------------------------------------

@@ -379,6 +379,45 @@ class InferenceSession:
             self._profile_runs.append(time.perf_counter() - start)
         iobinding._deliver(outputs)
 
+    # -- persistent device bindings (session/device_io_binding.py) ------------------------------------
+    def device_io_binding(self, spec, provider: str | None = None):
+        """A :class:`DeviceIoBinding`: a buffer on ``provider``'s device (default: this session's first device
+        provider, else its first provider) bound to the input and/or output ``spec`` names. A
+        ``DeviceBindingSpec`` allocates it; an ``ExternalMemorySpec`` borrows caller-owned memory."""
+        from .device_io_binding import DeviceBindingSpec, DeviceIoBinding, ExternalMemorySpec, _dtype
+
+        self._check_runnable(None)
+        if not isinstance(spec, DeviceBindingSpec | ExternalMemorySpec):
+            raise InvalidArgumentError(f"expected a DeviceBindingSpec or ExternalMemorySpec, got {type(spec).__name__}")
+        handle = self.provider_handle(provider) if provider else next(
+            (h for h in self._handles if not h.is_host_accessible), self._handles[0])
+        dtype = _dtype(spec.dtype)
+        for kind, name in (("input", spec.input_name if spec.bind_input else ""), ("output", spec.output_name)):
+            if not name:
+                continue
+            info = self._check_input_name(name) if kind == "input" else self._check_output_name(name)
+            if info.kind != "tensor" or (info.dtype is not None and info.dtype is not dtype):
+                raise InvalidArgumentError(
+                    f"{kind} {name!r} is {info.describe()}, but the binding's dtype is {dtype.name}; bind it "
+                    f"with the model's element type"
+                )
+        if isinstance(spec, ExternalMemorySpec):
+            return DeviceIoBinding.from_external_memory(handle, spec)
+        return DeviceIoBinding.allocate(handle, spec)
+
+    def run_with_device_bindings(self, bindings, input_feed: dict | None = None, output_names=None,
+                                 run_options: RunOptions | None = None, single_token_step: bool = False) -> list:
+        """Run with ``bindings`` (DeviceIoBindings of this session) as inputs and outputs, plus the host
+        ``input_feed``. Bound outputs are written into their bindings; the return value lists the host outputs
+        ``output_names`` (default: every output no binding receives). ``single_token_step`` shows masks marked
+        ``decode_freeze_safe_mask`` at capacity. See :mod:`.device_binding_run`."""
+        from .device_binding_run import SessionSide, run_with_device_bindings
+
+        self._check_runnable(run_options)
+        side = SessionSide(tuple(self._handles), self._output_names, self._checked_input, self._check_output_name,
+                           self._check_bound, self._check_missing, self._executor_for, self._executor, self._profile)
+        return run_with_device_bindings(side, bindings, input_feed, output_names, single_token_step)
+
     def _device_handle(self, device_type: str, device_id: int) -> ProviderHandle:
         """This session's provider on ``device_type:device_id``, else the process-wide handle of that device."""
         kind = str(device_type).lower()

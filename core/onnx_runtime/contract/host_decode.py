@@ -1,0 +1,95 @@
+"""The greedy-decoding hooks (``device_argmax``, ``device_token_writer``) over host-accessible memory.
+
+They are the contract's defaults for providers whose "device" memory is host memory (the CPU provider),
+so a decode loop written against the contract runs unchanged there. Semantics are the CUDA kernels'
+(providers/cuda kernels/decode.cu): NaN ranks above every number, ties resolve to the lowest index (or
+the highest with ``HIGHEST_INDEX``), and the second result word is the latched validation word, which a
+host provider never raises (0).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..dtypes import DataType
+from ..errors import InvalidArgumentError
+from .buffers import DeviceBuffer, Ownership
+from .kernels import ArgmaxTieBreak
+
+ARGMAX_DTYPES = (DataType.FLOAT, DataType.FLOAT16, DataType.BFLOAT16)
+
+
+def _count(provider: str, value, what: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise InvalidArgumentError(f"{provider}: {what} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _view(provider: str, buffer, what: str, nbytes: int, writable: bool = False) -> np.ndarray:
+    if not isinstance(buffer, DeviceBuffer):
+        raise InvalidArgumentError(f"{provider}: {what} must be a DeviceBuffer, got {type(buffer).__name__}")
+    if buffer.size < nbytes:
+        raise InvalidArgumentError(f"{provider}: {what} holds {buffer.size} bytes, the operation needs {nbytes}")
+    if writable and buffer.ownership is Ownership.BORROWED:
+        raise InvalidArgumentError(f"{provider}: {what} is a read-only borrowed buffer; the operation writes it")
+    return buffer.host_view()
+
+
+def host_argmax(provider: str, logits: DeviceBuffer, elements, batch, dtype, result: DeviceBuffer,
+                tie_break) -> None:
+    """Argmax of ``batch`` rows of ``elements`` values into ``result`` (two uint32 words per row)."""
+    elements = _count(provider, elements, "elements", 1)
+    batch = _count(provider, batch, "batch")
+    dtype = DataType.parse(dtype)
+    if dtype not in ARGMAX_DTYPES:
+        raise InvalidArgumentError(f"{provider}: device argmax takes float32, float16 or bfloat16 logits, got {dtype}")
+    try:
+        tie_break = ArgmaxTieBreak.LOWEST_INDEX if tie_break is None else ArgmaxTieBreak(tie_break)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"{provider}: tie_break must be an ArgmaxTieBreak (LOWEST_INDEX or HIGHEST_INDEX), got {tie_break!r}"
+        ) from None
+    source = _view(provider, logits, "logits", elements * batch * dtype.numpy.itemsize)
+    words = _view(provider, result, "result", 8 * batch, writable=True)[: 8 * batch].view(np.uint32)
+    if batch == 0:
+        return
+    rows = source[: elements * batch * dtype.numpy.itemsize].view(dtype.numpy).reshape(batch, elements)
+    rows = rows.astype(np.float32)
+    nan = np.isnan(rows)
+    top = np.where(nan.any(axis=1, keepdims=True), nan, rows == np.nanmax(np.where(nan, -np.inf, rows), axis=1,
+                                                                            keepdims=True))
+    if tie_break.select_last_index:
+        index = elements - 1 - np.argmax(top[:, ::-1], axis=1)
+    else:
+        index = np.argmax(top, axis=1)
+    words[0::2] = index
+    words[1::2] = 0
+
+
+def host_token_writer(provider: str, result: DeviceBuffer, input_ids: DeviceBuffer, position_ids: DeviceBuffer,
+                      attention_mask: DeviceBuffer, scratch: DeviceBuffer, capacity, next_position, mask_len,
+                      write_position, step) -> None:
+    """Fold ``result`` word 0 into the decode bindings (see the ``device_token_writer`` hook)."""
+    capacity = _count(provider, capacity, "capacity")
+    mask_len = _count(provider, mask_len, "mask_len")
+    next_position = _count(provider, next_position, "next_position")
+    step = _count(provider, step, "step")
+    if step >= capacity:
+        raise InvalidArgumentError(
+            f"{provider}: step {step} is outside the scratch's {capacity} token slots (scratch[capacity] is the "
+            f"error word)"
+        )
+    words = _view(provider, result, "result", 8)[:8].view(np.uint32)
+    ids = _view(provider, input_ids, "input_ids", 8, writable=True)[:8].view(np.int64)
+    positions = _view(provider, position_ids, "position_ids", 8, writable=bool(write_position))[:8].view(np.int64)
+    mask = _view(provider, attention_mask, "attention_mask", 8 * mask_len, writable=True)[: 8 * mask_len].view(np.int64)
+    tokens = _view(provider, scratch, "scratch", 4 * (capacity + 1), writable=True)[: 4 * (capacity + 1)]
+    tokens = tokens.view(np.uint32)
+    token, flags = int(words[0]), int(words[1])
+    ids[0] = token
+    if write_position:
+        positions[0] = next_position
+    if next_position < mask_len:
+        mask[next_position] = 1
+    tokens[step] = token
+    tokens[capacity] |= flags

@@ -1,0 +1,256 @@
+"""A run whose inputs and outputs are :class:`DeviceIoBinding` buffers (``run_with_device_bindings``).
+
+Each input binding is fed as a tensor over its buffer, in place (the shape kernels see is
+``kernel_input_shape``; a window at fixed physical strides that is not one contiguous run is gathered
+into a temporary first). The run keeps the bound outputs where they are produced; each is then written
+into its binding (device to device, stream-ordered, after the kernels that read the inputs) and the
+binding's logical shape becomes the output's. Host-only sessions run through the session's
+shape-specialized executor, with numpy views of the buffers as feeds.
+
+While the run executes, a plugin on each device provider's handle (pluggy, as the device-graph runner
+does it) makes every output binding a recipient of the run's validation submission and, when no output
+goes to the host, leaves the flags for the bindings to consume at their next host-visible read. It also
+notes the device graph a replay or capture used, so a released binding resets the graph that recorded
+its address.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..contract.buffers import DeviceBuffer
+from ..contract.markers import hookimpl
+from ..dtypes import DataType
+from ..errors import InvalidArgumentError
+from ..provider_handle import ProviderHandle
+from ..tensor import Tensor
+from .device_io_binding import DeviceIoBinding, device_copy, strided_runs
+
+
+@dataclass(frozen=True)
+class SessionSide:
+    """What a bound run needs of its session (handed over by ``InferenceSession.run_with_device_bindings``)."""
+
+    handles: tuple[ProviderHandle, ...]
+    output_names: tuple[str, ...]
+    checked_input: Callable[[str, Any], Any]  # a host feed, checked against the model
+    check_output_name: Callable[[str], Any]
+    check_bound: Callable[..., None]  # a bound tensor's type and shape against the model's
+    check_missing: Callable[[dict], None]
+    executor_for: Callable[[dict], Any]  # the host executor for these feeds (shape-specialized)
+    executor: Any  # the session's executor (device sessions)
+    profile: Any
+
+
+class _RunHooks:
+    """Plugin on one device provider's handle for the duration of one bound run (see the module docstring)."""
+
+    def __init__(self, handle: ProviderHandle, bindings: list[DeviceIoBinding], recipients: list[DeviceIoBinding],
+                 defer: bool):
+        self.handle = handle
+        self.bindings = bindings
+        self.recipients = recipients
+        self.defer = defer
+        self.submission = None
+
+    @hookimpl(wrapper=True)
+    def begin_device_validation(self, registration):
+        token = yield
+        if self.submission is None:  # the run's top-level submission; subgraph executors nest inside it
+            self.submission = token
+            for binding in self.recipients:
+                binding.set_device_validation(self.handle.hook.add_device_validation_recipient(
+                    submission=token, recipient=binding.validation_registration))
+        return token
+
+    @hookimpl(tryfirst=True)
+    def consume_device_validation_error(self, registration, token):
+        if self.defer and token == self.submission:
+            return 0  # not read now: the output bindings consume it at their next host-visible read
+        return None
+
+    def _graph(self, token) -> None:
+        for binding in self.bindings:
+            binding.set_device_graph_token(token)
+
+    @hookimpl(wrapper=True)
+    def begin_owned_device_graph_capture(self):
+        token = yield
+        self._graph(token)
+        return token
+
+    @hookimpl(wrapper=True)
+    def replay_owned_device_graph(self, token):
+        result = yield
+        self._graph(token)
+        return result
+
+
+def run_with_device_bindings(session: SessionSide, bindings, input_feed: dict | None,
+                             output_names, single_token_step: bool) -> list:
+    """See :meth:`InferenceSession.run_with_device_bindings`."""
+    bindings = list(bindings)
+    inputs, outputs = _sorted(session, bindings)
+    feeds = {}
+    for name, value in (input_feed or {}).items():
+        if name in inputs:
+            raise InvalidArgumentError(f"input {name!r} is both fed and bound to a device binding; pass it once")
+        feeds[name] = session.checked_input(name, value)
+    host_names = _host_names(session, output_names, outputs)
+    temporaries: list[Tensor] = []
+    try:
+        for name, binding in inputs.items():
+            tensor = _input_tensor(binding, single_token_step, temporaries)
+            session.check_bound(name, tensor, output=False)
+            feeds[name] = tensor
+        session.check_missing(feeds)
+        names = host_names + tuple(outputs)
+        values = _execute(session, bindings, feeds, names, defer=not host_names)
+    finally:
+        for tensor in temporaries:
+            tensor.close()
+    results = values[: len(host_names)]
+    produced = dict(zip(tuple(outputs), values[len(host_names):]))
+    for name, value in produced.items():  # every shape checked before any binding is written
+        _check_output(outputs[name], name, value)
+    for name, value in produced.items():
+        _deliver(outputs[name], value)
+    return [_host(value) for value in results]
+
+
+def _sorted(session: SessionSide, bindings: list) -> tuple[dict[str, DeviceIoBinding], dict[str, DeviceIoBinding]]:
+    """The bindings by the input and the output they bind, each checked."""
+    inputs: dict[str, DeviceIoBinding] = {}
+    outputs: dict[str, DeviceIoBinding] = {}
+    for binding in bindings:
+        if not isinstance(binding, DeviceIoBinding):
+            raise InvalidArgumentError(f"bindings must be DeviceIoBinding objects, got {type(binding).__name__}")
+        if binding.closed:
+            raise InvalidArgumentError(f"device binding {binding.label} was released; create a new one")
+        if binding.allocator not in session.handles:
+            raise InvalidArgumentError(
+                f"device binding {binding.label} belongs to {binding.allocator!r}, not to a provider of this "
+                f"session; create it with this session's device_io_binding"
+            )
+        if not binding.binds_input and not binding.output_name:
+            raise InvalidArgumentError(f"device binding {binding.label} is bound to no input or output of the graph")
+        if binding.binds_input:
+            if binding.input_name in inputs:
+                raise InvalidArgumentError(f"input {binding.input_name!r} is bound by two device bindings")
+            inputs[binding.input_name] = binding
+        if binding.output_name:
+            if binding.output_name in outputs:
+                raise InvalidArgumentError(f"output {binding.output_name!r} is bound by two device bindings")
+            outputs[binding.output_name] = binding
+    return inputs, outputs
+
+
+def _host_names(session: SessionSide, output_names, outputs: dict[str, DeviceIoBinding]) -> tuple[str, ...]:
+    if output_names is None:
+        return tuple(n for n in session.output_names if n not in outputs)
+    for name in output_names:
+        session.check_output_name(name)
+        if name in outputs:
+            raise InvalidArgumentError(
+                f"output {name!r} is bound to device binding {outputs[name].label}; read it from the binding"
+            )
+    return tuple(output_names)
+
+
+def _execute(session: SessionSide, bindings: list[DeviceIoBinding], feeds: dict, names: tuple[str, ...],
+             defer: bool) -> list:
+    if all(handle.is_host_accessible for handle in session.handles):
+        feeds = {k: v.numpy() if isinstance(v, Tensor) else v for k, v in feeds.items()}  # views, no copy
+        return session.executor_for(feeds).run(feeds, names, session.profile)
+    plugins = []
+    for handle in {id(b.allocator): b.allocator for b in bindings if not b.allocator.is_host_accessible}.values():
+        mine = [b for b in bindings if b.allocator is handle]
+        plugin = _RunHooks(handle, mine, [b for b in mine if b.output_name], defer)
+        handle.pm.register(plugin, name=f"device-binding-run-{id(plugin)}")
+        plugins.append((handle, plugin))
+    try:
+        return session.executor.run_bound(feeds, names, True, session.profile)
+    finally:
+        for handle, plugin in plugins:
+            handle.pm.unregister(plugin)
+
+
+def _input_tensor(binding: DeviceIoBinding, single_token_step: bool, temporaries: list[Tensor]) -> Tensor:
+    """A tensor over the binding's buffer in the shape kernels see (gathered when strided; see the module doc)."""
+    shape = binding.kernel_input_shape(single_token_step)
+    itemsize = binding.dtype.numpy.itemsize
+    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+    runs = strided_runs(binding.physical_shape, shape, itemsize) if binding.fixed_physical_strides() else []
+    handle = binding.allocator
+    if len(runs) <= 1:
+        start = runs[0][0] if runs else 0
+        return Tensor(binding.dtype, shape, binding.buffer.alias(start, nbytes), handle)
+    gathered = Tensor.empty(binding.dtype, shape, handle)
+    temporaries.append(gathered)
+    for physical, compact, size in runs:
+        device_copy(handle, binding.buffer, physical, gathered.buffer, compact, size)
+    return gathered
+
+
+def _check_output(binding: DeviceIoBinding, name: str, value) -> None:
+    dtype = value.dtype if isinstance(value, Tensor) else DataType.from_numpy(np.asarray(value).dtype)
+    shape = tuple(value.shape)
+    if dtype is not binding.dtype:
+        raise InvalidArgumentError(
+            f"output {name!r} is {dtype.name}, but device binding {binding.label} holds {binding.dtype.name}; "
+            f"create the binding with dtype {dtype.name}"
+        )
+    physical = binding.physical_shape
+    if len(shape) != len(physical) or any(d > c for d, c in zip(shape, physical)):
+        raise InvalidArgumentError(
+            f"output {name!r} has shape {list(shape)}, beyond the capacity {list(physical)} of device binding "
+            f"{binding.label}; allocate the binding with a larger physical shape"
+        )
+
+
+def _deliver(binding: DeviceIoBinding, value) -> None:
+    """Write a run's output into ``binding`` (compactly, or scattered at fixed strides) and adopt its shape."""
+    shape = tuple(value.shape)
+    handle, target = binding.allocator, binding.buffer
+    itemsize = binding.dtype.numpy.itemsize
+    runs = strided_runs(binding.physical_shape, shape, itemsize) if binding.fixed_physical_strides() else \
+        [(0, 0, int(np.prod(shape, dtype=np.int64)) * itemsize)]
+    device_value = isinstance(value, Tensor) and value.device == target.device and not handle.is_host_accessible
+    if device_value:
+        source = value.buffer
+        if len(runs) == 1 and source.ptr == target.ptr + runs[0][0]:
+            pass  # the kernel wrote it in place
+        elif _overlaps(source, target):  # an output aliasing this buffer elsewhere: stage it first
+            with value.try_clone() as staged:
+                _scatter(handle, staged.buffer, target, runs)
+        else:
+            _scatter(handle, source, target, runs)
+    elif handle.is_host_accessible:
+        raw = np.ascontiguousarray(value.numpy() if isinstance(value, Tensor) else value).reshape(-1).view(np.uint8)
+        view = target.host_view()
+        for physical, compact, size in runs:
+            view[physical: physical + size] = raw[compact: compact + size]  # numpy copes with overlap
+    else:  # produced on the host (or another device) for a device binding: an upload, counted
+        raw = np.ascontiguousarray(value.numpy() if isinstance(value, Tensor) else value).reshape(-1).view(np.uint8)
+        for physical, compact, size in runs:
+            binding.write_bytes(physical, raw[compact: compact + size])
+    binding.set_logical_shape(shape)
+
+
+def _scatter(handle: ProviderHandle, source: DeviceBuffer, target: DeviceBuffer, runs) -> None:
+    for physical, compact, size in runs:
+        device_copy(handle, source, compact, target, physical, size)
+
+
+def _overlaps(a: DeviceBuffer, b: DeviceBuffer) -> bool:
+    return a.ptr < b.ptr + b.size and b.ptr < a.ptr + a.size
+
+
+def _host(value):
+    if isinstance(value, Tensor):
+        return value.numpy() if not value.provider.is_host_accessible else value.numpy().copy()
+    return value
