@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper
 from onnx_runtime import DeviceGraphOwner, DeviceGraphSlot, DeviceGraphToken, ProviderHandle
 from onnx_runtime.errors import InvalidArgumentError
+from onnx_runtime_sample_provider import SampleDeviceExecutionProvider
 
 SAMPLE = "SampleDeviceExecutionProvider"
 PRIMARY, VERIFY = DeviceGraphSlot.PRIMARY, DeviceGraphSlot.VERIFY
@@ -120,3 +121,134 @@ def test_slot_iteration_yields_only_slots_and_a_reset_sweep_is_safe():
     with pytest.raises(InvalidArgumentError, match="not a device graph slot"):
         handle.hook.reset_device_graph_in(slot=2)
     handle.shutdown()
+
+
+# -- segmented capture and the VERIFY slot through the defaults -----------------------------------------------------
+def seam_model() -> bytes:
+    """y = Relu(x) * Neg(Relu(x)) + x: Neg runs on the CPU provider (the sample device runs Relu, Mul, Add only),
+    an eager seam between the sample device's nodes."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Neg", ["r"], ["n"], name="neg"),
+             helper.make_node("Mul", ["r", "n"], ["m"], name="mul"),
+             helper.make_node("Add", ["m", "x"], ["y"], name="add")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+
+
+def seam_reference(x: np.ndarray) -> np.ndarray:
+    r = np.maximum(x.astype(np.float64), 0)
+    return -r * r + x
+
+
+class SegmentedSampleExecutionProvider(SampleDeviceExecutionProvider):
+    """The sample device with graph segments on its single-slot hooks: a capture after an installed graph adds a
+    segment (the defaults reset the slot before a fresh capture), and a segment replays on its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.segments: list[list] = []
+
+    @ort.hookimpl
+    def name(self):
+        return "SegmentedSampleExecutionProvider"
+
+    @ort.hookimpl
+    def short_name(self):
+        return "sample-segments"
+
+    @ort.hookimpl
+    def end_device_graph_capture(self):
+        if self._recording is None:
+            raise InvalidArgumentError("no device graph capture is in progress")
+        self.segments.append(self._recording)
+        self._recording = None
+
+    def _launch(self, launches):
+        for fn, inputs, out, shape in launches:
+            self._float32(out, shape)[...] = fn(*[self._float32(b, s) for b, s in inputs])
+            self.graph_launches += 1
+
+    @ort.hookimpl
+    def replay_device_graph(self):
+        for segment in self.segments:
+            self._launch(segment)
+
+    @ort.hookimpl
+    def replay_device_graph_segment(self, index):
+        self._launch(self.segments[index])
+
+    @ort.hookimpl
+    def reset_device_graph(self):
+        installed, self.segments = bool(self.segments), []
+        return installed
+
+
+@pytest.fixture
+def segmented_sample():
+    ort.register_provider(SegmentedSampleExecutionProvider)
+    yield "SegmentedSampleExecutionProvider"
+    ort.unregister_provider("SegmentedSampleExecutionProvider")
+
+
+def seam_session(provider: str) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.graph_capture", "1")
+    return ort.InferenceSession(seam_model(), options, providers=[provider, "CPUExecutionProvider"])
+
+
+def test_segments_with_an_eager_seam_through_the_defaults(segmented_sample):
+    session = seam_session(segmented_sample)
+    assert {p.provider for p in session.placement()} == {segmented_sample, "CPUExecutionProvider"}
+    device = session.provider_handle(segmented_sample).provider
+    runner = session._executor.graphs  # noqa: SLF001
+    rng = np.random.default_rng(2)
+    for _ in range(5):
+        x = rng.standard_normal(6).astype(np.float32)
+        (y,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(y, seam_reference(x), rtol=1e-6, atol=1e-6)
+    assert session.device_graph_status() == (
+        "replaying 2 graph segments with eager seams (node 'neg' (Neg) runs on CPUExecutionProvider, a host "
+        "provider)")
+    assert runner.counts["captures"] == 1 and runner.counts["segment_captures"] == 2
+    assert runner.counts["segment_replays"] == 2 * 4  # the capturing run launches its segments too
+    assert len(device.segments) == 2 and device.graph_launches == 3 * 4  # relu | mul, add: recorded, not eager
+    session.close()
+    assert device.frees == device.allocations
+
+
+def test_a_provider_without_segment_replay_runs_a_seamed_plan_eagerly():
+    session = seam_session(SAMPLE)
+    x = np.linspace(-2, 2, 6, dtype=np.float32)
+    for _ in range(3):
+        (y,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(y, seam_reference(x), rtol=1e-6, atol=1e-6)
+    assert session.device_graph_status() == (
+        "eager: node 'neg' (Neg) runs on CPUExecutionProvider, a host provider; SampleDeviceExecutionProvider does "
+        "not replay graph segments (replay_device_graph_segment), so the eager seams between segments cannot run")
+    session.close()
+
+
+def test_verify_runs_on_a_primary_only_provider_stay_eager_and_keep_the_decode_graph():
+    session = capture_session()
+    runner = session._executor.graphs  # noqa: SLF001
+    verify = ort.RunOptions()
+    verify.add_run_config_entry("device_graph.slot", "verify")
+    rng = np.random.default_rng(4)
+    for step in range(6):  # decode steps (1 row) and verification steps (4 rows) interleaved
+        x = rng.standard_normal(1).astype(np.float32)
+        (y,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(y, reference(x), rtol=1e-6, atol=1e-6)
+        if step:
+            assert session.device_graph_status() == "replaying"
+        x = rng.standard_normal(4).astype(np.float32)
+        (y,) = session.run(None, {"x": x}, verify)
+        np.testing.assert_allclose(y, reference(x), rtol=1e-6, atol=1e-6)
+        if step:
+            assert "slot VERIFY is not supported" in session.device_graph_status()
+    assert runner.captures == 1 and runner.replays == 5  # the decode graph was never evicted
+    bad = ort.RunOptions()
+    bad.add_run_config_entry("device_graph.slot", "draft")
+    with pytest.raises(InvalidArgumentError, match="'primary'.*'verify'"):
+        session.run(None, {"x": x}, bad)
+    session.close()

@@ -310,7 +310,7 @@ def test_a_transformer_decode_step_is_captured_and_replayed(downloads):
 
 def test_a_shape_input_computed_at_run_time_names_the_node_that_keeps_the_step_eager():
     """The same step with the first attention Reshape's target a feed: it runs (reading the target back every
-    run), and the status names that node and input as the reason nothing is captured."""
+    run) as an eager seam between captured segments, and the status names that node and input as the reason."""
     import onnx
 
     model = onnx.load_from_string(decode_step_model())
@@ -321,11 +321,12 @@ def test_a_shape_input_computed_at_run_time_names_the_node_that_keeps_the_step_e
     session = capture_session(model.SerializeToString(), CUDA_FIRST)
     feeds = {**decode_feeds(0), "k_heads_target": np.array([1, HEADS, PAST + 1, HEAD_DIM], np.int64)}
     expected = ort.InferenceSession(decode_step_model(), providers=["CPUExecutionProvider"]).run(None, decode_feeds(0))
-    for _ in range(2):
+    for _ in range(3):
         got = session.run(None, feeds)
         np.testing.assert_allclose(got[0], expected[0], rtol=1e-4, atol=1e-5)
     status = session.device_graph_status()
-    assert status.startswith("eager: node 'l0_k_heads' (Reshape) reads input 1 ('k_heads_target') on the host"), status
+    assert status.startswith("replaying 3 graph segments with eager seams (node 'l0_k_heads' (Reshape) reads input 1 "
+                             "('k_heads_target') on the host"), status
     session.close()
 
 

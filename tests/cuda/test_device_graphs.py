@@ -446,7 +446,7 @@ def test_the_arena_keeps_addresses_and_frees_everything():
     np.testing.assert_allclose(y, expected(x, ("Axpb",) * 5), rtol=1e-6)
     assert counts[3] == counts[2]  # replays allocate nothing
     runner = session._executor.graphs
-    (entry,) = runner._entries.values()
+    (entry,) = runner._entries[PRIMARY].values()
     # Each step frees its input after allocating its output, so five steps alternate between two blocks.
     assert entry.arena.layout.top == 2 * 256 <= entry.arena_bytes
     session.close()
@@ -477,28 +477,92 @@ def host_provider():
     ort.unregister_provider("TestHostExecutionProvider")
 
 
-@pytest.mark.parametrize("case, reason", [
-    ("host node", "node 'n1' (Axpb) runs on TestHostExecutionProvider, a host provider"),
-    ("unresolved shape", "node 'n0' (Axpb): data-dependent output shape was unresolved before capture"),
-    ("not capturable", "node 'n1' (AxpbNoCapture): its kernel is marked not capturable"),
-])
-def test_runs_that_cannot_be_captured_run_eagerly_and_say_why(case, reason, host_provider):
-    ops = ("Axpb", "AxpbNoCapture" if case == "not capturable" else "Axpb", "Axpb")
+def test_unresolved_shapes_leave_nothing_to_capture():
     # Unannotated outputs alone would not do: the CUDA kernels declare their host inputs (none here), so the
     # session derives their output shapes from resolved input shapes; an input dim no name ties to the feeds does.
-    unresolved = case == "unresolved shape"
-    model = axpb_model(ops, shape=(None, 8) if unresolved else ("N", 8), annotate=not unresolved,
-                       host_node=1 if case == "host node" else None)
-    session = capture_session(model, providers=(CUDA, host_provider))
+    ops = ("Axpb",) * 3
+    session = capture_session(axpb_model(ops, shape=(None, 8), annotate=False))
     x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(2, 8)
-    for run in range(3):
+    for _ in range(3):
         (y,) = session.run(None, {"x": x})
         np.testing.assert_allclose(y, expected(x, ops), rtol=1e-6)
-        # A kernel cached per shape is known only once the run's shapes are: after the warm-up.
-        if run or case != "not capturable":
-            assert session.device_graph_status().startswith(f"eager: {reason}")
+        assert session.device_graph_status() == (
+            "eager: node 'n0' (Axpb): data-dependent output shape was unresolved before capture")
     assert session._executor.graphs.captures == 0
     session.close()
+
+
+def _check_leaks(session):
+    handle = session.provider_handle("cuda")
+    graphs = graphs_of(handle)
+    session.close()
+    assert graphs.instantiated == graphs.destroyed
+    allocations, frees = handle.allocation_counts()
+    assert allocations == frees
+
+
+def test_a_host_node_between_device_nodes_is_an_eager_seam_between_two_segments(host_provider):
+    """Before segmented capture, one host node made the whole run eager (0 captures)."""
+    ops = ("Axpb", "Axpb", "Axpb", "Axpb")
+    session = capture_session(axpb_model(ops, host_node=1), providers=(CUDA, host_provider))
+    runner = session._executor.graphs
+    rng = np.random.default_rng(1)
+    statuses = []
+    for _ in range(5):  # new values every run: the seam's pinned value and the persistent input are refreshed
+        x = rng.standard_normal((2, 8)).astype(np.float32)
+        (y,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(y, expected(x, ops), rtol=1e-5)
+        statuses.append(session.device_graph_status())
+    assert statuses[0].startswith("eager: warming up")
+    assert statuses[1:] == ["replaying 2 graph segments with eager seams (node 'n1' (Axpb) runs on "
+                            "TestHostExecutionProvider, a host provider)"] * 4
+    assert runner.counts == {"captures": 1, "replays": 4, "segment_captures": 2, "segment_replays": 8,
+                             "seam_steps": 3 * 3}  # per replay: download, host node, upload into the pin
+    assert graphs_of(session.provider_handle("cuda")).instantiated == 2
+    _check_leaks(session)
+
+
+def test_a_seam_first_and_last(host_provider):
+    ops = ("Axpb", "Axpb", "Axpb")
+    nodes, current = [], "x"
+    for i, op in enumerate(ops):  # n0 and n2 on the host, n1 on the device
+        out = "y" if i == 2 else f"t{i}"
+        nodes.append(helper.make_node(op, [current], [out], name=f"n{i}", domain=DOMAIN if i == 1 else "test.host",
+                                      alpha=float(i + 2), beta=float(i)))
+        current = out
+    vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 8]) for n in ("t0", "t1")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])], value_info=vi)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1), helper.make_opsetid("test.host", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=9).SerializeToString()
+    session = capture_session(model, providers=(CUDA, host_provider))
+    for value in (1.0, 2.0, -3.0, 0.5):
+        x = np.full((3, 8), value, np.float32)
+        (y,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(y, expected(x, ops), rtol=1e-6)
+    assert session.device_graph_status().startswith("replaying 1 graph segment with eager seams (node 'n0'")
+    assert session._executor.graphs.counts["segment_captures"] == 1
+    _check_leaks(session)
+
+
+def test_a_kernel_found_not_capturable_at_capture_becomes_a_seam():
+    """The kernel of a node cached per shape is known only once the run's shapes are: the capture that meets it
+    refuses it, and the next one captures the segments around it."""
+    ops = ("Axpb", "AxpbNoCapture", "Axpb")
+    session = capture_session(axpb_model(ops))
+    x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(2, 8)
+    statuses = []
+    for _ in range(4):
+        (y,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(y, expected(x, ops), rtol=1e-6)
+        statuses.append(session.device_graph_status())
+    assert statuses[0].startswith("eager: warming up")
+    assert statuses[1] == ("eager: node 'n1' (AxpbNoCapture): its kernel is marked not capturable; the next run "
+                           "captures the segments around it")
+    assert statuses[2:] == ["replaying 2 graph segments with eager seams (node 'n1' (AxpbNoCapture): its kernel "
+                            "is marked not capturable)"] * 2
+    assert session._executor.graphs.counts["segment_captures"] == 2
+    _check_leaks(session)
 
 
 def test_a_kernel_that_synchronizes_fails_the_capture_and_runs_eagerly():
@@ -561,7 +625,7 @@ def test_a_graph_reset_out_of_band_is_captured_again():
     for _ in range(2):
         session.run(None, {"x": x})
     runner = session._executor.graphs
-    (entry,) = runner._entries.values()
+    (entry,) = runner._entries[PRIMARY].values()
     handle = session.provider_handle("cuda")
     assert handle.hook.reset_owned_device_graph(token=entry.token)  # e.g. the provider evicted it
     for status in ("eager: warming up", "replaying"):
@@ -582,7 +646,7 @@ def test_many_shapes_keep_a_bounded_number_of_graphs():
             (y,) = session.run(None, {"x": x})
         np.testing.assert_allclose(y, np.full((rows, 8), 2.0, np.float32))
     runner = session._executor.graphs
-    assert len(runner._entries) == MAX_GRAPHS
+    assert len(runner._entries[PRIMARY]) == MAX_GRAPHS
     graphs = graphs_of(session.provider_handle("cuda"))
     assert graphs.instantiated == MAX_GRAPHS + 2 and graphs.destroyed == 2
     session.close()
@@ -699,3 +763,154 @@ def test_signatures_on_the_slot_hooks_each_capture_a_graph_of_their_own():
         session.close()
     finally:
         ort.unregister_provider(name)
+
+
+def test_verify_steps_keep_their_own_graph_beside_the_decode_step():
+    """On a provider with one graph per slot (the slot hooks through the defaults), decode steps (1 row) and
+    verification steps (4 rows) in one slot evict each other's graph at every alternation; with the verification
+    steps in the VERIFY slot both graphs stay installed and every run replays."""
+    name = SlotHooksOnlyCUDAExecutionProvider.__name__
+    ort.register_provider(SlotHooksOnlyCUDAExecutionProvider)
+    try:
+        ops = ("Axpb", "Axpb")
+        verify = ort.RunOptions()
+        verify.add_run_config_entry("device_graph.slot", "verify")
+        rng = np.random.default_rng(6)
+        captures = {}
+        for use_slot in (False, True):
+            session = capture_session(axpb_model(ops), providers=(name,))
+            for _ in range(5):
+                for rows, options in ((1, None), (4, verify if use_slot else None)):
+                    x = rng.standard_normal((rows, 8)).astype(np.float32)
+                    (y,) = session.run(None, {"x": x}, options)
+                    np.testing.assert_allclose(y, expected(x, ops), rtol=1e-6)
+            captures[use_slot] = session._executor.graphs.counts["captures"]
+            assert session.device_graph_status() == "replaying" or not use_slot
+            session.close()
+        assert captures == {False: 4, True: 2}, captures
+    finally:
+        ort.unregister_provider(name)
+
+
+class CountingDriver:
+    """The driver module with a count per call name (syncs: cu*Synchronize; host transfers: cuMemcpyHtoD*/DtoH*)."""
+
+    def __init__(self, driver):
+        self._driver = driver
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        attribute = getattr(self._driver, name)
+        if not name.startswith("cu") or not callable(attribute):
+            return attribute
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attribute(*args, **kwargs)
+        return counted
+
+    def syncs(self) -> int:
+        return sum(n for name, n in self.calls.items() if "Synchronize" in name)
+
+    def host_transfers(self) -> int:
+        return sum(n for name, n in self.calls.items() if name.startswith(("cuMemcpyHtoD", "cuMemcpyDtoH")))
+
+
+def decode_model() -> bytes:
+    """y = Axpb(x + Gather(table, ids)) with alpha 0.5: a step whose Gather validates its index on the device."""
+    table = helper.make_tensor("table", TensorProto.FLOAT, [5, 8], np.linspace(-1, 1, 40, dtype=np.float32).tolist())
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["rows"], name="gather"),
+             helper.make_node("Add", ["x", "rows"], ["s"], name="add"),
+             helper.make_node("Axpb", ["s"], ["y"], name="scale", domain=DOMAIN, alpha=0.5, beta=0.0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8]),
+                                           helper.make_tensor_value_info("ids", TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], initializer=[table])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=9).SerializeToString()
+
+
+def test_a_replayed_decode_step_neither_synchronizes_nor_transfers(monkeypatch):
+    """An io_binding loop whose state stays on the device: each step feeds the previous step's output back
+    (device to device) and replays; the driver sees no synchronization and no host transfer until the caller
+    reads the result, although the step's Gather validates on the device (its flags are read with the result:
+    before, every run read them back, a transfer and a synchronization per step)."""
+    session = capture_session(decode_model())
+    handle = session.provider_handle("cuda")
+    table = np.linspace(-1, 1, 40, dtype=np.float32).reshape(5, 8).astype(np.float64)
+    state = ort.Tensor.from_numpy(np.full((1, 8), 0.5, np.float32), provider=handle)
+    ids = ort.Tensor.from_numpy(np.array([3], np.int64), provider=handle)
+    out = ort.Tensor.zeros(ort.DataType.FLOAT, (1, 8), provider=handle)
+    binding = session.io_binding()
+    binding.bind_ortvalue_input("x", ort.OrtValue(state))
+    binding.bind_ortvalue_input("ids", ort.OrtValue(ids))
+    binding.bind_output("y", "cuda", 0, np.float32, [1, 8], out.device_ptr)
+    counting = CountingDriver(handle.provider.cuda_device().driver)
+    monkeypatch.setattr(handle.provider.cuda_device(), "driver", counting)
+    x = np.full((1, 8), 0.5, np.float64)
+    per_step = []
+    for step in range(6):
+        counting.calls.clear()
+        session.run_with_iobinding(binding)
+        handle.hook.copy_device_to_device(src=out.buffer, src_offset=0, dst=state.buffer, dst_offset=0,
+                                          nbytes=out.nbytes)  # the next step's input, on the stream
+        x = 0.5 * (x + table[3])
+        per_step.append((counting.syncs(), counting.host_transfers(), dict(counting.calls)))
+        if step >= 2:
+            assert session.device_graph_status() == "replaying"
+    for syncs, transfers, calls in per_step[2:]:
+        assert (syncs, transfers) == (0, 0), calls
+        assert calls.get("cuGraphLaunch") == 1
+    counting.calls.clear()
+    (y,) = binding.copy_outputs_to_cpu()  # the one read the caller chooses, and the validation word's
+    assert counting.host_transfers() == 2
+    np.testing.assert_allclose(y, x, rtol=1e-6)
+    session.close()
+
+
+def gather_model() -> bytes:
+    """y = Axpb(Gather(table, ids)): a device kernel that validates its indices, then one that does not."""
+    table = helper.make_tensor("table", TensorProto.FLOAT, [5, 8], np.arange(40, dtype=np.float32).tolist())
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["rows"], name="gather"),
+             helper.make_node("Axpb", ["rows"], ["y"], name="scale", domain=DOMAIN, alpha=2.0, beta=0.0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])], initializer=[table])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=9).SerializeToString()
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_validation_of_a_device_resident_run_waits_for_the_next_host_read(capture):
+    """The flags of a run whose outputs stay on the device are read at the next host-visible read (or before the
+    next run opens its own), not inside run_with_iobinding; an error is raised there, typed and naming the nodes,
+    and never dropped."""
+    session = capture_session(gather_model(), capture=capture)
+    handle = session.provider_handle("cuda")
+    ids = ort.Tensor.from_numpy(np.array([1, 3], np.int64), provider=handle)
+    binding = session.io_binding()
+    binding.bind_ortvalue_input("ids", ort.OrtValue(ids))
+    binding.bind_output("y", "cuda", 0)
+    table = np.arange(40, dtype=np.float32).reshape(5, 8)
+    for _ in range(3):
+        session.run_with_iobinding(binding)
+    np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], 2 * table[[1, 3]])
+    handle.copy_from_host(np.array([1, 99], np.int64), ids.buffer)  # out of range
+    session.run_with_iobinding(binding)  # nothing read back: no error yet
+    with pytest.raises(ort.errors.DeviceValidationError, match=r"flags=0x1.*'gather' \(Gather\)"):
+        binding.copy_outputs_to_cpu()
+    binding.copy_outputs_to_cpu()  # consumed once
+    session.run_with_iobinding(binding)  # still out of range
+    handle.copy_from_host(np.array([2, 2], np.int64), ids.buffer)
+    session.run_with_iobinding(binding)  # a valid run joins the open submission: the earlier flags stay
+    with pytest.raises(ort.errors.DeviceValidationError, match="flags=0x1"):
+        binding.copy_outputs_to_cpu()
+    session.run_with_iobinding(binding)
+    np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], 2 * table[[2, 2]])
+    handle.copy_from_host(np.array([7, 0], np.int64), ids.buffer)
+    session.run_with_iobinding(binding)
+    with pytest.raises(ort.errors.DeviceValidationError, match="flags=0x1"):  # a run reading to the host
+        session.run(None, {"ids": np.array([0, 1], np.int64)})
+    handle.copy_from_host(np.array([4, 0], np.int64), ids.buffer)
+    session.run_with_iobinding(binding)
+    binding.synchronize_outputs()
+    np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], 2 * table[[4, 0]])
+    session.close()

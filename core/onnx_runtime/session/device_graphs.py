@@ -1,43 +1,47 @@
-"""Device-graph capture and replay of whole runs, for sessions that enable it.
+"""Device-graph capture and replay, for sessions that enable it.
 
-Enable it with ``SessionOptions.add_session_config_entry("session.graph_capture", "1")``. A plan is
-captured when every node runs on one device provider that implements the owner-scoped device-graph
-hooks, no node reads a value computed at run time on the host (a declared ``host_inputs`` position that
-is not a constant: reading it back synchronizes, which a capture cannot record), every node passes that
-provider's ``plan_capture_region`` policy (no control flow or sequences, every input and output shape
-fixed by the feed shapes), and no kernel says ``capturable = False``.
+Enable it with ``SessionOptions.add_session_config_entry("session.graph_capture", "1")``. Which steps of a
+plan are captured, and which run eagerly in the *seams* between the captured *segments*, is planned by
+:mod:`.device_graph_regions`: the nodes of one device provider with device graphs, except those that read
+run-time values on the host, fail its ``plan_capture_region`` policy or have kernels marked
+``capturable = False``. A plan whose every step is captured is one graph (any provider with device graphs
+replays it); a plan with seams needs a provider that replays graph segments (``replay_device_graph_segment``).
 
-Shapes fixed by the feed shapes ("resolved"): an initializer's, one shape inference expressed in the graph
-inputs' dimensions, and, where inference gave up (a Slice whose starts were folded to constants after it
-ran, say), the outputs of a node whose provider declares its ``host_inputs``, whose input shapes are
-resolved and whose host inputs are constants: the declaration says the output shapes follow from those.
-Per signature of the feeds (names, shapes, dtypes):
+Per signature of the feeds (:func:`device_graph_key`: names, shapes, dtypes, addresses of device feeds):
 
 1. The first run is eager, while a recorder follows the provider's allocations to size an *arena*:
-   one device allocation that will hold every buffer the captured run allocates.
-2. The second run captures: the feeds are uploaded into persistent input buffers, then the node
-   kernels run once more inside ``begin/end_owned_device_graph_capture``, each allocation served from
-   the arena (frees return blocks of the same size for reuse), so every buffer the graph touches keeps
-   its address for as long as the graph lives. Nothing executes during a capture: the graph is then
-   replayed once for this run's outputs.
-3. Later runs copy the feeds into the persistent inputs, replay, and download the persistent outputs.
+   one device allocation that will hold every buffer the captured segments allocate.
+2. The second run captures: the feeds are uploaded into persistent input buffers, then each segment's
+   kernels run inside ``begin/end_owned_device_graph_capture`` (later segments continue the first one's
+   token), each allocation served from the arena (frees return blocks of the same size for reuse), so every
+   buffer a graph touches keeps its address for as long as the graph lives. Nothing executes during a
+   capture: each segment is launched right after it is recorded, and the seam after it runs eagerly on what
+   it computed. A seam value a later segment reads is copied into a persistent (*pinned*) buffer.
+3. Later runs copy the feeds into the persistent inputs, launch the segments with the seams between them
+   (reading segment values at their arena addresses, pinning what they give back), and download outputs.
 
 IO-bound runs (:meth:`DeviceGraphRunner.run_plan`) may feed Tensors already on the device: those are not
 copied into persistent inputs but captured where they are, so their addresses are part of the signature
 (a bound buffer whose address stays the same replays; another address is another signature). Outputs the
 binding keeps on the device are handed out as device copies of the arena's, which the next replay rewrites.
 
-A run that cannot be captured runs eagerly and says why in :attr:`DeviceGraphRunner.status` (the
-session's ``device_graph_status()``); a capture that fails (a kernel synchronizing with the host, say)
-is abandoned for that signature, with the error as the reason. At most ``MAX_GRAPHS`` signatures keep a
-graph; the least recently used one is dropped (graph reset, owner retired, arena freed).
+Slots. A run is captured in the slot its caller names (``PRIMARY``, the decode step, by default; ``VERIFY``
+for a multi-token verification step, selected by the run option :data:`.executor.GRAPH_SLOT_KEY`). Each slot
+keeps its own signatures, at most ``MAX_GRAPHS`` each (the least recently used one is dropped: graph reset,
+owner retired, arena freed), so verification steps never evict the decode step's graph. A provider that owns
+only the PRIMARY slot refuses a VERIFY capture: those runs stay eager and the decode graph stays installed.
 
-Each captured signature is its own :class:`DeviceGraphOwner` in the PRIMARY slot, so graphs of
-different signatures never replace each other on a provider that keeps a graph per owner. On one that
-holds a single graph (the contract's defaults over the single-slot hooks), a capture replaces the graph
-of the signature before; that signature's token then reports its graph gone, and its next run is
-captured afresh instead of replaying another signature's graph. Validation submissions work as in eager runs: a graph
-captured during a submission keeps raising flags into the executor's validation word at every replay.
+A run that cannot be captured runs eagerly and says why in :attr:`DeviceGraphRunner.status` (the session's
+``device_graph_status()``); :attr:`DeviceGraphRunner.counts` counts captures, replays and segments. A capture
+that fails (a kernel synchronizing with the host, say) is abandoned for that signature, with the error as the
+reason; a kernel chosen for the run's shapes that refuses capture becomes a seam at the next capture.
+
+Each captured signature is its own :class:`DeviceGraphOwner`, so graphs of different signatures never
+replace each other on a provider that keeps a graph per owner. On one that holds a single graph per slot
+(the contract's defaults over the slot hooks), a capture replaces the graph of the signature before; that
+signature's token then reports its graph gone, and its next run is captured afresh instead of replaying
+another signature's graph. Validation submissions work as in eager runs: a graph captured during a
+submission keeps raising flags into the executor's validation word at every replay.
 """
 
 from __future__ import annotations
@@ -50,21 +54,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..contract.buffers import DeviceBuffer, Ownership
-from ..contract.graphs import CaptureRegionShapeStatus, DeviceGraphOwner, DeviceGraphSlot, DeviceGraphToken
+from ..contract.graphs import DeviceGraphOwner, DeviceGraphSlot, DeviceGraphToken
 from ..contract.markers import hookimpl
+from ..dtypes import DataType
 from ..errors import KernelError, OnnxRuntimeError
-from ..ir import Node
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
+from .device_graph_regions import Region, RegionPlanner
 from .io_binding import copy_on_device
-from .steps import Plan, ShapeKeyedKernel, Step, Steps, Uploader, downloader, run_steps, shape_of, to_host
+from .steps import Plan, ShapeKeyedKernel, Step, Steps, Uploader, run_steps, shape_of, to_host
 
 if TYPE_CHECKING:
     from .executor import Executor
 
 MAX_GRAPHS = 8
 MAX_CAPTURE_ATTEMPTS = 3  # an arena that turns out too small is grown and the capture retried this often
-_GRAPH_HOOKS = ("begin_owned_device_graph_capture", "begin_device_graph_capture_in", "begin_device_graph_capture")
 _ARENA_ALIGNMENT = 256
 
 
@@ -195,22 +199,69 @@ class _AllocationRecorder:
         return (yield)
 
 
-@dataclass
-class _Region:
-    """What capturing one plan involves. A plan that cannot be captured has a reason instead (a str)."""
+class _SeamChanged(OnnxRuntimeError):
+    """A seam value a segment reads changed type or shape between runs of one signature."""
 
-    handle: ProviderHandle  # the one device provider every node runs on
-    node_steps: list[Step]
-    steps: Steps  # the node steps as a capture runs them (see _CaptureGuard)
-    uploads: list[tuple[str, int]]  # (feed name, device slot)
-    downloads: dict[int, int]  # host output slot -> device slot
-    kept: set[int]  # output slots returned on the device (IO binding)
+
+@dataclass(eq=False)
+class _Pin:
+    """The persistent buffer on the region's provider that a seam value a segment reads is copied into."""
+
+    handle: ProviderHandle
+    label: str
+    tensor: Tensor | None = None
+
+    def store(self, value) -> Tensor:
+        handle = self.handle
+        on_device = isinstance(value, Tensor) and value.device == handle.device_id
+        if on_device:
+            dtype, shape = value.dtype, value.shape
+        else:
+            value = np.ascontiguousarray(to_host(value))
+            dtype, shape = DataType.from_numpy(value.dtype), value.shape
+        tensor = self.tensor
+        if tensor is None:
+            tensor = self.tensor = Tensor.empty(dtype, shape, handle)
+        elif tensor.dtype is not dtype or tensor.shape != tuple(shape):
+            raise _SeamChanged(
+                f"{self.label} gave {dtype.ort_type} {list(shape)} where the captured graph reads "
+                f"{tensor.dtype.ort_type} {list(tensor.shape)} (a shape that depends on data)"
+            )
+        if tensor.nbytes:
+            if on_device:
+                copy_on_device(handle, value.buffer, tensor.buffer, tensor.nbytes)
+            else:
+                handle.copy_from_host(value, tensor.buffer)
+        return tensor
+
+    def close(self) -> None:
+        if self.tensor is not None:
+            self.tensor.close()
+            self.tensor = None
+
+
+class _Pinning:
+    """A seam step whose outputs at ``pins`` (output index, pin) go to persistent buffers."""
+
+    __slots__ = ("run", "pins")
+
+    def __init__(self, run, pins: list[tuple[int, _Pin]]):
+        self.run, self.pins = run, pins
+
+    def __call__(self, *inputs):
+        if isinstance(self.run, Uploader):  # straight into the pin, without a buffer of its own
+            return (self.pins[0][1].store(inputs[0]),)
+        results = list(self.run(*inputs))
+        for index, pin in self.pins:
+            results[index] = pin.store(results[index])
+        return results
 
 
 @dataclass(eq=False)
 class _Run:
     """One run's plan, feeds and output conversion (the executor's), as the runner passes them along."""
 
+    plan_key: tuple
     plan: Plan
     feeds: dict
     convert: Callable[[Any], Any]
@@ -221,17 +272,41 @@ class _Run:
 
 @dataclass(eq=False)
 class _Entry:
-    """One captured feed signature."""
+    """One captured feed signature, in one slot."""
 
-    handle: ProviderHandle  # its region's device provider
+    region: Region
     owner: DeviceGraphOwner
+    slot: DeviceGraphSlot
     arena_bytes: int
+    forced: frozenset[str] = frozenset()  # nodes whose kernel for these shapes turned out not capturable
     attempts: int = 0
     failure: str = ""
     token: DeviceGraphToken | None = None
     arena: _Arena | None = None
-    inputs: list[tuple[str, Tensor]] = field(default_factory=list)
-    outputs: dict[int, Tensor] = field(default_factory=dict)  # host output slot -> persistent device tensor
+    inputs: list[tuple[str, int, Tensor]] = field(default_factory=list)  # (feed, slot, persistent input)
+    outputs: dict[int, Tensor] = field(default_factory=dict)  # segment slot -> arena tensor, kept to the end
+    views: dict[int, Tensor] = field(default_factory=dict)  # segment slot a seam reads -> view of its arena block
+    parts: list[tuple[bool, Steps]] = field(default_factory=list)  # the schedule, seams pinning
+    pins: list[_Pin] = field(default_factory=list)
+
+    @property
+    def handle(self) -> ProviderHandle:
+        return self.region.handle
+
+
+def device_graph_key(plan_key: tuple, plan: Plan, feeds: dict) -> tuple | None:
+    """The key a run's device graph is kept under (within its slot): the plan, and per feed its name, shape and
+    dtype; a feed already on the device (IO binding) is captured where it is, so its address too. None when a
+    feed is not a tensor."""
+    signature: list[tuple] = []
+    for name, value in feeds.items():
+        if isinstance(value, np.ndarray):
+            signature.append((name, value.shape, value.dtype.str))
+        elif isinstance(value, Tensor) and name in plan.device_feeds:
+            signature.append((name, value.shape, value.dtype.name, value.device_ptr))
+        else:
+            return None
+    return (plan_key, tuple(sorted(signature)))
 
 
 class DeviceGraphRunner:
@@ -240,153 +315,65 @@ class DeviceGraphRunner:
     def __init__(self, executor: Executor):
         self.executor = executor
         self.status = "eager: no run yet"
-        self.captures = 0
-        self.replays = 0
-        self._regions: dict[tuple, _Region | str] = {}  # plan key (output names, or IO binding's) -> region
-        self._bound: set[str] = set()
-        self._derived: set[str] = set()  # values whose shapes follow from resolved inputs and constants
-        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self.captures = 0  # signatures captured
+        self.replays = 0  # runs that replayed graphs (the capturing runs included)
+        self.segment_captures = 0  # graph segments recorded
+        self.segment_replays = 0  # graph segments launched
+        self.seam_steps = 0  # steps run eagerly between segments
+        self._planner = RegionPlanner(executor)
+        self._regions: dict[tuple, Region | str] = {}  # (plan key, forced seams) -> region
+        self._entries: dict[DeviceGraphSlot, OrderedDict[tuple, _Entry]] = {s: OrderedDict() for s in DeviceGraphSlot}
         self._server = _ArenaServer()
         self._handles: dict[int, ProviderHandle] = {}  # the handles the arena server is registered on
 
-    # -- eligibility --------------------------------------------------------------------------------
-    def _region(self, plan_key: tuple, plan: Plan) -> _Region | str:
-        region = self._regions.get(plan_key)
+    @property
+    def counts(self) -> dict[str, int]:
+        """Captures and replays so far: signatures, graph segments, and steps run eagerly in seams."""
+        return {"captures": self.captures, "replays": self.replays, "segment_captures": self.segment_captures,
+                "segment_replays": self.segment_replays, "seam_steps": self.seam_steps}
+
+    def _region(self, plan_key: tuple, plan: Plan, forced: frozenset[str] = frozenset()) -> Region | str:
+        region = self._regions.get((plan_key, forced))
         if region is None:
-            region = self._regions[plan_key] = self._analyze(plan)
+            region = self._regions[(plan_key, forced)] = self._planner.analyze(plan, forced)
         return region
 
-    def _analyze(self, plan: Plan) -> _Region | str:
-        """The region capturing ``plan`` involves, or the reason it cannot be captured."""
-        executor = self.executor
-        graph = executor.graph
-        # Symbolic dims of the graph inputs are fixed by the feeds, so shapes built from them are resolved.
-        self._bound = {d for vi in graph.inputs if vi.type.shape for d in vi.type.shape if isinstance(d, str)}
-        host_inputs = {id(step.node): executor.assignment[step.node.name].hook.host_inputs(
-            node=step.node, opset=step.node.opset) for step in plan.steps if step.node is not None}
-        self._derive_shapes(plan, host_inputs)
-        feed_names = {slot: name for name, slot in plan.feed_slots.items()}
-        output_slots = set(plan.output_slots)
-        device: ProviderHandle | None = None
-        node_steps: list[Step] = []
-        for step in plan.steps:  # the nodes first: a host node is the reason, not the copies around it
-            node = step.node
-            if node is None:
-                continue
-            handle = executor.assignment[node.name]
-            label = f"node {node.name!r} ({node.op_type})"
-            if handle.is_host_accessible:
-                return (f"{label} runs on {handle.name}, a host provider, inside the capture region; every "
-                        f"node must run on one device provider")
-            if device is None:
-                device = handle
-            elif handle is not device:
-                return f"nodes run on two device providers ({device.name} and {handle.name})"
-            for position in host_inputs[id(node)] or ():
-                name = node.inputs[position] if position < len(node.inputs) else ""
-                if name and name not in graph.initializers:
-                    return (f"{label} reads input {position} ({name!r}) on the host, and it is computed at "
-                            f"run time, not a constant: the kernel copies it back from the device at every "
-                            f"run, a synchronization a capture cannot record")
-            decline = handle.hook.plan_capture_region(node=node, shape_status=self._shape_status(node))
-            if decline is not None:
-                return f"{label}: {getattr(decline, 'reason', decline)}"
-            if getattr(step.run, "capturable", True) is False:
-                return f"{label}: its kernel is marked not capturable"
-            node_steps.append(step)
-        uploads: list[tuple[str, int]] = []
-        downloads: dict[int, int] = {}
-        for step in plan.steps:  # copies at the region's edges: feeds in, outputs out
-            if step.node is not None:
-                continue
-            if isinstance(step.run, Uploader):  # host -> device
-                if step.inputs[0] not in feed_names:
-                    return f"{step.provider}: a value computed on the host enters the device region"
-                uploads.append((feed_names[step.inputs[0]], step.outputs[0]))
-            elif step.run is downloader and step.outputs[0] in output_slots:
-                downloads[step.outputs[0]] = step.inputs[0]
-            else:
-                return f"{step.provider}: a device value is read on the host during the run"
-        if device is None:
-            return "no node runs on a device provider"
-        produced = {slot for step in node_steps for slot in step.outputs}
-        kept = {slot for slot in plan.output_slots if slot in produced}
-        if not any(device.implements(hook) for hook in _GRAPH_HOOKS):
-            return f"{device.name} does not implement device graphs (begin_owned_device_graph_capture)"
-        return _Region(device, node_steps, Steps([_guarded(step) for step in node_steps]), uploads, downloads, kept)
-
-    def _inferred(self, name: str) -> bool:
-        """Whether ``name``'s shape is an initializer's or one shape inference expressed in the feeds' dims."""
-        graph, bound = self.executor.graph, self._bound
-        if name in graph.initializers:
-            return True
-        info = graph.type_of(name)
-        return bool(info is not None and info.is_tensor and info.shape is not None
-                    and all(isinstance(d, int) or (isinstance(d, str) and d in bound) for d in info.shape))
-
-    def _derive_shapes(self, plan: Plan, host_inputs: dict[int, tuple[int, ...] | None]) -> None:
-        """Resolve, in plan order, the outputs of nodes whose declared host inputs are constants and whose
-        input shapes are resolved (see the module docstring)."""
-        graph = self.executor.graph
-        self._derived = set()
-        for step in plan.steps:
-            node = step.node
-            if node is None:
-                continue
-            declared = host_inputs.get(id(node))
-            if declared is None or any(node.inputs[p] not in graph.initializers for p in declared
-                                       if p < len(node.inputs) and node.inputs[p]):
-                continue
-            if all(name in self._derived or self._inferred(name) for name in node.inputs if name):
-                self._derived.update(name for name in node.outputs if name)
-
-    def _shape_status(self, node: Node) -> CaptureRegionShapeStatus:
-        derived = self._derived
-
-        def resolved(name: str) -> bool:
-            return name in derived or self._inferred(name)
-
-        return CaptureRegionShapeStatus(inputs_resolved=all(resolved(n) for n in node.inputs if n),
-                                        outputs_resolved=all(resolved(n) for n in node.outputs if n))
-
     # -- running ------------------------------------------------------------------------------------
-    def run(self, feeds: dict, output_names: tuple[str, ...]) -> list | None:
-        """This run's outputs through a device graph, or None when it must run eagerly (see ``status``)."""
-        return self.run_plan(feeds, output_names, self.executor.plan(output_names), to_host)
+    def run(self, feeds: dict, output_names: tuple[str, ...], slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY
+            ) -> list | None:
+        """This run's outputs through device graphs, or None when it must run eagerly (see ``status``)."""
+        return self.run_plan(feeds, output_names, self.executor.plan(output_names), to_host, slot)
 
-    def run_plan(self, feeds: dict, plan_key: tuple, plan: Plan, convert: Callable[[Any], Any]) -> list | None:
+    def run_plan(self, feeds: dict, plan_key: tuple, plan: Plan, convert: Callable[[Any], Any],
+                 slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY) -> list | None:
         """:meth:`run` for any of the executor's plans (``plan_key`` names it); ``convert`` is the executor's
-        conversion of output values, used for outputs that pass straight through."""
+        conversion of output values that pass straight through or come out of a seam. ``slot`` is the slot the
+        graphs are captured in: each slot keeps its own signatures, so one never evicts the other's."""
         region = self._region(plan_key, plan)
         if isinstance(region, str):
             self.status = f"eager: {region}"
             return None
-        signature: list[tuple] = []
-        for name, value in feeds.items():
-            if isinstance(value, np.ndarray):
-                signature.append((name, value.shape, value.dtype.str))
-            elif isinstance(value, Tensor) and name in plan.device_feeds:
-                signature.append((name, value.shape, value.dtype.name, value.device_ptr))  # captured in place
-            else:
-                self.status = "eager: a feed is not a tensor"
-                return None
-        key = (plan_key, tuple(sorted(signature)))
-        run = _Run(plan, feeds, convert)
-        entry = self._entries.get(key)
+        key = device_graph_key(plan_key, plan, feeds)
+        if key is None:
+            self.status = "eager: a feed is not a tensor"
+            return None
+        entries = self._entries[slot]
+        run = _Run(plan_key, plan, feeds, convert)
+        entry = entries.get(key)
         if entry is None:
-            return self._size(key, region, run)
-        self._entries.move_to_end(key)
+            return self._size(slot, key, region, run)
+        entries.move_to_end(key)
         if entry.failure:
             self.status = f"eager: {entry.failure}"
             return None
         if entry.token is None:
-            return self._capture(entry, region, run)
-        if not region.handle.hook.has_owned_device_graph(token=entry.token):
-            self._drop(key)  # reset out of band (e.g. by the provider): capture these shapes afresh
-            return self._size(key, region, run)
-        return self._replay(entry, region, run)
+            return self._capture(entry, run)
+        if not entry.handle.hook.has_owned_device_graph(token=entry.token):
+            self._drop(slot, key)  # reset out of band (e.g. by the provider): capture these shapes afresh
+            return self._size(slot, key, region, run)
+        return self._replay(slot, key, entry, run)
 
-    def _size(self, key: tuple, region: _Region, run: _Run) -> list:
+    def _size(self, slot: DeviceGraphSlot, key: tuple, region: Region, run: _Run) -> list:
         self._attach(region.handle)
         recorder = _AllocationRecorder()
         region.handle.pm.register(recorder, name=f"device-graph-sizing-{id(recorder)}")
@@ -394,9 +381,10 @@ class DeviceGraphRunner:
             outputs = run.eager(self.executor)
         finally:
             region.handle.pm.unregister(recorder)
-        self._entries[key] = _Entry(region.handle, DeviceGraphOwner.new(), recorder.layout.top)
-        while len(self._entries) > MAX_GRAPHS:
-            self._drop(next(iter(self._entries)))
+        entries = self._entries[slot]
+        entries[key] = _Entry(region, DeviceGraphOwner.new(), slot, recorder.layout.top)
+        while len(entries) > MAX_GRAPHS:
+            self._drop(slot, next(iter(entries)))
         self.status = "eager: warming up (the next run with these feed shapes is captured)"
         return outputs
 
@@ -405,99 +393,171 @@ class DeviceGraphRunner:
             handle.pm.register(self._server, name=f"device-graph-arena-{id(self)}")
             self._handles[id(handle)] = handle
 
-    def _capture(self, entry: _Entry, region: _Region, run: _Run) -> list:
-        handle = region.handle
+    def _schedule(self, entry: _Entry) -> list[tuple[bool, Steps]]:
+        """The entry's parts as its runs execute them: segments guarded, seams storing pinned values."""
+        region, parts = entry.region, []
+        for part in region.parts:
+            if part.captured:
+                parts.append((True, Steps([_guarded(step) for step in part.steps])))
+                continue
+            steps = []
+            for step in part.steps:
+                pins = []
+                for index, slot in enumerate(step.outputs):
+                    if slot in region.pins:
+                        label = f"node {step.node.name!r}" if step.node is not None else step.provider
+                        pins.append((index, _Pin(region.handle, label)))
+                entry.pins.extend(pin for _index, pin in pins)
+                run = _Pinning(step.run, pins) if pins else step.run
+                steps.append(Step(run, step.inputs, step.outputs, step.release, step.node, step.provider))
+            parts.append((False, Steps(steps)))
+        return parts
+
+    def _capture(self, entry: _Entry, run: _Run) -> list:
+        region, handle = entry.region, entry.handle
         plan, feeds = run.plan, run.feeds
         entry.attempts += 1
-        submissions = self.executor.begin_validation()
-        env = list(plan.template)
-        for name, slot in plan.feed_slots.items():
-            if name in feeds:
-                env[slot] = feeds[name]
-        token, arena, failure = None, None, None
+        submissions = self.executor.begin_validation(run.plan)
+        env = _env(plan, feeds)
+        seam_reads = {slot for part in region.parts if not part.captured for step in part.steps
+                      for slot in step.inputs if slot in region.produced}
+        token, arena, failure, segment = None, None, None, 0
         try:
             for name, slot in region.uploads:
                 tensor = Tensor.from_numpy(np.ascontiguousarray(feeds[name]), provider=handle)
-                entry.inputs.append((name, tensor))
+                entry.inputs.append((name, slot, tensor))
                 env[slot] = tensor
             arena = _Arena(handle, entry.arena_bytes)
-            self._server.arena = arena
-            token = handle.hook.begin_owned_device_graph_capture(
-                owner=entry.owner, slot=DeviceGraphSlot.PRIMARY, continuation=None,
-                kernels=[step.run for step in region.node_steps])
-            run_steps(region.steps, env)
-            handle.hook.end_owned_device_graph_capture(token=token)
+            entry.parts = self._schedule(entry)
+            for captured, steps in entry.parts:
+                if not captured:
+                    run_steps(steps, env)
+                    continue
+                self._server.arena = arena
+                token = handle.hook.begin_owned_device_graph_capture(
+                    owner=entry.owner, slot=entry.slot, continuation=token if segment else None,
+                    kernels=[step.run for step in steps.steps])
+                try:
+                    run_steps(steps, env)
+                    handle.hook.end_owned_device_graph_capture(token=token)
+                finally:
+                    self._server.stop(handle)  # the stream is idle: frees deferred during the capture may run
+                entry.token = token
+                self.segment_captures += 1
+                self._launch_segment(entry, segment)  # the seams after it read what it computes
+                entry.views.update((slot, _view(env[slot])) for step in steps.steps for slot in step.outputs
+                                   if slot in seam_reads)
+                segment += 1
         except BaseException as exc:  # an interrupt too: the stream must not stay in capture mode
             failure = exc
-            self._server.arena = None
+            self._server.stop(handle)
             if token is not None:
                 handle.hook.abort_owned_device_graph_capture(token=token)
                 handle.hook.reset_owned_device_graph(token=token)
-        finally:
-            self._server.stop(handle)  # the stream is idle again: frees deferred during the capture may run
         if failure is None:
-            entry.token, entry.arena = token, arena
-            entry.outputs = {host: env[device] for host, device in region.downloads.items()}
-            entry.outputs.update((slot, env[slot]) for slot in region.kept)
-            env.clear()
+            entry.arena = arena
+            entry.outputs = {slot: env[slot] for slot in {*plan.output_slots, *region.downloads.values()}
+                             if slot in region.produced}
             self.captures += 1
-            return self._launch(entry, region, run, submissions)
+            return self._finish(entry, run, env, submissions)
         env.clear()  # arena blocks go back before the arena goes
+        entry.token = None
         self._release(entry, arena)
         if not isinstance(failure, Exception):
             raise failure
         if submissions:
             self.executor.abort_validation(submissions, failure)
-        if isinstance(failure, _ArenaExhausted) and entry.attempts < MAX_CAPTURE_ATTEMPTS:
-            entry.arena_bytes = max(2 * entry.arena_bytes, 1 << 20)
-            self.status = "eager: the capture arena was too small; it is grown and the next run captures again"
-        else:
-            if isinstance(failure, _NotCapturable):
-                entry.failure = str(failure.__cause__)  # the guard's words, not the node error restating them
-            else:
-                step = getattr(failure, "step", None)  # set when a node step failed (see node_error)
-                where = f" at node {step.node.name!r}" if step is not None else ""
-                entry.failure = f"capture failed{where}: {type(failure).__name__}: {failure}"
-            self.status = f"eager: {entry.failure}"
+        self._capture_failed(entry, run, failure)
         del failure
         return run.eager(self.executor)
 
-    def _replay(self, entry: _Entry, region: _Region, run: _Run) -> list:
-        handle = region.handle
-        submissions = self.executor.begin_validation()
+    def _capture_failed(self, entry: _Entry, run: _Run, failure: Exception) -> None:
+        if isinstance(failure, _ArenaExhausted) and entry.attempts < MAX_CAPTURE_ATTEMPTS:
+            entry.arena_bytes = max(2 * entry.arena_bytes, 1 << 20)
+            self.status = "eager: the capture arena was too small; it is grown and the next run captures again"
+            return
+        step = getattr(failure, "step", None)  # set when a step failed (see node_error)
+        if isinstance(failure, _NotCapturable) and step is not None and entry.attempts < MAX_CAPTURE_ATTEMPTS:
+            # A kernel chosen for these shapes refuses capture: the next run captures around it, as a seam.
+            entry.forced = entry.forced | {step.node.name}
+            region = self._region(run.plan_key, run.plan, entry.forced)
+            if isinstance(region, Region):
+                entry.region = region
+                self.status = f"eager: {failure.__cause__}; the next run captures the segments around it"
+                return
+            entry.failure = region
+        elif isinstance(failure, _NotCapturable):
+            entry.failure = str(failure.__cause__)  # the guard's words, not the node error restating them
+        else:
+            where = f" at node {step.node.name!r}" if step is not None and step.node is not None else ""
+            entry.failure = f"capture failed{where}: {type(failure).__name__}: {failure}"
+        self.status = f"eager: {entry.failure}"
+
+    def _launch_segment(self, entry: _Entry, index: int) -> None:
+        if len(entry.parts) == 1:  # the whole run is one graph: any provider with device graphs replays it
+            entry.handle.hook.replay_owned_device_graph(token=entry.token)
+        else:
+            entry.handle.hook.replay_owned_device_graph_segment(token=entry.token, index=index)
+        self.segment_replays += 1
+
+    def _replay(self, slot: DeviceGraphSlot, key: tuple, entry: _Entry, run: _Run) -> list:
+        handle = entry.handle
+        submissions = self.executor.begin_validation(run.plan)
+        env = _env(run.plan, run.feeds)
+        env_update = env.__setitem__
+        segment = 0
         try:
-            for name, tensor in entry.inputs:
+            for name, slot_index, tensor in entry.inputs:
                 handle.copy_from_host(np.ascontiguousarray(run.feeds[name]), tensor.buffer)
+                env_update(slot_index, tensor)
+            for slot_index, view in entry.views.items():
+                env_update(slot_index, view)
+            for captured, steps in entry.parts:
+                if captured:
+                    self._launch_segment(entry, segment)
+                    segment += 1
+                else:
+                    run_steps(steps, env)
+                    self.seam_steps += len(steps.steps)
         except Exception as exc:
             if submissions:
                 self.executor.abort_validation(submissions, exc)
-            raise
-        return self._launch(entry, region, run, submissions)
+            if not isinstance(exc, _SeamChanged):
+                raise
+            entry.failure = f"{exc.__cause__ or exc}: these feed shapes run eagerly"
+            self._drop(slot, key)
+            self._entries[slot][key] = entry  # remembered, with its reason, so it is not captured again
+            self.status = f"eager: {entry.failure}"
+            return run.eager(self.executor)
+        return self._finish(entry, run, env, submissions)
 
-    def _launch(self, entry: _Entry, region: _Region, run: _Run, submissions: list) -> list:
-        plan, feeds = run.plan, run.feeds
-        feed_names = {slot: name for name, slot in plan.feed_slots.items()}
+    def _finish(self, entry: _Entry, run: _Run, env: list, submissions: list) -> list:
+        """The outputs, once every part ran: downloads after the last part, kept outputs as device copies."""
+        plan, region = run.plan, entry.region
         try:
-            region.handle.hook.replay_owned_device_graph(token=entry.token)
             if submissions:
                 self.executor.activate_validation(submissions)
             outputs = []
             for slot in plan.output_slots:
-                if slot in region.kept:  # the arena's buffer is rewritten by the next replay: hand out a copy
+                if slot in region.downloads:
+                    device_slot = region.downloads[slot]
+                    outputs.append(to_host(entry.outputs.get(device_slot, env[device_slot])))
+                elif slot in entry.outputs:  # the arena's buffer is rewritten by the next replay: hand out a copy
                     outputs.append(_device_copy(entry.outputs[slot]))
-                elif slot in entry.outputs:
-                    outputs.append(to_host(entry.outputs[slot]))
-                else:  # a feed or a constant passed straight through
-                    value = feeds[feed_names[slot]] if slot in feed_names else plan.template[slot]
-                    outputs.append(run.convert(value))
+                else:  # a feed or a constant passed straight through, or a seam's value
+                    outputs.append(run.convert(env[slot]))
         except Exception as exc:
             if submissions:
                 self.executor.abort_validation(submissions, exc)
             raise
+        finally:
+            env.clear()
         if submissions:
-            self.executor.consume_validation(submissions)
+            self.executor.settle_validation(submissions)
         self.replays += 1
-        self.status = "replaying"
+        n = entry.region.segments
+        self.status = "replaying" if len(entry.parts) == 1 else (
+            f"replaying {n} graph segment{'s' if n > 1 else ''} with eager seams ({entry.region.seam_reason})")
         return outputs
 
     # -- teardown -----------------------------------------------------------------------------------
@@ -506,14 +566,16 @@ class DeviceGraphRunner:
             # Arena blocks are ours to close; an output a kernel handed out from its own cache is only dropped.
             if not tensor.closed and type(tensor.buffer.provider_state) is _Block:
                 tensor.close()
-        for _name, tensor in entry.inputs:
+        for _name, _slot, tensor in entry.inputs:
             tensor.close()
-        entry.outputs, entry.inputs = {}, []
+        for pin in entry.pins:
+            pin.close()
+        entry.outputs, entry.inputs, entry.views, entry.pins, entry.parts = {}, [], {}, [], []
         if arena is not None:
             arena.close()  # stream-ordered after the last replay that used it
 
-    def _drop(self, key: tuple) -> None:
-        entry = self._entries.pop(key)
+    def _drop(self, slot: DeviceGraphSlot, key: tuple) -> None:
+        entry = self._entries[slot].pop(key)
         handle = entry.handle
         if entry.token is not None:
             handle.hook.reset_owned_device_graph(token=entry.token)
@@ -522,12 +584,26 @@ class DeviceGraphRunner:
         entry.token = entry.arena = None
 
     def close(self) -> None:
-        while self._entries:
-            self._drop(next(iter(self._entries)))
+        for slot, entries in self._entries.items():
+            while entries:
+                self._drop(slot, next(iter(entries)))
         for handle in self._handles.values():
             handle.pm.unregister(self._server)
         self._handles.clear()
 
+
+def _env(plan: Plan, feeds: dict) -> list:
+    env = list(plan.template)
+    for name, slot in plan.feed_slots.items():
+        if name in feeds:
+            env[slot] = feeds[name]
+    return env
+
+
+def _view(tensor: Tensor) -> Tensor:
+    """A borrowed view of an arena tensor: its block may be reused later in the run, and a view frees nothing."""
+    return Tensor(tensor.dtype, tensor.shape, tensor.buffer.alias(writable=True), tensor.provider,
+                  layout=tensor.layout)
 
 
 def _device_copy(tensor: Tensor) -> Tensor:

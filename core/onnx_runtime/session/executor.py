@@ -10,21 +10,31 @@ Values live where their producer's provider works: numpy arrays for host-accessi
 :class:`onnx_runtime.Tensor` objects on device providers. Copies move them across.
 
 Device providers that defer validation (their kernels raise flags on invalid data instead of failing)
-get one validation owner per executor: each run is a submission whose flags are consumed after the
-outputs are downloaded, and raised as :class:`DeviceValidationError`. When the session attaches a
-device-graph runner (:attr:`Executor.graphs`, see :mod:`.device_graphs`), the run may instead replay a
-device graph.
+get one validation owner per executor: each run is a submission whose flags are read at a host-visible
+boundary and raised as :class:`DeviceValidationError`, naming the nodes on that provider. A run that
+downloads outputs reads them right after (the download synchronized anyway). An IO-bound run whose outputs
+all stay on the device (``run_bound(..., defer_validation=True)``) leaves its submission open instead, so
+it reads nothing back, and the next such run joins it while it is still the provider's innermost submission
+(no other executor opened one since), so a loop of them reads nothing either. The flags are consumed at the
+next host-visible read (:meth:`Executor.settle_validation`, which ``IOBinding.copy_outputs_to_cpu`` and
+``synchronize_outputs`` call), or before a run that cannot join opens its own; an error is never dropped.
+When the session attaches a device-graph runner (:attr:`Executor.graphs`, see :mod:`.device_graphs`), the
+run may instead replay device graphs, in the slot the run options name (:data:`GRAPH_SLOT_KEY`).
 """
 
 from __future__ import annotations
 
+import functools
+import threading
+import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
 
+from ..contract.graphs import DeviceGraphSlot
 from ..contract.kernels import KernelFn
-from ..errors import DeviceValidationError, ProviderError
+from ..errors import DeviceValidationError, InvalidArgumentError, OnnxRuntimeError, ProviderError
 from ..ir import Graph, Node
 from ..loader import implicit_inputs
 from ..provider_handle import ProviderHandle
@@ -33,6 +43,40 @@ from .placement import Copy, Placement
 from .steps import Plan, ShapeKeyedKernel, Step, Uploader, downloader, make_kernel, on_device, run_steps, to_host
 
 _NONE_SLOT = 0  # always holds None: the value of an omitted optional input
+GRAPH_SLOT_KEY = "device_graph.slot"  # run config entry: "primary" (default) or "verify"
+# id(provider handle) -> the registration whose submission was opened last on it (the innermost one, whose flag
+# word the provider's kernels raise into while it stays open).
+_LAST_BEGUN: dict[int, object] = {}
+
+
+def graph_slot_of(run_options) -> DeviceGraphSlot:
+    """The device-graph slot ``run_options`` select: ``RunOptions.add_run_config_entry("device_graph.slot",
+    "verify")`` for a multi-token verification step, whose graphs then never evict the decode step's."""
+    try:
+        value = run_options.get_run_config_entry(GRAPH_SLOT_KEY) if run_options is not None else "primary"
+    except (AttributeError, OnnxRuntimeError):  # not set
+        return DeviceGraphSlot.PRIMARY
+    try:
+        return DeviceGraphSlot[str(value).strip().upper()]
+    except KeyError:
+        raise InvalidArgumentError(
+            f"run config entry {GRAPH_SLOT_KEY!r} is {value!r}; use 'primary' (the decode step) or 'verify' "
+            f"(a multi-token verification step)"
+        ) from None
+
+
+def _serialized(method):
+    """Runs of one executor that touch device state (device graphs, deferred validation) take its run lock, so
+    a session is safe from any thread: such runs' captures, replays and validation generations are the
+    executor's own and would interleave. Plain runs (the CPU provider) stay concurrent."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self.runs_plain:
+            return method(self, *args, **kwargs)
+        with self._run_lock:
+            return method(self, *args, **kwargs)
+    return call
 
 
 class GraphRunner(Protocol):
@@ -43,10 +87,11 @@ class GraphRunner(Protocol):
     @property
     def status(self) -> str: ...
 
-    def run(self, feeds: dict[str, object], output_names: tuple[str, ...]) -> list | None: ...
+    def run(self, feeds: dict[str, object], output_names: tuple[str, ...], slot: DeviceGraphSlot = ...
+            ) -> list | None: ...
 
     def run_plan(self, feeds: dict[str, object], plan_key: tuple, plan: Plan,
-                 convert: Callable[[Any], Any]) -> list | None: ...
+                 convert: Callable[[Any], Any], slot: DeviceGraphSlot = ...) -> list | None: ...
 
     def close(self) -> None: ...
 
@@ -71,8 +116,13 @@ class Executor:
         devices = {id(h): h for h in assignment.values() if not h.is_host_accessible}.values()
         self._validation = [(h, h.hook.register_device_validation_owner()) for h in devices
                             if h.hook.defers_device_validation()]
+        self._pending: list = []  # submissions of runs whose flags nobody has read yet
+        self._defer = False  # whether the run in progress leaves its submission pending
+        self._suspects: dict[int, list[str]] = {}  # id(handle) -> the nodes of the last run on it
+        self._suspects_of: dict[int, dict[int, list[str]]] = {}  # id(plan) -> its suspects (plans live as long)
         # The device-graph runner the session attaches when it enables capture (see GraphRunner).
         self.graphs: GraphRunner | None = None
+        self._run_lock = threading.RLock()  # see _serialized
 
     # -- planning -----------------------------------------------------------------------------------
     def plan(self, output_names: tuple[str, ...]) -> Plan:
@@ -206,11 +256,13 @@ class Executor:
         """Whether a run is just its plan's steps: no device graphs and no deferred device validation."""
         return self.graphs is None and not self._validation
 
-    def run(self, feeds: dict[str, object], output_names: tuple[str, ...], profile: dict | None = None) -> list:
+    @_serialized
+    def run(self, feeds: dict[str, object], output_names: tuple[str, ...], profile: dict | None = None,
+            slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY) -> list:
         """Run the plan for ``output_names``. With ``profile`` (a dict), add each operator's
-        (seconds, calls) to it."""
+        (seconds, calls) to it; ``slot``: the device-graph slot (see :func:`graph_slot_of`)."""
         if self.graphs is not None and profile is None:
-            outputs = self.graphs.run(feeds, output_names)
+            outputs = self.graphs.run(feeds, output_names, slot)
             if outputs is not None:
                 return outputs
         return self.run_eager(feeds, output_names, profile)
@@ -219,11 +271,23 @@ class Executor:
         """Run every step of the plan, without device graphs."""
         return self.run_plan(self.plan(output_names), feeds, profile, to_host)
 
+    @_serialized
     def run_bound(self, feeds: dict[str, object], output_names: tuple[str, ...], device_outputs: bool,
-                  profile: dict | None = None) -> list:
+                  profile: dict | None = None, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY,
+                  defer_validation: bool = False) -> list:
         """IO binding's run: a feed that is a Tensor on the device of a provider of this session is read there
         as it is (no download or upload); with ``device_outputs``, outputs produced on a device are returned as
-        Tensors on it. With device graphs, such a feed is captured at its address (see :mod:`.device_graphs`)."""
+        Tensors on it. With device graphs, such a feed is captured at its address (see :mod:`.device_graphs`).
+        ``defer_validation``: a run whose outputs all stay on the device leaves its validation pending (see the
+        module docstring)."""
+        self._defer = defer_validation and device_outputs
+        try:
+            return self._run_bound(feeds, output_names, device_outputs, profile, slot)
+        finally:
+            self._defer = False
+
+    def _run_bound(self, feeds: dict[str, object], output_names: tuple[str, ...], device_outputs: bool,
+                   profile: dict | None, slot: DeviceGraphSlot) -> list:
         feed_devices = {}
         feeds = dict(feeds)
         for name, value in feeds.items():
@@ -234,14 +298,14 @@ class Executor:
                 else:
                     feed_devices[name] = handle
         if not feed_devices and not device_outputs:
-            return self.run(feeds, output_names, profile)
+            return self.run(feeds, output_names, profile, slot)
         key = (output_names, tuple(sorted((name, id(h)) for name, h in feed_devices.items())), device_outputs)
         plan = self._bound_plans.get(key)
         if plan is None:
             plan = self._bound_plans[key] = self._build(output_names, feed_devices, device_outputs)
         convert = on_device if device_outputs else to_host
         if self.graphs is not None and profile is None:
-            outputs = self.graphs.run_plan(feeds, key, plan, convert)
+            outputs = self.graphs.run_plan(feeds, key, plan, convert, slot)
             if outputs is not None:
                 return outputs
         return self.run_plan(plan, feeds, profile, convert)
@@ -254,7 +318,7 @@ class Executor:
             slot = plan.feed_slots.get(name)
             if slot is not None:
                 env[slot] = value
-        submissions = self.begin_validation() if self._validation else None
+        submissions = self.begin_validation(plan) if self._validation else None
         try:
             run_steps(plan, env, profile)
             if submissions:
@@ -265,15 +329,31 @@ class Executor:
                 self.abort_validation(submissions, exc)
             raise
         if submissions:
-            self.consume_validation(submissions)
+            self.settle_validation(submissions)
         return outputs
 
     # -- deferred device validation (one submission per run and device provider) ----------------------
-    def begin_validation(self) -> list:
+    def begin_validation(self, plan: Plan | None = None) -> list:
+        """Open this run's submissions, after reading the pending ones (a provider settles an owner's open
+        submission when it opens the next, and its flags must reach the caller)."""
+        if not self._validation:
+            return []
+        pending = self._pending
+        if pending and self._defer and all(_LAST_BEGUN.get(id(h)) is r for h, r, _token in pending):
+            # Still the providers' innermost submission: this run's kernels raise flags into it as well, so the
+            # flags of all the deferred runs are read at once, at the next host-visible read.
+            return pending
+        self.settle_validation()
+        if plan is not None:
+            self._suspects = self._suspects_of.get(id(plan)) or self._suspects_of.setdefault(id(plan), {
+                id(handle): [f"{step.node.name!r} ({step.node.op_type})" for step in plan.steps
+                             if step.node is not None and self.assignment[step.node.name] is handle]
+                for handle, _registration in self._validation})
         submissions = []
         try:
             for handle, registration in self._validation:
                 token = handle.hook.begin_device_validation(registration=registration)
+                _LAST_BEGUN[id(handle)] = registration
                 submissions.append((handle, registration, token))
         except Exception as exc:
             self.abort_validation(submissions, exc)
@@ -285,24 +365,31 @@ class Executor:
         for handle, _registration, token in submissions:
             handle.hook.activate_device_validation(submission=token)
 
-    @staticmethod
-    def consume_validation(submissions: list) -> None:
-        """After the outputs were downloaded (a host sync): raise what the device kernels flagged."""
-        for handle, registration, token in submissions:
+    def settle_validation(self, submissions: list | None = None) -> None:
+        """Read and raise what the device kernels flagged: ``submissions`` (a finished run's) unless the run in
+        progress defers them, and before them whatever earlier runs left pending. A host-visible read of a
+        deferred run's outputs calls this with no argument."""
+        if submissions and self._defer:
+            self._pending = submissions
+            return
+        pending, self._pending = self._pending, []
+        for handle, registration, token in [*pending, *(submissions or ())]:
             flags = handle.hook.consume_device_validation_error(registration=registration, token=token)
             if flags:
-                raise _validation_error(handle, flags)
+                self._pending = []
+                raise _validation_error(handle, flags, self._suspects.get(id(handle), []))
 
-    @staticmethod
-    def abort_validation(submissions: list, cause: BaseException) -> None:
+    def abort_validation(self, submissions: list, cause: BaseException) -> None:
         """Settle the submissions of a failed run; invalid device data is reported as the root cause."""
+        if submissions is self._pending:
+            self._pending = []
         for handle, _registration, token in submissions:
             try:
                 flags = handle.hook.abort_device_validation_submission(submission=token)
             except Exception:  # the device may be in an error state; the original failure says more
                 continue
             if flags:
-                raise _validation_error(handle, flags) from cause
+                raise _validation_error(handle, flags, self._suspects.get(id(handle), [])) from cause
 
     def device_graph_status(self) -> str:
         if self.graphs is None:
@@ -311,6 +398,10 @@ class Executor:
         return self.graphs.status
 
     def close(self) -> None:
+        try:
+            self.settle_validation()
+        except DeviceValidationError as error:
+            warnings.warn(f"closing a session with unread device validation flags: {error}", stacklevel=2)
         if self.graphs is not None:
             self.graphs.close()  # graphs first: they reference the validation words and the constants
         for handle, registration in self._validation:
@@ -323,10 +414,11 @@ class Executor:
         self._bound_plans.clear()
 
 
-def _validation_error(handle: ProviderHandle, flags: int) -> DeviceValidationError:
+def _validation_error(handle: ProviderHandle, flags: int, nodes: list[str]) -> DeviceValidationError:
+    shown = ", ".join(nodes[:8]) + (f" and {len(nodes) - 8} more" if len(nodes) > 8 else "")
     return DeviceValidationError(
-        f"{handle.name}: device validation failed (flags=0x{flags:x}): a device kernel of this run met invalid "
-        f"input data (e.g. an index out of range) and skipped it, so the outputs are not valid; check the "
-        f"inputs of the nodes on {handle.name}"
+        f"{handle.name}: device validation failed (flags=0x{flags:x}): a device kernel met invalid input data "
+        f"(e.g. an index out of range) and skipped it, so the outputs are not valid; check the inputs of the "
+        f"nodes on {handle.name}" + (f": {shown}" if shown else "")
     )
 

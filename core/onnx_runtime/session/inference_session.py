@@ -22,7 +22,7 @@ from ..optimizer import optimize
 from ..ort_value import device_handle
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
-from .executor import Executor
+from .executor import Executor, graph_slot_of
 from .io_binding import IOBinding
 from .options import RunOptions, SessionOptions
 from .placement import Placement, input_facts, place
@@ -345,7 +345,7 @@ class InferenceSession:
         feeds = self._validate_feeds(input_feed)
         executor = self._executor_for(feeds)
         if self._profile is None:
-            return executor.run(feeds, names)
+            return executor.run(feeds, names, slot=graph_slot_of(run_options))
         start = time.perf_counter()
         outputs = executor.run(feeds, names, self._profile)
         self._profile_runs.append(time.perf_counter() - start)
@@ -374,7 +374,9 @@ class InferenceSession:
         feeds = iobinding._feeds()
         self._check_missing(feeds)
         start = time.perf_counter()
-        outputs = self._executor.run_bound(feeds, names, iobinding._device_outputs(), self._profile)
+        # Outputs that all stay on devices read nothing back: their validation waits for a host-visible read.
+        outputs = self._executor.run_bound(feeds, names, iobinding._device_outputs(), self._profile,
+                                           graph_slot_of(run_options), iobinding._outputs_stay_on_devices())
         if self._profile is not None:
             self._profile_runs.append(time.perf_counter() - start)
         iobinding._deliver(outputs)

@@ -96,7 +96,9 @@ class IOBinding:
         return [out.result for out in self._outputs.values() if out.result is not None]  # all set: checked above
 
     def copy_outputs_to_cpu(self) -> list[np.ndarray]:
-        return [np.array(value.numpy(), copy=True) for value in self.get_outputs()]
+        values = self.get_outputs()
+        self._session._executor.settle_validation()  # a host-visible read: raise what the run's kernels flagged
+        return [np.array(value.numpy(), copy=True) for value in values]
 
     # -- ordering --------------------------------------------------------------------------------------
     def synchronize_inputs(self) -> None:
@@ -104,6 +106,7 @@ class IOBinding:
 
     def synchronize_outputs(self) -> None:
         _sync(out.handle for out in self._outputs.values())
+        self._session._executor.settle_validation()  # the outputs are complete: raise what their kernels flagged
 
     # -- the session's side ----------------------------------------------------------------------------
     def _feeds(self) -> dict:
@@ -114,6 +117,9 @@ class IOBinding:
 
     def _device_outputs(self) -> bool:
         return any(not out.handle.is_host_accessible for out in self._outputs.values())
+
+    def _outputs_stay_on_devices(self) -> bool:
+        return all(not out.handle.is_host_accessible for out in self._outputs.values())
 
     def _deliver(self, values: list) -> None:
         """Store a run's outputs: moved to their bound device, or written into their bound buffer."""
