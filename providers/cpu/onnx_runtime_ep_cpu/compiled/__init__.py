@@ -71,18 +71,45 @@ def _warn_uncached(exc: Exception) -> None:
                       RuntimeWarning, stacklevel=3)
 
 
+_linked_contexts: set[int] = set()
+
+
+def _linkable(target_context) -> None:
+    """The symbols a cached loop's code may call, registered once per target context (see below)."""
+    if id(target_context) in _linked_contexts:
+        return
+    import numba.cpython.hashing  # noqa: F401  (registers the hash secret's symbols)
+    from numba.core.runtime import rtsys
+
+    rtsys.initialize(target_context)
+    _linked_contexts.add(id(target_context))
+
+
 def _recover_damaged_entries(dispatcher) -> None:
-    """A cache entry that no longer unpickles (a truncated or overwritten file) is dropped with a warning and
-    the loop compiled again, which rewrites the entry; left alone it would fail every later process."""
+    """Loads a cached loop without refreshing numba's contexts, and recovers from a damaged entry.
+
+    numba's ``Cache.load_overload`` first calls ``target_context.refresh()``, which imports and installs every
+    typing and lowering registry numba has: most of a warm process's first run went there. Linking a cached
+    library needs only the symbols its code calls: numba's C helpers and math functions (registered when the
+    contexts are created), the reference-counting runtime (``rtsys.initialize``, which the refresh would run)
+    and the hash secret (registered when ``numba.cpython.hashing`` is imported). Those are set up here instead,
+    and numba still refreshes the contexts itself before anything compiles (``CompilerBase``) or lowers
+    (``get_function``). A cache entry that no longer unpickles (a truncated or overwritten file) is dropped with a
+    warning and the loop compiled again, which rewrites the entry; left alone it would fail every later process.
+    """
     cache = getattr(dispatcher, "_cache", None)
     index_path = getattr(getattr(cache, "_cache_file", None), "_index_path", None)
-    if index_path is None:
+    load = getattr(cache, "_load_overload", None)
+    guard = getattr(cache, "_guard_against_spurious_io_errors", None)
+    if index_path is None or load is None or guard is None:
         return
-    load = cache.load_overload
 
     def load_overload(sig, target_context):
+        _linkable(target_context)
         try:
-            return load(sig, target_context)
+            with guard():
+                return load(sig, target_context)
+            return None  # the guard swallowed a spurious I/O error: compile instead
         except Exception as exc:  # UnpicklingError, EOFError, ValueError, ...: whatever a damaged file raises
             warnings.warn(f"the compiled-loop cache entry {index_path} is damaged ({type(exc).__name__}: {exc}); "
                           f"it is dropped and {dispatcher.py_func.__qualname__} compiled again",
