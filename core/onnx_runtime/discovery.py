@@ -27,7 +27,11 @@ EXTRAS = {"cpu": "pip install 'onnx-runtime[cpu]'", "cuda": "pip install 'onnx-r
 
 @dataclass
 class ProviderEntry:
-    """A discovered provider class and what is known of it without initializing a device."""
+    """A discovered provider class and what is known of it without initializing a device.
+
+    Its availability is probed at the first question, not at discovery: a probe may load a device library
+    (cuda-python and the driver), which a session that asks only for other providers should not pay for.
+    """
 
     cls: Callable[[], object]  # a provider class, or a factory returning an instance registered in-process
     name: str
@@ -35,8 +39,16 @@ class ProviderEntry:
     source: str
     distribution: str = ""
     version: str = ""
-    availability: Availability = field(default_factory=Availability.yes)
     device: str = "cpu:0"
+    probe: Callable[[], Availability] | None = field(default=None, repr=False, compare=False)
+    _availability: Availability | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def availability(self) -> Availability:
+        """Whether the provider can run here (its ``availability`` hook, asked once)."""
+        if self._availability is None:
+            self._availability = self.probe() if self.probe is not None else Availability.yes()
+        return self._availability
 
     def create(self) -> ProviderHandle:
         """A fresh, uninitialized instance behind its own handle."""
@@ -142,8 +154,7 @@ class ProviderRegistry:
                 continue
             entry = ProviderEntry(
                 cls=cls, name=handle.name, short_name=handle.short_name, source=source,
-                distribution=dist, version=version, availability=handle.availability(),
-                device=str(handle.device_id),
+                distribution=dist, version=version, device=str(handle.device_id), probe=handle.availability,
             )
             if any(_matches(e, entry.name) for e in self._entries):
                 self._fail(source, f"provider name {entry.name!r} is already registered", strict)

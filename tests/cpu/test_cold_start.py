@@ -1,0 +1,113 @@
+"""Cold start: what a fresh process imports and initializes before its first result.
+
+Each check runs in its own interpreter, since what matters is what a new process loads: ``import
+onnx_runtime`` loads no provider, no compiler and no device library; a session whose kernels are all numpy
+loads no compiler either; a device provider's availability probe (cuda-python, the driver) runs only when
+that provider is asked about; and loops loaded from numba's disk cache link without numba refreshing its
+typing and lowering registries, which was most of a warm process's first run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+# Heavy or device-specific packages a cold process should load only when it uses them.
+LAZY = ("numba", "llvmlite", "cuda", "scipy", "onnx.reference", "onnx_runtime_ep_cpu", "onnx_runtime_ep_cuda")
+
+LOADED = """
+import json, sys
+def loaded():
+    return sorted(name for name in {LAZY!r} if name in sys.modules)
+"""
+
+IMPORT_ONLY = LOADED + """
+import onnx_runtime
+print(json.dumps(loaded()))
+"""
+
+# Creates a CPU session for the model at argv[1], runs it once on ones, and reports what got loaded.
+SESSION = LOADED + """
+import numpy as np, onnx_runtime as ort
+sess = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+feeds = {a.name: np.ones(a.shape, np.float32) for a in sess.get_inputs()}
+out = sess.run(None, feeds)[0]
+print(json.dumps({"loaded": loaded(), "sum": float(out.sum())}))
+"""
+
+# Runs the softmax model once, counting numba's context refreshes and the CPU provider's cache hits.
+COUNT_REFRESHES = """
+import json, sys
+import numpy as np
+from numba.core import base
+refreshes = []
+original = base.BaseContext.refresh
+def refresh(self):
+    refreshes.append(type(self).__name__)
+    return original(self)
+base.BaseContext.refresh = refresh
+import onnx_runtime as ort
+sess = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+x = np.random.default_rng(0).standard_normal((3, 48)).astype(np.float32)
+y = sess.run(None, {"x": x})[0]
+import onnx_runtime_ep_cpu.compiled as compiled
+hits = 0
+for module in [m for name, m in sys.modules.items() if name.startswith(compiled.__name__ + ".")]:
+    for value in vars(module).values():
+        stats = getattr(value, "stats", None)
+        if stats is not None and hasattr(stats, "cache_hits"):
+            hits += sum(stats.cache_hits.values())
+expected = np.exp(x - x.max(-1, keepdims=True))
+expected /= expected.sum(-1, keepdims=True)
+print(json.dumps({"refreshes": refreshes, "hits": hits, "error": float(np.abs(y - expected).max())}))
+"""
+
+
+def _model(path, op: str, **attrs) -> str:
+    graph = helper.make_graph(
+        [helper.make_node(op, ["x", "x"] if op == "Add" else ["x"], ["y"], **attrs)], op.lower(),
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 48])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 48])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 17)]), path)
+    return str(path)
+
+
+def _run(code: str, *argv: str, env: dict | None = None):
+    out = subprocess.run([sys.executable, "-c", code.replace("{LAZY!r}", repr(LAZY)), *argv], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_package_loads_no_provider_compiler_or_device_library():
+    assert _run(IMPORT_ONLY) == []
+
+
+def test_a_session_of_numpy_kernels_loads_no_compiler_and_probes_no_device(tmp_path):
+    report = _run(SESSION, _model(tmp_path / "add.onnx", "Add"))
+    assert report["sum"] == 2 * 3 * 48
+    # The CPU provider is loaded (it runs the model) and the CUDA provider's module may be (discovery reads
+    # every entry point's names), but not numba, llvmlite or cuda-python.
+    assert not {"numba", "llvmlite", "cuda", "scipy", "onnx.reference"} & set(report["loaded"]), report
+
+
+def test_the_control_a_model_with_compiled_loops_does_load_numba(tmp_path):
+    report = _run(SESSION, _model(tmp_path / "softmax.onnx", "Softmax", axis=-1))
+    assert "numba" in report["loaded"], "the softmax model should use a compiled loop, or the check proves nothing"
+    assert np.isclose(report["sum"], 3.0)
+
+
+def test_cached_loops_load_without_refreshing_numba_contexts(tmp_path):
+    model = _model(tmp_path / "softmax.onnx", "Softmax", axis=-1)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    cold = _run(COUNT_REFRESHES, model, env=env)
+    assert cold["refreshes"] and cold["error"] < 1e-6  # compiling refreshes, as numba requires
+    warm = _run(COUNT_REFRESHES, model, env=env)
+    assert warm["hits"] > 0, "the second process should have loaded its loops from the cache"
+    assert warm["refreshes"] == [] and warm["error"] < 1e-6, warm
