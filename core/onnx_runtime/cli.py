@@ -5,6 +5,7 @@
     onnx-runtime run [MODEL] [--input NAME=FILE.npy ...] [--providers cpu] [--repeat N]
     onnx-runtime bench MODEL [--input NAME=FILE.npy ...] [--providers cpu] [--repeat N] [--warmup N]
     onnx-runtime compile [MODEL ...] [--providers cpu] [--jobs N]
+    onnx-runtime generate MODEL --prompt TEXT [--max-new-tokens N] [--providers cpu]
 
 Without MODEL, ``run`` runs the embedded default: light_resnet50 from the installed onnx package,
 checked against the output shipped beside it.
@@ -242,6 +243,12 @@ def _print_profile(sess) -> None:
         print(f"{op:<28}{seconds / runs * 1e3:>10.3f}{seconds / total:>8.1%}{calls / runs:>11.0f}")
 
 
+def cmd_generate(args) -> int:
+    from .generate import run_cli
+
+    return run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onnx-runtime", description="ONNX inference with plugin providers")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -272,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--providers", help="comma-separated provider names (default: all available)")
     p.add_argument("--jobs", type=int, help="worker processes (default: the CPUs this process may use)")
     p.set_defaults(func=cmd_compile)
+    p = sub.add_parser("generate", help="greedy generation with a decoder exported with past, streamed")
+    p.add_argument("model")
+    p.add_argument("--prompt", help="text, tokenized with the tokenizer.json beside the model")
+    p.add_argument("--prompt-ids", help="comma-separated token ids instead of text")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
+    p.add_argument("--providers", help="comma-separated provider names (default: all available)")
+    p.set_defaults(func=cmd_generate)
     return parser
 
 

@@ -54,14 +54,10 @@ def host_argmax(provider: str, logits: DeviceBuffer, elements, batch, dtype, res
     if batch == 0:
         return
     rows = source[: elements * batch * dtype.numpy.itemsize].view(dtype.numpy).reshape(batch, elements)
-    rows = rows.astype(np.float32)
-    nan = np.isnan(rows)
-    top = np.where(nan.any(axis=1, keepdims=True), nan, rows == np.nanmax(np.where(nan, -np.inf, rows), axis=1,
-                                                                            keepdims=True))
-    if tie_break.select_last_index:
-        index = elements - 1 - np.argmax(top[:, ::-1], axis=1)
-    else:
-        index = np.argmax(top, axis=1)
+    if dtype is not DataType.FLOAT:
+        rows = rows.astype(np.float32)
+    # numpy's argmax takes the first maximum and ranks NaN above every number, as the CUDA kernel does.
+    index = elements - 1 - np.argmax(rows[:, ::-1], axis=1) if tie_break.select_last_index else np.argmax(rows, axis=1)
     words[0::2] = index
     words[1::2] = 0
 

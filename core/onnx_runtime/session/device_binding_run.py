@@ -16,6 +16,7 @@ its address.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -104,9 +105,12 @@ def run_with_device_bindings(session: SessionSide, bindings, input_feed: dict | 
     temporaries: list[Tensor] = []
     try:
         for name, binding in inputs.items():
-            tensor = _input_tensor(binding, single_token_step, temporaries)
-            session.check_bound(name, tensor, output=False)
-            feeds[name] = tensor
+            value = _input_value(binding, single_token_step, temporaries)
+            if isinstance(value, Tensor):
+                session.check_bound(name, value, output=False)
+                feeds[name] = value
+            else:
+                feeds[name] = session.checked_input(name, value)
         session.check_missing(feeds)
         names = host_names + tuple(outputs)
         values = _execute(session, bindings, feeds, names, defer=not host_names)
@@ -179,20 +183,29 @@ def _execute(session: SessionSide, bindings: list[DeviceIoBinding], feeds: dict,
             handle.pm.unregister(plugin)
 
 
-def _input_tensor(binding: DeviceIoBinding, single_token_step: bool, temporaries: list[Tensor]) -> Tensor:
-    """A tensor over the binding's buffer in the shape kernels see (gathered when strided; see the module doc)."""
+def _input_value(binding: DeviceIoBinding, single_token_step: bool, temporaries: list[Tensor]):
+    """The binding's buffer in the shape kernels see: an array view on host memory, else a tensor over it (a
+    window at fixed strides that is not one run is gathered into a temporary; see the module docstring)."""
     shape = binding.kernel_input_shape(single_token_step)
     itemsize = binding.dtype.numpy.itemsize
-    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+    nbytes = math.prod(shape) * itemsize
     runs = strided_runs(binding.physical_shape, shape, itemsize) if binding.fixed_physical_strides() else []
-    handle = binding.allocator
+    handle, buffer = binding.allocator, binding.buffer
+    if buffer.host is not None:
+        if len(runs) <= 1:
+            start = runs[0][0] if runs else 0
+            return buffer.host[start: start + nbytes].view(binding.dtype.numpy).reshape(shape)
+        gathered_bytes = np.empty(nbytes, np.uint8)
+        for physical, compact, size in runs:
+            gathered_bytes[compact: compact + size] = buffer.host[physical: physical + size]
+        return gathered_bytes.view(binding.dtype.numpy).reshape(shape)
     if len(runs) <= 1:
         start = runs[0][0] if runs else 0
-        return Tensor(binding.dtype, shape, binding.buffer.alias(start, nbytes), handle)
+        return Tensor(binding.dtype, shape, buffer.alias(start, nbytes), handle)
     gathered = Tensor.empty(binding.dtype, shape, handle)
     temporaries.append(gathered)
     for physical, compact, size in runs:
-        device_copy(handle, binding.buffer, physical, gathered.buffer, compact, size)
+        device_copy(handle, buffer, physical, gathered.buffer, compact, size)
     return gathered
 
 
@@ -218,7 +231,7 @@ def _deliver(binding: DeviceIoBinding, value) -> None:
     handle, target = binding.allocator, binding.buffer
     itemsize = binding.dtype.numpy.itemsize
     runs = strided_runs(binding.physical_shape, shape, itemsize) if binding.fixed_physical_strides() else \
-        [(0, 0, int(np.prod(shape, dtype=np.int64)) * itemsize)]
+        [(0, 0, math.prod(shape) * itemsize)]
     device_value = isinstance(value, Tensor) and value.device == target.device and not handle.is_host_accessible
     if device_value:
         source = value.buffer

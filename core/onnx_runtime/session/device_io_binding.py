@@ -41,6 +41,7 @@ freed: in-flight work or a graph may still use it) and a warning says why.
 from __future__ import annotations
 
 import ctypes
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -179,8 +180,8 @@ def strided_runs(physical: tuple[int, ...], logical: tuple[int, ...], itemsize: 
         return []
     last = max((axis for axis, (p, q) in enumerate(zip(physical, logical)) if p != q), default=-1)
     if last < 0:
-        return [(0, 0, int(np.prod(physical, dtype=np.int64)) * itemsize)]
-    run = int(np.prod(logical[last:], dtype=np.int64)) * itemsize
+        return [(0, 0, math.prod(physical) * itemsize)]
+    run = math.prod(logical[last:]) * itemsize
     strides = np.cumprod((1,) + physical[::-1][:-1])[::-1] * itemsize  # physical byte strides
     runs = []
     for position, index in enumerate(np.ndindex(*logical[:last])):
@@ -209,6 +210,7 @@ class DeviceIoBinding:
         self._device_graph_token: DeviceGraphToken | None = None
         self._device_validation: DeviceValidationToken | None = None
         self._registration: DeviceValidationRegistration | None = None
+        self._argmax: bool | None = None
         try:
             self._registration = allocator.hook.register_device_validation_owner()
         except Exception:
@@ -346,7 +348,7 @@ class DeviceIoBinding:
         return self._device_graph_token
 
     def logical_nbytes(self, shape: tuple[int, ...] | None = None) -> int:
-        return int(np.prod(self._logical if shape is None else shape, dtype=np.int64)) * self.dtype.numpy.itemsize
+        return math.prod(self._logical if shape is None else shape) * self.dtype.numpy.itemsize
 
     def __repr__(self) -> str:
         state = "released" if self._buffer is None else f"{self._allocator.device_id}, ptr={self._buffer.ptr:#x}"
@@ -355,9 +357,11 @@ class DeviceIoBinding:
 
     # -- shapes ---------------------------------------------------------------------------------------
     def set_logical_shape(self, shape) -> None:
-        shape = _shape(shape, f"logical shape of {self.label}")
-        _check_logical(self.label, self._physical, shape)
-        self._logical = shape
+        shape = tuple(shape)
+        if shape != self._logical:  # a decode loop sets the same shape most steps
+            shape = _shape(shape, f"logical shape of {self.label}")
+            _check_logical(self.label, self._physical, shape)
+            self._logical = shape
 
     def set_physical_and_logical_shapes(self, physical_shape, logical_shape) -> None:
         physical = _shape(physical_shape, f"physical shape of {self.label}")
@@ -538,7 +542,9 @@ class DeviceIoBinding:
     # -- greedy decoding on the device ----------------------------------------------------------------
     def device_argmax_supported(self) -> bool:
         """Whether :meth:`device_argmax` can run: the provider's kernel, and float32/16/bf16 logits."""
-        return bool(self._allocator.hook.device_argmax_supported()) and self.dtype in ARGMAX_DTYPES
+        if self._argmax is None:  # a capability of the provider: asked once
+            self._argmax = bool(self._allocator.hook.device_argmax_supported()) and self.dtype in ARGMAX_DTYPES
+        return self._argmax
 
     def device_argmax(self, elements: int, batch: int, result: DeviceIoBinding, element_offset: int = 0) -> None:
         self.device_argmax_with_tie_break(elements, batch, result, ArgmaxTieBreak.LOWEST_INDEX, element_offset)

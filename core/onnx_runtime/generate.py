@@ -1,0 +1,289 @@
+"""Greedy text generation with a decoder exported with its KV cache (``onnx-runtime generate``).
+
+The loop runs on :class:`DeviceIoBinding` buffers, so its state stays where the provider keeps it:
+
+- one binding per past key/value input, aliased by its present output, at a capacity of prompt + new
+  tokens: each step appends in place at the same address;
+- ``input_ids``, ``position_ids`` and ``attention_mask`` bindings, rewritten on the device by the
+  token writer (the chosen token, its position, the mask bit);
+- the logits binding, whose last row ``device_argmax`` reduces on the device into a result binding.
+
+Per step the host reads nothing but the 4-byte token it streams (or, without streaming, the first
+token only, for the time to first token; the rest are drained at the end). On the CPU provider
+"device" memory is host memory and the contract's defaults run argmax and the token writer in numpy.
+
+The model must take ``input_ids`` and ``attention_mask`` (int64, [batch, sequence]), optionally
+``position_ids``, and ``past*`` inputs [batch, heads, past_sequence, head_dim] each answered by a
+``present*`` output, and give ``logits`` [batch, sequence, vocabulary] (the layout of transformers'
+decoder exports with past, TorchScript or dynamo). Text goes through the ``tokenizers`` library, from
+the ``tokenizer.json`` in the model's folder.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .dtypes import DataType
+from .errors import InvalidArgumentError, InvalidGraphError
+from .session.device_io_binding import DeviceBindingSpec, DeviceIoBinding
+from .session.inference_session import InferenceSession
+
+
+@dataclass
+class GenerationResult:
+    """Token ids generated after the prompt, and how fast: ``time_to_first_token`` (seconds from the start
+    of the prefill until the first token is on the host) and ``tokens_per_second`` (the steps after it)."""
+
+    prompt_tokens: list[int]
+    tokens: list[int]
+    time_to_first_token: float
+    seconds: float
+    text: str | None = None
+    steps: int = field(default=0)
+
+    @property
+    def tokens_per_second(self) -> float:
+        decode = self.seconds - self.time_to_first_token
+        return (len(self.tokens) - 1) / decode if len(self.tokens) > 1 and decode > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The decoder's names and cache geometry, read from the model's inputs and outputs."""
+
+    positions: bool
+    caches: tuple[tuple[str, str, DataType, int, int], ...]  # (past input, present output, dtype, heads, head dim)
+    logits_dtype: DataType
+    vocabulary: int
+
+
+def _layout(session: InferenceSession) -> _Layout:
+    inputs = {arg.name: arg for arg in session.get_inputs()}
+    outputs = {arg.name: arg for arg in session.get_outputs()}
+    for name in ("input_ids", "attention_mask"):
+        if name not in inputs or inputs[name].type != "tensor(int64)":
+            raise InvalidGraphError(
+                f"generate needs a decoder exported with past: an int64 input {name!r} (the model's inputs are "
+                f"{list(inputs)})"
+            )
+    if "logits" not in outputs or len(outputs["logits"].shape) != 3 or not isinstance(outputs["logits"].shape[2], int):
+        raise InvalidGraphError("generate needs an output 'logits' of shape [batch, sequence, vocabulary]")
+    caches = []
+    for name, arg in inputs.items():
+        if "past" not in name:
+            continue
+        present = next((candidate for candidate in (name.replace("past_key_values", "present"),
+                                                    name.replace("past", "present")) if candidate in outputs), None)
+        shape = arg.shape
+        if present is None or len(shape) != 4 or not isinstance(shape[1], int) or not isinstance(shape[3], int):
+            raise InvalidGraphError(
+                f"past input {name!r} needs a matching present output and the shape [batch, heads, past_sequence, "
+                f"head_dim] with heads and head_dim fixed; it is {shape} (outputs: {list(outputs)})"
+            )
+        caches.append((name, present, DataType.parse(arg.type), shape[1], shape[3]))
+    if not caches:
+        raise InvalidGraphError("generate needs a decoder exported with past (past_key_values.* inputs); none found")
+    return _Layout("position_ids" in inputs, tuple(caches), DataType.parse(outputs["logits"].type),
+                   outputs["logits"].shape[2])
+
+
+class Generator:
+    """Greedy decoding for one decoder session (see the module docstring)."""
+
+    def __init__(self, model, providers=None, sess_options=None):
+        self.session = model if isinstance(model, InferenceSession) else InferenceSession(
+            model, sess_options, providers=providers)
+        self.layout = _layout(self.session)
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, on_token: Callable[[int], None] | None = None,
+                 eos_token_id: int | None = None) -> GenerationResult:
+        """Greedy tokens after ``prompt``; ``on_token`` receives each as it is chosen (a 4-byte read per step).
+        Stops after ``max_new_tokens`` or at ``eos_token_id`` (which also reads each token)."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise InvalidArgumentError("the prompt has no tokens; pass at least one token id")
+        if max_new_tokens < 1:
+            raise InvalidArgumentError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        vocabulary = self.layout.vocabulary
+        if min(prompt) < 0 or max(prompt) >= vocabulary:
+            raise InvalidArgumentError(
+                f"prompt token ids must lie in [0, {vocabulary}); got {min(prompt)}..{max(prompt)}")
+        with _Bindings(self.session, self.layout, len(prompt), max_new_tokens) as state:
+            return state.loop(prompt, max_new_tokens, on_token, eos_token_id)
+
+
+class _Bindings:
+    """The decode state of one generation, on the session's device; released when it ends."""
+
+    def __init__(self, session: InferenceSession, layout: _Layout, prompt: int, new: int):
+        self.session, self.layout = session, layout
+        self.capacity = prompt + new
+        self.home = logits_provider(session)  # the state lives where the logits are made
+        self.owned: list[DeviceIoBinding] = []
+        bind = self._bind
+        self.caches = [bind(DeviceBindingSpec.input(past, dtype, (1, heads, self.capacity, dim), (1, heads, 0, dim),
+                                                    output_name=present, expose_logical_input_shape=True))
+                       for past, present, dtype, heads, dim in layout.caches]
+        self.ids = bind(DeviceBindingSpec.input("input_ids", np.int64, (1, prompt), expose_logical_input_shape=True))
+        self.positions = bind(DeviceBindingSpec.input("position_ids", np.int64, (1, prompt),
+                                                      expose_logical_input_shape=True)) if layout.positions else None
+        self.mask = bind(DeviceBindingSpec.input("attention_mask", np.int64, (1, self.capacity), (1, prompt),
+                                                 expose_logical_input_shape=True))
+        self.logits = bind(DeviceBindingSpec.output("logits", layout.logits_dtype.numpy,
+                                                    (1, prompt, layout.vocabulary)))
+        self.result = bind(DeviceBindingSpec.scratch("argmax", np.uint32, (2,)))
+        self.tokens = bind(DeviceBindingSpec.scratch("tokens", np.uint32, (new + 1,)))
+
+    def _bind(self, spec: DeviceBindingSpec) -> DeviceIoBinding:
+        binding = self.session.device_io_binding(spec, provider=self.home)
+        self.owned.append(binding)
+        return binding
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for binding in self.owned:
+            binding.close()
+
+    def _choose(self, step: int, position: int, new: int) -> None:
+        """Argmax of the last logits row and the token folded into the bindings: on the device where the provider
+        can, else through the host (the row down, the token up)."""
+        vocabulary = self.layout.vocabulary
+        offset = (self.logits.logical_shape[1] - 1) * vocabulary
+        if self.logits.device_argmax_supported():
+            self.logits.device_argmax(vocabulary, 1, self.result, element_offset=offset)
+            self.result.device_token_writer(self.ids, self.positions, self.mask, self.tokens, capacity=new,
+                                            next_position=position, mask_len=self.capacity, step=step)
+            return
+        itemsize = self.layout.logits_dtype.numpy.itemsize
+        row = np.frombuffer(self.logits.read_bytes_range(offset * itemsize, vocabulary * itemsize),
+                            self.layout.logits_dtype.numpy)
+        token = int(np.argmax(row.astype(np.float32)))
+        self.ids.write_bytes(0, np.array([token], np.int64))
+        if self.positions is not None:
+            self.positions.write_bytes(0, np.array([position], np.int64))
+        self.mask.write_bytes(8 * position, np.array([1], np.int64))
+        self.tokens.write_bytes(4 * step, np.array([token], np.uint32))
+
+    def loop(self, prompt: list[int], new: int, on_token, eos_token_id) -> GenerationResult:
+        length = len(prompt)
+        self.ids.write_logical(np.array([prompt], np.int64))
+        if self.positions is not None:
+            self.positions.write_logical(np.arange(length, dtype=np.int64).reshape(1, length))
+        mask = np.zeros((1, self.capacity), np.int64)
+        mask[0, :length] = 1
+        self.mask.write_logical(mask)
+        self.mask.set_logical_shape((1, length))
+        self.tokens.write_logical(np.zeros(new + 1, np.uint32))
+        bindings = [*self.caches, self.ids, self.mask, self.logits] + ([self.positions] if self.positions else [])
+        read_each = on_token is not None or eos_token_id is not None
+        tokens: list[int] = []
+        start = time.perf_counter()
+        first = 0.0
+        steps = 0
+        for step in range(new):
+            self.session.run_with_device_bindings(bindings, output_names=[], single_token_step=step > 0)
+            self._choose(step, length + step, new)
+            steps += 1
+            if read_each or step == 0:
+                token = int(np.frombuffer(self.tokens.read_bytes_range(4 * step, 4), np.uint32)[0])
+                tokens.append(token)
+                if step == 0:
+                    first = time.perf_counter() - start
+                if on_token is not None:
+                    on_token(token)
+                if token == eos_token_id:
+                    break
+            self.ids.set_logical_shape((1, 1))
+            if self.positions is not None:
+                self.positions.set_logical_shape((1, 1))
+            self.mask.set_logical_shape((1, length + step + 1))
+        drained = self.tokens.read_logical()
+        if not read_each:
+            tokens = [int(t) for t in drained[:steps]]
+        if drained[new]:
+            raise InvalidArgumentError(
+                f"the device raised validation flags 0x{int(drained[new]):x} during generation: a kernel met invalid "
+                f"data (e.g. a token id out of the embedding's range)"
+            )
+        return GenerationResult(prompt, tokens, first, time.perf_counter() - start, steps=steps)
+
+
+def logits_provider(session: InferenceSession) -> str:
+    """The provider running the node that makes the logits: where the decode state is kept."""
+    producer = next(node.name for node in session.model.graph.nodes if "logits" in node.outputs)
+    return next(placed.provider for placed in session.placement() if placed.node == producer)
+
+
+def load_tokenizer(model_path: str):
+    """The ``tokenizers`` Tokenizer from ``tokenizer.json`` beside the model."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise InvalidArgumentError("generate needs the tokenizers library for text; pip install tokenizers") from None
+    path = os.path.join(os.path.dirname(os.path.abspath(model_path)), "tokenizer.json")
+    if not os.path.exists(path):
+        raise InvalidArgumentError(
+            f"no tokenizer.json beside {model_path!r}; save the model's tokenizer there "
+            f"(transformers: tokenizer.save_pretrained(folder)), or pass --prompt-ids"
+        )
+    return Tokenizer.from_file(path)
+
+
+def generate_text(model_path: str, prompt: str, max_new_tokens: int = 32, providers=None,
+                  on_text: Callable[[str], None] | None = None) -> GenerationResult:
+    """Tokenize ``prompt`` with the model's tokenizer, generate greedily, and decode; ``on_text`` receives the
+    text as it grows (each new piece)."""
+    tokenizer = load_tokenizer(model_path)
+    prompt_ids = tokenizer.encode(prompt).ids
+    generator = Generator(model_path, providers)
+    eos = next((tokenizer.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<eos>") if tokenizer.token_to_id(t)
+                is not None), None)
+    shown = ""
+    chosen: list[int] = []
+
+    def stream(token: int) -> None:
+        nonlocal shown
+        chosen.append(token)
+        text = tokenizer.decode(chosen)
+        if on_text is not None and text.startswith(shown):
+            on_text(text[len(shown):])
+            shown = text
+
+    result = generator.generate(prompt_ids, max_new_tokens, stream, eos)
+    result.text = tokenizer.decode(result.tokens)
+    return result
+
+
+def run_cli(args) -> int:
+    """``onnx-runtime generate``: stream the generated text (or token ids), then the timings."""
+    import sys
+
+    providers = [p.strip() for p in args.providers.split(",") if p.strip()] if args.providers else None
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise InvalidArgumentError("pass exactly one of --prompt TEXT and --prompt-ids 1,2,3")
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    if args.prompt is not None:
+        show(args.prompt)
+        result = generate_text(args.model, args.prompt, args.max_new_tokens, providers, show)
+    else:
+        try:
+            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise InvalidArgumentError(
+                f"--prompt-ids takes comma-separated integers, got {args.prompt_ids!r}") from None
+        result = Generator(args.model, providers).generate(ids, args.max_new_tokens, lambda t: show(f" {t}"))
+    print()
+    print(f"{len(result.tokens)} tokens; time to first token {result.time_to_first_token * 1e3:.1f} ms; "
+          f"{result.tokens_per_second:.1f} tokens/s after it")
+    return 0
