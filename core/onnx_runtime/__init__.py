@@ -10,7 +10,7 @@ Providers are separate distributions found through the ``onnx_runtime.providers`
 group; the contract they implement is :mod:`onnx_runtime.contract.hookspecs`.
 """
 
-from . import contract, errors
+from . import capi, contract, errors
 from .contract import (
     ArgmaxTieBreak,
     Availability,
@@ -33,10 +33,12 @@ from .devices import DeviceId, DeviceType, TensorLayout
 from .discovery import get_all_providers, get_available_providers, register_provider, unregister_provider
 from .dtypes import DataType
 from .errors import OnnxRuntimeError
+from .logs import set_default_logger_severity, set_default_logger_verbosity
 from .ort_value import OrtValue
 from .provider_handle import ProviderHandle
 from .session import (
     ExecutionMode,
+    ExecutionOrder,
     GraphOptimizationLevel,
     InferenceSession,
     ModelMetadata,
@@ -56,13 +58,25 @@ from .tensor import Tensor
 __version__ = "0.1.0"
 
 
+def get_version_string() -> str:
+    """This runtime's version (onnxruntime's function)."""
+    return __version__
+
+
+def get_build_info() -> str:
+    """What this build is: the version and the Python implementation it runs on (onnxruntime's function)."""
+    import platform
+    return f"onnx-runtime {__version__} (Python {platform.python_version()}, execution providers as plugins)"
+
+
 def get_device() -> str:
     """onnxruntime's ``get_device()``: "GPU" when an available provider owns a GPU, else "CPU"."""
     return "GPU" if any("CUDA" in n for n in get_available_providers()) else "CPU"
 
 
 __all__ = [
-    "ArgmaxTieBreak", "Availability", "CaptureRegionShapeStatus", "DataType", "DeviceBindingSpec",
+    "ArgmaxTieBreak", "Availability", "ExecutionOrder", "capi", "get_build_info", "get_version_string",
+    "set_default_logger_severity", "set_default_logger_verbosity", "CaptureRegionShapeStatus", "DataType", "DeviceBindingSpec",
     "DeviceBindingTransferStats", "DeviceBuffer", "DeviceIoBinding", "ExternalMemorySpec",
     "DeviceGraphOwner", "DeviceGraphSlot", "DeviceGraphToken", "DeviceId", "DeviceType",
     "DeviceValidationOwner", "DeviceValidationRegistration", "DeviceValidationToken", "EpContext",

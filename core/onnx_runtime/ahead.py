@@ -9,6 +9,10 @@ step with past), moves that cost to install time. Each model runs at two signatu
 dimensions at 1 and at 16, because kernels choose paths by size (a decode step's one row, a
 prefill's many).
 
+It also writes the Python bytecode of onnx_runtime and of every installed provider's package: a process
+that may not write ``__pycache__`` (a read-only install, ``PYTHONDONTWRITEBYTECODE``) otherwise compiles
+their sources again at every import.
+
 The models are shared among worker processes (the caches are files, which every later process
 reads); a last pass in this process runs every model again from the caches, which both checks that
 they load and recompiles whatever a concurrent writer lost.
@@ -16,11 +20,14 @@ they load and recompiles whatever a concurrent writer lost.
 
 from __future__ import annotations
 
+import compileall
 import concurrent.futures
+import importlib.util
 import multiprocessing
 import os
 import time
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 
 import numpy as np
 import onnx
@@ -149,11 +156,33 @@ def run_model(name: str, model: str | bytes, providers: list[str] | None) -> Com
     return Compiled(name, time.perf_counter() - start)
 
 
+def package_folders() -> list[str]:
+    """The folders of onnx_runtime and of each package an ``onnx_runtime.providers`` entry point names."""
+    from .discovery import ENTRY_POINT_GROUP
+
+    folders = [os.path.dirname(os.path.abspath(__file__))]
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            spec = importlib.util.find_spec(ep.value.split(":")[0].split(".")[0])
+        except (ImportError, ValueError):
+            continue  # a broken plugin: discovery reports it
+        for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+            if folder not in folders:
+                folders.append(folder)
+    return folders
+
+
+def compile_bytecode() -> bool:
+    """Writes the bytecode of every module in ``package_folders()``; whether all of it compiled."""
+    return all(compileall.compile_dir(folder, quiet=2) for folder in package_folders())
+
+
 def compile_ahead(models: list[tuple[str, str | bytes]], providers: list[str] | None = None,
                   jobs: int = 1, report=None) -> list[Compiled]:
     """Run ``models`` in ``jobs`` worker processes (spawned: a forked numba or CUDA state is not
     safe), then once more each in this process from the caches; returns this process's passes.
     ``report`` is called with each worker pass as it finishes."""
+    compile_bytecode()
     if jobs > 1 and len(models) > 1:
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(min(jobs, len(models)), mp_context=context) as pool:

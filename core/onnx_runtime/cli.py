@@ -118,7 +118,7 @@ def cmd_run(args) -> int:
     else:
         model_path, expected_path = args.model, None
     options = SessionOptions()
-    options.enable_profiling = args.profile
+    options.enable_profiling = args.profile or bool(args.trace)
     sess = InferenceSession(model_path, options, providers=_providers_arg(args.providers))
     feeds = _parse_inputs(args.input)
     for arg in sess.get_inputs():
@@ -135,6 +135,9 @@ def cmd_run(args) -> int:
     print(f"time per run: median {statistics.median(times) * 1e3:.2f} ms over {len(times)} runs")
     if args.profile:
         _print_profile(sess)
+    if args.trace:
+        os.replace(sess.end_profiling(), args.trace)
+        print(f"trace written to {args.trace} (open it in Perfetto or chrome://tracing)")
     if expected_path is not None:  # checking the default model
         import onnx
         from onnx import numpy_helper
@@ -265,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--providers", help="comma-separated provider names (default: all available)")
     p.add_argument("--repeat", type=int, default=5, help="timed runs after a warm-up run (default 5)")
     p.add_argument("--profile", action="store_true", help="print time per operator")
+    p.add_argument("--trace", metavar="FILE", help="write onnxruntime's Chrome-trace profile of the runs to FILE")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("bench", help="run a model repeatedly and report latency percentiles")
     p.add_argument("model")

@@ -17,18 +17,22 @@ import onnx
 from onnx import numpy_helper
 
 from .dtypes import DataType
-from .errors import InvalidGraphError, ModelLoadError
+from .errors import InvalidGraphError, ModelContentError, ModelLoadError, ModelNotFoundError, ModelParseError
 from .ir import Graph, Model, Node, TypeInfo, ValueInfo
 from .model_checks import MAX_DECLARED_DIM, check_model_structure
 
 _ATTR = onnx.AttributeProto
 
 
-def load_model(model, infer_shapes: bool = True) -> Model:
-    """Load ``model`` (a path, bytes, or an ``onnx.ModelProto``) into the IR."""
+def load_model(model, infer_shapes: bool = True, free_dims: tuple[dict, dict] | None = None) -> Model:
+    """Load ``model`` (a path, bytes, or an ``onnx.ModelProto``) into the IR. ``free_dims``: symbolic graph-input
+    dimensions fixed by name and by denotation (SessionOptions.add_free_dimension_override_by_*)."""
     proto, path = _read_proto(model)
     _check_header(proto, path)
     check_model_structure(proto, _label(path))  # before shape inference: what it would crash or run away on
+    if free_dims is not None and any(free_dims):
+        proto = _override_free_dims(proto if path is not None or not isinstance(model, onnx.ModelProto)
+                                    else _copied(proto), *free_dims)
     top = proto.graph
     light = None
     if infer_shapes:
@@ -60,6 +64,27 @@ def _label(path: str | None) -> str:
     return repr(path) if path else "(from bytes)"
 
 
+def _copied(proto: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)  # the caller's ModelProto stays as it was
+    return copy
+
+
+def _override_free_dims(proto: onnx.ModelProto, by_name: dict, by_denotation: dict) -> onnx.ModelProto:
+    """Graph-input dimensions named in ``by_name`` (their dim_param) or ``by_denotation`` set to the given values
+    before shape inference, so every shape derived from them is static, as onnxruntime's overrides do."""
+    for vi in proto.graph.input:
+        if not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
+            continue
+        for dim in vi.type.tensor_type.shape.dim:
+            value = by_name.get(dim.dim_param) if dim.HasField("dim_param") else None
+            if value is None and dim.denotation:
+                value = by_denotation.get(dim.denotation)
+            if value is not None:
+                dim.dim_value = value
+    return proto
+
+
 def _read_proto(model) -> tuple[onnx.ModelProto, str | None]:
     if isinstance(model, onnx.ModelProto):
         return model, None
@@ -68,9 +93,9 @@ def _read_proto(model) -> tuple[onnx.ModelProto, str | None]:
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if not os.path.exists(path):
-            raise ModelLoadError(f"model file {path!r} does not exist; check the path")
+            raise ModelNotFoundError(f"model file {path!r} does not exist; check the path")
         if os.path.isdir(path):
-            raise ModelLoadError(f"model path {path!r} is a directory; pass the .onnx file inside it")
+            raise ModelParseError(f"model path {path!r} is a directory; pass the .onnx file inside it")
         with open(path, "rb") as handle:
             data = handle.read()
         proto = _parse(data, path)
@@ -102,12 +127,12 @@ _SCAN_LIMIT = 1 << 20
 
 def _parse(data: bytes, path: str | None) -> onnx.ModelProto:
     if not data:
-        raise ModelLoadError(f"model {_label(path)} is empty (0 bytes)")
+        raise ModelContentError(f"model {_label(path)} is empty (0 bytes)")
     proto = onnx.ModelProto()
     try:
         proto.ParseFromString(data)
     except Exception as exc:  # protobuf's DecodeError and friends
-        raise ModelLoadError(
+        raise ModelParseError(
             f"model {_label(path)} is not a valid ONNX protobuf ({type(exc).__name__}: {exc}); the file is "
             f"truncated or not an ONNX model"
         ) from None
@@ -116,12 +141,12 @@ def _parse(data: bytes, path: str | None) -> onnx.ModelProto:
 
 def _check_header(proto: onnx.ModelProto, path: str | None) -> None:
     if proto.ir_version <= 0 or not proto.HasField("graph"):
-        raise ModelLoadError(
+        raise ModelContentError(
             f"model {_label(path)} has no ir_version or graph: the bytes parsed, but this is not an ONNX model "
             f"(or it is truncated)"
         )
     if not proto.opset_import and proto.ir_version >= 3:
-        raise ModelLoadError(f"model {_label(path)} declares no opset_import; re-export it with an opset")
+        raise ModelContentError(f"model {_label(path)} declares no opset_import; re-export it with an opset")
 
 
 # Initializers with more elements than this are weights, not shapes: shape inference (data propagation
@@ -246,8 +271,10 @@ def convert_type(tp: onnx.TypeProto) -> TypeInfo:
         if tt.HasField("shape"):
             # (A list comprehension, and HasField only where the value reads 0: each protobuf access
             # costs, and value infos are read for every tensor of the graph at session creation.)
+            # A negative dim_value (Paddle2ONNX writes -1) is dynamic, as onnxruntime reads it.
             shape = tuple([
-                d.dim_value or (0 if d.HasField("dim_value") else (d.dim_param or None)) for d in tt.shape.dim
+                (d.dim_value if d.dim_value > 0 else None) if d.dim_value
+                else (0 if d.HasField("dim_value") else (d.dim_param or None)) for d in tt.shape.dim
             ])
         dtype = _DATA_TYPES.get(tt.elem_type)
         return TypeInfo("tensor" if which == "tensor_type" else "sparse_tensor", dtype, shape)
@@ -352,6 +379,12 @@ def _sparse_to_dense(sparse: onnx.SparseTensorProto) -> np.ndarray:
 
 
 # -- graphs ------------------------------------------------------------------------------------------
+# A written optimized model (serialize.py) imports the default domain at one opset, but fusions make standard
+# operators of later opsets; those are written in domain LATER_OPSET_DOMAIN + "<opset>", imported at that opset,
+# and read back here as standard operators of that opset.
+LATER_OPSET_DOMAIN = "ai.onnx_runtime.opset"
+
+
 def convert_graph(gp: onnx.GraphProto, opsets: dict[str, int], outer_scope, initializer_protos=None) -> Graph:
     """Convert one graph; ``outer_scope`` holds the names visible from enclosing graphs.
     ``initializer_protos`` replaces ``gp.initializer`` (the loader's shape-inferred graph lacks the weights)."""
@@ -389,10 +422,13 @@ def convert_graph(gp: onnx.GraphProto, opsets: dict[str, int], outer_scope, init
                 f"node {np_node.name or index!r} ({np_node.op_type}) uses domain {domain!r}, which the model "
                 f"does not import; add an opset_import for it"
             )
+        opset = opsets.get(domain, 0)
+        if domain.startswith(LATER_OPSET_DOMAIN):
+            domain = ""  # a standard operator at the later opset this domain is imported at (serialize.py)
         nodes.append(Node(
             op_type=np_node.op_type, inputs=list(np_node.input), outputs=list(np_node.output),
             name=np_node.name or f"{np_node.op_type}_{index}", domain=domain, attrs=attrs,
-            opset=opsets.get(domain, 0), doc=np_node.doc_string, proto=np_node,
+            opset=opset, doc=np_node.doc_string, proto=np_node,
         ))
 
     graph = Graph(

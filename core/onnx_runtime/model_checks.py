@@ -11,7 +11,7 @@ module checks only what would be unsafe to hand on, against the operator schemas
 - every node's input and output counts within its schema's, and no required input left empty;
 - every attribute of the type its schema declares, and every required one present;
 - model-local functions free of call cycles;
-- declared dimensions (graph inputs, outputs, value_info) non-negative and below ``MAX_DECLARED_DIM``.
+- declared dimensions (graph inputs, outputs, value_info) below ``MAX_DECLARED_DIM`` (a negative one is dynamic).
 
 Operators without a schema (custom domains, onnxruntime's contrib operators) pass; placement reports
 later whether a provider runs them.
@@ -112,10 +112,11 @@ def _check_dims(values, where: str) -> None:
         if tensor is None or not tensor.HasField("shape"):
             continue
         for axis, dim in enumerate(tensor.shape.dim):
-            if dim.HasField("dim_value") and not 0 <= dim.dim_value < MAX_DECLARED_DIM:
+            # A negative dim_value (Paddle2ONNX writes -1) is a dynamic dimension, as onnxruntime reads it.
+            if dim.HasField("dim_value") and dim.dim_value >= MAX_DECLARED_DIM:
                 raise InvalidGraphError(
                     f"value {vi.name!r} in {where} declares dimension {axis} as {dim.dim_value}; a dimension must be "
-                    f"in [0, {MAX_DECLARED_DIM}); declare it symbolic (a dim_param) or fix the exporter")
+                    f"below {MAX_DECLARED_DIM}; declare it symbolic (a dim_param) or fix the exporter")
 
 
 def _subgraphs(node: onnx.NodeProto):

@@ -68,12 +68,18 @@ def _unavailable(kind: str, device_id: int, entries) -> ProviderNotAvailableErro
 
 
 def element_type_of(element_type) -> DataType:
+    """A numpy type (np.float32) or, as onnxruntime also takes, an ONNX element-type int (TensorProto.FLOAT)."""
     try:
+        if isinstance(element_type, (int, np.integer)) and not isinstance(element_type, bool):
+            dtype = DataType(int(element_type))
+            if dtype is DataType.UNDEFINED:
+                raise ValueError("UNDEFINED is not an element type")
+            return dtype
         return DataType.from_numpy(np.dtype(element_type))
     except (TypeError, ValueError, InvalidArgumentError) as exc:
         raise InvalidArgumentError(
             f"element_type {element_type!r} is not a tensor element type; pass a numpy type such as np.float32 "
-            f"({exc})"
+            f"or an ONNX element type such as onnx.TensorProto.FLOAT ({exc})"
         ) from None
 
 
@@ -98,6 +104,22 @@ class OrtValue:
         """An uninitialized value of ``shape`` and ``element_type`` (a numpy type) on the device."""
         dtype = element_type_of(element_type)
         return OrtValue(Tensor.empty(dtype, shape, provider=device_handle(device_type, device_id)))
+
+    @staticmethod
+    def ortvalue_from_numpy_with_onnx_type(array, onnx_element_type) -> OrtValue:
+        """A host copy of ``array`` typed as ``onnx_element_type`` (an ONNX element-type int): for types numpy
+        stores in another type's bits, as onnxruntime takes bfloat16 or float8 data in uint8/uint16 arrays."""
+        dtype = element_type_of(onnx_element_type)
+        array = np.ascontiguousarray(array)
+        target = dtype.numpy
+        if array.dtype != target:
+            if array.dtype.itemsize != target.itemsize or array.dtype.kind not in "uiV":
+                raise InvalidArgumentError(
+                    f"an array of {array.dtype} cannot hold {dtype.ort_type} bits; pass an array of {target} or of "
+                    f"an unsigned integer type of {target.itemsize} bytes"
+                )
+            array = array.view(target)
+        return OrtValue(Tensor.from_numpy(array, provider=device_handle("cpu", 0)))
 
     def update_inplace(self, array) -> None:
         """Copy ``array`` (same shape and element type) into this value's buffer, which keeps its address."""
@@ -125,6 +147,15 @@ class OrtValue:
     def is_tensor(self) -> bool:
         return self._tensor is not None
 
+    def is_sparse_tensor(self) -> bool:
+        return False  # values here are dense tensors; sparse initializers are densified at load
+
+    def is_tensor_sequence(self) -> bool:
+        return False
+
+    def tensor_size_in_bytes(self) -> int:
+        return self.tensor.nbytes
+
     def numpy(self) -> np.ndarray:
         """The data on the host: a view for host values, a download for device ones."""
         return self.tensor.numpy()
@@ -135,8 +166,9 @@ class OrtValue:
     def data_type(self) -> str:
         return self.tensor.dtype.ort_type
 
-    def element_type(self) -> type:
-        return self.tensor.dtype.numpy.type
+    def element_type(self) -> int:
+        """The ONNX element type (``onnx.TensorProto.FLOAT`` is 1), as onnxruntime returns it."""
+        return int(self.tensor.dtype)
 
     def device_name(self) -> str:
         return _device_kind(self.tensor.provider)

@@ -80,3 +80,18 @@ def test_run_profile_prints_time_per_operator(tmp_path, capsys):
     assert "operator" in out and "ms/run" in out
     rows = {line.split()[0]: line.split()[-1] for line in out.splitlines() if line.startswith(("Relu", "Neg"))}
     assert rows == {"Relu": "1", "Neg": "1"}  # one call per run of each
+
+
+def test_run_trace_writes_onnxruntimes_chrome_trace(tmp_path, monkeypatch):
+    import json
+
+    model = make_model([helper.make_node("Relu", ["x"], ["y"], name="relu")], [tensor_info("x", shape=[4])],
+                       [tensor_info("y", shape=[4])])
+    onnx.save(model, tmp_path / "m.onnx")
+    monkeypatch.chdir(tmp_path)  # the profile is first written under the session's prefix in the working folder
+    trace = tmp_path / "trace.json"
+    assert main(["run", str(tmp_path / "m.onnx"), "--providers", "cpu", "--repeat", "2", "--trace", str(trace)]) == 0
+    events = json.loads(trace.read_text())
+    relu = [e for e in events if e["cat"] == "Node"]
+    assert [e["name"] for e in relu] == ["relu_kernel_time"] * 3  # the first run, then the two timed ones
+    assert relu[0]["args"]["output_type_shape"] == [{"float": [4]}]

@@ -35,11 +35,11 @@ def test_cpu_ortvalue_describes_its_data():
     value = ort.OrtValue.ortvalue_from_numpy(x)
     assert value.has_value() and value.is_tensor()
     assert (value.shape(), value.data_type(), value.element_type(), value.device_name()) == (
-        [2, 6], "tensor(float)", np.float32, "cpu")
+        [2, 6], "tensor(float)", TensorProto.FLOAT, "cpu")
     np.testing.assert_array_equal(value.numpy(), x)
     assert value.data_ptr() == value.numpy().ctypes.data != x.ctypes.data  # a copy, read in place
     empty = ort.OrtValue.ortvalue_from_shape_and_type([3, 4], np.int64)
-    assert (empty.shape(), empty.data_type(), empty.element_type()) == ([3, 4], "tensor(int64)", np.int64)
+    assert (empty.shape(), empty.data_type(), empty.element_type()) == ([3, 4], "tensor(int64)", TensorProto.INT64)
     address = empty.data_ptr()
     empty.update_inplace(np.arange(12).reshape(3, 4))
     assert empty.data_ptr() == address and empty.numpy().tolist()[2] == [8, 9, 10, 11]

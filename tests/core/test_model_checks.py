@@ -99,7 +99,7 @@ def test_too_many_inputs_is_refused():
         check_model_structure(bad, "m")
 
 
-def test_negative_and_limit_dims_are_refused_inside_subgraphs_too():
+def test_limit_dims_are_refused_inside_subgraphs_too():
     inner = helper.make_graph([helper.make_node("Identity", ["x"], ["z"])], "then", [],
                               [tensor("z", shape=[MAX_DECLARED_DIM])])
     bad = model([helper.make_node("If", ["c"], ["y"], then_branch=inner, else_branch=inner)],

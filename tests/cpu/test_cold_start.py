@@ -4,7 +4,8 @@ Each check runs in its own interpreter, since what matters is what a new process
 onnx_runtime`` loads no provider, no compiler and no device library; a session whose kernels are all numpy
 loads no compiler either; a device provider's availability probe (cuda-python, the driver) runs only when
 that provider is asked about; and loops loaded from numba's disk cache link without numba refreshing its
-typing and lowering registries, which was most of a warm process's first run.
+typing and lowering registries, which was most of a warm process's first run. ``onnx-runtime compile`` also
+writes the packages' bytecode, for processes that may not write it themselves.
 """
 
 from __future__ import annotations
@@ -69,6 +70,22 @@ print(json.dumps({"refreshes": refreshes, "hits": hits, "error": float(np.abs(y 
 """
 
 
+# Imports the package and the CPU provider, counting the modules of the project compiled from source.
+COUNT_SOURCE_COMPILES = """
+import json, sys
+import importlib._bootstrap_external as external
+compiled = []
+original = external.SourceLoader.source_to_code
+def source_to_code(self, data, path, *args, **kwargs):
+    compiled.append(path)
+    return original(self, data, path, *args, **kwargs)
+external.SourceLoader.source_to_code = source_to_code
+import onnx_runtime, onnx_runtime_ep_cpu.plugin
+from onnx_runtime.ahead import package_folders
+print(json.dumps([p for p in compiled if any(p.startswith(folder) for folder in package_folders())]))
+"""
+
+
 def _model(path, op: str, **attrs) -> str:
     graph = helper.make_graph(
         [helper.make_node(op, ["x", "x"] if op == "Add" else ["x"], ["y"], **attrs)], op.lower(),
@@ -111,3 +128,14 @@ def test_cached_loops_load_without_refreshing_numba_contexts(tmp_path):
     warm = _run(COUNT_REFRESHES, model, env=env)
     assert warm["hits"] > 0, "the second process should have loaded its loops from the cache"
     assert warm["refreshes"] == [] and warm["error"] < 1e-6, warm
+
+
+def test_compile_writes_the_bytecode_a_process_that_cannot_write_it_reads(tmp_path):
+    # Bytecode goes to an empty prefix folder, so the control compiles from source whatever the checkout holds.
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONPYCACHEPREFIX=str(tmp_path / "bytecode"))
+    control = _run(COUNT_SOURCE_COMPILES, env=env)
+    assert any(path.endswith("inference_session.py") for path in control), control
+    done = subprocess.run([sys.executable, "-c", "from onnx_runtime.ahead import compile_bytecode as c; "
+                           "raise SystemExit(0 if c() else 1)"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _run(COUNT_SOURCE_COMPILES, env=env) == []

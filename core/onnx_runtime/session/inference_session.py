@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import inspect
-import json
+import threading
 import time
 import warnings
 from contextlib import contextmanager
@@ -18,14 +18,16 @@ from ..errors import InvalidArgumentError, InvalidGraphError, OnnxRuntimeError, 
 from ..functions import FunctionExpander
 from ..ir import Model, TypeInfo, ValueInfo
 from ..loader import load_model, topological_order
+from ..logs import SessionLog
 from ..optimizer import optimize
-from ..ort_value import device_handle
+from ..ort_value import OrtValue, device_handle
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
-from .executor import Executor, graph_slot_of
+from .executor import Executor
 from .io_binding import IOBinding
 from .options import RunOptions, SessionOptions
 from .placement import Placement, input_facts, place
+from .profiling import Profile
 from .specialize import Specializer
 
 
@@ -115,11 +117,23 @@ def session_config(options: SessionOptions) -> dict[str, str]:
     return config
 
 
+FALLBACK_KEY = "session.provider_fallback"  # "1": nothing requested can run -> the CPU provider, as onnxruntime
+
+
 def _create_handles(requested: list[tuple[str, dict]], session_config: dict | None = None) -> list[ProviderHandle]:
+    """Handles for the requested providers that can run here. As onnxruntime does, a name that is not installed
+    or cannot run here is skipped with a warning when another requested provider runs; when none does, the error
+    gives every reason (or, with ``FALLBACK_KEY`` set to "1", onnxruntime's fallback to the CPU provider)."""
     handles: list[ProviderHandle] = []
     unavailable: list[str] = []
+    missing: list[ProviderNotAvailableError] = []
     for name, options in requested:
-        entry = registry().require(name)
+        try:
+            entry = registry().require(name)
+        except ProviderNotAvailableError as exc:
+            missing.append(exc)
+            unavailable.append(str(exc))
+            continue
         if not entry.availability.available:
             unavailable.append(f"{entry.name}: {entry.availability.reason}")
             continue
@@ -129,8 +143,16 @@ def _create_handles(requested: list[tuple[str, dict]], session_config: dict | No
         handle.initialize(options, session_config)
         handles.append(handle)
     if not handles:
+        cpu = registry().find("CPUExecutionProvider")
+        if (session_config or {}).get(FALLBACK_KEY) == "1" and cpu is not None and cpu.availability.available:
+            warnings.warn("onnx-runtime: none of the requested providers can run here (" + "; ".join(unavailable)
+                          + "); falling back to CPUExecutionProvider", RuntimeWarning, stacklevel=4)
+            return _create_handles([("CPUExecutionProvider", {})], session_config)
+        if len(missing) == len(requested) == 1:
+            raise missing[0]
         raise ProviderNotAvailableError(
             "none of the requested execution providers can run here: " + "; ".join(unavailable)
+            + f" (session config entry {FALLBACK_KEY!r} = '1' falls back to the CPU provider as onnxruntime does)"
         )
     for reason in unavailable:
         warnings.warn(f"onnx-runtime: skipping unavailable provider {reason}", RuntimeWarning, stacklevel=4)
@@ -215,7 +237,12 @@ class InferenceSession:
         if unknown:
             raise InvalidArgumentError(f"unexpected InferenceSession arguments {sorted(unknown)}")
         self._sess_options = sess_options or SessionOptions()
-        self._model: Model = load_model(path_or_bytes)
+        self._source = path_or_bytes  # set_providers re-creates the session from it
+        self._profiling_start_ns = time.time_ns()
+        self._profile: Profile | None = Profile() if self._sess_options.enable_profiling else None
+        began = time.perf_counter()
+        self._model: Model = load_model(path_or_bytes, free_dims=self._sess_options.free_dimension_overrides())
+        loaded = time.perf_counter()
         self._model_path = path_or_bytes if isinstance(path_or_bytes, str) else None
         requested = _resolve_providers(providers, provider_options)
         self._handles = _create_handles(requested, session_config(self._sess_options))
@@ -241,9 +268,33 @@ class InferenceSession:
         # Plan the full run now, as onnxruntime does: kernels are created and copies decided at
         # session creation, so their errors surface here and placement() shows the copies.
         self._placement.copies = self._executor.plan(self._output_names).copies
-        self._profile: dict | None = {} if self._sess_options.enable_profiling else None
-        self._profile_runs: list[float] = []
+        if self._sess_options.optimized_model_filepath:
+            from ..serialize import save_model  # only sessions that ask for the file load the writer
+            save_model(self._model, self._sess_options.optimized_model_filepath)
+        self._log = SessionLog(self._sess_options.log_severity_level,
+                               self._sess_options.logid or f"InferenceSession-{id(self):x}")
+        if self._log.enabled(1):
+            self._log_creation(path_or_bytes, time.perf_counter() - began)
+        if self._profile is not None:
+            source = "model_loading_uri" if isinstance(path_or_bytes, str) else "model_loading_array"
+            self._profile.session_event(source, began, loaded - began)
+            self._profile.session_event("session_initialization", loaded, time.perf_counter() - loaded)
         self._closed = False
+
+    def _log_creation(self, source, seconds: float) -> None:
+        log, graph = self._log, self._model.graph
+        label = repr(source) if isinstance(source, str) else "(from bytes)"
+        log.info("created from model %s in %.1f ms: %d nodes, opsets %s", label, seconds * 1e3, len(graph.nodes),
+                 dict(self._model.opsets))
+        log.info("providers: %s; graph passes applied: %s", self.get_providers(), self._applied_passes or "none")
+        counts: dict[str, int] = {}
+        for placed in self._placement:
+            counts[placed.provider] = counts.get(placed.provider, 0) + 1
+        log.info("placement: %s; %d copies inserted", counts, len(self._placement.copies))
+        if log.enabled(0):
+            for placed in self._placement:
+                declined = "".join(f"; {name} declined: {why}" for name, why in placed.rejected.items())
+                log.verbose("node %r (%s) runs on %s%s", placed.node, placed.op_type, placed.provider, declined)
 
     def _specializer_for(self, graph, folded: dict) -> Specializer | None:
         """Shape specialization (session/specialize.py) for a graph whose inputs have symbolic dimensions,
@@ -344,12 +395,85 @@ class InferenceSession:
                 )
         feeds = self._validate_feeds(input_feed)
         executor = self._executor_for(feeds)
+        if self._log.severity == 0 or (run_options is not None and run_options.log_severity_level == 0):
+            return self._logged_run(executor, feeds, names, run_options)
         if self._profile is None:
-            return executor.run(feeds, names, slot=graph_slot_of(run_options))
+            return executor.run(feeds, names)
         start = time.perf_counter()
         outputs = executor.run(feeds, names, self._profile)
-        self._profile_runs.append(time.perf_counter() - start)
+        self._profiled_run(start)
         return outputs
+
+    def _logged_run(self, executor: Executor, feeds: dict, names: tuple, run_options: RunOptions | None) -> list:
+        tag = f" {run_options.run_tag!r}" if run_options is not None and run_options.run_tag else ""
+        start = time.perf_counter()
+        outputs = executor.run(feeds, names, self._profile)
+        if self._profile is not None:
+            self._profiled_run(start)
+        log = self._log if self._log.severity == 0 or run_options is None \
+            else SessionLog(0, run_options.logid or self._log.logid)
+        log.verbose("run%s: %.3f ms, outputs %s", tag, (time.perf_counter() - start) * 1e3,
+                    {n: list(np.shape(v)) for n, v in zip(names, outputs)})
+        return outputs
+
+    def _profiled_run(self, start: float) -> None:
+        profile = self._profile
+        assert profile is not None
+        seconds = time.perf_counter() - start
+        profile.runs.append(seconds)
+        profile.session_event("model_run", start, seconds)
+
+    def run_with_ort_values(self, output_names, input_dict_ort_values: dict, run_options: RunOptions | None = None
+                            ) -> list[OrtValue]:
+        """Run on ``OrtValue`` feeds; return the outputs as host ``OrtValue`` objects (onnxruntime's method)."""
+        if not isinstance(input_dict_ort_values, dict):
+            raise InvalidArgumentError("input_dict_ort_values must be a dict of input name -> OrtValue")
+        for name, value in input_dict_ort_values.items():
+            if not isinstance(value, OrtValue):
+                raise InvalidArgumentError(
+                    f"input {name!r} is a {type(value).__name__}; run_with_ort_values takes OrtValue feeds "
+                    f"(OrtValue.ortvalue_from_numpy(array)), run() takes arrays"
+                )
+        outputs = self.run(output_names, input_dict_ort_values, run_options)
+        return [OrtValue(Tensor.from_numpy(np.asarray(value))) for value in outputs]
+
+    def run_async(self, output_names, input_feed: dict, callback, user_data=None,
+                  run_options: RunOptions | None = None) -> None:
+        """Run on another thread and call ``callback(results, user_data, error)`` there, as onnxruntime does:
+        ``error`` is "" on success, else the failure's message (and ``results`` is None)."""
+        if not callable(callback):
+            raise InvalidArgumentError(f"callback must be callable, got {type(callback).__name__}")
+
+        def work() -> None:
+            try:
+                results = self.run(output_names, input_feed, run_options)
+            except Exception as exc:  # reported to the callback, as onnxruntime reports a status string
+                callback(None, user_data, f"{type(exc).__name__}: {exc}")
+                return
+            callback(results, user_data, "")
+
+        threading.Thread(target=work, name="onnx-runtime-run-async", daemon=True).start()
+
+    def set_providers(self, providers=None, provider_options=None) -> None:
+        """Re-create this session on other providers (onnxruntime's method): the model is loaded, optimized and
+        placed again from the path or bytes it was created from."""
+        source = self._source
+        self.close()
+        with _collector_paused():
+            self._create(source, self._sess_options, providers, provider_options,
+                         {"disabled_optimizers": self._disabled} if self._disabled else {})
+
+    def disable_fallback(self) -> None:
+        """onnxruntime's switch for its retry on the CPU provider when a provider fails at creation; it maps to
+        the session config entry ``session.provider_fallback`` read when the session is (re-)created."""
+        self._sess_options.add_session_config_entry(FALLBACK_KEY, "0")
+
+    def enable_fallback(self) -> None:
+        self._sess_options.add_session_config_entry(FALLBACK_KEY, "1")
+
+    def get_profiling_start_time_ns(self) -> int:
+        """When this session's profile began, in nanoseconds since the epoch."""
+        return self._profiling_start_ns
 
     def _check_runnable(self, run_options: RunOptions | None) -> None:
         if self._closed:
@@ -374,11 +498,9 @@ class InferenceSession:
         feeds = iobinding._feeds()
         self._check_missing(feeds)
         start = time.perf_counter()
-        # Outputs that all stay on devices read nothing back: their validation waits for a host-visible read.
-        outputs = self._executor.run_bound(feeds, names, iobinding._device_outputs(), self._profile,
-                                           graph_slot_of(run_options), iobinding._outputs_stay_on_devices())
+        outputs = self._executor.run_bound(feeds, names, iobinding._device_outputs(), self._profile)
         if self._profile is not None:
-            self._profile_runs.append(time.perf_counter() - start)
+            self._profiled_run(start)
         iobinding._deliver(outputs)
 
     # -- persistent device bindings (session/device_io_binding.py) ------------------------------------
@@ -461,19 +583,18 @@ class InferenceSession:
     @property
     def profiled_runs(self) -> int:
         """How many runs the profile summarizes."""
-        return len(self._profile_runs)
+        return len(self._profile.runs) if self._profile is not None else 0
 
     def end_profiling(self) -> str:
-        """Write the profile as JSON (onnxruntime's method name) and return the file's path."""
-        summary = self.profile_summary()
-        path = f"{self._sess_options.profile_file_prefix}_{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
-        with open(path, "w") as handle:
-            json.dump({
-                "runs": len(self._profile_runs),
-                "run_seconds": self._profile_runs,
-                "operators": {op: {"seconds": s, "calls": c} for op, (s, c) in summary.items()},
-            }, handle, indent=2)
-        self._profile, self._profile_runs = {}, []
+        """Write the profile as onnxruntime does, a Chrome-trace JSON event list (session/profiling.py) that
+        chrome://tracing and Perfetto open, and return the file's path; a new profile begins. With profiling off,
+        return "" as onnxruntime does."""
+        if self._profile is None:
+            return ""
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+        path = f"{self._sess_options.profile_file_prefix}_{stamp}_{time.perf_counter_ns() % 1000:03d}.json"
+        self._profile.write(path)
+        self._profile = Profile()
         return path
 
     def close(self) -> None:
@@ -525,6 +646,8 @@ def _config_flag(options: SessionOptions, key: str, default: str = "0") -> bool:
 def _check_feed(name: str, value, expected: TypeInfo):
     if expected.kind != "tensor":
         return value  # sequences/optionals are checked by the operators that consume them
+    if isinstance(value, OrtValue):
+        value = value.tensor
     if isinstance(value, Tensor):
         value = value.numpy()
     if not isinstance(value, np.ndarray):

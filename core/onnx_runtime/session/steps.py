@@ -175,16 +175,20 @@ def run_steps(steps: Steps, env: list, profile: dict | None = None) -> None:
 def _run_profiled(steps: Steps, env: list, profile: dict) -> None:
     """The run loop with a clock around every step; totals go to ``profile`` per operator."""
     clock = time.perf_counter
+    record = getattr(profile, "record_node", None)  # a session Profile also keeps each node's trace event
     for index, (step, (run, fetch, _single, outs, release)) in enumerate(zip(steps.steps, steps.fast)):
+        args = fetch(env)
         start = clock()
         try:
-            results = run(*fetch(env))
+            results = run(*args)
         except Exception as exc:
             raise _ProfiledStepError(exc, index) from exc
         elapsed = clock() - start
         key = step.node.op_type if step.node is not None else "copy"
         total, calls = profile.get(key, (0.0, 0))
         profile[key] = (total + elapsed, calls + 1)
+        if record is not None:
+            record(step, start, elapsed, args, results)
         for slot, value in zip(outs, results):
             env[slot] = value
         for slot in release:

@@ -8,11 +8,13 @@ kernels, chosen from the opset-versioned registry, its graph fusions, and the CP
 
 from __future__ import annotations
 
+import warnings
+
 from onnx_runtime import KernelMatch, hookimpl
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from . import ops  # noqa: F401  (fills the registry)
-from .arena import apply_arena_settings
+from .arena import ARENA_KEY, apply_arena_settings
 from .conv_fusions import CONV_PASSES
 from .decoder_fusions import DECODER_PASSES
 from .fusions import PASSES
@@ -29,10 +31,9 @@ class CPUExecutionProvider:
 
     @hookimpl
     def initialize(self, options, handle, session_config):
-        if options:
-            raise InvalidArgumentError(
-                f"CPUExecutionProvider accepts no provider options, got {sorted(options)}; remove them"
-            )
+        session_config = dict(session_config or {})
+        if _provider_options(options or {}, session_config).get("use_arena") is False:
+            session_config[ARENA_KEY] = "0"
         self._handle = handle
         apply_thread_settings(session_config)
         self.memory_arena = apply_arena_settings(session_config)
@@ -78,3 +79,38 @@ class CPUExecutionProvider:
             extras = {"handle": self._handle, "graph": graph}
             return factory(node, shapes, opset, **{name: extras[name] for name in needs})
         return factory(node, shapes, opset)
+
+
+# onnxruntime's CPU provider options. Host buffers come from malloc here (arena.py), so `use_arena` = 0 turns the
+# arena thresholds off like `enable_cpu_mem_arena`, and `arena_extend_strategy` has nothing to steer: it is checked
+# and accepted so scripts written for onnxruntime run unchanged.
+_ARENA_STRATEGIES = ("kNextPowerOfTwo", "kSameAsRequested", "0", "1")
+STRICT_OPTIONS_KEY = "session.strict_provider_options"  # "0": warn about unknown provider options, as a switch
+
+
+def _provider_options(options: dict, session_config: dict) -> dict:
+    """The checked CPU provider options; an unknown one is an error (a warning with the switch above set to
+    "0", as onnxruntime ignores unknown options)."""
+    checked: dict = {}
+    for key, value in options.items():
+        text = str(value).strip()
+        if key == "use_arena":
+            if text.lower() not in ("0", "1", "true", "false"):
+                raise InvalidArgumentError(f"CPUExecutionProvider option use_arena is {value!r}; pass '0' or '1'")
+            checked[key] = text.lower() in ("1", "true")
+        elif key == "arena_extend_strategy":
+            if text not in _ARENA_STRATEGIES:
+                raise InvalidArgumentError(
+                    f"CPUExecutionProvider option arena_extend_strategy is {value!r}; pass one of "
+                    f"{list(_ARENA_STRATEGIES)}"
+                )
+            checked[key] = text
+        else:
+            message = (f"CPUExecutionProvider has no option {key!r}; it takes use_arena and arena_extend_strategy "
+                       f"(set session config entry {STRICT_OPTIONS_KEY!r} to '0' to ignore unknown options as "
+                       f"onnxruntime does)")
+            if session_config.get(STRICT_OPTIONS_KEY, "1") == "0":
+                warnings.warn(f"onnx-runtime: ignoring {message}", RuntimeWarning, stacklevel=2)
+            else:
+                raise InvalidArgumentError(message)
+    return checked
