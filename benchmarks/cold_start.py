@@ -1,0 +1,134 @@
+"""Cold start against onnxruntime: import, session creation, first run and peak memory of a fresh process.
+
+    .venv/bin/python benchmarks/cold_start.py [--models bert.torchscript.fp32,resnet50,...] [--repeat 5]
+
+Each sample is a new interpreter (this script again, ``--worker``) that builds its feeds with numpy, then
+imports the runtime, creates a session (one intra-op thread, CPU provider) and runs every call of the model
+once; ours and onnxruntime's processes alternate, and the table shows medians. Times are CPU time of the
+process (``time.process_time``: all threads, so a compiling or spinning helper counts), which a loaded host
+disturbs far less than wall time; the wall time of creation + first run is shown beside. Peak RSS is
+``ru_maxrss``. The last column lists the heavy packages the process had loaded at the end (numba, llvmlite,
+cuda-python, ml_dtypes), which is what most of our cold cost is.
+
+Models are zoo models (benchmarks/.models/zoo, scripts/build_zoo.sh; a decoder's calls run in the manifest's
+order) or onnx's shipped light CNNs by name (``resnet50``, ...). numba's disk cache is as earlier runs left it:
+run ``onnx-runtime compile`` (and a warm-up run of the zoo models) first to measure a warm cache. zoo_bench.py
+measures the same creation + first run inside its full run; this script is the quick check of that column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ZOO = HERE / ".models" / "zoo"
+DEFAULT_MODELS = ("bert.torchscript.fp32", "gpt2.dynamo.fp32", "resnet.torchscript.fp32",
+                  "whisper_encoder.torchscript.fp32", "resnet50", "squeezenet")
+HEAVY = ("numba", "llvmlite", "cuda", "ml_dtypes", "scipy", "onnx")
+
+
+def spec_of(name: str) -> tuple[str, list[dict]]:
+    """The model's path and its calls, each a list of zoo_feeds feed specs (computed in the parent process)."""
+    manifest = ZOO / "manifest.json"
+    if manifest.is_file():
+        for model in json.loads(manifest.read_text())["models"]:
+            if model["name"] == name:
+                return str(ZOO / model["file"]), [call["feeds"] for call in model["calls"].values()]
+    import onnx
+    from bench_models import LIGHT_DIR
+
+    path = os.path.join(LIGHT_DIR, f"light_{name}.onnx")
+    if not os.path.isfile(path):
+        raise SystemExit(f"{name}: neither a zoo model (scripts/build_zoo.sh) nor one of onnx's light CNNs")
+    graph = onnx.load(path, load_external_data=False).graph
+    inits = {i.name for i in graph.initializer}
+    feeds = [{"name": i.name, "dtype": "float32", "fill": "normal",
+              "shape": [d.dim_value or 1 for d in i.type.tensor_type.shape.dim]}
+             for i in graph.input if i.name not in inits]
+    return path, [feeds]
+
+
+def worker(runtime: str, path: str, calls: list[list[dict]]) -> dict:
+    import resource
+
+    from zoo_feeds import make_feeds
+
+    feeds = [make_feeds({"feeds": call}) for call in calls]
+    cpu0 = time.process_time()
+    if runtime == "ours":
+        import onnx_runtime as rt
+    else:
+        import onnxruntime as rt
+    cpu1, wall1 = time.process_time(), time.perf_counter()
+    options = rt.SessionOptions()
+    options.intra_op_num_threads = 1
+    sess = rt.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    cpu2 = time.process_time()
+    for feed in feeds:
+        sess.run(None, feed)
+    cpu3, wall3 = time.process_time(), time.perf_counter()
+    return {"import": cpu1 - cpu0, "create": cpu2 - cpu1, "first": cpu3 - cpu2, "wall": wall3 - wall1,
+            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "loaded": [m for m in HEAVY if m in sys.modules]}
+
+
+def sample(runtime: str, path: str, calls: list[list[dict]]) -> dict:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", runtime, path, json.dumps(calls)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=HERE)
+    if done.returncode:
+        raise SystemExit(f"{runtime} on {path} failed: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated zoo or light CNN names")
+    parser.add_argument("--repeat", type=int, default=5, help="fresh processes per runtime and model (default 5)")
+    parser.add_argument("--json", type=Path, help="write every sample here")
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        runtime, path, calls = args.worker
+        print(json.dumps(worker(runtime, path, json.loads(calls))))
+        return 0
+    sys.path.insert(0, str(HERE))
+    print(f"# cold_start {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, load {os.getloadavg()[0]:.2f}, "
+          f"{args.repeat} fresh processes each; CPU ms (wall ms for creation + first run), medians")
+    print("| model | import ours / ort | create ours / ort | first run ours / ort | create + first ours / ort "
+          "(ratio) | wall ours / ort | peak RSS MB ours / ort (ratio) | loaded (ours) |")
+    print("|---|---|---|---|---|---|---|---|")
+    everything = {}
+    for name in args.models.split(","):
+        path, calls = spec_of(name)
+        runs: dict[str, list[dict]] = {"ours": [], "ort": []}
+        for i in range(args.repeat):
+            for runtime in (("ours", "ort") if i % 2 == 0 else ("ort", "ours")):
+                runs[runtime].append(sample(runtime, path, calls))
+        everything[name] = runs
+
+        def med(runtime: str, *keys: str, scale: float = 1e3, runs: dict = runs) -> float:
+            return statistics.median(sum(r[k] for k in keys) for r in runs[runtime]) * scale
+
+        cf = {rt: med(rt, "create", "first") for rt in runs}
+        rss = {rt: med(rt, "rss_mb", scale=1) for rt in runs}
+        print(f"| {name} | {med('ours', 'import'):.0f} / {med('ort', 'import'):.0f} | "
+              f"{med('ours', 'create'):.0f} / {med('ort', 'create'):.0f} | "
+              f"{med('ours', 'first'):.0f} / {med('ort', 'first'):.0f} | "
+              f"{cf['ours']:.0f} / {cf['ort']:.0f} ({cf['ours'] / cf['ort']:.1f}x) | "
+              f"{med('ours', 'wall'):.0f} / {med('ort', 'wall'):.0f} | "
+              f"{rss['ours']:.0f} / {rss['ort']:.0f} ({rss['ours'] / rss['ort']:.2f}x) | "
+              f"{', '.join(runs['ours'][-1]['loaded'])} |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(everything, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
