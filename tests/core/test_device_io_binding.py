@@ -461,3 +461,15 @@ def test_release_resets_the_captured_graph_that_recorded_its_address(device_mode
         device.hook.replay_device_graph()
     assert device.provider.graph_launches == launches
     sess.close()
+
+
+def test_closing_the_session_releases_its_bindings_first(device_model):
+    sess = _session(device_model, (SAMPLE,))
+    device = sess.provider_handle(SAMPLE)
+    state = sess.device_io_binding(DeviceBindingSpec.input("x", np.float32, (2, 6), output_name="y"))
+    sess.run_with_device_bindings([state])
+    sess.close()  # the provider's memory goes with the session: the binding is released before it
+    assert state.closed and device.provider.memory == {}
+    with pytest.raises(InvalidArgumentError, match="was released"):
+        state.read_bytes()
+    state.close()  # still idempotent

@@ -188,3 +188,29 @@ def test_release_frees_once_and_resets_the_graph_that_recorded_the_address(step_
     gc.collect()
     allocations, frees = device.allocation_counts() or (0, 0)
     assert allocations == frees
+
+
+def test_a_growing_logical_length_replays_one_graph_at_capacity():
+    """The issue's 0 captures for a growing length: bindings that show kernels their capacity keep one feed
+    signature, so a loop whose valid length grows each step captures once and then replays."""
+    capacity = 8
+    nodes = [helper.make_node("Mul", ["cache", "mask"], ["masked"]),
+             helper.make_node("ReduceSum", ["masked"], ["total"], axes=[1], keepdims=0)]
+    model = make_model(nodes, [tensor_info("cache", shape=[1, capacity]), tensor_info("mask", shape=[1, capacity])],
+                       [tensor_info("total", shape=[1])], opset=11)
+    sess = _session(model, capture=True)
+    cache = sess.device_io_binding(DeviceBindingSpec.input("cache", np.float32, (1, capacity), (1, 0)))
+    mask = sess.device_io_binding(DeviceBindingSpec.input("mask", np.float32, (1, capacity), (1, 0)))
+    total = sess.device_io_binding(DeviceBindingSpec.output("total", np.float32, (1,)))
+    cache.write_logical(np.zeros((1, capacity), np.float32))
+    mask.write_logical(np.zeros((1, capacity), np.float32))
+    values = np.arange(1, capacity + 1, dtype=np.float32)
+    for step in range(capacity):
+        cache.write_bytes(4 * step, values[step: step + 1])  # the step's new entry, at its place
+        mask.write_bytes(4 * step, np.ones(1, np.float32))
+        cache.set_logical_shape((1, step + 1))
+        mask.set_logical_shape((1, step + 1))
+        sess.run_with_device_bindings([cache, mask, total])
+        assert total.read_logical().tolist() == [values[: step + 1].sum()]
+    runner = sess._executor.graphs  # noqa: SLF001  (the runner's counts: white box)
+    assert (runner.captures, runner.replays) == (1, capacity - 1)  # sized, captured once, replayed after

@@ -218,7 +218,12 @@ def _check_output(binding: DeviceIoBinding, name: str, value) -> None:
             f"create the binding with dtype {dtype.name}"
         )
     physical = binding.physical_shape
-    if len(shape) != len(physical) or any(d > c for d, c in zip(shape, physical)):
+    if len(shape) != len(physical):
+        raise InvalidArgumentError(
+            f"output {name!r} has shape {list(shape)}, of another rank than device binding {binding.label} "
+            f"({list(physical)}); bind it with a physical shape of rank {len(shape)}"
+        )
+    if any(d > c for d, c in zip(shape, physical)):
         raise InvalidArgumentError(
             f"output {name!r} has shape {list(shape)}, beyond the capacity {list(physical)} of device binding "
             f"{binding.label}; allocate the binding with a larger physical shape"

@@ -43,6 +43,7 @@ from __future__ import annotations
 import ctypes
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,21 @@ from ..provider_handle import ProviderHandle
 from ..tensor import DEFAULT_ALIGNMENT, Tensor
 
 _QUARANTINE: list[tuple[ProviderHandle, DeviceBuffer]] = []  # allocations a failed release kept alive
+# Bindings a session made -> that session, so that closing it releases them (see release_session_bindings).
+_LIVE: weakref.WeakKeyDictionary[DeviceIoBinding, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+def track(binding: DeviceIoBinding, session: object) -> DeviceIoBinding:
+    """Note that ``session`` made ``binding``: :func:`release_session_bindings` releases it with the session."""
+    _LIVE[binding] = weakref.ref(session)
+    return binding
+
+
+def release_session_bindings(session: object) -> None:
+    """Release the live bindings ``session`` made, before its providers shut down (their memory goes with them)."""
+    for binding, owner in list(_LIVE.items()):
+        if owner() is session:
+            binding.close()
 
 
 def quarantined_allocations() -> list[tuple[ProviderHandle, DeviceBuffer]]:
@@ -604,10 +620,12 @@ class DeviceIoBinding:
 
     # -- release --------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Release safely (see the module docstring); idempotent."""
+        """Release safely (see the module docstring); idempotent. A session releases the bindings it made
+        when it closes."""
         buffer, self._buffer = self._buffer, None
         if buffer is None:
             return
+        _LIVE.pop(self, None)
         allocator = self._allocator
         problems = self._settle()
         if problems:

@@ -508,7 +508,7 @@ class InferenceSession:
         """A :class:`DeviceIoBinding`: a buffer on ``provider``'s device (default: this session's first device
         provider, else its first provider) bound to the input and/or output ``spec`` names. A
         ``DeviceBindingSpec`` allocates it; an ``ExternalMemorySpec`` borrows caller-owned memory."""
-        from .device_io_binding import DeviceBindingSpec, DeviceIoBinding, ExternalMemorySpec, _dtype
+        from .device_io_binding import DeviceBindingSpec, DeviceIoBinding, ExternalMemorySpec, _dtype, track
 
         self._check_runnable(None)
         if not isinstance(spec, DeviceBindingSpec | ExternalMemorySpec):
@@ -526,8 +526,8 @@ class InferenceSession:
                     f"with the model's element type"
                 )
         if isinstance(spec, ExternalMemorySpec):
-            return DeviceIoBinding.from_external_memory(handle, spec)
-        return DeviceIoBinding.allocate(handle, spec)
+            return track(DeviceIoBinding.from_external_memory(handle, spec), self)
+        return track(DeviceIoBinding.allocate(handle, spec), self)
 
     def run_with_device_bindings(self, bindings, input_feed: dict | None = None, output_names=None,
                                  run_options: RunOptions | None = None, single_token_step: bool = False) -> list:
@@ -603,6 +603,9 @@ class InferenceSession:
         self._closed = True
         if self._specializer is not None:
             self._specializer.close()
+        from .device_io_binding import release_session_bindings
+
+        release_session_bindings(self)  # before the graphs they recorded and the providers their memory is on
         self._executor.close()
         for handle in self._handles:
             handle.shutdown()
