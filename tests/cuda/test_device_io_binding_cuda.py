@@ -82,6 +82,9 @@ def test_validation_is_consumed_at_the_next_host_read_of_the_output(gather_model
         sess.run_with_device_bindings([ids, rows], output_names=["total"])
     with pytest.warns(RuntimeWarning, match=r"'rows' was released with a failed device validation \(flags=0x1\)"):
         rows.close()  # its recipient token of that run is consumed on release
+    with pytest.raises(DeviceValidationError):  # outside bound runs the provider's hooks are as they were
+        sess.run(["total"], {"ids": np.array([0, VOCAB], np.int64)})
+    assert sess.run(["total"], {"ids": np.array([0, 1], np.int64)})[0] == table[[0, 1]].sum()
 
 
 def test_snapshot_and_restore_never_touch_the_host(gather_model):

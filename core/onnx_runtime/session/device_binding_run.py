@@ -8,15 +8,16 @@ binding's logical shape becomes the output's. Host-only sessions run through the
 shape-specialized executor, with numpy views of the buffers as feeds.
 
 While the run executes, a plugin on each device provider's handle (pluggy, as the device-graph runner
-does it) makes every output binding a recipient of the run's validation submission and, when no output
-goes to the host, leaves the flags for the bindings to consume at their next host-visible read. It also
-notes the device graph a replay or capture used, so a released binding resets the graph that recorded
-its address.
+does it; registered once, acting only for the bound run in progress on the calling thread) makes every
+output binding a recipient of the run's validation submission and, when no output goes to the host,
+leaves the flags for the bindings to consume at their next host-visible read. It also notes the device
+graph a replay or capture used, so a released binding resets the graph that recorded its address.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,35 +48,53 @@ class SessionSide:
     profile: Any
 
 
-class _RunHooks:
-    """Plugin on one device provider's handle for the duration of one bound run (see the module docstring)."""
+@dataclass(eq=False)
+class _Run:
+    """One bound run on one device provider, as the provider's hooks see it."""
 
-    def __init__(self, handle: ProviderHandle, bindings: list[DeviceIoBinding], recipients: list[DeviceIoBinding],
-                 defer: bool):
+    bindings: list[DeviceIoBinding]
+    recipients: list[DeviceIoBinding]  # the output bindings
+    defer: bool  # no output goes to the host: leave the flags to the bindings
+    submission: Any = None
+
+
+_ACTIVE = threading.local()  # .runs: id(handle) -> the _Run in progress on this thread
+_REGISTER = threading.Lock()
+_PLUGIN = "device-binding-runs"
+
+
+class _RunHooks:
+    """Plugin on a device provider's handle, registered at its first bound run: it acts only while a bound run
+    is in progress on the calling thread (see the module docstring), so other threads' runs pass through."""
+
+    def __init__(self, handle: ProviderHandle):
         self.handle = handle
-        self.bindings = bindings
-        self.recipients = recipients
-        self.defer = defer
-        self.submission = None
+
+    def _run(self) -> _Run | None:
+        runs = getattr(_ACTIVE, "runs", None)
+        return runs.get(id(self.handle)) if runs else None
 
     @hookimpl(wrapper=True)
     def begin_device_validation(self, registration):
         token = yield
-        if self.submission is None:  # the run's top-level submission; subgraph executors nest inside it
-            self.submission = token
-            for binding in self.recipients:
+        run = self._run()
+        if run is not None and run.submission is None:  # the top-level submission; subgraphs nest inside it
+            run.submission = token
+            for binding in run.recipients:
                 binding.set_device_validation(self.handle.hook.add_device_validation_recipient(
                     submission=token, recipient=binding.validation_registration))
         return token
 
     @hookimpl(tryfirst=True)
     def consume_device_validation_error(self, registration, token):
-        if self.defer and token == self.submission:
+        run = self._run()
+        if run is not None and run.defer and token == run.submission:
             return 0  # not read now: the output bindings consume it at their next host-visible read
         return None
 
     def _graph(self, token) -> None:
-        for binding in self.bindings:
+        run = self._run()
+        for binding in run.bindings if run is not None else ():
             binding.set_device_graph_token(token)
 
     @hookimpl(wrapper=True)
@@ -89,6 +108,12 @@ class _RunHooks:
         result = yield
         self._graph(token)
         return result
+
+
+def _hooks_on(handle: ProviderHandle) -> None:
+    with _REGISTER:
+        if handle.pm.get_plugin(_PLUGIN) is None:
+            handle.pm.register(_RunHooks(handle), name=_PLUGIN)
 
 
 def run_with_device_bindings(session: SessionSide, bindings, input_feed: dict | None,
@@ -170,17 +195,19 @@ def _execute(session: SessionSide, bindings: list[DeviceIoBinding], feeds: dict,
     if all(handle.is_host_accessible for handle in session.handles):
         feeds = {k: v.numpy() if isinstance(v, Tensor) else v for k, v in feeds.items()}  # views, no copy
         return session.executor_for(feeds).run(feeds, names, session.profile)
-    plugins = []
+    runs = getattr(_ACTIVE, "runs", None)
+    if runs is None:
+        runs = _ACTIVE.runs = {}
+    saved = dict(runs)
     for handle in {id(b.allocator): b.allocator for b in bindings if not b.allocator.is_host_accessible}.values():
+        _hooks_on(handle)
         mine = [b for b in bindings if b.allocator is handle]
-        plugin = _RunHooks(handle, mine, [b for b in mine if b.output_name], defer)
-        handle.pm.register(plugin, name=f"device-binding-run-{id(plugin)}")
-        plugins.append((handle, plugin))
+        runs[id(handle)] = _Run(mine, [b for b in mine if b.output_name], defer)
     try:
         return session.executor.run_bound(feeds, names, True, session.profile)
     finally:
-        for handle, plugin in plugins:
-            handle.pm.unregister(plugin)
+        runs.clear()
+        runs.update(saved)
 
 
 def _input_value(binding: DeviceIoBinding, single_token_step: bool, temporaries: list[Tensor]):
