@@ -473,3 +473,21 @@ def test_closing_the_session_releases_its_bindings_first(device_model):
     with pytest.raises(InvalidArgumentError, match="was released"):
         state.read_bytes()
     state.close()  # still idempotent
+
+
+@pytest.mark.parametrize("provider", [CPU, SAMPLE])
+def test_fixed_strides_gather_and_scatter_rows_on_the_device(device_model, provider):
+    """x [2, 6] read from rows of 8 and y written back into rows of 8: the padding columns are never touched."""
+    sess = _session(device_model, (provider,))
+    x = sess.device_io_binding(DeviceBindingSpec.input("x", np.float32, (2, 8), (2, 6), expose_logical_input_shape=True,
+                                                       fixed_physical_strides=True))
+    y = sess.device_io_binding(DeviceBindingSpec.output("y", np.float32, (2, 8), (2, 0), fixed_physical_strides=True))
+    padded = np.full((2, 8), -9, np.float32)
+    padded[:, :6] = np.random.default_rng(3).standard_normal((2, 6))
+    x.write_bytes(0, padded)
+    y.write_bytes(0, np.full((2, 8), 7, np.float32))
+    sess.run_with_device_bindings([x, y])
+    expected = np.maximum(padded[:, :6], 0) * padded[:, :6] + np.linspace(-1, 1, 6, dtype=np.float32)
+    np.testing.assert_allclose(y.read_logical(), expected, rtol=1e-6)
+    rows = np.frombuffer(y.read_bytes(), np.float32).reshape(2, 8)
+    assert (rows[:, 6:] == 7).all()  # the scatter wrote 6 of each row's 8 places
