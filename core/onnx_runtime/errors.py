@@ -49,6 +49,10 @@ class InvalidArgumentError(OnnxRuntimeError, InvalidArgument, ValueError):
     """A caller-supplied argument (feed, option, name) does not match what is expected."""
 
 
+class ConfigEntryNotSetError(InvalidArgumentError, RuntimeError):
+    """A session or run config entry that was never set was read (onnxruntime raises a ``RuntimeError``)."""
+
+
 class ShapeOverflowError(InvalidArgumentError):
     """A shape's element or byte count exceeds what the address space can hold."""
 

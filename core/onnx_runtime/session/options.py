@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from ..errors import InvalidArgumentError
+from ..errors import ConfigEntryNotSetError, InvalidArgumentError
 
 
 class GraphOptimizationLevel(enum.IntEnum):
@@ -126,7 +126,8 @@ class SessionOptions(_Options):
         try:
             return self._config[key]
         except KeyError:
-            raise InvalidArgumentError(f"session config entry {key!r} is not set") from None
+            raise ConfigEntryNotSetError(f"session config entry {key!r} is not set; set it with "
+                                         f"add_session_config_entry") from None
 
     def config(self) -> dict[str, str]:
         return dict(self._config)
@@ -167,4 +168,5 @@ class RunOptions(_Options):
         try:
             return self._config[key]
         except KeyError:
-            raise InvalidArgumentError(f"run config entry {key!r} is not set") from None
+            raise ConfigEntryNotSetError(f"run config entry {key!r} is not set; set it with add_run_config_entry") \
+                from None
