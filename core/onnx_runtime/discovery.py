@@ -68,6 +68,7 @@ class ProviderRegistry:
         self._lock = threading.RLock()
         self._entries: list[ProviderEntry] = []
         self._discovered = False  # the entry points are loaded at the first query, and again after refresh()
+        self._quick: dict[str, ProviderEntry] = {}  # find()'s answers from one entry point, before discovery
         self._in_process: list[tuple[object, str]] = []
         self.broken: list[BrokenPlugin] = []
 
@@ -95,6 +96,7 @@ class ProviderRegistry:
         with self._lock:
             self._entries = []
             self._discovered = False
+            self._quick = {}
             self.broken = []
 
     # -- queries --------------------------------------------------------------------------------
@@ -105,6 +107,9 @@ class ProviderRegistry:
             return list(self._entries)
 
     def find(self, name: str) -> ProviderEntry | None:
+        quick = self._quick_find(name)
+        if quick is not None:
+            return quick
         for entry in self.entries():
             if _matches(entry, name):
                 return entry
@@ -122,15 +127,39 @@ class ProviderRegistry:
         return entry
 
     # -- discovery ------------------------------------------------------------------------------
+    def _quick_find(self, name: str) -> ProviderEntry | None:
+        """Before the first full discovery: the provider of the one entry point named after ``name`` ("cpu"
+        for CPUExecutionProvider), loaded alone, so that a session naming its providers imports no other
+        provider package. Anything else (no such entry point, several, a failure, a provider of another name)
+        is left to full discovery, which reports broken plugins."""
+        key = name.lower().removesuffix("executionprovider")
+        with self._lock:
+            if self._discovered:
+                return None
+            if key not in self._quick:
+                named = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name.lower() == key]
+                if len(named) != 1:
+                    return None
+                source, dist_name, version = _describe(named[0])
+                try:
+                    classes = _provider_classes(named[0].load())
+                    handles = [ProviderHandle(cls(), source=source) for cls in classes]
+                except Exception:
+                    return None
+                found = [_entry(cls, handle, source, dist_name, version) for cls, handle in zip(classes, handles)
+                         if handle.matches(name)]
+                if len(found) != 1:
+                    return None
+                self._quick[key] = found[0]
+            entry = self._quick[key]
+            return entry if _matches(entry, name) else None
+
     def _discover(self) -> None:
         self._entries = []
         self._discovered = True
         self.broken = []
         for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-            dist = getattr(ep, "dist", None)
-            dist_name = dist.metadata["Name"] if dist is not None else ""
-            version = dist.version if dist is not None else ""
-            source = f"entry point {ep.name!r} ({ep.value}) of {dist_name or 'an unknown distribution'}"
+            source, dist_name, version = _describe(ep)
             try:
                 plugin = ep.load()
             except Exception as exc:
@@ -152,10 +181,7 @@ class ProviderRegistry:
             except Exception as exc:
                 self._fail(source, f"provider {getattr(cls, '__name__', cls)!r} is invalid: {exc}", strict)
                 continue
-            entry = ProviderEntry(
-                cls=cls, name=handle.name, short_name=handle.short_name, source=source,
-                distribution=dist, version=version, device=str(handle.device_id), probe=handle.availability,
-            )
+            entry = _entry(cls, handle, source, dist, version)
             if any(_matches(e, entry.name) for e in self._entries):
                 self._fail(source, f"provider name {entry.name!r} is already registered", strict)
                 continue
@@ -172,6 +198,19 @@ class ProviderRegistry:
     def _broken(self, source: str, reason: str) -> None:
         self.broken.append(BrokenPlugin(source, reason))
         warnings.warn(f"onnx-runtime: skipping {source}: {reason}", RuntimeWarning, stacklevel=3)
+
+
+def _describe(ep) -> tuple[str, str, str]:
+    """An entry point's description for messages, its distribution's name and version."""
+    dist = getattr(ep, "dist", None)
+    dist_name = dist.metadata["Name"] if dist is not None else ""
+    version = dist.version if dist is not None else ""
+    return f"entry point {ep.name!r} ({ep.value}) of {dist_name or 'an unknown distribution'}", dist_name, version
+
+
+def _entry(cls, handle: ProviderHandle, source: str, dist: str, version: str) -> ProviderEntry:
+    return ProviderEntry(cls=cls, name=handle.name, short_name=handle.short_name, source=source, distribution=dist,
+                         version=version, device=str(handle.device_id), probe=handle.availability)
 
 
 def _provider_classes(plugin) -> list[Callable[[], object]]:
