@@ -17,7 +17,9 @@ from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 from onnx_runtime.generate import Generator, generate_text
 
 ZOO = Path(os.environ.get("ONNX_RUNTIME_ZOO") or Path(__file__).resolve().parents[2] / "benchmarks/.models/zoo")
-DECODERS = ["gpt2.torchscript.fp32", "llama.torchscript.fp32", "gpt2.dynamo.fp32", "llama.dynamo.fp32"]
+DECODERS = ["gpt2.torchscript.fp32", "llama.torchscript.fp32", "gpt2.dynamo.fp32", "llama.dynamo.fp32",
+            "llama.torchscript.fp16", "llama.torchscript.int4", "llama.dynamo.int8_dynamic",
+            "gpt2.torchscript.optimized"]
 PROMPT = [5, 17, 300, 42, 7]
 CPU = "CPUExecutionProvider"
 
@@ -30,14 +32,15 @@ def _model(name: str) -> str:
 
 
 def onnxruntime_greedy(path: str, prompt: list[int], new: int) -> list[int]:
-    """The oracle: onnxruntime fed the whole cache each step, argmax of the last logits row in numpy."""
+    """The oracle: onnxruntime fed the whole cache each step, argmax of the last logits row in numpy (the same
+    first-maximum rule as device_argmax)."""
     ort = pytest.importorskip("onnxruntime", reason="onnxruntime is the oracle: install the test extra")
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(path, options, providers=[CPU])
     inputs = [i.name for i in session.get_inputs()]
     outputs = [o.name for o in session.get_outputs()]
-    past = {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+    past = {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float16 if "float16" in i.type else np.float32)
             for i in session.get_inputs() if "past" in i.name}
     ids, positions, tokens = np.array([prompt], np.int64), np.arange(len(prompt))[None], []
     for _ in range(new):
@@ -46,7 +49,7 @@ def onnxruntime_greedy(path: str, prompt: list[int], new: int) -> list[int]:
         if "position_ids" in inputs:
             feeds["position_ids"] = positions
         values = dict(zip(outputs, session.run(None, feeds)))
-        tokens.append(int(np.argmax(values["logits"][0, -1])))
+        tokens.append(int(np.argmax(values["logits"][0, -1].astype(np.float32))))
         past = {name: values[name.replace("past_key_values", "present")] for name in past}
         ids, positions = np.array([[tokens[-1]]], np.int64), np.array([[total]], np.int64)
     return tokens
