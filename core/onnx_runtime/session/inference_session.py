@@ -23,7 +23,7 @@ from ..optimizer import optimize
 from ..ort_value import OrtValue, device_handle
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
-from .executor import Executor
+from .executor import Executor, graph_slot_of
 from .io_binding import IOBinding
 from .options import RunOptions, SessionOptions
 from .placement import Placement, input_facts, place
@@ -398,7 +398,7 @@ class InferenceSession:
         if self._log.severity == 0 or (run_options is not None and run_options.log_severity_level == 0):
             return self._logged_run(executor, feeds, names, run_options)
         if self._profile is None:
-            return executor.run(feeds, names)
+            return executor.run(feeds, names, slot=graph_slot_of(run_options))
         start = time.perf_counter()
         outputs = executor.run(feeds, names, self._profile)
         self._profiled_run(start)
@@ -498,7 +498,9 @@ class InferenceSession:
         feeds = iobinding._feeds()
         self._check_missing(feeds)
         start = time.perf_counter()
-        outputs = self._executor.run_bound(feeds, names, iobinding._device_outputs(), self._profile)
+        # Outputs that all stay on devices read nothing back: their validation waits for a host-visible read.
+        outputs = self._executor.run_bound(feeds, names, iobinding._device_outputs(), self._profile,
+                                           graph_slot_of(run_options), iobinding._outputs_stay_on_devices())
         if self._profile is not None:
             self._profiled_run(start)
         iobinding._deliver(outputs)
