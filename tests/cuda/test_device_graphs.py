@@ -860,6 +860,9 @@ def test_a_replayed_decode_step_neither_synchronizes_nor_transfers(monkeypatch):
     for syncs, transfers, calls in per_step[2:]:
         assert (syncs, transfers) == (0, 0), calls
         assert calls.get("cuGraphLaunch") == 1
+        # The output goes from the graph's buffer straight into the bound one (no temporary copy), then back
+        # into the state: two device copies, no allocation.
+        assert calls.get("cuMemcpyDtoDAsync") == 2 and "cuMemAllocAsync" not in calls, calls
     counting.calls.clear()
     (y,) = binding.copy_outputs_to_cpu()  # the one read the caller chooses, and the validation word's
     assert counting.host_transfers() == 2

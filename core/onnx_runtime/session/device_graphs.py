@@ -265,6 +265,7 @@ class _Run:
     plan: Plan
     feeds: dict
     convert: Callable[[Any], Any]
+    copied: frozenset[int] = frozenset()  # output positions the caller copies out before the next run
 
     def eager(self, executor: Executor) -> list:
         return executor.run_plan(self.plan, self.feeds, None, self.convert)
@@ -345,10 +346,13 @@ class DeviceGraphRunner:
         return self.run_plan(feeds, output_names, self.executor.plan(output_names), to_host, slot)
 
     def run_plan(self, feeds: dict, plan_key: tuple, plan: Plan, convert: Callable[[Any], Any],
-                 slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY) -> list | None:
+                 slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY, copied: frozenset[int] = frozenset()
+                 ) -> list | None:
         """:meth:`run` for any of the executor's plans (``plan_key`` names it); ``convert`` is the executor's
         conversion of output values that pass straight through or come out of a seam. ``slot`` is the slot the
-        graphs are captured in: each slot keeps its own signatures, so one never evicts the other's."""
+        graphs are captured in: each slot keeps its own signatures, so one never evicts the other's. ``copied``:
+        positions of outputs the caller copies elsewhere before the next run, handed out as views of the arena
+        rather than copies of it."""
         region = self._region(plan_key, plan)
         if isinstance(region, str):
             self.status = f"eager: {region}"
@@ -358,7 +362,7 @@ class DeviceGraphRunner:
             self.status = "eager: a feed is not a tensor"
             return None
         entries = self._entries[slot]
-        run = _Run(plan_key, plan, feeds, convert)
+        run = _Run(plan_key, plan, feeds, convert, copied)
         entry = entries.get(key)
         if entry is None:
             return self._size(slot, key, region, run)
@@ -538,12 +542,13 @@ class DeviceGraphRunner:
             if submissions:
                 self.executor.activate_validation(submissions)
             outputs = []
-            for slot in plan.output_slots:
+            for index, slot in enumerate(plan.output_slots):
                 if slot in region.downloads:
                     device_slot = region.downloads[slot]
                     outputs.append(to_host(entry.outputs.get(device_slot, env[device_slot])))
                 elif slot in entry.outputs:  # the arena's buffer is rewritten by the next replay: hand out a copy
-                    outputs.append(_device_copy(entry.outputs[slot]))
+                    tensor = entry.outputs[slot]
+                    outputs.append(_view(tensor) if index in run.copied else _device_copy(tensor))
                 else:  # a feed or a constant passed straight through, or a seam's value
                     outputs.append(run.convert(env[slot]))
         except Exception as exc:

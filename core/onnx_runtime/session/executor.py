@@ -91,7 +91,8 @@ class GraphRunner(Protocol):
             ) -> list | None: ...
 
     def run_plan(self, feeds: dict[str, object], plan_key: tuple, plan: Plan,
-                 convert: Callable[[Any], Any], slot: DeviceGraphSlot = ...) -> list | None: ...
+                 convert: Callable[[Any], Any], slot: DeviceGraphSlot = ..., copied: frozenset[int] = ...
+                 ) -> list | None: ...
 
     def close(self) -> None: ...
 
@@ -274,20 +275,21 @@ class Executor:
     @_serialized
     def run_bound(self, feeds: dict[str, object], output_names: tuple[str, ...], device_outputs: bool,
                   profile: dict | None = None, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY,
-                  defer_validation: bool = False) -> list:
+                  defer_validation: bool = False, copied: frozenset[str] = frozenset()) -> list:
         """IO binding's run: a feed that is a Tensor on the device of a provider of this session is read there
         as it is (no download or upload); with ``device_outputs``, outputs produced on a device are returned as
         Tensors on it. With device graphs, such a feed is captured at its address (see :mod:`.device_graphs`).
         ``defer_validation``: a run whose outputs all stay on the device leaves its validation pending (see the
-        module docstring)."""
+        module docstring). ``copied``: names of outputs the caller copies into buffers of its own before the next
+        run; a replay hands those out as views of its graph's buffers instead of copies (one device copy less)."""
         self._defer = defer_validation and device_outputs
         try:
-            return self._run_bound(feeds, output_names, device_outputs, profile, slot)
+            return self._run_bound(feeds, output_names, device_outputs, profile, slot, copied)
         finally:
             self._defer = False
 
     def _run_bound(self, feeds: dict[str, object], output_names: tuple[str, ...], device_outputs: bool,
-                   profile: dict | None, slot: DeviceGraphSlot) -> list:
+                   profile: dict | None, slot: DeviceGraphSlot, copied: frozenset[str]) -> list:
         feed_devices = {}
         feeds = dict(feeds)
         for name, value in feeds.items():
@@ -305,7 +307,8 @@ class Executor:
             plan = self._bound_plans[key] = self._build(output_names, feed_devices, device_outputs)
         convert = on_device if device_outputs else to_host
         if self.graphs is not None and profile is None:
-            outputs = self.graphs.run_plan(feeds, key, plan, convert, slot)
+            positions = frozenset(i for i, name in enumerate(output_names) if name in copied)
+            outputs = self.graphs.run_plan(feeds, key, plan, convert, slot, positions)
             if outputs is not None:
                 return outputs
         return self.run_plan(plan, feeds, profile, convert)

@@ -500,7 +500,8 @@ class InferenceSession:
         start = time.perf_counter()
         # Outputs that all stay on devices read nothing back: their validation waits for a host-visible read.
         outputs = self._executor.run_bound(feeds, names, iobinding._device_outputs(), self._profile,
-                                           graph_slot_of(run_options), iobinding._outputs_stay_on_devices())
+                                           graph_slot_of(run_options), iobinding._outputs_stay_on_devices(),
+                                           iobinding._copied_outputs())
         if self._profile is not None:
             self._profiled_run(start)
         iobinding._deliver(outputs)

@@ -121,6 +121,10 @@ class IOBinding:
     def _outputs_stay_on_devices(self) -> bool:
         return all(not out.handle.is_host_accessible for out in self._outputs.values())
 
+    def _copied_outputs(self) -> frozenset[str]:
+        """Outputs written into a bound buffer by :meth:`_deliver`, right after the run."""
+        return frozenset(name for name, out in self._outputs.items() if out.target is not None)
+
     def _deliver(self, values: list) -> None:
         """Store a run's outputs: moved to their bound device, or written into their bound buffer."""
         for (name, out), value in zip(self._outputs.items(), values):
