@@ -217,3 +217,36 @@ def test_a_growing_logical_length_replays_one_graph_at_capacity():
         assert total.read_logical().tolist() == [values[: step + 1].sum()]
     runner = sess._executor.graphs  # noqa: SLF001  (the runner's counts: white box)
     assert (runner.captures, runner.replays) == (1, capacity - 1)  # sized, captured once, replayed after
+
+
+def test_a_verification_step_captures_in_the_verify_slot_beside_the_decode_step():
+    """A draft of 3 tokens verified in one run (VERIFY) between single-token steps (PRIMARY): each shape keeps
+    its graph, and the bindings record the token of the slot that last ran them."""
+    nodes = [helper.make_node("Gather", ["embedding", "ids"], ["rows"]),
+             helper.make_node("MatMul", ["rows", "projection"], ["logits"])]
+    rng = np.random.default_rng(4)
+    embedding = rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32)
+    projection = rng.standard_normal((HIDDEN, VOCAB)).astype(np.float32)
+    model = make_model(nodes, [tensor_info("ids", TensorProto.INT64, ["n"])],
+                       [tensor_info("logits", shape=["n", VOCAB])],
+                       [onnx.numpy_helper.from_array(embedding, "embedding"),
+                        onnx.numpy_helper.from_array(projection, "projection")])
+    sess = _session(model, capture=True)
+    step_ids = sess.device_io_binding(DeviceBindingSpec.input("ids", np.int64, (1,)))
+    step_logits = sess.device_io_binding(DeviceBindingSpec.output("logits", np.float32, (1, VOCAB)))
+    draft_ids = sess.device_io_binding(DeviceBindingSpec.input("ids", np.int64, (3,)))
+    draft_logits = sess.device_io_binding(DeviceBindingSpec.output("logits", np.float32, (3, VOCAB)))
+    verify = ort.RunOptions()
+    verify.add_run_config_entry("device_graph.slot", "verify")
+    for round_ in range(4):
+        step_ids.write_logical(np.array([round_], np.int64))
+        sess.run_with_device_bindings([step_ids, step_logits])
+        draft_ids.write_logical(np.array([round_, 5, 9], np.int64))
+        sess.run_with_device_bindings([draft_ids, draft_logits], run_options=verify)
+        np.testing.assert_allclose(step_logits.read_logical(), embedding[[round_]] @ projection, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(draft_logits.read_logical(), embedding[[round_, 5, 9]] @ projection, rtol=1e-5,
+                                   atol=1e-5)
+    assert step_ids.device_graph_token.slot == ort.DeviceGraphSlot.PRIMARY
+    assert draft_ids.device_graph_token.slot == ort.DeviceGraphSlot.VERIFY
+    runner = sess._executor.graphs  # noqa: SLF001  (the runner's counts: white box)
+    assert runner.captures == 2 and sess.device_graph_status() == "replaying"

@@ -25,12 +25,14 @@ from typing import Any
 import numpy as np
 
 from ..contract.buffers import DeviceBuffer
+from ..contract.graphs import DeviceGraphSlot
 from ..contract.markers import hookimpl
 from ..dtypes import DataType
 from ..errors import InvalidArgumentError
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
 from .device_io_binding import DeviceIoBinding, device_copy, strided_runs
+from .executor import graph_slot_of
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ def _hooks_on(handle: ProviderHandle) -> None:
 
 
 def run_with_device_bindings(session: SessionSide, bindings, input_feed: dict | None,
-                             output_names, single_token_step: bool) -> list:
+                             output_names, single_token_step: bool, run_options=None) -> list:
     """See :meth:`InferenceSession.run_with_device_bindings`."""
     bindings = list(bindings)
     inputs, outputs = _sorted(session, bindings)
@@ -138,7 +140,7 @@ def run_with_device_bindings(session: SessionSide, bindings, input_feed: dict | 
                 feeds[name] = session.checked_input(name, value)
         session.check_missing(feeds)
         names = host_names + tuple(outputs)
-        values = _execute(session, bindings, feeds, names, defer=not host_names)
+        values = _execute(session, bindings, feeds, names, not host_names, graph_slot_of(run_options))
     finally:
         for tensor in temporaries:
             tensor.close()
@@ -191,7 +193,7 @@ def _host_names(session: SessionSide, output_names, outputs: dict[str, DeviceIoB
 
 
 def _execute(session: SessionSide, bindings: list[DeviceIoBinding], feeds: dict, names: tuple[str, ...],
-             defer: bool) -> list:
+             defer: bool, slot: DeviceGraphSlot) -> list:
     if all(handle.is_host_accessible for handle in session.handles):
         feeds = {k: v.numpy() if isinstance(v, Tensor) else v for k, v in feeds.items()}  # views, no copy
         return session.executor_for(feeds).run(feeds, names, session.profile)
@@ -204,7 +206,9 @@ def _execute(session: SessionSide, bindings: list[DeviceIoBinding], feeds: dict,
         mine = [b for b in bindings if b.allocator is handle]
         runs[id(handle)] = _Run(mine, [b for b in mine if b.output_name], defer)
     try:
-        return session.executor.run_bound(feeds, names, True, session.profile)
+        # The deferral is the plugin's (recipient tokens), not the executor's: a recipient's read settles the
+        # submission, which the executor must not then reuse.
+        return session.executor.run_bound(feeds, names, True, session.profile, slot)
     finally:
         runs.clear()
         runs.update(saved)

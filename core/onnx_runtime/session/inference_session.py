@@ -537,13 +537,14 @@ class InferenceSession:
         """Run with ``bindings`` (DeviceIoBindings of this session) as inputs and outputs, plus the host
         ``input_feed``. Bound outputs are written into their bindings; the return value lists the host outputs
         ``output_names`` (default: every output no binding receives). ``single_token_step`` shows masks marked
-        ``decode_freeze_safe_mask`` at capacity. See :mod:`.device_binding_run`."""
+        ``decode_freeze_safe_mask`` at capacity; ``run_options`` may select the device-graph slot (a
+        verification step's "device_graph.slot" = "verify"). See :mod:`.device_binding_run`."""
         from .device_binding_run import SessionSide, run_with_device_bindings
 
         self._check_runnable(run_options)
         side = SessionSide(tuple(self._handles), self._output_names, self._checked_input, self._check_output_name,
                            self._check_bound, self._check_missing, self._executor_for, self._executor, self._profile)
-        return run_with_device_bindings(side, bindings, input_feed, output_names, single_token_step)
+        return run_with_device_bindings(side, bindings, input_feed, output_names, single_token_step, run_options)
 
     def _device_handle(self, device_type: str, device_id: int) -> ProviderHandle:
         """This session's provider on ``device_type:device_id``, else the process-wide handle of that device."""
