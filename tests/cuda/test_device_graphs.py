@@ -917,3 +917,58 @@ def test_validation_of_a_device_resident_run_waits_for_the_next_host_read(captur
     binding.synchronize_outputs()
     np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], 2 * table[[4, 0]])
     session.close()
+
+
+@pytest.fixture
+def trimming_host_provider():
+    """A host provider whose Trim keeps all rows of x when their sum is not negative, else the first row only: a
+    shape that depends on data, behind an annotation that says otherwise."""
+
+    class TrimmingHostExecutionProvider:
+        @ort.hookimpl
+        def name(self):
+            return "TrimmingHostExecutionProvider"
+
+        @ort.hookimpl
+        def supports_op(self, node):
+            if node.domain == "test.host":
+                return ort.KernelMatch.supported(cost=1.0)
+            return ort.KernelMatch.unsupported("runs only test.host operators")
+
+        @ort.hookimpl
+        def get_kernel(self, node):
+            return lambda x: ((x if x.sum() >= 0 else x[:1]).copy(),)
+
+    ort.register_provider(TrimmingHostExecutionProvider)
+    yield "TrimmingHostExecutionProvider"
+    ort.unregister_provider("TrimmingHostExecutionProvider")
+
+
+def test_a_seam_whose_shape_changes_under_a_captured_graph_runs_eagerly(trimming_host_provider):
+    """The segment after the seam recorded the seam value's buffer at its captured shape: a run where the seam
+    gives another shape is never replayed over it (a silent wrong result), but runs eagerly, as its signature
+    does from then on."""
+    nodes = [helper.make_node("Axpb", ["x"], ["t0"], name="n0", domain=DOMAIN, alpha=2.0, beta=0.0),
+             helper.make_node("Trim", ["t0"], ["t1"], name="n1", domain="test.host"),
+             helper.make_node("Axpb", ["t1"], ["y"], name="n2", domain=DOMAIN, alpha=3.0, beta=1.0)]
+    vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 8]) for n in ("t0", "t1")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], value_info=vi)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1), helper.make_opsetid("test.host", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=9).SerializeToString()
+    session = capture_session(model, providers=(CUDA, trimming_host_provider))
+    positive = np.ones((2, 8), np.float32)
+    for _ in range(3):
+        (y,) = session.run(None, {"x": positive})
+        np.testing.assert_array_equal(y, 3 * (2 * positive) + 1)
+    assert session.device_graph_status().startswith("replaying 2 graph segments")
+    negative = -np.arange(16, dtype=np.float32).reshape(2, 8)
+    for _ in range(2):
+        (y,) = session.run(None, {"x": negative})
+        np.testing.assert_array_equal(y, 3 * (2 * negative[:1]) + 1)
+        assert session.device_graph_status() == (
+            "eager: node 'n1' (Trim) gave tensor(float) [1, 8] where the captured graph reads tensor(float) [2, 8] "
+            "(a shape that depends on data): these feed shapes run eagerly"), session.device_graph_status()
+    (y,) = session.run(None, {"x": positive})
+    np.testing.assert_array_equal(y, 3 * (2 * positive) + 1)
+    _check_leaks(session)

@@ -400,6 +400,7 @@ class DeviceGraphRunner:
     def _schedule(self, entry: _Entry) -> list[tuple[bool, Steps]]:
         """The entry's parts as its runs execute them: segments guarded, seams storing pinned values."""
         region, parts = entry.region, []
+        makers = {slot: step.node for part in region.parts for step in part.steps for slot in step.outputs}
         for part in region.parts:
             if part.captured:
                 parts.append((True, Steps([_guarded(step) for step in part.steps])))
@@ -408,8 +409,9 @@ class DeviceGraphRunner:
             for step in part.steps:
                 pins = []
                 for index, slot in enumerate(step.outputs):
-                    if slot in region.pins:
-                        label = f"node {step.node.name!r}" if step.node is not None else step.provider
+                    if slot in region.pins:  # named after the node that computed the value (a copy moves it)
+                        node = step.node or (makers.get(step.inputs[0]) if step.inputs else None)
+                        label = f"node {node.name!r} ({node.op_type})" if node is not None else step.provider
                         pins.append((index, _Pin(region.handle, label)))
                 entry.pins.extend(pin for _index, pin in pins)
                 run = _Pinning(step.run, pins) if pins else step.run
