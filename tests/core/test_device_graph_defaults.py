@@ -252,3 +252,30 @@ def test_verify_runs_on_a_primary_only_provider_stay_eager_and_keep_the_decode_g
     with pytest.raises(InvalidArgumentError, match="'primary'.*'verify'"):
         session.run(None, {"x": x}, bad)
     session.close()
+
+
+def test_one_segment_after_a_host_seam_replays_on_a_provider_without_segments():
+    """A host node before every device node is a seam but no gap: the one graph replays on the sample device
+    (which has no segment replay), with the host value copied into a pinned buffer at every run."""
+    nodes = [helper.make_node("Neg", ["x"], ["n"], name="neg"),
+             helper.make_node("Relu", ["n"], ["r"], name="relu"),
+             helper.make_node("Mul", ["r", "n"], ["m"], name="mul"),
+             helper.make_node("Add", ["m", "x"], ["y"], name="add")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.graph_capture", "1")
+    session = ort.InferenceSession(model, options, providers=[SAMPLE, "CPUExecutionProvider"])
+    device = session.provider_handle(SAMPLE).provider
+    rng = np.random.default_rng(7)
+    for _ in range(4):
+        x = rng.standard_normal(5).astype(np.float32)
+        (y,) = session.run(None, {"x": x})
+        n = -x.astype(np.float64)
+        np.testing.assert_allclose(y, np.maximum(n, 0) * n + x, rtol=1e-6, atol=1e-6)
+    assert session.device_graph_status() == (
+        "replaying 1 graph segment with eager seams (node 'neg' (Neg) runs on CPUExecutionProvider, a host provider)")
+    assert device.graph_launches == 3 * 3
+    session.close()
+    assert device.frees == device.allocations

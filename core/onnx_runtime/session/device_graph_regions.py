@@ -85,7 +85,7 @@ class RegionPlanner:
         parts, uploads, downloads, first_reason = self._parts(plan, device, host_inputs, forced)
         if not any(part.captured for part in parts):
             return first_reason or "no node can be captured"
-        if len(parts) > 1 and not any(device.implements(hook) for hook in SEGMENT_HOOKS):
+        if sum(part.captured for part in parts) > 1 and not any(device.implements(hook) for hook in SEGMENT_HOOKS):
             return (f"{first_reason or 'a step runs outside the capture region'}; {device.name} does not replay "
                     f"graph segments (replay_device_graph_segment), so the eager seams between segments cannot run")
         produced = {slot for part in parts if part.captured for step in part.steps for slot in step.outputs}

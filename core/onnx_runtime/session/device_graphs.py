@@ -5,7 +5,8 @@ plan are captured, and which run eagerly in the *seams* between the captured *se
 :mod:`.device_graph_regions`: the nodes of one device provider with device graphs, except those that read
 run-time values on the host, fail its ``plan_capture_region`` policy or have kernels marked
 ``capturable = False``. A plan whose every step is captured is one graph (any provider with device graphs
-replays it); a plan with seams needs a provider that replays graph segments (``replay_device_graph_segment``).
+replays it, as it does one segment with seams only before or after it); seams between segments need a provider
+that replays graph segments one by one (``replay_device_graph_segment``).
 
 Per signature of the feeds (:func:`device_graph_key`: names, shapes, dtypes, addresses of device feeds):
 
@@ -500,7 +501,7 @@ class DeviceGraphRunner:
         self.status = f"eager: {entry.failure}"
 
     def _launch_segment(self, entry: _Entry, index: int) -> None:
-        if len(entry.parts) == 1:  # the whole run is one graph: any provider with device graphs replays it
+        if entry.region.segments == 1:  # one graph, seams or not: any provider with device graphs replays it
             entry.handle.hook.replay_owned_device_graph(token=entry.token)
         else:
             entry.handle.hook.replay_owned_device_graph_segment(token=entry.token, index=index)
