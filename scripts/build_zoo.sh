@@ -12,6 +12,10 @@ venv=.venv-zoo
 out=benchmarks/.models/zoo
 [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
 "$venv/bin/python" -m pip install -q -c constraints.txt torch==2.13.0 transformers onnxscript onnx onnxruntime
+# Libraries that need torch and drive onnxruntime (tests/cpu/test_real_libraries.py runs them in this venv with this
+# runtime substituted): silero-vad without its audio extras, and this runtime with its CPU provider.
+"$venv/bin/python" -m pip install -q -c constraints.txt --build-constraint constraints.txt -e . -e providers/cpu
+"$venv/bin/python" -m pip install -q -c constraints.txt --no-deps silero-vad
 echo "installed in $((SECONDS - start)) s: $("$venv/bin/python" -m pip freeze | grep -iE '^(torch|transformers|onnx|onnxscript|onnxruntime)==' | tr '\n' ' ')"
 rm -rf "$out"
 "$venv/bin/python" benchmarks/zoo.py --out "$out" "$@"
