@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -670,6 +671,8 @@ class DeviceIoBinding:
         return problems
 
     def __del__(self):
+        if sys.is_finalizing():  # the process is ending: its devices may be gone already, and the memory with them
+            return
         try:
             self.close()
         except Exception:  # never raise from a finalizer; a failed release leaks, never double-frees
