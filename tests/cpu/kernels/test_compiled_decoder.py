@@ -446,13 +446,47 @@ def test_few_query_attention_matches_the_numpy_path(few_calls, geometry, causal)
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
 
 
-def test_few_query_attention_leaves_masks_and_large_products_to_the_other_paths(few_calls, knobs):
-    from test_compiled_transformer import _attention, _qkv
+# (mask shape, batch, query heads, KV heads, queries, keys): a padding mask, a per-head position bias (T5's),
+# a per-batch mask over several queries, a 2-D mask.
+MASKS = [((1, 1, 1, 40), 1, 4, 2, 1, 40), ((1, 4, 3, 40), 1, 4, 2, 3, 40), ((2, 1, 16, 9), 2, 4, 4, 16, 9),
+         ((5, 12), 1, 2, 1, 5, 12), ((1, 2, 1, 7), 1, 2, 2, 1, 7)]
+
+
+@pytest.mark.parametrize("case", MASKS, ids=lambda c: "x".join(map(str, c[0])))
+def test_few_query_attention_adds_a_float_mask(few_calls, case):
+    """A float32 mask covering every key, each leading dimension one or the scores' own, is the compiled
+    call's bias (broadcast over what it lacks), as the numpy path adds it; -inf hides a key."""
+    from test_compiled_transformer import _attention, _no_compiled, _qkv
+
+    shape, batch, q_heads, kv_heads, q_len, kv_len = case
+    q, k, v = _qkv(batch, q_heads, kv_heads, q_len, kv_len, 16, 4)
+    mask = RNG.standard_normal(shape).astype(np.float32)
+    mask[..., 0] = -np.inf
+    shapes = [q.shape, k.shape, v.shape, mask.shape]
+    got = _attention(shapes)(q, k, v, mask)
+    want = _no_compiled(_attention(shapes))(q, k, v, mask)
+    assert len(few_calls) == 1 and few_calls[0] is not None and few_calls[0][0] is got[0]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == np.float32
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
+
+
+def test_few_query_attention_leaves_other_masks_and_large_products_to_the_other_paths(few_calls, knobs):
+    from test_compiled_transformer import _attention, _no_compiled, _qkv
 
     q, k, v = _qkv(1, 4, 2, 1, 40, 16, 4)
-    mask = RNG.standard_normal((1, 40)).astype(np.float32)
-    assert _attention([q.shape, k.shape, v.shape, mask.shape])(q, k, v, mask)[0].shape == (1, 4, 1, 16)
-    assert not few_calls
+    for mask in (RNG.standard_normal((1, 30)).astype(np.float32),  # short: the trailing keys are masked
+                 RNG.standard_normal((1, 40)) > 0,  # boolean
+                 RNG.standard_normal((1, 40)).astype(np.float64)):
+        shapes = [q.shape, k.shape, v.shape, mask.shape]
+        got = _attention(shapes)(q, k, v, mask)
+        np.testing.assert_allclose(got[0], _no_compiled(_attention(shapes))(q, k, v, mask)[0], rtol=2e-5, atol=2e-6)
+        assert few_calls[-1] is None
+    few_calls.clear()
+    mask = np.full((1, 40), -np.inf, np.float32)  # every key hidden: the general path's zeros
+    assert not _attention([q.shape, k.shape, v.shape, mask.shape])(q, k, v, mask)[0].any()
+    assert few_calls == [None]
+    few_calls.clear()
     plain = _attention([q.shape, k.shape, v.shape])
     assert plain(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))[0].dtype == np.float64
     assert not few_calls  # float64 keeps the numpy path
@@ -461,6 +495,13 @@ def test_few_query_attention_leaves_masks_and_large_products_to_the_other_paths(
     knobs(few_query_macs=4 * 40 * 16 - 1)  # one multiply-add too many
     assert _attention([q.shape, k.shape, v.shape])(q, k, v)[0].shape == (1, 4, 1, 16)
     assert len(few_calls) == 1
+    knobs(few_query_macs=4 * 4 * 40 * 16)  # more than four queries take up to half the knob
+    q, k, v = _qkv(1, 4, 2, 5, 40, 16, 4)
+    _attention([q.shape, k.shape, v.shape])(q, k, v)
+    assert len(few_calls) == 1
+    q, k, v = _qkv(1, 4, 2, 4, 40, 16, 4)
+    _attention([q.shape, k.shape, v.shape])(q, k, v)
+    assert len(few_calls) == 2
 
 
 def test_few_query_attention_non_finite_values_as_the_numpy_path(few_calls):

@@ -121,25 +121,33 @@ def _weighted_rows(weights, rows, out):
 
 @jit
 def few_query_attention_float32(q, k, v, scale, bias, y):
-    """y[b, h] = softmax(q[b, h] k[b, g]^T * scale + bias) v[b, g] for the query heads h of each KV head g
+    """y[b, h] = softmax(q[b, h] k[b, g]^T * scale + bias[b, h]) v[b, g] for the query heads h of each KV head g
     (grouped-query attention: g = h // (query heads / KV heads)), float32 (B, H, M, D) arrays with
-    contiguous rows, ``bias`` (M, T) or empty for none. One pass per query row: its scores, their
-    largest value, exp by transformer.py's polynomial with the sum, the weighted sum of V's rows, then
-    the division. A decode step's attention is a handful of such rows over the cache, where numpy's eight
-    calls cost several times the arithmetic. False, with ``y`` partly written, when a row's largest score
-    is not finite (a fully masked row, inf or NaN): the caller's general path decides those."""
+    contiguous rows. ``bias`` is (B', H', M', T) with each of B', H', M' either 1 (broadcast) or the full
+    size (an attention mask, a per-head position bias, a causal frontier), or empty for none. One pass per
+    query row: its scores, their largest value, exp by transformer.py's polynomial with the sum, the
+    weighted sum of V's rows, then the division. Small attention (a decode step's few rows over the cache, a
+    short encoder's) is a handful of such rows, where numpy's eight calls cost several times the
+    arithmetic. False, with ``y`` partly written, when a row's largest score is not finite (a fully masked
+    row, inf or NaN): the caller's general path decides those."""
     batch, heads, rows = q.shape[0], q.shape[1], q.shape[2]
     keys = k.shape[2]
     group = heads // k.shape[1]
-    with_bias = bias.shape[0] > 0
+    with_bias = bias.size > 0
+    bias_b, bias_h, bias_r = bias.shape[0] > 1, bias.shape[1] > 1, bias.shape[2] > 1
     scores, weights = np.empty(keys, dtype=np.float32), np.empty(keys, dtype=np.float32)
     for b in range(batch):
         for h in range(heads):
             kh, vh = k[b, h // group], v[b, h // group]
             for r in range(rows):
                 query = q[b, h, r]
-                for t in range(keys):
-                    scores[t] = _dot(query, kh[t]) * scale + (bias[r, t] if with_bias else np.float32(0))
+                if with_bias:
+                    row_bias = bias[b if bias_b else 0, h if bias_h else 0, r if bias_r else 0]
+                    for t in range(keys):
+                        scores[t] = _dot(query, kh[t]) * scale + row_bias[t]
+                else:
+                    for t in range(keys):
+                        scores[t] = _dot(query, kh[t]) * scale
                 peak = row_max(scores)
                 if not abs(peak) < np.float32(np.inf):
                     return False

@@ -56,6 +56,15 @@ def constant_of_shape(node, shapes, opset):
 def _range(start, limit, delta, compute_dtype):
     """ONNX Range: output[i] = start + i * delta for i < max(ceil((limit - start) / delta), 0)."""
     dtype = start.dtype
+    if dtype.kind == "i" and compute_dtype == dtype and limit.dtype == dtype and delta.dtype == dtype:
+        # Integers (a mask's or position's Range, every run of a decode step): Python's exact ints and one
+        # numpy call, where the general path's scalar arrays cost ten times the arithmetic.
+        first, end, step = start.item(), limit.item(), delta.item()
+        if step == 0:
+            raise InvalidArgumentError("Range delta must be non-zero")
+        count = max(-((first - end) // step), 0)
+        if abs(first) + abs(count * step) < 1 << (8 * dtype.itemsize - 2):  # no element can overflow
+            return np.arange(first, first + count * step, step, dtype=dtype)
     start, limit, delta = (np.asarray(v).reshape(()).astype(compute_dtype) for v in (start, limit, delta))
     if delta == 0:
         raise InvalidArgumentError("Range delta must be non-zero")

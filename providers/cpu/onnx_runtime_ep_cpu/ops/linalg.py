@@ -4,12 +4,23 @@ a CNN's classifier, and compiled/matmul.py for more, a prefill's or a batch's)."
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from ..algorithms.activations import gelu_erf, gelu_series, gelu_tanh
 from ..algorithms.precision import BLAS_FLOATS, FLOAT32, compute_dtype
-from ..algorithms.products import GEMV_ROWS, PackedProduct, blas_matmul, few_rows_product, few_rows_split, product
+from ..algorithms.products import (
+    GEMV_ROWS,
+    PACKED_ROWS,
+    PackedProduct,
+    blas_matmul,
+    few_rows_product,
+    few_rows_split,
+    gemv_host,
+    product,
+)
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ..threads import kernel_threads
@@ -92,6 +103,41 @@ def fused_matmul(node, shapes, opset):
             with np.errstate(over="ignore", invalid="ignore"):  # as the Gelu kernel
                 y = gelu(y).astype(y.dtype, copy=False)
         return (y if residual is None else residual + y,)
+
+    return _fused_matmul_for_shape(shapes, activation == "none", series, kernel) or kernel
+
+
+def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general):
+    """FusedMatMul for the one shape of ``a`` and ``b`` the kernel is made for (a planned shape), where the
+    packed product does not take it: BLAS's product of a's rows, then the compiled epilogue in place, the
+    row count, output shape and "none" operands decided here (working them out per call cost a short
+    sequence's products about as much as their arithmetic). The same calls as ``general``'s BLAS path, so
+    the same bits; other shapes, dtypes or layouts go to ``general``. None where the shapes are not known."""
+    a_shape, b_shape = (shapes[0], shapes[1]) if shapes and len(shapes) > 1 else (None, None)
+    if not a_shape or not b_shape or len(b_shape) != 2 or len(a_shape) < 2 or a_shape[-1] != b_shape[0] \
+            or not all(isinstance(d, int) and d > 0 for d in (*a_shape, *b_shape)):
+        return None
+    rows, depth, n = math.prod(a_shape[:-1]), b_shape[0], b_shape[1]
+    if gemv_host() and rows >= PACKED_ROWS:  # the packed product's (float32 against constant weights)
+        return None
+    dtypes = BLAS_FLOATS if plain else {dtype for dtype, coefficients in series.items() if coefficients is not None}
+    from ..compiled import transformer as compiled
+
+    out_shape, bias_shape, add = a_shape[:-1] + (n,), (n,), compiled.add_bias_residual_
+    no_residual = {dtype: np.empty((0, 0), dtype) for dtype in BLAS_FLOATS}
+
+    def kernel(a, b, bias, residual=None):
+        dtype = a.dtype
+        if a.shape != a_shape or dtype not in dtypes or b.dtype is not dtype or bias.dtype is not dtype \
+                or b.ndim != 2 or bias.shape != bias_shape or not a.flags.c_contiguous or (residual is not None and (
+                    residual.shape != out_shape or residual.dtype is not dtype or not residual.flags.c_contiguous)):
+            return general(a, b, bias, residual)
+        y = np.matmul(a.reshape(rows, depth), b)
+        skip = no_residual[dtype] if residual is None else residual.reshape(rows, n)
+        if plain:
+            add(y, bias, skip)
+            return (y.reshape(out_shape),)
+        return (compiled.gelu(y, series[dtype], bias, None if residual is None else skip, out=y).reshape(out_shape),)
 
     return kernel
 

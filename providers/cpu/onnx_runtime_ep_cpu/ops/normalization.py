@@ -23,6 +23,7 @@ from ..algorithms.normalization import (
 )
 from ..algorithms.precision import compute_dtype, upcast
 from ..algorithms.prepared import Prepared
+from ..compiled import COMPILED_DTYPES
 from ..compiled import takes as takes_compiled
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
@@ -160,6 +161,36 @@ def layer_normalization(node, shapes, opset):
             if param is not None:
                 y = apply(y, param, out=y) if broadcasts_into(param.shape, y.shape) else apply(y, param)
         return (y.astype(x.dtype, copy=False), mean.reshape(stats_shape), inv_std.reshape(stats_shape))[:n_outputs]
+
+    return _layer_norm_for_shape(node, shapes, axis, epsilon, stash, kernel) or kernel
+
+
+def _layer_norm_for_shape(node, shapes, axis: int, epsilon: float, stash, general):
+    """LayerNormalization for the one input shape the kernel is made for (a planned shape): the compiled loop
+    over its rows with the axis, row count and output shapes decided here, where working them out per call
+    cost a small model's normalization several times its arithmetic. Other shapes, dtypes or layouts go to
+    ``general``. None where the shape is not known or the compiled loop does not apply."""
+    x_shape = shapes[0] if shapes else None
+    dtype = np.dtype(stash)
+    if not x_shape or not all(isinstance(d, int) and d > 0 for d in x_shape) or dtype not in COMPILED_DTYPES \
+            or not -len(x_shape) <= axis < len(x_shape):  # (a bad axis: the general kernel says so per call)
+        return None
+    from ..compiled import transformer as compiled
+
+    start = normalize_axis(node, axis, len(x_shape))
+    rows, cols = math.prod(x_shape[:start]), math.prod(x_shape[start:])
+    stats_shape = x_shape[:start] + (1,) * (len(x_shape) - start)
+    params = x_shape[start:]
+    loop, no_bias, outputs = compiled.layer_norm_rows, np.empty(0, dtype), len(node.outputs)
+
+    def kernel(x, scale, bias=None):
+        if x.shape != x_shape or x.dtype is not dtype or scale.dtype is not dtype or scale.shape != params \
+                or not x.flags.c_contiguous or (bias is not None and (bias.dtype is not dtype or bias.shape != params)):
+            return general(x, scale, bias)
+        y, mean, inv_std = np.empty(x_shape, dtype), np.empty(stats_shape, dtype), np.empty(stats_shape, dtype)
+        loop(x.reshape(rows, cols), scale.reshape(cols), no_bias if bias is None else bias.reshape(cols), epsilon,
+             y.reshape(rows, cols), mean.reshape(rows), inv_std.reshape(rows))
+        return (y, mean, inv_std)[:outputs]
 
     return kernel
 

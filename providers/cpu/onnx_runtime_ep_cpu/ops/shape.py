@@ -158,11 +158,29 @@ def size(node, shapes, opset):
 @register("Expand", since=8)
 def expand(node, shapes, opset):
     def kernel(x, shape):
-        target = np.broadcast_shapes(x.shape, tuple(np.asarray(shape).reshape(-1).tolist()))
-        # Materialized: a read-only zero-stride view would surprise whoever receives the output.
-        return (np.broadcast_to(x, target).copy(),)
+        target = _broadcast_shape(node, x.shape, tuple(np.asarray(shape).reshape(-1).tolist()))
+        # Materialized (a read-only zero-stride view would surprise whoever receives the output), by one
+        # copy into a fresh array: np.broadcast_shapes and broadcast_to cost several times a small copy.
+        out = np.empty(target, x.dtype)
+        np.copyto(out, x)
+        return (out,)
 
     return kernel
+
+
+def _broadcast_shape(node, shape: tuple, target: tuple) -> tuple:
+    """The multidirectional broadcast of ``shape`` and Expand's ``target`` (numpy's rule, in plain Python)."""
+    rank = max(len(shape), len(target))
+    shape, target = (1,) * (rank - len(shape)) + shape, (1,) * (rank - len(target)) + target
+    out = []
+    for have, want in zip(shape, target):
+        if want < 0 or (have != want and have != 1 and want != 1):
+            raise InvalidArgumentError(
+                f"node {node.name!r} (Expand): input shape {shape} does not broadcast to shape {target}; expected "
+                f"each dimension of the shape input to equal the input's, or either of them to be 1"
+            )
+        out.append(want if have == 1 else have)
+    return tuple(out)
 
 
 @register("Tile", since=1)
@@ -380,6 +398,10 @@ def gather_nd(node, shapes, opset):
     batch_dims = node.attr("batch_dims", 0)
 
     def kernel(x, indices):
+        if batch_dims == 0 and indices.ndim > 1 and 0 < indices.shape[-1] <= x.ndim:
+            # One fancy index by the tuples' columns (a decode step's mask gathers this way every run).
+            depth = indices.shape[-1]
+            return (x[tuple([indices[..., axis] for axis in range(depth)])],)
         # Flatten the batch dimensions to one, and the index tuples of each batch to one axis.
         batches = math.prod(x.shape[:batch_dims])
         depth = indices.shape[-1]

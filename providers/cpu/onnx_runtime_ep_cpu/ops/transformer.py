@@ -197,15 +197,18 @@ class _Attention:
             self.compiled = compiled
             if frontier_only:
                 self.frontier = np.where(self.static_visible, np.float32(0), np.float32(-np.inf))
-        # A decode step's few queries over the cache: one compiled call (compiled/decoder.py), without a
-        # mask input (a causal frontier is its bias).
+        # Small attention (a decode step's few queries over the cache, a short sequence's): one compiled call
+        # (compiled/decoder.py), a causal frontier or a float32 mask that covers every key as its bias.
         self.few = None
-        if self.compiled is not None and geo.q_len <= _FEW_QUERIES and not has_input(node, 3)\
-                and geo.q_heads * geo.q_len * geo.total_len * geo.head_size <= KNOBS.few_query_macs:
+        macs = geo.q_heads * geo.q_len * geo.total_len * geo.head_size
+        if self.compiled is not None and macs <= (KNOBS.few_query_macs if geo.q_len <= _FEW_QUERIES else
+                                                  KNOBS.few_query_macs // 2):
             self.few = _compiled_decoder().few_query_attention_float32
             self._outputs = len(node.outputs)
             self._few_scale = np.float32(self.scale)
-            self._few_bias = np.empty((0, 0), np.float32) if self.frontier is None else self.frontier
+            self._few_bias = np.empty((0, 0, 0, 0), np.float32) if self.frontier is None else\
+                self.frontier.reshape((1, 1) + self.frontier.shape)
+            self._few_masks: dict[tuple, tuple | None] = {}  # per mask shape: its (B', H', M', T) view, or None
 
     def bias(self, mask: np.ndarray | None, nonpad: np.ndarray | None, dtype) -> np.ndarray | None:
         """The additive attention bias (0 or -inf for masked keys, plus a float mask's values)."""
@@ -232,7 +235,7 @@ class _Attention:
 
     def __call__(self, q, k, v, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None):
         if self.few is not None and q.dtype is FLOAT32 and k.dtype is FLOAT32 and v.dtype is FLOAT32:
-            outputs = self.few_query_attention(q, k, v)
+            outputs = self.few_query_attention(q, k, v, attn_mask)
             if outputs is not None:
                 return outputs
         if self.compiled is not None and q.dtype == k.dtype == v.dtype == np.float32:
@@ -290,18 +293,39 @@ class _Attention:
             qk = qk.astype(q.dtype, copy=False)
         return (y, present_key, present_value, qk)[: len(self.node.outputs)]
 
-    def few_query_attention(self, q, k, v):
-        """(Y, present_key, present_value) as compiled_attention's for a few queries without a mask input,
-        in one compiled call: numpy's eight calls cost a decode step's attention more than its arithmetic.
-        None where a row has no finite score (the causal frontier hides every key from it, inf or NaN)."""
+    def few_query_attention(self, q, k, v, mask=None):
+        """(Y, present_key, present_value) as compiled_attention's for small attention, in one compiled call:
+        numpy's eight calls cost a decode step's attention more than its arithmetic. None where the general
+        path must decide: a row with no finite score (every key hidden from it, inf or NaN), a mask that is
+        not float32, or does not cover every key, or has dimensions the scores lack."""
         geo = self.geo
+        bias = self._few_bias
+        if mask is not None:
+            view = self._few_masks.get(mask.shape, False)
+            if view is False:
+                view = self._few_masks[mask.shape] = self._few_mask_view(mask.shape, q.shape[0])
+            if view is None or mask.dtype is not FLOAT32:
+                return None
+            bias = np.ascontiguousarray(mask).reshape(view)
         queries = geo.to_heads(q, geo.q_heads)
         keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
         y = np.empty((queries.shape[0], geo.q_heads, geo.q_len, geo.v_head_size), np.float32)
         if not self.few(np.ascontiguousarray(queries), np.ascontiguousarray(keys), np.ascontiguousarray(values),
-                        self._few_scale, self._few_bias, y):
+                        self._few_scale, bias, y):
             return None
         return (geo.from_heads(y), keys, values)[:self._outputs]
+
+    def _few_mask_view(self, shape: tuple, batch: int) -> tuple | None:
+        """The (B', H', M', T) shape the compiled call reads a mask of ``shape`` as (each of B', H', M' one or
+        the scores' own size), or None: it covers too few keys, or broadcasts otherwise, or a frontier is
+        also in force (the general path combines them)."""
+        geo = self.geo
+        if self.frontier is not None or not 2 <= len(shape) <= 4 or shape[-1] != geo.total_len:
+            return None
+        view = (1,) * (4 - len(shape)) + tuple(shape)
+        if all(d in (1, full) for d, full in zip(view[:3], (batch, geo.q_heads, geo.q_len))):
+            return view
+        return None
 
     def _compiled_bias(self, mask) -> np.ndarray | None:
         """The (q_len, total_len) float32 bias the compiled softmax adds (empty for none); None when the
@@ -451,8 +475,9 @@ class _Attention:
 # Queries from which attention runs compiled/attention.py's tiles (a prefill's; a decode step's few rows
 # keep compiled_attention's products).
 _TILED_ROWS = 16
-# A decode step's attention (at most this many queries, up to the few_query_macs knob's multiply-adds, no
-# mask) runs decoder.py's one compiled call.
+# Attention of at most this many queries (a decode step's) up to the few_query_macs knob's multiply-adds, and
+# of more queries (a short sequence's) up to half of it, runs decoder.py's one compiled call: on the AVX2 host
+# numpy's per-call overhead outweighed BLAS's faster products up to there (measured with this change's commit).
 _FEW_QUERIES = 4
 
 
