@@ -728,14 +728,10 @@ class SlotHooksOnlyCUDAExecutionProvider(CUDAExecutionProvider):
         return "cuda-slot-hooks"
 
 
-def _not_a_hook(self, *args, **kwargs):  # an override without the hookimpl marker hides the inherited hook
-    raise AssertionError("the owner-scoped hooks are hidden on this provider")
-
-
 for _hook in ("begin_owned_device_graph_capture", "end_owned_device_graph_capture", "abort_owned_device_graph_capture",
               "replay_owned_device_graph", "replay_owned_device_graph_segment", "reset_owned_device_graph",
               "retire_owned_device_graphs", "has_owned_device_graph"):
-    setattr(SlotHooksOnlyCUDAExecutionProvider, _hook, _not_a_hook)
+    setattr(SlotHooksOnlyCUDAExecutionProvider, _hook, None)  # not callable: hides the inherited hook
 
 
 def test_signatures_on_the_slot_hooks_each_capture_a_graph_of_their_own():
@@ -972,3 +968,43 @@ def test_a_seam_whose_shape_changes_under_a_captured_graph_runs_eagerly(trimming
     (y,) = session.run(None, {"x": positive})
     np.testing.assert_array_equal(y, 3 * (2 * positive) + 1)
     _check_leaks(session)
+
+
+def test_a_deferred_submission_a_recipient_settled_is_not_joined():
+    """A recipient (a DeviceIoBinding's, say) that reads the open submission settles it; the next deferred run
+    then opens a new submission instead of joining the finished one, and no flag is lost."""
+    session = capture_session(gather_model())
+    handle = session.provider_handle("cuda")
+    recipient = handle.hook.register_device_validation_owner()
+    tokens = []
+
+    class AddRecipient:
+        @ort.hookimpl(wrapper=True)
+        def begin_device_validation(self, registration):
+            token = yield
+            tokens.append(handle.hook.add_device_validation_recipient(submission=token, recipient=recipient))
+            return token
+
+    plugin = AddRecipient()
+    handle.pm.register(plugin, name="test-recipient")
+    try:
+        ids = ort.Tensor.from_numpy(np.array([2, 3], np.int64), provider=handle)
+        binding = session.io_binding()
+        binding.bind_ortvalue_input("ids", ort.OrtValue(ids))
+        binding.bind_output("y", "cuda", 0)
+        session.run_with_iobinding(binding)
+        assert handle.hook.consume_device_validation_error(registration=recipient, token=tokens[-1]) == 0
+        session.run_with_iobinding(binding)  # a new submission, not the finished one
+        handle.copy_from_host(np.array([1, 99], np.int64), ids.buffer)
+        session.run_with_iobinding(binding)
+        assert handle.hook.consume_device_validation_error(registration=recipient, token=tokens[-1]) == 1
+        handle.copy_from_host(np.array([0, 1], np.int64), ids.buffer)
+        with pytest.raises(ort.errors.DeviceValidationError, match="flags=0x1"):  # the earlier run's, still
+            session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
+        table = np.arange(40, dtype=np.float32).reshape(5, 8)
+        np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], 2 * table[[0, 1]])
+    finally:
+        handle.pm.unregister(plugin)
+        handle.hook.unregister_device_validation_owner(registration=recipient)
+        session.close()

@@ -344,8 +344,14 @@ class Executor:
         pending = self._pending
         if pending and self._defer and all(_LAST_BEGUN.get(id(h)) is r for h, r, _token in pending):
             # Still the providers' innermost submission: this run's kernels raise flags into it as well, so the
-            # flags of all the deferred runs are read at once, at the next host-visible read.
-            return pending
+            # flags of all the deferred runs are read at once, at the next host-visible read. A submission a
+            # recipient's read settled meanwhile refuses activation: then it is read here and a new one opened.
+            try:
+                for handle, _registration, token in pending:
+                    handle.hook.activate_device_validation(submission=token)
+                return pending
+            except OnnxRuntimeError:
+                pass
         self.settle_validation()
         if plan is not None:
             self._suspects = self._suspects_of.get(id(plan)) or self._suspects_of.setdefault(id(plan), {
