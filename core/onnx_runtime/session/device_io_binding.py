@@ -181,7 +181,8 @@ def _check_logical(label: str, physical: tuple[int, ...], logical: tuple[int, ..
         )
 
 
-def _dtype(value) -> DataType:
+def binding_dtype(value) -> DataType:
+    """A spec's element type as a DataType; refuses strings and non-types with a typed error."""
     try:
         dtype = DataType.parse(value)
     except Exception:
@@ -695,7 +696,7 @@ def _geometry(spec) -> tuple[DataType, tuple[int, ...], tuple[int, ...], str]:
         raise InvalidArgumentError(f"device binding {label} binds an input but names none; set input_name")
     if not spec.bind_input and not spec.output_name and not spec.input_name:
         raise InvalidArgumentError("a device binding needs a name: an input, an output, or a scratch name")
-    dtype = _dtype(spec.dtype)
+    dtype = binding_dtype(spec.dtype)
     physical = _shape(spec.physical_shape, f"physical shape of {label}")
     logical = physical if spec.logical_shape is None else _shape(spec.logical_shape, f"logical shape of {label}")
     _check_logical(label, physical, logical)

@@ -511,14 +511,14 @@ class InferenceSession:
         """A :class:`DeviceIoBinding`: a buffer on ``provider``'s device (default: this session's first device
         provider, else its first provider) bound to the input and/or output ``spec`` names. A
         ``DeviceBindingSpec`` allocates it; an ``ExternalMemorySpec`` borrows caller-owned memory."""
-        from .device_io_binding import DeviceBindingSpec, DeviceIoBinding, ExternalMemorySpec, _dtype, track
+        from .device_io_binding import DeviceBindingSpec, DeviceIoBinding, ExternalMemorySpec, binding_dtype, track
 
         self._check_runnable(None)
         if not isinstance(spec, DeviceBindingSpec | ExternalMemorySpec):
             raise InvalidArgumentError(f"expected a DeviceBindingSpec or ExternalMemorySpec, got {type(spec).__name__}")
         handle = self.provider_handle(provider) if provider else next(
             (h for h in self._handles if not h.is_host_accessible), self._handles[0])
-        dtype = _dtype(spec.dtype)
+        dtype = binding_dtype(spec.dtype)
         for kind, name in (("input", spec.input_name if spec.bind_input else ""), ("output", spec.output_name)):
             if not name:
                 continue
