@@ -8,6 +8,7 @@ onnxruntime runs (nodes out of topological order, as onnxruntime's float16 conve
 onnxruntime's own operators in the default domain, as its transformer optimizer writes them), so this
 module checks only what would be unsafe to hand on, against the operator schemas where one exists:
 
+- the opsets of onnx's domains among the versions onnx defines, and names that are UTF-8 text;
 - every node's input and output counts within its schema's, and no required input left empty;
 - every attribute of the type its schema declares, and every required one present;
 - model-local functions free of call cycles;
@@ -69,7 +70,17 @@ def _given(names) -> int:
     return count
 
 
+def _check_text(node: onnx.NodeProto, where: str) -> None:
+    """protobuf hands string fields that are not UTF-8 over as bytes, which no name lookup expects."""
+    for field, value in (("op_type", node.op_type), ("domain", node.domain), ("name", node.name),
+                         *(("input", n) for n in node.input), *(("output", n) for n in node.output)):
+        if not isinstance(value, str):
+            raise InvalidGraphError(f"a node in {where} has a {field} that is not UTF-8 text ({value[:40]!r}); "
+                                    "the file is damaged or was not written by an ONNX exporter")
+
+
 def _check_node(node: onnx.NodeProto, opsets: dict[str, int], where: str) -> None:
+    _check_text(node, where)
     domain = "" if node.domain == "ai.onnx" else node.domain
     version = opsets.get(domain)
     rules = _rules(node.op_type, domain, version) if version is not None else None
@@ -157,10 +168,32 @@ def _check_function_cycles(functions) -> None:
             visit([key])
 
 
+@functools.lru_cache(maxsize=1)
+def _latest_opsets() -> dict[str, int]:
+    """The newest version of each domain onnx defines operators in."""
+    latest: dict[str, int] = {}
+    for schema in defs.get_all_schemas_with_history():
+        latest[schema.domain] = max(latest.get(schema.domain, 1), schema.since_version)
+    latest[""] = max(latest.get("", 1), defs.onnx_opset_version())
+    return latest
+
+
+def _check_opsets(opsets: dict[str, int], label: str) -> None:
+    """An opset of an onnx domain outside [1, the newest onnx defines] names no schema: nothing it holds can be
+    checked or run as written."""
+    latest = _latest_opsets()
+    for domain, version in opsets.items():
+        newest = latest.get(domain)
+        if newest is not None and not 1 <= version <= newest:
+            raise InvalidGraphError(f"model {label} imports opset {version} of domain {domain or 'ai.onnx'!r}; "
+                                    f"the versions defined are 1 to {newest}: re-export it at a released opset")
+
+
 def check_model_structure(proto: onnx.ModelProto, label: str) -> None:
     """Raise ``InvalidGraphError`` naming the node, value or function and the rule, for what this module
     checks (see the module docstring)."""
     opsets = {("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in proto.opset_import}
+    _check_opsets(opsets, label)
     _check_function_cycles(proto.functions)
     _check_graph(proto.graph, opsets, f"model {label}")
     for function in proto.functions:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import budget
 from ..discovery import EXTRAS, registry
 from ..dtypes import DataType
 from ..errors import InvalidArgumentError, InvalidGraphError, OnnxRuntimeError, ProviderError, ProviderNotAvailableError
@@ -237,6 +238,7 @@ class InferenceSession:
         if unknown:
             raise InvalidArgumentError(f"unexpected InferenceSession arguments {sorted(unknown)}")
         self._sess_options = sess_options or SessionOptions()
+        self._max_value_bytes = budget.parse_budget(self._sess_options.config())
         self._source = path_or_bytes  # set_providers re-creates the session from it
         self._profiling_start_ns = time.time_ns()
         self._profile: Profile | None = Profile() if self._sess_options.enable_profiling else None
@@ -386,6 +388,13 @@ class InferenceSession:
 
     def run(self, output_names, input_feed: dict, run_options: RunOptions | None = None) -> list:
         """Run the model; return the requested outputs (all when ``output_names`` is None) as numpy arrays."""
+        token = budget.enter(self._max_value_bytes)  # what one value may take (session.max_value_bytes)
+        try:
+            return self._run(output_names, input_feed, run_options)
+        finally:
+            budget.leave(token)
+
+    def _run(self, output_names, input_feed: dict, run_options: RunOptions | None = None) -> list:
         self._check_runnable(run_options)
         names = self._output_names if not output_names else tuple(output_names)
         for name in names:

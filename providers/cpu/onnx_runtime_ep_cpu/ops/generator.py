@@ -6,7 +6,10 @@ attribute a session's sequence of outputs is reproducible, and successive runs d
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from onnx_runtime import budget
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
@@ -48,7 +51,11 @@ def constant_of_shape(node, shapes, opset):
     fill = value.reshape(-1)[0]
 
     def kernel(shape):
-        return (np.full(np.asarray(shape).reshape(-1).tolist(), fill, dtype=fill.dtype),)
+        dims = np.asarray(shape).reshape(-1).tolist()
+        if any(d < 0 for d in dims):
+            raise InvalidArgumentError(f"node {node.name!r} (ConstantOfShape): shape {dims} has a negative dimension")
+        budget.check_shape(dims, fill.dtype.itemsize, "ConstantOfShape's output")
+        return (np.full(dims, fill, dtype=fill.dtype),)
 
     return kernel
 
@@ -76,9 +83,33 @@ def _range(start, limit, delta, compute_dtype):
     return (start + np.arange(count, dtype=compute_dtype) * delta).astype(dtype, copy=False)
 
 
+def _check_range(node, start, limit, delta) -> None:
+    """Range's inputs are scalars of one type; its length, from exact integers or float64, within the budget."""
+    if not start.dtype == limit.dtype == delta.dtype or start.size != 1 or limit.size != 1 or delta.size != 1:
+        raise InvalidArgumentError(f"node {node.name!r} (Range): start, limit and delta must be scalars of one type, "
+                                   f"got {start.dtype}{start.shape}, {limit.dtype}{limit.shape}, {delta.dtype}"
+                                   f"{delta.shape}")
+    first, end, step = (v.reshape(()).item() for v in (start, limit, delta))
+    if step == 0:
+        raise InvalidArgumentError(f"node {node.name!r} (Range): delta must be non-zero")
+    if start.dtype.kind in "iu":
+        span = -((first - end) // step)
+    else:
+        ratio = (float(end) - float(first)) / float(step)
+        if not math.isfinite(ratio):
+            raise InvalidArgumentError(f"node {node.name!r} (Range): start {first}, limit {end} and delta {step} "
+                                       "give no finite length; expected finite values")
+        span = math.ceil(ratio)
+    budget.check(max(span, 0), start.dtype.itemsize, "Range's output")
+
+
 @register("Range", since=11)
 def range_(node, shapes, opset):
-    return lambda start, limit, delta: (_range(start, limit, delta, start.dtype),)
+    def kernel(start, limit, delta):
+        _check_range(node, start, limit, delta)
+        return (_range(start, limit, delta, start.dtype),)
+
+    return kernel
 
 
 @register("Range", since=27)
@@ -87,6 +118,7 @@ def range_stashed(node, shapes, opset):
     stash = bool(node.attr("stash_type", 1))
 
     def kernel(start, limit, delta):
+        _check_range(node, start, limit, delta)
         narrow = start.dtype == np.float16 or start.dtype.kind == "V"
         return (_range(start, limit, delta, np.float32 if stash and narrow else start.dtype),)
 

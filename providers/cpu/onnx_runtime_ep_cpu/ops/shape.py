@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from ..registry import register
@@ -196,7 +197,15 @@ def tile_v1(node, shapes, opset):
 
 @register("Tile", since=6)
 def tile(node, shapes, opset):
-    return lambda x, repeats: (np.tile(x, np.asarray(repeats).reshape(-1).tolist()),)
+    def kernel(x, repeats):
+        reps = np.asarray(repeats).reshape(-1).tolist()
+        if len(reps) != x.ndim or any(r < 0 for r in reps):
+            raise InvalidArgumentError(f"node {node.name!r} (Tile): repeats {reps} must hold one non-negative count "
+                                       f"per dimension of the input, of shape {x.shape}")
+        budget.check_shape([d * r for d, r in zip(x.shape, reps)], x.dtype.itemsize, "Tile's output")
+        return (np.tile(x, reps),)
+
+    return kernel
 
 
 # -- Concat, Split, Slice -----------------------------------------------------------------------------
@@ -680,6 +689,10 @@ def one_hot(node, shapes, opset):
 
     def kernel(indices, depth, values):
         depth = int(np.asarray(depth).reshape(-1)[0])
+        if depth < 1 or values.size != 2:
+            raise InvalidArgumentError(f"node {node.name!r} (OneHot): depth {depth} and values of shape "
+                                       f"{values.shape}; expected a depth >= 1 and values [off_value, on_value]")
+        budget.check(indices.size * depth, max(values.dtype.itemsize, 8), "OneHot's output")
         off, on = values.reshape(-1)[0], values.reshape(-1)[1]
         positions = indices.astype(np.int64)
         positions = np.where(positions < 0, positions + depth, positions)

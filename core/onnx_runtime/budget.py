@@ -1,0 +1,80 @@
+"""The run-time size budget: the most bytes one value computed from data may take.
+
+Operators that size their output from input values (Expand, Tile, ConstantOfShape, Range, OneHot, Pad,
+Resize, ...) check the size against the budget before allocating, so a hostile or mistaken value fails
+fast with the size asked instead of running the process out of memory. A session sets its budget with
+``SessionOptions.add_session_config_entry("session.max_value_bytes", "<bytes>")``; the default is the
+machine's physical memory (or the process's address-space limit, when lower): a single value larger
+than that cannot be held anyway.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import os
+import resource
+
+from .errors import InvalidArgumentError, ShapeOverflowError
+
+MAX_VALUE_BYTES_KEY = "session.max_value_bytes"
+
+
+@functools.lru_cache(maxsize=1)
+def default_budget() -> int:
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        physical = 1 << 40
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return min(physical, soft) if soft != resource.RLIM_INFINITY else physical
+
+
+_budget: contextvars.ContextVar[int | None] = contextvars.ContextVar("max_value_bytes", default=None)
+
+
+def parse_budget(config: dict[str, str]) -> int | None:
+    """The budget a session's config entries ask for (None: the default)."""
+    text = config.get(MAX_VALUE_BYTES_KEY)
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise InvalidArgumentError(f"session config entry {MAX_VALUE_BYTES_KEY!r} must be a positive number of "
+                                   f"bytes, got {text!r}")
+    return value
+
+
+def enter(budget: int | None) -> contextvars.Token | None:
+    """Make ``budget`` the one checked by this thread's (context's) run; None keeps the default."""
+    return _budget.set(budget) if budget is not None else None
+
+
+def leave(token: contextvars.Token | None) -> None:
+    if token is not None:
+        _budget.reset(token)
+
+
+def check(elements: int, itemsize: int, what: str) -> None:
+    """Raise ``ShapeOverflowError`` when ``elements`` of ``itemsize`` bytes exceed the budget. ``what`` names the
+    value (the node's name is added by the executor)."""
+    size = int(elements) * int(itemsize)
+    budget = _budget.get()
+    if budget is None:
+        budget = default_budget()
+    if size > budget:
+        raise ShapeOverflowError(
+            f"{what} would take {size:,} bytes ({int(elements):,} elements), over the session's limit of "
+            f"{budget:,} bytes for one value; check the input values that size it, or raise the limit with "
+            f"SessionOptions.add_session_config_entry({MAX_VALUE_BYTES_KEY!r}, ...)")
+
+
+def check_shape(shape, itemsize: int, what: str) -> None:
+    """``check`` for an output of ``shape`` (negative dims are the kernel's to report)."""
+    elements = 1
+    for dim in shape:
+        elements *= max(int(dim), 0)
+    check(elements, itemsize, what)

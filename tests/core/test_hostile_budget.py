@@ -1,0 +1,112 @@
+"""The run-time size budget (session.max_value_bytes) and the checks of hostile values the fuzz harness found:
+operators that size their output from data refuse, typed and before allocating, a value over the budget or a
+size the spec forbids; model_checks refuses opsets onnx does not define and names that are not text."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from onnx_runtime import InferenceSession, SessionOptions, budget
+from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError, ShapeOverflowError
+
+
+def session(nodes, inputs, limit=None, opset=17):
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", opset)])
+    options = SessionOptions()
+    if limit is not None:
+        options.add_session_config_entry("session.max_value_bytes", str(limit))
+    return InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def vi(name, elem, shape):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def test_tile_over_the_budget_is_refused_with_the_size_and_the_option():
+    s = session([helper.make_node("Tile", ["x", "r"], ["y"], name="tiler")],
+                [vi("x", TensorProto.FLOAT, [2, 2]), vi("r", TensorProto.INT64, [2])], limit=4096)
+    x = np.ones((2, 2), np.float32)
+    assert s.run(None, {"x": x, "r": np.array([4, 8])})[0].shape == (8, 16)  # 512 bytes
+    with pytest.raises(ShapeOverflowError, match=r"'tiler'.*16,384 bytes.*session.max_value_bytes"):
+        s.run(None, {"x": x, "r": np.array([32, 32])})
+    with pytest.raises(ShapeOverflowError, match="tiler"):  # the default budget: far past any machine
+        session([helper.make_node("Tile", ["x", "r"], ["y"], name="tiler")],
+                [vi("x", TensorProto.FLOAT, [2, 2]), vi("r", TensorProto.INT64, [2])]).run(
+            None, {"x": x, "r": np.array([2**31, 2**20])})
+
+
+def test_tile_repeats_must_match_the_rank_and_be_non_negative():
+    s = session([helper.make_node("Tile", ["x", "r"], ["y"])],
+                [vi("x", TensorProto.FLOAT, [2, 2]), vi("r", TensorProto.INT64, None)])
+    for repeats in ([1, 2, 3], [-1, 2]):
+        with pytest.raises(InvalidArgumentError, match="repeats"):
+            s.run(None, {"x": np.ones((2, 2), np.float32), "r": np.array(repeats)})
+
+
+def test_range_over_the_budget_or_the_full_int64_span_is_refused():
+    s = session([helper.make_node("Range", ["a", "b", "d"], ["y"], name="rng")],
+                [vi(n, TensorProto.INT64, []) for n in "abd"], limit=1 << 20)
+    scalars = lambda a, b, d: {"a": np.array(a), "b": np.array(b), "d": np.array(d)}  # noqa: E731
+    np.testing.assert_array_equal(s.run(None, scalars(0, 10, 3))[0], [0, 3, 6, 9])
+    with pytest.raises(ShapeOverflowError, match="'rng'.*Range's output"):
+        s.run(None, scalars(0, 1 << 40, 1))
+    with pytest.raises(ShapeOverflowError, match="rng"):  # was silently empty: the span overflowed int64
+        s.run(None, scalars(-(2**63), 2**63 - 1, 1))
+
+
+def test_float_range_of_non_finite_values_is_refused():
+    s = session([helper.make_node("Range", ["a", "b", "d"], ["y"])], [vi(n, TensorProto.FLOAT, []) for n in "abd"])
+    with pytest.raises(InvalidArgumentError, match="no finite length"):
+        s.run(None, {"a": np.array(0, np.float32), "b": np.array(np.inf, np.float32), "d": np.array(1, np.float32)})
+
+
+def test_constant_of_shape_and_one_hot_check_their_sizes():
+    s = session([helper.make_node("ConstantOfShape", ["s"], ["y"], name="fill")], [vi("s", TensorProto.INT64, [2])],
+                limit=1 << 16)
+    assert s.run(None, {"s": np.array([4, 4])})[0].shape == (4, 4)
+    with pytest.raises(ShapeOverflowError, match="'fill'"):
+        s.run(None, {"s": np.array([1 << 20, 1 << 20])})
+    with pytest.raises(InvalidArgumentError, match="negative"):
+        s.run(None, {"s": np.array([-1, 4])})
+    hot = session([helper.make_node("OneHot", ["i", "d", "v"], ["y"], name="hot")],
+                  [vi("i", TensorProto.INT64, [3]), vi("d", TensorProto.INT64, []), vi("v", TensorProto.FLOAT, [2])],
+                  limit=1 << 20)
+    feeds = {"i": np.array([0, 1, 2]), "v": np.array([0, 1], np.float32)}
+    np.testing.assert_array_equal(hot.run(None, {**feeds, "d": np.array(3)})[0], np.eye(3, dtype=np.float32))
+    with pytest.raises(ShapeOverflowError, match="'hot'"):
+        hot.run(None, {**feeds, "d": np.array(2**27)})
+    with pytest.raises(InvalidArgumentError, match="depth -3"):
+        hot.run(None, {**feeds, "d": np.array(-3)})
+
+
+def test_the_budget_option_must_be_a_positive_number():
+    for text in ("0", "-5", "lots"):
+        options = SessionOptions()
+        options.add_session_config_entry("session.max_value_bytes", text)
+        with pytest.raises(InvalidArgumentError, match="max_value_bytes"):
+            InferenceSession(helper.make_model(helper.make_graph([], "g", [], [])).SerializeToString(), options,
+                             providers=["CPUExecutionProvider"])
+    assert budget.default_budget() > 1 << 30
+
+
+@pytest.mark.parametrize("version", [0, -1, 10000])
+def test_an_opset_onnx_does_not_define_is_refused(version):
+    # Cast with an INTS 'to' at opset 0 named no schema, so nothing was checked; it reached the optimizer.
+    node = helper.make_node("Cast", ["x"], ["y"])
+    node.attribute.append(helper.make_attribute("to", [1, 2]))
+    with pytest.raises(InvalidGraphError, match=f"opset {version} of domain 'ai.onnx'"):
+        session([node], [vi("x", TensorProto.FLOAT, [2])], opset=version)
+
+
+def test_an_operator_name_that_is_not_text_is_refused():
+    # protobuf hands such a name over as bytes; the schema lookup raised TypeError.
+    model = helper.make_model(helper.make_graph([helper.make_node("StringConcat", ["x", "x"], ["y"])], "g",
+                                                [vi("x", TensorProto.STRING, [1])], [vi("y", TensorProto.STRING, [1])]),
+                              opset_imports=[helper.make_operatorsetid("", 20)])
+    data = model.SerializeToString().replace(b"StringConcat", b"Strin\x9dConcat")
+    assert isinstance(onnx.ModelProto.FromString(data).graph.node[0].op_type, bytes)
+    with pytest.raises(InvalidGraphError, match="not UTF-8 text"):
+        InferenceSession(data, providers=["CPUExecutionProvider"])
