@@ -73,6 +73,37 @@ print(json.dumps({"refreshes": refreshes, "hits": hits, "error": float(np.abs(y 
 """
 
 
+# Builds argv[1]'s ``entry`` as a cached C callback (the helper threads' runners are built so), counting numba's
+# context refreshes, then calls it on a two-number buffer.
+COUNT_CALLBACK_REFRESHES = """
+import ctypes, json, sys
+import numpy as np
+from numba import types
+from numba.core import base
+refreshes = []
+original = base.BaseContext.refresh
+def refresh(self):
+    refreshes.append(type(self).__name__)
+    return original(self)
+base.BaseContext.refresh = refresh
+sys.path.insert(0, sys.argv[1])
+from toy import entry
+from onnx_runtime_ep_cpu.compiled import cached_cfunc
+callback = cached_cfunc(types.void(types.CPointer(types.int64)), entry)
+buffer = np.array([7, 0], dtype=np.int64)
+callback.ctypes(buffer.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
+print(json.dumps({"refreshes": refreshes, "hits": callback.cache_hits, "result": int(buffer[1])}))
+"""
+
+TOY = """
+from numba import carray
+
+
+def entry(pointer):
+    values = carray(pointer, 2)
+    values[1] = values[0] * 3
+"""
+
 # Imports the package and the CPU provider, counting the modules of the project compiled from source.
 COUNT_SOURCE_COMPILES = """
 import json, sys
@@ -144,3 +175,12 @@ def test_compile_writes_the_bytecode_a_process_that_cannot_write_it_reads(tmp_pa
                            "raise SystemExit(0 if c() else 1)"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert _run(COUNT_SOURCE_COMPILES, env=env) == []
+
+
+def test_cached_callbacks_load_without_refreshing_numba_contexts(tmp_path):
+    (tmp_path / "toy.py").write_text(TOY)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    cold = _run(COUNT_CALLBACK_REFRESHES, str(tmp_path), env=env)
+    assert cold["refreshes"] and cold["hits"] == 0 and cold["result"] == 21
+    warm = _run(COUNT_CALLBACK_REFRESHES, str(tmp_path), env=env)
+    assert warm["hits"] == 1 and warm["refreshes"] == [] and warm["result"] == 21, warm

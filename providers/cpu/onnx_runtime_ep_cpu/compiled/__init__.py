@@ -53,10 +53,28 @@ def compiler(**options):
         except RuntimeError as exc:  # "cannot cache function ...: no locator available"
             _warn_uncached(exc)
             return numba.njit(**settings)(function)
-        _recover_damaged_entries(dispatcher)
+        _recover_damaged_entries(dispatcher, function.__qualname__)
         return dispatcher
 
     return decorate
+
+
+def cached_cfunc(signature, function):
+    """numba's ``cfunc(signature, cache=True, nopython=True)`` for ``function``, loading from the disk cache as
+    the loops do (no context refresh, damaged entries recovered); compiled per process where nothing is
+    writable."""
+    from numba.core import sigutils
+    from numba.core.ccallback import CFunc
+
+    callback = CFunc(function, sigutils.normalize_signature(signature), locals={}, options={"nopython": True})
+    try:
+        callback.enable_caching()
+    except RuntimeError as exc:  # "cannot cache function ...: no locator available"
+        _warn_uncached(exc)
+    else:
+        _recover_damaged_entries(callback, function.__qualname__)
+    callback.compile()
+    return callback
 
 
 _warned_uncached = False
@@ -85,7 +103,7 @@ def _linkable(target_context) -> None:
     _linked_contexts.add(id(target_context))
 
 
-def _recover_damaged_entries(dispatcher) -> None:
+def _recover_damaged_entries(dispatcher, qualname: str) -> None:
     """Loads a cached loop without refreshing numba's contexts, and recovers from a damaged entry.
 
     numba's ``Cache.load_overload`` first calls ``target_context.refresh()``, which imports and installs every
@@ -112,7 +130,7 @@ def _recover_damaged_entries(dispatcher) -> None:
             return None  # the guard swallowed a spurious I/O error: compile instead
         except Exception as exc:  # UnpicklingError, EOFError, ValueError, ...: whatever a damaged file raises
             warnings.warn(f"the compiled-loop cache entry {index_path} is damaged ({type(exc).__name__}: {exc}); "
-                          f"it is dropped and {dispatcher.py_func.__qualname__} compiled again",
+                          f"it is dropped and {qualname} compiled again",
                           RuntimeWarning, stacklevel=2)
             with contextlib.suppress(OSError):
                 os.remove(index_path)  # the next save writes a fresh index; old data files get overwritten

@@ -483,12 +483,9 @@ def _local_mailbox():
 
 def compile_runner(entry):
     """``entry`` (a module-level function of a mailbox pointer) as a cached C callback."""
-    import numba
+    from . import cached_cfunc
 
-    try:
-        return numba.cfunc(_RUNNER_SIGNATURE, cache=True, nopython=True)(entry)
-    except RuntimeError:  # no writable cache location: compile per process
-        return numba.cfunc(_RUNNER_SIGNATURE, nopython=True)(entry)
+    return cached_cfunc(_RUNNER_SIGNATURE, entry)
 
 
 class _Helper:
