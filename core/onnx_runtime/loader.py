@@ -160,7 +160,7 @@ def _infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto | None, onnx.
     ``proto`` annotated by onnx shape inference: ``value_info``, subgraphs included). When inference
     fails: (None, ``proto.graph``)."""
     light, stand_ins = _without_weights(proto) if _has_weights(proto) else (proto, set())
-    inferred = infer_graph(light)
+    inferred = infer_graph(light) if _statistics_axes_fit(light) else None
     if inferred is None:
         # Shape inference is an optimization aid: models it cannot handle still run, with shapes
         # resolved at run time.
@@ -170,6 +170,34 @@ def _infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto | None, onnx.
         del inferred.input[:]
         inferred.input.extend(inputs)
     return light, inferred
+
+
+def _statistics_axes_fit(light: onnx.ModelProto) -> bool:
+    """Whether onnx can infer the shapes of every LayerNormalization's Mean and InvStdDev outputs: it sizes them
+    by ``axis`` unchecked, and an axis outside [-rank, rank) hangs or crashes the process. The ranks come from an
+    inference without those outputs; an axis out of range raises ``InvalidGraphError``, an unknown rank gives
+    False (the model then runs with its shapes found at run time)."""
+    nodes = [n for n in light.graph.node if n.op_type == "LayerNormalization" and n.domain in ("", "ai.onnx")
+             and len([o for o in n.output[1:] if o])]
+    if not nodes:
+        return True
+    bare = onnx.ModelProto()
+    bare.CopyFrom(light)
+    for node in bare.graph.node:
+        if node.op_type == "LayerNormalization":
+            del node.output[1:]
+    inferred = infer_graph(bare)
+    ranks = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in (*inferred.input, *inferred.value_info)
+             if vi.type.tensor_type.HasField("shape")} if inferred is not None else {}
+    for node in nodes:
+        rank = ranks.get(node.input[0])
+        axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+        if rank is None:
+            return False
+        if not -rank <= axis < rank:
+            raise InvalidGraphError(f"node {node.name!r} (LayerNormalization): axis {axis} is outside [-{rank}, "
+                                    f"{rank}) for its input {node.input[0]!r} of rank {rank}; fix the exporter")
+    return True
 
 
 def infer_graph(light: onnx.ModelProto) -> onnx.GraphProto | None:

@@ -72,7 +72,18 @@ def mutually_recursive_functions():
                  opsets=(("", 17), ("local", 1)), functions=[ping, pong])
 
 
+def layer_norm_statistics(axis):
+    def build():
+        node = helper.make_node("LayerNormalization", ["x", "s", "b"], ["y", "mean", "inv"], name="ln", axis=axis)
+        return model([node], [tensor("x", shape=[2, 3, 4]), tensor("s", shape=[4]), tensor("b", shape=[4])],
+                     [tensor("y", shape=None), tensor("mean", shape=None)])
+    return build
+
+
 @pytest.mark.parametrize("build, expected", [
+    # onnx sizes Mean/InvStdDev by the axis unchecked: -5 hung shape inference, 2**31 crashed it (SIGSEGV).
+    (layer_norm_statistics(-5), "axis -5 is outside [-3, 3)"),
+    (layer_norm_statistics(2**31), "axis 2147483648 is outside [-3, 3)"),
     (regex_with_empty_input, "input 0 (X) is required but named ''"),
     (label_encoder_with_empty_input, "input 0 (X) is required but named ''"),
     (huge_declared_dim, "declares dimension 0 as 9223372036854775807"),
