@@ -287,6 +287,8 @@ class Library:
         lib.ort_sim_kernel_signature.argtypes = [ctypes.c_char_p]
         lib.ort_sim_kernel_max_threads.restype = ctypes.c_int
         lib.ort_sim_kernel_max_threads.argtypes = [ctypes.c_char_p]
+        lib.ort_sim_set_block_shuffle.restype = None
+        lib.ort_sim_set_block_shuffle.argtypes = [ctypes.c_ulonglong]
         self._lib = lib
         self.path = path
         self.kernels: dict[str, tuple[Param, ...]] = {}
@@ -297,8 +299,9 @@ class Library:
             self.max_threads[name] = lib.ort_sim_kernel_max_threads(name.encode()) or 1024
 
     def launch(self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int,
-               params: list[bytes]) -> tuple[int, str]:
-        """Runs kernel ``name`` to completion with the given parameter bytes; (CUresult value, message)."""
+               params: list[bytes], shuffle_seed: int = 0) -> tuple[int, str]:
+        """Runs kernel ``name`` to completion with the given parameter bytes; (CUresult value, message). A nonzero
+        ``shuffle_seed`` runs the blocks in a permutation it seeds instead of row-major order."""
         offsets, size = [], 0
         for value in params:
             offsets.append(size)
@@ -310,6 +313,7 @@ class Library:
             ctypes.memmove(base + offset, value, len(value))
             pointers[index] = base + offset
         with _launch_lock:
+            self._lib.ort_sim_set_block_shuffle(shuffle_seed)
             code = self._lib.ort_sim_launch(name.encode(), *grid, *block, shared, pointers)
             message = self._lib.ort_sim_last_error().decode(errors="replace") if code else ""
         return code, message

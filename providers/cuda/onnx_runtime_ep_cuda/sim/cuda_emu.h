@@ -613,6 +613,35 @@ struct LaunchConfig {
 
 inline std::mutex g_launch_mutex;
 
+// Block order: row-major like one SM, or (seed != 0) a permutation of the linear block index, so a kernel
+// that assumes blocks run in order (a later block reading what an earlier one wrote) shows the bug here too.
+inline unsigned long long g_block_shuffle_seed = 0;
+
+struct BlockOrder {
+    unsigned long long count, mask = 0, mul = 1, add = 0, cursor = 0;
+    BlockOrder(unsigned long long n, unsigned long long seed) : count(n) {
+        if (!seed || n < 2) return;
+        while (mask < n - 1) mask = mask << 1 | 1;
+        unsigned long long z = seed;  // splitmix64 draws the odd multiplier and the offset of an affine bijection
+        auto draw = [&z] {
+            unsigned long long r = z += 0x9e3779b97f4a7c15ull;
+            r = (r ^ (r >> 30)) * 0xbf58476d1ce4e5b9ull;
+            r = (r ^ (r >> 27)) * 0x94d049bb133111ebull;
+            return r ^ (r >> 31);
+        };
+        mul = (draw() & mask) | 1;
+        add = draw() & mask;
+    }
+    // The next block: walks the bijection of [0, 2^k) and skips the values past the grid.
+    unsigned long long next() {
+        if (!mask) return cursor++;
+        for (;;) {
+            const unsigned long long v = (cursor++ * mul + add) & mask;
+            if (v < count) return v;
+        }
+    }
+};
+
 inline int run_grid(const char* name, const LaunchConfig& cfg, void (*body)(void*), void* arg) {
     std::lock_guard<std::mutex> lock(g_launch_mutex);
     g_kernel_name = name;
@@ -642,16 +671,14 @@ inline int run_grid(const char* name, const LaunchConfig& cfg, void (*body)(void
     g_error_code = kSuccess;
     FaultGuard guard;
     if (sigsetjmp(g_escape, 1) == 0) {
-        for (unsigned z = 0; z < g.z; ++z) {
-            for (unsigned y = 0; y < g.y; ++y) {
-                for (unsigned x = 0; x < g.x; ++x) {
-                    g_block_idx = uint3{x, y, z};
-                    if (!run_block(n)) goto done;
-                }
-            }
+        const unsigned long long blocks = 1ull * g.x * g.y * g.z;
+        BlockOrder order(blocks, g_block_shuffle_seed);
+        for (unsigned long long i = 0; i < blocks; ++i) {
+            const unsigned long long linear = order.next();
+            g_block_idx = uint3{unsigned(linear % g.x), unsigned(linear / g.x % g.y), unsigned(linear / g.x / g.y)};
+            if (!run_block(n)) break;
         }
     }
-done:
     g_cur = nullptr;
     std::fflush(stdout);  // device printf output appears with the launch that wrote it
     return g_error_code;
@@ -1204,3 +1231,6 @@ ORT_SIM_EXPORT int ort_sim_kernel_max_threads(const char* name) {
 }
 
 ORT_SIM_EXPORT const char* ort_sim_last_error() { return ::ort_sim::g_error; }
+
+// Seed of the block order of later launches in this module; 0 runs blocks in row-major order.
+ORT_SIM_EXPORT void ort_sim_set_block_shuffle(unsigned long long seed) { ::ort_sim::g_block_shuffle_seed = seed; }

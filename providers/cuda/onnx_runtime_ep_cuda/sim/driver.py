@@ -8,6 +8,17 @@ Semantics the provider can rely on being the same as on a GPU:
 - cuInit first, then a current context on the calling thread for context-scoped calls (allocation, stream and
   event creation, module loads, synchronous copies, work on the NULL stream), else CUDA_ERROR_INVALID_CONTEXT;
 - stream work runs immediately in issue order, so every stream and event is complete as soon as it is issued;
+  with the *deferred* option (``configure(deferred=True)`` or ``ONNX_RUNTIME_CUDA_SIM_DEFERRED=1``) work queues on
+  its stream instead and runs only at a synchronization point (cuStreamSynchronize, cuCtxSynchronize,
+  cuEventSynchronize, a copy to pageable host memory, cuMemFree, ...) or when a stream waiting on an event needs
+  it, so a missing synchronization or event wait shows as a wrong result, as on a GPU; an asynchronous copy from
+  pageable host memory reads it at issue time (the driver stages it), one from page-locked memory
+  (cuMemHostAlloc, cuMemHostRegister) when the copy runs;
+- with *sticky errors* (``configure(sticky_errors=True)``, ``ONNX_RUNTIME_CUDA_SIM_STICKY_ERRORS=1``, and always
+  for work that failed deferred) a kernel fault leaves the context unusable: every later call returns the same
+  error until the primary context is reset (cuDevicePrimaryCtxReset) or released;
+- ``configure(shuffle_blocks=SEED)`` (``ONNX_RUNTIME_CUDA_SIM_SHUFFLE_BLOCKS=SEED``) runs each launch's blocks in
+  a seeded pseudo-random order, so a kernel that assumes block order fails here as it may on a GPU;
 - stream capture records kernels, copies, memsets, allocations and frees into a graph instead of running them;
   kernel arguments are captured by value; calls that are illegal while capturing (synchronizing a capturing
   stream, synchronous copies or cuMemAlloc in global mode, using the legacy stream beside a capturing blocking
@@ -21,11 +32,13 @@ must match the kernel's parameter sizes and kinds, kernels that run off a buffer
 CUDA_ERROR_ILLEGAL_ADDRESS, and new device memory holds 0xFF bytes rather than zeros.
 
 Simulator-only helpers: ``make_image`` (what ``nvrtc.compile`` returns here), ``live_allocations()``,
-``last_error_message()`` (why the last failing call failed) and ``reset()`` (drop all driver state).
+``live_host_allocations()``, ``last_error_message()`` (why the last failing call failed), ``configure()`` (the
+options above) and ``reset()`` (drop all driver state; the options return to their environment defaults).
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import enum
 import functools
@@ -40,9 +53,12 @@ from . import compiler
 from .compiler import make_image
 from .memory import Allocation, DeviceMemory
 
-__all__ = ["make_image", "live_allocations", "last_error_message", "reset"]
+__all__ = ["make_image", "live_allocations", "live_host_allocations", "last_error_message", "configure", "reset"]
 
 MEMORY_ENV = "ONNX_RUNTIME_CUDA_SIM_MEMORY"  # simulated device memory in bytes (default 16 GiB)
+DEFERRED_ENV = "ONNX_RUNTIME_CUDA_SIM_DEFERRED"
+STICKY_ENV = "ONNX_RUNTIME_CUDA_SIM_STICKY_ERRORS"
+SHUFFLE_ENV = "ONNX_RUNTIME_CUDA_SIM_SHUFFLE_BLOCKS"
 DRIVER_VERSION = 13000
 DEVICE_NAME = b"CUDA Simulator (CPU emulation of sm_90)"
 DEFAULT_DYNAMIC_SHARED = 48 * 1024  # what a launch may use before cuFuncSetAttribute raises the limit
@@ -70,6 +86,8 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_ILLEGAL_ADDRESS = 700
     CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701
     CUDA_ERROR_ASSERT = 710
+    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+    CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
     CUDA_ERROR_LAUNCH_FAILED = 719
     CUDA_ERROR_NOT_SUPPORTED = 801
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900
@@ -102,6 +120,8 @@ _ERROR_STRINGS = {
     CUresult.CUDA_ERROR_ILLEGAL_ADDRESS: "an illegal memory access was encountered",
     CUresult.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: "too many resources requested for launch",
     CUresult.CUDA_ERROR_ASSERT: "device-side assert triggered",
+    CUresult.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: "part or all of the requested memory range is already mapped",
+    CUresult.CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: "pointer does not correspond to a registered memory region",
     CUresult.CUDA_ERROR_LAUNCH_FAILED: "unspecified launch failure",
     CUresult.CUDA_ERROR_NOT_SUPPORTED: "operation not supported",
     CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: "operation not permitted when stream is capturing",
@@ -246,6 +266,16 @@ class CUgraphInstantiate_flags(enum.IntEnum):
     CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY = 8
 
 
+CU_MEMHOSTALLOC_PORTABLE = 1
+CU_MEMHOSTALLOC_DEVICEMAP = 2
+CU_MEMHOSTALLOC_WRITECOMBINED = 4
+CU_MEMHOSTREGISTER_PORTABLE = 1
+CU_MEMHOSTREGISTER_DEVICEMAP = 2
+
+# Errors after which a GPU's context is unusable (an exception in a kernel): every later call returns them.
+_STICKY = frozenset({CUresult.CUDA_ERROR_ILLEGAL_ADDRESS, CUresult.CUDA_ERROR_ASSERT,
+                     CUresult.CUDA_ERROR_LAUNCH_FAILED})
+
 CU_STREAM_LEGACY = 1
 CU_STREAM_PER_THREAD = 2
 _DEFAULT_STREAMS = (0, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD)
@@ -377,6 +407,8 @@ class _Stream:
     handle: int
     flags: int = 0
     capture: _Capture | None = None
+    queue: collections.deque = field(default_factory=collections.deque)  # deferred (seq, node), oldest first
+    issued: int = 0  # sequence number of the last operation queued
 
 
 @dataclass(eq=False)
@@ -386,6 +418,8 @@ class _Event:
     time: float | None = None  # perf_counter() when last recorded outside a capture
     capture: _Capture | None = None  # the capture it was last recorded in
     clock: dict = field(default_factory=dict)
+    stream: _Stream | None = None  # deferred: complete once this stream ran operation `seq`
+    seq: int = 0
 
 
 @dataclass(eq=False)
@@ -445,6 +479,14 @@ class _State:
         self.pool_used_high = 0
         self.current = threading.local()
         self.last_error = ""
+        self.deferred = _env_flag(DEFERRED_ENV)
+        self.sticky_errors = _env_flag(STICKY_ENV)
+        self.shuffle_seed = int(os.environ.get(SHUFFLE_ENV) or 0)
+        self.launches = 0
+        self.sticky: tuple[CUresult, str] | None = None  # the error that made the context unusable
+        self.host_allocations: dict[int, ctypes.Array] = {}  # cuMemHostAlloc: address -> its buffer
+        self.pinned: dict[int, int] = {}  # page-locked host ranges (allocated or registered): start -> size
+        self.registered: set[int] = set()
 
     def new_handle(self) -> int:
         self.next_handle += 0x10  # distinct values for every object, so a stream passed as an event is invalid
@@ -463,10 +505,28 @@ class _State:
         self.captures.clear()
         self.legacy = _Stream(0)
         self.context_handle = 0
+        self.host_allocations.clear()
+        self.pinned.clear()
+        self.registered.clear()
+        self.sticky = None
+
+    def is_pinned(self, address: int, nbytes: int) -> bool:
+        return any(start <= address and address + nbytes <= start + size for start, size in self.pinned.items())
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 _state = _State()
 _lock = threading.RLock()  # the driver is one big critical section; kernels run inside it
+# Calls a GPU still answers after a sticky error: error names, device queries, and what resets the context.
+_ANSWERED_WHEN_STICKY = frozenset({
+    "cuGetErrorName", "cuGetErrorString", "cuInit", "cuDriverGetVersion", "cuDeviceGetCount", "cuDeviceGet",
+    "cuDeviceGetName", "cuDeviceGetAttribute", "cuDeviceTotalMem", "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxReset", "cuDevicePrimaryCtxGetState", "cuCtxSetCurrent",
+    "cuCtxGetCurrent",
+})
 
 
 def _api(outputs: int = 0, *, initialized: bool = True, context: bool = False):
@@ -481,6 +541,9 @@ def _api(outputs: int = 0, *, initialized: bool = True, context: bool = False):
                         raise _Fail(CUresult.CUDA_ERROR_NOT_INITIALIZED, "cuInit has not been called")
                     if context:
                         _state.require_context()
+                    if _state.sticky is not None and impl.__name__ not in _ANSWERED_WHEN_STICKY:
+                        code, why = _state.sticky
+                        raise _Fail(code, f"the context is unusable after an earlier error ({why}); reset it")
                     values = impl(*args, **kwargs)
                 except _Fail as failure:
                     _state.last_error = f"{impl.__name__}: {failure.message}"
@@ -509,6 +572,30 @@ def last_error_message() -> str:
     """Why the most recent failing driver call failed, in words (compiler output, kernel faults, ...)."""
     with _lock:
         return _state.last_error
+
+
+def live_host_allocations() -> dict[int, int]:
+    """``{host address: size}`` of every cuMemHostAlloc allocation not yet freed with cuMemFreeHost."""
+    with _lock:
+        return {address: _state.pinned[address] for address in _state.host_allocations}
+
+
+def configure(deferred: bool | None = None, sticky_errors: bool | None = None,
+              shuffle_blocks: int | None = None) -> dict:
+    """Switch the options of the module docstring (None leaves one as it is); returns the previous values,
+    which ``configure(**previous)`` restores. Turning deferred execution off first runs what is queued."""
+    with _lock:
+        previous = {"deferred": _state.deferred, "sticky_errors": _state.sticky_errors,
+                    "shuffle_blocks": _state.shuffle_seed}
+        if deferred is not None:
+            if not deferred:
+                _drain_all()
+            _state.deferred = bool(deferred)
+        if sticky_errors is not None:
+            _state.sticky_errors = bool(sticky_errors)
+        if shuffle_blocks is not None:
+            _state.shuffle_seed = int(shuffle_blocks)
+        return previous
 
 
 def reset() -> None:
@@ -664,7 +751,11 @@ def _run(node: tuple) -> None:
         _, function, grid, block, shared, params = node
         if not function.module.loaded:
             raise _Fail(CUresult.CUDA_ERROR_INVALID_HANDLE, f"kernel {function.name}'s module was unloaded")
-        code, message = function.module.library.launch(function.name, grid, block, shared, params)
+        seed = 0
+        if _state.shuffle_seed:  # a different order at every launch, reproducible from the seed
+            _state.launches += 1
+            seed = (_state.shuffle_seed * 0x9E3779B97F4A7C15 + _state.launches) & (2**64 - 1) or 1
+        code, message = function.module.library.launch(function.name, grid, block, shared, params, seed)
         if code:
             raise _Fail(CUresult(code) if code in CUresult._value2member_map_ else CUresult.CUDA_ERROR_UNKNOWN, message)
     elif kind == "copy":
@@ -698,12 +789,72 @@ def _run(node: tuple) -> None:
     elif kind == "graph":
         for inner in node[1].nodes:
             _run(inner)
+    elif kind == "wait":  # deferred cuStreamWaitEvent: the other stream's work up to the event runs first
+        _drain(node[1], node[2])
+    elif kind == "release":  # deferred cuMemFreeAsync
+        allocation = node[1]
+        allocation.live = allocation.free_pending = False
+        if not allocation.graph_refs:
+            _state.memory.release(allocation)
+
+
+def _execute(node: tuple) -> None:
+    """Run ``node`` now; a fault in it is sticky when that option is on."""
+    try:
+        _run(node)
+    except _Fail as failure:
+        if _state.sticky_errors and failure.code in _STICKY:
+            _poison(failure)
+        raise
+
+
+def _poison(failure: _Fail) -> None:
+    """What a GPU does after an exception in a kernel: the context is unusable and queued work never runs."""
+    _state.sticky = (failure.code, failure.message)
+    for stream in (*_state.streams.values(), _state.legacy):
+        stream.queue.clear()
+
+
+def _drain(stream: _Stream, upto: int | None = None) -> None:
+    """Run ``stream``'s queued work in order, up to operation ``upto`` (all of it by default). A failure
+    there is reported by the call that waited for it, and every later one: deferred errors are sticky."""
+    queue = stream.queue
+    while queue and (upto is None or queue[0][0] <= upto):
+        _, node = queue.popleft()
+        try:
+            _run(node)
+        except _Fail as failure:
+            _poison(failure)
+            raise
+
+
+def _drain_all() -> None:
+    for stream in list(_state.streams.values()):
+        _drain(stream)
+
+
+def _dispatch(stream: _Stream, node: tuple, call: str, host_waits: bool = False) -> None:
+    """Record ``node`` into the stream's capture, run it, or (deferred) queue it; ``host_waits`` for an
+    operation the host waits for (a copy into pageable memory): its stream runs up to it at once."""
+    if _enqueue(stream, node, call):
+        return
+    if not _state.deferred:
+        _execute(node)
+        return
+    if stream is _state.legacy:  # the legacy stream waits for the blocking streams and runs at once
+        for other in list(_state.streams.values()):
+            if not other.flags & CUstream_flags.CU_STREAM_NON_BLOCKING:
+                _drain(other)
+        _execute(node)
+        return
+    stream.issued += 1
+    stream.queue.append((stream.issued, node))
+    if host_waits:
+        _drain(stream)
 
 
 def _submit(stream_handle, node: tuple, call: str) -> None:
-    stream = _stream(stream_handle)
-    if not _enqueue(stream, node, call):
-        _run(node)
+    _dispatch(_stream(stream_handle), node, call)
 
 
 def _drop_graph_memory(allocations: list[Allocation]) -> None:
@@ -802,6 +953,15 @@ def cuDevicePrimaryCtxRelease(dev):
         _state.destroy_context()
 
 
+@_api()
+def cuDevicePrimaryCtxReset(dev):
+    """Destroys the primary context and everything in it (memory, streams, modules, graphs); the next retain
+    creates a fresh one. The way out of a sticky error."""
+    _device(dev)
+    _state.primary_refs = 0
+    _state.destroy_context()
+
+
 @_api(2)
 def cuDevicePrimaryCtxGetState(dev):
     _device(dev)
@@ -830,6 +990,7 @@ def cuCtxGetDevice():
 @_api(context=True)
 def cuCtxSynchronize():
     _unsafe_while_capturing("cuCtxSynchronize")
+    _drain_all()
 
 
 # ---- streams and events -------------------------------------------------------------------------------------------
@@ -856,6 +1017,7 @@ def cuStreamDestroy(hStream):
     stream = _stream(hStream)
     if stream.capture is not None:
         _invalidate(stream.capture, "a capturing stream was destroyed")
+    _drain(stream)  # a GPU finishes the stream's work before releasing it
     del _state.streams[stream.handle]
 
 
@@ -865,6 +1027,7 @@ def cuStreamSynchronize(hStream):
     if stream.capture is not None:
         _invalidate(stream.capture, "cuStreamSynchronize was called on a capturing stream")
         raise _Fail(CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "cuStreamSynchronize on a capturing stream")
+    _drain(stream)
 
 
 @_api()
@@ -873,6 +1036,8 @@ def cuStreamQuery(hStream):
     if stream.capture is not None:
         _invalidate(stream.capture, "cuStreamQuery was called on a capturing stream")
         raise _Fail(CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "cuStreamQuery on a capturing stream")
+    if stream.queue:
+        raise _Fail(CUresult.CUDA_ERROR_NOT_READY, "the stream has queued work")
 
 
 @_api()
@@ -885,7 +1050,11 @@ def cuStreamWaitEvent(hStream, hEvent, Flags):
             _invalidate(target, "a capturing stream waited on an event recorded outside the capture")
             raise _Fail(CUresult.CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
                         "cuStreamWaitEvent: the event was not recorded in this capture")
-        return  # everything already ran: the dependency holds by construction
+        pending = event.stream is not None and event.stream is not stream and event.stream.queue \
+            and event.stream.queue[0][0] <= event.seq
+        if pending:  # deferred: the wait is queued and runs the event's stream up to the event first
+            _dispatch(stream, ("wait", event.stream, event.seq), "cuStreamWaitEvent")
+        return  # otherwise everything it waits for already ran
     if target is None:
         source.join(stream, event.clock)  # the waiting stream joins the capture (a fork)
     elif target is source:
@@ -908,11 +1077,19 @@ def cuEventCreate(Flags):
 def cuEventRecord(hEvent, hStream):
     event, stream = _event(hEvent), _stream(hStream)
     capture = _capturing(stream)
+    event.stream, event.seq = None, 0
     if capture is not None:
         event.capture, event.clock, event.time = capture, dict(capture.clocks[stream.handle]), None
     else:
         _check_legacy(stream, "cuEventRecord")
         event.capture, event.clock, event.time = None, {}, time.perf_counter()
+        if stream.queue:
+            event.stream, event.seq = stream, stream.issued
+
+
+def _event_pending(event: _Event) -> bool:
+    stream = event.stream
+    return stream is not None and bool(stream.queue) and stream.queue[0][0] <= event.seq
 
 
 def _captured(event: _Event) -> bool:
@@ -921,14 +1098,20 @@ def _captured(event: _Event) -> bool:
 
 @_api()
 def cuEventQuery(hEvent):
-    if _captured(_event(hEvent)):
+    event = _event(hEvent)
+    if _captured(event):
         raise _Fail(CUresult.CUDA_ERROR_CAPTURED_EVENT, "the event was recorded in an active capture")
+    if _event_pending(event):
+        raise _Fail(CUresult.CUDA_ERROR_NOT_READY, "the work before the event is still queued")
 
 
 @_api()
 def cuEventSynchronize(hEvent):
-    if _captured(_event(hEvent)):
+    event = _event(hEvent)
+    if _captured(event):
         raise _Fail(CUresult.CUDA_ERROR_CAPTURED_EVENT, "the event was recorded in an active capture")
+    if event.stream is not None:
+        _drain(event.stream, event.seq)
 
 
 @_api(1)
@@ -963,7 +1146,7 @@ def _allocate(size) -> Allocation:
 def _free(dptr, call: str) -> None:
     address = _value(dptr)
     allocation = _state.memory.at(address)
-    if allocation is None or not allocation.live:
+    if allocation is None or not allocation.live or allocation.free_pending:
         raise _Fail(CUresult.CUDA_ERROR_INVALID_VALUE,
                     f"{call}: {address:#x} is not the start of a live allocation (double free or foreign pointer)")
     allocation.live = False
@@ -982,6 +1165,7 @@ def cuMemFree(dptr):
     if _value(dptr) == 0:
         return
     _unsafe_while_capturing("cuMemFree")
+    _drain_all()  # cuMemFree waits for the device: work still queued may use the memory
     _free(dptr, "cuMemFree")
 
 
@@ -1006,13 +1190,17 @@ def cuMemFreeAsync(dptr, hStream):
     stream = _stream(hStream)
     address = _value(dptr)
     allocation = _state.memory.at(address)
-    if allocation is None or not allocation.live:
+    if allocation is None or not allocation.live or allocation.free_pending:
         raise _Fail(CUresult.CUDA_ERROR_INVALID_VALUE,
                     f"cuMemFreeAsync: {address:#x} is not the start of a live allocation (double free or foreign "
                     f"pointer)")
     capture = _capturing(stream)
     if capture is None:
         _check_legacy(stream, "cuMemFreeAsync")
+        if _state.deferred and stream is not _state.legacy:  # freed when the stream reaches it
+            allocation.free_pending = True
+            _dispatch(stream, ("release", allocation), "cuMemFreeAsync")
+            return
         _free(dptr, "cuMemFreeAsync")
         return
     capture.record(stream, ("free", allocation))
@@ -1111,7 +1299,13 @@ def _copy(direction: str, dst, src, nbytes, stream, call: str, sync: bool) -> No
         src = _device_range(src, nbytes, "source")
     else:
         src, dst = _device_range(src, nbytes, "source"), _device_range(dst, nbytes, "destination")
-    _submit(stream, ("copy", direction, dst, src, nbytes, keep), call)
+    handle = _stream(stream)
+    pageable = _state.deferred and handle.capture is None and direction != "dtod" and \
+        not _state.is_pinned(src if direction == "htod" else dst, nbytes)
+    if pageable and direction == "htod":  # the driver stages pageable memory at issue time
+        keep = ctypes.create_string_buffer(ctypes.string_at(src, nbytes), nbytes)
+        src = ctypes.addressof(keep)
+    _dispatch(handle, ("copy", direction, dst, src, nbytes, keep), call, host_waits=pageable and direction == "dtoh")
 
 
 @_api()
@@ -1227,6 +1421,7 @@ def cuModuleGetFunction(hmod, name):
 @_api()
 def cuModuleUnload(hmod):
     module = _lookup(_state.modules, hmod, "module")
+    _drain_all()
     module.loaded = False
     del _state.modules[module.handle]
     for handle in [h for h, f in _state.functions.items() if f.module is module]:
@@ -1444,6 +1639,7 @@ def cuGraphLaunch(hGraphExec, hStream):
 @_api()
 def cuGraphExecDestroy(hGraphExec):
     execution = _lookup(_state.execs, hGraphExec, "executable graph", CUresult.CUDA_ERROR_INVALID_VALUE)
+    _drain_all()  # queued launches of it run first
     del _state.execs[execution.handle]
     execution.graph.execs -= 1
     _drop_graph_memory(execution.allocations)
@@ -1452,5 +1648,58 @@ def cuGraphExecDestroy(hGraphExec):
 @_api()
 def cuGraphDestroy(hGraph):
     graph = _lookup(_state.graphs, hGraph, "graph", CUresult.CUDA_ERROR_INVALID_VALUE)
+    _drain_all()
     del _state.graphs[graph.handle]
     _drop_graph_memory(graph.allocations)
+
+
+# ---- page-locked host memory ---------------------------------------------------------------------------------
+
+
+@_api(1, context=True)
+def cuMemHostAlloc(bytesize, Flags):
+    size = int(bytesize)
+    if size <= 0:
+        raise _Fail(CUresult.CUDA_ERROR_INVALID_VALUE, "cuMemHostAlloc size must be positive")
+    if int(Flags) & ~(CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_WRITECOMBINED):
+        raise _Fail(CUresult.CUDA_ERROR_INVALID_VALUE, f"cuMemHostAlloc flags {int(Flags):#x} are not valid")
+    buffer = (ctypes.c_uint8 * size)()
+    ctypes.memset(buffer, 0xFF, size)  # like device memory: never reads as zeros by accident
+    address = ctypes.addressof(buffer)
+    _state.host_allocations[address] = buffer
+    _state.pinned[address] = size
+    return address
+
+
+@_api(context=True)
+def cuMemFreeHost(p):
+    address = _value(p)
+    if address not in _state.host_allocations:
+        raise _Fail(CUresult.CUDA_ERROR_INVALID_VALUE,
+                    f"cuMemFreeHost: {address:#x} is not a live cuMemHostAlloc allocation (double free or foreign "
+                    f"pointer)")
+    _drain_all()  # freeing page-locked memory waits for the device, as cudaFreeHost does
+    del _state.host_allocations[address]
+    del _state.pinned[address]
+
+
+@_api(context=True)
+def cuMemHostRegister(p, bytesize, Flags):
+    address, size = _value(p), int(bytesize)
+    if not address or size <= 0:
+        raise _Fail(CUresult.CUDA_ERROR_INVALID_VALUE, "cuMemHostRegister needs a non-null range")
+    if any(start < address + size and address < start + length for start, length in _state.pinned.items()):
+        raise _Fail(CUresult.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+                    f"[{address:#x}, +{size}) overlaps page-locked memory")
+    _state.pinned[address] = size
+    _state.registered.add(address)
+
+
+@_api(context=True)
+def cuMemHostUnregister(p):
+    address = _value(p)
+    if address not in _state.registered:
+        raise _Fail(CUresult.CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, f"{address:#x} was not registered")
+    _drain_all()
+    _state.registered.discard(address)
+    del _state.pinned[address]

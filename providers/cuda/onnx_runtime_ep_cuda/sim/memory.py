@@ -44,6 +44,7 @@ class Allocation:
     graph_refs: int = 0  # graphs and executable graphs whose allocation nodes own this mapping
     captured: bool = False  # allocated while a stream was being captured: the graph's memory
     pooled: bool = False  # stream-ordered (cuMemAllocAsync): counted in the default pool's statistics
+    free_pending: bool = False  # a deferred stream holds its cuMemFreeAsync: freeing it again is a double free
 
 
 class DeviceMemory:
