@@ -10,12 +10,27 @@ implicitly ordered with the legacy default stream and every cross-stream depende
 event wait (a :class:`Fence`).
 
 Memory comes from the device's stream-ordered pool (cuMemAllocAsync / cuMemFreeAsync on the compute
-stream) when the device supports memory pools, else from cuMemAlloc / cuMemFree.
+stream) when the device supports memory pools, else from cuMemAlloc / cuMemFree. Host bytes move through
+page-locked staging blocks (staging.py), so an upload returns without waiting for the device.
+
+Threads. Every session on a device shares its compute stream, which keeps the order of everything they
+enqueue (a tensor one session leaves on the device is safe for another to read). A device graph capture
+records the *stream*, whichever thread enqueues on it, so while one thread captures (``begin_capture`` to
+``end_capture``, called by graphs.py) every other thread's device call waits at the device's gate instead
+of landing inside the graph (on a GPU) or invalidating the capture (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+from a synchronization). Outside captures the gate is held only for the duration of one driver call.
+Runs of one session are serialized by its executor (session/executor.py).
+
+Faults. An exception in device code (illegal address, assert, trap) leaves a CUDA context unusable: every
+later call fails. The first call that reports it raises :class:`CudaDeviceFaultError` naming the kernel
+(the one launching, or the kernels launched most recently when a synchronization reports it), marks this
+device closed and resets the primary context, so the next session on the index gets a fresh, working one.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import ctypes
 import threading
 from dataclasses import dataclass, field
@@ -27,6 +42,8 @@ from onnx_runtime.errors import InvalidArgumentError, ProviderError
 
 from . import driver as driver_access
 from . import nvrtc
+from .driver import STICKY_ERRORS, CudaDeviceFaultError
+from .staging import PinnedStaging
 
 # Live fence events above this count are polled and the completed ones recycled, so a long run that
 # never synchronizes still holds a bounded number of events.
@@ -67,7 +84,12 @@ class CudaDevice:
         self.driver = d = driver_access.load_driver_module()
         self.index = index
         self.closed = False
+        self.fault = ""  # why the device became unusable (a kernel fault), once it did
         self._lock = threading.Lock()
+        self._gate = threading.RLock()  # see "Threads" in the module docstring
+        self._capture_thread: int | None = None
+        self._kernel_names: dict[int, str] = {}  # function handle -> "file.cu:kernel", for fault reports
+        self._recent = collections.deque(maxlen=8)  # the functions launched last, newest last
         self._check(d.cuInit(0), "cuInit")
         self.device = self._check(d.cuDeviceGet(index), f"cuDeviceGet({index})")
         self.name = self._check(d.cuDeviceGetName(256, self.device), "cuDeviceGetName").split(b"\0", 1)[0].decode()
@@ -99,15 +121,53 @@ class CudaDevice:
         self._allocated_since_join = False
         self._transfer_since_join = False
         self._modules: dict[tuple, KernelModule] = {}
+        self.staging = PinnedStaging(self)
 
     # -- plumbing -----------------------------------------------------------------------------------
     def _check(self, result, call: str):
-        return driver_access.check(self.driver, result, call)
+        try:
+            return driver_access.check(self.driver, result, call)
+        except ProviderError as error:
+            err = result[0] if isinstance(result, tuple) else result
+            if int(err) in STICKY_ERRORS:
+                self._faulted(error, call)
+            raise
 
     def _failed(self, result, call, *details) -> None:
         """Raise the typed error for a failed hot-path call; ``call`` is a format string for ``details``, so the
         message is built only when something failed (formatting it on every launch costs a microsecond)."""
-        driver_access.check(self.driver, result, call.format(*details))
+        self._check(result, call.format(*details))
+
+    def kernel_name(self, function) -> str:
+        return self._kernel_names.get(int(function), f"function {int(function):#x}")
+
+    def _faulted(self, error: ProviderError, call: str) -> None:
+        """A sticky error: name the kernel, give the context back and reset it, raise CudaDeviceFaultError."""
+        recent = ", ".join(self.kernel_name(f) for f in self._recent) or "none"
+        where = call if call.startswith("cuLaunchKernel") else (
+            f"{call}, which reports a fault of a kernel enqueued before it (launched most recently, newest last: "
+            f"{recent})")
+        detail = getattr(self.driver, "last_error_message", None)  # the simulator says which kernel and where
+        detail = f" [{detail()}]" if callable(detail) and detail() else ""
+        message = (f"CUDAExecutionProvider: CUDA device {self.index} faulted in {where}: "
+                   f"{str(error).rsplit(' failed with ', 1)[-1]}{detail}")
+        with self._lock:
+            first = not self.fault
+            if first:
+                self.fault, self.closed = message, True
+        if first:
+            self.staging.abandon()
+            d = self.driver
+            # The context is dead for every user of it; resetting it is the only way back, and what makes the
+            # next CudaDevice.get() on this index work. Their results do not matter: nothing else can be done.
+            d.cuDevicePrimaryCtxRelease(self.device)
+            d.cuDevicePrimaryCtxReset(self.device)
+            if getattr(_tls, "device", None) is self:
+                _tls.device = None
+        raise CudaDeviceFaultError(
+            f"{message}. The device's context was reset: every tensor, device graph and session on it is lost; "
+            f"create the session again (new sessions get a fresh context)"
+        ) from None
 
     def _attribute(self, attribute) -> int:
         result = self.driver.cuDeviceGetAttribute(attribute, self.device)
@@ -116,6 +176,8 @@ class CudaDevice:
     def _bind(self) -> None:
         """Make this device's primary context current on the calling thread (contexts are per thread)."""
         if self.closed:
+            if self.fault:
+                raise CudaDeviceFaultError(f"{self.fault}; the device was reset, create the session again")
             raise ProviderError(f"CUDAExecutionProvider: CUDA device {self.index} was already released")
         if getattr(_tls, "device", None) is not self:
             self._check(self.driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
@@ -137,7 +199,8 @@ class CudaDevice:
         padding = alignment - 1 if alignment > _POOL_ALIGNMENT else 0
         nbytes = max(size, 1) + padding
         d = self.driver
-        result = d.cuMemAllocAsync(nbytes, self.compute) if self.pooled else d.cuMemAlloc(nbytes)
+        with self._gate:
+            result = d.cuMemAllocAsync(nbytes, self.compute) if self.pooled else d.cuMemAlloc(nbytes)
         if int(result[0]):
             self._failed(result, "cuMemAllocAsync({})" if self.pooled else "cuMemAlloc({})", nbytes)
         base = int(result[1])
@@ -169,60 +232,81 @@ class CudaDevice:
 
     def _release(self, base: int, nbytes: int) -> None:
         self._bind()
-        if self._transfer_since_join:  # a copy_async may still read or write this memory
-            self._join_transfer()
         d = self.driver
-        result = d.cuMemFreeAsync(base, self.compute) if self.pooled else d.cuMemFree(base)
+        with self._gate:
+            if self._transfer_since_join:  # a copy_async may still read or write this memory
+                self._join_transfer()
+            result = d.cuMemFreeAsync(base, self.compute) if self.pooled else d.cuMemFree(base)
         if int(result[0]):
             call = "cuMemFreeAsync({:#x}, {} B)" if self.pooled else "cuMemFree({:#x}, {} B)"
             self._failed(result, call, base, nbytes)
 
     # -- copies -------------------------------------------------------------------------------------
     def upload(self, dst: int, src: np.ndarray) -> None:
-        """Copy the uint8 host array ``src`` to ``dst`` and wait for it (``src`` may be reused at once)."""
+        """Copy the uint8 host array ``src`` to ``dst``, stream-ordered on compute; ``src`` may be reused at once
+        (its bytes go through a pinned staging block, so the host does not wait for the device)."""
         if src.size:
             self._bind()
-            self._check(self.driver.cuMemcpyHtoDAsync(dst, src.ctypes.data, src.size, self.compute),
-                        f"cuMemcpyHtoDAsync({src.size} B)")
-            self._synchronize(self.compute, "compute")
+            with self._gate:
+                if self._capture_thread == threading.get_ident():
+                    # A staged copy would be recorded reading a block the ring rewrites: synchronize instead,
+                    # which fails the capture (host data cannot be captured by value).
+                    self._check(self.driver.cuMemcpyHtoDAsync(dst, src.ctypes.data, src.size, self.compute),
+                                f"cuMemcpyHtoDAsync({src.size} B)")
+                    self._synchronize(self.compute, "compute")
+                    return
+                self.staging.upload(dst, src, self.compute)
+                self._allocated_since_join = True  # a transfer reading dst must wait for compute
 
     def download(self, dst: np.ndarray, src: int) -> None:
         """Copy ``dst.size`` bytes at ``src`` into the writable uint8 host array ``dst``, after all compute."""
         if dst.size:
             self._bind()
-            self._check(self.driver.cuMemcpyDtoHAsync(dst.ctypes.data, src, dst.size, self.compute),
-                        f"cuMemcpyDtoHAsync({dst.size} B)")
-            self._synchronize(self.compute, "compute")
+            with self._gate:
+                if self._capture_thread == threading.get_ident():
+                    self._check(self.driver.cuMemcpyDtoHAsync(dst.ctypes.data, src, dst.size, self.compute),
+                                f"cuMemcpyDtoHAsync({dst.size} B)")
+                    self._synchronize(self.compute, "compute")
+                    return
+                self.staging.download(dst, src, self.compute)
 
     def copy_device(self, dst: int, src: int, nbytes: int, stream=None) -> None:
         """Stream-ordered device-to-device copy (on the compute stream unless ``stream`` is given)."""
         if nbytes:
             self._bind()
-            result = self.driver.cuMemcpyDtoDAsync(dst, src, nbytes, self._stream(stream))
+            with self._gate:
+                result = self.driver.cuMemcpyDtoDAsync(dst, src, nbytes, self._stream(stream))
             if int(result[0]):
                 self._failed(result, "cuMemcpyDtoDAsync({} B)", nbytes)
 
     def copy_async(self, dst: int | np.ndarray, src: int | np.ndarray, nbytes: int) -> Fence:
         """Enqueue a copy on the transfer stream and return its fence.
 
-        ``dst``/``src`` are device addresses or uint8 host arrays (which must stay alive until the fence
-        is waited on). A zero-byte copy needs no event and returns the signalled fence.
+        ``dst``/``src`` are device addresses or uint8 host arrays. A host source goes through a pinned staging
+        block, so it may be reused at once and the copy is really asynchronous. A host destination of up to a
+        staging block also does: it holds the bytes after the next :meth:`sync` (the host-visible point);
+        a larger one is written by the driver (pageable memory: synchronously on a GPU) and must stay alive
+        until then. A zero-byte copy needs no event and returns the signalled fence.
         """
         if not nbytes:
             return SIGNALLED
         self._bind()
         d = self.driver
-        if self._allocated_since_join:
-            self._transfer_waits_for_compute()
-        if isinstance(src, np.ndarray):
-            result, call = d.cuMemcpyHtoDAsync(dst, src.ctypes.data, nbytes, self.transfer), "cuMemcpyHtoDAsync"
-        elif isinstance(dst, np.ndarray):
-            result, call = d.cuMemcpyDtoHAsync(dst.ctypes.data, src, nbytes, self.transfer), "cuMemcpyDtoHAsync"
-        else:
-            result, call = d.cuMemcpyDtoDAsync(dst, src, nbytes, self.transfer), "cuMemcpyDtoDAsync"
-        self._check(result, f"{call}({nbytes} B, transfer stream)")
-        self._transfer_since_join = True
-        return self._record(self.transfer, "transfer")
+        with self._gate:
+            if self._allocated_since_join:
+                self._transfer_waits_for_compute()
+            if isinstance(src, np.ndarray):
+                self.staging.upload(dst, src[:nbytes], self.transfer)
+            elif isinstance(dst, np.ndarray) and nbytes <= self.staging.block_bytes:
+                self.staging.download_async(dst[:nbytes], src, self.transfer)
+            else:
+                if isinstance(dst, np.ndarray):
+                    result, call = d.cuMemcpyDtoHAsync(dst.ctypes.data, src, nbytes, self.transfer), "cuMemcpyDtoHAsync"
+                else:
+                    result, call = d.cuMemcpyDtoDAsync(dst, src, nbytes, self.transfer), "cuMemcpyDtoDAsync"
+                self._check(result, f"{call}({nbytes} B, transfer stream)")
+            self._transfer_since_join = True
+            return self._record(self.transfer, "transfer")
 
     def fill(self, dst: int, nbytes: int, value: int = 0, stream=None) -> None:
         """Set ``nbytes`` bytes at ``dst`` to the byte ``value``, stream-ordered (fill.cu kernels)."""
@@ -245,7 +329,8 @@ class CudaDevice:
             event = self._idle_events.pop() if self._idle_events else None
         if event is None:
             event = self._check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        self._check(d.cuEventRecord(event, stream), f"cuEventRecord({which} stream)")
+        with self._gate:
+            self._check(d.cuEventRecord(event, stream), f"cuEventRecord({which} stream)")
         with self._lock:
             fence_id = self._next_fence
             self._next_fence += 1
@@ -274,14 +359,17 @@ class CudaDevice:
         event = self._event_of(fence)
         if event is not None:
             self._bind()
-            self._check(self.driver.cuStreamWaitEvent(self.compute, event, 0), "cuStreamWaitEvent(compute stream)")
+            with self._gate:
+                self._check(self.driver.cuStreamWaitEvent(self.compute, event, 0), "cuStreamWaitEvent(compute stream)")
 
     def copy_wait_fence(self, fence: Fence) -> None:
         """Make the transfer stream wait for ``fence`` (write-after-read on a reused staging buffer)."""
         event = self._event_of(fence)
         if event is not None:
             self._bind()
-            self._check(self.driver.cuStreamWaitEvent(self.transfer, event, 0), "cuStreamWaitEvent(transfer stream)")
+            with self._gate:
+                self._check(self.driver.cuStreamWaitEvent(self.transfer, event, 0),
+                            "cuStreamWaitEvent(transfer stream)")
 
     def record_compute_fence(self) -> Fence:
         self._bind()
@@ -317,17 +405,36 @@ class CudaDevice:
             self.sync()
 
     def sync(self) -> None:
-        """Block until both streams are idle; every fence issued so far is then complete."""
+        """Block until both streams are idle; every fence issued so far is then complete, and every staged
+        download of copy_async has reached its host array."""
         self._bind()
-        self._synchronize(self.transfer, "transfer")
-        self._synchronize(self.compute, "compute")
-        with self._lock:
-            self._idle_events.extend(self._events.values())
-            self._events.clear()
-            self._allocated_since_join = self._transfer_since_join = False
+        with self._gate:
+            self._synchronize(self.transfer, "transfer")
+            self._synchronize(self.compute, "compute")
+            with self._lock:
+                self._idle_events.extend(self._events.values())
+                self._events.clear()
+                self._allocated_since_join = self._transfer_since_join = False
+            self.staging.deliver()
 
     def _synchronize(self, stream, which: str) -> None:
-        self._check(self.driver.cuStreamSynchronize(stream), f"cuStreamSynchronize({which} stream)")
+        with self._gate:
+            self._check(self.driver.cuStreamSynchronize(stream), f"cuStreamSynchronize({which} stream)")
+
+    # -- captures -----------------------------------------------------------------------------------
+    def begin_capture(self) -> None:
+        """Take the gate for a capture on this thread (see "Threads"); :meth:`end_capture` gives it back."""
+        self._gate.acquire()
+        self._capture_thread = threading.get_ident()
+
+    def end_capture(self) -> None:
+        if self._capture_thread == threading.get_ident():  # only the capturing thread holds the gate
+            self._capture_thread = None
+            self._gate.release()
+
+    def capture_gate(self):
+        """The gate, for a driver call on the compute stream outside this class (a graph launch)."""
+        return self._gate
 
     # -- kernels ------------------------------------------------------------------------------------
     def load(self, source_file: str | Path, options=()) -> KernelModule:
@@ -352,6 +459,7 @@ class CudaDevice:
             function = self._check(self.driver.cuModuleGetFunction(module.handle, name.encode()),
                                    f"cuModuleGetFunction({module.name}:{name})")
             module.functions[name] = function
+            self._kernel_names[int(function)] = f"{module.name}:{name}"
         return function
 
     def launch(self, function, grid, block, args, shared_bytes: int = 0, stream=None) -> None:
@@ -374,10 +482,13 @@ class CudaDevice:
         gx, gy, gz = (grid, 1, 1) if type(grid) is int and grid > 0 else _dims(grid, "grid")
         bx, by, bz = (block, 1, 1) if type(block) is int and block > 0 else _dims(block, "block")
         self._bind()
-        result = self.driver.cuLaunchKernel(function, gx, gy, gz, bx, by, bz, shared_bytes, self._stream(stream),
-                                            (values, types) if values else 0, 0)
+        self._recent.append(function)
+        with self._gate:
+            result = self.driver.cuLaunchKernel(function, gx, gy, gz, bx, by, bz, shared_bytes,
+                                                self._stream(stream), (values, types) if values else 0, 0)
         if int(result[0]):
-            self._failed(result, "cuLaunchKernel(grid=({},{},{}), block=({},{},{}))", gx, gy, gz, bx, by, bz)
+            self._failed(result, "cuLaunchKernel(kernel {}, grid=({},{},{}), block=({},{},{}))",
+                         self.kernel_name(function), gx, gy, gz, bx, by, bz)
 
     # -- teardown -----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -385,6 +496,7 @@ class CudaDevice:
         if self.closed:
             return
         self.sync()
+        self.staging.close()
         d = self.driver
         for event in [*self._idle_events, *self._events.values()]:
             self._check(d.cuEventDestroy(event), "cuEventDestroy")

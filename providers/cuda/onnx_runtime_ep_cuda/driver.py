@@ -79,6 +79,25 @@ def _probe(sim: bool) -> str:
     return ""
 
 
+class CudaDeviceFaultError(ProviderError):
+    """A kernel faulted (illegal address, device assert, trap): the CUDA context was unusable and has been
+    reset, so every tensor, graph and session on the device is lost. Create the session again."""
+
+
+# Errors that leave a CUDA context unusable (an exception in device code): later calls all return them.
+STICKY_ERRORS = frozenset({
+    700,  # CUDA_ERROR_ILLEGAL_ADDRESS
+    702,  # CUDA_ERROR_LAUNCH_TIMEOUT
+    710,  # CUDA_ERROR_ASSERT
+    714,  # CUDA_ERROR_HARDWARE_STACK_ERROR
+    715,  # CUDA_ERROR_ILLEGAL_INSTRUCTION
+    716,  # CUDA_ERROR_MISALIGNED_ADDRESS
+    717,  # CUDA_ERROR_INVALID_ADDRESS_SPACE
+    718,  # CUDA_ERROR_INVALID_PC
+    719,  # CUDA_ERROR_LAUNCH_FAILED
+})
+
+
 def err_name(driver, err) -> str:
     """The driver's name for ``err`` (e.g. CUDA_ERROR_OUT_OF_MEMORY), falling back to its repr."""
     try:

@@ -16,6 +16,10 @@ Segments. A generation is a list of segments in capture order: ``begin`` with ``
 to the generation's token records the next segment (the executor runs the non-capturable seams
 eagerly in between). ``replay`` launches every segment, ``replay_segment`` one of them.
 
+Threads. A capture records the device's compute stream whoever enqueues on it, so ``begin`` takes the
+device's gate (``CudaDevice.begin_capture``) and ``end``/``abort`` give it back: another thread's device
+call waits for the capture to end rather than landing in the graph or invalidating it.
+
 Exactly once. Each segment's CUgraphExec and CUgraph are destroyed once: when a fresh capture replaces
 the generation, on ``reset``, ``retire`` or ``close``. ``abort`` always ends the stream's capture
 (even an invalidated one) and discards the partial graph, so the stream is idle and a later
@@ -30,8 +34,6 @@ from dataclasses import dataclass, field
 
 from onnx_runtime.contract.graphs import DeviceGraphOwner, DeviceGraphSlot, DeviceGraphToken
 from onnx_runtime.errors import InvalidArgumentError, ProviderError
-
-from . import driver as driver_access
 
 NAME = "CUDAExecutionProvider"
 
@@ -71,7 +73,7 @@ class DeviceGraphs:
 
     # -- plumbing -----------------------------------------------------------------------------------
     def _check(self, result, call: str):
-        return driver_access.check(self.device.driver, result, call)
+        return self.device._check(result, call)  # the device turns a fault into CudaDeviceFaultError
 
     def _capture_failure(self, error: ProviderError) -> ProviderError:
         detail = ""
@@ -126,9 +128,13 @@ class DeviceGraphs:
         return bool(segments)
 
     def _end_stream_capture(self):
-        """End the compute stream's capture; the CUgraph, or raise (the stream is idle either way)."""
-        self.device._bind()
-        return self._check(self.device.driver.cuStreamEndCapture(self.device.compute), "cuStreamEndCapture")
+        """End the compute stream's capture and give the device's gate back; the CUgraph, or raise (the stream
+        is idle either way)."""
+        try:
+            self.device._bind()
+            return self._check(self.device.driver.cuStreamEndCapture(self.device.compute), "cuStreamEndCapture")
+        finally:
+            self.device.end_capture()
 
     # -- capture ------------------------------------------------------------------------------------
     def begin(self, owner, slot, continuation=None) -> DeviceGraphToken:
@@ -156,9 +162,14 @@ class DeviceGraphs:
                 )
             d = self.device.driver
             self.device._bind()
-            self._check(d.cuStreamBeginCapture(self.device.compute,
-                                               d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-                        "cuStreamBeginCapture(compute stream)")
+            self.device.begin_capture()
+            try:
+                self._check(d.cuStreamBeginCapture(self.device.compute,
+                                                   d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+                            "cuStreamBeginCapture(compute stream)")
+            except BaseException:
+                self.device.end_capture()
+                raise
             lifecycle.capturing = True
             self._active = lifecycle
             return lifecycle.token()
@@ -243,8 +254,9 @@ class DeviceGraphs:
 
     def _launch(self, segment: _Segment) -> None:
         self.device._bind()
-        self._check(self.device.driver.cuGraphLaunch(segment.executable, self.device.compute),
-                    "cuGraphLaunch(compute stream)")
+        with self.device.capture_gate():
+            result = self.device.driver.cuGraphLaunch(segment.executable, self.device.compute)
+        self.device._check(result, "cuGraphLaunch(compute stream)")
 
     def has(self, token) -> bool:
         with self._lock:

@@ -1,0 +1,144 @@
+"""Page-locked (pinned) host staging for host<->device copies.
+
+A copy from pageable host memory is synchronous on a GPU: the driver first copies it into a pinned bounce
+buffer of its own, and a copy *to* pageable memory returns only once the stream has run up to it. Staging
+through blocks of page-locked memory (cuMemHostAlloc) makes an upload asynchronous: the bytes are copied
+into a block on the host, the device copy is enqueued, and an event recorded after it says when the block
+may be written again. The caller's array may be reused at once.
+
+Blocks are a small ring of fixed-size chunks, allocated on first use and freed exactly once in ``close``
+(``allocated`` and ``freed`` count them). A copy larger than a block goes through the ring chunk by chunk; a
+block is only rewritten after the event of its previous copy completed, so the host waits only when it is a
+whole ring ahead of the device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+from onnx_runtime.errors import ProviderError
+
+BLOCK_BYTES = 4 << 20  # per block: large enough to keep a copy engine busy, small enough to keep pinned memory low
+RING = 4
+
+
+@dataclass(eq=False)
+class _Block:
+    address: int
+    view: np.ndarray  # the block's bytes (uint8)
+    event: object  # recorded after the block's last device copy
+    recorded: bool = False  # the event names a copy not yet known to be complete
+    pending: np.ndarray | None = None  # a download's destination, filled from the block once the event completed
+
+
+class PinnedStaging:
+    """The staging ring of one :class:`CudaDevice` (see the module docstring). Callers hold the device's gate."""
+
+    def __init__(self, device):
+        self.device = device
+        self._blocks: list[_Block] = []
+        self._next = 0
+        self._lock = threading.Lock()
+        self.block_bytes = BLOCK_BYTES
+        self.allocated = 0  # cuMemHostAlloc calls; every one is freed once by close
+        self.freed = 0
+
+    def _check(self, result, call: str):
+        return self.device._check(result, call)  # noqa: SLF001 - the device turns a fault into its typed error
+
+    def _block(self) -> _Block:
+        """The next block of the ring, once the device is done with its previous copy."""
+        d = self.device.driver
+        with self._lock:
+            if len(self._blocks) < RING:
+                event = self._check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+                try:
+                    address = int(self._check(d.cuMemHostAlloc(BLOCK_BYTES, 0), f"cuMemHostAlloc({BLOCK_BYTES})"))
+                except ProviderError:
+                    self._check(d.cuEventDestroy(event), "cuEventDestroy(staging block)")
+                    raise
+                self.allocated += 1
+                view = np.ctypeslib.as_array((ctypes.c_uint8 * BLOCK_BYTES).from_address(address))
+                block = _Block(address, view, event)
+                self._blocks.append(block)
+                return block
+            block = self._blocks[self._next]
+            self._next = (self._next + 1) % RING
+        self._settle(block)
+        return block
+
+    def _settle(self, block: _Block) -> None:
+        if block.recorded:
+            self._check(self.device.driver.cuEventSynchronize(block.event), "cuEventSynchronize(staging block)")
+            block.recorded = False
+        if block.pending is not None:
+            target, block.pending = block.pending, None
+            target[:] = block.view[: target.size]
+
+    def _recorded(self, block: _Block, stream) -> None:
+        self._check(self.device.driver.cuEventRecord(block.event, stream), "cuEventRecord(staging block)")
+        block.recorded = True
+
+    def upload(self, dst: int, src: np.ndarray, stream) -> None:
+        """Enqueue host bytes ``src`` (uint8) into device memory at ``dst`` on ``stream``; returns at once."""
+        d = self.device.driver
+        for offset in range(0, src.size, BLOCK_BYTES):
+            chunk = src[offset: offset + BLOCK_BYTES]
+            block = self._block()
+            block.view[: chunk.size] = chunk
+            result = d.cuMemcpyHtoDAsync(dst + offset, block.address, chunk.size, stream)
+            if int(result[0]):
+                self._check(result, f"cuMemcpyHtoDAsync({chunk.size} B, pinned)")
+            self._recorded(block, stream)
+
+    def download_async(self, dst: np.ndarray, src: int, stream) -> None:
+        """Enqueue device bytes at ``src`` into host array ``dst`` (uint8, at most one block) through a pinned
+        block; ``dst`` holds them after :meth:`deliver` (``CudaDevice.sync`` calls it)."""
+        if dst.size > BLOCK_BYTES:
+            raise ProviderError(f"CUDAExecutionProvider: a staged download holds at most {BLOCK_BYTES} bytes")
+        block = self._block()
+        result = self.device.driver.cuMemcpyDtoHAsync(block.address, src, dst.size, stream)
+        if int(result[0]):
+            self._check(result, f"cuMemcpyDtoHAsync({dst.size} B, pinned)")
+        self._recorded(block, stream)
+        block.pending = dst
+
+    def download(self, dst: np.ndarray, src: int, stream) -> None:
+        """Copy device bytes at ``src`` into host array ``dst`` (uint8) and wait for them."""
+        d = self.device.driver
+        for offset in range(0, dst.size, BLOCK_BYTES):
+            chunk = dst[offset: offset + BLOCK_BYTES]
+            block = self._block()
+            result = d.cuMemcpyDtoHAsync(block.address, src + offset, chunk.size, stream)
+            if int(result[0]):
+                self._check(result, f"cuMemcpyDtoHAsync({chunk.size} B, pinned)")
+            self._recorded(block, stream)
+            self._settle(block)
+            chunk[:] = block.view[: chunk.size]
+
+    def deliver(self) -> None:
+        """Finish every staged download (after the streams were synchronized, this waits for nothing)."""
+        with self._lock:
+            blocks = list(self._blocks)
+        for block in blocks:
+            if block.pending is not None:
+                self._settle(block)
+
+    def abandon(self) -> None:
+        """Forget every block: a context reset (after a device fault) freed them with everything else."""
+        with self._lock:
+            self.freed += len(self._blocks)
+            self._blocks = []
+
+    def close(self) -> None:
+        """Free every block and its event exactly once (the device's streams are idle or gone)."""
+        d = self.device.driver
+        with self._lock:
+            blocks, self._blocks = self._blocks, []
+        for block in blocks:
+            self._check(d.cuEventDestroy(block.event), "cuEventDestroy(staging block)")
+            self._check(d.cuMemFreeHost(block.address), "cuMemFreeHost")
+            self.freed += 1
