@@ -1,88 +1,125 @@
 #!/usr/bin/env bash
-# The GPU check, in one command, for a machine with an NVIDIA GPU and no network (under 8 minutes on an
-# H100/H200):
-#   1. install this working tree's four distributions without fetching anything (the machine's Python must
-#      already hold numpy, onnx, ml_dtypes, pluggy, cuda-bindings, and optionally torch);
-#   2. print a benchmark table against torch on the same GPU (scripts/gpu_bench.py); it runs first, so its
-#      kernels compile within its own time limit and the tests then find them in the NVRTC disk cache;
-#   3. run tests/cuda against the real driver (ONNX_RUNTIME_CUDA_TESTS=real).
-# Every phase has a time limit (together 470 s; override with INSTALL_LIMIT, BENCH_LIMIT, TEST_LIMIT), so the
-# script always finishes and says what it did. Logs go to $OUT when
-# that is set (the device tool's output folder), else to /tmp/gpu_check. Usage: scripts/gpu_check.sh
+# The GPU check, in one command, for a bare machine with an NVIDIA GPU and no network:
+#   0. prerequisites, all checked up front (scripts/gpu_prereqs.py): Python >= 3.10; numpy, onnx, ml_dtypes,
+#      pluggy, pytest; cuda-python 13; the NVRTC 13 wheel (nvidia-cuda-nvrtc); the CUDA headers wheel
+#      (nvidia-cuda-runtime: cuda_fp16.h, cuda_bf16.h); an NVIDIA driver >= 580 (CUDA 13) with a visible GPU
+#      of compute capability >= 7.0; optionally torch with CUDA (the benchmark's torch columns), onnxruntime,
+#      pytest-timeout. A missing required one stops the check with the command that fixes it;
+#   1. install this working tree's four distributions without fetching anything (--no-deps --no-index);
+#   2. the tests that matter first: tests/cuda against the real driver (ONNX_RUNTIME_CUDA_TESTS=real), device
+#      memory, faults, threads, graphs, validation and decode first, the simulator's own tests left out;
+#   3. the benchmark table against torch on the same GPU (scripts/gpu_bench.py).
+# Every phase has a time limit (INSTALL_LIMIT, TEST_LIMIT, BENCH_LIMIT; together under 8 minutes), so the
+# script always finishes and says what it did. Logs go to $OUT when that is set (the device tool's output
+# folder), else to /tmp/gpu_check.
+#
+# usage: scripts/gpu_check.sh [--dry-run] [--prereqs-only]
+#   --dry-run       no GPU needed: the CUDA simulator stands in for the driver (ONNX_RUNTIME_CUDA_SIM=1), the
+#                   GPU-only prerequisites are reported but not required, nothing is installed, the tests
+#                   run a short simulator selection and the benchmark runs with --small. It checks the
+#                   script itself, not the GPU.
+#   --prereqs-only  stop after the prerequisites (exit 1 when one is missing).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+DRY=0
+PREREQS_ONLY=0
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) DRY=1 ;;
+        --prereqs-only) PREREQS_ONLY=1 ;;
+        -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "gpu_check.sh: unknown argument '$arg' (use --dry-run, --prereqs-only or --help)" >&2; exit 2 ;;
+    esac
+done
 
 PY=${PYTHON:-python3}
 LOGS=${OUT:-/tmp/gpu_check}
 mkdir -p "$LOGS"
 START=$(date +%s)
 INSTALL_LIMIT=${INSTALL_LIMIT:-60}
-TEST_LIMIT=${TEST_LIMIT:-220}
+TEST_LIMIT=${TEST_LIMIT:-260}
 BENCH_LIMIT=${BENCH_LIMIT:-130}
 export PYTHONUNBUFFERED=1
 
 phase() { printf '\n== %s  [t=%ss]\n' "$*" "$(( $(date +%s) - START ))"; }
 limited() { timeout -k 10 "$@"; }  # timeout, then SIGKILL 10 s later if the command ignores SIGTERM
 
-phase "machine"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null \
-    || echo "nvidia-smi is not available (the tests will say whether the driver is)"
-limited 30 "$PY" - <<'EOF'
-import importlib
-import sys
+if ! command -v "$PY" >/dev/null 2>&1; then
+    echo "gpu_check.sh: '$PY' not found; install Python >= 3.10 or set PYTHON to one" >&2
+    exit 1
+fi
 
-print("python", sys.version.split()[0], "at", sys.executable)
-for name in ("numpy", "onnx", "ml_dtypes", "pluggy", "cuda.bindings", "pytest", "torch", "onnxruntime"):
-    try:
-        module = importlib.import_module(name)
-        print(f"  {name:14} {getattr(module, '__version__', 'present')}")
-    except Exception as exc:  # report, do not stop: the phases below say what they cannot do
-        print(f"  {name:14} MISSING ({type(exc).__name__}: {exc})")
-EOF
+phase "prerequisites"
+if [ "$DRY" -eq 1 ]; then
+    export ONNX_RUNTIME_CUDA_SIM=1
+    unset ONNX_RUNTIME_CUDA_TESTS
+    prereq_args=(--simulator)
+else
+    unset ONNX_RUNTIME_CUDA_SIM
+    prereq_args=()
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
+fi
+# The checker imports the provider; before the install, the sources stand in for it.
+PYTHONPATH="$PWD/core:$PWD/providers/cpu:$PWD/providers/cuda${PYTHONPATH:+:$PYTHONPATH}" \
+    limited 60 "$PY" scripts/gpu_prereqs.py ${prereq_args[@]+"${prereq_args[@]}"} 2>&1 | tee "$LOGS/prereqs.log"
+prereq_status=${PIPESTATUS[0]}
+if [ "$prereq_status" -ne 0 ]; then
+    echo "gpu_check.sh: prerequisites not met (exit $prereq_status); fix the lines marked MISSING and run again"
+    exit 1
+fi
+[ "$PREREQS_ONLY" -eq 1 ] && exit 0
 
 phase "install the working tree (no network, no dependencies)"
-limited "$INSTALL_LIMIT" "$PY" -m pip install -q --no-deps --no-build-isolation --no-index \
-    -e . -e providers/cpu -e providers/cuda -e tests/sample_provider >"$LOGS/install.log" 2>&1
-install_status=$?
-if [ "$install_status" -eq 0 ]; then
-    echo "installed (editable): onnx-runtime, onnx-runtime-ep-cpu, onnx-runtime-ep-cuda, the sample provider"
-else
-    tail -n 15 "$LOGS/install.log"
-    echo "pip install failed (exit $install_status); using the sources through PYTHONPATH instead" \
-         "(the benchmark registers the providers in-process; session tests may fail)"
+install_status=0
+if [ "$DRY" -eq 1 ]; then
+    echo "dry run: not installed; the sources run through PYTHONPATH"
     export PYTHONPATH="$PWD/core:$PWD/providers/cpu:$PWD/providers/cuda:$PWD/tests/sample_provider${PYTHONPATH:+:$PYTHONPATH}"
+else
+    limited "$INSTALL_LIMIT" "$PY" -m pip install -q --no-deps --no-build-isolation --no-index \
+        -e . -e providers/cpu -e providers/cuda -e tests/sample_provider >"$LOGS/install.log" 2>&1
+    install_status=$?
+    if [ "$install_status" -eq 0 ]; then
+        echo "installed (editable): onnx-runtime, onnx-runtime-ep-cpu, onnx-runtime-ep-cuda, the sample provider"
+    else
+        tail -n 15 "$LOGS/install.log"
+        echo "pip install failed (exit $install_status); using the sources through PYTHONPATH instead" \
+             "(the benchmark registers the providers in-process; session tests may fail)"
+        export PYTHONPATH="$PWD/core:$PWD/providers/cpu:$PWD/providers/cuda:$PWD/tests/sample_provider${PYTHONPATH:+:$PYTHONPATH}"
+    fi
 fi
 limited 30 "$PY" -c "
 import onnx_runtime, onnx_runtime_ep_cuda
 from onnx_runtime_ep_cuda import driver
 print('onnx_runtime from', onnx_runtime.__file__)
-print('onnx_runtime_ep_cuda from', onnx_runtime_ep_cuda.__file__)
-print('CUDA driver:', driver.probe() or 'usable')
+print('CUDA driver:', driver.probe() or ('usable (simulated)' if driver.simulated() else 'usable'))
 print('providers:', onnx_runtime.get_available_providers())
 "
 
-phase "benchmark against torch (limit ${BENCH_LIMIT}s)"
-limited "$BENCH_LIMIT" "$PY" scripts/gpu_bench.py --watchdog "$(( BENCH_LIMIT - 15 ))" 2>&1 | tee "$LOGS/bench.log"
-bench_status=${PIPESTATUS[0]}
-
-phase "tests/cuda on the real driver (limit ${TEST_LIMIT}s, ${TEST_LIMIT_EACH:-120}s per test)"
-export ONNX_RUNTIME_CUDA_TESTS=real
-unset ONNX_RUNTIME_CUDA_SIM
+if [ "$DRY" -eq 1 ]; then
+    phase "tests/cuda on the CUDA simulator: a short selection (limit ${TEST_LIMIT}s)"
+    unset ONNX_RUNTIME_CUDA_TESTS
+    tests=(tests/cuda/test_device_faults.py tests/cuda/test_concurrency.py tests/cuda/test_simulator_modes.py)
+else
+    phase "tests/cuda on the real driver (limit ${TEST_LIMIT}s, ${TEST_LIMIT_EACH:-120}s per test)"
+    export ONNX_RUNTIME_CUDA_TESTS=real
+    # What a GPU can break that the simulator cannot show first: device memory, faults, threads, graphs,
+    # validation and decode; then what has not run on a GPU yet (capture of whole models, attention, GEMM,
+    # convolution, the light CNNs, data movement); then the rest. The simulator's own tests say nothing
+    # about the GPU. One line per test goes to the log, so a run stopped at the limit shows how far it got.
+    tests=(--ignore=tests/cuda/test_simulator.py --ignore=tests/cuda/test_simulator_modes.py
+           tests/cuda/test_device_memory.py tests/cuda/test_device_faults.py tests/cuda/test_concurrency.py
+           tests/cuda/test_device_graphs.py tests/cuda/test_validation.py tests/cuda/test_decode.py
+           tests/cuda/test_capture_models.py tests/cuda/test_ops_attention.py tests/cuda/test_ops_linalg.py
+           tests/cuda/test_ops_conv.py tests/cuda/test_light_models_cuda.py tests/cuda/test_ops_channel_norm.py
+           tests/cuda/test_ops_data.py tests/cuda)
+fi
 per_test=()
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then
     per_test=(-p timeout "--timeout=${TEST_LIMIT_EACH:-120}")
 fi
-# Device memory, graphs, validation and decode first, then what has not run on a GPU yet (capture of whole
-# models, attention, GEMM, convolution, the light CNNs, data movement), then the rest (the elementwise,
-# reduction and normalization families passed on an H200 before); the simulator's own tests
-# (test_simulator.py) say nothing about the GPU and are skipped. One line per test goes to the log, so a
-# run stopped at the limit still shows how far it got.
-limited "$TEST_LIMIT" "$PY" -m pytest -v -p no:cacheprovider -rfE ${per_test[@]+"${per_test[@]}"} \
-    --ignore=tests/cuda/test_simulator.py tests/cuda/test_device_memory.py tests/cuda/test_device_graphs.py \
-    tests/cuda/test_validation.py tests/cuda/test_decode.py tests/cuda/test_capture_models.py \
-    tests/cuda/test_ops_attention.py tests/cuda/test_ops_linalg.py tests/cuda/test_ops_conv.py \
-    tests/cuda/test_light_models_cuda.py tests/cuda/test_ops_channel_norm.py tests/cuda/test_ops_data.py \
-    tests/cuda >"$LOGS/tests.log" 2>&1
+limited "$TEST_LIMIT" "$PY" -m pytest -v -p no:cacheprovider -rfE ${per_test[@]+"${per_test[@]}"} "${tests[@]}" \
+    >"$LOGS/tests.log" 2>&1
 test_status=$?
 grep -E "^(FAILED|ERROR) " "$LOGS/tests.log" | head -n 60
 for outcome in PASSED FAILED ERROR SKIPPED; do
@@ -96,7 +133,14 @@ else
     tail -n 1 "$LOGS/tests.log"
 fi
 
+phase "benchmark against torch (limit ${BENCH_LIMIT}s)"
+bench_args=(--watchdog "$(( BENCH_LIMIT - 15 ))")
+[ "$DRY" -eq 1 ] && bench_args+=(--small)
+limited "$BENCH_LIMIT" "$PY" scripts/gpu_bench.py "${bench_args[@]}" 2>&1 | tee "$LOGS/bench.log"
+bench_status=${PIPESTATUS[0]}
+
 phase "summary"
+[ "$DRY" -eq 1 ] && echo "DRY RUN on the CUDA simulator: the timings are meaningless, the GPU was not checked"
 echo "install:   $([ "$install_status" -eq 0 ] && echo ok || echo "failed ($install_status), ran from sources")"
 echo "tests:     exit $test_status (log $LOGS/tests.log)"
 echo "benchmark: exit $bench_status (log $LOGS/bench.log)"
