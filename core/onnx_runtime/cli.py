@@ -14,6 +14,7 @@ checked against the output shipped beside it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -41,6 +42,16 @@ def cmd_providers(args) -> int:
     from .discovery import registry
 
     entries = registry().entries()
+    if getattr(args, "json", False):
+        from .contract.version import VERSION
+        print(json.dumps({"contract_version": VERSION, "providers": [{
+            "name": e.name, "short_name": e.short_name, "distribution": e.distribution, "version": e.version,
+            "device": e.device, "contract_version": e.contract_version, "available": e.availability.available,
+            "reason": e.availability.reason, "selected_by_default": e.selected_by_default,
+            "implemented_hooks": e.implemented_hooks} for e in entries],
+            "broken": [{"source": b.source, "reason": b.reason, "entry_point": b.entry_point}
+                       for b in registry().broken]}, indent=2))
+        return 0
     if not entries:
         print("no execution providers installed; install one with `pip install 'onnx-runtime[cpu]'`")
     for e in entries:
@@ -256,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onnx-runtime", description="ONNX inference with plugin providers")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("providers", help="list installed providers and whether they can run here")
+    p.add_argument("--json", action="store_true",
+                   help="machine-readable: versions, availability and reason, the hooks each implements")
     p.set_defaults(func=cmd_providers)
     p = sub.add_parser("info", help="describe a model and where its nodes would run")
     p.add_argument("model")

@@ -40,6 +40,9 @@ class ProviderEntry:
     distribution: str = ""
     version: str = ""
     device: str = "cpu:0"
+    contract_version: str = ""
+    selected_by_default: bool = True  # used by sessions that name no providers
+    implemented_hooks: list[str] = field(default_factory=list)
     probe: Callable[[], Availability] | None = field(default=None, repr=False, compare=False)
     _availability: Availability | None = field(default=None, repr=False, compare=False)
 
@@ -59,6 +62,7 @@ class ProviderEntry:
 class BrokenPlugin:
     source: str
     reason: str
+    entry_point: str = ""  # the entry point's name ("cpu"), when the plugin came from one
 
 
 class ProviderRegistry:
@@ -119,6 +123,13 @@ class ProviderRegistry:
         entry = self.find(name)
         if entry is None:
             known = [e.name for e in self.entries()]
+            key = name.lower().removesuffix("executionprovider")
+            broken = [b for b in self.broken if b.entry_point and b.entry_point.lower() == key]
+            if broken:
+                raise ProviderNotAvailableError(
+                    f"execution provider {name!r} is installed but its plugin is broken: {broken[0].source}: "
+                    f"{broken[0].reason}; fix or reinstall that distribution"
+                )
             extra = EXTRAS.get(name.lower().replace("executionprovider", ""))
             hint = f"install it with `{extra}`" if extra else "install the distribution that provides it"
             raise ProviderNotAvailableError(
@@ -163,9 +174,11 @@ class ProviderRegistry:
             try:
                 plugin = ep.load()
             except Exception as exc:
-                self._broken(source, f"import failed: {type(exc).__name__}: {exc}")
+                self._broken(source, f"import failed: {type(exc).__name__}: {exc}", ep.name)
                 continue
-            self._add(plugin, source, dist_name, version, strict=False)
+            if not self._add(plugin, source, dist_name, version, strict=False) and self.broken \
+                    and self.broken[-1].source == source:
+                self.broken[-1].entry_point = ep.name
         for plugin, source in self._in_process:
             self._add(plugin, source, dist="", version="", strict=False)
 
@@ -195,8 +208,8 @@ class ProviderRegistry:
         self._broken(source, reason)
         return []
 
-    def _broken(self, source: str, reason: str) -> None:
-        self.broken.append(BrokenPlugin(source, reason))
+    def _broken(self, source: str, reason: str, entry_point: str = "") -> None:
+        self.broken.append(BrokenPlugin(source, reason, entry_point))
         warnings.warn(f"onnx-runtime: skipping {source}: {reason}", RuntimeWarning, stacklevel=3)
 
 
@@ -210,7 +223,9 @@ def _describe(ep) -> tuple[str, str, str]:
 
 def _entry(cls, handle: ProviderHandle, source: str, dist: str, version: str) -> ProviderEntry:
     return ProviderEntry(cls=cls, name=handle.name, short_name=handle.short_name, source=source, distribution=dist,
-                         version=version, device=str(handle.device_id), probe=handle.availability)
+                         version=version, device=str(handle.device_id), contract_version=handle.contract_version,
+                         selected_by_default=bool(handle.hook.selected_by_default()),
+                         implemented_hooks=handle.implemented_hooks, probe=handle.availability)
 
 
 def _provider_classes(plugin) -> list[Callable[[], object]]:
@@ -255,6 +270,13 @@ def get_available_providers() -> list[str]:
     entries = [e for e in _REGISTRY.entries() if e.availability.available]
     entries.sort(key=lambda e: e.device.startswith("cpu"))
     return [e.name for e in entries]
+
+
+def default_providers() -> list[str]:
+    """The providers a session that names none uses: the available ones whose ``selected_by_default`` hook says
+    so, device providers first."""
+    chosen = {e.name for e in _REGISTRY.entries() if e.selected_by_default}
+    return [name for name in get_available_providers() if name in chosen]
 
 
 def register_provider(plugin) -> list[str]:

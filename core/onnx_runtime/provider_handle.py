@@ -20,6 +20,7 @@ from .contract.defaults import DefaultFallbacks
 from .contract.hookspecs import HOOK_NAMES, ExecutionProviderSpec
 from .contract.kernels import Availability, KernelMatch
 from .contract.markers import PROJECT
+from .contract.version import incompatibility
 from .devices import DeviceId, DeviceType
 from .errors import InvalidArgumentError, PluginError, ProviderError
 
@@ -60,6 +61,12 @@ class ProviderHandle:
             hints = {u: difflib.get_close_matches(u, HOOK_NAMES, n=1) for u in unknown}
             detail = ", ".join(f"{u!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for u, h in hints.items())
             raise PluginError(f"provider {label} implements unknown hooks: {detail}")
+        unmarked = sorted(n for n in HOOK_NAMES if n not in implemented and callable(getattr(provider, n, None)))
+        if unmarked:  # a method named as a hook but not marked would be silently replaced by the default
+            raise PluginError(
+                f"provider {label} defines {', '.join(unmarked)} without the @hookimpl marker, so the core would "
+                f"never call them; decorate each with `@hookimpl` (from onnx_runtime import hookimpl), or rename "
+                f"the ones that are not hooks")
         if "name" not in implemented:
             raise PluginError(f"provider {label} must implement the `name` hook (e.g. 'MyExecutionProvider')")
         self._implemented = frozenset(implemented & set(HOOK_NAMES))
@@ -73,6 +80,12 @@ class ProviderHandle:
         if not isinstance(self.name, str) or not self.name:
             raise PluginError(f"provider {label}: the `name` hook must return a non-empty string")
         self.short_name: str = self.hook.short_name()
+        self.contract_version: str = self.hook.contract_version()
+        try:
+            self._incompatible = incompatibility(self.contract_version)
+        except ValueError as exc:
+            raise PluginError(f"provider {label}: the `contract_version` hook returned an invalid version: {exc}") \
+                from None
         self.initialized = False
         self._refresh_device()
 
@@ -91,7 +104,14 @@ class ProviderHandle:
         return lowered in (self.name.lower(), self.short_name.lower())
 
     # -- lifecycle ------------------------------------------------------------------------------
+    @property
+    def implemented_hooks(self) -> list[str]:
+        """The hooks the provider implements itself, in the contract's order (the rest are the core's defaults)."""
+        return [n for n in HOOK_NAMES if n in self._implemented]
+
     def availability(self) -> Availability:
+        if self._incompatible is not None:
+            return Availability.no(self._incompatible)
         try:
             result = self.hook.availability()
         except Exception as exc:  # a probe must never take the process down

@@ -181,11 +181,20 @@ def test_outputs_never_alias_weights(chain_model):
     assert sess.run(None, {})[0].tolist() == [1.0, 1.0, 1.0]
 
 
-def test_default_providers_are_the_available_ones(chain_model):
+def test_default_providers_are_the_available_ones_selected_by_default(chain_model):
+    """The sample device provider (installed for these tests) opts out with its selected_by_default hook: a plain
+    session does not run on it, naming it still does."""
+    from onnx_runtime.discovery import default_providers
+
     sess = ort.InferenceSession(chain_model.SerializeToString())
-    assert sess.get_providers() == ort.get_available_providers()
+    available = ort.get_available_providers()
+    assert sess.get_providers() == default_providers() == [n for n in available if n != "SampleDeviceExecutionProvider"]
     x = np.ones((2, 6), np.float32)
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], chain_reference(x), rtol=1e-5)
+    if "SampleDeviceExecutionProvider" in available:
+        named = ort.InferenceSession(chain_model.SerializeToString(), providers=["sample", "cpu"])
+        assert named.get_providers() == ["SampleDeviceExecutionProvider", "CPUExecutionProvider"]
+        assert named.get_provider_options() == {"SampleDeviceExecutionProvider": {}, "CPUExecutionProvider": {}}
 
 
 def test_profiling_totals_per_operator_and_the_written_file(two_output_model, tmp_path):

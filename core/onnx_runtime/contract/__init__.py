@@ -18,12 +18,13 @@ from .hookspecs import HOOK_NAMES, DiscoverySpec, ExecutionProviderSpec
 from .kernels import ArgmaxTieBreak, Availability, EpContext, GraphPass, Kernel, KernelMatch
 from .markers import PROJECT, hookimpl, hookspec
 from .validation import DeviceValidationOwner, DeviceValidationRegistration, DeviceValidationToken
+from .version import VERSION
 
 __all__ = [
     "ArgmaxTieBreak", "Availability", "CaptureRegionShapeStatus", "ContractHandle", "DefaultFallbacks",
     "DeviceBuffer", "DeviceGraphOwner", "DeviceGraphSlot", "DeviceGraphToken", "DeviceValidationOwner",
     "DeviceValidationRegistration", "DeviceValidationToken", "DiscoverySpec", "EpContext",
     "ExecutionProviderSpec", "Fence", "GraphPass", "HOOK_NAMES", "Kernel", "KernelMatch", "Ownership",
-    "PROJECT", "SIGNALLED", "StructuralCaptureDecline", "hookimpl", "hookspec",
+    "PROJECT", "SIGNALLED", "StructuralCaptureDecline", "VERSION", "hookimpl", "hookspec",
     "host_bytes_of", "is_control_flow_or_sequence", "writable_host_bytes_of",
 ]

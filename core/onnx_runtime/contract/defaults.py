@@ -24,6 +24,7 @@ from .host_decode import host_argmax, host_token_writer
 from .kernels import Availability, KernelMatch
 from .markers import hookimpl
 from .validation import DeviceValidationOwner, DeviceValidationRegistration, DeviceValidationToken
+from .version import FIRST_VERSION
 
 if TYPE_CHECKING:
     from ..ir import Node
@@ -93,6 +94,14 @@ class DefaultFallbacks:
         return buffer.host_view()
 
     # -- identity -------------------------------------------------------------------------------
+    @hookimpl(trylast=True)
+    def contract_version(self) -> str:
+        return FIRST_VERSION
+
+    @hookimpl(trylast=True)
+    def selected_by_default(self) -> bool:
+        return True
+
     @hookimpl(trylast=True)
     def short_name(self) -> str:
         return self._handle.hook.name().replace("ExecutionProvider", "").lower() or self._handle.hook.name()

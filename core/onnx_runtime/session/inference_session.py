@@ -67,8 +67,8 @@ class ModelMetadata:
 
 def _resolve_providers(providers, provider_options) -> list[tuple[str, dict]]:
     if providers is None:
-        from ..discovery import get_available_providers
-        names = get_available_providers()
+        from ..discovery import default_providers
+        names = default_providers()
         if not names:
             installed = [e.name for e in registry().entries()]
             if installed:
@@ -248,7 +248,9 @@ class InferenceSession:
         self._model_path = path_or_bytes if isinstance(path_or_bytes, str) else None
         requested = _resolve_providers(providers, provider_options)
         self._handles = _create_handles(requested, session_config(self._sess_options))
-        self._provider_options = {name: dict(opts) for name, opts in requested}
+        # Keyed by each handle's full name, whichever name (full or short) the caller used.
+        self._provider_options = {handle.name: dict(opts) for handle in self._handles
+                                  for name, opts in requested if handle.matches(name)}
         graph = self._model.graph
         self._disabled = kwargs.get("disabled_optimizers") or ()
         folded: dict = {}

@@ -45,6 +45,14 @@ class SampleDeviceExecutionProvider:
         return "sample"
 
     @hookimpl
+    def contract_version(self):
+        return "1.1"
+
+    @hookimpl
+    def selected_by_default(self):
+        return False  # a test provider: installing it must not change what plain sessions run on
+
+    @hookimpl
     def device_type(self):
         return DeviceType.OTHER
 
