@@ -110,3 +110,37 @@ def test_dynamic_matmul_becomes_matmul_integer_to_float(with_bias, shared):
     # The fused node rescales the exact int32 sum in float64 and rounds once; the graph rounds the
     # accumulator's float32 product with a float32 scale product, then adds the bias: float32 roundings apart.
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6 * float(np.abs(want[0]).max()))
+
+
+def _requantized_chain(second_scale, between="Reshape"):
+    """x -> Q/DQ (0.1, 7) -> Reshape or Relu -> Q/DQ (second_scale, 7) -> Transpose -> Q/DQ (0.1, 7) -> Neg."""
+    inits = [numpy_helper.from_array(np.array(0.1, np.float32), "s"),
+             numpy_helper.from_array(np.array(7, np.uint8), "z"),
+             numpy_helper.from_array(np.array(second_scale, np.float32), "s2"),
+             numpy_helper.from_array(np.array([6, 4], np.int64), "shape")]
+    middle = helper.make_node("Reshape", ["d", "shape"], ["m"]) if between == "Reshape" else \
+        helper.make_node(between, ["d"], ["m"])
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"]),
+             middle,
+             helper.make_node("QuantizeLinear", ["m", "s2", "z"], ["q2"]),
+             helper.make_node("DequantizeLinear", ["q2", "s2", "z"], ["d2"]),
+             helper.make_node("Transpose", ["d2"], ["t"]),
+             helper.make_node("QuantizeLinear", ["t", "s", "z"], ["q3"]),
+             helper.make_node("DequantizeLinear", ["q3", "s", "z"], ["d3"]),
+             helper.make_node("Neg", ["d3"], ["y"])]
+    shape = [6, 4] if between == "Reshape" else [4, 6]
+    return make_model(nodes, [tensor_info("x", shape=[4, 6])], [tensor_info("y", shape=shape[::-1])], inits, opset=19)
+
+
+@pytest.mark.parametrize("between", ["Reshape", "Relu"])
+def test_rounding_again_to_the_same_grid_is_dropped(between):
+    """Values on a grid, moved (Reshape, Transpose) or clipped at 0 (Relu), round to themselves on that grid:
+    those QuantizeDequantize nodes go, and the output stays exactly the reference's."""
+    x = (np.random.default_rng(4).standard_normal((4, 6)) * 20).astype(np.float32)
+    x[0, :3] = [0.35, 0.25, -1e4]
+    for second, kept in ((0.1, 1), (0.2, 3)):  # another scale in between: every rounding counts
+        model = _requantized_chain(second, between)
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+        assert _ops(sess).count("QuantizeDequantize") == kept
+        np.testing.assert_array_equal(sess.run(None, {"x": x})[0], ReferenceEvaluator(model).run(None, {"x": x})[0])

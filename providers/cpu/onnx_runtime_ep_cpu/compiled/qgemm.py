@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
+from .quantize import requantize_affine
 
 _BLOCK = 32  # columns of packed B per pass over A: 32 rows of K int16 stay in the L1/L2 cache
 
@@ -32,17 +33,58 @@ def pack_columns(b, zero, out):
 
 
 @jit
-def product(a, zero, packed, out):
-    """out[m, n] = sum_k (a[m, k] - zero[m or 0]) * packed[n, k] in int32; a is (M, K) 8-bit, packed (N, K)
-    int16, out (M, N) int32. Blocks of columns of B take turns, each against every row of A."""
-    rows, depth = a.shape
-    columns = packed.shape[0]
+def _centre(a, zero, out):
+    """out[m, k] = a[m, k] - zero[m or 0] as int16 for (M, K) 8-bit ``a``."""
     single = zero.shape[0] == 1
-    centred = np.empty((rows, depth), np.int16)
-    for m in range(rows):
+    for m in range(a.shape[0]):
         z = np.int16(zero[0] if single else zero[m])
-        for k in range(depth):
-            centred[m, k] = np.int16(a[m, k]) - z
+        for k in range(a.shape[1]):
+            out[m, k] = np.int16(a[m, k]) - z
+
+
+@jit
+def _code(x, scale, zero, low, high):
+    """QuantizeLinear of one float32 value: x / scale in float32, rounded half to even, plus the zero point,
+    saturated to [low, high] (NaN gives code 0); all float32."""
+    v = np.rint(x / scale) + zero
+    v = low if v < low else v
+    v = high if v > high else v
+    return v if v == v else np.float32(0)
+
+
+@jit
+def _centred_rows(a, scale, zero, low, high, quantize, out):
+    """out[m, k] = code(a[m, k]) - zero as int16 for (M, K) ``a``: its 8-bit codes, or with ``quantize``
+    float32 data quantized as QuantizeLinear does."""
+    z, lo, hi = np.float32(zero), np.float32(low), np.float32(high)
+    for m in range(a.shape[0]):
+        if quantize:
+            for k in range(a.shape[1]):
+                out[m, k] = np.int16(_code(a[m, k], scale, z, lo, hi) - z)
+        else:
+            for k in range(a.shape[1]):
+                out[m, k] = np.int16(a[m, k]) - np.int16(zero)
+
+
+@jit
+def centred_columns(b, scale, zero, low, high, quantize, out):
+    """out[n, k] = code(b[k, n]) - zero as int16 for (K, N) ``b``: B packed like a weight, per tensor."""
+    z, lo, hi = np.float32(zero), np.float32(low), np.float32(high)
+    for n in range(b.shape[1]):
+        if quantize:
+            for k in range(b.shape[0]):
+                out[n, k] = np.int16(_code(b[k, n], scale, z, lo, hi) - z)
+        else:
+            for k in range(b.shape[0]):
+                out[n, k] = np.int16(b[k, n]) - np.int16(zero)
+
+
+@jit
+def _centred_product(centred, packed, out):
+    """out[m, n] = sum_k centred[m, k] * packed[n, k] in int32 for int16 (M, K) and (N, K). Blocks of columns
+    of B take turns, each against every row of A."""
+    rows, depth = centred.shape
+    columns = packed.shape[0]
     for first in range(0, columns, _BLOCK):
         end = min(first + _BLOCK, columns)
         for m in range(rows):
@@ -53,6 +95,72 @@ def product(a, zero, packed, out):
                 for k in range(depth):
                     acc += np.int32(row[k]) * np.int32(column[k])
                 out[m, n] = acc
+
+
+@jit
+def product(a, zero, packed, out):
+    """out[m, n] = sum_k (a[m, k] - zero[m or 0]) * packed[n, k] in int32; a is (M, K) 8-bit, packed (N, K)
+    int16, out (M, N) int32."""
+    centred = np.empty(a.shape, np.int16)
+    _centre(a, zero, centred)
+    _centred_product(centred, packed, out)
+
+
+# The layout of the ``consts`` array the requantizing products take (one float64 array: fewer arguments to
+# type-check per call): A's scale (a float32 value), zero point and code range, whether A is float32 data
+# to quantize, the output's zero point, code range and scale, whether to dequantize, then B's as A's.
+A_SCALE, A_ZERO, A_LOW, A_HIGH, A_QUANTIZE, Y_ZERO, Y_LOW, Y_HIGH, Y_SCALE, DEQUANTIZE = range(10)
+B_SCALE, B_ZERO, B_LOW, B_HIGH, B_QUANTIZE = range(10, 15)
+CONSTS = 15
+
+
+@jit
+def _finish(acc, multiplier, offset, consts, out):
+    """requantize_affine of an (M, N) accumulator into ``out``: per column n, or per tensor for one
+    multiplier."""
+    rows, columns = acc.shape
+    layout = (1, 1, rows * columns) if multiplier.shape[0] == 1 else (rows, columns, 1)
+    requantize_affine(acc.reshape(layout), multiplier, offset, consts[Y_ZERO], consts[Y_LOW], consts[Y_HIGH],
+                      consts[Y_SCALE], consts[DEQUANTIZE] != 0, out.reshape(layout))
+
+
+@jit
+def _rows_of(a, consts, out):
+    _centred_rows(a, np.float32(consts[A_SCALE]), consts[A_ZERO], consts[A_LOW], consts[A_HIGH],
+                  consts[A_QUANTIZE] != 0, out)
+
+
+@jit
+def requantized_product(a, packed, multiplier, offset, consts, out):
+    """A QDQ MatMul/Gemm on integers: the int32 acc[m, n] = sum_k (code(a[m, k]) - a_zero) * packed[n, k], then
+    quantize.requantize_affine per column n (the output codes, or dequantized, their float32 values).
+
+    ``a`` is (M, K): 8-bit codes, or float32 data quantized here as QuantizeLinear does (``consts``, laid out
+    as above, says which and holds the parameters). packed (N, K) int16 (pack_columns), multiplier and offset
+    (N,) or (1,) float64, out (M, N) of the codes' type or float32."""
+    rows, depth = a.shape
+    centred = np.empty((rows, depth), np.int16)
+    _rows_of(a, consts, centred)
+    acc = np.empty((rows, packed.shape[0]), np.int32)
+    _centred_product(centred, packed, acc)
+    _finish(acc, multiplier, offset, consts, out)
+
+
+@jit
+def requantized_batched_product(a, b, multiplier, offset, consts, out):
+    """requantized_product of stacked operands, (L, M, K) ``a`` by (L, K, N) ``b`` (both varying: attention's
+    products), each b[i] quantized (or centred) into the packed form on the fly; per-tensor parameters."""
+    count, rows, depth = a.shape
+    columns = b.shape[2]
+    centred = np.empty((rows, depth), np.int16)
+    packed = np.empty((columns, depth), np.int16)
+    acc = np.empty((rows, columns), np.int32)
+    for i in range(count):
+        _rows_of(a[i], consts, centred)
+        centred_columns(b[i], np.float32(consts[B_SCALE]), consts[B_ZERO], consts[B_LOW], consts[B_HIGH],
+                        consts[B_QUANTIZE] != 0, packed)
+        _centred_product(centred, packed, acc)
+        _finish(acc, multiplier, offset, consts, out[i])
 
 
 @jit

@@ -153,3 +153,46 @@ def requantize(acc, bias, multiplier, zero, low, high, out):
                 v = lo if v < lo else v
                 v = hi if v > hi else v
                 out[o, c, i] = np.int64(v)
+
+
+@jit
+def quantize_centred(x, scale, zero, low, high, out):
+    """out = QuantizeLinear(x) - zero for flat float32 ``x`` into a float ``out``: the exact integer a
+    DequantizeLinear would multiply by the scale (NaN gives code 0)."""
+    s, z, lo, hi = np.float32(scale), np.float32(zero), np.float32(low), np.float32(high)
+    for i in range(x.shape[0]):
+        v = np.rint(x[i] / s) + z
+        v = lo if v < lo else v
+        v = hi if v > hi else v
+        out[i] = v - z if v == v else -z
+
+
+@jit
+def _requantized(value, multiplier, offset, zero, low, high):
+    """The code rint(value * multiplier + offset) + zero saturated to [low, high], in float64 (NaN, from a NaN
+    offset, takes code 0 as QuantizeLinear's)."""
+    v = np.rint(value * multiplier + offset) + zero
+    v = low if v < low else v
+    v = high if v > high else v
+    return v if v == v else 0.0
+
+
+@jit
+def requantize_affine(acc, multiplier, offset, zero, low, high, scale, dequantize, out):
+    """A QDQ group's output from its exact accumulator, (outer, C, inner) (integers held as int32, float32 or
+    float64): code = saturate(rint(acc * multiplier[c] + offset[c]) + zero) in float64, per channel C; with
+    ``dequantize`` the code's float32 value (code - zero) * scale, as DequantizeLinear gives it (an 8-bit
+    difference times a float32 scale is exact in float64, so it rounds once, to the float32 product)."""
+    outer, channels, inner = acc.shape
+    lo, hi, z, s = np.float64(low), np.float64(high), np.float64(zero), np.float64(scale)
+    for o in range(outer):
+        if inner == 1:  # one value per channel (a matrix product's columns): the channels are the loop
+            for c in range(channels):
+                v = _requantized(np.float64(acc[o, c, 0]), multiplier[c], offset[c], z, lo, hi)
+                out[o, c, 0] = (v - z) * s if dequantize else v
+            continue
+        for c in range(channels):
+            m, b = multiplier[c], offset[c]
+            for i in range(inner):
+                v = _requantized(np.float64(acc[o, c, i]), m, b, z, lo, hi)
+                out[o, c, i] = (v - z) * s if dequantize else v

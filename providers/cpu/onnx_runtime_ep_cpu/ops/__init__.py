@@ -25,6 +25,7 @@ from . import (  # noqa: F401  (imported for their @register side effects)
     numeric,
     pool,
     precision,
+    qdq_linear,
     quantization,
     recurrent,
     reduction,

@@ -439,12 +439,14 @@ def _output_channels(param: np.ndarray, ndim: int) -> np.ndarray:
 _FLOAT32_EXACT = float(1 << 24)
 
 
-def _integer_conv(node, shapes, opset):
+def integer_conv(node, shapes, opset):
     """conv(x - x_zero_point, w - w_zero_point), exactly, through the float Conv kernel: in float32 when the
     weights bound every partial sum below 2**24 (255 times the largest sum of |w - w_zero| over one output
     channel's taps), else in float64. Returns float32 or float64 integers.
 
     Padding the centred input with zeros pads the raw input with its zero point, as ONNX requires.
+    ``quantize`` (scale, low, high), when given, makes x's codes from float32 ``x`` here, as QuantizeLinear
+    with that scale and x_zero_point does, centred in the same pass (the fused QDQ convolution).
     """
     float_conv = conv(node, shapes[:1] if shapes else shapes, opset)
     prepared = Prepared()
@@ -457,13 +459,20 @@ def _integer_conv(node, shapes, opset):
         wc.flags.writeable = False  # a constant for the conv kernel's own prepared transforms
         return wc
 
-    def run(x, w, x_zero_point, w_zero_point):
+    def run(x, w, x_zero_point, w_zero_point, quantize=None):
         if x_zero_point is not None and x_zero_point.size != 1:
             raise argument_error(node, f"x_zero_point has shape {x_zero_point.shape}; expected a scalar")
         x_zero = None if x_zero_point is None else x_zero_point.reshape(())
         # The weight's leading dim is its output channel: (M,) zero points broadcast as (M, 1, ...).
         w_zero = None if w_zero_point is None else _output_channels(w_zero_point, w.ndim + 1)
         wc = prepared.get("weight", (w, w_zero_point), lambda: centred_weight(w, w_zero))
+        if quantize is not None:
+            from ..compiled import quantize as compiled
+
+            xc = np.empty(x.shape, wc.dtype)
+            compiled.quantize_centred(np.ascontiguousarray(x).reshape(-1), quantize[0], 0 if x_zero is None else
+                                      int(x_zero), quantize[1], quantize[2], xc.reshape(-1))
+            return float_conv(xc, wc)[0]
         dtype = wc.dtype if x.dtype in _EIGHT_BIT else np.dtype(np.float64)
         xc = x.astype(dtype)
         if x_zero is not None:
@@ -475,7 +484,7 @@ def _integer_conv(node, shapes, opset):
 
 @register("ConvInteger", since=10)
 def conv_integer(node, shapes, opset):
-    run = _integer_conv(node, shapes, opset)
+    run = integer_conv(node, shapes, opset)
 
     def kernel(x, w, x_zero_point=None, w_zero_point=None):
         # Through int64 so that sums past int32 wrap like the 32-bit accumulation they stand for.
@@ -500,7 +509,7 @@ def _requantized(acc, layout, bias, multiplier, zero_point) -> np.ndarray:
 
 @register("QLinearConv", since=10)
 def qlinear_conv(node, shapes, opset):
-    run = _integer_conv(node, shapes, opset)
+    run = integer_conv(node, shapes, opset)
 
     def kernel(x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias=None):
         acc = run(x, w, x_zero_point, w_zero_point)

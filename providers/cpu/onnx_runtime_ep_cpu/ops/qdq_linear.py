@@ -1,0 +1,224 @@
+"""QDQ groups on integers (qdq_fusions.fuse_quantized_linear): DequantizeLinear -> MatMul/Gemm/Conv ->
+QuantizeLinear as one node, the exact product of the codes requantized once, as onnxruntime's QDQ
+transformer runs such groups (QLinearMatMul, QGemm, QLinearConv).
+
+Inputs (a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero[, bias]): ``a`` is the codes the input
+DequantizeLinear read or, with attribute ``quantize_a``, the float32 tensor its QuantizeLinear quantized (the
+codes are made here, as QuantizeLinear makes them: float32 division, half to even, saturation); ``b`` the
+same with ``quantize_b`` (a MatMul of two activations). The output is the QuantizeLinear's codes or, with
+``dequantize``, the float32 tensor the DequantizeLinear reading them gives. ``bias`` is the float32 value
+added to the product (Gemm's C, Conv's B); Gemm's transB, alpha and beta and Conv's attributes are kept.
+
+Arithmetic: the product of the centred codes is exact (int32, or integers held in float32/float64 for the
+convolution); the real result (acc * a_scale * b_scale[n] * alpha + bias[n] * beta) / y_scale is formed in
+float64 and rounded once, half to even. The QDQ graph forms it in float32 (each dequantized operand, the
+product and the bias rounded to float32) before the same rounding, so the two can differ by one code where
+the real value lies within float32 rounding of a half-integer: the bound onnxruntime's integer kernels keep.
+"""
+
+from __future__ import annotations
+
+from operator import is_
+
+import numpy as np
+
+from ..algorithms.prepared import Prepared
+from ..algorithms.quantize import integer_range
+from ..fusions import FUSED_DOMAIN
+from ..registry import register
+from ._common import argument_error
+from .quantization import integer_conv
+
+_EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
+_F32 = np.dtype(np.float32)
+
+
+class _Requantization:
+    """The constant side of a group, checked and made once per set of constant inputs: the input's
+    (scale, zero point, code range), the weight's, and per output channel the float64 ``multiplier`` and
+    ``offset`` with code = rint(acc * multiplier + offset) + y_zero (one of each when they are uniform)."""
+
+    def __init__(self, node, columns: int, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, bias,
+                 alpha: float = 1.0, beta: float = 1.0):
+        self.a_scale = _scalar(node, "a_scale", a_scale, _F32)
+        self.a_zero = int(_scalar(node, "a_zero_point", a_zero))
+        self.a_dtype = _eight_bit(node, "a_zero_point", a_zero)
+        self.a_low, self.a_high = integer_range(self.a_dtype)
+        self.b_dtype = _eight_bit(node, "b_zero_point", b_zero)
+        self.b_low, self.b_high = integer_range(self.b_dtype)
+        self.b_zeros = _channels(node, "b_zero_point", b_zero, columns).astype(np.int32)
+        b_scales = _channels(node, "b_scale", b_scale, columns, _F32)
+        self.b_scale = b_scales[0]
+        self.y_scale = _scalar(node, "y_scale", y_scale, _F32)
+        self.y_zero = int(_scalar(node, "y_zero_point", y_zero))
+        self.y_dtype = _eight_bit(node, "y_zero_point", y_zero)
+        self.y_low, self.y_high = integer_range(self.y_dtype)
+        y = np.float64(self.y_scale)
+        multiplier = np.broadcast_to(alpha * np.float64(self.a_scale) * b_scales.astype(np.float64) / y, (columns,))
+        offset = np.zeros(1) if bias is None else _channels(node, "bias", bias, columns, _F32).astype(np.float64)
+        offset = np.broadcast_to(beta * offset / y, (columns,))
+        self.per_tensor = self.b_zeros.size == 1 and not (columns and (np.ptp(multiplier) or np.ptp(offset)))
+        width = 1 if self.per_tensor else columns
+        self.multiplier = np.ascontiguousarray(multiplier[:width])
+        self.offset = np.ascontiguousarray(offset[:width])
+        self.packed = None  # (B, its packed int16 form) for a constant 2-D B
+        self.consts: np.ndarray | None = None  # compiled_consts, for the products
+        self.out_dtype = self.y_dtype
+
+    def compiled_consts(self, quantize_a: bool, quantize_b: bool, dequantize: bool) -> np.ndarray:
+        """The parameters as compiled/qgemm.py's ``consts`` array."""
+        from ..compiled import qgemm
+
+        consts = np.zeros(qgemm.CONSTS)
+        consts[[qgemm.A_SCALE, qgemm.A_ZERO, qgemm.A_LOW, qgemm.A_HIGH, qgemm.A_QUANTIZE]] = (
+            self.a_scale, self.a_zero, self.a_low, self.a_high, quantize_a)
+        consts[[qgemm.B_SCALE, qgemm.B_ZERO, qgemm.B_LOW, qgemm.B_HIGH, qgemm.B_QUANTIZE]] = (
+            self.b_scale, self.b_zeros[0], self.b_low, self.b_high, quantize_b)
+        consts[[qgemm.Y_ZERO, qgemm.Y_LOW, qgemm.Y_HIGH, qgemm.Y_SCALE, qgemm.DEQUANTIZE]] = (
+            self.y_zero, self.y_low, self.y_high, self.y_scale, dequantize)
+        return consts
+
+
+def _eight_bit(node, name: str, zero) -> np.dtype:
+    if zero.dtype not in _EIGHT_BIT:
+        raise argument_error(node, f"input {name!r} is {zero.dtype}; expected uint8 or int8")
+    return zero.dtype
+
+
+def _scalar(node, name: str, value, dtype=None):
+    if value.size != 1 or (dtype is not None and value.dtype != dtype):
+        raise argument_error(node, f"input {name!r} is {value.dtype}{value.shape}; expected a per-tensor "
+                             f"{'scalar' if dtype is None else np.dtype(dtype).name + ' scalar'}")
+    return value.reshape(-1)[0]
+
+
+def _channels(node, name: str, value, columns: int, dtype=None) -> np.ndarray:
+    """A per-tensor or per-output-channel parameter as a flat array of 1 or ``columns`` values."""
+    if (dtype is not None and value.dtype != dtype) or value.size not in (1, columns) \
+            or (value.ndim > 1 and max(value.shape) != value.size):
+        raise argument_error(node, f"input {name!r} is {value.dtype}{value.shape}; expected a scalar or "
+                             f"({columns},){'' if dtype is None else ' of ' + np.dtype(dtype).name}")
+    return value.reshape(-1)
+
+
+def _operand(node, name: str, x, quantize: bool, dtype) -> None:
+    """``x`` is float32 data to quantize (``quantize``) or codes of the zero point's type."""
+    expected = _F32 if quantize else dtype
+    if x.dtype != expected:
+        raise argument_error(node, f"input {name!r} is {x.dtype}; expected {expected}"
+                             + (" (it is quantized here)" if quantize else " like its zero point"))
+
+
+@register("QuantizedMatMul", domain=FUSED_DOMAIN, since=1)
+def quantized_matmul(node, shapes, opset):
+    """A QDQ MatMul or Gemm (transA = 0), in one compiled pass (quantize A, integer product against B packed
+    once when constant, requantize, dequantize); stacked operands (attention's products) the same per matrix."""
+    from ..compiled import qgemm
+
+    trans_b = bool(node.attr("transB", 0))
+    alpha, beta = float(node.attr("alpha", 1.0)), float(node.attr("beta", 1.0))
+    quantize_a, quantize_b = bool(node.attr("quantize_a", 0)), bool(node.attr("quantize_b", 0))
+    dequantize = bool(node.attr("dequantize", 0))
+    last: list = [(), None]  # the constant inputs last seen, and what was made of them
+
+    def prepare(columns: int, constants: tuple) -> _Requantization:
+        p = _Requantization(node, columns, *constants, alpha, beta)
+        p.consts = p.compiled_consts(quantize_a, quantize_b, dequantize)
+        p.out_dtype = _F32 if dequantize else p.y_dtype
+        if all(c is None or not c.flags.writeable for c in constants):
+            last[:] = [(columns, *constants), p]
+        return p
+
+    def kernel(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero, bias=None):
+        columns = _columns(b, trans_b)
+        key = (columns, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, bias)
+        seen = last[0]
+        p = last[1] if len(seen) == 8 and all(map(is_, seen, key)) else prepare(columns, key[1:])
+        if a.dtype is not (_F32 if quantize_a else p.a_dtype) or b.dtype is not (_F32 if quantize_b else p.b_dtype):
+            _operand(node, "A", a, quantize_a, p.a_dtype)
+            _operand(node, "B", b, quantize_b, p.b_dtype)
+        if b.ndim != 2 or a.ndim < 1:
+            return (_stacked(node, qgemm, a, b, p),)
+        depth = b.shape[1] if trans_b else b.shape[0]
+        if a.shape[-1] != depth:
+            raise argument_error(node, f"A {a.shape} and B {b.shape} (transB={int(trans_b)}) have different inner "
+                                 "dimensions")
+        packed = p.packed[1] if p.packed is not None and p.packed[0] is b else _pack(qgemm, b, p, trans_b, quantize_b)
+        out = np.empty(a.shape[:-1] + (columns,), p.out_dtype)
+        if out.size:
+            qgemm.requantized_product(np.ascontiguousarray(a).reshape(out.size // columns, depth), packed,
+                                      p.multiplier, p.offset, p.consts, out.reshape(-1, columns))
+        return (out,)
+
+    return kernel
+
+
+def _pack(qgemm, b, p, trans_b: bool, quantize_b: bool) -> np.ndarray:
+    """B (K, N), or (N, K) with transB, as int16 (N, K) with its zero points subtracted (quantized first when
+    it is float32 data); kept on ``p`` when B is a constant."""
+    matrix = b.T if trans_b else b
+    packed = np.empty(matrix.shape[::-1], np.int16)
+    if quantize_b:
+        qgemm.centred_columns(matrix, p.b_scale, int(p.b_zeros[0]), p.b_low, p.b_high, True, packed)
+    else:
+        qgemm.pack_columns(matrix, p.b_zeros, packed)
+    if not b.flags.writeable:
+        p.packed = (b, packed)
+    return packed
+
+
+def _columns(b, trans_b: bool) -> int:
+    return b.shape[0] if trans_b and b.ndim == 2 else b.shape[-1] if b.ndim else 0
+
+
+def _stacked(node, qgemm, a, b, p) -> np.ndarray:
+    """A @ B for stacked matrices (..., M, K) @ (..., K, N), broadcast over the leading dims; per-tensor B."""
+    if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2] or p.b_zeros.size != 1:
+        raise argument_error(node, f"A {a.shape} and B {b.shape} do not multiply as stacked matrices with a "
+                             "per-tensor B")
+    if a.shape[:-2] == b.shape[:-2]:
+        batch = a.shape[:-2]
+    else:
+        try:
+            batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        except ValueError:
+            raise argument_error(node, f"the batch dimensions of A {a.shape} and B {b.shape} do not broadcast") \
+                from None
+        a = np.broadcast_to(a, batch + a.shape[-2:])
+        b = np.broadcast_to(b, batch + b.shape[-2:])
+    rows, depth, columns = a.shape[-2], a.shape[-1], b.shape[-1]
+    out = np.empty(batch + (rows, columns), p.out_dtype)
+    if out.size:
+        qgemm.requantized_batched_product(np.ascontiguousarray(a).reshape(-1, rows, depth),
+                                          np.ascontiguousarray(b).reshape(-1, depth, columns), p.multiplier,
+                                          p.offset, p.consts, out.reshape(-1, rows, columns))
+    return out
+
+
+@register("QuantizedConv", domain=FUSED_DOMAIN, since=1)
+def quantized_conv(node, shapes, opset):
+    """A QDQ Conv: the exact convolution of the centred codes (ops/quantization.integer_conv, quantizing x
+    in the same pass with ``quantize_a``), then one requantizing pass per output channel."""
+    from ..compiled import quantize as compiled
+
+    run = integer_conv(node, shapes, opset)
+    quantize_a, dequantize = bool(node.attr("quantize_a", 0)), bool(node.attr("dequantize", 0))
+    params = Prepared()
+
+    def kernel(x, x_scale, x_zero, w, w_scale, w_zero, y_scale, y_zero, bias=None):
+        if w.ndim < 3 or x.ndim != w.ndim:
+            raise argument_error(node, f"X {x.shape} and W {w.shape} must be (N, C, ...) and (M, C/group, k...)")
+        channels = w.shape[0]
+        p = params.get(channels, (x_scale, x_zero, w_scale, w_zero, y_scale, y_zero, bias), lambda: _Requantization(
+            node, channels, x_scale, x_zero, w_scale, w_zero, y_scale, y_zero, bias))
+        _operand(node, "W", w, False, p.b_dtype)
+        _operand(node, "X", x, quantize_a, p.a_dtype)
+        acc = run(x, w, x_zero, w_zero, (p.a_scale, p.a_low, p.a_high) if quantize_a else None)
+        out = np.empty(acc.shape, _F32 if dequantize else p.y_dtype)
+        if out.size:
+            layout = (1, 1, -1) if p.per_tensor else (acc.shape[0], channels, -1)
+            compiled.requantize_affine(acc.reshape(layout), p.multiplier, p.offset, p.y_zero, p.y_low, p.y_high,
+                                       p.y_scale, dequantize, out.reshape(layout))
+        return (out,)
+
+    return kernel
