@@ -41,6 +41,7 @@ from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
 from .placement import Copy, Placement
 from .steps import Plan, ShapeKeyedKernel, Step, Uploader, downloader, make_kernel, on_device, run_steps, to_host
+from .strict import strict_kernel
 
 _NONE_SLOT = 0  # always holds None: the value of an omitted optional input
 GRAPH_SLOT_KEY = "device_graph.slot"  # run config entry: "primary" (default) or "verify"
@@ -99,6 +100,8 @@ class GraphRunner(Protocol):
 
 class Executor:
     """Builds and runs plans for one graph whose nodes are already placed."""
+
+    strict = False  # every kernel call checked against its node (session/strict.py); set before planning
 
     def __init__(self, graph: Graph, assignment: dict[str, ProviderHandle], placement: Placement):
         self.graph = graph
@@ -233,6 +236,8 @@ class Executor:
                 kernel = make_kernel(handle, node, shapes, self.graph)
             else:
                 kernel = ShapeKeyedKernel(handle, node, self.graph)
+            if self.strict:
+                kernel = strict_kernel(kernel, node, self.graph, handle.name)
             self._kernels[id(node)] = kernel
         return kernel
 

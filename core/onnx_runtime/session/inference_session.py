@@ -30,6 +30,7 @@ from .options import RunOptions, SessionOptions
 from .placement import Placement, input_facts, place
 from .profiling import Profile
 from .specialize import Specializer
+from .strict import STRICT_KEY
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,7 @@ class InferenceSession:
         self._specializer = self._specializer_for(graph, folded)
         self._placement, assignment = place(graph, self._handles, FunctionExpander(self._model.functions))
         self._executor = Executor(graph, assignment, self._placement)
+        self._executor.strict = _config_flag(self._sess_options, STRICT_KEY)
         if _config_flag(self._sess_options, GRAPH_CAPTURE_KEY):
             from .device_graphs import DeviceGraphRunner  # only sessions that ask for capture load it
             self._executor.graphs = DeviceGraphRunner(self._executor)
@@ -321,6 +323,7 @@ class InferenceSession:
         _run_custom_passes(graph, self._handles, early + applied)
         placement, assignment = place(graph, self._handles, FunctionExpander(self._model.functions))
         executor = Executor(graph, assignment, placement)
+        executor.strict = self._executor.strict
         executor.plan(self._output_names)  # kernels made now, as at session creation
         return executor
 

@@ -47,6 +47,10 @@ class CPUExecutionProvider:
         return "cpu"
 
     @hookimpl
+    def contract_version(self):
+        return "1.1"
+
+    @hookimpl
     def supports_op(self, node, opset):
         if lookup(node.op_type, node.domain, opset) is not None:
             return KernelMatch.supported(cost=1.0)
