@@ -211,3 +211,30 @@ def test_qlinear_conv_requantizes_like_the_float64_formula(per_channel):
     multiplier = np.float64(x_scale) * np.asarray(w_scale, np.float64).reshape(-1, 1, 1) / np.float64(y_scale)
     want = np.clip(np.rint(acc * multiplier) + int(y_zero), 0, 255).astype(U8)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("shape", [(5,), (0,), (2, 3)])
+def test_dynamic_quantize_of_zeros_follows_onnx_reference(shape):
+    """All zeros (or nothing): range [0, 0]; onnx's reference takes a unit range (scale 1/255), as both the
+    operator and DynamicQuantizeMatMul's quantization here do (onnxruntime returns scale 1: only the scale
+    differs, the codes and zero point are 0 in both)."""
+    import onnx_runtime as ort
+    from onnx import TensorProto, helper
+    from onnx.reference import ReferenceEvaluator
+    from onnx_runtime_ep_cpu.algorithms.quantize import dynamic_uint8
+
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "s", "z"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+        [helper.make_tensor_value_info("y", TensorProto.UINT8, list(shape)),
+         helper.make_tensor_value_info("s", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("z", TensorProto.UINT8, [])]), opset_imports=[helper.make_opsetid("", 17)])
+    x = np.zeros(shape, np.float32)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["cpu"]).run(None, {"x": x})
+    if x.size:
+        want = ReferenceEvaluator(model).run(None, {"x": x})
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    assert got[1] == np.float32(1) / np.float32(255) and got[2] == 0 and not got[0].any()
+    scale, zero, codes = dynamic_uint8(x)
+    assert scale == got[1] and zero == 0 and not codes.any()

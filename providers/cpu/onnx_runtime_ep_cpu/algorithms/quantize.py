@@ -81,14 +81,9 @@ def dynamic_uint8(x: np.ndarray) -> tuple[np.float32, np.uint8, np.ndarray]:
 
         q = np.empty(x.shape, np.uint8)
         scale, zero_point = compiled.dynamic_quantize(np.ascontiguousarray(x).reshape(-1), q.reshape(-1))
-        # Zero point 0 with every code 0 is an empty range (all zeros), which takes scale 1 here.
-        return _F32.type(scale if zero_point or q.any() else 1), np.uint8(zero_point), q
-    low = min(_F32.type(0), x.min()) if x.size else _F32.type(0)
-    high = max(_F32.type(0), x.max()) if x.size else _F32.type(0)
-    # All zeros: any scale reproduces them; 1 keeps it usable as a divisor.
-    scale = _F32.type((high - low) / _F32.type(255)) if high > low else _F32.type(1)
-    zero_point = np.uint8(np.clip(np.rint(_F32.type(0) - low / scale), 0, 255))
-    return scale, zero_point, quantize(x, scale, zero_point, np.uint8)
+        return _F32.type(scale), np.uint8(zero_point), q
+    # Empty: the range [0, 0], which takes a unit range as all zeros do (compiled.dynamic_quantize).
+    return _F32.type(1) / _F32.type(255), np.uint8(0), x.astype(np.uint8)
 
 
 def int_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:

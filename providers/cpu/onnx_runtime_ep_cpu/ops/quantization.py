@@ -355,6 +355,10 @@ def quantize_dequantize(node, shapes, opset):
 
 @register("DynamicQuantizeLinear", since=11)
 def dynamic_quantize_linear(node, shapes, opset):
+    """An all-zero (or empty) input has range [0, 0], where the spec's scale formula divides by zero. This
+    follows onnx's reference implementation, the spec's executable form: a unit range, scale 1/255.
+    onnxruntime returns scale 1 there instead; the codes and the zero point (all 0) agree, and so does every
+    value they dequantize to."""
     low, high = _integer_range(DataType.UINT8)
 
     @quiet
