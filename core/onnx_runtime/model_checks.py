@@ -9,7 +9,8 @@ onnxruntime's own operators in the default domain, as its transformer optimizer 
 module checks only what would be unsafe to hand on, against the operator schemas where one exists:
 
 - the opsets of onnx's domains among the versions onnx defines, and names that are UTF-8 text;
-- every node's input and output counts within its schema's, and no required input left empty;
+- every node's input and output counts within its schema's (and Split's num_outputs, Scan's num_scan_inputs),
+  no required input left empty, and every value defined once;
 - every attribute of the type its schema declares, and every required one present;
 - model-local functions free of call cycles;
 - declared dimensions (graph inputs, outputs, value_info) below ``MAX_DECLARED_DIM`` (a negative one is dynamic).
@@ -100,6 +101,21 @@ def _check_node(node: onnx.NodeProto, opsets: dict[str, int], where: str) -> Non
             raise InvalidGraphError(f"{_node_label(node)} in {where} has {count} {kind}; its schema takes {low} "
                                     f"to {high}; {fix}")
     _check_attributes(node, rules, where, fix)
+    _check_counts(node, domain, where, fix)
+
+
+def _check_counts(node: onnx.NodeProto, domain: str, where: str, fix: str) -> None:
+    """Attributes that count a node's inputs or outputs, which onnx's shape inference indexes by unchecked (a Split
+    with more outputs than num_outputs aborts the process) and kernels allocate by."""
+    if domain or node.op_type not in ("Split", "Scan"):
+        return
+    counts = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+    if node.op_type == "Split" and "num_outputs" in counts and counts["num_outputs"] != _given(node.output):
+        raise InvalidGraphError(f"{_node_label(node)} in {where} has {_given(node.output)} outputs but num_outputs "
+                                f"{counts['num_outputs']}; {fix}")
+    if node.op_type == "Scan" and not 1 <= counts.get("num_scan_inputs", 1) <= len(node.input):
+        raise InvalidGraphError(f"{_node_label(node)} in {where}: num_scan_inputs {counts['num_scan_inputs']} is not "
+                                f"in [1, {len(node.input)}] (its input count); {fix}")
 
 
 def _check_attributes(node: onnx.NodeProto, rules: _Rules, where: str, fix: str) -> None:
@@ -140,8 +156,15 @@ def _subgraphs(node: onnx.NodeProto):
 
 def _check_graph(graph: onnx.GraphProto, opsets: dict[str, int], where: str) -> None:
     _check_dims([*graph.input, *graph.output, *graph.value_info], where)
+    defined = {vi.name for vi in graph.input} | {init.name for init in graph.initializer}
     for node in graph.node:
         _check_node(node, opsets, where)
+        for name in node.output:
+            if name in defined:  # one definition per value (SSA): shape inference and the IR key values by name
+                raise InvalidGraphError(f"{_node_label(node)} in {where} defines {name!r}, which a graph input, an "
+                                        "initializer or an earlier node already defines; rename one of them")
+            if name:
+                defined.add(name)
         for body in _subgraphs(node):
             _check_graph(body, opsets, f"a subgraph of {_node_label(node)} in {where}")
 

@@ -152,3 +152,37 @@ def test_trailing_empty_names_are_left_out_optionals_not_extra_inputs():
     ok = model([helper.make_node("Split", ["x", ""], ["a", "b"], axis=0, split=[1, 1])], [tensor("x")],
                [tensor("a", shape=[1]), tensor("b", shape=[1])], opsets=(("", 11),))
     check_model_structure(ok, "m")
+
+
+def test_a_value_defined_twice_is_refused():
+    # The fuzz harness's Split wrote its third output over the graph input 'x'.
+    bad = model([helper.make_node("Relu", ["x"], ["h"]), helper.make_node("Neg", ["h"], ["x"])],
+                [tensor("x")], [tensor("h")])
+    with pytest.raises(InvalidGraphError, match="defines 'x', which a graph input"):
+        check_model_structure(bad, "m")
+
+
+def test_counting_attributes_must_match_the_node():
+    split = model([helper.make_node("Split", ["x"], ["a", "b", "c"], axis=0, num_outputs=2)],
+                  [tensor("x", shape=[6])], [tensor("a", shape=None)], opsets=(("", 18),))
+    with pytest.raises(InvalidGraphError, match="has 3 outputs but num_outputs 2"):
+        check_model_structure(split, "m")
+    body = helper.make_graph([helper.make_node("Identity", ["s"], ["t"])], "body", [tensor("s", shape=[])],
+                             [tensor("t", shape=[])])
+    scan = model([helper.make_node("Scan", ["x"], ["y"], body=body, num_scan_inputs=2**63 - 1)],
+                 [tensor("x", shape=[3])], [tensor("y", shape=None)], opsets=(("", 11),))
+    with pytest.raises(InvalidGraphError, match="num_scan_inputs 9223372036854775807 is not in"):
+        check_model_structure(scan, "m")
+
+
+def test_none_of_onnxs_node_cases_is_refused():
+    import warnings
+
+    from onnx.backend.test.case.node import collect_testcases
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cases = collect_testcases()
+    assert len(cases) > 1800
+    for case in cases:
+        check_model_structure(case.model, case.name)

@@ -51,7 +51,13 @@ class ShapeKeyedKernel:
 
 
 def make_kernel(handle: ProviderHandle, node: Node, shapes, graph: Graph):
-    kernel = handle.hook.get_kernel(node=node, shapes=shapes, opset=node.opset, graph=graph)
+    try:
+        kernel = handle.hook.get_kernel(node=node, shapes=shapes, opset=node.opset, graph=graph)
+    except OnnxRuntimeError:
+        raise
+    except Exception as exc:  # a kernel factory's bug, or inputs it does not expect: typed, naming the node
+        raise KernelError(f"{handle.name} could not build the kernel of node {node.name!r} ({node.op_type}) for "
+                          f"input shapes {shapes}: {type(exc).__name__}: {exc}") from exc
     if kernel is None or not callable(kernel):
         raise ProviderError(
             f"{handle.name}: get_kernel returned {type(kernel).__name__} for node {node.name!r} ({node.op_type}); "

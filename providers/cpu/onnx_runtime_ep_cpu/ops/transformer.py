@@ -79,6 +79,11 @@ class _AttentionGeometry:
     def __init__(self, node, shapes):
         q, k, v = shapes[0], shapes[1], shapes[2]
         self.rank = len(q)
+        past = shapes[4] if len(shapes) > 4 else None
+        if len(k) != self.rank or len(v) != self.rank or (past is not None and len(past) != 4):
+            raise argument_error(node, f"Q, K and V have ranks {len(q)}, {len(k)} and {len(v)}"
+                                 f"{f' and past_key {len(past)}' if past is not None else ''}; expected Q, K and V of "
+                                 "one rank (3 or 4) and a 4-D past_key")
         if self.rank == 3:
             q_heads, kv_heads = node.attr("q_num_heads"), node.attr("kv_num_heads")
             if q_heads is None or kv_heads is None:
@@ -99,7 +104,6 @@ class _AttentionGeometry:
         else:
             raise argument_error(node, f"Q has rank {self.rank}; expected 3 or 4")
         _gqa_heads(node, self.q_heads, self.kv_heads)
-        past = shapes[4] if len(shapes) > 4 else None
         self.past_len = past[2] if past is not None else 0
         self.total_len = self.past_len + self.kv_len
 
