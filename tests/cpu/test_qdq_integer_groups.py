@@ -164,3 +164,33 @@ def test_groups_with_other_readers_or_parameters_stay_float(integer_groups):
             node.attribute[0].i = 0
     sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
     assert "QuantizedMatMul" not in [n.op_type for n in sess.placement()]
+
+
+@pytest.mark.parametrize("a_type,b_type", [(np.uint8, np.int8), (np.int8, np.int8), (np.uint8, np.uint8)])
+@pytest.mark.parametrize("b_shape,per_column", [((9, 7), False), ((9, 7), True), ((2, 9, 7), False)])
+def test_qlinear_matmul_codes_are_the_exact_sum_rounded_once(a_type, b_type, b_shape, per_column):
+    """QLinearMatMul (through the groups' compiled kernel): the exact integer sum times a_scale * b_scale /
+    y_scale in float64, rounded half to even, plus the zero point, saturated; onnxruntime within one code."""
+    rng = np.random.default_rng(11)
+    a = rng.integers(np.iinfo(a_type).min, np.iinfo(a_type).max + 1, (2, 5, 9)).astype(a_type)
+    b = rng.integers(-63 if b_type == np.int8 else 0, 64 if b_type == np.int8 else 128, b_shape).astype(b_type)
+    columns = b_shape[-1]
+    b_scale = (rng.random(columns) * 0.01 + 0.001).astype(np.float32) if per_column else np.array(0.004, np.float32)
+    b_zero = (rng.integers(-3, 4, columns) if b_type == np.int8 else rng.integers(60, 68, columns)).astype(b_type) \
+        if per_column else np.array(2, b_type)
+    a_zero, y_zero = np.array(5, a_type), np.array(7, a_type)
+    a_scale, y_scale = np.array(0.02, np.float32), np.array(0.05, np.float32)
+    names = ["a", "as", "az", "b", "bs", "bz", "ys", "yz"]
+    values = [a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero]
+    elem = {np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.int8): TensorProto.INT8}
+    model = make_model([helper.make_node("QLinearMatMul", names, ["y"])],
+                       [tensor_info("a", elem[a.dtype], list(a.shape))],
+                       [tensor_info("y", elem[np.dtype(a_type)], None)],
+                       [numpy_helper.from_array(v, n) for n, v in zip(names[1:], values[1:])], opset=13)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["cpu"]).run(None, {"a": a})[0]
+    acc = (a.astype(np.int64) - int(a_zero)) @ (b.astype(np.int64) - b_zero.astype(np.int64))
+    real = acc * (np.float64(a_scale) * b_scale.astype(np.float64) / np.float64(y_scale))
+    info = np.iinfo(a_type)
+    np.testing.assert_array_equal(got, np.clip(np.rint(real) + int(y_zero), info.min, info.max).astype(a_type))
+    oracle = onnxruntime.InferenceSession(model.SerializeToString()).run(None, {"a": a})[0]
+    assert np.abs(got.astype(np.int64) - oracle).max() <= 1

@@ -27,7 +27,7 @@ from ..algorithms.quantize import integer_range
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
-from .quantization import integer_conv
+from .quantization import integer_conv, qlinear_matmul_general
 
 _EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
 _F32 = np.dtype(np.float32)
@@ -151,6 +151,33 @@ def quantized_matmul(node, shapes, opset):
         return (out,)
 
     return kernel
+
+
+@register("QLinearMatMul", since=10)
+def qlinear_matmul(node, shapes, opset):
+    """QLinearMatMul: 8-bit codes with per-tensor A and output parameters and a per-tensor or per-column B
+    (a matrix, or stacked per tensor) through the QDQ group's compiled kernel (the same integer sum and float64
+    requantization), everything else (per-row A, float8, half-precision scales) through the general kernel."""
+    fast, general = quantized_matmul(node, shapes, opset), qlinear_matmul_general(node, shapes, opset)
+
+    def kernel(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero):
+        if a.dtype in _EIGHT_BIT and b.dtype in _EIGHT_BIT and a_zero.dtype == a.dtype and b_zero.dtype == b.dtype \
+                and y_zero.dtype in _EIGHT_BIT and a_scale.dtype == _F32 and b_scale.dtype == _F32 \
+                and y_scale.dtype == _F32 and a_scale.size == a_zero.size == y_scale.size == y_zero.size == 1 \
+                and b.ndim >= 2 and a.ndim >= 1 and _column_params(b, b_scale, b_zero):
+            return fast(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero)
+        return general(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero)
+
+    return kernel
+
+
+def _column_params(b, b_scale, b_zero) -> bool:
+    """B's scale and zero point per tensor, or for a matrix B one per column as a vector."""
+    if b_scale.size == 1 and b_zero.size == 1:
+        return True
+    columns = b.shape[-1]
+    return b.ndim == 2 and all(p.size in (1, columns) and (p.ndim <= 1 or max(p.shape) == p.size)
+                               for p in (b_scale, b_zero))
 
 
 def _pack(qgemm, b, p, trans_b: bool, quantize_b: bool) -> np.ndarray:

@@ -407,8 +407,9 @@ def matmul_integer(node, shapes, opset):
     return kernel
 
 
-@register("QLinearMatMul", since=10)
-def qlinear_matmul(node, shapes, opset):
+def qlinear_matmul_general(node, shapes, opset):
+    """QLinearMatMul for every type and parameter shape (registered through ops/qdq_linear.py, which runs the
+    8-bit per-tensor and per-column cases in one compiled pass)."""
     integer_product = IntegerProduct()
 
     # 21 adds float8 operands and half-precision scales; the same arithmetic covers them.
