@@ -6,6 +6,7 @@
     onnx-runtime bench MODEL [--input NAME=FILE.npy ...] [--providers cpu] [--repeat N] [--warmup N]
     onnx-runtime compile [MODEL ...] [--providers cpu] [--jobs N]
     onnx-runtime generate MODEL --prompt TEXT [--max-new-tokens N] [--providers cpu]
+    onnx-runtime new-provider NAME [--dir DIR]
 
 Without MODEL, ``run`` runs the embedded default: light_resnet50 from the installed onnx package,
 checked against the output shipped beside it.
@@ -303,6 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
     p.add_argument("--providers", help="comma-separated provider names (default: all available)")
     p.set_defaults(func=cmd_generate)
+    from .scaffold import cmd_new_provider
+
+    p = sub.add_parser("new-provider", help="write a provider distribution to start from (entry point, tests, tox)")
+    p.add_argument("name", help="the provider's name, e.g. my-accel (-> MyAccelExecutionProvider)")
+    p.add_argument("--dir", default=".", help="where to write it (default: the current directory)")
+    p.set_defaults(func=cmd_new_provider)
     return parser
 
 

@@ -1,17 +1,25 @@
-"""The onnx package's backend test cases, run through onnx_runtime and compared as onnx's own
-backend runner compares them (each case's rtol/atol for floats; exact for integers, bools and
-strings; sequences element by element; None for empty optionals)."""
+"""The onnx package's backend test cases on the CPU provider, through onnx_runtime.testing's runner
+(onnx_runtime/testing/cases.py: loading, comparison as onnx's own backend runner compares, declined nodes and
+silent fallback), with this project's exclusions and the proof behind the half-precision ones."""
 
 from __future__ import annotations
 
-import functools
-import glob
 import os
 
 import numpy as np
 import onnx
-import onnx_runtime as ort
 from onnx import numpy_helper
+from onnx_runtime.testing.cases import (  # noqa: F401  (the conformance tests import these from here)
+    MODEL_SET_ATOL,
+    MODEL_SET_RTOL,
+    assert_similar,
+    load_model_set,
+    model_set_dirs,
+    node_cases,
+    read_listing,
+)
+from onnx_runtime.testing.cases import normalize as _normalize  # noqa: F401
+from onnx_runtime.testing.cases import run_case as run_on
 
 EXCLUSIONS_FILE = os.path.join(os.path.dirname(__file__), "exclusions.txt")
 # Cases not passing yet: tracked as strict xfails, so a fixed case fails the suite until it is removed
@@ -19,122 +27,20 @@ EXCLUSIONS_FILE = os.path.join(os.path.dirname(__file__), "exclusions.txt")
 KNOWN_FAILURES_FILE = os.path.join(os.path.dirname(__file__), "known_failures.txt")
 
 
-@functools.cache
-def node_cases() -> dict:
-    from onnx.backend.test.case.node import collect_testcases
-
-    return {case.name: case for case in collect_testcases()}
-
-
 def exclusions() -> dict[str, str]:
     """Cases that are themselves wrong: name -> reason (from exclusions.txt)."""
-    return _read_listing(EXCLUSIONS_FILE)
+    return read_listing(EXCLUSIONS_FILE)
 
 
 def known_failures() -> dict[str, str]:
     """Cases that do not pass yet: name -> what is missing (from known_failures.txt)."""
-    return _read_listing(KNOWN_FAILURES_FILE) if os.path.exists(KNOWN_FAILURES_FILE) else {}
-
-
-def _read_listing(path: str) -> dict[str, str]:
-    found = {}
-    with open(path) as handle:
-        for line in handle:
-            line = line.strip()
-            if line and not line.startswith("#"):
-                name, _, reason = line.partition(" ")
-                found[name] = reason.strip()
-    return found
-
-
-def model_set_dirs() -> list[str]:
-    root = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data")
-    dirs = []
-    for kind in ("simple", "pytorch-converted", "pytorch-operator"):
-        dirs += sorted(d for d in glob.glob(os.path.join(root, kind, "*")) if os.path.isdir(d))
-    return dirs
-
-
-def _read_pb(path: str):
-    """A test-data .pb file: a TensorProto, a SequenceProto, or an OptionalProto."""
-    with open(path, "rb") as handle:
-        data = handle.read()
-    for proto_type, convert in (
-        (onnx.TensorProto, numpy_helper.to_array),
-        (onnx.SequenceProto, numpy_helper.to_list),
-        (onnx.OptionalProto, numpy_helper.to_optional),
-    ):
-        proto = proto_type()
-        try:
-            proto.ParseFromString(data)
-        except Exception:
-            continue
-        if proto_type is onnx.TensorProto and not proto.HasField("data_type") and proto.data_type == 0:
-            continue
-        return proto.name, convert(proto)
-    raise ValueError(f"{path} is not a tensor, sequence or optional")
-
-
-def load_model_set(model_dir: str):
-    """(model path, [(inputs, outputs)]) for one folder of the model-level sets."""
-    model = os.path.join(model_dir, "model.onnx")
-    sets = []
-    for data_dir in sorted(glob.glob(os.path.join(model_dir, "test_data_set_*"))):
-        inputs = [_read_pb(p)[1] for p in sorted(glob.glob(os.path.join(data_dir, "input_*.pb")),
-                                                  key=lambda p: int(p.rsplit("_", 1)[1][:-3]))]
-        outputs = [_read_pb(p)[1] for p in sorted(glob.glob(os.path.join(data_dir, "output_*.pb")),
-                                                   key=lambda p: int(p.rsplit("_", 1)[1][:-3]))]
-        sets.append((inputs, outputs))
-    return model, sets
+    return read_listing(KNOWN_FAILURES_FILE) if os.path.exists(KNOWN_FAILURES_FILE) else {}
 
 
 def run_case(model, data_sets, rtol: float, atol: float) -> None:
-    proto = model if isinstance(model, onnx.ModelProto) else onnx.load(model)
-    sess = ort.InferenceSession(proto.SerializeToString() if isinstance(model, onnx.ModelProto) else model,
-                                providers=["CPUExecutionProvider"])
-    input_names = [vi.name for vi in proto.graph.input if vi.name not in {i.name for i in proto.graph.initializer}]
-    for inputs, expected in data_sets:
-        # As onnx's runner does: cases may hold TensorProto objects for exotic element types.
-        inputs = [_normalize(v) for v in inputs]
-        expected = [_normalize(v) for v in expected]
-        feeds = dict(zip(input_names, inputs))
-        outputs = sess.run(None, feeds)
-        assert_similar(expected, outputs, rtol, atol)
-
-
-def _normalize(value):
-    return numpy_helper.to_array(value) if isinstance(value, onnx.TensorProto) else value
-
-
-def assert_similar(expected, outputs, rtol: float, atol: float, where: str = "output") -> None:
-    assert len(outputs) == len(expected), f"{where}: {len(outputs)} values, expected {len(expected)}"
-    for index, (want, got) in enumerate(zip(expected, outputs)):
-        label = f"{where}[{index}]"
-        if want is None:
-            assert got is None, f"{label}: expected an empty optional, got {type(got).__name__}"
-            continue
-        if isinstance(want, (list, tuple)):
-            assert isinstance(got, (list, tuple)), f"{label}: expected a sequence, got {type(got).__name__}"
-            assert_similar(list(want), list(got), rtol, atol, label)
-            continue
-        want = np.asarray(want)
-        assert isinstance(got, np.ndarray), f"{label}: expected an array, got {type(got).__name__}"
-        assert got.shape == want.shape, f"{label}: shape {got.shape}, expected {want.shape}"
-        if want.dtype == object:
-            np.testing.assert_array_equal(got, want, err_msg=label)
-            continue
-        assert got.dtype == want.dtype, f"{label}: dtype {got.dtype}, expected {want.dtype}"
-        if want.dtype.kind in "biu":
-            np.testing.assert_array_equal(got, want, err_msg=label)
-        elif want.dtype.kind in "fc":
-            np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=label)
-        else:  # ml_dtypes (bfloat16, float8, int4, float4...): compare through float32 / int, at the case's tolerance
-            wide = np.float32 if "float" in want.dtype.name else np.int64
-            g, w = got.astype(wide), want.astype(wide)
-            if wide is np.int64:
-                np.testing.assert_array_equal(g, w, err_msg=label)
-            else:
-                np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=label)
+    """One case on the CPU provider alone, through onnx_runtime.testing's runner (as
+    ``pytest -p onnx_runtime.testing --provider cpu`` runs it)."""
+    run_on(model, data_sets, rtol, atol, provider="CPUExecutionProvider")
 
 
 _HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)

@@ -7,16 +7,12 @@ rtol/atol (no dtype-specific loosening).
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import onnx_runtime as ort
 import pytest
 from backend_cases import _normalize, exact_function_body, exclusions, known_failures, node_cases, run_case  # noqa: E402
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # the case generators trip numpy overflow warnings on purpose
-    CASES = node_cases()
+CASES = node_cases()  # onnx_runtime.testing.cases: collected with the generators' overflow warnings silenced
 EXCLUDED = exclusions()
 KNOWN_FAILURES = known_failures()
 

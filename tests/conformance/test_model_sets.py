@@ -3,17 +3,24 @@ pytorch-operator): each folder's model.onnx with its test_data_set_* inputs and 
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from backend_cases import exclusions, known_failures, load_model_set, model_set_dirs, run_case  # noqa: E402
+from backend_cases import (  # noqa: E402
+    MODEL_SET_ATOL,
+    MODEL_SET_RTOL,
+    exclusions,
+    known_failures,
+    load_model_set,
+    model_set_dirs,
+    run_case,
+)
 
-DIRS = {f"{os.path.basename(os.path.dirname(d))}/{os.path.basename(d)}": d for d in model_set_dirs()}
+DIRS = model_set_dirs()  # kind/name -> folder
 EXCLUDED = exclusions()
 KNOWN_FAILURES = known_failures()
 
 # onnx's own runner compares these sets with its default tolerances.
-RTOL, ATOL = 1e-3, 1e-7
+RTOL, ATOL = MODEL_SET_RTOL, MODEL_SET_ATOL
+assert (RTOL, ATOL) == (1e-3, 1e-7)
 
 
 def test_the_shipped_model_sets_are_all_here():
