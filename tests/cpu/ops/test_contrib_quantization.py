@@ -34,11 +34,14 @@ def f32(value):
 @pytest.mark.parametrize("op", ["QLinearAdd", "QLinearMul"])
 @pytest.mark.parametrize("dtype", EIGHT_BIT)
 @pytest.mark.parametrize("shapes", [((3, 4, 5), (3, 4, 5)), ((2, 3, 4), (4,)), ((1, 5), (3, 1))])
-def test_qlinear_binary(op, dtype, shapes):
+@pytest.mark.parametrize("constant", [False, True])
+def test_qlinear_binary(op, dtype, shapes, constant):
+    # constant: the parameters are initializers, which the kernel checks once and keeps.
     a, b = quantized(shapes[0], dtype), quantized(shapes[1], dtype)
     scales = (f32(0.05), f32(0.031), f32(0.11 if op == "QLinearAdd" else 0.7))
     zeros = (zero_point(dtype, 3), zero_point(dtype, -2 if dtype == I8 else 120), zero_point(dtype))
-    ours, theirs = run_both(op, [a, scales[0], zeros[0], b, scales[1], zeros[1], scales[2], zeros[2]])
+    ours, theirs = run_both(op, [a, scales[0], zeros[0], b, scales[1], zeros[1], scales[2], zeros[2]],
+                            constants=(1, 2, 4, 5, 6, 7) if constant else ())
     # The float rounding of the requantization is the implementation's: ties may round either way.
     assert_integers(ours[0], theirs[0], off_by_one=True)
 

@@ -11,6 +11,7 @@ that follows runs in float64 and rounds once.
 from __future__ import annotations
 
 import math
+from operator import is_
 
 import numpy as np
 from onnx_runtime.dtypes import DataType
@@ -100,46 +101,67 @@ def _columns(x: np.ndarray, shape: tuple[int, ...]) -> int | None:
     return x.size
 
 
-def _compiled_binary(a, b, shape, zeros, scales, dtype, multiply) -> np.ndarray | None:
-    """QLinearAdd/QLinearMul in one compiled pass, when each operand is whole, a trailing row, one value per
-    row or a scalar."""
+def _binary_layout(a_shape, b_shape, shape) -> tuple | None:
+    """(cols, A's steps, B's steps) for compiled/quantize.requantize_binary over ``shape`` viewed as (R, cols),
+    when each operand is whole, a trailing row, one value per row or a scalar; None otherwise."""
     if not math.prod(shape):
         return None
+    a, b = np.empty(a_shape, np.uint8), np.empty(b_shape, np.uint8)  # shapes only (views read no data)
     implied = [c for c in (_columns(a, shape), _columns(b, shape)) if c is not None]
     cols = implied[0] if implied else math.prod(shape)
     steps = [_steps(x, shape, cols) for x in (a, b)]
     if None in steps:
         return None
-    from ..compiled import quantize as compiled
-
-    low, high = integer_range(dtype)
-    out = np.empty(shape, dtype)
-    compiled.requantize_binary(
-        np.ascontiguousarray(a).reshape(-1), np.array(steps[0], np.int64),
-        np.ascontiguousarray(b).reshape(-1), np.array(steps[1], np.int64),
-        np.array([0 if z is None else int(z) for z in zeros], np.int64),
-        np.array([float(s) for s in scales], np.float64), low, high, multiply, out.reshape(-1, cols))
-    return out
+    return cols, np.array(steps[0], np.int64), np.array(steps[1], np.int64)
 
 
 def _binary(node, combine):
     """C = combine(A, B) on the real values, requantized: the zero points come off exactly (int64), the scales
-    join in float64, and the result rounds once (in one compiled pass for the common broadcasts)."""
+    join in float64, and the result rounds once (in one compiled pass for the common broadcasts). The checked
+    parameters are kept while the same constant arrays come in, and the layout per pair of input shapes."""
     multiply = combine is _mul
+    last: list = [(), None]
+    layouts: dict = {}
 
-    def kernel(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point=None):
+    def parameters(a, b, params):
         dtype = eight_bit(node, "A", a)
         same_type(node, ("A", "B"), a, b)
+        a_scale, a_zero_point, b_scale, b_zero_point, c_scale, c_zero_point = params
         zeros = [scalar(node, n, z, dtype) for n, z in
                  (("A_zero_point", a_zero_point), ("B_zero_point", b_zero_point), ("C_zero_point", c_zero_point))]
         scales = [float_scale(node, n, s) for n, s in
                   (("A_scale", a_scale), ("B_scale", b_scale), ("C_scale", c_scale))]
-        try:
-            shape = np.broadcast_shapes(a.shape, b.shape)
-        except ValueError:
-            raise argument_error(node, f"A {a.shape} and B {b.shape} do not broadcast") from None
-        out = _compiled_binary(a, b, shape, zeros, scales, dtype, multiply)
-        if out is not None:
+        compiled = (np.array([0 if z is None else int(z) for z in zeros], np.int64),
+                    np.array([float(s) for s in scales], np.float64), *integer_range(dtype))
+        found = (dtype, zeros, scales, compiled)
+        if all(p is None or not p.flags.writeable for p in params):
+            last[:] = [params, found]
+        return found
+
+    def kernel(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point=None):
+        params = (a_scale, a_zero_point, b_scale, b_zero_point, c_scale, c_zero_point)
+        seen, found = last
+        if not (len(seen) == 6 and all(map(is_, seen, params)) and a.dtype is found[0] and b.dtype is found[0]):
+            found = parameters(a, b, params)
+        dtype, zeros, scales, compiled_params = found
+        key = (a.shape, b.shape)
+        layout = layouts.get(key, False)
+        if layout is False:
+            try:
+                shape = np.broadcast_shapes(a.shape, b.shape)
+            except ValueError:
+                raise argument_error(node, f"A {a.shape} and B {b.shape} do not broadcast") from None
+            layout = (shape, _binary_layout(a.shape, b.shape, shape))
+            if len(layouts) < 64:
+                layouts[key] = layout
+        shape, steps = layout
+        if steps is not None:
+            from ..compiled import quantize as compiled
+
+            out = np.empty(shape, dtype)
+            compiled.requantize_binary(np.ascontiguousarray(a).reshape(-1), steps[1],
+                                       np.ascontiguousarray(b).reshape(-1), steps[2], *compiled_params[:2],
+                                       *compiled_params[2:], multiply, out.reshape(-1, steps[0]))
             return (out,)
         values = combine(widen(a, zeros[0]), widen(b, zeros[1]), *(s.astype(_F64) for s in scales))
         return (round_saturate(values, zeros[2], dtype),)
