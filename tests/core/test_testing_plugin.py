@@ -128,3 +128,85 @@ def test_the_guides_example_test_runs_on_the_guides_provider(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "onnx_runtime.testing", "--provider", "my",
                                            "tests/test_my_provider.py")
     result.assert_outcomes(passed=1)
+
+
+def _relu_provider(kernel_body):
+    import onnx_runtime
+    from onnx_runtime import KernelMatch, hookimpl
+
+    class OneMistakeExecutionProvider:
+        @hookimpl
+        def name(self):
+            return "OneMistakeExecutionProvider"
+
+        @hookimpl
+        def supports_op(self, node):
+            if node.op_type != "Relu":
+                return KernelMatch.unsupported("OneMistakeExecutionProvider runs only Relu")
+            return KernelMatch.supported()
+
+        @hookimpl
+        def get_kernel(self, node):
+            return kernel_body
+
+    return onnx_runtime.ProviderHandle(OneMistakeExecutionProvider())
+
+
+def _mutating(x):
+    import numpy as np
+
+    np.maximum(x, 0, out=x)
+    return (x,)
+
+
+KERNEL_MISTAKES = {
+    "an array, not a tuple": (lambda x: x.clip(0), "returned ndarray, not a tuple of 1 output"),
+    "float64 for float32": (lambda x: (x.clip(0).astype("float64"),), r"returned float64\[3, 4\], expected float32"),
+    "a wrong shape": (lambda x: (x.clip(0).reshape(-1),), r"returned float32\[12\], expected float32\[3, 4\]"),
+    "wrong values": (lambda x: (x,), "Relu kernel output"),
+    "writes into its input": (_mutating, "wrote into its input"),
+    "an untyped error": (lambda x: {}["boom"], "raised KeyError: 'boom'; the contract asks for a typed error"),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(KERNEL_MISTAKES))
+def test_the_kernel_check_names_each_mistake(mistake):
+    from onnx_runtime.testing import contract
+
+    kernel, message = KERNEL_MISTAKES[mistake]
+    handle = _relu_provider(kernel)
+    handle.initialize({})
+    with pytest.raises(AssertionError, match=message):
+        contract.check_get_kernel(handle, "get_kernel")
+
+
+def test_a_correct_kernel_passes_the_kernel_check():
+    import numpy as np
+    from onnx_runtime.testing import contract
+
+    handle = _relu_provider(lambda x: (np.maximum(x, np.float32(0)),))
+    handle.initialize({})
+    contract.check_get_kernel(handle, "get_kernel")
+
+
+def test_nodes_placed_elsewhere_that_the_provider_never_declined_are_a_silent_fallback():
+    """The checker itself: the provider under test listed second is never asked, so its nodes go elsewhere
+    without a reason; listed first, it declines Softmax with a reason (Declined, not a failure)."""
+    import onnx_runtime
+    from onnx import TensorProto, helper
+    from onnx_runtime.testing.cases import Declined, SilentFallback, check_placement
+
+    sample = "SampleDeviceExecutionProvider"
+    if sample not in onnx_runtime.get_available_providers():
+        pytest.skip("tests/sample_provider is not installed")
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"], name="relu"), helper.make_node("Softmax", ["r"], ["y"], name="sm")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+    behind = onnx_runtime.InferenceSession(model, providers=["CPUExecutionProvider", sample])
+    with pytest.raises(SilentFallback, match=r"relu \(Relu\) on CPUExecutionProvider"):
+        check_placement(behind, sample)
+    first = onnx_runtime.InferenceSession(model, providers=[sample, "CPUExecutionProvider"])
+    with pytest.raises(Declined, match=r"declined by SampleDeviceExecutionProvider: sm \(Softmax\): .*runs only"):
+        check_placement(first, sample)

@@ -216,6 +216,12 @@ def check_memory(handle: ProviderHandle, hook: str) -> None:
     with typed_errors("deallocate"):
         for buffer in buffers:
             handle.deallocate(buffer)
+    try:
+        handle.deallocate(buffers[0])
+    except InvalidArgumentError:
+        pass
+    else:
+        raise AssertionError("a buffer was freed twice without an error; every buffer is freed exactly once")
     x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
     with Tensor.from_numpy(x, provider=handle) as tensor:
         assert np.array_equal(tensor.numpy(), x), "a tensor on the device does not read back what was written"
