@@ -24,7 +24,9 @@ def test_the_docs_build_without_warnings(tmp_path):
     from onnx_runtime.contract.hookspecs import HOOK_NAMES
 
     anchors = ("onnx_runtime.contract.hookspecs.ExecutionProviderSpec.",
-               "onnx_runtime.contract.device_hookspecs.DeviceExecutionSpec.")
+               "onnx_runtime.contract.device_hookspecs.DeviceExecutionSpec.",
+               "onnx_runtime.contract.memory_hookspecs.MemoryGovernanceSpec.",
+               "onnx_runtime.contract.memory_hookspecs.ResidencySpec.")
     missing = [hook for hook in HOOK_NAMES if not any(f'id="{anchor}{hook}"' in reference for anchor in anchors)]
     assert not missing, f"hooks missing from the generated reference: {missing}"
     assert "contract_version" in reference and "Default:" in reference and "Called by:" in reference

@@ -11,7 +11,16 @@ from pathlib import Path
 import onnx_runtime
 import pytest
 from onnx_runtime import devices, dtypes, ir
-from onnx_runtime.contract import buffers, graphs, handle, hookspecs, kernels, validation
+from onnx_runtime.contract import (
+    buffers,
+    executor_artifacts,
+    graphs,
+    handle,
+    hookspecs,
+    kernels,
+    residency,
+    validation,
+)
 from onnx_runtime.contract.hookspecs import HOOK_NAMES, DiscoverySpec, ExecutionProviderSpec
 
 CORE = Path(onnx_runtime.__file__).parent
@@ -21,7 +30,8 @@ HOOKS = [(DiscoverySpec, "onnx_runtime_providers")] + [(ExecutionProviderSpec, n
 def _namespace() -> dict:
     """What the specification's annotations name (its imports are for type checkers only)."""
     namespace = vars(collections.abc) | vars(typing)
-    for module in (devices, dtypes, ir, buffers, graphs, handle, kernels, validation, hookspecs):
+    for module in (devices, dtypes, ir, buffers, graphs, handle, kernels, validation, residency, executor_artifacts,
+                   hookspecs):
         namespace |= vars(module)
     return namespace
 

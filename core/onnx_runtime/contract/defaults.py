@@ -23,6 +23,7 @@ from .graphs import DeviceGraphSlot, DeviceGraphToken, StructuralCaptureDecline,
 from .host_decode import host_argmax, host_token_writer
 from .kernels import Availability, KernelMatch
 from .markers import hookimpl
+from .memory_defaults import MemoryDefaults
 from .validation import DeviceValidationOwner, DeviceValidationRegistration, DeviceValidationToken
 from .version import FIRST_VERSION
 
@@ -57,8 +58,9 @@ def writable_host_bytes_of(dst: WritableHostBytes) -> np.ndarray:
     return view
 
 
-class DefaultFallbacks:
-    """Default implementations, bound to one provider instance's :class:`ProviderHandle`."""
+class DefaultFallbacks(MemoryDefaults):
+    """Default implementations, bound to one provider instance's :class:`ProviderHandle` (the memory-governance
+    and residency defaults come from :class:`onnx_runtime.contract.memory_defaults.MemoryDefaults`)."""
 
     def __init__(self, handle: ContractHandle) -> None:
         self._handle = handle

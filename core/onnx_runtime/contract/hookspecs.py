@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from .device_hookspecs import DeviceExecutionSpec
 from .markers import hookspec
+from .memory_hookspecs import MemoryGovernanceSpec, ResidencySpec
 
 if TYPE_CHECKING:
     from ..devices import DeviceId, DeviceType, TensorLayout
@@ -71,9 +72,11 @@ class DiscoverySpec:
         """
 
 
-class ExecutionProviderSpec(DeviceExecutionSpec):
+class ExecutionProviderSpec(DeviceExecutionSpec, MemoryGovernanceSpec, ResidencySpec):
     """Hooks implemented by one execution-provider instance (the device hooks are inherited from
-    :class:`onnx_runtime.contract.device_hookspecs.DeviceExecutionSpec`)."""
+    :class:`onnx_runtime.contract.device_hookspecs.DeviceExecutionSpec`, the memory-governance and residency
+    hooks from :class:`onnx_runtime.contract.memory_hookspecs.MemoryGovernanceSpec` and
+    :class:`onnx_runtime.contract.memory_hookspecs.ResidencySpec`)."""
 
     # -- identity -----------------------------------------------------------------------------
     @hookspec(firstresult=True)
@@ -457,6 +460,8 @@ class ExecutionProviderSpec(DeviceExecutionSpec):
 
 
 HOOK_NAMES = tuple(
-    name for spec in (ExecutionProviderSpec, DeviceExecutionSpec) for name, value in vars(spec).items()
+    name
+    for spec in (ExecutionProviderSpec, DeviceExecutionSpec, MemoryGovernanceSpec, ResidencySpec)
+    for name, value in vars(spec).items()
     if callable(value) and not name.startswith("_")
 )
