@@ -13,6 +13,8 @@ pip="$scratch/venv/bin/python -m pip"
 $pip install -q --upgrade pip setuptools
 $pip install -q -e ".[cpu,cuda,test]" -e providers/cpu -e providers/cuda -e tests/sample_provider tox
 $pip install -q torch==2.13.0 transformers onnxscript  # the model zoo's exporters (scripts/build_zoo.sh)
+# ml_dtypes 0.7's import costs about a second of CPU, paid by every process that imports onnx (0f4f6cc): keep 0.6.
+$pip install -q 'ml_dtypes<0.7'
 {
   echo "# Pinned versions of everything the README's commands, .ci/run, tox and the zoo build install (resolved for"
   echo "# CPython $($scratch/venv/bin/python -c 'import sys; print(".".join(map(str, sys.version_info[:2])))')"\
