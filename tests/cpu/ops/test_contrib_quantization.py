@@ -99,6 +99,20 @@ def test_qlinear_softmax(dtype, opset, axis, shape):
     assert_integers(ours[0], theirs[0], off_by_one=True)
 
 
+@pytest.mark.parametrize("dtype", EIGHT_BIT)
+def test_qlinear_softmax_rows_match_float64(dtype):
+    """The last-axis rows run in one compiled pass (a 256-entry exp table): the spec's arithmetic in float64,
+    each probability rounded to float32 and quantized; the full code range, ties aside, exactly."""
+    x = RNG.integers(np.iinfo(dtype).min, np.iinfo(dtype).max + 1, size=(5, 3, 40)).astype(dtype)
+    y_zero = zero_point(dtype, -128 if dtype == I8 else 0)
+    (y,) = run_ours("QLinearSoftmax", [x, f32(0.05), zero_point(dtype, 3), f32(1 / 256), y_zero], {"opset": 13})
+    e = np.exp((x.astype(np.int64) - x.astype(np.int64).max(axis=-1, keepdims=True)) * np.float64(F32(0.05)))
+    p = (e / e.sum(axis=-1, keepdims=True)).astype(F32)
+    info = np.iinfo(dtype)
+    want = np.clip(np.rint(p / F32(1 / 256)).astype(np.float64) + int(y_zero), info.min, info.max).astype(dtype)
+    assert_integers(y, want, off_by_one=True)
+
+
 def test_qlinear_softmax_saturates_a_certain_class():
     # A probability of 1 quantizes past int8's range with zero point -128 and saturates to 127 (onnxruntime's
     # int8 kernel wraps it around instead, so this checks the spec alone).

@@ -196,3 +196,26 @@ def requantize_affine(acc, multiplier, offset, zero, low, high, scale, dequantiz
             for i in range(inner):
                 v = _requantized(np.float64(acc[o, c, i]), m, b, z, lo, hi)
                 out[o, c, i] = (v - z) * s if dequantize else v
+
+
+@jit
+def softmax_codes(x, table, y_scale, y_zero, low, high, out):
+    """QLinearSoftmax of (R, C) 8-bit rows ``x``: e = table[max(row) - x] (table[d] = exp(-d * x_scale), float64),
+    p = e / sum(e) rounded to float32, then QuantizeLinear with y_scale and y_zero (float32 division, half to
+    even, saturated to [low, high])."""
+    rows, cols = x.shape
+    e = np.empty(cols)
+    s, z, lo, hi = np.float32(y_scale), np.float32(y_zero), np.float32(low), np.float32(high)
+    for r in range(rows):
+        top = np.int64(x[r, 0])
+        for c in range(cols):
+            top = max(top, np.int64(x[r, c]))
+        total = 0.0
+        for c in range(cols):
+            v = table[top - np.int64(x[r, c])]
+            e[c] = v
+            total += v
+        for c in range(cols):
+            v = np.rint(np.float32(e[c] / total) / s) + z
+            v = lo if v < lo else v
+            out[r, c] = hi if v > hi else v

@@ -10,6 +10,7 @@ that follows runs in float64 and rounds once.
 
 from __future__ import annotations
 
+import functools
 import math
 from operator import is_
 
@@ -244,15 +245,36 @@ def qlinear_softmax(node, shapes, opset):
         if x.size == 0:
             return (x.copy(),)
         a = normalize_axis(node, axis, x.ndim)
+        y_scale_value = float_scale(node, "y_scale", y_scale)
+        if a == x.ndim - 1 and y_zero is not None:  # rows along the last axis (either opset): one compiled pass
+            return (_softmax_rows(x, float(scale), y_scale_value, y_zero, dtype),)
         # Before opset 13 softmax runs over the input flattened to 2-D at the axis.
         rows = x.reshape(math.prod(x.shape[:a]), -1) if version < 13 else x
         along = 1 if version < 13 else a
         centered = widen(rows) - widen(rows).max(axis=along, keepdims=True)
         e = np.exp(centered * scale)
         p = (e / e.sum(axis=along, keepdims=True)).astype(_F32)
-        return (quantize(p, float_scale(node, "y_scale", y_scale), y_zero, dtype).reshape(x.shape),)
+        return (quantize(p, y_scale_value, y_zero, dtype).reshape(x.shape),)
 
     return kernel
+
+
+@functools.lru_cache(maxsize=64)
+def _exp_table(x_scale: float) -> np.ndarray:
+    """exp(-d * x_scale) for every difference d = max - x of 8-bit codes (0..255), in float64: the values
+    exp((x - max) * x_scale) takes."""
+    table = np.exp(np.arange(0, -256, -1, dtype=np.int64) * x_scale)
+    table.flags.writeable = False
+    return table
+
+
+def _softmax_rows(x, x_scale: float, y_scale, y_zero, dtype) -> np.ndarray:
+    from ..compiled import quantize as compiled
+
+    out = np.empty(x.shape, dtype)
+    compiled.softmax_codes(np.ascontiguousarray(x).reshape(-1, x.shape[-1]), _exp_table(x_scale), y_scale,
+                           int(y_zero), *integer_range(dtype), out.reshape(-1, x.shape[-1]))
+    return out
 
 
 # -- QLinearConcat ---------------------------------------------------------------------------------
