@@ -324,3 +324,15 @@ def test_value_types_check_their_sizes():
     grant.release()
     with pytest.raises(ProviderError, match="already released"):
         grant.commit_bytes(1)
+
+
+def test_workspace_round_trip_on_the_sample_device_provider():
+    """A device provider with its own allocate/deallocate: the composite workspace hooks go through them."""
+    handle = registry().require("SampleDeviceExecutionProvider").create()
+    before = handle.allocation_counts()
+    work = handle.hook.allocate_workspace(size=256, alignment=64, role=MemoryRole.WORKSPACE)
+    assert work.buffer.device == handle.device_id and not work.buffer.device.is_host_accessible
+    handle.hook.deallocate_workspace(workspace=work)
+    assert work.buffer.released
+    allocated, freed = handle.allocation_counts()
+    assert allocated - before[0] == freed - before[1] == 1
