@@ -28,17 +28,27 @@ def shape_of(value):
 
 
 class ShapeKeyedKernel:
-    """Kernels of one node cached per input shapes, created on first sight of a shape tuple."""
+    """Kernels of one node cached per input shapes, created on first sight of a shape tuple.
 
-    __slots__ = ("handle", "node", "graph", "cache")
+    A kernel whose ``shape_free`` attribute is true serves any input shapes (an elementwise function, say): it
+    is then kept for every later call, so a decode loop, whose shapes change every step, does not create the
+    node's kernel again per step. The per-shape cache is bounded: past ``LIMIT`` shapes it starts over."""
+
+    __slots__ = ("handle", "node", "graph", "cache", "shape_free")
+
+    LIMIT = 64
 
     def __init__(self, handle: ProviderHandle, node: Node, graph: Graph, first=None, first_key=None):
         self.handle = handle
         self.node = node
         self.graph = graph
         self.cache = {} if first is None else {first_key: first}
+        self.shape_free = first if getattr(first, "shape_free", False) else None
 
     def __call__(self, *inputs):
+        kernel = self.shape_free
+        if kernel is not None:
+            return kernel(*inputs)
         try:  # arrays (nearly always): their shapes are the key as they are
             key = tuple([x.shape for x in inputs])
             kernel = self.cache.get(key)
@@ -46,7 +56,13 @@ class ShapeKeyedKernel:
             key = tuple(shape_of(x) for x in inputs)
             kernel = self.cache.get(key)
         if kernel is None:
-            kernel = self.cache[key] = make_kernel(self.handle, self.node, list(key), self.graph)
+            kernel = make_kernel(self.handle, self.node, list(key), self.graph)
+            if getattr(kernel, "shape_free", False):
+                self.shape_free = kernel
+            else:
+                if len(self.cache) >= self.LIMIT:  # shapes without bound (a growing sequence): start over
+                    self.cache.clear()
+                self.cache[key] = kernel
         return kernel(*inputs)
 
 

@@ -74,6 +74,14 @@ def spatial_axes(x: np.ndarray) -> tuple[int, ...]:
     return tuple(range(2, x.ndim))
 
 
+def shape_free(kernel):
+    """Mark ``kernel`` as serving any input shapes: a node whose shapes change from run to run (a decode step's
+    mask and cache) keeps it, where the session would otherwise ask for a new kernel per shape (see
+    onnx_runtime.session.steps.ShapeKeyedKernel). Only for kernels that read no planned shape."""
+    kernel.shape_free = True
+    return kernel
+
+
 def quiet(fn):
     """Run ``fn`` with numpy's floating-point warnings off: inf/nan results are ONNX semantics."""
 

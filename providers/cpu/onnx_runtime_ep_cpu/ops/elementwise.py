@@ -19,7 +19,7 @@ from ..algorithms.erf import erf
 from ..algorithms.precision import scalar
 from ..compiled import COMPILED_DTYPES
 from ..registry import register
-from ._common import quiet
+from ._common import quiet, shape_free
 
 # op_type: (first opset, function). Later versions only added types, so one registration covers them.
 # Up to this many elements a Sigmoid runs compiled/sigmoid.py's scalar loop; past it numpy's vectorized exp
@@ -89,7 +89,7 @@ def _unary_factory(fn, silenced: bool):
     fn = quiet(fn) if silenced else fn
 
     def factory(node, shapes, opset):
-        return lambda x: (fn(x),)
+        return shape_free(lambda x: (fn(x),))
 
     return factory
 
@@ -163,7 +163,7 @@ _BINARY = {
 
 def _binary_factory(fn):
     def factory(node, shapes, opset):
-        return lambda a, b: (fn(a, b),)
+        return shape_free(lambda a, b: (fn(a, b),))
 
     return factory
 
@@ -219,7 +219,7 @@ def bit_shift(node, shapes, opset):
 
 @register("Where", since=9)
 def where(node, shapes, opset):
-    return lambda condition, x, y: (np.where(condition, x, y),)
+    return shape_free(lambda condition, x, y: (np.where(condition, x, y),))
 
 
 def _clip(x, low, high):
@@ -244,7 +244,7 @@ def clip(node, shapes, opset):
 
 def _variadic_factory(fn):
     def factory(node, shapes, opset):
-        return lambda *xs: (functools.reduce(fn, xs),)
+        return shape_free(lambda *xs: (functools.reduce(fn, xs),))
 
     return factory
 
@@ -348,7 +348,7 @@ def _cast_options(node):
 
 def _cast_kernel(to, saturate=True, round_mode="up"):
     if to is DataType.STRING or to is DataType.FLOAT8E8M0 or to in _SATURATING_FLOAT8:
-        return lambda x: (cast_to(x, to, saturate, round_mode),)
+        return shape_free(lambda x: (cast_to(x, to, saturate, round_mode),))
     dtype = to.numpy
 
     def kernel(x):
@@ -358,7 +358,7 @@ def _cast_kernel(to, saturate=True, round_mode="up"):
             return (x.astype(dtype, copy=False),)
         return (cast_to(x, to, saturate, round_mode),)
 
-    return kernel
+    return shape_free(kernel)
 
 
 @register("Cast", since=1)

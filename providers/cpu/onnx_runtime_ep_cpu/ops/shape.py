@@ -15,6 +15,7 @@ from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from ..registry import register
+from ._common import shape_free
 
 
 def normalize_axis(axis: int, rank: int) -> int:
@@ -64,13 +65,13 @@ def reshape_v1(node, shapes, opset):
 @register("Reshape", since=5)
 def reshape(node, shapes, opset):
     allowzero = bool(node.attr("allowzero", 0))
-    return lambda x, shape: (reshape_to(x, shape, allowzero),)
+    return shape_free(lambda x, shape: (reshape_to(x, shape, allowzero),))
 
 
 @register("Transpose", since=1)
 def transpose(node, shapes, opset):
     perm = node.attr("perm")  # None reverses the axes
-    return lambda x: (np.transpose(x, perm),)
+    return shape_free(lambda x: (np.transpose(x, perm),))
 
 
 def _squeeze(x, axes):
@@ -112,7 +113,7 @@ def _axes_reshape(compute):
             entry = last[0] = (held, key, compute(x, axes).shape)
         return (x.reshape(entry[2]),)
 
-    return kernel
+    return shape_free(kernel)
 
 
 def _unsqueeze(x, axes):
@@ -141,14 +142,14 @@ def unsqueeze(node, shapes, opset):
 
 @register("Shape", since=1)
 def shape_v1(node, shapes, opset):
-    return lambda x: (np.array(x.shape, dtype=np.int64),)
+    return shape_free(lambda x: (np.array(x.shape, dtype=np.int64),))
 
 
 @register("Shape", since=15)
 def shape(node, shapes, opset):
     # Python slicing clamps start/end to [0, rank] after adding rank to negatives, as ONNX does.
     window = slice(node.attr("start", 0), node.attr("end"))
-    return lambda x: (np.array(x.shape[window], dtype=np.int64),)
+    return shape_free(lambda x: (np.array(x.shape[window], dtype=np.int64),))
 
 
 @register("Size", since=1)
@@ -166,7 +167,7 @@ def expand(node, shapes, opset):
         np.copyto(out, x)
         return (out,)
 
-    return kernel
+    return shape_free(kernel)
 
 
 def _broadcast_shape(node, shape: tuple, target: tuple) -> tuple:
@@ -217,9 +218,10 @@ def _concat_factory(default_axis):
         if axis is None:
             raise _attribute_error(node, "axis", "is missing", "the axis to concatenate on")
         if shapes and shapes[0] is not None and -len(shapes[0]) <= axis < len(shapes[0]):
-            fixed = normalize_axis(axis, len(shapes[0]))  # a known rank: normalized once, not per call
-            return lambda *xs: (np.concatenate(xs, axis=fixed),)
-        return lambda *xs: (np.concatenate(xs, axis=normalize_axis(axis, xs[0].ndim)),)
+            # A valid axis for the known rank: numpy counts a negative one from each call's own rank, as ONNX
+            # does, so the kernel serves every shape (a decode step's growing cache).
+            return shape_free(lambda *xs: (np.concatenate(xs, axis=axis),))
+        return shape_free(lambda *xs: (np.concatenate(xs, axis=normalize_axis(axis, xs[0].ndim)),))
 
     return factory
 
@@ -386,7 +388,7 @@ def gather(node, shapes, opset):
                 return (x[(slice(None),) * ax + ((i,) if indices.ndim == 0 else (slice(i, i + 1),)) + (Ellipsis,)],)
         return (np.take(x, indices, axis=ax),)
 
-    return kernel
+    return shape_free(kernel)
 
 
 @register("GatherElements", since=11)
@@ -420,7 +422,7 @@ def gather_nd(node, shapes, opset):
         gathered = flat_x[(batch_index,) + tuple(np.moveaxis(tuples, -1, 0))]
         return (gathered.reshape(indices.shape[:-1] + x.shape[batch_dims + depth :]),)
 
-    return kernel
+    return shape_free(kernel)
 
 
 _SCATTER_REDUCTIONS = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
@@ -773,4 +775,4 @@ def flatten(node, shapes, opset):
         split = axis % x.ndim if axis < 0 else axis
         return (x.reshape(math.prod(x.shape[:split]), math.prod(x.shape[split:])),)
 
-    return kernel
+    return shape_free(kernel)
