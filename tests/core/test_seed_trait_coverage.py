@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from onnx_runtime import DeviceId, DeviceType, KernelMatch, ProviderHandle, hookimpl
+from onnx_runtime import DeviceBuffer, DeviceId, DeviceType, KernelMatch, Ownership, ProviderHandle, hookimpl
 from onnx_runtime.contract.executor_artifacts import (
     ExecutorArtifactGeneration,
     ExecutorArtifactPolicy,
@@ -21,6 +21,13 @@ from onnx_runtime.contract.executor_artifacts import (
     ExecutorRouteResidencyConfig,
 )
 from onnx_runtime.contract.hookspecs import HOOK_NAMES
+from onnx_runtime.contract.ownership import (
+    AllocationBinding,
+    ManagedAllocation,
+    bound_buffer,
+    into_bound_owner,
+    is_bound,
+)
 from onnx_runtime.contract.residency import (
     ExecutionProviderCapabilities,
     LazyWeight,
@@ -336,3 +343,86 @@ def test_workspace_round_trip_on_the_sample_device_provider():
     assert work.buffer.released
     allocated, freed = handle.allocation_counts()
     assert allocated - before[0] == freed - before[1] == 1
+
+
+# -- bound and managed ownership ---------------------------------------------------------------------------
+class BoundHost(MinimalHost):
+    """A host provider whose buffers are bound: every free goes back through its allocation binding."""
+
+    def __init__(self):
+        self.binding = AllocationBinding("BoundHostExecutionProvider")
+        self.arrays: dict[int, np.ndarray] = {}
+        self.fail_free = False
+
+    def free_owner(self, owner):
+        if self.fail_free:
+            raise ProviderError("BoundHost: the release did not complete")
+        del self.arrays[owner.ptr]
+
+    @hookimpl
+    def allocate(self, size, alignment):
+        raw = np.zeros(size + alignment, np.uint8)
+        start = (-raw.ctypes.data) % alignment
+        host = raw[start:start + size]
+        owner = self.binding.issue(host.ctypes.data, size, alignment)
+        self.arrays[owner.ptr] = raw
+        return bound_buffer(owner, DeviceId.cpu(), host=host)
+
+    @hookimpl
+    def deallocate(self, buffer):
+        owner = into_bound_owner(buffer)
+        if owner is None:
+            raise InvalidArgumentError("BoundHost frees only the bound buffers it allocated")
+        self.binding.release(owner, self.free_owner)
+
+
+def test_bound_buffers_release_through_their_binding_once():
+    provider = BoundHost()
+    handle = ProviderHandle(provider)
+    work = handle.hook.allocate_workspace(size=128, alignment=64, role=MemoryRole.WORKSPACE)
+    owner = into_bound_owner(work.buffer)
+    assert is_bound(work.buffer) and provider.binding.is_live(owner)
+    assert (owner.ptr, owner.size) == (work.buffer.ptr, 128)
+    handle.hook.deallocate_workspace(workspace=work)
+    assert not provider.binding.is_live(owner) and not provider.arrays
+    # A stale owner (kept past its free) is refused without freeing anything.
+    with pytest.raises(InvalidArgumentError, match="stale release"):
+        provider.binding.release(owner, provider.free_owner)
+    # A foreign owner is refused too.
+    other = AllocationBinding("other").issue(0x1000, 8, 8)
+    with pytest.raises(InvalidArgumentError, match="another binding"):
+        provider.binding.release(other, provider.free_owner)
+    # A raw buffer is not bound: the generation-checked path refuses it.
+    raw = DeviceBuffer.from_host_array(np.zeros(4, np.uint8), DeviceId.cpu(), Ownership.OWNED)
+    assert into_bound_owner(raw) is None and not is_bound(raw)
+
+
+def test_a_failed_bound_release_is_quarantined_until_reclaimed():
+    provider = BoundHost()
+    handle = ProviderHandle(provider)
+    buffer = handle.allocate(96, 32)
+    provider.fail_free = True
+    with pytest.raises(ProviderError, match="did not complete"):
+        handle.deallocate(buffer)
+    [record] = provider.binding.quarantined()
+    assert record.retained_bytes == 96 and "did not complete" in record.reason
+    assert provider.binding.quarantined_bytes() == 96 and len(provider.arrays) == 1  # still held, not reused
+    assert provider.binding.reclaim_quarantined(provider.free_owner) == 0  # still failing: it stays
+    provider.fail_free = False
+    assert provider.binding.reclaim_quarantined(provider.free_owner) == 1
+    assert provider.binding.quarantined() == [] and not provider.arrays
+
+
+def test_managed_release_signals_its_settlement():
+    binding = AllocationBinding("managed")
+    managed = ManagedAllocation(binding.issue(0x2000, 64, 64))
+    buffer = bound_buffer(managed, DeviceId.cpu())
+    assert into_bound_owner(buffer) is managed and not managed.settlement_wait(0)
+    binding.release(managed, lambda owner: None)
+    assert managed.settlement_wait(0)
+    # The address can be issued again, with a new generation; the old owner stays stale.
+    again = binding.issue(0x2000, 64, 64)
+    assert again.generation != managed.owner.generation
+    with pytest.raises(InvalidArgumentError, match="stale release"):
+        binding.release(managed.owner, lambda owner: None)
+    binding.release(again, lambda owner: None)
