@@ -250,7 +250,9 @@ MITF_TYPES = [(U8, U8), (U8, I8), (I8, I8)]
                                              ((8,), (8, 5))])
 @pytest.mark.parametrize("per_column", [False, True])
 @pytest.mark.parametrize("optional", [(True, True, True), (False, False, False), (False, True, True)])
-def test_matmul_integer_to_float(a_type, b_type, a_shape, b_shape, per_column, optional):
+@pytest.mark.parametrize("constant", [False, True])
+def test_matmul_integer_to_float(a_type, b_type, a_shape, b_shape, per_column, optional, constant):
+    # constant: B, its parameters and the bias are initializers (B packed once and kept).
     with_a_zero, with_b_zero, with_bias = optional
     a, b = operand_a(a_shape, a_type, b_type), quantized(b_shape, b_type)
     # Per column of each matrix of a batched B: (batch, 1, N), as onnxruntime takes them.
@@ -259,7 +261,8 @@ def test_matmul_integer_to_float(a_type, b_type, a_shape, b_shape, per_column, o
     b_zero = (quantized(columns, b_type) if per_column else zero_point(b_type, 2)) if with_b_zero else None
     a_zero = zero_point(a_type, 9) if with_a_zero else None
     bias = f32(RNG.standard_normal(5)) if with_bias else None
-    ours, theirs = run_both("MatMulIntegerToFloat", [a, b, f32(0.03), b_scale, a_zero, b_zero, bias])
+    ours, theirs = run_both("MatMulIntegerToFloat", [a, b, f32(0.03), b_scale, a_zero, b_zero, bias],
+                            constants=(1, 3, 5, 6) if constant else ())
     assert_floats(ours[0], theirs[0], atol=1e-5)
 
 

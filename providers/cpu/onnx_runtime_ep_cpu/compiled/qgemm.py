@@ -164,6 +164,26 @@ def requantized_batched_product(a, b, multiplier, offset, consts, out):
 
 
 @jit
+def scaled_product(a, a_zero, packed, a_scale, b_scales, bias, out):
+    """MatMulIntegerToFloat: out[m, n] = float32(acc * (a_scale * b_scales[n or 0])), plus the float32 bias[n]
+    in float32 when ``bias`` is not empty, with acc the int32 sum_k (a[m, k] - a_zero) * packed[n, k]: numpy's
+    order of the same float64 products. a (M, K) 8-bit, a_scale the float64 value of a float32 scale,
+    b_scales (1,) or (N,) float64, bias (N,) or (0,) float32, out (M, N) float32."""
+    rows, depth = a.shape
+    columns = packed.shape[0]
+    centred = np.empty((rows, depth), np.int16)
+    _centre(a, np.full(1, a_zero, np.int32), centred)
+    acc = np.empty((rows, columns), np.int32)
+    _centred_product(centred, packed, acc)
+    one = b_scales.shape[0] == 1
+    with_bias = bias.shape[0] > 0
+    for m in range(rows):
+        for n in range(columns):
+            y = np.float32(np.float64(acc[m, n]) * (a_scale * b_scales[0 if one else n]))
+            out[m, n] = y + bias[n] if with_bias else y
+
+
+@jit
 def batched_product(a, a_zero, b, b_zero, out):
     """out[i] = (a[i] - a_zero) @ (b[i] - b_zero) in int32 for (L, M, K) ``a`` and (L, K, N) ``b`` (both
     operands varying: attention's products), each b[i] packed on the fly like a weight."""

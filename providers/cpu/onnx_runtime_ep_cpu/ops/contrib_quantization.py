@@ -537,11 +537,47 @@ def _finish(y, bias, dtype):
     return y.astype(dtype, copy=False)
 
 
+def _fast_integer_to_float(a, b, a_scale, b_scale, a_zero_point, b_zero_point, bias) -> bool:
+    """Whether compiled/qgemm.scaled_product takes these inputs: 8-bit A with per-tensor float32 parameters, a
+    2-D 8-bit B with per-tensor or per-column ones, a float32 (N,) bias or none."""
+    columns = b.shape[-1] if b.ndim else 0
+    return (a.dtype in _EIGHT_BIT and b.dtype in _EIGHT_BIT and b.ndim == 2 and a.ndim >= 1
+            and a.shape[-1] == b.shape[0] and a_scale.dtype == _F32 and a_scale.size == 1 and b_scale.dtype == _F32
+            and (a_zero_point is None or (a_zero_point.size == 1 and a_zero_point.dtype == a.dtype))
+            and all(p is None or (p.size in (1, columns) and p.ndim <= 1) for p in (b_scale, b_zero_point))
+            and (b_zero_point is None or b_zero_point.dtype == b.dtype)
+            and (bias is None or (bias.dtype == _F32 and bias.shape == (columns,))))
+
+
 @register("MatMulIntegerToFloat", domain=CONTRIB_DOMAIN, since=1)
 def matmul_integer_to_float(node, shapes, opset):
     product = IntegerProduct()
+    packed: list = [None, None, None]  # (B, its zero point, B packed as int16) for a constant B
+    no_bias = np.zeros(0, _F32)
+
+    def fast(a, b, a_scale, b_scale, a_zero_point, b_zero_point, bias):
+        from ..compiled import qgemm
+
+        if packed[0] is not b or packed[1] is not b_zero_point:
+            zeros = np.zeros(1, np.int32) if b_zero_point is None else b_zero_point.reshape(-1).astype(np.int32)
+            matrix = np.empty(b.shape[::-1], np.int16)
+            qgemm.pack_columns(b, zeros, matrix)
+            if not b.flags.writeable and (b_zero_point is None or not b_zero_point.flags.writeable):
+                packed[:] = [b, b_zero_point, matrix]
+        else:
+            matrix = packed[2]
+        columns = b.shape[1]
+        out = np.empty(a.shape[:-1] + (columns,), _F32)
+        if out.size:
+            qgemm.scaled_product(np.ascontiguousarray(a).reshape(-1, b.shape[0]),
+                                 0 if a_zero_point is None else int(a_zero_point.reshape(-1)[0]), matrix,
+                                 float(a_scale.reshape(-1)[0]), b_scale.reshape(-1).astype(np.float64),
+                                 no_bias if bias is None else bias, out.reshape(-1, columns))
+        return out
 
     def kernel(a, b, a_scale, b_scale, a_zero_point=None, b_zero_point=None, bias=None):
+        if _fast_integer_to_float(a, b, a_scale, b_scale, a_zero_point, b_zero_point, bias):
+            return (fast(a, b, a_scale, b_scale, a_zero_point, b_zero_point, bias),)
         eight_bit(node, "A", a)
         eight_bit(node, "B", b)
         _matmul_shapes(node, a, b)
