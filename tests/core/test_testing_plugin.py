@@ -210,3 +210,12 @@ def test_nodes_placed_elsewhere_that_the_provider_never_declined_are_a_silent_fa
     first = onnx_runtime.InferenceSession(model, providers=[sample, "CPUExecutionProvider"])
     with pytest.raises(Declined, match=r"declined by SampleDeviceExecutionProvider: sm \(Softmax\): .*runs only"):
         check_placement(first, sample)
+
+
+def test_sessions_from_the_fixtures_check_every_kernel_call(pytester):
+    """Strict kernels are on in the plugin: the careless Relu (an array for a tuple) fails in a session too."""
+    pytester.makeconftest(BROKEN_CONFTEST)
+    pytester.makepyfile(test_session=SESSION_TEST)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--provider", "careless")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*KernelContractError*CarelessExecutionProvider*relu*"])

@@ -114,9 +114,14 @@ def normalize(value):
     return numpy_helper.to_array(value) if isinstance(value, onnx.TensorProto) else value
 
 
+STRICT_KERNELS = "session.strict_kernels"  # session/strict.py: every kernel call checked against its node
+
+
 def run_case(model, data_sets, rtol: float, atol: float, provider: str = "CPUExecutionProvider",
-             fallback: str | None = None, provider_options: dict | None = None) -> None:
-    """Run one case on ``provider`` (``fallback`` listed after it, if any) and compare every data set.
+             fallback: str | None = None, provider_options: dict | None = None, strict: bool = True) -> None:
+    """Run one case on ``provider`` (``fallback`` listed after it, if any) and compare every data set. With
+    ``strict``, the session checks every kernel call (a tuple of the node's arity, declared dtypes and shapes,
+    inputs unchanged) and a broken rule fails the case.
 
     Raises :class:`Declined` when the provider declines a node of the case, :class:`SilentFallback` when a node
     it accepted ran elsewhere, and AssertionError when an output differs."""
@@ -128,6 +133,8 @@ def run_case(model, data_sets, rtol: float, atol: float, provider: str = "CPUExe
     if fallback:
         providers.append(fallback)
     options = SessionOptions()
+    if strict:
+        options.add_session_config_entry(STRICT_KERNELS, "1")
     with tempfile.TemporaryDirectory(prefix="onnx_runtime_testing_") as scratch:
         # With a fallback listed, the profile's node events say which provider each node ran on.
         options.enable_profiling = bool(fallback)

@@ -119,14 +119,21 @@ def provider_handle(provider_name, onnx_runtime_target):
 def session_factory(provider_name, onnx_runtime_target):
     """``session_factory(model, fallback=False, options=None)``: an ``InferenceSession`` on the provider under
     test (with its options), the fallback provider listed after it when ``fallback`` is true; closed afterwards.
-    ``model`` is a path, bytes or a ``ModelProto``."""
-    from ..session import InferenceSession
+    ``model`` is a path, bytes or a ``ModelProto``. Strict kernels are on (session/strict.py) unless ``options``
+    sets ``session.strict_kernels`` itself."""
+    from ..errors import ConfigEntryNotSetError
+    from ..session import InferenceSession, SessionOptions
 
     made = []
 
     def make(model, fallback: bool = False, options=None):
         if hasattr(model, "SerializeToString"):
             model = model.SerializeToString()
+        options = options if options is not None else SessionOptions()
+        try:
+            options.get_session_config_entry(cases.STRICT_KERNELS)
+        except ConfigEntryNotSetError:  # not set by the test: strict
+            options.add_session_config_entry(cases.STRICT_KERNELS, "1")
         providers: list = [(provider_name, dict(onnx_runtime_target.options))]
         if fallback and onnx_runtime_target.fallback:
             providers.append(onnx_runtime_target.fallback)
