@@ -19,7 +19,7 @@ from onnx import numpy_helper
 from .dtypes import DataType
 from .errors import InvalidGraphError, ModelContentError, ModelLoadError, ModelNotFoundError, ModelParseError
 from .ir import Graph, Model, Node, TypeInfo, ValueInfo
-from .model_checks import MAX_DECLARED_DIM, check_model_structure
+from .model_checks import MAX_DECLARED_DIM, check_model_structure, check_types
 
 _ATTR = onnx.AttributeProto
 
@@ -38,6 +38,7 @@ def load_model(model, infer_shapes: bool = True, free_dims: tuple[dict, dict] | 
     if infer_shapes:
         light, top = _infer_shapes(proto)
     opsets = {("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in proto.opset_import}
+    check_types(top, opsets, _label(path))  # with the inferred types: mixed or disallowed input types
     try:
         graph = convert_graph(top, opsets, outer_scope=(), initializer_protos=proto.graph.initializer)
     except (InvalidGraphError, ModelLoadError):

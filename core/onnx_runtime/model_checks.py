@@ -13,7 +13,9 @@ module checks only what would be unsafe to hand on, against the operator schemas
   no required input left empty, and every value defined once;
 - every attribute of the type its schema declares, and every required one present;
 - model-local functions free of call cycles;
-- declared dimensions (graph inputs, outputs, value_info) below ``MAX_DECLARED_DIM`` (a negative one is dynamic).
+- declared dimensions (graph inputs, outputs, value_info) below ``MAX_DECLARED_DIM`` (a negative one is dynamic);
+- after shape inference (:func:`check_types`), each node input's element type among those its schema allows, and
+  the inputs that share a type parameter of one type (a float32 + int64 Add is refused, as onnxruntime does).
 
 Operators without a schema (custom domains, onnxruntime's contrib operators) pass; placement reports
 later whether a provider runs them.
@@ -156,15 +158,18 @@ def _subgraphs(node: onnx.NodeProto):
 
 def _check_graph(graph: onnx.GraphProto, opsets: dict[str, int], where: str) -> None:
     _check_dims([*graph.input, *graph.output, *graph.value_info], where)
-    defined = {vi.name for vi in graph.input} | {init.name for init in graph.initializer}
+    defined: dict[str, str | None] = dict.fromkeys([vi.name for vi in graph.input] +
+                                                   [init.name for init in graph.initializer])
     for node in graph.node:
         _check_node(node, opsets, where)
         for name in node.output:
             if name in defined:  # one definition per value (SSA): shape inference and the IR key values by name
-                raise InvalidGraphError(f"{_node_label(node)} in {where} defines {name!r}, which a graph input, an "
-                                        "initializer or an earlier node already defines; rename one of them")
+                first = defined[name]
+                problem = (f"is produced by more than one node ({first}, then {_node_label(node)})" if first else
+                           f"is a graph input or initializer and also produced by {_node_label(node)}")
+                raise InvalidGraphError(f"value {name!r} in {where} {problem}; ONNX graphs are SSA: rename one")
             if name:
-                defined.add(name)
+                defined[name] = _node_label(node)
         for body in _subgraphs(node):
             _check_graph(body, opsets, f"a subgraph of {_node_label(node)} in {where}")
 
@@ -224,3 +229,49 @@ def check_model_structure(proto: onnx.ModelProto, label: str) -> None:
         inner.update({("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in function.opset_import})
         for node in function.node:
             _check_node(node, inner, f"function {function.domain}::{function.name}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _input_types(op_type: str, domain: str, version: int):
+    """Per formal input: (allowed type strings, the type parameter when inputs share it); None without a schema."""
+    try:
+        schema = defs.get_schema(op_type, version, domain)
+    except defs.SchemaError:
+        return None
+    allowed = {c.type_param_str: frozenset(c.allowed_type_strs) for c in schema.type_constraints}
+    return tuple((allowed.get(p.type_str, frozenset({p.type_str})),
+                  p.type_str if p.type_str in allowed and p.is_homogeneous else None) for p in schema.inputs)
+
+
+def _type_string(elem_type: int) -> str:
+    return f"tensor({onnx.TensorProto.DataType.Name(elem_type).lower()})"
+
+
+def check_types(graph: onnx.GraphProto, opsets: dict[str, int], label: str) -> None:
+    """Raise ``InvalidGraphError`` for a node of ``graph`` (shape-inferred) fed an element type its schema does not
+    allow, or inputs of one type parameter of different types. Values of unknown type pass."""
+    known: dict[str, int] = {init.name: init.data_type for init in graph.initializer}
+    for vi in (*graph.input, *graph.value_info, *graph.output):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+            known[vi.name] = vi.type.tensor_type.elem_type
+    for node in graph.node:
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        version = opsets.get(domain)
+        formals = _input_types(node.op_type, domain, version) if version is not None and not domain else None
+        if not formals:
+            continue
+        bound: dict[str, tuple[str, int]] = {}
+        for i, name in enumerate(node.input):
+            if not name or name not in known:
+                continue
+            allowed, param = formals[min(i, len(formals) - 1)]
+            given = _type_string(known[name])
+            if given not in allowed:
+                raise InvalidGraphError(f"{_node_label(node)} in model {label}: input {i} ({name!r}) is {given}; its "
+                                        f"schema allows {', '.join(sorted(allowed))}; cast it in the exporter")
+            if param is not None:
+                first = bound.setdefault(param, (given, i))
+                if first[0] != given:
+                    raise InvalidGraphError(
+                        f"{_node_label(node)} in model {label}: inputs {first[1]} and {i} share type {param} but are "
+                        f"{first[0]} and {given}; cast one of them in the exporter")

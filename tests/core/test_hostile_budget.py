@@ -110,3 +110,31 @@ def test_an_operator_name_that_is_not_text_is_refused():
     assert isinstance(onnx.ModelProto.FromString(data).graph.node[0].op_type, bytes)
     with pytest.raises(InvalidGraphError, match="not UTF-8 text"):
         InferenceSession(data, providers=["CPUExecutionProvider"])
+
+
+def test_inputs_of_one_type_parameter_must_share_their_type():
+    # float32 + int64 returned float64 (numpy's promotion); the schema's T is one type, as onnxruntime enforces.
+    with pytest.raises(InvalidGraphError, match=r"inputs 0 and 1 share type T but are tensor\(float\) and "
+                                                r"tensor\(int64\)"):
+        session([helper.make_node("Add", ["a", "b"], ["y"])], [vi("a", TensorProto.FLOAT, [2]),
+                                                               vi("b", TensorProto.INT64, [2])])
+
+
+def test_an_element_type_the_schema_does_not_allow_is_refused():
+    # A string into Acosh reached numpy's ufunc (TypeError inside a KernelError).
+    with pytest.raises(InvalidGraphError, match=r"input 0 \('x'\) is tensor\(string\); its schema allows"):
+        session([helper.make_node("Acosh", ["x"], ["y"])], [vi("x", TensorProto.STRING, [2])])
+
+
+@pytest.mark.parametrize("op", ["Div", "Mod"])
+def test_integer_division_by_zero_is_refused(op):
+    # numpy warned and returned 0; the spec leaves it undefined.
+    s = session([helper.make_node(op, ["a", "b"], ["y"], name="q")], [vi("a", TensorProto.INT64, [2]),
+                                                                      vi("b", TensorProto.INT64, [2])])
+    np.testing.assert_array_equal(s.run(None, {"a": np.array([7, -7]), "b": np.array([2, 2])})[0],
+                                  [3, -3] if op == "Div" else [1, 1])
+    with pytest.raises(InvalidArgumentError, match=f"'q'.*{op}: integer division by zero"):
+        s.run(None, {"a": np.array([7, 1]), "b": np.array([2, 0])})
+    floats = session([helper.make_node(op, ["a", "b"], ["y"], **({"fmod": 1} if op == "Mod" else {}))],
+                     [vi("a", TensorProto.FLOAT, [1]), vi("b", TensorProto.FLOAT, [1])])
+    assert not np.isfinite(floats.run(None, {"a": np.ones(1, np.float32), "b": np.zeros(1, np.float32)})[0]).all()

@@ -12,7 +12,7 @@ import functools
 import ml_dtypes
 import numpy as np
 from onnx_runtime.dtypes import DataType
-from onnx_runtime.errors import InvalidGraphError
+from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from ..algorithms.activations import hard_swish, mish, sigmoid, softplus, softsign
 from ..algorithms.erf import erf
@@ -120,7 +120,15 @@ def is_inf(node, shapes, opset):
     return kernel
 
 
+def _nonzero_divisor(b, op: str) -> None:
+    """Integer division by zero has no value (numpy warns and returns 0): refused, as the spec leaves it undefined."""
+    if not b.all():
+        raise InvalidArgumentError(f"{op}: integer division by zero (the divisor B has a zero element); guard the "
+                                   "divisor in the model, or compute in floating point")
+
+
 def _int_div(a, b):
+    _nonzero_divisor(b, "Div")
     # floor_divide rounds toward -inf; ONNX integer Div truncates toward zero.
     quotient = np.floor_divide(a, b)
     inexact = (np.remainder(a, b) != 0) & ((a < 0) != (b < 0))
@@ -201,7 +209,13 @@ def mod(node, shapes, opset):
         raise InvalidGraphError(f"node {node.name!r} (Mod): attribute 'fmod' is {fmod}; expected 0 or 1")
     # np.fmod truncates (C fmod, sign of A); np.mod floors (Python %, sign of B).
     fn = quiet(np.fmod if fmod else np.mod)
-    return lambda a, b: (fn(a, b),)
+
+    def kernel(a, b):
+        if b.dtype.kind in "iu":
+            _nonzero_divisor(b, "Mod")
+        return (fn(a, b),)
+
+    return kernel
 
 
 @register("BitShift", since=11)
