@@ -112,3 +112,26 @@ def test_a_capture_holds_other_threads_device_work_until_it_ends(cuda_handle):
     cuda_handle.deallocate(mine)
     other.deallocate(theirs)
     other.shutdown()
+
+
+def test_a_free_on_the_capturing_thread_is_not_recorded_into_the_graph(cuda_handle):
+    """A tensor garbage-collected on the capturing thread (any session's) frees its memory there: recorded into
+    the graph, every replay would free it again (the simulator fails the launch; a GPU corrupts its pool)."""
+    from onnx_runtime import DeviceGraphOwner, DeviceGraphSlot
+
+    device = cuda_handle.provider.cuda_device()
+    mine, stale = cuda_handle.allocate(64, 256), cuda_handle.allocate(64, 256)
+    frees = device.frees
+    token = cuda_handle.hook.begin_owned_device_graph_capture(owner=DeviceGraphOwner.new(),
+                                                              slot=DeviceGraphSlot.PRIMARY, continuation=None,
+                                                              kernels=[])
+    cuda_handle.provider.fill(mine, 3)
+    cuda_handle.deallocate(stale)  # what a finalizer does mid-capture
+    cuda_handle.hook.end_owned_device_graph_capture(token=token)
+    assert device.frees == frees + 1  # counted once, and freed once the capture ended
+    for _ in range(2):
+        cuda_handle.hook.replay_owned_device_graph(token=token)
+    out = np.empty(64, np.uint8)
+    cuda_handle.copy_to_host(mine, out)
+    assert (out == 3).all()
+    cuda_handle.deallocate(mine)

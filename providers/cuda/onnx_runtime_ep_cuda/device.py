@@ -88,6 +88,8 @@ class CudaDevice:
         self._lock = threading.Lock()
         self._gate = threading.RLock()  # see "Threads" in the module docstring
         self._capture_thread: int | None = None
+        self._captured_bases: set[int] = set()  # allocated during the capture: the graph's own memory
+        self._frees_after_capture: list[tuple[int, int]] = []
         self._kernel_names: dict[int, str] = {}  # function handle -> "file.cu:kernel", for fault reports
         self._recent = collections.deque(maxlen=8)  # the functions launched last, newest last
         self._check(d.cuInit(0), "cuInit")
@@ -216,6 +218,8 @@ class CudaDevice:
             self.bytes_in_use += nbytes
             self.peak_bytes = max(self.peak_bytes, self.bytes_in_use)
             self._allocated_since_join |= self.pooled
+            if self._capture_thread == threading.get_ident():
+                self._captured_bases.add(base)
         return address, base
 
     def free(self, base: int) -> None:
@@ -232,6 +236,11 @@ class CudaDevice:
 
     def _release(self, base: int, nbytes: int) -> None:
         self._bind()
+        if self._capture_thread == threading.get_ident() and base not in self._captured_bases:
+            # A free on the capturing thread (a garbage-collected tensor of any session) would be recorded into
+            # the graph and repeated at every replay, on memory the graph does not own: free it after the capture.
+            self._frees_after_capture.append((base, nbytes))
+            return
         d = self.driver
         with self._gate:
             if self._transfer_since_join:  # a copy_async may still read or write this memory
@@ -430,7 +439,13 @@ class CudaDevice:
     def end_capture(self) -> None:
         if self._capture_thread == threading.get_ident():  # only the capturing thread holds the gate
             self._capture_thread = None
-            self._gate.release()
+            self._captured_bases.clear()
+            frees, self._frees_after_capture = self._frees_after_capture, []
+            try:
+                for base, nbytes in frees:
+                    self._release(base, nbytes)
+            finally:
+                self._gate.release()
 
     def capture_gate(self):
         """The gate, for a driver call on the compute stream outside this class (a graph launch)."""
