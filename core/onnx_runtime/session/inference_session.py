@@ -212,12 +212,23 @@ def _run_custom_passes(graph, handles: list[ProviderHandle], applied: list[str],
     return changed
 
 
+_created = False  # whether this process created a session before (_collector_paused)
+
+
 @contextmanager
 def _collector_paused():
     """Session creation builds tens of thousands of long-lived objects (IR, plans, kernels); the cyclic
     garbage collector would rescan them generation after generation (measured in eb68128). It is
-    paused meanwhile and runs as usual afterwards; a collection already disabled stays disabled."""
+    paused meanwhile and runs as usual afterwards; a collection already disabled stays disabled.
+
+    A session dropped before holds its weights and plans in reference cycles until a collection: paused, the
+    next creation would build beside it (two sessions' memory at the high-water of create/destroy loops).
+    From the second creation in a process on, one full collection runs first."""
+    global _created
     was_enabled = gc.isenabled()
+    if was_enabled and _created:
+        gc.collect()
+    _created = True
     gc.disable()
     try:
         yield
