@@ -76,7 +76,8 @@ def get_device() -> str:
 
 __all__ = [
     "ArgmaxTieBreak", "Availability", "ExecutionOrder", "capi", "get_build_info", "get_version_string",
-    "set_default_logger_severity", "set_default_logger_verbosity", "CaptureRegionShapeStatus", "DataType", "DeviceBindingSpec",
+    "set_default_logger_severity", "set_default_logger_verbosity", "CaptureRegionShapeStatus", "DataType",
+    "DeviceBindingSpec",
     "DeviceBindingTransferStats", "DeviceBuffer", "DeviceIoBinding", "ExternalMemorySpec",
     "DeviceGraphOwner", "DeviceGraphSlot", "DeviceGraphToken", "DeviceId", "DeviceType",
     "DeviceValidationOwner", "DeviceValidationRegistration", "DeviceValidationToken", "EpContext",
