@@ -244,7 +244,10 @@ def _input_types(op_type: str, domain: str, version: int):
 
 
 def _type_string(elem_type: int) -> str:
-    return f"tensor({onnx.TensorProto.DataType.Name(elem_type).lower()})"
+    try:
+        return f"tensor({onnx.TensorProto.DataType.Name(elem_type).lower()})"
+    except ValueError:  # a number no ONNX type has: allowed by no schema
+        return f"tensor(undefined type {elem_type})"
 
 
 def check_types(graph: onnx.GraphProto, opsets: dict[str, int], label: str) -> None:

@@ -138,3 +138,9 @@ def test_integer_division_by_zero_is_refused(op):
     floats = session([helper.make_node(op, ["a", "b"], ["y"], **({"fmod": 1} if op == "Mod" else {}))],
                      [vi("a", TensorProto.FLOAT, [1]), vi("b", TensorProto.FLOAT, [1])])
     assert not np.isfinite(floats.run(None, {"a": np.ones(1, np.float32), "b": np.zeros(1, np.float32)})[0]).all()
+
+
+def test_an_element_type_number_onnx_does_not_define_is_refused():
+    # Found by the fuzz harness: the type check itself raised ValueError on elem_type 100.
+    with pytest.raises(InvalidGraphError, match=r"tensor\(undefined type 100\)"):
+        session([helper.make_node("Relu", ["x"], ["y"])], [vi("x", 100, [2])])
