@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError
 
 from ..algorithms.conv_path import conv_path
@@ -43,6 +44,8 @@ def _conv_resolver(node, shapes):
         if found is None:
             _check_channels(node, x.shape[1], w.shape, group, transpose=False)
             geo = window.resolve(x.shape[2:], w.shape[2:])
+            # Padding sizes the output (and the padded rows): within the session's budget before allocating.
+            budget.check_shape((x.shape[0], w.shape[0], *geo.out), max(x.dtype.itemsize, 4), f"{node.op_type}'s output")
             found = paths[key] = (conv_path(geo, group, x, w, prepared), (x.shape[0], w.shape[0], *geo.out))
         return found
 
