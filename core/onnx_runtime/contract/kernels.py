@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from ..devices import TensorLayout
+
 
 @dataclass(frozen=True, slots=True)
 class KernelMatch:
@@ -104,3 +106,14 @@ class EpContext:
 # A graph pass: takes an onnx_runtime.ir.Graph (and, optionally, the ``owns(node)`` predicate of
 # ``custom_passes``), rewrites it in place, returns True if it changed.
 GraphPass = Callable[..., bool]
+
+
+def input_facts(graph, node) -> tuple[list, list, list]:
+    """Per input of ``node``: its shape, dtype and layout as ``graph`` knows them (``supports_op``'s arguments)."""
+    shapes, dtypes, layouts = [], [], []
+    for name in node.inputs:
+        info = graph.type_of(name) if name else None
+        shapes.append(info.shape if info is not None and info.is_tensor else None)
+        dtypes.append(info.dtype if info is not None else None)
+        layouts.append(TensorLayout.default())
+    return shapes, dtypes, layouts

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..devices import TensorLayout
 from ..errors import InvalidArgumentError, NotSupportedError
 from .buffers import DeviceBuffer
 from .executor_artifacts import (
@@ -25,6 +24,7 @@ from .executor_artifacts import (
     ExecutorKernelScope,
     ExecutorRouteResidencyConfig,
 )
+from .kernels import input_facts
 from .markers import hookimpl
 from .residency import (
     ExecutionProviderCapabilities,
@@ -214,12 +214,7 @@ class MemoryDefaults:
 
     @hookimpl(trylast=True)
     def supports_node(self, graph: Graph, node: Node) -> KernelMatch:
-        shapes, dtypes, layouts = [], [], []
-        for name in node.inputs:
-            info = graph.type_of(name) if name else None
-            shapes.append(info.shape if info is not None and info.is_tensor else None)
-            dtypes.append(info.dtype if info is not None else None)
-            layouts.append(TensorLayout.default())
+        shapes, dtypes, layouts = input_facts(graph, node)
         match: KernelMatch = self._handle.hook.supports_op(
             node=node, opset=node.opset, shapes=shapes, dtypes=dtypes, layouts=layouts)
         return match

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import budget
+from ..contract.kernels import input_facts
 from ..discovery import EXTRAS, registry
 from ..dtypes import DataType
 from ..errors import InvalidArgumentError, InvalidGraphError, OnnxRuntimeError, ProviderError, ProviderNotAvailableError
@@ -27,7 +28,7 @@ from ..tensor import Tensor
 from .executor import Executor, graph_slot_of
 from .io_binding import IOBinding
 from .options import RunOptions, SessionOptions
-from .placement import Placement, input_facts, place
+from .placement import Placement, place
 from .profiling import Profile
 from .specialize import Specializer
 from .strict import STRICT_KEY

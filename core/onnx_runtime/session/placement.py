@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from ..devices import TensorLayout
+from ..contract.kernels import input_facts
 from ..errors import ProviderError, UnsupportedOperatorError
 from ..ir import Graph, Node
 from ..provider_handle import ProviderHandle
@@ -78,17 +78,6 @@ class Placement:
             lines.append(f"{len(self.copies)} copies at device boundaries:")
             lines.extend(f"  {c.value}: {c.source} -> {c.target}" for c in self.copies)
         return "\n".join(lines)
-
-
-def input_facts(graph: Graph, node: Node):
-    """Per input of ``node``: its shape, dtype and layout as the graph knows them (supports_op's arguments)."""
-    shapes, dtypes, layouts = [], [], []
-    for name in node.inputs:
-        info = graph.type_of(name) if name else None
-        shapes.append(info.shape if info is not None and info.is_tensor else None)
-        dtypes.append(info.dtype if info is not None else None)
-        layouts.append(TensorLayout.default())
-    return shapes, dtypes, layouts
 
 
 def place(graph: Graph, handles: list[ProviderHandle], expander=None) -> tuple[Placement, dict[str, ProviderHandle]]:
