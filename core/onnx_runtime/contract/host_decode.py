@@ -43,12 +43,7 @@ def host_argmax(provider: str, logits: DeviceBuffer, elements, batch, dtype, res
     dtype = DataType.parse(dtype)
     if dtype not in ARGMAX_DTYPES:
         raise InvalidArgumentError(f"{provider}: device argmax takes float32, float16 or bfloat16 logits, got {dtype}")
-    try:
-        tie_break = ArgmaxTieBreak.LOWEST_INDEX if tie_break is None else ArgmaxTieBreak(tie_break)
-    except ValueError:
-        raise InvalidArgumentError(
-            f"{provider}: tie_break must be an ArgmaxTieBreak (LOWEST_INDEX or HIGHEST_INDEX), got {tie_break!r}"
-        ) from None
+    tie_break = ArgmaxTieBreak.checked(tie_break, provider)
     source = _view(provider, logits, "logits", elements * batch * dtype.numpy.itemsize)
     words = _view(provider, result, "result", 8 * batch, writable=True)[: 8 * batch].view(np.uint32)
     if batch == 0:

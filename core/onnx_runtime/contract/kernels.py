@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ..devices import TensorLayout
+from ..errors import InvalidArgumentError
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,16 @@ class ArgmaxTieBreak(enum.Enum):
     @property
     def select_last_index(self) -> bool:
         return self is ArgmaxTieBreak.HIGHEST_INDEX
+
+    @classmethod
+    def checked(cls, value, provider: str) -> ArgmaxTieBreak:
+        """``value`` (None: LOWEST_INDEX) as a tie-break, or an InvalidArgumentError naming ``provider``."""
+        try:
+            return cls.LOWEST_INDEX if value is None else cls(value)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"{provider}: tie_break must be an ArgmaxTieBreak (LOWEST_INDEX or HIGHEST_INDEX), got {value!r}"
+            ) from None
 
 
 @dataclass(slots=True)

@@ -57,12 +57,7 @@ def device_argmax(device, device_id, flags_address: int, logits, elements, batch
         dtype = None
     if dtype not in ARGMAX_SUFFIX:
         raise InvalidArgumentError(f"{NAME}: device argmax takes float32, float16 or bfloat16 logits, got {dtype}")
-    try:
-        tie_break = ArgmaxTieBreak.LOWEST_INDEX if tie_break is None else ArgmaxTieBreak(tie_break)
-    except ValueError:
-        raise InvalidArgumentError(
-            f"{NAME}: tie_break must be an ArgmaxTieBreak (LOWEST_INDEX or HIGHEST_INDEX), got {tie_break!r}"
-        ) from None
+    tie_break = ArgmaxTieBreak.checked(tie_break, NAME)
     logits_ptr = _device_buffer(logits, "logits", device_id, elements * batch * dtype.numpy.itemsize)
     result_ptr = _device_buffer(result, "result", device_id, 8 * batch, writable=True)
     if batch == 0:
