@@ -63,6 +63,10 @@ class CUDAExecutionProvider:
         return "cuda"
 
     @hookimpl
+    def contract_version(self):
+        return "1.1"
+
+    @hookimpl
     def device_type(self):
         return DeviceType.CUDA
 
