@@ -144,3 +144,26 @@ def test_an_element_type_number_onnx_does_not_define_is_refused():
     # Found by the fuzz harness: the type check itself raised ValueError on elem_type 100.
     with pytest.raises(InvalidGraphError, match=r"tensor\(undefined type 100\)"):
         session([helper.make_node("Relu", ["x"], ["y"])], [vi("x", 100, [2])])
+
+
+def test_split_sizes_must_be_non_negative():
+    """[4, -1] sums to a dimension of 3: it used to return 3 and 0 elements where the spec has no answer."""
+    graph = helper.make_graph([helper.make_node("Split", ["x", "s"], ["a", "b"], name="cut", axis=0)], "g",
+                              [vi("x", TensorProto.FLOAT, [3]), vi("s", TensorProto.INT64, [2])],
+                              [vi("a", TensorProto.FLOAT, None), vi("b", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 17)])
+    s = InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.arange(3, dtype=np.float32)
+    assert [v.tolist() for v in s.run(None, {"x": x, "s": np.array([1, 2])})] == [[0.0], [1.0, 2.0]]
+    with pytest.raises(InvalidArgumentError, match=r"'cut'.*non-negative values"):
+        s.run(None, {"x": x, "s": np.array([4, -1])})
+
+
+def test_negative_pads_may_remove_at_most_the_axis():
+    """Pads of -5 on an axis of 3 used to return an empty axis silently."""
+    s = session([helper.make_node("Pad", ["x", "p"], ["y"])],
+                [vi("x", TensorProto.FLOAT, [3]), vi("p", TensorProto.INT64, [2])])
+    x = np.arange(3, dtype=np.float32)
+    assert s.run(None, {"x": x, "p": np.array([-1, 2])})[0].tolist() == [1.0, 2.0, 0.0, 0.0]
+    with pytest.raises(InvalidArgumentError, match="removes 5 elements of axis 0, which has 3"):
+        s.run(None, {"x": x, "p": np.array([-5, 4])})

@@ -262,9 +262,9 @@ def _split_kernel(node, sizes_attr=None, uneven_last=False):
             sizes = list(sizes_attr)
         else:
             sizes = _split_sizes(x.shape[ax], parts, uneven_last)
-        if len(sizes) != parts or sum(sizes) != x.shape[ax]:
+        if len(sizes) != parts or sum(sizes) != x.shape[ax] or min(sizes, default=0) < 0:
             raise InvalidArgumentError(
-                f"Split {node.name!r}: sizes {sizes} must be {parts} values summing to dimension "
+                f"Split {node.name!r}: sizes {sizes} must be {parts} non-negative values summing to dimension "
                 f"{x.shape[ax]} of axis {ax}"
             )
         if split is None or not split.flags.writeable:  # no input, or a constant: the same sizes every run
@@ -493,6 +493,11 @@ class _PadLayout:
 
     def __init__(self, shape, begin, end, mode):
         # Negative pads remove elements: crop first, then pad with what is left.
+        for axis, (dim, b, e) in enumerate(zip(shape, begin, end)):
+            if max(-b, 0) + max(-e, 0) > dim:
+                raise InvalidArgumentError(
+                    f"Pad removes {max(-b, 0) + max(-e, 0)} elements of axis {axis}, which has {dim} (pads {b} and "
+                    f"{e}); negative pads may remove at most the axis's elements")
         self.crop = tuple(slice(max(-b, 0), dim - max(-e, 0)) for dim, b, e in zip(shape, begin, end))
         if all(b >= 0 and e >= 0 for b, e in zip(begin, end)):
             self.crop = None
