@@ -167,3 +167,19 @@ def test_negative_pads_may_remove_at_most_the_axis():
     assert s.run(None, {"x": x, "p": np.array([-1, 2])})[0].tolist() == [1.0, 2.0, 0.0, 0.0]
     with pytest.raises(InvalidArgumentError, match="removes 5 elements of axis 0, which has 3"):
         s.run(None, {"x": x, "p": np.array([-5, 4])})
+
+
+@pytest.mark.parametrize(("node", "inputs", "feeds", "what"), [
+    (helper.make_node("Expand", ["x", "s"], ["y"], name="grow"),
+     [vi("x", TensorProto.FLOAT, [1]), vi("s", TensorProto.INT64, [2])],
+     {"x": np.ones(1, np.float32), "s": np.array([1 << 20, 1 << 20])}, "Expand's output"),
+    (helper.make_node("Pad", ["x", "p"], ["y"], name="grow"),
+     [vi("x", TensorProto.FLOAT, [1]), vi("p", TensorProto.INT64, [2])],
+     {"x": np.ones(1, np.float32), "p": np.array([0, 1 << 40])}, "Pad's output"),
+    (helper.make_node("Resize", ["x", "", "sc"], ["y"], name="grow"),
+     [vi("x", TensorProto.FLOAT, [1, 1, 2, 2]), vi("sc", TensorProto.FLOAT, [4])],
+     {"x": np.ones((1, 1, 2, 2), np.float32), "sc": np.array([1, 1, 1e6, 1e6], np.float32)}, "Resize's output"),
+])
+def test_expand_pad_and_resize_check_their_output_against_the_budget(node, inputs, feeds, what):
+    with pytest.raises(ShapeOverflowError, match=rf"'grow'.*{what}.*session.max_value_bytes"):
+        session([node], inputs, limit=1 << 20).run(None, feeds)

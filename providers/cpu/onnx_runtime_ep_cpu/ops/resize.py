@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from onnx_runtime import budget
 
 from ..algorithms.sampling import cast_back, cubic_weights, interp_dtype, linear_weights
 from ..registry import register
@@ -160,6 +161,8 @@ def _resize(x: np.ndarray, s: _Sampling, plans: list[_AxisPlan]) -> np.ndarray:
     out_shape = list(x.shape)
     for plan in plans:
         out_shape[plan.axis] = plan.out_len
+    working = x.dtype if s.mode == "nearest" else np.dtype(interp_dtype(x.dtype))
+    budget.check_shape(out_shape, max(x.dtype.itemsize, working.itemsize), "Resize's output")
     if x.size == 0 or 0 in out_shape:
         return np.zeros(out_shape, dtype=x.dtype)
     cropping = s.coordinates == "tf_crop_and_resize"

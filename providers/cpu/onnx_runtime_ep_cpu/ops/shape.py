@@ -163,6 +163,7 @@ def expand(node, shapes, opset):
         target = _broadcast_shape(node, x.shape, tuple(np.asarray(shape).reshape(-1).tolist()))
         # Materialized (a read-only zero-stride view would surprise whoever receives the output), by one
         # copy into a fresh array: np.broadcast_shapes and broadcast_to cost several times a small copy.
+        budget.check_shape(target, x.dtype.itemsize, "Expand's output")
         out = np.empty(target, x.dtype)
         np.copyto(out, x)
         return (out,)
@@ -481,7 +482,7 @@ def _pad_mode(node, opset):
 
 
 def _pad(x, pads, mode, value=0, axes=None):
-    return _pad_layout(x.shape, pads, mode, axes).apply(x, value)
+    return _pad_layout(x.shape, pads, mode, axes, x.dtype.itemsize).apply(x, value)
 
 
 class _PadLayout:
@@ -521,7 +522,7 @@ class _PadLayout:
         return _pad_by_slices(x, self, value)
 
 
-def _pad_layout(shape, pads, mode, axes=None) -> _PadLayout:
+def _pad_layout(shape, pads, mode, axes=None, itemsize=8) -> _PadLayout:
     pads = np.asarray(pads).reshape(-1).tolist()
     rank = len(shape)
     axes = range(rank) if axes is None else normalize_axes(axes, rank)
@@ -530,6 +531,7 @@ def _pad_layout(shape, pads, mode, axes=None) -> _PadLayout:
     begin, end = [0] * rank, [0] * rank
     for i, axis in enumerate(axes):
         begin[axis], end[axis] = pads[i], pads[i + len(axes)]
+    budget.check_shape([d + b + e for d, b, e in zip(shape, begin, end)], itemsize, "Pad's output")
     return _PadLayout(shape, begin, end, mode)
 
 
@@ -603,7 +605,7 @@ def pad(node, shapes, opset):
     def kernel(x, pads, value=None, axes=None):
         held, shape, layout = last[0]
         if shape != x.shape or len(held) != 2 or held[0] is not pads or held[1] is not axes:
-            layout = _pad_layout(x.shape, pads, mode, axes)
+            layout = _pad_layout(x.shape, pads, mode, axes, x.dtype.itemsize)
             if _frozen(pads) and _frozen(axes):
                 last[0] = ((pads, axes), x.shape, layout)
         return (layout.apply(x, 0 if value is None else value),)
