@@ -11,6 +11,7 @@ start=$SECONDS
 venv=.venv-zoo
 out=benchmarks/.models/zoo
 [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
+"$venv/bin/python" -m pip install -q -c constraints.txt -U pip  # --build-constraint needs pip 25.3 or newer
 "$venv/bin/python" -m pip install -q -c constraints.txt torch==2.13.0 transformers onnxscript onnx onnxruntime
 # Libraries that need torch and drive onnxruntime (tests/cpu/test_real_libraries.py runs them in this venv with this
 # runtime substituted): silero-vad without its audio extras, and this runtime with its CPU provider.
