@@ -183,3 +183,21 @@ def test_negative_pads_may_remove_at_most_the_axis():
 def test_expand_pad_and_resize_check_their_output_against_the_budget(node, inputs, feeds, what):
     with pytest.raises(ShapeOverflowError, match=rf"'grow'.*{what}.*session.max_value_bytes"):
         session([node], inputs, limit=1 << 20).run(None, feeds)
+
+
+@pytest.mark.parametrize(("op", "inputs", "feeds", "attrs"), [
+    ("Gather", ["x", "i"], {"i": np.array([0, 5])}, {}),
+    ("GatherElements", ["x", "i"], {"i": np.array([[0, 7]])}, {"axis": 1}),
+    ("GatherND", ["x", "i"], {"i": np.array([[0, 9]])}, {}),
+    ("ScatterElements", ["x", "i", "u"], {"i": np.array([[0, 7]]), "u": np.ones((1, 2), np.float32)}, {"axis": 1}),
+    ("ScatterND", ["x", "i", "u"], {"i": np.array([[4, 0]]), "u": np.ones(1, np.float32)}, {}),
+])
+def test_an_index_out_of_range_is_an_invalid_argument_naming_the_node(op, inputs, feeds, attrs):
+    """numpy's IndexError used to reach the caller as a kernel failure wrapping an internal exception."""
+    declared = [vi("x", TensorProto.FLOAT, [2, 3])] + [
+        vi(name, TensorProto.INT64 if name == "i" else TensorProto.FLOAT, list(value.shape))
+        for name, value in feeds.items()]
+    s = session([helper.make_node(op, inputs, ["y"], name="lookup", **attrs)], declared)
+    with pytest.raises(InvalidArgumentError, match=rf"'lookup' \({op}\): an index is out of range") as raised:
+        s.run(None, {"x": np.zeros((2, 3), np.float32), **feeds})
+    assert not isinstance(raised.value.__cause__, IndexError)

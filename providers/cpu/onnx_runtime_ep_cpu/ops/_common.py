@@ -82,6 +82,29 @@ def shape_free(kernel):
     return kernel
 
 
+def indices_checked(factory):
+    """A kernel factory whose kernels report an out-of-range index as an InvalidArgumentError naming the node and
+    the rule, where numpy's IndexError would reach the caller as a kernel failure. Checking only on failure keeps
+    the happy path free of a min/max pass over the indices."""
+
+    @functools.wraps(factory)
+    def make(node, shapes, opset):
+        kernel = factory(node, shapes, opset)
+
+        def checked(*inputs):
+            try:
+                return kernel(*inputs)
+            except IndexError as exc:
+                raise InvalidArgumentError(
+                    f"node {node.name!r} ({node.op_type}): an index is out of range ({exc}); indices along an axis of "
+                    f"size n must lie in [-n, n)") from None
+
+        checked.__dict__.update(vars(kernel) if hasattr(kernel, "__dict__") else {})
+        return checked
+
+    return make
+
+
 def quiet(fn):
     """Run ``fn`` with numpy's floating-point warnings off: inf/nan results are ONNX semantics."""
 

@@ -15,7 +15,7 @@ from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from ..registry import register
-from ._common import shape_free
+from ._common import indices_checked, shape_free
 
 
 def normalize_axis(axis: int, rank: int) -> int:
@@ -374,6 +374,7 @@ def _slice_index(shape, rank, starts, ends, axes=None, steps=None) -> tuple:
 
 
 @register("Gather", since=1)
+@indices_checked
 def gather(node, shapes, opset):
     axis = node.attr("axis", 0)
     # np.take accepts negative indices and raises IndexError for out-of-range ones.
@@ -393,6 +394,7 @@ def gather(node, shapes, opset):
 
 
 @register("GatherElements", since=11)
+@indices_checked
 def gather_elements(node, shapes, opset):
     axis = node.attr("axis", 0)
 
@@ -406,6 +408,7 @@ def gather_elements(node, shapes, opset):
 
 
 @register("GatherND", since=11)
+@indices_checked
 def gather_nd(node, shapes, opset):
     batch_dims = node.attr("batch_dims", 0)
 
@@ -457,11 +460,12 @@ def _scatter_elements_factory(node, shapes, opset):
     return kernel
 
 
-register("ScatterElements", since=11)(_scatter_elements_factory)
-register("Scatter", since=9)(_scatter_elements_factory)  # the deprecated name of ScatterElements
+register("ScatterElements", since=11)(indices_checked(_scatter_elements_factory))
+register("Scatter", since=9)(indices_checked(_scatter_elements_factory))  # the deprecated name of ScatterElements
 
 
 @register("ScatterND", since=11)
+@indices_checked
 def scatter_nd(node, shapes, opset):
     reduce = _scatter_reduction(node)
     # The last axis of indices holds coordinates into data's leading dimensions.
