@@ -454,8 +454,11 @@ def convert_graph(gp: onnx.GraphProto, opsets: dict[str, int], outer_scope, init
         opset = opsets.get(domain, 0)
         if domain.startswith(LATER_OPSET_DOMAIN):
             domain = ""  # a standard operator at the later opset this domain is imported at (serialize.py)
+        node_inputs = list(np_node.input)
+        while node_inputs and not node_inputs[-1]:  # trailing empty names are left-out optionals: no argument
+            node_inputs.pop()
         nodes.append(Node(
-            op_type=np_node.op_type, inputs=list(np_node.input), outputs=list(np_node.output),
+            op_type=np_node.op_type, inputs=node_inputs, outputs=list(np_node.output),
             name=np_node.name or f"{np_node.op_type}_{index}", domain=domain, attrs=attrs,
             opset=opset, doc=np_node.doc_string, proto=np_node,
         ))

@@ -201,3 +201,9 @@ def test_an_index_out_of_range_is_an_invalid_argument_naming_the_node(op, inputs
     with pytest.raises(InvalidArgumentError, match=rf"'lookup' \({op}\): an index is out of range") as raised:
         s.run(None, {"x": np.zeros((2, 3), np.float32), **feeds})
     assert not isinstance(raised.value.__cause__, IndexError)
+
+
+def test_trailing_empty_inputs_are_left_out_optionals():
+    """Add(x, x, '', '') passed two None arguments to a two-input kernel (a TypeError inside a kernel failure)."""
+    s = session([helper.make_node("Add", ["x", "x", "", ""], ["y"])], [vi("x", TensorProto.FLOAT, [3])])
+    assert s.run(None, {"x": np.arange(3, dtype=np.float32)})[0].tolist() == [0.0, 2.0, 4.0]
