@@ -207,3 +207,14 @@ def test_trailing_empty_inputs_are_left_out_optionals():
     """Add(x, x, '', '') passed two None arguments to a two-input kernel (a TypeError inside a kernel failure)."""
     s = session([helper.make_node("Add", ["x", "x", "", ""], ["y"])], [vi("x", TensorProto.FLOAT, [3])])
     assert s.run(None, {"x": np.arange(3, dtype=np.float32)})[0].tolist() == [0.0, 2.0, 4.0]
+
+
+def test_dropout_ratio_must_be_a_scalar():
+    """A ratio of two values failed inside the kernel with numpy's TypeError."""
+    graph = helper.make_graph([helper.make_node("Dropout", ["x", "r", "t"], ["y"], name="drop")], "g",
+                              [vi("x", TensorProto.FLOAT, [3]), vi("r", TensorProto.FLOAT, [2]),
+                               vi("t", TensorProto.BOOL, [])], [vi("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 17)])
+    s = InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    with pytest.raises(InvalidArgumentError, match=r"'drop' \(Dropout\): input 'ratio' must be a scalar"):
+        s.run(None, {"x": np.ones(3, np.float32), "r": np.array([0.1, 0.2], np.float32), "t": np.array(True)})

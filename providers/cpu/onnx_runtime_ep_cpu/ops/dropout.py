@@ -35,8 +35,8 @@ def dropout_12(node, shapes, opset):
     with_mask = wants_output(node, 1)
 
     def kernel(x, ratio=None, training_mode=None):
-        ratio = 0.5 if ratio is None else float(ratio)
-        if training_mode is None or not bool(training_mode) or ratio == 0:
+        ratio = 0.5 if ratio is None else float(_scalar(node, "ratio", ratio))
+        if training_mode is None or not bool(_scalar(node, "training_mode", training_mode)) or ratio == 0:
             return (x, np.ones(x.shape, dtype=np.bool_)) if with_mask else (x,)
         if not 0 <= ratio < 1:
             raise InvalidArgumentError(
@@ -47,3 +47,13 @@ def dropout_12(node, shapes, opset):
         return (y, mask) if with_mask else (y,)
 
     return kernel
+
+
+def _scalar(node, name: str, value):
+    """A scalar input's value; an array of another size is refused (numpy would raise a TypeError, or take the
+    first of one element with a deprecation warning)."""
+    array = np.asarray(value)
+    if array.size != 1:
+        raise InvalidArgumentError(
+            f"node {node.name!r} (Dropout): input {name!r} must be a scalar, got shape {list(array.shape)}")
+    return array.reshape(()).item()
