@@ -218,3 +218,16 @@ def test_dropout_ratio_must_be_a_scalar():
     s = InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     with pytest.raises(InvalidArgumentError, match=r"'drop' \(Dropout\): input 'ratio' must be a scalar"):
         s.run(None, {"x": np.ones(3, np.float32), "r": np.array([0.1, 0.2], np.float32), "t": np.array(True)})
+
+
+@pytest.mark.parametrize(("target", "message"), [
+    ([-5, 3], "a dimension below -1"),  # numpy takes -5 as the inferred dimension: it returned shape (2, 3)
+    ([4, 3], "cannot give shape"),
+    ([-1, -1], "cannot give shape"),
+])
+def test_reshape_to_an_invalid_shape_is_an_invalid_argument(target, message):
+    s = session([helper.make_node("Reshape", ["x", "s"], ["y"], name="shaper")],
+                [vi("x", TensorProto.FLOAT, [6]), vi("s", TensorProto.INT64, [2])])
+    with pytest.raises(InvalidArgumentError, match=rf"'shaper'.*{message}") as raised:
+        s.run(None, {"x": np.zeros(6, np.float32), "s": np.array(target)})
+    assert raised.value.__cause__ is None or isinstance(raised.value.__cause__, InvalidArgumentError)  # not numpy's

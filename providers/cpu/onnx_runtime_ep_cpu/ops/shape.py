@@ -53,7 +53,13 @@ def reshape_to(x, shape, allowzero=False):
         shape = np.asarray(shape).reshape(-1).tolist()
     if not allowzero and 0 in shape:  # 0 copies the input's dimension at that position
         shape = [x.shape[i] if dim == 0 else dim for i, dim in enumerate(shape)]
-    return x.reshape(shape)
+    if shape and min(shape) < -1:  # numpy would take any negative as the inferred dimension
+        raise InvalidArgumentError(f"Reshape's shape {shape} has a dimension below -1; only -1 (inferred) is allowed")
+    try:
+        return x.reshape(shape)
+    except ValueError as exc:  # sizes that do not match, or two -1s
+        raise InvalidArgumentError(f"Reshape cannot give shape {shape} to an input of shape {list(x.shape)}: {exc}") \
+            from None
 
 
 @register("Reshape", since=1)
