@@ -231,3 +231,10 @@ def test_reshape_to_an_invalid_shape_is_an_invalid_argument(target, message):
     with pytest.raises(InvalidArgumentError, match=rf"'shaper'.*{message}") as raised:
         s.run(None, {"x": np.zeros(6, np.float32), "s": np.array(target)})
     assert raised.value.__cause__ is None or isinstance(raised.value.__cause__, InvalidArgumentError)  # not numpy's
+
+
+def test_average_pool_pads_must_be_smaller_than_the_kernel():
+    """A pad as wide as the kernel gives windows wholly in the padding: they averaged to NaN."""
+    with pytest.raises(InvalidGraphError, match=r"'avg' \(AveragePool\): attribute 'pads'.*smaller than the kernel"):
+        session([helper.make_node("AveragePool", ["x"], ["y"], name="avg", kernel_shape=[2, 2], pads=[2, 0, 0, 0])],
+                [vi("x", TensorProto.FLOAT, [1, 1, 4, 4])])

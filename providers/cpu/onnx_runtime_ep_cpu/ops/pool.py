@@ -39,6 +39,14 @@ def max_pool(node, shapes, opset):
 @register("AveragePool", since=1)
 def average_pool(node, shapes, opset):
     window = Window(node, shapes, needs_kernel=True)
+    if window.pads is not None and window.kernel is not None and window.auto_pad == "NOTSET":
+        dilations = window.dilations or (1,) * len(window.kernel)
+        reach = [(k - 1) * d + 1 for k, d in zip(window.kernel, dilations)]
+        rank = len(window.kernel)
+        if any(p >= reach[i % rank] for i, p in enumerate(window.pads)):
+            # A window wholly in the padding averages nothing: 0/0 without count_include_pad.
+            raise graph_error(node, "pads", f"is {list(window.pads)}; each pad must be smaller than the kernel's "
+                                            f"extent {reach} along its axis")
     include_pad = bool(node.attr("count_include_pad", 0))
     loops = pool_loops()
 
