@@ -238,3 +238,18 @@ def test_average_pool_pads_must_be_smaller_than_the_kernel():
     with pytest.raises(InvalidGraphError, match=r"'avg' \(AveragePool\): attribute 'pads'.*smaller than the kernel"):
         session([helper.make_node("AveragePool", ["x"], ["y"], name="avg", kernel_shape=[2, 2], pads=[2, 0, 0, 0])],
                 [vi("x", TensorProto.FLOAT, [1, 1, 4, 4])])
+
+
+def test_rotary_embedding_positions_must_lie_in_the_caches():
+    """Position -1 wrapped to the caches' last row."""
+    graph = helper.make_graph(
+        [helper.make_node("RotaryEmbedding", ["x", "c", "s", "p"], ["y"], name="rope")], "g",
+        [vi("x", TensorProto.FLOAT, [1, 1, 2, 4]), vi("c", TensorProto.FLOAT, [8, 2]),
+         vi("s", TensorProto.FLOAT, [8, 2]), vi("p", TensorProto.INT64, [1, 2])], [vi("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 23)])
+    s = InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {"x": np.ones((1, 1, 2, 4), np.float32), "c": np.ones((8, 2), np.float32),
+             "s": np.zeros((8, 2), np.float32)}
+    assert s.run(None, {**feeds, "p": np.array([[0, 7]])})[0].shape == (1, 1, 2, 4)
+    with pytest.raises(InvalidArgumentError, match=r"'rope'.*position_ids span -1\.\.0; they must lie in \[0, 8\)"):
+        s.run(None, {**feeds, "p": np.array([[-1, 0]])})

@@ -734,6 +734,10 @@ def rotary_embedding(node, shapes, opset):
         if dim % 2 or dim > head_size:
             raise argument_error(node, f"rotary_embedding_dim {dim} must be even and at most head size {head_size}")
         if position_ids is not None:
+            if position_ids.size and (position_ids.min() < 0 or position_ids.max() >= cos_cache.shape[0]):
+                # numpy would wrap a negative position to the cache's last rows
+                raise argument_error(node, f"position_ids span {position_ids.min()}..{position_ids.max()}; they "
+                                           f"must lie in [0, {cos_cache.shape[0]}), the cos/sin caches' rows")
             cos_cache, sin_cache = cos_cache[position_ids], sin_cache[position_ids]
         half = dim // 2
         if cos_cache.shape[-1] != half or sin_cache.shape[-1] != half:
