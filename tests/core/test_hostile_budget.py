@@ -253,3 +253,20 @@ def test_rotary_embedding_positions_must_lie_in_the_caches():
     assert s.run(None, {**feeds, "p": np.array([[0, 7]])})[0].shape == (1, 1, 2, 4)
     with pytest.raises(InvalidArgumentError, match=r"'rope'.*position_ids span -1\.\.0; they must lie in \[0, 8\)"):
         s.run(None, {**feeds, "p": np.array([[-1, 0]])})
+
+
+@pytest.mark.parametrize(("op", "feeds", "attrs", "message"), [
+    ("GatherElements", {"i": np.zeros((1, 5), np.int64)}, {"axis": 0}, "do not fit data"),
+    ("ScatterElements", {"i": np.zeros((1, 2), np.int64), "u": np.ones((1, 3), np.float32)}, {"axis": 1},
+     "must have one shape"),
+    ("ScatterND", {"i": np.zeros((1, 1), np.int64), "u": np.ones((1, 2), np.float32)}, {}, "must have shape"),
+])
+def test_index_and_update_shapes_must_match_the_data(op, feeds, attrs, message):
+    """These used to broadcast: a mismatched indices or updates shape gave a result instead of an error."""
+    declared = [vi("x", TensorProto.FLOAT, [2, 3])] + [
+        vi(name, TensorProto.INT64 if name == "i" else TensorProto.FLOAT, list(value.shape))
+        for name, value in feeds.items()]
+    inputs = ["x", *feeds]
+    s = session([helper.make_node(op, inputs, ["y"], name="mix", **attrs)], declared)
+    with pytest.raises(InvalidArgumentError, match=rf"'mix' \({op}\).*{message}"):
+        s.run(None, {"x": np.zeros((2, 3), np.float32), **feeds})

@@ -406,6 +406,10 @@ def gather_elements(node, shapes, opset):
 
     def kernel(x, indices):
         ax = normalize_axis(axis, x.ndim)
+        if indices.ndim != x.ndim or any(i > d for a, (i, d) in enumerate(zip(indices.shape, x.shape)) if a != ax):
+            raise InvalidArgumentError(
+                f"node {node.name!r} (GatherElements): indices of shape {list(indices.shape)} do not fit data of "
+                f"shape {list(x.shape)}; they need the data's rank and, off axis {ax}, no larger dimensions")
         # Off the axis, indices may be shorter than the data: gather from the matching corner.
         corner = tuple(slice(None) if d == ax else slice(0, n) for d, n in enumerate(indices.shape))
         return (np.take_along_axis(x[corner], indices.astype(np.int64, copy=False), axis=ax),)
@@ -459,6 +463,10 @@ def _scatter_elements_factory(node, shapes, opset):
     reduce = _scatter_reduction(node)
 
     def kernel(data, indices, updates):
+        if indices.shape != updates.shape or indices.ndim != data.ndim:
+            raise InvalidArgumentError(
+                f"node {node.name!r} ({node.op_type}): indices {list(indices.shape)} and updates "
+                f"{list(updates.shape)} must have one shape, of the rank of data {list(data.shape)}")
         index = list(np.indices(indices.shape, sparse=True))
         index[normalize_axis(axis, data.ndim)] = indices
         return (_scatter(data, tuple(index), updates, reduce),)
@@ -474,8 +482,18 @@ register("Scatter", since=9)(indices_checked(_scatter_elements_factory))  # the 
 @indices_checked
 def scatter_nd(node, shapes, opset):
     reduce = _scatter_reduction(node)
-    # The last axis of indices holds coordinates into data's leading dimensions.
-    return lambda data, indices, updates: (_scatter(data, tuple(np.moveaxis(indices, -1, 0)), updates, reduce),)
+
+    def kernel(data, indices, updates):
+        # The last axis of indices holds coordinates into data's leading dimensions.
+        depth = indices.shape[-1] if indices.ndim else -1
+        if not 0 < depth <= data.ndim or updates.shape != indices.shape[:-1] + data.shape[depth:]:
+            raise InvalidArgumentError(
+                f"node {node.name!r} (ScatterND): updates of shape {list(updates.shape)} must have shape "
+                f"indices.shape[:-1] + data.shape[indices.shape[-1]:] (indices {list(indices.shape)}, data "
+                f"{list(data.shape)})")
+        return (_scatter(data, tuple(np.moveaxis(indices, -1, 0)), updates, reduce),)
+
+    return kernel
 
 
 # -- Pad ----------------------------------------------------------------------------------------------
