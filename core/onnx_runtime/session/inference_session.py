@@ -7,6 +7,7 @@ import inspect
 import threading
 import time
 import warnings
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -213,29 +214,38 @@ def _run_custom_passes(graph, handles: list[ProviderHandle], applied: list[str],
     return changed
 
 
-_created = False  # whether this process created a session before (_collector_paused)
-
-
 @contextmanager
 def _collector_paused():
     """Session creation builds tens of thousands of long-lived objects (IR, plans, kernels); the cyclic
     garbage collector would rescan them generation after generation (measured in eb68128). It is
     paused meanwhile and runs as usual afterwards; a collection already disabled stays disabled.
 
-    A session dropped before holds its weights and plans in reference cycles until a collection: paused, the
-    next creation would build beside it (two sessions' memory at the high-water of create/destroy loops).
-    From the second creation in a process on, one full collection runs first."""
-    global _created
+    A dropped session holds its weights and plans in reference cycles until a collection: paused, the next
+    creation would build beside them (two sessions' memory at the high-water of create/destroy loops). So when
+    sessions holding at least COLLECT_AFTER_BYTES of weights were dropped since, one full collection runs first.
+    Small ones are left to the collector's own schedule: a full collection scans every object of the process,
+    which in a large process (a test suite) costs more than creating a small session."""
+    global _dropped_bytes
     was_enabled = gc.isenabled()
-    if was_enabled and _created:
+    if was_enabled and _dropped_bytes >= COLLECT_AFTER_BYTES:
+        _dropped_bytes = 0
         gc.collect()
-    _created = True
     gc.disable()
     try:
         yield
     finally:
         if was_enabled:
             gc.enable()
+
+
+COLLECT_AFTER_BYTES = 1 << 20
+_dropped_bytes = 0  # weights of the sessions dropped since the last collection _collector_paused ran
+
+
+def _session_dropped(weight_bytes: int) -> None:
+    """A session object was freed (its internals may still sit in reference cycles)."""
+    global _dropped_bytes
+    _dropped_bytes += weight_bytes
 
 
 class InferenceSession:
@@ -245,6 +255,8 @@ class InferenceSession:
                  provider_options=None, **kwargs):
         with _collector_paused():
             self._create(path_or_bytes, sess_options, providers, provider_options, kwargs)
+        weights = sum(getattr(value, "nbytes", 0) for value in self._model.graph.initializers.values())
+        weakref.finalize(self, _session_dropped, weights)
 
     def _create(self, path_or_bytes, sess_options, providers, provider_options, kwargs) -> None:
         unknown = set(kwargs) - {"disabled_optimizers"}
