@@ -49,6 +49,11 @@ class InvalidArgumentError(OnnxRuntimeError, InvalidArgument, ValueError):
     """A caller-supplied argument (feed, option, name) does not match what is expected."""
 
 
+class InvalidRunValueError(InvalidArgumentError, Fail):
+    """A value a node received during a run breaks its operator's rules (an index out of range, sizes that do
+    not add up); onnxruntime reports such a node as failed (``Fail``)."""
+
+
 class ConfigEntryNotSetError(InvalidArgumentError, RuntimeError):
     """A session or run config entry that was never set was read (onnxruntime raises a ``RuntimeError``)."""
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..contract.kernels import KernelFn
-from ..errors import KernelError, OnnxRuntimeError, ProviderError
+from ..errors import InvalidArgumentError, InvalidRunValueError, KernelError, OnnxRuntimeError, ProviderError
 from ..ir import Graph, Node
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
@@ -231,6 +231,8 @@ def node_error(step: Step | None, exc: Exception, kind: type) -> Exception:
     else:
         node = step.node
         message = f"node {node.name!r} ({node.op_type}) on {step.provider} failed: {type(exc).__name__}: {exc}"
+        if kind is InvalidArgumentError:  # a node's bad value at run time: onnxruntime's Fail too
+            kind = InvalidRunValueError
         try:
             error = kind(message)
         except TypeError:

@@ -11,7 +11,7 @@ from onnx_runtime.errors import InvalidArgumentError
 from onnx_runtime_ep_cpu import ops  # noqa: F401  (fills the registry)
 from onnx_runtime_ep_cpu.compiled import lstm as compiled_lstm
 from onnx_runtime_ep_cpu.compiled import smallconv
-from onnx_runtime_ep_cpu.ops import shape as shape_ops
+from onnx_runtime_ep_cpu.ops import pad as pad_ops
 from reference64 import assert_within, gamma
 
 
@@ -179,7 +179,7 @@ def test_pad_by_slices_equals_numpy_pad(monkeypatch, shape, pads, mode):
     limit = {"reflect": 1, "wrap": 0}.get(mode)
     if limit is not None and any(max(b, e) > d - limit for d, (b, e) in zip(x[kept].shape, width)):
         pytest.skip("a reflection or wrap wider than the axis: numpy.pad's own case")
-    calls = _spy(monkeypatch, shape_ops, "_pad_by_slices")
+    calls = _spy(monkeypatch, pad_ops, "_pad_by_slices")
     extra = {"constant_values": F32(1.5)} if mode == "constant" else {}
     expected = np.pad(x[kept], width, mode=mode, **extra)
     value = [np.array(1.5, F32)] if mode == "constant" else []

@@ -23,6 +23,7 @@ from . import (  # noqa: F401  (imported for their @register side effects)
     ml,
     normalization,
     numeric,
+    pad,
     pool,
     precision,
     qdq_linear,

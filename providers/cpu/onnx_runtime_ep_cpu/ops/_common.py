@@ -175,3 +175,9 @@ def argument_error(node, message: str) -> InvalidArgumentError:
 def present(value) -> bool:
     """Whether an optional input was fed with data (old opsets pass empty tensors for 'absent')."""
     return value is not None and value.size > 0
+
+
+def frozen(value) -> bool:
+    """Whether ``value`` is a read-only array (an initializer: the executor freezes them), or absent: one whose
+    identity stands for its contents, as algorithms/prepared.py's Prepared assumes."""
+    return value is None or (isinstance(value, np.ndarray) and not value.flags.writeable)
