@@ -174,8 +174,9 @@ def _pin_intermediates(model):
     """The same model with every node output also a graph output, so that nothing can be fused."""
     pinned = onnx.ModelProto()
     pinned.CopyFrom(model)
+    elem = model.graph.input[0].type.tensor_type.elem_type  # the model's one element type (float or double)
     for node in pinned.graph.node[:-1]:
-        pinned.graph.output.extend(helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in node.output)
+        pinned.graph.output.extend(helper.make_tensor_value_info(name, elem, None) for name in node.output)
     return pinned
 
 
