@@ -269,7 +269,9 @@ def check_types(graph: onnx.GraphProto, opsets: dict[str, int], label: str) -> N
                 continue
             allowed, param = formals[min(i, len(formals) - 1)]
             given = _type_string(known[name])
-            if given not in allowed:
+            # Another precision of a float the schema takes is left to placement: a provider may implement it
+            # (bfloat16 on CUDA), and one that does not declines the node with its reason.
+            if given not in allowed and not (_is_float(given) and any(_is_float(t) for t in allowed)):
                 raise InvalidGraphError(f"{_node_label(node)} in model {label}: input {i} ({name!r}) is {given}; its "
                                         f"schema allows {', '.join(sorted(allowed))}; cast it in the exporter")
             if param is not None:
@@ -278,3 +280,7 @@ def check_types(graph: onnx.GraphProto, opsets: dict[str, int], label: str) -> N
                     raise InvalidGraphError(
                         f"{_node_label(node)} in model {label}: inputs {first[1]} and {i} share type {param} but are "
                         f"{first[0]} and {given}; cast one of them in the exporter")
+
+
+def _is_float(type_string: str) -> bool:
+    return type_string.startswith(("tensor(float", "tensor(bfloat", "tensor(double"))

@@ -28,6 +28,7 @@ from cuda_op_harness import (
 )
 from cuda_op_harness import tolerance as half_tolerance
 from onnx import TensorProto, helper
+from onnx_runtime.errors import InvalidGraphError
 
 pytestmark = pytest.mark.usefixtures("cuda_driver_mode")
 
@@ -225,7 +226,8 @@ def test_declined_configurations_fall_back_with_reasons():
     assert "softmax_precision=11" in decline(q, k, v, softmax_precision=11)
     big = qkv(1, 1, 1, 1, 4, 512)
     assert "head sizes up to 256" in decline(*big)
-    assert "of one type" in decline(q.astype(np.float16), k, v)
+    with pytest.raises(InvalidGraphError, match="share type"):  # refused at load: the spec's types, checked first
+        decline(q.astype(np.float16), k, v)
     assert "not int64" in decline(q, k, v, np.zeros((1, 4), np.int64))
     assert "not a scalar" in decline(q, k, v, np.array(0.5, np.float32))
 
