@@ -433,26 +433,24 @@ class InferenceSession:
                 )
         feeds = self._validate_feeds(input_feed)
         executor = self._executor_for(feeds)
-        if self._log.severity == 0 or (run_options is not None and run_options.log_severity_level == 0):
-            return self._logged_run(executor, feeds, names, run_options)
-        if self._profile is None:
-            return executor.run(feeds, names, slot=graph_slot_of(run_options))
+        slot = graph_slot_of(run_options)
+        logged = self._log.severity == 0 or (run_options is not None and run_options.log_severity_level == 0)
+        if self._profile is None and not logged:
+            return executor.run(feeds, names, slot=slot)
         start = time.perf_counter()
-        outputs = executor.run(feeds, names, self._profile)
-        self._profiled_run(start)
-        return outputs
-
-    def _logged_run(self, executor: Executor, feeds: dict, names: tuple, run_options: RunOptions | None) -> list:
-        tag = f" {run_options.run_tag!r}" if run_options is not None and run_options.run_tag else ""
-        start = time.perf_counter()
-        outputs = executor.run(feeds, names, self._profile)
+        outputs = executor.run(feeds, names, self._profile, slot=slot)
         if self._profile is not None:
             self._profiled_run(start)
+        if logged:
+            self._log_run(names, outputs, run_options, time.perf_counter() - start)
+        return outputs
+
+    def _log_run(self, names: tuple, outputs: list, run_options: RunOptions | None, seconds: float) -> None:
+        tag = f" {run_options.run_tag!r}" if run_options is not None and run_options.run_tag else ""
         log = self._log if self._log.severity == 0 or run_options is None \
             else SessionLog(0, run_options.logid or self._log.logid)
-        log.verbose("run%s: %.3f ms, outputs %s", tag, (time.perf_counter() - start) * 1e3,
-                    {n: list(np.shape(v)) for n, v in zip(names, outputs)})
-        return outputs
+        shapes = {n: list(np.shape(v)) for n, v in zip(names, outputs)}
+        log.verbose("run%s: %.3f ms, outputs %s", tag, seconds * 1e3, shapes)
 
     def _profiled_run(self, start: float) -> None:
         profile = self._profile
