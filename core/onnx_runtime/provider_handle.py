@@ -20,9 +20,10 @@ from .contract.defaults import DefaultFallbacks
 from .contract.hookspecs import HOOK_NAMES, ExecutionProviderSpec
 from .contract.kernels import Availability, KernelMatch
 from .contract.markers import PROJECT
+from .contract.memory_defaults import release_buffer
 from .contract.version import incompatibility
 from .devices import DeviceId, DeviceType
-from .errors import InvalidArgumentError, PluginError, ProviderError
+from .errors import PluginError, ProviderError
 
 _DISCOVERY_HOOKS = {"onnx_runtime_providers"}
 
@@ -146,21 +147,9 @@ class ProviderHandle:
         return buffer
 
     def deallocate(self, buffer: DeviceBuffer) -> None:
-        """Free ``buffer`` exactly once; borrowed buffers are never freed."""
-        if buffer.released:
-            raise InvalidArgumentError(
-                f"{self.name}: buffer at {buffer.ptr:#x} was already freed; every buffer is freed exactly once"
-            )
-        if buffer.is_borrowed:
-            buffer.mark_released()
-            return
-        if buffer.device != self.device_id:
-            raise InvalidArgumentError(
-                f"{self.name} cannot free a buffer of device {buffer.device}; return it to the provider "
-                f"that allocated it ({self.device_id} is this provider's device)"
-            )
-        self.hook.deallocate(buffer=buffer)
-        buffer.mark_released()
+        """Free ``buffer`` exactly once; borrowed buffers are never freed (contract.memory_defaults.release_buffer,
+        which the workspace defaults use too)."""
+        release_buffer(self, buffer)
 
     def copy_from_host(self, src, dst: DeviceBuffer) -> None:
         self.hook.copy_from_host(src=src, dst=dst)
