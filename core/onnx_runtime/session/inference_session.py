@@ -524,6 +524,13 @@ class InferenceSession:
 
     def run_with_iobinding(self, iobinding: IOBinding, run_options: RunOptions | None = None) -> None:
         """Run with the binding's inputs; its outputs are then read with ``get_outputs``/``copy_outputs_to_cpu``."""
+        token = budget.enter(self._max_value_bytes)  # the same limit on one value as run()
+        try:
+            self._run_with_iobinding(iobinding, run_options)
+        finally:
+            budget.leave(token)
+
+    def _run_with_iobinding(self, iobinding: IOBinding, run_options: RunOptions | None) -> None:
         self._check_runnable(run_options)
         names = iobinding._output_names()
         if not names:
@@ -580,7 +587,11 @@ class InferenceSession:
         self._check_runnable(run_options)
         side = SessionSide(tuple(self._handles), self._output_names, self._checked_input, self._check_output_name,
                            self._check_bound, self._check_missing, self._executor_for, self._executor, self._profile)
-        return run_with_device_bindings(side, bindings, input_feed, output_names, single_token_step, run_options)
+        token = budget.enter(self._max_value_bytes)  # the same limit on one value as run()
+        try:
+            return run_with_device_bindings(side, bindings, input_feed, output_names, single_token_step, run_options)
+        finally:
+            budget.leave(token)
 
     def _device_handle(self, device_type: str, device_id: int) -> ProviderHandle:
         """This session's provider on ``device_type:device_id``, else the process-wide handle of that device."""
