@@ -250,3 +250,79 @@ def test_a_verification_step_captures_in_the_verify_slot_beside_the_decode_step(
     assert draft_ids.device_graph_token.slot == ort.DeviceGraphSlot.VERIFY
     runner = sess._executor.graphs  # noqa: SLF001  (the runner's counts: white box)
     assert runner.captures == 2 and sess.device_graph_status() == "replaying"
+
+
+def _counting_driver(sess, monkeypatch):
+    from test_device_graphs import CountingDriver
+
+    device = sess.provider_handle(CUDA).provider.cuda_device()
+    counting = CountingDriver(device.driver)
+    monkeypatch.setattr(device, "driver", counting)
+    return counting
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
+def test_a_bound_decode_step_neither_synchronizes_nor_transfers(step_model, capture, monkeypatch):
+    """The issue's target for a replayed step: no host synchronization and no host transfer, counted at the
+    driver. The run's validation is left to the output binding; opening the next step's submission used to read
+    the previous one's flags back (a download and a synchronization per step), now it copies them on the device
+    into the binding's own word."""
+    model, embedding, projection = step_model
+    sess = _session(model, capture)
+    steps = 6
+    token = sess.device_io_binding(DeviceBindingSpec.input("token", np.int64, (1,)))
+    logits = sess.device_io_binding(DeviceBindingSpec.output("logits", np.float32, (1, VOCAB)))
+    result = sess.device_io_binding(DeviceBindingSpec.scratch("argmax", np.uint32, (2,)))
+    mask = sess.device_io_binding(DeviceBindingSpec.scratch("mask", np.int64, (1, steps + 1)))
+    scratch = sess.device_io_binding(DeviceBindingSpec.scratch("tokens", np.uint32, (steps + 1,)))
+    token.write_logical(np.array([3], np.int64))
+    mask.write_logical(np.zeros((1, steps + 1), np.int64))
+    scratch.write_logical(np.zeros(steps + 1, np.uint32))
+    counting = _counting_driver(sess, monkeypatch)
+    per_step = []
+    for step in range(steps):
+        counting.calls.clear()
+        sess.run_with_device_bindings([token, logits])
+        logits.device_argmax(VOCAB, 1, result)
+        result.device_token_writer(token, None, mask, scratch, capacity=steps, next_position=step, mask_len=steps + 1,
+                                   step=step)
+        per_step.append((counting.syncs(), counting.host_transfers(), dict(counting.calls)))
+    for syncs, transfers, calls in per_step[2:]:
+        assert (syncs, transfers) == (0, 0), calls
+        if capture:
+            assert calls.get("cuGraphLaunch") == 1, calls
+    want, last = [], 3
+    for _ in range(steps):
+        last = int(np.argmax(embedding[last] @ projection))
+        want.append(last)
+    np.testing.assert_allclose(logits.read_logical(), embedding[[want[-2]]] @ projection, rtol=1e-5, atol=1e-5)
+    assert scratch.read_logical()[:steps].tolist() == want
+
+
+def test_flags_of_a_run_left_unread_reach_its_binding_without_a_host_read(gather_model, monkeypatch):
+    """A run with an index out of range writes binding ``a``; the next run writes ``b`` from valid indices. Opening
+    the second run's submission carries the first's flags into ``a``'s own word on the device (no host read);
+    ``a`` raises at its read, ``b`` does not."""
+    model, table = gather_model
+    sess = _session(model)
+    ids = sess.device_io_binding(DeviceBindingSpec.input("ids", np.int64, (2,)))
+    a = sess.device_io_binding(DeviceBindingSpec.output("rows", np.float32, (2, HIDDEN)))
+    b = sess.device_io_binding(DeviceBindingSpec.output("rows", np.float32, (2, HIDDEN)))
+    ids.write_logical(np.array([3, VOCAB + 5], np.int64))
+    sess.run_with_device_bindings([ids, a], output_names=[])
+    ids.write_logical(np.array([1, 2], np.int64))
+    counting = _counting_driver(sess, monkeypatch)
+    sess.run_with_device_bindings([ids, b], output_names=[])
+    assert (counting.syncs(), counting.host_transfers()) == (0, 0), counting.calls
+    np.testing.assert_array_equal(b.read_logical(), table[[1, 2]])
+    with pytest.raises(DeviceValidationError, match=r"flags=0x1.*device binding 'rows'"):
+        a.read_logical()
+    with pytest.raises(DeviceValidationError):
+        a.read_bytes_range(0, 4)  # sticky until a run rewrites it
+    ids.write_logical(np.array([0, VOCAB], np.int64))
+    sess.run_with_device_bindings([ids, b], output_names=[])  # invalid, then carried by a valid run into b's word
+    ids.write_logical(np.array([4, 4], np.int64))
+    sess.run_with_device_bindings([ids, a], output_names=[])
+    np.testing.assert_array_equal(a.read_logical(), table[[4, 4]])
+    with pytest.raises(DeviceValidationError, match="flags=0x1"):
+        b.read_logical()

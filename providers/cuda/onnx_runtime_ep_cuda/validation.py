@@ -14,6 +14,13 @@ keeps the result sticky, so every exact consumer sees the same flags. Only the l
 registered owner can be consumed: a foreign owner's or an older generation's token is refused.
 An output binding added as a *recipient* gets its own token that resolves to the submission's result.
 
+Nothing is read before the next host-visible read. A ``begin`` that finds the owner's previous generation
+still open (its flags left to recipients that have not read them yet) does not read the word: it *carries*
+it. Each recipient of the old generation gets a device-to-device copy of the word into a word of its own,
+enqueued before the clearing of the new generation, and reads that copy when it consumes; the submitter's old
+token is stale either way. A decode loop whose bindings are read only at the end therefore runs every step
+without a host read.
+
 The word of an owner stays at one address for the owner's lifetime: a graph captured in one
 generation keeps raising into it when replayed in later ones (each replay's generation clears it
 first). Generations nest (a subgraph executor run by a control-flow kernel opens its own while its
@@ -67,6 +74,7 @@ class _Owner:
     result: int | None = None  # the sticky flags of `generation`, once known
     recipients: list[_Owner] = field(default_factory=list)  # recipients of the open submission
     source: tuple[_Owner, int] | None = None  # for a recipient token: the submission it resolves to
+    snapshot: bool = False  # a recipient whose carried flags wait in its own word (see "carries" above)
     registered: bool = True
 
 
@@ -167,11 +175,11 @@ class DeviceValidation:
     def begin(self, registration) -> DeviceValidationToken:
         with self._lock:
             state = self._state(registration)
-            if state.open:  # the previous generation was never consumed: settle it so its recipients keep it
-                self._finish(state)
+            if state.open:  # the previous generation was never consumed: carry it, on the device
+                self._carry(state)
             if not state.address:
                 state.address, state.base = self._allocate_word()
-            elif state.used:
+            elif state.used:  # after the carried copies, in stream order
                 self.device.fill(state.address, WORD_BYTES, 0)  # ordered before the work this generation runs
             state.generation += 1
             state.open, state.activated, state.result, state.source = True, False, None, None
@@ -193,7 +201,7 @@ class DeviceValidation:
             if state.open:
                 self._finish(state)
             state.generation += 1
-            state.result, state.source = None, (source, source.generation)
+            state.result, state.source, state.snapshot = None, (source, source.generation), False
             source.recipients.append(state)
             return DeviceValidationToken(state.owner, state.generation)
 
@@ -228,6 +236,9 @@ class DeviceValidation:
                 )
             if state.result is not None:
                 return state.result
+            if state.snapshot:  # a recipient of a carried submission: the copy of its flags in its own word
+                state.result, state.snapshot = self._read(state.address), False
+                return state.result
             if state.source is not None:  # a recipient: its submission's result
                 source, generation = state.source
                 if source.generation == generation and source.open:
@@ -242,6 +253,25 @@ class DeviceValidation:
                     f"{NAME}: submission {token!r} is not activated; activate it before consuming its result"
                 )
             return self._finish(state)
+
+    def _carry(self, state: _Owner) -> None:
+        """Close the open generation without reading it: its recipients each get a stream-ordered copy of the word
+        (after the generation's work, before the word is cleared for the next one; see the module docstring)."""
+        for recipient in state.recipients:
+            if recipient.source != (state, state.generation) or not recipient.registered:
+                continue
+            recipient.source = None
+            if not state.used:  # no kernel raised into the word since it was last cleared
+                recipient.result = 0
+                continue
+            if not recipient.address:
+                recipient.address, recipient.base = self._allocate_word()
+            self.device.copy_device(recipient.address, state.address, WORD_BYTES)
+            recipient.snapshot = True
+        state.recipients = []
+        state.open = False
+        if state in self._open:
+            self._open.remove(state)
 
     def _finish(self, state: _Owner) -> int:
         """Read the open generation's flags (synchronizing when the word was used) and settle it."""
