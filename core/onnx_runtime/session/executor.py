@@ -40,7 +40,19 @@ from ..loader import implicit_inputs
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
 from .placement import Copy, Placement
-from .steps import Plan, ShapeKeyedKernel, Step, Uploader, downloader, make_kernel, on_device, run_steps, to_host
+from .steps import (
+    Plan,
+    ShapeKeyedKernel,
+    ShapeValues,
+    Step,
+    Uploader,
+    downloader,
+    make_kernel,
+    on_device,
+    run_steps,
+    shape_steps,
+    to_host,
+)
 from .strict import strict_kernel
 
 _NONE_SLOT = 0  # always holds None: the value of an omitted optional input
@@ -126,6 +138,8 @@ class Executor:
         self._suspects_of: dict[int, dict[int, list[str]]] = {}  # id(plan) -> its suspects (plans live as long)
         # The device-graph runner the session attaches when it enables capture (see GraphRunner).
         self.graphs: GraphRunner | None = None
+        # id(device handle) -> the session's weights on it (memory/weights.py WeightResidency), set before planning.
+        self.weights: dict[int, Any] = {}
         self._run_lock = threading.RLock()  # see _serialized
 
     # -- planning -----------------------------------------------------------------------------------
@@ -182,9 +196,16 @@ class Executor:
             if key in copies:
                 return copies[key]
             if name in self._consts and target is not None:  # upload weights once, at plan time
+                weights = self.weights.get(id(target)) if self.weights else None
+                if weights is not None and weights.paged:  # paged per node under a budget: each read pages
+                    out = new_slot()
+                    steps.append(Step(weights.pager(name), (), (out,), (), None, f"page {name} to {target.name}"))
+                    return out
                 tensor = self._device_constants.get(key)
                 if tensor is None:
-                    tensor = self._device_constants[key] = Tensor.from_numpy(self._consts[name], provider=target)
+                    tensor = self._device_constants[key] = (
+                        weights.upload(name, self._consts[name]) if weights is not None
+                        else Tensor.from_numpy(self._consts[name], provider=target))
                 copies[key] = new_slot(tensor)
                 return copies[key]
             out = new_slot()
@@ -216,8 +237,19 @@ class Executor:
         if missing:
             raise ProviderError(f"outputs {missing} are not produced by the graph")
         output_slots = [where[n][0] if device_outputs else resident(n, None) for n in output_names]
+        shapes = None
+        if not self._devices and not recorded_copies:  # host plans: device plans have their own replays
+            tensor_feeds = {feed_slots[vi.name] for vi in self.graph.inputs if vi.type.is_tensor}
+            prefix, rest, keys = shape_steps(steps, tensor_feeds, {where[name][0] for name in self._consts},
+                                             set(output_slots))
+            if prefix and keys:
+                steps = prefix + rest
+                shapes = (prefix, rest, keys)
         self._assign_releases(steps, set(output_slots) | set(feed_slots.values()))
-        return Plan(steps, template, feed_slots, output_slots, recorded_copies, frozenset(feed_devices))
+        plan = Plan(steps, template, feed_slots, output_slots, recorded_copies, frozenset(feed_devices))
+        if shapes is not None:
+            plan.shape_values = ShapeValues(*shapes)
+        return plan
 
     def _kernel_for(self, node: Node, handle: ProviderHandle) -> KernelFn:
         kernel = self._kernels.get(id(node))

@@ -130,7 +130,10 @@ class Step:
 
 
 class Steps:
-    """Steps in run order, with the hot loop's view of them."""
+    """Steps in run order, with the hot loop's view of them. ``shape_values``: where the leading steps compute
+    only what the feeds' shapes determine, the cache that skips them (see :class:`ShapeValues`)."""
+
+    shape_values: ShapeValues | None = None
 
     def __init__(self, steps: list[Step]):
         self.steps = steps
@@ -150,6 +153,86 @@ class Steps:
         ]
 
 
+# Operators whose outputs are not a function of their inputs: never cached as shape values.
+_RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+                         "Bernoulli", "Dropout"})
+
+
+def shape_steps(steps: list[Step], tensor_feeds: set[int], constants: set[int], outputs: set[int]
+                ) -> tuple[list[Step], list[Step], tuple[int, ...]]:
+    """Split ``steps`` into those whose outputs depend only on the shapes of feeds (``Shape``/``Size`` of a feed
+    of ``tensor_feeds``, and what is computed from those and ``constants`` alone: the masks, positions and
+    reshape targets of a decode step whose lengths a symbolic specialization kept unknown) and the rest, both
+    in run order; the shape-only steps may all run first, as they read nothing the rest computes. Steps that
+    produce graph ``outputs`` stay in the rest (a caller gets fresh arrays). Also returns the feed slots whose
+    shapes the shape-only steps read."""
+    derived: set[int] = set()
+    keys: list[int] = []
+    prefix: list[Step] = []
+    rest: list[Step] = []
+    for step in steps:
+        node = step.node
+        read = [slot for slot in step.inputs if slot]
+        shape_only = False
+        if node is not None and read and not node.subgraphs() and not outputs.intersection(step.outputs):
+            if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx"):
+                source = read[0]
+                shape_only = source in tensor_feeds or source in derived or source in constants
+                if source in tensor_feeds and source not in keys:
+                    keys.append(source)
+            elif node.op_type not in _RANDOM_OPS:
+                shape_only = all(slot in derived or slot in constants for slot in read) \
+                    and any(slot in derived for slot in read)
+        if shape_only:
+            derived.update(step.outputs)
+            prefix.append(step)
+        else:
+            rest.append(step)
+    return prefix, rest, tuple(keys)
+
+
+class ShapeValues:
+    """The values of a plan's shape-only steps, kept per shapes of the feeds they read: a run whose feeds have
+    shapes seen before sets those values and skips the steps. Where a specialization keeps a decode step's
+    lengths symbolic, tens of small Shape, Range, Unsqueeze and comparison nodes would otherwise run on every
+    call. Kept values are frozen (read-only, as initializers are: kernels take a frozen array's identity for
+    its contents); the cache is bounded in entries and in bytes per entry, and starts over past its bound."""
+
+    __slots__ = ("prefix", "body", "keys", "kept", "values")
+
+    LIMIT = 16
+    BYTES = 1 << 20
+
+    def __init__(self, prefix: list[Step], body: list[Step], keys: tuple[int, ...]):
+        self.prefix = Steps(prefix)
+        self.body = Steps(body)
+        self.keys = keys
+        read = {slot for step in body for slot in step.inputs}
+        self.kept = tuple(slot for step in prefix for slot in step.outputs if slot in read)
+        self.values: dict[tuple, tuple] = {}
+
+    def run(self, env: list, profile: dict | None) -> None:
+        try:
+            key = tuple([env[slot].shape for slot in self.keys])
+        except AttributeError:  # a feed without a shape: the kernels will say what is wrong with it
+            key = None
+        values = self.values.get(key) if key is not None else None
+        if values is None:
+            _run(self.prefix, env, profile)
+            values = tuple(env[slot] for slot in self.kept)
+            if key is not None and all(isinstance(v, np.ndarray) for v in values) \
+                    and sum(v.nbytes for v in values) <= self.BYTES:
+                for value in values:
+                    value.flags.writeable = False
+                if len(self.values) >= self.LIMIT:
+                    self.values.clear()
+                self.values[key] = values
+        else:
+            for slot, value in zip(self.kept, values):
+                env[slot] = value
+        _run(self.body, env, profile)
+
+
 class Plan(Steps):
     """The steps of one run over a template of slots: feeds go in by name, outputs come out of their slots."""
 
@@ -167,7 +250,15 @@ class Plan(Steps):
 def run_steps(steps: Steps, env: list, profile: dict | None = None) -> None:
     """Run ``steps`` in order over ``env`` (the values by slot): gather inputs, call the kernel, store outputs,
     drop dead values. A failure is re-raised as its step's :func:`node_error`. With ``profile`` (a dict), add
-    each operator's (seconds, calls) to it."""
+    each operator's (seconds, calls) to it. Shape-only steps whose values are kept for these feeds' shapes
+    (``steps.shape_values``) are skipped."""
+    if steps.shape_values is not None:
+        steps.shape_values.run(env, profile)
+    else:
+        _run(steps, env, profile)
+
+
+def _run(steps: Steps, env: list, profile: dict | None) -> None:
     index = 0
     try:
         if profile is not None:
