@@ -50,16 +50,17 @@ def _expected(x: np.ndarray, past: np.ndarray) -> np.ndarray:
     return present * scale[None, :, None]
 
 
-def _session(specialize: str) -> ort.InferenceSession:
+def _session(specialize: str, folder) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.add_session_config_entry("session.specialize_shapes", specialize)
     options.enable_profiling = True
+    options.profile_file_prefix = str(folder / "shape_values")
     return ort.InferenceSession(_model(), options, providers=["cpu"])
 
 
 @pytest.mark.parametrize("specialize", ["0", "1"])
-def test_shape_only_steps_run_once_per_shapes_and_results_hold(specialize):
-    sess = _session(specialize)
+def test_shape_only_steps_run_once_per_shapes_and_results_hold(specialize, tmp_path):
+    sess = _session(specialize, tmp_path)
     rng = np.random.default_rng(0)
     # A prefill, decode steps repeating a length, new lengths, and a length seen before coming back.
     for seq, past in [(3, 0), (1, 5), (1, 5), (1, 5), (1, 6), (1, 6), (1, 5), (2, 5), (1, 6)]:
@@ -76,8 +77,8 @@ def test_shape_only_steps_run_once_per_shapes_and_results_hold(specialize):
     sess.end_profiling()
 
 
-def test_kept_values_are_not_mixed_across_shapes():
-    sess = _session("0")
+def test_kept_values_are_not_mixed_across_shapes(tmp_path):
+    sess = _session("0", tmp_path)
     rng = np.random.default_rng(1)
     lengths = [(1, p) for p in range(1, 40)] * 2  # more than the cache holds: it starts over, results hold
     for seq, past in lengths:
