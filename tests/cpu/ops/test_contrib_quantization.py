@@ -532,3 +532,17 @@ def test_bad_attributes_raise_graph_errors(op, attrs, inputs):
         run_ours(op, inputs(), attrs)
     assert isinstance(info.value, InvalidGraphError) or isinstance(info.value.__cause__, InvalidGraphError)
     assert "'n'" in str(info.value)
+
+
+@pytest.mark.parametrize("quantized_output", [False, True])
+@pytest.mark.parametrize("c_shape", [None, (1,), (6,), (1, 6)])
+def test_qgemm_compiled_path_matches_the_general_one(quantized_output, c_shape):
+    # transA = 0 runs in one compiled pass, transA = 1 through the exact general path: the same codes and
+    # the same float32 values, bit for bit, including C wrapping in the int32 accumulator.
+    inputs = qgemm_inputs(U8, I8, 0, 1, per_column=True)
+    c = None if c_shape is None else RNG.integers(-2**31, 2**31 - 1, size=c_shape, dtype=np.int64).astype(np.int32)
+    y = [f32(0.4), zero_point(U8, 10)] if quantized_output else []
+    (fast,) = run_ours("QGemm", inputs + [c] + y, {"transB": 1, "alpha": 0.75})
+    (general,) = run_ours("QGemm", [inputs[0].T.copy()] + inputs[1:] + [c] + y,
+                          {"transA": 1, "transB": 1, "alpha": 0.75})
+    np.testing.assert_array_equal(fast, general)

@@ -127,12 +127,25 @@ class IntegerProduct:
             return _batched(a, b, a_zero, b_zero)
         if b.ndim != 2:
             return None
-        columns, depth = b.shape if trans_b else b.shape[::-1]
+        depth = b.shape[1] if trans_b else b.shape[0]
         if a.shape[-1] != depth:
             return None
         rows_zero = _zeros(a_zero)
         if rows_zero is None or (rows_zero.size > 1 and (a.ndim != 2 or rows_zero.size != a.shape[0])):
             return None
+        packed = self.packed(b, b_zero, trans_b)
+        if packed is None:
+            return None
+        columns = packed.shape[0]
+        flat = np.ascontiguousarray(a).reshape(-1, depth)
+        out = np.empty((flat.shape[0], columns), np.int32)
+        self._qgemm.product(flat, rows_zero, packed, out)
+        return out.reshape(a.shape[:-1] + (columns,))
+
+    def packed(self, b: np.ndarray, b_zero=None, trans_b: bool = False) -> np.ndarray | None:
+        """8-bit matrix B (K, N), or (N, K) with ``trans_b``, as int16 (N, K) with its per-tensor or per-column
+        zero points subtracted, made once per constant B; None for other zero-point shapes."""
+        columns, depth = b.shape if trans_b else b.shape[::-1]
         b_zeros = _zeros(b_zero)
         if b_zeros is None or b_zeros.size not in (1, columns):
             return None
@@ -144,11 +157,7 @@ class IntegerProduct:
             return packed
 
         # Keyed on the zero points' values: callers pass them reshaped (a new array object on every call).
-        packed = self._prepared.get((trans_b, b_zeros.tobytes()), (b,), pack)
-        flat = np.ascontiguousarray(a).reshape(-1, depth)
-        out = np.empty((flat.shape[0], columns), np.int32)
-        qgemm.product(flat, rows_zero, packed, out)
-        return out.reshape(a.shape[:-1] + (columns,))
+        return self._prepared.get((trans_b, b_zeros.tobytes()), (b,), pack)
 
 
 def _batched(a, b, a_zero, b_zero) -> np.ndarray | None:

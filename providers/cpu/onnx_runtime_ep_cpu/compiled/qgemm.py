@@ -195,3 +195,32 @@ def batched_product(a, a_zero, b, b_zero, out):
     for i in range(count):
         pack_columns(b[i], b_zeros, packed)
         product(a[i], zero, packed, out[i])
+
+
+@jit
+def qgemm(a, a_zero, packed, c, multiplier, zero, low, high, quantized, out):
+    """QGemm with a non-transposed A: acc[m, n] = sum_k (a[m, k] - a_zero) * packed[n, k] + c[n or 0] in int32
+    (wrapping as the accumulator does; ``c`` empty: no C), then with ``quantized`` the code
+    saturate(rint(acc * multiplier[n or 0]) + zero) (NaN: 0), else float32(acc * multiplier[n or 0]): the
+    float64 products numpy forms. a (M, K) 8-bit, packed (N, K) int16, c int32 (1,), (N,) or (0,), multiplier
+    float64 (1,) or (N,), out (M, N) of the output codes' type or float32."""
+    rows, depth = a.shape
+    columns = packed.shape[0]
+    centred = np.empty((rows, depth), np.int16)
+    _centre(a, np.full(1, a_zero, np.int32), centred)
+    acc = np.empty((rows, columns), np.int32)
+    _centred_product(centred, packed, acc)
+    one_c, no_c = c.shape[0] == 1, c.shape[0] == 0
+    one_m = multiplier.shape[0] == 1
+    z, lo, hi = np.float64(zero), np.float64(low), np.float64(high)
+    for m in range(rows):
+        for n in range(columns):
+            total = acc[m, n] if no_c else np.int32(np.int64(acc[m, n]) + np.int64(c[0 if one_c else n]))
+            v = np.float64(total) * multiplier[0 if one_m else n]
+            if quantized:
+                v = np.rint(v) + z
+                v = 0.0 if v != v else v
+                v = lo if v < lo else v
+                out[m, n] = hi if v > hi else v
+            else:
+                out[m, n] = np.float32(v)

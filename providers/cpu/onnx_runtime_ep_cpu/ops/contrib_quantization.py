@@ -18,6 +18,7 @@ import numpy as np
 from onnx_runtime.dtypes import DataType
 
 from ..algorithms.activations import sigmoid
+from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import (
     IntegerProduct,
     apply_table,
@@ -446,8 +447,37 @@ def qgemm(node, shapes, opset):
     alpha = float(node.attr("alpha", 1.0))
     trans_a, trans_b = bool(node.attr("transA", 0)), bool(node.attr("transB", 0))
     product = IntegerProduct()
+    multipliers = Prepared()
+
+    def multiplier(a_scale, b_scale, y_scale) -> np.ndarray:
+        """alpha * a_scale * b_scale[n] (/ y_scale) in float64, in the general path's order."""
+        m = (alpha * a_scale.astype(_F64).reshape(())) * b_scale.astype(_F64).reshape(-1)
+        return m if y_scale is None else m / y_scale.astype(_F64).reshape(())
+
+    def compiled(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c, y_scale, y_zero_point):
+        """The common case in one compiled pass (compiled/qgemm.qgemm): A (M, K) not transposed, per-tensor A
+        and Y parameters, per-tensor or per-column B, C per tensor or per column; None for anything else."""
+        if trans_a or not _qgemm_compiles(trans_b, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c, y_scale,
+                                          y_zero_point):
+            return None
+        columns = b.shape[0] if trans_b else b.shape[1]
+        quantized = y_scale is not None
+        packed = product.packed(b, b_zero_point, trans_b)
+        if packed is None:
+            return None
+        m = multipliers.get(quantized, (a_scale, b_scale, y_scale), lambda: multiplier(a_scale, b_scale, y_scale))
+        low, high = integer_range(y_zero_point.dtype) if quantized else (0, 0)
+        out = np.empty((a.shape[0], columns), y_zero_point.dtype if quantized else _F32)
+        if out.size:
+            _qgemm_kernels().qgemm(np.ascontiguousarray(a), int(a_zero_point.reshape(-1)[0]), packed,
+                                   _NO_C if c is None else c.reshape(-1), m,
+                                   int(y_zero_point.reshape(-1)[0]) if quantized else 0, low, high, quantized, out)
+        return out
 
     def kernel(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c=None, y_scale=None, y_zero_point=None):
+        out = compiled(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c, y_scale, y_zero_point)
+        if out is not None:
+            return (out,)
         acc, columns = _qgemm_product(node, product, trans_a, trans_b, a, a_zero_point, b, b_zero_point)
         acc = _add_c(node, acc, c)
         scale = alpha * float_scale(node, "a_scale", a_scale).astype(_F64) * _column_param(
@@ -461,6 +491,34 @@ def qgemm(node, shapes, opset):
         return (round_saturate(values, scalar(node, "y_zero_point", y_zero_point), dtype),)
 
     return kernel
+
+
+_NO_C = np.zeros(0, np.int32)
+
+
+def _qgemm_compiles(trans_b, a, a_scale, a_zero, b, b_scale, b_zero, c, y_scale, y_zero) -> bool:
+    """Whether QGemm's compiled pass takes these inputs: 8-bit matrices that multiply, per-tensor A and Y
+    parameters of the types the spec gives them, B's scale per tensor or per column, an int32 C per tensor or
+    per column; everything else (and every error) goes through the general path."""
+    if a_zero is None or b_zero is None or a.ndim != 2 or b.ndim != 2 or a.dtype not in _EIGHT_BIT \
+            or b.dtype not in _EIGHT_BIT:
+        return False
+    columns, depth = b.shape if trans_b else b.shape[::-1]
+    if a.shape[1] != depth or a_zero.dtype != a.dtype or a_zero.size != 1 or b_zero.dtype != b.dtype \
+            or a_scale.dtype != _F32 or a_scale.size != 1 or b_scale.dtype != _F32 \
+            or not (b_scale.size == 1 or b_scale.shape == (columns,)):
+        return False
+    if c is not None and (c.dtype != np.int32 or not (c.size == 1 or c.shape in ((columns,), (1, columns)))):
+        return False
+    if y_scale is None or y_zero is None:
+        return y_scale is None and y_zero is None
+    return y_scale.dtype == _F32 and y_scale.size == 1 and y_zero.size == 1 and y_zero.dtype in _EIGHT_BIT
+
+
+def _qgemm_kernels():
+    from ..compiled import qgemm
+
+    return qgemm
 
 
 # -- MatMulIntegerToFloat, DynamicQuantizeMatMul ---------------------------------------------------
