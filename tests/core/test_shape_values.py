@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 def _model() -> bytes:
     """present = Concat(past, x); y = present * (position + 1) * (1 where the position is in the past, else 2),
-    positions a Range over past + seq computed from Shape(past) and Shape(x), as exporters build causal masks."""
+    positions a Range over Shape(present), compared with Shape(past), as exporters build causal masks."""
     constants = {
         "one_index": np.array(1, np.int64), "zero": np.array(0, np.int64), "step": np.array(1, np.int64),
         "axes": np.array([0, 2], np.int64), "low": np.array(1.0, np.float32), "high": np.array(2.0, np.float32),
@@ -22,9 +22,11 @@ def _model() -> bytes:
     nodes = [
         helper.make_node("Shape", ["past"], ["past_shape"]),
         helper.make_node("Gather", ["past_shape", "one_index"], ["past_len"], axis=0),
-        helper.make_node("Shape", ["x"], ["x_shape"]),
-        helper.make_node("Gather", ["x_shape", "one_index"], ["x_len"], axis=0),
-        helper.make_node("Add", ["past_len", "x_len"], ["total"]),
+        # The Range's limit is read off Concat's output, as T5's relative positions are: its shape too is
+        # fixed by the feeds' shapes.
+        helper.make_node("Concat", ["past", "x"], ["present"], axis=1),
+        helper.make_node("Shape", ["present"], ["present_shape"]),
+        helper.make_node("Gather", ["present_shape", "one_index"], ["total"], axis=0),
         helper.make_node("Range", ["zero", "total", "step"], ["positions"]),
         helper.make_node("Cast", ["positions"], ["positions_f"], to=TensorProto.FLOAT),
         helper.make_node("Add", ["positions_f", "unit"], ["weights"]),
@@ -32,7 +34,6 @@ def _model() -> bytes:
         helper.make_node("Where", ["in_past", "low", "high"], ["mask"]),
         helper.make_node("Mul", ["weights", "mask"], ["scale"]),
         helper.make_node("Unsqueeze", ["scale", "axes"], ["scale3"]),
-        helper.make_node("Concat", ["past", "x"], ["present"], axis=1),
         helper.make_node("Mul", ["present", "scale3"], ["y"]),
     ]
     model = make_model(
@@ -87,3 +88,24 @@ def test_kept_values_are_not_mixed_across_shapes(tmp_path):
         y, _ = sess.run(None, {"x": x, "past": past_value})
         np.testing.assert_allclose(y, _expected(x, past_value), rtol=1e-6, atol=1e-6)
     sess.end_profiling()
+
+
+def test_a_shape_that_values_decide_is_not_kept(tmp_path):
+    """Shape(NonZero(x > 0)) depends on x's values: runs with one shape and other values must see their own."""
+    nodes = [
+        helper.make_node("Greater", ["x", "zero"], ["positive"]),
+        helper.make_node("NonZero", ["positive"], ["where"]),
+        helper.make_node("Shape", ["where"], ["where_shape"]),
+        helper.make_node("Gather", ["where_shape", "one_index"], ["count"], axis=0),
+        helper.make_node("Cast", ["count"], ["count_f"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["x", "count_f"], ["y"]),
+    ]
+    model = make_model(nodes, [tensor_info("x", TensorProto.FLOAT, ["n"])], [tensor_info("y", TensorProto.FLOAT, None)],
+                       [numpy_helper.from_array(np.array(0, np.float32), "zero"),
+                        numpy_helper.from_array(np.array(1, np.int64), "one_index")])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    rng = np.random.default_rng(2)
+    for _ in range(6):
+        x = rng.standard_normal(8).astype(np.float32)
+        (y,) = sess.run(None, {"x": x})
+        np.testing.assert_array_equal(y, x * np.float32((x > 0).sum()))

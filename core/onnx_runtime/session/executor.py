@@ -24,6 +24,7 @@ run may instead replay device graphs, in the slot the run options name (:data:`G
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import warnings
@@ -50,7 +51,7 @@ from .steps import (
     make_kernel,
     on_device,
     run_steps,
-    shape_steps,
+    shape_only_steps,
     to_host,
 )
 from .strict import strict_kernel
@@ -237,18 +238,19 @@ class Executor:
         if missing:
             raise ProviderError(f"outputs {missing} are not produced by the graph")
         output_slots = [where[n][0] if device_outputs else resident(n, None) for n in output_names]
-        shapes = None
-        if not self._devices and not recorded_copies:  # host plans: device plans have their own replays
-            tensor_feeds = {feed_slots[vi.name] for vi in self.graph.inputs if vi.type.is_tensor}
-            prefix, rest, keys = shape_steps(steps, tensor_feeds, {where[name][0] for name in self._consts},
-                                             set(output_slots))
-            if prefix and keys:
-                steps = prefix + rest
-                shapes = (prefix, rest, keys)
-        self._assign_releases(steps, set(output_slots) | set(feed_slots.values()))
+        keep = set(output_slots) | set(feed_slots.values())
+        tensor_feeds = {feed_slots[vi.name] for vi in self.graph.inputs if vi.type.is_tensor}
+        # Host plans only (device plans have their own replays): the steps that only the feeds' shapes decide.
+        found = set() if self._devices or recorded_copies else \
+            shape_only_steps(steps, tensor_feeds, {where[name][0] for name in self._consts}, set(output_slots))
+        body = [dataclasses.replace(step) for index, step in enumerate(steps) if index not in found]
+        read = {slot for step in body for slot in step.inputs}
+        kept = tuple(slot for index in sorted(found) for slot in steps[index].outputs if slot in read)
+        self._assign_releases(steps, keep | set(kept))  # a run that computes the kept values keeps them to its end
         plan = Plan(steps, template, feed_slots, output_slots, recorded_copies, frozenset(feed_devices))
-        if shapes is not None:
-            plan.shape_values = ShapeValues(*shapes)
+        if found:
+            self._assign_releases(body, keep)
+            plan.shape_values = ShapeValues(steps, body, tuple(sorted(tensor_feeds)), kept)
         return plan
 
     def _kernel_for(self, node: Node, handle: ProviderHandle) -> KernelFn:

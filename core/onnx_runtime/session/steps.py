@@ -156,59 +156,67 @@ class Steps:
 # Operators whose outputs are not a function of their inputs: never cached as shape values.
 _RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
                          "Bernoulli", "Dropout"})
+# Operators whose output shapes follow from their inputs' shapes and their attributes alone, never from values
+# (elementwise arithmetic, products, layout with attribute shapes, normalizations, attention; the CPU
+# provider's layout and normalization fusions among them): a Shape of what they compute from the feeds is known
+# once the feeds' shapes are. Reshape, Expand, Slice, Range and the like read sizes from values: not listed.
+_SHAPE_FROM_SHAPES = frozenset({
+    "Identity", "Cast", "Neg", "Abs", "Sqrt", "Reciprocal", "Exp", "Log", "Erf", "Tanh", "Sigmoid", "Relu", "Gelu",
+    "Softmax", "Not", "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "And", "Or", "Equal", "Less",
+    "Greater", "LessOrEqual", "GreaterOrEqual", "MatMul", "FusedMatMul", "Gemm", "Concat", "Transpose", "Gather",
+    "ReshapeTranspose", "TransposeReshape", "LayerNormalization", "RMSNormalization", "SkipRMSNormalization",
+    "SkipLayerNormalization", "SimplifiedLayerNormalization", "Attention",
+})
 
 
-def shape_steps(steps: list[Step], tensor_feeds: set[int], constants: set[int], outputs: set[int]
-                ) -> tuple[list[Step], list[Step], tuple[int, ...]]:
-    """Split ``steps`` into those whose outputs depend only on the shapes of feeds (``Shape``/``Size`` of a feed
-    of ``tensor_feeds``, and what is computed from those and ``constants`` alone: the masks, positions and
-    reshape targets of a decode step whose lengths a symbolic specialization kept unknown) and the rest, both
-    in run order; the shape-only steps may all run first, as they read nothing the rest computes. Steps that
-    produce graph ``outputs`` stay in the rest (a caller gets fresh arrays). Also returns the feed slots whose
-    shapes the shape-only steps read."""
-    derived: set[int] = set()
-    keys: list[int] = []
-    prefix: list[Step] = []
-    rest: list[Step] = []
-    for step in steps:
+def shape_only_steps(steps: list[Step], tensor_feeds: set[int], constants: set[int], outputs: set[int]) -> set[int]:
+    """Indices of the ``steps`` whose outputs depend only on the shapes of the feeds (``tensor_feeds``' slots)
+    and on ``constants``: ``Shape``/``Size`` of a value whose shape the feeds' shapes fix, and what is computed
+    from those and constants alone (the positions, masks and relative-position buckets of a decode step whose
+    lengths a symbolic specialization kept unknown). Steps that produce graph ``outputs`` are left out (a
+    caller gets fresh arrays), as are random operators and control flow."""
+    derived: set[int] = set()  # values the feeds' shapes determine
+    shaped = set(tensor_feeds) | constants  # values whose shapes the feeds' shapes determine
+    found: set[int] = set()
+    for index, step in enumerate(steps):
         node = step.node
         read = [slot for slot in step.inputs if slot]
-        shape_only = False
-        if node is not None and read and not node.subgraphs() and not outputs.intersection(step.outputs):
-            if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx"):
-                source = read[0]
-                shape_only = source in tensor_feeds or source in derived or source in constants
-                if source in tensor_feeds and source not in keys:
-                    keys.append(source)
-            elif node.op_type not in _RANDOM_OPS:
-                shape_only = all(slot in derived or slot in constants for slot in read) \
-                    and any(slot in derived for slot in read)
-        if shape_only:
-            derived.update(step.outputs)
-            prefix.append(step)
+        if node is None or not read or node.subgraphs():
+            continue
+        if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx"):
+            shape_only = read[0] in shaped
+        elif node.op_type in _RANDOM_OPS:
+            shape_only = False
         else:
-            rest.append(step)
-    return prefix, rest, tuple(keys)
+            shape_only = all(slot in derived or slot in constants for slot in read) \
+                and any(slot in derived for slot in read)
+        if shape_only and not outputs.intersection(step.outputs):
+            found.add(index)
+            derived.update(step.outputs)
+            shaped.update(step.outputs)
+        elif node.op_type in _SHAPE_FROM_SHAPES and all(slot in shaped for slot in read):
+            shaped.update(step.outputs)
+    return found
 
 
 class ShapeValues:
-    """The values of a plan's shape-only steps, kept per shapes of the feeds they read: a run whose feeds have
-    shapes seen before sets those values and skips the steps. Where a specialization keeps a decode step's
+    """The values of a plan's shape-only steps, kept per shapes of the feeds: a run whose feeds have shapes
+    seen before sets those values and runs the other steps only (``body``); a new one runs every step
+    (``full``, which keeps those values to the end of the run). Where a specialization keeps a decode step's
     lengths symbolic, tens of small Shape, Range, Unsqueeze and comparison nodes would otherwise run on every
     call. Kept values are frozen (read-only, as initializers are: kernels take a frozen array's identity for
     its contents); the cache is bounded in entries and in bytes per entry, and starts over past its bound."""
 
-    __slots__ = ("prefix", "body", "keys", "kept", "values")
+    __slots__ = ("full", "body", "keys", "kept", "values")
 
     LIMIT = 16
     BYTES = 1 << 20
 
-    def __init__(self, prefix: list[Step], body: list[Step], keys: tuple[int, ...]):
-        self.prefix = Steps(prefix)
+    def __init__(self, full: list[Step], body: list[Step], keys: tuple[int, ...], kept: tuple[int, ...]):
+        self.full = Steps(full)
         self.body = Steps(body)
         self.keys = keys
-        read = {slot for step in body for slot in step.inputs}
-        self.kept = tuple(slot for step in prefix for slot in step.outputs if slot in read)
+        self.kept = kept
         self.values: dict[tuple, tuple] = {}
 
     def run(self, env: list, profile: dict | None) -> None:
@@ -217,20 +225,22 @@ class ShapeValues:
         except AttributeError:  # a feed without a shape: the kernels will say what is wrong with it
             key = None
         values = self.values.get(key) if key is not None else None
-        if values is None:
-            _run(self.prefix, env, profile)
-            values = tuple(env[slot] for slot in self.kept)
-            if key is not None and all(isinstance(v, np.ndarray) for v in values) \
-                    and sum(v.nbytes for v in values) <= self.BYTES:
-                for value in values:
-                    value.flags.writeable = False
-                if len(self.values) >= self.LIMIT:
-                    self.values.clear()
-                self.values[key] = values
-        else:
+        if values is not None:
             for slot, value in zip(self.kept, values):
                 env[slot] = value
-        _run(self.body, env, profile)
+            _run(self.body, env, profile)
+            return
+        _run(self.full, env, profile)
+        values = tuple(env[slot] for slot in self.kept)
+        if key is not None and all(isinstance(v, np.ndarray) for v in values) \
+                and sum(v.nbytes for v in values) <= self.BYTES:
+            for value in values:
+                value.flags.writeable = False
+            if len(self.values) >= self.LIMIT:
+                self.values.clear()
+            self.values[key] = values
+        for slot in self.kept:  # released here rather than at their last reader
+            env[slot] = None
 
 
 class Plan(Steps):
