@@ -222,7 +222,43 @@ def gemm_1(node, shapes, opset):
 
 @register("Gemm", since=7)
 def gemm_7(node, shapes, opset):
-    return _gemm_kernel(node, c_must_match=False)
+    general = _gemm_kernel(node, c_must_match=False)
+    return _gemm_for_shape(node, shapes, general) or general
+
+
+def _gemm_for_shape(node, shapes, general):
+    """Gemm with alpha 1 and beta 1 (or no C) for the one shape of A, B and C the kernel is made for (a planned
+    shape), on hosts where ``general``'s product is BLAS's anyway (no compiled products): the same calls, so
+    the same bits, without its per-call checks and lookups, which cost a classifier's or pooler's one-row
+    product several times its arithmetic. Other shapes and dtypes go to ``general``. None where it does not
+    apply."""
+    a_shape, b_shape, c_shape = (tuple(s) if s is not None else None
+                                 for s in (list(shapes or ()) + [None, None, None])[:3])
+    if gemv_host() or float(node.attr("alpha", 1.0)) != 1 \
+            or (c_shape is not None and float(node.attr("beta", 1.0)) != 1) \
+            or not a_shape or not b_shape or len(a_shape) != 2 or len(b_shape) != 2 \
+            or not all(isinstance(d, int) and d > 0 for d in (*a_shape, *b_shape)):
+        return None
+    trans_a, trans_b = bool(node.attr("transA", 0)), bool(node.attr("transB", 0))
+    rows, depth = a_shape[::-1] if trans_a else a_shape
+    columns = b_shape[0] if trans_b else b_shape[1]
+    if depth != (b_shape[1] if trans_b else b_shape[0]):
+        return None  # (the general kernel reports the mismatch)
+    if c_shape is not None and (len(c_shape) > 2 or not all(
+            c in (1, d) for c, d in zip(c_shape[::-1], (columns, rows)))):
+        return None  # C that does not add in place (it would widen the output): the general kernel broadcasts it
+
+    def kernel(a, b, c=None):
+        dtype = a.dtype
+        if a.shape != a_shape or b.shape != b_shape or dtype not in BLAS_FLOATS or b.dtype is not dtype \
+                or (c is None) != (c_shape is None) or (c is not None and (c.shape != c_shape or c.dtype is not dtype)):
+            return general(a, b, c)
+        y = np.matmul(a.T if trans_a else a, b.T if trans_b else b)
+        if c is not None:
+            y += c
+        return (y,)
+
+    return kernel
 
 
 def zero_point_rows(zero_point: np.ndarray, a: np.ndarray) -> np.ndarray:
