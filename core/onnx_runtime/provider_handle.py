@@ -88,6 +88,8 @@ class ProviderHandle:
             raise PluginError(f"provider {label}: the `contract_version` hook returned an invalid version: {exc}") \
                 from None
         self.initialized = False
+        # The session's charge of this handle's allocations to the memory governor (memory/accounts.py), or None.
+        self.memory_account = None
         self._refresh_device()
 
     def implements(self, hook: str) -> bool:
@@ -141,6 +143,12 @@ class ProviderHandle:
 
     # -- memory with the core's ownership rules --------------------------------------------------
     def allocate(self, size: int, alignment: int = 64) -> DeviceBuffer:
+        if self.memory_account is not None:
+            return self.memory_account.allocate(int(size), int(alignment))
+        return self.allocate_unaccounted(size, alignment)
+
+    def allocate_unaccounted(self, size: int, alignment: int = 64) -> DeviceBuffer:
+        """``allocate`` without the governor's charge (for bytes a lease already paid for)."""
         buffer = self.hook.allocate(size=int(size), alignment=int(alignment))
         if not isinstance(buffer, DeviceBuffer):
             raise ProviderError(f"{self.name}: allocate must return a DeviceBuffer, got {type(buffer).__name__}")

@@ -65,7 +65,8 @@ if TYPE_CHECKING:
 
 def release_buffer(handle: ContractHandle, buffer: DeviceBuffer) -> None:
     """Free ``buffer`` through ``handle`` with the core's ownership rules (ProviderHandle.deallocate's):
-    a freed buffer is refused, a borrowed one is only marked released, an owned one is freed exactly once."""
+    a freed buffer is refused, a borrowed one is only marked released, an owned one is freed exactly once;
+    the memory governor's charge for it is released with it."""
     if buffer.released:
         raise InvalidArgumentError(
             f"{handle.name}: buffer at {buffer.ptr:#x} was already freed; every buffer is freed exactly once")
@@ -77,6 +78,9 @@ def release_buffer(handle: ContractHandle, buffer: DeviceBuffer) -> None:
                 f"allocated it ({device} is this provider's device)")
         handle.hook.deallocate(buffer=buffer)
     buffer.mark_released()
+    account = getattr(handle, "memory_account", None)
+    if account is not None:  # the governor's charge for it (memory/accounts.py) goes back
+        account.released(buffer)
 
 
 class MemoryDefaults:

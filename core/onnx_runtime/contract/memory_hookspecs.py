@@ -6,8 +6,9 @@ executor-scoped artifacts, and the identity and staging hooks an executor asks b
 
 Every default here answers as a provider without a governor, a residency cache or executor artifacts: nothing
 is governed, nothing is resident, workspace is a plain ``allocate`` (defaults in contract/memory_defaults.py,
-value types in contract/residency.py and contract/executor_artifacts.py). The session does not call these
-hooks yet; they are the surface the memory governor and lazy weights build on.
+value types in contract/residency.py and contract/executor_artifacts.py). The session calls the governance
+and lazy-weight hooks through the core's memory package (onnx_runtime.memory, docs/memory.md); the rest are the
+surface executors build on.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class MemoryGovernanceSpec:
         Raise a :class:`ProviderError` when the tier cannot afford what the provider already holds: the model
         does not fit, and saying so now beats failing at an unrelated allocation later.
         Default: 0 (no standing pool; not a failure).
-        Called by: not by the core.
+        Called by: the session at creation, for each device provider its nodes run on, with the
+        process governor's view of that device (memory/session.py).
         """
 
     @hookspec(firstresult=True)
@@ -76,7 +78,8 @@ class MemoryGovernanceSpec:
         will adopt, so that load-time admission can subtract the non-weight claims (KV, workspace) first.
 
         Default: None (the provider keeps no weight-residency budget).
-        Called by: not by the core.
+        Called by: the session at creation when ``session.weight_residency_budget`` is set; a
+        returned budget replaces the configured one (memory/session.py).
         """
 
     @hookspec(firstresult=True)
@@ -148,7 +151,8 @@ class MemoryGovernanceSpec:
         dropping an allocator, not a per-operation synchronization).
 
         Default: no-op (synchronous providers have nothing deferred).
-        Called by: not by the core.
+        Called by: the governor, through the session's allocation account, before it gives back
+        the bytes of a freed buffer of a provider that implements it (memory/accounts.py).
         """
 
     # -- mapped growth ------------------------------------------------------------------------------
@@ -302,7 +306,8 @@ class ResidencySpec:
         kernel's lifetime.
 
         Default: None (no residency cache: the executor materializes the weight on the host).
-        Called by: not by the core.
+        Called by: the session's page step before each node that reads a weight, when the provider
+        implements it (memory/weights.py); the core then keeps no residency cache of its own.
         """
 
     @hookspec(firstresult=True)
@@ -321,7 +326,8 @@ class ResidencySpec:
         actually enqueued.
 
         Default: False (no-op).
-        Called by: not by the core.
+        Called by: the session after paging a node's weights, for the next page step's weight
+        (memory/weights.py).
         """
 
     @hookspec(firstresult=True)

@@ -22,6 +22,7 @@ from ..functions import FunctionExpander
 from ..ir import Model, TypeInfo, ValueInfo
 from ..loader import load_model, topological_order
 from ..logs import SessionLog
+from ..memory.session import MAP_WEIGHTS_KEY, governed
 from ..optimizer import optimize
 from ..ort_value import OrtValue, device_handle
 from ..provider_handle import ProviderHandle
@@ -268,7 +269,8 @@ class InferenceSession:
         self._profiling_start_ns = time.time_ns()
         self._profile: Profile | None = Profile() if self._sess_options.enable_profiling else None
         began = time.perf_counter()
-        self._model: Model = load_model(path_or_bytes, free_dims=self._sess_options.free_dimension_overrides())
+        self._model: Model = load_model(path_or_bytes, free_dims=self._sess_options.free_dimension_overrides(),
+                                        map_weights=_config_flag(self._sess_options, MAP_WEIGHTS_KEY, default="1"))
         loaded = time.perf_counter()
         self._model_path = path_or_bytes if isinstance(path_or_bytes, str) else None
         requested = _resolve_providers(providers, provider_options)
@@ -287,6 +289,8 @@ class InferenceSession:
         self._placement, assignment = place(graph, self._handles, FunctionExpander(self._model.functions))
         self._executor = Executor(graph, assignment, self._placement)
         self._executor.strict = _config_flag(self._sess_options, STRICT_KEY)
+        self._memory = governed(self, f"session {id(self):x}", graph, assignment, session_config(self._sess_options))
+        self._memory.attach(self._executor)
         if _config_flag(self._sess_options, GRAPH_CAPTURE_KEY):
             from .device_graphs import DeviceGraphRunner  # only sessions that ask for capture load it
             self._executor.graphs = DeviceGraphRunner(self._executor)
@@ -403,6 +407,11 @@ class InferenceSession:
     def placement(self) -> Placement:
         """Each node's provider, every declining provider's reason, and the inserted copies."""
         return self._placement
+
+    def memory_report(self) -> dict:
+        """The device budgets of the process, this session's weight residency and its allocation sites
+        (memory/session.py)."""
+        return self._memory.report()
 
     def device_graph_status(self) -> str:
         """How the last run executed: "replaying" (a device graph), or "eager: <why not a graph>".
@@ -658,6 +667,7 @@ class InferenceSession:
 
         release_session_bindings(self)  # before the graphs they recorded and the providers their memory is on
         self._executor.close()
+        self._memory.close()  # after the executor: its weights and values are freed, their charges go back
         for handle in self._handles:
             handle.shutdown()
 

@@ -1,0 +1,106 @@
+"""What a session does with the memory governor: join it, charge its device allocations, admit its weights.
+
+At creation, for each device provider its nodes were placed on, the session applies the device limit
+(``session.memory_limit``), lets the provider adopt the governor (``adopt_memory_governor``), charges the
+handle's allocations through a :class:`DeviceAccount`, and admits the weights its nodes read on that device
+(:class:`WeightResidency`): all of them, or the weight-residency budget (``session.weight_residency_budget``)
+when they are paged. Host providers are not governed: their memory is the process's.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from ..contract.residency import HolderId, Tier
+from ..errors import InvalidArgumentError
+from .accounts import DeviceAccount
+from .governor import parse_byte_limit, process_governor
+from .weights import WeightResidency
+
+__all__ = ["LIMIT_KEY", "MAP_WEIGHTS_KEY", "WEIGHT_BUDGET_KEY", "SessionMemory", "governed"]
+
+LIMIT_KEY = "session.memory_limit"  # the device budget (bytes, with an optional unit) of every device used
+WEIGHT_BUDGET_KEY = "session.weight_residency_budget"  # weights resident at once per device; paged beyond
+MAP_WEIGHTS_KEY = "session.map_external_weights"  # "0": read external data into memory instead of mapping it
+
+
+class SessionMemory:
+    """The governor's view of one session (see the module docstring)."""
+
+    def __init__(self, label: str, graph, assignment: dict, config: dict[str, str]):
+        self.label = label
+        self.accounts: list[DeviceAccount] = []
+        self.weights: dict[int, WeightResidency] = {}
+        self.pools: dict[str, int] = {}  # provider -> bytes its own pools put under the governor
+        devices = {id(h): h for h in assignment.values() if not h.is_host_accessible}
+        if not devices:
+            return
+        governor = process_governor()
+        budget = parse_byte_limit(config.get(WEIGHT_BUDGET_KEY, ""), WEIGHT_BUDGET_KEY)
+        by_handle: dict[int, list] = {key: [] for key in devices}
+        for node in graph.nodes:
+            handle = assignment.get(node.name)
+            if handle is not None and id(handle) in by_handle:
+                by_handle[id(handle)].append(node)
+        try:
+            for key, handle in devices.items():
+                device = str(handle.device_id)
+                limit = parse_byte_limit(config.get(LIMIT_KEY, ""), LIMIT_KEY)
+                if limit is not None and limit != governor.limit(device):
+                    governor.set_limit(device, limit)
+                view = governor.device(device)
+                self.pools[handle.name] = int(handle.hook.adopt_memory_governor(
+                    governor=view, tier=Tier.DEVICE, holder=HolderId(f"{handle.name} pools")) or 0)
+                account = DeviceAccount(handle, view, HolderId(f"{label} activations on {handle.name}"))
+                nodes = by_handle[key]
+                names = {n for node in nodes for n in node.inputs if n in graph.initializers}
+                weights = {n: graph.initializers[n] for n in sorted(names)}
+                node_sets = [tuple(n for n in node.inputs if n in weights) for node in nodes]
+                provider_budget = handle.hook.set_weight_residency_budget(budget_bytes=budget) \
+                    if budget is not None else None
+                self.weights[key] = WeightResidency(
+                    handle, view, account, HolderId(f"{label} weights on {handle.name}"), weights,
+                    budget if provider_budget is None else int(provider_budget), node_sets)
+                handle.memory_account = account
+                self.accounts.append(account)
+        except BaseException:
+            self.close()
+            raise
+
+    def attach(self, executor) -> None:
+        """Route ``executor``'s weight uploads through the residency (before it plans)."""
+        executor.weights = dict(self.weights)
+
+    def close(self) -> None:
+        weights, self.weights = self.weights, {}
+        for residency in weights.values():
+            residency.close()
+        for account in self.accounts:
+            if account.handle.memory_account is account:
+                account.handle.memory_account = None
+            account.close()
+        self.accounts = []
+
+    def report(self) -> dict:
+        """Budgets, this session's residency and its allocation sites (for ``onnx-runtime info --memory``)."""
+        governor = process_governor()
+        return {
+            "budgets": governor.snapshot(),
+            "weights": [residency.stats() for residency in self.weights.values()],
+            "activations": [{"device": a.governor.device, "holder": str(a.holder), "charged": a.charged,
+                             "sites": [{"file": s.file, "line": s.line, "requests": s.requests,
+                                        "bytes": s.requested_bytes} for s in a.site_stats()]}
+                            for a in self.accounts],
+            "pools": dict(self.pools),
+        }
+
+
+def governed(session, label: str, graph, assignment: dict, config: dict[str, str]) -> SessionMemory:
+    """A :class:`SessionMemory` for ``session`` whose charges go back when the session is closed or dropped."""
+    if config.get(WEIGHT_BUDGET_KEY) and config.get("session.graph_capture", "0") == "1":
+        raise InvalidArgumentError(
+            f"'{WEIGHT_BUDGET_KEY}' pages weights between runs, which device graphs cannot replay (they keep the "
+            f"addresses they captured); drop 'session.graph_capture' or the weight budget")
+    memory = SessionMemory(label, graph, assignment, config)
+    weakref.finalize(session, memory.close)
+    return memory

@@ -1,0 +1,192 @@
+"""Lazy weights (core/onnx_runtime/memory/mapped.py, weights.py): initializers memory-mapped from external data
+instead of read, and paged to a device under a weight-residency budget with eviction and lookahead, giving the
+same outputs as an unbounded run."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import onnx
+import onnx_runtime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx_runtime.errors import InvalidArgumentError, ModelLoadError
+from onnx_runtime.loader import load_model
+from onnx_runtime.memory import MemoryBudgetError, process_governor
+from onnx_runtime.memory.mapped import mapped_region
+
+SAMPLE = "SampleDeviceExecutionProvider"
+DEVICE = "other:7"
+D = 2048  # elements per weight: above the loader's shape-value limit, so mapped
+
+
+def _save(model, path) -> str:
+    onnx.save_model(model, str(path), save_as_external_data=True, location=path.name + ".data", size_threshold=0)
+    return str(path)
+
+
+def _chain(path, layers: int = 8, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    nodes, inits, prev = [], [], "X"
+    for i in range(layers):
+        inits.append(numpy_helper.from_array(rng.standard_normal((1, D)).astype(np.float32), f"W{i}"))
+        nodes.append(helper.make_node("Add" if i % 2 == 0 else "Mul", [prev, f"W{i}"], [f"h{i}"]))
+        prev = f"h{i}"
+    nodes.append(helper.make_node("Relu", [prev], ["Y"]))
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, D])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, D])], inits)
+    return _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+def _session(path, providers=(SAMPLE, "CPUExecutionProvider"), **config):
+    options = ort.SessionOptions()
+    for key, value in config.items():
+        options.add_session_config_entry(f"session.{key}", str(value))
+    return ort.InferenceSession(path, options, providers=list(providers))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# -- mapped, not read -----------------------------------------------------------------------------------------
+def test_external_weights_are_mapped_and_read_only(tmp_path):
+    path = _chain(tmp_path / "m.onnx")
+    model = load_model(path)
+    weight = model.graph.initializers["W0"]
+    region = mapped_region(weight)
+    assert region is not None and region[0].path.endswith("m.onnx.data")
+    assert not weight.flags.writeable
+    np.testing.assert_array_equal(weight, numpy_helper.to_array(onnx.load(path).graph.initializer[0]))
+    unmapped = load_model(path, map_weights=False).graph.initializers["W0"]
+    assert mapped_region(unmapped) is None
+    np.testing.assert_array_equal(unmapped, weight)
+
+
+def test_session_config_can_turn_mapping_off(tmp_path):
+    path = _chain(tmp_path / "m.onnx")
+    x = np.ones((1, D), np.float32)
+    mapped = _session(path, providers=["CPUExecutionProvider"])
+    read = _session(path, providers=["CPUExecutionProvider"], map_external_weights=0)
+    assert mapped_region(mapped.model.graph.initializers["W1"]) is not None
+    assert mapped_region(read.model.graph.initializers["W1"]) is None
+    np.testing.assert_array_equal(mapped.run(None, {"X": x})[0], read.run(None, {"X": x})[0])
+
+
+def test_a_session_touches_only_the_weight_pages_it_reads(tmp_path):
+    """A 64 MiB embedding table read by a Gather of two rows: creating the session and running it reads a few
+    pages of the table, not the table (host RSS stays near what is touched)."""
+    rows, width = 16384, 1024
+    table = np.memmap(tmp_path / "big.raw", np.float32, "w+", shape=(rows, width))
+    table[:] = np.arange(rows, dtype=np.float32)[:, None]
+    table.flush()
+    tensor = numpy_helper.from_array(np.asarray(table), "table")
+    del table
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["Y"], axis=0)], "embed",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [2, width])], [tensor])
+    path = _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "embed.onnx")
+    del tensor, graph
+    gc.collect()
+    before = _rss()
+    session = _session(path, providers=["CPUExecutionProvider"])
+    (y,) = session.run(None, {"ids": np.array([3, 16000], np.int64)})
+    grown = _rss() - before
+    np.testing.assert_array_equal(y[:, 0], [3, 16000])
+    assert grown < 24 << 20, f"RSS grew by {grown >> 20} MiB for a 64 MiB table of which two rows are read"
+    read = _session(path, providers=["CPUExecutionProvider"], map_external_weights=0)  # the eager path reads it
+    assert _rss() - before > 64 << 20
+    del read
+
+
+def test_a_data_file_shorter_than_the_weights_is_refused_at_load(tmp_path):
+    path = _chain(tmp_path / "m.onnx")
+    with open(path + ".data", "r+b") as handle:
+        handle.truncate(3 * D * 4)
+    with pytest.raises(ModelLoadError, match="external data"):
+        load_model(path)
+
+
+def test_a_declared_length_that_does_not_match_the_shape_is_refused(tmp_path):
+    path = _chain(tmp_path / "m.onnx")
+    proto = onnx.load(path, load_external_data=False)
+    for entry in proto.graph.initializer[2].external_data:
+        if entry.key == "length":
+            entry.value = str(D * 2)
+    onnx.save_model(proto, path)
+    with pytest.raises(ModelLoadError, match=r"'W2' declares 4096 bytes of external data"):
+        load_model(path)
+
+
+# -- paged under a budget -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layers_resident", [1, 2, 3])
+def test_a_budget_smaller_than_the_weights_gives_the_unbounded_outputs(tmp_path, layers_resident):
+    path = _chain(tmp_path / "m.onnx", layers=12)
+    rng = np.random.default_rng(1)
+    feeds = [{"X": rng.standard_normal((1, D)).astype(np.float32)} for _ in range(3)]
+    unbounded = _session(path)
+    want = [unbounded.run(None, f)[0] for f in feeds]
+    budget = layers_resident * D * 4
+    paged = _session(path, weight_residency_budget=budget)
+    for f, w in zip(feeds, want):
+        np.testing.assert_array_equal(paged.run(None, f)[0], w)
+    (stats,) = paged.memory_report()["weights"]
+    assert stats["paged"] and stats["weight_bytes"] == 12 * D * 4 >= 4 * budget
+    assert stats["high_water"] <= budget and stats["reserved"] == budget
+    assert stats["pages"] > 12 and stats["evictions"] > 0  # paged again after eviction, run after run
+    assert stats["prefetches"] > 0  # the next node's mapped weights read ahead
+
+
+def test_a_budget_as_large_as_the_weights_uploads_each_once(tmp_path):
+    path = _chain(tmp_path / "m.onnx", layers=4)
+    session = _session(path, weight_residency_budget=4 * D * 4)
+    for _ in range(3):
+        session.run(None, {"X": np.ones((1, D), np.float32)})
+    (stats,) = session.memory_report()["weights"]
+    assert not stats["paged"] and stats["pages"] == 0  # fits: uploaded once when planned, never paged
+
+
+def test_the_governor_holds_the_budget_not_the_weights(tmp_path):
+    path = _chain(tmp_path / "m.onnx", layers=8)
+    governor = process_governor()
+    gc.collect()
+    before = governor.used(DEVICE)
+    session = _session(path, weight_residency_budget=2 * D * 4)
+    session.run(None, {"X": np.ones((1, D), np.float32)})
+    assert governor.used(DEVICE) - before == 2 * D * 4
+    session.close()
+    assert governor.used(DEVICE) == before
+
+
+def test_a_budget_below_one_nodes_weights_fails_at_load(tmp_path):
+    path = _chain(tmp_path / "m.onnx")
+    with pytest.raises(MemoryBudgetError, match=r"reads 8192 bytes of weights at once.*at least 8192"):
+        _session(path, weight_residency_budget=1000)
+
+
+def test_a_budget_with_device_graphs_is_refused(tmp_path):
+    path = _chain(tmp_path / "m.onnx")
+    with pytest.raises(InvalidArgumentError, match="device graphs cannot replay"):
+        _session(path, weight_residency_budget=4096, graph_capture=1)
+
+
+def test_a_weight_the_run_still_holds_is_not_evicted(tmp_path):
+    """Both inputs of one Add are weights: with room for exactly those two, paging the second must not evict the
+    first (the node still reads it)."""
+    rng = np.random.default_rng(2)
+    a, b, c = (rng.standard_normal((1, D)).astype(np.float32) for _ in range(3))
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["A", "B"], ["s"]), helper.make_node("Mul", ["s", "X"], ["t"]),
+         helper.make_node("Add", ["t", "C"], ["Y"])], "pairs",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, D])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, D])],
+        [numpy_helper.from_array(a, "A"), numpy_helper.from_array(b, "B"), numpy_helper.from_array(c, "C")])
+    path = _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "p.onnx")
+    x = rng.standard_normal((1, D)).astype(np.float32)
+    session = _session(path, weight_residency_budget=2 * D * 4)
+    for _ in range(2):
+        np.testing.assert_allclose(session.run(None, {"X": x})[0], (a + b) * x + c, rtol=1e-6)
