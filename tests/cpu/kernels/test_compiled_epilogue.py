@@ -169,8 +169,9 @@ def test_fused_conv_finishes_every_path_as_conv_then_epilogue(monkeypatch, path,
     knobs(im2col_block_bytes=256)
     monkeypatch.setattr(conv_path, "use_winograd", lambda geo, group, c, m: c >= 192)
     # The BLAS paths, which float64 takes, and float32 where the packed convolution does not run
-    # (hosts without AVX-512); test_packed_conv.py covers that one.
+    # (hosts without AVX-512); test_packed_conv.py covers that one, test_direct_conv.py AVX2's tiles.
     monkeypatch.setattr(conv_path, "packed_conv_applies", lambda geo, group, x: False)
+    monkeypatch.setattr(conv_path, "direct_tiles_apply", lambda geo, group, x, w: False)
     function, x_shape, w_shape, attrs = PATHS[path]
     taken = []
     if function is not None:

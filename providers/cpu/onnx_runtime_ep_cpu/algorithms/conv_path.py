@@ -1,5 +1,6 @@
 """Which algorithm computes a convolution, chosen once per input signature: a few-row product for a 1x1
-kernel over a 1x1 image, the packed convolution (2-D float32 on AVX-512 hosts), the depthwise loops, a
+kernel over a 1x1 image, the packed convolution (2-D float32 on AVX-512 hosts), the tiled direct
+convolution (small 2-D float32 ones on AVX2 hosts), the depthwise loops, a
 direct gathered loop for few output positions, per-tap products, Winograd, a plain product for 1x1
 kernels, im2col over contiguous rows, or im2col.
 """
@@ -26,6 +27,7 @@ from .conv_blas import (
     winograd_weights,
 )
 from .conv_depthwise import compiled_depthwise, conv_depthwise, depthwise_compiles
+from .conv_direct import DirectConv, direct_tiles_apply
 from .conv_packed import PackedConv, packed_conv_applies
 from .precision import compute_dtype
 from .prepared import Prepared
@@ -141,6 +143,9 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
     elif packed_conv_applies(geo, group, x):
         compute = PackedConv(geo, group, x.shape, w.shape, prepared)
         blocks = True
+    elif direct_tiles_apply(geo, group, x, w):
+        compute = DirectConv(geo, group, x.shape, w.shape, prepared)
+        blocks = True
     elif group == c and group > 1 and depthwise_compiles(geo, x):
         compute = compiled_depthwise(geo, m, prepared, dtype)
         blocks = True
@@ -177,7 +182,7 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
         if shuffle is not None and not reads_shuffled:
             x, shuffle = shuffle.apply(x), None
         xc = x.astype(dtype, copy=False)
-        if out is not None and dtype == x.dtype and out.flags.c_contiguous and isinstance(compute, PackedConv):
+        if out is not None and dtype == x.dtype and out.flags.c_contiguous and isinstance(compute, _IN_PLACE):
             return compute(xc, w, b, finish, out)
         if out is not None:
             out[...] = path(x, w, b, finish, None, shuffle)
@@ -192,3 +197,6 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
         return y.reshape(out_shape).astype(x.dtype, copy=False)
 
     return path
+
+
+_IN_PLACE = (PackedConv, DirectConv)  # the computes that write into a given C-contiguous output

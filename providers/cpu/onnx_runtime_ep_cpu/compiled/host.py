@@ -54,4 +54,7 @@ SYSTEM, MACHINE = platform.system(), platform.machine()
 HELPERS_REFUSED = helper_threads_refusal(SYSTEM, MACHINE, sys.byteorder, 64 if sys.maxsize > 2**32 else 32)
 HELPER_THREADS = not HELPERS_REFUSED
 SYS_FUTEX = FUTEX_SYSCALLS.get((SYSTEM, MACHINE), -1)  # -1: no helper threads, never called
-AVX512 = avx512(MACHINE, _host_features())
+_FEATURES = _host_features()
+AVX512 = avx512(MACHINE, _FEATURES)
+# directconv.py's 8-lane float32 kernels: x86-64 with AVX2 and FMA
+AVX2 = MACHINE.lower() in _X86_64 and bool(_FEATURES.get("avx2")) and bool(_FEATURES.get("fma"))

@@ -1,0 +1,91 @@
+"""The tiled direct convolution of compiled/directconv.py on AVX2 hosts without AVX-512: 2-D float32
+convolutions of up to KNOBS.direct_macs multiply-adds per image, in one compiled call with a FusedConv's
+bias, residual and activation (the light CNNs' layers, where im2col, a BLAS call and an epilogue pass each
+cost about what the arithmetic does).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..tuning import KNOBS
+from .prepared import Prepared
+from .window import Geometry
+
+
+def direct_tiles_apply(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray) -> bool:
+    """Whether compiled/directconv.py runs this convolution: 2-D float32 on an AVX2 host, not depthwise (a
+    tile's 16 output channels would hold one) nor groups of fewer than 8 outputs, with some output and at
+    most KNOBS.direct_macs multiply-adds per image (beyond, the BLAS paths' products are faster)."""
+    if x.dtype != np.float32 or len(geo.kernel) != 2 or x.size == 0 or 0 in geo.out or w.shape[0] == 0:
+        return False
+    outputs = w.shape[0] // group
+    if group > 1 and outputs < 8:
+        return False
+    from ..compiled import host  # (numba loads with directconv.py, only where it runs)
+
+    return host.AVX2 and w[0].size * w.shape[0] * math.prod(geo.out) <= KNOBS.direct_macs
+
+
+_IDENTITY_BOUNDS = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)
+
+
+class DirectConv:
+    """One geometry's tiled direct convolution: weights packed once per constant array, the bias padded
+    to whole tiles once per constant array, and a FusedConv's epilogue applied as each tile is stored."""
+
+    def __init__(self, geo: Geometry, group: int, x_shape, w_shape, prepared: Prepared):
+        from ..compiled import directconv
+
+        self._kernel, self._group, self._prepared = directconv, group, prepared
+        n, c, height, width = x_shape
+        (kh, kw), (sh, sw), (dh, dw), (oh, ow) = geo.kernel, geo.strides, geo.dilations, geo.out
+        self._out = (n, w_shape[0], oh, ow)
+        self._view = None  # a pointwise window's input and output as one row of pixels
+        if geo.kernel == (1, 1) and geo.strides == (1, 1) and geo.unpadded:
+            height, width, oh, ow = 1, height * width, 1, oh * ow
+            self._view = ((n, c, 1, width), (n, w_shape[0], 1, ow))
+        # The windows read x itself where it needs no pads and its rows hold a whole tile; else its
+        # padded copy, as far as the windows reach.
+        self._in_place = geo.unpadded and ow >= directconv.PIXELS
+        if self._in_place:
+            padded = (height, width)
+        else:
+            padded = ((oh - 1) * sh + (kh - 1) * dh + 1, (ow - 1) * sw + (kw - 1) * dw + 1)
+        self._geometry = (sh, sw, *geo.begin, *padded, self._in_place)
+        self._offsets = directconv.tap_offsets(c // group, kh, kw, dh, dw, padded[1], padded[0] * padded[1])
+        self._tiles = -(-(w_shape[0] // group) // directconv.CHANNELS)
+        self._bias_cache = (None, None)  # (the bias array last seen, its padded copy)
+        self._no_residual = np.empty(0, dtype=np.float32)
+
+    def _bias(self, b) -> np.ndarray:
+        """The bias padded to whole tiles per group, kept while the same read-only array comes in."""
+        seen, padded = self._bias_cache  # one read: another thread may swap in a new pair meanwhile
+        if seen is not None and seen is b:
+            return padded
+        padded = self._kernel.pack_bias(b if b is not None and b.size else None, self._group, self._tiles)
+        if b is not None and not b.flags.writeable:
+            self._bias_cache = (b, padded)
+        return padded
+
+    def __call__(self, x, w, b, finish, out=None):
+        kernel = self._kernel
+        weights = self._prepared.get("direct_tiles", (w,), lambda: kernel.pack_weights(w, self._group))
+        flags, bounds, residual = 0, _IDENTITY_BOUNDS, self._no_residual
+        if finish is not None:
+            b, bounds = finish.bias, finish.bounds
+            if finish.residual.size:
+                residual, flags = finish.residual.reshape(-1), kernel.RESIDUAL
+        if b is not None and b.size:
+            flags |= kernel.BIAS
+        y = np.empty(self._out, dtype=np.float32) if out is None else out
+        x = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+        if self._view is not None:
+            x, target = x.reshape(self._view[0]), y.reshape(self._view[1])
+        else:
+            target = y
+        kernel.conv_direct(x, weights, self._offsets, self._bias(b), residual, bounds, flags, target,
+                           *self._geometry)
+        return y

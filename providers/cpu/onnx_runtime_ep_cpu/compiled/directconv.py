@@ -1,0 +1,274 @@
+"""A direct 2-D float32 convolution for small convolutions (the light CNNs' layers: tens of thousands to a
+few million multiply-adds), in one compiled call with its bias, residual and activation, on any x86-64
+host with AVX2 (the vectors are 8 floats; gemm.py's packed convolution needs AVX-512).
+
+At these sizes the im2col buffer, a BLAS call and a separate epilogue pass each cost about as much as the
+arithmetic. Here, as in onnxruntime's NCHWc kernels, output channels run across the lanes: a tile is
+16 output channels (two vectors) x 6 output pixels of one output row, 12 accumulators held in registers
+over the whole reduction. For each k = (input channel, tap) the tile loads its two weight vectors (the
+weights packed once as (G, tiles, K, 16), pack_weights) and broadcasts each pixel's input value, read
+from a zero-padded copy of the image at the tap's offset (pixel p at p * stride from the first, so
+strided windows need no gather), 12 fused multiply-adds. The sums go to a small buffer, from which they
+are finished (bias, residual, activation: the epilogue's order) as they are stored; pixels past the
+row's end and channels past the group's are computed and dropped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from . import jit, llvm
+
+LANES = 8  # float32 lanes of an AVX2 register
+CHANNELS = 2 * LANES  # output channels per tile
+PIXELS = 6  # output pixels per tile
+_VEC = ir.VectorType(llvm.F32, LANES)
+_INDEX = ir.VectorType(llvm.I32, LANES)
+_MASK = ir.VectorType(ir.IntType(1), LANES)
+_NUMBERS = ir.Constant(_INDEX, list(range(LANES)))
+_ALIGN = ir.Constant(llvm.I32, 4)
+_ZEROS = ir.Constant(_VEC, [0.0] * LANES)
+BIAS, RESIDUAL = 1, 2  # conv_direct's flags
+
+
+def pack_weights(w: np.ndarray, group: int) -> np.ndarray:
+    """w (M, Cg, *kernel) as float32 (G, tiles, Cg*K, CHANNELS), zeros past each group's Mg channels:
+    each k's 16 output channels of a tile contiguous, two vectors."""
+    m = w.shape[0]
+    mg = m // group
+    flat = w.astype(np.float32, copy=False).reshape(group, mg, -1)
+    tiles = -(-mg // CHANNELS)
+    packed = np.zeros((group, tiles * CHANNELS, flat.shape[2]), dtype=np.float32)
+    packed[:, :mg] = flat
+    return np.ascontiguousarray(packed.reshape(group, tiles, CHANNELS, -1).transpose(0, 1, 3, 2))
+
+
+def pack_bias(b, group: int, tiles: int) -> np.ndarray:
+    """The bias (M,) or None as float32 (G, tiles * CHANNELS), zeros past each group's channels."""
+    packed = np.zeros((group, tiles * CHANNELS), dtype=np.float32)
+    if b is not None:
+        mg = b.shape[0] // group
+        packed[:, :mg] = b.reshape(group, mg)
+    return packed
+
+
+def tap_offsets(channels: int, kh: int, kw: int, dh: int, dw: int, padded_width: int, plane: int) -> np.ndarray:
+    """Each k = (channel, tap)'s offset in the padded image from its window's first cell, weight order."""
+    c, i, j = np.meshgrid(np.arange(channels), np.arange(kh), np.arange(kw), indexing="ij")
+    return (c * plane + i * dh * padded_width + j * dw).reshape(-1).astype(np.int64)
+
+
+def _transposed(builder, rows: list) -> list:
+    """The 8 x 8 matrix whose 8 vectors are ``rows``, transposed: three rounds, each swapping the
+    off-diagonal blocks of pairs of rows one bit apart (one two-vector shuffle per new row)."""
+    for bit in range(3):
+        b = 1 << bit
+        swapped = list(rows)
+        for r in range(LANES):
+            if r & b:
+                continue
+            low = [c if not c & b else LANES + (c ^ b) for c in range(LANES)]
+            high = [c ^ b if not c & b else LANES + c for c in range(LANES)]
+            swapped[r] = builder.shuffle_vector(rows[r], rows[r | b], ir.Constant(_INDEX, low))
+            swapped[r | b] = builder.shuffle_vector(rows[r], rows[r | b], ir.Constant(_INDEX, high))
+        rows = swapped
+    return rows
+
+
+def _activated(builder, v, bounds):
+    """epilogue.activate on 8 lanes (as llvm.activated on 16): v*slope below zero, then max with low, then
+    min with high; comparisons with NaN are false, so NaN passes through."""
+    low, high, slope = bounds
+    v = builder.select(builder.fcmp_ordered("<", v, _ZEROS), builder.fmul(v, slope), v)
+    v = builder.select(builder.fcmp_ordered("<", v, low), low, v)
+    return builder.select(builder.fcmp_ordered(">", v, high), high, v)
+
+
+def _const(value):
+    return ir.Constant(llvm.I64, value)
+
+
+def _splat(builder, value, vector_type=_VEC):
+    undef = ir.Constant(vector_type, ir.Undefined)
+    first = builder.insert_element(undef, value, ir.Constant(llvm.I32, 0))
+    return builder.shuffle_vector(first, undef, ir.Constant(_INDEX, [0] * LANES))
+
+
+def _vector_at(builder, pointer, offset, vector_type=_VEC):
+    return builder.bitcast(builder.gep(pointer, [offset]), vector_type.as_pointer())
+
+
+def _emit_sums(builder, w_ptr, x_ptr, taps_ptr, start, depth, stride) -> list:
+    """The tile's 12 sums over k: per pixel p, two vectors of 8 channels (sums[2p], sums[2p + 1])."""
+    fma = llvm.declare(builder.module, "llvm.fma.v8f32", ir.FunctionType(_VEC, [_VEC, _VEC, _VEC]))
+
+    def step(k, sums):
+        origin = builder.add(start, builder.load(builder.gep(taps_ptr, [k])))
+        first = builder.mul(k, _const(CHANNELS))
+        weights = [builder.load(_vector_at(builder, w_ptr, builder.add(first, _const(h * LANES))), align=4)
+                   for h in range(2)]
+        updated = list(sums)
+        for p in range(PIXELS):
+            at = builder.add(origin, builder.mul(stride, _const(p)))
+            value = _splat(builder, builder.load(builder.gep(x_ptr, [at])))
+            for h in range(2):
+                updated[2 * p + h] = builder.call(fma, [weights[h], value, sums[2 * p + h]])
+        return updated
+
+    return llvm.counted_loop(builder, depth, [_ZEROS] * (2 * PIXELS), step, "direct")
+
+
+def _row_io(builder, full: bool, lanes):
+    """(load(pointer), store(value, pointer)) of a channel's row of pixels: 6 lanes by two plain accesses
+    (4 + 2) where the tile is full, else masked by ``lanes`` (AMD's masked stores are slow)."""
+    if not full:
+        module = builder.module
+        masked_store = llvm.declare(module, "llvm.masked.store.v8f32.p0",
+                                    ir.FunctionType(ir.VoidType(), [_VEC, _VEC.as_pointer(), llvm.I32, _MASK]))
+        masked_load = llvm.declare(module, "llvm.masked.load.v8f32.p0",
+                                   ir.FunctionType(_VEC, [_VEC.as_pointer(), llvm.I32, _MASK, _VEC]))
+        return (lambda pointer: builder.call(masked_load, [_vector_at(builder, pointer, _const(0)), _ALIGN, lanes,
+                                                           _ZEROS]),
+                lambda v, pointer: builder.call(masked_store, [v, _vector_at(builder, pointer, _const(0)), _ALIGN,
+                                                               lanes]))
+    quad, pair = ir.VectorType(llvm.F32, 4), ir.VectorType(llvm.F32, 2)
+
+    def load(pointer):
+        low = builder.load(_vector_at(builder, pointer, _const(0), quad), align=4)
+        high = builder.load(_vector_at(builder, pointer, _const(4), pair), align=4)
+        high = builder.shuffle_vector(high, ir.Constant(pair, ir.Undefined), ir.Constant(
+            ir.VectorType(llvm.I32, 4), [0, 1, 0, 1]))
+        return builder.shuffle_vector(low, high, ir.Constant(_INDEX, [0, 1, 2, 3, 4, 5, 4, 5]))
+
+    def store(v, pointer):
+        undef = ir.Constant(_VEC, ir.Undefined)
+        low = builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(llvm.I32, 4), [0, 1, 2, 3]))
+        high = builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(llvm.I32, 2), [4, 5]))
+        builder.store(low, _vector_at(builder, pointer, _const(0), quad), align=4)
+        builder.store(high, _vector_at(builder, pointer, _const(4), pair), align=4)
+
+    return load, store
+
+
+def _emit_stores(builder, rows: list, residual: bool, bounds, row_io, y_ptr, res_ptr, at, plane, channels) -> None:
+    """Store the 16 channel rows ``rows`` (pixels along the lanes) from y[at], ``plane`` apart: channels
+    below ``channels`` only, with the residual added and the activation applied where ``residual``."""
+    load, store = row_io
+    for c, v in enumerate(rows):
+        with builder.if_then(builder.icmp_signed("<", _const(c), channels)):
+            row = builder.add(at, builder.mul(_const(c), plane))
+            if residual:
+                v = _activated(builder, builder.fadd(v, load(builder.gep(res_ptr, [row]))), bounds)
+            store(v, builder.gep(y_ptr, [row]))
+
+
+def _emit_tile(builder, pointers: tuple, values: tuple) -> None:
+    """The IR of one tile (see _tile): its 12 sums over k, then per channel vector the bias and, without a
+    residual, the activation; transposed (8 x 8: pixels along a channel's lanes) and stored to each
+    channel's row of the output, where a residual is added and the activation applied."""
+    w_ptr, x_ptr, taps_ptr, y_ptr, bias_ptr, res_ptr, bounds_ptr = pointers
+    start, depth, stride, at, plane, pixels, channels, flags = values
+    sums = _emit_sums(builder, w_ptr, x_ptr, taps_ptr, start, depth, stride)
+    with_bias = builder.icmp_signed("!=", builder.and_(flags, _const(BIAS)), _const(0))
+    with_residual = builder.icmp_signed("!=", builder.and_(flags, _const(RESIDUAL)), _const(0))
+    bounds = [_splat(builder, builder.load(builder.gep(bounds_ptr, [_const(i)]))) for i in range(3)]
+    lanes = builder.icmp_signed("<", _NUMBERS, _splat(builder, builder.trunc(pixels, llvm.I32), _INDEX))
+    biased = []  # per half, per pixel: its 8 channels' sums, bias added (adding zero turns -0.0 into +0.0)
+    for h in range(2):
+        bias = builder.load(_vector_at(builder, bias_ptr, _const(h * LANES)), align=4)
+        biased.append([builder.select(with_bias, builder.fadd(sums[2 * p + h], bias), sums[2 * p + h])
+                       for p in range(PIXELS)])
+    full = builder.icmp_signed("==", pixels, _const(PIXELS))
+    # Without a residual the activation goes before the transpose (6 vectors instead of 8); with one,
+    # after it, once the residual (read at the output's own place) is added.
+    for residual in (False, True):
+        with builder.if_then(builder.icmp_signed("==", with_residual, ir.Constant(ir.IntType(1), residual))):
+            rows = []
+            for h in range(2):
+                vectors = biased[h] if residual else [_activated(builder, v, bounds) for v in biased[h]]
+                rows += _transposed(builder, vectors + [_ZEROS] * (LANES - PIXELS))
+            with builder.if_else(full) as (whole, part):
+                with whole:
+                    _emit_stores(builder, rows, residual, bounds, _row_io(builder, True, lanes), y_ptr, res_ptr, at,
+                                 plane, channels)
+                with part:
+                    _emit_stores(builder, rows, residual, bounds, _row_io(builder, False, lanes), y_ptr, res_ptr, at,
+                                 plane, channels)
+
+
+@intrinsic
+def _tile(typingctx, w, x, start, taps, depth, stride, y, at, plane, pixels, channels, bias, residual, flags,
+          bounds):
+    """y[at + c*plane + p] = act(sum_k w[k*16 + c] * x[start + taps[k] + p*stride] + bias[c] (+ residual[same
+    place])) for pixels p < ``pixels`` (at most 6), channels c < ``channels`` (at most 16); ``flags``: BIAS
+    adds the bias, RESIDUAL the residual; ``bounds`` = (low, high, slope). ``w`` and ``bias`` (16 floats)
+    start at the tile's first channel; ``y`` and ``residual`` are flat."""
+    signature = types.void(w, x, start, taps, depth, stride, y, at, plane, pixels, channels, bias, residual, flags,
+                           bounds)
+
+    def codegen(context, builder, sig, args):
+        def data(index):
+            return context.make_array(sig.args[index])(context, builder, args[index]).data
+
+        _emit_tile(builder, tuple(data(i) for i in (0, 1, 3, 6, 11, 12, 14)),
+                   tuple(args[i] for i in (2, 4, 5, 7, 8, 9, 10, 13)))
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@jit
+def _fill(x, n, first, channels, source, top, left, padded_height, padded_width):
+    """Copy x's channels first .. first + channels of image n into the padded planes of ``source``
+    (its pads and margin stay zero): the part of the image that the windows reach."""
+    height, width = x.shape[2], x.shape[3]
+    rows, columns = min(height, padded_height - top), min(width, padded_width - left)
+    plane = padded_height * padded_width
+    image = x[n].reshape(-1)
+    for c in range(channels):
+        for r in range(rows):
+            at = c * plane + (r + top) * padded_width + left
+            start = ((first + c) * height + r) * width
+            source[at:at + columns] = image[start:start + columns]
+
+
+@jit
+def conv_direct(x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, top, left, padded_height,
+                padded_width, in_place):
+    """y (N, M, OH, OW) = the convolution of float32 x (N, C, H, W) by ``weights`` (pack_weights) over the
+    padded image (``padded_height`` x ``padded_width``, x at ``top``/``left``, zeros elsewhere) with window
+    cells at ``offsets`` (tap_offsets), then + ``bias`` (pack_bias) where ``flags`` has BIAS, + ``residual``
+    (y's elements, flat) where it has RESIDUAL, and the activation ``bounds`` (epilogue.activation_bounds).
+
+    ``in_place``: the windows read x itself (no pads, the padded shape x's, OW >= 6, x C-contiguous); else a
+    padded copy with a margin for the pixels that a row's last tile computes past its end. A row's last
+    tile is shifted back to end at the row's end where the row has 6 pixels (recomputing some before it)."""
+    groups, tiles, depth = weights.shape[0], weights.shape[1], weights.shape[2]
+    channels = x.shape[1] // groups
+    outputs = y.shape[1] // groups
+    oh, ow = y.shape[2], y.shape[3]
+    plane = padded_height * padded_width
+    source = np.zeros(0 if in_place else channels * plane + PIXELS * sw, dtype=np.float32)
+    flat_y = y.reshape(-1)
+    pixels = min(PIXELS, ow)
+    for n in range(x.shape[0]):
+        for g in range(groups):
+            if in_place:
+                image = x[n].reshape(-1)[g * channels * plane:]
+            else:
+                _fill(x, n, g * channels, channels, source, top, left, padded_height, padded_width)
+                image = source
+            for t in range(tiles):
+                w = weights[g, t].reshape(-1)
+                first = g * outputs + t * CHANNELS
+                count = min(CHANNELS, outputs - t * CHANNELS)
+                tile_bias = bias[g, t * CHANNELS:]
+                for oy in range(oh):
+                    for ox in range(0, ow, PIXELS):
+                        ox = min(ox, ow - pixels)
+                        at = ((n * y.shape[1] + first) * oh + oy) * ow + ox
+                        _tile(w, image, oy * sh * padded_width + ox * sw, offsets, depth, sw, flat_y, at, oh * ow,
+                              pixels, count, tile_bias, residual, flags, bounds)
