@@ -269,3 +269,26 @@ def reset() -> None:
     with _lock:
         _state.memory.release_all()
         _state.__init__()
+
+
+# Virtual memory management (reserve, create, map, set access) lives in its own module; imported last because
+# it builds on the state and calling convention above.
+from .vmm import (  # noqa: E402, F401
+    CUmemAccess_flags,
+    CUmemAccessDesc,
+    CUmemAllocationGranularity_flags,
+    CUmemAllocationProp,
+    CUmemAllocationType,
+    CUmemGenericAllocationHandle,
+    CUmemLocation,
+    CUmemLocationType,
+    cuMemAddressFree,
+    cuMemAddressReserve,
+    cuMemCreate,
+    cuMemGetAllocationGranularity,
+    cuMemMap,
+    cuMemRelease,
+    cuMemSetAccess,
+    cuMemUnmap,
+    live_vmm,
+)

@@ -87,6 +87,17 @@ class DeviceMemory:
         allocation.live = False
         _libc.munmap(allocation.mapping, allocation.length)
 
+    def register(self, allocation: Allocation) -> None:
+        """Make memory mapped elsewhere (virtual memory management, sim/vmm.py) visible as an allocation; its
+        owner unregisters it and keeps the mapping and the capacity count."""
+        self._by_address[allocation.address] = allocation
+        bisect.insort(self._starts, allocation.address)
+
+    def unregister(self, allocation: Allocation) -> None:
+        if self._by_address.pop(allocation.address, None) is not None:
+            self._starts.pop(bisect.bisect_left(self._starts, allocation.address))
+        allocation.live = False
+
     def at(self, address: int) -> Allocation | None:
         """The allocation starting exactly at ``address`` (what cuMemFree needs)."""
         return self._by_address.get(address)
