@@ -19,9 +19,12 @@ import math
 from collections import ChainMap
 
 import numpy as np
+import onnx
 
+from .. import budget
+from ..dtypes import DataType
 from ..ir import Graph, Node, TypeInfo, ValueInfo
-from ..loader import SHAPE_VALUE_LIMIT
+from ..loader import SHAPE_VALUE_LIMIT, convert_type
 from .context import PassContext
 from .rewrite import Uses, add_initializer, new_node, visit_subgraphs
 
@@ -146,16 +149,23 @@ def _fold(node: Node, graph: Graph, uses: Uses, context: PassContext, scope: _Sc
     for array in inputs:
         if array is not None:
             array.flags.writeable = False  # a kernel must not be able to change a weight
-    if not _may_fold(node, inputs, uses, _declared_bytes(node, graph)) \
+    cap = _result_cap(inputs)
+    declared = _declared_bytes(node, graph) or _inferred_bytes(node, inputs)
+    if declared > cap or not _may_fold(node, inputs, uses, declared) \
             or _generated_bytes(node, inputs) > MAX_GENERATED_BYTES:
         return None
-    results = context.evaluate(node, graph, inputs)
+    token = budget.enter(cap)  # kernels that size their output from data refuse past the cap, before allocating
+    try:
+        results = context.evaluate(node, graph, inputs)
+    finally:
+        budget.leave(token)
     if results is None or len(results) < max((i + 1 for i, out in enumerate(node.outputs) if out), default=0):
         return None
     values = [np.asarray(value) if isinstance(value, np.generic) else value for value in results]
     if not all(isinstance(value, np.ndarray) for value, out in zip(values, node.outputs) if out):
         return None  # sequences and optionals have no initializer form
-    if not _may_fold(node, inputs, uses, sum(v.nbytes for v, out in zip(values, node.outputs) if out)):
+    produced = sum(v.nbytes for v, out in zip(values, node.outputs) if out)
+    if produced > cap or not _may_fold(node, inputs, uses, produced):
         return None
     # A view would keep its whole base alive (and could alias a kernel's buffer): own the data.
     return [value.copy() if isinstance(value, np.ndarray) and value.base is not None else value for value in values]
@@ -285,6 +295,47 @@ def _generated_bytes(node: Node, inputs: list) -> int:
     except (TypeError, ValueError, OverflowError, IndexError):
         return 0  # malformed inputs: the evaluation reports them
     return 0
+
+
+def _result_cap(inputs: list) -> int:
+    """The most bytes a fold may produce: a generator's allowance, or a few times its inputs' size (a dequantized
+    or widened weight), never what a Gather of repeated indices or a Concat of one input many times can ask."""
+    return max(MAX_GENERATED_BYTES, 8 * sum(a.nbytes for a in inputs if a is not None))
+
+
+def _inferred_bytes(node: Node, inputs: list) -> int:
+    """The outputs' size by onnx inference on ``node`` alone with its constant inputs (0 where unknown): the
+    check before evaluating when the graph declares no static shape for them."""
+    proto = node.proto
+    if proto is None:
+        return 0
+    types, values = {}, {}
+    for name, array in zip(node.inputs, inputs):
+        if not name or array is None:
+            continue
+        dtype = DataType.from_numpy(array.dtype) if array.dtype.kind in "biuf" else None
+        if dtype is None:
+            return 0
+        types[name] = onnx.helper.make_tensor_type_proto(int(dtype), list(array.shape))
+        if array.size <= SHAPE_VALUE_LIMIT:
+            values[name] = onnx.numpy_helper.from_array(array, name)
+    try:
+        schema = onnx.defs.get_schema(node.op_type, node.opset, node.domain)
+        inferred = onnx.shape_inference.infer_node_outputs(
+            schema, proto, types, values, opset_imports=[onnx.helper.make_opsetid(node.domain, node.opset)])
+    except Exception:  # an aid only: the budget still bounds the kernels that size from data
+        return 0
+    total = 0
+    for name in node.outputs:
+        found = inferred.get(name) if name else None
+        info = convert_type(found) if found is not None else None
+        shape = info.static_shape if info is not None and info.is_tensor and info.dtype is not None else None
+        if shape is not None:
+            try:
+                total += math.prod(shape) * info.dtype.numpy.itemsize  # type: ignore[union-attr]
+            except Exception:  # a dtype numpy cannot hold: size unknown
+                pass
+    return total
 
 
 def _may_fold(node: Node, inputs: list, uses: Uses, result_bytes: int) -> bool:
