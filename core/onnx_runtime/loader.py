@@ -19,16 +19,20 @@ from onnx import numpy_helper
 from .dtypes import DataType
 from .errors import InvalidGraphError, ModelContentError, ModelLoadError, ModelNotFoundError, ModelParseError
 from .ir import Graph, Model, Node, TypeInfo, ValueInfo
+from .memory.mapped import map_external_initializers
 from .model_checks import MAX_DECLARED_DIM, check_model_structure, check_types
 from .propagation_bounds import propagates_large_values
 
 _ATTR = onnx.AttributeProto
 
 
-def load_model(model, infer_shapes: bool = True, free_dims: tuple[dict, dict] | None = None) -> Model:
+def load_model(model, infer_shapes: bool = True, free_dims: tuple[dict, dict] | None = None,
+               map_weights: bool = True) -> Model:
     """Load ``model`` (a path, bytes, or an ``onnx.ModelProto``) into the IR. ``free_dims``: symbolic graph-input
-    dimensions fixed by name and by denotation (SessionOptions.add_free_dimension_override_by_*)."""
-    proto, path = _read_proto(model)
+    dimensions fixed by name and by denotation (SessionOptions.add_free_dimension_override_by_*).
+    ``map_weights``: weights in external data files are memory-mapped, not read (memory/mapped.py)."""
+    mapped: dict[str, np.ndarray] = {}
+    proto, path = _read_proto(model, mapped if map_weights else None)
     _check_header(proto, path)
     check_model_structure(proto, _label(path))  # before shape inference: what it would crash or run away on
     if free_dims is not None and any(free_dims):
@@ -41,7 +45,8 @@ def load_model(model, infer_shapes: bool = True, free_dims: tuple[dict, dict] | 
     opsets = {("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in proto.opset_import}
     check_types(top, opsets, _label(path))  # with the inferred types: mixed or disallowed input types
     try:
-        graph = convert_graph(top, opsets, outer_scope=(), initializer_protos=proto.graph.initializer)
+        graph = convert_graph(top, opsets, outer_scope=(), initializer_protos=proto.graph.initializer,
+                              mapped=mapped)
     except (InvalidGraphError, ModelLoadError):
         raise
     except Exception as exc:
@@ -87,7 +92,8 @@ def _override_free_dims(proto: onnx.ModelProto, by_name: dict, by_denotation: di
     return proto
 
 
-def _read_proto(model) -> tuple[onnx.ModelProto, str | None]:
+def _read_proto(model, mapped: dict | None = None) -> tuple[onnx.ModelProto, str | None]:
+    """The parsed model and its path; with ``mapped`` (a dict), large external weights are mapped into it."""
     if isinstance(model, onnx.ModelProto):
         return model, None
     if isinstance(model, (bytes, bytearray, memoryview)):
@@ -105,6 +111,8 @@ def _read_proto(model) -> tuple[onnx.ModelProto, str | None]:
             return proto, path  # no tensor can name a data file: skip onnx's walk over every tensor
         folder = os.path.dirname(os.path.abspath(path))
         try:
+            if mapped is not None:
+                mapped.update(map_external_initializers(proto, folder, SHAPE_VALUE_LIMIT))
             onnx.external_data_helper.load_external_data_for_model(proto, folder)
             for tensor in _sparse_parts(proto):  # onnx's walk skips them: they would be read from the cwd
                 if tensor.data_location == onnx.TensorProto.EXTERNAL:
@@ -416,13 +424,16 @@ def _sparse_to_dense(sparse: onnx.SparseTensorProto) -> np.ndarray:
 LATER_OPSET_DOMAIN = "ai.onnx_runtime.opset"
 
 
-def convert_graph(gp: onnx.GraphProto, opsets: dict[str, int], outer_scope, initializer_protos=None) -> Graph:
+def convert_graph(gp: onnx.GraphProto, opsets: dict[str, int], outer_scope, initializer_protos=None,
+                  mapped: dict | None = None) -> Graph:
     """Convert one graph; ``outer_scope`` holds the names visible from enclosing graphs.
-    ``initializer_protos`` replaces ``gp.initializer`` (the loader's shape-inferred graph lacks the weights)."""
+    ``initializer_protos`` replaces ``gp.initializer`` (the loader's shape-inferred graph lacks the weights);
+    ``mapped``: initializers already memory-mapped, by name."""
     initializers: dict[str, np.ndarray] = {}
     for init in gp.initializer if initializer_protos is None else initializer_protos:
         try:
-            initializers[init.name] = numpy_helper.to_array(init)
+            initializers[init.name] = mapped[init.name] if mapped and init.name in mapped \
+                else numpy_helper.to_array(init)
         except Exception as exc:
             raise ModelLoadError(f"initializer {init.name!r} could not be read: {exc}") from exc
     for sparse in gp.sparse_initializer:
