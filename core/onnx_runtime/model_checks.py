@@ -48,6 +48,7 @@ class _Rules:
     attributes: dict[str, int]
     required_attributes: frozenset[str]
     since: int
+    variadic: bool  # the last formal input repeats (Max, Concat, Sum): none of its names may be left empty
 
 
 @functools.lru_cache(maxsize=4096)
@@ -59,7 +60,8 @@ def _rules(op_type: str, domain: str, version: int) -> _Rules | None:
     return _Rules((schema.min_input, schema.max_input), (schema.min_output, schema.max_output),
                   tuple((p.option == _SINGLE, p.name) for p in schema.inputs),
                   {name: int(a.type) for name, a in schema.attributes.items()},  # type: ignore[call-overload]
-                  frozenset(name for name, a in schema.attributes.items() if a.required), schema.since_version)
+                  frozenset(name for name, a in schema.attributes.items() if a.required), schema.since_version,
+                  bool(schema.inputs) and schema.inputs[-1].option == defs.OpSchema.FormalParameterOption.Variadic)
 
 
 def _node_label(node: onnx.NodeProto) -> str:
@@ -96,6 +98,11 @@ def _check_node(node: onnx.NodeProto, opsets: dict[str, int], where: str) -> Non
             if name == "" and required:
                 raise InvalidGraphError(f"{_node_label(node)} in {where}: input {i} ({formal}) is required but "
                                         f"named ''; connect it to a value; {fix}")
+    if rules.variadic and "" in node.input[len(rules.required) - 1:_given(node.input)]:
+        first = node.input[:_given(node.input)].index("", len(rules.required) - 1)
+        raise InvalidGraphError(f"{_node_label(node)} in {where}: input {first} of its variadic "
+                                f"{rules.required[-1][1]!r} is named ''; a variadic input takes values only: "
+                                f"connect it or drop it; {fix}")
     # Trailing empty names are optional inputs or outputs left out: they do not count.
     for kind, count, (low, high) in (("inputs", _given(node.input), rules.inputs),
                                      ("outputs", _given(node.output), rules.outputs)):
@@ -127,12 +134,38 @@ def _check_attributes(node: onnx.NodeProto, rules: _Rules, where: str, fix: str)
             raise InvalidGraphError(f"{_node_label(node)} in {where} lacks the required attribute(s) "
                                     f"{', '.join(sorted(missing))}; {fix}")
     for attr in node.attribute:
+        for tensor in ([attr.t] if attr.type == onnx.AttributeProto.TENSOR else attr.tensors):
+            _check_element_type(tensor, f"{_node_label(node)} in {where}: attribute {attr.name!r}'s tensor", fix)
         expected = rules.attributes.get(attr.name)
         if expected is not None and attr.type != onnx.AttributeProto.UNDEFINED and attr.type != expected:
             raise InvalidGraphError(
                 f"{_node_label(node)} in {where}: attribute {attr.name!r} is "
                 f"{onnx.AttributeProto.AttributeType.Name(attr.type)}; its schema declares "
                 f"{onnx.AttributeProto.AttributeType.Name(expected)}; {fix}")
+
+
+def _check_element_type(tensor: onnx.TensorProto, what: str, fix: str) -> None:
+    if tensor.data_type == onnx.TensorProto.UNDEFINED or tensor.data_type not in _ELEMENT_TYPES:
+        raise InvalidGraphError(f"{what} has element type {tensor.data_type}, which is no ONNX type (expected one "
+                                f"of TensorProto.DataType); {fix}")
+
+
+_ELEMENT_TYPES = frozenset(onnx.TensorProto.DataType.values())
+
+
+def _check_initializers(graph: onnx.GraphProto, where: str) -> None:
+    """Each initializer of a defined element type, and the type its graph input declares: kernels get the
+    initializer's data, so a declaration that disagrees would type-check what never runs."""
+    declared = {vi.name: vi.type.tensor_type.elem_type for vi in graph.input
+                if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type}
+    fix = "the file is damaged or its exporter wrote inconsistent types"
+    for init in graph.initializer:
+        _check_element_type(init, f"initializer {init.name!r} in {where}", fix)
+        elem = declared.get(init.name)
+        if elem is not None and elem != init.data_type:
+            raise InvalidGraphError(
+                f"initializer {init.name!r} in {where} is {onnx.TensorProto.DataType.Name(init.data_type)} but the "
+                f"graph input of that name declares {_type_string(elem)}; {fix}")
 
 
 def _check_dims(values, where: str) -> None:
@@ -158,6 +191,7 @@ def _subgraphs(node: onnx.NodeProto):
 
 def _check_graph(graph: onnx.GraphProto, opsets: dict[str, int], where: str) -> None:
     _check_dims([*graph.input, *graph.output, *graph.value_info], where)
+    _check_initializers(graph, where)
     defined: dict[str, str | None] = dict.fromkeys([vi.name for vi in graph.input] +
                                                    [init.name for init in graph.initializer])
     for node in graph.node:
@@ -223,6 +257,10 @@ def check_model_structure(proto: onnx.ModelProto, label: str) -> None:
     opsets = {("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in proto.opset_import}
     _check_opsets(opsets, label)
     _check_function_cycles(proto.functions)
+    for vi in proto.graph.input:  # the IR requires them typed: a feed is checked against the type, kernels rely on it
+        if vi.type.WhichOneof("value") is None:
+            raise InvalidGraphError(f"graph input {vi.name!r} of model {label} has no type; the ONNX IR requires one "
+                                    f"for the top-level graph's inputs: declare it")
     _check_graph(proto.graph, opsets, f"model {label}")
     for function in proto.functions:
         inner = dict(opsets)
@@ -253,10 +291,11 @@ def _type_string(elem_type: int) -> str:
 def check_types(graph: onnx.GraphProto, opsets: dict[str, int], label: str) -> None:
     """Raise ``InvalidGraphError`` for a node of ``graph`` (shape-inferred) fed an element type its schema does not
     allow, or inputs of one type parameter of different types. Values of unknown type pass."""
-    known: dict[str, int] = {init.name: init.data_type for init in graph.initializer}
+    known: dict[str, str] = {init.name: _type_string(init.data_type) for init in graph.initializer}
     for vi in (*graph.input, *graph.value_info, *graph.output):
-        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-            known[vi.name] = vi.type.tensor_type.elem_type
+        given = _value_type_string(vi.type)
+        if given is not None and vi.name not in known:
+            known[vi.name] = given
     for node in graph.node:
         domain = "" if node.domain == "ai.onnx" else node.domain
         version = opsets.get(domain)
@@ -268,7 +307,7 @@ def check_types(graph: onnx.GraphProto, opsets: dict[str, int], label: str) -> N
             if not name or name not in known:
                 continue
             allowed, param = formals[min(i, len(formals) - 1)]
-            given = _type_string(known[name])
+            given = known[name]
             # Another precision of a float the schema takes is left to placement: a provider may implement it
             # (bfloat16 on CUDA), and one that does not declines the node with its reason.
             if given not in allowed and not (_is_float(given) and any(_is_float(t) for t in allowed)):
@@ -280,6 +319,19 @@ def check_types(graph: onnx.GraphProto, opsets: dict[str, int], label: str) -> N
                     raise InvalidGraphError(
                         f"{_node_label(node)} in model {label}: inputs {first[1]} and {i} share type {param} but are "
                         f"{first[0]} and {given}; cast one of them in the exporter")
+
+
+def _value_type_string(tp: onnx.TypeProto) -> str | None:
+    """``tp`` as a schema writes types ("tensor(float)", "seq(tensor(int64))"); None where it says too little."""
+    kind = tp.WhichOneof("value")
+    if kind == "tensor_type":
+        return _type_string(tp.tensor_type.elem_type) if tp.tensor_type.elem_type else None
+    inner_type = {"sequence_type": lambda: tp.sequence_type.elem_type,
+                  "optional_type": lambda: tp.optional_type.elem_type}.get(kind or "")
+    if inner_type is None:
+        return None
+    inner = _value_type_string(inner_type())
+    return None if inner is None else f"{'seq' if kind == 'sequence_type' else 'optional'}({inner})"
 
 
 def _is_float(type_string: str) -> bool:

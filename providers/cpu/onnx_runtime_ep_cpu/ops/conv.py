@@ -42,7 +42,7 @@ def _conv_resolver(node, shapes):
         key = (x.shape, w.shape, x.dtype, b is None, w.flags.writeable)
         found = paths.get(key)
         if found is None:
-            _check_channels(node, x.shape[1], w.shape, group, transpose=False)
+            _check_channels(node, x.shape, w.shape, group, transpose=False)
             geo = window.resolve(x.shape[2:], w.shape[2:])
             # Padding sizes the output (and the padded rows): within the session's budget before allocating.
             budget.check_shape((x.shape[0], w.shape[0], *geo.out), max(x.dtype.itemsize, 4), f"{node.op_type}'s output")
@@ -52,7 +52,13 @@ def _conv_resolver(node, shapes):
     return resolve
 
 
-def _check_channels(node, x_channels: int, w_shape, group: int, transpose: bool) -> None:
+def _check_channels(node, x_shape, w_shape, group: int, transpose: bool) -> None:
+    if len(x_shape) < 3 or len(w_shape) != len(x_shape):
+        raise InvalidArgumentError(
+            f"node {node.name!r} ({node.op_type}): input {tuple(x_shape)} and weight {tuple(w_shape)} must have one "
+            f"rank of at least 3 (batch, channels, spatial axes)"
+        )
+    x_channels = x_shape[1]
     # Conv weights are (M, C/group, *k); ConvTranspose weights are (C, M/group, *k).
     w_in = w_shape[0] if transpose else w_shape[1] * group
     if x_channels != w_in or w_shape[0] % group:
@@ -311,7 +317,7 @@ def conv_transpose(node, shapes, opset):
     group = group_count(node)
 
     def kernel(x, w, b=None):
-        _check_channels(node, x.shape[1], w.shape, group, transpose=True)
+        _check_channels(node, x.shape, w.shape, group, transpose=True)
         in_shape, kshape = x.shape[2:], w.shape[2:]
         strides, dilations, full, begin, out = window.resolve(in_shape, kshape)
         dtype = compute_dtype(x.dtype)

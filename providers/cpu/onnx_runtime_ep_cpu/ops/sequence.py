@@ -36,6 +36,9 @@ def sequence_construct(node, shapes, opset):
 @register("SequenceInsert", since=11)
 def sequence_insert(node, shapes, opset):
     def kernel(sequence, tensor, position=None):
+        if not isinstance(sequence, list):
+            raise InvalidArgumentError(f"node {node.name!r} (SequenceInsert): input 0 must be a sequence, got "
+                                       f"{type(sequence).__name__}; feed it a sequence of tensors")
         result = list(sequence)
         index = len(result) if position is None else _position(node, result, position, inserting=True)
         result.insert(index, tensor)
@@ -70,6 +73,9 @@ def split_to_sequence(node, shapes, opset):
     keepdims = int(node.attr("keepdims", 1))
 
     def kernel(x, split=None):
+        if not -x.ndim <= axis < x.ndim:
+            raise InvalidArgumentError(f"node {node.name!r} (SplitToSequence): axis {axis} is outside "
+                                       f"[-{x.ndim}, {x.ndim}) for its rank-{x.ndim} input")
         ax = axis + x.ndim if axis < 0 else axis
         if split is None:
             parts = np.split(x, x.shape[ax], axis=ax)
@@ -77,6 +83,8 @@ def split_to_sequence(node, shapes, opset):
         split = np.asarray(split)
         if split.ndim == 0:
             size = int(split)
+            if size < 1:
+                raise InvalidArgumentError(f"node {node.name!r} (SplitToSequence): split {size} must be at least 1")
             bounds = list(range(size, x.shape[ax], size))
         else:
             if int(split.sum()) != x.shape[ax]:

@@ -28,6 +28,8 @@ def normalize_axis(axis: int, rank: int) -> int:
 
 def normalize_axes(axes, rank: int) -> list[int]:
     """Each axis of ``axes`` (a list or 1-D array) made non-negative; duplicates are rejected."""
+    if not isinstance(axes, (list, tuple)) and np.asarray(axes).dtype.kind not in "iu":
+        raise InvalidArgumentError(f"axes must be integers (int64), got {np.asarray(axes).dtype} values")
     values = list(axes) if isinstance(axes, (list, tuple)) else np.asarray(axes).reshape(-1).tolist()
     result = [axis + rank if -rank <= axis < 0 else axis if 0 <= axis < rank else normalize_axis(axis, rank)
               for axis in values]
@@ -52,6 +54,9 @@ def reshape_to(x, shape, allowzero=False):
     else:
         shape = np.asarray(shape).reshape(-1).tolist()
     if not allowzero and 0 in shape:  # 0 copies the input's dimension at that position
+        if 0 in shape[x.ndim:]:
+            raise InvalidArgumentError(f"Reshape's shape {shape} copies dimension {shape.index(0, x.ndim)} (a 0) "
+                                       f"that its rank-{x.ndim} input does not have; set it or pass allowzero=1")
         shape = [x.shape[i] if dim == 0 else dim for i, dim in enumerate(shape)]
     if shape and min(shape) < -1:  # numpy would take any negative as the inferred dimension
         raise InvalidArgumentError(f"Reshape's shape {shape} has a dimension below -1; only -1 (inferred) is allowed")

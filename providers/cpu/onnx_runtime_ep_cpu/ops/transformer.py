@@ -651,8 +651,14 @@ def causal_conv_with_state(node, shapes, opset):
         raise graph_error(node, "activation", f"is {activation!r}; expected 'none', 'silu' or 'swish'")
 
     def kernel(x, weight, bias=None, past_state=None):
+        if x.ndim != 3 or weight.ndim != 3 or weight.shape[:2] != (x.shape[1], 1) or weight.shape[2] < 1:
+            raise argument_error(node, f"input {x.shape} must be (batch, channels, length) and weight {weight.shape} "
+                                       f"(channels, 1, taps) with taps >= 1, a depthwise kernel per channel")
         batch, channels, length = x.shape
         taps = weight.shape[2]
+        if past_state is not None and past_state.shape != (batch, channels, taps - 1):
+            raise argument_error(node, f"past_state {past_state.shape} must be {(batch, channels, taps - 1)}: "
+                                       f"(batch, channels, taps - 1)")
         if past_state is None:
             past_state = np.zeros((batch, channels, taps - 1), dtype=x.dtype)
         padded = np.concatenate((past_state.astype(x.dtype, copy=False), x), axis=2)

@@ -1,0 +1,140 @@
+"""Checks for what the fuzz harness found as "disguised" errors: typed errors that only wrapped numpy's or the
+loader's TypeError/IndexError/AttributeError/KeyError. Each case now raises a typed error naming the node,
+input or attribute, the rule and the fix, and the error's cause is no internal exception."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx_runtime import InferenceSession
+from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError, OnnxRuntimeError
+
+INTERNAL = (TypeError, AttributeError, IndexError, KeyError)
+
+
+def _model(nodes, inputs, outputs=None, initializers=(), opset=17, domain_opsets=()):
+    outputs = outputs or [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(initializers))
+    opsets = [helper.make_operatorsetid("", opset), *(helper.make_operatorsetid(d, v) for d, v in domain_opsets)]
+    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+
+
+def _session(*args, **kwargs):
+    return InferenceSession(_model(*args, **kwargs), providers=["CPUExecutionProvider"])
+
+
+def _raised(kind, match, call):
+    with pytest.raises(kind, match=match) as info:
+        call()
+    cause = info.value
+    while cause is not None:  # the chain holds no internal exception
+        assert not isinstance(cause, INTERNAL), repr(cause)
+        cause = cause.__cause__
+    assert isinstance(info.value, OnnxRuntimeError)
+
+
+def vi(name, elem=TensorProto.FLOAT, shape=None):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+# -- at creation -----------------------------------------------------------------------------------
+def test_an_initializer_of_another_type_than_its_declared_input_is_refused():
+    # The kernels get the initializer (double); the type check saw the declaration (int64): ConstantOfShape then
+    # failed with numpy's "'float' object cannot be interpreted as an integer".
+    shape = numpy_helper.from_array(np.array([2.0, 3.0]), "s")
+    nodes = [helper.make_node("ConstantOfShape", ["s"], ["y"])]
+    _raised(InvalidGraphError, r"initializer 's'.*DOUBLE.*declares tensor\(int64\)",
+            lambda: _session(nodes, [vi("s", TensorProto.INT64, [2])], initializers=[shape]))
+
+
+@pytest.mark.parametrize("elem", [0, 99])
+def test_a_tensor_of_no_onnx_element_type_is_refused(elem):
+    # A Constant's value of type 0 or 99 failed in numpy_helper with TypeError / KeyError while converting.
+    tensor = helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0])
+    tensor.data_type = elem
+    constant = helper.make_node("Constant", [], ["y"], value=tensor)
+    _raised(InvalidGraphError, rf"attribute 'value'.*element type {elem}, which is no ONNX type",
+            lambda: _session([constant], []))
+    weight = helper.make_tensor("w", TensorProto.FLOAT, [1], [1.0])
+    weight.data_type = elem
+    _raised(InvalidGraphError, rf"initializer 'w'.*element type {elem}",
+            lambda: _session([helper.make_node("Identity", ["w"], ["y"])], [], initializers=[weight]))
+
+
+def test_an_empty_name_inside_a_variadic_input_is_refused():
+    # Max(x, '', x): the kernel got None and failed comparing it (TypeError).
+    nodes = [helper.make_node("Max", ["x", "", "x"], ["y"], name="m")]
+    _raised(InvalidGraphError, r"'m' \(Max\).*input 1 of its variadic 'data_0' is named ''",
+            lambda: _session(nodes, [vi("x", shape=[2])]))
+    assert _session([helper.make_node("Max", ["x", "x", ""], ["y"])], [vi("x", shape=[2])]) is not None  # trailing
+
+
+def test_a_graph_input_without_a_type_is_refused():
+    # Cast of an untyped input: any feed was accepted and the kernel failed reading its dtype (AttributeError).
+    untyped = helper.make_value_info("x", helper.TypeProto())
+    _raised(InvalidGraphError, r"graph input 'x'.*has no type",
+            lambda: _session([helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT)], [untyped]))
+
+
+def test_a_sequence_fed_where_a_tensor_is_required_is_refused():
+    # The type check read only tensor types: a sequence reached Add's kernel (or Loop's 'cond': a TypeError).
+    nodes = [helper.make_node("SequenceEmpty", [], ["s"], dtype=TensorProto.FLOAT),
+             helper.make_node("Add", ["x", "s"], ["y"])]
+    _raised(InvalidGraphError, r"input 1 \('s'\) is seq\(tensor\(float\)\)",
+            lambda: _session(nodes, [vi("x", shape=[1])]))
+
+
+# -- at run time -----------------------------------------------------------------------------------
+def test_conv_weight_of_too_low_rank_is_refused():
+    s = _session([helper.make_node("Conv", ["x", "w"], ["y"], name="c")], [vi("x", shape=None), vi("w", shape=None)])
+    _raised(InvalidArgumentError, r"'c' \(Conv\).*weight \(4,\) must have one rank of at least 3",
+            lambda: s.run(None, {"x": np.ones((1, 4, 3, 3), np.float32), "w": np.ones(4, np.float32)}))
+
+
+@pytest.mark.parametrize("axis", [2, -3, 2**40])
+def test_split_to_sequence_axis_out_of_range_is_refused(axis):
+    s = _session([helper.make_node("SplitToSequence", ["x"], ["q"], axis=axis),
+                  helper.make_node("ConcatFromSequence", ["q"], ["y"], axis=0)], [vi("x", shape=None)])
+    _raised(InvalidArgumentError, rf"axis {axis} is outside \[-2, 2\)",
+            lambda: s.run(None, {"x": np.ones((2, 3), np.float32)}))
+
+
+def test_split_to_sequence_scalar_split_must_be_positive():
+    s = _session([helper.make_node("SplitToSequence", ["x", "k"], ["q"]),
+                  helper.make_node("ConcatFromSequence", ["q"], ["y"], axis=0)],
+                 [vi("x", shape=None), vi("k", TensorProto.INT64, [])])
+    _raised(InvalidArgumentError, "split -2 must be at least 1",
+            lambda: s.run(None, {"x": np.ones((4, 3), np.float32), "k": np.array(-2)}))
+    np.testing.assert_array_equal(s.run(None, {"x": np.ones((4, 3), np.float32), "k": np.array(2)})[0],
+                                  np.ones((4, 3), np.float32))
+
+
+def test_reshape_zero_past_the_input_rank_is_refused():
+    s = _session([helper.make_node("Reshape", ["x", "s"], ["y"])],
+                 [vi("x", shape=None), vi("s", TensorProto.INT64, [3])])
+    _raised(InvalidArgumentError, r"copies dimension 2 \(a 0\) that its rank-2 input does not have",
+            lambda: s.run(None, {"x": np.ones((2, 3), np.float32), "s": np.array([0, 0, 0])}))
+    assert s.run(None, {"x": np.ones((2, 3), np.float32), "s": np.array([0, 3, 1])})[0].shape == (2, 3, 1)
+
+
+def test_squeeze_axes_must_be_integers():
+    # Inside a subgraph the type check does not see a float axes input; the kernel did (TypeError from numpy).
+    def branch(name, inputs):
+        return helper.make_graph([helper.make_node("Squeeze", inputs, [f"{name}_y"])], name, [], [vi(f"{name}_y")])
+
+    nodes = [helper.make_node("If", ["c"], ["y"], then_branch=branch("then", ["x", "a"]),
+                              else_branch=branch("else", ["x"]))]
+    s = _session(nodes, [vi("c", TensorProto.BOOL, []), vi("x", shape=None), vi("a", shape=None)])
+    feeds = {"c": np.array(True), "x": np.ones((1, 3), np.float32), "a": np.array([0.0], np.float32)}
+    _raised(InvalidArgumentError, "axes must be integers", lambda: s.run(None, feeds))
+
+
+def test_causal_conv_with_state_checks_its_shapes():
+    s = _session([helper.make_node("CausalConvWithState", ["x", "w"], ["y", "state"], name="cc")],
+                 [vi("x", shape=None), vi("w", shape=None)],
+                 [vi("y"), vi("state")], opset=27)
+    x = np.ones((1, 4, 5), np.float32)
+    _raised(InvalidArgumentError, r"'cc' \(CausalConvWithState\).*\(channels, 1, taps\)",
+            lambda: s.run(None, {"x": x, "w": np.ones((4, 3), np.float32)}))
+    assert s.run(None, {"x": x, "w": np.ones((4, 1, 3), np.float32)})[0].shape == (1, 4, 5)
