@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from model_helpers import record_calls
+from model_helpers import record_results
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 from onnx_runtime.ir import Node
@@ -67,7 +67,7 @@ def direct_everywhere(knobs, monkeypatch):
 @pytest.mark.parametrize("geometry", sorted(DIRECT_GEOMETRIES))
 def test_direct_conv_matches_a_float64_reference(monkeypatch, direct_everywhere, geometry, with_bias):
     rng, x, w, b, attrs = _inputs(geometry, 7, with_bias)
-    taken = record_calls(monkeypatch, conv_direct.DirectConv)
+    taken = record_results(monkeypatch, conv_direct.DirectConv, "run")
     conv = conv_ops.conv(Node("Conv", ["x", "w"] + (["b"] if with_bias else []), ["y"], attrs=attrs, opset=13),
                          None, 13)
     (y,) = conv(x, w, b)
@@ -92,7 +92,7 @@ def test_fused_direct_conv_is_conv_then_epilogue_exactly(monkeypatch, direct_eve
     """The tile adds the bias, the residual and applies the activation as it stores its pixels, in the order
     of the unfused nodes: bit for bit what Conv (no bias) then those passes give."""
     rng, x, w, b, attrs = _inputs(geometry, 8, with_bias)
-    taken = record_calls(monkeypatch, conv_direct.DirectConv)
+    taken = record_results(monkeypatch, conv_direct.DirectConv, "run")
     (conv_out,) = conv_ops.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
     z = rng.standard_normal(conv_out.shape, dtype=np.float32) if with_residual else None
     if z is not None:
@@ -106,7 +106,7 @@ def test_fused_direct_conv_is_conv_then_epilogue_exactly(monkeypatch, direct_eve
 def test_large_convolutions_keep_the_blas_paths(monkeypatch, knobs):
     knobs(direct_macs=1000)
     monkeypatch.setattr(conv_path, "packed_conv_applies", lambda geo, group, x: False)
-    taken = record_calls(monkeypatch, conv_direct.DirectConv)
+    taken = record_results(monkeypatch, conv_direct.DirectConv, "run")
     rng = np.random.default_rng(3)
     x = rng.standard_normal((1, 8, 10, 10), dtype=np.float32)
     w = rng.standard_normal((8, 8, 3, 3), dtype=np.float32)
@@ -119,7 +119,7 @@ def test_large_convolutions_keep_the_blas_paths(monkeypatch, knobs):
 def test_hosts_without_avx2_keep_the_other_paths(monkeypatch):
     monkeypatch.setattr(host, "AVX2", False)
     monkeypatch.setattr(conv_path, "packed_conv_applies", lambda geo, group, x: False)
-    taken = record_calls(monkeypatch, conv_direct.DirectConv)
+    taken = record_results(monkeypatch, conv_direct.DirectConv, "run")
     x = np.ones((1, 3, 5, 5), np.float32)
     w = np.ones((4, 3, 3, 3), np.float32)
     (y,) = conv_ops.conv(Node("Conv", ["x", "w"], ["y"], attrs=dict(kernel_shape=[3, 3]), opset=13), None, 13)(x, w)

@@ -59,6 +59,7 @@ class DirectConv:
         self._tiles = -(-(w_shape[0] // group) // directconv.CHANNELS)
         self._bias_cache = (None, None)  # (the bias array last seen, its padded copy)
         self._no_residual = np.empty(0, dtype=np.float32)
+        self._weights_held = (None, None)  # (the read-only weights last seen, packed)
 
     def _bias(self, b) -> np.ndarray:
         """The bias padded to whole tiles per group, kept while the same read-only array comes in."""
@@ -71,21 +72,33 @@ class DirectConv:
         return padded
 
     def __call__(self, x, w, b, finish, out=None):
+        """conv_path's compute: the convolution, with ``finish`` (an _Epilogue) applied as it is stored."""
+        if finish is None:
+            return self.run(x, w, b, None, _IDENTITY_BOUNDS, out)
+        residual = finish.residual if finish.residual.size else None
+        return self.run(x, w, finish.bias, residual, finish.bounds, out)
+
+    def run(self, x, w, b, residual, bounds, out=None):
+        """The convolution of float32 x by w, + b (None or empty: none), + ``residual`` (the output's shape,
+        or None) and the activation ``bounds`` (epilogue.activation_bounds), into ``out`` (C-contiguous)
+        or a new array: a FusedConv calls this straight (ops/conv.py), without an _Epilogue."""
         kernel = self._kernel
-        weights = self._prepared.get("direct_tiles", (w,), lambda: kernel.pack_weights(w, self._group))
-        flags, bounds, residual = 0, _IDENTITY_BOUNDS, self._no_residual
-        if finish is not None:
-            b, bounds = finish.bias, finish.bounds
-            if finish.residual.size:
-                residual, flags = finish.residual.reshape(-1), kernel.RESIDUAL
-        if b is not None and b.size:
-            flags |= kernel.BIAS
-        y = np.empty(self._out, dtype=np.float32) if out is None else out
-        x = x if x.flags.c_contiguous else np.ascontiguousarray(x)
-        if self._view is not None:
-            x, target = x.reshape(self._view[0]), y.reshape(self._view[1])
+        held, weights = self._weights_held  # one read: another thread may swap in a new pair meanwhile
+        if held is not w:
+            weights = self._prepared.get("direct_tiles", (w,), lambda: kernel.pack_weights(w, self._group))
+            if not w.flags.writeable:
+                self._weights_held = (w, weights)
+        flags = kernel.BIAS if b is not None and b.size else 0
+        if residual is None:
+            residual = self._no_residual
         else:
-            target = y
-        kernel.conv_direct(x, weights, self._offsets, self._bias(b), residual, bounds, flags, target,
-                           *self._geometry)
+            residual, flags = np.ascontiguousarray(residual).reshape(-1), flags | kernel.RESIDUAL
+        y = np.empty(self._out, dtype=np.float32) if out is None else out
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        if self._view is not None:
+            kernel.conv_direct(x.reshape(self._view[0]), weights, self._offsets, self._bias(b), residual, bounds,
+                               flags, y.reshape(self._view[1]), *self._geometry)
+        else:
+            kernel.conv_direct(x, weights, self._offsets, self._bias(b), residual, bounds, flags, y, *self._geometry)
         return y

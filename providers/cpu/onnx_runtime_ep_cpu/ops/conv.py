@@ -25,9 +25,16 @@ def conv(node, shapes, opset):
     resolve = _conv_resolver(node, shapes)
 
     def kernel(x, w, b=None):
-        return (resolve(x, w, b)[0](x, w, b, None),)
+        path = resolve(x, w, b)[0]
+        direct = path.direct
+        if direct is not None:
+            return (direct.run(x, w, b, None, _NO_ACTIVATION),)
+        return (path(x, w, b, None),)
 
     return kernel
+
+
+_NO_ACTIVATION = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)  # activation bounds of none
 
 
 def _conv_resolver(node, shapes):
@@ -127,6 +134,7 @@ def _compiled_epilogue(node):
             residual = np.ascontiguousarray(z).reshape(*z.shape[:2], math.prod(z.shape[2:]))
         return _Epilogue(epilogue, bias, residual, bounds)
 
+    prepare.float32_bounds = constants[np.dtype(np.float32)][0]  # for the direct tiles, which take float32
     return prepare
 
 
@@ -141,6 +149,7 @@ def fused_conv(node, shapes, opset):
     resolve = _conv_resolver(node, shapes)
     activate = in_place_activation(node)
     prepare = _compiled_epilogue(node)
+    bounds = prepare.float32_bounds
     concat = node.attr("concat_channels")
     shuffled = _ChannelShuffle(node) if node.attr("shuffle_shape") is not None else None
 
@@ -151,6 +160,10 @@ def fused_conv(node, shapes, opset):
             if shuffle is None:
                 x = shuffled.apply(x)
         path, out_shape = resolve(x, w, b)
+        direct = path.direct
+        if direct is not None and shuffle is None and out is None and (z is None or (
+                z.shape == out_shape and z.dtype == x.dtype)):
+            return direct.run(x, w, b, z, bounds)
         if activate is None and z is None:  # the Conv itself (into a Concat, or through a shuffle)
             return path(x, w, b, None, out, shuffle)
         if takes_compiled(x) and (z is None or (z.shape == out_shape and z.dtype == x.dtype)):
