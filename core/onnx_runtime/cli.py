@@ -1,12 +1,13 @@
 """The ``onnx-runtime`` command: list providers, describe a model, run a model.
 
     onnx-runtime providers
-    onnx-runtime info MODEL [--providers cpu] [--nodes]
+    onnx-runtime info MODEL [--providers cpu] [--nodes] [--memory] [--memory-limit BYTES] [--weight-budget BYTES]
     onnx-runtime run [MODEL] [--input NAME=FILE.npy ...] [--providers cpu] [--repeat N]
     onnx-runtime bench MODEL [--input NAME=FILE.npy ...] [--providers cpu] [--repeat N] [--warmup N]
     onnx-runtime compile [MODEL ...] [--providers cpu] [--jobs N]
     onnx-runtime generate MODEL --prompt TEXT [--max-new-tokens N] [--providers cpu]
     onnx-runtime new-provider NAME [--dir DIR]
+    onnx-runtime batch MODEL --input DATA --output OUT [--engine local|ray|dask] [--workers N] [--threads N]
 
 Without MODEL, ``run`` runs the embedded default: light_resnet50 from the installed onnx package,
 checked against the output shipped beside it.
@@ -67,7 +68,7 @@ def cmd_providers(args) -> int:
 def cmd_info(args) -> int:
     from .session import InferenceSession
 
-    sess = InferenceSession(args.model, providers=_providers_arg(args.providers))
+    sess = InferenceSession(args.model, _memory_options(args), providers=_providers_arg(args.providers))
     model = sess.model
     print(f"model: {args.model}")
     print(f"producer: {model.producer_name} {model.producer_version}".rstrip())
@@ -87,7 +88,33 @@ def cmd_info(args) -> int:
         print(f"  {provider} declined {len(ops)} nodes ({', '.join(sorted(set(ops)))}): {reason}")
     if args.nodes:
         print(placement)
+    if args.memory:
+        from .memory.report import measure, render
+
+        feeds = {arg.name: _default_feed(arg) for arg in sess.get_inputs()}
+        print("\n".join(render(measure(sess, feeds))))
     return 0
+
+
+def _memory_options(args, options=None):
+    """SessionOptions carrying --memory-limit and --weight-budget (session.memory_limit and
+    session.weight_residency_budget)."""
+    from .memory.session import LIMIT_KEY, WEIGHT_BUDGET_KEY
+    from .session import SessionOptions
+
+    options = options or SessionOptions()
+    for key, value in ((LIMIT_KEY, getattr(args, "memory_limit", None)),
+                       (WEIGHT_BUDGET_KEY, getattr(args, "weight_budget", None))):
+        if value:
+            options.add_session_config_entry(key, value)
+    return options
+
+
+def _add_memory_arguments(p) -> None:
+    p.add_argument("--memory-limit", metavar="BYTES",
+                   help="bound what the process takes from each device the model runs on (e.g. 8GiB, 0 = no bound)")
+    p.add_argument("--weight-budget", metavar="BYTES",
+                   help="weights resident on a device at once; past it they are paged in per node (e.g. 256MiB)")
 
 
 def _parse_inputs(specs: list[str]) -> dict:
@@ -129,7 +156,7 @@ def cmd_run(args) -> int:
         print(f"running the embedded default model {DEFAULT_MODEL} ({model_path})")
     else:
         model_path, expected_path = args.model, None
-    options = SessionOptions()
+    options = _memory_options(args, SessionOptions())
     options.enable_profiling = args.profile or bool(args.trace)
     sess = InferenceSession(model_path, options, providers=_providers_arg(args.providers))
     feeds = _parse_inputs(args.input)
@@ -202,7 +229,7 @@ def cmd_bench(args) -> int:
     if args.repeat < 1 or args.warmup < 0:
         raise SystemExit("--repeat must be at least 1 and --warmup at least 0")
     start = time.perf_counter()
-    sess = InferenceSession(args.model, providers=_providers_arg(args.providers))
+    sess = InferenceSession(args.model, _memory_options(args), providers=_providers_arg(args.providers))
     created = time.perf_counter() - start
     feeds = _bench_feeds(sess, args.input)
     bar = _ProgressBar(args.warmup + args.repeat, "bench")
@@ -275,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("--providers", help="comma-separated provider names (default: all available)")
     p.add_argument("--nodes", action="store_true", help="list every node's placement")
+    p.add_argument("--memory", action="store_true",
+                   help="run once and report weights, device budgets, residency, peak activations, allocation sites")
+    _add_memory_arguments(p)
     p.set_defaults(func=cmd_info)
     p = sub.add_parser("run", help="run a model (without MODEL: the embedded light_resnet50 check)")
     p.add_argument("model", nargs="?")
@@ -283,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=5, help="timed runs after a warm-up run (default 5)")
     p.add_argument("--profile", action="store_true", help="print time per operator")
     p.add_argument("--trace", metavar="FILE", help="write onnxruntime's Chrome-trace profile of the runs to FILE")
+    _add_memory_arguments(p)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("bench", help="run a model repeatedly and report latency percentiles")
     p.add_argument("model")
@@ -290,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--providers", help="comma-separated provider names (default: all available)")
     p.add_argument("--repeat", type=int, default=100, help="timed runs (default 100)")
     p.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
+    _add_memory_arguments(p)
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("compile", help="compile and cache the providers' kernels ahead, by running models once")
     p.add_argument("models", nargs="*", metavar="MODEL",
@@ -310,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="the provider's name, e.g. my-accel (-> MyAccelExecutionProvider)")
     p.add_argument("--dir", default=".", help="where to write it (default: the current directory)")
     p.set_defaults(func=cmd_new_provider)
+    from .batch.cli import add_parser as add_batch_parser
+
+    add_batch_parser(sub)
     return parser
 
 

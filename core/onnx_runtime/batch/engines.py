@@ -1,0 +1,139 @@
+"""Engines that run a job's shards: a process pool here, Ray actors, or Dask workers.
+
+Each calls ``finished(result)`` once per shard, in completion order. A worker that dies mid-shard has its
+shard run again (the part file is rewritten whole, so nothing is duplicated); after ``retries`` deaths the
+job stops with an error rather than retrying forever.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+
+from ..errors import InvalidArgumentError, OnnxRuntimeError
+from .job import process_shard
+
+
+class WorkerLostError(OnnxRuntimeError):
+    """Workers kept dying: the job gave up after its retries."""
+
+
+def run_local(job, shards, workers, threads, finished, retries, address) -> None:
+    """A pool of ``workers`` processes on this machine; a dead worker breaks the pool, which is rebuilt
+    and given the shards that had not finished."""
+    if address:
+        raise InvalidArgumentError("batch: --address is for --engine ray or dask; the local engine takes none")
+    pending = {s.index: s for s in shards}
+    restarts = 0
+    context = _pool_context()
+    while pending:
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            futures = {pool.submit(process_shard, job, s) for s in pending.values()}
+            try:
+                while futures:
+                    done, futures = wait(futures, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        result = future.result()
+                        pending.pop(result["index"], None)
+                        finished(result)
+            except BrokenProcessPool as exc:
+                restarts += 1
+                if restarts > retries:
+                    raise WorkerLostError(
+                        f"batch: local workers died {restarts} times ({exc}); {len(pending)} shards left unwritten. "
+                        f"Rerun the same command to resume, with fewer --workers if memory ran out") from None
+
+
+def _pool_context():
+    """Workers forked from a server that imported the runtime once (Linux, macOS): a pool rebuilt after a worker
+    died, or the next job of this process, starts in milliseconds instead of importing everything again.
+    Elsewhere, spawned processes."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["onnx_runtime.batch.job", "onnx_runtime.session", "onnx_runtime_ep_cpu"])
+    return context
+
+
+class _ShardActor:
+    """A Ray actor: one per worker, its predictor and session made on its first shard and kept."""
+
+    def __init__(self, job):
+        self.job = job
+
+    def process(self, shard):
+        return process_shard(self.job, shard)
+
+
+def run_ray(job, shards, workers, threads, finished, retries, address) -> None:
+    """``workers`` Ray actors of ``threads`` CPUs each, two shards queued per actor. A killed actor is restarted
+    and its shards retried (Ray's max_restarts / max_task_retries). Uses a running Ray (``ray.init`` done by the
+    caller) or connects to ``address``, else starts one on this machine."""
+    try:
+        import ray
+    except ImportError:
+        raise InvalidArgumentError("batch: --engine ray needs Ray; install it with `pip install 'onnx-runtime[ray]'`"
+                                   ) from None
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                 num_cpus=None if address else workers * threads)
+    actor = ray.remote(_ShardActor).options(num_cpus=threads, max_restarts=retries, max_task_retries=retries)
+    actors: list = [actor.remote(job) for _ in range(workers)]
+    try:
+        _drive(ray, actors, list(shards), finished, retries)
+    finally:
+        for a in actors:
+            ray.kill(a)
+        if started:
+            ray.shutdown()
+
+
+def _drive(ray, actors, queue, finished, retries) -> None:
+    running = {}
+    for _ in range(2):
+        for a in actors:
+            if queue:
+                running[a.process.remote(queue.pop(0))] = a
+    while running:
+        done, _ = ray.wait(list(running), num_returns=1)
+        a = running.pop(done[0])
+        try:
+            result = ray.get(done[0])
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerLostError(f"batch: a Ray worker died more than {retries} times ({exc}); rerun the same "
+                                  f"command to resume") from None
+        finished(result)
+        if queue:
+            running[a.process.remote(queue.pop(0))] = a
+
+
+def run_dask(job, shards, workers, threads, finished, retries, address) -> None:
+    """Shards as Dask tasks: on the cluster at ``address``, else a local cluster of ``workers`` processes with one
+    task slot each. A worker that dies is restarted by its nanny and its tasks rescheduled."""
+    try:
+        from distributed import Client, LocalCluster, as_completed
+    except ImportError:
+        raise InvalidArgumentError(
+            "batch: --engine dask needs dask.distributed; install it with `pip install 'onnx-runtime[dask]'`"
+        ) from None
+    cluster = None if address else LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                                dashboard_address=None)
+    client = Client(address or cluster)
+    try:
+        futures = client.map(process_shard, [job] * len(shards), shards, pure=False, retries=retries)
+        for future in as_completed(futures):
+            try:
+                result = future.result()
+            except Exception as exc:  # KilledWorker: the task's workers died past the scheduler's allowance
+                raise WorkerLostError(f"batch: a Dask task failed for good ({type(exc).__name__}: {exc}); rerun the "
+                                      f"same command to resume") from None
+            finished(result)
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+ENGINES = {"local": run_local, "ray": run_ray, "dask": run_dask}

@@ -1,0 +1,84 @@
+"""One shard of a batch job, processed in a worker and written whole or not at all.
+
+Every shard's predictions go to ``OUT/part-NNNNNN.parquet`` through a temporary file renamed into place, so a
+part file exists only complete, and a shard processed twice (a worker killed after writing, its task retried)
+writes the same file again: no row is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from .predictor import Predictor
+from .sources import Shard
+
+_PREDICTORS: dict = {}  # per process: repr(predictor settings) -> Predictor
+
+
+def part_path(output: str, index: int) -> str:
+    return os.path.join(output, f"part-{index:06d}.parquet")
+
+
+def _predictor(job: dict) -> Predictor:
+    key = repr(job["predictor"])
+    if key not in _PREDICTORS:
+        _PREDICTORS[key] = Predictor(**job["predictor"])
+    return _PREDICTORS[key]
+
+
+def process_shard(job: dict, shard: Shard) -> dict:
+    """Read, predict and write one shard (in a worker). Returns its rows, failures and times."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        columns, ids, failures = job["source"].read(shard, job["id_column"])
+        outputs, row_failures = _predictor(job).predict(columns, len(ids), ids) if ids else ({}, {})
+    except Exception as exc:  # a shard that cannot be read or run: reported, left unwritten for a rerun
+        return {"index": shard.index, "rows": shard.stop - shard.start, "written": False, "failures": [],
+                "error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - wall,
+                "first_row": shard.base}
+    write_part(job["output"], shard.index, ids, outputs, row_failures, failures)
+    return {"index": shard.index, "rows": len(ids) + len(failures), "written": True,
+            "failures": failures + [(ids[i], message) for i, message in sorted(row_failures.items())],
+            "error": None, "seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu}
+
+
+def _arrow_column(value, extra: int):
+    import pyarrow as pa
+
+    if isinstance(value, np.ndarray) and value.dtype != object and not extra:
+        if value.ndim == 1:
+            return pa.array(value)
+        if value.ndim == 2:  # one vector per row: a fixed-size list, which pandas and every reader take
+            return pa.FixedSizeListArray.from_arrays(pa.array(value.ravel()), value.shape[1])
+        return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(value))
+    rows = [None if v is None else np.asarray(v).tolist() for v in value]
+    return pa.array(rows + [None] * extra)
+
+
+def write_part(output: str, index: int, ids: list, outputs: dict, row_failures: dict, read_failures: list) -> None:
+    """The part file of shard ``index``, written to a temporary name and renamed into place."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    extra = len(read_failures)
+    columns = {"row_id": pa.array(list(ids) + [row_id for row_id, _ in read_failures])}
+    for name, value in outputs.items():
+        columns[name] = _arrow_column(value, extra)
+    errors = [row_failures.get(i) for i in range(len(ids))] + [message for _, message in read_failures]
+    columns["error"] = pa.array(errors, type=pa.string())
+    path = part_path(output, index)
+    temporary = os.path.join(output, f".part-{index:06d}.{os.getpid()}.tmp")
+    pq.write_table(pa.table(columns), temporary)
+    os.replace(temporary, path)
+
+
+def read_predictions(output: str):
+    """Every part of a finished (or partial) job as one pyarrow Table, in shard order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parts = sorted(f for f in os.listdir(output) if f.startswith("part-") and f.endswith(".parquet"))
+    return pa.concat_tables([pq.read_table(os.path.join(output, f)) for f in parts]) if parts else pa.table({})

@@ -1,0 +1,74 @@
+"""How many workers and how many intra-op threads each: workers x threads <= the CPUs of the node.
+
+A session's kernels split across ``intra_op_num_threads`` threads; a batch job runs several sessions side by
+side (processes, Ray actors, Dask task slots). More runnable threads than CPUs make them preempt one another
+mid-kernel, which costs more than it gains, so one rule sizes every engine: fill the CPUs once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+from ..errors import InvalidArgumentError
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may use: its affinity set, capped by a cgroup v2 CPU quota (a container's --cpus)."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+        if quota != "max":
+            count = min(count, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, count)
+
+
+def plan_workers(workers: int | None = None, threads: int | None = None, cpus: int | None = None) -> tuple[int, int]:
+    """``(workers, threads)`` with workers x threads <= cpus, filling in whichever is not given.
+
+    Neither given: one worker per CPU, one thread each (batch throughput scales better across sessions than
+    inside one). Over the CPUs (both given, or either alone above them): an error naming sizes that fit."""
+    cpus = usable_cpus() if cpus is None else cpus
+    for name, value in (("workers", workers), ("threads", threads), ("cpus", cpus)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise InvalidArgumentError(f"batch sizing: {name} must be a positive integer, got {value!r}")
+    if workers is None and threads is None:
+        return cpus, 1
+    if workers is None:
+        assert threads is not None
+        workers = max(1, cpus // threads)
+    elif threads is None:
+        threads = max(1, cpus // workers)
+    if workers * threads > cpus:
+        raise InvalidArgumentError(
+            f"batch sizing: {workers} workers x {threads} intra-op threads = {workers * threads} threads on "
+            f"{cpus} CPUs oversubscribes the node; use at most {max(1, cpus // threads)} workers of {threads} "
+            f"threads, or {min(workers, cpus)} workers of {max(1, cpus // workers)} threads")
+    return workers, threads
+
+
+def worker_threads() -> int:
+    """Intra-op threads for a session created inside a worker, when the user gave none.
+
+    In a Ray actor or task: the CPUs Ray assigned to it (``num_cpus``), which Ray's scheduler already keeps
+    within the node. In a Dask worker: one per task slot, since Dask runs ``nthreads`` partitions at once per
+    worker and sizes workers x nthreads to the CPUs. Elsewhere: every usable CPU (one session per process)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        try:
+            assigned = ray.get_runtime_context().get_assigned_resources().get("CPU")
+        except Exception:  # the driver, or a Ray without the runtime context API: not an actor
+            assigned = None
+        if assigned:
+            return max(1, int(assigned))
+    distributed = sys.modules.get("distributed")
+    if distributed is not None:
+        try:
+            distributed.get_worker()
+            return 1
+        except ValueError:  # not inside a Dask worker
+            pass
+    return usable_cpus()
