@@ -82,6 +82,45 @@ def test_matmul_nbits(bits, zero_kind, k, block, constant):
     assert_float32_dot(y, a, weight)
 
 
+@pytest.mark.parametrize("rows,bits,zero_kind", [(1, 4, "packed"), (3, 2, "float"), (1, 8, "float"),
+                                                  (70, 4, "packed"), (70, 2, "float"), (64, 8, "none")])
+def test_matmul_nbits_block_and_tiled_products(rows, bits, zero_kind):
+    # Under 64 rows of A the product runs on the packed weight (repacked along K); from 64 on, tiles of 256
+    # weight columns are dequantized for BLAS (N = 300: a full tile and a partial one; K = 91: a partial
+    # block, and for 4 bits a half-filled last byte).
+    n, k, block = 300, 91, 32
+    b, scales, zero_points, weight = nbits_weight(n, k, bits, block, zero_kind)
+    a = F32(RNG.standard_normal((rows, k)))
+    (y,) = run_ours("MatMulNBits", [a, b, scales, zero_points], nbits_attrs(n, k, bits, block), constants=(1, 2, 3))
+    assert y.shape == (rows, n) and y.dtype == F32
+    assert_float32_dot(y, a, weight)
+
+
+def test_matmul_nbits_keeps_no_float32_copy_of_the_weight():
+    # What a run leaves allocated: the repacked 4-bit weight (K * N / 2 bytes) and float32 scales, not the
+    # K * N * 4 bytes of a dequantized copy.
+    import tracemalloc
+
+    n, k, block = 1024, 1024, 32
+    b, scales, zero_points, weight = nbits_weight(n, k, 4, block, "packed")
+    a = F32(RNG.standard_normal((1, k)))
+    from contrib_reference import node_model
+
+    model, feeds = node_model("MatMulNBits", [a, b, scales, zero_points], nbits_attrs(n, k, 4, block),
+                              constants=(1, 2, 3))
+    onnx_runtime.InferenceSession(model.SerializeToString(), providers=["cpu"]).run(None, feeds)  # loads the loops
+    session = onnx_runtime.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        (y,) = session.run(None, feeds)
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert_float32_dot(y, a, weight)
+    assert kept < k * n, f"{kept} bytes kept after the first run; a float32 copy is {4 * k * n}"
+
+
 @pytest.mark.parametrize("a_shape", [(5, 48), (2, 3, 48), (48,)])
 def test_matmul_nbits_bias_and_batch_dims(a_shape):
     n, k, block = 7, 48, 16

@@ -1,11 +1,13 @@
 """onnxruntime's blockwise-quantized weight operators (domain com.microsoft): MatMulNBits and
 GatherBlockQuantized, as docs/ContribOperators.md defines them.
 
-MatMulNBits dequantizes its packed weight once per set of constant inputs (algorithms/prepared.py): each
-(q - zero point) * scale exactly, rounded once to float32, then a float32 product (BLAS) with A in float32.
-That is at least the accuracy every ``accuracy_level`` asks for, the level being a floor ("A can be
-quantized"), not an instruction. GatherBlockQuantized gathers the packed rows first and dequantizes only what
-it gathered.
+MatMulNBits multiplies on the packed weight (compiled/nbits.py), repacked once along K at the same bits per
+value: each packed row's weight rows are dequantized into a small float32 buffer, (q - zero point) * scale
+exactly, rounded once to float32, and added into every row of the output in float32; for many rows of A,
+tiles of weight columns are dequantized and go through BLAS. No float32 copy of the whole weight is kept (8
+times the 4-bit one). Act-order weights (g_idx) are dequantized once per set of constant inputs instead. That
+is at least the accuracy every ``accuracy_level`` asks for, the level being a floor ("A can be quantized"),
+not an instruction. GatherBlockQuantized gathers the packed rows first and dequantizes only what it gathered.
 """
 
 from __future__ import annotations
@@ -62,13 +64,34 @@ class _NBitsShape:
             expected = " or ".join(str(s) for s in shapes)
             raise argument_error(self.node, f"input {name!r} has shape {value.shape}; expected {expected}")
 
-    def weights(self, b, scales, zero_points, g_idx) -> np.ndarray:
-        """The dequantized (N, K) float64 weight."""
+    def _check_packed(self, b, scales):
         n, blocks = self.n, self.blocks
         if b.dtype != np.uint8:
             raise argument_error(self.node, f"input 'B' is {b.dtype}; expected uint8")
         self._shape("B", b, (n, blocks, self.blob))
         self._shape("scales", scales, (n, blocks), (n * blocks,))
+
+    def packed(self, b, scales, zero_points) -> tuple:
+        """The weight as compiled/nbits.py takes it, 8 // bits values of a byte along K: (ceil(K / per_byte), N)
+        uint8, and the scales and zero points (blocks, N), in float32 for integer zero points (exact for every
+        scale type), else in float64."""
+        self._check_packed(b, scales)
+        n, blocks, per_byte = self.n, self.blocks, 8 // self.bits
+        zeros = self._zero_points(zero_points, scales.dtype)
+        values = unpack(b.reshape(n, -1), self.bits)[:, :self.k].T  # (K, N), one byte a value for a moment
+        rows = -(-self.k // per_byte)
+        padded = np.zeros((rows * per_byte, n), np.uint8)
+        padded[:self.k] = values
+        along_k = np.zeros((rows, n), np.uint8)
+        for t in range(per_byte):
+            along_k |= padded[t::per_byte] << np.uint8(t * self.bits)
+        wide = _F32 if zeros.dtype == np.uint8 else _F64
+        return along_k, np.ascontiguousarray(scales.reshape(n, blocks).T, wide), np.ascontiguousarray(zeros.T, wide)
+
+    def weights(self, b, scales, zero_points, g_idx) -> np.ndarray:
+        """The dequantized (N, K) float64 weight."""
+        self._check_packed(b, scales)
+        n, blocks = self.n, self.blocks
         quantized = unpack(b.reshape(n, -1), self.bits)[:, :self.k]
         return block_weights(quantized, scales.reshape(n, blocks), self._zero_points(zero_points, scales.dtype),
                              self._groups(g_idx))
@@ -116,14 +139,43 @@ def matmul_nbits(node, shapes, opset):
 
     def kernel(a, b, scales, zero_points=None, g_idx=None, bias=None):
         spec.check(a, scales, bias)
-        weight_t = prepared.get("weights", (b, scales, zero_points, g_idx),
-                                lambda: np.ascontiguousarray(spec.weights(b, scales, zero_points, g_idx).T, _F32))
-        y = np.asarray(np.matmul(a.astype(_F32), weight_t))
+        if g_idx is not None:
+            weight_t = prepared.get("weights", (b, scales, zero_points, g_idx),
+                                    lambda: np.ascontiguousarray(spec.weights(b, scales, zero_points, g_idx).T, _F32))
+            y = np.asarray(np.matmul(a.astype(_F32), weight_t))
+        else:
+            y = _packed_product(spec, a, prepared.get("packed", (b, scales, zero_points),
+                                                      lambda: spec.packed(b, scales, zero_points)))
         if bias is not None:
             y = y + bias.astype(_F32)
         return (y.astype(a.dtype, copy=False),)
 
     return kernel
+
+
+# Rows of A from which the weight is dequantized a tile of columns at a time for BLAS: below, the compiled
+# product (each packed row unpacked once for all rows of A) is as fast and reads only the packed weight.
+_TILED_ROWS = 64
+_TILE = 256  # weight columns per dequantized tile: K x 256 float32
+
+
+def _packed_product(spec, a, packed) -> np.ndarray:
+    from ..compiled import nbits
+
+    along_k, scales, zeros = packed
+    wide = zeros.dtype == _F64
+    flat = np.ascontiguousarray(a.reshape(-1, spec.k), _F32)
+    out = np.empty((flat.shape[0], spec.n), _F32)
+    if flat.shape[0] < _TILED_ROWS:
+        if out.size:
+            nbits.product(flat, along_k, scales, zeros, wide, spec.bits, spec.block, out)
+    else:
+        tile = np.empty((spec.k, min(_TILE, spec.n)), _F32)
+        for first in range(0, spec.n, _TILE):
+            columns = tile[:, :min(_TILE, spec.n - first)]
+            nbits.dequantize_columns(along_k, scales, zeros, wide, spec.bits, spec.block, first, columns)
+            np.matmul(flat, columns, out=out[:, first:first + columns.shape[1]])
+    return out.reshape(a.shape[:-1] + (spec.n,))
 
 
 # -- GatherBlockQuantized --------------------------------------------------------------------------
