@@ -254,7 +254,10 @@ class _Pinning:
             return (self.pins[0][1].store(inputs[0]),)
         results = list(self.run(*inputs))
         for index, pin in self.pins:
-            results[index] = pin.store(results[index])
+            # A host value a device provider's kernel returned (its shape computations: the same at every run of
+            # the signature) is read on the host by that provider's kernels, baked into the captured launches.
+            if isinstance(results[index], Tensor):
+                results[index] = pin.store(results[index])
         return results
 
 
@@ -608,8 +611,12 @@ def _env(plan: Plan, feeds: dict) -> list:
     return env
 
 
-def _view(tensor: Tensor) -> Tensor:
-    """A borrowed view of an arena tensor: its block may be reused later in the run, and a view frees nothing."""
+def _view(tensor):
+    """A borrowed view of an arena tensor: its block may be reused later in the run, and a view frees nothing. A
+    host value a captured kernel returned (a provider's shape computation, a function of the feed shapes and the
+    constants, so the same at every run of the signature) is kept as it is."""
+    if not isinstance(tensor, Tensor):
+        return tensor
     return Tensor(tensor.dtype, tensor.shape, tensor.buffer.alias(writable=True), tensor.provider,
                   layout=tensor.layout)
 

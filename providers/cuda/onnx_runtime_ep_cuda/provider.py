@@ -32,6 +32,7 @@ from . import (
 from .device import CudaDevice
 from .graphs import DeviceGraphs
 from .ops.context import KernelContext
+from .ops.host_shapes import host_kernel, host_nodes
 from .ops.registry import declared_host_inputs, lookup, unsupported_reason
 from .validation import DeviceValidation
 
@@ -52,6 +53,7 @@ class CUDAExecutionProvider:
         self._validation: DeviceValidation | None = None
         self._slot_owner = DeviceGraphOwner.new()  # the namespace of the slot-level graph hooks
         self._slot_tokens: dict[DeviceGraphSlot, object] = {}
+        self._host_nodes: dict[int, tuple] = {}  # per graph: the shape computations kept on the host
 
     # -- identity -----------------------------------------------------------------------------------
     @hookimpl
@@ -138,6 +140,9 @@ class CUDAExecutionProvider:
             raise ProviderError(f"{NAME}: no kernel for node {node.name!r} ({node.op_type}) at opset {opset}")
         if self._context is None:
             self._context = KernelContext(self.cuda_device(), self.handle)
+        mirrored = host_nodes(graph, self._host_nodes).get(node.name)
+        if mirrored is not None:  # integers that decide shapes: computed on the host (ops/host_shapes.py)
+            return host_kernel(node, opset, graph, self._context, mirrored)
         return entry.create(node, shapes, opset, self._context, graph)
 
     @hookimpl

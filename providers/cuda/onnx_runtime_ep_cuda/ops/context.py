@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import weakref
 
+import numpy as np
 from onnx_runtime import Tensor
 
 BLOCK = 256
@@ -25,6 +27,22 @@ def i32(value: int) -> tuple[int, type]:
 
 def f32(value: float) -> tuple[float, type]:
     return (float(value), ctypes.c_float)
+
+
+_MIRRORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # device tensor -> its value on the host
+
+
+def mirror_on_host(tensor: Tensor, value: np.ndarray) -> None:
+    """Note that device ``tensor`` holds ``value``, known on the host (ops/host_shapes.py)."""
+    _MIRRORS[tensor] = value
+
+
+def host_value(value) -> np.ndarray | None:
+    """``value`` on the host when it is known there without a transfer (a numpy array, or a tensor mirrored on
+    the host), else None."""
+    if isinstance(value, np.ndarray):
+        return value
+    return _MIRRORS.get(value) if isinstance(value, Tensor) else None
 
 
 class KernelContext:

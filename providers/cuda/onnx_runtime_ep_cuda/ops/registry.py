@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 from onnx_runtime import DataType
 
+from .context import host_value
+
 FLOATS = frozenset({DataType.FLOAT, DataType.FLOAT16, DataType.BFLOAT16})
 INTEGERS = frozenset({DataType.INT8, DataType.UINT8, DataType.INT16, DataType.INT32, DataType.INT64,
                       DataType.UINT32, DataType.UINT64})
@@ -94,14 +96,20 @@ class HostInputs:
         value = self._constants.get(position)
         if value is not None:
             return value
-        return None if tensor is None else tensor.numpy()
+        if tensor is None:
+            return None
+        host = host_value(tensor)  # computed on the host (host_shapes.py): no read back
+        return host if host is not None else tensor.numpy()
 
     def ints(self, position: int, tensor) -> tuple[int, ...] | None:
         """An integer input (a shape, starts, axes...) as a tuple of ints, or None when omitted."""
         values = self._ints.get(position)
         if values is not None:
             return values
-        return None if tensor is None else tuple(int(v) for v in tensor.numpy().reshape(-1))
+        if tensor is None:
+            return None
+        host = host_value(tensor)  # see array()
+        return tuple(int(v) for v in (host if host is not None else tensor.numpy()).reshape(-1))
 
 
 _REGISTRY: dict[tuple[str, str], list[OpEntry]] = {}
