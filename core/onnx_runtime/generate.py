@@ -12,6 +12,14 @@ Per step the host reads nothing but the 4-byte token it streams (or, without str
 token only, for the time to first token; the rest are drained at the end). On the CPU provider
 "device" memory is host memory and the contract's defaults run argmax and the token writer in numpy.
 
+With device-graph capture on (``session.graph_capture``), the KV cache is shown to the model at its
+capacity instead, so every decode step has one feed signature and is replayed from one graph. The
+exports append the step's keys and values by ``Concat(past, new)``, so ``present`` holds capacity + new
+rows: the valid rows of ``past`` are those the mask marks, the new ones land at index ``capacity`` of
+``present`` (mask bit ``capacity`` set), and after the run they are copied on the device to their place
+``past[length]``, whose mask bit is then set by a device copy as well. The rows past the valid length
+are zeros and masked out, so attention over them adds exact zeros.
+
 The model must take ``input_ids`` and ``attention_mask`` (int64, [batch, sequence]), optionally
 ``position_ids``, and ``past*`` inputs [batch, heads, past_sequence, head_dim] each answered by a
 ``present*`` output, and give ``logits`` [batch, sequence, vocabulary] (the layout of transformers'
@@ -30,8 +38,8 @@ import numpy as np
 
 from .dtypes import DataType
 from .errors import InvalidArgumentError, InvalidGraphError
-from .session.device_io_binding import DeviceBindingSpec, DeviceIoBinding
-from .session.inference_session import InferenceSession
+from .session.device_io_binding import DeviceBindingSpec, DeviceIoBinding, device_copy
+from .session.inference_session import GRAPH_CAPTURE_KEY, InferenceSession
 
 
 @dataclass
@@ -99,6 +107,8 @@ class Generator:
         self.session = model if isinstance(model, InferenceSession) else InferenceSession(
             model, sess_options, providers=providers)
         self.layout = _layout(self.session)
+        config = self.session.get_session_options().config()
+        self.at_capacity = config.get(GRAPH_CAPTURE_KEY) == "1"  # see the module docstring
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, on_token: Callable[[int], None] | None = None,
                  eos_token_id: int | None = None) -> GenerationResult:
@@ -113,7 +123,8 @@ class Generator:
         if min(prompt) < 0 or max(prompt) >= vocabulary:
             raise InvalidArgumentError(
                 f"prompt token ids must lie in [0, {vocabulary}); got {min(prompt)}..{max(prompt)}")
-        with _Bindings(self.session, self.layout, len(prompt), max_new_tokens) as state:
+        bindings = _CapacityBindings if self.at_capacity else _Bindings
+        with bindings(self.session, self.layout, len(prompt), max_new_tokens) as state:
             return state.loop(prompt, max_new_tokens, on_token, eos_token_id)
 
 
@@ -138,6 +149,7 @@ class _Bindings:
                                                     (1, prompt, layout.vocabulary)))
         self.result = bind(DeviceBindingSpec.scratch("argmax", np.uint32, (2,)))
         self.tokens = bind(DeviceBindingSpec.scratch("tokens", np.uint32, (new + 1,)))
+        self.mask_len = self.capacity  # where the token writer may set the chosen token's mask bit
 
     def _bind(self, spec: DeviceBindingSpec) -> DeviceIoBinding:
         binding = self.session.device_io_binding(spec, provider=self.home)
@@ -159,7 +171,7 @@ class _Bindings:
         if self.logits.device_argmax_supported():
             self.logits.device_argmax(vocabulary, 1, self.result, element_offset=offset)
             self.result.device_token_writer(self.ids, self.positions, self.mask, self.tokens, capacity=new,
-                                            next_position=position, mask_len=self.capacity, step=step)
+                                            next_position=position, mask_len=self.mask_len, step=step)
             return
         itemsize = self.layout.logits_dtype.numpy.itemsize
         row = np.frombuffer(self.logits.read_bytes_range(offset * itemsize, vocabulary * itemsize),
@@ -168,20 +180,31 @@ class _Bindings:
         self.ids.write_bytes(0, np.array([token], np.int64))
         if self.positions is not None:
             self.positions.write_bytes(0, np.array([position], np.int64))
-        self.mask.write_bytes(8 * position, np.array([1], np.int64))
+        if position < self.mask_len:
+            self.mask.write_bytes(8 * position, np.array([1], np.int64))
         self.tokens.write_bytes(4 * step, np.array([token], np.uint32))
+
+    def _start(self, length: int) -> list[DeviceIoBinding]:
+        """Write the prompt's state; the bindings of a run."""
+        mask = np.zeros((1, self.capacity), np.int64)
+        mask[0, :length] = 1
+        self.mask.write_logical(mask)
+        self.mask.set_logical_shape((1, length))
+        return [*self.caches, self.ids, self.mask, self.logits] + ([self.positions] if self.positions else [])
+
+    def _ran(self, step: int, length: int) -> None:
+        """After step ``step``'s run: nothing to do here (the KV cache grew in place)."""
+
+    def _next_mask_shape(self, step: int, length: int) -> tuple[int, int]:
+        return (1, length + step + 1)
 
     def loop(self, prompt: list[int], new: int, on_token, eos_token_id) -> GenerationResult:
         length = len(prompt)
         self.ids.write_logical(np.array([prompt], np.int64))
         if self.positions is not None:
             self.positions.write_logical(np.arange(length, dtype=np.int64).reshape(1, length))
-        mask = np.zeros((1, self.capacity), np.int64)
-        mask[0, :length] = 1
-        self.mask.write_logical(mask)
-        self.mask.set_logical_shape((1, length))
+        bindings = self._start(length)
         self.tokens.write_logical(np.zeros(new + 1, np.uint32))
-        bindings = [*self.caches, self.ids, self.mask, self.logits] + ([self.positions] if self.positions else [])
         read_each = on_token is not None or eos_token_id is not None
         tokens: list[int] = []
         start = time.perf_counter()
@@ -189,6 +212,7 @@ class _Bindings:
         steps = 0
         for step in range(new):
             self.session.run_with_device_bindings(bindings, output_names=[], single_token_step=step > 0)
+            self._ran(step, length)
             self._choose(step, length + step, new)
             steps += 1
             if read_each or step == 0:
@@ -203,7 +227,7 @@ class _Bindings:
             self.ids.set_logical_shape((1, 1))
             if self.positions is not None:
                 self.positions.set_logical_shape((1, 1))
-            self.mask.set_logical_shape((1, length + step + 1))
+            self.mask.set_logical_shape(self._next_mask_shape(step, length))
         drained = self.tokens.read_logical()
         if not read_each:
             tokens = [int(t) for t in drained[:steps]]
@@ -213,6 +237,54 @@ class _Bindings:
                 f"data (e.g. a token id out of the embedding's range)"
             )
         return GenerationResult(prompt, tokens, first, time.perf_counter() - start, steps=steps)
+
+
+class _CapacityBindings(_Bindings):
+    """The decode state with the KV cache shown at its capacity (see the module docstring): one feed signature
+    for every decode step, so the step is captured once and replayed."""
+
+    def __init__(self, session: InferenceSession, layout: _Layout, prompt: int, new: int):
+        super().__init__(session, layout, prompt, new)
+        capacity, bind = self.capacity, self._bind
+        for binding in self.caches:
+            binding.close()
+        self.owned = [b for b in self.owned if b not in self.caches]
+        self.caches = [bind(DeviceBindingSpec.input(past, dtype, (1, heads, capacity, dim)))
+                       for past, _present, dtype, heads, dim in layout.caches]
+        self.presents = [bind(DeviceBindingSpec.output(present, dtype, (1, heads, capacity + prompt, dim)))
+                         for _past, present, dtype, heads, dim in layout.caches]
+        self.mask.close()
+        self.owned.remove(self.mask)
+        self.mask = bind(DeviceBindingSpec.input("attention_mask", np.int64, (1, capacity + prompt),
+                                                 expose_logical_input_shape=True))
+        self.mask_len = 0  # the mask bit of a new row is set once the row is in place (_ran)
+
+    def _start(self, length: int) -> list[DeviceIoBinding]:
+        for binding in self.caches:  # rows past the valid length are read (masked): zeros, never garbage
+            binding.write_logical(np.zeros(binding.physical_shape, binding.dtype.numpy))
+        mask = np.zeros((1, self.capacity + length), np.int64)
+        mask[0, self.capacity:] = 1  # the prompt's rows, appended after the (empty) cache
+        self.mask.write_logical(mask)
+        return [*self.caches, *self.presents, self.ids, self.mask, self.logits] + (
+            [self.positions] if self.positions else [])
+
+    def _ran(self, step: int, length: int) -> None:
+        """Copy the rows the run appended (index ``capacity`` of each present) to their place in the cache, and set
+        their mask bits, on the device."""
+        rows, start = (length, 0) if step == 0 else (1, length + step - 1)
+        capacity = self.capacity
+        for past, present in zip(self.caches, self.presents):
+            handle, itemsize = past.allocator, past.dtype.numpy.itemsize
+            _one, heads, _capacity, dim = past.physical_shape
+            row = dim * itemsize
+            for head in range(heads):
+                device_copy(handle, present.buffer, (head * (capacity + rows) + capacity) * row,
+                            past.buffer, (head * capacity + start) * row, rows * row)
+        # The mask bits of the moved rows from those of the appended rows (ones), device to device.
+        device_copy(self.mask.allocator, self.mask.buffer, 8 * capacity, self.mask.buffer, 8 * start, 8 * rows)
+
+    def _next_mask_shape(self, step: int, length: int) -> tuple[int, int]:
+        return (1, self.capacity + 1)
 
 
 def logits_provider(session: InferenceSession) -> str:

@@ -154,3 +154,18 @@ def test_bad_requests_get_typed_errors(tmp_path, capsys):
     os.symlink(path, folder / "model.onnx")
     assert cli.main(["generate", str(folder / "model.onnx"), "--prompt", "hello"]) == 2
     assert "no tokenizer.json beside" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["gpt2.torchscript.fp32", "llama.dynamo.fp32"])
+def test_a_cache_shown_at_capacity_gives_the_same_tokens(name):
+    """With device-graph capture asked for, generate shows the KV cache at its capacity (one feed signature per
+    decode step), appends the new rows after it and moves them into place; the masked rows add exact zeros, so
+    the tokens are onnxruntime's."""
+    import onnx_runtime as ort
+
+    path = _model(name)
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.graph_capture", "1")
+    generator = Generator(path, providers=[CPU], sess_options=options)
+    assert generator.at_capacity
+    assert generator.generate(PROMPT, 8).tokens == onnxruntime_greedy(path, PROMPT, 8)
