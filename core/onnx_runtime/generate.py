@@ -40,6 +40,7 @@ from .dtypes import DataType
 from .errors import InvalidArgumentError, InvalidGraphError
 from .session.device_io_binding import DeviceBindingSpec, DeviceIoBinding, device_copy
 from .session.inference_session import GRAPH_CAPTURE_KEY, InferenceSession
+from .session.options import SessionOptions
 
 
 @dataclass
@@ -314,7 +315,7 @@ def generate_text(model_path: str, prompt: str, max_new_tokens: int = 32, provid
     text as it grows (each new piece)."""
     tokenizer = load_tokenizer(model_path)
     prompt_ids = tokenizer.encode(prompt).ids
-    generator = Generator(model_path, providers)
+    generator = Generator(model_path, providers, device_capture_options(providers))
     eos = next((tokenizer.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<eos>") if tokenizer.token_to_id(t)
                 is not None), None)
     shown = ""
@@ -331,6 +332,17 @@ def generate_text(model_path: str, prompt: str, max_new_tokens: int = 32, provid
     result = generator.generate(prompt_ids, max_new_tokens, stream, eos)
     result.text = tokenizer.decode(result.tokens)
     return result
+
+
+def device_capture_options(providers) -> SessionOptions | None:
+    """Session options capturing device graphs when a device provider is asked for (the decode step is then
+    replayed, see the module docstring); None on the CPU, where a cache shown at capacity only costs work."""
+    names = [p if isinstance(p, str) else p[0] for p in providers or ()]
+    if not any(name not in ("CPUExecutionProvider", "cpu") for name in names):
+        return None
+    options = SessionOptions()
+    options.add_session_config_entry(GRAPH_CAPTURE_KEY, "1")
+    return options
 
 
 def run_cli(args) -> int:
@@ -354,7 +366,8 @@ def run_cli(args) -> int:
         except ValueError:
             raise InvalidArgumentError(
                 f"--prompt-ids takes comma-separated integers, got {args.prompt_ids!r}") from None
-        result = Generator(args.model, providers).generate(ids, args.max_new_tokens, lambda t: show(f" {t}"))
+        generator = Generator(args.model, providers, device_capture_options(providers))
+        result = generator.generate(ids, args.max_new_tokens, lambda t: show(f" {t}"))
     print()
     print(f"{len(result.tokens)} tokens; time to first token {result.time_to_first_token * 1e3:.1f} ms; "
           f"{result.tokens_per_second:.1f} tokens/s after it")

@@ -66,3 +66,24 @@ def test_a_growing_kv_cache_is_captured_once_and_replayed(name, monkeypatch):
     assert (runner.captures, runner.replays) == (1, new - 2)  # prefill, warm-up step, capture, then replays
     if "torchscript" in name:
         assert all(step == (0, 0) for step in per_step[3:]), per_step
+
+
+def test_the_command_replays_its_decode_step_on_a_device(monkeypatch, capsys):
+    """``onnx-runtime generate --providers cuda,cpu`` turns capture on (the CPU alone does not: a cache shown at
+    capacity only costs it work), and its tokens are onnxruntime's."""
+    from onnx_runtime import cli, generate
+
+    assert generate.device_capture_options(["cpu"]) is None and generate.device_capture_options(None) is None
+    made = []
+    original = generate.Generator.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(generate.Generator, "__init__", recording)
+    path = _model("llama.torchscript.fp32")
+    assert cli.main(["generate", path, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "5",
+                     "--providers", f"{CUDA},CPUExecutionProvider"]) == 0
+    assert capsys.readouterr().out.split("\n")[0].split() == [str(t) for t in onnxruntime_greedy(path, PROMPT, 5)]
+    assert made[0].at_capacity and made[0].session._executor.graphs.replays == 3  # noqa: SLF001
