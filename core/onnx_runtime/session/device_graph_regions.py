@@ -156,8 +156,8 @@ class RegionPlanner:
             name = node.inputs[position] if position < len(node.inputs) else ""
             if name and name not in graph.initializers:
                 return (f"{label} reads input {position} ({name!r}) on the host, and it is computed at run time, "
-                        f"not a constant: the kernel copies it back from the device at every run, a "
-                        f"synchronization a capture cannot record")
+                        f"not a constant: a capture would record the value of one run (and reading it back from "
+                        f"the device is a synchronization), so the node runs eagerly at every run")
         decline = handle.hook.plan_capture_region(node=node, shape_status=self._shape_status(node))
         if decline is not None:
             return f"{label}: {getattr(decline, 'reason', decline)}"
