@@ -120,20 +120,35 @@ def run_dask(job, shards, workers, threads, finished, retries, address) -> None:
         ) from None
     cluster = None if address else LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
                                                 dashboard_address=None)
-    client = Client(address or cluster)
+    client, own = _dask_client(Client, address) if address else (Client(cluster), True)
     try:
         futures = client.map(process_shard, [job] * len(shards), shards, pure=False, retries=retries)
-        for future in as_completed(futures):
-            try:
-                result = future.result()
-            except Exception as exc:  # KilledWorker: the task's workers died past the scheduler's allowance
-                raise WorkerLostError(f"batch: a Dask task failed for good ({type(exc).__name__}: {exc}); rerun the "
-                                      f"same command to resume") from None
-            finished(result)
+        try:
+            # results gathered by the iterator, on the client's loop: a result lost with its worker is recomputed
+            for _, result in as_completed(futures, with_results=True):
+                finished(result)
+        except Exception as exc:  # KilledWorker: the task's workers died past the scheduler's allowance
+            raise WorkerLostError(f"batch: a Dask task failed for good ({type(exc).__name__}: {exc}); rerun the "
+                                  f"same command to resume") from None
     finally:
-        client.close()
+        if own:
+            client.close()
         if cluster is not None:
             cluster.close()
+
+
+def _dask_client(client_class, address):
+    """``(client, ours)``: this process's client of the scheduler at ``address`` if it has one (two clients of
+    one scheduler in one process trip over each other's event loops), else a new one."""
+    try:
+        from distributed import default_client
+
+        current = default_client()
+        if current.scheduler.address == address:
+            return current, False
+    except ValueError:  # no client in this process
+        pass
+    return client_class(address), True
 
 
 ENGINES = {"local": run_local, "ray": run_ray, "dask": run_dask}

@@ -72,7 +72,7 @@ class Source:
 
             table = pq.ParquetFile(shard.file).read_row_group(shard.group)
             table = table.slice(shard.start, shard.stop - shard.start)
-            columns = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+            columns = {name: _column_array(table.column(name)) for name in table.column_names}
             if id_column is not None:
                 if id_column not in columns:
                     raise InvalidArgumentError(
@@ -107,6 +107,22 @@ class Source:
         column = np.stack(rows) if rows else np.zeros((0, *_layout_shape(layout, channels, height, width)),
                                                        np.float32)
         return {"image": column}, ids, failures
+
+
+def _column_array(column) -> np.ndarray:
+    """A Parquet column as numpy: fixed-size lists (a tensor per row) as one (rows, size...) array without a Python
+    object per row; other columns as pyarrow converts them (variable-length lists: an array per row)."""
+    import pyarrow as pa
+
+    column = column.combine_chunks()
+    shape = []
+    values = column
+    while pa.types.is_fixed_size_list(values.type) and values.null_count == 0:
+        shape.append(values.type.list_size)
+        values = values.flatten()
+    if shape and not pa.types.is_nested(values.type) and values.null_count == 0:
+        return values.to_numpy(zero_copy_only=False).reshape(len(column), *shape)
+    return column.to_numpy(zero_copy_only=False)
 
 
 def _layout_shape(layout, channels, height, width):

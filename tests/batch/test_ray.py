@@ -1,0 +1,91 @@
+"""The predictor and the batch command on a local Ray cluster (``ray.init(num_cpus=2)``, one per module): Ray
+Data's ``map_batches`` as documented, the same results as one process, and killed actors whose rows are
+neither lost nor duplicated."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from batch_helpers import assert_predictions, mlp_reference
+from onnx_runtime.batch import Predictor, read_predictions, run_job
+
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'onnx-runtime[ray]'")
+pytest.importorskip("ray.data", reason="Ray Data is not installed: pip install 'onnx-runtime[ray]'")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+class DiesOnce(Predictor):
+    """A predictor whose process exits in its first batch across the cluster (a marker file makes it once)."""
+
+    def __init__(self, marker: str, **kwargs):
+        super().__init__(**kwargs)
+        self.marker = marker
+
+    def __call__(self, batch):
+        try:
+            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return super().__call__(batch)
+        os._exit(1)
+
+
+def test_map_batches_matches_one_process_and_survives_a_killed_actor(cluster, mlp, rows, tmp_path):
+    """Ray Data as documented (a callable class, constructor kwargs as plain data); the first batch kills its
+    actor's process, which Ray restarts and retries the batch on."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on the workers' path
+    one_process = Predictor(mlp, intra_op_threads=1)({"x": rows})["y"]
+    marker = str(tmp_path / "died")
+    dataset = ray.data.from_items([{"id": i, "x": row} for i, row in enumerate(rows)], override_num_blocks=6)
+    out = dataset.map_batches(DiesOnce, fn_constructor_kwargs={"marker": marker, "model": mlp, "intra_op_threads": 1},
+                              concurrency=2, batch_size=50, num_cpus=1).take_all()
+    assert os.path.exists(marker), "no actor died"
+    ids = [r["id"] for r in out]
+    assert sorted(ids) == list(range(len(rows))), "rows lost or duplicated"
+    assert "x" not in out[0]  # the model's input column is not carried to the result
+    got = np.stack([r["y"] for r in out])
+    np.testing.assert_allclose(got, one_process[ids], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got, mlp_reference(rows[ids]), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_command_on_ray_with_a_killed_worker(cluster, mlp, rows, parquet_data, tmp_path):
+    import psutil
+
+    out = tmp_path / "out"
+    killed = []
+
+    def kill_one_actor():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (out.is_dir() and any(f.startswith("part-")
+                                                                           for f in os.listdir(out))):
+            time.sleep(0.01)
+        for process in psutil.Process().children(recursive=True):  # this test's Ray only
+            try:
+                command = process.cmdline()
+            except psutil.Error:  # exited meanwhile
+                continue
+            if any("_ShardActor" in part for part in command):
+                os.kill(process.pid, signal.SIGKILL)
+                killed.append(sum(f.startswith("part-") for f in os.listdir(out)))
+                return
+
+    killer = threading.Thread(target=kill_one_actor)
+    killer.start()
+    summary = run_job(mlp, parquet_data, str(out), engine="ray", workers=2, threads=1, shard_rows=10,
+                      progress=False)
+    killer.join()
+    assert killed and killed[0] < 60, "no Ray actor killed mid-job"
+    assert summary.processed_rows == 600 and summary.failures == [] and summary.failed_shards == []
+    assert_predictions(read_predictions(str(out)), rows, list(range(600)))
