@@ -19,7 +19,7 @@ from onnx import numpy_helper
 from .dtypes import DataType
 from .errors import InvalidGraphError, ModelContentError, ModelLoadError, ModelNotFoundError, ModelParseError
 from .ir import Graph, Model, Node, TypeInfo, ValueInfo
-from .memory.mapped import map_external_initializers
+from .memory.mapped import load_external_data
 from .model_checks import MAX_DECLARED_DIM, check_model_structure, check_types
 from .propagation_bounds import propagates_large_values
 
@@ -111,9 +111,7 @@ def _read_proto(model, mapped: dict | None = None) -> tuple[onnx.ModelProto, str
             return proto, path  # no tensor can name a data file: skip onnx's walk over every tensor
         folder = os.path.dirname(os.path.abspath(path))
         try:
-            if mapped is not None:
-                mapped.update(map_external_initializers(proto, folder, SHAPE_VALUE_LIMIT))
-            onnx.external_data_helper.load_external_data_for_model(proto, folder)
+            load_external_data(proto, folder, mapped, SHAPE_VALUE_LIMIT)
             for tensor in _sparse_parts(proto):  # onnx's walk skips them: they would be read from the cwd
                 if tensor.data_location == onnx.TensorProto.EXTERNAL:
                     onnx.external_data_helper.load_external_data_for_tensor(tensor, folder)

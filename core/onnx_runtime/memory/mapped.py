@@ -20,7 +20,7 @@ import onnx
 
 from ..errors import ModelLoadError
 
-__all__ = ["MappedFile", "map_external_initializers", "mapped_region"]
+__all__ = ["MappedFile", "load_external_data", "map_external_initializers", "mapped_region"]
 
 # ONNX element types whose external bytes are exactly a little-endian numpy array of that dtype.
 _NUMPY = {
@@ -111,8 +111,8 @@ def _external_entries(tensor: onnx.TensorProto) -> dict[str, str]:
 
 
 def map_external_initializers(proto: onnx.ModelProto, folder: str, min_elements: int) -> dict[str, np.ndarray]:
-    """Map the eligible external initializers of ``proto``'s top-level graph (see the module docstring) and
-    mark them as no longer external in ``proto``, so onnx's loader leaves them alone; returns name -> array."""
+    """Map the eligible external initializers of ``proto``'s top-level graph (see the module docstring);
+    returns name -> read-only array."""
     mapped: dict[str, np.ndarray] = {}
     root = os.path.realpath(folder)
     for tensor in proto.graph.initializer:
@@ -145,6 +145,19 @@ def map_external_initializers(proto: onnx.ModelProto, folder: str, min_elements:
                 f"initializer {tensor.name!r} reads external data [{offset}, {offset + nbytes}) of {location!r}, "
                 f"which has {source.size} bytes; keep the data files next to the model as saved")
         mapped[tensor.name] = source.array(offset, dtype, shape)
-        del tensor.external_data[:]
-        tensor.data_location = onnx.TensorProto.DEFAULT
     return mapped
+
+
+def load_external_data(proto: onnx.ModelProto, folder: str, mapped: dict | None, min_elements: int) -> None:
+    """onnx's ``load_external_data_for_model``, except that with ``mapped`` (a dict) the eligible weights are
+    mapped into it instead of read; they stay external in ``proto`` (which holds no bytes for them)."""
+    if mapped is not None:
+        mapped.update(map_external_initializers(proto, folder, min_elements))
+    hidden = [t for t in proto.graph.initializer if mapped and t.name in mapped]
+    for tensor in hidden:  # onnx's loader reads only tensors marked external
+        tensor.data_location = onnx.TensorProto.DEFAULT
+    try:
+        onnx.external_data_helper.load_external_data_for_model(proto, folder)
+    finally:
+        for tensor in hidden:
+            tensor.data_location = onnx.TensorProto.EXTERNAL

@@ -82,10 +82,12 @@ class SessionMemory:
         self.accounts = []
 
     def report(self) -> dict:
-        """Budgets, this session's residency and its allocation sites (for ``onnx-runtime info --memory``)."""
+        """The budgets of the devices this session runs on (shared with every session there), its weight
+        residency and its allocation sites (for ``onnx-runtime info --memory``)."""
         governor = process_governor()
+        devices = {account.governor.device for account in self.accounts}
         return {
-            "budgets": governor.snapshot(),
+            "budgets": [budget for budget in governor.snapshot() if budget["device"] in devices],
             "weights": [residency.stats() for residency in self.weights.values()],
             "activations": [{"device": a.governor.device, "holder": str(a.holder), "charged": a.charged,
                              "sites": [{"file": s.file, "line": s.line, "requests": s.requests,
