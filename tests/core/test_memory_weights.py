@@ -190,3 +190,17 @@ def test_a_weight_the_run_still_holds_is_not_evicted(tmp_path):
     session = _session(path, weight_residency_budget=2 * D * 4)
     for _ in range(2):
         np.testing.assert_allclose(session.run(None, {"X": x})[0], (a + b) * x + c, rtol=1e-6)
+
+
+def test_weights_the_next_run_needs_soonest_stay_resident_across_runs(tmp_path):
+    """The plan's order is known and runs repeat it: with room for three of twelve weights, evicting the one
+    needed again last keeps two resident into the next run (least-recently-used would page all twelve)."""
+    path = _chain(tmp_path / "m.onnx", layers=12)
+    session = _session(path, weight_residency_budget=3 * D * 4)
+    x = np.ones((1, D), np.float32)
+    pages = []
+    for _ in range(4):
+        session.run(None, {"X": x})
+        pages.append(session.memory_report()["weights"][0]["pages"])
+    assert pages[0] == 12
+    assert [b - a for a, b in zip(pages, pages[1:])] == [10, 10, 10]

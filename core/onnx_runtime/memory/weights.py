@@ -1,13 +1,13 @@
 """A session's weights on a device: charged to the governor at load time, and, under a weight-residency budget,
-paged in on first use and evicted least-recently-used.
+paged in on first use and evicted by the plan's order.
 
 Unbounded (no budget), every weight a device node reads is uploaded once when the plan is made, under one
 WEIGHTS lease reserved for all of them first, so a model that does not fit fails at load with the governor's
 error. With ``session.weight_residency_budget``, the lease is the budget: the executor plans a *page step*
 before each node that reads a weight, which returns the resident tensor or uploads it from the host array
-(memory-mapped external data, so the host reads only the pages it copies), evicting the least recently used
-weights that no value of the run still holds. The next node's weights are prefetched (the kernel's read-ahead
-of the mapped pages, and the provider's ``prefetch_lazy_weight``) while this one runs.
+(memory-mapped external data, so the host reads only the pages it copies), evicting first the weight the plan
+needs again last among those no value of the run still holds. The next node's weights are prefetched (the
+kernel's read-ahead of the mapped pages, and the provider's ``prefetch_lazy_weight``) while this one runs.
 
 A provider that keeps its own residency cache answers ``page_lazy_weight``; the core then asks it for every
 page and keeps no copy of its own.
@@ -15,6 +15,7 @@ page and keeps no copy of its own.
 
 from __future__ import annotations
 
+import bisect
 import sys
 import threading
 import zlib
@@ -68,6 +69,8 @@ class WeightResidency:
         self._lock = threading.RLock()
         self._order: list[str] = []  # weights in the order page steps were planned: the prefetch lookahead
         self._next: dict[str, str] = {}
+        self._uses: dict[str, list[int]] = {}  # weight -> its positions in _order
+        self._cursor = 0  # the position in _order of the page step running now
         self.pages = self.evictions = self.prefetches = 0
         self.paged_bytes = 0
         self.high_water = 0
@@ -105,6 +108,7 @@ class WeightResidency:
             raise InvalidArgumentError(f"{name!r} is not a weight of {self.holder}")
         if self._order:
             self._next.setdefault(self._order[-1], name)
+        self._uses.setdefault(name, []).append(len(self._order))
         self._order.append(name)
 
         def page() -> tuple[Tensor]:
@@ -116,10 +120,9 @@ class WeightResidency:
         if self._provider_pages:
             return self._page_by_provider(name)
         with self._lock:
+            self._cursor = self._next_use(name, self._cursor)
             tensor = self._resident.get(name)
-            if tensor is not None:
-                self._resident.move_to_end(name)
-            else:
+            if tensor is None:
                 size = self._sizes[name]
                 self._make_room(size, name)
                 tensor = self._upload(self._arrays[name])
@@ -133,10 +136,23 @@ class WeightResidency:
             self.prefetch(following)
         return tensor
 
+    def _next_use(self, name: str, after: int) -> int:
+        """The first position of ``name`` in the planned order at or after ``after``, cyclically (the plan
+        runs again next run); past the end of the order when it is not planned."""
+        uses = self._uses.get(name)
+        if not uses:
+            return len(self._order) * 2
+        index = bisect.bisect_left(uses, after)
+        return uses[index] if index < len(uses) else uses[0] + len(self._order)
+
     def _make_room(self, size: int, name: str) -> None:
-        if self.budget is None:
+        """Evict until ``size`` more bytes fit: the weight needed again last goes first (the plan's order is
+        known, and runs repeat it, so this is Belady's choice; least-recently-used would evict every weight
+        of a model larger than the budget each run)."""
+        if self.budget is None or self._resident_bytes + size <= self.budget:
             return
-        for victim in list(self._resident):
+        after = self._cursor + 1
+        for victim in sorted(self._resident, key=lambda n: -self._next_use(n, after)):
             if self._resident_bytes + size <= self.budget:
                 return
             tensor = self._resident[victim]
