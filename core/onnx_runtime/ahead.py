@@ -34,6 +34,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 FREE_DIM_SIZES = (1, 16)
+BACKGROUND_COMPILE_ENV = "ONNX_RUNTIME_COMPILE_IN_BACKGROUND"
 _LIGHT_CNNS = ("bvlc_alexnet", "densenet121", "inception_v1", "inception_v2", "resnet50",
                "shufflenet", "squeezenet", "vgg19", "zfnet512")
 
@@ -182,6 +183,9 @@ def compile_ahead(models: list[tuple[str, str | bytes]], providers: list[str] | 
     """Run ``models`` in ``jobs`` worker processes (spawned: a forked numba or CUDA state is not
     safe), then once more each in this process from the caches; returns this process's passes.
     ``report`` is called with each worker pass as it finishes."""
+    # Compile now what the models need: no first run served by numpy while kernels load in the background
+    # (the CPU provider's default), here or in the workers, which inherit the environment.
+    os.environ[BACKGROUND_COMPILE_ENV] = "0"
     compile_bytecode()
     if jobs > 1 and len(models) > 1:
         context = multiprocessing.get_context("spawn")

@@ -15,6 +15,7 @@ from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from . import ops  # noqa: F401  (fills the registry)
 from .arena import ARENA_KEY, apply_arena_settings
+from .compiled import deferred
 from .conv_fusions import CONV_PASSES
 from .decoder_fusions import DECODER_PASSES
 from .fusions import PASSES
@@ -37,6 +38,7 @@ class CPUExecutionProvider:
         self._handle = handle
         apply_thread_settings(session_config)
         self.memory_arena = apply_arena_settings(session_config)
+        deferred.open_session(session_config)  # first runs may use numpy while numba loads in the background
 
     @hookimpl
     def name(self):
@@ -73,6 +75,7 @@ class CPUExecutionProvider:
 
     @hookimpl
     def get_kernel(self, node, shapes, opset, graph):
+        deferred.before_kernel_build()
         factory = lookup(node.op_type, node.domain, opset)
         if factory is None:
             raise InvalidGraphError(

@@ -24,9 +24,9 @@ def packed_conv_applies(geo: Geometry, group: int, x: np.ndarray) -> bool:
     if x.dtype != np.float32 or len(geo.kernel) != 2 or (group == x.shape[1] and group > 1)\
             or x.size == 0 or 0 in geo.out:
         return False
-    from ..compiled import gemm  # numba (and the IR microkernel) load only for models that need them
+    from ..compiled import host  # gemm.py (numba, the IR microkernel) loads only where it runs
 
-    return gemm.AVAILABLE
+    return host.AVX512
 
 
 def _lane_grid(geo: Geometry, padded_width: int) -> int:

@@ -195,12 +195,12 @@ when_changed(_splits.clear)  # a Split's threads and waits follow the knobs it w
 def gemv_host() -> bool:
     """Whether the host runs the compiled products (compiled/gemv.py, matmul.py, attention.py): AVX-512, as
     the packed convolution; elsewhere BLAS keeps the threads to itself."""
-    global _gemm
-    if _gemm is None:
-        from ..compiled import gemm
+    global _avx512
+    if _avx512 is None:
+        from ..compiled import host  # not gemm.py, which imports numba
 
-        _gemm = gemm
-    return _gemm.AVAILABLE
+        _avx512 = host.AVX512
+    return _avx512
 
 
-_gemm = None  # compiled/gemm.py, imported on first use (numba loads only for models that need it)
+_avx512 = None  # compiled/host.py's AVX512, read on first use

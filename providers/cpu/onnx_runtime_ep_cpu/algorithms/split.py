@@ -25,10 +25,10 @@ def thread_spans(count: int, elements: int, dtype) -> tuple[tuple[int, int], ...
     key = (count, elements >= KNOBS.split_elements, threads)
     found = _spans.get(key, False)
     if found is False:
-        from ..compiled import gemm
+        from ..compiled import host  # not gemm.py, which imports numba
 
         found = None
-        if gemm.AVAILABLE:
+        if host.AVX512:
             parts = min(threads, count) if key[1] else 1
             bounds = [count * t // max(parts, 1) for t in range(max(parts, 1) + 1)]
             found = tuple((a, b) for a, b in zip(bounds, bounds[1:]) if b > a) or ((0, count),)

@@ -4,8 +4,9 @@ numpy spends one pass over memory per operation, and some kernels need many: a m
 pass per window tap, a conv epilogue (bias, residual, activation) a pass per term, a depthwise
 convolution a pass per tap. The loops here do such work in one pass, on float32/float64 arrays;
 the numpy kernels keep every other dtype. Modules of this package are imported by the op
-factories that use them, and ``jit`` imports numba on first use, so numba loads (~0.2 s) only
-for models that need it.
+factories that use them, and a loop imports numba at its first compiled call, so numba loads only
+for models that need it, and a session's first runs may be served from numpy while it loads in the
+background (deferred.py).
 
 Every loop is serial (numba's ``parallel`` stays off: its OpenMP pool fought numpy's spinning
 OpenBLAS workers, slower than one thread; measured in afcca01). The kernels that split their work across cores
@@ -23,6 +24,8 @@ import os
 import warnings
 
 import numpy as np
+
+from .deferred import Loop
 
 # The dtypes the compiled loops take; callers fall back to numpy for the rest. (Compared as dtype
 # objects: reading ``dtype.name`` costs microseconds per call, which the per-run checks would pay.)
@@ -42,12 +45,15 @@ def compiler(**options):
     results match numpy's. cache=True needs a writable place for the compiled code (next to this
     package, or numba's user cache / NUMBA_CACHE_DIR); where there is none, a loop compiles per
     process instead of failing.
-    """
-    import numba
 
+    Returns a deferred.Loop, which imports numba and builds the dispatcher on its first compiled call (and
+    may serve a session's first calls from numpy meanwhile: see deferred.py).
+    """
     settings = dict(nogil=True, boundscheck=False, error_model="numpy", **options)
 
-    def decorate(function):
+    def build(function):
+        import numba
+
         try:
             dispatcher = numba.njit(cache=True, **settings)(function)
         except RuntimeError as exc:  # "cannot cache function ...: no locator available"
@@ -55,6 +61,9 @@ def compiler(**options):
             return numba.njit(**settings)(function)
         _recover_damaged_entries(dispatcher, function.__qualname__)
         return dispatcher
+
+    def decorate(function):
+        return Loop(function, build)
 
     return decorate
 
@@ -140,7 +149,7 @@ def _recover_damaged_entries(dispatcher, qualname: str) -> None:
 
 
 def __getattr__(name: str):
-    # ``from . import jit`` in a loop module: numba is imported here, when the first one loads.
+    # ``from . import jit`` in a loop module: the package's default settings.
     if name != "jit":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     global jit

@@ -41,7 +41,25 @@ def avx512(machine: str, features: dict) -> bool:
     return machine.lower() in _X86_64 and bool(features.get("avx512f"))
 
 
+def _cpuinfo_features(text: str) -> dict:
+    """The CPU flags of /proc/cpuinfo's first "flags" line (Linux), as name -> True; {} if none."""
+    for line in text.splitlines():
+        if line.startswith("flags") and ":" in line:
+            return {flag: True for flag in line.split(":", 1)[1].split()}
+    return {}
+
+
 def _host_features() -> dict:
+    # /proc/cpuinfo where there is one (Linux lists what the kernel enabled): it spares the importing of
+    # llvmlite, which a process whose kernels are all numpy or BLAS would load for this alone
+    if SYSTEM == "Linux":
+        try:
+            with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+                features = _cpuinfo_features(info.read())
+        except OSError:
+            features = {}
+        if features:
+            return features
     from llvmlite import binding
 
     try:

@@ -1,0 +1,365 @@
+"""Compiled loops that a new process may serve from numpy until numba has loaded in the background.
+
+Importing numba and llvmlite and linking a loop's cached machine code costs a fresh process several times
+what onnxruntime spends on session creation and first run, and about 95 MB of memory. So a loop is a
+``Loop``: a callable that holds the Python function and builds numba's dispatcher only when needed. While a
+session has opened *deferral* (the CPU provider does, unless turned off), a loop that has a numpy
+equivalent of identical semantics (generic.py) runs that one and records the argument types it saw. A
+thread started by the first such call waits until the process goes idle (the runs paused) or a second has
+passed, lowers its priority, imports numba, builds those loops' dispatchers, links the recorded signatures
+from numba's disk cache (never compiling: a miss is left to the first compiled call), and then switches
+each loop to its dispatcher. A loop without a numpy equivalent builds its dispatcher on its first call, as
+before. A process that exits sooner (one run of a command-line tool) never loads numba at all.
+
+Turned off by the environment variable ONNX_RUNTIME_COMPILE_IN_BACKGROUND=0 or a session's config entry
+``session.compile_in_background`` = "0" (for the whole process: the loops are shared by every session), and
+never on in a process that had imported numba before its first session (the import is paid already) or
+outside sessions (direct calls of the loops, the compile-ahead command). The switch is one attribute store
+per loop, so concurrent runs see either path, both correct. At exit the thread is stopped between steps and
+joined: LLVM must not be mid-call while the interpreter tears down.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+ENV = "ONNX_RUNTIME_COMPILE_IN_BACKGROUND"
+CONFIG_KEY = "session.compile_in_background"
+QUIET_S, IDLE_SHARE = 0.05, 0.25  # the loader starts once the process used under 1/4 core for 50 ms ...
+PATIENCE_S = 1.0  # ... or this long after the first numpy-served call (steady back-to-back runs never pause)
+_MAX_SIGNATURES = 16  # per loop: argument types recorded for the loader to link
+
+_lock = threading.Lock()  # the list of loops and their recorded signatures: held for microseconds
+_build_lock = threading.RLock()  # building a dispatcher (the first imports numba): held for long
+_loops: list[Loop] = []
+_generic: dict | None = None  # generic.py's table, imported on the first deferred call
+
+
+class _State:
+    deferring = False  # numpy-served first calls allowed now
+    disabled = False  # by the environment or a session's config: for the rest of the process
+    ready = False  # the loader finished: every later first call builds its dispatcher
+    first_generic = 0.0
+    thread: threading.Thread | None = None
+    stop = threading.Event()
+    typeof_registered = False
+    numba_imported = False  # by _ensure_numba
+    loader_ident = 0
+    importing = False  # the loader is importing numba (kernel factories wait: before_kernel_build)
+
+
+state = _State()
+
+
+def open_session(config: dict | None) -> None:
+    """Called by the CPU provider for each session: opens deferral unless turned off (see the module doc)."""
+    config = config or {}
+    if os.environ.get(ENV, "1").strip() == "0" or str(config.get(CONFIG_KEY, "1")).strip() == "0":
+        disable()
+        return
+    if state.disabled or state.ready or state.deferring:
+        return
+    if "numba" in sys.modules:  # imported already: nothing left to save; load as before
+        return
+    state.deferring = True
+
+
+def disable() -> None:
+    """Serve every later call compiled (a running loader still switches what it loaded)."""
+    state.disabled = True
+    state.deferring = False
+
+
+def wait_ready(timeout: float | None = None) -> bool:
+    """Wait for the loader (True once it has switched the loops it loaded; at once if none runs)."""
+    thread = state.thread
+    if thread is not None:
+        thread.join(timeout)
+    return state.ready or thread is None
+
+
+def _describe(value):
+    """What numba's typeof needs of an argument, without keeping the argument alive; None if unknown."""
+    if isinstance(value, np.ndarray):
+        flags = value.flags
+        layout = "C" if flags.c_contiguous else "F" if flags.f_contiguous else "A"
+        return ("array", value.dtype, value.ndim, layout, not flags.writeable)
+    if isinstance(value, (bool, int, float, np.generic)):
+        return ("value", value)
+    return None
+
+
+class Loop:
+    """A compiled loop: calls go to numba's dispatcher once built, or to the numpy equivalent while deferring."""
+
+    def __init__(self, function, build):
+        self.py_func = function
+        self._build_dispatcher = build  # function -> numba dispatcher (compiled/__init__.py's settings)
+        self._dispatcher = None
+        self._generic = False  # not looked up yet
+        self._signatures: set = set()
+        self._target = self._first
+        self.__name__ = function.__name__
+        self.__qualname__ = function.__qualname__
+        self.__module__ = function.__module__
+        self.__doc__ = function.__doc__
+        self.__wrapped__ = function
+        with _lock:
+            _loops.append(self)
+
+    def __call__(self, *args):
+        return self._target(*args)
+
+    def __getattr__(self, name):
+        # numba's own attributes (stats, signatures, ...) once the dispatcher exists; never builds it
+        dispatcher = self.__dict__.get("_dispatcher")
+        if dispatcher is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(dispatcher, name)
+
+    def __repr__(self):
+        return f"<compiled loop {self.__module__}.{self.__qualname__}>"
+
+    @property
+    def key(self) -> str:
+        return f"{self.__module__}.{self.__qualname__}"
+
+    def generic(self):
+        """The numpy equivalent (generic.py), or None."""
+        if self._generic is False:
+            global _generic
+            if _generic is None:
+                from .generic import GENERIC
+
+                _generic = GENERIC
+            self._generic = _generic.get(self.key)
+        return self._generic
+
+    def dispatcher(self):
+        """numba's dispatcher for this loop, built on first use (imports numba)."""
+        if self._dispatcher is None:
+            _ensure_numba()
+            from numba.core.compiler_lock import global_compiler_lock
+
+            # numba's lock, re-entrant: compiling a loop types the loops it calls (building them) under it
+            with global_compiler_lock:
+                if self._dispatcher is None:
+                    self._dispatcher = self._build_dispatcher(self.py_func)
+        return self._dispatcher
+
+    def _first(self, *args):
+        if state.deferring:
+            generic = self.generic()
+            if generic is not None:
+                self._record(args)
+                return generic(*args)
+        target = self.dispatcher()
+        self._target = target
+        return target(*args)
+
+    def pending(self) -> bool:
+        """Served from numpy so far, with argument types recorded for the loader."""
+        return bool(self._signatures) and self._dispatcher is None
+
+    def link_recorded(self, stop: threading.Event):
+        """The dispatcher, with the recorded signatures linked from numba's disk cache (the loader's step)."""
+        from numba.core.compiler_lock import global_compiler_lock
+
+        with global_compiler_lock:  # no compile or link of another thread's meanwhile
+            dispatcher = self.dispatcher()
+            with _lock:
+                signatures = list(self._signatures)
+            for described in signatures:
+                if stop.is_set():
+                    break
+                try:
+                    _link_cached(dispatcher, tuple(_numba_type(d) for d in described))
+                except Exception:  # noqa: BLE001  (an odd argument type: the first compiled call links it)
+                    pass
+        return dispatcher
+
+    def switch(self, dispatcher) -> None:
+        self._target = dispatcher
+
+    def _record(self, args) -> None:
+        if len(self._signatures) < _MAX_SIGNATURES:
+            described = tuple(_describe(a) for a in args)
+            if None not in described:
+                with _lock:
+                    self._signatures.add(described)
+        if state.thread is None:
+            _start(time.monotonic())
+
+
+def _register_typeof() -> None:
+    """A loop called from inside another compiled loop is typed as its dispatcher (numba types globals)."""
+    if state.typeof_registered:
+        return
+    from numba.core import types
+    from numba.extending import typeof_impl
+
+    @typeof_impl.register(Loop)
+    def _typeof_loop(value, context):
+        return types.Dispatcher(value.dispatcher())
+
+    state.typeof_registered = True
+
+
+def _start(now: float) -> None:
+    with _lock:
+        if state.thread is not None:
+            return
+        state.first_generic = now
+        state.thread = threading.Thread(target=_load, name="onnx-runtime-compiled-loops", daemon=True)
+    state.thread.start()
+
+
+def _numba_type(description):
+    import numba
+    from numba.np import numpy_support
+
+    if description[0] == "array":
+        _, dtype, ndim, layout, readonly = description
+        return numba.types.Array(numpy_support.from_dtype(dtype), ndim, layout, readonly=readonly)
+    return numba.typeof(description[1])
+
+
+def _ensure_numba() -> None:
+    """numba and the parts of it the loader and the loops' first calls use, imported by one thread at a time
+    (numba's package imports circularly, and breaks when two threads import it at once)."""
+    if state.numba_imported:
+        return
+    with _build_lock:
+        if state.numba_imported:
+            return
+        state.importing = True
+        try:
+            import numba  # noqa: F401
+            import numba.core.caching  # noqa: F401
+            import numba.core.compiler_lock  # noqa: F401
+            import numba.cpython.hashing  # noqa: F401
+            import numba.np.numpy_support  # noqa: F401
+
+            _register_typeof()
+            state.numba_imported = True
+        finally:
+            state.importing = False
+
+
+def before_kernel_build() -> None:
+    """Called before a kernel factory runs (it may import modules that import numba): waits while another
+    thread imports numba (see _ensure_numba)."""
+    if state.importing:
+        with _build_lock:
+            pass
+
+
+class _WaitWhileImporting:
+    """A meta path finder, first while the loader runs: another thread's first import of a module of the
+    compiled package (most import numba at their top) waits, before the module's code runs, while the loader
+    imports numba. (Not in find_spec itself: Python holds its global import lock around that call.)"""
+
+    prefix = __name__.rsplit(".", 1)[0] + "."
+
+    def find_spec(self, name, path=None, target=None):
+        if not (state.importing and name.startswith(self.prefix) and threading.get_ident() != state.loader_ident):
+            return None
+        from importlib.machinery import PathFinder
+
+        spec = PathFinder.find_spec(name, path, target)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _WaitingLoader(spec.loader)
+        return spec
+
+
+class _WaitingLoader:
+    """Runs the module's own loader once the loader thread's import of numba is done."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = module.__spec__.loader = self.loader  # the module's own, as if never wrapped
+        if state.importing:
+            with _build_lock:
+                pass
+        self.loader.exec_module(module)
+
+
+def _link_cached(dispatcher, signature: tuple) -> None:
+    """Link one signature from numba's disk cache into the dispatcher, as Dispatcher.compile does before it
+    would compile; a miss is left to the first call."""
+    from numba.core.compiler_lock import global_compiler_lock
+
+    cache, hits = getattr(dispatcher, "_cache", None), getattr(dispatcher, "_cache_hits", None)
+    if cache is None or hits is None:
+        return
+    with global_compiler_lock:
+        if dispatcher.overloads.get(signature) is not None:
+            return
+        cres = cache.load_overload(signature, dispatcher.targetctx)
+        if cres is None:
+            return
+        hits[signature] += 1
+        if not cres.objectmode:
+            dispatcher.targetctx.insert_user_function(cres.entry_point, cres.fndesc, [cres.library])
+        dispatcher.add_overload(cres)
+
+
+def _load() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread only (Linux)
+    except (AttributeError, OSError):
+        pass
+    # Wait for the process to go idle (its threads used under IDLE_SHARE of a core over QUIET_S: the runs
+    # paused), or for PATIENCE_S after the first numpy-served call (steady back-to-back runs never pause).
+    last, last_cpu = time.monotonic(), time.process_time()
+    while not state.stop.wait(QUIET_S):
+        now, cpu = time.monotonic(), time.process_time()
+        if cpu - last_cpu < IDLE_SHARE * (now - last) or now - state.first_generic >= PATIENCE_S:
+            break
+        last, last_cpu = now, cpu
+    finder = _WaitWhileImporting()
+    state.loader_ident = threading.get_ident()
+    sys.meta_path.insert(0, finder)
+    try:
+        _ensure_numba()
+        sys.meta_path.remove(finder)
+        with _lock:
+            loops = [loop for loop in _loops if loop.pending()]
+        loaded = [(loop, loop.link_recorded(state.stop)) for loop in loops if not state.stop.is_set()]
+        if not state.stop.is_set():
+            for loop, dispatcher in loaded:
+                loop.switch(dispatcher)
+    finally:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+        state.deferring = False
+        state.ready = True
+
+
+def _stop_at_exit() -> None:
+    state.stop.set()
+    thread = state.thread
+    if thread is not None and thread.is_alive():
+        thread.join(30)
+
+
+def _after_fork_in_child() -> None:
+    # the loader thread did not survive the fork: let the child start its own
+    state.thread = None
+    state.stop = threading.Event()
+
+
+atexit.register(_stop_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
