@@ -24,6 +24,7 @@ later whether a provider runs them.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import onnx
@@ -86,6 +87,10 @@ def _check_text(node: onnx.NodeProto, where: str) -> None:
 
 def _check_node(node: onnx.NodeProto, opsets: dict[str, int], where: str) -> None:
     _check_text(node, where)
+    for attr in node.attribute:  # with or without a schema: the loader converts every tensor attribute
+        for tensor in ([attr.t] if attr.type == onnx.AttributeProto.TENSOR else attr.tensors):
+            _check_tensor(tensor, f"{_node_label(node)} in {where}: attribute {attr.name!r}'s tensor",
+                          "the file is damaged or its exporter wrote an inconsistent tensor")
     domain = "" if node.domain == "ai.onnx" else node.domain
     version = opsets.get(domain)
     rules = _rules(node.op_type, domain, version) if version is not None else None
@@ -134,8 +139,6 @@ def _check_attributes(node: onnx.NodeProto, rules: _Rules, where: str, fix: str)
             raise InvalidGraphError(f"{_node_label(node)} in {where} lacks the required attribute(s) "
                                     f"{', '.join(sorted(missing))}; {fix}")
     for attr in node.attribute:
-        for tensor in ([attr.t] if attr.type == onnx.AttributeProto.TENSOR else attr.tensors):
-            _check_element_type(tensor, f"{_node_label(node)} in {where}: attribute {attr.name!r}'s tensor", fix)
         expected = rules.attributes.get(attr.name)
         if expected is not None and attr.type != onnx.AttributeProto.UNDEFINED and attr.type != expected:
             raise InvalidGraphError(
@@ -144,10 +147,14 @@ def _check_attributes(node: onnx.NodeProto, rules: _Rules, where: str, fix: str)
                 f"{onnx.AttributeProto.AttributeType.Name(expected)}; {fix}")
 
 
-def _check_element_type(tensor: onnx.TensorProto, what: str, fix: str) -> None:
+def _check_tensor(tensor: onnx.TensorProto, what: str, fix: str) -> None:
     if tensor.data_type == onnx.TensorProto.UNDEFINED or tensor.data_type not in _ELEMENT_TYPES:
         raise InvalidGraphError(f"{what} has element type {tensor.data_type}, which is no ONNX type (expected one "
                                 f"of TensorProto.DataType); {fix}")
+    stored, declared = _stored_elements(tensor), math.prod(tensor.dims)
+    if stored is not None and stored != declared:
+        raise InvalidGraphError(f"{what} declares dims {list(tensor.dims)} ({declared} elements) but holds "
+                                f"{stored}; {fix}")
 
 
 _ELEMENT_TYPES = frozenset(onnx.TensorProto.DataType.values())
@@ -160,12 +167,35 @@ def _check_initializers(graph: onnx.GraphProto, where: str) -> None:
                 if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type}
     fix = "the file is damaged or its exporter wrote inconsistent types"
     for init in graph.initializer:
-        _check_element_type(init, f"initializer {init.name!r} in {where}", fix)
+        _check_tensor(init, f"initializer {init.name!r} in {where}", fix)
         elem = declared.get(init.name)
         if elem is not None and elem != init.data_type:
             raise InvalidGraphError(
                 f"initializer {init.name!r} in {where} is {onnx.TensorProto.DataType.Name(init.data_type)} but the "
                 f"graph input of that name declares {_type_string(elem)}; {fix}")
+
+
+# Element types whose elements fill whole bytes in raw_data and one entry each in their typed field.
+_WHOLE = {onnx.TensorProto.FLOAT: "float_data", onnx.TensorProto.DOUBLE: "double_data",
+          onnx.TensorProto.INT64: "int64_data", onnx.TensorProto.UINT64: "uint64_data",
+          onnx.TensorProto.INT32: "int32_data", onnx.TensorProto.INT16: "int32_data",
+          onnx.TensorProto.INT8: "int32_data", onnx.TensorProto.UINT8: "int32_data",
+          onnx.TensorProto.UINT16: "int32_data", onnx.TensorProto.BOOL: "int32_data",
+          onnx.TensorProto.FLOAT16: "int32_data", onnx.TensorProto.BFLOAT16: "int32_data",
+          onnx.TensorProto.UINT32: "uint64_data", onnx.TensorProto.STRING: "string_data"}
+
+
+def _stored_elements(tensor: onnx.TensorProto) -> int | None:
+    """How many elements ``tensor`` holds in the file (None: external, or a type packed below a byte): a
+    declared shape that disagrees sizes every value computed from it (onnx inference took ranks of a million
+    from one such weight) and fails only at conversion."""
+    field = _WHOLE.get(tensor.data_type)
+    if field is None or tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return None
+    if tensor.HasField("raw_data") and field != "string_data":
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        return len(tensor.raw_data) // itemsize if len(tensor.raw_data) % itemsize == 0 else -1
+    return len(getattr(tensor, field))
 
 
 def _check_dims(values, where: str) -> None:

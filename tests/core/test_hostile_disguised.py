@@ -138,3 +138,73 @@ def test_causal_conv_with_state_checks_its_shapes():
     _raised(InvalidArgumentError, r"'cc' \(CausalConvWithState\).*\(channels, 1, taps\)",
             lambda: s.run(None, {"x": x, "w": np.ones((4, 3), np.float32)}))
     assert s.run(None, {"x": x, "w": np.ones((4, 1, 3), np.float32)})[0].shape == (1, 4, 5)
+
+
+def test_a_tensor_whose_dims_disagree_with_its_data_is_refused():
+    # A Constant declaring [2**20] elements but holding one: onnx inference built values of rank 2**20 from it
+    # (a minute at creation: the harness's one hang) before conversion failed.
+    tensor = helper.make_tensor("v", TensorProto.INT64, [1], [0])
+    tensor.dims[0] = 1 << 20
+    _raised(InvalidGraphError, r"attribute 'value'.*declares dims \[1048576\] \(1048576 elements\) but holds 1",
+            lambda: _session([helper.make_node("Constant", [], ["y"], value=tensor)], []))
+    weight = numpy_helper.from_array(np.ones(3, np.float32), "w")
+    weight.dims[0] = 4
+    _raised(InvalidGraphError, r"initializer 'w' .*declares dims \[4\] \(4 elements\) but holds 3",
+            lambda: _session([helper.make_node("Identity", ["w"], ["y"])], [], initializers=[weight]))
+
+
+# -- found by the 30-minute run (seed 40) ------------------------------------------------------------
+def test_max_pool_pads_over_the_budget_are_refused_before_allocating():
+    from onnx_runtime import SessionOptions
+    from onnx_runtime.errors import ShapeOverflowError
+
+    graph = helper.make_graph([helper.make_node("MaxPool", ["x"], ["y"], name="mp", kernel_shape=[1, 1],
+                                                pads=[0, 0, 0, 2**31])], "g", [vi("x", shape=None)], [vi("y")])
+    options = SessionOptions()
+    options.add_session_config_entry("session.max_value_bytes", str(1 << 30))
+    s = InferenceSession(helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 17)])
+                         .SerializeToString(), options, providers=["CPUExecutionProvider"])
+    _raised(ShapeOverflowError, r"'mp'.*MaxPool's output or padded input.*over the session's limit",
+            lambda: s.run(None, {"x": np.ones((1, 1, 5, 3), np.float32)}))
+
+
+def test_trilu_needs_a_matrix():
+    s = _session([helper.make_node("Trilu", ["x"], ["y"], name="t")], [vi("x", shape=None)], opset=14)
+    _raised(InvalidArgumentError, r"'t' \(Trilu\).*rank >= 2", lambda: s.run(None, {"x": np.ones(3, np.float32)}))
+    np.testing.assert_array_equal(s.run(None, {"x": np.ones((2, 2), np.float32)})[0], [[1, 1], [0, 1]])
+
+
+def test_roi_align_far_outside_the_image_samples_zeros():
+    # spatial_scale 1e30 put the sample positions past int64: numpy indexed with INT64_MIN (IndexError); with an
+    # adaptive grid (sampling_ratio 0) the grid itself is that large.
+    from onnx_runtime.errors import ShapeOverflowError
+
+    def session(ratio):
+        node = helper.make_node("RoiAlign", ["x", "rois", "b"], ["y"], name="ra", spatial_scale=1e30,
+                                output_height=2, output_width=2, sampling_ratio=ratio)
+        return _session([node], [vi("x", shape=None), vi("rois", shape=None), vi("b", TensorProto.INT64, None)],
+                        opset=16)
+
+    feeds = {"x": np.ones((1, 1, 4, 4), np.float32), "rois": np.array([[0, 0, 2, 2]], np.float32),
+             "b": np.array([0])}
+    np.testing.assert_array_equal(session(1).run(None, feeds)[0], np.zeros((1, 1, 2, 2), np.float32))
+    _raised(ShapeOverflowError, "'ra'.*RoiAlign's samples", lambda: session(0).run(None, feeds))
+    feeds["rois"] = np.array([[0, np.nan, 2, 2]], np.float32)
+    _raised(InvalidArgumentError, "rois must be finite", lambda: session(1).run(None, feeds))
+
+
+def test_loss_weight_must_hold_one_weight_per_class():
+    node = helper.make_node("SoftmaxCrossEntropyLoss", ["s", "t", "w"], ["y"], name="ce")
+    s = _session([node], [vi("s", shape=None), vi("t", TensorProto.INT64, None), vi("w", shape=None)], opset=13)
+    feeds = {"s": np.zeros((2, 5), np.float32), "t": np.array([4, 1]), "w": np.ones(3, np.float32)}
+    _raised(InvalidArgumentError, r"'ce'.*weight \(3,\) must hold one weight per class: \(5,\)",
+            lambda: s.run(None, feeds))
+
+
+def test_a_tensor_attribute_of_a_node_without_a_schema_is_checked_too():
+    # At an opset where the operator has no schema the attribute checks were skipped, and conversion failed.
+    tensor = helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0])
+    tensor.data_type = 0
+    node = helper.make_node("NoSuchOp", ["x"], ["y"], domain="custom.domain", axis=tensor)
+    _raised(InvalidGraphError, r"'axis''s tensor has element type 0",
+            lambda: _session([node], [vi("x", shape=[1])], domain_opsets=[("custom.domain", 1)]))

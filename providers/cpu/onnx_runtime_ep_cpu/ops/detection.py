@@ -6,6 +6,7 @@ import itertools
 import math
 
 import numpy as np
+from onnx_runtime import budget
 
 from ..algorithms.precision import compute_dtype
 from ..registry import register
@@ -19,7 +20,7 @@ def _roi_axis_samples(start: float, extent: float, bins: int, grid: int, size: i
     pos = start + np.arange(bins)[:, None] * step + (np.arange(grid)[None, :] + 0.5) * step / grid
     pos = pos.reshape(-1)
     inside = (pos >= -1.0) & (pos <= size)
-    pos = np.maximum(pos, 0.0)
+    pos = np.clip(pos, 0.0, size)  # far outside (weights 0): an index that cannot overflow int64
     low = pos.astype(np.int64)
     at_edge = low >= size - 1
     low = np.where(at_edge, size - 1, low)
@@ -27,6 +28,25 @@ def _roi_axis_samples(start: float, extent: float, bins: int, grid: int, size: i
     pos = np.where(at_edge, low, pos)
     frac = pos - low
     return low, high, np.where(inside, 1 - frac, 0.0), np.where(inside, frac, 0.0)
+
+
+def _finite_scale(node) -> float:
+    spatial_scale = float(node.attr("spatial_scale", 1.0))
+    if not math.isfinite(spatial_scale):
+        raise graph_error(node, "spatial_scale", f"is {spatial_scale}; expected a finite number")
+    return spatial_scale
+
+
+def _check_roi_inputs(node, x, rois, batch_indices) -> None:
+    if x.ndim != 4:
+        raise argument_error(node, f"input {x.shape} must be (N, C, H, W)")
+    if rois.ndim != 2 or rois.shape[1] != 4 or batch_indices.shape != (rois.shape[0],):
+        raise argument_error(node, f"rois {rois.shape} and batch_indices {batch_indices.shape} must be "
+                                    "(num_rois, 4) and (num_rois,)")
+    if np.any((batch_indices < 0) | (batch_indices >= x.shape[0])):
+        raise argument_error(node, f"batch_indices {batch_indices.tolist()} must lie in [0, {x.shape[0]})")
+    if not np.all(np.isfinite(rois)):  # a NaN corner indexes nothing: its sample positions become INT64_MIN
+        raise argument_error(node, "rois must be finite coordinates")
 
 
 def _roi_align_kernel(node, half_pixel: bool):
@@ -37,7 +57,7 @@ def _roi_align_kernel(node, half_pixel: bool):
     ratio = int(node.attr("sampling_ratio", 0))
     if ratio < 0:
         raise graph_error(node, "sampling_ratio", f"is {ratio}; expected a value >= 0")
-    spatial_scale = float(node.attr("spatial_scale", 1.0))
+    spatial_scale = _finite_scale(node)
     shift = 0.5 if half_pixel else 0.0
 
     def pool(plane: np.ndarray, roi: np.ndarray) -> np.ndarray:
@@ -48,6 +68,7 @@ def _roi_align_kernel(node, half_pixel: bool):
             roi_w, roi_h = max(roi_w, 1.0), max(roi_h, 1.0)
         grid_h = ratio or math.ceil(roi_h / out_h)
         grid_w = ratio or math.ceil(roi_w / out_w)
+        budget.check(c * out_h * max(grid_h, 1) * out_w * max(grid_w, 1), 4 * plane.itemsize, "RoiAlign's samples")
         y_lo, y_hi, wy_lo, wy_hi = _roi_axis_samples(y0, roi_h, out_h, grid_h, height)
         x_lo, x_hi, wx_lo, wx_hi = _roi_axis_samples(x0, roi_w, out_w, grid_w, width)
         corners = [
@@ -64,11 +85,7 @@ def _roi_align_kernel(node, half_pixel: bool):
         return samples.reshape(shape).max(axis=(2, 4))
 
     def kernel(x, rois, batch_indices):
-        if rois.ndim != 2 or rois.shape[1] != 4 or batch_indices.shape != (rois.shape[0],):
-            raise argument_error(node, f"rois {rois.shape} and batch_indices {batch_indices.shape} must be "
-                                        "(num_rois, 4) and (num_rois,)")
-        if np.any((batch_indices < 0) | (batch_indices >= x.shape[0])):
-            raise argument_error(node, f"batch_indices {batch_indices.tolist()} must lie in [0, {x.shape[0]})")
+        _check_roi_inputs(node, x, rois, batch_indices)
         xc = x.astype(compute_dtype(x.dtype), copy=False)
         y = np.zeros((rois.shape[0], x.shape[1], out_h, out_w), dtype=xc.dtype)
         for i, (roi, b) in enumerate(zip(rois, batch_indices)):

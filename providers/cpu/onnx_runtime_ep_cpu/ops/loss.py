@@ -56,6 +56,8 @@ def _nll(attrs: _LossAttrs, log_prob: np.ndarray, target: np.ndarray, weight: np
     """The (reduced) negative log-likelihood loss in log_prob's dtype; log_prob is (N, C, d1, ..., dk)."""
     labels, ignored = _class_labels(attrs, log_prob, target)
     loss = -np.take_along_axis(log_prob, labels[:, None], axis=1)[:, 0]
+    if weight is not None and weight.shape != (log_prob.shape[1],):
+        raise attrs.error(f"weight {weight.shape} must hold one weight per class: ({log_prob.shape[1]},)")
     weights = None if weight is None else weight.astype(loss.dtype, copy=False)[labels]
     if ignored is not None:
         # where, not a zero weight: the placeholder class 0 may hold an infinite log-probability

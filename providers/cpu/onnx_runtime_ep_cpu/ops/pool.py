@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from onnx_runtime import budget
 
 from ..algorithms.pooling import compiled_pool, lowest, max_pool_with_indices, pool_loops
 from ..algorithms.precision import compute_dtype, upcast
@@ -26,7 +27,7 @@ def max_pool(node, shapes, opset):
     loops = None if with_indices else pool_loops()
 
     def kernel(x):
-        geo = window.resolve(x.shape[2:])
+        geo = _resolved(node, window, x)
         if with_indices:
             xp = geo.pad(x, lowest(x.dtype))
             return max_pool_with_indices(geo, xp, x.shape, column_major=storage_order == 1)
@@ -51,7 +52,7 @@ def average_pool(node, shapes, opset):
     loops = pool_loops()
 
     def kernel(x):
-        geo = window.resolve(x.shape[2:])
+        geo = _resolved(node, window, x)
         y = compiled_pool(loops, x, geo, include_pad)
         if y is not None:
             return (y,)
@@ -61,6 +62,16 @@ def average_pool(node, shapes, opset):
         return (total.astype(x.dtype, copy=False),)
 
     return kernel
+
+
+def _resolved(node, window: Window, x: np.ndarray):
+    """The window's geometry for ``x``, its output and padded input within the session's budget: pads and
+    dilations size both from attributes, so a pad of 2**31 asked for gigabytes."""
+    geo = window.resolve(x.shape[2:])
+    lead = x.shape[:2]
+    budget.check(max(math.prod((*lead, *geo.out)), math.prod(geo.padded_shape(x.shape))),
+                 max(x.dtype.itemsize, 4), f"{node.op_type}'s output or padded input")
+    return geo
 
 
 def _lp_power(node) -> float:
@@ -85,7 +96,7 @@ def lp_pool(node, shapes, opset):
     p = _lp_power(node)
 
     def kernel(x):
-        geo = window.resolve(x.shape[2:])
+        geo = _resolved(node, window, x)
         total = geo.reduce_windows(_lp_terms(x, p), np.add, 0)
         return (_lp_root(total, p).astype(x.dtype, copy=False),)
 

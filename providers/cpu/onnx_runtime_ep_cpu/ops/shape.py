@@ -545,6 +545,11 @@ def trilu(node, shapes, opset):
     keep = np.triu if node.attr("upper", 1) else np.tril  # both act on the last two axes
 
     def kernel(x, k=None):
+        if x.ndim < 2:
+            raise InvalidArgumentError(f"node {node.name!r} (Trilu): input of shape {x.shape} must have rank >= 2 "
+                                       f"(its last two axes are the matrices)")
+        if k is not None and np.asarray(k).size != 1:
+            raise InvalidArgumentError(f"node {node.name!r} (Trilu): k must be one value, got shape {np.shape(k)}")
         return (keep(x, 0 if k is None else int(np.asarray(k).item())),)
 
     return kernel
