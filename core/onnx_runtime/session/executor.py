@@ -243,7 +243,7 @@ class Executor:
         # Host plans only (device plans have their own replays): the steps that only the feeds' shapes decide.
         found = set() if self._devices or recorded_copies else \
             shape_only_steps(steps, tensor_feeds, {where[name][0] for name in self._consts}, set(output_slots))
-        body = [dataclasses.replace(step) for index, step in enumerate(steps) if index not in found]
+        body = [dataclasses.replace(step) for index, step in enumerate(steps) if index not in found] if found else []
         read = {slot for step in body for slot in step.inputs}
         kept = tuple(slot for index in sorted(found) for slot in steps[index].outputs if slot in read)
         self._assign_releases(steps, keep | set(kept))  # a run that computes the kept values keeps them to its end
