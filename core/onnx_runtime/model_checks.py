@@ -176,13 +176,14 @@ def _check_initializers(graph: onnx.GraphProto, where: str) -> None:
 
 
 # Element types whose elements fill whole bytes in raw_data and one entry each in their typed field.
-_WHOLE = {onnx.TensorProto.FLOAT: "float_data", onnx.TensorProto.DOUBLE: "double_data",
-          onnx.TensorProto.INT64: "int64_data", onnx.TensorProto.UINT64: "uint64_data",
-          onnx.TensorProto.INT32: "int32_data", onnx.TensorProto.INT16: "int32_data",
-          onnx.TensorProto.INT8: "int32_data", onnx.TensorProto.UINT8: "int32_data",
-          onnx.TensorProto.UINT16: "int32_data", onnx.TensorProto.BOOL: "int32_data",
-          onnx.TensorProto.FLOAT16: "int32_data", onnx.TensorProto.BFLOAT16: "int32_data",
-          onnx.TensorProto.UINT32: "uint64_data", onnx.TensorProto.STRING: "string_data"}
+_WHOLE: dict[int, str] = {
+    onnx.TensorProto.FLOAT: "float_data", onnx.TensorProto.DOUBLE: "double_data",
+    onnx.TensorProto.INT64: "int64_data", onnx.TensorProto.UINT64: "uint64_data",
+    onnx.TensorProto.INT32: "int32_data", onnx.TensorProto.INT16: "int32_data",
+    onnx.TensorProto.INT8: "int32_data", onnx.TensorProto.UINT8: "int32_data",
+    onnx.TensorProto.UINT16: "int32_data", onnx.TensorProto.BOOL: "int32_data",
+    onnx.TensorProto.FLOAT16: "int32_data", onnx.TensorProto.BFLOAT16: "int32_data",
+    onnx.TensorProto.UINT32: "uint64_data", onnx.TensorProto.STRING: "string_data"}
 
 
 def _stored_elements(tensor: onnx.TensorProto) -> int | None:
