@@ -12,7 +12,8 @@ and no subgraph reads it; neither node asks for blocks, an output type or a prec
 DequantizeLinear's output becomes the fused node's; the other readers' outputs are renamed to it.
 
 Dynamic quantization: ``fuse_dynamic_matmul`` turns MatMulInteger -> Cast -> Mul by the scales' product
-(-> bias Add) into one com.microsoft MatMulIntegerToFloat (see its docstring).
+(-> bias Add) into one com.microsoft MatMulIntegerToFloat (see its docstring). QOperator format:
+``fuse_qlinear_matmul_bias`` runs QLinearMatMul -> QLinearAdd of the bias as one node.
 """
 
 from __future__ import annotations
@@ -164,6 +165,44 @@ def fuse_dynamic_matmul(graph: Graph, owns=None) -> bool:
         # Where the MatMulInteger was: every input exists by then (the scales' Mul reads only the quantizer's
         # output and a constant; the bias is a constant), every reader of the output comes later.
         graph.nodes = [fused if n is matmul else n for n in graph.nodes if id(n) not in gone or n is matmul]
+        return True
+    return False
+
+
+# -- QOperator format: QLinearMatMul -> QLinearAdd of its bias ----------------------------------------
+
+
+def fuse_qlinear_matmul_bias(graph: Graph, owns=None) -> bool:
+    """onnxruntime's QOperator format writes a MatMul with a bias as QLinearMatMul(x, W) then QLinearAdd of the
+    bias codes: one QLinearMatMulAdd (ops/qdq_linear.py) runs both in one pass, rounding the product's codes
+    and then the sum as the two nodes do. The pattern: a QLinearMatMul by a constant matrix with constant
+    parameters, whose output only one com.microsoft QLinearAdd reads (no graph output, no subgraph), the
+    Add's other operand and every parameter constant and present."""
+    view = GraphView(graph)
+    for matmul in list(graph.nodes):
+        if matmul.op_type != "QLinearMatMul" or matmul.domain or len(matmul.inputs) != 8:
+            continue
+        weight = view.const(matmul.inputs[3])
+        if weight is None or weight.ndim != 2 or any(view.const(matmul.inputs[i]) is None for i in (1, 2, 4, 5, 6, 7)):
+            continue
+        product = matmul.outputs[0]
+        readers = view.consumers.get(product, [])
+        if len(readers) != 1 or product in view.outputs or product in view.inner_reads:
+            continue
+        add = readers[0]
+        if add.op_type != "QLinearAdd" or add.domain != "com.microsoft" or len(add.inputs) != 8 \
+                or (add.inputs[0] == product) == (add.inputs[3] == product):
+            continue
+        bias_first = add.inputs[3] == product
+        bias_slots, x_slots = ((0, 1, 2), (4, 5)) if bias_first else ((3, 4, 5), (1, 2))
+        names = [add.inputs[i] for i in (*bias_slots, *x_slots, 6, 7)]
+        if any(not name or view.const(name) is None for name in names) or not owned(owns, [matmul, add]):
+            continue
+        fused = Node("QLinearMatMulAdd", list(matmul.inputs) + names, list(add.outputs),
+                     name=f"{matmul.name}/bias", domain=FUSED_DOMAIN, attrs={"bias_first": int(bias_first)},
+                     opset=1)
+        # Where the Add was: the bias and parameters are constants, and the product's inputs come before it.
+        graph.nodes = [fused if n is add else n for n in graph.nodes if n is not matmul]
         return True
     return False
 
@@ -449,4 +488,4 @@ def _early(graph_pass):
 INTEGER_GROUP_PASSES = [_early(until_fixed(fuse_quantized_linear)), _early(until_fixed(absorb_quantize)),
                         _early(until_fixed(absorb_dequantize))]
 QDQ_PASSES = [until_fixed(fuse_quantize_dequantize), until_fixed(drop_repeated_rounding),
-              until_fixed(fuse_dynamic_matmul)]
+              until_fixed(fuse_dynamic_matmul), until_fixed(fuse_qlinear_matmul_bias)]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
-from .quantize import requantize_affine
+from .quantize import _requantized, requantize_affine
 
 _BLOCK = 32  # columns of packed B per pass over A: 32 rows of K int16 stay in the L1/L2 cache
 
@@ -224,3 +224,35 @@ def qgemm(a, a_zero, packed, c, multiplier, zero, low, high, quantized, out):
                 out[m, n] = hi if v > hi else v
             else:
                 out[m, n] = np.float32(v)
+
+
+# The layout of ``add``, requantized_product_add's QLinearAdd parameters (float64): the product codes' zero point
+# and scale as the Add reads them, the other operand's, the output's, and its code range.
+X_ZERO, X_SCALE, BIAS_ZERO, BIAS_SCALE, C_ZERO, C_SCALE, C_LOW, C_HIGH = range(8)
+
+
+@jit
+def requantized_product_add(a, packed, multiplier, offset, consts, bias, add, out):
+    """QLinearMatMul's codes (requantized_product, ``consts[DEQUANTIZE]`` off) then QLinearAdd of a constant row
+    ``bias`` (N,) or (1,) codes, in one pass: each product code is rounded as QLinearMatMul rounds it, then
+    (x_scale * (code - x_zero) + bias_scale * (bias[n] - bias_zero)) / c_scale in float64, rounded half to even,
+    plus c_zero, saturated, as QLinearAdd computes it (the sum of two terms does not depend on their order)."""
+    rows, depth = a.shape
+    columns = packed.shape[0]
+    centred = np.empty((rows, depth), np.int16)
+    _rows_of(a, consts, centred)
+    acc = np.empty((rows, columns), np.int32)
+    _centred_product(centred, packed, acc)
+    one_m, one_b = multiplier.shape[0] == 1, bias.shape[0] == 1
+    z, lo, hi = np.float64(consts[Y_ZERO]), np.float64(consts[Y_LOW]), np.float64(consts[Y_HIGH])
+    zx, sx, zb, sb = np.int64(add[X_ZERO]), add[X_SCALE], np.int64(add[BIAS_ZERO]), add[BIAS_SCALE]
+    zc, sc, c_lo, c_hi = add[C_ZERO], add[C_SCALE], add[C_LOW], add[C_HIGH]
+    for m in range(rows):
+        for n in range(columns):
+            k = 0 if one_m else n
+            code = _requantized(np.float64(acc[m, n]), multiplier[k], offset[k], z, lo, hi)
+            x = np.int64(code) - zx
+            y = np.int64(bias[0 if one_b else n]) - zb
+            v = np.rint((sx * np.float64(x) + sb * np.float64(y)) / sc) + zc
+            v = c_lo if v < c_lo else v
+            out[m, n] = c_hi if v > c_hi else v

@@ -21,6 +21,7 @@ from __future__ import annotations
 from operator import is_
 
 import numpy as np
+from onnx_runtime.errors import OnnxRuntimeError
 
 from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import integer_range
@@ -247,5 +248,60 @@ def quantized_conv(node, shapes, opset):
             compiled.requantize_affine(acc.reshape(layout), p.multiplier, p.offset, p.y_zero, p.y_low, p.y_high,
                                        p.y_scale, dequantize, out.reshape(layout))
         return (out,)
+
+    return kernel
+
+
+@register("QLinearMatMulAdd", domain=FUSED_DOMAIN, since=1)
+def qlinear_matmul_add(node, shapes, opset):
+    """QLinearMatMul whose codes only a QLinearAdd of a constant row reads (the bias of onnxruntime's QOperator
+    format; qdq_fusions.fuse_qlinear_matmul_bias), in one compiled pass that rounds twice, as the two nodes do.
+
+    Inputs: QLinearMatMul's eight, then the Add's constant operand (bias, bias_scale, bias_zero), the product's
+    parameters as the Add reads them (x_scale, x_zero) and the output's (c_scale, c_zero); ``bias_first``: the
+    bias was the Add's A. Anything the pass does not take (other types, a stacked B, a bias that is not a row)
+    runs the two kernels in turn, which also give the errors."""
+    from ..compiled import qgemm
+    from .contrib_quantization import qlinear_add
+
+    matmul, add = qlinear_matmul(node, shapes, opset), qlinear_add(node, shapes, opset)
+    bias_first = bool(node.attr("bias_first", 0))
+    prepared = Prepared()
+
+    def prepare(columns, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, bias_scale, bias_zero, x_scale, x_zero,
+                c_scale, c_zero):
+        add_params = (bias_scale, bias_zero, x_scale, x_zero, c_scale, c_zero)
+        if any(v is None or v.size != 1 for v in add_params) or any(s.dtype != _F32 for s in add_params[::2]) \
+                or not (bias_zero.dtype == x_zero.dtype == c_zero.dtype == y_zero.dtype):
+            return None
+        try:
+            p = _Requantization(node, columns, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, None)
+        except OnnxRuntimeError:
+            return None
+        p.consts = p.compiled_consts(False, False, False)
+        low, high = integer_range(c_zero.dtype)
+        p.add = np.array([x_zero.reshape(-1)[0], x_scale.reshape(-1)[0], bias_zero.reshape(-1)[0],
+                          bias_scale.reshape(-1)[0], c_zero.reshape(-1)[0], c_scale.reshape(-1)[0], low, high],
+                         np.float64)
+        return p
+
+    def kernel(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero, bias, bias_scale, bias_zero, x_scale,
+               x_zero, c_scale, c_zero):
+        params = (a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, bias_scale, bias_zero, x_scale, x_zero,
+                  c_scale, c_zero)
+        columns = b.shape[-1] if b.ndim else 0
+        p = prepared.get(columns, params, lambda: prepare(columns, *params))
+        if p is not None and b.ndim == 2 and 1 <= a.ndim and a.shape[-1] == b.shape[0] and a.dtype is p.a_dtype \
+                and b.dtype is p.b_dtype and bias.dtype is p.y_dtype and bias.ndim <= a.ndim \
+                and (bias.size == 1 or bias.shape[-1] == bias.size == columns) and _column_params(b, b_scale, b_zero):
+            out = np.empty(a.shape[:-1] + (columns,), p.y_dtype)
+            if out.size:
+                packed = p.packed[1] if p.packed is not None and p.packed[0] is b else _pack(qgemm, b, p, False, False)
+                qgemm.requantized_product_add(np.ascontiguousarray(a).reshape(-1, b.shape[0]), packed, p.multiplier,
+                                              p.offset, p.consts, bias.reshape(-1), p.add, out.reshape(-1, columns))
+            return (out,)
+        (y,) = matmul(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero)
+        first, second = ((bias, bias_scale, bias_zero), (y, x_scale, x_zero))[::1 if bias_first else -1]
+        return add(*first, *second, c_scale, c_zero)
 
     return kernel
