@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator
 
 from ..contract.residency import HolderId, MemoryLease, MemoryRole, RawDeviceAllocationSiteStats, Tier
-from .governor import DeviceGovernor
+from .governor import DeviceGovernor, MemoryBudgetError
 
 __all__ = ["DeviceAccount"]
 
@@ -27,10 +27,13 @@ _CORE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PATH_FILES = frozenset(os.path.join(_CORE, name) for name in ("tensor.py", "provider_handle.py"))
 
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+CHUNK = 1 << 20  # the account reserves from the governor in steps of this much, so most allocations never lock it
+
+
 def _site() -> tuple[str, int]:
-    frame = sys._getframe(1)  # noqa: SLF001 (the documented way to walk the caller's frames cheaply)
-    while frame is not None and (frame.f_code.co_filename in _PATH_FILES
-                                 or frame.f_code.co_filename.startswith(os.path.dirname(__file__))):
+    frame = sys._getframe(2)  # noqa: SLF001 (the documented way to walk the caller's frames cheaply)
+    while frame is not None and (frame.f_code.co_filename in _PATH_FILES or frame.f_code.co_filename.startswith(_HERE)):
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:
         return "<unknown>", 0
@@ -38,7 +41,12 @@ def _site() -> tuple[str, int]:
 
 
 class DeviceAccount:
-    """Charges one provider handle's allocations to ``governor`` for ``holder`` (see the module docstring)."""
+    """Charges one provider handle's allocations to ``governor`` for ``holder`` (see the module docstring).
+
+    The account holds leases of at least :data:`CHUNK` bytes and charges buffers against them, reserving more
+    only when they run out (exactly what is missing when a chunk no longer fits the budget) and giving the
+    slack back once it passes two chunks or nothing is live. A provider with deferred releases gets one lease
+    per buffer instead, kept charged until the governor settles the release."""
 
     def __init__(self, handle, governor: DeviceGovernor, holder: HolderId,
                  role: MemoryRole = MemoryRole.ACTIVATIONS):
@@ -46,7 +54,12 @@ class DeviceAccount:
         self.governor = governor
         self.holder = holder
         self.role = role
-        self._leases: dict[int, MemoryLease] = {}  # id(buffer) -> the lease that paid for it
+        self._sizes: dict[int, int] = {}  # id(buffer) -> bytes charged for it
+        self._leases: list[MemoryLease] = []  # what the account holds from the governor
+        self._held = 0  # their bytes
+        self._used = 0  # bytes charged to live buffers
+        self.peak = 0  # the most bytes live buffers held at once (exact, unlike the governor's chunked view)
+        self._buffer_leases: dict[int, MemoryLease] = {}  # deferred providers: id(buffer) -> its own lease
         self._local = threading.local()
         self._lock = threading.Lock()
         self._sites: dict[tuple[str, int], list[int]] = {}  # site -> [requests, bytes]
@@ -63,39 +76,82 @@ class DeviceAccount:
             self._local.prepaid = depth
 
     def allocate(self, size: int, alignment: int):
-        """``ProviderHandle.allocate`` under the budget: reserve, allocate, remember the lease by buffer."""
+        """``ProviderHandle.allocate`` under the budget: charge, allocate, remember the charge by buffer."""
         if getattr(self._local, "prepaid", 0):
             return self.handle.allocate_unaccounted(size, alignment)
-        lease = self.governor.reserve(size, Tier.DEVICE, self.role, self.holder)
+        lease = None
+        if self._deferred:
+            lease = self.governor.reserve(size, Tier.DEVICE, self.role, self.holder)
+        else:
+            with self._lock:
+                if self._used + size > self._held:
+                    self._grow(self._used + size - self._held)
+                self._used += size
+                if self._used > self.peak:
+                    self.peak = self._used
         try:
             buffer = self.handle.allocate_unaccounted(size, alignment)
         except BaseException:
-            lease.release()
+            if lease is not None:
+                lease.release()
+            else:
+                with self._lock:
+                    self._used -= size
+                    self._trim()
             raise
         site = _site()
         with self._lock:
-            self._leases[id(buffer)] = lease
-            counts = self._sites.setdefault(site, [0, 0])
+            if lease is not None:
+                self._buffer_leases[id(buffer)] = lease
+            else:
+                self._sizes[id(buffer)] = size
+            counts = self._sites.get(site)
+            if counts is None:
+                counts = self._sites[site] = [0, 0]
             counts[0] += 1
             counts[1] += size
         return buffer
 
+    def _grow(self, missing: int) -> None:
+        try:
+            lease = self.governor.reserve(max(missing, CHUNK), Tier.DEVICE, self.role, self.holder)
+        except MemoryBudgetError:
+            if missing >= CHUNK:
+                raise
+            lease = self.governor.reserve(missing, Tier.DEVICE, self.role, self.holder)  # the budget's last bytes
+        self._leases.append(lease)
+        self._held += lease.nbytes
+
+    def _trim(self) -> None:
+        if self._used == 0:
+            leases, self._leases, self._held = self._leases, [], 0
+            for lease in leases:
+                lease.release()
+            return
+        while self._leases and self._held - self._used >= 2 * CHUNK and \
+                self._held - self._leases[-1].nbytes >= self._used:
+            lease = self._leases.pop()
+            self._held -= lease.nbytes
+            lease.release()
+
     def released(self, buffer) -> None:
         """The buffer was freed (or its release was accepted): give its bytes back, or defer that."""
         with self._lock:
-            lease = self._leases.pop(id(buffer), None)
-        if lease is None:
-            return
-        if self._deferred:
+            size = self._sizes.pop(id(buffer), None)
+            if size is not None:
+                self._used -= size
+                self._trim()
+                return
+            lease = self._buffer_leases.pop(id(buffer), None)
+        if lease is not None:
             hook = self.handle.hook
             self.governor.defer_release(lease, lambda: hook.wait_for_deferred_releases())
-        else:
-            lease.release()
 
     @property
     def charged(self) -> int:
+        """Bytes charged to buffers still live."""
         with self._lock:
-            return sum(lease.nbytes for lease in self._leases.values())
+            return self._used + sum(lease.nbytes for lease in self._buffer_leases.values())
 
     def site_stats(self) -> list[RawDeviceAllocationSiteStats]:
         with self._lock:
@@ -104,3 +160,5 @@ class DeviceAccount:
 
     def close(self) -> None:
         """Stop charging (the session is closed); buffers still live keep their charge until freed."""
+        with self._lock:
+            self._trim()

@@ -42,17 +42,15 @@ def measure(session, feeds: dict) -> dict:
     weights = session.model.graph.initializers
     mapped = sum(int(a.nbytes) for a in weights.values() if mapped_region(a) is not None)
     total = sum(int(getattr(a, "nbytes", 0)) for a in weights.values())
-    devices = {b["device"] for b in session.memory_report()["budgets"]}
-    before = {device: governor.used(device) for device in devices}
-    for device in devices:
-        governor.reset_high_water(device)
+    for budget in session.memory_report()["budgets"]:
+        governor.reset_high_water(budget["device"])
     rss_before = _rss()
     session.run(None, feeds)
     report = session.memory_report()
     report["host"] = {"weights": len(weights), "weight_bytes": total, "mapped_bytes": mapped,
                       "rss_before_run": rss_before, "rss_after_run": _rss(),
                       "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    report["peak_activations"] = {device: governor.high_water(device) - before[device] for device in devices}
+    report["peak_activations"] = {a["device"]: a["peak"] for a in report["activations"]}
     return report
 
 

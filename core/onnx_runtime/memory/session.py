@@ -89,7 +89,7 @@ class SessionMemory:
         return {
             "budgets": [budget for budget in governor.snapshot() if budget["device"] in devices],
             "weights": [residency.stats() for residency in self.weights.values()],
-            "activations": [{"device": a.governor.device, "holder": str(a.holder), "charged": a.charged,
+            "activations": [{"device": a.governor.device, "holder": str(a.holder), "charged": a.charged, "peak": a.peak,
                              "sites": [{"file": s.file, "line": s.line, "requests": s.requests,
                                         "bytes": s.requested_bytes} for s in a.site_stats()]}
                             for a in self.accounts],
