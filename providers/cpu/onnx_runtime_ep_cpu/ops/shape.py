@@ -420,12 +420,23 @@ def gather_elements(node, shapes, opset):
 @indices_checked
 def gather_nd(node, shapes, opset):
     batch_dims = node.attr("batch_dims", 0)
+    # The last read-only indices (a constant, or a shape value a plan keeps: identity stands for contents, see
+    # frozen), the data shape and the flat positions they gather: (indices, shape, positions, rows shape).
+    last: list = [(None, None, None, None)]
 
     def kernel(x, indices):
         if batch_dims == 0 and indices.ndim > 1 and 0 < indices.shape[-1] <= x.ndim:
+            held, shape, positions, rows = last[0]
+            if held is indices and shape == x.shape:
+                return (x.reshape(rows)[positions],)
             # One fancy index by the tuples' columns (a decode step's mask gathers this way every run).
             depth = indices.shape[-1]
-            return (x[tuple([indices[..., axis] for axis in range(depth)])],)
+            columns = tuple([indices[..., axis] for axis in range(depth)])
+            gathered = x[columns]
+            if frozen(indices) and indices.size and all(0 <= c.min() and c.max() < d for c, d in zip(columns, x.shape)):
+                rows = (math.prod(x.shape[:depth]),) + x.shape[depth:]
+                last[0] = (indices, x.shape, np.ravel_multi_index(columns, x.shape[:depth]), rows)
+            return (gathered,)
         # Flatten the batch dimensions to one, and the index tuples of each batch to one axis.
         batches = math.prod(x.shape[:batch_dims])
         depth = indices.shape[-1]
