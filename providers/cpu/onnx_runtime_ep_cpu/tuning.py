@@ -83,8 +83,8 @@ class Knobs:
     #: (a bound on the memory kept; 01b5c9a).
     kept_padded_bytes: int = 1 << 20
     #: On AVX2 hosts (no AVX-512), 2-D float32 convolutions of up to this many multiply-adds per image run
-    #: compiled/directconv.py's tiles; larger ones the BLAS paths.
-    direct_macs: int = 1 << 22
+    #: compiled/directconv.py's tiles (on one thread); larger ones the BLAS paths, which split across threads.
+    direct_macs: int = 1 << 27
     #: A decode step's attention of up to this many multiply-adds runs one compiled call; beyond, BLAS's
     #: batched products are faster (measured in 950a522).
     few_query_macs: int = 1 << 16
