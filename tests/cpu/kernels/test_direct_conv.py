@@ -125,3 +125,64 @@ def test_hosts_without_avx2_keep_the_other_paths(monkeypatch):
     (y,) = conv_ops.conv(Node("Conv", ["x", "w"], ["y"], attrs=dict(kernel_shape=[3, 3]), opset=13), None, 13)(x, w)
     assert not taken
     np.testing.assert_array_equal(y, np.full((1, 4, 3, 3), 27, np.float32))
+
+
+# Depthwise windows for compiled/depthwise_lanes.py: channels in blocks of 8 (a partial last block), rows
+# narrower than a tile and a row of exactly one, strides 1 to 3, dilations, asymmetric pads, batches.
+DEPTHWISE_GEOMETRIES = {
+    "3x3 s1, 72 channels": ((1, 72, 8, 8), 3, dict(pads=[1, 1, 1, 1])),
+    "3x3 s2, 16 channels": ((2, 16, 32, 32), 3, dict(pads=[1, 1, 1, 1], strides=[2, 2])),
+    "5x5 s2, 13 channels": ((1, 13, 9, 11), 5, dict(pads=[2, 2, 2, 2], strides=[2, 2])),
+    "5x5 on 4x4": ((1, 120, 4, 4), 5, dict(pads=[2, 2, 2, 2])),
+    "3x3 to 2x2": ((1, 9, 3, 3), 3, dict(pads=[1, 1, 1, 1], strides=[2, 2])),
+    "dilated, asymmetric": ((1, 11, 10, 13), 3, dict(pads=[2, 0, 1, 3], dilations=[2, 2])),
+    "stride 3, 4 wide": ((1, 5, 12, 12), 3, dict(strides=[3, 3])),
+    "7x7 valid": ((1, 8, 9, 14), 7, {}),
+}
+
+
+def _depthwise_inputs(geometry: str, seed: int, with_bias: bool):
+    x_shape, k, attrs = DEPTHWISE_GEOMETRIES[geometry]
+    rng = np.random.default_rng(seed)
+    c = x_shape[1]
+    x = rng.standard_normal(x_shape, dtype=np.float32)
+    w = rng.standard_normal((c, 1, k, k), dtype=np.float32)
+    w.flags.writeable = False
+    b = rng.standard_normal(c, dtype=np.float32) if with_bias else None
+    return rng, x, w, b, dict(kernel_shape=[k, k], group=c, **attrs)
+
+
+@pytest.fixture
+def lanes_depthwise(monkeypatch):
+    """The depthwise lanes wherever they apply, on AVX-512 hosts too."""
+    monkeypatch.setattr(host, "AVX512", False)
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no bias"])
+@pytest.mark.parametrize("geometry", sorted(DEPTHWISE_GEOMETRIES))
+def test_depthwise_lanes_match_a_float64_reference(monkeypatch, lanes_depthwise, geometry, with_bias):
+    rng, x, w, b, attrs = _depthwise_inputs(geometry, 4, with_bias)
+    from onnx_runtime_ep_cpu.compiled import depthwise_lanes
+
+    calls = record_results(monkeypatch, type(depthwise_lanes.conv_depthwise), "__call__")
+    conv = conv_ops.conv(Node("Conv", ["x", "w"] + (["b"] if with_bias else []), ["y"], attrs=attrs, opset=13),
+                         None, 13)
+    (y,) = conv(x, w, b)
+    expected = _reference64(x, w, b, attrs)
+    assert len(calls) == 1 and y.dtype == np.float32 and y.shape == expected.shape
+    depth = int(np.prod(w.shape[1:]))
+    np.testing.assert_allclose(y, expected, rtol=0, atol=4e-7 * np.abs(x).max() * np.abs(w).max() * depth)
+
+
+@pytest.mark.parametrize("kind,params", ACTIVATIONS)
+@pytest.mark.parametrize("with_bias,with_residual", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("geometry", ["3x3 s2, 16 channels", "5x5 s2, 13 channels", "3x3 to 2x2"])
+def test_fused_depthwise_lanes_are_conv_then_epilogue_exactly(lanes_depthwise, geometry, kind, params, with_bias,
+                                                               with_residual):
+    """Bias and activation applied as each tile is stored, a residual after: bit for bit the unfused nodes
+    (the bias added to the sums, as a Conv with its bias does, then the rest)."""
+    rng, x, w, b, attrs = _depthwise_inputs(geometry, 5, with_bias)
+    (conv_out,) = conv_ops.conv(Node("Conv", ["x", "w"], ["y"], attrs=attrs, opset=13), None, 13)(x, w)
+    z = rng.standard_normal(conv_out.shape, dtype=np.float32) if with_residual else None
+    got, expected = fused_and_unfused(x, w, b, z, attrs, kind, params, conv_out, bias_first=z is None)
+    np.testing.assert_array_equal(got, expected)

@@ -108,3 +108,40 @@ def compiled_depthwise(geo: Geometry, m: int, prepared: Prepared, dtype):
 
     compute.reads_shuffled = True  # takes a channel map instead of a shuffled copy of x
     return compute
+
+
+def depthwise_lanes_apply(geo: Geometry, x: np.ndarray, m: int) -> bool:
+    """Whether compiled/depthwise_lanes.py runs this depthwise convolution: 2-D float32, one output per
+    channel, on an AVX2 host without AVX-512 (which keeps windows.py's kernel)."""
+    if x.dtype != np.float32 or len(geo.kernel) != 2 or m != x.shape[1] or x.size == 0 or 0 in geo.out:
+        return False
+    from ..compiled import host
+
+    return host.AVX2 and not host.AVX512
+
+
+def lanes_depthwise(geo: Geometry, prepared: Prepared):
+    """``compute(x, w, b, finish)`` by compiled/depthwise_lanes.py: the bias and activation of ``finish``
+    (an _Epilogue, or None) applied as each tile is stored, a residual added after."""
+    from ..compiled import depthwise_lanes as kernel
+
+    (kh, kw), (sh, sw), (dh, dw), (oh, ow) = geo.kernel, geo.strides, geo.dilations, geo.out
+    padded = ((oh - 1) * sh + (kh - 1) * dh + 1, (ow - 1) * sw + (kw - 1) * dw + 1)
+    offsets = kernel.tap_offsets(kh, kw, dh, dw, padded[1])
+    no_bias = np.empty(0, dtype=np.float32)
+    identity = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)
+
+    def compute(x, w, b, finish):
+        weights = prepared.get("depthwise_lanes", (w,), lambda: kernel.pack_weights(w))
+        bounds, residual = identity, finish is not None and finish.residual.size > 0
+        if finish is not None and not residual:  # (with a residual, finish adds the bias after it)
+            bounds, b = finish.bounds, finish.bias
+        bias = no_bias if b is None or not b.size else b.astype(np.float32, copy=False).reshape(-1)
+        y = np.empty((x.shape[0], x.shape[1], oh, ow), dtype=np.float32)
+        kernel.conv_depthwise(np.ascontiguousarray(x), weights, offsets, bias, bounds, y, sh, sw, *geo.begin,
+                              *padded)
+        if residual:
+            finish.rows(y.reshape(y.shape[0], y.shape[1], -1), 0, oh * ow)
+        return y
+
+    return compute

@@ -26,7 +26,13 @@ from .conv_blas import (
     tight_fits,
     winograd_weights,
 )
-from .conv_depthwise import compiled_depthwise, conv_depthwise, depthwise_compiles
+from .conv_depthwise import (
+    compiled_depthwise,
+    conv_depthwise,
+    depthwise_compiles,
+    depthwise_lanes_apply,
+    lanes_depthwise,
+)
 from .conv_direct import DirectConv, direct_tiles_apply
 from .conv_packed import PackedConv, packed_conv_applies
 from .precision import compute_dtype
@@ -145,6 +151,9 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
         blocks = True
     elif direct_tiles_apply(geo, group, x, w):
         compute = DirectConv(geo, group, x.shape, w.shape, prepared)
+        blocks = True
+    elif group == c and group > 1 and depthwise_lanes_apply(geo, x, m):
+        compute = lanes_depthwise(geo, prepared)
         blocks = True
     elif group == c and group > 1 and depthwise_compiles(geo, x):
         compute = compiled_depthwise(geo, m, prepared, dtype)
