@@ -5,8 +5,8 @@ what onnxruntime spends on session creation and first run, and about 95 MB of me
 ``Loop``: a callable that holds the Python function and builds numba's dispatcher only when needed. While a
 session has opened *deferral* (the CPU provider does, unless turned off), a loop that has a numpy
 equivalent of identical semantics (generic.py) runs that one and records the argument types it saw. A
-thread started by the first such call waits until the process goes idle (the runs paused) or a second has
-passed, lowers its priority, imports numba, builds those loops' dispatchers, links the recorded signatures
+thread started by the first such call waits until the runs pause or the process has spent a second of
+CPU time, lowers its priority, imports numba, builds those loops' dispatchers, links the recorded signatures
 from numba's disk cache (never compiling: a miss is left to the first compiled call), and then switches
 each loop to its dispatcher. A loop without a numpy equivalent builds its dispatcher on its first call, as
 before. A process that exits sooner (one run of a command-line tool) never loads numba at all.
@@ -31,8 +31,8 @@ import numpy as np
 
 ENV = "ONNX_RUNTIME_COMPILE_IN_BACKGROUND"
 CONFIG_KEY = "session.compile_in_background"
-QUIET_S, IDLE_SHARE = 0.05, 0.25  # the loader starts once the process used under 1/4 core for 50 ms ...
-PATIENCE_S = 1.0  # ... or this long after the first numpy-served call (steady back-to-back runs never pause)
+QUIET_S, IDLE_SHARE = 0.05, 0.25  # the loader starts once the runs paused (see _load) ...
+PATIENCE_S = 1.0  # ... or spent this much CPU time after the first numpy-served call
 _MAX_SIGNATURES = 16  # per loop: argument types recorded for the loader to link
 
 _lock = threading.Lock()  # the list of loops and their recorded signatures: held for microseconds
@@ -45,7 +45,10 @@ class _State:
     deferring = False  # numpy-served first calls allowed now
     disabled = False  # by the environment or a session's config: for the rest of the process
     ready = False  # the loader finished: every later first call builds its dispatcher
-    first_generic = 0.0
+    first_generic = 0.0  # the process's CPU time at the first numpy-served call
+    # native ids of the threads that ran numpy equivalents (None where /proc/self/task is not there)
+    callers: set | None = set() if os.path.isdir("/proc/self/task") else None
+    last_cpu = (0.0, 0.0)  # (process CPU, monotonic) at the last look, where callers is None
     thread: threading.Thread | None = None
     stop = threading.Event()
     typeof_registered = False
@@ -188,13 +191,16 @@ class Loop:
         self._target = dispatcher
 
     def _record(self, args) -> None:
+        callers = state.callers
+        if callers is not None and threading.get_native_id() not in callers:
+            callers.add(threading.get_native_id())
         if len(self._signatures) < _MAX_SIGNATURES:
             described = tuple(_describe(a) for a in args)
             if None not in described:
                 with _lock:
                     self._signatures.add(described)
         if state.thread is None:
-            _start(time.monotonic())
+            _start(time.process_time())
 
 
 def _register_typeof() -> None:
@@ -211,11 +217,31 @@ def _register_typeof() -> None:
     state.typeof_registered = True
 
 
-def _start(now: float) -> None:
+def _callers_asleep() -> bool:
+    """Whether no thread that ran a numpy equivalent is running or runnable (Linux: /proc's task states; a
+    thread that ended counts as asleep). Elsewhere: whether the process used under IDLE_SHARE of a core since
+    the last look."""
+    if state.callers is None:
+        cpu, now = time.process_time(), time.monotonic()
+        idle = cpu - state.last_cpu[0] < IDLE_SHARE * (now - state.last_cpu[1])
+        state.last_cpu = (cpu, now)
+        return idle
+    for tid in list(state.callers):
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if fields and fields[0] == b"R":
+            return False
+    return True
+
+
+def _start(cpu: float) -> None:
     with _lock:
         if state.thread is not None:
             return
-        state.first_generic = now
+        state.first_generic = cpu
         state.thread = threading.Thread(target=_load, name="onnx-runtime-compiled-loops", daemon=True)
     state.thread.start()
 
@@ -320,14 +346,14 @@ def _load() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread only (Linux)
     except (AttributeError, OSError):
         pass
-    # Wait for the process to go idle (its threads used under IDLE_SHARE of a core over QUIET_S: the runs
-    # paused), or for PATIENCE_S after the first numpy-served call (steady back-to-back runs never pause).
-    last, last_cpu = time.monotonic(), time.process_time()
+    # Wait for the runs to pause (every thread that ran a numpy equivalent asleep at two looks QUIET_S apart),
+    # or for PATIENCE_S of CPU time spent since the first numpy-served call (steady back-to-back runs never
+    # pause; CPU time, not wall time, which a loaded host stretches).
+    asleep = 0
     while not state.stop.wait(QUIET_S):
-        now, cpu = time.monotonic(), time.process_time()
-        if cpu - last_cpu < IDLE_SHARE * (now - last) or now - state.first_generic >= PATIENCE_S:
+        asleep = asleep + 1 if _callers_asleep() else 0
+        if asleep >= 2 or time.process_time() - state.first_generic >= PATIENCE_S:
             break
-        last, last_cpu = now, cpu
     finder = _WaitWhileImporting()
     state.loader_ident = threading.get_ident()
     sys.meta_path.insert(0, finder)
@@ -357,6 +383,8 @@ def _stop_at_exit() -> None:
 def _after_fork_in_child() -> None:
     # the loader thread did not survive the fork: let the child start its own
     state.thread = None
+    if state.callers is not None:
+        state.callers = set()
     state.stop = threading.Event()
 
 
