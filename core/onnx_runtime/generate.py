@@ -138,18 +138,24 @@ class _Bindings:
         self.home = logits_provider(session)  # the state lives where the logits are made
         self.owned: list[DeviceIoBinding] = []
         bind = self._bind
-        self.caches = [bind(DeviceBindingSpec.input(past, dtype, (1, heads, self.capacity, dim), (1, heads, 0, dim),
-                                                    output_name=present, expose_logical_input_shape=True))
-                       for past, present, dtype, heads, dim in layout.caches]
+        self.presents: list[DeviceIoBinding] = []
+        self._bind_cache(layout, prompt)
         self.ids = bind(DeviceBindingSpec.input("input_ids", np.int64, (1, prompt), expose_logical_input_shape=True))
         self.positions = bind(DeviceBindingSpec.input("position_ids", np.int64, (1, prompt),
                                                       expose_logical_input_shape=True)) if layout.positions else None
-        self.mask = bind(DeviceBindingSpec.input("attention_mask", np.int64, (1, self.capacity), (1, prompt),
-                                                 expose_logical_input_shape=True))
         self.logits = bind(DeviceBindingSpec.output("logits", layout.logits_dtype.numpy,
                                                     (1, prompt, layout.vocabulary)))
         self.result = bind(DeviceBindingSpec.scratch("argmax", np.uint32, (2,)))
         self.tokens = bind(DeviceBindingSpec.scratch("tokens", np.uint32, (new + 1,)))
+
+    def _bind_cache(self, layout: _Layout, prompt: int) -> None:
+        """The KV cache (each past aliased by its present: appended in place) and the mask, growing by steps."""
+        self.caches = [self._bind(DeviceBindingSpec.input(past, dtype, (1, heads, self.capacity, dim),
+                                                          (1, heads, 0, dim), output_name=present,
+                                                          expose_logical_input_shape=True))
+                       for past, present, dtype, heads, dim in layout.caches]
+        self.mask = self._bind(DeviceBindingSpec.input("attention_mask", np.int64, (1, self.capacity), (1, prompt),
+                                                       expose_logical_input_shape=True))
         self.mask_len = self.capacity  # where the token writer may set the chosen token's mask bit
 
     def _bind(self, spec: DeviceBindingSpec) -> DeviceIoBinding:
@@ -244,18 +250,12 @@ class _CapacityBindings(_Bindings):
     """The decode state with the KV cache shown at its capacity (see the module docstring): one feed signature
     for every decode step, so the step is captured once and replayed."""
 
-    def __init__(self, session: InferenceSession, layout: _Layout, prompt: int, new: int):
-        super().__init__(session, layout, prompt, new)
+    def _bind_cache(self, layout: _Layout, prompt: int) -> None:
         capacity, bind = self.capacity, self._bind
-        for binding in self.caches:
-            binding.close()
-        self.owned = [b for b in self.owned if b not in self.caches]
         self.caches = [bind(DeviceBindingSpec.input(past, dtype, (1, heads, capacity, dim)))
                        for past, _present, dtype, heads, dim in layout.caches]
         self.presents = [bind(DeviceBindingSpec.output(present, dtype, (1, heads, capacity + prompt, dim)))
                          for _past, present, dtype, heads, dim in layout.caches]
-        self.mask.close()
-        self.owned.remove(self.mask)
         self.mask = bind(DeviceBindingSpec.input("attention_mask", np.int64, (1, capacity + prompt),
                                                  expose_logical_input_shape=True))
         self.mask_len = 0  # the mask bit of a new row is set once the row is in place (_ran)
