@@ -181,6 +181,26 @@ def _channel_params(scale: np.ndarray, zero_point) -> tuple[np.ndarray, np.ndarr
     return flat, zero
 
 
+class _FastPath:
+    """A Q/DQ kernel's compiled-loop arguments, worked out once per input shape and type while the same
+    constant scale and zero point come in (fed parameters are worked out on every call)."""
+
+    __slots__ = ("_entry",)
+
+    def __init__(self):
+        self._entry = None
+
+    def get(self, x, scale, zero_point, build):
+        entry = self._entry  # one read: another thread may swap in a new entry meanwhile
+        if entry is not None and entry[0] == x.shape and entry[1] is x.dtype and entry[2] is scale \
+                and entry[3] is zero_point:
+            return entry[4]
+        value = build(x, scale, zero_point)
+        if not scale.flags.writeable and (zero_point is None or not zero_point.flags.writeable):
+            self._entry = (x.shape, x.dtype, scale, zero_point, value)
+        return value
+
+
 def _quantize_target(node, zero_point, output_dtype: DataType | None) -> DataType:
     if zero_point is None:
         return output_dtype or DataType.UINT8
@@ -201,19 +221,28 @@ def _quantize_factory(node, *, per_axis=True, blocked=False, saturating=False, t
     output_dtype = _type_attr(node, "output_dtype", _INTEGER_TARGETS | _FLOAT_TARGETS) if typed else None
     precision = _type_attr(node, "precision", _PRECISIONS) if precise else None
 
-    def kernel(x, y_scale, y_zero_point=None):
+    fast = _FastPath()
+
+    def compiled_call(x, y_scale, y_zero_point):
+        """(layout, codes' type, low, high, scales, zero points) of the compiled loop, or None."""
         target = _quantize_target(node, y_zero_point, output_dtype)
         if (target in _COMPILED_TARGETS and x.dtype == _F32 and y_scale.dtype == _F32
                 and (precision is None or precision is DataType.FLOAT)):
             layout = _layout(granularity, x, y_scale, y_zero_point)
             if layout is not None:
-                from ..compiled import quantize as compiled
+                return (layout, target.numpy, *_integer_range(target), *_channel_params(y_scale, y_zero_point))
+        return None
 
-                low, high = _integer_range(target)
-                out = np.empty(x.shape, target.numpy)
-                compiled.quantize(np.ascontiguousarray(x).reshape(layout), *_channel_params(y_scale, y_zero_point),
-                                  low, high, out.reshape(layout))
-                return (out,)
+    def kernel(x, y_scale, y_zero_point=None):
+        call = fast.get(x, y_scale, y_zero_point, compiled_call)
+        if call is not None:
+            from ..compiled import quantize as compiled
+
+            layout, dtype, low, high, scales, zeros = call
+            out = np.empty(x.shape, dtype)
+            compiled.quantize(np.ascontiguousarray(x).reshape(layout), scales, zeros, low, high, out.reshape(layout))
+            return (out,)
+        target = _quantize_target(node, y_zero_point, output_dtype)
         scale = granularity.expand(y_scale, x.shape)
         zero = None if y_zero_point is None else granularity.expand(y_zero_point, x.shape)
         # The division runs at the precision attribute's type, else the scale's (float32 for float8e8m0).
@@ -267,21 +296,31 @@ def _dequantize_factory(node, *, per_axis=True, blocked=False, typed=False):
     granularity = _Granularity(node, per_axis=per_axis, blocked=blocked)
     output_dtype = _type_attr(node, "output_dtype", _DEQUANTIZED) if typed else None
 
+    fast = _FastPath()
+
+    def compiled_call(x, x_scale, x_zero_point):
+        """(layout, scales, zero points) of the compiled loop, or None."""
+        out = output_dtype or DataType.from_numpy(x_scale.dtype)
+        if x.dtype in _COMPILED_CODES and x_scale.dtype == _F32 and out is DataType.FLOAT:
+            layout = _layout(granularity, x, x_scale, x_zero_point)
+            if layout is not None:
+                return (layout, *_channel_params(x_scale, x_zero_point))
+        return None
+
     def kernel(x, x_scale, x_zero_point=None):
+        call = fast.get(x, x_scale, x_zero_point, compiled_call)
+        if call is not None:
+            from ..compiled import quantize as compiled
+
+            layout, scales, zeros = call
+            y = np.empty(x.shape, _F32)
+            compiled.dequantize(np.ascontiguousarray(x).reshape(layout), scales, zeros, y.reshape(layout))
+            return (y,)
         out = output_dtype or DataType.from_numpy(x_scale.dtype)
         if out not in _DEQUANTIZED:
             raise argument_error(
                 node, f"x_scale is {out.name}, which is no output type; set attribute 'output_dtype'"
             )
-        if x.dtype in _COMPILED_CODES and x_scale.dtype == _F32 and out is DataType.FLOAT:
-            layout = _layout(granularity, x, x_scale, x_zero_point)
-            if layout is not None:
-                from ..compiled import quantize as compiled
-
-                y = np.empty(x.shape, _F32)
-                compiled.dequantize(np.ascontiguousarray(x).reshape(layout), *_channel_params(x_scale, x_zero_point),
-                                    y.reshape(layout))
-                return (y,)
         scale = granularity.expand(x_scale, x.shape)
         zero = None if x_zero_point is None else granularity.expand(x_zero_point, x.shape)
         # Multiply in float32 and round once to the output type: a half-precision output gets the
