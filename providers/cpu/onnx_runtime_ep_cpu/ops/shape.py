@@ -102,12 +102,15 @@ def squeeze(node, shapes, opset):
     return _axes_reshape(_squeeze)
 
 
-def _axes_reshape(compute):
+def _axes_reshape(compute, layout=None):
     """``kernel(x, axes)`` for Squeeze/Unsqueeze: ``compute(x, axes)``'s shape, as a reshape of x. The axes
     are nearly always the same constant: the last (input shape, axes) -> output shape is kept (as one tuple:
     sessions may run from several threads), found by the axes' identity when they are read-only (see
-    frozen), else by their contents."""
+    frozen), else by their contents. ``layout(rank, axes)``, where given, says per output dimension which
+    input dimension it is (-1: an inserted 1); it is kept per rank for read-only axes, so a decode loop's
+    lengths, new every step, cost a tuple instead of the axes' normalization."""
     last: list = [(None, None, None)]
+    by_rank: list = [(None, None, None)]  # (axes, rank, layout)
 
     def kernel(x, axes=None):
         held, key, out = last[0]
@@ -115,6 +118,14 @@ def _axes_reshape(compute):
             return (x.reshape(out),)
         if not isinstance(axes, np.ndarray) or not isinstance(x, np.ndarray):
             return (compute(x, axes),)
+        if frozen(axes) and layout is not None:
+            entry = by_rank[0]
+            if entry[0] is not axes or entry[1] != x.ndim:
+                entry = by_rank[0] = (axes, x.ndim, layout(x.ndim, axes))
+            shape = x.shape
+            out = tuple([1 if source < 0 else shape[source] for source in entry[2]])
+            last[0] = (axes, shape, out)
+            return (x.reshape(out),)
         if frozen(axes):
             held, key = axes, x.shape
         else:
@@ -143,9 +154,17 @@ def unsqueeze_v1(node, shapes, opset):
     return lambda x: (_unsqueeze(x, axes),)
 
 
+def _unsqueeze_layout(rank: int, axes) -> tuple[int, ...]:
+    """Per output dimension of Unsqueeze(x of ``rank``, ``axes``): the input dimension it is, or -1 (inserted)."""
+    axes = np.asarray(axes).reshape(-1)
+    inserted = set(normalize_axes(axes, rank + axes.size))  # axes index the output
+    dims = iter(range(rank))
+    return tuple(-1 if i in inserted else next(dims) for i in range(rank + axes.size))
+
+
 @register("Unsqueeze", since=13)
 def unsqueeze(node, shapes, opset):
-    return _axes_reshape(_unsqueeze)
+    return _axes_reshape(_unsqueeze, _unsqueeze_layout)
 
 
 # -- Shape, Size, Expand, Tile ------------------------------------------------------------------------
