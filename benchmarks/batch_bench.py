@@ -53,7 +53,8 @@ def single_process(model, data, out, shard_rows, threads, runtime) -> float:
            "predictor": dict(model=model, intra_op_threads=threads, keep_columns=[], errors="record", runtime=runtime)}
     start = time.perf_counter()
     rows = sum(process_shard(job, shard)["rows"] for shard in source.shards(shard_rows))
-    return rows / (time.perf_counter() - start)
+    rate = rows / (time.perf_counter() - start)
+    return rate, rate
 
 
 def engine_run(engine, model, data, out, shard_rows, workers, threads, runtime, address) -> float:
@@ -62,7 +63,9 @@ def engine_run(engine, model, data, out, shard_rows, workers, threads, runtime, 
     summary = run_job(model, data, out, engine=engine, workers=workers, threads=threads, shard_rows=shard_rows,
                       address=address, progress=False, runtime=runtime)
     assert summary.processed_rows == summary.rows and not summary.failures, summary.as_dict()
-    return summary.rows_per_second
+    print(f"    start-up (to the first shard) {summary.first_shard_seconds:.1f} s, after it "
+          f"{summary.steady_rows_per_second:.1f} rows/s", flush=True)
+    return summary.rows_per_second, summary.steady_rows_per_second
 
 
 def main(argv=None) -> int:
@@ -106,12 +109,13 @@ def main(argv=None) -> int:
                 for label, engine, t in configs:
                     out = os.path.join(folder, f"out-{round_}-{runtime}-{len(results)}")
                     if engine is None:
-                        rate = single_process(args.model, data, out, args.shard_rows, t, runtime)
+                        rate, steady = single_process(args.model, data, out, args.shard_rows, t, runtime)
                     else:
-                        rate = engine_run(engine, args.model, data, out, args.shard_rows, workers, t, runtime,
+                        rate, steady = engine_run(engine, args.model, data, out, args.shard_rows, workers, t, runtime,
                                           addresses.get(engine))
                     shutil.rmtree(out, ignore_errors=True)
                     results.setdefault((runtime, label), []).append(rate)
+                    results.setdefault((runtime, label, "steady"), []).append(steady)
                     print(f"round {round_ + 1} {runtime:<13} {label:<32} {rate:9.1f} rows/s", flush=True)
         report(results, configs, cpus, args)
     finally:
@@ -132,8 +136,9 @@ def report(results, configs, cpus, args) -> None:
         print(f"{runtime}: best single process {best:.1f} rows/s")
         for label, engine, _ in configs:
             if engine is not None:
-                rate = median[(runtime, label)]
-                print(f"  {label:<32} {rate:9.1f} rows/s = {rate / best:.2f} x the best single process")
+                rate, steady = median[(runtime, label)], median[(runtime, label, "steady")]
+                print(f"  {label:<32} {rate:9.1f} rows/s = {rate / best:.2f} x the best single process; after "
+                      f"start-up {steady:9.1f} rows/s = {steady / best:.2f} x")
     print("onnx_runtime / onnxruntime, same configuration:")
     for label, _, _ in configs:
         print(f"  {label:<32} {median[('onnx_runtime', label)] / median[('onnxruntime', label)]:.2f}")

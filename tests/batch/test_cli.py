@@ -122,13 +122,13 @@ def test_a_killed_local_worker_is_replaced_and_its_shards_rerun(mlp, rows, parqu
         pids = _worker_pids(os.getpid())
         if pids:
             os.kill(pids[0], signal.SIGKILL)
-            killed.append(pids[0])
+            killed.append(sum(f.startswith("part-") for f in os.listdir(out)))
 
     killer = threading.Thread(target=kill_one_worker)
     killer.start()
     summary = run_job(mlp, parquet_data, str(out), workers=2, threads=1, shard_rows=10, progress=False)
     killer.join()
-    assert killed, "no worker to kill"
+    assert killed and killed[0] < 60, "no worker killed mid-job"
     assert summary.processed_rows == 600 and summary.failures == [] and summary.failed_shards == []
     assert_predictions(read_predictions(str(out)), rows, list(range(600)))
 
@@ -145,6 +145,7 @@ def test_an_interrupted_job_resumes_without_recomputing_finished_shards(mlp, row
         job.wait()
     before = {f: os.stat(out / f).st_mtime_ns for f in os.listdir(out) if f.startswith("part-")}
     assert 3 <= len(before) < 60, "the job was not interrupted mid-run"
+    (out / ".part-000059.12345.tmp").write_bytes(b"half a file")  # as a kill mid-write leaves one
     result = subprocess.run(command + ["--json"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)

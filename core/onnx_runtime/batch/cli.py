@@ -46,7 +46,8 @@ def cmd_batch(args) -> int:
     else:
         print(f"rows: {summary.rows} in {summary.shards} shards ({summary.skipped_shards} already written, skipped)")
         print(f"processed: {summary.processed_rows} rows in {summary.seconds:.2f} s, "
-              f"{summary.rows_per_second:,.1f} rows/s")
+              f"{summary.rows_per_second:,.1f} rows/s ({summary.steady_rows_per_second:,.1f} rows/s after the "
+              f"first shard, {summary.first_shard_seconds:.2f} s in)")
         print(f"failed rows: {len(summary.failures)}")
         for row_id, message in summary.failures[:20]:
             print(f"  row {row_id}: {message}")

@@ -51,15 +51,25 @@ class Summary:
     failures: list = field(default_factory=list)  # [row id, message]
     failed_shards: list = field(default_factory=list)  # [shard index, first row, rows, message]
     seconds: float = 0.0
+    first_shard_seconds: float = 0.0  # start-up: workers started, sessions created, first shard written
+    first_shard_rows: int = 0
 
     @property
     def rows_per_second(self) -> float:
         return self.processed_rows / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def steady_rows_per_second(self) -> float:
+        """Throughput after the first shard: the engine's rate once started, start-up excluded."""
+        span = self.seconds - self.first_shard_seconds
+        return (self.processed_rows - self.first_shard_rows) / span if span > 0 else 0.0
+
     def as_dict(self) -> dict:
         return {"rows": self.rows, "shards": self.shards, "skipped_shards": self.skipped_shards,
                 "processed_rows": self.processed_rows, "seconds": round(self.seconds, 3),
-                "rows_per_second": round(self.rows_per_second, 2), "failed_rows": len(self.failures),
+                "rows_per_second": round(self.rows_per_second, 2), "first_shard_seconds": round(
+                    self.first_shard_seconds, 3), "steady_rows_per_second": round(self.steady_rows_per_second, 2),
+                "failed_rows": len(self.failures),
                 "failures": self.failures, "failed_shards": self.failed_shards}
 
 
@@ -103,6 +113,9 @@ def _prepare_output(output: str, manifest: dict, overwrite: bool) -> None:
             for name in os.listdir(output):
                 if name.startswith(("part-", ".part-", "_summary")):
                     os.remove(os.path.join(output, name))
+    for name in os.listdir(output):  # temporaries of an interrupted run: their shards are not done
+        if name.startswith(".part-") and name.endswith(".tmp"):
+            os.remove(os.path.join(output, name))
     with open(path + ".tmp", "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
     os.replace(path + ".tmp", path)
@@ -148,6 +161,8 @@ def run_job(model: str, data: str, output: str, *, engine: str = "local", worker
 
     def finished(result: dict) -> None:
         bar.advance(result["rows"])
+        if not summary.first_shard_seconds:
+            summary.first_shard_seconds, summary.first_shard_rows = time.perf_counter() - start, result["rows"]
         if result["written"]:
             summary.processed_rows += result["rows"]
             summary.failures += [list(f) for f in result["failures"]]
