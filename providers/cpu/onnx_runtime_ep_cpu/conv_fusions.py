@@ -6,7 +6,7 @@ then reads and writes a whole feature map and allocates a new one. Fused, the Co
 takes the residual and the activation in place (see ``FusedConv`` in ops/conv.py), as onnxruntime's
 FusedConv does. The results are the same values: the same float operations run in the same order.
 
-- Conv [-> Add/Sum(other)] [-> Relu | Clip(constant bounds) | LeakyRelu]  ->  FusedConv
+- Conv [-> Add/Sum(other)] [-> Relu | Clip(constant bounds) | LeakyRelu | HardSwish]  ->  FusedConv
 - BatchNormalization (inference) -> Relu | Clip | LeakyRelu  ->  FusedBatchNormalization
 - Concat(axis=1) of convolutions read nowhere else  ->  a chain of FusedConv writing into one tensor
 - channel shuffle (Reshape -> Transpose -> Reshape) -> depthwise Conv  ->  FusedConv reading through it
@@ -22,7 +22,9 @@ from onnx_runtime.optimizer.rewrite import Uses, constant, remove_nodes
 
 from .fusions import FUSED_DOMAIN
 
-ACTIVATIONS = ("Relu", "Clip", "LeakyRelu")
+ACTIVATIONS = ("Relu", "Clip", "LeakyRelu", "HardSwish")
+# What FusedBatchNormalization applies (FusedConv also takes HardSwish: MobileNetV3's Conv -> HardSwish).
+_NORMALIZATION_ACTIVATIONS = ("Relu", "Clip", "LeakyRelu")
 
 
 def _plain(node: Node | None, *op_types: str) -> bool:
@@ -31,7 +33,7 @@ def _plain(node: Node | None, *op_types: str) -> bool:
 
 def activation_params(graph: Graph, node: Node) -> list[float] | None:
     """The constant parameters of an activation node, or None when they are not constants."""
-    if node.op_type == "Relu":
+    if node.op_type in ("Relu", "HardSwish"):
         return []
     if node.op_type == "LeakyRelu":
         return [float(node.attr("alpha", 0.01))]
@@ -87,7 +89,8 @@ class _Matcher:
         if _plain(node, *ACTIVATIONS):
             params = activation_params(self.graph, node)
             source = self.feeds_only(node.inputs[0], node) if params is not None else None
-            if _plain(source, "BatchNormalization") and _is_inference_batchnorm(source):
+            if _plain(source, "BatchNormalization") and _is_inference_batchnorm(source) \
+                    and _plain(node, *_NORMALIZATION_ACTIVATIONS):
                 return [source, node], self._fused("FusedBatchNormalization", source, node, params)
             if _residual_add(source) and self.conv_into(source) is not None:
                 add, source = source, None

@@ -12,6 +12,7 @@ from onnx.reference import ReferenceEvaluator
 from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu.algorithms import conv_direct, conv_path
 from onnx_runtime_ep_cpu.compiled import host
+from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
 from onnx_runtime_ep_cpu.ops import conv as conv_ops
 from test_compiled_epilogue import ACTIVATIONS, fused_and_unfused
 from test_packed_conv import GEOMETRIES
@@ -186,3 +187,61 @@ def test_fused_depthwise_lanes_are_conv_then_epilogue_exactly(lanes_depthwise, g
     z = rng.standard_normal(conv_out.shape, dtype=np.float32) if with_residual else None
     got, expected = fused_and_unfused(x, w, b, z, attrs, kind, params, conv_out, bias_first=z is None)
     np.testing.assert_array_equal(got, expected)
+
+
+def _hard_swish_node(x):
+    """The HardSwish operator's own kernel on x."""
+    from onnx_runtime_ep_cpu.registry import lookup
+
+    return lookup("HardSwish", "", 14)(Node("HardSwish", ["x"], ["y"], opset=14), None, 14)(x)[0]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("with_bias,with_residual", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("geometry", ["3x3 same", "stem 7x7/2 on 64x64", "1x1 on 2x2", "groups", "depthwise"])
+def test_fused_hard_swish_is_conv_then_hard_swish_exactly(direct_everywhere, geometry, dtype, with_bias,
+                                                          with_residual):
+    """MobileNetV3's Conv -> HardSwish fused: the direct tiles apply it as they store, the other paths
+    (depthwise, float64, few outputs per group) after the convolution; bit for bit the two nodes."""
+    if geometry == "depthwise":
+        rng, x, w, b, attrs = _depthwise_inputs("5x5 s2, 13 channels", 6, with_bias)
+    else:
+        rng, x, w, b, attrs = _inputs(geometry, 6, with_bias)
+    x, w = x.astype(dtype), w.astype(dtype)
+    b = None if b is None else b.astype(dtype)
+    (conv_out,) = conv_ops.conv(Node("Conv", ["x", "w", "b"], ["y"], attrs=attrs, opset=13), None, 13)(x, w, b)
+    z = rng.standard_normal(conv_out.shape).astype(dtype) if with_residual else None
+    if z is not None:
+        z.reshape(-1)[:3] = [np.nan, -np.inf, np.inf]
+    expected = _hard_swish_node(conv_out if z is None else conv_out + z)
+    node = Node("FusedConv", ["x", "w", "b", "z"], ["y"], domain=FUSED_DOMAIN,
+                attrs=dict(attrs, activation="HardSwish", activation_params=[]), opset=1)
+    (got,) = conv_ops.fused_conv(node, None, 1)(x, w, b, z)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_conv_then_hard_swish_fuses_and_matches_onnxruntime(monkeypatch):
+    import onnx_runtime
+    import onnxruntime
+    from onnx import TensorProto, numpy_helper
+
+    rng = np.random.default_rng(11)
+    w = numpy_helper.from_array(rng.standard_normal((24, 8, 3, 3), dtype=np.float32), "w")
+    b = numpy_helper.from_array(rng.standard_normal(24, dtype=np.float32), "b")
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("HardSwish", ["c"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 15, 13])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w, b])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    x = rng.standard_normal((1, 8, 15, 13), dtype=np.float32)
+    fused = []
+    real = conv_direct.DirectConv.run
+    monkeypatch.setattr(conv_direct.DirectConv, "run", lambda self, *args: fused.append(args[5:6] == (True,))
+                        or real(self, *args))
+    monkeypatch.setattr(conv_path, "packed_conv_applies", lambda geo, group, x: False)
+    session = onnx_runtime.InferenceSession(model, providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"x": x})
+    assert fused == [True]  # one FusedConv, HardSwish applied by the tiles
+    (expected,) = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

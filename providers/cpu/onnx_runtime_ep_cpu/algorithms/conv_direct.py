@@ -74,21 +74,22 @@ class DirectConv:
     def __call__(self, x, w, b, finish, out=None):
         """conv_path's compute: the convolution, with ``finish`` (an _Epilogue) applied as it is stored."""
         if finish is None:
-            return self.run(x, w, b, None, _IDENTITY_BOUNDS, out)
+            return self.run(x, w, b, None, _IDENTITY_BOUNDS, False, out)
         residual = finish.residual if finish.residual.size else None
-        return self.run(x, w, finish.bias, residual, finish.bounds, out)
+        return self.run(x, w, finish.bias, residual, finish.bounds, False, out)
 
-    def run(self, x, w, b, residual, bounds, out=None):
+    def run(self, x, w, b, residual, bounds, hard_swish=False, out=None):
         """The convolution of float32 x by w, + b (None or empty: none), + ``residual`` (the output's shape,
         or None) and the activation ``bounds`` (epilogue.activation_bounds), into ``out`` (C-contiguous)
-        or a new array: a FusedConv calls this straight (ops/conv.py), without an _Epilogue."""
+        or a new array, then HardSwish where ``hard_swish``: a FusedConv calls this straight (ops/conv.py),
+        without an _Epilogue."""
         kernel = self._kernel
         held, weights = self._weights_held  # one read: another thread may swap in a new pair meanwhile
         if held is not w:
             weights = self._prepared.get("direct_tiles", (w,), lambda: kernel.pack_weights(w, self._group))
             if not w.flags.writeable:
                 self._weights_held = (w, weights)
-        flags = kernel.BIAS if b is not None and b.size else 0
+        flags = (kernel.BIAS if b is not None and b.size else 0) | (kernel.HARD_SWISH if hard_swish else 0)
         if residual is None:
             residual = self._no_residual
         else:

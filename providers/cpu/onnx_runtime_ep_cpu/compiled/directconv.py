@@ -31,7 +31,10 @@ _MASK = ir.VectorType(ir.IntType(1), LANES)
 _NUMBERS = ir.Constant(_INDEX, list(range(LANES)))
 _ALIGN = ir.Constant(llvm.I32, 4)
 _ZEROS = ir.Constant(_VEC, [0.0] * LANES)
-BIAS, RESIDUAL = 1, 2  # conv_direct's flags
+_ONES = ir.Constant(_VEC, [1.0] * LANES)
+_SIXTH = ir.Constant(_VEC, [float(np.float32(1 / 6))] * LANES)
+_HALF = ir.Constant(_VEC, [0.5] * LANES)
+BIAS, RESIDUAL, HARD_SWISH = 1, 2, 4  # conv_direct's flags
 
 
 def pack_weights(w: np.ndarray, group: int) -> np.ndarray:
@@ -153,16 +156,28 @@ def _row_io(builder, full: bool, lanes):
     return load, store
 
 
-def _emit_stores(builder, rows: list, residual: bool, bounds, row_io, y_ptr, res_ptr, at, plane, channels) -> None:
+def _emit_stores(builder, rows: list, residual: bool, bounds, hard, row_io, y_ptr, res_ptr, at, plane,
+                 channels) -> None:
     """Store the 16 channel rows ``rows`` (pixels along the lanes) from y[at], ``plane`` apart: channels
-    below ``channels`` only, with the residual added and the activation applied where ``residual``."""
+    below ``channels`` only, with the residual added and the activation (then HardSwish where ``hard``)
+    applied where ``residual``."""
     load, store = row_io
     for c, v in enumerate(rows):
         with builder.if_then(builder.icmp_signed("<", _const(c), channels)):
             row = builder.add(at, builder.mul(_const(c), plane))
             if residual:
-                v = _activated(builder, builder.fadd(v, load(builder.gep(res_ptr, [row]))), bounds)
+                v = _hard_swished(builder, _activated(builder, builder.fadd(v, load(builder.gep(res_ptr, [row]))),
+                                                      bounds), hard)
             store(v, builder.gep(y_ptr, [row]))
+
+
+def _hard_swished(builder, v, on):
+    """v * min(max(v * (1/6) + 1/2, 0), 1) where ``on`` (an i1), else v: the HardSwish kernel's float32
+    operations in its order (separate multiply and add: no fused rounding)."""
+    gate = builder.fadd(builder.fmul(v, _SIXTH), _HALF)
+    gate = builder.select(builder.fcmp_ordered("<", gate, _ZEROS), _ZEROS, gate)
+    gate = builder.select(builder.fcmp_ordered(">", gate, _ONES), _ONES, gate)
+    return builder.select(on, builder.fmul(v, gate), v)
 
 
 def _emit_tile(builder, pointers: tuple, values: tuple) -> None:
@@ -174,6 +189,7 @@ def _emit_tile(builder, pointers: tuple, values: tuple) -> None:
     sums = _emit_sums(builder, w_ptr, x_ptr, taps_ptr, start, depth, stride)
     with_bias = builder.icmp_signed("!=", builder.and_(flags, _const(BIAS)), _const(0))
     with_residual = builder.icmp_signed("!=", builder.and_(flags, _const(RESIDUAL)), _const(0))
+    hard = builder.icmp_signed("!=", builder.and_(flags, _const(HARD_SWISH)), _const(0))
     bounds = [_splat(builder, builder.load(builder.gep(bounds_ptr, [_const(i)]))) for i in range(3)]
     lanes = builder.icmp_signed("<", _NUMBERS, _splat(builder, builder.trunc(pixels, llvm.I32), _INDEX))
     biased = []  # per half, per pixel: its 8 channels' sums, bias added (adding zero turns -0.0 into +0.0)
@@ -188,15 +204,16 @@ def _emit_tile(builder, pointers: tuple, values: tuple) -> None:
         with builder.if_then(builder.icmp_signed("==", with_residual, ir.Constant(ir.IntType(1), residual))):
             rows = []
             for h in range(2):
-                vectors = biased[h] if residual else [_activated(builder, v, bounds) for v in biased[h]]
+                vectors = biased[h] if residual else [_hard_swished(builder, _activated(builder, v, bounds), hard)
+                                                      for v in biased[h]]
                 rows += _transposed(builder, vectors + [_ZEROS] * (LANES - PIXELS))
             with builder.if_else(full) as (whole, part):
                 with whole:
-                    _emit_stores(builder, rows, residual, bounds, _row_io(builder, True, lanes), y_ptr, res_ptr, at,
-                                 plane, channels)
+                    _emit_stores(builder, rows, residual, bounds, hard, _row_io(builder, True, lanes), y_ptr,
+                                 res_ptr, at, plane, channels)
                 with part:
-                    _emit_stores(builder, rows, residual, bounds, _row_io(builder, False, lanes), y_ptr, res_ptr, at,
-                                 plane, channels)
+                    _emit_stores(builder, rows, residual, bounds, hard, _row_io(builder, False, lanes), y_ptr,
+                                 res_ptr, at, plane, channels)
 
 
 @intrinsic

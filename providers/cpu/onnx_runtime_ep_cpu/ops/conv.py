@@ -37,6 +37,16 @@ def conv(node, shapes, opset):
 _NO_ACTIVATION = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)  # activation bounds of none
 
 
+def _hard_swish_in_place(y: np.ndarray) -> None:
+    """HardSwish (y * clip(y / 6 + 1 / 2, 0, 1)) in place: the HardSwish kernel's operations, in y's dtype."""
+    gate = np.multiply(y, y.dtype.type(1 / 6))
+    gate += y.dtype.type(0.5)
+    np.maximum(gate, y.dtype.type(0), out=gate)
+    np.minimum(gate, y.dtype.type(1), out=gate)
+    with np.errstate(invalid="ignore"):  # inf * 0 is NaN, as in the HardSwish kernel
+        y *= gate
+
+
 def _conv_resolver(node, shapes):
     """``resolve(x, w, b) -> (path, out_shape)``: the node's convolution path for these inputs'
     signature (see conv_path), chosen on the first call with that signature and kept."""
@@ -147,9 +157,13 @@ def fused_conv(node, shapes, opset):
     the output as the convolution writes it (see _Epilogue); other dtypes, and residuals that only
     broadcast to the output, take numpy passes in place after the convolution."""
     resolve = _conv_resolver(node, shapes)
-    activate = in_place_activation(node)
-    prepare = _compiled_epilogue(node)
-    bounds = prepare.float32_bounds
+    hard_swish = node.attr("activation") == "HardSwish"
+    if hard_swish:  # the direct tiles apply it as they store; other paths after, in numpy
+        activate, prepare, bounds = _hard_swish_in_place, None, _NO_ACTIVATION
+    else:
+        activate = in_place_activation(node)
+        prepare = _compiled_epilogue(node)
+        bounds = prepare.float32_bounds
     concat = node.attr("concat_channels")
     shuffled = _ChannelShuffle(node) if node.attr("shuffle_shape") is not None else None
 
@@ -163,10 +177,10 @@ def fused_conv(node, shapes, opset):
         direct = path.direct
         if direct is not None and shuffle is None and out is None and (z is None or (
                 z.shape == out_shape and z.dtype == x.dtype)):
-            return direct.run(x, w, b, z, bounds)
+            return direct.run(x, w, b, z, bounds, hard_swish)
         if activate is None and z is None:  # the Conv itself (into a Concat, or through a shuffle)
             return path(x, w, b, None, out, shuffle)
-        if takes_compiled(x) and (z is None or (z.shape == out_shape and z.dtype == x.dtype)):
+        if prepare is not None and takes_compiled(x) and (z is None or (z.shape == out_shape and z.dtype == x.dtype)):
             return path(x, w, None, prepare(b, z, x.dtype), out, shuffle)
         y = path(x, w, b, None, None, shuffle)  # a fresh array, so it may be overwritten
         if z is not None:
