@@ -59,7 +59,7 @@ later = sess.run(None, feeds)
 loops = [l for l in deferred._loops if l._dispatcher is not None]
 report.update(
     errors=errors, runs=len(outputs), ready=deferred.state.ready,
-    switched=sum(l._target is l._dispatcher for l in loops),
+    switched=sum(l.switched for l in loops),
     first_vs_oracle=max(float(np.max(np.abs(a - b)) / (1 + np.max(np.abs(b)))) for a, b in zip(first, oracle)),
     later_vs_first=max(float(np.max(np.abs(a - b)) / (1 + np.max(np.abs(b)))) for a, b in zip(later, first)),
     threads_vs_first=max([float(np.max(np.abs(a - b)) / (1 + np.max(np.abs(b))))

@@ -22,6 +22,7 @@ joined: LLVM must not be mid-call while the interpreter tears down.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import sys
 import threading
@@ -87,6 +88,10 @@ def wait_ready(timeout: float | None = None) -> bool:
     return state.ready or thread is None
 
 
+def _unbuilt(*args):
+    raise RuntimeError("a compiled loop was called before its construction finished")
+
+
 def _describe(value):
     """What numba's typeof needs of an argument, without keeping the argument alive; None if unknown."""
     if isinstance(value, np.ndarray):
@@ -98,26 +103,30 @@ def _describe(value):
     return None
 
 
-class Loop:
-    """A compiled loop: calls go to numba's dispatcher once built, or to the numpy equivalent while deferring."""
+class Loop(functools.partial):
+    """A compiled loop: calls go to numba's dispatcher once built, or to the numpy equivalent while deferring.
 
-    def __init__(self, function, build):
+    A partial without arguments, so that a call reaches its target (``func``) in C: a Python ``__call__``
+    would add a frame to every call of a compiled kernel (a third of a small loop's dispatch). Switching
+    swaps the target (``__setstate__``); the first target stays referenced, as a call may be inside it."""
+
+    def __new__(cls, function, build):
+        self = super().__new__(cls, _unbuilt)
         self.py_func = function
         self._build_dispatcher = build  # function -> numba dispatcher (compiled/__init__.py's settings)
         self._dispatcher = None
         self._generic = False  # not looked up yet
         self._signatures: set = set()
-        self._target = self._first
+        self._first_call = self._first
         self.__name__ = function.__name__
         self.__qualname__ = function.__qualname__
         self.__module__ = function.__module__
         self.__doc__ = function.__doc__
         self.__wrapped__ = function
+        self.switch(self._first_call)
         with _lock:
             _loops.append(self)
-
-    def __call__(self, *args):
-        return self._target(*args)
+        return self
 
     def __getattr__(self, name):
         # numba's own attributes (stats, signatures, ...) once the dispatcher exists; never builds it
@@ -163,7 +172,7 @@ class Loop:
                 self._record(args)
                 return generic(*args)
         target = self.dispatcher()
-        self._target = target
+        self.switch(target)
         return target(*args)
 
     def pending(self) -> bool:
@@ -187,8 +196,14 @@ class Loop:
                     pass
         return dispatcher
 
-    def switch(self, dispatcher) -> None:
-        self._target = dispatcher
+    def switch(self, target) -> None:
+        """Calls go to ``target`` from now on."""
+        self.__setstate__((target, (), None, self.__dict__))
+
+    @property
+    def switched(self) -> bool:
+        """Calls go to numba's dispatcher."""
+        return self._dispatcher is not None and self.func is self._dispatcher
 
     def _record(self, args) -> None:
         callers = state.callers
