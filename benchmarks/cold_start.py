@@ -4,10 +4,12 @@
 
 Each sample is a new interpreter (this script again, ``--worker``) that builds its feeds with numpy, then
 imports the runtime, creates a session (one intra-op thread, CPU provider) and runs every call of the model
-once; ours and onnxruntime's processes alternate, and the table shows medians. Times are CPU time of the
-process (``time.process_time``: all threads, so a compiling or spinning helper counts), which a loaded host
-disturbs far less than wall time; the wall time of creation + first run is shown beside. Peak RSS is
-``ru_maxrss``. The last column lists the heavy packages the process had loaded at the end (numba, llvmlite,
+once; ours and onnxruntime's processes alternate, and the table shows medians. By default our first runs
+are served by numpy while numba loads in the background (the CPU provider's default; a worker usually exits
+before that loader starts); ``--no-background`` measures loading numba inside the first run instead. Times
+are CPU time of the process (``time.process_time``: all threads, so a compiling or spinning helper counts),
+which a loaded host disturbs far less than wall time; the wall time of creation + first run is shown beside.
+Peak RSS is ``ru_maxrss``. The last column lists the heavy packages the process had loaded at the end (numba, llvmlite,
 cuda-python, ml_dtypes), which is what most of our cold cost is.
 
 Models are zoo models (benchmarks/.models/zoo, scripts/build_zoo.sh; a decoder's calls run in the manifest's
@@ -79,9 +81,12 @@ def worker(runtime: str, path: str, calls: list[list[dict]]) -> dict:
             "loaded": [m for m in HEAVY if m in sys.modules]}
 
 
-def sample(runtime: str, path: str, calls: list[list[dict]]) -> dict:
+def sample(runtime: str, path: str, calls: list[list[dict]], background: bool = True) -> dict:
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", runtime, path, json.dumps(calls)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=HERE)
+    env = dict(os.environ)
+    if not background:
+        env["ONNX_RUNTIME_COMPILE_IN_BACKGROUND"] = "0"
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=HERE, env=env)
     if done.returncode:
         raise SystemExit(f"{runtime} on {path} failed: {done.stderr.strip()[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -92,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated zoo or light CNN names")
     parser.add_argument("--repeat", type=int, default=5, help="fresh processes per runtime and model (default 5)")
     parser.add_argument("--json", type=Path, help="write every sample here")
+    parser.add_argument("--no-background", action="store_true",
+                        help="load numba inside the first run, as before (ONNX_RUNTIME_COMPILE_IN_BACKGROUND=0)")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -100,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sys.path.insert(0, str(HERE))
     print(f"# cold_start {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, load {os.getloadavg()[0]:.2f}, "
-          f"{args.repeat} fresh processes each; CPU ms (wall ms for creation + first run), medians")
+          f"{args.repeat} fresh processes each; CPU ms (wall ms for creation + first run), medians; compiled loops "
+          f"{'loaded inside the first run' if args.no_background else 'loaded in the background (numpy first)'}")
     print("| model | import ours / ort | create ours / ort | first run ours / ort | create + first ours / ort "
           "(ratio) | wall ours / ort | peak RSS MB ours / ort (ratio) | loaded (ours) |")
     print("|---|---|---|---|---|---|---|---|")
@@ -110,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, list[dict]] = {"ours": [], "ort": []}
         for i in range(args.repeat):
             for runtime in (("ours", "ort") if i % 2 == 0 else ("ort", "ours")):
-                runs[runtime].append(sample(runtime, path, calls))
+                runs[runtime].append(sample(runtime, path, calls, not args.no_background))
         everything[name] = runs
 
         def med(runtime: str, *keys: str, scale: float = 1e3, runs: dict = runs) -> float:
