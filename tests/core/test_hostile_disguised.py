@@ -208,3 +208,21 @@ def test_a_tensor_attribute_of_a_node_without_a_schema_is_checked_too():
     node = helper.make_node("NoSuchOp", ["x"], ["y"], domain="custom.domain", axis=tensor)
     _raised(InvalidGraphError, r"'axis''s tensor has element type 0",
             lambda: _session([node], [vi("x", shape=[1])], domain_opsets=[("custom.domain", 1)]))
+
+
+def test_conv_integer_weight_of_too_low_rank_is_refused():
+    s = _session([helper.make_node("ConvInteger", ["x", "w"], ["y"], name="ci")],
+                 [vi("x", TensorProto.UINT8, None), vi("w", TensorProto.UINT8, None)],
+                 [vi("y", TensorProto.INT32)], opset=10)
+    _raised(InvalidArgumentError, r"'ci' \(ConvInteger\).*weight \(\) must have one rank of at least 3",
+            lambda: s.run(None, {"x": np.ones((1, 1, 3, 3), np.uint8), "w": np.array(1, np.uint8)}))
+
+
+def test_an_empty_constant_of_shape_numpy_cannot_size_is_left_to_the_run():
+    # ConstantOfShape([2**62, 2**62, 0]) holds nothing, but numpy refuses the shape: folding raised ValueError
+    # out of session creation (an untyped error).
+    shape = numpy_helper.from_array(np.array([2**62, 2**62, 0], np.int64), "s")
+    nodes = [helper.make_node("ConstantOfShape", ["s"], ["c"]), helper.make_node("Shape", ["c"], ["y"])]
+    session = _session(nodes, [], [vi("y", TensorProto.INT64)], initializers=[shape])
+    with pytest.raises(OnnxRuntimeError):
+        session.run(None, {})

@@ -246,6 +246,8 @@ def _filled_value(node: Node, scope: _Scope) -> np.ndarray | None:
         return None
     if _generated_bytes(node, [shape]) > MAX_GENERATED_BYTES:
         return None  # and _fold does not evaluate it either: the kernel makes it at the run
+    if any(d > MAX_GENERATED_BYTES for d in shape.tolist()):
+        return None  # empty, but numpy cannot size it (2**62 x 2**62 x 0): the kernel reports it at the run
     return np.full([int(d) for d in shape], fill.reshape(-1)[0], dtype=fill.dtype)
 
 

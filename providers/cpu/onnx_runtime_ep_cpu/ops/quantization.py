@@ -504,6 +504,9 @@ def integer_conv(node, shapes, opset):
         return wc
 
     def run(x, w, x_zero_point, w_zero_point, quantize=None):
+        if w.ndim < 3 or x.ndim != w.ndim:
+            raise argument_error(node, f"input {x.shape} and weight {w.shape} must have one rank of at least 3 "
+                                       f"(batch or output channels, channels, spatial axes)")
         if x_zero_point is not None and x_zero_point.size != 1:
             raise argument_error(node, f"x_zero_point has shape {x_zero_point.shape}; expected a scalar")
         x_zero = None if x_zero_point is None else x_zero_point.reshape(())
