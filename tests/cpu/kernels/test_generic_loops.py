@@ -102,6 +102,14 @@ def _conv_cases():
         cases.append((c + "epilogue.bias_residual_activation", (y, _r(3), _r(2, 3, 20), bounds, 4, 17)))
     relu = activation_bounds(RELU, None, F32)
     cases.append((c + "epilogue.bias_residual_activation", (_r(2, 3, 20), _e(1), _e(3), relu, 0, 20)))
+    for kind, params in ((NONE, (0, 0)), (RELU, (0, 0)), (CLIP, (-0.5, 0.7)), (LEAKY_RELU, (0.1, 0))):
+        x = _r(2, 3, 20)
+        x[1, 2, 5] = np.nan
+        cases.append((c + "epilogue.channel_affine", (x, _r(3), _r(3), np.empty((2, 3, 20), F32), kind,
+                                                      np.array(params, F32))))
+    for size, before in ((5, 2), (4, 1)):
+        cases.append((c + "lrn.lrn_base", (_r(2, 7, 10), np.empty((2, 7, 10), F32), size, before, F32(2e-5),
+                                           F32(1.0))))
     cases.append((c + "pooling.plane_means", (_r(6, 49), np.empty(6, F32), F32(49))))
     for is_max in (True, False):
         # 3x3 stride 2 pad 1 (counted: the input alone); 2x2 stride 2; a global window

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .epilogue import CLIP, LEAKY_RELU, RELU
+
 
 def _rows_like(values: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``values`` (M,) shaped to be stored into the first M entries of ``out`` (1-D, or (M, 1))."""
@@ -174,6 +176,31 @@ def bias_residual_activation(y, bias, residual, bounds, first, end):
     y[:, :, first:end] = np.where(part > high, high, part)
 
 
+def channel_affine(x, factor, shift, out, kind, params):
+    values = x * factor[None, :, None] + shift[None, :, None]
+    # compiled/epilogue._activate_row: comparisons with NaN are false, so NaN passes through
+    if kind == RELU:
+        values = np.where(values < 0, values.dtype.type(0), values)
+    elif kind == CLIP:  # max then min, so the upper bound wins where low > high
+        values = np.where(values < params[0], params[0], values)
+        values = np.where(values > params[1], params[1], values)
+    elif kind == LEAKY_RELU:
+        values = np.where(values < 0, values * params[0], values)
+    out[...] = values
+
+
+def lrn_base(x, base, size, before, scale, bias):
+    channels = x.shape[1]
+    squares = x * x
+    total = np.zeros(x.shape, x.dtype)
+    for c in range(channels):  # the window's channels summed in order, as the loop does
+        lo, hi = max(0, c - before), min(channels, c - before + size)
+        total[:, c] = squares[:, lo]
+        for k in range(lo + 1, hi):
+            total[:, c] += squares[:, k]
+    base[...] = bias + scale * total
+
+
 def plane_means(x, y, divisor):
     y[...] = x.sum(axis=1) / divisor
 
@@ -222,6 +249,8 @@ GENERIC = {
     _COMPILED + "im2col.fill_columns": fill_columns,
     _COMPILED + "im2col.fill_tight_columns": fill_tight_columns,
     _COMPILED + "epilogue.bias_residual_activation": bias_residual_activation,
+    _COMPILED + "epilogue.channel_affine": channel_affine,
+    _COMPILED + "lrn.lrn_base": lrn_base,
     _COMPILED + "pooling.plane_means": plane_means,
     _COMPILED + "pooling.pool_2d": pool_2d,
 }
