@@ -120,28 +120,40 @@ def depthwise_lanes_apply(geo: Geometry, x: np.ndarray, m: int) -> bool:
     return host.AVX2 and not host.AVX512
 
 
-def lanes_depthwise(geo: Geometry, prepared: Prepared):
-    """``compute(x, w, b, finish)`` by compiled/depthwise_lanes.py: the bias and activation of ``finish``
-    (an _Epilogue, or None) applied as each tile is stored, a residual added after."""
-    from ..compiled import depthwise_lanes as kernel
+class LanesDepthwise:
+    """compiled/depthwise_lanes.py for one geometry: ``__call__(x, w, b, finish)`` for conv_path (the bias
+    and activation of ``finish``, an _Epilogue or None, applied as each tile is stored, a residual added
+    after), ``run`` for a FusedConv without a residual (ops/conv.py calls it straight)."""
 
-    (kh, kw), (sh, sw), (dh, dw), (oh, ow) = geo.kernel, geo.strides, geo.dilations, geo.out
-    padded = ((oh - 1) * sh + (kh - 1) * dh + 1, (ow - 1) * sw + (kw - 1) * dw + 1)
-    offsets = kernel.tap_offsets(kh, kw, dh, dw, padded[1])
-    no_bias = np.empty(0, dtype=np.float32)
-    identity = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)
+    takes_residual = False
 
-    def compute(x, w, b, finish):
-        weights = prepared.get("depthwise_lanes", (w,), lambda: kernel.pack_weights(w))
-        bounds, residual = identity, finish is not None and finish.residual.size > 0
-        if finish is not None and not residual:  # (with a residual, finish adds the bias after it)
-            bounds, b = finish.bounds, finish.bias
-        bias = no_bias if b is None or not b.size else b.astype(np.float32, copy=False).reshape(-1)
-        y = np.empty((x.shape[0], x.shape[1], oh, ow), dtype=np.float32)
-        kernel.conv_depthwise(np.ascontiguousarray(x), weights, offsets, bias, bounds, y, sh, sw, *geo.begin,
-                              *padded)
-        if residual:
-            finish.rows(y.reshape(y.shape[0], y.shape[1], -1), 0, oh * ow)
+    def __init__(self, geo: Geometry, prepared: Prepared):
+        from ..compiled import depthwise_lanes
+
+        self._kernel, self._prepared = depthwise_lanes, prepared
+        (kh, kw), (sh, sw), (dh, dw), (oh, ow) = geo.kernel, geo.strides, geo.dilations, geo.out
+        padded = ((oh - 1) * sh + (kh - 1) * dh + 1, (ow - 1) * sw + (kw - 1) * dw + 1)
+        self._geometry = (sh, sw, *geo.begin, *padded)
+        self._offsets = depthwise_lanes.tap_offsets(kh, kw, dh, dw, padded[1])
+        self._out, self._pixels = geo.out, oh * ow
+        self._no_bias = np.empty(0, dtype=np.float32)
+        self._identity = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)
+
+    def __call__(self, x, w, b, finish):
+        if finish is None:
+            return self.run(x, w, b, None, self._identity)
+        if finish.residual.size:  # finish adds the bias after the residual
+            y = self.run(x, w, None, None, self._identity)
+            finish.rows(y.reshape(y.shape[0], y.shape[1], -1), 0, self._pixels)
+            return y
+        return self.run(x, w, finish.bias, None, finish.bounds)
+
+    def run(self, x, w, b, residual, bounds, hard_swish=False):
+        """activation(the convolution + b) (then HardSwish where ``hard_swish``); ``residual`` must be None."""
+        kernel = self._kernel
+        weights = self._prepared.get("depthwise_lanes", (w,), lambda: kernel.pack_weights(w))
+        bias = self._no_bias if b is None or not b.size else b.astype(np.float32, copy=False).reshape(-1)
+        y = np.empty((x.shape[0], x.shape[1], *self._out), dtype=np.float32)
+        kernel.conv_depthwise(x if x.flags.c_contiguous else np.ascontiguousarray(x), weights, self._offsets, bias,
+                              bounds, y, *self._geometry, hard_swish)
         return y
-
-    return compute

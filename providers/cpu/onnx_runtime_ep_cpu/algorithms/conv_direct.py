@@ -36,6 +36,8 @@ class DirectConv:
     """One geometry's tiled direct convolution: weights packed once per constant array, the bias padded
     to whole tiles once per constant array, and a FusedConv's epilogue applied as each tile is stored."""
 
+    takes_residual = True  # (run adds one)
+
     def __init__(self, geo: Geometry, group: int, x_shape, w_shape, prepared: Prepared):
         from ..compiled import directconv
 

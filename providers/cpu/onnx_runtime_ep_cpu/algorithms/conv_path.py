@@ -27,11 +27,11 @@ from .conv_blas import (
     winograd_weights,
 )
 from .conv_depthwise import (
+    LanesDepthwise,
     compiled_depthwise,
     conv_depthwise,
     depthwise_compiles,
     depthwise_lanes_apply,
-    lanes_depthwise,
 )
 from .conv_direct import DirectConv, direct_tiles_apply
 from .conv_packed import PackedConv, packed_conv_applies
@@ -153,7 +153,7 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
         compute = DirectConv(geo, group, x.shape, w.shape, prepared)
         blocks = True
     elif group == c and group > 1 and depthwise_lanes_apply(geo, x, m):
-        compute = lanes_depthwise(geo, prepared)
+        compute = LanesDepthwise(geo, prepared)
         blocks = True
     elif group == c and group > 1 and depthwise_compiles(geo, x):
         compute = compiled_depthwise(geo, m, prepared, dtype)
@@ -205,9 +205,9 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
                 finish.rows(y.reshape(n, m, math.prod(geo.out)), 0, math.prod(geo.out))
         return y.reshape(out_shape).astype(x.dtype, copy=False)
 
-    # The tiled direct convolution, for callers that pass its bias, residual and activation straight
+    # The direct tiles (and depthwise lanes), for callers that pass bias, residual and activation straight
     # (a call costs a few microseconds of Python less than through ``path``).
-    path.direct = compute if isinstance(compute, DirectConv) else None
+    path.direct = compute if isinstance(compute, (DirectConv, LanesDepthwise)) else None
     return path
 
 

@@ -92,27 +92,37 @@ def _fill(x, at, count, plane, width, buffer, top, left, padded_height, padded_w
                 buffer[row + q * np.uint64(LANES)] = x[source + q]
 
 
+_SIXTH, _HALF, _ZERO, _ONE = np.float32(1 / 6), np.float32(0.5), np.float32(0), np.float32(1)
+
+
 @_inline
-def _store(tile, y, at, plane, count, pixels, bias, with_bias, low, high, slope):
+def _store(tile, y, at, plane, count, pixels, bias, with_bias, low, high, slope, hard_swish):
     """The tile's ``pixels`` x ``count`` channels to flat y from ``at`` (planes ``plane`` apart), with the
-    bias and activation."""
+    bias and activation, then HardSwish where ``hard_swish`` (the HardSwish kernel's float32 operations)."""
     for lane in range(count):
-        b = bias[lane] if with_bias else np.float32(0)
+        b = bias[lane] if with_bias else _ZERO
         row = at + lane * plane
         for p in range(pixels):
             v = tile[p * LANES + lane]
             if with_bias:
                 v += b
-            y[row + p] = activate(v, low, high, slope)
+            v = activate(v, low, high, slope)
+            if hard_swish:
+                gate = v * _SIXTH + _HALF
+                gate = _ZERO if gate < _ZERO else gate
+                v = v * (_ONE if gate > _ONE else gate)
+            y[row + p] = v
 
 
 @jit
-def conv_depthwise(x, weights, offsets, bias, bounds, y, sh, sw, top, left, padded_height, padded_width):
+def conv_depthwise(x, weights, offsets, bias, bounds, y, sh, sw, top, left, padded_height, padded_width,
+                   hard_swish):
     """y (N, C, OH, OW) = activation(the depthwise convolution of float32 x (N, C, H, W) by ``weights``
     (pack_weights) + ``bias`` (C,; empty: none)), over the padded image (``padded_height`` x
     ``padded_width``, x at ``top``/``left``) with window taps at ``offsets`` (tap_offsets); ``bounds``
-    as epilogue.activation_bounds. A row's last tile is shifted back to end at its end where the row
-    holds a tile; narrower rows compute past their end (into the buffer's margin) and store their own."""
+    as epilogue.activation_bounds, then HardSwish where ``hard_swish``. A row's last tile is shifted back
+    to end at its end where the row holds a tile; narrower rows compute past their end (into the buffer's
+    margin) and store their own."""
     channels, oh, ow = x.shape[1], y.shape[2], y.shape[3]
     plane, out_plane = x.shape[2] * x.shape[3], oh * ow
     flat_x, flat_y = x.reshape(-1), y.reshape(-1)
@@ -135,4 +145,4 @@ def conv_depthwise(x, weights, offsets, bias, bounds, y, sh, sw, top, left, padd
                     ox = min(ox, ow - pixels)
                     _tile(w, buffer, (oy * sh * padded_width + ox * sw) * LANES, offsets, depth, sw * LANES, tile)
                     _store(tile, flat_y, (n * channels + first) * out_plane + oy * ow + ox, out_plane, count,
-                           pixels, block_bias, with_bias, low, high, slope)
+                           pixels, block_bias, with_bias, low, high, slope, hard_swish)

@@ -176,7 +176,7 @@ def fused_conv(node, shapes, opset):
         path, out_shape = resolve(x, w, b)
         direct = path.direct
         if direct is not None and shuffle is None and out is None and (z is None or (
-                z.shape == out_shape and z.dtype == x.dtype)):
+                direct.takes_residual and z.shape == out_shape and z.dtype == x.dtype)):
             return direct.run(x, w, b, z, bounds, hard_swish)
         if activate is None and z is None:  # the Conv itself (into a Concat, or through a shuffle)
             return path(x, w, b, None, out, shuffle)
