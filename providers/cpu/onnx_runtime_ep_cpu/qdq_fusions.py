@@ -12,8 +12,9 @@ and no subgraph reads it; neither node asks for blocks, an output type or a prec
 DequantizeLinear's output becomes the fused node's; the other readers' outputs are renamed to it.
 
 Dynamic quantization: ``fuse_dynamic_matmul`` turns MatMulInteger -> Cast -> Mul by the scales' product
-(-> bias Add) into one com.microsoft MatMulIntegerToFloat (see its docstring). QOperator format:
-``fuse_qlinear_matmul_bias`` runs QLinearMatMul -> QLinearAdd of the bias as one node.
+(-> bias Add) into one com.microsoft MatMulIntegerToFloat (see its docstring), and
+``fuse_dynamic_quantize_matmul`` the DynamicQuantizeLinear before it and it into DynamicQuantizeMatMul.
+QOperator format: ``fuse_qlinear_matmul_bias`` runs QLinearMatMul -> QLinearAdd of the bias as one node.
 """
 
 from __future__ import annotations
@@ -165,6 +166,35 @@ def fuse_dynamic_matmul(graph: Graph, owns=None) -> bool:
         # Where the MatMulInteger was: every input exists by then (the scales' Mul reads only the quantizer's
         # output and a constant; the bias is a constant), every reader of the output comes later.
         graph.nodes = [fused if n is matmul else n for n in graph.nodes if id(n) not in gone or n is matmul]
+        return True
+    return False
+
+
+def fuse_dynamic_quantize_matmul(graph: Graph, owns=None) -> bool:
+    """A DynamicQuantizeLinear read only by MatMulIntegerToFloat nodes, each taking its three outputs as A,
+    a_scale and a_zero_point: each becomes one com.microsoft DynamicQuantizeMatMul of the float input, which
+    quantizes it with the same loop (several readers, as a layer's query, key and value, each quantize the
+    small activation again) and multiplies with MatMulIntegerToFloat's: one node and no uint8 tensor between."""
+    view = GraphView(graph)
+    for quantize in list(graph.nodes):
+        if quantize.op_type != "DynamicQuantizeLinear" or quantize.domain or len(quantize.outputs) != 3 \
+                or any(name in view.outputs or name in view.inner_reads for name in quantize.outputs):
+            continue
+        codes, scale, zero = quantize.outputs
+        readers = {id(n): n for name in quantize.outputs for n in view.consumers.get(name, [])}
+        if not readers or not all(
+                r.op_type == "MatMulIntegerToFloat" and r.domain == "com.microsoft" and len(r.inputs) >= 5
+                and (r.inputs[0], r.inputs[2], r.inputs[4]) == (codes, scale, zero)
+                and not {r.inputs[1], r.inputs[3], *r.inputs[5:]} & set(quantize.outputs)
+                for r in readers.values()):
+            continue
+        if not owned(owns, [quantize, *readers.values()]):
+            continue
+        fused = {rid: Node("DynamicQuantizeMatMul", [quantize.inputs[0], r.inputs[1], r.inputs[3],
+                                                      *(r.inputs[5:7] if len(r.inputs) > 5 else [])],
+                           list(r.outputs), name=f"{r.name}/dynamic", domain="com.microsoft", opset=1)
+                 for rid, r in readers.items()}
+        graph.nodes = [fused.get(id(n), n) for n in graph.nodes if n is not quantize]
         return True
     return False
 
@@ -488,4 +518,5 @@ def _early(graph_pass):
 INTEGER_GROUP_PASSES = [_early(until_fixed(fuse_quantized_linear)), _early(until_fixed(absorb_quantize)),
                         _early(until_fixed(absorb_dequantize))]
 QDQ_PASSES = [until_fixed(fuse_quantize_dequantize), until_fixed(drop_repeated_rounding),
-              until_fixed(fuse_dynamic_matmul), until_fixed(fuse_qlinear_matmul_bias)]
+              until_fixed(fuse_dynamic_matmul), until_fixed(fuse_dynamic_quantize_matmul),
+              until_fixed(fuse_qlinear_matmul_bias)]

@@ -598,10 +598,17 @@ def _finish(y, bias, dtype):
 def _fast_integer_to_float(a, b, a_scale, b_scale, a_zero_point, b_zero_point, bias) -> bool:
     """Whether compiled/qgemm.scaled_product takes these inputs: 8-bit A with per-tensor float32 parameters, a
     2-D 8-bit B with per-tensor or per-column ones, a float32 (N,) bias or none."""
-    columns = b.shape[-1] if b.ndim else 0
-    return (a.dtype in _EIGHT_BIT and b.dtype in _EIGHT_BIT and b.ndim == 2 and a.ndim >= 1
-            and a.shape[-1] == b.shape[0] and a_scale.dtype == _F32 and a_scale.size == 1 and b_scale.dtype == _F32
+    return (a.dtype in _EIGHT_BIT and a.ndim >= 1 and a_scale.dtype == _F32 and a_scale.size == 1
             and (a_zero_point is None or (a_zero_point.size == 1 and a_zero_point.dtype == a.dtype))
+            and _fast_weight(a, b, b_scale, b_zero_point, bias))
+
+
+def _fast_weight(a, b, b_scale, b_zero_point, bias) -> bool:
+    """B's side of compiled/qgemm.scaled_product: a 2-D 8-bit B that A (..., K) multiplies, per-tensor or
+    per-column float32 scales and zero points of B's type, a float32 (N,) bias or none."""
+    columns = b.shape[-1] if b.ndim else 0
+    return (b.dtype in _EIGHT_BIT and b.ndim == 2 and a.ndim >= 1 and a.shape[-1] == b.shape[0]
+            and b_scale.dtype == _F32
             and all(p is None or (p.size in (1, columns) and p.ndim <= 1) for p in (b_scale, b_zero_point))
             and (b_zero_point is None or b_zero_point.dtype == b.dtype)
             and (bias is None or (bias.dtype == _F32 and bias.shape == (columns,))))
@@ -655,8 +662,33 @@ def matmul_integer_to_float(node, shapes, opset):
 @register("DynamicQuantizeMatMul", domain=CONTRIB_DOMAIN, since=1)
 def dynamic_quantize_matmul(node, shapes, opset):
     product = IntegerProduct()
+    no_bias = np.zeros(0, _F32)
+
+    def compiled(a, b, b_scale, b_zero_point, bias):
+        """DynamicQuantizeLinear's codes of A then MatMulIntegerToFloat's compiled product (the same loops, so
+        the same bits as the two nodes), for a 2-D 8-bit B with per-tensor or per-column parameters and a
+        float32 (N,) bias or none; None for anything else."""
+        if not a.size or not _fast_weight(a, b, b_scale, b_zero_point, bias):
+            return None
+        packed = product.packed(b, b_zero_point)
+        if packed is None:
+            return None
+        from ..compiled import qgemm, quantize
+
+        codes = np.empty(a.shape, np.uint8)
+        scale, zero = quantize.dynamic_quantize(np.ascontiguousarray(a).reshape(-1), codes.reshape(-1))
+        columns = b.shape[1]
+        out = np.empty(a.shape[:-1] + (columns,), _F32)
+        qgemm.scaled_product(codes.reshape(-1, b.shape[0]), int(zero), packed, float(scale),
+                             b_scale.reshape(-1).astype(_F64), no_bias if bias is None else bias,
+                             out.reshape(-1, columns))
+        return out
 
     def kernel(a, b, b_scale, b_zero_point=None, bias=None):
+        if a.dtype == _F32:
+            out = compiled(a, b, b_scale, b_zero_point, bias)
+            if out is not None:
+                return (out,)
         if a.dtype != _F32 or b_scale.dtype != _F32:
             raise argument_error(node, f"A ({a.dtype}) and b_scale ({b_scale.dtype}) must be float32")
         eight_bit(node, "B", b)
