@@ -162,3 +162,49 @@ def test_modules_importing_numba_while_the_loader_does_neither_break_nor_hang(de
                           env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["48.0", "True"], done.stdout
+
+
+ZOO = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", ".models", "zoo")
+ZOO_SCRIPT = r"""
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from zoo_feeds import make_feeds
+import onnx_runtime as ort
+from onnx_runtime_ep_cpu.compiled import deferred
+
+model = json.loads(sys.argv[3])
+options = ort.SessionOptions()
+options.intra_op_num_threads = 1
+sess = ort.InferenceSession(sys.argv[2], options, providers=["CPUExecutionProvider"])
+calls = [make_feeds(call) for call in model["calls"].values()]
+first = [sess.run(None, feeds) for feeds in calls]
+served = sorted(loop.key.rsplit(".", 1)[1] for loop in deferred._loops if loop.pending())
+without_numba = "numba" not in sys.modules
+deferred.wait_ready(120)
+later = [sess.run(None, feeds) for feeds in calls]
+worst = max(float(np.max(np.abs(b.astype(np.float64) - a)) / (1 + np.max(np.abs(a))))
+            for outs_a, outs_b in zip(first, later) for a, b in zip(outs_a, outs_b) if a.size and a.dtype.kind == "f")
+print(json.dumps({"served": served, "without_numba": without_numba, "worst": worst,
+                  "switched": sum(loop.switched for loop in deferred._loops)}))
+"""
+
+
+@pytest.mark.parametrize("name", ["bert.torchscript.fp32", "gpt2.dynamo.fp32", "whisper_encoder.torchscript.fp32",
+                                  "t5_decoder.torchscript.fp32", "llama.dynamo.fp32", "vit.dynamo.fp32"])
+def test_zoo_models_first_runs_agree_with_the_compiled_runs_after_the_switch(name):
+    manifest = os.path.join(ZOO, "manifest.json")
+    if not os.path.isfile(manifest):
+        pytest.skip("the model zoo is not built (scripts/build_zoo.sh)")
+    found = [m for m in json.load(open(manifest))["models"] if m["name"] == name]
+    if not found:
+        pytest.skip(f"{name} is not in the zoo")
+    env = {k: v for k, v in os.environ.items() if k != "ONNX_RUNTIME_COMPILE_IN_BACKGROUND"}
+    benchmarks = os.path.join(ZOO, "..", "..")
+    done = subprocess.run([sys.executable, "-c", ZOO_SCRIPT, benchmarks, os.path.join(ZOO, found[0]["file"]),
+                           json.dumps(found[0])], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["served"], report  # some loop ran its numpy equivalent first
+    assert report["switched"] > 0, report
+    assert report["worst"] < TOLERANCE, report
