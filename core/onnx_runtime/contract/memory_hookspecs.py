@@ -267,7 +267,8 @@ class ResidencySpec:
         another runtime.
 
         Default: None (the provider takes no part in sealed constants).
-        Called by: not by the core.
+        Called by: the session at creation, to decide whether the provider takes part in sealed
+        constants (memory/sealed.py).
         """
 
     @hookspec(firstresult=True)
@@ -275,7 +276,7 @@ class ResidencySpec:
         """Identity of the provider memory context that owns sealed constants.
 
         Default: None.
-        Called by: not by the core.
+        Called by: the sealed-constant registry, as part of each constant's key.
         """
 
     # -- sealed constants ---------------------------------------------------------------------------
@@ -292,10 +293,12 @@ class ResidencySpec:
     @hookspec(firstresult=True)
     def upload_sealed_constant(self, data: HostBytes, alignment: int) -> SealedDeviceAllocation:
         """Validate and upload graph-constant ``data`` once into immutable device memory shared by every
-        session of the model on this context.
+        session of the model on this context. The memory belongs to the context, not to this provider instance:
+        it outlives the session that uploaded it, and the allocation's ``release()`` frees it.
 
         Default: :class:`NotSupportedError` (fails closed: a provider opts in to sealed constants).
-        Called by: not by the core.
+        Called by: the sealed-constant registry when an unpaged session's weight is not sealed on
+        this context yet (memory/sealed.py).
         """
 
     # -- lazy weights -------------------------------------------------------------------------------

@@ -235,6 +235,10 @@ class SealedDeviceAllocation(Protocol):
     @property
     def runtime_identity(self) -> int: ...
 
+    def release(self) -> None:
+        """Free the memory (the core's registry calls it once, when no session holds the constant)."""
+        ...
+
 
 @runtime_checkable
 class HostToDeviceCopier(Protocol):

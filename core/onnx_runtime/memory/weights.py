@@ -31,6 +31,7 @@ from ..tensor import Tensor
 from .accounts import DeviceAccount
 from .governor import DeviceGovernor, MemoryBudgetError
 from .mapped import mapped_region
+from .sealed import SealedWeights, provider_seals
 
 __all__ = ["WeightResidency", "weight_bytes"]
 
@@ -86,10 +87,20 @@ class WeightResidency:
                     f"more than the weight-residency budget of {budget} bytes; raise "
                     f"'session.weight_residency_budget' to at least {widest}")
             need = min(budget, total)
+        self._provider_pages = bool(handle.implements("page_lazy_weight"))
+        self.sealed: SealedWeights | None = None
+        self._sealed_keys: dict[str, tuple] = {}
+        if budget is None and not self._provider_pages and provider_seals(handle):
+            # Shared with every session of the model on this device: only the constants no session sealed yet
+            # need room, and the registry charges them once (memory/sealed.py).
+            self.sealed = SealedWeights(handle, governor)
+            self._sealed_keys = {name: self.sealed.key(array) for name, array in weights.items()}
+            need = sum(self._sizes[n] for n, key in self._sealed_keys.items() if not self.sealed.is_sealed(key))
+            governor.reserve(need, Tier.DEVICE, MemoryRole.WEIGHTS, holder).release()  # fails at load if short
+            need = 0
         # Admission at load time: the whole need, before anything is uploaded.
         self.lease: MemoryLease | None = governor.reserve(need, Tier.DEVICE, MemoryRole.WEIGHTS, holder)
         self.reserved = need
-        self._provider_pages = bool(handle.implements("page_lazy_weight"))
 
     # -- what the executor asks -----------------------------------------------------------------------
     @property
@@ -98,7 +109,10 @@ class WeightResidency:
         return self._provider_pages or (self.budget is not None and self.budget < sum(self._sizes.values()))
 
     def upload(self, name: str, array: np.ndarray) -> Tensor:
-        """The once-uploaded weight of an unpaged session (prepaid by the load-time lease)."""
+        """The once-uploaded weight of an unpaged session (prepaid by the load-time lease), or its sealed
+        constant shared with the other sessions of the model on the device."""
+        if self.sealed is not None:
+            return self.sealed.acquire(array, self._sealed_keys.get(name))
         return self._upload(array)
 
     def pager(self, name: str) -> Callable[[], tuple[Tensor]]:
@@ -220,6 +234,7 @@ class WeightResidency:
     def stats(self) -> dict:
         with self._lock:
             return {"device": self.governor.device, "holder": str(self.holder), "weights": len(self._sizes),
+                    "sealed": self.sealed is not None, "shared": self.sealed.shared if self.sealed else 0,
                     "weight_bytes": sum(self._sizes.values()), "budget": self.budget, "reserved": self.reserved,
                     "paged": self.paged, "resident_bytes": self._resident_bytes, "high_water": self.high_water,
                     "pages": self.pages, "evictions": self.evictions, "prefetches": self.prefetches,
@@ -231,6 +246,8 @@ class WeightResidency:
             self._resident_bytes = 0
         for tensor in resident.values():
             tensor.close()
+        if self.sealed is not None:
+            self.sealed.close()
         lease, self.lease = self.lease, None
         if lease is not None:
             lease.release()

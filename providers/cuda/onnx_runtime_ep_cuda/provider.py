@@ -34,13 +34,14 @@ from .graphs import DeviceGraphs
 from .ops.context import KernelContext
 from .ops.host_shapes import host_kernel, host_nodes
 from .ops.registry import declared_host_inputs, lookup, unsupported_reason
+from .sealed import SealedConstants
 from .validation import DeviceValidation
 
 NAME = "CUDAExecutionProvider"
 OPTION_KEYS = ("device_id",)
 
 
-class CUDAExecutionProvider:
+class CUDAExecutionProvider(SealedConstants):
     def __init__(self):
         self._device_index = 0
         self._device_id = DeviceId(DeviceType.CUDA, 0)  # made once: every allocation is stamped with it
