@@ -140,6 +140,10 @@ def _check_attributes(node: onnx.NodeProto, rules: _Rules, where: str, fix: str)
                                     f"{', '.join(sorted(missing))}; {fix}")
     for attr in node.attribute:
         expected = rules.attributes.get(attr.name)
+        if expected is None:  # onnx's checker and onnxruntime refuse it too; kernels of other versions read it
+            raise InvalidGraphError(f"{_node_label(node)} in {where} has attribute {attr.name!r}, which its schema "
+                                    f"does not define (it defines {', '.join(sorted(rules.attributes)) or 'none'}); "
+                                    f"{fix}")
         if expected is not None and attr.type != onnx.AttributeProto.UNDEFINED and attr.type != expected:
             raise InvalidGraphError(
                 f"{_node_label(node)} in {where}: attribute {attr.name!r} is "

@@ -226,3 +226,11 @@ def test_an_empty_constant_of_shape_numpy_cannot_size_is_left_to_the_run():
     session = _session(nodes, [], [vi("y", TensorProto.INT64)], initializers=[shape])
     with pytest.raises(OnnxRuntimeError):
         session.run(None, {})
+
+
+def test_an_attribute_the_schema_does_not_define_is_refused():
+    # Shape-13 has no 'end': its attribute type went unchecked and constant folding sliced with a float
+    # (an untyped TypeError out of session creation).
+    node = helper.make_node("Shape", ["x"], ["y"], name="sh", end=1.5)
+    _raised(InvalidGraphError, r"'sh' \(Shape\).*attribute 'end', which its schema does not define",
+            lambda: _session([node], [vi("x", shape=[2, 3])], [vi("y", TensorProto.INT64)], opset=13))
