@@ -5,8 +5,8 @@ what onnxruntime spends on session creation and first run, and about 95 MB of me
 ``Loop``: a callable that holds the Python function and builds numba's dispatcher only when needed. While a
 session has opened *deferral* (the CPU provider does, unless turned off), a loop that has a numpy
 equivalent of identical semantics (generic.py) runs that one and records the argument types it saw. A
-thread started by the first such call waits until the runs pause or the process has spent a second of
-CPU time, lowers its priority, imports numba, builds those loops' dispatchers, links the recorded signatures
+thread started by the first such call waits until the runs pause or the process has spent half a second
+of CPU time, lowers its priority, imports numba, builds those loops' dispatchers, links the recorded signatures
 from numba's disk cache (never compiling: a miss is left to the first compiled call), and then switches
 each loop to its dispatcher. A loop without a numpy equivalent builds its dispatcher on its first call, as
 before. A process that exits sooner (one run of a command-line tool) never loads numba at all.
@@ -33,7 +33,9 @@ import numpy as np
 ENV = "ONNX_RUNTIME_COMPILE_IN_BACKGROUND"
 CONFIG_KEY = "session.compile_in_background"
 QUIET_S, IDLE_SHARE = 0.05, 0.25  # the loader starts once the runs paused (see _load) ...
-PATIENCE_S = 1.0  # ... or spent this much CPU time after the first numpy-served call
+# ... or spent this much CPU time after the first numpy-served call: the numpy equivalents of small kernels
+# cost a few times the loops, so by then they have cost about what loading numba does (ski rental)
+PATIENCE_S = 0.5
 _MAX_SIGNATURES = 16  # per loop: argument types recorded for the loader to link
 
 _lock = threading.Lock()  # the list of loops and their recorded signatures: held for microseconds
@@ -233,8 +235,8 @@ def _register_typeof() -> None:
 
 
 def _callers_asleep() -> bool:
-    """Whether no thread that ran a numpy equivalent is running or runnable (Linux: /proc's task states; a
-    thread that ended counts as asleep). Elsewhere: whether the process used under IDLE_SHARE of a core since
+    """Whether every thread that ran a numpy equivalent sleeps (Linux: /proc's task states; a thread that ended
+    counts as asleep). Elsewhere: whether the process used under IDLE_SHARE of a core since
     the last look."""
     if state.callers is None:
         cpu, now = time.process_time(), time.monotonic()
@@ -247,7 +249,7 @@ def _callers_asleep() -> bool:
                 fields = stat.read().rsplit(b")", 1)[1].split()
         except OSError:
             continue
-        if fields and fields[0] == b"R":
+        if fields and fields[0] != b"S":  # running, runnable, or in an uninterruptible wait (a page fault)
             return False
     return True
 
@@ -361,13 +363,11 @@ def _load() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread only (Linux)
     except (AttributeError, OSError):
         pass
-    # Wait for the runs to pause (every thread that ran a numpy equivalent asleep at two looks QUIET_S apart),
-    # or for PATIENCE_S of CPU time spent since the first numpy-served call (steady back-to-back runs never
-    # pause; CPU time, not wall time, which a loaded host stretches).
-    asleep = 0
+    # Wait for the runs to pause (every thread that ran a numpy equivalent asleep at a look, every QUIET_S), or
+    # for PATIENCE_S of CPU time spent since the first numpy-served call (steady back-to-back runs never pause;
+    # CPU time, not wall time, which a loaded host stretches).
     while not state.stop.wait(QUIET_S):
-        asleep = asleep + 1 if _callers_asleep() else 0
-        if asleep >= 2 or time.process_time() - state.first_generic >= PATIENCE_S:
+        if _callers_asleep() or time.process_time() - state.first_generic >= PATIENCE_S:
             break
     finder = _WaitWhileImporting()
     state.loader_ident = threading.get_ident()
