@@ -84,10 +84,13 @@ def test_matmul_nbits(bits, zero_kind, k, block, constant):
 
 @pytest.mark.parametrize("rows,bits,zero_kind", [(1, 4, "packed"), (3, 2, "float"), (1, 8, "float"),
                                                   (70, 4, "packed"), (70, 2, "float"), (64, 8, "none")])
-def test_matmul_nbits_block_and_tiled_products(rows, bits, zero_kind):
+def test_matmul_nbits_block_and_tiled_products(rows, bits, zero_kind, monkeypatch):
     # Under 64 rows of A the product runs on the packed weight (repacked along K); from 64 on, tiles of 256
     # weight columns are dequantized for BLAS (N = 300: a full tile and a partial one; K = 91: a partial
-    # block, and for 4 bits a half-filled last byte).
+    # block, and for 4 bits a half-filled last byte). No weight counts as small here.
+    from onnx_runtime_ep_cpu.ops import contrib_weights
+
+    monkeypatch.setattr(contrib_weights, "SMALL_WEIGHT_BYTES", 0)
     n, k, block = 300, 91, 32
     b, scales, zero_points, weight = nbits_weight(n, k, bits, block, zero_kind)
     a = F32(RNG.standard_normal((rows, k)))

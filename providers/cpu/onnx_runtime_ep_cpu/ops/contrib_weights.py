@@ -5,7 +5,8 @@ MatMulNBits multiplies on the packed weight (compiled/nbits.py), repacked once a
 value: each packed row's weight rows are dequantized into a small float32 buffer, (q - zero point) * scale
 exactly, rounded once to float32, and added into every row of the output in float32; for many rows of A,
 tiles of weight columns are dequantized and go through BLAS. No float32 copy of the whole weight is kept (8
-times the 4-bit one). Act-order weights (g_idx) are dequantized once per set of constant inputs instead. That
+times the 4-bit one). Act-order weights (g_idx) and small weights (a float32 copy of at most
+SMALL_WEIGHT_BYTES) are dequantized once per set of constant inputs instead. That
 is at least the accuracy every ``accuracy_level`` asks for, the level being a floor ("A can be quantized"),
 not an instruction. GatherBlockQuantized gathers the packed rows first and dequantizes only what it gathered.
 """
@@ -139,7 +140,7 @@ def matmul_nbits(node, shapes, opset):
 
     def kernel(a, b, scales, zero_points=None, g_idx=None, bias=None):
         spec.check(a, scales, bias)
-        if g_idx is not None:
+        if g_idx is not None or spec.n * spec.k * 4 <= SMALL_WEIGHT_BYTES:
             weight_t = prepared.get("weights", (b, scales, zero_points, g_idx),
                                     lambda: np.ascontiguousarray(spec.weights(b, scales, zero_points, g_idx).T, _F32))
             y = np.asarray(np.matmul(a.astype(_F32), weight_t))
@@ -152,6 +153,10 @@ def matmul_nbits(node, shapes, opset):
 
     return kernel
 
+
+# A weight whose float32 copy is at most this size is dequantized once and multiplied by BLAS: at these sizes
+# the call's fixed costs dominate and BLAS is about twice as fast as the packed loop, for little memory.
+SMALL_WEIGHT_BYTES = 256 << 10
 
 # Rows of A from which the weight is dequantized a tile of columns at a time for BLAS: below, the compiled
 # product (each packed row unpacked once for all rows of A) is as fast and reads only the packed weight.
