@@ -396,7 +396,10 @@ def _stop_at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
-    # the loader thread did not survive the fork: let the child start its own
+    # the loader thread did not survive the fork (nor its hold on the locks): let the child start its own
+    global _lock, _build_lock
+    _lock, _build_lock = threading.Lock(), threading.RLock()
+    state.importing = False
     state.thread = None
     if state.callers is not None:
         state.callers = set()
