@@ -172,7 +172,8 @@ class Loop(functools.partial):
             generic = self.generic()
             if generic is not None:
                 self._record(args)
-                return generic(*args)
+                with np.errstate(all="ignore"):  # the loops give inf/NaN silently (error_model="numpy")
+                    return generic(*args)
         target = self.dispatcher()
         self.switch(target)
         return target(*args)
