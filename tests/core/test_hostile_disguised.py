@@ -234,3 +234,19 @@ def test_an_attribute_the_schema_does_not_define_is_refused():
     node = helper.make_node("Shape", ["x"], ["y"], name="sh", end=1.5)
     _raised(InvalidGraphError, r"'sh' \(Shape\).*attribute 'end', which its schema does not define",
             lambda: _session([node], [vi("x", shape=[2, 3])], [vi("y", TensorProto.INT64)], opset=13))
+
+
+def test_slice_without_axes_takes_at_most_one_start_per_axis():
+    s = _session([helper.make_node("Slice", ["x", "b", "e"], ["y"])],
+                 [vi("x", shape=None), vi("b", TensorProto.INT64, None), vi("e", TensorProto.INT64, None)])
+    _raised(InvalidArgumentError, "2 starts for a rank-1 input and no axes",
+            lambda: s.run(None, {"x": np.arange(4, dtype=np.float32), "b": np.array([0, 0]), "e": np.array([2, 2])}))
+
+
+def test_compress_condition_longer_than_the_axis_is_refused():
+    s = _session([helper.make_node("Compress", ["x", "c"], ["y"], name="cp", axis=1)],
+                 [vi("x", shape=None), vi("c", TensorProto.BOOL, None)])
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    _raised(InvalidArgumentError, r"'cp' \(Compress\): condition has 3 values for 2 slices",
+            lambda: s.run(None, {"x": x, "c": np.array([False, True, True])}))
+    np.testing.assert_array_equal(s.run(None, {"x": x, "c": np.array([False, True])})[0], x[:, 1:])

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 from onnx_runtime import budget
+from onnx_runtime.errors import InvalidArgumentError
 
 from ..algorithms.pooling import compiled_pool, lowest, max_pool_with_indices, pool_loops
 from ..algorithms.precision import compute_dtype, upcast
@@ -68,6 +69,9 @@ def _resolved(node, window: Window, x: np.ndarray):
     """The window's geometry for ``x``, its output and padded input within the session's budget: pads and
     dilations size both from attributes, so a pad of 2**31 asked for gigabytes."""
     geo = window.resolve(x.shape[2:])
+    if any(o < 1 for o in geo.out):
+        raise InvalidArgumentError(f"node {node.name!r} ({node.op_type}): kernel_shape, strides, dilations and pads "
+                                   f"leave no window along an axis of the input {x.shape} (output {geo.out})")
     lead = x.shape[:2]
     budget.check(max(math.prod((*lead, *geo.out)), math.prod(geo.padded_shape(x.shape))),
                  max(x.dtype.itemsize, 4), f"{node.op_type}'s output or padded input")

@@ -386,6 +386,9 @@ def slice_(node, shapes, opset):
 def _slice_index(shape, rank, starts, ends, axes=None, steps=None) -> tuple:
     starts = np.asarray(starts).reshape(-1).tolist()
     ends = np.asarray(ends).reshape(-1).tolist()
+    if axes is None and len(starts) > rank:
+        raise InvalidArgumentError(f"Slice has {len(starts)} starts for a rank-{rank} input and no axes; give at most "
+                                   f"one start per axis")
     axes = range(len(starts)) if axes is None else normalize_axes(axes, rank)
     steps = [1] * len(starts) if steps is None else np.asarray(steps).reshape(-1).tolist()
     index = [slice(None)] * rank
@@ -594,6 +597,10 @@ def compress(node, shapes, opset):
 
     def kernel(x, condition):
         ax = None if axis is None else normalize_axis(axis, x.ndim)
+        length = x.size if ax is None else x.shape[ax]
+        if condition.size > length:
+            raise InvalidArgumentError(f"node {node.name!r} (Compress): condition has {condition.size} values for "
+                                       f"{length} slices; it may be shorter, never longer")
         return (np.compress(condition.reshape(-1).astype(bool, copy=False), x, axis=ax),)
 
     return kernel
