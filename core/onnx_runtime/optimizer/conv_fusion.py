@@ -77,6 +77,7 @@ def _fold_into_batchnorm(graph: Graph, context: PassContext, uses: Uses, bn: Nod
     scale, bias = constant(graph, bn.inputs[1]), constant(graph, bn.inputs[2])
     info = graph.type_of(bn.outputs[0])
     if (scale is None or bias is None or scale.dtype.type not in _FLOATS or scale.ndim != 1
+            or bias.shape != scale.shape  # a malformed BatchNormalization: its kernel reports it at the run
             or info is None or info.shape is None or follower.op_type not in ("Mul", "Add")
             or follower.domain not in ("", "ai.onnx") or len([out for out in follower.outputs if out]) != 1):
         return False
