@@ -250,3 +250,13 @@ def test_compress_condition_longer_than_the_axis_is_refused():
     _raised(InvalidArgumentError, r"'cp' \(Compress\): condition has 3 values for 2 slices",
             lambda: s.run(None, {"x": x, "c": np.array([False, True, True])}))
     np.testing.assert_array_equal(s.run(None, {"x": x, "c": np.array([False, True])})[0], x[:, 1:])
+
+
+def test_sequence_insert_position_must_be_one_integer():
+    nodes = [helper.make_node("SequenceConstruct", ["x"], ["q"]),
+             helper.make_node("SequenceInsert", ["q", "x", "p"], ["r"]),
+             helper.make_node("ConcatFromSequence", ["r"], ["y"], axis=0)]
+    s = _session(nodes, [vi("x", shape=None), vi("p", TensorProto.INT64, None)])
+    _raised(InvalidArgumentError, "position must be one integer",
+            lambda: s.run(None, {"x": np.ones(2, np.float32), "p": np.array([], np.int64)}))
+    assert s.run(None, {"x": np.ones(2, np.float32), "p": np.array(0)})[0].shape == (4,)

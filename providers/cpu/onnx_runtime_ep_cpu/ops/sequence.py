@@ -12,6 +12,9 @@ from ..registry import register
 
 
 def _position(node, sequence: list, position, inserting: bool = False) -> int:
+    if np.asarray(position).size != 1 or np.asarray(position).dtype.kind not in "iu":
+        raise InvalidArgumentError(f"node {node.name!r} ({node.op_type}): position must be one integer, got "
+                                   f"{np.asarray(position).dtype} of shape {np.shape(position)}")
     index = int(np.asarray(position).reshape(-1)[0])
     size = len(sequence)
     low, high = -size, size if inserting else size - 1
