@@ -260,3 +260,16 @@ def test_sequence_insert_position_must_be_one_integer():
     _raised(InvalidArgumentError, "position must be one integer",
             lambda: s.run(None, {"x": np.ones(2, np.float32), "p": np.array([], np.int64)}))
     assert s.run(None, {"x": np.ones(2, np.float32), "p": np.array(0)})[0].shape == (4,)
+
+
+def test_constant_of_shape_needs_an_integer_shape():
+    # In a subgraph the type check does not see a float shape; the kernel did (numpy's TypeError).
+    def branch(name, inputs):
+        return helper.make_graph([helper.make_node("ConstantOfShape", inputs, [f"{name}_y"])], name, [],
+                                 [vi(f"{name}_y")])
+
+    nodes = [helper.make_node("If", ["c"], ["y"], then_branch=branch("then", ["s"]),
+                              else_branch=branch("else", ["s"]))]
+    s = _session(nodes, [vi("c", TensorProto.BOOL, []), vi("s", shape=None)])
+    _raised(InvalidArgumentError, "shape must be int64",
+            lambda: s.run(None, {"c": np.array(True), "s": np.array([2.0], np.float32)}))

@@ -126,6 +126,8 @@ def _fold_follower(graph, context, uses: Uses, conv: Node, follower: Node, follo
             or len([out for out in follower.outputs if out]) != 1):
         return False
     channels = weights.shape[0]
+    if bias is not None and bias.shape != (channels,):
+        return False  # a malformed Conv: its kernel reports it at the run
     found = affine(conv, follower, channels)
     if found is None:
         return False

@@ -51,6 +51,9 @@ def constant_of_shape(node, shapes, opset):
     fill = value.reshape(-1)[0]
 
     def kernel(shape):
+        if np.asarray(shape).dtype.kind not in "iu":
+            raise InvalidArgumentError(f"node {node.name!r} (ConstantOfShape): shape must be int64, got "
+                                       f"{np.asarray(shape).dtype}")
         dims = np.asarray(shape).reshape(-1).tolist()
         if any(d < 0 for d in dims):
             raise InvalidArgumentError(f"node {node.name!r} (ConstantOfShape): shape {dims} has a negative dimension")
