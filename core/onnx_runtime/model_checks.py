@@ -243,6 +243,19 @@ def _check_graph(graph: onnx.GraphProto, opsets: dict[str, int], where: str) -> 
             _check_graph(body, opsets, f"a subgraph of {_node_label(node)} in {where}")
 
 
+def _check_defined(graph: onnx.GraphProto, label: str) -> None:
+    """Every input a top-level node reads is a graph input, an initializer or some node's output: onnx's shape
+    inference dereferences the type of an undefined one (a LabelEncoder whose graph input lost its name crashed
+    the process)."""
+    defined = {vi.name for vi in graph.input} | {init.name for init in graph.initializer}
+    defined.update(name for node in graph.node for name in node.output)
+    for node in graph.node:
+        for name in node.input:
+            if name and name not in defined:
+                raise InvalidGraphError(f"{_node_label(node)} in model {label} reads {name!r}, which no graph input, "
+                                        f"initializer or node defines; connect it or declare it as an input")
+
+
 def _check_function_cycles(functions) -> None:
     local = {(f.domain, f.name): f for f in functions}
     calls = {key: {(n.domain, n.op_type) for n in f.node if (n.domain, n.op_type) in local}
@@ -297,6 +310,7 @@ def check_model_structure(proto: onnx.ModelProto, label: str) -> None:
             raise InvalidGraphError(f"graph input {vi.name!r} of model {label} has no type; the ONNX IR requires one "
                                     f"for the top-level graph's inputs: declare it")
     _check_graph(proto.graph, opsets, f"model {label}")
+    _check_defined(proto.graph, label)
     for function in proto.functions:
         inner = dict(opsets)
         inner.update({("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in function.opset_import})

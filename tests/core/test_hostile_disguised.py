@@ -273,3 +273,9 @@ def test_constant_of_shape_needs_an_integer_shape():
     s = _session(nodes, [vi("c", TensorProto.BOOL, []), vi("s", shape=None)])
     _raised(InvalidArgumentError, "shape must be int64",
             lambda: s.run(None, {"c": np.array(True), "s": np.array([2.0], np.float32)}))
+
+
+def test_a_node_reading_an_undefined_value_is_refused():
+    # A LabelEncoder whose graph input lost its name made onnx's shape inference segfault (seed 41's crash).
+    _raised(InvalidGraphError, r"reads 'x', which no graph input, initializer or node defines",
+            lambda: _session([helper.make_node("Relu", ["x"], ["y"])], [vi("other", shape=[1])]))
