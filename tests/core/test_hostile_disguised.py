@@ -279,3 +279,31 @@ def test_a_node_reading_an_undefined_value_is_refused():
     # A LabelEncoder whose graph input lost its name made onnx's shape inference segfault (seed 41's crash).
     _raised(InvalidGraphError, r"reads 'x', which no graph input, initializer or node defines",
             lambda: _session([helper.make_node("Relu", ["x"], ["y"])], [vi("other", shape=[1])]))
+
+
+def _attention_session(scale=None):
+    attrs = {} if scale is None else {"scale": scale}
+    node = helper.make_node("Attention", ["q", "k", "v"], ["y"], name="att", **attrs)
+    return _session([node], [vi("q"), vi("k"), vi("v")], opset=23)
+
+
+def test_attention_with_an_empty_head_and_no_scale_is_refused():
+    q, k = np.ones((1, 2, 3, 0), np.float32), np.ones((1, 2, 4, 0), np.float32)
+    v = np.ones((1, 2, 4, 5), np.float32)
+    s = _attention_session()
+    with pytest.raises(InvalidArgumentError, match=r"'att' \(Attention\).*head size of 0.*'scale'") as info:
+        s.run(None, {"q": q, "k": k, "v": v})
+    cause = info.value
+    while cause is not None:  # the constructor divided by sqrt(0) before this check
+        assert not isinstance(cause, (*INTERNAL, ZeroDivisionError)), repr(cause)
+        cause = cause.__cause__
+
+
+def test_attention_with_an_empty_head_and_a_scale_averages_the_values():
+    # Scores over an empty head are all 0, so every query weighs the keys equally.
+    rng = np.random.default_rng(0)
+    v = rng.standard_normal((1, 2, 4, 5)).astype(np.float32)
+    s = _attention_session(scale=0.5)
+    (y,) = s.run(None, {"q": np.ones((1, 2, 3, 0), np.float32), "k": np.ones((1, 2, 4, 0), np.float32), "v": v})
+    expected = np.broadcast_to(v.astype(np.float64).mean(axis=2, keepdims=True), (1, 2, 3, 5))
+    np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-6)

@@ -167,6 +167,9 @@ class _Attention:
                 f"combined with 'past_key'/'past_value'"
             )
         scale = node.attr("scale")
+        if scale is None and geo.head_size == 0:
+            raise argument_error(node, "Q has a head size of 0, so the default scale 1/sqrt(head_size) is undefined; "
+                                       "give Q a non-empty head dimension or the node a 'scale' attribute")
         self.scale = 1 / math.sqrt(geo.head_size) if scale is None else float(scale)
         self.softcap = float(node.attr("softcap", 0.0))
         self.mode = int(node.attr("qk_matmul_output_mode", 0))
