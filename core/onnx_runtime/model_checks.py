@@ -248,6 +248,7 @@ def _check_defined(graph: onnx.GraphProto, label: str) -> None:
     inference dereferences the type of an undefined one (a LabelEncoder whose graph input lost its name crashed
     the process)."""
     defined = {vi.name for vi in graph.input} | {init.name for init in graph.initializer}
+    defined.update(sparse.values.name for sparse in graph.sparse_initializer)
     defined.update(name for node in graph.node for name in node.output)
     for node in graph.node:
         for name in node.input:

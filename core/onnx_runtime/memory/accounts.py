@@ -64,6 +64,7 @@ class DeviceAccount:
         self._lock = threading.Lock()
         self._sites: dict[tuple[str, int], list[int]] = {}  # site -> [requests, bytes]
         self._deferred = bool(handle.implements("wait_for_deferred_releases"))
+        self._closed: bool = False
 
     @contextlib.contextmanager
     def prepaid(self) -> Iterator[None]:
@@ -77,7 +78,7 @@ class DeviceAccount:
 
     def allocate(self, size: int, alignment: int):
         """``ProviderHandle.allocate`` under the budget: charge, allocate, remember the charge by buffer."""
-        if getattr(self._local, "prepaid", 0):
+        if self._closed or getattr(self._local, "prepaid", 0) > 0:
             return self.handle.allocate_unaccounted(size, alignment)
         lease = None
         if self._deferred:
@@ -141,8 +142,10 @@ class DeviceAccount:
             if size is not None:
                 self._used -= size
                 self._trim()
+                self._detach_if_settled()
                 return
             lease = self._buffer_leases.pop(id(buffer), None)
+            self._detach_if_settled()
         if lease is not None:
             hook = self.handle.hook
             self.governor.defer_release(lease, lambda: hook.wait_for_deferred_releases())
@@ -159,6 +162,14 @@ class DeviceAccount:
                     for (file, line), (n, b) in sorted(self._sites.items(), key=lambda item: -item[1][1])]
 
     def close(self) -> None:
-        """Stop charging (the session is closed); buffers still live keep their charge until freed."""
+        """Stop charging (the session is closed); buffers still live (tensors the caller allocated through the
+        session's handle) keep their charge until freed, so the account stays on the handle until then."""
         with self._lock:
+            self._closed = True
             self._trim()
+            self._detach_if_settled()
+
+    def _detach_if_settled(self) -> None:
+        """A closed account with nothing live leaves the handle (called under the lock)."""
+        if self._closed and self._used == 0 and not self._buffer_leases and self.handle.memory_account is self:
+            self.handle.memory_account = None

@@ -76,9 +76,7 @@ class SessionMemory:
         for residency in weights.values():
             residency.close()
         for account in self.accounts:
-            if account.handle.memory_account is account:
-                account.handle.memory_account = None
-            account.close()
+            account.close()  # leaves the handle once the buffers it charged are freed
         self.accounts = []
 
     def report(self) -> dict:

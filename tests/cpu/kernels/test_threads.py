@@ -49,7 +49,8 @@ def test_deterministic_compute_runs_on_one_thread(chain_model, restore_threads):
     assert threads.kernel_threads() == 1
 
 
-def test_zero_keeps_the_default_and_negative_is_refused(chain_model, restore_threads):
+def test_zero_keeps_the_default_and_negative_is_refused(chain_model, restore_threads, monkeypatch):
+    monkeypatch.setattr(threads, "_threads", threads._DEFAULT_THREADS)  # earlier tests' sessions may have set one
     _session(chain_model, intra_op_num_threads=0)
     assert threads.kernel_threads() == threads._DEFAULT_THREADS
     with pytest.raises(InvalidArgumentError, match="intra_op_num_threads must be >= 0"):

@@ -17,7 +17,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import compiler, jit, llvm
-from .directconv import LANES, _const, _vector_at
+from .directconv import LANES, int_const, vector_at
 from .epilogue import activate
 
 PIXELS = 4  # output pixels per tile
@@ -51,15 +51,15 @@ def _emit_tile(builder, pointers: tuple, values: tuple) -> None:
 
     def step(k, sums):
         origin = builder.add(start, builder.load(builder.gep(taps_ptr, [k])))
-        weights = builder.load(_vector_at(builder, w_ptr, builder.mul(k, _const(LANES))), align=4)
-        return [builder.call(fma, [weights, builder.load(_vector_at(
-            builder, x_ptr, builder.add(origin, builder.mul(stride, _const(p)))), align=4), sums[p]])
+        weights = builder.load(vector_at(builder, w_ptr, builder.mul(k, int_const(LANES))), align=4)
+        return [builder.call(fma, [weights, builder.load(vector_at(
+            builder, x_ptr, builder.add(origin, builder.mul(stride, int_const(p)))), align=4), sums[p]])
             for p in range(PIXELS)]
 
     zeros = ir.Constant(_VEC, [0.0] * LANES)
     sums = llvm.counted_loop(builder, depth, [zeros] * PIXELS, step, "depthwise")
     for p, v in enumerate(sums):
-        builder.store(v, _vector_at(builder, out_ptr, _const(p * LANES)), align=4)
+        builder.store(v, vector_at(builder, out_ptr, int_const(p * LANES)), align=4)
 
 
 @intrinsic

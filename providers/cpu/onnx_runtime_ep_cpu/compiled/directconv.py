@@ -90,7 +90,7 @@ def _activated(builder, v, bounds):
     return builder.select(builder.fcmp_ordered(">", v, high), high, v)
 
 
-def _const(value):
+def int_const(value):
     return ir.Constant(llvm.I64, value)
 
 
@@ -100,7 +100,7 @@ def _splat(builder, value, vector_type=_VEC):
     return builder.shuffle_vector(first, undef, ir.Constant(_INDEX, [0] * LANES))
 
 
-def _vector_at(builder, pointer, offset, vector_type=_VEC):
+def vector_at(builder, pointer, offset, vector_type=_VEC):
     return builder.bitcast(builder.gep(pointer, [offset]), vector_type.as_pointer())
 
 
@@ -110,12 +110,12 @@ def _emit_sums(builder, w_ptr, x_ptr, taps_ptr, start, depth, stride) -> list:
 
     def step(k, sums):
         origin = builder.add(start, builder.load(builder.gep(taps_ptr, [k])))
-        first = builder.mul(k, _const(CHANNELS))
-        weights = [builder.load(_vector_at(builder, w_ptr, builder.add(first, _const(h * LANES))), align=4)
+        first = builder.mul(k, int_const(CHANNELS))
+        weights = [builder.load(vector_at(builder, w_ptr, builder.add(first, int_const(h * LANES))), align=4)
                    for h in range(2)]
         updated = list(sums)
         for p in range(PIXELS):
-            at = builder.add(origin, builder.mul(stride, _const(p)))
+            at = builder.add(origin, builder.mul(stride, int_const(p)))
             value = _splat(builder, builder.load(builder.gep(x_ptr, [at])))
             for h in range(2):
                 updated[2 * p + h] = builder.call(fma, [weights[h], value, sums[2 * p + h]])
@@ -133,15 +133,15 @@ def _row_io(builder, full: bool, lanes):
                                     ir.FunctionType(ir.VoidType(), [_VEC, _VEC.as_pointer(), llvm.I32, _MASK]))
         masked_load = llvm.declare(module, "llvm.masked.load.v8f32.p0",
                                    ir.FunctionType(_VEC, [_VEC.as_pointer(), llvm.I32, _MASK, _VEC]))
-        return (lambda pointer: builder.call(masked_load, [_vector_at(builder, pointer, _const(0)), _ALIGN, lanes,
+        return (lambda pointer: builder.call(masked_load, [vector_at(builder, pointer, int_const(0)), _ALIGN, lanes,
                                                            _ZEROS]),
-                lambda v, pointer: builder.call(masked_store, [v, _vector_at(builder, pointer, _const(0)), _ALIGN,
+                lambda v, pointer: builder.call(masked_store, [v, vector_at(builder, pointer, int_const(0)), _ALIGN,
                                                                lanes]))
     quad, pair = ir.VectorType(llvm.F32, 4), ir.VectorType(llvm.F32, 2)
 
     def load(pointer):
-        low = builder.load(_vector_at(builder, pointer, _const(0), quad), align=4)
-        high = builder.load(_vector_at(builder, pointer, _const(4), pair), align=4)
+        low = builder.load(vector_at(builder, pointer, int_const(0), quad), align=4)
+        high = builder.load(vector_at(builder, pointer, int_const(4), pair), align=4)
         high = builder.shuffle_vector(high, ir.Constant(pair, ir.Undefined), ir.Constant(
             ir.VectorType(llvm.I32, 4), [0, 1, 0, 1]))
         return builder.shuffle_vector(low, high, ir.Constant(_INDEX, [0, 1, 2, 3, 4, 5, 4, 5]))
@@ -150,8 +150,8 @@ def _row_io(builder, full: bool, lanes):
         undef = ir.Constant(_VEC, ir.Undefined)
         low = builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(llvm.I32, 4), [0, 1, 2, 3]))
         high = builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(llvm.I32, 2), [4, 5]))
-        builder.store(low, _vector_at(builder, pointer, _const(0), quad), align=4)
-        builder.store(high, _vector_at(builder, pointer, _const(4), pair), align=4)
+        builder.store(low, vector_at(builder, pointer, int_const(0), quad), align=4)
+        builder.store(high, vector_at(builder, pointer, int_const(4), pair), align=4)
 
     return load, store
 
@@ -163,8 +163,8 @@ def _emit_stores(builder, rows: list, residual: bool, bounds, hard, row_io, y_pt
     applied where ``residual``."""
     load, store = row_io
     for c, v in enumerate(rows):
-        with builder.if_then(builder.icmp_signed("<", _const(c), channels)):
-            row = builder.add(at, builder.mul(_const(c), plane))
+        with builder.if_then(builder.icmp_signed("<", int_const(c), channels)):
+            row = builder.add(at, builder.mul(int_const(c), plane))
             if residual:
                 v = _hard_swished(builder, _activated(builder, builder.fadd(v, load(builder.gep(res_ptr, [row]))),
                                                       bounds), hard)
@@ -187,17 +187,17 @@ def _emit_tile(builder, pointers: tuple, values: tuple) -> None:
     w_ptr, x_ptr, taps_ptr, y_ptr, bias_ptr, res_ptr, bounds_ptr = pointers
     start, depth, stride, at, plane, pixels, channels, flags = values
     sums = _emit_sums(builder, w_ptr, x_ptr, taps_ptr, start, depth, stride)
-    with_bias = builder.icmp_signed("!=", builder.and_(flags, _const(BIAS)), _const(0))
-    with_residual = builder.icmp_signed("!=", builder.and_(flags, _const(RESIDUAL)), _const(0))
-    hard = builder.icmp_signed("!=", builder.and_(flags, _const(HARD_SWISH)), _const(0))
-    bounds = [_splat(builder, builder.load(builder.gep(bounds_ptr, [_const(i)]))) for i in range(3)]
+    with_bias = builder.icmp_signed("!=", builder.and_(flags, int_const(BIAS)), int_const(0))
+    with_residual = builder.icmp_signed("!=", builder.and_(flags, int_const(RESIDUAL)), int_const(0))
+    hard = builder.icmp_signed("!=", builder.and_(flags, int_const(HARD_SWISH)), int_const(0))
+    bounds = [_splat(builder, builder.load(builder.gep(bounds_ptr, [int_const(i)]))) for i in range(3)]
     lanes = builder.icmp_signed("<", _NUMBERS, _splat(builder, builder.trunc(pixels, llvm.I32), _INDEX))
     biased = []  # per half, per pixel: its 8 channels' sums, bias added (adding zero turns -0.0 into +0.0)
     for h in range(2):
-        bias = builder.load(_vector_at(builder, bias_ptr, _const(h * LANES)), align=4)
+        bias = builder.load(vector_at(builder, bias_ptr, int_const(h * LANES)), align=4)
         biased.append([builder.select(with_bias, builder.fadd(sums[2 * p + h], bias), sums[2 * p + h])
                        for p in range(PIXELS)])
-    full = builder.icmp_signed("==", pixels, _const(PIXELS))
+    full = builder.icmp_signed("==", pixels, int_const(PIXELS))
     # Without a residual the activation goes before the transpose (6 vectors instead of 8); with one,
     # after it, once the residual (read at the output's own place) is added.
     for residual in (False, True):

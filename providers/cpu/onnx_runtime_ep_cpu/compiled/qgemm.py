@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
-from .quantize import _requantized, requantize_affine
+from .quantize import requantize_affine, requantized_code
 
 _BLOCK = 32  # columns of packed B per pass over A: 32 rows of K int16 stay in the L1/L2 cache
 
@@ -250,7 +250,7 @@ def requantized_product_add(a, packed, multiplier, offset, consts, bias, add, ou
     for m in range(rows):
         for n in range(columns):
             k = 0 if one_m else n
-            code = _requantized(np.float64(acc[m, n]), multiplier[k], offset[k], z, lo, hi)
+            code = requantized_code(np.float64(acc[m, n]), multiplier[k], offset[k], z, lo, hi)
             x = np.int64(code) - zx
             y = np.int64(bias[0 if one_b else n]) - zb
             v = np.rint((sx * np.float64(x) + sb * np.float64(y)) / sc) + zc

@@ -168,7 +168,7 @@ def quantize_centred(x, scale, zero, low, high, out):
 
 
 @jit
-def _requantized(value, multiplier, offset, zero, low, high):
+def requantized_code(value, multiplier, offset, zero, low, high):
     """The code rint(value * multiplier + offset) + zero saturated to [low, high], in float64 (NaN, from a NaN
     offset, takes code 0 as QuantizeLinear's)."""
     v = np.rint(value * multiplier + offset) + zero
@@ -188,13 +188,13 @@ def requantize_affine(acc, multiplier, offset, zero, low, high, scale, dequantiz
     for o in range(outer):
         if inner == 1:  # one value per channel (a matrix product's columns): the channels are the loop
             for c in range(channels):
-                v = _requantized(np.float64(acc[o, c, 0]), multiplier[c], offset[c], z, lo, hi)
+                v = requantized_code(np.float64(acc[o, c, 0]), multiplier[c], offset[c], z, lo, hi)
                 out[o, c, 0] = (v - z) * s if dequantize else v
             continue
         for c in range(channels):
             m, b = multiplier[c], offset[c]
             for i in range(inner):
-                v = _requantized(np.float64(acc[o, c, i]), m, b, z, lo, hi)
+                v = requantized_code(np.float64(acc[o, c, i]), m, b, z, lo, hi)
                 out[o, c, i] = (v - z) * s if dequantize else v
 
 
