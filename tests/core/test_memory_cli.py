@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import gc
 
-import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from chain_models import external_chain
 from onnx_runtime.cli import main
 from onnx_runtime.memory import process_governor, set_device_memory_limit
 
@@ -17,19 +15,8 @@ D = 2048
 
 @pytest.fixture
 def chain(tmp_path):
-    rng = np.random.default_rng(0)
-    nodes, inits, prev = [], [], "X"
-    for i in range(6):
-        inits.append(numpy_helper.from_array(rng.standard_normal((1, D)).astype(np.float32), f"W{i}"))
-        nodes.append(helper.make_node("Add" if i % 2 == 0 else "Mul", [prev, f"W{i}"], [f"h{i}"]))
-        prev = f"h{i}"
-    nodes.append(helper.make_node("Relu", [prev], ["Y"]))
-    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, D])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, D])], inits)
-    path = tmp_path / "chain.onnx"
-    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path),
-                    save_as_external_data=True, location="chain.data", size_threshold=0)
-    yield str(path)
+    path = external_chain(tmp_path / "chain.onnx", D, layers=6, location="chain.data")
+    yield path
     gc.collect()
     set_device_memory_limit("other:7", None)
 

@@ -9,7 +9,7 @@ import gc
 import numpy as np
 import onnx_runtime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from chain_models import external_chain
 from onnx_runtime.contract.residency import HolderId, MemoryRole, Tier
 from onnx_runtime.errors import InvalidArgumentError
 from onnx_runtime.memory import (
@@ -148,21 +148,9 @@ def test_a_fraction_needs_the_device_total():
 
 # -- sessions on the sample device ----------------------------------------------------------------------------
 def _chain(path, layers: int = 8, seed: int = 0):
-    """Add/Mul by a [1, D] weight per layer, then Relu: every node on the sample device."""
-    rng = np.random.default_rng(seed)
-    nodes, inits, prev = [], [], "X"
-    for i in range(layers):
-        inits.append(numpy_helper.from_array(rng.standard_normal((1, D)).astype(np.float32), f"W{i}"))
-        nodes.append(helper.make_node("Add" if i % 2 == 0 else "Mul", [prev, f"W{i}"], [f"h{i}"]))
-        prev = f"h{i}"
-    nodes.append(helper.make_node("Relu", [prev], ["Y"]))
-    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, D])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, D])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    import onnx
-
-    onnx.save_model(model, str(path), save_as_external_data=True, location=path.name + ".data", size_threshold=0)
-    return str(path), layers * D * 4
+    """Add/Mul by a [1, D] weight per layer, then Relu: every node on the sample device. Returns the path and the
+    weights' bytes."""
+    return external_chain(path, D, layers, seed), layers * D * 4
 
 
 def _session(path, **config):

@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import onnx_runtime as ort
 import pytest
+from chain_models import external_chain
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime.errors import InvalidArgumentError, ModelLoadError
 from onnx_runtime.loader import load_model
@@ -30,16 +31,7 @@ def _save(model, path) -> str:
 
 
 def _chain(path, layers: int = 8, seed: int = 0) -> str:
-    rng = np.random.default_rng(seed)
-    nodes, inits, prev = [], [], "X"
-    for i in range(layers):
-        inits.append(numpy_helper.from_array(rng.standard_normal((1, D)).astype(np.float32), f"W{i}"))
-        nodes.append(helper.make_node("Add" if i % 2 == 0 else "Mul", [prev, f"W{i}"], [f"h{i}"]))
-        prev = f"h{i}"
-    nodes.append(helper.make_node("Relu", [prev], ["Y"]))
-    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, D])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, D])], inits)
-    return _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return external_chain(path, D, layers, seed)
 
 
 def _session(path, providers=(SAMPLE, "CPUExecutionProvider"), **config):
