@@ -17,6 +17,7 @@ import numpy as np
 from ..contract.kernels import KernelFn
 from ..errors import InvalidArgumentError, InvalidRunValueError, KernelError, OnnxRuntimeError, ProviderError
 from ..ir import Graph, Node
+from ..optimizer.constant_folding import NONDETERMINISTIC
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
 from .placement import Copy
@@ -153,9 +154,6 @@ class Steps:
         ]
 
 
-# Operators whose outputs are not a function of their inputs: never cached as shape values.
-_RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
-                         "Bernoulli", "Dropout"})
 # Operators whose output shapes follow from their inputs' shapes and their attributes alone, never from values
 # (elementwise arithmetic, products, layout with attribute shapes, normalizations, attention; the CPU
 # provider's layout and normalization fusions among them): a Shape of what they compute from the feeds is known
@@ -185,7 +183,7 @@ def shape_only_steps(steps: list[Step], tensor_feeds: set[int], constants: set[i
             continue
         if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx"):
             shape_only = read[0] in shaped
-        elif node.op_type in _RANDOM_OPS:
+        elif node.op_type in NONDETERMINISTIC:  # fresh values each run: never kept
             shape_only = False
         else:
             shape_only = all(slot in derived or slot in constants for slot in read) \
