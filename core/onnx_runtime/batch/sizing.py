@@ -7,23 +7,10 @@ mid-kernel, which costs more than it gains, so one rule sizes every engine: fill
 
 from __future__ import annotations
 
-import math
-import os
 import sys
 
+from ..cpus import usable_cpus
 from ..errors import InvalidArgumentError
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may use: its affinity set, capped by a cgroup v2 CPU quota (a container's --cpus)."""
-    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
-        if quota != "max":
-            count = min(count, math.ceil(int(quota) / int(period)))
-    except (OSError, ValueError):
-        pass
-    return max(1, count)
 
 
 def plan_workers(workers: int | None = None, threads: int | None = None, cpus: int | None = None) -> tuple[int, int]:

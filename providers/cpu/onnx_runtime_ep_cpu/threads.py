@@ -13,54 +13,11 @@ machines. (The packed convolution's results do not depend on its partition.)
 
 from __future__ import annotations
 
-import math
-import os
-
+from onnx_runtime.cpus import usable_cpus
 from onnx_runtime.errors import InvalidArgumentError
 from threadpoolctl import threadpool_limits
 
 from .tuning import KNOBS, when_changed
-
-
-def usable_cpus(affinity: int | None = None, quota: float | None = None) -> int:
-    """The CPUs this process may use: its affinity set, capped by its cgroup's CPU quota (rounded up)."""
-    if affinity is None:
-        affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if quota is None:
-        quota = cgroup_cpu_quota()
-    return max(1, min(affinity, math.ceil(quota))) if quota is not None else max(1, affinity)
-
-
-def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
-    """CPUs' worth of time per period the process's cgroup allows (cgroup v2's cpu.max, v1's
-    cpu.cfs_quota_us / cpu.cfs_period_us), or None without a limit."""
-    for path in _cgroup_v2_paths(root):
-        try:
-            quota, period = open(path).read().split()[:2]
-        except (OSError, ValueError):
-            continue
-        return None if quota == "max" else int(quota) / int(period)
-    for directory in (f"{root}/cpu", f"{root}/cpu,cpuacct"):
-        try:
-            quota = int(open(f"{directory}/cpu.cfs_quota_us").read())
-            period = int(open(f"{directory}/cpu.cfs_period_us").read())
-        except (OSError, ValueError):
-            continue
-        return None if quota <= 0 or period <= 0 else quota / period
-    return None
-
-
-def _cgroup_v2_paths(root: str) -> list[str]:
-    """cpu.max of the process's own cgroup (from /proc/self/cgroup), then of the root."""
-    paths = []
-    try:
-        for line in open("/proc/self/cgroup"):
-            if line.startswith("0::"):
-                paths.append(f"{root}{line[3:].strip().rstrip('/')}/cpu.max")
-    except OSError:
-        pass
-    return paths + [f"{root}/cpu.max"]
-
 
 _DEFAULT_THREADS = usable_cpus()
 _threads = _DEFAULT_THREADS  # threads a split kernel uses, the caller's included

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_runtime as ort
 import pytest
+from onnx_runtime import cpus
 from onnx_runtime.errors import InvalidArgumentError
 from onnx_runtime_ep_cpu import threads
 from threadpoolctl import threadpool_info
@@ -58,21 +59,21 @@ def test_zero_keeps_the_default_and_negative_is_refused(chain_model, restore_thr
 
 
 def test_the_default_is_the_cpus_the_process_may_use(tmp_path):
-    assert threads.usable_cpus(affinity=8, quota=None) == 8
-    assert threads.usable_cpus(affinity=8, quota=1.5) == 2  # a container's --cpus=1.5
-    assert threads.usable_cpus(affinity=2, quota=4.0) == 2
-    assert threads.usable_cpus(affinity=4, quota=0.2) == 1
+    assert cpus.usable_cpus(affinity=8, quota=None) == 8
+    assert cpus.usable_cpus(affinity=8, quota=1.5) == 2  # a container's --cpus=1.5
+    assert cpus.usable_cpus(affinity=2, quota=4.0) == 2
+    assert cpus.usable_cpus(affinity=4, quota=0.2) == 1
     v1 = tmp_path / "v1"
     (v1 / "cpu").mkdir(parents=True)
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")
     (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert threads.cgroup_cpu_quota(str(v1)) == 1.5
+    assert cpus.cgroup_cpu_quota(str(v1)) == 1.5
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
-    assert threads.cgroup_cpu_quota(str(v1)) is None
+    assert cpus.cgroup_cpu_quota(str(v1)) is None
     v2 = tmp_path / "v2"
     v2.mkdir()
     (v2 / "cpu.max").write_text("300000 100000\n")
-    assert threads.cgroup_cpu_quota(str(v2)) == 3.0
+    assert cpus.cgroup_cpu_quota(str(v2)) == 3.0
     (v2 / "cpu.max").write_text("max 100000\n")
-    assert threads.cgroup_cpu_quota(str(v2)) is None
-    assert threads.cgroup_cpu_quota(str(tmp_path / "none")) is None
+    assert cpus.cgroup_cpu_quota(str(v2)) is None
+    assert cpus.cgroup_cpu_quota(str(tmp_path / "none")) is None
