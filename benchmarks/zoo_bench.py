@@ -150,8 +150,11 @@ def in_blocks(runners: dict, repeat: int, block: int, pause: float, max_seconds:
         for name in names[shift:] + names[:shift]:
             time.sleep(pause)
             run, (wall, cpu) = runners[name], times[name]
+            advance = getattr(run, "advance", None)  # a growing decode call's next inputs, made untimed
             run()
             for _ in range(min(block, repeat - len(wall))):
+                if advance is not None:
+                    advance()
                 start, start_cpu = time.perf_counter(), time.process_time()
                 run()
                 wall.append(time.perf_counter() - start)
@@ -194,11 +197,16 @@ class Competitors:
 
 
 def measure(condition: str, sessions: dict, feeds: dict, threads: list[str], out: dict,
-            args: argparse.Namespace) -> None:
-    """Times of every call and thread setting under ``condition``, into ``out[call]``."""
+            args: argparse.Namespace, specs: dict) -> None:
+    """Times of every call and thread setting under ``condition``, into ``out[call]``. Decode calls grow by one
+    token per timed call (zoo_feeds.GrowingDecode) unless ``--fixed-decode``."""
+    from zoo_feeds import GrowingDecode, past_length
+
     for call, feed in feeds.items():
+        growing = not args.fixed_decode and past_length(specs[call]) is not None
         for label in threads:
-            runners = {runtime: (lambda s=sessions[runtime, label], f=feed: s.run(None, f))
+            runners = {runtime: (GrowingDecode(specs[call], lambda f, s=sessions[runtime, label]: s.run(None, f))
+                                 if growing else (lambda s=sessions[runtime, label], f=feed: s.run(None, f)))
                        for runtime in ("ours", "ort")}
             times = in_blocks(runners, args.repeat, args.block, args.pause, args.max_seconds, args.min_samples)
             for runtime, (wall, cpu) in times.items():
@@ -232,10 +240,10 @@ def worker_steady(zoo: Path, name: str, args: argparse.Namespace) -> dict:
             for _ in range(args.warmup):
                 sess.run(None, feed)
     load_before = os.getloadavg()
-    measure("quiet", sessions, feeds, threads, calls, args)
+    measure("quiet", sessions, feeds, threads, calls, args, model["calls"])
     if args.busy:
         with Competitors(args.busy):
-            measure("busy", sessions, feeds, threads, calls, args)
+            measure("busy", sessions, feeds, threads, calls, args, model["calls"])
     return {"calls": calls, "load_before": load_before, "load_after": os.getloadavg()}
 
 
@@ -513,6 +521,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600, help="seconds a worker may take (default 600)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few calls, one creation each")
     parser.add_argument("--json", type=Path, help="write every number here")
+    parser.add_argument("--fixed-decode", action="store_true",
+                        help="time decode calls at one past length (default: one token longer per call, as a "
+                        "generation loop runs)")
     parser.add_argument("--worker", choices=("steady", "cold"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--runtime", choices=("ours", "ort"), help=argparse.SUPPRESS)
@@ -546,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     passthrough = ["--threads", ",".join(threads), "--busy", str(args.busy), "--repeat", str(args.repeat),
                    "--min-samples", str(args.min_samples), "--max-seconds", str(args.max_seconds),
                    "--block", str(args.block), "--pause", str(args.pause), "--warmup", str(args.warmup)]
+    if args.fixed_decode:
+        passthrough.append("--fixed-decode")
     env = environment(zoo)
     print(f"# zoo_bench {env['date']} at {env['commit']}{' (dirty)' if env['dirty'] else ''}: {len(chosen)} models, "
           f"{env['cpus']} CPUs, load {env['load'][0]:.2f}, onnxruntime {env['onnxruntime']}", flush=True)

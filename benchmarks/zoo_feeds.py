@@ -62,3 +62,43 @@ def check_consistent(call: dict) -> None:
     if positions is not None:
         if positions["fill"] != "positions" or positions["start"] != past or positions["shape"][-1] != new:
             raise InconsistentFeeds(f"position_ids {positions} do not continue a past of {past}")
+
+
+def grown(call: dict, extra: int) -> dict:
+    """A decoder call ``extra`` tokens further into its sequence: self-attention pasts, the attention mask and the
+    position ids all ``extra`` longer or later (cross-attention caches keep the encoder's length). A call without
+    past inputs comes back unchanged."""
+    if extra < 0:
+        raise ValueError(f"extra must be >= 0, not {extra}")
+    if past_length(call) is None or extra == 0:
+        return call
+    feeds = []
+    for feed in call["feeds"]:
+        feed = {**feed, "shape": list(feed["shape"])}
+        name = feed["name"]
+        if name.startswith("past_key_values.") and ".encoder." not in name:
+            feed["shape"][2] += extra
+        elif name == "attention_mask":
+            feed["shape"][-1] += extra
+        elif name == "position_ids":
+            feed["start"] += extra
+        feeds.append(feed)
+    return {**call, "feeds": feeds}
+
+
+class GrowingDecode:
+    """A decode call as a generation loop makes it: each call one token further than the last, so no two timed
+    calls share input shapes (a runtime that keeps work per input shapes gains nothing from the repetition a
+    fixed feed would give it). ``advance()`` makes the next call's inputs outside any timing; every runtime
+    timed with its own instance walks the same lengths in the same order."""
+
+    def __init__(self, call: dict, run):
+        self.call, self.run, self.extra = call, run, 0
+        self.feed = make_feeds(call)
+
+    def advance(self) -> None:
+        self.extra += 1
+        self.feed = make_feeds(grown(self.call, self.extra))
+
+    def __call__(self):
+        return self.run(self.feed)

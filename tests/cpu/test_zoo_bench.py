@@ -23,7 +23,7 @@ if not MANIFEST.is_file():
 pytest.importorskip("onnxruntime", reason="the benchmark compares with onnxruntime: install the test extra")
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from zoo_feeds import InconsistentFeeds, check_consistent, make_feeds  # noqa: E402
+from zoo_feeds import GrowingDecode, InconsistentFeeds, check_consistent, grown, make_feeds, past_length  # noqa: E402
 
 MODELS = [m for m in json.loads(MANIFEST.read_text())["models"] if m["status"] == "ok"]
 DECODERS = [m for m in MODELS if "decode" in m["calls"]]
@@ -55,6 +55,26 @@ def test_inconsistent_decoder_feeds_are_refused():
         change(targets[0])
         with pytest.raises(InconsistentFeeds):
             check_consistent(broken)
+
+
+@pytest.mark.skipif(not DECODERS, reason="no decoder with past in the zoo")
+def test_growing_decode_walks_one_consistent_sequence():
+    """The timed decode calls grow by one token each and every one still describes one sequence, so both runtimes
+    are timed on a generation loop's shapes, never on one repeated signature."""
+    for model in DECODERS:
+        call = model["calls"]["decode"]
+        seen = []
+        decode = GrowingDecode(call, lambda feed: feed)
+        for step in range(3):
+            if step:
+                decode.advance()
+            check_consistent(grown(call, decode.extra))
+            feed = decode()
+            seen.append(next(v.shape for k, v in feed.items()
+                             if k.startswith("past_key_values.") and ".encoder." not in k)[2])
+        assert seen == [past_length(call) + k for k in range(3)]
+    with pytest.raises(ValueError, match="extra"):
+        grown(DECODERS[0]["calls"]["decode"], -1)
 
 
 def finite_positive(value) -> bool:
