@@ -90,6 +90,25 @@ def wait_ready(timeout: float | None = None) -> bool:
     return state.ready or thread is None
 
 
+def numpy_first() -> bool:
+    """Whether a kernel with a numpy or BLAS path of its own beside a compiled one that imports numba (the
+    AVX-512 products and attention tiles) should take its own path for this call: while deferral is open.
+    Starts the loader as a numpy-served loop call does, so that later calls find numba loaded and the
+    compiled path taken; the caller must decide per call (a choice made once would keep the slow path)."""
+    if not state.deferring:
+        return False
+    _note_caller()
+    return True
+
+
+def _note_caller() -> None:
+    callers = state.callers
+    if callers is not None and threading.get_native_id() not in callers:
+        callers.add(threading.get_native_id())
+    if state.thread is None:
+        _start(time.process_time())
+
+
 def _unbuilt(*args):
     raise RuntimeError("a compiled loop was called before its construction finished")
 
@@ -209,16 +228,12 @@ class Loop(functools.partial):
         return self._dispatcher is not None and self.func is self._dispatcher
 
     def _record(self, args) -> None:
-        callers = state.callers
-        if callers is not None and threading.get_native_id() not in callers:
-            callers.add(threading.get_native_id())
         if len(self._signatures) < _MAX_SIGNATURES:
             described = tuple(_describe(a) for a in args)
             if None not in described:
                 with _lock:
                     self._signatures.add(described)
-        if state.thread is None:
-            _start(time.process_time())
+        _note_caller()
 
 
 def _register_typeof() -> None:
