@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..compiled.deferred import numpy_first  # BLAS while numba loads in the background
 from ..threads import helper_count, kernel_threads
 from ..tuning import KNOBS, when_changed
 from .precision import BLAS_FLOATS, FLOAT32, compute_dtype
@@ -50,7 +51,7 @@ class PackedProduct:
     def applies(a: np.ndarray, b: np.ndarray) -> bool:
         return (a.dtype is b.dtype is FLOAT32 and b.ndim == 2 and a.ndim >= 2 and not b.flags.writeable
                 and a.shape[-1] == b.shape[0] and a.size >= PACKED_ROWS * b.shape[0] and b.shape[1] > 0
-                and b.shape[0] > 0 and gemv_host())
+                and b.shape[0] > 0 and gemv_host() and not numpy_first())
 
     def __call__(self, a, b, bias=None, residual=None, coefficients=None, weights=None) -> np.ndarray:
         """a @ b (+ bias) [Gelu with ``coefficients``] (+ residual), as a fresh (..., N) array; ``bias``
@@ -127,7 +128,7 @@ def few_rows_product(a: np.ndarray, b: np.ndarray, transposed: bool) -> np.ndarr
 def few_rows_split(a: np.ndarray, b: np.ndarray, transposed: bool) -> Split | None:
     """The Split computing few_rows_product(a, b, transposed), or None where it does not apply."""
     if not (a.dtype is b.dtype is FLOAT32 and a.size <= GEMV_ROWS * a.shape[-1] and a.size and b.size
-            and a.shape[-1] == b.shape[transposed] and gemv_host()):
+            and a.shape[-1] == b.shape[transposed] and gemv_host() and not numpy_first()):
         return None
     key = (a.shape, b.shape, transposed, kernel_threads())
     split = _splits.get(key)
