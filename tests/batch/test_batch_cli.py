@@ -133,6 +133,23 @@ def test_a_killed_local_worker_is_replaced_and_its_shards_rerun(mlp, rows, parqu
     assert_predictions(read_predictions(str(out)), rows, list(range(600)))
 
 
+def test_run_job_at_a_scripts_top_level_is_a_typed_error_naming_the_main_guard(mlp, parquet_data, tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text("from onnx_runtime.batch import run_job\n"
+                      f"run_job({mlp!r}, {parquet_data!r}, {str(tmp_path / 'out')!r}, workers=2, threads=1, "
+                      "shard_rows=100, progress=False)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("onnx_runtime.batch.engines.WorkerStartError: batch: the local engine's worker"), last
+    assert str(script) in last and 'if __name__ == "__main__":' in last
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text(script.read_text().replace("run_job(", "if __name__ == '__main__':\n    run_job(", 1)
+                       .replace(str(tmp_path / "out"), str(tmp_path / "out2")))
+    done = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_an_interrupted_job_resumes_without_recomputing_finished_shards(mlp, rows, parquet_data, tmp_path):
     out = tmp_path / "out"
     command = [sys.executable, "-m", "onnx_runtime.cli", "batch", mlp, "--input", parquet_data, "--output", str(out),

@@ -19,6 +19,29 @@ class WorkerLostError(OnnxRuntimeError):
     """Workers kept dying: the job gave up after its retries."""
 
 
+class WorkerStartError(WorkerLostError):
+    """Local workers exited while starting, before running anything: not retried, since a restart dies the same
+    way (most often a script that calls ``run_job`` outside an ``if __name__ == "__main__":`` block)."""
+
+
+def _worker_started(started) -> None:
+    """Pool initializer: runs in each worker once it has imported the parent's ``__main__``, so a pool broken with
+    this never set lost its workers while they started."""
+    started.set()
+
+
+def _start_failure(exc: BaseException) -> WorkerStartError:
+    import sys
+
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    where = f"the script {main!r}" if main else "your program"
+    return WorkerStartError(
+        f"batch: the local engine's worker processes exited while starting, before any shard ran ({exc}). Each "
+        f"worker imports {where} as its __main__ module, so a call to run_job at the script's top level runs again "
+        f"inside every worker, which multiprocessing refuses; put the call under `if __name__ == \"__main__\":`. "
+        f"If it is there already, the workers' own error is printed above this one")
+
+
 def run_local(job, shards, workers, threads, finished, retries, address) -> None:
     """A pool of ``workers`` processes on this machine; a dead worker breaks the pool, which is rebuilt
     and given the shards that had not finished."""
@@ -27,8 +50,10 @@ def run_local(job, shards, workers, threads, finished, retries, address) -> None
     pending = {s.index: s for s in shards}
     restarts = 0
     context = _pool_context()
+    started = context.Event()
     while pending:
-        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_started,
+                                 initargs=(started,)) as pool:
             futures = {pool.submit(process_shard, job, s) for s in pending.values()}
             try:
                 while futures:
@@ -38,6 +63,8 @@ def run_local(job, shards, workers, threads, finished, retries, address) -> None
                         pending.pop(result["index"], None)
                         finished(result)
             except BrokenProcessPool as exc:
+                if not started.is_set():
+                    raise _start_failure(exc) from None
                 restarts += 1
                 if restarts > retries:
                     raise WorkerLostError(
