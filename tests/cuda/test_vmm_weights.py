@@ -69,3 +69,55 @@ def test_weights_four_times_the_budget_give_the_unbudgeted_outputs(cuda_driver_m
         paged.close()
         gc.collect()
         set_device_memory_limit("cuda:0", None)
+
+
+def _deep_mlp(path, width: int = 256, layers: int = 16) -> tuple[str, int, int]:
+    """A stack of ``layers`` MatMul + Add + Relu layers of one [width, width] weight and bias each, weights in
+    external data; returns the path, the weights' bytes and the widest node's."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    nodes, inits, prev = [], [], "X"
+    for i in range(layers):
+        weight = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+        inits += [numpy_helper.from_array(weight, f"W{i}"),
+                  numpy_helper.from_array(rng.standard_normal(width).astype(np.float32) * 0.1, f"B{i}")]
+        nodes += [helper.make_node("MatMul", [prev, f"W{i}"], [f"m{i}"]),
+                  helper.make_node("Add", [f"m{i}", f"B{i}"], [f"a{i}"]),
+                  helper.make_node("Relu", [f"a{i}"], [f"h{i}"])]
+        prev = f"h{i}"
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", width])],
+                              [helper.make_tensor_value_info(prev, TensorProto.FLOAT, ["N", width])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save_model(model, str(path), save_as_external_data=True, location="mlp.data", size_threshold=0)
+    return str(path), sum(numpy_helper.to_array(t).nbytes for t in inits), width * width * 4
+
+
+def test_deep_mlp_weights_four_times_the_budget_give_the_unbudgeted_outputs(cuda_driver_mode, tmp_path):
+    path, total, widest = _deep_mlp(tmp_path / "mlp.onnx")
+    budget = total // 4
+    assert budget >= widest and total >= 4 * budget  # the widest node fits, so the full 4x holds
+    feeds = [{"X": np.random.default_rng(seed).standard_normal((4, 256)).astype(np.float32)} for seed in range(2)]
+    governor = process_governor()
+    gc.collect()
+    held = governor.used("cuda:0")
+    unbudgeted = _session(path)
+    want = [unbudgeted.run(None, f)[0] for f in feeds]
+    (activations,) = unbudgeted.memory_report()["activations"]
+    unbudgeted.close()
+    gc.collect()
+    limit = held + budget + activations["peak"] + (1 << 20) + (16 << 10)  # one account step of slack
+    assert limit < held + total
+    paged = _session(path, weight_residency_budget=budget, memory_limit=limit)
+    try:
+        governor.reset_high_water("cuda:0")
+        for f, w in zip(feeds, want):
+            np.testing.assert_array_equal(paged.run(None, f)[0], w)
+        (stats,) = paged.memory_report()["weights"]
+        assert stats["paged"] and stats["high_water"] <= budget and stats["evictions"] > 0
+        assert stats["weight_bytes"] >= 4 * budget
+        assert governor.high_water("cuda:0") <= limit
+    finally:
+        paged.close()
+        gc.collect()
+        set_device_memory_limit("cuda:0", None)
