@@ -281,9 +281,10 @@ def _check_function_cycles(functions) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _latest_opsets() -> dict[str, int]:
-    """The newest version of each domain onnx defines operators in."""
+    """The newest version of each domain onnx defines operators in (each operator's newest schema is enough;
+    the whole history costs a fresh process's first session creation ten times as much)."""
     latest: dict[str, int] = {}
-    for schema in defs.get_all_schemas_with_history():
+    for schema in defs.get_all_schemas():
         latest[schema.domain] = max(latest.get(schema.domain, 1), schema.since_version)
     latest[""] = max(latest.get("", 1), defs.onnx_opset_version())
     return latest
