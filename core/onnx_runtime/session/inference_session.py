@@ -426,7 +426,7 @@ class InferenceSession:
 
     def run(self, output_names, input_feed: dict, run_options: RunOptions | None = None) -> list:
         """Run the model; return the requested outputs (all when ``output_names`` is None) as numpy arrays."""
-        token = budget.enter(self._max_value_bytes)  # what one value may take (session.max_value_bytes)
+        token = budget.enter(self._max_value_bytes, run_options)  # what one value may take; terminate mid-run
         try:
             return self._run(output_names, input_feed, run_options)
         finally:
@@ -533,7 +533,7 @@ class InferenceSession:
 
     def run_with_iobinding(self, iobinding: IOBinding, run_options: RunOptions | None = None) -> None:
         """Run with the binding's inputs; its outputs are then read with ``get_outputs``/``copy_outputs_to_cpu``."""
-        token = budget.enter(self._max_value_bytes)  # the same limit on one value as run()
+        token = budget.enter(self._max_value_bytes, run_options)  # the same limit on one value as run()
         try:
             self._run_with_iobinding(iobinding, run_options)
         finally:
@@ -596,7 +596,7 @@ class InferenceSession:
         self._check_runnable(run_options)
         side = SessionSide(tuple(self._handles), self._output_names, self._checked_input, self._check_output_name,
                            self._check_bound, self._check_missing, self._executor_for, self._executor, self._profile)
-        token = budget.enter(self._max_value_bytes)  # the same limit on one value as run()
+        token = budget.enter(self._max_value_bytes, run_options)  # the same limit on one value as run()
         try:
             return run_with_device_bindings(side, bindings, input_feed, output_names, single_token_step, run_options)
         finally:
