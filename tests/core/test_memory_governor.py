@@ -269,3 +269,27 @@ def test_workspace_is_a_lease_taken_before_the_buffer_and_released_after_it(gove
     handle.hook.deallocate_workspace(workspace=replaced)
     assert governor.used("other:7") == 0 and replaced.buffer.released
     handle.shutdown()
+
+
+def test_allocation_sites_count_large_allocations_exactly_and_sample_small_ones(governor):
+    from onnx_runtime.memory.accounts import SITE_EXACT_BYTES, SITE_SAMPLE, DeviceAccount
+    from onnx_runtime_sample_provider import SampleDeviceExecutionProvider
+
+    handle = ort.ProviderHandle(SampleDeviceExecutionProvider())
+    handle.initialize({})
+    account = DeviceAccount(handle, governor.device("other:7"), HolderId("sites"))
+    handle.memory_account = account
+    try:
+        small = [handle.allocate(64) for _ in range(2 * SITE_SAMPLE)]  # this line: the small site
+        large = [handle.allocate(SITE_EXACT_BYTES) for _ in range(3)]  # this line: the large site
+        sites = {stats.line: stats for stats in account.site_stats()}
+        assert all(stats.file == __file__ for stats in sites.values()) and len(sites) == 2
+        small_site, large_site = (sites[line] for line in sorted(sites))
+        assert (small_site.requests, small_site.requested_bytes) == (2 * SITE_SAMPLE, 2 * SITE_SAMPLE * 64)
+        assert (large_site.requests, large_site.requested_bytes) == (3, 3 * SITE_EXACT_BYTES)
+        for buffer in small + large:
+            handle.deallocate(buffer)
+        assert account.charged == 0 and governor.used("other:7") == 0
+    finally:
+        account.close()
+        handle.shutdown()

@@ -29,6 +29,8 @@ _PATH_FILES = frozenset(os.path.join(_CORE, name) for name in ("tensor.py", "pro
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 CHUNK = 1 << 20  # the account reserves from the governor in steps of this much, so most allocations never lock it
+SITE_EXACT_BYTES = 64 << 10  # allocations this large are always attributed to their site
+SITE_SAMPLE = 16  # one in this many smaller allocations is attributed, standing for this many
 
 
 def _site() -> tuple[str, int]:
@@ -63,6 +65,7 @@ class DeviceAccount:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._sites: dict[tuple[str, int], list[int]] = {}  # site -> [requests, bytes]
+        self._small = 0  # allocations below SITE_EXACT_BYTES so far: every SITE_SAMPLE-th is attributed
         self._deferred = bool(handle.implements("wait_for_deferred_releases"))
         self._closed: bool = False
 
@@ -100,18 +103,27 @@ class DeviceAccount:
                     self._used -= size
                     self._trim()
             raise
-        site = _site()
+        self._record(buffer, size, lease)
+        return buffer
+
+    def _record(self, buffer, size: int, lease: MemoryLease | None) -> None:
+        """Remember the charge by buffer and attribute it (or a sample of the small ones) to its site."""
+        weight = 1
+        if size < SITE_EXACT_BYTES:
+            weight = SITE_SAMPLE if self._small % SITE_SAMPLE == 0 else 0
+            self._small += 1  # a lost increment between threads only shifts which allocation is sampled
+        site = _site() if weight else None
         with self._lock:
             if lease is not None:
                 self._buffer_leases[id(buffer)] = lease
             else:
                 self._sizes[id(buffer)] = size
-            counts = self._sites.get(site)
-            if counts is None:
-                counts = self._sites[site] = [0, 0]
-            counts[0] += 1
-            counts[1] += size
-        return buffer
+            if site is not None:
+                counts = self._sites.get(site)
+                if counts is None:
+                    counts = self._sites[site] = [0, 0]
+                counts[0] += weight
+                counts[1] += weight * size
 
     def _grow(self, missing: int) -> None:
         try:
