@@ -6,6 +6,10 @@ fast with the size asked instead of running the process out of memory. A session
 ``SessionOptions.add_session_config_entry("session.max_value_bytes", "<bytes>")``; the default is the
 machine's physical memory (or the process's address-space limit, when lower): a single value larger
 than that cannot be held anyway.
+
+The run's ``RunOptions`` travel with the budget: work whose length comes from data (Loop and Scan iterations)
+calls ``check_cancelled`` between steps, so ``run_options.terminate`` set from another thread stops a run that a
+model made endless (onnxruntime checks its terminate flag at the same places).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import functools
 import os
 import resource
 
-from .errors import InvalidArgumentError, ShapeOverflowError
+from .errors import InvalidArgumentError, RunCancelledError, ShapeOverflowError
 
 MAX_VALUE_BYTES_KEY = "session.max_value_bytes"
 
@@ -48,14 +52,34 @@ def parse_budget(config: dict[str, str]) -> int | None:
     return value
 
 
-def enter(budget: int | None) -> contextvars.Token | None:
-    """Make ``budget`` the one checked by this thread's (context's) run; None keeps the default."""
-    return _budget.set(budget) if budget is not None else None
+_run_options: contextvars.ContextVar[object | None] = contextvars.ContextVar("run_options", default=None)
 
 
-def leave(token: contextvars.Token | None) -> None:
-    if token is not None:
-        _budget.reset(token)
+def enter(budget: int | None, run_options=None) -> tuple | None:
+    """Make ``budget`` the one checked by this thread's (context's) run (None keeps the default), and
+    ``run_options`` the ones whose ``terminate`` flag ``check_cancelled`` reads."""
+    if budget is None and run_options is None:
+        return None
+    return (_budget.set(budget) if budget is not None else None,
+            _run_options.set(run_options) if run_options is not None else None)
+
+
+def leave(token: tuple | None) -> None:
+    if token is None:
+        return
+    budget_token, options_token = token
+    if options_token is not None:
+        _run_options.reset(options_token)
+    if budget_token is not None:
+        _budget.reset(budget_token)
+
+
+def check_cancelled(what: str) -> None:
+    """Raise ``RunCancelledError`` when the current run's ``RunOptions.terminate`` has been set."""
+    options = _run_options.get()
+    if options is not None and getattr(options, "terminate", False):
+        raise RunCancelledError(f"{what} stopped: run_options.terminate was set while the run was in progress; "
+                                f"clear it (run_options.terminate = False) before the next run")
 
 
 def check(elements: int, itemsize: int, what: str) -> None:

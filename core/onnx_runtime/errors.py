@@ -84,6 +84,11 @@ class KernelError(ProviderError, Fail):
     """A kernel failed while executing a node."""
 
 
+class RunCancelledError(OnnxRuntimeError, Fail):
+    """A run stopped because its ``RunOptions.terminate`` was set while it was in progress (onnxruntime raises
+    ``Fail``: "Exiting due to terminate flag being set to true")."""
+
+
 class DeviceValidationError(KernelError):
     """A device kernel flagged invalid data (e.g. an out-of-range index) at a host boundary."""
 

@@ -7,6 +7,9 @@ shapes and types, initializer contents, feed values). Workers are long-lived chi
 ``RLIMIT_AS``; a worker that dies or overruns the time limit is replaced. Each case ends as one of
 
 - ``ok``: the session was created and ran;
+- ``cancelled``: the run took more than half the time limit and stopped, typed (``RunCancelledError``), when
+  the harness set its ``RunOptions.terminate`` (a model may legitimately ask for endless work, such as a Loop of
+  2**62 iterations; what must not happen is a run that ignores the request);
 - ``typed``: an ``OnnxRuntimeError`` that does not merely wrap an internal bug;
 - ``disguised``: an ``OnnxRuntimeError`` whose cause is an internal bug (``TypeError``,
   ``AttributeError``, ``IndexError``, ...): a typed error in name only;
@@ -45,7 +48,7 @@ import tempfile
 import threading
 import time
 
-OUTCOMES = ("ok", "typed", "disguised", "untyped", "runaway", "crash", "hang")
+OUTCOMES = ("ok", "cancelled", "typed", "disguised", "untyped", "runaway", "crash", "hang")
 FAILURES = ("disguised", "untyped", "runaway", "crash", "hang")
 # The internal errors a typed error must not merely wrap.
 INTERNAL = ("TypeError", "AttributeError", "IndexError", "KeyError", "NameError", "UnboundLocalError",
@@ -53,6 +56,7 @@ INTERNAL = ("TypeError", "AttributeError", "IndexError", "KeyError", "NameError"
 MEMORY_LIMIT = 4 << 30
 _memory_limit = MEMORY_LIMIT  # the worker's, set when it starts
 TIME_LIMIT = 30.0  # CPU seconds per case
+CANCEL_AFTER = 0.5  # of the time limit: a run still going then has its RunOptions.terminate set
 FEED_LIMIT = 1 << 20  # elements of one synthesized feed; larger declared inputs are not fed
 
 
@@ -365,6 +369,8 @@ def classify(exc: BaseException, typed_base: type) -> tuple[str, str]:
         cause = cause.__cause__ or (cause.__context__ if not cause.__suppress_context__ else None)
     if any(isinstance(e, MemoryError) for e in chain):
         return "runaway", f"MemoryError@{_frame(exc.__traceback__)}"
+    if isinstance(exc, typed_base) and type(exc).__name__ == "RunCancelledError":
+        return "cancelled", "RunCancelledError"
     if isinstance(exc, typed_base):
         inner = next((e for e in chain[1:] if type(e).__name__ in INTERNAL), None)
         if inner is not None:
@@ -383,7 +389,9 @@ def run_case(ort, model_path: str, feeds_path: str | None, on_error=None) -> dic
         stage = "run"
         feeds = _feeds_for(session, feeds_path)
         if feeds is not None:
-            session.run(None, feeds)
+            run_options = ort.RunOptions()
+            with _Watchdog(run_options, TIME_LIMIT * CANCEL_AFTER):
+                session.run(None, feeds, run_options)
     except BaseException as exc:  # noqa: BLE001 (the point is to classify everything)
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -393,6 +401,30 @@ def run_case(ort, model_path: str, feeds_path: str | None, on_error=None) -> dic
         return {"outcome": outcome, "stage": stage, "signature": signature,
                 "message": f"{type(exc).__name__}: {exc}"[:600]}
     return {"outcome": "ok", "stage": stage, "signature": "ok", "message": ""}
+
+
+class _Watchdog:
+    """Sets ``run_options.terminate`` once this process has used ``seconds`` of CPU time inside the block."""
+
+    def __init__(self, run_options, seconds: float):
+        self.run_options, self.seconds = run_options, seconds
+        self.done = threading.Event()
+
+    def _watch(self) -> None:
+        start = time.process_time()
+        while not self.done.wait(0.1):
+            if time.process_time() - start > self.seconds:
+                self.run_options.terminate = True
+                return
+
+    def __enter__(self):
+        self.thread = threading.Thread(target=self._watch, name="fuzz-watchdog", daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
 
 
 _NUMPY_OF = {"float": "float32", "double": "float64", "float16": "float16", "int64": "int64", "int32": "int32",
@@ -633,7 +665,7 @@ def replay(model_path: str, memory_limit: int = MEMORY_LIMIT) -> int:
     answer = run_case(onnx_runtime, model_path, feeds_path if os.path.exists(feeds_path) else None,
                       on_error=traceback.print_exc)
     print(json.dumps(answer, indent=1))
-    return 0 if answer["outcome"] in ("ok", "typed") else 1
+    return 0 if answer["outcome"] in ("ok", "cancelled", "typed") else 1
 
 
 def main(argv=None) -> int:

@@ -8,6 +8,7 @@ explicit inputs, in ``implicit_inputs(node)`` order, and are passed to the subgr
 from __future__ import annotations
 
 import numpy as np
+from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 from onnx_runtime.loader import implicit_inputs
 from onnx_runtime.session.subgraph import Subgraph
@@ -64,16 +65,29 @@ def loop(node, shapes, opset, handle):
         scans: list[list] = [[] for _ in range(scan_count)]
         iteration = 0
         while keep_going and (trips is None or iteration < trips):
+            budget.check_cancelled(f"node {node.name!r} (Loop) at iteration {iteration}")
             out = body.run([np.array(iteration, np.int64), np.array(keep_going), *carried], outer)
             keep_going = _scalar_bool(out[0])
             carried = list(out[1:1 + carried_count])
             for collected, value in zip(scans, out[1 + carried_count:]):
                 collected.append(value)
+            if iteration == 0 and trips is not None and scans:
+                _check_stacked_size(node, out[1 + carried_count:], trips)
             iteration += 1
         stacked = [_stack(collected, info, node) for collected, info in zip(scans, scan_types)]
         return (*carried, *stacked)
 
     return kernel
+
+
+def _check_stacked_size(node, first: tuple, trips: int) -> None:
+    """Fail fast when ``trips`` iterations of scan outputs the size of the first would pass the budget (every
+    iteration must give the same shape), before running the rest."""
+    for k, array in enumerate(first):
+        if not isinstance(array, np.ndarray):
+            continue
+        budget.check(array.size * trips, array.itemsize, f"node {node.name!r} (Loop) scan output {k} over {trips:,} "
+                     f"iterations")
 
 
 def _stack(values: list, info, node, axis: int = 0) -> np.ndarray:
@@ -108,6 +122,7 @@ def _run_scan(body: Subgraph, node, states: list, scans: list, outer: dict, attr
     state_count = len(states)
     collected: list[list] = [[] for _ in range(len(body.output_names) - state_count)]
     for t in range(steps):
+        budget.check_cancelled(f"node {node.name!r} ({node.op_type}) at step {t}")
         slices = [np.take(x, steps - 1 - t if d else t, axis=a) for x, a, d in zip(scans, axes, in_dirs)]
         out = body.run([*states, *slices], outer)
         states = list(out[:state_count])

@@ -4,6 +4,7 @@ optional is None."""
 from __future__ import annotations
 
 import numpy as np
+from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError
 from onnx_runtime.loader import implicit_inputs
 from onnx_runtime.session.subgraph import Subgraph
@@ -130,6 +131,7 @@ def sequence_map(node, shapes, opset, handle):
             )
         results: list[list] = [[] for _ in body.output_names]
         for i in range(lengths.pop()):
+            budget.check_cancelled(f"node {node.name!r} (SequenceMap) at element {i}")
             outs = body.run([v[i] if isinstance(v, list) else v for v in inputs], outer)
             for collected, value in zip(results, outs):
                 collected.append(value)
