@@ -351,12 +351,15 @@ def conv_transpose(node, shapes, opset):
         n, c = x.shape[:2]
         m = w.shape[1] * group
         # Every input pixel times every kernel tap: (N, G, Mg*K, pixels), one matmul.
+        budget.check_shape((n, m, *kshape, *in_shape), np.dtype(dtype).itemsize, "ConvTranspose's taps")
         xg = x.astype(dtype, copy=False).reshape(n, group, c // group, -1)
         wg = w.astype(dtype, copy=False).reshape(group, c // group, -1).transpose(0, 2, 1)
         cols = np.matmul(wg, xg).reshape(n, m, *kshape, *in_shape)
         # Scatter-add each tap into a buffer covering both the full result and the requested output.
         origin = tuple(max(0, -bg) for bg in begin)
         size = tuple(o + max(f, bg + t) for o, f, bg, t in zip(origin, full, begin, out))
+        # Strides, dilations and pads size the buffer: within the session's budget before allocating.
+        budget.check_shape((n, m, *size), np.dtype(dtype).itemsize, "ConvTranspose's scatter buffer")
         buf = np.zeros((n, m, *size), dtype=dtype)
         for offset in np.ndindex(*kshape):
             index = tuple(
