@@ -93,6 +93,7 @@ class ProcessMemoryGovernor:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._budgets: dict[tuple[str, Tier], _Budget] = {}
+        self._totals: dict[tuple[str, Tier], int] = {}  # the memory devices reported having (fractional limits)
         # Leases of committed mapped growth, by (device, tier, role, holder), returned by release_mapped.
         self._mapped: dict[tuple[str, Tier, MemoryRole, HolderId], list[MemoryLease]] = {}
 
@@ -126,6 +127,20 @@ class ProcessMemoryGovernor:
     def limit(self, device: str, tier: Tier = Tier.DEVICE) -> int | None:
         with self._lock:
             return self._budget(device, tier).limit
+
+    def set_total(self, device: str, nbytes: int, tier: Tier = Tier.DEVICE) -> None:
+        """Record the memory ``device`` has on ``tier`` (its provider reports it when it adopts the governor), so
+        a limit can be given as a fraction of it."""
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidArgumentError(f"the total memory reported for {device} ({tier.value}) must be a positive "
+                                       f"byte count, got {nbytes!r}")
+        with self._lock:
+            self._totals[(device, tier)] = nbytes
+
+    def total(self, device: str, tier: Tier = Tier.DEVICE) -> int | None:
+        """The memory ``device`` reported on ``tier``, or None when its provider has not said."""
+        with self._lock:
+            return self._totals.get((device, tier))
 
     # -- reservations -------------------------------------------------------------------------------
     def reserve(self, device: str, nbytes: int, tier: Tier, role: MemoryRole, holder: HolderId) -> MemoryLease:
@@ -267,6 +282,13 @@ class DeviceGovernor:
 
     def reserve(self, nbytes: int, tier: Tier, role: MemoryRole, holder: HolderId) -> MemoryLease:
         return self.process.reserve(self.device, nbytes, tier, role, holder)
+
+    def set_total(self, nbytes: int, tier: Tier = Tier.DEVICE) -> None:
+        """The provider reports the device's memory (e.g. ``cuDeviceTotalMem``): limits may then be fractions."""
+        self.process.set_total(self.device, nbytes, tier)
+
+    def total(self, tier: Tier = Tier.DEVICE) -> int | None:
+        return self.process.total(self.device, tier)
 
     def available(self, tier: Tier) -> int:
         """Unclaimed bytes of ``tier`` (a very large number when it is unbounded)."""

@@ -54,6 +54,14 @@ def measure(session, feeds: dict) -> dict:
     return report
 
 
+def _host_tier(budget: dict) -> list[str]:
+    """A pinned or host tier's line, when anything is charged to it or it is bounded."""
+    if not budget["used"] and budget["limit"] is None:
+        return []
+    return [f"  {budget['tier'].replace('_', ' ')} memory for {budget['device']}: limit {_size(budget['limit'])}, "
+            f"in use {_size(budget['used'])}, high-water {_size(budget['high_water'])}"]
+
+
 def render(report: dict, sites: int = 5) -> list[str]:
     """The report as the lines ``info --memory`` prints."""
     host = report["host"]
@@ -66,6 +74,7 @@ def render(report: dict, sites: int = 5) -> list[str]:
     activations = {a["device"]: a for a in report["activations"]}
     for budget in report["budgets"]:
         if budget["tier"] != "device":
+            lines += _host_tier(budget)
             continue
         device = budget["device"]
         lines.append(f"  device {device}: limit {_size(budget['limit'])}, in use {_size(budget['used'])}, "
@@ -87,6 +96,9 @@ def render(report: dict, sites: int = 5) -> list[str]:
     for provider, nbytes in report["pools"].items():
         if nbytes:
             lines.append(f"  {provider} pools under the governor: {_size(nbytes)}")
+    lines += [f"  {provider} driver allocations at {site['file']}:{site['line']}: {site['requests']}, "
+              f"{_size(site['bytes'])}"
+              for provider, found in report.get("provider_sites", {}).items() for site in found[:sites]]
     if len(lines) == 2:
         lines.append("  no device provider runs a node: the host's memory is the process's (no device budget)")
     return lines

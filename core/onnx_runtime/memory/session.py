@@ -1,10 +1,12 @@
 """What a session does with the memory governor: join it, charge its device allocations, admit its weights.
 
-At creation, for each device provider its nodes were placed on, the session applies the device limit
-(``session.memory_limit``), lets the provider adopt the governor (``adopt_memory_governor``), charges the
-handle's allocations through a :class:`DeviceAccount`, and admits the weights its nodes read on that device
-(:class:`WeightResidency`): all of them, or the weight-residency budget (``session.weight_residency_budget``)
-when they are paged. Host providers are not governed: their memory is the process's.
+At creation, for each device provider its nodes were placed on, the session lets the provider adopt the governor
+(``adopt_memory_governor``, where it may report the device's memory and charge its standing pools), applies the
+device limit (``session.memory_limit``: bytes or a fraction of that memory) and the pinned host one
+(``session.pinned_memory_limit``), charges the handle's allocations through a :class:`DeviceAccount`, and admits
+the weights its nodes read on that device (:class:`WeightResidency`): all of them, or the weight-residency budget
+(``session.weight_residency_budget``) when they are paged. Host providers are not governed: their memory is the
+process's.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from .accounts import DeviceAccount
 from .governor import parse_byte_limit, process_governor
 from .weights import WeightResidency
 
-__all__ = ["LIMIT_KEY", "MAP_WEIGHTS_KEY", "WEIGHT_BUDGET_KEY", "SessionMemory", "governed"]
+__all__ = ["LIMIT_KEY", "MAP_WEIGHTS_KEY", "PINNED_LIMIT_KEY", "WEIGHT_BUDGET_KEY", "SessionMemory", "governed"]
 
 LIMIT_KEY = "session.memory_limit"  # the device budget (bytes, with an optional unit) of every device used
 WEIGHT_BUDGET_KEY = "session.weight_residency_budget"  # weights resident at once per device; paged beyond
+PINNED_LIMIT_KEY = "session.pinned_memory_limit"  # page-locked host memory (staging) a device's provider may hold
 MAP_WEIGHTS_KEY = "session.map_external_weights"  # "0": read external data into memory instead of mapping it
 
 
@@ -45,12 +48,15 @@ class SessionMemory:
         try:
             for key, handle in devices.items():
                 device = str(handle.device_id)
-                limit = parse_byte_limit(config.get(LIMIT_KEY, ""), LIMIT_KEY)
-                if limit is not None and limit != governor.limit(device):
-                    governor.set_limit(device, limit)
                 view = governor.device(device)
+                # Adopted first: the provider reports the device's memory then, which a fractional limit needs.
                 self.pools[handle.name] = int(handle.hook.adopt_memory_governor(
                     governor=view, tier=Tier.DEVICE, holder=HolderId(f"{handle.name} pools")) or 0)
+                for key_name, tier in ((LIMIT_KEY, Tier.DEVICE), (PINNED_LIMIT_KEY, Tier.PINNED_HOST)):
+                    limit = parse_byte_limit(config.get(key_name, ""), f"{key_name} (on {device})",
+                                             governor.total(device, tier))
+                    if limit is not None and limit != governor.limit(device, tier):
+                        governor.set_limit(device, limit, tier)
                 account = DeviceAccount(handle, view, HolderId(f"{label} activations on {handle.name}"))
                 nodes = by_handle[key]
                 names = {n for node in nodes for n in node.inputs if n in graph.initializers}
@@ -92,6 +98,10 @@ class SessionMemory:
                                         "bytes": s.requested_bytes} for s in a.site_stats()]}
                             for a in self.accounts],
             "pools": dict(self.pools),
+            "provider_sites": {a.handle.name: [{"file": s.file, "line": s.line, "requests": s.requests,
+                                                "bytes": s.requested_bytes}
+                                               for s in a.handle.hook.raw_device_allocation_site_stats() or ()]
+                               for a in self.accounts},
         }
 
 
