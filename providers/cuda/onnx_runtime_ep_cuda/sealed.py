@@ -13,9 +13,23 @@ import threading
 from onnx_runtime import hookimpl
 from onnx_runtime.contract.buffers import DeviceBuffer, Ownership
 from onnx_runtime.contract.defaults import host_bytes_of
-from onnx_runtime.contract.residency import ProviderContextIdentity
+from onnx_runtime.contract.residency import ProviderContextIdentity, RawDeviceAllocationSiteStats
 
-__all__ = ["SealedConstants", "SealedCudaAllocation"]
+__all__ = ["SealedConstants", "SealedCudaAllocation", "sealed_site_stats"]
+
+_UPLOADS: dict[int, list[int]] = {}  # id(CudaDevice) -> [constants uploaded, their bytes], for the site stats
+_UPLOADS_LOCK = threading.Lock()
+
+
+def sealed_site_stats(cuda_device) -> list[RawDeviceAllocationSiteStats]:
+    """The sealed constants uploaded on ``cuda_device`` (allocated outside the ``allocate`` hook), as one site."""
+    with _UPLOADS_LOCK:
+        count, nbytes = _UPLOADS.get(id(cuda_device), (0, 0))
+    if not count:
+        return []
+    site = SealedConstants.upload_sealed_constant.__code__
+    return [RawDeviceAllocationSiteStats(site.co_filename, site.co_firstlineno, requests=count, requested_bytes=nbytes,
+                                         driver_allocations=count, driver_bytes=nbytes)]
 
 NAME = "CUDAExecutionProvider"
 
@@ -95,6 +109,10 @@ class SealedConstants:
         except BaseException:
             device.free(base)
             raise
+        with _UPLOADS_LOCK:
+            counts = _UPLOADS.setdefault(id(device), [0, 0])
+            counts[0] += 1
+            counts[1] += int(source.size)
         context = int(device.context)
         return SealedCudaAllocation(device, self._device_id, address, base, int(source.size),
                                     ProviderContextIdentity(NAME, context), context)

@@ -10,6 +10,10 @@ Blocks are a small ring of fixed-size chunks, allocated on first use and freed e
 (``allocated`` and ``freed`` count them). A copy larger than a block goes through the ring chunk by chunk; a
 block is only rewritten after the event of its previous copy completed, so the host waits only when it is a
 whole ring ahead of the device.
+
+Once the provider adopts the memory governor (``govern``), every block is charged to the device's pinned host
+tier (role staging) before it is allocated. A block the budget cannot take is not allocated: the ring stays at
+the blocks it has (one at least: a budget that cannot hold one block fails the copy with the governor's error).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+from onnx_runtime.contract.residency import MemoryRole, RawDeviceAllocationSiteStats, Tier
 from onnx_runtime.errors import ProviderError
 
 BLOCK_BYTES = 4 << 20  # per block: large enough to keep a copy engine busy, small enough to keep pinned memory low
@@ -32,6 +37,7 @@ class _Block:
     event: object  # recorded after the block's last device copy
     recorded: bool = False  # the event names a copy not yet known to be complete
     pending: np.ndarray | None = None  # a download's destination, filled from the block once the event completed
+    lease: object = None  # the governor's charge for the block's pinned bytes, once governed
 
 
 class PinnedStaging:
@@ -45,6 +51,52 @@ class PinnedStaging:
         self.block_bytes = BLOCK_BYTES
         self.allocated = 0  # cuMemHostAlloc calls; every one is freed once by close
         self.freed = 0
+        self._governor = None  # the adopted DeviceGovernor: blocks are charged to its pinned host tier
+        self._holder = None
+        self._ring = RING  # blocks the ring may hold: fewer when the pinned budget refused one
+
+    def govern(self, governor, holder) -> int:
+        """Charge the blocks (those allocated already, and every later one) to ``governor``'s pinned host tier
+        for ``holder``; returns the bytes charged now. Adopting the same governor again charges nothing."""
+        with self._lock:
+            if self._governor is not None and getattr(self._governor, "device", None) == getattr(governor, "device", 0):
+                return 0
+            self._release_leases()
+            self._governor, self._holder, self._ring = governor, holder, RING
+            charged = 0
+            for block in self._blocks:
+                block.lease = governor.reserve(BLOCK_BYTES, Tier.PINNED_HOST, MemoryRole.STAGING, holder)
+                charged += BLOCK_BYTES
+            return charged
+
+    def _release_leases(self) -> None:
+        for block in self._blocks:
+            lease, block.lease = block.lease, None
+            if lease is not None:
+                lease.release()
+
+    def _charge(self):
+        """A lease for one more block, None when ungoverned; raises only when the ring has no block to reuse."""
+        if self._governor is None:
+            return None
+        try:
+            return self._governor.reserve(BLOCK_BYTES, Tier.PINNED_HOST, MemoryRole.STAGING, self._holder)
+        except ProviderError:
+            if not self._blocks:
+                raise
+            self._ring = len(self._blocks)  # the budget is full: reuse the blocks there are
+            return False
+
+    def site_stats(self) -> list[RawDeviceAllocationSiteStats]:
+        """The ring's cuMemHostAlloc calls, for the provider's ``raw_device_allocation_site_stats``."""
+        with self._lock:
+            count = self.allocated
+        if not count:
+            return []
+        site = PinnedStaging._block.__code__  # where the ring calls cuMemHostAlloc
+        return [RawDeviceAllocationSiteStats(site.co_filename, site.co_firstlineno, requests=count,
+                                             requested_bytes=count * BLOCK_BYTES, driver_allocations=count,
+                                             driver_bytes=count * BLOCK_BYTES)]
 
     def _check(self, result, call: str):
         return self.device._check(result, call)  # noqa: SLF001 - the device turns a fault into its typed error
@@ -53,20 +105,28 @@ class PinnedStaging:
         """The next block of the ring, once the device is done with its previous copy."""
         d = self.device.driver
         with self._lock:
-            if len(self._blocks) < RING:
-                event = self._check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+            lease = self._charge() if len(self._blocks) < self._ring else False
+            if lease is not False:
+                try:
+                    event = self._check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+                except ProviderError:
+                    if lease is not None:
+                        lease.release()
+                    raise
                 try:
                     address = int(self._check(d.cuMemHostAlloc(BLOCK_BYTES, 0), f"cuMemHostAlloc({BLOCK_BYTES})"))
                 except ProviderError:
                     self._check(d.cuEventDestroy(event), "cuEventDestroy(staging block)")
+                    if lease is not None:
+                        lease.release()
                     raise
                 self.allocated += 1
                 view = np.ctypeslib.as_array((ctypes.c_uint8 * BLOCK_BYTES).from_address(address))
-                block = _Block(address, view, event)
+                block = _Block(address, view, event, lease=lease)
                 self._blocks.append(block)
                 return block
-            block = self._blocks[self._next]
-            self._next = (self._next + 1) % RING
+            block = self._blocks[self._next % len(self._blocks)]
+            self._next = (self._next + 1) % len(self._blocks)
         self._settle(block)
         return block
 
@@ -131,6 +191,7 @@ class PinnedStaging:
         """Forget every block: a context reset (after a device fault) freed them with everything else."""
         with self._lock:
             self.freed += len(self._blocks)
+            self._release_leases()
             self._blocks = []
 
     def close(self) -> None:
@@ -142,3 +203,7 @@ class PinnedStaging:
             self._check(d.cuEventDestroy(block.event), "cuEventDestroy(staging block)")
             self._check(d.cuMemFreeHost(block.address), "cuMemFreeHost")
             self.freed += 1
+            lease, block.lease = block.lease, None
+            if lease is not None:  # charged until the pinned bytes are freed
+                lease.release()
+

@@ -1,0 +1,34 @@
+"""The CUDA provider under the process's memory governor (docs/memory.md): ``adopt_memory_governor`` reports the
+device's memory (``cuDeviceTotalMem``, so a limit can be a fraction of it) and puts the device's pinned staging
+ring under the pinned host tier; ``raw_device_allocation_site_stats`` names the driver allocations made outside
+the ``allocate`` hook (the staging ring's cuMemHostAlloc, sealed constants' uploads).
+
+The stream-ordered pool needs no charge of its own: every buffer it hands out goes through ``allocate``, which
+the session's account charges, and the pool is per device, shared by every session on it.
+"""
+
+from __future__ import annotations
+
+from onnx_runtime import hookimpl
+from onnx_runtime.contract.residency import Tier
+
+from .sealed import sealed_site_stats
+
+__all__ = ["MemoryGovernance"]
+
+
+class MemoryGovernance:
+    """The governance hooks of :class:`CUDAExecutionProvider` (a mixin: it needs ``cuda_device()``)."""
+
+    @hookimpl
+    def adopt_memory_governor(self, governor, tier, holder):
+        device = self.cuda_device()
+        total = int(device._check(device.driver.cuDeviceTotalMem(device.device), "cuDeviceTotalMem"))  # noqa: SLF001
+        if hasattr(governor, "set_total") and total > 0:
+            governor.set_total(total, Tier.DEVICE)
+        return device.staging.govern(governor, holder)
+
+    @hookimpl
+    def raw_device_allocation_site_stats(self):
+        device = self.cuda_device()
+        return device.staging.site_stats() + sealed_site_stats(device)
