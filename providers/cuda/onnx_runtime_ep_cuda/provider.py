@@ -30,6 +30,7 @@ from . import (
     ops,  # noqa: F401  (fills the kernel registry)
 )
 from .device import CudaDevice
+from .governance import MemoryGovernance
 from .graphs import DeviceGraphs
 from .ops.context import KernelContext
 from .ops.host_shapes import host_kernel, host_nodes
@@ -41,7 +42,7 @@ NAME = "CUDAExecutionProvider"
 OPTION_KEYS = ("device_id",)
 
 
-class CUDAExecutionProvider(SealedConstants):
+class CUDAExecutionProvider(SealedConstants, MemoryGovernance):
     def __init__(self):
         self._device_index = 0
         self._device_id = DeviceId(DeviceType.CUDA, 0)  # made once: every allocation is stamped with it
