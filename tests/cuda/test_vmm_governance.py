@@ -1,0 +1,123 @@
+"""The CUDA provider under the memory governor (providers/cuda governance.py, staging.py): it reports the device's
+memory so a limit can be a fraction of it, its pinned staging ring is charged to the pinned host tier and stays
+within that tier's budget, and its driver allocations outside ``allocate`` are reported by site."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+W = np.random.default_rng(5).standard_normal((64, 64)).astype(np.float32)
+
+
+@pytest.fixture
+def matmul_model(tmp_path) -> str:
+    graph = helper.make_graph([helper.make_node("MatMul", ["X", "W"], ["Y"])], "mm",
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 64])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 64])],
+                              [numpy_helper.from_array(W, "W")])
+    path = tmp_path / "mm.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return str(path)
+
+
+@pytest.fixture
+def clean_limits():
+    from onnx_runtime.contract.residency import Tier
+    from onnx_runtime.memory import set_device_memory_limit
+
+    gc.collect()
+    yield
+    gc.collect()
+    set_device_memory_limit("cuda:0", None)
+    set_device_memory_limit("cuda:0", None, Tier.PINNED_HOST)
+
+
+def _session(path, **config):
+    import onnx_runtime as ort
+
+    options = ort.SessionOptions()
+    for key, value in config.items():
+        options.add_session_config_entry(f"session.{key}", str(value))
+    return ort.InferenceSession(path, options, providers=["CUDAExecutionProvider"])
+
+
+def test_a_fractional_limit_is_that_share_of_the_devices_memory(cuda_driver_mode, matmul_model, clean_limits):
+    from onnx_runtime.memory import process_governor, set_device_memory_limit
+    from onnx_runtime_ep_cuda import CudaDevice
+
+    device = CudaDevice.get(0)
+    total = int(device.driver.cuDeviceTotalMem(device.device)[1])
+    session = _session(matmul_model, memory_limit="0.5")
+    governor = process_governor()
+    assert governor.total("cuda:0") == total and governor.limit("cuda:0") == total // 2
+    x = np.ones((3, 64), np.float32)
+    np.testing.assert_allclose(session.run(None, {"X": x})[0], x.astype(np.float64) @ W, rtol=1e-5, atol=1e-4)
+    set_device_memory_limit("cuda:0", 0.25)  # the device's total is known now: the Python call takes fractions
+    assert governor.limit("cuda:0") == total // 4
+    session.close()
+
+
+def test_a_fraction_on_a_device_that_does_not_report_its_memory_is_a_typed_error(clean_limits):
+    from onnx_runtime.errors import InvalidArgumentError
+    from onnx_runtime.memory import set_device_memory_limit
+
+    with pytest.raises(InvalidArgumentError, match=r"fraction '0.5'.*does not report its total memory.*512MiB"):
+        set_device_memory_limit("other:99", "0.5")
+
+
+def test_the_staging_ring_is_charged_to_the_pinned_tier_and_reported_by_site(cuda_driver_mode, matmul_model,
+                                                                             clean_limits):
+    from onnx_runtime.contract.residency import Tier
+    from onnx_runtime.memory import process_governor
+    from onnx_runtime_ep_cuda import CudaDevice
+    from onnx_runtime_ep_cuda.staging import BLOCK_BYTES
+
+    session = _session(matmul_model)
+    session.run(None, {"X": np.ones((2, 64), np.float32)})
+    ring = CudaDevice.get(0).staging
+    blocks = ring.allocated - ring.freed
+    assert blocks > 0
+    pinned = [b for b in process_governor().snapshot() if b["device"] == "cuda:0" and b["tier"] == "pinned_host"]
+    assert pinned and pinned[0]["roles"] == {"staging": blocks * BLOCK_BYTES}
+    assert process_governor().used("cuda:0", Tier.PINNED_HOST) == blocks * BLOCK_BYTES
+    sites = session.memory_report()["provider_sites"]["CUDAExecutionProvider"]
+    assert any(site["file"].endswith("staging.py") and site["requests"] == ring.allocated for site in sites)
+    session.close()
+
+
+def test_a_pinned_budget_of_one_block_keeps_the_ring_at_one_block_and_copies_stay_exact(cuda_driver_mode):
+    from onnx_runtime.contract.residency import HolderId, Tier
+    from onnx_runtime.memory import MemoryBudgetError, ProcessMemoryGovernor
+    from onnx_runtime_ep_cuda import CudaDevice
+    from onnx_runtime_ep_cuda.staging import BLOCK_BYTES, PinnedStaging
+
+    device = CudaDevice.get(0)
+    governor = ProcessMemoryGovernor()
+    governor.set_limit("cuda:0", BLOCK_BYTES, Tier.PINNED_HOST)
+    ring = PinnedStaging(device)
+    assert ring.govern(governor.device("cuda:0"), HolderId("ring under test")) == 0
+    data = np.random.default_rng(2).integers(0, 256, 3 * BLOCK_BYTES + 17, dtype=np.uint8)
+    address, base = device.allocate(data.size)
+    try:
+        ring.upload(address, data, device.compute)
+        back = np.zeros_like(data)
+        ring.download(back, address, device.compute)
+        np.testing.assert_array_equal(back, data)
+        assert ring.allocated == 1 and governor.used("cuda:0", Tier.PINNED_HOST) == BLOCK_BYTES
+        ring.close()
+        assert governor.used("cuda:0", Tier.PINNED_HOST) == 0 and ring.freed == 1
+        empty = ProcessMemoryGovernor()
+        empty.set_limit("cuda:0", BLOCK_BYTES - 1, Tier.PINNED_HOST)
+        starved = PinnedStaging(device)
+        starved.govern(empty.device("cuda:0"), HolderId("starved ring"))
+        with pytest.raises(MemoryBudgetError, match="starved ring.*short"):
+            starved.upload(address, data[:16], device.compute)
+        assert starved.allocated == 0
+    finally:
+        ring.close()
+        device.free(base)
