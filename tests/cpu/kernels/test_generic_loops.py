@@ -120,9 +120,21 @@ def _conv_cases():
     return cases
 
 
+def _crop_cases():
+    cases = []
+    for kind, params in ((NONE, None), (CLIP, (-0.5, 0.7))):  # padded rows (2, 3, 4 lines of 7) cropped to 5
+        rows = _r(2, 3, 28)
+        rows[1, 1, 8] = np.nan
+        bounds = activation_bounds(kind, params, F32)
+        for bias, residual in ((_r(3), _r(2, 3, 20)), (_e(1), _e(3))):
+            cases.append(("epilogue.crop_bias_residual_activation",
+                          (rows, np.empty((2, 3, 20), F32), 5, bias, residual, bounds)))
+    return cases
+
+
 def _cases():
     """(loop key, argument tuple) pairs; arrays are copied per side."""
-    cases = _transformer_cases() + _decoder_cases() + _conv_cases()
+    cases = _transformer_cases() + _decoder_cases() + _conv_cases() + _crop_cases()
     return [(f"onnx_runtime_ep_cpu.compiled.{key}", args) for key, args in cases]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .epilogue import CLIP, LEAKY_RELU, RELU
+from .generic_conv import GENERIC_CONV
 
 
 def _rows_like(values: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -253,4 +254,5 @@ GENERIC = {
     _COMPILED + "lrn.lrn_base": lrn_base,
     _COMPILED + "pooling.plane_means": plane_means,
     _COMPILED + "pooling.pool_2d": pool_2d,
+    **GENERIC_CONV,
 }
