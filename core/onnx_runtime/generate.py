@@ -147,6 +147,9 @@ class _Bindings:
                                                     (1, prompt, layout.vocabulary)))
         self.result = bind(DeviceBindingSpec.scratch("argmax", np.uint32, (2,)))
         self.tokens = bind(DeviceBindingSpec.scratch("tokens", np.uint32, (new + 1,)))
+        # On host memory (the CPU provider) the step's argmax and token writes are numpy over the bindings' own
+        # arrays: what the contract's default hooks do, without their dispatch and checks on every step.
+        self.host = _host_arrays(self.logits, self.ids, self.positions, self.mask, self.tokens)
 
     def _bind_cache(self, layout: _Layout, prompt: int) -> None:
         """The KV cache (each past aliased by its present: appended in place) and the mask, growing by steps."""
@@ -175,6 +178,19 @@ class _Bindings:
         can, else through the host (the row down, the token up)."""
         vocabulary = self.layout.vocabulary
         offset = (self.logits.logical_shape[1] - 1) * vocabulary
+        if self.host is not None:
+            logits, ids, positions, mask, tokens = self.host
+            assert logits is not None and ids is not None and mask is not None and tokens is not None
+            row = logits[offset: offset + vocabulary]
+            # numpy's argmax takes the first maximum and ranks NaN above every number, as device_argmax does.
+            token = int(np.argmax(row if row.dtype == np.float32 else row.astype(np.float32)))
+            ids[0] = token
+            if positions is not None:
+                positions[0] = position
+            if position < self.mask_len:
+                mask[position] = 1
+            tokens[step] = token
+            return
         if self.logits.device_argmax_supported():
             self.logits.device_argmax(vocabulary, 1, self.result, element_offset=offset)
             self.result.device_token_writer(self.ids, self.positions, self.mask, self.tokens, capacity=new,
@@ -286,6 +302,13 @@ class _CapacityBindings(_Bindings):
 
     def _next_mask_shape(self, step: int, length: int) -> tuple[int, int]:
         return (1, self.capacity + 1)
+
+
+def _host_arrays(*bindings: DeviceIoBinding | None) -> tuple[np.ndarray | None, ...] | None:
+    """The bindings' host arrays (None for an absent binding), or None unless every binding is in host memory."""
+    arrays = tuple(None if binding is None else binding.host_array() for binding in bindings)
+    present = [array for binding, array in zip(bindings, arrays) if binding is not None]
+    return arrays if all(array is not None for array in present) else None
 
 
 def logits_provider(session: InferenceSession) -> str:

@@ -93,6 +93,7 @@ def test_a_provider_without_device_argmax_chooses_through_the_host(monkeypatch):
     from onnx_runtime.session.device_io_binding import DeviceIoBinding
 
     path = _model("gpt2.torchscript.fp32")
+    monkeypatch.setattr(DeviceIoBinding, "host_array", lambda self: None)  # as on a device: no host arrays
     monkeypatch.setattr(DeviceIoBinding, "device_argmax_supported", lambda self: False)
     monkeypatch.setattr(DeviceIoBinding, "device_argmax", None)  # must not be reached
     result = Generator(path, providers=[CPU]).generate(PROMPT, 5)

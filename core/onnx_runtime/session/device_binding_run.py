@@ -133,11 +133,10 @@ def run_with_device_bindings(session: SessionSide, bindings, input_feed: dict | 
     try:
         for name, binding in inputs.items():
             value = _input_value(binding, single_token_step, temporaries)
-            if isinstance(value, Tensor):
-                session.check_bound(name, value, output=False)
-                feeds[name] = value
-            else:
-                feeds[name] = session.checked_input(name, value)
+            # The binding's dtype was checked against the model when it was made: its shape is checked here.
+            session.check_bound(name, value if isinstance(value, Tensor) else _Shaped(binding.dtype, value.shape),
+                                output=False)
+            feeds[name] = value
         session.check_missing(feeds)
         names = host_names + tuple(outputs)
         values = _execute(session, bindings, feeds, names, not host_names, graph_slot_of(run_options))
@@ -218,6 +217,9 @@ def _input_value(binding: DeviceIoBinding, single_token_step: bool, temporaries:
     """The binding's buffer in the shape kernels see: an array view on host memory, else a tensor over it (a
     window at fixed strides that is not one run is gathered into a temporary; see the module docstring)."""
     shape = binding.kernel_input_shape(single_token_step)
+    host = binding.host_array()
+    if host is not None and not binding.fixed_physical_strides():  # the valid part, compact from the start
+        return host[: math.prod(shape)].reshape(shape)
     itemsize = binding.dtype.numpy.itemsize
     nbytes = math.prod(shape) * itemsize
     runs = strided_runs(binding.physical_shape, shape, itemsize) if binding.fixed_physical_strides() else []
@@ -240,8 +242,22 @@ def _input_value(binding: DeviceIoBinding, single_token_step: bool, temporaries:
     return gathered
 
 
+class _Shaped:
+    """A host view's element type and shape, as the session's bound-tensor check reads them."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, dtype: DataType, shape: tuple[int, ...]):
+        self.dtype, self.shape = dtype, shape
+
+
 def _check_output(binding: DeviceIoBinding, name: str, value) -> None:
-    dtype = value.dtype if isinstance(value, Tensor) else DataType.from_numpy(np.asarray(value).dtype)
+    if isinstance(value, Tensor):
+        dtype = value.dtype
+    elif isinstance(value, np.ndarray) and value.dtype == binding.dtype.numpy:
+        dtype = binding.dtype
+    else:
+        dtype = DataType.from_numpy(np.asarray(value).dtype)
     shape = tuple(value.shape)
     if dtype is not binding.dtype:
         raise InvalidArgumentError(
@@ -264,6 +280,11 @@ def _check_output(binding: DeviceIoBinding, name: str, value) -> None:
 def _deliver(binding: DeviceIoBinding, value) -> None:
     """Write a run's output into ``binding`` (compactly, or scattered at fixed strides) and adopt its shape."""
     shape = tuple(value.shape)
+    host = binding.host_array()
+    if host is not None and not binding.fixed_physical_strides() and not isinstance(value, Tensor):
+        host[: math.prod(shape)].reshape(shape)[...] = value  # numpy copes with an output aliasing the buffer
+        binding.set_logical_shape(shape)
+        return
     handle, target = binding.allocator, binding.buffer
     itemsize = binding.dtype.numpy.itemsize
     runs = strided_runs(binding.physical_shape, shape, itemsize) if binding.fixed_physical_strides() else \

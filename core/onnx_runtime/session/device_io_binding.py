@@ -229,6 +229,7 @@ class DeviceIoBinding:
         self._device_validation: DeviceValidationToken | None = None
         self._registration: DeviceValidationRegistration | None = None
         self._argmax: bool | None = None
+        self._host_array: np.ndarray | None = None
         try:
             self._registration = allocator.hook.register_device_validation_owner()
         except Exception:
@@ -355,6 +356,17 @@ class DeviceIoBinding:
     @property
     def closed(self) -> bool:
         return self._buffer is None
+
+    def host_array(self) -> np.ndarray | None:
+        """The whole allocation as a flat array of this dtype when its memory is host memory (the CPU
+        provider's), else None: host kernels and a host decode loop read and write it in place, with no
+        transfer (made once: the buffer never moves)."""
+        array = self._host_array
+        if array is None and self.buffer.host is not None:
+            itemsize = self.dtype.numpy.itemsize
+            array = self._host_array = self.buffer.host[: self.buffer.size // itemsize * itemsize].view(
+                self.dtype.numpy)
+        return array
 
     @property
     def transfer_stats(self) -> DeviceBindingTransferStats:
@@ -627,6 +639,7 @@ class DeviceIoBinding:
         buffer, self._buffer = self._buffer, None
         if buffer is None:
             return
+        self._host_array = None
         _LIVE.pop(self, None)
         allocator = self._allocator
         problems = self._settle()
