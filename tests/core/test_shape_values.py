@@ -9,6 +9,7 @@ import onnx_runtime as ort
 import pytest
 from model_helpers import make_model, tensor_info
 from onnx import TensorProto, helper, numpy_helper
+from onnx_runtime.session.steps import ShapeValues
 
 
 def _model() -> bytes:
@@ -78,7 +79,8 @@ def test_shape_only_steps_run_once_per_shapes_and_results_hold(specialize, tmp_p
     sess.end_profiling()
 
 
-def test_kept_values_are_not_mixed_across_shapes(tmp_path):
+def test_kept_values_are_not_mixed_across_shapes(tmp_path, monkeypatch):
+    monkeypatch.setattr(ShapeValues, "LIMIT", 16)
     sess = _session("0", tmp_path)
     rng = np.random.default_rng(1)
     lengths = [(1, p) for p in range(1, 40)] * 2  # more than the cache holds: it starts over, results hold

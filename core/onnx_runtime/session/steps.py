@@ -33,9 +33,12 @@ class ShapeKeyedKernel:
 
     A kernel whose ``shape_free`` attribute is true serves any input shapes (an elementwise function, say): it
     is then kept for every later call, so a decode loop, whose shapes change every step, does not create the
-    node's kernel again per step. The per-shape cache is bounded: past ``LIMIT`` shapes it starts over."""
+    node's kernel again per step. A kernel whose ``shape_key`` attribute is a function serves every input
+    shapes that this function maps to the key it gives the kernel's own (an attention kernel that reads the
+    keys' length per call): new shapes with that key reuse it. The caches are bounded: past ``LIMIT`` entries
+    they start over."""
 
-    __slots__ = ("handle", "node", "graph", "cache", "shape_free")
+    __slots__ = ("handle", "node", "graph", "cache", "shape_free", "shape_key", "by_key")
 
     LIMIT = 64
 
@@ -45,6 +48,8 @@ class ShapeKeyedKernel:
         self.graph = graph
         self.cache = {} if first is None else {first_key: first}
         self.shape_free = first if getattr(first, "shape_free", False) else None
+        self.shape_key = None  # the shape_key function of the kernels in by_key
+        self.by_key: dict = {}
 
     def __call__(self, *inputs):
         kernel = self.shape_free
@@ -57,14 +62,27 @@ class ShapeKeyedKernel:
             key = tuple(shape_of(x) for x in inputs)
             kernel = self.cache.get(key)
         if kernel is None:
+            kernel = self._kernel_for(key)
+        return kernel(*inputs)
+
+    def _kernel_for(self, key: tuple):
+        shape_key = self.shape_key
+        kernel = self.by_key.get(shape_key(key)) if shape_key is not None else None
+        if kernel is None:
             kernel = make_kernel(self.handle, self.node, list(key), self.graph)
             if getattr(kernel, "shape_free", False):
                 self.shape_free = kernel
-            else:
-                if len(self.cache) >= self.LIMIT:  # shapes without bound (a growing sequence): start over
-                    self.cache.clear()
-                self.cache[key] = kernel
-        return kernel(*inputs)
+                return kernel
+            shape_key = getattr(kernel, "shape_key", None)
+            if callable(shape_key):
+                if shape_key is not self.shape_key or len(self.by_key) >= self.LIMIT:
+                    self.by_key = {}
+                    self.shape_key = shape_key
+                self.by_key[shape_key(key)] = kernel
+        if len(self.cache) >= self.LIMIT:  # shapes without bound (a growing sequence): start over
+            self.cache.clear()
+        self.cache[key] = kernel
+        return kernel
 
 
 def make_kernel(handle: ProviderHandle, node: Node, shapes, graph: Graph):
@@ -203,12 +221,15 @@ class ShapeValues:
     (``full``, which keeps those values to the end of the run). Where a specialization keeps a decode step's
     lengths symbolic, tens of small Shape, Range, Unsqueeze and comparison nodes would otherwise run on every
     call. Kept values are frozen (read-only, as initializers are: kernels take a frozen array's identity for
-    its contents); the cache is bounded in entries and in bytes per entry, and starts over past its bound."""
+    its contents); the cache is bounded in entries, in bytes per entry and in bytes in all, and starts over past
+    its bound. It holds every past length of a generation up to about a thousand tokens (an entry is a few
+    small arrays as long as the sequence), so the next generation through those lengths skips the steps."""
 
-    __slots__ = ("full", "body", "keys", "kept", "values")
+    __slots__ = ("full", "body", "keys", "kept", "values", "held")
 
-    LIMIT = 16
+    LIMIT = 1024
     BYTES = 1 << 20
+    TOTAL_BYTES = 8 << 20
 
     def __init__(self, full: list[Step], body: list[Step], keys: tuple[int, ...], kept: tuple[int, ...]):
         self.full = Steps(full)
@@ -216,6 +237,7 @@ class ShapeValues:
         self.keys = keys
         self.kept = kept
         self.values: dict[tuple, tuple] = {}
+        self.held = 0  # bytes of the kept values
 
     def run(self, env: list, profile: dict | None) -> None:
         try:
@@ -230,13 +252,15 @@ class ShapeValues:
             return
         _run(self.full, env, profile)
         values = tuple(env[slot] for slot in self.kept)
-        if key is not None and all(isinstance(v, np.ndarray) for v in values) \
-                and sum(v.nbytes for v in values) <= self.BYTES:
+        size = sum(v.nbytes for v in values) if all(isinstance(v, np.ndarray) for v in values) else None
+        if key is not None and size is not None and size <= self.BYTES:
             for value in values:
                 value.flags.writeable = False
-            if len(self.values) >= self.LIMIT:
+            if len(self.values) >= self.LIMIT or self.held + size > self.TOTAL_BYTES:
                 self.values.clear()
+                self.held = 0
             self.values[key] = values
+            self.held += size
         for slot in self.kept:  # released here rather than at their last reader
             env[slot] = None
 

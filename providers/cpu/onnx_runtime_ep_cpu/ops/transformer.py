@@ -149,9 +149,18 @@ def _visible_keys(q_len: int, total_len: int, offset, causal: bool, left: int, r
 _ROW_BLOCK = 32
 
 
+def _length_free_key(shapes) -> tuple:
+    """The input shapes without the keys' length (axis -2 of K, V and the pasts, the mask's last axis): a
+    length-free Attention kernel serves every shapes that agree on these."""
+    return tuple(shape if shape is None or index not in (1, 2, 3, 4, 5) else
+                 shape[:-1] if index == 3 else shape[:-2] + shape[-1:] for index, shape in enumerate(shapes))
+
+
 class _Attention:
     """Attention for one node and one set of input shapes; the attention bias is rebuilt per call only
-    when it depends on input values (attn_mask, nonpad_kv_seqlen)."""
+    when it depends on input values (attn_mask, nonpad_kv_seqlen). Without a causal or window frontier
+    nothing built here depends on the keys' length, which is read per call: the kernel then gives the
+    session ``shape_key`` and serves every step of a decode loop."""
 
     def __init__(self, node, shapes, opset):
         self.node = node
@@ -187,6 +196,7 @@ class _Attention:
         # Without nonpad_kv_seqlen the causal/window frontier depends on shapes only: build it once.
         self.static_visible = None if self.has_nonpad else _visible_keys(
             geo.q_len, geo.total_len, geo.past_len, self.causal, self.left, self.right, None)
+        self.shape_key = _length_free_key if self.static_visible is None and not self.has_nonpad else None
         # Plain scaled-dot-product attention (what the optimizer's attention fusion produces) runs
         # in place; float32 inputs and a float32 or no mask are checked per call.
         self.plain = (self.softcap <= 0 and not self.wants_qk and not self.has_nonpad and not has_input(node, 4)
@@ -207,9 +217,10 @@ class _Attention:
         # Small attention (a decode step's few queries over the cache, a short sequence's): one compiled call
         # (compiled/decoder.py), a causal frontier or a float32 mask that covers every key as its bias.
         self.few = None
-        macs = geo.q_heads * geo.q_len * geo.total_len * geo.head_size
-        if self.compiled is not None and macs <= (KNOBS.few_query_macs if geo.q_len <= _FEW_QUERIES else
-                                                  KNOBS.few_query_macs // 2):
+        per_key = geo.q_heads * geo.q_len * geo.head_size  # multiply-adds per key
+        limit = KNOBS.few_query_macs if geo.q_len <= _FEW_QUERIES else KNOBS.few_query_macs // 2
+        self._few_keys = limit // per_key if per_key else math.inf  # the most keys it takes (checked per call)
+        if self.compiled is not None and (self.shape_key is not None or geo.total_len <= self._few_keys):
             self.few = _compiled_decoder().few_query_attention_float32
             self._outputs = len(node.outputs)
             self._few_scale = np.float32(self.scale)
@@ -217,8 +228,9 @@ class _Attention:
                 self.frontier.reshape((1, 1) + self.frontier.shape)
             self._few_masks: dict[tuple, tuple | None] = {}  # per mask shape: its (B', H', M', T) view, or None
 
-    def bias(self, mask: np.ndarray | None, nonpad: np.ndarray | None, dtype) -> np.ndarray | None:
-        """The additive attention bias (0 or -inf for masked keys, plus a float mask's values)."""
+    def bias(self, mask: np.ndarray | None, nonpad: np.ndarray | None, dtype, total: int) -> np.ndarray | None:
+        """The additive attention bias (0 or -inf for masked keys, plus a float mask's values) over ``total``
+        keys."""
         geo = self.geo
         bias = None
         if mask is not None:
@@ -226,13 +238,13 @@ class _Attention:
                 bias = np.where(mask, dtype.type(0), dtype.type(-np.inf))
             else:
                 bias = mask.astype(dtype)
-            short = geo.total_len - bias.shape[-1] if bias.ndim else 0  # a scalar mask broadcasts
+            short = total - bias.shape[-1] if bias.ndim else 0  # a scalar mask broadcasts
             if short > 0:  # a short mask leaves the trailing keys masked
                 pad = [(0, 0)] * (bias.ndim - 1) + [(0, short)]
                 bias = np.pad(bias, pad, constant_values=-np.inf)
         if self.has_nonpad:
             nonpad = np.asarray(nonpad).reshape(-1).astype(np.int64)
-            visible = _visible_keys(geo.q_len, geo.total_len, nonpad - geo.q_len, self.causal, self.left,
+            visible = _visible_keys(geo.q_len, total, nonpad - geo.q_len, self.causal, self.left,
                                     self.right, nonpad)
         else:
             visible = self.static_visible
@@ -241,7 +253,7 @@ class _Attention:
         return bias
 
     def __call__(self, q, k, v, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None):
-        if self.few is not None and q.dtype is FLOAT32 and k.dtype is FLOAT32 and v.dtype is FLOAT32:
+        if self.few is not None and k.shape[-2] <= self._few_keys and q.dtype is k.dtype is v.dtype is FLOAT32:
             outputs = self.few_query_attention(q, k, v, attn_mask)
             if outputs is not None:
                 return outputs
@@ -279,7 +291,7 @@ class _Attention:
             scores = rounded(scores * cap)
         if self.wants_qk and self.mode == 1:
             qk = scores.copy()
-        bias = self.bias(attn_mask, nonpad_kv_seqlen, dtype)
+        bias = self.bias(attn_mask, nonpad_kv_seqlen, dtype, present_key.shape[2])
         if bias is not None:
             scores = rounded(scores + bias)
         if self.wants_qk and self.mode == 2:
@@ -310,7 +322,9 @@ class _Attention:
         if mask is not None:
             view = self._few_masks.get(mask.shape, False)
             if view is False:
-                view = self._few_masks[mask.shape] = self._few_mask_view(mask.shape, q.shape[0])
+                if len(self._few_masks) >= 64:  # a length-free kernel sees a new length every step: start over
+                    self._few_masks.clear()
+                view = self._few_masks[mask.shape] = self._few_mask_view(mask.shape, q.shape[0], k.shape[-2])
             if view is None or mask.dtype is not FLOAT32:
                 return None
             bias = np.ascontiguousarray(mask).reshape(view)
@@ -322,26 +336,26 @@ class _Attention:
             return None
         return (geo.from_heads(y), keys, values)[:self._outputs]
 
-    def _few_mask_view(self, shape: tuple, batch: int) -> tuple | None:
+    def _few_mask_view(self, shape: tuple, batch: int, total: int) -> tuple | None:
         """The (B', H', M', T) shape the compiled call reads a mask of ``shape`` as (each of B', H', M' one or
         the scores' own size), or None: it covers too few keys, or broadcasts otherwise, or a frontier is
         also in force (the general path combines them)."""
         geo = self.geo
-        if self.frontier is not None or not 2 <= len(shape) <= 4 or shape[-1] != geo.total_len:
+        if self.frontier is not None or not 2 <= len(shape) <= 4 or shape[-1] != total:
             return None
         view = (1,) * (4 - len(shape)) + tuple(shape)
         if all(d in (1, full) for d, full in zip(view[:3], (batch, geo.q_heads, geo.q_len))):
             return view
         return None
 
-    def _compiled_bias(self, mask) -> np.ndarray | None:
+    def _compiled_bias(self, mask, total: int) -> np.ndarray | None:
         """The (q_len, total_len) float32 bias the compiled softmax adds (empty for none); None when the
         mask has another shape or type (the other paths broadcast or pad it)."""
         geo = self.geo
         if mask is None:
             return np.empty((0, 0), np.float32) if self.frontier is None else self.frontier
         if self.frontier is not None or mask.dtype != np.float32 or mask.ndim < 2\
-                or mask.shape[-2:] != (geo.q_len, geo.total_len) or any(d != 1 for d in mask.shape[:-2]):
+                or mask.shape[-2:] != (geo.q_len, total) or any(d != 1 for d in mask.shape[:-2]):
             return None
         return np.ascontiguousarray(mask.reshape(mask.shape[-2:]))
 
@@ -351,7 +365,8 @@ class _Attention:
         Y's rows by the weights' sums. None where another path must decide (see _compiled_bias; a row
         without a finite score)."""
         geo = self.geo
-        bias = self._compiled_bias(mask)
+        total = k.shape[-2]
+        bias = self._compiled_bias(mask, total)
         if bias is None or q.size == 0 or k.size == 0:
             return None
         if geo.q_len >= _TILED_ROWS and geo.v_head_size % 32 == 0 and gemv_host():  # AVX-512, as the products
@@ -364,7 +379,7 @@ class _Attention:
             # the blocks' small matrices up to twice as fast as through the views.
             queries, keys_t = np.ascontiguousarray(queries), np.ascontiguousarray(keys_t)
             extents = self.compiled.key_extents(bias, _ROW_BLOCK, self._hiding_gap(queries, keys_t))
-            if extents.min() < geo.total_len:
+            if extents.min() < total:
                 y = self._blocked_attention(queries, keys_t, np.ascontiguousarray(values), bias, extents)
                 return None if y is None else (y, keys, values)
         batch, heads, rows, size = queries.shape
@@ -391,7 +406,7 @@ class _Attention:
         if layout is None:
             if len(self._tiles) > 64:  # shapes vary without bound (a growing sequence): start over
                 self._tiles.clear()
-            layout = self._tiles[key] = _TiledLayout(geo, q, k, v, self.scale)
+            layout = self._tiles[key] = _TiledLayout(geo, q, k, v, self.scale, k.shape[-2])
         size = geo.head_size
         if bias.size:
             gap = 128.0 + 2.0 * abs(self.scale) * 1.001 * self.compiled.largest_row_norm(q.reshape(-1, size)) *\
@@ -452,7 +467,7 @@ class _Attention:
         scores). None when the general path must decide: a mask that does not cover every key or
         would broadcast the scores, or a row with no finite score (fully masked rows become zeros)."""
         geo = self.geo
-        if q.size == 0 or k.size == 0 or (mask is not None and (mask.ndim == 0 or mask.shape[-1] != geo.total_len)):
+        if q.size == 0 or k.size == 0 or (mask is not None and (mask.ndim == 0 or mask.shape[-1] != k.shape[-2])):
             return None
         queries = geo.to_heads(q, geo.q_heads) * np.float32(self.scale)
         keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
@@ -493,7 +508,7 @@ class _TiledLayout:
     query tiles, the element strides of Q, K, V and Y as (B, H, S, D) views of their flat memory, the
     scalars, the units' split across threads and the scratch each needs."""
 
-    def __init__(self, geo: _AttentionGeometry, q, k, v, scale: float):
+    def __init__(self, geo: _AttentionGeometry, q, k, v, scale: float, total: int):
         from ..compiled import attention
 
         def strides(x, heads):
@@ -505,16 +520,16 @@ class _TiledLayout:
         self.q_strides, self.k_strides, self.v_strides = strides(q, heads), strides(k, geo.kv_heads),\
             strides(v, geo.kv_heads)
         self.y_strides = strides(np.empty(self.y_shape, np.float32), heads)
-        self.sizes = (heads, geo.kv_heads, geo.total_len, geo.head_size, geo.v_head_size)
+        self.sizes = (heads, geo.kv_heads, total, geo.head_size, geo.v_head_size)
         self.scale = np.array([scale], np.float32)
         self.plan = attention.tiles(geo.q_len)
         self.starts = np.ascontiguousarray(self.plan[:, 0])
-        self.every_key = np.full(len(self.plan), geo.total_len, np.int64)
+        self.every_key = np.full(len(self.plan), total, np.int64)
         units = batch * heads
-        work = units * geo.q_len * geo.total_len * (geo.head_size + geo.v_head_size)
+        work = units * geo.q_len * total * (geo.head_size + geo.v_head_size)
         threads = max(1, min(kernel_threads(), units, work // KNOBS.split_macs))
         self.bounds = np.array([units * t // threads for t in range(threads + 1)], np.int64)
-        self.scratch = attention.scratch_size(geo.head_size, geo.v_head_size, geo.total_len)
+        self.scratch = attention.scratch_size(geo.head_size, geo.v_head_size, total)
 
 
 @register("Attention", since=23)
