@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from ..blas import available as blas_accumulates
+from ..compiled import deferred
 from ..compiled import takes as takes_compiled
 from ..tuning import KNOBS
 from .conv_blas import (
@@ -130,15 +131,28 @@ def pixel_product(x: np.ndarray, w: np.ndarray, b) -> np.ndarray:
     return y.reshape(n, m, 1, 1)
 
 
-def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared):
-    """``path(x, w, b, finish) -> y`` for inputs shaped like ``x`` and ``w``: the convolution algorithm
-    for this geometry, chosen once per input signature. ``finish`` (an _Epilogue for float32/float64,
-    or None) is a FusedConv's bias, residual and activation: the im2col, tight-row and taps paths
-    apply it to each block of output as they write it, the others to the whole output at the end."""
-    dtype = compute_dtype(x.dtype)
-    n, c, m = x.shape[0], x.shape[1], w.shape[0]
-    out_shape = (n, m, *geo.out)
-    blocks = False  # whether compute takes ``finish``
+def compiled_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared, dtype):
+    """``build() -> (compute, blocks)`` of the compiled convolution (packed, direct tiles, depthwise lanes or
+    loop) that takes this geometry, whose modules import numba; None where none does."""
+    c, m = x.shape[1], w.shape[0]
+    if pixel_product_applies(geo, group, x):  # (numpy_compute's first choice)
+        return None
+    if packed_conv_applies(geo, group, x):
+        return lambda: (PackedConv(geo, group, x.shape, w.shape, prepared), True)
+    if direct_tiles_apply(geo, group, x, w):
+        return lambda: (DirectConv(geo, group, x.shape, w.shape, prepared), True)
+    if group == c and group > 1 and depthwise_lanes_apply(geo, x, m):
+        return lambda: (LanesDepthwise(geo, prepared), True)
+    if group == c and group > 1 and depthwise_compiles(geo, x):
+        return lambda: (compiled_depthwise(geo, m, prepared, dtype), True)
+    return None
+
+
+def numpy_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared, dtype):
+    """``(compute, blocks)``: the convolution by numpy and BLAS (the loops it calls have numpy equivalents
+    that serve while numba loads, compiled/generic.py), for what no compiled convolution takes and for the
+    first runs of what one does (see conv_path)."""
+    c, m = x.shape[1], w.shape[0]
 
     def grouped(w, b):
         return prepared.get("grouped", (w, b), lambda: grouped_weights(w, b, group, dtype))
@@ -146,48 +160,70 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
     if pixel_product_applies(geo, group, x):
         def compute(xc, w, b):
             return pixel_product(xc, w, b)
-    elif packed_conv_applies(geo, group, x):
-        compute = PackedConv(geo, group, x.shape, w.shape, prepared)
-        blocks = True
-    elif direct_tiles_apply(geo, group, x, w):
-        compute = DirectConv(geo, group, x.shape, w.shape, prepared)
-        blocks = True
-    elif group == c and group > 1 and depthwise_lanes_apply(geo, x, m):
-        compute = LanesDepthwise(geo, prepared)
-        blocks = True
-    elif group == c and group > 1 and depthwise_compiles(geo, x):
-        compute = compiled_depthwise(geo, m, prepared, dtype)
-        blocks = True
-    elif group == c and group > 1:
+        return compute, False
+    if group == c and group > 1:
         def compute(xc, w, b):
             return conv_depthwise(xc, grouped(w, b), geo, b is not None)
-    elif direct_applies(geo, group, x, w):
-        compute = direct_conv(geo, group, x.shape, w.shape, prepared, dtype)
-    elif use_taps(geo, group, c, m, dtype):
+        return compute, False
+    if direct_applies(geo, group, x, w):
+        return direct_conv(geo, group, x.shape, w.shape, prepared, dtype), False
+    if use_taps(geo, group, c, m, dtype):
         def compute(xc, w, b, finish):
             return conv_by_taps(xc, prepared.get("taps", (w,), lambda: tap_weights(w, dtype)), b, geo, finish)
-        blocks = True
-    elif use_winograd(geo, group, c, m) and not w.flags.writeable:  # its weight transform is done once
+        return compute, True
+    if use_winograd(geo, group, c, m) and not w.flags.writeable:  # its weight transform is done once
         def compute(xc, w, b):
             return conv_winograd(xc, prepared.get("winograd", (w,), lambda: winograd_weights(w, dtype)), b, geo)
-    elif all(k == 1 for k in geo.kernel) and geo.unpadded and all(s == 1 for s in geo.strides):
+        return compute, False
+    if all(k == 1 for k in geo.kernel) and geo.unpadded and all(s == 1 for s in geo.strides):
         def compute(xc, w, b):
             return conv_pointwise(xc, grouped(w, b), group, b is not None)
-    elif group == 1 and tight_fits(geo):
+        return compute, False
+    if group == 1 and tight_fits(geo):
         def compute(xc, w, b, finish):
             return conv_tight_rows(xc, grouped(w, b), geo, b is not None, finish)
-        blocks = True
-    else:
-        def compute(xc, w, b, finish):
-            return conv_im2col(xc, grouped(w, b), geo, group, b is not None, finish)
-        blocks = True
+        return compute, True
 
-    reads_shuffled = getattr(compute, "reads_shuffled", False)
+    def compute(xc, w, b, finish):
+        return conv_im2col(xc, grouped(w, b), geo, group, b is not None, finish)
+    return compute, True
+
+
+def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared):
+    """``path(x, w, b, finish) -> y`` for inputs shaped like ``x`` and ``w``: the convolution algorithm
+    for this geometry, chosen once per input signature. ``finish`` (an _Epilogue for float32/float64,
+    or None) is a FusedConv's bias, residual and activation: the im2col, tight-row and taps paths
+    apply it to each block of output as they write it, the others to the whole output at the end.
+
+    A compiled convolution's modules import numba, which a new process loads in the background while
+    numpy serves its first runs (compiled/deferred.py): while that loader has not finished, the path takes
+    numpy_compute's algorithm, and switches to the compiled one at its first call after."""
+    dtype = compute_dtype(x.dtype)
+    n, m = x.shape[0], w.shape[0]
+    out_shape = (n, m, *geo.out)
+    build = compiled_compute(geo, group, x, w, prepared, dtype)
+    pending = None  # the compiled convolution's builder, while numpy serves
+    if build is not None and deferred.numpy_first():
+        chosen, pending = numpy_compute(geo, group, x, w, prepared, dtype), build
+    else:
+        chosen = build() if build is not None else numpy_compute(geo, group, x, w, prepared, dtype)
+
+    def take(choice) -> None:
+        nonlocal compute, blocks, reads_shuffled
+        compute, blocks = choice
+        reads_shuffled = getattr(compute, "reads_shuffled", False)
+        # The direct tiles (and depthwise lanes), for callers that pass bias, residual and activation straight
+        # (a call costs a few microseconds of Python less than through ``path``).
+        path.direct = compute if isinstance(compute, (DirectConv, LanesDepthwise)) else None
 
     def path(x, w, b, finish, out=None, shuffle=None):
         """The convolution; with ``out`` (the output's shape and dtype), written there (in place by the
         packed convolution when ``out`` is C-contiguous: one image's channels of a larger tensor); with
         ``shuffle`` (a _ChannelShuffle), of x's channels shuffled."""
+        nonlocal pending
+        if pending is not None and not deferred.numpy_first():
+            build, pending = pending, None
+            take(build())
         if shuffle is not None and not reads_shuffled:
             x, shuffle = shuffle.apply(x), None
         xc = x.astype(dtype, copy=False)
@@ -205,9 +241,8 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
                 finish.rows(y.reshape(n, m, math.prod(geo.out)), 0, math.prod(geo.out))
         return y.reshape(out_shape).astype(x.dtype, copy=False)
 
-    # The direct tiles (and depthwise lanes), for callers that pass bias, residual and activation straight
-    # (a call costs a few microseconds of Python less than through ``path``).
-    path.direct = compute if isinstance(compute, (DirectConv, LanesDepthwise)) else None
+    compute, blocks, reads_shuffled = None, False, False
+    take(chosen)
     return path
 
 

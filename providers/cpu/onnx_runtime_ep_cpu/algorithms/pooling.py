@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from ..compiled import deferred
 from ..compiled import takes as takes_compiled
 from ..threads import helper_count
 from .split import thread_spans
@@ -65,7 +66,7 @@ def compiled_pool(loops, x: np.ndarray, geo: Geometry, include_pad: bool | None 
     )
     arguments = (kh, kw, sh, sw, dh, dw, ph, pw, include_pad is None, lo_h, hi_h, lo_w, hi_w)
     spans = thread_spans(planes.shape[0], x.size, x.dtype)
-    if spans is None:
+    if spans is None or deferred.numpy_first():  # (the helper threads' parts are compiled code)
         loops.pool_2d(planes, rows, *arguments)
     else:
         from ..compiled import jobs, workers
