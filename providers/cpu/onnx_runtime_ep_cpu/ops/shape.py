@@ -443,8 +443,10 @@ def gather_elements(node, shapes, opset):
 def gather_nd(node, shapes, opset):
     batch_dims = node.attr("batch_dims", 0)
     # The last read-only indices (a constant, or a shape value a plan keeps: identity stands for contents, see
-    # frozen), the data shape and the flat positions they gather: (indices, shape, positions, rows shape).
-    last: list = [(None, None, None, None)]
+    # frozen), the data shape and the flat positions they gather: (indices, shape, positions, rows shape); and
+    # the shape of the indices the call before had. Positions are worked out only for indices of a shape seen
+    # twice in a row: a decode loop's growing mask brings new indices every step, which would never reuse them.
+    last: list = [(None, None, None, None), None]
 
     def kernel(x, indices):
         if batch_dims == 0 and indices.ndim > 1 and 0 < indices.shape[-1] <= x.ndim:
@@ -455,7 +457,9 @@ def gather_nd(node, shapes, opset):
             depth = indices.shape[-1]
             columns = tuple([indices[..., axis] for axis in range(depth)])
             gathered = x[columns]
-            if frozen(indices) and indices.size and all(0 <= c.min() and c.max() < d for c, d in zip(columns, x.shape)):
+            repeated, last[1] = last[1] == indices.shape, indices.shape
+            if repeated and frozen(indices) and indices.size \
+                    and all(0 <= c.min() and c.max() < d for c, d in zip(columns, x.shape)):
                 rows = (math.prod(x.shape[:depth]),) + x.shape[depth:]
                 last[0] = (indices, x.shape, np.ravel_multi_index(columns, x.shape[:depth]), rows)
             return (gathered,)
