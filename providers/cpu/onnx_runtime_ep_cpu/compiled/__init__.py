@@ -25,7 +25,7 @@ import warnings
 
 import numpy as np
 
-from .deferred import Loop
+from .deferred import Loop, ensure_numba
 
 # The dtypes the compiled loops take; callers fall back to numpy for the rest. (Compared as dtype
 # objects: reading ``dtype.name`` costs microseconds per call, which the per-run checks would pay.)
@@ -72,6 +72,7 @@ def cached_cfunc(signature, function):
     """numba's ``cfunc(signature, cache=True, nopython=True)`` for ``function``, loading from the disk cache as
     the loops do (no context refresh, damaged entries recovered); compiled per process where nothing is
     writable."""
+    ensure_numba()  # its code may call loops: numba must know their type before it compiles (a fresh cache)
     from numba.core import sigutils
     from numba.core.ccallback import CFunc
 

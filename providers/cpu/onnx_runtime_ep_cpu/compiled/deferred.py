@@ -55,7 +55,7 @@ class _State:
     thread: threading.Thread | None = None
     stop = threading.Event()
     typeof_registered = False
-    numba_imported = False  # by _ensure_numba
+    numba_imported = False  # by ensure_numba
     loader_ident = 0
     importing = False  # the loader is importing numba (kernel factories wait: before_kernel_build)
 
@@ -177,7 +177,7 @@ class Loop(functools.partial):
     def dispatcher(self):
         """numba's dispatcher for this loop, built on first use (imports numba)."""
         if self._dispatcher is None:
-            _ensure_numba()
+            ensure_numba()
             from numba.core.compiler_lock import global_compiler_lock
 
             # numba's lock, re-entrant: compiling a loop types the loops it calls (building them) under it
@@ -289,9 +289,10 @@ def _numba_type(description):
     return numba.typeof(description[1])
 
 
-def _ensure_numba() -> None:
+def ensure_numba() -> None:
     """numba and the parts of it the loader and the loops' first calls use, imported by one thread at a time
-    (numba's package imports circularly, and breaks when two threads import it at once)."""
+    (numba's package imports circularly, and breaks when two threads import it at once), with Loop typed for
+    numba: anything that compiles code calling a loop (a cfunc as well as a loop) must call this first."""
     if state.numba_imported:
         return
     with _build_lock:
@@ -313,7 +314,7 @@ def _ensure_numba() -> None:
 
 def before_kernel_build() -> None:
     """Called before a kernel factory runs (it may import modules that import numba): waits while another
-    thread imports numba (see _ensure_numba)."""
+    thread imports numba (see ensure_numba)."""
     if state.importing:
         with _build_lock:
             pass
@@ -389,7 +390,7 @@ def _load() -> None:
     state.loader_ident = threading.get_ident()
     sys.meta_path.insert(0, finder)
     try:
-        _ensure_numba()
+        ensure_numba()
         sys.meta_path.remove(finder)
         with _lock:
             loops = [loop for loop in _loops if loop.pending()]
