@@ -152,8 +152,12 @@ _ROW_BLOCK = 32
 def _length_free_key(shapes) -> tuple:
     """The input shapes without the keys' length (axis -2 of K, V and the pasts, the mask's last axis): a
     length-free Attention kernel serves every shapes that agree on these."""
-    return tuple(shape if shape is None or index not in (1, 2, 3, 4, 5) else
-                 shape[:-1] if index == 3 else shape[:-2] + shape[-1:] for index, shape in enumerate(shapes))
+    key = list(shapes)
+    for index in range(1, min(len(key), 6)):
+        shape = key[index]
+        if shape is not None:
+            key[index] = shape[:-1] if index == 3 else shape[:-2] + shape[-1:]
+    return tuple(key)
 
 
 class _Attention:
@@ -229,8 +233,7 @@ class _Attention:
             self._few_masks: dict[tuple, tuple | None] = {}  # per mask shape: its (B', H', M', T) view, or None
 
     def bias(self, mask: np.ndarray | None, nonpad: np.ndarray | None, dtype, total: int) -> np.ndarray | None:
-        """The additive attention bias (0 or -inf for masked keys, plus a float mask's values) over ``total``
-        keys."""
+        """The additive attention bias over ``total`` keys (0 or -inf for masked ones, plus a float mask's values)."""
         geo = self.geo
         bias = None
         if mask is not None:
@@ -320,14 +323,12 @@ class _Attention:
         geo = self.geo
         bias = self._few_bias
         if mask is not None:
-            view = self._few_masks.get(mask.shape, False)
-            if view is False:
-                if len(self._few_masks) >= 64:  # a length-free kernel sees a new length every step: start over
-                    self._few_masks.clear()
-                view = self._few_masks[mask.shape] = self._few_mask_view(mask.shape, q.shape[0], k.shape[-2])
-            if view is None or mask.dtype is not FLOAT32:
+            lead = self._few_masks.get(mask.shape[:-1], False)  # (the keys' length is checked per call)
+            if lead is False:
+                lead = self._few_masks[mask.shape[:-1]] = self._few_mask_view(mask.shape, q.shape[0])
+            if lead is None or mask.dtype is not FLOAT32 or mask.shape[-1] != k.shape[-2]:
                 return None
-            bias = np.ascontiguousarray(mask).reshape(view)
+            bias = np.ascontiguousarray(mask).reshape(lead + mask.shape[-1:])
         queries = geo.to_heads(q, geo.q_heads)
         keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
         y = np.empty((queries.shape[0], geo.q_heads, geo.q_len, geo.v_head_size), np.float32)
@@ -336,16 +337,16 @@ class _Attention:
             return None
         return (geo.from_heads(y), keys, values)[:self._outputs]
 
-    def _few_mask_view(self, shape: tuple, batch: int, total: int) -> tuple | None:
-        """The (B', H', M', T) shape the compiled call reads a mask of ``shape`` as (each of B', H', M' one or
-        the scores' own size), or None: it covers too few keys, or broadcasts otherwise, or a frontier is
-        also in force (the general path combines them)."""
+    def _few_mask_view(self, shape: tuple, batch: int) -> tuple | None:
+        """The (B', H', M') leading the keys' axis in the (B', H', M', T) shape the compiled call reads a mask of
+        ``shape`` as (each of B', H', M' one or the scores' own size), or None: it broadcasts otherwise, or a
+        frontier is also in force (the general path combines them)."""
         geo = self.geo
-        if self.frontier is not None or not 2 <= len(shape) <= 4 or shape[-1] != total:
+        if self.frontier is not None or not 2 <= len(shape) <= 4:
             return None
-        view = (1,) * (4 - len(shape)) + tuple(shape)
-        if all(d in (1, full) for d, full in zip(view[:3], (batch, geo.q_heads, geo.q_len))):
-            return view
+        lead = (1,) * (4 - len(shape)) + tuple(shape[:-1])
+        if all(d in (1, full) for d, full in zip(lead, (batch, geo.q_heads, geo.q_len))):
+            return lead
         return None
 
     def _compiled_bias(self, mask, total: int) -> np.ndarray | None:
