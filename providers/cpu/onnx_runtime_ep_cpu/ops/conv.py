@@ -56,10 +56,13 @@ def _conv_resolver(node, shapes):
     paths: dict[tuple, tuple] = {}  # per input signature: the path, with its geometry resolved
 
     def resolve(x, w, b):
-        key = (x.shape, w.shape, x.dtype, b is None, w.flags.writeable)
+        key = (x.shape, w.shape, x.dtype, None if b is None else b.shape, w.flags.writeable)
         found = paths.get(key)
         if found is None:
             _check_channels(node, x.shape, w.shape, group, transpose=False)
+            if b is not None and b.shape != (w.shape[0],):
+                raise InvalidArgumentError(f"node {node.name!r} ({node.op_type}): bias has shape {b.shape}; expected "
+                                           f"({w.shape[0]},), one value per output channel (the weight's first dim)")
             geo = window.resolve(x.shape[2:], w.shape[2:])
             # Padding sizes the output (and the padded rows): within the session's budget before allocating.
             budget.check_shape((x.shape[0], w.shape[0], *geo.out), max(x.dtype.itemsize, 4), f"{node.op_type}'s output")
