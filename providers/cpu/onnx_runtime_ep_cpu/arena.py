@@ -15,7 +15,7 @@ rely on it. Other C libraries keep their own policy; the status says why nothing
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import os
 import platform
 from dataclasses import dataclass
 
@@ -41,10 +41,14 @@ _status: ArenaStatus | None = None  # set once the arena is in place for the pro
 
 def _load_glibc():
     """glibc's ``mallopt``, or a reason it is not available."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None, f"the C library is not glibc ({platform.system()}, {platform.libc_ver()[0] or 'unknown'})"
+    # glibc's own answer and soname: platform.libc_ver reads the interpreter's binary and find_library runs
+    # ldconfig, which cost a fresh process's first session more than the rest of the provider's setup
+    named = "CS_GNU_LIBC_VERSION" in getattr(os, "confstr_names", {})  # Unix only; glibc answers "glibc 2.36"
+    libc_name = (os.confstr("CS_GNU_LIBC_VERSION") or "").split(" ")[0] if named else ""
+    if platform.system() != "Linux" or libc_name != "glibc":
+        return None, f"the C library is not glibc ({platform.system()}, {libc_name or 'unknown'})"
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError) as exc:
         return None, f"glibc's mallopt could not be loaded: {exc}"
