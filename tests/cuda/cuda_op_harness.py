@@ -46,7 +46,8 @@ def random(shape, dtype=np.float32, seed=0):
 LINALG_OPS = frozenset({"MatMul", "Gemm"})
 CONV_OPS = frozenset({"Conv", "MaxPool", "AveragePool", "GlobalAveragePool"})
 DATA_OPS = frozenset({"Transpose", "Concat", "Slice", "Split", "Expand", "Tile", "Gather", "GatherElements",
-                      "ScatterND", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Range", "ConstantOfShape", "Shape"})
+                      "GatherND", "ScatterND", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Range",
+                      "ConstantOfShape", "Shape"})
 FAMILIES = (CONV_OPS, LINALG_OPS, DATA_OPS)
 
 

@@ -37,8 +37,8 @@ def test_a_growing_kv_cache_is_captured_once_and_replayed(name, monkeypatch):
     """The exports append to their KV cache by Concat, so a cache shown at its logical length is a new feed
     signature every step (the issue measured 0 captures and 0 replays over 16 tokens). With capture on, generate
     shows the cache at its capacity: one capture, then every decode step replays, tokens unchanged. The
-    TorchScript exports' replayed steps make no host synchronization and no host transfer at all; the dynamo
-    exports keep a seam that reads back (gpt2: GatherND on the CPU)."""
+    replayed steps of all four exports make no host synchronization and no host transfer at all (the dynamo exports'
+    last-token GatherND runs on the device: before its CUDA kernel it was a CPU seam that read back)."""
     import onnx_runtime as ort
     from onnx_runtime.generate import Generator, _Bindings
     from test_device_graphs import CountingDriver
@@ -64,8 +64,7 @@ def test_a_growing_kv_cache_is_captured_once_and_replayed(name, monkeypatch):
     assert result.tokens == onnxruntime_greedy(path, PROMPT, new)
     runner = session._executor.graphs  # noqa: SLF001  (the runner's counts: white box)
     assert (runner.captures, runner.replays) == (1, new - 2)  # prefill, warm-up step, capture, then replays
-    if "torchscript" in name:
-        assert all(step == (0, 0) for step in per_step[3:]), per_step
+    assert all(step == (0, 0) for step in per_step[3:]), per_step
 
 
 def test_the_command_replays_its_decode_step_on_a_device(monkeypatch, capsys):

@@ -1,5 +1,5 @@
 """Data-movement operators on the CUDA provider (kernels/data.cu) against the CPU provider, and the index
-validation of Gather, GatherElements and ScatterND (clamped accesses, a flag bit instead of corruption)."""
+validation of Gather, GatherElements, GatherND and ScatterND (clamped accesses, a flag bit instead of corruption)."""
 
 from __future__ import annotations
 
@@ -166,6 +166,30 @@ def test_gather_elements(index_type, axis):
     check_node("GatherElements", {"x": data, "i": indices}, {"axis": axis})
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64, np.bool_], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("data_shape, indices, batch_dims", [
+    ((4, 3, 5), [[1, 0], [3, -1], [0, 2]], 0),  # slices of the last axis, a negative index
+    ((4, 3, 5), [[[2]], [[-4]]], 0),  # whole (3, 5) slices under two leading index dimensions
+    ((4, 3, 5), [[1, 2, 4], [0, 0, -1]], 0),  # single elements
+    ((2, 3, 5), [[[1], [2]], [[0], [-1]]], 1),  # per batch (the dynamo exports' last-token pick)
+    ((2, 3, 4, 5), [[[1, 3]], [[2, 0]]], 1),
+    ((2, 3, 4, 5), [[[1], [3], [0]], [[2], [0], [1]]], 2),  # two batch dimensions
+])
+def test_gather_nd(dtype, data_shape, indices, batch_dims):
+    check_node("GatherND", {"x": values(data_shape, dtype), "i": np.array(indices, np.int64)},
+               {"batch_dims": batch_dims}, opset=13)
+
+
+def test_gather_nd_with_no_tuples_and_bad_indices():
+    check_node("GatherND", {"x": values((4, 3)), "i": np.zeros((0, 1), np.int64)}, opset=13)
+    for indices, attrs in ((np.array([[1, 0, 2]]), {}), (np.array([[[0]], [[1]], [[0]]]), {"batch_dims": 1})):
+        feeds = {"x": values((2, 3)), "i": indices}
+        session = ort.InferenceSession(node_model("GatherND", feeds, attrs, opset=13), providers=CUDA_FIRST)
+        assert [p.provider for p in session.placement()] == ["CUDAExecutionProvider"]
+        with pytest.raises(OnnxRuntimeError, match=r"GatherND\): indices \[.*\] must end in a tuple length"):
+            session.run(None, feeds)
+
+
 @pytest.mark.parametrize("reduction", ["none", "add", "mul", "max", "min"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32, np.float64], ids=lambda d: np.dtype(d).name)
 def test_scatter_nd(reduction, dtype):
@@ -223,6 +247,7 @@ def _flag_word(ctx) -> int:
     ("Gather", {"axis": 0}, [values((0, 2)), ints(0)]),  # an empty axis: every index is out of range
     ("GatherElements", {"axis": 0}, [values((3, 2)), np.array([[0, 3], [-4, 1]])]),
     ("ScatterND", {}, [values((3, 2)), np.array([[1], [7]]), values((2, 2))]),
+    ("GatherND", {}, [values((3, 2)), np.array([[1, 0], [0, -3]])]),
 ])
 def test_an_out_of_range_index_is_clamped_and_flagged(kernel_context, op, attrs, arrays):
     """Kernel level: the access is clamped, the flag raised; in-range indices raise nothing."""

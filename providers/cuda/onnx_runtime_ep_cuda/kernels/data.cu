@@ -1,5 +1,5 @@
 // Data movement: strided copies (Transpose, Slice, Expand), pitched row copies (Concat, Split), Gather,
-// GatherElements, ScatterND, and the generators Range and ConstantOfShape.
+// GatherElements, GatherND, ScatterND, and the generators Range and ConstantOfShape.
 //
 // Moving data never looks at the values, so these kernels are stamped out per element width (u8, u16,
 // u32, u64) and serve every dtype of that size. Shapes of up to 8 dimensions arrive as scalar arguments
@@ -115,6 +115,18 @@ __device__ __forceinline__ long long scatter_offset(const long long* __restrict_
         offset += checked_index(indices[j * k + q], d.n[slot], flags) * d.s[slot];
     }
     return offset;
+}
+
+// GatherND: output element i is element `within` of the slice that index tuple j = i / slice names, in the
+// data of batch j / per_batch (batch_stride elements apart; the batch dimensions lead both tensors).
+template <typename T>
+__device__ void gather_nd(T* __restrict__ dst, const T* __restrict__ src, const long long* __restrict__ indices,
+                          long long count, long long slice, int k, long long per_batch, long long batch_stride,
+                          Dims8 d, unsigned int* flags) {
+    GRID_STRIDE_LOOP(i, count) {
+        const long long j = i / slice, within = i - j * slice;
+        dst[i] = src[(j / per_batch) * batch_stride + scatter_offset(indices, j, k, d, flags) + within];
+    }
 }
 
 // ScatterND without reduction: `out` already holds a copy of the data; every update element lands in the
@@ -240,6 +252,11 @@ __device__ void range_narrow(T* __restrict__ dst, long long count, float start, 
                                                          DIMS8_PARAMS, unsigned int* flags) {                   \
         gather_elements<T, long long>(dst, src, indices, count, rank, axis, axis_dim, make_dims(DIMS8_ARGS),   \
                                       flags);                                                                  \
+    }                                                                                                          \
+    extern "C" __global__ void gather_nd_##W(T* dst, const T* src, const long long* indices, long long count,   \
+                                             long long slice, int k, long long per_batch, long long batch_stride, \
+                                             DIMS8_PARAMS, unsigned int* flags) {                              \
+        gather_nd<T>(dst, src, indices, count, slice, k, per_batch, batch_stride, make_dims(DIMS8_ARGS), flags); \
     }                                                                                                          \
     extern "C" __global__ void scatter_nd_##W(T* out, const T* updates, const long long* indices, long long count, \
                                               long long slice, int k, DIMS8_PARAMS, unsigned int* flags) {     \

@@ -1,5 +1,5 @@
 """Data-movement operators on kernels/data.cu: Transpose, Concat, Slice, Split, Expand, Tile, Gather,
-GatherElements, ScatterND, Reshape/Squeeze/Unsqueeze/Flatten, Shape, Range and ConstantOfShape.
+GatherElements, GatherND, ScatterND, Reshape/Squeeze/Unsqueeze/Flatten, Shape, Range and ConstantOfShape.
 
 Moving data ignores the values, so one kernel per element width serves every dtype of that size. Layout
 changes (Reshape, Squeeze, Unsqueeze, Flatten) are device-to-device copies into a tensor of the new shape,
@@ -8,7 +8,7 @@ Tile's repeats, Split's sizes, Range's scalars, ConstantOfShape's shape) are dec
 shapes are host metadata, so their values are needed on the host. A constant one is read once, when the
 kernel is made; one computed at run time is read back at every call, which waits for the compute stream.
 
-Gather, GatherElements and ScatterND clamp an out-of-range index and raise ``validation.INDEX_OUT_OF_RANGE``
+Gather, GatherElements, GatherND and ScatterND clamp an out-of-range index and raise ``validation.INDEX_OUT_OF_RANGE``
 in the context's validation flag word instead of touching memory outside the tensor; the session reports it
 at the next download.
 """
@@ -536,6 +536,48 @@ def gather_elements(node, shapes, opset, ctx):
             ctx.launch_1d(kernels.function(name), y.numel, ptr(y), ptr(data), ptr(indices), i64(y.numel),
                           i32(rank), i32(MAX_RANK - rank + axis), i64(data.shape[axis]),
                           *dims8(indices.shape, contiguous_strides(data.shape)), flags_arg(ctx))
+        return (y,)
+
+    return kernel
+
+
+def _gather_nd_check(node, shapes, dtypes):
+    reason = _rank_check()(node, shapes, dtypes)
+    if reason:
+        return reason
+    if dtypes and len(dtypes) > 1 and dtypes[1] is not None and dtypes[1] != DataType.INT64:
+        return f"GatherND indices must be int64, got {dtypes[1].name.lower()}"
+    return None
+
+
+@register("GatherND", since=11, dtypes=MOVABLE, check=_gather_nd_check)
+def gather_nd(node, shapes, opset, ctx):
+    kernels = DataKernels(ctx)
+    batch_dims = int(node.attr("batch_dims", 0))
+
+    def kernel(data, indices):
+        rank, b = len(data.shape), batch_dims
+        k = indices.shape[-1] if indices.shape else 0
+        if not 0 <= b < min(rank, len(indices.shape)) or not 1 <= k <= rank - b \
+                or tuple(indices.shape[:b]) != tuple(data.shape[:b]):
+            raise InvalidArgumentError(
+                f"node {node.name!r} (GatherND): indices {list(indices.shape)} must end in a tuple length between 1 "
+                f"and the data's rank less batch_dims={b} ({rank - b}), and lead with the data's batch dimensions "
+                f"{list(data.shape[:b])}; data is {list(data.shape)}"
+            )
+        y = ctx.empty(data.dtype, (*indices.shape[:-1], *data.shape[b + k:]))
+        if not y.numel:
+            return (y,)
+        if 0 in data.shape[b: b + k]:  # every index is out of range of an empty axis: nothing to clamp to
+            raise InvalidArgumentError(
+                f"node {node.name!r} (GatherND): indices address axes of size 0 of data {list(data.shape)}; no "
+                f"index is in range"
+            )
+        strides = contiguous_strides(data.shape)
+        ctx.launch_1d(kernels.function(f"gather_nd_{WIDTH[data.dtype.numpy.itemsize]}"), y.numel, ptr(y),
+                      ptr(data), ptr(indices), i64(y.numel), i64(math.prod(data.shape[b + k:])), i32(k),
+                      i64(math.prod(indices.shape[b:-1])), i64(math.prod(data.shape[b:])),
+                      *dims8(data.shape[b: b + k], strides[b: b + k]), flags_arg(ctx))
         return (y,)
 
     return kernel
