@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from ..dtypes import DataType
 from ..ir import Graph, Node
 from ..loader import implicit_inputs
 from .context import PassContext
@@ -121,7 +122,7 @@ def _is_passthrough(node: Node, graph: Graph, uses: Uses) -> bool:
     if node.op_type == "Cast":  # to the type the input has: the values unchanged, saturate or not
         source = graph.type_of(node.inputs[0])
         return source is not None and source.is_tensor and source.dtype is not None \
-            and int(source.dtype) == int(node.attr("to", 0))
+            and source.dtype == DataType.parse(node.attr("to", 0))  # Cast-1 names it ("FLOAT"), model_checks vets it
     if node.op_type == "Concat":
         return len(node.inputs) == 1
     if node.op_type in ("Mul", "Div") and len(node.inputs) == 2 and all(node.inputs):
