@@ -120,8 +120,14 @@ def _check_node(node: onnx.NodeProto, opsets: dict[str, int], where: str) -> Non
 
 def _check_counts(node: onnx.NodeProto, domain: str, where: str, fix: str) -> None:
     """Attributes that count a node's inputs or outputs, which onnx's shape inference indexes by unchecked (a Split
-    with more outputs than num_outputs aborts the process) and kernels allocate by."""
-    if domain or node.op_type not in ("Split", "Scan"):
+    with more outputs than num_outputs aborts the process) and kernels allocate by; and the attributes that name
+    an element type (Cast's ``to``, the generators' ``dtype``), which the optimizer compares with value types."""
+    if domain:
+        return
+    for attr in node.attribute:
+        if attr.name in ("to", "dtype") and attr.type in (onnx.AttributeProto.INT, onnx.AttributeProto.STRING):
+            _check_element_type_attribute(node, attr, where, fix)
+    if node.op_type not in ("Split", "Scan"):
         return
     counts = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
     if node.op_type == "Split" and "num_outputs" in counts and counts["num_outputs"] != _given(node.output):
@@ -130,6 +136,18 @@ def _check_counts(node: onnx.NodeProto, domain: str, where: str, fix: str) -> No
     if node.op_type == "Scan" and not 1 <= counts.get("num_scan_inputs", 1) <= len(node.input):
         raise InvalidGraphError(f"{_node_label(node)} in {where}: num_scan_inputs {counts['num_scan_inputs']} is not "
                                 f"in [1, {len(node.input)}] (its input count); {fix}")
+
+
+def _check_element_type_attribute(node: onnx.NodeProto, attr: onnx.AttributeProto, where: str, fix: str) -> None:
+    # Cast before opset 6 names the type as a string ("FLOAT"); later versions and the generators by its number.
+    if attr.type == onnx.AttributeProto.STRING:
+        name = attr.s.decode("utf-8", errors="replace")
+        valid = name in onnx.TensorProto.DataType.keys() and name != "UNDEFINED"
+    else:
+        name, valid = str(attr.i), attr.i in _ELEMENT_TYPES and attr.i != onnx.TensorProto.UNDEFINED
+    if not valid:
+        raise InvalidGraphError(f"{_node_label(node)} in {where}: attribute {attr.name!r} is {name!r}, which names no "
+                                f"ONNX element type (TensorProto.DataType: FLOAT, INT64, ...); {fix}")
 
 
 def _check_attributes(node: onnx.NodeProto, rules: _Rules, where: str, fix: str) -> None:
@@ -224,11 +242,12 @@ def _subgraphs(node: onnx.NodeProto):
             yield from attr.graphs
 
 
-def _check_graph(graph: onnx.GraphProto, opsets: dict[str, int], where: str) -> None:
+def _check_graph(graph: onnx.GraphProto, opsets: dict[str, int], where: str, top_level: bool = False) -> None:
     _check_dims([*graph.input, *graph.output, *graph.value_info], where)
     _check_initializers(graph, where)
     defined: dict[str, str | None] = dict.fromkeys([vi.name for vi in graph.input] +
-                                                   [init.name for init in graph.initializer])
+                                                   [init.name for init in graph.initializer] +
+                                                   [sparse.values.name for sparse in graph.sparse_initializer])
     for node in graph.node:
         _check_node(node, opsets, where)
         for name in node.output:
@@ -241,19 +260,18 @@ def _check_graph(graph: onnx.GraphProto, opsets: dict[str, int], where: str) -> 
                 defined[name] = _node_label(node)
         for body in _subgraphs(node):
             _check_graph(body, opsets, f"a subgraph of {_node_label(node)} in {where}")
+    if top_level:  # a subgraph may read its enclosing graphs' values: only the top level's reads are all local
+        _check_reads(graph, defined, where)
 
 
-def _check_defined(graph: onnx.GraphProto, label: str) -> None:
-    """Every input a top-level node reads is a graph input, an initializer or some node's output: onnx's shape
-    inference dereferences the type of an undefined one (a LabelEncoder whose graph input lost its name crashed
-    the process)."""
-    defined = {vi.name for vi in graph.input} | {init.name for init in graph.initializer}
-    defined.update(sparse.values.name for sparse in graph.sparse_initializer)
-    defined.update(name for node in graph.node for name in node.output)
+def _check_reads(graph: onnx.GraphProto, defined: dict, where: str) -> None:
+    """Every input a top-level node reads is a graph input, an initializer (dense or sparse) or some node's output
+    (nodes may be out of order): onnx's shape inference dereferences the type of an undefined one (a LabelEncoder
+    whose graph input lost its name crashed the process)."""
     for node in graph.node:
         for name in node.input:
             if name and name not in defined:
-                raise InvalidGraphError(f"{_node_label(node)} in model {label} reads {name!r}, which no graph input, "
+                raise InvalidGraphError(f"{_node_label(node)} in {where} reads {name!r}, which no graph input, "
                                         f"initializer or node defines; connect it or declare it as an input")
 
 
@@ -281,8 +299,11 @@ def _check_function_cycles(functions) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _latest_opsets() -> dict[str, int]:
-    """The newest version of each domain onnx defines operators in (each operator's newest schema is enough;
-    the whole history costs a fresh process's first session creation ten times as much)."""
+    """The newest version of each domain onnx defines operators in: onnx's registry keeps the map (microseconds);
+    reading it from every schema cost a fresh process's first session creation 40-140 ms."""
+    version_map = getattr(defs.C, "schema_version_map", None)
+    if version_map is not None:
+        return {domain: int(high) for domain, (_, high) in version_map().items()}
     latest: dict[str, int] = {}
     for schema in defs.get_all_schemas():
         latest[schema.domain] = max(latest.get(schema.domain, 1), schema.since_version)
@@ -311,8 +332,7 @@ def check_model_structure(proto: onnx.ModelProto, label: str) -> None:
         if vi.type.WhichOneof("value") is None:
             raise InvalidGraphError(f"graph input {vi.name!r} of model {label} has no type; the ONNX IR requires one "
                                     f"for the top-level graph's inputs: declare it")
-    _check_graph(proto.graph, opsets, f"model {label}")
-    _check_defined(proto.graph, label)
+    _check_graph(proto.graph, opsets, f"model {label}", top_level=True)
     for function in proto.functions:
         inner = dict(opsets)
         inner.update({("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in function.opset_import})
@@ -339,6 +359,11 @@ def _type_string(elem_type: int) -> str:
         return f"tensor(undefined type {elem_type})"
 
 
+# The domains whose schemas onnx defines, so whose type constraints hold for every implementation (contrib
+# operators' schemas live in onnxruntime, not here).
+_TYPED_DOMAINS = frozenset({"", "ai.onnx.ml", "ai.onnx.preview.training"})
+
+
 def check_types(graph: onnx.GraphProto, opsets: dict[str, int], label: str) -> None:
     """Raise ``InvalidGraphError`` for a node of ``graph`` (shape-inferred) fed an element type its schema does not
     allow, or inputs of one type parameter of different types. Values of unknown type pass."""
@@ -350,7 +375,8 @@ def check_types(graph: onnx.GraphProto, opsets: dict[str, int], label: str) -> N
     for node in graph.node:
         domain = "" if node.domain == "ai.onnx" else node.domain
         version = opsets.get(domain)
-        formals = _input_types(node.op_type, domain, version) if version is not None and not domain else None
+        formals = _input_types(node.op_type, domain, version) if version is not None and domain in _TYPED_DOMAINS \
+            else None
         if not formals:
             continue
         bound: dict[str, tuple[str, int]] = {}

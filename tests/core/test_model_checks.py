@@ -186,3 +186,87 @@ def test_none_of_onnxs_node_cases_is_refused():
     assert len(cases) > 1800
     for case in cases:
         check_model_structure(case.model, case.name)
+
+
+def _sparse_weight(name="w"):
+    values = helper.make_tensor(name, TensorProto.FLOAT, [2], [1.0, 2.0])
+    indices = helper.make_tensor(f"{name}_indices", TensorProto.INT64, [2], [0, 3])
+    return helper.make_sparse_tensor(values, indices, [4])
+
+
+def test_a_sparse_initializer_is_a_definition_in_the_one_walk():
+    # Read by a node: defined. Also produced by a node: two definitions, refused like a dense initializer's.
+    reads = model([helper.make_node("Add", ["x", "w"], ["y"])], [tensor("x", shape=[4])], [tensor("y", shape=[4])])
+    reads.graph.sparse_initializer.append(_sparse_weight())
+    check_model_structure(reads, "m")
+    overwritten = model([helper.make_node("Relu", ["x"], ["w"]), helper.make_node("Add", ["x", "w"], ["y"])],
+                        [tensor("x", shape=[4])], [tensor("y", shape=[4])])
+    overwritten.graph.sparse_initializer.append(_sparse_weight())
+    with pytest.raises(InvalidGraphError, match="value 'w' in model m is a graph input or initializer and also "
+                                                "produced by a Relu node"):
+        check_model_structure(overwritten, "m")
+
+
+def test_an_undefined_read_is_refused_only_at_the_top_level():
+    undefined = model([helper.make_node("Relu", ["nowhere"], ["y"])], [tensor("x")], [tensor("y")])
+    with pytest.raises(InvalidGraphError, match="a Relu node in model m reads 'nowhere', which no graph input"):
+        check_model_structure(undefined, "m")
+    # A subgraph reads its enclosing graph's values.
+    branch = helper.make_graph([helper.make_node("Relu", ["x"], ["t"])], "then", [], [tensor("t")])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["e"])], "else", [], [tensor("e")])
+    outer = model([helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=other)],
+                  [tensor("x"), tensor("c", TensorProto.BOOL, [])], [tensor("y")])
+    check_model_structure(outer, "m")
+
+
+def test_latest_opsets_agree_with_every_schema():
+    from onnx import defs
+    from onnx_runtime.model_checks import _latest_opsets  # noqa: PLC2701 (the cache under test)
+
+    newest: dict[str, int] = {}
+    for schema in defs.get_all_schemas_with_history():
+        newest[schema.domain] = max(newest.get(schema.domain, 1), schema.since_version)
+    latest = _latest_opsets()
+    assert {domain: latest[domain] for domain in newest} == newest
+    assert latest[""] == defs.onnx_opset_version()
+
+
+def test_a_training_optimizers_input_types_are_checked(tmp_path):
+    # Fuzz seed 42: Adam's G2 declared as a string reached the kernel (a TypeError inside a KernelError).
+    names = ["R", "T", "X1", "G1", "V1", "H1"]
+    types = [TensorProto.FLOAT, TensorProto.INT64, TensorProto.FLOAT, TensorProto.STRING, TensorProto.FLOAT,
+             TensorProto.FLOAT]
+    adam = helper.make_node("Adam", names, ["X1_new", "V1_new", "H1_new"], domain="ai.onnx.preview.training")
+    bad = model([adam], [tensor(n, t, [] if n in ("R", "T") else [2]) for n, t in zip(names, types)],
+                [tensor("X1_new", shape=None), tensor("V1_new", shape=None), tensor("H1_new", shape=None)],
+                opsets=(("", 17), ("ai.onnx.preview.training", 1)))
+    path = tmp_path / "adam.onnx"
+    onnx.save(bad, str(path))
+    result = subprocess.run([sys.executable, "-c", CREATE, str(path)], capture_output=True, text=True, timeout=120)
+    assert "InvalidGraphError" in result.stdout and "input 3 ('G1') is tensor(string); its schema allows " \
+           "tensor(double), tensor(float)" in result.stdout, result.stdout + result.stderr[-2000:]
+
+
+def _cast(to, opset):
+    cast = model([helper.make_node("Cast", ["x"], ["y"], to=to)], [tensor("x")], [tensor("y", shape=None)],
+                 opsets=(("", opset),))
+    cast.ir_version = 3 if opset < 7 else cast.ir_version
+    return cast
+
+
+@pytest.mark.parametrize(("to", "opset", "shown"), [("", 1, "''"), ("FLAOT", 1, "'FLAOT'"), (100, 13, "'100'"),
+                                                    (0, 13, "'0'")])
+def test_an_element_type_attribute_must_name_one(to, opset, shown):
+    # Fuzz seed 42: Cast-1's string 'to' retyped to '' reached the optimizer (an untyped ValueError).
+    with pytest.raises(InvalidGraphError, match=f"a Cast node in model m: attribute 'to' is {shown}, which names no "
+                                                f"ONNX element type"):
+        check_model_structure(_cast(to, opset), "m")
+
+
+@pytest.mark.parametrize("to", ["FLOAT", "DOUBLE"])
+def test_cast_1_names_its_type_and_runs(to):
+    import onnx_runtime as ort
+
+    session = ort.InferenceSession(_cast(to, 1).SerializeToString(), providers=["CPUExecutionProvider"])
+    result = session.run(None, {"x": np.array([1.5, -2.0], np.float32)})[0]
+    assert result.dtype == (np.float32 if to == "FLOAT" else np.float64) and result.tolist() == [1.5, -2.0]
