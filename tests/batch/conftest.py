@@ -19,6 +19,17 @@ def _providers_installed() -> bool:
 collect_ignore_glob = [] if _providers_installed() else ["test_*.py"]
 
 
+@pytest.fixture(autouse=True)
+def _restore_background_compile():
+    """Predictor sessions turn the CPU provider's background kernel loading off for their process (a worker runs
+    for long); in this test process, restore it for the tests after."""
+    from onnx_runtime_ep_cpu.compiled import deferred
+
+    saved = (deferred.state.disabled, deferred.state.deferring)
+    yield
+    deferred.state.disabled, deferred.state.deferring = saved
+
+
 def _save(nodes, inputs, outputs, initializers, path):
     graph = helper.make_graph(nodes, "g", inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

@@ -125,3 +125,11 @@ def test_session_options_are_plain_data(mlp, rows):
     p({"x": rows[:2]})
     options = p.session.get_session_options()
     assert options.intra_op_num_threads == 1 and int(options.graph_optimization_level) == 0
+
+
+def test_worker_sessions_compile_kernels_in_the_foreground_unless_the_caller_says_otherwise(mlp, rows):
+    default = Predictor(mlp, batch_size=5)
+    np.testing.assert_allclose(default({"x": rows[:5]})["y"], mlp_reference(rows[:5]), rtol=1e-5, atol=1e-5)
+    assert default.session.get_session_options().config()["session.compile_in_background"] == "0"
+    chosen = Predictor(mlp, session_options={"config": {"session.compile_in_background": "1"}})
+    assert chosen.session.get_session_options().config()["session.compile_in_background"] == "1"

@@ -70,6 +70,11 @@ def _create_session(spec: dict):
         from .. import session as module
         check_providers(spec["providers"])
     options = module.SessionOptions()
+    if spec["runtime"] == "onnx_runtime" and "session.compile_in_background" not in (
+            (spec["session_options"] or {}).get("config") or {}):
+        # A worker runs shards back to back for its whole life: kernels served from numpy until numba loads in
+        # the background (what a short command-line run wants) cost it CPU its sibling workers need.
+        options.add_session_config_entry("session.compile_in_background", "0")
     for key, value in (spec["session_options"] or {}).items():
         if key == "config":
             for entry, text in value.items():
