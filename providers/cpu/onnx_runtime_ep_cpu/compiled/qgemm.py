@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
-from .quantize import requantize_affine, requantized_code
+from .quantize import dynamic_parameters, requantize_affine, requantized_code
 
 _BLOCK = 32  # columns of packed B per pass over A: 32 rows of K int16 stay in the L1/L2 cache
 
@@ -170,9 +170,15 @@ def scaled_product(a, a_zero, packed, a_scale, b_scales, bias, out):
     order of the same float64 products. a (M, K) 8-bit, a_scale the float64 value of a float32 scale,
     b_scales (1,) or (N,) float64, bias (N,) or (0,) float32, out (M, N) float32."""
     rows, depth = a.shape
-    columns = packed.shape[0]
     centred = np.empty((rows, depth), np.int16)
     _centre(a, np.full(1, a_zero, np.int32), centred)
+    _rescaled_product(centred, packed, a_scale, b_scales, bias, out)
+
+
+@jit
+def _rescaled_product(centred, packed, a_scale, b_scales, bias, out):
+    """scaled_product from A's centred int16 rows."""
+    rows, columns = centred.shape[0], packed.shape[0]
     acc = np.empty((rows, columns), np.int32)
     _centred_product(centred, packed, acc)
     one = b_scales.shape[0] == 1
@@ -181,6 +187,24 @@ def scaled_product(a, a_zero, packed, a_scale, b_scales, bias, out):
         for n in range(columns):
             y = np.float32(np.float64(acc[m, n]) * (a_scale * b_scales[0 if one else n]))
             out[m, n] = y + bias[n] if with_bias else y
+
+
+@jit
+def dynamic_scaled_product(a, packed, b_scales, bias, out):
+    """DynamicQuantizeMatMul in one call: A (M, K) float32 quantized as DynamicQuantizeLinear does (one scale
+    and zero point over all of A, compiled/quantize.dynamic_parameters), its centred codes kept as int16
+    (code - zero, never an 8-bit tensor), then scaled_product's integer product and rescaling, the same bits
+    as the two nodes. packed (N, K) int16, b_scales (1,) or (N,) float64, bias (N,) or (0,) float32."""
+    rows, depth = a.shape
+    scale, zero = dynamic_parameters(a.reshape(-1))
+    centred = np.empty((rows, depth), np.int16)
+    for m in range(rows):
+        for k in range(depth):
+            v = np.rint(a[m, k] / scale) + zero
+            v = np.float32(0) if v < 0 else v
+            v = np.float32(255) if v > 255 else v
+            centred[m, k] = np.int16(v - zero) if v == v else np.int16(-zero)
+    _rescaled_product(centred, packed, np.float64(scale), b_scales, bias, out)
 
 
 @jit

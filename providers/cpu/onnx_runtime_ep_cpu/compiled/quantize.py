@@ -88,17 +88,25 @@ def value_range(x):
 
 
 @jit
-def dynamic_quantize(x, out):
-    """DynamicQuantizeLinear of a flat float32 array into ``out`` (uint8): returns (scale, zero point).
-
-    The range is [min(x, 0), max(x, 0)] (NaN skipped), mapped onto [0, 255]; all zeros take scale 1. Scale
-    and zero point are computed in float32 as numpy computes them from float32 scalars."""
+def dynamic_parameters(x):
+    """DynamicQuantizeLinear's (scale, zero point) of a flat float32 array, both float32: its range
+    [min(x, 0), max(x, 0)] (NaN skipped) mapped onto [0, 255], a unit range when all are zero."""
     low, high = value_range(x)
     span = high - low if high > low else np.float32(1)
     scale = span / np.float32(255)
     zero = np.rint(np.float32(0) - low / scale)
     zero = np.float32(0) if zero < 0 else zero
     zero = np.float32(255) if zero > 255 else zero
+    return scale, zero
+
+
+@jit
+def dynamic_quantize(x, out):
+    """DynamicQuantizeLinear of a flat float32 array into ``out`` (uint8): returns (scale, zero point).
+
+    The range is [min(x, 0), max(x, 0)] (NaN skipped), mapped onto [0, 255]; all zeros take scale 1. Scale
+    and zero point are computed in float32 as numpy computes them from float32 scalars."""
+    scale, zero = dynamic_parameters(x)
     for i in range(x.shape[0]):
         v = np.rint(x[i] / scale) + zero
         v = np.float32(0) if v < 0 else v

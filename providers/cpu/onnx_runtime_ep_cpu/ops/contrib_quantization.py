@@ -595,16 +595,8 @@ def _finish(y, bias, dtype):
     return y.astype(dtype, copy=False)
 
 
-def _fast_integer_to_float(a, b, a_scale, b_scale, a_zero_point, b_zero_point, bias) -> bool:
-    """Whether compiled/qgemm.scaled_product takes these inputs: 8-bit A with per-tensor float32 parameters, a
-    2-D 8-bit B with per-tensor or per-column ones, a float32 (N,) bias or none."""
-    return (a.dtype in _EIGHT_BIT and a.ndim >= 1 and a_scale.dtype == _F32 and a_scale.size == 1
-            and (a_zero_point is None or (a_zero_point.size == 1 and a_zero_point.dtype == a.dtype))
-            and _fast_weight(a, b, b_scale, b_zero_point, bias))
-
-
 def _fast_weight(a, b, b_scale, b_zero_point, bias) -> bool:
-    """B's side of compiled/qgemm.scaled_product: a 2-D 8-bit B that A (..., K) multiplies, per-tensor or
+    """B's side of compiled/qgemm's scaled products: a 2-D 8-bit B that A (..., K) multiplies, per-tensor or
     per-column float32 scales and zero points of B's type, a float32 (N,) bias or none."""
     columns = b.shape[-1] if b.ndim else 0
     return (b.dtype in _EIGHT_BIT and b.ndim == 2 and a.ndim >= 1 and a.shape[-1] == b.shape[0]
@@ -617,32 +609,34 @@ def _fast_weight(a, b, b_scale, b_zero_point, bias) -> bool:
 @register("MatMulIntegerToFloat", domain=CONTRIB_DOMAIN, since=1)
 def matmul_integer_to_float(node, shapes, opset):
     product = IntegerProduct()
-    packed: list = [None, None, None]  # (B, its zero point, B packed as int16) for a constant B
-    no_bias = np.zeros(0, _F32)
+    last: list = [(), None]  # the constant inputs last seen, and _WeightSide of them (None: not compiled)
 
     def fast(a, b, a_scale, b_scale, a_zero_point, b_zero_point, bias):
+        """compiled/qgemm.scaled_product for 8-bit A with per-tensor float32 parameters and a B _WeightSide
+        takes; None for anything else."""
+        if a.dtype not in _EIGHT_BIT or not a.size or a_scale.dtype is not _F32 or a_scale.size != 1 \
+                or (a_zero_point is not None and (a_zero_point.size != 1 or a_zero_point.dtype is not a.dtype)):
+            return None
+        key = (b, b_scale, b_zero_point, bias)
+        seen, side = last
+        if not (len(seen) == 4 and all(map(is_, seen, key))):
+            side = _WeightSide.of(product, a, b, b_scale, b_zero_point, bias)
+            if all(v is None or not v.flags.writeable for v in key):
+                last[:] = [key, side]
+        if side is None or a.shape[-1] != side.depth:
+            return None
         from ..compiled import qgemm
 
-        if packed[0] is not b or packed[1] is not b_zero_point:
-            zeros = np.zeros(1, np.int32) if b_zero_point is None else b_zero_point.reshape(-1).astype(np.int32)
-            matrix = np.empty(b.shape[::-1], np.int16)
-            qgemm.pack_columns(b, zeros, matrix)
-            if not b.flags.writeable and (b_zero_point is None or not b_zero_point.flags.writeable):
-                packed[:] = [b, b_zero_point, matrix]
-        else:
-            matrix = packed[2]
-        columns = b.shape[1]
-        out = np.empty(a.shape[:-1] + (columns,), _F32)
-        if out.size:
-            qgemm.scaled_product(np.ascontiguousarray(a).reshape(-1, b.shape[0]),
-                                 0 if a_zero_point is None else int(a_zero_point.reshape(-1)[0]), matrix,
-                                 float(a_scale.reshape(-1)[0]), b_scale.reshape(-1).astype(np.float64),
-                                 no_bias if bias is None else bias, out.reshape(-1, columns))
+        out = np.empty(a.shape[:-1] + (side.columns,), _F32)
+        qgemm.scaled_product(np.ascontiguousarray(a).reshape(-1, side.depth),
+                             0 if a_zero_point is None else int(a_zero_point.reshape(-1)[0]), side.packed,
+                             float(a_scale.reshape(-1)[0]), side.scales, side.bias, out.reshape(-1, side.columns))
         return out
 
     def kernel(a, b, a_scale, b_scale, a_zero_point=None, b_zero_point=None, bias=None):
-        if _fast_integer_to_float(a, b, a_scale, b_scale, a_zero_point, b_zero_point, bias):
-            return (fast(a, b, a_scale, b_scale, a_zero_point, b_zero_point, bias),)
+        out = fast(a, b, a_scale, b_scale, a_zero_point, b_zero_point, bias)
+        if out is not None:
+            return (out,)
         eight_bit(node, "A", a)
         eight_bit(node, "B", b)
         _matmul_shapes(node, a, b)
@@ -662,32 +656,28 @@ def matmul_integer_to_float(node, shapes, opset):
 @register("DynamicQuantizeMatMul", domain=CONTRIB_DOMAIN, since=1)
 def dynamic_quantize_matmul(node, shapes, opset):
     product = IntegerProduct()
-    no_bias = np.zeros(0, _F32)
+    last: list = [(), None]  # the constant inputs last seen, and _WeightSide of them (None: not compiled)
 
-    def compiled(a, b, b_scale, b_zero_point, bias):
-        """DynamicQuantizeLinear's codes of A then MatMulIntegerToFloat's compiled product (the same loops, so
-        the same bits as the two nodes), for a 2-D 8-bit B with per-tensor or per-column parameters and a
-        float32 (N,) bias or none; None for anything else."""
-        if not a.size or not _fast_weight(a, b, b_scale, b_zero_point, bias):
-            return None
-        packed = product.packed(b, b_zero_point)
-        if packed is None:
-            return None
-        from ..compiled import qgemm, quantize
-
-        codes = np.empty(a.shape, np.uint8)
-        scale, zero = quantize.dynamic_quantize(np.ascontiguousarray(a).reshape(-1), codes.reshape(-1))
-        columns = b.shape[1]
-        out = np.empty(a.shape[:-1] + (columns,), _F32)
-        qgemm.scaled_product(codes.reshape(-1, b.shape[0]), int(zero), packed, float(scale),
-                             b_scale.reshape(-1).astype(_F64), no_bias if bias is None else bias,
-                             out.reshape(-1, columns))
-        return out
+    def weight_side(a, b, b_scale, b_zero_point, bias):
+        key = (b, b_scale, b_zero_point, bias)
+        seen = last[0]
+        if len(seen) == 4 and all(map(is_, seen, key)):
+            return last[1]
+        side = _WeightSide.of(product, a, b, b_scale, b_zero_point, bias)
+        if all(v is None or not v.flags.writeable for v in key):
+            last[:] = [key, side]
+        return side
 
     def kernel(a, b, b_scale, b_zero_point=None, bias=None):
-        if a.dtype == _F32:
-            out = compiled(a, b, b_scale, b_zero_point, bias)
-            if out is not None:
+        if a.dtype is _F32 and a.size:
+            side = weight_side(a, b, b_scale, b_zero_point, bias)
+            if side is not None and a.shape[-1] == side.depth:
+                from ..compiled import qgemm
+
+                # DynamicQuantizeLinear's codes of A then MatMulIntegerToFloat's product, in one compiled call
+                out = np.empty(a.shape[:-1] + (side.columns,), _F32)
+                qgemm.dynamic_scaled_product(np.ascontiguousarray(a).reshape(-1, side.depth), side.packed,
+                                             side.scales, side.bias, out.reshape(-1, side.columns))
                 return (out,)
         if a.dtype != _F32 or b_scale.dtype != _F32:
             raise argument_error(node, f"A ({a.dtype}) and b_scale ({b_scale.dtype}) must be float32")
@@ -701,6 +691,28 @@ def dynamic_quantize_matmul(node, shapes, opset):
         return (_finish(y, _bias(node, bias, b.shape[-1], _F32), _F32),)
 
     return kernel
+
+
+class _WeightSide:
+    """B's side of compiled/qgemm's scaled products, made once per set of constant inputs: B packed as int16
+    (N, K) with its zero points subtracted, its scales as float64 (1,) or (N,), the float32 bias or an empty one."""
+
+    __slots__ = ("packed", "scales", "bias", "depth", "columns")
+    _NO_BIAS = np.zeros(0, _F32)
+
+    @classmethod
+    def of(cls, product: IntegerProduct, a, b, b_scale, b_zero_point, bias) -> _WeightSide | None:
+        """None where the compiled products do not apply (_fast_weight)."""
+        if not _fast_weight(a, b, b_scale, b_zero_point, bias):
+            return None
+        packed = product.packed(b, b_zero_point)
+        if packed is None:
+            return None
+        side = cls()
+        side.packed, side.scales = packed, b_scale.reshape(-1).astype(_F64)
+        side.bias = cls._NO_BIAS if bias is None else bias
+        side.columns, side.depth = packed.shape
+        return side
 
 
 # -- QuantizeLinear, DequantizeLinear (com.microsoft) ----------------------------------------------
