@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from onnx_runtime import budget
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidGraphError
 from onnx_runtime.loader import implicit_inputs
@@ -129,6 +130,8 @@ def _visible_keys(q_len: int, total_len: int, offset, causal: bool, left: int, r
     """
     if not causal and left < 0 and right < 0 and nonpad is None:
         return None
+    # The lengths may come from declared shapes (the kernel is built before the run): within the budget first.
+    budget.check(max(q_len, 1) * total_len * max(np.size(offset), 1), 8, "the attention's key visibility")
     keys = np.arange(total_len)
     position = np.arange(q_len)[:, None] + np.reshape(offset, (-1, 1, 1) if np.ndim(offset) else ())
     distance = position - keys  # how far key j lies behind the query
