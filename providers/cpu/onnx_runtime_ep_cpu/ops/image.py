@@ -162,7 +162,8 @@ def col2im(node, shapes, opset):
         counts = _window_counts(image, block, strides, dilations, begin, end)
         n, channels_blocks, length = data.shape
         taps = math.prod(block)
-        if len(block) != rank or channels_blocks % taps or length != math.prod(counts) or min(counts) < 1:
+        if len(block) != rank or min(block, default=0) < 1 or channels_blocks % taps or length != math.prod(counts) \
+                or min(counts) < 1:
             raise argument_error(node, f"input {data.shape} does not hold blocks {list(block)} of image "
                                         f"{list(image)}; expected (N, C * {taps}, {math.prod(counts)})")
         c = channels_blocks // taps
