@@ -361,7 +361,7 @@ def _type_string(elem_type: int) -> str:
 
 # The domains whose schemas onnx defines, so whose type constraints hold for every implementation (contrib
 # operators' schemas live in onnxruntime, not here).
-_TYPED_DOMAINS = frozenset({"", "ai.onnx.ml", "ai.onnx.preview.training"})
+_TYPED_DOMAINS = frozenset({"", "ai.onnx.ml", "ai.onnx.preview", "ai.onnx.preview.training"})
 
 
 def check_types(graph: onnx.GraphProto, opsets: dict[str, int], label: str) -> None:
