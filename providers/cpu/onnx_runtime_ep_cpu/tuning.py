@@ -88,6 +88,10 @@ class Knobs:
     #: A decode step's attention of up to this many multiply-adds runs one compiled call; beyond, BLAS's
     #: batched products are faster (measured in 950a522).
     few_query_macs: int = 1 << 16
+    #: Float32 products of constant weights with fewer multiply-adds than this take BLAS and the compiled
+    #: epilogue instead of the packed product (compiled/matmul.py), whose call costs a few microseconds more
+    #: (its compiled caller's many arguments): a short sequence's products through 64-wide layers.
+    packed_macs: int = 3 << 17
 
 
 KNOBS = Knobs()

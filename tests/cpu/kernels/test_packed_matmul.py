@@ -23,6 +23,12 @@ pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="the packed MatMul ne
 RNG = np.random.default_rng(41)
 
 
+@pytest.fixture(autouse=True)
+def packed_at_every_size(knobs):
+    """These tests are about the packed product itself: products below the packed_macs knob take it too."""
+    knobs(packed_macs=1)
+
+
 def _constant(array: np.ndarray) -> np.ndarray:
     """An initializer as kernels see it: a read-only array."""
     array = np.array(array)

@@ -51,7 +51,7 @@ class PackedProduct:
     def applies(a: np.ndarray, b: np.ndarray) -> bool:
         return (a.dtype is b.dtype is FLOAT32 and b.ndim == 2 and a.ndim >= 2 and not b.flags.writeable
                 and a.shape[-1] == b.shape[0] and a.size >= PACKED_ROWS * b.shape[0] and b.shape[1] > 0
-                and b.shape[0] > 0 and gemv_host() and not numpy_first())
+                and b.shape[0] > 0 and a.size * b.shape[1] >= KNOBS.packed_macs and gemv_host() and not numpy_first())
 
     def __call__(self, a, b, bias=None, residual=None, coefficients=None, weights=None) -> np.ndarray:
         """a @ b (+ bias) [Gelu with ``coefficients``] (+ residual), as a fresh (..., N) array; ``bias``

@@ -24,6 +24,7 @@ from ..algorithms.products import (
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ..threads import kernel_threads
+from ..tuning import KNOBS
 
 
 @register("MatMul", since=1)
@@ -130,7 +131,7 @@ def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general):
             or not all(isinstance(d, int) and d > 0 for d in (*a_shape, *b_shape)):
         return None
     rows, depth, n = math.prod(a_shape[:-1]), b_shape[0], b_shape[1]
-    if gemv_host() and rows >= PACKED_ROWS:  # the packed product's (float32 against constant weights)
+    if gemv_host() and rows >= PACKED_ROWS and rows * depth * n >= KNOBS.packed_macs:  # the packed product's
         return None
     dtypes = BLAS_FLOATS if plain else {dtype for dtype, coefficients in series.items() if coefficients is not None}
     from ..compiled import transformer as compiled
