@@ -24,6 +24,7 @@ from ..algorithms.activations import sigmoid
 from ..algorithms.contrib_attention import grouped_matmul, softmax_
 from ..algorithms.precision import FLOAT32, compute_dtype, upcast
 from ..algorithms.products import gemv_host
+from ..algorithms.tiled_attention import TiledLayout
 from ..compiled import COMPILED_DTYPES
 from ..registry import register
 from ..threads import helper_count, kernel_threads
@@ -213,7 +214,7 @@ class _Attention:
         frontier_only = self.static_visible is not None and self.static_visible.ndim == 2 and not has_input(node, 3)
         self.compiled = None
         self.frontier = None
-        self._tiles: dict[tuple, _TiledLayout] = {}  # per input shapes, for _tiled_attention
+        self._tiles: dict[tuple, TiledLayout] = {}  # per input shapes, for _tiled_attention
         if self.softcap <= 0 and not self.wants_qk and not self.has_nonpad and not has_input(node, 4)\
                 and _softmax_dtype(node, np.float32) == np.float32 and (self.static_visible is None or frontier_only):
             from ..compiled import transformer as compiled
@@ -410,7 +411,7 @@ class _Attention:
         if layout is None:
             if len(self._tiles) > 64:  # shapes vary without bound (a growing sequence): start over
                 self._tiles.clear()
-            layout = self._tiles[key] = _TiledLayout(geo, q, k, v, self.scale, k.shape[-2])
+            layout = self._tiles[key] = TiledLayout(geo, q, k, v, self.scale, k.shape[-2])
         size = geo.head_size
         if bias.size:
             gap = 128.0 + 2.0 * abs(self.scale) * 1.001 * self.compiled.largest_row_norm(q.reshape(-1, size)) *\
@@ -505,35 +506,6 @@ _TILED_ROWS = 16
 # of more queries (a short sequence's) up to half of it, runs decoder.py's one compiled call: on the AVX2 host
 # numpy's per-call overhead outweighed BLAS's faster products up to there (measured with this change's commit).
 _FEW_QUERIES = 4
-
-
-class _TiledLayout:
-    """What _tiled_attention passes compiled/attention.py for one set of C-contiguous input shapes: the
-    query tiles, the element strides of Q, K, V and Y as (B, H, S, D) views of their flat memory, the
-    scalars, the units' split across threads and the scratch each needs."""
-
-    def __init__(self, geo: _AttentionGeometry, q, k, v, scale: float, total: int):
-        from ..compiled import attention
-
-        def strides(x, heads):
-            return np.array([stride // 4 for stride in geo.to_heads(x, heads).strides[:3]], np.int64)
-
-        batch, heads = q.shape[0], geo.q_heads
-        self.y_shape = q.shape[:-1] + (heads * geo.v_head_size,) if geo.rank == 3 else\
-            (batch, heads, geo.q_len, geo.v_head_size)
-        self.q_strides, self.k_strides, self.v_strides = strides(q, heads), strides(k, geo.kv_heads),\
-            strides(v, geo.kv_heads)
-        self.y_strides = strides(np.empty(self.y_shape, np.float32), heads)
-        self.sizes = (heads, geo.kv_heads, total, geo.head_size, geo.v_head_size)
-        self.scale = np.array([scale], np.float32)
-        self.plan = attention.tiles(geo.q_len)
-        self.starts = np.ascontiguousarray(self.plan[:, 0])
-        self.every_key = np.full(len(self.plan), total, np.int64)
-        units = batch * heads
-        work = units * geo.q_len * total * (geo.head_size + geo.v_head_size)
-        threads = max(1, min(kernel_threads(), units, work // KNOBS.split_macs))
-        self.bounds = np.array([units * t // threads for t in range(threads + 1)], np.int64)
-        self.scratch = attention.scratch_size(geo.head_size, geo.v_head_size, total)
 
 
 @register("Attention", since=23)
