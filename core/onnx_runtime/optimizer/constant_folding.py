@@ -16,6 +16,7 @@ and shapes (``PassContext.outer_constants``/``outer_types``) count as the subgra
 from __future__ import annotations
 
 import math
+import time
 from collections import ChainMap
 
 import numpy as np
@@ -42,10 +43,15 @@ TINY_BYTES = 4096
 # What a fold may generate from tiny inputs (a mask buffer from ConstantOfShape, a Tile or Expand of a
 # constant); anything larger is left to the kernel at run time rather than materialized at creation.
 MAX_GENERATED_BYTES = 256 << 20
+# The most multiply-adds (or window taps) one fold may cost: a product of two constants with a long inner dimension
+# is small to hold but can take minutes to compute at creation; past this it is left to the run.
+MAX_FOLD_WORK = 1 << 30
+# The CPU seconds one fold_constants call may spend evaluating nodes; the nodes after that are left to the run.
+MAX_FOLD_SECONDS = 10.0
 
 
 def fold_constants(graph: Graph, context: PassContext) -> bool:
-    scope = _Scope(graph, context)
+    scope = _Scope(graph, context, time.thread_time() + MAX_FOLD_SECONDS)
     changed = False
     while True:  # an inlined branch's nodes fold in the next sweep, and may decide another If
         folded = _sweep(graph, context, scope)
@@ -65,8 +71,9 @@ def fold_constants_everywhere(graph: Graph, context: PassContext) -> bool:
 class _Scope:
     """Constants and value types visible in ``graph``: its own, then the enclosing graphs'."""
 
-    def __init__(self, graph: Graph, context: PassContext):
+    def __init__(self, graph: Graph, context: PassContext, deadline: float):
         self.graph = graph
+        self.deadline = deadline  # thread CPU time after which nothing more is evaluated
         self.constants = ChainMap(graph.initializers, context.outer_constants)  # type: ignore[arg-type]
         self._outer_types = context.outer_types
 
@@ -153,6 +160,8 @@ def _fold(node: Node, graph: Graph, uses: Uses, context: PassContext, scope: _Sc
     declared = _declared_bytes(node, graph) or _inferred_bytes(node, inputs)
     if declared > cap or not _may_fold(node, inputs, uses, declared) \
             or _generated_bytes(node, inputs) > MAX_GENERATED_BYTES:
+        return None
+    if fold_work(node, inputs, declared) > MAX_FOLD_WORK or time.thread_time() > scope.deadline:
         return None
     token = budget.enter(cap)  # kernels that size their output from data refuse past the cap, before allocating
     try:
@@ -297,6 +306,49 @@ def _generated_bytes(node: Node, inputs: list) -> int:
     except (TypeError, ValueError, OverflowError, IndexError):
         return 0  # malformed inputs: the evaluation reports them
     return 0
+
+
+def fold_work(node: Node, inputs: list, result_bytes: int) -> int:
+    """Multiply-adds (or window taps) evaluating ``node`` costs, for the operators whose cost grows faster than their
+    inputs and outputs (0 for the rest, whose cost the size caps bound). An estimate from shapes, before running."""
+    op = node.op_type
+    arrays = [a for a in inputs if a is not None]
+    if not arrays:
+        return 0
+    first = arrays[0]
+    out_elements = result_bytes // max(first.itemsize, 1) if result_bytes else 0
+    try:
+        if op in ("MatMul", "MatMulInteger", "Gemm") and len(arrays) >= 2 and first.ndim:
+            rows = math.prod(first.shape) // max(first.shape[-1], 1) if first.ndim > 1 else 1
+            # Every output element is an inner product along A's contracted dimension (Gemm's transA swaps it).
+            inner = first.shape[0] if op == "Gemm" and node.attr("transA", 0) and first.ndim == 2 else first.shape[-1]
+            columns = arrays[1].shape[-1] if arrays[1].ndim > 1 else 1
+            return max(out_elements, rows * columns) * inner
+        if op in ("Conv", "ConvInteger", "ConvTranspose") and len(arrays) >= 2 and first.ndim >= 3:
+            w = arrays[1]
+            if op == "ConvTranspose":  # every input pixel meets every tap of its channel's filters
+                return first.size * (w.size // max(w.shape[0], 1))
+            per_output = w.size // max(w.shape[0], 1)  # C/group x kernel taps
+            return max(out_elements, first.shape[0] * w.shape[0]) * per_output
+        if op in ("MaxPool", "AveragePool", "LpPool"):
+            return max(out_elements, first.size) * math.prod(node.attr("kernel_shape", []) or [1])
+        if op == "Einsum":
+            return _einsum_work(node.attr("equation", ""), arrays)
+    except (TypeError, ValueError, IndexError, AttributeError):
+        return MAX_FOLD_WORK + 1  # shapes the estimate cannot read: not worth evaluating at creation
+    return 0
+
+
+def _einsum_work(equation, arrays: list) -> int:
+    """The product of every index's size (one multiply per combination); the inputs' sizes multiplied when the
+    equation uses an ellipsis (an upper bound)."""
+    if not isinstance(equation, str) or "..." in equation:
+        return math.prod(a.size for a in arrays)
+    sizes: dict[str, int] = {}
+    for term, array in zip(equation.split("->")[0].replace(" ", "").split(","), arrays):
+        for letter, dim in zip(term, array.shape):
+            sizes[letter] = max(sizes.get(letter, 1), int(dim))
+    return math.prod(sizes.values())
 
 
 def _result_cap(inputs: list) -> int:
