@@ -333,12 +333,13 @@ def load_tokenizer(model_path: str):
 
 
 def generate_text(model_path: str, prompt: str, max_new_tokens: int = 32, providers=None,
-                  on_text: Callable[[str], None] | None = None) -> GenerationResult:
+                  on_text: Callable[[str], None] | None = None,
+                  sess_options: SessionOptions | None = None) -> GenerationResult:
     """Tokenize ``prompt`` with the model's tokenizer, generate greedily, and decode; ``on_text`` receives the
     text as it grows (each new piece)."""
     tokenizer = load_tokenizer(model_path)
     prompt_ids = tokenizer.encode(prompt).ids
-    generator = Generator(model_path, providers, device_capture_options(providers))
+    generator = Generator(model_path, providers, device_capture_options(providers, sess_options))
     eos = next((tokenizer.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<eos>") if tokenizer.token_to_id(t)
                 is not None), None)
     shown = ""
@@ -357,18 +358,20 @@ def generate_text(model_path: str, prompt: str, max_new_tokens: int = 32, provid
     return result
 
 
-def device_capture_options(providers) -> SessionOptions | None:
+def device_capture_options(providers, base: SessionOptions | None = None) -> SessionOptions | None:
     """Session options capturing device graphs when a device provider is asked for (the decode step is then
     replayed, see the module docstring); None on the CPU, where a cache shown at capacity only costs work."""
     names = [p if isinstance(p, str) else p[0] for p in providers or ()]
     if not any(name not in ("CPUExecutionProvider", "cpu") for name in names):
-        return None
-    options = SessionOptions()
+        return base
+    if base is not None and base.config().get("session.weight_residency_budget"):
+        return base  # paged weights move between steps: a captured graph would replay stale addresses
+    options = base or SessionOptions()
     options.add_session_config_entry(GRAPH_CAPTURE_KEY, "1")
     return options
 
 
-def run_cli(args) -> int:
+def run_cli(args, sess_options: SessionOptions | None = None) -> int:
     """``onnx-runtime generate``: stream the generated text (or token ids), then the timings."""
     import sys
 
@@ -382,14 +385,14 @@ def run_cli(args) -> int:
 
     if args.prompt is not None:
         show(args.prompt)
-        result = generate_text(args.model, args.prompt, args.max_new_tokens, providers, show)
+        result = generate_text(args.model, args.prompt, args.max_new_tokens, providers, show, sess_options)
     else:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError:
             raise InvalidArgumentError(
                 f"--prompt-ids takes comma-separated integers, got {args.prompt_ids!r}") from None
-        generator = Generator(args.model, providers, device_capture_options(providers))
+        generator = Generator(args.model, providers, device_capture_options(providers, sess_options))
         result = generator.generate(ids, args.max_new_tokens, lambda t: show(f" {t}"))
     print()
     print(f"{len(result.tokens)} tokens; time to first token {result.time_to_first_token * 1e3:.1f} ms; "
