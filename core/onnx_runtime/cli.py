@@ -5,7 +5,7 @@
     onnx-runtime run [MODEL] [--input NAME=FILE.npy ...] [--providers cpu] [--repeat N]
     onnx-runtime bench MODEL [--input NAME=FILE.npy ...] [--providers cpu] [--repeat N] [--warmup N]
     onnx-runtime compile [MODEL ...] [--providers cpu] [--jobs N]
-    onnx-runtime generate MODEL --prompt TEXT [--max-new-tokens N] [--providers cpu]
+    onnx-runtime generate MODEL --prompt TEXT [--max-new-tokens N] [--providers cpu] [--memory-limit BYTES]
     onnx-runtime new-provider NAME [--dir DIR]
     onnx-runtime batch MODEL --input DATA --output OUT [--engine local|ray|dask] [--workers N] [--threads N]
 
@@ -288,7 +288,7 @@ def _print_profile(sess) -> None:
 def cmd_generate(args) -> int:
     from .generate import run_cli
 
-    return run_cli(args)
+    return run_cli(args, _memory_options(args) if args.memory_limit or args.weight_budget else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -335,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-ids", help="comma-separated token ids instead of text")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
     p.add_argument("--providers", help="comma-separated provider names (default: all available)")
+    _add_memory_arguments(p)
     p.set_defaults(func=cmd_generate)
     from .scaffold import cmd_new_provider
 

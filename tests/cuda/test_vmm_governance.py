@@ -121,3 +121,47 @@ def test_a_pinned_budget_of_one_block_keeps_the_ring_at_one_block_and_copies_sta
     finally:
         ring.close()
         device.free(base)
+
+
+def test_generate_takes_a_memory_limit_and_a_weight_budget(cuda_driver_mode, clean_limits, monkeypatch, capsys):
+    """``onnx-runtime generate --memory-limit 0.5 --weight-budget B``: the device's budget is half its memory,
+    weights are paged under B (device graphs are not captured then), the tokens are onnxruntime's; a limit the
+    weights do not fit is the governor's error, at load."""
+    import sys
+    from pathlib import Path
+
+    from onnx_runtime import cli, generate
+    from onnx_runtime.memory import process_governor
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
+    from test_generate import PROMPT, onnxruntime_greedy
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks/.models/zoo/llama.torchscript.fp32.onnx"
+    if not path.exists():
+        pytest.skip(f"the model zoo is not built ({path} is missing): run scripts/build_zoo.sh")
+    model = onnx.load(str(path))
+    sizes = {t.name: numpy_helper.to_array(t).nbytes for t in model.graph.initializer}
+    widest = max(sum(sizes.get(name, 0) for name in set(node.input)) for node in model.graph.node)
+    budget = max(sum(sizes.values()) // 2, widest)
+    made = []
+    original = generate.Generator.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(generate.Generator, "__init__", recording)
+    ids = ",".join(map(str, PROMPT))
+    providers = "CUDAExecutionProvider,CPUExecutionProvider"
+    assert cli.main(["generate", str(path), "--prompt-ids", ids, "--max-new-tokens", "4", "--providers", providers,
+                     "--memory-limit", "0.5", "--weight-budget", str(budget)]) == 0
+    assert capsys.readouterr().out.split("\n")[0].split() == [str(t) for t in onnxruntime_greedy(str(path), PROMPT, 4)]
+    governor = process_governor()
+    assert governor.limit("cuda:0") == governor.total("cuda:0") // 2
+    (weights,) = made[0].session.memory_report()["weights"]
+    assert weights["paged"] and weights["budget"] == budget and not made[0].at_capacity
+    made.clear()  # the generator, its session and its bindings' buffers go, and their charges with them
+    gc.collect()
+    assert cli.main(["generate", str(path), "--prompt-ids", ids, "--max-new-tokens", "2", "--providers", providers,
+                     "--memory-limit", "64KiB"]) == 2
+    assert "weights on CUDAExecutionProvider" in capsys.readouterr().err
