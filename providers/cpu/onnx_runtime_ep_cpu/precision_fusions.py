@@ -37,6 +37,8 @@ HALF = frozenset({DataType.FLOAT16, DataType.BFLOAT16})
 _WEIGHTED = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Gather", "Einsum"})
 # Domains whose operators are generic in their float type (T in float16, float, ...).
 _DOMAINS = frozenset({"", "com.microsoft", "ai.onnx.ml"})
+# Operators that read only their input's shape.
+_SHAPE_READERS = frozenset({"Shape", "Size"})
 # Attributes that name a node's output element type.
 _TYPE_ATTRS = ("to", "dtype", "output_dtype")
 
@@ -129,22 +131,36 @@ class _Rewriter:
             node.inputs = [renamed.get(name, name) for name in node.inputs]
             node.outputs = [renamed.get(name, name) if name in outputs else name for name in node.outputs]
             nodes.extend(self.node(node))
-        graph.nodes = nodes + tail
+        graph.nodes = _merge_input_roundings(nodes, inputs) + tail
 
     def edges(self, renamed: dict[str, str], inputs: set[str]) -> tuple[list[Node], list[Node]]:
-        """The Casts at the graph's half-precision inputs (widened once, their readers read the float32 copy)
-        and outputs (computed in float32 under a new name, rounded once); ``renamed`` gets the new names."""
+        """The conversions at the graph's half-precision inputs (widened once, in one node: their readers read
+        the float32 copies) and outputs (computed in float32 under new names, narrowed once, in one node per
+        type); ``renamed`` gets the new names."""
         graph, half = self.graph, self.half
         head, tail = [], []
-        for vi in graph.inputs:
-            if vi.name in half.types:
-                wide = renamed[vi.name] = self.fresh(f"{vi.name}/float32")
-                head.append(self.cast(vi.name, wide, DataType.FLOAT, vi.name))
-        for vi in graph.outputs:
-            if vi.name in half.types and vi.name not in inputs:
-                wide = renamed[vi.name] = self.fresh(f"{vi.name}/float32")
-                tail.append(self.cast(wide, vi.name, half.types[vi.name], vi.name))
+        sources = [vi.name for vi in graph.inputs if vi.name in half.types]
+        for name in sources:
+            renamed[name] = self.fresh(f"{name}/float32")
+        if sources:
+            head.append(self.conversion("HalfToFloat", sources, [renamed[n] for n in sources], DataType.FLOAT))
+        for to in (DataType.FLOAT16, DataType.BFLOAT16):
+            targets = [vi.name for vi in graph.outputs if half.types.get(vi.name) == to and vi.name not in inputs]
+            for name in targets:
+                renamed[name] = self.fresh(f"{name}/float32")
+            if targets:
+                tail.append(self.conversion("FloatToHalf", [renamed[n] for n in targets], targets, to))
         return head, tail
+
+    def conversion(self, op_type: str, sources: list[str], targets: list[str], to: DataType) -> Node:
+        """A node of ops/precision.py converting each of ``sources`` to ``targets`` (type ``to``)."""
+        for source, target in zip(sources, targets):
+            info = self.graph.type_of(source)
+            shape = info.shape if info is not None and info.is_tensor else None
+            self.graph.value_info[target] = ValueInfo(target, TypeInfo("tensor", to, shape))
+        attrs = {} if op_type == "HalfToFloat" else {"to": int(to)}
+        return Node(op_type, list(sources), list(targets), name=self.fresh(f"{targets[0]}/{op_type}"),
+                    domain=FUSED_DOMAIN, attrs=attrs, opset=1)
 
     def node(self, node: Node) -> list[Node]:
         """``node`` computing in float32; a Cast to a half type becomes the rounding it computes."""
@@ -172,8 +188,58 @@ class _Rewriter:
         return [narrow, node]
 
 
+def _merge_input_roundings(nodes: list[Node], inputs: set[str]) -> list[Node]:
+    """The roundings of graph inputs to each half type as one node, where the first of them was: a decoder's
+    past keys and values are rounded in one call instead of a node each."""
+    groups: dict[int, list[Node]] = {}
+    for node in nodes:
+        if node.op_type == "RoundToHalf" and node.domain == FUSED_DOMAIN and node.inputs[0] in inputs:
+            groups.setdefault(node.attrs["to"], []).append(node)
+    merged = {id(group[0]): group for group in groups.values() if len(group) > 1}
+    dropped = {id(node) for group in merged.values() for node in group[1:]}
+    result = []
+    for node in nodes:
+        if id(node) in dropped:
+            continue
+        group = merged.get(id(node))
+        if group is not None:
+            node.inputs = [rounding.inputs[0] for rounding in group]
+            node.outputs = [rounding.outputs[0] for rounding in group]
+        result.append(node)
+    return result
+
+
+_CONVERSIONS = frozenset({"HalfToFloat", "FloatToHalf", "RoundToHalf"})
+
+
+def _known_dims(info: TypeInfo | None) -> int:
+    return -1 if info is None or not info.is_tensor or info.shape is None \
+        else sum(isinstance(dim, int) for dim in info.shape)
+
+
+def _refresh_conversion_shapes(graph: Graph) -> bool:
+    """A converted graph specialized to an input signature (session/specialize.py): the specializer infers
+    the shapes of the model's values only, so each value a conversion made here (an input's float32 copy, an
+    output computed in float32) takes the shape of its model counterpart, and the fusions that need shapes
+    (attention over a past, say) see them."""
+    changed = False
+    for node in graph.nodes:
+        if node.domain != FUSED_DOMAIN or node.op_type not in _CONVERSIONS:
+            continue
+        for source, target in zip(node.inputs, node.outputs):
+            have, want = (source, target) if _known_dims(graph.type_of(source)) > _known_dims(graph.type_of(target)) \
+                else (target, source)
+            shape, old = graph.type_of(have).shape, graph.value_info.get(want)
+            if _known_dims(graph.type_of(have)) <= _known_dims(graph.type_of(want)) or old is None:
+                continue
+            graph.value_info[want] = ValueInfo(want, TypeInfo("tensor", old.type.dtype, shape), old.doc)
+            changed = True
+    return changed
+
+
 def compute_half_in_float32(graph: Graph, owns=None) -> bool:
     """Rewrite a model with half-precision weights to compute in float32 (see the module docstring)."""
+    _refresh_conversion_shapes(graph)
     half = _Half(graph)
     if not half.types or not _has_half_weights(graph, half):
         return False
@@ -186,4 +252,20 @@ def compute_half_in_float32(graph: Graph, owns=None) -> bool:
 
 compute_half_in_float32.before_optimizer = True  # type: ignore[attr-defined]  # the fusions then see float32
 
-PRECISION_PASSES = [compute_half_in_float32]
+
+def shapes_of_inputs_read_from_inputs(graph: Graph, owns=None) -> bool:
+    """Shape and Size read a half-precision graph input itself rather than its float32 copy (the optimizer's
+    bypasses may have led them there): the specializer (session/specialize.py) gives the inputs each
+    signature's shapes, but not the values made here, so only the inputs' Shape reads fold, and the
+    exporters' shape chains after them, for each signature."""
+    sources = {target: source for node in graph.nodes if node.op_type == "HalfToFloat" and node.domain == FUSED_DOMAIN
+               for source, target in zip(node.inputs, node.outputs)}
+    changed = False
+    for node in graph.nodes:
+        if node.op_type in _SHAPE_READERS and not node.domain and node.inputs and node.inputs[0] in sources:
+            node.inputs = [sources[node.inputs[0]], *node.inputs[1:]]
+            changed = True
+    return changed
+
+
+PRECISION_PASSES = [compute_half_in_float32, shapes_of_inputs_read_from_inputs]
