@@ -307,3 +307,16 @@ def test_attention_with_an_empty_head_and_a_scale_averages_the_values():
     (y,) = s.run(None, {"q": np.ones((1, 2, 3, 0), np.float32), "k": np.ones((1, 2, 4, 0), np.float32), "v": v})
     expected = np.broadcast_to(v.astype(np.float64).mean(axis=2, keepdims=True), (1, 2, 3, 5))
     np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("wrong", ["s", "b", "m", "v"])
+def test_batch_normalization_parameters_hold_one_value_per_channel(wrong):
+    # The numpy path broadcast a shorter B against the channels: a ValueError wrapped as a kernel failure.
+    params = {name: np.ones(2 if name == wrong else 3, np.float32) for name in "sbmv"}
+    session = _session([helper.make_node("BatchNormalization", ["x", *"sbmv"], ["y"])],
+                       [vi("x", shape=["n", 3, 4, 4])], initializers=[numpy_helper.from_array(v, k)
+                                                                     for k, v in params.items()], opset=15)
+    name = {"s": "scale", "b": "B", "m": "input_mean", "v": "input_var"}[wrong]
+    x = np.ones((1, 3, 4, 4), np.float32)
+    _raised(InvalidArgumentError, rf"input '{name}' has shape \(2,\); expected one value per channel of X "
+                                  rf"\(1, 3, 4, 4\)", lambda: session.run(None, {"x": x}))

@@ -71,6 +71,11 @@ def _batch_norm_kernel(node, training: bool, spatial: bool, fused_activation: bo
         return y
 
     def kernel(x, scale, bias, mean, var):
+        counts = (x.shape[1] if x.ndim >= 2 else 1, math.prod(x.shape[1:]) if not spatial else -1)
+        for name, param in zip(("scale", "B", "input_mean", "input_var"), (scale, bias, mean, var)):
+            if param.size not in counts:
+                raise InvalidArgumentError(f"node {node.name!r} ({node.op_type}): input {name!r} has shape "
+                                           f"{param.shape}; expected one value per channel of X {x.shape}")
         if not training:
             y = inference(x, scale, bias, mean, var)
             return (y, mean, var, mean, var)[:n_outputs]
