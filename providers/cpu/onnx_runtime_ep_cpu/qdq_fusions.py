@@ -1,6 +1,8 @@
 """Quantized models as onnxruntime's quantization tools write them, run on the float and integer fast paths.
 
-QDQ format (static quantization): a QuantizeLinear whose codes only a DequantizeLinear with the same scale and
+QDQ format (static quantization): DequantizeLinear -> MatMul/Gemm -> QuantizeLinear groups run on integers
+(``fuse_quantized_matmul``, before the optimizer; ops/qdq_linear.py), as onnxruntime's QDQ transformer makes
+QLinearMatMul and QGemm of them. Elsewhere, a QuantizeLinear whose codes only a DequantizeLinear with the same scale and
 zero point reads is the rounding of an activation to its quantization grid, spelled as two operators and an
 integer tensor. ``fuse_quantize_dequantize`` makes it one QuantizeDequantize node (ops/quantization.py: one
 compiled pass, the float32 values DequantizeLinear would give, exactly), so the float operators around it run
@@ -326,7 +328,7 @@ def _drop_if_unread(view: GraphView, node: Node, reader: Node, removed: list[Nod
         removed.append(node)
 
 
-def fuse_quantized_linear(graph: Graph, owns=None) -> bool:
+def fuse_quantized_linear(graph: Graph, owns=None, kinds=frozenset(_LINEAR)) -> bool:
     """DequantizeLinear(codes) -> MatMul/Gemm/Conv (weight: DequantizeLinear of constant codes, per tensor or
     per output channel; or, for MatMul, a second dequantized activation) -> QuantizeLinear: one node computing
     the integer product of the codes, requantized once (ops/qdq_linear.py), as onnxruntime's QDQ transformer
@@ -335,7 +337,7 @@ def fuse_quantized_linear(graph: Graph, owns=None) -> bool:
     folding would otherwise turn the weights' DequantizeLinear into float32 weights."""
     view = GraphView(graph)
     for node in list(graph.nodes):
-        if node.op_type not in _LINEAR or node.domain:
+        if node.op_type not in kinds or node.domain:
             continue
         group = _linear_group(view, node)
         if group is None:
@@ -509,14 +511,23 @@ def _early(graph_pass):
     return graph_pass
 
 
-# The integer groups (fuse_quantized_linear and the absorptions around it) compute what onnxruntime's QDQ
-# kernels compute, but measured slower than the float path below on every model tried here (the zoo's and
-# synthetic MatMul chains up to 128 x 768 x 768, one thread, AVX2): the int16 dot-product loop of
-# compiled/qgemm.py runs at about half the speed of float32 BLAS, and a convolution has no integer kernel
-# (it runs the float one on the centred codes). They stay out of the default passes until an integer
-# micro-kernel beats the float product; a caller may add them before QDQ_PASSES' own.
+def fuse_quantized_matmul(graph: Graph, owns=None) -> bool:
+    """fuse_quantized_linear of MatMul and Gemm groups only."""
+    return fuse_quantized_linear(graph, owns, _PRODUCTS)
+
+
+_PRODUCTS = frozenset({"MatMul", "Gemm"})
+
+# The integer groups compute what onnxruntime's QDQ kernels compute. For MatMul and Gemm they are the default:
+# one node per group in place of a rounding node, a float product and the next rounding node, which on the
+# zoo's transformer encoders measured 1.56 -> 1.39 (t5), 2.07 -> 1.73 (vit), 1.86 -> 1.81 (bert), one thread,
+# CPU time against onnxruntime. A convolution has no integer kernel (it runs the float one on the centred
+# codes), which measured slower than the float path with its roundings (resnet 2.19 -> 2.67); Conv groups stay
+# out of the default passes (INTEGER_GROUP_PASSES has them, for a caller to add before QDQ_PASSES).
+_MATMUL_GROUP_PASSES = [_early(until_fixed(fuse_quantized_matmul)), _early(until_fixed(absorb_quantize)),
+                        _early(until_fixed(absorb_dequantize))]
 INTEGER_GROUP_PASSES = [_early(until_fixed(fuse_quantized_linear)), _early(until_fixed(absorb_quantize)),
                         _early(until_fixed(absorb_dequantize))]
-QDQ_PASSES = [until_fixed(fuse_quantize_dequantize), until_fixed(drop_repeated_rounding),
+QDQ_PASSES = [*_MATMUL_GROUP_PASSES, until_fixed(fuse_quantize_dequantize), until_fixed(drop_repeated_rounding),
               until_fixed(fuse_dynamic_matmul), until_fixed(fuse_dynamic_quantize_matmul),
               until_fixed(fuse_qlinear_matmul_bias)]
