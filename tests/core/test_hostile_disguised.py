@@ -320,3 +320,21 @@ def test_batch_normalization_parameters_hold_one_value_per_channel(wrong):
     x = np.ones((1, 3, 4, 4), np.float32)
     _raised(InvalidArgumentError, rf"input '{name}' has shape \(2,\); expected one value per channel of X "
                                   rf"\(1, 3, 4, 4\)", lambda: session.run(None, {"x": x}))
+
+
+@pytest.mark.parametrize("follower", ["BatchNormalization", "Mul"])
+def test_a_conv_whose_bias_is_not_one_per_output_channel_is_not_fused_into(follower):
+    # Seed 41 (a rewired light_inception_v2): folding the follower into the Conv multiplied a 3-bias by 4 channel
+    # factors, a ValueError out of session creation. The session now loads and the Conv kernel refuses the bias.
+    weights = numpy_helper.from_array(np.ones((4, 3, 3, 3), np.float32), "w")
+    bias = numpy_helper.from_array(np.ones(3, np.float32), "bias")
+    per_channel = {name: numpy_helper.from_array(np.full(4, value, np.float32), name)
+                   for name, value in (("s", 2.0), ("b", 0.5), ("m", 0.0), ("v", 1.0))}
+    factor = numpy_helper.from_array(np.full((4, 1, 1), 2.0, np.float32), "f")
+    follow = helper.make_node("BatchNormalization", ["c", "s", "b", "m", "v"], ["y"]) \
+        if follower == "BatchNormalization" else helper.make_node("Mul", ["c", "f"], ["y"])
+    session = _session([helper.make_node("Conv", ["x", "w", "bias"], ["c"]), follow], [vi("x", shape=[1, 3, 5, 5])],
+                       initializers=[weights, bias, factor, *per_channel.values()], opset=15)
+    x = np.ones((1, 3, 5, 5), np.float32)
+    _raised(InvalidArgumentError, r"\(Conv\): bias has shape \(3,\); expected \(4,\)",
+            lambda: session.run(None, {"x": x}))
