@@ -38,7 +38,9 @@ def test_a_growing_kv_cache_is_captured_once_and_replayed(name, monkeypatch):
     signature every step (the issue measured 0 captures and 0 replays over 16 tokens). With capture on, generate
     shows the cache at its capacity: one capture, then every decode step replays, tokens unchanged. The
     replayed steps of all four exports make no host synchronization and no host transfer at all (the dynamo exports'
-    last-token GatherND runs on the device: before its CUDA kernel it was a CPU seam that read back)."""
+    last-token GatherND runs on the device: before its CUDA kernel it was a CPU seam that read back), and each is one
+    graph launch: the nodes whose reshape targets, ranges and slices the feed shapes fix are captured (they were
+    eager seams splitting the step into 17-51 graphs)."""
     import onnx_runtime as ort
     from onnx_runtime.generate import Generator, _Bindings
     from test_device_graphs import CountingDriver
@@ -55,7 +57,7 @@ def test_a_growing_kv_cache_is_captured_once_and_replayed(name, monkeypatch):
 
     def counted(self, *args):
         choose(self, *args)
-        per_step.append((counting.syncs(), counting.host_transfers()))
+        per_step.append((counting.syncs(), counting.host_transfers(), counting.calls.get("cuGraphLaunch", 0)))
         counting.calls.clear()
 
     monkeypatch.setattr(_Bindings, "_choose", counted)
@@ -64,7 +66,25 @@ def test_a_growing_kv_cache_is_captured_once_and_replayed(name, monkeypatch):
     assert result.tokens == onnxruntime_greedy(path, PROMPT, new)
     runner = session._executor.graphs  # noqa: SLF001  (the runner's counts: white box)
     assert (runner.captures, runner.replays) == (1, new - 2)  # prefill, warm-up step, capture, then replays
-    assert all(step == (0, 0) for step in per_step[3:]), per_step
+    assert all(step == (0, 0, 1) for step in per_step[3:]), per_step
+
+
+def test_shape_values_computed_on_the_device_fall_back_to_seams(monkeypatch):
+    """A provider that computes the shape values on the device (here: CUDA with its host shape nodes turned off)
+    would synchronize inside the capture when a node reads one: the capture fails once, then every node reading
+    one runs as a seam around captured segments, and the tokens stay onnxruntime's."""
+    import onnx_runtime as ort
+    import onnx_runtime_ep_cuda.provider as provider
+    from onnx_runtime.generate import Generator
+
+    monkeypatch.setattr(provider, "host_nodes", lambda graph, cache: {})
+    path = _model("gpt2.torchscript.fp32")
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.graph_capture", "1")
+    session = ort.InferenceSession(path, options, providers=[CUDA, "CPUExecutionProvider"])
+    assert Generator(session).generate(PROMPT, 8).tokens == onnxruntime_greedy(path, PROMPT, 8)
+    runner = session._executor.graphs  # noqa: SLF001
+    assert runner.captures == 1 and runner.replays >= 4 and "graph segments with eager seams" in runner.status
 
 
 def test_the_command_replays_its_decode_step_on_a_device(monkeypatch, capsys):

@@ -13,10 +13,19 @@ buffers before the first segment) and downloads of outputs no later step reads a
 A seam value a segment reads is *pinned*: copied into a persistent buffer on the provider, whose address the
 segment's graph recorded.
 
+Values fixed by the feed shapes: ``Shape`` (``Size``) of a value whose shape is resolved (below), and what a
+deterministic node computes from such values and constants alone. A graph is kept per feed signature, so
+such a value is the same at every run of the graph, as a constant is: a node reading one at a declared host
+input is captured (the value it reads at the capture is the value of every replay).
+A provider that computes such values on the host reads them with no synchronization; one that computes them
+on the device would synchronize inside the capture, which fails it: the runner then runs every node reading
+one as a seam, as for a value computed from the data (``fixed_readers``).
+
 Shapes fixed by the feed shapes ("resolved"): an initializer's, one shape inference expressed in the graph
-inputs' dimensions, and, where inference gave up (a Slice whose starts were folded to constants after it
-ran, say), the outputs of a node whose provider declares its ``host_inputs``, whose input shapes are
-resolved and whose host inputs are constants: the declaration says the output shapes follow from those.
+inputs' dimensions, and, where inference gave up (a Reshape whose target is computed from ``Shape`` nodes,
+a Slice whose starts were folded to constants after it ran), the outputs of a node whose provider declares
+its ``host_inputs``, whose input shapes are resolved and whose host inputs are constants or values fixed by
+the feed shapes: the declaration says the output shapes follow from those.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from ..contract.graphs import CaptureRegionShapeStatus
 from ..ir import Node
+from ..optimizer.constant_folding import NONDETERMINISTIC
 from ..provider_handle import ProviderHandle
 from .steps import Plan, Step, Uploader, downloader
 
@@ -68,6 +78,8 @@ class RegionPlanner:
         self.executor = executor
         self._bound: set[str] = set()
         self._derived: set[str] = set()  # values whose shapes follow from resolved inputs and constants
+        self._fixed: set[str] = set()  # values the feed shapes fix (see the module docstring)
+        self.fixed_readers: frozenset[str] = frozenset()  # nodes reading one of them at a declared host input
 
     def analyze(self, plan: Plan, forced: frozenset[str] = frozenset()) -> Region | str:
         """The region capturing ``plan`` involves, or the reason no part of it can be captured. ``forced``: names
@@ -78,7 +90,7 @@ class RegionPlanner:
         self._bound = {d for vi in graph.inputs if vi.type.shape for d in vi.type.shape if isinstance(d, str)}
         host_inputs = {id(step.node): executor.assignment[step.node.name].hook.host_inputs(
             node=step.node, opset=step.node.opset) for step in plan.steps if step.node is not None}
-        self._derive_shapes(plan, host_inputs)
+        self._derive(plan, host_inputs)
         device = self._device(plan)
         if isinstance(device, str):
             return device
@@ -151,10 +163,10 @@ class RegionPlanner:
         if handle is not device:
             where = "a host provider" if handle.is_host_accessible else "another device provider"
             return f"{label} runs on {handle.name}, {where}"
-        graph = self.executor.graph
+        fixed_ok = node.name not in forced  # forced: a capture failed while fixed values were read
         for position in host_inputs or ():
             name = node.inputs[position] if position < len(node.inputs) else ""
-            if name and name not in graph.initializers:
+            if name and not (self._constant(name) if fixed_ok else name in self.executor.graph.initializers):
                 return (f"{label} reads input {position} ({name!r}) on the host, and it is computed at run time, "
                         f"not a constant: a capture would record the value of one run (and reading it back from "
                         f"the device is a synchronization), so the node runs eagerly at every run")
@@ -174,27 +186,43 @@ class RegionPlanner:
         return bool(info is not None and info.is_tensor and info.shape is not None
                     and all(isinstance(d, int) or (isinstance(d, str) and d in bound) for d in info.shape))
 
-    def _derive_shapes(self, plan: Plan, host_inputs: dict[int, tuple[int, ...] | None]) -> None:
-        """Resolve, in plan order, the outputs of nodes whose declared host inputs are constants and whose
-        input shapes are resolved (see the module docstring)."""
-        graph = self.executor.graph
-        self._derived = set()
+    def _constant(self, name: str) -> bool:
+        """Whether ``name`` is the same at every run of one feed signature: an initializer, or fixed by the
+        feed shapes."""
+        return name in self.executor.graph.initializers or name in self._fixed
+
+    def _resolved(self, name: str) -> bool:
+        return name in self._derived or self._inferred(name)
+
+    def _derive(self, plan: Plan, host_inputs: dict[int, tuple[int, ...] | None]) -> None:
+        """In plan order: the values the feed shapes fix, and the outputs whose shapes they resolve (see the
+        module docstring); then the nodes that read a fixed value at a declared host input."""
+        self._derived, self._fixed = set(), set()
         for step in plan.steps:
             node = step.node
             if node is None:
                 continue
-            declared = host_inputs.get(id(node))
-            if declared is None or any(node.inputs[p] not in graph.initializers for p in declared
-                                       if p < len(node.inputs) and node.inputs[p]):
+            read = [name for name in node.inputs if name]
+            if node.domain in ("", "ai.onnx") and node.op_type in ("Shape", "Size"):
+                fixed = bool(read) and self._resolved(read[0])
+            else:
+                fixed = bool(read) and not node.subgraphs() and node.op_type not in NONDETERMINISTIC \
+                    and all(self._constant(name) for name in read)
+            outputs = [name for name in node.outputs if name]
+            if fixed:  # a value the same at every run has a shape the same at every run
+                self._fixed.update(outputs)
+                self._derived.update(outputs)
                 continue
-            if all(name in self._derived or self._inferred(name) for name in node.inputs if name):
-                self._derived.update(name for name in node.outputs if name)
+            declared = host_inputs.get(id(node))
+            if declared is not None and all(self._constant(node.inputs[p]) for p in declared
+                                            if p < len(node.inputs) and node.inputs[p]) \
+                    and all(self._resolved(name) for name in read):
+                self._derived.update(outputs)
+        self.fixed_readers = frozenset(
+            step.node.name for step in plan.steps if step.node is not None
+            and any(step.node.inputs[p] in self._fixed for p in host_inputs.get(id(step.node)) or ()
+                    if p < len(step.node.inputs)))
 
     def _shape_status(self, node: Node) -> CaptureRegionShapeStatus:
-        derived = self._derived
-
-        def resolved(name: str) -> bool:
-            return name in derived or self._inferred(name)
-
-        return CaptureRegionShapeStatus(inputs_resolved=all(resolved(n) for n in node.inputs if n),
-                                        outputs_resolved=all(resolved(n) for n in node.outputs if n))
+        return CaptureRegionShapeStatus(inputs_resolved=all(self._resolved(n) for n in node.inputs if n),
+                                        outputs_resolved=all(self._resolved(n) for n in node.outputs if n))

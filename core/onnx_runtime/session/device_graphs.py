@@ -496,6 +496,17 @@ class DeviceGraphRunner:
                 self.status = f"eager: {failure.__cause__}; the next run captures the segments around it"
                 return
             entry.failure = region
+        elif step is not None and step.node is not None and step.node.name in self._planner.fixed_readers \
+                and not entry.forced >= self._planner.fixed_readers and entry.attempts < MAX_CAPTURE_ATTEMPTS:
+            # A node reading a value the feed shapes fix failed the capture (its provider computed the value on
+            # the device, and reading it synchronized): every such node runs as a seam from now on.
+            entry.forced = entry.forced | self._planner.fixed_readers
+            region = self._region(run.plan_key, run.plan, entry.forced)
+            if isinstance(region, Region):
+                entry.region = region
+                self.status = f"eager: {failure}; the next run captures with the nodes reading shapes as seams"
+                return
+            entry.failure = region
         elif isinstance(failure, _NotCapturable):
             entry.failure = str(failure.__cause__)  # the guard's words, not the node error restating them
         else:
