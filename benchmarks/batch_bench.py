@@ -1,22 +1,32 @@
 """Batch throughput: one model over one Parquet data set as a single process, on each engine, and with
 onnxruntime wrapped the same way, interleaved over rounds (medians).
 
-    python benchmarks/batch_bench.py [--model M.onnx] [--rows 4000] [--shard-rows 250] [--rounds 2]
+    python benchmarks/batch_bench.py [--model M.onnx] [--rows 16000] [--shard-rows 250] [--rounds 2]
 
 Every configuration does the same work per shard (read its row group, predict, write its part file:
-onnx_runtime.batch.job.process_shard). The single process runs the shards in a loop in this process, at each
-thread count up to the CPUs, and the best is the reference; the engines run with workers x threads = CPUs
+onnx_runtime.batch.job.process_shard). A single process runs the shards in a loop at each thread count up to the
+CPUs, twice: in a fresh process (imports and session creation included, as a user runs it) and in this process,
+where the kernels are warm after the first configuration. The engines run with workers x threads = CPUs
 (onnx_runtime.batch.plan_workers). Ray and Dask clusters are started before the timed runs (a cluster outlives
 a job); the engines' worker start-up is inside the time. Default model: the zoo's resnet.dynamo.fp32
 (scripts/build_zoo.sh), 3x64x64 images.
+
+On a loaded host the wall clock says little, so each configuration also reports its CPU time: the fresh single
+process's (the child's rusage), the in-process loop's (process_time), and for an engine the driver's plus every
+worker's since it started (process_time at its last shard: imports, session creation and every shard; forked
+local workers count from the fork, their forkserver's imports are not in it). Rows per CPU-second compare the
+work each configuration does per row, start-up included; on an idle host an engine's rows/s approach its
+workers x its rows per CPU-second when its workers stay busy.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +53,37 @@ def make_data(model: str, rows: int, shard_rows: int, folder: str) -> str:
     return path
 
 
-def single_process(model, data, out, shard_rows, threads, runtime) -> float:
+SINGLE = r"""
+import os, sys, time
+from onnx_runtime.batch.job import process_shard
+from onnx_runtime.batch.sources import open_source
+model, data, out, shard_rows, threads, runtime = sys.argv[1:7]
+source = open_source(data)
+os.makedirs(out)
+job = {"source": source, "output": out, "id_column": None,
+       "predictor": dict(model=model, intra_op_threads=int(threads), keep_columns=[], errors="record", runtime=runtime)}
+rows = sum(process_shard(job, shard)["rows"] for shard in source.shards(int(shard_rows)))
+print(rows)
+"""
+
+
+def fresh_single_process(model, data, out, shard_rows, threads, runtime) -> tuple[float, float, float]:
+    """``(rows/s, rows/s, CPU seconds)`` of the shard loop in a new process: interpreter start, imports, session
+    creation and every shard, as one process over the data set runs."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", SINGLE, model, data, out, str(shard_rows), str(threads), runtime],
+                          capture_output=True, text=True, timeout=3600)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"batch_bench: the single process failed:\n{done.stderr[-3000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    rows = int(done.stdout.split()[-1])
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return rows / seconds, rows / seconds, cpu
+
+
+def single_process(model, data, out, shard_rows, threads, runtime) -> tuple[float, float, float]:
     from onnx_runtime.batch.job import process_shard
     from onnx_runtime.batch.sources import open_source
 
@@ -51,27 +91,39 @@ def single_process(model, data, out, shard_rows, threads, runtime) -> float:
     os.makedirs(out)
     job = {"source": source, "output": out, "id_column": None,
            "predictor": dict(model=model, intra_op_threads=threads, keep_columns=[], errors="record", runtime=runtime)}
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     rows = sum(process_shard(job, shard)["rows"] for shard in source.shards(shard_rows))
     rate = rows / (time.perf_counter() - start)
-    return rate, rate
+    return rate, rate, time.process_time() - cpu
 
 
-def engine_run(engine, model, data, out, shard_rows, workers, threads, runtime, address) -> float:
+def engine_run(engine, model, data, out, shard_rows, workers, threads, runtime, address) -> tuple[float, float, float]:
     from onnx_runtime.batch import run_job
 
+    cpu = time.process_time()
     summary = run_job(model, data, out, engine=engine, workers=workers, threads=threads, shard_rows=shard_rows,
                       address=address, progress=False, runtime=runtime)
+    driver = time.process_time() - cpu
     assert summary.processed_rows == summary.rows and not summary.failures, summary.as_dict()
     print(f"    start-up (to the first shard) {summary.first_shard_seconds:.1f} s, after it "
-          f"{summary.steady_rows_per_second:.1f} rows/s", flush=True)
-    return summary.rows_per_second, summary.steady_rows_per_second
+          f"{summary.steady_rows_per_second:.1f} rows/s; CPU: driver {driver:.2f} s, {len(summary.worker_cpu)} workers "
+          f"{summary.worker_cpu_seconds:.2f} s of which shards {summary.shard_cpu_seconds:.2f} s", flush=True)
+    return summary.rows_per_second, summary.steady_rows_per_second, driver + summary.worker_cpu_seconds
+
+
+def run_config(engine, args, data, out, workers, threads, runtime, addresses) -> tuple[float, float, float]:
+    """``(rows/s, rows/s after start-up, CPU seconds)`` of one configuration."""
+    if engine is None:
+        return single_process(args.model, data, out, args.shard_rows, threads, runtime)
+    if engine == "fresh":
+        return fresh_single_process(args.model, data, out, args.shard_rows, threads, runtime)
+    return engine_run(engine, args.model, data, out, args.shard_rows, workers, threads, runtime, addresses.get(engine))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=os.path.join(ZOO, "resnet.dynamo.fp32.onnx"))
-    parser.add_argument("--rows", type=int, default=4000)
+    parser.add_argument("--rows", type=int, default=16000)
     parser.add_argument("--shard-rows", type=int, default=250)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--engines", default="local,ray,dask")
@@ -101,22 +153,21 @@ def main(argv=None) -> int:
             cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None)
             addresses["dask"] = cluster.scheduler_address
             print(f"dask LocalCluster: {time.perf_counter() - start:.1f} s (not in the timed runs)")
-        configs = [(f"single process, {t} threads", None, t) for t in range(1, cpus + 1)]
+        configs = [(f"fresh single process, {t} threads", "fresh", t) for t in range(1, cpus + 1)]
+        configs += [(f"warm single process, {t} threads", None, t) for t in range(1, cpus + 1)]
         configs += [(f"{e}, {workers} workers x {threads} threads", e, threads) for e in engines]
         results: dict = {}
         for round_ in range(args.rounds):
             for runtime in ("onnx_runtime", "onnxruntime"):
                 for label, engine, t in configs:
                     out = os.path.join(folder, f"out-{round_}-{runtime}-{len(results)}")
-                    if engine is None:
-                        rate, steady = single_process(args.model, data, out, args.shard_rows, t, runtime)
-                    else:
-                        rate, steady = engine_run(engine, args.model, data, out, args.shard_rows, workers, t, runtime,
-                                          addresses.get(engine))
+                    rate, steady, cpu = run_config(engine, args, data, out, workers, t, runtime, addresses)
                     shutil.rmtree(out, ignore_errors=True)
                     results.setdefault((runtime, label), []).append(rate)
                     results.setdefault((runtime, label, "steady"), []).append(steady)
-                    print(f"round {round_ + 1} {runtime:<13} {label:<32} {rate:9.1f} rows/s", flush=True)
+                    results.setdefault((runtime, label, "cpu"), []).append(cpu)
+                    print(f"round {round_ + 1} {runtime:<13} {label:<36} {rate:9.1f} rows/s, CPU {cpu:6.2f} s = "
+                          f"{args.rows / cpu:8.1f} rows per CPU-second (load {os.getloadavg()[0]:.1f})", flush=True)
         report(results, configs, cpus, args)
     finally:
         if cluster is not None:
@@ -130,18 +181,29 @@ def main(argv=None) -> int:
 def report(results, configs, cpus, args) -> None:
     median = {key: statistics.median(values) for key, values in results.items()}
     print(f"\nmodel {os.path.basename(args.model)}, {args.rows} rows, shards of {args.shard_rows}, {cpus} CPUs, "
-          f"medians of {args.rounds} rounds (rows/s, wall clock)")
+          f"medians of {args.rounds} rounds (rows/s: wall clock; rows/CPU-s: CPU time, start-up included)")
     for runtime in ("onnx_runtime", "onnxruntime"):
-        best = max(median[(runtime, label)] for label, engine, _ in configs if engine is None)
-        print(f"{runtime}: best single process {best:.1f} rows/s")
+        for kind in ("fresh", None):
+            labels = [label for label, engine, _ in configs if engine == kind]
+            best = max(labels, key=lambda label: median[(runtime, label)])
+            efficient = max(labels, key=lambda label: args.rows / median[(runtime, label, "cpu")])
+            print(f"{runtime}: best {'fresh' if kind else 'warm'} single process {median[(runtime, best)]:.1f} rows/s "
+                  f"({best}); most rows per CPU-second {args.rows / median[(runtime, efficient, 'cpu')]:.1f} "
+                  f"({efficient})")
+        fresh = max(median[(runtime, label)] for label, engine, _ in configs if engine == "fresh")
+        warm = max(median[(runtime, label)] for label, engine, _ in configs if engine is None)
+        fresh_cpu = min(median[(runtime, label, "cpu")] for label, engine, _ in configs if engine == "fresh")
         for label, engine, _ in configs:
-            if engine is not None:
-                rate, steady = median[(runtime, label)], median[(runtime, label, "steady")]
-                print(f"  {label:<32} {rate:9.1f} rows/s = {rate / best:.2f} x the best single process; after "
-                      f"start-up {steady:9.1f} rows/s = {steady / best:.2f} x")
-    print("onnx_runtime / onnxruntime, same configuration:")
+            if engine not in (None, "fresh"):
+                rate, steady, cpu = (median[(runtime, label)], median[(runtime, label, "steady")],
+                                     median[(runtime, label, "cpu")])
+                print(f"  {label:<36} {rate:9.1f} rows/s = {rate / fresh:.2f} x the best fresh single process, "
+                      f"{rate / warm:.2f} x the best warm one; after start-up {steady / warm:.2f} x the warm one; "
+                      f"CPU {cpu:.2f} s = {cpu / fresh_cpu:.2f} x the fresh single process's least")
+    print("onnx_runtime / onnxruntime, same configuration (rows/s; CPU seconds):")
     for label, _, _ in configs:
-        print(f"  {label:<32} {median[('onnx_runtime', label)] / median[('onnxruntime', label)]:.2f}")
+        print(f"  {label:<36} {median[('onnx_runtime', label)] / median[('onnxruntime', label)]:.2f}; "
+              f"{median[('onnx_runtime', label, 'cpu')] / median[('onnxruntime', label, 'cpu')]:.2f}")
 
 
 if __name__ == "__main__":

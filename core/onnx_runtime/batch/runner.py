@@ -53,6 +53,13 @@ class Summary:
     seconds: float = 0.0
     first_shard_seconds: float = 0.0  # start-up: workers started, sessions created, first shard written
     first_shard_rows: int = 0
+    shard_cpu_seconds: float = 0.0  # CPU the shards took in the workers (read, predict, write)
+    worker_cpu: dict = field(default_factory=dict)  # "host:pid" -> the worker's CPU since it started, at its last shard
+
+    @property
+    def worker_cpu_seconds(self) -> float:
+        """CPU the workers spent in all, start-up (imports, session creation) included."""
+        return sum(self.worker_cpu.values())
 
     @property
     def rows_per_second(self) -> float:
@@ -69,6 +76,8 @@ class Summary:
                 "processed_rows": self.processed_rows, "seconds": round(self.seconds, 3),
                 "rows_per_second": round(self.rows_per_second, 2), "first_shard_seconds": round(
                     self.first_shard_seconds, 3), "steady_rows_per_second": round(self.steady_rows_per_second, 2),
+                "shard_cpu_seconds": round(self.shard_cpu_seconds, 3),
+                "worker_cpu_seconds": round(self.worker_cpu_seconds, 3), "workers_seen": len(self.worker_cpu),
                 "failed_rows": len(self.failures),
                 "failures": self.failures, "failed_shards": self.failed_shards}
 
@@ -163,6 +172,10 @@ def run_job(model: str, data: str, output: str, *, engine: str = "local", worker
         bar.advance(result["rows"])
         if not summary.first_shard_seconds:
             summary.first_shard_seconds, summary.first_shard_rows = time.perf_counter() - start, result["rows"]
+        if "worker" in result:
+            summary.shard_cpu_seconds += result["cpu_seconds"]
+            worker = result["worker"]
+            summary.worker_cpu[worker] = max(summary.worker_cpu.get(worker, 0.0), result["process_cpu_seconds"])
         if result["written"]:
             summary.processed_rows += result["rows"]
             summary.failures += [list(f) for f in result["failures"]]
