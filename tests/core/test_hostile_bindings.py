@@ -54,3 +54,16 @@ def test_the_budget_is_left_after_a_bound_run():
         _iobinding_run(small, [32, 32])
     assert _iobinding_run(large, [32, 32]).shape == (64, 64)
     assert large.run(None, {"x": np.ones((2, 2), np.float32), "r": np.array([32, 32])})[0].shape == (64, 64)
+
+
+def test_a_device_binding_is_allocated_within_the_session_budget():
+    # One binding is one value: a physical shape past session.max_value_bytes is refused before the device is
+    # asked (it allocated whatever the caller named), and the budget does not outlive the call.
+    session = _tile_session()
+    with pytest.raises(ShapeOverflowError, match=r"device binding .*x.* would take 16,384 bytes .*over the "
+                                                 r"session's limit of 4,096"):
+        session.device_io_binding(DeviceBindingSpec.input("x", np.float32, (64, 64)))
+    fits = session.device_io_binding(DeviceBindingSpec.input("x", np.float32, (2, 2)))
+    assert fits.nbytes == 16
+    larger = _tile_session(limit=1 << 20).device_io_binding(DeviceBindingSpec.input("x", np.float32, (64, 64)))
+    assert larger.nbytes == 16384

@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import budget
 from ..contract.buffers import DeviceBuffer, Ownership
 from ..contract.graphs import DeviceGraphToken
 from ..contract.host_decode import ARGMAX_DTYPES
@@ -248,6 +249,7 @@ class DeviceIoBinding:
                 f"device binding {label}: allocation_bytes is {size} but physical shape {list(physical)} of "
                 f"{dtype.name} needs {required}; pass at least that or leave it unset"
             )
+        budget.check(size, 1, f"device binding {label}")  # the session's max_value_bytes, before the device is asked
         ranges = None if spec.committed_ranges is None else [(int(a), int(b)) for a, b in spec.committed_ranges]
         buffer = allocator.hook.allocate_committed(size=size, alignment=DEFAULT_ALIGNMENT,
                                                    committed_ranges=[(0, size)] if ranges is None else ranges)

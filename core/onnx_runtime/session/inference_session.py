@@ -582,7 +582,11 @@ class InferenceSession:
                 )
         if isinstance(spec, ExternalMemorySpec):
             return track(DeviceIoBinding.from_external_memory(handle, spec), self)
-        return track(DeviceIoBinding.allocate(handle, spec), self)
+        token = budget.enter(self._max_value_bytes)  # one binding is one value: the same limit as a run's
+        try:
+            return track(DeviceIoBinding.allocate(handle, spec), self)
+        finally:
+            budget.leave(token)
 
     def run_with_device_bindings(self, bindings, input_feed: dict | None = None, output_names=None,
                                  run_options: RunOptions | None = None, single_token_step: bool = False) -> list:
