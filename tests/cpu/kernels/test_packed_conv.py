@@ -8,12 +8,11 @@ import threading
 
 import numpy as np
 import pytest
-from model_helpers import record_calls
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu import threads
-from onnx_runtime_ep_cpu.algorithms import conv_packed, split, window
+from onnx_runtime_ep_cpu.algorithms import conv_direct, conv_packed, split, window
 from onnx_runtime_ep_cpu.compiled import gemm
 from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
 from onnx_runtime_ep_cpu.ops import conv as conv_ops
@@ -22,6 +21,14 @@ from onnx_runtime_ep_cpu.tuning import KNOBS
 from test_compiled_epilogue import ACTIVATIONS, fused_and_unfused
 
 pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="the packed convolution needs an AVX-512 host")
+
+
+@pytest.fixture(autouse=True)
+def packed_at_every_size(monkeypatch):
+    """The packed convolution for the small test convolutions too (the direct tiles take the smallest on
+    AVX-512 hosts: conv_direct.direct_tiles_before_packed)."""
+    monkeypatch.setattr(conv_direct, "SMALL_MACS", 0)
+    monkeypatch.setattr(conv_direct, "SMALL_HARD_SWISH_MACS", 0)
 
 
 @pytest.fixture(params=[1, 2], ids=["one thread", "two threads"])
@@ -46,8 +53,12 @@ def _force_lanes(monkeypatch, on: bool) -> None:
 
 
 def _taken(monkeypatch) -> list:
-    """Records each call of the packed path."""
-    return record_calls(monkeypatch, conv_packed.PackedConv)
+    """Records each call of the packed path (``run``: conv_path's compute calls it, and FusedConv and Conv
+    call it straight)."""
+    calls = []
+    real = conv_packed.PackedConv.run
+    monkeypatch.setattr(conv_packed.PackedConv, "run", lambda self, *args: calls.append(self) or real(self, *args))
+    return calls
 
 
 def _inputs(geometry: str, seed: int, with_bias: bool):

@@ -44,6 +44,16 @@ def hard_swish(x):
     return x * hard_sigmoid_of(x, 1 / 6, 0.5)
 
 
+def hard_swish_in_place(y: np.ndarray) -> None:
+    """HardSwish (y * clip(y / 6 + 1 / 2, 0, 1)) in place: the HardSwish kernel's operations, in y's dtype."""
+    gate = np.multiply(y, y.dtype.type(1 / 6))
+    gate += y.dtype.type(0.5)
+    np.maximum(gate, y.dtype.type(0), out=gate)
+    np.minimum(gate, y.dtype.type(1), out=gate)
+    with np.errstate(invalid="ignore"):  # inf * 0 is NaN, as in the HardSwish kernel
+        y *= gate
+
+
 def gelu_erf(x: np.ndarray) -> np.ndarray:
     """0.5 * x * (1 + erf(x / sqrt(2))); below float64, in float32 and in place on erf's fresh result."""
     if x.dtype == np.float64:

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..threads import helper_count, kernel_threads
 from ..tuning import KNOBS
+from .activations import hard_swish_in_place
 from .prepared import Prepared
 from .split import scratch, uneven
 from .window import Geometry
@@ -90,6 +91,8 @@ class PackedConv:
     per constant array, the output's pixel blocks or panels (or its channel tiles) split evenly across the
     kernel threads (threads.py), and a FusedConv's bias, residual and activation applied as each output
     tile is stored."""
+
+    takes_residual = True  # (run adds one)
 
     def __init__(self, geo: Geometry, group: int, x_shape, w_shape, prepared: Prepared):
         from ..compiled import gemm, jobs, lanes, workers
@@ -266,12 +269,23 @@ class PackedConv:
         return buffer
 
     def __call__(self, x, w, b, finish, out=None):
+        """conv_path's compute: the convolution, with ``finish`` (an _Epilogue) applied as it is stored."""
+        if finish is None:
+            return self.run(x, w, b, None, _IDENTITY_BOUNDS, False, out)
+        return self.run(x, w, finish.bias, finish.residual if finish.residual.size else None, finish.bounds,
+                        False, out)
+
+    def run(self, x, w, b, residual, bounds, hard_swish=False, out=None):
+        """The convolution of float32 x by w, + b (None or empty: none), + ``residual`` (the output's shape,
+        or None) and the activation ``bounds`` (epilogue.activation_bounds), into ``out`` (C-contiguous) or
+        a new array, then HardSwish where ``hard_swish`` (a pass after: the tiles do not apply it): a
+        FusedConv calls this straight (ops/conv.py), without an _Epilogue."""
         weights = self._weights(w)
-        flags, bounds, residual = 0, _IDENTITY_BOUNDS, self._no_residual
-        if finish is not None:
-            b, bounds = finish.bias, finish.bounds
-            if finish.residual.size:
-                residual, flags = finish.residual.reshape(self._n, -1), 2
+        flags = 0
+        if residual is None:
+            residual = self._no_residual
+        else:
+            residual, flags = np.ascontiguousarray(residual, dtype=np.float32).reshape(self._n, -1), 2
         if b is not None and b.size:
             flags |= 1
         bias = self._bias(b, weights.shape[1])
@@ -289,13 +303,15 @@ class PackedConv:
             fixed = (*self._geometry.tolist(), *self._offsets)
             workers.run(self._jobs.CONV, [(*head, *fixed, tasks, ranges, claims, part) for part in range(len(parts))],
                         helper_count(), True)
-            return y
-        # Posted from compiled code (jobs.split_conv): per call, the Python of workers.run cost about as
-        # much as a small convolution's arithmetic.
-        arguments = (*head, self._geometry, *self._offsets, tasks, ranges, claims,
-                     workers.local_mailbox(self._scratch))
-        workers.call(self._jobs.split_conv, arguments, self._jobs.CONV.address(), self._scratch,
-                     helper_count() if threads > 1 else 0)
+        else:
+            # Posted from compiled code (jobs.split_conv): per call, the Python of workers.run cost about as
+            # much as a small convolution's arithmetic.
+            arguments = (*head, self._geometry, *self._offsets, tasks, ranges, claims,
+                         workers.local_mailbox(self._scratch))
+            workers.call(self._jobs.split_conv, arguments, self._jobs.CONV.address(), self._scratch,
+                         helper_count() if threads > 1 else 0)
+        if hard_swish:
+            hard_swish_in_place(y)
         return y
 
 

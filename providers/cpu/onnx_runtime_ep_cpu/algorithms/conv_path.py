@@ -34,7 +34,7 @@ from .conv_depthwise import (
     depthwise_compiles,
     depthwise_lanes_apply,
 )
-from .conv_direct import DirectConv, direct_tiles_apply
+from .conv_direct import DirectConv, direct_tiles_apply, direct_tiles_before_packed
 from .conv_packed import PackedConv, packed_conv_applies
 from .precision import compute_dtype
 from .prepared import Prepared
@@ -131,15 +131,18 @@ def pixel_product(x: np.ndarray, w: np.ndarray, b) -> np.ndarray:
     return y.reshape(n, m, 1, 1)
 
 
-def compiled_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared, dtype):
+def compiled_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared, dtype,
+                     hard_swish: bool = False):
     """``build() -> (compute, blocks)`` of the compiled convolution (packed, direct tiles, depthwise lanes or
-    loop) that takes this geometry, whose modules import numba; None where none does."""
+    loop) that takes this geometry, whose modules import numba; None where none does. ``hard_swish``: the
+    node fuses HardSwish (which the direct tiles apply as they store)."""
     c, m = x.shape[1], w.shape[0]
     if pixel_product_applies(geo, group, x):  # (numpy_compute's first choice)
         return None
-    if packed_conv_applies(geo, group, x):
+    direct = direct_tiles_apply(geo, group, x, w)
+    if packed_conv_applies(geo, group, x) and not (direct and direct_tiles_before_packed(geo, w, hard_swish)):
         return lambda: (PackedConv(geo, group, x.shape, w.shape, prepared), True)
-    if direct_tiles_apply(geo, group, x, w):
+    if direct:
         return lambda: (DirectConv(geo, group, x.shape, w.shape, prepared), True)
     if group == c and group > 1 and depthwise_lanes_apply(geo, x, m):
         return lambda: (LanesDepthwise(geo, prepared), True)
@@ -189,7 +192,8 @@ def numpy_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepa
     return compute, True
 
 
-def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared):
+def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared,
+              hard_swish: bool = False):
     """``path(x, w, b, finish) -> y`` for inputs shaped like ``x`` and ``w``: the convolution algorithm
     for this geometry, chosen once per input signature. ``finish`` (an _Epilogue for float32/float64,
     or None) is a FusedConv's bias, residual and activation: the im2col, tight-row and taps paths
@@ -197,11 +201,12 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
 
     A compiled convolution's modules import numba, which a new process loads in the background while
     numpy serves its first runs (compiled/deferred.py): while that loader has not finished, the path takes
-    numpy_compute's algorithm, and switches to the compiled one at its first call after."""
+    numpy_compute's algorithm, and switches to the compiled one at its first call after. ``hard_swish``: the
+    node fuses HardSwish (a FusedConv)."""
     dtype = compute_dtype(x.dtype)
     n, m = x.shape[0], w.shape[0]
     out_shape = (n, m, *geo.out)
-    build = compiled_compute(geo, group, x, w, prepared, dtype)
+    build = compiled_compute(geo, group, x, w, prepared, dtype, hard_swish)
     pending = None  # the compiled convolution's builder, while numpy serves
     if build is not None and deferred.numpy_first():
         chosen, pending = numpy_compute(geo, group, x, w, prepared, dtype), build
@@ -212,9 +217,9 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
         nonlocal compute, blocks, reads_shuffled
         compute, blocks = choice
         reads_shuffled = getattr(compute, "reads_shuffled", False)
-        # The direct tiles (and depthwise lanes), for callers that pass bias, residual and activation straight
-        # (a call costs a few microseconds of Python less than through ``path``).
-        path.direct = compute if isinstance(compute, (DirectConv, LanesDepthwise)) else None
+        # The packed convolution, direct tiles and depthwise lanes, for callers that pass bias, residual and
+        # activation straight (a call costs a few microseconds of Python less than through ``path``).
+        path.direct = compute if isinstance(compute, _DIRECT) else None
 
     def path(x, w, b, finish, out=None, shuffle=None):
         """The convolution; with ``out`` (the output's shape and dtype), written there (in place by the
@@ -247,3 +252,4 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
 
 
 _IN_PLACE = (PackedConv, DirectConv)  # the computes that write into a given C-contiguous output
+_DIRECT = (PackedConv, DirectConv, LanesDepthwise)  # the computes with ``run`` (see path.direct)

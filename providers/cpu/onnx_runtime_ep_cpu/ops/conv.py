@@ -10,6 +10,7 @@ import numpy as np
 from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError
 
+from ..algorithms.activations import hard_swish_in_place
 from ..algorithms.conv_path import conv_path
 from ..algorithms.precision import compute_dtype
 from ..algorithms.prepared import Prepared
@@ -37,16 +38,6 @@ def conv(node, shapes, opset):
 _NO_ACTIVATION = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)  # activation bounds of none
 
 
-def _hard_swish_in_place(y: np.ndarray) -> None:
-    """HardSwish (y * clip(y / 6 + 1 / 2, 0, 1)) in place: the HardSwish kernel's operations, in y's dtype."""
-    gate = np.multiply(y, y.dtype.type(1 / 6))
-    gate += y.dtype.type(0.5)
-    np.maximum(gate, y.dtype.type(0), out=gate)
-    np.minimum(gate, y.dtype.type(1), out=gate)
-    with np.errstate(invalid="ignore"):  # inf * 0 is NaN, as in the HardSwish kernel
-        y *= gate
-
-
 def _conv_resolver(node, shapes):
     """``resolve(x, w, b) -> (path, out_shape)``: the node's convolution path for these inputs'
     signature (see conv_path), chosen on the first call with that signature and kept."""
@@ -54,6 +45,7 @@ def _conv_resolver(node, shapes):
     group = group_count(node)
     prepared = Prepared()
     paths: dict[tuple, tuple] = {}  # per input signature: the path, with its geometry resolved
+    hard_swish = node.attr("activation") == "HardSwish"  # (a FusedConv's)
 
     def resolve(x, w, b):
         key = (x.shape, w.shape, x.dtype, None if b is None else b.shape, w.flags.writeable)
@@ -66,7 +58,8 @@ def _conv_resolver(node, shapes):
             geo = window.resolve(x.shape[2:], w.shape[2:])
             # Padding sizes the output (and the padded rows): within the session's budget before allocating.
             budget.check_shape((x.shape[0], w.shape[0], *geo.out), max(x.dtype.itemsize, 4), f"{node.op_type}'s output")
-            found = paths[key] = (conv_path(geo, group, x, w, prepared), (x.shape[0], w.shape[0], *geo.out))
+            path = conv_path(geo, group, x, w, prepared, hard_swish)
+            found = paths[key] = (path, (x.shape[0], w.shape[0], *geo.out))
         return found
 
     return resolve
@@ -162,7 +155,7 @@ def fused_conv(node, shapes, opset):
     resolve = _conv_resolver(node, shapes)
     hard_swish = node.attr("activation") == "HardSwish"
     if hard_swish:  # the direct tiles apply it as they store; other paths after, in numpy
-        activate, prepare, bounds = _hard_swish_in_place, None, _NO_ACTIVATION
+        activate, prepare, bounds = hard_swish_in_place, None, _NO_ACTIVATION
     else:
         activate = in_place_activation(node)
         prepare = _compiled_epilogue(node)
