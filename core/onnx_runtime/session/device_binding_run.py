@@ -139,7 +139,8 @@ def run_with_device_bindings(session: SessionSide, bindings, input_feed: dict | 
             feeds[name] = value
         session.check_missing(feeds)
         names = host_names + tuple(outputs)
-        values = _execute(session, bindings, feeds, names, not host_names, graph_slot_of(run_options))
+        values = _execute(session, bindings, feeds, names, not host_names, graph_slot_of(run_options),
+                          frozenset(outputs))
     finally:
         for tensor in temporaries:
             tensor.close()
@@ -192,7 +193,9 @@ def _host_names(session: SessionSide, output_names, outputs: dict[str, DeviceIoB
 
 
 def _execute(session: SessionSide, bindings: list[DeviceIoBinding], feeds: dict, names: tuple[str, ...],
-             defer: bool, slot: DeviceGraphSlot) -> list:
+             defer: bool, slot: DeviceGraphSlot, delivered: frozenset[str]) -> list:
+    """The run's values of ``names``; ``delivered``: the outputs written into bindings right after it (a replay
+    may hand them out as views of its graph's buffers, which only its next replay rewrites)."""
     if all(handle.is_host_accessible for handle in session.handles):
         feeds = {k: v.numpy() if isinstance(v, Tensor) else v for k, v in feeds.items()}  # views, no copy
         return session.executor_for(feeds).run(feeds, names, session.profile)
@@ -207,7 +210,7 @@ def _execute(session: SessionSide, bindings: list[DeviceIoBinding], feeds: dict,
     try:
         # The deferral is the plugin's (recipient tokens), not the executor's: a recipient's read settles the
         # submission, which the executor must not then reuse.
-        return session.executor.run_bound(feeds, names, True, session.profile, slot)
+        return session.executor.run_bound(feeds, names, True, session.profile, slot, copied=delivered)
     finally:
         runs.clear()
         runs.update(saved)
