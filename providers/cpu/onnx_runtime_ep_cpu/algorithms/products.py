@@ -126,16 +126,20 @@ def few_rows_product(a: np.ndarray, b: np.ndarray, transposed: bool) -> np.ndarr
 
 
 def few_rows_split(a: np.ndarray, b: np.ndarray, transposed: bool) -> Split | None:
-    """The Split computing few_rows_product(a, b, transposed), or None where it does not apply."""
+    """The Split computing few_rows_product(a, b, transposed), or None where it does not apply or would run on one
+    thread below the few_rows_blas_macs knob (where BLAS is as fast)."""
     if not (a.dtype is b.dtype is FLOAT32 and a.size <= GEMV_ROWS * a.shape[-1] and a.size and b.size
             and a.shape[-1] == b.shape[transposed] and gemv_host() and not numpy_first()):
         return None
     key = (a.shape, b.shape, transposed, kernel_threads())
-    split = _splits.get(key)
-    if split is None:
+    split = _splits.get(key, False)
+    if split is False:
         if len(_splits) > 1024:  # shapes vary without bound (e.g. a growing sequence): start over
             _splits.clear()
-        split = _splits[key] = Split(a.shape, b.shape, transposed, key[3])
+        rows, weights = a.size // a.shape[-1], b.shape[0] * b.shape[1]
+        one_thread = key[3] == 1 or weights < KNOBS.gemv_split_weights
+        split = _splits[key] = None if one_thread and rows * weights < KNOBS.few_rows_blas_macs else \
+            Split(a.shape, b.shape, transposed, key[3])
     return split
 
 
@@ -189,7 +193,7 @@ class Split:
         self._sum(sums)
 
 
-_splits: dict[tuple, Split] = {}
+_splits: dict[tuple, Split | None] = {}  # None: BLAS computes that shape
 when_changed(_splits.clear)  # a Split's threads and waits follow the knobs it was made with
 
 

@@ -45,11 +45,10 @@ def matmul(node, shapes, opset):
             return (kept(a, b),)
         if a.dtype is b.dtype and a.dtype in BLAS_FLOATS and b.ndim > 1:
             if b.ndim == 2 and a.ndim > 1 and a.size <= GEMV_ROWS * b.shape[0]:
-                split = few_rows_split(a, b, False)
-                if split is not None:
-                    if not b.flags.writeable and b.flags.c_contiguous:  # a constant: the same array every run
-                        last = (a.shape, b, split, kernel_threads())
-                    return (split(a, b),)
+                split = few_rows_split(a, b, False) or np.matmul  # (None: BLAS's)
+                if not b.flags.writeable and b.flags.c_contiguous:  # a constant: the same array every run
+                    last = (a.shape, b, split, kernel_threads())
+                return (split(a, b),)
             elif PackedProduct.applies(a, b):
                 if packed is None:
                     packed = PackedProduct()
