@@ -214,3 +214,54 @@ def test_weights_the_next_run_needs_soonest_stay_resident_across_runs(tmp_path):
         pages.append(session.memory_report()["weights"][0]["pages"])
     assert pages[0] == 12
     assert [b - a for a, b in zip(pages, pages[1:])] == [10, 10, 10]
+
+
+_CREATION_CHILD = """
+import sys, numpy as np, onnx_runtime as ort
+def status():
+    with open("/proc/self/io") as f:
+        read = next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+    resident, inside = 0, False
+    with open("/proc/self/smaps") as f:  # the resident pages of the data file's mappings
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:
+                inside = line.rstrip().endswith(sys.argv[1] + ".data")
+            elif inside and line.startswith("Rss:"):
+                resident += int(head[1]) * 1024
+    return read, resident
+read0, file0 = status()
+session = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+read1, file1 = status()
+y = session.run(None, {"X": np.ones((1, 1024), np.float32)})[0]
+read2, file2 = status()
+print(read1 - read0, file1 - file0, file2 - file1, float(y.sum()))
+"""
+
+
+def test_creating_a_session_reads_no_weight_bytes_and_the_first_run_touches_them(tmp_path):
+    """Four 8 MiB MatMul weights in external data: session creation reads (read calls) well under one weight and
+    maps in none of the data file's pages; the run that multiplies by all of them maps them in."""
+    rng = np.random.default_rng(4)
+    nodes, prev = [], "X"
+    shapes = [(1024, 2048), (2048, 1024), (1024, 2048), (2048, 1024)]
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) / 32, f"W{i}")
+             for i, s in enumerate(shapes)]
+    for i in range(4):
+        nodes.append(helper.make_node("MatMul", [prev, f"W{i}"], [f"h{i}"]))
+        prev = f"h{i}"
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 1024])],
+                              [helper.make_tensor_value_info(prev, TensorProto.FLOAT, [1, 1024])], inits)
+    path = _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "mlp.onnx")
+    want = np.ones((1, 1024), np.float64)
+    for tensor in inits:
+        want = want @ numpy_helper.to_array(tensor).astype(np.float64)
+    env = dict(os.environ, ONNX_RUNTIME_COMPILE_IN_BACKGROUND="0")
+    done = subprocess.run([sys.executable, "-c", _CREATION_CHILD, path], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    read, mapped_at_creation, mapped_by_run, total = done.stdout.split()[-4:]
+    weight = 8 << 20
+    assert int(read) < weight // 4 and int(mapped_at_creation) < weight // 64, (read, mapped_at_creation)
+    assert int(mapped_by_run) > 3 * weight  # the run reads them all: the measure can see a read
+    assert abs(float(total) - want.sum()) <= 1e-3 * np.abs(want).sum()
