@@ -14,6 +14,10 @@ arrays (``None`` for an omitted optional input) that the executor calls directly
 from __future__ import annotations
 
 import bisect
+import importlib
+import pkgutil
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +31,14 @@ _REGISTRY: dict[tuple[str, str], list[tuple[int, KernelFactory]]] = {}
 NEEDS: dict[KernelFactory, tuple[str, ...]] = {}
 
 AI_ONNX = ""
+
+# Kernel modules are imported at the first lookup of one of their operators, so that a session imports the
+# families its model uses (declare_families). Per (domain, op_type): the modules still to import for it.
+_PENDING: dict[tuple[str, str], list[str]] = {}
+_PACKAGES: list[tuple[str, list[str]]] = []  # (package, its path): every module is imported on a miss
+_everything_lock = threading.RLock()  # a module that looks up an undeclared operator as it imports
+# (domain, op_type, since) -> the module whose import registered it (what declare_families must name)
+REGISTERED_IN: dict[tuple[str, str, int], str] = {}
 
 
 def _norm_domain(domain: str) -> str:
@@ -45,7 +57,9 @@ def register(op_type: str, *, domain: str = AI_ONNX, since: int = 1, needs: tupl
     def decorate(factory: KernelFactory) -> KernelFactory:
         if needs:
             NEEDS[factory] = tuple(needs)
-        entries = _REGISTRY.setdefault((_norm_domain(domain), op_type), [])
+        key = (_norm_domain(domain), op_type)
+        REGISTERED_IN[(*key, since)] = sys._getframe(1).f_globals.get("__name__", "")  # noqa: SLF001  (the module)
+        entries = _REGISTRY.setdefault(key, [])
         versions = [v for v, _ in entries]
         if since in versions:
             raise ValueError(f"{op_type} (domain {domain!r}) registered twice for opset {since}")
@@ -56,9 +70,47 @@ def register(op_type: str, *, domain: str = AI_ONNX, since: int = 1, needs: tupl
     return decorate
 
 
+def declare_families(package: str, path: list[str], families: dict[str, str]) -> None:
+    """The kernel modules of ``package`` (its ``__path__``), each with the operators it registers ("Op" or
+    "domain:Op", space-separated): a module is imported at the first lookup of one of them. A lookup of an
+    operator no module declares imports every module of the package, so a module or operator missing here
+    costs time, never a kernel (tests/core/test_cold_lazy_ops.py keeps the table exact)."""
+    _PACKAGES.append((package, list(path)))
+    for module, ops in families.items():
+        for op in ops.split():
+            domain, _, op_type = op.rpartition(":")
+            _PENDING.setdefault((_norm_domain(domain), op_type), []).append(f"{package}.{module}")
+
+
+def _entries(key: tuple[str, str]) -> list | None:
+    if _PENDING:
+        modules = _PENDING.get(key)
+        if modules:
+            for name in modules:  # (another thread's import of the same module is waited for by importlib)
+                importlib.import_module(name)
+            _PENDING.pop(key, None)  # only once imported: a concurrent lookup never sees half the versions
+    entries = _REGISTRY.get(key)
+    if entries is None and _PACKAGES:
+        import_everything()
+        entries = _REGISTRY.get(key)
+    return entries
+
+
+def import_everything() -> None:
+    """Import every declared package's kernel modules (a lookup of an undeclared operator; registered_ops)."""
+    with _everything_lock:
+        while _PACKAGES:
+            package, path = _PACKAGES[0]
+            for info in pkgutil.iter_modules(path):
+                if not info.name.startswith("_"):
+                    importlib.import_module(f"{package}.{info.name}")
+            _PACKAGES.pop(0)
+        _PENDING.clear()
+
+
 def lookup(op_type: str, domain: str, opset: int) -> KernelFactory | None:
     """The factory for ``op_type`` at ``opset``, or None when no registration covers it."""
-    entries = _REGISTRY.get((_norm_domain(domain), op_type))
+    entries = _entries((_norm_domain(domain), op_type))
     if not entries:
         return None
     chosen = None
@@ -71,9 +123,10 @@ def lookup(op_type: str, domain: str, opset: int) -> KernelFactory | None:
 
 
 def registered_versions(op_type: str, domain: str = AI_ONNX) -> list[int]:
-    return [v for v, _ in _REGISTRY.get((_norm_domain(domain), op_type), [])]
+    return [v for v, _ in _entries((_norm_domain(domain), op_type)) or []]
 
 
 def registered_ops() -> list[tuple[str, str]]:
     """Every (domain, op_type) with at least one kernel."""
+    import_everything()
     return sorted(_REGISTRY)

@@ -1,41 +1,101 @@
-"""numpy kernels, one module per operator family. Importing this package fills the registry."""
+"""numpy kernels, one module per operator family, each imported at the first lookup of one of its operators
+(registry.declare_families): a session imports the families its model uses. FAMILIES names what each module
+registers ("Op" for ai.onnx, "domain:Op" otherwise); an operator missing here still finds its kernel, after
+every module is imported. tests/core/test_cold_lazy_ops.py checks the table against the registrations.
+"""
 
-from . import (  # noqa: F401  (imported for their @register side effects)
-    activation,
-    contrib_activation,
-    contrib_linalg,
-    contrib_normalization,
-    contrib_qattention,
-    contrib_quantization,
-    contrib_transformer,
-    contrib_weights,
-    control_flow,
-    conv,
-    detection,
-    dropout,
-    elementwise,
-    fused,
-    generator,
-    gradient,
-    image,
-    linalg,
-    loss,
-    ml,
-    normalization,
-    numeric,
-    pad,
-    pool,
-    precision,
-    qdq_linear,
-    quantization,
-    recurrent,
-    reduction,
-    resize,
-    sequence,
-    shape,
-    signal,
-    softmax,
-    text,
-    training,
-    transformer,
-)
+from ..registry import declare_families
+
+FAMILIES = {
+    "activation": "Celu Elu Gelu HardSigmoid LeakyRelu PRelu Relu Selu ThresholdedRelu",
+    "contrib_activation": (
+        "com.microsoft:BiasAdd com.microsoft:BiasGelu com.microsoft:BiasSplitGelu com.microsoft:FastGelu "
+        "com.microsoft:Gelu com.microsoft:QuickGelu"
+    ),
+    "contrib_linalg": "com.microsoft:FusedConv com.microsoft:FusedMatMul",
+    "contrib_normalization": (
+        "SimplifiedLayerNormalization com.microsoft:EmbedLayerNormalization "
+        "com.microsoft:SkipLayerNormalization com.microsoft:SkipSimplifiedLayerNormalization"
+    ),
+    "contrib_qattention": "com.microsoft:QAttention com.microsoft:QEmbedLayerNormalization",
+    "contrib_quantization": (
+        "com.microsoft:DequantizeLinear com.microsoft:DynamicQuantizeMatMul "
+        "com.microsoft:MatMulIntegerToFloat com.microsoft:QGemm com.microsoft:QLinearAdd "
+        "com.microsoft:QLinearAveragePool com.microsoft:QLinearConcat com.microsoft:QLinearGlobalAveragePool "
+        "com.microsoft:QLinearLeakyRelu com.microsoft:QLinearMul com.microsoft:QLinearSigmoid "
+        "com.microsoft:QLinearSoftmax com.microsoft:QLinearWhere com.microsoft:QuantizeLinear"
+    ),
+    "contrib_transformer": (
+        "com.microsoft:Attention com.microsoft:GroupQueryAttention com.microsoft:MultiHeadAttention "
+        "com.microsoft:RotaryEmbedding"
+    ),
+    "contrib_weights": "com.microsoft:GatherBlockQuantized com.microsoft:MatMulNBits",
+    "control_flow": "If Loop Scan",
+    "conv": "Conv ConvTranspose ai.onnx_runtime.cpu:ConcatBuffer ai.onnx_runtime.cpu:FusedConv",
+    "detection": "NonMaxSuppression RoiAlign",
+    "dropout": "Dropout",
+    "elementwise": (
+        "Abs Acos Acosh Add And Asin Asinh Atan Atanh BitShift BitwiseAnd BitwiseNot BitwiseOr BitwiseXor "
+        "Cast CastLike Ceil Clip Cos Cosh Div Equal Erf Exp Floor Greater GreaterOrEqual HardSwish Identity "
+        "IsInf IsNaN Less LessOrEqual Log Max Mean Min Mish Mod Mul Neg Not Or Pow Reciprocal Round Sigmoid "
+        "Sign Sin Sinh Softplus Softsign Sqrt Sub Sum Tan Tanh Where Xor"
+    ),
+    "fused": (
+        "ai.onnx_runtime.cpu:ReshapeTranspose ai.onnx_runtime.cpu:RotateHalfEmbedding "
+        "ai.onnx_runtime.cpu:SkipRMSNormalization ai.onnx_runtime.cpu:SwishMul "
+        "ai.onnx_runtime.cpu:TransposeReshape"
+    ),
+    "generator": (
+        "Bernoulli Constant ConstantOfShape EyeLike RandomNormal RandomNormalLike RandomUniform "
+        "RandomUniformLike Range"
+    ),
+    "gradient": "ai.onnx.preview.training:Gradient",
+    "image": "AffineGrid CenterCropPad Col2Im DeformConv GridSample ImageDecoder MaxUnpool",
+    "linalg": "Einsum Gemm MatMul ai.onnx_runtime.cpu:FusedMatMul",
+    "loss": "NegativeLogLikelihoodLoss SoftmaxCrossEntropyLoss",
+    "ml": (
+        "ai.onnx.ml:ArrayFeatureExtractor ai.onnx.ml:Binarizer ai.onnx.ml:LabelEncoder "
+        "ai.onnx.ml:TreeEnsemble"
+    ),
+    "normalization": (
+        "BatchNormalization GroupNormalization InstanceNormalization LRN LayerNormalization "
+        "ai.onnx_runtime.cpu:FusedBatchNormalization"
+    ),
+    "numeric": "CumProd Det LpNormalization MeanVarianceNormalization ReverseSequence Shrink Swish TensorScatter",
+    "pad": "Pad",
+    "pool": "AveragePool GlobalAveragePool GlobalLpPool GlobalMaxPool LpPool MaxPool",
+    "precision": "ai.onnx_runtime.cpu:FloatToHalf ai.onnx_runtime.cpu:HalfToFloat ai.onnx_runtime.cpu:RoundToHalf",
+    "qdq_linear": (
+        "QLinearMatMul ai.onnx_runtime.cpu:QLinearMatMulAdd ai.onnx_runtime.cpu:QuantizedConv "
+        "ai.onnx_runtime.cpu:QuantizedMatMul"
+    ),
+    "quantization": (
+        "BitCast ConvInteger DequantizeLinear DynamicQuantizeLinear MatMulInteger QLinearConv QuantizeLinear "
+        "ai.onnx_runtime.cpu:QuantizeDequantize"
+    ),
+    "recurrent": "GRU LSTM RNN",
+    "reduction": (
+        "ArgMax ArgMin CumSum ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp ReduceMax ReduceMean ReduceMin "
+        "ReduceProd ReduceSum ReduceSumSquare"
+    ),
+    "resize": "Resize Upsample",
+    "sequence": (
+        "ConcatFromSequence Optional OptionalGetElement OptionalHasElement SequenceAt SequenceConstruct "
+        "SequenceEmpty SequenceErase SequenceInsert SequenceLength SequenceMap SplitToSequence"
+    ),
+    "shape": (
+        "Compress Concat DepthToSpace Expand Flatten Gather GatherElements GatherND NonZero OneHot Reshape "
+        "Scatter ScatterElements ScatterND Shape Size Slice SpaceToDepth Split Squeeze Tile TopK Transpose "
+        "Trilu Unique Unsqueeze"
+    ),
+    "signal": "BlackmanWindow DFT HammingWindow HannWindow MelWeightMatrix STFT",
+    "softmax": "Hardmax LogSoftmax Softmax",
+    "text": "RegexFullMatch StringConcat StringNormalizer StringSplit TfIdfVectorizer",
+    "training": "ai.onnx.preview.training:Adagrad ai.onnx.preview.training:Adam ai.onnx.preview.training:Momentum",
+    "transformer": (
+        "Attention CausalConvWithState LinearAttention RMSNormalization RotaryEmbedding SwiGLU "
+        "ai.onnx.preview:FlexAttention"
+    ),
+}
+
+declare_families(__name__, __path__, FAMILIES)

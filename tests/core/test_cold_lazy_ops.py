@@ -1,0 +1,73 @@
+"""Cold start: the CPU provider imports an operator family's kernel module at the first lookup of one of its
+operators (ops.FAMILIES, registry.declare_families), so a session imports only the families its model uses.
+
+Checked in fresh interpreters: the table names exactly what each module registers (an operator added to a
+module without its entry here would cost every session the import of all families); a session of a small
+model imports its families and not the others, and a lookup of an operator the table does not name still
+finds its kernel (all modules imported).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+TABLE = r"""
+import importlib, json, pkgutil
+from onnx_runtime_ep_cpu import ops, registry
+declared = {(module, op) for module, names in ops.FAMILIES.items() for op in names.split()}
+for info in pkgutil.iter_modules(ops.__path__):
+    importlib.import_module(f"onnx_runtime_ep_cpu.ops.{info.name}")
+actual = {(module.rsplit(".", 1)[1], f"{domain}:{op}" if domain else op)
+          for (domain, op, since), module in registry.REGISTERED_IN.items()}
+print(json.dumps({"missing": sorted(actual - declared), "extra": sorted(declared - actual)}))
+"""
+
+SESSION = r"""
+import json, sys
+import numpy as np
+import onnx_runtime as ort
+from onnx_runtime_ep_cpu import registry
+sess = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+y = sess.run(None, {"x": np.array([[-1.0, 2.0]], np.float32)})[0]
+loaded = sorted(name.rsplit(".", 1)[1] for name in sys.modules if name.startswith("onnx_runtime_ep_cpu.ops."))
+undeclared = [name for name in ("onnx_runtime_ep_cpu.ops.signal", "onnx_runtime_ep_cpu.ops.text")
+              if name in sys.modules]
+found = registry.lookup("NoSuchOperatorAnywhere", "", 17) is None and registry.lookup("STFT", "", 17) is not None
+print(json.dumps({"y": y.tolist(), "loaded": loaded, "undeclared_before": undeclared, "found": found,
+                  "everything": sorted(name.rsplit(".", 1)[1] for name in sys.modules
+                                       if name.startswith("onnx_runtime_ep_cpu.ops."))}))
+"""
+
+
+def _json(*argv: str) -> dict:
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_families_table_names_every_registration_exactly():
+    report = _json("-c", TABLE)
+    hint = "update providers/cpu/onnx_runtime_ep_cpu/ops/__init__.py's FAMILIES: (module, operator) pairs"
+    assert report["missing"] == [], f"{hint} missing {report['missing']}"
+    assert report["extra"] == [], f"{hint} not registered {report['extra']}"
+
+
+def test_a_session_imports_its_families_and_a_miss_imports_all(tmp_path):
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Softmax", ["r"], ["y"], axis=-1)]
+    graph = helper.make_graph(nodes, "small", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])])
+    path = tmp_path / "small.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    report = _json("-c", SESSION, str(path))
+    expected = np.exp([0.0, 2.0]) / np.exp([0.0, 2.0]).sum()
+    assert np.abs(np.array(report["y"][0]) - expected).max() < 1e-6
+    assert {"activation", "softmax"} <= set(report["loaded"]), report
+    assert report["undeclared_before"] == [], report  # families the model does not use stay unimported
+    assert report["found"] is True, report
+    assert {"signal", "text", "ml", "training"} <= set(report["everything"]), report
