@@ -116,31 +116,55 @@ def dynamic_quantize(x, out):
 
 
 @jit
+def _operand_row(x, step, row, cols, buffer):
+    """Row ``row`` of a requantize_binary operand as a contiguous 1-D array: a view of the data, or ``buffer``
+    filled with the operand's one value for the row."""
+    if step[1] == 1:
+        start = row * step[0]
+        return x[start:start + cols]
+    buffer[:] = x[row * step[0]]
+    return buffer
+
+
+@jit
+def _binary_row(x, y, za, zb, sa, sb, sc, factor, zc, lo, hi, multiply, out):
+    """One contiguous row of requantize_binary: two loops without branches on the operation, so that LLVM
+    vectorizes them (the zero points come off in int32, exact for 8-bit codes, and convert to float64)."""
+    if multiply:
+        for c in range(out.shape[0]):
+            v = np.float64(np.int32(x[c]) - za) * np.float64(np.int32(y[c]) - zb) * factor
+            v = np.rint(v) + zc
+            v = lo if v < lo else v
+            v = hi if v > hi else v
+            out[c] = np.int32(v)
+    else:
+        for c in range(out.shape[0]):
+            v = (sa * np.float64(np.int32(x[c]) - za) + sb * np.float64(np.int32(y[c]) - zb)) / sc
+            v = np.rint(v) + zc
+            v = lo if v < lo else v
+            v = hi if v > hi else v
+            out[c] = np.int32(v)
+
+
+@jit
 def requantize_binary(a, a_step, b, b_step, zeros, scales, low, high, multiply, out):
     """QLinearAdd (``multiply`` False) or QLinearMul of flat 8-bit operands into ``out`` viewed as (R, C):
     element (r, c) of an operand is ``x[r * step[0] + c * step[1]]`` (steps (C, 1): the full tensor; (0, 1):
-    one row repeated; (0, 0): a scalar). ``zeros``: int64 (a, b, c); ``scales``: float64 (a, b, c).
+    one row repeated; (1, 0): one value per row; (0, 0): a scalar). ``zeros``: int64 (a, b, c); ``scales``:
+    float64 (a, b, c).
 
     The arithmetic is the numpy kernel's, in float64: ``(sa * (a - za) + sb * (b - zb)) / sc`` or
     ``(a - za) * (b - zb) * (sa * sb / sc)``, rounded half to even, plus zc, saturated."""
     rows, cols = out.shape
-    za, zb, zc = zeros[0], zeros[1], np.float64(zeros[2])
+    za, zb, zc = np.int32(zeros[0]), np.int32(zeros[1]), np.float64(zeros[2])
     sa, sb, sc = scales[0], scales[1], scales[2]
     factor = sa * sb / sc
     lo, hi = np.float64(low), np.float64(high)
+    a_buffer = np.empty(cols if a_step[1] == 0 else 0, a.dtype)
+    b_buffer = np.empty(cols if b_step[1] == 0 else 0, b.dtype)
     for r in range(rows):
-        a_row, b_row = r * a_step[0], r * b_step[0]
-        for c in range(cols):
-            x = np.int64(a[a_row + c * a_step[1]]) - za
-            y = np.int64(b[b_row + c * b_step[1]]) - zb
-            if multiply:
-                v = np.float64(x * y) * factor
-            else:
-                v = (sa * np.float64(x) + sb * np.float64(y)) / sc
-            v = np.rint(v) + zc
-            v = lo if v < lo else v
-            v = hi if v > hi else v
-            out[r, c] = np.int64(v)
+        _binary_row(_operand_row(a, a_step, r, cols, a_buffer), _operand_row(b, b_step, r, cols, b_buffer), za, zb,
+                    sa, sb, sc, factor, zc, lo, hi, multiply, out[r])
 
 
 @jit
