@@ -45,6 +45,9 @@ class ProviderEntry:
     implemented_hooks: list[str] = field(default_factory=list)
     probe: Callable[[], Availability] | None = field(default=None, repr=False, compare=False)
     _availability: Availability | None = field(default=None, repr=False, compare=False)
+    # the handle discovery built to read the provider's name and hooks, uninitialized: the first create() takes it
+    # (building a handle's plugin managers is a noticeable part of a fresh process's first session)
+    spares: list[ProviderHandle] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def availability(self) -> Availability:
@@ -55,7 +58,10 @@ class ProviderEntry:
 
     def create(self) -> ProviderHandle:
         """A fresh, uninitialized instance behind its own handle."""
-        return ProviderHandle(self.cls(), source=self.source)
+        try:
+            return self.spares.pop()  # (atomic: two sessions created at once never share it)
+        except IndexError:
+            return ProviderHandle(self.cls(), source=self.source)
 
 
 @dataclass
@@ -225,7 +231,7 @@ def _entry(cls, handle: ProviderHandle, source: str, dist: str, version: str) ->
     return ProviderEntry(cls=cls, name=handle.name, short_name=handle.short_name, source=source, distribution=dist,
                          version=version, device=str(handle.device_id), contract_version=handle.contract_version,
                          selected_by_default=bool(handle.hook.selected_by_default()),
-                         implemented_hooks=handle.implemented_hooks, probe=handle.availability)
+                         implemented_hooks=handle.implemented_hooks, probe=handle.availability, spares=[handle])
 
 
 def _provider_classes(plugin) -> list[Callable[[], object]]:
