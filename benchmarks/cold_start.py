@@ -16,6 +16,9 @@ Models are zoo models (benchmarks/.models/zoo, scripts/build_zoo.sh; a decoder's
 order) or onnx's shipped light CNNs by name (``resnet50``, ...). numba's disk cache is as earlier runs left it:
 run ``onnx-runtime compile`` (and a warm-up run of the zoo models) first to measure a warm cache. zoo_bench.py
 measures the same creation + first run inside its full run; this script is the quick check of that column.
+
+``--main-job`` times the README's main job instead (``onnx-runtime run`` on its embedded default model) as the
+first process after an install runs it: an empty numba cache, the whole process's wall and CPU time.
 """
 
 from __future__ import annotations
@@ -92,6 +95,33 @@ def sample(runtime: str, path: str, calls: list[list[dict]], background: bool = 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def main_job(repeat: int) -> None:
+    """The README's main job as a fresh install runs it: ``onnx-runtime run`` (the embedded default model) in a
+    new process with an empty numba cache (NUMBA_CACHE_DIR an empty folder, emptied again after each run); wall
+    and CPU time of the whole process (children included) and its peak RSS."""
+    import resource
+    import shutil
+    import tempfile
+
+    command = [sys.executable, "-m", "onnx_runtime.cli", "run"]
+    print("| main job (`onnx-runtime run`) | wall s | CPU s | peak RSS MB |")
+    print("|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="cold_start_numba_") as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+        for _ in range(repeat):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            began = time.perf_counter()
+            done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+            wall = time.perf_counter() - began
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            if done.returncode or "MATCH" not in done.stdout:
+                raise SystemExit(f"onnx-runtime run failed: {done.stdout[-1000:]} {done.stderr[-2000:]}")
+            cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+            print(f"| empty numba cache | {wall:.1f} | {cpu:.1f} | {after.ru_maxrss / 1024:.0f} |", flush=True)
+            for entry in os.listdir(cache):  # whatever the run compiled: the next one starts empty again
+                shutil.rmtree(os.path.join(cache, entry), ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated zoo or light CNN names")
@@ -99,11 +129,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every sample here")
     parser.add_argument("--no-background", action="store_true",
                         help="load numba inside the first run, as before (ONNX_RUNTIME_COMPILE_IN_BACKGROUND=0)")
+    parser.add_argument("--main-job", action="store_true",
+                        help="time the README's main job (onnx-runtime run) on an empty numba cache instead")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         runtime, path, calls = args.worker
         print(json.dumps(worker(runtime, path, json.loads(calls))))
+        return 0
+    if args.main_job:
+        print(f"# cold_start --main-job {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, "
+              f"load {os.getloadavg()[0]:.2f}")
+        main_job(args.repeat)
         return 0
     sys.path.insert(0, str(HERE))
     print(f"# cold_start {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, load {os.getloadavg()[0]:.2f}, "
