@@ -12,6 +12,9 @@ Rows:
 - A LLaMA-style decode step, the same four columns: the operators exporters write around attention (Reshape,
   Transpose, rotary Slices, Split, Concat onto a past cache, Expand/Tile for grouped-query heads, a ReduceMean
   axes input), every shape input a constant, so the step is captured like the one above.
+- The generate loop (scripts/gpu_generate.py): ``onnx_runtime.generate`` on the zoo's decoders with every decode
+  step replayed from a device graph, against torch's greedy loop over the same weights, in tokens/s after the
+  first token; the note gives both times to first token and whether the greedy tokens agree.
 
 A row the provider cannot run says why instead of a number. ``--small`` shrinks every size so the script
 can be smoke-tested on the simulator (``ONNX_RUNTIME_CUDA_SIM=1``); the timings are then meaningless.
@@ -26,6 +29,7 @@ import traceback
 
 import numpy as np
 import onnx_runtime as ort
+from gpu_generate import MODELS, generate_rows
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime import DataType, Tensor
 
@@ -508,6 +512,8 @@ def main() -> int:
     for shape in ([(1, 4, 2, 16, 64)] if args.small else [(1, 32, 8, 128, 4096), (8, 32, 8, 128, 8192)]):
         jobs.append((f"Attention decode float16 {shape}", lambda s=shape: attention_row(*s, DataType.FLOAT16, torch)))
     jobs.append(("llama decode step float16", lambda: llama_rows(llama, DataType.FLOAT16, torch)))
+    jobs.append(("generate", lambda: rows.extend(generate_rows(MODELS, 16 if args.small else 64, "cuda",
+                                                               torch is not None))))
     failed = 0
     for name, job in jobs:
         start, done = time.perf_counter(), len(rows)

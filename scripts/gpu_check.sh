@@ -3,12 +3,13 @@
 #   0. prerequisites, all checked up front (scripts/gpu_prereqs.py): Python >= 3.10; numpy, onnx, ml_dtypes,
 #      pluggy, pytest; cuda-python 13; the NVRTC 13 wheel (nvidia-cuda-nvrtc); the CUDA headers wheel
 #      (nvidia-cuda-runtime: cuda_fp16.h, cuda_bf16.h); an NVIDIA driver >= 580 (CUDA 13) with a visible GPU
-#      of compute capability >= 7.0; optionally torch with CUDA (the benchmark's torch columns), onnxruntime,
-#      pytest-timeout. A missing required one stops the check with the command that fixes it;
+#      of compute capability >= 7.0; optionally torch with CUDA (the benchmark's torch columns), transformers
+#      and benchmarks/.models/zoo (the generate rows: tokens/s vs torch), onnxruntime, pytest-timeout. A missing required one stops the check with the command that fixes it;
 #   1. install this working tree's four distributions without fetching anything (--no-deps --no-index);
 #   2. the tests that matter first: tests/cuda against the real driver (ONNX_RUNTIME_CUDA_TESTS=real), device
 #      memory, faults, threads, graphs, validation and decode first, the simulator's own tests left out;
-#   3. the benchmark table against torch on the same GPU (scripts/gpu_bench.py).
+#   3. the benchmark table against torch on the same GPU (scripts/gpu_bench.py), the generate loop's tokens/s
+#      against torch's greedy loop on the zoo's decoders included (scripts/gpu_generate.py).
 # Every phase has a time limit (INSTALL_LIMIT, TEST_LIMIT, BENCH_LIMIT; together under 8 minutes), so the
 # script always finishes and says what it did. Logs go to $OUT when that is set (the device tool's output
 # folder), else to /tmp/gpu_check.

@@ -9,7 +9,7 @@ Required on a GPU: Python >= 3.10; numpy, onnx, ml_dtypes, pluggy, pytest; cuda-
 the NVRTC 13 wheel (nvidia-cuda-nvrtc, libnvrtc.so.13); the CUDA headers wheel (nvidia-cuda-runtime:
 cuda_fp16.h, cuda_bf16.h); an NVIDIA driver for CUDA 13 (>= 580, cuDriverGetVersion >= 13000) with at least
 one visible device of compute capability >= 7.0. Optional: torch with CUDA (the benchmark's torch columns),
-onnxruntime, pytest-timeout.
+transformers and the zoo's decoder exports (the generate rows), onnxruntime, pytest-timeout.
 """
 
 from __future__ import annotations
@@ -146,6 +146,16 @@ def _device(simulator: bool) -> list[Check]:
     return [api, gpu]
 
 
+def _zoo() -> Check:
+    """The zoo's decoder exports the benchmark's generate rows run (optional: those rows say n/a without them)."""
+    zoo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", ".models", "zoo")
+    names = ("gpt2.torchscript.fp32.onnx", "llama.dynamo.fp32.onnx")
+    found = [name for name in names if os.path.isfile(os.path.join(zoo, name))]
+    return Check("model zoo decoders", len(found) == len(names), f"{len(found)} of {len(names)} in {zoo}",
+                 "run scripts/build_zoo.sh, or copy benchmarks/.models/zoo from a machine that built it "
+                 "(the generate rows)", required=False)
+
+
 def checks(simulator: bool) -> list[Check]:
     gpu_only = not simulator  # the wheels only the real driver path needs
     found = [Check("python", sys.version_info >= (3, 10), sys.version.split()[0], "use Python >= 3.10")]
@@ -161,6 +171,9 @@ def checks(simulator: bool) -> list[Check]:
         found.append(check_driver_version(_smi_version()))
     found += _device(simulator)
     found.append(_module("torch", "torch", False, " (a CUDA build gives the benchmark its torch columns; else n/a)"))
+    found.append(_module("transformers", "transformers", False,
+                         " (the generate rows rebuild the zoo's decoders in torch with it; else n/a)"))
+    found.append(_zoo())
     found.append(_module("onnxruntime", "onnxruntime", False))
     found.append(_module("pytest_timeout", "pytest-timeout", False, " (no per-test time limit)"))
     return found

@@ -52,7 +52,7 @@ def test_the_dry_run_checks_every_prerequisite(tmp_path):
     result = run_script("--dry-run", "--prereqs-only", tmp_path=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     for name in ("python", "numpy", "onnx", "pytest", "cuda.bindings", "NVRTC", "CUDA headers", "NVIDIA driver",
-                 "driver API version", "GPU", "torch"):
+                 "driver API version", "GPU", "torch", "transformers", "model zoo decoders"):
         assert f"] {name} " in result.stdout, name
     assert "(simulated)" in result.stdout and "ready" in result.stdout
     assert (tmp_path / "prereqs.log").is_file()
@@ -70,3 +70,18 @@ def test_without_a_gpu_the_check_stops_before_anything_else(tmp_path):
 def test_unknown_arguments_are_refused():
     result = run_script("--gpu=7")
     assert result.returncode == 2 and "unknown argument '--gpu=7'" in result.stderr
+
+
+def test_the_generate_rows_run_the_zoo_decoders_replayed(cuda_driver_mode):
+    """scripts/gpu_generate.py's rows (the benchmark's generate loop against torch): on the simulator our side
+    replays its decode step; without torch the torch column says n/a, and a missing export says how to get it."""
+    if not (ROOT / "benchmarks/.models/zoo/gpt2.torchscript.fp32.onnx").exists():
+        pytest.skip("the model zoo is not built: run scripts/build_zoo.sh")
+    spec = importlib.util.spec_from_file_location("gpu_generate", ROOT / "scripts" / "gpu_generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (what, ours, theirs, note), (_, missing, _, why) = module.generate_rows(
+        ["gpt2.torchscript.fp32", "gpt2.absent"], 4, "cuda", torch_ok=False)
+    assert "gpt2.torchscript.fp32" in what and float(ours) > 0 and theirs == "n/a", note
+    assert "replaying" in note and "first token" in note
+    assert missing == "n/a" and "scripts/build_zoo.sh" in why
