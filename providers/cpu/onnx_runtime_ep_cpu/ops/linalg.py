@@ -228,13 +228,13 @@ def gemm_7(node, shapes, opset):
 
 def _gemm_for_shape(node, shapes, general):
     """Gemm with alpha 1 and beta 1 (or no C) for the one shape of A, B and C the kernel is made for (a planned
-    shape), on hosts where ``general``'s product is BLAS's anyway (no compiled products): the same calls, so
-    the same bits, without its per-call checks and lookups, which cost a classifier's or pooler's one-row
-    product several times its arithmetic. Other shapes and dtypes go to ``general``. None where it does not
-    apply."""
+    shape), where ``general``'s product is BLAS's anyway (no compiled products, or a product too small for
+    them: _blas_sized): the same calls, so the same bits, without its per-call checks and lookups, which cost
+    a classifier's or pooler's one-row product several times its arithmetic. Other shapes and dtypes go to
+    ``general``. None where it does not apply."""
     a_shape, b_shape, c_shape = (tuple(s) if s is not None else None
                                  for s in (list(shapes or ()) + [None, None, None])[:3])
-    if gemv_host() or float(node.attr("alpha", 1.0)) != 1 \
+    if float(node.attr("alpha", 1.0)) != 1 \
             or (c_shape is not None and float(node.attr("beta", 1.0)) != 1) \
             or not a_shape or not b_shape or len(a_shape) != 2 or len(b_shape) != 2 \
             or not all(isinstance(d, int) and d > 0 for d in (*a_shape, *b_shape)):
@@ -242,8 +242,8 @@ def _gemm_for_shape(node, shapes, general):
     trans_a, trans_b = bool(node.attr("transA", 0)), bool(node.attr("transB", 0))
     rows, depth = a_shape[::-1] if trans_a else a_shape
     columns = b_shape[0] if trans_b else b_shape[1]
-    if depth != (b_shape[1] if trans_b else b_shape[0]):
-        return None  # (the general kernel reports the mismatch)
+    if depth != (b_shape[1] if trans_b else b_shape[0]) or (gemv_host() and not _blas_sized(rows, depth, columns)):
+        return None  # (the general kernel reports a mismatch)
     if c_shape is not None and (len(c_shape) > 2 or not all(
             c in (1, d) for c, d in zip(c_shape[::-1], (columns, rows)))):
         return None  # C that does not add in place (it would widen the output): the general kernel broadcasts it
@@ -259,6 +259,15 @@ def _gemm_for_shape(node, shapes, general):
         return (y,)
 
     return kernel
+
+
+def _blas_sized(rows: int, depth: int, columns: int) -> bool:
+    """Whether a float32 product of this size against constant weights is BLAS's at every thread count: below the
+    packed product's knob for many rows, too few weights to split and below the few_rows_blas_macs knob for few."""
+    macs = rows * depth * columns
+    if rows > GEMV_ROWS:
+        return macs < KNOBS.packed_macs
+    return depth * columns < KNOBS.gemv_split_weights and macs < KNOBS.few_rows_blas_macs
 
 
 def zero_point_rows(zero_point: np.ndarray, a: np.ndarray) -> np.ndarray:
