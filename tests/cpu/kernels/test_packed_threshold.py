@@ -63,3 +63,18 @@ def test_the_knob_moves_the_choice(monkeypatch, knobs):
     (y,) = kernel(a, b)
     assert len(taken) == 1
     np.testing.assert_allclose(y, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows,depth,width", [(1, 64, 10), (1, 64, 64), (4, 128, 96)])
+def test_a_small_planned_gemm_is_the_general_kernels_bits(rows, depth, width):
+    """A Gemm made for its one shape, small enough for BLAS at every thread count, gives the general kernel's
+    bits (the same BLAS call and in-place add) and float64's results."""
+    a = RNG.standard_normal((rows, depth), dtype=np.float32)
+    b, c = _constant((width, depth)), _constant((width,))
+    node = Node("Gemm", ["a", "b", "c"], ["y"], attrs={"transB": 1}, opset=13)
+    planned = linalg.gemm_7(node, [a.shape, b.shape, c.shape], 13)
+    general = linalg.gemm_7(node, None, 13)
+    assert planned.__qualname__ != general.__qualname__  # the lean kernel was made
+    (y,) = planned(a, b, c)
+    np.testing.assert_array_equal(y, general(a, b, c)[0])
+    np.testing.assert_allclose(y, a.astype(np.float64) @ b.T.astype(np.float64) + c, rtol=1e-5, atol=1e-5)
