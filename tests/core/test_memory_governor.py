@@ -293,3 +293,49 @@ def test_allocation_sites_count_large_allocations_exactly_and_sample_small_ones(
     finally:
         account.close()
         handle.shutdown()
+
+
+@pytest.fixture
+def host_limit():
+    gc.collect()
+    yield
+    gc.collect()
+    set_device_memory_limit("cpu:0", None, Tier.HOST)
+
+
+def _cpu_session(path, **config):
+    options = ort.SessionOptions()
+    for key, value in config.items():
+        options.add_session_config_entry(f"session.{key}", str(value))
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+
+def test_weights_held_in_host_memory_are_charged_to_the_host_tier_and_bounded(tmp_path, host_limit):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["X", "W"], ["Y"])], "mm",
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 256])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 256])],
+                              [numpy_helper.from_array(w, "W")])
+    embedded = tmp_path / "embedded.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(embedded))
+    mapped = external_chain(tmp_path / "mapped.onnx", 4096)  # weights above 1,024 elements: mapped
+    governor = process_governor()
+    held = governor.used("cpu:0", Tier.HOST)
+    session = _cpu_session(str(embedded))
+    charged = governor.used("cpu:0", Tier.HOST) - held
+    assert w.nbytes <= charged < 2 * w.nbytes  # read into memory: charged (with what the session derived from it)
+    x = np.ones((1, 256), np.float32)
+    np.testing.assert_allclose(session.run(None, {"X": x})[0], x.astype(np.float64) @ w, rtol=1e-4, atol=1e-3)
+    other = _cpu_session(mapped)
+    assert governor.used("cpu:0", Tier.HOST) == held + charged  # mapped from its file: the page cache's
+    other.close()
+    with pytest.raises(MemoryBudgetError, match=r"weights in host memory.*short"):
+        _cpu_session(str(embedded), host_memory_limit=held + charged + 100)  # the first one holds them
+    session.close()
+    assert governor.used("cpu:0", Tier.HOST) == held
+    bounded = _cpu_session(str(embedded), host_memory_limit="0.5")
+    assert governor.limit("cpu:0", Tier.HOST) == governor.total("cpu:0", Tier.HOST) // 2
+    bounded.close()

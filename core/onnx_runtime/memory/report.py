@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import resource
 
+from ..contract.residency import Tier
 from .governor import process_governor
 from .mapped import mapped_region
 
@@ -43,7 +44,7 @@ def measure(session, feeds: dict) -> dict:
     mapped = sum(int(a.nbytes) for a in weights.values() if mapped_region(a) is not None)
     total = sum(int(getattr(a, "nbytes", 0)) for a in weights.values())
     for budget in session.memory_report()["budgets"]:
-        governor.reset_high_water(budget["device"])
+        governor.reset_high_water(budget["device"], Tier(budget["tier"]))
     rss_before = _rss()
     session.run(None, feeds)
     report = session.memory_report()
@@ -99,6 +100,6 @@ def render(report: dict, sites: int = 5) -> list[str]:
     lines += [f"  {provider} driver allocations at {site['file']}:{site['line']}: {site['requests']}, "
               f"{_size(site['bytes'])}"
               for provider, found in report.get("provider_sites", {}).items() for site in found[:sites]]
-    if len(lines) == 2:
+    if not any(budget["tier"] == "device" for budget in report["budgets"]):
         lines.append("  no device provider runs a node: the host's memory is the process's (no device budget)")
     return lines

@@ -5,25 +5,33 @@ At creation, for each device provider its nodes were placed on, the session lets
 device limit (``session.memory_limit``: bytes or a fraction of that memory) and the pinned host one
 (``session.pinned_memory_limit``), charges the handle's allocations through a :class:`DeviceAccount`, and admits
 the weights its nodes read on that device (:class:`WeightResidency`): all of them, or the weight-residency budget
-(``session.weight_residency_budget``) when they are paged. Host providers are not governed: their memory is the
-process's.
+(``session.weight_residency_budget``) when they are paged. On the host, the weights a session holds in memory
+(read, not mapped) are charged to the host tier of ``cpu:0`` (``session.host_memory_limit``); host providers'
+other allocations are the process's own.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 
-from ..contract.residency import HolderId, Tier
+import numpy as np
+
+from ..contract.residency import HolderId, MemoryLease, MemoryRole, Tier
 from ..errors import InvalidArgumentError
 from .accounts import DeviceAccount
 from .governor import parse_byte_limit, process_governor
+from .mapped import mapped_region
 from .weights import WeightResidency
 
-__all__ = ["LIMIT_KEY", "MAP_WEIGHTS_KEY", "PINNED_LIMIT_KEY", "WEIGHT_BUDGET_KEY", "SessionMemory", "governed"]
+__all__ = ["HOST", "HOST_LIMIT_KEY", "LIMIT_KEY", "MAP_WEIGHTS_KEY", "PINNED_LIMIT_KEY", "WEIGHT_BUDGET_KEY",
+           "SessionMemory", "governed"]
 
 LIMIT_KEY = "session.memory_limit"  # the device budget (bytes, with an optional unit) of every device used
 WEIGHT_BUDGET_KEY = "session.weight_residency_budget"  # weights resident at once per device; paged beyond
 PINNED_LIMIT_KEY = "session.pinned_memory_limit"  # page-locked host memory (staging) a device's provider may hold
+HOST_LIMIT_KEY = "session.host_memory_limit"  # host memory for weights held in memory (not mapped), all sessions
+HOST = "cpu:0"  # the host's key in the governor: its HOST tier counts the weights sessions hold in memory
 MAP_WEIGHTS_KEY = "session.map_external_weights"  # "0": read external data into memory instead of mapping it
 
 
@@ -35,10 +43,12 @@ class SessionMemory:
         self.accounts: list[DeviceAccount] = []
         self.weights: dict[int, WeightResidency] = {}
         self.pools: dict[str, int] = {}  # provider -> bytes its own pools put under the governor
+        self.host_lease: MemoryLease | None = None
+        governor = process_governor()
+        self._admit_host_weights(graph, config)
         devices = {id(h): h for h in assignment.values() if not h.is_host_accessible}
         if not devices:
             return
-        governor = process_governor()
         budget = parse_byte_limit(config.get(WEIGHT_BUDGET_KEY, ""), WEIGHT_BUDGET_KEY)
         by_handle: dict[int, list] = {key: [] for key in devices}
         for node in graph.nodes:
@@ -73,11 +83,30 @@ class SessionMemory:
             self.close()
             raise
 
+    def _admit_host_weights(self, graph, config: dict[str, str]) -> None:
+        """Charge the weights held in host memory (read, not mapped: a mapped weight's pages are the page cache's,
+        which the kernel reclaims) to the host tier of ``cpu:0``, bounded by ``session.host_memory_limit``: a model
+        whose weights do not fit beside the other sessions' fails here, at load."""
+        governor = process_governor()
+        physical = _physical_memory() if governor.total(HOST, Tier.HOST) is None else None
+        if physical:
+            governor.set_total(HOST, physical, Tier.HOST)
+        limit = parse_byte_limit(config.get(HOST_LIMIT_KEY, ""), HOST_LIMIT_KEY, governor.total(HOST, Tier.HOST))
+        if limit is not None and limit != governor.limit(HOST, Tier.HOST):
+            governor.set_limit(HOST, limit, Tier.HOST)
+        held = sum(int(getattr(array, "nbytes", 0)) for array in graph.initializers.values()
+                   if isinstance(array, np.ndarray) and mapped_region(array) is None)
+        self.host_lease = governor.reserve(HOST, held, Tier.HOST, MemoryRole.WEIGHTS,
+                                           HolderId(f"{self.label} weights in host memory"))
+
     def attach(self, executor) -> None:
         """Route ``executor``'s weight uploads through the residency (before it plans)."""
         executor.weights = dict(self.weights)
 
     def close(self) -> None:
+        lease, self.host_lease = self.host_lease, None
+        if lease is not None:
+            lease.release()
         weights, self.weights = self.weights, {}
         for residency in weights.values():
             residency.close()
@@ -89,7 +118,7 @@ class SessionMemory:
         """The budgets of the devices this session runs on (shared with every session there), its weight
         residency and its allocation sites (for ``onnx-runtime info --memory``)."""
         governor = process_governor()
-        devices = {account.governor.device for account in self.accounts}
+        devices = {account.governor.device for account in self.accounts} | {HOST}
         return {
             "budgets": [budget for budget in governor.snapshot() if budget["device"] in devices],
             "weights": [residency.stats() for residency in self.weights.values()],
@@ -103,6 +132,15 @@ class SessionMemory:
                                                for s in a.handle.hook.raw_device_allocation_site_stats() or ()]
                                for a in self.accounts},
         }
+
+
+def _physical_memory() -> int | None:
+    """The host's memory in bytes (what a fractional host limit is a share of); None where the platform does not
+    say (fractions are then refused)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def governed(session, label: str, graph, assignment: dict, config: dict[str, str]) -> SessionMemory:
