@@ -82,9 +82,11 @@ def test_the_staging_ring_is_charged_to_the_pinned_tier_and_reported_by_site(cud
     ring = CudaDevice.get(0).staging
     blocks = ring.allocated - ring.freed
     assert blocks > 0
+    # Every live block is charged (rings of devices an earlier test's simulator reset dropped may be charged too)
+    assert ring.charged == blocks * BLOCK_BYTES
     pinned = [b for b in process_governor().snapshot() if b["device"] == "cuda:0" and b["tier"] == "pinned_host"]
-    assert pinned and pinned[0]["roles"] == {"staging": blocks * BLOCK_BYTES}
-    assert process_governor().used("cuda:0", Tier.PINNED_HOST) == blocks * BLOCK_BYTES
+    assert pinned and pinned[0]["roles"]["staging"] >= ring.charged and set(pinned[0]["roles"]) == {"staging"}
+    assert process_governor().used("cuda:0", Tier.PINNED_HOST) >= ring.charged
     sites = session.memory_report()["provider_sites"]["CUDAExecutionProvider"]
     assert any(site["file"].endswith("staging.py") and site["requests"] == ring.allocated for site in sites)
     session.close()

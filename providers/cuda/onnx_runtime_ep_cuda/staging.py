@@ -69,6 +69,12 @@ class PinnedStaging:
                 charged += BLOCK_BYTES
             return charged
 
+    @property
+    def charged(self) -> int:
+        """The pinned bytes this ring's blocks have charged to the governor."""
+        with self._lock:
+            return sum(BLOCK_BYTES for block in self._blocks if block.lease)
+
     def _release_leases(self) -> None:
         for block in self._blocks:
             lease, block.lease = block.lease, None
