@@ -161,3 +161,28 @@ def test_conversion_nodes_refuse_wrong_types():
                                                                    np.full(5000, np.pi, np.float32))
     _same_bits(outputs[0], np.full(3, 1.0, np.float32))
     _same_bits(outputs[1], np.full(5000, np.pi, np.float32).astype(BF16).astype(np.float32))
+
+
+def test_nodes_the_pass_rewrites_drop_their_written_form():
+    """A node the pass renames or retypes no longer carries the NodeProto it was read from (onnx inference
+    of a node reads it: symbolic_dims re-infers through it), so every proto left is the node as it stands;
+    here an int64 -> float16 Cast, kept as a rounding pair, reads the pass's new value."""
+    converter = pytest.importorskip("onnxruntime.transformers.float16")
+    rng = np.random.default_rng(14)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),
+             helper.make_node("Cast", ["positions"], ["p"], to=1),
+             helper.make_node("Add", ["h", "p"], ["y"])]
+    w = (rng.standard_normal((4, 3)) * 0.5).astype(np.float32)
+    model = make_model(nodes, [tensor_info("x", shape=["n", 4]), tensor_info("positions", 7, shape=["n", 1])],
+                       [tensor_info("y", shape=["n", 3])], [numpy_helper.from_array(w, "w")])
+    model = converter.convert_float_to_float16(model, keep_io_types=True)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    feeds = {"x": rng.standard_normal((5, 4)).astype(np.float32), "positions": np.arange(2045, 2050)[:, None]}
+    graph = sess.graph_for(feeds)
+    for node in graph.nodes:
+        if node.proto is not None:
+            assert (list(node.proto.input), list(node.proto.output)) == (node.inputs, node.outputs), node.op_type
+    exact = feeds["x"].astype(F16).astype(np.float64) @ w.astype(F16).astype(np.float64) \
+        + feeds["positions"].astype(F16).astype(np.float64)  # 2045 and 2047 round to 2044 and 2048
+    got = sess.run(None, feeds)[0]
+    assert np.abs(got - exact).max() <= 1e-5 * np.abs(exact).max()

@@ -128,9 +128,12 @@ class _Rewriter:
                 graph.value_info[new] = ValueInfo(new, _float32_type(info))
         nodes: list[Node] = list(head)
         for node in graph.nodes:
+            written = (list(node.inputs), list(node.outputs), {key: id(value) for key, value in node.attrs.items()})
             node.inputs = [renamed.get(name, name) for name in node.inputs]
             node.outputs = [renamed.get(name, name) if name in outputs else name for name in node.outputs]
             nodes.extend(self.node(node))
+            if written != (node.inputs, node.outputs, {key: id(value) for key, value in node.attrs.items()}):
+                node.proto = None  # no longer the node as written (onnx inference of it reads the proto)
         graph.nodes = _merge_input_roundings(nodes, inputs) + tail
 
     def edges(self, renamed: dict[str, str], inputs: set[str]) -> tuple[list[Node], list[Node]]:
