@@ -31,16 +31,15 @@ def direct_tiles_apply(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray) 
 
 # On AVX-512 hosts the direct tiles (8 lanes, one compiled call) still beat the packed convolution (16 lanes, a
 # task plan and padded or phase-split copies per call) on small convolutions: up to this many multiply-adds per
-# image, and up to the second bound where the node fuses HardSwish, which the tiles apply as they store while
-# the packed convolution needs a numpy pass after (both measured on one thread over the zoo's CNN layers).
-SMALL_MACS, SMALL_HARD_SWISH_MACS = 1 << 20, 1 << 23
+# image (measured on one thread over the zoo's CNN layers). The choice does not depend on the activation a node
+# fuses, so a FusedConv computes bit for bit what its Conv and activation nodes do.
+SMALL_MACS = 1 << 20
 
 
-def direct_tiles_before_packed(geo: Geometry, w: np.ndarray, hard_swish: bool) -> bool:
+def direct_tiles_before_packed(geo: Geometry, w: np.ndarray) -> bool:
     """Whether a convolution that both the packed convolution and the direct tiles take (direct_tiles_apply)
     is small enough for the direct tiles to win."""
-    macs = w[0].size * w.shape[0] * math.prod(geo.out)
-    return macs <= (SMALL_HARD_SWISH_MACS if hard_swish else SMALL_MACS)
+    return w[0].size * w.shape[0] * math.prod(geo.out) <= SMALL_MACS
 
 
 _IDENTITY_BOUNDS = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)

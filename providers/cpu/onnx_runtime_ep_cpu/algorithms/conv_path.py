@@ -131,16 +131,14 @@ def pixel_product(x: np.ndarray, w: np.ndarray, b) -> np.ndarray:
     return y.reshape(n, m, 1, 1)
 
 
-def compiled_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared, dtype,
-                     hard_swish: bool = False):
+def compiled_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared, dtype):
     """``build() -> (compute, blocks)`` of the compiled convolution (packed, direct tiles, depthwise lanes or
-    loop) that takes this geometry, whose modules import numba; None where none does. ``hard_swish``: the
-    node fuses HardSwish (which the direct tiles apply as they store)."""
+    loop) that takes this geometry, whose modules import numba; None where none does."""
     c, m = x.shape[1], w.shape[0]
     if pixel_product_applies(geo, group, x):  # (numpy_compute's first choice)
         return None
     direct = direct_tiles_apply(geo, group, x, w)
-    if packed_conv_applies(geo, group, x) and not (direct and direct_tiles_before_packed(geo, w, hard_swish)):
+    if packed_conv_applies(geo, group, x) and not (direct and direct_tiles_before_packed(geo, w)):
         return lambda: (PackedConv(geo, group, x.shape, w.shape, prepared), True)
     if direct:
         return lambda: (DirectConv(geo, group, x.shape, w.shape, prepared), True)
@@ -192,8 +190,7 @@ def numpy_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepa
     return compute, True
 
 
-def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared,
-              hard_swish: bool = False):
+def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared):
     """``path(x, w, b, finish) -> y`` for inputs shaped like ``x`` and ``w``: the convolution algorithm
     for this geometry, chosen once per input signature. ``finish`` (an _Epilogue for float32/float64,
     or None) is a FusedConv's bias, residual and activation: the im2col, tight-row and taps paths
@@ -201,12 +198,11 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
 
     A compiled convolution's modules import numba, which a new process loads in the background while
     numpy serves its first runs (compiled/deferred.py): while that loader has not finished, the path takes
-    numpy_compute's algorithm, and switches to the compiled one at its first call after. ``hard_swish``: the
-    node fuses HardSwish (a FusedConv)."""
+    numpy_compute's algorithm, and switches to the compiled one at its first call after."""
     dtype = compute_dtype(x.dtype)
     n, m = x.shape[0], w.shape[0]
     out_shape = (n, m, *geo.out)
-    build = compiled_compute(geo, group, x, w, prepared, dtype, hard_swish)
+    build = compiled_compute(geo, group, x, w, prepared, dtype)
     pending = None  # the compiled convolution's builder, while numpy serves
     if build is not None and deferred.numpy_first():
         chosen, pending = numpy_compute(geo, group, x, w, prepared, dtype), build

@@ -45,7 +45,6 @@ def _conv_resolver(node, shapes):
     group = group_count(node)
     prepared = Prepared()
     paths: dict[tuple, tuple] = {}  # per input signature: the path, with its geometry resolved
-    hard_swish = node.attr("activation") == "HardSwish"  # (a FusedConv's)
 
     def resolve(x, w, b):
         key = (x.shape, w.shape, x.dtype, None if b is None else b.shape, w.flags.writeable)
@@ -58,8 +57,7 @@ def _conv_resolver(node, shapes):
             geo = window.resolve(x.shape[2:], w.shape[2:])
             # Padding sizes the output (and the padded rows): within the session's budget before allocating.
             budget.check_shape((x.shape[0], w.shape[0], *geo.out), max(x.dtype.itemsize, 4), f"{node.op_type}'s output")
-            path = conv_path(geo, group, x, w, prepared, hard_swish)
-            found = paths[key] = (path, (x.shape[0], w.shape[0], *geo.out))
+            found = paths[key] = (conv_path(geo, group, x, w, prepared), (x.shape[0], w.shape[0], *geo.out))
         return found
 
     return resolve
