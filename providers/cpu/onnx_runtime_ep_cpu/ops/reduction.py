@@ -133,10 +133,73 @@ def _reduce(reducer, x, axes, keepdims, noop_with_empty_axes):
     return np.asarray(result).astype(x.dtype, copy=False)
 
 
+class _TrailingMeans:
+    """ReduceMean/ReduceSum over the trailing axes of a C-contiguous float32/float64 tensor (a squeeze-and-excitation
+    block's pooling, a decomposed normalization's statistics): one row per leading index, summed by the plane
+    loop of compiled/pooling.py (as GlobalAveragePool) for rows up to its PLANE_SUM_LIMIT, else by numpy's
+    pairwise sum over the 2-D view. The axes are normalized once per (shape, axes) signature."""
+
+    def __init__(self, reducer, keepdims: bool):
+        from ..algorithms.pooling import pool_loops
+
+        self._loops, self._mean, self._keepdims = pool_loops(), reducer is _mean, keepdims
+        self._plans: dict = {}  # (shape, axes' bytes or tuple) -> (rows, size, result shape) or None
+
+    def plan(self, x, axes):
+        key = (x.shape, axes.tobytes() if isinstance(axes, np.ndarray) else axes)
+        found = self._plans.get(key, False)
+        if found is False:
+            found = None
+            if axes is not None and len(axes) and x.ndim:
+                normalized = sorted(normalize_axes(axes, x.ndim))
+                first = x.ndim - len(normalized)
+                if normalized == list(range(first, x.ndim)) and first > 0:
+                    rows, size = math.prod(x.shape[:first]), math.prod(x.shape[first:])
+                    shape = x.shape[:first] + ((1,) * len(normalized) if self._keepdims else ())
+                    found = (rows, size, shape) if rows and size else None
+            if len(self._plans) < 64:
+                self._plans[key] = found
+        return found
+
+    def __call__(self, x, plan):
+        rows, size, shape = plan
+        flat = x.reshape(rows, size)
+        if size <= self._loops.PLANE_SUM_LIMIT:
+            y = np.empty(rows, dtype=x.dtype)
+            self._loops.plane_means(flat, y, size if self._mean else 1)
+        else:
+            y = np.add.reduce(flat, axis=1)
+            if self._mean:
+                y /= size
+        return y.reshape(shape)
+
+
+def _trailing(reducer, keepdims: bool):
+    """A _TrailingMeans for ReduceMean and ReduceSum, else None."""
+    return _TrailingMeans(reducer, keepdims) if reducer in (_mean, _sum) else None
+
+
+def _reducing(reducer, keepdims: bool, noop: bool):
+    """``kernel(x, axes)``: the reduction, by _TrailingMeans where it applies."""
+    trailing = _trailing(reducer, keepdims)
+    takes = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+
+    def kernel(x, axes):
+        if trailing is not None and x.dtype in takes and x.flags.c_contiguous:
+            plan = trailing.plan(x, axes)
+            if plan is not None:
+                return (trailing(x, plan),)
+        return (_reduce(reducer, x, axes, keepdims, noop),)
+
+    return kernel
+
+
 def _attribute_axes_factory(reducer):
     def factory(node, shapes, opset):
         axes, keepdims = node.attr("axes"), bool(node.attr("keepdims", 1))
-        return lambda x: (_reduce(reducer, x, axes, keepdims, False),)
+        kernel = _reducing(reducer, keepdims, False)
+        axes = tuple(axes) if axes is not None else None
+        return lambda x: kernel(x, axes)
 
     return factory
 
@@ -145,7 +208,8 @@ def _input_axes_factory(reducer):
     def factory(node, shapes, opset):
         keepdims = bool(node.attr("keepdims", 1))
         noop = bool(node.attr("noop_with_empty_axes", 0))
-        return lambda x, axes=None: (_reduce(reducer, x, axes, keepdims, noop),)
+        kernel = _reducing(reducer, keepdims, noop)
+        return lambda x, axes=None: kernel(x, axes)
 
     return factory
 
