@@ -26,6 +26,7 @@ from ..algorithms.precision import FLOAT32, compute_dtype, upcast
 from ..algorithms.products import gemv_host
 from ..algorithms.tiled_attention import TiledLayout
 from ..compiled import COMPILED_DTYPES
+from ..compiled.deferred import numpy_first  # (the tiles import numba: not while it loads)
 from ..registry import register
 from ..threads import helper_count, kernel_threads
 from ..tuning import KNOBS
@@ -374,7 +375,7 @@ class _Attention:
         bias = self._compiled_bias(mask, total)
         if bias is None or q.size == 0 or k.size == 0:
             return None
-        if geo.q_len >= _TILED_ROWS and geo.v_head_size % 32 == 0 and gemv_host():  # AVX-512, as the products
+        if geo.q_len >= _TILED_ROWS and geo.v_head_size % 32 == 0 and gemv_host() and not numpy_first():  # AVX-512
             return self._tiled_attention(q, k, v, bias)
         queries = geo.to_heads(q, geo.q_heads)
         keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
