@@ -76,3 +76,42 @@ def test_first_products_load_no_numba_and_later_ones_are_compiled(tmp_path):
     scale = 1 + np.abs(expected).max()
     assert np.abs(got_first - expected).max() / scale < 1e-5
     assert np.abs(got_later - expected).max() / scale < 1e-5
+
+
+BLOCK = r"""
+import json, sys
+import numpy as np
+import onnxruntime
+import onnx_runtime as ort
+from onnx_runtime_ep_cpu.compiled import deferred
+
+options = ort.SessionOptions()
+options.intra_op_num_threads = 1
+sess = ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
+feeds = {"x": np.random.default_rng(2).standard_normal((1, 64, 128)).astype(np.float32)}
+oracle = onnxruntime.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+first = sess.run(None, feeds)[0]
+report = {"numba_after_first": "numba" in sys.modules, "deferring": deferred.state.deferring}
+report["first"] = float(np.abs(first - oracle).max()) / (1 + float(np.abs(oracle).max()))
+print(json.dumps(report))
+"""
+
+
+def test_a_prefill_with_64_wide_heads_loads_no_numba_in_its_first_run(tmp_path):
+    # 64-wide heads over 64 positions: on AVX-512 hosts the attention's compiled tiles (which import numba) once
+    # the loader has finished, numpy's attention before (the switch itself is checked above)
+    from onnx_runtime.ahead import transformer_block
+
+    model = transformer_block(past=False, hidden=128, heads=2)
+    for value in model.graph.input:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param:
+                dim.dim_value = {"batch": 1, "sequence": 64}[dim.dim_param]
+    onnx.save(model, str(tmp_path / "block.onnx"))
+    env = {k: v for k, v in os.environ.items() if k != "ONNX_RUNTIME_COMPILE_IN_BACKGROUND"}
+    done = subprocess.run([sys.executable, "-c", BLOCK, str(tmp_path / "block.onnx")], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["numba_after_first"] is False and report["deferring"] is True, report
+    assert report["first"] < 1e-4, report  # float32 sums of a few hundred terms
