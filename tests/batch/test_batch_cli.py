@@ -31,6 +31,8 @@ def test_parquet_on_two_local_workers_matches_one_process(mlp, rows, parquet_dat
     summary = json.loads((out / "_summary.json").read_text())
     assert summary["rows"] == summary["processed_rows"] == 600 and summary["failures"] == []
     assert summary["workers"] == 2 and summary["threads"] == 1
+    # the CPU accounting: shards ran in one or two workers, whose CPU since start covers their shards'
+    assert summary["workers_seen"] in (1, 2) and 0 < summary["shard_cpu_seconds"] <= summary["worker_cpu_seconds"]
 
 
 def test_numpy_input_and_row_positions_as_ids(mlp, rows, tmp_path):

@@ -8,6 +8,7 @@ writes the same file again: no row is lost or duplicated.
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import numpy as np
@@ -45,8 +46,8 @@ def process_shard(job: dict, shard: Shard) -> dict:
     return {"index": shard.index, "rows": len(ids) + len(failures), "written": True,
             "failures": failures + [(ids[i], message) for i, message in sorted(row_failures.items())],
             "error": None, "seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu,
-            "pid": os.getpid(), "process_cpu_seconds": time.process_time(), "started": time.time() - (
-                time.perf_counter() - wall)}
+            "worker": f"{socket.gethostname()}:{os.getpid()}", "process_cpu_seconds": time.process_time(),
+            "started": time.time() - (time.perf_counter() - wall)}
 
 
 def _arrow_column(value, extra: int):
