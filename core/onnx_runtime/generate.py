@@ -153,10 +153,13 @@ class _Bindings:
 
     def _bind_cache(self, layout: _Layout, prompt: int) -> None:
         """The KV cache (each past aliased by its present: appended in place) and the mask, growing by steps."""
-        self.caches = [self._bind(DeviceBindingSpec.input(past, dtype, (1, heads, self.capacity, dim),
-                                                          (1, heads, 0, dim), output_name=present,
-                                                          expose_logical_input_shape=True))
-                       for past, present, dtype, heads, dim in layout.caches]
+        # Reserved at capacity, committed as the rows arrive (from the start: the valid rows are compact there),
+        # on providers that reserve address space; the others commit it all at once.
+        self.committed_rows = prompt
+        self.caches = [self._bind(DeviceBindingSpec.input(
+            past, dtype, (1, heads, self.capacity, dim), (1, heads, 0, dim), output_name=present,
+            expose_logical_input_shape=True, committed_ranges=[(0, heads * prompt * dim * dtype.numpy.itemsize)]))
+            for past, present, dtype, heads, dim in layout.caches]
         self.mask = self._bind(DeviceBindingSpec.input("attention_mask", np.int64, (1, self.capacity), (1, prompt),
                                                        expose_logical_input_shape=True))
         self.mask_len = self.capacity  # where the token writer may set the chosen token's mask bit
@@ -218,6 +221,15 @@ class _Bindings:
     def _ran(self, step: int, length: int) -> None:
         """After step ``step``'s run: nothing to do here (the KV cache grew in place)."""
 
+    def _grow(self, rows: int) -> None:
+        """Commit the KV cache for ``rows`` rows before a run writes them, doubling the committed rows (capped at
+        the capacity) so a generation commits a logarithmic number of times."""
+        if rows <= self.committed_rows:
+            return
+        self.committed_rows = min(self.capacity, max(rows, 2 * self.committed_rows))
+        for cache, (_past, _present, dtype, heads, dim) in zip(self.caches, self.layout.caches):
+            cache.commit_range(0, heads * self.committed_rows * dim * dtype.numpy.itemsize)
+
     def _next_mask_shape(self, step: int, length: int) -> tuple[int, int]:
         return (1, length + step + 1)
 
@@ -234,6 +246,7 @@ class _Bindings:
         first = 0.0
         steps = 0
         for step in range(new):
+            self._grow(length + step + 1 if step else length)
             self.session.run_with_device_bindings(bindings, output_names=[], single_token_step=step > 0)
             self._ran(step, length)
             self._choose(step, length + step, new)
@@ -302,6 +315,9 @@ class _CapacityBindings(_Bindings):
 
     def _next_mask_shape(self, step: int, length: int) -> tuple[int, int]:
         return (1, self.capacity + 1)
+
+    def _grow(self, rows: int) -> None:
+        """Nothing: the cache is read at its capacity, so all of it is committed."""
 
 
 def _host_arrays(*bindings: DeviceIoBinding | None) -> tuple[np.ndarray | None, ...] | None:

@@ -326,3 +326,39 @@ def test_flags_of_a_run_left_unread_reach_its_binding_without_a_host_read(gather
     np.testing.assert_array_equal(a.read_logical(), table[[4, 4]])
     with pytest.raises(DeviceValidationError, match="flags=0x1"):
         b.read_logical()
+
+
+def test_committed_ranges_reserve_address_space_and_grow_it_in_place():
+    """A spec with committed_ranges gets a mapped-growth allocation (providers/cuda reserved.py): the address is
+    reserved at the capacity, memory is mapped as ranges are committed (from the start), a tail can be decommitted,
+    and the address never moves, so what was written stays. Without the ranges the pool serves it whole."""
+    from onnx_runtime.errors import NotSupportedError
+    from onnx_runtime_ep_cuda.vmm import MappedGrowthBuffer
+
+    nodes = [helper.make_node("Concat", ["past", "new"], ["present"], axis=2)]
+    model = make_model(nodes, [tensor_info("past", shape=[1, 2, "n", 4]), tensor_info("new", shape=[1, 2, 1, 4])],
+                       [tensor_info("present", shape=[1, 2, "m", 4])])
+    sess = _session(model)
+    rows = 1 << 17  # 4 MiB of float32 rows of 8 values: more than one 2 MiB granule
+    cache = sess.device_io_binding(DeviceBindingSpec.input("past", np.float32, (1, 2, rows, 4), (1, 2, 0, 4),
+                                                           output_name="present", committed_ranges=[(0, 64)]))
+    reserved = cache.buffer.provider_state
+    assert isinstance(reserved, MappedGrowthBuffer) and cache.nbytes == 8 * rows * 4
+    granule = reserved.granularity
+    assert cache.committed_bytes() == granule < cache.nbytes
+    address = cache.device_ptr
+    cache.write_bytes(0, np.arange(16, dtype=np.float32))
+    cache.commit_range(granule, 16)  # up to the end of the second granule
+    assert cache.committed_bytes() == 2 * granule and cache.device_ptr == address
+    np.testing.assert_array_equal(np.frombuffer(cache.read_bytes_range(0, 64), np.float32), np.arange(16))
+    with pytest.raises(InvalidArgumentError, match="only its tail"):
+        cache.decommit_range(0, 64)
+    cache.decommit_range(granule, cache.nbytes - granule)
+    assert cache.committed_bytes() == granule and reserved.unmaps == 1
+    whole = sess.device_io_binding(DeviceBindingSpec.input("new", np.float32, (1, 2, 1, 4)))
+    assert not isinstance(whole.buffer.provider_state, MappedGrowthBuffer) and whole.committed_bytes() == 32
+    with pytest.raises(NotSupportedError, match="nothing to decommit"):
+        whole.decommit_range(0, 32)
+    cache.close()
+    assert reserved.unmaps == reserved.maps and reserved._closed  # noqa: SLF001
+

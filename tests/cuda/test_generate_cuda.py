@@ -106,3 +106,28 @@ def test_the_command_replays_its_decode_step_on_a_device(monkeypatch, capsys):
                      "--providers", f"{CUDA},CPUExecutionProvider"]) == 0
     assert capsys.readouterr().out.split("\n")[0].split() == [str(t) for t in onnxruntime_greedy(path, PROMPT, 5)]
     assert made[0].at_capacity and made[0].session._executor.graphs.replays == 3  # noqa: SLF001
+
+
+def test_generate_commits_its_kv_cache_as_it_grows(monkeypatch):
+    """Eager generate reserves each KV cache at its capacity and commits it a logarithmic number of times as the
+    rows arrive; the tokens are onnxruntime's."""
+    import onnx_runtime as ort
+    from onnx_runtime.generate import Generator
+    from onnx_runtime.session.device_io_binding import DeviceIoBinding
+    from onnx_runtime_ep_cuda.vmm import MappedGrowthBuffer
+
+    commits, reserved = [], []
+    original = DeviceIoBinding.commit_range
+
+    def commit(self, offset, nbytes):
+        commits.append((self.input_name, offset, nbytes))
+        reserved.append(isinstance(self.buffer.provider_state, MappedGrowthBuffer))
+        original(self, offset, nbytes)
+
+    monkeypatch.setattr(DeviceIoBinding, "commit_range", commit)
+    path = _model("llama.torchscript.fp32")
+    tokens = Generator(ort.InferenceSession(path, providers=[CUDA, "CPUExecutionProvider"])).generate(PROMPT, 12).tokens
+    assert tokens == onnxruntime_greedy(path, PROMPT, 12)
+    caches = {name for name, _offset, _nbytes in commits}
+    assert caches and all(reserved) and all(name.startswith("past_key_values") for name in caches)
+    assert len(commits) == 2 * len(caches)  # 5 prompt rows, doubled to 10, then capped at the capacity of 17

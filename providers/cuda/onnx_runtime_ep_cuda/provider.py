@@ -35,6 +35,7 @@ from .graphs import DeviceGraphs
 from .ops.context import KernelContext
 from .ops.host_shapes import host_kernel, host_nodes
 from .ops.registry import declared_host_inputs, lookup, unsupported_reason
+from .reserved import ReservedAllocations
 from .sealed import SealedConstants
 from .validation import DeviceValidation
 
@@ -42,7 +43,7 @@ NAME = "CUDAExecutionProvider"
 OPTION_KEYS = ("device_id",)
 
 
-class CUDAExecutionProvider(SealedConstants, MemoryGovernance):
+class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocations):
     def __init__(self):
         self._device_index = 0
         self._device_id = DeviceId(DeviceType.CUDA, 0)  # made once: every allocation is stamped with it
@@ -169,7 +170,7 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance):
         device = self.cuda_device()
         if buffer.provider_state is None:
             raise InvalidArgumentError(f"{NAME}: {buffer!r} was not allocated by this provider")
-        if not device.closed:  # after process-exit release the memory went with the context
+        if not device.closed and not self.release_reserved(buffer):  # after process exit it went with the context
             device.free(buffer.provider_state)
         self._frees += 1
 
