@@ -129,6 +129,10 @@ def _crop_cases():
         for bias, residual in ((_r(3), _r(2, 3, 20)), (_e(1), _e(3))):
             cases.append(("epilogue.crop_bias_residual_activation",
                           (rows, np.empty((2, 3, 20), F32), 5, bias, residual, bounds)))
+    for dtype in (F32, np.float64):
+        x = _r(300, scale=30, dtype=dtype)
+        x[:3] = [np.nan, np.inf, -np.inf]
+        cases.append(("sigmoid.sigmoid_into", (x, np.empty(300, dtype))))
     return cases
 
 

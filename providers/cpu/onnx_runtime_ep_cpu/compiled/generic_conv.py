@@ -1,5 +1,6 @@
-"""numpy equivalents of the convolution loops that generic.py does not hold, with the same contract: the
-loop's effects and return value, within float32 rounding (deferred.py serves them while numba loads)."""
+"""numpy equivalents of loops that convolution networks run (the per-tap convolution's epilogue, a small
+Sigmoid: EfficientNet's SiLU and gates) that generic.py does not hold, with the same contract: the loop's effects
+and return value, within float32 rounding (deferred.py serves them while numba loads)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,13 @@ def crop_bias_residual_activation(rows, y, width, bias, residual, bounds):
     y[:, :, :lines * width] = _activate(part, bounds).reshape(images, channels, lines * width)
 
 
-_EPILOGUE = "onnx_runtime_ep_cpu.compiled.epilogue."
+def sigmoid_into(x, y):
+    one = x.dtype.type(1)
+    y[...] = one / (one + np.exp(-x))
+
+
+_COMPILED = "onnx_runtime_ep_cpu.compiled."
 GENERIC_CONV = {
-    _EPILOGUE + "crop_bias_residual_activation": crop_bias_residual_activation,
+    _COMPILED + "epilogue.crop_bias_residual_activation": crop_bias_residual_activation,
+    _COMPILED + "sigmoid.sigmoid_into": sigmoid_into,
 }
