@@ -66,10 +66,12 @@ class MemoryGovernanceSpec:
 
         A pool that sizes itself is a second claim on memory the governor is dividing; this hook ends that.
         Raise a :class:`ProviderError` when the tier cannot afford what the provider already holds: the model
-        does not fit, and saying so now beats failing at an unrelated allocation later.
+        does not fit, and saying so now beats failing at an unrelated allocation later. The core's governor
+        (``onnx_runtime.memory.DeviceGovernor``) also takes ``set_total(nbytes)``: a provider that knows the
+        device's memory reports it here, so a limit can be given as a fraction of it.
         Default: 0 (no standing pool; not a failure).
         Called by: the session at creation, for each device provider its nodes run on, with the
-        process governor's view of that device (memory/session.py).
+        process governor's view of that device (memory/session.py), before it applies the session's limits.
         """
 
     @hookspec(firstresult=True)
