@@ -4,9 +4,9 @@ on :class:`~onnx_runtime_ep_cuda.vmm.MappedGrowthBuffer`: what a ``DeviceIoBindi
 
 A mapped-growth buffer backs its address range from the start, one granule-rounded step at a time, so a
 committed range is served by growing the prefix up to its end, and only a tail (from an offset to the committed
-end) can be decommitted. An allocation whose committed ranges cover it all goes to the stream-ordered pool, as
-``allocate`` does. The buffer's address never changes, so a captured graph that recorded it stays valid while the
-binding grows.
+end) can be decommitted. An allocation whose committed ranges cover it all, or that fits in one granule (mapping
+would round it up to one anyway), comes whole from the stream-ordered pool, as ``allocate`` does. The buffer's
+address never changes, so a captured graph that recorded it stays valid while the binding grows.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from onnx_runtime.contract.buffers import DeviceBuffer
 from onnx_runtime.contract.defaults import check_range
 from onnx_runtime.errors import InvalidArgumentError, NotSupportedError
 
-from .vmm import MappedGrowthBuffer
+from .vmm import MappedGrowthBuffer, granularity
 
 __all__ = ["ReservedAllocations"]
 
@@ -31,8 +31,8 @@ class ReservedAllocations:
             if not 0 <= start <= stop <= size:
                 raise InvalidArgumentError(
                     f"{self.name()}: committed range {start}..{stop} is outside the {size}-byte allocation")
-        if any(start == 0 and stop == size for start, stop in ranges):
-            return self.allocate(size, alignment)  # everything committed: the stream-ordered pool
+        if any(start == 0 and stop == size for start, stop in ranges) or size <= granularity(self.cuda_device()):
+            return self.allocate(size, alignment)  # all of it committed, or one granule at most: the pool
         reserved = MappedGrowthBuffer(self.cuda_device(), size)
         try:
             reserved.grow(max((stop for _start, stop in ranges), default=0))
