@@ -8,6 +8,7 @@ import io
 import math
 
 import numpy as np
+from onnx_runtime import budget
 
 from ..algorithms.precision import compute_dtype
 from ..algorithms.sampling import cast_back, cubic_weights, gather_points, interp_dtype, linear_taps
@@ -126,6 +127,7 @@ def affine_grid(node, shapes, opset):
         if rank not in (2, 3) or theta.shape != (n, rank, rank + 1):
             raise argument_error(node, f"theta {theta.shape} and size {size.tolist()} do not match; "
                                         "expected (N, 2, 3) with (N, C, H, W) or (N, 3, 4) with (N, C, D, H, W)")
+        budget.check_shape((max(n, 1), *spatial, rank + 1), 8, "AffineGrid's grid")  # size comes from data
         axes = [_base_coords(s, align_corners) for s in spatial]
         mesh = np.meshgrid(*axes, indexing="ij")
         # Homogeneous points (x, y[, z], 1): x runs along the innermost dim.
