@@ -28,6 +28,19 @@ def _empty_like_type(info, leading: int = 0) -> np.ndarray:
     return np.empty((leading, *(shape or ())), dtype=dtype)
 
 
+def _check_body_inputs(node, body: Subgraph, values, first: int = 0) -> None:
+    """Values handed to the body must have the element types its inputs declare (onnxruntime checks them too):
+    a string state declared float reached the body's kernels as an internal TypeError."""
+    for info, value in zip(body.graph.inputs[first:], values):
+        declared = info.type.dtype if info.type.is_tensor else None
+        if declared is None or not isinstance(value, np.ndarray) or value.dtype == declared.numpy \
+                or (value.dtype.kind in "OUS" and declared.numpy.kind == "O"):
+            continue
+        raise InvalidArgumentError(f"node {node.name!r} ({node.op_type}): body input {info.name!r} is declared "
+                                   f"{declared.name} but is given {value.dtype}; feed that type or fix the body's "
+                                   f"declaration")
+
+
 def _outer(node, args, explicit: int) -> dict:
     return dict(zip(implicit_inputs(node), args[explicit:]))
 
@@ -59,6 +72,7 @@ def loop(node, shapes, opset, handle):
 
     def kernel(max_trip=None, cond=None, *rest):
         carried = list(rest[:carried_count])
+        _check_body_inputs(node, body, carried, first=2)
         outer = _outer(node, (max_trip, cond, *rest), explicit)
         trips = None if max_trip is None or np.asarray(max_trip).size == 0 else int(np.asarray(max_trip).reshape(-1)[0])
         keep_going = True if cond is None or np.asarray(cond).size == 0 else _scalar_bool(cond)
@@ -112,6 +126,7 @@ def _scan_attrs(node, scan_inputs: int, scan_outputs: int):
 
 def _run_scan(body: Subgraph, node, states: list, scans: list, outer: dict, attrs) -> list:
     in_axes, in_dirs, out_axes, out_dirs = attrs
+    _check_body_inputs(node, body, [*states, *scans])
     axes = [a + x.ndim if a < 0 else a for a, x in zip(in_axes, scans)]
     lengths = {x.shape[a] for a, x in zip(axes, scans)}
     if len(lengths) > 1:
