@@ -506,6 +506,42 @@ def drop_repeated_rounding(graph: Graph, owns=None) -> bool:
     return False
 
 
+def absorb_rounded_add(graph: Graph, owns=None) -> bool:
+    """A dequantizing QuantizedMatMul group (its float32 output) read only by an Add of a constant float32 row
+    (N,) or scalar, whose sum only a per-tensor 8-bit QuantizeDequantize reads: the quantization tools' MatMul
+    followed by its bias Add, each output rounded to its grid. The group adds the row and rounds the sum in the
+    same pass (inputs row, after_scale, after_zero; ops/qdq_linear.py), the same float32 operations as the two
+    nodes; the QuantizeDequantize's output becomes the group's."""
+    view = GraphView(graph)
+    for node in list(graph.nodes):
+        if node.op_type != "QuantizedMatMul" or node.domain != FUSED_DOMAIN or not node.attr("dequantize", 0) \
+                or len(node.inputs) > 9 or node.outputs[0] in view.outputs or node.outputs[0] in view.inner_reads:
+            continue
+        add = view.only_consumer(node.outputs[0], "Add")
+        if add is None or len(add.inputs) != 2 or add.inputs[0] == add.inputs[1] \
+                or add.outputs[0] in view.outputs or add.outputs[0] in view.inner_reads:
+            continue
+        row = add.inputs[1] if add.inputs[0] == node.outputs[0] else add.inputs[0]
+        value, weight = view.const(row), view.const(node.inputs[3])
+        columns = None if weight is None or weight.ndim != 2 else weight.shape[0 if node.attr("transB", 0) else 1]
+        if value is None or value.dtype != _F32 or value.ndim > 1 or columns is None or value.size not in (1, columns):
+            continue
+        readers = view.consumers.get(add.outputs[0], [])
+        rounding = readers[0] if len(readers) == 1 else None
+        if rounding is None or rounding.op_type != "QuantizeDequantize" or rounding.domain != FUSED_DOMAIN \
+                or rounding.inputs[0] != add.outputs[0] or not owned(owns, [node, add, rounding]):
+            continue
+        params = _slot_params(view, rounding, 1)
+        if params is None or params[1] is None or params[1].dtype not in _EIGHT_BIT or not _per_tensor(params) \
+                or params[0].dtype != _F32:
+            continue
+        node.inputs = [*node.inputs[:8], node.inputs[8] if len(node.inputs) > 8 else "", row, *rounding.inputs[1:3]]
+        node.outputs = [rounding.outputs[0]]
+        graph.nodes = [n for n in graph.nodes if n is not add and n is not rounding]
+        return True
+    return False
+
+
 def _early(graph_pass):
     graph_pass.before_optimizer = True  # the weights' DequantizeLinear nodes are still there to read
     return graph_pass
@@ -529,5 +565,6 @@ _MATMUL_GROUP_PASSES = [_early(until_fixed(fuse_quantized_matmul)), _early(until
 INTEGER_GROUP_PASSES = [_early(until_fixed(fuse_quantized_linear)), _early(until_fixed(absorb_quantize)),
                         _early(until_fixed(absorb_dequantize))]
 QDQ_PASSES = [*_MATMUL_GROUP_PASSES, until_fixed(fuse_quantize_dequantize), until_fixed(drop_repeated_rounding),
+              until_fixed(absorb_rounded_add),
               until_fixed(fuse_dynamic_matmul), until_fixed(fuse_dynamic_quantize_matmul),
               until_fixed(fuse_qlinear_matmul_bias)]

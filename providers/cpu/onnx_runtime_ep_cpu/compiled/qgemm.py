@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
-from .quantize import dynamic_parameters, requantize_affine, requantized_code
+from .quantize import dynamic_parameters, fake_quantize_row, requantize_affine, requantized_code
 
 _BLOCK = 32  # columns of packed B per pass over A: 32 rows of K int16 stay in the L1/L2 cache
 
@@ -144,6 +144,27 @@ def requantized_product(a, packed, multiplier, offset, consts, out):
     acc = np.empty((rows, packed.shape[0]), np.int32)
     _centred_product(centred, packed, acc)
     _finish(acc, multiplier, offset, consts, out)
+
+
+# The layout of ``after``, requantized_product_rounded's second rounding (float64): scale, zero point, code range.
+AFTER_SCALE, AFTER_ZERO, AFTER_LOW, AFTER_HIGH = range(4)
+
+
+@jit
+def requantized_product_rounded(a, packed, multiplier, offset, consts, row, after, out):
+    """requantized_product's float32 values (``consts[DEQUANTIZE]`` on), plus a float32 ``row`` (N,) or (1,)
+    added in float32, then rounded to the grid of ``after`` as QuantizeLinear -> DequantizeLinear round them
+    (fake_quantize_row): a QDQ MatMul whose bias Add comes after its output's rounding, the same float32
+    operations as the Add and QuantizeDequantize nodes, in the same pass."""
+    requantized_product(a, packed, multiplier, offset, consts, out)
+    s, z = np.float32(after[AFTER_SCALE]), np.float32(after[AFTER_ZERO])
+    lo, hi = np.float32(after[AFTER_LOW]), np.float32(after[AFTER_HIGH])
+    one = row.shape[0] == 1
+    for m in range(out.shape[0]):
+        line = out[m]
+        for n in range(line.shape[0]):
+            line[n] = line[n] + row[0 if one else n]
+        fake_quantize_row(line, s, z, lo, hi, line)
 
 
 @jit

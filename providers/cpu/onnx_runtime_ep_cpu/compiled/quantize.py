@@ -55,7 +55,8 @@ def dequantize(q, scale, zero, out):
 
 
 @jit
-def _fake_quantize_row(x, s, z, lo, hi, out):
+def fake_quantize_row(x, s, z, lo, hi, out):
+    """fake_quantize of one contiguous float32 row, with float32 s, z, lo and hi."""
     for i in range(x.shape[0]):
         v = np.rint(x[i] / s) + z
         v = lo if v < lo else v
@@ -71,7 +72,7 @@ def fake_quantize(x, scale, zero, low, high, out):
     lo, hi = np.float32(low), np.float32(high)
     for o in range(outer):
         for c in range(channels):
-            _fake_quantize_row(x[o, c], scale[c], np.float32(zero[c]), lo, hi, out[o, c])
+            fake_quantize_row(x[o, c], scale[c], np.float32(zero[c]), lo, hi, out[o, c])
 
 
 @jit

@@ -130,7 +130,10 @@ def quantized_matmul(node, shapes, opset):
             last[:] = [(columns, *constants), p]
         return p
 
-    def kernel(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero, bias=None):
+    rounded = Prepared()  # the rounded add's parameters per set of constant inputs
+
+    def kernel(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero, bias=None, row=None, after_scale=None,
+               after_zero=None):
         columns = _columns(b, trans_b)
         key = (columns, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, bias)
         seen = last[0]
@@ -138,8 +141,11 @@ def quantized_matmul(node, shapes, opset):
         if a.dtype is not (_F32 if quantize_a else p.a_dtype) or b.dtype is not (_F32 if quantize_b else p.b_dtype):
             _operand(node, "A", a, quantize_a, p.a_dtype)
             _operand(node, "B", b, quantize_b, p.b_dtype)
+        after = None if row is None else rounded.get(columns, (row, after_scale, after_zero), lambda: _rounded_add(
+            node, qgemm, columns, row, after_scale, after_zero, dequantize))
         if b.ndim != 2 or a.ndim < 1:
-            return (_stacked(node, qgemm, a, b, p),)
+            y = _stacked(node, qgemm, a, b, p)
+            return (y if after is None else _round_after(y, row, after),)
         depth = b.shape[1] if trans_b else b.shape[0]
         if a.shape[-1] != depth:
             raise argument_error(node, f"A {a.shape} and B {b.shape} (transB={int(trans_b)}) have different inner "
@@ -147,11 +153,42 @@ def quantized_matmul(node, shapes, opset):
         packed = p.packed[1] if p.packed is not None and p.packed[0] is b else _pack(qgemm, b, p, trans_b, quantize_b)
         out = np.empty(a.shape[:-1] + (columns,), p.out_dtype)
         if out.size:
-            qgemm.requantized_product(np.ascontiguousarray(a).reshape(out.size // columns, depth), packed,
-                                      p.multiplier, p.offset, p.consts, out.reshape(-1, columns))
+            flat = np.ascontiguousarray(a).reshape(out.size // columns, depth)
+            if after is None:
+                qgemm.requantized_product(flat, packed, p.multiplier, p.offset, p.consts, out.reshape(-1, columns))
+            else:
+                qgemm.requantized_product_rounded(flat, packed, p.multiplier, p.offset, p.consts, row.reshape(-1),
+                                                  after, out.reshape(-1, columns))
         return (out,)
 
     return kernel
+
+
+def _rounded_add(node, qgemm, columns: int, row, scale, zero, dequantize: bool) -> np.ndarray:
+    """The rounded add's parameters (qdq_fusions.absorb_rounded_add: a float32 row of 1 or N values added to the
+    group's float32 output, then rounded to a per-tensor 8-bit grid) as requantized_product_rounded's ``after``."""
+    if not dequantize:
+        raise argument_error(node, "a rounded add needs attribute 'dequantize' (it adds to float32 values)")
+    if row.dtype != _F32 or row.size not in (1, columns) or row.ndim > 1:
+        raise argument_error(node, f"input 'row' is {row.dtype}{row.shape}; expected float32 (1,) or ({columns},)")
+    after_scale = _scalar(node, "after_scale", scale, _F32)
+    after = np.zeros(4)
+    after[[qgemm.AFTER_SCALE, qgemm.AFTER_ZERO]] = after_scale, int(_scalar(node, "after_zero", zero))
+    after[[qgemm.AFTER_LOW, qgemm.AFTER_HIGH]] = integer_range(_eight_bit(node, "after_zero", zero))
+    return after
+
+
+def _round_after(y: np.ndarray, row: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """The rounded add on a float32 result computed elsewhere (stacked operands): add in float32, then the
+    compiled QuantizeLinear -> DequantizeLinear rounding."""
+    from ..compiled import qgemm, quantize
+
+    total = np.ascontiguousarray(y + row.reshape(-1), _F32)
+    out = np.empty_like(total)
+    quantize.fake_quantize(total.reshape(1, 1, -1), np.full(1, after[qgemm.AFTER_SCALE], _F32),
+                           np.full(1, after[qgemm.AFTER_ZERO], _F32), after[qgemm.AFTER_LOW], after[qgemm.AFTER_HIGH],
+                           out.reshape(1, 1, -1))
+    return out
 
 
 @register("QLinearMatMul", since=10)
