@@ -186,3 +186,16 @@ def test_nodes_the_pass_rewrites_drop_their_written_form():
         + feeds["positions"].astype(F16).astype(np.float64)  # 2045 and 2047 round to 2044 and 2048
     got = sess.run(None, feeds)[0]
     assert np.abs(got - exact).max() <= 1e-5 * np.abs(exact).max()
+
+
+def test_roundings_of_several_inputs_in_one_call_equal_each_rounded_alone():
+    """RoundToHalf over several float32 inputs rounds them in one buffer and returns views of it: each equals
+    its own rounding, in its own shape (a strided input and an empty one among them)."""
+    rng = np.random.default_rng(15)
+    inputs = [rng.standard_normal((1, 4, 16, 16)).astype(np.float32) * 1e4,
+              rng.standard_normal((6, 10)).astype(np.float32)[:, ::2], np.zeros((1, 4, 0, 16), np.float32),
+              np.full((3, 700), 2.0 ** -20, np.float32)]
+    outputs = round_to_half(_node("RoundToHalf", len(inputs), to=10), [], 1)(*inputs)
+    for got, x in zip(outputs, inputs):
+        assert got.shape == x.shape
+        _same_bits(got, x.astype(F16).astype(np.float32))

@@ -47,6 +47,10 @@ def _use_compiled(x: np.ndarray, conversion: str, half: np.dtype) -> bool:
     return x.size >= _COMPILED_FROM.get((conversion, half), _NEVER) and not numpy_first()
 
 
+def _use_compiled_size(size: int, half: np.dtype) -> bool:
+    return size >= _COMPILED_FROM.get(("round", half), _NEVER) and not numpy_first()
+
+
 def round_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``x`` rounded to the half-precision ``dtype`` (float16 or bfloat16) and kept in x's dtype: a Cast to
     ``dtype`` and back. float32 arrays take one compiled call; others convert twice."""
@@ -80,3 +84,20 @@ def narrow(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     out = np.empty(src.shape, np.int16)
     (compiled.float32_to_float16 if dtype == FLOAT16 else compiled.float32_to_bfloat16)(src, out)
     return out.view(dtype).reshape(x.shape)
+
+
+def round_all(arrays: tuple, dtype: np.dtype) -> tuple:
+    """``round_to`` of each array; float32 arrays together in one compiled call over one buffer (a decoder's
+    past keys and values: a call per array would cost more than its rounding), returned as views of it."""
+    dtype = np.dtype(dtype)
+    total = sum(x.size for x in arrays)
+    if len(arrays) < 2 or any(x.dtype != FLOAT32 for x in arrays) or not _use_compiled_size(total, dtype):
+        return tuple(round_to(x, dtype) for x in arrays)
+    src = np.concatenate([x.reshape(-1) for x in arrays])
+    out = np.empty_like(src)
+    (compiled.round_to_float16 if dtype == FLOAT16 else compiled.round_to_bfloat16)(src, out)
+    rounded, start = [], 0
+    for x in arrays:
+        rounded.append(out[start:start + x.size].reshape(x.shape))
+        start += x.size
+    return tuple(rounded)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidArgumentError
 
-from ..algorithms.precision import FLOAT32, HALF_FLOATS, narrow, round_to, widen
+from ..algorithms.precision import FLOAT32, HALF_FLOATS, narrow, round_all, widen
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ._common import graph_error
@@ -42,7 +42,7 @@ def round_to_half(node, shapes, opset):
 
     def kernel(*inputs):
         _check(node, inputs, lambda d: d.kind == "f", "a float tensor")
-        return tuple(round_to(x, dtype) for x in inputs)
+        return round_all(inputs, dtype)
 
     return kernel
 
