@@ -265,7 +265,8 @@ def shapes_of_inputs_read_from_inputs(graph: Graph, owns=None) -> bool:
                for source, target in zip(node.inputs, node.outputs)}
     changed = False
     for node in graph.nodes:
-        if node.op_type in _SHAPE_READERS and not node.domain and node.inputs and node.inputs[0] in sources:
+        if node.op_type in _SHAPE_READERS and not node.domain and node.inputs and node.inputs[0] in sources \
+                and (owns is None or owns(node)):
             node.inputs = [sources[node.inputs[0]], *node.inputs[1:]]
             changed = True
     return changed
