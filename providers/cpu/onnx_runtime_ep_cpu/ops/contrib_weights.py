@@ -13,6 +13,8 @@ not an instruction. GatherBlockQuantized gathers the packed rows first and dequa
 
 from __future__ import annotations
 
+from operator import is_
+
 import ml_dtypes
 import numpy as np
 from onnx_runtime.dtypes import DataType
@@ -137,13 +139,26 @@ class _NBitsShape:
 def matmul_nbits(node, shapes, opset):
     spec = _NBitsShape(node)
     prepared = Prepared()
+    small: list = [(), None, None]  # a dequantized small weight: its constant inputs, A's type then, the weight
 
     def kernel(a, b, scales, zero_points=None, g_idx=None, bias=None):
+        key = (b, scales, zero_points, g_idx, bias)
+        seen = small[0]
+        if len(seen) == 5 and a.dtype is small[1] and a.ndim >= 1 and a.shape[-1] == spec.k \
+                and all(map(is_, seen, key)):
+            # The same constants as the last call, checked then: the product at once (A already float32 stays
+            # uncopied)
+            y = np.asarray(np.matmul(a if a.dtype is _F32 else a.astype(_F32), small[2]))
+            if bias is not None:
+                y = y + bias.astype(_F32)
+            return (y.astype(a.dtype, copy=False),)
         spec.check(a, scales, bias)
         if g_idx is not None or spec.n * spec.k * 4 <= SMALL_WEIGHT_BYTES:
             weight_t = prepared.get("weights", (b, scales, zero_points, g_idx),
                                     lambda: np.ascontiguousarray(spec.weights(b, scales, zero_points, g_idx).T, _F32))
-            y = np.asarray(np.matmul(a.astype(_F32), weight_t))
+            if not any(v is not None and v.flags.writeable for v in key):
+                small[:] = [key, a.dtype, weight_t]
+            y = np.asarray(np.matmul(a if a.dtype is _F32 else a.astype(_F32), weight_t))
         else:
             y = _packed_product(spec, a, prepared.get("packed", (b, scales, zero_points),
                                                       lambda: spec.packed(b, scales, zero_points)))
