@@ -164,6 +164,42 @@ def test_generate_takes_a_memory_limit_and_a_weight_budget(cuda_driver_mode, cle
     assert weights["paged"] and weights["budget"] == budget and not made[0].at_capacity
     made.clear()  # the generator, its session and its bindings' buffers go, and their charges with them
     gc.collect()
+    tight = governor.used("cuda:0") + (64 << 10)  # what earlier tests' live buffers hold, and 64 KiB
     assert cli.main(["generate", str(path), "--prompt-ids", ids, "--max-new-tokens", "2", "--providers", providers,
-                     "--memory-limit", "64KiB"]) == 2
+                     "--memory-limit", str(tight)]) == 2
     assert "weights on CUDAExecutionProvider" in capsys.readouterr().err
+
+
+def test_committed_range_allocations_are_granted_by_the_adopted_governor_as_they_grow(cuda_driver_mode):
+    """A KV-cache style allocation (capacity reserved, a prefix committed) on an adopted provider: each growth is
+    charged as kv_cache before it is mapped, a growth past the budget is the governor's error and leaves the
+    committed prefix, and unmapping gives the bytes back."""
+    from onnx_runtime import ProviderHandle
+    from onnx_runtime.contract.residency import HolderId, Tier
+    from onnx_runtime.memory import MemoryBudgetError, ProcessMemoryGovernor
+    from onnx_runtime_ep_cuda import CUDAExecutionProvider
+    from onnx_runtime_ep_cuda.vmm import granularity
+
+    handle = ProviderHandle(CUDAExecutionProvider())
+    handle.initialize({})
+    try:
+        step = granularity(handle.provider.cuda_device())
+        governor = ProcessMemoryGovernor()
+        governor.set_limit("cuda:0", 3 * step)
+        handle.hook.adopt_memory_governor(governor=governor.device("cuda:0"), tier=Tier.DEVICE,
+                                          holder=HolderId("CUDAExecutionProvider pools"))
+        buffer = handle.hook.allocate_committed(size=8 * step, alignment=256, committed_ranges=[(0, 1)])
+        roles = governor.snapshot()[0]["roles"]
+        assert governor.used("cuda:0") == step and roles == {"kv_cache": step}
+        assert "CUDAExecutionProvider mapped growth" in next(iter(governor.snapshot()[0]["holders"]))
+        handle.hook.commit_allocation_range(buffer=buffer, offset=0, nbytes=2 * step + 1)
+        assert governor.used("cuda:0") == 3 * step == handle.hook.allocation_committed_bytes(buffer=buffer)
+        with pytest.raises(MemoryBudgetError, match="mapped growth.*short"):
+            handle.hook.commit_allocation_range(buffer=buffer, offset=0, nbytes=4 * step)
+        assert handle.hook.allocation_committed_bytes(buffer=buffer) == 3 * step
+        handle.hook.decommit_allocation_range(buffer=buffer, offset=step, nbytes=7 * step)
+        assert governor.used("cuda:0") == step
+        handle.hook.deallocate(buffer=buffer)
+        assert governor.used("cuda:0") == 0
+    finally:
+        handle.shutdown()
