@@ -33,7 +33,7 @@ class ReservedAllocations:
                     f"{self.name()}: committed range {start}..{stop} is outside the {size}-byte allocation")
         if any(start == 0 and stop == size for start, stop in ranges) or size <= granularity(self.cuda_device()):
             return self.allocate(size, alignment)  # all of it committed, or one granule at most: the pool
-        reserved = MappedGrowthBuffer(self.cuda_device(), size)
+        reserved = MappedGrowthBuffer(self.cuda_device(), size, **self.growth_governance())
         try:
             reserved.grow(max((stop for _start, stop in ranges), default=0))
         except BaseException:
