@@ -199,3 +199,22 @@ def test_roundings_of_several_inputs_in_one_call_equal_each_rounded_alone():
     for got, x in zip(outputs, inputs):
         assert got.shape == x.shape
         _same_bits(got, x.astype(F16).astype(np.float32))
+
+
+def test_half_input_read_only_for_its_shape_is_not_widened():
+    """A float16 input whose only reader is Shape (a reshape target) is not converted at all."""
+    rng = np.random.default_rng(16)
+    w = (rng.standard_normal((6, 6)) * 0.3).astype(F16)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Shape", ["like"], ["target"]),
+             helper.make_node("Reshape", ["h", "target"], ["y"])]
+    model = make_model(nodes, [tensor_info("x", 10, ["n", 6]), tensor_info("like", 10, ["n", 2, 3])],
+                       [tensor_info("y", 10, ["n", 2, 3])], [numpy_helper.from_array(w, "w")])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    widen = [node for node in sess.graph_for({"x": np.zeros((4, 6), F16), "like": np.zeros((4, 2, 3), F16)}).nodes
+             if node.op_type == "HalfToFloat"]
+    assert [node.inputs for node in widen] == [["x"]]
+    x = rng.standard_normal((4, 6)).astype(F16)
+    got = sess.run(None, {"x": x, "like": np.zeros((4, 2, 3), F16)})[0]
+    exact = (x.astype(np.float64) @ w.astype(np.float64)).reshape(4, 2, 3)
+    assert got.dtype == F16
+    np.testing.assert_allclose(got.astype(np.float64), exact, rtol=2.0 ** -10, atol=2.0 ** -10)

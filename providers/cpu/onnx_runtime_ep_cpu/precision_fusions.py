@@ -260,15 +260,24 @@ def shapes_of_inputs_read_from_inputs(graph: Graph, owns=None) -> bool:
     """Shape and Size read a half-precision graph input itself rather than its float32 copy (the optimizer's
     bypasses may have led them there): the specializer (session/specialize.py) gives the inputs each
     signature's shapes, but not the values made here, so only the inputs' Shape reads fold, and the
-    exporters' shape chains after them, for each signature."""
-    sources = {target: source for node in graph.nodes if node.op_type == "HalfToFloat" and node.domain == FUSED_DOMAIN
-               for source, target in zip(node.inputs, node.outputs)}
+    exporters' shape chains after them, for each signature. An input only those read is not widened."""
+    widenings = [node for node in graph.nodes if node.op_type == "HalfToFloat" and node.domain == FUSED_DOMAIN]
+    sources = {target: source for node in widenings for source, target in zip(node.inputs, node.outputs)}
     changed = False
     for node in graph.nodes:
         if node.op_type in _SHAPE_READERS and not node.domain and node.inputs and node.inputs[0] in sources \
                 and (owns is None or owns(node)):
             node.inputs = [sources[node.inputs[0]], *node.inputs[1:]]
+            node.proto = None
             changed = True
+    read = {name for node in graph.nodes for name in node.inputs} | {vi.name for vi in graph.outputs}
+    for node in widenings:
+        kept = [(source, target) for source, target in zip(node.inputs, node.outputs) if target in read]
+        if len(kept) < len(node.outputs):
+            node.inputs, node.outputs = [source for source, _ in kept], [target for _, target in kept]
+            changed = True
+    emptied = {id(node) for node in widenings if not node.outputs}
+    graph.nodes = [node for node in graph.nodes if id(node) not in emptied]
     return changed
 
 
