@@ -209,10 +209,12 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
     else:
         chosen = build() if build is not None else numpy_compute(geo, group, x, w, prepared, dtype)
 
+    # (compute, blocks, reads_shuffled), read once per call: runs from several threads see one whole choice
+    current: list[tuple] = [(None, False, False)]
+
     def take(choice) -> None:
-        nonlocal compute, blocks, reads_shuffled
         compute, blocks = choice
-        reads_shuffled = getattr(compute, "reads_shuffled", False)
+        current[0] = (compute, blocks, getattr(compute, "reads_shuffled", False))
         # The packed convolution, direct tiles and depthwise lanes, for callers that pass bias, residual and
         # activation straight (a call costs a few microseconds of Python less than through ``path``).
         path.direct = compute if isinstance(compute, _DIRECT) else None
@@ -222,9 +224,11 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
         packed convolution when ``out`` is C-contiguous: one image's channels of a larger tensor); with
         ``shuffle`` (a _ChannelShuffle), of x's channels shuffled."""
         nonlocal pending
-        if pending is not None and not deferred.numpy_first():
-            build, pending = pending, None
-            take(build())
+        builder = pending
+        if builder is not None and not deferred.numpy_first():
+            pending = None  # (two threads may both build it: the same algorithm, the last one kept)
+            take(builder())
+        compute, blocks, reads_shuffled = current[0]
         if shuffle is not None and not reads_shuffled:
             x, shuffle = shuffle.apply(x), None
         xc = x.astype(dtype, copy=False)
@@ -242,7 +246,6 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
                 finish.rows(y.reshape(n, m, math.prod(geo.out)), 0, math.prod(geo.out))
         return y.reshape(out_shape).astype(x.dtype, copy=False)
 
-    compute, blocks, reads_shuffled = None, False, False
     take(chosen)
     return path
 
