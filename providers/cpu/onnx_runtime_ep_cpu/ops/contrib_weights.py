@@ -146,9 +146,9 @@ def matmul_nbits(node, shapes, opset):
         seen = small[0]
         if len(seen) == 5 and a.dtype is small[1] and a.ndim >= 1 and a.shape[-1] == spec.k \
                 and all(map(is_, seen, key)):
-            # The same constants as the last call, checked then: the product at once (A already float32 stays
-            # uncopied)
-            y = np.asarray(np.matmul(a if a.dtype is _F32 else a.astype(_F32), small[2]))
+            # The same constants as the last call, checked then: the product at once (a contiguous float32 A is
+            # not copied; a strided one is, as BLAS needs rows of unit stride)
+            y = np.asarray(np.matmul(np.ascontiguousarray(a, _F32), small[2]))
             if bias is not None:
                 y = y + bias.astype(_F32)
             return (y.astype(a.dtype, copy=False),)
@@ -158,7 +158,7 @@ def matmul_nbits(node, shapes, opset):
                                     lambda: np.ascontiguousarray(spec.weights(b, scales, zero_points, g_idx).T, _F32))
             if not any(v is not None and v.flags.writeable for v in key):
                 small[:] = [key, a.dtype, weight_t]
-            y = np.asarray(np.matmul(a if a.dtype is _F32 else a.astype(_F32), weight_t))
+            y = np.asarray(np.matmul(np.ascontiguousarray(a, _F32), weight_t))
         else:
             y = _packed_product(spec, a, prepared.get("packed", (b, scales, zero_points),
                                                       lambda: spec.packed(b, scales, zero_points)))
