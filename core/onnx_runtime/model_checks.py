@@ -366,13 +366,27 @@ _TYPED_DOMAINS = frozenset({"", "ai.onnx.ml", "ai.onnx.preview", "ai.onnx.previe
 
 def check_types(graph: onnx.GraphProto, opsets: dict[str, int], label: str) -> None:
     """Raise ``InvalidGraphError`` for a node of ``graph`` (shape-inferred) fed an element type its schema does not
-    allow, or inputs of one type parameter of different types. Values of unknown type pass."""
+    allow, or inputs of one type parameter of different types. Values of unknown type pass. Subgraphs are checked
+    too, seeing their enclosing graphs' values (a float fed to a Reshape's shape inside a Scan body reached the
+    kernel)."""
+    _check_graph_types(graph, opsets, label, {})
+
+
+def _declared_types(graph: onnx.GraphProto, outer: dict[str, str]) -> dict[str, str]:
+    """The type strings ``graph`` declares (initializers first), over its enclosing graphs' (which it shadows)."""
     known: dict[str, str] = {init.name: _type_string(init.data_type) for init in graph.initializer}
     for vi in (*graph.input, *graph.value_info, *graph.output):
         given = _value_type_string(vi.type)
         if given is not None and vi.name not in known:
             known[vi.name] = given
+    return {**outer, **known}
+
+
+def _check_graph_types(graph: onnx.GraphProto, opsets: dict[str, int], label: str, outer: dict[str, str]) -> None:
+    known = _declared_types(graph, outer)
     for node in graph.node:
+        for body in _subgraphs(node):
+            _check_graph_types(body, opsets, label, known)
         domain = "" if node.domain == "ai.onnx" else node.domain
         version = opsets.get(domain)
         formals = _input_types(node.op_type, domain, version) if version is not None and domain in _TYPED_DOMAINS \

@@ -270,3 +270,22 @@ def test_cast_1_names_its_type_and_runs(to):
     session = ort.InferenceSession(_cast(to, 1).SerializeToString(), providers=["CPUExecutionProvider"])
     result = session.run(None, {"x": np.array([1.5, -2.0], np.float32)})[0]
     assert result.dtype == (np.float32 if to == "FLOAT" else np.float64) and result.tolist() == [1.5, -2.0]
+
+
+def test_types_are_checked_inside_subgraphs_with_the_enclosing_values():
+    # Fuzz seed 43: a Scan body's Reshape rewired to a float shape reached the kernel (a TypeError inside a
+    # KernelError). The branch reads the outer float 's' as Reshape's shape.
+    from onnx_runtime.model_checks import check_types
+
+    then = helper.make_graph([helper.make_node("Reshape", ["x", "s"], ["t"])], "then", [], [tensor("t", shape=None)])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["e"])], "else", [], [tensor("e", shape=None)])
+    outer = model([helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)],
+                  [tensor("x", shape=[4]), tensor("s", shape=[1]), tensor("c", TensorProto.BOOL, [])],
+                  [tensor("y", shape=None)])
+    with pytest.raises(InvalidGraphError, match=r"a Reshape node in model m: input 1 \('s'\) is tensor\(float\); "
+                                                r"its schema allows tensor\(int64\)"):
+        check_types(outer.graph, {"": 17}, "m")
+    # Declared int64 inside the branch (shadowing the outer float), it passes.
+    branch = next(a.g for a in outer.graph.node[0].attribute if a.name == "then_branch")
+    branch.value_info.append(tensor("s", TensorProto.INT64, [1]))
+    check_types(outer.graph, {"": 17}, "m")
