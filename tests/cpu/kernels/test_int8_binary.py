@@ -26,6 +26,8 @@ LAYOUTS = [
     ((4, 37), (37,), (4, 37), (37, 1), (0, 1)),  # a repeated trailing row
     ((2, 3, 5), (2, 3, 1), (6, 5), (5, 1), (1, 0)),  # one value per row (per channel)
     ((1,), (3, 7), (1, 21), (0, 0), (21, 1)),  # a scalar
+    ((8, 5), (8, 1), (8, 5), (5, 1), (1, 0)),  # short rows, one value per row: element by element
+    ((40, 1), (40, 1), (40, 1), (1, 1), (1, 0)),  # rows of one
 ]
 
 

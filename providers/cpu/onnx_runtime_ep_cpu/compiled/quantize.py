@@ -116,6 +116,9 @@ def dynamic_quantize(x, out):
     return scale, zero
 
 
+_SHORT_ROW = 16  # requantize_binary's rows shorter than this: element by element
+
+
 @jit
 def _operand_row(x, step, row, cols, buffer):
     """Row ``row`` of a requantize_binary operand as a contiguous 1-D array: a view of the data, or ``buffer``
@@ -161,6 +164,18 @@ def requantize_binary(a, a_step, b, b_step, zeros, scales, low, high, multiply, 
     sa, sb, sc = scales[0], scales[1], scales[2]
     factor = sa * sb / sc
     lo, hi = np.float64(low), np.float64(high)
+    if cols < _SHORT_ROW:  # a row costs a view or a fill: short rows (one value per row) go element by element
+        for r in range(rows):
+            a_row, b_row = r * a_step[0], r * b_step[0]
+            for c in range(cols):
+                x = np.float64(np.int32(a[a_row + c * a_step[1]]) - za)
+                y = np.float64(np.int32(b[b_row + c * b_step[1]]) - zb)
+                v = x * y * factor if multiply else (sa * x + sb * y) / sc
+                v = np.rint(v) + zc
+                v = lo if v < lo else v
+                v = hi if v > hi else v
+                out[r, c] = np.int32(v)
+        return
     a_buffer = np.empty(cols if a_step[1] == 0 else 0, a.dtype)
     b_buffer = np.empty(cols if b_step[1] == 0 else 0, b.dtype)
     for r in range(rows):
