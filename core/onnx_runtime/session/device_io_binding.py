@@ -390,10 +390,15 @@ class DeviceIoBinding:
     # -- shapes ---------------------------------------------------------------------------------------
     def set_logical_shape(self, shape) -> None:
         shape = tuple(shape)
-        if shape != self._logical:  # a decode loop sets the same shape most steps
-            shape = _shape(shape, f"logical shape of {self.label}")
-            _check_logical(self.label, self._physical, shape)
-            self._logical = shape
+        if shape == self._logical:  # a decode loop sets the same shape most steps
+            return
+        physical = self._physical
+        if len(shape) == len(physical) and all(type(d) is int and 0 <= d <= c for d, c in zip(shape, physical)):
+            self._logical = shape  # the common case, checked without building the messages' label
+            return
+        shape = _shape(shape, f"logical shape of {self.label}")
+        _check_logical(self.label, physical, shape)
+        self._logical = shape
 
     def set_physical_and_logical_shapes(self, physical_shape, logical_shape) -> None:
         physical = _shape(physical_shape, f"physical shape of {self.label}")
