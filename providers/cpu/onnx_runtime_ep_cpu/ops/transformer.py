@@ -538,6 +538,15 @@ def _modifier(node, attr: str, handle) -> Subgraph | None:
     return Subgraph(graph, [handle])
 
 
+def _modified(node, attr: str, given: np.ndarray, outputs: list) -> np.ndarray:
+    """A modifier subgraph's result, which must keep the shape it was given (a scalar reached softmax's axis)."""
+    result = np.asarray(outputs[0])
+    if result.shape != given.shape:
+        raise argument_error(node, f"subgraph {attr!r} returned shape {result.shape}; it must return the shape it "
+                                   f"is given, {given.shape}")
+    return result
+
+
 @register("FlexAttention", domain="ai.onnx.preview", since=1, needs=("handle",))
 def flex_attention(node, shapes, opset, handle):
     score_mod = _modifier(node, "score_mod", handle)
@@ -560,10 +569,10 @@ def flex_attention(node, shapes, opset, handle):
         queries = q.astype(dtype) * dtype.type(scale)
         scores = grouped_matmul(queries, k.astype(dtype, copy=False).swapaxes(-1, -2))
         if score_mod is not None:
-            scores = np.asarray(score_mod.run([scores.astype(mod_dtype, copy=False)], outer)[0])
+            scores = _modified(node, "score_mod", scores, score_mod.run([scores.astype(mod_dtype, copy=False)], outer))
         probs = softmax_(scores.astype(softmax_dtype))
         if prob_mod is not None:
-            probs = np.asarray(prob_mod.run([probs.astype(mod_dtype, copy=False)], outer)[0])
+            probs = _modified(node, "prob_mod", probs, prob_mod.run([probs.astype(mod_dtype, copy=False)], outer))
         y = grouped_matmul(probs.astype(dtype, copy=False), v.astype(dtype, copy=False))
         return (y.astype(v.dtype, copy=False),)
 
