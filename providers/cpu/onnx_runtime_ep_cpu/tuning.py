@@ -91,7 +91,7 @@ class Knobs:
     #: Float32 products of constant weights with fewer multiply-adds than this take BLAS and the compiled
     #: epilogue instead of the packed product (compiled/matmul.py), whose call costs a few microseconds more
     #: (its compiled caller's many arguments): a short sequence's products through 64-wide layers.
-    packed_macs: int = 3 << 17
+    packed_macs: int = 1 << 19
     #: A few-row product that runs on one thread (one thread set, or too few weights to split) takes BLAS
     #: below this many multiply-adds: there compiled/gemv.py's loops are no faster and cost about a
     #: microsecond more per call (a decode step's 64-wide products: 1.7-3.7 us against BLAS's 0.9-3.0).

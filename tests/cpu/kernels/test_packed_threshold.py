@@ -1,6 +1,7 @@
 """Float32 products of constant weights below the packed_macs knob (a short sequence through 64-wide layers) take
-BLAS and the compiled epilogue, larger ones the packed product (compiled/matmul.py); both give float64's results,
-for MatMul and for FusedMatMul with its bias, Gelu and residual, through the kernels made for one shape too."""
+BLAS and the compiled epilogue, larger ones the packed product (compiled/matmul.py; with a Gelu epilogue from
+linalg.GELU_PACKED_FACTOR times the knob); both give float64's results, for MatMul and for FusedMatMul with its
+bias, Gelu and residual, through the kernels made for one shape too."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _constant(shape) -> np.ndarray:
 
 # (rows, depth, width): a prefill of 16 tokens through 64-wide layers (below the knob), and larger products.
 SMALL = [(16, 64, 64), (16, 64, 192), (24, 256, 64)]
-LARGE = [(64, 96, 128), (16, 64, 1000)]
+LARGE = [(64, 96, 128), (16, 64, 1000), (128, 128, 512)]
 
 
 @pytest.mark.parametrize("shape_known", [False, True])
@@ -49,8 +50,9 @@ def test_products_take_the_packed_product_from_the_knob_on(monkeypatch, shape_kn
     tolerance = 1e-5 * np.sqrt(depth)
     np.testing.assert_allclose(plain, product, rtol=1e-5, atol=tolerance)
     np.testing.assert_allclose(fused, gelu + residual, rtol=1e-5, atol=tolerance)
-    packed = rows * depth * width >= KNOBS.packed_macs
-    assert len(taken) == (2 if packed else 0), (rows, depth, width, KNOBS.packed_macs)
+    macs = rows * depth * width  # MatMul from the knob on, FusedMatMul with Gelu from GELU_PACKED_FACTOR times it
+    expected = (macs >= KNOBS.packed_macs) + (macs >= linalg.GELU_PACKED_FACTOR * KNOBS.packed_macs)
+    assert len(taken) == expected, (rows, depth, width, KNOBS.packed_macs)
 
 
 def test_the_knob_moves_the_choice(monkeypatch, knobs):
