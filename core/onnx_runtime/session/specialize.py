@@ -40,29 +40,33 @@ MAX_ROUNDS = 6
 
 class _Template:
     """A signature with some dimensions symbolic: per input, per axis, an int or a symbol's index; the
-    symbols' dimensions must agree with one another."""
+    symbols' dimensions must agree with one another. A decode loop's every step (a new past length) is
+    matched against it: the checks are laid out flat once, per (input, axis)."""
 
-    __slots__ = ("dims", "symbols")
+    __slots__ = ("dims", "symbols", "_ranks", "_fixed", "_symbolic")
 
     def __init__(self, dims: tuple, symbols: int):
         self.dims = dims
         self.symbols = symbols
+        self._ranks = tuple(len(shape) for shape in dims)
+        self._fixed = tuple((i, axis, want) for i, shape in enumerate(dims) for axis, want in enumerate(shape)
+                            if isinstance(want, int))
+        self._symbolic = tuple((i, axis, want[0]) for i, shape in enumerate(dims) for axis, want in enumerate(shape)
+                               if not isinstance(want, int))
 
     def matches(self, signature: tuple) -> bool:
-        values: list = [None] * self.symbols
-        for want_shape, shape in zip(self.dims, signature):
-            if len(want_shape) != len(shape):
+        if tuple([len(shape) for shape in signature]) != self._ranks:
+            return False
+        for i, axis, want in self._fixed:
+            if signature[i][axis] != want:
                 return False
-            for want, got in zip(want_shape, shape):
-                if isinstance(want, int):
-                    if want != got:
-                        return False
-                else:
-                    index = want[0]
-                    if values[index] is None:
-                        values[index] = got
-                    elif values[index] != got:
-                        return False
+        values: list = [None] * self.symbols
+        for i, axis, symbol in self._symbolic:
+            got, seen = signature[i][axis], values[symbol]
+            if seen is None:
+                values[symbol] = got
+            elif seen != got:
+                return False
         return True
 
 
