@@ -127,9 +127,12 @@ def _check_counts(node: onnx.NodeProto, domain: str, where: str, fix: str) -> No
     for attr in node.attribute:
         if attr.name in ("to", "dtype") and attr.type in (onnx.AttributeProto.INT, onnx.AttributeProto.STRING):
             _check_element_type_attribute(node, attr, where, fix)
-    if node.op_type not in ("Split", "Scan"):
+    if node.op_type not in ("Split", "Scan", "GatherND"):
         return
     counts = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+    if node.op_type == "GatherND" and counts.get("batch_dims", 0) < 0:  # onnx's inference indexes by it: a segfault
+        raise InvalidGraphError(f"{_node_label(node)} in {where}: batch_dims is {counts['batch_dims']}; it counts "
+                                f"leading dimensions and must be >= 0; {fix}")
     if node.op_type == "Split" and "num_outputs" in counts and counts["num_outputs"] != _given(node.output):
         raise InvalidGraphError(f"{_node_label(node)} in {where} has {_given(node.output)} outputs but num_outputs "
                                 f"{counts['num_outputs']}; {fix}")

@@ -80,7 +80,15 @@ def layer_norm_statistics(axis):
     return build
 
 
+def gather_nd_negative_batch_dims():
+    # Fuzz seed 44: onnx's GatherND inference indexes by batch_dims; -2 crashed the process (SIGSEGV).
+    node = helper.make_node("GatherND", ["d", "i"], ["o"], batch_dims=-2)
+    return model([node], [tensor("d", TensorProto.INT32, [2, 2, 2]), tensor("i", TensorProto.INT64, [2, 1])],
+                 [tensor("o", TensorProto.INT32, None)], opsets=(("", 13),))
+
+
 @pytest.mark.parametrize("build, expected", [
+    (gather_nd_negative_batch_dims, "batch_dims is -2; it counts leading dimensions and must be >= 0"),
     # onnx sizes Mean/InvStdDev by the axis unchecked: -5 hung shape inference, 2**31 crashed it (SIGSEGV).
     (layer_norm_statistics(-5), "axis -5 is outside [-3, 3)"),
     (layer_norm_statistics(2**31), "axis 2147483648 is outside [-3, 3)"),
