@@ -255,6 +255,7 @@ def max_unpool(node, shapes, opset):
         inferred = x.shape[:2] + tuple((n - 1) * s - pb - pe + k for n, s, pb, pe, k
                                        in zip(x.shape[2:], strides, pads[:rank], pads[rank:], kshape))
         total = math.prod(inferred)
+        budget.check_shape(inferred, x.dtype.itemsize, "MaxUnpool's output")  # strides size it: before allocating
         if indices.size and (indices.min() < 0 or indices.max() >= total):
             raise argument_error(node, f"indices must lie in [0, {total}) for the unpooled shape {inferred}")
         y = np.zeros(total, dtype=x.dtype)
@@ -265,6 +266,7 @@ def max_unpool(node, shapes, opset):
         target = tuple(int(v) for v in output_shape.reshape(-1))
         if len(target) != x.ndim:
             raise argument_error(node, f"output_shape {list(target)} must have {x.ndim} values")
+        budget.check_shape(target, x.dtype.itemsize, "MaxUnpool's output_shape")
         result = np.zeros(target, dtype=x.dtype)
         overlap = tuple(slice(0, min(a, b)) for a, b in zip(inferred, target))
         result[overlap] = y[overlap]
