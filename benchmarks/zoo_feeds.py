@@ -86,18 +86,25 @@ def grown(call: dict, extra: int) -> dict:
     return {**call, "feeds": feeds}
 
 
-class GrowingDecode:
-    """A decode call as a generation loop makes it: each call one token further than the last, so no two timed
-    calls share input shapes (a runtime that keeps work per input shapes gains nothing from the repetition a
-    fixed feed would give it). ``advance()`` makes the next call's inputs outside any timing; every runtime
-    timed with its own instance walks the same lengths in the same order."""
+# Decode steps per generation: the zoo decoders hold 128 positions, their decode call starts after 16 cached tokens.
+GENERATION_STEPS = 96
 
-    def __init__(self, call: dict, run):
-        self.call, self.run, self.extra = call, run, 0
+
+class GrowingDecode:
+    """A decode call as a generation loop makes it: each call one token further than the last, for
+    ``GENERATION_STEPS`` calls, then the next generation through the same lengths (as a server answering many
+    prompts does), so consecutive timed calls never share input shapes. ``advance()`` makes the next call's
+    inputs outside any timing; every runtime timed with its own instance walks the same lengths in the same
+    order."""
+
+    def __init__(self, call: dict, run, steps: int = GENERATION_STEPS):
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, not {steps}")
+        self.call, self.run, self.steps, self.extra = call, run, steps, 0
         self.feed = make_feeds(call)
 
     def advance(self) -> None:
-        self.extra += 1
+        self.extra = (self.extra + 1) % self.steps
         self.feed = make_feeds(grown(self.call, self.extra))
 
     def __call__(self):

@@ -73,6 +73,10 @@ def test_growing_decode_walks_one_consistent_sequence():
             seen.append(next(v.shape for k, v in feed.items()
                              if k.startswith("past_key_values.") and ".encoder." not in k)[2])
         assert seen == [past_length(call) + k for k in range(3)]
+        wrapping = GrowingDecode(call, lambda feed: feed, steps=2)
+        wrapping.advance()
+        wrapping.advance()  # the next generation starts again at the manifest's length
+        assert wrapping.extra == 0
     with pytest.raises(ValueError, match="extra"):
         grown(DECODERS[0]["calls"]["decode"], -1)
 
