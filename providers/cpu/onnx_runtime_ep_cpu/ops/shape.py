@@ -70,6 +70,9 @@ def reshape_to(x, shape, allowzero=False):
 @register("Reshape", since=1)
 def reshape_v1(node, shapes, opset):
     shape = node.attr("shape")
+    if shape is None:  # Reshape-1 reads its target from the attribute; without one there is nothing to give
+        raise InvalidGraphError(f"node {node.name!r} (Reshape-1): attribute 'shape' is missing; this version takes "
+                                f"the target shape as an attribute (opset 5 and later take it as input 1)")
     return lambda x: (reshape_to(x, shape),)
 
 
