@@ -111,3 +111,22 @@ def test_a_loop_carried_value_of_another_type_than_the_body_declares_is_refused(
     with pytest.raises(ort.errors.InvalidArgumentError,
                        match=r"\(Loop\): body input 'x_in' is declared FLOAT but is given float64"):
         session.run(None, feeds)
+
+
+def test_a_scan_body_taking_more_values_than_the_node_gives_is_refused():
+    # Fuzz seed 44: a Scan with two inputs and num_scan_inputs 1 gave its three-input body two values; the third
+    # reached the body's Add as None (a TypeError inside a KernelError).
+    def values(*names):
+        return [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2]) for name in names]
+
+    body = helper.make_graph([helper.make_node("Add", ["s_in", "n"], ["s_out"]),
+                              helper.make_node("Identity", ["m"], ["o"])], "body", values("s_in", "m", "n"),
+                             values("s_out", "o"))
+    graph = helper.make_graph([helper.make_node("Scan", ["s", "x"], ["y", "z"], body=body, num_scan_inputs=1)], "g",
+                              [helper.make_tensor_value_info("s", TensorProto.FLOAT, [2]),
+                               helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 2])],
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y", "z")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)]).SerializeToString()
+    with pytest.raises(ort.errors.InvalidGraphError, match=r"\(Scan\): attribute 'body' has 3 inputs; it must take 2"):
+        session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+        session.run(None, {"s": np.zeros(2, np.float32), "x": np.ones((3, 2), np.float32)})

@@ -41,6 +41,13 @@ def _check_body_inputs(node, body: Subgraph, values, first: int = 0) -> None:
                                    f"declaration")
 
 
+def _check_body_arity(node, body: Subgraph, given: int, what: str) -> None:
+    """The body takes exactly the values the node hands it (a missing one reached a kernel as None)."""
+    if len(body.input_names) != given:
+        raise InvalidGraphError(f"node {node.name!r} ({node.op_type}): attribute 'body' has {len(body.input_names)} "
+                                f"inputs; it must take {given} ({what})")
+
+
 def _outer(node, args, explicit: int) -> dict:
     return dict(zip(implicit_inputs(node), args[explicit:]))
 
@@ -69,6 +76,7 @@ def loop(node, shapes, opset, handle):
             f"condition plus one per loop-carried value ({carried_count})"
         )
     scan_types = body.output_types[1 + carried_count:]
+    _check_body_arity(node, body, 2 + carried_count, "the iteration number, the condition and each loop-carried value")
 
     def kernel(max_trip=None, cond=None, *rest):
         carried = list(rest[:carried_count])
@@ -162,6 +170,7 @@ def scan(node, shapes, opset, handle):
     scan_inputs = int(node.attr("num_scan_inputs"))
     explicit = len(node.inputs)
     state_count = explicit - scan_inputs
+    _check_body_arity(node, body, explicit, "one per state and per scan input of the node")
     attrs = _scan_attrs(node, scan_inputs, len(body.output_names) - state_count)
 
     def kernel(*args):
@@ -179,6 +188,7 @@ def scan_8(node, shapes, opset, handle):
     scan_inputs = int(node.attr("num_scan_inputs"))
     explicit = len(node.inputs)
     state_count = explicit - 1 - scan_inputs
+    _check_body_arity(node, body, explicit - 1, "one per state and per scan input after sequence_lens")
     directions = list(node.attr("directions", [0] * scan_inputs))
     attrs = ([0] * scan_inputs, directions, [0] * (len(body.output_names) - state_count),
              [0] * (len(body.output_names) - state_count))
