@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError
 
 from ..algorithms.normalization import (
@@ -249,9 +250,12 @@ def lrn(node, shapes, opset):
     from ..compiled import lrn as loops  # numba loads only for models with LRN
 
     def kernel(x):
+        if x.ndim < 2:
+            raise InvalidArgumentError(f"node {node.name!r} (LRN): X has shape {x.shape}; expected (N, C, ...)")
         if takes_compiled(x) and x.ndim >= 3 and x.size:
             return (lrn_compiled(loops, x, size, before, alpha, beta, bias),)
         xc = upcast(x)
+        budget.check_shape((x.shape[0], x.shape[1] + size - 1, *x.shape[2:]), 8, "LRN's padded squares")
         squares = np.zeros((x.shape[0], x.shape[1] + size - 1, *x.shape[2:]), dtype=xc.dtype)
         np.square(xc, out=squares[:, before:before + x.shape[1]])
         total = squares[:, : x.shape[1]].copy()
