@@ -47,8 +47,10 @@ DIRECT_CASES = [
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_direct_conv_is_taken_and_within_the_rounding_bound(monkeypatch, x_shape, w_shape, attrs, with_bias, dtype):
-    # On AVX2 hosts the register tiles take 2-D float32 convolutions first (test_direct_conv.py covers them).
+    # The register tiles (AVX2) and the packed convolution (AVX-512) take 2-D float32 convolutions first
+    # (test_direct_conv.py and test_packed_conv.py cover them).
     monkeypatch.setattr(conv_path, "direct_tiles_apply", lambda geo, group, x, w: False)
+    monkeypatch.setattr(conv_path, "packed_conv_applies", lambda geo, group, x: False)
     calls = _spy(monkeypatch, smallconv, "conv_gathered")
     x, w = rand(*x_shape, dtype=dtype), rand(*w_shape, dtype=dtype)
     b = rand(w_shape[0], dtype=dtype) if with_bias else None
