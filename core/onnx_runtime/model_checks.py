@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 
 import onnx
@@ -127,6 +128,11 @@ def _check_counts(node: onnx.NodeProto, domain: str, where: str, fix: str) -> No
     for attr in node.attribute:
         if attr.name in ("to", "dtype") and attr.type in (onnx.AttributeProto.INT, onnx.AttributeProto.STRING):
             _check_element_type_attribute(node, attr, where, fix)
+        if node.op_type == "Einsum" and attr.name == "equation" and not _EINSUM.match(attr.s.decode(errors="replace")):
+            # onnx's Einsum inference loops forever on some malformed equations ("...\x07i ->(..i").
+            raise InvalidGraphError(f"{_node_label(node)} in {where}: equation {attr.s!r} is not an einsum equation "
+                                    f"(comma-separated terms of letters, one '...' at most each, optional '->' and "
+                                    f"output term); {fix}")
     if node.op_type not in ("Split", "Scan", "GatherND"):
         return
     counts = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
@@ -139,6 +145,10 @@ def _check_counts(node: onnx.NodeProto, domain: str, where: str, fix: str) -> No
     if node.op_type == "Scan" and not 1 <= counts.get("num_scan_inputs", 1) <= len(node.input):
         raise InvalidGraphError(f"{_node_label(node)} in {where}: num_scan_inputs {counts['num_scan_inputs']} is not "
                                 f"in [1, {len(node.input)}] (its input count); {fix}")
+
+
+_EINSUM_TERM = r"[A-Za-z]*(?:\.\.\.[A-Za-z]*)?"
+_EINSUM = re.compile(rf"^ *{_EINSUM_TERM}(?: *, *{_EINSUM_TERM})* *(?:-> *{_EINSUM_TERM} *)?$")
 
 
 def _check_element_type_attribute(node: onnx.NodeProto, attr: onnx.AttributeProto, where: str, fix: str) -> None:

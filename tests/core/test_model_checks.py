@@ -87,7 +87,14 @@ def gather_nd_negative_batch_dims():
                  [tensor("o", TensorProto.INT32, None)], opsets=(("", 13),))
 
 
+def einsum_malformed_equation():
+    # Fuzz seed 44: onnx's Einsum inference looped forever on a byte-flipped equation.
+    node = helper.make_node("Einsum", ["x"], ["y"], equation="...\x07i ->(..i")
+    return model([node], [tensor("x", shape=[3, 5, 5])], [tensor("y", shape=None)], opsets=(("", 12),))
+
+
 @pytest.mark.parametrize("build, expected", [
+    (einsum_malformed_equation, "is not an einsum equation"),
     (gather_nd_negative_batch_dims, "batch_dims is -2; it counts leading dimensions and must be >= 0"),
     # onnx sizes Mean/InvStdDev by the axis unchecked: -5 hung shape inference, 2**31 crashed it (SIGSEGV).
     (layer_norm_statistics(-5), "axis -5 is outside [-3, 3)"),
