@@ -193,6 +193,9 @@ def size(node, shapes, opset):
 @register("Expand", since=8)
 def expand(node, shapes, opset):
     def kernel(x, shape):
+        if np.asarray(shape).dtype.kind not in "iu":  # a shape of unknown type at creation passed the type check
+            raise InvalidArgumentError(f"node {node.name!r} (Expand): shape is {np.asarray(shape).dtype}; "
+                                       f"expected int64")
         target = _broadcast_shape(node, x.shape, tuple(np.asarray(shape).reshape(-1).tolist()))
         # Materialized (a read-only zero-stride view would surprise whoever receives the output), by one
         # copy into a fresh array: np.broadcast_shapes and broadcast_to cost several times a small copy.
