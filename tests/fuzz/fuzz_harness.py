@@ -593,6 +593,8 @@ class _Run:
                 pickle.dump(feeds, handle)
             answer = worker.run(index, model_path, feeds_path, self.time_limit)
             answer.update(case=index, seed_model=entry[0], mutations=mutations)
+            if answer["outcome"] == "hang":  # no traceback to tell hangs apart: keep one per seed model
+                answer["signature"] = f"hang@{entry[0]}"
             self.record(answer, data, feeds)
 
     def record(self, answer: dict, data: bytes, feeds: list) -> None:
