@@ -119,15 +119,16 @@ def test_reshape_zero_past_the_input_rank_is_refused():
 
 
 def test_squeeze_axes_must_be_integers():
-    # Inside a subgraph the type check does not see a float axes input; the kernel did (TypeError from numpy).
+    # Inside a subgraph a float axes input reached the kernel (TypeError from numpy); the type check now sees
+    # subgraphs, with the enclosing graph's declared types, and refuses it at creation.
     def branch(name, inputs):
         return helper.make_graph([helper.make_node("Squeeze", inputs, [f"{name}_y"])], name, [], [vi(f"{name}_y")])
 
     nodes = [helper.make_node("If", ["c"], ["y"], then_branch=branch("then", ["x", "a"]),
                               else_branch=branch("else", ["x"]))]
-    s = _session(nodes, [vi("c", TensorProto.BOOL, []), vi("x", shape=None), vi("a", shape=None)])
-    feeds = {"c": np.array(True), "x": np.ones((1, 3), np.float32), "a": np.array([0.0], np.float32)}
-    _raised(InvalidArgumentError, "axes must be integers", lambda: s.run(None, feeds))
+    _raised(InvalidGraphError, r"a Squeeze node in model .*: input 1 \('a'\) is tensor\(float\); its schema allows "
+                               r"tensor\(int64\)",
+            lambda: _session(nodes, [vi("c", TensorProto.BOOL, []), vi("x", shape=None), vi("a", shape=None)]))
 
 
 def test_causal_conv_with_state_checks_its_shapes():
@@ -263,16 +264,16 @@ def test_sequence_insert_position_must_be_one_integer():
 
 
 def test_constant_of_shape_needs_an_integer_shape():
-    # In a subgraph the type check does not see a float shape; the kernel did (numpy's TypeError).
+    # In a subgraph a float shape reached the kernel (numpy's TypeError); the type check now refuses it first.
     def branch(name, inputs):
         return helper.make_graph([helper.make_node("ConstantOfShape", inputs, [f"{name}_y"])], name, [],
                                  [vi(f"{name}_y")])
 
     nodes = [helper.make_node("If", ["c"], ["y"], then_branch=branch("then", ["s"]),
                               else_branch=branch("else", ["s"]))]
-    s = _session(nodes, [vi("c", TensorProto.BOOL, []), vi("s", shape=None)])
-    _raised(InvalidArgumentError, "shape must be int64",
-            lambda: s.run(None, {"c": np.array(True), "s": np.array([2.0], np.float32)}))
+    _raised(InvalidGraphError, r"a ConstantOfShape node in model .*: input 0 \('s'\) is tensor\(float\); its "
+                               r"schema allows tensor\(int64\)",
+            lambda: _session(nodes, [vi("c", TensorProto.BOOL, []), vi("s", shape=None)]))
 
 
 def test_a_node_reading_an_undefined_value_is_refused():
