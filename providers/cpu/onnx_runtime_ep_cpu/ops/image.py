@@ -296,6 +296,7 @@ def center_crop_pad(node, shapes, opset):
             else:  # pad: the odd extra pixel goes on the right
                 start = (t - n) // 2
                 dst[axis] = slice(start, start + n)
+        budget.check_shape(out_shape, x.dtype.itemsize, "CenterCropPad's output")  # the shape input sizes it
         y = np.zeros(out_shape, dtype=x.dtype) if x.dtype != object else np.full(out_shape, "", dtype=object)
         y[tuple(dst)] = x[tuple(src)]
         return (y,)
