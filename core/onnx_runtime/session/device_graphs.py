@@ -489,30 +489,34 @@ class DeviceGraphRunner:
         step = getattr(failure, "step", None)  # set when a step failed (see node_error)
         if isinstance(failure, _NotCapturable) and step is not None and entry.attempts < MAX_CAPTURE_ATTEMPTS:
             # A kernel chosen for these shapes refuses capture: the next run captures around it, as a seam.
-            entry.forced = entry.forced | {step.node.name}
-            region = self._region(run.plan_key, run.plan, entry.forced)
-            if isinstance(region, Region):
-                entry.region = region
-                self.status = f"eager: {failure.__cause__}; the next run captures the segments around it"
+            if self._with_seams(entry, run, frozenset({step.node.name}),
+                                f"eager: {failure.__cause__}; the next run captures the segments around it"):
                 return
-            entry.failure = region
         elif step is not None and step.node is not None and step.node.name in self._planner.fixed_readers \
                 and not entry.forced >= self._planner.fixed_readers and entry.attempts < MAX_CAPTURE_ATTEMPTS:
             # A node reading a value the feed shapes fix failed the capture (its provider computed the value on
             # the device, and reading it synchronized): every such node runs as a seam from now on.
-            entry.forced = entry.forced | self._planner.fixed_readers
-            region = self._region(run.plan_key, run.plan, entry.forced)
-            if isinstance(region, Region):
-                entry.region = region
-                self.status = f"eager: {failure}; the next run captures with the nodes reading shapes as seams"
+            if self._with_seams(entry, run, self._planner.fixed_readers,
+                                f"eager: {failure}; the next run captures with the nodes reading shapes as seams"):
                 return
-            entry.failure = region
         elif isinstance(failure, _NotCapturable):
             entry.failure = str(failure.__cause__)  # the guard's words, not the node error restating them
         else:
             where = f" at node {step.node.name!r}" if step is not None and step.node is not None else ""
             entry.failure = f"capture failed{where}: {type(failure).__name__}: {failure}"
         self.status = f"eager: {entry.failure}"
+
+    def _with_seams(self, entry: _Entry, run: _Run, nodes: frozenset[str], status: str) -> bool:
+        """Plan the next capture with ``nodes`` run eagerly as seams (``status`` says so); False, with
+        ``entry.failure`` set to the reason, where no capturable region is left."""
+        entry.forced = entry.forced | nodes
+        region = self._region(run.plan_key, run.plan, entry.forced)
+        if isinstance(region, Region):
+            entry.region = region
+            self.status = status
+            return True
+        entry.failure = region
+        return False
 
     def _launch_segment(self, entry: _Entry, index: int) -> None:
         if entry.region.segments == 1:  # one graph, seams or not: any provider with device graphs replays it
