@@ -609,20 +609,16 @@ def _fast_weight(a, b, b_scale, b_zero_point, bias) -> bool:
 @register("MatMulIntegerToFloat", domain=CONTRIB_DOMAIN, since=1)
 def matmul_integer_to_float(node, shapes, opset):
     product = IntegerProduct()
-    last: list = [(), None]  # the constant inputs last seen, and _WeightSide of them (None: not compiled)
+    sides = Prepared()  # _WeightSide per set of constant inputs (None: not compiled)
 
     def fast(a, b, a_scale, b_scale, a_zero_point, b_zero_point, bias):
         """compiled/qgemm.scaled_product for 8-bit A with per-tensor float32 parameters and a B _WeightSide
         takes; None for anything else."""
-        if a.dtype not in _EIGHT_BIT or not a.size or a_scale.dtype is not _F32 or a_scale.size != 1 \
+        if a.dtype not in _EIGHT_BIT or not a.ndim or not a.size or a_scale.dtype is not _F32 or a_scale.size != 1 \
                 or (a_zero_point is not None and (a_zero_point.size != 1 or a_zero_point.dtype is not a.dtype)):
             return None
-        key = (b, b_scale, b_zero_point, bias)
-        seen, side = last
-        if not (len(seen) == 4 and all(map(is_, seen, key))):
-            side = _WeightSide.of(product, a, b, b_scale, b_zero_point, bias)
-            if all(v is None or not v.flags.writeable for v in key):
-                last[:] = [key, side]
+        side = sides.get(None, (b, b_scale, b_zero_point, bias),
+                         lambda: _WeightSide.of(product, a, b, b_scale, b_zero_point, bias))
         if side is None or a.shape[-1] != side.depth:
             return None
         from ..compiled import qgemm
@@ -656,21 +652,12 @@ def matmul_integer_to_float(node, shapes, opset):
 @register("DynamicQuantizeMatMul", domain=CONTRIB_DOMAIN, since=1)
 def dynamic_quantize_matmul(node, shapes, opset):
     product = IntegerProduct()
-    last: list = [(), None]  # the constant inputs last seen, and _WeightSide of them (None: not compiled)
-
-    def weight_side(a, b, b_scale, b_zero_point, bias):
-        key = (b, b_scale, b_zero_point, bias)
-        seen = last[0]
-        if len(seen) == 4 and all(map(is_, seen, key)):
-            return last[1]
-        side = _WeightSide.of(product, a, b, b_scale, b_zero_point, bias)
-        if all(v is None or not v.flags.writeable for v in key):
-            last[:] = [key, side]
-        return side
+    sides = Prepared()  # _WeightSide per set of constant inputs (None: not compiled)
 
     def kernel(a, b, b_scale, b_zero_point=None, bias=None):
-        if a.dtype is _F32 and a.size:
-            side = weight_side(a, b, b_scale, b_zero_point, bias)
+        if a.dtype is _F32 and a.ndim and a.size:
+            side = sides.get(None, (b, b_scale, b_zero_point, bias),
+                             lambda: _WeightSide.of(product, a, b, b_scale, b_zero_point, bias))
             if side is not None and a.shape[-1] == side.depth:
                 from ..compiled import qgemm
 

@@ -197,21 +197,19 @@ def qlinear_matmul(node, shapes, opset):
     (a matrix, or stacked per tensor) through the QDQ group's compiled kernel (the same integer sum and float64
     requantization), everything else (per-row A, float8, half-precision scales) through the general kernel."""
     fast, general = quantized_matmul(node, shapes, opset), qlinear_matmul_general(node, shapes, opset)
-    last: list = [(), None]  # the constant inputs last taken by the fast kernel, and A's type then
+    takes_fast = Prepared()  # whether the fast kernel takes these constants and A's type (kept while they come in)
+
+    def applies(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero) -> bool:
+        return (a.dtype in _EIGHT_BIT and b.dtype in _EIGHT_BIT and a_zero.dtype == a.dtype and b_zero.dtype == b.dtype
+                and y_zero.dtype in _EIGHT_BIT and a_scale.dtype == _F32 and b_scale.dtype == _F32
+                and y_scale.dtype == _F32 and a_scale.size == a_zero.size == y_scale.size == y_zero.size == 1
+                and b.ndim >= 2 and a.ndim >= 1 and _column_params(b, b_scale, b_zero))
 
     def kernel(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero):
-        key = (a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero)
-        seen = last[0]
-        if len(seen) == 7 and a.dtype is last[1] and a.ndim >= 1 and all(map(is_, seen, key)):
-            return fast(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero)
-        if a.dtype in _EIGHT_BIT and b.dtype in _EIGHT_BIT and a_zero.dtype == a.dtype and b_zero.dtype == b.dtype \
-                and y_zero.dtype in _EIGHT_BIT and a_scale.dtype == _F32 and b_scale.dtype == _F32 \
-                and y_scale.dtype == _F32 and a_scale.size == a_zero.size == y_scale.size == y_zero.size == 1 \
-                and b.ndim >= 2 and a.ndim >= 1 and _column_params(b, b_scale, b_zero):
-            if not any(v.flags.writeable for v in key):  # constants: the checks hold while they come in
-                last[:] = [key, a.dtype]
-            return fast(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero)
-        return general(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero)
+        inputs = (a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero)
+        if takes_fast.get((a.dtype, a.ndim >= 1), inputs[1:], lambda: applies(*inputs)):
+            return fast(*inputs)
+        return general(*inputs)
 
     return kernel
 
