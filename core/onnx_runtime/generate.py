@@ -29,6 +29,7 @@ the ``tokenizer.json`` in the model's folder.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -382,7 +383,7 @@ def device_capture_options(providers, base: SessionOptions | None = None) -> Ses
         return base
     if base is not None and base.config().get("session.weight_residency_budget"):
         return base  # paged weights move between steps: a captured graph would replay stale addresses
-    options = base or SessionOptions()
+    options = copy.deepcopy(base) if base is not None else SessionOptions()  # (the caller's stay as they are)
     options.add_session_config_entry(GRAPH_CAPTURE_KEY, "1")
     return options
 

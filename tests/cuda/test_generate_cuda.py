@@ -93,6 +93,11 @@ def test_the_command_replays_its_decode_step_on_a_device(monkeypatch, capsys):
     from onnx_runtime import cli, generate
 
     assert generate.device_capture_options(["cpu"]) is None and generate.device_capture_options(None) is None
+    mine = generate.SessionOptions()
+    mine.add_session_config_entry("session.memory_limit", "0.5")
+    capturing = generate.device_capture_options(["cuda"], mine)
+    assert capturing.config() == {"session.memory_limit": "0.5", generate.GRAPH_CAPTURE_KEY: "1"}
+    assert mine.config() == {"session.memory_limit": "0.5"}  # the caller's options are not changed
     made = []
     original = generate.Generator.__init__
 
