@@ -43,19 +43,15 @@ def scalar(value, dtype):
     return np.asarray(value, dtype=dtype)
 
 
-def _use_compiled(x: np.ndarray, conversion: str, half: np.dtype) -> bool:
-    return x.size >= _COMPILED_FROM.get((conversion, half), _NEVER) and not numpy_first()
-
-
-def _use_compiled_size(size: int, half: np.dtype) -> bool:
-    return size >= _COMPILED_FROM.get(("round", half), _NEVER) and not numpy_first()
+def _use_compiled(size: int, conversion: str, half: np.dtype) -> bool:
+    return size >= _COMPILED_FROM.get((conversion, half), _NEVER) and not numpy_first()
 
 
 def round_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``x`` rounded to the half-precision ``dtype`` (float16 or bfloat16) and kept in x's dtype: a Cast to
     ``dtype`` and back. float32 arrays take one compiled call; others convert twice."""
     dtype = np.dtype(dtype)
-    if x.dtype != FLOAT32 or not _use_compiled(x, "round", dtype):
+    if x.dtype != FLOAT32 or not _use_compiled(x.size, "round", dtype):
         with np.errstate(over="ignore", invalid="ignore"):  # a Cast's overflow is infinite, silently
             return x.astype(dtype).astype(x.dtype)
     src = np.ascontiguousarray(x).reshape(-1)
@@ -66,7 +62,7 @@ def round_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def widen(x: np.ndarray) -> np.ndarray:
     """The float16 or bfloat16 array ``x`` as float32 (exact)."""
-    if not _use_compiled(x, "widen", x.dtype):
+    if not _use_compiled(x.size, "widen", x.dtype):
         return x.astype(FLOAT32)
     src = np.ascontiguousarray(x).reshape(-1).view(np.int16)
     out = np.empty(src.shape, FLOAT32)
@@ -77,7 +73,7 @@ def widen(x: np.ndarray) -> np.ndarray:
 def narrow(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """The float32 array ``x`` rounded to the half-precision ``dtype`` (float16 or bfloat16), to nearest even."""
     dtype = np.dtype(dtype)
-    if x.dtype != FLOAT32 or not _use_compiled(x, "narrow", dtype):
+    if x.dtype != FLOAT32 or not _use_compiled(x.size, "narrow", dtype):
         with np.errstate(over="ignore", invalid="ignore"):
             return x.astype(dtype)
     src = np.ascontiguousarray(x).reshape(-1)
@@ -91,7 +87,7 @@ def round_all(arrays: tuple, dtype: np.dtype) -> tuple:
     past keys and values: a call per array would cost more than its rounding), returned as views of it."""
     dtype = np.dtype(dtype)
     total = sum(x.size for x in arrays)
-    if len(arrays) < 2 or any(x.dtype != FLOAT32 for x in arrays) or not _use_compiled_size(total, dtype):
+    if len(arrays) < 2 or any(x.dtype != FLOAT32 for x in arrays) or not _use_compiled(total, "round", dtype):
         return tuple(round_to(x, dtype) for x in arrays)
     src = np.concatenate([x.reshape(-1) for x in arrays])
     out = np.empty_like(src)
