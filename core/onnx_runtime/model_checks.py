@@ -116,10 +116,10 @@ def _check_node(node: onnx.NodeProto, opsets: dict[str, int], where: str) -> Non
             raise InvalidGraphError(f"{_node_label(node)} in {where} has {count} {kind}; its schema takes {low} "
                                     f"to {high}; {fix}")
     _check_attributes(node, rules, where, fix)
-    _check_counts(node, domain, where, fix)
+    _check_attribute_values(node, domain, where, fix)
 
 
-def _check_counts(node: onnx.NodeProto, domain: str, where: str, fix: str) -> None:
+def _check_attribute_values(node: onnx.NodeProto, domain: str, where: str, fix: str) -> None:
     """Attributes that count a node's inputs or outputs, which onnx's shape inference indexes by unchecked (a Split
     with more outputs than num_outputs aborts the process) and kernels allocate by; and the attributes that name
     an element type (Cast's ``to``, the generators' ``dtype``), which the optimizer compares with value types."""
