@@ -25,11 +25,17 @@ MAX_VALUE_BYTES_KEY = "session.max_value_bytes"
 
 
 @functools.lru_cache(maxsize=1)
-def default_budget() -> int:
+def physical_memory() -> int | None:
+    """The host's memory in bytes; None where the platform does not say."""
     try:
-        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
-        physical = 1 << 40
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def default_budget() -> int:
+    physical = physical_memory() or 1 << 40
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     return min(physical, soft) if soft != resource.RLIM_INFINITY else physical
 

@@ -12,11 +12,11 @@ other allocations are the process's own.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import numpy as np
 
+from ..budget import physical_memory
 from ..contract.residency import HolderId, MemoryLease, MemoryRole, Tier
 from ..errors import InvalidArgumentError
 from .accounts import DeviceAccount
@@ -88,7 +88,8 @@ class SessionMemory:
         which the kernel reclaims) to the host tier of ``cpu:0``, bounded by ``session.host_memory_limit``: a model
         whose weights do not fit beside the other sessions' fails here, at load."""
         governor = process_governor()
-        physical = _physical_memory() if governor.total(HOST, Tier.HOST) is None else None
+        # What a fractional host limit is a share of (where the platform does not say, fractions are refused).
+        physical = physical_memory() if governor.total(HOST, Tier.HOST) is None else None
         if physical:
             governor.set_total(HOST, physical, Tier.HOST)
         limit = parse_byte_limit(config.get(HOST_LIMIT_KEY, ""), HOST_LIMIT_KEY, governor.total(HOST, Tier.HOST))
@@ -132,15 +133,6 @@ class SessionMemory:
                                                for s in a.handle.hook.raw_device_allocation_site_stats() or ()]
                                for a in self.accounts},
         }
-
-
-def _physical_memory() -> int | None:
-    """The host's memory in bytes (what a fractional host limit is a share of); None where the platform does not
-    say (fractions are then refused)."""
-    try:
-        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def governed(session, label: str, graph, assignment: dict, config: dict[str, str]) -> SessionMemory:
