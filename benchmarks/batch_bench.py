@@ -1,7 +1,7 @@
 """Batch throughput: one model over one Parquet data set as a single process, on each engine, and with
 onnxruntime wrapped the same way, interleaved over rounds (medians).
 
-    python benchmarks/batch_bench.py [--model M.onnx] [--rows 16000] [--shard-rows 250] [--rounds 2]
+    python benchmarks/batch_bench.py [--model M.onnx] [--rows 16000] [--shard-rows 250] [--batch-size N] [--rounds 2]
 
 Every configuration does the same work per shard (read its row group, predict, write its part file:
 onnx_runtime.batch.job.process_shard). A single process runs the shards in a loop at each thread count up to the
@@ -57,22 +57,24 @@ SINGLE = r"""
 import os, sys, time
 from onnx_runtime.batch.job import process_shard
 from onnx_runtime.batch.sources import open_source
-model, data, out, shard_rows, threads, runtime = sys.argv[1:7]
+model, data, out, shard_rows, threads, runtime, batch_size = sys.argv[1:8]
 source = open_source(data)
 os.makedirs(out)
 job = {"source": source, "output": out, "id_column": None,
-       "predictor": dict(model=model, intra_op_threads=int(threads), keep_columns=[], errors="record", runtime=runtime)}
+       "predictor": dict(model=model, intra_op_threads=int(threads), keep_columns=[], errors="record", runtime=runtime,
+                         batch_size=int(batch_size) or None)}
 rows = sum(process_shard(job, shard)["rows"] for shard in source.shards(int(shard_rows)))
 print(rows)
 """
 
 
-def fresh_single_process(model, data, out, shard_rows, threads, runtime) -> tuple[float, float, float]:
+def fresh_single_process(model, data, out, shard_rows, threads, runtime, batch_size) -> tuple[float, float, float]:
     """``(rows/s, rows/s, CPU seconds)`` of the shard loop in a new process: interpreter start, imports, session
     creation and every shard, as one process over the data set runs."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", SINGLE, model, data, out, str(shard_rows), str(threads), runtime],
+    done = subprocess.run([sys.executable, "-c", SINGLE, model, data, out, str(shard_rows), str(threads), runtime,
+                           str(batch_size or 0)],
                           capture_output=True, text=True, timeout=3600)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
@@ -83,26 +85,28 @@ def fresh_single_process(model, data, out, shard_rows, threads, runtime) -> tupl
     return rows / seconds, rows / seconds, cpu
 
 
-def single_process(model, data, out, shard_rows, threads, runtime) -> tuple[float, float, float]:
+def single_process(model, data, out, shard_rows, threads, runtime, batch_size) -> tuple[float, float, float]:
     from onnx_runtime.batch.job import process_shard
     from onnx_runtime.batch.sources import open_source
 
     source = open_source(data)
     os.makedirs(out)
     job = {"source": source, "output": out, "id_column": None,
-           "predictor": dict(model=model, intra_op_threads=threads, keep_columns=[], errors="record", runtime=runtime)}
+           "predictor": dict(model=model, intra_op_threads=threads, keep_columns=[], errors="record", runtime=runtime,
+                             batch_size=batch_size)}
     start, cpu = time.perf_counter(), time.process_time()
     rows = sum(process_shard(job, shard)["rows"] for shard in source.shards(shard_rows))
     rate = rows / (time.perf_counter() - start)
     return rate, rate, time.process_time() - cpu
 
 
-def engine_run(engine, model, data, out, shard_rows, workers, threads, runtime, address) -> tuple[float, float, float]:
+def engine_run(engine, model, data, out, shard_rows, workers, threads, runtime, address,
+               batch_size) -> tuple[float, float, float]:
     from onnx_runtime.batch import run_job
 
     cpu = time.process_time()
     summary = run_job(model, data, out, engine=engine, workers=workers, threads=threads, shard_rows=shard_rows,
-                      address=address, progress=False, runtime=runtime)
+                      batch_size=batch_size, address=address, progress=False, runtime=runtime)
     driver = time.process_time() - cpu
     assert summary.processed_rows == summary.rows and not summary.failures, summary.as_dict()
     print(f"    start-up (to the first shard) {summary.first_shard_seconds:.1f} s, after it "
@@ -114,10 +118,11 @@ def engine_run(engine, model, data, out, shard_rows, workers, threads, runtime, 
 def run_config(engine, args, data, out, workers, threads, runtime, addresses) -> tuple[float, float, float]:
     """``(rows/s, rows/s after start-up, CPU seconds)`` of one configuration."""
     if engine is None:
-        return single_process(args.model, data, out, args.shard_rows, threads, runtime)
+        return single_process(args.model, data, out, args.shard_rows, threads, runtime, args.batch_size)
     if engine == "fresh":
-        return fresh_single_process(args.model, data, out, args.shard_rows, threads, runtime)
-    return engine_run(engine, args.model, data, out, args.shard_rows, workers, threads, runtime, addresses.get(engine))
+        return fresh_single_process(args.model, data, out, args.shard_rows, threads, runtime, args.batch_size)
+    return engine_run(engine, args.model, data, out, args.shard_rows, workers, threads, runtime, addresses.get(engine),
+                      args.batch_size)
 
 
 def main(argv=None) -> int:
@@ -125,6 +130,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=os.path.join(ZOO, "resnet.dynamo.fp32.onnx"))
     parser.add_argument("--rows", type=int, default=16000)
     parser.add_argument("--shard-rows", type=int, default=250)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="rows per model run (default: the predictor's, the model's static batch or 32)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--engines", default="local,ray,dask")
     args = parser.parse_args(argv)
@@ -180,7 +187,8 @@ def main(argv=None) -> int:
 
 def report(results, configs, cpus, args) -> None:
     median = {key: statistics.median(values) for key, values in results.items()}
-    print(f"\nmodel {os.path.basename(args.model)}, {args.rows} rows, shards of {args.shard_rows}, {cpus} CPUs, "
+    print(f"\nmodel {os.path.basename(args.model)}, {args.rows} rows, shards of {args.shard_rows}, "
+          f"{args.batch_size or 'default'} rows per run, {cpus} CPUs, "
           f"medians of {args.rounds} rounds (rows/s: wall clock; rows/CPU-s: CPU time, start-up included)")
     for runtime in ("onnx_runtime", "onnxruntime"):
         for kind in ("fresh", None):
