@@ -154,6 +154,54 @@ class ProviderHandle:
             raise ProviderError(f"{self.name}: allocate must return a DeviceBuffer, got {type(buffer).__name__}")
         return buffer
 
+    def allocate_committed(self, size: int, alignment: int = 64, committed_ranges=None) -> DeviceBuffer:
+        """``allocate_committed`` (reserve ``size`` bytes, commit ``committed_ranges``), its committed bytes
+        charged to the governor like ``allocate``'s (memory/accounts.py)."""
+        if self.memory_account is not None:
+            return self.memory_account.allocate_committed(int(size), int(alignment), committed_ranges)
+        return self.allocate_committed_unaccounted(size, alignment, committed_ranges)
+
+    def allocate_committed_unaccounted(self, size: int, alignment: int = 64, committed_ranges=None) -> DeviceBuffer:
+        buffer = self.hook.allocate_committed(size=int(size), alignment=int(alignment),
+                                              committed_ranges=committed_ranges)
+        if not isinstance(buffer, DeviceBuffer):
+            raise ProviderError(f"{self.name}: allocate_committed must return a DeviceBuffer, got "
+                                f"{type(buffer).__name__}")
+        return buffer
+
+    def commit_allocation_range(self, buffer: DeviceBuffer, offset: int, nbytes: int) -> None:
+        """Commit ``buffer[offset:offset+nbytes]``; what it newly commits is charged (a growth the budget refuses
+        is decommitted again and the governor's error raised)."""
+        before = int(self.hook.allocation_committed_bytes(buffer=buffer)) if self.memory_account else 0
+        self.hook.commit_allocation_range(buffer=buffer, offset=int(offset), nbytes=int(nbytes))
+        self._recharge(buffer, before)
+
+    def commit_allocation_ranges(self, ranges) -> None:
+        """Commit ``[(buffer, offset, nbytes), ...]`` as one transaction, each buffer's growth charged."""
+        ranges = [(buffer, int(offset), int(nbytes)) for buffer, offset, nbytes in ranges]
+        account = self.memory_account
+        before: dict[int, tuple[DeviceBuffer, int]] = {} if account is None else {
+            id(b): (b, int(self.hook.allocation_committed_bytes(buffer=b))) for b, _, _ in ranges}
+        self.hook.commit_allocation_ranges(ranges=ranges)
+        for buffer, size in before.values():
+            self._recharge(buffer, size)
+
+    def decommit_allocation_range(self, buffer: DeviceBuffer, offset: int, nbytes: int) -> None:
+        """Decommit ``buffer[offset:offset+nbytes]``; its charge goes down with it."""
+        self.hook.decommit_allocation_range(buffer=buffer, offset=int(offset), nbytes=int(nbytes))
+        self._recharge(buffer, None)
+
+    def _recharge(self, buffer: DeviceBuffer, before: int | None) -> None:
+        account = self.memory_account
+        if account is None:
+            return
+
+        def undo() -> None:  # back to what was committed before a growth the budget refused
+            if before is not None and before < buffer.size:
+                self.hook.decommit_allocation_range(buffer=buffer, offset=before, nbytes=buffer.size - before)
+
+        account.recharge(buffer, undo)
+
     def deallocate(self, buffer: DeviceBuffer) -> None:
         """Free ``buffer`` exactly once; borrowed buffers are never freed (contract.memory_defaults.release_buffer,
         which the workspace defaults use too)."""

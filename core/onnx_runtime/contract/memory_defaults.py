@@ -102,6 +102,10 @@ class MemoryDefaults:
         return False
 
     @hookimpl(trylast=True)
+    def allocation_charged_by_provider(self, buffer: DeviceBuffer) -> bool:
+        return False
+
+    @hookimpl(trylast=True)
     def raw_device_allocation_site_stats(self) -> list[RawDeviceAllocationSiteStats]:
         return []
 

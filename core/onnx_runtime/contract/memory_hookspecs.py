@@ -94,6 +94,18 @@ class MemoryGovernanceSpec:
         """
 
     @hookspec(firstresult=True)
+    def allocation_charged_by_provider(self, buffer: DeviceBuffer) -> bool:
+        """Whether the provider itself charges ``buffer``'s committed bytes to the governor it adopted (an
+        allocation with committed ranges on reserved address space, mapped under growth grants as it commits).
+
+        The core charges every other allocation's committed bytes (``allocation_committed_bytes``) to the session
+        that made it; answering True for a buffer the provider does not charge leaves it outside every budget,
+        answering False for one it does charges it twice.
+        Default: False (the core charges the buffer).
+        Called by: memory/accounts.py, for each ``allocate_committed`` a session's account makes.
+        """
+
+    @hookspec(firstresult=True)
     def raw_device_allocation_site_stats(self) -> list[RawDeviceAllocationSiteStats]:
         """Allocations made outside the ``allocate`` hook (driver calls, pools), attributed to their source
         site, for memory reports.

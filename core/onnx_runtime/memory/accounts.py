@@ -61,7 +61,8 @@ class DeviceAccount:
         self._held = 0  # their bytes
         self._used = 0  # bytes charged to live buffers
         self.peak = 0  # the most bytes live buffers held at once (exact, unlike the governor's chunked view)
-        self._buffer_leases: dict[int, MemoryLease] = {}  # deferred providers: id(buffer) -> its own lease
+        # Deferred providers: id(buffer) -> its own leases (its allocation's, then one per committed growth).
+        self._buffer_leases: dict[int, list[MemoryLease]] = {}
         self._local = threading.local()
         self._lock = threading.Lock()
         self._sites: dict[tuple[str, int], list[int]] = {}  # site -> [requests, bytes]
@@ -83,28 +84,102 @@ class DeviceAccount:
         """``ProviderHandle.allocate`` under the budget: charge, allocate, remember the charge by buffer."""
         if self._closed or getattr(self._local, "prepaid", 0) > 0:
             return self.handle.allocate_unaccounted(size, alignment)
-        lease = None
-        if self._deferred:
-            lease = self.governor.reserve(size, Tier.DEVICE, self.role, self.holder)
-        else:
-            with self._lock:
-                if self._used + size > self._held:
-                    self._grow(self._used + size - self._held)
-                self._used += size
-                if self._used > self.peak:
-                    self.peak = self._used
+        lease = self._charge(size)
         try:
             buffer = self.handle.allocate_unaccounted(size, alignment)
         except BaseException:
-            if lease is not None:
-                lease.release()
-            else:
-                with self._lock:
-                    self._used -= size
-                    self._trim()
+            self._refund(size, lease)
             raise
         self._record(buffer, size, lease)
         return buffer
+
+    def allocate_committed(self, size: int, alignment: int, committed_ranges):
+        """``ProviderHandle.allocate_committed`` under the budget: the bytes the provider committed
+        (``allocation_committed_bytes``: all of it for an eager allocation or a pool buffer) are charged, unless
+        the provider charges them itself (``allocation_charged_by_provider``: mapped growth under grants).
+        What a provider commits for given ranges is its own choice (whole, one granule, the ranges rounded up),
+        so the charge follows the allocation; when the budget refuses it the buffer is freed before the error
+        propagates."""
+        hook = self.handle.hook
+        buffer = self.handle.allocate_committed_unaccounted(size, alignment, committed_ranges)
+        if self._closed or getattr(self._local, "prepaid", 0) > 0 or hook.allocation_charged_by_provider(
+                buffer=buffer):
+            return buffer
+        committed = int(hook.allocation_committed_bytes(buffer=buffer))
+        try:
+            lease = self._charge(committed)
+        except BaseException:
+            self.handle.deallocate(buffer)  # not recorded yet: nothing is refunded twice
+            raise
+        self._record(buffer, committed, lease)
+        return buffer
+
+    def recharge(self, buffer, undo) -> None:
+        """After a commit or decommit of ``buffer``'s ranges: charge its committed bytes anew. A growth the
+        budget refuses is undone (``undo()``, the provider's decommit back to the old size, where it has one)
+        and the governor's error propagates."""
+        with self._lock:
+            size = self._sizes.get(id(buffer))
+            leases = self._buffer_leases.get(id(buffer))
+        if size is None and leases is None:
+            return  # not charged here: allocated before the account, prepaid, or charged by the provider
+        committed = int(self.handle.hook.allocation_committed_bytes(buffer=buffer))
+        try:
+            if size is not None:
+                self._recharge_pooled(buffer, size, committed)
+            elif leases is not None:
+                self._recharge_leases(leases, committed)
+        except MemoryBudgetError:
+            try:
+                undo()
+            except Exception:  # noqa: BLE001 (the budget error is what the caller must see)
+                pass
+            raise
+
+    def _recharge_pooled(self, buffer, size: int, committed: int) -> None:
+        with self._lock:
+            if committed > size and self._used + committed - size > self._held:
+                self._grow(self._used + committed - size - self._held)
+            self._used += committed - size
+            self.peak = max(self.peak, self._used)
+            self._sizes[id(buffer)] = committed
+            self._trim()
+
+    def _recharge_leases(self, leases: list[MemoryLease], committed: int) -> None:
+        """A deferred-release provider's buffer: a growth takes a lease of its own; a shrink gives back the
+        growth leases wholly above the new size (their release deferred like the buffer's)."""
+        held = sum(lease.nbytes for lease in leases)
+        if committed > held:
+            lease = self.governor.reserve(committed - held, Tier.DEVICE, self.role, self.holder)
+            with self._lock:
+                leases.append(lease)
+            return
+        hook = self.handle.hook
+        while len(leases) > 1 and held - leases[-1].nbytes >= committed:
+            with self._lock:
+                lease = leases.pop()
+            held -= lease.nbytes
+            self.governor.defer_release(lease, lambda: hook.wait_for_deferred_releases())
+
+    def _charge(self, size: int) -> MemoryLease | None:
+        """Charge ``size`` bytes: a lease of its own for a deferred-release provider, else against the chunks."""
+        if self._deferred:
+            return self.governor.reserve(size, Tier.DEVICE, self.role, self.holder)
+        with self._lock:
+            if self._used + size > self._held:
+                self._grow(self._used + size - self._held)
+            self._used += size
+            if self._used > self.peak:
+                self.peak = self._used
+        return None
+
+    def _refund(self, size: int, lease: MemoryLease | None) -> None:
+        if lease is not None:
+            lease.release()
+            return
+        with self._lock:
+            self._used -= size
+            self._trim()
 
     def _record(self, buffer, size: int, lease: MemoryLease | None) -> None:
         """Remember the charge by buffer and attribute it (or a sample of the small ones) to its site."""
@@ -115,7 +190,7 @@ class DeviceAccount:
         site = _site() if weight else None
         with self._lock:
             if lease is not None:
-                self._buffer_leases[id(buffer)] = lease
+                self._buffer_leases[id(buffer)] = [lease]
             else:
                 self._sizes[id(buffer)] = size
             if site is not None:
@@ -156,17 +231,17 @@ class DeviceAccount:
                 self._trim()
                 self._detach_if_settled()
                 return
-            lease = self._buffer_leases.pop(id(buffer), None)
+            leases = self._buffer_leases.pop(id(buffer), ())
             self._detach_if_settled()
-        if lease is not None:
-            hook = self.handle.hook
+        hook = self.handle.hook
+        for lease in leases:
             self.governor.defer_release(lease, lambda: hook.wait_for_deferred_releases())
 
     @property
     def charged(self) -> int:
         """Bytes charged to buffers still live."""
         with self._lock:
-            return self._used + sum(lease.nbytes for lease in self._buffer_leases.values())
+            return self._used + sum(lease.nbytes for leases in self._buffer_leases.values() for lease in leases)
 
     def site_stats(self) -> list[RawDeviceAllocationSiteStats]:
         with self._lock:
