@@ -5,8 +5,9 @@ on :class:`~onnx_runtime_ep_cuda.vmm.MappedGrowthBuffer`: what a ``DeviceIoBindi
 A mapped-growth buffer backs its address range from the start, one granule-rounded step at a time, so a
 committed range is served by growing the prefix up to its end, and only a tail (from an offset to the committed
 end) can be decommitted. An allocation whose committed ranges cover it all, or that fits in one granule (mapping
-would round it up to one anyway), comes whole from the stream-ordered pool, as ``allocate`` does. The buffer's
-address never changes, so a captured graph that recorded it stays valid while the binding grows.
+would round it up to one anyway), comes whole from the stream-ordered pool, as ``allocate`` does, and the session's
+account charges it; a mapped-growth buffer's granules are charged by their grants (``allocation_charged_by_provider``).
+The buffer's address never changes, so a captured graph that recorded it stays valid while the binding grows.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ class ReservedAllocations:
                 f"reserved allocation is backed from its start, so only its tail (up to {reserved.committed} bytes "
                 f"committed now) can be decommitted: decommit from {offset} to the end")
         reserved.shrink(int(offset))
+
+    @hookimpl
+    def allocation_charged_by_provider(self, buffer):
+        reserved = buffer.provider_state  # mapped growth is granted by the adopted governor as it maps
+        return isinstance(reserved, MappedGrowthBuffer) and reserved.governor is not None
 
     @hookimpl
     def allocation_committed_bytes(self, buffer):
