@@ -203,3 +203,36 @@ def test_committed_range_allocations_are_granted_by_the_adopted_governor_as_they
         assert governor.used("cuda:0") == 0
     finally:
         handle.shutdown()
+
+
+def test_device_bindings_are_charged_once_from_the_pool_or_by_their_grants(cuda_driver_mode, matmul_model,
+                                                                        clean_limits):
+    """A DeviceIoBinding small enough for the stream pool is charged to its session's account; one on reserved
+    address space is charged as kv_cache by its grants as it maps, and not again by the account."""
+    from onnx_runtime import DeviceBindingSpec
+    from onnx_runtime.memory import process_governor
+    from onnx_runtime_ep_cuda.vmm import granularity
+
+    session = _session(matmul_model)
+    governor = process_governor()
+    step = granularity(session.provider_handle("CUDAExecutionProvider").provider.cuda_device())
+    before = governor.used("cuda:0")
+    (activations,) = session.memory_report()["activations"]
+    assert activations["charged"] == 0
+    pooled = session.device_io_binding(DeviceBindingSpec.input("X", np.float32, (4, 64), committed_ranges=[(0, 64)]))
+    assert session.memory_report()["activations"][0]["charged"] == 4 * 64 * 4
+    kv_before = next(b for b in governor.snapshot() if b["device"] == "cuda:0" and b["tier"] == "device")["roles"]
+    reserved = session.device_io_binding(DeviceBindingSpec.input(
+        "X", np.float32, (4, 64), allocation_bytes=4 * step, committed_ranges=[(0, 1)]))
+    assert reserved.committed_bytes() == step
+    assert session.memory_report()["activations"][0]["charged"] == 4 * 64 * 4  # the account left it to the grants
+    roles = next(b for b in governor.snapshot() if b["device"] == "cuda:0" and b["tier"] == "device")["roles"]
+    assert roles.get("kv_cache", 0) - kv_before.get("kv_cache", 0) == step
+    reserved.commit_range(0, 2 * step)
+    assert session.memory_report()["activations"][0]["charged"] == 4 * 64 * 4
+    reserved.close()
+    pooled.close()
+    assert session.memory_report()["activations"][0]["charged"] == 0
+    session.close()
+    gc.collect()
+    assert governor.used("cuda:0") <= before

@@ -57,7 +57,7 @@ from ..contract.host_decode import ARGMAX_DTYPES
 from ..contract.kernels import ArgmaxTieBreak
 from ..contract.validation import DeviceValidationRegistration, DeviceValidationToken
 from ..dtypes import DataType, checked_expected_bytes
-from ..errors import DeviceValidationError, InvalidArgumentError, ProviderError, ShapeOverflowError
+from ..errors import DeviceValidationError, InvalidArgumentError, ShapeOverflowError
 from ..provider_handle import ProviderHandle
 from ..tensor import DEFAULT_ALIGNMENT, Tensor
 
@@ -251,10 +251,8 @@ class DeviceIoBinding:
             )
         budget.check(size, 1, f"device binding {label}")  # the session's max_value_bytes, before the device is asked
         ranges = None if spec.committed_ranges is None else [(int(a), int(b)) for a, b in spec.committed_ranges]
-        buffer = allocator.hook.allocate_committed(size=size, alignment=DEFAULT_ALIGNMENT,
-                                                   committed_ranges=[(0, size)] if ranges is None else ranges)
-        if not isinstance(buffer, DeviceBuffer):
-            raise ProviderError(f"{allocator.name}: allocate_committed must return a DeviceBuffer")
+        # Through the handle: its committed bytes are charged to the session's memory account (memory/accounts.py).
+        buffer = allocator.allocate_committed(size, DEFAULT_ALIGNMENT, [(0, size)] if ranges is None else ranges)
         return cls(allocator, buffer, dtype, spec.input_name, spec.bind_input, spec.output_name, physical, logical,
                    spec.expose_logical_input_shape, spec.decode_freeze_safe_mask, spec.fixed_physical_strides)
 
@@ -414,7 +412,7 @@ class DeviceIoBinding:
 
     # -- committed ranges -----------------------------------------------------------------------------
     def commit_range(self, byte_offset: int, nbytes: int) -> None:
-        self._allocator.hook.commit_allocation_range(buffer=self.buffer, offset=int(byte_offset), nbytes=int(nbytes))
+        self._allocator.commit_allocation_range(self.buffer, int(byte_offset), int(nbytes))
 
     def commit_binding_ranges(self, ranges) -> None:
         """Commit ``[(binding, offset, nbytes), ...]`` (bindings of this provider) as one transaction."""
@@ -425,11 +423,10 @@ class DeviceIoBinding:
                     f"commit_binding_ranges takes bindings of {self._allocator.name}'s memory, got {binding!r}"
                 )
             buffers.append((binding.buffer, int(offset), int(nbytes)))
-        self._allocator.hook.commit_allocation_ranges(ranges=buffers)
+        self._allocator.commit_allocation_ranges(buffers)
 
     def decommit_range(self, byte_offset: int, nbytes: int) -> None:
-        self._allocator.hook.decommit_allocation_range(buffer=self.buffer, offset=int(byte_offset),
-                                                       nbytes=int(nbytes))
+        self._allocator.decommit_allocation_range(self.buffer, int(byte_offset), int(nbytes))
 
     def committed_bytes(self) -> int:
         return int(self._allocator.hook.allocation_committed_bytes(buffer=self.buffer))

@@ -1,0 +1,182 @@
+"""Every allocation a session makes is charged to the memory governor, DeviceIoBinding's included: eager
+allocations and pool buffers by their size, committed-range allocations by what the provider committed (following
+commits and decommits), and none twice when the provider charges its mapped growth itself."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+
+import numpy as np
+import onnx_runtime as ort
+import pytest
+from chain_models import external_chain
+from onnx_runtime import DeviceBindingSpec, DeviceBuffer
+from onnx_runtime.contract.residency import HolderId, MemoryRole, Tier
+from onnx_runtime.memory import MemoryBudgetError, ProcessMemoryGovernor, process_governor, set_device_memory_limit
+from onnx_runtime.memory.accounts import DeviceAccount
+
+SAMPLE = "SampleDeviceExecutionProvider"
+DEVICE = "other:7"  # the sample provider's device
+D = 1024
+
+
+@pytest.fixture
+def sample_limit():
+    gc.collect()  # sessions earlier tests dropped give their charges back
+    yield lambda limit: set_device_memory_limit(DEVICE, limit)
+    gc.collect()
+    set_device_memory_limit(DEVICE, None)
+
+
+def _session(path):
+    return ort.InferenceSession(path, providers=[SAMPLE, "CPUExecutionProvider"])
+
+
+def test_a_device_binding_is_charged_to_its_session_and_given_back_on_close(tmp_path, sample_limit):
+    path = external_chain(tmp_path / "m.onnx", D)
+    weights = 8 * D * 4
+    sample_limit(weights + 64 * D * 4)
+    session = _session(path)
+    governor = process_governor()
+    (activations,) = session.memory_report()["activations"]
+    assert activations["charged"] == 0
+    binding = session.device_io_binding(DeviceBindingSpec.input("X", np.float32, (16, D)))
+    (activations,) = session.memory_report()["activations"]
+    assert activations["charged"] == 16 * D * 4 and governor.used(DEVICE) >= weights + 16 * D * 4
+    binding.close()
+    (activations,) = session.memory_report()["activations"]
+    assert activations["charged"] == 0 and governor.used(DEVICE) == weights
+    session.close()
+    assert governor.used(DEVICE) == 0
+
+
+def test_a_device_binding_past_the_budget_fails_naming_the_holder_and_leaves_nothing_charged(tmp_path, sample_limit):
+    path = external_chain(tmp_path / "m.onnx", D)
+    weights = 8 * D * 4
+    sample_limit(weights + 4 * D * 4)
+    session = _session(path)
+    handle = session.provider_handle(SAMPLE)
+    allocations, frees = handle.allocation_counts()
+    with pytest.raises(MemoryBudgetError, match=r"activations on SampleDeviceExecutionProvider.*bytes short"):
+        session.device_io_binding(DeviceBindingSpec.input("X", np.float32, (8, D)))
+    assert process_governor().used(DEVICE) == weights
+    after_allocations, after_frees = handle.allocation_counts()
+    assert after_allocations - allocations == after_frees - frees  # whatever was allocated was freed again
+    small = session.device_io_binding(DeviceBindingSpec.input("X", np.float32, (2, D)))  # what fits still does
+    assert session.memory_report()["activations"][0]["charged"] == 2 * D * 4
+    small.close()
+    session.close()
+
+
+class _Reserving:
+    """A sample device that reserves address space and commits byte ranges from the start on demand (no
+    governor of its own): the core charges what ``allocation_committed_bytes`` says."""
+
+    def __init__(self, charged_by_provider: bool = False):
+        self.committed: dict[int, int] = {}
+        self.addresses = itertools.count(1 << 40, 1 << 20)
+        self.charged_by_provider = charged_by_provider
+
+    @ort.hookimpl
+    def allocate_committed(self, size, alignment, committed_ranges):
+        buffer = DeviceBuffer(ort.DeviceId(ort.DeviceType.OTHER, 7), size, alignment, next(self.addresses))
+        self.committed[buffer.ptr] = max((stop for _, stop in committed_ranges or ()), default=0)
+        return buffer
+
+    @ort.hookimpl
+    def commit_allocation_range(self, buffer, offset, nbytes):
+        self.committed[buffer.ptr] = max(self.committed[buffer.ptr], offset + nbytes)
+
+    @ort.hookimpl
+    def decommit_allocation_range(self, buffer, offset, nbytes):
+        self.committed[buffer.ptr] = min(self.committed[buffer.ptr], offset)
+
+    @ort.hookimpl
+    def allocation_committed_bytes(self, buffer):
+        return self.committed[buffer.ptr]
+
+    @ort.hookimpl
+    def allocation_charged_by_provider(self, buffer):
+        return self.charged_by_provider
+
+    @ort.hookimpl
+    def deallocate(self, buffer):
+        del self.committed[buffer.ptr]
+
+
+def _reserving_handle(charged_by_provider: bool = False):
+    from onnx_runtime_sample_provider import SampleDeviceExecutionProvider
+
+    class Provider(_Reserving, SampleDeviceExecutionProvider):
+        def __init__(self):
+            SampleDeviceExecutionProvider.__init__(self)
+            _Reserving.__init__(self, charged_by_provider)
+
+    handle = ort.ProviderHandle(Provider())
+    handle.initialize({})
+    return handle
+
+
+def test_committed_ranges_are_charged_as_they_commit_and_decommit():
+    governor = ProcessMemoryGovernor()
+    governor.set_limit(DEVICE, 10_000)
+    handle = _reserving_handle()
+    account = DeviceAccount(handle, governor.device(DEVICE), HolderId("kv cache"))
+    handle.memory_account = account
+    try:
+        buffer = handle.allocate_committed(8000, 64, [(0, 1000)])
+        assert account.charged == 1000 and handle.provider.committed[buffer.ptr] == 1000
+        handle.commit_allocation_range(buffer, 1000, 3000)
+        assert account.charged == 4000
+        handle.commit_allocation_ranges([(buffer, 0, 5000)])
+        assert account.charged == 5000
+        governor.reserve(DEVICE, 4500, Tier.DEVICE, MemoryRole.WEIGHTS, HolderId("another model"))
+        with pytest.raises(MemoryBudgetError, match=r"kv cache.*short"):
+            handle.commit_allocation_range(buffer, 0, 8000)  # 3000 more do not fit beside the other model
+        assert handle.provider.committed[buffer.ptr] == 5000 and account.charged == 5000  # the growth was undone
+        handle.decommit_allocation_range(buffer, 2000, 6000)
+        assert account.charged == 2000
+        handle.deallocate(buffer)
+        assert account.charged == 0 and governor.used(DEVICE) == 4500
+    finally:
+        account.close()
+        handle.shutdown()
+
+
+def test_an_allocation_the_provider_charges_itself_is_not_charged_twice():
+    governor = ProcessMemoryGovernor()
+    handle = _reserving_handle(charged_by_provider=True)
+    account = DeviceAccount(handle, governor.device(DEVICE), HolderId("kv cache"))
+    handle.memory_account = account
+    try:
+        buffer = handle.allocate_committed(8000, 64, [(0, 3000)])
+        handle.commit_allocation_range(buffer, 0, 6000)
+        assert account.charged == 0 and governor.used(DEVICE) == 0
+        handle.deallocate(buffer)
+    finally:
+        account.close()
+        handle.shutdown()
+
+
+def test_an_eager_committed_allocation_is_charged_whole_and_refused_before_it_is_kept():
+    from onnx_runtime_sample_provider import SampleDeviceExecutionProvider
+
+    governor = ProcessMemoryGovernor()
+    governor.set_limit(DEVICE, 5000)
+    handle = ort.ProviderHandle(SampleDeviceExecutionProvider())
+    handle.initialize({})
+    account = DeviceAccount(handle, governor.device(DEVICE), HolderId("bindings"))
+    handle.memory_account = account
+    try:
+        # The contract's default allocate_committed commits everything, whatever the ranges say.
+        buffer = handle.allocate_committed(4000, 64, [(0, 100)])
+        assert account.charged == 4000
+        with pytest.raises(MemoryBudgetError, match="bindings.*short"):
+            handle.allocate_committed(2000, 64, None)
+        assert handle.provider.allocations == handle.provider.frees + 1  # the refused one was freed
+        handle.deallocate(buffer)
+        assert account.charged == 0 and governor.used(DEVICE) == 0
+    finally:
+        account.close()
+        handle.shutdown()
