@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from .contrib_stand_ins import stand_in_contrib_ops
 from .dtypes import DataType
 from .errors import InvalidGraphError, ModelContentError, ModelLoadError, ModelNotFoundError, ModelParseError
 from .ir import Graph, Model, Node, TypeInfo, ValueInfo
@@ -51,6 +52,12 @@ def load_model(model, infer_shapes: bool = True, free_dims: tuple[dict, dict] | 
         raise
     except Exception as exc:
         raise InvalidGraphError(f"model {_label(path)} could not be converted: {type(exc).__name__}: {exc}") from exc
+    return model_of(proto, path, graph, light)
+
+
+def model_of(proto: onnx.ModelProto, path: str | None, graph: Graph, inference_proto) -> Model:
+    """The :class:`Model` of ``proto`` (read from ``path``) with the IR ``graph``."""
+    opsets = {("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in proto.opset_import}
     return Model(
         graph=graph,
         opsets=opsets,
@@ -63,8 +70,39 @@ def load_model(model, infer_shapes: bool = True, free_dims: tuple[dict, dict] | 
         metadata={p.key: p.value for p in proto.metadata_props},
         functions={(f.domain, f.name): f for f in proto.functions},
         path=path,
-        inference_proto=light,
+        inference_proto=inference_proto,
     )
+
+
+def read_model(model, map_weights: bool = True) -> tuple[onnx.ModelProto, str | None, dict[str, np.ndarray]]:
+    """The parsed model, its path and its memory-mapped external weights (by name), header checked; what a
+    session whose plan is cached (plan_cache.py) reads of the model: no checks, inference or conversion."""
+    mapped: dict[str, np.ndarray] = {}
+    proto, path = _read_proto(model, mapped if map_weights else None)
+    _check_header(proto, path)
+    return proto, path, mapped
+
+
+def initializer_arrays(proto: onnx.ModelProto, mapped: dict[str, np.ndarray], names) -> dict[str, np.ndarray]:
+    """The top-level initializers ``names`` of ``proto`` as arrays (``mapped`` ones as mapped)."""
+    wanted = set(names)
+    found: dict[str, np.ndarray] = {}
+    for init in proto.graph.initializer:
+        if init.name in wanted:
+            found[init.name] = mapped[init.name] if init.name in mapped else numpy_helper.to_array(init)
+    for sparse in proto.graph.sparse_initializer:
+        if sparse.values.name in wanted:
+            found[sparse.values.name] = _sparse_to_dense(sparse)
+    return found
+
+
+def graph_from_plan(proto: onnx.ModelProto, references: dict[str, np.ndarray]) -> Graph:
+    """The IR of a graph serialize.py wrote (an optimized plan), with the initializers ``references`` (left out
+    of ``proto``) added; its operators of later opsets read back as the standard ones."""
+    opsets = {("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in proto.opset_import}
+    stand_ins = [onnx.TensorProto(name=name) for name in references]
+    return convert_graph(proto.graph, opsets, outer_scope=(), initializer_protos=[*proto.graph.initializer, *stand_ins],
+                         mapped=references)
 
 
 def _label(path: str | None) -> str:
@@ -213,8 +251,9 @@ def infer_graph(light: onnx.ModelProto) -> onnx.GraphProto | None:
     inference fails."""
     try:
         data_prop = not _generates_large_values(light.graph) and not propagates_large_values(light)
-        return onnx.shape_inference.infer_shapes(light, check_type=False, strict_mode=False,
-                                                 data_prop=data_prop).graph
+        standing = stand_in_contrib_ops(light)  # com.microsoft nodes seen through standard stand-ins
+        return standing.restore(onnx.shape_inference.infer_shapes(standing.model, check_type=False,
+                                                                  strict_mode=False, data_prop=data_prop).graph)
     except Exception:
         return None
 
