@@ -180,3 +180,45 @@ def test_an_eager_committed_allocation_is_charged_whole_and_refused_before_it_is
     finally:
         account.close()
         handle.shutdown()
+
+
+@pytest.fixture
+def host_limit():
+    gc.collect()
+    yield
+    gc.collect()
+    set_device_memory_limit("cpu:0", None, Tier.HOST)
+
+
+def test_host_allocations_share_the_host_tier_with_the_weights(tmp_path, host_limit):
+    """On the CPU provider a DeviceIoBinding (a KV cache kept in host memory) is charged to the host tier of
+    cpu:0, as the seed's host allocator charges Tier::Host, under the same limit (session.host_memory_limit) as
+    the weights the session holds in memory; one that does not fit is the governor's error naming the holder."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["X", "W"], ["Y"])], "mm",
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 64])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 64])],
+                              [numpy_helper.from_array(w, "W")])
+    path = tmp_path / "mm.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    governor = process_governor()
+    held = governor.used("cpu:0", Tier.HOST)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    weights = governor.used("cpu:0", Tier.HOST) - held
+    assert weights >= w.nbytes
+    rows = session.device_io_binding(DeviceBindingSpec.input("X", np.float32, (16, 64)))
+    accounts = [a for a in session.memory_report()["activations"] if a["device"] == "cpu:0"]
+    assert [a["charged"] for a in accounts] == [16 * 64 * 4]
+    assert "host allocations on CPUExecutionProvider" in accounts[0]["holder"]
+    assert governor.used("cpu:0", Tier.HOST) > held + weights
+    set_device_memory_limit("cpu:0", governor.used("cpu:0", Tier.HOST) + 1000, Tier.HOST)
+    with pytest.raises(MemoryBudgetError, match=r"host allocations on CPUExecutionProvider.*short"):
+        session.device_io_binding(DeviceBindingSpec.input("X", np.float32, (4096, 64)))  # 1 MiB more
+    rows.close()
+    assert [a["charged"] for a in session.memory_report()["activations"] if a["device"] == "cpu:0"] == [0]
+    assert governor.used("cpu:0", Tier.HOST) == held + weights
+    session.close()
+    assert governor.used("cpu:0", Tier.HOST) == held

@@ -51,11 +51,12 @@ class DeviceAccount:
     per buffer instead, kept charged until the governor settles the release."""
 
     def __init__(self, handle, governor: DeviceGovernor, holder: HolderId,
-                 role: MemoryRole = MemoryRole.ACTIVATIONS):
+                 role: MemoryRole = MemoryRole.ACTIVATIONS, tier: Tier = Tier.DEVICE):
         self.handle = handle
         self.governor = governor
         self.holder = holder
         self.role = role
+        self.tier = tier  # DEVICE for a device's memory; HOST for a host provider's allocator (the seed's Tier::Host)
         self._sizes: dict[int, int] = {}  # id(buffer) -> bytes charged for it
         self._leases: list[MemoryLease] = []  # what the account holds from the governor
         self._held = 0  # their bytes
@@ -150,7 +151,7 @@ class DeviceAccount:
         growth leases wholly above the new size (their release deferred like the buffer's)."""
         held = sum(lease.nbytes for lease in leases)
         if committed > held:
-            lease = self.governor.reserve(committed - held, Tier.DEVICE, self.role, self.holder)
+            lease = self.governor.reserve(committed - held, self.tier, self.role, self.holder)
             with self._lock:
                 leases.append(lease)
             return
@@ -164,7 +165,7 @@ class DeviceAccount:
     def _charge(self, size: int) -> MemoryLease | None:
         """Charge ``size`` bytes: a lease of its own for a deferred-release provider, else against the chunks."""
         if self._deferred:
-            return self.governor.reserve(size, Tier.DEVICE, self.role, self.holder)
+            return self.governor.reserve(size, self.tier, self.role, self.holder)
         with self._lock:
             if self._used + size > self._held:
                 self._grow(self._used + size - self._held)
@@ -202,11 +203,11 @@ class DeviceAccount:
 
     def _grow(self, missing: int) -> None:
         try:
-            lease = self.governor.reserve(max(missing, CHUNK), Tier.DEVICE, self.role, self.holder)
+            lease = self.governor.reserve(max(missing, CHUNK), self.tier, self.role, self.holder)
         except MemoryBudgetError:
             if missing >= CHUNK:
                 raise
-            lease = self.governor.reserve(missing, Tier.DEVICE, self.role, self.holder)  # the budget's last bytes
+            lease = self.governor.reserve(missing, self.tier, self.role, self.holder)  # the budget's last bytes
         self._leases.append(lease)
         self._held += lease.nbytes
 

@@ -6,8 +6,8 @@ device limit (``session.memory_limit``: bytes or a fraction of that memory) and 
 (``session.pinned_memory_limit``), charges the handle's allocations through a :class:`DeviceAccount`, and admits
 the weights its nodes read on that device (:class:`WeightResidency`): all of them, or the weight-residency budget
 (``session.weight_residency_budget``) when they are paged. On the host, the weights a session holds in memory
-(read, not mapped) are charged to the host tier of ``cpu:0`` (``session.host_memory_limit``); host providers'
-other allocations are the process's own.
+(read, not mapped) are charged to the host tier of ``cpu:0`` (``session.host_memory_limit``), and so is what
+host providers allocate through their allocator (host DeviceIoBindings, tensors made through the session).
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ class SessionMemory:
         self.host_lease: MemoryLease | None = None
         governor = process_governor()
         self._admit_host_weights(graph, config)
+        try:
+            self._account_host_allocations(assignment)
+        except BaseException:
+            self.close()
+            raise
         devices = {id(h): h for h in assignment.values() if not h.is_host_accessible}
         if not devices:
             return
@@ -99,6 +104,19 @@ class SessionMemory:
                    if isinstance(array, np.ndarray) and mapped_region(array) is None)
         self.host_lease = governor.reserve(HOST, held, Tier.HOST, MemoryRole.WEIGHTS,
                                            HolderId(f"{self.label} weights in host memory"))
+
+    def _account_host_allocations(self, assignment: dict) -> None:
+        """Charge what host providers allocate through their allocator (``ProviderHandle.allocate`` and
+        ``allocate_committed``: tensors made on the host through the session, DeviceIoBindings such as a KV cache
+        kept in host memory) to the host tier of ``cpu:0``, beside the weights: the seed's host allocator charges
+        ``Tier::Host`` the same way. Kernel intermediates numpy allocates itself stay outside the ledger (each
+        value is bounded by the session's value budget, onnx_runtime.budget)."""
+        view = process_governor().device(HOST)
+        for handle in {id(h): h for h in assignment.values() if h.is_host_accessible}.values():
+            account = DeviceAccount(handle, view, HolderId(f"{self.label} host allocations on {handle.name}"),
+                                    tier=Tier.HOST)
+            handle.memory_account = account
+            self.accounts.append(account)
 
     def attach(self, executor) -> None:
         """Route ``executor``'s weight uploads through the residency (before it plans)."""
