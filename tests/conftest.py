@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 import onnx
@@ -22,6 +23,10 @@ collect_ignore = ["sample_provider"] + (
 collect_ignore_glob = [] if _providers_installed() else ["test_*.py"]
 
 from model_helpers import make_model, tensor_info  # noqa: E402
+
+# The persistent plan cache (onnx_runtime/plan_cache.py) is off for the suite: tests that patch passes or knobs
+# must not read plans an earlier test wrote. tests/core/test_plan_cache.py turns it on in its own folder.
+os.environ.setdefault("ONNX_RUNTIME_PLAN_CACHE", "0")
 
 
 @pytest.fixture
