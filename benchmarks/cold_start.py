@@ -17,6 +17,9 @@ order) or onnx's shipped light CNNs by name (``resnet50``, ...). numba's disk ca
 run ``onnx-runtime compile`` (and a warm-up run of the zoo models) first to measure a warm cache. zoo_bench.py
 measures the same creation + first run inside its full run; this script is the quick check of that column.
 
+A first, unmeasured process of ours per model writes the plan cache (docs/cold-start.md) that the measured ones
+read, as any later process of a deployment does; ``--no-plan-cache`` plans anew in every process.
+
 ``--main-job`` times the README's main job instead (``onnx-runtime run`` on its embedded default model) as the
 first process after an install runs it: an empty numba cache, the whole process's wall and CPU time.
 """
@@ -84,11 +87,13 @@ def worker(runtime: str, path: str, calls: list[list[dict]]) -> dict:
             "loaded": [m for m in HEAVY if m in sys.modules]}
 
 
-def sample(runtime: str, path: str, calls: list[list[dict]], background: bool = True) -> dict:
+def sample(runtime: str, path: str, calls: list[list[dict]], background: bool = True, plans: bool = True) -> dict:
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", runtime, path, json.dumps(calls)]
     env = dict(os.environ)
     if not background:
         env["ONNX_RUNTIME_COMPILE_IN_BACKGROUND"] = "0"
+    if not plans:
+        env["ONNX_RUNTIME_PLAN_CACHE"] = "0"
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=HERE, env=env)
     if done.returncode:
         raise SystemExit(f"{runtime} on {path} failed: {done.stderr.strip()[-2000:]}")
@@ -97,7 +102,7 @@ def sample(runtime: str, path: str, calls: list[list[dict]], background: bool = 
 
 def main_job(repeat: int) -> None:
     """The README's main job as a fresh install runs it: ``onnx-runtime run`` (the embedded default model) in a
-    new process with an empty numba cache (NUMBA_CACHE_DIR an empty folder, emptied again after each run); wall
+    new process with an empty numba cache and plan cache (both in an empty folder, emptied again after each run); wall
     and CPU time of the whole process (children included) and its peak RSS."""
     import resource
     import shutil
@@ -107,7 +112,7 @@ def main_job(repeat: int) -> None:
     print("| main job (`onnx-runtime run`) | wall s | CPU s | peak RSS MB |")
     print("|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="cold_start_numba_") as cache:
-        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache, ONNX_RUNTIME_PLAN_CACHE_DIR=os.path.join(cache, "plans"))
         for _ in range(repeat):
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             began = time.perf_counter()
@@ -129,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every sample here")
     parser.add_argument("--no-background", action="store_true",
                         help="load numba inside the first run, as before (ONNX_RUNTIME_COMPILE_IN_BACKGROUND=0)")
+    parser.add_argument("--no-plan-cache", action="store_true",
+                        help="every process plans anew (ONNX_RUNTIME_PLAN_CACHE=0); by default a first, unmeasured "
+                             "process per model writes the plan cache that the measured ones read")
     parser.add_argument("--main-job", action="store_true",
                         help="time the README's main job (onnx-runtime run) on an empty numba cache instead")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
@@ -145,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
     print(f"# cold_start {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, load {os.getloadavg()[0]:.2f}, "
           f"{args.repeat} fresh processes each; CPU ms (wall ms for creation + first run), medians; compiled loops "
-          f"{'loaded inside the first run' if args.no_background else 'loaded in the background (numpy first)'}")
+          f"{'loaded inside the first run' if args.no_background else 'loaded in the background (numpy first)'}; "
+          f"plan cache {'off' if args.no_plan_cache else 'warm (written by an unmeasured first process)'}")
     print("| model | import ours / ort | create ours / ort | first run ours / ort | create + first ours / ort "
           "(ratio) | wall ours / ort | peak RSS MB ours / ort (ratio) | loaded (ours) |")
     print("|---|---|---|---|---|---|---|---|")
@@ -153,9 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         path, calls = spec_of(name)
         runs: dict[str, list[dict]] = {"ours": [], "ort": []}
+        if not args.no_plan_cache:
+            sample("ours", path, calls, not args.no_background)  # writes the plans the measured processes read
         for i in range(args.repeat):
             for runtime in (("ours", "ort") if i % 2 == 0 else ("ort", "ours")):
-                runs[runtime].append(sample(runtime, path, calls, not args.no_background))
+                runs[runtime].append(sample(runtime, path, calls, not args.no_background, not args.no_plan_cache))
         everything[name] = runs
 
         def med(runtime: str, *keys: str, scale: float = 1e3, runs: dict = runs) -> float:

@@ -27,6 +27,7 @@ from ..optimizer import optimize
 from ..ort_value import OrtValue, device_handle
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
+from .cached_plans import CachedSpecializer, open_plans, read_creation, store_creation
 from .executor import Executor, graph_slot_of
 from .io_binding import IOBinding
 from .options import RunOptions, SessionOptions
@@ -269,22 +270,32 @@ class InferenceSession:
         self._profiling_start_ns = time.time_ns()
         self._profile: Profile | None = Profile() if self._sess_options.enable_profiling else None
         began = time.perf_counter()
-        self._model: Model = load_model(path_or_bytes, free_dims=self._sess_options.free_dimension_overrides(),
-                                        map_weights=_config_flag(self._sess_options, MAP_WEIGHTS_KEY, default="1"))
-        loaded = time.perf_counter()
-        self._model_path = path_or_bytes if isinstance(path_or_bytes, str) else None
         requested = _resolve_providers(providers, provider_options)
         self._handles = _create_handles(requested, session_config(self._sess_options))
         # Keyed by each handle's full name, whichever name (full or short) the caller used.
         self._provider_options = {handle.name: dict(opts) for handle in self._handles
                                   for name, opts in requested if handle.matches(name)}
-        graph = self._model.graph
         self._disabled = kwargs.get("disabled_optimizers") or ()
-        folded: dict = {}
-        early = _run_custom_passes(graph, self._handles, [], early=True)
-        optimized = optimize(graph, self._handles, self._sess_options.graph_optimization_level,
-                             disabled=self._disabled, folded=folded)
-        self._applied_passes = _run_custom_passes(graph, self._handles, early + optimized)
+        map_weights = _config_flag(self._sess_options, MAP_WEIGHTS_KEY, default="1")
+        self._plans = open_plans(self._sess_options, session_config(self._sess_options), path_or_bytes,
+                                 self._handles, self._provider_options, self._disabled)
+        cached = read_creation(self._plans, path_or_bytes, map_weights) if self._plans is not None else None
+        if cached is not None:  # the optimized graph as an earlier process made it (plan_cache.py)
+            self._model, self._applied_passes, folded = cached.model, cached.applied, cached.folded
+        else:
+            self._model = load_model(path_or_bytes, free_dims=self._sess_options.free_dimension_overrides(),
+                                     map_weights=map_weights)
+        loaded = time.perf_counter()
+        self._model_path = path_or_bytes if isinstance(path_or_bytes, str) else None
+        graph = self._model.graph
+        if cached is None:
+            weights, folded = dict(graph.initializers), {}
+            early = _run_custom_passes(graph, self._handles, [], early=True)
+            optimized = optimize(graph, self._handles, self._sess_options.graph_optimization_level,
+                                 disabled=self._disabled, folded=folded)
+            self._applied_passes = _run_custom_passes(graph, self._handles, early + optimized)
+            if self._plans is not None:
+                store_creation(self._plans, self._model, weights, self._applied_passes, folded)
         self._specializer = self._specializer_for(graph, folded)
         self._placement, assignment = place(graph, self._handles, FunctionExpander(self._model.functions))
         self._executor = Executor(graph, assignment, self._placement)
@@ -341,15 +352,24 @@ class InferenceSession:
                 or not all(handle.is_host_accessible for handle in self._handles) \
                 or all(vi.type.static_shape is not None or not vi.type.is_tensor for vi in graph.inputs):
             return None
-        return Specializer(graph, [vi.name for vi in graph.inputs], self._model.inference_proto, self._handles,
-                           self._specialize, folded)
+        inputs = [vi.name for vi in graph.inputs]
+        if self._plans is not None:
+            return CachedSpecializer(graph, inputs, self._model.inference_proto, self._handles, self._model,
+                                     self._optimize_specialized, self._plan_specialized, self._plans, folded)
+        return Specializer(graph, inputs, self._model.inference_proto, self._handles, self._specialize, folded)
 
     def _specialize(self, graph) -> Executor:
         """The optimizer, the providers' passes, placement and a planned executor over ``graph`` (a copy of
         this session's graph with the shapes of one input signature)."""
+        return self._plan_specialized(self._optimize_specialized(graph))
+
+    def _optimize_specialized(self, graph):
         early = _run_custom_passes(graph, self._handles, [], early=True)
         applied = optimize(graph, self._handles, self._sess_options.graph_optimization_level, disabled=self._disabled)
         _run_custom_passes(graph, self._handles, early + applied)
+        return graph
+
+    def _plan_specialized(self, graph) -> Executor:
         placement, assignment = place(graph, self._handles, FunctionExpander(self._model.functions))
         executor = Executor(graph, assignment, placement)
         executor.strict = self._executor.strict
