@@ -33,6 +33,7 @@ FAMILIES = {
     "control_flow": "If Loop Scan",
     "conv": "Conv ConvTranspose ai.onnx_runtime.cpu:ConcatBuffer ai.onnx_runtime.cpu:FusedConv",
     "detection": "NonMaxSuppression RoiAlign",
+    "segment": "ai.onnx_runtime.cpu:FusedSegment",
     "dropout": "Dropout",
     "elementwise": (
         "Abs Acos Acosh Add And Asin Asinh Atan Atanh BitShift BitwiseAnd BitwiseNot BitwiseOr BitwiseXor "
