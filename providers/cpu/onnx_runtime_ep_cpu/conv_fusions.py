@@ -21,6 +21,7 @@ from onnx_runtime.ir import Graph, Node
 from onnx_runtime.optimizer.rewrite import Uses, constant, remove_nodes
 
 from .fusions import FUSED_DOMAIN
+from .segment_fusions import fuse_segments
 
 ACTIVATIONS = ("Relu", "Clip", "LeakyRelu", "HardSwish")
 # What FusedBatchNormalization applies (FusedConv also takes HardSwish: MobileNetV3's Conv -> HardSwish).
@@ -339,4 +340,5 @@ def fuse_dense_concats(graph: Graph, owns=None) -> bool:
     return _rewrite(graph, replaced, removed, added)
 
 
-CONV_PASSES = [fuse_conv_activations, fuse_concat_convs, fuse_channel_shuffle, fuse_dense_concats]
+# fuse_segments last: it takes the FusedConv nodes the others make.
+CONV_PASSES = [fuse_conv_activations, fuse_concat_convs, fuse_channel_shuffle, fuse_dense_concats, fuse_segments]

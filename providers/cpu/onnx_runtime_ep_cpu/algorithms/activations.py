@@ -54,6 +54,16 @@ def hard_swish_in_place(y: np.ndarray) -> None:
         y *= gate
 
 
+def hard_swish_steps(x: np.ndarray, y: np.ndarray) -> list:
+    """HardSwish of the C-contiguous float32/float64 ``x`` into ``y`` (the same array, or one of its shape and
+    dtype) as ``[(loop, arguments)]``, for a segment's bound plan: hard_swish_in_place's operations in one
+    compiled pass (compiled/segment_loops.py)."""
+    from ..compiled.segment_loops import hard_sigmoid_into
+
+    t = x.dtype.type
+    return [(hard_sigmoid_into, (x.reshape(-1), y.reshape(-1), t(1 / 6), t(0.5), True))]
+
+
 def gelu_erf(x: np.ndarray) -> np.ndarray:
     """0.5 * x * (1 + erf(x / sqrt(2))); below float64, in float32 and in place on erf's fresh result."""
     if x.dtype == np.float64:

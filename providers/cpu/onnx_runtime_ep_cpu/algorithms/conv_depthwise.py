@@ -5,6 +5,7 @@ across the helper threads), else per-channel products over cache-sized blocks of
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -107,7 +108,29 @@ def compiled_depthwise(geo: Geometry, m: int, prepared: Prepared, dtype):
         return y
 
     compute.reads_shuffled = True  # takes a channel map instead of a shuffled copy of x
+    compute.bind = functools.partial(_bind_depthwise, plan, prepared, weights, identity, geo, m)
     return compute
+
+
+def _bind_depthwise(plan, prepared: Prepared, weights, identity, geo: Geometry, m: int, x, w, b, finish, y):
+    """compiled_depthwise's computation into ``y`` prepared once (a segment's bound plan): ``[(loop,
+    arguments)]``, or None where it splits across threads or adds a residual."""
+    if (finish is not None and finish.residual.size) or x.dtype != y.dtype or y.shape[1] != m:
+        return None
+    spans = thread_spans(x.shape[1], max(x.size, math.prod(geo.out) * m) * math.prod(geo.kernel), x.dtype) \
+        if x.shape[0] == 1 else None
+    if spans is not None and len(spans) > 1:
+        return None
+    flat_w, bias = prepared.get("depthwise", (w, b), lambda: weights(w, b))
+    activation = identity
+    if finish is not None:
+        activation = finish.bounds
+        if finish.bias.size:
+            bias = finish.bias
+    if not bias.flags.writeable:
+        bias = bias.copy()
+    return [plan.bound(x.reshape(x.shape[0], x.shape[1], *plan.in_shape), flat_w, bias, activation,
+                       y.reshape(y.shape[0], m, *plan.out))]
 
 
 def depthwise_lanes_apply(geo: Geometry, x: np.ndarray, m: int) -> bool:

@@ -21,6 +21,8 @@ def direct_tiles_apply(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray) 
     most KNOBS.direct_macs multiply-adds per image (beyond, the BLAS paths' products are faster)."""
     if x.dtype != np.float32 or len(geo.kernel) != 2 or x.size == 0 or 0 in geo.out or w.shape[0] == 0:
         return False
+    if max(geo.strides) > max(x.shape[2:]):  # a step past the whole image: the tiles' margin grows with the step
+        return False
     outputs = w.shape[0] // group
     if group > 1 and outputs < 8:
         return False
@@ -92,6 +94,21 @@ class DirectConv:
             return self.run(x, w, b, None, _IDENTITY_BOUNDS, False, out)
         residual = finish.residual if finish.residual.size else None
         return self.run(x, w, finish.bias, residual, finish.bounds, False, out)
+
+    def bind(self, x, w, b, residual, bounds, hard_swish, y):
+        """``[(loop, arguments)]``: the call of ``run`` into ``y`` for these arrays, prepared once (a segment's
+        bound plan, ops/segment.py; x, y and ``residual`` C-contiguous buffers, w and b constants)."""
+        kernel = self._kernel
+        weights = self._prepared.get("direct_tiles", (w,), lambda: kernel.pack_weights(w, self._group))
+        flags = (kernel.BIAS if b is not None and b.size else 0) | (kernel.HARD_SWISH if hard_swish else 0)
+        if residual is None:
+            residual = self._no_residual
+        else:
+            residual, flags = residual.reshape(-1), flags | kernel.RESIDUAL
+        if self._view is not None:
+            x, y = x.reshape(self._view[0]), y.reshape(self._view[1])
+        return [(kernel.conv_direct, (x, weights, self._offsets, self._bias(b), residual, bounds, flags, y,
+                                      *self._geometry))]
 
     def run(self, x, w, b, residual, bounds, hard_swish=False, out=None):
         """The convolution of float32 x by w, + b (None or empty: none), + ``residual`` (the output's shape,

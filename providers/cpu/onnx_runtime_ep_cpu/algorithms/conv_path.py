@@ -161,6 +161,20 @@ def numpy_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepa
     if pixel_product_applies(geo, group, x):
         def compute(xc, w, b):
             return pixel_product(xc, w, b)
+
+        def bind(xc, w, b, finish, y):
+            """The product into ``y`` prepared once (a segment's bound plan): BLAS, then bias and activation."""
+            n, c, m = xc.shape[0], xc.shape[1], w.shape[0]
+            weights = prepared.get("pixel_columns", (w,), lambda: np.ascontiguousarray(w.reshape(m, c).T))
+            rows = y.reshape(n, m)
+            steps = [(np.matmul, (xc.reshape(n, c), weights, rows))]
+            if finish is not None:
+                steps.append((finish.rows, (y.reshape(n, m, 1), 0, 1)))
+            elif b is not None:
+                steps.append((np.add, (rows, b.astype(np.float32, copy=False), rows)))
+            return steps
+
+        compute.bind = bind
         return compute, False
     if group == c and group > 1:
         def compute(xc, w, b):
@@ -246,6 +260,16 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
                 finish.rows(y.reshape(n, m, math.prod(geo.out)), 0, math.prod(geo.out))
         return y.reshape(out_shape).astype(x.dtype, copy=False)
 
+    def bind(x, w, b, finish, y):
+        """The current algorithm's call into the C-contiguous ``y`` prepared once, as ``[(function, arguments)]``
+        (a segment's bound plan, ops/segment.py), where it can be (its ``bind``); else None."""
+        compute = current[0][0]
+        prepare = getattr(compute, "bind", None)
+        if prepare is None or pending is not None or x.dtype != dtype or y.dtype != dtype or y.shape != out_shape:
+            return None
+        return prepare(x, w, b, finish, y)
+
+    path.bind = bind
     take(chosen)
     return path
 

@@ -101,6 +101,17 @@ class DepthwisePlan:
             _depthwise(*arguments)
         return y
 
+    def bound(self, x: np.ndarray, weights: np.ndarray, bias: np.ndarray, activation: np.ndarray, y: np.ndarray):
+        """``(loop, arguments)``: __call__'s computation into ``y`` for these arrays (C-contiguous), prepared
+        once (a segment's bound plan, ops/segment.py)."""
+        n, c = x.shape[:2]
+        arguments = (x.reshape(-1), weights.reshape(-1), bias, y.reshape(-1), n, c, self.in_shape, self.out,
+                     self.strides, self.begin, self.taps, self.rows, self.width, self.size, *self.fill_map,
+                     self.crop_map, identity_channels(c), activation)
+        if x.dtype == np.float32:
+            return run, (*arguments, self.direct)
+        return _depthwise, arguments
+
     def split_channels(self, x: np.ndarray, weights: np.ndarray, bias: np.ndarray, activation: np.ndarray,
                        bounds: np.ndarray, source, run) -> np.ndarray:
         """The float32 output for one image ``x`` (1, C, H, W), its channels bounds[i] .. bounds[i + 1]

@@ -10,7 +10,8 @@ import numpy as np
 from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError
 
-from ..algorithms.activations import hard_swish_in_place
+from ..algorithms.activations import hard_swish_in_place, hard_swish_steps
+from ..algorithms.conv_direct import DirectConv
 from ..algorithms.conv_path import conv_path
 from ..algorithms.precision import compute_dtype
 from ..algorithms.prepared import Prepared
@@ -32,7 +33,33 @@ def conv(node, shapes, opset):
             return (direct.run(x, w, b, None, _NO_ACTIVATION),)
         return (path(x, w, b, None),)
 
+    kernel.bind = lambda inputs, outputs, constant: _bind(resolve, inputs, outputs, constant, _NO_ACTIVATION, False,
+                                                          None)
     return kernel
+
+
+def _bind(resolve, inputs, outputs, constant, bounds, hard_swish, prepare):
+    """A convolution node's computation into ``outputs[0]`` as prepared calls (a segment's bound plan,
+    algorithms/segment_steps.py): the direct tiles, or the path's own ``bind``; None where neither takes it
+    (weights that are not constants, a residual the path does not add, an activation applied in numpy)."""
+    x, w = inputs[0], inputs[1]
+    b = inputs[2] if len(inputs) > 2 else None
+    z = inputs[3] if len(inputs) > 3 else None
+    if not constant[1] or (b is not None and not constant[2]):
+        return None
+    path, out_shape = resolve(x, w, b)
+    y = outputs[0]
+    direct = path.direct
+    if isinstance(direct, DirectConv) and (z is None or (z.shape == out_shape and z.dtype == x.dtype)):
+        return direct.bind(x, w, b, z, bounds, hard_swish, y)
+    if z is not None:
+        return None
+    if hard_swish:  # (as convolve: the convolution with its bias, then HardSwish's operations in place)
+        steps = path.bind(x, w, b, None, y)
+        return None if steps is None else steps + hard_swish_steps(y, y)
+    if prepare is None:
+        return path.bind(x, w, b, None, y)
+    return path.bind(x, w, None, prepare(b, None, x.dtype), y) if takes_compiled(x) else None
 
 
 _NO_ACTIVATION = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)  # activation bounds of none
@@ -189,7 +216,13 @@ def fused_conv(node, shapes, opset):
     if node.attr("append"):
         return _appending(node, resolve, convolve)
     if not concat:
-        return lambda x, w, b=None, z=None: (convolve(x, w, b, z),)
+        def kernel(x, w, b=None, z=None):
+            return (convolve(x, w, b, z),)
+
+        if shuffled is None:
+            kernel.bind = lambda inputs, outputs, constant: _bind(resolve, inputs, outputs, constant, bounds,
+                                                                  hard_swish, prepare)
+        return kernel
     concat, offset = int(concat), int(node.attr("concat_offset", 0))
 
     def into_concat(x, w, b=None, z=None, into=None):

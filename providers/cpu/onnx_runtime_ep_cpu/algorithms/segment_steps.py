@@ -1,0 +1,184 @@
+"""A FusedSegment's bound plan (ops/segment.py): its values in buffers allocated once per input signature,
+and each node as prepared calls over them.
+
+A node's calls come from its binder (BINDERS, by operator): ``binder(node, kernel, inputs, outputs, constant)``
+gets the node's kernel for these shapes, its input and output buffers and which inputs are constants (the
+segment's read-only inputs: weights), and returns ``[(function, arguments), ...]`` that write the outputs, or
+None where it cannot prepare this node (then its kernel runs, and its results are copied into the buffers).
+Convolution kernels bind themselves (their ``bind`` attribute, ops/conv.py): the compiled loop with the
+packed weights, offsets and epilogue it would be called with. Reshapes and Flatten are views of their
+input's buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import threading
+
+import numpy as np
+
+from .activations import hard_swish_steps
+
+_VIEWS = frozenset({"Flatten", "Reshape"})
+
+
+class BoundPlan:
+    """``run(inputs) -> outputs`` for one input signature: feeds copied into their buffers, the steps called,
+    the outputs copied out. ``fits(inputs)``: the constants are the arrays it was bound to."""
+
+    __slots__ = ("lock", "_feeds", "_constant_slots", "_constants", "_steps", "_results")
+
+    def __init__(self, feeds, constants: dict[int, np.ndarray], steps, results):
+        self.lock = threading.Lock()
+        self._feeds = tuple(feeds)  # (slot, buffer)
+        slots = tuple(constants)
+        self._constant_slots = operator.itemgetter(*slots) if len(slots) > 1 else (
+            (lambda inputs, s=slots[0]: (inputs[s],)) if slots else (lambda inputs: ()))
+        self._constants = tuple(constants[s] for s in slots)
+        self._steps = tuple(steps)
+        self._results = tuple(results)
+
+    def fits(self, inputs) -> bool:
+        return all(map(operator.is_, self._constant_slots(inputs), self._constants))
+
+    def run(self, inputs):
+        copy = np.copyto
+        for slot, buffer in self._feeds:
+            copy(buffer, inputs[slot])
+        for function, arguments in self._steps:
+            function(*arguments)
+        return tuple([result.copy() for result in self._results])
+
+
+def _run_kernel(kernel, inputs, outputs) -> None:
+    """The step of a node no binder prepares: its kernel, its results copied into their buffers."""
+    for buffer, value in zip(outputs, kernel(*inputs)):
+        np.copyto(buffer, value)
+
+
+def build_plan(segment, env: list, limit_bytes: int) -> BoundPlan | None:
+    """The bound plan of ``segment`` (ops/segment.Segment) for the signature whose node-by-node run left every
+    value in ``env`` (by slot); None where a value is not an array or the buffers would pass ``limit_bytes``."""
+    buffers: dict[int, np.ndarray] = {}
+    constants: dict[int, np.ndarray] = {}
+    feeds = []
+    total = 0
+    for slot in range(segment.feeds):
+        value = env[slot]
+        if not isinstance(value, np.ndarray):
+            return None
+        if not value.flags.writeable:
+            constants[slot] = buffers[slot] = value
+        else:
+            buffers[slot] = np.empty(value.shape, value.dtype)
+            feeds.append((slot, buffers[slot]))
+            total += value.nbytes
+    steps: list = []
+    for inner in segment.inner:
+        inputs = [None if s < 0 else buffers[s] for s in inner.inputs]
+        examples = [env[s] for s in inner.outputs]
+        if not all(isinstance(v, np.ndarray) for v in examples):
+            return None
+        op = inner.node.op_type
+        if op in _VIEWS and inner.node.domain in ("", "ai.onnx") and examples[0].size == inputs[0].size \
+                and examples[0].dtype == inputs[0].dtype:
+            buffers[inner.outputs[0]] = inputs[0].reshape(examples[0].shape)
+            continue
+        outputs = [np.empty(v.shape, v.dtype) for v in examples]
+        total += sum(v.nbytes for v in outputs)
+        if total > limit_bytes:
+            return None
+        for slot, buffer in zip(inner.outputs, outputs):
+            buffers[slot] = buffer
+        constant = [s in constants for s in inner.inputs]
+        kernel = inner.kernel(inputs)
+        binder = BINDERS.get(op) if inner.node.domain in ("", "ai.onnx", "ai.onnx_runtime.cpu") else None
+        bound = binder(inner.node, kernel, inputs, outputs, constant) if binder is not None else None
+        steps.extend(bound if bound is not None else [(_run_kernel, (kernel, inputs, outputs))])
+    return BoundPlan(feeds, constants, steps, [buffers[s] for s in segment.results])
+
+
+# -- binders ----------------------------------------------------------------------------------------------
+def _bind_conv(node, kernel, inputs, outputs, constant):
+    bind = getattr(kernel, "bind", None)
+    return bind(inputs, outputs, constant) if bind is not None else None
+
+
+def _floats(*arrays) -> bool:
+    return all(a is not None and a.dtype in (np.float32, np.float64) for a in arrays)
+
+
+def _bind_relu(node, kernel, inputs, outputs, constant):
+    x, y = inputs[0], outputs[0]
+    if not _floats(x) or x.shape != y.shape or x.dtype != y.dtype:
+        return None
+    return [(functools.partial(np.maximum, out=y), (x, x.dtype.type(0)))]
+
+
+def _bind_hard_sigmoid(node, kernel, inputs, outputs, constant):
+    """max(0, min(1, alpha * x + beta)) in x's dtype, the kernel's operations in its order, in one loop."""
+    from ..compiled.segment_loops import hard_sigmoid_into
+
+    x, y = inputs[0], outputs[0]
+    if not _floats(x) or x.shape != y.shape or x.dtype != y.dtype:
+        return None
+    t = x.dtype.type
+    return [(hard_sigmoid_into, (x.reshape(-1), y.reshape(-1), t(node.attr("alpha", 0.2)), t(node.attr("beta", 0.5)),
+                                 False))]
+
+
+def _bind_hard_swish(node, kernel, inputs, outputs, constant):
+    """x * max(0, min(1, x / 6 + 1 / 2)), as algorithms/activations.hard_swish_in_place computes it."""
+    x, y = inputs[0], outputs[0]
+    if not _floats(x) or x.shape != y.shape or x.dtype != y.dtype:
+        return None
+    return hard_swish_steps(x, y)
+
+
+def _binary(ufunc):
+    def bind(node, kernel, inputs, outputs, constant):
+        a, b, y = inputs[0], inputs[1], outputs[0]
+        if not _floats(a, b) or a.dtype != b.dtype or y.dtype != a.dtype \
+                or np.broadcast_shapes(a.shape, b.shape) != y.shape:
+            return None
+        return [(ufunc, (a, b, y))]
+
+    return bind
+
+
+def _bind_global_average_pool(node, kernel, inputs, outputs, constant):
+    from .pooling import pool_loops
+
+    x, y = inputs[0], outputs[0]
+    loops = pool_loops()
+    size = int(np.prod(x.shape[2:])) if x.ndim > 2 else 0
+    if not _floats(x) or x.ndim <= 2 or not 0 < size <= loops.PLANE_SUM_LIMIT or y.dtype != x.dtype:
+        return None
+    return [(loops.plane_means, (x.reshape(-1, size), y.reshape(-1), size))]
+
+
+def _bind_gemm(node, kernel, inputs, outputs, constant):
+    """A (rows, K) @ B (+ C) with alpha and beta 1 and B a constant (transposed once)."""
+    a, b, y = inputs[0], inputs[1], outputs[0]
+    c = inputs[2] if len(inputs) > 2 else None
+    if not _floats(a, b) or node.attr("transA", 0) or float(node.attr("alpha", 1.0)) != 1 or not constant[1] \
+            or (c is not None and float(node.attr("beta", 1.0)) != 1) or a.ndim != 2 or b.ndim != 2 \
+            or b.dtype != a.dtype or y.dtype != a.dtype:
+        return None
+    weights = np.ascontiguousarray(b.T if node.attr("transB", 0) else b)
+    if (a.shape[0], weights.shape[1]) != y.shape or weights.shape[0] != a.shape[1]:
+        return None
+    steps = [(np.matmul, (a, weights, y))]
+    if c is not None:
+        if c.dtype != a.dtype or np.broadcast_shapes(c.shape, y.shape) != y.shape:
+            return None
+        steps.append((np.add, (y, c, y)))
+    return steps
+
+
+BINDERS = {
+    "Conv": _bind_conv, "FusedConv": _bind_conv, "Relu": _bind_relu, "HardSigmoid": _bind_hard_sigmoid,
+    "HardSwish": _bind_hard_swish, "Mul": _binary(np.multiply), "Add": _binary(np.add),
+    "GlobalAveragePool": _bind_global_average_pool, "Gemm": _bind_gemm,
+}

@@ -1,0 +1,154 @@
+"""FusedSegment (segment_fusions.py): a run of convolution-network nodes as one kernel.
+
+Every input signature first runs the nodes one by one with their own kernels (built for the concrete
+shapes the signature gives them). From its second run on, once the compiled kernels have loaded
+(compiled/deferred.py), the signature gets a *bound plan* (algorithms/segment_steps.py): every value of the
+segment in a buffer allocated once, and each node as a few prepared calls over those buffers (a compiled
+convolution's loop with its arguments bound, a numpy ufunc with ``out=``), or as its own kernel whose
+outputs are copied into their buffers where it cannot be prepared. A run of the plan is then one Python
+loop over those calls: the feeds copied in, the outputs copied out (fresh arrays, as node kernels return).
+
+The plan is checked once against the node-by-node run it was built from, and dropped where they differ.
+One run uses a plan at a time (its buffers are shared): a concurrent run of the same signature runs the
+nodes one by one. Plans over POOL_LIMIT_BYTES of buffers are not made (the node-by-node run frees each
+value after its last reader).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx_runtime.errors import OnnxRuntimeError
+
+from ..algorithms.segment_steps import BoundPlan, build_plan
+from ..compiled import deferred
+from ..fusions import FUSED_DOMAIN
+from ..registry import NEEDS, lookup, register
+
+POOL_LIMIT_BYTES = 64 << 20
+_SIGNATURES = 16  # bound plans (and node kernels) kept per segment; past that, they start over
+
+
+class _Inner:
+    """One node of the segment: its value slots and its kernels per input shapes."""
+
+    __slots__ = ("node", "factory", "inputs", "outputs", "release", "kernels")
+
+    def __init__(self, node, factory, inputs, outputs):
+        self.node, self.factory, self.inputs, self.outputs = node, factory, inputs, outputs
+        self.release: tuple[int, ...] = ()
+        self.kernels: dict[tuple, object] = {}
+
+    def kernel(self, values):
+        key = tuple(None if v is None else (v.shape, v.dtype) for v in values)
+        found = self.kernels.get(key)
+        if found is None:
+            if len(self.kernels) >= _SIGNATURES:
+                self.kernels.clear()
+            shapes = [None if v is None else tuple(v.shape) for v in values]
+            found = self.kernels[key] = self.factory(self.node, shapes, self.node.opset)
+        return found
+
+
+class Segment:
+    """The FusedSegment kernel: ``segment(*inputs) -> outputs``."""
+
+    def __init__(self, node):
+        body = node.attr("body")
+        slots: dict[str, int] = {"": -1}
+        for name in node.inputs:
+            slots.setdefault(name, len(slots) - 1)
+        self.inner: list[_Inner] = []
+        for inner in body.nodes:
+            factory = lookup(inner.op_type, inner.domain, inner.opset)
+            if factory is None or NEEDS.get(factory):
+                raise OnnxRuntimeError(f"node {node.name!r} (FusedSegment): its node {inner.name!r} "
+                                       f"({inner.op_type}) has no CPU kernel that runs on its inputs alone")
+            for name in inner.outputs:
+                slots.setdefault(name, len(slots) - 1)
+            self.inner.append(_Inner(inner, factory, tuple(slots[n] for n in inner.inputs),
+                                     tuple(slots[n] for n in inner.outputs)))
+        self.slot_count = len(slots) - 1
+        self.feeds = len(node.inputs)
+        self.results = tuple(slots[name] for name in node.outputs)
+        last_use: dict[int, int] = {}
+        for index, inner in enumerate(self.inner):
+            for slot in inner.inputs:
+                if slot >= self.feeds:
+                    last_use[slot] = index
+        keep = set(self.results)
+        for index, inner in enumerate(self.inner):
+            inner.release = tuple(s for s, last in last_use.items() if last == index and s not in keep)
+        self.name = node.name
+        self.output_names = tuple(node.outputs)
+        self.plans: dict[tuple, BoundPlan | None] = {}
+        self.seen: set[tuple] = set()
+
+    def __call__(self, *inputs):
+        key = tuple([(x.shape, x.dtype) if isinstance(x, np.ndarray) else None for x in inputs])
+        plan = self.plans.get(key)
+        if plan is not None and plan.fits(inputs) and plan.lock.acquire(False):
+            try:
+                return plan.run(inputs)
+            finally:
+                plan.lock.release()
+        if plan is None and key in self.seen and key not in self.plans and not deferred.numpy_first():
+            return self._plan_and_run(key, inputs)
+        if len(self.seen) >= _SIGNATURES:
+            self.seen.clear()
+            self.plans.clear()
+        self.seen.add(key)
+        return self._node_by_node(inputs, keep_all=False)[1]
+
+    def _node_by_node(self, inputs, keep_all: bool):
+        env: list = [None] * self.slot_count
+        env[:self.feeds] = inputs
+        for inner in self.inner:
+            values = [None if s < 0 else env[s] for s in inner.inputs]
+            try:
+                results = inner.kernel(values)(*values)
+            except OnnxRuntimeError as exc:
+                message = str(exc)
+                if inner.node.name not in message:
+                    message = f"node {inner.node.name!r} ({inner.node.op_type}): {message}"
+                raise type(exc)(f"{message} (a node of segment {self.name!r})") from exc
+            for slot, value in zip(inner.outputs, results):
+                env[slot] = value
+            if not keep_all:
+                for slot in inner.release:
+                    env[slot] = None
+        return env, tuple(env[s] for s in self.results)
+
+    def _plan_and_run(self, key, inputs):
+        env, outputs = self._node_by_node(inputs, keep_all=True)
+        plan = None
+        try:
+            plan = build_plan(self, env, POOL_LIMIT_BYTES)
+        except OnnxRuntimeError:
+            plan = None  # the nodes keep running one by one for this signature
+        if plan is not None:
+            with plan.lock:
+                checked = plan.run(inputs)
+            if not all(_close(a, b) for a, b in zip(checked, outputs)):
+                plan = None
+        if len(self.plans) >= _SIGNATURES:
+            self.plans.clear()
+        self.plans[key] = plan
+        return outputs
+
+
+def _close(a, b) -> bool:
+    """Whether the plan's output ``a`` matches the node-by-node run's ``b``: the same shape and dtype, and
+    values within float rounding (a prepared call may sum in another order than the node's kernel)."""
+    if not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray) or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.kind != "f":
+        return bool(np.array_equal(a, b))
+    scale = float(np.max(np.abs(b), initial=0.0)) if b.size else 0.0
+    return bool(np.allclose(a, b, rtol=1e-3, atol=1e-4 * max(scale, 1e-30), equal_nan=True))
+
+
+@register("FusedSegment", domain=FUSED_DOMAIN, since=1)
+def fused_segment(node, shapes, opset):
+    """The nodes of ``body`` in order, over the node's inputs (see the module doc)."""
+    return Segment(node)
+

@@ -1,0 +1,101 @@
+"""The CPU provider's segment fusion: a run of consecutive convolution-network nodes becomes one
+``FusedSegment`` node (ops/segment.py) whose kernel runs them all.
+
+A light CNN's layers take about a microsecond each in onnxruntime; run node by node here, each pays the
+executor's step, its kernel's per-call checks and a fresh output array, several times its arithmetic. A
+segment's kernel instead runs, per input signature, a list of prepared calls over buffers allocated once
+(the compiled kernels called straight with their arguments bound), falling back to the nodes' own kernels
+where a node cannot be prepared. The values computed are those of the nodes: each is still computed by its
+operator's algorithm.
+
+A segment is a maximal run of nodes, consecutive in the graph's order, of the operators in SEGMENT_OPS
+(convolutions, their activations, pooling, residual sums, squeeze-excitation products, the classifier head),
+with at least MIN_CONVOLUTIONS convolutions. Its inputs are what its nodes read from outside it (weights
+included), its outputs what anything after it (or the graph) reads.
+"""
+
+from __future__ import annotations
+
+from onnx_runtime.ir import Graph, Node, ValueInfo
+from onnx_runtime.loader import implicit_inputs
+
+from .fusions import FUSED_DOMAIN
+
+# (domain, op_type) the segments take: node kernels that read their inputs and return fresh outputs.
+SEGMENT_OPS = frozenset({
+    ("", "Conv"), (FUSED_DOMAIN, "FusedConv"), ("", "Relu"), ("", "HardSigmoid"), ("", "HardSwish"),
+    ("", "Sigmoid"), ("", "Mul"), ("", "Add"), ("", "GlobalAveragePool"), ("", "MaxPool"), ("", "AveragePool"),
+    ("", "Flatten"), ("", "Gemm"), ("", "ReduceMean"), ("", "Reshape"), ("", "Clip"), ("", "LeakyRelu"),
+    ("", "BatchNormalization"), (FUSED_DOMAIN, "FusedBatchNormalization"),
+})
+_CONVOLUTIONS = frozenset({"Conv", "FusedConv"})
+MIN_CONVOLUTIONS = 2  # a lone convolution (a transformer's patch embedding) gains nothing
+
+
+def _takes(node: Node) -> bool:
+    domain = "" if node.domain in ("", "ai.onnx") else node.domain
+    if (domain, node.op_type) not in SEGMENT_OPS or node.subgraphs():
+        return False
+    if node.op_type == "FusedConv" and any(node.attr(a) is not None for a in ("concat_channels", "append",
+                                                                              "shuffle_shape")):
+        return False  # writes into another node's tensor, or reads through a shuffle
+    # one output each (MaxPool's indices, BatchNormalization's training statistics stay out)
+    return len([o for o in node.outputs if o]) == 1 and bool(node.outputs[0])
+
+
+def _runs(graph: Graph, owns) -> list[list[Node]]:
+    runs: list[list[Node]] = []
+    current: list[Node] = []
+    for node in graph.nodes:
+        if _takes(node) and (owns is None or owns(node)):
+            current.append(node)
+            continue
+        if current:
+            runs.append(current)
+        current = []
+    if current:
+        runs.append(current)
+    return [run for run in runs if sum(n.op_type in _CONVOLUTIONS for n in run) >= MIN_CONVOLUTIONS]
+
+
+def fuse_segments(graph: Graph, owns=None) -> bool:
+    """Replace each segment (see the module doc) by one FusedSegment node holding its nodes as its body."""
+    runs = _runs(graph, owns)
+    if not runs:
+        return False
+    graph_outputs = {vi.name for vi in graph.outputs}
+    changed = False
+    for index, run in enumerate(runs):
+        members = {id(n) for n in run}
+        position = {id(n): i for i, n in enumerate(graph.nodes)}
+        producer = graph.producers()
+        produced: list[str] = [o for n in run for o in n.outputs if o]
+        produced_set = set(produced)
+        inputs: list[str] = []
+        for n in run:
+            for name in n.inputs:
+                if name and name not in produced_set and name not in inputs:
+                    inputs.append(name)
+        read_after: set[str] = set(graph_outputs)
+        for other in graph.nodes:
+            if id(other) not in members:
+                read_after.update(other.inputs)
+                read_after.update(implicit_inputs(other))
+        outputs = [name for name in produced if name in read_after]
+        last = position[id(run[-1])]
+        if not outputs or any(name in producer and position[id(producer[name])] > last for name in inputs):
+            continue  # (an input made after the run: the graph is not in topological order here)
+        body = Graph(
+            name=f"segment_{index}", nodes=list(run),
+            inputs=[ValueInfo(name, graph.type_of(name) or ValueInfo(name).type) for name in inputs],
+            outputs=[ValueInfo(name, graph.type_of(name) or ValueInfo(name).type) for name in outputs],
+            initializers={}, value_info={name: graph.value_info[name] for name in produced if name in graph.value_info},
+            opsets=dict(graph.opsets),
+        )
+        fused = Node("FusedSegment", inputs, outputs, name=f"{run[0].name or run[0].op_type}/segment_{index}",
+                     domain=FUSED_DOMAIN, attrs={"body": body}, opset=1)
+        nodes = graph.nodes
+        at = nodes.index(run[0])
+        graph.nodes = nodes[:at] + [fused] + [n for n in nodes[at:] if id(n) not in members]
+        changed = True
+    return changed

@@ -1,0 +1,190 @@
+"""FusedSegment (segment_fusions.py, ops/segment.py): a run of CNN nodes as one kernel whose later runs call
+prepared steps over buffers allocated once. Checked against onnxruntime and a float64 reference over
+several runs (the first node by node, the later ones through the bound plan), on a MobileNetV3-style block
+(both HardSwish placements, squeeze-excitation, residual, 5x5 depthwise, classifier head)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import onnx
+import onnx_runtime as ort
+import onnxruntime
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx_runtime.errors import InvalidArgumentError
+from onnx_runtime.loader import load_model
+from onnx_runtime_ep_cpu.algorithms import segment_steps
+from onnx_runtime_ep_cpu.compiled import deferred
+from onnx_runtime_ep_cpu.conv_fusions import CONV_PASSES
+from onnx_runtime_ep_cpu.ops.segment import Segment
+from reference64 import run_float64
+
+
+def _block_model(channels: int = 8, size: int = 12) -> onnx.ModelProto:
+    rng = np.random.default_rng(7)
+    inits, nodes = [], []
+
+    def weight(name, *shape, scale=0.3):
+        inits.append(numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name))
+        return name
+
+    def conv(x, y, cin, cout, k, stride=1, group=1):
+        nodes.append(helper.make_node("Conv", [x, weight(f"{y}_w", cout, cin // group, k, k),
+                                               weight(f"{y}_b", cout)], [y], kernel_shape=[k, k],
+                                      strides=[stride, stride], pads=[k // 2] * 4, group=group))
+
+    conv("x", "c1", 3, channels, 3)
+    nodes.append(helper.make_node("HardSwish", ["c1"], ["a1"]))
+    conv("a1", "d1", channels, channels, 3, stride=2, group=channels)
+    nodes.append(helper.make_node("Relu", ["d1"], ["r1"]))
+    nodes.append(helper.make_node("GlobalAveragePool", ["r1"], ["p1"]))
+    conv("p1", "s1", channels, 4, 1)
+    nodes.append(helper.make_node("Relu", ["s1"], ["s1r"]))
+    conv("s1r", "s2", 4, channels, 1)
+    nodes.append(helper.make_node("HardSigmoid", ["s2"], ["gate"], alpha=1 / 6, beta=0.5))
+    nodes.append(helper.make_node("Mul", ["r1", "gate"], ["se"]))
+    conv("se", "pw", channels, channels, 1)
+    nodes.append(helper.make_node("Add", ["pw", "r1"], ["res"]))
+    conv("res", "d2", channels, channels, 5, group=channels)
+    nodes.append(helper.make_node("HardSwish", ["d2"], ["a2"]))
+    nodes.append(helper.make_node("GlobalAveragePool", ["a2"], ["p2"]))
+    nodes.append(helper.make_node("Flatten", ["p2"], ["flat"]))
+    nodes.append(helper.make_node("Gemm", ["flat", weight("fc_w", 5, channels), weight("fc_b", 5)], ["logits"],
+                                  transB=1))
+    graph = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                             ["batch", 3, size, size])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("res", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _ours(model):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _oracle(model, x):
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1
+    sess = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_segment_runs_match_onnxruntime_and_float64(batch):
+    model = _block_model()
+    sess = _ours(model)
+    rng = np.random.default_rng(batch)
+    for run in range(4):  # the first node by node, the second builds and checks the plan, then the plan
+        x = rng.standard_normal((batch, 3, 12, 12)).astype(np.float32)
+        got = sess.run(None, {"x": x})
+        exact = run_float64(model, {"x": x})
+        for ours, theirs, wide in zip(got, _oracle(model, x), exact):
+            assert ours.shape == wide.shape and ours.dtype == np.float32
+            bound = 1e-5 * (1 + np.abs(wide).max())
+            assert np.abs(ours - wide).max() <= bound, run
+            assert np.abs(ours - theirs).max() <= bound, run
+        if run == 0:
+            deferred.wait_ready(240)  # later runs take the compiled kernels (and so the bound plan)
+
+
+def _segment_and_feeds(model, x):
+    """The FusedSegment the CPU passes make of ``model`` (its kernel) and its inputs: weights read-only."""
+    graph = load_model(model).graph
+    for graph_pass in CONV_PASSES:
+        graph_pass(graph)
+    (node,) = [n for n in graph.nodes if n.op_type == "FusedSegment"]
+    assert [n.op_type for n in graph.nodes] == ["FusedSegment"]
+    feeds = []
+    for name in node.inputs:
+        if name == "x":
+            feeds.append(x)
+        else:
+            value = np.array(graph.initializers[name])
+            value.setflags(write=False)
+            feeds.append(value)
+    return Segment(node), feeds
+
+
+def segment_outputs(segment):
+    return segment.output_names
+
+
+def test_segment_binds_every_node_and_reuses_its_plan():
+    model = _block_model()
+    x = np.random.default_rng(3).standard_normal((1, 3, 12, 12)).astype(np.float32)
+    deferred.wait_ready(240)
+    segment, feeds = _segment_and_feeds(model, x)
+    first = segment(*feeds)
+    assert not segment.plans  # one run: node by node
+    second = segment(*feeds)
+    (plan,) = segment.plans.values()
+    assert plan is not None
+    kernels = [a for f, a in plan._steps if f is segment_steps._run_kernel]  # noqa: SLF001
+    assert not kernels  # every node of the block is prepared
+    x2 = x * 2 - 1
+    feeds = [x2 if f is x else f for f in feeds]
+    third = dict(zip(segment_outputs(segment), segment(*feeds)))
+    expected = _oracle(model, x2)
+    np.testing.assert_allclose(third["logits"], expected[0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(third["res"], expected[1], rtol=1e-4, atol=1e-5)
+    for a, b in zip(first, second):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_plan_that_disagrees_is_dropped(monkeypatch):
+    """A binder that computes something else (here Mul as a sum) fails the plan's check against
+    the node-by-node run: the signature keeps running node by node, with the right values."""
+    model = _block_model()
+    x = np.random.default_rng(4).standard_normal((1, 3, 12, 12)).astype(np.float32)
+    deferred.wait_ready(240)
+    wrong = dict(segment_steps.BINDERS, Mul=lambda node, kernel, inputs, outputs, constant: [
+        (np.add, (inputs[0], inputs[1], outputs[0]))])
+    monkeypatch.setattr(segment_steps, "BINDERS", wrong)
+    segment, feeds = _segment_and_feeds(model, x)
+    segment(*feeds)
+    got = segment(*feeds)
+    assert list(segment.plans.values()) == [None]
+    got = dict(zip(segment_outputs(segment), got))
+    np.testing.assert_allclose(got["logits"], _oracle(model, x)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_busy_plan_leaves_the_run_to_the_nodes():
+    model = _block_model()
+    x = np.random.default_rng(5).standard_normal((1, 3, 12, 12)).astype(np.float32)
+    deferred.wait_ready(240)
+    segment, feeds = _segment_and_feeds(model, x)
+    segment(*feeds)
+    expected = segment(*feeds)
+    (plan,) = segment.plans.values()
+    results = []
+    with plan.lock:  # another thread is inside the plan
+        worker = threading.Thread(target=lambda: results.append(segment(*feeds)))
+        worker.start()
+        worker.join(30)
+    np.testing.assert_allclose(results[0][0], expected[0], rtol=1e-5, atol=1e-6)
+
+
+def test_wrong_channels_name_the_inner_node():
+    model = _block_model()
+    segment, feeds = _segment_and_feeds(model, np.zeros((1, 3, 12, 12), np.float32))
+    feeds = [np.zeros((1, 4, 12, 12), np.float32) if f.shape == (1, 3, 12, 12) else f for f in feeds]
+    with pytest.raises(InvalidArgumentError, match=r"\(FusedConv\): input has 4 channels but the weight .* of segment"):
+        segment(*feeds)
+
+
+def test_one_convolution_is_not_a_segment():
+    """A lone convolution (a transformer's patch embedding) stays a node of its own."""
+    conv = helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[2, 2], strides=[2, 2])
+    relu = helper.make_node("Relu", ["y"], ["z"])
+    graph = helper.make_graph([conv, relu], "patch", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                                    [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.ones((4, 3, 2, 2), np.float32), "w")])
+    ir = load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])).graph
+    for graph_pass in CONV_PASSES:
+        graph_pass(ir)
+    assert [n.op_type for n in ir.nodes] == ["FusedConv"]
