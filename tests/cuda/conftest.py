@@ -19,6 +19,8 @@ def survive_a_simulator_reset() -> None:
     if int(sim.cuDeviceGetCount()[0]) != 0:
         sim.cuInit(0)
         for device in CudaDevice._instances.values():
+            if not device.closed:
+                device.staging.abandon()  # the reset freed its pinned blocks; their governor charges go back too
             device.closed = True
 
 
