@@ -82,11 +82,10 @@ def test_the_staging_ring_is_charged_to_the_pinned_tier_and_reported_by_site(cud
     ring = CudaDevice.get(0).staging
     blocks = ring.allocated - ring.freed
     assert blocks > 0
-    # Every live block is charged (rings of devices an earlier test's simulator reset dropped may be charged too)
-    assert ring.charged == blocks * BLOCK_BYTES
+    assert ring.charged == blocks * BLOCK_BYTES  # every live block is charged, and nothing else is
     pinned = [b for b in process_governor().snapshot() if b["device"] == "cuda:0" and b["tier"] == "pinned_host"]
-    assert pinned and pinned[0]["roles"]["staging"] >= ring.charged and set(pinned[0]["roles"]) == {"staging"}
-    assert process_governor().used("cuda:0", Tier.PINNED_HOST) >= ring.charged
+    assert pinned and pinned[0]["roles"] == {"staging": ring.charged}
+    assert process_governor().used("cuda:0", Tier.PINNED_HOST) == ring.charged
     sites = session.memory_report()["provider_sites"]["CUDAExecutionProvider"]
     assert any(site["file"].endswith("staging.py") and site["requests"] == ring.allocated for site in sites)
     session.close()
@@ -236,3 +235,36 @@ def test_device_bindings_are_charged_once_from_the_pool_or_by_their_grants(cuda_
     session.close()
     gc.collect()
     assert governor.used("cuda:0") <= before
+
+
+def test_a_simulator_reset_gives_back_the_pinned_charges_of_the_devices_it_dropped(cuda_driver_mode, matmul_model,
+                                                                                  clean_limits, request):
+    """The CUDA tests' reset helper forgets the devices a simulator reset dropped; their staging rings' pinned
+    blocks went with the reset, and so do the governor's charges for them."""
+    import os
+
+    from onnx_runtime.contract.residency import Tier
+    from onnx_runtime.memory import process_governor
+    from onnx_runtime_ep_cuda import CudaDevice
+    from onnx_runtime_ep_cuda.driver import SIM_ENV
+
+    if not os.environ.get(SIM_ENV):
+        pytest.skip("resets the simulator")
+    from onnx_runtime_ep_cuda.sim import driver as sim
+
+    helpers = next(plugin for plugin in request.config.pluginmanager.get_plugins()
+                   if getattr(plugin, "__file__", "").endswith(os.path.join("cuda", "conftest.py")))
+    session = _session(matmul_model)
+    session.run(None, {"X": np.ones((2, 64), np.float32)})
+    session.close()
+    ring = CudaDevice.get(0).staging
+    governor = process_governor()
+    assert ring.charged > 0 and governor.used("cuda:0", Tier.PINNED_HOST) >= ring.charged
+    sim.reset()
+    helpers.survive_a_simulator_reset()
+    assert ring.charged == 0 and governor.used("cuda:0", Tier.PINNED_HOST) == 0
+    again = _session(matmul_model)  # a fresh device charges its own ring
+    x = np.ones((2, 64), np.float32)
+    np.testing.assert_allclose(again.run(None, {"X": x})[0], x.astype(np.float64) @ W, rtol=1e-5, atol=1e-4)
+    assert governor.used("cuda:0", Tier.PINNED_HOST) == CudaDevice.get(0).staging.charged > 0
+    again.close()
