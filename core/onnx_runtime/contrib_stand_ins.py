@@ -287,7 +287,16 @@ def stand_in_contrib_ops(model: onnx.ModelProto) -> StandIns:
 
 
 def _has_contrib(graph: onnx.GraphProto) -> bool:
-    return any(node.domain == CONTRIB_DOMAIN and node.op_type in _RULES for node in graph.node)
+    return any(_rule(node) is not None for node in graph.node)
+
+
+def _rule(node: onnx.NodeProto) -> Callable[[_Builder], bool] | None:
+    """A com.microsoft node's rule, or SimplifiedLayerNormalization's (onnxruntime registers it in the ONNX
+    domain, which onnx does not know it in)."""
+    if node.domain == CONTRIB_DOMAIN or (node.domain in ("", "ai.onnx")
+                                         and node.op_type == "SimplifiedLayerNormalization"):
+        return _RULES.get(node.op_type)
+    return None
 
 
 def _replace(graph: onnx.GraphProto, outer: dict, originals: list[onnx.NodeProto]) -> None:
@@ -297,7 +306,7 @@ def _replace(graph: onnx.GraphProto, outer: dict, originals: list[onnx.NodeProto
     for node in graph.node:
         for sub in _subgraphs(node):
             _replace(sub, known, originals)
-        rule = _RULES.get(node.op_type) if node.domain == CONTRIB_DOMAIN else None
+        rule = _rule(node)
         if rule is not None:
             builder = _Builder(len(originals), node, known)
             try:
