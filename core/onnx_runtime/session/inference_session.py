@@ -312,8 +312,10 @@ class InferenceSession:
         self._output_types = {vi.name: vi.type for vi in graph.outputs}
         self._output_names = tuple(vi.name for vi in graph.outputs)
         # Plan the full run now, as onnxruntime does: kernels are created and copies decided at
-        # session creation, so their errors surface here and placement() shows the copies.
-        self._placement.copies = self._executor.plan(self._output_names).copies
+        # session creation, so their errors surface here and placement() shows the copies. A cached plan
+        # (made by an earlier process) with specializations runs them instead: its generic kernels wait for a use.
+        if cached is None or self._specializer is None:
+            self._placement.copies = self._executor.plan(self._output_names).copies
         if self._sess_options.optimized_model_filepath:
             from ..serialize import save_model  # only sessions that ask for the file load the writer
             save_model(self._model, self._sess_options.optimized_model_filepath)
