@@ -180,3 +180,68 @@ class LanesDepthwise:
         kernel.conv_depthwise(x if x.flags.c_contiguous else np.ascontiguousarray(x), weights, self._offsets, bias,
                               bounds, y, *self._geometry, hard_swish)
         return y
+
+
+# The channels-last pair sums (compiled/depthwise_small.py) win where each output sums many taps over a small
+# plane: 5x5 windows (and larger) over up to this many output pixels, with enough channels for a vector (the
+# transposes in and out cost a pass each; 3x3 windows keep the plane loops, measured on MobileNetV3's layers).
+PAIRS_MAX_PIXELS = 64
+PAIRS_MIN_TAPS = 25
+PAIRS_MIN_CHANNELS = 16
+
+
+def pairs_depthwise_apply(geo: Geometry, x: np.ndarray, m: int) -> bool:
+    """Whether compiled/depthwise_small.py runs this depthwise convolution (one output per channel)."""
+    return (takes_compiled(x) and len(geo.kernel) == 2 and m == x.shape[1] >= PAIRS_MIN_CHANNELS and x.size > 0
+            and math.prod(geo.kernel) >= PAIRS_MIN_TAPS and 0 < math.prod(geo.out) <= PAIRS_MAX_PIXELS)
+
+
+class PairsDepthwise:
+    """compiled/depthwise_small.py for one geometry: ``__call__(x, w, b, finish)`` for conv_path (the bias and
+    activation of ``finish``, an _Epilogue or None, applied as it stores; a residual added after), ``bind`` for
+    a segment's bound plan."""
+
+    def __init__(self, geo: Geometry, prepared: Prepared, dtype):
+        from ..compiled import depthwise_small, epilogue
+
+        self._kernel, self._prepared, self._dtype = depthwise_small, prepared, np.dtype(dtype)
+        self._pairs, self._starts = depthwise_small.window_pairs(geo.in_shape, geo.kernel, geo.strides,
+                                                                 geo.dilations, geo.begin, geo.out)
+        self._out, self._pixels, self._inputs = geo.out, math.prod(geo.out), math.prod(geo.in_shape)
+        self._identity = epilogue.activation_bounds(epilogue.NONE, (), dtype)
+
+    def _weights(self, w, b):
+        def arranged():
+            m = w.shape[0]
+            bias = np.zeros(m, self._dtype) if b is None else np.array(b.reshape(-1), dtype=self._dtype)
+            return np.ascontiguousarray(w.reshape(m, -1).T, dtype=self._dtype).reshape(-1), bias
+
+        return self._prepared.get("depthwise_pairs", (w, b), arranged)
+
+    def _arguments(self, x, w, b, finish, y):
+        weights, bias = self._weights(w, b)
+        bounds = self._identity
+        if finish is not None:
+            bounds = finish.bounds
+            if finish.bias.size:
+                bias = finish.bias
+        c = x.shape[1]
+        return (x.reshape(-1), weights, bias, self._pairs, self._starts, bounds, y.reshape(-1),
+                np.empty(self._inputs * c, self._dtype), np.empty(self._pixels * c, self._dtype))
+
+    def __call__(self, x, w, b, finish):
+        residual = finish is not None and finish.residual.size > 0
+        y = np.empty((x.shape[0], x.shape[1], *self._out), dtype=self._dtype)
+        xc = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+        if residual:  # finish adds the bias after the residual
+            self._kernel.depthwise_pairs(*self._arguments(xc, w, None, None, y))
+            finish.rows(y.reshape(y.shape[0], y.shape[1], -1), 0, self._pixels)
+        else:
+            self._kernel.depthwise_pairs(*self._arguments(xc, w, b, finish, y))
+        return y
+
+    def bind(self, x, w, b, finish, y):
+        """``[(loop, arguments)]`` into the C-contiguous ``y``, prepared once; None with a residual."""
+        if finish is not None and finish.residual.size:
+            return None
+        return [(self._kernel.depthwise_pairs, self._arguments(x, w, b, finish, y))]

@@ -29,10 +29,12 @@ from .conv_blas import (
 )
 from .conv_depthwise import (
     LanesDepthwise,
+    PairsDepthwise,
     compiled_depthwise,
     conv_depthwise,
     depthwise_compiles,
     depthwise_lanes_apply,
+    pairs_depthwise_apply,
 )
 from .conv_direct import DirectConv, direct_tiles_apply, direct_tiles_before_packed
 from .conv_packed import PackedConv, packed_conv_applies
@@ -142,6 +144,8 @@ def compiled_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, pr
         return lambda: (PackedConv(geo, group, x.shape, w.shape, prepared), True)
     if direct:
         return lambda: (DirectConv(geo, group, x.shape, w.shape, prepared), True)
+    if group == c and group > 1 and pairs_depthwise_apply(geo, x, m):
+        return lambda: (PairsDepthwise(geo, prepared, dtype), True)
     if group == c and group > 1 and depthwise_lanes_apply(geo, x, m):
         return lambda: (LanesDepthwise(geo, prepared), True)
     if group == c and group > 1 and depthwise_compiles(geo, x):

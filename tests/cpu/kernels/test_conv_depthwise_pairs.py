@@ -1,0 +1,94 @@
+"""The channels-last depthwise pair sums (compiled/depthwise_small.py, algorithms/conv_depthwise.PairsDepthwise)
+that take 5x5-and-larger depthwise windows over small planes: against a float64 reference (onnx's evaluator
+on the inputs in float64) and onnxruntime, through sessions (the Conv alone, fused with an activation, and
+with a residual sum), for strides, dilations, uneven pads and batches. No ISA-specific code: the loop is plain
+numba, so these run on every host."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_runtime as ort
+import onnxruntime
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx_runtime_ep_cpu.algorithms.conv_depthwise import pairs_depthwise_apply
+from onnx_runtime_ep_cpu.algorithms.window import Geometry
+from onnx_runtime_ep_cpu.compiled import deferred
+from reference64 import run_float64
+
+# (x shape, kernel, attributes): each taken by the pair sums (checked below)
+CASES = {
+    "5x5 on 4x4": ((1, 120, 4, 4), (5, 5), dict(pads=[2, 2, 2, 2])),
+    "5x5/2 on 8x8": ((1, 96, 8, 8), (5, 5), dict(pads=[2, 2, 2, 2], strides=[2, 2])),
+    "7x7, uneven pads, 2 images": ((2, 16, 5, 6), (7, 7), dict(pads=[3, 1, 2, 4])),
+    "5x5 dilated 2": ((1, 24, 7, 7), (5, 5), dict(pads=[4, 4, 4, 4], dilations=[2, 2])),
+    "5x3/(1,2), no pads": ((1, 33, 9, 12), (5, 5), dict(strides=[1, 2])),
+}
+
+
+def _model(x_shape, kernel, attrs, tail):
+    c = x_shape[1]
+    rng = np.random.default_rng(sum(x_shape) + kernel[0])
+    w = (rng.standard_normal((c, 1, *kernel)) * 0.3).astype(np.float32)
+    b = rng.standard_normal(c).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["conv"], kernel_shape=list(kernel), group=c, **attrs)]
+    out = "conv"
+    if tail == "relu":
+        nodes.append(helper.make_node("Relu", ["conv"], ["y"]))
+        out = "y"
+    elif tail == "residual":
+        nodes.append(helper.make_node("Add", ["conv", "r"], ["y"]))
+        out = "y"
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))]
+    if tail == "residual":
+        inputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "depthwise", inputs, [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _geometry(x_shape, kernel, attrs) -> Geometry:
+    rank = 2
+    strides = tuple(attrs.get("strides", [1, 1]))
+    dilations = tuple(attrs.get("dilations", [1, 1]))
+    pads = attrs.get("pads", [0] * 4)
+    out = tuple((n + pads[i] + pads[i + rank] - (k - 1) * d - 1) // s + 1
+                for i, (n, k, s, d) in enumerate(zip(x_shape[2:], kernel, strides, dilations)))
+    return Geometry(tuple(x_shape[2:]), kernel, strides, dilations, tuple(pads[:rank]), tuple(pads[rank:]), out)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("tail", ["none", "relu", "residual"])
+def test_pair_sums_match_float64_and_onnxruntime(case, tail):
+    x_shape, kernel, attrs = CASES[case]
+    x = np.random.default_rng(1).standard_normal(x_shape).astype(np.float32)
+    assert pairs_depthwise_apply(_geometry(x_shape, kernel, attrs), x, x_shape[1])
+    model = _model(x_shape, kernel, attrs, tail)
+    feeds = {"x": x}
+    if tail == "residual":
+        probe = onnxruntime.InferenceSession(_model(x_shape, kernel, attrs, "none").SerializeToString())
+        feeds["r"] = np.random.default_rng(2).standard_normal(probe.run(None, {"x": x})[0].shape).astype(np.float32)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    exact = run_float64(model, feeds)[0]
+    theirs = onnxruntime.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
+    taps = kernel[0] * kernel[1]
+    for run in range(3):  # the first run and the later ones (compiled kernels, a fusion's prepared calls)
+        ours = sess.run(None, feeds)[0]
+        if run == 0:
+            deferred.wait_ready(240)
+        assert ours.shape == exact.shape and ours.dtype == np.float32
+        # float32 sums of ``taps`` terms: a few ulps of the largest partial sum each
+        bound = (taps + 2) * np.finfo(np.float32).eps * (1 + np.abs(exact).max() + np.abs(x).max() * taps)
+        assert np.abs(ours - exact).max() <= bound
+        assert np.abs(ours - theirs).max() <= 2 * bound
+
+
+def test_three_by_three_windows_and_large_planes_keep_the_plane_loops():
+    x = np.zeros((1, 64, 16, 16), np.float32)
+    assert not pairs_depthwise_apply(_geometry(x.shape, (3, 3), dict(pads=[1] * 4)), x, 64)
+    assert not pairs_depthwise_apply(_geometry(x.shape, (5, 5), dict(pads=[2] * 4)), x, 64)  # 256 pixels out
+    assert not pairs_depthwise_apply(_geometry((1, 8, 4, 4), (5, 5), dict(pads=[2] * 4)), x[:, :8, :4, :4], 8)
+    assert not pairs_depthwise_apply(_geometry((1, 16, 4, 4), (5, 5), dict(pads=[2] * 4)),
+                                     x[:, :16, :4, :4].astype(np.int32), 16)
