@@ -222,3 +222,48 @@ def test_host_allocations_share_the_host_tier_with_the_weights(tmp_path, host_li
     assert governor.used("cpu:0", Tier.HOST) == held + weights
     session.close()
     assert governor.used("cpu:0", Tier.HOST) == held
+
+
+def test_workspace_no_lease_governs_is_charged_by_the_account_and_a_leased_one_is_not(tmp_path, sample_limit):
+    """The contract's default allocate_workspace on a provider with no reserve_workspace: the session's account
+    charges the buffer and deallocate_workspace gives it back; a provider whose reserve_workspace leases it is
+    charged by the lease alone."""
+    from onnx_runtime.contract.residency import WorkspaceAllocation
+
+    path = external_chain(tmp_path / "m.onnx", D)
+    weights = 8 * D * 4
+    sample_limit(weights + 8 * D * 4)
+    session = _session(path)
+    handle = session.provider_handle(SAMPLE)
+    workspace = handle.hook.allocate_workspace(size=4 * D * 4, alignment=64, role=MemoryRole.WORKSPACE)
+    assert isinstance(workspace, WorkspaceAllocation) and workspace.lease is None
+    assert session.memory_report()["activations"][0]["charged"] == 4 * D * 4
+    with pytest.raises(MemoryBudgetError, match="activations on SampleDeviceExecutionProvider.*short"):
+        handle.hook.allocate_workspace(size=8 * D * 4, alignment=64, role=MemoryRole.WORKSPACE)
+    handle.hook.deallocate_workspace(workspace=workspace)
+    assert session.memory_report()["activations"][0]["charged"] == 0
+    assert process_governor().used(DEVICE) == weights
+    session.close()
+
+    from onnx_runtime_sample_provider import SampleDeviceExecutionProvider
+
+    class Leasing(SampleDeviceExecutionProvider):
+        @ort.hookimpl
+        def reserve_workspace(self, nbytes, role):
+            return self.governor.reserve(nbytes, Tier.DEVICE, role, HolderId("leased workspace"))
+
+    governor = ProcessMemoryGovernor()
+    provider = Leasing()
+    provider.governor = governor.device(DEVICE)
+    leasing = ort.ProviderHandle(provider)
+    leasing.initialize({})
+    account = DeviceAccount(leasing, governor.device(DEVICE), HolderId("account"))
+    leasing.memory_account = account
+    try:
+        workspace = leasing.hook.allocate_workspace(size=3000, alignment=64, role=MemoryRole.WORKSPACE)
+        assert workspace.lease is not None and governor.used(DEVICE) == 3000 and account.charged == 0
+        leasing.hook.deallocate_workspace(workspace=workspace)
+        assert governor.used(DEVICE) == 0
+    finally:
+        account.close()
+        leasing.shutdown()

@@ -126,8 +126,13 @@ class MemoryDefaults:
                 grant.release()
             raise
         try:
+            account = getattr(self._handle, "memory_account", None)
             if grant is not None:
                 buffer = hook.allocate_with_mapped_growth(size=size, alignment=alignment, grant=grant)
+            elif lease is None and account is not None:
+                # Neither a grant nor a lease governs it: the session's account charges it like any buffer it
+                # allocates (memory/accounts.py), and release_buffer gives the charge back.
+                buffer = account.allocate(size, alignment)
             else:
                 buffer = hook.allocate(size=size, alignment=alignment)
         except BaseException:

@@ -132,7 +132,7 @@ class MemoryGovernanceSpec:
         earlier ones took.
 
         Default: that sequence through the provider's own hooks; with none of them implemented, a plain
-        ``allocate`` and no lease.
+        ``allocate`` charged by the session's memory account (``ProviderHandle.allocate``) and no lease.
         Called by: not by the core.
         """
 
