@@ -61,6 +61,8 @@ class PlanCache:
         self.directory = directory
         self.key = key
         self.limit_bytes = limit_bytes
+        # The most a plan's own arrays (weights the passes made) may take: a quarter of the folder's bound.
+        self.max_plan_bytes = limit_bytes // 4
 
     def path(self, part: str) -> str:
         return os.path.join(self.directory, f"{self.key[:32]}-{part}{SUFFIX}")
@@ -298,14 +300,18 @@ def signature_part(dims: tuple) -> str:
 
 
 # -- graphs in and out ----------------------------------------------------------------------------------------
-def encode_graph(model, graph, weights: dict[str, np.ndarray]) -> tuple[bytes, list[str]]:
+def encode_graph(model, graph, weights: dict[str, np.ndarray], max_bytes: int) -> tuple[bytes, list[str]] | None:
     """``graph`` (of ``model``) as ModelProto bytes without the initializers that are still the arrays of
-    ``weights`` (returned by name, to be taken from the model when read)."""
+    ``weights`` (returned by name, to be taken from the model when read); None when the arrays the passes made
+    (folded or fused weights) take more than ``max_bytes``: reading them back would cost about what making
+    them does, and one such plan would push the others out of the folder."""
     from .ir import Graph
     from .serialize import model_to_proto
 
     references = [name for name, value in graph.initializers.items() if weights.get(name) is value]
     kept = {name: value for name, value in graph.initializers.items() if weights.get(name) is not value}
+    if sum(getattr(value, "nbytes", 0) for value in kept.values()) > max_bytes:
+        return None
     light = Graph(graph.name, graph.nodes, graph.inputs, graph.outputs, kept, graph.value_info, graph.opsets,
                   graph.outer_names, graph.doc)
     return model_to_proto(model, light).SerializeToString(), references

@@ -203,8 +203,8 @@ def test_an_unwritable_folder_costs_a_warning_not_the_session(tmp_path, monkeypa
     monkeypatch.setenv(plan_cache.ENV_ENABLE, "1")
     monkeypatch.setenv(plan_cache.ENV_DIR, str(blocker / "plans"))
     with pytest.warns(RuntimeWarning, match="could not be written"):
-        session = _session(_model())
-    np.testing.assert_allclose(session.run(None, FEED)[0], _expected(_model()), rtol=1e-5, atol=1e-6)
+        got = _session(_model()).run(None, FEED)[0]
+    np.testing.assert_allclose(got, _expected(_model()), rtol=1e-5, atol=1e-6)
 
 
 def test_a_bad_size_bound_is_a_typed_error(cache_dir, monkeypatch):
@@ -236,3 +236,38 @@ def test_the_key_covers_provider_options(cache_dir):
     keys = {cached_plans.open_plans(options, config, _model(), [handle], provider_options, ()).key
             for provider_options in ({}, {handle.name: {"some_option": "1"}})}
     assert len(keys) == 2
+
+
+def test_a_plan_whose_passes_made_large_weights_is_not_kept(cache_dir, monkeypatch):
+    rng = np.random.default_rng(3)
+    halves = [numpy_helper.from_array(rng.standard_normal((128, 128)).astype(np.float32), name) for name in "PQ"]
+    nodes = [helper.make_node("Add", ["P", "Q"], ["W"]), helper.make_node("MatMul", ["x", "W"], ["y"])]
+    model = make_model(nodes, [tensor_info("x", shape=[2, 128])], [tensor_info("y", shape=[2, 128])],
+                       halves).SerializeToString()
+    monkeypatch.setenv(plan_cache.ENV_LIMIT, "0.1")  # a quarter: 26 KB, less than the folded 64 KB weight
+    x = {"x": rng.standard_normal((2, 128)).astype(np.float32)}
+    got = _session(model).run(None, x)[0]
+    assert not list(cache_dir.glob("*-graph.plan"))
+    monkeypatch.setenv(plan_cache.ENV_LIMIT, "1")
+    _session(model).run(None, x)
+    assert list(cache_dir.glob("*-graph.plan"))  # kept under a larger bound, and read back right:
+    _refuse_optimizer(monkeypatch)
+    np.testing.assert_allclose(_session(model).run(None, x)[0], got, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a failed specialization would warn and run the generic plan
+def test_a_cached_session_specializes_new_signatures_right(cache_dir, monkeypatch):
+    import onnxruntime
+
+    model = _model()
+    _session(model).run(None, FEED)
+    reference = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
+    cached = _session(model)
+    for batch in (2, 5, 7, 2):  # the cached signature, then new ones (a template with a symbolic batch)
+        feed = {"x": np.random.default_rng(batch).standard_normal((batch, 3, 8)).astype(np.float32)}
+        np.testing.assert_allclose(cached.run(None, feed)[0], reference.run(None, feed)[0], rtol=1e-5, atol=1e-6)
+    _refuse_optimizer(monkeypatch)  # the exact signature and the template are now cached too
+    again = _session(model)
+    for batch in (2, 5):
+        feed = {"x": np.ones((batch, 3, 8), np.float32)}
+        np.testing.assert_allclose(again.run(None, feed)[0], reference.run(None, feed)[0], rtol=1e-5, atol=1e-6)

@@ -72,9 +72,12 @@ def store_creation(plans: PlanCache, model: Model, weights: dict[str, np.ndarray
                    folded: dict[str, np.ndarray]) -> None:
     """Write the session's optimized graph (before placement). ``weights``: the model's initializers as loaded."""
     try:
-        data, references = plan_cache.encode_graph(model, model.graph, weights)
+        encoded = plan_cache.encode_graph(model, model.graph, weights, plans.max_plan_bytes)
     except OnnxRuntimeError:
         return  # an attribute ONNX cannot hold (a provider's object): this plan is not cached
+    if encoded is None:
+        return
+    data, references = encoded
     sections = {"graph": data, "folded": plan_cache.encode_arrays(
         {name: value for name, value in folded.items()
          if isinstance(value, np.ndarray) and value.size <= SHAPE_VALUE_LIMIT and value.dtype.kind in "biuf"})}
@@ -106,7 +109,7 @@ class CachedSpecializer(Specializer):
     def _optimize_then_plan(self, graph: Graph) -> Executor:
         graph = self._optimize(graph)
         try:  # written as the passes left it: placement may expand function calls in place
-            self._encoded = plan_cache.encode_graph(self._model, graph, self._weights)
+            self._encoded = plan_cache.encode_graph(self._model, graph, self._weights, self._plans.max_plan_bytes)
         except OnnxRuntimeError:
             self._encoded = None  # an attribute ONNX cannot hold (a provider's object): not cached
         return self._plan(graph)
