@@ -51,6 +51,8 @@ ENV_LIMIT = "ONNX_RUNTIME_PLAN_CACHE_MB"
 DEFAULT_LIMIT_MB = 256
 FORMAT = 1  # bumped when what a part holds changes
 MAGIC = b"onnx-runtime plan\n"
+PRUNE_EVERY = 16  # the folder is pruned at a process's first write and every 16 writes after it
+_writes = 0
 SUFFIX = ".plan"
 
 
@@ -101,7 +103,10 @@ class PlanCache:
             except BaseException:
                 _remove(temporary)
                 raise
-            prune(self.directory, self.limit_bytes)
+            global _writes
+            _writes += 1
+            if (_writes - 1) % PRUNE_EVERY == 0:  # a scan of the folder costs ms with hundreds of plans in it
+                prune(self.directory, self.limit_bytes)
         except OSError as exc:
             warnings.warn(f"onnx-runtime: the plan cache in {self.directory!r} could not be written ({exc}); "
                           f"set {ENV_DIR} to a writable folder or {ENV_ENABLE}=0", RuntimeWarning, stacklevel=3)

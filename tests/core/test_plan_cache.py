@@ -160,7 +160,8 @@ def test_a_truncated_or_foreign_plan_is_never_used(cache_dir):
         np.testing.assert_array_equal(_session(other).run(None, FEED)[0], expected)
 
 
-def test_the_folder_is_bounded_least_recently_used_first(tmp_path):
+def test_the_folder_is_bounded_least_recently_used_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(plan_cache, "PRUNE_EVERY", 1)  # (a process checks at its first write and every 16th)
     cache = plan_cache.PlanCache(str(tmp_path), "k" * 64, limit_bytes=3000)
     for index in range(5):
         cache.store(f"p{index}", {}, {"graph": bytes(1000)})
