@@ -133,3 +133,23 @@ def test_worker_sessions_compile_kernels_in_the_foreground_unless_the_caller_say
     assert default.session.get_session_options().config()["session.compile_in_background"] == "0"
     chosen = Predictor(mlp, session_options={"config": {"session.compile_in_background": "1"}})
     assert chosen.session.get_session_options().config()["session.compile_in_background"] == "1"
+
+
+@pytest.mark.parametrize("runtime", ["onnx_runtime", "onnxruntime"])
+@pytest.mark.parametrize(("batch_size", "runs"), [(None, [32, 18]), (8, [8] * 6 + [2])])
+def test_a_dynamic_batch_axis_takes_batch_size_rows_per_run_for_both_runtimes(mlp, rows, runtime, batch_size,
+                                                                              runs, monkeypatch):
+    """Rows are stacked along a dynamic batch axis, ``batch_size`` (default 32) per run, and both runtimes'
+    predictors are wrapped the same way (what benchmarks/batch_bench.py compares)."""
+    predictor = Predictor(mlp, batch_size=batch_size, runtime=runtime)
+    session, batches = predictor.session, []
+    run = session.run
+
+    def recording(names, feeds, *args):
+        batches.append({len(value) for value in feeds.values()})
+        return run(names, feeds, *args)
+
+    monkeypatch.setattr(session, "run", recording)  # the process keeps the session: restored after the test
+    out = predictor({"x": rows[:50]})
+    assert batches == [{n} for n in runs]
+    np.testing.assert_allclose(out["y"], mlp_reference(rows[:50]), rtol=1e-5, atol=1e-5)
