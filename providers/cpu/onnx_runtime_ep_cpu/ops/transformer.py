@@ -743,6 +743,9 @@ def rotary_embedding(node, shapes, opset):
         dim = rotary_dim or head_size
         if dim % 2 or dim > head_size:
             raise argument_error(node, f"rotary_embedding_dim {dim} must be even and at most head size {head_size}")
+        if cos_cache.shape != sin_cache.shape:  # (a shorter sin_cache was indexed past its rows)
+            raise argument_error(node, f"cos_cache {list(cos_cache.shape)} and sin_cache {list(sin_cache.shape)} "
+                                       f"must have one shape")
         if position_ids is not None:
             if position_ids.size and (position_ids.min() < 0 or position_ids.max() >= cos_cache.shape[0]):
                 # numpy would wrap a negative position to the cache's last rows
