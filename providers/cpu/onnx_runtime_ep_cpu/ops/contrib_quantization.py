@@ -121,6 +121,8 @@ def _binary(node, combine):
     """C = combine(A, B) on the real values, requantized: the zero points come off exactly (int64), the scales
     join in float64, and the result rounds once (in one compiled pass for the common broadcasts). The checked
     parameters are kept while the same constant arrays come in, and the layout per pair of input shapes."""
+    from ..compiled import quantize as compiled  # once here: an import statement costs each call microseconds
+
     multiply = combine is _mul
     last: list = [(), None]
     layouts: dict = {}
@@ -158,8 +160,6 @@ def _binary(node, combine):
                 layouts[key] = layout
         shape, steps = layout
         if steps is not None:
-            from ..compiled import quantize as compiled
-
             out = np.empty(shape, dtype)
             compiled.requantize_binary(np.ascontiguousarray(a).reshape(-1), steps[1],
                                        np.ascontiguousarray(b).reshape(-1), steps[2], *compiled_params[:2],
@@ -608,6 +608,8 @@ def _fast_weight(a, b, b_scale, b_zero_point, bias) -> bool:
 
 @register("MatMulIntegerToFloat", domain=CONTRIB_DOMAIN, since=1)
 def matmul_integer_to_float(node, shapes, opset):
+    from ..compiled import qgemm
+
     product = IntegerProduct()
     sides = Prepared()  # _WeightSide per set of constant inputs (None: not compiled)
 
@@ -621,8 +623,6 @@ def matmul_integer_to_float(node, shapes, opset):
                          lambda: _WeightSide.of(product, a, b, b_scale, b_zero_point, bias))
         if side is None or a.shape[-1] != side.depth:
             return None
-        from ..compiled import qgemm
-
         out = np.empty(a.shape[:-1] + (side.columns,), _F32)
         qgemm.scaled_product(np.ascontiguousarray(a).reshape(-1, side.depth),
                              0 if a_zero_point is None else int(a_zero_point.reshape(-1)[0]), side.packed,
@@ -651,16 +651,22 @@ def matmul_integer_to_float(node, shapes, opset):
 
 @register("DynamicQuantizeMatMul", domain=CONTRIB_DOMAIN, since=1)
 def dynamic_quantize_matmul(node, shapes, opset):
+    from ..compiled import qgemm  # once here: an import statement costs each call microseconds
+
     product = IntegerProduct()
     sides = Prepared()  # _WeightSide per set of constant inputs (None: not compiled)
+    last: list = [None] * 5  # the constant inputs of the last call, then their _WeightSide
 
     def kernel(a, b, b_scale, b_zero_point=None, bias=None):
         if a.dtype is _F32 and a.ndim and a.size:
-            side = sides.get(None, (b, b_scale, b_zero_point, bias),
-                             lambda: _WeightSide.of(product, a, b, b_scale, b_zero_point, bias))
+            if last[0] is b and last[1] is b_scale and last[2] is b_zero_point and last[3] is bias:
+                side = last[4]  # the same constant arrays as before (the usual call): no key to build
+            else:
+                side = sides.get(None, (b, b_scale, b_zero_point, bias),
+                                 lambda: _WeightSide.of(product, a, b, b_scale, b_zero_point, bias))
+                if all(x is None or not x.flags.writeable for x in (b, b_scale, b_zero_point, bias)):
+                    last[:] = [b, b_scale, b_zero_point, bias, side]
             if side is not None and a.shape[-1] == side.depth:
-                from ..compiled import qgemm
-
                 # DynamicQuantizeLinear's codes of A then MatMulIntegerToFloat's product, in one compiled call
                 out = np.empty(a.shape[:-1] + (side.columns,), _F32)
                 qgemm.dynamic_scaled_product(np.ascontiguousarray(a).reshape(-1, side.depth), side.packed,

@@ -233,11 +233,11 @@ def _quantize_factory(node, *, per_axis=True, blocked=False, saturating=False, t
                 return (layout, target.numpy, *_integer_range(target), *_channel_params(y_scale, y_zero_point))
         return None
 
+    from ..compiled import quantize as compiled  # once here: an import statement costs a call microseconds
+
     def kernel(x, y_scale, y_zero_point=None):
         call = fast.get(x, y_scale, y_zero_point, compiled_call)
         if call is not None:
-            from ..compiled import quantize as compiled
-
             layout, dtype, low, high, scales, zeros = call
             out = np.empty(x.shape, dtype)
             compiled.quantize(np.ascontiguousarray(x).reshape(layout), scales, zeros, low, high, out.reshape(layout))
@@ -307,11 +307,11 @@ def _dequantize_factory(node, *, per_axis=True, blocked=False, typed=False):
                 return (layout, *_channel_params(x_scale, x_zero_point))
         return None
 
+    from ..compiled import quantize as compiled
+
     def kernel(x, x_scale, x_zero_point=None):
         call = fast.get(x, x_scale, x_zero_point, compiled_call)
         if call is not None:
-            from ..compiled import quantize as compiled
-
             layout, scales, zeros = call
             y = np.empty(x.shape, _F32)
             compiled.dequantize(np.ascontiguousarray(x).reshape(layout), scales, zeros, y.reshape(layout))
@@ -400,12 +400,12 @@ def dynamic_quantize_linear(node, shapes, opset):
     value they dequantize to."""
     low, high = _integer_range(DataType.UINT8)
 
+    from ..compiled import quantize as compiled
+
     @quiet
     def kernel(x):
         x = x.astype(np.float32, copy=False)
         if x.size:
-            from ..compiled import quantize as compiled
-
             y = np.empty(x.shape, np.uint8)
             scale, zero_point = compiled.dynamic_quantize(np.ascontiguousarray(x).reshape(-1), y.reshape(-1))
             # The compiled loop's float32 results come back as Python floats, exactly.
