@@ -5,11 +5,16 @@ the reason; the others still load. Nothing here imports a provider package by na
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import sys
+import tempfile
 import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points  # entry_points(group=...): Python >= 3.10, as the project requires
+from importlib.metadata import EntryPoint, entry_points  # entry_points(group=...): Python >= 3.10
 
 import pluggy
 
@@ -154,7 +159,7 @@ class ProviderRegistry:
             if self._discovered:
                 return None
             if key not in self._quick:
-                named = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name.lower() == key]
+                named = [ep for ep in listed_entry_points() if ep.name.lower() == key]
                 if len(named) != 1:
                     return None
                 source, dist_name, version = _describe(named[0])
@@ -219,8 +224,65 @@ class ProviderRegistry:
         warnings.warn(f"onnx-runtime: skipping {source}: {reason}", RuntimeWarning, stacklevel=3)
 
 
+@dataclass(frozen=True)
+class _ListedEntryPoint:
+    """An entry point of the group as an earlier process listed it (``listed_entry_points``)."""
+
+    name: str
+    value: str
+    dist_name: str
+    version: str
+
+    def load(self):
+        return EntryPoint(self.name, self.value, ENTRY_POINT_GROUP).load()
+
+
+def listed_entry_points() -> list:
+    """The group's entry points. Listing them reads every installed distribution's metadata (milliseconds per
+    fresh process), so the list is kept beside the plan cache (plan_cache.py; off with it), keyed by the import
+    path and each of its folders' modification times, which an install, upgrade or removal changes. A stale or
+    unreadable list only costs the listing: a provider that fails to load from it is left to full discovery."""
+    if os.environ.get("ONNX_RUNTIME_PLAN_CACHE", "1") == "0":
+        return list(entry_points(group=ENTRY_POINT_GROUP))
+    state = []
+    for index, folder in enumerate(sys.path):
+        try:  # (the script's folder or the working directory, sys.path[0], by name: its files change all the time)
+            state.append([folder, os.stat(folder or ".").st_mtime_ns if index else None])
+        except OSError:
+            state.append([folder, None])
+    key = hashlib.sha256(json.dumps([sys.version, ENTRY_POINT_GROUP, state]).encode()).hexdigest()[:32]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.path.join(os.environ.get("ONNX_RUNTIME_PLAN_CACHE_DIR") or os.path.join(base, "onnx_runtime", "plans"),
+                        "entry-points.json")  # one file: the last listing, whatever its key
+    try:
+        with open(path) as handle:
+            listed = json.load(handle)
+        if listed["key"] == key:
+            return [_ListedEntryPoint(*row) for row in listed["rows"]]
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    found = list(entry_points(group=ENTRY_POINT_GROUP))
+    rows = [[ep.name, ep.value, *_describe(ep)[1:]] for ep in found]
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(prefix=".writing-", dir=os.path.dirname(path))
+        try:
+            with os.fdopen(fd, "w") as handle:
+                json.dump({"key": key, "rows": rows}, handle)
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+    except OSError:
+        pass  # an unwritable folder: list again next time (the plan cache warns about it)
+    return found
+
+
 def _describe(ep) -> tuple[str, str, str]:
     """An entry point's description for messages, its distribution's name and version."""
+    if isinstance(ep, _ListedEntryPoint):
+        return (f"entry point {ep.name!r} ({ep.value}) of {ep.dist_name or 'an unknown distribution'}", ep.dist_name,
+                ep.version)
     dist = getattr(ep, "dist", None)
     dist_name = dist.metadata["Name"] if dist is not None else ""
     version = dist.version if dist is not None else ""
