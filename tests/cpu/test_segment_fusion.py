@@ -22,7 +22,7 @@ from onnx_runtime_ep_cpu.ops.segment import Segment
 from reference64 import run_float64
 
 
-def _block_model(channels: int = 8, size: int = 12) -> onnx.ModelProto:
+def _block_model(channels: int = 8, size: int = 12, gate: str = "HardSigmoid") -> onnx.ModelProto:
     rng = np.random.default_rng(7)
     inits, nodes = [], []
 
@@ -43,7 +43,8 @@ def _block_model(channels: int = 8, size: int = 12) -> onnx.ModelProto:
     conv("p1", "s1", channels, 4, 1)
     nodes.append(helper.make_node("Relu", ["s1"], ["s1r"]))
     conv("s1r", "s2", 4, channels, 1)
-    nodes.append(helper.make_node("HardSigmoid", ["s2"], ["gate"], alpha=1 / 6, beta=0.5))
+    nodes.append(helper.make_node("HardSigmoid", ["s2"], ["gate"], alpha=1 / 6, beta=0.5) if gate == "HardSigmoid"
+                 else helper.make_node("Sigmoid", ["s2"], ["gate"]))
     nodes.append(helper.make_node("Mul", ["r1", "gate"], ["se"]))
     conv("se", "pw", channels, channels, 1)
     nodes.append(helper.make_node("Add", ["pw", "r1"], ["res"]))
@@ -113,8 +114,9 @@ def segment_outputs(segment):
     return segment.output_names
 
 
-def test_segment_binds_every_node_and_reuses_its_plan():
-    model = _block_model()
+@pytest.mark.parametrize("gate", ["HardSigmoid", "Sigmoid"])
+def test_segment_binds_every_node_and_reuses_its_plan(gate):
+    model = _block_model(gate=gate)
     x = np.random.default_rng(3).standard_normal((1, 3, 12, 12)).astype(np.float32)
     deferred.wait_ready(240)
     segment, feeds = _segment_and_feeds(model, x)
@@ -125,6 +127,8 @@ def test_segment_binds_every_node_and_reuses_its_plan():
     assert plan is not None
     kernels = [a for f, a in plan._steps if f is segment_steps._run_kernel]  # noqa: SLF001
     assert not kernels  # every node of the block is prepared
+    called = [getattr(f, "__name__", "") for f, _ in plan._steps]  # noqa: SLF001
+    assert called.count("squeeze_excite") == 1  # the squeeze-excitation block, one call
     x2 = x * 2 - 1
     feeds = [x2 if f is x else f for f in feeds]
     third = dict(zip(segment_outputs(segment), segment(*feeds)))
@@ -136,13 +140,13 @@ def test_segment_binds_every_node_and_reuses_its_plan():
 
 
 def test_a_plan_that_disagrees_is_dropped(monkeypatch):
-    """A binder that computes something else (here Mul as a sum) fails the plan's check against
+    """A binder that computes something else (here Gemm without its bias) fails the plan's check against
     the node-by-node run: the signature keeps running node by node, with the right values."""
     model = _block_model()
     x = np.random.default_rng(4).standard_normal((1, 3, 12, 12)).astype(np.float32)
     deferred.wait_ready(240)
-    wrong = dict(segment_steps.BINDERS, Mul=lambda node, kernel, inputs, outputs, constant: [
-        (np.add, (inputs[0], inputs[1], outputs[0]))])
+    wrong = dict(segment_steps.BINDERS, Gemm=lambda node, kernel, inputs, outputs, constant: [
+        (np.matmul, (inputs[0], np.ascontiguousarray(inputs[1].T), outputs[0]))])
     monkeypatch.setattr(segment_steps, "BINDERS", wrong)
     segment, feeds = _segment_and_feeds(model, x)
     segment(*feeds)

@@ -19,6 +19,7 @@ import threading
 import numpy as np
 
 from .activations import hard_swish_steps
+from .segment_blocks import squeeze_excitations
 
 _VIEWS = frozenset({"Flatten", "Reshape"})
 
@@ -57,9 +58,9 @@ def _run_kernel(kernel, inputs, outputs) -> None:
         np.copyto(buffer, value)
 
 
-def build_plan(segment, env: list, limit_bytes: int) -> BoundPlan | None:
-    """The bound plan of ``segment`` (ops/segment.Segment) for the signature whose node-by-node run left every
-    value in ``env`` (by slot); None where a value is not an array or the buffers would pass ``limit_bytes``."""
+def _input_buffers(segment, env):
+    """(buffers, constants, feeds, bytes) for the segment's inputs: a read-only input (a weight) is bound as it
+    is, the others get a buffer that each run copies them into; None where an input is not an array."""
     buffers: dict[int, np.ndarray] = {}
     constants: dict[int, np.ndarray] = {}
     feeds = []
@@ -74,8 +75,25 @@ def build_plan(segment, env: list, limit_bytes: int) -> BoundPlan | None:
             buffers[slot] = np.empty(value.shape, value.dtype)
             feeds.append((slot, buffers[slot]))
             total += value.nbytes
+    return buffers, constants, feeds, total
+
+
+def build_plan(segment, env: list, limit_bytes: int) -> BoundPlan | None:
+    """The bound plan of ``segment`` (ops/segment.Segment) for the signature whose node-by-node run left every
+    value in ``env`` (by slot); None where a value is not an array or the buffers would pass ``limit_bytes``."""
+    inputs_bound = _input_buffers(segment, env)
+    if inputs_bound is None:
+        return None
+    buffers, constants, feeds, total = inputs_bound
     steps: list = []
-    for inner in segment.inner:
+    blocks = squeeze_excitations(segment, env, constants)
+    skipped: set[int] = set()
+    for index, inner in enumerate(segment.inner):
+        if index in skipped:
+            continue
+        if index in blocks:  # the whole block as one step at its first node (it reads x only)
+            total += _bind_block(blocks[index], env, buffers, steps, skipped)
+            continue
         inputs = [None if s < 0 else buffers[s] for s in inner.inputs]
         examples = [env[s] for s in inner.outputs]
         if not all(isinstance(v, np.ndarray) for v in examples):
@@ -97,6 +115,16 @@ def build_plan(segment, env: list, limit_bytes: int) -> BoundPlan | None:
         bound = binder(inner.node, kernel, inputs, outputs, constant) if binder is not None else None
         steps.extend(bound if bound is not None else [(_run_kernel, (kernel, inputs, outputs))])
     return BoundPlan(feeds, constants, steps, [buffers[s] for s in segment.results])
+
+
+def _bind_block(block, env, buffers, steps, skipped) -> int:
+    """A block of segment_blocks.py as one step; returns its output buffer's size."""
+    members, last, bind = block
+    output = np.empty(env[last].shape, env[last].dtype)
+    buffers[last] = output
+    steps.append(bind(buffers, output))
+    skipped.update(members)
+    return output.nbytes
 
 
 # -- binders ----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Loops for a segment's bound plan (algorithms/segment_steps.py): HardSigmoid and HardSwish in one compiled
 pass each, where numpy takes four and five ufunc calls, each costing more than the arithmetic on a light CNN's
-small tensors (a squeeze-excitation gate of a few hundred values).
+small tensors; and a whole squeeze-excitation block (algorithms/segment_blocks.py) in one call.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
+from .epilogue import activate
 
 
 @jit
@@ -25,3 +26,51 @@ def hard_sigmoid_into(x, y, alpha, beta, swish):
         if gate > one:
             gate = one
         y[i] = x[i] * gate if swish else gate
+
+
+HARD_SIGMOID_GATE, SIGMOID_GATE = 1, 2  # squeeze_excite's gates
+
+
+@jit
+def _gated(v, gate, alpha, beta, zero, one):
+    """The squeeze-excitation gate of v: HARD_SIGMOID_GATE's max(0, min(1, alpha * v + beta)) (NaN passes), or
+    the logistic sigmoid; ``zero`` and ``one`` in v's dtype."""
+    if gate != HARD_SIGMOID_GATE:
+        return one / (one + np.exp(-v))
+    v = alpha * v
+    v = v + beta
+    if v < zero:
+        v = zero
+    return one if v > one else v
+
+
+@jit
+def squeeze_excite(x, w1, b1, bounds1, w2, b2, bounds2, gate, alpha, beta, y, pooled, hidden, scale):
+    """A squeeze-excitation block in one pass per image: y (N, C, P) = x * gate(act2(w2 @ act1(w1 @ mean(x) +
+    b1) + b2)), the means over each plane's P pixels, ``w1`` (R, C) and ``w2`` (C, R) the two 1x1
+    convolutions' weights, ``b1``/``b2`` their biases, ``bounds1``/``bounds2`` their activations
+    (epilogue.activation_bounds), ``gate`` HARD_SIGMOID_GATE (max(0, min(1, alpha * v + beta))) or
+    SIGMOID_GATE; ``pooled`` (C), ``hidden`` (R) and ``scale`` (C) scratch."""
+    channels, reduced, pixels = w1.shape[1], w1.shape[0], x.shape[2]
+    zero = np.zeros(1, dtype=x.dtype)[0]
+    one = np.ones(1, dtype=x.dtype)[0]
+    divisor = x.dtype.type(pixels)
+    for n in range(x.shape[0]):
+        for c in range(channels):
+            total = zero
+            for p in range(pixels):
+                total += x[n, c, p]
+            pooled[c] = total / divisor
+        for r in range(reduced):
+            total = zero
+            for c in range(channels):
+                total += w1[r, c] * pooled[c]
+            hidden[r] = activate(total + b1[r], bounds1[0], bounds1[1], bounds1[2])
+        for c in range(channels):
+            total = zero
+            for r in range(reduced):
+                total += w2[c, r] * hidden[r]
+            scale[c] = _gated(activate(total + b2[c], bounds2[0], bounds2[1], bounds2[2]), gate, alpha, beta, zero, one)
+        for c in range(channels):
+            for p in range(pixels):
+                y[n, c, p] = x[n, c, p] * scale[c]
