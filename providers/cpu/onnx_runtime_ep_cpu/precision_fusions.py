@@ -30,6 +30,7 @@ from onnx_runtime.dtypes import DataType
 from onnx_runtime.ir import Graph, Node, TypeInfo, ValueInfo
 from onnx_runtime.optimizer.context import FreshNames
 
+from .contrib_lowering import lower_contrib_operators
 from .fusions import FUSED_DOMAIN
 
 HALF = frozenset({DataType.FLOAT16, DataType.BFLOAT16})
@@ -281,4 +282,5 @@ def shapes_of_inputs_read_from_inputs(graph: Graph, owns=None) -> bool:
     return changed
 
 
-PRECISION_PASSES = [compute_half_in_float32, shapes_of_inputs_read_from_inputs]
+# The contrib lowering after the conversion: a converted graph's contrib nodes are float32 by then.
+PRECISION_PASSES = [compute_half_in_float32, lower_contrib_operators, shapes_of_inputs_read_from_inputs]

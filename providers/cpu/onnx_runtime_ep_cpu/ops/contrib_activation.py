@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..algorithms.activations import gelu_erf, gelu_tanh, sigmoid
+from ..algorithms.activations import gelu_erf, gelu_series, gelu_tanh, sigmoid
 from ..algorithms.precision import upcast
 from ..registry import register
 from ._common import CONTRIB_DOMAIN, argument_error
@@ -31,22 +31,41 @@ def _quiet_gelu(fn, x: np.ndarray) -> np.ndarray:
         return fn(x)
 
 
+def _gelu_kernel(node, approximate: str):
+    """Gelu(x (+ bias over the last axis)): float32/float64 in the compiled loop of the ONNX Gelu (the bias added
+    in its pass), other dtypes in numpy in their compute dtype, rounded once."""
+    fn = gelu_erf if approximate == "none" else gelu_tanh
+    series = {np.dtype(t): gelu_series(approximate, t) for t in (np.float32, np.float64)}
+    from ..compiled import transformer as compiled
+
+    def kernel(x, bias=None):
+        coefficients = series.get(x.dtype)
+        if coefficients is not None and x.size and x.ndim and (bias is None or (bias.dtype == x.dtype and
+                                                                                bias.shape == x.shape[-1:])):
+            rows = compiled.as_rows(x) if bias is None else np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+            return (compiled.gelu(rows, coefficients, bias=bias).reshape(x.shape),)
+        return (_quiet_gelu(fn, _biased(node, x, bias)).astype(x.dtype, copy=False),)
+
+    return kernel
+
+
 @register("Gelu", domain=CONTRIB_DOMAIN, since=1)
 def gelu(node, shapes, opset):
     """0.5 * x * (1 + erf(x / sqrt(2)))."""
-    return lambda x: (_quiet_gelu(gelu_erf, upcast(x)).astype(x.dtype, copy=False),)
+    kernel = _gelu_kernel(node, "none")
+    return lambda x: kernel(x)
 
 
 @register("BiasGelu", domain=CONTRIB_DOMAIN, since=1)
 def bias_gelu(node, shapes, opset):
     """Gelu(A + B), B a bias over A's last axis."""
-    return lambda a, b: (_quiet_gelu(gelu_erf, _biased(node, a, b)).astype(a.dtype, copy=False),)
+    return _gelu_kernel(node, "none")
 
 
 @register("FastGelu", domain=CONTRIB_DOMAIN, since=1)
 def fast_gelu(node, shapes, opset):
     """The tanh approximation 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))) of Gelu(x + bias)."""
-    return lambda x, bias=None: (_quiet_gelu(gelu_tanh, _biased(node, x, bias)).astype(x.dtype, copy=False),)
+    return _gelu_kernel(node, "tanh")
 
 
 @register("QuickGelu", domain=CONTRIB_DOMAIN, since=1)

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from ..algorithms.normalization import broadcasts_into, standardize_rows
+from ..algorithms.normalization import broadcasts_into, layer_norm_compiles, standardize_rows
 from ..algorithms.precision import compute_dtype
 from ..registry import register
 from ._common import CONTRIB_DOMAIN, argument_error, graph_error, normalize_axis, stash_dtype
@@ -155,12 +155,17 @@ def _embedding_sum(node, input_ids, segment_ids, word, position, segment, positi
     if (segment_ids is None) != (segment is None):
         raise argument_error(node, "segment_ids and segment_embedding must be given together")
     if position_ids is None:
-        position_ids = np.arange(steps)
+        if steps > position.shape[0]:
+            raise argument_error(node, f"input_ids has {steps} positions; the position embedding table has "
+                                 f"{position.shape[0]} rows")
+        positions = position[:steps]  # positions 0 .. S-1 of every batch entry
     elif position_ids.shape not in ((batch, steps), (1, steps)):
         raise argument_error(node, f"position_ids has shape {position_ids.shape}; expected ({batch}, {steps}) or "
                              f"(1, {steps})")
-    total = _lookup(node, "input_ids", word, input_ids).astype(dtype)
-    total += _lookup(node, "position_ids", position, position_ids).astype(dtype, copy=False)
+    else:
+        positions = _lookup(node, "position_ids", position, position_ids)
+    total = _lookup(node, "input_ids", word, input_ids).astype(dtype, copy=False)  # (a fresh array: the lookup's)
+    total += positions.astype(dtype, copy=False)
     if segment is not None:
         if segment_ids.shape != input_ids.shape:
             raise argument_error(node, f"segment_ids has shape {segment_ids.shape}; expected {input_ids.shape}")
@@ -174,15 +179,24 @@ def embed_layer_normalization(node, shapes, opset):
     in mask (zeros without a mask); embedding_sum is the sum before normalization."""
     epsilon = _epsilon(node, _CONTRIB_EPSILON)
 
+    from ..compiled import transformer as compiled
+
     def kernel(input_ids, segment_ids, word_embedding, position_embedding, segment_embedding, gamma, beta,
                mask=None, position_ids=None):
         dtype = compute_dtype(word_embedding.dtype)
         total = _embedding_sum(node, input_ids, segment_ids, word_embedding, position_embedding,
                                segment_embedding, position_ids, dtype)
         hidden = total.shape[-1]
-        normalized, _, _ = standardize_rows(total.reshape(-1, hidden), epsilon)
-        normalized *= _vector(node, "gamma", gamma, hidden, dtype)
-        normalized += _vector(node, "beta", beta, hidden, dtype)
+        gamma = _vector(node, "gamma", gamma, hidden, dtype)
+        beta = _vector(node, "beta", beta, hidden, dtype)
+        rows = total.reshape(-1, hidden)
+        if rows.size and layer_norm_compiles(rows, gamma, beta, 1, dtype):  # one pass per row, in cache
+            normalized = compiled.layer_norm(rows, np.ascontiguousarray(gamma), np.ascontiguousarray(beta),
+                                             epsilon)[0]
+        else:
+            normalized, _, _ = standardize_rows(rows, epsilon)
+            normalized *= gamma
+            normalized += beta
         if mask is not None and mask.shape != input_ids.shape:
             raise argument_error(node, f"mask has shape {mask.shape}; expected {input_ids.shape}")
         counts = (mask == 1).sum(axis=1) if mask is not None else np.zeros(input_ids.shape[0])

@@ -24,6 +24,7 @@ from ..algorithms.contrib_attention import (
     split_heads,
 )
 from ..algorithms.precision import compute_dtype
+from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ._common import CONTRIB_DOMAIN, argument_error, graph_error, has_input, wants_output
 
@@ -168,6 +169,19 @@ class _Attention:
 @register("Attention", domain=CONTRIB_DOMAIN, since=1)
 def attention(node, shapes, opset):
     return _Attention(node)
+
+
+@register("ContribAttentionMask", domain=FUSED_DOMAIN, since=1)
+def contrib_attention_mask(node, shapes, opset):
+    """The additive float32 bias (B, 1, S|1, S) of a contrib Attention's mask_index for the queries and keys of
+    its input (B, S, hidden): what contrib_lowering.py feeds the ONNX Attention it runs the node as."""
+    def kernel(mask, x):
+        if x.ndim != 3:
+            raise argument_error(node, f"input has shape {x.shape}; expected (batch, sequence, hidden)")
+        batch, steps = x.shape[0], x.shape[1]
+        return (_padding_bias(node, mask, batch, steps, steps, 0, np.dtype(np.float32)),)
+
+    return kernel
 
 
 # -- MultiHeadAttention --------------------------------------------------------------------------

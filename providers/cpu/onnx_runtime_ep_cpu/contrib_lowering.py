@@ -1,0 +1,268 @@
+"""onnxruntime's fused contrib operators spelled as the standard operators this provider fuses best.
+
+onnxruntime's transformer optimizer folds a block's bias, residual, Gelu, normalization and attention into
+com.microsoft nodes, each kept apart from the MatMul before it. Run as written, each is a kernel after a plain
+MatMul; the same math exported node by node ends in FusedMatMul (the product, its bias, its Gelu and its
+residual add in one pass over the product), the compiled normalizations and the ONNX Attention kernel. This
+pass rewrites the contrib nodes into that standard form, so the provider's own fusions (fusions.py,
+decoder_fusions.py) see the graph an exporter would have written:
+
+- BiasGelu(a, b) of a MatMul's product  ->  Add(a, b), Gelu (opset 20); FastGelu(x, bias)  ->  the same with
+  Gelu(approximate="tanh") (any other Gelu runs the contrib kernels, which use the ONNX Gelu's compiled loop)
+- SkipLayerNormalization(x, skip, gamma[, beta][, bias])  ->  Add(x, bias), Add(., skip),
+  LayerNormalization (opset 17; its Mean and InvStdDev are the node's optional mean and inv_std_var outputs,
+  the residual sum its input_skip_bias_sum)
+- SkipSimplifiedLayerNormalization(x, skip, gamma[, bias])  ->  the same adds, RMSNormalization (opset 23),
+  when its mean and inv_std_var outputs are unread; SimplifiedLayerNormalization  ->  RMSNormalization
+- Attention(input, weights, bias[, mask_index]) without a past, an attention bias or rotary embedding  ->
+  MatMul, Add, Split into Q, K and V, ONNX Attention (opset 23; unidirectional is its is_causal), the mask
+  as its additive bias (ContribAttentionMask: mask_filter_value on hidden keys, as the contrib kernel adds)
+
+Only nodes whose parameters (gamma, beta, biases, weights) are constants are rewritten: parameters fed at run
+time keep the contrib kernel, which checks them per call. The bias is added to whichever of input and skip a
+MatMul made (so the product, bias and residual fuse); the contrib kernels add the three in one pass, so the two
+roundings' order differs (float32 tolerance). Only float32 and float64 nodes are rewritten (their type known
+from a constant input or the graph's value types; half-precision graphs that precision_fusions.py converted are
+float32 by then): a half-precision node keeps the contrib kernel, which rounds once at its output where the
+standard ops would round per op.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx_runtime.dtypes import DataType
+from onnx_runtime.ir import Graph, Node, TypeInfo, ValueInfo
+from onnx_runtime.optimizer.context import FreshNames
+
+from .fusions import FUSED_DOMAIN, GraphView
+
+CONTRIB = "com.microsoft"
+_FLOATS = (DataType.FLOAT, DataType.DOUBLE)
+# The contrib normalizations' default epsilon (their schemas').
+_CONTRIB_EPSILON = 1e-12
+# Producers whose output has the dtype of their constant (weight) input.
+_WEIGHTED = frozenset({"MatMul", "Gemm", "Conv", "FusedMatMul"})
+
+
+def _input(node: Node, index: int) -> str | None:
+    return node.inputs[index] if len(node.inputs) > index and node.inputs[index] else None
+
+
+class _Lowering:
+    def __init__(self, graph: Graph, owns):
+        self.graph, self.owns = graph, owns
+        self.view = GraphView(graph)
+        self.fresh = FreshNames(graph)
+        self.inputs = {vi.name: vi.type for vi in graph.inputs}
+        self.masks: dict[tuple, str] = {}  # (mask, input, fill) -> the additive bias made of it
+        self.read = {name for node in graph.nodes for name in node.inputs if name} \
+            | {vi.name for vi in graph.outputs} | self.view.inner_reads
+
+    def dtype(self, name: str | None, depth: int = 2) -> DataType | None:
+        """The element type of ``name`` where the graph says it: a constant's, a typed value's, or that of a
+        weighted product's constant weight."""
+        if not name:
+            return None
+        const = self.graph.initializers.get(name)
+        if const is not None:
+            return DataType.from_numpy(const.dtype) if isinstance(const, np.ndarray) else None
+        info = self.graph.type_of(name) or self.inputs.get(name)
+        if info is not None and info.is_tensor and info.dtype is not None:
+            return info.dtype
+        producer = self.view.producer.get(name)
+        if depth and producer is not None and producer.op_type in _WEIGHTED:
+            return self.dtype(_input(producer, 1), depth - 1)
+        return None
+
+    def float_node(self, node: Node, names) -> DataType | None:
+        """The float type the node computes in, if every named input that states one agrees on float32 or
+        float64 (and one does)."""
+        found = {self.dtype(name) for name in names if name} - {None}
+        return found.pop() if len(found) == 1 and next(iter(found)) in _FLOATS else None
+
+    def value(self, base: str, dtype: DataType, like: str) -> str:
+        """A fresh value name typed ``dtype`` with the shape of ``like`` where known."""
+        name = self.fresh(base)
+        info = self.graph.type_of(like)
+        shape = info.shape if info is not None and info.is_tensor else None
+        self.graph.value_info[name] = ValueInfo(name, TypeInfo("tensor", dtype, shape))
+        return name
+
+    def node(self, op_type: str, inputs: list[str], outputs: list[str], base: str, opset: int, **attrs) -> Node:
+        return Node(op_type, inputs, outputs, name=self.fresh(base), attrs=attrs, opset=opset)
+
+    def unread(self, node: Node, indices) -> bool:
+        return all(_input_output(node, i) is None or _input_output(node, i) not in self.read for i in indices)
+
+    # -- activations
+
+    def parameters(self, names, size: int | None = None) -> int | None:
+        """The common length of ``names`` (None entries skipped) if each is a constant vector, else None."""
+        sizes = set() if size is None else {size}
+        for name in names:
+            if name is None:
+                continue
+            array = self.graph.initializers.get(name)
+            if not isinstance(array, np.ndarray) or array.ndim != 1:
+                return None
+            sizes.add(array.shape[0])
+        return sizes.pop() if len(sizes) == 1 else None
+
+    def gelu(self, node: Node, x: str, bias: str | None, approximate: str) -> list[Node] | None:
+        """A biased Gelu of a MatMul's product, which FusedMatMul then takes whole (the contrib kernels
+        compute any other Gelu in the compiled loop of the ONNX Gelu already)."""
+        dtype = self.float_node(node, [x, bias])
+        if dtype is None or bias is None or self.parameters([bias]) is None or self.view.made_by(x, "MatMul") is None:
+            return None
+        biased = self.value(f"{node.outputs[0]}/biased", dtype, x)
+        return [self.node("Add", [x, bias], [biased], f"{node.name}/bias", 14),
+                self.node("Gelu", [biased], [node.outputs[0]], f"{node.name}/gelu", 20, approximate=approximate)]
+
+    # -- normalizations
+
+    def skip_sum(self, node: Node, dtype: DataType, total: str | None) -> tuple[list[Node], str]:
+        """The adds of input, skip and bias; the bias goes to the one a MatMul made (their fusion's bias)."""
+        x, skip, bias = node.inputs[0], node.inputs[1], _input(node, 4 if node.op_type ==
+                                                                "SkipLayerNormalization" else 3)
+        if self.view.made_by(skip, "MatMul") is not None and self.view.made_by(x, "MatMul") is None:
+            x, skip = skip, x
+        nodes = []
+        if bias is not None:
+            biased = self.value(f"{node.name}/biased", dtype, x)
+            nodes.append(self.node("Add", [x, bias], [biased], f"{node.name}/bias", 14))
+            x = biased
+        total = total or self.value(f"{node.name}/sum", dtype, node.inputs[0])
+        nodes.append(self.node("Add", [x, skip], [total], f"{node.name}/skip", 14))
+        return nodes, total
+
+    def skip_layer_norm(self, node: Node) -> list[Node] | None:
+        gamma, beta = node.inputs[2], _input(node, 3)
+        dtype = self.float_node(node, [*node.inputs[:3], beta, _input(node, 4)])
+        if dtype is None or self.parameters([gamma, beta, _input(node, 4)]) is None:
+            return None  # parameters fed at run time: the contrib kernel checks them
+        nodes, total = self.skip_sum(node, dtype, _input_output(node, 3))
+        epsilon = float(node.attr("epsilon", _CONTRIB_EPSILON))
+        outputs = [node.outputs[0], *[name or "" for name in node.outputs[1:3]]]
+        while outputs and not outputs[-1]:
+            outputs.pop()
+        nodes.append(self.node("LayerNormalization", [total, gamma, *([beta] if beta else [])], outputs,
+                               f"{node.name}/norm", 17, axis=-1, epsilon=epsilon))
+        return nodes
+
+    def skip_simplified_norm(self, node: Node) -> list[Node] | None:
+        dtype = self.float_node(node, [*node.inputs[:3], _input(node, 3)])
+        if dtype is None or not self.unread(node, (1, 2)) or self.parameters([node.inputs[2], _input(node, 3)]) is None:
+            return None
+        nodes, total = self.skip_sum(node, dtype, _input_output(node, 3))
+        epsilon = float(node.attr("epsilon", _CONTRIB_EPSILON))
+        nodes.append(self.node("RMSNormalization", [total, node.inputs[2]], [node.outputs[0]], f"{node.name}/norm",
+                               23, axis=-1, epsilon=epsilon))
+        return nodes
+
+    def simplified_norm(self, node: Node) -> list[Node] | None:
+        dtype = self.float_node(node, node.inputs[:2])
+        if dtype is None or self.dtype(node.inputs[1]) != dtype or not self.unread(node, (1,)) \
+                or int(node.attr("stash_type", 1)) != int(DataType.FLOAT) or self.parameters(node.inputs[1:2]) is None:
+            return None
+        return [self.node("RMSNormalization", node.inputs[:2], [node.outputs[0]], f"{node.name}/norm", 23,
+                          axis=int(node.attr("axis", -1)), epsilon=float(node.attr("epsilon", 1e-5)), stash_type=1)]
+
+    # -- attention
+
+    def attention(self, node: Node) -> list[Node] | None:
+        """Attention without a past, an attention bias or rotary embedding: the packed projection as MatMul +
+        Add (FusedMatMul's), split into Q, K and V, and the ONNX Attention (opset 23) over them; a key-padding
+        mask becomes its additive bias (ContribAttentionMask, one per mask for all layers)."""
+        x, weights, bias, mask = node.inputs[0], node.inputs[1], _input(node, 2), _input(node, 3)
+        weight = self.graph.initializers.get(weights)
+        heads = int(node.attr("num_heads", 0))
+        if any(_input(node, i) for i in range(4, len(node.inputs))) or not self.unread(node, (1,)) \
+                or int(node.attr("do_rotary", 0)) or int(node.attr("past_present_share_buffer", 0)) \
+                or not isinstance(weight, np.ndarray) or weight.ndim != 2 or heads <= 0 \
+                or (bias is not None and self.parameters([bias], weight.shape[1]) is None):
+            return None
+        sizes = node.attr("qkv_hidden_sizes")
+        sizes = [weight.shape[1] // 3] * 3 if sizes is None else [int(size) for size in sizes]
+        if len(sizes) != 3 or sum(sizes) != weight.shape[1] or sizes[0] != sizes[1] \
+                or any(size <= 0 or size % heads for size in sizes):
+            return None  # the kernel reports the mismatch
+        dtype = self.float_node(node, [x, weights, bias])
+        if dtype is None:
+            return None
+        nodes = []
+        projected = self.value(f"{node.name}/qkv", dtype, x)
+        nodes.append(self.node("MatMul", [x, weights], [projected], f"{node.name}/projection", 13))
+        if bias is not None:
+            biased = self.value(f"{node.name}/qkv_biased", dtype, x)
+            nodes.append(self.node("Add", [projected, bias], [biased], f"{node.name}/bias", 14))
+            projected = biased
+        split = self.fresh(f"{node.name}/qkv_sizes")
+        self.graph.initializers[split] = np.array(sizes, np.int64)
+        q, k, v = (self.value(f"{node.name}/{part}", dtype, x) for part in "qkv")
+        nodes.append(self.node("Split", [projected, split], [q, k, v], f"{node.name}/split", 13, axis=-1))
+        inputs = [q, k, v]
+        if mask is not None:
+            inputs.append(self.mask_bias(node, mask, x, nodes))
+        scale = float(node.attr("scale", 0.0) or 0.0)
+        attrs = {"q_num_heads": heads, "kv_num_heads": heads, "is_causal": int(node.attr("unidirectional", 0))}
+        if scale:
+            attrs["scale"] = scale
+        nodes.append(self.node("Attention", inputs, [node.outputs[0]], f"{node.name}/attention", 23, **attrs))
+        return nodes
+
+    def mask_bias(self, node: Node, mask: str, x: str, nodes: list[Node]) -> str:
+        """The additive bias of ``mask`` for queries and keys of ``x``'s shape: shared by the layers whose inputs
+        the graph declares of one shape (one symbolic dimension is one size), else made per input."""
+        fill = float(node.attr("mask_filter_value", -10000.0))
+        info = self.graph.type_of(x)
+        shape = tuple(info.shape) if info is not None and info.is_tensor and info.shape is not None \
+            and all(dim is not None for dim in info.shape) else None
+        key = (mask, shape or x, fill)
+        made = self.masks.get(key)
+        if made is None:
+            made = self.value(f"{mask}/attention_bias", DataType.FLOAT, mask)
+            nodes.append(Node("ContribAttentionMask", [mask, x], [made], name=self.fresh(f"{node.name}/mask"),
+                              domain=FUSED_DOMAIN, attrs={"mask_filter_value": fill}, opset=1))
+            self.masks[key] = made
+        return made
+
+    def lowered(self, node: Node) -> list[Node] | None:
+        """``node`` as standard operators, or None to keep it."""
+        if self.owns is not None and not self.owns(node):
+            return None
+        if node.domain == CONTRIB:
+            if node.op_type == "BiasGelu" and len(node.inputs) == 2:
+                return self.gelu(node, node.inputs[0], node.inputs[1], "none")
+            if node.op_type == "FastGelu":
+                return self.gelu(node, node.inputs[0], _input(node, 1), "tanh")
+            if node.op_type == "SkipLayerNormalization":
+                return self.skip_layer_norm(node)
+            if node.op_type == "SkipSimplifiedLayerNormalization":
+                return self.skip_simplified_norm(node)
+            if node.op_type == "Attention":
+                return self.attention(node)
+        elif not node.domain and node.op_type == "SimplifiedLayerNormalization":
+            return self.simplified_norm(node)
+        return None
+
+
+def _input_output(node: Node, index: int) -> str | None:
+    return node.outputs[index] if len(node.outputs) > index and node.outputs[index] else None
+
+
+def lower_contrib_operators(graph: Graph, owns=None) -> bool:
+    """Rewrite the contrib nodes listed in the module docstring into standard operators."""
+    if not any(node.domain == CONTRIB or node.op_type == "SimplifiedLayerNormalization" for node in graph.nodes):
+        return False
+    lowering = _Lowering(graph, owns)
+    nodes, changed = [], False
+    for node in graph.nodes:
+        replacement = lowering.lowered(node)
+        nodes.extend(replacement or [node])
+        changed |= replacement is not None
+    if changed:
+        graph.nodes = nodes
+    return changed
+
+
+lower_contrib_operators.before_optimizer = True  # type: ignore[attr-defined]  # the optimizer sees standard ops
