@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,6 @@ from typing import Any
 import numpy as np
 
 from ..contract.buffers import DeviceBuffer
-from ..contract.graphs import DeviceGraphSlot
 from ..contract.markers import hookimpl
 from ..dtypes import DataType
 from ..errors import InvalidArgumentError
@@ -121,36 +121,180 @@ def _hooks_on(handle: ProviderHandle) -> None:
 def run_with_device_bindings(session: SessionSide, bindings, input_feed: dict | None,
                              output_names, single_token_step: bool, run_options=None) -> list:
     """See :meth:`InferenceSession.run_with_device_bindings`."""
-    bindings = list(bindings)
-    inputs, outputs = _sorted(session, bindings)
+    bindings = tuple(bindings)
+    layout = _layout(session, bindings, output_names)
+    if layout.host and not input_feed:
+        return _run_on_host(session, layout, bindings, single_token_step)
     feeds = {}
     for name, value in (input_feed or {}).items():
-        if name in inputs:
+        if name in layout.input_names:
             raise InvalidArgumentError(f"input {name!r} is both fed and bound to a device binding; pass it once")
         feeds[name] = session.checked_input(name, value)
-    host_names = _host_names(session, output_names, outputs)
     temporaries: list[Tensor] = []
     try:
-        for name, binding in inputs.items():
+        for name, index, proof in layout.inputs:
+            binding = bindings[index]
             value = _input_value(binding, single_token_step, temporaries)
-            # The binding's dtype was checked against the model when it was made: its shape is checked here.
-            session.check_bound(name, value if isinstance(value, Tensor) else _Shaped(binding.dtype, value.shape),
-                                output=False)
+            shape = tuple(value.shape)
+            if not proof.admits(shape):  # the binding's dtype was checked against the model when it was made
+                session.check_bound(name, value if isinstance(value, Tensor) else _Shaped(binding.dtype, shape),
+                                    output=False)
+                proof.learn(shape)
             feeds[name] = value
-        session.check_missing(feeds)
-        names = host_names + tuple(outputs)
-        values = _execute(session, bindings, feeds, names, not host_names, graph_slot_of(run_options),
-                          frozenset(outputs))
+        if input_feed or not layout.complete:
+            session.check_missing(feeds)
+            layout.complete = not input_feed
+        values = _execute(session, bindings, feeds, layout.names, not layout.host_names, run_options,
+                          layout.delivered)
     finally:
         for tensor in temporaries:
             tensor.close()
-    results = values[: len(host_names)]
-    produced = dict(zip(tuple(outputs), values[len(host_names):]))
-    for name, value in produced.items():  # every shape checked before any binding is written
-        _check_output(outputs[name], name, value)
-    for name, value in produced.items():
-        _deliver(outputs[name], value)
+    results = values[: len(layout.host_names)]
+    produced = list(zip(layout.outputs, values[len(layout.host_names):]))
+    for (name, index, proven), value in produced:  # every shape checked before any binding is written
+        _check_output(bindings[index], name, value, proven)
+    for (_name, index, _proven), value in produced:
+        _deliver(bindings[index], value)
     return [_host(value) for value in results]
+
+
+def _run_on_host(session: SessionSide, layout: _Layout, bindings: tuple, single_token_step: bool) -> list:
+    """The bound run of a host session on compact host bindings: what :func:`run_with_device_bindings` does, in
+    the few steps that case takes (a decode step's kernels on small weights take tens of microseconds, so what
+    surrounds them shows): each input a view of its buffer, the executor's run, each output copied in."""
+    feeds = {}
+    for name, index, proof in layout.inputs:
+        binding = bindings[index]
+        shape = binding.kernel_input_shape(single_token_step)
+        if shape == proof.shape:  # fed as the last run fed it: the same view
+            feeds[name] = proof.view
+            continue
+        if not proof.admits(shape):  # the binding's dtype was checked against the model when it was made
+            session.check_bound(name, _Shaped(binding.dtype, shape), output=False)
+            proof.learn(shape)
+        proof.shape = shape
+        proof.view = feeds[name] = binding.host_array()[: math.prod(shape)].reshape(shape)
+    if not layout.complete:
+        session.check_missing(feeds)
+        layout.complete = True
+    values = session.executor_for(feeds).run(feeds, layout.names, session.profile)
+    count = len(layout.host_names)
+    produced = list(zip(layout.outputs, values[count:]))
+    plain = True
+    for (name, index, proven), value in produced:  # every shape checked before any binding is written
+        binding = bindings[index]
+        physical = binding.physical_shape
+        if type(value) is not np.ndarray or value.dtype != binding.dtype.numpy or value.ndim != len(physical) \
+                or any(d > c for d, c in zip(value.shape, physical)):
+            _check_output(binding, name, value, proven)  # raises what is wrong, if anything is
+            plain = False
+    for (_name, index, _proven), value in produced:
+        binding = bindings[index]
+        if plain:
+            shape = value.shape
+            binding.host_array()[: value.size].reshape(shape)[...] = value  # numpy copes with an aliased output
+            binding.set_logical_shape(shape)
+        else:
+            _deliver(binding, value)
+    return values[:count]
+
+
+class _Layout:
+    """One set of bindings sorted into the inputs and outputs they bind, with the checks that passed, for
+    every later run with the same bindings (a decode loop binds the same buffers each step): the bindings'
+    own checks run once, the shapes each input is fed at and each output is delivered at are checked once
+    per shape, and the requested host outputs once. A released binding, or another set, is laid out anew
+    (and raises what those checks raise)."""
+
+    __slots__ = ("bindings", "input_names", "inputs", "outputs", "host_names", "names", "delivered", "complete",
+                 "host")
+
+    LIMIT = 256  # shapes remembered per binding (a window without bound: start over past it)
+
+    def __init__(self, session: SessionSide, bindings: tuple, output_names):
+        inputs, outputs = _sorted(session, list(bindings))
+        self.bindings = tuple(weakref.ref(binding) for binding in bindings)
+        self.input_names = frozenset(inputs)
+        # (name, the binding's position among the run's bindings, the shapes it passed at): positions, not the
+        # bindings, so a layout never keeps a binding alive (a dropped one is released when collected).
+        position = {id(binding): index for index, binding in enumerate(bindings)}
+        self.inputs = tuple((name, position[id(binding)], _InputProof()) for name, binding in inputs.items())
+        self.outputs: tuple[tuple[str, int, set], ...] = tuple(
+            (name, position[id(binding)], set()) for name, binding in outputs.items())
+        self.host_names = _host_names(session, output_names, outputs)
+        self.names = self.host_names + tuple(outputs)
+        self.delivered = frozenset(outputs)
+        self.complete = False  # whether the bound inputs alone were found to leave no input missing
+        # Host providers only, every binding compact in host memory: inputs are views, outputs plain copies.
+        self.host = all(handle.is_host_accessible for handle in session.handles) and all(
+            binding.host_array() is not None and not binding.fixed_physical_strides() for binding in bindings)
+
+    def holds(self, bindings: tuple[DeviceIoBinding, ...]) -> bool:
+        if len(bindings) != len(self.bindings):
+            return False
+        for ref, binding in zip(self.bindings, bindings):
+            if ref() is not binding or binding.closed:
+                return False
+        return True
+
+
+# A session's executor -> its layouts, by the bindings' identities and the requested host outputs.
+_LAYOUTS: weakref.WeakKeyDictionary[Any, dict[tuple, _Layout]] = weakref.WeakKeyDictionary()
+_LAYOUTS_PER_SESSION = 16
+
+
+def _layout(session: SessionSide, bindings: tuple, output_names) -> _Layout:
+    key = (tuple(map(id, bindings)), None if output_names is None else tuple(output_names))
+    layouts = _LAYOUTS.get(session.executor)
+    layout = layouts.get(key) if layouts is not None else None
+    if layout is not None and layout.holds(bindings):
+        return layout
+    layout = _Layout(session, bindings, output_names)  # raises what is wrong with the bindings
+    if layouts is None:
+        layouts = _LAYOUTS.setdefault(session.executor, {})
+    if len(layouts) >= _LAYOUTS_PER_SESSION:  # each generation binds new buffers: the old sets go
+        layouts.clear()
+    layouts[key] = layout
+    return layout
+
+
+class _InputProof:
+    """The shapes a bound input passed the model's check at, as one shape and the axes seen to vary: two passing
+    shapes that differ on an axis show the model leaves it free (a fixed dimension would have refused one), so a
+    shape equal to the first on every other axis passes too. A decode loop's growing past and mask are then
+    checked on their first two steps only. On the host path it also keeps the last view fed (``shape``,
+    ``view``): an input fed at the same shape again is the same view of the same buffer."""
+
+    __slots__ = ("reference", "free", "shape", "view")
+
+    def __init__(self):
+        self.reference: tuple | None = None
+        self.free: tuple[bool, ...] = ()
+        self.shape: tuple | None = None
+        self.view = None
+
+    def admits(self, shape: tuple) -> bool:
+        reference = self.reference
+        if reference is None or len(shape) != len(reference):
+            return False
+        for got, first, free in zip(shape, reference, self.free):
+            if got != first and not free:
+                return False
+        return True
+
+    def learn(self, shape: tuple) -> None:
+        """``shape`` passed the check."""
+        reference = self.reference
+        if reference is None or len(shape) != len(reference):
+            self.reference, self.free = shape, (False,) * len(shape)
+        else:
+            self.free = tuple(free or got != first for got, first, free in zip(shape, reference, self.free))
+
+
+def _remember(proven: set, key) -> None:
+    if len(proven) >= _Layout.LIMIT:
+        proven.clear()
+    proven.add(key)
 
 
 def _sorted(session: SessionSide, bindings: list) -> tuple[dict[str, DeviceIoBinding], dict[str, DeviceIoBinding]]:
@@ -193,12 +337,15 @@ def _host_names(session: SessionSide, output_names, outputs: dict[str, DeviceIoB
 
 
 def _execute(session: SessionSide, bindings: list[DeviceIoBinding], feeds: dict, names: tuple[str, ...],
-             defer: bool, slot: DeviceGraphSlot, delivered: frozenset[str]) -> list:
+             defer: bool, run_options, delivered: frozenset[str]) -> list:
     """The run's values of ``names``; ``delivered``: the outputs written into bindings right after it (a replay
     may hand them out as views of its graph's buffers, which only its next replay rewrites)."""
     if all(handle.is_host_accessible for handle in session.handles):
-        feeds = {k: v.numpy() if isinstance(v, Tensor) else v for k, v in feeds.items()}  # views, no copy
+        for name, value in feeds.items():
+            if isinstance(value, Tensor):
+                feeds[name] = value.numpy()  # a view, no copy
         return session.executor_for(feeds).run(feeds, names, session.profile)
+    slot = graph_slot_of(run_options)
     runs = getattr(_ACTIVE, "runs", None)
     if runs is None:
         runs = _ACTIVE.runs = {}
@@ -254,7 +401,8 @@ class _Shaped:
         self.dtype, self.shape = dtype, shape
 
 
-def _check_output(binding: DeviceIoBinding, name: str, value) -> None:
+def _check_output(binding: DeviceIoBinding, name: str, value, proven: set) -> None:
+    """A run's output against the binding that receives it: its dtype, rank and capacity (once per shape)."""
     if isinstance(value, Tensor):
         dtype = value.dtype
     elif isinstance(value, np.ndarray) and value.dtype == binding.dtype.numpy:
@@ -262,6 +410,9 @@ def _check_output(binding: DeviceIoBinding, name: str, value) -> None:
     else:
         dtype = DataType.from_numpy(np.asarray(value).dtype)
     shape = tuple(value.shape)
+    key = (dtype, shape, binding.physical_shape)
+    if key in proven:
+        return
     if dtype is not binding.dtype:
         raise InvalidArgumentError(
             f"output {name!r} is {dtype.name}, but device binding {binding.label} holds {binding.dtype.name}; "
@@ -278,6 +429,7 @@ def _check_output(binding: DeviceIoBinding, name: str, value) -> None:
             f"output {name!r} has shape {list(shape)}, beyond the capacity {list(physical)} of device binding "
             f"{binding.label}; allocate the binding with a larger physical shape"
         )
+    _remember(proven, key)
 
 
 def _deliver(binding: DeviceIoBinding, value) -> None:
