@@ -7,7 +7,6 @@ import functools
 import math
 
 import numpy as np
-from numpy.polynomial import chebyshev
 
 # erf(x) = tanh(g(x)) with g(x) = atanh(erf(x)), an odd function that grows smoothly (like x^2 / 2 for
 # large x), so g(x) ~ x * P(x^2) with a degree-6 P, where numpy's SIMD tanh does the saturating part.
@@ -47,9 +46,12 @@ def erf_float32(x, scale: float = 1.0) -> np.ndarray:
     return np.tanh(series, out=series)
 
 
+@functools.cache  # made at the first float64 erf, not at import: every GELU session imports this module
 def _erf_pieces(degree: int = 18) -> list[np.ndarray]:
     """Chebyshev coefficients of erf on [i, i+1] for i = 0..5 (erf(x)/x on the first piece, for
     relative accuracy near 0), interpolated from math.erf; beyond 6, erf is 1 in float64."""
+    from numpy.polynomial import chebyshev
+
     scalar = np.vectorize(math.erf, otypes=[np.float64])
 
     def first(u):
@@ -62,15 +64,15 @@ def _erf_pieces(degree: int = 18) -> list[np.ndarray]:
     return pieces
 
 
-_ERF_PIECES = _erf_pieces()
-
 
 def erf_float64(x: np.ndarray) -> np.ndarray:
     """Vectorized float64 erf (absolute error ~1e-15): piecewise Chebyshev series on |x|."""
     t = np.abs(x.astype(np.float64))
     y = np.where(np.isnan(t), np.nan, 1.0)
     piece = np.floor(np.where(t < 6, t, 6)).astype(np.intp, copy=False)
-    for i, coefs in enumerate(_ERF_PIECES):
+    from numpy.polynomial import chebyshev
+
+    for i, coefs in enumerate(_erf_pieces()):
         mask = piece == i
         u = 2 * (t[mask] - i) - 1
         y[mask] = chebyshev.chebval(u, coefs) * (t[mask] if i == 0 else 1)
