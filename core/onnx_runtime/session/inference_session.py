@@ -279,12 +279,16 @@ class InferenceSession:
         map_weights = _config_flag(self._sess_options, MAP_WEIGHTS_KEY, default="1")
         self._plans = open_plans(self._sess_options, session_config(self._sess_options), path_or_bytes,
                                  self._handles, self._provider_options, self._disabled)
-        cached = read_creation(self._plans, path_or_bytes, map_weights) if self._plans is not None else None
-        if cached is not None:  # the optimized graph as an earlier process made it (plan_cache.py)
-            self._model, self._applied_passes, folded = cached.model, cached.applied, cached.folded
-        else:
-            self._model = load_model(path_or_bytes, free_dims=self._sess_options.free_dimension_overrides(),
-                                     map_weights=map_weights)
+        try:  # the optimized graph as an earlier process made it (plan_cache.py), else the model as loaded
+            cached = read_creation(self._plans, path_or_bytes, map_weights) if self._plans is not None else None
+            self._model = cached.model if cached is not None else load_model(
+                path_or_bytes, free_dims=self._sess_options.free_dimension_overrides(), map_weights=map_weights)
+        except BaseException:
+            for handle in self._handles:  # made first: the plan cache's key names them
+                handle.shutdown()
+            raise
+        if cached is not None:
+            self._applied_passes, folded = cached.applied, cached.folded
         loaded = time.perf_counter()
         self._model_path = path_or_bytes if isinstance(path_or_bytes, str) else None
         graph = self._model.graph
