@@ -272,3 +272,19 @@ def test_a_cached_session_specializes_new_signatures_right(cache_dir, monkeypatc
     for batch in (2, 5):
         feed = {"x": np.ones((batch, 3, 8), np.float32)}
         np.testing.assert_allclose(again.run(None, feed)[0], reference.run(None, feed)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_variables_that_change_no_plan_are_not_keyed(cache_dir, monkeypatch):
+    options = ort.SessionOptions()
+    config = inference_session.session_config(options)
+    handle = _session(_model()).provider_handle("CPUExecutionProvider")
+
+    def key():
+        return cached_plans.open_plans(options, config, _model(), [handle], {}, ()).key
+
+    before = key()
+    monkeypatch.setenv("ONNX_RUNTIME_COMPILE_IN_BACKGROUND", "0")  # steady-state benchmarks set it
+    monkeypatch.setenv(plan_cache.ENV_LIMIT, "512")
+    assert key() == before
+    monkeypatch.setenv("ONNX_RUNTIME_CPU_SOME_KNOB", "3")
+    assert key() != before
