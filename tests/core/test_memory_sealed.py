@@ -99,3 +99,32 @@ def test_two_sessions_of_one_model_hold_its_weights_once_on_a_third_party_device
     assert live_sealed_constants() - constants == 8
     second.close()
     assert live_sealed_constants() == constants and _weights_held(governor) == before and not _SEALED
+
+
+def test_a_paged_session_reads_the_constants_another_session_sealed_and_seals_none_itself(tmp_path, sealing):
+    path = external_chain(tmp_path / "m.onnx", D)
+    governor = process_governor()
+    constants = live_sealed_constants()
+    x = np.random.default_rng(4).standard_normal((1, D)).astype(np.float32)
+    want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"X": x})[0]
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.weight_residency_budget", str(2 * D * 4))  # two of eight weights
+    alone = ort.InferenceSession(path, options, providers=[sealing, "CPUExecutionProvider"])
+    np.testing.assert_array_equal(alone.run(None, {"X": x})[0], want)
+    (report,) = alone.memory_report()["weights"]
+    assert report["paged"] and report["pages"] >= 8 and report["shared"] == 0
+    assert live_sealed_constants() == constants  # paging seals nothing: the constants stay within its budget
+    alone.close()
+    first = ort.InferenceSession(path, providers=[sealing, "CPUExecutionProvider"])  # unpaged: seals all eight
+    held = governor.used(DEVICE)
+    paged = ort.InferenceSession(path, options, providers=[sealing, "CPUExecutionProvider"])
+    for _ in range(2):
+        np.testing.assert_array_equal(paged.run(None, {"X": x})[0], want)
+    (report,) = paged.memory_report()["weights"]
+    assert report["paged"] and report["pages"] == 0 and report["shared"] == 8 and report["resident_bytes"] == 0
+    assert governor.used(DEVICE) == held + 2 * D * 4  # its budget's lease, and no copy of the weights
+    first.close()  # the paged session's references keep the constants alive
+    assert live_sealed_constants() - constants == 8
+    np.testing.assert_array_equal(paged.run(None, {"X": x})[0], want)
+    paged.close()
+    assert live_sealed_constants() == constants and not _SEALED

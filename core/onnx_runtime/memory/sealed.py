@@ -100,8 +100,23 @@ class SealedWeights:
             entry.refs += 1
             self._keys.append(key)
             allocation = entry.allocation
-        buffer = DeviceBuffer(allocation.device, int(array.nbytes), 256, allocation.ptr,  # type: ignore[attr-defined]
-                              Ownership.BORROWED)
+        return self._tensor(array, allocation)
+
+    def borrow(self, array: np.ndarray, key: tuple) -> Tensor | None:
+        """A tensor over the constant another session sealed for ``array``, referenced like :meth:`acquire`'s;
+        None (and nothing uploaded) when none is sealed: a paged session reads sealed constants, never seals."""
+        with _LOCK:
+            entry = _REGISTRY.get(key)
+            if entry is None:
+                return None
+            self.shared += 1
+            entry.refs += 1
+            self._keys.append(key)
+            allocation = entry.allocation
+        return self._tensor(array, allocation)
+
+    def _tensor(self, array: np.ndarray, allocation) -> Tensor:
+        buffer = DeviceBuffer(allocation.device, int(array.nbytes), 256, allocation.ptr, Ownership.BORROWED)
         return Tensor(DataType.from_numpy(array.dtype), array.shape, buffer, self.handle)
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ before each node that reads a weight, which returns the resident tensor or uploa
 (memory-mapped external data, so the host reads only the pages it copies), evicting first the weight the plan
 needs again last among those no value of the run still holds. The next node's weights are prefetched (the
 kernel's read-ahead of the mapped pages, and the provider's ``prefetch_lazy_weight``) while this one runs.
+A weight another session sealed on the device (memory/sealed.py) is read from its sealed constant instead.
 
 A provider that keeps its own residency cache answers ``page_lazy_weight``; the core then asks it for every
 page and keeps no copy of its own.
@@ -98,6 +99,13 @@ class WeightResidency:
             need = sum(self._sizes[n] for n, key in self._sealed_keys.items() if not self.sealed.is_sealed(key))
             governor.reserve(need, Tier.DEVICE, MemoryRole.WEIGHTS, holder).release()  # fails at load if short
             need = 0
+        # A paged session seals nothing (sealed constants stay outside its budget), but it reads the constants
+        # another session of the model sealed on the device instead of paging copies of its own.
+        self._shared: SealedWeights | None = None
+        self._borrowed: dict[str, Tensor] = {}
+        self._shared_keys: dict[str, tuple] = {}
+        if budget is not None and not self._provider_pages and provider_seals(handle):
+            self._shared = SealedWeights(handle, governor)
         # Admission at load time: the whole need, before anything is uploaded.
         self.lease: MemoryLease | None = governor.reserve(need, Tier.DEVICE, MemoryRole.WEIGHTS, holder)
         self.reserved = need
@@ -135,7 +143,7 @@ class WeightResidency:
             return self._page_by_provider(name)
         with self._lock:
             self._cursor = self._next_use(name, self._cursor)
-            tensor = self._resident.get(name)
+            tensor = self._resident.get(name) or self._borrowed.get(name) or self._borrow_sealed(name)
             if tensor is None:
                 size = self._sizes[name]
                 self._make_room(size, name)
@@ -148,6 +156,19 @@ class WeightResidency:
             following = self._next.get(name)
         if following is not None:
             self.prefetch(following)
+        return tensor
+
+    def _borrow_sealed(self, name: str) -> Tensor | None:
+        """The constant another session sealed for ``name`` on this device, referenced for this session's life
+        (it takes nothing of the budget), or None when none is sealed. Called under the lock."""
+        if self._shared is None:
+            return None
+        key = self._shared_keys.get(name)
+        if key is None:  # (a digest of the bytes for a weight not mapped from a file: computed once)
+            key = self._shared_keys[name] = self._shared.key(self._arrays[name])
+        tensor = self._shared.borrow(self._arrays[name], key)
+        if tensor is not None:
+            self._borrowed[name] = tensor
         return tensor
 
     def _next_use(self, name: str, after: int) -> int:
@@ -233,8 +254,9 @@ class WeightResidency:
     # -- reports and teardown -------------------------------------------------------------------------
     def stats(self) -> dict:
         with self._lock:
+            sealing = self.sealed or self._shared
             return {"device": self.governor.device, "holder": str(self.holder), "weights": len(self._sizes),
-                    "sealed": self.sealed is not None, "shared": self.sealed.shared if self.sealed else 0,
+                    "sealed": self.sealed is not None, "shared": sealing.shared if sealing else 0,
                     "weight_bytes": sum(self._sizes.values()), "budget": self.budget, "reserved": self.reserved,
                     "paged": self.paged, "resident_bytes": self._resident_bytes, "high_water": self.high_water,
                     "pages": self.pages, "evictions": self.evictions, "prefetches": self.prefetches,
@@ -244,10 +266,12 @@ class WeightResidency:
         with self._lock:
             resident, self._resident = self._resident, OrderedDict()
             self._resident_bytes = 0
-        for tensor in resident.values():
+            borrowed, self._borrowed = self._borrowed, {}
+        for tensor in [*resident.values(), *borrowed.values()]:
             tensor.close()
-        if self.sealed is not None:
-            self.sealed.close()
+        for sealing in (self.sealed, self._shared):
+            if sealing is not None:
+                sealing.close()
         lease, self.lease = self.lease, None
         if lease is not None:
             lease.release()
