@@ -58,3 +58,27 @@ def test_two_sessions_of_one_model_hold_its_weights_once(cuda_driver_mode, resne
     second.close()
     gc.collect()
     assert _weights_held(governor) == before and live_sealed_constants() == sealed_before
+
+
+def test_a_paged_session_reads_the_weights_an_unpaged_one_sealed(cuda_driver_mode, resnet):
+    """Under a weight budget a session seals nothing, but reads the constants an unpaged session of the model
+    sealed on the device rather than paging copies; its outputs are the unpaged session's."""
+    import onnx_runtime as ort
+    from onnx_runtime.memory.sealed import live_sealed_constants
+
+    path, total = resnet
+    x = np.random.default_rng(1).standard_normal((2, 3, 64, 64)).astype(np.float32)
+    gc.collect()
+    sealed_before = live_sealed_constants()
+    first = ort.InferenceSession(path, providers=["CUDAExecutionProvider"])
+    want = first.run(None, {"pixel_values": x})[0]
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.weight_residency_budget", str(total // 2))
+    paged = ort.InferenceSession(path, options, providers=["CUDAExecutionProvider"])
+    np.testing.assert_array_equal(paged.run(None, {"pixel_values": x})[0], want)
+    (stats,) = paged.memory_report()["weights"]
+    assert stats["paged"] and stats["pages"] == 0 and stats["shared"] == live_sealed_constants() - sealed_before > 0
+    first.close()
+    paged.close()
+    gc.collect()
+    assert live_sealed_constants() == sealed_before
