@@ -26,7 +26,7 @@ SEGMENT_OPS = frozenset({
     ("", "Conv"), (FUSED_DOMAIN, "FusedConv"), ("", "Relu"), ("", "HardSigmoid"), ("", "HardSwish"),
     ("", "Sigmoid"), ("", "Mul"), ("", "Add"), ("", "GlobalAveragePool"), ("", "MaxPool"), ("", "AveragePool"),
     ("", "Flatten"), ("", "Gemm"), ("", "ReduceMean"), ("", "Reshape"), ("", "Clip"), ("", "LeakyRelu"),
-    ("", "BatchNormalization"), (FUSED_DOMAIN, "FusedBatchNormalization"),
+    ("", "BatchNormalization"), (FUSED_DOMAIN, "FusedBatchNormalization"), ("", "Swish"),
 })
 _CONVOLUTIONS = frozenset({"Conv", "FusedConv"})
 MIN_CONVOLUTIONS = 2  # a lone convolution (a transformer's patch embedding) gains nothing

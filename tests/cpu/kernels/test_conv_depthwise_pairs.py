@@ -20,9 +20,9 @@ from reference64 import run_float64
 CASES = {
     "5x5 on 4x4": ((1, 120, 4, 4), (5, 5), dict(pads=[2, 2, 2, 2])),
     "5x5/2 on 8x8": ((1, 96, 8, 8), (5, 5), dict(pads=[2, 2, 2, 2], strides=[2, 2])),
-    "7x7, uneven pads, 2 images": ((2, 16, 5, 6), (7, 7), dict(pads=[3, 1, 2, 4])),
-    "5x5 dilated 2": ((1, 24, 7, 7), (5, 5), dict(pads=[4, 4, 4, 4], dilations=[2, 2])),
-    "5x3/(1,2), no pads": ((1, 33, 9, 12), (5, 5), dict(strides=[1, 2])),
+    "7x7, uneven pads, 2 images": ((2, 16, 4, 4), (7, 7), dict(pads=[3, 1, 2, 4])),
+    "5x5/2 dilated 2": ((1, 24, 6, 6), (5, 5), dict(pads=[4, 4, 4, 4], strides=[2, 2], dilations=[2, 2])),
+    "5x5/(1,2), no pads": ((1, 33, 6, 8), (5, 5), dict(strides=[1, 2])),
 }
 
 
@@ -89,6 +89,8 @@ def test_three_by_three_windows_and_large_planes_keep_the_plane_loops():
     x = np.zeros((1, 64, 16, 16), np.float32)
     assert not pairs_depthwise_apply(_geometry(x.shape, (3, 3), dict(pads=[1] * 4)), x, 64)
     assert not pairs_depthwise_apply(_geometry(x.shape, (5, 5), dict(pads=[2] * 4)), x, 64)  # 256 pixels out
+    y = x[:, :, :8, :8]
+    assert not pairs_depthwise_apply(_geometry(y.shape, (5, 5), dict(pads=[2] * 4)), y, 64)  # 8x8/1: 64 out
     assert not pairs_depthwise_apply(_geometry((1, 8, 4, 4), (5, 5), dict(pads=[2] * 4)), x[:, :8, :4, :4], 8)
     assert not pairs_depthwise_apply(_geometry((1, 16, 4, 4), (5, 5), dict(pads=[2] * 4)),
                                      x[:, :16, :4, :4].astype(np.int32), 16)

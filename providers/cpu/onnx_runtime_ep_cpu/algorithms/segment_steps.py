@@ -205,8 +205,25 @@ def _bind_gemm(node, kernel, inputs, outputs, constant):
     return steps
 
 
+def _bind_swish(node, kernel, inputs, outputs, constant):
+    """x / (1 + exp(-alpha * x)) (the SiLU that fusions.fuse_silu makes of Sigmoid and Mul): the kernel's
+    formula as ufuncs with ``out=`` (numpy's exp is vectorized, a compiled loop's is not)."""
+    x, y = inputs[0], outputs[0]
+    if not _floats(x) or x.shape != y.shape or x.dtype != y.dtype:
+        return None
+    t = x.dtype.type
+    return [(np.multiply, (x, t(-float(node.attr("alpha", 1.0))), y)), (_quiet_exp, (y,)), (np.add, (y, t(1), y)),
+            (np.divide, (x, y, y))]
+
+
+def _quiet_exp(y) -> None:
+    """exp in place; overflow to inf (the limit the Swish formula wants) without a warning."""
+    with np.errstate(over="ignore"):
+        np.exp(y, out=y)
+
+
 BINDERS = {
     "Conv": _bind_conv, "FusedConv": _bind_conv, "Relu": _bind_relu, "HardSigmoid": _bind_hard_sigmoid,
     "HardSwish": _bind_hard_swish, "Mul": _binary(np.multiply), "Add": _binary(np.add),
-    "GlobalAveragePool": _bind_global_average_pool, "Gemm": _bind_gemm,
+    "GlobalAveragePool": _bind_global_average_pool, "Gemm": _bind_gemm, "Swish": _bind_swish,
 }
