@@ -8,6 +8,7 @@ This module imports neither of them.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from ..ir import Graph, Node
 from ..optimizer.constant_folding import NONDETERMINISTIC
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
+from . import shape_program
 from .placement import Copy
 
 
@@ -223,21 +225,33 @@ class ShapeValues:
     call. Kept values are frozen (read-only, as initializers are: kernels take a frozen array's identity for
     its contents); the cache is bounded in entries, in bytes per entry and in bytes in all, and starts over past
     its bound. It holds every past length of a generation up to about a thousand tokens (an entry is a few
-    small arrays as long as the sequence), so the next generation through those lengths skips the steps."""
+    small arrays as long as the sequence), so the next generation through those lengths skips the steps.
 
-    __slots__ = ("full", "body", "keys", "kept", "values", "held")
+    The first generation meets new shapes every step: from the second new shapes on, the steps are evaluated
+    once symbolically for the class of shapes the two make (:mod:`.shape_program`), and each later new shape of
+    that class instantiates the values and runs only the steps the evaluation left (``residual``)."""
+
+    __slots__ = ("full", "body", "keys", "kept", "values", "held", "shape_only", "static_shapes", "programs",
+                 "previous")
 
     LIMIT = 1024
     BYTES = 1 << 20
     TOTAL_BYTES = 8 << 20
+    PROGRAMS = 4  # classes of feed shapes with a symbolic program (or a failed attempt) kept
 
-    def __init__(self, full: list[Step], body: list[Step], keys: tuple[int, ...], kept: tuple[int, ...]):
+    def __init__(self, full: list[Step], body: list[Step], keys: tuple[int, ...], kept: tuple[int, ...],
+                 static_shapes: dict[int, tuple] | None = None):
         self.full = Steps(full)
         self.body = Steps(body)
         self.keys = keys
         self.kept = kept
         self.values: dict[tuple, tuple] = {}
         self.held = 0  # bytes of the kept values
+        in_body = {id(step.node) for step in body}
+        self.shape_only = {index for index, step in enumerate(full) if id(step.node) not in in_body}
+        self.static_shapes = static_shapes or {}  # slot -> the plan's declared static shape
+        self.programs: list[tuple] = []  # (Template, Program | None, residual Steps | None)
+        self.previous: tuple | None = None  # the last new feed shapes
 
     def run(self, env: list, profile: dict | None) -> None:
         try:
@@ -250,10 +264,29 @@ class ShapeValues:
                 env[slot] = value
             _run(self.body, env, profile)
             return
+        built = None
+        if key is not None:
+            found = self._program(key, env)
+            if found is not None and found[1]:
+                values = tuple(env[slot] for slot in self.kept)  # (the body releases them at their last reader)
+                _run(self.body, env, profile)
+                self.previous = key
+                self._keep(key, values)
+                return
+            built = found[0] if found is not None else None
         _run(self.full, env, profile)
         values = tuple(env[slot] for slot in self.kept)
+        if built is not None and key is not None:
+            self._verify(built, key, env, values)
+        for slot in self.kept:  # released here rather than at their last reader
+            env[slot] = None
+        if key is not None:
+            self.previous = key
+            self._keep(key, values)
+
+    def _keep(self, key: tuple, values: tuple) -> None:
         size = sum(v.nbytes for v in values) if all(isinstance(v, np.ndarray) for v in values) else None
-        if key is not None and size is not None and size <= self.BYTES:
+        if size is not None and size <= self.BYTES:
             for value in values:
                 value.flags.writeable = False
             if len(self.values) >= self.LIMIT or self.held + size > self.TOTAL_BYTES:
@@ -261,8 +294,67 @@ class ShapeValues:
                 self.held = 0
             self.values[key] = values
             self.held += size
-        for slot in self.kept:  # released here rather than at their last reader
-            env[slot] = None
+
+    def _program(self, key: tuple, env: list) -> tuple | None:
+        """For new feed shapes ``key``: (the class's entry, True) once its program set the shape-only values in
+        ``env`` (and ran the steps it leaves); (a program built just now, False): the steps run this time and
+        the program is checked against them; None: the steps run."""
+        for entry in list(self.programs):  # (a copy: runs of one plan may overlap)
+            template, program, residual = entry
+            point = template.point(key)
+            if point is None:
+                continue
+            if program is None:
+                return None
+            if program.instantiate(env, point):
+                if residual.steps:
+                    _run(residual, env, None)
+                return entry, True
+            if entry in self.programs:  # past the bases' margin: built again around here
+                self.programs.remove(entry)
+            return self._build(template, key, env)
+        if self.previous is None or not self.PROGRAMS:
+            return None
+        template = shape_program.Template.between(self.previous, key)
+        if template is None or not template.symbols:
+            return None
+        return self._build(template, key, env)
+
+    def _build(self, template, key: tuple, env: list) -> tuple | None:
+        point = template.point(key)
+        read_later = {slot for step in self.body.steps for slot in step.inputs}
+        try:
+            built = shape_program.build(self.full.steps, self.shape_only, self.keys, template, point, env,
+                                        self.static_shapes, read_later)
+        except Exception:  # noqa: BLE001 (an optimization: the steps still run)
+            built = None
+        while len(self.programs) >= self.PROGRAMS:
+            self.programs.pop(0)
+        if built is None:
+            self.programs.append((template, None, None))
+            return None
+        program, residual = built
+        steps = [dataclasses.replace(self.full.steps[index], release=()) for index in residual]
+        entry = (template, program, Steps(steps))
+        self.programs.append(entry)
+        return entry, False
+
+    def _verify(self, entry: tuple, key: tuple, env: list, values: tuple) -> None:
+        """Compare a new program with the steps it replaces, at the shapes it was built for (``values``: what the
+        steps computed); one that differs (a declared shape that was stale, say) is dropped for its class."""
+        template, program, residual = entry
+        scratch = list(env)
+        try:
+            same = program.instantiate(scratch, template.point(key))
+            if same and residual.steps:
+                _run(residual, scratch, None)
+            same = same and all(
+                type(a) is type(b) and getattr(a, "dtype", None) == getattr(b, "dtype", None)
+                and np.array_equal(a, b) for a, b in zip((scratch[slot] for slot in self.kept), values))
+        except Exception:  # noqa: BLE001
+            same = False
+        if not same and entry in self.programs:
+            self.programs[self.programs.index(entry)] = (template, None, None)
 
 
 class Plan(Steps):

@@ -1,0 +1,183 @@
+"""Shape-only values of a decode loop, evaluated once symbolically and instantiated per step.
+
+A decode step's plan computes positions, masks and relative-position biases from the feeds' shapes alone
+(``Shape -> Gather -> Add -> Range -> Unsqueeze -> LessOrEqual -> Where ...``). Their values change with the
+past length every step, so a cache per feed shapes serves only a later generation through the same lengths.
+Here those steps are evaluated once over symbols (the feed dimensions that differ between two calls) and every
+later call of the same class only instantiates them:
+
+- an integer value of fixed shape whose entries are affine in the symbols (``Shape``, ``Gather``, ``Add``,
+  ``Concat`` ... of shapes) is kept as its affine coefficients (:class:`Affine`);
+- a ``Range`` with affine bounds is a value linear in its index and the symbols (:class:`Linear`);
+- what an elementwise or layout operator makes of those is a window, with affine bounds, of one base array
+  computed once by the step's own kernel over a margin of lengths around the current one (:class:`Window`).
+  Elementwise kernels commute with taking a window, so a window of the base is what the kernel would compute
+  on the window, bit for bit.
+
+Steps the evaluation does not cover run per call as before (their inputs instantiated first). Every extent and
+window bound is an affine form that must stay in range; a call outside it (a past length beyond the margin, an
+empty range) falls back to running the steps. Nothing is assumed about a value's shape that the feeds, the
+plan's declared static shapes or the rules below do not give.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .shape_symbols import Affine, Builder, Linear, Unsupported, form_of
+
+__all__ = ["Program", "Template", "build"]
+
+class Program:
+    """The symbolic evaluation of a plan's shape-only steps for one class of feed shapes. Every number a call
+    needs (guards, window bounds, extents) is a row of one matrix: a call is one product with the point."""
+
+    def __init__(self, symbolic: dict, needed: tuple[int, ...], guards: list[np.ndarray], symbols: int):
+        self.symbolic = symbolic  # slot -> Affine | Linear | Window
+        self.needed = needed  # symbolic slots read by the steps left per call or by the plan's body
+        rows = list(guards)
+        self.guards = len(rows)  # the first rows: each must be >= 0
+        self.recipes: list[tuple[int, Any, int | None]] = []  # (slot, value, its first row)
+        for slot in needed:
+            value = symbolic[slot]
+            if isinstance(value, Affine):
+                self.recipes.append((slot, value, None))
+                continue
+            forms = [value.beta] if isinstance(value, Linear) else list(value.lows)
+            self.recipes.append((slot, value, len(rows)))
+            rows.extend(forms)
+            rows.extend(value.extents)
+        self.forms = np.array(rows, np.int64).reshape(-1, 1 + symbols)
+
+    def instantiate(self, env: list, point: np.ndarray) -> bool:
+        """Set the needed slots of ``env`` for the symbols' values (``point``: 1, s_0, s_1, ...); False where a
+        guard fails (a length outside the bases' margin, an empty range: the caller runs the steps instead)."""
+        numbers = (self.forms @ point).tolist()
+        if self.guards and min(numbers[:self.guards]) < 0:
+            return False
+        for slot, value, row in self.recipes:
+            env[slot] = value.at(point) if row is None else _materialize(value, numbers, row)
+        return True
+
+
+def _materialize(value, numbers: list[int], row: int) -> np.ndarray:
+    if isinstance(value, Linear):
+        rank = len(value.alpha)
+        extents = numbers[row + 1:row + 1 + rank]
+        out = np.full(extents, numbers[row], np.int64)
+        for axis, (alpha, ext) in enumerate(zip(value.alpha, extents)):
+            if alpha:
+                shape = [1] * rank
+                shape[axis] = ext
+                out += (alpha * np.arange(ext, dtype=np.int64)).reshape(shape)
+        return out.astype(value.dtype)
+    rank = value.base.ndim
+    lows, extents = numbers[row:row + rank], numbers[row + rank:row + 2 * rank]
+    part = value.base[tuple(slice(None) if n == 1 else slice(lo, lo + ext)
+                            for n, lo, ext in zip(value.base.shape, lows, extents))]
+    if part.shape != tuple(extents):
+        part = np.broadcast_to(part, extents)
+    return np.array(part)  # a fresh array, as a kernel returns
+
+
+# -- classes of feed shapes, and building ---------------------------------------------------------------
+class Template:
+    """Feed shapes with some dimensions symbolic: per feed, per axis, an int or ``(symbol, offset)`` for the
+    symbol's value plus an offset (a decode step's attention mask is one longer than its past). Checks are laid
+    out flat once, per (feed, axis)."""
+
+    __slots__ = ("dims", "symbols", "_ranks", "_fixed", "_symbolic")
+
+    def __init__(self, dims: tuple, symbols: int):
+        self.dims = dims
+        self.symbols = symbols
+        self._ranks = tuple(len(shape) for shape in dims)
+        self._fixed = tuple((i, axis, want) for i, shape in enumerate(dims) for axis, want in enumerate(shape)
+                            if isinstance(want, int))
+        self._symbolic = tuple((i, axis, want[0], want[1]) for i, shape in enumerate(dims)
+                               for axis, want in enumerate(shape) if not isinstance(want, int))
+
+    @classmethod
+    def between(cls, reference: tuple, signature: tuple) -> Template | None:
+        """The template that makes symbolic the dimensions where ``signature`` differs from ``reference``; those
+        that grew by the same amount share a symbol (at offsets from the first). None where the ranks differ.
+        A dimension that is 1 in ``signature`` stays 1: broadcasting depends on it (a decode step's one token)."""
+        if len(reference) != len(signature) or any(len(a) != len(b) for a, b in zip(reference, signature)):
+            return None
+        first: dict[int, tuple[int, int]] = {}  # growth -> (symbol, its dimension in signature)
+        dims = []
+        for ref_shape, shape in zip(reference, signature):
+            row: list = []
+            for ref, got in zip(ref_shape, shape):
+                if ref == got or got == 1:
+                    row.append(got)
+                    continue
+                symbol, at = first.setdefault(got - ref, (len(first), got))
+                row.append((symbol, got - at))
+            dims.append(tuple(row))
+        return cls(tuple(dims), len(first))
+
+    def point(self, signature: tuple) -> np.ndarray | None:
+        """(1, s_0, s_1, ...) for a signature of this class; None for one outside it."""
+        if tuple([len(shape) for shape in signature]) != self._ranks:
+            return None
+        for i, axis, want in self._fixed:
+            if signature[i][axis] != want:
+                return None
+        point = np.zeros(1 + self.symbols, np.int64)
+        point[0] = 1
+        seen = [False] * self.symbols
+        for i, axis, symbol, offset in self._symbolic:
+            value = signature[i][axis] - offset
+            if not seen[symbol]:
+                point[1 + symbol], seen[symbol] = value, True
+            elif point[1 + symbol] != value:
+                return None
+        return point
+
+
+def build(steps: list, shape_only: set[int], feeds: tuple[int, ...], template: Template, point: np.ndarray,
+          env: list, static_shapes: dict, read_later: set[int]) -> tuple[Program, list[int]] | None:
+    """The program of ``steps`` (a plan's steps in order; ``shape_only``: the indices of those the feeds' shapes
+    decide) for ``template``'s class, built at ``point``; and the indices of the steps it leaves to run per call.
+    ``feeds``: the feed slots in the template's order; ``env``: a run's slots (constants set); ``read_later``: the
+    slots the other steps read. None where a step left per call would read a value only the other steps make."""
+    n = template.symbols
+    shapes = {}
+    for slot, dims in zip(feeds, template.dims):
+        shapes[slot] = tuple(form_of(d, n) if isinstance(d, int) else _unit(d[0], n) + form_of(d[1], n) for d in dims)
+    produced = {slot for step in steps for slot in step.outputs}
+    constants = {slot: env[slot] for step in steps for slot in step.inputs
+                 if slot not in produced and slot not in shapes and isinstance(env[slot], np.ndarray)}
+    builder = Builder(n, point, constants, shapes, static_shapes)
+    residual: list[int] = []
+    available = set(feeds) | set(constants)
+    for index, step in enumerate(steps):
+        if index not in shape_only:
+            builder.propagate(step)
+            continue
+        reads = [slot for slot, name in zip(step.inputs, step.node.inputs) if name]
+        try:
+            if len(step.outputs) != 1:
+                raise Unsupported("several outputs")
+            if any(slot not in builder.values and slot not in constants for slot in reads) \
+                    and step.node.op_type not in ("Shape", "Size"):
+                raise Unsupported("reads a value computed per call")
+            builder.shape_only(step)
+            continue
+        except Exception:  # noqa: BLE001 (any failure of the evaluation leaves the step to its kernel)
+            pass
+        if any(slot not in available and slot not in builder.values for slot in reads):
+            return None  # it reads what only the plan's other steps compute
+        residual.append(index)
+        available.update(step.outputs)
+    wanted = read_later | {slot for index in residual for slot in steps[index].inputs}
+    needed = tuple(sorted(slot for slot in builder.values if slot in wanted))
+    return Program(builder.values, needed, builder.guards, n), residual
+
+
+def _unit(symbol: int, n: int) -> np.ndarray:
+    form = np.zeros(1 + n, np.int64)
+    form[1 + symbol] = 1
+    return form
