@@ -250,7 +250,10 @@ class Executor:
         plan = Plan(steps, template, feed_slots, output_slots, recorded_copies, frozenset(feed_devices))
         if found:
             self._assign_releases(body, keep)
-            plan.shape_values = ShapeValues(steps, body, tuple(sorted(tensor_feeds)), kept)
+            declared = {slot: info.shape for name, (slot, _) in where.items()
+                        if (info := self.graph.type_of(name)) is not None and info.shape is not None
+                        and all(isinstance(d, int) for d in info.shape)}
+            plan.shape_values = ShapeValues(steps, body, tuple(sorted(tensor_feeds)), kept, declared)
         return plan
 
     def _kernel_for(self, node: Node, handle: ProviderHandle) -> KernelFn:
