@@ -17,6 +17,7 @@ graph a replay or capture used, so a released binding resets the graph that reco
 from __future__ import annotations
 
 import math
+import operator
 import threading
 import weakref
 from collections.abc import Callable
@@ -185,7 +186,7 @@ def _run_on_host(session: SessionSide, layout: _Layout, bindings: tuple, single_
         binding = bindings[index]
         physical = binding.physical_shape
         if type(value) is not np.ndarray or value.dtype != binding.dtype.numpy or value.ndim != len(physical) \
-                or any(d > c for d, c in zip(value.shape, physical)):
+                or not all(map(operator.le, value.shape, physical)):
             _check_output(binding, name, value, proven)  # raises what is wrong, if anything is
             plain = False
     for (_name, index, _proven), value in produced:
