@@ -1,7 +1,8 @@
 """FusedSegment (segment_fusions.py, ops/segment.py): a run of CNN nodes as one kernel whose later runs call
 prepared steps over buffers allocated once. Checked against onnxruntime and a float64 reference over
 several runs (the first node by node, the later ones through the bound plan), on a MobileNetV3-style block
-(both HardSwish placements, squeeze-excitation, residual, 5x5 depthwise, classifier head)."""
+(both HardSwish placements, squeeze-excitation, residual, 5x5 depthwise, classifier head) and an
+EfficientNet-style one (SiLU written as Sigmoid and Mul, a sigmoid-gated squeeze-excitation)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from onnx_runtime.loader import load_model
 from onnx_runtime_ep_cpu.algorithms import segment_steps
 from onnx_runtime_ep_cpu.compiled import deferred
 from onnx_runtime_ep_cpu.conv_fusions import CONV_PASSES
+from onnx_runtime_ep_cpu.fusions import PASSES
 from onnx_runtime_ep_cpu.ops.segment import Segment
 from reference64 import run_float64
 
@@ -35,13 +37,23 @@ def _block_model(channels: int = 8, size: int = 12, gate: str = "HardSigmoid") -
                                                weight(f"{y}_b", cout)], [y], kernel_shape=[k, k],
                                       strides=[stride, stride], pads=[k // 2] * 4, group=group))
 
+    def silu(x, y):  # as exporters write it: Sigmoid and Mul (the CPU fusions make it one Swish)
+        nodes.append(helper.make_node("Sigmoid", [x], [f"{y}_sigmoid"]))
+        nodes.append(helper.make_node("Mul", [x, f"{y}_sigmoid"], [y]))
+
     conv("x", "c1", 3, channels, 3)
-    nodes.append(helper.make_node("HardSwish", ["c1"], ["a1"]))
+    if gate == "Sigmoid":
+        silu("c1", "a1")
+    else:
+        nodes.append(helper.make_node("HardSwish", ["c1"], ["a1"]))
     conv("a1", "d1", channels, channels, 3, stride=2, group=channels)
     nodes.append(helper.make_node("Relu", ["d1"], ["r1"]))
     nodes.append(helper.make_node("GlobalAveragePool", ["r1"], ["p1"]))
     conv("p1", "s1", channels, 4, 1)
-    nodes.append(helper.make_node("Relu", ["s1"], ["s1r"]))
+    if gate == "Sigmoid":  # EfficientNet's squeeze-excitation: SiLU inside, a sigmoid gate
+        silu("s1", "s1r")
+    else:
+        nodes.append(helper.make_node("Relu", ["s1"], ["s1r"]))
     conv("s1r", "s2", 4, channels, 1)
     nodes.append(helper.make_node("HardSigmoid", ["s2"], ["gate"], alpha=1 / 6, beta=0.5) if gate == "HardSigmoid"
                  else helper.make_node("Sigmoid", ["s2"], ["gate"]))
@@ -74,9 +86,10 @@ def _oracle(model, x):
     return sess.run(None, {"x": x})
 
 
+@pytest.mark.parametrize("gate", ["HardSigmoid", "Sigmoid"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_segment_runs_match_onnxruntime_and_float64(batch):
-    model = _block_model()
+def test_segment_runs_match_onnxruntime_and_float64(batch, gate):
+    model = _block_model(gate=gate)
     sess = _ours(model)
     rng = np.random.default_rng(batch)
     for run in range(4):  # the first node by node, the second builds and checks the plan, then the plan
@@ -95,8 +108,8 @@ def test_segment_runs_match_onnxruntime_and_float64(batch):
 def _segment_and_feeds(model, x):
     """The FusedSegment the CPU passes make of ``model`` (its kernel) and its inputs: weights read-only."""
     graph = load_model(model).graph
-    for graph_pass in CONV_PASSES:
-        graph_pass(graph)
+    for graph_pass in [*PASSES, *CONV_PASSES]:  # the CPU provider's order (fuse_silu among PASSES)
+        graph_pass(graph, None)
     (node,) = [n for n in graph.nodes if n.op_type == "FusedSegment"]
     assert [n.op_type for n in graph.nodes] == ["FusedSegment"]
     feeds = []

@@ -1,11 +1,11 @@
 """Blocks of several nodes that a segment's bound plan (segment_steps.py) runs as one compiled call.
 
 Squeeze-excitation (MobileNetV3, EfficientNet, RegNetY): x -> GlobalAveragePool -> 1x1 convolution [+ its
-activation] -> 1x1 convolution [+ its activation] -> HardSigmoid or Sigmoid -> Mul with x. Run node by node it
-is seven prepared calls on vectors of a few hundred values, each costing more than its arithmetic; as one
-(compiled/segment_loops.squeeze_excite) it is one. Matched on the segment's nodes as the CPU fusions leave
-them (a convolution's activation fused into it or a Relu node after it), whichever exporter wrote them; every
-value inside the block must be read by the block's next node alone.
+activation, or a Relu or SiLU node] -> 1x1 convolution [+ its activation] -> HardSigmoid or Sigmoid -> Mul with
+x. Run node by node it is seven prepared calls on vectors of a few hundred values, each costing more than its
+arithmetic; as one (compiled/segment_loops.squeeze_excite) it is one. Matched on the segment's nodes as the CPU
+fusions leave them (a convolution's activation fused into it or a node after it), whichever exporter wrote
+them; every value inside the block must be read by the block's next node alone.
 """
 
 from __future__ import annotations
@@ -91,8 +91,13 @@ class _Chain:
         if squeeze is None:
             return None
         step = self.next(step, members)
+        swish = False
         if step is not None and _plain(self.inner[step].node, "Relu") and squeeze[2][0] == -np.inf:
             squeeze = (squeeze[0], squeeze[1], epilogue.activation_bounds(epilogue.RELU, (), np.float32))
+            step = self.next(step, members)
+        elif step is not None and _plain(self.inner[step].node, "Swish") \
+                and float(self.inner[step].node.attr("alpha", 1.0)) == 1.0:
+            swish = True  # SiLU (EfficientNet's squeeze activation), after the convolution's own
             step = self.next(step, members)
         excite = self.conv(step, squeeze[0].shape[0])
         if excite is None or excite[0].shape[0] != x.shape[1]:
@@ -109,10 +114,10 @@ class _Chain:
         hard = node.op_type == "HardSigmoid"
         gating = (segment_loops.HARD_SIGMOID_GATE if hard else segment_loops.SIGMOID_GATE,
                   np.float32(node.attr("alpha", 0.2) if hard else 0), np.float32(node.attr("beta", 0.5) if hard else 0))
-        return members, product, _binder(x_slot, squeeze, excite, gating)
+        return members, product, _binder(x_slot, squeeze, swish, excite, gating)
 
 
-def _binder(x_slot, squeeze, excite, gate):
+def _binder(x_slot, squeeze, swish, excite, gate):
     from ..compiled import segment_loops
 
     w1, b1, bounds1 = squeeze
@@ -126,7 +131,7 @@ def _binder(x_slot, squeeze, excite, gate):
         n, c = x.shape[:2]
         flat = x.reshape(n, c, -1)
         scratch = [np.empty(size, np.float32) for size in (c, w1.shape[0], c)]
-        return (segment_loops.squeeze_excite, (flat, w1, b1, bounds1, w2, b2, bounds2, *gate,
+        return (segment_loops.squeeze_excite, (flat, w1, b1, bounds1, swish, w2, b2, bounds2, *gate,
                                                output.reshape(n, c, -1), *scratch))
 
     return bind

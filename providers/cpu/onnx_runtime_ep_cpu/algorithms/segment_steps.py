@@ -222,8 +222,22 @@ def _quiet_exp(y) -> None:
         np.exp(y, out=y)
 
 
+_SMALL_SIGMOID = 4096  # values: up to here compiled/sigmoid.py's loop, beyond numpy's vectorized exp (the kernel's)
+
+
+def _bind_sigmoid(node, kernel, inputs, outputs, constant):
+    """The logistic sigmoid of a small tensor (a squeeze-excitation gate outside a matched block) in one loop."""
+    from ..compiled.sigmoid import sigmoid_into
+
+    x, y = inputs[0], outputs[0]
+    if not _floats(x) or x.shape != y.shape or x.dtype != y.dtype or x.size > _SMALL_SIGMOID:
+        return None
+    return [(sigmoid_into, (x.reshape(-1), y.reshape(-1)))]
+
+
 BINDERS = {
     "Conv": _bind_conv, "FusedConv": _bind_conv, "Relu": _bind_relu, "HardSigmoid": _bind_hard_sigmoid,
     "HardSwish": _bind_hard_swish, "Mul": _binary(np.multiply), "Add": _binary(np.add),
     "GlobalAveragePool": _bind_global_average_pool, "Gemm": _bind_gemm, "Swish": _bind_swish,
+    "Sigmoid": _bind_sigmoid,
 }

@@ -45,12 +45,13 @@ def _gated(v, gate, alpha, beta, zero, one):
 
 
 @jit
-def squeeze_excite(x, w1, b1, bounds1, w2, b2, bounds2, gate, alpha, beta, y, pooled, hidden, scale):
+def squeeze_excite(x, w1, b1, bounds1, swish, w2, b2, bounds2, gate, alpha, beta, y, pooled, hidden, scale):
     """A squeeze-excitation block in one pass per image: y (N, C, P) = x * gate(act2(w2 @ act1(w1 @ mean(x) +
     b1) + b2)), the means over each plane's P pixels, ``w1`` (R, C) and ``w2`` (C, R) the two 1x1
     convolutions' weights, ``b1``/``b2`` their biases, ``bounds1``/``bounds2`` their activations
-    (epilogue.activation_bounds), ``gate`` HARD_SIGMOID_GATE (max(0, min(1, alpha * v + beta))) or
-    SIGMOID_GATE; ``pooled`` (C), ``hidden`` (R) and ``scale`` (C) scratch."""
+    (epilogue.activation_bounds; where ``swish``, SiLU v / (1 + exp(-v)) follows act1), ``gate``
+    HARD_SIGMOID_GATE (max(0, min(1, alpha * v + beta))) or SIGMOID_GATE; ``pooled`` (C), ``hidden`` (R) and
+    ``scale`` (C) scratch."""
     channels, reduced, pixels = w1.shape[1], w1.shape[0], x.shape[2]
     zero = np.zeros(1, dtype=x.dtype)[0]
     one = np.ones(1, dtype=x.dtype)[0]
@@ -65,7 +66,8 @@ def squeeze_excite(x, w1, b1, bounds1, w2, b2, bounds2, gate, alpha, beta, y, po
             total = zero
             for c in range(channels):
                 total += w1[r, c] * pooled[c]
-            hidden[r] = activate(total + b1[r], bounds1[0], bounds1[1], bounds1[2])
+            v = activate(total + b1[r], bounds1[0], bounds1[1], bounds1[2])
+            hidden[r] = v / (one + np.exp(-v)) if swish else v
         for c in range(channels):
             total = zero
             for r in range(reduced):
