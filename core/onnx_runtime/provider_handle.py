@@ -9,6 +9,7 @@ buffers never.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from types import SimpleNamespace
 
@@ -153,6 +154,12 @@ class ProviderHandle:
         if not isinstance(buffer, DeviceBuffer):
             raise ProviderError(f"{self.name}: allocate must return a DeviceBuffer, got {type(buffer).__name__}")
         return buffer
+
+    def prepaid(self) -> contextlib.AbstractContextManager:
+        """A block whose allocations on this thread are paid for already (carved from a charged arena, or under a
+        lease): the session's memory account does not charge them again."""
+        account = self.memory_account
+        return contextlib.nullcontext() if account is None else account.prepaid()
 
     def allocate_committed(self, size: int, alignment: int = 64, committed_ranges=None) -> DeviceBuffer:
         """``allocate_committed`` (reserve ``size`` bytes, commit ``committed_ranges``), its committed bytes
