@@ -448,7 +448,8 @@ class DeviceGraphRunner:
                     owner=entry.owner, slot=entry.slot, continuation=token if segment else None,
                     kernels=[step.run for step in steps.steps])
                 try:
-                    run_steps(steps, env)
+                    with handle.prepaid():  # blocks carved from the arena, whose backing is charged already
+                        run_steps(steps, env)
                     handle.hook.end_owned_device_graph_capture(token=token)
                 finally:
                     self._server.stop(handle)  # the stream is idle: frees deferred during the capture may run
