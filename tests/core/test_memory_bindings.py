@@ -267,3 +267,23 @@ def test_workspace_no_lease_governs_is_charged_by_the_account_and_a_leased_one_i
     finally:
         account.close()
         leasing.shutdown()
+
+
+def test_a_captured_device_graph_charges_its_arena_once(tmp_path, sample_limit):
+    """The buffers a capture carves from its arena are paid for by the arena's backing allocation: the account
+    charges the backing (and the captured uploads) and not each block again, during the capture or after it."""
+    path = external_chain(tmp_path / "m.onnx", D)
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.graph_capture", "1")
+    x = np.ones((1, D), np.float32)
+    want = _session(path).run(None, {"X": x})[0]
+    session = ort.InferenceSession(path, options, providers=[SAMPLE, "CPUExecutionProvider"])
+    session.run(None, {"X": x})  # sizes the arena
+    np.testing.assert_array_equal(session.run(None, {"X": x})[0], want)  # captured
+    assert session.device_graph_status().startswith("replaying")
+    (activations,) = session.memory_report()["activations"]
+    arena_and_uploads = activations["charged"]
+    assert arena_and_uploads > 0 and activations["peak"] == arena_and_uploads  # no block was charged twice
+    np.testing.assert_array_equal(session.run(None, {"X": x})[0], want)  # replayed
+    assert session.memory_report()["activations"][0]["charged"] == arena_and_uploads
+    session.close()
