@@ -55,7 +55,7 @@ def _x_info(dtype=np.float32):
                                                                                                HIDDEN])
 
 
-def _bert_block(mask_shape=None, unidirectional=0, gelu="BiasGelu"):
+def bert_block(mask_shape=None, unidirectional=0, gelu="BiasGelu"):
     """Attention -> output projection -> SkipLayerNormalization -> MatMul -> [Bias|Fast]Gelu -> MatMul ->
     SkipLayerNormalization, the transformer optimizer's BERT layer."""
     b = _Block()
@@ -77,7 +77,7 @@ def _bert_block(mask_shape=None, unidirectional=0, gelu="BiasGelu"):
     return b.model(infos, out)
 
 
-def _t5_block():
+def t5_block():
     """SimplifiedLayerNormalization -> MatMul -> SkipSimplifiedLayerNormalization (with a bias), T5's and
     LLaMA's residual stream."""
     b = _Block()
@@ -105,7 +105,7 @@ def _ran_as(session) -> set[tuple[str, str]]:
     return {(record.domain, record.op_type) for record in session.placement()}
 
 
-def _x(dtype=np.float32):
+def hidden_states(dtype=np.float32):
     return RNG.standard_normal((BATCH, STEPS, HIDDEN)).astype(dtype)
 
 
@@ -114,8 +114,8 @@ def _x(dtype=np.float32):
 def test_bert_block_runs_as_standard_fused_operators(mask, gelu):
     mask_value = {None: None, "lengths": np.array([STEPS, STEPS - 2], np.int32),
                   "raw": np.array([[1] * STEPS, [1] * (STEPS - 3) + [0] * 3], np.int32)}[mask]
-    proto = _bert_block(None if mask is None else list(mask_value.shape), gelu=gelu)
-    feeds = {"x": _x()} if mask is None else {"x": _x(), "mask": mask_value}
+    proto = bert_block(None if mask is None else list(mask_value.shape), gelu=gelu)
+    feeds = {"x": hidden_states()} if mask is None else {"x": hidden_states(), "mask": mask_value}
     session, got, expected = _run_both(proto, feeds)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     ran = _ran_as(session)
@@ -126,19 +126,19 @@ def test_bert_block_runs_as_standard_fused_operators(mask, gelu):
 
 def test_unidirectional_attention_with_padding_matches_onnxruntime():
     lengths = np.array([STEPS - 1, 3], np.int32)
-    session, got, expected = _run_both(_bert_block([BATCH], unidirectional=1), {"x": _x(), "mask": lengths})
+    session, got, expected = _run_both(bert_block([BATCH], unidirectional=1), {"x": hidden_states(), "mask": lengths})
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     assert ("", "Attention") in _ran_as(session)
 
 
 def test_attention_mask_of_no_convention_is_a_typed_error():
-    session = ort.InferenceSession(_bert_block([BATCH, 3]), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(bert_block([BATCH, 3]), providers=["CPUExecutionProvider"])
     with pytest.raises(InvalidArgumentError, match=r"mask of shape \(2, 3\) fits no mask convention"):
-        session.run(None, {"x": _x(), "mask": np.ones((BATCH, 3), np.int32)})
+        session.run(None, {"x": hidden_states(), "mask": np.ones((BATCH, 3), np.int32)})
 
 
 def test_simplified_norms_run_as_rms_normalization():
-    session, got, expected = _run_both(_t5_block(), {"x": _x()})
+    session, got, expected = _run_both(t5_block(), {"x": hidden_states()})
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     ran = _ran_as(session)
     assert not any(domain == CONTRIB or op == "SimplifiedLayerNormalization" for domain, op in ran), ran
@@ -147,7 +147,7 @@ def test_simplified_norms_run_as_rms_normalization():
 def test_simplified_norm_output_shapes_are_inferred():
     """onnx does not know SimplifiedLayerNormalization (onnxruntime's, in the ONNX domain): its output and what
     follows are typed by the loader's stand-in, so the shape chains after it fold."""
-    graph = load_model(_t5_block()).graph
+    graph = load_model(t5_block()).graph
     first = next(node for node in graph.nodes if node.op_type == "SimplifiedLayerNormalization")
     info = graph.type_of(first.outputs[0])
     assert info is not None and info.shape == ("batch", "steps", HIDDEN)
@@ -159,7 +159,7 @@ def test_half_precision_block_is_lowered_after_its_float32_conversion():
     projected = b.node("MatMul", ["x", b.const(_weights(HIDDEN, HIDDEN, dtype=np.float16))])[0]
     out = b.node("SkipLayerNormalization", [projected, "x", b.const(np.ones(HIDDEN, np.float16)),
                                             b.const(_weights(HIDDEN, dtype=np.float16))], domain=CONTRIB)[0]
-    session, got, expected = _run_both(b.model([_x_info(np.float16)], out), {"x": _x(np.float16)})
+    session, got, expected = _run_both(b.model([_x_info(np.float16)], out), {"x": hidden_states(np.float16)})
     assert got.dtype == np.float16
     np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32), rtol=2e-3, atol=4e-3)
     assert ("", "LayerNormalization") in _ran_as(session)
@@ -171,7 +171,8 @@ def test_half_precision_node_without_half_weights_keeps_the_contrib_kernel():
     b = _Block(np.float16)
     out = b.node("SkipLayerNormalization", ["x", "skip", b.const(np.ones(HIDDEN, np.float16))], domain=CONTRIB)[0]
     infos = [_x_info(np.float16), helper.make_tensor_value_info("skip", TensorProto.FLOAT16, None)]
-    session, got, expected = _run_both(b.model(infos, out), {"x": _x(np.float16), "skip": _x(np.float16)})
+    feeds = {"x": hidden_states(np.float16), "skip": hidden_states(np.float16)}
+    session, got, expected = _run_both(b.model(infos, out), feeds)
     np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32), rtol=2e-3, atol=4e-3)
     assert (CONTRIB, "SkipLayerNormalization") in _ran_as(session)
 
@@ -185,4 +186,4 @@ def test_parameters_fed_at_run_time_keep_the_contrib_kernel_and_its_errors():
     session = ort.InferenceSession(b.model(infos, out), providers=["CPUExecutionProvider"])
     assert (CONTRIB, "SkipLayerNormalization") in _ran_as(session)
     with pytest.raises(InvalidArgumentError, match=r"gamma has shape \(7,\); expected \(32,\)"):
-        session.run(None, {"x": _x(), "skip": _x(), "gamma": np.ones(7, np.float32)})
+        session.run(None, {"x": hidden_states(), "skip": hidden_states(), "gamma": np.ones(7, np.float32)})

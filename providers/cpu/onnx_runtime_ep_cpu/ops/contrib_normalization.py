@@ -138,7 +138,9 @@ def simplified_layer_normalization(node, shapes, opset):
 def _lookup(node, name: str, table, ids) -> np.ndarray:
     """table[ids], every id checked to lie inside the table."""
     ids = np.asarray(ids)
-    if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
+    # One reduction checks both ends: seen unsigned, a negative id is larger than any table's row count.
+    unsigned = ids.view(ids.dtype.str.replace("i", "u")) if ids.dtype.kind == "i" else ids
+    if ids.size and unsigned.max() >= table.shape[0]:
         raise argument_error(node, f"{name} hold values up to {ids.max()} (min {ids.min()}); expected ids in "
                              f"[0, {table.shape[0]}), the rows of its embedding table")
     return table[ids]
