@@ -80,11 +80,14 @@ class _Lowering:
         found = {self.dtype(name) for name in names if name} - {None}
         return found.pop() if len(found) == 1 and next(iter(found)) in _FLOATS else None
 
-    def value(self, base: str, dtype: DataType, like: str) -> str:
-        """A fresh value name typed ``dtype`` with the shape of ``like`` where known."""
+    def value(self, base: str, dtype: DataType, like: str, last: int | None = None) -> str:
+        """A fresh value name typed ``dtype`` with the shape of ``like`` where known (its last dimension
+        ``last`` when given)."""
         name = self.fresh(base)
         info = self.graph.type_of(like)
         shape = info.shape if info is not None and info.is_tensor else None
+        if shape and last is not None:
+            shape = (*shape[:-1], last)
         self.graph.value_info[name] = ValueInfo(name, TypeInfo("tensor", dtype, shape))
         return name
 
@@ -190,15 +193,15 @@ class _Lowering:
         if dtype is None:
             return None
         nodes = []
-        projected = self.value(f"{node.name}/qkv", dtype, x)
+        projected = self.value(f"{node.name}/qkv", dtype, x, weight.shape[1])
         nodes.append(self.node("MatMul", [x, weights], [projected], f"{node.name}/projection", 13))
         if bias is not None:
-            biased = self.value(f"{node.name}/qkv_biased", dtype, x)
+            biased = self.value(f"{node.name}/qkv_biased", dtype, x, weight.shape[1])
             nodes.append(self.node("Add", [projected, bias], [biased], f"{node.name}/bias", 14))
             projected = biased
         split = self.fresh(f"{node.name}/qkv_sizes")
         self.graph.initializers[split] = np.array(sizes, np.int64)
-        q, k, v = (self.value(f"{node.name}/{part}", dtype, x) for part in "qkv")
+        q, k, v = (self.value(f"{node.name}/{part}", dtype, x, size) for part, size in zip("qkv", sizes))
         nodes.append(self.node("Split", [projected, split], [q, k, v], f"{node.name}/split", 13, axis=-1))
         inputs = [q, k, v]
         if mask is not None:
@@ -220,7 +223,8 @@ class _Lowering:
         key = (mask, shape or x, fill)
         made = self.masks.get(key)
         if made is None:
-            made = self.value(f"{mask}/attention_bias", DataType.FLOAT, mask)
+            made = self.fresh(f"{mask}/attention_bias")  # (B, 1, 1 or S, S): its shape is found per run
+            self.graph.value_info[made] = ValueInfo(made, TypeInfo("tensor", DataType.FLOAT, None))
             nodes.append(Node("ContribAttentionMask", [mask, x], [made], name=self.fresh(f"{node.name}/mask"),
                               domain=FUSED_DOMAIN, attrs={"mask_filter_value": fill}, opset=1))
             self.masks[key] = made
