@@ -140,7 +140,7 @@ def compiled_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, pr
     if pixel_product_applies(geo, group, x):  # (numpy_compute's first choice)
         return None
     direct = direct_tiles_apply(geo, group, x, w)
-    if packed_conv_applies(geo, group, x) and not (direct and direct_tiles_before_packed(geo, w)):
+    if packed_conv_applies(geo, group, x) and not (direct and direct_tiles_before_packed(geo, w, group)):
         return lambda: (PackedConv(geo, group, x.shape, w.shape, prepared), True)
     if direct:
         return lambda: (DirectConv(geo, group, x.shape, w.shape, prepared), True)

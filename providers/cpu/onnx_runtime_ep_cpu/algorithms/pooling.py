@@ -45,6 +45,36 @@ def pool_loops():
     return pooling
 
 
+def _pool_call(x: np.ndarray, geo: Geometry, include_pad: bool | None, y: np.ndarray):
+    """(planes, rows, arguments) of the compiled pooling loop for ``x`` into ``y``."""
+    rank = len(geo.kernel)
+    fields = (geo.kernel, geo.strides, geo.dilations, geo.begin, geo.end, geo.in_shape)
+    if rank == 1:
+        fields = tuple((unit, *field) for unit, field in zip((1, 1, 1, 0, 0, 1), fields))
+    (kh, kw), (sh, sw), (dh, dw), (ph, pw), (eh, ew), (h, w) = fields
+    planes = np.ascontiguousarray(x).reshape(-1, h, w)
+    rows = y.reshape(planes.shape[0], -1, y.shape[-1])
+    # The positions an average counts, in padded coordinates: the input, plus the declared pads
+    # with count_include_pad; a ceil_mode overhang never counts.
+    (lo_h, hi_h), (lo_w, hi_w) = (
+        (0, p + n + e) if include_pad else (p, p + n) for p, n, e in ((ph, h, eh), (pw, w, ew))
+    )
+    return planes, rows, (kh, kw, sh, sw, dh, dw, ph, pw, include_pad is None, lo_h, hi_h, lo_w, hi_w)
+
+
+def bound_pool(loops, x: np.ndarray, geo: Geometry, include_pad: bool | None, y: np.ndarray):
+    """compiled_pool's loop into the C-contiguous ``y``, prepared once (a segment's bound plan):
+    ``[(loop, arguments)]``, or None where the loops do not apply or the planes split across threads."""
+    if len(geo.kernel) > 2 or not takes_compiled(x) or x.size == 0 or 0 in geo.out or y.dtype != x.dtype \
+            or not x.flags.c_contiguous:
+        return None
+    planes, rows, arguments = _pool_call(x, geo, include_pad, y)
+    spans = thread_spans(planes.shape[0], x.size, x.dtype)
+    if spans is not None and len(spans) > 1:
+        return None
+    return [(loops.pool_2d, (planes, rows, *arguments))]
+
+
 def compiled_pool(loops, x: np.ndarray, geo: Geometry, include_pad: bool | None = None):
     """Max pooling (``include_pad`` None) or average pooling of ``x`` by the compiled loops, which
     take float32/float64 with 1-D or 2-D windows (a 1-D window is a 2-D one over a single row);
@@ -52,19 +82,8 @@ def compiled_pool(loops, x: np.ndarray, geo: Geometry, include_pad: bool | None 
     rank = len(geo.kernel)
     if rank > 2 or not takes_compiled(x) or x.size == 0 or 0 in geo.out:
         return None
-    fields = (geo.kernel, geo.strides, geo.dilations, geo.begin, geo.end, geo.in_shape)
-    if rank == 1:
-        fields = tuple((unit, *field) for unit, field in zip((1, 1, 1, 0, 0, 1), fields))
-    (kh, kw), (sh, sw), (dh, dw), (ph, pw), (eh, ew), (h, w) = fields
-    planes = np.ascontiguousarray(x).reshape(-1, h, w)
     y = np.empty(x.shape[:2] + geo.out, dtype=x.dtype)
-    rows = y.reshape(planes.shape[0], -1, y.shape[-1])
-    # The positions an average counts, in padded coordinates: the input, plus the declared pads
-    # with count_include_pad; a ceil_mode overhang never counts.
-    (lo_h, hi_h), (lo_w, hi_w) = (
-        (0, p + n + e) if include_pad else (p, p + n) for p, n, e in ((ph, h, eh), (pw, w, ew))
-    )
-    arguments = (kh, kw, sh, sw, dh, dw, ph, pw, include_pad is None, lo_h, hi_h, lo_w, hi_w)
+    planes, rows, arguments = _pool_call(x, geo, include_pad, y)
     spans = thread_spans(planes.shape[0], x.size, x.dtype)
     if spans is None or deferred.numpy_first():  # (the helper threads' parts are compiled code)
         loops.pool_2d(planes, rows, *arguments)

@@ -10,7 +10,7 @@ import numpy as np
 from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError
 
-from ..algorithms.pooling import compiled_pool, lowest, max_pool_with_indices, pool_loops
+from ..algorithms.pooling import bound_pool, compiled_pool, lowest, max_pool_with_indices, pool_loops
 from ..algorithms.precision import compute_dtype, upcast
 from ..algorithms.window import Window
 from ..compiled import takes as takes_compiled
@@ -35,6 +35,9 @@ def max_pool(node, shapes, opset):
         y = compiled_pool(loops, x, geo)
         return (geo.reduce_windows(x, np.maximum, lowest(x.dtype)) if y is None else y,)
 
+    if not with_indices:  # a segment's bound plan (algorithms/segment_steps.py)
+        kernel.bind = lambda inputs, outputs, constant: bound_pool(loops, inputs[0], _resolved(node, window, inputs[0]),
+                                                                   None, outputs[0])
     return kernel
 
 
@@ -62,6 +65,8 @@ def average_pool(node, shapes, opset):
         total /= geo.divisor(include_pad, xc.dtype)
         return (total.astype(x.dtype, copy=False),)
 
+    kernel.bind = lambda inputs, outputs, constant: bound_pool(loops, inputs[0], _resolved(node, window, inputs[0]),
+                                                               include_pad, outputs[0])
     return kernel
 
 
