@@ -28,6 +28,7 @@ def packed_at_every_size(monkeypatch):
     """The packed convolution for the small test convolutions too (the direct tiles take the smallest on
     AVX-512 hosts: conv_direct.direct_tiles_before_packed)."""
     monkeypatch.setattr(conv_direct, "SMALL_MACS", 0)
+    monkeypatch.setattr(conv_direct, "STEM_CHANNELS", 0)  # (and the one-thread stems)
 
 
 @pytest.fixture(params=[1, 2], ids=["one thread", "two threads"])
