@@ -196,18 +196,27 @@ _ELEMENT_TYPES = frozenset(onnx.TensorProto.DataType.values())
 
 
 def _check_initializers(graph: onnx.GraphProto, where: str) -> None:
-    """Each initializer of a defined element type, and the type its graph input declares: kernels get the
-    initializer's data, so a declaration that disagrees would type-check what never runs."""
-    declared = {vi.name: vi.type.tensor_type.elem_type for vi in graph.input
-                if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type}
+    """Each initializer of a defined element type, and the type and shape its graph input declares: kernels get
+    the initializer's data, so a declaration that disagrees would type-check (and fold ``Shape`` from) what never
+    runs. A symbolic or missing dimension matches any size (onnxruntime refuses the same mismatches)."""
+    declared = {vi.name: vi.type.tensor_type for vi in graph.input if vi.type.HasField("tensor_type")}
     fix = "the file is damaged or its exporter wrote inconsistent types"
     for init in graph.initializer:
         _check_tensor(init, f"initializer {init.name!r} in {where}", fix)
-        elem = declared.get(init.name)
-        if elem is not None and elem != init.data_type:
+        tensor_type = declared.get(init.name)
+        if tensor_type is None:
+            continue
+        if tensor_type.elem_type and tensor_type.elem_type != init.data_type:
             raise InvalidGraphError(
                 f"initializer {init.name!r} in {where} is {onnx.TensorProto.DataType.Name(init.data_type)} but the "
-                f"graph input of that name declares {_type_string(elem)}; {fix}")
+                f"graph input of that name declares {_type_string(tensor_type.elem_type)}; {fix}")
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
+        if tensor_type.HasField("shape") and (len(dims) != len(init.dims) or any(
+                d is not None and d != actual for d, actual in zip(dims, init.dims))):
+            shown = [d if d is not None else "?" for d in dims]
+            raise InvalidGraphError(
+                f"initializer {init.name!r} in {where} has shape {list(init.dims)} but the graph input of that name "
+                f"declares {shown}; {fix}")
 
 
 # Element types whose elements fill whole bytes in raw_data and one entry each in their typed field.

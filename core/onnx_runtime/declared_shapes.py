@@ -1,0 +1,115 @@
+"""The model's declared value types checked against onnx shape inference, before anything trusts them.
+
+A model's ``value_info`` (and its outputs' types) are claims its writer made. onnx's inference keeps such a
+claim when its own result disagrees (outside strict mode it drops the error), and the session then trusts it:
+``Shape`` of a value whose declared shape is stale folded to the wrong numbers, a ``Reshape`` to the declared
+shape was removed as a no-op, and kernels were built for shapes that never come.
+
+Inference therefore runs strict first: on a consistent model (every zoo model, all but one of onnx's 1,884
+node cases) that is the only pass, and its result is the same as a lenient one. When it fails, inference runs
+again on a copy without the intermediate declarations (``value_info``, in subgraphs too) and without the
+outputs' shapes, and the declarations are merged back as onnxruntime merges them leniently: a dimension
+inference computed wins over the declared one, a dimension inference could not compute keeps the declared one
+(nothing can check it before the run, as in onnxruntime), and a declared element type that differs from the
+computed one is an ``InvalidGraphError`` (onnxruntime's type error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import onnx
+
+from .errors import InvalidGraphError
+
+Infer = Callable[..., "onnx.GraphProto | None"]  # infer(model, strict=...) -> annotated graph, or None on failure
+
+
+def infer_reconciled(light: onnx.ModelProto, infer: Infer) -> onnx.GraphProto | None:
+    """``light``'s graph annotated by ``infer`` (see the module docstring), or None when inference fails."""
+    inferred = infer(light, strict=True)
+    if inferred is not None or not _declares_types(light.graph):
+        return inferred if inferred is not None else infer(light, strict=False)
+    bare = onnx.ModelProto()
+    bare.CopyFrom(light)
+    _strip_declarations(bare.graph)
+    inferred = infer(bare, strict=False)
+    if inferred is not None:
+        _merge_declarations(light.graph, inferred)
+    return inferred
+
+
+def _declares_types(graph: onnx.GraphProto) -> bool:
+    return bool(graph.value_info) or any(vi.type.tensor_type.HasField("shape") for vi in graph.output) \
+        or any(_declares_types(sub) for sub in _subgraphs(graph))
+
+
+def _subgraphs(graph: onnx.GraphProto):
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield attribute.g
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                yield from attribute.graphs
+
+
+def _strip_declarations(graph: onnx.GraphProto, top: bool = True) -> None:
+    """Remove what inference computes anyway: value_info (subgraphs included) and the top-level outputs'
+    shapes (their element types stay: the outputs' types are the graph's signature)."""
+    del graph.value_info[:]
+    if top:
+        for vi in graph.output:
+            if vi.type.HasField("tensor_type"):
+                vi.type.tensor_type.ClearField("shape")
+    for sub in _subgraphs(graph):
+        _strip_declarations(sub, top=False)
+
+
+def _merge_declarations(declared: onnx.GraphProto, inferred: onnx.GraphProto) -> None:
+    """Top-level declarations of ``declared`` merged into ``inferred`` (see the module docstring)."""
+    found = {vi.name: vi for vi in (*inferred.value_info, *inferred.output)}
+    producers = {name: node for node in declared.node for name in node.output if name}
+    for claim in (*declared.value_info, *declared.output):
+        have = found.get(claim.name)
+        if have is None:
+            if claim.name not in {vi.name for vi in inferred.input}:
+                inferred.value_info.append(claim)  # nothing computed it: kept unchecked, as onnxruntime does
+                found[claim.name] = inferred.value_info[-1]
+            continue
+        if not (claim.type.HasField("tensor_type") and have.type.HasField("tensor_type")):
+            if have.type.WhichOneof("value") is None:
+                have.type.CopyFrom(claim.type)
+            continue
+        _merge_tensor(claim, have, producers.get(claim.name))
+
+
+def _merge_tensor(claim: onnx.ValueInfoProto, have: onnx.ValueInfoProto, producer) -> None:
+    said, computed = claim.type.tensor_type, have.type.tensor_type
+    if said.elem_type and computed.elem_type and said.elem_type != computed.elem_type:
+        node = f"node {producer.name!r} ({producer.op_type})" if producer is not None else "the graph"
+        raise InvalidGraphError(
+            f"value {claim.name!r} is declared {_type_name(said.elem_type)} but {node} computes "
+            f"{_type_name(computed.elem_type)}; fix or remove the declaration (value_info or graph output)")
+    if not computed.elem_type:
+        computed.elem_type = said.elem_type
+    if not said.HasField("shape"):
+        return
+    if not computed.HasField("shape"):
+        computed.shape.CopyFrom(said.shape)
+        return
+    if len(said.shape.dim) != len(computed.shape.dim):
+        return  # the declared rank is stale: the computed shape stands
+    for mine, theirs in zip(computed.shape.dim, said.shape.dim):
+        if mine.HasField("dim_value"):
+            continue  # computed: it wins over a declaration that disagrees
+        if theirs.HasField("dim_value"):
+            mine.dim_value = theirs.dim_value
+        elif theirs.HasField("dim_param") and not mine.HasField("dim_param"):
+            mine.dim_param = theirs.dim_param
+
+
+def _type_name(elem_type: int) -> str:
+    try:
+        return onnx.TensorProto.DataType.Name(elem_type).lower()
+    except ValueError:
+        return f"element type {elem_type}"
