@@ -17,6 +17,7 @@ import onnx
 from onnx import numpy_helper
 
 from .contrib_stand_ins import stand_in_contrib_ops
+from .declared_shapes import infer_reconciled
 from .dtypes import DataType
 from .errors import InvalidGraphError, ModelContentError, ModelLoadError, ModelNotFoundError, ModelParseError
 from .ir import Graph, Model, Node, TypeInfo, ValueInfo
@@ -206,7 +207,7 @@ def _infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto | None, onnx.
     ``proto`` annotated by onnx shape inference: ``value_info``, subgraphs included). When inference
     fails: (None, ``proto.graph``)."""
     light, stand_ins = _without_weights(proto) if _has_weights(proto) else (proto, set())
-    inferred = infer_graph(light) if _statistics_axes_fit(light) else None
+    inferred = infer_reconciled(light, infer_graph) if _statistics_axes_fit(light) else None
     if inferred is None:
         # Shape inference is an optimization aid: models it cannot handle still run, with shapes
         # resolved at run time.
@@ -246,14 +247,14 @@ def _statistics_axes_fit(light: onnx.ModelProto) -> bool:
     return True
 
 
-def infer_graph(light: onnx.ModelProto) -> onnx.GraphProto | None:
+def infer_graph(light: onnx.ModelProto, strict: bool = False) -> onnx.GraphProto | None:
     """``light``'s graph annotated by onnx shape inference (data propagation included), or None when
-    inference fails."""
+    inference fails (``strict``: also when a declared type disagrees with the inferred one)."""
     try:
         data_prop = not _generates_large_values(light.graph) and not propagates_large_values(light)
         standing = stand_in_contrib_ops(light)  # com.microsoft nodes seen through standard stand-ins
         return standing.restore(onnx.shape_inference.infer_shapes(standing.model, check_type=False,
-                                                                  strict_mode=False, data_prop=data_prop).graph)
+                                                                  strict_mode=strict, data_prop=data_prop).graph)
     except Exception:
         return None
 
