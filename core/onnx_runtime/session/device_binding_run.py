@@ -152,9 +152,9 @@ def run_with_device_bindings(session: SessionSide, bindings, input_feed: dict | 
             tensor.close()
     results = values[: len(layout.host_names)]
     produced = list(zip(layout.outputs, values[len(layout.host_names):]))
-    for (name, index, proven), value in produced:  # every shape checked before any binding is written
+    for (name, index, proven, _dtype), value in produced:  # every shape checked before any binding is written
         _check_output(bindings[index], name, value, proven)
-    for (_name, index, _proven), value in produced:
+    for (_name, index, _proven, _dtype), value in produced:
         _deliver(bindings[index], value)
     return [_host(value) for value in results]
 
@@ -182,14 +182,14 @@ def _run_on_host(session: SessionSide, layout: _Layout, bindings: tuple, single_
     count = len(layout.host_names)
     produced = list(zip(layout.outputs, values[count:]))
     plain = True
-    for (name, index, proven), value in produced:  # every shape checked before any binding is written
+    for (name, index, proven, dtype), value in produced:  # every shape checked before any binding is written
         binding = bindings[index]
         physical = binding.physical_shape
-        if type(value) is not np.ndarray or value.dtype != binding.dtype.numpy or value.ndim != len(physical) \
+        if type(value) is not np.ndarray or value.dtype != dtype or value.ndim != len(physical) \
                 or not all(map(operator.le, value.shape, physical)):
             _check_output(binding, name, value, proven)  # raises what is wrong, if anything is
             plain = False
-    for (_name, index, _proven), value in produced:
+    for (_name, index, _proven, _dtype), value in produced:
         binding = bindings[index]
         if plain:
             shape = value.shape
@@ -220,8 +220,8 @@ class _Layout:
         # bindings, so a layout never keeps a binding alive (a dropped one is released when collected).
         position = {id(binding): index for index, binding in enumerate(bindings)}
         self.inputs = tuple((name, position[id(binding)], _InputProof()) for name, binding in inputs.items())
-        self.outputs: tuple[tuple[str, int, set], ...] = tuple(
-            (name, position[id(binding)], set()) for name, binding in outputs.items())
+        self.outputs: tuple[tuple[str, int, set, np.dtype], ...] = tuple(
+            (name, position[id(binding)], set(), binding.dtype.numpy) for name, binding in outputs.items())
         self.host_names = _host_names(session, output_names, outputs)
         self.names = self.host_names + tuple(outputs)
         self.delivered = frozenset(outputs)
@@ -266,30 +266,33 @@ class _InputProof:
     checked on their first two steps only. On the host path it also keeps the last view fed (``shape``,
     ``view``): an input fed at the same shape again is the same view of the same buffer."""
 
-    __slots__ = ("reference", "free", "shape", "view")
+    __slots__ = ("reference", "free", "shape", "view", "_rank", "_fixed", "_values")
 
     def __init__(self):
         self.reference: tuple | None = None
         self.free: tuple[bool, ...] = ()
         self.shape: tuple | None = None
         self.view = None
+        self._rank = -1
+        self._fixed: Callable[[tuple], Any] = operator.itemgetter(slice(0, 0))  # the fixed axes, in one C call
+        self._values: tuple = ()
 
     def admits(self, shape: tuple) -> bool:
-        reference = self.reference
-        if reference is None or len(shape) != len(reference):
-            return False
-        for got, first, free in zip(shape, reference, self.free):
-            if got != first and not free:
-                return False
-        return True
+        return len(shape) == self._rank and tuple(self._fixed(shape)) == self._values
 
     def learn(self, shape: tuple) -> None:
         """``shape`` passed the check."""
         reference = self.reference
         if reference is None or len(shape) != len(reference):
-            self.reference, self.free = shape, (False,) * len(shape)
+            reference, self.free = shape, (False,) * len(shape)
         else:
             self.free = tuple(free or got != first for got, first, free in zip(shape, reference, self.free))
+        self.reference = reference
+        fixed = [axis for axis, free in enumerate(self.free) if not free]
+        self._rank = len(shape)
+        self._fixed = operator.itemgetter(*fixed) if len(fixed) > 1 else operator.itemgetter(
+            slice(fixed[0], fixed[0] + 1) if fixed else slice(0, 0))
+        self._values = tuple(self._fixed(reference))
 
 
 def _remember(proven: set, key) -> None:
