@@ -205,3 +205,52 @@ def test_one_convolution_is_not_a_segment():
     for graph_pass in CONV_PASSES:
         graph_pass(ir)
     assert [n.op_type for n in ir.nodes] == ["FusedConv"]
+
+
+def _residual_model() -> onnx.ModelProto:
+    """A ResNet-style stem and block: 7x7/2 convolution, MaxPool, two 3x3 convolutions and the residual sum,
+    AveragePool, Flatten and Gemm."""
+    rng = np.random.default_rng(11)
+    inits = []
+
+    def weight(name, *shape):
+        inits.append(numpy_helper.from_array((rng.standard_normal(shape) * 0.2).astype(np.float32), name))
+        return name
+
+    nodes = [
+        helper.make_node("Conv", ["x", weight("w0", 16, 3, 7, 7), weight("b0", 16)], ["c0"], kernel_shape=[7, 7],
+                         strides=[2, 2], pads=[3, 3, 3, 3]),
+        helper.make_node("Relu", ["c0"], ["r0"]),
+        helper.make_node("MaxPool", ["r0"], ["p0"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["p0", weight("w1", 16, 16, 3, 3)], ["c1"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", weight("w2", 16, 16, 3, 3), weight("b2", 16)], ["c2"], kernel_shape=[3, 3],
+                         pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c2", "p0"], ["s2"]),
+        helper.make_node("Relu", ["s2"], ["r2"]),
+        helper.make_node("AveragePool", ["r2"], ["a2"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Flatten", ["a2"], ["flat"]),
+        helper.make_node("Gemm", ["flat", weight("fc", 16 * 4 * 4, 6)], ["logits"]),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 32, 32])
+    logits = helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)
+    graph = helper.make_graph(nodes, "residual", [x], [logits], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_residual_block_with_pools_runs_prepared_against_onnxruntime():
+    model = _residual_model()
+    x = np.random.default_rng(12).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    deferred.wait_ready(240)
+    segment, feeds = _segment_and_feeds(model, x)
+    segment(*feeds)
+    got = segment(*feeds)
+    (plan,) = segment.plans.values()
+    called = [getattr(f, "__name__", "") for f, _ in plan._steps]  # noqa: SLF001
+    assert called.count("pool_2d") == 2 and "_run_kernel" not in called
+    expected = _oracle(model, x)[0]
+    exact = run_float64(model, {"x": x})[0]
+    bound = 1e-5 * (1 + np.abs(exact).max())
+    assert np.abs(got[0] - exact).max() <= bound and np.abs(got[0] - expected).max() <= bound
+    again = segment(*[x * 0.5 if f is x else f for f in feeds])  # the plan, on new values
+    np.testing.assert_allclose(again[0], _oracle(model, x * 0.5)[0], rtol=1e-4, atol=1e-5)
