@@ -254,3 +254,11 @@ def test_residual_block_with_pools_runs_prepared_against_onnxruntime():
     assert np.abs(got[0] - exact).max() <= bound and np.abs(got[0] - expected).max() <= bound
     again = segment(*[x * 0.5 if f is x else f for f in feeds])  # the plan, on new values
     np.testing.assert_allclose(again[0], _oracle(model, x * 0.5)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_the_environment_variable_turns_segments_off(monkeypatch):
+    monkeypatch.setenv("ONNX_RUNTIME_SEGMENTS", "0")
+    ir = load_model(_residual_model()).graph
+    for graph_pass in CONV_PASSES:
+        graph_pass(ir)
+    assert "FusedSegment" not in [n.op_type for n in ir.nodes] and len(ir.nodes) > 5

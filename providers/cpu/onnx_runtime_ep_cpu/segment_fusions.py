@@ -12,9 +12,14 @@ A segment is a maximal run of nodes, consecutive in the graph's order, of the op
 (convolutions, their activations, pooling, residual sums, squeeze-excitation products, the classifier head),
 with at least MIN_CONVOLUTIONS convolutions. Its inputs are what its nodes read from outside it (weights
 included), its outputs what anything after it (or the graph) reads.
+
+The environment variable ONNX_RUNTIME_SEGMENTS=0 turns the fusion off (sessions created after it is set run
+the nodes one by one, as before it existed: for comparisons).
 """
 
 from __future__ import annotations
+
+import os
 
 from onnx_runtime.ir import Graph, Node, ValueInfo
 from onnx_runtime.loader import implicit_inputs
@@ -30,6 +35,7 @@ SEGMENT_OPS = frozenset({
 })
 _CONVOLUTIONS = frozenset({"Conv", "FusedConv"})
 MIN_CONVOLUTIONS = 2  # a lone convolution (a transformer's patch embedding) gains nothing
+ENV = "ONNX_RUNTIME_SEGMENTS"
 
 
 def _takes(node: Node) -> bool:
@@ -60,6 +66,8 @@ def _runs(graph: Graph, owns) -> list[list[Node]]:
 
 def fuse_segments(graph: Graph, owns=None) -> bool:
     """Replace each segment (see the module doc) by one FusedSegment node holding its nodes as its body."""
+    if os.environ.get(ENV, "1").strip() == "0":
+        return False
     runs = _runs(graph, owns)
     if not runs:
         return False
