@@ -143,3 +143,18 @@ def test_the_same_bindings_in_another_order_run_the_same(kv_model):
     sess.run_with_device_bindings([total, cache], {"new": 2 * new})
     assert total.read_logical() == pytest.approx(8.0 + 16.0)
     assert cache.logical_shape == (1, 2, 2, 4)
+
+
+def test_plain_runs_hand_out_sequences_and_scalars_as_onnxruntime_does():
+    nodes = [helper.make_node("SequenceConstruct", ["x", "x"], ["pair"]),
+             helper.make_node("ReduceSum", ["x"], ["total"], keepdims=0)]
+    seq = helper.make_tensor_sequence_value_info("pair", TensorProto.FLOAT, ["n"])
+    model = make_model(nodes, [tensor_info("x", shape=["n"])], [seq, tensor_info("total", shape=[])])
+    ours, theirs = _sessions(model)
+    feeds = {"x": np.arange(3, dtype=np.float32)}
+    for _ in range(2):
+        pair, total = ours.run(None, feeds)
+        expected_pair, expected_total = theirs.run(None, feeds)
+        assert isinstance(pair, list) and len(pair) == 2 and all(type(p) is np.ndarray for p in pair)
+        np.testing.assert_array_equal(pair[1], expected_pair[1])
+        assert type(total) is np.ndarray and total.shape == () and total == expected_total
