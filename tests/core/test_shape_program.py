@@ -30,7 +30,7 @@ def _decoder() -> bytes:
         "nil": np.array(0.0, np.float32), "exact": np.array(3, np.int64), "scale": np.array(1.5, np.float32),
         "top": np.array(BUCKETS - 1, np.int64), "table": np.linspace(-1, 1, BUCKETS * HEADS, dtype=np.float32)
         .reshape(BUCKETS, HEADS), "batch0": np.zeros((1,), np.int64), "unit_f": np.array(1.0, np.float32),
-        "embedding": np.linspace(-2, 2, 9 * DIM, dtype=np.float32).reshape(9, DIM),
+        "tiny": np.array(1e-3, np.float32), "embedding": np.linspace(-2, 2, 9 * DIM, dtype=np.float32).reshape(9, DIM),
     }
     n = helper.make_node
     nodes = [
@@ -47,7 +47,13 @@ def _decoder() -> bytes:
         n("Unsqueeze", ["k_pos", "ax0"], ["k_row"]),
         n("Unsqueeze", ["q_pos", "ax1"], ["q_col"]),
         n("LessOrEqual", ["k_row", "q_col"], ["causal"]),
-        n("Where", ["causal", "nil", "neg"], ["causal_bias"]),  # [T, L]
+        n("Where", ["causal", "nil", "neg"], ["causal_bias_0"]),  # [T, L]
+        # An operator the evaluation leaves to its kernel (run per call, after the values it reads).
+        n("CumSum", ["k_pos", "zero"], ["k_cum"]),
+        n("Unsqueeze", ["k_cum", "ax0"], ["k_cum_row"]),
+        n("Cast", ["k_cum_row"], ["k_cum_f"], to=TensorProto.FLOAT),
+        n("Mul", ["k_cum_f", "tiny"], ["k_cum_small"]),
+        n("Add", ["causal_bias_0", "k_cum_small"], ["causal_bias"]),
         # relative-position buckets
         n("Sub", ["k_row", "q_col"], ["rel"]),
         n("Neg", ["rel"], ["back"]),

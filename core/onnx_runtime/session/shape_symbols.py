@@ -30,8 +30,10 @@ _ELEMENTWISE = frozenset({
 _SAME_SHAPE = frozenset({
     "Identity", "Cast", "Neg", "Abs", "Sqrt", "Reciprocal", "Exp", "Log", "Erf", "Tanh", "Sigmoid", "Relu", "Gelu",
     "Softmax", "Not", "LayerNormalization", "RMSNormalization", "SkipRMSNormalization", "SkipLayerNormalization",
-    "SimplifiedLayerNormalization",
+    "SimplifiedLayerNormalization", "DequantizeLinear", "QuantizeLinear",
 })
+# Elementwise where the scale and zero point are single values (per tensor).
+_PER_TENSOR = frozenset({"DequantizeLinear", "QuantizeLinear"})
 _BROADCAST = _ELEMENTWISE - {"Neg", "Abs", "Sqrt", "Reciprocal", "Exp", "Log", "Erf", "Tanh", "Sigmoid", "Relu",
                              "Cast", "Floor", "Ceil", "Sign", "IsNaN", "IsInf", "Not", "Identity"}
 
@@ -604,6 +606,8 @@ def _window_op(b: Builder, node: Node, step: Step, op: str, inputs: list, slots:
     n = b.symbols
     if op == "Concat":
         return _window_concat(b, node, inputs)
+    if op in _PER_TENSOR and all(v is None or np.size(v) == 1 for v in inputs[1:]):
+        return _window_elementwise(b, step, inputs)  # one scale and zero point: elementwise
     if op in _ELEMENTWISE:
         return _window_elementwise(b, step, inputs)
     source = _as_window(b, inputs[0])

@@ -274,10 +274,11 @@ class ShapeValues:
                 self._keep(key, values)
                 return
             built = found[0] if found is not None else None
+        before = list(env) if built is not None else None  # (what the full run releases, the check reads)
         _run(self.full, env, profile)
         values = tuple(env[slot] for slot in self.kept)
-        if built is not None and key is not None:
-            self._verify(built, key, env, values)
+        if built is not None and before is not None and key is not None:
+            self._verify(built, key, before, values)
         for slot in self.kept:  # released here rather than at their last reader
             env[slot] = None
         if key is not None:
@@ -339,11 +340,11 @@ class ShapeValues:
         self.programs.append(entry)
         return entry, False
 
-    def _verify(self, entry: tuple, key: tuple, env: list, values: tuple) -> None:
-        """Compare a new program with the steps it replaces, at the shapes it was built for (``values``: what the
-        steps computed); one that differs (a declared shape that was stale, say) is dropped for its class."""
+    def _verify(self, entry: tuple, key: tuple, scratch: list, values: tuple) -> None:
+        """Compare a new program with the steps it replaces, at the shapes it was built for (``scratch``: the
+        run's slots before the steps ran; ``values``: what the steps computed); one that differs (a declared
+        shape that was stale, say) is dropped for its class."""
         template, program, residual = entry
-        scratch = list(env)
         try:
             same = program.instantiate(scratch, template.point(key))
             if same and residual.steps:
