@@ -288,3 +288,32 @@ def test_variables_that_change_no_plan_are_not_keyed(cache_dir, monkeypatch):
     assert key() == before
     monkeypatch.setenv("ONNX_RUNTIME_CPU_SOME_KNOB", "3")
     assert key() != before
+
+
+def test_the_key_covers_the_provider_set_and_versions(monkeypatch):
+    class Fake:
+        def __init__(self, name, source="entry point"):
+            self.name, self.source, self.provider = name, source, object()
+
+    def key(handles, versions=None):
+        monkeypatch.setattr(plan_cache, "_provider_version", lambda handle: (versions or {}).get(handle.name, "1.0"))
+        return plan_cache.plan_key("digest", {}, handles)
+
+    cpu, other = Fake("CPUExecutionProvider"), Fake("OtherExecutionProvider")
+    keys = [key([cpu]), key([cpu, other]), key([other, cpu]), key([cpu], {"CPUExecutionProvider": "2.0"}),
+            key([Fake("CPUExecutionProvider", source="in-process")])]
+    assert len(set(keys)) == len(keys)
+
+
+def test_changed_external_data_is_another_key(cache_dir, tmp_path, monkeypatch):
+    model = onnx.load_from_string(_model())
+    path = tmp_path / "external.onnx"
+    onnx.save_model(model, str(path), save_as_external_data=True, location="external.data", size_threshold=0)
+    _session(str(path)).run(None, FEED)
+    data = tmp_path / "external.data"
+    os.utime(data, ns=(1, 1))  # rewritten weights (same size)
+    calls = []
+    original = inference_session.optimize
+    monkeypatch.setattr(inference_session, "optimize", lambda *a, **k: calls.append(1) or original(*a, **k))
+    _session(str(path)).run(None, FEED)
+    assert calls, "a model whose external data changed was served from the old plan"
