@@ -74,5 +74,8 @@ HELPER_THREADS = not HELPERS_REFUSED
 SYS_FUTEX = FUTEX_SYSCALLS.get((SYSTEM, MACHINE), -1)  # -1: no helper threads, never called
 _FEATURES = _host_features()
 AVX512 = avx512(MACHINE, _FEATURES)
+# qgemm_tiles.py's int16 pair products: vpmaddwd on 512 bits (AVX-512BW), vpdpwssd with AVX-512 VNNI
+AVX512BW = AVX512 and bool(_FEATURES.get("avx512bw"))
+AVX512VNNI = AVX512BW and bool(_FEATURES.get("avx512_vnni") or _FEATURES.get("avx512vnni"))
 # directconv.py's 8-lane float32 kernels: x86-64 with AVX2 and FMA
 AVX2 = MACHINE.lower() in _X86_64 and bool(_FEATURES.get("avx2")) and bool(_FEATURES.get("fma"))
