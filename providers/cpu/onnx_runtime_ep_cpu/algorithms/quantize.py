@@ -139,7 +139,7 @@ class IntegerProduct:
         columns = packed.shape[0]
         flat = np.ascontiguousarray(a).reshape(-1, depth)
         out = np.empty((flat.shape[0], columns), np.int32)
-        self._qgemm.product(flat, rows_zero, packed, out)
+        self._qgemm.product(flat, rows_zero, packed, self._qgemm.pairs_for(packed), out)
         return out.reshape(a.shape[:-1] + (columns,))
 
     def packed(self, b: np.ndarray, b_zero=None, trans_b: bool = False) -> np.ndarray | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
+from .qgemm_tiles import pairs_for, tile_product  # noqa: F401  (pairs_for: the callers' way to the pairs)
 from .quantize import dynamic_parameters, fake_quantize_row, requantize_affine, requantized_code
 
 _BLOCK = 32  # columns of packed B per pass over A: 32 rows of K int16 stay in the L1/L2 cache
@@ -79,11 +80,18 @@ def centred_columns(b, scale, zero, low, high, quantize, out):
                 out[n, k] = np.int16(b[k, n]) - np.int16(zero)
 
 
+_NO_PAIRS = np.zeros((0, 0, 2), np.int16)  # the products of a B packed per call: the portable loop
+
+
 @jit
-def _centred_product(centred, packed, out):
-    """out[m, n] = sum_k centred[m, k] * packed[n, k] in int32 for int16 (M, K) and (N, K). Blocks of columns
-    of B take turns, each against every row of A."""
+def _centred_product(centred, packed, pairs, out):
+    """out[m, n] = sum_k centred[m, k] * packed[n, k] in int32 for int16 (M, K) and (N, K): by qgemm_tiles'
+    register tiles where B has its ``pairs`` (qgemm_tiles.pairs_for; none: an empty array) and A two rows or
+    more, else here, blocks of columns of B taking turns, each against every row of A."""
     rows, depth = centred.shape
+    if pairs.shape[0] > 0 and rows >= 2 and out.flags.c_contiguous:
+        tile_product(centred, pairs, out)
+        return
     columns = packed.shape[0]
     for first in range(0, columns, _BLOCK):
         end = min(first + _BLOCK, columns)
@@ -98,12 +106,12 @@ def _centred_product(centred, packed, out):
 
 
 @jit
-def product(a, zero, packed, out):
+def product(a, zero, packed, pairs, out):
     """out[m, n] = sum_k (a[m, k] - zero[m or 0]) * packed[n, k] in int32; a is (M, K) 8-bit, packed (N, K)
-    int16, out (M, N) int32."""
+    int16 and its pairs (see _centred_product), out (M, N) int32."""
     centred = np.empty(a.shape, np.int16)
     _centre(a, zero, centred)
-    _centred_product(centred, packed, out)
+    _centred_product(centred, packed, pairs, out)
 
 
 # The layout of the ``consts`` array the requantizing products take (one float64 array: fewer arguments to
@@ -131,18 +139,19 @@ def _rows_of(a, consts, out):
 
 
 @jit
-def requantized_product(a, packed, multiplier, offset, consts, out):
+def requantized_product(a, packed, pairs, multiplier, offset, consts, out):
     """A QDQ MatMul/Gemm on integers: the int32 acc[m, n] = sum_k (code(a[m, k]) - a_zero) * packed[n, k], then
     quantize.requantize_affine per column n (the output codes, or dequantized, their float32 values).
 
     ``a`` is (M, K): 8-bit codes, or float32 data quantized here as QuantizeLinear does (``consts``, laid out
-    as above, says which and holds the parameters). packed (N, K) int16 (pack_columns), multiplier and offset
+    as above, says which and holds the parameters). packed (N, K) int16 (pack_columns) and its pairs
+    (_centred_product), multiplier and offset
     (N,) or (1,) float64, out (M, N) of the codes' type or float32."""
     rows, depth = a.shape
     centred = np.empty((rows, depth), np.int16)
     _rows_of(a, consts, centred)
     acc = np.empty((rows, packed.shape[0]), np.int32)
-    _centred_product(centred, packed, acc)
+    _centred_product(centred, packed, pairs, acc)
     _finish(acc, multiplier, offset, consts, out)
 
 
@@ -151,12 +160,12 @@ AFTER_SCALE, AFTER_ZERO, AFTER_LOW, AFTER_HIGH = range(4)
 
 
 @jit
-def requantized_product_rounded(a, packed, multiplier, offset, consts, row, after, out):
+def requantized_product_rounded(a, packed, pairs, multiplier, offset, consts, row, after, out):
     """requantized_product's float32 values (``consts[DEQUANTIZE]`` on), plus a float32 ``row`` (N,) or (1,)
     added in float32, then rounded to the grid of ``after`` as QuantizeLinear -> DequantizeLinear round them
     (fake_quantize_row): a QDQ MatMul whose bias Add comes after its output's rounding, the same float32
     operations as the Add and QuantizeDequantize nodes, in the same pass."""
-    requantized_product(a, packed, multiplier, offset, consts, out)
+    requantized_product(a, packed, pairs, multiplier, offset, consts, out)
     s, z = np.float32(after[AFTER_SCALE]), np.float32(after[AFTER_ZERO])
     lo, hi = np.float32(after[AFTER_LOW]), np.float32(after[AFTER_HIGH])
     one = row.shape[0] == 1
@@ -180,12 +189,12 @@ def requantized_batched_product(a, b, multiplier, offset, consts, out):
         _rows_of(a[i], consts, centred)
         centred_columns(b[i], np.float32(consts[B_SCALE]), consts[B_ZERO], consts[B_LOW], consts[B_HIGH],
                         consts[B_QUANTIZE] != 0, packed)
-        _centred_product(centred, packed, acc)
+        _centred_product(centred, packed, _NO_PAIRS, acc)
         _finish(acc, multiplier, offset, consts, out[i])
 
 
 @jit
-def scaled_product(a, a_zero, packed, a_scale, b_scales, bias, out):
+def scaled_product(a, a_zero, packed, pairs, a_scale, b_scales, bias, out):
     """MatMulIntegerToFloat: out[m, n] = float32(acc * (a_scale * b_scales[n or 0])), plus the float32 bias[n]
     in float32 when ``bias`` is not empty, with acc the int32 sum_k (a[m, k] - a_zero) * packed[n, k]: numpy's
     order of the same float64 products. a (M, K) 8-bit, a_scale the float64 value of a float32 scale,
@@ -193,15 +202,15 @@ def scaled_product(a, a_zero, packed, a_scale, b_scales, bias, out):
     rows, depth = a.shape
     centred = np.empty((rows, depth), np.int16)
     _centre(a, np.full(1, a_zero, np.int32), centred)
-    _rescaled_product(centred, packed, a_scale, b_scales, bias, out)
+    _rescaled_product(centred, packed, pairs, a_scale, b_scales, bias, out)
 
 
 @jit
-def _rescaled_product(centred, packed, a_scale, b_scales, bias, out):
+def _rescaled_product(centred, packed, pairs, a_scale, b_scales, bias, out):
     """scaled_product from A's centred int16 rows."""
     rows, columns = centred.shape[0], packed.shape[0]
     acc = np.empty((rows, columns), np.int32)
-    _centred_product(centred, packed, acc)
+    _centred_product(centred, packed, pairs, acc)
     one = b_scales.shape[0] == 1
     with_bias = bias.shape[0] > 0
     for m in range(rows):
@@ -211,7 +220,7 @@ def _rescaled_product(centred, packed, a_scale, b_scales, bias, out):
 
 
 @jit
-def dynamic_scaled_product(a, packed, b_scales, bias, out):
+def dynamic_scaled_product(a, packed, pairs, b_scales, bias, out):
     """DynamicQuantizeMatMul in one call: A (M, K) float32 quantized as DynamicQuantizeLinear does (one scale
     and zero point over all of A, compiled/quantize.dynamic_parameters), its centred codes kept as int16
     (code - zero, never an 8-bit tensor), then scaled_product's integer product and rescaling, the same bits
@@ -225,7 +234,7 @@ def dynamic_scaled_product(a, packed, b_scales, bias, out):
             v = np.float32(0) if v < 0 else v
             v = np.float32(255) if v > 255 else v
             centred[m, k] = np.int16(v - zero) if v == v else np.int16(-zero)
-    _rescaled_product(centred, packed, np.float64(scale), b_scales, bias, out)
+    _rescaled_product(centred, packed, pairs, np.float64(scale), b_scales, bias, out)
 
 
 @jit
@@ -239,11 +248,11 @@ def batched_product(a, a_zero, b, b_zero, out):
     b_zeros = np.full(1, b_zero, np.int32)
     for i in range(count):
         pack_columns(b[i], b_zeros, packed)
-        product(a[i], zero, packed, out[i])
+        product(a[i], zero, packed, _NO_PAIRS, out[i])
 
 
 @jit
-def qgemm(a, a_zero, packed, c, multiplier, zero, low, high, quantized, out):
+def qgemm(a, a_zero, packed, pairs, c, multiplier, zero, low, high, quantized, out):
     """QGemm with a non-transposed A: acc[m, n] = sum_k (a[m, k] - a_zero) * packed[n, k] + c[n or 0] in int32
     (wrapping as the accumulator does; ``c`` empty: no C), then with ``quantized`` the code
     saturate(rint(acc * multiplier[n or 0]) + zero) (NaN: 0), else float32(acc * multiplier[n or 0]): the
@@ -254,7 +263,7 @@ def qgemm(a, a_zero, packed, c, multiplier, zero, low, high, quantized, out):
     centred = np.empty((rows, depth), np.int16)
     _centre(a, np.full(1, a_zero, np.int32), centred)
     acc = np.empty((rows, columns), np.int32)
-    _centred_product(centred, packed, acc)
+    _centred_product(centred, packed, pairs, acc)
     one_c, no_c = c.shape[0] == 1, c.shape[0] == 0
     one_m = multiplier.shape[0] == 1
     z, lo, hi = np.float64(zero), np.float64(low), np.float64(high)
@@ -277,7 +286,7 @@ X_ZERO, X_SCALE, BIAS_ZERO, BIAS_SCALE, C_ZERO, C_SCALE, C_LOW, C_HIGH = range(8
 
 
 @jit
-def requantized_product_add(a, packed, multiplier, offset, consts, bias, add, out):
+def requantized_product_add(a, packed, pairs, multiplier, offset, consts, bias, add, out):
     """QLinearMatMul's codes (requantized_product, ``consts[DEQUANTIZE]`` off) then QLinearAdd of a constant row
     ``bias`` (N,) or (1,) codes, in one pass: each product code is rounded as QLinearMatMul rounds it, then
     (x_scale * (code - x_zero) + bias_scale * (bias[n] - bias_zero)) / c_scale in float64, rounded half to even,
@@ -287,7 +296,7 @@ def requantized_product_add(a, packed, multiplier, offset, consts, bias, add, ou
     centred = np.empty((rows, depth), np.int16)
     _rows_of(a, consts, centred)
     acc = np.empty((rows, columns), np.int32)
-    _centred_product(centred, packed, acc)
+    _centred_product(centred, packed, pairs, acc)
     one_m, one_b = multiplier.shape[0] == 1, bias.shape[0] == 1
     z, lo, hi = np.float64(consts[Y_ZERO]), np.float64(consts[Y_LOW]), np.float64(consts[Y_HIGH])
     zx, sx, zb, sb = np.int64(add[X_ZERO]), add[X_SCALE], np.int64(add[BIAS_ZERO]), add[BIAS_SCALE]

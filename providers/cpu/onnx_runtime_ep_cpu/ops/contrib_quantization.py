@@ -469,9 +469,10 @@ def qgemm(node, shapes, opset):
         low, high = integer_range(y_zero_point.dtype) if quantized else (0, 0)
         out = np.empty((a.shape[0], columns), y_zero_point.dtype if quantized else _F32)
         if out.size:
-            _qgemm_kernels().qgemm(np.ascontiguousarray(a), int(a_zero_point.reshape(-1)[0]), packed,
-                                   _NO_C if c is None else c.reshape(-1), m,
-                                   int(y_zero_point.reshape(-1)[0]) if quantized else 0, low, high, quantized, out)
+            kernels = _qgemm_kernels()
+            kernels.qgemm(np.ascontiguousarray(a), int(a_zero_point.reshape(-1)[0]), packed, kernels.pairs_for(packed),
+                          _NO_C if c is None else c.reshape(-1), m,
+                          int(y_zero_point.reshape(-1)[0]) if quantized else 0, low, high, quantized, out)
         return out
 
     def kernel(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c=None, y_scale=None, y_zero_point=None):
@@ -625,7 +626,7 @@ def matmul_integer_to_float(node, shapes, opset):
             return None
         out = np.empty(a.shape[:-1] + (side.columns,), _F32)
         qgemm.scaled_product(np.ascontiguousarray(a).reshape(-1, side.depth),
-                             0 if a_zero_point is None else int(a_zero_point.reshape(-1)[0]), side.packed,
+                             0 if a_zero_point is None else int(a_zero_point.reshape(-1)[0]), side.packed, side.pairs,
                              float(a_scale.reshape(-1)[0]), side.scales, side.bias, out.reshape(-1, side.columns))
         return out
 
@@ -670,7 +671,7 @@ def dynamic_quantize_matmul(node, shapes, opset):
                 # DynamicQuantizeLinear's codes of A then MatMulIntegerToFloat's product, in one compiled call
                 out = np.empty(a.shape[:-1] + (side.columns,), _F32)
                 qgemm.dynamic_scaled_product(np.ascontiguousarray(a).reshape(-1, side.depth), side.packed,
-                                             side.scales, side.bias, out.reshape(-1, side.columns))
+                                             side.pairs, side.scales, side.bias, out.reshape(-1, side.columns))
                 return (out,)
         if a.dtype != _F32 or b_scale.dtype != _F32:
             raise argument_error(node, f"A ({a.dtype}) and b_scale ({b_scale.dtype}) must be float32")
@@ -690,7 +691,7 @@ class _WeightSide:
     """B's side of compiled/qgemm's scaled products, made once per set of constant inputs: B packed as int16
     (N, K) with its zero points subtracted, its scales as float64 (1,) or (N,), the float32 bias or an empty one."""
 
-    __slots__ = ("packed", "scales", "bias", "depth", "columns")
+    __slots__ = ("packed", "pairs", "scales", "bias", "depth", "columns")
     _NO_BIAS = np.zeros(0, _F32)
 
     @classmethod
@@ -703,6 +704,7 @@ class _WeightSide:
             return None
         side = cls()
         side.packed, side.scales = packed, b_scale.reshape(-1).astype(_F64)
+        side.pairs = _qgemm_kernels().pairs_for(packed)
         side.bias = cls._NO_BIAS if bias is None else bias
         side.columns, side.depth = packed.shape
         return side

@@ -154,11 +154,13 @@ def quantized_matmul(node, shapes, opset):
         out = np.empty(a.shape[:-1] + (columns,), p.out_dtype)
         if out.size:
             flat = np.ascontiguousarray(a).reshape(out.size // columns, depth)
+            pairs = qgemm.pairs_for(packed)
             if after is None:
-                qgemm.requantized_product(flat, packed, p.multiplier, p.offset, p.consts, out.reshape(-1, columns))
+                qgemm.requantized_product(flat, packed, pairs, p.multiplier, p.offset, p.consts,
+                                          out.reshape(-1, columns))
             else:
-                qgemm.requantized_product_rounded(flat, packed, p.multiplier, p.offset, p.consts, row.reshape(-1),
-                                                  after, out.reshape(-1, columns))
+                qgemm.requantized_product_rounded(flat, packed, pairs, p.multiplier, p.offset, p.consts,
+                                                  row.reshape(-1), after, out.reshape(-1, columns))
         return (out,)
 
     return kernel
@@ -333,7 +335,8 @@ def qlinear_matmul_add(node, shapes, opset):
         out = np.empty(a.shape[:-1] + (columns,), p.y_dtype)
         if out.size:
             packed = p.packed[1] if p.packed is not None and p.packed[0] is b else _pack(qgemm, b, p, False, False)
-            qgemm.requantized_product_add(np.ascontiguousarray(a).reshape(-1, b.shape[0]), packed, p.multiplier,
+            qgemm.requantized_product_add(np.ascontiguousarray(a).reshape(-1, b.shape[0]), packed,
+                                          qgemm.pairs_for(packed), p.multiplier,
                                           p.offset, p.consts, bias.reshape(-1), p.add, out.reshape(-1, columns))
         return (out,)
 
