@@ -262,3 +262,27 @@ def test_the_environment_variable_turns_segments_off(monkeypatch):
     for graph_pass in CONV_PASSES:
         graph_pass(ir)
     assert "FusedSegment" not in [n.op_type for n in ir.nodes] and len(ir.nodes) > 5
+
+
+def test_new_weight_arrays_are_planned_anew_once_then_run_node_by_node():
+    model = _residual_model()
+    x = np.random.default_rng(13).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    deferred.wait_ready(240)
+    segment, feeds = _segment_and_feeds(model, x)
+    expected = _oracle(model, x)[0]
+    for _ in range(2):
+        segment(*feeds)
+    (first,) = segment.plans.values()
+
+    def copies():  # the same weights as new read-only arrays, as a caller feeding them would pass
+        fresh = []
+        for f in feeds:
+            copy = np.array(f)
+            copy.setflags(write=f is x)
+            fresh.append(copy)
+        return fresh
+
+    for _ in range(4):
+        got = segment(*copies())
+        np.testing.assert_allclose(got[0], expected, rtol=1e-4, atol=1e-5)
+    assert list(segment.plans.values()) == [None] and first is not None  # planned anew once, then node by node

@@ -43,6 +43,15 @@ class BoundPlan:
     def fits(self, inputs) -> bool:
         return all(map(operator.is_, self._constant_slots(inputs), self._constants))
 
+    def matches(self, inputs) -> bool:
+        """Whether ``inputs`` have this plan's signature: its constants, and feeds of its buffers' shapes and
+        dtypes (a check of the few feeds instead of a key over every input)."""
+        for slot, buffer in self._feeds:
+            value = inputs[slot]
+            if not isinstance(value, np.ndarray) or value.shape != buffer.shape or value.dtype != buffer.dtype:
+                return False
+        return self.fits(inputs)
+
     def run(self, inputs):
         copy = np.copyto
         for slot, buffer in self._feeds:
