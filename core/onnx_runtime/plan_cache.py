@@ -59,10 +59,11 @@ SUFFIX = ".plan"
 class PlanCache:
     """The plans of one (model, options, providers) key in one folder."""
 
-    def __init__(self, directory: str, key: str, limit_bytes: int):
+    def __init__(self, directory: str, key: str, limit_bytes: int, path: str | None = None, digest: str = ""):
         self.directory = directory
         self.key = key
         self.limit_bytes = limit_bytes
+        self._path, self._digest = path, digest  # a model file, checked again before a write (see store)
         # The most a plan's own arrays (weights the passes made) may take: a quarter of the folder's bound.
         self.max_plan_bytes = limit_bytes // 4
 
@@ -92,6 +93,8 @@ class PlanCache:
     def store(self, part: str, meta: dict, sections: dict[str, bytes]) -> None:
         """Write ``part`` atomically (a temporary file renamed over it), then prune the folder to its bound. A
         folder that cannot be written costs a warning, never the session."""
+        if self._path is not None and source_digest(self._path) != self._digest:
+            return  # the file changed since the key was made: what was planned may be of other bytes
         data = _encode(self.key, part, meta, sections)
         try:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
@@ -184,7 +187,8 @@ def open_cache(config: dict[str, str], source, handles) -> PlanCache | None:
     if digest is None:
         return None
     directory = config.get(DIR_KEY) or os.environ.get(ENV_DIR) or default_directory()
-    return PlanCache(directory, plan_key(digest, config, handles), limit_bytes())
+    path = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
+    return PlanCache(directory, plan_key(digest, config, handles), limit_bytes(), path, digest)
 
 
 def limit_bytes() -> int:

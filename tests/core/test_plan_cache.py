@@ -317,3 +317,17 @@ def test_changed_external_data_is_another_key(cache_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(inference_session, "optimize", lambda *a, **k: calls.append(1) or original(*a, **k))
     _session(str(path)).run(None, FEED)
     assert calls, "a model whose external data changed was served from the old plan"
+
+
+def test_a_model_file_changed_while_planning_writes_no_plan(cache_dir, tmp_path, monkeypatch):
+    path = tmp_path / "m.onnx"
+    path.write_bytes(_model())
+    original = inference_session.optimize
+
+    def optimize_while_the_file_changes(*args, **kwargs):
+        path.write_bytes(_model(scale=5.0))  # another export lands mid-creation
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(inference_session, "optimize", optimize_while_the_file_changes)
+    _session(str(path))
+    assert not list(cache_dir.glob("*-graph.plan"))
