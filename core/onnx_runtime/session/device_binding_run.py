@@ -167,14 +167,15 @@ def _run_on_host(session: SessionSide, layout: _Layout, bindings: tuple, single_
     for name, index, proof in layout.inputs:
         binding = bindings[index]
         shape = binding.kernel_input_shape(single_token_step)
-        if shape == proof.shape:  # fed as the last run fed it: the same view
-            feeds[name] = proof.view
+        last_shape, last_view = proof.last
+        if shape == last_shape:  # fed as the last run fed it: the same view
+            feeds[name] = last_view
             continue
         if not proof.admits(shape):  # the binding's dtype was checked against the model when it was made
             session.check_bound(name, _Shaped(binding.dtype, shape), output=False)
             proof.learn(shape)
-        proof.shape = shape
-        proof.view = feeds[name] = binding.host_array()[: math.prod(shape)].reshape(shape)
+        view = feeds[name] = binding.host_array()[: math.prod(shape)].reshape(shape)
+        proof.last = (shape, view)
     if not layout.complete:
         session.check_missing(feeds)
         layout.complete = True
@@ -263,36 +264,35 @@ class _InputProof:
     """The shapes a bound input passed the model's check at, as one shape and the axes seen to vary: two passing
     shapes that differ on an axis show the model leaves it free (a fixed dimension would have refused one), so a
     shape equal to the first on every other axis passes too. A decode loop's growing past and mask are then
-    checked on their first two steps only. On the host path it also keeps the last view fed (``shape``,
-    ``view``): an input fed at the same shape again is the same view of the same buffer."""
+    checked on their first two steps only. On the host path it also keeps the last view fed (``last``: shape and
+    view): an input fed at the same shape again is the same view of the same buffer. Each is replaced as one
+    tuple, so a run on another thread reads a consistent one."""
 
-    __slots__ = ("reference", "free", "shape", "view", "_rank", "_fixed", "_values")
+    __slots__ = ("reference", "free", "last", "_test")
 
     def __init__(self):
         self.reference: tuple | None = None
         self.free: tuple[bool, ...] = ()
-        self.shape: tuple | None = None
-        self.view = None
-        self._rank = -1
-        self._fixed: Callable[[tuple], Any] = operator.itemgetter(slice(0, 0))  # the fixed axes, in one C call
-        self._values: tuple = ()
+        self.last: tuple = (None, None)
+        # (rank, a getter of the axes not seen to vary, their values): read in one C call per test.
+        self._test: tuple[int, Callable[[tuple], Any], tuple] = (-1, operator.itemgetter(slice(0, 0)), ())
 
     def admits(self, shape: tuple) -> bool:
-        return len(shape) == self._rank and tuple(self._fixed(shape)) == self._values
+        rank, fixed, values = self._test
+        return len(shape) == rank and tuple(fixed(shape)) == values
 
     def learn(self, shape: tuple) -> None:
         """``shape`` passed the check."""
         reference = self.reference
         if reference is None or len(shape) != len(reference):
-            reference, self.free = shape, (False,) * len(shape)
+            reference, free = shape, (False,) * len(shape)
         else:
-            self.free = tuple(free or got != first for got, first, free in zip(shape, reference, self.free))
-        self.reference = reference
-        fixed = [axis for axis, free in enumerate(self.free) if not free]
-        self._rank = len(shape)
-        self._fixed = operator.itemgetter(*fixed) if len(fixed) > 1 else operator.itemgetter(
-            slice(fixed[0], fixed[0] + 1) if fixed else slice(0, 0))
-        self._values = tuple(self._fixed(reference))
+            free = tuple(was or got != first for got, first, was in zip(shape, reference, self.free))
+        self.reference, self.free = reference, free
+        axes = [axis for axis, varies in enumerate(free) if not varies]
+        fixed = operator.itemgetter(*axes) if len(axes) > 1 else operator.itemgetter(
+            slice(axes[0], axes[0] + 1) if axes else slice(0, 0))
+        self._test = (len(shape), fixed, tuple(fixed(reference)))
 
 
 def _remember(proven: set, key) -> None:
