@@ -160,12 +160,16 @@ def swish_mul(node, shapes, opset):
     return kernel
 
 
-def _static_reshape(node):
+def _static_reshape(node, x_shape=None):
     """x -> x reshaped to the constant target shape that the decoder fusion moved into the ``shape``
-    attribute (a 0 copies x's dimension unless ``allowzero``)."""
+    attribute (a 0 copies x's dimension unless ``allowzero``: resolved here when x's shape is planned)."""
     shape = [int(d) for d in np.asarray(node.attr("shape")).reshape(-1)]
     if 0 in shape and not node.attr("allowzero", 0):
-        return lambda x: reshape_to(x, shape)
+        if x_shape is None or 0 in shape[len(x_shape):] or not all(isinstance(d, (int, np.integer)) for d in x_shape):
+            return lambda x: reshape_to(x, shape)
+        planned = tuple(int(d) for d in x_shape)
+        resolved = tuple(planned[i] if dim == 0 else dim for i, dim in enumerate(shape))
+        return lambda x: x.reshape(resolved) if x.shape == planned else reshape_to(x, shape)
     shape = tuple(shape)
     return lambda x: x.reshape(shape)
 
@@ -173,12 +177,14 @@ def _static_reshape(node):
 @register("ReshapeTranspose", domain=FUSED_DOMAIN, since=1)
 def reshape_transpose(node, shapes, opset):
     """Transpose(Reshape(x, shape), perm): splitting a hidden axis into heads and moving them forward."""
-    reshape, perm = _static_reshape(node), tuple(node.attr("perm"))
+    reshape, perm = _static_reshape(node, shapes[0] if shapes else None), tuple(node.attr("perm"))
     return lambda x: (reshape(x).transpose(perm),)
 
 
 @register("TransposeReshape", domain=FUSED_DOMAIN, since=1)
 def transpose_reshape(node, shapes, opset):
     """Reshape(Transpose(x, perm), shape): moving heads back and merging them into one hidden axis."""
-    reshape, perm = _static_reshape(node), tuple(node.attr("perm"))
+    perm = tuple(node.attr("perm"))
+    x_shape = shapes[0] if shapes and shapes[0] is not None and len(shapes[0]) == len(perm) else None
+    reshape = _static_reshape(node, None if x_shape is None else [x_shape[p] for p in perm])
     return lambda x: (reshape(x.transpose(perm)),)
