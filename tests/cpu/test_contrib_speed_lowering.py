@@ -187,3 +187,27 @@ def test_parameters_fed_at_run_time_keep_the_contrib_kernel_and_its_errors():
     assert (CONTRIB, "SkipLayerNormalization") in _ran_as(session)
     with pytest.raises(InvalidArgumentError, match=r"gamma has shape \(7,\); expected \(32,\)"):
         session.run(None, {"x": hidden_states(), "skip": hidden_states(), "gamma": np.ones(7, np.float32)})
+
+
+@pytest.mark.parametrize("op", ["ReshapeTranspose", "TransposeReshape"])
+def test_fused_reshape_resolves_copied_dimensions_for_its_planned_shape(op):
+    """onnxruntime's optimizer writes Reshape targets with 0s (copy the input's dimension): the fused kernel
+    built for a planned input shape resolves them once, and still serves another shape as Reshape would."""
+    from onnx_runtime.ir import Node
+    from onnx_runtime_ep_cpu.ops.fused import reshape_transpose, transpose_reshape
+
+    if op == "ReshapeTranspose":
+        node = Node(op, ["x"], ["y"], name="rt", attrs={"shape": [0, 0, -1, 8], "perm": [0, 2, 1, 3]})
+        kernel = reshape_transpose(node, [(2, 3, 32)], 1)
+        planned, other = RNG.standard_normal((2, 3, 32)), RNG.standard_normal((1, 5, 16))
+    else:
+        node = Node(op, ["x"], ["y"], name="tr", attrs={"shape": [0, 0, -1], "perm": [0, 2, 1, 3]})
+        kernel = transpose_reshape(node, [(2, 4, 3, 8)], 1)
+        planned, other = RNG.standard_normal((2, 4, 3, 8)), RNG.standard_normal((1, 2, 5, 8))
+    for x in (planned, other):
+        (got,) = kernel(x)
+        if op == "ReshapeTranspose":
+            expected = x.reshape(x.shape[0], x.shape[1], -1, 8).transpose(0, 2, 1, 3)
+        else:
+            expected = x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)
+        np.testing.assert_array_equal(got, expected)
