@@ -5,6 +5,8 @@ the program is built again, and for graphs the evaluation does not cover."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import onnx_runtime as ort
 import onnxruntime
@@ -214,3 +216,30 @@ def test_a_program_that_differs_from_the_steps_where_it_was_built_is_dropped(mon
     for (scores, present), (want, want_present) in zip(ours, _loop(_ours(), 12)):
         np.testing.assert_array_equal(scores, want)
         np.testing.assert_array_equal(present, want_present)
+
+
+def test_loops_in_threads_over_one_session_give_the_steps_values():
+    """Runs of one plan may overlap (several threads, one session): programs built, checked, rebuilt past the
+    margin and dropped by one run while another reads them still give every run the graph's values."""
+    sess = _ours()
+    starts = (3, 5, 8, 13)
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def loop(start: int) -> None:
+        try:
+            results[start] = _loop(sess, 30, start=start, seed=start)
+        except BaseException as exc:  # noqa: BLE001 (reported by the main thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(start,)) for start in starts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for start in starts:
+        for (scores, present), (want, want_present) in zip(results[start], _loop(_ours(), 30, start=start,
+                                                                                   seed=start)):
+            np.testing.assert_array_equal(scores, want)
+            np.testing.assert_array_equal(present, want_present)

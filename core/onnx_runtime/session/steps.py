@@ -311,8 +311,10 @@ class ShapeValues:
                 if residual.steps:
                     _run(residual, env, None)
                 return entry, True
-            if entry in self.programs:  # past the bases' margin: built again around here
+            try:  # past the bases' margin: built again around here
                 self.programs.remove(entry)
+            except ValueError:  # another run of this plan removed it meanwhile
+                pass
             return self._build(template, key, env)
         if self.previous is None or not self.PROGRAMS:
             return None
@@ -354,8 +356,11 @@ class ShapeValues:
                 and np.array_equal(a, b) for a, b in zip((scratch[slot] for slot in self.kept), values))
         except Exception:  # noqa: BLE001
             same = False
-        if not same and entry in self.programs:
-            self.programs[self.programs.index(entry)] = (template, None, None)
+        if not same:
+            try:
+                self.programs[self.programs.index(entry)] = (template, None, None)
+            except ValueError:  # another run of this plan dropped it meanwhile
+                pass
 
 
 class Plan(Steps):
