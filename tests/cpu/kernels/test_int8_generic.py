@@ -1,0 +1,87 @@
+"""compiled/generic_int8.py: each numpy equivalent gives exactly what its compiled int8 loop gives (the same
+codes, the same int32 sums, the same float32 bits), NaN, saturation and ties included, so a quantized model's
+first runs served by numpy agree with every later run."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from onnx_runtime_ep_cpu.compiled import deferred
+from onnx_runtime_ep_cpu.compiled.generic_int8 import GENERIC_INT8
+
+RNG = np.random.default_rng(5)
+F32 = np.float32
+
+
+def _data(*shape):
+    x = (RNG.standard_normal(shape) * 3).astype(F32)
+    flat = x.reshape(-1)
+    flat[:4] = [np.nan, 0.5 * 0.05, 1e9, -1e9][:flat.size]  # NaN, a tie at the scale below, saturation both ways
+    return x
+
+
+def _packed(n, k):
+    return RNG.integers(-255, 256, (n, k)).astype(np.int16)
+
+
+def _cases():
+    scale1, zero1 = np.array([0.05], F32), np.array([3], np.int32)
+    scales, zeros = np.array([0.05, 0.2, 1e-3], F32), np.array([0, 128, 255], np.int32)
+    u8 = RNG.integers(0, 256, (2, 3, 5)).astype(np.uint8)
+    a = RNG.integers(0, 256, (6, 33)).astype(np.uint8)
+    b = RNG.integers(0, 256, (33, 20)).astype(np.uint8)
+    b_scales, bias = RNG.uniform(1e-3, 1e-2, 20), RNG.standard_normal(20).astype(F32)
+    no_pairs = np.zeros((0, 0, 2), np.int16)
+    return [
+        ("quantize.quantize", (_data(2, 3, 5), scales, zeros, 0, 255, np.empty((2, 3, 5), np.uint8))),
+        ("quantize.quantize", (_data(1, 1, 40), scale1, np.array([-3], np.int32), -128, 127,
+                               np.empty((1, 1, 40), np.int8))),
+        ("quantize.dequantize", (u8, scales, zeros, np.empty((2, 3, 5), F32))),
+        ("quantize.fake_quantize", (_data(2, 3, 5), scales, zeros, 0, 255, np.empty((2, 3, 5), F32))),
+        ("quantize.dynamic_quantize", (_data(50), np.empty(50, np.uint8))),
+        ("quantize.dynamic_quantize", (np.zeros(7, F32), np.empty(7, np.uint8))),
+        ("qgemm.pack_columns", (b, np.arange(20, dtype=np.int32), np.empty((20, 33), np.int16))),
+        ("qgemm.pack_columns", (b, zero1, np.empty((20, 33), np.int16))),
+        ("qgemm_tiles.pack_pairs", (_packed(20, 33), np.empty((17, 32, 2), np.int16))),
+        ("qgemm.product", (a, np.arange(6, dtype=np.int32), _packed(20, 33), no_pairs, np.empty((6, 20), np.int32))),
+        ("qgemm.product", (a, zero1, _packed(20, 33), no_pairs, np.empty((6, 20), np.int32))),
+        ("qgemm.scaled_product", (a, 7, _packed(20, 33), no_pairs, 0.02, b_scales, bias, np.empty((6, 20), F32))),
+        ("qgemm.scaled_product", (a, 7, _packed(20, 33), no_pairs, 0.02, b_scales[:1], bias[:0],
+                                  np.empty((6, 20), F32))),
+        ("qgemm.dynamic_scaled_product", (_data(6, 33), _packed(20, 33), no_pairs, b_scales, bias,
+                                          np.empty((6, 20), F32))),
+    ]
+
+
+CASES = _cases()
+
+
+def _loop(name: str):
+    module, attribute = f"onnx_runtime_ep_cpu.compiled.{name}".rsplit(".", 1)
+    return getattr(importlib.import_module(module), attribute)
+
+
+def _copies(args):
+    return tuple(a.copy() if isinstance(a, np.ndarray) else a for a in args)
+
+
+@pytest.mark.parametrize("name,args", CASES, ids=[f"{name}-{i}" for i, (name, _) in enumerate(CASES)])
+def test_generic_is_the_loop_exactly(name, args):
+    loop = _loop(name)
+    assert isinstance(loop, deferred.Loop)
+    compiled_args, generic_args = _copies(args), _copies(args)
+    expected = loop.dispatcher()(*compiled_args)
+    with np.errstate(all="ignore"):
+        got = GENERIC_INT8[f"onnx_runtime_ep_cpu.compiled.{name}"](*generic_args)
+    if expected is not None:
+        assert [F32(v) for v in got] == [F32(v) for v in expected]
+    for want, have in zip(compiled_args, generic_args):
+        if isinstance(want, np.ndarray):
+            assert have.dtype == want.dtype
+            np.testing.assert_array_equal(have.view(np.uint8), want.view(np.uint8))  # bit for bit
+
+
+def test_every_int8_loop_is_covered():
+    assert {f"onnx_runtime_ep_cpu.compiled.{name}" for name, _ in CASES} == set(GENERIC_INT8)
