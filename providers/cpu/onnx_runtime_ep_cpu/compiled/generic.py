@@ -12,6 +12,7 @@ import numpy as np
 
 from .epilogue import CLIP, LEAKY_RELU, RELU
 from .generic_conv import GENERIC_CONV
+from .generic_int8 import GENERIC_INT8
 
 
 def _rows_like(values: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -255,4 +256,5 @@ GENERIC = {
     _COMPILED + "pooling.plane_means": plane_means,
     _COMPILED + "pooling.pool_2d": pool_2d,
     **GENERIC_CONV,
+    **GENERIC_INT8,
 }
