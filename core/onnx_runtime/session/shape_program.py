@@ -34,7 +34,8 @@ class Program:
     needs (guards, window bounds, extents) is a row of one matrix: a call is one product with the point."""
 
     def __init__(self, symbolic: dict, needed: tuple[int, ...], guards: list[np.ndarray], symbols: int):
-        self.symbolic = symbolic  # slot -> Affine | Linear | Window
+        # slot -> Affine | Linear | Window, for the slots a call sets (intermediates' bases are not kept)
+        self.symbolic = {slot: symbolic[slot] for slot in needed}
         self.needed = needed  # symbolic slots read by the steps left per call or by the plan's body
         rows = list(guards)
         self.guards = len(rows)  # the first rows: each must be >= 0
