@@ -86,6 +86,9 @@ def test_a_second_session_reads_its_plans_and_matches(cache_dir, monkeypatch):
     _refuse_optimizer(monkeypatch)  # neither creation nor the first run may optimize again
     second = _session(model)
     assert second.applied_passes() == first.applied_passes()
+    assert (second.get_inputs(), second.get_outputs()) == (first.get_inputs(), first.get_outputs())
+    assert second.get_modelmeta() == first.get_modelmeta()
+    assert second.placement().as_dict() == first.placement().as_dict()
     again = second.run(None, FEED)[0]
     np.testing.assert_array_equal(again, got)
     np.testing.assert_allclose(again, _expected(model), rtol=1e-5, atol=1e-6)
