@@ -208,8 +208,8 @@ def test_one_convolution_is_not_a_segment():
 
 
 def _residual_model() -> onnx.ModelProto:
-    """A ResNet-style stem and block: 7x7/2 convolution, MaxPool, two 3x3 convolutions and the residual sum,
-    AveragePool, Flatten and Gemm."""
+    """A ResNet-style stem and block: 7x7/2 convolution, MaxPool, two 3x3 convolutions and the residual sum, a
+    third convolution, AveragePool, Flatten and Gemm."""
     rng = np.random.default_rng(11)
     inits = []
 
@@ -228,7 +228,8 @@ def _residual_model() -> onnx.ModelProto:
                          pads=[1, 1, 1, 1]),
         helper.make_node("Add", ["c2", "p0"], ["s2"]),
         helper.make_node("Relu", ["s2"], ["r2"]),
-        helper.make_node("AveragePool", ["r2"], ["a2"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Conv", ["r2", weight("w3", 16, 16, 3, 3)], ["c3"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+        helper.make_node("AveragePool", ["c3"], ["a2"], kernel_shape=[2, 2], strides=[2, 2]),
         helper.make_node("Flatten", ["a2"], ["flat"]),
         helper.make_node("Gemm", ["flat", weight("fc", 16 * 4 * 4, 6)], ["logits"]),
     ]
@@ -248,6 +249,9 @@ def test_residual_block_with_pools_runs_prepared_against_onnxruntime():
     (plan,) = segment.plans.values()
     called = [getattr(f, "__name__", "") for f, _ in plan._steps]  # noqa: SLF001
     assert called.count("pool_2d") == 2 and "_run_kernel" not in called
+    # Its values: the stem's 16x16 planes, four of 8x8 (pool, three convolutions), the 4x4 average, the logits;
+    # the third convolution's output takes the first's buffer (read for the last time by the second).
+    assert plan.nbytes - x.nbytes == 4 * 16 * (16 * 16 + 3 * 8 * 8 + 4 * 4) + 4 * 6
     expected = _oracle(model, x)[0]
     exact = run_float64(model, {"x": x})[0]
     bound = 1e-5 * (1 + np.abs(exact).max())

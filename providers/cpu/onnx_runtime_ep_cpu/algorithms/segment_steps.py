@@ -28,10 +28,11 @@ class BoundPlan:
     """``run(inputs) -> outputs`` for one input signature: feeds copied into their buffers, the steps called,
     the outputs copied out. ``fits(inputs)``: the constants are the arrays it was bound to."""
 
-    __slots__ = ("lock", "_feeds", "_constant_slots", "_constants", "_steps", "_results")
+    __slots__ = ("lock", "nbytes", "_feeds", "_constant_slots", "_constants", "_steps", "_results")
 
-    def __init__(self, feeds, constants: dict[int, np.ndarray], steps, results):
+    def __init__(self, feeds, constants: dict[int, np.ndarray], steps, results, nbytes: int = 0):
         self.lock = threading.Lock()
+        self.nbytes = nbytes  # the buffers it holds (feeds' and values')
         self._feeds = tuple(feeds)  # (slot, buffer)
         slots = tuple(constants)
         self._constant_slots = operator.itemgetter(*slots) if len(slots) > 1 else (
@@ -87,6 +88,61 @@ def _input_buffers(segment, env):
     return buffers, constants, feeds, total
 
 
+class _TooLarge(Exception):
+    pass
+
+
+class _Pool:
+    """A plan's value buffers, each reused by a later value of the same size and dtype once the value (and
+    every view of it) has been read for the last time: the plan holds about the widest live set, not every
+    value (less memory, and the buffers stay in cache)."""
+
+    def __init__(self, segment, env, limit_bytes: int, total: int):
+        self.limit, self.total = limit_bytes, total
+        self.free: dict[tuple, list] = {}
+        root: dict[int, int] = {}  # a view's slot -> the slot whose buffer it shares
+        for inner in segment.inner:
+            if _is_view(inner, env):
+                root[inner.outputs[0]] = root.get(inner.inputs[0], inner.inputs[0])
+        last: dict[int, float] = {}
+        for index, inner in enumerate(segment.inner):
+            for slot in inner.inputs:
+                if slot >= segment.feeds:
+                    base = root.get(slot, slot)
+                    last[base] = max(last.get(base, -1), index)
+        for slot in segment.results:
+            last[root.get(slot, slot)] = float("inf")
+        self.release_at: dict[float, list[int]] = {}
+        for base, index in last.items():
+            self.release_at.setdefault(index, []).append(base)
+
+    def take(self, shape, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        spare = self.free.get((int(np.prod(shape)), dtype))
+        if spare:
+            return spare.pop().reshape(shape)
+        self.total += int(np.prod(shape)) * dtype.itemsize
+        if self.total > self.limit:
+            raise _TooLarge
+        return np.empty(shape, dtype)
+
+    def after(self, index: int, buffers: dict) -> None:
+        """Node ``index`` has run: the buffers read last there are free for later values."""
+        for base in self.release_at.get(index, ()):
+            buffer = buffers.get(base)
+            if buffer is not None:
+                self.free.setdefault((buffer.size, buffer.dtype), []).append(buffer)
+
+
+def _is_view(inner, env) -> bool:
+    """Whether the node is a reshape whose output can be a view of its input's buffer."""
+    if inner.node.op_type not in _VIEWS or inner.node.domain not in ("", "ai.onnx") or not inner.inputs \
+            or inner.inputs[0] < 0:
+        return False
+    x, y = env[inner.inputs[0]], env[inner.outputs[0]]
+    return isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and x.size == y.size and x.dtype == y.dtype
+
+
 def build_plan(segment, env: list, limit_bytes: int) -> BoundPlan | None:
     """The bound plan of ``segment`` (ops/segment.Segment) for the signature whose node-by-node run left every
     value in ``env`` (by slot); None where a value is not an array or the buffers would pass ``limit_bytes``."""
@@ -94,46 +150,51 @@ def build_plan(segment, env: list, limit_bytes: int) -> BoundPlan | None:
     if inputs_bound is None:
         return None
     buffers, constants, feeds, total = inputs_bound
+    pool = _Pool(segment, env, limit_bytes, total)
     steps: list = []
     blocks = squeeze_excitations(segment, env, constants)
     skipped: set[int] = set()
-    for index, inner in enumerate(segment.inner):
-        if index in skipped:
-            continue
-        if index in blocks:  # the whole block as one step at its first node (it reads x only)
-            total += _bind_block(blocks[index], env, buffers, steps, skipped)
-            continue
-        inputs = [None if s < 0 else buffers[s] for s in inner.inputs]
-        examples = [env[s] for s in inner.outputs]
-        if not all(isinstance(v, np.ndarray) for v in examples):
-            return None
-        op = inner.node.op_type
-        if op in _VIEWS and inner.node.domain in ("", "ai.onnx") and examples[0].size == inputs[0].size \
-                and examples[0].dtype == inputs[0].dtype:
-            buffers[inner.outputs[0]] = inputs[0].reshape(examples[0].shape)
-            continue
-        outputs = [np.empty(v.shape, v.dtype) for v in examples]
-        total += sum(v.nbytes for v in outputs)
-        if total > limit_bytes:
-            return None
-        for slot, buffer in zip(inner.outputs, outputs):
-            buffers[slot] = buffer
-        constant = [s in constants for s in inner.inputs]
-        kernel = inner.kernel(inputs)
-        binder = BINDERS.get(op) if inner.node.domain in ("", "ai.onnx", "ai.onnx_runtime.cpu") else None
-        bound = binder(inner.node, kernel, inputs, outputs, constant) if binder is not None else None
-        steps.extend(bound if bound is not None else [(_run_kernel, (kernel, inputs, outputs))])
-    return BoundPlan(feeds, constants, steps, [buffers[s] for s in segment.results])
+    try:
+        for index, inner in enumerate(segment.inner):
+            if index in blocks:  # the whole block as one step at its first node (it reads x only)
+                _bind_block(blocks[index], env, buffers, steps, skipped, pool)
+            elif index not in skipped and not _bind_node(inner, env, buffers, constants, steps, pool):
+                return None
+            pool.after(index, buffers)
+    except _TooLarge:
+        return None
+    return BoundPlan(feeds, constants, steps, [buffers[s] for s in segment.results], pool.total)
 
 
-def _bind_block(block, env, buffers, steps, skipped) -> int:
-    """A block of segment_blocks.py as one step; returns its output buffer's size."""
+def _bind_node(inner, env, buffers, constants, steps, pool) -> bool:
+    """The steps of one node into ``steps``, its outputs' buffers into ``buffers``; False where an output is not
+    an array."""
+    inputs = [None if s < 0 else buffers[s] for s in inner.inputs]
+    examples = [env[s] for s in inner.outputs]
+    if not all(isinstance(v, np.ndarray) for v in examples):
+        return False
+    if _is_view(inner, env):
+        buffers[inner.outputs[0]] = inputs[0].reshape(examples[0].shape)
+        return True
+    outputs = [pool.take(v.shape, v.dtype) for v in examples]
+    for slot, buffer in zip(inner.outputs, outputs):
+        buffers[slot] = buffer
+    constant = [s in constants for s in inner.inputs]
+    kernel = inner.kernel(inputs)
+    op = inner.node.op_type
+    binder = BINDERS.get(op) if inner.node.domain in ("", "ai.onnx", "ai.onnx_runtime.cpu") else None
+    bound = binder(inner.node, kernel, inputs, outputs, constant) if binder is not None else None
+    steps.extend(bound if bound is not None else [(_run_kernel, (kernel, inputs, outputs))])
+    return True
+
+
+def _bind_block(block, env, buffers, steps, skipped, pool) -> None:
+    """A block of segment_blocks.py as one step."""
     members, last, bind = block
-    output = np.empty(env[last].shape, env[last].dtype)
+    output = pool.take(env[last].shape, env[last].dtype)
     buffers[last] = output
     steps.append(bind(buffers, output))
     skipped.update(members)
-    return output.nbytes
 
 
 # -- binders ----------------------------------------------------------------------------------------------
