@@ -30,8 +30,8 @@ LANES = 16  # int32 lanes of a 512-bit register
 NC_MAX = 4  # 16-column vectors per tile: MR * NC_MAX accumulators + NC_MAX weights + 1 broadcast <= 32 zmm
 
 
-def _emit_tile(builder, nc: int, pointers: tuple, values: tuple) -> None:
-    """The IR of one MR x (16 * nc) tile: c[i*ldc + j] = sum_k2 a32[i*lda + k2] . b[k2*ldb + 2j .. 2j+1], with
+def _emit_tile(builder, mr: int, nc: int, pointers: tuple, values: tuple) -> None:
+    """The IR of one mr x (16 * nc) tile: c[i*ldc + j] = sum_k2 a32[i*lda + k2] . b[k2*ldb + 2j .. 2j+1], with
     a32 the int16 pairs of ``a`` read as int32 (one broadcast per row and k2) and ``.`` vpmaddwd's pair sum."""
     from llvmlite import ir
 
@@ -53,7 +53,7 @@ def _emit_tile(builder, nc: int, pointers: tuple, values: tuple) -> None:
     def const(value):
         return ir.Constant(llvm.I64, value)
 
-    a_rows = [builder.mul(const(i), lda) for i in range(MR)]
+    a_rows = [builder.mul(const(i), lda) for i in range(mr)]
     zero = ir.Constant(i32x16, None)
 
     def step(k, acc):
@@ -61,7 +61,7 @@ def _emit_tile(builder, nc: int, pointers: tuple, values: tuple) -> None:
         weights = [builder.load(builder.bitcast(builder.gep(b_ptr, [builder.add(b_row, const(2 * LANES * j))]),
                                                 b_vec_ptr), align=2) for j in range(nc)]
         summed = []
-        for i in range(MR):
+        for i in range(mr):
             pair = builder.load(builder.gep(a32, [builder.add(a_rows[i], k)]), align=2)
             broadcast = builder.bitcast(llvm.splat(builder, pair, i32x16), i16x32)
             for j in range(nc):
@@ -71,15 +71,15 @@ def _emit_tile(builder, nc: int, pointers: tuple, values: tuple) -> None:
                     summed.append(builder.add(acc[i * nc + j], builder.call(madd, [broadcast, weights[j]])))
         return summed
 
-    totals = llvm.counted_loop(builder, depth, [zero] * (MR * nc), step, "qtile")
-    for i in range(MR):
+    totals = llvm.counted_loop(builder, depth, [zero] * (mr * nc), step, "qtile")
+    for i in range(mr):
         row_at = builder.mul(const(i), ldc)
         for j in range(nc):
             target = builder.bitcast(builder.gep(c_ptr, [builder.add(row_at, const(LANES * j))]), c_vec_ptr)
             builder.store(totals[i * nc + j], target, align=4)
 
 
-def _tile_kernel(nc: int):
+def _tile_kernel(mr: int, nc: int):
     from numba import types
     from numba.extending import intrinsic
 
@@ -94,7 +94,7 @@ def _tile_kernel(nc: int):
                 base = context.make_array(sig.args[index])(context, builder, args[index]).data
                 return builder.gep(base, [args[at]])
 
-            _emit_tile(builder, nc, (data(0, 1), data(2, 3), data(4, 5)), (args[6], args[7], args[8], args[9]))
+            _emit_tile(builder, mr, nc, (data(0, 1), data(2, 3), data(4, 5)), (args[6], args[7], args[8], args[9]))
             return context.get_dummy_value()
 
         return signature, codegen
@@ -103,13 +103,15 @@ def _tile_kernel(nc: int):
 
 # The microkernels by NC, globals for the loops that call them: made when those loops are compiled
 # (_define_kernels), so that importing this module imports neither numba nor llvmlite.
-_tile_1 = _tile_2 = _tile_3 = _tile_4 = None
+# _tile_<nc>: MR rows; _row_<nc>: one row (the last M % MR rows).
+_tile_1 = _tile_2 = _tile_3 = _tile_4 = _row_1 = _row_2 = _row_3 = _row_4 = None
 
 
 def _define_kernels() -> None:
-    global _tile_1, _tile_2, _tile_3, _tile_4
+    global _tile_1, _tile_2, _tile_3, _tile_4, _row_1, _row_2, _row_3, _row_4
     if _tile_4 is None:
-        _tile_1, _tile_2, _tile_3, _tile_4 = (_tile_kernel(nc) for nc in range(1, NC_MAX + 1))
+        _row_1, _row_2, _row_3, _row_4 = (_tile_kernel(1, nc) for nc in range(1, NC_MAX + 1))
+        _tile_1, _tile_2, _tile_3, _tile_4 = (_tile_kernel(MR, nc) for nc in range(1, NC_MAX + 1))
 
 
 def _with_kernels(function):
@@ -177,16 +179,25 @@ def portable_product(centred, pairs, out):
 
 if AVAILABLE:
     @_with_kernels
-    def _row_tiles(a, a_rows, pairs, wide, c, c_at, ldc):
-        """Tiles of MR rows of int16 ``a`` (rows of 2 * K2 values) from row a_rows by the first ``wide`` columns of
-        the pairs, into int32 ``c`` (flat, rows of ldc values) from c_at."""
+    def _row_tiles(a, a_row, pairs, wide, c, c_at, ldc, single):
+        """MR rows (one with ``single``) of int16 ``a`` (rows of 2 * K2 values) from row a_row by the first
+        ``wide`` columns of the pairs, into int32 ``c`` (flat, rows of ldc values) from c_at."""
         depth2, ldb = pairs.shape[0], 2 * pairs.shape[1]
         flat_a, flat_b = a.reshape(-1), pairs.reshape(-1)
         j0 = 0
         while j0 < wide:
             nc = min(NC_MAX, (wide - j0) // LANES)
-            a_at, b_at, at = a_rows * 2 * depth2, 2 * j0, c_at + j0
-            if nc == 4:
+            a_at, b_at, at = a_row * 2 * depth2, 2 * j0, c_at + j0
+            if single:
+                if nc == 4:
+                    _row_4(flat_a, a_at, flat_b, b_at, c, at, depth2, depth2, ldb, ldc)
+                elif nc == 3:
+                    _row_3(flat_a, a_at, flat_b, b_at, c, at, depth2, depth2, ldb, ldc)
+                elif nc == 2:
+                    _row_2(flat_a, a_at, flat_b, b_at, c, at, depth2, depth2, ldb, ldc)
+                else:
+                    _row_1(flat_a, a_at, flat_b, b_at, c, at, depth2, depth2, ldb, ldc)
+            elif nc == 4:
                 _tile_4(flat_a, a_at, flat_b, b_at, c, at, depth2, depth2, ldb, ldc)
             elif nc == 3:
                 _tile_3(flat_a, a_at, flat_b, b_at, c, at, depth2, depth2, ldb, ldc)
@@ -199,38 +210,31 @@ if AVAILABLE:
     @jit
     def _tiled(centred, pairs, out):
         """out (M, N) int32, C-contiguous = centred (M, K) int16 times the pairs (K2, N rounded up to 16, 2):
-        tiles of MR rows by 16 * NC columns stored in place; the last rows and the last partial 16 columns
-        through a scratch tile. A is read in place where its rows are whole pairs and whole tiles, else from a
-        zero-padded copy."""
+        tiles of MR rows (then of one row, for the last M % MR) by 16 * NC columns stored in place, the last
+        partial 16 columns through a scratch tile. A is read in place where its rows are whole pairs, else from
+        a zero-padded copy."""
         rows, depth = centred.shape
         depth2, columns = pairs.shape[0], out.shape[1]
-        padded_rows = (rows + MR - 1) // MR * MR
-        if padded_rows == rows and depth == 2 * depth2:
+        if depth == 2 * depth2:
             a = np.ascontiguousarray(centred)
         else:
-            a = np.zeros((padded_rows, 2 * depth2), np.int16)
-            a[:rows, :depth] = centred
-        wide = columns - columns % LANES
+            a = np.zeros((rows, 2 * depth2), np.int16)
+            a[:, :depth] = centred
         full = rows - rows % MR
+        wide = columns - columns % LANES
         flat_out = out.reshape(-1)
-        if wide:
-            for i0 in range(0, full, MR):
-                _row_tiles(a, i0, pairs, wide, flat_out, i0 * columns, columns)
-        if wide == columns and full == rows:
-            return
-        # The rest through a scratch of whole tiles: the last rows by every column, the last columns by every row.
-        padded = pairs.shape[1]
-        scratch = np.empty(padded_rows * padded, np.int32)
-        if full < rows:
-            _row_tiles(a, full, pairs, padded, scratch, full * padded, padded)
-        if wide < columns:
-            tail = np.ascontiguousarray(pairs[:, wide:])
-            for i0 in range(0, full, MR):
-                _row_tiles(a, i0, tail, LANES, scratch, i0 * padded + wide, padded)
-        grid = scratch.reshape(padded_rows, padded)
-        out[full:, :] = grid[full:rows, :columns]
-        if wide < columns:
-            out[:full, wide:] = grid[:full, wide:columns]
+        tail = np.ascontiguousarray(pairs[:, wide:wide + LANES])
+        scratch = np.empty(MR * LANES, np.int32)
+        i0 = 0
+        while i0 < rows:
+            single = i0 >= full
+            if wide:
+                _row_tiles(a, i0, pairs, wide, flat_out, i0 * columns, columns, single)
+            if wide < columns:
+                _row_tiles(a, i0, tail, LANES, scratch, 0, LANES, single)
+                for i in range(1 if single else MR):
+                    out[i0 + i, wide:] = scratch[i * LANES:i * LANES + columns - wide]
+            i0 += 1 if single else MR
 
     tile_product = _tiled
 else:
