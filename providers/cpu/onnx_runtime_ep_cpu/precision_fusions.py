@@ -17,10 +17,13 @@ no float16 kernel for and keeps the values between them in float32):
   half-precision graph inputs and outputs keep their type, converted once at the edge.
 
 The optimizer and the fusions then see a float32 graph. The pass fires only on models with half-precision
-weights (an initializer a MatMul, Gemm, convolution or Gather reads), every node of whose half-precision part
-this provider runs, in the standard or Microsoft domains, whose control-flow bodies neither read nor make
-half-precision values; graphs of single operators on float16 feeds (the ONNX backend cases) keep their
-per-operator float16 semantics.
+weights (an initializer a MatMul, Gemm, convolution or Gather reads) whose control-flow bodies read no outer
+half-precision value by name; graphs of single operators on float16 feeds (the ONNX backend cases) keep their
+per-operator float16 semantics. Nodes that must keep their half-precision types (another provider's, operators
+outside the standard and Microsoft domains, control flow whose bodies compute in half precision) stay as
+written, and the float32 regions between them meet them through one conversion per value each way (the
+region pass: FloatToHalf of a value they read, HalfToFloat of a value they make; the weights they read keep a
+half-precision copy).
 """
 
 from __future__ import annotations
@@ -81,17 +84,20 @@ def _half_free(graph: Graph) -> bool:
         and all(_half_free(sub) for node in graph.nodes for sub in node.subgraphs())
 
 
-def _convertible(graph: Graph, half: _Half, nodes: list[Node], owns) -> bool:
+def _kept_nodes(graph: Graph, half: _Half, nodes: list[Node], owns) -> set[int] | None:
+    """The ids of the half-precision nodes that keep their types (the region pass: another provider's nodes,
+    other domains' operators, control flow whose bodies compute in half precision), the others computing in
+    float32 with conversions at the edges between; None where the graph cannot be converted at all."""
     bodies = [sub for node in graph.nodes for sub in node.subgraphs()]
-    if graph.outer_names or any(any(name in half.types for name in sub.outer_names) or not _half_free(sub)
-                                for sub in bodies):
-        return False  # a body would read or make half-precision values with the types it was written for
+    if graph.outer_names or any(any(name in half.types for name in sub.outer_names) for sub in bodies):
+        return None  # a body reads an outer half-precision value by name: it would see it in float32
     inputs = {vi.name for vi in graph.inputs}
     if any(name in inputs for name in graph.initializers if name in half.types):
-        return False  # an overridable weight: a feed may replace it in its own type
+        return None  # an overridable weight: a feed may replace it in its own type
     if any(vi.name in half.types and vi.name in graph.initializers for vi in graph.outputs):
-        return False
-    return all(node.domain in _DOMAINS and (owns is None or owns(node)) for node in nodes)
+        return None
+    return {id(node) for node in nodes if node.domain not in _DOMAINS or (owns is not None and not owns(node))
+            or not all(_half_free(sub) for sub in node.subgraphs())}
 
 
 def _float32_type(info: TypeInfo) -> TypeInfo:
@@ -99,10 +105,11 @@ def _float32_type(info: TypeInfo) -> TypeInfo:
 
 
 class _Rewriter:
-    def __init__(self, graph: Graph, half: _Half):
-        self.graph, self.half = graph, half
+    def __init__(self, graph: Graph, half: _Half, kept: set[int] | frozenset = frozenset()):
+        self.graph, self.half, self.kept = graph, half, kept
         self.opset = graph.opsets.get("", 13)
         self.fresh = FreshNames(graph)
+        self.half_copies: dict[str, str] = {}  # a value -> its half-precision copy, which kept nodes read
 
     def cast(self, source: str, target: str, to: DataType, shape_of: str) -> Node:
         """A Cast node, with the value info of ``target`` (the shape of ``shape_of``)."""
@@ -114,6 +121,7 @@ class _Rewriter:
 
     def run(self) -> None:
         graph, half = self.graph, self.half
+        self.keep_half_weights()
         for name, array in list(graph.initializers.items()):
             if name in half.types:
                 graph.initializers[name] = np.asarray(array, dtype=np.float32)
@@ -129,6 +137,9 @@ class _Rewriter:
                 graph.value_info[new] = ValueInfo(new, _float32_type(info))
         nodes: list[Node] = list(head)
         for node in graph.nodes:
+            if id(node) in self.kept:
+                nodes.extend(self.kept_node(node, renamed, inputs, outputs))
+                continue
             written = (list(node.inputs), list(node.outputs), {key: id(value) for key, value in node.attrs.items()})
             node.inputs = [renamed.get(name, name) for name in node.inputs]
             node.outputs = [renamed.get(name, name) if name in outputs else name for name in node.outputs]
@@ -136,6 +147,48 @@ class _Rewriter:
             if written != (node.inputs, node.outputs, {key: id(value) for key, value in node.attrs.items()}):
                 node.proto = None  # no longer the node as written (onnx inference of it reads the proto)
         graph.nodes = _merge_input_roundings(nodes, inputs) + tail
+
+    def keep_half_weights(self) -> None:
+        """The half-precision weights the kept nodes read stay, under new names, beside their float32 copies."""
+        graph = self.graph
+        for node in graph.nodes:
+            if id(node) not in self.kept:
+                continue
+            for name in node.inputs:
+                if name in graph.initializers and name in self.half.types and name not in self.half_copies:
+                    copy = self.fresh(f"{name}/{self.half.types[name].name.lower()}")
+                    graph.initializers[copy] = graph.initializers[name]
+                    graph.value_info[copy] = ValueInfo(copy, TypeInfo("tensor", self.half.types[name],
+                                                                      graph.initializers[name].shape))
+                    self.half_copies[name] = copy
+
+    def kept_node(self, node: Node, renamed: dict[str, str], inputs: set[str], outputs: set[str]) -> list[Node]:
+        """A node that keeps its half-precision types: its half inputs narrowed from their float32 values (one
+        copy per value, shared by the kept nodes), its half outputs under new names, widened for the rest."""
+        half, before, after = self.half.types, [], []
+        reads = []
+        for name in node.inputs:
+            if name in half and name not in inputs and name not in self.half_copies:
+                copy = self.fresh(f"{name}/{half[name].name.lower()}")
+                source = renamed.get(name, name) if name in outputs else name
+                before.append(self.conversion("FloatToHalf", [source], [copy], half[name]))
+                self.half_copies[name] = copy
+            reads.append(self.half_copies.get(name, name) if name in half else name)
+        writes = []
+        for name in node.outputs:
+            if name not in half:
+                writes.append(name)
+                continue
+            copy = self.fresh(f"{name}/{half[name].name.lower()}")
+            info = self.graph.type_of(name)
+            self.graph.value_info[copy] = ValueInfo(copy, TypeInfo("tensor", half[name], info.shape if info else None))
+            self.half_copies[name] = copy
+            writes.append(copy)
+            target = renamed.get(name, name) if name in outputs else name
+            after.append(self.conversion("HalfToFloat", [copy], [target], DataType.FLOAT))
+        if (reads, writes) != (list(node.inputs), list(node.outputs)):
+            node.inputs, node.outputs, node.proto = reads, writes, None
+        return [*before, node, *after]
 
     def edges(self, renamed: dict[str, str], inputs: set[str]) -> tuple[list[Node], list[Node]]:
         """The conversions at the graph's half-precision inputs (widened once, in one node: their readers read
@@ -248,9 +301,10 @@ def compute_half_in_float32(graph: Graph, owns=None) -> bool:
     if not half.types or not _has_half_weights(graph, half):
         return False
     nodes = [node for node in graph.nodes if half.touches(node)]
-    if not _convertible(graph, half, nodes, owns):
+    kept = _kept_nodes(graph, half, nodes, owns)
+    if kept is None or len(kept) == len(nodes):
         return False
-    _Rewriter(graph, half).run()
+    _Rewriter(graph, half, kept).run()
     return True
 
 
