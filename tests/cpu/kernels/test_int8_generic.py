@@ -52,6 +52,40 @@ def _cases():
                                   np.empty((6, 20), F32))),
         ("qgemm.dynamic_scaled_product", (_data(6, 33), _packed(20, 33), no_pairs, b_scales, bias,
                                           np.empty((6, 20), F32))),
+    ] + _requantizing_cases()
+
+
+def _consts(a_quantize: bool, dequantize: bool, b_quantize: bool = False, out_signed: bool = False) -> np.ndarray:
+    consts = np.zeros(15)
+    consts[:5] = [F32(0.04), 7, 0, 255, a_quantize]  # A: scale, zero, range, whether float data is quantized
+    consts[5:10] = [-3 if out_signed else 120, -128 if out_signed else 0, 127 if out_signed else 255,
+                    F32(0.1), dequantize]  # output: zero, range, scale, whether dequantized
+    consts[10:15] = [F32(0.03), 128, 0, 255, b_quantize]
+    return consts
+
+
+def _requantizing_cases():
+    a8 = RNG.integers(0, 256, (6, 33)).astype(np.uint8)
+    af = _data(6, 33)
+    packed = _packed(20, 33)
+    no_pairs = np.zeros((0, 0, 2), np.int16)
+    per_column, per_column_offset = RNG.uniform(1e-4, 1e-3, 20), RNG.uniform(-2, 2, 20)
+    one, zero_offset = np.array([4e-4]), np.array([0.5])
+    row, after = RNG.standard_normal(20).astype(F32), np.array([F32(0.07), 5, 0, 255], np.float64)
+    return [
+        ("qgemm.requantized_product", (a8, packed, no_pairs, per_column, per_column_offset, _consts(False, False),
+                                       np.empty((6, 20), np.uint8))),
+        ("qgemm.requantized_product", (a8, packed, no_pairs, one, zero_offset, _consts(False, False, out_signed=True),
+                                       np.empty((6, 20), np.int8))),
+        ("qgemm.requantized_product", (af, packed, no_pairs, one, zero_offset, _consts(True, True),
+                                       np.empty((6, 20), F32))),
+        ("qgemm.requantized_product_rounded", (af, packed, no_pairs, per_column, per_column_offset,
+                                               _consts(True, True), row, after, np.empty((6, 20), F32))),
+        ("qgemm.requantized_batched_product", (_data(3, 5, 16), _data(3, 16, 7), one, zero_offset,
+                                               _consts(True, True, b_quantize=True), np.empty((3, 5, 7), F32))),
+        ("qgemm.requantized_batched_product", (RNG.integers(0, 256, (2, 4, 9)).astype(np.uint8),
+                                               RNG.integers(0, 256, (2, 9, 6)).astype(np.uint8), one, zero_offset,
+                                               _consts(False, False), np.empty((2, 4, 6), np.uint8))),
     ]
 
 

@@ -95,6 +95,56 @@ def dynamic_scaled_product(a, packed, pairs, b_scales, bias, out):
     _rescaled(_product(centred, packed), np.float64(scale), b_scales, bias, out)
 
 
+# compiled/qgemm.py's ``consts`` layout (A's parameters, the output's, B's) and requantized_product_rounded's
+# ``after``, repeated here so that this module imports no loop module.
+A_SCALE, A_ZERO, A_LOW, A_HIGH, A_QUANTIZE, Y_ZERO, Y_LOW, Y_HIGH, Y_SCALE, DEQUANTIZE = range(10)
+B_SCALE, B_ZERO, B_LOW, B_HIGH, B_QUANTIZE = range(10, 15)
+AFTER_SCALE, AFTER_ZERO, AFTER_LOW, AFTER_HIGH = range(4)
+
+
+def _centred_codes(x, scale, zero, low, high, quantize):
+    """qgemm's centred int16 codes: 8-bit codes minus the zero point, or float32 data quantized first (NaN: code
+    0)."""
+    if not quantize:
+        return x.astype(np.int16) - np.int16(zero)
+    z = _F32(zero)
+    v = _codes(x, _F32(scale), z, _F32(low), _F32(high))
+    return (np.where(np.isnan(v), _F32(0), v) - z).astype(np.int16)
+
+
+def _a_codes(a, consts):
+    return _centred_codes(a, consts[A_SCALE], consts[A_ZERO], consts[A_LOW], consts[A_HIGH], consts[A_QUANTIZE] != 0)
+
+
+def _finish(acc, multiplier, offset, consts, out):
+    """requantize_affine per column (or per tensor) in float64: the saturated codes (NaN: 0), or their float32
+    values."""
+    z, lo, hi = np.float64(consts[Y_ZERO]), np.float64(consts[Y_LOW]), np.float64(consts[Y_HIGH])
+    v = np.rint(acc.astype(np.float64) * multiplier + offset) + z
+    v = np.minimum(np.maximum(v, lo), hi)
+    v = np.where(np.isnan(v), 0.0, v)
+    out[...] = (v - z) * np.float64(consts[Y_SCALE]) if consts[DEQUANTIZE] != 0 else v
+
+
+def requantized_product(a, packed, pairs, multiplier, offset, consts, out):
+    _finish(_product(_a_codes(a, consts), packed), multiplier, offset, consts, out)
+
+
+def requantized_product_rounded(a, packed, pairs, multiplier, offset, consts, row, after, out):
+    requantized_product(a, packed, pairs, multiplier, offset, consts, out)
+    s, z = _F32(after[AFTER_SCALE]), _F32(after[AFTER_ZERO])
+    summed = out + row
+    v = _codes(summed, s, z, _F32(after[AFTER_LOW]), _F32(after[AFTER_HIGH]))
+    out[...] = np.where(np.isnan(v), (_F32(0) - z) * s, (v - z) * s)
+
+
+def requantized_batched_product(a, b, multiplier, offset, consts, out):
+    for i in range(a.shape[0]):
+        packed = _centred_codes(b[i].T, consts[B_SCALE], consts[B_ZERO], consts[B_LOW], consts[B_HIGH],
+                                consts[B_QUANTIZE] != 0)
+        _finish(_product(_a_codes(a[i], consts), packed), multiplier, offset, consts, out[i])
+
+
 _COMPILED = "onnx_runtime_ep_cpu.compiled."
 GENERIC_INT8 = {
     _COMPILED + "quantize.quantize": quantize,
@@ -106,4 +156,7 @@ GENERIC_INT8 = {
     _COMPILED + "qgemm.product": product,
     _COMPILED + "qgemm.scaled_product": scaled_product,
     _COMPILED + "qgemm.dynamic_scaled_product": dynamic_scaled_product,
+    _COMPILED + "qgemm.requantized_product": requantized_product,
+    _COMPILED + "qgemm.requantized_product_rounded": requantized_product_rounded,
+    _COMPILED + "qgemm.requantized_batched_product": requantized_batched_product,
 }
