@@ -24,7 +24,8 @@ from onnx_runtime_ep_cpu.ops.segment import Segment
 from reference64 import run_float64
 
 
-def _block_model(channels: int = 8, size: int = 12, gate: str = "HardSigmoid") -> onnx.ModelProto:
+def _block_model(channels: int = 8, size: int = 12, gate: str = "HardSigmoid", pool: str = "GlobalAveragePool",
+                 opset: int = 17) -> onnx.ModelProto:
     rng = np.random.default_rng(7)
     inits, nodes = [], []
 
@@ -48,7 +49,11 @@ def _block_model(channels: int = 8, size: int = 12, gate: str = "HardSigmoid") -
         nodes.append(helper.make_node("HardSwish", ["c1"], ["a1"]))
     conv("a1", "d1", channels, channels, 3, stride=2, group=channels)
     nodes.append(helper.make_node("Relu", ["d1"], ["r1"]))
-    nodes.append(helper.make_node("GlobalAveragePool", ["r1"], ["p1"]))
+    if pool == "ReduceMean":  # the dynamo exporter's spelling (opset 18: the axes an input)
+        inits.append(numpy_helper.from_array(np.array([-1, -2], np.int64), "plane_axes"))
+        nodes.append(helper.make_node("ReduceMean", ["r1", "plane_axes"], ["p1"], keepdims=1))
+    else:
+        nodes.append(helper.make_node("GlobalAveragePool", ["r1"], ["p1"]))
     conv("p1", "s1", channels, 4, 1)
     if gate == "Sigmoid":  # EfficientNet's squeeze-excitation: SiLU inside, a sigmoid gate
         silu("s1", "s1r")
@@ -70,7 +75,7 @@ def _block_model(channels: int = 8, size: int = 12, gate: str = "HardSigmoid") -
                                                                              ["batch", 3, size, size])],
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None),
                                helper.make_tensor_value_info("res", TensorProto.FLOAT, None)], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
 
 def _ours(model):
@@ -127,9 +132,10 @@ def segment_outputs(segment):
     return segment.output_names
 
 
-@pytest.mark.parametrize("gate", ["HardSigmoid", "Sigmoid"])
-def test_segment_binds_every_node_and_reuses_its_plan(gate):
-    model = _block_model(gate=gate)
+@pytest.mark.parametrize("gate, pool", [("HardSigmoid", "GlobalAveragePool"), ("Sigmoid", "GlobalAveragePool"),
+                                        ("HardSigmoid", "ReduceMean")])
+def test_segment_binds_every_node_and_reuses_its_plan(gate, pool):
+    model = _block_model(gate=gate, pool=pool, opset=18 if pool == "ReduceMean" else 17)
     x = np.random.default_rng(3).standard_normal((1, 3, 12, 12)).astype(np.float32)
     deferred.wait_ready(240)
     segment, feeds = _segment_and_feeds(model, x)
@@ -290,3 +296,52 @@ def test_new_weight_arrays_are_planned_anew_once_then_run_node_by_node():
         got = segment(*copies())
         np.testing.assert_allclose(got[0], expected, rtol=1e-4, atol=1e-5)
     assert list(segment.plans.values()) == [None] and first is not None  # planned anew once, then node by node
+
+
+AVX2_SCRIPT = r"""
+import gc, json, sys
+import numpy as np
+from onnx_runtime_ep_cpu.compiled import deferred, host
+host.AVX512 = False  # the AVX2 kernels (direct tiles, depthwise lanes) on an AVX-512 host too
+import onnx_runtime as ort
+from onnx_runtime_ep_cpu.algorithms import segment_steps
+from onnx_runtime_ep_cpu.ops.segment import Segment
+options = ort.SessionOptions()
+options.intra_op_num_threads = 1
+sess = ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
+x = np.load(sys.argv[2])
+outputs = [sess.run(None, {"x": x}) for _ in range(1)]
+deferred.wait_ready(240)
+outputs += [sess.run(None, {"x": x}) for _ in range(2)]
+plans = [p for s in gc.get_objects() if isinstance(s, Segment) for p in s.plans.values()]
+kernels = [a for p in plans if p is not None for f, a in p._steps if f is segment_steps._run_kernel]
+flat = [np.concatenate([o.reshape(-1) for o in run]) for run in outputs]
+np.save(sys.argv[2].replace("x.npy", "y.npy"), np.stack(flat))
+print(json.dumps({"plans": len([p for p in plans if p is not None]), "kernels": len(kernels)}))
+"""
+
+
+def test_avx2_kernels_bind_too(tmp_path):
+    """On AVX2 hosts (forced here in a fresh process) the depthwise convolutions take the depthwise lanes, which
+    bind as the tiles do: every node prepared, the same values as onnxruntime."""
+    import json
+    import subprocess
+    import sys
+
+    from onnx_runtime_ep_cpu.compiled import host
+
+    if not host.AVX2:
+        pytest.skip("the AVX2 kernels need an AVX2 host")
+    model = _block_model()
+    path = tmp_path / "block.onnx"
+    onnx.save(model, path)
+    x = np.random.default_rng(21).standard_normal((1, 3, 12, 12)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    done = subprocess.run([sys.executable, "-c", AVX2_SCRIPT, str(path), str(tmp_path / "x.npy")], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {"plans": 1, "kernels": 0}
+    expected = np.concatenate([o.reshape(-1) for o in _oracle(model, x)])
+    for run in np.load(tmp_path / "y.npy"):
+        np.testing.assert_allclose(run, expected, rtol=1e-4, atol=1e-5)

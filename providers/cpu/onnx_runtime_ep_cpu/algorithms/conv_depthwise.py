@@ -171,6 +171,20 @@ class LanesDepthwise:
             return y
         return self.run(x, w, finish.bias, None, finish.bounds)
 
+    def bind(self, x, w, b, finish, y):
+        """``[(loop, arguments)]``: __call__'s computation into the C-contiguous ``y`` prepared once (a segment's
+        bound plan); None with a residual."""
+        if finish is None:
+            return self.bind_run(x, w, b, self._identity, False, y)
+        return None if finish.residual.size else self.bind_run(x, w, finish.bias, finish.bounds, False, y)
+
+    def bind_run(self, x, w, b, bounds, hard_swish, y):
+        """``run``'s call (without a residual) into ``y``, prepared once."""
+        kernel = self._kernel
+        weights = self._prepared.get("depthwise_lanes", (w,), lambda: kernel.pack_weights(w))
+        bias = self._no_bias if b is None or not b.size else b.astype(np.float32).reshape(-1)
+        return [(kernel.conv_depthwise, (x, weights, self._offsets, bias, bounds, y, *self._geometry, hard_swish))]
+
     def run(self, x, w, b, residual, bounds, hard_swish=False):
         """activation(the convolution + b) (then HardSwish where ``hard_swish``); ``residual`` must be None."""
         kernel = self._kernel

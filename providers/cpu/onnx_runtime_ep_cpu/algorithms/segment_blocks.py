@@ -1,11 +1,12 @@
 """Blocks of several nodes that a segment's bound plan (segment_steps.py) runs as one compiled call.
 
-Squeeze-excitation (MobileNetV3, EfficientNet, RegNetY): x -> GlobalAveragePool -> 1x1 convolution [+ its
-activation, or a Relu or SiLU node] -> 1x1 convolution [+ its activation] -> HardSigmoid or Sigmoid -> Mul with
-x. Run node by node it is seven prepared calls on vectors of a few hundred values, each costing more than its
-arithmetic; as one (compiled/segment_loops.squeeze_excite) it is one. Matched on the segment's nodes as the CPU
-fusions leave them (a convolution's activation fused into it or a node after it), whichever exporter wrote
-them; every value inside the block must be read by the block's next node alone.
+Squeeze-excitation (MobileNetV3, EfficientNet, RegNetY): x -> GlobalAveragePool (or ReduceMean over the planes)
+-> 1x1 convolution [+ its activation, or a Relu or SiLU node] -> 1x1 convolution [+ its activation] ->
+HardSigmoid or Sigmoid -> Mul with x. Run node by node it is seven prepared calls on vectors of a few hundred
+values, each costing more than its arithmetic; as one (compiled/segment_loops.squeeze_excite) it is one.
+Matched on the segment's nodes as the CPU fusions leave them (a convolution's activation fused into it or a
+node after it), whichever exporter wrote them; every value inside the block must be read by the block's next
+node alone.
 """
 
 from __future__ import annotations
@@ -40,8 +41,22 @@ def _pointwise_conv(inner, env, constants, channels_in: int):
     return w.reshape(w.shape[0], channels_in), bias, epilogue.activation_bounds(kind, params, np.float32)
 
 
+def _spatial_mean(inner, env, constants) -> bool:
+    """Whether a segment node is the mean over a 4-D tensor's planes, kept as (N, C, 1, 1): GlobalAveragePool,
+    or ReduceMean over axes 2 and 3 (the dynamo exporter's spelling) with keepdims."""
+    node = inner.node
+    if _plain(node, "GlobalAveragePool"):
+        return True
+    if not _plain(node, "ReduceMean") or not node.attr("keepdims", 1):
+        return False
+    axes = node.attr("axes")
+    if len(inner.inputs) > 1 and inner.inputs[1] >= 0:
+        axes = env[inner.inputs[1]] if inner.inputs[1] in constants else None
+    return axes is not None and sorted(int(a) % 4 for a in np.asarray(axes).reshape(-1)) == [2, 3]
+
+
 def squeeze_excitations(segment, env, constants) -> dict:
-    """{index of the block's GlobalAveragePool: (indices of its nodes, the slot of its product, bind)} for each
+    """{index of the block's pooling node: (indices of its nodes, the slot of its product, bind)} for each
     squeeze-excitation block of ``segment`` (ops/segment.Segment) whose values in ``env`` (its node-by-node
     run) are float32; ``bind(buffers, output) -> (loop, arguments)``."""
     chain = _Chain(segment, env, constants)
@@ -49,8 +64,7 @@ def squeeze_excitations(segment, env, constants) -> dict:
     for first, pool in enumerate(segment.inner):
         x_slot = pool.inputs[0] if pool.inputs else -1
         x = env[x_slot] if x_slot >= 0 else None
-        if _plain(pool.node, "GlobalAveragePool") and isinstance(x, np.ndarray) and x.ndim == 4 \
-                and x.dtype == np.float32:
+        if isinstance(x, np.ndarray) and x.ndim == 4 and x.dtype == np.float32 and _spatial_mean(pool, env, constants):
             block = chain.match(first, x_slot, x)
             if block is not None:
                 found[first] = block

@@ -5,7 +5,7 @@ A node's calls come from its binder (BINDERS, by operator): ``binder(node, kerne
 gets the node's kernel for these shapes, its input and output buffers and which inputs are constants (the
 segment's read-only inputs: weights), and returns ``[(function, arguments), ...]`` that write the outputs, or
 None where it cannot prepare this node (then its kernel runs, and its results are copied into the buffers).
-Convolution and pooling kernels bind themselves (their ``bind`` attribute, ops/conv.py and ops/pool.py): the
+Convolution, pooling and mean kernels bind themselves (their ``bind``: ops/conv.py, pool.py, reduction.py): the
 compiled loop with the packed weights, offsets and epilogue it would be called with. Reshapes and Flatten are
 views of their input's buffer.
 """
@@ -199,7 +199,8 @@ def _bind_block(block, env, buffers, steps, skipped, pool) -> None:
 
 # -- binders ----------------------------------------------------------------------------------------------
 def _bind_own(node, kernel, inputs, outputs, constant):
-    """Kernels that prepare their own calls (their ``bind``: convolutions, ops/conv.py; pools, ops/pool.py)."""
+    """Kernels that prepare their own calls (their ``bind``: convolutions, ops/conv.py; pools, ops/pool.py;
+    trailing-axes means, ops/reduction.py)."""
     bind = getattr(kernel, "bind", None)
     return bind(inputs, outputs, constant) if bind is not None else None
 
@@ -307,7 +308,8 @@ def _bind_sigmoid(node, kernel, inputs, outputs, constant):
 
 
 BINDERS = {
-    "Conv": _bind_own, "FusedConv": _bind_own, "MaxPool": _bind_own, "AveragePool": _bind_own, "Relu": _bind_relu,
+    "Conv": _bind_own, "FusedConv": _bind_own, "MaxPool": _bind_own, "AveragePool": _bind_own, "ReduceMean": _bind_own,
+    "Relu": _bind_relu,
     "HardSigmoid": _bind_hard_sigmoid,
     "HardSwish": _bind_hard_swish, "Mul": _binary(np.multiply), "Add": _binary(np.add),
     "GlobalAveragePool": _bind_global_average_pool, "Gemm": _bind_gemm, "Swish": _bind_swish,

@@ -161,6 +161,15 @@ class _TrailingMeans:
                 self._plans[key] = found
         return found
 
+    def bind(self, x, axes, y):
+        """``[(loop, arguments)]``: the plane loop's call for x into the C-contiguous ``y`` prepared once (a
+        segment's bound plan), or None where it does not apply."""
+        plan = self.plan(x, axes) if x.flags.c_contiguous else None
+        if plan is None or plan[1] > self._loops.PLANE_SUM_LIMIT or y.shape != plan[2] or y.dtype != x.dtype:
+            return None
+        rows, size, _ = plan
+        return [(self._loops.plane_means, (x.reshape(rows, size), y.reshape(rows), size if self._mean else 1))]
+
     def __call__(self, x, plan):
         rows, size, shape = plan
         flat = x.reshape(rows, size)
@@ -191,7 +200,22 @@ def _reducing(reducer, keepdims: bool, noop: bool):
                 return (trailing(x, plan),)
         return (_reduce(reducer, x, axes, keepdims, noop),)
 
+    kernel.trailing = trailing
     return kernel
+
+
+def _bindable(kernel, axes_of):
+    """``kernel`` (a node's) with ``bind(inputs, outputs, constant)`` for a segment's bound plan: the trailing
+    means' loop, the axes from ``axes_of(inputs)`` (constants only)."""
+    trailing = kernel.trailing
+
+    def bind(inputs, outputs, constant):
+        axes = axes_of(inputs, constant)
+        if trailing is None or axes is False or inputs[0].dtype not in (np.float32, np.float64):
+            return None
+        return trailing.bind(inputs[0], axes, outputs[0])
+
+    return bind
 
 
 def _attribute_axes_factory(reducer):
@@ -199,7 +223,12 @@ def _attribute_axes_factory(reducer):
         axes, keepdims = node.attr("axes"), bool(node.attr("keepdims", 1))
         kernel = _reducing(reducer, keepdims, False)
         axes = tuple(axes) if axes is not None else None
-        return lambda x: kernel(x, axes)
+
+        def reduce(x):
+            return kernel(x, axes)
+
+        reduce.bind = _bindable(kernel, lambda inputs, constant: axes)
+        return reduce
 
     return factory
 
@@ -209,7 +238,14 @@ def _input_axes_factory(reducer):
         keepdims = bool(node.attr("keepdims", 1))
         noop = bool(node.attr("noop_with_empty_axes", 0))
         kernel = _reducing(reducer, keepdims, noop)
-        return lambda x, axes=None: kernel(x, axes)
+
+        def reduce(x, axes=None):
+            return kernel(x, axes)
+
+        # (axes fed at run time can change between runs: bound only where they are a constant)
+        reduce.bind = _bindable(kernel, lambda inputs, constant: (
+            inputs[1] if len(inputs) > 1 and inputs[1] is not None and constant[1] else False))
+        return reduce
 
     return factory
 
