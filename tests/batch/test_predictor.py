@@ -153,3 +153,49 @@ def test_a_dynamic_batch_axis_takes_batch_size_rows_per_run_for_both_runtimes(ml
     out = predictor({"x": rows[:50]})
     assert batches == [{n} for n in runs]
     np.testing.assert_allclose(out["y"], mlp_reference(rows[:50]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def lookup_model(tmp_path_factory) -> str:
+    """y = table[ids] (Gather), ids: [N, 2] int64 into a 10-row table: an id past the table fails its row."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = numpy_helper.from_array(np.arange(30, dtype=np.float32).reshape(10, 3), "table")
+    graph = helper.make_graph([helper.make_node("Gather", ["table", "ids"], ["y"])], "lookup",
+                              [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 3])], [table])
+    path = tmp_path_factory.mktemp("models") / "lookup.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("runtime", ["onnx_runtime", "onnxruntime"])
+def test_a_dense_column_runs_as_views_and_matches_the_per_row_path(mlp, rows, runtime):
+    """A numeric column is fed as slices of one array (no per-row work); the result equals the same rows given
+    as a column of per-row arrays (the general path), and a flat column is reshaped to the per-row shape."""
+    dense = Predictor(mlp, batch_size=16, runtime=runtime)({"x": rows[:100]})["y"]
+    column = np.empty(100, dtype=object)
+    column[:] = list(rows[:100])
+    general = Predictor(mlp, batch_size=16, runtime=runtime)({"x": column})["y"]
+    assert dense.shape == (100, 4) and dense.dtype == np.float32
+    np.testing.assert_array_equal(dense, general)
+    np.testing.assert_allclose(dense, mlp_reference(rows[:100]), rtol=1e-5, atol=1e-5)
+    flat = Predictor(mlp, batch_size=16, runtime=runtime)({"x": rows[:100].reshape(100, 4, 4)})["y"]
+    np.testing.assert_array_equal(flat, dense)
+
+
+@pytest.mark.parametrize("runtime", ["onnx_runtime", "onnxruntime"])
+def test_a_failing_dense_micro_batch_is_retried_row_by_row(lookup_model, runtime):
+    ids = np.tile(np.arange(2, dtype=np.int64)[None, :], (40, 1)) + np.arange(40, dtype=np.int64)[:, None] % 8
+    ids[13, 1] = 99  # past the 10-row table: this row fails, the other 39 do not
+    predictor = Predictor(lookup_model, batch_size=8, errors="record", runtime=runtime)
+    out = predictor({"ids": ids})
+    assert [i for i, message in enumerate(out["error"]) if message is not None] == [13]
+    table = np.arange(30, dtype=np.float32).reshape(10, 3)
+    for i in range(40):
+        if i != 13:
+            np.testing.assert_array_equal(out["y"][i], table[ids[i]])
+    assert out["y"][13] is None
+    with pytest.raises(Exception, match="99|out of|indices"):
+        Predictor(lookup_model, batch_size=8, runtime=runtime)({"ids": ids})

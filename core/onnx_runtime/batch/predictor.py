@@ -202,24 +202,85 @@ class Predictor:
         args = {arg.name: arg for arg in sess.get_inputs()}
         names = self.outputs or [arg.name for arg in sess.get_outputs()]
         mapping = self._input_columns(columns)
-        rows = {name: padding.column_rows(columns[column], name) for name, column in mapping.items()}
         ids = list(range(n)) if row_ids is None else list(row_ids)
         step = self._step(args)
-        per_row: dict[str, list] = {name: [None] * n for name in names}
+        dense = self._dense_feeds(args, mapping, columns, n)
+        rows = None if dense is not None else self._rows(columns, mapping)
+        blocks: list[tuple[range, list[np.ndarray]]] = []  # dense micro-batches' outputs, rows along axis 0
+        per_row: dict[str, list] | None = None if dense is not None else {name: [None] * n for name in names}
         failures: dict[int, str] = {}
         for start in range(0, n, step):
             chunk = range(start, min(n, start + step))
             try:
+                if dense is not None:
+                    blocks.append((chunk, self._run_dense(sess, names, dense, chunk)))
+                    continue
                 self._run_chunk(sess, args, names, rows, chunk, ids, per_row)
             except Exception:
                 if self.errors == "raise":
                     raise
+                if per_row is None:  # leave the dense path: the failing rows are found one by one below
+                    rows, per_row = self._rows(columns, mapping), self._unblock(names, blocks, n)
+                    dense, blocks = None, []
                 for i in chunk:  # find the failing rows: the others still get their outputs
                     try:
                         self._run_chunk(sess, args, names, rows, range(i, i + 1), ids, per_row)
                     except Exception as exc:
                         failures[i] = f"{type(exc).__name__}: {exc}"
+        if per_row is None:
+            joined = {name: _concatenate([outputs[k] for _, outputs in blocks]) for k, name in enumerate(names)}
+            if all(value is not None for value in joined.values()):
+                return joined, failures
+            per_row = self._unblock(names, blocks, n)
         return {name: _stack(values) for name, values in per_row.items()}, failures
+
+    def _rows(self, columns: dict, mapping: dict) -> dict:
+        return {name: padding.column_rows(columns[column], name) for name, column in mapping.items()}
+
+    @staticmethod
+    def _unblock(names: list, blocks: list, n: int) -> dict[str, list]:
+        per_row: dict[str, list] = {name: [None] * n for name in names}
+        for chunk, outputs in blocks:
+            for name, value in zip(names, outputs):
+                for j, i in enumerate(chunk):
+                    per_row[name][i] = value[j]
+        return per_row
+
+    def _dense_feeds(self, args: dict, mapping: dict, columns: dict, n: int) -> dict | None:
+        """Each input's whole column as one array of the model's dtype, rows along axis 0 (a flat row reshaped
+        to a static per-row shape: views, no per-row work), when every column is a numeric array that needs no
+        padding and the batch axis is dynamic; None sends the batch the general way (per-row arrays, padding,
+        static batches, masks)."""
+        if self.mask_input is not None or not mapping:
+            return None
+        feeds = {}
+        for name, column in mapping.items():
+            arg, data = args[name], columns[column]
+            if not isinstance(data, np.ndarray) or data.dtype == object or data.ndim == 0 or len(data) != n \
+                    or self.pad_to.get(name) or not arg.shape or isinstance(arg.shape[0], int):
+                return None
+            shape = list(arg.shape[1:])
+            if data.ndim - 1 == len(shape) and all(not isinstance(d, int) or d == s for d, s in
+                                                     zip(shape, data.shape[1:])):
+                pass
+            elif all(isinstance(d, int) and d > 0 for d in shape) and \
+                    int(np.prod(data.shape[1:], dtype=np.int64)) == int(np.prod(shape, dtype=np.int64)):
+                data = data.reshape([n, *shape])
+            else:
+                return None  # the general path names the row that does not fit
+            feeds[name] = data.astype(_numpy_type(arg.type, name), copy=False)
+        return feeds
+
+    @staticmethod
+    def _run_dense(sess, names: list, feeds: dict, chunk: range) -> list[np.ndarray]:
+        results = sess.run(names, {name: value[chunk.start:chunk.stop] for name, value in feeds.items()})
+        outputs = [np.asarray(value) for value in results]
+        for name, value in zip(names, outputs):
+            if value.ndim == 0 or len(value) < len(chunk):
+                raise InvalidArgumentError(
+                    f"batch: output {name!r} has shape {list(value.shape)} for {len(chunk)} rows; the predictor "
+                    f"splits outputs into rows along axis 0, so name per-row outputs with outputs=[...]")
+        return [value[:len(chunk)] for value in outputs]
 
     def _step(self, args: dict) -> int:
         static = {arg.shape[0] for arg in args.values() if arg.shape and isinstance(arg.shape[0], int)}
@@ -257,6 +318,13 @@ class Predictor:
                 if lengths is not None:
                     row = padding.trim_output(row, lengths[0], lengths[1][j])
                 per_row[name][i] = row
+
+
+def _concatenate(blocks: list):
+    """The micro-batches' outputs as one array, or None where their per-row shapes or types differ."""
+    if not blocks or len({(b.shape[1:], b.dtype) for b in blocks}) > 1:
+        return None
+    return np.concatenate(blocks) if len(blocks) > 1 else blocks[0]
 
 
 def _stack(values: list):
