@@ -74,7 +74,9 @@ def matmul_panels(x, lda, m, depth, packed, offsets, bias, y, n, residual, flags
     t0 = 0
     while t0 < m:
         left = m - t0
-        mr = 12 if left >= 12 else 8
+        # 12-row tiles, but 13 to 16 rows left as 8 + the rest: 16 rows (a short sequence's) are two whole
+        # 8-row tiles rather than 12 and 4 padded to 8.
+        mr = 12 if left >= 12 and not 12 < left <= 16 else 8
         rows = min(mr, left)
         if left >= mr:
             a, ld = x[t0 * lda:], lda
