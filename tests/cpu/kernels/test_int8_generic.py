@@ -64,6 +64,10 @@ def _consts(a_quantize: bool, dequantize: bool, b_quantize: bool = False, out_si
     return consts
 
 
+def u8_flat(n):
+    return RNG.integers(0, 256, n).astype(np.uint8)
+
+
 def _requantizing_cases():
     a8 = RNG.integers(0, 256, (6, 33)).astype(np.uint8)
     af = _data(6, 33)
@@ -83,6 +87,26 @@ def _requantizing_cases():
                                                _consts(True, True), row, after, np.empty((6, 20), F32))),
         ("qgemm.requantized_batched_product", (_data(3, 5, 16), _data(3, 16, 7), one, zero_offset,
                                                _consts(True, True, b_quantize=True), np.empty((3, 5, 7), F32))),
+        ("qgemm.qgemm", (a8, 7, packed, no_pairs, RNG.integers(-5000, 5000, 20).astype(np.int32), per_column, 120,
+                         0, 255, True, np.empty((6, 20), np.uint8))),
+        ("qgemm.qgemm", (a8, 7, packed, no_pairs, np.zeros(0, np.int32), one, 0, 0, 0, False,
+                         np.empty((6, 20), F32))),
+        ("qgemm.requantized_product_add", (a8, packed, no_pairs, per_column, per_column_offset,
+                                           _consts(False, False), RNG.integers(0, 256, 20).astype(np.uint8),
+                                           np.array([120, 0.1, 128, 0.02, 100, 0.15, 0, 255], np.float64),
+                                           np.empty((6, 20), np.uint8))),
+        ("quantize.requantize_binary", (u8_flat(60), np.array([20, 1]), u8_flat(20), np.array([0, 1]),
+                                        np.array([128, 100, 90]), np.array([0.02, 0.05, 0.04]), 0, 255, False,
+                                        np.empty((3, 20), np.uint8))),
+        ("quantize.requantize_binary", (u8_flat(30), np.array([10, 1]), u8_flat(3), np.array([1, 0]),
+                                        np.array([128, 100, 90]), np.array([0.02, 0.05, 0.04]), 0, 255, True,
+                                        np.empty((3, 10), np.uint8))),
+        ("quantize.requantize", (RNG.integers(-40000, 40000, (2, 3, 5)).astype(np.int32), np.array([10.0, -20, 0]),
+                                 np.array([1e-3, 2e-3, 5e-4]), 120, 0, 255, np.empty((2, 3, 5), np.uint8))),
+        ("quantize.requantize", (RNG.integers(-40000, 40000, (1, 1, 9)).astype(np.int32), np.array([3.0]),
+                                 np.array([1e-3]), -5, -128, 127, np.empty((1, 1, 9), np.int8))),
+        ("quantize.softmax_codes", (RNG.integers(0, 256, (4, 12)).astype(np.uint8),
+                                    np.exp(-np.arange(256) * 0.05), 1 / 256, 0, 0, 255, np.empty((4, 12), np.uint8))),
         ("qgemm.requantized_batched_product", (RNG.integers(0, 256, (2, 4, 9)).astype(np.uint8),
                                                RNG.integers(0, 256, (2, 9, 6)).astype(np.uint8), one, zero_offset,
                                                _consts(False, False), np.empty((2, 4, 6), np.uint8))),

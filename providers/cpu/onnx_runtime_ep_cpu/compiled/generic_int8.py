@@ -116,14 +116,17 @@ def _a_codes(a, consts):
     return _centred_codes(a, consts[A_SCALE], consts[A_ZERO], consts[A_LOW], consts[A_HIGH], consts[A_QUANTIZE] != 0)
 
 
+def _requantized_codes(acc, multiplier, offset, consts):
+    """requantize_affine's codes per column (or per tensor), in float64: saturated, NaN giving 0."""
+    v = np.rint(acc.astype(np.float64) * multiplier + offset) + np.float64(consts[Y_ZERO])
+    v = np.minimum(np.maximum(v, np.float64(consts[Y_LOW])), np.float64(consts[Y_HIGH]))
+    return np.where(np.isnan(v), 0.0, v)
+
+
 def _finish(acc, multiplier, offset, consts, out):
-    """requantize_affine per column (or per tensor) in float64: the saturated codes (NaN: 0), or their float32
-    values."""
-    z, lo, hi = np.float64(consts[Y_ZERO]), np.float64(consts[Y_LOW]), np.float64(consts[Y_HIGH])
-    v = np.rint(acc.astype(np.float64) * multiplier + offset) + z
-    v = np.minimum(np.maximum(v, lo), hi)
-    v = np.where(np.isnan(v), 0.0, v)
-    out[...] = (v - z) * np.float64(consts[Y_SCALE]) if consts[DEQUANTIZE] != 0 else v
+    """The codes, or with ``consts[DEQUANTIZE]`` their float32 values."""
+    v = _requantized_codes(acc, multiplier, offset, consts)
+    out[...] = (v - np.float64(consts[Y_ZERO])) * np.float64(consts[Y_SCALE]) if consts[DEQUANTIZE] != 0 else v
 
 
 def requantized_product(a, packed, pairs, multiplier, offset, consts, out):
@@ -145,6 +148,56 @@ def requantized_batched_product(a, b, multiplier, offset, consts, out):
         _finish(_product(_a_codes(a[i], consts), packed), multiplier, offset, consts, out[i])
 
 
+def _operand(x, step, rows, cols):
+    """requantize_binary's operand as (rows, cols) int32: element (r, c) is x[r * step[0] + c * step[1]]."""
+    at = np.arange(rows)[:, None] * int(step[0]) + np.arange(cols)[None, :] * int(step[1])
+    return x[at].astype(np.int32)
+
+
+def requantize(acc, bias, multiplier, zero, low, high, out):
+    v = np.rint((acc.astype(np.float64) + bias.reshape(1, -1, 1)) * multiplier.reshape(1, -1, 1)) + np.float64(zero)
+    out[...] = np.minimum(np.maximum(v, np.float64(low)), np.float64(high))
+
+
+def requantize_binary(a, a_step, b, b_step, zeros, scales, low, high, multiply, out):
+    rows, cols = out.shape
+    x = (_operand(a, a_step, rows, cols) - np.int32(zeros[0])).astype(np.float64)
+    y = (_operand(b, b_step, rows, cols) - np.int32(zeros[1])).astype(np.float64)
+    sa, sb, sc = scales[0], scales[1], scales[2]
+    v = x * y * (sa * sb / sc) if multiply else (sa * x + sb * y) / sc
+    v = np.rint(v) + np.float64(zeros[2])
+    out[...] = np.minimum(np.maximum(v, np.float64(low)), np.float64(high))
+
+
+def softmax_codes(x, table, y_scale, y_zero, low, high, out):
+    e = table[x.astype(np.int64).max(axis=1, keepdims=True) - x.astype(np.int64)]
+    total = np.cumsum(e, axis=1)[:, -1:]  # summed left to right, as the loop does
+    p = (e / total).astype(_F32)
+    out[...] = _codes(p, _F32(y_scale), _F32(y_zero), _F32(low), _F32(high))
+
+
+def qgemm(a, a_zero, packed, pairs, c, multiplier, zero, low, high, quantized, out):
+    acc = _product(a.astype(np.int16) - np.int16(a_zero), packed)
+    if c.shape[0]:
+        acc = (acc.astype(np.int64) + c.astype(np.int64)).astype(np.int32)  # wraps as the int32 sum does
+    v = acc.astype(np.float64) * multiplier
+    if quantized:
+        v = np.rint(v) + np.float64(zero)
+        v = np.where(np.isnan(v), 0.0, np.minimum(np.maximum(v, np.float64(low)), np.float64(high)))
+    out[...] = v
+
+
+X_ZERO, X_SCALE, BIAS_ZERO, BIAS_SCALE, C_ZERO, C_SCALE, C_LOW, C_HIGH = range(8)  # qgemm's ``add`` layout
+
+
+def requantized_product_add(a, packed, pairs, multiplier, offset, consts, bias, add, out):
+    codes = _requantized_codes(_product(_a_codes(a, consts), packed), multiplier, offset, consts)
+    x = (codes.astype(np.int64) - np.int64(add[X_ZERO])).astype(np.float64)
+    y = (bias.astype(np.int64) - np.int64(add[BIAS_ZERO])).astype(np.float64)
+    v = np.rint((add[X_SCALE] * x + add[BIAS_SCALE] * y) / add[C_SCALE]) + add[C_ZERO]
+    out[...] = np.minimum(np.maximum(v, add[C_LOW]), add[C_HIGH])
+
+
 _COMPILED = "onnx_runtime_ep_cpu.compiled."
 GENERIC_INT8 = {
     _COMPILED + "quantize.quantize": quantize,
@@ -159,4 +212,9 @@ GENERIC_INT8 = {
     _COMPILED + "qgemm.requantized_product": requantized_product,
     _COMPILED + "qgemm.requantized_product_rounded": requantized_product_rounded,
     _COMPILED + "qgemm.requantized_batched_product": requantized_batched_product,
+    _COMPILED + "quantize.requantize": requantize,
+    _COMPILED + "quantize.requantize_binary": requantize_binary,
+    _COMPILED + "quantize.softmax_codes": softmax_codes,
+    _COMPILED + "qgemm.qgemm": qgemm,
+    _COMPILED + "qgemm.requantized_product_add": requantized_product_add,
 }
