@@ -211,3 +211,46 @@ def test_fused_reshape_resolves_copied_dimensions_for_its_planned_shape(op):
         else:
             expected = x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)
         np.testing.assert_array_equal(got, expected)
+
+
+def _mha_block(cross: bool, mask_shape=None, unidirectional=0):
+    """Q, K and V projections (MatMul) -> com.microsoft MultiHeadAttention with the packed bias, the optimizer's
+    self-attention (or cross-attention over ``memory``) form."""
+    b = _Block()
+    source = "memory" if cross else "x"
+    q, k, v = (b.node("MatMul", [name, b.const(_weights(HIDDEN, HIDDEN))])[0] for name in ("x", source, source))
+    inputs = [q, k, v, b.const(_weights(3 * HIDDEN))]
+    if mask_shape is not None:
+        inputs.append("mask")
+    out = b.node("MultiHeadAttention", inputs, domain=CONTRIB, num_heads=HEADS, unidirectional=unidirectional)[0]
+    infos = [_x_info()]
+    if cross:
+        infos.append(helper.make_tensor_value_info("memory", TensorProto.FLOAT, ["batch", "memory", HIDDEN]))
+    if mask_shape is not None:
+        infos.append(helper.make_tensor_value_info("mask", TensorProto.INT32, mask_shape))
+    return b.model(infos, out)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("mask", [None, "raw", "lengths"])
+def test_multi_head_attention_runs_as_onnx_attention(cross, mask):
+    keys = 9 if cross else STEPS
+    mask_value = {None: None, "lengths": np.array([keys, keys - 2], np.int32),
+                  "raw": np.array([[1] * keys, [1] * (keys - 3) + [0] * 3], np.int32)}[mask]
+    proto = _mha_block(cross, None if mask is None else list(mask_value.shape))
+    feeds = {"x": hidden_states()}
+    if cross:
+        feeds["memory"] = RNG.standard_normal((BATCH, keys, HIDDEN)).astype(np.float32)
+    if mask is not None:
+        feeds["mask"] = mask_value
+    session, got, expected = _run_both(proto, feeds)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    ran = _ran_as(session)
+    assert not any(domain == CONTRIB for domain, _ in ran), ran
+    assert ("ai.onnx_runtime.cpu", "FusedMatMul") in ran and ("", "Attention") in ran
+
+
+def test_causal_multi_head_attention_matches_onnxruntime():
+    session, got, expected = _run_both(_mha_block(False, unidirectional=1), {"x": hidden_states()})
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    assert ("", "Attention") in _ran_as(session)

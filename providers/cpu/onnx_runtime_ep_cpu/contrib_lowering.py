@@ -17,6 +17,8 @@ decoder_fusions.py) see the graph an exporter would have written:
 - Attention(input, weights, bias[, mask_index]) without a past, an attention bias or rotary embedding  ->
   MatMul, Add, Split into Q, K and V, ONNX Attention (opset 23; unidirectional is its is_causal), the mask
   as its additive bias (ContribAttentionMask: mask_filter_value on hidden keys, as the contrib kernel adds)
+- MultiHeadAttention of 3-D query, key and value without a past, an attention bias or a beam cache  ->  its
+  packed bias as one Add per projection (FusedMatMul's bias), ONNX Attention, the mask as above
 
 Only nodes whose parameters (gamma, beta, biases, weights) are constants are rewritten: parameters fed at run
 time keep the contrib kernel, which checks them per call. The bias is added to whichever of input and skip a
@@ -213,22 +215,61 @@ class _Lowering:
         nodes.append(self.node("Attention", inputs, [node.outputs[0]], f"{node.name}/attention", 23, **attrs))
         return nodes
 
-    def mask_bias(self, node: Node, mask: str, x: str, nodes: list[Node]) -> str:
-        """The additive bias of ``mask`` for queries and keys of ``x``'s shape: shared by the layers whose inputs
-        the graph declares of one shape (one symbolic dimension is one size), else made per input."""
+    def shape(self, name: str) -> tuple | None:
+        info = self.graph.type_of(name)
+        return tuple(info.shape) if info is not None and info.is_tensor and info.shape is not None else None
+
+    def mask_bias(self, node: Node, mask: str, x: str, nodes: list[Node], keys: str | None = None) -> str:
+        """The additive bias of ``mask`` for the queries of ``x`` and the keys of ``keys`` (``x`` itself when
+        None): shared by the layers whose inputs the graph declares of one shape (one symbolic dimension is one
+        size), else made per input."""
         fill = float(node.attr("mask_filter_value", -10000.0))
-        info = self.graph.type_of(x)
-        shape = tuple(info.shape) if info is not None and info.is_tensor and info.shape is not None \
-            and all(dim is not None for dim in info.shape) else None
-        key = (mask, shape or x, fill)
+        shapes = [self.shape(name) for name in (x, keys or x)]
+        key = (mask, *(shape if shape is not None and None not in shape else name
+                       for shape, name in zip(shapes, (x, keys or x))), fill)
         made = self.masks.get(key)
         if made is None:
-            made = self.fresh(f"{mask}/attention_bias")  # (B, 1, 1 or S, S): its shape is found per run
+            made = self.fresh(f"{mask}/attention_bias")  # (B, 1, 1 or S, T): its shape is found per run
             self.graph.value_info[made] = ValueInfo(made, TypeInfo("tensor", DataType.FLOAT, None))
-            nodes.append(Node("ContribAttentionMask", [mask, x], [made], name=self.fresh(f"{node.name}/mask"),
-                              domain=FUSED_DOMAIN, attrs={"mask_filter_value": fill}, opset=1))
+            nodes.append(Node("ContribAttentionMask", [mask, x, *([keys] if keys else [])], [made],
+                              name=self.fresh(f"{node.name}/mask"), domain=FUSED_DOMAIN,
+                              attrs={"mask_filter_value": fill}, opset=1))
             self.masks[key] = made
         return made
+
+    def multi_head_attention(self, node: Node) -> list[Node] | None:
+        """MultiHeadAttention of 3-D query, key and value (hidden layouts) without a past, an attention bias or a
+        beam cache: the bias split into Q, K and V adds (their projections' biases, which FusedMatMul takes),
+        the ONNX Attention (opset 23) over them, a key-padding mask as its additive bias."""
+        q, k, v, bias, mask = node.inputs[0], _input(node, 1), _input(node, 2), _input(node, 3), _input(node, 4)
+        heads = int(node.attr("num_heads", 0))
+        shapes = [self.shape(name) if name else None for name in (q, k, v)]
+        if heads <= 0 or any(shape is None or len(shape) != 3 or not isinstance(shape[2], int) or shape[2] % heads
+                             for shape in shapes) or any(_input(node, i) for i in range(5, len(node.inputs))) \
+                or not self.unread(node, (1, 2, 3)):
+            return None
+        dtype = self.float_node(node, [q, k, v, bias])
+        sizes = [shape[2] for shape in shapes if shape is not None]
+        if dtype is None or (bias is not None and self.parameters([bias], sum(sizes)) is None):
+            return None
+        nodes: list[Node] = []
+        inputs = [q, k, v]
+        if bias is not None:
+            vector, start = self.graph.initializers[bias], 0
+            for index, (name, size) in enumerate(zip(inputs, sizes)):
+                part = self.fresh(f"{bias}/{'qkv'[index]}")
+                self.graph.initializers[part] = np.ascontiguousarray(vector[start:start + size])
+                biased = self.value(f"{name}/biased", dtype, name)
+                nodes.append(self.node("Add", [name, part], [biased], f"{node.name}/bias_{'qkv'[index]}", 14))
+                inputs[index], start = biased, start + size
+        if mask is not None:
+            inputs.append(self.mask_bias(node, mask, q, nodes, keys=k))
+        scale = float(node.attr("scale", 0.0) or 0.0)
+        attrs = {"q_num_heads": heads, "kv_num_heads": heads, "is_causal": int(node.attr("unidirectional", 0))}
+        if scale:
+            attrs["scale"] = scale
+        nodes.append(self.node("Attention", inputs, [node.outputs[0]], f"{node.name}/attention", 23, **attrs))
+        return nodes
 
     def lowered(self, node: Node) -> list[Node] | None:
         """``node`` as standard operators, or None to keep it."""
@@ -245,6 +286,8 @@ class _Lowering:
                 return self.skip_simplified_norm(node)
             if node.op_type == "Attention":
                 return self.attention(node)
+            if node.op_type == "MultiHeadAttention":
+                return self.multi_head_attention(node)
         elif not node.domain and node.op_type == "SimplifiedLayerNormalization":
             return self.simplified_norm(node)
         return None

@@ -173,13 +173,16 @@ def attention(node, shapes, opset):
 
 @register("ContribAttentionMask", domain=FUSED_DOMAIN, since=1)
 def contrib_attention_mask(node, shapes, opset):
-    """The additive float32 bias (B, 1, S|1, S) of a contrib Attention's mask_index for the queries and keys of
-    its input (B, S, hidden): what contrib_lowering.py feeds the ONNX Attention it runs the node as."""
-    def kernel(mask, x):
-        if x.ndim != 3:
-            raise argument_error(node, f"input has shape {x.shape}; expected (batch, sequence, hidden)")
+    """The additive float32 bias (B, 1, S|1, T) of a contrib attention's key-padding mask for the queries of its
+    input (B, S, hidden) and the keys of ``keys`` (B, T, hidden; the input itself when omitted): what
+    contrib_lowering.py feeds the ONNX Attention it runs the node as."""
+    def kernel(mask, x, keys=None):
+        keys = x if keys is None else keys
+        if x.ndim != 3 or keys.ndim != 3:
+            raise argument_error(node, f"queries {x.shape} and keys {keys.shape}: expected (batch, sequence, "
+                                 f"hidden) each")
         batch, steps = x.shape[0], x.shape[1]
-        return (_padding_bias(node, mask, batch, steps, steps, 0, np.dtype(np.float32)),)
+        return (_padding_bias(node, mask, batch, steps, keys.shape[1], 0, np.dtype(np.float32)),)
 
     return kernel
 
