@@ -246,12 +246,13 @@ _LAYOUTS_PER_SESSION = 16
 
 
 def _layout(session: SessionSide, bindings: tuple, output_names) -> _Layout:
-    key = (tuple(map(id, bindings)), None if output_names is None else tuple(output_names))
+    names = None if output_names is None else tuple(output_names)  # (read once: it may be an iterator)
+    key = (tuple(map(id, bindings)), names)
     layouts = _LAYOUTS.get(session.executor)
     layout = layouts.get(key) if layouts is not None else None
     if layout is not None and layout.holds(bindings):
         return layout
-    layout = _Layout(session, bindings, output_names)  # raises what is wrong with the bindings
+    layout = _Layout(session, bindings, names)  # raises what is wrong with the bindings
     if layouts is None:
         layouts = _LAYOUTS.setdefault(session.executor, {})
     if len(layouts) >= _LAYOUTS_PER_SESSION:  # each generation binds new buffers: the old sets go
