@@ -318,7 +318,7 @@ def encode_graph(model, graph, weights: dict[str, np.ndarray], max_bytes: int) -
     """``graph`` (of ``model``) as ModelProto bytes without the initializers that are still the arrays of
     ``weights`` (returned by name, to be taken from the model when read); None when the arrays the passes made
     (folded or fused weights) take more than ``max_bytes``: reading them back would cost about what making
-    them does, and one such plan would push the others out of the folder."""
+    them does, and one such plan would push the others out of the folder; None too for text ONNX cannot hold."""
     from .ir import Graph
     from .serialize import model_to_proto
 
@@ -328,7 +328,10 @@ def encode_graph(model, graph, weights: dict[str, np.ndarray], max_bytes: int) -
         return None
     light = Graph(graph.name, graph.nodes, graph.inputs, graph.outputs, kept, graph.value_info, graph.opsets,
                   graph.outer_names, graph.doc)
-    return model_to_proto(model, light).SerializeToString(), references
+    try:
+        return model_to_proto(model, light).SerializeToString(), references
+    except ValueError:  # text protobuf cannot hold (a name or string attribute that is not UTF-8): not cached
+        return None
 
 
 def decode_graph(data: bytes, references: list[str], weights: dict[str, np.ndarray]):
