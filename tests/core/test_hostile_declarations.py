@@ -166,3 +166,29 @@ def test_rotary_embedding_caches_of_two_shapes_are_refused():
     while cause is not None:
         assert not isinstance(cause, (IndexError, TypeError)), repr(cause)
         cause = cause.__cause__
+
+
+@pytest.fixture
+def plan_cache_on(tmp_path, monkeypatch):
+    """The persistent plan cache on, in a folder of the test's own (the suite turns it off)."""
+    monkeypatch.setenv("ONNX_RUNTIME_PLAN_CACHE", "1")
+    monkeypatch.setenv("ONNX_RUNTIME_PLAN_CACHE_DIR", str(tmp_path / "plans"))
+
+
+def test_a_graph_name_that_is_not_utf8_does_not_stop_the_plan_cache(plan_cache_on):
+    # Fuzz seed 47: a byte-flipped graph name reached the plan cache's writer as bytes (a UnicodeDecodeError).
+    graph = helper.make_graph([RELU, helper.make_node("Identity", ["r"], ["y"])], "graphXname", [vi("x", [2, 3, 4])],
+                              [vi("y")])
+    data = helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21)]).SerializeToString()
+    data = data.replace(b"graphXname", b"graph\xeename")
+    for _ in range(2):  # written, then read back
+        got = InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": X})[0]
+        np.testing.assert_array_equal(got, np.maximum(X, 0))
+
+
+def test_a_string_attribute_that_is_not_utf8_is_refused_typed_with_the_plan_cache(plan_cache_on):
+    # Fuzz seed 47: Pad's mode b"\xff\xfe" reached the plan cache's writer (a UnicodeEncodeError) before the kernel.
+    pads = numpy_helper.from_array(np.zeros(6, np.int64), "pads")
+    node = helper.make_node("Pad", ["x", "pads"], ["y"], name="pad", mode=b"\xff\xfe")
+    with pytest.raises(InvalidGraphError, match=r"'pad' \(Pad\): attribute 'mode'"):
+        InferenceSession(_model([node], initializers=[pads]), providers=["CPUExecutionProvider"])
