@@ -29,13 +29,12 @@ from .conv_blas import (
 )
 from .conv_depthwise import (
     LanesDepthwise,
-    PairsDepthwise,
     compiled_depthwise,
     conv_depthwise,
     depthwise_compiles,
     depthwise_lanes_apply,
-    pairs_depthwise_apply,
 )
+from .conv_depthwise_small import FlatDepthwise, PairsDepthwise, flat_depthwise_apply, pairs_depthwise_apply
 from .conv_direct import DirectConv, direct_tiles_apply, direct_tiles_before_packed
 from .conv_packed import PackedConv, packed_conv_applies
 from .precision import compute_dtype
@@ -146,6 +145,8 @@ def compiled_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, pr
         return lambda: (DirectConv(geo, group, x.shape, w.shape, prepared), True)
     if group == c and group > 1 and pairs_depthwise_apply(geo, x, m):
         return lambda: (PairsDepthwise(geo, prepared, dtype), True)
+    if group == c and group > 1 and flat_depthwise_apply(geo, x, m):
+        return lambda: (FlatDepthwise(geo, prepared, dtype), True)
     if group == c and group > 1 and depthwise_lanes_apply(geo, x, m):
         return lambda: (LanesDepthwise(geo, prepared), True)
     if group == c and group > 1 and depthwise_compiles(geo, x):

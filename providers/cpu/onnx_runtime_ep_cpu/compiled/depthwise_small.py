@@ -1,9 +1,14 @@
-"""Depthwise 2-D convolution over small planes (a light CNN's late layers: 4x4 to 16x16 outputs) as sums over
-channels: the input turned channels-last once (pixel-major), each output pixel the sum, over the (input pixel,
-tap) pairs its window reaches inside the image, of a tap's weights times an input pixel's channels. The
-inner loop runs over the channels, contiguous in both operands (vectorized); pads cost nothing (the pairs
-list only what lies inside), where the plane-based loops of depthwise.py spend more on copies and edges than
-on the taps of so few pixels.
+"""Depthwise 2-D convolution over small planes (a light CNN's late layers), two ways.
+
+Pair sums (depthwise_pairs), for windows of many taps onto few outputs: the input turned channels-last once
+(pixel-major), each output pixel the sum, over the (input pixel, tap) pairs its window reaches inside the
+image, of a tap's weights times an input pixel's channels. The inner loop runs over the channels, contiguous
+in both operands (vectorized); pads cost nothing (the pairs list only what lies inside), where the plane-based
+loops of depthwise.py spend more on copies and edges than on the taps of so few pixels.
+
+Flat planes (depthwise_flat), for stride-1 windows whose output is the input's size: a channel's whole plane
+as one row of pixels, each tap a pass over it at the tap's offset (a copy with zero margins takes the rows
+above and below the image; a mask per tap zeroes the columns that would wrap into the next row).
 """
 
 from __future__ import annotations
@@ -65,3 +70,42 @@ def depthwise_pairs(x, weights, bias, pairs, starts, bounds, y, x_t, y_t):
         for c in range(channels):
             for p in range(outputs):
                 y[out + _U(c) * outputs + _U(p)] = activate(y_t[_U(p) * channels + _U(c)], low, high, slope)
+
+
+def flat_taps(in_shape, kernel, dilations, begin, dtype) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(shifts, masks, margin)`` of a stride-1 window whose output has the input's shape: tap t reads the
+    flat plane at p + shifts[t] (from a copy with ``margin`` zeros before and after), times masks[t, p] (1 where
+    its column lies inside the image)."""
+    (h, w), (kh, kw), (dh, dw), (bh, bw) = in_shape, kernel, dilations, begin
+    columns = np.arange(h * w) % w
+    shifts, masks = [], []
+    for i in range(kh):
+        for j in range(kw):
+            shifts.append((i * dh - bh) * w + j * dw - bw)
+            masks.append((columns + j * dw - bw >= 0) & (columns + j * dw - bw < w))
+    margin = max(abs(s) for s in shifts)
+    return np.array(shifts, dtype=np.int64), np.array(masks, dtype=dtype).reshape(-1), margin
+
+
+@_fused
+def depthwise_flat(x, weights, bias, shifts, masks, bounds, y, padded, acc):
+    """y (N, C, P) = activation(bias + the depthwise convolution of x (N, C, P)) with one output per channel and
+    a stride-1 window of flat_taps' ``shifts`` and ``masks``, all flat: ``weights`` (C, taps), ``bias`` (C,)
+    (zeros for none), ``bounds`` (epilogue.activation_bounds); ``padded`` (P + 2 * margin, its margins zero)
+    and ``acc`` (P) scratch."""
+    taps, pixels, channels = _U(shifts.shape[0]), _U(acc.shape[0]), _U(bias.shape[0])
+    margin = (_U(padded.shape[0]) - pixels) // _TWO
+    low, high, slope = bounds[0], bounds[1], bounds[2]
+    for n in range(_U(x.shape[0]) // (channels * pixels)):
+        for c in range(channels):
+            base = (_U(n) * channels + _U(c)) * pixels
+            for p in range(pixels):
+                padded[margin + _U(p)] = x[base + _U(p)]
+                acc[p] = bias[c]
+            for t in range(taps):
+                tap = weights[_U(c) * taps + _U(t)]
+                at, row = _U(np.int64(margin) + shifts[t]), _U(t) * pixels
+                for p in range(pixels):
+                    acc[p] += tap * padded[at + _U(p)] * masks[row + _U(p)]
+            for p in range(pixels):
+                y[base + _U(p)] = activate(acc[p], low, high, slope)

@@ -1,5 +1,6 @@
-"""The channels-last depthwise pair sums (compiled/depthwise_small.py, algorithms/conv_depthwise.PairsDepthwise)
-that take 5x5-and-larger depthwise windows over small planes: against a float64 reference (onnx's evaluator
+"""The small-plane depthwise loops (compiled/depthwise_small.py, algorithms/conv_depthwise_small.py): the
+channels-last pair sums (5x5-and-larger windows onto few outputs) and the flat planes (stride-1 windows keeping
+a small plane's size): against a float64 reference (onnx's evaluator
 on the inputs in float64) and onnxruntime, through sessions (the Conv alone, fused with an activation, and
 with a residual sum), for strides, dilations, uneven pads and batches. No ISA-specific code: the loop is plain
 numba, so these run on every host."""
@@ -11,7 +12,7 @@ import onnx_runtime as ort
 import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from onnx_runtime_ep_cpu.algorithms.conv_depthwise import pairs_depthwise_apply
+from onnx_runtime_ep_cpu.algorithms.conv_depthwise_small import flat_depthwise_apply, pairs_depthwise_apply
 from onnx_runtime_ep_cpu.algorithms.window import Geometry
 from onnx_runtime_ep_cpu.compiled import deferred
 from reference64 import run_float64
@@ -24,6 +25,15 @@ CASES = {
     "5x5/2 dilated 2": ((1, 24, 6, 6), (5, 5), dict(pads=[4, 4, 4, 4], strides=[2, 2], dilations=[2, 2])),
     "5x5/(1,2), no pads": ((1, 33, 6, 8), (5, 5), dict(strides=[1, 2])),
 }
+# (x shape, kernel, attributes): each taken by the flat planes
+FLAT_CASES = {
+    "3x3 on 8x8": ((1, 72, 8, 8), (3, 3), dict(pads=[1, 1, 1, 1])),
+    "3x3 on 4x4, 2 images": ((2, 96, 4, 4), (3, 3), dict(pads=[1, 1, 1, 1])),
+    "5x5 on 8x8": ((1, 40, 8, 8), (5, 5), dict(pads=[2, 2, 2, 2])),
+    "3x3 dilated 2 on 6x7": ((1, 8, 6, 7), (3, 3), dict(pads=[2, 2, 2, 2], dilations=[2, 2])),
+    "2x2, uneven pads": ((1, 5, 8, 8), (2, 2), dict(pads=[1, 0, 0, 1])),
+}
+ALL_CASES = {**{("pairs", k): v for k, v in CASES.items()}, **{("flat", k): v for k, v in FLAT_CASES.items()}}
 
 
 def _model(x_shape, kernel, attrs, tail):
@@ -57,12 +67,16 @@ def _geometry(x_shape, kernel, attrs) -> Geometry:
     return Geometry(tuple(x_shape[2:]), kernel, strides, dilations, tuple(pads[:rank]), tuple(pads[rank:]), out)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(ALL_CASES), ids=lambda case: f"{case[0]}: {case[1]}")
 @pytest.mark.parametrize("tail", ["none", "relu", "residual"])
-def test_pair_sums_match_float64_and_onnxruntime(case, tail):
-    x_shape, kernel, attrs = CASES[case]
+def test_small_plane_loops_match_float64_and_onnxruntime(case, tail):
+    x_shape, kernel, attrs = ALL_CASES[case]
     x = np.random.default_rng(1).standard_normal(x_shape).astype(np.float32)
-    assert pairs_depthwise_apply(_geometry(x_shape, kernel, attrs), x, x_shape[1])
+    geo = _geometry(x_shape, kernel, attrs)
+    if case[0] == "pairs":
+        assert pairs_depthwise_apply(geo, x, x_shape[1])
+    else:
+        assert flat_depthwise_apply(geo, x, x_shape[1]) and not pairs_depthwise_apply(geo, x, x_shape[1])
     model = _model(x_shape, kernel, attrs, tail)
     feeds = {"x": x}
     if tail == "residual":
@@ -94,3 +108,12 @@ def test_three_by_three_windows_and_large_planes_keep_the_plane_loops():
     assert not pairs_depthwise_apply(_geometry((1, 8, 4, 4), (5, 5), dict(pads=[2] * 4)), x[:, :8, :4, :4], 8)
     assert not pairs_depthwise_apply(_geometry((1, 16, 4, 4), (5, 5), dict(pads=[2] * 4)),
                                      x[:, :16, :4, :4].astype(np.int32), 16)
+
+
+def test_strided_or_shrinking_windows_and_large_planes_keep_off_the_flat_planes():
+    x = np.zeros((1, 32, 16, 16), np.float32)
+    assert not flat_depthwise_apply(_geometry(x.shape, (3, 3), dict(pads=[1] * 4)), x, 32)  # 256 pixels
+    y = x[:, :, :8, :8]
+    assert not flat_depthwise_apply(_geometry(y.shape, (3, 3), dict(pads=[1] * 4, strides=[2, 2])), y, 32)
+    assert not flat_depthwise_apply(_geometry(y.shape, (3, 3), {}), y, 32)  # no pads: 6x6 out of 8x8
+    assert not flat_depthwise_apply(_geometry(y.shape, (3, 3), dict(pads=[1] * 4)), y, 64)  # two outputs each

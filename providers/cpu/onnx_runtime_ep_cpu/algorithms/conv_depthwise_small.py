@@ -1,0 +1,126 @@
+"""Depthwise convolutions over small planes by compiled/depthwise_small.py's loops: the channels-last pair sums
+(5x5-and-larger windows onto few outputs) and the flat planes (stride-1 windows keeping the plane's size), each
+where it measured faster than the plane loops of compiled/depthwise.py (conv_depthwise.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..compiled import takes as takes_compiled
+from .prepared import Prepared
+from .window import Geometry
+
+# The channels-last pair sums win where each output sums many taps over a small plane: 5x5 windows (and
+# larger) from up to PAIRS_MAX_INPUTS input pixels to up to PAIRS_MAX_OUTPUTS output pixels, with enough
+# channels for a vector (the transposes in and out cost a pass each: 3x3 windows and larger planes keep the
+# plane loops; measured on MobileNetV3's and an EfficientNet's layers: 4x4 planes and 8x8/2 windows 1.5-2.3x
+# faster, 8x8/1 ones 0.9-1.1x).
+PAIRS_MAX_INPUTS, PAIRS_MAX_OUTPUTS = 64, 16
+PAIRS_MIN_TAPS = 25
+PAIRS_MIN_CHANNELS = 16
+# The flat planes win on planes of up to this many pixels (8x8 3x3 windows: 72 channels 8.3 -> 4.9 us, 240
+# channels 19.5 -> 15.5 us; 4x4: 6.2 -> 4.3 us); on 16x16 and larger the plane loops' row tiles are faster.
+FLAT_MAX_PIXELS = 64
+
+
+def pairs_depthwise_apply(geo: Geometry, x: np.ndarray, m: int) -> bool:
+    """Whether the pair sums run this depthwise convolution (one output per channel)."""
+    return (takes_compiled(x) and len(geo.kernel) == 2 and m == x.shape[1] >= PAIRS_MIN_CHANNELS and x.size > 0
+            and math.prod(geo.kernel) >= PAIRS_MIN_TAPS and 0 < math.prod(geo.out) <= PAIRS_MAX_OUTPUTS
+            and math.prod(geo.in_shape) <= PAIRS_MAX_INPUTS)
+
+
+def flat_depthwise_apply(geo: Geometry, x: np.ndarray, m: int) -> bool:
+    """Whether the flat planes run this depthwise convolution: one output per channel, stride 1, the output the
+    input's size, up to FLAT_MAX_PIXELS pixels."""
+    return (takes_compiled(x) and len(geo.kernel) == 2 and m == x.shape[1] and x.size > 0
+            and geo.strides == (1, 1) and tuple(geo.out) == tuple(geo.in_shape)
+            and 0 < math.prod(geo.out) <= FLAT_MAX_PIXELS)
+
+
+class _SmallDepthwise:
+    """One geometry's loop of compiled/depthwise_small.py: ``__call__(x, w, b, finish)`` for conv_path (the bias
+    and activation of ``finish``, an _Epilogue or None, applied as it stores; a residual added after), ``bind``
+    for a segment's bound plan. Subclasses give the loop, the weights' layout and the loop's tables."""
+
+    channels_last = False
+
+    def __init__(self, geo: Geometry, prepared: Prepared, dtype):
+        from ..compiled import depthwise_small, epilogue
+
+        self._module, self._prepared, self._dtype = depthwise_small, prepared, np.dtype(dtype)
+        self._out, self._pixels, self._inputs = geo.out, math.prod(geo.out), math.prod(geo.in_shape)
+        self._identity = epilogue.activation_bounds(epilogue.NONE, (), dtype)
+
+    def _weights(self, w, b):
+        def arranged():
+            m = w.shape[0]
+            bias = np.zeros(m, self._dtype) if b is None else np.array(b.reshape(-1), dtype=self._dtype)
+            flat = w.reshape(m, -1)
+            return np.ascontiguousarray(flat.T if self.channels_last else flat, dtype=self._dtype).reshape(-1), bias
+
+        return self._prepared.get(f"depthwise_small_{type(self).__name__}", (w, b), arranged)
+
+    def _arguments(self, x, w, b, finish, y):
+        weights, bias = self._weights(w, b)
+        bounds = self._identity
+        if finish is not None:
+            bounds = finish.bounds
+            if finish.bias.size:
+                bias = finish.bias
+        return self._loop_arguments(x.reshape(-1), weights, bias, bounds, y.reshape(-1), x.shape[1])
+
+    def __call__(self, x, w, b, finish):
+        residual = finish is not None and finish.residual.size > 0
+        y = np.empty((x.shape[0], x.shape[1], *self._out), dtype=self._dtype)
+        xc = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+        loop = self._loop()
+        if residual:  # finish adds the bias after the residual
+            loop(*self._arguments(xc, w, None, None, y))
+            finish.rows(y.reshape(y.shape[0], y.shape[1], -1), 0, self._pixels)
+        else:
+            loop(*self._arguments(xc, w, b, finish, y))
+        return y
+
+    def bind(self, x, w, b, finish, y):
+        """``[(loop, arguments)]`` into the C-contiguous ``y``, prepared once; None with a residual."""
+        if finish is not None and finish.residual.size:
+            return None
+        return [(self._loop(), self._arguments(x, w, b, finish, y))]
+
+
+class PairsDepthwise(_SmallDepthwise):
+    """The channels-last pair sums (depthwise_small.depthwise_pairs)."""
+
+    channels_last = True
+
+    def __init__(self, geo: Geometry, prepared: Prepared, dtype):
+        super().__init__(geo, prepared, dtype)
+        self._pairs, self._starts = self._module.window_pairs(geo.in_shape, geo.kernel, geo.strides, geo.dilations,
+                                                              geo.begin, geo.out)
+
+    def _loop(self):
+        return self._module.depthwise_pairs
+
+    def _loop_arguments(self, x, weights, bias, bounds, y, c):
+        return (x, weights, bias, self._pairs, self._starts, bounds, y, np.empty(self._inputs * c, self._dtype),
+                np.empty(self._pixels * c, self._dtype))
+
+
+class FlatDepthwise(_SmallDepthwise):
+    """The flat planes (depthwise_small.depthwise_flat)."""
+
+    def __init__(self, geo: Geometry, prepared: Prepared, dtype):
+        super().__init__(geo, prepared, dtype)
+        self._shifts, self._masks, self._margin = self._module.flat_taps(geo.in_shape, geo.kernel, geo.dilations,
+                                                                         geo.begin, self._dtype)
+
+    def _loop(self):
+        return self._module.depthwise_flat
+
+    def _loop_arguments(self, x, weights, bias, bounds, y, c):
+        return (x, weights, bias, self._shifts, self._masks, bounds, y,
+                np.zeros(self._pixels + 2 * self._margin, self._dtype), np.empty(self._pixels, self._dtype))
