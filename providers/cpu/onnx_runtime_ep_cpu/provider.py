@@ -8,6 +8,8 @@ kernels, chosen from the opset-versioned registry, its graph fusions, and the CP
 
 from __future__ import annotations
 
+import importlib
+import sys
 import warnings
 
 from onnx_runtime import KernelMatch, hookimpl
@@ -16,13 +18,21 @@ from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 from . import ops  # noqa: F401  (fills the registry)
 from .arena import ARENA_KEY, apply_arena_settings
 from .compiled import deferred
-from .conv_fusions import CONV_PASSES
-from .decoder_fusions import DECODER_PASSES
-from .fusions import PASSES
-from .precision_fusions import PRECISION_PASSES
-from .qdq_fusions import QDQ_PASSES
 from .registry import NEEDS, lookup, registered_versions
 from .threads import apply_thread_settings
+
+# The fusion passes, by the module that defines each list: imported at the first use of a list (this module's
+# attribute, so a test may replace one), since a session whose plan is cached (onnx_runtime/plan_cache.py) runs none.
+_PASS_MODULES = {"PRECISION_PASSES": "precision_fusions", "QDQ_PASSES": "qdq_fusions", "PASSES": "fusions",
+                 "CONV_PASSES": "conv_fusions", "DECODER_PASSES": "decoder_fusions"}
+
+
+def __getattr__(name: str):
+    module = _PASS_MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(f"{__package__}.{module}"), name)
+    return value
 
 
 class CPUExecutionProvider:
@@ -71,7 +81,8 @@ class CPUExecutionProvider:
     @hookimpl
     def custom_passes(self):
         # PRECISION_PASSES run before the generic optimizer; decoder passes read what PASSES fuse
-        return [*PRECISION_PASSES, *QDQ_PASSES, *PASSES, *CONV_PASSES, *DECODER_PASSES]
+        this = sys.modules[__name__]
+        return [*this.PRECISION_PASSES, *this.QDQ_PASSES, *this.PASSES, *this.CONV_PASSES, *this.DECODER_PASSES]
 
     @hookimpl
     def get_kernel(self, node, shapes, opset, graph):
