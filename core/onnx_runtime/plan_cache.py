@@ -53,6 +53,7 @@ FORMAT = 1  # bumped when what a part holds changes
 MAGIC = b"onnx-runtime plan\n"
 PRUNE_EVERY = 16  # the folder is pruned at a process's first write and every 16 writes after it
 _writes = 0
+_unwritable: set[str] = set()  # folders a write failed in (warned about once)
 SUFFIX = ".plan"
 
 
@@ -111,8 +112,10 @@ class PlanCache:
             if (_writes - 1) % PRUNE_EVERY == 0:  # a scan of the folder costs ms with hundreds of plans in it
                 prune(self.directory, self.limit_bytes)
         except OSError as exc:
-            warnings.warn(f"onnx-runtime: the plan cache in {self.directory!r} could not be written ({exc}); "
-                          f"set {ENV_DIR} to a writable folder or {ENV_ENABLE}=0", RuntimeWarning, stacklevel=3)
+            if self.directory not in _unwritable:  # once per folder and process: a read-only home is common
+                _unwritable.add(self.directory)
+                warnings.warn(f"onnx-runtime: the plan cache in {self.directory!r} could not be written ({exc}); "
+                              f"set {ENV_DIR} to a writable folder or {ENV_ENABLE}=0", RuntimeWarning, stacklevel=3)
 
 
 def _encode(key: str, part: str, meta: dict, sections: dict[str, bytes]) -> bytes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import numpy as np
 import onnx
@@ -209,6 +210,9 @@ def test_an_unwritable_folder_costs_a_warning_not_the_session(tmp_path, monkeypa
     with pytest.warns(RuntimeWarning, match="could not be written"):
         got = _session(_model()).run(None, FEED)[0]
     np.testing.assert_allclose(got, _expected(_model()), rtol=1e-5, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per folder and process
+        _session(_model(scale=2.0)).run(None, FEED)
 
 
 def test_a_bad_size_bound_is_a_typed_error(cache_dir, monkeypatch):
