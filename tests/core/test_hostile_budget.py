@@ -270,3 +270,14 @@ def test_index_and_update_shapes_must_match_the_data(op, feeds, attrs, message):
     s = session([helper.make_node(op, inputs, ["y"], name="mix", **attrs)], declared)
     with pytest.raises(InvalidArgumentError, match=rf"'mix' \({op}\).*{message}"):
         s.run(None, {"x": np.zeros((2, 3), np.float32), **feeds})
+
+
+def test_roi_align_output_over_the_budget_is_refused_before_allocating():
+    # Fuzz seed 48: output_height 2**31 - 1 for 3 RoIs asked numpy for 120 GiB (a MemoryError).
+    node = helper.make_node("RoiAlign", ["x", "rois", "idx"], ["y"], name="roi", output_height=2**31 - 1,
+                            output_width=5, sampling_ratio=1)
+    s = session([node], [vi("x", TensorProto.FLOAT, [1, 1, 4, 4]), vi("rois", TensorProto.FLOAT, [3, 4]),
+                         vi("idx", TensorProto.INT64, [3])], limit=1 << 20)
+    feeds = {"x": np.ones((1, 1, 4, 4), np.float32), "rois": np.zeros((3, 4), np.float32), "idx": np.zeros(3, np.int64)}
+    with pytest.raises(ShapeOverflowError, match=r"'roi'.*RoiAlign's output would take 128,849,018,820 bytes"):
+        s.run(None, feeds)

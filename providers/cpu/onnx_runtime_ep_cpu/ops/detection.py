@@ -87,6 +87,7 @@ def _roi_align_kernel(node, half_pixel: bool):
     def kernel(x, rois, batch_indices):
         _check_roi_inputs(node, x, rois, batch_indices)
         xc = x.astype(compute_dtype(x.dtype), copy=False)
+        budget.check_shape((rois.shape[0], x.shape[1], out_h, out_w), xc.itemsize, "RoiAlign's output")
         y = np.zeros((rois.shape[0], x.shape[1], out_h, out_w), dtype=xc.dtype)
         for i, (roi, b) in enumerate(zip(rois, batch_indices)):
             y[i] = pool(xc[b], roi)
