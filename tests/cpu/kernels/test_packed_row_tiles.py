@@ -37,3 +37,23 @@ def test_rows_do_not_depend_on_their_tile(kernel_threads, rows, width):
     expected = a.astype(np.float64) @ b.astype(np.float64) + bias
     bound = (depth + 4) * np.finfo(np.float32).eps * (np.abs(a).astype(np.float64) @ np.abs(b) + np.abs(bias))
     assert np.all(np.abs(whole - expected) <= bound)
+
+
+def test_a_fed_bias_or_weight_is_read_afresh_on_every_call(kernel_threads):
+    """A call's plan (packed weights, padded bias, task split) is kept for the next call with the same arrays only
+    while they are read-only: a fed (writeable) bias or weight changed in place between calls is read again."""
+    a = RNG.standard_normal((16, 64), dtype=np.float32)
+    b = RNG.standard_normal((64, 100), dtype=np.float32)
+    bias = RNG.standard_normal(100, dtype=np.float32)
+    product = products.PackedProduct()
+    for _ in range(2):
+        first = product(a, b, bias)
+        np.testing.assert_allclose(first, a @ b + bias, rtol=1e-5, atol=1e-4)
+        bias += 1
+        b *= 2
+        np.testing.assert_allclose(product(a, b, bias), a @ b + bias, rtol=1e-5, atol=1e-4)
+    b.flags.writeable = False
+    bias.flags.writeable = False
+    kept = product(a, b, bias)
+    np.testing.assert_array_equal(product(a, b, bias), kept)  # the kept plan: the same bits
+    np.testing.assert_allclose(kept, a @ b + bias, rtol=1e-5, atol=1e-4)

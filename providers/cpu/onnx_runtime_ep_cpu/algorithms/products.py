@@ -46,6 +46,8 @@ class PackedProduct:
         self._offsets: dict[int, np.ndarray] = {}  # per depth: gemm.packed_offsets
         self._task_cache: dict[tuple, tuple] = {}  # per (panels, threads): _tasks
         self._empty = np.empty(0, dtype=np.float32)
+        self._last: tuple | None = None  # (a's shape, b, bias, coefficients, no residual, knobs, the plan)
+        self._jobs = self._workers = None  # compiled.jobs and .workers, imported by the first _plan
 
     @staticmethod
     def applies(a: np.ndarray, b: np.ndarray) -> bool:
@@ -57,43 +59,62 @@ class PackedProduct:
         """a @ b (+ bias) [Gelu with ``coefficients``] (+ residual), as a fresh (..., N) array; ``bias``
         (N,) and ``residual`` (a's rows, N) float32, where given. ``weights``: the constant array ``b``
         is a view of (Gemm's transB), which identifies it from call to call (a view is new each time)."""
+        source = b if weights is None else weights
+        # The last call's plan: a node's product repeats every run with the same shape, arrays and knobs, and
+        # working the plan out again (lookups, the task split, the job's address) costs about as much as a
+        # short sequence's product (measured with this change's commit).
+        last = self._last  # one read: another thread running this node may replace it
+        knobs = (kernel_threads(), KNOBS.split_macs, KNOBS.long_macs, KNOBS.product_tasks_per_thread)
+        if last is not None and a.shape == last[0] and source is last[1] and bias is last[2] \
+                and coefficients is last[3] and (residual is None) is last[4] and knobs == last[5]:
+            plan = last[6]
+        else:
+            plan = self._plan(a, b, source, bias, residual is not None, coefficients, knobs[0])
+            if not source.flags.writeable and (bias is None or not bias.flags.writeable):  # (as Prepared keeps)
+                self._last = (a.shape, source, bias, coefficients, residual is None, knobs, plan)
+        (depth, rows, n, packed, offsets, padded_bias, flags, coefficients, threads, bounds, ranges, scratch,
+         spread, run, call, address, helpers) = plan
+        x = np.ascontiguousarray(a).reshape(-1)
+        residual = self._empty if residual is None else np.ascontiguousarray(residual).reshape(-1)
+        y = np.empty(a.shape[:-1] + (n,), dtype=np.float32)
+        claims = np.zeros(threads, dtype=np.int64)  # per call: what each thread's tasks have given out
+        head = (x, depth, rows, depth, packed, offsets, padded_bias, y.reshape(-1), n, residual, flags, coefficients,
+                bounds, ranges, claims)
+        if spread:
+            run(self._jobs.MATMUL, [(*head, part) for part in range(threads)], helpers, True)
+            return y
+        call(self._jobs.split_matmul, (*head, self._workers.local_mailbox(scratch)), address, scratch, helpers)
+        return y
+
+    def _plan(self, a, b, source, bias, with_residual: bool, coefficients, threads_now: int) -> tuple:
+        """What a call of these shapes, arrays and knobs passes besides its operands (see __call__)."""
         from ..compiled import gemm, jobs, workers
 
+        self._jobs, self._workers = jobs, workers
         matmul = self._matmul
         depth, n = b.shape
-        x = np.ascontiguousarray(a).reshape(-1)
-        rows = x.size // depth
-        packed = self._weights.get("columns", (b if weights is None else weights,), lambda: matmul.pack_columns(b))
+        rows = a.size // depth
+        packed = self._weights.get("columns", (source,), lambda: matmul.pack_columns(b))
         offsets = self._offsets.get(depth)
         if offsets is None:
             offsets = self._offsets[depth] = gemm.packed_offsets(depth)
         flags = 0
         if bias is not None:
             flags |= gemm.BIAS
-            bias = self._bias.get("padded", (bias,), lambda: matmul.pad_bias(bias, n))
+            padded_bias = self._bias.get("padded", (bias,), lambda: matmul.pad_bias(bias, n))
         else:
-            bias = self._empty
-        if residual is not None:
+            padded_bias = self._empty
+        if with_residual:
             flags |= gemm.RESIDUAL
-            residual = np.ascontiguousarray(residual).reshape(-1)
-        else:
-            residual = self._empty
         coefficients = self._empty if coefficients is None else coefficients
-        y = np.empty(a.shape[:-1] + (n,), dtype=np.float32)
         panels = packed.shape[0]
         macs = rows * depth * n
-        threads = max(1, min(kernel_threads(), panels, macs // KNOBS.split_macs))
+        threads = max(1, min(threads_now, panels, macs // KNOBS.split_macs))
         bounds, ranges = self._tasks(panels, threads)
-        claims = np.zeros(threads, dtype=np.int64)  # per call: what each thread's tasks have given out
-        head = (x, depth, rows, depth, packed, offsets, bias, y.reshape(-1), n, residual, flags, coefficients, bounds,
-                ranges, claims)
-        scratch = matmul.scratch_size(depth)
-        if threads > 1 and macs >= KNOBS.long_macs * threads:
-            workers.run(jobs.MATMUL, [(*head, part) for part in range(threads)], helper_count(), True)
-            return y
-        workers.call(jobs.split_matmul, (*head, workers.local_mailbox(scratch)), jobs.MATMUL.address(), scratch,
-                     helper_count() if threads > 1 else 0)
-        return y
+        spread = threads > 1 and macs >= KNOBS.long_macs * threads
+        helpers = helper_count() if spread or threads > 1 else 0
+        return (depth, rows, n, packed, offsets, padded_bias, flags, coefficients, threads, bounds, ranges,
+                matmul.scratch_size(depth), spread, workers.run, workers.call, jobs.MATMUL.address(), helpers)
 
     def _tasks(self, panels: int, threads: int) -> tuple:
         """(bounds, ranges): each thread's even share of the panels cut into up to the product_tasks_per_thread knob's
