@@ -281,3 +281,33 @@ def test_roi_align_output_over_the_budget_is_refused_before_allocating():
     feeds = {"x": np.ones((1, 1, 4, 4), np.float32), "rois": np.zeros((3, 4), np.float32), "idx": np.zeros(3, np.int64)}
     with pytest.raises(ShapeOverflowError, match=r"'roi'.*RoiAlign's output would take 128,849,018,820 bytes"):
         s.run(None, feeds)
+
+
+def _scalar(name, elem=TensorProto.INT64):
+    return vi(name, elem, [])
+
+
+SIGNAL_CASES = {
+    "HannWindow": ([helper.make_node("HannWindow", ["n"], ["y"], name="op")], [_scalar("n")], {"n": 2**40}),
+    "BlackmanWindow": ([helper.make_node("BlackmanWindow", ["n"], ["y"], name="op")], [_scalar("n")], {"n": 2**40}),
+    "MelWeightMatrix": ([helper.make_node("MelWeightMatrix", ["a", "b", "c", "d", "e"], ["y"], name="op")],
+                        [_scalar("a"), _scalar("b"), _scalar("c"), _scalar("d", TensorProto.FLOAT),
+                         _scalar("e", TensorProto.FLOAT)],
+                        {"a": 2**20, "b": 2**22, "c": 16000, "d": np.float32(0), "e": np.float32(8000)}),
+    "DFT": ([helper.make_node("DFT", ["x", "n"], ["y"], name="op")], [vi("x", TensorProto.FLOAT, [1, 4, 1]),
+                                                                     _scalar("n")],
+            {"x": np.ones((1, 4, 1), np.float32), "n": 2**40}),
+    "STFT": ([helper.make_node("STFT", ["x", "s", "", "l"], ["y"], name="op")],
+             [vi("x", TensorProto.FLOAT, [1, 4096, 1]), _scalar("s"), _scalar("l")],
+             {"x": np.ones((1, 4096, 1), np.float32), "s": 1, "l": 2048}),
+}
+
+
+@pytest.mark.parametrize("op", sorted(SIGNAL_CASES))
+def test_signal_outputs_sized_by_inputs_are_checked_against_the_budget(op):
+    # The windows, MelWeightMatrix, DFT's dft_length and STFT's frames asked numpy for TiBs (a MemoryError).
+    nodes, inputs, feeds = SIGNAL_CASES[op]
+    s = session(nodes, inputs, limit=1 << 20)
+    feeds = {name: np.asarray(value) for name, value in feeds.items()}
+    with pytest.raises(ShapeOverflowError, match=rf"'op'.*{op}'s .* would take [\d,]+ bytes .*session.max_value_bytes"):
+        s.run(None, feeds)

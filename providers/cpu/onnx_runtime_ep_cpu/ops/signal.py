@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+from onnx_runtime import budget
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidArgumentError
 
@@ -82,6 +83,7 @@ def _dft(node, x: np.ndarray, dft_length, axis: int, inverse: bool, onesided: bo
         n = 2 * (size - 1) if onesided and inverse else size
     if n < 1:
         raise InvalidArgumentError(f"node {node.name!r} (DFT): dft_length is {n}; expected a positive length")
+    budget.check(signal.size // max(size, 1) * max(n, size), signal.itemsize, "DFT's transform")
     if onesided and inverse:
         # IRFFT: a one-sided spectrum (Hermitian symmetry implied) to a real signal of length n.
         return np.fft.irfft(signal, n, axis=axis)[..., None].astype(x.dtype)
@@ -140,6 +142,8 @@ def stft(node, shapes, opset):
                 f"node {node.name!r} (STFT): frame_step {step} and frame_length {size} must be positive, "
                 f"with frame_length at most the signal length {length}"
             )
+        count = (length - size) // step + 1  # the frames, each transformed into one more array of their size
+        budget.check(signal.shape[0] * count * size, 2 * _complex_dtype(signal.dtype).itemsize, "STFT's frames")
         # frames[b, f, k] = signal[b, f * step + k]
         frames = sliding_window_view(_to_complex(signal), size, axis=1)[:, ::step]
         if window is not None:
@@ -178,6 +182,7 @@ def _cosine_window(coefficients: tuple[float, ...]):
             count = _scalar_int(node, size, "size")
             if count < 0:
                 raise InvalidArgumentError(f"node {node.name!r} ({node.op_type}): size {count} is negative")
+            budget.check(count, 8, f"{node.op_type}'s output")  # (computed in float64)
             if count == 1 and not periodic:
                 return (np.ones(1, dtype),)  # the symmetric formula is 0/0 there; scipy's convention
             # A periodic window is the first N points of a symmetric window of N + 1 points.
@@ -227,6 +232,7 @@ def mel_weight_matrix(node, shapes, opset):
                 f"({n_fft}) and sample_rate ({rate}), and 0 <= lower_edge_hertz ({low}) < upper_edge_hertz ({high})"
             )
         bins = n_fft // 2 + 1
+        budget.check(bins * bands, 8, "MelWeightMatrix's output")  # (computed in float64)
         # bands + 2 edges evenly spaced in mel (the step divides by their count, as ONNX Runtime
         # does), each mapped to the spectrogram bin holding that frequency.
         low_mel, high_mel = _hz_to_mel(low), _hz_to_mel(high)
