@@ -64,7 +64,7 @@ class PackedProduct:
         # working the plan out again (lookups, the task split, the job's address) costs about as much as a
         # short sequence's product (measured with this change's commit).
         last = self._last  # one read: another thread running this node may replace it
-        knobs = (kernel_threads(), KNOBS.split_macs, KNOBS.long_macs, KNOBS.product_tasks_per_thread)
+        knobs = (kernel_threads(), KNOBS.helpers, KNOBS.split_macs, KNOBS.long_macs, KNOBS.product_tasks_per_thread)
         if last is not None and a.shape == last[0] and source is last[1] and bias is last[2] \
                 and coefficients is last[3] and (residual is None) is last[4] and knobs == last[5]:
             plan = last[6]
