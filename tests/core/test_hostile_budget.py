@@ -311,3 +311,26 @@ def test_signal_outputs_sized_by_inputs_are_checked_against_the_budget(op):
     feeds = {name: np.asarray(value) for name, value in feeds.items()}
     with pytest.raises(ShapeOverflowError, match=rf"'op'.*{op}'s .* would take [\d,]+ bytes .*session.max_value_bytes"):
         s.run(None, feeds)
+
+
+def test_attribute_sized_ml_and_text_outputs_are_checked_against_the_budget():
+    # TfIdfVectorizer's width is its largest ngram index + 1, TreeEnsemble's columns its n_targets: attributes of
+    # any size (2**40 asked numpy for TiBs).
+    tfidf = helper.make_node("TfIdfVectorizer", ["x"], ["y"], name="op", mode="TF", min_gram_length=1,
+                             max_gram_length=1, max_skip_count=0, ngram_counts=[0], ngram_indexes=[2**40],
+                             pool_int64s=[3])
+    with pytest.raises(ShapeOverflowError, match=r"'op'.*TfIdfVectorizer's output would take 8,796,093,022,216"):
+        session([tfidf], [vi("x", TensorProto.INT64, [2, 3])], limit=1 << 20).run(
+            None, {"x": np.array([[3, 1, 3], [2, 3, 0]])})
+    trees = helper.make_node(
+        "TreeEnsemble", ["x"], ["y"], name="op", domain="ai.onnx.ml", aggregate_function=1, n_targets=2**40,
+        nodes_featureids=[0], nodes_splits=helper.make_tensor("s", TensorProto.FLOAT, [1], [0.5]),
+        nodes_modes=helper.make_tensor("m", TensorProto.UINT8, [1], [0]), nodes_truenodeids=[0], nodes_trueleafs=[1],
+        nodes_falsenodeids=[0], nodes_falseleafs=[1], tree_roots=[0], leaf_targetids=[0],
+        leaf_weights=helper.make_tensor("w", TensorProto.FLOAT, [1], [1.0]), post_transform=0)
+    graph = helper.make_graph([trees], "g", [vi("x", TensorProto.FLOAT, [2, 1])], [vi("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21),
+                                                    helper.make_operatorsetid("ai.onnx.ml", 5)])
+    s = InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    with pytest.raises(ShapeOverflowError, match=r"'op'.*TreeEnsemble's scores would take 17,592,186,044,416"):
+        s.run(None, {"x": np.ones((2, 1), np.float32)})

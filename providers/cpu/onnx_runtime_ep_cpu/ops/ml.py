@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from ..algorithms.erf import erf
@@ -260,6 +261,7 @@ class _Forest:
         flat = (np.arange(n_rows)[:, None] * self.n_targets + self.targets[leaves]).reshape(-1)
         weights = self.weights[leaves].reshape(-1)
         size = n_rows * self.n_targets
+        budget.check(size, 8, "TreeEnsemble's scores")  # n_targets: an attribute, any size
         if self.aggregate in (_SUM, _AVERAGE):
             total = np.bincount(flat, weights, minlength=size)
             out = total / n_trees if self.aggregate == _AVERAGE else total

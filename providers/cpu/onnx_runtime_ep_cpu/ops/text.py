@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError
 
 from ..registry import register
@@ -299,6 +300,7 @@ def tfidf_vectorizer(node, shapes, opset):
             )
         rows = x.reshape(1, -1) if x.ndim == 1 else x
         tokens = _lookup(spec.vocab, rows.astype(object if spec.strings else np.int64))
+        budget.check(rows.shape[0] * spec.width, 4, "TfIdfVectorizer's output")  # width: the largest ngram index
         counts = spec.counts(tokens)
         y = np.zeros((rows.shape[0], spec.width), dtype=np.float32)
         np.add.at(y, (slice(None), spec.indexes), counts)
