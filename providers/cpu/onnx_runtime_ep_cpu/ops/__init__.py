@@ -27,7 +27,7 @@ FAMILIES = {
     ),
     "contrib_transformer": (
         "com.microsoft:Attention com.microsoft:GroupQueryAttention com.microsoft:MultiHeadAttention "
-        "com.microsoft:RotaryEmbedding"
+        "com.microsoft:RotaryEmbedding ai.onnx_runtime.cpu:ContribAttentionMask"
     ),
     "contrib_weights": "com.microsoft:GatherBlockQuantized com.microsoft:MatMulNBits",
     "control_flow": "If Loop Scan",
