@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import jit
-from .qgemm_tiles import pairs_for, tile_product  # noqa: F401  (pairs_for: the callers' way to the pairs)
+from . import jit, qgemm_tiles
+from .qgemm_tiles import (
+    LANES,
+    pairs_for,  # noqa: F401  (the callers' way to a packed weight's pairs)
+    tile_product,
+)
 from .quantize import dynamic_parameters, fake_quantize_row, requantize_affine, requantized_code
 
+_TILES = qgemm_tiles.AVAILABLE  # a constant for numba: the branch on it compiles away
 _BLOCK = 32  # columns of packed B per pass over A: 32 rows of K int16 stay in the L1/L2 cache
 
 
@@ -177,18 +182,45 @@ def requantized_product_rounded(a, packed, pairs, multiplier, offset, consts, ro
 
 
 @jit
+def _centred_pairs(b, scale, zero, low, high, quantize, out):
+    """centred_columns straight into qgemm_tiles' pairs: out[k2, n, t] = code(b[2*k2 + t, n]) - zero as int16 for
+    (K, N) ``b``, zero past K and past N; a row of B is a contiguous run of n."""
+    z, lo, hi = np.float32(zero), np.float32(low), np.float32(high)
+    depth, columns = b.shape
+    out[:] = 0
+    for k in range(depth):
+        k2, t = k // 2, k % 2
+        if quantize:
+            for n in range(columns):
+                out[k2, n, t] = np.int16(_code(b[k, n], scale, z, lo, hi) - z)
+        else:
+            for n in range(columns):
+                out[k2, n, t] = np.int16(b[k, n]) - np.int16(zero)
+
+
+@jit
 def requantized_batched_product(a, b, multiplier, offset, consts, out):
     """requantized_product of stacked operands, (L, M, K) ``a`` by (L, K, N) ``b`` (both varying: attention's
-    products), each b[i] quantized (or centred) into the packed form on the fly; per-tensor parameters."""
+    products), each b[i] quantized (or centred) into the packed form on the fly (qgemm_tiles' pairs where the
+    host has the tiles); per-tensor parameters."""
     count, rows, depth = a.shape
     columns = b.shape[2]
     centred = np.empty((rows, depth), np.int16)
-    packed = np.empty((columns, depth), np.int16)
     acc = np.empty((rows, columns), np.int32)
+    b_scale, b_zero = np.float32(consts[B_SCALE]), consts[B_ZERO]
+    b_low, b_high, b_quantize = consts[B_LOW], consts[B_HIGH], consts[B_QUANTIZE] != 0
+    if _TILES:
+        pairs = np.empty(((depth + 1) // 2, (columns + LANES - 1) // LANES * LANES, 2), np.int16)
+        for i in range(count):
+            _rows_of(a[i], consts, centred)
+            _centred_pairs(b[i], b_scale, b_zero, b_low, b_high, b_quantize, pairs)
+            tile_product(centred, pairs, acc)
+            _finish(acc, multiplier, offset, consts, out[i])
+        return
+    packed = np.empty((columns, depth), np.int16)
     for i in range(count):
         _rows_of(a[i], consts, centred)
-        centred_columns(b[i], np.float32(consts[B_SCALE]), consts[B_ZERO], consts[B_LOW], consts[B_HIGH],
-                        consts[B_QUANTIZE] != 0, packed)
+        centred_columns(b[i], b_scale, b_zero, b_low, b_high, b_quantize, packed)
         _centred_product(centred, packed, _NO_PAIRS, acc)
         _finish(acc, multiplier, offset, consts, out[i])
 
