@@ -9,9 +9,10 @@ where a node cannot be prepared. The values computed are those of the nodes: eac
 operator's algorithm.
 
 A segment is a maximal run of nodes, consecutive in the graph's order, of the operators in SEGMENT_OPS
-(convolutions, their activations, pooling, residual sums, squeeze-excitation products, the classifier head),
-with at least MIN_CONVOLUTIONS convolutions. Its inputs are what its nodes read from outside it (weights
-included), its outputs what anything after it (or the graph) reads.
+(convolutions, their activations, pooling, residual sums, squeeze-excitation products, the classifier head)
+whose outputs have at most MAX_VALUE_ELEMENTS elements, with at least MIN_CONVOLUTIONS convolutions. Its inputs
+are what its nodes read from outside it (weights included), its outputs what anything after it (or the graph)
+reads.
 
 The environment variable ONNX_RUNTIME_SEGMENTS=0 turns the fusion off (sessions created after it is set run
 the nodes one by one, as before it existed: for comparisons).
@@ -32,10 +33,14 @@ SEGMENT_OPS = frozenset({
     ("", "Sigmoid"), ("", "Mul"), ("", "Add"), ("", "GlobalAveragePool"), ("", "MaxPool"), ("", "AveragePool"),
     ("", "Flatten"), ("", "Gemm"), ("", "ReduceMean"), ("", "Reshape"), ("", "Clip"), ("", "LeakyRelu"),
     ("", "BatchNormalization"), (FUSED_DOMAIN, "FusedBatchNormalization"), ("", "Swish"),
+    # between convolutions in other CNNs (Inception's and SqueezeNet's Concat, AlexNet's LRN, a closing Softmax)
+    ("", "Concat"), ("", "Softmax"), ("", "Transpose"), ("", "Squeeze"), ("", "Unsqueeze"), ("", "Identity"),
+    ("", "Sub"), ("", "Div"), ("", "Tanh"), ("", "LRN"), ("", "Pad"), ("", "Dropout"),
 })
 _CONVOLUTIONS = frozenset({"Conv", "FusedConv"})
 MIN_CONVOLUTIONS = 2  # a lone convolution (a transformer's patch embedding) gains nothing
 ENV = "ONNX_RUNTIME_SEGMENTS"
+MAX_VALUE_ELEMENTS = 1 << 16
 
 
 def _takes(node: Node) -> bool:
@@ -49,11 +54,25 @@ def _takes(node: Node) -> bool:
     return len([o for o in node.outputs if o]) == 1 and bool(node.outputs[0])
 
 
+def _small(graph: Graph, node: Node) -> bool:
+    """Whether the node's output has at most MAX_VALUE_ELEMENTS elements (a symbolic or unknown dimension counted
+    as 1: a batch): a value where a node's Python costs about what its arithmetic does. Larger maps (the early
+    layers at 224x224) gain nothing from a segment, whose plan would copy or hold them."""
+    info = graph.type_of(node.outputs[0])
+    shape = info.shape if info is not None and info.is_tensor else None
+    if shape is None:
+        return True
+    count = 1
+    for dim in shape:
+        count *= dim if isinstance(dim, int) else 1
+    return count <= MAX_VALUE_ELEMENTS
+
+
 def _runs(graph: Graph, owns) -> list[list[Node]]:
     runs: list[list[Node]] = []
     current: list[Node] = []
     for node in graph.nodes:
-        if _takes(node) and (owns is None or owns(node)):
+        if _takes(node) and (owns is None or owns(node)) and _small(graph, node):
             current.append(node)
             continue
         if current:

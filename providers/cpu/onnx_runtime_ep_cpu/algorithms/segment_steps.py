@@ -21,7 +21,10 @@ import numpy as np
 from .activations import hard_swish_steps
 from .segment_blocks import squeeze_excitations
 
-_VIEWS = frozenset({"Flatten", "Reshape"})
+_VIEWS = frozenset({"Flatten", "Reshape", "Squeeze", "Unsqueeze", "Identity"})
+# A plan whose unprepared nodes' outputs (copied into their buffers on every run) pass this many bytes is not
+# made: the copies cost more than the Python a plan saves (ShuffleNet's grouped convolutions at 224x224).
+COPY_LIMIT_BYTES = 256 << 10
 
 
 class BoundPlan:
@@ -163,6 +166,9 @@ def build_plan(segment, env: list, limit_bytes: int) -> BoundPlan | None:
             pool.after(index, buffers)
     except _TooLarge:
         return None
+    copied = sum(a[2][0].nbytes for f, a in steps if f is _run_kernel)
+    if copied > COPY_LIMIT_BYTES or all(f is _run_kernel for f, _ in steps):
+        return None  # (its kernels' outputs copied into the buffers would cost more than the plan saves)
     return BoundPlan(feeds, constants, steps, [buffers[s] for s in segment.results], pool.total)
 
 
@@ -307,11 +313,22 @@ def _bind_sigmoid(node, kernel, inputs, outputs, constant):
     return [(sigmoid_into, (x.reshape(-1), y.reshape(-1)))]
 
 
+def _bind_concat(node, kernel, inputs, outputs, constant):
+    """Concat into its buffer in one call (the inputs' own buffers are read in place)."""
+    y = outputs[0]
+    if any(x is None or x.dtype != y.dtype or x.ndim != y.ndim for x in inputs):
+        return None
+    axis = int(node.attr("axis", 0)) % y.ndim
+    if sum(x.shape[axis] for x in inputs) != y.shape[axis]:
+        return None
+    return [(functools.partial(np.concatenate, axis=axis, out=y), (tuple(inputs),))]
+
+
 BINDERS = {
     "Conv": _bind_own, "FusedConv": _bind_own, "MaxPool": _bind_own, "AveragePool": _bind_own, "ReduceMean": _bind_own,
     "Relu": _bind_relu,
     "HardSigmoid": _bind_hard_sigmoid,
     "HardSwish": _bind_hard_swish, "Mul": _binary(np.multiply), "Add": _binary(np.add),
     "GlobalAveragePool": _bind_global_average_pool, "Gemm": _bind_gemm, "Swish": _bind_swish,
-    "Sigmoid": _bind_sigmoid,
+    "Sigmoid": _bind_sigmoid, "Concat": _bind_concat, "Sub": _binary(np.subtract),
 }

@@ -1,20 +1,24 @@
 """FusedSegment (segment_fusions.py): a run of convolution-network nodes as one kernel.
 
-Every input signature first runs the nodes one by one with their own kernels (built for the concrete
-shapes the signature gives them). From its second run on, once the compiled kernels have loaded
-(compiled/deferred.py), the signature gets a *bound plan* (algorithms/segment_steps.py): every value of the
-segment in a buffer allocated once, and each node as a few prepared calls over those buffers (a compiled
-convolution's loop with its arguments bound, a numpy ufunc with ``out=``), or as its own kernel whose
-outputs are copied into their buffers where it cannot be prepared. A run of the plan is then one Python
-loop over those calls: the feeds copied in, the outputs copied out (fresh arrays, as node kernels return).
+While a new process serves its first runs from numpy (compiled/deferred.py), the segment runs its nodes one
+by one with their own kernels (built for the concrete shapes each signature gives them). Once the compiled
+kernels have loaded, each input signature gets a *bound plan* (algorithms/segment_steps.py) at its next run:
+every value of the segment in a buffer allocated once, and each node as a few prepared calls over those
+buffers (a compiled convolution's loop with its arguments bound, a numpy ufunc with ``out=``), or as its own
+kernel whose outputs are copied into their buffers where it cannot be prepared. A run of the plan is then one
+Python loop over those calls: the feeds copied in, the outputs copied out (fresh arrays, as node kernels
+return).
 
-The plan is checked once against the node-by-node run it was built from, and dropped where they differ.
-One run uses a plan at a time (its buffers are shared): a concurrent run of the same signature runs the
-nodes one by one. Plans over POOL_LIMIT_BYTES of buffers are not made (the node-by-node run frees each
-value after its last reader).
+The plan is checked once against the node-by-node run it was built from (to float rounding: a prepared call
+may sum in another order), and dropped where they differ; from then on every run of the signature returns
+the plan's values. One run uses a plan at a time (its buffers are shared): concurrent runs of a signature get
+copies of its plan, up to _COPIES, then wait for one. Plans over POOL_LIMIT_BYTES of buffers are not made
+(the node-by-node run frees each value after its last reader).
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 from onnx_runtime.errors import OnnxRuntimeError
@@ -26,6 +30,7 @@ from ..registry import NEEDS, lookup, register
 
 POOL_LIMIT_BYTES = 64 << 20
 _SIGNATURES = 16  # bound plans (and node kernels) kept per segment; past that, they start over
+_COPIES = 4  # plans per signature at most, for as many concurrent runs (more wait for the first)
 
 
 class _Inner:
@@ -80,10 +85,11 @@ class Segment:
             inner.release = tuple(s for s, last in last_use.items() if last == index and s not in keep)
         self.name = node.name
         self.output_names = tuple(node.outputs)
-        self.plans: dict[tuple, BoundPlan | None] = {}
+        # per signature: its plans (copies for concurrent callers), or None where it runs node by node
+        self.plans: dict[tuple, list[BoundPlan] | None] = {}
         self.last: BoundPlan | None = None
         self.replanned: set[tuple] = set()
-        self.seen: set[tuple] = set()
+        self.lock = threading.Lock()  # planning
 
     def __call__(self, *inputs):
         plan = self.last  # the plan of the signature last run: usually this one's (one read: threads swap it)
@@ -93,33 +99,32 @@ class Segment:
             finally:
                 plan.lock.release()
         key = tuple([(x.shape, x.dtype) if isinstance(x, np.ndarray) else None for x in inputs])
-        plan = self.plans.get(key)
-        if plan is not None and not plan.fits(inputs):
-            plan = self._other_constants(key)
-        elif plan is not None and plan.lock.acquire(False):
-            self.last = plan
-            try:
-                return plan.run(inputs)
-            finally:
-                plan.lock.release()
-        if plan is None and key in self.seen and key not in self.plans and not deferred.numpy_first():
+        plans = self.plans.get(key, ())
+        if plans and not plans[0].fits(inputs):
+            plans = self._other_constants(key)
+        if plans is None or deferred.numpy_first():
+            return self._node_by_node(inputs, keep_all=False)[1]
+        for plan in plans:
+            if plan.lock.acquire(False):
+                self.last = plan
+                try:
+                    return plan.run(inputs)
+                finally:
+                    plan.lock.release()
+        if len(plans) < _COPIES:  # (none yet, or all busy: another copy, computing the same values)
             return self._plan_and_run(key, inputs)
-        if len(self.seen) >= _SIGNATURES:
-            self.seen.clear()
-            self.plans.clear()
-            self.last = None
-        self.seen.add(key)
-        return self._node_by_node(inputs, keep_all=False)[1]
+        with plans[0].lock:
+            return plans[0].run(inputs)
 
     def _other_constants(self, key):
         """A read-only input is not the array the plan was bound to (weights fed as an input): planned anew
         once; a signature whose constants keep changing runs node by node from then on (None is kept)."""
         if key in self.replanned:
             self.plans[key] = None
-        else:
-            self.replanned.add(key)
-            self.plans.pop(key, None)
-        return None
+            return None
+        self.replanned.add(key)
+        self.plans.pop(key, None)
+        return ()
 
     def _node_by_node(self, inputs, keep_all: bool):
         env: list = [None] * self.slot_count
@@ -141,21 +146,33 @@ class Segment:
         return env, tuple(env[s] for s in self.results)
 
     def _plan_and_run(self, key, inputs):
+        """Plan this signature (another copy where its plans are busy) from a node-by-node run of ``inputs``,
+        check the plan against it, and return the plan's outputs: every run of a planned signature gives the
+        plan's values, whichever copy and however many threads. A plan that cannot be made or disagrees leaves
+        the signature to the nodes for good."""
         env, outputs = self._node_by_node(inputs, keep_all=True)
-        plan = None
         try:
             plan = build_plan(self, env, POOL_LIMIT_BYTES)
         except OnnxRuntimeError:
-            plan = None  # the nodes keep running one by one for this signature
+            plan = None
         if plan is not None:
             with plan.lock:
-                checked = plan.run(inputs)
-            if not all(_close(a, b) for a, b in zip(checked, outputs)):
+                planned = plan.run(inputs)
+            if all(_close(a, b) for a, b in zip(planned, outputs)):
+                outputs = planned
+            else:
                 plan = None
-        if len(self.plans) >= _SIGNATURES:
-            self.plans.clear()
-        self.plans[key] = plan
-        self.last = plan
+        with self.lock:
+            if len(self.plans) >= _SIGNATURES and key not in self.plans:
+                self.plans.clear()
+                self.last = None
+            plans = self.plans.get(key, [])
+            if plan is None:
+                if not plans:
+                    self.plans[key] = None
+            else:
+                self.plans[key] = [*(plans or []), plan]
+                self.last = plan
         return outputs
 
 
