@@ -355,15 +355,20 @@ class _Attention:
         return None
 
     def _compiled_bias(self, mask, total: int) -> np.ndarray | None:
-        """The (q_len, total_len) float32 bias the compiled softmax adds (empty for none); None when the
-        mask has another shape or type (the other paths broadcast or pad it)."""
+        """The (q_len, total_len) float32 bias the compiled softmax adds (empty for none), or (q_heads, q_len,
+        total_len): one per query head (T5's relative positions); None for other shapes or types."""
         geo = self.geo
         if mask is None:
             return np.empty((0, 0), np.float32) if self.frontier is None else self.frontier
-        if self.frontier is not None or mask.dtype != np.float32 or mask.ndim < 2\
-                or mask.shape[-2:] != (geo.q_len, total) or any(d != 1 for d in mask.shape[:-2]):
+        lead = mask.shape[:-2]
+        if self.frontier is not None or mask.dtype != np.float32 or mask.ndim < 2 \
+                or mask.shape[-2:] != (geo.q_len, total):
             return None
-        return np.ascontiguousarray(mask.reshape(mask.shape[-2:]))
+        if all(d == 1 for d in lead):
+            return np.ascontiguousarray(mask.reshape(mask.shape[-2:]))
+        if lead[-1] == geo.q_heads and all(d == 1 for d in lead[:-1]):
+            return np.ascontiguousarray(mask.reshape(mask.shape[-3:]))
+        return None
 
     def compiled_attention(self, q, k, v, mask):
         """(Y, present_key, present_value) as in plain_attention, with one compiled pass per scores row for
@@ -375,12 +380,14 @@ class _Attention:
         bias = self._compiled_bias(mask, total)
         if bias is None or q.size == 0 or k.size == 0:
             return None
-        if geo.q_len >= _TILED_ROWS and geo.v_head_size % 32 == 0 and gemv_host() and not numpy_first():  # AVX-512
+        per_head = bias.ndim == 3
+        if geo.q_len >= _TILED_ROWS and geo.v_head_size % 32 == 0 and gemv_host() and not numpy_first() \
+                and not per_head:  # AVX-512
             return self._tiled_attention(q, k, v, bias)
         queries = geo.to_heads(q, geo.q_heads)
         keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
         keys_t = keys.swapaxes(-1, -2)
-        if bias.size and geo.q_len > _ROW_BLOCK:
+        if bias.size and geo.q_len > _ROW_BLOCK and not per_head:
             # Contiguous operands (Q, K^T, V are often strided views of one QKV product): BLAS multiplies
             # the blocks' small matrices up to twice as fast as through the views.
             queries, keys_t = np.ascontiguousarray(queries), np.ascontiguousarray(keys_t)
@@ -391,8 +398,13 @@ class _Attention:
         batch, heads, rows, size = queries.shape
         # Grouped-query attention: the query heads sharing one KV head are rows of one matmul.
         scores = np.matmul(queries.reshape(batch, geo.kv_heads, heads // geo.kv_heads * rows, size), keys_t)
-        if not self.compiled.mask_and_shift_(scores.reshape(-1, rows, scores.shape[-1]), np.float32(self.scale),
-                                             bias, 0):
+        per_row = scores.reshape(-1, rows, scores.shape[-1])  # (batch x query heads, in head order)
+        if per_head:  # one call per head and its bias
+            for index in range(per_row.shape[0]):
+                if not self.compiled.mask_and_shift_(per_row[index:index + 1], np.float32(self.scale),
+                                                     bias[index % heads], 0):
+                    return None
+        elif not self.compiled.mask_and_shift_(per_row, np.float32(self.scale), bias, 0):
             return None
         np.exp(scores, out=scores)
         y = np.matmul(scores, values)
