@@ -91,10 +91,10 @@ _NO_PAIRS = np.zeros((0, 0, 2), np.int16)  # the products of a B packed per call
 @jit
 def _centred_product(centred, packed, pairs, out):
     """out[m, n] = sum_k centred[m, k] * packed[n, k] in int32 for int16 (M, K) and (N, K): by qgemm_tiles'
-    register tiles where B has its ``pairs`` (qgemm_tiles.pairs_for; none: an empty array) and A two rows or
-    more, else here, blocks of columns of B taking turns, each against every row of A."""
+    register tiles where B has its ``pairs`` (qgemm_tiles.pairs_for; none: an empty array), else here, blocks of
+    columns of B taking turns, each against every row of A."""
     rows, depth = centred.shape
-    if pairs.shape[0] > 0 and rows >= 2 and out.flags.c_contiguous:
+    if pairs.shape[0] > 0 and rows and out.flags.c_contiguous:
         tile_product(centred, pairs, out)
         return
     columns = packed.shape[0]
