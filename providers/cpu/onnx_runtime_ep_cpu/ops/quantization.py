@@ -501,6 +501,8 @@ def integer_conv(node, shapes, opset):
     """
     float_conv = conv(node, shapes[:1] if shapes else shapes, opset)
     prepared = Prepared()
+    last: list = [None, None, None]  # the constant weight and its zero point of the last call, then the centred weight
+    from ..compiled import quantize as compiled
 
     def centred_weight(w, w_zero):
         wc = _centered(w, w_zero)
@@ -517,20 +519,22 @@ def integer_conv(node, shapes, opset):
         if x_zero_point is not None and x_zero_point.size != 1:
             raise argument_error(node, f"x_zero_point has shape {x_zero_point.shape}; expected a scalar")
         x_zero = None if x_zero_point is None else x_zero_point.reshape(())
-        # The weight's leading dim is its output channel: (M,) zero points broadcast as (M, 1, ...).
-        w_zero = None if w_zero_point is None else _output_channels(w_zero_point, w.ndim + 1)
-        wc = prepared.get("weight", (w, w_zero_point), lambda: centred_weight(w, w_zero))
+        if last[0] is w and last[1] is w_zero_point:
+            wc = last[2]  # the usual call: the same constant weight, no key to build
+        else:
+            # The weight's leading dim is its output channel: (M,) zero points broadcast as (M, 1, ...).
+            w_zero = None if w_zero_point is None else _output_channels(w_zero_point, w.ndim + 1)
+            wc = prepared.get("weight", (w, w_zero_point), lambda: centred_weight(w, w_zero))
+            if not w.flags.writeable and (w_zero_point is None or not w_zero_point.flags.writeable):
+                last[:] = [w, w_zero_point, wc]
         if quantize is not None:
-            from ..compiled import quantize as compiled
-
             xc = np.empty(x.shape, wc.dtype)
             compiled.quantize_centred(np.ascontiguousarray(x).reshape(-1), quantize[0], 0 if x_zero is None else
                                       int(x_zero), quantize[1], quantize[2], xc.reshape(-1))
             return float_conv(xc, wc)[0]
         dtype = wc.dtype if x.dtype in _EIGHT_BIT else np.dtype(np.float64)
-        xc = x.astype(dtype)
-        if x_zero is not None:
-            xc -= x_zero.astype(dtype)
+        # x - x_zero in one pass (the difference of two integers is exact in either float type)
+        xc = x.astype(dtype) if x_zero is None else np.subtract(x, x_zero.astype(dtype), dtype=dtype)
         return float_conv(xc, wc.astype(dtype, copy=False))[0]
 
     return run
@@ -564,15 +568,34 @@ def _requantized(acc, layout, bias, multiplier, zero_point) -> np.ndarray:
 @register("QLinearConv", since=10)
 def qlinear_conv(node, shapes, opset):
     run = integer_conv(node, shapes, opset)
+    last: list = [None] * 6  # the constant parameters of the last call (5), then what requantizing takes of them
+    from ..compiled import quantize as compiled
+
+    def requantization(x_scale, w_scale, y_scale, y_zero_point, bias) -> tuple:
+        """compiled/quantize.requantize's bias, multiplier (the float64 values the numpy path forms), zero point
+        and code range."""
+        multiplier = x_scale.astype(np.float64).reshape(()) * w_scale.astype(np.float64).reshape(-1)
+        low, high = _integer_range(DataType.from_numpy(y_zero_point.dtype))
+        bias64 = np.zeros(1) if bias is None else bias.astype(np.float64).reshape(-1)
+        return bias64, multiplier / float(y_scale.reshape(())), int(y_zero_point.reshape(())), low, high
 
     def kernel(x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias=None):
         acc = run(x, w, x_zero_point, w_zero_point)
         if y_zero_point.dtype in _EIGHT_BIT and acc.ndim >= 2 and acc.size and y_zero_point.size == 1 \
                 and (bias is None or bias.size == acc.shape[1]) and w_scale.size in (1, acc.shape[1]):
             # The same float64 arithmetic in one compiled pass.
-            multiplier = x_scale.astype(np.float64).reshape(()) * w_scale.astype(np.float64).reshape(-1)
-            return (_requantized(acc, (acc.shape[0], acc.shape[1], -1), bias, multiplier / float(y_scale.reshape(())),
-                                 y_zero_point),)
+            if last[0] is x_scale and last[1] is w_scale and last[2] is y_scale and last[3] is y_zero_point \
+                    and last[4] is bias:
+                params = last[5]
+            else:
+                params = requantization(x_scale, w_scale, y_scale, y_zero_point, bias)
+                if not any(p is not None and p.flags.writeable for p in (x_scale, w_scale, y_scale, y_zero_point,
+                                                                         bias)):
+                    last[:] = [x_scale, w_scale, y_scale, y_zero_point, bias, params]
+            out = np.empty(acc.shape, y_zero_point.dtype)
+            layout = (acc.shape[0], acc.shape[1], -1)
+            compiled.requantize(np.ascontiguousarray(acc).reshape(layout), *params, out.reshape(layout))
+            return (out,)
         acc = acc.astype(np.float64, copy=False)
         if bias is not None:
             acc += _output_channels(bias, acc.ndim)
