@@ -289,8 +289,8 @@ class _Matcher:
             match.dropped.append(reused)
             self._skip_repeats(match, reused, matmul_v)
         source_shape = self.shapes.of(match.k_source)
-        if source_shape is None or len(source_shape) != 4:
-            return None
+        if source_shape is None or len(source_shape) != 4 or (perm is not None and sorted(perm) != [0, 1, 2, 3]):
+            return None  # (a perm that is no permutation of the 4 axes is the Transpose kernel's to report)
         match.k_shape = source_shape if perm is None else tuple(source_shape[axis] for axis in perm)
         return match
 
