@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 from onnx_runtime import budget
-from onnx_runtime.errors import InvalidArgumentError
+from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 from onnx_runtime.loader import implicit_inputs
 from onnx_runtime.session.subgraph import Subgraph
 
@@ -121,6 +121,12 @@ def sequence_map(node, shapes, opset, handle):
     body = Subgraph(node.attr("body"), [handle])
     explicit = len(node.inputs)
     outer_names = implicit_inputs(node)
+    if len(body.input_names) != explicit or len(body.output_names) != len(node.outputs):
+        # (a body input left unfed reached its kernels as None)
+        raise InvalidGraphError(
+            f"node {node.name!r} (SequenceMap): attribute 'body' has {len(body.input_names)} inputs and "
+            f"{len(body.output_names)} outputs; it must have one per input ({explicit}) and output "
+            f"({len(node.outputs)}) of the node")
 
     def kernel(*args):
         inputs, outer = args[:explicit], dict(zip(outer_names, args[explicit:]))
