@@ -24,7 +24,7 @@ place (concurrent writers leave one whole file); the folder is pruned, oldest fi
 
 Off with ``ONNX_RUNTIME_PLAN_CACHE=0`` or the session config entry ``session.plan_cache`` = "0"; the folder is
 ``session.plan_cache_dir`` or ``ONNX_RUNTIME_PLAN_CACHE_DIR`` (default ``$XDG_CACHE_HOME/onnx_runtime/plans``,
-``~/.cache`` without it), bounded by ``ONNX_RUNTIME_PLAN_CACHE_MB`` (default 256). docs/plan-cache.md.
+``~/.cache`` without it), bounded by ``ONNX_RUNTIME_PLAN_CACHE_MB`` (default 256). docs/cold-start.md.
 """
 
 from __future__ import annotations
