@@ -197,6 +197,8 @@ class _Forest:
         if n == 0 or self.modes.min() < _LEQ or self.modes.max() > _MEMBER:
             raise graph_error(node, "nodes_modes", "must list one mode in [0, 6] per node")
         self.features = _int_array(node, "nodes_featureids", n)
+        if self.features.min() < 0:  # (numpy would index a negative one from the end)
+            raise graph_error(node, "nodes_featureids", f"has {self.features.min()}; feature indices are >= 0")
         self.splits = np.asarray(node.attr("nodes_splits", []), dtype=np.float64).reshape(-1)
         if self.splits.size != n:
             raise graph_error(node, "nodes_splits", f"has {self.splits.size} entries; expected {n}, one per node")
