@@ -85,6 +85,32 @@ def test_shape_arithmetic_keeps_data_propagation():
     assert not propagates_large_values(model)
 
 
+def _rank_from_axis(axis):
+    """LayerNormalization's expanded reduced shape: Reshape(x, Concat(Slice(Shape(x), 0, axis),
+    ConstantOfShape(Size(Shape(x)) - axis))), whose rank onnx's inference takes from the value's length."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Size", ["s"], ["rank"]),
+             _constant("zero", [0]), _constant("axis", [axis]),
+             helper.make_node("Slice", ["s", "zero", "axis"], ["prefix"]),
+             helper.make_node("Sub", ["rank", "axis"], ["count"]),
+             helper.make_node("ConstantOfShape", ["count"], ["suffix"],
+                              value=numpy_helper.from_array(np.array([1], np.int64))),
+             helper.make_node("Concat", ["prefix", "suffix"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["x", "shape"], ["y"])]
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 5])], output_type=1)
+
+
+def test_a_shape_value_sized_by_a_computed_count_is_bounded():
+    # Fuzz (seed 1, case 909): axis -2**31 made a 2**31-element shape value, and onnx asked for a rank of two
+    # billion (std::bad_alloc, or the OOM killer without a limit).
+    assert propagates_large_values(_rank_from_axis(-(2**31)))
+    assert not propagates_large_values(_rank_from_axis(1))  # the onnx function body as written: propagated
+
+
+def test_session_with_a_huge_computed_rank_is_created_within_bounded_memory(tmp_path):
+    answer = _create_in_child(tmp_path, _rank_from_axis(-(2**31)), run=False)
+    assert answer["peak_mb"] < 1500, answer
+
+
 def test_session_with_a_repeated_concat_is_created_within_bounded_memory(tmp_path):
     answer = _create_in_child(tmp_path, _nested_concat(levels=2, copies=3000))  # 72M elements: onnx held GBs
     assert answer["result"] == 8 * 3000**2
