@@ -16,20 +16,31 @@ computed one is an ``InvalidGraphError`` (onnxruntime's type error).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import onnx
 
 from .errors import InvalidGraphError
 
+# A strict pass that failed after this much CPU is not followed by another: the failures that take long are
+# onnx's inference running away (its data propagation allocating until the memory limit), which a second pass
+# would repeat; the model then runs with the shapes found at run time.
+SLOW_FAILURE_SECONDS = 1.0
+
 Infer = Callable[..., "onnx.GraphProto | None"]  # infer(model, strict=...) -> annotated graph, or None on failure
 
 
 def infer_reconciled(light: onnx.ModelProto, infer: Infer) -> onnx.GraphProto | None:
     """``light``'s graph annotated by ``infer`` (see the module docstring), or None when inference fails."""
+    started = time.thread_time()
     inferred = infer(light, strict=True)
-    if inferred is not None or not _declares_types(light.graph):
-        return inferred if inferred is not None else infer(light, strict=False)
+    if inferred is not None:
+        return inferred
+    if time.thread_time() - started > SLOW_FAILURE_SECONDS:
+        return None  # a slow failure (onnx's data propagation running out of memory) is not repeated
+    if not _declares_types(light.graph):
+        return infer(light, strict=False)
     bare = onnx.ModelProto()
     bare.CopyFrom(light)
     _strip_declarations(bare.graph)

@@ -489,16 +489,19 @@ class Worker:
             raise RuntimeError(f"fuzz worker did not start; see {self.log_path}")
 
     def _cpu_seconds(self) -> float:
+        """The CPU time of the worker's main thread, which runs the cases: the CPU provider's background thread
+        that loads (on a cold cache, compiles) its kernels is not a case's work."""
         try:
-            with open(f"/proc/{self.proc.pid}/stat") as handle:
+            with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/stat") as handle:
                 fields = handle.read().rsplit(")", 1)[1].split()
             return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         except (OSError, IndexError, ValueError):
             return 0.0
 
     def _read_line(self, timeout: float) -> str | None:
-        """The worker's next answer; None when it died or overran: ``timeout`` seconds of its CPU time (a
-        loaded host stretches the wall clock), or 8 times that of wall time (a wait that uses no CPU)."""
+        """The worker's next answer; None when it died or overran: ``timeout`` seconds of its main thread's CPU
+        time (a loaded host stretches the wall clock), or 8 times that of wall time (a wait that uses no CPU, or
+        work on other threads)."""
         started, cpu_start = time.monotonic(), self._cpu_seconds()
         fd = self.proc.stdout.fileno()
         while b"\n" not in self._buffer:
