@@ -25,6 +25,8 @@ def packed_conv_applies(geo: Geometry, group: int, x: np.ndarray) -> bool:
     if x.dtype != np.float32 or len(geo.kernel) != 2 or (group == x.shape[1] and group > 1)\
             or x.size == 0 or 0 in geo.out:
         return False
+    if max(geo.strides) > max(x.shape[2:]):  # a step past the whole image: the padded input grows with the step
+        return False
     from ..compiled import host  # gemm.py (numba, the IR microkernel) loads only where it runs
 
     return host.AVX512
