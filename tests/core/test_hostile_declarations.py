@@ -192,3 +192,14 @@ def test_a_string_attribute_that_is_not_utf8_is_refused_typed_with_the_plan_cach
     node = helper.make_node("Pad", ["x", "pads"], ["y"], name="pad", mode=b"\xff\xfe")
     with pytest.raises(InvalidGraphError, match=r"'pad' \(Pad\): attribute 'mode'"):
         InferenceSession(_model([node], initializers=[pads]), providers=["CPUExecutionProvider"])
+
+
+def test_a_padded_convolution_stepping_past_the_image_height_runs_as_onnxruntime_does():
+    # Fuzz seed 49: strides [2**31 - 1, 2] made the packed convolution (AVX-512 hosts) pad its input for the whole
+    # step (40 GiB, a MemoryError).
+    w = np.random.default_rng(3).standard_normal((1, 1, 3, 3)).astype(np.float32)
+    x = np.random.default_rng(4).standard_normal((1, 1, 7, 5)).astype(np.float32)
+    node = helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1, 0, 1, 0], strides=[2**31 - 1, 2])
+    graph = helper.make_graph([node], "g", [vi("x", [1, 1, 7, 5])], [vi("y")],
+                              initializer=[numpy_helper.from_array(w, "w")])
+    _both(helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 21)]).SerializeToString(), {"x": x})
