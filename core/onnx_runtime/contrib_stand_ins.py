@@ -21,6 +21,8 @@ from collections.abc import Callable
 import onnx
 from onnx import helper
 
+from .proto_walk import all_graphs, node_subgraphs
+
 CONTRIB_DOMAIN = "com.microsoft"
 # Names of the stand-in nodes and of the values only they produce; restore() removes everything named so.
 _MARK = "__contrib_stand_in__"
@@ -264,7 +266,7 @@ class StandIns:
                     put_back.add(index)
                     nodes.append(self._originals[index])
                 continue
-            for sub in _subgraphs(node):
+            for sub in node_subgraphs(node):
                 self._restore(sub)
             nodes.append(node)
         del graph.node[:]
@@ -277,7 +279,7 @@ class StandIns:
 def stand_in_contrib_ops(model: onnx.ModelProto) -> StandIns:
     """``model`` with its ``com.microsoft`` nodes that have a rule replaced by standard stand-ins, in every graph (a
     copy; the model itself where there is nothing to replace). A node whose rule fails stays as it is."""
-    if not any(_has_contrib(graph) for graph in _all_graphs(model.graph)):
+    if not any(_has_contrib(graph) for graph in all_graphs(model.graph)):
         return StandIns(model, [])
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
@@ -304,7 +306,7 @@ def _replace(graph: onnx.GraphProto, outer: dict, originals: list[onnx.NodeProto
     known.update(_known_shapes(graph))
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
-        for sub in _subgraphs(node):
+        for sub in node_subgraphs(node):
             _replace(sub, known, originals)
         rule = _rule(node)
         if rule is not None:
@@ -339,21 +341,3 @@ def _known_shapes(graph: onnx.GraphProto) -> dict:
         found[init.name] = list(init.dims)
         found[("type", init.name)] = init.data_type
     return found
-
-
-def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
-    subs: list[onnx.GraphProto] = []
-    for a in node.attribute:
-        if a.type == onnx.AttributeProto.GRAPH:
-            subs.append(a.g)
-        elif a.type == onnx.AttributeProto.GRAPHS:
-            subs.extend(a.graphs)
-    return subs
-
-
-def _all_graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
-    graphs = [graph]
-    for node in graph.node:
-        for sub in _subgraphs(node):
-            graphs.extend(_all_graphs(sub))
-    return graphs

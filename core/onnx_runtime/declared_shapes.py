@@ -22,6 +22,7 @@ from collections.abc import Callable
 import onnx
 
 from .errors import InvalidGraphError
+from .proto_walk import graph_subgraphs
 
 # A strict pass that failed after this much CPU is not followed by another: the failures that take long are
 # onnx's inference running away (its data propagation allocating until the memory limit), which a second pass
@@ -52,16 +53,7 @@ def infer_reconciled(light: onnx.ModelProto, infer: Infer) -> onnx.GraphProto | 
 
 def _declares_types(graph: onnx.GraphProto) -> bool:
     return bool(graph.value_info) or any(vi.type.tensor_type.HasField("shape") for vi in graph.output) \
-        or any(_declares_types(sub) for sub in _subgraphs(graph))
-
-
-def _subgraphs(graph: onnx.GraphProto):
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield attribute.g
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                yield from attribute.graphs
+        or any(_declares_types(sub) for sub in graph_subgraphs(graph))
 
 
 def _strip_declarations(graph: onnx.GraphProto, top: bool = True) -> None:
@@ -72,7 +64,7 @@ def _strip_declarations(graph: onnx.GraphProto, top: bool = True) -> None:
         for vi in graph.output:
             if vi.type.HasField("tensor_type"):
                 vi.type.tensor_type.ClearField("shape")
-    for sub in _subgraphs(graph):
+    for sub in graph_subgraphs(graph):
         _strip_declarations(sub, top=False)
 
 

@@ -32,6 +32,7 @@ import onnx
 from onnx import defs
 
 from .errors import InvalidGraphError
+from .proto_walk import node_subgraphs
 
 # Far above any tensor a process can hold (2**40 float32 elements are 4 TiB), far below where a product of
 # a few such dimensions overflows int64.
@@ -256,14 +257,6 @@ def _check_dims(values, where: str) -> None:
                     f"below {MAX_DECLARED_DIM}; declare it symbolic (a dim_param) or fix the exporter")
 
 
-def _subgraphs(node: onnx.NodeProto):
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            yield attr.g
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            yield from attr.graphs
-
-
 def _check_graph(graph: onnx.GraphProto, opsets: dict[str, int], where: str, top_level: bool = False) -> None:
     _check_dims([*graph.input, *graph.output, *graph.value_info], where)
     _check_initializers(graph, where)
@@ -280,7 +273,7 @@ def _check_graph(graph: onnx.GraphProto, opsets: dict[str, int], where: str, top
                 raise InvalidGraphError(f"value {name!r} in {where} {problem}; ONNX graphs are SSA: rename one")
             if name:
                 defined[name] = _node_label(node)
-        for body in _subgraphs(node):
+        for body in node_subgraphs(node):
             _check_graph(body, opsets, f"a subgraph of {_node_label(node)} in {where}")
     if top_level:  # a subgraph may read its enclosing graphs' values: only the top level's reads are all local
         _check_reads(graph, defined, where)
@@ -407,7 +400,7 @@ def _declared_types(graph: onnx.GraphProto, outer: dict[str, str]) -> dict[str, 
 def _check_graph_types(graph: onnx.GraphProto, opsets: dict[str, int], label: str, outer: dict[str, str]) -> None:
     known = _declared_types(graph, outer)
     for node in graph.node:
-        for body in _subgraphs(node):
+        for body in node_subgraphs(node):
             _check_graph_types(body, opsets, label, known)
         domain = "" if node.domain == "ai.onnx" else node.domain
         version = opsets.get(domain)

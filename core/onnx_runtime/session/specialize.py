@@ -29,6 +29,7 @@ from ..ir import Graph, ValueInfo, clone_graph
 from ..loader import SHAPE_VALUE_LIMIT, convert_type, infer_graph
 from ..optimizer import PassContext
 from ..optimizer.constant_folding import fold_constants_everywhere
+from ..proto_walk import all_graphs, node_subgraphs
 from ..provider_handle import ProviderHandle
 from .executor import Executor
 
@@ -78,13 +79,13 @@ class Specializer:
         self._graph = clone_graph(graph)  # the session's optimized graph, before placement
         self._inputs = inputs
         self._proto = _in_order(proto)
-        self._produced = {out for sub in _graph_protos(proto.graph) for node in sub.node for out in node.output if out}
+        self._produced = {out for sub in all_graphs(proto.graph) for node in sub.node for out in node.output if out}
         # What folding at session creation computed of the model's values: the optimized graph may no longer
         # hold them (an If it decided is gone with its condition), but inference over the model needs them.
         self._creation_constants = {name: value for name, value in (folded or {}).items() if name in self._produced}
         # The float type each value has in the model: a provider's pass may compute a value in another
         # (half-precision models in float32), and inference over the model needs its constants as written.
-        self._written = {vi.name: vi.type.tensor_type.elem_type for sub in _graph_protos(proto.graph)
+        self._written = {vi.name: vi.type.tensor_type.elem_type for sub in all_graphs(proto.graph)
                          for vi in (*sub.value_info, *sub.output) if vi.type.HasField("tensor_type")}
         self._handles = handles
         self._prepare = prepare
@@ -192,7 +193,7 @@ class Specializer:
         constants of the graphs that computed them (the nodes that produced them dropped)."""
         proto = onnx.ModelProto()
         proto.CopyFrom(self._proto)
-        for sub in _graph_protos(proto.graph):
+        for sub in all_graphs(proto.graph):
             # A symbolic dimension annotated on what onnx infers (a converter's annotations) would stay symbolic:
             # left unknown, inference fills it in. Other domains' outputs keep theirs: inference has nothing else.
             inferred = {out for node in sub.node if node.domain in ("", "ai.onnx") for out in node.output}
@@ -255,25 +256,6 @@ def _in_order(proto: onnx.ModelProto) -> onnx.ModelProto:
     return copy
 
 
-def _graph_protos(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
-    """``graph`` and every subgraph in it, depth first."""
-    found = [graph]
-    for node in graph.node:
-        for sub in _node_subgraphs(node):
-            found.extend(_graph_protos(sub))
-    return found
-
-
-def _node_subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
-    found: list[onnx.GraphProto] = []
-    for attribute in node.attribute:
-        if attribute.type == onnx.AttributeProto.GRAPH:
-            found.append(attribute.g)
-        elif attribute.type == onnx.AttributeProto.GRAPHS:
-            found.extend(attribute.graphs)
-    return found
-
-
 def _substitute(graph: onnx.GraphProto, found: dict[str, np.ndarray],
                 outer: dict[str, onnx.TensorProto] | None = None) -> None:
     """Replace the nodes of ``graph`` and its subgraphs that compute values of ``found`` by initializers
@@ -288,7 +270,7 @@ def _substitute(graph: onnx.GraphProto, found: dict[str, np.ndarray],
     visible = dict(outer or {})
     visible.update((init.name, init) for init in graph.initializer if _elements(init) <= SHAPE_VALUE_LIMIT)
     for node in graph.node:
-        for sub in _node_subgraphs(node):
+        for sub in node_subgraphs(node):
             _substitute(sub, found, visible)
 
 
@@ -361,7 +343,7 @@ def _apply_types(graph: Graph, inferred: onnx.GraphProto) -> None:
     """Give ``graph``'s values (and inputs), and its subgraphs' values, the types inference found; values the
     optimizer created keep theirs. A dimension inference left unknown stays as the graph had it."""
     found: dict[str, onnx.ValueInfoProto] = {}
-    for sub in _graph_protos(inferred):  # names are unique model-wide
+    for sub in all_graphs(inferred):  # names are unique model-wide
         for vi in (*sub.value_info, *sub.input, *sub.output):
             found.setdefault(vi.name, vi)
     _apply_found(graph, found)
