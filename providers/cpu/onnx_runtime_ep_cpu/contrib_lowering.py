@@ -208,12 +208,17 @@ class _Lowering:
         inputs = [q, k, v]
         if mask is not None:
             inputs.append(self.mask_bias(node, mask, x, nodes))
+        nodes.append(self.onnx_attention(node, inputs, heads))
+        return nodes
+
+    def onnx_attention(self, node: Node, inputs: list[str], heads: int) -> Node:
+        """The ONNX Attention (opset 23) computing com.microsoft ``node``'s output from ``inputs`` (Q, K, V and
+        the mask bias if any), with its scale and causality."""
         scale = float(node.attr("scale", 0.0) or 0.0)
         attrs = {"q_num_heads": heads, "kv_num_heads": heads, "is_causal": int(node.attr("unidirectional", 0))}
         if scale:
             attrs["scale"] = scale
-        nodes.append(self.node("Attention", inputs, [node.outputs[0]], f"{node.name}/attention", 23, **attrs))
-        return nodes
+        return self.node("Attention", inputs, [node.outputs[0]], f"{node.name}/attention", 23, **attrs)
 
     def shape(self, name: str) -> tuple | None:
         info = self.graph.type_of(name)
@@ -264,11 +269,7 @@ class _Lowering:
                 inputs[index], start = biased, start + size
         if mask is not None:
             inputs.append(self.mask_bias(node, mask, q, nodes, keys=k))
-        scale = float(node.attr("scale", 0.0) or 0.0)
-        attrs = {"q_num_heads": heads, "kv_num_heads": heads, "is_causal": int(node.attr("unidirectional", 0))}
-        if scale:
-            attrs["scale"] = scale
-        nodes.append(self.node("Attention", inputs, [node.outputs[0]], f"{node.name}/attention", 23, **attrs))
+        nodes.append(self.onnx_attention(node, inputs, heads))
         return nodes
 
     def lowered(self, node: Node) -> list[Node] | None:
