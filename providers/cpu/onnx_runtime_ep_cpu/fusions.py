@@ -252,6 +252,8 @@ def _constant_of(view: GraphView, name: str, value: float, like: str) -> bool:
 
 def _gelu_input(view: GraphView, erf: Node) -> tuple[str, Node] | None:
     """(x, the node computing x / sqrt(2)) when Erf reads x / sqrt(2) or x * (1 / sqrt(2))."""
+    if not erf.inputs:  # a malformed Erf: left for the kernel's typed error
+        return None
     scale = view.producer.get(erf.inputs[0])
     if scale is None or scale.domain or len(scale.inputs) != 2:
         return None

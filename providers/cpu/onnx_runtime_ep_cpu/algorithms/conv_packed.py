@@ -56,6 +56,8 @@ def lanes_apply(geo: Geometry, outputs: int, depth: int) -> bool:
     from ..compiled import gemm, lanes  # (loaded already by the packed convolution that asks)
 
     (oh, ow), pixels = geo.out, math.prod(geo.out)
+    if not pixels or not outputs:  # an empty output: nothing to weigh
+        return False
     columns, rows = lanes.shape(ow)
     tiles = lanes.CHANNELS * -(-outputs // lanes.CHANNELS)
     by_lanes = outputs / tiles * pixels / (-(-oh // rows) * rows * -(-ow // columns) * columns)

@@ -19,7 +19,11 @@ from ..registry import register
 def _scalar_bool(value) -> bool:
     if isinstance(value, np.ndarray) and value.size == 1:
         return bool(value)
-    return bool(np.asarray(value).reshape(-1)[0])
+    array = np.asarray(value)
+    if array.size != 1:
+        raise InvalidArgumentError(f"a condition must hold exactly one boolean; got a tensor of shape {array.shape}; "
+                                   "compute the condition as a single boolean (a scalar or one-element tensor)")
+    return bool(array.reshape(-1)[0])
 
 
 def _empty_like_type(info, leading: int = 0) -> np.ndarray:
@@ -135,6 +139,11 @@ def _scan_attrs(node, scan_inputs: int, scan_outputs: int):
 def _run_scan(body: Subgraph, node, states: list, scans: list, outer: dict, attrs) -> list:
     in_axes, in_dirs, out_axes, out_dirs = attrs
     _check_body_inputs(node, body, [*states, *scans])
+    for index, (a, x) in enumerate(zip(in_axes, scans)):
+        if not -x.ndim <= a < x.ndim:
+            raise InvalidArgumentError(
+                f"node {node.name!r} (Scan): scan_input_axes[{index}] is {a}, outside [-{x.ndim}, {x.ndim}) for scan "
+                f"input {index} of shape {x.shape}; fix the axis or num_scan_inputs")
     axes = [a + x.ndim if a < 0 else a for a, x in zip(in_axes, scans)]
     lengths = {x.shape[a] for a, x in zip(axes, scans)}
     if len(lengths) > 1:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from onnx_runtime.errors import InvalidArgumentError
 
 from ..registry import register
 from .shape import normalize_axes, normalize_axis
@@ -116,7 +117,14 @@ _REDUCERS = {
 }
 
 
+def _check_axes_vector(axes) -> None:
+    if axes is not None and np.ndim(axes) != 1:
+        raise InvalidArgumentError(f"the axes input must be a 1-D tensor of axis indices; got one of shape "
+                                   f"{np.shape(axes)}; pass the axes as a 1-D int64 tensor")
+
+
 def _reduce(reducer, x, axes, keepdims, noop_with_empty_axes):
+    _check_axes_vector(axes)
     if axes is None or len(axes) == 0:
         # No axes reduces every axis, or with noop_with_empty_axes none: each element is then
         # reduced alone (ReduceSumSquare squares it, ReduceLogSum takes its log), like onnx's reference.
@@ -146,6 +154,7 @@ class _TrailingMeans:
         self._plans: dict = {}  # (shape, axes' bytes or tuple) -> (rows, size, result shape) or None
 
     def plan(self, x, axes):
+        _check_axes_vector(axes)
         key = (x.shape, axes.tobytes() if isinstance(axes, np.ndarray) else axes)
         found = self._plans.get(key, False)
         if found is False:
