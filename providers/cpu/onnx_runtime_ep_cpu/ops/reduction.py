@@ -154,10 +154,10 @@ class _TrailingMeans:
         self._plans: dict = {}  # (shape, axes' bytes or tuple) -> (rows, size, result shape) or None
 
     def plan(self, x, axes):
-        _check_axes_vector(axes)
         key = (x.shape, axes.tobytes() if isinstance(axes, np.ndarray) else axes)
         found = self._plans.get(key, False)
         if found is False:
+            _check_axes_vector(axes)  # once per signature: a kept plan was made for a 1-D axes of these values
             found = None
             if axes is not None and len(axes) and x.ndim:
                 normalized = sorted(normalize_axes(axes, x.ndim))
