@@ -13,8 +13,8 @@ OpenBLAS workers, slower than one thread; measured in afcca01). The kernels that
 (the packed convolution of gemm.py, the packed products of matmul.py, attention.py's tiles, pooling,
 batch normalization, depthwise convolution, few-row products) run one part per thread on the helper
 threads of workers.py, as the job kinds of jobs.py.
-Compiled code is cached on disk (``cache=True``), so a process pays numba's compile time once per
-loop and dtype, not per session.
+Compiled code is cached on disk (numba's cache, stamped with every module of this package: cache_stamp.py),
+so a process pays numba's compile time once per loop and dtype, not per session.
 """
 
 from __future__ import annotations
@@ -54,11 +54,14 @@ def compiler(**options):
     def build(function):
         import numba
 
+        from .cache_stamp import enable_caching
+
+        dispatcher = numba.njit(**settings)(function)
         try:
-            dispatcher = numba.njit(cache=True, **settings)(function)
+            enable_caching(dispatcher, function)  # cache=True, stamped with the whole package's sources
         except RuntimeError as exc:  # "cannot cache function ...: no locator available"
             _warn_uncached(exc)
-            return numba.njit(**settings)(function)
+            return dispatcher
         _recover_damaged_entries(dispatcher, function.__qualname__)
         return dispatcher
 
@@ -77,8 +80,10 @@ def cached_cfunc(signature, function):
     from numba.core.ccallback import CFunc
 
     callback = CFunc(function, sigutils.normalize_signature(signature), locals={}, options={"nopython": True})
+    from .cache_stamp import enable_caching
+
     try:
-        callback.enable_caching()
+        enable_caching(callback, function)
     except RuntimeError as exc:  # "cannot cache function ...: no locator available"
         _warn_uncached(exc)
     else:
