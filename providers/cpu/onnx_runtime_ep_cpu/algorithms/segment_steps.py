@@ -41,7 +41,7 @@ class BoundPlan:
         self._constant_slots = operator.itemgetter(*slots) if len(slots) > 1 else (
             (lambda inputs, s=slots[0]: (inputs[s],)) if slots else (lambda inputs: ()))
         self._constants = tuple(constants[s] for s in slots)
-        self._steps = tuple(steps)
+        self._steps = tuple([(_direct(function, arguments), arguments) for function, arguments in steps])
         self._results = tuple(results)
 
     def fits(self, inputs) -> bool:
@@ -63,6 +63,25 @@ class BoundPlan:
         for function, arguments in self._steps:
             function(*arguments)
         return tuple([result.copy() for result in self._results])
+
+
+def _direct(function, arguments):
+    """A compiled loop's overload for these arguments' types, called without numba's dispatcher: the plan's
+    arguments never change, and the dispatcher's typing of each argument on every call costs about as much as a
+    small loop (a wrong type is still refused: the overload's wrapper unboxes each argument). A loop not yet
+    compiled for these types is compiled (or read from numba's disk cache) now, as its first call would; anything
+    else is called as it is."""
+    from ..compiled.deferred import Loop
+
+    if not isinstance(function, Loop):
+        return function
+    dispatcher = function.dispatcher()
+    try:
+        types = tuple(dispatcher.typeof_pyval(a) for a in arguments)
+    except (TypeError, ValueError):
+        return function
+    found = dispatcher.overloads.get(types)
+    return dispatcher.compile(types) if found is None else found.entry_point
 
 
 def _run_kernel(kernel, inputs, outputs) -> None:
