@@ -4,7 +4,7 @@ np.matmul always overwrites its output, so a sum of products (a convolution as o
 kernel tap) costs a temporary and an extra pass per term. BLAS's gemm accumulates in place
 (beta = 1) while each output tile is in cache. numpy's wheels bundle an ILP64 OpenBLAS whose cblas
 symbols carry a ``64_`` suffix (``scipy_cblas_sgemm64_`` in numpy 2, ``cblas_sgemm64_`` before);
-threadpoolctl (already used for the thread settings) finds the loaded library. Only those
+the library is found by name in numpy's folder (threadpoolctl's scan where numpy bundles none). Only those
 suffixed symbols are used, as their integer width is known; where none is found (another BLAS,
 another platform) :func:`gemm_accumulate` falls back to np.matmul and an add.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import glob
 import os
 
 import numpy as np
@@ -24,7 +25,25 @@ _SYMBOLS = {np.dtype(np.float32): "sgemm", np.dtype(np.float64): "dgemm"}
 _PREFIXES = ("scipy_cblas_", "cblas_")
 
 
+def bundled_openblas() -> list[tuple[str, ctypes.CDLL]]:
+    """The OpenBLAS libraries numpy's wheel bundles (numpy.libs or numpy/.libs) that this process has loaded,
+    found by file name and opened with RTLD_NOLOAD: the library numpy calls, without threadpoolctl's scan of
+    every loaded library (and its import), several ms of a fresh process."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(np.__file__)))
+    found = []
+    for folder in (os.path.join(root, "numpy.libs"), os.path.join(root, "numpy", ".libs")):
+        for path in sorted(glob.glob(os.path.join(folder, "*openblas*"))):
+            try:
+                found.append((path, ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL)))
+            except OSError:  # not loaded (or not a library)
+                continue
+    return found
+
+
 def _numpy_blas_libraries() -> list[str]:
+    bundled = [path for path, _ in bundled_openblas()]
+    if bundled:
+        return bundled
     from threadpoolctl import threadpool_info
 
     numpy_root = os.path.dirname(os.path.dirname(os.path.abspath(np.__file__)))

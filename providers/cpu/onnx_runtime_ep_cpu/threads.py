@@ -13,10 +13,12 @@ machines. (The packed convolution's results do not depend on its partition.)
 
 from __future__ import annotations
 
+import ctypes
+
 from onnx_runtime.cpus import usable_cpus
 from onnx_runtime.errors import InvalidArgumentError
-from threadpoolctl import threadpool_limits
 
+from .blas import bundled_openblas
 from .tuning import KNOBS, when_changed
 
 _DEFAULT_THREADS = usable_cpus()
@@ -36,11 +38,37 @@ def helper_count() -> int:
     return KNOBS.helpers or max(1, _DEFAULT_THREADS - 1)
 
 
+# numpy's bundled OpenBLAS's thread-count setter, by symbol name
+_SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
+            "openblas_set_num_threads")
+
+
+def _numpy_openblas_setter():
+    """The ``set_num_threads`` of the OpenBLAS numpy bundles and loaded (blas.bundled_openblas), else None."""
+    for _, library in bundled_openblas():
+        for name in _SETTERS:
+            setter = getattr(library, name, None)
+            if setter is not None:
+                setter.argtypes, setter.restype = [ctypes.c_int], None
+                return setter
+    return None
+
+
+_setter: list = []  # [numpy's OpenBLAS setter or None], looked up at the first limit
+
+
 def limit_blas_threads() -> None:
     """Set numpy's BLAS pool to the ``blas_threads`` knob's size (when it is not that size already)."""
     global _blas_applied
     if _blas_applied != KNOBS.blas_threads:
-        threadpool_limits(limits=KNOBS.blas_threads, user_api="blas")
+        if not _setter:
+            _setter.append(_numpy_openblas_setter())
+        if _setter[0] is not None:
+            _setter[0](KNOBS.blas_threads)
+        else:  # another BLAS (a numpy built against MKL, a system OpenBLAS): threadpoolctl knows them all
+            from threadpoolctl import threadpool_limits
+
+            threadpool_limits(limits=KNOBS.blas_threads, user_api="blas")
         _blas_applied = KNOBS.blas_threads
 
 

@@ -3,6 +3,8 @@ numpy's BLAS pool (the ``blas_threads`` knob), both process-wide as numpy's BLAS
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import onnx_runtime as ort
 import pytest
@@ -13,7 +15,10 @@ from threadpoolctl import threadpool_info
 
 
 def _blas_threads() -> set[int]:
-    return {pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"}
+    """numpy's BLAS pool sizes (the pool the provider sizes; another package's BLAS is its own)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(np.__file__)))
+    return {pool["num_threads"] for pool in threadpool_info()
+            if pool["user_api"] == "blas" and os.path.abspath(pool["filepath"]).startswith(root)}
 
 
 @pytest.fixture
@@ -77,3 +82,14 @@ def test_the_default_is_the_cpus_the_process_may_use(tmp_path):
     (v2 / "cpu.max").write_text("max 100000\n")
     assert cpus.cgroup_cpu_quota(str(v2)) is None
     assert cpus.cgroup_cpu_quota(str(tmp_path / "none")) is None
+
+
+def test_blas_pool_sized_through_threadpoolctl_where_numpy_bundles_no_openblas(chain_model, restore_threads,
+                                                                                monkeypatch, knobs):
+    monkeypatch.setattr(threads, "_setter", [None])  # as where numpy links another BLAS
+    monkeypatch.setattr(threads, "_blas_applied", None)
+    knobs(blas_threads=2)
+    _session(chain_model)
+    assert _blas_threads() == {2}
+    knobs(blas_threads=1)
+    assert _blas_threads() == {1}
