@@ -10,6 +10,8 @@ Providers are separate distributions found through the ``onnx_runtime.providers`
 group; the contract they implement is :mod:`onnx_runtime.contract.hookspecs`.
 """
 
+from typing import TYPE_CHECKING
+
 from . import capi, contract, errors
 from .contract import (
     ArgmaxTieBreak,
@@ -46,14 +48,31 @@ from .session import (
     RunOptions,
     SessionOptions,
 )
-from .session.device_io_binding import (
-    DeviceBindingSpec,
-    DeviceBindingTransferStats,
-    DeviceIoBinding,
-    ExternalMemorySpec,
-)
 from .session.io_binding import IOBinding
 from .tensor import Tensor
+
+if TYPE_CHECKING:
+    from .session.device_io_binding import (
+        DeviceBindingSpec,
+        DeviceBindingTransferStats,
+        DeviceIoBinding,
+        ExternalMemorySpec,
+    )
+
+# Imported at their first use: a session that binds no device buffers never loads the module.
+_DEVICE_BINDING_NAMES = frozenset({"DeviceBindingSpec", "DeviceBindingTransferStats", "DeviceIoBinding",
+                                   "ExternalMemorySpec"})
+
+
+def __getattr__(name: str):
+    if name in _DEVICE_BINDING_NAMES:
+        from .session import device_io_binding
+
+        value = getattr(device_io_binding, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

@@ -201,8 +201,7 @@ def _run_custom_passes(graph, handles: list[ProviderHandle], applied: list[str],
                 continue
             name = f"{handle.name}:{getattr(graph_pass, '__name__', type(graph_pass).__name__)}"
             try:
-                takes_owns = len(inspect.signature(graph_pass).parameters) >= 2
-                if graph_pass(graph, owns) if takes_owns else graph_pass(graph):
+                if graph_pass(graph, owns) if _takes_owns(graph_pass) else graph_pass(graph):
                     changed.append(name)
             except OnnxRuntimeError:
                 raise
@@ -214,6 +213,24 @@ def _run_custom_passes(graph, handles: list[ProviderHandle], applied: list[str],
         except InvalidGraphError as exc:
             raise InvalidGraphError(f"graph passes {changed} left an invalid graph: {exc}") from exc
     return changed
+
+
+_TAKES_OWNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _takes_owns(graph_pass) -> bool:
+    """Whether a provider pass takes ``owns``, asked once per pass object: inspect.signature costs tens of us,
+    and every creation and specialization runs every pass."""
+    try:
+        return _TAKES_OWNS[graph_pass]
+    except (KeyError, TypeError):  # not asked yet, or not weakly referable / hashable
+        pass
+    answer = len(inspect.signature(graph_pass).parameters) >= 2
+    try:
+        _TAKES_OWNS[graph_pass] = answer
+    except TypeError:
+        pass
+    return answer
 
 
 @contextmanager
