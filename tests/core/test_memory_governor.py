@@ -303,6 +303,12 @@ def host_limit():
     set_device_memory_limit("cpu:0", None, Tier.HOST)
 
 
+def _host_weights() -> int:
+    """The weights charged to the host tier (sessions also charge their activations there)."""
+    return next((b["roles"].get("weights", 0) for b in process_governor().snapshot()
+                 if b["device"] == "cpu:0" and b["tier"] == "host"), 0)
+
+
 def _cpu_session(path, **config):
     options = ort.SessionOptions()
     for key, value in config.items():
@@ -323,17 +329,18 @@ def test_weights_held_in_host_memory_are_charged_to_the_host_tier_and_bounded(tm
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(embedded))
     mapped = external_chain(tmp_path / "mapped.onnx", 4096)  # weights above 1,024 elements: mapped
     governor = process_governor()
-    held = governor.used("cpu:0", Tier.HOST)
+    held, weights = governor.used("cpu:0", Tier.HOST), _host_weights()
     session = _cpu_session(str(embedded))
-    charged = governor.used("cpu:0", Tier.HOST) - held
+    charged = _host_weights() - weights
     assert w.nbytes <= charged < 2 * w.nbytes  # read into memory: charged (with what the session derived from it)
     x = np.ones((1, 256), np.float32)
     np.testing.assert_allclose(session.run(None, {"X": x})[0], x.astype(np.float64) @ w, rtol=1e-4, atol=1e-3)
     other = _cpu_session(mapped)
-    assert governor.used("cpu:0", Tier.HOST) == held + charged  # mapped from its file: the page cache's
+    assert _host_weights() == weights + charged  # mapped from its file: the page cache's
     other.close()
     with pytest.raises(MemoryBudgetError, match=r"weights in host memory.*short"):
-        _cpu_session(str(embedded), host_memory_limit=held + charged + 100)  # the first one holds them
+        # the first one holds them (and its activations, the output's 1 KiB)
+        _cpu_session(str(embedded), host_memory_limit=governor.used("cpu:0", Tier.HOST) + 100)
     session.close()
     assert governor.used("cpu:0", Tier.HOST) == held
     bounded = _cpu_session(str(embedded), host_memory_limit="0.5")

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterator
 
 from ..contract.residency import HolderId, MemoryLease, MemoryRole, RawDeviceAllocationSiteStats, Tier
+from .activations import HostActivations
 from .governor import DeviceGovernor, MemoryBudgetError
 
 __all__ = ["DeviceAccount"]
@@ -70,6 +71,8 @@ class DeviceAccount:
         self._small = 0  # allocations below SITE_EXACT_BYTES so far: every SITE_SAMPLE-th is attributed
         self._deferred = bool(handle.implements("wait_for_deferred_releases"))
         self._closed: bool = False
+        # A host provider's account: the session's lease for its plans' activations (memory/activations.py).
+        self.activations: HostActivations | None = None
 
     @contextlib.contextmanager
     def prepaid(self) -> Iterator[None]:

@@ -20,6 +20,7 @@ from ..budget import physical_memory
 from ..contract.residency import HolderId, MemoryLease, MemoryRole, Tier
 from ..errors import InvalidArgumentError
 from .accounts import DeviceAccount
+from .activations import HostActivations
 from .governor import parse_byte_limit, process_governor
 from .mapped import mapped_region
 from .weights import WeightResidency
@@ -44,6 +45,7 @@ class SessionMemory:
         self.weights: dict[int, WeightResidency] = {}
         self.pools: dict[str, int] = {}  # provider -> bytes its own pools put under the governor
         self.host_lease: MemoryLease | None = None
+        self.activations: HostActivations | None = None  # host kernels' intermediates and outputs, per plan
         governor = process_governor()
         self._admit_host_weights(graph, config)
         try:
@@ -109,12 +111,16 @@ class SessionMemory:
         """Charge what host providers allocate through their allocator (``ProviderHandle.allocate`` and
         ``allocate_committed``: tensors made on the host through the session, DeviceIoBindings such as a KV cache
         kept in host memory) to the host tier of ``cpu:0``, beside the weights: the seed's host allocator charges
-        ``Tier::Host`` the same way. Kernel intermediates numpy allocates itself stay outside the ledger (each
-        value is bounded by the session's value budget, onnx_runtime.budget)."""
+        ``Tier::Host`` the same way. Kernel intermediates numpy allocates itself are not charged one by one
+        but per plan, at the peak its inferred shapes give (memory/activations.py), through the account's
+        ``activations``."""
         view = process_governor().device(HOST)
         for handle in {id(h): h for h in assignment.values() if h.is_host_accessible}.values():
             account = DeviceAccount(handle, view, HolderId(f"{self.label} host allocations on {handle.name}"),
                                     tier=Tier.HOST)
+            if self.activations is None:
+                self.activations = HostActivations(self.label)
+            account.activations = self.activations  # what the plans' kernels allocate, charged per plan
             handle.memory_account = account
             self.accounts.append(account)
 
@@ -132,6 +138,8 @@ class SessionMemory:
         for account in self.accounts:
             account.close()  # leaves the handle once the buffers it charged are freed
         self.accounts = []
+        if self.activations is not None:
+            self.activations.close()
 
     def report(self) -> dict:
         """The budgets of the devices this session runs on (shared with every session there), its weight
@@ -146,6 +154,7 @@ class SessionMemory:
                                         "bytes": s.requested_bytes} for s in a.site_stats()]}
                             for a in self.accounts],
             "pools": dict(self.pools),
+            "host_activations": self.activations.stats() if self.activations is not None else None,
             "provider_sites": {a.handle.name: [{"file": s.file, "line": s.line, "requests": s.requests,
                                                 "bytes": s.requested_bytes}
                                                for s in a.handle.hook.raw_device_allocation_site_stats() or ()]

@@ -18,6 +18,7 @@ from .. import plan_cache
 from ..errors import OnnxRuntimeError
 from ..ir import Graph, Model
 from ..loader import SHAPE_VALUE_LIMIT, initializer_arrays, model_of, read_model
+from ..memory import MemoryBudgetError
 from ..plan_cache import PlanCache
 from .executor import Executor
 from .specialize import Specializer
@@ -122,6 +123,8 @@ class CachedSpecializer(Specializer):
             try:
                 return self._plan(plan_cache.decode_graph(sections["graph"], list(meta["references"]),
                                                           self._weights))
+            except MemoryBudgetError:  # the plan is sound; its activations do not fit the host budget
+                raise
             except Exception as exc:  # the full path below makes it (and rewrites the file)
                 _unusable(self._plans, part, exc)
         self._encoded = None

@@ -38,6 +38,7 @@ from ..contract.kernels import KernelFn
 from ..errors import DeviceValidationError, InvalidArgumentError, OnnxRuntimeError, ProviderError
 from ..ir import Graph, Node
 from ..loader import implicit_inputs
+from ..memory.activations import admit_plan
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
 from .placement import Copy, Placement
@@ -254,6 +255,7 @@ class Executor:
                         if (info := self.graph.type_of(name)) is not None and info.shape is not None
                         and all(isinstance(d, int) for d in info.shape)}
             plan.shape_values = ShapeValues(steps, body, tuple(sorted(tensor_feeds)), kept, declared)
+        admit_plan(plan, self.graph, self.assignment)  # host activations, charged once per plan, not per run
         return plan
 
     def _kernel_for(self, node: Node, handle: ProviderHandle) -> KernelFn:

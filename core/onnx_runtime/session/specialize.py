@@ -27,6 +27,8 @@ from onnx import numpy_helper
 
 from ..ir import Graph, ValueInfo, clone_graph
 from ..loader import SHAPE_VALUE_LIMIT, convert_type, infer_graph
+from ..memory import MemoryBudgetError
+from ..memory.activations import symbols_bound
 from ..optimizer import PassContext
 from ..optimizer.constant_folding import fold_constants_everywhere
 from ..proto_walk import all_graphs, node_subgraphs
@@ -115,7 +117,8 @@ class Specializer:
             if self._failed or len(self._exact) + len(self._templates) >= LIMIT:
                 return None
             template = self._template(signature)
-            executor = self._build(signature if template is None else template.dims)
+            with symbols_bound(() if template is None else template.dims, signature, "specialized_"):
+                executor = self._build(signature if template is None else template.dims)  # (sized at these feeds)
             if template is not None and executor is not None:
                 self._templates.append((template, executor))
             else:
@@ -161,6 +164,8 @@ class Specializer:
             if not self._resolve(graph, dims):
                 return None
             return self._prepare(graph)
+        except MemoryBudgetError:  # its activations do not fit the host budget (memory/activations.py): not run
+            raise
         except Exception as exc:  # specialization is an optimization: the generic plan still runs
             self._failed = True
             warnings.warn(f"onnx-runtime: shape specialization failed ({type(exc).__name__}: {exc}); runs use the "

@@ -1,9 +1,10 @@
 """The CUDA provider under the process's memory governor (docs/memory.md): ``adopt_memory_governor`` reports the
-device's memory (``cuDeviceTotalMem``, so a limit can be a fraction of it) and puts the device's pinned staging
-ring under the pinned host tier; ``raw_device_allocation_site_stats`` names the driver allocations made outside
-the ``allocate`` hook (the staging ring's cuMemHostAlloc, sealed constants' uploads). Allocations with committed
-ranges (KV caches on :class:`~onnx_runtime_ep_cuda.vmm.MappedGrowthBuffer`, reserved.py) are granted by the adopted
-governor as they grow, role kv_cache, and given back as they are unmapped.
+device's memory (``cuDeviceTotalMem``, so a limit can be a fraction of it), puts the device's pinned staging
+ring under the pinned host tier and this instance's validation flag words (validation.py) under the device
+tier; ``raw_device_allocation_site_stats`` names the driver allocations made outside the ``allocate`` hook (the
+staging ring's cuMemHostAlloc, sealed constants' uploads). Allocations with committed ranges (KV caches on
+:class:`~onnx_runtime_ep_cuda.vmm.MappedGrowthBuffer`, reserved.py) are granted by the adopted governor as they
+grow, role kv_cache, and given back as they are unmapped.
 
 The stream-ordered pool needs no charge of its own: every buffer it hands out goes through ``allocate``, which
 the session's account charges, and the pool is per device, shared by every session on it.
@@ -31,7 +32,9 @@ class MemoryGovernance:
         if hasattr(governor, "grant") and hasattr(governor, "release_mapped"):  # the core's DeviceGovernor
             label = getattr(holder, "label", str(holder)).removesuffix(" pools")
             self._growth_governance = {"governor": governor, "holder": HolderId(f"{label} mapped growth")}
-        return device.staging.govern(governor, holder)
+        label = getattr(holder, "label", str(holder)).removesuffix(" pools")
+        words = self.device_validation().govern(governor, HolderId(f"{label} validation words"))
+        return device.staging.govern(governor, holder) + words
 
     def growth_governance(self) -> dict:
         """``governor`` and ``holder`` for a MappedGrowthBuffer of this provider (empty before adoption: the

@@ -29,6 +29,9 @@ write a provider-wide word that nobody consumes (read it with :meth:`DeviceValid
 
 An owner whose word was never handed to a kernel needs no clearing and no read, so a run without
 validating kernels pays nothing.
+
+Under the process's memory governor (the provider's ``adopt_memory_governor``, governance.py) every word is charged
+to the device tier, role workspace, before it is allocated, and its charge is given back when it is freed, once.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import threading
 from dataclasses import dataclass, field
 
 import numpy as np
+from onnx_runtime.contract.residency import MemoryLease, MemoryRole, Tier
 from onnx_runtime.contract.validation import DeviceValidationOwner, DeviceValidationRegistration, DeviceValidationToken
 from onnx_runtime.errors import InvalidArgumentError, ProviderError
 
@@ -57,6 +61,12 @@ def describe(flags: int) -> str:
     if unknown:
         names.append(f"unknown bits 0x{unknown:x}")
     return ", ".join(names) or "none"
+
+
+def _same_view(one, other) -> bool:
+    """Whether two adopted governors are one process governor's view of one device."""
+    return getattr(one, "process", one) is getattr(other, "process", other) and \
+        getattr(one, "device", None) == getattr(other, "device", 0)
 
 
 @dataclass(eq=False)
@@ -87,12 +97,62 @@ class DeviceValidation:
         self._owners: dict[DeviceValidationOwner, _Owner] = {}
         self._open: list[_Owner] = []  # open generations, innermost last: the last one's word is current
         self._unscoped: tuple[int, int] | None = None  # (address, base) of the word used outside submissions
+        # Under the memory governor (docs/memory.md): each word's lease, by its allocation's base.
+        self._governor = None
+        self._holder = None
+        self._leases: dict[int, MemoryLease] = {}
+
+    # -- governance -------------------------------------------------------------------------------------
+    def govern(self, governor, holder) -> int:
+        """Charge the words (those allocated already, and every later one) to ``governor``'s device tier for
+        ``holder``, role workspace; returns the bytes charged now. Adopting the same governor again charges
+        nothing; another one takes the charges over."""
+        with self._lock:
+            if self._governor is not None and _same_view(self._governor, governor):
+                return 0
+            leases, self._leases = self._leases, {}
+            for lease in leases.values():
+                lease.release()
+            self._governor, self._holder = governor, holder
+            for base in self._bases():
+                self._leases[base] = governor.reserve(WORD_BYTES, Tier.DEVICE, MemoryRole.WORKSPACE, holder)
+            return WORD_BYTES * len(self._leases)
+
+    @property
+    def charged(self) -> int:
+        """The device bytes the words have charged to the governor."""
+        with self._lock:
+            return sum(lease.nbytes for lease in self._leases.values())
+
+    def _bases(self) -> list[int]:
+        bases = [state.base for state in self._owners.values() if state.base]
+        return bases + ([self._unscoped[1]] if self._unscoped is not None else [])
 
     # -- words ------------------------------------------------------------------------------------------
     def _allocate_word(self) -> tuple[int, int]:
-        address, base = self.device.allocate(WORD_BYTES)
+        """A cleared word, charged before the driver is asked (a budget that cannot take it refuses here)."""
+        lease = self._governor.reserve(WORD_BYTES, Tier.DEVICE, MemoryRole.WORKSPACE, self._holder) \
+            if self._governor is not None else None
+        try:
+            address, base = self.device.allocate(WORD_BYTES)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        if lease is not None:
+            self._leases[base] = lease
         self.device.fill(address, WORD_BYTES, 0)
         return address, base
+
+    def _free_word(self, base: int) -> None:
+        """Free a word's allocation and give its charge back, once."""
+        lease = self._leases.pop(base, None)
+        try:
+            if not self.device.closed:
+                self.device.free(base)
+        finally:
+            if lease is not None:
+                lease.release()
 
     def _read(self, address: int) -> int:
         word = np.zeros(1, np.uint32)
@@ -167,8 +227,8 @@ class DeviceValidation:
                 self._finish(state)
             state.registered = False
             self._owners.pop(state.owner, None)
-            if state.base and not self.device.closed:
-                self.device.free(state.base)
+            if state.base:
+                self._free_word(state.base)
             state.address = state.base = 0
 
     # -- submissions ------------------------------------------------------------------------------------
@@ -293,10 +353,14 @@ class DeviceValidation:
         with self._lock:
             for state in list(self._owners.values()):
                 state.registered = False
-                if state.base and not self.device.closed:
-                    self.device.free(state.base)
+                if state.base:
+                    self._free_word(state.base)
+                state.address = state.base = 0
             self._owners.clear()
             self._open.clear()
-            if self._unscoped is not None and not self.device.closed:
-                self.device.free(self._unscoped[1])
+            if self._unscoped is not None:
+                self._free_word(self._unscoped[1])
             self._unscoped = None
+            for lease in self._leases.values():  # (none should be left: every word was freed above)
+                lease.release()
+            self._leases.clear()
