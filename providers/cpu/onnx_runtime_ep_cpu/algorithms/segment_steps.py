@@ -20,6 +20,7 @@ import numpy as np
 
 from .activations import hard_swish_steps
 from .segment_blocks import squeeze_excitations
+from .segment_layout import block_direct_runs
 
 _VIEWS = frozenset({"Flatten", "Reshape", "Squeeze", "Unsqueeze", "Identity"})
 # A plan whose unprepared nodes' outputs (copied into their buffers on every run) pass this many bytes is not
@@ -176,19 +177,25 @@ def build_plan(segment, env: list, limit_bytes: int) -> BoundPlan | None:
     steps: list = []
     blocks = squeeze_excitations(segment, env, constants)
     skipped: set[int] = set()
+    spans: dict[int, tuple[int, int]] = {}  # node index -> its steps
     try:
         for index, inner in enumerate(segment.inner):
+            first = len(steps)
             if index in blocks:  # the whole block as one step at its first node (it reads x only)
                 _bind_block(blocks[index], env, buffers, steps, skipped, pool)
             elif index not in skipped and not _bind_node(inner, env, buffers, constants, steps, pool):
                 return None
+            spans[index] = (first, len(steps))
             pool.after(index, buffers)
     except _TooLarge:
+        return None
+    steps, blocked_bytes = block_direct_runs(segment, steps, spans)
+    if pool.total + blocked_bytes > limit_bytes:
         return None
     copied = sum(a[2][0].nbytes for f, a in steps if f is _run_kernel)
     if copied > COPY_LIMIT_BYTES or all(f is _run_kernel for f, _ in steps):
         return None  # (its kernels' outputs copied into the buffers would cost more than the plan saves)
-    return BoundPlan(feeds, constants, steps, [buffers[s] for s in segment.results], pool.total)
+    return BoundPlan(feeds, constants, steps, [buffers[s] for s in segment.results], pool.total + blocked_bytes)
 
 
 def _bind_node(inner, env, buffers, constants, steps, pool) -> bool:

@@ -35,6 +35,9 @@ _ONES = ir.Constant(_VEC, [1.0] * LANES)
 _SIXTH = ir.Constant(_VEC, [float(np.float32(1 / 6))] * LANES)
 _HALF = ir.Constant(_VEC, [0.5] * LANES)
 BIAS, RESIDUAL, HARD_SWISH = 1, 2, 4  # conv_direct's flags
+# _tile's flag for a channel-blocked output (directconv_blocked.py): each pixel's 16 channels stored as they sit
+# in the accumulators, untransposed
+BLOCKED_OUT = 8
 
 
 def pack_weights(w: np.ndarray, group: int) -> np.ndarray:
@@ -197,6 +200,34 @@ def _emit_tile(builder, pointers: tuple, values: tuple) -> None:
         bias = builder.load(vector_at(builder, bias_ptr, int_const(h * LANES)), align=4)
         biased.append([builder.select(with_bias, builder.fadd(sums[2 * p + h], bias), sums[2 * p + h])
                        for p in range(PIXELS)])
+    blocked = builder.icmp_signed("!=", builder.and_(flags, int_const(BLOCKED_OUT)), int_const(0))
+    with builder.if_else(blocked) as (block, plain):
+        with block:
+            _emit_blocked_stores(builder, biased, with_residual, bounds, hard, y_ptr, res_ptr, at, pixels)
+        with plain:
+            _emit_plain_stores(builder, biased, with_residual, bounds, hard, y_ptr, res_ptr, at, plane, pixels,
+                               channels, lanes)
+
+
+def _emit_blocked_stores(builder, biased, with_residual, bounds, hard, y_ptr, res_ptr, at, pixels) -> None:
+    """Pixel p's 16 channels to y[at + 16 p ..], the residual read at the same place: the blocked layout's
+    order is the accumulators' own (every lane stored: a blocked buffer holds whole tiles of channels)."""
+    for residual in (False, True):
+        with builder.if_then(builder.icmp_signed("==", with_residual, ir.Constant(ir.IntType(1), residual))):
+            for p in range(PIXELS):
+                with builder.if_then(builder.icmp_signed("<", int_const(p), pixels)):
+                    for h in range(2):
+                        place = builder.add(at, int_const(p * CHANNELS + h * LANES))
+                        v = biased[h][p]
+                        if residual:
+                            v = builder.fadd(v, builder.load(vector_at(builder, res_ptr, place), align=4))
+                        v = _hard_swished(builder, _activated(builder, v, bounds), hard)
+                        builder.store(v, vector_at(builder, y_ptr, place), align=4)
+
+
+def _emit_plain_stores(builder, biased, with_residual, bounds, hard, y_ptr, res_ptr, at, plane, pixels, channels,
+                       lanes) -> None:
+    """The tile's sums (bias added) to each channel's row of pixels, ``plane`` apart."""
     full = builder.icmp_signed("==", pixels, int_const(PIXELS))
     # Without a residual the activation goes before the transpose (6 vectors instead of 8); with one,
     # after it, once the residual (read at the output's own place) is added.

@@ -1,0 +1,116 @@
+"""directconv.py's tiles over channel-blocked values, for a segment plan's runs of direct convolutions
+(algorithms/segment_layout.py).
+
+A blocked value (N, C, H, W) is stored as (N, ceil(C / 16), H, W, 16): each pixel's 16 channels of a block
+contiguous, as onnxruntime's NCHWc keeps activations between layers. A tile's sums are 16 channels x 6 pixels,
+so a blocked output is stored as the accumulators hold it, where the plain layout takes an 8 x 8 transpose
+per half and a row store per channel; a blocked input is read as the plain one, with the taps and the pixel
+step scaled by 16. Channels past C in the last block are computed from zero weights and never read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import jit
+from .directconv import BLOCKED_OUT, CHANNELS, PIXELS, _tile
+
+
+def blocked_taps(offsets: np.ndarray, plane: int) -> np.ndarray:
+    """directconv.tap_offsets (channel c at c * plane, a cell r of the window at r) for a blocked image:
+    channel c at (c // 16) * plane * 16 + c % 16, cell r at r * 16."""
+    channel, cell = np.divmod(offsets, plane)
+    return ((channel // CHANNELS) * plane * CHANNELS + channel % CHANNELS + cell * CHANNELS).astype(np.int64)
+
+
+@jit
+def _fill_plain(x, base, channels, height, width, source, top, left, padded_height, padded_width):
+    rows, columns = min(height, padded_height - top), min(width, padded_width - left)
+    plane = padded_height * padded_width
+    for c in range(channels):
+        for r in range(rows):
+            at = c * plane + (r + top) * padded_width + left
+            start = base + (c * height + r) * width
+            source[at:at + columns] = x[start:start + columns]
+
+
+@jit
+def _fill_blocked(x, base, blocks, height, width, source, top, left, padded_height, padded_width):
+    rows, columns = min(height, padded_height - top), min(width, padded_width - left)
+    plane = padded_height * padded_width
+    for b in range(blocks):
+        for r in range(rows):
+            at = (b * plane + (r + top) * padded_width + left) * CHANNELS
+            start = base + ((b * height + r) * width) * CHANNELS
+            source[at:at + columns * CHANNELS] = x[start:start + columns * CHANNELS]
+
+
+@jit
+def conv_blocked(x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, top, left, padded_height,
+                 padded_width, in_place, images, channels, height, width, x_blocked, outputs, oh, ow, y_blocked):
+    """directconv.conv_direct for one group over flat ``x`` (images x ``channels`` x ``height`` x ``width``,
+    blocked where ``x_blocked``: then ``offsets`` are blocked_taps) into flat ``y`` (images x ``outputs`` x
+    ``oh`` x ``ow``, blocked where ``y_blocked``; ``residual`` in y's layout)."""
+    tiles, depth = weights.shape[1], weights.shape[2]
+    lanes = CHANNELS if x_blocked else 1
+    stored = (channels + CHANNELS - 1) // CHANNELS * CHANNELS if x_blocked else channels
+    plane = padded_height * padded_width
+    source = np.zeros(0 if in_place else stored * plane + PIXELS * sw * lanes, dtype=np.float32)
+    pixels = min(PIXELS, ow)
+    tile_flags = flags | BLOCKED_OUT if y_blocked else flags
+    for n in range(images):
+        base = n * stored * height * width
+        if in_place:
+            image = x[base:]
+        else:
+            if x_blocked:
+                _fill_blocked(x, base, stored // CHANNELS, height, width, source, top, left, padded_height,
+                              padded_width)
+            else:
+                _fill_plain(x, base, channels, height, width, source, top, left, padded_height, padded_width)
+            image = source
+        for t in range(tiles):
+            w = weights[0, t].reshape(-1)
+            first = t * CHANNELS
+            count = min(CHANNELS, outputs - first)
+            tile_bias = bias[0, first:]
+            for oy in range(oh):
+                for ox in range(0, ow, PIXELS):
+                    ox = min(ox, ow - pixels)
+                    start = (oy * sh * padded_width + ox * sw) * lanes
+                    if y_blocked:
+                        at = (((n * tiles + t) * oh + oy) * ow + ox) * CHANNELS
+                    else:
+                        at = ((n * outputs + first) * oh + oy) * ow + ox
+                    _tile(w, image, start, offsets, depth, sw * lanes, y, at, oh * ow, pixels, count, tile_bias,
+                          residual, tile_flags, bounds)
+
+
+@jit
+def to_blocked(x, y, images, channels, pixels):
+    """y (images, ceil(channels / 16), pixels, 16) = x (images, channels, pixels), zeros past the channels."""
+    blocks = (channels + CHANNELS - 1) // CHANNELS
+    for n in range(images):
+        for b in range(blocks):
+            out = ((n * blocks + b) * pixels) * CHANNELS
+            for c in range(CHANNELS):
+                channel = b * CHANNELS + c
+                if channel < channels:
+                    source = (n * channels + channel) * pixels
+                    for p in range(pixels):
+                        y[out + p * CHANNELS + c] = x[source + p]
+                else:
+                    for p in range(pixels):
+                        y[out + p * CHANNELS + c] = 0
+
+
+@jit
+def from_blocked(x, y, images, channels, pixels):
+    """y (images, channels, pixels) = the blocked x (images, ceil(channels / 16), pixels, 16)."""
+    blocks = (channels + CHANNELS - 1) // CHANNELS
+    for n in range(images):
+        for c in range(channels):
+            source = ((n * blocks + c // CHANNELS) * pixels) * CHANNELS + c % CHANNELS
+            out = (n * channels + c) * pixels
+            for p in range(pixels):
+                y[out + p] = x[source + p * CHANNELS]
