@@ -36,6 +36,8 @@ SEGMENT_OPS = frozenset({
     # between convolutions in other CNNs (Inception's and SqueezeNet's Concat, AlexNet's LRN, a closing Softmax)
     ("", "Concat"), ("", "Softmax"), ("", "Transpose"), ("", "Squeeze"), ("", "Unsqueeze"), ("", "Identity"),
     ("", "Sub"), ("", "Div"), ("", "Tanh"), ("", "LRN"), ("", "Pad"), ("", "Dropout"),
+    # a quantized CNN's roundings (qdq_fusions.fuse_quantize_dequantize) between its convolutions
+    (FUSED_DOMAIN, "QuantizeDequantize"),
 })
 _CONVOLUTIONS = frozenset({"Conv", "FusedConv"})
 MIN_CONVOLUTIONS = 2  # a lone convolution (a transformer's patch embedding) gains nothing

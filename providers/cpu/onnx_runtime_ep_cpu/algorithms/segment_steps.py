@@ -357,4 +357,5 @@ BINDERS = {
     "HardSwish": _bind_hard_swish, "Mul": _binary(np.multiply), "Add": _binary(np.add),
     "GlobalAveragePool": _bind_global_average_pool, "Gemm": _bind_gemm, "Swish": _bind_swish,
     "Sigmoid": _bind_sigmoid, "Concat": _bind_concat, "Sub": _binary(np.subtract),
+    "QuantizeDequantize": _bind_own,  # ops/quantization.py
 }

@@ -393,7 +393,32 @@ def quantize_dequantize(node, shapes, opset):
                 return (y,)
         return dequantize(quantize(x, scale, zero_point)[0], scale, zero_point)
 
+    kernel.bind = _rounding_binder(granularity, lambda scale, zero_point: prepared.get(
+        "params", (scale, zero_point), lambda: compiled_params(scale, zero_point)))
     return kernel
+
+
+def _rounding_binder(granularity, params_of):
+    """QuantizeDequantize's ``bind``: the compiled rounding as one prepared call over a segment's buffers
+    (algorithms/segment_steps.py), for float32 data and constant parameters the compiled loop takes
+    (``params_of(scale, zero_point)``: its (scales, zero points, low, high), or None); None otherwise (the
+    kernel runs)."""
+    from ..compiled import quantize as compiled
+
+    def bind(inputs, outputs, constant):
+        x, scale, zero_point = (list(inputs) + [None])[:3]
+        y = outputs[0]
+        if len(constant) < 3 or not (constant[1] and constant[2]) or x is None or x.dtype != _F32 \
+                or y.dtype != _F32 or x.shape != y.shape or not x.size:
+            return None
+        params = params_of(scale, zero_point)
+        layout = None if params is None else (1, 1, x.size) if scale.size == 1 else granularity.channels(scale,
+                                                                                                         x.shape)
+        if layout is None:
+            return None
+        return [(compiled.fake_quantize, (x.reshape(layout), *params, y.reshape(layout)))]
+
+    return bind
 
 
 # -- DynamicQuantizeLinear --------------------------------------------------------------------------
