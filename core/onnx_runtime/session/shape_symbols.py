@@ -32,6 +32,8 @@ _SAME_SHAPE = frozenset({
     "Softmax", "Not", "LayerNormalization", "RMSNormalization", "SkipRMSNormalization", "SkipLayerNormalization",
     "SimplifiedLayerNormalization", "DequantizeLinear", "QuantizeLinear",
 })
+# The CPU provider's float16 conversions (precision_fusions.py), one output per input.
+_CONVERSIONS = frozenset({"RoundToHalf", "HalfToFloat", "FloatToHalf"})
 # Elementwise where the scale and zero point are single values (per tensor).
 _PER_TENSOR = frozenset({"DequantizeLinear", "QuantizeLinear"})
 _BROADCAST = _ELEMENTWISE - {"Neg", "Abs", "Sqrt", "Reciprocal", "Exp", "Log", "Erf", "Tanh", "Sigmoid", "Relu",
@@ -161,6 +163,9 @@ class Builder:
         if node is None or not step.outputs:
             return
         shapes = [self.shape_of(slot) if name else None for slot, name in zip(step.inputs, node.inputs)]
+        if node.op_type in _CONVERSIONS:  # output i has input i's shape
+            self.shapes.update((slot, shape) for slot, shape in zip(step.outputs, shapes) if shape is not None)
+            return
         try:
             shape = _propagated(node, shapes, self.symbols)
         except Unsupported:

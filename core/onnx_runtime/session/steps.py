@@ -184,6 +184,7 @@ _SHAPE_FROM_SHAPES = frozenset({
     "Greater", "LessOrEqual", "GreaterOrEqual", "MatMul", "FusedMatMul", "Gemm", "Concat", "Transpose", "Gather",
     "ReshapeTranspose", "TransposeReshape", "LayerNormalization", "RMSNormalization", "SkipRMSNormalization",
     "SkipLayerNormalization", "SimplifiedLayerNormalization", "Attention",
+    "RoundToHalf", "HalfToFloat", "FloatToHalf",  # the CPU provider's float16 conversions (precision_fusions.py)
 })
 
 

@@ -312,17 +312,22 @@ compute_half_in_float32.before_optimizer = True  # type: ignore[attr-defined]  #
 
 
 def shapes_of_inputs_read_from_inputs(graph: Graph, owns=None) -> bool:
-    """Shape and Size read a half-precision graph input itself rather than its float32 copy (the optimizer's
-    bypasses may have led them there): the specializer (session/specialize.py) gives the inputs each
-    signature's shapes, but not the values made here, so only the inputs' Shape reads fold, and the
-    exporters' shape chains after them, for each signature. An input only those read is not widened."""
+    """Shape and Size read a graph input itself rather than its float32 copy or its rounding (the optimizer's
+    bypasses, or the converter's Cast of a float32 input, may have led them there): the specializer
+    (session/specialize.py) gives the inputs each signature's shapes, but not the values made here, so only the
+    inputs' Shape reads fold, and the exporters' shape chains after them, for each signature (and a decode
+    loop's shape program sees its lengths). An input only those read is not widened."""
     widenings = [node for node in graph.nodes if node.op_type == "HalfToFloat" and node.domain == FUSED_DOMAIN]
-    sources = {target: source for node in widenings for source, target in zip(node.inputs, node.outputs)}
+    sources = {target: source for node in graph.nodes if node.domain == FUSED_DOMAIN and node.op_type in _CONVERSIONS
+               for source, target in zip(node.inputs, node.outputs)}
     changed = False
     for node in graph.nodes:
         if node.op_type in _SHAPE_READERS and not node.domain and node.inputs and node.inputs[0] in sources \
                 and (owns is None or owns(node)):
-            node.inputs = [sources[node.inputs[0]], *node.inputs[1:]]
+            source = node.inputs[0]
+            while source in sources:
+                source = sources[source]
+            node.inputs = [source, *node.inputs[1:]]
             node.proto = None
             changed = True
     read = {name for node in graph.nodes for name in node.inputs} | {vi.name for vi in graph.outputs}

@@ -1,0 +1,79 @@
+"""A float16 decoder with float32 edges (onnxruntime's float16 tool, keep_io_types) in a generation loop: its past
+is rounded to float16 on the way in (RoundToHalf, precision_fusions.py), and the positions and the causal mask read
+the lengths off Shape of that rounding and of the Concat after it. Those steps must be recognized as shape-only,
+as in the float32 model, so that a step with a new past length instantiates them (session/shape_program.py)
+instead of running them; the results stay onnxruntime's (the oracle)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_runtime as ort
+import pytest
+from model_helpers import make_model, tensor_info
+from onnx import TensorProto, helper, numpy_helper
+
+HEADS, DIM = 2, 4
+_SHAPE_STEPS = ("Shape", "Gather", "Range", "Unsqueeze", "LessOrEqual", "Where", "Sub")
+
+
+def _decoder_step():
+    """new = x @ w; present = Concat(past, new); scores = new @ present^T + causal bias, the bias from
+    Range(past length, total) against Range(0, total), both lengths read by Shape (of the past and the present)."""
+    converter = pytest.importorskip("onnxruntime.transformers.float16")
+    rng = np.random.default_rng(21)
+    consts = {"w": (rng.standard_normal((DIM, DIM)) * 0.5).astype(np.float32), "zero": np.array(0, np.int64),
+              "one": np.array(1, np.int64), "two": np.array(2, np.int64), "ax0": np.array([0], np.int64),
+              "ax1": np.array([1], np.int64), "nil": np.array(0.0, np.float32), "neg": np.array(-1e4, np.float32)}
+    n = helper.make_node
+    nodes = [n("MatMul", ["x", "w"], ["new"]),
+             n("Concat", ["past", "new"], ["present"], axis=2),
+             n("Shape", ["past"], ["past_shape"]),
+             n("Gather", ["past_shape", "two"], ["past_len"], axis=0),
+             n("Shape", ["present"], ["present_shape"]),
+             n("Gather", ["present_shape", "two"], ["total"], axis=0),
+             n("Range", ["past_len", "total", "one"], ["q_pos"]),
+             n("Range", ["zero", "total", "one"], ["k_pos"]),
+             n("Unsqueeze", ["k_pos", "ax0"], ["k_row"]),
+             n("Unsqueeze", ["q_pos", "ax1"], ["q_col"]),
+             n("LessOrEqual", ["k_row", "q_col"], ["causal"]),
+             n("Where", ["causal", "nil", "neg"], ["bias"]),
+             n("Transpose", ["present"], ["present_t"], perm=[0, 1, 3, 2]),
+             n("MatMul", ["new", "present_t"], ["raw"]),
+             n("Add", ["raw", "bias"], ["scores"])]
+    model = make_model(nodes, [tensor_info("x", TensorProto.FLOAT, [1, HEADS, "seq", DIM]),
+                               tensor_info("past", TensorProto.FLOAT, [1, HEADS, "past", DIM])],
+                       [tensor_info("scores", TensorProto.FLOAT, None),
+                        tensor_info("present", TensorProto.FLOAT, None)],
+                       [numpy_helper.from_array(value, name) for name, value in consts.items()])
+    return converter.convert_float_to_float16(model, keep_io_types=True).SerializeToString()
+
+
+def _feeds(steps: int):
+    """A prefill of three tokens, then one token per step, the present fed back as the past."""
+    rng = np.random.default_rng(5)
+    past = np.zeros((1, HEADS, 0, DIM), np.float32)
+    x = rng.standard_normal((1, HEADS, 3, DIM)).astype(np.float32)
+    for _ in range(steps + 1):
+        yield {"x": x, "past": past}
+        past = np.concatenate([past, x], axis=2)  # the present, up to its float16 rounding
+        x = rng.standard_normal((1, HEADS, 1, DIM)).astype(np.float32)
+
+
+def test_a_new_past_length_instantiates_the_shape_steps_of_a_float16_decoder(tmp_path):
+    model = _decoder_step()
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(tmp_path / "profile")
+    ours = ort.InferenceSession(model, options, providers=["cpu"])
+    oracle = pytest.importorskip("onnxruntime").InferenceSession(model, providers=["CPUExecutionProvider"])
+    later = 3  # the steps after the first decode steps (the program is built from the second new shape)
+    for index, feeds in enumerate(_feeds(steps=3 + later)):
+        if index == 3:
+            ours.end_profiling()  # a new profile: the later steps alone
+        got, want = ours.run(None, feeds), oracle.run(None, feeds)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3 * max(1.0, float(np.abs(b).max())))
+    ran = ours.profile_summary()
+    assert ran["MatMul"][1] >= later, ran  # the profile did see the later steps
+    assert not [op for op in _SHAPE_STEPS if op in ran], ran  # their shape work was instantiated, not run
