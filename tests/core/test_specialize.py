@@ -101,9 +101,9 @@ def test_a_dimension_that_changes_becomes_symbolic_and_one_plan_serves_every_len
 
 
 def test_symbols_shared_by_dimensions_that_agreed_hold_only_while_they_agree():
-    from onnx_runtime.session.specialize import _Template
+    from onnx_runtime.session.shape_program import Template
 
-    template = _Template(((1, (0,)), ((0,), 8)), 1)
+    template = Template(((1, (0, 0)), ((0, 0), 8)), 1)
     assert template.matches(((1, 5), (5, 8)))
     assert not template.matches(((1, 5), (6, 8)))
     assert not template.matches(((2, 5), (5, 8)))

@@ -21,6 +21,8 @@ plan's declared static shapes or the rules below do not give.
 """
 from __future__ import annotations
 
+from itertools import chain
+from operator import itemgetter, sub
 from typing import Any
 
 import numpy as np
@@ -85,19 +87,27 @@ def _materialize(value, numbers: list[int], row: int) -> np.ndarray:
 # -- classes of feed shapes, and building ---------------------------------------------------------------
 class Template:
     """Feed shapes with some dimensions symbolic: per feed, per axis, an int or ``(symbol, offset)`` for the
-    symbol's value plus an offset (a decode step's attention mask is one longer than its past). Checks are laid
-    out flat once, per (feed, axis)."""
+    symbol's value plus an offset (a decode step's attention mask is one longer than its past). A decode loop
+    tests every step's shapes against it, so the tests are laid out once over the shapes flattened into one
+    tuple: the fixed dimensions read by one getter, each symbol's dimensions by another."""
 
-    __slots__ = ("dims", "symbols", "_ranks", "_fixed", "_symbolic")
+    __slots__ = ("dims", "symbols", "_ranks", "_fixed", "_want", "_groups")
 
     def __init__(self, dims: tuple, symbols: int):
         self.dims = dims
         self.symbols = symbols
         self._ranks = tuple(len(shape) for shape in dims)
-        self._fixed = tuple((i, axis, want) for i, shape in enumerate(dims) for axis, want in enumerate(shape)
-                            if isinstance(want, int))
-        self._symbolic = tuple((i, axis, want[0], want[1]) for i, shape in enumerate(dims)
-                               for axis, want in enumerate(shape) if not isinstance(want, int))
+        flat = [want for shape in dims for want in shape]
+        fixed = [index for index, want in enumerate(flat) if isinstance(want, int)]
+        self._fixed = _getter(fixed)
+        self._want = tuple(flat[index] for index in fixed)
+        # Per symbol: (a getter of its dimensions, their offsets; None where all are 0).
+        groups = []
+        for symbol in range(symbols):
+            at = [index for index, want in enumerate(flat) if not isinstance(want, int) and want[0] == symbol]
+            offsets = tuple(flat[index][1] for index in at)
+            groups.append((_getter(at), offsets if any(offsets) else None))
+        self._groups = tuple(groups)
 
     @classmethod
     def between(cls, reference: tuple, signature: tuple) -> Template | None:
@@ -119,23 +129,37 @@ class Template:
             dims.append(tuple(row))
         return cls(tuple(dims), len(first))
 
+    def _values(self, signature: tuple) -> list[int] | None:
+        """The symbols' values in ``signature``, or None for one outside this class."""
+        if tuple(map(len, signature)) != self._ranks:
+            return None
+        flat = tuple(chain.from_iterable(signature))
+        if self._fixed(flat) != self._want:
+            return None
+        values = []
+        for get, offsets in self._groups:
+            seen = get(flat)
+            if offsets is not None:
+                seen = tuple(map(sub, seen, offsets))
+            if seen.count(seen[0]) != len(seen):
+                return None
+            values.append(seen[0])
+        return values
+
+    def matches(self, signature: tuple) -> bool:
+        return self._values(signature) is not None
+
     def point(self, signature: tuple) -> np.ndarray | None:
         """(1, s_0, s_1, ...) for a signature of this class; None for one outside it."""
-        if tuple([len(shape) for shape in signature]) != self._ranks:
-            return None
-        for i, axis, want in self._fixed:
-            if signature[i][axis] != want:
-                return None
-        point = np.zeros(1 + self.symbols, np.int64)
-        point[0] = 1
-        seen = [False] * self.symbols
-        for i, axis, symbol, offset in self._symbolic:
-            value = signature[i][axis] - offset
-            if not seen[symbol]:
-                point[1 + symbol], seen[symbol] = value, True
-            elif point[1 + symbol] != value:
-                return None
-        return point
+        values = self._values(signature)
+        return None if values is None else np.array([1, *values], np.int64)
+
+
+def _getter(indices: list[int]):
+    """A function of a tuple giving the tuple of its items at ``indices`` (a tuple even for one or none)."""
+    if len(indices) > 1:
+        return itemgetter(*indices)
+    return itemgetter(slice(indices[0], indices[0] + 1) if indices else slice(0, 0))
 
 
 def build(steps: list, shape_only: set[int], feeds: tuple[int, ...], template: Template, point: np.ndarray,

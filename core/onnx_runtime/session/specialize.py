@@ -34,43 +34,12 @@ from ..optimizer.constant_folding import fold_constants_everywhere
 from ..proto_walk import all_graphs, node_subgraphs
 from ..provider_handle import ProviderHandle
 from .executor import Executor
+from .shape_program import Template
 
 # Distinct specializations a session keeps (exact signatures and symbolic templates together).
 LIMIT = 8
 # Rounds of inference and folding; exported models settle in two or three.
 MAX_ROUNDS = 6
-
-
-class _Template:
-    """A signature with some dimensions symbolic: per input, per axis, an int or a symbol's index; the
-    symbols' dimensions must agree with one another. A decode loop's every step (a new past length) is
-    matched against it: the checks are laid out flat once, per (input, axis)."""
-
-    __slots__ = ("dims", "symbols", "_ranks", "_fixed", "_symbolic")
-
-    def __init__(self, dims: tuple, symbols: int):
-        self.dims = dims
-        self.symbols = symbols
-        self._ranks = tuple(len(shape) for shape in dims)
-        self._fixed = tuple((i, axis, want) for i, shape in enumerate(dims) for axis, want in enumerate(shape)
-                            if isinstance(want, int))
-        self._symbolic = tuple((i, axis, want[0]) for i, shape in enumerate(dims) for axis, want in enumerate(shape)
-                               if not isinstance(want, int))
-
-    def matches(self, signature: tuple) -> bool:
-        if tuple([len(shape) for shape in signature]) != self._ranks:
-            return False
-        for i, axis, want in self._fixed:
-            if signature[i][axis] != want:
-                return False
-        values: list = [None] * self.symbols
-        for i, axis, symbol in self._symbolic:
-            got, seen = signature[i][axis], values[symbol]
-            if seen is None:
-                values[symbol] = got
-            elif seen != got:
-                return False
-        return True
 
 
 class Specializer:
@@ -92,14 +61,17 @@ class Specializer:
         self._handles = handles
         self._prepare = prepare
         self._exact: dict[tuple, Executor | None] = {}
-        self._templates: list[tuple[_Template, Executor]] = []
+        self._templates: list[tuple[Template, Executor]] = []
         self._last: tuple = ((), None)
         self._lock = threading.Lock()
         self._failed = False
 
     def executor_for(self, feeds: dict) -> Executor | None:
         """The executor for these feeds' shapes, made now if new; None: the session's generic plan."""
-        signature = tuple(getattr(feeds[name], "shape", ()) for name in self._inputs)
+        try:
+            signature = tuple([feeds[name].shape for name in self._inputs])
+        except AttributeError:  # a feed without a shape (a sequence)
+            signature = tuple(getattr(feeds[name], "shape", ()) for name in self._inputs)
         last_signature, last = self._last
         if signature == last_signature:
             return last
@@ -134,7 +106,7 @@ class Specializer:
             self._templates.clear()
             self._last = ((), None)
 
-    def _template(self, signature: tuple) -> _Template | None:
+    def _template(self, signature: tuple) -> Template | None:
         """None for an exact specialization (the first signature, or one of another rank); else the template
         that makes symbolic the dimensions where ``signature`` differs from an earlier exact one."""
         earlier = [s for s, executor in self._exact.items() if executor is not None
@@ -152,13 +124,13 @@ class Specializer:
                 if ref == got or got == 1:
                     row.append(got)
                 else:
-                    row.append((symbols.setdefault((ref, got), len(symbols)),))
+                    row.append((symbols.setdefault((ref, got), len(symbols)), 0))
             dims.append(tuple(row))
-        return _Template(tuple(dims), len(symbols))
+        return Template(tuple(dims), len(symbols))
 
     def _build(self, dims: tuple) -> Executor | None:
         """The executor of the graph specialized to ``dims`` (per input, per axis: an int, or a symbol as
-        a 1-tuple of its index)."""
+        ``(index, 0)``, a :class:`.shape_program.Template`'s form)."""
         try:
             graph = clone_graph(self._graph)
             if not self._resolve(graph, dims):
