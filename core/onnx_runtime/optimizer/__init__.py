@@ -11,27 +11,41 @@ from __future__ import annotations
 
 from ..ir import Graph, Node
 from ..provider_handle import ProviderHandle
-from .attention_fusion import fuse_attention
-from .constant_folding import fold_constants
 from .context import PassContext
-from .conv_fusion import fuse_batchnorm_affine, fuse_conv_add, fuse_conv_batchnorm, fuse_conv_mul
-from .elimination import collapse_reshapes, eliminate_identities, remove_dead_nodes
-from .gemm_fusion import fuse_gemm_add, fuse_matmul_add, unflatten_gemm
 from .rewrite import visit_subgraphs
-from .sibling_matmul_fusion import fuse_sibling_matmuls
-from .symbolic_dims import refine_symbolic_dims
 
 # GraphOptimizationLevel values (not imported: the session package imports this one).
 ENABLE_BASIC = 1
 ENABLE_EXTENDED = 2
 
-BASIC_PASSES = (fold_constants, eliminate_identities, remove_dead_nodes)
-ALL_PASSES = BASIC_PASSES + (
-    fuse_conv_batchnorm, fuse_conv_mul, fuse_conv_add, fuse_batchnorm_affine, unflatten_gemm, fuse_matmul_add,
-    fuse_gemm_add, refine_symbolic_dims, fuse_attention, fuse_sibling_matmuls, collapse_reshapes,
-)
 # Each round can only shrink the graph; real models settle in two or three.
 MAX_ROUNDS = 8
+
+
+def _passes() -> tuple[tuple, tuple]:
+    """(the basic passes, all passes), their modules imported at the first optimization: a process whose plans
+    come from the plan cache runs none of them (importing the fusions costs a few ms)."""
+    from .attention_fusion import fuse_attention
+    from .constant_folding import fold_constants
+    from .conv_fusion import fuse_batchnorm_affine, fuse_conv_add, fuse_conv_batchnorm, fuse_conv_mul
+    from .elimination import collapse_reshapes, eliminate_identities, remove_dead_nodes
+    from .gemm_fusion import fuse_gemm_add, fuse_matmul_add, unflatten_gemm
+    from .sibling_matmul_fusion import fuse_sibling_matmuls
+    from .symbolic_dims import refine_symbolic_dims
+
+    basic = (fold_constants, eliminate_identities, remove_dead_nodes)
+    return basic, basic + (
+        fuse_conv_batchnorm, fuse_conv_mul, fuse_conv_add, fuse_batchnorm_affine, unflatten_gemm, fuse_matmul_add,
+        fuse_gemm_add, refine_symbolic_dims, fuse_attention, fuse_sibling_matmuls, collapse_reshapes,
+    )
+
+
+def __getattr__(name: str):
+    if name in ("BASIC_PASSES", "ALL_PASSES"):
+        basic, every = _passes()
+        globals().update(BASIC_PASSES=basic, ALL_PASSES=every)
+        return basic if name == "BASIC_PASSES" else every
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def passes_for(level: int) -> tuple:
@@ -39,7 +53,8 @@ def passes_for(level: int) -> tuple:
     (folding and removals), or all of them (EXTENDED and ALL: the fusions too)."""
     if level < ENABLE_BASIC:
         return ()
-    return BASIC_PASSES if level < ENABLE_EXTENDED else ALL_PASSES
+    basic, every = _passes()
+    return basic if level < ENABLE_EXTENDED else every
 
 
 def optimize(graph: Graph, handles: list[ProviderHandle], level: int, disabled=(),
