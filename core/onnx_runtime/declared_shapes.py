@@ -12,6 +12,11 @@ outputs' shapes, and the declarations are merged back as onnxruntime merges them
 inference computed wins over the declared one, a dimension inference could not compute keeps the declared one
 (nothing can check it before the run, as in onnxruntime), and a declared element type that differs from the
 computed one is an ``InvalidGraphError`` (onnxruntime's type error).
+
+A declared shape for an output of a node inference cannot compute (no schema, no contrib stand-in) is checked by
+nothing: inference would carry it on to every value computed from it, and kernels would be built for a rank that
+may never come (a stale rank let Concat's axis pass for the declared rank and fail inside numpy). Such shapes are
+dropped before inference (the element type stays); those values and what follows them are sized at run time.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import time
 from collections.abc import Callable
 
 import onnx
+from onnx import defs
 
+from .contrib_stand_ins import stand_in_contrib_ops
 from .errors import InvalidGraphError
 from .proto_walk import graph_subgraphs
 
@@ -35,6 +42,7 @@ Infer = Callable[..., "onnx.GraphProto | None"]  # infer(model, strict=...) -> a
 def infer_reconciled(light: onnx.ModelProto, infer: Infer) -> onnx.GraphProto | None:
     """``light``'s graph annotated by ``infer`` (see the module docstring), or None when inference fails."""
     started = time.thread_time()
+    light = without_unverifiable_shapes(light)
     inferred = infer(light, strict=True)
     if inferred is not None:
         return inferred
@@ -116,3 +124,37 @@ def _type_name(elem_type: int) -> str:
         return onnx.TensorProto.DataType.Name(elem_type).lower()
     except ValueError:
         return f"element type {elem_type}"
+
+
+def without_unverifiable_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with the declared shapes of top-level values that only a node inference cannot compute produces
+    cleared (a copy; ``model`` itself when there are none). See the module docstring."""
+    graph = model.graph
+    declared = {vi.name for vi in (*graph.value_info, *graph.output) if vi.type.tensor_type.HasField("shape")}
+    if not declared:
+        return model
+    opsets = {("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in model.opset_import}
+    local = {(f.domain, f.name) for f in model.functions}
+    blind = [n for n in graph.node if any(o in declared for o in n.output) and (n.domain, n.op_type) not in local
+             and not _has_schema(n, opsets)]
+    if not blind:
+        return model
+    remaining = {(n.domain, n.op_type) for n in stand_in_contrib_ops(model).model.graph.node}
+    unchecked = {o for n in blind if (n.domain, n.op_type) in remaining for o in n.output} & declared
+    if not unchecked:
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for vi in (*copy.graph.value_info, *copy.graph.output):
+        if vi.name in unchecked:
+            vi.type.tensor_type.ClearField("shape")
+    return copy
+
+
+def _has_schema(node: onnx.NodeProto, opsets: dict[str, int]) -> bool:
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    try:
+        defs.get_schema(node.op_type, opsets.get(domain, 1), domain)
+    except defs.SchemaError:
+        return False
+    return True

@@ -13,7 +13,8 @@ module checks only what would be unsafe to hand on, against the operator schemas
   no required input left empty, and every value defined once;
 - every attribute of the type its schema declares, and every required one present;
 - model-local functions free of call cycles;
-- declared dimensions (graph inputs, outputs, value_info) below ``MAX_DECLARED_DIM`` (a negative one is dynamic);
+- declared dimensions (graph inputs, outputs, value_info) below ``MAX_DECLARED_DIM`` (a negative one is dynamic),
+  and declared element types defined ones;
 - after shape inference (:func:`check_types`), each node input's element type among those its schema allows, and
   the inputs that share a type parameter of one type (a float32 + int64 Add is refused, as onnxruntime does).
 
@@ -257,8 +258,28 @@ def _check_dims(values, where: str) -> None:
                     f"below {MAX_DECLARED_DIM}; declare it symbolic (a dim_param) or fix the exporter")
 
 
+def _check_element_types(values, where: str) -> None:
+    """Each declared tensor type (inside sequences, optionals and maps too) names an ONNX element type: an
+    UNDEFINED one let a feed or folded value of any kind through unchecked (a raw TensorProto reached Cast), and
+    onnxruntime refuses it at load."""
+    for vi in values:
+        tp = vi.type
+        while tp is not None:
+            kind = tp.WhichOneof("value")
+            if kind in ("tensor_type", "sparse_tensor_type"):
+                elem_type = getattr(tp, kind).elem_type
+                if elem_type == onnx.TensorProto.UNDEFINED or elem_type not in _ELEMENT_TYPES:
+                    raise InvalidGraphError(
+                        f"value {vi.name!r} in {where} declares element type {elem_type}, which is no ONNX type "
+                        f"(expected one of TensorProto.DataType); declare its type or drop the declaration")
+            tp = {"sequence_type": lambda t: t.sequence_type.elem_type,
+                  "optional_type": lambda t: t.optional_type.elem_type,
+                  "map_type": lambda t: t.map_type.value_type}.get(kind or "", lambda t: None)(tp)
+
+
 def _check_graph(graph: onnx.GraphProto, opsets: dict[str, int], where: str, top_level: bool = False) -> None:
     _check_dims([*graph.input, *graph.output, *graph.value_info], where)
+    _check_element_types([*graph.input, *graph.output, *graph.value_info], where)
     _check_initializers(graph, where)
     defined: dict[str, str | None] = dict.fromkeys([vi.name for vi in graph.input] +
                                                    [init.name for init in graph.initializer] +
@@ -432,6 +453,9 @@ def _value_type_string(tp: onnx.TypeProto) -> str | None:
     kind = tp.WhichOneof("value")
     if kind == "tensor_type":
         return _type_string(tp.tensor_type.elem_type) if tp.tensor_type.elem_type else None
+    if kind == "sparse_tensor_type":  # no schema's tensor parameter allows it (onnxruntime refuses it the same way)
+        elem_type = tp.sparse_tensor_type.elem_type
+        return f"sparse_{_type_string(elem_type)}" if elem_type else None
     inner_type = {"sequence_type": lambda: tp.sequence_type.elem_type,
                   "optional_type": lambda: tp.optional_type.elem_type}.get(kind or "")
     if inner_type is None:

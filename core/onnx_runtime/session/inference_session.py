@@ -764,6 +764,9 @@ def _config_flag(options: SessionOptions, key: str, default: str = "0") -> bool:
 
 
 def _check_feed(name: str, value, expected: TypeInfo):
+    if expected.kind == "sparse_tensor":  # no kernel takes one, and a raw protobuf passed unchecked reached Cast
+        raise InvalidArgumentError(f"input {name!r} is declared as a sparse tensor, which this runtime does not take "
+                                   f"as a feed; declare the input as a dense tensor and feed a numpy array")
     if expected.kind != "tensor":
         return value  # sequences/optionals are checked by the operators that consume them
     if isinstance(value, OrtValue):

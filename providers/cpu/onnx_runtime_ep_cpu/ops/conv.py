@@ -99,6 +99,15 @@ def _check_channels(node, x_shape, w_shape, group: int, transpose: bool) -> None
             f"node {node.name!r} ({node.op_type}): input {tuple(x_shape)} and weight {tuple(w_shape)} must have one "
             f"rank of at least 3 (batch, channels, spatial axes)"
         )
+    # A kernel without taps, or a Conv without output channels, left every path's weight layout empty.
+    empty = [axis for axis in range(2, len(w_shape)) if w_shape[axis] == 0] + ([0] if w_shape[0] == 0 and not transpose
+                                                                             else [])
+    if empty:
+        weight = node.inputs[1] if len(node.inputs) > 1 else "(unnamed)"
+        raise InvalidArgumentError(
+            f"node {node.name!r} ({node.op_type}): weight {weight!r} has shape {tuple(w_shape)}, empty in axis "
+            f"{empty[0]}; a convolution needs at least one output channel and a kernel of at least 1 in every "
+            f"spatial axis: fix the weight's shape")
     x_channels = x_shape[1]
     # Conv weights are (M, C/group, *k); ConvTranspose weights are (C, M/group, *k).
     w_in = w_shape[0] if transpose else w_shape[1] * group
