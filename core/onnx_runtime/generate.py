@@ -17,7 +17,8 @@ capacity instead, so every decode step has one feed signature and is replayed fr
 exports append the step's keys and values by ``Concat(past, new)``, so ``present`` holds capacity + new
 rows: the valid rows of ``past`` are those the mask marks, the new ones land at index ``capacity`` of
 ``present`` (mask bit ``capacity`` set), and after the run they are copied on the device to their place
-``past[length]``, whose mask bit is then set by a device copy as well. The rows past the valid length
+``past[length]`` (one pitched copy per cache, the provider's ``device_copy_rows``), whose mask bit is then set by a
+device copy as well. The rows past the valid length
 are zeros and masked out, so attention over them adds exact zeros.
 
 The model must take ``input_ids`` and ``attention_mask`` (int64, [batch, sequence]), optionally
@@ -305,12 +306,13 @@ class _CapacityBindings(_Bindings):
         rows, start = (length, 0) if step == 0 else (1, length + step - 1)
         capacity = self.capacity
         for past, present in zip(self.caches, self.presents):
-            handle, itemsize = past.allocator, past.dtype.numpy.itemsize
+            itemsize = past.dtype.numpy.itemsize
             _one, heads, _capacity, dim = past.physical_shape
             row = dim * itemsize
-            for head in range(heads):
-                device_copy(handle, present.buffer, (head * (capacity + rows) + capacity) * row,
-                            past.buffer, (head * capacity + start) * row, rows * row)
+            # Each head's new rows, at the two buffers' head strides: one pitched copy per cache.
+            past.allocator.hook.device_copy_rows(
+                src=present.buffer, src_offset=capacity * row, src_pitch=(capacity + rows) * row, dst=past.buffer,
+                dst_offset=start * row, dst_pitch=capacity * row, row_bytes=rows * row, rows=heads)
         # The mask bits of the moved rows from those of the appended rows (ones), device to device.
         device_copy(self.mask.allocator, self.mask.buffer, 8 * capacity, self.mask.buffer, 8 * start, 8 * rows)
 

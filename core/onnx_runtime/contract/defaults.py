@@ -298,6 +298,15 @@ class DefaultFallbacks(MemoryDefaults):
         target[dst_offset: dst_offset + nbytes] = source[src_offset: src_offset + nbytes]
 
     @hookimpl(trylast=True)
+    def device_copy_rows(self, src: DeviceBuffer, src_offset: int, src_pitch: int, dst: DeviceBuffer,
+                         dst_offset: int, dst_pitch: int, row_bytes: int, rows: int) -> None:
+        check_rows(self._name, src, src_offset, src_pitch, dst, dst_offset, dst_pitch, row_bytes, rows)
+        copy = self._handle.hook.copy_device_to_device
+        for row in range(rows if row_bytes else 0):
+            copy(src=src, src_offset=src_offset + row * src_pitch, dst=dst, dst_offset=dst_offset + row * dst_pitch,
+                 nbytes=row_bytes)
+
+    @hookimpl(trylast=True)
     def sync(self) -> None:
         return None
 
@@ -560,6 +569,27 @@ def check_range(provider: str, what: str, buffer: DeviceBuffer, offset: int, nby
     if end > buffer.size:
         raise InvalidArgumentError(
             f"{provider}: {what} range {offset}..{end} exceeds the {buffer.size}-byte buffer"
+        )
+
+
+def check_rows(provider: str, src: DeviceBuffer, src_offset: int, src_pitch: int, dst: DeviceBuffer,
+               dst_offset: int, dst_pitch: int, row_bytes: int, rows: int) -> None:
+    """The arguments of a row copy (``device_copy_rows``): pitches of at least a row, both regions inside their
+    buffers (the last row's end bounds each), and not overlapping."""
+    if min(src_pitch, dst_pitch, row_bytes, rows) < 0 or (rows > 1 and min(src_pitch, dst_pitch) < row_bytes):
+        raise InvalidArgumentError(
+            f"{provider}: a row copy needs non-negative sizes and pitches of at least the row's {row_bytes} bytes; "
+            f"got pitches {src_pitch} (source) and {dst_pitch} (destination) for {rows} rows"
+        )
+    if not rows or not row_bytes:
+        return
+    src_span, dst_span = (rows - 1) * src_pitch + row_bytes, (rows - 1) * dst_pitch + row_bytes
+    check_range(provider, "row copy source", src, src_offset, src_span)
+    check_range(provider, "row copy destination", dst, dst_offset, dst_span)
+    start, end = src.ptr + src_offset, dst.ptr + dst_offset
+    if start < end + dst_span and end < start + src_span:
+        raise InvalidArgumentError(
+            f"{provider}: a row copy's source and destination regions overlap; copy through a scratch buffer"
         )
 
 

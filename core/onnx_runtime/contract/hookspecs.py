@@ -449,6 +449,23 @@ class ExecutionProviderSpec(DeviceExecutionSpec, MemoryGovernanceSpec, Residency
         """
 
     @hookspec(firstresult=True)
+    def device_copy_rows(
+        self, src: DeviceBuffer, src_offset: int, src_pitch: int, dst: DeviceBuffer, dst_offset: int,
+        dst_pitch: int, row_bytes: int, rows: int,
+    ) -> None:
+        """Stream-ordered device-to-device copy of ``rows`` rows of ``row_bytes`` bytes: row ``i`` from byte
+        ``src_offset + i * src_pitch`` of ``src`` to byte ``dst_offset + i * dst_pitch`` of ``dst`` (each pitch at
+        least ``row_bytes``; the two regions must not overlap). It is for strided state, such as a KV cache whose
+        heads each hold a run of rows at a fixed stride: one pitched (2-D) copy where the device has one, instead
+        of a copy per row, and one node in a captured graph. Added in contract 1.2.
+
+        Default: one ``copy_device_to_device`` per row (so host buffers and every provider that copies on its
+        device are served), bounds checked.
+        Called by: generate.py (``_CapacityBindings``), once per KV cache per decode step, to move the rows a
+        run appended to their place in the cache.
+        """
+
+    @hookspec(firstresult=True)
     def sync(self) -> None:
         """Block until all work enqueued on this provider has completed.
 

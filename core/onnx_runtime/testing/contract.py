@@ -264,6 +264,31 @@ def check_copies(handle: ProviderHandle, hook: str) -> None:
                 handle.deallocate(dst)
 
 
+def check_row_copies(handle: ProviderHandle, hook: str) -> None:
+    """``device_copy_rows``: four rows of 32 bytes at a pitch of 64 gathered into 32-byte rows, then a pitch
+    under the row refused with a typed error."""
+    data = np.arange(256, dtype=np.uint8)
+    with typed_errors(hook):
+        src, dst = handle.allocate(256, 64), handle.allocate(256, 64)
+        try:
+            handle.copy_from_host(data, src)
+            handle.hook.device_copy_rows(src=src, src_offset=16, src_pitch=64, dst=dst, dst_offset=0, dst_pitch=32,
+                                         row_bytes=32, rows=4)
+            out = handle.download(dst, 128)
+            want = np.concatenate([data[16 + 64 * row: 48 + 64 * row] for row in range(4)])
+            assert np.array_equal(out, want), "`device_copy_rows`: the rows read back differ from the rows copied"
+            try:
+                handle.hook.device_copy_rows(src=src, src_offset=0, src_pitch=16, dst=dst, dst_offset=0,
+                                             dst_pitch=32, row_bytes=32, rows=4)
+            except OnnxRuntimeError:
+                pass
+            else:
+                raise AssertionError("`device_copy_rows` accepted a source pitch under the row's length")
+        finally:
+            handle.deallocate(src)
+            handle.deallocate(dst)
+
+
 def check_returns(handle: ProviderHandle, hook: str) -> None:
     """A hook of no required argument whose spec names a plain return type: called, and its type checked."""
     spec = getattr(ExecutionProviderSpec, hook, None)
@@ -298,6 +323,7 @@ CHECKS: dict[str, Callable[[ProviderHandle, str], None]] = {
     **dict.fromkeys(("allocate", "deallocate", "device_allocation_counts"), check_memory),
     **dict.fromkeys(("copy_from_host", "copy_to_host", "copy", "copy_device_to_device", "copy_from_host_at"),
                     check_copies),
+    "device_copy_rows": check_row_copies,
 }
 QUERIES = ("sync", "defers_device_validation", "device_argmax_supported", "context_source_keys",
            "record_compute_fence", "reset_device_graph", "reset_device_graph_in", "has_device_graph_in")

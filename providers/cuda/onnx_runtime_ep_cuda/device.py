@@ -288,6 +288,24 @@ class CudaDevice:
             if int(result[0]):
                 self._failed(result, "cuMemcpyDtoDAsync({} B)", nbytes)
 
+    def copy_rows(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+                  stream=None) -> None:
+        """Stream-ordered pitched copy of ``height`` rows of ``width`` bytes between device addresses: one
+        cuMemcpy2DAsync (on the compute stream unless ``stream`` is given)."""
+        if not width or not height:
+            return
+        self._bind()
+        d = self.driver
+        copy = d.CUDA_MEMCPY2D()
+        copy.srcMemoryType = copy.dstMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        copy.srcDevice, copy.srcPitch = d.CUdeviceptr(src), src_pitch
+        copy.dstDevice, copy.dstPitch = d.CUdeviceptr(dst), dst_pitch
+        copy.WidthInBytes, copy.Height = width, height
+        with self._gate:
+            result = d.cuMemcpy2DAsync(copy, self._stream(stream))
+        if int(result[0]):
+            self._failed(result, "cuMemcpy2DAsync({} rows of {} B)", height, width)
+
     def copy_async(self, dst: int | np.ndarray, src: int | np.ndarray, nbytes: int) -> Fence:
         """Enqueue a copy on the transfer stream and return its fence.
 

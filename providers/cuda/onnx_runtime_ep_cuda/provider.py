@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from onnx_runtime import Availability, DeviceId, DeviceType, KernelMatch, hookimpl
 from onnx_runtime.contract.buffers import SIGNALLED, DeviceBuffer, Ownership
-from onnx_runtime.contract.defaults import check_range, host_bytes_of, writable_host_bytes_of
+from onnx_runtime.contract.defaults import check_range, check_rows, host_bytes_of, writable_host_bytes_of
 from onnx_runtime.contract.graphs import DeviceGraphOwner, DeviceGraphSlot
 from onnx_runtime.errors import InvalidArgumentError, ProviderError, ProviderNotAvailableError
 
@@ -69,7 +69,7 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
 
     @hookimpl
     def contract_version(self):
-        return "1.1"
+        return "1.2"
 
     @hookimpl
     def device_type(self):
@@ -302,6 +302,17 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
         self._writable(dst, what)
         _refuse_overlap(src.ptr + src_offset, dst.ptr + dst_offset, nbytes, what)
         self.cuda_device().copy_device(dst.ptr + dst_offset, src.ptr + src_offset, nbytes)
+
+    @hookimpl
+    def device_copy_rows(self, src, src_offset, src_pitch, dst, dst_offset, dst_pitch, row_bytes, rows):
+        what = "device row copy"
+        check_rows(NAME, src, src_offset, src_pitch, dst, dst_offset, dst_pitch, row_bytes, rows)
+        if self._host_view(src, what) is not None or self._host_view(dst, what) is not None:
+            raise InvalidArgumentError(f"{NAME}: {what} needs two buffers on {self.device_id()}; use copy for host "
+                                       f"buffers")
+        self._writable(dst, what)
+        self.cuda_device().copy_rows(dst.ptr + dst_offset, dst_pitch, src.ptr + src_offset, src_pitch, row_bytes,
+                                     rows)
 
     @hookimpl
     def sync(self):

@@ -93,6 +93,12 @@ def _run(node: tuple) -> None:  # noqa: C901 - one branch per kind of recorded w
         if direction != "dtoh":
             _device_range(dst, nbytes, "destination")
         ctypes.memmove(dst, src, nbytes)
+    elif kind == "copy2d":
+        _, dst, dst_pitch, src, src_pitch, width, height = node
+        _device_range(src, (height - 1) * src_pitch + width, "source")
+        _device_range(dst, (height - 1) * dst_pitch + width, "destination")
+        for row in range(height):
+            ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
     elif kind == "memset":
         _, dst, value, width, count = node
         _device_range(dst, width * count, "memset")

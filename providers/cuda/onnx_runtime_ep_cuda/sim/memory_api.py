@@ -16,6 +16,7 @@ from .types import (
     MEMORY_ENV,
     CUdeviceptr,
     CUmemoryPool,
+    CUmemorytype,
     CUmemPool_attribute,
     CUresult,
     cuuint64_t,
@@ -229,6 +230,25 @@ def cuMemcpyDtoHAsync(dstHost, srcDevice, ByteCount, hStream):
 @_api()
 def cuMemcpyDtoDAsync(dstDevice, srcDevice, ByteCount, hStream):
     _copy("dtod", dstDevice, srcDevice, ByteCount, hStream, "cuMemcpyDtoDAsync", False)
+
+
+@_api()
+def cuMemcpy2DAsync(pCopy, hStream):
+    """A pitched copy between device memory (the simulator's subset: device to device, no arrays)."""
+    device = CUmemorytype.CU_MEMORYTYPE_DEVICE
+    if pCopy.srcMemoryType != device or pCopy.dstMemoryType != device:
+        raise _Fail(CUresult.CUDA_ERROR_NOT_SUPPORTED, "the simulator copies 2-D regions between device memory only")
+    width, height = int(pCopy.WidthInBytes), int(pCopy.Height)
+    src_pitch, dst_pitch = int(pCopy.srcPitch), int(pCopy.dstPitch)
+    if height > 1 and (src_pitch < width or dst_pitch < width):
+        raise _Fail(CUresult.CUDA_ERROR_INVALID_PITCH_VALUE, f"pitches {src_pitch}/{dst_pitch} under the width {width}")
+    if width == 0 or height == 0:
+        return
+    src = _value(pCopy.srcDevice) + int(pCopy.srcY) * src_pitch + int(pCopy.srcXInBytes)
+    dst = _value(pCopy.dstDevice) + int(pCopy.dstY) * dst_pitch + int(pCopy.dstXInBytes)
+    _device_range(src, (height - 1) * src_pitch + width, "source")
+    _device_range(dst, (height - 1) * dst_pitch + width, "destination")
+    _dispatch(_stream(hStream), ("copy2d", dst, dst_pitch, src, src_pitch, width, height), "cuMemcpy2DAsync")
 
 
 def _memset(dst, value: int, width: int, count, stream, call: str, sync: bool) -> None:

@@ -29,6 +29,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_INVALID_IMAGE = 200
     CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_INVALID_SOURCE = 300
+    CUDA_ERROR_INVALID_PITCH_VALUE = 12
     CUDA_ERROR_INVALID_HANDLE = 400
     CUDA_ERROR_ILLEGAL_STATE = 401
     CUDA_ERROR_NOT_FOUND = 500
@@ -63,6 +64,7 @@ _ERROR_STRINGS = {
     CUresult.CUDA_ERROR_INVALID_IMAGE: "device kernel image is invalid",
     CUresult.CUDA_ERROR_INVALID_CONTEXT: "invalid device context",
     CUresult.CUDA_ERROR_INVALID_SOURCE: "device kernel image is invalid",
+    CUresult.CUDA_ERROR_INVALID_PITCH_VALUE: "invalid pitch argument",
     CUresult.CUDA_ERROR_INVALID_HANDLE: "invalid resource handle",
     CUresult.CUDA_ERROR_ILLEGAL_STATE: "the operation cannot be performed in the present state",
     CUresult.CUDA_ERROR_NOT_FOUND: "named symbol not found",
@@ -214,6 +216,25 @@ class CUgraphInstantiate_flags(enum.IntEnum):
     CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD = 2
     CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH = 4
     CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY = 8
+
+
+class CUmemorytype(enum.IntEnum):
+    CU_MEMORYTYPE_HOST = 1
+    CU_MEMORYTYPE_DEVICE = 2
+    CU_MEMORYTYPE_ARRAY = 3
+    CU_MEMORYTYPE_UNIFIED = 4
+
+
+class CUDA_MEMCPY2D:  # noqa: N801 - cuda-python's name
+    """A pitched copy's description, with cuda-python's field names (the simulator reads the device ones)."""
+
+    def __init__(self):
+        self.srcXInBytes = self.srcY = self.srcPitch = 0
+        self.dstXInBytes = self.dstY = self.dstPitch = 0
+        self.srcMemoryType = self.dstMemoryType = CUmemorytype.CU_MEMORYTYPE_DEVICE
+        self.srcDevice, self.dstDevice = CUdeviceptr(0), CUdeviceptr(0)
+        self.srcHost = self.dstHost = self.srcArray = self.dstArray = None
+        self.WidthInBytes = self.Height = 0
 
 
 CU_MEMHOSTALLOC_PORTABLE = 1
