@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import inspect
 import threading
 import time
 import warnings
@@ -14,13 +13,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import budget
-from ..contract.kernels import input_facts
 from ..discovery import EXTRAS, registry
 from ..dtypes import DataType
-from ..errors import InvalidArgumentError, InvalidGraphError, OnnxRuntimeError, ProviderError, ProviderNotAvailableError
+from ..errors import InvalidArgumentError, ProviderNotAvailableError
 from ..functions import FunctionExpander
 from ..ir import Model, TypeInfo, ValueInfo
-from ..loader import load_model, topological_order
+from ..loader import load_model
 from ..logs import SessionLog
 from ..memory.session import MAP_WEIGHTS_KEY, governed
 from ..optimizer import optimize
@@ -28,6 +26,7 @@ from ..ort_value import OrtValue, device_handle
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
 from .cached_plans import CachedSpecializer, open_plans, read_creation, store_creation
+from .custom_passes import run_custom_passes
 from .executor import Executor, graph_slot_of
 from .io_binding import IOBinding
 from .options import RunOptions, SessionOptions
@@ -165,74 +164,6 @@ def _create_handles(requested: list[tuple[str, dict]], session_config: dict | No
     return handles
 
 
-def _ownership(graph, handles: list[ProviderHandle], index: int):
-    """``owns(node)``: whether placement would give ``node`` to ``handles[index]`` — no provider
-    listed before it accepts the node and it does. A provider's pass fuses only nodes it owns, so
-    a fusion never pulls nodes away from a provider listed first."""
-    answers: dict = {}  # node -> bool: fusion passes rescan the graph after each rewrite, so ask once per node
-
-    def owns(node) -> bool:
-        answer = answers.get(node)
-        if answer is None:
-            answer = answers[node] = _first_accepting(graph, handles[: index + 1], node) is handles[index]
-        return answer
-
-    return owns
-
-
-def _first_accepting(graph, handles: list[ProviderHandle], node) -> ProviderHandle | None:
-    shapes, dtypes, layouts = input_facts(graph, node)
-    for handle in handles:
-        if handle.supports_op(node, node.opset, shapes, dtypes, layouts).is_supported:
-            return handle
-    return None
-
-
-def _run_custom_passes(graph, handles: list[ProviderHandle], applied: list[str], early: bool = False) -> list[str]:
-    """Each provider's ``custom_passes``, in provider order, after the optimizer passes ``applied``;
-    returns the names of all passes that changed the graph. The result is re-validated (SSA, no
-    cycles, every read defined) before placement. With ``early``, only the passes marked
-    ``before_optimizer`` (run before the generic optimizer), else only the others."""
-    changed = list(applied)
-    for index, handle in enumerate(handles):
-        owns = _ownership(graph, handles, index)
-        for graph_pass in handle.hook.custom_passes() or []:
-            if bool(getattr(graph_pass, "before_optimizer", False)) != early:
-                continue
-            name = f"{handle.name}:{getattr(graph_pass, '__name__', type(graph_pass).__name__)}"
-            try:
-                if graph_pass(graph, owns) if _takes_owns(graph_pass) else graph_pass(graph):
-                    changed.append(name)
-            except OnnxRuntimeError:
-                raise
-            except Exception as exc:
-                raise ProviderError(f"graph pass {name} failed: {type(exc).__name__}: {exc}") from exc
-    if changed:
-        try:
-            graph.nodes = topological_order(graph, set(graph.outer_names))
-        except InvalidGraphError as exc:
-            raise InvalidGraphError(f"graph passes {changed} left an invalid graph: {exc}") from exc
-    return changed
-
-
-_TAKES_OWNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _takes_owns(graph_pass) -> bool:
-    """Whether a provider pass takes ``owns``, asked once per pass object: inspect.signature costs tens of us,
-    and every creation and specialization runs every pass."""
-    try:
-        return _TAKES_OWNS[graph_pass]
-    except (KeyError, TypeError):  # not asked yet, or not weakly referable / hashable
-        pass
-    answer = len(inspect.signature(graph_pass).parameters) >= 2
-    try:
-        _TAKES_OWNS[graph_pass] = answer
-    except TypeError:
-        pass
-    return answer
-
-
 @contextmanager
 def _collector_paused():
     """Session creation builds tens of thousands of long-lived objects (IR, plans, kernels); the cyclic
@@ -311,10 +242,10 @@ class InferenceSession:
         graph = self._model.graph
         if cached is None:
             weights, folded = dict(graph.initializers), {}
-            early = _run_custom_passes(graph, self._handles, [], early=True)
+            early = run_custom_passes(graph, self._handles, [], early=True)
             optimized = optimize(graph, self._handles, self._sess_options.graph_optimization_level,
                                  disabled=self._disabled, folded=folded)
-            self._applied_passes = _run_custom_passes(graph, self._handles, early + optimized)
+            self._applied_passes = run_custom_passes(graph, self._handles, early + optimized)
             if self._plans is not None:
                 store_creation(self._plans, self._model, weights, self._applied_passes, folded)
         self._specializer = self._specializer_for(graph, folded)
@@ -387,9 +318,9 @@ class InferenceSession:
         return self._plan_specialized(self._optimize_specialized(graph))
 
     def _optimize_specialized(self, graph):
-        early = _run_custom_passes(graph, self._handles, [], early=True)
+        early = run_custom_passes(graph, self._handles, [], early=True)
         applied = optimize(graph, self._handles, self._sess_options.graph_optimization_level, disabled=self._disabled)
-        _run_custom_passes(graph, self._handles, early + applied)
+        run_custom_passes(graph, self._handles, early + applied)
         return graph
 
     def _plan_specialized(self, graph) -> Executor:
