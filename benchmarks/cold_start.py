@@ -17,8 +17,11 @@ order) or onnx's shipped light CNNs by name (``resnet50``, ...). numba's disk ca
 run ``onnx-runtime compile`` (and a warm-up run of the zoo models) first to measure a warm cache. zoo_bench.py
 measures the same creation + first run inside its full run; this script is the quick check of that column.
 
-A first, unmeasured process of ours per model writes the plan cache (docs/cold-start.md) that the measured ones
-read, as any later process of a deployment does; ``--no-plan-cache`` plans anew in every process.
+The plan cache (docs/cold-start.md) is a folder of this run's own (never the user's). ``--plans warm`` (the
+default): a first, unmeasured process of ours per model writes the plans that the measured ones read, as any
+later process of a deployment does. ``--plans miss``: the model's plans are removed before each process of
+ours, which plans anew and writes them (a model's first process; the folder's other files, such as the
+provider list, stay). ``--plans off`` (or ``--no-plan-cache``): the cache is turned off.
 
 ``--main-job`` times the README's main job instead (``onnx-runtime run`` on its embedded default model) as the
 first process after an install runs it: an empty numba cache, the whole process's wall and CPU time.
@@ -28,10 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,13 +92,20 @@ def worker(runtime: str, path: str, calls: list[list[dict]]) -> dict:
             "loaded": [m for m in HEAVY if m in sys.modules]}
 
 
-def sample(runtime: str, path: str, calls: list[list[dict]], background: bool = True, plans: bool = True) -> dict:
+def sample(runtime: str, path: str, calls: list[list[dict]], background: bool = True, plans: str = "warm",
+           plan_dir: str | None = None) -> dict:
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", runtime, path, json.dumps(calls)]
     env = dict(os.environ)
     if not background:
         env["ONNX_RUNTIME_COMPILE_IN_BACKGROUND"] = "0"
-    if not plans:
+    if plans == "off":
         env["ONNX_RUNTIME_PLAN_CACHE"] = "0"
+    elif plan_dir is not None:
+        env["ONNX_RUNTIME_PLAN_CACHE_DIR"] = plan_dir
+        if plans == "miss" and runtime == "ours":
+            for entry in os.listdir(plan_dir):
+                if entry.endswith(".plan"):
+                    os.remove(os.path.join(plan_dir, entry))
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=HERE, env=env)
     if done.returncode:
         raise SystemExit(f"{runtime} on {path} failed: {done.stderr.strip()[-2000:]}")
@@ -134,9 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every sample here")
     parser.add_argument("--no-background", action="store_true",
                         help="load numba inside the first run, as before (ONNX_RUNTIME_COMPILE_IN_BACKGROUND=0)")
-    parser.add_argument("--no-plan-cache", action="store_true",
-                        help="every process plans anew (ONNX_RUNTIME_PLAN_CACHE=0); by default a first, unmeasured "
-                             "process per model writes the plan cache that the measured ones read")
+    parser.add_argument("--plans", choices=("warm", "miss", "off"), default="warm",
+                        help="warm: a first, unmeasured process per model writes the plans the measured ones read; "
+                             "miss: every process of ours starts without the model's plans and writes them; "
+                             "off: ONNX_RUNTIME_PLAN_CACHE=0")
+    parser.add_argument("--no-plan-cache", action="store_true", help="the same as --plans off")
     parser.add_argument("--main-job", action="store_true",
                         help="time the README's main job (onnx-runtime run) on an empty numba cache instead")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
@@ -151,36 +165,53 @@ def main(argv: list[str] | None = None) -> int:
         main_job(args.repeat)
         return 0
     sys.path.insert(0, str(HERE))
+    plans = "off" if args.no_plan_cache else args.plans
+    described = {"warm": "warm (written by an unmeasured first process)", "off": "off",
+                 "miss": "missed (the model's plans removed before each process of ours)"}
     print(f"# cold_start {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, load {os.getloadavg()[0]:.2f}, "
           f"{args.repeat} fresh processes each; CPU ms (wall ms for creation + first run), medians; compiled loops "
           f"{'loaded inside the first run' if args.no_background else 'loaded in the background (numpy first)'}; "
-          f"plan cache {'off' if args.no_plan_cache else 'warm (written by an unmeasured first process)'}")
+          f"plan cache {described[plans]}")
     print("| model | import ours / ort | create ours / ort | first run ours / ort | create + first ours / ort "
-          "(ratio) | wall ours / ort | peak RSS MB ours / ort (ratio) | loaded (ours) |")
+          "(ratio) | wall ours / ort (ratio) | peak RSS MB ours / ort (ratio) | loaded (ours) |")
     print("|---|---|---|---|---|---|---|---|")
     everything = {}
-    for name in args.models.split(","):
-        path, calls = spec_of(name)
-        runs: dict[str, list[dict]] = {"ours": [], "ort": []}
-        if not args.no_plan_cache:
-            sample("ours", path, calls, not args.no_background)  # writes the plans the measured processes read
-        for i in range(args.repeat):
-            for runtime in (("ours", "ort") if i % 2 == 0 else ("ort", "ours")):
-                runs[runtime].append(sample(runtime, path, calls, not args.no_background, not args.no_plan_cache))
-        everything[name] = runs
+    ratios: dict[str, list[float]] = {"import": [], "cpu": [], "wall": []}
+    with tempfile.TemporaryDirectory(prefix="cold_start_plans_") as plan_dir:
+        for name in args.models.split(","):
+            path, calls = spec_of(name)
+            runs: dict[str, list[dict]] = {"ours": [], "ort": []}
+            # The first process writes the plans (warm) and the provider list (every mode): not measured.
+            sample("ours", path, calls, not args.no_background, plans, plan_dir)
+            for i in range(args.repeat):
+                for runtime in (("ours", "ort") if i % 2 == 0 else ("ort", "ours")):
+                    runs[runtime].append(sample(runtime, path, calls, not args.no_background, plans, plan_dir))
+            everything[name] = runs
 
-        def med(runtime: str, *keys: str, scale: float = 1e3, runs: dict = runs) -> float:
-            return statistics.median(sum(r[k] for k in keys) for r in runs[runtime]) * scale
+            def med(runtime: str, *keys: str, scale: float = 1e3, runs: dict = runs) -> float:
+                return statistics.median(sum(r[k] for k in keys) for r in runs[runtime]) * scale
 
-        cf = {rt: med(rt, "create", "first") for rt in runs}
-        rss = {rt: med(rt, "rss_mb", scale=1) for rt in runs}
-        print(f"| {name} | {med('ours', 'import'):.0f} / {med('ort', 'import'):.0f} | "
-              f"{med('ours', 'create'):.0f} / {med('ort', 'create'):.0f} | "
-              f"{med('ours', 'first'):.0f} / {med('ort', 'first'):.0f} | "
-              f"{cf['ours']:.0f} / {cf['ort']:.0f} ({cf['ours'] / cf['ort']:.1f}x) | "
-              f"{med('ours', 'wall'):.0f} / {med('ort', 'wall'):.0f} | "
-              f"{rss['ours']:.0f} / {rss['ort']:.0f} ({rss['ours'] / rss['ort']:.2f}x) | "
-              f"{', '.join(runs['ours'][-1]['loaded'])} |", flush=True)
+            cf = {rt: med(rt, "create", "first") for rt in runs}
+            wall = {rt: med(rt, "wall") for rt in runs}
+            rss = {rt: med(rt, "rss_mb", scale=1) for rt in runs}
+            ratios["import"].append(med("ours", "import") / med("ort", "import"))
+            ratios["cpu"].append(cf["ours"] / cf["ort"])
+            ratios["wall"].append(wall["ours"] / wall["ort"])
+            print(f"| {name} | {med('ours', 'import'):.0f} / {med('ort', 'import'):.0f} | "
+                  f"{med('ours', 'create'):.0f} / {med('ort', 'create'):.0f} | "
+                  f"{med('ours', 'first'):.0f} / {med('ort', 'first'):.0f} | "
+                  f"{cf['ours']:.0f} / {cf['ort']:.0f} ({cf['ours'] / cf['ort']:.2f}x) | "
+                  f"{wall['ours']:.0f} / {wall['ort']:.0f} ({wall['ours'] / wall['ort']:.2f}x) | "
+                  f"{rss['ours']:.0f} / {rss['ort']:.0f} ({rss['ours'] / rss['ort']:.2f}x) | "
+                  f"{', '.join(runs['ours'][-1]['loaded'])} |", flush=True)
+
+    def geomean(values: list[float]) -> float:
+        return math.exp(sum(map(math.log, values)) / len(values))
+
+    print(f"geomean ours / ort: import {geomean(ratios['import']):.2f}x; create + first CPU "
+          f"{geomean(ratios['cpu']):.2f}x ({sum(r <= 2 for r in ratios['cpu'])} of {len(ratios['cpu'])} within 2x), "
+          f"wall {geomean(ratios['wall']):.2f}x ({sum(r <= 2 for r in ratios['wall'])} of {len(ratios['wall'])} "
+          f"within 2x); load {os.getloadavg()[0]:.2f}")
     if args.json:
         args.json.write_text(json.dumps(everything, indent=1))
     return 0
