@@ -279,6 +279,11 @@ class PackedConv:
         return self.run(x, w, finish.bias, finish.residual if finish.residual.size else None, finish.bounds,
                         False, out)
 
+    def bind(self, x, w, b, residual, bounds, hard_swish, y):
+        """``[(run, arguments)]`` into the C-contiguous ``y`` (a segment's bound plan, ops/segment.py): the plan
+        writes the output in place, where a node's kernel returns a new array that the plan would copy."""
+        return [(self.run, (x, w, b, residual, bounds, hard_swish, y))]
+
     def run(self, x, w, b, residual, bounds, hard_swish=False, out=None):
         """The convolution of float32 x by w, + b (None or empty: none), + ``residual`` (the output's shape,
         or None) and the activation ``bounds`` (epilogue.activation_bounds), into ``out`` (C-contiguous) or

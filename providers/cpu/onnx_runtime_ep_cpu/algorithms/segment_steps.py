@@ -310,12 +310,17 @@ def _bind_gemm(node, kernel, inputs, outputs, constant):
 
 
 def _bind_swish(node, kernel, inputs, outputs, constant):
-    """x / (1 + exp(-alpha * x)) (the SiLU that fusions.fuse_silu makes of Sigmoid and Mul): the kernel's
-    formula as ufuncs with ``out=`` (numpy's exp is vectorized, a compiled loop's is not)."""
+    """x / (1 + exp(-alpha * x)) (the SiLU that fusions.fuse_silu makes of Sigmoid and Mul): for float32 one
+    vectorized pass (compiled/segment_loops.swish_float32_into), else the kernel's formula as ufuncs with
+    ``out=``."""
+    from ..compiled.segment_loops import swish_float32_into
+
     x, y = inputs[0], outputs[0]
     if not _floats(x) or x.shape != y.shape or x.dtype != y.dtype:
         return None
     t = x.dtype.type
+    if x.dtype == np.float32 and x.flags.c_contiguous and y.flags.c_contiguous:
+        return [(swish_float32_into, (x.reshape(-1), y.reshape(-1), t(node.attr("alpha", 1.0))))]
     return [(np.multiply, (x, t(-float(node.attr("alpha", 1.0))), y)), (_quiet_exp, (y,)), (np.add, (y, t(1), y)),
             (np.divide, (x, y, y))]
 
@@ -330,10 +335,15 @@ _SMALL_SIGMOID = 4096  # values: up to here compiled/sigmoid.py's loop, beyond n
 
 
 def _bind_sigmoid(node, kernel, inputs, outputs, constant):
-    """The logistic sigmoid of a small tensor (a squeeze-excitation gate outside a matched block) in one loop."""
+    """The logistic sigmoid in one loop: float32 vectorized (segment_loops.sigmoid_float32_into), a small
+    float64 tensor (a squeeze-excitation gate outside a matched block) by compiled/sigmoid.py."""
+    from ..compiled.segment_loops import sigmoid_float32_into
     from ..compiled.sigmoid import sigmoid_into
 
     x, y = inputs[0], outputs[0]
+    if x is not None and x.dtype == np.float32 and x.shape == y.shape and y.dtype == x.dtype \
+            and x.flags.c_contiguous and y.flags.c_contiguous:
+        return [(sigmoid_float32_into, (x.reshape(-1), y.reshape(-1)))]
     if not _floats(x) or x.shape != y.shape or x.dtype != y.dtype or x.size > _SMALL_SIGMOID:
         return None
     return [(sigmoid_into, (x.reshape(-1), y.reshape(-1)))]

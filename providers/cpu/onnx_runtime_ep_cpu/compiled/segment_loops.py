@@ -1,14 +1,19 @@
 """Loops for a segment's bound plan (algorithms/segment_steps.py): HardSigmoid and HardSwish in one compiled
 pass each, where numpy takes four and five ufunc calls, each costing more than the arithmetic on a light CNN's
-small tensors; and a whole squeeze-excitation block (algorithms/segment_blocks.py) in one call.
+small tensors; float32 SiLU (Swish) and Sigmoid in one vectorized pass (transformer.sigmoid_float32's
+polynomial exp, where numba would call libm's scalar expf and numpy takes four passes); and a whole
+squeeze-excitation block (algorithms/segment_blocks.py) in one call.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import jit
+from . import compiler, jit
 from .epilogue import activate
+from .transformer import sigmoid_float32
+
+_contracting = compiler(fastmath={"contract"})  # (sigmoid_float32's own flags, so LLVM inlines and vectorizes it)
 
 
 @jit
@@ -76,3 +81,19 @@ def squeeze_excite(x, w1, b1, bounds1, swish, w2, b2, bounds2, gate, alpha, beta
         for c in range(channels):
             for p in range(pixels):
                 y[n, c, p] = x[n, c, p] * scale[c]
+
+
+@_contracting
+def swish_float32_into(x, y, alpha):
+    """y = x * sigmoid(alpha * x) over flat float32 arrays (Swish; SiLU where ``alpha`` is 1), ``alpha`` float32:
+    within a few ulp of the Swish kernel's x / (1 + exp(-alpha * x)), without its overflow to inf."""
+    for i in range(x.size):
+        v = x[i]
+        y[i] = v * sigmoid_float32(alpha * v)
+
+
+@_contracting
+def sigmoid_float32_into(x, y):
+    """y = 1 / (1 + exp(-x)) over flat float32 arrays, by transformer.sigmoid_float32."""
+    for i in range(x.size):
+        y[i] = sigmoid_float32(x[i])
