@@ -190,12 +190,17 @@ def _run_on_host(session: SessionSide, layout: _Layout, bindings: tuple, single_
                 or not all(map(operator.le, value.shape, physical)):
             _check_output(binding, name, value, proven)  # raises what is wrong, if anything is
             plain = False
+    aliased = layout.aliased
     for (_name, index, _proven, _dtype), value in produced:
         binding = bindings[index]
         if plain:
             shape = value.shape
-            binding.host_array()[: value.size].reshape(shape)[...] = value  # numpy copes with an aliased output
+            view = binding.host_array()[: value.size].reshape(shape)
+            view[...] = value  # numpy copes with an aliased output
             binding.set_logical_shape(shape)
+            proof = aliased.get(index)
+            if proof is not None and proof.admits(shape):  # the next run feeds this view (a KV cache's next step)
+                proof.last = (shape, view)
         else:
             _deliver(binding, value)
     return values[:count]
@@ -209,7 +214,7 @@ class _Layout:
     (and raises what those checks raise)."""
 
     __slots__ = ("bindings", "input_names", "inputs", "outputs", "host_names", "names", "delivered", "complete",
-                 "host")
+                 "host", "aliased")
 
     LIMIT = 256  # shapes remembered per binding (a window without bound: start over past it)
 
@@ -223,6 +228,8 @@ class _Layout:
         self.inputs = tuple((name, position[id(binding)], _InputProof()) for name, binding in inputs.items())
         self.outputs: tuple[tuple[str, int, set, np.dtype], ...] = tuple(
             (name, position[id(binding)], set(), binding.dtype.numpy) for name, binding in outputs.items())
+        # Position of a binding that is both an input and an output -> its input's proof.
+        self.aliased = {index: proof for _name, index, proof in self.inputs if bindings[index].output_name}
         self.host_names = _host_names(session, output_names, outputs)
         self.names = self.host_names + tuple(outputs)
         self.delivered = frozenset(outputs)
