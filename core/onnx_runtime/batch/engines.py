@@ -85,20 +85,25 @@ def _pool_context():
 
 def forkserver_preload() -> list[str]:
     """What the local engine's forkserver imports once for all its workers: the runtime and the CPU provider, and
-    numba with the provider's compiled-kernel modules, which a worker would otherwise import at its first run
-    (numba's import is most of a worker's start-up after the session's kernels). Only imports: nothing here
-    starts a thread or touches a device, so forking after them is safe. Missing ones are skipped by the server."""
+    numba with the provider's compiled-kernel, operator and algorithm modules, which a worker would otherwise
+    import at its first run (numba's import is most of a worker's start-up after the session's kernels). Only
+    imports: nothing here starts a thread or touches a device, so forking after them is safe. Missing ones are
+    skipped by the server."""
     import importlib.util
     import pkgutil
 
     names = ["onnx_runtime.batch.job", "onnx_runtime.session", "onnx_runtime_ep_cpu"]
-    try:
-        found = importlib.util.find_spec("onnx_runtime_ep_cpu.compiled")
-    except ModuleNotFoundError:  # no CPU provider installed
-        found = None
-    if found is not None and found.submodule_search_locations:
-        names.append("numba")
-        names += [f"onnx_runtime_ep_cpu.compiled.{module.name}"
+    for package in ("compiled", "ops", "algorithms"):  # (the operator modules load lazily, on first use)
+        try:
+            found = importlib.util.find_spec(f"onnx_runtime_ep_cpu.{package}")
+        except ModuleNotFoundError:  # no CPU provider installed
+            return names
+        if found is None or not found.submodule_search_locations:
+            continue
+        if package == "compiled":
+            # numba, and the parts of it that loading a cached kernel imports
+            names += ["numba", "numba.np.arrayobj", "numba.cpython.unicode", "numba.cpython.hashing"]
+        names += [f"onnx_runtime_ep_cpu.{package}.{module.name}"
                   for module in pkgutil.iter_modules(found.submodule_search_locations)]
     return names
 
