@@ -219,8 +219,10 @@ def _propagated(node: Node, shapes: list, symbols: int) -> tuple | None:
     if op == "Gather":
         axis = node.attr("axis", 0) % len(shapes[0])
         return shapes[0][:axis] + shapes[1] + shapes[0][axis + 1:]
-    if op == "MatMul":
-        return _matmul_shape(shapes, symbols)
+    if op in ("MatMul", "DynamicQuantizeMatMul"):
+        return _matmul_shape(shapes[:2], symbols)
+    if op == "MatMulNBits" and node.attr("N") is not None:  # A (..., K) times a (K, N) weight
+        return shapes[0][:-1] + (form_of(int(node.attr("N")), symbols),)
     return None
 
 

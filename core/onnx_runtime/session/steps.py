@@ -185,6 +185,8 @@ _SHAPE_FROM_SHAPES = frozenset({
     "ReshapeTranspose", "TransposeReshape", "LayerNormalization", "RMSNormalization", "SkipRMSNormalization",
     "SkipLayerNormalization", "SimplifiedLayerNormalization", "Attention",
     "RoundToHalf", "HalfToFloat", "FloatToHalf",  # the CPU provider's float16 conversions (precision_fusions.py)
+    "MatMulNBits", "DynamicQuantizeMatMul",  # com.microsoft products of a weight (4-bit and dynamic int8 models)
+    "DequantizeLinear", "QuantizeLinear",
 })
 
 
