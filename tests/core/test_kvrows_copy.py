@@ -45,6 +45,25 @@ def test_the_default_copies_each_row_at_both_pitches(cpu):
     np.testing.assert_array_equal(out, want)
 
 
+def test_a_device_provider_of_only_the_synchronous_copy_is_served_row_by_row():
+    """The sample device provider (contract 1.1, memory the host cannot read, only ``copy``): the default copies
+    each row through aliases of the two buffers."""
+    from onnx_runtime import ProviderHandle
+    from onnx_runtime_sample_provider import SampleDeviceExecutionProvider
+
+    handle = ProviderHandle(SampleDeviceExecutionProvider())
+    handle.initialize({})
+    try:
+        assert not handle.implements("copy_device_to_device") and not handle.is_host_accessible
+        data = np.arange(3 * 48, dtype=np.uint8)
+        out = _rows_copied(handle, data, src_offset=8, src_pitch=48, dst_offset=0, dst_pitch=16, row_bytes=16,
+                           rows=3)
+        np.testing.assert_array_equal(out[:48], np.concatenate([data[8 + 48 * r: 24 + 48 * r] for r in range(3)]))
+        assert not out[48:].any()
+    finally:
+        handle.shutdown()
+
+
 def test_nothing_to_copy_is_no_copy(cpu):
     data = np.arange(64, dtype=np.uint8)
     out = _rows_copied(cpu, data, src_offset=0, src_pitch=0, dst_offset=0, dst_pitch=0, row_bytes=0, rows=5)

@@ -301,10 +301,15 @@ class DefaultFallbacks(MemoryDefaults):
     def device_copy_rows(self, src: DeviceBuffer, src_offset: int, src_pitch: int, dst: DeviceBuffer,
                          dst_offset: int, dst_pitch: int, row_bytes: int, rows: int) -> None:
         check_rows(self._name, src, src_offset, src_pitch, dst, dst_offset, dst_pitch, row_bytes, rows)
-        copy = self._handle.hook.copy_device_to_device
+        hook = self._handle.hook
+        # A device provider of only the synchronous ``copy`` is served through aliases of each row.
+        ordered = self._handle.implements("copy_device_to_device") or src.device.is_host_accessible
         for row in range(rows if row_bytes else 0):
-            copy(src=src, src_offset=src_offset + row * src_pitch, dst=dst, dst_offset=dst_offset + row * dst_pitch,
-                 nbytes=row_bytes)
+            start, end = src_offset + row * src_pitch, dst_offset + row * dst_pitch
+            if ordered:
+                hook.copy_device_to_device(src=src, src_offset=start, dst=dst, dst_offset=end, nbytes=row_bytes)
+            else:
+                hook.copy(src=src.alias(start, row_bytes), dst=dst.alias(end, row_bytes, writable=True), size=row_bytes)
 
     @hookimpl(trylast=True)
     def sync(self) -> None:

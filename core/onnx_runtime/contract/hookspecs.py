@@ -459,8 +459,8 @@ class ExecutionProviderSpec(DeviceExecutionSpec, MemoryGovernanceSpec, Residency
         heads each hold a run of rows at a fixed stride: one pitched (2-D) copy where the device has one, instead
         of a copy per row, and one node in a captured graph. Added in contract 1.2.
 
-        Default: one ``copy_device_to_device`` per row (so host buffers and every provider that copies on its
-        device are served), bounds checked.
+        Default: one ``copy_device_to_device`` per row (host buffers, and providers that implement it), else one
+        synchronous ``copy`` per row over aliases of the rows; bounds, pitches and overlap checked.
         Called by: generate.py (``_CapacityBindings``), once per KV cache per decode step, to move the rows a
         run appended to their place in the cache.
         """

@@ -198,9 +198,9 @@ def _run_on_host(session: SessionSide, layout: _Layout, bindings: tuple, single_
             view = binding.host_array()[: value.size].reshape(shape)
             view[...] = value  # numpy copes with an aliased output
             binding.set_logical_shape(shape)
-            proof = aliased.get(index)
-            if proof is not None and proof.admits(shape):  # the next run feeds this view (a KV cache's next step)
-                proof.last = (shape, view)
+            alias = aliased.get(index)
+            if alias is not None and alias.admits(shape):  # the next run feeds this view (a KV cache's next step)
+                alias.last = (shape, view)
         else:
             _deliver(binding, value)
     return values[:count]
