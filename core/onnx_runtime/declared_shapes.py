@@ -17,6 +17,8 @@ A declared shape for an output of a node inference cannot compute (no schema, no
 nothing: inference would carry it on to every value computed from it, and kernels would be built for a rank that
 may never come (a stale rank let Concat's axis pass for the declared rank and fail inside numpy). Such shapes are
 dropped before inference (the element type stays); those values and what follows them are sized at run time.
+When inference fails altogether nothing is checked, and the same holds for every intermediate declaration
+(:func:`without_declared_shapes`).
 """
 
 from __future__ import annotations
@@ -158,3 +160,29 @@ def _has_schema(node: onnx.NodeProto, opsets: dict[str, int]) -> bool:
     except defs.SchemaError:
         return False
     return True
+
+
+def without_declared_shapes(graph: onnx.GraphProto) -> onnx.GraphProto:
+    """A copy of ``graph`` without its initializers (the caller has them) whose ``value_info`` (subgraphs included)
+    keep their element types but not their shapes: what the session reads when inference failed, so that no
+    kernel is built for a declared shape nothing checked (a stale rank let Concat's axis through to numpy)."""
+    copy = onnx.GraphProto()
+    for field, value in graph.ListFields():
+        if field.name == "initializer":
+            continue
+        if hasattr(value, "extend"):
+            getattr(copy, field.name).extend(value)
+        elif hasattr(value, "CopyFrom"):
+            getattr(copy, field.name).CopyFrom(value)
+        else:
+            setattr(copy, field.name, value)
+    _clear_shapes(copy)
+    return copy
+
+
+def _clear_shapes(graph: onnx.GraphProto) -> None:
+    for vi in graph.value_info:
+        if vi.type.HasField("tensor_type"):
+            vi.type.tensor_type.ClearField("shape")
+    for sub in graph_subgraphs(graph):
+        _clear_shapes(sub)

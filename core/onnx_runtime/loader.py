@@ -17,7 +17,7 @@ import onnx
 from onnx import numpy_helper
 
 from .contrib_stand_ins import stand_in_contrib_ops
-from .declared_shapes import infer_reconciled
+from .declared_shapes import infer_reconciled, without_declared_shapes
 from .dtypes import DataType
 from .errors import InvalidGraphError, ModelContentError, ModelLoadError, ModelNotFoundError, ModelParseError
 from .ir import Graph, Model, Node, TypeInfo, ValueInfo
@@ -210,8 +210,8 @@ def _infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto | None, onnx.
     inferred = infer_reconciled(light, infer_graph) if _statistics_axes_fit(light) else None
     if inferred is None:
         # Shape inference is an optimization aid: models it cannot handle still run, with shapes
-        # resolved at run time.
-        return None, proto.graph
+        # resolved at run time (the declared ones unchecked, so not trusted).
+        return None, without_declared_shapes(proto.graph)
     if stand_ins:
         inputs = [vi for vi in inferred.input if vi.name not in stand_ins]
         del inferred.input[:]

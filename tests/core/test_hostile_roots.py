@@ -150,3 +150,27 @@ def test_declarations_inference_can_check_are_left_to_it():
         [helper.make_node("Relu", ["x"], ["y"])], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])]))
     assert declared_shapes.without_unverifiable_shapes(model) is model  # no copy on the common path
+
+
+@pytest.mark.parametrize("axis", [3, -1])
+def test_declarations_are_not_trusted_when_inference_fails(axis):
+    # LayerNormalization's Mean output over an input of unknown rank: onnx inference is not run (it would size the
+    # output by an unchecked axis), so nothing checks r's declared rank 4 against its actual rank 3.
+    scale = numpy_helper.from_array(np.ones(4, np.float32), "s")
+    nodes = [helper.make_node("LayerNormalization", ["x", "s"], ["ln", "mean"], axis=-1),
+             helper.make_node("Relu", ["ln"], ["r"]), helper.make_node("Concat", ["r", "r"], ["y"], axis=axis)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("mean", TensorProto.FLOAT, None)], initializer=[scale],
+                              value_info=[helper.make_tensor_value_info("r", TensorProto.FLOAT, [2, 3, 4, 1])])
+    data = helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 17)]).SerializeToString()
+    session = _ours(data)
+    x = np.random.default_rng(5).standard_normal((2, 3, 4)).astype(np.float32)
+    if axis == 3:
+        with pytest.raises(OnnxRuntimeError, match=r"axis 3 is out of range for a rank-3 tensor") as info:
+            session.run(None, {"x": x})
+        assert isinstance(info.value.__cause__, OnnxRuntimeError)
+        return
+    x64 = x.astype(np.float64)
+    r = np.maximum((x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-5), 0)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], np.concatenate([r, r], -1), rtol=1e-4, atol=1e-4)
