@@ -144,7 +144,8 @@ class IntegerProduct:
 
     def packed(self, b: np.ndarray, b_zero=None, trans_b: bool = False) -> np.ndarray | None:
         """8-bit matrix B (K, N), or (N, K) with ``trans_b``, as int16 (N, K) with its per-tensor or per-column
-        zero points subtracted, made once per constant B; None for other zero-point shapes."""
+        zero points subtracted, made once per constant B (qgemm.compact: only its pairs where the tiles run, an
+        (N, 0) stand-in here); None for other zero-point shapes."""
         columns, depth = b.shape if trans_b else b.shape[::-1]
         b_zeros = _zeros(b_zero)
         if b_zeros is None or b_zeros.size not in (1, columns):
@@ -154,7 +155,7 @@ class IntegerProduct:
         def pack():
             packed = np.empty((columns, depth), np.int16)
             qgemm.pack_columns(b.T if trans_b else b, b_zeros, packed)
-            return packed
+            return qgemm.compact(packed)
 
         # Keyed on the zero points' values: callers pass them reshaped (a new array object on every call).
         return self._prepared.get((trans_b, b_zeros.tobytes()), (b,), pack)

@@ -68,8 +68,15 @@ def pack_pairs(packed, out):
     out[...] = padded.reshape(out.shape[0], 2, out.shape[1]).transpose(0, 2, 1)
 
 
-def _product(centred: np.ndarray, packed: np.ndarray) -> np.ndarray:
-    """The int32 sums of centred (M, K) times packed (N, K) rows: exact in float64, wrapped as int32 adds wrap."""
+_NO_PAIRS = np.zeros((0, 0, 2), np.int16)
+
+
+def _product(centred: np.ndarray, packed: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """The int32 sums of centred (M, K) times packed (N, K) rows: exact in float64, wrapped as int32 adds wrap.
+    Where qgemm_tiles.compact kept only the pairs, packed is an (N, 0) stub and the rows come from them."""
+    depth = centred.shape[1]
+    if packed.shape[1] != depth:
+        packed = pairs.transpose(1, 0, 2).reshape(pairs.shape[1], -1)[:packed.shape[0], :depth]
     exact = centred.astype(np.float64) @ packed.T.astype(np.float64)
     return exact.astype(np.int64).astype(np.int32)
 
@@ -81,18 +88,18 @@ def _rescaled(acc, a_scale, b_scales, bias, out):
 
 def product(a, zero, packed, pairs, out):
     zeros = zero.astype(np.int16).reshape(-1, 1) if zero.shape[0] > 1 else np.int16(zero[0])
-    out[...] = _product(a.astype(np.int16) - zeros, packed)
+    out[...] = _product(a.astype(np.int16) - zeros, packed, pairs)
 
 
 def scaled_product(a, a_zero, packed, pairs, a_scale, b_scales, bias, out):
-    _rescaled(_product(a.astype(np.int16) - np.int16(a_zero), packed), a_scale, b_scales, bias, out)
+    _rescaled(_product(a.astype(np.int16) - np.int16(a_zero), packed, pairs), a_scale, b_scales, bias, out)
 
 
 def dynamic_scaled_product(a, packed, pairs, b_scales, bias, out):
     scale, zero = dynamic_parameters(a.reshape(-1))
     v = _codes(a, scale, zero, _F32(0), _F32(255))
     centred = np.where(np.isnan(v), -zero, v - zero).astype(np.int16)
-    _rescaled(_product(centred, packed), np.float64(scale), b_scales, bias, out)
+    _rescaled(_product(centred, packed, pairs), np.float64(scale), b_scales, bias, out)
 
 
 # compiled/qgemm.py's ``consts`` layout (A's parameters, the output's, B's) and requantized_product_rounded's
@@ -130,7 +137,7 @@ def _finish(acc, multiplier, offset, consts, out):
 
 
 def requantized_product(a, packed, pairs, multiplier, offset, consts, out):
-    _finish(_product(_a_codes(a, consts), packed), multiplier, offset, consts, out)
+    _finish(_product(_a_codes(a, consts), packed, pairs), multiplier, offset, consts, out)
 
 
 def requantized_product_rounded(a, packed, pairs, multiplier, offset, consts, row, after, out):
@@ -145,7 +152,7 @@ def requantized_batched_product(a, b, multiplier, offset, consts, out):
     for i in range(a.shape[0]):
         packed = _centred_codes(b[i].T, consts[B_SCALE], consts[B_ZERO], consts[B_LOW], consts[B_HIGH],
                                 consts[B_QUANTIZE] != 0)
-        _finish(_product(_a_codes(a[i], consts), packed), multiplier, offset, consts, out[i])
+        _finish(_product(_a_codes(a[i], consts), packed, _NO_PAIRS), multiplier, offset, consts, out[i])
 
 
 def _operand(x, step, rows, cols):
@@ -177,7 +184,7 @@ def softmax_codes(x, table, y_scale, y_zero, low, high, out):
 
 
 def qgemm(a, a_zero, packed, pairs, c, multiplier, zero, low, high, quantized, out):
-    acc = _product(a.astype(np.int16) - np.int16(a_zero), packed)
+    acc = _product(a.astype(np.int16) - np.int16(a_zero), packed, pairs)
     if c.shape[0]:
         acc = (acc.astype(np.int64) + c.astype(np.int64)).astype(np.int32)  # wraps as the int32 sum does
     v = acc.astype(np.float64) * multiplier
@@ -191,7 +198,7 @@ X_ZERO, X_SCALE, BIAS_ZERO, BIAS_SCALE, C_ZERO, C_SCALE, C_LOW, C_HIGH = range(8
 
 
 def requantized_product_add(a, packed, pairs, multiplier, offset, consts, bias, add, out):
-    codes = _requantized_codes(_product(_a_codes(a, consts), packed), multiplier, offset, consts)
+    codes = _requantized_codes(_product(_a_codes(a, consts), packed, pairs), multiplier, offset, consts)
     x = (codes.astype(np.int64) - np.int64(add[X_ZERO])).astype(np.float64)
     y = (bias.astype(np.int64) - np.int64(add[BIAS_ZERO])).astype(np.float64)
     v = np.rint((add[X_SCALE] * x + add[BIAS_SCALE] * y) / add[C_SCALE]) + add[C_ZERO]

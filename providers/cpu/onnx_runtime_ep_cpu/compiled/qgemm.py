@@ -3,10 +3,11 @@ MatMulIntegerToFloat and DynamicQuantizeMatMul, (A - a_zero) @ (B - b_zero) exac
 accumulator does.
 
 B (the weight, usually constant) is packed once per set of constant inputs as int16 (N, K): each column
-with its zero point already subtracted (-255 .. 255 fits). Each row of A is centred into an int16 row
-buffer, and every output is a dot product of two contiguous int16 rows summed in int32: the pattern LLVM
-turns into vpmaddwd on AVX2 (16 products, pairwise added into 8 int32 lanes per instruction; numba
-compiles for the host CPU, so wider or VNNI instructions are LLVM's choice where present), the same
+with its zero point already subtracted (-255 .. 255 fits). Where qgemm_tiles' register tiles run, a kept weight
+is only their pairs (qgemm_tiles.compact), with an (N, 0) stub in the packed argument. Each row of A is
+centred into an int16 row buffer, and every output is a dot product of two contiguous int16 rows summed in
+int32: the pattern LLVM turns into vpmaddwd on AVX2 (16 products, pairwise added into 8 int32 lanes per
+instruction; numba compiles for the host CPU, so wider or VNNI instructions are LLVM's choice where present), the same
 integers either way. Integer addition is
 associative modulo 2**32, so the result equals the exact int64 sum wrapped to int32 whatever the order.
 """
@@ -18,6 +19,7 @@ import numpy as np
 from . import jit, qgemm_tiles
 from .qgemm_tiles import (
     LANES,
+    compact,  # noqa: F401  (the callers' way to keep a constant weight: its pairs only, where tiles run)
     pairs_for,  # noqa: F401  (the callers' way to a packed weight's pairs)
     tile_product,
 )
@@ -94,8 +96,11 @@ def _centred_product(centred, packed, pairs, out):
     register tiles where B has its ``pairs`` (qgemm_tiles.pairs_for; none: an empty array), else here, blocks of
     columns of B taking turns, each against every row of A."""
     rows, depth = centred.shape
-    if pairs.shape[0] > 0 and rows and out.flags.c_contiguous:
-        tile_product(centred, pairs, out)
+    # (always where qgemm_tiles.compact left an (N, 0) stub for packed; out is C-contiguous: numba types the
+    # tile call for that layout only)
+    if pairs.shape[0] > 0:
+        if rows:
+            tile_product(centred, pairs, out)
         return
     columns = packed.shape[0]
     for first in range(0, columns, _BLOCK):

@@ -149,6 +149,23 @@ _NONE = np.zeros((0, 0, 2), np.int16)
 _PAIRS: dict[int, tuple] = {}  # id(packed) -> (a weak reference to it, its pairs)
 
 
+def _remember(packed: np.ndarray, pairs: np.ndarray) -> None:
+    key = id(packed)
+    _PAIRS[key] = (weakref.ref(packed, lambda _, key=key: _PAIRS.pop(key, None)), pairs)
+
+
+def compact(packed: np.ndarray) -> np.ndarray:
+    """A packed weight to keep: where the tiles run, the products read only its pairs, so the int16 (N, K)
+    array goes once they are made and an (N, 0) stub stands in for it (its column count; pairs_for gives its
+    pairs while it lives), which halves what a constant int8 weight holds. Elsewhere ``packed`` itself."""
+    columns, depth = packed.shape
+    if not AVAILABLE or not depth:
+        return packed
+    stub = np.empty((columns, 0), np.int16)
+    _remember(stub, pairs_of(packed))
+    return stub
+
+
 def pairs_for(packed: np.ndarray) -> np.ndarray:
     """pairs_of(packed), made once per packed weight (callers keep a constant weight's packed array, so its
     pairs live as long as it does: the entry goes with the array)."""
@@ -159,7 +176,7 @@ def pairs_for(packed: np.ndarray) -> np.ndarray:
     if entry is not None and entry[0]() is packed:
         return entry[1]
     pairs = pairs_of(packed)
-    _PAIRS[key] = (weakref.ref(packed, lambda _, key=key: _PAIRS.pop(key, None)), pairs)
+    _remember(packed, pairs)
     return pairs
 
 

@@ -706,7 +706,7 @@ class _WeightSide:
         side.packed, side.scales = packed, b_scale.reshape(-1).astype(_F64)
         side.pairs = _qgemm_kernels().pairs_for(packed)
         side.bias = cls._NO_BIAS if bias is None else bias
-        side.columns, side.depth = packed.shape
+        side.columns, side.depth = packed.shape[0], b.shape[0]  # (packed may be compact's (N, 0) stand-in)
         return side
 
 

@@ -234,6 +234,7 @@ def _pack(qgemm, b, p, trans_b: bool, quantize_b: bool) -> np.ndarray:
         qgemm.centred_columns(matrix, p.b_scale, int(p.b_zeros[0]), p.b_low, p.b_high, True, packed)
     else:
         qgemm.pack_columns(matrix, p.b_zeros, packed)
+    packed = qgemm.compact(packed)  # (only the pairs, where the tiles run)
     if not b.flags.writeable:
         p.packed = (b, packed)
     return packed
