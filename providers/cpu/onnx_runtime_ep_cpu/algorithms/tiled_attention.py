@@ -1,5 +1,6 @@
-"""What the tiled float32 attention (compiled/attention.py) is passed for one set of input shapes, worked out once
-per shapes by ops/transformer.py's Attention kernel."""
+"""What compiled/attention.py's float32 attention loops are passed, worked out once per input shapes for
+ops/transformer.py's Attention kernel: the tiles' layout; and the few-row loop's call over a 3-D Attention's
+(B, S, H * D) inputs, read in place."""
 
 from __future__ import annotations
 
@@ -37,3 +38,20 @@ class TiledLayout:
         threads = max(1, min(kernel_threads(), units, work // KNOBS.split_macs))
         self.bounds = np.array([units * t // threads for t in range(threads + 1)], np.int64)
         self.scratch = attention.scratch_size(geo.head_size, geo.v_head_size, total)
+
+
+def few_in_place(geo, q, k, v, scale, bias) -> tuple | None:
+    """(Y, present_key, present_value) of a small attention over C-contiguous 3-D Q, K and V (``geo``: the kernel's
+    head layout): Y (B, S, Hq * Dv) read and written in that layout by compiled/attention.few_rows_by_position, the
+    keys and values as heads. ``bias`` as decoder.py's few-row loop takes it. None where a row has no finite
+    score."""
+    from ..compiled import attention  # numba loads only for models that need it
+
+    batch, keys = q.shape[0], k.shape[1]
+    y = np.empty((batch, geo.q_len, geo.q_heads * geo.v_head_size), np.float32)
+    if not attention.few_rows_by_position(q.reshape(batch, geo.q_len, geo.q_heads, geo.head_size),
+                                          k.reshape(batch, keys, geo.kv_heads, geo.head_size),
+                                          v.reshape(batch, keys, geo.kv_heads, geo.v_head_size), scale, bias,
+                                          y.reshape(batch, geo.q_len, geo.q_heads, geo.v_head_size)):
+        return None
+    return y, geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)

@@ -9,6 +9,9 @@ turned into unnormalized softmax weights in place (scale, mask, shift by the row
 multiplied by V read in place; each output row is divided by its weights' sum as it is stored. The
 scores never leave the core's cache, and keys that the mask hides from every row of a tile (a causal
 mask's future) are not computed at all. Results do not depend on how units are split across threads.
+
+Also here: decoder.py's one-call small attention over the (B, S, H, D) layout of a 3-D Attention's inputs
+(attention_heads.py folds the exporters' head split and merge into the node), read and written in place.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
+from .decoder import _dot
 from .gemm import IDENTITY, NR
 from .matmul import tile
-from .transformer import exp_nonpositive_float32, mask_and_shift_, row_sum
+from .transformer import contracting_jit, exp_nonpositive_float32, exp_shifted_sum_, mask_and_shift_, row_max, row_sum
 
 
 @jit
@@ -113,3 +117,52 @@ def attention_units(q, q_strides, k, k_strides, v, v_strides, y, y_strides, head
                 line, source = y[target: target + value_size], out[i * value_size: (i + 1) * value_size]
                 for d in range(value_size):
                     line[d] = source[d] / total_weight
+
+
+@jit
+def few_rows_by_position(q, k, v, scale, bias, y):
+    """decoder.few_query_attention_float32 over (B, S, H, D) arrays, the (B, S, H * D) layout of a 3-D Attention
+    split in place (no transposed copies to (B, H, S, D)): y[b, :, h] = softmax(q[b, :, h] k[b, :, g]^T * scale +
+    bias[b, h]) v[b, :, g] with g = h // (query heads / KV heads). Per query row: its dot products with the keys,
+    the row's maximum, exp with the sum, the weighted sum of V's rows, the division, in that loop's order (the
+    same bits). ``bias`` is (B', H', M', T) as there (each of B', H', M' one or full), or empty. False, with y
+    partly written, when a row's largest score is not finite (the caller's general path decides those)."""
+    batch, rows, heads = q.shape[0], q.shape[1], q.shape[2]
+    keys = k.shape[1]
+    group = heads // k.shape[2]
+    with_bias = bias.size > 0
+    bias_b, bias_h, bias_r = bias.shape[0] > 1, bias.shape[1] > 1, bias.shape[2] > 1
+    scores, weights = np.empty(keys, dtype=np.float32), np.empty(keys, dtype=np.float32)
+    for b in range(batch):
+        for h in range(heads):
+            g = h // group
+            for r in range(rows):
+                query = q[b, r, h]
+                if with_bias:
+                    row_bias = bias[b if bias_b else 0, h if bias_h else 0, r if bias_r else 0]
+                    for t in range(keys):
+                        scores[t] = _dot(query, k[b, t, g]) * scale + row_bias[t]
+                else:
+                    for t in range(keys):
+                        scores[t] = _dot(query, k[b, t, g]) * scale
+                peak = row_max(scores)
+                if not abs(peak) < np.float32(np.inf):
+                    return False
+                total = exp_shifted_sum_(scores, peak, weights)
+                out = y[b, r, h]
+                _weighted_heads(weights, v, b, g, out)
+                for j in range(out.shape[0]):
+                    out[j] /= total
+    return True
+
+
+@contracting_jit
+def _weighted_heads(weights, v, b, g, out):
+    """out = the sum over t of weights[t] * v[b, t, g] (in t order, one fused multiply-add per term), as
+    decoder._weighted_rows over V's rows of one head."""
+    out[:] = 0
+    for t in range(v.shape[1]):
+        weight = weights[t]
+        row = v[b, t, g]
+        for j in range(out.shape[0]):
+            out[j] += weight * row[j]

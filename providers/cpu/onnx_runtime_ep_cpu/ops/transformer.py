@@ -24,7 +24,7 @@ from ..algorithms.activations import sigmoid
 from ..algorithms.contrib_attention import grouped_matmul, softmax_
 from ..algorithms.precision import FLOAT32, compute_dtype, upcast
 from ..algorithms.products import gemv_host
-from ..algorithms.tiled_attention import TiledLayout
+from ..algorithms.tiled_attention import TiledLayout, few_in_place
 from ..compiled import COMPILED_DTYPES
 from ..compiled.deferred import numpy_first  # (the tiles import numba: not while it loads)
 from ..registry import register
@@ -321,12 +321,10 @@ class _Attention:
         return (y, present_key, present_value, qk)[: len(self.node.outputs)]
 
     def few_query_attention(self, q, k, v, mask=None):
-        """(Y, present_key, present_value) as compiled_attention's for small attention, in one compiled call:
-        numpy's eight calls cost a decode step's attention more than its arithmetic. None where the general
-        path must decide: a row with no finite score (every key hidden from it, inf or NaN), a mask that is
-        not float32, or does not cover every key, or has dimensions the scores lack."""
-        geo = self.geo
-        bias = self._few_bias
+        """(Y, present_key, present_value) as compiled_attention's for small attention, in one compiled call (3-D
+        inputs read in place). None where the general path must decide: a row with no finite score, a mask that
+        is not float32, or does not cover every key, or has dimensions the scores lack."""
+        geo, bias = self.geo, self._few_bias
         if mask is not None:
             lead = self._few_masks.get(mask.shape[:-1], False)  # (the keys' length is checked per call)
             if lead is False:
@@ -334,6 +332,10 @@ class _Attention:
             if lead is None or mask.dtype is not FLOAT32 or mask.shape[-1] != k.shape[-2]:
                 return None
             bias = np.ascontiguousarray(mask).reshape(lead + mask.shape[-1:])
+        if geo.rank == 3 and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous \
+                and not numpy_first():  # (its loop has no numpy version to serve while numba loads)
+            outputs = few_in_place(geo, q, k, v, self._few_scale, bias)  # (Y in place: no copies)
+            return None if outputs is None else outputs[:self._outputs]
         queries = geo.to_heads(q, geo.q_heads)
         keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
         y = np.empty((queries.shape[0], geo.q_heads, geo.q_len, geo.v_head_size), np.float32)
@@ -512,12 +514,10 @@ class _Attention:
         return geo.from_heads(y.reshape(batch, heads, rows, values.shape[-1])), keys, values
 
 
-# Queries from which attention runs compiled/attention.py's tiles (a prefill's; a decode step's few rows
-# keep compiled_attention's products).
+# Queries from which attention runs compiled/attention.py's tiles (a decode step's few rows keep the products).
 _TILED_ROWS = 16
-# Attention of at most this many queries (a decode step's) up to the few_query_macs knob's multiply-adds, and
-# of more queries (a short sequence's) up to half of it, runs decoder.py's one compiled call: on the AVX2 host
-# numpy's per-call overhead outweighed BLAS's faster products up to there (measured with this change's commit).
+# Attention of at most this many queries up to the few_query_macs knob's multiply-adds, and of more queries up
+# to half of it, runs one compiled call: on the AVX2 host numpy's per-call overhead outweighed BLAS up to there.
 _FEW_QUERIES = 4
 
 
