@@ -13,10 +13,13 @@ inference computed wins over the declared one, a dimension inference could not c
 (nothing can check it before the run, as in onnxruntime), and a declared element type that differs from the
 computed one is an ``InvalidGraphError`` (onnxruntime's type error).
 
-A declared shape for an output of a node inference cannot compute (no schema, no contrib stand-in) is checked by
-nothing: inference would carry it on to every value computed from it, and kernels would be built for a rank that
-may never come (a stale rank let Concat's axis pass for the declared rank and fail inside numpy). Such shapes are
-dropped before inference (the element type stays); those values and what follows them are sized at run time.
+A declared shape for an output of an ONNX or com.microsoft node inference cannot compute (no schema for its
+opset, no contrib stand-in) is checked by nothing: inference would carry it on to every value computed from it,
+and kernels would be built for a rank that may never come (a stale rank let Concat's axis pass for the declared
+rank and fail inside numpy). Such shapes are dropped before inference (the element type stays); those values and
+what follows them are sized at run time. A node of a custom domain is different: only a provider that implements
+it runs it, and its declared output shapes are that operator's contract (onnxruntime trusts them the same way);
+device graph capture needs them to size its buffers before the run.
 When inference fails altogether nothing is checked, and the same holds for every intermediate declaration
 (:func:`without_declared_shapes`).
 """
@@ -138,7 +141,7 @@ def without_unverifiable_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     opsets = {("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in model.opset_import}
     local = {(f.domain, f.name) for f in model.functions}
     blind = [n for n in graph.node if any(o in declared for o in n.output) and (n.domain, n.op_type) not in local
-             and not _has_schema(n, opsets)]
+             and n.domain in _INFERRED_DOMAINS and not _has_schema(n, opsets)]
     if not blind:
         return model
     remaining = {(n.domain, n.op_type) for n in stand_in_contrib_ops(model).model.graph.node}
@@ -151,6 +154,11 @@ def without_unverifiable_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
         if vi.name in unchecked:
             vi.type.tensor_type.ClearField("shape")
     return copy
+
+
+# Domains whose operators onnx's schemas or the contrib stand-ins are meant to infer; any other is a custom domain.
+_INFERRED_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview", "ai.onnx.preview.training",
+                               "com.microsoft"})
 
 
 def _has_schema(node: onnx.NodeProto, opsets: dict[str, int]) -> bool:
