@@ -4,7 +4,7 @@ host with AVX2 (the vectors are 8 floats; gemm.py's packed convolution needs AVX
 
 At these sizes the im2col buffer, a BLAS call and a separate epilogue pass each cost about as much as the
 arithmetic. Here, as in onnxruntime's NCHWc kernels, output channels run across the lanes: a tile is
-16 output channels (two vectors) x 6 output pixels of one output row, 12 accumulators held in registers
+16 output channels (two vectors) x PIXELS output pixels of one output row, the accumulators held in registers
 over the whole reduction. For each k = (input channel, tap) the tile loads its two weight vectors (the
 weights packed once as (G, tiles, K, 16), pack_weights) and broadcasts each pixel's input value, read
 from a zero-padded copy of the image at the tap's offset (pixel p at p * stride from the first, so
@@ -20,11 +20,14 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from . import jit, llvm
+from . import host, jit, llvm
 
 LANES = 8  # float32 lanes of an AVX2 register
 CHANNELS = 2 * LANES  # output channels per tile
-PIXELS = 6  # output pixels per tile
+# Output pixels per tile: 6 on AVX2 (12 accumulators, 2 weight vectors and a broadcast fill its 16 registers); 8
+# where AVX-512's 32 registers hold 16 accumulators, so each channel's row of the 8 x 8 transpose is one whole
+# store instead of a split one and no transposed row is padding.
+PIXELS = 8 if host.AVX512 else 6
 _VEC = ir.VectorType(llvm.F32, LANES)
 _INDEX = ir.VectorType(llvm.I32, LANES)
 _MASK = ir.VectorType(ir.IntType(1), LANES)
@@ -128,8 +131,9 @@ def _emit_sums(builder, w_ptr, x_ptr, taps_ptr, start, depth, stride) -> list:
 
 
 def _row_io(builder, full: bool, lanes):
-    """(load(pointer), store(value, pointer)) of a channel's row of pixels: 6 lanes by two plain accesses
-    (4 + 2) where the tile is full, else masked by ``lanes`` (AMD's masked stores are slow)."""
+    """(load(pointer), store(value, pointer)) of a channel's row of pixels: PIXELS lanes by plain accesses
+    (one vector for 8, 4 + 2 for 6) where the tile is full, else masked by ``lanes`` (AMD's masked stores are
+    slow)."""
     if not full:
         module = builder.module
         masked_store = llvm.declare(module, "llvm.masked.store.v8f32.p0",
@@ -140,6 +144,9 @@ def _row_io(builder, full: bool, lanes):
                                                            _ZEROS]),
                 lambda v, pointer: builder.call(masked_store, [v, vector_at(builder, pointer, int_const(0)), _ALIGN,
                                                                lanes]))
+    if PIXELS == LANES:
+        return (lambda pointer: builder.load(vector_at(builder, pointer, int_const(0)), align=4),
+                lambda v, pointer: builder.store(v, vector_at(builder, pointer, int_const(0)), align=4))
     quad, pair = ir.VectorType(llvm.F32, 4), ir.VectorType(llvm.F32, 2)
 
     def load(pointer):
@@ -251,7 +258,7 @@ def _emit_plain_stores(builder, biased, with_residual, bounds, hard, y_ptr, res_
 def _tile(typingctx, w, x, start, taps, depth, stride, y, at, plane, pixels, channels, bias, residual, flags,
           bounds):
     """y[at + c*plane + p] = act(sum_k w[k*16 + c] * x[start + taps[k] + p*stride] + bias[c] (+ residual[same
-    place])) for pixels p < ``pixels`` (at most 6), channels c < ``channels`` (at most 16); ``flags``: BIAS
+    place])) for pixels p < ``pixels`` (at most PIXELS), channels c < ``channels`` (at most 16); ``flags``: BIAS
     adds the bias, RESIDUAL the residual; ``bounds`` = (low, high, slope). ``w`` and ``bias`` (16 floats)
     start at the tile's first channel; ``y`` and ``residual`` are flat."""
     signature = types.void(w, x, start, taps, depth, stride, y, at, plane, pixels, channels, bias, residual, flags,
@@ -293,7 +300,7 @@ def conv_direct(x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, t
 
     ``in_place``: the windows read x itself (no pads, the padded shape x's, OW >= 6, x C-contiguous); else a
     padded copy with a margin for the pixels that a row's last tile computes past its end. A row's last
-    tile is shifted back to end at the row's end where the row has 6 pixels (recomputing some before it)."""
+    tile is shifted back to end at the row's end where the row has PIXELS pixels (recomputing some before it)."""
     groups, tiles, depth = weights.shape[0], weights.shape[1], weights.shape[2]
     channels = x.shape[1] // groups
     outputs = y.shape[1] // groups
