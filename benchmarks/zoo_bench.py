@@ -199,11 +199,11 @@ class Competitors:
 def measure(condition: str, sessions: dict, feeds: dict, threads: list[str], out: dict,
             args: argparse.Namespace, specs: dict) -> None:
     """Times of every call and thread setting under ``condition``, into ``out[call]``. Decode calls grow by one
-    token per timed call (zoo_feeds.GrowingDecode) unless ``--fixed-decode``."""
-    from zoo_feeds import GrowingDecode, past_length
+    token per timed call (zoo_feeds.GrowingDecode) unless ``--fixed-decode``; prefill calls (an empty past) do not."""
+    from zoo_feeds import GrowingDecode, is_decode_step
 
     for call, feed in feeds.items():
-        growing = not args.fixed_decode and past_length(specs[call]) is not None
+        growing = not args.fixed_decode and is_decode_step(specs[call])
         for label in threads:
             runners = {runtime: (GrowingDecode(specs[call], lambda f, s=sessions[runtime, label]: s.run(None, f))
                                  if growing else (lambda s=sessions[runtime, label], f=feed: s.run(None, f)))

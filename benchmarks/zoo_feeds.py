@@ -45,6 +45,12 @@ def past_length(call: dict) -> int | None:
     return lengths.pop() if lengths else None
 
 
+def is_decode_step(call: dict) -> bool:
+    """Whether a call continues a cached past (a decode step). A prefill has past inputs of length 0: it is timed
+    as it is, not as a chunk over a growing past."""
+    return bool(past_length(call))
+
+
 def check_consistent(call: dict) -> None:
     """Raise InconsistentFeeds unless the call's inputs describe one sequence: a causal attention mask covers
     past + new tokens, position ids start after the past, and all self-attention pasts have one length."""

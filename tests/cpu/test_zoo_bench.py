@@ -23,7 +23,7 @@ if not MANIFEST.is_file():
 pytest.importorskip("onnxruntime", reason="the benchmark compares with onnxruntime: install the test extra")
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from zoo_feeds import GrowingDecode, InconsistentFeeds, check_consistent, grown, make_feeds, past_length  # noqa: E402
+from zoo_feeds import GrowingDecode, InconsistentFeeds, check_consistent, grown, is_decode_step, make_feeds, past_length  # noqa: E402
 
 MODELS = [m for m in json.loads(MANIFEST.read_text())["models"] if m["status"] == "ok"]
 DECODERS = [m for m in MODELS if "decode" in m["calls"]]
@@ -55,6 +55,16 @@ def test_inconsistent_decoder_feeds_are_refused():
         change(targets[0])
         with pytest.raises(InconsistentFeeds):
             check_consistent(broken)
+
+
+@pytest.mark.skipif(not DECODERS, reason="no decoder with past in the zoo")
+def test_only_decode_steps_grow_and_prefills_are_timed_as_they_are():
+    """A prefill's past is empty: timing it as a chunk over a growing past measured another workload."""
+    for model in DECODERS:
+        assert is_decode_step(model["calls"]["decode"])
+        prefills = [call for name, call in model["calls"].items() if name != "decode" and past_length(call) == 0]
+        assert prefills and all(not is_decode_step(call) for call in prefills)
+    assert not is_decode_step({"feeds": [{"name": "input_ids", "shape": [1, 16]}]})
 
 
 @pytest.mark.skipif(not DECODERS, reason="no decoder with past in the zoo")
