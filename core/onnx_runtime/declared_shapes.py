@@ -34,7 +34,7 @@ from onnx import defs
 
 from .contrib_stand_ins import stand_in_contrib_ops
 from .errors import InvalidGraphError
-from .proto_walk import graph_subgraphs
+from .proto_walk import copy_fields_except, graph_subgraphs
 
 # A strict pass that failed after this much CPU is not followed by another: the failures that take long are
 # onnx's inference running away (its data propagation allocating until the memory limit), which a second pass
@@ -175,15 +175,7 @@ def without_declared_shapes(graph: onnx.GraphProto) -> onnx.GraphProto:
     keep their element types but not their shapes: what the session reads when inference failed, so that no
     kernel is built for a declared shape nothing checked (a stale rank let Concat's axis through to numpy)."""
     copy = onnx.GraphProto()
-    for field, value in graph.ListFields():
-        if field.name == "initializer":
-            continue
-        if hasattr(value, "extend"):
-            getattr(copy, field.name).extend(value)
-        elif hasattr(value, "CopyFrom"):
-            getattr(copy, field.name).CopyFrom(value)
-        else:
-            setattr(copy, field.name, value)
+    copy_fields_except(graph, copy, skip="initializer")
     _clear_shapes(copy)
     return copy
 

@@ -24,6 +24,7 @@ from .ir import Graph, Model, Node, TypeInfo, ValueInfo
 from .memory.mapped import load_external_data
 from .model_checks import MAX_DECLARED_DIM, check_model_structure, check_types
 from .propagation_bounds import propagates_large_values
+from .proto_walk import copy_fields_except
 
 _ATTR = onnx.AttributeProto
 
@@ -305,9 +306,9 @@ def _has_weights(proto: onnx.ModelProto) -> bool:
 def _without_weights(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
     """A copy of ``proto`` whose large initializers are typed inputs (the "stand-ins")."""
     light = onnx.ModelProto()
-    _copy_fields(proto, light, skip="graph")
+    copy_fields_except(proto, light, skip="graph")
     graph = light.graph
-    _copy_fields(proto.graph, graph, skip="initializer")
+    copy_fields_except(proto.graph, graph, skip="initializer")
     declared = {vi.name for vi in proto.graph.input}
     stand_ins: set[str] = set()
     for init in proto.graph.initializer:
@@ -317,18 +318,6 @@ def _without_weights(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]
             graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
             stand_ins.add(init.name)
     return light, stand_ins
-
-
-def _copy_fields(source, target, skip: str) -> None:
-    for field, value in source.ListFields():
-        if field.name == skip:
-            continue
-        if hasattr(value, "extend"):
-            getattr(target, field.name).extend(value)
-        elif hasattr(value, "CopyFrom"):
-            getattr(target, field.name).CopyFrom(value)
-        else:
-            setattr(target, field.name, value)
 
 
 def _element_count(init: onnx.TensorProto) -> int:

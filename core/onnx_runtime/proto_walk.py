@@ -1,6 +1,6 @@
 """The subgraphs of an onnx ``GraphProto`` (If branches, Loop and Scan bodies, any graph-valued attribute):
 the one place that knows which attributes hold graphs, for the modules that read protobuf graphs before the
-session's IR exists (checks, shape inference, specialization)."""
+session's IR exists (checks, shape inference, specialization), and the field copy that leaves one field behind."""
 
 from __future__ import annotations
 
@@ -35,3 +35,17 @@ def all_graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
 
 
 __all__ = ["all_graphs", "graph_subgraphs", "node_subgraphs"]
+
+
+def copy_fields_except(source, target, skip: str) -> None:
+    """Every set field of protobuf message ``source`` into ``target`` except ``skip`` (e.g. a graph without its
+    initializers, which can be most of a model's bytes)."""
+    for field, value in source.ListFields():
+        if field.name == skip:
+            continue
+        if hasattr(value, "extend"):
+            getattr(target, field.name).extend(value)
+        elif hasattr(value, "CopyFrom"):
+            getattr(target, field.name).CopyFrom(value)
+        else:
+            setattr(target, field.name, value)
