@@ -2,8 +2,8 @@
 (algorithms/segment_layout.py).
 
 A blocked value (N, C, H, W) is stored as (N, ceil(C / 16), H, W, 16): each pixel's 16 channels of a block
-contiguous, as onnxruntime's NCHWc keeps activations between layers. A tile's sums are 16 channels x 6 pixels,
-so a blocked output is stored as the accumulators hold it, where the plain layout takes an 8 x 8 transpose
+contiguous, as onnxruntime's NCHWc keeps activations between layers. A tile's sums are 16 channels x PIXELS
+pixels, so a blocked output is stored as the accumulators hold it, where the plain layout takes an 8 x 8 transpose
 per half and a row store per channel; a blocked input is read as the plain one, with the taps and the pixel
 step scaled by 16. Channels past C in the last block are computed from zero weights and never read.
 """
@@ -24,25 +24,16 @@ def blocked_taps(offsets: np.ndarray, plane: int) -> np.ndarray:
 
 
 @jit
-def _fill_plain(x, base, channels, height, width, source, top, left, padded_height, padded_width):
+def _fill(x, base, planes, lanes, height, width, source, top, left, padded_height, padded_width):
+    """Copy ``planes`` planes of ``lanes`` channels each (a plain image: its channels, one lane; a blocked one:
+    its blocks of 16) from flat ``x`` at ``base`` into the padded ``source`` at (``top``, ``left``)."""
     rows, columns = min(height, padded_height - top), min(width, padded_width - left)
     plane = padded_height * padded_width
-    for c in range(channels):
+    for b in range(planes):
         for r in range(rows):
-            at = c * plane + (r + top) * padded_width + left
-            start = base + (c * height + r) * width
-            source[at:at + columns] = x[start:start + columns]
-
-
-@jit
-def _fill_blocked(x, base, blocks, height, width, source, top, left, padded_height, padded_width):
-    rows, columns = min(height, padded_height - top), min(width, padded_width - left)
-    plane = padded_height * padded_width
-    for b in range(blocks):
-        for r in range(rows):
-            at = (b * plane + (r + top) * padded_width + left) * CHANNELS
-            start = base + ((b * height + r) * width) * CHANNELS
-            source[at:at + columns * CHANNELS] = x[start:start + columns * CHANNELS]
+            at = (b * plane + (r + top) * padded_width + left) * lanes
+            start = base + ((b * height + r) * width) * lanes
+            source[at:at + columns * lanes] = x[start:start + columns * lanes]
 
 
 @jit
@@ -63,11 +54,7 @@ def conv_blocked(x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, 
         if in_place:
             image = x[base:]
         else:
-            if x_blocked:
-                _fill_blocked(x, base, stored // CHANNELS, height, width, source, top, left, padded_height,
-                              padded_width)
-            else:
-                _fill_plain(x, base, channels, height, width, source, top, left, padded_height, padded_width)
+            _fill(x, base, stored // lanes, lanes, height, width, source, top, left, padded_height, padded_width)
             image = source
         for t in range(tiles):
             w = weights[0, t].reshape(-1)
