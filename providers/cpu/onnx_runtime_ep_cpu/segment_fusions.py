@@ -38,6 +38,8 @@ SEGMENT_OPS = frozenset({
     ("", "Sub"), ("", "Div"), ("", "Tanh"), ("", "LRN"), ("", "Pad"), ("", "Dropout"),
     # a quantized CNN's roundings (qdq_fusions.fuse_quantize_dequantize) between its convolutions
     (FUSED_DOMAIN, "QuantizeDequantize"),
+    # a half-precision model's rounding of its input (precision_fusions.py) before its first convolution
+    (FUSED_DOMAIN, "RoundToHalf"),
 })
 _CONVOLUTIONS = frozenset({"Conv", "FusedConv"})
 MIN_CONVOLUTIONS = 2  # a lone convolution (a transformer's patch embedding) gains nothing

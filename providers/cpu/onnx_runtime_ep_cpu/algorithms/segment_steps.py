@@ -360,6 +360,22 @@ def _bind_concat(node, kernel, inputs, outputs, constant):
     return [(functools.partial(np.concatenate, axis=axis, out=y), (tuple(inputs),))]
 
 
+def _bind_round_to_half(node, kernel, inputs, outputs, constant):
+    """A half-precision model's input rounding (precision_fusions.py) as the segment's first step: the compiled
+    rounding straight into its buffer, without the executor's step and the fresh array of a node of its own."""
+    from onnx_runtime.dtypes import DataType
+
+    from ..compiled import precision
+
+    x, y = inputs[0], outputs[0]
+    to = int(node.attr("to", int(DataType.FLOAT16)))
+    loop = {int(DataType.FLOAT16): precision.round_to_float16, int(DataType.BFLOAT16): precision.round_to_bfloat16}
+    if len(inputs) != 1 or x is None or x.dtype != np.float32 or y.dtype != x.dtype or x.shape != y.shape \
+            or to not in loop or not x.flags.c_contiguous or not y.flags.c_contiguous:
+        return None
+    return [(loop[to], (x.reshape(-1), y.reshape(-1)))]
+
+
 BINDERS = {
     "Conv": _bind_own, "FusedConv": _bind_own, "MaxPool": _bind_own, "AveragePool": _bind_own, "ReduceMean": _bind_own,
     "Relu": _bind_relu,
@@ -368,4 +384,5 @@ BINDERS = {
     "GlobalAveragePool": _bind_global_average_pool, "Gemm": _bind_gemm, "Swish": _bind_swish,
     "Sigmoid": _bind_sigmoid, "Concat": _bind_concat, "Sub": _binary(np.subtract),
     "QuantizeDequantize": _bind_own,  # ops/quantization.py
+    "RoundToHalf": _bind_round_to_half,
 }
