@@ -18,9 +18,11 @@ from importlib.metadata import EntryPoint, entry_points  # entry_points(group=..
 
 import pluggy
 
+from .contract.deferred import DeferredProvider
 from .contract.hookspecs import DiscoverySpec
 from .contract.kernels import Availability
 from .contract.markers import PROJECT
+from .contract.version import incompatibility
 from .errors import InvalidArgumentError, PluginError, ProviderNotAvailableError
 from .provider_handle import ProviderHandle
 
@@ -47,7 +49,7 @@ class ProviderEntry:
     device: str = "cpu:0"
     contract_version: str = ""
     selected_by_default: bool = True  # used by sessions that name no providers
-    implemented_hooks: list[str] = field(default_factory=list)
+    hooks: list[str] | None = None  # None for a deferred provider until its class is imported
     probe: Callable[[], Availability] | None = field(default=None, repr=False, compare=False)
     _availability: Availability | None = field(default=None, repr=False, compare=False)
     # the handle discovery built to read the provider's name and hooks, uninitialized: the first create() takes it
@@ -61,12 +63,33 @@ class ProviderEntry:
             self._availability = self.probe() if self.probe is not None else Availability.yes()
         return self._availability
 
+    @property
+    def implemented_hooks(self) -> list[str]:
+        """The hooks the provider implements itself (a deferred provider's class is imported to answer)."""
+        if self.hooks is None:
+            handle = self.create()
+            self.hooks = handle.implemented_hooks
+            self.spares.append(handle)
+        return list(self.hooks)
+
     def create(self) -> ProviderHandle:
         """A fresh, uninitialized instance behind its own handle."""
         try:
             return self.spares.pop()  # (atomic: two sessions created at once never share it)
         except IndexError:
-            return ProviderHandle(self.cls(), source=self.source)
+            pass
+        try:
+            provider = self.cls()
+        except Exception as exc:
+            if not isinstance(self.cls, DeferredProvider):
+                raise
+            raise PluginError(f"{self.source}: importing provider {self.name!r} failed: {type(exc).__name__}: {exc}; "
+                              f"reinstall the distribution that provides it") from exc
+        handle = ProviderHandle(provider, source=self.source)
+        if handle.name != self.name:  # a deferred provider's description disagrees with its class
+            raise PluginError(f"{self.source}: the provider class is named {handle.name!r} but was described as "
+                              f"{self.name!r}; make the plugin's DeferredProvider name match its class")
+        return handle
 
 
 @dataclass
@@ -165,11 +188,10 @@ class ProviderRegistry:
                 source, dist_name, version = _describe(named[0])
                 try:
                     classes = _provider_classes(named[0].load())
-                    handles = [ProviderHandle(cls(), source=source) for cls in classes]
+                    found = [_entry(cls, source, dist_name, version) for cls in classes]
                 except Exception:
                     return None
-                found = [_entry(cls, handle, source, dist_name, version) for cls, handle in zip(classes, handles)
-                         if handle.matches(name)]
+                found = [entry for entry in found if _matches(entry, name)]
                 if len(found) != 1:
                     return None
                 self._quick[key] = found[0]
@@ -201,11 +223,10 @@ class ProviderRegistry:
             return self._fail(source, f"its onnx_runtime_providers hook failed: {exc}", strict)
         for cls in classes:
             try:
-                handle = ProviderHandle(cls(), source=source)
+                entry = _entry(cls, source, dist, version)
             except Exception as exc:
                 self._fail(source, f"provider {getattr(cls, '__name__', cls)!r} is invalid: {exc}", strict)
                 continue
-            entry = _entry(cls, handle, source, dist, version)
             if any(_matches(e, entry.name) for e in self._entries):
                 self._fail(source, f"provider name {entry.name!r} is already registered", strict)
                 continue
@@ -289,17 +310,27 @@ def _describe(ep) -> tuple[str, str, str]:
     return f"entry point {ep.name!r} ({ep.value}) of {dist_name or 'an unknown distribution'}", dist_name, version
 
 
-def _entry(cls, handle: ProviderHandle, source: str, dist: str, version: str) -> ProviderEntry:
+def _entry(cls, source: str, dist: str, version: str) -> ProviderEntry:
+    """What is known of a provider: read from an instance's hooks, or from a deferred provider's description
+    (its class is not imported until a session creates it)."""
+    if isinstance(cls, DeferredProvider):
+        incompatible = incompatibility(cls.contract_version)  # (an invalid version: ValueError, a broken plugin)
+        probe = (lambda: Availability.no(incompatible)) if incompatible is not None else cls.availability
+        return ProviderEntry(cls=cls, name=cls.name, short_name=cls.short_name, source=source, distribution=dist,
+                             version=version, device=cls.device, contract_version=cls.contract_version,
+                             selected_by_default=cls.selected_by_default, probe=probe)
+    handle = ProviderHandle(cls(), source=source)
     return ProviderEntry(cls=cls, name=handle.name, short_name=handle.short_name, source=source, distribution=dist,
                          version=version, device=str(handle.device_id), contract_version=handle.contract_version,
                          selected_by_default=bool(handle.hook.selected_by_default()),
-                         implemented_hooks=handle.implemented_hooks, probe=handle.availability, spares=[handle])
+                         hooks=handle.implemented_hooks, probe=handle.availability, spares=[handle])
 
 
 def _provider_classes(plugin) -> list[Callable[[], object]]:
     """The provider factories a plugin contributes: a class is its own contribution, and a provider
     instance registered in-process is shared by every session that uses it."""
-    if isinstance(plugin, type) and not hasattr(plugin, "onnx_runtime_providers"):
+    if isinstance(plugin, DeferredProvider) or isinstance(plugin, type) and not hasattr(
+            plugin, "onnx_runtime_providers"):
         return [plugin]
     if not isinstance(plugin, type) and callable(getattr(plugin, "name", None)) and hasattr(
         plugin.name, f"{PROJECT}_impl"

@@ -59,7 +59,8 @@ class DiscoverySpec:
         """Return a list of provider classes this plugin contributes.
 
         Each class must be constructible with no arguments and without touching a device;
-        device work belongs in ``initialize``. Example::
+        device work belongs in ``initialize``. A :class:`~onnx_runtime.contract.deferred.DeferredProvider`
+        may stand in for a class whose import is costly: it is imported when a session creates it. Example::
 
             @hookimpl
             def onnx_runtime_providers():
