@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
-from .decoder import _dot
+from .decoder import row_dot
 from .gemm import IDENTITY, NR
 from .matmul import tile
 from .transformer import contracting_jit, exp_nonpositive_float32, exp_shifted_sum_, mask_and_shift_, row_max, row_sum
@@ -141,10 +141,10 @@ def few_rows_by_position(q, k, v, scale, bias, y):
                 if with_bias:
                     row_bias = bias[b if bias_b else 0, h if bias_h else 0, r if bias_r else 0]
                     for t in range(keys):
-                        scores[t] = _dot(query, k[b, t, g]) * scale + row_bias[t]
+                        scores[t] = row_dot(query, k[b, t, g]) * scale + row_bias[t]
                 else:
                     for t in range(keys):
-                        scores[t] = _dot(query, k[b, t, g]) * scale
+                        scores[t] = row_dot(query, k[b, t, g]) * scale
                 peak = row_max(scores)
                 if not abs(peak) < np.float32(np.inf):
                     return False

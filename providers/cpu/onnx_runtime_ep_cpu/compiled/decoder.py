@@ -100,7 +100,7 @@ def swish_mul(a, b, alpha, out):
 
 
 @summing_jit
-def _dot(a, b):
+def row_dot(a, b):
     """The dot product of two 1-D arrays (reassociated: it vectorizes)."""
     total = a.dtype.type(0)
     for j in range(a.shape[0]):
@@ -144,10 +144,10 @@ def few_query_attention_float32(q, k, v, scale, bias, y):
                 if with_bias:
                     row_bias = bias[b if bias_b else 0, h if bias_h else 0, r if bias_r else 0]
                     for t in range(keys):
-                        scores[t] = _dot(query, kh[t]) * scale + row_bias[t]
+                        scores[t] = row_dot(query, kh[t]) * scale + row_bias[t]
                 else:
                     for t in range(keys):
-                        scores[t] = _dot(query, kh[t]) * scale
+                        scores[t] = row_dot(query, kh[t]) * scale
                 peak = row_max(scores)
                 if not abs(peak) < np.float32(np.inf):
                     return False

@@ -38,7 +38,7 @@ _ONES = ir.Constant(_VEC, [1.0] * LANES)
 _SIXTH = ir.Constant(_VEC, [float(np.float32(1 / 6))] * LANES)
 _HALF = ir.Constant(_VEC, [0.5] * LANES)
 BIAS, RESIDUAL, HARD_SWISH = 1, 2, 4  # conv_direct's flags
-# _tile's flag for a channel-blocked output (directconv_blocked.py): each pixel's 16 channels stored as they sit
+# conv_tile's flag for a channel-blocked output (directconv_blocked.py): each pixel's 16 channels stored as they sit
 # in the accumulators, untransposed
 BLOCKED_OUT = 8
 
@@ -191,7 +191,7 @@ def _hard_swished(builder, v, on):
 
 
 def _emit_tile(builder, pointers: tuple, values: tuple) -> None:
-    """The IR of one tile (see _tile): its 12 sums over k, then per channel vector the bias and, without a
+    """The IR of one tile (see conv_tile): its 12 sums over k, then per channel vector the bias and, without a
     residual, the activation; transposed (8 x 8: pixels along a channel's lanes) and stored to each
     channel's row of the output, where a residual is added and the activation applied."""
     w_ptr, x_ptr, taps_ptr, y_ptr, bias_ptr, res_ptr, bounds_ptr = pointers
@@ -255,7 +255,7 @@ def _emit_plain_stores(builder, biased, with_residual, bounds, hard, y_ptr, res_
 
 
 @intrinsic
-def _tile(typingctx, w, x, start, taps, depth, stride, y, at, plane, pixels, channels, bias, residual, flags,
+def conv_tile(typingctx, w, x, start, taps, depth, stride, y, at, plane, pixels, channels, bias, residual, flags,
           bounds):
     """y[at + c*plane + p] = act(sum_k w[k*16 + c] * x[start + taps[k] + p*stride] + bias[c] (+ residual[same
     place])) for pixels p < ``pixels`` (at most PIXELS), channels c < ``channels`` (at most 16); ``flags``: BIAS
@@ -325,5 +325,5 @@ def conv_direct(x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, t
                     for ox in range(0, ow, PIXELS):
                         ox = min(ox, ow - pixels)
                         at = ((n * y.shape[1] + first) * oh + oy) * ow + ox
-                        _tile(w, image, oy * sh * padded_width + ox * sw, offsets, depth, sw, flat_y, at, oh * ow,
+                        conv_tile(w, image, oy * sh * padded_width + ox * sw, offsets, depth, sw, flat_y, at, oh * ow,
                               pixels, count, tile_bias, residual, flags, bounds)

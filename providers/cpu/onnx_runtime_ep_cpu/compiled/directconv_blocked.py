@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
-from .directconv import BLOCKED_OUT, CHANNELS, PIXELS, _tile
+from .directconv import BLOCKED_OUT, CHANNELS, PIXELS, conv_tile
 
 
 def blocked_taps(offsets: np.ndarray, plane: int) -> np.ndarray:
@@ -69,7 +69,7 @@ def conv_blocked(x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, 
                         at = (((n * tiles + t) * oh + oy) * ow + ox) * CHANNELS
                     else:
                         at = ((n * outputs + first) * oh + oy) * ow + ox
-                    _tile(w, image, start, offsets, depth, sw * lanes, y, at, oh * ow, pixels, count, tile_bias,
+                    conv_tile(w, image, start, offsets, depth, sw * lanes, y, at, oh * ow, pixels, count, tile_bias,
                           residual, tile_flags, bounds)
 
 
