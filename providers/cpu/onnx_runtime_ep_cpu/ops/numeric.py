@@ -72,6 +72,9 @@ def reverse_sequence(node, shapes, opset):
         raise _error(node, "batch_axis", f"is {batch_axis}; expected 0 or 1, unlike time_axis ({time_axis})")
 
     def kernel(x, sequence_lens):
+        if x.ndim < 2:
+            raise argument_error(node, f"input has shape {list(x.shape)}; expected rank 2 or more (time and batch "
+                                       f"axes {time_axis} and {batch_axis})")
         steps, batch = x.shape[time_axis], x.shape[batch_axis]
         lens = sequence_lens.reshape(-1).astype(np.int64)
         if lens.shape != (batch,) or np.any((lens < 0) | (lens > steps)):
