@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 import onnx
 
+from .errors import InvalidGraphError
+
 
 def node_subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
     """The graphs ``node``'s attributes hold, in attribute order."""
@@ -48,4 +50,9 @@ def copy_fields_except(source, target, skip: str) -> None:
         elif hasattr(value, "CopyFrom"):
             getattr(target, field.name).CopyFrom(value)
         else:
-            setattr(target, field.name, value)
+            try:
+                setattr(target, field.name, value)
+            except UnicodeDecodeError:  # a string field read back as bytes: protobuf kept what is not UTF-8
+                raise InvalidGraphError(
+                    f"field {field.name!r} of the model's {source.DESCRIPTOR.name} is not UTF-8 text "
+                    f"({value[:32]!r}); ONNX strings must be UTF-8: re-export or fix the file") from None
