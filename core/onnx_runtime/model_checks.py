@@ -98,6 +98,7 @@ def _check_node(node: onnx.NodeProto, opsets: dict[str, int], where: str) -> Non
     version = opsets.get(domain)
     rules = _rules(node.op_type, domain, version) if version is not None else None
     if rules is None:
+        _check_attribute_types_any_version(node, domain, where)
         return
     fix = f"the fix is in the model's exporter (schema: {node.op_type}, opset {rules.since})"
     if rules.required and "" in node.input:
@@ -182,6 +183,29 @@ def _check_attributes(node: onnx.NodeProto, rules: _Rules, where: str, fix: str)
                 f"{_node_label(node)} in {where}: attribute {attr.name!r} is "
                 f"{onnx.AttributeProto.AttributeType.Name(attr.type)}; its schema declares "
                 f"{onnx.AttributeProto.AttributeType.Name(expected)}; {fix}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _newest_attribute_types(op_type: str, domain: str) -> dict[str, int]:
+    try:
+        schema = defs.get_schema(op_type, domain)
+    except defs.SchemaError:
+        return {}
+    return {name: int(a.type) for name, a in schema.attributes.items()}  # type: ignore[call-overload]
+
+
+def _check_attribute_types_any_version(node: onnx.NodeProto, domain: str, where: str) -> None:
+    """An operator run outside the opsets that define it (onnx's own light models use ConstantOfShape at opset
+    7) still reads its attributes as its schema types them: one typed otherwise reached a kernel or a pass as the
+    wrong kind (a STRING ``value`` holding a tensor)."""
+    expected_types = _newest_attribute_types(node.op_type, domain)
+    for attr in node.attribute:
+        expected = expected_types.get(attr.name)
+        if expected is not None and attr.type != onnx.AttributeProto.UNDEFINED and attr.type != expected:
+            raise InvalidGraphError(
+                f"{_node_label(node)} in {where}: attribute {attr.name!r} is "
+                f"{onnx.AttributeProto.AttributeType.Name(attr.type)}; its schema declares "
+                f"{onnx.AttributeProto.AttributeType.Name(expected)}; the fix is in the model's exporter")
 
 
 def _check_tensor(tensor: onnx.TensorProto, what: str, fix: str) -> None:
