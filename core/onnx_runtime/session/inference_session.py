@@ -9,6 +9,7 @@ import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import numpy as np
 
@@ -261,6 +262,8 @@ class InferenceSession:
         self._outputs = [NodeArg.of(vi) for vi in graph.outputs]
         self._input_types = {vi.name: vi.type for vi in graph.inputs}
         self._accepted_feeds: set[tuple] = set()  # (name, dtype, shape) of arrays _check_feed passed as they are
+        self._feed_checks = {name: check for name, info in self._input_types.items()
+                             if (check := _array_check(info)) is not None}
         self._output_types = {vi.name: vi.type for vi in graph.outputs}
         self._output_names = tuple(vi.name for vi in graph.outputs)
         # Plan the full run now, as onnxruntime does: kernels are created and copies decided at
@@ -664,10 +667,13 @@ class InferenceSession:
             )
         feeds = {}
         accepted = self._accepted_feeds  # checked once per name, dtype and shape: a decode loop feeds the same
+        checks = self._feed_checks
         for name, value in input_feed.items():
-            if type(value) is np.ndarray and (name, value.dtype, value.shape) in accepted:
-                feeds[name] = value
-                continue
+            if type(value) is np.ndarray:
+                check = checks.get(name)
+                if (check is not None and check(value)) or (name, value.dtype, value.shape) in accepted:
+                    feeds[name] = value
+                    continue
             feeds[name] = _check_feed(name, value, self._check_input_name(name))
             if feeds[name] is value and type(value) is np.ndarray:
                 if len(accepted) >= 256:  # shapes without bound (a growing past): start over
@@ -692,6 +698,28 @@ def _config_flag(options: SessionOptions, key: str, default: str = "0") -> bool:
     if value not in ("0", "1"):
         raise InvalidArgumentError(f"session config entry {key!r} must be '0' or '1', got {value!r}")
     return value == "1"
+
+
+def _array_check(expected: TypeInfo):
+    """A test that an array is a feed ``expected`` takes as it is (its dtype, rank and fixed dimensions), which
+    ``_check_feed`` would pass unchanged; None where that needs the general check. A decode loop's feeds have a
+    new shape every step, so a cache of checked shapes misses there."""
+    if expected.kind != "tensor" or expected.dtype is None or expected.dtype is DataType.STRING:
+        return None
+    try:
+        dtype = expected.dtype.numpy
+    except InvalidArgumentError:
+        return None
+    if expected.shape is None:
+        return lambda value: value.dtype == dtype
+    rank = len(expected.shape)
+    fixed = [(axis, want) for axis, want in enumerate(expected.shape) if isinstance(want, int)]
+    if not fixed:
+        return lambda value: value.dtype == dtype and value.ndim == rank
+    axes = [axis for axis, _ in fixed]
+    get = itemgetter(*axes) if len(axes) > 1 else itemgetter(slice(axes[0], axes[0] + 1))
+    wanted = tuple(want for _, want in fixed)
+    return lambda value: value.dtype == dtype and value.ndim == rank and get(value.shape) == wanted
 
 
 def _check_feed(name: str, value, expected: TypeInfo):
