@@ -15,7 +15,8 @@ decoder_fusions.py) see the graph an exporter would have written:
 - SkipSimplifiedLayerNormalization(x, skip, gamma[, bias])  ->  the same adds, RMSNormalization (opset 23),
   when its mean and inv_std_var outputs are unread; SimplifiedLayerNormalization  ->  RMSNormalization
 - Attention(input, weights, bias[, mask_index]) without a past, an attention bias or rotary embedding  ->
-  MatMul, Add, Split into Q, K and V, ONNX Attention (opset 23; unidirectional is its is_causal), the mask
+  MatMul and Add per Q, K and V (the packed weight's column blocks),
+  ONNX Attention (opset 23; unidirectional is its is_causal), the mask
   as its additive bias (ContribAttentionMask: mask_filter_value on hidden keys, as the contrib kernel adds)
 - MultiHeadAttention of 3-D query, key and value without a past, an attention bias or a beam cache  ->  its
   packed bias as one Add per projection (FusedMatMul's bias), ONNX Attention, the mask as above
@@ -194,22 +195,34 @@ class _Lowering:
         dtype = self.float_node(node, [x, weights, bias])
         if dtype is None:
             return None
-        nodes = []
-        projected = self.value(f"{node.name}/qkv", dtype, x, weight.shape[1])
-        nodes.append(self.node("MatMul", [x, weights], [projected], f"{node.name}/projection", 13))
-        if bias is not None:
-            biased = self.value(f"{node.name}/qkv_biased", dtype, x, weight.shape[1])
-            nodes.append(self.node("Add", [projected, bias], [biased], f"{node.name}/bias", 14))
-            projected = biased
-        split = self.fresh(f"{node.name}/qkv_sizes")
-        self.graph.initializers[split] = np.array(sizes, np.int64)
-        q, k, v = (self.value(f"{node.name}/{part}", dtype, x, size) for part, size in zip("qkv", sizes))
-        nodes.append(self.node("Split", [projected, split], [q, k, v], f"{node.name}/split", 13, axis=-1))
-        inputs = [q, k, v]
+        nodes: list[Node] = []
+        inputs = self.projections(node, x, weight, bias, sizes, dtype, nodes)
         if mask is not None:
             inputs.append(self.mask_bias(node, mask, x, nodes))
         nodes.append(self.onnx_attention(node, inputs, heads))
         return nodes
+
+    def projections(self, node: Node, x: str, weight: np.ndarray, bias: str | None, sizes: list[int],
+                    dtype: DataType, nodes: list[Node]) -> list[str]:
+        """Q, K and V as one MatMul (and bias Add) each by the packed weight's column blocks: FusedMatMul then
+        writes each contiguous, which the attention kernels read in place (a split of one packed product
+        leaves strided views that they copy into heads first)."""
+        vector = None if bias is None else self.graph.initializers[bias]
+        outputs, start = [], 0
+        for part, size in zip("qkv", sizes):
+            block = self.fresh(f"{node.name}/{part}_weight")
+            self.graph.initializers[block] = np.ascontiguousarray(weight[:, start:start + size])
+            projected = self.value(f"{node.name}/{part}", dtype, x, size)
+            nodes.append(self.node("MatMul", [x, block], [projected], f"{node.name}/{part}_projection", 13))
+            if vector is not None:
+                part_bias = self.fresh(f"{node.name}/{part}_bias")
+                self.graph.initializers[part_bias] = np.ascontiguousarray(vector[start:start + size])
+                biased = self.value(f"{node.name}/{part}_biased", dtype, x, size)
+                nodes.append(self.node("Add", [projected, part_bias], [biased], f"{node.name}/{part}_bias", 14))
+                projected = biased
+            outputs.append(projected)
+            start += size
+        return outputs
 
     def onnx_attention(self, node: Node, inputs: list[str], heads: int) -> Node:
         """The ONNX Attention (opset 23) computing com.microsoft ``node``'s output from ``inputs`` (Q, K, V and

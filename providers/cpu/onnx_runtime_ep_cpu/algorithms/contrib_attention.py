@@ -57,14 +57,13 @@ def key_mask_bias(mask: np.ndarray, batch: int, q_len: int, total: int, past: in
     maximum length M, of which rows past .. past + S and columns 0 .. T apply.
     """
     keys = np.arange(total)
-    if mask.ndim == 1 and mask.shape[0] == batch:
-        hidden = keys >= mask.reshape(batch, 1).astype(np.int64)
-        hidden = hidden[:, None, None, :]
-    elif mask.ndim == 1 and mask.shape[0] == 2 * batch:
+    if mask.ndim == 1 and mask.shape[0] == batch:  # (one where over (B, T): this runs per layer and call)
+        return np.where(keys >= mask[:, None], fill, fill.dtype.type(0)).reshape(batch, 1, 1, total)
+    if mask.ndim == 2 and mask.shape == (batch, total):
+        return np.where(mask <= 0, fill, fill.dtype.type(0)).reshape(batch, 1, 1, total)
+    if mask.ndim == 1 and mask.shape[0] == 2 * batch:
         ends, starts = mask[:batch].reshape(batch, 1), mask[batch:].reshape(batch, 1)
         hidden = ((keys >= ends) | (keys < starts))[:, None, None, :]
-    elif mask.ndim == 2 and mask.shape == (batch, total):
-        hidden = (mask <= 0)[:, None, None, :]
     elif mask.ndim == 3 and mask.shape == (batch, q_len, total):
         hidden = (mask <= 0)[:, None]
     elif mask.ndim == 4 and mask.shape[:2] == (batch, 1) and mask.shape[2] >= past + q_len and mask.shape[3] >= total:

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..algorithms.normalization import broadcasts_into, layer_norm_compiles, standardize_rows
 from ..algorithms.precision import compute_dtype
+from ..compiled.deferred import numpy_first
 from ..registry import register
 from ._common import CONTRIB_DOMAIN, argument_error, graph_error, normalize_axis, stash_dtype
 
@@ -175,6 +176,37 @@ def _embedding_sum(node, input_ids, segment_ids, word, position, segment, positi
     return total
 
 
+_NO_ROWS = {np.dtype(np.float32): np.empty((0, 0), np.float32), np.dtype(np.float64): np.empty((0, 0), np.float64)}
+_NO_IDS = np.empty((0, 0), np.int32)
+
+
+def _compiled_sum(input_ids, segment_ids, word, position, segment, position_ids, mask, dtype) -> tuple | None:
+    """(_embedding_sum's result, the mask_index output) from compiled/embedding.py where the tables are
+    C-contiguous float32/float64 of the compute dtype and the positions are 0 .. S-1; None where
+    _embedding_sum must decide (and report)."""
+    empty = _NO_ROWS.get(dtype)
+    if empty is None or position_ids is not None or input_ids.ndim != 2 or word.dtype != dtype \
+            or position.dtype != dtype or word.ndim != 2 or position.ndim != 2 \
+            or position.shape[1] != word.shape[1] or input_ids.shape[1] > position.shape[0] \
+            or input_ids.dtype.kind != "i" or (segment is None) != (segment_ids is None) \
+            or not (word.flags.c_contiguous and position.flags.c_contiguous) \
+            or (mask is not None and (mask.shape != input_ids.shape or mask.dtype.kind != "i")):
+        return None
+    if segment is not None and (segment.dtype != dtype or segment.ndim != 2 or segment.shape[1] != word.shape[1]
+                                or segment_ids.shape != input_ids.shape or segment_ids.dtype.kind != "i"
+                                or not segment.flags.c_contiguous):
+        return None
+    if numpy_first():
+        return None
+    from ..compiled.embedding import embedding_sum_
+
+    total = np.empty(input_ids.shape + word.shape[1:], dtype)
+    counts = np.zeros(input_ids.shape[0], np.int32)
+    found = embedding_sum_(input_ids, word, position, _NO_IDS if segment_ids is None else segment_ids,
+                           empty if segment is None else segment, _NO_IDS if mask is None else mask, total, counts)
+    return (total, counts) if found < 0 else None
+
+
 @register("EmbedLayerNormalization", domain=CONTRIB_DOMAIN, since=1)
 def embed_layer_normalization(node, shapes, opset):
     """LayerNorm(word + position (+ segment) embeddings) * gamma + beta; mask_index counts each row's ones
@@ -186,8 +218,12 @@ def embed_layer_normalization(node, shapes, opset):
     def kernel(input_ids, segment_ids, word_embedding, position_embedding, segment_embedding, gamma, beta,
                mask=None, position_ids=None):
         dtype = compute_dtype(word_embedding.dtype)
-        total = _embedding_sum(node, input_ids, segment_ids, word_embedding, position_embedding,
-                               segment_embedding, position_ids, dtype)
+        summed = _compiled_sum(input_ids, segment_ids, word_embedding, position_embedding, segment_embedding,
+                               position_ids, mask, dtype)
+        total, counts = summed if summed is not None else (None, None)
+        if total is None:  # checks and errors, other layouts, or numba still loading
+            total = _embedding_sum(node, input_ids, segment_ids, word_embedding, position_embedding,
+                                   segment_embedding, position_ids, dtype)
         hidden = total.shape[-1]
         gamma = _vector(node, "gamma", gamma, hidden, dtype)
         beta = _vector(node, "beta", beta, hidden, dtype)
@@ -201,7 +237,8 @@ def embed_layer_normalization(node, shapes, opset):
             normalized += beta
         if mask is not None and mask.shape != input_ids.shape:
             raise argument_error(node, f"mask has shape {mask.shape}; expected {input_ids.shape}")
-        counts = (mask == 1).sum(axis=1) if mask is not None else np.zeros(input_ids.shape[0])
+        if counts is None:
+            counts = (mask == 1).sum(axis=1) if mask is not None else np.zeros(input_ids.shape[0])
         outputs = (normalized.reshape(total.shape).astype(word_embedding.dtype, copy=False),
                    counts.astype(np.int32), total.astype(word_embedding.dtype, copy=False))
         return outputs[:len(node.outputs)]

@@ -176,13 +176,17 @@ def contrib_attention_mask(node, shapes, opset):
     """The additive float32 bias (B, 1, S|1, T) of a contrib attention's key-padding mask for the queries of its
     input (B, S, hidden) and the keys of ``keys`` (B, T, hidden; the input itself when omitted): what
     contrib_lowering.py feeds the ONNX Attention it runs the node as."""
+    fill = np.float32(node.attr("mask_filter_value", -10000.0))
+
     def kernel(mask, x, keys=None):
         keys = x if keys is None else keys
         if x.ndim != 3 or keys.ndim != 3:
             raise argument_error(node, f"queries {x.shape} and keys {keys.shape}: expected (batch, sequence, "
                                  f"hidden) each")
-        batch, steps = x.shape[0], x.shape[1]
-        return (_padding_bias(node, mask, batch, steps, keys.shape[1], 0, np.dtype(np.float32)),)
+        bias = key_mask_bias(mask, x.shape[0], x.shape[1], keys.shape[1], 0, fill)
+        if bias is None:  # (the general path words the error)
+            return (_padding_bias(node, mask, x.shape[0], x.shape[1], keys.shape[1], 0, np.dtype(np.float32)),)
+        return (bias,)
 
     return kernel
 

@@ -1,0 +1,44 @@
+"""EmbedLayerNormalization's table lookups and sum in one compiled pass: numpy spends a bounds reduction, a
+fancy index and an add per table on a handful of rows, several times the arithmetic of a BERT-sized
+embedding (the normalization after it is transformer.py's layer_norm loop)."""
+
+from __future__ import annotations
+
+from . import jit
+
+
+@jit
+def count_ones_(mask, counts):
+    """counts[b] = how many entries of mask[b] are 1 (the contrib mask_index)."""
+    for b in range(mask.shape[0]):
+        count = 0
+        for s in range(mask.shape[1]):
+            if mask[b, s] == 1:
+                count += 1
+        counts[b] = count
+
+
+@jit
+def embedding_sum_(ids, word, position, segment_ids, segment, mask, out, counts):
+    """out[b, s] = word[ids[b, s]] + position[s] (+ segment[segment_ids[b, s]] where ``segment`` has rows),
+    added in that order in out's dtype, and counts[b] the ones in mask[b] (where ``mask`` has rows). Returns -1,
+    or the flat index of the first id outside its table (input ids first, then segment ids), with nothing
+    promised of ``out``."""
+    count_ones_(mask, counts)
+    batch, steps = ids.shape
+    words, segments = word.shape[0], segment.shape[0]
+    for b in range(batch):
+        for s in range(steps):
+            w = ids[b, s]
+            if w < 0 or w >= words:
+                return b * steps + s
+            row = out[b, s]
+            for h in range(row.shape[0]):
+                row[h] = word[w, h] + position[s, h]
+            if segments:
+                g = segment_ids[b, s]
+                if g < 0 or g >= segments:
+                    return batch * steps + b * steps + s
+                for h in range(row.shape[0]):
+                    row[h] += segment[g, h]
+    return -1
