@@ -41,6 +41,7 @@ import numpy as np
 from .dtypes import DataType
 from .errors import InvalidArgumentError, InvalidGraphError
 from .session.device_io_binding import DeviceBindingSpec, DeviceIoBinding, device_copy
+from .session.device_step import StepEpilogue
 from .session.inference_session import GRAPH_CAPTURE_KEY, InferenceSession
 from .session.options import SessionOptions
 
@@ -114,9 +115,14 @@ class Generator:
         self.at_capacity = config.get(GRAPH_CAPTURE_KEY) == "1"  # see the module docstring
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, on_token: Callable[[int], None] | None = None,
-                 eos_token_id: int | None = None) -> GenerationResult:
-        """Greedy tokens after ``prompt``; ``on_token`` receives each as it is chosen (a 4-byte read per step).
-        Stops after ``max_new_tokens`` or at ``eos_token_id`` (which also reads each token)."""
+                 eos_token_id: int | None = None, read_every: int = 1) -> GenerationResult:
+        """Greedy tokens after ``prompt``; ``on_token`` receives each as it is chosen. Stops after
+        ``max_new_tokens`` or at ``eos_token_id``. Either reads the chosen tokens from the device every
+        ``read_every`` steps (one read, and one host synchronization, per ``read_every`` tokens; tokens chosen
+        after the end-of-sequence token in the same read are dropped); with neither, only the first token is
+        read before the end."""
+        if isinstance(read_every, bool) or not isinstance(read_every, int) or read_every < 1:
+            raise InvalidArgumentError(f"read_every is a number of steps, at least 1; got {read_every!r}")
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise InvalidArgumentError("the prompt has no tokens; pass at least one token id")
@@ -128,7 +134,7 @@ class Generator:
                 f"prompt token ids must lie in [0, {vocabulary}); got {min(prompt)}..{max(prompt)}")
         bindings = _CapacityBindings if self.at_capacity else _Bindings
         with bindings(self.session, self.layout, len(prompt), max_new_tokens) as state:
-            return state.loop(prompt, max_new_tokens, on_token, eos_token_id)
+            return state.loop(prompt, max_new_tokens, on_token, eos_token_id, read_every)
 
 
 class _Bindings:
@@ -235,7 +241,24 @@ class _Bindings:
     def _next_mask_shape(self, step: int, length: int) -> tuple[int, int]:
         return (1, length + step + 1)
 
-    def loop(self, prompt: list[int], new: int, on_token, eos_token_id) -> GenerationResult:
+    def _epilogue(self, step: int, length: int, new: int) -> StepEpilogue | None:
+        """What follows step ``step``'s run on the device within its captured graph; None: ``_ran`` and
+        ``_choose`` follow it instead."""
+        return None
+
+    def _read(self, tokens: list[int], steps: int, on_token, eos_token_id) -> bool:
+        """Read the tokens chosen since the last read (one download) onto ``tokens``, streaming each; whether the
+        end-of-sequence token was among them (the ones after it are dropped)."""
+        chosen = np.frombuffer(self.tokens.read_bytes_range(4 * len(tokens), 4 * (steps - len(tokens))), np.uint32)
+        for token in map(int, chosen):
+            tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+            if token == eos_token_id:
+                return True
+        return False
+
+    def loop(self, prompt: list[int], new: int, on_token, eos_token_id, read_every: int = 1) -> GenerationResult:
         length = len(prompt)
         self.ids.write_logical(np.array([prompt], np.int64))
         if self.positions is not None:
@@ -249,18 +272,18 @@ class _Bindings:
         steps = 0
         for step in range(new):
             self._grow(length + step + 1 if step else length)
-            self.session.run_with_device_bindings(bindings, output_names=[], single_token_step=step > 0)
-            self._ran(step, length)
-            self._choose(step, length + step, new)
+            epilogue = self._epilogue(step, length, new)
+            self.session.run_with_device_bindings(bindings, output_names=[], single_token_step=step > 0,
+                                                  epilogue=epilogue)
+            if epilogue is None:
+                self._ran(step, length)
+                self._choose(step, length + step, new)
             steps += 1
-            if read_each or step == 0:
-                token = int(np.frombuffer(self.tokens.read_bytes_range(4 * step, 4), np.uint32)[0])
-                tokens.append(token)
+            if step == 0 or (read_each and (steps % read_every == 0 or step == new - 1)):
+                ended = self._read(tokens, steps, on_token, eos_token_id)
                 if step == 0:
                     first = time.perf_counter() - start
-                if on_token is not None:
-                    on_token(token)
-                if token == eos_token_id:
+                if ended:
                     break
             self.ids.set_logical_shape((1, 1))
             if self.positions is not None:
@@ -290,10 +313,16 @@ class _CapacityBindings(_Bindings):
         self.mask = bind(DeviceBindingSpec.input("attention_mask", np.int64, (1, capacity + prompt),
                                                  expose_logical_input_shape=True))
         self.mask_len = 0  # the mask bit of a new row is set once the row is in place (_ran)
+        # Step and position on the device (int64 words), read and advanced by the captured step's epilogue.
+        hook = self.session.provider_handle(self.home)
+        self.counter = self._bind(DeviceBindingSpec.scratch("counter", np.int64, (2,))) if all(
+            hook.implements(name) for name in ("device_token_writer_at", "device_copy_rows_at")) else None
 
     def _start(self, length: int) -> list[DeviceIoBinding]:
         for binding in self.caches:  # rows past the valid length are read (masked): zeros, never garbage
             binding.write_logical(np.zeros(binding.physical_shape, binding.dtype.numpy))
+        if self.counter is not None:
+            self.counter.write_logical(np.array([0, length], np.int64))
         mask = np.zeros((1, self.capacity + length), np.int64)
         mask[0, self.capacity:] = 1  # the prompt's rows, appended after the (empty) cache
         self.mask.write_logical(mask)
@@ -318,6 +347,43 @@ class _CapacityBindings(_Bindings):
 
     def _next_mask_shape(self, step: int, length: int) -> tuple[int, int]:
         return (1, self.capacity + 1)
+
+    def _choose(self, step: int, position: int, new: int) -> None:
+        if self.counter is None or self.host is not None or not self.logits.device_argmax_supported():
+            super()._choose(step, position, new)
+            return
+        self.logits.device_argmax(self.layout.vocabulary, 1, self.result,
+                                  element_offset=(self.logits.logical_shape[1] - 1) * self.layout.vocabulary)
+        self.result.device_token_writer_at(self.ids, self.positions, self.mask, self.tokens, new, 0, self.counter)
+
+    def _epilogue(self, step: int, length: int, new: int) -> StepEpilogue | None:
+        """A decode step's ``_ran`` and ``_choose`` with the step and position read from the device counter, so
+        the step's graph replays them as they are: the appended rows go to row ``position - 1`` (the token this
+        step ran), the mask bit likewise, then argmax and the counter's token writer."""
+        counter = self.counter
+        if step == 0 or counter is None or self.host is not None or not self.logits.device_argmax_supported():
+            return None
+        capacity, vocabulary = self.capacity, self.layout.vocabulary
+        moves = []
+        for past, present in zip(self.caches, self.presents):
+            _one, heads, _capacity, dim = past.physical_shape
+            row = dim * past.dtype.numpy.itemsize
+            moves.append(dict(src=present.buffer, src_offset=capacity * row, src_pitch=(capacity + 1) * row,
+                              dst=past.buffer, dst_pitch=capacity * row, row_bytes=row, rows=heads, dst_unit=row))
+        moves.append(dict(src=self.mask.buffer, src_offset=8 * capacity, src_pitch=8, dst=self.mask.buffer,
+                          dst_pitch=8, row_bytes=8, rows=1, dst_unit=8))
+        hook = self.mask.allocator.hook
+
+        def launch() -> None:
+            for move in moves:
+                hook.device_copy_rows_at(**move, counter=counter.buffer, word=1, bias=-1, limit=capacity)
+            self.logits.device_argmax(vocabulary, 1, self.result)
+            self.result.device_token_writer_at(self.ids, self.positions, self.mask, self.tokens, new, 0, counter)
+
+        bindings = (*self.caches, *self.presents, self.mask, self.logits, self.result, self.ids, self.tokens, counter,
+                    *((self.positions,) if self.positions is not None else ()))
+        key = ("decode", capacity, new, tuple(binding.buffer.ptr for binding in bindings))
+        return StepEpilogue(launch, key, bindings)
 
     def _grow(self, rows: int) -> None:
         """Nothing: the cache is read at its capacity, so all of it is committed."""

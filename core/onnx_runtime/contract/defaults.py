@@ -20,7 +20,7 @@ from ..devices import DeviceId, DeviceType
 from ..errors import InvalidArgumentError, NotSupportedError
 from .buffers import SIGNALLED, DeviceBuffer, Ownership
 from .graphs import DeviceGraphSlot, DeviceGraphToken, StructuralCaptureDecline, is_control_flow_or_sequence
-from .host_decode import host_argmax, host_token_writer
+from .host_decode import host_argmax, host_copy_rows_at, host_token_writer, host_token_writer_at
 from .kernels import Availability, KernelMatch
 from .markers import hookimpl
 from .memory_defaults import MemoryDefaults
@@ -336,6 +336,24 @@ class DefaultFallbacks(MemoryDefaults):
             self._require_host(buffer, "the device token writer", "device_token_writer")
         host_token_writer(self._name, result, input_ids, position_ids, attention_mask, scratch, capacity,
                           next_position, mask_len, write_position, step)
+
+    @hookimpl(trylast=True)
+    def device_token_writer_at(self, result: DeviceBuffer, input_ids: DeviceBuffer, position_ids: DeviceBuffer,
+                               attention_mask: DeviceBuffer, scratch: DeviceBuffer, capacity: int, mask_len: int,
+                               write_position: bool, counter: DeviceBuffer) -> None:
+        for buffer in (result, input_ids, position_ids, attention_mask, scratch, counter):
+            self._require_host(buffer, "the device token writer", "device_token_writer_at")
+        host_token_writer_at(self._name, result, input_ids, position_ids, attention_mask, scratch, capacity, mask_len,
+                             write_position, counter)
+
+    @hookimpl(trylast=True)
+    def device_copy_rows_at(self, src: DeviceBuffer, src_offset: int, src_pitch: int, dst: DeviceBuffer,
+                            dst_pitch: int, row_bytes: int, rows: int, counter: DeviceBuffer, word: int, bias: int,
+                            dst_unit: int, limit: int) -> None:
+        for buffer in (src, dst, counter):
+            self._require_host(buffer, "a row copy at a device index", "device_copy_rows_at")
+        host_copy_rows_at(self._name, src, src_offset, src_pitch, dst, dst_pitch, row_bytes, rows, counter, word, bias,
+                          dst_unit, limit)
 
     # -- device graphs: single slot ---------------------------------------------------------------
     @hookimpl(trylast=True)

@@ -78,6 +78,54 @@ class DeviceExecutionSpec:
         Called by: session/device_io_binding.py (``DeviceIoBinding.device_token_writer``).
         """
 
+    @hookspec(firstresult=True)
+    def device_token_writer_at(
+        self,
+        result: DeviceBuffer,
+        input_ids: DeviceBuffer,
+        position_ids: DeviceBuffer,
+        attention_mask: DeviceBuffer,
+        scratch: DeviceBuffer,
+        capacity: int,
+        mask_len: int,
+        write_position: bool,
+        counter: DeviceBuffer,
+    ) -> None:
+        """``device_token_writer`` with the step and the next position read from the device: ``counter``
+        holds two int64 words (step, next position), which it uses as ``step`` and ``next_position`` and
+        then increments both. Nothing it is launched with changes from step to step, so a captured decode
+        step replays it as it is. A step outside ``[0, capacity)`` or a negative position writes nothing but the
+        bit 0x80000000 into ``scratch[capacity]``. Contract 1.3. No host sync.
+
+        Default: numpy over host buffers (contract/host_decode.py); :class:`NotSupportedError` for device ones.
+        Called by: generate.py (the captured decode step, through ``DeviceIoBinding.device_token_writer_at``).
+        """
+
+    @hookspec(firstresult=True)
+    def device_copy_rows_at(
+        self,
+        src: DeviceBuffer,
+        src_offset: int,
+        src_pitch: int,
+        dst: DeviceBuffer,
+        dst_pitch: int,
+        row_bytes: int,
+        rows: int,
+        counter: DeviceBuffer,
+        word: int,
+        bias: int,
+        dst_unit: int,
+        limit: int,
+    ) -> None:
+        """``device_copy_rows`` whose destination offset is read from the device: ``(counter[word] + bias) *
+        dst_unit`` bytes, ``counter`` being int64 words (those of ``device_token_writer_at``). An index outside
+        ``[0, limit)`` copies nothing; every destination an index in range names must lie in ``dst`` and
+        not overlap the source (checked on the host). Stream-ordered; no host sync; capturable. Contract 1.3.
+
+        Default: numpy over host buffers; :class:`NotSupportedError` for device ones.
+        Called by: generate.py (the captured decode step moves its appended KV rows and mask bit with it).
+        """
+
     # -- device graphs: single slot -------------------------------------------------------------
     @hookspec(firstresult=True)
     def begin_device_graph_capture(self, kernels: Sequence[Kernel]) -> None:

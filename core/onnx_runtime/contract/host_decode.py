@@ -84,3 +84,56 @@ def host_token_writer(provider: str, result: DeviceBuffer, input_ids: DeviceBuff
         mask[next_position] = 1
     tokens[step] = token
     tokens[capacity] |= flags
+
+
+def host_token_writer_at(provider: str, result: DeviceBuffer, input_ids: DeviceBuffer, position_ids: DeviceBuffer,
+                         attention_mask: DeviceBuffer, scratch: DeviceBuffer, capacity, mask_len, write_position,
+                         counter: DeviceBuffer) -> None:
+    """:func:`host_token_writer` with the step and position read from ``counter`` (two int64 words), which it
+    then advances (see the ``device_token_writer_at`` hook)."""
+    capacity = _count(provider, capacity, "capacity", 1)
+    words = _view(provider, counter, "counter", 16, writable=True)[:16].view(np.int64)
+    step, position = int(words[0]), int(words[1])
+    if not 0 <= step < capacity or position < 0:
+        tokens = _view(provider, scratch, "scratch", 4 * (capacity + 1), writable=True)[: 4 * (capacity + 1)]
+        tokens.view(np.uint32)[capacity] |= STEP_OVERFLOW
+        return
+    host_token_writer(provider, result, input_ids, position_ids, attention_mask, scratch, capacity,
+                      position, mask_len, write_position, step)
+    words[0], words[1] = step + 1, position + 1
+
+
+STEP_OVERFLOW = 0x80000000  # scratch[capacity] bit: a counter outside the token slots (kernels/decode.cu's too)
+
+
+def host_copy_rows_at(provider: str, src: DeviceBuffer, src_offset, src_pitch, dst: DeviceBuffer, dst_pitch,
+                      row_bytes, rows, counter: DeviceBuffer, word, bias, dst_unit, limit) -> None:
+    """Rows from ``src`` to ``dst`` at the row index ``counter[word] + bias`` (see the ``device_copy_rows_at``
+    hook): every index in ``[0, limit)`` is checked to name a destination inside ``dst``; others copy nothing."""
+    src_offset, src_pitch, dst_pitch, row_bytes, rows, dst_unit, limit = (
+        _count(provider, value, what) for value, what in (
+            (src_offset, "src_offset"), (src_pitch, "src_pitch"), (dst_pitch, "dst_pitch"), (row_bytes, "row_bytes"),
+            (rows, "rows"), (dst_unit, "dst_unit"), (limit, "limit")))
+    if word not in (0, 1) or isinstance(word, bool) or isinstance(bias, bool) or not isinstance(bias, int | np.integer):
+        raise InvalidArgumentError(f"{provider}: word is 0 (step) or 1 (position) and bias an integer; got "
+                                   f"{word!r} and {bias!r}")
+    if rows > 1 and min(src_pitch, dst_pitch) < row_bytes:
+        raise InvalidArgumentError(
+            f"{provider}: a row copy needs pitches of at least the row's {row_bytes} bytes; got {src_pitch} (source) "
+            f"and {dst_pitch} (destination)")
+    if not rows or not row_bytes or not limit:
+        return
+    src_span, dst_span = (rows - 1) * src_pitch + row_bytes, (limit - 1) * dst_unit + (rows - 1) * dst_pitch + row_bytes
+    source = _view(provider, src, "row copy source", src_offset + src_span)
+    target = _view(provider, dst, "row copy destination", dst_span, writable=True)
+    start, end = src.ptr + src_offset, dst.ptr
+    if start < end + dst_span and end < start + src_span:
+        raise InvalidArgumentError(
+            f"{provider}: the row copy's source overlaps a destination the counter can name (rows 0..{limit - 1}); "
+            f"copy through a scratch buffer")
+    index = int(_view(provider, counter, "counter", 16)[:16].view(np.int64)[word]) + int(bias)
+    if not 0 <= index < limit:
+        return
+    for row in range(rows):
+        at, to = src_offset + row * src_pitch, index * dst_unit + row * dst_pitch
+        target[to: to + row_bytes] = source[at: at + row_bytes]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-VERSION = "1.2"
+VERSION = "1.3"
 FIRST_VERSION = "1.0"  # what a provider that does not declare a version is taken to be written for
 
 _FORMAT = re.compile(r"^(\d+)\.(\d+)$")

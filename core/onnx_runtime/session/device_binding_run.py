@@ -32,6 +32,7 @@ from ..dtypes import DataType
 from ..errors import InvalidArgumentError
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
+from . import device_step
 from .device_io_binding import DeviceIoBinding, device_copy, strided_runs
 from .executor import graph_slot_of
 
@@ -120,12 +121,16 @@ def _hooks_on(handle: ProviderHandle) -> None:
 
 
 def run_with_device_bindings(session: SessionSide, bindings, input_feed: dict | None,
-                             output_names, single_token_step: bool, run_options=None) -> list:
+                             output_names, single_token_step: bool, run_options=None,
+                             epilogue: device_step.StepEpilogue | None = None) -> list:
     """See :meth:`InferenceSession.run_with_device_bindings`."""
     bindings = tuple(bindings)
     layout = _layout(session, bindings, output_names)
     if layout.host and not input_feed:
-        return _run_on_host(session, layout, bindings, single_token_step)
+        results = _run_on_host(session, layout, bindings, single_token_step)
+        if epilogue is not None:
+            epilogue.launch()
+        return results
     feeds = {}
     for name, value in (input_feed or {}).items():
         if name in layout.input_names:
@@ -145,18 +150,49 @@ def run_with_device_bindings(session: SessionSide, bindings, input_feed: dict | 
         if input_feed or not layout.complete:
             session.check_missing(feeds)
             layout.complete = not input_feed
+        tail = _tail(layout, bindings, epilogue) if epilogue is not None else None
         values = _execute(session, bindings, feeds, layout.names, not layout.host_names, run_options,
-                          layout.delivered)
+                          layout.delivered, tail, epilogue)
     finally:
         for tensor in temporaries:
             tensor.close()
-    results = values[: len(layout.host_names)]
-    produced = list(zip(layout.outputs, values[len(layout.host_names):]))
+    count = len(layout.host_names)
+    _finish(layout, bindings, values[count:], tail, epilogue)
+    return [_host(value) for value in values[:count]]
+
+
+def _finish(layout: _Layout, bindings: tuple, values, tail: device_step.CapturedTail | None,
+            epilogue: device_step.StepEpilogue | None) -> None:
+    """The bound outputs written and the epilogue launched, unless the replayed graph did both."""
+    if tail is not None and tail.captured:
+        for (_name, index, _proven, _dtype), value in zip(layout.outputs, values):
+            bindings[index].set_logical_shape(tuple(value.shape))
+        return
+    _write_outputs(layout, bindings, values)
+    if epilogue is not None:
+        epilogue.launch()
+
+
+def _write_outputs(layout: _Layout, bindings: tuple, values) -> None:
+    produced = list(zip(layout.outputs, values))
     for (name, index, proven, _dtype), value in produced:  # every shape checked before any binding is written
         _check_output(bindings[index], name, value, proven)
     for (_name, index, _proven, _dtype), value in produced:
         _deliver(bindings[index], value)
-    return [_host(value) for value in results]
+
+
+def _tail(layout: _Layout, bindings: tuple, epilogue: device_step.StepEpilogue) -> device_step.CapturedTail:
+    """The run's output writes and ``epilogue``, for the device-graph runner to capture (device_step.py): the
+    values it gets are those of the names the run asked for, the host outputs first."""
+    count = len(layout.host_names)
+
+    def run(values: list) -> None:
+        _write_outputs(layout, bindings, values[count:])
+        epilogue.launch()
+
+    targets = tuple((bindings[index].buffer.ptr, bindings[index].physical_shape)
+                    for _name, index, _proven, _dtype in layout.outputs)
+    return device_step.CapturedTail(run, (targets, epilogue.key))
 
 
 def _run_on_host(session: SessionSide, layout: _Layout, bindings: tuple, single_token_step: bool) -> list:
@@ -349,7 +385,8 @@ def _host_names(session: SessionSide, output_names, outputs: dict[str, DeviceIoB
 
 
 def _execute(session: SessionSide, bindings: list[DeviceIoBinding], feeds: dict, names: tuple[str, ...],
-             defer: bool, run_options, delivered: frozenset[str]) -> list:
+             defer: bool, run_options, delivered: frozenset[str], tail: device_step.CapturedTail | None = None,
+             epilogue: device_step.StepEpilogue | None = None) -> list:
     """The run's values of ``names``; ``delivered``: the outputs written into bindings right after it (a replay
     may hand them out as views of its graph's buffers, which only its next replay rewrites)."""
     if all(handle.is_host_accessible for handle in session.handles):
@@ -362,15 +399,18 @@ def _execute(session: SessionSide, bindings: list[DeviceIoBinding], feeds: dict,
     if runs is None:
         runs = _ACTIVE.runs = {}
     saved = dict(runs)
+    noted = (*bindings, *epilogue.bindings) if epilogue is not None else bindings  # graph tokens on release
     for handle in {id(b.allocator): b.allocator for b in bindings if not b.allocator.is_host_accessible}.values():
         _hooks_on(handle)
-        mine = [b for b in bindings if b.allocator is handle]
-        runs[id(handle)] = _Run(mine, [b for b in mine if b.output_name], defer)
+        mine = [b for b in noted if b.allocator is handle]
+        runs[id(handle)] = _Run(mine, [b for b in bindings if b.allocator is handle and b.output_name], defer)
+    device_step.hand_over(tail)
     try:
         # The deferral is the plugin's (recipient tokens), not the executor's: a recipient's read settles the
         # submission, which the executor must not then reuse.
         return session.executor.run_bound(feeds, names, True, session.profile, slot, copied=delivered)
     finally:
+        device_step.hand_over(None)
         runs.clear()
         runs.update(saved)
 

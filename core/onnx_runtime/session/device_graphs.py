@@ -26,6 +26,11 @@ copied into persistent inputs but captured where they are, so their addresses ar
 (a bound buffer whose address stays the same replays; another address is another signature). Outputs the
 binding keeps on the device are handed out as device copies of the arena's, which the next replay rewrites.
 
+Tails. A bound run may offer a tail (session/device_step.py: the writes of its outputs into their bindings and
+an epilogue such as a decode step's KV moves, argmax and token writer). Where the last segment ends the run and
+produces every output, the tail is recorded into that segment after its kernels, the tail's key joins the
+signature, and each replay runs it inside the graph; elsewhere the caller runs it after the run.
+
 Slots. A run is captured in the slot its caller names (``PRIMARY``, the decode step, by default; ``VERIFY``
 for a multi-token verification step, selected by the run option :data:`.executor.GRAPH_SLOT_KEY`). Each slot
 keeps its own signatures, at most ``MAX_GRAPHS`` each (the least recently used one is dropped: graph reset,
@@ -61,6 +66,7 @@ from ..dtypes import DataType
 from ..errors import KernelError, OnnxRuntimeError
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
+from . import device_step
 from .device_graph_regions import Region, RegionPlanner
 from .io_binding import copy_on_device
 from .steps import Plan, ShapeKeyedKernel, Step, Steps, Uploader, run_steps, shape_of, to_host
@@ -270,6 +276,7 @@ class _Run:
     feeds: dict
     convert: Callable[[Any], Any]
     copied: frozenset[int] = frozenset()  # output positions the caller copies out before the next run
+    tail: device_step.CapturedTail | None = None
 
     def eager(self, executor: Executor) -> list:
         return executor.run_plan(self.plan, self.feeds, None, self.convert)
@@ -293,6 +300,7 @@ class _Entry:
     views: dict[int, Tensor] = field(default_factory=dict)  # segment slot a seam reads -> view of its arena block
     parts: list[tuple[bool, Steps]] = field(default_factory=list)  # the schedule, seams pinning
     pins: list[_Pin] = field(default_factory=list)
+    tail: bool = False  # the bound run's tail (device_step) is in the graph
 
     @property
     def handle(self) -> ProviderHandle:
@@ -357,6 +365,7 @@ class DeviceGraphRunner:
         graphs are captured in: each slot keeps its own signatures, so one never evicts the other's. ``copied``:
         positions of outputs the caller copies elsewhere before the next run, handed out as views of the arena
         rather than copies of it."""
+        tail = device_step.take()  # taken whatever happens: an eager run leaves it to its caller
         region = self._region(plan_key, plan)
         if isinstance(region, str):
             self.status = f"eager: {region}"
@@ -365,8 +374,10 @@ class DeviceGraphRunner:
         if key is None:
             self.status = "eager: a feed is not a tensor"
             return None
+        if tail is not None:  # what its launches bake makes another graph
+            key = (*key, tail.key)
         entries = self._entries[slot]
-        run = _Run(plan_key, plan, feeds, convert, copied)
+        run = _Run(plan_key, plan, feeds, convert, copied, tail)
         entry = entries.get(key)
         if entry is None:
             return self._size(slot, key, region, run)
@@ -439,7 +450,9 @@ class DeviceGraphRunner:
                 env[slot] = tensor
             arena = _Arena(handle, entry.arena_bytes)
             entry.parts = self._schedule(entry)
-            for captured, steps in entry.parts:
+            last = len(entry.parts) - 1
+            entry.tail = run.tail is not None and _tail_capturable(entry, plan)
+            for index, (captured, steps) in enumerate(entry.parts):
                 if not captured:
                     run_steps(steps, env)
                     continue
@@ -450,6 +463,9 @@ class DeviceGraphRunner:
                 try:
                     with handle.prepaid():  # blocks carved from the arena, whose backing is charged already
                         run_steps(steps, env)
+                        if entry.tail and index == last:
+                            assert run.tail is not None
+                            run.tail.run([env[slot] for slot in plan.output_slots])
                     handle.hook.end_owned_device_graph_capture(token=token)
                 finally:
                     self._server.stop(handle)  # the stream is idle: frees deferred during the capture may run
@@ -472,7 +488,7 @@ class DeviceGraphRunner:
             self.captures += 1
             return self._finish(entry, run, env, submissions)
         env.clear()  # arena blocks go back before the arena goes
-        entry.token = None
+        entry.token, entry.tail = None, False
         self._release(entry, arena)
         if not isinstance(failure, Exception):
             raise failure
@@ -581,6 +597,8 @@ class DeviceGraphRunner:
             env.clear()
         if submissions:
             self.executor.settle_validation(submissions)
+        if entry.tail and run.tail is not None:
+            run.tail.captured = True
         self.replays += 1
         n = entry.region.segments
         self.status = "replaying" if len(entry.parts) == 1 else (
@@ -617,6 +635,16 @@ class DeviceGraphRunner:
         for handle in self._handles.values():
             handle.pm.unregister(self._server)
         self._handles.clear()
+
+
+def _tail_capturable(entry: _Entry, plan: Plan) -> bool:
+    """Whether a bound run's tail can join the last segment: that segment ends the run and every output is a
+    device value one of the captured segments produces (see session/device_step.py)."""
+    if not entry.parts or not entry.parts[-1][0] or entry.region.downloads:
+        return False
+    captured = {slot for is_captured, steps in entry.parts if is_captured for step in steps.steps
+                for slot in step.outputs}
+    return all(slot in captured for slot in plan.output_slots)
 
 
 def _env(plan: Plan, feeds: dict) -> list:

@@ -613,6 +613,31 @@ class DeviceIoBinding:
                             next_position: int, mask_len: int, step: int) -> None:
         """Fold the token this argmax result holds into the decode bindings on the device (see the
         ``device_token_writer`` hook): ids, position, mask bit, ``scratch[step]`` and the error word."""
+        position = self._writer_bindings(input_ids, position_ids, attention_mask, scratch)
+        self._allocator.hook.device_token_writer(
+            result=self.buffer, input_ids=input_ids.buffer, position_ids=position.buffer,
+            attention_mask=attention_mask.buffer, scratch=scratch.buffer, capacity=int(capacity),
+            next_position=int(next_position), mask_len=int(mask_len), write_position=position_ids is not None,
+            step=int(step))
+
+    def device_token_writer_at(self, input_ids: DeviceIoBinding, position_ids: DeviceIoBinding | None,
+                               attention_mask: DeviceIoBinding, scratch: DeviceIoBinding, capacity: int,
+                               mask_len: int, counter: DeviceIoBinding) -> None:
+        """:meth:`device_token_writer` with the step and position read from ``counter`` (int64: step, next
+        position) and advanced on the device (the ``device_token_writer_at`` hook): the same launch at every
+        step, so a captured decode step replays it."""
+        position = self._writer_bindings(input_ids, position_ids, attention_mask, scratch)
+        self._same_provider(counter, "the device token writer")
+        if counter.dtype is not DataType.INT64 or counter.buffer.size < 16:
+            raise InvalidArgumentError(f"the token writer's counter holds two int64 words; {counter.label} does not")
+        self._allocator.hook.device_token_writer_at(
+            result=self.buffer, input_ids=input_ids.buffer, position_ids=position.buffer,
+            attention_mask=attention_mask.buffer, scratch=scratch.buffer, capacity=int(capacity),
+            mask_len=int(mask_len), write_position=position_ids is not None, counter=counter.buffer)
+
+    def _writer_bindings(self, input_ids: DeviceIoBinding, position_ids: DeviceIoBinding | None,
+                         attention_mask: DeviceIoBinding, scratch: DeviceIoBinding) -> DeviceIoBinding:
+        """The token writer's bindings checked; the position binding (``input_ids`` standing in for none)."""
         if self.dtype is not DataType.UINT32 or scratch.dtype is not DataType.UINT32:
             raise InvalidArgumentError(
                 f"the device token writer needs a uint32 result and scratch, got {self.dtype.name} and "
@@ -628,11 +653,7 @@ class DeviceIoBinding:
                     f"{binding.dtype.name}"
                 )
         self._same_provider(scratch, "the device token writer")
-        self._allocator.hook.device_token_writer(
-            result=self.buffer, input_ids=input_ids.buffer, position_ids=position.buffer,
-            attention_mask=attention_mask.buffer, scratch=scratch.buffer, capacity=int(capacity),
-            next_position=int(next_position), mask_len=int(mask_len), write_position=position_ids is not None,
-            step=int(step))
+        return position
 
     def _same_provider(self, other: DeviceIoBinding, what: str) -> None:
         if other._allocator is not self._allocator:

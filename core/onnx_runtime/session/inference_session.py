@@ -567,12 +567,15 @@ class InferenceSession:
             budget.leave(token)
 
     def run_with_device_bindings(self, bindings, input_feed: dict | None = None, output_names=None,
-                                 run_options: RunOptions | None = None, single_token_step: bool = False) -> list:
+                                 run_options: RunOptions | None = None, single_token_step: bool = False,
+                                 epilogue=None) -> list:
         """Run with ``bindings`` (DeviceIoBindings of this session) as inputs and outputs, plus the host
         ``input_feed``. Bound outputs are written into their bindings; the return value lists the host outputs
         ``output_names`` (default: every output no binding receives). ``single_token_step`` shows masks marked
         ``decode_freeze_safe_mask`` at capacity; ``run_options`` may select the device-graph slot (a
-        verification step's "device_graph.slot" = "verify"). See :mod:`.device_binding_run`."""
+        verification step's "device_graph.slot" = "verify"). ``epilogue`` (a :class:`.device_step.StepEpilogue`)
+        launches device work after the outputs are written, captured with the run where it is replayed. See
+        :mod:`.device_binding_run`."""
         from .device_binding_run import SessionSide, run_with_device_bindings
 
         self._check_runnable(run_options)
@@ -580,7 +583,8 @@ class InferenceSession:
                            self._check_bound, self._check_missing, self._executor_for, self._executor, self._profile)
         token = budget.enter(self._max_value_bytes, run_options)  # the same limit on one value as run()
         try:
-            return run_with_device_bindings(side, bindings, input_feed, output_names, single_token_step, run_options)
+            return run_with_device_bindings(side, bindings, input_feed, output_names, single_token_step, run_options,
+                                            epilogue)
         finally:
             budget.leave(token)
 

@@ -289,6 +289,29 @@ def check_row_copies(handle: ProviderHandle, hook: str) -> None:
             handle.deallocate(dst)
 
 
+def check_counter_copies(handle: ProviderHandle, hook: str) -> None:
+    """``device_copy_rows_at``: two 8-byte rows land at the row the counter names (its position word, less one);
+    a counter naming a row past ``limit`` copies nothing."""
+    data = np.arange(64, dtype=np.uint8)
+    with typed_errors(hook):
+        src, dst, counter = handle.allocate(64, 64), handle.allocate(64, 64), handle.allocate(16, 64)
+        try:
+            handle.copy_from_host(data, src)
+            handle.copy_from_host(np.zeros(64, np.uint8), dst)
+            for position in (3, 9):
+                handle.copy_from_host(np.array([0, position], np.int64).view(np.uint8), counter)
+                handle.hook.device_copy_rows_at(src=src, src_offset=8, src_pitch=16, dst=dst, dst_pitch=32,
+                                                row_bytes=8, rows=2, counter=counter, word=1, bias=-1, dst_unit=8,
+                                                limit=3)
+            want = np.zeros(64, np.uint8)
+            want[16:24], want[48:56] = data[8:16], data[24:32]
+            assert np.array_equal(handle.download(dst, 64), want), (
+                "`device_copy_rows_at`: the rows read back are not those copied to the counter's row")
+        finally:
+            for buffer in (src, dst, counter):
+                handle.deallocate(buffer)
+
+
 def check_returns(handle: ProviderHandle, hook: str) -> None:
     """A hook of no required argument whose spec names a plain return type: called, and its type checked."""
     spec = getattr(ExecutionProviderSpec, hook, None)
@@ -324,6 +347,7 @@ CHECKS: dict[str, Callable[[ProviderHandle, str], None]] = {
     **dict.fromkeys(("copy_from_host", "copy_to_host", "copy", "copy_device_to_device", "copy_from_host_at"),
                     check_copies),
     "device_copy_rows": check_row_copies,
+    "device_copy_rows_at": check_counter_copies,
 }
 QUERIES = ("sync", "defers_device_validation", "device_argmax_supported", "context_source_keys",
            "record_compute_fence", "reset_device_graph", "reset_device_graph_in", "has_device_graph_in")

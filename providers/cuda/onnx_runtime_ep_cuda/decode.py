@@ -96,3 +96,59 @@ def device_token_writer(device, device_id, result, input_ids, position_ids, atte
         (int(bool(write_position)), ctypes.c_int), (step, ctypes.c_uint32),
     ]
     device.launch(device.function(device.load(SOURCE), "token_writer"), 1, 1, args)
+
+
+COPY_THREADS = 256
+
+
+def device_token_writer_at(device, device_id, result, input_ids, position_ids, attention_mask, scratch, capacity,
+                           mask_len, write_position, counter) -> None:
+    """Launch the counter-driven token writer (see kernels/decode.cu and the ``device_token_writer_at`` hook):
+    the step and position are the two int64 words of ``counter``, which the kernel advances."""
+    capacity = _count(capacity, "capacity", 1)
+    mask_len = _count(mask_len, "mask_len")
+    args = [
+        (_device_buffer(result, "result", device_id, 8), ctypes.c_void_p),
+        (_device_buffer(input_ids, "input_ids", device_id, 8, writable=True), ctypes.c_void_p),
+        (_device_buffer(position_ids, "position_ids", device_id, 8, writable=bool(write_position)),
+         ctypes.c_void_p),
+        (_device_buffer(attention_mask, "attention_mask", device_id, 8 * mask_len, writable=True), ctypes.c_void_p),
+        (_device_buffer(scratch, "scratch", device_id, 4 * (capacity + 1), writable=True), ctypes.c_void_p),
+        (capacity, ctypes.c_int64), (mask_len, ctypes.c_int64), (int(bool(write_position)), ctypes.c_int),
+        (_device_buffer(counter, "counter", device_id, 16, writable=True), ctypes.c_void_p),
+    ]
+    device.launch(device.function(device.load(SOURCE), "token_writer_at"), 1, 1, args)
+
+
+def device_copy_rows_at(device, device_id, src, src_offset, src_pitch, dst, dst_pitch, row_bytes, rows, counter,
+                        word, bias, dst_unit, limit) -> None:
+    """Launch the row copy whose destination row is read from ``counter`` (see the ``device_copy_rows_at``
+    hook). Every destination the counter can name, rows ``[0, limit)``, is checked against ``dst`` here."""
+    src_offset, src_pitch, dst_pitch = (_count(src_offset, "src_offset"), _count(src_pitch, "src_pitch"),
+                                        _count(dst_pitch, "dst_pitch"))
+    row_bytes, rows, dst_unit, limit = (_count(row_bytes, "row_bytes"), _count(rows, "rows"),
+                                        _count(dst_unit, "dst_unit"), _count(limit, "limit"))
+    if word not in (0, 1) or isinstance(word, bool):
+        raise InvalidArgumentError(f"{NAME}: word selects counter word 0 (step) or 1 (position), got {word!r}")
+    if isinstance(bias, bool) or not isinstance(bias, int):
+        raise InvalidArgumentError(f"{NAME}: bias must be an integer, got {bias!r}")
+    if rows > 1 and min(src_pitch, dst_pitch) < row_bytes:
+        raise InvalidArgumentError(
+            f"{NAME}: a row copy needs pitches of at least the row's {row_bytes} bytes; got {src_pitch} (source) "
+            f"and {dst_pitch} (destination)")
+    if not rows or not row_bytes or not limit:
+        return
+    src_span = (rows - 1) * src_pitch + row_bytes
+    dst_span = (limit - 1) * dst_unit + (rows - 1) * dst_pitch + row_bytes  # the farthest row the counter can name
+    source = _device_buffer(src, "row copy source", device_id, src_offset + src_span) + src_offset
+    target = _device_buffer(dst, "row copy destination", device_id, dst_span, writable=True)
+    if source < target + dst_span and target < source + src_span:
+        raise InvalidArgumentError(
+            f"{NAME}: the row copy's source overlaps a destination the counter can name (rows 0..{limit - 1}); "
+            f"copy through a scratch buffer")
+    args = [(source, ctypes.c_void_p), (src_pitch, ctypes.c_int64), (target, ctypes.c_void_p),
+            (dst_pitch, ctypes.c_int64), (row_bytes, ctypes.c_int64), (rows, ctypes.c_int64),
+            (_device_buffer(counter, "counter", device_id, 16), ctypes.c_void_p), (word, ctypes.c_int),
+            (bias, ctypes.c_int64), (dst_unit, ctypes.c_int64), (limit, ctypes.c_int64)]
+    device.launch(device.function(device.load(SOURCE), "copy_rows_at"), min(rows, MAX_GRID),
+                  min(COPY_THREADS, max(1, row_bytes // 4 if row_bytes % 4 == 0 else row_bytes)), args)

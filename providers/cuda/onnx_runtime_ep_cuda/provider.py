@@ -69,7 +69,7 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
 
     @hookimpl
     def contract_version(self):
-        return "1.2"
+        return "1.3"
 
     @hookimpl
     def device_type(self):
@@ -493,6 +493,18 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
         decode.device_token_writer(self.cuda_device(), self.device_id(), result, input_ids, position_ids,
                                    attention_mask, scratch, capacity, next_position, mask_len, write_position,
                                    step)
+
+    @hookimpl
+    def device_token_writer_at(self, result, input_ids, position_ids, attention_mask, scratch, capacity, mask_len,
+                               write_position, counter):
+        decode.device_token_writer_at(self.cuda_device(), self.device_id(), result, input_ids, position_ids,
+                                      attention_mask, scratch, capacity, mask_len, write_position, counter)
+
+    @hookimpl
+    def device_copy_rows_at(self, src, src_offset, src_pitch, dst, dst_pitch, row_bytes, rows, counter, word, bias,
+                            dst_unit, limit):
+        decode.device_copy_rows_at(self.cuda_device(), self.device_id(), src, src_offset, src_pitch, dst, dst_pitch,
+                                   row_bytes, rows, counter, word, bias, dst_unit, limit)
 
     # -- device helpers (not hooks) -----------------------------------------------------------------
     def fill(self, buffer: DeviceBuffer, value: int = 0, offset: int = 0, nbytes: int | None = None) -> None:

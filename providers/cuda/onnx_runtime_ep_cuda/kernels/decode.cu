@@ -86,3 +86,54 @@ extern "C" __global__ void token_writer(const unsigned int* result, long long* i
     scratch[step] = token;
     atomicOr(&scratch[capacity], result[1]);
 }
+
+// The token writer of a captured decode step: the step index and the position come from the device counter
+// (int64 words: step, next position) instead of launch arguments, so one graph serves every step; it then
+// advances both words for the next replay. A step outside the token slots (or a negative position) writes
+// nothing but the error word.
+#define DECODE_STEP_OVERFLOW 0x80000000u  // scratch[capacity] bit: a counter outside the token slots
+extern "C" __global__ void token_writer_at(const unsigned int* result, long long* input_ids,
+                                           long long* position_ids, long long* attention_mask,
+                                           unsigned int* scratch, long long capacity, long long mask_len,
+                                           int write_position, long long* counter) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const long long step = counter[0], next_position = counter[1];
+    if (step < 0 || step >= capacity || next_position < 0) {
+        atomicOr(&scratch[capacity], DECODE_STEP_OVERFLOW);
+        return;
+    }
+    const unsigned int token = result[0];
+    input_ids[0] = (long long)token;
+    if (write_position) position_ids[0] = next_position;
+    if (next_position >= 0 && next_position < mask_len) attention_mask[next_position] = 1;
+    scratch[step] = token;
+    atomicOr(&scratch[capacity], result[1]);
+    counter[0] = step + 1;
+    counter[1] = next_position + 1;
+}
+
+// Rows of row_bytes from src (at src_pitch) to dst at a row index read from the counter: the destination
+// offset is (counter[word] + bias) * dst_unit plus row * dst_pitch. An index outside [0, limit) copies
+// nothing (the host cannot check a value only the device knows). One block per row; 4-byte words when
+// every address and length allows, else bytes.
+extern "C" __global__ void copy_rows_at(const unsigned char* src, long long src_pitch, unsigned char* dst,
+                                        long long dst_pitch, long long row_bytes, long long rows,
+                                        const long long* counter, int word, long long bias, long long dst_unit,
+                                        long long limit) {
+    const long long index = counter[word] + bias;
+    if (index < 0 || index >= limit) return;
+    unsigned char* base = dst + index * dst_unit;
+    const bool words = ((((unsigned long long)src) | ((unsigned long long)base) | (unsigned long long)src_pitch |
+                         (unsigned long long)dst_pitch | (unsigned long long)row_bytes) & 3ull) == 0;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const unsigned char* from = src + row * src_pitch;
+        unsigned char* to = base + row * dst_pitch;
+        if (words) {
+            const unsigned int* f = (const unsigned int*)from;
+            unsigned int* t = (unsigned int*)to;
+            for (long long j = threadIdx.x; j < row_bytes / 4; j += blockDim.x) t[j] = f[j];
+        } else {
+            for (long long j = threadIdx.x; j < row_bytes; j += blockDim.x) to[j] = from[j];
+        }
+    }
+}
