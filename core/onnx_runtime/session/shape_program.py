@@ -42,13 +42,21 @@ class Program:
         rows = list(guards)
         self.guards = len(rows)  # the first rows: each must be >= 0
         self.recipes: list[tuple[int, Any, int | None]] = []  # (slot, value, its first row)
+        # A first generation instantiates at every step: a window's sliced axes and whether it may broadcast are
+        # worked out here, not per call.
+        self._windows: dict[int, tuple] = {}  # row -> (base, rank, (axis, row of its low) per sliced axis, broadcasts)
         for slot in needed:
             value = symbolic[slot]
             if isinstance(value, Affine):
                 self.recipes.append((slot, value, None))
                 continue
             forms = [value.beta] if isinstance(value, Linear) else list(value.lows)
-            self.recipes.append((slot, value, len(rows)))
+            row = len(rows)
+            self.recipes.append((slot, value, row))
+            if not isinstance(value, Linear):
+                shape = value.base.shape
+                self._windows[row] = (value.base, len(shape), tuple((axis, row + axis) for axis, n in enumerate(shape)
+                                                                   if n != 1), 1 in shape)
             rows.extend(forms)
             rows.extend(value.extents)
         self.forms = np.array(rows, np.int64).reshape(-1, 1 + symbols)
@@ -59,9 +67,29 @@ class Program:
         numbers = (self.forms @ point).tolist()
         if self.guards and min(numbers[:self.guards]) < 0:
             return False
+        windows = self._windows
         for slot, value, row in self.recipes:
-            env[slot] = value.at(point) if row is None else _materialize(value, numbers, row)
+            if row is None:
+                env[slot] = value.at(point)
+            elif row in windows:
+                env[slot] = _window(*windows[row], numbers, row)
+            else:
+                env[slot] = _materialize(value, numbers, row)
         return True
+
+
+def _window(base: np.ndarray, rank: int, sliced: tuple, broadcasts: bool, numbers: list[int], row: int) -> np.ndarray:
+    """A :class:`Window`'s value (see :func:`_materialize`), its sliced axes known."""
+    index = [slice(None)] * rank
+    for axis, at in sliced:
+        low = numbers[at]
+        index[axis] = slice(low, low + numbers[at + rank])
+    part = base[tuple(index)]
+    if broadcasts:
+        extents = tuple(numbers[row + rank:row + 2 * rank])
+        if part.shape != extents:
+            return np.broadcast_to(part, extents).copy()
+    return part.copy()  # a fresh array, as a kernel returns
 
 
 def _materialize(value, numbers: list[int], row: int) -> np.ndarray:
