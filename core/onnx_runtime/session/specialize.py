@@ -35,6 +35,7 @@ from ..proto_walk import all_graphs, node_subgraphs
 from ..provider_handle import ProviderHandle
 from .executor import Executor
 from .shape_program import Template
+from .shape_wheres import see_through_shape_wheres
 
 # Distinct specializations a session keeps (exact signatures and symbolic templates together).
 LIMIT = 8
@@ -193,7 +194,7 @@ class Specializer:
                     entry.dim_param = f"specialized_{dim[0]}"
         if found:
             _substitute(proto.graph, {name: self._as_written(name, value) for name, value in found.items()})
-        return infer_graph(proto)
+        return infer_graph(see_through_shape_wheres(proto))  # (a shape vector's "-1 -> 1" Where: its input)
 
     def _as_written(self, name: str, value: np.ndarray) -> np.ndarray:
         elem_type = self._written.get(name)
