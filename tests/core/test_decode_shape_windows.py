@@ -1,12 +1,13 @@
-"""A shape program's windows (a first generation instantiates them at every step) give what the general
-materialization gives: the sliced axes, broadcast axes of base length 1, fresh writable arrays."""
+"""A shape program's values (a first generation or a chunked prefill instantiates them at every new length)
+are what their definitions give: windows cut on their sliced axes and broadcast on base axes of length 1, ranges
+with one moving axis, affine forms; as fresh writable C-ordered arrays."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from onnx_runtime.session.shape_program import Program, _materialize
-from onnx_runtime.session.shape_symbols import Window
+from onnx_runtime.session.shape_symbols import Affine, Linear, Window
 
 
 def _form(constant: int, per_symbol: int = 0) -> np.ndarray:
@@ -38,3 +39,30 @@ def test_window_matches_the_general_materialization(base, lows, extents, symbol)
     assert env[3].dtype == base.dtype
     np.testing.assert_array_equal(env[3], expected)
     assert env[3].flags.writeable and env[3].flags.c_contiguous and not np.shares_memory(env[3], base)
+
+
+@pytest.mark.parametrize("alpha", [(0, 1), (0, -1), (1, 0, 0), (0, 0, 0, 1), (1, 1)])
+@pytest.mark.parametrize("symbol", [0, 1, 9])
+def test_linear_values_match_their_definition(alpha, symbol):
+    # beta + sum over axes of alpha[axis] * index[axis], extents (2 + s) on moving axes and 3 elsewhere
+    extents = tuple(_form(2, 1) if a else _form(3) for a in alpha)
+    value = Linear(alpha, _form(5, 2), extents, np.dtype(np.int32))
+    program = Program({1: value}, (1,), [], 1)
+    env: list = [None] * 2
+    assert program.instantiate(env, np.array([1, symbol], np.int64))
+    sizes = [2 + symbol if a else 3 for a in alpha]
+    grid = np.indices(sizes, dtype=np.int64) if sizes else np.zeros((0,), np.int64)
+    expected = 5 + 2 * symbol + sum(a * grid[axis] for axis, a in enumerate(alpha))
+    assert env[1].dtype == np.int32 and env[1].flags.c_contiguous and env[1].flags.writeable
+    np.testing.assert_array_equal(env[1], expected)
+
+
+@pytest.mark.parametrize("shape", [(), (3,), (2, 4), (0, 3)])
+def test_affine_values_match_their_definition(shape):
+    rng = np.random.default_rng(len(shape))
+    coef = rng.integers(-50, 50, size=(3, *shape)).astype(np.int64)
+    point = np.array([1, 7, -2], np.int64)
+    value = Affine(coef, np.int32).at(point)
+    expected = coef[0] + 7 * coef[1] - 2 * coef[2]
+    assert value.shape == shape and value.dtype == np.int32
+    np.testing.assert_array_equal(value, expected)

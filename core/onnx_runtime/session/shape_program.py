@@ -96,6 +96,13 @@ def _materialize(value, numbers: list[int], row: int) -> np.ndarray:
     if isinstance(value, Linear):
         rank = len(value.alpha)
         extents = numbers[row + 1:row + 1 + rank]
+        moving = [axis for axis, alpha in enumerate(value.alpha) if alpha]
+        if len(moving) == 1:  # a Range and what shifts or broadcasts it: one arange, broadcast
+            axis, beta = moving[0], numbers[row]
+            alpha, shape = value.alpha[axis], [1] * rank
+            shape[axis] = extents[axis]
+            line = np.arange(beta, beta + alpha * extents[axis], alpha, dtype=np.int64).reshape(shape)
+            return np.broadcast_to(line, extents).astype(value.dtype, order="C")
         out = np.full(extents, numbers[row], np.int64)
         for axis, (alpha, ext) in enumerate(zip(value.alpha, extents)):
             if alpha:

@@ -74,7 +74,8 @@ class Affine:
         return self.coef.shape[1:]
 
     def at(self, point: np.ndarray) -> np.ndarray:
-        return np.tensordot(point, self.coef, axes=1).astype(self.dtype)
+        coef = self.coef  # (one product: tensordot's own Python costs several times it, at every new length)
+        return (point @ coef.reshape(coef.shape[0], coef[0].size)).reshape(coef.shape[1:]).astype(self.dtype)
 
 
 class Linear:
