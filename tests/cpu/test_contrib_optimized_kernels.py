@@ -115,3 +115,134 @@ def test_key_mask_bias_of_counts_and_raw_masks(mask):
     hidden = np.arange(5)[None, :] >= mask[:, None] if mask.ndim == 1 else mask <= 0
     assert bias.shape == (2, 1, 1, 5) and bias.dtype == np.float32
     np.testing.assert_array_equal(bias[:, 0, 0], np.where(hidden, fill, 0))
+
+
+# -- contrib attention on the compiled few-row loop -----------------------------------------------------------
+
+
+def _reference(q, k, v, scale, bias):
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = q @ k.swapaxes(-1, -2) * scale + (0 if bias is None else bias.astype(np.float64))
+    scores -= scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores)
+    return (weights / weights.sum(axis=-1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("bias_shape", [None, (2, 1, 1, 9), (1, 1, "rows", 9), (9,)])
+def test_few_rows_matches_float64_reference_with_grouped_heads(rows, bias_shape, monkeypatch):
+    from onnx_runtime_ep_cpu.algorithms import contrib_attention
+
+    monkeypatch.setattr(contrib_attention, "numpy_first", lambda: False)  # numba may be loading in this process
+    q = RNG.standard_normal((2, 8, rows, 16)).astype(np.float32)
+    k, v = (RNG.standard_normal((2, 2, 9, 16)).astype(np.float32) for _ in range(2))
+    bias = None
+    if bias_shape is not None:
+        bias = np.where(RNG.random(tuple(rows if d == "rows" else d for d in bias_shape)) < 0.3, np.float32(-1e4),
+                        np.float32(0)).astype(np.float32)
+        bias[..., 0] = 0  # every row sees a key
+    y = contrib_attention.few_rows(q, k, v, 0.25, bias)
+    assert y is not None
+    np.testing.assert_allclose(y, _reference(q, k, v, 0.25, bias), rtol=1e-5, atol=1e-5)
+    y2, _ = contrib_attention.attend(q, k, v, 0.25, bias)
+    np.testing.assert_allclose(y2, y, rtol=0, atol=0)
+
+
+def test_few_rows_leaves_rows_without_a_visible_key_to_the_numpy_path(monkeypatch):
+    from onnx_runtime_ep_cpu.algorithms import contrib_attention
+
+    monkeypatch.setattr(contrib_attention, "numpy_first", lambda: False)
+    q = RNG.standard_normal((1, 2, 3, 8)).astype(np.float32)
+    k, v = (RNG.standard_normal((1, 2, 4, 8)).astype(np.float32) for _ in range(2))
+    bias = np.zeros((1, 1, 3, 4), np.float32)
+    bias[0, 0, 1] = -np.inf
+    assert contrib_attention.few_rows(q, k, v, 0.3, bias) is None
+    y, _ = contrib_attention.attend(q, k, v, 0.3, bias)
+    assert np.all(y[:, :, 1] == 0) and np.all(np.isfinite(y))
+    assert contrib_attention.few_rows(q.astype(np.float64), k, v, 0.3, None) is None  # float32 only
+
+
+def _attention_with_past_model(dtype, heads=4, hidden=32):
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    inits = [numpy_helper.from_array((RNG.standard_normal((hidden, 3 * hidden)) * 0.3).astype(dtype), "w"),
+             numpy_helper.from_array(RNG.standard_normal(3 * hidden).astype(dtype), "b")]
+    node = helper.make_node("Attention", ["x", "w", "b", "mask", "past"], ["y", "present"], domain=CONTRIB,
+                            num_heads=heads, unidirectional=1)
+    inputs = [helper.make_tensor_value_info("x", elem, [1, "steps", hidden]),
+              helper.make_tensor_value_info("mask", TensorProto.INT32, [1, "total"]),
+              helper.make_tensor_value_info("past", elem, [2, 1, heads, "past", hidden // heads])]
+    outputs = [helper.make_tensor_value_info(name, elem, None) for name in ("y", "present")]
+    proto = helper.make_model(helper.make_graph([node], "attention_past", inputs, outputs, inits),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CONTRIB, 1)])
+    proto.ir_version = 8
+    return proto
+
+
+def _gqa_model(dtype, heads=8, kv_heads=2, head_size=8):
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "past_key", "past_value", "seqlens_k",
+                                                    "total_length"], ["y", "present_key", "present_value"],
+                            domain=CONTRIB, num_heads=heads, kv_num_heads=kv_heads)
+    inputs = [helper.make_tensor_value_info("q", elem, [1, "steps", heads * head_size]),
+              helper.make_tensor_value_info("k", elem, [1, "steps", kv_heads * head_size]),
+              helper.make_tensor_value_info("v", elem, [1, "steps", kv_heads * head_size]),
+              helper.make_tensor_value_info("past_key", elem, [1, kv_heads, "past", head_size]),
+              helper.make_tensor_value_info("past_value", elem, [1, kv_heads, "past", head_size]),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("total_length", TensorProto.INT32, [])]
+    outputs = [helper.make_tensor_value_info(name, elem, None) for name in ("y", "present_key", "present_value")]
+    proto = helper.make_model(helper.make_graph([node], "gqa", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CONTRIB, 1)])
+    proto.ir_version = 8
+    return proto
+
+
+def _counting_few_rows(monkeypatch):
+    from onnx_runtime_ep_cpu.algorithms import contrib_attention
+
+    calls = []
+    original = contrib_attention.few_rows
+    monkeypatch.setattr(contrib_attention, "numpy_first", lambda: False)
+    monkeypatch.setattr(contrib_attention, "few_rows", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(np.float32, 2e-5), (np.float16, 4e-3)])
+def test_contrib_attention_with_past_runs_compiled_and_matches_onnxruntime(dtype, tol, monkeypatch):
+    import onnxruntime
+
+    calls = _counting_few_rows(monkeypatch)
+    proto = _attention_with_past_model(dtype)
+    session = ort.InferenceSession(proto, providers=["CPUExecutionProvider"])
+    oracle = onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    for past, steps in ((0, 5), (5, 1), (6, 1), (7, 3)):
+        mask = np.ones((1, past + steps), np.int32)
+        mask[0, 0] = 0  # a padded first key
+        feeds = {"x": RNG.standard_normal((1, steps, 32)).astype(dtype), "mask": mask,
+                 "past": (RNG.standard_normal((2, 1, 4, past, 8)) * 0.5).astype(dtype)}
+        for got, want in zip(session.run(None, feeds), oracle.run(None, feeds)):
+            np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
+    assert calls
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(np.float32, 2e-5), (np.float16, 4e-3)])
+def test_group_query_attention_decode_runs_compiled_and_matches_onnxruntime(dtype, tol, monkeypatch):
+    import onnxruntime
+
+    calls = _counting_few_rows(monkeypatch)
+    proto = _gqa_model(dtype)
+    session = ort.InferenceSession(proto, providers=["CPUExecutionProvider"])
+    oracle = onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    for past, steps in ((0, 4), (4, 1), (5, 1), (9, 1)):
+        feeds = {"q": RNG.standard_normal((1, steps, 64)).astype(dtype),
+                 "k": RNG.standard_normal((1, steps, 16)).astype(dtype),
+                 "v": RNG.standard_normal((1, steps, 16)).astype(dtype),
+                 "past_key": RNG.standard_normal((1, 2, past, 8)).astype(dtype),
+                 "past_value": RNG.standard_normal((1, 2, past, 8)).astype(dtype),
+                 "seqlens_k": np.array([past + steps - 1], np.int32),
+                 "total_length": np.array(past + steps, np.int32)}
+        for got, want in zip(session.run(None, feeds), oracle.run(None, feeds)):
+            np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
+    assert calls

@@ -12,6 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..compiled.deferred import numpy_first
+from ..tuning import KNOBS
+
+_F32 = np.dtype(np.float32)
+_NO_BIAS = np.empty((0, 0, 0, 0), np.float32)
+# Query rows up to which a few-row call gets the whole multiply-add budget (ops/transformer.py's rule).
+_FEW_ROWS = 4
+
 
 def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
     """(B, S, heads * D) -> (B, heads, S, D), a view."""
@@ -128,11 +136,47 @@ class Scores:
         self.logits, self.probs = logits, probs
 
 
+def few_rows(q, k, v, scale: float, bias=None) -> np.ndarray | None:
+    """attend's y from compiled/decoder.py's few-row loop (the ONNX Attention's small-attention path: one
+    compiled call for what numpy runs as eight) for float32 operands within its multiply-add budget and a bias
+    that is (B', H', M', T) with each lead 1 or full after padding its rank; None where attend's numpy path
+    decides (other cases, a row without a finite score, numba still loading)."""
+    if q.dtype != _F32 or k.dtype != _F32 or v.dtype != _F32 or q.ndim != 4:
+        return None
+    batch, heads, rows, depth = q.shape
+    keys = k.shape[2]
+    budget = KNOBS.few_query_macs if rows <= _FEW_ROWS else KNOBS.few_query_macs // 2
+    if not keys or heads * rows * depth * keys > budget or heads % k.shape[1]:
+        return None
+    if bias is None:
+        bias = _NO_BIAS
+    else:
+        if bias.dtype != _F32 or not 1 <= bias.ndim <= 4 or bias.shape[-1] != keys:
+            return None
+        bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+        if any(d not in (1, full) for d, full in zip(bias.shape[:3], (batch, heads, rows))):
+            return None
+        bias = np.ascontiguousarray(bias)
+    if numpy_first():
+        return None
+    from ..compiled import decoder  # numba loads only for models that need it
+
+    y = np.empty((batch, heads, rows, v.shape[3]), np.float32)
+    if not decoder.few_query_attention_float32(np.ascontiguousarray(q), np.ascontiguousarray(k),
+                                               np.ascontiguousarray(v), np.float32(scale), bias, y):
+        return None
+    return y
+
+
 def attend(q, k, v, scale: float, bias=None, softcap: float = 0.0, sink=None, keep: bool = False):
     """Scaled dot-product attention: q (B, Hq, S, D), k (B, Hkv, T, D), v (B, Hkv, T, Dv), Hq a multiple of
     Hkv, all of one float dtype; ``bias`` an additive term broadcasting to (B, Hq, S, T), -inf hiding a key;
     ``softcap`` > 0 bounds the scaled scores to (-softcap, softcap) by tanh before the bias. Returns
     (y (B, Hq, S, Dv), Scores or None): the Scores when ``keep``."""
+    if softcap <= 0 and sink is None and not keep:
+        y = few_rows(q, k, v, scale, bias)
+        if y is not None:
+            return y, None
     dtype = q.dtype.type
     scores = grouped_matmul(q * dtype(scale), k.swapaxes(-1, -2))
     if softcap > 0:
