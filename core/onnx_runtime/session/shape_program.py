@@ -44,7 +44,8 @@ class Program:
         self.recipes: list[tuple[int, Any, int | None]] = []  # (slot, value, its first row)
         # A first generation instantiates at every step: a window's sliced axes and whether it may broadcast are
         # worked out here, not per call.
-        self._windows: dict[int, tuple] = {}  # row -> (base, rank, (axis, row of its low) per sliced axis, broadcasts)
+        # row -> (base, rank, (axis, row of its low) per sliced axis, whether it broadcasts)
+        self._windows: dict[int, tuple[np.ndarray, int, tuple, bool]] = {}
         for slot in needed:
             value = symbolic[slot]
             if isinstance(value, Affine):
