@@ -1,6 +1,6 @@
 """The predictor and the batch command on a local Ray cluster (``ray.init(num_cpus=2)``, one per module): Ray
-Data's ``map_batches`` as documented, the same results as one process, and killed actors whose rows are
-neither lost nor duplicated."""
+Data's ``map_batches`` as documented, the same results as one process, and killed actors and task workers
+whose rows are neither lost nor duplicated."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_batch_command_on_ray_with_a_killed_worker(cluster, mlp, rows, parquet_d
     out = tmp_path / "out"
     killed = []
 
-    def kill_one_actor():
+    def kill_one_worker():
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not (out.is_dir() and any(f.startswith("part-")
                                                                            for f in os.listdir(out))):
@@ -76,16 +76,33 @@ def test_batch_command_on_ray_with_a_killed_worker(cluster, mlp, rows, parquet_d
                 command = process.cmdline()
             except psutil.Error:  # exited meanwhile
                 continue
-            if any("_ShardActor" in part for part in command):
+            if any("_ray_shard" in part for part in command):  # a worker running a shard (its process title)
                 os.kill(process.pid, signal.SIGKILL)
                 killed.append(sum(f.startswith("part-") for f in os.listdir(out)))
                 return
 
-    killer = threading.Thread(target=kill_one_actor)
+    killer = threading.Thread(target=kill_one_worker)
     killer.start()
     summary = run_job(mlp, parquet_data, str(out), engine="ray", workers=2, threads=1, shard_rows=10,
                       progress=False)
     killer.join()
-    assert killed and killed[0] < 60, "no Ray actor killed mid-job"
+    assert killed and killed[0] < 60, "no Ray worker killed mid-job"
     assert summary.processed_rows == 600 and summary.failures == [] and summary.failed_shards == []
     assert_predictions(read_predictions(str(out)), rows, list(range(600)))
+
+
+def test_a_second_job_on_the_cluster_runs_on_the_same_workers(cluster, mlp, rows, parquet_data, tmp_path):
+    """Shards are Ray tasks on Ray's pooled workers: a second job finds the processes (and their sessions) the
+    first one used, and counts their CPU from its own first shard, not from the processes' start."""
+    first = run_job(mlp, parquet_data, str(tmp_path / "one"), engine="ray", workers=2, threads=1, shard_rows=50,
+                    progress=False)
+    second = run_job(mlp, parquet_data, str(tmp_path / "two"), engine="ray", workers=2, threads=1, shard_rows=50,
+                     progress=False)
+    assert first.processed_rows == second.processed_rows == 600
+    kept = set(first.worker_cpu) & set(second.worker_cpu)
+    assert kept, f"no worker process kept between jobs: {sorted(first.worker_cpu)} then {sorted(second.worker_cpu)}"
+    for worker in kept:
+        start, end = second.worker_cpu_span[worker]
+        assert 0 < start <= end, (worker, start, end)
+    assert 0 < second.shard_cpu_seconds <= second.worker_cpu_seconds
+    assert_predictions(read_predictions(str(tmp_path / "two")), rows, list(range(600)))

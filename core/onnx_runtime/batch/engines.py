@@ -108,20 +108,21 @@ def forkserver_preload() -> list[str]:
     return names
 
 
-class _ShardActor:
-    """A Ray actor: one per worker, its predictor and session made on its first shard and kept."""
-
-    def __init__(self, job):
-        self.job = job
-
-    def process(self, shard):
-        return process_shard(self.job, shard)
+def _ray_shard(job, shard):
+    """A Ray task: one shard, in a pooled worker process whose predictor and session stay for its next shards."""
+    return process_shard(job, shard)
 
 
 def run_ray(job, shards, workers, threads, finished, retries, address) -> None:
-    """``workers`` Ray actors of ``threads`` CPUs each, two shards queued per actor. A killed actor is restarted
-    and its shards retried (Ray's max_restarts / max_task_retries). Uses a running Ray (``ray.init`` done by the
-    caller) or connects to ``address``, else starts one on this machine."""
+    """The shards as Ray tasks of ``threads`` CPUs each, ``workers`` of them at a time, two queued per worker.
+
+    Tasks, not actors: a task runs in one of Ray's pooled worker processes, started with the cluster and kept
+    after the task, so the job starts on processes that have imported Ray already and a later job on the same
+    cluster finds its session made (the predictor's per-process cache). An actor is a new process per job
+    and per actor, which on a loaded 2-CPU host took longer to start than the shards took to run. A worker
+    that dies mid-shard has its task retried (``max_retries``); the part file is rewritten whole. Uses a
+    running Ray (``ray.init`` done by the caller) or connects to ``address``, else starts one on this
+    machine."""
     try:
         import ray
     except ImportError:
@@ -131,34 +132,30 @@ def run_ray(job, shards, workers, threads, finished, retries, address) -> None:
     if started:
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  num_cpus=None if address else workers * threads)
-    actor = ray.remote(_ShardActor).options(num_cpus=threads, max_restarts=retries, max_task_retries=retries)
-    actors: list = [actor.remote(job) for _ in range(workers)]
+    task = ray.remote(_ray_shard).options(num_cpus=threads, max_retries=retries, retry_exceptions=False)
     try:
-        _drive(ray, actors, list(shards), finished, retries)
+        _drive(ray, task, ray.put(job), list(shards), finished, retries, 2 * workers)
     finally:
-        for a in actors:
-            ray.kill(a)
         if started:
             ray.shutdown()
 
 
-def _drive(ray, actors, queue, finished, retries) -> None:
-    running = {}
-    for _ in range(2):
-        for a in actors:
-            if queue:
-                running[a.process.remote(queue.pop(0))] = a
+def _drive(ray, task, job, queue, finished, retries, window) -> None:
+    lost = (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError, ray.exceptions.OutOfMemoryError)
+    queue.reverse()
+    running = [task.remote(job, queue.pop()) for _ in range(min(window, len(queue)))]
     while running:
-        done, _ = ray.wait(list(running), num_returns=1)
-        a = running.pop(done[0])
+        done, running = ray.wait(running, num_returns=1)
         try:
             result = ray.get(done[0])
-        except ray.exceptions.RayActorError as exc:
+        except lost as exc:
+            for ref in running:
+                ray.cancel(ref)
             raise WorkerLostError(f"batch: a Ray worker died more than {retries} times ({exc}); rerun the same "
                                   f"command to resume") from None
         finished(result)
         if queue:
-            running[a.process.remote(queue.pop(0))] = a
+            running.append(task.remote(job, queue.pop()))
 
 
 def run_dask(job, shards, workers, threads, finished, retries, address) -> None:

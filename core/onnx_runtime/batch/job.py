@@ -17,6 +17,7 @@ from .predictor import Predictor
 from .sources import Shard
 
 _PREDICTORS: dict = {}  # per process: repr(predictor settings) -> Predictor
+_SHARDS_HERE = [0]  # shards this process has run, of any job: a pooled worker (Ray, Dask) runs several jobs
 
 
 def part_path(output: str, index: int) -> str:
@@ -33,6 +34,8 @@ def _predictor(job: dict) -> Predictor:
 def process_shard(job: dict, shard: Shard) -> dict:
     """Read, predict and write one shard (in a worker). Returns its rows, failures and times."""
     wall, cpu = time.perf_counter(), time.process_time()
+    first_here = _SHARDS_HERE[0] == 0
+    _SHARDS_HERE[0] += 1
     try:
         columns, ids, failures = job["source"].read(shard, job["id_column"])
         outputs, row_failures = _predictor(job).predict(columns, len(ids), ids) if ids else ({}, {})
@@ -42,11 +45,13 @@ def process_shard(job: dict, shard: Shard) -> dict:
                 "first_row": shard.base}
     write_part(job["output"], shard.index, ids, outputs, row_failures, failures)
     # Where the time went, for the engines' accounting (benchmarks/batch_bench.py): this shard's CPU, and the
-    # worker's CPU since it started (imports and session creation included), by pid.
+    # worker's CPU at its start and end, by pid; a process's first shard counts from the process's start
+    # (imports and session creation), a later one's from itself (a worker kept from an earlier job).
     return {"index": shard.index, "rows": len(ids) + len(failures), "written": True,
             "failures": failures + [(ids[i], message) for i, message in sorted(row_failures.items())],
             "error": None, "seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu,
             "worker": f"{socket.gethostname()}:{os.getpid()}", "process_cpu_seconds": time.process_time(),
+            "process_cpu_before": 0.0 if first_here else cpu,
             "started": time.time() - (time.perf_counter() - wall)}
 
 

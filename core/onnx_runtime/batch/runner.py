@@ -54,7 +54,19 @@ class Summary:
     first_shard_seconds: float = 0.0  # start-up: workers started, sessions created, first shard written
     first_shard_rows: int = 0
     shard_cpu_seconds: float = 0.0  # CPU the shards took in the workers (read, predict, write)
-    worker_cpu: dict = field(default_factory=dict)  # "host:pid" -> the worker's CPU since it started, at its last shard
+    worker_cpu_span: dict = field(default_factory=dict)  # "host:pid" -> [CPU at its first shard's start, at its last]
+
+    def count_worker(self, result: dict) -> None:
+        """A finished shard's worker CPU (job.process_shard's accounting) into ``worker_cpu``."""
+        span = self.worker_cpu_span.setdefault(result["worker"], [result["process_cpu_before"], 0.0])
+        span[0] = min(span[0], result["process_cpu_before"])
+        span[1] = max(span[1], result["process_cpu_seconds"])
+
+    @property
+    def worker_cpu(self) -> dict:
+        """``"host:pid"`` -> the CPU that worker spent on this job: from its start (a new process: imports and
+        session creation) or its first shard of the job (a pooled process that ran an earlier job) to its last."""
+        return {worker: end - start for worker, (start, end) in self.worker_cpu_span.items()}
 
     @property
     def worker_cpu_seconds(self) -> float:
@@ -174,8 +186,7 @@ def run_job(model: str, data: str, output: str, *, engine: str = "local", worker
             summary.first_shard_seconds, summary.first_shard_rows = time.perf_counter() - start, result["rows"]
         if "worker" in result:
             summary.shard_cpu_seconds += result["cpu_seconds"]
-            worker = result["worker"]
-            summary.worker_cpu[worker] = max(summary.worker_cpu.get(worker, 0.0), result["process_cpu_seconds"])
+            summary.count_worker(result)
         if result["written"]:
             summary.processed_rows += result["rows"]
             summary.failures += [list(f) for f in result["failures"]]
