@@ -8,8 +8,11 @@ onnx_runtime.batch.job.process_shard). A single process runs the shards in a loo
 CPUs, twice: in a fresh process (imports and session creation included, as a user runs it) and in this process,
 where one untimed shard per runtime and thread count has made the sessions and loaded the kernels first. The
 engines run with workers x threads = CPUs (onnx_runtime.batch.plan_workers). Ray and Dask clusters are started
-before the timed runs (a cluster outlives a job); the engines' worker start-up is inside the time. Default model:
-the zoo's resnet.dynamo.fp32 (scripts/build_zoo.sh), 3x64x64 images.
+before the timed runs (a cluster outlives a job); the engines' worker start-up is inside the time. Their worker
+processes outlive a job too (the Ray engine runs tasks on Ray's worker pool), so the first round's engine runs
+create the workers' sessions and later rounds find them made: each engine's ratio to the same round's best warm
+single process is printed per round as well as the medians. Default model: the zoo's resnet.dynamo.fp32
+(scripts/build_zoo.sh), 3x64x64 images.
 
 On a loaded host the wall clock says little, so each configuration also reports its CPU time: the fresh single
 process's (the child's rusage), the in-process loop's (process_time), and for an engine the driver's plus every
@@ -226,6 +229,13 @@ def report(results, configs, cpus, args) -> None:
                 print(f"  {label:<36} {rate:9.1f} rows/s = {rate / fresh:.2f} x the best fresh single process, "
                       f"{rate / warm:.2f} x the best warm one; after start-up {steady / warm:.2f} x the warm one; "
                       f"CPU {cpu:.2f} s = {cpu / fresh_cpu:.2f} x the fresh single process's least")
+    for runtime in ("onnx_runtime", "onnxruntime"):
+        for label, engine, _ in configs:
+            if engine not in (None, "fresh"):
+                per_round = [rate / max(results[(runtime, other)][r] for other, kind, _ in configs if kind is None)
+                             for r, rate in enumerate(results[(runtime, label)])]
+                print(f"{runtime}: {label} / the same round's best warm single process, by round: "
+                      f"{', '.join(f'{value:.2f}' for value in per_round)}")
     print("onnx_runtime / onnxruntime, same configuration (rows/s; CPU seconds):")
     for label, _, _ in configs:
         print(f"  {label:<36} {median[('onnx_runtime', label)] / median[('onnxruntime', label)]:.2f}; "
