@@ -15,6 +15,7 @@ from ..algorithms.conv_depthwise import LanesDepthwise
 from ..algorithms.conv_direct import DirectConv
 from ..algorithms.conv_packed import PackedConv
 from ..algorithms.conv_path import conv_path
+from ..algorithms.conv_rows import RowWeights, as_row, lifts, row_geometry
 from ..algorithms.precision import compute_dtype
 from ..algorithms.prepared import Prepared
 from ..algorithms.window import Window
@@ -27,13 +28,16 @@ from ._common import activation_code, channel_param, graph_error, group_count, i
 @register("Conv", since=1)
 def conv(node, shapes, opset):
     resolve = _conv_resolver(node, shapes)
+    row_weights = RowWeights()
 
     def kernel(x, w, b=None):
-        path = resolve(x, w, b)[0]
+        rows = lifts(x, w)  # 1-D float32: a 2-D convolution over one row (algorithms/conv_rows.py)
+        if rows:
+            x, w = as_row(x), row_weights(w)
+        path = resolve(x, w, b, rows)[0]
         direct = path.direct
-        if direct is not None:
-            return (direct.run(x, w, b, None, _NO_ACTIVATION),)
-        return (path(x, w, b, None),)
+        y = direct.run(x, w, b, None, _NO_ACTIVATION) if direct is not None else path(x, w, b, None)
+        return (y.reshape(y.shape[:2] + y.shape[3:]) if rows else y,)
 
     kernel.bind = lambda inputs, outputs, constant: _bind(resolve, inputs, outputs, constant, _NO_ACTIVATION, False,
                                                           None)
@@ -49,8 +53,11 @@ def _bind(resolve, inputs, outputs, constant, bounds, hard_swish, prepare):
     z = inputs[3] if len(inputs) > 3 else None
     if not constant[1] or (b is not None and not constant[2]):
         return None
-    path, out_shape = resolve(x, w, b)
     y = outputs[0]
+    rows = lifts(x, w) and all(a is None or (a.ndim == 3 and a.flags.c_contiguous) for a in (x, y, z))
+    if rows:  # (views of the plan's buffers, which the bound calls read and write: contiguous ones, no copies)
+        x, w, y, z = as_row(x), as_row(w), as_row(y), None if z is None else as_row(z)
+    path, out_shape = resolve(x, w, b, rows)
     direct = path.direct
     if isinstance(direct, (DirectConv, PackedConv)) and (z is None or (z.shape == out_shape and z.dtype == x.dtype)):
         return direct.bind(x, w, b, z, bounds, hard_swish, y)
@@ -77,15 +84,17 @@ def _conv_resolver(node, shapes):
     prepared = Prepared()
     paths: dict[tuple, tuple] = {}  # per input signature: the path, with its geometry resolved
 
-    def resolve(x, w, b):
-        key = (x.shape, w.shape, x.dtype, None if b is None else b.shape, w.flags.writeable)
+    def resolve(x, w, b, rows=False):
+        """``rows``: x and w are (N, C, 1, L) and (M, C/G, 1, K) views of a 1-D convolution's (conv_rows.py)."""
+        key = (x.shape, w.shape, x.dtype, None if b is None else b.shape, w.flags.writeable, rows)
         found = paths.get(key)
         if found is None:
             _check_channels(node, x.shape, w.shape, group, transpose=False)
             if b is not None and b.shape != (w.shape[0],):
                 raise InvalidArgumentError(f"node {node.name!r} ({node.op_type}): bias has shape {b.shape}; expected "
                                            f"({w.shape[0]},), one value per output channel (the weight's first dim)")
-            geo = window.resolve(x.shape[2:], w.shape[2:])
+            geo = row_geometry(window.resolve(x.shape[3:], w.shape[3:])) if rows else\
+                window.resolve(x.shape[2:], w.shape[2:])
             # Padding sizes the output (and the padded rows): within the session's budget before allocating.
             budget.check_shape((x.shape[0], w.shape[0], *geo.out), max(x.dtype.itemsize, 4), f"{node.op_type}'s output")
             found = paths[key] = (conv_path(geo, group, x, w, prepared), (x.shape[0], w.shape[0], *geo.out))
@@ -200,14 +209,22 @@ def fused_conv(node, shapes, opset):
         bounds = prepare.float32_bounds
     concat = node.attr("concat_channels")
     shuffled = _ChannelShuffle(node) if node.attr("shuffle_shape") is not None else None
+    row_weights = RowWeights()
 
     def convolve(x, w, b, z, out=None):
+        if out is None and shuffled is None and lifts(x, w) and (z is None or z.ndim == 3):
+            # 1-D float32: a 2-D convolution over one row (algorithms/conv_rows.py)
+            y = convolve_rows(as_row(x), row_weights(w), b, None if z is None else as_row(z))
+            return y.reshape(y.shape[:2] + y.shape[3:])
+        return convolve_rows(x, w, b, z, out, False)
+
+    def convolve_rows(x, w, b, z, out=None, rows=True):
         shuffle = None
         if shuffled is not None:  # x is the shuffle's input: the convolution reads it through the shuffle
             shuffle = shuffled.over(x)
             if shuffle is None:
                 x = shuffled.apply(x)
-        path, out_shape = resolve(x, w, b)
+        path, out_shape = resolve(x, w, b, rows)
         direct = path.direct
         if direct is not None and shuffle is None and out is None and (z is None or (
                 direct.takes_residual and z.shape == out_shape and z.dtype == x.dtype)):
