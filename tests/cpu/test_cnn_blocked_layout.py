@@ -90,7 +90,7 @@ def test_plain_and_blocked_plans_agree(monkeypatch):
     x = np.random.default_rng(5).standard_normal((2, 3, 13, 13)).astype(np.float32)
     segment, feeds = _segment_and_feeds(model, x)
     with_blocks = segment(*feeds)
-    monkeypatch.setattr(segment_steps, "block_direct_runs", lambda segment, steps, spans: (steps, 0))
+    monkeypatch.setattr(segment_steps, "block_direct_runs", lambda segment, steps, spans, *_: (steps, 0))
     plain_segment, feeds = _segment_and_feeds(model, x)
     plain = plain_segment(*feeds)
     ((plan,),) = plain_segment.plans.values()

@@ -253,11 +253,13 @@ def test_residual_block_with_pools_runs_prepared_against_onnxruntime():
     got = segment(*feeds)
     ((plan,),) = segment.plans.values()
     called = [getattr(f, "__name__", "") for f, _ in plan._steps]  # noqa: SLF001
-    assert called.count("pool_2d") == 2 and ("_run_kernel" not in called or not host.AVX2)
+    pools = called.count("pool_2d") + called.count("max_pool_blocked")  # (a max pool between direct convolutions)
+    assert pools == 2 and ("_run_kernel" not in called or not host.AVX2)
     # Its values: the stem's 16x16 planes, four of 8x8 (pool, three convolutions), the 4x4 average, the logits;
     # the third convolution's output takes the first's buffer (read for the last time by the second); and where
-    # the direct tiles run, the first's output again, channel-blocked for the second (segment_layout.py).
-    blocked = 4 * 16 * 8 * 8 if "conv_blocked" in called else 0
+    # the direct tiles run, the values between the stem and the average pool again, channel-blocked
+    # (segment_layout.py): the stem's output, the max pool's and two convolutions'.
+    blocked = 4 * 16 * (16 * 16 + 3 * 8 * 8) if "max_pool_blocked" in called else 0
     assert plan.nbytes - x.nbytes == 4 * 16 * (16 * 16 + 3 * 8 * 8 + 4 * 4) + 4 * 6 + blocked
     expected = _oracle(model, x)[0]
     exact = run_float64(model, {"x": x})[0]

@@ -1,12 +1,13 @@
 """Channel-blocked values inside a segment's bound plan (segment_steps.py).
 
-A value that one direct convolution writes and only direct convolutions read (as their input or their
-residual) is kept blocked, (N, ceil(C / 16), H, W, 16) as onnxruntime's NCHWc, between them
-(compiled/directconv_blocked.py): its writer stores each tile as its accumulators hold it, without the
-transposes the plain layout needs. The layout changes only at such a run's edges, inside the convolutions
-that read a plain value or write one; every other step (pools, squeeze-excitation blocks, the head, a
-node's own kernel) and the segment's outputs see the plain layout. The values are those of the plain plan:
-the same sums in the same order, stored elsewhere.
+A value is kept blocked, (N, ceil(C / 16), H, W, 16) as onnxruntime's NCHWc, where a step that can write it
+blocked writes it and every reader can read it blocked: direct convolutions (compiled/directconv_blocked.py,
+as their input or residual), and the steps of compiled/blocked_ops.py: depthwise convolutions,
+squeeze-excitation blocks and max pools (blocked in, blocked out) and global average pools (blocked in, plain
+out). So a light CNN's block (expansion, depthwise, squeeze-excitation, projection, residual) and a ResNet's
+stem and pool stay blocked end to end, and the layout changes only inside the convolutions at a run's edges.
+Every other step (the head, an activation node, a node's own kernel) and the segment's outputs see the plain
+layout. The values are those of the plain plan, to the order of a depthwise convolution's sums.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 _RESIDUAL_INPUT = 3  # FusedConv's z
+_ACTIVATIONS = (None, "Relu", "Clip", "LeakyRelu", "HardSwish")
 
 
 def _direct_call(steps, span):
@@ -29,71 +31,220 @@ def _direct_call(steps, span):
     return arguments
 
 
-def _blocked_slots(segment, calls: dict) -> set:
-    """The slots written by a direct call and read only by direct calls, as input or residual, with a residual
-    in the layout of the output it is added to; never a segment input or output."""
+def _only_call(steps, span, name: str):
+    """The arguments of a node's single step where its loop is ``name``, else None."""
+    start, end = span
+    if end - start != 1 or getattr(steps[start][0], "__name__", "") != name:
+        return None
+    return steps[start][1]
+
+
+def _depthwise(inner, env):
+    """(x shape, y shape, packed weights, bias, bounds, hard_swish, geometry) of a float32 2-D depthwise
+    convolution with constant weights and explicit pads, else None."""
+    from ..compiled import blocked_ops, epilogue
+    from ..ops._common import activation_code
+
+    node, slots = inner.node, inner.inputs
+    if node.op_type not in ("Conv", "FusedConv") or node.domain not in ("", "ai.onnx", "ai.onnx_runtime.cpu") \
+            or len(slots) < 2 or (len(slots) > _RESIDUAL_INPUT and slots[_RESIDUAL_INPUT] >= 0) \
+            or node.attr("activation") not in _ACTIVATIONS or node.attr("auto_pad", "NOTSET") != "NOTSET":
+        return None
+    x, w, y = env[slots[0]], env[slots[1]], env[inner.outputs[0]]
+    b = env[slots[2]] if len(slots) > 2 and slots[2] >= 0 else None
+    if not all(isinstance(v, np.ndarray) and v.dtype == np.float32 for v in (x, w, y)) or x.ndim != 4 \
+            or w.ndim != 4 or y.ndim != 4 or w.flags.writeable or (b is not None and b.flags.writeable):
+        return None
+    channels = x.shape[1]
+    if int(node.attr("group", 1)) != channels or w.shape[:2] != (channels, 1) or y.shape[:2] != x.shape[:2]:
+        return None
+    kh, kw = w.shape[2:]
+    sh, sw = (int(s) for s in node.attr("strides", (1, 1)))
+    dh, dw = (int(d) for d in node.attr("dilations", (1, 1)))
+    pads = [int(p) for p in node.attr("pads", (0, 0, 0, 0))]
+    expect = tuple((size + pads[a] + pads[a + 2] - d * (k - 1) - 1) // s + 1
+                   for a, (size, k, s, d) in enumerate(((x.shape[2], kh, sh, dh), (x.shape[3], kw, sw, dw))))
+    if expect != y.shape[2:]:
+        return None
+    hard_swish = node.attr("activation") == "HardSwish"
+    kind, params = activation_code(node) if node.op_type == "FusedConv" and not hard_swish else (epilogue.NONE, ())
+    weights, bias = blocked_ops.pack_depthwise(np.asarray(w, np.float32), b, channels)
+    return (x.shape, y.shape, weights, bias, epilogue.activation_bounds(kind, params, np.float32), hard_swish,
+            (sh, sw, pads[0], pads[1], kh, kw, dh, dw))
+
+
+class _Kinds:
+    """The nodes that can take part, by kind, and what each reads and writes blocked."""
+
+    def __init__(self, segment, steps, spans, env, blocks):
+        self.direct, self.depthwise, self.excite, self.means, self.max_pools = {}, {}, {}, {}, {}
+        for index, span in spans.items():
+            inner = segment.inner[index]
+            if index in blocks:
+                members, product, _ = blocks[index]
+                arguments = _only_call(steps, span, "squeeze_excite")
+                if arguments is not None:
+                    self.excite[index] = (set(members), inner.inputs[0], product, arguments)
+                continue
+            arguments = _direct_call(steps, span)
+            if arguments is not None:
+                self.direct[index] = arguments
+                continue
+            op = inner.node.op_type if inner.node.domain in ("", "ai.onnx") else None
+            if op == "GlobalAveragePool" and _only_call(steps, span, "plane_means") is not None:
+                self.means[index] = env[inner.inputs[0]].shape
+            elif op == "MaxPool" and len(inner.node.outputs) == 1:
+                arguments = _only_call(steps, span, "pool_2d")
+                if arguments is not None and arguments[10] and env[inner.inputs[0]].ndim == 4 \
+                        and env[inner.inputs[0]].dtype == np.float32:
+                    self.max_pools[index] = (env[inner.inputs[0]].shape, env[inner.outputs[0]].shape, arguments)
+            else:
+                found = _depthwise(inner, env)
+                if found is not None:
+                    self.depthwise[index] = found
+
+    def writers(self, segment) -> dict:
+        """slot -> the index of the node that can write it blocked."""
+        found = {segment.inner[i].outputs[0]: i for i in (*self.direct, *self.depthwise, *self.max_pools)}
+        found.update({product: i for i, (_, _, product, _) in self.excite.items()})
+        return found
+
+    def reads(self, index: int, position: int, slot: int) -> bool:
+        """Whether node ``index`` can read its input ``position`` (``slot``) blocked."""
+        if index in self.direct:
+            return position in (0, _RESIDUAL_INPUT)
+        if index in self.depthwise or index in self.max_pools or index in self.means:
+            return position == 0
+        return any(index in members and slot == x for members, x, _, _ in self.excite.values())
+
+    def pairs(self, segment):
+        """(input slot, output slot) pairs that must share a layout."""
+        for index in (*self.depthwise, *self.max_pools):
+            yield segment.inner[index].inputs[0], segment.inner[index].outputs[0]
+        for _, x, product, _ in self.excite.values():
+            yield x, product
+        for index in self.direct:
+            inner = segment.inner[index]
+            if len(inner.inputs) > _RESIDUAL_INPUT and inner.inputs[_RESIDUAL_INPUT] >= 0:
+                yield inner.inputs[_RESIDUAL_INPUT], inner.outputs[0]
+
+
+def _blocked_slots(segment, kinds: _Kinds) -> set:
+    """The slots some node writes blocked and all readers read blocked, never a segment input or output, with
+    each pair of kinds.pairs in one layout."""
     readers: dict[int, list[tuple[int, int]]] = {}
     for index, inner in enumerate(segment.inner):
         for position, slot in enumerate(inner.inputs):
             readers.setdefault(slot, []).append((index, position))
     results = set(segment.results)
     chosen = set()
-    for index in calls:
-        slot = segment.inner[index].outputs[0]
+    for slot in kinds.writers(segment):
         uses = readers.get(slot, [])
         if slot in results or slot < segment.feeds or not uses:
             continue
-        if all(r in calls and p in (0, _RESIDUAL_INPUT) for r, p in uses):
+        if all(kinds.reads(r, p, slot) for r, p in uses):
             chosen.add(slot)
+    pairs = list(kinds.pairs(segment))
     changed = True
-    while changed:  # an output and the residual added to it share a layout
+    while changed:
         changed = False
-        for index in calls:
-            inner = segment.inner[index]
-            if len(inner.inputs) <= _RESIDUAL_INPUT or inner.inputs[_RESIDUAL_INPUT] < 0:
-                continue
-            residual, output = inner.inputs[_RESIDUAL_INPUT], inner.outputs[0]
-            if (residual in chosen) != (output in chosen):
-                chosen.discard(residual)
-                chosen.discard(output)
+        for a, b in pairs:
+            if (a in chosen) != (b in chosen):
+                chosen.discard(a)
+                chosen.discard(b)
                 changed = True
     return chosen
 
 
-def block_direct_runs(segment, steps: list, spans: dict) -> tuple[list, int]:
-    """``steps`` with the runs of direct convolutions over blocked values (see the module doc), and the bytes of
-    the blocked buffers they add; ``spans``: node index -> (first, end) of its steps."""
-    from ..compiled import directconv_blocked as kernel
+def _blocked_size(shape) -> int:
+    from ..compiled.directconv import CHANNELS
 
-    calls = {}
-    for index, span in spans.items():
-        arguments = _direct_call(steps, span)
-        if arguments is not None:
-            calls[index] = arguments
-    chosen = _blocked_slots(segment, calls)
+    return shape[0] * -(-shape[1] // CHANNELS) * CHANNELS * int(np.prod(shape[2:]))
+
+
+def block_direct_runs(segment, steps: list, spans: dict, env: list, blocks: dict) -> tuple[list, int]:
+    """``steps`` with the blocked values of the module doc, and the bytes of the blocked buffers they add;
+    ``spans``: node index -> (first, end) of its steps; ``env``: the node-by-node run's values by slot;
+    ``blocks``: segment_blocks.squeeze_excitations."""
+    kinds = _Kinds(segment, steps, spans, env, blocks)
+    chosen = _blocked_slots(segment, kinds)
     if not chosen:
         return steps, 0
-    blocked: dict[int, np.ndarray] = {}
-    for index, arguments in calls.items():
-        slot = segment.inner[index].outputs[0]
-        if slot in chosen:
-            n, m, oh, ow = arguments[7].shape
-            blocked[slot] = np.zeros(n * -(-m // kernel.CHANNELS) * kernel.CHANNELS * oh * ow, np.float32)
+    buffers = {slot: np.zeros(_blocked_size(env[slot].shape), np.float32) for slot in chosen}
     steps = list(steps)
-    for index, arguments in calls.items():
-        inner = segment.inner[index]
-        x_slot, y_slot = inner.inputs[0], inner.outputs[0]
-        residual_slot = inner.inputs[_RESIDUAL_INPUT] if len(inner.inputs) > _RESIDUAL_INPUT else -1
-        if x_slot not in chosen and y_slot not in chosen:
-            continue
-        x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, top, left, height, width, in_place = arguments
+    for index, arguments in kinds.direct.items():
+        _block_direct(segment.inner[index], arguments, chosen, buffers, steps, spans[index][0])
+    for index, found in kinds.depthwise.items():
+        if segment.inner[index].inputs[0] in chosen:
+            _block_depthwise(segment.inner[index], found, buffers, steps, spans[index])
+    _block_excitations(kinds, chosen, buffers, steps, spans)
+    for index, shape in kinds.means.items():
+        x_slot = segment.inner[index].inputs[0]
         if x_slot in chosen:
-            offsets = kernel.blocked_taps(offsets, int(height) * int(width))
-        flat_x = blocked[x_slot] if x_slot in chosen else x.reshape(-1)
-        flat_y = blocked[y_slot] if y_slot in chosen else y.reshape(-1)
-        if residual.size and residual_slot in chosen:
-            residual = blocked[residual_slot]
-        steps[spans[index][0]] = (kernel.conv_blocked, (
-            flat_x, weights, offsets, bias, residual, bounds, flags, flat_y, sh, sw, top, left, height, width,
-            in_place, *x.shape, x_slot in chosen, *y.shape[1:], y_slot in chosen))
-    return steps, sum(b.nbytes for b in blocked.values())
+            steps[spans[index][0]] = (_blocked_ops().plane_means_blocked, (
+                buffers[x_slot], steps[spans[index][0]][1][1], shape[0], shape[1], int(np.prod(shape[2:])),
+                np.zeros(8 * 16, np.float32)))
+    for index, found in kinds.max_pools.items():
+        if segment.inner[index].inputs[0] in chosen:
+            _block_max_pool(segment.inner[index], found, buffers, steps, spans[index][0])
+    return [step for step in steps if step is not None], sum(b.nbytes for b in buffers.values())
+
+
+def _block_excitations(kinds, chosen, buffers, steps, spans) -> None:
+    """Each squeeze-excitation block over a blocked value as its blocked loop."""
+    for index, (_, x_slot, product, arguments) in kinds.excite.items():
+        if x_slot in chosen:
+            n, c, pixels = arguments[0].shape
+            blocked = -(-c // 16) * 16
+            steps[spans[index][0]] = (_blocked_ops().squeeze_excite_blocked, (
+                buffers[x_slot], *arguments[1:11], buffers[product], n, c, pixels, np.zeros(blocked, np.float32),
+                arguments[13], np.zeros(blocked, np.float32)))
+
+
+def _block_depthwise(inner, found, buffers, steps, span) -> None:
+    """A depthwise convolution's steps as one blocked step (its span's further places None)."""
+    ops = _blocked_ops()
+    x_shape, y_shape, weights, bias, bounds, hard_swish, (sh, sw, top, left, kh, kw, dh, dw) = found
+    rows, columns, size = ops.padded_size(*x_shape[2:], *y_shape[2:], sh, sw, top, left, kh, kw, dh, dw)
+    steps[span[0]:span[1]] = [(ops.depthwise_blocked, (
+        buffers[inner.inputs[0]], weights, ops.depthwise_taps(kh, kw, dh, dw, columns), bias, bounds, int(hard_swish),
+        buffers[inner.outputs[0]], x_shape[0], -(-x_shape[1] // 16), x_shape[2], x_shape[3], y_shape[2], y_shape[3],
+        sh, sw, top, left, np.zeros(size, np.float32), rows, columns, np.zeros(ops.PIXELS * 16, np.float32)))] \
+        + [None] * (span[1] - span[0] - 1)
+
+
+def _block_max_pool(inner, found, buffers, steps, at) -> None:
+    ops = _blocked_ops()
+    x_shape, y_shape, arguments = found
+    kh, kw, sh, sw, dh, dw, top, left = arguments[2:10]
+    rows, columns, size = ops.padded_size(*x_shape[2:], *y_shape[2:], sh, sw, top, left, kh, kw, dh, dw)
+    steps[at] = (ops.max_pool_blocked, (
+        buffers[inner.inputs[0]], ops.depthwise_taps(kh, kw, dh, dw, columns), buffers[inner.outputs[0]],
+        x_shape[0], -(-x_shape[1] // 16), x_shape[2], x_shape[3], y_shape[2], y_shape[3], sh, sw, top, left,
+        np.full(size, -np.inf, np.float32), rows, columns, np.zeros(ops.PIXELS * 16, np.float32)))
+
+
+def _blocked_ops():
+    from ..compiled import blocked_ops
+
+    return blocked_ops
+
+
+def _block_direct(inner, arguments, chosen, buffers, steps, at) -> None:
+    """A direct convolution's step over its blocked input, output or residual."""
+    from ..compiled import directconv_blocked as kernel
+
+    x_slot, y_slot = inner.inputs[0], inner.outputs[0]
+    residual_slot = inner.inputs[_RESIDUAL_INPUT] if len(inner.inputs) > _RESIDUAL_INPUT else -1
+    if x_slot not in chosen and y_slot not in chosen:
+        return
+    x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, top, left, height, width, in_place = arguments
+    if x_slot in chosen:
+        offsets = kernel.blocked_taps(offsets, int(height) * int(width))
+    flat_x = buffers[x_slot] if x_slot in chosen else x.reshape(-1)
+    flat_y = buffers[y_slot] if y_slot in chosen else y.reshape(-1)
+    if residual.size and residual_slot in chosen:
+        residual = buffers[residual_slot]
+    steps[at] = (kernel.conv_blocked, (
+        flat_x, weights, offsets, bias, residual, bounds, flags, flat_y, sh, sw, top, left, height, width,
+        in_place, *x.shape, x_slot in chosen, *y.shape[1:], y_slot in chosen))

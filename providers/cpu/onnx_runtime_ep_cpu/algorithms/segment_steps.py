@@ -189,7 +189,7 @@ def build_plan(segment, env: list, limit_bytes: int) -> BoundPlan | None:
             pool.after(index, buffers)
     except _TooLarge:
         return None
-    steps, blocked_bytes = block_direct_runs(segment, steps, spans)
+    steps, blocked_bytes = block_direct_runs(segment, steps, spans, env, blocks)
     if pool.total + blocked_bytes > limit_bytes:
         return None
     copied = sum(a[2][0].nbytes for f, a in steps if f is _run_kernel)

@@ -1,0 +1,293 @@
+"""The steps around direct convolutions over channel-blocked values (algorithms/segment_layout.py): depthwise
+convolutions, squeeze-excitation blocks, plane means and max pools reading (N, ceil(C / 16), H, W, 16) as
+directconv_blocked.py stores it, so a light CNN's block stays blocked from its expansion to its projection.
+
+In the blocked layout a pixel's 16 channels are contiguous, so each loop's innermost loop runs over those 16
+lanes: one vector, where the plain layout's depthwise and pooling loops walk planes channel by channel. Lanes
+past C in the last block hold values nothing reads (directconv_blocked's taps cover the real channels); these
+loops compute them too, from zero weights, and never let them into a real channel's value.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from . import jit, llvm
+from .directconv import CHANNELS
+from .epilogue import activate
+
+
+def pack_depthwise(w: np.ndarray, b, channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """A depthwise weight (C, 1, kh, kw) and bias (C,) or None as flat float32 (blocks, kh * kw, 16) and
+    (blocks * 16,), zeros past C."""
+    blocks = -(-channels // CHANNELS)
+    taps = int(np.prod(w.shape[2:]))
+    packed = np.zeros((blocks * CHANNELS, taps), np.float32)
+    packed[:channels] = w.reshape(channels, taps)
+    bias = np.zeros(blocks * CHANNELS, np.float32)
+    if b is not None:
+        bias[:channels] = b
+    return np.ascontiguousarray(packed.reshape(blocks, CHANNELS, taps).transpose(0, 2, 1)).reshape(-1), bias
+
+
+PIXELS = 4  # output pixels per depthwise tile: 4 accumulators of 16 lanes
+
+
+def padded_size(height, width, oh, ow, sh, sw, top, left, kh, kw, dh, dw) -> tuple[int, int, int]:
+    """(rows, columns, floats) of depthwise_blocked's zero-padded block: every row and column a window reads,
+    and a tile's reach past a narrow row's end."""
+    rows = max(top + height, (oh - 1) * sh + (kh - 1) * dh + 1)
+    columns = max(left + width, (ow - 1) * sw + (kw - 1) * dw + 1)
+    return rows, columns, (rows * columns + PIXELS * sw) * CHANNELS
+
+
+def _vector(builder, pointer, offset):
+    return builder.bitcast(builder.gep(pointer, [offset]), llvm.VEC.as_pointer())
+
+
+@intrinsic
+def _depthwise_tile(typingctx, w, x, start, taps, depth, stride, bias, bounds, hard_swish, y, at):
+    """y[at + p * 16 + l] = finish(sum_t w[t * 16 + l] * x[start + taps[t] + p * stride + l] + bias[l]) for the
+    tile's PIXELS pixels p and 16 lanes l: ``bounds``' activation, then HardSwish where ``hard_swish`` (the
+    plain loops' float32 operations, each rounded)."""
+    signature = types.void(w, x, start, taps, depth, stride, bias, bounds, hard_swish, y, at)
+
+    def codegen(context, builder, sig, args):
+        def data(index):
+            return context.make_array(sig.args[index])(context, builder, args[index]).data
+
+        w_ptr, x_ptr, taps_ptr, bias_ptr, bounds_ptr, y_ptr = (data(i) for i in (0, 1, 3, 6, 7, 9))
+        begin, depth, step_x, flag, out = args[2], args[4], args[5], args[8], args[10]
+        fma = llvm.fma(builder.module)
+
+        def step(k, sums):
+            origin = builder.add(begin, builder.load(builder.gep(taps_ptr, [k])))
+            weights = builder.load(_vector(builder, w_ptr, builder.mul(k, ir.Constant(llvm.I64, CHANNELS))), align=4)
+            return [builder.call(fma, [weights, builder.load(_vector(builder, x_ptr, builder.add(
+                origin, builder.mul(step_x, ir.Constant(llvm.I64, p)))), align=4), sums[p]]) for p in range(PIXELS)]
+
+        sums = llvm.counted_loop(builder, depth, [llvm.ZEROS] * PIXELS, step, "depthwise_blocked")
+        shift = builder.load(_vector(builder, bias_ptr, ir.Constant(llvm.I64, 0)), align=4)
+        bounds = [llvm.splat(builder, builder.load(builder.gep(bounds_ptr, [ir.Constant(llvm.I64, i)])))
+                  for i in range(3)]
+        swish = builder.icmp_signed("!=", flag, ir.Constant(flag.type, 0))
+        sixth, half = (llvm.splat(builder, ir.Constant(llvm.F32, float(v))) for v in (np.float32(1 / 6), 0.5))
+        ones = llvm.splat(builder, ir.Constant(llvm.F32, 1.0))
+        for p, total in enumerate(sums):
+            v = llvm.activated(builder, builder.fadd(total, shift), bounds)
+            gate = builder.fadd(builder.fmul(v, sixth), half)
+            gate = builder.select(builder.fcmp_ordered("<", gate, llvm.ZEROS), llvm.ZEROS, gate)
+            gate = builder.select(builder.fcmp_ordered(">", gate, ones), ones, gate)
+            v = builder.select(swish, builder.fmul(v, gate), v)
+            builder.store(v, _vector(builder, y_ptr, builder.add(out, ir.Constant(llvm.I64, p * CHANNELS))), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@jit
+def _fill(x, base, height, row_floats, source, top, left, padded_width):
+    """The block's rows from flat ``x`` at ``base`` into ``source`` at (``top``, ``left``) (an element loop:
+    numba's slice assignment checks for overlap and copies through a temporary)."""
+    for r in range(height):
+        at = np.uint64(((r + top) * padded_width + left) * CHANNELS)
+        start = np.uint64(base + r * row_floats)
+        for k in range(np.uint64(row_floats)):
+            source[at + k] = x[start + k]
+
+
+@jit
+def depthwise_blocked(x, weights, offsets, bias, bounds, hard_swish, y, images, blocks, height, width, oh, ow, sh,
+                      sw, top, left, source, padded_height, padded_width, tile):
+    """A depthwise convolution (one output per channel) over the blocked flat ``x`` (images x blocks x height x
+    width x 16) into the blocked flat ``y`` (images x blocks x oh x ow x 16): each block copied into the zero
+    borders of ``source`` (padded_size; its borders are never written), then tiles of PIXELS pixels of a row,
+    each tap one vector load and multiply-add per pixel (taps in weight order, as the plain loops), finished
+    with the bias, the activation (``bounds``: epilogue.activation_bounds) and HardSwish where ``hard_swish``
+    (0 or 1). ``weights``/``bias``: pack_depthwise; ``offsets``: each tap's floats from its window's first
+    pixel in ``source``; ``tile``: PIXELS * 16 scratch for rows narrower than a tile."""
+    depth = offsets.shape[0]
+    pixels = min(PIXELS, ow)
+    row_floats = width * CHANNELS
+    for n in range(images):
+        for b in range(blocks):
+            base = (n * blocks + b) * height * row_floats
+            _fill(x, base, height, row_floats, source, top, left, padded_width)
+            w = weights[b * depth * CHANNELS:]
+            shift = bias[b * CHANNELS:]
+            target = (n * blocks + b) * oh * ow * CHANNELS
+            for oy in range(oh):
+                for ox in range(0, ow, PIXELS):
+                    ox = min(ox, ow - pixels)
+                    begin = (oy * sh * padded_width + ox * sw) * CHANNELS
+                    out = target + (oy * ow + ox) * CHANNELS
+                    if pixels == PIXELS:
+                        _depthwise_tile(w, source, begin, offsets, depth, sw * CHANNELS, shift, bounds, hard_swish,
+                                        y, out)
+                    else:
+                        _depthwise_tile(w, source, begin, offsets, depth, sw * CHANNELS, shift, bounds, hard_swish,
+                                        tile, 0)
+                        y[out:out + pixels * CHANNELS] = tile[:pixels * CHANNELS]
+
+
+def depthwise_taps(kh: int, kw: int, dh: int, dw: int, padded_width: int) -> np.ndarray:
+    """Each tap's offset (floats) in depthwise_blocked's padded block from its window's first pixel."""
+    i, j = np.meshgrid(np.arange(kh), np.arange(kw), indexing="ij")
+    return ((i * dh * padded_width + j * dw) * CHANNELS).reshape(-1).astype(np.int64)
+
+
+@jit
+def _gated(v, gate, alpha, beta):
+    """segment_loops' squeeze-excitation gates on a float32: 1 (hard) max(0, min(1, alpha * v + beta)), else
+    the logistic sigmoid."""
+    zero = np.float32(0)
+    one = np.float32(1)
+    if gate != 1:
+        return one / (one + np.exp(-v))
+    v = alpha * v
+    v = v + beta
+    if v < zero:
+        v = zero
+    return one if v > one else v
+
+
+@jit
+def _lane_sums(x, n, blocks, pixels, sums):
+    """sums[b * 16 + l] = the sum over the pixels of image ``n``'s block b, lane l, pixel by pixel."""
+    for k in range(sums.size):
+        sums[k] = 0
+    for b in range(blocks):
+        base = (n * blocks + b) * pixels * CHANNELS
+        for p in range(pixels):
+            at = np.uint64(base + p * CHANNELS)
+            for lane in range(CHANNELS):
+                sums[b * CHANNELS + lane] += x[at + np.uint64(lane)]
+
+
+@jit
+def _scaled(x, n, blocks, pixels, scale, y):
+    """y = x * scale[channel] over image ``n``'s blocks."""
+    for b in range(blocks):
+        base = (n * blocks + b) * pixels * CHANNELS
+        for p in range(pixels):
+            at = np.uint64(base + p * CHANNELS)
+            for lane in range(CHANNELS):
+                k = np.uint64(lane)
+                y[at + k] = x[at + k] * scale[b * CHANNELS + lane]
+
+
+@jit
+def squeeze_excite_blocked(x, w1, b1, bounds1, swish, w2, b2, bounds2, gate, alpha, beta, y, images, channels,
+                           pixels, pooled, hidden, scale):
+    """segment_loops.squeeze_excite over the blocked flat ``x`` and ``y`` (images x blocks x pixels x 16): the
+    plane means summed pixel by pixel over the block's 16 lanes at once (the plain loop's order for each
+    channel), the two 1x1 convolutions and the gate on the ``channels`` real channels, the product on all 16
+    lanes (``scale`` zero past the channels). ``pooled`` and ``scale``: blocks * 16, ``hidden``: R."""
+    blocks = (channels + CHANNELS - 1) // CHANNELS
+    reduced = w1.shape[0]
+    one = np.float32(1)
+    divisor = np.float32(pixels)
+    for k in range(scale.size):
+        scale[k] = 0
+    for n in range(images):
+        _lane_sums(x, n, blocks, pixels, pooled)
+        for c in range(channels):
+            pooled[c] = pooled[c] / divisor
+        for r in range(reduced):
+            total = np.float32(0)
+            for c in range(channels):
+                total += w1[r, c] * pooled[c]
+            v = activate(total + b1[r], bounds1[0], bounds1[1], bounds1[2])
+            hidden[r] = v / (one + np.exp(-v)) if swish else v
+        for c in range(channels):
+            total = np.float32(0)
+            for r in range(reduced):
+                total += w2[c, r] * hidden[r]
+            scale[c] = _gated(activate(total + b2[c], bounds2[0], bounds2[1], bounds2[2]), gate, alpha, beta)
+        _scaled(x, n, blocks, pixels, scale, y)
+
+
+@jit
+def plane_means_blocked(x, y, images, channels, pixels, sums):
+    """y (images, channels) = the mean of each channel's plane of the blocked flat ``x`` (images x blocks x
+    pixels x 16), in pooling.plane_means's order (eight running sums, paired, then the remainder) on 16 lanes
+    at once; ``sums``: 8 * 16 scratch."""
+    blocks = (channels + CHANNELS - 1) // CHANNELS
+    whole = pixels // 8 * 8
+    for n in range(images):
+        for b in range(blocks):
+            base = (n * blocks + b) * pixels * CHANNELS
+            for k in range(sums.size):
+                sums[k] = 0
+            for p in range(whole):
+                at = base + p * CHANNELS
+                part = (p % 8) * CHANNELS
+                for lane in range(CHANNELS):
+                    sums[part + lane] += x[at + lane]
+            for lane in range(min(CHANNELS, channels - b * CHANNELS)):
+                s = sums[lane:]
+                total = ((s[0] + s[CHANNELS]) + (s[2 * CHANNELS] + s[3 * CHANNELS])) \
+                    + ((s[4 * CHANNELS] + s[5 * CHANNELS]) + (s[6 * CHANNELS] + s[7 * CHANNELS]))
+                for p in range(whole, pixels):
+                    total += x[base + p * CHANNELS + lane]
+                y[n * channels + b * CHANNELS + lane] = total / pixels
+
+
+@intrinsic
+def _max_tile(typingctx, x, start, taps, depth, stride, y, at):
+    """y[at + p * 16 + l] = the max over t of x[start + taps[t] + p * stride + l] for the tile's PIXELS pixels p
+    and 16 lanes l, from -inf; a NaN taken is kept (np.maximum's)."""
+    signature = types.void(x, start, taps, depth, stride, y, at)
+
+    def codegen(context, builder, sig, args):
+        def data(index):
+            return context.make_array(sig.args[index])(context, builder, args[index]).data
+
+        x_ptr, taps_ptr, y_ptr = (data(i) for i in (0, 2, 5))
+        begin, depth, step_x, out = args[1], args[3], args[4], args[6]
+
+        def step(k, best):
+            origin = builder.add(begin, builder.load(builder.gep(taps_ptr, [k])))
+            found = []
+            for p in range(PIXELS):
+                v = builder.load(_vector(builder, x_ptr, builder.add(origin, builder.mul(
+                    step_x, ir.Constant(llvm.I64, p)))), align=4)
+                kept = builder.fcmp_unordered("!=", best[p], best[p])  # a NaN already there
+                larger = builder.fcmp_unordered(">", v, best[p])  # larger, or a NaN
+                found.append(builder.select(builder.and_(larger, builder.not_(kept)), v, best[p]))
+            return found
+
+        lowest = llvm.splat(builder, ir.Constant(llvm.F32, float("-inf")))
+        for p, v in enumerate(llvm.counted_loop(builder, depth, [lowest] * PIXELS, step, "max_blocked")):
+            builder.store(v, _vector(builder, y_ptr, builder.add(out, ir.Constant(llvm.I64, p * CHANNELS))), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@jit
+def max_pool_blocked(x, offsets, y, images, blocks, height, width, oh, ow, sh, sw, top, left, source, padded_height,
+                     padded_width, tile):
+    """A 2-D max pool over the blocked flat ``x`` into the blocked flat ``y``, depthwise_blocked's tiles over
+    ``source`` whose borders hold -inf (padding never taken: a window wholly in it gives -inf)."""
+    depth = offsets.shape[0]
+    pixels = min(PIXELS, ow)
+    row_floats = width * CHANNELS
+    for n in range(images):
+        for b in range(blocks):
+            base = (n * blocks + b) * height * row_floats
+            _fill(x, base, height, row_floats, source, top, left, padded_width)
+            target = (n * blocks + b) * oh * ow * CHANNELS
+            for oy in range(oh):
+                for ox in range(0, ow, PIXELS):
+                    ox = min(ox, ow - pixels)
+                    begin = (oy * sh * padded_width + ox * sw) * CHANNELS
+                    out = target + (oy * ow + ox) * CHANNELS
+                    if pixels == PIXELS:
+                        _max_tile(source, begin, offsets, depth, sw * CHANNELS, y, out)
+                    else:
+                        _max_tile(source, begin, offsets, depth, sw * CHANNELS, tile, 0)
+                        y[out:out + pixels * CHANNELS] = tile[:pixels * CHANNELS]
