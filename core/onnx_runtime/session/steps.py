@@ -38,11 +38,13 @@ class ShapeKeyedKernel:
     node's kernel again per step. A kernel whose ``shape_key`` attribute is a function serves every input
     shapes that this function maps to the key it gives the kernel's own (an attention kernel that reads the
     keys' length per call): new shapes with that key reuse it. The caches are bounded: past ``LIMIT`` entries
-    they start over."""
+    they start over; shapes that map to kernels of ``by_key`` (entries that hold no kernel of their own) up to
+    ``SHARED_LIMIT``, so a later generation's every length finds its kernel without asking ``shape_key``."""
 
-    __slots__ = ("handle", "node", "graph", "cache", "shape_free", "shape_key", "by_key")
+    __slots__ = ("handle", "node", "graph", "cache", "shape_free", "shape_key", "by_key", "owned")
 
     LIMIT = 64
+    SHARED_LIMIT = 4096
 
     def __init__(self, handle: ProviderHandle, node: Node, graph: Graph, first=None, first_key=None):
         self.handle = handle
@@ -52,6 +54,7 @@ class ShapeKeyedKernel:
         self.shape_free = first if getattr(first, "shape_free", False) else None
         self.shape_key = None  # the shape_key function of the kernels in by_key
         self.by_key: dict = {}
+        self.owned = len(self.cache)  # entries of ``cache`` whose kernel is not one of ``by_key``'s
 
     def __call__(self, *inputs):
         kernel = self.shape_free
@@ -70,6 +73,7 @@ class ShapeKeyedKernel:
     def _kernel_for(self, key: tuple):
         shape_key = self.shape_key
         kernel = self.by_key.get(shape_key(key)) if shape_key is not None else None
+        shared = kernel is not None
         if kernel is None:
             kernel = make_kernel(self.handle, self.node, list(key), self.graph)
             if getattr(kernel, "shape_free", False):
@@ -80,10 +84,16 @@ class ShapeKeyedKernel:
                 if shape_key is not self.shape_key or len(self.by_key) >= self.LIMIT:
                     self.by_key = {}
                     self.shape_key = shape_key
+                    self.cache.clear()  # (its entries would keep the dropped kernels)
+                    self.owned = 0
                 self.by_key[shape_key(key)] = kernel
-        if len(self.cache) >= self.LIMIT:  # shapes without bound (a growing sequence): start over
+                shared = True
+        # Shapes without bound (a growing sequence): start over.
+        if len(self.cache) >= self.SHARED_LIMIT or (not shared and self.owned >= self.LIMIT):
             self.cache.clear()
+            self.owned = 0
         self.cache[key] = kernel
+        self.owned += not shared
         return kernel
 
 
