@@ -40,18 +40,25 @@ class TiledLayout:
         self.scratch = attention.scratch_size(geo.head_size, geo.v_head_size, total)
 
 
-def few_in_place(geo, q, k, v, scale, bias) -> tuple | None:
-    """(Y, present_key, present_value) of a small attention over C-contiguous 3-D Q, K and V (``geo``: the kernel's
-    head layout): Y (B, S, Hq * Dv) read and written in that layout by compiled/attention.few_rows_by_position, the
-    keys and values as heads. ``bias`` as decoder.py's few-row loop takes it. None where a row has no finite
-    score."""
-    from ..compiled import attention  # numba loads only for models that need it
+def few_in_place(geo, q, k, v, scale, bias, outputs: int = 3) -> tuple | None:
+    """(Y, present_key, present_value)[:outputs] of a small attention over C-contiguous 3-D Q, K and V (``geo``: the
+    kernel's head layout): Y (B, S, Hq * Dv) read and written in that layout by compiled/attention.few_rows_by_position,
+    the keys and values as heads (made only when asked for: an encoder's node has one output). ``bias`` as
+    decoder.py's few-row loop takes it. None where a row has no finite score."""
+    loop = _FEW_ROWS[0]
+    if loop is None:  # numba loads only for models that need it (an import statement per call costs a microsecond)
+        from ..compiled import attention
 
-    batch, keys = q.shape[0], k.shape[1]
-    y = np.empty((batch, geo.q_len, geo.q_heads * geo.v_head_size), np.float32)
-    if not attention.few_rows_by_position(q.reshape(batch, geo.q_len, geo.q_heads, geo.head_size),
-                                          k.reshape(batch, keys, geo.kv_heads, geo.head_size),
-                                          v.reshape(batch, keys, geo.kv_heads, geo.v_head_size), scale, bias,
-                                          y.reshape(batch, geo.q_len, geo.q_heads, geo.v_head_size)):
+        loop = _FEW_ROWS[0] = attention.few_rows_by_position
+    batch, keys, heads, size = q.shape[0], k.shape[1], geo.q_heads, geo.head_size
+    y = np.empty((batch, geo.q_len, heads * geo.v_head_size), np.float32)
+    if not loop(q.reshape(batch, geo.q_len, heads, size), k.reshape(batch, keys, geo.kv_heads, size),
+                v.reshape(batch, keys, geo.kv_heads, geo.v_head_size), scale, bias,
+                y.reshape(batch, geo.q_len, heads, geo.v_head_size)):
         return None
-    return y, geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
+    if outputs == 1:
+        return (y,)
+    return (y, geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads))[:outputs]
+
+
+_FEW_ROWS: list = [None]  # compiled/attention.few_rows_by_position, once imported

@@ -334,8 +334,7 @@ class _Attention:
             bias = np.ascontiguousarray(mask).reshape(lead + mask.shape[-1:])
         if geo.rank == 3 and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous \
                 and not numpy_first():  # (its loop has no numpy version to serve while numba loads)
-            outputs = few_in_place(geo, q, k, v, self._few_scale, bias)  # (Y in place: no copies)
-            return None if outputs is None else outputs[:self._outputs]
+            return few_in_place(geo, q, k, v, self._few_scale, bias, self._outputs)  # (Y in place: no copies)
         queries = geo.to_heads(q, geo.q_heads)
         keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
         y = np.empty((queries.shape[0], geo.q_heads, geo.q_len, geo.v_head_size), np.float32)
