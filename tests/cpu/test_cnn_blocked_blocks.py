@@ -163,3 +163,47 @@ def test_blocked_loops_match_float64(channels, size, kernel, stride, pad, dilati
         if kind == "depthwise":
             expected += b.astype(np.float64)[None, :, None, None]
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * (1 + np.abs(expected).max()))
+
+
+def _silu_model(size: int = 15) -> onnx.ModelProto:
+    """EfficientNet's spelling: SiLU as Sigmoid and Mul nodes (fuse_silu's Swish) around a depthwise convolution."""
+    rng = np.random.default_rng(31)
+    inits, nodes = [], []
+
+    def conv(x, y, cin, cout, k, stride=1, group=1):
+        w = (rng.standard_normal((cout, cin // group, k, k)) / np.sqrt(cin // group * k * k)).astype(np.float32)
+        inits.append(numpy_helper.from_array(w, f"{y}_w"))
+        nodes.append(helper.make_node("Conv", [x, f"{y}_w"], [y], kernel_shape=[k, k], strides=[stride] * 2,
+                                      pads=[k // 2] * 4, group=group))
+
+    def silu(x, y):
+        nodes.append(helper.make_node("Sigmoid", [x], [f"{y}_gate"]))
+        nodes.append(helper.make_node("Mul", [x, f"{y}_gate"], [y]))
+
+    conv("x", "c1", 3, 20, 3, stride=2)
+    silu("c1", "a1")
+    conv("a1", "d1", 20, 20, 3, group=20)
+    silu("d1", "a2")
+    conv("a2", "c2", 20, 24, 1)
+    conv("c2", "tail", 24, 24, 3)
+    nodes.append(helper.make_node("GlobalAveragePool", ["tail"], ["pool"]))
+    graph = helper.make_graph(nodes, "silu", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                            ["batch", 3, size, size])],
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in _OUTPUTS],
+                              inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_activation_nodes_run_over_blocked_buffers():
+    model = _silu_model()
+    deferred.wait_ready(240)
+    x = np.random.default_rng(9).standard_normal((2, 3, 15, 15)).astype(np.float32)
+    segment, feeds = _segment_and_feeds(model, x)
+    segment(*feeds)
+    ((plan,),) = segment.plans.values()
+    swish = [a for f, a in plan._steps if getattr(f, "__name__", "") == "swish_float32_into"]  # noqa: SLF001
+    assert len(swish) == 2 and all(a[0].size == 2 * 32 * 8 * 8 for a in swish)  # 20 channels stored as 32
+    assert _called(plan).count("depthwise_blocked") == 1
+    got = dict(zip(segment.output_names, segment(*feeds)))
+    for name, wide in zip(_OUTPUTS, run_float64(model, {"x": x})):
+        assert np.abs(got[name] - wide).max() <= 2e-5 * (1 + np.abs(wide).max()), name

@@ -2,12 +2,13 @@
 
 A value is kept blocked, (N, ceil(C / 16), H, W, 16) as onnxruntime's NCHWc, where a step that can write it
 blocked writes it and every reader can read it blocked: direct convolutions (compiled/directconv_blocked.py,
-as their input or residual), and the steps of compiled/blocked_ops.py: depthwise convolutions,
-squeeze-excitation blocks and max pools (blocked in, blocked out) and global average pools (blocked in, plain
-out). So a light CNN's block (expansion, depthwise, squeeze-excitation, projection, residual) and a ResNet's
-stem and pool stay blocked end to end, and the layout changes only inside the convolutions at a run's edges.
-Every other step (the head, an activation node, a node's own kernel) and the segment's outputs see the plain
-layout. The values are those of the plain plan, to the order of a depthwise convolution's sums.
+as their input or residual), the steps of compiled/blocked_ops.py (depthwise convolutions, squeeze-excitation
+blocks and max pools: blocked in, blocked out; global average pools: blocked in, plain out), and the
+elementwise loops of activation nodes (SiLU, HardSwish, Sigmoid) over the whole blocked buffer. So a light
+CNN's block (expansion, depthwise, squeeze-excitation, projection, residual) and a ResNet's stem and pool stay
+blocked end to end, and the layout changes only inside the convolutions at a run's edges. Every other step
+(the head, a node's own kernel) and the segment's outputs see the plain layout. The values are those of the
+plain plan, to the order of a depthwise convolution's sums.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import numpy as np
 
 _RESIDUAL_INPUT = 3  # FusedConv's z
 _ACTIVATIONS = (None, "Relu", "Clip", "LeakyRelu", "HardSwish")
+# elementwise loops over flat (x, y, ...) that a node binds alone (segment_steps.py): on a blocked value they run
+# over its padded lanes too, which nothing reads
+_ELEMENTWISE = frozenset({"swish_float32_into", "hard_sigmoid_into", "sigmoid_float32_into"})
 
 
 def _direct_call(steps, span):
@@ -78,6 +82,7 @@ class _Kinds:
 
     def __init__(self, segment, steps, spans, env, blocks):
         self.direct, self.depthwise, self.excite, self.means, self.max_pools = {}, {}, {}, {}, {}
+        self.elementwise: dict[int, tuple] = {}
         for index, span in spans.items():
             inner = segment.inner[index]
             if index in blocks:
@@ -89,6 +94,11 @@ class _Kinds:
             arguments = _direct_call(steps, span)
             if arguments is not None:
                 self.direct[index] = arguments
+                continue
+            if span[1] - span[0] == 1 and getattr(steps[span[0]][0], "__name__", "") in _ELEMENTWISE \
+                    and len(inner.inputs) == 1 and steps[span[0]][1][0].dtype == np.float32 \
+                    and steps[span[0]][1][0].size == steps[span[0]][1][1].size == env[inner.inputs[0]].size:
+                self.elementwise[index] = steps[span[0]]
                 continue
             op = inner.node.op_type if inner.node.domain in ("", "ai.onnx") else None
             if op == "GlobalAveragePool" and _only_call(steps, span, "plane_means") is not None:
@@ -105,7 +115,8 @@ class _Kinds:
 
     def writers(self, segment) -> dict:
         """slot -> the index of the node that can write it blocked."""
-        found = {segment.inner[i].outputs[0]: i for i in (*self.direct, *self.depthwise, *self.max_pools)}
+        found = {segment.inner[i].outputs[0]: i for i in (*self.direct, *self.depthwise, *self.max_pools,
+                                                          *self.elementwise)}
         found.update({product: i for i, (_, _, product, _) in self.excite.items()})
         return found
 
@@ -113,13 +124,13 @@ class _Kinds:
         """Whether node ``index`` can read its input ``position`` (``slot``) blocked."""
         if index in self.direct:
             return position in (0, _RESIDUAL_INPUT)
-        if index in self.depthwise or index in self.max_pools or index in self.means:
+        if index in self.depthwise or index in self.max_pools or index in self.means or index in self.elementwise:
             return position == 0
         return any(index in members and slot == x for members, x, _, _ in self.excite.values())
 
     def pairs(self, segment):
         """(input slot, output slot) pairs that must share a layout."""
-        for index in (*self.depthwise, *self.max_pools):
+        for index in (*self.depthwise, *self.max_pools, *self.elementwise):
             yield segment.inner[index].inputs[0], segment.inner[index].outputs[0]
         for _, x, product, _ in self.excite.values():
             yield x, product
@@ -178,6 +189,7 @@ def block_direct_runs(segment, steps: list, spans: dict, env: list, blocks: dict
         if segment.inner[index].inputs[0] in chosen:
             _block_depthwise(segment.inner[index], found, buffers, steps, spans[index])
     _block_excitations(kinds, chosen, buffers, steps, spans)
+    _block_elementwise(segment, kinds, chosen, buffers, steps, spans)
     for index, shape in kinds.means.items():
         x_slot = segment.inner[index].inputs[0]
         if x_slot in chosen:
@@ -199,6 +211,14 @@ def _block_excitations(kinds, chosen, buffers, steps, spans) -> None:
             steps[spans[index][0]] = (_blocked_ops().squeeze_excite_blocked, (
                 buffers[x_slot], *arguments[1:11], buffers[product], n, c, pixels, np.zeros(blocked, np.float32),
                 arguments[13], np.zeros(blocked, np.float32)))
+
+
+def _block_elementwise(segment, kinds, chosen, buffers, steps, spans) -> None:
+    """Each activation loop over a blocked value over its blocked buffers."""
+    for index, (function, arguments) in kinds.elementwise.items():
+        inner = segment.inner[index]
+        if inner.inputs[0] in chosen:
+            steps[spans[index][0]] = (function, (buffers[inner.inputs[0]], buffers[inner.outputs[0]], *arguments[2:]))
 
 
 def _block_depthwise(inner, found, buffers, steps, span) -> None:
