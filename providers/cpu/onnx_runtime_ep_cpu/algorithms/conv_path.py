@@ -140,7 +140,7 @@ def compiled_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, pr
         return None
     direct = direct_tiles_apply(geo, group, x, w)
     if packed_conv_applies(geo, group, x) and not (direct and direct_tiles_before_packed(geo, w, group)):
-        return lambda: (PackedConv(geo, group, x.shape, w.shape, prepared), True)
+        return _running(lambda: (PackedConv(geo, group, x.shape, w.shape, prepared), True), "jobs.CONV", "jobs.PAD")
     if direct:
         return lambda: (DirectConv(geo, group, x.shape, w.shape, prepared), True)
     if group == c and group > 1 and pairs_depthwise_apply(geo, x, m):
@@ -150,8 +150,15 @@ def compiled_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, pr
     if group == c and group > 1 and depthwise_lanes_apply(geo, x, m):
         return lambda: (LanesDepthwise(geo, prepared), True)
     if group == c and group > 1 and depthwise_compiles(geo, x):
-        return lambda: (compiled_depthwise(geo, m, prepared, dtype), True)
+        return _running(lambda: (compiled_depthwise(geo, m, prepared, dtype), True), "jobs.DEPTHWISE")
     return None
+
+
+def _running(build, *kinds: str):
+    """``build`` with the job kinds its convolution runs (``build.kinds``), which the background loader has
+    ready before the numpy path gives way (compiled/deferred.numpy_first)."""
+    build.kinds = kinds
+    return build
 
 
 def numpy_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared, dtype):
@@ -223,7 +230,8 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
     out_shape = (n, m, *geo.out)
     build = compiled_compute(geo, group, x, w, prepared, dtype)
     pending = None  # the compiled convolution's builder, while numpy serves
-    if build is not None and deferred.numpy_first():
+    kinds = getattr(build, "kinds", ())
+    if build is not None and deferred.numpy_first(*kinds):
         chosen, pending = numpy_compute(geo, group, x, w, prepared, dtype), build
     else:
         chosen = build() if build is not None else numpy_compute(geo, group, x, w, prepared, dtype)
@@ -244,7 +252,7 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
         ``shuffle`` (a _ChannelShuffle), of x's channels shuffled."""
         nonlocal pending
         builder = pending
-        if builder is not None and not deferred.numpy_first():
+        if builder is not None and not deferred.numpy_first(*kinds):
             pending = None  # (two threads may both build it: the same algorithm, the last one kept)
             take(builder())
         compute, blocks, reads_shuffled = current[0]

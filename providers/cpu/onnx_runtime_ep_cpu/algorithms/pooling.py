@@ -85,7 +85,8 @@ def compiled_pool(loops, x: np.ndarray, geo: Geometry, include_pad: bool | None 
     y = np.empty(x.shape[:2] + geo.out, dtype=x.dtype)
     planes, rows, arguments = _pool_call(x, geo, include_pad, y)
     spans = thread_spans(planes.shape[0], x.size, x.dtype)
-    if spans is None or deferred.numpy_first():  # (the helper threads' parts are compiled code)
+    # (the helper threads' parts are compiled code; the part's types only built while numpy serves)
+    if spans is None or deferred.state.deferring and deferred.numpy_first(("jobs.POOL", (planes, rows, *arguments))):
         loops.pool_2d(planes, rows, *arguments)
     else:
         from ..compiled import jobs, workers

@@ -53,7 +53,8 @@ class PackedProduct:
     def applies(a: np.ndarray, b: np.ndarray) -> bool:
         return (a.dtype is b.dtype is FLOAT32 and b.ndim == 2 and a.ndim >= 2 and not b.flags.writeable
                 and a.shape[-1] == b.shape[0] and a.size >= PACKED_ROWS * b.shape[0] and b.shape[1] > 0
-                and b.shape[0] > 0 and a.size * b.shape[1] >= KNOBS.packed_macs and gemv_host() and not numpy_first())
+                and b.shape[0] > 0 and a.size * b.shape[1] >= KNOBS.packed_macs and gemv_host()
+                and not numpy_first("jobs.MATMUL"))
 
     def __call__(self, a, b, bias=None, residual=None, coefficients=None, weights=None) -> np.ndarray:
         """a @ b (+ bias) [Gelu with ``coefficients``] (+ residual), as a fresh (..., N) array; ``bias``
@@ -150,7 +151,7 @@ def few_rows_split(a: np.ndarray, b: np.ndarray, transposed: bool) -> Split | No
     """The Split computing few_rows_product(a, b, transposed), or None where it does not apply or would run on one
     thread below the few_rows_blas_macs knob (where BLAS is as fast)."""
     if not (a.dtype is b.dtype is FLOAT32 and a.size <= GEMV_ROWS * a.shape[-1] and a.size and b.size
-            and a.shape[-1] == b.shape[transposed] and gemv_host() and not numpy_first()):
+            and a.shape[-1] == b.shape[transposed] and gemv_host() and not numpy_first("jobs.PRODUCT")):
         return None
     key = (a.shape, b.shape, transposed, kernel_threads())
     split = _splits.get(key, False)

@@ -88,8 +88,30 @@ def cached_cfunc(signature, function):
         _warn_uncached(exc)
     else:
         _recover_damaged_entries(callback, function.__qualname__)
+    from .deferred import loading_only
+
+    if loading_only():  # the background loader links from the cache and never compiles (deferred.py)
+        cres = callback._cache.load_overload(callback._sig, callback._targetdescr.target_context)  # noqa: SLF001
+        if cres is None:
+            from .deferred import CacheMiss
+
+            raise CacheMiss(function.__qualname__)
+        callback._cache = _Loaded(cres)  # noqa: SLF001  (compile() below links it; loading twice would link twice)
     callback.compile()
     return callback
+
+
+class _Loaded:
+    """A cfunc's cache holding the one result the loader has read already."""
+
+    def __init__(self, cres):
+        self._cres = cres
+
+    def load_overload(self, sig, target_context):
+        return self._cres
+
+    def save_overload(self, sig, cres):
+        pass
 
 
 _warned_uncached = False

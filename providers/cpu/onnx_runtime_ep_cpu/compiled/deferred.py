@@ -7,9 +7,13 @@ session has opened *deferral* (the CPU provider does, unless turned off), a loop
 equivalent of identical semantics (generic.py) runs that one and records the argument types it saw. A
 thread started by the first such call waits until the runs pause or the process has spent half a second
 of CPU time, lowers its priority, imports numba, builds those loops' dispatchers, links the recorded signatures
-from numba's disk cache (never compiling: a miss is left to the first compiled call), and then switches
-each loop to its dispatcher. A loop without a numpy equivalent builds its dispatcher on its first call, as
-before. A process that exits sooner (one run of a command-line tool) never loads numba at all.
+from numba's disk cache, and then switches each loop to its dispatcher. Kernels that ask ``numpy_first`` name
+the job kinds their compiled path runs (``"jobs.POOL"``); the loader links those runners too. The loader thread
+never compiles: what the cache misses (a new install, an edited package) is compiled by a child interpreter at
+low priority (compile_child.py) into the same cache, then linked, and deferral stays open until all of it is
+linked, so no run waits for a compile of something it had a numpy path for. A loop without a numpy equivalent
+builds its dispatcher on its first call, as before. A process that exits sooner (one run of a command-line
+tool) never loads numba at all, and one that exits while the child compiles kills it (finished entries stay).
 
 Turned off by the environment variable ONNX_RUNTIME_COMPILE_IN_BACKGROUND=0 or a session's config entry
 ``session.compile_in_background`` = "0" (for the whole process: the loops are shared by every session), and
@@ -23,8 +27,11 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -42,6 +49,13 @@ _lock = threading.Lock()  # the list of loops and their recorded signatures: hel
 _build_lock = threading.RLock()  # building a dispatcher (the first imports numba): held for long
 _loops: list[Loop] = []
 _generic: dict | None = None  # generic.py's table, imported on the first deferred call
+_needs: set[tuple] = set()  # job kinds named by numpy_first's callers ("jobs.POOL", or with a part's types)
+_kinds_linked: set = set()  # of those, the ones the loader has dealt with
+_PACKAGE = __name__.rsplit(".", 1)[0]
+
+
+class CacheMiss(RuntimeError):
+    """What the background loader was to link is not in numba's disk cache (the loader never compiles)."""
 
 
 class _State:
@@ -58,6 +72,9 @@ class _State:
     numba_imported = False  # by ensure_numba
     loader_ident = 0
     importing = False  # the loader is importing numba (kernel factories wait: before_kernel_build)
+    child: subprocess.Popen | None = None  # the compile process (compile_child.py) while it runs
+    compiled_in_child = 0  # rounds that needed it
+    child_errors = ""  # the end of its stderr, where it failed
 
 
 state = _State()
@@ -90,15 +107,29 @@ def wait_ready(timeout: float | None = None) -> bool:
     return state.ready or thread is None
 
 
-def numpy_first() -> bool:
+def numpy_first(*kinds: str | tuple) -> bool:
     """Whether a kernel with a numpy or BLAS path of its own beside a compiled one that imports numba (the
     AVX-512 products and attention tiles) should take its own path for this call: while deferral is open.
     Starts the loader as a numpy-served loop call does, so that later calls find numba loaded and the
-    compiled path taken; the caller must decide per call (a choice made once would keep the slow path)."""
+    compiled path taken; the caller must decide per call (a choice made once would keep the slow path).
+    ``kinds``: the job kinds its compiled path runs, as "jobs.NAME" (compiled/jobs.py), whose runners the
+    loader has ready (compiled in its child where the cache misses them) before it closes deferral; or as
+    ("jobs.NAME", arguments), a part's arguments as the compiled path would post them, for the kind's writer
+    too (its types are the arguments')."""
     if not state.deferring:
         return False
+    if kinds:
+        key = tuple(k if isinstance(k, str) else (k[0], tuple(_describe(a) for a in k[1])) for k in kinds)
+        if key not in _needs:
+            with _lock:
+                _needs.add(key)
     _note_caller()
     return True
+
+
+def loading_only() -> bool:
+    """Whether this thread is the loader, which links from numba's cache and never compiles (see CacheMiss)."""
+    return state.loader_ident == threading.get_ident()
 
 
 def _note_caller() -> None:
@@ -199,7 +230,12 @@ class Loop(functools.partial):
 
     def pending(self) -> bool:
         """Served from numpy so far, with argument types recorded for the loader."""
-        return bool(self._signatures) and self._dispatcher is None
+        return bool(self._signatures) and not self.switched
+
+    def recorded(self) -> list:
+        """The argument descriptions recorded so far."""
+        with _lock:
+            return list(self._signatures)
 
     def link_recorded(self, stop: threading.Event):
         """The dispatcher, with the recorded signatures linked from numba's disk cache (the loader's step)."""
@@ -375,6 +411,140 @@ def _link_cached(dispatcher, signature: tuple) -> None:
         dispatcher.add_overload(cres)
 
 
+def _linked(dispatcher, described) -> bool:
+    try:
+        return dispatcher.overloads.get(tuple(_numba_type(d) for d in described)) is not None
+    except Exception:  # noqa: BLE001  (an odd argument type: the first compiled call links or compiles it)
+        return True
+
+
+def _link_kind(name: str) -> bool:
+    """The runner of the job kind ``name`` ("jobs.POOL") linked from the cache; False on a miss."""
+    try:
+        _kind(name).address()
+    except CacheMiss:
+        return False
+    except Exception:  # noqa: BLE001  (no such kind: its first call says so)
+        pass
+    _kinds_linked.add(name)
+    return True
+
+
+def _kind(name: str):
+    module, _, attribute = name.rpartition(".")
+    return getattr(__import__(f"{_PACKAGE}.{module}", fromlist=[attribute]), attribute)
+
+
+def _posting_loops(needs: list) -> list:
+    """(loop, description) of what posts a part of each kind named with its arguments: the kind's writer (the
+    mailbox, then the part's arguments) and workers.run_here (a runner's address and a mailbox)."""
+    from . import workers
+
+    mailbox = ("array", np.dtype(np.int64), 1, "C", False)
+    found = []
+    for name, described in needs:
+        try:
+            found.append((_kind(name).writer, (mailbox, *described)))
+        except Exception:  # noqa: BLE001  (no such kind: its first call says so)
+            continue
+        found.append((workers.run_here, (("value", 0), mailbox)))
+    return found
+
+
+def _encode(described: tuple) -> list:
+    """_describe's tuple as JSON (compile_child.numba_type reads it)."""
+    if described[0] == "array":
+        _, dtype, ndim, layout, readonly = described
+        return ["array", np.dtype(dtype).str, ndim, layout, bool(readonly)]
+    value = described[1]
+    if isinstance(value, np.generic):
+        return ["scalar", value.dtype.str, value.item()]
+    return ["value", value]
+
+
+def _compile_in_child(misses: list, kinds: list) -> bool:
+    """Compile ``misses`` ((loop, description)) and the runners of ``kinds`` into numba's cache in a child
+    interpreter (compile_child.py); False where it failed or the process is exiting (the child killed)."""
+    request = {"loops": [[loop.__module__, loop.__qualname__, [_encode(d) for d in described]]
+                         for loop, described in misses],
+               "kinds": [[f"{_PACKAGE}.{name.rpartition('.')[0]}", name.rpartition(".")[2]] for name in kinds]}
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, **{ENV: "0"})
+    env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    with tempfile.TemporaryFile() as errors:
+        try:
+            child = subprocess.Popen([sys.executable, "-m", f"{_PACKAGE}.compile_child"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, stderr=errors, env=env, close_fds=True)
+        except OSError:
+            return False
+        state.child = child
+        try:
+            assert child.stdin is not None
+            with child.stdin:
+                child.stdin.write(json.dumps(request).encode())
+            while child.poll() is None:
+                if state.stop.wait(0.05):
+                    child.kill()
+                    child.wait()
+                    return False
+        except OSError:  # the child died before reading its request
+            child.kill()
+            child.wait()
+            return False
+        finally:
+            state.child = None
+        if child.returncode:
+            errors.seek(0)
+            state.child_errors = errors.read()[-4000:].decode(errors="replace")
+        return child.returncode == 0
+
+
+def _link_posting(posting: list) -> list:
+    """Link _posting_loops' signatures from the cache; returns those it misses."""
+    misses = []
+    for loop, described in posting:
+        try:
+            _link_cached(loop.dispatcher(), tuple(_numba_type(d) for d in described))
+        except Exception:  # noqa: BLE001  (an odd argument type: the first compiled call links or compiles it)
+            continue
+        if not _linked(loop.dispatcher(), described):
+            misses.append((loop, described))
+    return misses
+
+
+def _settle() -> bool:
+    """One round of the loader: link what the runs recorded and named, compile the misses in the child, link
+    them, switch the loops whose every recorded signature is linked. False when nothing was pending."""
+    with _lock:
+        loops = [loop for loop in _loops if loop.pending()]
+        named = {k if isinstance(k, str) else k[0] for needs in _needs for k in needs}
+        posted = [k for needs in _needs for k in needs if not isinstance(k, str) and k not in _kinds_linked]
+        kinds = sorted(named - _kinds_linked)
+    if not loops and not kinds and not posted:
+        return False
+    _kinds_linked.update(posted)
+    posting = _posting_loops(posted)
+    loaded = [(loop, loop.link_recorded(state.stop)) for loop in loops if not state.stop.is_set()]
+    missing = [name for name in kinds if not state.stop.is_set() and not _link_kind(name)]
+    misses = [(loop, d) for loop, dispatcher in loaded for d in loop.recorded() if not _linked(dispatcher, d)]
+    misses += _link_posting(posting)
+    if (misses or missing) and not state.stop.is_set():
+        state.compiled_in_child += 1
+        _compile_in_child(misses, missing)  # where it failed, what it did not compile is compiled at first call
+        if state.stop.is_set():
+            return False
+        loaded = [(loop, loop.link_recorded(state.stop)) for loop in loops if not state.stop.is_set()]
+        _link_posting(posting)
+        for name in missing:
+            if not _link_kind(name):
+                _kinds_linked.add(name)  # not cached after all (no writable cache): its first call compiles
+    if state.stop.is_set():
+        return False
+    for loop, dispatcher in loaded:
+        loop.switch(dispatcher)
+    return True
+
+
 def _load() -> None:
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread only (Linux)
@@ -392,16 +562,14 @@ def _load() -> None:
     try:
         ensure_numba()
         sys.meta_path.remove(finder)
-        with _lock:
-            loops = [loop for loop in _loops if loop.pending()]
-        loaded = [(loop, loop.link_recorded(state.stop)) for loop in loops if not state.stop.is_set()]
-        if not state.stop.is_set():
-            for loop, dispatcher in loaded:
-                loop.switch(dispatcher)
+        # rounds until one finds nothing new: the runs go on recording on numpy while a round compiles
+        while not state.stop.is_set() and _settle():
+            pass
     finally:
         if finder in sys.meta_path:
             sys.meta_path.remove(finder)
         state.deferring = False
+        state.loader_ident = 0
         state.ready = True
 
 
@@ -418,6 +586,8 @@ def _after_fork_in_child() -> None:
     _lock, _build_lock = threading.Lock(), threading.RLock()
     state.importing = False
     state.thread = None
+    state.child = None
+    state.loader_ident = 0
     if state.callers is not None:
         state.callers = set()
     state.stop = threading.Event()

@@ -382,8 +382,8 @@ class _Attention:
         if bias is None or q.size == 0 or k.size == 0:
             return None
         per_head = bias.ndim == 3
-        if geo.q_len >= _TILED_ROWS and geo.v_head_size % 32 == 0 and gemv_host() and not numpy_first() \
-                and not per_head:  # AVX-512
+        if geo.q_len >= _TILED_ROWS and geo.v_head_size % 32 == 0 and gemv_host() and not per_head \
+                and not numpy_first("jobs.ATTENTION"):  # AVX-512
             return self._tiled_attention(q, k, v, bias)
         queries = geo.to_heads(q, geo.q_heads)
         keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
