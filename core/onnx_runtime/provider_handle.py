@@ -10,7 +10,6 @@ buffers never.
 from __future__ import annotations
 
 import contextlib
-import difflib
 from types import SimpleNamespace
 
 import numpy as np
@@ -60,6 +59,8 @@ class ProviderHandle:
         implemented = {caller.name for caller in self.pm.get_hookcallers(provider) or ()}
         unknown = sorted(implemented - set(HOOK_NAMES) - _DISCOVERY_HOOKS)
         if unknown:
+            import difflib  # (only for this error)
+
             hints = {u: difflib.get_close_matches(u, HOOK_NAMES, n=1) for u in unknown}
             detail = ", ".join(f"{u!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for u, h in hints.items())
             raise PluginError(f"provider {label} implements unknown hooks: {detail}")
