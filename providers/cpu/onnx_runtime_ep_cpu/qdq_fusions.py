@@ -25,6 +25,7 @@ import numpy as np
 from onnx_runtime.ir import Graph, Node
 
 from .fusions import FUSED_DOMAIN, GraphView, owned, until_fixed
+from .qoperator_lowering import lower_qoperator_cnn
 
 # Attributes that change what QuantizeLinear/DequantizeLinear compute beyond scale, zero point and axis.
 _EXOTIC = ("block_size", "output_dtype", "precision")
@@ -564,7 +565,9 @@ _MATMUL_GROUP_PASSES = [_early(until_fixed(fuse_quantized_matmul)), _early(until
                         _early(until_fixed(absorb_dequantize))]
 INTEGER_GROUP_PASSES = [_early(until_fixed(fuse_quantized_linear)), _early(until_fixed(absorb_quantize)),
                         _early(until_fixed(absorb_dequantize))]
-QDQ_PASSES = [*_MATMUL_GROUP_PASSES, until_fixed(fuse_quantize_dequantize), until_fixed(drop_repeated_rounding),
+# QOperator CNNs first take the QDQ form (qoperator_lowering.py), which the passes after it treat as the QDQ model.
+QDQ_PASSES = [lower_qoperator_cnn, *_MATMUL_GROUP_PASSES, until_fixed(fuse_quantize_dequantize),
+              until_fixed(drop_repeated_rounding),
               until_fixed(absorb_rounded_add),
               until_fixed(fuse_dynamic_matmul), until_fixed(fuse_dynamic_quantize_matmul),
               until_fixed(fuse_qlinear_matmul_bias)]
