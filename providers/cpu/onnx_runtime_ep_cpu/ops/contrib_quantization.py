@@ -284,6 +284,16 @@ def _softmax_rows(x, x_scale: float, y_scale, y_zero, dtype) -> np.ndarray:
 @register("QLinearConcat", domain=CONTRIB_DOMAIN, since=1)
 def qlinear_concat(node, shapes, opset):
     axis = int(required_attr(node, "axis", "the axis to concatenate on"))
+    constant_parts: dict[int, tuple] = {}  # a constant part (a class token) requantized once: (inputs, codes)
+
+    def part(i, triple, dtype, scale, zero, y_params):
+        seen = constant_parts.get(i)
+        if seen is not None and all(map(is_, seen[0], triple + y_params)):
+            return seen[1]
+        codes = _requantized(node, i // 3, triple, dtype, scale, zero)
+        if not any(v is not None and v.flags.writeable for v in triple + y_params):
+            constant_parts[i] = (triple + y_params, codes)
+        return codes
 
     def kernel(y_scale, y_zero_point, *triples):
         dtype = eight_bit(node, "Y_zero_point", y_zero_point)
@@ -291,7 +301,8 @@ def qlinear_concat(node, shapes, opset):
         if not triples or len(triples) % 3:
             raise argument_error(node, f"has {len(triples)} inputs after Y_scale and Y_zero_point; expected "
                                  "(tensor, scale, zero point) triples")
-        parts = [_requantized(node, i // 3, triples[i:i + 3], dtype, scale, zero) for i in range(0, len(triples), 3)]
+        parts = [part(i, triples[i:i + 3], dtype, scale, zero, (y_scale, y_zero_point))
+                 for i in range(0, len(triples), 3)]
         a = normalize_axis(node, axis, parts[0].ndim)
         _check_concat_shapes(node, parts, a)
         return (np.concatenate(parts, axis=a),)
