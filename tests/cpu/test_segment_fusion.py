@@ -258,8 +258,9 @@ def test_residual_block_with_pools_runs_prepared_against_onnxruntime():
     # Its values: the stem's 16x16 planes, four of 8x8 (pool, three convolutions), the 4x4 average, the logits;
     # the third convolution's output takes the first's buffer (read for the last time by the second); and where
     # the direct tiles run, the values between the stem and the average pool again, channel-blocked
-    # (segment_layout.py): the stem's output, the max pool's and two convolutions'.
-    blocked = 4 * 16 * (16 * 16 + 3 * 8 * 8) if "max_pool_blocked" in called else 0
+    # (segment_layout.py): the stem's output, the max pool's and two convolutions', and the pool's padded block
+    # (17 x 17 pixels and a tile's reach) and narrow-row tile.
+    blocked = 4 * 16 * (16 * 16 + 3 * 8 * 8 + 17 * 17 + 4 * 2 + 4) if "max_pool_blocked" in called else 0
     assert plan.nbytes - x.nbytes == 4 * 16 * (16 * 16 + 3 * 8 * 8 + 4 * 4) + 4 * 6 + blocked
     expected = _oracle(model, x)[0]
     exact = run_float64(model, {"x": x})[0]

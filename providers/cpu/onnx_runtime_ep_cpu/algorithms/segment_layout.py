@@ -199,7 +199,10 @@ def block_direct_runs(segment, steps: list, spans: dict, env: list, blocks: dict
     for index, found in kinds.max_pools.items():
         if segment.inner[index].inputs[0] in chosen:
             _block_max_pool(segment.inner[index], found, buffers, steps, spans[index][0])
-    return [step for step in steps if step is not None], sum(b.nbytes for b in buffers.values())
+    steps = [step for step in steps if step is not None]
+    tiled = (_blocked_ops().depthwise_blocked, _blocked_ops().max_pool_blocked)
+    scratch = sum(a.nbytes for f, arguments in steps if f in tiled for a in arguments[-4::3])  # (block, tile)
+    return steps, sum(b.nbytes for b in buffers.values()) + scratch
 
 
 def _block_excitations(kinds, chosen, buffers, steps, spans) -> None:
