@@ -95,12 +95,17 @@ def test_blocked_blocks_match_float64_and_onnxruntime(batch, gate):
             assert np.abs(got[name] - theirs[name]).max() <= bound, (name, run)
 
 
-def test_closing_pool_reads_blocked():
-    """A global average pool whose input only it reads takes it blocked (plain out), in plane_means's order."""
+@pytest.mark.parametrize("op", ["GlobalAveragePool", "ReduceMean"])
+def test_closing_pool_reads_blocked(op):
+    """A mean over the planes (GlobalAveragePool, or the dynamo exporter's ReduceMean over axes 2 and 3) whose
+    input only it reads takes it blocked (plain out), in plane_means's order."""
     model = _block_model()
     graph = model.graph
     del graph.output[:]
     graph.output.append(helper.make_tensor_value_info("pool", TensorProto.FLOAT, None))
+    if op == "ReduceMean":
+        (at,) = [i for i, n in enumerate(graph.node) if n.output[0] == "pool"]
+        graph.node[at].CopyFrom(helper.make_node("ReduceMean", ["tail"], ["pool"], axes=[2, 3], keepdims=0))
     deferred.wait_ready(240)
     x = np.random.default_rng(7).standard_normal((2, 3, 19, 19)).astype(np.float32)
     segment, feeds = _segment_and_feeds(model, x)

@@ -100,18 +100,28 @@ class _Kinds:
                     and steps[span[0]][1][0].size == steps[span[0]][1][1].size == env[inner.inputs[0]].size:
                 self.elementwise[index] = steps[span[0]]
                 continue
-            op = inner.node.op_type if inner.node.domain in ("", "ai.onnx") else None
-            if op == "GlobalAveragePool" and _only_call(steps, span, "plane_means") is not None:
-                self.means[index] = env[inner.inputs[0]].shape
-            elif op == "MaxPool" and len(inner.node.outputs) == 1:
-                arguments = _only_call(steps, span, "pool_2d")
-                if arguments is not None and arguments[10] and env[inner.inputs[0]].ndim == 4 \
-                        and env[inner.inputs[0]].dtype == np.float32:
-                    self.max_pools[index] = (env[inner.inputs[0]].shape, env[inner.outputs[0]].shape, arguments)
-            else:
+            if not self._pool(index, inner, steps, span, env):
                 found = _depthwise(inner, env)
                 if found is not None:
                     self.depthwise[index] = found
+
+    def _pool(self, index, inner, steps, span, env) -> bool:
+        """Whether the node is a pool (a mean over its planes, or a max pool): kept where it can read blocked."""
+        op = inner.node.op_type if inner.node.domain in ("", "ai.onnx") else None
+        if op in ("GlobalAveragePool", "ReduceMean"):
+            means = _only_call(steps, span, "plane_means")
+            shape = env[inner.inputs[0]].shape  # (a mean over the last two axes of a 4-D value: its planes)
+            if means is not None and len(shape) == 4 and means[2] == shape[2] * shape[3] \
+                    and means[0].shape == (shape[0] * shape[1], shape[2] * shape[3]):
+                self.means[index] = shape
+            return True
+        if op != "MaxPool":
+            return False
+        arguments = _only_call(steps, span, "pool_2d")
+        if arguments is not None and arguments[10] and env[inner.inputs[0]].ndim == 4 \
+                and env[inner.inputs[0]].dtype == np.float32 and len(inner.node.outputs) == 1:
+            self.max_pools[index] = (env[inner.inputs[0]].shape, env[inner.outputs[0]].shape, arguments)
+        return True
 
     def writers(self, segment) -> dict:
         """slot -> the index of the node that can write it blocked."""
