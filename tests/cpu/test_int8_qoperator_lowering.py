@@ -164,3 +164,35 @@ def test_a_patch_embedding_read_by_a_reshape_keeps_its_integer_kernel():
     x = np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype(np.float32)
     oracle = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     np.testing.assert_array_equal(sess.run(None, {"x": x})[0], oracle.run(None, {"x": x})[0])
+
+
+def test_fire_module_concat_joins_the_float_path():
+    """A SqueezeNet fire module: a squeeze QLinearConv, two expand QLinearConv (1x1 and 3x3, their own output
+    grids) and QLinearConcat of them onto a third grid, then the pooled codes: no QOperator node is left."""
+    b = _Builder(31)
+    xq = b.act(0.03, 128)
+    b.nodes.append(helper.make_node("QuantizeLinear", ["x", *xq], ["xq"]))
+    sq = b.act(0.04, 0)
+    b.conv("xq", xq, "sq", sq, 3, 5, 1, True)
+    e1, e3 = b.act(0.05, 3), b.act(0.045, 0)
+    b.conv("sq", sq, "e1", e1, 5, 4, 1, True)
+    b.conv("sq", sq, "e3", e3, 5, 6, 3, False, pads=[1, 1, 1, 1])
+    cat = b.act(0.055, 1)
+    b.nodes.append(helper.make_node("QLinearConcat", [*cat, "e1", *e1, "e3", *e3], ["cat"], axis=1,
+                                    domain="com.microsoft"))
+    y = [b.const(Y_SCALE, "ys"), b.const(np.array(Y_ZERO, np.uint8), "yz")]
+    b.contrib("QLinearGlobalAveragePool", ["cat", *cat, *y], "g")
+    b.nodes.append(helper.make_node("DequantizeLinear", ["g", *y], ["y"]))
+    model = b.model(9)
+    sess = _session(model)
+    placed = [n.op_type for n in sess.placement()]
+    assert not {p for p in placed if p.startswith("QLinear")}, placed
+    oracle = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(6)
+    for run in range(3):
+        x = (rng.standard_normal((1, 3, 9, 9)) * 2).astype(np.float32)
+        got, want = _codes(sess.run(None, {"x": x})[0]), _codes(oracle.run(None, {"x": x})[0])
+        assert got.shape == want.shape == (1, 10, 1, 1)
+        assert np.abs(got - want).max() <= 1, run
+        if run == 0:
+            deferred.wait_ready(240)

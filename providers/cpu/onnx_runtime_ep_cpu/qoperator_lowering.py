@@ -14,6 +14,8 @@ rewrites each QOperator node as the QDQ format writes it:
   QuantizeLinear;
 - QLinearGlobalAveragePool(x, xs, xz, ys, yz) (channels first)  ->  DequantizeLinear -> GlobalAveragePool ->
   QuantizeLinear;
+- QLinearConcat(ys, yz, (x, xs, xz)...)  ->  Concat of the DequantizeLinear of each part, then QuantizeLinear
+  (a SqueezeNet's fire module);
 - MaxPool of codes between them  ->  DequantizeLinear -> MaxPool -> QuantizeLinear (the same codes).
 
 The codes each step writes are those of the QDQ model: the real result rounded to the output's grid. The
@@ -40,6 +42,7 @@ _CONTRIB = "com.microsoft"
 _EIGHT_BIT = frozenset(np.dtype(t) for t in (np.uint8, np.int8))
 _F32 = np.dtype(np.float32)
 _ELEMENTWISE = {"QLinearAdd": "Add", "QLinearMul": "Mul"}
+_POOL_AND_CONCAT = ("QLinearGlobalAveragePool", "QLinearConcat")
 
 
 class _Lowering:
@@ -72,7 +75,7 @@ class _Lowering:
         readers = self.view.consumers.get(codes, [])
         return bool(readers) and codes not in self.view.outputs and codes not in self.view.inner_reads and all(
             (r.op_type in ("DequantizeLinear", "QLinearConv") and not r.domain)
-            or (r.domain == _CONTRIB and (r.op_type in _ELEMENTWISE or r.op_type == "QLinearGlobalAveragePool"))
+            or (r.domain == _CONTRIB and (r.op_type in _ELEMENTWISE or r.op_type in _POOL_AND_CONCAT))
             or (depth < 4 and self.max_pool_of_codes(r) and self.read_on_float_side(r.outputs[0], depth + 1))
             for r in readers)
 
@@ -135,7 +138,24 @@ class _Lowering:
             return self.elementwise(node)
         if node.op_type == "QLinearGlobalAveragePool":
             return self.pool(node)
+        if node.op_type == "QLinearConcat":
+            return self.concat(node)
         return None
+
+    def concat(self, node: Node) -> list[Node] | None:
+        if len(node.inputs) < 5 or (len(node.inputs) - 2) % 3 or node.attr("axis") is None:
+            return None
+        ys, yz, *triples = node.inputs
+        parts = [triples[i:i + 3] for i in range(0, len(triples), 3)]
+        if not self.activation(ys, yz) or not all(self.activation(s, z) and self.from_quantize(x) for x, s, z in parts):
+            return None
+        made: list[Node] = []
+        values = [self.dequantize(x, s, z, made) for x, s, z in parts]
+        joined = self.float_value(f"{node.outputs[0]}_float", node.outputs[0])
+        made.append(Node("Concat", values, [joined], name=f"{node.name}/float", attrs={"axis": int(node.attr("axis"))},
+                         opset=self.opset))
+        self.quantize(node, joined, ys, yz, made)
+        return made
 
     def conv(self, node: Node) -> list[Node] | None:
         if len(node.inputs) not in (8, 9):
