@@ -2,7 +2,7 @@
 
 conv_path chooses among 2-D algorithms only: a 1-D convolution would take im2col through numpy's strided
 copy and BLAS, where the packed convolution and the direct tiles compute the same window on an (N, C, 1, L)
-view of the input straight from the padded row (Whisper's k=3 stride-1 and stride-2 layers: measured in
+view of the input straight from the padded row (Whisper's front-end layers, with and without a stride: measured in
 this module's commit). The views cost no copy; the weight's view is kept while the same constant comes in,
 because the 2-D algorithms keep their rearranged weights per weight object (Prepared keys on identity).
 """
