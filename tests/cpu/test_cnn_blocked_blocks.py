@@ -119,7 +119,7 @@ def test_closing_pool_reads_blocked(op):
 
 @pytest.mark.parametrize("channels, size, kernel, stride, pad, dilation, ceil",
                          [(5, 9, 3, 2, 1, 1, 0), (16, 7, 3, 1, 1, 1, 0), (21, 10, 2, 2, 0, 1, 1),
-                          (33, 3, 3, 1, 1, 2, 0), (18, 2, 3, 2, 1, 1, 1)])
+                          (33, 3, 3, 1, 1, 2, 0), (18, 2, 3, 2, 1, 1, 1), (24, 12, 2, 2, 0, 1, 0)])
 def test_blocked_loops_match_float64(channels, size, kernel, stride, pad, dilation, ceil):
     """The loops alone against float64 sums over the blocked layout (narrow rows under a tile, padding past a
     whole window, ceil_mode's overhang), padded lanes never read."""

@@ -38,9 +38,12 @@ PIXELS = 4  # output pixels per depthwise tile: 4 accumulators of 16 lanes
 
 def padded_size(height, width, oh, ow, sh, sw, top, left, kh, kw, dh, dw) -> tuple[int, int, int]:
     """(rows, columns, floats) of depthwise_blocked's zero-padded block: every row and column a window reads,
-    and a tile's reach past a narrow row's end."""
+    and a tile's reach past a narrow row's end; no floats where the tiles read the value in place (no padding
+    read, rows of a tile or more: the copy of a large unpadded map costs more than a pool's arithmetic)."""
     rows = max(top + height, (oh - 1) * sh + (kh - 1) * dh + 1)
     columns = max(left + width, (ow - 1) * sw + (kw - 1) * dw + 1)
+    if top == left == 0 and (rows, columns) == (height, width) and ow >= PIXELS:
+        return rows, columns, 0
     return rows, columns, (rows * columns + PIXELS * sw) * CHANNELS
 
 
@@ -112,23 +115,28 @@ def depthwise_blocked(x, weights, offsets, bias, bounds, hard_swish, y, images, 
     depth = offsets.shape[0]
     pixels = min(PIXELS, ow)
     row_floats = width * CHANNELS
+    in_place = top == 0 and left == 0 and padded_height == height and padded_width == width and ow >= PIXELS
     for n in range(images):
         for b in range(blocks):
             base = (n * blocks + b) * height * row_floats
-            _fill(x, base, height, row_floats, source, top, left, padded_width)
+            if in_place:
+                image, offset = x, base
+            else:
+                _fill(x, base, height, row_floats, source, top, left, padded_width)
+                image, offset = source, 0
             w = weights[b * depth * CHANNELS:]
             shift = bias[b * CHANNELS:]
             target = (n * blocks + b) * oh * ow * CHANNELS
             for oy in range(oh):
                 for ox in range(0, ow, PIXELS):
                     ox = min(ox, ow - pixels)
-                    begin = (oy * sh * padded_width + ox * sw) * CHANNELS
+                    begin = offset + (oy * sh * padded_width + ox * sw) * CHANNELS
                     out = target + (oy * ow + ox) * CHANNELS
                     if pixels == PIXELS:
-                        _depthwise_tile(w, source, begin, offsets, depth, sw * CHANNELS, shift, bounds, hard_swish,
+                        _depthwise_tile(w, image, begin, offsets, depth, sw * CHANNELS, shift, bounds, hard_swish,
                                         y, out)
                     else:
-                        _depthwise_tile(w, source, begin, offsets, depth, sw * CHANNELS, shift, bounds, hard_swish,
+                        _depthwise_tile(w, image, begin, offsets, depth, sw * CHANNELS, shift, bounds, hard_swish,
                                         tile, 0)
                         y[out:out + pixels * CHANNELS] = tile[:pixels * CHANNELS]
 
@@ -276,18 +284,23 @@ def max_pool_blocked(x, offsets, y, images, blocks, height, width, oh, ow, sh, s
     depth = offsets.shape[0]
     pixels = min(PIXELS, ow)
     row_floats = width * CHANNELS
+    in_place = top == 0 and left == 0 and padded_height == height and padded_width == width and ow >= PIXELS
     for n in range(images):
         for b in range(blocks):
             base = (n * blocks + b) * height * row_floats
-            _fill(x, base, height, row_floats, source, top, left, padded_width)
+            if in_place:
+                image, offset = x, base
+            else:
+                _fill(x, base, height, row_floats, source, top, left, padded_width)
+                image, offset = source, 0
             target = (n * blocks + b) * oh * ow * CHANNELS
             for oy in range(oh):
                 for ox in range(0, ow, PIXELS):
                     ox = min(ox, ow - pixels)
-                    begin = (oy * sh * padded_width + ox * sw) * CHANNELS
+                    begin = offset + (oy * sh * padded_width + ox * sw) * CHANNELS
                     out = target + (oy * ow + ox) * CHANNELS
                     if pixels == PIXELS:
-                        _max_tile(source, begin, offsets, depth, sw * CHANNELS, y, out)
+                        _max_tile(image, begin, offsets, depth, sw * CHANNELS, y, out)
                     else:
-                        _max_tile(source, begin, offsets, depth, sw * CHANNELS, tile, 0)
+                        _max_tile(image, begin, offsets, depth, sw * CHANNELS, tile, 0)
                         y[out:out + pixels * CHANNELS] = tile[:pixels * CHANNELS]
