@@ -89,7 +89,9 @@ def _conv_resolver(node, shapes):
         key = (x.shape, w.shape, x.dtype, None if b is None else b.shape, w.flags.writeable, rows)
         found = paths.get(key)
         if found is None:
-            _check_channels(node, x.shape, w.shape, group, transpose=False)
+            # checked on the node's own shapes: a lifted 1-D convolution's errors name its (N, C, L) and (M, C/G, K)
+            _check_channels(node, *((a.shape[:2] + a.shape[3:]) if rows else a.shape for a in (x, w)), group,
+                            transpose=False)
             if b is not None and b.shape != (w.shape[0],):
                 raise InvalidArgumentError(f"node {node.name!r} ({node.op_type}): bias has shape {b.shape}; expected "
                                            f"({w.shape[0]},), one value per output channel (the weight's first dim)")
