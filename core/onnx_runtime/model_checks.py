@@ -287,9 +287,14 @@ def _check_element_types(values, where: str) -> None:
     UNDEFINED one let a feed or folded value of any kind through unchecked (a raw TensorProto reached Cast), and
     onnxruntime refuses it at load."""
     for vi in values:
-        tp = vi.type
+        tp, container = vi.type, None
         while tp is not None:
             kind = tp.WhichOneof("value")
+            if kind is None and container is not None:
+                # a sequence of nothing let any feed through unchecked (a list of raw TensorProtos reached Cast)
+                raise InvalidGraphError(
+                    f"value {vi.name!r} in {where} declares a {container} without the type of its elements; "
+                    f"declare the element type or drop the declaration")
             if kind in ("tensor_type", "sparse_tensor_type"):
                 elem_type = getattr(tp, kind).elem_type
                 if elem_type == onnx.TensorProto.UNDEFINED or elem_type not in _ELEMENT_TYPES:
@@ -299,6 +304,7 @@ def _check_element_types(values, where: str) -> None:
             tp = {"sequence_type": lambda t: t.sequence_type.elem_type,
                   "optional_type": lambda t: t.optional_type.elem_type,
                   "map_type": lambda t: t.map_type.value_type}.get(kind or "", lambda t: None)(tp)
+            container = (kind or "").removesuffix("_type")
 
 
 def _check_graph(graph: onnx.GraphProto, opsets: dict[str, int], where: str, top_level: bool = False) -> None:
