@@ -689,9 +689,12 @@ def unique(node, shapes, opset):
 
     def kernel(x):
         ax = None if axis is None else normalize_axis(axis, x.ndim)
-        values, first, inverse, counts = np.unique(
-            x, return_index=True, return_inverse=True, return_counts=True, axis=ax
-        )
+        if ax is not None and x.dtype.kind == "O":  # numpy's unique takes no axis for strings
+            values, first, inverse, counts = _unique_object_slices(x, ax)
+        else:
+            values, first, inverse, counts = np.unique(
+                x, return_index=True, return_inverse=True, return_counts=True, axis=ax
+            )
         if not keep_sorted:  # reorder by first occurrence
             order = np.argsort(first, kind="stable")
             rank = np.empty_like(order)
@@ -701,6 +704,18 @@ def unique(node, shapes, opset):
         return tuple([values] + [a.reshape(-1).astype(np.int64) for a in (first, inverse, counts)])
 
     return kernel
+
+
+def _unique_object_slices(x: np.ndarray, axis: int):
+    """np.unique(x, axis=axis)'s four results for a string tensor: its slices along ``axis`` compared as tuples,
+    lexicographically, as numpy orders the rows of a numeric one."""
+    n = x.shape[axis]
+    rows = [tuple(r) for r in np.moveaxis(x, axis, 0).reshape(n, math.prod(x.shape) // n if n else 0)]
+    index = {row: i for i, row in enumerate(sorted(set(rows)))}
+    inverse = np.fromiter((index[row] for row in rows), np.int64, count=n)
+    first = np.full(len(index), n, np.int64)
+    np.minimum.at(first, inverse, np.arange(n, dtype=np.int64))
+    return np.take(x, first, axis=axis), first, inverse, np.bincount(inverse, minlength=len(index)).astype(np.int64)
 
 
 @register("Flatten", since=1)
