@@ -18,6 +18,7 @@ from numba.extending import intrinsic
 from . import jit, llvm
 from .directconv import CHANNELS
 from .epilogue import activate
+from .segment_loops import squeeze_gate
 
 
 def pack_depthwise(w: np.ndarray, b, channels: int) -> tuple[np.ndarray, np.ndarray]:
@@ -148,21 +149,6 @@ def depthwise_taps(kh: int, kw: int, dh: int, dw: int, padded_width: int) -> np.
 
 
 @jit
-def _gated(v, gate, alpha, beta):
-    """segment_loops' squeeze-excitation gates on a float32: 1 (hard) max(0, min(1, alpha * v + beta)), else
-    the logistic sigmoid."""
-    zero = np.float32(0)
-    one = np.float32(1)
-    if gate != 1:
-        return one / (one + np.exp(-v))
-    v = alpha * v
-    v = v + beta
-    if v < zero:
-        v = zero
-    return one if v > one else v
-
-
-@jit
 def _lane_sums(x, n, blocks, pixels, sums):
     """sums[b * 16 + l] = the sum over the pixels of image ``n``'s block b, lane l, pixel by pixel."""
     for k in range(sums.size):
@@ -214,7 +200,8 @@ def squeeze_excite_blocked(x, w1, b1, bounds1, swish, w2, b2, bounds2, gate, alp
             total = np.float32(0)
             for r in range(reduced):
                 total += w2[c, r] * hidden[r]
-            scale[c] = _gated(activate(total + b2[c], bounds2[0], bounds2[1], bounds2[2]), gate, alpha, beta)
+            scale[c] = squeeze_gate(activate(total + b2[c], bounds2[0], bounds2[1], bounds2[2]), gate, alpha, beta,
+                                    np.float32(0), one)
         _scaled(x, n, blocks, pixels, scale, y)
 
 

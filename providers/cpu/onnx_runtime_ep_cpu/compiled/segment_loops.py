@@ -37,9 +37,9 @@ HARD_SIGMOID_GATE, SIGMOID_GATE = 1, 2  # squeeze_excite's gates
 
 
 @jit
-def _gated(v, gate, alpha, beta, zero, one):
-    """The squeeze-excitation gate of v: HARD_SIGMOID_GATE's max(0, min(1, alpha * v + beta)) (NaN passes), or
-    the logistic sigmoid; ``zero`` and ``one`` in v's dtype."""
+def squeeze_gate(v, gate, alpha, beta, zero, one):
+    """The squeeze-excitation gate of v (here and in blocked_ops.squeeze_excite_blocked): HARD_SIGMOID_GATE's
+    max(0, min(1, alpha * v + beta)) (NaN passes), or the logistic sigmoid; ``zero`` and ``one`` in v's dtype."""
     if gate != HARD_SIGMOID_GATE:
         return one / (one + np.exp(-v))
     v = alpha * v
@@ -77,7 +77,8 @@ def squeeze_excite(x, w1, b1, bounds1, swish, w2, b2, bounds2, gate, alpha, beta
             total = zero
             for r in range(reduced):
                 total += w2[c, r] * hidden[r]
-            scale[c] = _gated(activate(total + b2[c], bounds2[0], bounds2[1], bounds2[2]), gate, alpha, beta, zero, one)
+            scale[c] = squeeze_gate(activate(total + b2[c], bounds2[0], bounds2[1], bounds2[2]), gate, alpha, beta,
+                                    zero, one)
         for c in range(channels):
             for p in range(pixels):
                 y[n, c, p] = x[n, c, p] * scale[c]
