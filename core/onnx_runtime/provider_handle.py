@@ -10,6 +10,7 @@ buffers never.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,6 +25,7 @@ from .contract.memory_defaults import release_buffer
 from .contract.version import incompatibility
 from .devices import DeviceId, DeviceType
 from .errors import PluginError, ProviderError
+from .run_scope import Scope
 
 _DISCOVERY_HOOKS = {"onnx_runtime_providers"}
 
@@ -92,11 +94,18 @@ class ProviderHandle:
         self.initialized = False
         # The session's charge of this handle's allocations to the memory governor (memory/accounts.py), or None.
         self.memory_account = None
+        self.run_scope: Scope | None = None  # (enter, leave) that each run of the session calls (set_run_scope)
         self._refresh_device()
 
     def implements(self, hook: str) -> bool:
         """Whether the provider itself implements ``hook`` (rather than the core default)."""
         return hook in self._implemented
+
+    def set_run_scope(self, enter: Callable[[], object], leave: Callable[[object], None]) -> None:
+        """Have every run of this handle's session call ``enter()`` on the running thread before its first step
+        and ``leave(token)`` with what it returned after its last (run_scope.py): for session settings the
+        provider's kernels read at run time, such as the CPU provider's ``intra_op_num_threads``."""
+        self.run_scope = (enter, leave)
 
     def _refresh_device(self) -> None:
         self.device_type: DeviceType = self.hook.device_type()

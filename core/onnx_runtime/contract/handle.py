@@ -9,6 +9,7 @@ satisfies it structurally.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import pluggy
@@ -35,4 +36,9 @@ class ContractHandle(Protocol):
 
     def implements(self, hook: str) -> bool:
         """Whether the provider itself implements ``hook`` (rather than the core default)."""
+        ...
+
+    def set_run_scope(self, enter: Callable[[], object], leave: Callable[[object], None]) -> None:
+        """Have every run of the session call ``enter()`` on the running thread before its first step and
+        ``leave(token)`` after its last (onnx_runtime/run_scope.py)."""
         ...

@@ -13,7 +13,7 @@ from operator import itemgetter
 
 import numpy as np
 
-from .. import budget
+from .. import budget, run_scope
 from ..discovery import EXTRAS, registry
 from ..dtypes import DataType
 from ..errors import InvalidArgumentError, ProviderNotAvailableError
@@ -221,6 +221,7 @@ class InferenceSession:
         began = time.perf_counter()
         requested = _resolve_providers(providers, provider_options)
         self._handles = _create_handles(requested, session_config(self._sess_options))
+        self._run_scopes = tuple(handle.run_scope for handle in self._handles if handle.run_scope is not None)
         # Keyed by each handle's full name, whichever name (full or short) the caller used.
         self._provider_options = {handle.name: dict(opts) for handle in self._handles
                                   for name, opts in requested if handle.matches(name)}
@@ -405,9 +406,11 @@ class InferenceSession:
     def run(self, output_names, input_feed: dict, run_options: RunOptions | None = None) -> list:
         """Run the model; return the requested outputs (all when ``output_names`` is None) as numpy arrays."""
         token = budget.enter(self._max_value_bytes, run_options)  # what one value may take; terminate mid-run
+        scopes = run_scope.enter(self._run_scopes)  # the providers' per-session settings (intra-op threads)
         try:
             return self._run(output_names, input_feed, run_options)
         finally:
+            run_scope.leave(scopes)
             budget.leave(token)
 
     def _run(self, output_names, input_feed: dict, run_options: RunOptions | None = None) -> list:
@@ -512,9 +515,11 @@ class InferenceSession:
     def run_with_iobinding(self, iobinding: IOBinding, run_options: RunOptions | None = None) -> None:
         """Run with the binding's inputs; its outputs are then read with ``get_outputs``/``copy_outputs_to_cpu``."""
         token = budget.enter(self._max_value_bytes, run_options)  # the same limit on one value as run()
+        scopes = run_scope.enter(self._run_scopes)
         try:
             self._run_with_iobinding(iobinding, run_options)
         finally:
+            run_scope.leave(scopes)
             budget.leave(token)
 
     def _run_with_iobinding(self, iobinding: IOBinding, run_options: RunOptions | None) -> None:
@@ -582,10 +587,12 @@ class InferenceSession:
         side = SessionSide(tuple(self._handles), self._output_names, self._checked_input, self._check_output_name,
                            self._check_bound, self._check_missing, self._executor_for, self._executor, self._profile)
         token = budget.enter(self._max_value_bytes, run_options)  # the same limit on one value as run()
+        scopes = run_scope.enter(self._run_scopes)
         try:
             return run_with_device_bindings(side, bindings, input_feed, output_names, single_token_step, run_options,
                                             epilogue)
         finally:
+            run_scope.leave(scopes)
             budget.leave(token)
 
     def _device_handle(self, device_type: str, device_id: int) -> ProviderHandle:

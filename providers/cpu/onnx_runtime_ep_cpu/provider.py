@@ -46,7 +46,9 @@ class CPUExecutionProvider:
         if _provider_options(options or {}, session_config).get("use_arena") is False:
             session_config[ARENA_KEY] = "0"
         self._handle = handle
-        apply_thread_settings(session_config)
+        run = apply_thread_settings(session_config)  # the session's own count, entered at each of its runs
+        if handle is not None:
+            handle.set_run_scope(run.enter, run.leave)
         self.memory_arena = apply_arena_settings(session_config)
         deferred.open_session(session_config)  # first runs may use numpy while numba loads in the background
 

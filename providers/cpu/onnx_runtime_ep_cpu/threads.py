@@ -2,17 +2,24 @@
 
 The default is one thread per CPU this process may use: its affinity set, capped by a cgroup CPU quota
 (a container's ``--cpus``), not the machine's core count. ``intra_op_num_threads`` (0 = that default)
-sets it for the process: the last session created with an explicit setting wins. numpy's BLAS runs on
-one thread by default (the ``blas_threads`` knob of tuning.py): OpenBLAS's own pool spins on cores
-another process may hold and waits for threads the OS descheduled, where the split kernels hand out
-their parts as tasks claimed one at a time. ``use_deterministic_compute`` runs everything on one
-thread: threaded GEMV/GEMM partition the output, and different partitions can round identical columns
-differently, which a model with huge activations turns into visibly different softmax outputs across
-machines. (The packed convolution's results do not depend on its partition.)
+belongs to its session, as in onnxruntime: the provider resolves it at ``initialize`` and each run of that
+session makes it the count of the running thread (a context variable, entered through the core's run scope:
+onnx_runtime/run_scope.py), so kernels shared by every session, and the plans they keep per thread count,
+read the count of the run that calls them. Outside any run (constant folding at creation, a kernel called
+directly) the default applies. numpy's BLAS runs on one thread by default (the ``blas_threads`` knob of
+tuning.py, capped by the session's count): OpenBLAS's own pool spins on cores another process may hold and
+waits for threads the OS descheduled, where the split kernels hand out their parts as tasks claimed one at a
+time. That pool is process-wide: a run sets it at entry when it differs, so runs of sessions that want
+different BLAS counts at the same time (only with the knob above one) share the last one set.
+``use_deterministic_compute`` runs that session on one thread: threaded GEMV/GEMM partition the output, and
+different partitions can round identical columns differently, which a model with huge activations turns into
+visibly different softmax outputs across machines. (The packed convolution's results do not depend on its
+partition.)
 """
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 
 from onnx_runtime.cpus import usable_cpus
@@ -22,14 +29,15 @@ from .blas import bundled_openblas
 from .tuning import KNOBS, when_changed
 
 _DEFAULT_THREADS = usable_cpus()
-_threads = _DEFAULT_THREADS  # threads a split kernel uses, the caller's included
+# The calling run's session's count (0: not in a run, the default applies)
+_run_threads: contextvars.ContextVar[int] = contextvars.ContextVar("onnx_runtime_cpu_threads", default=0)
 _blas_applied: int | None = None  # the BLAS pool size set (None: not yet)
 
 
 def kernel_threads() -> int:
-    """How many threads a kernel that splits its work uses, the calling one included (the ``threads``
-    knob of tuning.py, else the session's setting)."""
-    return KNOBS.threads or _threads
+    """How many threads a kernel that splits its work uses, the calling one included: the ``threads`` knob of
+    tuning.py, else the running session's setting, else one per usable CPU."""
+    return KNOBS.threads or _run_threads.get() or _DEFAULT_THREADS
 
 
 def helper_count() -> int:
@@ -57,19 +65,21 @@ def _numpy_openblas_setter():
 _setter: list = []  # [numpy's OpenBLAS setter or None], looked up at the first limit
 
 
-def limit_blas_threads() -> None:
-    """Set numpy's BLAS pool to the ``blas_threads`` knob's size (when it is not that size already)."""
+def limit_blas_threads(size: int | None = None) -> None:
+    """Set numpy's BLAS pool to ``size`` threads (default: the ``blas_threads`` knob's), when it is not that
+    size already."""
     global _blas_applied
-    if _blas_applied != KNOBS.blas_threads:
+    size = KNOBS.blas_threads if size is None else size
+    if _blas_applied != size:
         if not _setter:
             _setter.append(_numpy_openblas_setter())
         if _setter[0] is not None:
-            _setter[0](KNOBS.blas_threads)
+            _setter[0](size)
         else:  # another BLAS (a numpy built against MKL, a system OpenBLAS): threadpoolctl knows them all
             from threadpoolctl import threadpool_limits
 
-            threadpool_limits(limits=KNOBS.blas_threads, user_api="blas")
-        _blas_applied = KNOBS.blas_threads
+            threadpool_limits(limits=size, user_api="blas")
+        _blas_applied = size
 
 
 def _follow_the_knob() -> None:
@@ -80,21 +90,44 @@ def _follow_the_knob() -> None:
 when_changed(_follow_the_knob)
 
 
-def apply_thread_settings(session_config: dict[str, str]) -> int | None:
-    """Apply the thread settings of ``session_config``; returns the thread count set, if any."""
-    limit_blas_threads()
+def session_threads(session_config: dict[str, str]) -> int:
+    """The thread count a session with ``session_config`` runs with (its ``intra_op_num_threads``, 0: one per
+    usable CPU, at most that many; one with ``use_deterministic_compute``)."""
+    text = session_config.get("session.intra_op_num_threads", "0")
     try:
-        threads = int(session_config.get("session.intra_op_num_threads", "0"))
+        threads = int(text)
     except ValueError:
         raise InvalidArgumentError(
-            f"intra_op_num_threads must be an integer, got {session_config['session.intra_op_num_threads']!r}"
+            f"intra_op_num_threads must be an integer (0 = one per usable CPU), got {text!r}"
         ) from None
     if threads < 0:
         raise InvalidArgumentError(f"intra_op_num_threads must be >= 0 (0 = default), got {threads}")
     if session_config.get("session.use_deterministic_compute", "0") == "1":
-        threads = 1
-    if threads == 0:
-        return None
-    global _threads
-    _threads = min(threads, _DEFAULT_THREADS)
-    return threads
+        return 1
+    return min(threads, _DEFAULT_THREADS) if threads else _DEFAULT_THREADS
+
+
+class RunThreads:
+    """One session's thread count, entered at each of its runs (the provider registers ``enter`` and
+    ``leave`` as its run scope): the split kernels' count on the running thread, and numpy's BLAS pool set to
+    the knob's size capped by it, when the pool is not that size already (a global compare on most runs)."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    def enter(self) -> contextvars.Token:
+        size = min(KNOBS.blas_threads, self.threads)
+        if _blas_applied != size:
+            limit_blas_threads(size)
+        return _run_threads.set(self.threads)
+
+    @staticmethod
+    def leave(token: contextvars.Token) -> None:
+        _run_threads.reset(token)
+
+
+def apply_thread_settings(session_config: dict[str, str]) -> RunThreads:
+    """The session's RunThreads (see session_threads); numpy's BLAS pool is sized for it now too."""
+    run = RunThreads(session_threads(session_config))
+    limit_blas_threads(min(KNOBS.blas_threads, run.threads))
+    return run

@@ -1,5 +1,5 @@
-"""The CPU provider's threads: the split kernels' count (session options, the CPUs the process may use) and
-numpy's BLAS pool (the ``blas_threads`` knob), both process-wide as numpy's BLAS is."""
+"""The CPU provider's threads: the split kernels' count (a session's options, read by its runs; the CPUs the
+process may use) and numpy's BLAS pool (the ``blas_threads`` knob; per session: test_threads_per_session.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def _blas_threads() -> set[int]:
 
 @pytest.fixture
 def restore_threads(monkeypatch):
-    monkeypatch.setattr(threads, "_threads", threads._threads)  # a session's setting is process-wide
+    monkeypatch.setattr(threads, "_blas_applied", threads._blas_applied)
 
 
 def _session(chain_model, **settings):
@@ -33,11 +33,12 @@ def _session(chain_model, **settings):
     return ort.InferenceSession(chain_model.SerializeToString(), options, providers=["cpu"])
 
 
-def test_intra_op_num_threads_sets_the_split_kernels_and_blas_keeps_one(chain_model, restore_threads):
-    _session(chain_model, intra_op_num_threads=1)
-    assert threads.kernel_threads() == 1  # the split kernels run on the caller alone
+def test_intra_op_num_threads_is_the_sessions_and_blas_keeps_one(chain_model, restore_threads):
+    assert threads.session_threads({"session.intra_op_num_threads": "1"}) == 1  # the caller alone
+    assert threads.session_threads({"session.intra_op_num_threads": "2"}) == min(2, threads._DEFAULT_THREADS)
+    assert threads.session_threads({"session.intra_op_num_threads": "64"}) == threads._DEFAULT_THREADS
     sess = _session(chain_model, intra_op_num_threads=2)
-    assert threads.kernel_threads() == min(2, threads._DEFAULT_THREADS)
+    assert threads.kernel_threads() == threads._DEFAULT_THREADS  # outside its runs, creation changed nothing
     assert _blas_threads() == {1}  # OpenBLAS's own pool stays at the knob's size
     assert sess.run(None, {"x": np.ones((2, 6), np.float32)})[0].shape == (2, 6)
 
@@ -52,15 +53,18 @@ def test_the_blas_threads_knob_sizes_numpys_pool(chain_model, restore_threads, k
 def test_deterministic_compute_runs_on_one_thread(chain_model, restore_threads):
     _session(chain_model, intra_op_num_threads=2, use_deterministic_compute=True)
     assert _blas_threads() == {1}
-    assert threads.kernel_threads() == 1
+    assert threads.session_threads({"session.intra_op_num_threads": "2",
+                                    "session.use_deterministic_compute": "1"}) == 1
 
 
-def test_zero_keeps_the_default_and_negative_is_refused(chain_model, restore_threads, monkeypatch):
-    monkeypatch.setattr(threads, "_threads", threads._DEFAULT_THREADS)  # earlier tests' sessions may have set one
+def test_zero_keeps_the_default_and_negative_is_refused(chain_model, restore_threads):
+    assert threads.session_threads({"session.intra_op_num_threads": "0"}) == threads._DEFAULT_THREADS
     _session(chain_model, intra_op_num_threads=0)
     assert threads.kernel_threads() == threads._DEFAULT_THREADS
     with pytest.raises(InvalidArgumentError, match="intra_op_num_threads must be >= 0"):
         _session(chain_model, intra_op_num_threads=-1)
+    with pytest.raises(InvalidArgumentError, match="intra_op_num_threads must be an integer"):
+        threads.session_threads({"session.intra_op_num_threads": "two"})
 
 
 def test_the_default_is_the_cpus_the_process_may_use(tmp_path):
