@@ -59,6 +59,7 @@ class _Run:
     bindings: list[DeviceIoBinding]
     recipients: list[DeviceIoBinding]  # the output bindings
     defer: bool  # no output goes to the host: leave the flags to the bindings
+    executor: Any = None  # the session's executor: names the nodes a binding's validation error suspects
     submission: Any = None
 
 
@@ -84,9 +85,10 @@ class _RunHooks:
         run = self._run()
         if run is not None and run.submission is None:  # the top-level submission; subgraphs nest inside it
             run.submission = token
+            nodes = run.executor.validation_suspects(self.handle) if run.executor is not None else ()
             for binding in run.recipients:
                 binding.set_device_validation(self.handle.hook.add_device_validation_recipient(
-                    submission=token, recipient=binding.validation_registration))
+                    submission=token, recipient=binding.validation_registration), nodes)
         return token
 
     @hookimpl(tryfirst=True)
@@ -403,7 +405,8 @@ def _execute(session: SessionSide, bindings: list[DeviceIoBinding], feeds: dict,
     for handle in {id(b.allocator): b.allocator for b in bindings if not b.allocator.is_host_accessible}.values():
         _hooks_on(handle)
         mine = [b for b in noted if b.allocator is handle]
-        runs[id(handle)] = _Run(mine, [b for b in bindings if b.allocator is handle and b.output_name], defer)
+        runs[id(handle)] = _Run(mine, [b for b in bindings if b.allocator is handle and b.output_name], defer,
+                                session.executor)
     device_step.hand_over(tail)
     try:
         # The deferral is the plugin's (recipient tokens), not the executor's: a recipient's read settles the

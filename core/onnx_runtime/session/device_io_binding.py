@@ -46,6 +46,7 @@ import operator
 import sys
 import warnings
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -232,6 +233,7 @@ class DeviceIoBinding:
         self._stats = DeviceBindingTransferStats()
         self._device_graph_token: DeviceGraphToken | None = None
         self._device_validation: DeviceValidationToken | None = None
+        self._validation_nodes: Sequence[str] = ()
         self._registration: DeviceValidationRegistration | None = None
         self._argmax: bool | None = None
         self._host_array: np.ndarray | None = None
@@ -557,9 +559,10 @@ class DeviceIoBinding:
         """This binding's validation owner on its provider (output bindings become run recipients)."""
         return self._registration
 
-    def set_device_validation(self, token: DeviceValidationToken) -> None:
-        """The recipient token of the run that last wrote this binding: consumed at the next host read."""
-        self._device_validation = token
+    def set_device_validation(self, token: DeviceValidationToken, nodes=()) -> None:
+        """The recipient token of the run that last wrote this binding: consumed at the next host read. ``nodes``
+        names the run's nodes on the provider, which a failure names."""
+        self._device_validation, self._validation_nodes = token, nodes
 
     def set_device_graph_token(self, token: DeviceGraphToken) -> None:
         """The captured graph generation that recorded this buffer's address: reset on release."""
@@ -572,10 +575,13 @@ class DeviceIoBinding:
             return
         flags = self._allocator.hook.consume_device_validation_error(registration=self._registration, token=token)
         if flags:
+            nodes = self._validation_nodes
+            shown = ", ".join(nodes[:8]) + (f" and {len(nodes) - 8} more" if len(nodes) > 8 else "")
             raise DeviceValidationError(
                 f"{self._allocator.name}: device validation failed (flags=0x{flags:x}) for the run that wrote "
                 f"device binding {self.label}: a device kernel met invalid input data (e.g. an index out of "
                 f"range), so its contents are not valid; check that run's inputs"
+                + (f" of the nodes on {self._allocator.name}: {shown}" if shown else "")
             )
 
     # -- greedy decoding on the device ----------------------------------------------------------------

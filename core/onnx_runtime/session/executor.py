@@ -432,6 +432,10 @@ class Executor:
             raise
         return submissions
 
+    def validation_suspects(self, handle: ProviderHandle) -> list[str]:
+        """The nodes of the run in progress that ``handle`` runs: the ones a flag it raises may come from."""
+        return self._suspects.get(id(handle), [])
+
     @staticmethod
     def activate_validation(submissions: list) -> None:
         for handle, _registration, token in submissions:

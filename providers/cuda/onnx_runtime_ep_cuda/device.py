@@ -465,6 +465,10 @@ class CudaDevice:
             finally:
                 self._gate.release()
 
+    def capturing_here(self) -> bool:
+        """Whether a device graph capture is recording on the calling thread."""
+        return self._capture_thread == threading.get_ident()
+
     def capture_gate(self):
         """The gate, for a driver call on the compute stream outside this class (a graph launch)."""
         return self._gate

@@ -42,6 +42,7 @@ NAME = "CUDAExecutionProvider"
 class _Segment:
     graph: object  # CUgraph
     executable: object  # CUgraphExec
+    prologues: tuple = ()  # validation owners whose generation prologue the segment recorded (validation.py)
 
 
 @dataclass(eq=False)
@@ -62,8 +63,9 @@ class _Lifecycle:
 class DeviceGraphs:
     """The device graphs of one provider instance on one :class:`CudaDevice` (see the module docstring)."""
 
-    def __init__(self, device):
+    def __init__(self, device, validation=None):
         self.device = device
+        self.validation = validation  # the provider's DeviceValidation: prologues recorded in, claimed by launches
         self._lock = threading.RLock()
         self._lifecycles: dict[tuple[DeviceGraphOwner, DeviceGraphSlot], _Lifecycle] = {}
         self._generations = itertools.count(1)
@@ -191,6 +193,7 @@ class DeviceGraphs:
             try:
                 graph = self._end_stream_capture()
             except ProviderError as error:
+                self._discarded()
                 raise self._capture_failure(error) from None
             finally:
                 lifecycle.capturing = False
@@ -198,10 +201,12 @@ class DeviceGraphs:
             try:
                 executable = self._check(self.device.driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
             except ProviderError:
+                self._discarded()
                 self._check(self.device.driver.cuGraphDestroy(graph), "cuGraphDestroy")
                 raise
             self.instantiated += 1
-            lifecycle.segments.append(_Segment(graph, executable))
+            prologues = self.validation.recorded_prologues() if self.validation is not None else ()
+            lifecycle.segments.append(_Segment(graph, executable, prologues))
 
     def abort(self, token) -> None:
         """End the capture ``token`` names without installing it; earlier segments stay until reset.
@@ -220,9 +225,14 @@ class DeviceGraphs:
                 )
             self._discard_capture(lifecycle)
 
+    def _discarded(self) -> None:
+        if self.validation is not None:  # the prologues the capture recorded never run: pending again
+            self.validation.capture_discarded()
+
     def _discard_capture(self, lifecycle: _Lifecycle) -> None:
         lifecycle.capturing = False
         self._active = None
+        self._discarded()
         try:
             graph = self._end_stream_capture()
         except ProviderError:
@@ -253,10 +263,14 @@ class DeviceGraphs:
             raise ProviderError(f"{NAME}: cannot replay a device graph while a capture is in progress; end it first")
 
     def _launch(self, segment: _Segment) -> None:
+        validation = self.validation
+        repeated = validation.before_graph(segment.prologues) if validation is not None else None
         self.device._bind()
         with self.device.capture_gate():
             result = self.device.driver.cuGraphLaunch(segment.executable, self.device.compute)
         self.device._check(result, "cuGraphLaunch(compute stream)")
+        if repeated:
+            validation.after_graph(repeated)
 
     def has(self, token) -> bool:
         with self._lock:

@@ -323,7 +323,7 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
     def device_graphs(self) -> DeviceGraphs:
         """This instance's :class:`DeviceGraphs` (created on first use)."""
         if self._graphs is None:
-            self._graphs = DeviceGraphs(self.cuda_device())
+            self._graphs = DeviceGraphs(self.cuda_device(), self.device_validation())
         return self._graphs
 
     def _prepare_capture(self) -> None:
