@@ -111,7 +111,7 @@ else
     tests=(--ignore=tests/cuda/test_simulator.py --ignore=tests/cuda/test_simulator_modes.py
            tests/cuda/test_device_memory.py tests/cuda/test_device_faults.py tests/cuda/test_concurrency.py
            tests/cuda/test_device_graphs.py tests/cuda/test_validation.py tests/cuda/test_decode.py
-           tests/cuda/test_decode_step_counter_cuda.py tests/cuda/test_capture_models.py tests/cuda/test_ops_attention.py tests/cuda/test_ops_linalg.py
+           tests/cuda/test_decode_step_counter_cuda.py tests/cuda/test_validation_in_graph_cuda.py tests/cuda/test_capture_models.py tests/cuda/test_ops_attention.py tests/cuda/test_ops_linalg.py
            tests/cuda/test_ops_conv.py tests/cuda/test_light_models_cuda.py tests/cuda/test_ops_channel_norm.py
            tests/cuda/test_ops_data.py tests/cuda)
 fi
