@@ -10,7 +10,10 @@ implicitly ordered with the legacy default stream and every cross-stream depende
 event wait (a :class:`Fence`).
 
 Memory comes from the device's stream-ordered pool (cuMemAllocAsync / cuMemFreeAsync on the compute
-stream) when the device supports memory pools, else from cuMemAlloc / cuMemFree. Host bytes move through
+stream, or the stream a caller names) when the device supports memory pools, else from cuMemAlloc / cuMemFree.
+Each pooled allocation remembers the stream it was allocated on (its *home*): a free issued on another stream
+first makes that stream wait on an event recorded on the home stream (once, at the free), so the pool never
+hands the memory out again while work queued on the home stream may still touch it. Host bytes move through
 page-locked staging blocks (staging.py), so an upload returns without waiting for the device.
 
 Threads. Every session on a device shares its compute stream, which keeps the order of everything they
@@ -89,7 +92,7 @@ class CudaDevice:
         self._gate = threading.RLock()  # see "Threads" in the module docstring
         self._capture_thread: int | None = None
         self._captured_bases: set[int] = set()  # allocated during the capture: the graph's own memory
-        self._frees_after_capture: list[tuple[int, int]] = []
+        self._frees_after_capture: list[tuple] = []  # (base, nbytes, stream, home)
         self._kernel_names: dict[int, str] = {}  # function handle -> "file.cu:kernel", for fault reports
         self._recent = collections.deque(maxlen=8)  # the functions launched last, newest last
         self._check(d.cuInit(0), "cuInit")
@@ -115,6 +118,8 @@ class CudaDevice:
         self.bytes_in_use = 0
         self.peak_bytes = 0
         self._live: dict[int, int] = {}  # address -> size of every allocation not yet freed
+        self._homes: dict[int, object] = {}  # address -> the stream a pooled allocation was made on, if not compute
+        self.cross_stream_frees = 0  # frees ordered after another stream by an event wait
         self._next_fence = 1  # fence ids count up from 1; 0 is the signalled fence
         self._events: dict[int, object] = {}  # fence id -> CUevent not yet known to be complete
         self._idle_events: list[object] = []
@@ -189,8 +194,9 @@ class CudaDevice:
         return self.compute if stream is None else stream
 
     # -- memory -------------------------------------------------------------------------------------
-    def allocate(self, size: int, alignment: int = _POOL_ALIGNMENT) -> tuple[int, int]:
-        """``(address, base)`` of a new allocation of at least ``size`` bytes; free it with ``free(base)``."""
+    def allocate(self, size: int, alignment: int = _POOL_ALIGNMENT, stream=None) -> tuple[int, int]:
+        """``(address, base)`` of a new allocation of at least ``size`` bytes, stream-ordered on ``stream`` (compute
+        by default); free it with ``free(base)``."""
         if size < 0:
             raise InvalidArgumentError(f"CUDAExecutionProvider: allocation size must be non-negative, got {size}")
         if alignment <= 0 or alignment & (alignment - 1):
@@ -202,7 +208,7 @@ class CudaDevice:
         nbytes = max(size, 1) + padding
         d = self.driver
         with self._gate:
-            result = d.cuMemAllocAsync(nbytes, self.compute) if self.pooled else d.cuMemAlloc(nbytes)
+            result = d.cuMemAllocAsync(nbytes, self._stream(stream)) if self.pooled else d.cuMemAlloc(nbytes)
         if int(result[0]):
             self._failed(result, "cuMemAllocAsync({})" if self.pooled else "cuMemAlloc({})", nbytes)
         base = int(result[1])
@@ -214,6 +220,8 @@ class CudaDevice:
             )
         with self._lock:
             self._live[base] = nbytes
+            if stream is not None and self.pooled and stream is not self.compute:
+                self._homes[base] = stream
             self.allocations += 1
             self.bytes_in_use += nbytes
             self.peak_bytes = max(self.peak_bytes, self.bytes_in_use)
@@ -222,30 +230,35 @@ class CudaDevice:
                 self._captured_bases.add(base)
         return address, base
 
-    def free(self, base: int) -> None:
-        """Free the allocation whose ``base`` :meth:`allocate` returned (stream-ordered after compute)."""
+    def free(self, base: int, stream=None) -> None:
+        """Free the allocation whose ``base`` :meth:`allocate` returned, stream-ordered on ``stream`` (compute by
+        default) and after its home stream's work (see the module docstring)."""
         with self._lock:
             nbytes = self._live.pop(base, None)
             if nbytes is None:
                 raise InvalidArgumentError(
                     f"CUDAExecutionProvider: {base:#x} is not a live allocation on CUDA device {self.index}"
                 )
+            home = self._homes.pop(base, self.compute)
             self.frees += 1
             self.bytes_in_use -= nbytes
-        self._release(base, nbytes)
+        self._release(base, nbytes, self._stream(stream), home)
 
-    def _release(self, base: int, nbytes: int) -> None:
+    def _release(self, base: int, nbytes: int, stream=None, home=None) -> None:
         self._bind()
+        stream = self.compute if stream is None else stream
         if self._capture_thread == threading.get_ident() and base not in self._captured_bases:
             # A free on the capturing thread (a garbage-collected tensor of any session) would be recorded into
             # the graph and repeated at every replay, on memory the graph does not own: free it after the capture.
-            self._frees_after_capture.append((base, nbytes))
+            self._frees_after_capture.append((base, nbytes, stream, home))
             return
         d = self.driver
         with self._gate:
             if self._transfer_since_join:  # a copy_async may still read or write this memory
                 self._join_transfer()
-            result = d.cuMemFreeAsync(base, self.compute) if self.pooled else d.cuMemFree(base)
+            if self.pooled and home is not None and int(home) != int(stream):
+                self._order_after(home, stream)
+            result = d.cuMemFreeAsync(base, stream) if self.pooled else d.cuMemFree(base)
         if int(result[0]):
             call = "cuMemFreeAsync({:#x}, {} B)" if self.pooled else "cuMemFree({:#x}, {} B)"
             self._failed(result, call, base, nbytes)
@@ -402,6 +415,22 @@ class CudaDevice:
         self._bind()
         return self._record(self.compute, "compute")
 
+    def _order_after(self, home, stream) -> None:
+        """Make ``stream`` wait for what ``home`` has queued so far (a free of memory allocated there)."""
+        d = self.driver
+        with self._lock:
+            event = self._idle_events.pop() if self._idle_events else None
+        if event is None:
+            event = self._check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        try:
+            self._check(d.cuEventRecord(event, home), "cuEventRecord(home stream of a freed allocation)")
+            self._check(d.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent(stream freeing an allocation)")
+        finally:
+            # Reusable at once: a recorded event's later re-record does not disturb the wait already enqueued.
+            with self._lock:
+                self._idle_events.append(event)
+        self.cross_stream_frees += 1
+
     def _transfer_waits_for_compute(self) -> None:
         fence = self._record(self.compute, "compute")
         self.copy_wait_fence(fence)
@@ -460,8 +489,8 @@ class CudaDevice:
             self._captured_bases.clear()
             frees, self._frees_after_capture = self._frees_after_capture, []
             try:
-                for base, nbytes in frees:
-                    self._release(base, nbytes)
+                for base, nbytes, stream, home in frees:
+                    self._release(base, nbytes, stream, home)
             finally:
                 self._gate.release()
 
