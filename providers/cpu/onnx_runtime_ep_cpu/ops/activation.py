@@ -9,12 +9,12 @@ import numpy as np
 from ..algorithms.activations import gelu_erf, gelu_series, gelu_tanh, hard_sigmoid_of
 from ..algorithms.precision import scalar
 from ..registry import register
-from ._common import graph_error, quiet
+from ._common import graph_error, quiet, shape_free
 
 
 @register("Relu", since=1)
 def relu(node, shapes, opset):
-    return lambda x: (np.maximum(x, scalar(0, x.dtype)),)
+    return shape_free(lambda x: (np.maximum(x, scalar(0, x.dtype)),))
 
 
 @register("LeakyRelu", since=1)

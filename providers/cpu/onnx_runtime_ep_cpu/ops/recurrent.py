@@ -18,7 +18,7 @@ from ..algorithms.precision import compute_dtype, scalar
 from ..algorithms.prepared import Prepared
 from ..compiled import COMPILED_DTYPES
 from ..registry import register
-from ._common import graph_error, quiet
+from ._common import graph_error, quiet, shape_free
 
 _DIRECTIONS = ("forward", "reverse", "bidirectional")
 
@@ -292,7 +292,9 @@ def lstm(node, shapes, opset):
 
         return _outputs(node, _run(spec, cell, x, w, r, b, seq_lens, [h0, c0], gates=4))
 
-    return kernel
+    # (It reads no planned shape: a streaming model's omitted sequence_lens would otherwise send every call
+    # through the shape-keyed cache's slow key.)
+    return shape_free(kernel)
 
 
 # Up to this many (time step, batch entry) pairs the compiled loop also projects the input; past it one
@@ -327,8 +329,14 @@ class _CompiledLSTM:
         # may run from several threads)
         self.kept: tuple = (None, None, None, None, None)
         self.backward = [spec.direction == "reverse" or d == 1 for d in range(spec.num_directions)]
+        self.fast: tuple | None = None  # (W, R, B, X's shape and dtype, the states' shape, the weights)
 
     def __call__(self, x, w, r, b, h0, c0) -> list:
+        fast = self.fast
+        if fast is not None and fast[0] is w and fast[1] is r and fast[2] is b and x.shape == fast[3] \
+                and x.dtype is fast[4] and x.flags.c_contiguous and _state_shape(h0) == fast[5] \
+                and _state_shape(c0) == fast[5]:
+            return self._one_direction(x, h0, c0, fast)
         spec = self.spec
         dtype = x.dtype
         xs = np.swapaxes(x, 0, 1) if spec.layout else x
@@ -359,6 +367,20 @@ class _CompiledLSTM:
             self.steps(source, wd, rd, bias, h[d], c[d], out, self.backward[d], projected)
         if spec.layout:
             return [y.transpose(2, 0, 1, 3), np.swapaxes(h, 0, 1), np.swapaxes(c, 0, 1)]
+        if dirs == 1 and weights is self.kept[4] and not projected:
+            # (checked above for this signature: later calls with it skip the checks and the layout moves)
+            self.fast = (w, r, b, x.shape, dtype, shape, weights[0])
+        return [y, h, c]
+
+    def _one_direction(self, x, h0, c0, fast) -> list:
+        """A call with the signature ``fast`` records (one forward or reverse direction, layout 0, few steps,
+        constant weights), whose checks passed: fresh states, the loop, the outputs."""
+        _w, _r, _b, _shape, dtype, shape, (wd, rd, bias) = fast
+        h = np.zeros(shape, dtype) if h0 is None else np.array(h0, dtype=dtype, order="C")
+        c = np.zeros(shape, dtype) if c0 is None else np.array(c0, dtype=dtype, order="C")
+        seq = x.shape[0]
+        y = np.empty((seq, 1, shape[1], shape[2]), dtype)
+        self.steps(x, wd, rd, bias, h[0], c[0], y.reshape(seq, shape[1], shape[2]), self.backward[0], False)
         return [y, h, c]
 
     def _state(self, s, shape: tuple, dtype) -> np.ndarray:
@@ -370,3 +392,7 @@ class _CompiledLSTM:
             raise InvalidArgumentError(
                 f"node {self.spec.node.name!r} (LSTM): initial state {s.shape} must be {shape} after layout")
         return state
+
+
+def _state_shape(s) -> tuple | None:
+    return None if s is None else s.shape

@@ -1,0 +1,97 @@
+"""silero-vad per frame, this runtime against onnxruntime in one process, one thread each.
+
+    .venv/bin/python benchmarks/silero_bench.py [--models 'silero_vad,silero_vad_16k_op15,silero_vad_op18_ifless']
+        [--frames 300] [--rounds 5]
+
+Each model streams the same frames the way silero-vad's OnnxWrapper does at 16 kHz: a (1, 576) window (64
+samples of context and a 512-sample frame), the (2, 1, 128) state returned by the previous frame, and sr. The
+frames alternate between the two runtimes in blocks (interleaved rounds), CPU time of this thread, medians per
+frame in microseconds. The model files come from the silero-vad wheel in the zoo's venv (scripts/build_zoo.sh),
+or --data. The load average is printed beside the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("ONNX_RUNTIME_COMPILE_IN_BACKGROUND", "0")
+
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / ".venv-zoo/lib/python3.11/site-packages/silero_vad/data"
+CPU = "CPUExecutionProvider"
+
+
+def frames(count: int) -> np.ndarray:
+    """Noise with a voiced stretch in the middle, so the model's state moves through both regimes."""
+    rng = np.random.default_rng(0)
+    t = np.arange(count * 512) / 16000.0
+    voiced = np.sin(2 * np.pi * (110 + 20 * t) * t) * (np.abs(np.sin(2 * np.pi * 4 * t)) > 0.3)
+    middle = (t > t[-1] / 3) & (t < 2 * t[-1] / 3)
+    audio = (0.02 * rng.standard_normal(t.size) + 0.5 * voiced * middle).astype(np.float32)
+    padded = np.concatenate([np.zeros(64, np.float32), audio])
+    return np.stack([padded[i * 512: i * 512 + 576] for i in range(count)])[:, None, :]
+
+
+def stream(session, windows: np.ndarray) -> tuple[list[float], np.ndarray]:
+    names = {i.name for i in session.get_inputs()}
+    state = np.zeros((2, 1, 128), np.float32)
+    sr = np.array(16000, np.int64)
+    times, probs = [], []
+    for window in windows:
+        feed = {"input": window, "state": state}
+        if "sr" in names:
+            feed["sr"] = sr
+        start = time.thread_time()
+        out, state = session.run(None, feed)
+        times.append(time.thread_time() - start)
+        probs.append(float(out.reshape(-1)[0]))
+    return times, np.array(probs)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="silero_vad,silero_vad_16k_op15,silero_vad_op18_ifless")
+    parser.add_argument("--data", default=str(DATA))
+    parser.add_argument("--frames", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+
+    import onnx_runtime
+    import onnxruntime as ort
+
+    windows = frames(args.frames)
+    print(f"load {os.getloadavg()[0]:.2f}; onnxruntime {ort.__version__}; {args.frames} frames x {args.rounds} rounds")
+    print(f"{'model':28s} {'ours us':>9s} {'ort us':>8s} {'ratio':>6s} {'max |dp|':>9s}")
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        path = str(Path(args.data) / f"{name}.onnx")
+        options = onnx_runtime.SessionOptions()
+        options.intra_op_num_threads = 1
+        ours = onnx_runtime.InferenceSession(path, options, providers=[CPU])
+        ort_options = ort.SessionOptions()
+        ort_options.intra_op_num_threads = 1
+        ort_options.log_severity_level = 3
+        theirs = ort.InferenceSession(path, ort_options, providers=[CPU])
+        stream(ours, windows[:5])
+        stream(theirs, windows[:5])
+        mine, other, diff = [], [], 0.0
+        for _ in range(args.rounds):
+            t_ours, p_ours = stream(ours, windows)
+            t_ort, p_ort = stream(theirs, windows)
+            mine.append(statistics.median(t_ours))
+            other.append(statistics.median(t_ort))
+            diff = max(diff, float(np.max(np.abs(p_ours - p_ort))))
+        a, b = statistics.median(mine) * 1e6, statistics.median(other) * 1e6
+        print(f"{name:28s} {a:9.1f} {b:8.1f} {a / b:6.2f} {diff:9.2e}", flush=True)
+    print(f"load {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
