@@ -120,15 +120,15 @@ def test_bert_block_runs_as_standard_fused_operators(mask, gelu):
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     ran = _ran_as(session)
     assert not any(domain == CONTRIB for domain, _ in ran), ran
-    assert ("ai.onnx_runtime.cpu", "FusedMatMul") in ran and ("", "Attention") in ran
-    assert (("ai.onnx_runtime.cpu", "ContribAttentionMask") in ran) == (mask is not None)
+    assert ("ai.onnx_runtime.cpu", "FusedMatMul") in ran and ("ai.onnx_runtime.cpu", "ContribPackedAttention") in ran
+    assert ("ai.onnx_runtime.cpu", "ContribAttentionMask") not in ran  # the mask index is read in place
 
 
 def test_unidirectional_attention_with_padding_matches_onnxruntime():
     lengths = np.array([STEPS - 1, 3], np.int32)
     session, got, expected = _run_both(bert_block([BATCH], unidirectional=1), {"x": hidden_states(), "mask": lengths})
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
-    assert ("", "Attention") in _ran_as(session)
+    assert ("ai.onnx_runtime.cpu", "ContribPackedAttention") in _ran_as(session)
 
 
 def test_attention_mask_of_no_convention_is_a_typed_error():

@@ -15,7 +15,8 @@ decoder_fusions.py) see the graph an exporter would have written:
 - SkipSimplifiedLayerNormalization(x, skip, gamma[, bias])  ->  the same adds, RMSNormalization (opset 23),
   when its mean and inv_std_var outputs are unread; SimplifiedLayerNormalization  ->  RMSNormalization
 - Attention(input, weights, bias[, mask_index]) without a past, an attention bias or rotary embedding  ->
-  MatMul and Add per Q, K and V (the packed weight's column blocks),
+  float32 with Q, K and V of one size: ContribPackedAttention (one product by the packed weight, the attention
+  over it in place, the mask index read there); otherwise MatMul and Add per Q, K and V (the weight's blocks),
   ONNX Attention (opset 23; unidirectional is its is_causal), the mask
   as its additive bias (ContribAttentionMask: mask_filter_value on hidden keys, as the contrib kernel adds)
 - MultiHeadAttention of 3-D query, key and value without a past, an attention bias or a beam cache  ->  its
@@ -195,12 +196,33 @@ class _Lowering:
         dtype = self.float_node(node, [x, weights, bias])
         if dtype is None:
             return None
+        packed = self.packed_attention(node, weight, heads) if dtype == DataType.FLOAT and sizes[0] == sizes[2] \
+            and weight.dtype == np.float32 else None
+        if packed is not None:
+            return [packed]
         nodes: list[Node] = []
         inputs = self.projections(node, x, weight, bias, sizes, dtype, nodes)
         if mask is not None:
             inputs.append(self.mask_bias(node, mask, x, nodes))
         nodes.append(self.onnx_attention(node, inputs, heads))
         return nodes
+
+    def packed_attention(self, node: Node, weight: np.ndarray, heads: int) -> Node | None:
+        """float32 Attention whose Q, K and V are one size: ContribPackedAttention, one product by the packed
+        weight (made C-contiguous once here) and one compiled pass reading Q, K, V and the mask index in place."""
+        packed = node.inputs[1]
+        if not weight.flags.c_contiguous:
+            packed = self.fresh(f"{node.name}/qkv_weight")
+            self.graph.initializers[packed] = np.ascontiguousarray(weight)
+        attrs = {"num_heads": heads, "unidirectional": int(node.attr("unidirectional", 0)),
+                 "mask_filter_value": float(node.attr("mask_filter_value", -10000.0))}
+        if node.attr("scale") is not None:
+            attrs["scale"] = float(node.attr("scale"))
+        inputs = [node.inputs[0], packed, _input(node, 2) or "", _input(node, 3) or ""]
+        while not inputs[-1]:
+            inputs.pop()
+        return Node("ContribPackedAttention", inputs, [node.outputs[0]],
+                    name=self.fresh(f"{node.name}/packed"), domain=FUSED_DOMAIN, attrs=attrs, opset=1)
 
     def projections(self, node: Node, x: str, weight: np.ndarray, bias: str | None, sizes: list[int],
                     dtype: DataType, nodes: list[Node]) -> list[str]:

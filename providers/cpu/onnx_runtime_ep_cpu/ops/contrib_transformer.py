@@ -24,8 +24,10 @@ from ..algorithms.contrib_attention import (
     split_heads,
 )
 from ..algorithms.precision import compute_dtype
+from ..compiled.deferred import numpy_first
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
+from ..tuning import KNOBS
 from ._common import CONTRIB_DOMAIN, argument_error, graph_error, has_input, wants_output
 
 _MASK_SHAPES = "(B), (2 * B), (B, T), (B, S, T) or (B, 1, M, M) with M >= T"
@@ -189,6 +191,99 @@ def contrib_attention_mask(node, shapes, opset):
         return (bias,)
 
     return kernel
+
+
+_F32 = np.dtype(np.float32)
+_NO_COUNTS, _NO_MASK, _NO_BIAS = np.empty(0, np.int32), np.empty((0, 1, 0, 0), np.float32), \
+    np.empty((0, 0, 0), np.float32)
+
+
+def _packed_fits(x, weights, bias, mask_index, heads: int) -> bool:
+    """Whether ContribPackedAttention's compiled path takes these inputs (float32, shapes that fit)."""
+    return x.dtype == _F32 and weights.dtype == _F32 and x.ndim == 3 and weights.ndim == 2 and x.size > 0 \
+        and weights.shape[0] == x.shape[2] and weights.shape[1] % (3 * heads) == 0 \
+        and (bias is None or (bias.dtype == _F32 and bias.shape == weights.shape[1:])) \
+        and (mask_index is None or mask_index.ndim > 0)
+
+
+def _packed_masks(mask_index, batch: int, steps: int, fill) -> tuple | None:
+    """(counts, mask) as compiled/packed_attention.py reads a contrib mask index: a (B,) int32 count of valid
+    keys as is, any other convention as its additive bias; None for a shape of no convention."""
+    if mask_index is None:
+        return _NO_COUNTS, _NO_MASK
+    if mask_index.shape == (batch,) and mask_index.dtype == np.int32:
+        return mask_index, _NO_MASK
+    mask = key_mask_bias(np.asarray(mask_index), batch, steps, steps, 0, fill)
+    return None if mask is None else (_NO_COUNTS, np.ascontiguousarray(mask, np.float32))
+
+
+class _PackedAttention:
+    """com.microsoft Attention without a past (contrib_lowering.py's rewrite of one whose Q, K and V sizes are
+    equal): one product by the packed weight, then compiled/packed_attention.py over it in place, the mask
+    index read there; longer sequences through the ONNX Attention kernel. Other dtypes, layouts and masks, and
+    every error, go through the contrib kernel."""
+
+    def __init__(self, node):
+        self.node, self.general = node, _Attention(node)
+        self.heads = self.general.heads
+        self.fill = np.float32(node.attr("mask_filter_value", -10000.0))
+        self.causal = bool(node.attr("unidirectional", 0))
+        self.loop = None
+        self.longer: dict[tuple, object] = {}  # per (B, S, hidden): the ONNX Attention kernel of longer sequences
+
+    def __call__(self, x, weights, bias=None, mask_index=None):
+        if not _packed_fits(x, weights, bias, mask_index, self.heads) or numpy_first():
+            return self.general(x, weights, bias, mask_index)
+        batch, steps, depth = x.shape
+        heads, size = self.heads, weights.shape[1] // (3 * self.heads)
+        masks = _packed_masks(mask_index, batch, steps, self.fill)
+        if masks is None:  # (the contrib kernel words the error)
+            return self.general(x, weights, bias, mask_index)
+        counts, mask = masks
+        qkv = np.matmul(np.ascontiguousarray(x).reshape(batch * steps, depth), weights)
+        if heads * steps * steps * size > KNOBS.few_query_macs // 2:
+            if bias is not None:
+                qkv += bias
+            if counts.size:
+                mask = key_mask_bias(counts, batch, steps, steps, 0, self.fill)
+            return (self.long_attention(qkv.reshape(batch, steps, -1), mask, size),)
+        if self.loop is None:
+            from ..compiled.packed_attention import packed_self_attention_
+
+            self.loop = packed_self_attention_
+        y = np.empty((batch, steps, heads * size), np.float32)
+        if not self.loop(qkv.reshape(batch, steps, 3, heads, size),
+                         _NO_BIAS if bias is None else np.ascontiguousarray(bias).reshape(3, heads, size),
+                         counts, mask, np.float32(_scale(self.node, size)), self.fill, self.causal,
+                         y.reshape(batch, steps, heads, size)):
+            return self.general(x, weights, bias, mask_index)
+        return (y,)
+
+    def long_attention(self, qkv, mask, size: int):
+        """Attention over more keys than the few-row loop takes: the ONNX Attention kernel's tiled and blocked
+        paths over contiguous Q, K and V."""
+        from onnx_runtime.ir import Node
+
+        from .transformer import attention_23
+
+        hidden = self.heads * size
+        parts = [np.ascontiguousarray(qkv[:, :, i * hidden:(i + 1) * hidden]) for i in range(3)]
+        key = parts[0].shape
+        kernel = self.longer.get(key)
+        if kernel is None:
+            if len(self.longer) > 64:  # lengths vary without bound: start over
+                self.longer.clear()
+            attrs = {"q_num_heads": self.heads, "kv_num_heads": self.heads, "is_causal": int(self.causal),
+                     "scale": float(_scale(self.node, size))}
+            node = Node("Attention", ["q", "k", "v", "mask"], [self.node.outputs[0]], name=self.node.name,
+                        attrs=attrs, opset=23)
+            kernel = self.longer[key] = attention_23(node, [part.shape for part in parts], 23)
+        return kernel(*parts, mask if mask.size else None)[0]
+
+
+@register("ContribPackedAttention", domain=FUSED_DOMAIN, since=1)
+def contrib_packed_attention(node, shapes, opset):
+    return _PackedAttention(node)
 
 
 # -- MultiHeadAttention --------------------------------------------------------------------------

@@ -1,0 +1,78 @@
+"""com.microsoft Attention over its packed Q/K/V product in one compiled pass: the projection's bias added in
+place, then per (batch, head, query row) the scores against the keys, the key-padding mask, the softmax and the
+weighted sum of the values, each read where the packed product holds it (B, S, 3, N, D). Run as separate
+projections, a mask step and an attention step, a BERT-sized layer spent most of its time between kernels."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import jit
+from .decoder import row_dot
+from .transformer import contracting_jit, exp_shifted_sum_, row_max
+
+
+@jit
+def packed_self_attention_(qkv, bias, counts, mask, scale, fill, causal, y):
+    """y[b, r, h] = softmax(q . k * scale + mask) v over qkv (B, S, 3, N, D) float32, C-contiguous, after
+    qkv += bias (3, N, D) where ``bias`` has elements. The mask is ``fill`` added to keys at or after counts[b]
+    where ``counts`` (B,) has elements, plus mask[b', 0, r', t] (B' and M' one or full) where ``mask`` has
+    elements; ``causal`` leaves out keys after the query. False, with y partly written, when a row's largest
+    score is not finite (the general path decides those)."""
+    batch, steps, heads = qkv.shape[0], qkv.shape[1], qkv.shape[3]
+    if bias.size:
+        _add_bias_(qkv, bias)
+    with_counts, with_mask = counts.size > 0, mask.size > 0
+    mask_b, mask_r = mask.shape[0] > 1, mask.shape[2] > 1
+    scores, weights = np.empty(steps, np.float32), np.empty(steps, np.float32)
+    for b in range(batch):
+        valid = counts[b] if with_counts else steps
+        for h in range(heads):
+            for r in range(steps):
+                visible = r + 1 if causal else steps
+                _scores(qkv, b, h, r, visible, scale, valid, fill, scores)
+                if with_mask:
+                    row_mask = mask[b if mask_b else 0, 0, r if mask_r else 0]
+                    for t in range(visible):
+                        scores[t] += row_mask[t]
+                peak = row_max(scores[:visible])
+                if not abs(peak) < np.float32(np.inf):
+                    return False
+                total = exp_shifted_sum_(scores[:visible], peak, weights[:visible])
+                out = y[b, r, h]
+                _weighted_values(weights, qkv, b, h, visible, out)
+                for j in range(out.shape[0]):
+                    out[j] /= total
+    return True
+
+
+@jit
+def _scores(qkv, b, h, r, visible, scale, valid, fill, scores):
+    """scores[t] = q[b, r, h] . k[b, t, h] * scale for the visible keys, ``fill`` added from key ``valid`` on."""
+    query = qkv[b, r, 0, h]
+    for t in range(visible):
+        scores[t] = row_dot(query, qkv[b, t, 1, h]) * scale
+    for t in range(valid, visible):
+        scores[t] += fill
+
+
+@jit
+def _add_bias_(qkv, bias):
+    """qkv[b, s] += bias (3, N, D) for every packed row."""
+    add = bias.reshape(-1)
+    for b in range(qkv.shape[0]):
+        for s in range(qkv.shape[1]):
+            flat = qkv[b, s].reshape(-1)
+            for j in range(flat.shape[0]):
+                flat[j] += add[j]
+
+
+@contracting_jit
+def _weighted_values(weights, qkv, b, h, visible, out):
+    """out = the sum over t < visible of weights[t] * v[b, t, h] (in t order, one fused multiply-add per term)."""
+    out[:] = 0
+    for t in range(visible):
+        weight = weights[t]
+        row = qkv[b, t, 2, h]
+        for j in range(out.shape[0]):
+            out[j] += weight * row[j]
