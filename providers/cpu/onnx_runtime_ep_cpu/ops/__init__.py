@@ -27,7 +27,8 @@ FAMILIES = {
     ),
     "contrib_transformer": (
         "com.microsoft:Attention com.microsoft:GroupQueryAttention com.microsoft:MultiHeadAttention "
-        "com.microsoft:RotaryEmbedding ai.onnx_runtime.cpu:ContribAttentionMask"
+        "com.microsoft:RotaryEmbedding ai.onnx_runtime.cpu:ContribAttentionMask "
+        "ai.onnx_runtime.cpu:ContribPackedAttention"
     ),
     "contrib_weights": "com.microsoft:GatherBlockQuantized com.microsoft:MatMulNBits",
     "control_flow": "If Loop Scan",
