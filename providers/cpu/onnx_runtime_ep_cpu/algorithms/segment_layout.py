@@ -212,6 +212,7 @@ def block_direct_runs(segment, steps: list, spans: dict, env: list, blocks: dict
     steps = [step for step in steps if step is not None]
     tiled = (_blocked_ops().depthwise_blocked, _blocked_ops().max_pool_blocked)
     scratch = sum(a.nbytes for f, arguments in steps if f in tiled for a in arguments[-4::3])  # (block, tile)
+    scratch += sum(a.nbytes for f, arguments in steps if f is _gathered().conv_gathered for a in arguments[8:11])
     return steps, sum(b.nbytes for b in buffers.values()) + scratch
 
 
@@ -278,6 +279,39 @@ def _block_direct(inner, arguments, chosen, buffers, steps, at) -> None:
     flat_y = buffers[y_slot] if y_slot in chosen else y.reshape(-1)
     if residual.size and residual_slot in chosen:
         residual = buffers[residual_slot]
+    if x_slot in chosen and y_slot in chosen and y.shape[3] < _gathered().PIXELS \
+            and (not residual.size or residual_slot in chosen):
+        steps[at] = _gathered_step(flat_x, weights, offsets, bias, residual, bounds, flags, flat_y, x.shape,
+                                   y.shape, (sh, sw, top, left, int(height), int(width)))
+        return
     steps[at] = (kernel.conv_blocked, (
         flat_x, weights, offsets, bias, residual, bounds, flags, flat_y, sh, sw, top, left, height, width,
         in_place, *x.shape, x_slot in chosen, *y.shape[1:], y_slot in chosen))
+
+
+def _gathered():
+    from ..compiled import directconv_gathered
+
+    return directconv_gathered
+
+
+def _gathered_step(x, weights, offsets, bias, residual, bounds, flags, y, x_shape, y_shape, geometry):
+    """A blocked convolution whose output rows are narrower than a tile, in tiles of any pixels across rows and
+    images (compiled/directconv_gathered.py); a pointwise one without pads reads its input in place."""
+    from ..compiled import directconv, directconv_blocked
+
+    ops = _gathered()
+    sh, sw, top, left, padded_height, padded_width = geometry
+    images, channels, height, width = x_shape
+    stored = -(-channels // 16) * 16
+    in_place = top == left == 0 and weights.shape[2] == channels  # (one tap per channel: a 1x1 kernel)
+    if in_place:
+        padded_height, padded_width = height, width
+        offsets = directconv_blocked.blocked_taps(directconv.tap_offsets(
+            channels, 1, 1, 1, 1, width, height * width), height * width)
+    source = np.zeros(0 if in_place else images * stored * padded_height * padded_width, np.float32)
+    starts, outs = ops.gathered_offsets(images, stored, padded_height, padded_width, y_shape[2], y_shape[3], sh, sw,
+                                        weights.shape[1])
+    return (ops.conv_gathered, (
+        x, weights, offsets, bias, residual, bounds, flags, y, source, starts, outs, images * y_shape[2] * y_shape[3],
+        images, stored, height, width, top, left, padded_height, padded_width, in_place, y_shape[2] * y_shape[3]))
