@@ -1,10 +1,11 @@
 """EmbedLayerNormalization's table lookups and sum in one compiled pass: numpy spends a bounds reduction, a
 fancy index and an add per table on a handful of rows, several times the arithmetic of a BERT-sized
-embedding (the normalization after it is transformer.py's layer_norm loop)."""
+embedding; the normalization after it (transformer.py's layer_norm loop) runs in the same call."""
 
 from __future__ import annotations
 
 from . import jit
+from .transformer import layer_norm_rows
 
 
 @jit
@@ -41,4 +42,18 @@ def embedding_sum_(ids, word, position, segment_ids, segment, mask, out, counts)
                     return batch * steps + b * steps + s
                 for h in range(row.shape[0]):
                     row[h] += segment[g, h]
+    return -1
+
+
+@jit
+def embed_layer_norm_(ids, word, position, segment_ids, segment, mask, gamma, beta, epsilon, total, out, counts,
+                      mean, inv_std):
+    """embedding_sum_ into ``total`` (B, S, H), then transformer.layer_norm_rows of its rows into ``out`` with
+    gamma and beta (beta empty for none): EmbedLayerNormalization in one call, the same arithmetic as the
+    two loops. Returns embedding_sum_'s -1 or the flat index of the first id outside its table."""
+    found = embedding_sum_(ids, word, position, segment_ids, segment, mask, total, counts)
+    if found >= 0:
+        return found
+    hidden = total.shape[2]
+    layer_norm_rows(total.reshape(-1, hidden), gamma, beta, epsilon, out.reshape(-1, hidden), mean, inv_std)
     return -1

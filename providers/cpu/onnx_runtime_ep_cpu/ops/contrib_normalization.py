@@ -180,10 +180,10 @@ _NO_ROWS = {np.dtype(np.float32): np.empty((0, 0), np.float32), np.dtype(np.floa
 _NO_IDS = np.empty((0, 0), np.int32)
 
 
-def _compiled_sum(input_ids, segment_ids, word, position, segment, position_ids, mask, dtype) -> tuple | None:
-    """(_embedding_sum's result, the mask_index output) from compiled/embedding.py where the tables are
-    C-contiguous float32/float64 of the compute dtype and the positions are 0 .. S-1; None where
-    _embedding_sum must decide (and report)."""
+def _compiled_takes(input_ids, segment_ids, word, position, segment, position_ids, mask, dtype) -> bool:
+    """Whether compiled/embedding.py takes these inputs: tables C-contiguous float32/float64 of the compute
+    dtype, positions 0 .. S-1, ids and mask integers of the input's shape (else _embedding_sum decides and
+    reports)."""
     empty = _NO_ROWS.get(dtype)
     if empty is None or position_ids is not None or input_ids.ndim != 2 or word.dtype != dtype \
             or position.dtype != dtype or word.ndim != 2 or position.ndim != 2 \
@@ -191,13 +191,19 @@ def _compiled_sum(input_ids, segment_ids, word, position, segment, position_ids,
             or input_ids.dtype.kind != "i" or (segment is None) != (segment_ids is None) \
             or not (word.flags.c_contiguous and position.flags.c_contiguous) \
             or (mask is not None and (mask.shape != input_ids.shape or mask.dtype.kind != "i")):
+        return False
+    return segment is None or (segment.dtype == dtype and segment.ndim == 2 and segment.shape[1] == word.shape[1]
+                               and segment_ids.shape == input_ids.shape and segment_ids.dtype.kind == "i"
+                               and segment.flags.c_contiguous)
+
+
+def _compiled_sum(input_ids, segment_ids, word, position, segment, position_ids, mask, dtype) -> tuple | None:
+    """(_embedding_sum's result, the mask_index output) from compiled/embedding.py where _compiled_takes;
+    None where _embedding_sum must decide (and report)."""
+    if not _compiled_takes(input_ids, segment_ids, word, position, segment, position_ids, mask, dtype) \
+            or numpy_first():
         return None
-    if segment is not None and (segment.dtype != dtype or segment.ndim != 2 or segment.shape[1] != word.shape[1]
-                                or segment_ids.shape != input_ids.shape or segment_ids.dtype.kind != "i"
-                                or not segment.flags.c_contiguous):
-        return None
-    if numpy_first():
-        return None
+    empty = _NO_ROWS[dtype]
     from ..compiled.embedding import embedding_sum_
 
     total = np.empty(input_ids.shape + word.shape[1:], dtype)
@@ -205,6 +211,32 @@ def _compiled_sum(input_ids, segment_ids, word, position, segment, position_ids,
     found = embedding_sum_(input_ids, word, position, _NO_IDS if segment_ids is None else segment_ids,
                            empty if segment is None else segment, _NO_IDS if mask is None else mask, total, counts)
     return (total, counts) if found < 0 else None
+
+
+def fused_embed_norm(input_ids, segment_ids, word, position, segment, gamma, beta, mask, position_ids,
+                      epsilon: float) -> tuple | None:
+    """(normalized, mask_index, embedding_sum) from compiled/embedding.embed_layer_norm_, one call for the
+    lookups, the sum and the normalization, where the compiled loops take the inputs and gamma and beta are
+    (hidden,) of the tables' dtype; None where the kernel's general path decides (and reports)."""
+    dtype = word.dtype
+    hidden = word.shape[-1] if word.ndim == 2 else -1
+    if not _compiled_takes(input_ids, segment_ids, word, position, segment, position_ids, mask, dtype) \
+            or gamma.shape != (hidden,) or gamma.dtype != dtype or not gamma.flags.c_contiguous \
+            or (beta is not None and (beta.shape != (hidden,) or beta.dtype != dtype or not beta.flags.c_contiguous)) \
+            or not input_ids.size or numpy_first():
+        return None
+    from ..compiled.embedding import embed_layer_norm_
+
+    batch, steps = input_ids.shape
+    total = np.empty((batch, steps, hidden), dtype)
+    out = np.empty((batch, steps, hidden), dtype)
+    counts = np.zeros(batch, np.int32)
+    rows = batch * steps
+    found = embed_layer_norm_(input_ids, word, position, _NO_IDS if segment_ids is None else segment_ids,
+                              _NO_ROWS[dtype] if segment is None else segment, _NO_IDS if mask is None else mask,
+                              gamma, _NO_ROWS[dtype][0] if beta is None else beta, epsilon, total, out, counts,
+                              np.empty(rows, dtype), np.empty(rows, dtype))
+    return (out, counts, total) if found < 0 else None
 
 
 @register("EmbedLayerNormalization", domain=CONTRIB_DOMAIN, since=1)
@@ -218,6 +250,11 @@ def embed_layer_normalization(node, shapes, opset):
     def kernel(input_ids, segment_ids, word_embedding, position_embedding, segment_embedding, gamma, beta,
                mask=None, position_ids=None):
         dtype = compute_dtype(word_embedding.dtype)
+        if dtype == word_embedding.dtype:
+            fused = fused_embed_norm(input_ids, segment_ids, word_embedding, position_embedding, segment_embedding,
+                                      gamma, beta, mask, position_ids, epsilon)
+            if fused is not None:
+                return fused[:len(node.outputs)]
         summed = _compiled_sum(input_ids, segment_ids, word_embedding, position_embedding, segment_embedding,
                                position_ids, mask, dtype)
         total, counts = summed if summed is not None else (None, None)
