@@ -97,24 +97,10 @@ def single_process(model, data, out, shard_rows, threads, runtime, batch_size) -
     job = {"source": source, "output": out, "id_column": None,
            "predictor": dict(model=model, intra_op_threads=threads, keep_columns=[], errors="record", runtime=runtime,
                              batch_size=batch_size)}
-    if runtime == "onnx_runtime":
-        own_thread_count(model, threads)
     start, cpu = time.perf_counter(), time.process_time()
     rows = sum(process_shard(job, shard)["rows"] for shard in source.shards(shard_rows))
     rate = rows / (time.perf_counter() - start)
     return rate, rate, time.process_time() - cpu
-
-
-def own_thread_count(model, threads) -> None:
-    """Give this process's CPU kernels ``threads`` threads again before a warm loop. The CPU provider's thread
-    count is per process, the last session created with an explicit setting wins (onnx_runtime_ep_cpu/threads.py),
-    and warm_up made the sessions of every thread count, so the one-thread loop would run on the last count made.
-    A throwaway session with the loop's setting (its plan is cached) makes it the loop's again."""
-    import onnx_runtime
-
-    options = onnx_runtime.SessionOptions()
-    options.intra_op_num_threads = threads
-    onnx_runtime.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
 
 
 def warm_up(model, data, shard_rows, cpus, batch_size) -> None:
