@@ -41,7 +41,8 @@ def test_fused_loop_matches_float64_reference(dtype, tol, with_segments, with_be
     segment_ids = RNG.integers(0, 3, (2, 7)).astype(np.int64)
     mask = np.array([[1, 1, 1, 0, 0, 2, 1], [1] * 7], np.int32)
     total, out, counts = np.empty((2, 7, HIDDEN), dtype), np.empty((2, 7, HIDDEN), dtype), np.zeros(2, np.int32)
-    found = embed_layer_norm_(ids, word, position, segment_ids if with_segments else np.empty((0, 0), np.int32),
+    found = embed_layer_norm_(ids, word, position, np.empty((0, 0), np.int32),
+                              segment_ids if with_segments else np.empty((0, 0), np.int32),
                               segment if with_segments else np.empty((0, 0), dtype), mask, gamma,
                               beta if with_beta else np.empty(0, dtype), 1e-5, total, out, counts,
                               np.empty(14, dtype), np.empty(14, dtype))
@@ -59,21 +60,28 @@ def test_fused_loop_reports_the_first_id_outside_its_table():
     ids[1, 2] = 13
     scratch = [np.empty((2, 3, HIDDEN), np.float32), np.empty((2, 3, HIDDEN), np.float32), np.zeros(2, np.int32),
                np.empty(6, np.float32), np.empty(6, np.float32)]
-    assert embed_layer_norm_(ids, word, position, np.empty((0, 0), np.int32), np.empty((0, 0), np.float32),
-                             np.empty((0, 0), np.int32), np.ones(HIDDEN, np.float32), np.zeros(HIDDEN, np.float32),
-                             1e-5, *scratch) == 5
+    no_ids, no_rows = np.empty((0, 0), np.int32), np.empty((0, 0), np.float32)
+    gamma, beta = np.ones(HIDDEN, np.float32), np.zeros(HIDDEN, np.float32)
+    assert embed_layer_norm_(ids, word, position, no_ids, no_ids, no_rows, no_ids, gamma, beta, 1e-5, *scratch) == 5
+    ids[1, 2] = 0
+    positions = np.array([[0, 1, 10]], np.int64)  # the table has 10 rows
+    assert embed_layer_norm_(ids, word, position, positions, no_ids, no_rows, no_ids, gamma, beta, 1e-5,
+                             *scratch) >= 2 * 6
 
 
-def _model(outputs: int):
+def _model(outputs: int, positions=None):
     word, position, segment = _tables(np.float32)
     inits = [numpy_helper.from_array(a, n) for a, n in ((word, "word"), (position, "position"), (segment, "segment"),
                                                           (RNG.standard_normal(HIDDEN).astype(np.float32), "gamma"),
                                                           (RNG.standard_normal(HIDDEN).astype(np.float32), "beta"))]
     names = ["embedded", "mask_index", "embedding_sum"][:outputs]
     node = helper.make_node("EmbedLayerNormalization", ["ids", "segment_ids", "word", "position", "segment", "gamma",
-                                                        "beta", "mask"], names, domain=CONTRIB,
+                                                        "beta", "mask", *(["positions"] if positions else [])],
+                            names, domain=CONTRIB,
                             epsilon=1e-5)
     ints = [helper.make_tensor_value_info(n, TensorProto.INT32, None) for n in ("ids", "segment_ids", "mask")]
+    if positions:
+        ints.append(helper.make_tensor_value_info("positions", TensorProto.INT32, None))
     outs = [helper.make_tensor_value_info(n, TensorProto.INT32 if n == "mask_index" else TensorProto.FLOAT, None)
             for n in names]
     proto = helper.make_model(helper.make_graph([node], "embed", ints, outs, inits),
@@ -82,20 +90,22 @@ def _model(outputs: int):
     return proto
 
 
-@pytest.mark.parametrize("outputs", [2, 3])
-def test_session_matches_onnxruntime_through_the_fused_loop(outputs, monkeypatch):
+@pytest.mark.parametrize(("outputs", "positions"), [(2, None), (3, None), (2, (1, 6)), (3, (2, 6))])
+def test_session_matches_onnxruntime_through_the_fused_loop(outputs, positions, monkeypatch):
     import onnxruntime
 
     calls = []
     original = contrib_normalization.fused_embed_norm
     monkeypatch.setattr(contrib_normalization, "numpy_first", lambda: False)  # numba may be loading here
     monkeypatch.setattr(contrib_normalization, "fused_embed_norm", lambda *a: calls.append(1) or original(*a))
-    proto = _model(outputs)
+    proto = _model(outputs, positions)
     session = ort.InferenceSession(proto, providers=["CPUExecutionProvider"])
     oracle = onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     mask = np.array([[1] * 6, [1] * 3 + [0] * 3], np.int32)
     feeds = {"ids": RNG.integers(0, 13, (2, 6)).astype(np.int32),
              "segment_ids": RNG.integers(0, 3, (2, 6)).astype(np.int32), "mask": mask}
+    if positions:
+        feeds["positions"] = RNG.integers(0, 10, positions).astype(np.int32)
     for got, want in zip(session.run(None, feeds), oracle.run(None, feeds), strict=True):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     assert calls

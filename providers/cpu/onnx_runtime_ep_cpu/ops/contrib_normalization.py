@@ -220,7 +220,10 @@ def fused_embed_norm(input_ids, segment_ids, word, position, segment, gamma, bet
     (hidden,) of the tables' dtype; None where the kernel's general path decides (and reports)."""
     dtype = word.dtype
     hidden = word.shape[-1] if word.ndim == 2 else -1
-    if not _compiled_takes(input_ids, segment_ids, word, position, segment, position_ids, mask, dtype) \
+    if not _compiled_takes(input_ids, segment_ids, word, position, segment, None, mask, dtype) \
+            or (position_ids is not None and (position_ids.dtype.kind != "i" or position_ids.ndim != 2
+                                              or position_ids.shape[1:] != input_ids.shape[1:]
+                                              or position_ids.shape[0] not in (1, input_ids.shape[0]))) \
             or gamma.shape != (hidden,) or gamma.dtype != dtype or not gamma.flags.c_contiguous \
             or (beta is not None and (beta.shape != (hidden,) or beta.dtype != dtype or not beta.flags.c_contiguous)) \
             or not input_ids.size or numpy_first():
@@ -232,7 +235,8 @@ def fused_embed_norm(input_ids, segment_ids, word, position, segment, gamma, bet
     out = np.empty((batch, steps, hidden), dtype)
     counts = np.zeros(batch, np.int32)
     rows = batch * steps
-    found = embed_layer_norm_(input_ids, word, position, _NO_IDS if segment_ids is None else segment_ids,
+    found = embed_layer_norm_(input_ids, word, position, _NO_IDS if position_ids is None else position_ids,
+                              _NO_IDS if segment_ids is None else segment_ids,
                               _NO_ROWS[dtype] if segment is None else segment, _NO_IDS if mask is None else mask,
                               gamma, _NO_ROWS[dtype][0] if beta is None else beta, epsilon, total, out, counts,
                               np.empty(rows, dtype), np.empty(rows, dtype))
