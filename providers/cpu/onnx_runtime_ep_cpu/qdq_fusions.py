@@ -543,6 +543,83 @@ def absorb_rounded_add(graph: Graph, owns=None) -> bool:
     return False
 
 
+def _sole_reader(view: GraphView, name: str, op_type: str, domain: str = "") -> Node | None:
+    """The one node reading ``name`` when it is an ``op_type`` of ``domain`` and nothing else sees the value."""
+    readers = view.consumers.get(name, [])
+    if len(readers) != 1 or name in view.outputs or name in view.inner_reads:
+        return None
+    node = readers[0]
+    return node if node.op_type == op_type and node.domain == domain and node.inputs.count(name) == 1 else None
+
+
+def _scalar_f32(view: GraphView, name: str) -> bool:
+    value = view.const(name)
+    return value is not None and value.dtype == _F32 and value.size == 1
+
+
+def _grid_rounding(view: GraphView, name: str) -> Node | None:
+    """The per-tensor 8-bit QuantizeDequantize with a float32 scale that alone reads ``name``, else None."""
+    rounding = _sole_reader(view, name, "QuantizeDequantize", FUSED_DOMAIN)
+    params = None if rounding is None or rounding.inputs[0] != name else _slot_params(view, rounding, 1)
+    if params is None or params[1] is None or params[1].dtype not in _EIGHT_BIT or not _per_tensor(params) \
+            or params[0].dtype != _F32:
+        return None
+    return rounding
+
+
+def _operand(node: Node, name: str) -> str | None:
+    """The other input of a two-input node that reads ``name`` once."""
+    if len(node.inputs) != 2 or node.inputs.count(name) != 1:
+        return None
+    return node.inputs[1] if node.inputs[0] == name else node.inputs[0]
+
+
+def _rounded_gelu_chain(view: GraphView, erf: Node) -> tuple | None:
+    """(x, nodes in run order, fused inputs) of Div(x, d) -> Erf -> round -> Add(c) -> round -> Mul(x) -> round
+    -> Mul(h) with scalar float32 constants, each value read only by the next node; else None."""
+    div = _made_by(view, erf.inputs[0], "Div") if erf.inputs else None
+    if div is None or len(div.inputs) != 2 or not _scalar_f32(view, div.inputs[1]) \
+            or _sole_reader(view, div.outputs[0], "Erf") is not erf or not _float32(view.graph, div.inputs[0]):
+        return None
+    x = div.inputs[0]
+    first = _grid_rounding(view, erf.outputs[0])
+    add = None if first is None else _sole_reader(view, first.outputs[0], "Add")
+    one = None if add is None else _operand(add, first.outputs[0])
+    second = None if one is None or not _scalar_f32(view, one) else _grid_rounding(view, add.outputs[0])
+    product = None if second is None else _sole_reader(view, second.outputs[0], "Mul")
+    third = None if product is None or _operand(product, second.outputs[0]) != x \
+        else _grid_rounding(view, product.outputs[0])
+    last = None if third is None else _sole_reader(view, third.outputs[0], "Mul")
+    half = None if last is None else _operand(last, third.outputs[0])
+    if half is None or not _scalar_f32(view, half):
+        return None
+    nodes = [div, erf, first, add, second, product, third, last]
+    inputs = [x, div.inputs[1], *first.inputs[1:3], one, *second.inputs[1:3], *third.inputs[1:3], half]
+    return x, nodes, inputs
+
+
+def fuse_rounded_gelu(graph: Graph, owns=None) -> bool:
+    """The erf form of GELU in a QDQ model (torch's Div -> Erf -> Add -> Mul -> Mul, each activation rounded
+    to its grid by a QuantizeDequantize in between): one RoundedGelu node (ops/qdq_gelu.py), the same float32
+    operations and roundings in one pass, where onnxruntime runs the float operators and Q/DQ nodes apart.
+    The fused node stands where the last Mul was (its inputs are x and constants)."""
+    view = GraphView(graph)
+    for erf in list(graph.nodes):
+        if erf.op_type != "Erf" or erf.domain:
+            continue
+        chain = _rounded_gelu_chain(view, erf)
+        if chain is None or not owned(owns, chain[1]):
+            continue
+        _, nodes, inputs = chain
+        last = nodes[-1]
+        fused = Node("RoundedGelu", inputs, list(last.outputs), name=f"{last.name}/rounded_gelu",
+                     domain=FUSED_DOMAIN, opset=1)
+        gone = {id(n) for n in nodes}
+        graph.nodes = [fused if n is last else n for n in graph.nodes if id(n) not in gone or n is last]
+        return True
+    return False
+
+
 def _early(graph_pass):
     graph_pass.before_optimizer = True  # the weights' DequantizeLinear nodes are still there to read
     return graph_pass
@@ -568,6 +645,7 @@ INTEGER_GROUP_PASSES = [_early(until_fixed(fuse_quantized_linear)), _early(until
 # QOperator CNNs first take the QDQ form (qoperator_lowering.py), which the passes after it treat as the QDQ model.
 QDQ_PASSES = [lower_qoperator_cnn, *_MATMUL_GROUP_PASSES, until_fixed(fuse_quantize_dequantize),
               until_fixed(drop_repeated_rounding),
+              until_fixed(fuse_rounded_gelu),
               until_fixed(absorb_rounded_add),
               until_fixed(fuse_dynamic_matmul), until_fixed(fuse_dynamic_quantize_matmul),
               until_fixed(fuse_qlinear_matmul_bias)]
