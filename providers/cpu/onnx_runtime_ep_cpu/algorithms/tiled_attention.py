@@ -8,6 +8,7 @@ import numpy as np
 
 from ..threads import kernel_threads
 from ..tuning import KNOBS
+from .products import gemv_host
 
 
 class TiledLayout:
@@ -42,23 +43,52 @@ class TiledLayout:
 
 def few_in_place(geo, q, k, v, scale, bias, outputs: int = 3) -> tuple | None:
     """(Y, present_key, present_value)[:outputs] of a small attention over C-contiguous 3-D Q, K and V (``geo``: the
-    kernel's head layout): Y (B, S, Hq * Dv) read and written in that layout by compiled/attention.few_rows_by_position,
-    the keys and values as heads (made only when asked for: an encoder's node has one output). ``bias`` as
-    decoder.py's few-row loop takes it. None where a row has no finite score."""
-    loop = _FEW_ROWS[0]
-    if loop is None:  # numba loads only for models that need it (an import statement per call costs a microsecond)
-        from ..compiled import attention
-
-        loop = _FEW_ROWS[0] = attention.few_rows_by_position
+    kernel's head layout): Y (B, S, Hq * Dv) read and written in that layout by compiled/attention_lanes.py's
+    loop where enough query rows share each KV head, else compiled/attention.few_rows_by_position; the keys and
+    values as heads (made only when asked for: an encoder's node has one output). ``bias`` as decoder.py's
+    few-row loop takes it. None where a row has no finite score."""
+    lanes, loop = FEW_ROWS[:2] if FEW_ROWS[1] is not None else few_rows_loops()
     batch, keys, heads, size = q.shape[0], k.shape[1], geo.q_heads, geo.head_size
     y = np.empty((batch, geo.q_len, heads * geo.v_head_size), np.float32)
-    if not loop(q.reshape(batch, geo.q_len, heads, size), k.reshape(batch, keys, geo.kv_heads, size),
+    operands = (q.reshape(batch, geo.q_len, heads, size), k.reshape(batch, keys, geo.kv_heads, size),
                 v.reshape(batch, keys, geo.kv_heads, geo.v_head_size), scale, bias,
-                y.reshape(batch, geo.q_len, heads, geo.v_head_size)):
+                y.reshape(batch, geo.q_len, heads, geo.v_head_size))
+    if lanes is not None and geo.q_len * (heads // geo.kv_heads) >= LANES_ROWS:
+        if not lanes(*operands, np.empty(FEW_ROWS[2](size, keys), np.float32)):
+            return None
+    elif not loop(*operands):
         return None
     if outputs == 1:
         return (y,)
     return (y, geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads))[:outputs]
 
 
-_FEW_ROWS: list = [None]  # compiled/attention.few_rows_by_position, once imported
+# Query rows per KV head (query length x heads sharing it) from which the 16-lane loop runs: it packs each KV
+# head's K^T once, which a decode step's one or two rows per head do not repay.
+LANES_ROWS = 8
+# How many times the few_query_macs knob's multiply-adds the 16-lane loop takes (it outran the batched products
+# up to there on encoders' short sequences, heads of 16).
+LANES_MACS = 16
+FEW_ROWS: list = [None, None, None]  # once imported: the 16-lane loop (None off AVX-512), the scalar one, and
+# the 16-lane loop's scratch_size
+
+
+def few_rows_loops() -> list:
+    """The few-row loops for this host: AVX-512 hosts also run compiled/attention_lanes.py's (whole 16-lane
+    vectors, which LLVM would split in two elsewhere); every host attention.py's."""
+    from ..compiled import attention
+
+    if gemv_host():
+        from ..compiled import attention_lanes
+
+        FEW_ROWS[0], FEW_ROWS[2] = attention_lanes.few_rows_in_lanes, attention_lanes.scratch_size
+    FEW_ROWS[1] = attention.few_rows_by_position
+    return FEW_ROWS[:2]
+
+
+def few_macs(geo, limit: int) -> int:
+    """The multiply-adds up to which a small attention of this head layout runs one few-row call, given the
+    scalar loop's ``limit``: more where the 16-lane loop takes it (3-D inputs, enough rows per KV head)."""
+    if geo.rank == 3 and geo.q_len * (geo.q_heads // max(geo.kv_heads, 1)) >= LANES_ROWS and gemv_host():
+        return limit * LANES_MACS
+    return limit

@@ -24,7 +24,7 @@ from ..algorithms.activations import sigmoid
 from ..algorithms.contrib_attention import grouped_matmul, softmax_
 from ..algorithms.precision import FLOAT32, compute_dtype, upcast
 from ..algorithms.products import gemv_host
-from ..algorithms.tiled_attention import TiledLayout, few_in_place
+from ..algorithms.tiled_attention import TiledLayout, few_in_place, few_macs
 from ..compiled import COMPILED_DTYPES
 from ..compiled.deferred import numpy_first  # (the tiles import numba: not while it loads)
 from ..registry import register
@@ -227,7 +227,7 @@ class _Attention:
         # (compiled/decoder.py), a causal frontier or a float32 mask that covers every key as its bias.
         self.few = None
         per_key = geo.q_heads * geo.q_len * geo.head_size  # multiply-adds per key
-        limit = KNOBS.few_query_macs if geo.q_len <= _FEW_QUERIES else KNOBS.few_query_macs // 2
+        limit = few_macs(geo, KNOBS.few_query_macs if geo.q_len <= _FEW_QUERIES else KNOBS.few_query_macs // 2)
         self._few_keys = limit // per_key if per_key else math.inf  # the most keys it takes (checked per call)
         if self.compiled is not None and (self.shape_key is not None or geo.total_len <= self._few_keys):
             self.few = _compiled_decoder().few_query_attention_float32

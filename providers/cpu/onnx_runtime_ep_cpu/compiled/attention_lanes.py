@@ -1,0 +1,297 @@
+"""Small float32 attention (a short sequence's few query rows over few keys, head sizes of 16 to 64) in 16-lane
+vectors written as LLVM IR: the few-row loop of attention.py with its per-key and per-column steps across lanes.
+
+numba runs LLVM's loop vectorizer but not its SLP vectorizer, and the loop vectorizer wants several whole
+vectors' worth of iterations before its vector body runs: over 16-64 keys or value columns it leaves a loop to
+the scalar remainder. Here each step is one vector per 16 keys (or columns), the keys' tail and the padding
+masked, so a head of 16 keys is one vector per query component. Per (batch, head): K^T is packed once into
+rows of keys padded to whole vectors; per query row, the scores are a sum of query-weighted K^T rows, then the
+bias, the row's maximum, exp (attention.py's polynomial) with the weights' sum, and Y's row as a sum of
+weighted V rows times the sum's reciprocal. The same sums as attention.py's loop, in another order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from . import jit, llvm
+from .transformer import _EXP_C2, _EXP_C3, _EXP_C4, _EXP_C5, _EXP_C6, _EXP_FLOOR, _LN2_HIGH, _LN2_LOW, _LOG2E, _ROUNDER
+
+LANES = llvm.LANES
+_VEC_PTR = llvm.VEC.as_pointer()
+
+
+def _pointer(context, builder, sig, args, index):
+    return context.make_array(sig.args[index])(context, builder, args[index]).data
+
+
+def _vector_at(builder, base, offset):
+    return builder.bitcast(builder.gep(base, [offset]), _VEC_PTR)
+
+
+def _lanes_below(builder, count):
+    """The mask of lanes whose number is below ``count`` (an i64; all lanes for 16 or more)."""
+    limit = builder.trunc(builder.select(builder.icmp_signed(">", count, ir.Constant(llvm.I64, LANES)),
+                                         ir.Constant(llvm.I64, LANES), count), llvm.I32)
+    return builder.icmp_signed("<", llvm.LANE_NUMBERS, llvm.splat(builder, limit, llvm.LANE_INDEX))
+
+
+def _tree(builder, vector, combine):
+    """The lanes of ``vector`` combined pairwise (a tree: four steps deep, where a chain is fifteen)."""
+    values = [builder.extract_element(vector, ir.Constant(llvm.I32, lane)) for lane in range(LANES)]
+    while len(values) > 1:
+        values = [combine(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+    return values[0]
+
+
+def _constant(value) -> ir.Constant:
+    return ir.Constant(llvm.VEC, [float(np.float32(value))] * LANES)
+
+
+ROWS = 4  # query rows computed together: independent multiply-add chains sharing each load of K^T or V
+
+
+@intrinsic
+def _scores_rows(typingctx, packed, padded, size, q, q_step, scale, scores):
+    """scores[i * padded + c * 16 + lane] = sum over d < size of (q[i * q_step + d] * scale) * packed[d * padded +
+    c * 16 + lane] for the ROWS query rows i and every block c of padded / 16 keys (float32): per query component
+    and block one load of K^T and ROWS 16-lane multiply-adds, one chain per row."""
+    signature = types.void(packed, padded, size, q, q_step, scale, scores)
+
+    def codegen(context, builder, sig, args):
+        packed_ptr, q_ptr, scores_ptr = (_pointer(context, builder, sig, args, i) for i in (0, 3, 6))
+        padded, size, q_step, scale = args[1], args[2], args[4], args[5]
+        fma = llvm.fma(builder.module)
+        blocks = builder.sdiv(padded, ir.Constant(llvm.I64, LANES))
+
+        def block(c, _):
+            first = builder.mul(c, ir.Constant(llvm.I64, LANES))
+
+            def component(d, carried):
+                keys = builder.load(_vector_at(builder, packed_ptr, builder.add(builder.mul(d, padded), first)),
+                                    align=4)
+                sums = []
+                for i in range(ROWS):
+                    at = builder.add(builder.mul(q_step, ir.Constant(llvm.I64, i)), d)
+                    weight = builder.fmul(builder.load(builder.gep(q_ptr, [at])), scale)
+                    sums.append(builder.call(fma, [llvm.splat(builder, weight), keys, carried[i]]))
+                return sums
+
+            totals = llvm.counted_loop(builder, size, [llvm.ZEROS] * ROWS, component, "component")
+            for i in range(ROWS):
+                at = builder.add(builder.mul(padded, ir.Constant(llvm.I64, i)), first)
+                builder.store(totals[i], _vector_at(builder, scores_ptr, at), align=4)
+            return []
+
+        llvm.counted_loop(builder, blocks, [], block, "block")
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def _biased_peak(typingctx, scores, padded, bias, keys):
+    """scores[t] += bias[t] for t < keys, -inf for the padding keys .. padded; returns the row's largest
+    non-NaN score (-inf if none). ``bias`` has ``keys`` floats (it is not read past them)."""
+    signature = types.float32(scores, padded, bias, keys)
+
+    def codegen(context, builder, sig, args):
+        scores_ptr, bias_ptr = _pointer(context, builder, sig, args, 0), _pointer(context, builder, sig, args, 2)
+        padded, keys = args[1], args[3]
+        masked_load = llvm.masked_load(builder.module)
+        lowest = _constant(-np.inf)
+        blocks = builder.sdiv(padded, ir.Constant(llvm.I64, LANES))
+
+        def block(c, carried):
+            first = builder.mul(c, ir.Constant(llvm.I64, LANES))
+            visible = _lanes_below(builder, builder.sub(keys, first))
+            at = _vector_at(builder, scores_ptr, first)
+            added = builder.call(masked_load, [_vector_at(builder, bias_ptr, first), llvm.ALIGN, visible,
+                                               llvm.ZEROS])
+            row = builder.select(visible, builder.fadd(builder.load(at, align=4), added), lowest)
+            builder.store(row, at, align=4)
+            return [builder.select(builder.fcmp_ordered(">", row, carried[0]), row, carried[0])]
+
+        peaks, = llvm.counted_loop(builder, blocks, [lowest], block, "peak")
+        return _tree(builder, peaks, lambda a, b: builder.select(builder.fcmp_ordered(">", b, a), b, a))
+
+    return signature, codegen
+
+
+def _exp_nonpositive(builder, a):
+    """transformer.exp_nonpositive_float32 on 16 lanes (NaN stays NaN, 0 below its floor)."""
+    floor = _constant(_EXP_FLOOR)
+    below = builder.fcmp_ordered("<", a, floor)
+    clamped = builder.select(below, floor, a)
+    rounder = _constant(_ROUNDER)
+    n = builder.fsub(builder.fadd(builder.fmul(clamped, _constant(_LOG2E)), rounder), rounder)
+    r = builder.fsub(builder.fsub(clamped, builder.fmul(n, _constant(_LN2_HIGH))),
+                     builder.fmul(n, _constant(_LN2_LOW)))
+    p = _constant(_EXP_C6)
+    for coefficient in (_EXP_C5, _EXP_C4, _EXP_C3, _EXP_C2):
+        p = builder.fadd(builder.fmul(p, r), _constant(coefficient))
+    p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), _constant(1.0))
+    exponent = builder.add(builder.fptosi(n, llvm.LANE_INDEX), ir.Constant(llvm.LANE_INDEX, [127] * LANES))
+    two_to_n = builder.bitcast(builder.shl(exponent, ir.Constant(llvm.LANE_INDEX, [23] * LANES)), llvm.VEC)
+    return builder.select(below, llvm.ZEROS, builder.fmul(p, two_to_n))
+
+
+@intrinsic
+def _exp_sum(typingctx, scores, padded, peak):
+    """scores = exp(scores - peak) in place (padding keys at -inf become 0); returns their sum."""
+    signature = types.float32(scores, padded, peak)
+
+    def codegen(context, builder, sig, args):
+        scores_ptr, padded, peak = _pointer(context, builder, sig, args, 0), args[1], args[2]
+        shift = llvm.splat(builder, peak)
+        blocks = builder.sdiv(padded, ir.Constant(llvm.I64, LANES))
+
+        def block(c, carried):
+            at = _vector_at(builder, scores_ptr, builder.mul(c, ir.Constant(llvm.I64, LANES)))
+            weights = _exp_nonpositive(builder, builder.fsub(builder.load(at, align=4), shift))
+            builder.store(weights, at, align=4)
+            return [builder.fadd(carried[0], weights)]
+
+        sums, = llvm.counted_loop(builder, blocks, [llvm.ZEROS], block, "exp")
+        return _tree(builder, sums, builder.fadd)
+
+    return signature, codegen
+
+
+@intrinsic
+def _weighted_rows(typingctx, weights, padded, keys, v, v_stride, value_size, y, y_step, reciprocals):
+    """y[i * y_step + j] = reciprocals[i] * sum over t < keys of weights[i * padded + t] * v[t * v_stride + j] for
+    the ROWS rows i and j < value_size, 16 columns at a time (the last block masked: nothing is read or written
+    past value_size): per key and block one load of V and ROWS multiply-adds, one chain per row."""
+    signature = types.void(weights, padded, keys, v, v_stride, value_size, y, y_step, reciprocals)
+
+    def codegen(context, builder, sig, args):
+        weights_ptr, v_ptr, y_ptr, reciprocals_ptr = (_pointer(context, builder, sig, args, i) for i in (0, 3, 6, 8))
+        padded, keys, v_stride, value_size, y_step = args[1], args[2], args[4], args[5], args[7]
+        fma, masked_load, masked_store = (f(builder.module) for f in (llvm.fma, llvm.masked_load, llvm.masked_store))
+        blocks = builder.sdiv(builder.add(value_size, ir.Constant(llvm.I64, LANES - 1)),
+                              ir.Constant(llvm.I64, LANES))
+
+        def block(c, _):
+            first = builder.mul(c, ir.Constant(llvm.I64, LANES))
+            columns = _lanes_below(builder, builder.sub(value_size, first))
+
+            def key(t, carried):
+                row = _vector_at(builder, v_ptr, builder.add(builder.mul(t, v_stride), first))
+                values = builder.call(masked_load, [row, llvm.ALIGN, columns, llvm.ZEROS])
+                sums = []
+                for i in range(ROWS):
+                    at = builder.add(builder.mul(padded, ir.Constant(llvm.I64, i)), t)
+                    weight = llvm.splat(builder, builder.load(builder.gep(weights_ptr, [at])))
+                    sums.append(builder.call(fma, [weight, values, carried[i]]))
+                return sums
+
+            totals = llvm.counted_loop(builder, keys, [llvm.ZEROS] * ROWS, key, "key")
+            for i in range(ROWS):
+                reciprocal = builder.load(builder.gep(reciprocals_ptr, [ir.Constant(llvm.I64, i)]))
+                at = builder.add(builder.mul(y_step, ir.Constant(llvm.I64, i)), first)
+                builder.call(masked_store, [builder.fmul(totals[i], llvm.splat(builder, reciprocal)),
+                                            _vector_at(builder, y_ptr, at), llvm.ALIGN, columns])
+            return []
+
+        llvm.counted_loop(builder, blocks, [], block, "columns")
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+def scratch_size(head_size: int, keys: int) -> int:
+    """Floats few_rows_in_lanes needs: K^T packed in rows of whole vectors, ROWS scores rows, ROWS zero query
+    and output rows (the padding of a last group of rows), a zero bias row."""
+    padded = -(-keys // LANES) * LANES
+    return head_size * padded + ROWS * padded + ROWS * head_size + keys
+
+
+@jit
+def _pack_keys(k, b, g, packed, padded):
+    """K^T of KV head g of batch b into rows of ``padded`` keys (packed[d * padded + t]), zeros after the keys."""
+    keys, size = k.shape[1], k.shape[3]
+    for t in range(keys):
+        key = k[b, t, g]
+        for d in range(size):
+            packed[d * padded + t] = key[d]
+    for d in range(size):
+        packed[d * padded + keys: (d + 1) * padded] = 0
+
+
+@jit
+def _softmax_rows(scores, padded, count, bias, b, h, r0, zeros, reciprocals):
+    """The ROWS scores rows (of query rows r0 ...) turned into unnormalized weights in place, the reciprocals of
+    their sums; rows from ``count`` on (past the last query) weigh nothing. ``bias`` as few_rows_in_lanes's,
+    ``zeros`` a row of keys zeros. False when a row's largest score is not finite."""
+    keys = zeros.shape[0]
+    with_bias = bias.size > 0
+    bias_b, bias_h, bias_r = bias.shape[0] > 1, bias.shape[1] > 1, bias.shape[2] > 1
+    for i in range(ROWS):
+        row = scores[i * padded: (i + 1) * padded]
+        if i >= count:
+            row[:] = 0
+            reciprocals[i] = 0
+            continue
+        r = r0 + i
+        row_bias = bias[b if bias_b else 0, h if bias_h else 0, r if bias_r else 0] if with_bias else zeros
+        peak = _biased_peak(row, padded, row_bias, keys)
+        if not abs(peak) < np.float32(np.inf):
+            return False
+        reciprocals[i] = np.float32(1) / _exp_sum(row, padded, peak)
+    return True
+
+
+@jit
+def few_rows_in_lanes(q, k, v, scale, bias, y, scratch):
+    """attention.few_rows_by_position's result (same arguments, float32, every array C-contiguous) through the
+    16-lane steps above, ROWS query rows at a time; ``scratch`` holds scratch_size(head size, keys) floats.
+    False, with y partly written, when a row's largest score is not finite (the caller's general path decides
+    those)."""
+    batch, rows, heads, size = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
+    keys, kv_heads, value_size = k.shape[1], k.shape[2], v.shape[3]
+    padded = -(-keys // LANES) * LANES
+    group = heads // kv_heads
+    packed = scratch[: size * padded]
+    scores = scratch[size * padded: (size + ROWS) * padded]
+    spare = scratch[(size + ROWS) * padded: (size + ROWS) * padded + ROWS * size]  # a last group's missing rows
+    zeros = scratch[(size + ROWS) * padded + ROWS * size: (size + ROWS) * padded + ROWS * size + keys]
+    zeros[:] = 0
+    reciprocals = np.empty(ROWS, np.float32)
+    flat_q, flat_v, flat_y = q.reshape(-1), v.reshape(-1), y.reshape(-1)
+    q_step, v_step, y_step = heads * size, kv_heads * value_size, heads * value_size
+    out = np.empty(ROWS * value_size, np.float32)  # a last group's rows, copied out to y's
+    packed_for = -1
+    for b in range(batch):
+        for h in range(heads):
+            g = h // group
+            if b * kv_heads + g != packed_for:
+                _pack_keys(k, b, g, packed, padded)
+                packed_for = b * kv_heads + g
+            v_first = (b * keys * kv_heads + g) * value_size
+            for r0 in range(0, rows, ROWS):
+                count = min(ROWS, rows - r0)
+                q_first = ((b * rows + r0) * heads + h) * size
+                if count == ROWS:
+                    _scores_rows(packed, padded, size, flat_q[q_first:], q_step, scale, scores)
+                else:  # the last rows, with zero rows after them
+                    spare[:] = 0
+                    for i in range(count):
+                        spare[i * size: (i + 1) * size] = flat_q[q_first + i * q_step: q_first + i * q_step + size]
+                    _scores_rows(packed, padded, size, spare, size, scale, scores)
+                if not _softmax_rows(scores, padded, count, bias, b, h, r0, zeros, reciprocals):
+                    return False
+                y_first = ((b * rows + r0) * heads + h) * value_size
+                if count == ROWS:
+                    _weighted_rows(scores, padded, keys, flat_v[v_first:], v_step, value_size, flat_y[y_first:],
+                                   y_step, reciprocals)
+                else:
+                    _weighted_rows(scores, padded, keys, flat_v[v_first:], v_step, value_size, out, value_size,
+                                   reciprocals)
+                    for i in range(count):
+                        flat_y[y_first + i * y_step: y_first + i * y_step + value_size] = \
+                            out[i * value_size: (i + 1) * value_size]
+    return True
