@@ -18,7 +18,8 @@ RNG = np.random.default_rng(23)
 BATCH, STEPS, HIDDEN, HEADS = 2, 7, 32, 4
 
 
-def _model(mask_shape=None, bias=True, dtype=np.float32, heads=HEADS, hidden=HIDDEN, declared=True, **attrs):
+def _model(mask_shape=None, bias=True, dtype=np.float32, heads=HEADS, hidden=HIDDEN, declared=True, steps="steps",
+           **attrs):
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     weight = (RNG.standard_normal((hidden, 3 * hidden)) * 0.3).astype(dtype)
     inits = [numpy_helper.from_array(weight, "w")]
@@ -26,7 +27,7 @@ def _model(mask_shape=None, bias=True, dtype=np.float32, heads=HEADS, hidden=HID
     if bias:
         inits.append(numpy_helper.from_array(RNG.standard_normal(3 * hidden).astype(dtype), "b"))
     inputs.append("b" if bias else "")
-    infos = [helper.make_tensor_value_info("x", elem, ["batch", "steps", hidden] if declared else None)]
+    infos = [helper.make_tensor_value_info("x", elem, ["batch", steps, hidden] if declared else None)]
     if mask_shape is not None:
         inputs.append("mask")
         infos.append(helper.make_tensor_value_info("mask", TensorProto.INT32, mask_shape if declared else None))
@@ -108,7 +109,7 @@ def test_packed_attention_without_bias_with_scale_and_head_counts(bias, scale, h
     attrs = {} if scale is None else {"scale": scale}
     proto = _model([BATCH], bias=bias, heads=heads, **attrs)
     session, oracle = _sessions(proto)
-    for steps in (1, STEPS, 20, 60):  # one input shape after another through one session (60: the long path)
+    for steps in (1, STEPS, 20, 80):  # one input shape after another through one session (80: the long path)
         x = RNG.standard_normal((BATCH, steps, HIDDEN)).astype(np.float32)
         feeds = {"x": x, "mask": np.array([steps, max(1, steps - 2)], np.int32)}
         got = session.run(None, feeds)[0]
@@ -121,7 +122,7 @@ def test_packed_attention_without_bias_with_scale_and_head_counts(bias, scale, h
 @pytest.mark.parametrize("causal", [0, 1])
 def test_long_sequences_match_reference_and_onnxruntime(mask, causal, compiled):
     """More keys than the few-row loop takes: the ONNX Attention kernel over the packed product's parts."""
-    steps = 70
+    steps = 90
     value = np.array([steps, 40], np.int32) if mask == "lengths" else \
         (np.arange(steps)[None, :] < np.array([[steps], [33]])).astype(np.int32)
     proto = _model(list(value.shape), unidirectional=causal)
@@ -130,6 +131,18 @@ def test_long_sequences_match_reference_and_onnxruntime(mask, causal, compiled):
     got = session.run(None, {"x": x, "mask": value})[0]
     np.testing.assert_allclose(got, _reference(proto, x, value, causal=bool(causal)), rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(got, oracle.run(None, {"x": x, "mask": value})[0], rtol=2e-5, atol=2e-5)
+
+
+def test_declared_long_sequence_keeps_the_split_projections():
+    """A sequence the graph declares longer than the packed loop takes: the ONNX Attention over contiguous
+    projections (its blocked products), as the packed kernel's own long path would run it per call."""
+    proto = _model([BATCH], steps=90)
+    session, oracle = _sessions(proto)
+    ran = {(r.domain, r.op_type) for r in session.placement()}
+    assert PACKED not in ran and ("", "Attention") in ran, ran
+    feeds = {"x": RNG.standard_normal((BATCH, 90, HIDDEN)).astype(np.float32), "mask": np.array([90, 50], np.int32)}
+    np.testing.assert_allclose(session.run(None, feeds)[0], oracle.run(None, feeds)[0], rtol=2e-5, atol=2e-5)
+    assert PACKED in {(r.domain, r.op_type) for r in _sessions(_model([BATCH], steps=20))[0].placement()}
 
 
 def test_packed_attention_takes_the_compiled_loop(monkeypatch, compiled):

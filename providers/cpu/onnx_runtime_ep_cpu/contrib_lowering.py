@@ -39,11 +39,16 @@ from onnx_runtime.ir import Graph, Node, TypeInfo, ValueInfo
 from onnx_runtime.optimizer.context import FreshNames
 
 from .fusions import FUSED_DOMAIN, GraphView
+from .tuning import KNOBS
 
 CONTRIB = "com.microsoft"
 _FLOATS = (DataType.FLOAT, DataType.DOUBLE)
 # The contrib normalizations' default epsilon (their schemas').
 _CONTRIB_EPSILON = 1e-12
+# ContribPackedAttention's compiled loop takes attention up to this many times the few_query_macs knob's
+# multiply-adds (Q.K); the ONNX Attention kernel's blocked products were level with it about there on the
+# AVX-512 host. Longer sequences declared in the graph keep the split projections.
+PACKED_LOOP_MACS = 2
 # Producers whose output has the dtype of their constant (weight) input.
 _WEIGHTED = frozenset({"MatMul", "Gemm", "Conv", "FusedMatMul"})
 
@@ -210,6 +215,10 @@ class _Lowering:
     def packed_attention(self, node: Node, weight: np.ndarray, heads: int) -> Node | None:
         """float32 Attention whose Q, K and V are one size: ContribPackedAttention, one product by the packed
         weight (made C-contiguous once here) and one compiled pass reading Q, K, V and the mask index in place."""
+        shape, size = self.shape(node.inputs[0]), weight.shape[1] // 3 // heads
+        if shape is not None and len(shape) == 3 and isinstance(shape[1], int) \
+                and heads * shape[1] * shape[1] * size > PACKED_LOOP_MACS * KNOBS.few_query_macs:
+            return None  # (a long sequence: the ONNX Attention kernel's products over contiguous projections)
         packed = node.inputs[1]
         if not weight.flags.c_contiguous:
             packed = self.fresh(f"{node.name}/qkv_weight")

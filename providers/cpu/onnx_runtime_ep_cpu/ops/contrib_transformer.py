@@ -25,6 +25,7 @@ from ..algorithms.contrib_attention import (
 )
 from ..algorithms.precision import compute_dtype
 from ..compiled.deferred import numpy_first
+from ..contrib_lowering import PACKED_LOOP_MACS
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ..tuning import KNOBS
@@ -241,7 +242,7 @@ class _PackedAttention:
             return self.general(x, weights, bias, mask_index)
         counts, mask = masks
         qkv = np.matmul(np.ascontiguousarray(x).reshape(batch * steps, depth), weights)
-        if heads * steps * steps * size > KNOBS.few_query_macs // 2:
+        if heads * steps * steps * size > PACKED_LOOP_MACS * KNOBS.few_query_macs:
             if bias is not None:
                 qkv += bias
             if counts.size:
