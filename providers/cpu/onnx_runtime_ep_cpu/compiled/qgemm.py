@@ -23,7 +23,7 @@ from .qgemm_tiles import (
     pairs_for,  # noqa: F401  (the callers' way to a packed weight's pairs)
     tile_product,
 )
-from .quantize import dynamic_parameters, fake_quantize_row, requantize_affine, requantized_code
+from .quantize import dynamic_parameters, requantize_affine, requantized_code
 
 _TILES = qgemm_tiles.AVAILABLE  # a constant for numba: the branch on it compiles away
 _BLOCK = 32  # columns of packed B per pass over A: 32 rows of K int16 stay in the L1/L2 cache
@@ -178,12 +178,24 @@ def requantized_product_rounded(a, packed, pairs, multiplier, offset, consts, ro
     requantized_product(a, packed, pairs, multiplier, offset, consts, out)
     s, z = np.float32(after[AFTER_SCALE]), np.float32(after[AFTER_ZERO])
     lo, hi = np.float32(after[AFTER_LOW]), np.float32(after[AFTER_HIGH])
-    one = row.shape[0] == 1
+    # one pass per row, each branch a plain loop over n (an index chosen per element, or the rounding called on
+    # the row in place, kept LLVM from vectorizing it): fake_quantize_row's operations on line[n] + row[n]
+    zero_value = (np.float32(0) - z) * s
     for m in range(out.shape[0]):
         line = out[m]
-        for n in range(line.shape[0]):
-            line[n] = line[n] + row[0 if one else n]
-        fake_quantize_row(line, s, z, lo, hi, line)
+        if row.shape[0] == 1:
+            b = row[0]
+            for n in range(line.shape[0]):
+                q = np.rint((line[n] + b) / s) + z
+                q = lo if q < lo else q
+                q = hi if q > hi else q
+                line[n] = (q - z) * s if q == q else zero_value
+        else:
+            for n in range(line.shape[0]):
+                q = np.rint((line[n] + row[n]) / s) + z
+                q = lo if q < lo else q
+                q = hi if q > hi else q
+                line[n] = (q - z) * s if q == q else zero_value
 
 
 @jit
