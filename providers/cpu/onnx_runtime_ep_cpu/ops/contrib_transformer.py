@@ -610,6 +610,30 @@ def _rotary_layout(node, x, heads: int, half: int, rotary_dim: int):
     return x.reshape(x.shape[0], x.shape[1], -1, head_size), (slice(None), slice(None), None), head_size
 
 
+_NO_POSITIONS = np.empty((0, 0), np.int64)
+
+
+def _compiled_rotary(x, view, position_ids, cos_cache, sin_cache, interleaved: bool) -> np.ndarray | None:
+    """RotaryEmbedding's output from compiled/rotary.py for float32 inputs and caches (x's (B, S, N, D) or
+    (B, N, S, D) ``view``), or None where the numpy path decides: other dtypes, numba loading, or a position
+    outside the caches (which it reports)."""
+    if x.dtype != _F32 or cos_cache.dtype != _F32 or sin_cache.dtype != _F32 or position_ids.dtype.kind not in "iu" \
+            or not x.size or numpy_first():
+        return None
+    from ..compiled.rotary import rotary_embedding_
+
+    out = np.empty(view.shape, np.float32)
+    transposed = x.ndim == 4  # (B, N, S, D): the loop walks (B, S, N, D)
+    source, target = (view.transpose(0, 2, 1, 3), out.transpose(0, 2, 1, 3)) if transposed else (view, out)
+    ids = np.asarray(position_ids)
+    start = int(ids.reshape(-1)[0]) if ids.ndim <= 1 else 0
+    positions = _NO_POSITIONS if ids.ndim <= 1 else ids
+    if rotary_embedding_(source, positions, start, np.ascontiguousarray(cos_cache), np.ascontiguousarray(sin_cache),
+                         interleaved, target) >= 0:
+        return None
+    return out.reshape(x.shape)
+
+
 @register("RotaryEmbedding", domain=CONTRIB_DOMAIN, since=1)
 def rotary_embedding(node, shapes, opset):
     """com.microsoft RotaryEmbedding(input, position_ids, cos_cache, sin_cache): position_ids (1) is a start
@@ -633,6 +657,12 @@ def rotary_embedding(node, shapes, opset):
         if position_ids.ndim > 1 and position_ids.shape != (batch, steps):
             raise argument_error(node, f"position_ids has shape {position_ids.shape}; expected (1) or "
                                  f"({batch}, {steps})")
+        if position_ids.ndim <= 1 and position_ids.size != 1:
+            raise argument_error(node, f"position_ids has shape {position_ids.shape}; expected (1) (a start "
+                                 f"position) or ({batch}, {steps})")
+        rotated = _compiled_rotary(x, view, position_ids, cos_cache, sin_cache, interleaved)
+        if rotated is not None:
+            return (rotated,)
         positions = positions_from(position_ids, batch, steps, start=position_ids.ndim <= 1)
         if positions.size and (positions.min() < 0 or positions.max() >= cos_cache.shape[0]):
             raise argument_error(node, f"positions up to {positions.max()} are outside the cos/sin caches' "
