@@ -231,7 +231,8 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
     build = compiled_compute(geo, group, x, w, prepared, dtype)
     pending = None  # the compiled convolution's builder, while numpy serves
     kinds = getattr(build, "kinds", ())
-    if build is not None and deferred.numpy_first(*kinds):
+    # (guarding: until a call of the compiled one has run, numba's cache may miss a loop it calls: tried first)
+    if build is not None and (deferred.numpy_first(*kinds) or deferred.guarding()):
         chosen, pending = numpy_compute(geo, group, x, w, prepared, dtype), build
     else:
         chosen = build() if build is not None else numpy_compute(geo, group, x, w, prepared, dtype)
@@ -253,8 +254,22 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
         nonlocal pending
         builder = pending
         if builder is not None and not deferred.numpy_first(*kinds):
-            pending = None  # (two threads may both build it: the same algorithm, the last one kept)
-            take(builder())
+            # Tried: a loop it calls that numba's cache misses is compiled by the loader's child meanwhile
+            # (compiled/deferred.Trial), and numpy serves this call. (Two threads may both build it: the same
+            # algorithm, the last one kept.)
+            served = current[0]
+            try:
+                with deferred.Trial():
+                    take(builder())
+                    y = run(x, w, b, finish, out, shuffle)
+            except deferred.WouldCompile:
+                current[0], path.direct = served, None
+            else:
+                pending = None
+                return y
+        return run(x, w, b, finish, out, shuffle)
+
+    def run(x, w, b, finish, out, shuffle):
         compute, blocks, reads_shuffled = current[0]
         if shuffle is not None and not reads_shuffled:
             x, shuffle = shuffle.apply(x), None
@@ -262,7 +277,7 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
         if out is not None and dtype == x.dtype and out.flags.c_contiguous and isinstance(compute, _IN_PLACE):
             return compute(xc, w, b, finish, out)
         if out is not None:
-            out[...] = path(x, w, b, finish, None, shuffle)
+            out[...] = run(x, w, b, finish, None, shuffle)
             return out
         if blocks:
             y = compute(xc, w, b, finish) if shuffle is None else compute(xc, w, b, finish, shuffle.source)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..compiled import deferred
 from ..compiled.deferred import numpy_first  # BLAS while numba loads in the background
 from ..threads import helper_count, kernel_threads
 from ..tuning import KNOBS, when_changed
@@ -185,11 +186,25 @@ class Split:
         self._parts = min(threads, self._items)
         # Milliseconds per part: posted to sleeping helpers too, waiting for them (see workers.py).
         self._long = weights[0] * weights[1] * rows >= KNOBS.gemv_long_weights * self._parts
-        self._runner = jobs.PRODUCT.address() if self._parts > 1 else 0
+        self._tried = not deferred.guarding()  # else its first call is tried (deferred.Trial), BLAS the fallback
+        self._runner = jobs.PRODUCT.address() if self._parts > 1 and self._tried else 0
         self._split, self._product, self._sum = jobs.split_product, jobs.product, gemv.sum_blocks
         self._jobs, self._workers = jobs, workers
 
+    def _trial(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        try:
+            with deferred.Trial():
+                if self._parts > 1 and not self._runner:
+                    self._runner = self._jobs.PRODUCT.address()
+                y = self(a, b)
+        except deferred.WouldCompile:
+            return np.matmul(a, b.T if self._transposed else b)
+        self._tried = True
+        return y
+
     def __call__(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        if not self._tried and not deferred.in_trial():
+            return self._trial(a, b)
         a = np.ascontiguousarray(a).reshape(self._rows)  # the loops read raw rows
         if not b.flags.c_contiguous:
             b = np.ascontiguousarray(b)

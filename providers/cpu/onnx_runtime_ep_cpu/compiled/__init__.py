@@ -88,14 +88,15 @@ def cached_cfunc(signature, function):
         _warn_uncached(exc)
     else:
         _recover_damaged_entries(callback, function.__qualname__)
-    from .deferred import loading_only
+    from .deferred import loading_only, must_not_compile
 
-    if loading_only():  # the background loader links from the cache and never compiles (deferred.py)
+    # the background loader links from the cache and never compiles; nor does a run's thread in a Trial
+    if loading_only() or must_not_compile():
         cres = callback._cache.load_overload(callback._sig, callback._targetdescr.target_context)  # noqa: SLF001
         if cres is None:
-            from .deferred import CacheMiss
+            from .deferred import CacheMiss, runner_missed
 
-            raise CacheMiss(function.__qualname__)
+            raise CacheMiss(function.__qualname__) if loading_only() else runner_missed(function)
         callback._cache = _Loaded(cres)  # noqa: SLF001  (compile() below links it; loading twice would link twice)
     callback.compile()
     return callback

@@ -7,15 +7,18 @@ in the loader thread would hold the process at exit, and one on a run's thread s
 each, and switches. A process that ends sooner kills the child: what it finished stays cached.
 
 The request (JSON on the child's stdin): ``loops``, [module, qualname, [argument description, ...]] per
-signature (deferred._encode's), and ``kinds``, [module, attribute] of job kinds (workers.Kind)
-whose runners to compile.
+signature (child_process.encode's); ``kinds``, [module, attribute] of job kinds (workers.Kind) whose runners to
+compile; and what a run's thread missed (deferred._guard): ``signatures``, [module, qualname, numba signature
+pickled, base64] per loop signature, and ``runners``, [module, qualname] of a job kind's entry function.
 """
 
 from __future__ import annotations
 
+import base64
 import importlib
 import json
 import os
+import pickle
 import sys
 
 import numpy as np
@@ -49,30 +52,48 @@ def _loops_of(module) -> dict:
     return found
 
 
+def _loop(modules: dict, name: str, qualname: str):
+    if name not in modules:
+        modules[name] = _loops_of(importlib.import_module(name))
+    loop = modules[name].get(qualname)
+    if loop is None:
+        raise LookupError("no such compiled loop")
+    return loop
+
+
+def _runner(name: str, qualname: str):
+    from .workers import Kind
+
+    for kind in vars(importlib.import_module(name)).values():
+        if isinstance(kind, Kind) and kind._entry.__qualname__ == qualname:  # noqa: SLF001
+            return kind
+    raise LookupError("no job kind runs this entry")
+
+
 def compile_request(request: dict) -> int:
     """Compile what ``request`` names (see the module doc); returns the count of failures (each printed)."""
     from .deferred import ensure_numba
 
     ensure_numba()
+    modules: dict = {}
+    work = [(f"{name}.{attribute}", lambda n=name, a=attribute: getattr(importlib.import_module(n), a).address())
+            for name, attribute in request.get("kinds", ())]
+    work += [(f"{name}.{qualname}{arguments}",
+              lambda n=name, q=qualname, a=arguments: _loop(modules, n, q).dispatcher().compile(
+                  tuple(numba_type(x) for x in a)))
+             for name, qualname, arguments in request.get("loops", ())]
+    work += [(f"{name}.{qualname}", lambda n=name, q=qualname, e=encoded: _loop(modules, n, q).dispatcher().compile(
+        pickle.loads(base64.b64decode(e))))  # the parent's own pickle of numba types (see the module doc)
+             for name, qualname, encoded in request.get("signatures", ())]
+    work += [(f"{name}.{qualname}", lambda n=name, q=qualname: _runner(n, q).address())
+             for name, qualname in request.get("runners", ())]
     failures = 0
-    for name, attribute in request.get("kinds", ()):
+    for label, compile_one in work:
         try:
-            getattr(importlib.import_module(name), attribute).address()
+            compile_one()
         except Exception as exc:  # noqa: BLE001  (one failure must not keep the others from the cache)
             failures += 1
-            print(f"{name}.{attribute}: {type(exc).__name__}: {exc}", file=sys.stderr)
-    modules: dict = {}
-    for name, qualname, arguments in request.get("loops", ()):
-        try:
-            if name not in modules:
-                modules[name] = _loops_of(importlib.import_module(name))
-            loop = modules[name].get(qualname)
-            if loop is None:
-                raise LookupError("no such compiled loop")
-            loop.dispatcher().compile(tuple(numba_type(a) for a in arguments))
-        except Exception as exc:  # noqa: BLE001
-            failures += 1
-            print(f"{name}.{qualname}{arguments}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            print(f"{label}: {type(exc).__name__}: {exc}", file=sys.stderr)
     return failures
 
 

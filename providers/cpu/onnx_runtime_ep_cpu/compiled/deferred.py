@@ -11,8 +11,10 @@ from numba's disk cache, and then switches each loop to its dispatcher. Kernels 
 the job kinds their compiled path runs (``"jobs.POOL"``); the loader links those runners too. The loader thread
 never compiles: what the cache misses (a new install, an edited package) is compiled by a child interpreter at
 low priority (compile_child.py) into the same cache, then linked, and deferral stays open until all of it is
-linked, so no run waits for a compile of something it had a numpy path for. A loop without a numpy equivalent
-builds its dispatcher on its first call, as before. A process that exits sooner (one run of a command-line
+linked, so no run waits for a compile of something it had a numpy path for. After the switch a run's cache
+miss is no compile either (``_guard``): the loader's child compiles it while the loop's numpy equivalent, or its
+caller's fallback (a compiled path tried inside ``Trial``), serves; loops only helper threads call are named
+where they are defined (``Loop.expect``). A process that exits sooner (one run of a command-line
 tool) never loads numba at all, and one that exits while the child compiles kills it (finished entries stay).
 
 Turned off by the environment variable ONNX_RUNTIME_COMPILE_IN_BACKGROUND=0 or a session's config entry
@@ -27,15 +29,15 @@ from __future__ import annotations
 
 import atexit
 import functools
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import threading
 import time
+from typing import Any
 
 import numpy as np
+
+from .child_process import encode, pickled, run_child
 
 ENV = "ONNX_RUNTIME_COMPILE_IN_BACKGROUND"
 CONFIG_KEY = "session.compile_in_background"
@@ -51,11 +53,61 @@ _loops: list[Loop] = []
 _generic: dict | None = None  # generic.py's table, imported on the first deferred call
 _needs: set[tuple] = set()  # job kinds named by numpy_first's callers ("jobs.POOL", or with a part's types)
 _kinds_linked: set = set()  # of those, the ones the loader has dealt with
+_missed: set[tuple] = set()  # (loop, numba signature) or (None, runner entry) a run's thread met uncached
+_abandoned: set[tuple] = set()  # of those, what the child could not compile: compiled where called, as before
+_trial = threading.local()  # depth: this thread runs a compiled path that has a fallback (see Trial)
 _PACKAGE = __name__.rsplit(".", 1)[0]
 
 
 class CacheMiss(RuntimeError):
     """What the background loader was to link is not in numba's disk cache (the loader never compiles)."""
+
+
+class WouldCompile(Exception):
+    """Raised inside a Trial where a loop or job runner the compiled path calls is not in numba's cache: the
+    loader has it compiled in its child, and the caller serves this call by its fallback path meanwhile."""
+
+
+class Trial:
+    """``with Trial():`` around a compiled path whose caller has another (numpy, BLAS, node by node) for the
+    same call: while deferral's guard is on (``guarding()``), a loop without a numpy equivalent or a job runner
+    that misses numba's cache raises WouldCompile instead of compiling on this thread. Outside a trial such a
+    miss compiles where it is called, as it must (there is nothing else to run)."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        _trial.depth = getattr(_trial, "depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc):
+        _trial.depth -= 1
+        return False
+
+
+def tried(owner, flag: str, function, *args):
+    """``function(*args)`` in a Trial, for a caller whose compiled path is untried while ``owner``'s attribute
+    ``flag`` is false: set once a call after deferral returned a result (one during deferral may have taken its
+    numpy path); None (the caller's other path) on WouldCompile."""
+    compiled = not state.deferring
+    try:
+        with Trial():
+            result = function(*args)
+    except WouldCompile:
+        return None
+    if result is not None and compiled:
+        setattr(owner, flag, True)
+    return result
+
+
+def in_trial() -> bool:
+    """Whether this thread runs inside a Trial."""
+    return getattr(_trial, "depth", 0) > 0
+
+
+def guarding() -> bool:
+    """Whether a run's compiled paths should be tried in a Trial (deferral was opened in this process)."""
+    return state.guarding
 
 
 class _State:
@@ -72,9 +124,12 @@ class _State:
     numba_imported = False  # by ensure_numba
     loader_ident = 0
     importing = False  # the loader is importing numba (kernel factories wait: before_kernel_build)
-    child: subprocess.Popen | None = None  # the compile process (compile_child.py) while it runs
+    child: Any = None  # the compile process (compile_child.py, a Popen) while it runs
     compiled_in_child = 0  # rounds that needed it
     child_errors = ""  # the end of its stderr, where it failed
+    guarding = False  # deferral was opened: a run's thread hands its cache misses to the loader (see guard)
+    rounds: threading.Thread | None = None  # the loader's rounds for misses met after it finished
+    wanted = False  # a miss came since the last round began
 
 
 state = _State()
@@ -90,21 +145,27 @@ def open_session(config: dict | None) -> None:
         return
     if "numba" in sys.modules:  # imported already: nothing left to save; load as before
         return
-    state.deferring = True
+    state.deferring = state.guarding = True
 
 
 def disable() -> None:
     """Serve every later call compiled (a running loader still switches what it loaded)."""
     state.disabled = True
-    state.deferring = False
+    state.deferring = state.guarding = False
 
 
 def wait_ready(timeout: float | None = None) -> bool:
-    """Wait for the loader (True once it has switched the loops it loaded; at once if none runs)."""
+    """Wait for the loader (True once it has switched the loops it loaded, and linked what the runs missed
+    since; at once if none runs)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     thread = state.thread
     if thread is not None:
         thread.join(timeout)
-    return state.ready or thread is None
+    while (rounds := state.rounds) is not None and rounds.is_alive():
+        rounds.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+    return (state.ready or thread is None) and state.rounds is None
 
 
 def numpy_first(*kinds: str | tuple) -> bool:
@@ -214,7 +275,9 @@ class Loop(functools.partial):
             # numba's lock, re-entrant: compiling a loop types the loops it calls (building them) under it
             with global_compiler_lock:
                 if self._dispatcher is None:
-                    self._dispatcher = self._build_dispatcher(self.py_func)
+                    dispatcher = self._build_dispatcher(self.py_func)
+                    _guard(self, dispatcher)
+                    self._dispatcher = dispatcher
         return self._dispatcher
 
     def _first(self, *args):
@@ -227,6 +290,17 @@ class Loop(functools.partial):
         target = self.dispatcher()
         self.switch(target)
         return target(*args)
+
+    def expect(self, *args) -> None:
+        """Record a call's argument types that only compiled paths make (no numpy path calls the loop), where the
+        loop is defined, so that the loader links them (its child compiles them first where the cache misses)
+        before deferral closes, as it does for what numpy-served calls recorded."""
+        described = tuple(_describe(a) for a in args)
+        if None not in described:
+            with _lock:
+                self._signatures.add(described)
+            if state.ready:  # defined after the loader finished: a round of its own
+                _request_round()
 
     def pending(self) -> bool:
         """Served from numpy so far, with argument types recorded for the loader."""
@@ -411,6 +485,129 @@ def _link_cached(dispatcher, signature: tuple) -> None:
         dispatcher.add_overload(cres)
 
 
+def _guard(loop: Loop, dispatcher) -> None:
+    """Route the dispatcher's cache misses on a run's thread (numba calls ``_compile_for_args`` when no linked
+    signature fits the arguments, then what it returns): while guarding, one numba's cache holds is linked
+    (milliseconds); else the miss goes to the loader, whose child compiles it, and this call is served by the
+    loop's numpy equivalent, or, inside a Trial, by the caller's fallback (WouldCompile). Otherwise, or where
+    the child could not compile it, it compiles here, as numba would."""
+    compile_for_args = dispatcher._compile_for_args  # noqa: SLF001
+
+    def guarded(*args, **kwargs):
+        if not state.guarding or kwargs or threading.get_ident() == state.loader_ident:
+            return compile_for_args(*args, **kwargs)
+        try:
+            key = (loop, tuple(dispatcher.typeof_pyval(a) for a in args))
+        except Exception:  # noqa: BLE001  (numba names what it cannot type)
+            return compile_for_args(*args)
+        if key in _abandoned:
+            return compile_for_args(*args)
+        if key not in _missed:
+            _link_cached(dispatcher, key[1])
+            if dispatcher.overloads.get(key[1]) is not None:
+                return compile_for_args(*args)  # finds what was linked
+        generic = loop.generic()
+        if generic is None and not getattr(_trial, "depth", 0):
+            return compile_for_args(*args)
+        _miss(key)
+        if generic is None:
+            raise WouldCompile(loop.key)
+        return functools.partial(_quietly, generic)  # (numba calls what this returns with the arguments)
+
+    dispatcher._compile_for_args = guarded  # noqa: SLF001  (an instance attribute: numba's C call looks it up)
+
+
+def _quietly(generic, *args):
+    with np.errstate(all="ignore"):  # the loops give inf/NaN silently (error_model="numpy")
+        return generic(*args)
+
+
+def must_not_compile() -> bool:
+    """Whether a job runner that misses the cache must raise WouldCompile here (a run's thread in a Trial)."""
+    return state.guarding and getattr(_trial, "depth", 0) > 0 and threading.get_ident() != state.loader_ident
+
+
+def runner_missed(entry) -> WouldCompile:
+    """The error for a job runner's entry function that missed the cache inside a Trial; the loader has it
+    compiled."""
+    key = (None, entry)
+    if key in _abandoned:
+        return WouldCompile(f"{entry.__module__}.{entry.__qualname__} (not compiled by the loader's child)")
+    _miss(key)
+    return WouldCompile(f"{entry.__module__}.{entry.__qualname__}")
+
+
+def _miss(key: tuple) -> None:
+    with _lock:
+        if key in _missed:
+            return
+        _missed.add(key)
+    _request_round()
+
+
+def _request_round() -> None:
+    """Have the loader deal with the misses: the running loader's next round, or a new round thread."""
+    with _lock:
+        state.wanted = True
+        if not state.ready or state.rounds is not None or state.stop.is_set():
+            return  # the loader (or the round thread) looks again before it ends
+        state.rounds = threading.Thread(target=_rounds, name="onnx-runtime-compiled-loops", daemon=True)
+    state.rounds.start()
+
+
+def _rounds() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+    state.loader_ident = threading.get_ident()
+    try:
+        while not state.stop.is_set():
+            with _lock:
+                if not state.wanted:
+                    state.rounds = None
+                    return
+                state.wanted = False
+            _settle()
+    finally:
+        state.loader_ident = 0
+        with _lock:
+            state.rounds = None
+
+
+def _settle_misses(fresh: list) -> tuple[list, list]:
+    """Link the misses ``fresh`` from the cache; returns (loops, runners) still missing, as the child's request."""
+    loops, runners = [], []
+    for loop, signature in fresh:
+        if loop is None:
+            try:
+                from . import cached_cfunc
+                from .workers import _RUNNER_SIGNATURE
+
+                cached_cfunc(_RUNNER_SIGNATURE, signature)
+            except CacheMiss:
+                runners.append(signature)
+            except Exception:  # noqa: BLE001  (it fails where it is called, and says why)
+                pass
+            continue
+        try:
+            _link_cached(loop.dispatcher(), signature)
+        except Exception:  # noqa: BLE001
+            continue
+        if loop.dispatcher().overloads.get(signature) is None:
+            loops.append((loop, signature))
+    return loops, runners
+
+
+def _after_child(fresh: list) -> None:
+    """Link what the child compiled; what it could not is left to where it is called (abandoned)."""
+    loops, runners = _settle_misses(fresh)
+    with _lock:
+        _abandoned.update(loops)
+        _abandoned.update((None, entry) for entry in runners)
+        _missed.difference_update(fresh)
+
+
 def _linked(dispatcher, described) -> bool:
     try:
         return dispatcher.overloads.get(tuple(_numba_type(d) for d in described)) is not None
@@ -451,52 +648,18 @@ def _posting_loops(needs: list) -> list:
     return found
 
 
-def _encode(described: tuple) -> list:
-    """_describe's tuple as JSON (compile_child.numba_type reads it)."""
-    if described[0] == "array":
-        _, dtype, ndim, layout, readonly = described
-        return ["array", np.dtype(dtype).str, ndim, layout, bool(readonly)]
-    value = described[1]
-    if isinstance(value, np.generic):
-        return ["scalar", value.dtype.str, value.item()]
-    return ["value", value]
-
-
-def _compile_in_child(misses: list, kinds: list) -> bool:
+def _compile_in_child(misses: list, kinds: list, signatures: tuple | list = (), runners: tuple | list = ()) -> bool:
     """Compile ``misses`` ((loop, description)) and the runners of ``kinds`` into numba's cache in a child
-    interpreter (compile_child.py); False where it failed or the process is exiting (the child killed)."""
-    request = {"loops": [[loop.__module__, loop.__qualname__, [_encode(d) for d in described]]
+    interpreter (compile_child.py), and what the runs missed: ``signatures`` ((loop, numba signature)) and
+    ``runners`` (job runners' entry functions); False where it failed or the process is exiting (the child
+    killed)."""
+    request = {"loops": [[loop.__module__, loop.__qualname__, [encode(d) for d in described]]
                          for loop, described in misses],
-               "kinds": [[f"{_PACKAGE}.{name.rpartition('.')[0]}", name.rpartition(".")[2]] for name in kinds]}
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, **{ENV: "0"})
-    env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])
-    with tempfile.TemporaryFile() as errors:
-        try:
-            child = subprocess.Popen([sys.executable, "-m", f"{_PACKAGE}.compile_child"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, stderr=errors, env=env, close_fds=True)
-        except OSError:
-            return False
-        state.child = child
-        try:
-            assert child.stdin is not None
-            with child.stdin:
-                child.stdin.write(json.dumps(request).encode())
-            while child.poll() is None:
-                if state.stop.wait(0.05):
-                    child.kill()
-                    child.wait()
-                    return False
-        except OSError:  # the child died before reading its request
-            child.kill()
-            child.wait()
-            return False
-        finally:
-            state.child = None
-        if child.returncode:
-            errors.seek(0)
-            state.child_errors = errors.read()[-4000:].decode(errors="replace")
-        return child.returncode == 0
+               "kinds": [[f"{_PACKAGE}.{name.rpartition('.')[0]}", name.rpartition(".")[2]] for name in kinds],
+               "signatures": [[loop.__module__, loop.__qualname__, pickled(signature)]
+                              for loop, signature in signatures if pickled(signature)],
+               "runners": [[entry.__module__, entry.__qualname__] for entry in runners]}
+    return run_child(request, state, ENV)
 
 
 def _link_posting(posting: list) -> list:
@@ -520,7 +683,8 @@ def _settle() -> bool:
         named = {k if isinstance(k, str) else k[0] for needs in _needs for k in needs}
         posted = [k for needs in _needs for k in needs if not isinstance(k, str) and k not in _kinds_linked]
         kinds = sorted(named - _kinds_linked)
-    if not loops and not kinds and not posted:
+        fresh = list(_missed)  # what the runs met uncached (see _guard)
+    if not loops and not kinds and not posted and not fresh:
         return False
     _kinds_linked.update(posted)
     posting = _posting_loops(posted)
@@ -528,9 +692,11 @@ def _settle() -> bool:
     missing = [name for name in kinds if not state.stop.is_set() and not _link_kind(name)]
     misses = [(loop, d) for loop, dispatcher in loaded for d in loop.recorded() if not _linked(dispatcher, d)]
     misses += _link_posting(posting)
-    if (misses or missing) and not state.stop.is_set():
+    signatures, runners = _settle_misses(fresh)
+    if (misses or missing or signatures or runners) and not state.stop.is_set():
         state.compiled_in_child += 1
-        _compile_in_child(misses, missing)  # where it failed, what it did not compile is compiled at first call
+        # where it failed, what it did not compile is compiled at first call
+        _compile_in_child(misses, missing, signatures, runners)
         if state.stop.is_set():
             return False
         loaded = [(loop, loop.link_recorded(state.stop)) for loop in loops if not state.stop.is_set()]
@@ -540,6 +706,7 @@ def _settle() -> bool:
                 _kinds_linked.add(name)  # not cached after all (no writable cache): its first call compiles
     if state.stop.is_set():
         return False
+    _after_child(fresh)
     for loop, dispatcher in loaded:
         loop.switch(dispatcher)
     return True
@@ -571,13 +738,15 @@ def _load() -> None:
         state.deferring = False
         state.loader_ident = 0
         state.ready = True
+    if _missed:  # met after this loader's last round looked
+        _request_round()
 
 
 def _stop_at_exit() -> None:
     state.stop.set()
-    thread = state.thread
-    if thread is not None and thread.is_alive():
-        thread.join(30)
+    for thread in (state.thread, state.rounds):
+        if thread is not None and thread.is_alive():
+            thread.join(30)
 
 
 def _after_fork_in_child() -> None:
@@ -585,7 +754,7 @@ def _after_fork_in_child() -> None:
     global _lock, _build_lock
     _lock, _build_lock = threading.Lock(), threading.RLock()
     state.importing = False
-    state.thread = None
+    state.thread = state.rounds = None
     state.child = None
     state.loader_ident = 0
     if state.callers is not None:

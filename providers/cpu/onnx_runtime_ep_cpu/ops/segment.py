@@ -152,12 +152,17 @@ class Segment:
         the signature to the nodes for good."""
         env, outputs = self._node_by_node(inputs, keep_all=True)
         try:
-            plan = build_plan(self, env, POOL_LIMIT_BYTES)
-        except OnnxRuntimeError:
-            plan = None
+            with deferred.Trial():  # a loop numba's cache misses: planned again once the loader has it
+                try:
+                    plan = build_plan(self, env, POOL_LIMIT_BYTES)
+                except OnnxRuntimeError:
+                    plan = None
+                if plan is not None:
+                    with plan.lock:
+                        planned = plan.run(inputs)
+        except deferred.WouldCompile:
+            return outputs
         if plan is not None:
-            with plan.lock:
-                planned = plan.run(inputs)
             if all(_close(a, b) for a, b in zip(planned, outputs)):
                 outputs = planned
             else:

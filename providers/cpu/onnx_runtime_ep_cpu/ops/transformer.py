@@ -25,7 +25,7 @@ from ..algorithms.contrib_attention import grouped_matmul, softmax_
 from ..algorithms.precision import FLOAT32, compute_dtype, upcast
 from ..algorithms.products import gemv_host
 from ..algorithms.tiled_attention import TiledLayout, few_in_place, few_macs
-from ..compiled import COMPILED_DTYPES
+from ..compiled import COMPILED_DTYPES, deferred
 from ..compiled.deferred import numpy_first  # (the tiles import numba: not while it loads)
 from ..registry import register
 from ..threads import helper_count, kernel_threads
@@ -226,6 +226,7 @@ class _Attention:
         # Small attention (a decode step's few queries over the cache, a short sequence's): one compiled call
         # (compiled/decoder.py), a causal frontier or a float32 mask that covers every key as its bias.
         self.few = None
+        self._few_tried = not deferred.guarding()  # else tried until a call ran whole (deferred.tried)
         per_key = geo.q_heads * geo.q_len * geo.head_size  # multiply-adds per key
         limit = few_macs(geo, KNOBS.few_query_macs if geo.q_len <= _FEW_QUERIES else KNOBS.few_query_macs // 2)
         self._few_keys = limit // per_key if per_key else math.inf  # the most keys it takes (checked per call)
@@ -262,7 +263,8 @@ class _Attention:
 
     def __call__(self, q, k, v, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None):
         if self.few is not None and k.shape[-2] <= self._few_keys and q.dtype is k.dtype is v.dtype is FLOAT32:
-            outputs = self.few_query_attention(q, k, v, attn_mask)
+            outputs = self.few_query_attention(q, k, v, attn_mask) if self._few_tried else \
+                deferred.tried(self, "_few_tried", self.few_query_attention, q, k, v, attn_mask)
             if outputs is not None:
                 return outputs
         if self.compiled is not None and q.dtype == k.dtype == v.dtype == np.float32:
