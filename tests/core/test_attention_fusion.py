@@ -158,6 +158,14 @@ def test_gpt_style_attention_fuses_with_its_scale_and_mask(scale, mask, dtype):
     assert sess.placement().provider_of(node.name) == "CPUExecutionProvider"
 
 
+@pytest.mark.parametrize("layout", ["gpt", "plain"])
+@pytest.mark.parametrize("shape", [(1, 1, SEQ, SEQ), (SEQ, SEQ)])
+def test_a_constant_zero_mask_is_dropped(layout, shape):
+    """The dynamo exporter's ViT/DeiT attention adds a constant all-zero (1, 1, S, S) bias: the Attention takes none."""
+    sess = _fused(_attention_graph(layout, "Mul", np.zeros(shape)))
+    assert len(_attention_node(sess).inputs) == 3
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("mask", ["const", None])
 def test_repeat_kv_becomes_grouped_query_attention(mask, dtype):

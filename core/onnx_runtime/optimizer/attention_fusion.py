@@ -406,7 +406,7 @@ def _commit(graph: Graph, context: PassContext, uses: Uses, match: _Match) -> li
     if match.k_perm is not None:
         key = context.fresh(f"{match.core[0].name or match.k_source}_key")
         graph.value_info[key] = ValueInfo(key, TypeInfo("tensor", _dtype_of(graph, match.q), match.k_shape))
-    mask = _summed_mask(graph, context, match, inserted) if match.mask_parts else match.mask
+    mask = _summed_mask(graph, context, match, inserted) if match.mask_parts else _nonzero(graph, match.mask)
     inputs = [match.q, key, match.v] + ([mask] if mask else [])
     output = match.core[-1].outputs[0]
     attention = new_node("Attention", inputs, [output], name=context.fresh(f"{match.core[-2].name}_attention"),
@@ -434,6 +434,13 @@ def _commit(graph: Graph, context: PassContext, uses: Uses, match: _Match) -> li
     for node in inserted + [attention]:
         uses.rewire(node, inputs=node.inputs)  # records the new nodes' reads
     return inserted + [attention]
+
+
+def _nonzero(graph: Graph, mask: str) -> str:
+    """``mask``, or "" (none) for a constant of zeros only (the dynamo exporter's bias where no mask was given:
+    adding it changes no score)."""
+    values = None if not mask else constant(graph, mask)
+    return "" if values is not None and values.size > 0 and not np.any(values) else mask
 
 
 def _summed_mask(graph: Graph, context: PassContext, match: _Match, inserted: list[Node]) -> str:
