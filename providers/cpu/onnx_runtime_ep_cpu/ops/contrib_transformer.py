@@ -231,6 +231,7 @@ class _PackedAttention:
         self.causal = bool(node.attr("unidirectional", 0))
         self.loop = None
         self.longer: dict[tuple, object] = {}  # per (B, S, hidden): the ONNX Attention kernel of longer sequences
+        self.scales: dict[int, np.float32] = {}  # per head size (the attributes read once)
 
     def __call__(self, x, weights, bias=None, mask_index=None):
         if not _packed_fits(x, weights, bias, mask_index, self.heads) or numpy_first():
@@ -255,10 +256,16 @@ class _PackedAttention:
         y = np.empty((batch, steps, heads * size), np.float32)
         if not self.loop(qkv.reshape(batch, steps, 3, heads, size),
                          _NO_BIAS if bias is None else np.ascontiguousarray(bias).reshape(3, heads, size),
-                         counts, mask, np.float32(_scale(self.node, size)), self.fill, self.causal,
+                         counts, mask, self.scale(size), self.fill, self.causal,
                          y.reshape(batch, steps, heads, size)):
             return self.general(x, weights, bias, mask_index)
         return (y,)
+
+    def scale(self, size: int) -> np.float32:
+        scale = self.scales.get(size)
+        if scale is None:
+            scale = self.scales[size] = np.float32(_scale(self.node, size))
+        return scale
 
     def long_attention(self, qkv, mask, size: int):
         """Attention over more keys than the few-row loop takes: the ONNX Attention kernel's tiled and blocked
