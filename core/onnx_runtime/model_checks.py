@@ -12,7 +12,7 @@ module checks only what would be unsafe to hand on, against the operator schemas
 - every node's input and output counts within its schema's (and Split's num_outputs, Scan's num_scan_inputs),
   no required input left empty, and every value defined once;
 - every attribute of the type its schema declares, and every required one present;
-- model-local functions free of call cycles;
+- model-local functions free of call cycles, and each graph's nodes free of cycles (a node reading its own output);
 - declared dimensions (graph inputs, outputs, value_info) below ``MAX_DECLARED_DIM`` (a negative one is dynamic),
   and declared element types defined ones;
 - after shape inference (:func:`check_types`), each node input's element type among those its schema allows, and
@@ -326,8 +326,39 @@ def _check_graph(graph: onnx.GraphProto, opsets: dict[str, int], where: str, top
                 defined[name] = _node_label(node)
         for body in node_subgraphs(node):
             _check_graph(body, opsets, f"a subgraph of {_node_label(node)} in {where}")
+    _check_acyclic(graph, where)
     if top_level:  # a subgraph may read its enclosing graphs' values: only the top level's reads are all local
         _check_reads(graph, defined, where)
+
+
+def _check_acyclic(graph: onnx.GraphProto, where: str) -> None:
+    """The graph's nodes can be ordered so that each reads only values defined before it: onnx's shape inference
+    dereferences the type of a value read before it is produced (a node reading its own output crashed the
+    process). Nodes may be listed out of order; reads of enclosing graphs' values are not edges here."""
+    producer = {name: index for index, node in enumerate(graph.node) for name in node.output if name}
+    readers: list[list[int]] = [[] for _ in graph.node]
+    waiting = [0] * len(graph.node)
+    for index, node in enumerate(graph.node):
+        for source in {producer[name] for name in node.input if name in producer}:
+            readers[source].append(index)
+            waiting[index] += 1
+    ready = [index for index, count in enumerate(waiting) if count == 0]
+    for index in ready:  # (grows while it is walked: Kahn's order)
+        for reader in readers[index]:
+            waiting[reader] -= 1
+            if waiting[reader] == 0:
+                ready.append(reader)
+    if len(ready) < len(graph.node):
+        # walk back through producers that are themselves stuck until one repeats: that stretch is a cycle
+        path = [next(index for index, count in enumerate(waiting) if count)]
+        while path.count(path[-1]) < 2:
+            path.append(next(producer[name] for name in graph.node[path[-1]].input
+                             if name in producer and waiting[producer[name]]))
+        cycle = path[path.index(path[-1]):][::-1]
+        names = " -> ".join(_node_label(graph.node[index]) for index in cycle)
+        raise InvalidGraphError(f"{_node_label(graph.node[cycle[0]])} in {where} depends on its own output through "
+                                f"a cycle of nodes ({names}); ONNX graphs are acyclic: feed it from a graph input, "
+                                f"an initializer or an earlier node")
 
 
 def _check_reads(graph: onnx.GraphProto, defined: dict, where: str) -> None:

@@ -177,6 +177,20 @@ def test_a_value_defined_twice_is_refused():
         check_model_structure(bad, "m")
 
 
+def test_a_cycle_of_nodes_is_refused_and_nodes_out_of_order_are_not():
+    # The fuzz harness rewired an EyeLike to read its own output: onnx's shape inference crashed the process.
+    loop = model([helper.make_node("EyeLike", ["v"], ["v"])], [tensor("x", shape=[3, 4])], [tensor("v", shape=None)])
+    with pytest.raises(InvalidGraphError, match="an? EyeLike node in model m depends on its own output"):
+        check_model_structure(loop, "m")
+    two = model([helper.make_node("Relu", ["x", ], ["a"]), helper.make_node("Add", ["a", "c"], ["b"]),
+                 helper.make_node("Neg", ["b"], ["c"])], [tensor("x")], [tensor("b")])
+    with pytest.raises(InvalidGraphError, match="Add node in model m depends on its own output through a cycle"):
+        check_model_structure(two, "m")
+    out_of_order = model([helper.make_node("Neg", ["a"], ["b"]), helper.make_node("Relu", ["x"], ["a"])],
+                         [tensor("x")], [tensor("b")])
+    check_model_structure(out_of_order, "m")
+
+
 def test_counting_attributes_must_match_the_node():
     split = model([helper.make_node("Split", ["x"], ["a", "b", "c"], axis=0, num_outputs=2)],
                   [tensor("x", shape=[6])], [tensor("a", shape=None)], opsets=(("", 18),))
