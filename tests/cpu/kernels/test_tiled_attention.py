@@ -49,7 +49,7 @@ def test_tiled_attention_matches_the_numpy_path(tiled_calls, knobs, mask_kind, g
 
 
 def test_results_do_not_depend_on_the_thread_count(monkeypatch, tiled_calls, knobs):
-    knobs(split_macs=1)
+    knobs(split_macs=1, few_query_macs=1)  # (50 queries: the few-row lanes would take them)
     q, k, v = _qkv(2, 4, 2, 50, 50, 32, 3)
     mask = _mask("2d", 50, 50)
     results = []
@@ -82,7 +82,8 @@ def test_non_finite_inputs_spread_as_in_the_numpy_path(tiled_calls):
     non_finite_values_spread_as_in_the_numpy_path(*_qkv(1, 2, 2, 24, 24, 32, 4), tiled_calls, (0, 0, 5, 3))
 
 
-def test_a_prefill_attention_matches_onnx_reference(tiled_calls):
+def test_a_prefill_attention_matches_onnx_reference(tiled_calls, knobs):
     """Through a session, as a user runs it: 3-D Q/K/V of 40 tokens, grouped-query heads, a causal mask."""
+    knobs(few_query_macs=1)  # (40 tokens: the few-row lanes would take them)
     session_attention_matches_reference(*_qkv(1, 4, 2, 40, 40, 32, 3), q_num_heads=4, kv_num_heads=2, is_causal=1)
     assert tiled_calls and tiled_calls[0] is not None

@@ -18,7 +18,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import jit, llvm
-from .transformer import _EXP_C2, _EXP_C3, _EXP_C4, _EXP_C5, _EXP_C6, _EXP_FLOOR, _LN2_HIGH, _LN2_LOW, _LOG2E, _ROUNDER
+from .transformer import EXP_C2, EXP_C3, EXP_C4, EXP_C5, EXP_C6, EXP_FLOOR, LN2_HIGH, LN2_LOW, LOG2E, ROUNDER
 
 LANES = llvm.LANES
 _VEC_PTR = llvm.VEC.as_pointer()
@@ -123,15 +123,15 @@ def _biased_peak(typingctx, scores, padded, bias, keys):
 
 def _exp_nonpositive(builder, a):
     """transformer.exp_nonpositive_float32 on 16 lanes (NaN stays NaN, 0 below its floor)."""
-    floor = _constant(_EXP_FLOOR)
+    floor = _constant(EXP_FLOOR)
     below = builder.fcmp_ordered("<", a, floor)
     clamped = builder.select(below, floor, a)
-    rounder = _constant(_ROUNDER)
-    n = builder.fsub(builder.fadd(builder.fmul(clamped, _constant(_LOG2E)), rounder), rounder)
-    r = builder.fsub(builder.fsub(clamped, builder.fmul(n, _constant(_LN2_HIGH))),
-                     builder.fmul(n, _constant(_LN2_LOW)))
-    p = _constant(_EXP_C6)
-    for coefficient in (_EXP_C5, _EXP_C4, _EXP_C3, _EXP_C2):
+    rounder = _constant(ROUNDER)
+    n = builder.fsub(builder.fadd(builder.fmul(clamped, _constant(LOG2E)), rounder), rounder)
+    r = builder.fsub(builder.fsub(clamped, builder.fmul(n, _constant(LN2_HIGH))),
+                     builder.fmul(n, _constant(LN2_LOW)))
+    p = _constant(EXP_C6)
+    for coefficient in (EXP_C5, EXP_C4, EXP_C3, EXP_C2):
         p = builder.fadd(builder.fmul(p, r), _constant(coefficient))
     p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), _constant(1.0))
     exponent = builder.add(builder.fptosi(n, llvm.LANE_INDEX), ir.Constant(llvm.LANE_INDEX, [127] * LANES))

@@ -582,9 +582,9 @@ def _settle_misses(fresh: list) -> tuple[list, list]:
         if loop is None:
             try:
                 from . import cached_cfunc
-                from .workers import _RUNNER_SIGNATURE
+                from .workers import RUNNER_SIGNATURE
 
-                cached_cfunc(_RUNNER_SIGNATURE, signature)
+                cached_cfunc(RUNNER_SIGNATURE, signature)
             except CacheMiss:
                 runners.append(signature)
             except Exception:  # noqa: BLE001  (it fails where it is called, and says why)

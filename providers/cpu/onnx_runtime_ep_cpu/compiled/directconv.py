@@ -87,7 +87,7 @@ def _transposed(builder, rows: list) -> list:
     return rows
 
 
-def _activated(builder, v, bounds):
+def activated_8(builder, v, bounds):
     """epilogue.activate on 8 lanes (as llvm.activated on 16): v*slope below zero, then max with low, then
     min with high; comparisons with NaN are false, so NaN passes through."""
     low, high, slope = bounds
@@ -100,7 +100,7 @@ def int_const(value):
     return ir.Constant(llvm.I64, value)
 
 
-def _splat(builder, value, vector_type=_VEC):
+def splat_8(builder, value, vector_type=_VEC):
     undef = ir.Constant(vector_type, ir.Undefined)
     first = builder.insert_element(undef, value, ir.Constant(llvm.I32, 0))
     return builder.shuffle_vector(first, undef, ir.Constant(_INDEX, [0] * LANES))
@@ -122,7 +122,7 @@ def _emit_sums(builder, w_ptr, x_ptr, taps_ptr, start, depth, stride) -> list:
         updated = list(sums)
         for p in range(PIXELS):
             at = builder.add(origin, builder.mul(stride, int_const(p)))
-            value = _splat(builder, builder.load(builder.gep(x_ptr, [at])))
+            value = splat_8(builder, builder.load(builder.gep(x_ptr, [at])))
             for h in range(2):
                 updated[2 * p + h] = builder.call(fma, [weights[h], value, sums[2 * p + h]])
         return updated
@@ -176,12 +176,12 @@ def _emit_stores(builder, rows: list, residual: bool, bounds, hard, row_io, y_pt
         with builder.if_then(builder.icmp_signed("<", int_const(c), channels)):
             row = builder.add(at, builder.mul(int_const(c), plane))
             if residual:
-                v = _hard_swished(builder, _activated(builder, builder.fadd(v, load(builder.gep(res_ptr, [row]))),
+                v = hard_swished_8(builder, activated_8(builder, builder.fadd(v, load(builder.gep(res_ptr, [row]))),
                                                       bounds), hard)
             store(v, builder.gep(y_ptr, [row]))
 
 
-def _hard_swished(builder, v, on):
+def hard_swished_8(builder, v, on):
     """v * min(max(v * (1/6) + 1/2, 0), 1) where ``on`` (an i1), else v: the HardSwish kernel's float32
     operations in its order (separate multiply and add: no fused rounding)."""
     gate = builder.fadd(builder.fmul(v, _SIXTH), _HALF)
@@ -200,8 +200,8 @@ def _emit_tile(builder, pointers: tuple, values: tuple) -> None:
     with_bias = builder.icmp_signed("!=", builder.and_(flags, int_const(BIAS)), int_const(0))
     with_residual = builder.icmp_signed("!=", builder.and_(flags, int_const(RESIDUAL)), int_const(0))
     hard = builder.icmp_signed("!=", builder.and_(flags, int_const(HARD_SWISH)), int_const(0))
-    bounds = [_splat(builder, builder.load(builder.gep(bounds_ptr, [int_const(i)]))) for i in range(3)]
-    lanes = builder.icmp_signed("<", _NUMBERS, _splat(builder, builder.trunc(pixels, llvm.I32), _INDEX))
+    bounds = [splat_8(builder, builder.load(builder.gep(bounds_ptr, [int_const(i)]))) for i in range(3)]
+    lanes = builder.icmp_signed("<", _NUMBERS, splat_8(builder, builder.trunc(pixels, llvm.I32), _INDEX))
     biased = []  # per half, per pixel: its 8 channels' sums, bias added (adding zero turns -0.0 into +0.0)
     for h in range(2):
         bias = builder.load(vector_at(builder, bias_ptr, int_const(h * LANES)), align=4)
@@ -228,7 +228,7 @@ def _emit_blocked_stores(builder, biased, with_residual, bounds, hard, y_ptr, re
                         v = biased[h][p]
                         if residual:
                             v = builder.fadd(v, builder.load(vector_at(builder, res_ptr, place), align=4))
-                        v = _hard_swished(builder, _activated(builder, v, bounds), hard)
+                        v = hard_swished_8(builder, activated_8(builder, v, bounds), hard)
                         builder.store(v, vector_at(builder, y_ptr, place), align=4)
 
 
@@ -242,7 +242,7 @@ def _emit_plain_stores(builder, biased, with_residual, bounds, hard, y_ptr, res_
         with builder.if_then(builder.icmp_signed("==", with_residual, ir.Constant(ir.IntType(1), residual))):
             rows = []
             for h in range(2):
-                vectors = biased[h] if residual else [_hard_swished(builder, _activated(builder, v, bounds), hard)
+                vectors = biased[h] if residual else [hard_swished_8(builder, activated_8(builder, v, bounds), hard)
                                                       for v in biased[h]]
                 rows += _transposed(builder, vectors + [_ZEROS] * (LANES - PIXELS))
             with builder.if_else(full) as (whole, part):

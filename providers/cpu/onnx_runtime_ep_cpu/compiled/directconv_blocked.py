@@ -24,7 +24,7 @@ def blocked_taps(offsets: np.ndarray, plane: int) -> np.ndarray:
 
 
 @jit
-def _fill(x, base, planes, lanes, height, width, source, top, left, padded_height, padded_width):
+def fill_blocked(x, base, planes, lanes, height, width, source, top, left, padded_height, padded_width):
     """Copy ``planes`` planes of ``lanes`` channels each (a plain image: its channels, one lane; a blocked one:
     its blocks of 16) from flat ``x`` at ``base`` into the padded ``source`` at (``top``, ``left``)."""
     rows, columns = min(height, padded_height - top), min(width, padded_width - left)
@@ -54,7 +54,7 @@ def conv_blocked(x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, 
         if in_place:
             image = x[base:]
         else:
-            _fill(x, base, stored // lanes, lanes, height, width, source, top, left, padded_height, padded_width)
+            fill_blocked(x, base, stored // lanes, lanes, height, width, source, top, left, padded_height, padded_width)
             image = source
         for t in range(tiles):
             w = weights[0, t].reshape(-1)

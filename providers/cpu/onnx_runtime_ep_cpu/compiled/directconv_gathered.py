@@ -23,13 +23,13 @@ from .directconv import (
     LANES,
     PIXELS,
     RESIDUAL,
-    _activated,
-    _hard_swished,
-    _splat,
+    activated_8,
+    hard_swished_8,
     int_const,
+    splat_8,
     vector_at,
 )
-from .directconv_blocked import _fill
+from .directconv_blocked import fill_blocked
 
 _VEC = ir.VectorType(llvm.F32, LANES)
 _ZEROS = ir.Constant(_VEC, [0.0] * LANES)
@@ -75,7 +75,7 @@ def gathered_tile(typingctx, w, x, starts, first, taps, depth, y, outs, shift, p
                        for h in range(2)]
             updated = list(sums)
             for p in range(PIXELS):
-                value = _splat(builder, builder.load(builder.gep(x_ptr, [builder.add(begin[p], origin)])))
+                value = splat_8(builder, builder.load(builder.gep(x_ptr, [builder.add(begin[p], origin)])))
                 for h in range(2):
                     updated[2 * p + h] = builder.call(fma, [weights[h], value, sums[2 * p + h]])
             return updated
@@ -84,7 +84,7 @@ def gathered_tile(typingctx, w, x, starts, first, taps, depth, y, outs, shift, p
         with_bias = builder.icmp_signed("!=", builder.and_(flags, int_const(BIAS)), int_const(0))
         with_residual = builder.icmp_signed("!=", builder.and_(flags, int_const(RESIDUAL)), int_const(0))
         hard = builder.icmp_signed("!=", builder.and_(flags, int_const(HARD_SWISH)), int_const(0))
-        limits = [_splat(builder, builder.load(builder.gep(bounds_ptr, [int_const(i)]))) for i in range(3)]
+        limits = [splat_8(builder, builder.load(builder.gep(bounds_ptr, [int_const(i)]))) for i in range(3)]
         for p in range(PIXELS):
             with builder.if_then(builder.icmp_signed("<", int_const(p), pixels)):
                 out = builder.add(builder.load(builder.gep(outs_ptr, [builder.add(first, int_const(p))])), shift)
@@ -96,10 +96,10 @@ def gathered_tile(typingctx, w, x, starts, first, taps, depth, y, outs, shift, p
                     with builder.if_else(with_residual) as (added, alone):
                         with added:
                             total = builder.fadd(v, builder.load(vector_at(builder, res_ptr, place), align=4))
-                            builder.store(_hard_swished(builder, _activated(builder, total, limits), hard),
+                            builder.store(hard_swished_8(builder, activated_8(builder, total, limits), hard),
                                           vector_at(builder, y_ptr, place), align=4)
                         with alone:
-                            builder.store(_hard_swished(builder, _activated(builder, v, limits), hard),
+                            builder.store(hard_swished_8(builder, activated_8(builder, v, limits), hard),
                                           vector_at(builder, y_ptr, place), align=4)
         return context.get_dummy_value()
 
@@ -119,7 +119,7 @@ def conv_gathered(x, weights, offsets, bias, residual, bounds, flags, y, source,
     image = x
     if not in_place:
         for n in range(images):
-            _fill(x, n * stored * height * width, stored // CHANNELS, CHANNELS, height, width,
+            fill_blocked(x, n * stored * height * width, stored // CHANNELS, CHANNELS, height, width,
                   source[n * stored * plane:], top, left, padded_height, padded_width)
         image = source
     groups = starts.shape[0] // PIXELS

@@ -133,23 +133,23 @@ def odd_series(x, bias, series, coefficients):
 # exp(r) by a degree-6 polynomial (1 + r + r^2 (C2 + C3 r + ...): C2..C6 minimize its largest relative
 # error on that interval, a linear program over a dense grid), times 2^n built from its exponent bits.
 # Within 1.4 ulp of the exact exp; 0 below -87 (where 2^n would leave the normal floats).
-_LOG2E = np.float32(1.4426950408889634)
-_ROUNDER = np.float32(12582912.0)
-_LN2_HIGH, _LN2_LOW = np.float32(0.693145751953125), np.float32(1.428606765330187e-06)
-_EXP_C2, _EXP_C3, _EXP_C4 = np.float32(0.5), np.float32(0.1666666716337204), np.float32(0.04166191443800926)
-_EXP_C5, _EXP_C6 = np.float32(0.008356703445315361), np.float32(0.0014298856258392334)
-_EXP_FLOOR = np.float32(-87.0)
+LOG2E = np.float32(1.4426950408889634)
+ROUNDER = np.float32(12582912.0)
+LN2_HIGH, LN2_LOW = np.float32(0.693145751953125), np.float32(1.428606765330187e-06)
+EXP_C2, EXP_C3, EXP_C4 = np.float32(0.5), np.float32(0.1666666716337204), np.float32(0.04166191443800926)
+EXP_C5, EXP_C6 = np.float32(0.008356703445315361), np.float32(0.0014298856258392334)
+EXP_FLOOR = np.float32(-87.0)
 
 
 @contracting_jit
 def exp_nonpositive_float32(a):
     """exp(a) for a float32 a <= 0 by the polynomial above (NaN stays NaN)."""
-    clamped = _EXP_FLOOR if a < _EXP_FLOOR else a
-    n = (clamped * _LOG2E + _ROUNDER) - _ROUNDER
-    r = (clamped - n * _LN2_HIGH) - n * _LN2_LOW
-    p = ((((_EXP_C6 * r + _EXP_C5) * r + _EXP_C4) * r + _EXP_C3) * r + _EXP_C2) * (r * r) + r + np.float32(1)
+    clamped = EXP_FLOOR if a < EXP_FLOOR else a
+    n = (clamped * LOG2E + ROUNDER) - ROUNDER
+    r = (clamped - n * LN2_HIGH) - n * LN2_LOW
+    p = ((((EXP_C6 * r + EXP_C5) * r + EXP_C4) * r + EXP_C3) * r + EXP_C2) * (r * r) + r + np.float32(1)
     scale = np.int32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)
-    return np.float32(0) if a < _EXP_FLOOR else p * scale
+    return np.float32(0) if a < EXP_FLOOR else p * scale
 
 
 @contracting_jit

@@ -362,7 +362,7 @@ def collect(mailboxes, states, helpers):
 
 
 # Runner signature: the mailbox's data.
-_RUNNER_SIGNATURE = types.void(types.CPointer(types.int64))
+RUNNER_SIGNATURE = types.void(types.CPointer(types.int64))
 
 
 @jit
@@ -489,7 +489,7 @@ def compile_runner(entry):
     """``entry`` (a module-level function of a mailbox pointer) as a cached C callback."""
     from . import cached_cfunc
 
-    return cached_cfunc(_RUNNER_SIGNATURE, entry)
+    return cached_cfunc(RUNNER_SIGNATURE, entry)
 
 
 class _Helper:
