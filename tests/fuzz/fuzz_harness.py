@@ -528,6 +528,10 @@ class Worker:
         line = self._read_line(time_limit)
         if line is not None:
             return json.loads(line)
+        try:  # a worker that crashed closes its output before it has exited: not a hang
+            self.proc.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            pass
         timed_out = self.proc.poll() is None
         self.stop()
         with open(self.log_path, "rb") as handle:
