@@ -160,6 +160,7 @@ def _run(spec: _RecurrentSpec, cell, x, w, r, b, seq_lens, states, gates: int):
     xs = _to_time_major(x, spec.layout, dtype)
     seq, batch = xs.shape[:2]
     hidden = spec.check(w, r, gates)
+    _check_bias(b, r, gates, hidden)
     dirs = spec.num_directions
     states = [
         np.zeros((dirs, batch, hidden), dtype) if s is None else _to_time_major(s, spec.layout, dtype) for s in states
@@ -195,8 +196,18 @@ def _outputs(node, values) -> tuple:
     return tuple(values[: len(node.outputs)])
 
 
+def _check_bias(b: np.ndarray | None, r: np.ndarray, gates: int, hidden: int) -> None:
+    """B is (num_directions, 2 * gates * hidden), num_directions R's first dimension (checked against the node's
+    direction with W's by _RecurrentSpec.check)."""
+    if b is not None and (r.ndim != 3 or b.shape != (r.shape[0], 2 * gates * hidden)):
+        raise InvalidArgumentError(f"input B of shape {b.shape} does not match R of shape {r.shape}: expected "
+                                   f"({r.shape[0] if r.ndim else '?'}, {2 * gates * hidden}), the input and "
+                                   f"recurrence biases of {gates} gate(s) per direction; fix B or R")
+
+
 def _recurrence(r: np.ndarray, b: np.ndarray | None, gates: int, hidden: int, dtype):
     """Per direction, R transposed and the recurrence bias Rb."""
+    _check_bias(b, r, gates, hidden)
     rt = [r[d].astype(dtype, copy=False).T for d in range(r.shape[0])]
     if b is None:
         return rt, [np.zeros(gates * hidden, dtype)] * r.shape[0]
