@@ -75,11 +75,13 @@ def _range(start, limit, delta, compute_dtype):
         count = max(-((first - end) // step), 0)
         if abs(first) + abs(count * step) < 1 << (8 * dtype.itemsize - 2):  # no element can overflow
             return np.arange(first, first + count * step, step, dtype=dtype)
+    exact = [np.asarray(v).reshape(()).item() for v in (start, limit, delta)]
     start, limit, delta = (np.asarray(v).reshape(()).astype(compute_dtype) for v in (start, limit, delta))
     if delta == 0:
         raise InvalidArgumentError("Range delta must be non-zero")
     if np.dtype(compute_dtype).kind in "iu":
-        count = -((start - limit) // delta)  # exact integer ceil((limit - start) / delta)
+        # exact integer ceil((limit - start) / delta) over Python's integers: the compute type's arithmetic wraps
+        count = -((exact[0] - exact[1]) // exact[2])
     else:
         count = np.ceil((limit - start) / delta)
     count = max(int(count), 0)
@@ -103,7 +105,8 @@ def _check_range(node, start, limit, delta) -> None:
             raise InvalidArgumentError(f"node {node.name!r} (Range): start {first}, limit {end} and delta {step} "
                                        "give no finite length; expected finite values")
         span = math.ceil(ratio)
-    budget.check(max(span, 0), start.dtype.itemsize, "Range's output")
+    # (the general path builds the values in a 64-bit or float compute type, with one temporary, before the cast)
+    budget.check(max(span, 0), 2 * max(start.dtype.itemsize, 8), "Range's output and its working copies")
 
 
 @register("Range", since=11)
