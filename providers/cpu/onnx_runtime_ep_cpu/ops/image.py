@@ -168,6 +168,9 @@ def col2im(node, shapes, opset):
                 or min(counts) < 1:
             raise argument_error(node, f"input {data.shape} does not hold blocks {list(block)} of image "
                                         f"{list(image)}; expected (N, C * {taps}, {math.prod(counts)})")
+        if data.dtype.kind in "OUS":  # overlapping blocks are summed: a numeric element type
+            raise argument_error(node, f"input of {data.dtype} elements cannot be summed where blocks overlap; "
+                                       f"expected a numeric tensor (cast it first)")
         c = channels_blocks // taps
         cols = data.astype(compute_dtype(data.dtype), copy=False).reshape(n, c, *block, *counts)
         padded = np.zeros((n, c, *(i + b + e for i, b, e in zip(image, begin, end))), dtype=cols.dtype)
