@@ -63,33 +63,27 @@ def constant_of_shape(node, shapes, opset):
     return kernel
 
 
-def _range(start, limit, delta, compute_dtype):
-    """ONNX Range: output[i] = start + i * delta for i < max(ceil((limit - start) / delta), 0)."""
+def _range(start, limit, delta, compute_dtype, span: int):
+    """ONNX Range: output[i] = start + i * delta for i < max(ceil((limit - start) / delta), 0); ``span`` is that
+    length from exact integers or float64 (_check_range), used as it is for integers."""
     dtype = start.dtype
-    if dtype.kind == "i" and compute_dtype == dtype and limit.dtype == dtype and delta.dtype == dtype:
-        # Integers (a mask's or position's Range, every run of a decode step): Python's exact ints and one
-        # numpy call, where the general path's scalar arrays cost ten times the arithmetic.
-        first, end, step = start.item(), limit.item(), delta.item()
-        if step == 0:
-            raise InvalidArgumentError("Range delta must be non-zero")
-        count = max(-((first - end) // step), 0)
-        if abs(first) + abs(count * step) < 1 << (8 * dtype.itemsize - 2):  # no element can overflow
+    if dtype.kind in "iu" and np.dtype(compute_dtype).kind in "iu":
+        # Integers (a mask's or position's Range, every run of a decode step): the exact count, and one numpy
+        # call where no element can overflow (the general path's scalar arrays cost ten times the arithmetic)
+        count = max(span, 0)
+        first, step = start.item(), delta.item()
+        if dtype.kind == "i" and abs(first) + abs(count * step) < 1 << (8 * dtype.itemsize - 2):
             return np.arange(first, first + count * step, step, dtype=dtype)
-    exact = [np.asarray(v).reshape(()).item() for v in (start, limit, delta)]
-    start, limit, delta = (np.asarray(v).reshape(()).astype(compute_dtype) for v in (start, limit, delta))
-    if delta == 0:
-        raise InvalidArgumentError("Range delta must be non-zero")
-    if np.dtype(compute_dtype).kind in "iu":
-        # exact integer ceil((limit - start) / delta) over Python's integers: the compute type's arithmetic wraps
-        count = -((exact[0] - exact[1]) // exact[2])
+        start, delta = (np.asarray(v).reshape(()).astype(compute_dtype) for v in (start, delta))
     else:
-        count = np.ceil((limit - start) / delta)
-    count = max(int(count), 0)
+        start, limit, delta = (np.asarray(v).reshape(()).astype(compute_dtype) for v in (start, limit, delta))
+        count = max(int(np.ceil((limit - start) / delta)), 0)  # in the compute type, as the spec's float Range
     return (start + np.arange(count, dtype=compute_dtype) * delta).astype(dtype, copy=False)
 
 
-def _check_range(node, start, limit, delta) -> None:
-    """Range's inputs are scalars of one type; its length, from exact integers or float64, within the budget."""
+def _check_range(node, start, limit, delta) -> int:
+    """Range's inputs are scalars of one type; its length, from exact integers or float64, within the budget:
+    returned."""
     if not start.dtype == limit.dtype == delta.dtype or start.size != 1 or limit.size != 1 or delta.size != 1:
         raise InvalidArgumentError(f"node {node.name!r} (Range): start, limit and delta must be scalars of one type, "
                                    f"got {start.dtype}{start.shape}, {limit.dtype}{limit.shape}, {delta.dtype}"
@@ -107,13 +101,14 @@ def _check_range(node, start, limit, delta) -> None:
         span = math.ceil(ratio)
     # (the general path builds the values in a 64-bit or float compute type, with one temporary, before the cast)
     budget.check(max(span, 0), 2 * max(start.dtype.itemsize, 8), "Range's output and its working copies")
+    return span
 
 
 @register("Range", since=11)
 def range_(node, shapes, opset):
     def kernel(start, limit, delta):
-        _check_range(node, start, limit, delta)
-        return (_range(start, limit, delta, start.dtype),)
+        span = _check_range(node, start, limit, delta)
+        return (_range(start, limit, delta, start.dtype, span),)
 
     return kernel
 
@@ -124,9 +119,9 @@ def range_stashed(node, shapes, opset):
     stash = bool(node.attr("stash_type", 1))
 
     def kernel(start, limit, delta):
-        _check_range(node, start, limit, delta)
+        span = _check_range(node, start, limit, delta)
         narrow = start.dtype == np.float16 or start.dtype.kind == "V"
-        return (_range(start, limit, delta, np.float32 if stash and narrow else start.dtype),)
+        return (_range(start, limit, delta, np.float32 if stash and narrow else start.dtype, span),)
 
     return kernel
 
