@@ -145,20 +145,27 @@ def conv_gathered(x, w, b, table, y):
     y[...] = out
 
 
-def _window_taps(out: int, k: int, s: int, d: int, start: int, size: int):
-    """Input positions (out, k) of each output's taps (o * s - start + t * d) and whether each is inside."""
-    positions = np.arange(out)[:, None] * s - start + np.arange(k)[None, :] * d
-    return positions, (positions >= 0) & (positions < size)
-
-
 def fill_columns(x, cols, kh, kw, sh, sw, dh, dw, top, left, row_start, row_count, ow_count):
+    """One strided copy per tap from a zero-bordered copy of the rows the taps reach: gathering every tap
+    through index arrays and masking the padding cost a stem convolution's first run several milliseconds."""
     channels, height, width = x.shape
-    rows, inside_h = _window_taps(row_count, kh, sh, dh, top - row_start * sh, height)  # (R, kh)
-    columns, inside_w = _window_taps(ow_count, kw, sw, dw, left, width)  # (OW, kw)
-    taps = x[:, np.clip(rows, 0, height - 1).T[:, None, :, None], np.clip(columns, 0, width - 1).T[None, :, None, :]]
-    inside = inside_h.T[:, None, :, None] & inside_w.T[None, :, None, :]  # (kh, kw, R, OW)
-    taps = np.where(inside, taps, x.dtype.type(0))  # (C, kh, kw, R, OW)
-    cols[:, :row_count * ow_count] = taps.reshape(channels * kh * kw, row_count * ow_count)
+    if row_count <= 0 or ow_count <= 0:
+        return
+    row_lo, col_lo = row_start * sh - top, -left  # the input position of the first output's first tap
+    rows = (row_count - 1) * sh + (kh - 1) * dh + 1
+    columns = (ow_count - 1) * sw + (kw - 1) * dw + 1
+    source = np.zeros((channels, rows, columns), x.dtype)
+    r0, r1 = max(row_lo, 0), min(row_lo + rows, height)
+    c0, c1 = max(col_lo, 0), min(col_lo + columns, width)
+    if r0 < r1 and c0 < c1:
+        source[:, r0 - row_lo:r1 - row_lo, c0 - col_lo:c1 - col_lo] = x[:, r0:r1, c0:c1]
+    across, along = cols.strides  # column rows (channel, tap), then output positions (row, column)
+    target = np.lib.stride_tricks.as_strided(cols, (channels, kh, kw, row_count, ow_count),
+                                             (kh * kw * across, kw * across, across, ow_count * along, along))
+    for i in range(kh):
+        for j in range(kw):
+            target[:, i, j] = source[:, i * dh:i * dh + (row_count - 1) * sh + 1:sh,
+                                     j * dw:j * dw + (ow_count - 1) * sw + 1:sw]
 
 
 def fill_tight_columns(x, cols, kh, kw, dh, dw, top, left, row_start, row_count):
