@@ -6,6 +6,7 @@ the reason; the others still load. Nothing here imports a provider package by na
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import sys
@@ -14,7 +15,6 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib.metadata import EntryPoint, entry_points  # entry_points(group=...): Python >= 3.10
 
 import pluggy
 
@@ -27,6 +27,15 @@ from .errors import InvalidArgumentError, PluginError, ProviderNotAvailableError
 from .provider_handle import ProviderHandle
 
 ENTRY_POINT_GROUP = "onnx_runtime.providers"
+KEPT_LISTINGS = 8  # listings kept per folder: one per import-path state (scripts run from several folders)
+
+
+def entry_points(**selection) -> list:
+    """importlib.metadata's listing, imported here: that module (and the email parser it pulls in) is a
+    noticeable part of a fresh process's import, and a process whose listing is kept never needs it."""
+    from importlib.metadata import entry_points as listing  # entry_points(group=...): Python >= 3.10
+
+    return list(listing(**selection))
 
 # How to install the providers that ship with the project, keyed by short name.
 EXTRAS = {"cpu": "pip install 'onnx-runtime[cpu]'", "cuda": "pip install 'onnx-runtime[cuda]'"}
@@ -246,7 +255,7 @@ class ProviderRegistry:
 
 
 @dataclass(frozen=True)
-class _ListedEntryPoint:
+class ListedEntryPoint:
     """An entry point of the group as an earlier process listed it (``listed_entry_points``)."""
 
     name: str
@@ -255,7 +264,12 @@ class _ListedEntryPoint:
     version: str
 
     def load(self):
-        return EntryPoint(self.name, self.value, ENTRY_POINT_GROUP).load()
+        """The object ``module:attr.attr [extras]`` names, as importlib.metadata's EntryPoint.load finds it."""
+        module, _, attrs = self.value.partition("[")[0].strip().partition(":")
+        found = importlib.import_module(module.strip())
+        for attr in filter(None, attrs.strip().split(".")):
+            found = getattr(found, attr)
+        return found
 
 
 def listed_entry_points() -> list:
@@ -264,7 +278,7 @@ def listed_entry_points() -> list:
     path and each of its folders' modification times, which an install, upgrade or removal changes. A stale or
     unreadable list only costs the listing: a provider that fails to load from it is left to full discovery."""
     if os.environ.get("ONNX_RUNTIME_PLAN_CACHE", "1") == "0":
-        return list(entry_points(group=ENTRY_POINT_GROUP))
+        return entry_points(group=ENTRY_POINT_GROUP)
     state = []
     for index, folder in enumerate(sys.path):
         try:  # (the script's folder or the working directory, sys.path[0], by name: its files change all the time)
@@ -274,22 +288,26 @@ def listed_entry_points() -> list:
     key = hashlib.sha256(json.dumps([sys.version, ENTRY_POINT_GROUP, state]).encode()).hexdigest()[:32]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     path = os.path.join(os.environ.get("ONNX_RUNTIME_PLAN_CACHE_DIR") or os.path.join(base, "onnx_runtime", "plans"),
-                        "entry-points.json")  # one file: the last listing, whatever its key
+                        "entry-points.json")  # one file: the latest listings, whatever their keys
+    kept: list = []
     try:
         with open(path) as handle:
-            listed = json.load(handle)
-        if listed["key"] == key:
-            return [_ListedEntryPoint(*row) for row in listed["rows"]]
+            kept = [listing for listing in json.load(handle)["listings"]
+                    if isinstance(listing, dict) and isinstance(listing.get("rows"), list)]
+        for listing in kept:
+            if listing.get("key") == key:
+                return [ListedEntryPoint(*row) for row in listing["rows"]]
     except (OSError, ValueError, TypeError, KeyError):
-        pass
-    found = list(entry_points(group=ENTRY_POINT_GROUP))
+        kept = []
+    found = entry_points(group=ENTRY_POINT_GROUP)
     rows = [[ep.name, ep.value, *_describe(ep)[1:]] for ep in found]
+    kept = [{"key": key, "rows": rows}, *kept][:KEPT_LISTINGS]
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         fd, temporary = tempfile.mkstemp(prefix=".writing-", dir=os.path.dirname(path))
         try:
             with os.fdopen(fd, "w") as handle:
-                json.dump({"key": key, "rows": rows}, handle)
+                json.dump({"listings": kept}, handle)
             os.replace(temporary, path)
         finally:
             if os.path.exists(temporary):
@@ -301,7 +319,7 @@ def listed_entry_points() -> list:
 
 def _describe(ep) -> tuple[str, str, str]:
     """An entry point's description for messages, its distribution's name and version."""
-    if isinstance(ep, _ListedEntryPoint):
+    if isinstance(ep, ListedEntryPoint):
         return (f"entry point {ep.name!r} ({ep.value}) of {ep.dist_name or 'an unknown distribution'}", ep.dist_name,
                 ep.version)
     dist = getattr(ep, "dist", None)

@@ -53,7 +53,7 @@ def test_an_install_lists_again(listing, tmp_path, monkeypatch):
 def test_a_stale_list_costs_no_provider(listing, monkeypatch):
     discovery.listed_entry_points()
     kept = json.loads(listing.read_text())
-    kept["rows"] = [["cpu", "no_such_module_here.plugin", "gone", "0"]]
+    kept["listings"][0]["rows"] = [["cpu", "no_such_module_here.plugin", "gone", "0"]]
     listing.write_text(json.dumps(kept))
     entry = discovery.ProviderRegistry().require("CPUExecutionProvider")  # full discovery finds the real one
     assert entry.name == "CPUExecutionProvider"
