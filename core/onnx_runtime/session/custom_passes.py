@@ -8,7 +8,7 @@ import weakref
 
 from ..contract.kernels import input_facts
 from ..errors import InvalidGraphError, OnnxRuntimeError, ProviderError
-from ..loader import topological_order
+from ..loader import outer_reads, topological_order
 from ..provider_handle import ProviderHandle
 
 
@@ -41,6 +41,16 @@ def run_custom_passes(graph, handles: list[ProviderHandle], applied: list[str], 
     cycles, every read defined) before placement. With ``early``, only the passes marked
     ``before_optimizer`` (run before the generic optimizer), else only the others."""
     changed = list(applied)
+    _run_passes(graph, handles, changed, early)
+    _run_in_subgraphs(graph, handles, changed, early, {})
+    if changed:
+        graph.nodes = _ordered(graph, changed)
+    return changed
+
+
+def _run_passes(graph, handles: list[ProviderHandle], changed: list[str], early: bool) -> bool:
+    """Each provider's passes over ``graph`` itself; the names of those that changed it are appended to ``changed``."""
+    before = len(changed)
     for index, handle in enumerate(handles):
         owns = _ownership(graph, handles, index)
         for graph_pass in handle.hook.custom_passes() or []:
@@ -54,12 +64,47 @@ def run_custom_passes(graph, handles: list[ProviderHandle], applied: list[str], 
                 raise
             except Exception as exc:
                 raise ProviderError(f"graph pass {name} failed: {type(exc).__name__}: {exc}") from exc
-    if changed:
-        try:
-            graph.nodes = topological_order(graph, set(graph.outer_names))
-        except InvalidGraphError as exc:
-            raise InvalidGraphError(f"graph passes {changed} left an invalid graph: {exc}") from exc
-    return changed
+    return len(changed) > before
+
+
+def _ordered(graph, changed: list[str]) -> list:
+    try:
+        return topological_order(graph, set(graph.outer_names))
+    except InvalidGraphError as exc:
+        raise InvalidGraphError(f"graph passes {changed} left an invalid graph: {exc}") from exc
+
+
+_CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
+
+
+def _run_in_subgraphs(graph, handles: list[ProviderHandle], changed: list[str], early: bool, outer: dict) -> bool:
+    """The passes over every If branch and Loop/Scan body, depth first, so a branch a streaming model runs per call
+    gets the fusions a top-level graph would. The enclosing graphs' weights are lent to the subgraph as initializers
+    while its passes run (passes find constants there) and taken back after: a node that still reads one reads it
+    from the outer scope, as before. Returns whether any subgraph changed."""
+    visible = {**outer, **graph.initializers}
+    any_changed = False
+    for node in graph.nodes:
+        if node.op_type not in _CONTROL_FLOW or node.domain not in ("", "ai.onnx"):
+            continue  # a fused node's own subgraph (a segment's body) is the provider's, already fused
+        for sub in node.subgraphs():
+            lent = {name: visible[name] for name in sub.outer_names
+                    if name in visible and name not in sub.initializers}
+            sub.initializers.update(lent)
+            marks: list[str] = []
+            try:
+                _run_passes(sub, handles, marks, early)
+                _run_in_subgraphs(sub, handles, marks, early, visible)
+            finally:
+                for name, array in lent.items():
+                    if sub.initializers.get(name) is array:
+                        del sub.initializers[name]
+            if marks:
+                any_changed = True
+                changed.extend(mark for mark in marks if mark not in changed)
+                sub.outer_names = sorted(outer_reads(sub, set(sub.outer_names) | set(lent)))
+                sub.nodes = _ordered(sub, changed)
+    return any_changed
 
 
 _TAKES_OWNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -1,0 +1,116 @@
+"""If branches get the provider's fusions: a branch taken by a data-dependent condition is fused where it is
+(the enclosing graph's weights lent to its passes), and an If whose condition follows from the input shapes is
+inlined into the specialized plan. Outputs against a float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_runtime as ort
+import pytest
+from model_helpers import make_model, tensor_info
+from onnx import TensorProto, helper, numpy_helper
+
+CPU = ["CPUExecutionProvider"]
+RNG = np.random.default_rng(7)
+W = RNG.standard_normal((4, 3, 3)).astype(np.float32)
+B = RNG.standard_normal(4).astype(np.float32)
+
+
+def _conv_relu_branch(name: str, x: str, out: str, scale: float) -> object:
+    """A branch reading the outer ``x`` and the outer weights: Relu(Conv1d(x)) * scale."""
+    nodes = [helper.make_node("Conv", [x, "w", "b"], [f"{name}_conv"], pads=[1, 1]),
+             helper.make_node("Relu", [f"{name}_conv"], [f"{name}_relu"]),
+             helper.make_node("Mul", [f"{name}_relu", f"{name}_scale"], [out])]
+    scale_init = numpy_helper.from_array(np.array(scale, np.float32), f"{name}_scale")
+    return helper.make_graph(nodes, name, [], [tensor_info(out)], [scale_init])
+
+
+def _reference(x: np.ndarray, scale: float) -> np.ndarray:
+    x64, w64 = x.astype(np.float64), W.astype(np.float64)
+    padded = np.pad(x64, ((0, 0), (0, 0), (1, 1)))
+    out = np.zeros((x.shape[0], 4, x.shape[2]))
+    for k in range(3):
+        out += np.einsum("oc,ncl->nol", w64[:, :, k], padded[:, :, k:k + x.shape[2]])
+    return np.maximum(out + B[None, :, None], 0.0) * scale
+
+
+def _weights():
+    return [numpy_helper.from_array(W, "w"), numpy_helper.from_array(B, "b")]
+
+
+def _ops(graph) -> list[str]:
+    return [node.op_type for node in graph.nodes]
+
+
+def _branches(graph) -> list:
+    return [sub for node in graph.nodes if node.op_type == "If" for sub in node.subgraphs()]
+
+
+def _then(graph):
+    (node,) = [node for node in graph.nodes if node.op_type == "If"]
+    return node.attrs["then_branch"]
+
+
+def _data_if_model():
+    then_branch = _conv_relu_branch("then", "x", "then_out", 2.0)
+    else_branch = _conv_relu_branch("else", "x", "else_out", -1.0)
+    node = helper.make_node("If", ["cond"], ["y"], then_branch=then_branch, else_branch=else_branch)
+    return make_model([node], [tensor_info("x", shape=[1, 3, 8]), tensor_info("cond", TensorProto.BOOL, [])],
+                      [tensor_info("y")], _weights())
+
+
+def test_a_data_dependent_branch_is_fused_where_it_is():
+    session = ort.InferenceSession(_data_if_model().SerializeToString(), providers=CPU)
+    x = RNG.standard_normal((1, 3, 8)).astype(np.float32)
+    for cond, scale in ((True, 2.0), (False, -1.0)):
+        (y,) = session.run(None, {"x": x, "cond": np.array(cond)})
+        np.testing.assert_allclose(y, _reference(x, scale), rtol=1e-5, atol=1e-5)
+    graph = session.graph_for({"x": x, "cond": np.array(True)})
+    assert "If" in _ops(graph)  # the condition is data: the If stays
+    for branch in _branches(graph):
+        assert "Relu" not in _ops(branch), _ops(branch)  # the activation folded into the convolution
+        # the lent weights went back: the branch still reads them from the enclosing graph
+        assert "w" not in branch.initializers and "w" in branch.outer_names
+    assert any(name.endswith("fuse_conv_activations") for name in session.applied_passes())
+
+
+def test_a_nested_branch_and_a_branch_returning_an_outer_value():
+    inner = helper.make_node("If", ["inner_cond"], ["inner_y"],
+                             then_branch=_conv_relu_branch("inner_then", "x", "inner_then_out", 0.5),
+                             else_branch=helper.make_graph([], "inner_else", [], [tensor_info("x")]))
+    outer_then = helper.make_graph([inner], "outer_then", [], [tensor_info("inner_y")])
+    outer_else = helper.make_graph([helper.make_node("Identity", ["x"], ["passed"])], "outer_else", [],
+                                   [tensor_info("passed")])
+    node = helper.make_node("If", ["cond"], ["y"], then_branch=outer_then, else_branch=outer_else)
+    model = make_model([node], [tensor_info("x", shape=[1, 3, 8]), tensor_info("cond", TensorProto.BOOL, []),
+                                tensor_info("inner_cond", TensorProto.BOOL, [])], [tensor_info("y")], _weights())
+    session = ort.InferenceSession(model.SerializeToString(), providers=CPU)
+    x = RNG.standard_normal((1, 3, 8)).astype(np.float32)
+    feeds = {"x": x, "cond": np.array(True), "inner_cond": np.array(True)}
+    np.testing.assert_allclose(session.run(None, feeds)[0], _reference(x, 0.5), rtol=1e-5, atol=1e-5)
+    for cond, inner_cond in ((True, False), (False, True)):
+        (y,) = session.run(None, {**feeds, "cond": np.array(cond), "inner_cond": np.array(inner_cond)})
+        np.testing.assert_array_equal(y, x)
+    outer_then_graph = _then(session.graph_for(feeds))
+    inner_then_graph = _then(outer_then_graph)
+    assert "Relu" not in _ops(inner_then_graph), _ops(inner_then_graph)
+    assert "w" in outer_then_graph.outer_names  # read through both scopes, as exported
+
+
+@pytest.mark.parametrize("length, scale", [(8, 2.0), (5, -1.0)])
+def test_a_condition_from_the_input_shape_is_inlined_into_the_plan(length, scale):
+    """cond = (x.shape[2] == 8): constant per signature, so the specialized plan holds the taken branch, fused."""
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Gather", ["shape", "two"], ["length"], axis=0),
+             helper.make_node("Equal", ["length", "eight"], ["cond"]),
+             helper.make_node("If", ["cond"], ["y"], then_branch=_conv_relu_branch("then", "x", "then_out", 2.0),
+                              else_branch=_conv_relu_branch("else", "x", "else_out", -1.0))]
+    constants = [numpy_helper.from_array(np.array(2, np.int64), "two"),
+                 numpy_helper.from_array(np.array(8, np.int64), "eight")]
+    model = make_model(nodes, [tensor_info("x", shape=[1, 3, "L"])], [tensor_info("y")], _weights() + constants)
+    session = ort.InferenceSession(model.SerializeToString(), providers=CPU)
+    x = RNG.standard_normal((1, 3, length)).astype(np.float32)
+    (y,) = session.run(None, {"x": x})
+    np.testing.assert_allclose(y, _reference(x, scale), rtol=1e-5, atol=1e-5)
+    ops = _ops(session.graph_for({"x": x}))
+    assert "If" not in ops and "Shape" not in ops and "Relu" not in ops, ops
