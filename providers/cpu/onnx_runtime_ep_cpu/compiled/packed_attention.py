@@ -1,13 +1,16 @@
 """com.microsoft Attention over its packed Q/K/V product in one compiled pass: the projection's bias added in
 place, then per (batch, head, query row) the scores against the keys, the key-padding mask, the softmax and the
 weighted sum of the values, each read where the packed product holds it (B, S, 3, N, D). Run as separate
-projections, a mask step and an attention step, a BERT-sized layer spent most of its time between kernels."""
+projections, a mask step and an attention step, a BERT-sized layer spent most of its time between kernels.
+Where attention_lanes.py's 16-lane loop takes the sequence, packed_in_lanes_ instead writes the contiguous
+Q, K, V and key bias that loop reads, in the one pass the bias add would take, and calls it."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from . import jit
+from .attention_lanes import few_rows_in_lanes
 from .decoder import row_dot
 from .transformer import contracting_jit, exp_shifted_sum_, row_max
 
@@ -76,3 +79,49 @@ def _weighted_values(weights, qkv, b, h, visible, out):
         row = qkv[b, t, 2, h]
         for j in range(out.shape[0]):
             out[j] += weight * row[j]
+
+
+@jit
+def packed_in_lanes_(qkv, bias, counts, mask, fill, scale, y, work):
+    """packed_self_attention_'s y (without a causal frontier) through attention_lanes.few_rows_in_lanes: Q, K, V
+    and the key bias (counts' as ``fill`` past each count, else ``mask``) written into ``work``, which holds
+    3 * B * S * N * D + B * S floats and the lanes' scratch after them. False as few_rows_in_lanes."""
+    batch, steps, heads, size = qkv.shape[0], qkv.shape[1], qkv.shape[3], qkv.shape[4]
+    part = batch * steps * heads * size
+    q = work[:part].reshape(batch, steps, heads, size)
+    k = work[part:2 * part].reshape(batch, steps, heads, size)
+    v = work[2 * part:3 * part].reshape(batch, steps, heads, size)
+    key_bias = work[3 * part:3 * part + batch * steps].reshape(batch, 1, 1, steps) if counts.size else mask
+    lanes_operands_(qkv, bias, counts, fill, q, k, v, key_bias)
+    return few_rows_in_lanes(q, k, v, scale, key_bias, y, work[3 * part + batch * steps:])
+
+
+@jit
+def lanes_operands_(qkv, bias, counts, fill, q, k, v, key_bias):
+    """q, k, v (B, S, N, D) = the packed product's parts (B, S, 3, N, D) plus bias (3, N, D) where ``bias`` has
+    elements; key_bias[b, 0, 0, t] = ``fill`` for keys t at or after counts[b], else 0, where ``counts`` has
+    elements (attention_lanes.few_rows_in_lanes's additive bias form of the contrib key count)."""
+    batch, steps = qkv.shape[0], qkv.shape[1]
+    width = qkv.shape[3] * qkv.shape[4]
+    rows = batch * steps
+    source, add = qkv.reshape(rows, 3, width), bias.reshape(-1, width)
+    parts = (q.reshape(rows, width), k.reshape(rows, width), v.reshape(rows, width))
+    if add.shape[0]:
+        for i in range(3):
+            _biased_rows(source, i, add[i], parts[i])
+    else:
+        for i in range(3):
+            parts[i][:] = source[:, i]
+    if counts.size:
+        for b in range(batch):
+            for t in range(steps):
+                key_bias[b, 0, 0, t] = fill if t >= counts[b] else np.float32(0)
+
+
+@jit
+def _biased_rows(source, part, add, target):
+    """target[r] = source[r, part] + add for every row r."""
+    for r in range(target.shape[0]):
+        row, out = source[r, part], target[r]
+        for j in range(out.shape[0]):
+            out[j] = row[j] + add[j]

@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from ..algorithms import tiled_attention
 from ..algorithms.contrib_attention import (
     attend,
     causal_hidden,
@@ -24,7 +25,7 @@ from ..algorithms.contrib_attention import (
     split_heads,
 )
 from ..algorithms.precision import compute_dtype
-from ..compiled.deferred import numpy_first
+from ..compiled.deferred import numpy_first, tried
 from ..contrib_lowering import PACKED_LOOP_MACS
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
@@ -229,7 +230,10 @@ class _PackedAttention:
         self.heads = self.general.heads
         self.fill = np.float32(node.attr("mask_filter_value", -10000.0))
         self.causal = bool(node.attr("unidirectional", 0))
-        self.loop = None
+        # compiled loops, imported at the first compiled call
+        self.loop = self.lanes = None
+        self.work: dict[tuple, int] = {}  # per (B, S, head size): the floats the 16-lane path's scratch holds
+        self.tried = False  # a compiled call after deferral ran whole (deferred.tried)
         self.longer: dict[tuple, object] = {}  # per (B, S, hidden): the ONNX Attention kernel of longer sequences
         self.scales: dict[int, np.float32] = {}  # per head size (the attributes read once)
 
@@ -249,17 +253,39 @@ class _PackedAttention:
             if counts.size:
                 mask = key_mask_bias(counts, batch, steps, steps, 0, self.fill)
             return (self.long_attention(qkv.reshape(batch, steps, -1), mask, size),)
-        if self.loop is None:
-            from ..compiled.packed_attention import packed_self_attention_
+        y = self.attend(qkv, bias, counts, mask, batch, steps, size) if self.tried else \
+            tried(self, "tried", self.attend, qkv, bias, counts, mask, batch, steps, size)
+        return self.general(x, weights, bias, mask_index) if y is None else (y,)
 
-            self.loop = packed_self_attention_
+    def attend(self, qkv, bias, counts, mask, batch: int, steps: int, size: int):
+        """Y from the compiled loops over the packed product (B * S, 3 * N * D): attention_lanes.py's 16-lane
+        loop over contiguous Q, K, V (the bias added as they are written) where it takes the sequence, else
+        packed_attention.py's loop in place; None where a row has no finite score."""
+        heads = self.heads
+        if self.loop is None:
+            from ..compiled import packed_attention
+
+            self.loop = packed_attention.packed_self_attention_
+            loops = tiled_attention.FEW_ROWS if tiled_attention.FEW_ROWS[1] is not None else \
+                tiled_attention.few_rows_loops()
+            if loops[0] is not None and not self.causal:  # (None off AVX-512)
+                self.lanes = packed_attention.packed_in_lanes_
+        packed = qkv.reshape(batch, steps, 3, heads, size)
+        add = _NO_BIAS if bias is None else np.ascontiguousarray(bias).reshape(3, heads, size)
         y = np.empty((batch, steps, heads * size), np.float32)
-        if not self.loop(qkv.reshape(batch, steps, 3, heads, size),
-                         _NO_BIAS if bias is None else np.ascontiguousarray(bias).reshape(3, heads, size),
-                         counts, mask, self.scale(size), self.fill, self.causal,
-                         y.reshape(batch, steps, heads, size)):
-            return self.general(x, weights, bias, mask_index)
-        return (y,)
+        if self.lanes is not None and steps >= tiled_attention.LANES_ROWS:
+            work = self.work.get((batch, steps, size))
+            if work is None:
+                from ..compiled.attention_lanes import scratch_size
+
+                work = self.work[(batch, steps, size)] = \
+                    (3 * heads * size + 1) * batch * steps + scratch_size(size, steps)
+            done = self.lanes(packed, add, counts, mask, self.fill, self.scale(size),
+                              y.reshape(batch, steps, heads, size), np.empty(work, np.float32))
+        else:
+            done = self.loop(packed, add, counts, mask, self.scale(size), self.fill, self.causal,
+                             y.reshape(batch, steps, heads, size))
+        return y if done else None
 
     def scale(self, size: int) -> np.float32:
         scale = self.scales.get(size)
