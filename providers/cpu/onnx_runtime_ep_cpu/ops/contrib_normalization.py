@@ -9,12 +9,13 @@ the statistics outputs (mean, inv_std_var) are float32 as the specs type them.
 from __future__ import annotations
 
 import math
+import types
 
 import numpy as np
 
 from ..algorithms.normalization import broadcasts_into, layer_norm_compiles, standardize_rows
 from ..algorithms.precision import compute_dtype
-from ..compiled.deferred import numpy_first
+from ..compiled.deferred import numpy_first, tried
 from ..registry import register
 from ._common import CONTRIB_DOMAIN, argument_error, graph_error, normalize_axis, stash_dtype
 
@@ -251,16 +252,22 @@ def embed_layer_normalization(node, shapes, opset):
 
     from ..compiled import transformer as compiled
 
+    # The compiled calls run in a Trial until one after deferral ran whole: a loop numba's cache misses then
+    # goes to the loader's child while the numpy path serves (no compile on a run's thread).
+    ran = types.SimpleNamespace(fused=False, summed=False)
+
     def kernel(input_ids, segment_ids, word_embedding, position_embedding, segment_embedding, gamma, beta,
                mask=None, position_ids=None):
         dtype = compute_dtype(word_embedding.dtype)
         if dtype == word_embedding.dtype:
-            fused = fused_embed_norm(input_ids, segment_ids, word_embedding, position_embedding, segment_embedding,
-                                      gamma, beta, mask, position_ids, epsilon)
+            arguments = (input_ids, segment_ids, word_embedding, position_embedding, segment_embedding, gamma, beta,
+                         mask, position_ids, epsilon)
+            fused = fused_embed_norm(*arguments) if ran.fused else tried(ran, "fused", fused_embed_norm, *arguments)
             if fused is not None:
                 return fused[:len(node.outputs)]
-        summed = _compiled_sum(input_ids, segment_ids, word_embedding, position_embedding, segment_embedding,
-                               position_ids, mask, dtype)
+        arguments = (input_ids, segment_ids, word_embedding, position_embedding, segment_embedding, position_ids,
+                     mask, dtype)
+        summed = _compiled_sum(*arguments) if ran.summed else tried(ran, "summed", _compiled_sum, *arguments)
         total, counts = summed if summed is not None else (None, None)
         if total is None:  # checks and errors, other layouts, or numba still loading
             total = _embedding_sum(node, input_ids, segment_ids, word_embedding, position_embedding,

@@ -10,6 +10,7 @@ keys written at that entry's past length (seqlens_k + 1 - sequence_length, or 0 
 from __future__ import annotations
 
 import math
+import types
 
 import numpy as np
 
@@ -677,6 +678,7 @@ def rotary_embedding(node, shapes, opset):
     rotary_dim = int(node.attr("rotary_embedding_dim", 0))
     if int(node.attr("is_packed_batching", 0)):
         raise graph_error(node, "is_packed_batching", "is 1; ragged (packed) batches are not supported here")
+    ran = types.SimpleNamespace(compiled=False)  # (the compiled call in a Trial until one ran whole: tried)
 
     def kernel(x, position_ids, cos_cache, sin_cache):
         half = cos_cache.shape[-1] if cos_cache.ndim == 2 else 0
@@ -693,7 +695,8 @@ def rotary_embedding(node, shapes, opset):
         if position_ids.ndim <= 1 and position_ids.size != 1:
             raise argument_error(node, f"position_ids has shape {position_ids.shape}; expected (1) (a start "
                                  f"position) or ({batch}, {steps})")
-        rotated = _compiled_rotary(x, view, position_ids, cos_cache, sin_cache, interleaved)
+        arguments = (x, view, position_ids, cos_cache, sin_cache, interleaved)
+        rotated = _compiled_rotary(*arguments) if ran.compiled else tried(ran, "compiled", _compiled_rotary, *arguments)
         if rotated is not None:
             return (rotated,)
         positions = positions_from(position_ids, batch, steps, start=position_ids.ndim <= 1)
