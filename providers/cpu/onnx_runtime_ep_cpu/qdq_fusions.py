@@ -202,6 +202,38 @@ def fuse_dynamic_quantize_matmul(graph: Graph, owns=None) -> bool:
     return False
 
 
+def group_dynamic_quantize_matmul(graph: Graph, owns=None) -> bool:
+    """DynamicQuantizeMatMul nodes of one float input by constant weights of one shape and type, all with a
+    bias or none (a layer's query, key and value): one DynamicQuantizeMatMulGroup (ops/dynamic_quantize_group.py)
+    quantizes the input once and runs one product, as onnxruntime's quantizer leaves one DynamicQuantizeLinear
+    for them. Outputs keep their names; the group sits where its first member was (its inputs are A and
+    constants, and every member's readers come after that member)."""
+    view = GraphView(graph)
+    groups: dict[tuple, list[Node]] = {}
+    for node in graph.nodes:
+        if node.op_type != "DynamicQuantizeMatMul" or node.domain != "com.microsoft" or len(node.outputs) != 1 \
+                or not 3 <= len(node.inputs) <= 5:
+            continue
+        slots = list(node.inputs[1:]) + [""] * (5 - len(node.inputs))
+        weight = view.const(slots[0])
+        if weight is None or weight.ndim != 2 or any(name and view.const(name) is None for name in slots[1:]):
+            continue
+        key = (node.inputs[0], weight.shape, weight.dtype.str, bool(slots[2]), bool(slots[3]))
+        groups.setdefault(key, []).append(node)
+    for members in groups.values():
+        if len(members) < 2 or not owned(owns, members):
+            continue
+        inputs = [members[0].inputs[0]]
+        for m in members:
+            inputs += list(m.inputs[1:]) + [""] * (5 - len(m.inputs))
+        fused = Node("DynamicQuantizeMatMulGroup", inputs, [m.outputs[0] for m in members],
+                     name=f"{members[0].name}/group", domain=FUSED_DOMAIN, opset=1)
+        gone = {id(m) for m in members[1:]}
+        graph.nodes = [fused if n is members[0] else n for n in graph.nodes if id(n) not in gone]
+        return True
+    return False
+
+
 # -- QOperator format: QLinearMatMul -> QLinearAdd of its bias ----------------------------------------
 
 
@@ -648,4 +680,5 @@ QDQ_PASSES = [lower_qoperator_cnn, *_MATMUL_GROUP_PASSES, until_fixed(fuse_quant
               until_fixed(fuse_rounded_gelu),
               until_fixed(absorb_rounded_add),
               until_fixed(fuse_dynamic_matmul), until_fixed(fuse_dynamic_quantize_matmul),
+              until_fixed(group_dynamic_quantize_matmul),
               until_fixed(fuse_qlinear_matmul_bias)]

@@ -274,6 +274,14 @@ def dynamic_scaled_product(a, packed, pairs, b_scales, bias, out):
     and zero point over all of A, compiled/quantize.dynamic_parameters), its centred codes kept as int16
     (code - zero, never an 8-bit tensor), then scaled_product's integer product and rescaling, the same bits
     as the two nodes. packed (N, K) int16, b_scales (1,) or (N,) float64, bias (N,) or (0,) float32."""
+    centred, scale = _dynamic_centred(a)
+    _rescaled_product(centred, packed, pairs, scale, b_scales, bias, out)
+
+
+@jit
+def _dynamic_centred(a):
+    """DynamicQuantizeLinear's codes of (M, K) float32 ``a`` minus their zero point, as int16, and the scale
+    (the float64 value of the float32 scale)."""
     rows, depth = a.shape
     scale, zero = dynamic_parameters(a.reshape(-1))
     centred = np.empty((rows, depth), np.int16)
@@ -283,7 +291,29 @@ def dynamic_scaled_product(a, packed, pairs, b_scales, bias, out):
             v = np.float32(0) if v < 0 else v
             v = np.float32(255) if v > 255 else v
             centred[m, k] = np.int16(v - zero) if v == v else np.int16(-zero)
-    _rescaled_product(centred, packed, pairs, np.float64(scale), b_scales, bias, out)
+    return centred, np.float64(scale)
+
+
+@jit
+def dynamic_scaled_group(a, packed, pairs, b_scales, bias, out):
+    """Several DynamicQuantizeMatMul of one A (a layer's query, key and value projections) as one: A quantized
+    once, one integer product by the members' weights side by side (packed (G * W, K), b_scales and bias per
+    column of that), member g's columns rescaled into out[g] (out (G, M, W) float32). Each output is what
+    dynamic_scaled_product gives for that member alone: the same codes, integers and float64 rescaling."""
+    centred, scale = _dynamic_centred(a)
+    rows, columns = centred.shape[0], packed.shape[0]
+    acc = np.empty((rows, columns), np.int32)
+    _centred_product(centred, packed, pairs, acc)
+    with_bias = bias.shape[0] > 0
+    width = out.shape[2]
+    for g in range(out.shape[0]):
+        first = g * width
+        for m in range(rows):
+            line = out[g, m]
+            for j in range(width):
+                n = first + j
+                y = np.float32(np.float64(acc[m, n]) * (scale * b_scales[n]))
+                line[j] = y + bias[n] if with_bias else y
 
 
 @jit

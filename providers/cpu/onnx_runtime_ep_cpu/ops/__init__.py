@@ -36,6 +36,7 @@ FAMILIES = {
     "detection": "NonMaxSuppression RoiAlign",
     "segment": "ai.onnx_runtime.cpu:FusedSegment",
     "dropout": "Dropout",
+    "dynamic_quantize_group": "ai.onnx_runtime.cpu:DynamicQuantizeMatMulGroup",
     "elementwise": (
         "Abs Acos Acosh Add And Asin Asinh Atan Atanh BitShift BitwiseAnd BitwiseNot BitwiseOr BitwiseXor "
         "Cast CastLike Ceil Clip Cos Cosh Div Equal Erf Exp Floor Greater GreaterOrEqual HardSwish Identity "

@@ -623,16 +623,16 @@ def matmul_integer_to_float(node, shapes, opset):
     from ..compiled import qgemm
 
     product = IntegerProduct()
-    sides = Prepared()  # _WeightSide per set of constant inputs (None: not compiled)
+    sides = Prepared()  # WeightSide per set of constant inputs (None: not compiled)
 
     def fast(a, b, a_scale, b_scale, a_zero_point, b_zero_point, bias):
-        """compiled/qgemm.scaled_product for 8-bit A with per-tensor float32 parameters and a B _WeightSide
+        """compiled/qgemm.scaled_product for 8-bit A with per-tensor float32 parameters and a B WeightSide
         takes; None for anything else."""
         if a.dtype not in _EIGHT_BIT or not a.ndim or not a.size or a_scale.dtype is not _F32 or a_scale.size != 1 \
                 or (a_zero_point is not None and (a_zero_point.size != 1 or a_zero_point.dtype is not a.dtype)):
             return None
         side = sides.get(None, (b, b_scale, b_zero_point, bias),
-                         lambda: _WeightSide.of(product, a, b, b_scale, b_zero_point, bias))
+                         lambda: WeightSide.of(product, a, b, b_scale, b_zero_point, bias))
         if side is None or a.shape[-1] != side.depth:
             return None
         out = np.empty(a.shape[:-1] + (side.columns,), _F32)
@@ -666,8 +666,8 @@ def dynamic_quantize_matmul(node, shapes, opset):
     from ..compiled import qgemm  # once here: an import statement costs each call microseconds
 
     product = IntegerProduct()
-    sides = Prepared()  # _WeightSide per set of constant inputs (None: not compiled)
-    last: list = [None] * 5  # the constant inputs of the last call, then their _WeightSide
+    sides = Prepared()  # WeightSide per set of constant inputs (None: not compiled)
+    last: list = [None] * 5  # the constant inputs of the last call, then their WeightSide
 
     def kernel(a, b, b_scale, b_zero_point=None, bias=None):
         if a.dtype is _F32 and a.ndim and a.size:
@@ -675,7 +675,7 @@ def dynamic_quantize_matmul(node, shapes, opset):
                 side = last[4]  # the same constant arrays as before (the usual call): no key to build
             else:
                 side = sides.get(None, (b, b_scale, b_zero_point, bias),
-                                 lambda: _WeightSide.of(product, a, b, b_scale, b_zero_point, bias))
+                                 lambda: WeightSide.of(product, a, b, b_scale, b_zero_point, bias))
                 if all(x is None or not x.flags.writeable for x in (b, b_scale, b_zero_point, bias)):
                     last[:] = [b, b_scale, b_zero_point, bias, side]
             if side is not None and a.shape[-1] == side.depth:
@@ -698,7 +698,7 @@ def dynamic_quantize_matmul(node, shapes, opset):
     return kernel
 
 
-class _WeightSide:
+class WeightSide:
     """B's side of compiled/qgemm's scaled products, made once per set of constant inputs: B packed as int16
     (N, K) with its zero points subtracted, its scales as float64 (1,) or (N,), the float32 bias or an empty one."""
 
@@ -706,7 +706,7 @@ class _WeightSide:
     _NO_BIAS = np.zeros(0, _F32)
 
     @classmethod
-    def of(cls, product: IntegerProduct, a, b, b_scale, b_zero_point, bias) -> _WeightSide | None:
+    def of(cls, product: IntegerProduct, a, b, b_scale, b_zero_point, bias) -> WeightSide | None:
         """None where the compiled products do not apply (_fast_weight)."""
         if not _fast_weight(a, b, b_scale, b_zero_point, bias):
             return None

@@ -1,0 +1,89 @@
+"""DynamicQuantizeMatMul nodes that read one A, run as one (qdq_fusions.group_dynamic_quantize_matmul): a
+layer's query, key and value projections each quantized the same activation again and paid a node's fixed cost
+for a small product. Here A is quantized once and multiplied by the members' weights side by side, each output
+the bits its own node gives."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..algorithms.prepared import Prepared
+from ..algorithms.quantize import IntegerProduct
+from ..fusions import FUSED_DOMAIN
+from ..registry import register
+from ._common import argument_error
+from .contrib_quantization import WeightSide, dynamic_quantize_matmul
+
+_F32 = np.dtype(np.float32)
+SLOTS = 4  # each member's inputs after A: B, b_scale, b_zero_point, bias ("" where absent)
+
+
+def _columns(value: np.ndarray | None, width: int, dtype) -> np.ndarray | None:
+    """A per-tensor or per-column parameter as one value per column of its member's weight."""
+    if value is None:
+        return None
+    return np.broadcast_to(value.reshape(-1), (width,)).astype(dtype)
+
+
+def joined_side(product: IntegerProduct, a, members: list) -> WeightSide | None:
+    """One WeightSide for the members' (B, b_scale, b_zero_point, bias) side by side: B (K, W) each of one
+    type, parameters made per column (the same float32 and zero-point values), the biases joined. None where a
+    member's weight does not fit the compiled product, or the members differ in width, type or bias."""
+    weights = [m[0] for m in members]
+    if any(w.ndim != 2 for w in weights) or len({(w.shape, w.dtype) for w in weights}) != 1 \
+            or len({m[3] is None for m in members}) != 1 or len({m[2] is None for m in members}) != 1:
+        return None
+    width, dtype = weights[0].shape[1], weights[0].dtype
+    for w, scale, zero, bias in members:
+        if WeightSide.of(product, a, w, scale, zero, bias) is None:  # each member's own check of its inputs
+            return None
+    scales = np.concatenate([_columns(m[1], width, _F32) for m in members])
+    zeros = None if members[0][2] is None else np.concatenate([_columns(m[2], width, dtype) for m in members])
+    bias = None if members[0][3] is None else np.concatenate([m[3] for m in members])
+    return WeightSide.of(product, a, np.concatenate(weights, axis=1), scales, zeros, bias)
+
+
+@register("DynamicQuantizeMatMulGroup", domain=FUSED_DOMAIN, since=1)
+def dynamic_quantize_matmul_group(node, shapes, opset):
+    """Inputs: A, then per member B, b_scale, b_zero_point, bias (DynamicQuantizeMatMul's, "" where absent);
+    one output per member. Where the joined product does not apply, each member runs its own kernel (which
+    also gives the errors)."""
+    from ..compiled import qgemm  # once here: an import statement costs each call microseconds
+
+    count = len(node.outputs)  # (the graph drops absent inputs at the end)
+    if count < 1 or not 1 + SLOTS * (count - 1) < len(node.inputs) <= 1 + SLOTS * count:
+        raise argument_error(node, f"{len(node.inputs)} inputs and {len(node.outputs)} outputs; expected A then "
+                                   f"{SLOTS} per member and one output per member")
+    single = dynamic_quantize_matmul(node, shapes, opset)
+    product = IntegerProduct()
+    sides = Prepared()
+    last: list = [(), None]  # the constant inputs of the last call, then their joined side
+
+    def apart(a, rest):
+        return tuple(single(a, *rest[i:i + SLOTS])[0] for i in range(0, len(rest), SLOTS))
+
+    def kernel(a, *rest):
+        if len(rest) < SLOTS * count:  # absent trailing inputs
+            rest = rest + (None,) * (SLOTS * count - len(rest))
+        if a.dtype is not _F32 or not a.ndim or not a.size:
+            return apart(a, rest)
+        seen, side = last
+        if len(seen) != len(rest) or not all(map(_is, seen, rest)):
+            members = [rest[i:i + SLOTS] for i in range(0, len(rest), SLOTS)]
+            side = sides.get(None, rest, lambda: joined_side(product, a, members))
+            if all(x is None or not x.flags.writeable for x in rest):
+                last[:] = [rest, side]
+        if side is None or a.shape[-1] != side.depth:
+            return apart(a, rest)
+        width = side.columns // count
+        out = np.empty((count, a.size // side.depth, width), _F32)
+        qgemm.dynamic_scaled_group(np.ascontiguousarray(a).reshape(-1, side.depth), side.packed, side.pairs,
+                                   side.scales, side.bias, out)
+        shape = a.shape[:-1] + (width,)
+        return tuple(out[g].reshape(shape) for g in range(count))
+
+    return kernel
+
+
+def _is(x, y) -> bool:
+    return x is y
