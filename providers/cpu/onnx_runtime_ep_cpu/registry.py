@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import importlib
-import pkgutil
 import sys
 import threading
 from collections.abc import Callable
@@ -98,6 +97,8 @@ def _entries(key: tuple[str, str]) -> list | None:
 
 def import_everything() -> None:
     """Import every declared package's kernel modules (a lookup of an undeclared operator; registered_ops)."""
+    import pkgutil  # (a session whose operators are all declared never lists the package)
+
     with _everything_lock:
         while _PACKAGES:
             package, path = _PACKAGES[0]
