@@ -23,6 +23,10 @@ later process of a deployment does. ``--plans miss``: the model's plans are remo
 ours, which plans anew and writes them (a model's first process; the folder's other files, such as the
 provider list, stay). ``--plans off`` (or ``--no-plan-cache``): the cache is turned off.
 
+``--phases`` adds, per model, the main thread's CPU time in each step of our creation and first run (the providers'
+handles, the plan cache's key and read, placement, the specializations planned at the first run, the executor's
+runs; placement nests in the specialized plans), medians over the processes: where a warm start's time goes.
+
 ``--main-job`` times the README's main job instead (``onnx-runtime run`` on its embedded default model) as the
 first process after an install runs it: an empty numba cache, the whole process's wall and CPU time.
 """
@@ -45,6 +49,13 @@ ZOO = HERE / ".models" / "zoo"
 DEFAULT_MODELS = ("bert.torchscript.fp32", "gpt2.dynamo.fp32", "resnet.torchscript.fp32",
                   "whisper_encoder.torchscript.fp32", "resnet50", "squeezenet")
 HEAVY = ("numba", "llvmlite", "cuda", "ml_dtypes", "scipy", "onnx")
+# --phases: (module, class or None, function, label) of each step timed in our processes
+PHASES = (("onnx_runtime.session.inference_session", None, "_create_handles", "providers"),
+          ("onnx_runtime.session.inference_session", None, "open_plans", "plan key"),
+          ("onnx_runtime.session.inference_session", None, "read_creation", "plan read"),
+          ("onnx_runtime.session.inference_session", None, "place", "placement"),
+          ("onnx_runtime.session.inference_session", "InferenceSession", "_plan_specialized", "specialized plans"),
+          ("onnx_runtime.session.executor", "Executor", "run", "executor runs"))
 
 
 def spec_of(name: str) -> tuple[str, list[dict]]:
@@ -68,6 +79,27 @@ def spec_of(name: str) -> tuple[str, list[dict]]:
     return path, [feeds]
 
 
+def timed_phases() -> dict[str, float]:
+    """Wrap each of PHASES to add its main-thread CPU seconds to the returned dict (filled as the steps run)."""
+    import importlib
+
+    spent: dict[str, float] = {}
+    for module, owner, name, label in PHASES:
+        holder = importlib.import_module(module)
+        holder = getattr(holder, owner) if owner else holder
+        original = getattr(holder, name)
+
+        def timed(*args, _original=original, _label=label, **kwargs):
+            began = time.thread_time()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                spent[_label] = spent.get(_label, 0.0) + time.thread_time() - began
+
+        setattr(holder, name, timed)
+    return spent
+
+
 def worker(runtime: str, path: str, calls: list[list[dict]]) -> dict:
     import resource
 
@@ -79,6 +111,7 @@ def worker(runtime: str, path: str, calls: list[list[dict]]) -> dict:
         import onnx_runtime as rt
     else:
         import onnxruntime as rt
+    phases = timed_phases() if runtime == "ours" and os.environ.get("COLD_START_PHASES") == "1" else {}
     cpu1, wall1 = time.process_time(), time.perf_counter()
     options = rt.SessionOptions()
     options.intra_op_num_threads = 1
@@ -89,13 +122,13 @@ def worker(runtime: str, path: str, calls: list[list[dict]]) -> dict:
     cpu3, wall3 = time.process_time(), time.perf_counter()
     return {"import": cpu1 - cpu0, "create": cpu2 - cpu1, "first": cpu3 - cpu2, "wall": wall3 - wall1,
             "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "loaded": [m for m in HEAVY if m in sys.modules]}
+            "loaded": [m for m in HEAVY if m in sys.modules], "phases": phases}
 
 
 def sample(runtime: str, path: str, calls: list[list[dict]], background: bool = True, plans: str = "warm",
-           plan_dir: str | None = None) -> dict:
+           plan_dir: str | None = None, phases: bool = False) -> dict:
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", runtime, path, json.dumps(calls)]
-    env = dict(os.environ)
+    env = dict(os.environ, COLD_START_PHASES="1" if phases else "0")
     if not background:
         env["ONNX_RUNTIME_COMPILE_IN_BACKGROUND"] = "0"
     if plans == "off":
@@ -110,6 +143,17 @@ def sample(runtime: str, path: str, calls: list[list[dict]], background: bool = 
     if done.returncode:
         raise SystemExit(f"{runtime} on {path} failed: {done.stderr.strip()[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def phase_table(everything: dict) -> None:
+    labels = [label for *_, label in PHASES]
+    print("\nMain-thread CPU ms per step of ours' creation and first run (medians; placement nests in the "
+          "specialized plans):\n")
+    print("| model | " + " | ".join(labels) + " |")
+    print("|---|" + "---|" * len(labels))
+    for name, runs in everything.items():
+        cells = [statistics.median(r["phases"].get(label, 0.0) for r in runs["ours"]) * 1e3 for label in labels]
+        print(f"| {name} | " + " | ".join(f"{cell:.1f}" for cell in cells) + " |")
 
 
 def main_job(repeat: int) -> None:
@@ -153,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plan-cache", action="store_true", help="the same as --plans off")
     parser.add_argument("--main-job", action="store_true",
                         help="time the README's main job (onnx-runtime run) on an empty numba cache instead")
+    parser.add_argument("--phases", action="store_true",
+                        help="also show the main thread's CPU ms per step of our creation and first run")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -185,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             sample("ours", path, calls, not args.no_background, plans, plan_dir)
             for i in range(args.repeat):
                 for runtime in (("ours", "ort") if i % 2 == 0 else ("ort", "ours")):
-                    runs[runtime].append(sample(runtime, path, calls, not args.no_background, plans, plan_dir))
+                    runs[runtime].append(sample(runtime, path, calls, not args.no_background, plans, plan_dir,
+                                                args.phases))
             everything[name] = runs
 
             def med(runtime: str, *keys: str, scale: float = 1e3, runs: dict = runs) -> float:
@@ -208,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     def geomean(values: list[float]) -> float:
         return math.exp(sum(map(math.log, values)) / len(values))
 
+    if args.phases:
+        phase_table(everything)
     print(f"geomean ours / ort: import {geomean(ratios['import']):.2f}x; create + first CPU "
           f"{geomean(ratios['cpu']):.2f}x ({sum(r <= 2 for r in ratios['cpu'])} of {len(ratios['cpu'])} within 2x), "
           f"wall {geomean(ratios['wall']):.2f}x ({sum(r <= 2 for r in ratios['wall'])} of {len(ratios['wall'])} "
