@@ -114,3 +114,49 @@ def test_a_condition_from_the_input_shape_is_inlined_into_the_plan(length, scale
     np.testing.assert_allclose(y, _reference(x, scale), rtol=1e-5, atol=1e-5)
     ops = _ops(session.graph_for({"x": x}))
     assert "If" not in ops and "Shape" not in ops and "Relu" not in ops, ops
+
+
+def test_shape_decided_ifs_inside_a_data_dependent_branch_are_inlined():
+    """silero-vad's form: inside a branch taken by data, Ifs decided by shapes, one reading the shape of another's
+    output and their conditions behind bool Casts (which the optimizer drops): all are decided per signature."""
+    const = {"zero": np.array([0], np.int64), "two": np.array(2, np.int64), "eight": np.array(8, np.int64),
+             "four": np.array(4, np.int64)}
+
+    def branch_pair(prefix: str, source: str, out: str, rank_up: bool):
+        grow = [helper.make_node("Unsqueeze", [source, "zero"], [f"{prefix}_up"])] if rank_up else \
+            [helper.make_node("Identity", [source], [f"{prefix}_up"])]
+        keep = helper.make_graph(grow, f"{prefix}_then", [], [tensor_info(f"{prefix}_up")])
+        other = helper.make_graph([helper.make_node("Identity", [source], [f"{prefix}_same"])], f"{prefix}_else",
+                                  [], [tensor_info(f"{prefix}_same")])
+        return keep, other
+
+    first_then, first_else = branch_pair("first", "x", "first_y", rank_up=True)
+    squeeze_then = helper.make_graph([helper.make_node("Squeeze", ["first_y", "zero"], ["squeezed"])], "sq_then",
+                                     [], [tensor_info("squeezed")])
+    squeeze_else = helper.make_graph([helper.make_node("Identity", ["first_y"], ["kept"])], "sq_else", [],
+                                     [tensor_info("kept")])
+    inside = [helper.make_node("Shape", ["x"], ["x_shape"]),
+              helper.make_node("Gather", ["x_shape", "two"], ["x_length"], axis=0),
+              helper.make_node("Equal", ["x_length", "eight"], ["is_eight"]),
+              helper.make_node("Cast", ["is_eight"], ["first_cond"], to=TensorProto.BOOL),
+              helper.make_node("If", ["first_cond"], ["first_y"], then_branch=first_then, else_branch=first_else),
+              helper.make_node("Shape", ["first_y"], ["y_shape"]),
+              helper.make_node("Size", ["y_shape"], ["y_rank"]),
+              helper.make_node("Equal", ["y_rank", "four"], ["is_four"]),
+              helper.make_node("Cast", ["is_four"], ["second_cond"], to=TensorProto.BOOL),
+              helper.make_node("If", ["second_cond"], ["restored"], then_branch=squeeze_then,
+                               else_branch=squeeze_else),
+              helper.make_node("Relu", ["restored"], ["taken_out"])]
+    taken = helper.make_graph(inside, "taken", [], [tensor_info("taken_out")])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["other_out"])], "other", [],
+                              [tensor_info("other_out")])
+    model = make_model([helper.make_node("If", ["cond"], ["y"], then_branch=taken, else_branch=other)],
+                       [tensor_info("x", shape=[1, 3, "L"]), tensor_info("cond", TensorProto.BOOL, [])],
+                       [tensor_info("y")], [numpy_helper.from_array(v, k) for k, v in const.items()])
+    session = ort.InferenceSession(model.SerializeToString(), providers=CPU)
+    x = RNG.standard_normal((1, 3, 8)).astype(np.float32)
+    for cond in (True, False):
+        (y,) = session.run(None, {"x": x, "cond": np.array(cond)})
+        np.testing.assert_array_equal(y, np.maximum(x, 0) if cond else -x)
+    ops = _ops(_then(session.graph_for({"x": x, "cond": np.array(True)})))
+    assert "If" not in ops and "Shape" not in ops, ops

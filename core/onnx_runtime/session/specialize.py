@@ -156,10 +156,14 @@ class Specializer:
             if inferred is None:
                 return len(found) > len(self._creation_constants)
             _apply_types(graph, inferred)
+            context.folded = {}
             fold_constants_everywhere(graph, context)
             # What the model computes and the graph holds as a constant (folded now, or at session creation
-            # where inference had not seen it) is a constant for the next round's inference.
-            new = {name: value for name, value in _constants(graph).items()
+            # where inference had not seen it) is a constant for the next round's inference; so is what folding
+            # computed and then dropped (the condition of an If it inlined): inference needs it to take that
+            # branch too, or the shapes after the If stay unknown.
+            computed = {**context.folded, **_constants(graph)}
+            new = {name: value for name, value in computed.items()
                    if name not in found and name in self._produced and value.size <= SHAPE_VALUE_LIMIT}
             if not new:
                 return True
@@ -193,7 +197,8 @@ class Specializer:
                 else:
                     entry.dim_param = f"specialized_{dim[0]}"
         if found:
-            _substitute(proto.graph, {name: self._as_written(name, value) for name, value in found.items()})
+            written = {name: self._as_written(name, value) for name, value in found.items()}
+            _substitute(proto.graph, _through_casts(proto.graph, written))
         return infer_graph(see_through_shape_wheres(proto))  # (a shape vector's "-1 -> 1" Where: its input)
 
     def _as_written(self, name: str, value: np.ndarray) -> np.ndarray:
@@ -202,6 +207,30 @@ class Specializer:
             return value
         dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
         return value.astype(dtype) if dtype.kind == "f" and dtype != value.dtype else value
+
+
+def _through_casts(graph: onnx.GraphProto, found: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``found`` plus the outputs of the model's Identity, Cast and Not nodes over found values. The optimized
+    graph may have dropped such a node (a bool-to-bool Cast is an identity) and decided an If by the value before
+    it, while the model's If reads the value after it: inference must take that branch too, or the shapes after
+    the If stay unknown."""
+    found = dict(found)
+    for sub in all_graphs(graph):
+        for node in sub.node:
+            if node.op_type not in ("Identity", "Cast", "Not") or node.domain not in ("", "ai.onnx") \
+                    or len(node.input) != 1 or node.input[0] not in found or node.output[0] in found:
+                continue
+            value = found[node.input[0]]
+            if node.op_type == "Not":
+                value = np.logical_not(value)
+            elif node.op_type == "Cast":
+                to = next((a.i for a in node.attribute if a.name == "to"), 0)
+                try:
+                    value = value.astype(onnx.helper.tensor_dtype_to_np_dtype(to))
+                except (KeyError, TypeError, ValueError):
+                    continue  # a type numpy does not hold: left to inference
+            found[node.output[0]] = value
+    return found
 
 
 def _in_order(proto: onnx.ModelProto) -> onnx.ModelProto:
