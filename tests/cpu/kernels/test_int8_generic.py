@@ -52,6 +52,10 @@ def _cases():
                                   np.empty((6, 20), F32))),
         ("qgemm.dynamic_scaled_product", (_data(6, 33), _packed(20, 33), no_pairs, b_scales, bias,
                                           np.empty((6, 20), F32))),
+        ("qgemm.dynamic_scaled_group", (_data(6, 33), _packed(20, 33), no_pairs, b_scales, bias,
+                                        np.empty((2, 6, 10), F32))),
+        ("qgemm.dynamic_scaled_group", (_data(5, 33), _packed(20, 33), no_pairs, b_scales, bias[:0],
+                                        np.empty((4, 5, 5), F32))),
     ] + _requantizing_cases()
 
 

@@ -102,6 +102,13 @@ def dynamic_scaled_product(a, packed, pairs, b_scales, bias, out):
     _rescaled(_product(centred, packed, pairs), np.float64(scale), b_scales, bias, out)
 
 
+def dynamic_scaled_group(a, packed, pairs, b_scales, bias, out):
+    count, rows, width = out.shape
+    joined = np.empty((rows, count * width), _F32)
+    dynamic_scaled_product(a, packed, pairs, b_scales, bias, joined)
+    out[...] = joined.reshape(rows, count, width).transpose(1, 0, 2)
+
+
 # compiled/qgemm.py's ``consts`` layout (A's parameters, the output's, B's) and requantized_product_rounded's
 # ``after``, repeated here so that this module imports no loop module.
 A_SCALE, A_ZERO, A_LOW, A_HIGH, A_QUANTIZE, Y_ZERO, Y_LOW, Y_HIGH, Y_SCALE, DEQUANTIZE = range(10)
@@ -216,6 +223,7 @@ GENERIC_INT8 = {
     _COMPILED + "qgemm.product": product,
     _COMPILED + "qgemm.scaled_product": scaled_product,
     _COMPILED + "qgemm.dynamic_scaled_product": dynamic_scaled_product,
+    _COMPILED + "qgemm.dynamic_scaled_group": dynamic_scaled_group,
     _COMPILED + "qgemm.requantized_product": requantized_product,
     _COMPILED + "qgemm.requantized_product_rounded": requantized_product_rounded,
     _COMPILED + "qgemm.requantized_batched_product": requantized_batched_product,
