@@ -256,13 +256,14 @@ def test_residual_block_with_pools_runs_prepared_against_onnxruntime():
     called = [getattr(f, "__name__", "") for f, _ in plan._steps]  # noqa: SLF001
     pools = called.count("pool_2d") + called.count("max_pool_blocked")  # (a max pool between direct convolutions)
     assert pools == 2 and ("_run_kernel" not in called or not host.AVX2)
-    # Its values: the stem's 16x16 planes, four of 8x8 (pool, three convolutions), the 4x4 average, the logits;
+    # Its values (in one arena shared by liveness, segment_arena.py: at most what a buffer per value size held):
+    # the stem's 16x16 planes, four of 8x8 (pool, three convolutions), the 4x4 average, the logits;
     # the third convolution's output takes the first's buffer (read for the last time by the second); and where
     # the direct tiles run, the values between the stem and the average pool again, channel-blocked
     # (segment_layout.py): the stem's output, the max pool's and two convolutions', and the pool's padded block
     # (17 x 17 pixels and a tile's reach) and narrow-row tile.
     blocked = 4 * 16 * (16 * 16 + 3 * 8 * 8 + 17 * 17 + 4 * 2 + 4) if "max_pool_blocked" in called else 0
-    assert plan.nbytes - x.nbytes == 4 * 16 * (16 * 16 + 3 * 8 * 8 + 4 * 4) + 4 * 6 + blocked
+    assert plan.nbytes - x.nbytes <= 4 * 16 * (16 * 16 + 3 * 8 * 8 + 4 * 4) + 4 * 6 + blocked
     expected = _oracle(model, x)[0]
     exact = run_float64(model, {"x": x})[0]
     bound = 1e-5 * (1 + np.abs(exact).max())

@@ -183,15 +183,15 @@ def _blocked_size(shape) -> int:
     return shape[0] * -(-shape[1] // CHANNELS) * CHANNELS * int(np.prod(shape[2:]))
 
 
-def block_direct_runs(segment, steps: list, spans: dict, env: list, blocks: dict) -> tuple[list, int]:
-    """``steps`` with the blocked values of the module doc, and the bytes of the blocked buffers they add;
-    ``spans``: node index -> (first, end) of its steps; ``env``: the node-by-node run's values by slot;
-    ``blocks``: segment_blocks.squeeze_excitations."""
+def block_direct_runs(segment, steps: list, spans: dict, env: list, blocks: dict, pool) -> tuple[list, int]:
+    """``steps`` with the blocked values of the module doc, and the bytes of the scratch they add (the blocked
+    values are ``pool``'s: segment_arena); ``spans``: node index -> (first, end) of its steps; ``env``: the
+    node-by-node run's values by slot; ``blocks``: segment_blocks.squeeze_excitations."""
     kinds = _Kinds(segment, steps, spans, env, blocks)
     chosen = _blocked_slots(segment, kinds)
     if not chosen:
         return steps, 0
-    buffers = {slot: np.zeros(_blocked_size(env[slot].shape), np.float32) for slot in chosen}
+    buffers = {slot: pool.take(slot, (_blocked_size(env[slot].shape),), np.float32, True) for slot in chosen}
     steps = list(steps)
     for index, arguments in kinds.direct.items():
         _block_direct(segment.inner[index], arguments, chosen, buffers, steps, spans[index][0])
@@ -213,7 +213,7 @@ def block_direct_runs(segment, steps: list, spans: dict, env: list, blocks: dict
     tiled = (_blocked_ops().depthwise_blocked, _blocked_ops().max_pool_blocked)
     scratch = sum(a.nbytes for f, arguments in steps if f in tiled for a in arguments[-4::3])  # (block, tile)
     scratch += sum(a.nbytes for f, arguments in steps if f is _gathered().conv_gathered for a in arguments[8:11])
-    return steps, sum(b.nbytes for b in buffers.values()) + scratch
+    return steps, scratch
 
 
 def _block_excitations(kinds, chosen, buffers, steps, spans) -> None:

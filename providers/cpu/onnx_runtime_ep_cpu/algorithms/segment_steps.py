@@ -19,6 +19,7 @@ import threading
 import numpy as np
 
 from .activations import hard_swish_steps
+from .segment_arena import Lifetimes
 from .segment_blocks import squeeze_excitations
 from .segment_layout import block_direct_runs
 
@@ -32,11 +33,12 @@ class BoundPlan:
     """``run(inputs) -> outputs`` for one input signature: feeds copied into their buffers, the steps called,
     the outputs copied out. ``fits(inputs)``: the constants are the arrays it was bound to."""
 
-    __slots__ = ("lock", "nbytes", "_feeds", "_constant_slots", "_constants", "_steps", "_results")
+    __slots__ = ("lock", "nbytes", "arena", "_feeds", "_constant_slots", "_constants", "_steps", "_results")
 
     def __init__(self, feeds, constants: dict[int, np.ndarray], steps, results, nbytes: int = 0):
         self.lock = threading.Lock()
         self.nbytes = nbytes  # the buffers it holds (feeds' and values')
+        self.arena = None  # segment_arena.Arena: where its values live
         self._feeds = tuple(feeds)  # (slot, buffer)
         slots = tuple(constants)
         self._constant_slots = operator.itemgetter(*slots) if len(slots) > 1 else (
@@ -111,52 +113,6 @@ def _input_buffers(segment, env):
     return buffers, constants, feeds, total
 
 
-class _TooLarge(Exception):
-    pass
-
-
-class _Pool:
-    """A plan's value buffers, each reused by a later value of the same size and dtype once the value (and
-    every view of it) has been read for the last time: the plan holds about the widest live set, not every
-    value (less memory, and the buffers stay in cache)."""
-
-    def __init__(self, segment, env, limit_bytes: int, total: int):
-        self.limit, self.total = limit_bytes, total
-        self.free: dict[tuple, list] = {}
-        root: dict[int, int] = {}  # a view's slot -> the slot whose buffer it shares
-        for inner in segment.inner:
-            if _is_view(inner, env):
-                root[inner.outputs[0]] = root.get(inner.inputs[0], inner.inputs[0])
-        last: dict[int, float] = {}
-        for index, inner in enumerate(segment.inner):
-            for slot in inner.inputs:
-                if slot >= segment.feeds:
-                    base = root.get(slot, slot)
-                    last[base] = max(last.get(base, -1), index)
-        for slot in segment.results:
-            last[root.get(slot, slot)] = float("inf")
-        self.release_at: dict[float, list[int]] = {}
-        for base, index in last.items():
-            self.release_at.setdefault(index, []).append(base)
-
-    def take(self, shape, dtype) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        spare = self.free.get((int(np.prod(shape)), dtype))
-        if spare:
-            return spare.pop().reshape(shape)
-        self.total += int(np.prod(shape)) * dtype.itemsize
-        if self.total > self.limit:
-            raise _TooLarge
-        return np.empty(shape, dtype)
-
-    def after(self, index: int, buffers: dict) -> None:
-        """Node ``index`` has run: the buffers read last there are free for later values."""
-        for base in self.release_at.get(index, ()):
-            buffer = buffers.get(base)
-            if buffer is not None:
-                self.free.setdefault((buffer.size, buffer.dtype), []).append(buffer)
-
-
 def _is_view(inner, env) -> bool:
     """Whether the node is a reshape whose output can be a view of its input's buffer."""
     if inner.node.op_type not in _VIEWS or inner.node.domain not in ("", "ai.onnx") or not inner.inputs \
@@ -168,34 +124,48 @@ def _is_view(inner, env) -> bool:
 
 def build_plan(segment, env: list, limit_bytes: int) -> BoundPlan | None:
     """The bound plan of ``segment`` (ops/segment.Segment) for the signature whose node-by-node run left every
-    value in ``env`` (by slot); None where a value is not an array or the buffers would pass ``limit_bytes``."""
+    value in ``env`` (by slot); None where a value is not an array or the buffers would pass ``limit_bytes``.
+    Bound twice: once to learn each value's lifetime, then over one arena shared by liveness (segment_arena)."""
+    lifetimes = Lifetimes(segment, env, _is_view)
+    first = _bind_all(segment, env, lifetimes)
+    if first is None:
+        return None
+    arena = lifetimes.arena(first[0], first[1])
+    if arena.nbytes + first[2] > limit_bytes:
+        return None
+    second = _bind_all(segment, env, arena)
+    if second is None:
+        return None
+    steps, results, other_bytes, feeds, constants = second
+    copied = sum(a[2][0].nbytes for f, a in steps if f is _run_kernel)
+    if copied > COPY_LIMIT_BYTES or all(f is _run_kernel for f, _ in steps):
+        return None  # (its kernels' outputs copied into the buffers would cost more than the plan saves)
+    plan = BoundPlan(feeds, constants, steps, results, arena.nbytes + other_bytes)
+    plan.arena = arena
+    return plan
+
+
+def _bind_all(segment, env, pool):
+    """(steps, results, bytes outside the arena, feeds, constants) of the segment bound over ``pool``'s
+    buffers (segment_arena's Lifetimes or Arena); None where a value is not an array."""
     inputs_bound = _input_buffers(segment, env)
     if inputs_bound is None:
         return None
     buffers, constants, feeds, total = inputs_bound
-    pool = _Pool(segment, env, limit_bytes, total)
     steps: list = []
     blocks = squeeze_excitations(segment, env, constants)
     skipped: set[int] = set()
     spans: dict[int, tuple[int, int]] = {}  # node index -> its steps
-    try:
-        for index, inner in enumerate(segment.inner):
-            first = len(steps)
-            if index in blocks:  # the whole block as one step at its first node (it reads x only)
-                _bind_block(blocks[index], env, buffers, steps, skipped, pool)
-            elif index not in skipped and not _bind_node(inner, env, buffers, constants, steps, pool):
-                return None
-            spans[index] = (first, len(steps))
-            pool.after(index, buffers)
-    except _TooLarge:
-        return None
-    steps, blocked_bytes = block_direct_runs(segment, steps, spans, env, blocks)
-    if pool.total + blocked_bytes > limit_bytes:
-        return None
-    copied = sum(a[2][0].nbytes for f, a in steps if f is _run_kernel)
-    if copied > COPY_LIMIT_BYTES or all(f is _run_kernel for f, _ in steps):
-        return None  # (its kernels' outputs copied into the buffers would cost more than the plan saves)
-    return BoundPlan(feeds, constants, steps, [buffers[s] for s in segment.results], pool.total + blocked_bytes)
+    for index, inner in enumerate(segment.inner):
+        pool.at(index)
+        first = len(steps)
+        if index in blocks:  # the whole block as one step at its first node (it reads x only)
+            _bind_block(blocks[index], env, buffers, steps, skipped, pool)
+        elif index not in skipped and not _bind_node(inner, env, buffers, constants, steps, pool):
+            return None
+        spans[index] = (first, len(steps))
+    steps, scratch = block_direct_runs(segment, steps, spans, env, blocks, pool)
+    return steps, [buffers[s] for s in segment.results], total + scratch, feeds, constants
 
 
 def _bind_node(inner, env, buffers, constants, steps, pool) -> bool:
@@ -208,7 +178,7 @@ def _bind_node(inner, env, buffers, constants, steps, pool) -> bool:
     if _is_view(inner, env):
         buffers[inner.outputs[0]] = inputs[0].reshape(examples[0].shape)
         return True
-    outputs = [pool.take(v.shape, v.dtype) for v in examples]
+    outputs = [pool.take(slot, v.shape, v.dtype) for slot, v in zip(inner.outputs, examples)]
     for slot, buffer in zip(inner.outputs, outputs):
         buffers[slot] = buffer
     constant = [s in constants for s in inner.inputs]
@@ -223,7 +193,7 @@ def _bind_node(inner, env, buffers, constants, steps, pool) -> bool:
 def _bind_block(block, env, buffers, steps, skipped, pool) -> None:
     """A block of segment_blocks.py as one step."""
     members, last, bind = block
-    output = pool.take(env[last].shape, env[last].dtype)
+    output = pool.take(last, env[last].shape, env[last].dtype)
     buffers[last] = output
     steps.append(bind(buffers, output))
     skipped.update(members)
