@@ -24,7 +24,8 @@ from .threads import apply_thread_settings
 # The fusion passes, by the module that defines each list: imported at the first use of a list (this module's
 # attribute, so a test may replace one), since a session whose plan is cached (onnx_runtime/plan_cache.py) runs none.
 _PASS_MODULES = {"PRECISION_PASSES": "precision_fusions", "QDQ_PASSES": "qdq_fusions", "PASSES": "fusions",
-                 "CONV_PASSES": "conv_fusions", "DECODER_PASSES": "decoder_fusions", "HEADS_PASSES": "attention_heads"}
+                 "CONV_PASSES": "conv_fusions", "DECODER_PASSES": "decoder_fusions", "HEADS_PASSES": "attention_heads",
+                 "RECURRENT_PASSES": "recurrent_fusions"}
 
 
 def __getattr__(name: str):
@@ -85,8 +86,8 @@ class CPUExecutionProvider:
         # PRECISION_PASSES run before the generic optimizer; decoder passes read what PASSES fuse, and the heads
         # pass the layout pairs decoder passes make
         this = sys.modules[__name__]
-        return [*this.PRECISION_PASSES, *this.QDQ_PASSES, *this.PASSES, *this.CONV_PASSES, *this.DECODER_PASSES,
-                *this.HEADS_PASSES]
+        return [*this.PRECISION_PASSES, *this.QDQ_PASSES, *this.RECURRENT_PASSES, *this.PASSES, *this.CONV_PASSES,
+                *this.DECODER_PASSES, *this.HEADS_PASSES]
 
     @hookimpl
     def get_kernel(self, node, shapes, opset, graph):

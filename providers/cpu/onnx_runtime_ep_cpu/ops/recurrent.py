@@ -17,6 +17,7 @@ from ..algorithms.activations import hard_sigmoid_of, sigmoid, softplus, softsig
 from ..algorithms.precision import compute_dtype, scalar
 from ..algorithms.prepared import Prepared
 from ..compiled import COMPILED_DTYPES
+from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ._common import graph_error, quiet, shape_free
 
@@ -407,3 +408,25 @@ class _CompiledLSTM:
 
 def _state_shape(s) -> tuple | None:
     return None if s is None else s.shape
+
+
+@register("LSTMCell", domain=FUSED_DOMAIN, since=1)
+def lstm_cell(node, shapes, opset):
+    """recurrent_fusions' one LSTM step: inputs x (B, I), h (B, H), c (B, H) and the cell's float32 W (4H, I),
+    R (4H, H), bias (4H) in gate order i, o, f, c; outputs h', c' (B, H)."""
+    from ..compiled.lstm import lstm_steps
+
+    def kernel(x, h, c, w, r, bias):
+        hidden = r.shape[1]
+        if x.ndim != 2 or x.shape[1] != w.shape[1] or h.shape != (x.shape[0], hidden) or c.shape != h.shape:
+            raise InvalidArgumentError(
+                f"node {node.name!r} (LSTMCell): x {x.shape}, h {h.shape} and c {c.shape} must be (batch, "
+                f"{w.shape[1]}), (batch, {hidden}) and (batch, {hidden}) for this cell's weights; feed the shapes the "
+                f"model's LSTM cell was exported with")
+        h_new = np.array(h, np.float32, order="C")
+        c_new = np.array(c, np.float32, order="C")
+        xs = np.ascontiguousarray(x, np.float32).reshape(1, *x.shape)
+        lstm_steps(xs, w, r, bias, h_new, c_new, np.empty((1, *h.shape), np.float32), False, False)
+        return [h_new, c_new]
+
+    return shape_free(kernel)
