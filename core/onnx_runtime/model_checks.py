@@ -449,6 +449,17 @@ def _input_types(op_type: str, domain: str, version: int):
                   p.type_str if p.type_str in allowed and p.is_homogeneous else None) for p in schema.inputs)
 
 
+@functools.lru_cache(maxsize=4096)
+def _output_params(op_type: str, domain: str, version: int) -> tuple[str | None, ...]:
+    """Per formal output: the type parameter it shares with the inputs (None when its type comes from elsewhere)."""
+    try:
+        schema = defs.get_schema(op_type, version, domain)
+    except defs.SchemaError:
+        return ()
+    params = {c.type_param_str for c in schema.type_constraints}
+    return tuple(p.type_str if p.type_str in params and p.is_homogeneous else None for p in schema.outputs)
+
+
 def _type_string(elem_type: int) -> str:
     try:
         return f"tensor({onnx.TensorProto.DataType.Name(elem_type).lower()})"
@@ -463,9 +474,11 @@ _TYPED_DOMAINS = frozenset({"", "ai.onnx.ml", "ai.onnx.preview", "ai.onnx.previe
 
 def check_types(graph: onnx.GraphProto, opsets: dict[str, int], label: str) -> None:
     """Raise ``InvalidGraphError`` for a node of ``graph`` (shape-inferred) fed an element type its schema does not
-    allow, or inputs of one type parameter of different types. Values of unknown type pass. Subgraphs are checked
-    too, seeing their enclosing graphs' values (a float fed to a Reshape's shape inside a Scan body reached the
-    kernel)."""
+    allow, or inputs of one type parameter of different types. Values of unknown type pass. A node output that
+    shares a type parameter with the node's inputs takes their type, over a declared one: when shape inference
+    failed, a string graph input reached LogSoftmax through Reshape and Transpose unchecked, and a stale
+    declaration is not what the kernel receives. Subgraphs are checked too, seeing their enclosing graphs' values
+    (a float fed to a Reshape's shape inside a Scan body reached the kernel)."""
     _check_graph_types(graph, opsets, label, {})
 
 
@@ -490,23 +503,34 @@ def _check_graph_types(graph: onnx.GraphProto, opsets: dict[str, int], label: st
             else None
         if not formals:
             continue
-        bound: dict[str, tuple[str, int]] = {}
-        for i, name in enumerate(node.input):
-            if not name or name not in known:
-                continue
-            allowed, param = formals[min(i, len(formals) - 1)]
-            given = known[name]
-            # Another precision of a float the schema takes is left to placement: a provider may implement it
-            # (bfloat16 on CUDA), and one that does not declines the node with its reason.
-            if given not in allowed and not (_is_float(given) and any(_is_float(t) for t in allowed)):
-                raise InvalidGraphError(f"{_node_label(node)} in model {label}: input {i} ({name!r}) is {given}; its "
-                                        f"schema allows {', '.join(sorted(allowed))}; cast it in the exporter")
-            if param is not None:
-                first = bound.setdefault(param, (given, i))
-                if first[0] != given:
-                    raise InvalidGraphError(
-                        f"{_node_label(node)} in model {label}: inputs {first[1]} and {i} share type {param} but are "
-                        f"{first[0]} and {given}; cast one of them in the exporter")
+        bound = _check_node_types(node, formals, known, label)
+        outputs = _output_params(node.op_type, domain, version)
+        for j, name in enumerate(node.output):
+            param = outputs[min(j, len(outputs) - 1)] if outputs and name else None
+            if param is not None and param in bound:
+                known[name] = bound[param][0]
+
+
+def _check_node_types(node: onnx.NodeProto, formals, known: dict[str, str], label: str) -> dict[str, tuple[str, int]]:
+    """Check ``node``'s inputs of known type against its schema's ``formals``; the types its parameters bind."""
+    bound: dict[str, tuple[str, int]] = {}
+    for i, name in enumerate(node.input):
+        if not name or name not in known:
+            continue
+        allowed, param = formals[min(i, len(formals) - 1)]
+        given = known[name]
+        # Another precision of a float the schema takes is left to placement: a provider may implement it
+        # (bfloat16 on CUDA), and one that does not declines the node with its reason.
+        if given not in allowed and not (_is_float(given) and any(_is_float(t) for t in allowed)):
+            raise InvalidGraphError(f"{_node_label(node)} in model {label}: input {i} ({name!r}) is {given}; its "
+                                    f"schema allows {', '.join(sorted(allowed))}; cast it in the exporter")
+        if param is not None:
+            first = bound.setdefault(param, (given, i))
+            if first[0] != given:
+                raise InvalidGraphError(
+                    f"{_node_label(node)} in model {label}: inputs {first[1]} and {i} share type {param} but are "
+                    f"{first[0]} and {given}; cast one of them in the exporter")
+    return bound
 
 
 def _value_type_string(tp: onnx.TypeProto) -> str | None:

@@ -318,3 +318,22 @@ def test_types_are_checked_inside_subgraphs_with_the_enclosing_values():
     branch = next(a.g for a in outer.graph.node[0].attribute if a.name == "then_branch")
     branch.value_info.append(tensor("s", TensorProto.INT64, [1]))
     check_types(outer.graph, {"": 17}, "m")
+
+
+def test_a_type_reaches_a_node_through_the_ops_that_keep_it_over_a_stale_declaration():
+    # Fuzz seed 60: a string graph input passed Reshape and Transpose (types that keep their input's) into a
+    # LogSoftmax while shape inference had failed, and the stale float16 declaration of a later value did not
+    # stop it: the kernel subtracted strings (a TypeError inside a KernelError).
+    from onnx_runtime.model_checks import check_types
+
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0]),
+             helper.make_node("Reshape", ["t", "shape"], ["r"]),
+             helper.make_node("LogSoftmax", ["r"], ["y"])]
+    graph = model(nodes, [tensor("x", TensorProto.STRING, [2, 3]), tensor("shape", TensorProto.INT64, [2])],
+                  [tensor("y", TensorProto.FLOAT16, None)]).graph
+    graph.value_info.append(tensor("r", TensorProto.FLOAT16, [3, 2]))  # stale: the Reshape keeps x's strings
+    with pytest.raises(InvalidGraphError, match=r"a LogSoftmax node in model m: input 0 \('r'\) is "
+                                                r"tensor\(string\); its schema allows .*tensor\(float\)"):
+        check_types(graph, {"": 17}, "m")
+    graph.input[0].type.tensor_type.elem_type = TensorProto.FLOAT  # the same graph over floats passes
+    check_types(graph, {"": 17}, "m")
