@@ -201,12 +201,15 @@ _NO_COUNTS, _NO_MASK, _NO_BIAS = np.empty(0, np.int32), np.empty((0, 1, 0, 0), n
     np.empty((0, 0, 0), np.float32)
 
 
-def _packed_fits(x, weights, bias, mask_index, heads: int) -> bool:
-    """Whether ContribPackedAttention's compiled path takes these inputs (float32, shapes that fit)."""
-    return x.dtype == _F32 and weights.dtype == _F32 and x.ndim == 3 and weights.ndim == 2 and x.size > 0 \
-        and weights.shape[0] == x.shape[2] and weights.shape[1] % (3 * heads) == 0 \
-        and (bias is None or (bias.dtype == _F32 and bias.shape == weights.shape[1:])) \
-        and (mask_index is None or mask_index.ndim > 0)
+def _packed_weights(weights, bias, heads: int) -> tuple | None:
+    """(the bias as a (3, N, D) view or _NO_BIAS, head size D) where ContribPackedAttention's compiled path takes
+    this float32 packed weight and bias; None where it does not."""
+    if weights.dtype != _F32 or weights.ndim != 2 or weights.shape[1] % (3 * heads) or not weights.shape[1] \
+            or (bias is not None and (bias.dtype != _F32 or bias.shape != weights.shape[1:]
+                                      or not bias.flags.c_contiguous)):
+        return None
+    size = weights.shape[1] // (3 * heads)
+    return (_NO_BIAS if bias is None else bias.reshape(3, heads, size)), size
 
 
 def _packed_masks(mask_index, batch: int, steps: int, fill) -> tuple | None:
@@ -237,31 +240,41 @@ class _PackedAttention:
         self.tried = False  # a compiled call after deferral ran whole (deferred.tried)
         self.longer: dict[tuple, object] = {}  # per (B, S, hidden): the ONNX Attention kernel of longer sequences
         self.scales: dict[int, np.float32] = {}  # per head size (the attributes read once)
+        self.seen: tuple = (None, None, None)  # (weights, bias, _packed_weights' answer) of the last call
 
     def __call__(self, x, weights, bias=None, mask_index=None):
-        if not _packed_fits(x, weights, bias, mask_index, self.heads) or numpy_first():
+        seen = self.seen  # the weights and bias of the last call (initializers: the same arrays every run)
+        prepared = seen[2] if seen[0] is weights and seen[1] is bias else self.prepare(weights, bias)
+        if prepared is None or x.dtype != _F32 or x.ndim != 3 or not x.size or x.shape[2] != weights.shape[0] \
+                or (mask_index is not None and not mask_index.ndim) or numpy_first():
             return self.general(x, weights, bias, mask_index)
+        add, size = prepared
         batch, steps, depth = x.shape
-        heads, size = self.heads, weights.shape[1] // (3 * self.heads)
         masks = _packed_masks(mask_index, batch, steps, self.fill)
         if masks is None:  # (the contrib kernel words the error)
             return self.general(x, weights, bias, mask_index)
         counts, mask = masks
         qkv = np.matmul(np.ascontiguousarray(x).reshape(batch * steps, depth), weights)
-        if heads * steps * steps * size > PACKED_LOOP_MACS * KNOBS.few_query_macs:
+        if self.heads * steps * steps * size > PACKED_LOOP_MACS * KNOBS.few_query_macs:
             if bias is not None:
                 qkv += bias
             if counts.size:
                 mask = key_mask_bias(counts, batch, steps, steps, 0, self.fill)
             return (self.long_attention(qkv.reshape(batch, steps, -1), mask, size),)
-        y = self.attend(qkv, bias, counts, mask, batch, steps, size) if self.tried else \
-            tried(self, "tried", self.attend, qkv, bias, counts, mask, batch, steps, size)
+        y = self.attend(qkv, add, counts, mask, batch, steps, size) if self.tried else \
+            tried(self, "tried", self.attend, qkv, add, counts, mask, batch, steps, size)
         return self.general(x, weights, bias, mask_index) if y is None else (y,)
 
-    def attend(self, qkv, bias, counts, mask, batch: int, steps: int, size: int):
-        """Y from the compiled loops over the packed product (B * S, 3 * N * D): attention_lanes.py's 16-lane
-        loop over contiguous Q, K, V (the bias added as they are written) where it takes the sequence, else
-        packed_attention.py's loop in place; None where a row has no finite score."""
+    def prepare(self, weights, bias) -> tuple | None:
+        """_packed_weights' answer, remembered for these arrays."""
+        prepared = _packed_weights(weights, bias, self.heads)
+        self.seen = (weights, bias, prepared)
+        return prepared
+
+    def attend(self, qkv, add, counts, mask, batch: int, steps: int, size: int):
+        """Y from the compiled loops over the packed product (B * S, 3 * N * D) and its bias ``add`` (3, N, D):
+        attention_lanes.py's 16-lane loop over contiguous Q, K, V (the bias added as they are written) where it
+        takes the sequence, else packed_attention.py's loop in place; None where a row has no finite score."""
         heads = self.heads
         if self.loop is None:
             from ..compiled import packed_attention
@@ -272,7 +285,6 @@ class _PackedAttention:
             if loops[0] is not None and not self.causal:  # (None off AVX-512)
                 self.lanes = packed_attention.packed_in_lanes_
         packed = qkv.reshape(batch, steps, 3, heads, size)
-        add = _NO_BIAS if bias is None else np.ascontiguousarray(bias).reshape(3, heads, size)
         y = np.empty((batch, steps, heads * size), np.float32)
         if self.lanes is not None and steps >= tiled_attention.LANES_ROWS:
             work = self.work.get((batch, steps, size))
