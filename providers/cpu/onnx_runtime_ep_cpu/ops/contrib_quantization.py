@@ -285,12 +285,22 @@ def _softmax_rows(x, x_scale: float, y_scale, y_zero, dtype) -> np.ndarray:
 def qlinear_concat(node, shapes, opset):
     axis = int(required_attr(node, "axis", "the axis to concatenate on"))
     constant_parts: dict[int, tuple] = {}  # a constant part (a class token) requantized once: (inputs, codes)
+    tables: dict[int, tuple] = {}  # per part, its constant parameters and their 256-code table (or None: same grid)
 
     def part(i, triple, dtype, scale, zero, y_params):
         seen = constant_parts.get(i)
         if seen is not None and all(map(is_, seen[0], triple + y_params)):
             return seen[1]
-        codes = _requantized(node, i // 3, triple, dtype, scale, zero)
+        params = triple[1:] + y_params
+        known = tables.get(i)
+        if known is not None and all(map(is_, known[0], params)) and triple[0].dtype == dtype:
+            codes = triple[0] if known[1] is None else apply_table(known[1], triple[0])
+        else:
+            codes = _requantized(node, i // 3, triple, dtype, scale, zero)
+            if not any(v is not None and v.flags.writeable for v in params):
+                # a code's requantized value depends on the code only: one table for every later call
+                same = codes is triple[0]
+                tables[i] = (params, None if same else _requantize_table(triple, dtype, scale, zero))
         if not any(v is not None and v.flags.writeable for v in triple + y_params):
             constant_parts[i] = (triple + y_params, codes)
         return codes
@@ -308,6 +318,12 @@ def qlinear_concat(node, shapes, opset):
         return (np.concatenate(parts, axis=a),)
 
     return kernel
+
+
+def _requantize_table(triple, dtype, y_scale, y_zero) -> np.ndarray:
+    """_requantized's codes for every 8-bit code: the same dequantize and quantize, element by element."""
+    x_zero = np.zeros((), dtype) if triple[2] is None else triple[2].reshape(())
+    return lookup_table(dtype, triple[1].reshape(()), x_zero, lambda values: values, y_scale, y_zero)
 
 
 def _requantized(node, index, triple, dtype, y_scale, y_zero):
