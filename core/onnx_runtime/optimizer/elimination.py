@@ -71,7 +71,7 @@ def eliminate_identities(graph: Graph, context: PassContext) -> bool:
     return bool(removed)
 
 
-_CANDIDATES = frozenset({"Identity", "Dropout", "Cast", "Concat", "Mul", "Div", "Expand", "Reshape"})
+_CANDIDATES = frozenset({"Identity", "Dropout", "Cast", "Concat", "Mul", "Div", "Expand", "Reshape", "Slice"})
 
 
 def _source(node: Node, graph: Graph) -> str:
@@ -133,7 +133,42 @@ def _is_passthrough(node: Node, graph: Graph, uses: Uses) -> bool:
         return _is_one(graph, one, x) and _same_type(graph, x, node.outputs[0])
     if node.op_type in ("Expand", "Reshape") and len(node.inputs) == 2 and node.opset >= 5:
         return _keeps_shape(node, graph)
+    if node.op_type == "Slice" and node.opset >= 10 and len(node.inputs) >= 3:
+        return _whole_slice(node, graph)
     return False
+
+
+def _whole_slice(node: Node, graph: Graph) -> bool:
+    """A Slice taking every element in order on each axis it names: step 1 from 0 to past the end (exporters write
+    the end as int64's largest value), or to the axis's static length."""
+    starts, ends = constant(graph, node.inputs[1]), constant(graph, node.inputs[2])
+    steps = constant(graph, node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else None
+    axes_given = len(node.inputs) > 3 and node.inputs[3]
+    axes = constant(graph, node.inputs[3]) if axes_given else None
+    if starts is None or ends is None or (axes_given and axes is None) \
+            or (len(node.inputs) > 4 and node.inputs[4] and steps is None):
+        return False
+    if starts.shape != ends.shape or starts.ndim != 1 or (steps is not None and steps.shape != starts.shape) \
+            or (axes is not None and axes.shape != starts.shape):
+        return False
+    info = graph.type_of(node.inputs[0])
+    shape = info.shape if info is not None and info.is_tensor else None
+    for index, (start, end) in enumerate(zip(starts.tolist(), ends.tolist())):
+        if start != 0 or (steps is not None and steps[index] != 1):
+            return False
+        if end >= _PAST_ANY_END:
+            continue
+        axis = int(axes[index]) if axes is not None else index
+        if shape is None or not -len(shape) <= axis < len(shape):
+            return False
+        length = shape[axis]
+        if not isinstance(length, int) or end < length:
+            return False
+    return True
+
+
+# An end at or past this is past the end of any axis a tensor this runtime holds can have.
+_PAST_ANY_END = 2 ** 31 - 1
 
 
 def _inference_dropout(node: Node, graph: Graph, uses: Uses) -> bool:
