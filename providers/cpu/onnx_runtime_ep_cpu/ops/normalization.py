@@ -188,15 +188,26 @@ def _layer_norm_for_shape(node, shapes, axis: int, epsilon: float, stash, genera
     stats_shape = x_shape[:start] + (1,) * (len(x_shape) - start)
     params = x_shape[start:]
     loop, no_bias, outputs = compiled.layer_norm_rows, np.empty(0, dtype), len(node.outputs)
+    flat = len(params) == 1  # scale and bias are read as they are
+    # Y alone wanted: the loop's statistics go to scratch nobody reads (threads running this node at once may
+    # write it together, harmlessly); allocating and reshaping them cost a short sequence's LayerNorm as much
+    # as its arithmetic.
+    scratch = np.empty(rows, dtype)
 
     def kernel(x, scale, bias=None):
         if x.shape != x_shape or x.dtype is not dtype or scale.dtype is not dtype or scale.shape != params \
                 or not x.flags.c_contiguous or (bias is not None and (bias.dtype is not dtype or bias.shape != params)):
             return general(x, scale, bias)
-        y, mean, inv_std = np.empty(x_shape, dtype), np.empty(stats_shape, dtype), np.empty(stats_shape, dtype)
-        loop(x.reshape(rows, cols), scale.reshape(cols), no_bias if bias is None else bias.reshape(cols), epsilon,
-             y.reshape(rows, cols), mean.reshape(rows), inv_std.reshape(rows))
-        return (y, mean, inv_std)[:outputs]
+        y = np.empty((rows, cols), dtype)
+        if not flat:
+            scale, bias = scale.reshape(cols), None if bias is None else bias.reshape(cols)
+        if outputs == 1:
+            loop(x.reshape(rows, cols), scale, no_bias if bias is None else bias, epsilon, y, scratch, scratch)
+            return (y.reshape(x_shape),)
+        mean, inv_std = np.empty(stats_shape, dtype), np.empty(stats_shape, dtype)
+        loop(x.reshape(rows, cols), scale, no_bias if bias is None else bias, epsilon, y, mean.reshape(rows),
+             inv_std.reshape(rows))
+        return (y.reshape(x_shape), mean, inv_std)[:outputs]
 
     return kernel
 
