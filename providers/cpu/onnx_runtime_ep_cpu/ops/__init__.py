@@ -77,7 +77,7 @@ FAMILIES = {
         "BitCast ConvInteger DequantizeLinear DynamicQuantizeLinear MatMulInteger QLinearConv QuantizeLinear "
         "ai.onnx_runtime.cpu:QuantizeDequantize"
     ),
-    "recurrent": "GRU LSTM RNN",
+    "recurrent": "GRU LSTM RNN ai.onnx_runtime.cpu:LSTMCell",
     "reduction": (
         "ArgMax ArgMin CumSum ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp ReduceMax ReduceMean ReduceMin "
         "ReduceProd ReduceSum ReduceSumSquare"
