@@ -315,6 +315,10 @@ class DefaultFallbacks(MemoryDefaults):
     def sync(self) -> None:
         return None
 
+    @hookimpl(trylast=True)
+    def order_device_access(self, reads, writes) -> None:
+        return None  # one stream per device: its order is already the host's
+
     # -- decode helpers ---------------------------------------------------------------------------
     # On host memory these run in numpy (contract/host_decode.py), so decode loops need no device.
     @hookimpl(trylast=True)

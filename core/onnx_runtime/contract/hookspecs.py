@@ -476,6 +476,22 @@ class ExecutionProviderSpec(DeviceExecutionSpec, MemoryGovernanceSpec, Residency
         (session/io_binding.py).
         """
 
+    @hookspec(firstresult=True)
+    def order_device_access(self, reads: Sequence[DeviceBuffer], writes: Sequence[DeviceBuffer]) -> None:
+        """Order this provider's next work on its own stream after other streams' use of ``reads`` (buffers its
+        next work reads) and ``writes`` (buffers it writes): a read waits for the buffer's last writer, a write
+        for the last writer and every reader since, with no host blocking. For a provider that runs each
+        instance (each session) on a stream of its own: a tensor one session produced and another reads (an
+        output fed on, an IO binding's buffer, a ``DeviceIoBinding`` handed over) is ordered here, and a free
+        waits for the readers the provider recorded. Buffers of another device or on the host are not passed.
+        Called outside device graph captures, before every run and every replay, so a replay is ordered too.
+        Added in contract 1.4.
+
+        Default: no-op (one stream per device orders everything in the order the host enqueued it).
+        Called by: session/executor.py (``Executor.run_bound``: the run's device feeds and bound output buffers,
+        one call per device provider per run), only for providers that implement it.
+        """
+
 
 HOOK_NAMES = tuple(
     name

@@ -411,7 +411,8 @@ def _execute(session: SessionSide, bindings: list[DeviceIoBinding], feeds: dict,
     try:
         # The deferral is the plugin's (recipient tokens), not the executor's: a recipient's read settles the
         # submission, which the executor must not then reuse.
-        return session.executor.run_bound(feeds, names, True, session.profile, slot, copied=delivered)
+        writes = tuple(b.buffer for b in bindings if b.output_name and not b.allocator.is_host_accessible)
+        return session.executor.run_bound(feeds, names, True, session.profile, slot, copied=delivered, writes=writes)
     finally:
         device_step.hand_over(None)
         runs.clear()
@@ -506,9 +507,9 @@ def _deliver(binding: DeviceIoBinding, value) -> None:
             pass  # the kernel wrote it in place
         elif _overlaps(source, target):  # an output aliasing this buffer elsewhere: stage it first
             with value.try_clone() as staged:
-                _scatter(handle, staged.buffer, target, runs)
-        else:
-            _scatter(handle, source, target, runs)
+                _scatter(value.provider, staged.buffer, target, runs)
+        else:  # on the producer's stream, so a captured step records it (another session's binding too)
+            _scatter(value.provider, source, target, runs)
     elif handle.is_host_accessible:
         raw = np.ascontiguousarray(value.numpy() if isinstance(value, Tensor) else value).reshape(-1).view(np.uint8)
         view = target.host_view()

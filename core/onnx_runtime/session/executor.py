@@ -134,6 +134,8 @@ class Executor:
         devices = {id(h): h for h in assignment.values() if not h.is_host_accessible}.values()
         self._validation = [(h, h.hook.register_device_validation_owner()) for h in devices
                             if h.hook.defers_device_validation()]
+        # Providers with a stream per instance: a bound run orders the device buffers it shares with other sessions.
+        self._ordered = tuple(h for h in devices if h.implements("order_device_access"))
         self._pending: list = []  # submissions of runs whose flags nobody has read yet
         self._defer = False  # whether the run in progress leaves its submission pending
         self._suspects: dict[int, list[str]] = {}  # id(handle) -> the nodes of the last run on it
@@ -338,21 +340,22 @@ class Executor:
     @_serialized
     def run_bound(self, feeds: dict[str, object], output_names: tuple[str, ...], device_outputs: bool,
                   profile: dict | None = None, slot: DeviceGraphSlot = DeviceGraphSlot.PRIMARY,
-                  defer_validation: bool = False, copied: frozenset[str] = frozenset()) -> list:
+                  defer_validation: bool = False, copied: frozenset[str] = frozenset(), writes: tuple = ()) -> list:
         """IO binding's run: a feed that is a Tensor on the device of a provider of this session is read there
         as it is (no download or upload); with ``device_outputs``, outputs produced on a device are returned as
         Tensors on it. With device graphs, such a feed is captured at its address (see :mod:`.device_graphs`).
         ``defer_validation``: a run whose outputs all stay on the device leaves its validation pending (see the
         module docstring). ``copied``: names of outputs the caller copies into buffers of its own before the next
-        run; a replay hands those out as views of its graph's buffers instead of copies (one device copy less)."""
+        run; a replay hands those out as views of its graph's buffers instead of copies (one device copy less).
+        ``writes``: device buffers the run writes besides its own (a captured step's bound outputs)."""
         self._defer = defer_validation and device_outputs
         try:
-            return self._run_bound(feeds, output_names, device_outputs, profile, slot, copied)
+            return self._run_bound(feeds, output_names, device_outputs, profile, slot, copied, writes)
         finally:
             self._defer = False
 
     def _run_bound(self, feeds: dict[str, object], output_names: tuple[str, ...], device_outputs: bool,
-                   profile: dict | None, slot: DeviceGraphSlot, copied: frozenset[str]) -> list:
+                   profile: dict | None, slot: DeviceGraphSlot, copied: frozenset[str], writes: tuple = ()) -> list:
         feed_devices = {}
         feeds = dict(feeds)
         for name, value in feeds.items():
@@ -362,6 +365,8 @@ class Executor:
                     feeds[name] = value.numpy()
                 else:
                     feed_devices[name] = handle
+        if self._ordered and (feed_devices or writes):
+            self._order_access(feeds, feed_devices, writes)
         if not feed_devices and not device_outputs:
             return self.run(feeds, output_names, profile, slot)
         key = (output_names, tuple(sorted((name, id(h)) for name, h in feed_devices.items())), device_outputs)
@@ -375,6 +380,15 @@ class Executor:
             if outputs is not None:
                 return outputs
         return self.run_plan(plan, feeds, profile, convert)
+
+    def _order_access(self, feeds: dict, feed_devices: dict, writes: tuple) -> None:
+        """Before the run's first device work (and outside any capture, so before every replay too): order it
+        after other streams' use of the device feeds it reads and the buffers it writes (contract 1.4)."""
+        for handle in self._ordered:
+            reads = [feeds[name].buffer for name, h in feed_devices.items() if h is handle]
+            mine = [buffer for buffer in writes if buffer.device == handle.device_id]
+            if reads or mine:
+                handle.hook.order_device_access(reads=reads, writes=mine)
 
     def run_plan(self, plan: Plan, feeds: dict[str, object], profile: dict | None,
                  convert: Callable[[Any], Any]) -> list:

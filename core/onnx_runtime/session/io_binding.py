@@ -204,8 +204,8 @@ def _write_into(name: str, target: Tensor, value) -> None:
     if not target.nbytes:
         return
     if isinstance(value, Tensor) and value.device == target.device and not target.provider.is_host_accessible:
-        if value.device_ptr != target.device_ptr:  # the kernel wrote its own buffer: copy on the device
-            copy_on_device(target.provider, value.buffer, target.buffer, target.nbytes)
+        if value.device_ptr != target.device_ptr:  # the kernel wrote its own buffer: copy on the device, on the
+            copy_on_device(value.provider, value.buffer, target.buffer, target.nbytes)  # producer's stream
         return
     array = np.ascontiguousarray(value.numpy() if isinstance(value, Tensor) else value)
     if target.provider.is_host_accessible:
