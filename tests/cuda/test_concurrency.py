@@ -1,7 +1,8 @@
 """Sessions on one CUDA device run from any thread: eight threads over several capturing sessions (each session
-also run by several threads at once) get the single-threaded results, and every session still captures and
-replays. Before, the threads broke each other's captures (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED or
-INVALIDATED, the signature left eager) and one session's concurrent runs made its validation tokens stale.
+also run by several threads at once, each session on a stream of its own) get the single-threaded results, and
+every session still captures and replays. Before, the threads broke each other's captures
+(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED or INVALIDATED, the signature left eager) and one session's concurrent runs
+made its validation tokens stale.
 """
 
 from __future__ import annotations
@@ -79,37 +80,47 @@ def test_eight_threads_over_capturing_sessions_get_single_threaded_results():
         assert runner.captures == 1 and runner.replays >= THREADS * 6 - 2
 
 
-def test_a_capture_holds_other_threads_device_work_until_it_ends(cuda_handle):
-    """Another thread's kernel waits at the device's gate instead of being recorded into the graph."""
+def test_a_capture_holds_its_own_lane_only(cuda_handle):
+    """Each provider instance runs on a lane of its own: another instance's kernel runs at once while this one
+    captures, outside the graph, and this instance's lane used from another thread waits at the lane's gate
+    until the capture ends instead of landing in the graph."""
     from onnx_runtime import DeviceGraphOwner, DeviceGraphSlot, ProviderHandle
     from onnx_runtime_ep_cuda import CUDAExecutionProvider
 
     other = ProviderHandle(CUDAExecutionProvider())
     other.initialize({})
-    mine, theirs = cuda_handle.allocate(64, 256), other.allocate(64, 256)
-    cuda_handle.provider.fill(mine, 0)
-    other.provider.fill(theirs, 0)
+    mine, later, theirs = cuda_handle.allocate(64, 256), cuda_handle.allocate(64, 256), other.allocate(64, 256)
+    for buffer, handle in ((mine, cuda_handle), (later, cuda_handle), (theirs, other)):
+        handle.provider.fill(buffer, 0)
     token = cuda_handle.hook.begin_owned_device_graph_capture(owner=DeviceGraphOwner.new(),
                                                               slot=DeviceGraphSlot.PRIMARY, continuation=None,
                                                               kernels=[])
     cuda_handle.provider.fill(mine, 1)
-    filled = threading.Event()
+    filled, held = threading.Event(), threading.Event()
     worker = threading.Thread(target=lambda: (other.provider.fill(theirs, 2), filled.set()))
+    waiter = threading.Thread(target=lambda: (cuda_handle.provider.fill(later, 4), held.set()))
     worker.start()
-    assert not filled.wait(0.3)  # held at the gate while the capture records
+    assert filled.wait(5)  # another lane: not held by the capture
+    waiter.start()
+    assert not held.wait(0.3)  # the capturing lane, from another thread: held at its gate
     cuda_handle.hook.end_owned_device_graph_capture(token=token)
     worker.join(5)
-    assert filled.is_set()
+    waiter.join(5)
+    assert held.is_set()
     out = np.empty(64, np.uint8)
     other.copy_to_host(theirs, out)
     assert (out == 2).all()  # it ran, outside the graph
     other.provider.fill(theirs, 0)
+    cuda_handle.provider.fill(later, 0)
     cuda_handle.hook.replay_owned_device_graph(token=token)
     other.copy_to_host(theirs, out)
-    assert (out == 0).all()  # and the replay does not repeat it
+    assert (out == 0).all()  # and the replay repeats neither
+    cuda_handle.copy_to_host(later, out)
+    assert (out == 0).all()
     cuda_handle.copy_to_host(mine, out)
     assert (out == 1).all()
-    cuda_handle.deallocate(mine)
+    for buffer in (mine, later):
+        cuda_handle.deallocate(buffer)
     other.deallocate(theirs)
     other.shutdown()
 

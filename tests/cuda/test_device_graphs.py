@@ -688,7 +688,7 @@ def test_device_resident_runs_do_not_synchronize_with_the_host(capture, monkeypa
     ops = ("Axpb", "Axpb")
     session = capture_session(axpb_model(ops, shape=(4, 8)), capture=capture)
     handle = session.provider_handle("cuda")
-    device = handle.provider.cuda_device()
+    device = handle.provider.cuda_device().shared  # the device every lane synchronizes through
     waits = []
     synchronize = device._synchronize
     monkeypatch.setattr(device, "_synchronize", lambda stream, which: (waits.append(which),

@@ -46,9 +46,10 @@ def test_a_pitched_copy_is_one_driver_call(cuda_handle, monkeypatch):
 
 
 def test_the_contract_check_of_the_hook_passes_on_cuda(cuda_handle):
+    from onnx_runtime.contract import VERSION
     from onnx_runtime.testing.contract import check_for
 
-    assert cuda_handle.implements("device_copy_rows") and cuda_handle.contract_version == "1.3"
+    assert cuda_handle.implements("device_copy_rows") and cuda_handle.contract_version == VERSION
     check_for("device_copy_rows")(cuda_handle, "device_copy_rows")
 
 

@@ -16,13 +16,15 @@ first makes that stream wait on an event recorded on the home stream (once, at t
 hands the memory out again while work queued on the home stream may still touch it. Host bytes move through
 page-locked staging blocks (staging.py), so an upload returns without waiting for the device.
 
-Threads. Every session on a device shares its compute stream, which keeps the order of everything they
-enqueue (a tensor one session leaves on the device is safe for another to read). A device graph capture
-records the *stream*, whichever thread enqueues on it, so while one thread captures (``begin_capture`` to
-``end_capture``, called by graphs.py) every other thread's device call waits at the device's gate instead
-of landing inside the graph (on a GPU) or invalidating the capture (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
-from a synchronization). Outside captures the gate is held only for the duration of one driver call.
-Runs of one session are serialized by its executor (session/executor.py).
+Lanes. The streams above are the device's *default lane*. Each provider instance opens a lane of its own
+(lanes.py: a compute and a transfer stream), so sessions on different threads run side by side; the
+methods below take the ``lane`` to work on (the default one when None). A buffer another lane may have
+touched is ordered by :meth:`order_access` (lanes.py says how), and a free waits for the lanes that read
+or wrote the memory. A device graph capture records the *stream*, whichever thread enqueues on it, so
+while one thread captures a lane (``begin_capture`` to ``end_capture``, called by graphs.py) other threads'
+calls on that lane wait at its gate instead of landing inside the graph (on a GPU) or invalidating the
+capture; other lanes run and capture meanwhile. Runs of one session are serialized by its executor
+(session/executor.py).
 
 Faults. An exception in device code (illegal address, assert, trap) leaves a CUDA context unusable: every
 later call fails. The first call that reports it raises :class:`CudaDeviceFaultError` naming the kernel
@@ -46,6 +48,7 @@ from onnx_runtime.errors import InvalidArgumentError, ProviderError
 from . import driver as driver_access
 from . import nvrtc
 from .driver import STICKY_ERRORS, CudaDeviceFaultError
+from .lanes import AccessMarks, Lane
 from .staging import PinnedStaging
 
 # Live fence events above this count are polled and the completed ones recycled, so a long run that
@@ -89,10 +92,6 @@ class CudaDevice:
         self.closed = False
         self.fault = ""  # why the device became unusable (a kernel fault), once it did
         self._lock = threading.Lock()
-        self._gate = threading.RLock()  # see "Threads" in the module docstring
-        self._capture_thread: int | None = None
-        self._captured_bases: set[int] = set()  # allocated during the capture: the graph's own memory
-        self._frees_after_capture: list[tuple] = []  # (base, nbytes, stream, home)
         self._kernel_names: dict[int, str] = {}  # function handle -> "file.cu:kernel", for fault reports
         self._recent = collections.deque(maxlen=8)  # the functions launched last, newest last
         self._check(d.cuInit(0), "cuInit")
@@ -106,6 +105,14 @@ class CudaDevice:
         flags = d.CUstream_flags.CU_STREAM_NON_BLOCKING
         self.compute = self._check(d.cuStreamCreate(flags), "cuStreamCreate(compute)")
         self.transfer = self._check(d.cuStreamCreate(flags), "cuStreamCreate(transfer)")
+        self.default_lane = Lane(self, self.compute, self.transfer)
+        self._gate = self.default_lane.gate
+        self._lanes: dict[int, Lane] = {id(self.compute): self.default_lane}  # id(compute stream) -> lane
+        self._idle_lanes: list[Lane] = []  # lanes of closed instances, handed to the next one
+        self._order_lock = threading.Lock()  # a lane's capture flag and events recorded on it (lanes.py)
+        self._marks: dict[int, AccessMarks] = {}  # base -> who touched it, for allocations another lane touched
+        self._loose: set[int] = set()  # keys of marks on memory of no allocation here (addresses inside one)
+        self.ordered_waits = 0  # cross-lane event waits enqueued by order_access and frees
         self.pooled = bool(self._attribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED))
         if self.pooled:
             # The default release threshold (0) hands freed memory back to the OS at every synchronize;
@@ -121,12 +128,8 @@ class CudaDevice:
         self._homes: dict[int, object] = {}  # address -> the stream a pooled allocation was made on, if not compute
         self.cross_stream_frees = 0  # frees ordered after another stream by an event wait
         self._next_fence = 1  # fence ids count up from 1; 0 is the signalled fence
-        self._events: dict[int, object] = {}  # fence id -> CUevent not yet known to be complete
+        self._events: dict[int, tuple] = {}  # fence id -> (CUevent not yet known to be complete, its lane)
         self._idle_events: list[object] = []
-        # Pool memory is ordered on the compute stream: a transfer touching a buffer allocated since
-        # the last join must first wait for compute, and a free must wait for transfers still in flight.
-        self._allocated_since_join = False
-        self._transfer_since_join = False
         self._modules: dict[tuple, KernelModule] = {}
         self.staging = PinnedStaging(self)
 
@@ -193,8 +196,97 @@ class CudaDevice:
     def _stream(self, stream):
         return self.compute if stream is None else stream
 
+    def _lane(self, stream) -> Lane:
+        """The lane whose compute stream ``stream`` is (the default lane for None or a stream of no lane)."""
+        return self.default_lane if stream is None else self._lanes.get(id(stream), self.default_lane)
+
+    # -- lanes --------------------------------------------------------------------------------------
+    def open_lane(self) -> Lane:
+        """A lane for one provider instance: an idle one a closed instance gave back, else two new streams."""
+        with self._lock:
+            if self._idle_lanes:
+                return self._idle_lanes.pop()
+        self._bind()
+        d = self.driver
+        flags = d.CUstream_flags.CU_STREAM_NON_BLOCKING
+        compute = self._check(d.cuStreamCreate(flags), "cuStreamCreate(lane compute)")
+        transfer = self._check(d.cuStreamCreate(flags), "cuStreamCreate(lane transfer)")
+        lane = Lane(self, compute, transfer)
+        with self._lock:
+            self._lanes[id(compute)] = lane
+        return lane
+
+    def close_lane(self, lane: Lane) -> None:
+        """Give ``lane`` back once its work is done (its streams stay, for the next instance and for the frees
+        of tensors that outlive the instance)."""
+        if lane is self.default_lane or self.closed:
+            return
+        self.sync(lane)
+        with self._lock:
+            if lane not in self._idle_lanes:
+                self._idle_lanes.append(lane)
+
+    def order_access(self, lane: Lane, reads=(), writes=()) -> int:
+        """Order ``lane``'s next work after other lanes' use of the memory ``reads`` and ``writes`` name (keys:
+        an allocation's base, else any stable key of borrowed memory, whose home is the default lane): a read
+        waits for the last writer, a write for the writer and every reader since. Returns the number of waits
+        enqueued. See lanes.py."""
+        waits: dict[int, object] = {}
+        stream = lane.compute
+        with self._lock:
+            for base in (*reads, *writes):
+                if base not in self._marks and base not in self._homes and base not in self._live:
+                    # Memory of no allocation here (a block of a capture arena, external memory): the first lane
+                    # that orders it stands as its home; its owner's kernels reach it through that lane.
+                    self._marks[base] = AccessMarks(stream)
+                    self._loose.add(base)
+            for base in reads:
+                self._mark_read(base, stream, waits)
+            for base in writes:
+                self._mark_write(base, stream, waits)
+        if waits:
+            with lane.gate:
+                for other in waits.values():
+                    self._order_after(other, stream)
+        return len(waits)
+
+    def _mark_read(self, base: int, stream, waits: dict) -> None:
+        marks = self._marks.get(base)
+        writer = marks.writer if marks is not None else self._homes.get(base, self.compute)
+        if writer is stream:
+            return
+        waits[id(writer)] = writer
+        if marks is None:
+            marks = self._marks[base] = AccessMarks(writer)
+        if not any(r is stream for r in marks.readers):
+            marks.readers.append(stream)
+
+    def _mark_write(self, base: int, stream, waits: dict) -> None:
+        marks = self._marks.get(base)
+        home = self._homes.get(base, self.compute)
+        if marks is None and home is stream:
+            return
+        for other in [home] if marks is None else [marks.writer or home, *marks.readers]:
+            if other is not stream:
+                waits[id(other)] = other
+        if marks is None:
+            marks = self._marks[base] = AccessMarks()
+        marks.writer, marks.readers = stream, []
+
+    def note_home(self, key: int, lane: Lane) -> None:
+        """Memory ``key`` names (not a pool allocation: a reserved one) is ``lane``'s, for :meth:`order_access`."""
+        with self._lock:
+            self._homes[key] = lane.compute
+
+    def forget_access(self, key: int) -> None:
+        """Drop what :meth:`order_access` remembers of memory released without :meth:`free` (reserved, external)."""
+        with self._lock:
+            self._marks.pop(key, None)
+            self._homes.pop(key, None)
+            self._loose.discard(key)
+
     # -- memory -------------------------------------------------------------------------------------
-    def allocate(self, size: int, alignment: int = _POOL_ALIGNMENT, stream=None) -> tuple[int, int]:
+    def allocate(self, size: int, alignment: int = _POOL_ALIGNMENT, stream=None, lane=None) -> tuple[int, int]:
         """``(address, base)`` of a new allocation of at least ``size`` bytes, stream-ordered on ``stream`` (compute
         by default); free it with ``free(base)``."""
         if size < 0:
@@ -202,12 +294,13 @@ class CudaDevice:
         if alignment <= 0 or alignment & (alignment - 1):
             raise InvalidArgumentError(f"CUDAExecutionProvider: alignment must be a power of two, got {alignment}")
         self._bind()
+        lane = self._lane(stream) if lane is None else lane
         # Zero-byte allocations still need a unique non-null address; larger alignments than the
         # driver guarantees are met by over-allocating and rounding up.
         padding = alignment - 1 if alignment > _POOL_ALIGNMENT else 0
         nbytes = max(size, 1) + padding
         d = self.driver
-        with self._gate:
+        with lane.gate:
             result = d.cuMemAllocAsync(nbytes, self._stream(stream)) if self.pooled else d.cuMemAlloc(nbytes)
         if int(result[0]):
             self._failed(result, "cuMemAllocAsync({})" if self.pooled else "cuMemAlloc({})", nbytes)
@@ -225,14 +318,14 @@ class CudaDevice:
             self.allocations += 1
             self.bytes_in_use += nbytes
             self.peak_bytes = max(self.peak_bytes, self.bytes_in_use)
-            self._allocated_since_join |= self.pooled
-            if self._capture_thread == threading.get_ident():
-                self._captured_bases.add(base)
+            lane.allocated_since_join |= self.pooled
+            if lane.capture_thread == threading.get_ident():
+                lane.captured_bases.add(base)
         return address, base
 
     def free(self, base: int, stream=None) -> None:
         """Free the allocation whose ``base`` :meth:`allocate` returned, stream-ordered on ``stream`` (compute by
-        default) and after its home stream's work (see the module docstring)."""
+        default) and after its home stream's work and the lanes that touched it (see the module docstring)."""
         with self._lock:
             nbytes = self._live.pop(base, None)
             if nbytes is None:
@@ -240,69 +333,85 @@ class CudaDevice:
                     f"CUDAExecutionProvider: {base:#x} is not a live allocation on CUDA device {self.index}"
                 )
             home = self._homes.pop(base, self.compute)
+            marks = self._marks.pop(base, None)
+            if self._loose:  # marks on addresses inside it (a capture arena's blocks) go with it
+                for key in [k for k in self._loose if base <= k < base + nbytes]:
+                    self._loose.discard(key)
+                    self._marks.pop(key, None)
             self.frees += 1
             self.bytes_in_use -= nbytes
+        if marks is not None:  # the lanes that read or wrote it are waited for like the home stream
+            home = (home, marks.writer, *marks.readers)
         self._release(base, nbytes, self._stream(stream), home)
 
     def _release(self, base: int, nbytes: int, stream=None, home=None) -> None:
         self._bind()
         stream = self.compute if stream is None else stream
-        if self._capture_thread == threading.get_ident() and base not in self._captured_bases:
-            # A free on the capturing thread (a garbage-collected tensor of any session) would be recorded into
-            # the graph and repeated at every replay, on memory the graph does not own: free it after the capture.
-            self._frees_after_capture.append((base, nbytes, stream, home))
-            return
-        d = self.driver
-        with self._gate:
-            if self._transfer_since_join:  # a copy_async may still read or write this memory
-                self._join_transfer()
-            if self.pooled and home is not None and int(home) != int(stream):
-                self._order_after(home, stream)
+        lane = self._lane(stream)
+        with lane.gate:  # a capturing thread holds it: other threads free after the capture
+            if lane.capture_thread == threading.get_ident() and base not in lane.captured_bases:
+                # A free on the capturing thread (a garbage-collected tensor of any session) would be recorded
+                # into the graph and repeated at every replay, on memory the graph does not own: free it after.
+                lane.frees_after_capture.append((base, nbytes, stream, home))
+                return
+            d = self.driver
+            if lane.transfer_since_join:  # a copy_async may still read or write this memory
+                self._join_transfer(lane)
+            if self.pooled and home is not None:
+                homes = home if isinstance(home, tuple) else (home,)
+                seen = {int(stream)}
+                for other in homes:
+                    if other is not None and int(other) not in seen:
+                        seen.add(int(other))
+                        self._order_after(other, stream)
+                        self.cross_stream_frees += 1
             result = d.cuMemFreeAsync(base, stream) if self.pooled else d.cuMemFree(base)
         if int(result[0]):
             call = "cuMemFreeAsync({:#x}, {} B)" if self.pooled else "cuMemFree({:#x}, {} B)"
             self._failed(result, call, base, nbytes)
 
     # -- copies -------------------------------------------------------------------------------------
-    def upload(self, dst: int, src: np.ndarray) -> None:
+    def upload(self, dst: int, src: np.ndarray, lane=None) -> None:
         """Copy the uint8 host array ``src`` to ``dst``, stream-ordered on compute; ``src`` may be reused at once
         (its bytes go through a pinned staging block, so the host does not wait for the device)."""
         if src.size:
             self._bind()
-            with self._gate:
-                if self._capture_thread == threading.get_ident():
+            lane = self.default_lane if lane is None else lane
+            with lane.gate:
+                if lane.capture_thread == threading.get_ident():
                     # A staged copy would be recorded reading a block the ring rewrites: synchronize instead,
                     # which fails the capture (host data cannot be captured by value).
-                    self._check(self.driver.cuMemcpyHtoDAsync(dst, src.ctypes.data, src.size, self.compute),
+                    self._check(self.driver.cuMemcpyHtoDAsync(dst, src.ctypes.data, src.size, lane.compute),
                                 f"cuMemcpyHtoDAsync({src.size} B)")
-                    self._synchronize(self.compute, "compute")
+                    self._synchronize(lane.compute, "compute")
                     return
-                self.staging.upload(dst, src, self.compute)
-                self._allocated_since_join = True  # a transfer reading dst must wait for compute
+                self.staging.upload(dst, src, lane.compute)
+                lane.allocated_since_join = True  # a transfer reading dst must wait for compute
 
-    def download(self, dst: np.ndarray, src: int) -> None:
+    def download(self, dst: np.ndarray, src: int, lane=None) -> None:
         """Copy ``dst.size`` bytes at ``src`` into the writable uint8 host array ``dst``, after all compute."""
         if dst.size:
             self._bind()
-            with self._gate:
-                if self._capture_thread == threading.get_ident():
-                    self._check(self.driver.cuMemcpyDtoHAsync(dst.ctypes.data, src, dst.size, self.compute),
+            lane = self.default_lane if lane is None else lane
+            with lane.gate:
+                if lane.capture_thread == threading.get_ident():
+                    self._check(self.driver.cuMemcpyDtoHAsync(dst.ctypes.data, src, dst.size, lane.compute),
                                 f"cuMemcpyDtoHAsync({dst.size} B)")
-                    self._synchronize(self.compute, "compute")
+                    self._synchronize(lane.compute, "compute")
                     return
-                self.staging.download(dst, src, self.compute)
+                self.staging.download(dst, src, lane.compute)
 
-    def copy_device(self, dst: int, src: int, nbytes: int, stream=None) -> None:
+    def copy_device(self, dst: int, src: int, nbytes: int, stream=None, lane=None) -> None:
         """Stream-ordered device-to-device copy (on the compute stream unless ``stream`` is given)."""
         if nbytes:
             self._bind()
-            with self._gate:
+            with (self._lane(stream) if lane is None else lane).gate:
                 result = self.driver.cuMemcpyDtoDAsync(dst, src, nbytes, self._stream(stream))
             if int(result[0]):
                 self._failed(result, "cuMemcpyDtoDAsync({} B)", nbytes)
 
     def copy_rows(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
-                  stream=None) -> None:
+                  stream=None, lane=None) -> None:
         """Stream-ordered pitched copy of ``height`` rows of ``width`` bytes between device addresses: one
         cuMemcpy2DAsync (on the compute stream unless ``stream`` is given)."""
         if not width or not height:
@@ -314,13 +423,13 @@ class CudaDevice:
         copy.srcDevice, copy.srcPitch = d.CUdeviceptr(src), src_pitch
         copy.dstDevice, copy.dstPitch = d.CUdeviceptr(dst), dst_pitch
         copy.WidthInBytes, copy.Height = width, height
-        with self._gate:
+        with (self._lane(stream) if lane is None else lane).gate:
             result = d.cuMemcpy2DAsync(copy, self._stream(stream))
         if int(result[0]):
             self._failed(result, "cuMemcpy2DAsync({} rows of {} B)", height, width)
 
-    def copy_async(self, dst: int | np.ndarray, src: int | np.ndarray, nbytes: int) -> Fence:
-        """Enqueue a copy on the transfer stream and return its fence.
+    def copy_async(self, dst: int | np.ndarray, src: int | np.ndarray, nbytes: int, lane=None) -> Fence:
+        """Enqueue a copy on the lane's transfer stream and return its fence.
 
         ``dst``/``src`` are device addresses or uint8 host arrays. A host source goes through a pinned staging
         block, so it may be reused at once and the copy is really asynchronous. A host destination of up to a
@@ -332,23 +441,25 @@ class CudaDevice:
             return SIGNALLED
         self._bind()
         d = self.driver
-        with self._gate:
-            if self._allocated_since_join:
-                self._transfer_waits_for_compute()
+        lane = self.default_lane if lane is None else lane
+        transfer = lane.transfer
+        with lane.gate:
+            if lane.allocated_since_join:
+                self._transfer_waits_for_compute(lane)
             if isinstance(src, np.ndarray):
-                self.staging.upload(dst, src[:nbytes], self.transfer)
+                self.staging.upload(dst, src[:nbytes], transfer)
             elif isinstance(dst, np.ndarray) and nbytes <= self.staging.block_bytes:
-                self.staging.download_async(dst[:nbytes], src, self.transfer)
+                self.staging.download_async(dst[:nbytes], src, transfer)
             else:
                 if isinstance(dst, np.ndarray):
-                    result, call = d.cuMemcpyDtoHAsync(dst.ctypes.data, src, nbytes, self.transfer), "cuMemcpyDtoHAsync"
+                    result, call = d.cuMemcpyDtoHAsync(dst.ctypes.data, src, nbytes, transfer), "cuMemcpyDtoHAsync"
                 else:
-                    result, call = d.cuMemcpyDtoDAsync(dst, src, nbytes, self.transfer), "cuMemcpyDtoDAsync"
+                    result, call = d.cuMemcpyDtoDAsync(dst, src, nbytes, transfer), "cuMemcpyDtoDAsync"
                 self._check(result, f"{call}({nbytes} B, transfer stream)")
-            self._transfer_since_join = True
-            return self._record(self.transfer, "transfer")
+            lane.transfer_since_join = True
+            return self._record(transfer, "transfer", lane)
 
-    def fill(self, dst: int, nbytes: int, value: int = 0, stream=None) -> None:
+    def fill(self, dst: int, nbytes: int, value: int = 0, stream=None, lane=None) -> None:
         """Set ``nbytes`` bytes at ``dst`` to the byte ``value``, stream-ordered (fill.cu kernels)."""
         if not nbytes:
             return
@@ -360,21 +471,27 @@ class CudaDevice:
             function, count, word = self.function(module, "fill_u8"), nbytes, value
         grid = min(-(-count // _FILL_BLOCK), _FILL_MAX_GRID)
         self.launch(function, grid, _FILL_BLOCK,
-                    [(dst, ctypes.c_void_p), (word, ctypes.c_uint32), (count, ctypes.c_int64)], stream=stream)
+                    [(dst, ctypes.c_void_p), (word, ctypes.c_uint32), (count, ctypes.c_int64)], stream=stream,
+                    lane=lane)
 
     # -- fences -------------------------------------------------------------------------------------
-    def _record(self, stream, which: str) -> Fence:
-        d = self.driver
+    def _idle_event(self):
         with self._lock:
             event = self._idle_events.pop() if self._idle_events else None
         if event is None:
+            d = self.driver
             event = self._check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        with self._gate:
-            self._check(d.cuEventRecord(event, stream), f"cuEventRecord({which} stream)")
+        return event
+
+    def _record(self, stream, which: str, lane=None) -> Fence:
+        event = self._idle_event()
+        lane = self.default_lane if lane is None else lane
+        with lane.gate:
+            self._check(self.driver.cuEventRecord(event, stream), f"cuEventRecord({which} stream)")
         with self._lock:
             fence_id = self._next_fence
             self._next_fence += 1
-            self._events[fence_id] = event
+            self._events[fence_id] = (event, lane)
             crowded = len(self._events) > _MAX_LIVE_EVENTS
         if crowded:
             self._recycle_completed()
@@ -385,60 +502,69 @@ class CudaDevice:
         if fence.is_signalled:
             return None
         with self._lock:
-            event = self._events.get(fence.id)
+            entry = self._events.get(fence.id)
             issued = 0 < fence.id < self._next_fence
-        if event is None and not issued:
+        if entry is None and not issued:
             raise InvalidArgumentError(
                 f"CUDAExecutionProvider: fence {fence.id} was not issued by CUDA device {self.index}; pass the "
                 f"fence that this provider's copy_async or record_compute_fence returned"
             )
-        return event  # None: issued and since recycled, which happens only once it completed
+        return None if entry is None else entry[0]  # None: issued and since recycled, once it completed
 
-    def wait_fence(self, fence: Fence) -> None:
-        """Make the compute stream wait for ``fence`` (no host blocking)."""
+    def wait_fence(self, fence: Fence, lane=None) -> None:
+        """Make the lane's compute stream wait for ``fence`` (no host blocking)."""
         event = self._event_of(fence)
         if event is not None:
             self._bind()
-            with self._gate:
-                self._check(self.driver.cuStreamWaitEvent(self.compute, event, 0), "cuStreamWaitEvent(compute stream)")
+            lane = self.default_lane if lane is None else lane
+            with lane.gate:
+                self._check(self.driver.cuStreamWaitEvent(lane.compute, event, 0), "cuStreamWaitEvent(compute stream)")
 
-    def copy_wait_fence(self, fence: Fence) -> None:
-        """Make the transfer stream wait for ``fence`` (write-after-read on a reused staging buffer)."""
+    def copy_wait_fence(self, fence: Fence, lane=None) -> None:
+        """Make the lane's transfer stream wait for ``fence`` (write-after-read on a reused staging buffer)."""
         event = self._event_of(fence)
         if event is not None:
             self._bind()
-            with self._gate:
-                self._check(self.driver.cuStreamWaitEvent(self.transfer, event, 0),
+            lane = self.default_lane if lane is None else lane
+            with lane.gate:
+                self._check(self.driver.cuStreamWaitEvent(lane.transfer, event, 0),
                             "cuStreamWaitEvent(transfer stream)")
 
-    def record_compute_fence(self) -> Fence:
+    def record_compute_fence(self, lane=None) -> Fence:
         self._bind()
-        return self._record(self.compute, "compute")
+        lane = self.default_lane if lane is None else lane
+        return self._record(lane.compute, "compute", lane)
 
     def _order_after(self, home, stream) -> None:
-        """Make ``stream`` wait for what ``home`` has queued so far (a free of memory allocated there)."""
+        """Make ``stream`` wait for what ``home`` has queued so far (lanes.py: a capturing lane stands for the
+        work before its capture; a capturing ``stream`` does not wait)."""
         d = self.driver
-        with self._lock:
-            event = self._idle_events.pop() if self._idle_events else None
-        if event is None:
-            event = self._check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        source, target = self._lanes.get(id(home)), self._lanes.get(id(stream))
+        if target is not None and target.capture_thread is not None:
+            return
+        event = self._idle_event()
         try:
-            self._check(d.cuEventRecord(event, home), "cuEventRecord(home stream of a freed allocation)")
-            self._check(d.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent(stream freeing an allocation)")
+            with self._order_lock:
+                if source is not None and source.capture_thread is not None:
+                    recorded = source.precapture
+                else:
+                    self._check(d.cuEventRecord(event, home), "cuEventRecord(another lane's stream)")
+                    recorded = event
+                self._check(d.cuStreamWaitEvent(stream, recorded, 0), "cuStreamWaitEvent(ordered after a lane)")
         finally:
             # Reusable at once: a recorded event's later re-record does not disturb the wait already enqueued.
             with self._lock:
                 self._idle_events.append(event)
-        self.cross_stream_frees += 1
+                self.ordered_waits += 1
 
-    def _transfer_waits_for_compute(self) -> None:
-        fence = self._record(self.compute, "compute")
-        self.copy_wait_fence(fence)
-        self._allocated_since_join = False
+    def _transfer_waits_for_compute(self, lane) -> None:
+        fence = self._record(lane.compute, "compute", lane)
+        self.copy_wait_fence(fence, lane)
+        lane.allocated_since_join = False
 
-    def _join_transfer(self) -> None:
-        self.wait_fence(self._record(self.transfer, "transfer"))
-        self._transfer_since_join = False
+    def _join_transfer(self, lane) -> None:
+        self.wait_fence(self._record(lane.transfer, "transfer", lane), lane)
+        lane.transfer_since_join = False
 
     def _recycle_completed(self) -> None:
         d = self.driver
@@ -446,7 +572,9 @@ class CudaDevice:
         with self._lock:
             pending = list(self._events.items())
         recycled = 0
-        for fence_id, event in pending:
+        for fence_id, (event, lane) in pending:
+            if lane.capture_thread is not None:
+                continue  # querying an event of a capturing stream's lane is left to its own sync
             (err,) = d.cuEventQuery(event)
             if int(err) == not_ready:
                 continue
@@ -460,47 +588,66 @@ class CudaDevice:
             # and keeps every later record from polling the whole table again.
             self.sync()
 
-    def sync(self) -> None:
-        """Block until both streams are idle; every fence issued so far is then complete, and every staged
-        download of copy_async has reached its host array."""
+    def sync(self, lane=None) -> None:
+        """Block until the lane's streams are idle (every lane's when None, but a lane that is capturing only up
+        to its capture); its fences are then complete, and every staged download has reached its host array."""
         self._bind()
-        with self._gate:
-            self._synchronize(self.transfer, "transfer")
-            self._synchronize(self.compute, "compute")
-            with self._lock:
-                self._idle_events.extend(self._events.values())
-                self._events.clear()
-                self._allocated_since_join = self._transfer_since_join = False
-            self.staging.deliver()
+        with self._lock:
+            lanes = [lane] if lane is not None else [*{id(x): x for x in self._lanes.values()}.values()]
+        me = threading.get_ident()
+        for each in lanes:
+            capturing = each.capture_thread
+            if capturing is not None and capturing != me:  # another thread's capture: what was queued before it
+                self._check(self.driver.cuEventSynchronize(each.precapture), "cuEventSynchronize(before capture)")
+                continue
+            with each.gate:
+                self._synchronize(each.transfer, "transfer")
+                self._synchronize(each.compute, "compute")
+                with self._lock:
+                    done = [k for k, (_event, owner) in self._events.items() if owner is each]
+                    self._idle_events.extend(self._events.pop(k)[0] for k in done)
+                    each.allocated_since_join = each.transfer_since_join = False
+        self.staging.deliver()
 
     def _synchronize(self, stream, which: str) -> None:
-        with self._gate:
-            self._check(self.driver.cuStreamSynchronize(stream), f"cuStreamSynchronize({which} stream)")
+        self._check(self.driver.cuStreamSynchronize(stream), f"cuStreamSynchronize({which} stream)")
 
     # -- captures -----------------------------------------------------------------------------------
-    def begin_capture(self) -> None:
-        """Take the gate for a capture on this thread (see "Threads"); :meth:`end_capture` gives it back."""
-        self._gate.acquire()
-        self._capture_thread = threading.get_ident()
+    def begin_capture(self, lane=None) -> None:
+        """Take the lane's gate for a capture on this thread (see "Lanes"); :meth:`end_capture` gives it back.
+        The event recorded first stands for the lane's earlier work while it captures (lanes.py)."""
+        lane = self.default_lane if lane is None else lane
+        lane.gate.acquire()
+        try:
+            if lane.precapture is None:
+                lane.precapture = self._idle_event()
+            with self._order_lock:
+                self._check(self.driver.cuEventRecord(lane.precapture, lane.compute), "cuEventRecord(before capture)")
+                lane.capture_thread = threading.get_ident()
+        except BaseException:
+            lane.gate.release()
+            raise
 
-    def end_capture(self) -> None:
-        if self._capture_thread == threading.get_ident():  # only the capturing thread holds the gate
-            self._capture_thread = None
-            self._captured_bases.clear()
-            frees, self._frees_after_capture = self._frees_after_capture, []
+    def end_capture(self, lane=None) -> None:
+        lane = self.default_lane if lane is None else lane
+        if lane.capture_thread == threading.get_ident():  # only the capturing thread holds the gate
+            with self._order_lock:
+                lane.capture_thread = None
+            lane.captured_bases.clear()
+            frees, lane.frees_after_capture = lane.frees_after_capture, []
             try:
                 for base, nbytes, stream, home in frees:
                     self._release(base, nbytes, stream, home)
             finally:
-                self._gate.release()
+                lane.gate.release()
 
     def capturing_here(self) -> bool:
-        """Whether a device graph capture is recording on the calling thread."""
-        return self._capture_thread == threading.get_ident()
+        """Whether a device graph capture of the default lane is recording on the calling thread."""
+        return self.default_lane.capture_thread == threading.get_ident()
 
     def capture_gate(self):
-        """The gate, for a driver call on the compute stream outside this class (a graph launch)."""
-        return self._gate
+        """The default lane's gate, for a driver call on its compute stream outside this class (a graph launch)."""
+        return self.default_lane.gate
 
     # -- kernels ------------------------------------------------------------------------------------
     def load(self, source_file: str | Path, options=()) -> KernelModule:
@@ -528,7 +675,7 @@ class CudaDevice:
             self._kernel_names[int(function)] = f"{module.name}:{name}"
         return function
 
-    def launch(self, function, grid, block, args, shared_bytes: int = 0, stream=None) -> None:
+    def launch(self, function, grid, block, args, shared_bytes: int = 0, stream=None, lane=None) -> None:
         """Launch ``function`` over ``grid`` x ``block`` (ints or up-to-3 tuples) on ``stream`` (compute).
 
         ``args`` are ``(value, ctypes type)`` pairs or ctypes scalars, pointers as ``(int address,
@@ -539,17 +686,17 @@ class CudaDevice:
         except TypeError:  # a ctypes scalar among them
             values = tuple(a.value if isinstance(a, ctypes._SimpleCData) else a[0] for a in args)
             types = tuple(type(a) if isinstance(a, ctypes._SimpleCData) else a[1] for a in args)
-        self.launch_split(function, grid, block, values, types, shared_bytes, stream)
+        self.launch_split(function, grid, block, values, types, shared_bytes, stream, lane)
 
     def launch_split(self, function, grid, block, values: tuple, types: tuple, shared_bytes: int = 0,
-                     stream=None) -> None:
+                     stream=None, lane=None) -> None:
         """:meth:`launch` with the argument values and their ctypes types already apart (kernels that keep the
         types of a launch site and only change its values)."""
         gx, gy, gz = (grid, 1, 1) if type(grid) is int and grid > 0 else _dims(grid, "grid")
         bx, by, bz = (block, 1, 1) if type(block) is int and block > 0 else _dims(block, "block")
         self._bind()
         self._recent.append(function)
-        with self._gate:
+        with (self._lane(stream) if lane is None else lane).gate:
             result = self.driver.cuLaunchKernel(function, gx, gy, gz, bx, by, bz, shared_bytes,
                                                 self._stream(stream), (values, types) if values else 0, 0)
         if int(result[0]):
@@ -564,15 +711,23 @@ class CudaDevice:
         self.sync()
         self.staging.close()
         d = self.driver
-        for event in [*self._idle_events, *self._events.values()]:
+        lanes = [*{id(lane): lane for lane in self._lanes.values()}.values()]
+        precaptures = [lane.precapture for lane in lanes if lane.precapture is not None]
+        for event in [*self._idle_events, *(event for event, _lane in self._events.values()), *precaptures]:
             self._check(d.cuEventDestroy(event), "cuEventDestroy")
         self._idle_events.clear()
         self._events.clear()
         for module in self._modules.values():
             self._check(d.cuModuleUnload(module.handle), f"cuModuleUnload({module.name})")
         self._modules.clear()
-        self._check(d.cuStreamDestroy(self.transfer), "cuStreamDestroy(transfer)")
-        self._check(d.cuStreamDestroy(self.compute), "cuStreamDestroy(compute)")
+        for lane in lanes:
+            lane.precapture = None
+            self._check(d.cuStreamDestroy(lane.transfer), "cuStreamDestroy(transfer)")
+            self._check(d.cuStreamDestroy(lane.compute), "cuStreamDestroy(compute)")
+        self._lanes = {id(self.compute): self.default_lane}
+        self._idle_lanes.clear()
+        self._marks.clear()
+        self._loose.clear()
         self._check(d.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease")
         self.closed = True
         self._live.clear()

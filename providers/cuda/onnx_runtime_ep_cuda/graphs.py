@@ -1,4 +1,4 @@
-"""Device graphs: stream capture on the compute stream, per (owner, slot) lifecycles with generations.
+"""Device graphs: stream capture on the instance's compute stream, per (owner, slot) lifecycles with generations.
 
 A capture records everything enqueued on the device's compute stream between ``begin`` and ``end``
 (cuStreamBeginCapture in thread-local mode, cuStreamEndCapture, cuGraphInstantiate); a replay
@@ -16,9 +16,10 @@ Segments. A generation is a list of segments in capture order: ``begin`` with ``
 to the generation's token records the next segment (the executor runs the non-capturable seams
 eagerly in between). ``replay`` launches every segment, ``replay_segment`` one of them.
 
-Threads. A capture records the device's compute stream whoever enqueues on it, so ``begin`` takes the
-device's gate (``CudaDevice.begin_capture``) and ``end``/``abort`` give it back: another thread's device
-call waits for the capture to end rather than landing in the graph or invalidating it.
+Threads. A capture records the instance's compute stream (its lane, lanes.py) whoever enqueues on it, so
+``begin`` takes the lane's gate (``CudaDevice.begin_capture``) and ``end``/``abort`` give it back: another
+thread's call on that lane waits for the capture to end rather than landing in the graph or invalidating it.
+Other instances' lanes are not held: two sessions capture at once.
 
 Exactly once. Each segment's CUgraphExec and CUgraph are destroyed once: when a fresh capture replaces
 the generation, on ``reset``, ``retire`` or ``close``. ``abort`` always ends the stream's capture

@@ -9,6 +9,11 @@ driver call. Kernels come from the operator registry (ops/registry.py); the inpu
 host (shape-like inputs) are declared there, passed to its factory when they are constants, and reported
 through ``host_inputs``.
 
+Each instance runs on a lane of its own (lanes.py: a compute and a transfer stream of the shared device), so
+sessions on different threads overlap on the device. A buffer another instance may have touched is ordered
+by ``order_device_access`` (the session calls it for the feeds and bound outputs of a run) and by the hooks
+here that take buffers, so every copy, download and decode helper waits for the lane that wrote its source.
+
 Device graphs (graphs.py), deferred validation (validation.py) and the greedy-decoding helpers
 (decode.py) are per provider instance, created on first use; ``shutdown`` destroys what is left. The
 slot-level graph hooks work in a namespace of their own (an owner minted per instance): there a
@@ -32,12 +37,14 @@ from . import (
 from .device import CudaDevice
 from .governance import MemoryGovernance
 from .graphs import DeviceGraphs
+from .lanes import Lane
 from .ops.context import KernelContext
 from .ops.host_shapes import host_kernel, host_nodes
 from .ops.registry import declared_host_inputs, lookup, unsupported_reason
 from .reserved import ReservedAllocations
 from .sealed import SealedConstants
 from .validation import DeviceValidation
+from .vmm import MappedGrowthBuffer
 
 NAME = "CUDAExecutionProvider"
 OPTION_KEYS = ("device_id",)
@@ -48,6 +55,7 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
         self._device_index = 0
         self._device_id = DeviceId(DeviceType.CUDA, 0)  # made once: every allocation is stamped with it
         self._device: CudaDevice | None = None
+        self._lane: Lane | None = None  # this instance's streams (opened at initialize, kept after shutdown)
         self.handle = None  # the ProviderHandle, for kernels that create Tensors on this device
         self._allocations = 0
         self._frees = 0
@@ -69,7 +77,7 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
 
     @hookimpl
     def contract_version(self):
-        return "1.3"
+        return "1.4"
 
     @hookimpl
     def device_type(self):
@@ -110,6 +118,7 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
         self._device_index = index
         self._device_id = DeviceId(DeviceType.CUDA, index)
         self._device = CudaDevice.get(index)
+        self._lane = self._device.open_lane()
         self.handle = handle
 
     @hookimpl
@@ -125,8 +134,8 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
         if self._validation is not None:
             self._validation.close()
             self._validation = None
-        if self._device is not None and not self._device.closed:
-            self._device.sync()
+        if self._device is not None and not self._device.closed and self._lane is not None:
+            self._device.close_lane(self._lane)  # synchronized; tensors outliving the session still free on it
 
     # -- capability ---------------------------------------------------------------------------------
     @hookimpl
@@ -153,11 +162,22 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
         return declared_host_inputs(node, opset)
 
     # -- memory -------------------------------------------------------------------------------------
-    def cuda_device(self) -> CudaDevice:
-        """The shared :class:`CudaDevice` (for kernels); raises before ``initialize``."""
-        if self._device is None:
+    def cuda_device(self) -> Lane:
+        """This instance's :class:`Lane` of the shared :class:`CudaDevice` (for kernels: it has the device's
+        calls, on this instance's streams); raises before ``initialize``."""
+        if self._lane is None or self._device is None:
             raise InvalidArgumentError(f"{NAME} is not initialized; create a session (or call initialize) first")
-        return self._device
+        return self._lane
+
+    def _order(self, reads=(), writes=()) -> None:
+        """Order this instance's next work after other lanes' use of these buffers (lanes.py)."""
+        lane = self.cuda_device()
+        lane.order_access([_key(b) for b in reads if b is not None and b.host is None],
+                          [_key(b) for b in writes if b is not None and b.host is None])
+
+    @hookimpl
+    def order_device_access(self, reads, writes):
+        self._order(reads, writes)
 
     @hookimpl
     def allocate(self, size, alignment):
@@ -216,6 +236,7 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
         if size == 0:
             return
         device = self.cuda_device()
+        self._order((src,), (dst,))
         if source is not None and target is not None:
             target[:size] = source[:size]
         elif source is not None:
@@ -235,6 +256,7 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
             return SIGNALLED
         if source is None and target is None:
             _refuse_overlap(src.ptr, dst.ptr, size, "copy_async")
+        self._order((src,), (dst,))
         return self.cuda_device().copy_async(dst.ptr if target is None else target[:size],
                                              src.ptr if source is None else source[:size], size)
 
@@ -273,6 +295,7 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
         if target is not None:
             target[offset: offset + data.size] = data
         else:
+            self._order((), (dst,))
             self.cuda_device().upload(dst.ptr + offset, data)
 
     @hookimpl
@@ -288,6 +311,7 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
         if source is not None:
             target[:] = source[: target.size]
         else:
+            self._order((src,))
             self.cuda_device().download(target, src.ptr)
 
     @hookimpl
@@ -301,6 +325,7 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
             )
         self._writable(dst, what)
         _refuse_overlap(src.ptr + src_offset, dst.ptr + dst_offset, nbytes, what)
+        self._order((src,), (dst,))
         self.cuda_device().copy_device(dst.ptr + dst_offset, src.ptr + src_offset, nbytes)
 
     @hookimpl
@@ -311,6 +336,7 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
             raise InvalidArgumentError(f"{NAME}: {what} needs two buffers on {self.device_id()}; use copy for host "
                                        f"buffers")
         self._writable(dst, what)
+        self._order((src,), (dst,))
         self.cuda_device().copy_rows(dst.ptr + dst_offset, dst_pitch, src.ptr + src_offset, src_pitch, row_bytes,
                                      rows)
 
@@ -484,12 +510,14 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
 
     @hookimpl
     def device_argmax(self, logits, elements, batch, dtype, result, tie_break):
+        self._order((logits,), (result,))
         decode.device_argmax(self.cuda_device(), self.device_id(), self.device_validation().current_word(),
                              logits, elements, batch, dtype, result, tie_break)
 
     @hookimpl
     def device_token_writer(self, result, input_ids, position_ids, attention_mask, scratch, capacity,
                             next_position, mask_len, write_position, step):
+        self._order((result,), (input_ids, position_ids, attention_mask, scratch))
         decode.device_token_writer(self.cuda_device(), self.device_id(), result, input_ids, position_ids,
                                    attention_mask, scratch, capacity, next_position, mask_len, write_position,
                                    step)
@@ -497,12 +525,14 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
     @hookimpl
     def device_token_writer_at(self, result, input_ids, position_ids, attention_mask, scratch, capacity, mask_len,
                                write_position, counter):
+        self._order((result,), (input_ids, position_ids, attention_mask, scratch, counter))
         decode.device_token_writer_at(self.cuda_device(), self.device_id(), result, input_ids, position_ids,
                                       attention_mask, scratch, capacity, mask_len, write_position, counter)
 
     @hookimpl
     def device_copy_rows_at(self, src, src_offset, src_pitch, dst, dst_pitch, row_bytes, rows, counter, word, bias,
                             dst_unit, limit):
+        self._order((src, counter), (dst,))
         decode.device_copy_rows_at(self.cuda_device(), self.device_id(), src, src_offset, src_pitch, dst, dst_pitch,
                                    row_bytes, rows, counter, word, bias, dst_unit, limit)
 
@@ -514,7 +544,15 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
         if self._host_view(buffer, "fill") is not None:
             raise InvalidArgumentError(f"{NAME}: fill needs a buffer on {self.device_id()}")
         self._writable(buffer, "fill")
+        self._order((), (buffer,))
         self.cuda_device().fill(buffer.ptr + offset, nbytes, value)
+
+
+def _key(buffer: DeviceBuffer) -> int:
+    """The key ``order_access`` knows ``buffer``'s memory by: its allocation's base (aliases share it), the
+    object that holds a reserved allocation, else its address (a capture arena's block, borrowed memory)."""
+    state = buffer.provider_state
+    return state if type(state) is int else id(state) if isinstance(state, MappedGrowthBuffer) else buffer.ptr
 
 
 def _refuse_overlap(src: int, dst: int, nbytes: int, what: str) -> None:

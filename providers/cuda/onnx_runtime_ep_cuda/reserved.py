@@ -41,6 +41,7 @@ class ReservedAllocations:
             reserved.close()
             raise
         self._allocations += 1
+        self.cuda_device().note_home(id(reserved), self.cuda_device())
         return DeviceBuffer(self.device_id(), size, alignment, reserved.ptr, host=None, provider_state=reserved)
 
     @hookimpl
@@ -80,6 +81,8 @@ class ReservedAllocations:
         reserved = buffer.provider_state
         if not isinstance(reserved, MappedGrowthBuffer):
             return False
-        self.cuda_device().sync()  # no queued kernel may still read it
+        lane = self.cuda_device()
+        lane.shared.sync()  # no queued kernel of any lane may still read it
+        lane.forget_access(id(reserved))
         reserved.close()
         return True

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from onnx_runtime.contract.residency import MemoryRole, RawDeviceAllocationSiteStats, Tier
@@ -38,10 +38,13 @@ class _Block:
     recorded: bool = False  # the event names a copy not yet known to be complete
     pending: np.ndarray | None = None  # a download's destination, filled from the block once the event completed
     lease: object = None  # the governor's charge for the block's pinned bytes, once governed
+    held: threading.Lock = field(default_factory=threading.Lock)  # from being handed out until its copy is enqueued
 
 
 class PinnedStaging:
-    """The staging ring of one :class:`CudaDevice` (see the module docstring). Callers hold the device's gate."""
+    """The staging ring of one :class:`CudaDevice` (see the module docstring). Lanes on several threads share it:
+    a block is held by one copy from the moment it is handed out until its copy is enqueued (or, for a download,
+    read back), so a thread a whole ring ahead waits for it instead of overwriting it."""
 
     def __init__(self, device):
         self.device = device
@@ -129,11 +132,17 @@ class PinnedStaging:
                 self.allocated += 1
                 view = np.ctypeslib.as_array((ctypes.c_uint8 * BLOCK_BYTES).from_address(address))
                 block = _Block(address, view, event, lease=lease)
+                block.held.acquire()
                 self._blocks.append(block)
                 return block
             block = self._blocks[self._next % len(self._blocks)]
             self._next = (self._next + 1) % len(self._blocks)
-        self._settle(block)
+        block.held.acquire()
+        try:
+            self._settle(block)
+        except BaseException:
+            block.held.release()
+            raise
         return block
 
     def _settle(self, block: _Block) -> None:
@@ -154,11 +163,14 @@ class PinnedStaging:
         for offset in range(0, src.size, BLOCK_BYTES):
             chunk = src[offset: offset + BLOCK_BYTES]
             block = self._block()
-            block.view[: chunk.size] = chunk
-            result = d.cuMemcpyHtoDAsync(dst + offset, block.address, chunk.size, stream)
-            if int(result[0]):
-                self._check(result, f"cuMemcpyHtoDAsync({chunk.size} B, pinned)")
-            self._recorded(block, stream)
+            try:
+                block.view[: chunk.size] = chunk
+                result = d.cuMemcpyHtoDAsync(dst + offset, block.address, chunk.size, stream)
+                if int(result[0]):
+                    self._check(result, f"cuMemcpyHtoDAsync({chunk.size} B, pinned)")
+                self._recorded(block, stream)
+            finally:
+                block.held.release()
 
     def download_async(self, dst: np.ndarray, src: int, stream) -> None:
         """Enqueue device bytes at ``src`` into host array ``dst`` (uint8, at most one block) through a pinned
@@ -166,11 +178,14 @@ class PinnedStaging:
         if dst.size > BLOCK_BYTES:
             raise ProviderError(f"CUDAExecutionProvider: a staged download holds at most {BLOCK_BYTES} bytes")
         block = self._block()
-        result = self.device.driver.cuMemcpyDtoHAsync(block.address, src, dst.size, stream)
-        if int(result[0]):
-            self._check(result, f"cuMemcpyDtoHAsync({dst.size} B, pinned)")
-        self._recorded(block, stream)
-        block.pending = dst
+        try:
+            result = self.device.driver.cuMemcpyDtoHAsync(block.address, src, dst.size, stream)
+            if int(result[0]):
+                self._check(result, f"cuMemcpyDtoHAsync({dst.size} B, pinned)")
+            self._recorded(block, stream)
+            block.pending = dst
+        finally:
+            block.held.release()
 
     def download(self, dst: np.ndarray, src: int, stream) -> None:
         """Copy device bytes at ``src`` into host array ``dst`` (uint8) and wait for them."""
@@ -178,12 +193,15 @@ class PinnedStaging:
         for offset in range(0, dst.size, BLOCK_BYTES):
             chunk = dst[offset: offset + BLOCK_BYTES]
             block = self._block()
-            result = d.cuMemcpyDtoHAsync(block.address, src + offset, chunk.size, stream)
-            if int(result[0]):
-                self._check(result, f"cuMemcpyDtoHAsync({chunk.size} B, pinned)")
-            self._recorded(block, stream)
-            self._settle(block)
-            chunk[:] = block.view[: chunk.size]
+            try:
+                result = d.cuMemcpyDtoHAsync(block.address, src + offset, chunk.size, stream)
+                if int(result[0]):
+                    self._check(result, f"cuMemcpyDtoHAsync({chunk.size} B, pinned)")
+                self._recorded(block, stream)
+                self._settle(block)
+                chunk[:] = block.view[: chunk.size]
+            finally:
+                block.held.release()
 
     def deliver(self) -> None:
         """Finish every staged download (after the streams were synchronized, this waits for nothing)."""
@@ -191,7 +209,8 @@ class PinnedStaging:
             blocks = list(self._blocks)
         for block in blocks:
             if block.pending is not None:
-                self._settle(block)
+                with block.held:
+                    self._settle(block)
 
     def abandon(self) -> None:
         """Forget every block: a context reset (after a device fault) freed them with everything else."""

@@ -40,8 +40,9 @@ errors), ``contexts.py`` (init, device, primary context), ``streams.py`` (stream
 ``execution.py`` and is re-exported here.
 
 Simulator-only helpers: ``make_image`` (what ``nvrtc.compile`` returns here), ``live_allocations()``,
-``live_host_allocations()``, ``last_error_message()`` (why the last failing call failed), ``configure()`` (the
-options above) and ``reset()`` (drop all driver state; the options return to their environment defaults).
+``live_host_allocations()``, ``live_events()``, ``stream_trace()`` (which stream and thread issued each
+operation), ``last_error_message()`` (why the last failing call failed), ``configure()`` (the options above)
+and ``reset()`` (drop all driver state; the options return to their environment defaults).
 """
 
 from __future__ import annotations
@@ -250,12 +251,15 @@ def live_host_allocations() -> dict[int, int]:
 
 
 def configure(deferred: bool | None = None, sticky_errors: bool | None = None,
-              shuffle_blocks: int | None = None) -> dict:
+              shuffle_blocks: int | None = None, trace: bool | None = None) -> dict:
     """Switch the options of the module docstring (None leaves one as it is); returns the previous values,
-    which ``configure(**previous)`` restores. Turning deferred execution off first runs what is queued."""
+    which ``configure(**previous)`` restores. Turning deferred execution off first runs what is queued.
+    ``trace=True`` starts a fresh record of stream work (see :func:`stream_trace`), ``False`` drops it."""
     with _lock:
         previous = {"deferred": _state.deferred, "sticky_errors": _state.sticky_errors,
-                    "shuffle_blocks": _state.shuffle_seed}
+                    "shuffle_blocks": _state.shuffle_seed, "trace": _state.trace is not None}
+        if trace is not None:
+            _state.trace = [] if trace else None
         if deferred is not None:
             if not deferred:
                 _drain_all()
@@ -265,6 +269,19 @@ def configure(deferred: bool | None = None, sticky_errors: bool | None = None,
         if shuffle_blocks is not None:
             _state.shuffle_seed = int(shuffle_blocks)
         return previous
+
+
+def stream_trace() -> list[tuple[str, int, int]]:
+    """``(call, stream handle, thread id)`` of every operation enqueued on a stream (launches, copies, memsets,
+    frees, graph launches, event records and waits) since ``configure(trace=True)``, in issue order."""
+    with _lock:
+        return list(_state.trace or ())
+
+
+def live_events() -> int:
+    """How many events exist (created and not destroyed)."""
+    with _lock:
+        return len(_state.events)
 
 
 def reset() -> None:

@@ -170,6 +170,8 @@ def _drain_all() -> None:
 def _dispatch(stream: _Stream, node: tuple, call: str, host_waits: bool = False) -> None:
     """Record ``node`` into the stream's capture, run it, or (deferred) queue it; ``host_waits`` for an
     operation the host waits for (a copy into pageable memory): its stream runs up to it at once."""
+    if _state.trace is not None:
+        _state.trace.append((call, stream.handle, threading.get_ident()))
     if _enqueue(stream, node, call):
         return
     if not _state.deferred:

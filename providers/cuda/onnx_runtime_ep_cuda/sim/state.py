@@ -147,6 +147,7 @@ class _State:
         self.sticky_errors = _env_flag(STICKY_ENV)
         self.shuffle_seed = int(os.environ.get(SHUFFLE_ENV) or 0)
         self.launches = 0
+        self.trace: list | None = None  # configure(trace=True): (call, stream handle, thread) of stream work
         self.sticky: tuple[CUresult, str] | None = None  # the error that made the context unusable
         self.host_allocations: dict[int, ctypes.Array] = {}  # cuMemHostAlloc: address -> its buffer
         self.pinned: dict[int, int] = {}  # page-locked host ranges (allocated or registered): start -> size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 from .execution import _capturing, _check_legacy, _dispatch, _drain, _invalidate
@@ -58,6 +59,8 @@ def cuStreamQuery(hStream):
 @_api()
 def cuStreamWaitEvent(hStream, hEvent, Flags):
     stream, event = _stream(hStream), _event(hEvent)
+    if _state.trace is not None:
+        _state.trace.append(("cuStreamWaitEvent", stream.handle, threading.get_ident()))
     source = event.capture if event.capture is not None and event.capture in _state.captures else None
     target = stream.capture
     if source is None:
@@ -91,6 +94,8 @@ def cuEventCreate(Flags):
 @_api()
 def cuEventRecord(hEvent, hStream):
     event, stream = _event(hEvent), _stream(hStream)
+    if _state.trace is not None:
+        _state.trace.append(("cuEventRecord", stream.handle, threading.get_ident()))
     capture = _capturing(stream)
     event.stream, event.seq = None, 0
     if capture is not None:
