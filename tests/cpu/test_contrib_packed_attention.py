@@ -109,7 +109,7 @@ def test_packed_attention_without_bias_with_scale_and_head_counts(bias, scale, h
     attrs = {} if scale is None else {"scale": scale}
     proto = _model([BATCH], bias=bias, heads=heads, **attrs)
     session, oracle = _sessions(proto)
-    for steps in (1, STEPS, 20, 80):  # one input shape after another through one session (80: the long path)
+    for steps in (1, STEPS, 20, 200):  # one input shape after another through one session (200: the long path)
         x = RNG.standard_normal((BATCH, steps, HIDDEN)).astype(np.float32)
         feeds = {"x": x, "mask": np.array([steps, max(1, steps - 2)], np.int32)}
         got = session.run(None, feeds)[0]
@@ -121,8 +121,8 @@ def test_packed_attention_without_bias_with_scale_and_head_counts(bias, scale, h
 @pytest.mark.parametrize("mask", ["lengths", "raw"])
 @pytest.mark.parametrize("causal", [0, 1])
 def test_long_sequences_match_reference_and_onnxruntime(mask, causal, compiled):
-    """More keys than the few-row loop takes: the ONNX Attention kernel over the packed product's parts."""
-    steps = 90
+    """More keys than the compiled loops take: the ONNX Attention kernel over the packed product's parts."""
+    steps = 200
     value = np.array([steps, 40], np.int32) if mask == "lengths" else \
         (np.arange(steps)[None, :] < np.array([[steps], [33]])).astype(np.int32)
     proto = _model(list(value.shape), unidirectional=causal)
@@ -136,11 +136,11 @@ def test_long_sequences_match_reference_and_onnxruntime(mask, causal, compiled):
 def test_declared_long_sequence_keeps_the_split_projections():
     """A sequence the graph declares longer than the packed loop takes: the ONNX Attention over contiguous
     projections (its blocked products), as the packed kernel's own long path would run it per call."""
-    proto = _model([BATCH], steps=90)
+    proto = _model([BATCH], steps=200)
     session, oracle = _sessions(proto)
     ran = {(r.domain, r.op_type) for r in session.placement()}
     assert PACKED not in ran and ("", "Attention") in ran, ran
-    feeds = {"x": RNG.standard_normal((BATCH, 90, HIDDEN)).astype(np.float32), "mask": np.array([90, 50], np.int32)}
+    feeds = {"x": RNG.standard_normal((BATCH, 200, HIDDEN)).astype(np.float32), "mask": np.array([200, 50], np.int32)}
     np.testing.assert_allclose(session.run(None, feeds)[0], oracle.run(None, feeds)[0], rtol=2e-5, atol=2e-5)
     assert PACKED in {(r.domain, r.op_type) for r in _sessions(_model([BATCH], steps=20))[0].placement()}
 

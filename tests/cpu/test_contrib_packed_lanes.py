@@ -132,3 +132,22 @@ def test_short_sequences_and_new_lengths_through_one_session(lanes_calls):
         np.testing.assert_allclose(session.run(None, {"x": x, "mask": mask})[0], _reference(proto, x, mask, 2),
                                    rtol=tol, atol=tol)
     assert len(lanes_calls) == 2
+
+
+def test_longer_sequences_run_in_lanes_up_to_the_lanes_limit(lanes_calls):
+    """Sequences past the scalar loop's limit (PACKED_LOOP_MACS) and within the lanes' (PACKED_LANES_MACS) stay
+    on the packed path, declared or not; against the float64 reference."""
+    from onnx_runtime_ep_cpu.contrib_lowering import PACKED_LANES_MACS, PACKED_LOOP_MACS
+    from onnx_runtime_ep_cpu.tuning import KNOBS
+
+    hidden, heads, steps = 32, 2, 90
+    assert PACKED_LOOP_MACS * KNOBS.few_query_macs < hidden * steps * steps <= PACKED_LANES_MACS * KNOBS.few_query_macs
+    proto = _model(hidden, heads, [BATCH])
+    proto.graph.input[0].type.tensor_type.shape.dim[1].dim_value = steps  # declared: the lowering decides too
+    session = ort.InferenceSession(proto, providers=["CPUExecutionProvider"])
+    assert ("ai.onnx_runtime.cpu", "ContribPackedAttention") in {(r.domain, r.op_type) for r in session.placement()}
+    x = RNG.standard_normal((BATCH, steps, hidden)).astype(np.float32)
+    mask = np.array([steps, 61], np.int32)
+    np.testing.assert_allclose(session.run(None, {"x": x, "mask": mask})[0], _reference(proto, x, mask, heads),
+                               rtol=TOL, atol=TOL)
+    assert lanes_calls

@@ -49,6 +49,16 @@ _CONTRIB_EPSILON = 1e-12
 # multiply-adds (Q.K); the ONNX Attention kernel's blocked products were level with it about there on the
 # AVX-512 host. Longer sequences declared in the graph keep the split projections.
 PACKED_LOOP_MACS = 2
+# Where attention_lanes.py's 16-lane loop runs it (AVX-512 hosts, no causal frontier) the packed path outran the
+# ONNX Attention kernel over the split projections up to about this many times the knob's multiply-adds.
+PACKED_LANES_MACS = 16
+
+
+def packed_macs_factor(causal: bool) -> int:
+    """How many times the few_query_macs knob's Q.K multiply-adds ContribPackedAttention's compiled path takes."""
+    from .algorithms.products import gemv_host
+
+    return PACKED_LANES_MACS if not causal and gemv_host() else PACKED_LOOP_MACS
 # Producers whose output has the dtype of their constant (weight) input.
 _WEIGHTED = frozenset({"MatMul", "Gemm", "Conv", "FusedMatMul"})
 
@@ -217,7 +227,8 @@ class _Lowering:
         weight (made C-contiguous once here) and one compiled pass reading Q, K, V and the mask index in place."""
         shape, size = self.shape(node.inputs[0]), weight.shape[1] // 3 // heads
         if shape is not None and len(shape) == 3 and isinstance(shape[1], int) \
-                and heads * shape[1] * shape[1] * size > PACKED_LOOP_MACS * KNOBS.few_query_macs:
+                and heads * shape[1] * shape[1] * size > \
+                packed_macs_factor(bool(node.attr("unidirectional", 0))) * KNOBS.few_query_macs:
             return None  # (a long sequence: the ONNX Attention kernel's products over contiguous projections)
         packed = node.inputs[1]
         if not weight.flags.c_contiguous:

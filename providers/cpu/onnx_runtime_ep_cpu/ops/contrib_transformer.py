@@ -27,7 +27,7 @@ from ..algorithms.contrib_attention import (
 )
 from ..algorithms.precision import compute_dtype
 from ..compiled.deferred import numpy_first, tried
-from ..contrib_lowering import PACKED_LOOP_MACS
+from ..contrib_lowering import PACKED_LOOP_MACS, packed_macs_factor
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ..tuning import KNOBS
@@ -234,6 +234,7 @@ class _PackedAttention:
         self.heads = self.general.heads
         self.fill = np.float32(node.attr("mask_filter_value", -10000.0))
         self.causal = bool(node.attr("unidirectional", 0))
+        self.macs_factor = packed_macs_factor(self.causal)  # (times the few_query_macs knob: longer goes long)
         # compiled loops, imported at the first compiled call
         self.loop = self.lanes = None
         self.work: dict[tuple, int] = {}  # per (B, S, head size): the floats the 16-lane path's scratch holds
@@ -255,7 +256,8 @@ class _PackedAttention:
             return self.general(x, weights, bias, mask_index)
         counts, mask = masks
         qkv = np.matmul(np.ascontiguousarray(x).reshape(batch * steps, depth), weights)
-        if self.heads * steps * steps * size > PACKED_LOOP_MACS * KNOBS.few_query_macs:
+        factor = self.macs_factor if steps >= tiled_attention.LANES_ROWS else PACKED_LOOP_MACS
+        if self.heads * steps * steps * size > factor * KNOBS.few_query_macs:
             if bias is not None:
                 qkv += bias
             if counts.size:
