@@ -49,6 +49,9 @@ class PackedProduct:
         self._empty = np.empty(0, dtype=np.float32)
         self._last: tuple | None = None  # (a's shape, b, bias, coefficients, no residual, knobs, the plan)
         self._jobs = self._workers = None  # compiled.jobs and .workers, imported by the first _plan
+        # Where the background loader guards, the first call is tried (deferred.Trial): a loop or runner that
+        # numba's cache misses is compiled by the loader's child while BLAS and the epilogue's loops serve.
+        self._tried = not deferred.guarding()
 
     @staticmethod
     def applies(a: np.ndarray, b: np.ndarray) -> bool:
@@ -61,6 +64,14 @@ class PackedProduct:
         """a @ b (+ bias) [Gelu with ``coefficients``] (+ residual), as a fresh (..., N) array; ``bias``
         (N,) and ``residual`` (a's rows, N) float32, where given. ``weights``: the constant array ``b``
         is a view of (Gemm's transB), which identifies it from call to call (a view is new each time)."""
+        if not self._tried and not deferred.in_trial():
+            try:
+                with deferred.Trial():
+                    y = self(a, b, bias, residual, coefficients, weights)
+            except deferred.WouldCompile:
+                return blas_product(a, b, bias, residual, coefficients)
+            self._tried = True
+            return y
         source = b if weights is None else weights
         # The last call's plan: a node's product repeats every run with the same shape, arrays and knobs, and
         # working the plan out again (lookups, the task split, the job's address) costs about as much as a
@@ -132,6 +143,21 @@ class PackedProduct:
                 ranges.append(len(bounds) - 1)
             tasks = self._task_cache[key] = (np.array(bounds, dtype=np.int64), np.array(ranges, dtype=np.int64))
         return tasks
+
+
+def blas_product(a, b, bias=None, residual=None, coefficients=None) -> np.ndarray:
+    """PackedProduct's result by BLAS and compiled/transformer.py's epilogue in place (their numpy equivalents
+    serve where numba's cache misses them): a @ b (+ bias) [Gelu with ``coefficients``] (+ residual)."""
+    from ..compiled import transformer
+
+    n = b.shape[1]
+    rows = np.matmul(np.ascontiguousarray(a).reshape(-1, a.shape[-1]), b)
+    skip = None if residual is None else np.ascontiguousarray(residual).reshape(rows.shape)
+    if coefficients is not None:
+        transformer.gelu(rows, coefficients, bias, skip, out=rows)
+    elif bias is not None or skip is not None:
+        transformer.add_bias_residual(rows, bias, skip)
+    return rows.reshape(a.shape[:-1] + (n,))
 
 
 # Products of at most this many rows of ``a`` (a classifier's batch) run compiled/gemv.py's loops on

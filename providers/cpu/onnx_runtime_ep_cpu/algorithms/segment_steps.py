@@ -31,12 +31,14 @@ COPY_LIMIT_BYTES = 256 << 10
 
 class BoundPlan:
     """``run(inputs) -> outputs`` for one input signature: feeds copied into their buffers, the steps called,
-    the outputs copied out. ``fits(inputs)``: the constants are the arrays it was bound to."""
+    the outputs copied out. ``fits(inputs)``: the constants are the arrays it was bound to. ``ticket``: None, or
+    the provisional.Ticket of a plan built while a loop it calls was served by a fallback."""
 
-    __slots__ = ("lock", "nbytes", "arena", "_feeds", "_constant_slots", "_constants", "_steps", "_results")
+    __slots__ = ("lock", "nbytes", "arena", "ticket", "_feeds", "_constant_slots", "_constants", "_steps", "_results")
 
     def __init__(self, feeds, constants: dict[int, np.ndarray], steps, results, nbytes: int = 0):
         self.lock = threading.Lock()
+        self.ticket = None
         self.nbytes = nbytes  # the buffers it holds (feeds' and values')
         self.arena = None  # segment_arena.Arena: where its values live
         self._feeds = tuple(feeds)  # (slot, buffer)
@@ -59,6 +61,12 @@ class BoundPlan:
                 return False
         return self.fits(inputs)
 
+    def describe(self) -> dict:
+        """What the plan binds: its steps, those that run a node's kernel (not prepared), and whether it is
+        provisional (made again once the loops that were served by fallbacks are linked)."""
+        return {"steps": len(self._steps), "kernels": sum(f is _run_kernel for f, _ in self._steps),
+                "provisional": self.ticket is not None}
+
     def run(self, inputs):
         copy = np.copyto
         for slot, buffer in self._feeds:
@@ -72,9 +80,10 @@ def _direct(function, arguments):
     """A compiled loop's overload for these arguments' types, called without numba's dispatcher: the plan's
     arguments never change, and the dispatcher's typing of each argument on every call costs about as much as a
     small loop (a wrong type is still refused: the overload's wrapper unboxes each argument). A loop not yet
-    compiled for these types is compiled (or read from numba's disk cache) now, as its first call would; anything
-    else is called as it is."""
-    from ..compiled.deferred import Loop
+    compiled for these types is linked from numba's disk cache, or compiled now where no background loader
+    guards; where one does, the loop itself (its dispatcher serves the call) in a provisional plan, made again once
+    the loader's child has compiled it (deferred.overload). Anything else is called as it is."""
+    from ..compiled.deferred import Loop, overload
 
     if not isinstance(function, Loop):
         return function
@@ -83,8 +92,22 @@ def _direct(function, arguments):
         types = tuple(dispatcher.typeof_pyval(a) for a in arguments)
     except (TypeError, ValueError):
         return function
-    found = dispatcher.overloads.get(types)
-    return dispatcher.compile(types) if found is None else found.entry_point
+    found = overload(function, types)
+    return function if found is None else found
+
+
+def _linked(function, arguments) -> bool:
+    """Whether a step's call has its overload (see _direct): False where the loader's child compiles it first."""
+    from ..compiled.deferred import Loop, overload
+
+    if not isinstance(function, Loop):
+        return True
+    dispatcher = function.dispatcher()
+    try:
+        types = tuple(dispatcher.typeof_pyval(a) for a in arguments)
+    except (TypeError, ValueError):
+        return True
+    return overload(function, types) is not None
 
 
 def _run_kernel(kernel, inputs, outputs) -> None:
@@ -186,6 +209,8 @@ def _bind_node(inner, env, buffers, constants, steps, pool) -> bool:
     op = inner.node.op_type
     binder = BINDERS.get(op) if inner.node.domain in ("", "ai.onnx", "ai.onnx_runtime.cpu") else None
     bound = binder(inner.node, kernel, inputs, outputs, constant) if binder is not None else None
+    if bound is not None and not all(_linked(function, arguments) for function, arguments in bound):
+        bound = None  # (its kernel, with its own fallback, until the loader's child has compiled the loop)
     steps.extend(bound if bound is not None else [(_run_kernel, (kernel, inputs, outputs))])
     return True
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import provisional
 from .child_process import encode, pickled, run_child
 
 ENV = "ONNX_RUNTIME_COMPILE_IN_BACKGROUND"
@@ -54,6 +55,7 @@ _generic: dict | None = None  # generic.py's table, imported on the first deferr
 _needs: set[tuple] = set()  # job kinds named by numpy_first's callers ("jobs.POOL", or with a part's types)
 _kinds_linked: set = set()  # of those, the ones the loader has dealt with
 _missed: set[tuple] = set()  # (loop, numba signature) or (None, runner entry) a run's thread met uncached
+provisional.bind_missing(_missed)  # (plans made while one was served wait for it: provisional.py)
 _abandoned: set[tuple] = set()  # of those, what the child could not compile: compiled where called, as before
 _trial = threading.local()  # depth: this thread runs a compiled path that has a fallback (see Trial)
 _PACKAGE = __name__.rsplit(".", 1)[0]
@@ -156,14 +158,17 @@ def disable() -> None:
 
 def wait_ready(timeout: float | None = None) -> bool:
     """Wait for the loader (True once it has switched the loops it loaded, and linked what the runs missed
-    since; at once if none runs)."""
+    since; at once if none runs) and make the plans made while those were served again (provisional.py)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     thread = state.thread
     if thread is not None:
         thread.join(timeout)
-    while (rounds := state.rounds) is not None and rounds.is_alive():
-        rounds.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if deadline is not None and time.monotonic() >= deadline:
+    for _ in range(8):  # (a plan made again may meet misses of its own: a few rounds)
+        while (rounds := state.rounds) is not None and rounds.is_alive():
+            rounds.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        if state.rounds is not None or (thread is not None and thread.is_alive()) or not provisional.settle_held():
             break
     return (state.ready or thread is None) and state.rounds is None
 
@@ -510,6 +515,7 @@ def _guard(loop: Loop, dispatcher) -> None:
         if generic is None and not getattr(_trial, "depth", 0):
             return compile_for_args(*args)
         _miss(key)
+        provisional.note(key)
         if generic is None:
             raise WouldCompile(loop.key)
         return functools.partial(_quietly, generic)  # (numba calls what this returns with the arguments)
@@ -520,6 +526,25 @@ def _guard(loop: Loop, dispatcher) -> None:
 def _quietly(generic, *args):
     with np.errstate(all="ignore"):  # the loops give inf/NaN silently (error_model="numpy")
         return generic(*args)
+
+
+def overload(loop: Loop, types: tuple):
+    """``loop``'s entry point for numba ``types``: linked from the cache, or compiled where the guard is off; None
+    where guarding and the cache misses it: the loader's child compiles it, the caller's plan is provisional."""
+    dispatcher = loop.dispatcher()
+    key, found = (loop, types), dispatcher.overloads.get(types)
+    if found is not None:
+        return found.entry_point
+    if not state.guarding or threading.get_ident() == state.loader_ident or key in _abandoned:
+        return dispatcher.compile(types)
+    if key not in _missed:
+        _link_cached(dispatcher, types)
+        found = dispatcher.overloads.get(types)
+        if found is not None:
+            return found.entry_point
+    _miss(key)
+    provisional.note(key)
+    return None
 
 
 def must_not_compile() -> bool:
@@ -534,6 +559,7 @@ def runner_missed(entry) -> WouldCompile:
     if key in _abandoned:
         return WouldCompile(f"{entry.__module__}.{entry.__qualname__} (not compiled by the loader's child)")
     _miss(key)
+    provisional.note(key)
     return WouldCompile(f"{entry.__module__}.{entry.__qualname__}")
 
 
@@ -606,6 +632,7 @@ def _after_child(fresh: list) -> None:
         _abandoned.update(loops)
         _abandoned.update((None, entry) for entry in runners)
         _missed.difference_update(fresh)
+    provisional.advance()
 
 
 def _linked(dispatcher, described) -> bool:

@@ -14,6 +14,11 @@ may sum in another order), and dropped where they differ; from then on every run
 the plan's values. One run uses a plan at a time (its buffers are shared): concurrent runs of a signature get
 copies of its plan, up to _COPIES, then wait for one. Plans over POOL_LIMIT_BYTES of buffers are not made
 (the node-by-node run frees each value after its last reader).
+
+A plan made while a loop it (or a node's kernel) calls was served by a fallback, the loader's child compiling it
+(compiled/deferred.py), is provisional (provisional.py): it runs inside a Trial, node by node where a
+step would compile, and is made again once those misses are settled, at the signature's next run or in
+deferred.wait_ready. So is a signature that such a window left to the nodes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import threading
 import numpy as np
 from onnx_runtime.errors import OnnxRuntimeError
 
+from .. import provisional
 from ..algorithms.segment_steps import BoundPlan, build_plan
 from ..compiled import deferred
 from ..fusions import FUSED_DOMAIN
@@ -89,6 +95,7 @@ class Segment:
         self.plans: dict[tuple, list[BoundPlan] | None] = {}
         self.last: BoundPlan | None = None
         self.replanned: set[tuple] = set()
+        self.waiting: dict[tuple, provisional.Ticket] = {}  # signatures left to the nodes by a provisional window
         self.lock = threading.Lock()  # planning
 
     def __call__(self, *inputs):
@@ -102,19 +109,73 @@ class Segment:
         plans = self.plans.get(key, ())
         if plans and not plans[0].fits(inputs):
             plans = self._other_constants(key)
+        if plans is None and self.waiting and key in self.waiting and self.waiting[key].settled():
+            plans = self._drop(key)
         if plans is None or deferred.numpy_first():
             return self._node_by_node(inputs, keep_all=False)[1]
+        if plans and plans[0].ticket is not None and plans[0].ticket.settled():
+            plans = self._drop(key)  # its misses are linked now: made again, once
         for plan in plans:
             if plan.lock.acquire(False):
-                self.last = plan
                 try:
+                    if plan.ticket is not None:  # (never self.last: the fast path runs final plans)
+                        return self._provisional_run(plan, inputs)
+                    self.last = plan
                     return plan.run(inputs)
                 finally:
                     plan.lock.release()
         if len(plans) < _COPIES:  # (none yet, or all busy: another copy, computing the same values)
             return self._plan_and_run(key, inputs)
         with plans[0].lock:
-            return plans[0].run(inputs)
+            return plans[0].run(inputs) if plans[0].ticket is None else self._provisional_run(plans[0], inputs)
+
+    def _provisional_run(self, plan, inputs):
+        """A provisional plan's run: a step whose loop would compile here serves this run node by node."""
+        try:
+            with deferred.Trial():
+                return plan.run(inputs)
+        except deferred.WouldCompile:
+            return self._node_by_node(inputs, keep_all=False)[1]
+
+    def _drop(self, key) -> tuple:
+        """Forget the signature's provisional plans or its provisional None, to plan it again."""
+        with self.lock:
+            current = self.plans.get(key, ())
+            if (current is None and key in self.waiting) or (current and current[0].ticket is not None):
+                self.plans.pop(key, None)
+                self.waiting.pop(key, None)
+        return ()
+
+    def settle(self) -> tuple[bool, bool]:
+        """(made again, still provisional): every provisional plan or None whose misses are settled made again
+        from the inputs its window ran (provisional.settle_held, called by deferred.wait_ready)."""
+        remade = still = False
+        for key, plans in list(self.plans.items()):
+            ticket = self.waiting.get(key) if plans is None else plans[0].ticket if plans else None
+            if ticket is None:
+                continue
+            if not ticket.settled():
+                still = True
+                continue
+            self._drop(key)
+            remade = True
+            with provisional.watching() as seen:
+                try:  # in a Trial: a node's call that misses the cache is the loader's, not this thread's, to compile
+                    with deferred.Trial():
+                        self._plan_and_run(key, list(ticket.inputs))
+                except deferred.WouldCompile:
+                    pass
+                except OnnxRuntimeError:  # (as it ran before: its next run says so)
+                    continue
+            if key not in self.plans and seen:  # (stopped at a miss: made again after the round that links it)
+                waiting = provisional.Ticket(frozenset(seen))
+                waiting.inputs = ticket.inputs
+                with self.lock:
+                    if self.plans.setdefault(key, None) is None:
+                        self.waiting[key] = waiting
+            again = self.plans.get(key)
+            still = still or key in self.waiting or bool(again and again[0].ticket is not None)
+        return remade, still
 
     def _other_constants(self, key):
         """A read-only input is not the array the plan was bound to (weights fed as an input): planned anew
@@ -149,36 +210,55 @@ class Segment:
         """Plan this signature (another copy where its plans are busy) from a node-by-node run of ``inputs``,
         check the plan against it, and return the plan's outputs: every run of a planned signature gives the
         plan's values, whichever copy and however many threads. A plan that cannot be made or disagrees leaves
-        the signature to the nodes for good."""
-        env, outputs = self._node_by_node(inputs, keep_all=True)
-        try:
-            with deferred.Trial():  # a loop numba's cache misses: planned again once the loader has it
-                try:
-                    plan = build_plan(self, env, POOL_LIMIT_BYTES)
-                except OnnxRuntimeError:
-                    plan = None
-                if plan is not None:
-                    with plan.lock:
-                        planned = plan.run(inputs)
-        except deferred.WouldCompile:
+        the signature to the nodes for good (made while fallbacks served: until those misses settle)."""
+        with provisional.watching() as seen:  # fallbacks served while it is made: a provisional plan
+            env, outputs = self._node_by_node(inputs, keep_all=True)
+            plan, outputs = self._checked_plan(env, inputs, outputs)
+        ticket = provisional.ticket(seen)
+        if plan is False and ticket is None:  # (a miss the child gave up on: tried again at the next run)
             return outputs
-        if plan is not None:
-            if all(_close(a, b) for a, b in zip(planned, outputs)):
-                outputs = planned
-            else:
-                plan = None
+        plan = plan or None
+        if ticket is not None:
+            ticket.inputs = tuple(x.copy() if isinstance(x, np.ndarray) and x.flags.writeable else x for x in inputs)
+            provisional.hold(self)
+            if plan is not None:
+                plan.ticket = ticket
         with self.lock:
             if len(self.plans) >= _SIGNATURES and key not in self.plans:
                 self.plans.clear()
+                self.waiting.clear()
                 self.last = None
             plans = self.plans.get(key, [])
             if plan is None:
                 if not plans:
                     self.plans[key] = None
+                    if ticket is not None:
+                        self.waiting[key] = ticket
             else:
                 self.plans[key] = [*(plans or []), plan]
-                self.last = plan
+                if ticket is None:
+                    self.last = plan
         return outputs
+
+    def _checked_plan(self, env, inputs, outputs):
+        """(plan, outputs): the plan built from ``env`` and its outputs for ``inputs`` where they match the
+        node-by-node ``outputs``; (None, outputs) where it cannot be made or disagrees, (False, outputs) where it
+        would compile here."""
+        try:
+            with deferred.Trial():  # a loop numba's cache misses: planned again once the loader has it
+                try:
+                    plan = build_plan(self, env, POOL_LIMIT_BYTES)
+                except OnnxRuntimeError:
+                    return None, outputs
+                if plan is None:
+                    return None, outputs
+                with plan.lock:
+                    planned = plan.run(inputs)
+        except deferred.WouldCompile:  # (its check would compile: the nodes serve until the misses settle)
+            return False, outputs
+        if all(_close(a, b) for a, b in zip(planned, outputs)):
+            return plan, planned
+        return None, outputs
 
 
 def _close(a, b) -> bool:
