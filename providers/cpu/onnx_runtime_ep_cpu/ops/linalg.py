@@ -145,6 +145,9 @@ def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general):
 
     out_shape, bias_shape, add = a_shape[:-1] + (n,), (n,), compiled.add_bias_residual_
     no_residual = {dtype: np.empty((0, 0), dtype) for dtype in BLAS_FLOATS}
+    # np.dot: the same BLAS call as np.matmul on 2-D float32/float64 operands (the same bits) without the
+    # generalized ufunc's dispatch, which a short sequence's products pay on every call
+    product = np.dot if dtypes <= BLAS_FLOATS else np.matmul
 
     def kernel(a, b, bias, residual=None):
         dtype = a.dtype
@@ -152,7 +155,7 @@ def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general):
                 or b.ndim != 2 or bias.shape != bias_shape or not a.flags.c_contiguous or (residual is not None and (
                     residual.shape != out_shape or residual.dtype is not dtype or not residual.flags.c_contiguous)):
             return general(a, b, bias, residual)
-        y = np.matmul(a.reshape(rows, depth), b)
+        y = product(a.reshape(rows, depth), b)
         skip = no_residual[dtype] if residual is None else residual.reshape(rows, n)
         if plain:
             add(y, bias, skip)
