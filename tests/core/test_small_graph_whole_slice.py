@@ -1,4 +1,4 @@
-"""elimination: a Slice that takes every element in order (start 0, step 1, end past the axis) is bypassed, as
+"""elimination: a Slice that takes every element in order (start 0, step 1, end int64's largest) is bypassed, as
 torch's STFT export writes them; any other Slice stays. Outputs against numpy's slicing."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ INT64_MAX = np.iinfo(np.int64).max
 
 @pytest.mark.parametrize("starts, ends, axes, steps, whole", [
     ([0], [INT64_MAX], [2], [1], True),        # to int64's largest: past any end
-    ([0, 0], [3, 7], [1, 2], None, True),      # to the static lengths, steps omitted
+    ([0, 0], [INT64_MAX, INT64_MAX], [1, 2], None, True),  # two axes, steps omitted
+    ([0, 0], [3, 7], [1, 2], None, False),     # to the static lengths: left for inference to read
     ([0], [6], [2], [1], False),               # stops one short
     ([1], [INT64_MAX], [2], [1], False),       # starts past 0
     ([0], [INT64_MAX], [2], [2], False),       # every other element

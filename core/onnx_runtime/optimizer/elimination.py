@@ -139,32 +139,16 @@ def _is_passthrough(node: Node, graph: Graph, uses: Uses) -> bool:
 
 
 def _whole_slice(node: Node, graph: Graph) -> bool:
-    """A Slice taking every element in order on each axis it names: step 1 from 0 to past the end (exporters write
-    the end as int64's largest value), or to the axis's static length."""
+    """A Slice taking every element in order on each axis it names: step 1 from 0 to past any end (exporters write
+    int64's largest value). An end equal to the axis's length is left: a Slice there may be what a later
+    inference round reads to type its output."""
     starts, ends = constant(graph, node.inputs[1]), constant(graph, node.inputs[2])
     steps = constant(graph, node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else None
-    axes_given = len(node.inputs) > 3 and node.inputs[3]
-    axes = constant(graph, node.inputs[3]) if axes_given else None
-    if starts is None or ends is None or (axes_given and axes is None) \
-            or (len(node.inputs) > 4 and node.inputs[4] and steps is None):
+    if starts is None or ends is None or (len(node.inputs) > 4 and node.inputs[4] and steps is None):
         return False
-    if starts.shape != ends.shape or starts.ndim != 1 or (steps is not None and steps.shape != starts.shape) \
-            or (axes is not None and axes.shape != starts.shape):
+    if starts.shape != ends.shape or starts.ndim != 1 or (steps is not None and steps.shape != starts.shape):
         return False
-    info = graph.type_of(node.inputs[0])
-    shape = info.shape if info is not None and info.is_tensor else None
-    for index, (start, end) in enumerate(zip(starts.tolist(), ends.tolist())):
-        if start != 0 or (steps is not None and steps[index] != 1):
-            return False
-        if end >= _PAST_ANY_END:
-            continue
-        axis = int(axes[index]) if axes is not None else index
-        if shape is None or not -len(shape) <= axis < len(shape):
-            return False
-        length = shape[axis]
-        if not isinstance(length, int) or end < length:
-            return False
-    return True
+    return bool(np.all(starts == 0) and np.all(ends >= _PAST_ANY_END) and (steps is None or np.all(steps == 1)))
 
 
 # An end at or past this is past the end of any axis a tensor this runtime holds can have.
