@@ -220,8 +220,6 @@ class Split:
     def _trial(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         try:
             with deferred.Trial():
-                if self._parts > 1 and not self._runner:
-                    self._runner = self._jobs.PRODUCT.address()
                 y = self(a, b)
         except deferred.WouldCompile:
             return np.matmul(a, b.T if self._transposed else b)
@@ -236,6 +234,8 @@ class Split:
             b = np.ascontiguousarray(b)
         sums = np.empty(self._shape, dtype=np.float32)
         if self._parts > 1:
+            if not self._runner:  # (first here inside a Trial, its own or a caller's: the lookup may raise there)
+                self._runner = self._jobs.PRODUCT.address()
             # The process's helpers, looked up per call: a forked child has none of its parent's.
             pool = self._workers.helpers(helper_count())
             if self._long:
