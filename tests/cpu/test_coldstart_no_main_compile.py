@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 import onnx
+from compile_probe import COUNT_COMPILES
 from onnx import TensorProto, helper
 
 SCRIPT = r"""
@@ -25,27 +26,7 @@ import numpy as np
 import onnx_runtime as ort
 from onnx_runtime_ep_cpu.compiled import deferred
 
-main = threading.get_ident()
-compiles = {"main": 0, "other": 0}
-
-def count_compiles():  # every real compile in this process (cache loads are not compiles)
-    from numba.core import compiler
-    original = compiler.compile_extra
-
-    def counted(*args, **kwargs):
-        compiles["main" if threading.get_ident() == main else "other"] += 1
-        return original(*args, **kwargs)
-    compiler.compile_extra = counted
-
-real_ensure = deferred.ensure_numba
-def ensure():
-    real_ensure()
-    if not ensure.done:
-        ensure.done = True
-        count_compiles()
-ensure.done = False
-deferred.ensure_numba = ensure
-
+""" + COUNT_COMPILES + r"""
 entered, release = threading.Event(), threading.Event()
 real_child = deferred._compile_in_child
 def slow_child(*request):  # the compile process held until the runs below went on without it

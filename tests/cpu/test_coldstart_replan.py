@@ -20,6 +20,7 @@ import sys
 
 import numpy as np
 import onnx
+from compile_probe import COUNT_COMPILES
 from onnx import TensorProto, helper, numpy_helper
 from reference64 import run_float64
 
@@ -30,27 +31,7 @@ import onnx_runtime as ort
 from onnx_runtime_ep_cpu.compiled import deferred
 from onnx_runtime_ep_cpu.ops import segment as segment_module
 
-main = threading.get_ident()
-compiles = {"main": 0, "other": 0}
-
-def count_compiles():  # every real compile in this process (cache loads are not compiles)
-    from numba.core import compiler
-    original = compiler.compile_extra
-
-    def counted(*args, **kwargs):
-        compiles["main" if threading.get_ident() == main else "other"] += 1
-        return original(*args, **kwargs)
-    compiler.compile_extra = counted
-
-real_ensure = deferred.ensure_numba
-def ensure():
-    real_ensure()
-    if not ensure.done:
-        ensure.done = True
-        count_compiles()
-ensure.done = False
-deferred.ensure_numba = ensure
-
+""" + COUNT_COMPILES + r"""
 builds = [0]
 real_build = segment_module.build_plan
 def counted_build(*args):
