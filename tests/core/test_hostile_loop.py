@@ -130,3 +130,26 @@ def test_a_scan_body_taking_more_values_than_the_node_gives_is_refused():
     with pytest.raises(ort.errors.InvalidGraphError, match=r"\(Scan\): attribute 'body' has 3 inputs; it must take 2"):
         session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
         session.run(None, {"s": np.zeros(2, np.float32), "x": np.ones((3, 2), np.float32)})
+
+
+def test_a_scan_body_returning_fewer_values_than_the_node_has_states_is_refused():
+    # Fuzz seed 62: num_scan_inputs lowered from 4 to 2 made three of five inputs states, but the body returned
+    # two values; the second iteration shifted its inputs by one and a None reached the body's Cast (an
+    # AttributeError inside a KernelError).
+    def values(*names):
+        return [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2]) for name in names]
+
+    body = helper.make_graph([helper.make_node("Add", ["a_in", "b_in"], ["a_out"]),
+                              helper.make_node("Add", ["a_in", "x_t"], ["o"])], "body",
+                             values("a_in", "b_in", "c_in", "x_t"),
+                             values("a_out", "o"))
+    scan = helper.make_node("Scan", ["a", "b", "c", "x"], ["y", "z"], body=body, num_scan_inputs=1)
+    graph = helper.make_graph([scan], "g",
+                              [*values("a", "b", "c"), helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 2])],
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y", "z")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)]).SerializeToString()
+    with pytest.raises(ort.errors.InvalidGraphError,
+                       match=r"\(Scan\): attribute 'body' has 2 outputs; it must return each of the node's 3 states"):
+        session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+        session.run(None, {"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32), "c": np.zeros(2, np.float32),
+                           "x": np.ones((3, 2), np.float32)})

@@ -52,6 +52,15 @@ def _check_body_arity(node, body: Subgraph, given: int, what: str) -> None:
                                 f"inputs; it must take {given} ({what})")
 
 
+def _check_scan_states(node, body: Subgraph, state_count: int) -> None:
+    """The body gives back every state it takes (a state it left out shifted the scan inputs by one: a None
+    reached a kernel)."""
+    if len(body.output_names) < state_count:
+        raise InvalidGraphError(f"node {node.name!r} (Scan): attribute 'body' has {len(body.output_names)} outputs; it "
+                                f"must return each of the node's {state_count} states (its inputs less "
+                                f"num_scan_inputs) before its scan outputs: fix num_scan_inputs or the body")
+
+
 def _outer(node, args, explicit: int) -> dict:
     return dict(zip(implicit_inputs(node), args[explicit:]))
 
@@ -180,6 +189,7 @@ def scan(node, shapes, opset, handle):
     explicit = len(node.inputs)
     state_count = explicit - scan_inputs
     _check_body_arity(node, body, explicit, "one per state and per scan input of the node")
+    _check_scan_states(node, body, state_count)
     attrs = _scan_attrs(node, scan_inputs, len(body.output_names) - state_count)
 
     def kernel(*args):
@@ -198,6 +208,7 @@ def scan_8(node, shapes, opset, handle):
     explicit = len(node.inputs)
     state_count = explicit - 1 - scan_inputs
     _check_body_arity(node, body, explicit - 1, "one per state and per scan input after sequence_lens")
+    _check_scan_states(node, body, state_count)
     directions = list(node.attr("directions", [0] * scan_inputs))
     attrs = ([0] * scan_inputs, directions, [0] * (len(body.output_names) - state_count),
              [0] * (len(body.output_names) - state_count))
