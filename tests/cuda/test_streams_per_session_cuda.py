@@ -82,16 +82,11 @@ def _feed(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(SHAPE).astype(np.float32)
 
 
-def test_two_sessions_on_two_threads_run_on_two_streams(maybe_deferred):
-    """Each session's kernels go to its own stream, from its own thread, and both get the CPU provider's
-    results; before, every session enqueued on the device's one compute stream."""
-    models = [producer(seed)[0] for seed in (1, 2)]
-    feeds = [_feed(10 + k) for k in range(5)]
-    expected = [[session(m, providers=("CPUExecutionProvider",)).run(None, {"x": f})[0] for f in feeds]
-                for m in models]
-    sessions = [session(m) for m in models]
+def _run_on_two_threads(sessions, feeds, expected) -> dict[int, int]:
+    """Session i runs every feed on thread i, both threads released together; each output agrees with
+    ``expected[i]``. The threads' idents, by index."""
     barrier = threading.Barrier(2)
-    got: dict[int, list] = {0: [], 1: []}
+    got: dict[int, list] = {}
     threads: dict[int, int] = {}
 
     def work(index: int) -> None:
@@ -107,6 +102,18 @@ def test_two_sessions_on_two_threads_run_on_two_streams(maybe_deferred):
     for index in (0, 1):
         for y, want in zip(got[index], expected[index], strict=True):
             np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    return threads
+
+
+def test_two_sessions_on_two_threads_run_on_two_streams(maybe_deferred):
+    """Each session's kernels go to its own stream, from its own thread, and both get the CPU provider's
+    results; before, every session enqueued on the device's one compute stream."""
+    models = [producer(seed)[0] for seed in (1, 2)]
+    feeds = [_feed(10 + k) for k in range(5)]
+    expected = [[session(m, providers=("CPUExecutionProvider",)).run(None, {"x": f})[0] for f in feeds]
+                for m in models]
+    sessions = [session(m) for m in models]
+    threads = _run_on_two_threads(sessions, feeds, expected)
     if SIMULATED:
         lanes = [int(lane_of(s).compute) for s in sessions]
         assert lanes[0] != lanes[1]
@@ -259,21 +266,8 @@ def test_capturing_sessions_on_two_threads_replay_and_match_the_cpu_provider():
     expected = [[session(m, providers=("CPUExecutionProvider",)).run(None, {"x": f})[0] for f in feeds]
                 for m in models]
     sessions = [session(m, capture=True) for m in models]
-    barrier = threading.Barrier(2)
-    got: dict[int, list] = {}
-
-    def work(index: int) -> None:
-        barrier.wait()
-        got[index] = [sessions[index].run(None, {"x": f})[0] for f in feeds]
-
-    workers = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
+    _run_on_two_threads(sessions, feeds, expected)
     for index in (0, 1):
-        for y, want in zip(got[index], expected[index], strict=True):
-            np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
         assert sessions[index].device_graph_status() == "replaying"
         assert sessions[index]._executor.graphs.captures == 1  # noqa: SLF001 - the runner's count
 
