@@ -160,3 +160,54 @@ def test_shape_decided_ifs_inside_a_data_dependent_branch_are_inlined():
         np.testing.assert_array_equal(y, np.maximum(x, 0) if cond else -x)
     ops = _ops(_then(session.graph_for({"x": x, "cond": np.array(True)})))
     assert "If" not in ops and "Shape" not in ops, ops
+
+
+def test_an_if_after_a_branch_that_reads_an_earlier_ifs_output_is_inlined():
+    """silero-vad's opset-15 export: If A (decided by x's shape) and If B (decided by the state's shape) at the top
+    level, B's branch reading A's output from the enclosing graph; an If C after B, decided by the shape of B's
+    output. A's condition takes a longer chain than B's: ordered by explicit inputs alone, B went ahead of A for
+    inference, B's output stayed shapeless and C stayed in the plan."""
+    const = {"zero": np.array([0], np.int64), "last": np.array([2], np.int64), "two": np.array(2, np.int64),
+             "one": np.array(1, np.int64), "twice": np.array(2.0, np.float32)}
+
+    def squeeze_or_keep(prefix: str, source: str, axes: str):
+        keep = helper.make_graph([helper.make_node("Squeeze", [source, axes], [f"{prefix}_sq"])], f"{prefix}_then",
+                                 [], [tensor_info(f"{prefix}_sq")])
+        other = helper.make_graph([helper.make_node("Identity", [source], [f"{prefix}_id"])], f"{prefix}_else", [],
+                                  [tensor_info(f"{prefix}_id")])
+        return keep, other
+
+    a_then, a_else = squeeze_or_keep("a", "deep", "last")
+    b_then = helper.make_graph([helper.make_node("Mul", ["a_y", "twice"], ["b_mul"]),
+                                helper.make_node("Unsqueeze", ["b_mul", "zero"], ["b_up"])], "b_then", [],
+                               [tensor_info("b_up")])
+    b_else = helper.make_graph([helper.make_node("Neg", ["a_y"], ["b_neg"])], "b_else", [], [tensor_info("b_neg")])
+    c_then, c_else = squeeze_or_keep("c", "b_y", "zero")
+    nodes = [helper.make_node("Relu", ["x"], ["r1"]), helper.make_node("Abs", ["r1"], ["r2"]),
+             helper.make_node("Relu", ["r2"], ["deep"]),
+             helper.make_node("Shape", ["deep"], ["deep_shape"]),
+             helper.make_node("Gather", ["deep_shape", "two"], ["deep_last"], axis=0),
+             helper.make_node("Equal", ["deep_last", "one"], ["a_cond"]),
+             helper.make_node("If", ["a_cond"], ["a_y"], then_branch=a_then, else_branch=a_else),
+             helper.make_node("Shape", ["state"], ["state_shape"]),
+             helper.make_node("Gather", ["state_shape", "zero"], ["state_rows"], axis=0),
+             helper.make_node("Squeeze", ["state_rows"], ["state_rows_scalar"]),
+             helper.make_node("Equal", ["state_rows_scalar", "one"], ["b_cond"]),
+             helper.make_node("If", ["b_cond"], ["b_y"], then_branch=b_then, else_branch=b_else),
+             helper.make_node("Shape", ["b_y"], ["b_shape"]),
+             helper.make_node("Gather", ["b_shape", "zero"], ["b_first"], axis=0),
+             helper.make_node("Equal", ["b_first", "one"], ["c_cond"]),
+             helper.make_node("If", ["c_cond"], ["y"], then_branch=c_then, else_branch=c_else)]
+    model = make_model(nodes, [tensor_info("x", shape=[1, 3, "L"]), tensor_info("state", shape=["S", 3])],
+                       [tensor_info("y")], [numpy_helper.from_array(v, k) for k, v in const.items()])
+    for length in (1, 4):  # a session each: a second length would make the axis symbolic
+        session = ort.InferenceSession(model.SerializeToString(), providers=CPU)
+        x = RNG.standard_normal((1, 3, length)).astype(np.float32)
+        state = RNG.standard_normal((1, 3)).astype(np.float32)
+        (y,) = session.run(None, {"x": x, "state": state})
+        a = np.maximum(x.astype(np.float64), 0.0)
+        a = a[:, :, 0] if length == 1 else a
+        expected = 2.0 * a  # B's taken branch, then C's Squeeze of the axis B added
+        np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-7)
+        ops = _ops(session.graph_for({"x": x, "state": state}))
+        assert "If" not in ops and "Shape" not in ops, ops

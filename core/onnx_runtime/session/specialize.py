@@ -239,7 +239,12 @@ def _in_order(proto: onnx.ModelProto) -> onnx.ModelProto:
     converter's input Casts) after their readers. A cycle or an unknown read keeps the written order."""
     nodes = list(proto.graph.node)
     producer = {out: index for index, node in enumerate(nodes) for out in node.output if out}
-    waiting = [{producer[name] for name in node.input if name in producer} for node in nodes]
+    # An If or Loop also reads what its subgraphs take from this graph: sorted by its explicit inputs alone, a
+    # branch that reads an earlier If's output moved ahead of it and inference left everything after shapeless.
+    waiting = [{producer[name] for name in (*node.input, *_subgraph_reads(node)) if name in producer}
+               for node in nodes]
+    if all(need < index for index, needs in enumerate(waiting) for need in needs):
+        return proto  # already in order: the written order kept
     readers: dict[int, list[int]] = {}
     for index, needs in enumerate(waiting):
         for need in needs:
@@ -254,13 +259,23 @@ def _in_order(proto: onnx.ModelProto) -> onnx.ModelProto:
                 ready.append(reader)
     if len(ordered) != len(nodes):
         return proto
-    if all(a is b for a, b in zip(ordered, nodes)):
-        return proto
     copy = onnx.ModelProto()
     copy.CopyFrom(proto)
     del copy.graph.node[:]
     copy.graph.node.extend(ordered)
     return copy
+
+
+def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
+    """Names ``node``'s subgraphs read without defining them (values of the enclosing graphs)."""
+    reads: set[str] = set()
+    for sub in node_subgraphs(node):
+        defined = {init.name for init in sub.initializer} | {vi.name for vi in sub.input}
+        for inner in sub.node:
+            reads.update(name for name in (*inner.input, *_subgraph_reads(inner)) if name and name not in defined)
+            defined.update(inner.output)
+        reads.update(vi.name for vi in sub.output if vi.name not in defined)
+    return reads
 
 
 def _substitute(graph: onnx.GraphProto, found: dict[str, np.ndarray],
