@@ -1,18 +1,20 @@
 """silero-vad per frame, this runtime against onnxruntime in one process, one thread each.
 
     .venv/bin/python benchmarks/silero_bench.py [--models 'silero_vad,silero_vad_16k_op15,silero_vad_op18_ifless']
-        [--frames 300] [--rounds 5]
+        [--frames 300] [--rounds 5] [--busy N]
 
 Each model streams the same frames the way silero-vad's OnnxWrapper does at 16 kHz: a (1, 576) window (64
 samples of context and a 512-sample frame), the (2, 1, 128) state returned by the previous frame, and sr. The
 frames alternate between the two runtimes in blocks (interleaved rounds), CPU time of this thread, medians per
 frame in microseconds. The model files come from the silero-vad wheel in the zoo's venv (scripts/build_zoo.sh),
-or --data. The load average is printed beside the numbers.
+or --data. The load average is printed beside the numbers. ``--busy N`` measures again beside N CPU-bound processes
+that the script starts (zoo_bench's competitors): a streaming model shares its host in deployment.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -26,6 +28,9 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / ".venv-zoo/lib/python3.11/site-packages/silero_vad/data"
 CPU = "CPUExecutionProvider"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from zoo_bench import Competitors  # noqa: E402
 
 
 def frames(count: int) -> np.ndarray:
@@ -61,6 +66,7 @@ def main() -> int:
     parser.add_argument("--data", default=str(DATA))
     parser.add_argument("--frames", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--busy", type=int, default=0, help="also measure beside this many CPU-bound processes")
     args = parser.parse_args()
 
     import onnx_runtime
@@ -68,7 +74,7 @@ def main() -> int:
 
     windows = frames(args.frames)
     print(f"load {os.getloadavg()[0]:.2f}; onnxruntime {ort.__version__}; {args.frames} frames x {args.rounds} rounds")
-    print(f"{'model':28s} {'ours us':>9s} {'ort us':>8s} {'ratio':>6s} {'max |dp|':>9s}")
+    pairs = []
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         path = str(Path(args.data) / f"{name}.onnx")
         options = onnx_runtime.SessionOptions()
@@ -80,17 +86,29 @@ def main() -> int:
         theirs = ort.InferenceSession(path, ort_options, providers=[CPU])
         stream(ours, windows[:5])
         stream(theirs, windows[:5])
-        mine, other, diff = [], [], 0.0
-        for _ in range(args.rounds):
-            t_ours, p_ours = stream(ours, windows)
-            t_ort, p_ort = stream(theirs, windows)
-            mine.append(statistics.median(t_ours))
-            other.append(statistics.median(t_ort))
-            diff = max(diff, float(np.max(np.abs(p_ours - p_ort))))
-        a, b = statistics.median(mine) * 1e6, statistics.median(other) * 1e6
-        print(f"{name:28s} {a:9.1f} {b:8.1f} {a / b:6.2f} {diff:9.2e}", flush=True)
+        pairs.append((name, ours, theirs))
+    conditions = ["quiet"] + ([f"busy {args.busy}"] if args.busy else [])
+    for condition in conditions:
+        competitors = Competitors(args.busy) if condition != "quiet" else contextlib.nullcontext()
+        with competitors:
+            print(f"{condition}: {'model':21s} {'ours us':>9s} {'ort us':>8s} {'ratio':>6s} {'max |dp|':>9s}")
+            for name, ours, theirs in pairs:
+                a, b, diff = compare(ours, theirs, windows, args.rounds)
+                print(f"{condition}: {name:21s} {a:9.1f} {b:8.1f} {a / b:6.2f} {diff:9.2e}", flush=True)
     print(f"load {os.getloadavg()[0]:.2f}")
     return 0
+
+
+def compare(ours, theirs, windows: np.ndarray, rounds: int) -> tuple[float, float, float]:
+    """Median microseconds per frame of each runtime (rounds alternating) and their largest probability gap."""
+    mine, other, diff = [], [], 0.0
+    for _ in range(rounds):
+        t_ours, p_ours = stream(ours, windows)
+        t_ort, p_ort = stream(theirs, windows)
+        mine.append(statistics.median(t_ours))
+        other.append(statistics.median(t_ort))
+        diff = max(diff, float(np.max(np.abs(p_ours - p_ort))))
+    return statistics.median(mine) * 1e6, statistics.median(other) * 1e6, diff
 
 
 if __name__ == "__main__":
