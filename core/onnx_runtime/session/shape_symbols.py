@@ -614,8 +614,10 @@ def _window_op(b: Builder, node: Node, step: Step, op: str, inputs: list, slots:
     n = b.symbols
     if op == "Concat":
         return _window_concat(b, node, inputs)
-    if op in _PER_TENSOR and all(v is None or np.size(v) == 1 for v in inputs[1:]):
-        return _window_elementwise(b, step, inputs)  # one scale and zero point: elementwise
+    if op in _PER_TENSOR and all(v is None or (type(v) is np.ndarray and v.size == 1) for v in inputs[1:]):
+        # one scale and zero point: elementwise, with them passed as they are (aligned to the input's rank
+        # they would read as per-axis parameters)
+        return _window_elementwise(b, step, inputs[:1], [v for v in inputs[1:] if v is not None])
     if op in _ELEMENTWISE:
         return _window_elementwise(b, step, inputs)
     source = _as_window(b, inputs[0])
@@ -655,11 +657,12 @@ def _window_op(b: Builder, node: Node, step: Step, op: str, inputs: list, slots:
     return window
 
 
-def _window_elementwise(b: Builder, step: Step, inputs: list) -> Window:
-    """The step's kernel over the aligned bases: elementwise, so its window is the kernel's result on the window."""
+def _window_elementwise(b: Builder, step: Step, inputs: list, params: tuple | list = ()) -> Window:
+    """The step's kernel over the aligned bases: elementwise, so its window is the kernel's result on the window.
+    ``params``: constant inputs after those, passed unaligned."""
     windows = [_as_window(b, v) for v in inputs if v is not None]
     bases, lows, extents = _align(windows, b.symbols)
-    (base,) = step.run(*bases)[:1]
+    (base,) = step.run(*bases, *params)[:1]
     base = np.asarray(base)
     if base.shape != np.broadcast_shapes(*(x.shape for x in bases)):
         raise Unsupported("a kernel whose output is not its inputs' broadcast")

@@ -196,6 +196,10 @@ _SHAPE_FROM_SHAPES = frozenset({
     "SkipLayerNormalization", "SimplifiedLayerNormalization", "Attention",
     "RoundToHalf", "HalfToFloat", "FloatToHalf",  # the CPU provider's float16 conversions (precision_fusions.py)
     "MatMulNBits", "DynamicQuantizeMatMul",  # com.microsoft products of a weight (4-bit and dynamic int8 models)
+    # the CPU provider's int8 products (qdq_fusions.py) and their integer parts: a product's rows and a weight's
+    # columns, or one scale and zero point
+    "DynamicQuantizeMatMulGroup", "MatMulIntegerToFloat", "MatMulInteger", "DynamicQuantizeLinear",
+    "QuantizedMatMul", "QLinearMatMul", "QLinearMatMulAdd", "QuantizeDequantize",
     "DequantizeLinear", "QuantizeLinear",
 })
 
