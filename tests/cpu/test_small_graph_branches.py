@@ -211,3 +211,30 @@ def test_an_if_after_a_branch_that_reads_an_earlier_ifs_output_is_inlined():
         np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-7)
         ops = _ops(session.graph_for({"x": x, "state": state}))
         assert "If" not in ops and "Shape" not in ops, ops
+
+
+def test_a_branch_reading_outer_constants_is_shaped_per_signature():
+    """silero-vad's op18 "ifless" export: the main graph holds the pads and slice bounds its data-decided branches
+    read. Inference of a subgraph sees outer constants only through local copies; they were made only once folding
+    had found something, so these branches stayed shapeless (every step keyed by shapes per call)."""
+    pads = np.array([0, 2, 0, 2], np.int64)
+    starts, ends, axes = np.array([1], np.int64), np.array([5], np.int64), np.array([1], np.int64)
+    then_branch = helper.make_graph(
+        [helper.make_node("Pad", ["x", "pads"], ["padded"], mode="reflect"),
+         helper.make_node("Slice", ["padded", "starts", "ends", "axes"], ["then_out"])],
+        "then", [], [tensor_info("then_out")])
+    else_branch = helper.make_graph([helper.make_node("Neg", ["x"], ["else_out"])], "else", [],
+                                    [tensor_info("else_out")])
+    node = helper.make_node("If", ["cond"], ["y"], then_branch=then_branch, else_branch=else_branch)
+    constants = {"pads": pads, "starts": starts, "ends": ends, "axes": axes}
+    model = make_model([node], [tensor_info("x", shape=["N", "L"]), tensor_info("cond", TensorProto.BOOL, [])],
+                       [tensor_info("y")], [numpy_helper.from_array(v, k) for k, v in constants.items()])
+    session = ort.InferenceSession(model.SerializeToString(), providers=CPU)
+    x = RNG.standard_normal((1, 6)).astype(np.float32)
+    (y,) = session.run(None, {"x": x, "cond": np.array(True)})
+    np.testing.assert_array_equal(y, np.pad(x, ((0, 0), (2, 2)), mode="reflect")[:, 1:5])
+    (y,) = session.run(None, {"x": x, "cond": np.array(False)})
+    np.testing.assert_array_equal(y, -x)
+    branch = _then(session.graph_for({"x": x, "cond": np.array(True)}))
+    assert branch.value_info["padded"].type.static_shape == (1, 10)
+    assert branch.value_info["then_out"].type.static_shape == (1, 4)

@@ -196,9 +196,10 @@ class Specializer:
                     entry.dim_value = dim
                 else:
                     entry.dim_param = f"specialized_{dim[0]}"
-        if found:
-            written = {name: self._as_written(name, value) for name, value in found.items()}
-            _substitute(proto.graph, _through_casts(proto.graph, written))
+        # Even with nothing found: the subgraphs get local copies of the outer constants they read (a branch's
+        # Pad or Slice reading the main graph's pads was shapeless, and everything after it).
+        written = {name: self._as_written(name, value) for name, value in found.items()}
+        _substitute(proto.graph, _through_casts(proto.graph, written) if written else written)
         return infer_graph(see_through_shape_wheres(proto))  # (a shape vector's "-1 -> 1" Where: its input)
 
     def _as_written(self, name: str, value: np.ndarray) -> np.ndarray:
