@@ -50,7 +50,7 @@ DEFAULT_MODELS = ("bert.torchscript.fp32", "gpt2.dynamo.fp32", "resnet.torchscri
                   "whisper_encoder.torchscript.fp32", "resnet50", "squeezenet")
 HEAVY = ("numba", "llvmlite", "cuda", "ml_dtypes", "scipy", "onnx")
 # --phases: (module, class or None, function, label) of each step timed in our processes
-PHASES = (("onnx_runtime.session.inference_session", None, "_create_handles", "providers"),
+PHASES = (("onnx_runtime.session.inference_session", None, "create_handles", "providers"),
           ("onnx_runtime.session.inference_session", None, "open_plans", "plan key"),
           ("onnx_runtime.session.inference_session", None, "read_creation", "plan read"),
           ("onnx_runtime.session.inference_session", None, "place", "placement"),

@@ -44,6 +44,7 @@ class CachedCreation:
     model: Model
     applied: list[str]
     folded: dict[str, np.ndarray]
+    placed: list[str] | None = None  # the providers the writer's generic placement used (written after it placed)
 
 
 def read_creation(plans: PlanCache, source, map_weights: bool) -> CachedCreation | None:
@@ -63,28 +64,38 @@ def read_creation(plans: PlanCache, source, map_weights: bool) -> CachedCreation
             light = onnx.ModelProto()
             light.ParseFromString(sections["inference"])
         folded = plan_cache.decode_arrays(sections["folded"])
-        return CachedCreation(model_of(proto, path, graph, light), [str(p) for p in meta["applied"]], folded)
+        placed = [str(name) for name in meta["placed"]] if isinstance(meta.get("placed"), list) else None
+        return CachedCreation(model_of(proto, path, graph, light), [str(p) for p in meta["applied"]], folded, placed)
     except Exception as exc:  # a plan that does not read back: the full path makes the session
         _unusable(plans, "graph", exc)
         return None
 
 
-def store_creation(plans: PlanCache, model: Model, weights: dict[str, np.ndarray], applied: list[str],
-                   folded: dict[str, np.ndarray]) -> None:
-    """Write the session's optimized graph (before placement). ``weights``: the model's initializers as loaded."""
+def encode_creation(plans: PlanCache, model: Model, weights: dict[str, np.ndarray], applied: list[str],
+                    folded: dict[str, np.ndarray]) -> tuple[dict, dict[str, bytes]] | None:
+    """(meta, sections) of the session's optimized graph, encoded before placement (which may expand function
+    calls in place); None where it is not cached. ``weights``: the model's initializers as loaded."""
     try:
         encoded = plan_cache.encode_graph(model, model.graph, weights, plans.max_plan_bytes)
     except OnnxRuntimeError:
-        return  # an attribute ONNX cannot hold (a provider's object): this plan is not cached
+        return None  # an attribute ONNX cannot hold (a provider's object): this plan is not cached
     if encoded is None:
-        return
+        return None
     data, references = encoded
     sections = {"graph": data, "folded": plan_cache.encode_arrays(
         {name: value for name, value in folded.items()
          if isinstance(value, np.ndarray) and value.size <= SHAPE_VALUE_LIMIT and value.dtype.kind in "biuf"})}
     if model.inference_proto is not None:
         sections["inference"] = model.inference_proto.SerializeToString()
-    plans.store("graph", {"references": references, "applied": list(applied)}, sections)
+    return {"references": references, "applied": list(applied)}, sections
+
+
+def store_creation(plans: PlanCache, encoded: tuple[dict, dict[str, bytes]] | None, placed: list[str]) -> None:
+    """Write what ``encode_creation`` made once the session placed (and planned) its graph, with the providers
+    placement used: a cached graph is one that placed, so a later session may defer its generic placement."""
+    if encoded is not None:
+        meta, sections = encoded
+        plans.store("graph", {**meta, "placed": list(placed)}, sections)
 
 
 def _unusable(plans: PlanCache, part: str, exc: Exception) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import threading
 import time
-import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -14,9 +13,8 @@ from operator import itemgetter
 import numpy as np
 
 from .. import budget, run_scope
-from ..discovery import EXTRAS, registry
 from ..dtypes import DataType
-from ..errors import InvalidArgumentError, ProviderNotAvailableError
+from ..errors import InvalidArgumentError
 from ..functions import FunctionExpander
 from ..ir import Model, TypeInfo, ValueInfo
 from ..loader import load_model
@@ -26,13 +24,14 @@ from ..optimizer import optimize
 from ..ort_value import OrtValue, device_handle
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
-from .cached_plans import CachedSpecializer, open_plans, read_creation, store_creation
+from .cached_plans import CachedSpecializer, encode_creation, open_plans, read_creation, store_creation
 from .custom_passes import run_custom_passes
 from .executor import Executor, graph_slot_of
 from .io_binding import IOBinding
 from .options import RunOptions, SessionOptions
 from .placement import Placement, place
 from .profiling import Profile
+from .provider_setup import FALLBACK_KEY, create_handles, resolve_providers
 from .specialize import Specializer
 from .strict import STRICT_KEY
 
@@ -70,45 +69,6 @@ class ModelMetadata:
     custom_metadata_map: dict = field(default_factory=dict)
 
 
-def _resolve_providers(providers, provider_options) -> list[tuple[str, dict]]:
-    if providers is None:
-        from ..discovery import default_providers
-        names = default_providers()
-        if not names:
-            installed = [e.name for e in registry().entries()]
-            if installed:
-                reasons = "; ".join(f"{e.name}: {e.availability.reason}" for e in registry().entries())
-                raise ProviderNotAvailableError(f"no installed execution provider can run here ({reasons})")
-            raise ProviderNotAvailableError(
-                "no execution provider is installed; install the CPU provider with "
-                f"`{EXTRAS['cpu']}` (or the CUDA one with `{EXTRAS['cuda']}`)"
-            )
-        return [(n, {}) for n in names]
-    if isinstance(providers, str):
-        providers = [providers]
-    resolved = []
-    for index, item in enumerate(providers):
-        if isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str):
-            name, options = item[0], dict(item[1] or {})
-        elif isinstance(item, str):
-            name, options = item, {}
-        else:
-            raise InvalidArgumentError(
-                f"providers[{index}] is {item!r}; pass provider names or (name, options) tuples"
-            )
-        if provider_options is not None:
-            if len(provider_options) != len(providers):
-                raise InvalidArgumentError(
-                    f"provider_options has {len(provider_options)} entries but providers has {len(providers)}; "
-                    f"pass one options dict per provider"
-                )
-            options.update(provider_options[index] or {})
-        resolved.append((name, options))
-    if not resolved:
-        raise InvalidArgumentError("providers is empty; name at least one provider, e.g. ['CPUExecutionProvider']")
-    return resolved
-
-
 def session_config(options: SessionOptions) -> dict[str, str]:
     """The session-wide settings providers may honour (``initialize``'s ``session_config``): thread
     counts, determinism and the CPU memory arena under onnxruntime's config-key names, plus every
@@ -121,48 +81,6 @@ def session_config(options: SessionOptions) -> dict[str, str]:
     }
     config.update(options.config())
     return config
-
-
-FALLBACK_KEY = "session.provider_fallback"  # "1": nothing requested can run -> the CPU provider, as onnxruntime
-
-
-def _create_handles(requested: list[tuple[str, dict]], session_config: dict | None = None) -> list[ProviderHandle]:
-    """Handles for the requested providers that can run here. As onnxruntime does, a name that is not installed
-    or cannot run here is skipped with a warning when another requested provider runs; when none does, the error
-    gives every reason (or, with ``FALLBACK_KEY`` set to "1", onnxruntime's fallback to the CPU provider)."""
-    handles: list[ProviderHandle] = []
-    unavailable: list[str] = []
-    missing: list[ProviderNotAvailableError] = []
-    for name, options in requested:
-        try:
-            entry = registry().require(name)
-        except ProviderNotAvailableError as exc:
-            missing.append(exc)
-            unavailable.append(str(exc))
-            continue
-        if not entry.availability.available:
-            unavailable.append(f"{entry.name}: {entry.availability.reason}")
-            continue
-        if any(h.name == entry.name for h in handles):
-            continue
-        handle = entry.create()
-        handle.initialize(options, session_config)
-        handles.append(handle)
-    if not handles:
-        cpu = registry().find("CPUExecutionProvider")
-        if (session_config or {}).get(FALLBACK_KEY) == "1" and cpu is not None and cpu.availability.available:
-            warnings.warn("onnx-runtime: none of the requested providers can run here (" + "; ".join(unavailable)
-                          + "); falling back to CPUExecutionProvider", RuntimeWarning, stacklevel=4)
-            return _create_handles([("CPUExecutionProvider", {})], session_config)
-        if len(missing) == len(requested) == 1:
-            raise missing[0]
-        raise ProviderNotAvailableError(
-            "none of the requested execution providers can run here: " + "; ".join(unavailable)
-            + f" (session config entry {FALLBACK_KEY!r} = '1' falls back to the CPU provider as onnxruntime does)"
-        )
-    for reason in unavailable:
-        warnings.warn(f"onnx-runtime: skipping unavailable provider {reason}", RuntimeWarning, stacklevel=4)
-    return handles
 
 
 @contextmanager
@@ -219,8 +137,8 @@ class InferenceSession:
         self._profiling_start_ns = time.time_ns()
         self._profile: Profile | None = Profile() if self._sess_options.enable_profiling else None
         began = time.perf_counter()
-        requested = _resolve_providers(providers, provider_options)
-        self._handles = _create_handles(requested, session_config(self._sess_options))
+        requested = resolve_providers(providers, provider_options)
+        self._handles = create_handles(requested, session_config(self._sess_options))
         self._run_scopes = tuple(handle.run_scope for handle in self._handles if handle.run_scope is not None)
         # Keyed by each handle's full name, whichever name (full or short) the caller used.
         self._provider_options = {handle.name: dict(opts) for handle in self._handles
@@ -242,6 +160,7 @@ class InferenceSession:
         loaded = time.perf_counter()
         self._model_path = path_or_bytes if isinstance(path_or_bytes, str) else None
         graph = self._model.graph
+        encoded = None
         if cached is None:
             weights, folded = dict(graph.initializers), {}
             early = run_custom_passes(graph, self._handles, [], early=True)
@@ -249,13 +168,21 @@ class InferenceSession:
                                  disabled=self._disabled, folded=folded)
             self._applied_passes = run_custom_passes(graph, self._handles, early + optimized)
             if self._plans is not None:
-                store_creation(self._plans, self._model, weights, self._applied_passes, folded)
+                encoded = encode_creation(self._plans, self._model, weights, self._applied_passes, folded)
         self._specializer = self._specializer_for(graph, folded)
-        self._placement, assignment = place(graph, self._handles, FunctionExpander(self._model.functions))
-        self._executor = Executor(graph, assignment, self._placement)
-        self._executor.strict = _config_flag(self._sess_options, STRICT_KEY)
+        self._strict = _config_flag(self._sess_options, STRICT_KEY)
+        self._generic: tuple[Placement, Executor] | None = None
+        self._generic_lock = threading.Lock()
+        # A cached graph that specializes per signature runs the generic plan only where a signature misses, and
+        # the process that wrote it placed it: its placement waits for that use (or for placement()).
+        placed = cached.placed if cached is not None and self._specializer is not None else None
+        if placed is None:
+            assignment = self._place_generic()
+        else:
+            assignment = {handle.name: handle for handle in self._handles if handle.name in placed}
         self._memory = governed(self, f"session {id(self):x}", graph, assignment, session_config(self._sess_options))
-        self._memory.attach(self._executor)
+        if self._generic is not None:
+            self._memory.attach(self._generic[1])
         if _config_flag(self._sess_options, GRAPH_CAPTURE_KEY):
             from .device_graphs import DeviceGraphRunner  # only sessions that ask for capture load it
             self._executor.graphs = DeviceGraphRunner(self._executor)
@@ -272,6 +199,8 @@ class InferenceSession:
         # (made by an earlier process) with specializations runs them instead: its generic kernels wait for a use.
         if cached is None or self._specializer is None:
             self._placement.copies = self._executor.plan(self._output_names).copies
+        if encoded is not None and self._plans is not None:  # placed and planned: its creation went through
+            store_creation(self._plans, encoded, sorted({handle.name for handle in assignment.values()}))
         if self._sess_options.optimized_model_filepath:
             from ..serialize import save_model  # only sessions that ask for the file load the writer
             save_model(self._model, self._sess_options.optimized_model_filepath)
@@ -284,6 +213,34 @@ class InferenceSession:
             self._profile.session_event(source, began, loaded - began)
             self._profile.session_event("session_initialization", loaded, time.perf_counter() - loaded)
         self._closed = False
+
+    def _place_generic(self) -> dict[str, ProviderHandle]:
+        """Place the session's graph and make its generic executor (unplanned); the assignment."""
+        placement, assignment = place(self._model.graph, self._handles, FunctionExpander(self._model.functions))
+        executor = Executor(self._model.graph, assignment, placement)
+        executor.strict = self._strict
+        self._generic = (placement, executor)
+        return assignment
+
+    def _generic_plan(self) -> tuple[Placement, Executor]:
+        """The generic placement and executor, made at first use where creation deferred them."""
+        generic = self._generic
+        if generic is None:
+            with self._generic_lock:
+                if self._generic is None:
+                    self._place_generic()
+                    assert self._generic is not None
+                    self._memory.attach(self._generic[1])
+                generic = self._generic
+        return generic
+
+    @property
+    def _executor(self) -> Executor:
+        return self._generic_plan()[1]
+
+    @property
+    def _placement(self) -> Placement:
+        return self._generic_plan()[0]
 
     def _log_creation(self, source, seconds: float) -> None:
         log, graph = self._log, self._model.graph
@@ -330,7 +287,7 @@ class InferenceSession:
     def _plan_specialized(self, graph) -> Executor:
         placement, assignment = place(graph, self._handles, FunctionExpander(self._model.functions))
         executor = Executor(graph, assignment, placement)
-        executor.strict = self._executor.strict
+        executor.strict = self._strict
         executor.plan(self._output_names)  # kernels made now, as at session creation
         return executor
 
@@ -659,7 +616,8 @@ class InferenceSession:
         from .device_io_binding import release_session_bindings
 
         release_session_bindings(self)  # before the graphs they recorded and the providers their memory is on
-        self._executor.close()
+        if self._generic is not None:
+            self._generic[1].close()
         self._memory.close()  # after the executor: its weights and values are freed, their charges go back
         for handle in self._handles:
             handle.shutdown()
