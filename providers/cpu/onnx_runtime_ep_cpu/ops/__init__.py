@@ -35,6 +35,7 @@ FAMILIES = {
     "conv": "Conv ConvTranspose ai.onnx_runtime.cpu:ConcatBuffer ai.onnx_runtime.cpu:FusedConv",
     "detection": "NonMaxSuppression RoiAlign",
     "segment": "ai.onnx_runtime.cpu:FusedSegment",
+    "spectrum": "ai.onnx_runtime.cpu:SpectralMagnitude",
     "dropout": "Dropout",
     "dynamic_quantize_group": "ai.onnx_runtime.cpu:DynamicQuantizeMatMulGroup",
     "elementwise": (
