@@ -34,7 +34,8 @@ class BoundPlan:
     the outputs copied out. ``fits(inputs)``: the constants are the arrays it was bound to. ``ticket``: None, or
     the provisional.Ticket of a plan built while a loop it calls was served by a fallback."""
 
-    __slots__ = ("lock", "nbytes", "arena", "ticket", "_feeds", "_constant_slots", "_constants", "_steps", "_results")
+    __slots__ = ("lock", "nbytes", "arena", "ticket", "constant_slots", "_feeds", "_constant_slots", "_constants",
+                 "_steps", "_results")
 
     def __init__(self, feeds, constants: dict[int, np.ndarray], steps, results, nbytes: int = 0):
         self.lock = threading.Lock()
@@ -42,12 +43,21 @@ class BoundPlan:
         self.nbytes = nbytes  # the buffers it holds (feeds' and values')
         self.arena = None  # segment_arena.Arena: where its values live
         self._feeds = tuple(feeds)  # (slot, buffer)
-        slots = tuple(constants)
+        slots = self.constant_slots = tuple(constants)
         self._constant_slots = operator.itemgetter(*slots) if len(slots) > 1 else (
             (lambda inputs, s=slots[0]: (inputs[s],)) if slots else (lambda inputs: ()))
         self._constants = tuple(constants[s] for s in slots)
         self._steps = tuple([(_direct(function, arguments), arguments) for function, arguments in steps])
         self._results = tuple(results)
+
+    @property
+    def constants(self) -> tuple:
+        """The read-only inputs it was bound to, in ``constant_slots`` order."""
+        return self._constants
+
+    def constant_values(self, inputs) -> tuple:
+        """``inputs``' values at ``constant_slots``."""
+        return self._constant_slots(inputs)
 
     def fits(self, inputs) -> bool:
         return all(map(operator.is_, self._constant_slots(inputs), self._constants))
@@ -127,7 +137,7 @@ def _input_buffers(segment, env):
         value = env[slot]
         if not isinstance(value, np.ndarray):
             return None
-        if not value.flags.writeable:
+        if not value.flags.writeable and slot not in segment.fed:
             constants[slot] = buffers[slot] = value
         else:
             buffers[slot] = np.empty(value.shape, value.dtype)

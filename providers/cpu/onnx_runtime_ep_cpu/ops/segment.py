@@ -95,6 +95,8 @@ class Segment:
         self.plans: dict[tuple, list[BoundPlan] | None] = {}
         self.last: BoundPlan | None = None
         self.replanned: set[tuple] = set()
+        # read-only inputs seen to change between runs (a feed from Arrow or a memory map): copied in like feeds
+        self.fed: set[int] = set()
         self.waiting: dict[tuple, provisional.Ticket] = {}  # signatures left to the nodes by a provisional window
         self.lock = threading.Lock()  # planning
 
@@ -108,7 +110,7 @@ class Segment:
         key = tuple([(x.shape, x.dtype) if isinstance(x, np.ndarray) else None for x in inputs])
         plans = self.plans.get(key, ())
         if plans and not plans[0].fits(inputs):
-            plans = self._other_constants(key)
+            plans = self._other_constants(key, inputs, plans[0])
         if plans is None and self.waiting and key in self.waiting and self.waiting[key].settled():
             plans = self._drop(key)
         if plans is None or deferred.numpy_first():
@@ -177,9 +179,16 @@ class Segment:
             still = still or key in self.waiting or bool(again and again[0].ticket is not None)
         return remade, still
 
-    def _other_constants(self, key):
-        """A read-only input is not the array the plan was bound to (weights fed as an input): planned anew
-        once; a signature whose constants keep changing runs node by node from then on (None is kept)."""
+    def _other_constants(self, key, inputs, plan):
+        """A read-only input is not the array the plan was bound to: a read-only feed (Arrow, a memory map) or
+        weights fed as an input. Those inputs are copied in like feeds from then on, planned anew; a signature
+        whose constants still change runs node by node from then on (None is kept)."""
+        changed = {slot for slot, value, bound in zip(plan.constant_slots, plan.constant_values(inputs),
+                                                      plan.constants) if value is not bound}
+        if changed - self.fed:
+            self.fed |= changed
+            self.plans.pop(key, None)
+            return ()
         if key in self.replanned:
             self.plans[key] = None
             return None
