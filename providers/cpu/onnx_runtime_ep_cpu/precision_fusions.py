@@ -33,6 +33,7 @@ from onnx_runtime.dtypes import DataType
 from onnx_runtime.ir import Graph, Node, TypeInfo, ValueInfo
 from onnx_runtime.optimizer.context import FreshNames
 
+from .code_tables import fuse_code_tables
 from .contrib_lowering import lower_contrib_operators
 from .fusions import FUSED_DOMAIN
 
@@ -341,5 +342,7 @@ def shapes_of_inputs_read_from_inputs(graph: Graph, owns=None) -> bool:
     return changed
 
 
-# The contrib lowering after the conversion: a converted graph's contrib nodes are float32 by then.
-PRECISION_PASSES = [compute_half_in_float32, lower_contrib_operators, shapes_of_inputs_read_from_inputs]
+# The contrib lowering after the conversion: a converted graph's contrib nodes are float32 by then. The code
+# tables run after the generic optimizer (constant folding made their scalars) and before the QDQ passes.
+PRECISION_PASSES = [compute_half_in_float32, lower_contrib_operators, shapes_of_inputs_read_from_inputs,
+                    fuse_code_tables]

@@ -32,6 +32,7 @@ FAMILIES = {
     ),
     "contrib_weights": "com.microsoft:GatherBlockQuantized com.microsoft:MatMulNBits",
     "control_flow": "If Loop Scan",
+    "code_table": "ai.onnx_runtime.cpu:CodeTable",
     "conv": "Conv ConvTranspose ai.onnx_runtime.cpu:ConcatBuffer ai.onnx_runtime.cpu:FusedConv",
     "detection": "NonMaxSuppression RoiAlign",
     "segment": "ai.onnx_runtime.cpu:FusedSegment",
