@@ -47,7 +47,7 @@ def head_passes(monkeypatch):
 
 @pytest.mark.parametrize("batch,heads,kv_heads", [(1, 4, 4), (2, 4, 2)])
 def test_a_bias_per_head_takes_the_compiled_pass_per_head(batch, heads, kv_heads, head_passes):
-    rows, keys, size = 16, 100, 16
+    rows, keys, size = 16, 300, 16
     rng = np.random.default_rng(batch + heads + kv_heads)
     q = rng.standard_normal((batch, heads, rows, size), dtype=np.float32)
     k = rng.standard_normal((batch, kv_heads, keys, size), dtype=np.float32)
@@ -64,7 +64,7 @@ def test_a_bias_per_head_takes_the_compiled_pass_per_head(batch, heads, kv_heads
 
 
 def test_a_row_a_head_hides_entirely_goes_to_the_general_path(head_passes):
-    batch, heads, rows, keys, size = 1, 4, 16, 100, 16
+    batch, heads, rows, keys, size = 1, 4, 16, 300, 16
     rng = np.random.default_rng(5)
     q, k, v = (rng.standard_normal(shape, dtype=np.float32) for shape in (
         (batch, heads, rows, size), (batch, heads, keys, size), (batch, heads, keys, size)))

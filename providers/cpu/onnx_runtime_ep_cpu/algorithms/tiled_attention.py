@@ -63,14 +63,45 @@ def few_in_place(geo, q, k, v, scale, bias, outputs: int = 3) -> tuple | None:
     return (y, geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads))[:outputs]
 
 
+def few_by_head(geo, q, k, v, scale, bias, outputs: int = 3) -> tuple | None:
+    """few_in_place's result for 4-D (B, H, S, D) Q, K and V (a decoder's heads, and its present keys and values)
+    where enough query rows share each KV head (``lanes_take``): compiled/attention_lanes.py's loop reads them in
+    place (a head split's transposed view too) and writes Y (B, H, S, Dv). None where a row has no finite score."""
+    if not q.size or not k.size:
+        return None
+    if FEW_ROWS[3] is None:
+        few_rows_loops()
+    q, k, v = _heads_readable(q), _heads_readable(k), _heads_readable(v)
+    y = np.empty((q.shape[0], geo.q_heads, geo.q_len, geo.v_head_size), np.float32)
+    if not FEW_ROWS[3](q, k, v, scale, bias, y, np.empty(FEW_ROWS[2](geo.head_size, k.shape[2]), np.float32)):
+        return None
+    return (y, k, v)[:outputs]
+
+
+def _heads_readable(x: np.ndarray) -> np.ndarray:
+    """x as the by-head loop reads it in place (each head's components contiguous, no negative stride), else a
+    contiguous copy."""
+    strides = x.strides
+    return x if strides[3] == 4 and min(strides) >= 0 else np.ascontiguousarray(x)
+
+
+def lanes_take(geo) -> bool:
+    """Whether the 16-lane loop runs this head layout's few-row attention: an AVX-512 host, and enough query rows
+    per KV head (query length x query heads sharing it) to repay packing each KV head's K^T."""
+    return geo.q_len * (geo.q_heads // max(geo.kv_heads, 1)) >= LANES_ROWS and gemv_host()
+
+
 # Query rows per KV head (query length x heads sharing it) from which the 16-lane loop runs: it packs each KV
 # head's K^T once, which a decode step's one or two rows per head do not repay.
 LANES_ROWS = 8
 # How many times the few_query_macs knob's multiply-adds the 16-lane loop takes (it outran the batched products
 # up to there on encoders' short sequences, heads of 16).
 LANES_MACS = 16
-FEW_ROWS: list = [None, None, None]  # once imported: the 16-lane loop (None off AVX-512), the scalar one, and
-# the 16-lane loop's scratch_size
+# The same over (B, H, S, D) heads, whose loop reads K and V rows at a stride: with a bias per head it outran the
+# compiled pass per head to about half of that.
+BY_HEAD_MACS = 8
+FEW_ROWS: list = [None, None, None, None]  # once imported: the 16-lane loop (None off AVX-512), the scalar one,
+# the 16-lane loop's scratch_size, and its loop over (B, H, S, D) heads
 
 
 def few_rows_loops() -> list:
@@ -81,14 +112,15 @@ def few_rows_loops() -> list:
     if gemv_host():
         from ..compiled import attention_lanes
 
-        FEW_ROWS[0], FEW_ROWS[2] = attention_lanes.few_rows_in_lanes, attention_lanes.scratch_size
+        FEW_ROWS[0], FEW_ROWS[2], FEW_ROWS[3] = attention_lanes.few_rows_in_lanes, attention_lanes.scratch_size,\
+            attention_lanes.few_rows_by_head
     FEW_ROWS[1] = attention.few_rows_by_position
     return FEW_ROWS[:2]
 
 
 def few_macs(geo, limit: int) -> int:
     """The multiply-adds up to which a small attention of this head layout runs one few-row call, given the
-    scalar loop's ``limit``: more where the 16-lane loop takes it (3-D inputs, enough rows per KV head)."""
-    if geo.rank == 3 and geo.q_len * (geo.q_heads // max(geo.kv_heads, 1)) >= LANES_ROWS and gemv_host():
-        return limit * LANES_MACS
+    scalar loop's ``limit``: more where the 16-lane loop takes it (lanes_take)."""
+    if lanes_take(geo):
+        return limit * (LANES_MACS if geo.rank == 3 else BY_HEAD_MACS)
     return limit

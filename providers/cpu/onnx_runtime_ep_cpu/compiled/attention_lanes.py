@@ -211,13 +211,13 @@ def scratch_size(head_size: int, keys: int) -> int:
 
 
 @jit
-def _pack_keys(k, b, g, packed, padded):
-    """K^T of KV head g of batch b into rows of ``padded`` keys (packed[d * padded + t]), zeros after the keys."""
-    keys, size = k.shape[1], k.shape[3]
+def _pack_keys(k, first, key_step, keys, size, packed, padded):
+    """K^T of one KV head, key t's components at k[first + t * key_step:][:size] (flat k), into rows of ``padded``
+    keys (packed[d * padded + t]), zeros after the keys."""
     for t in range(keys):
-        key = k[b, t, g]
+        at = first + t * key_step
         for d in range(size):
-            packed[d * padded + t] = key[d]
+            packed[d * padded + t] = k[at + d]
     for d in range(size):
         packed[d * padded + keys: (d + 1) * padded] = 0
 
@@ -247,12 +247,47 @@ def _softmax_rows(scores, padded, count, bias, b, h, r0, zeros, reciprocals):
 
 @jit
 def few_rows_in_lanes(q, k, v, scale, bias, y, scratch):
-    """attention.few_rows_by_position's result (same arguments, float32, every array C-contiguous) through the
-    16-lane steps above, ROWS query rows at a time; ``scratch`` holds scratch_size(head size, keys) floats.
-    False, with y partly written, when a row's largest score is not finite (the caller's general path decides
-    those)."""
+    """attention.few_rows_by_position's result (same arguments: (B, S, H, D) heads by position, float32, every array
+    C-contiguous) through the 16-lane steps above, ROWS query rows at a time; ``scratch`` holds scratch_size(head
+    size, keys) floats. False, with y partly written, when a row's largest score is not finite (the caller's
+    general path decides those)."""
     batch, rows, heads, size = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
     keys, kv_heads, value_size = k.shape[1], k.shape[2], v.shape[3]
+    return _few_rows(q.reshape(-1), (rows * heads * size, heads * size, size), k.reshape(-1),
+                     (keys * kv_heads * size, kv_heads * size, size), v.reshape(-1),
+                     (keys * kv_heads * value_size, kv_heads * value_size, value_size), y.reshape(-1),
+                     (rows * heads * value_size, heads * value_size, value_size),
+                     batch, rows, heads, kv_heads, keys, size, value_size, scale, bias, scratch)
+
+
+@jit
+def few_rows_by_head(q, k, v, scale, bias, y, scratch):
+    """few_rows_in_lanes over (B, H, S, D) heads (a decoder's heads after its split, its past and present keys and
+    values), y (B, H, S, Dv) C-contiguous. q, k and v may be views (a head split that only transposed): each
+    head's components contiguous, every stride non-negative, none of them empty."""
+    batch, heads, rows, size = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
+    kv_heads, keys, value_size = k.shape[1], k.shape[2], v.shape[3]
+    return _few_rows(_flat(q), (q.strides[0] // 4, q.strides[2] // 4, q.strides[1] // 4), _flat(k),
+                     (k.strides[0] // 4, k.strides[2] // 4, k.strides[1] // 4), _flat(v),
+                     (v.strides[0] // 4, v.strides[2] // 4, v.strides[1] // 4), y.reshape(-1),
+                     (heads * rows * value_size, value_size, rows * value_size),
+                     batch, rows, heads, kv_heads, keys, size, value_size, scale, bias, scratch)
+
+
+@jit
+def _flat(a):
+    """A float32 array's memory from its first element to its last as one flat array (non-negative strides)."""
+    span = 1
+    for d in range(a.ndim):
+        span += (a.shape[d] - 1) * (a.strides[d] // 4)
+    return np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(4,))
+
+
+@jit
+def _few_rows(q, q_steps, k, k_steps, v, v_steps, y, y_steps, batch, rows, heads, kv_heads, keys, size, value_size,
+              scale, bias, scratch):
+    """The loop of few_rows_in_lanes and few_rows_by_head over flat q, k, v and y: element (b, s, h, :) of each at
+    b * steps[0] + s * steps[1] + h * steps[2] (its head's components contiguous)."""
     padded = -(-keys // LANES) * LANES
     group = heads // kv_heads
     packed = scratch[: size * padded]
@@ -261,37 +296,36 @@ def few_rows_in_lanes(q, k, v, scale, bias, y, scratch):
     zeros = scratch[(size + ROWS) * padded + ROWS * size: (size + ROWS) * padded + ROWS * size + keys]
     zeros[:] = 0
     reciprocals = np.empty(ROWS, np.float32)
-    flat_q, flat_v, flat_y = q.reshape(-1), v.reshape(-1), y.reshape(-1)
-    q_step, v_step, y_step = heads * size, kv_heads * value_size, heads * value_size
+    q_step, v_step, y_step = q_steps[1], v_steps[1], y_steps[1]
     out = np.empty(ROWS * value_size, np.float32)  # a last group's rows, copied out to y's
     packed_for = -1
     for b in range(batch):
         for h in range(heads):
             g = h // group
             if b * kv_heads + g != packed_for:
-                _pack_keys(k, b, g, packed, padded)
+                _pack_keys(k, b * k_steps[0] + g * k_steps[2], k_steps[1], keys, size, packed, padded)
                 packed_for = b * kv_heads + g
-            v_first = (b * keys * kv_heads + g) * value_size
+            v_first = b * v_steps[0] + g * v_steps[2]
             for r0 in range(0, rows, ROWS):
                 count = min(ROWS, rows - r0)
-                q_first = ((b * rows + r0) * heads + h) * size
+                q_first = b * q_steps[0] + r0 * q_step + h * q_steps[2]
                 if count == ROWS:
-                    _scores_rows(packed, padded, size, flat_q[q_first:], q_step, scale, scores)
+                    _scores_rows(packed, padded, size, q[q_first:], q_step, scale, scores)
                 else:  # the last rows, with zero rows after them
                     spare[:] = 0
                     for i in range(count):
-                        spare[i * size: (i + 1) * size] = flat_q[q_first + i * q_step: q_first + i * q_step + size]
+                        spare[i * size: (i + 1) * size] = q[q_first + i * q_step: q_first + i * q_step + size]
                     _scores_rows(packed, padded, size, spare, size, scale, scores)
                 if not _softmax_rows(scores, padded, count, bias, b, h, r0, zeros, reciprocals):
                     return False
-                y_first = ((b * rows + r0) * heads + h) * value_size
+                y_first = b * y_steps[0] + r0 * y_step + h * y_steps[2]
                 if count == ROWS:
-                    _weighted_rows(scores, padded, keys, flat_v[v_first:], v_step, value_size, flat_y[y_first:],
-                                   y_step, reciprocals)
+                    _weighted_rows(scores, padded, keys, v[v_first:], v_step, value_size, y[y_first:], y_step,
+                                   reciprocals)
                 else:
-                    _weighted_rows(scores, padded, keys, flat_v[v_first:], v_step, value_size, out, value_size,
+                    _weighted_rows(scores, padded, keys, v[v_first:], v_step, value_size, out, value_size,
                                    reciprocals)
                     for i in range(count):
-                        flat_y[y_first + i * y_step: y_first + i * y_step + value_size] = \
+                        y[y_first + i * y_step: y_first + i * y_step + value_size] = \
                             out[i * value_size: (i + 1) * value_size]
     return True

@@ -24,7 +24,7 @@ from ..algorithms.activations import sigmoid
 from ..algorithms.contrib_attention import grouped_matmul, softmax_
 from ..algorithms.precision import FLOAT32, compute_dtype, upcast
 from ..algorithms.products import gemv_host
-from ..algorithms.tiled_attention import TiledLayout, few_in_place, few_macs
+from ..algorithms.tiled_attention import TiledLayout, few_by_head, few_in_place, few_macs, lanes_take
 from ..compiled import COMPILED_DTYPES, deferred
 from ..compiled.deferred import numpy_first  # (the tiles import numba: not while it loads)
 from ..registry import register
@@ -232,11 +232,10 @@ class _Attention:
         self._few_keys = limit // per_key if per_key else math.inf  # the most keys it takes (checked per call)
         if self.compiled is not None and (self.shape_key is not None or geo.total_len <= self._few_keys):
             self.few = _compiled_decoder().few_query_attention_float32
-            self._outputs = len(node.outputs)
-            self._few_scale = np.float32(self.scale)
-            self._few_bias = np.empty((0, 0, 0, 0), np.float32) if self.frontier is None else\
-                self.frontier.reshape((1, 1) + self.frontier.shape)
+            self._outputs, self._few_scale = len(node.outputs), np.float32(self.scale)
+            self._few_bias = np.empty((0, 0, 0, 0), np.float32) if self.frontier is None else self.frontier[None, None]
             self._few_masks: dict[tuple, tuple | None] = {}  # per mask shape: its (B', H', M', T) view, or None
+            self._by_head = geo.rank == 4 and lanes_take(geo)  # (B, H, S, D) heads of a prefill: the 16-lane loop
 
     def bias(self, mask: np.ndarray | None, nonpad: np.ndarray | None, dtype, total: int) -> np.ndarray | None:
         """The additive attention bias over ``total`` keys (0 or -inf for masked ones, plus a float mask's values)."""
@@ -323,9 +322,8 @@ class _Attention:
         return (y, present_key, present_value, qk)[: len(self.node.outputs)]
 
     def few_query_attention(self, q, k, v, mask=None):
-        """(Y, present_key, present_value) as compiled_attention's for small attention, in one compiled call (3-D
-        inputs read in place). None where the general path must decide: a row with no finite score, a mask that
-        is not float32, or does not cover every key, or has dimensions the scores lack."""
+        """(Y, present_key, present_value) as compiled_attention's for small attention, in one compiled call. None
+        where the general path decides: a row with no finite score, a mask not float32, short or broadcasting."""
         geo, bias = self.geo, self._few_bias
         if mask is not None:
             lead = self._few_masks.get(mask.shape[:-1], False)  # (the keys' length is checked per call)
@@ -334,8 +332,10 @@ class _Attention:
             if lead is None or mask.dtype is not FLOAT32 or mask.shape[-1] != k.shape[-2]:
                 return None
             bias = np.ascontiguousarray(mask).reshape(lead + mask.shape[-1:])
+        if self._by_head and not numpy_first():  # (its loop has no numpy version to serve while numba loads)
+            return few_by_head(geo, q, k, v, self._few_scale, bias, self._outputs)
         if geo.rank == 3 and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous \
-                and not numpy_first():  # (its loop has no numpy version to serve while numba loads)
+                and not numpy_first():
             return few_in_place(geo, q, k, v, self._few_scale, bias, self._outputs)  # (Y in place: no copies)
         queries = geo.to_heads(q, geo.q_heads)
         keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
