@@ -17,6 +17,7 @@ where inference fails, runs use the session's generic plan.
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from collections.abc import Callable
@@ -50,15 +51,7 @@ class Specializer:
                  prepare: Callable[[Graph], Executor], folded: dict[str, np.ndarray] | None = None):
         self._graph = clone_graph(graph)  # the session's optimized graph, before placement
         self._inputs = inputs
-        self._proto = _in_order(proto)
-        self._produced = {out for sub in all_graphs(proto.graph) for node in sub.node for out in node.output if out}
-        # What folding at session creation computed of the model's values: the optimized graph may no longer
-        # hold them (an If it decided is gone with its condition), but inference over the model needs them.
-        self._creation_constants = {name: value for name, value in (folded or {}).items() if name in self._produced}
-        # The float type each value has in the model: a provider's pass may compute a value in another
-        # (half-precision models in float32), and inference over the model needs its constants as written.
-        self._written = {vi.name: vi.type.tensor_type.elem_type for sub in all_graphs(proto.graph)
-                         for vi in (*sub.value_info, *sub.output) if vi.type.HasField("tensor_type")}
+        self._model_proto, self._folded = proto, folded or {}  # read by the properties below, at the first resolve
         self._handles = handles
         self._prepare = prepare
         self._exact: dict[tuple, Executor | None] = {}
@@ -66,6 +59,28 @@ class Specializer:
         self._last: tuple = ((), None)
         self._lock = threading.Lock()
         self._failed = False
+
+    # What inference over the model needs, made at the first signature resolved here (a cached plan may need none).
+    @functools.cached_property
+    def _proto(self) -> onnx.ModelProto:
+        return _in_order(self._model_proto)
+
+    @functools.cached_property
+    def _produced(self) -> set[str]:
+        return {out for sub in all_graphs(self._model_proto.graph) for node in sub.node for out in node.output if out}
+
+    @functools.cached_property
+    def _creation_constants(self) -> dict[str, np.ndarray]:
+        """What folding at session creation computed of the model's values: the optimized graph may no longer
+        hold them (an If it decided is gone with its condition), but inference over the model needs them."""
+        return {name: value for name, value in self._folded.items() if name in self._produced}
+
+    @functools.cached_property
+    def _written(self) -> dict[str, int]:
+        """The float type each value has in the model: a provider's pass may compute a value in another
+        (half-precision models in float32), and inference over the model needs its constants as written."""
+        return {vi.name: vi.type.tensor_type.elem_type for sub in all_graphs(self._model_proto.graph)
+                for vi in (*sub.value_info, *sub.output) if vi.type.HasField("tensor_type")}
 
     def executor_for(self, feeds: dict) -> Executor | None:
         """The executor for these feeds' shapes, made now if new; None: the session's generic plan."""
