@@ -202,6 +202,101 @@ def fuse_dynamic_quantize_matmul(graph: Graph, owns=None) -> bool:
     return False
 
 
+def _static(graph: Graph, name: str) -> tuple | None:
+    info = graph.type_of(name)
+    return info.static_shape if info is not None else None
+
+
+def _merged_shape(graph: Graph, node: Node) -> tuple | None:
+    """The static output shape of a TransposeReshape whose input shape is static (its target may hold a 0,
+    copying the transposed input's dimension, or a -1)."""
+    x_shape, perm = _static(graph, node.inputs[0]), node.attr("perm")
+    target = [int(d) for d in np.asarray(node.attr("shape", [])).reshape(-1)]
+    if x_shape is None or perm is None or len(perm) != len(x_shape) or node.attr("allowzero", 0):
+        return None
+    moved = [x_shape[p] for p in perm]
+    try:
+        return np.empty(moved, np.int8).reshape([moved[i] if d == 0 else d for i, d in enumerate(target)]).shape
+    except (ValueError, IndexError):
+        return None
+
+
+def _unflatten_match(graph: Graph, view: GraphView, node: Node) -> tuple | None:
+    """(the Reshape after ``node``, the node before it, the unflattened input shape) where ``node`` is a
+    DynamicQuantizeMatMul of static (M, K) rows by a constant weight whose product only a Reshape to
+    (..., N) with M rows reads."""
+    if node.op_type != "DynamicQuantizeMatMul" or node.domain != "com.microsoft" or len(node.outputs) != 1:
+        return None
+    weight = view.const(node.inputs[1]) if len(node.inputs) > 1 else None
+    after = view.only_consumer(node.outputs[0], "Reshape")
+    before = view.producer.get(node.inputs[0])
+    if weight is None or weight.ndim != 2 or after is None or before is None:
+        return None
+    a_shape = _static(graph, node.inputs[0])
+    if a_shape is None and before.op_type == "TransposeReshape":
+        a_shape = _merged_shape(graph, before)
+    out_shape = _static(graph, after.outputs[0])
+    if a_shape is None or out_shape is None or len(out_shape) < 3 or out_shape[-1] != weight.shape[1] \
+            or a_shape != (int(np.prod(out_shape[:-1])), weight.shape[0]):
+        return None
+    return after, before, out_shape[:-1] + (weight.shape[0],)
+
+
+def _unflattened_input(graph: Graph, view: GraphView, node: Node, before: Node, wanted: tuple) -> tuple | None:
+    """(the product's new input, the node that now makes it or None, whether ``before`` goes): the Reshape's
+    input where it already has the ``wanted`` shape, else ``before`` (read by the product alone) re-laid."""
+    alone = len(view.consumers.get(node.inputs[0], [])) == 1 and node.inputs[0] not in view.outputs \
+        and node.inputs[0] not in view.inner_reads
+    a = node.inputs[0]
+    if before.op_type == "Reshape" and not before.domain and _static(graph, before.inputs[0]) == wanted:
+        return before.inputs[0], None, alone
+    if not alone:
+        return None
+    if before.op_type == "Reshape" and not before.domain:  # the view's target made the output's rank
+        target = f"{a}/unflattened"
+        while target in graph.initializers or target in graph.value_info:
+            target += "_"
+        graph.initializers[target] = np.asarray(wanted, np.int64)
+        return a, Node("Reshape", [before.inputs[0], target], [a], name=before.name,
+                       attrs=dict(before.attrs or {}), opset=before.opset), False
+    if before.op_type == "TransposeReshape" and before.domain == FUSED_DOMAIN:
+        return a, Node(before.op_type, list(before.inputs), [a], name=before.name, domain=before.domain,
+                       attrs={**before.attrs, "shape": list(wanted)}, opset=before.opset), False
+    return None
+
+
+def unflatten_dynamic_quantize_matmul(graph: Graph, owns=None) -> bool:
+    """Reshape(X (..., K) -> (M, K)) -> DynamicQuantizeMatMul -> Reshape((M, N) -> (..., N)), as both torch
+    exporters write GPT-2's Conv1D (addmm over a flattened view) and the optimizer leaves it after quantization:
+    the product of X itself, the two Reshapes gone. A flattening Reshape or TransposeReshape (the attention's
+    heads merged) of another input, read by the product alone, is given the output's leading dimensions
+    instead. A is quantized over all its values and its rows multiplied one by one, so the flattening changes
+    no bit; it only cost two nodes per product. Shapes must be static (a specialized graph's), the product's
+    output read by that Reshape alone and no graph output."""
+    view = GraphView(graph)
+    for node in graph.nodes:
+        match = _unflatten_match(graph, view, node)
+        if match is None or not owned(owns, [node, *match[:2]]):
+            continue
+        after, before, wanted = match
+        found = _unflattened_input(graph, view, node, before, wanted)
+        if found is None:
+            continue
+        a, relaid, drop_before = found
+        fused = Node(node.op_type, [a, *node.inputs[1:]], list(after.outputs), name=node.name,
+                     domain=node.domain, attrs=dict(node.attrs or {}), opset=node.opset)
+        graph.value_info.pop(node.outputs[0], None)
+        if drop_before:
+            graph.value_info.pop(node.inputs[0], None)
+        elif relaid is not None and (info := graph.type_of(a)) is not None and a in graph.value_info:
+            graph.value_info[a] = type(graph.value_info[a])(a, type(info)("tensor", info.dtype, wanted))
+        drop = {id(after)} | ({id(before)} if drop_before else set())
+        replaced = {id(node): fused, **({id(before): relaid} if relaid is not None else {})}
+        graph.nodes = [replaced.get(id(n), n) for n in graph.nodes if id(n) not in drop]
+        return True
+    return False
+
+
 def group_dynamic_quantize_matmul(graph: Graph, owns=None) -> bool:
     """DynamicQuantizeMatMul nodes of one float input by constant weights of one shape and type, all with a
     bias or none (a layer's query, key and value): one DynamicQuantizeMatMulGroup (ops/dynamic_quantize_group.py)
@@ -680,5 +775,6 @@ QDQ_PASSES = [lower_qoperator_cnn, *_MATMUL_GROUP_PASSES, until_fixed(fuse_quant
               until_fixed(fuse_rounded_gelu),
               until_fixed(absorb_rounded_add),
               until_fixed(fuse_dynamic_matmul), until_fixed(fuse_dynamic_quantize_matmul),
+              until_fixed(unflatten_dynamic_quantize_matmul),
               until_fixed(group_dynamic_quantize_matmul),
               until_fixed(fuse_qlinear_matmul_bias)]
