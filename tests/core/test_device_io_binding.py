@@ -417,6 +417,61 @@ def test_owned_memory_is_freed_exactly_once_and_borrowed_never(device_model):
     assert allocations - start[0] >= 2 and allocations == frees and device.provider.memory == {}
 
 
+class _Loans:
+    """A plugin on a device provider's handle recording the contract's borrow hooks (1.5); optionally a failing
+    sync, so a release is quarantined."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int, int]] = []
+        self.fail_sync = False
+
+    @hookimpl(tryfirst=True)
+    def borrow_device_memory(self, buffer):
+        self.calls.append(("borrow", buffer.ptr, buffer.size))
+
+    @hookimpl(tryfirst=True)
+    def return_device_memory(self, buffer):
+        self.calls.append(("return", buffer.ptr, buffer.size))
+
+    @hookimpl(tryfirst=True)
+    def sync(self):
+        if self.fail_sync:
+            raise RuntimeError("device lost")
+
+
+def test_each_borrow_of_device_memory_is_announced_and_returned_once(device_model):
+    """External device memory is announced to its provider when bound (its instance owns it for ordering) and
+    returned once at release, after the sync; allocated bindings are neither, and a quarantined release keeps
+    the borrow. The sample provider (contract 1.1) gets the no-op defaults and still binds and releases it."""
+    sess = _session(device_model, (SAMPLE,))
+    device = sess.provider_handle(SAMPLE)
+    loans = _Loans()
+    device.pm.register(loans, name="loans")
+    try:
+        owned = sess.device_io_binding(DeviceBindingSpec.input("x", np.float32, (2, 6), output_name="y"))
+        owner = ort.Tensor.zeros(DataType.FLOAT, (2, 6), provider=device)
+        borrowed = sess.device_io_binding(ExternalMemorySpec.input("x", "y", np.float32, (2, 6), (2, 6),
+                                                                   owner.device_ptr, owner.nbytes))
+        assert loans.calls == [("borrow", owner.device_ptr, 48)]
+        sess.run_with_device_bindings([borrowed])
+        borrowed.close()
+        borrowed.close()
+        owned.close()
+        assert loans.calls == [("borrow", owner.device_ptr, 48), ("return", owner.device_ptr, 48)]
+        kept = sess.device_io_binding(ExternalMemorySpec.input("x", "y", np.float32, (2, 6), (2, 6),
+                                                               owner.device_ptr, owner.nbytes))
+        loans.fail_sync = True
+        with pytest.warns(RuntimeWarning, match="quarantined"):
+            kept.close()
+        assert [call[0] for call in loans.calls] == ["borrow", "return", "borrow"]
+        loans.fail_sync = False
+    finally:
+        device.pm.unregister(loans)
+    np.testing.assert_array_equal(owner.numpy(), np.tile(np.linspace(-1, 1, 6, dtype=np.float32), (2, 1)))
+    owner.close()
+    sess.close()
+
+
 class FailingSyncProvider(ReservingProvider):
     @hookimpl
     def name(self):

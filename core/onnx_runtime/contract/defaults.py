@@ -319,6 +319,14 @@ class DefaultFallbacks(MemoryDefaults):
     def order_device_access(self, reads, writes) -> None:
         return None  # one stream per device: its order is already the host's
 
+    @hookimpl(trylast=True)
+    def borrow_device_memory(self, buffer: DeviceBuffer) -> None:
+        return None  # one stream per device: borrowed memory needs no owner
+
+    @hookimpl(trylast=True)
+    def return_device_memory(self, buffer: DeviceBuffer) -> None:
+        return None
+
     # -- decode helpers ---------------------------------------------------------------------------
     # On host memory these run in numpy (contract/host_decode.py), so decode loops need no device.
     @hookimpl(trylast=True)

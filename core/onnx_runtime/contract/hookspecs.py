@@ -484,12 +484,39 @@ class ExecutionProviderSpec(DeviceExecutionSpec, MemoryGovernanceSpec, Residency
         instance (each session) on a stream of its own: a tensor one session produced and another reads (an
         output fed on, an IO binding's buffer, a ``DeviceIoBinding`` handed over) is ordered here, and a free
         waits for the readers the provider recorded. Buffers of another device or on the host are not passed.
-        Called outside device graph captures, before every run and every replay, so a replay is ordered too.
-        Added in contract 1.4.
+        Called outside device graph captures, before every run and every replay, so a replay is ordered too; with
+        device graphs on, before every run, with empty lists when it has no such buffers (since 1.5), so the
+        buffers named last belong to the capture or replay that follows. Added in contract 1.4.
 
         Default: no-op (one stream per device orders everything in the order the host enqueued it).
         Called by: session/executor.py (``Executor.run_bound``: the run's device feeds and bound output buffers,
         one call per device provider per run), only for providers that implement it.
+        """
+
+    @hookspec(firstresult=True)
+    def borrow_device_memory(self, buffer: DeviceBuffer) -> None:
+        """A session borrowed ``buffer``: caller-owned memory on this provider's device (a ``DeviceIoBinding``
+        made from an ``ExternalMemorySpec``) that the session never frees. The provider records this instance as
+        the memory's owner for as long as the borrow lasts: its ordering attributes the memory's earlier work to
+        this instance's stream (not to whichever instance happens to order it first, which may only read it), and
+        every address inside it (an alias at an offset) is the one memory. Each call is paired with one
+        ``return_device_memory``. Added in contract 1.5.
+
+        Default: no-op (one stream per device needs no owner).
+        Called by: session/device_io_binding.py (``DeviceIoBinding.from_external_memory``), for device memory.
+        """
+
+    @hookspec(firstresult=True)
+    def return_device_memory(self, buffer: DeviceBuffer) -> None:
+        """The borrow ``borrow_device_memory`` began has ended: the binding was released, after the session
+        synchronized the provider, and the caller may free or reuse the memory at once. The provider forgets what
+        it recorded of it, and a device graph of another instance that recorded its address is reset (that
+        instance's next run captures afresh) rather than replayed on memory that is no longer lent. Added in
+        contract 1.5.
+
+        Default: no-op.
+        Called by: session/device_io_binding.py (``DeviceIoBinding.close``), once per borrow that was not
+        quarantined.
         """
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-VERSION = "1.4"
+VERSION = "1.5"
 FIRST_VERSION = "1.0"  # what a provider that does not declare a version is taken to be written for
 
 _FORMAT = re.compile(r"^(\d+)\.(\d+)$")

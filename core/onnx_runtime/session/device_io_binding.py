@@ -22,7 +22,8 @@ written input.
 
 Memory. :meth:`DeviceIoBinding.allocate` allocates through the provider, with optional committed
 ranges (providers that reserve address space commit only those); :meth:`from_external_memory` borrows
-caller-owned memory, checked for null, size and the dtype's alignment, and never frees it.
+caller-owned memory, checked for null, size and the dtype's alignment, and never frees it (the provider holds
+the binding's instance as its owner from ``borrow_device_memory`` to ``return_device_memory`` at release).
 
 Host traffic. Only ``write_bytes``/``read_bytes*`` (and outputs a host node had to produce) cross to
 or from the host; :attr:`transfer_stats` counts every such transfer. Device-to-device snapshot and
@@ -237,6 +238,7 @@ class DeviceIoBinding:
         self._registration: DeviceValidationRegistration | None = None
         self._argmax: bool | None = None
         self._host_array: np.ndarray | None = None
+        self._lent = False  # external device memory the provider recorded a borrow of (returned at release)
         try:
             self._registration = allocator.hook.register_device_validation_owner()
         except Exception:
@@ -286,8 +288,12 @@ class DeviceIoBinding:
         if allocator.is_host_accessible:  # host memory the caller owns: view it so host kernels read it in place
             host = np.ctypeslib.as_array((ctypes.c_uint8 * required).from_address(ptr))
         buffer = DeviceBuffer(allocator.device_id, required, alignment, ptr, Ownership.BORROWED_MUT, host=host)
-        return cls(allocator, buffer, dtype, spec.input_name, spec.bind_input, spec.output_name, physical, logical,
-                   spec.expose_logical_input_shape, spec.decode_freeze_safe_mask, spec.fixed_physical_strides)
+        binding = cls(allocator, buffer, dtype, spec.input_name, spec.bind_input, spec.output_name, physical, logical,
+                      spec.expose_logical_input_shape, spec.decode_freeze_safe_mask, spec.fixed_physical_strides)
+        if host is None:  # the provider records this binding's instance as the memory's owner until close
+            allocator.hook.borrow_device_memory(buffer=buffer)
+            binding._lent = True
+        return binding
 
     # -- description ----------------------------------------------------------------------------------
     @property
@@ -426,9 +432,8 @@ class DeviceIoBinding:
         buffers = []
         for binding, offset, nbytes in ranges:
             if not isinstance(binding, DeviceIoBinding) or binding.allocator is not self._allocator:
-                raise InvalidArgumentError(
-                    f"commit_binding_ranges takes bindings of {self._allocator.name}'s memory, got {binding!r}"
-                )
+                raise InvalidArgumentError(f"commit_binding_ranges takes bindings of {self._allocator.name}'s memory, "
+                                           f"got {binding!r}")
             buffers.append((binding.buffer, int(offset), int(nbytes)))
         self._allocator.commit_allocation_ranges(buffers)
 
@@ -449,9 +454,8 @@ class DeviceIoBinding:
                 f"{self._allocator.device_id}; allocate it with binding.allocator"
             )
         if nbytes < 0 or nbytes > self.buffer.size:
-            raise InvalidArgumentError(
-                f"{what} of {nbytes} bytes exceeds the {self.buffer.size}-byte allocation of {self.label}"
-            )
+            raise InvalidArgumentError(f"{what} of {nbytes} bytes exceeds the {self.buffer.size}-byte allocation of "
+                                       f"{self.label}")
         if nbytes > buffer.size:
             raise InvalidArgumentError(f"{what} of {nbytes} bytes exceeds the {buffer.size}-byte scratch")
         return buffer
@@ -678,7 +682,7 @@ class DeviceIoBinding:
         self._host_array = None
         _LIVE.pop(self, None)
         allocator = self._allocator
-        problems = self._settle()
+        problems = self._settle(buffer)
         if problems:
             _QUARANTINE.append((allocator, buffer))
             warnings.warn(f"device binding {self.label}: {'; '.join(problems)}; its allocation is quarantined "
@@ -694,7 +698,7 @@ class DeviceIoBinding:
                 warnings.warn(f"device binding {self.label}: could not unregister its validation owner ({exc})",
                               RuntimeWarning, stacklevel=2)
 
-    def _settle(self) -> list[str]:
+    def _settle(self, buffer: DeviceBuffer) -> list[str]:
         """Synchronize, consume pending validation and reset the graph that recorded the address; what failed."""
         allocator = self._allocator
         problems: list[str] = []
@@ -718,6 +722,12 @@ class DeviceIoBinding:
             except Exception as exc:
                 problems.append(f"could not reset the device graph that recorded its address ({exc})")
             self._device_graph_token = None
+        if self._lent and not problems:  # synchronized: the caller may reuse the memory once this returns
+            try:
+                allocator.hook.return_device_memory(buffer=buffer)
+                self._lent = False
+            except Exception as exc:
+                problems.append(f"its provider could not end the borrow of its memory ({exc})")
         return problems
 
     def __del__(self):
@@ -755,8 +765,7 @@ def _geometry(spec) -> tuple[DataType, tuple[int, ...], tuple[int, ...], str]:
 def _label(input_name: str, bind_input: bool, output_name: str | None) -> str:
     if not bind_input and not output_name:
         return f"{input_name!r} (scratch)"
-    names = [repr(n) for n in (input_name if bind_input else "", output_name) if n]
-    return " -> ".join(names)
+    return " -> ".join(repr(n) for n in (input_name if bind_input else "", output_name) if n)
 
 
 def _bytes(dtype: DataType, shape: tuple[int, ...], label: str) -> int:
@@ -783,11 +792,8 @@ def device_copy(handle: ProviderHandle, src: DeviceBuffer, src_offset: int, dst:
                 nbytes: int) -> None:
     """A device-to-device copy on ``handle``: its stream-ordered hook where it has one (or host memory,
     where the default serves it), else its synchronous ``copy`` over aliases of the two ranges."""
-    if nbytes == 0:
-        return
-    if handle.implements("copy_device_to_device") or handle.is_host_accessible:
-        handle.hook.copy_device_to_device(src=src, src_offset=src_offset, dst=dst, dst_offset=dst_offset,
-                                          nbytes=nbytes)
-    else:
+    if nbytes and (handle.implements("copy_device_to_device") or handle.is_host_accessible):
+        handle.hook.copy_device_to_device(src=src, src_offset=src_offset, dst=dst, dst_offset=dst_offset, nbytes=nbytes)
+    elif nbytes:
         handle.hook.copy(src=src.alias(src_offset, nbytes), dst=dst.alias(dst_offset, nbytes, writable=True),
                          size=nbytes)

@@ -328,6 +328,8 @@ class Executor:
     def _run_serialized(self, feeds: dict[str, object], output_names: tuple[str, ...], profile: dict | None,
                         slot: DeviceGraphSlot) -> list:
         if self.graphs is not None and profile is None:
+            if self._ordered:  # host feeds only: a capture that follows records no earlier run's buffers
+                self._order_access({}, {}, ())
             outputs = self.graphs.run(feeds, output_names, slot)
             if outputs is not None:
                 return outputs
@@ -365,7 +367,7 @@ class Executor:
                     feeds[name] = value.numpy()
                 else:
                     feed_devices[name] = handle
-        if self._ordered and (feed_devices or writes):
+        if self._ordered and (feed_devices or writes or self.graphs is not None):
             self._order_access(feeds, feed_devices, writes)
         if not feed_devices and not device_outputs:
             return self.run(feeds, output_names, profile, slot)
@@ -383,11 +385,12 @@ class Executor:
 
     def _order_access(self, feeds: dict, feed_devices: dict, writes: tuple) -> None:
         """Before the run's first device work (and outside any capture, so before every replay too): order it
-        after other streams' use of the device feeds it reads and the buffers it writes (contract 1.4)."""
+        after other streams' use of the device feeds it reads and the buffers it writes (contract 1.4). With device
+        graphs every run calls it, with empty lists too: a capture records what the run's own call named."""
         for handle in self._ordered:
             reads = [feeds[name].buffer for name, h in feed_devices.items() if h is handle]
             mine = [buffer for buffer in writes if buffer.device == handle.device_id]
-            if reads or mine:
+            if reads or mine or self.graphs is not None:
                 handle.hook.order_device_access(reads=reads, writes=mine)
 
     def run_plan(self, plan: Plan, feeds: dict[str, object], profile: dict | None,
