@@ -90,6 +90,10 @@ class PackedProduct:
         x = np.ascontiguousarray(a).reshape(-1)
         residual = self._empty if residual is None else np.ascontiguousarray(residual).reshape(-1)
         y = np.empty(a.shape[:-1] + (n,), dtype=np.float32)
+        if threads == 1:  # every panel on this thread: one compiled call, without posting a job to itself
+            self._matmul.matmul_panels(x, depth, rows, depth, packed, offsets, padded_bias, y.reshape(-1), n, residual,
+                                       flags, coefficients, 0, packed.shape[0], np.empty(scratch, np.float32))
+            return y
         claims = np.zeros(threads, dtype=np.int64)  # per call: what each thread's tasks have given out
         head = (x, depth, rows, depth, packed, offsets, padded_bias, y.reshape(-1), n, residual, flags, coefficients,
                 bounds, ranges, claims)
