@@ -4,7 +4,7 @@ OrtValues, each step's presents bound as the next step's pasts) and against onnx
 installed and can load the export (a genai_config.json is written for it beside a link to the model).
 
     .venv/bin/python benchmarks/generate_bench.py [--models 'gpt2.*fp32,llama.*fp32'] [--prompt 16] [--new 64]
-        [--threads 1,0] [--rounds 5]
+        [--threads 1,0] [--rounds 5] [--zoo FOLDER]
 
 For each model and thread count (0: each runtime's default), every engine runs the same prompt; their greedy
 tokens are compared (a fast but wrong loop shows as "tokens differ"). Then the engines are timed in interleaved
@@ -40,12 +40,13 @@ ZOO = Path(os.environ.get("ONNX_RUNTIME_ZOO") or ROOT / "benchmarks/.models/zoo"
 CPU = "CPUExecutionProvider"
 
 
-def decoders(pattern: str) -> list[str]:
-    manifest = json.loads((ZOO / "manifest.json").read_text())
+def decoders(pattern: str, zoo: Path = ZOO) -> list[tuple[str, int]]:
+    """(name, positions) of the decoders in ``zoo``'s manifest that ``pattern`` matches (the zoo's hold 128)."""
+    manifest = json.loads((zoo / "manifest.json").read_text())
     entries = manifest if isinstance(manifest, list) else manifest["models"]
     wanted = [re.compile(p.strip()) for p in pattern.split(",") if p.strip()]
-    return [e["name"] for e in entries if e.get("architecture") == "decoder" and e.get("status", "ok") == "ok"
-            and any(w.fullmatch(e["name"]) for w in wanted)]
+    return [(e["name"], e.get("positions", 128)) for e in entries if e.get("architecture") == "decoder"
+            and e.get("status", "ok") == "ok" and any(w.fullmatch(e["name"]) for w in wanted)]
 
 
 # -- the engines: each a callable (prompt, new) -> tokens ---------------------------------------------------
@@ -259,20 +260,24 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", default="1,0", help="intra-op thread counts to run (0: the default)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-genai", action="store_true", help="leave onnxruntime-genai out")
+    parser.add_argument("--zoo", type=Path, default=ZOO,
+                        help="a folder of exports with a manifest.json (benchmarks/decoder_export.py writes one)")
     args = parser.parse_args(argv)
-    if args.prompt + args.new > 128:
-        parser.error("--prompt + --new must stay within the zoo decoders' 128 positions")
-    names = decoders(args.models)
-    if not names:
-        print(f"no decoder in {ZOO / 'manifest.json'} matches {args.models!r} (build the zoo: scripts/build_zoo.sh)")
+    found = decoders(args.models, args.zoo)
+    if not found:
+        print(f"no decoder in {args.zoo / 'manifest.json'} matches {args.models!r} (build the zoo: "
+              f"scripts/build_zoo.sh)")
         return 1
+    names = [name for name, positions in found if args.prompt + args.new <= positions]
+    if not names:
+        parser.error(f"--prompt + --new must stay within the decoders' positions ({min(p for _n, p in found)})")
     rng = np.random.default_rng(0)
     print(f"host: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; prompt {args.prompt}, new {args.new}, "
           f"{args.rounds} interleaved rounds; tokens/s after the first token (wall | CPU), TTFT wall ms")
     print(f"{'model':28} {'thr':>3}  {'ours tok/s':>15}  {'ort+iobind':>15}  {'genai':>15}  "
           f"{'ours/ort':>11}  {'ours/genai':>11}  {'TTFT ours/ort/genai':>20}  notes")
     for name in names:
-        path = str(ZOO / f"{name}.onnx")
+        path = str(args.zoo / f"{name}.onnx")
         prompt = [int(t) for t in rng.integers(1, 1000, args.prompt)]
         for threads in (int(t) for t in args.threads.split(",")):
             engines, notes = make_engines(path, threads, args.prompt + args.new, not args.no_genai)

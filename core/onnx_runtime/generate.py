@@ -45,6 +45,9 @@ from .session.device_step import StepEpilogue
 from .session.inference_session import GRAPH_CAPTURE_KEY, InferenceSession
 from .session.options import SessionOptions
 
+# Bytes of one host KV cache at capacity from which it is appended in place (see _Bindings._bind_cache).
+IN_PLACE_BYTES = 1 << 16
+
 
 @dataclass
 class GenerationResult:
@@ -164,9 +167,18 @@ class _Bindings:
         # Reserved at capacity, committed as the rows arrive (from the start: the valid rows are compact there),
         # on providers that reserve address space; the others commit it all at once.
         self.committed_rows = prompt
+        # In host memory a cache worth it is laid out at its capacity instead (every row at a fixed address,
+        # committed at once), so each step appends its rows in place rather than copying the cache twice
+        # (kv_append.py); a small cache's copies cost less than the append's checks and its strided reads.
+        in_place = self.session.provider_handle(self.home).is_host_accessible and min(
+            heads * self.capacity * dim * dtype.numpy.itemsize for _past, _present, dtype, heads, dim in layout.caches
+        ) >= IN_PLACE_BYTES
+        if in_place:
+            self.committed_rows = self.capacity
         self.caches = [self._bind(DeviceBindingSpec.input(
             past, dtype, (1, heads, self.capacity, dim), (1, heads, 0, dim), output_name=present,
-            expose_logical_input_shape=True, committed_ranges=[(0, heads * prompt * dim * dtype.numpy.itemsize)]))
+            expose_logical_input_shape=True, fixed_physical_strides=in_place,
+            committed_ranges=None if in_place else [(0, heads * prompt * dim * dtype.numpy.itemsize)]))
             for past, present, dtype, heads, dim in layout.caches]
         self.mask = self._bind(DeviceBindingSpec.input("attention_mask", np.int64, (1, self.capacity), (1, prompt),
                                                        expose_logical_input_shape=True))

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import kv_append
 from ..contract.buffers import DeviceBuffer
 from ..contract.markers import hookimpl
 from ..dtypes import DataType
@@ -198,10 +199,34 @@ def _tail(layout: _Layout, bindings: tuple, epilogue: device_step.StepEpilogue) 
 
 
 def _run_on_host(session: SessionSide, layout: _Layout, bindings: tuple, single_token_step: bool) -> list:
-    """The bound run of a host session on compact host bindings: what :func:`run_with_device_bindings` does, in
-    the few steps that case takes (a decode step's kernels on small weights take tens of microseconds, so what
-    surrounds them shows): each input a view of its buffer, the executor's run, each output copied in."""
+    """The bound run of a host session on host bindings: what :func:`run_with_device_bindings` does, in the few
+    steps that case takes (a decode step's kernels on small weights take tens of microseconds, so what surrounds
+    them shows): each input a view of its buffer (a window of it at fixed physical strides), the executor's run,
+    each output copied in. A KV cache at fixed strides (an input aliased by its output) is appended in place by
+    the Concat that makes its output (kv_append.py), which the copy then skips."""
+    feeds = _host_feeds(session, layout, bindings, single_token_step)
+    windows = layout.windows
+    for window in windows:
+        window.fed = feeds[window.output_input]
+        window.result = None
+    if not layout.complete:
+        session.check_missing(feeds)
+        layout.complete = True
+    saved = kv_append.enter(windows) if windows else None
+    try:
+        values = session.executor_for(feeds).run(feeds, layout.names, session.profile)
+    finally:
+        if windows:
+            kv_append.leave(saved)
+    count = len(layout.host_names)
+    _host_outputs(layout, bindings, list(zip(layout.outputs, values[count:])))
+    return values[:count]
+
+
+def _host_feeds(session: SessionSide, layout: _Layout, bindings: tuple, single_token_step: bool) -> dict:
+    """Each bound input as a view of its buffer: the same view as the last run's where the shape is the same."""
     feeds = {}
+    physical = layout.physical
     for name, index, proof in layout.inputs:
         binding = bindings[index]
         shape = binding.kernel_input_shape(single_token_step)
@@ -212,36 +237,64 @@ def _run_on_host(session: SessionSide, layout: _Layout, bindings: tuple, single_
         if not proof.admits(shape):  # the binding's dtype was checked against the model when it was made
             session.check_bound(name, _Shaped(binding.dtype, shape), output=False)
             proof.learn(shape)
-        view = feeds[name] = binding.host_array()[: math.prod(shape)].reshape(shape)
+        whole = physical.get(index)
+        if whole is None:
+            view = feeds[name] = binding.host_array()[: math.prod(shape)].reshape(shape)
+        else:
+            view = feeds[name] = whole[tuple(map(slice, shape))]
         proof.last = (shape, view)
-    if not layout.complete:
-        session.check_missing(feeds)
-        layout.complete = True
-    values = session.executor_for(feeds).run(feeds, layout.names, session.profile)
-    count = len(layout.host_names)
-    produced = list(zip(layout.outputs, values[count:]))
+    return feeds
+
+
+def _host_outputs(layout: _Layout, bindings: tuple, produced: list) -> None:
+    """Each output copied into its binding (a window appended in place needs none), its shape adopted."""
     plain = True
     for (name, index, proven, dtype), value in produced:  # every shape checked before any binding is written
         binding = bindings[index]
-        physical = binding.physical_shape
-        if type(value) is not np.ndarray or value.dtype != dtype or value.ndim != len(physical) \
-                or not all(map(operator.le, value.shape, physical)):
+        physical_shape = binding.physical_shape
+        if type(value) is not np.ndarray or value.dtype != dtype or value.ndim != len(physical_shape) \
+                or not all(map(operator.le, value.shape, physical_shape)):
             _check_output(binding, name, value, proven)  # raises what is wrong, if anything is
             plain = False
-    aliased = layout.aliased
+    if not plain:
+        for (_name, index, _proven, _dtype), value in produced:
+            _deliver(bindings[index], value)
+        return
+    physical, aliased, window_at = layout.physical, layout.aliased, layout.window_at
     for (_name, index, _proven, _dtype), value in produced:
         binding = bindings[index]
-        if plain:
-            shape = value.shape
+        shape = value.shape
+        whole = physical.get(index)
+        if whole is None:
             view = binding.host_array()[: value.size].reshape(shape)
             view[...] = value  # numpy copes with an aliased output
-            binding.set_logical_shape(shape)
-            alias = aliased.get(index)
-            if alias is not None and alias.admits(shape):  # the next run feeds this view (a KV cache's next step)
-                alias.last = (shape, view)
+        elif index in window_at and value is window_at[index].result:  # appended in place: the window
+            view = value
         else:
-            _deliver(binding, value)
-    return values[:count]
+            view = whole[tuple(map(slice, shape))]
+            view[...] = value
+        binding.set_logical_shape(shape)
+        alias = aliased.get(index)
+        if alias is not None and alias.admits(shape):  # the next run feeds this view (a KV cache's next step)
+            alias.last = (shape, view)
+
+
+class _Window(kv_append.Window):
+    """A cache's window (kv_append.Window) with the input name it is fed as."""
+
+    __slots__ = ("output_input",)
+
+    def __init__(self, input_name: str, physical: np.ndarray, axis: int, output: str):
+        super().__init__(physical[:0], physical, axis, output)
+        self.output_input = input_name
+
+
+def _growing_axis(binding: DeviceIoBinding) -> int | None:
+    """The one axis a cache's window may be shorter than its capacity on (a KV cache's sequence axis); None
+    where the binding's own spec does not say which (its logical shape short on none, or several, axes)."""
+    short = [axis for axis, (n, capacity) in enumerate(zip(binding.logical_shape, binding.physical_shape))
+             if n < capacity]
+    return short[0] if len(short) == 1 else None
 
 
 class _Layout:
@@ -252,7 +305,7 @@ class _Layout:
     (and raises what those checks raise)."""
 
     __slots__ = ("bindings", "input_names", "inputs", "outputs", "host_names", "names", "delivered", "complete",
-                 "host", "aliased")
+                 "host", "aliased", "physical", "windows", "window_at")
 
     LIMIT = 256  # shapes remembered per binding (a window without bound: start over past it)
 
@@ -272,9 +325,24 @@ class _Layout:
         self.names = self.host_names + tuple(outputs)
         self.delivered = frozenset(outputs)
         self.complete = False  # whether the bound inputs alone were found to leave no input missing
-        # Host providers only, every binding compact in host memory: inputs are views, outputs plain copies.
+        # Host providers only, every binding in host memory: inputs are views, outputs plain copies.
         self.host = all(handle.is_host_accessible for handle in session.handles) and all(
-            binding.host_array() is not None and not binding.fixed_physical_strides() for binding in bindings)
+            binding.host_array() is not None for binding in bindings)
+        # Position -> the whole buffer at its physical shape, for the bindings laid out at fixed strides (fed and
+        # written as windows of it); the caches among them, appended in place (kv_append.py).
+        self.physical: dict[int, np.ndarray] = {}
+        self.windows: list[_Window] = []
+        self.window_at: dict[int, _Window] = {}  # position of a cache's binding -> its window
+        if self.host:
+            for index, binding in enumerate(bindings):
+                if binding.fixed_physical_strides():
+                    whole = self.physical[index] = binding.host_array()[: math.prod(binding.physical_shape)] \
+                        .reshape(binding.physical_shape)
+                    axis = _growing_axis(binding)
+                    if binding.output_name and index in self.aliased and axis is not None:
+                        name = next(name for name, at, _proof in self.inputs if at == index)
+                        self.windows.append(_Window(name, whole, axis, binding.output_name))
+                        self.window_at[index] = self.windows[-1]
 
     def holds(self, bindings: tuple[DeviceIoBinding, ...]) -> bool:
         if len(bindings) != len(self.bindings):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from onnx_runtime import budget
+from onnx_runtime import budget, kv_append
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from ..registry import register
@@ -257,10 +257,22 @@ def _concat_factory(default_axis):
         if shapes and shapes[0] is not None and -len(shapes[0]) <= axis < len(shapes[0]):
             # A valid axis for the known rank: numpy counts a negative one from each call's own rank, as ONNX
             # does, so the kernel serves every shape (a decode step's growing cache).
+            if len(node.inputs) == 2 and node.outputs:
+                return shape_free(_appending_concat(node.outputs[0], axis))
             return shape_free(lambda *xs: (np.concatenate(xs, axis=axis),))
         return shape_free(lambda *xs: (np.concatenate(xs, axis=normalize_axis(axis, xs[0].ndim)),))
 
     return factory
+
+
+def _appending_concat(output: str, axis: int):
+    """Concat of two, which appends in place where the bound run feeding the first allows (kv_append.py): a KV
+    cache's ``present = Concat(past, new)``."""
+    def kernel(*xs):
+        grown = kv_append.append(output, xs, axis if axis >= 0 else axis + xs[0].ndim)
+        return (np.concatenate(xs, axis=axis) if grown is None else grown,)
+
+    return kernel
 
 
 register("Concat", since=1)(_concat_factory(default_axis=1))

@@ -1,0 +1,87 @@
+"""A KV cache grown in place: ``present = Concat(past, new)`` written into the buffer ``past`` is a window of.
+
+A decoder exported with past computes each layer's ``present`` by concatenating the step's keys (or values) to
+the ``past`` it was fed. When the caller keeps the cache in a host buffer at its capacity and feeds ``past`` as
+the window of the rows already valid there (a :class:`DeviceIoBinding` with ``fixed_physical_strides``), the
+first rows of ``present`` are those rows, in place: the step writes only its new rows after them, and its result
+is the window one step longer. That saves the Concat's copy of the whole cache and the bound run's copy of
+``present`` back into the buffer, every step, so a step's cache traffic no longer grows with the context.
+
+A bound run names its windows for the duration of the run on its thread (:func:`appending`); a Concat kernel
+asks :func:`append` first. Only the Concat that gives the binding's own output from the window as first of two
+inputs appends, once per run, along the axis the window grows on, within the capacity and in the buffer's dtype;
+anything else (another thread's run, another value fed, another node) concatenates as before.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import numpy as np
+
+
+class Window:
+    """``fed`` (the view a run feeds as ``past``) of ``physical`` (the whole buffer at its capacity), growing on
+    ``axis``, to be appended into by the Concat giving ``output``; ``result`` is the longer window an append
+    made (None until one does)."""
+
+    __slots__ = ("fed", "physical", "axis", "output", "result", "before", "across")
+
+    def __init__(self, fed: np.ndarray, physical: np.ndarray, axis: int, output: str):
+        self.fed, self.physical, self.axis, self.output = fed, physical, axis, output
+        self.result: np.ndarray | None = None
+        self.before = (slice(None),) * axis  # the index of the axes before the growing one
+        self.across = physical.shape[:axis] + physical.shape[axis + 1:]  # what both parts must span elsewhere
+
+
+_LOCAL = threading.local()  # .windows: id(fed view) -> Window, during a bound run on this thread
+
+
+@contextmanager
+def appending(windows: Sequence[Window]) -> Iterator[None]:
+    """Within the block, Concats on this thread may append into ``windows`` (nested runs see only their own)."""
+    saved = getattr(_LOCAL, "windows", None)
+    _LOCAL.windows = {id(window.fed): window for window in windows}
+    try:
+        yield
+    finally:
+        _LOCAL.windows = saved
+
+
+def append(output: str, xs: tuple, axis: int) -> np.ndarray | None:
+    """``Concat(*xs)`` along ``axis`` (normalized) as a longer window of the buffer ``xs[0]`` views, with
+    ``xs[1]`` written after its rows; None where no window of this run allows it (the caller concatenates)."""
+    windows = getattr(_LOCAL, "windows", None)
+    if not windows or len(xs) != 2:
+        return None
+    past, new = xs
+    window = windows.get(id(past))
+    if window is None or window.fed is not past or window.result is not None or window.axis != axis \
+            or window.output != output:
+        return None
+    physical = window.physical
+    if type(new) is not np.ndarray or new.dtype != physical.dtype or new.ndim != physical.ndim \
+            or new.shape[:axis] + new.shape[axis + 1:] != window.across \
+            or past.shape[:axis] + past.shape[axis + 1:] != window.across:
+        return None
+    length = past.shape[axis]
+    grown = length + new.shape[axis]
+    if grown > physical.shape[axis]:
+        return None
+    before = window.before
+    physical[before + (slice(length, grown),)] = new
+    window.result = result = physical[before + (slice(0, grown),)]
+    return result
+
+
+def enter(windows: Sequence[Window]) -> dict | None:
+    """:func:`appending` without the context manager, for a run's hot path: returns what :func:`leave` restores."""
+    saved = getattr(_LOCAL, "windows", None)
+    _LOCAL.windows = {id(window.fed): window for window in windows}
+    return saved
+
+
+def leave(saved: dict | None) -> None:
+    _LOCAL.windows = saved
