@@ -82,4 +82,32 @@ def fuse_attention_heads(graph: Graph, owns=None) -> bool:
     return changed
 
 
-HEADS_PASSES = [fuse_attention_heads]
+def drop_zero_masks(graph: Graph, owns=None) -> bool:
+    """Drop an Attention's constant mask that changes no score: a float mask of zeros or a boolean one of True
+    over every key (ViT's dynamo export folds such a mask out of its shape subgraph). Kept where it could matter:
+    a mask narrower than the keys (the keys past it are masked), past inputs (the keys' count is theirs plus
+    k's), the scores as an output."""
+    changed = False
+    for node in list(graph.nodes):
+        if node.op_type != "Attention" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 4 \
+                or not node.inputs[3] or len(node.outputs) > 3:
+            continue
+        mask, queries, keys = (graph.initializers.get(node.inputs[3]), _static(graph, node.inputs[0]),
+                               _static(graph, node.inputs[1]))
+        if mask is None or queries is None or keys is None or len(queries) != len(keys) or len(keys) not in (3, 4):
+            continue
+        scores = (queries[0], queries[1], queries[2], keys[2]) if len(keys) == 4 else \
+            (queries[0], int(node.attr("q_num_heads", 0)), queries[1], keys[1])
+        if mask.ndim == 0 or mask.ndim > 4 or mask.shape[-1] != scores[3] \
+                or any(d not in (1, full) for d, full in zip(mask.shape[::-1], scores[::-1])):
+            continue
+        if not (mask.dtype == bool and mask.all() or mask.dtype.kind == "f" and not mask.any()) \
+                or not owned(owns, [node]):
+            continue
+        replace_nodes(graph, [node], Node("Attention", node.inputs[:3], list(node.outputs), name=node.name,
+                                          domain=node.domain, attrs=dict(node.attrs), opset=node.opset))
+        changed = True
+    return changed
+
+
+HEADS_PASSES = [fuse_attention_heads, drop_zero_masks]
