@@ -16,7 +16,7 @@ from onnx_runtime.errors import InvalidArgumentError
 from ..algorithms.activations import hard_sigmoid_of, sigmoid, softplus, softsign
 from ..algorithms.precision import compute_dtype, scalar
 from ..algorithms.prepared import Prepared
-from ..compiled import COMPILED_DTYPES
+from ..compiled import COMPILED_DTYPES, deferred
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ._common import graph_error, quiet, shape_free
@@ -238,8 +238,17 @@ def gru(node, shapes, opset):
     # linear_before_reset (GRU-3) and layout (GRU-14) default to the earlier behaviour.
     spec = _RecurrentSpec(node, ("Sigmoid", "Tanh"))
     linear_before_reset = bool(node.attr("linear_before_reset", 0))
+    names = [str(name).lower() for name in node.attr("activations") or ()]
+    compiled = _CompiledGRU(spec, linear_before_reset) \
+        if (not names or names == ["sigmoid", "tanh"] * spec.num_directions) and spec.clip is None else None
+    outputs = len(node.outputs)
 
     def kernel(x, w, r, b=None, seq_lens=None, h0=None):
+        if compiled is not None and seq_lens is None and x.dtype in COMPILED_DTYPES and w.dtype == x.dtype \
+                and r.dtype == x.dtype and x.ndim == 3 and x.shape[0 if spec.layout else 1] <= _COMPILED_BATCH:
+            found = compiled(x, w, r, b, h0)
+            if found is not None:
+                return tuple(found[:outputs])
         dtype = compute_dtype(x.dtype)
         hidden = r.shape[-1]
         rt, rb = _recurrence(r, b, 3, hidden, dtype)
@@ -261,7 +270,7 @@ def gru(node, shapes, opset):
 
         return _outputs(node, _run(spec, cell, x, w, r, b, seq_lens, [h0], gates=3))
 
-    return kernel
+    return shape_free(kernel)  # (as LSTM's: it reads no planned shape)
 
 
 @register("LSTM", since=1)
@@ -430,3 +439,117 @@ def lstm_cell(node, shapes, opset):
         return [h_new, c_new]
 
     return shape_free(kernel)
+
+
+class _CompiledGRU:
+    """GRU with the default activations and no clip or sequence lengths, by compiled/gru.py: the same outputs as
+    :func:`_run` (Y, Y_h in the node's layout). None where numpy serves the call instead: while numba loads in the
+    background (the loop's argument types recorded for the loader), or where the loop misses numba's cache on this
+    thread (tried in a Trial until one call has run: the loader's child compiles it meanwhile)."""
+
+    def __init__(self, spec: _RecurrentSpec, linear_before_reset: bool):
+        from ..compiled.gru import gru_steps
+
+        self.spec = spec
+        self.steps = gru_steps
+        self.linear_before_reset = linear_before_reset
+        self.prepared = Prepared()
+        self.kept: tuple = (None, None, None, None, None)  # (W, R, B, dtype, weights), as _CompiledLSTM's
+        self.backward = [spec.direction == "reverse" or d == 1 for d in range(spec.num_directions)]
+        self.tried = False  # a compiled call has run whole
+        self.fast: tuple | None = None  # (W, R, B, X's shape and dtype, the state's shape, the weights)
+
+    def __call__(self, x, w, r, b, h0) -> list | None:
+        fast = self.fast
+        if fast is not None and fast[0] is w and fast[1] is r and fast[2] is b and x.shape == fast[3] \
+                and x.dtype is fast[4] and x.flags.c_contiguous and _state_shape(h0) == fast[5]:
+            return self._one_direction(x, h0, fast)
+        return self._checked(x, w, r, b, h0)
+
+    def _one_direction(self, x, h0, fast) -> list:
+        """A call with the signature ``fast`` records (one direction, layout 0, few steps, constant weights, the
+        loop tried), whose checks passed: a fresh state, the loop, the outputs."""
+        shape, (wd, rd, w_bias, r_bias) = fast[5] or fast[6], fast[7]
+        h = np.zeros(shape, x.dtype) if h0 is None else np.array(h0, dtype=x.dtype, order="C")
+        y = np.empty((x.shape[0], 1, shape[1], shape[2]), x.dtype)
+        self.steps(x, wd, rd, w_bias, r_bias, h[0], y.reshape(x.shape[0], shape[1], shape[2]), self.backward[0],
+                   False, self.linear_before_reset)
+        return [y, h]
+
+    def _checked(self, x, w, r, b, h0) -> list | None:
+        spec = self.spec
+        xs = np.swapaxes(x, 0, 1) if spec.layout else x
+        if not xs.flags.c_contiguous:
+            xs = np.ascontiguousarray(xs)
+        hidden = spec.check(w, r, 3)
+        _check_bias(b, r, 3, hidden)
+        if xs.shape[2] != w.shape[2]:
+            raise InvalidArgumentError(f"node {spec.node.name!r} (GRU): X {x.shape} does not match W {w.shape}: "
+                                       f"expected {w.shape[2]} features")
+        seq, batch = xs.shape[:2]
+        dirs = spec.num_directions
+        h = self._state(h0, (dirs, batch, hidden), x.dtype)
+        y = np.empty((seq, dirs, batch, hidden), x.dtype)
+        projected = seq * batch > _PROJECT_IN_LOOP
+        calls = []
+        for d, (wd, rd, w_bias, r_bias) in enumerate(self._weights(w, r, b, hidden, x.dtype)):
+            out = np.empty((seq, batch, hidden), x.dtype) if dirs > 1 else y.reshape(seq, batch, hidden)
+            calls.append((xs @ wd.T if projected else xs, wd, rd, w_bias, r_bias, h[d], out, self.backward[d],
+                          projected, self.linear_before_reset))
+        if not self._stepped(calls):
+            return None
+        for d, arguments in enumerate(calls if dirs > 1 else ()):
+            y[:, d] = arguments[6]
+        if spec.layout:
+            return [y.transpose(2, 0, 1, 3), np.swapaxes(h, 0, 1)]
+        if dirs == 1 and not projected and self.tried and self.kept[4] is not None and self.kept[0] is w:
+            # (checked above for this signature: later calls with it skip the checks and the layout moves)
+            self.fast = (w, r, b, x.shape, x.dtype, _state_shape(h0), (dirs, batch, hidden), self.kept[4][0])
+        return [y, h]
+
+    def _stepped(self, calls: list) -> bool:
+        """The loop over each direction's call; False where numpy must serve this call instead."""
+        if deferred.numpy_first():  # numba loads in the background: numpy serves, the loader links these types
+            for arguments in calls:
+                self.steps.expect(*arguments)
+            return False
+        for arguments in calls:
+            if self.tried:
+                self.steps(*arguments)
+            elif deferred.tried(self, "tried", _stepped, self.steps, arguments) is None:
+                return False
+        return True
+
+    def _weights(self, w, r, b, hidden: int, dtype) -> list:
+        held = self.kept
+        if held[0] is w and held[1] is r and held[2] is b and held[3] is dtype:
+            return held[4]
+        weights = self.prepared.get(("gru", dtype), (w, r, b), lambda: _gru_weights(w, r, b, hidden, dtype))
+        if all(a is None or not a.flags.writeable for a in (w, r, b)):
+            self.kept = (w, r, b, dtype, weights)
+        return weights
+
+    def _state(self, s, shape: tuple, dtype) -> np.ndarray:
+        """A fresh C-contiguous (directions, batch, hidden) state the loop updates in place: zeros, or a copy."""
+        if s is None:
+            return np.zeros(shape, dtype)
+        state = np.array(np.swapaxes(s, 0, 1) if self.spec.layout else s, dtype=dtype, order="C")
+        if state.shape != shape:
+            raise InvalidArgumentError(
+                f"node {self.spec.node.name!r} (GRU): initial_h {s.shape} must be {shape} after layout")
+        return state
+
+
+def _stepped(steps, arguments) -> bool:
+    steps(*arguments)
+    return True
+
+
+def _gru_weights(w, r, b, hidden: int, dtype) -> list:
+    """Per direction: W and R contiguous, Wb and Rb (zeros without B)."""
+    weights = []
+    for d in range(w.shape[0]):
+        w_bias = np.zeros(3 * hidden, dtype) if b is None else np.ascontiguousarray(b[d, : 3 * hidden], dtype)
+        r_bias = np.zeros(3 * hidden, dtype) if b is None else np.ascontiguousarray(b[d, 3 * hidden:], dtype)
+        weights.append((np.ascontiguousarray(w[d], dtype), np.ascontiguousarray(r[d], dtype), w_bias, r_bias))
+    return weights
