@@ -16,14 +16,14 @@ first makes that stream wait on an event recorded on the home stream (once, at t
 hands the memory out again while work queued on the home stream may still touch it. Host bytes move through
 page-locked staging blocks (staging.py), so an upload returns without waiting for the device.
 
-Lanes. The streams above are the device's *default lane*. Each provider instance opens a lane of its own
-(lanes.py: a compute and a transfer stream), so sessions on different threads run side by side; the
-methods below take the ``lane`` to work on (the default one when None). A buffer another lane may have
-touched is ordered by :meth:`order_access` (lanes.py says how), and a free waits for the lanes that read
-or wrote the memory. A device graph capture records the *stream*, whichever thread enqueues on it, so
-while one thread captures a lane (``begin_capture`` to ``end_capture``, called by graphs.py) other threads'
-calls on that lane wait at its gate instead of landing inside the graph (on a GPU) or invalidating the
-capture; other lanes run and capture meanwhile. Runs of one session are serialized by its executor
+Lanes. The streams above are the device's *default lane*. Each provider instance opens a lane of its own (lanes.py:
+a compute and a transfer stream), so sessions on different threads run side by side; the methods below take the
+``lane`` to work on (the default one when None). A buffer another lane may have touched is ordered by
+:meth:`order_access` (lanes.py says how; access.py keeps the records), and a free waits for the lanes that read or
+wrote the memory and resets the graphs of other lanes that recorded it. A device graph capture records the *stream*,
+whichever thread enqueues on it, so while one thread captures a lane (``begin_capture`` to ``end_capture``, called
+by graphs.py) other threads' calls on that lane wait at its gate instead of landing inside the graph (on a GPU) or
+invalidating the capture; other lanes run and capture meanwhile. Runs of one session are serialized by its executor
 (session/executor.py).
 
 Faults. An exception in device code (illegal address, assert, trap) leaves a CUDA context unusable: every
@@ -47,8 +47,9 @@ from onnx_runtime.errors import InvalidArgumentError, ProviderError
 
 from . import driver as driver_access
 from . import nvrtc
+from .access import AccessOrdering
 from .driver import STICKY_ERRORS, CudaDeviceFaultError
-from .lanes import AccessMarks, Lane
+from .lanes import Lane
 from .staging import PinnedStaging
 
 # Live fence events above this count are polled and the completed ones recycled, so a long run that
@@ -70,7 +71,7 @@ class KernelModule:
     functions: dict[str, object] = field(default_factory=dict)
 
 
-class CudaDevice:
+class CudaDevice(AccessOrdering):
     """See the module docstring. Use :meth:`get`; never construct directly."""
 
     _instances: dict[tuple[bool, int], CudaDevice] = {}
@@ -110,9 +111,7 @@ class CudaDevice:
         self._lanes: dict[int, Lane] = {id(self.compute): self.default_lane}  # id(compute stream) -> lane
         self._idle_lanes: list[Lane] = []  # lanes of closed instances, handed to the next one
         self._order_lock = threading.Lock()  # a lane's capture flag and events recorded on it (lanes.py)
-        self._marks: dict[int, AccessMarks] = {}  # base -> who touched it, for allocations another lane touched
-        self._loose: set[int] = set()  # keys of marks on memory of no allocation here (addresses inside one)
-        self.ordered_waits = 0  # cross-lane event waits enqueued by order_access and frees
+        self._init_access()
         self.pooled = bool(self._attribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED))
         if self.pooled:
             # The default release threshold (0) hands freed memory back to the OS at every synchronize;
@@ -125,7 +124,6 @@ class CudaDevice:
         self.bytes_in_use = 0
         self.peak_bytes = 0
         self._live: dict[int, int] = {}  # address -> size of every allocation not yet freed
-        self._homes: dict[int, object] = {}  # address -> the stream a pooled allocation was made on, if not compute
         self.cross_stream_frees = 0  # frees ordered after another stream by an event wait
         self._next_fence = 1  # fence ids count up from 1; 0 is the signalled fence
         self._events: dict[int, tuple] = {}  # fence id -> (CUevent not yet known to be complete, its lane)
@@ -226,65 +224,6 @@ class CudaDevice:
             if lane not in self._idle_lanes:
                 self._idle_lanes.append(lane)
 
-    def order_access(self, lane: Lane, reads=(), writes=()) -> int:
-        """Order ``lane``'s next work after other lanes' use of the memory ``reads`` and ``writes`` name (keys:
-        an allocation's base, else any stable key of borrowed memory, whose home is the default lane): a read
-        waits for the last writer, a write for the writer and every reader since. Returns the number of waits
-        enqueued. See lanes.py."""
-        waits: dict[int, object] = {}
-        stream = lane.compute
-        with self._lock:
-            for base in (*reads, *writes):
-                if base not in self._marks and base not in self._homes and base not in self._live:
-                    # Memory of no allocation here (a block of a capture arena, external memory): the first lane
-                    # that orders it stands as its home; its owner's kernels reach it through that lane.
-                    self._marks[base] = AccessMarks(stream)
-                    self._loose.add(base)
-            for base in reads:
-                self._mark_read(base, stream, waits)
-            for base in writes:
-                self._mark_write(base, stream, waits)
-        if waits:
-            with lane.gate:
-                for other in waits.values():
-                    self._order_after(other, stream)
-        return len(waits)
-
-    def _mark_read(self, base: int, stream, waits: dict) -> None:
-        marks = self._marks.get(base)
-        writer = marks.writer if marks is not None else self._homes.get(base, self.compute)
-        if writer is stream:
-            return
-        waits[id(writer)] = writer
-        if marks is None:
-            marks = self._marks[base] = AccessMarks(writer)
-        if not any(r is stream for r in marks.readers):
-            marks.readers.append(stream)
-
-    def _mark_write(self, base: int, stream, waits: dict) -> None:
-        marks = self._marks.get(base)
-        home = self._homes.get(base, self.compute)
-        if marks is None and home is stream:
-            return
-        for other in [home] if marks is None else [marks.writer or home, *marks.readers]:
-            if other is not stream:
-                waits[id(other)] = other
-        if marks is None:
-            marks = self._marks[base] = AccessMarks()
-        marks.writer, marks.readers = stream, []
-
-    def note_home(self, key: int, lane: Lane) -> None:
-        """Memory ``key`` names (not a pool allocation: a reserved one) is ``lane``'s, for :meth:`order_access`."""
-        with self._lock:
-            self._homes[key] = lane.compute
-
-    def forget_access(self, key: int) -> None:
-        """Drop what :meth:`order_access` remembers of memory released without :meth:`free` (reserved, external)."""
-        with self._lock:
-            self._marks.pop(key, None)
-            self._homes.pop(key, None)
-            self._loose.discard(key)
-
     # -- memory -------------------------------------------------------------------------------------
     def allocate(self, size: int, alignment: int = _POOL_ALIGNMENT, stream=None, lane=None) -> tuple[int, int]:
         """``(address, base)`` of a new allocation of at least ``size`` bytes, stream-ordered on ``stream`` (compute
@@ -327,6 +266,12 @@ class CudaDevice:
         """Free the allocation whose ``base`` :meth:`allocate` returned, stream-ordered on ``stream`` (compute by
         default) and after its home stream's work and the lanes that touched it (see the module docstring)."""
         with self._lock:
+            nbytes = self._live.get(base)
+            home = self._homes.get(base, self.compute)
+            records = self._records_in(base, base + nbytes, home) if nbytes is not None else []
+        if records:  # another lane's graph recorded this memory: reset it before the memory goes
+            self._reset_records(records, base, "a free")
+        with self._lock:
             nbytes = self._live.pop(base, None)
             if nbytes is None:
                 raise InvalidArgumentError(
@@ -334,10 +279,7 @@ class CudaDevice:
                 )
             home = self._homes.pop(base, self.compute)
             marks = self._marks.pop(base, None)
-            if self._loose:  # marks on addresses inside it (a capture arena's blocks) go with it
-                for key in [k for k in self._loose if base <= k < base + nbytes]:
-                    self._loose.discard(key)
-                    self._marks.pop(key, None)
+            self._drop_marks(base, base + nbytes)  # marks on addresses inside it (a capture arena's blocks) too
             self.frees += 1
             self.bytes_in_use -= nbytes
         if marks is not None:  # the lanes that read or wrote it are waited for like the home stream
@@ -726,8 +668,7 @@ class CudaDevice:
             self._check(d.cuStreamDestroy(lane.compute), "cuStreamDestroy(compute)")
         self._lanes = {id(self.compute): self.default_lane}
         self._idle_lanes.clear()
-        self._marks.clear()
-        self._loose.clear()
+        self._clear_access()
         self._check(d.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease")
         self.closed = True
         self._live.clear()

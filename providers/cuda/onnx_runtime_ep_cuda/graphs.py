@@ -44,6 +44,8 @@ class _Segment:
     graph: object  # CUgraph
     executable: object  # CUgraphExec
     prologues: tuple = ()  # validation owners whose generation prologue the segment recorded (validation.py)
+    reads: tuple = ()  # memory keys the segment reads and writes (access.py), ordered again before each launch
+    writes: tuple = ()
 
 
 @dataclass(eq=False)
@@ -53,6 +55,8 @@ class _Lifecycle:
     generation: int = 0  # the installed (or being captured) generation; 0 before the first capture
     segments: list[_Segment] = field(default_factory=list)
     capturing: bool = False
+    reads: tuple = ()  # the union of the segments' keys, for a replay of them all
+    writes: tuple = ()
 
     def token(self) -> DeviceGraphToken:
         return DeviceGraphToken(self.owner, self.slot, self.generation)
@@ -122,8 +126,10 @@ class DeviceGraphs:
 
     def _destroy(self, lifecycle: _Lifecycle) -> bool:
         segments, lifecycle.segments = lifecycle.segments, []
+        lifecycle.reads = lifecycle.writes = ()
         d = self.device.driver
         for segment in segments:
+            self.device.forget_graph(segment, (*segment.reads, *segment.writes))
             if not self.device.closed:  # a released context took its graphs with it
                 self._check(d.cuGraphExecDestroy(segment.executable), "cuGraphExecDestroy")
                 self._check(d.cuGraphDestroy(segment.graph), "cuGraphDestroy")
@@ -164,8 +170,14 @@ class DeviceGraphs:
                     f"installed (pass None to capture a new generation)"
                 )
             d = self.device.driver
+            lane = self.device
             self.device._bind()
             self.device.begin_capture()
+            # The run's feeds and bound outputs (its order_device_access call) belong to its first segment.
+            run_reads, run_writes = lane.run_access if continuation is None else ((), ())
+            lane.run_access = ((), ())
+            lane.captured_reads = set(lane.resolve_keys(run_reads))
+            lane.captured_writes = set(lane.resolve_keys(run_writes))
             try:
                 self._check(d.cuStreamBeginCapture(self.device.compute,
                                                    d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
@@ -207,7 +219,12 @@ class DeviceGraphs:
                 raise
             self.instantiated += 1
             prologues = self.validation.recorded_prologues() if self.validation is not None else ()
-            lifecycle.segments.append(_Segment(graph, executable, prologues))
+            lane = self.device
+            segment = _Segment(graph, executable, prologues, tuple(lane.captured_reads), tuple(lane.captured_writes))
+            lifecycle.segments.append(segment)
+            lifecycle.reads = tuple({*lifecycle.reads, *segment.reads})
+            lifecycle.writes = tuple({*lifecycle.writes, *segment.writes})
+            lane.record_graph(segment, self, lifecycle.token(), lane, (*segment.reads, *segment.writes))
 
     def abort(self, token) -> None:
         """End the capture ``token`` names without installing it; earlier segments stay until reset.
@@ -245,6 +262,7 @@ class DeviceGraphs:
         with self._lock:
             lifecycle = self._installed(token)
             self._refuse_while_capturing()
+            self._order(lifecycle.reads, lifecycle.writes)
             for segment in lifecycle.segments:
                 self._launch(segment)
 
@@ -257,7 +275,16 @@ class DeviceGraphs:
                     f"{len(lifecycle.segments)} segment(s), indexed from 0 in capture order"
                 )
             self._refuse_while_capturing()
-            self._launch(lifecycle.segments[index])
+            segment = lifecycle.segments[index]
+            self._order(segment.reads, segment.writes)
+            self._launch(segment)
+
+    def _order(self, reads: tuple, writes: tuple) -> None:
+        """Order a launch after other lanes' use of the memory its graph recorded (events, no host wait)."""
+        lane = self.device
+        lane.run_access = ((), ())  # the run's call named these: nothing is left for a later capture
+        if reads or writes:
+            lane.order_access(reads, writes)
 
     def _refuse_while_capturing(self) -> None:
         if self._active is not None:  # the launch would be recorded into that capture instead of running
@@ -272,6 +299,12 @@ class DeviceGraphs:
         self.device._check(result, "cuGraphLaunch(compute stream)")
         if repeated:
             validation.after_graph(repeated)
+
+    def capturing(self, token) -> bool:
+        """Whether the generation ``token`` names is being captured (a free of memory it recorded must wait)."""
+        with self._lock:
+            lifecycle = self._lookup(token)
+            return bool(lifecycle is not None and lifecycle.names(token) and lifecycle.capturing)
 
     def has(self, token) -> bool:
         with self._lock:

@@ -11,16 +11,18 @@ on that lane waits for the capture to end rather than landing in the graph; othe
 an instance returns its lane to the device, which hands it to the next instance (tensors outliving a session
 still free on its streams), so a process holds as many lanes as it ever had instances open at once.
 
-Ordering. Work on one lane is ordered by its stream; across lanes nothing is, so a buffer one lane wrote and
-another reads (an output of session A fed to session B, a bound output, a DeviceIoBinding handed over) needs an
-event. :class:`AccessMarks` remembers, per allocation that another lane touched, its last writer and the lanes
-that read it since; an access (``CudaDevice.order_access``) makes the accessing lane wait for the writer (a
-read), or for the writer and every reader (a write), and a free waits for them too. The event is recorded on
-the other lane when the access happens (everything it queued so far, the buffer's use included) and goes back
-to the device's idle events at once, so no event is kept per buffer. A lane that is capturing is never
-recorded on (its graph's work runs at a replay, which the caller orders again): the event recorded just before
-its capture began stands for it. A lane that is capturing does not wait either (a captured stream cannot wait
-on an event from outside the capture): the caller orders the replay, before it, with another access.
+Ordering. Work on one lane is ordered by its stream; across lanes nothing is, so a buffer one lane wrote and another
+reads (an output of session A fed to session B, a bound output, a DeviceIoBinding handed over) needs an event.
+:class:`AccessMarks` remembers, per allocation that another lane touched, its last writer and the lanes that read it
+since; an access (``CudaDevice.order_access``) makes the accessing lane wait for the writer (a read), or for the
+writer and every reader (a write; a reader that waited for this write does not wait again), and a free waits for
+them too. The event is recorded on the other lane when the access happens (everything it queued so far, the buffer's
+use included) and goes back to the device's idle events at once, so no event is kept per buffer. A lane that is
+capturing is never recorded on (its graph's work runs at a replay, which orders itself again): the event recorded
+just before its capture began stands for it. A lane that is capturing does not wait either (a captured stream cannot
+wait on an event from outside the capture), nor mark anything (nothing runs yet): it records the keys instead, and
+each launch of the graph (the first, right after the capture, and every replay) orders them (access.py keeps these
+records, the owners of borrowed memory and the graphs that recorded an address).
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ class Lane:
         self.captured_bases: set[int] = set()  # allocated during the capture: the graph's own memory
         self.frees_after_capture: list[tuple] = []  # (base, nbytes, stream, home)
         self.precapture = None  # an event recorded on compute just before the capture in progress began
+        # Keys the capture in progress ordered (access.py), and those of the run's order_device_access call just
+        # before it: the graph replays order them again.
+        self.captured_reads: set[int] = set()
+        self.captured_writes: set[int] = set()
+        self.run_access: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
     def __getattr__(self, name):
         return getattr(self.shared, name)
@@ -127,3 +134,6 @@ class Lane:
 
     def order_access(self, reads=(), writes=()) -> int:
         return self.shared.order_access(self, reads, writes)
+
+    def lend(self, start: int, nbytes: int) -> None:
+        self.shared.lend(self, start, nbytes)

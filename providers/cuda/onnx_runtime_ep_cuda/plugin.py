@@ -9,7 +9,7 @@ from onnx_runtime import Availability, hookimpl
 from onnx_runtime.contract.deferred import DeferredProvider
 
 NAME = "CUDAExecutionProvider"
-CONTRACT_VERSION = "1.4"
+CONTRACT_VERSION = "1.5"
 
 
 def _load():

@@ -77,7 +77,7 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
 
     @hookimpl
     def contract_version(self):
-        return "1.4"
+        return "1.5"
 
     @hookimpl
     def device_type(self):
@@ -178,6 +178,19 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
     @hookimpl
     def order_device_access(self, reads, writes):
         self._order(reads, writes)
+        # What this run reads and writes: a capture that follows records it with its first segment (graphs.py).
+        self.cuda_device().run_access = (tuple(_key(b) for b in reads if b is not None and b.host is None),
+                                         tuple(_key(b) for b in writes if b is not None and b.host is None))
+
+    @hookimpl
+    def borrow_device_memory(self, buffer):
+        if buffer.host is None and buffer.device == self.device_id():
+            self.cuda_device().lend(buffer.ptr, buffer.size)
+
+    @hookimpl
+    def return_device_memory(self, buffer):
+        if buffer.host is None and self._device is not None and not self._device.closed:
+            self._device.end_loan(buffer.ptr)
 
     @hookimpl
     def allocate(self, size, alignment):

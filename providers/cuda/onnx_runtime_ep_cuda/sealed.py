@@ -3,7 +3,8 @@ on the device shares (the core's registry, onnx_runtime.memory.sealed, decides w
 
 All sessions on a device use its primary context, so the context is both the runtime identity a kernel checks
 and the provider context that owns the memory. The memory belongs to the device, not to a session's provider
-instance: it outlives the session that uploaded it and is freed exactly once by ``release``.
+instance: it outlives the session that uploaded it and is freed exactly once by ``release``. Its upload is waited
+for before the constant is handed out, since the sessions that share it run on streams of their own.
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ class SealedConstants:
         address, base = device.allocate(max(int(source.size), 1), max(int(alignment), 1))
         try:
             device.upload(address, source)
+            # Other sessions read the constant on their own streams, where no event orders them after this
+            # upload (a kernel's weights are not ordered per run): it is complete before anyone can read it.
+            device.sync()
         except BaseException:
             device.free(base)
             raise
