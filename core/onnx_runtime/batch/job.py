@@ -55,14 +55,25 @@ def process_shard(job: dict, shard: Shard) -> dict:
             "started": time.time() - (time.perf_counter() - wall)}
 
 
+def _flat(value: np.ndarray):
+    """A flat numeric array as Arrow over the same memory: ``pa.array`` imports pandas (checking for its types),
+    which is a third of a new worker's first shard."""
+    import pyarrow as pa
+
+    if value.dtype.kind in "iuf" and value.dtype.isnative:
+        value = np.ascontiguousarray(value.reshape(-1))
+        return pa.Array.from_buffers(pa.from_numpy_dtype(value.dtype), len(value), [None, pa.py_buffer(value)])
+    return pa.array(value.reshape(-1))
+
+
 def _arrow_column(value, extra: int):
     import pyarrow as pa
 
     if isinstance(value, np.ndarray) and value.dtype != object and not extra:
         if value.ndim == 1:
-            return pa.array(value)
+            return _flat(value)
         if value.ndim == 2:  # one vector per row: a fixed-size list, which pandas and every reader take
-            return pa.FixedSizeListArray.from_arrays(pa.array(value.ravel()), value.shape[1])
+            return pa.FixedSizeListArray.from_arrays(_flat(value), value.shape[1])
         return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(value))
     rows = [None if v is None else np.asarray(v).tolist() for v in value]
     return pa.array(rows + [None] * extra)
@@ -74,14 +85,16 @@ def write_part(output: str, index: int, ids: list, outputs: dict, row_failures: 
     import pyarrow.parquet as pq
 
     extra = len(read_failures)
-    columns = {"row_id": pa.array(list(ids) + [row_id for row_id, _ in read_failures])}
+    row_ids = list(ids) + [row_id for row_id, _ in read_failures]
+    plain = all(type(i) is int for i in row_ids) and row_ids and -(1 << 63) <= min(row_ids) and max(row_ids) < 1 << 63
+    columns = {"row_id": _flat(np.array(row_ids, dtype=np.int64)) if plain else pa.array(row_ids)}
     for name, value in outputs.items():
         columns[name] = _arrow_column(value, extra)
     errors = [row_failures.get(i) for i in range(len(ids))] + [message for _, message in read_failures]
-    columns["error"] = pa.array(errors, type=pa.string())
+    columns["error"] = pa.array(errors, type=pa.string()) if any(errors) else pa.nulls(len(errors), pa.string())
     path = part_path(output, index)
     temporary = os.path.join(output, f".part-{index:06d}.{os.getpid()}.tmp")
-    pq.write_table(pa.table(columns), temporary)
+    pq.write_table(pa.Table.from_arrays(list(columns.values()), names=list(columns)), temporary)
     os.replace(temporary, path)
 
 

@@ -114,15 +114,33 @@ def _column_array(column) -> np.ndarray:
     object per row; other columns as pyarrow converts them (variable-length lists: an array per row)."""
     import pyarrow as pa
 
-    column = column.combine_chunks()
+    # (one chunk, as a row group reads, taken as it is: combine_chunks and flatten import pyarrow.compute, a
+    # quarter of a new worker's first shard)
+    column = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
     shape = []
     values = column
     while pa.types.is_fixed_size_list(values.type) and values.null_count == 0:
-        shape.append(values.type.list_size)
-        values = values.flatten()
-    if shape and not pa.types.is_nested(values.type) and values.null_count == 0:
-        return values.to_numpy(zero_copy_only=False).reshape(len(column), *shape)
+        size = values.type.list_size
+        shape.append(size)
+        values = values.values.slice(values.offset * size, len(values) * size)
+    if not pa.types.is_nested(values.type) and values.null_count == 0:
+        return _flat_numbers(values).reshape(len(column), *shape)
     return column.to_numpy(zero_copy_only=False)
+
+
+# Arrow's numeric types as numpy's (booleans are bit-packed in Arrow: they take pyarrow's conversion)
+_NUMERIC = {"halffloat": np.float16, "float": np.float32, "double": np.float64, "int8": np.int8, "int16": np.int16,
+            "int32": np.int32, "int64": np.int64, "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32,
+            "uint64": np.uint64}
+
+
+def _flat_numbers(values) -> np.ndarray:
+    """A null-free flat Arrow array as numpy. Numbers are viewed in place (read-only, as pyarrow's zero-copy
+    conversion gives them): pyarrow's to_numpy imports pandas, which is most of a new worker's first shard."""
+    dtype = _NUMERIC.get(str(values.type))
+    if dtype is None:
+        return values.to_numpy(zero_copy_only=False)
+    return np.frombuffer(values.buffers()[1], dtype=dtype, count=len(values), offset=values.offset * dtype().itemsize)
 
 
 def _layout_shape(layout, channels, height, width):
