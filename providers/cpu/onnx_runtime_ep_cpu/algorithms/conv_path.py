@@ -244,8 +244,10 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
         compute, blocks = choice
         current[0] = (compute, blocks, getattr(compute, "reads_shuffled", False))
         # The packed convolution, direct tiles and depthwise lanes, for callers that pass bias, residual and
-        # activation straight (a call costs a few microseconds of Python less than through ``path``).
+        # activation straight (a call costs a few microseconds of Python less than through ``path``). Their
+        # arguments are the caller's, not the tried call's: tried again until one such call ran (ops/conv.py).
         path.direct = compute if isinstance(compute, _DIRECT) else None
+        path.direct_tried = False
 
     def path(x, w, b, finish, out=None, shuffle=None):
         """The convolution; with ``out`` (the output's shape and dtype), written there (in place by the
@@ -269,15 +271,25 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
                 return y
         return run(x, w, b, finish, out, shuffle)
 
-    def run(x, w, b, finish, out, shuffle):
-        compute, blocks, reads_shuffled = current[0]
+    served: list = []  # numpy's algorithm, made at the first direct call whose loop missed the cache
+
+    def by_numpy(x, w, b, finish, out=None, shuffle=None):
+        """``path`` by numpy's algorithm: for a call whose direct loop missed numba's cache inside a Trial (the
+        loader's child compiles it meanwhile), which must not compile on this thread."""
+        if not served:
+            compute, blocks = numpy_compute(geo, group, x, w, prepared, dtype)
+            served.append((compute, blocks, getattr(compute, "reads_shuffled", False)))
+        return run(x, w, b, finish, out, shuffle, served[0])
+
+    def run(x, w, b, finish, out, shuffle, choice=None):
+        compute, blocks, reads_shuffled = current[0] if choice is None else choice
         if shuffle is not None and not reads_shuffled:
             x, shuffle = shuffle.apply(x), None
         xc = x.astype(dtype, copy=False)
         if out is not None and dtype == x.dtype and out.flags.c_contiguous and isinstance(compute, _IN_PLACE):
             return compute(xc, w, b, finish, out)
         if out is not None:
-            out[...] = run(x, w, b, finish, None, shuffle)
+            out[...] = run(x, w, b, finish, None, shuffle, choice)
             return out
         if blocks:
             y = compute(xc, w, b, finish) if shuffle is None else compute(xc, w, b, finish, shuffle.source)
@@ -298,6 +310,7 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
         return prepare(x, w, b, finish, y)
 
     path.bind = bind
+    path.numpy = by_numpy
     take(chosen)
     return path
 

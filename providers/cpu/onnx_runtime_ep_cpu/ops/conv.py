@@ -19,6 +19,7 @@ from ..algorithms.conv_rows import RowWeights, as_row, lifts, row_geometry
 from ..algorithms.precision import compute_dtype
 from ..algorithms.prepared import Prepared
 from ..algorithms.window import Window
+from ..compiled import deferred
 from ..compiled import takes as takes_compiled
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
@@ -36,12 +37,24 @@ def conv(node, shapes, opset):
             x, w = as_row(x), row_weights(w)
         path = resolve(x, w, b, rows)[0]
         direct = path.direct
-        y = direct.run(x, w, b, None, _NO_ACTIVATION) if direct is not None else path(x, w, b, None)
+        y = None if direct is None else direct_call(path, direct, x, w, b, None, _NO_ACTIVATION)
+        if y is None:
+            y = path(x, w, b, None) if direct is None else path.numpy(x, w, b, None)
         return (y.reshape(y.shape[:2] + y.shape[3:]) if rows else y,)
 
     kernel.bind = lambda inputs, outputs, constant: _bind(resolve, inputs, outputs, constant, _NO_ACTIVATION, False,
                                                           None)
     return kernel
+
+
+def direct_call(path, direct, *arguments):
+    """``direct.run(*arguments)``, or None where a loop it calls misses numba's cache on this thread while the
+    background loader guards (compiled/deferred.py): the caller then serves the call by ``path.numpy``. Until one
+    such call has run whole it is tried inside a Trial: the caller's bias, residual and bounds are types the
+    path's own tried call may not have used, and a miss outside a Trial compiles here."""
+    if path.direct_tried:
+        return direct.run(*arguments)
+    return deferred.tried(path, "direct_tried", direct.run, *arguments)
 
 
 def _bind(resolve, inputs, outputs, constant, bounds, hard_swish, prepare):
@@ -230,7 +243,10 @@ def fused_conv(node, shapes, opset):
         direct = path.direct
         if direct is not None and shuffle is None and out is None and (z is None or (
                 direct.takes_residual and z.shape == out_shape and z.dtype == x.dtype)):
-            return direct.run(x, w, b, z, bounds, hard_swish)
+            y = direct_call(path, direct, x, w, b, z, bounds, hard_swish)
+            if y is not None:
+                return y
+            path = path.numpy  # (this call by numpy's algorithm, the loop compiled meanwhile)
         if activate is None and z is None:  # the Conv itself (into a Concat, or through a shuffle)
             return path(x, w, b, None, out, shuffle)
         if prepare is not None and takes_compiled(x) and (z is None or (z.shape == out_shape and z.dtype == x.dtype)):
