@@ -69,7 +69,7 @@ def test_attention_node_takes_lanes(length, heads, size, past, expect_lanes, mon
     if not tiled_attention.gemv_host():
         pytest.skip("the 16-lane loop runs on AVX-512 hosts")
     calls = []
-    loaded = list(tiled_attention.few_rows_loops()) + [tiled_attention.FEW_ROWS[2]]
+    loaded = list(tiled_attention.few_rows_loops()) + tiled_attention.FEW_ROWS[2:]
 
     def counting(real, name):
         def counted(*args):
@@ -78,7 +78,7 @@ def test_attention_node_takes_lanes(length, heads, size, past, expect_lanes, mon
         return counted
 
     monkeypatch.setattr(tiled_attention, "FEW_ROWS",
-                        [counting(loaded[0], "lanes"), counting(loaded[1], "scalar"), loaded[2]])
+                        [counting(loaded[0], "lanes"), counting(loaded[1], "scalar"), *loaded[2:]])
     width, keys = heads * size, length + (15 if past else 0)
     node = helper.make_node("Attention", ["q", "k", "v"], ["y"], q_num_heads=heads, kv_num_heads=heads)
     inputs = [tensor_info("q", TensorProto.FLOAT, [1, length, width])] +\
