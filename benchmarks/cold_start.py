@@ -25,7 +25,8 @@ provider list, stay). ``--plans off`` (or ``--no-plan-cache``): the cache is tur
 
 ``--phases`` adds, per model, the main thread's CPU time in each step of our creation and first run (the providers'
 handles, the plan cache's key and read, placement, the specializations planned at the first run, the executor's
-runs; placement nests in the specialized plans), medians over the processes: where a warm start's time goes.
+runs; placement nests in the specialized plans, and a session whose specializing graph came from the plan cache
+places only there), medians over the processes: where a warm start's time goes.
 
 ``--main-job`` times the README's main job instead (``onnx-runtime run`` on its embedded default model) as the
 first process after an install runs it: an empty numba cache, the whole process's wall and CPU time.
