@@ -32,10 +32,11 @@ from zoo_models import CausalLMWithPast, Feed, Spec  # noqa: E402
 VOCAB = 1000
 
 
-def build(kind: str, hidden: int, layers: int, heads: int, kv_heads: int, positions: int) -> torch.nn.Module:
+def build(kind: str, hidden: int, layers: int, heads: int, kv_heads: int, positions: int,
+          vocab: int = VOCAB) -> torch.nn.Module:
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                   max_position_embeddings=positions, attn_implementation="eager")
     if kind == "opt":  # learned positions, ReLU MLP, pre-LayerNorm, no grouped heads
         config = transformers.OPTConfig(ffn_dim=2 * hidden, word_embed_proj_dim=hidden, **common)
@@ -53,9 +54,9 @@ def build(kind: str, hidden: int, layers: int, heads: int, kv_heads: int, positi
     return CausalLMWithPast(model.eval())
 
 
-def spec(kind: str, layers: int, kv_heads: int, head_dim: int) -> Spec:
+def spec(kind: str, layers: int, kv_heads: int, head_dim: int, vocab: int = VOCAB) -> Spec:
     def feeds(batch: int, seq: int, past: int) -> list[Feed]:
-        out = [Feed("input_ids", "int64", [batch, seq], "ids", {0: "batch", 1: "sequence"}, high=VOCAB),
+        out = [Feed("input_ids", "int64", [batch, seq], "ids", {0: "batch", 1: "sequence"}, high=vocab),
                Feed("attention_mask", "int64", [batch, past + seq], "ones", {0: "batch", 1: "total_sequence"}),
                Feed("position_ids", "int64", [batch, seq], "positions", {0: "batch", 1: "sequence"}, start=past)]
         for layer in range(layers):
@@ -82,18 +83,19 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--positions", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=VOCAB)
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     entries = []
     for kind in args.models.split(","):
         kv_heads = args.heads if kind == "opt" else args.kv_heads
-        module = build(kind, args.hidden, args.layers, args.heads, kv_heads, args.positions)
+        module = build(kind, args.hidden, args.layers, args.heads, kv_heads, args.positions, args.vocab)
         for exporter in args.exporters.split(","):
-            name = f"{kind}.{exporter}.fp32"
+            name = f"{kind}{'' if args.vocab == VOCAB else f'_v{args.vocab}'}.{exporter}.fp32"
             entry = {"name": name, "architecture": "decoder", "exporter": exporter, "variant": "fp32",
                      "positions": args.positions}
             try:
-                EXPORT[exporter](module, spec(kind, args.layers, kv_heads, args.hidden // args.heads),
+                EXPORT[exporter](module, spec(kind, args.layers, kv_heads, args.hidden // args.heads, args.vocab),
                                  os.path.join(args.out, name + ".onnx"))
             except Exception as error:  # one export that fails is listed with its reason, the others go on
                 entry["status"] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}"

@@ -143,6 +143,8 @@ class Generator:
 class _Bindings:
     """The decode state of one generation, on the session's device; released when it ends."""
 
+    HOST_LOGITS = True  # whether a host loop takes the logits as a run output (see __init__)
+
     def __init__(self, session: InferenceSession, layout: _Layout, prompt: int, new: int):
         self.session, self.layout = session, layout
         self.capacity = prompt + new
@@ -161,6 +163,9 @@ class _Bindings:
         # On host memory (the CPU provider) the step's argmax and token writes are numpy over the bindings' own
         # arrays: what the contract's default hooks do, without their dispatch and checks on every step.
         self.host = _host_arrays(self.logits, self.ids, self.positions, self.mask, self.tokens)
+        # On the host the logits are the run's output as the kernel made them, not copied into their binding
+        # first (a copy of the whole vocabulary per step).
+        self.wanted = ["logits"] if self.host is not None and self.HOST_LOGITS else []
 
     def _bind_cache(self, layout: _Layout, prompt: int) -> None:
         """The KV cache (each past aliased by its present: appended in place) and the mask, growing by steps."""
@@ -196,15 +201,18 @@ class _Bindings:
         for binding in self.owned:
             binding.close()
 
-    def _choose(self, step: int, position: int, new: int) -> None:
+    def _choose(self, step: int, position: int, new: int, values: Sequence = ()) -> None:
         """Argmax of the last logits row and the token folded into the bindings: on the device where the provider
-        can, else through the host (the row down, the token up)."""
+        can, else through the host (the row down, the token up); ``values``: the run's host outputs."""
         vocabulary = self.layout.vocabulary
-        offset = (self.logits.logical_shape[1] - 1) * vocabulary
         if self.host is not None:
             logits, ids, positions, mask, tokens = self.host
             assert logits is not None and ids is not None and mask is not None and tokens is not None
-            row = logits[offset: offset + vocabulary]
+            if values:
+                row = values[0][0, -1]
+            else:
+                offset = (self.logits.logical_shape[1] - 1) * vocabulary
+                row = logits[offset: offset + vocabulary]
             # numpy's argmax takes the first maximum and ranks NaN above every number, as device_argmax does.
             token = int(np.argmax(row if row.dtype == np.float32 else row.astype(np.float32)))
             ids[0] = token
@@ -214,6 +222,7 @@ class _Bindings:
                 mask[position] = 1
             tokens[step] = token
             return
+        offset = (self.logits.logical_shape[1] - 1) * vocabulary
         if self.logits.device_argmax_supported():
             self.logits.device_argmax(vocabulary, 1, self.result, element_offset=offset)
             self.result.device_token_writer(self.ids, self.positions, self.mask, self.tokens, capacity=new,
@@ -236,7 +245,8 @@ class _Bindings:
         mask[0, :length] = 1
         self.mask.write_logical(mask)
         self.mask.set_logical_shape((1, length))
-        return [*self.caches, self.ids, self.mask, self.logits] + ([self.positions] if self.positions else [])
+        logits = [] if self.wanted else [self.logits]
+        return [*self.caches, self.ids, self.mask, *logits] + ([self.positions] if self.positions else [])
 
     def _ran(self, step: int, length: int) -> None:
         """After step ``step``'s run: nothing to do here (the KV cache grew in place)."""
@@ -285,11 +295,11 @@ class _Bindings:
         for step in range(new):
             self._grow(length + step + 1 if step else length)
             epilogue = self._epilogue(step, length, new)
-            self.session.run_with_device_bindings(bindings, output_names=[], single_token_step=step > 0,
-                                                  epilogue=epilogue)
+            values = self.session.run_with_device_bindings(bindings, output_names=self.wanted,
+                                                           single_token_step=step > 0, epilogue=epilogue)
             if epilogue is None:
                 self._ran(step, length)
-                self._choose(step, length + step, new)
+                self._choose(step, length + step, new, values)
             steps += 1
             if step == 0 or (read_each and (steps % read_every == 0 or step == new - 1)):
                 ended = self._read(tokens, steps, on_token, eos_token_id)
@@ -315,6 +325,8 @@ class _Bindings:
 class _CapacityBindings(_Bindings):
     """The decode state with the KV cache shown at its capacity (see the module docstring): one feed signature
     for every decode step, so the step is captured once and replayed."""
+
+    HOST_LOGITS = False
 
     def _bind_cache(self, layout: _Layout, prompt: int) -> None:
         capacity, bind = self.capacity, self._bind
@@ -360,9 +372,9 @@ class _CapacityBindings(_Bindings):
     def _next_mask_shape(self, step: int, length: int) -> tuple[int, int]:
         return (1, self.capacity + 1)
 
-    def _choose(self, step: int, position: int, new: int) -> None:
+    def _choose(self, step: int, position: int, new: int, values: Sequence = ()) -> None:
         if self.counter is None or self.host is not None or not self.logits.device_argmax_supported():
-            super()._choose(step, position, new)
+            super()._choose(step, position, new, values)
             return
         self.logits.device_argmax(self.layout.vocabulary, 1, self.result,
                                   element_offset=(self.logits.logical_shape[1] - 1) * self.layout.vocabulary)
