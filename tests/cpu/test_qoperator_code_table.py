@@ -170,7 +170,7 @@ def test_kernel_refuses_float_codes():
     with pytest.raises(InvalidArgumentError, match="'x' is float32; expected uint8 or int8"):
         kernel(np.zeros(4, np.float32))
     np.testing.assert_array_equal(kernel(np.array([0, 3, 200, 255], np.uint8))[0], [0, 3, 200, 255])
-    # int8 codes: Relu's table; looked up in code pairs (contiguous, even size) and one by one (odd, strided)
+    # int8 codes through Relu's table: contiguous, odd-sized, strided and transposed inputs
     codes = np.random.default_rng(3).integers(-128, 128, (4, 255)).astype(np.int8)
     for x in (codes, codes[:, :254], codes[:, ::2], codes[:, 1:].T):
         got = kernel(x)[0]

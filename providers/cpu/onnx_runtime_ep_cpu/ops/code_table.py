@@ -4,14 +4,9 @@ table of its result for each of the 256 codes.
 Inputs (codes, constants...): the chain's code tensor, then the constants its nodes read, in the order of the
 ``body`` graph's inputs. The table is made with the chain's own node kernels, run once on the 256 codes, when
 the node first runs with a code type, and again only when other constant arrays come in.
-
-A one-byte result is also kept as a table of code pairs (65536 two-byte entries): a contiguous tensor of an
-even size is looked up two codes at a time, half the index conversions numpy's take makes per element.
 """
 
 from __future__ import annotations
-
-import sys
 
 import numpy as np
 from onnx_runtime.errors import OnnxRuntimeError
@@ -40,12 +35,11 @@ class _Table:
                                        f"has no CPU kernel that runs on its inputs alone")
             self.nodes.append((inner, factory))
         self.constants: tuple = ()
-        self.tables: dict[np.dtype, tuple[np.ndarray, int, np.ndarray | None]] = {}
+        self.tables: dict[np.dtype, tuple[np.ndarray, int]] = {}
 
-    def build(self, dtype: np.dtype, constants: tuple) -> tuple[np.ndarray, int, np.ndarray | None]:
-        """(table, rank, pairs): the chain's result for each code, indexed by the code's byte, the rank its
-        constants broadcast to (a result may have more dimensions than the codes), and for one-byte results the
-        table of two codes read as one little-endian uint16 (None otherwise)."""
+    def build(self, dtype: np.dtype, constants: tuple) -> tuple[np.ndarray, int]:
+        """(table, rank): the chain's result for each code, indexed by the code's byte, and the rank its constants
+        broadcast to (a result may have more dimensions than the codes)."""
         values = dict(zip(self.names, (np.arange(_CODE_COUNT, dtype=np.uint8).view(dtype), *constants)))
         for inner, factory in self.nodes:
             inputs = [values[name] if name else None for name in inner.inputs]
@@ -57,12 +51,7 @@ class _Table:
             raise OnnxRuntimeError(f"node {self.node.name!r} (CodeTable): its chain gave {result.shape} values for "
                                    f"the {_CODE_COUNT} codes; expected one value per code (elementwise nodes only)")
         rank = max([np.ndim(c) for c in constants] + [0])
-        table = np.ascontiguousarray(result.reshape(-1))
-        pairs = None
-        if table.itemsize == 1 and sys.byteorder == "little":
-            byte = table.view(np.uint8).astype(np.uint16)
-            pairs = (byte[:, None] << 8 | byte[None, :]).reshape(-1)  # [second code, first code]: little-endian
-        return table, rank, pairs
+        return np.ascontiguousarray(result.reshape(-1)), rank
 
 
 @register("CodeTable", domain=FUSED_DOMAIN, since=1)
@@ -84,11 +73,8 @@ def code_table(node, shapes, opset):
         found = chain.tables.get(dtype)
         if found is None:
             found = chain.tables[dtype] = chain.build(dtype, constants)
-        table, rank, pairs = found
-        if pairs is not None and not x.size % 2 and x.flags.c_contiguous:
-            out = pairs.take(x.reshape(-1).view(np.uint16)).view(table.dtype).reshape(x.shape)
-        else:
-            out = table.take(x.view(np.uint8))
+        table, rank = found
+        out = table.take(x.view(np.uint8))
         if rank > out.ndim:
             out = out.reshape((1,) * (rank - out.ndim) + out.shape)
         return (out,)
