@@ -8,7 +8,9 @@ onnx_runtime.batch.job.process_shard). A single process runs the shards in a loo
 CPUs, twice: in a fresh process (imports and session creation included, as a user runs it) and in this process,
 where one untimed shard per runtime and thread count has made the sessions and loaded the kernels first. The
 engines run with workers x threads = CPUs (onnx_runtime.batch.plan_workers). Ray and Dask clusters are started
-before the timed runs (a cluster outlives a job); the engines' worker start-up is inside the time. Their worker
+before the timed runs (a cluster outlives a job), Ray's with its worker processes started and the batch job's
+shared modules (pyarrow, onnx_runtime.batch.job) imported in them, so that neither runtime's first run pays for
+the other's; each runtime's own imports and session creation are inside the time. Their worker
 processes outlive a job too (the Ray engine runs tasks on Ray's worker pool), so the first round's engine runs
 create the workers' sessions and later rounds find them made: each engine's ratio to the same round's best warm
 single process is printed per round as well as the medians. Default model: the zoo's resnet.dynamo.fp32
@@ -135,6 +137,25 @@ def engine_run(engine, model, data, out, shard_rows, workers, threads, runtime, 
     return summary.rows_per_second, summary.steady_rows_per_second, driver + summary.worker_cpu_seconds
 
 
+def _shared_imports() -> int:
+    """A Ray worker's start, as a cluster that ran an earlier job has it: Ray and the batch job's own modules
+    (the engine's, which either runtime's shards import) loaded; neither onnxruntime nor numba and the CPU
+    provider."""
+    import pyarrow.parquet  # noqa: F401
+    from onnx_runtime.batch import job
+
+    job.count_from_here()  # (the workers' CPU counts from here: the cluster's start is not the job's)
+    time.sleep(0.5)  # (held, so that each worker of the pool takes one)
+    return os.getpid()
+
+
+def ray_pool_ready(ray, workers: int, threads: int) -> int:
+    """Start the cluster's worker processes before the timed runs: the first engine run would otherwise pay their
+    start (Ray's own import) and the other runtime's first run find them started."""
+    task = ray.remote(_shared_imports).options(num_cpus=threads)
+    return len(set(ray.get([task.remote() for _ in range(workers)])))
+
+
 def run_config(engine, args, data, out, workers, threads, runtime, addresses) -> tuple[float, float, float]:
     """``(rows/s, rows/s after start-up, CPU seconds)`` of one configuration."""
     if engine is None:
@@ -172,7 +193,8 @@ def main(argv=None) -> int:
 
             start = time.perf_counter()
             ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-            print(f"ray.init: {time.perf_counter() - start:.1f} s (not in the timed runs)")
+            print(f"ray.init: {time.perf_counter() - start:.1f} s, its {ray_pool_ready(ray, workers, threads)} "
+                  f"workers up after {time.perf_counter() - start:.1f} s (not in the timed runs)")
         if "dask" in engines:
             from distributed import LocalCluster
 

@@ -31,3 +31,17 @@ def test_only_a_processs_first_shard_counts_from_the_process_start(mlp, parquet_
     assert first["process_cpu_before"] == 0.0
     assert 0.0 < second["process_cpu_before"] <= second["process_cpu_seconds"]
     assert second["process_cpu_before"] >= first["process_cpu_seconds"]
+
+
+def test_a_worker_started_before_the_job_counts_from_count_from_here(mlp, parquet_data, tmp_path, monkeypatch):
+    from onnx_runtime.batch import job as job_module
+
+    monkeypatch.setattr(job_module, "_SHARDS_HERE", [0])
+    monkeypatch.setattr(job_module, "_STARTED_CPU", [0.0])
+    job_module.count_from_here()
+    mark = job_module._STARTED_CPU[0]  # noqa: SLF001
+    source = open_source(parquet_data)
+    job = {"source": source, "output": str(tmp_path), "id_column": None,
+           "predictor": dict(model=mlp, intra_op_threads=1, keep_columns=[], errors="record")}
+    first = process_shard(job, source.shards(100)[0])
+    assert 0.0 < mark == first["process_cpu_before"] <= first["process_cpu_seconds"]

@@ -18,6 +18,7 @@ from .sources import Shard
 
 _PREDICTORS: dict = {}  # per process: repr(predictor settings) -> Predictor
 _SHARDS_HERE = [0]  # shards this process has run, of any job: a pooled worker (Ray, Dask) runs several jobs
+_STARTED_CPU = [0.0]  # the process CPU its first shard counts from (count_from_here)
 
 
 def part_path(output: str, index: int) -> str:
@@ -29,6 +30,12 @@ def _predictor(job: dict) -> Predictor:
     if key not in _PREDICTORS:
         _PREDICTORS[key] = Predictor(**job["predictor"])
     return _PREDICTORS[key]
+
+
+def count_from_here() -> None:
+    """Count this worker's start-up CPU from now, not from its process's start: for a worker a benchmark started
+    before its timed runs (the cluster's own start is not the job's)."""
+    _STARTED_CPU[0] = time.process_time()
 
 
 def process_shard(job: dict, shard: Shard) -> dict:
@@ -51,7 +58,7 @@ def process_shard(job: dict, shard: Shard) -> dict:
             "failures": failures + [(ids[i], message) for i, message in sorted(row_failures.items())],
             "error": None, "seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu,
             "worker": f"{socket.gethostname()}:{os.getpid()}", "process_cpu_seconds": time.process_time(),
-            "process_cpu_before": 0.0 if first_here else cpu,
+            "process_cpu_before": _STARTED_CPU[0] if first_here else cpu,
             "started": time.time() - (time.perf_counter() - wall)}
 
 
