@@ -127,7 +127,7 @@ class Template:
     tests every step's shapes against it, so the tests are laid out once over the shapes flattened into one
     tuple: the fixed dimensions read by one getter, each symbol's dimensions by another."""
 
-    __slots__ = ("dims", "symbols", "_ranks", "_fixed", "_want", "_groups")
+    __slots__ = ("dims", "symbols", "_ranks", "_fixed", "_want", "_groups", "_test")
 
     def __init__(self, dims: tuple, symbols: int):
         self.dims = dims
@@ -144,6 +144,7 @@ class Template:
             offsets = tuple(flat[index][1] for index in at)
             groups.append((_getter(at), offsets if any(offsets) else None))
         self._groups = tuple(groups)
+        self._test = _compiled_test(dims)
 
     @classmethod
     def between(cls, reference: tuple, signature: tuple) -> Template | None:
@@ -167,6 +168,12 @@ class Template:
 
     def _values(self, signature: tuple) -> list[int] | None:
         """The symbols' values in ``signature``, or None for one outside this class."""
+        test = self._test
+        if test is not None:
+            try:
+                return test(signature)
+            except (TypeError, ValueError):  # another rank or number of feeds (the unpacking), or no shape
+                return None
         if tuple(map(len, signature)) != self._ranks:
             return None
         flat = tuple(chain.from_iterable(signature))
@@ -189,6 +196,42 @@ class Template:
         """(1, s_0, s_1, ...) for a signature of this class; None for one outside it."""
         values = self._values(signature)
         return None if values is None else np.array([1, *values], np.int64)
+
+
+def _compiled_test(dims: tuple):
+    """Template._values for ``dims`` as one function of straight-line code (unpack the shapes, compare each fixed
+    dimension, read each symbol once and compare its other dimensions): a decode loop tests every step's feed
+    shapes, and the general loop over the flattened shapes costs several times this. None where a dimension is
+    neither an int nor (symbol, offset) of ints."""
+    names: list[str] = []
+    checks: list[str] = []
+    values: dict[int, str] = {}
+    for feed, shape in enumerate(dims):
+        row = []
+        for axis, want in enumerate(shape):
+            name = f"d{feed}_{axis}"
+            row.append(name)
+            if type(want) is int:
+                checks.append(f"{name} != {want}")
+            elif type(want) is tuple and len(want) == 2 and all(type(part) is int for part in want):
+                symbol, offset = want
+                seen = f"({name} - {offset})" if offset else name
+                if symbol in values:
+                    checks.append(f"{seen} != {values[symbol]}")
+                else:
+                    values[symbol] = f"v{symbol}"
+                    checks.insert(0, f"(v{symbol} := {seen}) is None")  # (binds it before any comparison)
+            else:
+                return None
+        names.append("(" + "".join(f"{n}, " for n in row) + ")")
+    if sorted(values) != list(range(len(values))):
+        return None
+    source = (f"def test(signature):\n    ({''.join(f'{n}, ' for n in names)}) = signature\n"
+              f"    if {' or '.join(checks) or 'False'}:\n        return None\n"
+              f"    return [{', '.join(values[symbol] for symbol in range(len(values)))}]\n")
+    scope: dict = {}
+    exec(compile(source, "<shape_program.Template>", "exec"), scope)  # noqa: S102 (ints and names only)
+    return scope["test"]
 
 
 def _getter(indices: list[int]):
