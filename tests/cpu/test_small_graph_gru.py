@@ -69,14 +69,14 @@ def _model(direction: str, linear_before_reset: int, layout: int, hidden: int, f
 @pytest.mark.parametrize("seq, batch", [(1, 1), (3, 2), (24, 1)])
 def test_the_compiled_gru_agrees_with_float64(monkeypatch, direction, linear_before_reset, layout, seq, batch):
     compiled = []
-    real = recurrent._CompiledGRU._stepped  # noqa: SLF001
+    real = recurrent.stepped
 
-    def stepped(self, calls):
-        ran = real(self, calls)
+    def stepped(owner, steps, calls):
+        ran = real(owner, steps, calls)
         compiled.append(ran)
         return ran
 
-    monkeypatch.setattr(recurrent._CompiledGRU, "_stepped", stepped)  # noqa: SLF001
+    monkeypatch.setattr(recurrent, "stepped", stepped)
     hidden, features = 16, 12
     dirs = 2 if direction == "bidirectional" else 1
     model, (w, r, b) = _model(direction, linear_before_reset, layout, hidden, features, with_h0=True)

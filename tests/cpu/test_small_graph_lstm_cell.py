@@ -119,3 +119,37 @@ def test_a_cell_in_a_branch_reading_outer_weights_is_fused():
     np.testing.assert_array_equal(same, feeds["h"])
     (node,) = session.graph_for({**feeds, "cond": np.array(True)}).nodes
     assert _ops(node.attrs["then_branch"]) == ["LSTMCell"]
+
+
+@pytest.mark.parametrize("deferring", [True, False])
+def test_numpy_serves_the_cell_while_the_loop_must_not_compile_here(monkeypatch, deferring):
+    """While numba loads in the background (deferring), or where the compiled loop misses numba's cache inside its
+    Trial, the fused cell is computed by numpy: an empty cache never compiles the loop on the run's thread."""
+    from onnx_runtime_ep_cpu.compiled import deferred
+    from onnx_runtime_ep_cpu.ops import recurrent
+
+    calls = []
+
+    def missing(*arguments):
+        calls.append(getattr(deferred._trial, "depth", 0))  # noqa: SLF001
+        raise deferred.WouldCompile("simulated cache miss")
+
+    if deferring:
+        monkeypatch.setattr(deferred, "numpy_first", lambda *kinds: True)
+    else:
+        monkeypatch.setattr(deferred, "numpy_first", lambda *kinds: False)
+        monkeypatch.setattr(recurrent, "stepped", lambda owner, steps, arguments: recurrent.deferred.tried(
+            owner, "tried", lambda: missing()) is not None)
+    weights = _weights()
+    model = make_model(_cell_nodes(), _inputs(), [tensor_info("h_new"), tensor_info("c_new")],
+                       _initializers(weights), opset=18)
+    session = ort.InferenceSession(model.SerializeToString(), providers=CPU)
+    feeds = _feeds()
+    for _ in range(2):
+        got_h, got_c = session.run(None, feeds)
+        want_h, want_c = _reference(feeds["x"], feeds["h"], feeds["c"], weights)
+        np.testing.assert_allclose(got_h, want_h, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got_c, want_c, rtol=1e-4, atol=1e-5)
+    assert _ops(session.graph_for(feeds)) == ["LSTMCell"]
+    assert all(depth > 0 for depth in calls), calls  # (a miss met only inside a Trial)
+    assert deferring or calls, calls

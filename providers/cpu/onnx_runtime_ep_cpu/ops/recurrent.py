@@ -288,7 +288,9 @@ def lstm(node, shapes, opset):
         if compiled is not None and p is None and seq_lens is None and x.dtype in COMPILED_DTYPES \
                 and w.dtype == x.dtype and r.dtype == x.dtype and x.ndim == 3 \
                 and x.shape[0 if spec.layout else 1] <= _COMPILED_BATCH:
-            return tuple(compiled(x, w, r, b, h0, c0)[:outputs])
+            found = compiled(x, w, r, b, h0, c0)
+            if found is not None:
+                return tuple(found[:outputs])
         dtype = compute_dtype(x.dtype)
         hidden = r.shape[-1]
         rt, rb = _recurrence(r, b, 4, hidden, dtype)
@@ -351,8 +353,9 @@ class _CompiledLSTM:
         self.kept: tuple = (None, None, None, None, None)
         self.backward = [spec.direction == "reverse" or d == 1 for d in range(spec.num_directions)]
         self.fast: tuple | None = None  # (W, R, B, X's shape and dtype, the states' shape, the weights)
+        self.tried = False  # a compiled call has run whole (see stepped)
 
-    def __call__(self, x, w, r, b, h0, c0) -> list:
+    def __call__(self, x, w, r, b, h0, c0) -> list | None:
         fast = self.fast
         if fast is not None and fast[0] is w and fast[1] is r and fast[2] is b and x.shape == fast[3] \
                 and x.dtype is fast[4] and x.flags.c_contiguous and _state_shape(h0) == fast[5] \
@@ -375,23 +378,30 @@ class _CompiledLSTM:
         c = self._state(c0, shape, dtype)
         y = np.empty((seq, dirs, batch, hidden), dtype)
         projected = seq * batch > _PROJECT_IN_LOOP
-        held = self.kept
-        if held[0] is w and held[1] is r and held[2] is b and held[3] is dtype:
-            weights = held[4]
-        else:
-            weights = self.prepared.get(("lstm", dtype), (w, r, b), lambda: _lstm_weights(w, r, b, hidden, dtype))
-            if all(a is None or not a.flags.writeable for a in (w, r, b)):
-                self.kept = (w, r, b, dtype, weights)
+        weights = self._weights(w, r, b, hidden, dtype)
+        calls = []
         for d, (wd, rd, bias) in enumerate(weights):
-            source = xs @ wd.T if projected else xs
-            out = y[:, d] if dirs > 1 else y.reshape(seq, batch, hidden)
-            self.steps(source, wd, rd, bias, h[d], c[d], out, self.backward[d], projected)
+            out = np.empty((seq, batch, hidden), dtype) if dirs > 1 else y.reshape(seq, batch, hidden)
+            calls.append((xs @ wd.T if projected else xs, wd, rd, bias, h[d], c[d], out, self.backward[d], projected))
+        if not stepped(self, self.steps, calls):
+            return None  # (h and c are this call's copies: numpy starts again from the states fed)
+        for d, arguments in enumerate(calls if dirs > 1 else ()):
+            y[:, d] = arguments[6]
         if spec.layout:
             return [y.transpose(2, 0, 1, 3), np.swapaxes(h, 0, 1), np.swapaxes(c, 0, 1)]
-        if dirs == 1 and weights is self.kept[4] and not projected:
+        if dirs == 1 and weights is self.kept[4] and not projected and self.tried:
             # (checked above for this signature: later calls with it skip the checks and the layout moves)
             self.fast = (w, r, b, x.shape, dtype, shape, weights[0])
         return [y, h, c]
+
+    def _weights(self, w, r, b, hidden: int, dtype) -> list:
+        held = self.kept
+        if held[0] is w and held[1] is r and held[2] is b and held[3] is dtype:
+            return held[4]
+        weights = self.prepared.get(("lstm", dtype), (w, r, b), lambda: _lstm_weights(w, r, b, hidden, dtype))
+        if all(a is None or not a.flags.writeable for a in (w, r, b)):
+            self.kept = (w, r, b, dtype, weights)
+        return weights
 
     def _one_direction(self, x, h0, c0, fast) -> list:
         """A call with the signature ``fast`` records (one forward or reverse direction, layout 0, few steps,
@@ -435,10 +445,26 @@ def lstm_cell(node, shapes, opset):
         h_new = np.array(h, np.float32, order="C")
         c_new = np.array(c, np.float32, order="C")
         xs = np.ascontiguousarray(x, np.float32).reshape(1, *x.shape)
-        lstm_steps(xs, w, r, bias, h_new, c_new, np.empty((1, *h.shape), np.float32), False, False)
-        return [h_new, c_new]
+        if stepped(state, lstm_steps, [(xs, w, r, bias, h_new, c_new, np.empty((1, *h.shape), np.float32), False,
+                                        False)]):
+            return [h_new, c_new]
+        return _cell_by_numpy(x, h, c, w, r, bias)
 
+    state = _Tried()
     return shape_free(kernel)
+
+
+class _Tried:
+    tried = False  # (see stepped)
+
+
+def _cell_by_numpy(x, h, c, w, r, bias) -> list:
+    """One LSTM step in float32 numpy, gate order i, o, f, c (the compiled loop's), for when it must not compile."""
+    pre = np.asarray(x, np.float32) @ w.T + np.asarray(h, np.float32) @ r.T + bias
+    hidden = r.shape[1]
+    i, o, f = (sigmoid(pre[:, k * hidden:(k + 1) * hidden]) for k in range(3))
+    c_new = f * c + i * np.tanh(pre[:, 3 * hidden:])
+    return [(o * np.tanh(c_new)).astype(np.float32, copy=False), c_new.astype(np.float32, copy=False)]
 
 
 class _CompiledGRU:
@@ -496,7 +522,7 @@ class _CompiledGRU:
             out = np.empty((seq, batch, hidden), x.dtype) if dirs > 1 else y.reshape(seq, batch, hidden)
             calls.append((xs @ wd.T if projected else xs, wd, rd, w_bias, r_bias, h[d], out, self.backward[d],
                           projected, self.linear_before_reset))
-        if not self._stepped(calls):
+        if not stepped(self, self.steps, calls):
             return None
         for d, arguments in enumerate(calls if dirs > 1 else ()):
             y[:, d] = arguments[6]
@@ -506,19 +532,6 @@ class _CompiledGRU:
             # (checked above for this signature: later calls with it skip the checks and the layout moves)
             self.fast = (w, r, b, x.shape, x.dtype, _state_shape(h0), (dirs, batch, hidden), self.kept[4][0])
         return [y, h]
-
-    def _stepped(self, calls: list) -> bool:
-        """The loop over each direction's call; False where numpy must serve this call instead."""
-        if deferred.numpy_first():  # numba loads in the background: numpy serves, the loader links these types
-            for arguments in calls:
-                self.steps.expect(*arguments)
-            return False
-        for arguments in calls:
-            if self.tried:
-                self.steps(*arguments)
-            elif deferred.tried(self, "tried", _stepped, self.steps, arguments) is None:
-                return False
-        return True
 
     def _weights(self, w, r, b, hidden: int, dtype) -> list:
         held = self.kept
@@ -540,7 +553,25 @@ class _CompiledGRU:
         return state
 
 
-def _stepped(steps, arguments) -> bool:
+def stepped(owner, steps, calls: list) -> bool:
+    """``steps(*arguments)`` for each of ``calls`` (a compiled recurrence loop), or False where numpy must serve
+    this call instead: while numba loads in the background (the calls' argument types recorded for the loader),
+    or where the loop misses numba's cache on this thread (tried in a Trial until one call has run whole, then
+    ``owner.tried``: the loader's child compiles it meanwhile), so a cold cache never compiles on a run's thread."""
+    if deferred.numpy_first():
+        expect = getattr(steps, "expect", None)  # (a compiled Loop's)
+        for arguments in calls if expect is not None else ():
+            expect(*arguments)
+        return False
+    for arguments in calls:
+        if owner.tried:
+            steps(*arguments)
+        elif deferred.tried(owner, "tried", _call, steps, arguments) is None:
+            return False
+    return True
+
+
+def _call(steps, arguments) -> bool:
     steps(*arguments)
     return True
 
