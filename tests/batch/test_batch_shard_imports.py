@@ -56,3 +56,4 @@ def test_a_sliced_column_is_read_in_place_with_its_offset(tmp_path):
         got = columns["x"]
         assert got.dtype == dtype and got.shape == (18, IN) and not failures and ids == list(range(13, 31))
         assert np.array_equal(got, values[13:31])
+        assert not got.flags.writeable  # Arrow's memory, viewed: immutable as pyarrow's zero-copy conversion has it

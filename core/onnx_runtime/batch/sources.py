@@ -140,7 +140,9 @@ def _flat_numbers(values) -> np.ndarray:
     dtype = _NUMERIC.get(str(values.type))
     if dtype is None:
         return values.to_numpy(zero_copy_only=False)
-    return np.frombuffer(values.buffers()[1], dtype=dtype, count=len(values), offset=values.offset * dtype().itemsize)
+    flat = np.frombuffer(values.buffers()[1], dtype=dtype, count=len(values), offset=values.offset * dtype().itemsize)
+    flat.flags.writeable = False  # (Arrow's memory is immutable: a caller that writes gets an error, not a new table)
+    return flat
 
 
 def _layout_shape(layout, channels, height, width):
