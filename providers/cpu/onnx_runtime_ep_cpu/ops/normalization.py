@@ -191,8 +191,9 @@ def _layer_norm_for_shape(node, shapes, axis: int, epsilon: float, stash, genera
     flat = len(params) == 1  # scale and bias are read as they are
     # Y alone wanted: the loop's statistics go to scratch nobody reads (threads running this node at once may
     # write it together, harmlessly); allocating and reshaping them cost a short sequence's LayerNorm as much
-    # as its arithmetic.
-    scratch = np.empty(rows, dtype)
+    # as its arithmetic. Made at the first call whose input has the planned shape, not here: a declared shape
+    # can be far larger than any feed (the budget sees feeds and outputs, not what a kernel's build sizes).
+    scratch: list[np.ndarray] = []
 
     def kernel(x, scale, bias=None):
         if x.shape != x_shape or x.dtype is not dtype or scale.dtype is not dtype or scale.shape != params \
@@ -202,7 +203,9 @@ def _layer_norm_for_shape(node, shapes, axis: int, epsilon: float, stash, genera
         if not flat:
             scale, bias = scale.reshape(cols), None if bias is None else bias.reshape(cols)
         if outputs == 1:
-            loop(x.reshape(rows, cols), scale, no_bias if bias is None else bias, epsilon, y, scratch, scratch)
+            if not scratch:
+                scratch.append(np.empty(rows, dtype))
+            loop(x.reshape(rows, cols), scale, no_bias if bias is None else bias, epsilon, y, scratch[0], scratch[0])
             return (y.reshape(x_shape),)
         mean, inv_std = np.empty(stats_shape, dtype), np.empty(stats_shape, dtype)
         loop(x.reshape(rows, cols), scale, no_bias if bias is None else bias, epsilon, y, mean.reshape(rows),
