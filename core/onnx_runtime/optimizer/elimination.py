@@ -90,7 +90,7 @@ def _is_one(graph: Graph, name: str, other: str) -> bool:
     return value.ndim == 0 or (info is not None and info.shape is not None and value.ndim <= len(info.shape))
 
 
-def _reshaped(shape: tuple[int, ...], target: list[int], allowzero: bool) -> tuple[int, ...] | None:
+def reshaped(shape: tuple[int, ...], target: list[int], allowzero: bool) -> tuple[int, ...] | None:
     """The shape Reshape gives ``shape`` for ``target`` (0 copies a dimension unless ``allowzero``, one -1
     takes what the rest leave), or None where the target is not valid for it."""
     dims = [shape[axis] if want == 0 and not allowzero and axis < len(shape) else want
@@ -183,7 +183,7 @@ def _keeps_shape(node: Node, graph: Graph) -> bool:
             return np.broadcast_shapes(shape, tuple(int(n) for n in target)) == shape
         except ValueError:
             return False
-    return _reshaped(shape, [int(n) for n in target], bool(node.attr("allowzero", 0))) == shape
+    return reshaped(shape, [int(n) for n in target], bool(node.attr("allowzero", 0))) == shape
 
 
 def collapse_reshapes(graph: Graph, context: PassContext) -> bool:

@@ -21,8 +21,11 @@ QOperator format: ``fuse_qlinear_matmul_bias`` runs QLinearMatMul -> QLinearAdd 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from onnx_runtime.ir import Graph, Node
+from onnx_runtime.optimizer.elimination import reshaped
 
 from .fusions import FUSED_DOMAIN, GraphView, owned, until_fixed
 from .qoperator_lowering import lower_qoperator_cnn
@@ -214,11 +217,9 @@ def _merged_shape(graph: Graph, node: Node) -> tuple | None:
     target = [int(d) for d in np.asarray(node.attr("shape", [])).reshape(-1)]
     if x_shape is None or perm is None or len(perm) != len(x_shape) or node.attr("allowzero", 0):
         return None
-    moved = [x_shape[p] for p in perm]
-    try:
-        return np.empty(moved, np.int8).reshape([moved[i] if d == 0 else d for i, d in enumerate(target)]).shape
-    except (ValueError, IndexError):
+    if sorted(perm) != list(range(len(x_shape))) or any(not isinstance(d, int) for d in x_shape):
         return None
+    return reshaped(tuple(x_shape[p] for p in perm), target, False)  # arithmetic: declared sizes may be huge
 
 
 def _unflatten_match(graph: Graph, view: GraphView, node: Node) -> tuple | None:
@@ -237,7 +238,7 @@ def _unflatten_match(graph: Graph, view: GraphView, node: Node) -> tuple | None:
         a_shape = _merged_shape(graph, before)
     out_shape = _static(graph, after.outputs[0])
     if a_shape is None or out_shape is None or len(out_shape) < 3 or out_shape[-1] != weight.shape[1] \
-            or a_shape != (int(np.prod(out_shape[:-1])), weight.shape[0]):
+            or a_shape != (math.prod(out_shape[:-1]), weight.shape[0]):
         return None
     return after, before, out_shape[:-1] + (weight.shape[0],)
 

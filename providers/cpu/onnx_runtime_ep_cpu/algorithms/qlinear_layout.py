@@ -45,7 +45,7 @@ def binary_layout(a_shape, b_shape, shape) -> tuple | None:
     when each operand is whole, a trailing row, one value per row or a scalar; None otherwise."""
     if not math.prod(shape):
         return None
-    a, b = np.empty(a_shape, np.uint8), np.empty(b_shape, np.uint8)  # shapes only (views read no data)
+    a, b = np.broadcast_to(np.uint8(0), a_shape), np.broadcast_to(np.uint8(0), b_shape)  # shapes only, no memory
     implied = [c for c in (_columns(a, shape), _columns(b, shape)) if c is not None]
     cols = implied[0] if implied else math.prod(shape)
     steps = [_steps(x, shape, cols) for x in (a, b)]
