@@ -13,6 +13,8 @@ import numpy as np
 from onnx import helper
 
 from ..ir import Node
+from . import shape_rules
+from .shape_layout import layout_shapes
 
 Step = Any  # a steps.Step (steps.py imports this package's shape_program)
 
@@ -30,10 +32,9 @@ _ELEMENTWISE = frozenset({
 _SAME_SHAPE = frozenset({
     "Identity", "Cast", "Neg", "Abs", "Sqrt", "Reciprocal", "Exp", "Log", "Erf", "Tanh", "Sigmoid", "Relu", "Gelu",
     "Softmax", "Not", "LayerNormalization", "RMSNormalization", "SkipRMSNormalization", "SkipLayerNormalization",
-    "SimplifiedLayerNormalization", "DequantizeLinear", "QuantizeLinear",
+    "SimplifiedLayerNormalization", "DequantizeLinear", "QuantizeLinear", "Sin", "Cos", "Floor", "Ceil", "Round",
+    "Sign",
 })
-# The CPU provider's float16 conversions (precision_fusions.py), one output per input.
-_CONVERSIONS = frozenset({"RoundToHalf", "HalfToFloat", "FloatToHalf"})
 # Elementwise where the scale and zero point are single values (per tensor).
 _PER_TENSOR = frozenset({"DequantizeLinear", "QuantizeLinear"})
 _BROADCAST = _ELEMENTWISE - {"Neg", "Abs", "Sqrt", "Reciprocal", "Exp", "Log", "Erf", "Tanh", "Sigmoid", "Relu",
@@ -164,15 +165,33 @@ class Builder:
         if node is None or not step.outputs:
             return
         shapes = [self.shape_of(slot) if name else None for slot, name in zip(step.inputs, node.inputs)]
-        if node.op_type in _CONVERSIONS:  # output i has input i's shape
+        rule = shape_rules.rule_of(node.domain, node.op_type)
+        if rule is not None and rule.kind == shape_rules.SAME:  # output i has input i's shape
             self.shapes.update((slot, shape) for slot, shape in zip(step.outputs, shapes) if shape is not None)
             return
         try:
-            shape = _propagated(node, shapes, self.symbols)
+            shape = _propagated(node, shapes, self.symbols) or _declared_shape(node, shapes, self.symbols)
+            if shape is None and node.domain in ("", "ai.onnx"):
+                laid = layout_shapes(node, shapes, lambda i: self._sizes(step.inputs[i]), self.symbols)
+                if laid is not None:
+                    self.shapes.update((slot, out) for slot, out in zip(step.outputs, laid))
+                    return
         except Unsupported:
             return
         if shape is not None:
             self.shapes[step.outputs[0]] = shape
+
+    def _sizes(self, slot: int) -> list[np.ndarray] | None:
+        """A 1-D integer value (sizes, axes) as affine forms, or None where it is computed per call."""
+        try:
+            value = self.value(slot)
+        except Unsupported:
+            return None
+        if isinstance(value, Affine) and len(value.shape) == 1:
+            return [value.coef[:, i] for i in range(value.shape[0])]
+        if isinstance(value, np.ndarray) and value.dtype.kind in "iu" and value.ndim == 1:
+            return [form_of(int(v), self.symbols) for v in value]
+        return None
 
     def guard(self, form: np.ndarray) -> None:
         """Record that ``form`` must be >= 0 at every instantiation."""
@@ -224,6 +243,21 @@ def _propagated(node: Node, shapes: list, symbols: int) -> tuple | None:
         return _matmul_shape(shapes[:2], symbols)
     if op == "MatMulNBits" and node.attr("N") is not None:  # A (..., K) times a (K, N) weight
         return shapes[0][:-1] + (form_of(int(node.attr("N")), symbols),)
+    return None
+
+
+def _declared_shape(node: Node, shapes: list, symbols: int) -> tuple | None:
+    """Output 0's shape by the rule a provider declared for its own operator (shape_rules)."""
+    rule = shape_rules.rule_of(node.domain, node.op_type)
+    if rule is None or any(i >= len(shapes) or shapes[i] is None for i in rule.operands):
+        return None
+    operands = [shapes[i] for i in rule.operands]
+    if rule.kind == shape_rules.FIRST:
+        return operands[0]
+    if rule.kind == shape_rules.BROADCAST:
+        return _broadcast(operands, symbols)
+    if rule.kind == shape_rules.MATMUL and not node.attr("transA", 0) and not node.attr("transB", 0):
+        return _matmul_shape(operands, symbols)
     return None
 
 

@@ -21,7 +21,7 @@ from ..ir import Graph, Node
 from ..optimizer.constant_folding import NONDETERMINISTIC
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
-from . import shape_program
+from . import shape_program, shape_rules
 from .placement import Copy
 
 
@@ -185,23 +185,24 @@ class Steps:
 
 
 # Operators whose output shapes follow from their inputs' shapes and their attributes alone, never from values
-# (elementwise arithmetic, products, layout with attribute shapes, normalizations, attention; the CPU
-# provider's layout and normalization fusions among them): a Shape of what they compute from the feeds is known
-# once the feeds' shapes are. Reshape, Expand, Slice, Range and the like read sizes from values: not listed.
+# (elementwise arithmetic, products, layout with attribute shapes, normalizations, attention): a Shape of what
+# they compute from the feeds is known once the feeds' shapes are. Reshape, Expand, Slice, Range and the like
+# read sizes from values: not listed. A provider's own fused operators declare theirs in shape_rules.
 _SHAPE_FROM_SHAPES = frozenset({
     "Identity", "Cast", "Neg", "Abs", "Sqrt", "Reciprocal", "Exp", "Log", "Erf", "Tanh", "Sigmoid", "Relu", "Gelu",
     "Softmax", "Not", "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "And", "Or", "Equal", "Less",
     "Greater", "LessOrEqual", "GreaterOrEqual", "MatMul", "FusedMatMul", "Gemm", "Concat", "Transpose", "Gather",
-    "ReshapeTranspose", "TransposeReshape", "LayerNormalization", "RMSNormalization", "SkipRMSNormalization",
-    "SkipLayerNormalization", "SimplifiedLayerNormalization", "Attention",
-    "RoundToHalf", "HalfToFloat", "FloatToHalf",  # the CPU provider's float16 conversions (precision_fusions.py)
-    "MatMulNBits", "DynamicQuantizeMatMul",  # com.microsoft products of a weight (4-bit and dynamic int8 models)
-    # the CPU provider's int8 products (qdq_fusions.py) and their integer parts: a product's rows and a weight's
-    # columns, or one scale and zero point
-    "DynamicQuantizeMatMulGroup", "MatMulIntegerToFloat", "MatMulInteger", "DynamicQuantizeLinear",
-    "QuantizedMatMul", "QLinearMatMul", "QLinearMatMulAdd", "QuantizeDequantize",
-    "DequantizeLinear", "QuantizeLinear",
+    "Sin", "Cos", "Floor", "Ceil", "Round", "Sign", "Mod", "Swish", "HardSigmoid", "HardSwish", "LeakyRelu",
+    "LayerNormalization", "RMSNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
+    "Attention", "MatMulNBits", "DynamicQuantizeMatMul",  # com.microsoft products of a weight (4-bit, int8)
+    "MatMulIntegerToFloat", "MatMulInteger", "DynamicQuantizeLinear", "QLinearMatMul",  # a product's rows and
+    "DequantizeLinear", "QuantizeLinear",  # a weight's columns, or one scale and zero point
 })
+
+
+def _shape_from_shapes(node: Node) -> bool:
+    return node.op_type in _SHAPE_FROM_SHAPES if node.domain in ("", "ai.onnx", "com.microsoft") \
+        else shape_rules.from_shapes(node.domain, node.op_type)
 
 
 def shape_only_steps(steps: list[Step], tensor_feeds: set[int], constants: set[int], outputs: set[int]) -> set[int]:
@@ -229,9 +230,28 @@ def shape_only_steps(steps: list[Step], tensor_feeds: set[int], constants: set[i
             found.add(index)
             derived.update(step.outputs)
             shaped.update(step.outputs)
-        elif node.op_type in _SHAPE_FROM_SHAPES and all(slot in shaped for slot in read):
+        elif _shape_from_shapes(node) and all(slot in shaped for slot in read) \
+                or _shape_from_sizes(node, step.inputs, shaped, derived | constants):
             shaped.update(step.outputs)
     return found
+
+
+# Layout operators whose output shape is input 0's shape and the values of the inputs listed (their sizes or
+# axes): known once those values are, as shape-only or constant ones are (a Reshape of a product by a size
+# computed from a Shape, where a QDQ graph's quantization pairs kept the fusions from making it a
+# ReshapeTranspose).
+_SHAPE_FROM_SIZES = {
+    "Reshape": (1,), "Expand": (1,), "Unsqueeze": (1,), "Squeeze": (1,), "Tile": (1,), "Split": (1,),
+    "Slice": (1, 2, 3, 4), "Flatten": (), "ReduceMean": (1,), "ReduceSum": (1,), "ReduceMax": (1,),
+    "ReduceMin": (1,), "ReduceProd": (1,), "ReduceL2": (1,), "ReduceSumSquare": (1,),
+}
+
+
+def _shape_from_sizes(node: Node, inputs: tuple[int, ...], shaped: set[int], sized: set[int]) -> bool:
+    sizes = _SHAPE_FROM_SIZES.get(node.op_type)
+    if sizes is None or node.domain not in ("", "ai.onnx") or not inputs or inputs[0] not in shaped:
+        return False
+    return all(i >= len(inputs) or not node.inputs[i] or inputs[i] in sized for i in sizes)
 
 
 class ShapeValues:

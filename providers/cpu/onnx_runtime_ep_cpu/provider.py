@@ -15,7 +15,7 @@ import warnings
 from onnx_runtime import KernelMatch, hookimpl
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
-from . import ops  # noqa: F401  (fills the registry)
+from . import fused_shapes, ops  # noqa: F401  (fill the registry and the fused operators' shape rules)
 from .arena import ARENA_KEY, apply_arena_settings
 from .compiled import deferred
 from .registry import NEEDS, lookup, registered_versions

@@ -1,0 +1,33 @@
+"""The shape rule of every operator the provider's fusions write (domain fusions.FUSED_DOMAIN), declared to the
+session's shape analysis (onnx_runtime.session.shape_rules) as the nodes they replace were known to it.
+
+Each kernel registered in FUSED_DOMAIN must appear here (tests/cpu/test_qdq_decoder_shapes.py walks the
+registry): a fused operator left out hides every shape downstream of it, and a decode step's shape work then
+runs per call. Operand indices name the inputs a rule reads (QuantizedMatMul: A codes, then its scale and zero
+point, then B codes)."""
+from __future__ import annotations
+
+from onnx_runtime.session.shape_rules import BROADCAST, FIRST, MATMUL, SAME, SHAPES, declare
+
+from .fusions import FUSED_DOMAIN
+
+RULES: dict[str, tuple[str, tuple[int, ...]]] = {
+    # float16 conversions (precision_fusions.py): output i is input i converted
+    "RoundToHalf": (SAME, ()), "HalfToFloat": (SAME, ()), "FloatToHalf": (SAME, ()),
+    # elementwise maps of input 0 (qdq_fusions.py, code_tables.py, qdq_gelu.py)
+    "QuantizeDequantize": (FIRST, (0,)), "CodeTable": (FIRST, (0,)), "RoundedGelu": (FIRST, (0,)),
+    # normalizations and rotations over input 0's last axes (fusions.py, conv_fusions.py)
+    "SkipRMSNormalization": (FIRST, (0,)), "RotateHalfEmbedding": (FIRST, (0,)),
+    "FusedBatchNormalization": (FIRST, (0,)),
+    "SwishMul": (BROADCAST, (0, 1)),
+    # integer products: MatMul's shape over the codes of A and B (qdq_fusions.py, code_tables.py)
+    "QuantizedMatMul": (MATMUL, (0, 3)), "QLinearMatMulAdd": (MATMUL, (0, 3)),
+    # output shapes from the inputs' shapes and attributes by the op's own rule
+    "FusedMatMul": (SHAPES, ()), "DynamicQuantizeMatMulGroup": (SHAPES, ()), "QuantizedConv": (SHAPES, ()),
+    "FusedConv": (SHAPES, ()), "ConcatBuffer": (SHAPES, ()), "ReshapeTranspose": (SHAPES, ()),
+    "TransposeReshape": (SHAPES, ()), "ContribPackedAttention": (SHAPES, ()), "ContribAttentionMask": (SHAPES, ()),
+    "LSTMCell": (SHAPES, ()), "FusedSegment": (SHAPES, ()), "SpectralMagnitude": (SHAPES, ()),
+}
+
+for _op, (_kind, _operands) in RULES.items():
+    declare(FUSED_DOMAIN, _op, _kind, _operands)
