@@ -337,23 +337,61 @@ def _lstm_weights(w, r, b, hidden: int, dtype) -> list:
     return weights
 
 
-class _CompiledLSTM:
-    """LSTM with the default activations, no clip, peepholes or sequence lengths, by compiled/lstm.py: the
-    same outputs as :func:`_run` (Y, Y_h, Y_c in the node's layout). A streaming model calls it once per
-    frame for one step, so the per-call Python is kept to the checks and the state copies."""
+class _CompiledRecurrence:
+    """What the compiled LSTM and GRU share: weights laid out once per constant (W, R, B), and fresh states."""
 
-    def __init__(self, spec: _RecurrentSpec):
-        from ..compiled.lstm import lstm_steps
+    OP = ""
+    KIND = ""
 
+    def __init__(self, spec: _RecurrentSpec, steps):
         self.spec = spec
-        self.steps = lstm_steps
+        self.steps = steps
         self.prepared = Prepared()
         # (W, R, B, dtype, weights): Prepared's rule, inlined for one call's worth of Python (one tuple: sessions
         # may run from several threads)
         self.kept: tuple = (None, None, None, None, None)
         self.backward = [spec.direction == "reverse" or d == 1 for d in range(spec.num_directions)]
-        self.fast: tuple | None = None  # (W, R, B, X's shape and dtype, the states' shape, the weights)
+        self.fast: tuple | None = None  # (W, R, B, X's shape and dtype, the states' shape, ..., the weights)
         self.tried = False  # a compiled call has run whole (see stepped)
+
+    @staticmethod
+    def _laid_out(w, r, b, hidden: int, dtype) -> list:
+        raise NotImplementedError
+
+    def _weights(self, w, r, b, hidden: int, dtype) -> list:
+        held = self.kept
+        if held[0] is w and held[1] is r and held[2] is b and held[3] is dtype:
+            return held[4]
+        weights = self.prepared.get((self.KIND, dtype), (w, r, b), lambda: self._laid_out(w, r, b, hidden, dtype))
+        if all(a is None or not a.flags.writeable for a in (w, r, b)):
+            self.kept = (w, r, b, dtype, weights)
+        return weights
+
+    def _state(self, s, shape: tuple, dtype, name: str = "initial_h") -> np.ndarray:
+        """A fresh C-contiguous (directions, batch, hidden) state the loop updates in place: zeros, or a copy of
+        the input ``name``."""
+        if s is None:
+            return np.zeros(shape, dtype)
+        state = np.array(np.swapaxes(s, 0, 1) if self.spec.layout else s, dtype=dtype, order="C")
+        if state.shape != shape:
+            raise InvalidArgumentError(
+                f"node {self.spec.node.name!r} ({self.OP}): initial state {name} {s.shape} must be {shape} after "
+                f"layout; feed a state of that shape or omit it")
+        return state
+
+
+class _CompiledLSTM(_CompiledRecurrence):
+    """LSTM with the default activations, no clip, peepholes or sequence lengths, by compiled/lstm.py: the
+    same outputs as :func:`_run` (Y, Y_h, Y_c in the node's layout). A streaming model calls it once per
+    frame for one step, so the per-call Python is kept to the checks and the state copies."""
+
+    OP, KIND = "LSTM", "lstm"
+    _laid_out = staticmethod(_lstm_weights)
+
+    def __init__(self, spec: _RecurrentSpec):
+        from ..compiled.lstm import lstm_steps
+
+        super().__init__(spec, lstm_steps)
 
     def __call__(self, x, w, r, b, h0, c0) -> list | None:
         fast = self.fast
@@ -375,7 +413,7 @@ class _CompiledLSTM:
                 f"{w.shape[2]} features")
         shape = (dirs, batch, hidden)
         h = self._state(h0, shape, dtype)
-        c = self._state(c0, shape, dtype)
+        c = self._state(c0, shape, dtype, "initial_c")
         y = np.empty((seq, dirs, batch, hidden), dtype)
         projected = seq * batch > _PROJECT_IN_LOOP
         weights = self._weights(w, r, b, hidden, dtype)
@@ -394,15 +432,6 @@ class _CompiledLSTM:
             self.fast = (w, r, b, x.shape, dtype, shape, weights[0])
         return [y, h, c]
 
-    def _weights(self, w, r, b, hidden: int, dtype) -> list:
-        held = self.kept
-        if held[0] is w and held[1] is r and held[2] is b and held[3] is dtype:
-            return held[4]
-        weights = self.prepared.get(("lstm", dtype), (w, r, b), lambda: _lstm_weights(w, r, b, hidden, dtype))
-        if all(a is None or not a.flags.writeable for a in (w, r, b)):
-            self.kept = (w, r, b, dtype, weights)
-        return weights
-
     def _one_direction(self, x, h0, c0, fast) -> list:
         """A call with the signature ``fast`` records (one forward or reverse direction, layout 0, few steps,
         constant weights), whose checks passed: fresh states, the loop, the outputs."""
@@ -413,16 +442,6 @@ class _CompiledLSTM:
         y = np.empty((seq, 1, shape[1], shape[2]), dtype)
         self.steps(x, wd, rd, bias, h[0], c[0], y.reshape(seq, shape[1], shape[2]), self.backward[0], False)
         return [y, h, c]
-
-    def _state(self, s, shape: tuple, dtype) -> np.ndarray:
-        """A fresh C-contiguous (directions, batch, hidden) state the loop updates in place: zeros, or a copy."""
-        if s is None:
-            return np.zeros(shape, dtype)
-        state = np.array(np.swapaxes(s, 0, 1) if self.spec.layout else s, dtype=dtype, order="C")
-        if state.shape != shape:
-            raise InvalidArgumentError(
-                f"node {self.spec.node.name!r} (LSTM): initial state {s.shape} must be {shape} after layout")
-        return state
 
 
 def _state_shape(s) -> tuple | None:
@@ -467,23 +486,23 @@ def _cell_by_numpy(x, h, c, w, r, bias) -> list:
     return [(o * np.tanh(c_new)).astype(np.float32, copy=False), c_new.astype(np.float32, copy=False)]
 
 
-class _CompiledGRU:
+class _CompiledGRU(_CompiledRecurrence):
     """GRU with the default activations and no clip or sequence lengths, by compiled/gru.py: the same outputs as
     :func:`_run` (Y, Y_h in the node's layout). None where numpy serves the call instead: while numba loads in the
     background (the loop's argument types recorded for the loader), or where the loop misses numba's cache on this
     thread (tried in a Trial until one call has run: the loader's child compiles it meanwhile)."""
 
+    OP, KIND = "GRU", "gru"
+
     def __init__(self, spec: _RecurrentSpec, linear_before_reset: bool):
         from ..compiled.gru import gru_steps
 
-        self.spec = spec
-        self.steps = gru_steps
+        super().__init__(spec, gru_steps)
         self.linear_before_reset = linear_before_reset
-        self.prepared = Prepared()
-        self.kept: tuple = (None, None, None, None, None)  # (W, R, B, dtype, weights), as _CompiledLSTM's
-        self.backward = [spec.direction == "reverse" or d == 1 for d in range(spec.num_directions)]
-        self.tried = False  # a compiled call has run whole
-        self.fast: tuple | None = None  # (W, R, B, X's shape and dtype, the state's shape, the weights)
+
+    @staticmethod
+    def _laid_out(w, r, b, hidden: int, dtype) -> list:
+        return _gru_weights(w, r, b, hidden, dtype)
 
     def __call__(self, x, w, r, b, h0) -> list | None:
         fast = self.fast
@@ -532,25 +551,6 @@ class _CompiledGRU:
             # (checked above for this signature: later calls with it skip the checks and the layout moves)
             self.fast = (w, r, b, x.shape, x.dtype, _state_shape(h0), (dirs, batch, hidden), self.kept[4][0])
         return [y, h]
-
-    def _weights(self, w, r, b, hidden: int, dtype) -> list:
-        held = self.kept
-        if held[0] is w and held[1] is r and held[2] is b and held[3] is dtype:
-            return held[4]
-        weights = self.prepared.get(("gru", dtype), (w, r, b), lambda: _gru_weights(w, r, b, hidden, dtype))
-        if all(a is None or not a.flags.writeable for a in (w, r, b)):
-            self.kept = (w, r, b, dtype, weights)
-        return weights
-
-    def _state(self, s, shape: tuple, dtype) -> np.ndarray:
-        """A fresh C-contiguous (directions, batch, hidden) state the loop updates in place: zeros, or a copy."""
-        if s is None:
-            return np.zeros(shape, dtype)
-        state = np.array(np.swapaxes(s, 0, 1) if self.spec.layout else s, dtype=dtype, order="C")
-        if state.shape != shape:
-            raise InvalidArgumentError(
-                f"node {self.spec.node.name!r} (GRU): initial_h {s.shape} must be {shape} after layout")
-        return state
 
 
 def stepped(owner, steps, calls: list) -> bool:
