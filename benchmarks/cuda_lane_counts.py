@@ -23,31 +23,6 @@ SHAPE = (4, 16)
 CUDA = "CUDAExecutionProvider"
 
 
-class Counting:
-    """The driver module with a count per call name."""
-
-    def __init__(self, driver):
-        self._driver = driver
-        self.calls: dict[str, int] = {}
-
-    def __getattr__(self, name):
-        attribute = getattr(self._driver, name)
-        if not name.startswith("cu") or not callable(attribute):
-            return attribute
-
-        def counted(*args, **kwargs):
-            self.calls[name] = self.calls.get(name, 0) + 1
-            return attribute(*args, **kwargs)
-        return counted
-
-    def summary(self) -> dict[str, int]:
-        calls = self.calls
-        return {"syncs": sum(n for k, n in calls.items() if "Synchronize" in k),
-                "waits": calls.get("cuStreamWaitEvent", 0),
-                "transfers": sum(n for k, n in calls.items() if k.startswith(("cuMemcpyHtoD", "cuMemcpyDtoH"))),
-                "launches": calls.get("cuGraphLaunch", 0)}
-
-
 def _model(nodes, name_in: str, name_out: str, initializers: dict) -> bytes:
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(name_in, TensorProto.FLOAT, SHAPE)],
                               [helper.make_tensor_value_info(name_out, TensorProto.FLOAT, SHAPE)],
@@ -104,8 +79,10 @@ def reader(ort, sess, tensor):
 def measure(device, step, steps: int, warm: int = 3) -> dict[str, float]:
     for _ in range(warm):
         step()
+    from onnx_runtime_ep_cuda.driver_counts import CountingDriver
+
     plain = device.driver
-    counting = Counting(plain)
+    counting = CountingDriver(plain)
     device.driver = counting
     try:
         for _ in range(steps):

@@ -20,6 +20,7 @@ from onnx_runtime.errors import InvalidArgumentError, ProviderError
 
 driver = pytest.importorskip("onnx_runtime_ep_cuda.driver", reason="the CUDA provider is not installed")
 from onnx_runtime_ep_cuda import CUDAExecutionProvider  # noqa: E402
+from onnx_runtime_ep_cuda.driver_counts import CountingDriver  # noqa: E402, F401 (other tests import it here)
 from onnx_runtime_ep_cuda.ops.context import f32, i64, ptr  # noqa: E402
 from onnx_runtime_ep_cuda.ops.registry import register  # noqa: E402
 
@@ -786,30 +787,6 @@ def test_verify_steps_keep_their_own_graph_beside_the_decode_step():
         assert captures == {False: 4, True: 2}, captures
     finally:
         ort.unregister_provider(name)
-
-
-class CountingDriver:
-    """The driver module with a count per call name (syncs: cu*Synchronize; host transfers: cuMemcpyHtoD*/DtoH*)."""
-
-    def __init__(self, driver):
-        self._driver = driver
-        self.calls: dict[str, int] = {}
-
-    def __getattr__(self, name):
-        attribute = getattr(self._driver, name)
-        if not name.startswith("cu") or not callable(attribute):
-            return attribute
-
-        def counted(*args, **kwargs):
-            self.calls[name] = self.calls.get(name, 0) + 1
-            return attribute(*args, **kwargs)
-        return counted
-
-    def syncs(self) -> int:
-        return sum(n for name, n in self.calls.items() if "Synchronize" in name)
-
-    def host_transfers(self) -> int:
-        return sum(n for name, n in self.calls.items() if name.startswith(("cuMemcpyHtoD", "cuMemcpyDtoH")))
 
 
 def decode_model() -> bytes:
