@@ -75,3 +75,13 @@ def _no_stale_simulated_devices():
     except ImportError:
         return
     survive_a_simulator_reset()
+
+
+@pytest.fixture
+def deferred():
+    """The simulator in deferred mode with a stream trace (what ordering tests read); both restored after."""
+    import onnx_runtime_ep_cuda.sim.driver as cu
+
+    previous = cu.configure(deferred=True, trace=True)
+    yield
+    cu.configure(**previous)

@@ -35,13 +35,6 @@ def mode(cuda_driver_mode):
     pass
 
 
-@pytest.fixture
-def deferred():
-    previous = cu.configure(deferred=True, trace=True)
-    yield
-    cu.configure(**previous)
-
-
 def _model(nodes, name_in, name_out, shape, initializers) -> bytes:
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(name_in, TensorProto.FLOAT, shape)],
                               [helper.make_tensor_value_info(name_out, TensorProto.FLOAT, shape)],

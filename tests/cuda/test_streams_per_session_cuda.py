@@ -30,14 +30,6 @@ def mode(cuda_driver_mode):
 
 
 @pytest.fixture
-def deferred():
-    """The simulator in deferred mode with a stream trace; both restored after."""
-    previous = cu.configure(deferred=True, trace=True)
-    yield
-    cu.configure(**previous)
-
-
-@pytest.fixture
 def maybe_deferred():
     """Deferred with a trace on the simulator; nothing on a real driver."""
     previous = cu.configure(deferred=True, trace=True) if SIMULATED else None
