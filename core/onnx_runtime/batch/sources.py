@@ -129,9 +129,11 @@ def _column_array(column) -> np.ndarray:
 
 
 # Arrow's numeric types as numpy's (booleans are bit-packed in Arrow: they take pyarrow's conversion)
-_NUMERIC = {"halffloat": np.float16, "float": np.float32, "double": np.float64, "int8": np.int8, "int16": np.int16,
-            "int32": np.int32, "int64": np.int64, "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32,
-            "uint64": np.uint64}
+_NUMERIC: dict[str, np.dtype] = {
+    name: np.dtype(name_of) for name, name_of in (
+        ("halffloat", "float16"), ("float", "float32"), ("double", "float64"), ("int8", "int8"), ("int16", "int16"),
+        ("int32", "int32"), ("int64", "int64"), ("uint8", "uint8"), ("uint16", "uint16"), ("uint32", "uint32"),
+        ("uint64", "uint64"))}
 
 
 def _flat_numbers(values) -> np.ndarray:
@@ -140,7 +142,7 @@ def _flat_numbers(values) -> np.ndarray:
     dtype = _NUMERIC.get(str(values.type))
     if dtype is None:
         return values.to_numpy(zero_copy_only=False)
-    flat = np.frombuffer(values.buffers()[1], dtype=dtype, count=len(values), offset=values.offset * dtype().itemsize)
+    flat = np.frombuffer(values.buffers()[1], dtype=dtype, count=len(values), offset=values.offset * dtype.itemsize)
     flat.flags.writeable = False  # (Arrow's memory is immutable: a caller that writes gets an error, not a new table)
     return flat
 
