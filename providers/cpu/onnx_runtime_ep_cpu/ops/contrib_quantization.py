@@ -32,6 +32,7 @@ from ..algorithms.quantize import (
     round_saturate,
     widen,
 )
+from ..algorithms.repeat_call import RepeatCall
 from ..registry import register
 from ._common import CONTRIB_DOMAIN, argument_error, graph_error, normalize_axis, required_attr
 from .pool import average_pool
@@ -453,6 +454,8 @@ def qgemm(node, shapes, opset):
     trans_a, trans_b = bool(node.attr("transA", 0)), bool(node.attr("transB", 0))
     product = IntegerProduct()
     multipliers = Prepared()
+    kernels = _qgemm_kernels()  # once here: an import statement costs each call microseconds
+    repeat = RepeatCall()  # the last compiled call: its A shape and type, constants and the loop's arguments
 
     def multiplier(a_scale, b_scale, y_scale) -> np.ndarray:
         """alpha * a_scale * b_scale[n] (/ y_scale) in float64, in the general path's order."""
@@ -474,32 +477,55 @@ def qgemm(node, shapes, opset):
         low, high = integer_range(y_zero_point.dtype) if quantized else (0, 0)
         out = np.empty((a.shape[0], columns), y_zero_point.dtype if quantized else _F32)
         if out.size:
-            kernels = _qgemm_kernels()
-            kernels.qgemm(np.ascontiguousarray(a), int(a_zero_point.reshape(-1)[0]), packed, kernels.pairs_for(packed),
-                          _NO_C if c is None else c.reshape(-1), m,
-                          int(y_zero_point.reshape(-1)[0]) if quantized else 0, low, high, quantized, out)
+            arguments = (int(a_zero_point.reshape(-1)[0]), packed, kernels.pairs_for(packed),
+                         _NO_C if c is None else c.reshape(-1), m,
+                         int(y_zero_point.reshape(-1)[0]) if quantized else 0, low, high, quantized, out.dtype,
+                         columns)
+            kernels.qgemm(np.ascontiguousarray(a), *arguments[:-2], out)
+            repeat.keep(a, (b, a_scale, a_zero_point, b_scale, b_zero_point, c, y_scale, y_zero_point), arguments)
         return out
 
     def kernel(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c=None, y_scale=None, y_zero_point=None):
-        out = compiled(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c, y_scale, y_zero_point)
-        if out is not None:
-            return (out,)
-        acc, columns = _qgemm_product(node, product, trans_a, trans_b, a, a_zero_point, b, b_zero_point)
-        acc = _add_c(node, acc, c)
-        scale = alpha * float_scale(node, "a_scale", a_scale).astype(_F64) * _column_param(
-            node, "b_scale", b_scale, columns).astype(_F64)
-        if y_zero_point is None and y_scale is None:
-            return ((acc * scale).astype(_F32),)
-        if y_zero_point is None or y_scale is None:
-            raise argument_error(node, "y_scale and y_zero_point come together (quantized output) or not at all")
-        dtype = eight_bit(node, "y_zero_point", y_zero_point)
-        values = acc * (scale / float_scale(node, "y_scale", y_scale).astype(_F64))
-        return (round_saturate(values, scalar(node, "y_zero_point", y_zero_point), dtype),)
+        out = _repeated_qgemm(repeat, kernels, a, (b, a_scale, a_zero_point, b_scale, b_zero_point, c, y_scale,
+                                                   y_zero_point))
+        if out is None:
+            out = compiled(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c, y_scale, y_zero_point)
+        if out is None:
+            out = _qgemm_general(node, product, alpha, trans_a, trans_b, a, a_scale, a_zero_point, b, b_scale,
+                                 b_zero_point, c, y_scale, y_zero_point)
+        return (out,)
 
     return kernel
 
 
+def _qgemm_general(node, product, alpha, trans_a, trans_b, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c,
+                   y_scale, y_zero_point) -> np.ndarray:
+    """QGemm for every input the compiled pass does not take, checking each (the typed errors come from here)."""
+    acc, columns = _qgemm_product(node, product, trans_a, trans_b, a, a_zero_point, b, b_zero_point)
+    acc = _add_c(node, acc, c)
+    scale = alpha * float_scale(node, "a_scale", a_scale).astype(_F64) * _column_param(
+        node, "b_scale", b_scale, columns).astype(_F64)
+    if y_zero_point is None and y_scale is None:
+        return (acc * scale).astype(_F32)
+    if y_zero_point is None or y_scale is None:
+        raise argument_error(node, "y_scale and y_zero_point come together (quantized output) or not at all")
+    dtype = eight_bit(node, "y_zero_point", y_zero_point)
+    values = acc * (scale / float_scale(node, "y_scale", y_scale).astype(_F64))
+    return round_saturate(values, scalar(node, "y_zero_point", y_zero_point), dtype)
+
+
 _NO_C = np.zeros(0, np.int32)
+
+
+def _repeated_qgemm(repeat: RepeatCall, kernels, a, constants: tuple):
+    """The output of a call repeating ``repeat``'s kept call (A's shape and type, the same constant arrays) through
+    the loop's kept arguments, or None for any other call."""
+    arguments = repeat.match(a, constants)
+    if arguments is None:
+        return None
+    out = np.empty((a.shape[0], arguments[-1]), arguments[-2])
+    kernels.qgemm(np.ascontiguousarray(a), *arguments[:-2], out)
+    return out
 
 
 def _qgemm_compiles(trans_b, a, a_scale, a_zero, b, b_scale, b_zero, c, y_scale, y_zero) -> bool:

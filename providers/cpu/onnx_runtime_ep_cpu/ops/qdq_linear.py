@@ -25,6 +25,7 @@ from onnx_runtime.errors import OnnxRuntimeError
 
 from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import integer_range
+from ..algorithms.repeat_call import RepeatCall
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
@@ -131,9 +132,13 @@ def quantized_matmul(node, shapes, opset):
         return p
 
     rounded = Prepared()  # the rounded add's parameters per set of constant inputs
+    repeat = RepeatCall()  # the last call with a 2-D B and no rounded add: its A, constants and loop arguments
 
     def kernel(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero, bias=None, row=None, after_scale=None,
                after_zero=None):
+        out = repeated_product(repeat, a, (b, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, bias), row)
+        if out is not None:
+            return (out,)
         columns = _columns(b, trans_b)
         key = (columns, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, bias)
         seen = last[0]
@@ -158,12 +163,29 @@ def quantized_matmul(node, shapes, opset):
             if after is None:
                 qgemm.requantized_product(flat, packed, pairs, p.multiplier, p.offset, p.consts,
                                           out.reshape(-1, columns))
+                # constants (B among them, so packed once and kept): later calls with this A shape skip the checks
+                repeat.keep(a, (b, *key[1:]), (qgemm, flat.shape, packed, pairs, p.multiplier, p.offset, p.consts,
+                                               out.shape, p.out_dtype, (-1, columns)))
             else:
                 qgemm.requantized_product_rounded(flat, packed, pairs, p.multiplier, p.offset, p.consts,
                                                   row.reshape(-1), after, out.reshape(-1, columns))
         return (out,)
 
+    kernel.repeat = repeat  # type: ignore[attr-defined]
     return kernel
+
+
+def repeated_product(repeat: RepeatCall, a, constants: tuple, row=None):
+    """The product of a call repeating ``repeat``'s kept call (A's shape and type, the same constant arrays, no
+    rounded add) through the loop's kept arguments, or None for any other call."""
+    arguments = None if row is not None else repeat.match(a, constants)
+    if arguments is None:
+        return None
+    qgemm, flat_shape, packed, pairs, multiplier, offset, consts, out_shape, out_dtype, rows = arguments
+    out = np.empty(out_shape, out_dtype)
+    qgemm.requantized_product(np.ascontiguousarray(a).reshape(flat_shape), packed, pairs, multiplier, offset, consts,
+                              out.reshape(rows))
+    return out
 
 
 def _rounded_add(node, qgemm, columns: int, row, scale, zero, dequantize: bool) -> np.ndarray:
@@ -199,6 +221,7 @@ def qlinear_matmul(node, shapes, opset):
     (a matrix, or stacked per tensor) through the QDQ group's compiled kernel (the same integer sum and float64
     requantization), everything else (per-row A, float8, half-precision scales) through the general kernel."""
     fast, general = quantized_matmul(node, shapes, opset), qlinear_matmul_general(node, shapes, opset)
+    repeat = fast.repeat  # a repeat of the fast kernel's last call: its loop straight away
     takes_fast = Prepared()  # whether the fast kernel takes these constants and A's type (kept while they come in)
 
     def applies(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero) -> bool:
@@ -208,6 +231,9 @@ def qlinear_matmul(node, shapes, opset):
                 and b.ndim >= 2 and a.ndim >= 1 and _column_params(b, b_scale, b_zero))
 
     def kernel(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero):
+        out = repeated_product(repeat, a, (b, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, None))
+        if out is not None:
+            return (out,)
         inputs = (a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero)
         if takes_fast.get((a.dtype, a.ndim >= 1), inputs[1:], lambda: applies(*inputs)):
             return fast(*inputs)
