@@ -9,6 +9,7 @@ Writes OUT_DIR/{deit.dyn,distilbert.ts}.int8_qoperator.onnx and their feeds (.np
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -59,7 +60,9 @@ def build(out_dir: Path) -> list[Path]:
     from transformers import DeiTConfig, DeiTModel, DistilBertConfig, DistilBertModel
 
     torch.manual_seed(0)
+    out_dir = out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
+    os.chdir(out_dir)  # the quantizer's shape inference leaves its scratch files in the working directory
 
     class Deit(nn.Module):
         def __init__(self):

@@ -164,3 +164,25 @@ def test_qlinear_matmul_fed_parameters_and_bad_input():
     assert np.abs(got.astype(np.int64) - want).max() <= 1
     with pytest.raises(InvalidArgumentError, match="inner dimensions"):
         kernel(np.zeros((6, 23), np.uint8), *consts, y_scale, _constant(10, np.uint8))
+
+
+def test_qlinear_matmul_stacked_fed_b_is_read_each_call():
+    """Attention's products: B is an activation, a new array on every call, stacked per head."""
+    node = Node("QLinearMatMul", _MATMUL, ["Y"], name="qmm", opset=10)
+    kernel = qlinear_matmul(node, [], 10)
+    rng = np.random.default_rng(21)
+    consts = [_constant(0.04, np.float32), _constant(0, np.int8), None, _constant(0.03, np.float32),
+              _constant(-128, np.int8), _constant(0.02, np.float32), _constant(127, np.int8)]
+    for shape in ((2, 3, 5, 16), (2, 3, 5, 16), (1, 3, 7, 16)):
+        a, b = _codes(rng, np.int8, shape), _codes(rng, np.int8, (shape[0], 3, 16, 6))
+        params = list(consts)
+        params[2] = b
+        acc = (a.astype(np.int64)) @ (b.astype(np.int64) + 128)
+        want = _requantized(acc, float(np.float32(0.04)) * float(np.float32(0.03)), float(np.float32(0.02)), 127,
+                            np.int8)
+        (got,) = kernel(a, *params)
+        assert got.shape == shape[:-1] + (6,) and np.abs(got.astype(np.int64) - want).max() <= 1
+        inputs = dict(zip(_MATMUL, [a, *params]))
+        oracle = _oracle(helper.make_node("QLinearMatMul", _MATMUL, ["Y"]), inputs, _MATMUL, ("a", "b"),
+                         helper.np_dtype_to_tensor_dtype(np.dtype(np.int8)))
+        assert np.abs(got.astype(np.int64) - oracle.astype(np.int64)).max() <= 1

@@ -222,7 +222,7 @@ def qlinear_matmul(node, shapes, opset):
     requantization), everything else (per-row A, float8, half-precision scales) through the general kernel."""
     fast, general = quantized_matmul(node, shapes, opset), qlinear_matmul_general(node, shapes, opset)
     repeat = fast.repeat  # a repeat of the fast kernel's last call: its loop straight away
-    takes_fast = Prepared()  # whether the fast kernel takes these constants and A's type (kept while they come in)
+    takes_fast = Prepared()  # whether the fast kernel takes these parameters and operand kinds (kept while they come)
 
     def applies(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero) -> bool:
         return (a.dtype in _EIGHT_BIT and b.dtype in _EIGHT_BIT and a_zero.dtype == a.dtype and b_zero.dtype == b.dtype
@@ -235,7 +235,9 @@ def qlinear_matmul(node, shapes, opset):
         if out is not None:
             return (out,)
         inputs = (a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero)
-        if takes_fast.get((a.dtype, a.ndim >= 1), inputs[1:], lambda: applies(*inputs)):
+        # B by what applies() reads of it: attention's B is a fed activation, a new array each call
+        kind = (a.dtype, a.ndim >= 1, b.dtype, b.ndim, b.shape[-1] if b.ndim else 0)
+        if takes_fast.get(kind, (a_scale, a_zero, b_scale, b_zero, y_scale, y_zero), lambda: applies(*inputs)):
             return fast(*inputs)
         return general(*inputs)
 
