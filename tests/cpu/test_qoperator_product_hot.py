@@ -186,3 +186,38 @@ def test_qlinear_matmul_stacked_fed_b_is_read_each_call():
         oracle = _oracle(helper.make_node("QLinearMatMul", _MATMUL, ["Y"]), inputs, _MATMUL, ("a", "b"),
                          helper.np_dtype_to_tensor_dtype(np.dtype(np.int8)))
         assert np.abs(got.astype(np.int64) - oracle.astype(np.int64)).max() <= 1
+
+
+_ADD = _MATMUL + ["bias", "bias_scale", "bias_zero", "x_scale", "x_zero", "c_scale", "c_zero"]
+
+
+def test_qlinear_matmul_add_repeat_calls_equal_the_two_kernels():
+    """The fused product + bias row repeated (the kept arguments) gives the two nodes' codes each call, and a fed
+    bias changed in place between calls is read."""
+    from onnx_runtime_ep_cpu.ops.contrib_quantization import qlinear_add
+    from onnx_runtime_ep_cpu.ops.qdq_linear import qlinear_matmul_add
+
+    fused = qlinear_matmul_add(Node("QLinearMatMulAdd", _ADD, ["Y"], name="mma", domain="ai.onnx_runtime.cpu",
+                                    opset=1), [], 1)
+    matmul = qlinear_matmul(Node("QLinearMatMul", _MATMUL, ["P"], name="mm", opset=10), [], 10)
+    add = qlinear_add(Node("QLinearAdd", ["P", "x_scale", "x_zero", "bias", "bias_scale", "bias_zero", "c_scale",
+                                          "c_zero"], ["Y"], name="add", domain="com.microsoft", opset=1), [], 1)
+    rng = np.random.default_rng(3)
+    for dtype, zeros, scales in _SETS:
+        b = _constant(_codes(rng, dtype, (33, 10)), dtype)
+        mm = [_constant(scales[0], np.float32), _constant(zeros[0], dtype), b, _constant(scales[1], np.float32),
+              _constant(zeros[1], dtype), _constant(scales[2], np.float32), _constant(zeros[2], dtype)]
+        # the bias's scale and zero point, then the output's
+        rest = [_constant(0.013, np.float32), _constant(zeros[0], dtype), _constant(0.29, np.float32),
+                _constant(zeros[2], dtype)]
+        fed_bias = _codes(rng, dtype, (10,))
+        for bias in (_constant(_codes(rng, dtype, (10,)), dtype), fed_bias):
+            for shape in ((2, 5, 33), (2, 5, 33), (7, 33), (2, 5, 33)):
+                if bias is fed_bias:
+                    bias[:] = _codes(rng, dtype, (10,))  # changed in place between calls
+                a = _codes(rng, dtype, shape)
+                (product,) = matmul(a, *mm)
+                (want,) = add(product, mm[5], mm[6], bias, *rest)
+                (got,) = fused(a, *mm, bias, *rest[:2], mm[5], mm[6], *rest[2:])
+                assert got.dtype == dtype and got.shape == shape[:-1] + (10,)
+                np.testing.assert_array_equal(got, want)

@@ -358,25 +358,29 @@ def qlinear_matmul_add(node, shapes, opset):
                          np.float64)
         return p
 
-    last: list = [(), None]  # every input but A last taken by the compiled pass (constants), and its parameters
+    repeat = RepeatCall()  # the last compiled call: A's shape and type, the constants and the loop's arguments
 
-    def compiled(a, b, bias, p, columns: int):
+    def compiled(a, b, bias, p, columns: int, key: tuple):
         out = np.empty(a.shape[:-1] + (columns,), p.y_dtype)
         if out.size:
             packed = p.packed[1] if p.packed is not None and p.packed[0] is b else _pack(qgemm, b, p, False, False)
-            qgemm.requantized_product_add(np.ascontiguousarray(a).reshape(-1, b.shape[0]), packed,
-                                          qgemm.pairs_for(packed), p.multiplier,
-                                          p.offset, p.consts, bias.reshape(-1), p.add, out.reshape(-1, columns))
+            arguments = ((-1, b.shape[0]), packed, qgemm.pairs_for(packed), p.multiplier, p.offset, p.consts,
+                         bias.reshape(-1), p.add, (-1, columns), out.shape, p.y_dtype)
+            qgemm.requantized_product_add(np.ascontiguousarray(a).reshape(arguments[0]), *arguments[1:-3],
+                                          out.reshape(arguments[-3]))
+            repeat.keep(a, key, arguments)  # constants (B, packed once, among them): later calls skip the checks
         return (out,)
 
     def kernel(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero, bias, bias_scale, bias_zero, x_scale,
                x_zero, c_scale, c_zero):
         key = (a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero, bias, bias_scale, bias_zero, x_scale, x_zero,
                c_scale, c_zero)
-        seen, p = last
-        if len(seen) == 14 and a.dtype is p.a_dtype and bias.ndim <= a.ndim and a.shape[-1] == b.shape[0] \
-                and all(map(is_, seen, key)):
-            return compiled(a, b, bias, p, b.shape[1])
+        arguments = repeat.match(a, key)
+        if arguments is not None:
+            out = np.empty(arguments[-2], arguments[-1])
+            qgemm.requantized_product_add(np.ascontiguousarray(a).reshape(arguments[0]), *arguments[1:-3],
+                                          out.reshape(arguments[-3]))
+            return (out,)
         params = (a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, bias_scale, bias_zero, x_scale, x_zero,
                   c_scale, c_zero)
         columns = b.shape[-1] if b.ndim else 0
@@ -384,9 +388,7 @@ def qlinear_matmul_add(node, shapes, opset):
         if p is not None and b.ndim == 2 and 1 <= a.ndim and a.shape[-1] == b.shape[0] and a.dtype is p.a_dtype \
                 and b.dtype is p.b_dtype and bias.dtype is p.y_dtype and bias.ndim <= a.ndim \
                 and (bias.size == 1 or bias.shape[-1] == bias.size == columns) and _column_params(b, b_scale, b_zero):
-            if not any(v.flags.writeable for v in key):  # constants: the checks on them hold while they come in
-                last[:] = [key, p]
-            return compiled(a, b, bias, p, columns)
+            return compiled(a, b, bias, p, columns, key)
         (y,) = matmul(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero)
         first, second = ((bias, bias_scale, bias_zero), (y, x_scale, x_zero))[::1 if bias_first else -1]
         return add(*first, *second, c_scale, c_zero)
