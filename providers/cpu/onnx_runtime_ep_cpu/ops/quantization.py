@@ -17,7 +17,7 @@ import math
 import ml_dtypes
 import numpy as np
 from onnx_runtime.dtypes import DataType
-from onnx_runtime.errors import InvalidGraphError
+from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import IntegerProduct
@@ -485,6 +485,11 @@ def qlinear_matmul_general(node, shapes, opset):
 
     # 21 adds float8 operands and half-precision scales; the same arithmetic covers them.
     def kernel(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point):
+        for name, codes, zero in (("a", a, a_zero_point), ("b", b, b_zero_point)):
+            if zero.dtype != codes.dtype:  # (what the codes mean depends on it: never read one type as the other)
+                raise InvalidArgumentError(
+                    f"node {node.name!r} (QLinearMatMul): {name}_zero_point is {zero.dtype} but {name} is "
+                    f"{codes.dtype}; ONNX requires the same type: feed the zero point in {codes.dtype}")
         if a_scale.size == 1 and y_scale.size == 1 and y_zero_point.size == 1:
             acc = integer_product(a, b, a_zero_point, b_zero_point)
             if acc is not None:
