@@ -343,9 +343,10 @@ class _CompiledRecurrence:
     OP = ""
     KIND = ""
 
-    def __init__(self, spec: _RecurrentSpec, steps):
+    def __init__(self, spec: _RecurrentSpec, steps, laid_out):
         self.spec = spec
         self.steps = steps
+        self.laid_out = laid_out  # (W, R, B, hidden, dtype) -> per direction, the weights as the loop reads them
         self.prepared = Prepared()
         # (W, R, B, dtype, weights): Prepared's rule, inlined for one call's worth of Python (one tuple: sessions
         # may run from several threads)
@@ -354,15 +355,11 @@ class _CompiledRecurrence:
         self.fast: tuple | None = None  # (W, R, B, X's shape and dtype, the states' shape, ..., the weights)
         self.tried = False  # a compiled call has run whole (see stepped)
 
-    @staticmethod
-    def _laid_out(w, r, b, hidden: int, dtype) -> list:
-        raise NotImplementedError
-
     def _weights(self, w, r, b, hidden: int, dtype) -> list:
         held = self.kept
         if held[0] is w and held[1] is r and held[2] is b and held[3] is dtype:
             return held[4]
-        weights = self.prepared.get((self.KIND, dtype), (w, r, b), lambda: self._laid_out(w, r, b, hidden, dtype))
+        weights = self.prepared.get((self.KIND, dtype), (w, r, b), lambda: self.laid_out(w, r, b, hidden, dtype))
         if all(a is None or not a.flags.writeable for a in (w, r, b)):
             self.kept = (w, r, b, dtype, weights)
         return weights
@@ -386,12 +383,11 @@ class _CompiledLSTM(_CompiledRecurrence):
     frame for one step, so the per-call Python is kept to the checks and the state copies."""
 
     OP, KIND = "LSTM", "lstm"
-    _laid_out = staticmethod(_lstm_weights)
 
     def __init__(self, spec: _RecurrentSpec):
         from ..compiled.lstm import lstm_steps
 
-        super().__init__(spec, lstm_steps)
+        super().__init__(spec, lstm_steps, _lstm_weights)
 
     def __call__(self, x, w, r, b, h0, c0) -> list | None:
         fast = self.fast
@@ -497,12 +493,8 @@ class _CompiledGRU(_CompiledRecurrence):
     def __init__(self, spec: _RecurrentSpec, linear_before_reset: bool):
         from ..compiled.gru import gru_steps
 
-        super().__init__(spec, gru_steps)
+        super().__init__(spec, gru_steps, _gru_weights)
         self.linear_before_reset = linear_before_reset
-
-    @staticmethod
-    def _laid_out(w, r, b, hidden: int, dtype) -> list:
-        return _gru_weights(w, r, b, hidden, dtype)
 
     def __call__(self, x, w, r, b, h0) -> list | None:
         fast = self.fast
