@@ -9,12 +9,22 @@ import pytest
 from onnx_runtime.errors import InvalidArgumentError
 from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu import ops  # noqa: F401  (fills the registry)
+from onnx_runtime_ep_cpu.compiled import deferred
 from onnx_runtime_ep_cpu.ops import recurrent
 from onnx_runtime_ep_cpu.registry import lookup
 from reference64 import assert_within, gamma
 from test_small_paths import _lstm_reference
 
 F32 = np.dtype(np.float32)
+
+
+@pytest.fixture(autouse=True)
+def loops_linked(monkeypatch):
+    """As after the background loader's switch: the compiled loop serves (an earlier test's session may have left
+    the loader running, when numpy would serve and no call would take the recorded-signature path)."""
+    monkeypatch.setattr(deferred, "numpy_first", lambda *kinds: False)
+    monkeypatch.setattr(deferred.state, "guarding", False)
+    monkeypatch.setattr(deferred.state, "deferring", False)
 
 
 def _lstm(direction: str, hidden: int):
