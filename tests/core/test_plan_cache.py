@@ -43,14 +43,6 @@ def _model(scale: float = 1.0) -> bytes:
     return model.SerializeToString()
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    """The plan cache on, in a folder of this test's own (the suite runs with it off)."""
-    monkeypatch.setenv(plan_cache.ENV_ENABLE, "1")
-    monkeypatch.setenv(plan_cache.ENV_DIR, str(tmp_path / "plans"))
-    return tmp_path / "plans"
-
-
 def _session(model, options: ort.SessionOptions | None = None) -> ort.InferenceSession:
     options = options or ort.SessionOptions()
     options.intra_op_num_threads = 1

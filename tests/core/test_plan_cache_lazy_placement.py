@@ -9,7 +9,6 @@ import onnx_runtime as ort
 import pytest
 from model_helpers import make_model, tensor_info
 from onnx import helper, numpy_helper
-from onnx_runtime import plan_cache
 from onnx_runtime.errors import UnsupportedOperatorError
 from onnx_runtime.session import inference_session, specialize
 
@@ -39,13 +38,6 @@ def _model(extra_op: str | None = None) -> bytes:
                        [w, b, *consts])
     model.opset_import.append(helper.make_opsetid("com.example.lazy", 1))
     return model.SerializeToString()
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv(plan_cache.ENV_ENABLE, "1")
-    monkeypatch.setenv(plan_cache.ENV_DIR, str(tmp_path / "plans"))
-    return tmp_path / "plans"
 
 
 def _session(model) -> ort.InferenceSession:
