@@ -84,9 +84,9 @@ def _binary(node, combine):
     multiply = combine is _mul
     last: list = [(), None]
     layouts: dict = {}
-    # the last call's inputs and its prepared loop arguments: (A's shape, B's shape, the six parameter arrays,
-    # the code type, the output shape, the loop's arguments after the operands)
-    hot: list = [None]
+    # the last compiled call: A's shape and type, the six parameter arrays, and (B's shape, the output shape, the
+    # loop's arguments after the operands)
+    repeat = RepeatCall()
 
     def parameters(a, b, params):
         dtype = eight_bit(node, "A", a)
@@ -104,17 +104,15 @@ def _binary(node, combine):
         return found
 
     def kernel(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point=None):
-        same = hot[0]  # a run repeats its shapes and constant parameters: one comparison each
-        if same is not None and a.shape == same[0] and b.shape == same[1] and a_scale is same[2] \
-                and a_zero_point is same[3] and b_scale is same[4] and b_zero_point is same[5] \
-                and c_scale is same[6] and c_zero_point is same[7] and a.dtype is same[8] and b.dtype is same[8]:
-            out = np.empty(same[9], same[8])
-            arguments = same[10]
+        params = (a_scale, a_zero_point, b_scale, b_zero_point, c_scale, c_zero_point)
+        kept = repeat.match(a, params)  # a run repeats its shapes and constant parameters: one comparison each
+        if kept is not None and b.shape == kept[0] and b.dtype is a.dtype:
+            out = np.empty(kept[1], a.dtype)
+            arguments = kept[2]
             compiled.requantize_binary(np.ascontiguousarray(a).reshape(-1), arguments[0],
                                        np.ascontiguousarray(b).reshape(-1), *arguments[1:-1],
                                        out.reshape(arguments[-1]))
             return (out,)
-        params = (a_scale, a_zero_point, b_scale, b_zero_point, c_scale, c_zero_point)
         seen, found = last
         if not (len(seen) == 6 and all(map(is_, seen, params)) and a.dtype is found[0] and b.dtype is found[0]):
             found = parameters(a, b, params)
@@ -127,7 +125,7 @@ def _binary(node, combine):
                                        np.ascontiguousarray(b).reshape(-1), *arguments[1:-1],
                                        out.reshape(arguments[-1]))
             if last[1] is found:  # constant parameters: the next call with these arrays and shapes skips the checks
-                hot[0] = (a.shape, b.shape, *params, dtype, shape, arguments)
+                repeat.keep(a, params, (b.shape, shape, arguments))
             return (out,)
         values = combine(widen(a, zeros[0]), widen(b, zeros[1]), *(s.astype(_F64) for s in scales))
         return (round_saturate(values, zeros[2], dtype),)
