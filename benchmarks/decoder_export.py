@@ -51,7 +51,9 @@ def build(kind: str, hidden: int, layers: int, heads: int, kv_heads: int, positi
         for parameter in model.parameters():  # matrices larger than the init's, so greedy tokens vary step to
             if parameter.ndim > 1:  # step; norms and biases as initialized, so float32 stays well conditioned
                 parameter.normal_(0, 0.08)
-    return CausalLMWithPast(model.eval())
+    # The wrapper in eval mode too: the dynamo exporter traces the top module's mode, and OPT's dropout (0.1)
+    # exported in training mode gives random outputs on every runtime.
+    return CausalLMWithPast(model.eval()).eval()
 
 
 def spec(kind: str, layers: int, kv_heads: int, head_dim: int, vocab: int = VOCAB) -> Spec:

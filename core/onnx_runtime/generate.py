@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -116,6 +117,11 @@ class Generator:
         self.layout = _layout(self.session)
         config = self.session.get_session_options().config()
         self.at_capacity = config.get(GRAPH_CAPTURE_KEY) == "1"  # see the module docstring
+        # The last generation's state in host memory, kept for the next generation that fits in it: binding ten
+        # or more buffers through the provider's hooks costs more than a short prompt's prefill, and the same
+        # bindings keep the checks their first runs passed (device_binding_run's layouts).
+        self._kept: _Bindings | None = None
+        self._keeping = threading.Lock()
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, on_token: Callable[[int], None] | None = None,
                  eos_token_id: int | None = None, read_every: int = 1) -> GenerationResult:
@@ -135,19 +141,63 @@ class Generator:
         if min(prompt) < 0 or max(prompt) >= vocabulary:
             raise InvalidArgumentError(
                 f"prompt token ids must lie in [0, {vocabulary}); got {min(prompt)}..{max(prompt)}")
+        state = self._state(len(prompt), max_new_tokens)
+        try:
+            result = state.loop(prompt, max_new_tokens, on_token, eos_token_id, read_every)
+        except BaseException:
+            state.close()  # (a state a failed step left behind is not reused)
+            raise
+        self._keep(state)
+        return result
+
+    def _state(self, prompt: int, new: int) -> _Bindings:
+        """The kept state if this generation fits in it, else a new one (at least as large as the kept one, which
+        is released: a caller alternating lengths settles on the largest)."""
+        with self._keeping:
+            kept, self._kept = self._kept, None
+        sizes = (prompt, prompt + new, new)
+        if kept is not None:
+            if kept.fits(*sizes):
+                kept.reset()
+                return kept
+            sizes = (max(prompt, kept.prompt_rows), max(prompt + new, kept.capacity), max(new, kept.new_rows))
+            kept.close()
         bindings = _CapacityBindings if self.at_capacity else _Bindings
-        with bindings(self.session, self.layout, len(prompt), max_new_tokens) as state:
-            return state.loop(prompt, max_new_tokens, on_token, eos_token_id, read_every)
+        return bindings(self.session, self.layout, *sizes)
+
+    def _keep(self, state: _Bindings) -> None:
+        if not state.reusable:
+            state.close()
+            return
+        with self._keeping:
+            displaced, self._kept = self._kept, state  # (another thread's generation may have kept one meanwhile)
+        if displaced is not None:
+            displaced.close()
+
+    def close(self) -> None:
+        """Release the kept generation state (the session releases it too, when it closes)."""
+        with self._keeping:
+            kept, self._kept = self._kept, None
+        if kept is not None:
+            kept.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 class _Bindings:
-    """The decode state of one generation, on the session's device; released when it ends."""
+    """The decode state of a generation, on the session's device: made for ``prompt`` tokens and ``capacity`` rows
+    of which ``new`` are generated, and reused by a later generation that fits (host memory only; see
+    :meth:`Generator._state`), else released when its generation ends."""
 
     HOST_LOGITS = True  # whether a host loop takes the logits as a run output (see __init__)
 
-    def __init__(self, session: InferenceSession, layout: _Layout, prompt: int, new: int):
+    def __init__(self, session: InferenceSession, layout: _Layout, prompt: int, capacity: int, new: int):
         self.session, self.layout = session, layout
-        self.capacity = prompt + new
+        self.prompt_rows, self.capacity, self.new_rows = prompt, capacity, new
         self.home = logits_provider(session)  # the state lives where the logits are made
         self.owned: list[DeviceIoBinding] = []
         bind = self._bind
@@ -194,10 +244,22 @@ class _Bindings:
         self.owned.append(binding)
         return binding
 
-    def __enter__(self):
-        return self
+    @property
+    def reusable(self) -> bool:
+        """Whether a later generation may run on this state: host memory (a device state keeps its captured
+        graphs and committed ranges per generation, as before)."""
+        return type(self) is _Bindings and self.host is not None
 
-    def __exit__(self, *exc):
+    def fits(self, prompt: int, capacity: int, new: int) -> bool:
+        return prompt <= self.prompt_rows and capacity <= self.capacity and new <= self.new_rows
+
+    def reset(self) -> None:
+        """Empty the KV cache for the next generation (``loop`` writes the rest of the state)."""
+        for cache in self.caches:
+            _one, heads, _rows, dim = cache.physical_shape
+            cache.set_logical_shape((1, heads, 0, dim))
+
+    def close(self) -> None:
         for binding in self.owned:
             binding.close()
 
