@@ -7,6 +7,9 @@ Scenarios (two small float32 models, 4x16):
   hand-over   session A writes its DeviceIoBinding output (an uploaded feed), session B reads it in place through
               IO binding with its output kept on the device; B eager, then B capturing.
   scratch     the decode step of session B replayed while session A reads B's scratch after every step.
+  threads     two sessions on two threads, each replaying its own device-resident step (IO binding, output kept on
+              the device) and synchronizing its outputs (the provider's sync) after every step; counts per step
+              of one session.
 
 usage: ONNX_RUNTIME_CUDA_SIM=1 python benchmarks/cuda_lane_counts.py [--steps N]
 """
@@ -76,7 +79,39 @@ def reader(ort, sess, tensor):
     return lambda: sess.run_with_iobinding(binding)
 
 
-def measure(device, step, steps: int, warm: int = 3) -> dict[str, float]:
+def synced_step(ort, sess):
+    """``sess`` reads a device tensor and keeps its output on the device, then synchronizes its outputs."""
+    handle = sess.provider_handle(CUDA)
+    feed = ort.Tensor.from_numpy(np.full(SHAPE, 0.5, np.float32), provider=handle)
+    binding = sess.io_binding()
+    binding.bind_ortvalue_input("h", ort.OrtValue(feed))
+    binding.bind_output("z", "cuda")
+
+    def step():
+        sess.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+    return step
+
+
+def on_two_threads(first, second):
+    """One step that runs ``first`` and ``second`` at once on two threads (each counts as one session step)."""
+    import threading
+
+    def step():
+        barrier = threading.Barrier(2)
+
+        def work(run):
+            barrier.wait()
+            run()
+        workers = [threading.Thread(target=work, args=(run,)) for run in (first, second)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    return step
+
+
+def measure(device, step, steps: int, warm: int = 3, per: int = 1) -> dict[str, float]:
     for _ in range(warm):
         step()
     from onnx_runtime_ep_cuda.driver_counts import CountingDriver
@@ -89,7 +124,7 @@ def measure(device, step, steps: int, warm: int = 3) -> dict[str, float]:
             step()
     finally:
         device.driver = plain
-    return {k: v / steps for k, v in counting.summary().items()}
+    return {k: v / (steps * per) for k, v in counting.summary().items()}
 
 
 def main() -> None:
@@ -128,6 +163,10 @@ def main() -> None:
         read()
     rows.append(("scratch (B replayed, A reads B's scratch)", measure(device, with_reader, args.steps),
                  b.device_graph_status()))
+    first, second = session(ort, consumer(), True), session(ort, consumer(), True)
+    rows.append(("threads (2 sessions, each syncs its outputs)",
+                 measure(device, on_two_threads(synced_step(ort, first), synced_step(ort, second)), args.steps,
+                         per=2), second.device_graph_status()))
     device.sync()
     print(f"{'scenario':44} {'syncs':>6} {'waits':>6} {'xfers':>6} {'graphs':>6}  status "
           f"(per step, {args.steps} steps)")

@@ -2,23 +2,31 @@
 work after another's (lanes.py explains the rule), the owners of borrowed memory, and the device graphs that
 recorded an address.
 
-Keys. A pool allocation is known by its base (aliases share it), a reserved one by the object holding it
-(``note_home``). Memory a session borrowed (external memory bound through a ``DeviceIoBinding``) is lent by
+Keys. A pool allocation is known by its base, and so is every address inside it (an alias, or external memory
+bound at an offset of it: found by an interval lookup), so whoever touches part of it is ordered against whoever
+touched the whole. A reserved allocation is known by the object holding it (``note_home``). Memory a session
+borrowed (external memory bound through a ``DeviceIoBinding``, outside any allocation here) is lent by
 :meth:`AccessOrdering.lend`: its home is the lane of the instance that borrowed it, for as long as the borrow
-lasts, and every address inside it (an alias at an offset) is keyed by its start, so a reader at an offset waits
-for a writer of the whole. Memory of none of these (a block of a capture arena) still takes the first lane that
-orders it as its home, and its marks go with the allocation holding it.
+lasts, and every address inside it is keyed by its start, so a reader at an offset waits for a writer of the whole.
+Memory of none of these (a block of a capture arena) still takes the first lane that orders it as its home, and its
+marks go with the allocation holding it.
+
+Host waits. A session's sync waits for its own lane, and for the lanes whose last write into memory homed on its
+lane it has not waited for yet (:meth:`AccessOrdering.foreign_writers`), not for every lane of the device. The end
+of a borrow waits on the host for the lanes that touched the memory, since the caller may reuse it at once.
 
 Graph records. A capture notes the keys it ordered (the run's feeds and bound outputs, ordered just before it,
 and every buffer a hook reached inside it: a bound output's copy, a decode step's argmax and token writer), so each
 replay orders them again on its own (event waits, no host synchronization) and the lanes that read or write them
 later wait for the replay. Freeing such memory, or ending its borrow, while a graph of another lane that recorded
 it is installed resets that graph (its session captures afresh at its next run) instead of leaving it to replay on
-memory the pool may hand out again; a graph still being captured refuses the free with a typed error.
+memory the pool may hand out again. A free of memory a capture in progress reached is deferred to the end of that
+capture (device.py), where it resets the graph just recorded; ending a borrow then is refused with a typed error.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 
 from onnx_runtime.errors import ProviderError
@@ -46,14 +54,26 @@ class AccessOrdering:
 
     # -- keys -----------------------------------------------------------------------------------------
     def _resolve(self, key: int) -> int:
-        """The key of the memory ``key`` addresses: the start of the borrowed memory holding it, else itself.
-        Called under ``_lock``."""
-        if key in self._marks or key in self._homes or key in self._live or not self._lent:
+        """The key of the memory ``key`` addresses: the base of the live allocation holding it, the start of the
+        borrowed memory holding it, else itself. Called under ``_lock``."""
+        if key in self._live or key in self._marks or key in self._homes:
             return key
+        base = self._owning_base(key)
+        if base is not None:
+            return base
         for start, (end, _count) in self._lent.items():
             if start <= key < end:
                 return start
         return key
+
+    def _owning_base(self, address: int) -> int | None:
+        """The base of the live allocation whose bytes hold ``address``, or None. Called under ``_lock``."""
+        starts = self._live_starts
+        index = bisect.bisect_right(starts, address) - 1
+        if index < 0:
+            return None
+        base = starts[index]
+        return base if address < base + self._live[base] else None
 
     def resolve_keys(self, keys) -> list[int]:
         with self._lock:
@@ -81,7 +101,7 @@ class AccessOrdering:
         Memory a live allocation starts is that allocation's already; an overlapping loan of the same start is
         counted and keeps the first borrower as home."""
         with self._lock:
-            if start in self._live:
+            if self._owning_base(start) is not None:  # inside a live allocation: ordered as part of it
                 return
             loan = self._lent.get(start)
             if loan is not None:
@@ -103,11 +123,49 @@ class AccessOrdering:
                 return
             home = self._homes.get(start, self.compute)
             records = self._records_in(start, loan[0], home)
+            touched = self._touching(start, loan[0], home)
         self._reset_records(records, start, "the end of its borrow")  # raises, the loan kept, while one captures
+        self._host_wait(touched)  # the caller may reuse the memory once this returns: no lane may still use it
         with self._lock:
             end, _count = self._lent.pop(start)
             self._homes.pop(start, None)
             self._drop_marks(start, end)
+
+    def _touching(self, start: int, end: int, home) -> list:
+        """The streams other than ``home`` that wrote or read memory in ``[start, end)`` since it was last waited
+        for. Under ``_lock``."""
+        streams: dict[int, object] = {}
+        for key in [start, *(k for k in self._loose if start < k < end)]:
+            marks = self._marks.get(key)
+            if marks is not None:
+                for stream in (marks.writer, *marks.readers):
+                    if stream is not None and stream is not home:
+                        streams[id(stream)] = stream
+        return list(streams.values())
+
+    def wait_for_users(self, lane, key: int) -> None:
+        """Block until ``lane`` and every other lane that touched the memory ``key`` names ran what they queued (a
+        release the device does not order on a stream: unmapping a reserved allocation)."""
+        with self._lock:
+            touched = self._touching(key, key + 1, lane.compute)
+        self.sync(lane)
+        self._host_wait(touched)
+
+    def foreign_writers(self, lane) -> list:
+        """The streams of other lanes whose last write into memory homed on ``lane`` (its allocations, what it
+        borrowed) ``lane`` has not waited for yet: what its sync must wait for besides its own streams. Each is
+        noted as waited for."""
+        stream = lane.compute
+        writers: dict[int, object] = {}
+        with self._lock:
+            for key, marks in self._marks.items():
+                writer = marks.writer
+                if writer is None or writer is stream or marks.settled or self._homes.get(key, self.compute) \
+                        is not stream:
+                    continue
+                writers[id(writer)] = writer
+                marks.settled = True
+        return list(writers.values())
 
     def _drop_marks(self, start: int, end: int) -> None:
         self._marks.pop(start, None)
@@ -167,7 +225,7 @@ class AccessOrdering:
                 waits[id(other)] = other
         if marks is None:
             marks = self._marks[base] = AccessMarks()
-        marks.writer, marks.readers = stream, []
+        marks.writer, marks.readers, marks.settled = stream, [], False
 
     # -- device graphs that recorded an address -----------------------------------------------------------
     def record_graph(self, record: object, graphs, token, lane, keys) -> None:
@@ -188,14 +246,15 @@ class AccessOrdering:
 
     def _records_in(self, start: int, end: int, home) -> list[tuple]:
         """The graphs of lanes other than ``home``'s that recorded memory in ``[start, end)``, and ``(None, lane)``
-        for such a lane whose capture in progress reached it. Under ``_lock``."""
+        for such a lane whose capture in progress (or ended, its graph not yet recorded) reached it. Under
+        ``_lock``."""
         found: dict[int, tuple] = {}
         for key in [k for k in self._recorded if start <= k < end] if self._recorded else ():
             for ident, (graphs, token, lane) in self._recorded[key].items():
                 if lane.compute is not home:
                     found[ident] = (graphs, token)
         for lane in self._lanes.values():
-            if lane.capture_thread is not None and lane.compute is not home and any(
+            if lane.capture_open and lane.compute is not home and any(
                     start <= k < end for k in (*lane.captured_reads, *lane.captured_writes)):
                 found[id(lane)] = (None, lane)
         return list(found.values())

@@ -35,6 +35,7 @@ device closed and resets the primary context, so the next session on the index g
 from __future__ import annotations
 
 import atexit
+import bisect
 import collections
 import ctypes
 import threading
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 from onnx_runtime.contract.buffers import SIGNALLED, Fence
-from onnx_runtime.errors import InvalidArgumentError, ProviderError
+from onnx_runtime.errors import InvalidArgumentError, OnnxRuntimeError, ProviderError
 
 from . import driver as driver_access
 from . import nvrtc
@@ -124,6 +125,7 @@ class CudaDevice(AccessOrdering):
         self.bytes_in_use = 0
         self.peak_bytes = 0
         self._live: dict[int, int] = {}  # address -> size of every allocation not yet freed
+        self._live_starts: list[int] = []  # the keys of _live, sorted: which allocation holds an address
         self.cross_stream_frees = 0  # frees ordered after another stream by an event wait
         self._next_fence = 1  # fence ids count up from 1; 0 is the signalled fence
         self._events: dict[int, tuple] = {}  # fence id -> (CUevent not yet known to be complete, its lane)
@@ -252,6 +254,7 @@ class CudaDevice(AccessOrdering):
             )
         with self._lock:
             self._live[base] = nbytes
+            bisect.insort(self._live_starts, base)
             if stream is not None and self.pooled and stream is not self.compute:
                 self._homes[base] = stream
             self.allocations += 1
@@ -264,19 +267,33 @@ class CudaDevice(AccessOrdering):
 
     def free(self, base: int, stream=None) -> None:
         """Free the allocation whose ``base`` :meth:`allocate` returned, stream-ordered on ``stream`` (compute by
-        default) and after its home stream's work and the lanes that touched it (see the module docstring)."""
-        with self._lock:
-            nbytes = self._live.get(base)
-            home = self._homes.get(base, self.compute)
-            records = self._records_in(base, base + nbytes, home) if nbytes is not None else []
-        if records:  # another lane's graph recorded this memory: reset it before the memory goes
-            self._reset_records(records, base, "a free")
+        default) and after its home stream's work and the lanes that touched it (see the module docstring). Memory
+        a capture in progress reached is freed when that capture's graph is recorded (:meth:`settle_capture`)."""
+        for attempt in range(3):
+            with self._lock:
+                nbytes = self._live.get(base)
+                home = self._homes.get(base, self.compute)
+                records = self._records_in(base, base + nbytes, home) if nbytes is not None else []
+            if not records:
+                break
+            capturing = [lane for graphs, lane in records if graphs is None] + [
+                graphs.device for graphs, token in records if graphs is not None and graphs.capturing(token)]
+            if not capturing or attempt == 2:  # another lane's graph recorded this memory: reset it first
+                self._reset_records(records, base, "a free")
+                break
+            with self._order_lock:
+                open_lane = next((lane for lane in capturing if lane.capture_open), None)
+                if open_lane is not None:
+                    open_lane.frees_after_record.append((base, stream))
+                    return
+            # That capture was recorded meanwhile: its graph is among the records now.
         with self._lock:
             nbytes = self._live.pop(base, None)
             if nbytes is None:
                 raise InvalidArgumentError(
                     f"CUDAExecutionProvider: {base:#x} is not a live allocation on CUDA device {self.index}"
                 )
+            self._live_starts.pop(bisect.bisect_left(self._live_starts, base))
             home = self._homes.pop(base, self.compute)
             marks = self._marks.pop(base, None)
             self._drop_marks(base, base + nbytes)  # marks on addresses inside it (a capture arena's blocks) too
@@ -532,7 +549,9 @@ class CudaDevice(AccessOrdering):
 
     def sync(self, lane=None) -> None:
         """Block until the lane's streams are idle (every lane's when None, but a lane that is capturing only up
-        to its capture); its fences are then complete, and every staged download has reached its host array."""
+        to its capture); its fences are then complete, and its staged downloads (every one when None) have reached
+        their host arrays. A lane's transfer stream is waited for only when work was queued there since it was
+        last joined to compute."""
         self._bind()
         with self._lock:
             lanes = [lane] if lane is not None else [*{id(x): x for x in self._lanes.values()}.values()]
@@ -543,13 +562,42 @@ class CudaDevice(AccessOrdering):
                 self._check(self.driver.cuEventSynchronize(each.precapture), "cuEventSynchronize(before capture)")
                 continue
             with each.gate:
-                self._synchronize(each.transfer, "transfer")
+                if lane is None or each.transfer_since_join:
+                    self._synchronize(each.transfer, "transfer")
                 self._synchronize(each.compute, "compute")
                 with self._lock:
                     done = [k for k, (_event, owner) in self._events.items() if owner is each]
                     self._idle_events.extend(self._events.pop(k)[0] for k in done)
                     each.allocated_since_join = each.transfer_since_join = False
-        self.staging.deliver()
+                self.staging.completed((each.compute, each.transfer))
+        self.staging.deliver(None if lane is None else (lane.compute, lane.transfer))
+
+    def sync_session(self, lane) -> None:
+        """A session's sync (the provider's ``sync`` hook): its own lane, after the lanes that wrote memory homed
+        on it since it last waited for them (access.py), and no other lane."""
+        self._bind()
+        for writer in self.foreign_writers(lane):
+            self._order_after(writer, lane.compute)
+        self.sync(lane)
+
+    def _host_wait(self, streams) -> None:
+        """Block until what ``streams`` queued so far ran (for another thread's capturing lane: what it queued
+        before the capture), through one event each."""
+        d = self.driver
+        for stream in streams:
+            event = self._idle_event()
+            try:
+                with self._order_lock:
+                    source = self._lanes.get(id(stream))
+                    if source is not None and source.capture_thread is not None:
+                        recorded = source.precapture
+                    else:
+                        self._check(d.cuEventRecord(event, stream), "cuEventRecord(a lane that used the memory)")
+                        recorded = event
+                self._check(d.cuEventSynchronize(recorded), "cuEventSynchronize(a lane that used the memory)")
+            finally:
+                with self._lock:
+                    self._idle_events.append(event)
 
     def _synchronize(self, stream, which: str) -> None:
         self._check(self.driver.cuStreamSynchronize(stream), f"cuStreamSynchronize({which} stream)")
@@ -561,11 +609,13 @@ class CudaDevice(AccessOrdering):
         lane = self.default_lane if lane is None else lane
         lane.gate.acquire()
         try:
+            self.settle_capture(lane)  # an earlier capture whose graph was never recorded frees what it held back
             if lane.precapture is None:
                 lane.precapture = self._idle_event()
             with self._order_lock:
                 self._check(self.driver.cuEventRecord(lane.precapture, lane.compute), "cuEventRecord(before capture)")
                 lane.capture_thread = threading.get_ident()
+                lane.capture_open = True
         except BaseException:
             lane.gate.release()
             raise
@@ -582,6 +632,25 @@ class CudaDevice(AccessOrdering):
                     self._release(base, nbytes, stream, home)
             finally:
                 lane.gate.release()
+
+    def settle_capture(self, lane=None) -> None:
+        """After the lane's capture ended and its graph was recorded (or discarded): free the memory it reached that
+        a thread freed meanwhile, each allocation once, resetting the graphs that recorded it (graphs.py calls
+        this). Nothing while the capture is still in progress."""
+        lane = self.default_lane if lane is None else lane
+        with self._order_lock:
+            if lane.capture_thread is not None or not lane.capture_open:
+                return
+            lane.capture_open = False
+            frees, lane.frees_after_record = lane.frees_after_record, []
+        failure = None
+        for base, stream in frees:
+            try:
+                self.free(base, stream)
+            except OnnxRuntimeError as error:  # the others are still freed; the first failure is reported
+                failure = failure or error
+        if failure is not None:
+            raise failure
 
     def capturing_here(self) -> bool:
         """Whether a device graph capture of the default lane is recording on the calling thread."""
@@ -669,6 +738,7 @@ class CudaDevice(AccessOrdering):
         self._lanes = {id(self.compute): self.default_lane}
         self._idle_lanes.clear()
         self._clear_access()
+        self._live_starts.clear()
         self._check(d.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease")
         self.closed = True
         self._live.clear()

@@ -3,13 +3,17 @@ synchronizations, event waits, host transfers and graph launches a step costs (s
 
 from __future__ import annotations
 
+import threading
+
 
 class CountingDriver:
-    """The driver module with a count per ``cu*`` call name; every other attribute passes through."""
+    """The driver module with a count per ``cu*`` call name; every other attribute passes through. Sessions on
+    several threads share one driver: the counts are taken under a lock so none is lost."""
 
     def __init__(self, driver):
         self._driver = driver
         self.calls: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def __getattr__(self, name):
         attribute = getattr(self._driver, name)
@@ -17,7 +21,8 @@ class CountingDriver:
             return attribute
 
         def counted(*args, **kwargs):
-            self.calls[name] = self.calls.get(name, 0) + 1
+            with self._lock:
+                self.calls[name] = self.calls.get(name, 0) + 1
             return attribute(*args, **kwargs)
         return counted
 

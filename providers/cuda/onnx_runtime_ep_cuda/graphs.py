@@ -184,6 +184,7 @@ class DeviceGraphs:
                             "cuStreamBeginCapture(compute stream)")
             except BaseException:
                 self.device.end_capture()
+                self.device.settle_capture()
                 raise
             lifecycle.capturing = True
             self._active = lifecycle
@@ -200,7 +201,14 @@ class DeviceGraphs:
         return lifecycle
 
     def end(self, token) -> None:
-        """End the capture ``token`` names and install it as the generation's next segment."""
+        """End the capture ``token`` names and install it as the generation's next segment; then free what was freed
+        during the capture (``CudaDevice.settle_capture``: a graph that recorded it is reset)."""
+        try:
+            self._end(token)
+        finally:
+            self.device.settle_capture()  # outside the lock: a free may reset other instances' graphs
+
+    def _end(self, token) -> None:
         with self._lock:
             lifecycle = self._capturing(token)
             try:
@@ -242,6 +250,7 @@ class DeviceGraphs:
                     f"abort it with its own token"
                 )
             self._discard_capture(lifecycle)
+        self.device.settle_capture()
 
     def _discarded(self) -> None:
         if self.validation is not None:  # the prologues the capture recorded never run: pending again
@@ -338,6 +347,8 @@ class DeviceGraphs:
                 if lifecycle.capturing:
                     self._discard_capture(lifecycle)
                 self._destroy(lifecycle)
+        if not self.device.closed:
+            self.device.settle_capture()
 
     def close(self) -> None:
         with self._lock:

@@ -38,6 +38,7 @@ class AccessMarks:
 
     writer: object = None
     readers: list = field(default_factory=list)
+    settled: bool = False  # the home lane's sync waited for this write (access.foreign_writers)
 
 
 class Lane:
@@ -54,6 +55,10 @@ class Lane:
         self.allocated_since_join = False
         self.transfer_since_join = False
         self.capture_thread: int | None = None
+        # From begin_capture until the capture's graph is recorded or discarded (CudaDevice.settle_capture): frees
+        # of memory the capture reached wait for that point, in frees_after_record as (base, stream).
+        self.capture_open = False
+        self.frees_after_record: list[tuple] = []
         self.captured_bases: set[int] = set()  # allocated during the capture: the graph's own memory
         self.frees_after_capture: list[tuple] = []  # (base, nbytes, stream, home)
         self.precapture = None  # an event recorded on compute just before the capture in progress began
@@ -125,6 +130,12 @@ class Lane:
 
     def end_capture(self) -> None:
         self.shared.end_capture(lane=self)
+
+    def settle_capture(self) -> None:
+        self.shared.settle_capture(lane=self)
+
+    def sync_session(self) -> None:
+        self.shared.sync_session(self)
 
     def capturing_here(self) -> bool:
         return self.capture_thread == threading.get_ident()

@@ -355,8 +355,9 @@ class CUDAExecutionProvider(SealedConstants, MemoryGovernance, ReservedAllocatio
 
     @hookimpl
     def sync(self):
-        if self._device is not None:
-            self._device.sync()
+        # This instance's lane, and the lanes that wrote its memory: not every session's (device.sync_session).
+        if self._device is not None and self._lane is not None:
+            self._device.sync_session(self._lane)
 
     # -- device graphs --------------------------------------------------------------------------------
     def device_graphs(self) -> DeviceGraphs:

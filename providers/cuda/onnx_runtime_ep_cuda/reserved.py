@@ -82,7 +82,7 @@ class ReservedAllocations:
         if not isinstance(reserved, MappedGrowthBuffer):
             return False
         lane = self.cuda_device()
-        lane.shared.sync()  # no queued kernel of any lane may still read it
+        lane.shared.wait_for_users(lane, id(reserved))  # no queued work of a lane that touched it may still run
         lane.forget_access(id(reserved))
         reserved.close()
         return True

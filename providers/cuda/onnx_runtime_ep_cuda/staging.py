@@ -8,8 +8,10 @@ may be written again. The caller's array may be reused at once.
 
 Blocks are a small ring of fixed-size chunks, allocated on first use and freed exactly once in ``close``
 (``allocated`` and ``freed`` count them). A copy larger than a block goes through the ring chunk by chunk; a
-block is only rewritten after the event of its previous copy completed, so the host waits only when it is a
-whole ring ahead of the device.
+block is only rewritten after the event of its previous copy completed. Lanes share the ring, so the next block
+may hold another lane's copy: a block whose copy the event says is complete is taken first (a query, not a wait),
+and the host waits only when every block is busy, a whole ring ahead of the device. A lane's synchronization
+settles only the blocks its own streams used.
 
 Once the provider adopts the memory governor (``govern``), every block is charged to the device's pinned host
 tier (role staging) before it is allocated. A block the budget cannot take is not allocated: the ring stays at
@@ -38,6 +40,7 @@ class _Block:
     recorded: bool = False  # the event names a copy not yet known to be complete
     pending: np.ndarray | None = None  # a download's destination, filled from the block once the event completed
     lease: object = None  # the governor's charge for the block's pinned bytes, once governed
+    stream: object = None  # the stream of its last copy
     held: threading.Lock = field(default_factory=threading.Lock)  # from being handed out until its copy is enqueued
 
 
@@ -111,9 +114,13 @@ class PinnedStaging:
         return self.device._check(result, call)  # noqa: SLF001 - the device turns a fault into its typed error
 
     def _block(self) -> _Block:
-        """The next block of the ring, once the device is done with its previous copy."""
+        """A block no copy is using, else a new one while the ring has room, else the next block of the ring once
+        the device is done with its previous copy."""
         d = self.device.driver
         with self._lock:
+            block = self._idle_block()
+            if block is not None:
+                return block
             lease = self._charge() if len(self._blocks) < self._ring else False
             if lease is not False:
                 try:
@@ -145,6 +152,45 @@ class PinnedStaging:
             raise
         return block
 
+    def _idle_block(self) -> _Block | None:
+        """A block no copy is using (its last copy complete), held for the caller, or None. Under ``_lock``."""
+        d = self.device.driver
+        count = len(self._blocks)
+        for step in range(count):
+            index = (self._next + step) % count
+            block = self._blocks[index]
+            if not block.held.acquire(blocking=False):
+                continue
+            if block.recorded:
+                (err,) = d.cuEventQuery(block.event)
+                if int(err) == int(d.CUresult.CUDA_ERROR_NOT_READY):
+                    block.held.release()
+                    continue
+                try:
+                    self._check((err,), "cuEventQuery(staging block)")
+                except BaseException:
+                    block.held.release()
+                    raise
+                block.recorded = False
+            try:
+                self._settle(block)  # a download it holds reaches its host array
+            except BaseException:
+                block.held.release()
+                raise
+            self._next = (index + 1) % count
+            return block
+        return None
+
+    def completed(self, streams) -> None:
+        """``streams`` were synchronized: the blocks whose last copy went there are complete (no event wait)."""
+        for block in list(self._blocks):
+            if block.recorded and any(block.stream is s for s in streams) and block.held.acquire(blocking=False):
+                try:
+                    if any(block.stream is s for s in streams):
+                        block.recorded = False
+                finally:
+                    block.held.release()
+
     def _settle(self, block: _Block) -> None:
         if block.recorded:
             self._check(self.device.driver.cuEventSynchronize(block.event), "cuEventSynchronize(staging block)")
@@ -155,7 +201,7 @@ class PinnedStaging:
 
     def _recorded(self, block: _Block, stream) -> None:
         self._check(self.device.driver.cuEventRecord(block.event, stream), "cuEventRecord(staging block)")
-        block.recorded = True
+        block.recorded, block.stream = True, stream
 
     def upload(self, dst: int, src: np.ndarray, stream) -> None:
         """Enqueue host bytes ``src`` (uint8) into device memory at ``dst`` on ``stream``; returns at once."""
@@ -203,12 +249,13 @@ class PinnedStaging:
             finally:
                 block.held.release()
 
-    def deliver(self) -> None:
-        """Finish every staged download (after the streams were synchronized, this waits for nothing)."""
+    def deliver(self, streams=None) -> None:
+        """Finish the staged downloads of ``streams`` (every one when None); after those streams were synchronized
+        this waits for nothing."""
         with self._lock:
             blocks = list(self._blocks)
         for block in blocks:
-            if block.pending is not None:
+            if block.pending is not None and (streams is None or any(block.stream is s for s in streams)):
                 with block.held:
                     self._settle(block)
 

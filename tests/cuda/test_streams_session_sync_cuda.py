@@ -1,0 +1,290 @@
+"""Per-session CUDA streams, the host side (issue 21): a session's sync waits for its own lane and the lanes that
+wrote its memory, not for every session's; a staged host copy takes a free staging block rather than waiting for
+another lane's copy; ending a borrow waits for the lanes that touched the memory; external memory bound inside a
+live allocation is ordered as that allocation; and a free of memory a capture in progress reached is deferred to
+the end of that capture (its graph reset, the memory freed once) instead of refused.
+
+The simulator's deferred mode runs a stream's work only when something waits for it: a stream still holding
+queued work after another session's sync shows that the sync did not wait for it, and a missing wait shows as a
+wrong result.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import numpy as np
+import onnx_runtime as ort
+import pytest
+from onnx_runtime.errors import InvalidArgumentError
+from test_streams_lent_memory_cuda import BIAS, SHAPE, RawMemory, _consume, _feed, consumer, producer, session
+
+cu = pytest.importorskip("onnx_runtime_ep_cuda.sim.driver", reason="the CUDA provider is not installed")
+
+SIMULATED = os.environ.get("ONNX_RUNTIME_CUDA_TESTS", "").lower() != "real"
+only_simulated = pytest.mark.skipif(not SIMULATED, reason="deferred execution is the simulator's")
+
+
+@pytest.fixture(autouse=True)
+def mode(cuda_driver_mode):
+    pass
+
+
+@pytest.fixture
+def handles():
+    """Five initialized CUDA provider instances (five lanes), shut down after the test."""
+    from onnx_runtime import ProviderHandle
+    from onnx_runtime_ep_cuda import CUDAExecutionProvider
+
+    made = [ProviderHandle(CUDAExecutionProvider()) for _ in range(5)]
+    for handle in made:
+        handle.initialize({})
+    yield made
+    for handle in made:
+        handle.shutdown()
+
+
+def _queued(handle) -> bool:
+    (status,) = cu.cuStreamQuery(handle.provider.cuda_device().compute)
+    return status == cu.CUresult.CUDA_ERROR_NOT_READY
+
+
+def _counted(device):
+    from onnx_runtime_ep_cuda.driver_counts import CountingDriver
+
+    counting = CountingDriver(device.driver)
+    device.driver = counting
+    return counting
+
+
+# -- a session's sync ---------------------------------------------------------------------------------------------
+@only_simulated
+def test_a_sessions_sync_leaves_other_sessions_work_queued(deferred, handles):
+    """A's sync is one stream synchronization (its compute stream; nothing was queued on its transfer stream), and
+    the work other sessions queued is still queued after it; before, it synchronized both streams of every lane
+    of the device and ran everybody's work."""
+    a, *others = handles
+    buffers = [h.allocate(256, 256) for h in handles]
+    for handle, buffer in zip(handles, buffers, strict=True):
+        handle.provider.fill(buffer, 5)
+    device = a.provider.cuda_device().shared
+    plain = device.driver
+    counting = _counted(device)
+    try:
+        a.sync()
+    finally:
+        device.driver = plain
+    assert counting.calls.get("cuStreamSynchronize", 0) == 1, counting.calls
+    assert not _queued(a)
+    assert all(_queued(h) for h in others)
+    for handle, buffer in zip(handles, buffers, strict=True):
+        handle.deallocate(buffer)
+
+
+@only_simulated
+def test_a_sessions_sync_waits_for_another_lanes_write_into_its_memory(deferred, handles):
+    """B fills A's buffer (queued on B's stream); A's sync makes the bytes visible on the host (what a DLPack
+    consumer reads) and still leaves C's unrelated work queued: A waited for the lane that wrote its memory, and
+    only for it."""
+    a, b, c = handles[:3]
+    mine, theirs = a.allocate(256, 256), c.allocate(256, 256)
+    c.provider.fill(theirs, 1)
+    b.provider.fill(mine, 9)
+    a.sync()
+    assert ctypes.string_at(mine.ptr, 256) == bytes([9]) * 256
+    assert _queued(c) and not _queued(b)
+    before = a.provider.cuda_device().shared.ordered_waits
+    a.sync()  # that write was waited for: no second wait
+    assert a.provider.cuda_device().shared.ordered_waits == before
+    a.deallocate(mine)
+    c.deallocate(theirs)
+
+
+@only_simulated
+def test_a_staged_read_takes_a_free_block_instead_of_waiting_for_another_lane(deferred, handles):
+    """B's upload holds a staging block whose copy is still queued on B's stream; A's downloads take a block whose
+    copy is complete, so B's work stays queued and A's reads are right; before, A took the ring's next block and
+    waited for B's copy (running B's stream)."""
+    a, b = handles[:2]
+    mine, theirs = a.allocate(256, 256), b.allocate(256, 256)
+    a.provider.fill(mine, 4)
+    b.copy_from_host(np.full(256, 2, np.uint8), theirs)
+    out = np.empty(256, np.uint8)
+    for _ in range(6):  # more reads than the ring has blocks
+        a.copy_to_host(mine, out)
+        assert (out == 4).all()
+    assert _queued(b)
+    b.copy_to_host(theirs, out)
+    assert (out == 2).all()
+    a.deallocate(mine)
+    b.deallocate(theirs)
+
+
+# -- borrowed memory --------------------------------------------------------------------------------------------
+@only_simulated
+def test_ending_a_borrow_waits_for_the_lanes_that_read_it(deferred):
+    """A writes external memory it borrowed; B's read of it at an offset is still queued when A's binding is
+    released. The caller may then overwrite the memory at once: the release waited for B's read (A's own sync no
+    longer runs B's stream), so B's result is the value A wrote."""
+    model_a, w = producer()
+    a, b = session(model_a), session(consumer((2, 16)))
+    device = a.provider_handle("CUDAExecutionProvider").provider.cuda_device().shared
+    memory = RawMemory(device, 4 * 16 * 4)
+    kept = a.device_io_binding(ort.ExternalMemorySpec.output("h", np.float32, SHAPE, SHAPE, memory.ptr,
+                                                             memory.nbytes))
+    x = _feed(2)
+    a.run_with_device_bindings([kept], input_feed={"x": x}, output_names=[])
+    z = _consume(b, ort.Tensor(ort.DataType.FLOAT, (2, 16), kept.buffer.alias(128, 128), kept.allocator))
+    kept.close()
+    ctypes.memset(memory.ptr, 0, memory.nbytes)  # the caller reuses its memory
+    want = np.tanh(np.maximum(x.astype(np.float64) @ w, 0)[2:] + BIAS)
+    np.testing.assert_allclose(z.numpy(), want, rtol=1e-5, atol=1e-6)
+    z.close()
+    memory.close()
+
+
+# -- external memory inside a live allocation ---------------------------------------------------------------------
+@only_simulated
+def test_external_memory_inside_a_live_allocation_is_ordered_as_that_allocation(deferred):
+    """A's bound output is a live allocation; B binds its last two rows as external memory (an address inside it).
+    B's read waits for A's write of the whole, and A's read of the whole waits for B's write through the external
+    binding; no loan is made for memory an allocation already holds. Before, the inner address was a memory of its
+    own, homed on B: B read it unwritten, and A read it before B wrote it."""
+    model_a, w = producer()
+    a = session(model_a)
+    device = a.provider_handle("CUDAExecutionProvider").provider.cuda_device().shared
+    kept = a.device_io_binding(ort.DeviceBindingSpec.output("h", np.float32, SHAPE))
+    x = _feed(3)
+    a.run_with_device_bindings([kept], input_feed={"x": x}, output_names=[])
+    reader = session(consumer((2, 16)))
+    rows = reader.device_io_binding(ort.ExternalMemorySpec.input("h", None, np.float32, (2, 16), (2, 16),
+                                                                 kept.device_ptr + 128, 128))
+    out = reader.device_io_binding(ort.DeviceBindingSpec.output("z", np.float32, (2, 16)))
+    assert not device._lent  # noqa: SLF001 - part of A's allocation, not a loan
+    reader.run_with_device_bindings([rows, out], output_names=[])
+    h = np.maximum(x.astype(np.float64) @ w, 0)
+    np.testing.assert_allclose(out.read_logical(), np.tanh(h[2:] + BIAS), rtol=1e-5, atol=1e-6)
+
+    writer = session(consumer((2, 16)))
+    into = writer.device_io_binding(ort.ExternalMemorySpec.output("z", np.float32, (2, 16), (2, 16),
+                                                                  kept.device_ptr + 128, 128))
+    y = _feed(4)[:2]
+    writer.run_with_device_bindings([into], input_feed={"h": y}, output_names=[])
+    got = kept.read_logical()
+    np.testing.assert_allclose(got[:2], h[:2], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[2:], np.tanh(y.astype(np.float64) + BIAS), rtol=1e-5, atol=1e-6)
+    for binding in (into, out, rows, kept):
+        binding.close()
+    assert not device._lent  # noqa: SLF001
+
+
+# -- a free during a capture that reached the memory ----------------------------------------------------------------
+def _capture_pair():
+    from onnx_runtime import ProviderHandle
+    from onnx_runtime_ep_cuda import CUDAExecutionProvider
+
+    a, b = ProviderHandle(CUDAExecutionProvider()), ProviderHandle(CUDAExecutionProvider())
+    a.initialize({})
+    b.initialize({})
+    return a, b
+
+
+def _begin(b):
+    from onnx_runtime import DeviceGraphOwner, DeviceGraphSlot
+
+    return b.hook.begin_owned_device_graph_capture(owner=DeviceGraphOwner.new(), slot=DeviceGraphSlot.PRIMARY,
+                                                   continuation=None, kernels=[])
+
+
+def test_a_free_on_the_capturing_thread_waits_for_the_end_of_the_capture():
+    """B's capture copies from A's buffer, and the capturing thread frees that buffer before ending the capture:
+    the free is held until the capture's graph is recorded, then the memory is freed once and B's new graph (which
+    recorded the address) is reset, so it never replays on freed memory. Before, the free was refused with a typed
+    error."""
+    a, b = _capture_pair()
+    device = a.provider.cuda_device().shared
+    source, target = a.allocate(256, 256), b.allocate(256, 256)
+    a.provider.fill(source, 3)
+    frees, base, target_base = device.frees, source.provider_state, target.provider_state
+    token = _begin(b)
+    b.hook.copy_device_to_device(src=source, src_offset=0, dst=target, dst_offset=0, nbytes=256)
+    a.deallocate(source)  # held: the capture recorded its address
+    assert device.frees == frees and base in device._live  # noqa: SLF001
+    b.hook.end_owned_device_graph_capture(token=token)
+    assert device.frees == frees + 1 and base not in device._live  # noqa: SLF001
+    assert not b.hook.has_owned_device_graph(token=token)
+    with pytest.raises(InvalidArgumentError, match="does not name an installed graph"):
+        b.hook.replay_owned_device_graph(token=token)
+    b.deallocate(target)
+    a.sync()
+    b.sync()
+    if SIMULATED:
+        live = cu.live_allocations()
+        assert base not in live and target_base not in live
+    assert device.allocations - device.frees == len(device._live)  # noqa: SLF001 - every free counted once
+    a.shutdown()
+    b.shutdown()
+
+
+def test_a_free_from_another_thread_during_a_capture_is_held_until_it_ends():
+    """Thread 1 captures B reading A's buffer; thread 2 frees the buffer meanwhile: the free returns at once, the
+    memory stays until thread 1 ends its capture, which then frees it once and resets the graph. A capture that
+    did not reach the buffer would not hold it (checked with a second buffer, freed at once). Before, thread 2's
+    free was refused."""
+    a, b = _capture_pair()
+    device = a.provider.cuda_device().shared
+    source, other, target = a.allocate(256, 256), a.allocate(256, 256), b.allocate(256, 256)
+    a.provider.fill(source, 6)
+    frees, base = device.frees, source.provider_state
+    capturing, freed = threading.Event(), threading.Event()
+    tokens = []
+
+    def capture() -> None:
+        token = _begin(b)
+        b.hook.copy_device_to_device(src=source, src_offset=0, dst=target, dst_offset=0, nbytes=256)
+        capturing.set()
+        assert freed.wait(10)
+        b.hook.end_owned_device_graph_capture(token=token)
+        tokens.append(token)
+
+    worker = threading.Thread(target=capture)
+    worker.start()
+    assert capturing.wait(10)
+    try:
+        _free_during(a, device, source, other, base)
+    finally:
+        freed.set()
+        worker.join(10)
+    assert device.frees == frees + 2 and base not in device._live  # noqa: SLF001
+    assert tokens and not b.hook.has_owned_device_graph(token=tokens[0])
+    b.deallocate(target)
+    assert device.allocations - device.frees == len(device._live)  # noqa: SLF001 - every free counted once
+    a.shutdown()
+    b.shutdown()
+
+
+def _free_during(a, device, source, other, base) -> None:
+    """On this thread, while another captures: ``other`` is freed at once, ``source`` (captured) is held."""
+    frees = device.frees
+    a.deallocate(other)
+    assert device.frees == frees + 1
+    a.deallocate(source)
+    assert device.frees == frees + 1 and base in device._live  # noqa: SLF001
+
+
+def test_a_session_run_survives_a_free_deferred_by_another_sessions_capture():
+    """End to end: B (capturing) reads A's output in place; A frees that output while nothing captures, which resets
+    B's graph; the next runs on a new output capture afresh and replay, with right results throughout."""
+    model_a, w = producer()
+    a, b = session(model_a), session(consumer(), capture=True)
+    for step in range(3):
+        (h,) = a.run(None, {"x": _feed(step)})
+        produced = ort.Tensor.from_numpy(h, provider=a.provider_handle("CUDAExecutionProvider"))
+        for _ in range(3):
+            z = _consume(b, produced)
+            np.testing.assert_allclose(z.numpy(), np.tanh(h.astype(np.float64) + BIAS), rtol=1e-5, atol=1e-6)
+            z.close()
+        produced.close()
+    assert b.device_graph_status() == "replaying"
