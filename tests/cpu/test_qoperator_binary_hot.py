@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 from onnx_runtime.errors import InvalidArgumentError
 from onnx_runtime.ir import Node
-from onnx_runtime_ep_cpu.ops.contrib_quantization import qlinear_add, qlinear_mul
+from onnx_runtime_ep_cpu.ops.contrib_qlinear_binary import qlinear_add, qlinear_mul
 
 _NAMES = ["A", "A_scale", "A_zero_point", "B", "B_scale", "B_zero_point", "C_scale", "C_zero_point"]
 

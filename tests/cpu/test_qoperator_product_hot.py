@@ -11,7 +11,7 @@ import pytest
 from onnx import helper, numpy_helper
 from onnx_runtime.errors import InvalidArgumentError
 from onnx_runtime.ir import Node
-from onnx_runtime_ep_cpu.ops.contrib_quantization import qgemm
+from onnx_runtime_ep_cpu.ops.contrib_qlinear_gemm import qgemm
 from onnx_runtime_ep_cpu.ops.qdq_linear import qlinear_matmul
 
 _GEMM = ["A", "a_scale", "a_zero_point", "B", "b_scale", "b_zero_point", "C", "y_scale", "y_zero_point"]
@@ -192,7 +192,7 @@ _ADD = _MATMUL + ["bias", "bias_scale", "bias_zero", "x_scale", "x_zero", "c_sca
 def test_qlinear_matmul_add_repeat_calls_equal_the_two_kernels():
     """The fused product + bias row repeated (the kept arguments) gives the two nodes' codes each call, and a fed
     bias changed in place between calls is read."""
-    from onnx_runtime_ep_cpu.ops.contrib_quantization import qlinear_add
+    from onnx_runtime_ep_cpu.ops.contrib_qlinear_binary import qlinear_add
     from onnx_runtime_ep_cpu.ops.qdq_linear import qlinear_matmul_add
 
     fused = qlinear_matmul_add(Node("QLinearMatMulAdd", _ADD, ["Y"], name="mma", domain="ai.onnx_runtime.cpu",

@@ -175,7 +175,7 @@ BROADCASTS = [((2, 3, 4), (2, 3, 4)), ((2, 3, 4), (4,)), ((1, 4), (3, 4)), ((2, 
 def test_qlinear_binary_exact(a_shape, b_shape, op, dtype):
     """The compiled pass (and the numpy path it leaves column broadcasts to) against the float64 formula."""
     from onnx_runtime.ir import Node
-    from onnx_runtime_ep_cpu.ops.contrib_quantization import qlinear_add, qlinear_mul
+    from onnx_runtime_ep_cpu.ops.contrib_qlinear_binary import qlinear_add, qlinear_mul
 
     rng = np.random.default_rng(len(a_shape) * 10 + len(b_shape))
     a, b = operand(rng, a_shape, dtype), operand(rng, b_shape, dtype)

@@ -1,6 +1,7 @@
-"""The com.microsoft quantized operators (ops/contrib_quantization.py, ops/contrib_qattention.py) against
-onnxruntime's CPU provider: integer outputs exactly, or within 1 where the spec leaves a requantization's float
-rounding to the implementation (said per test); float outputs within a bound set by the quantization step."""
+"""The com.microsoft quantized operators (ops/contrib_quantization.py, contrib_qlinear_*.py,
+contrib_integer_matmul.py and contrib_qattention.py) against onnxruntime's CPU provider: integer outputs
+exactly, or within 1 where the spec leaves a requantization's float rounding to the implementation (said per
+test); float outputs within a bound set by the quantization step."""
 
 from __future__ import annotations
 

@@ -18,13 +18,15 @@ FAMILIES = {
         "com.microsoft:SkipLayerNormalization com.microsoft:SkipSimplifiedLayerNormalization"
     ),
     "contrib_qattention": "com.microsoft:QAttention com.microsoft:QEmbedLayerNormalization",
-    "contrib_quantization": (
-        "com.microsoft:DequantizeLinear com.microsoft:DynamicQuantizeMatMul "
-        "com.microsoft:MatMulIntegerToFloat com.microsoft:QGemm com.microsoft:QLinearAdd "
-        "com.microsoft:QLinearAveragePool com.microsoft:QLinearConcat com.microsoft:QLinearGlobalAveragePool "
-        "com.microsoft:QLinearLeakyRelu com.microsoft:QLinearMul com.microsoft:QLinearSigmoid "
-        "com.microsoft:QLinearSoftmax com.microsoft:QLinearWhere com.microsoft:QuantizeLinear"
+    "contrib_integer_matmul": "com.microsoft:DynamicQuantizeMatMul com.microsoft:MatMulIntegerToFloat",
+    "contrib_qlinear_activation": (
+        "com.microsoft:QLinearLeakyRelu com.microsoft:QLinearSigmoid com.microsoft:QLinearSoftmax"
     ),
+    "contrib_qlinear_binary": "com.microsoft:QLinearAdd com.microsoft:QLinearMul",
+    "contrib_qlinear_concat": "com.microsoft:QLinearConcat com.microsoft:QLinearWhere",
+    "contrib_qlinear_gemm": "com.microsoft:QGemm",
+    "contrib_qlinear_pool": "com.microsoft:QLinearAveragePool com.microsoft:QLinearGlobalAveragePool",
+    "contrib_quantization": "com.microsoft:DequantizeLinear com.microsoft:QuantizeLinear",
     "contrib_transformer": (
         "com.microsoft:Attention com.microsoft:GroupQueryAttention com.microsoft:MultiHeadAttention "
         "com.microsoft:RotaryEmbedding ai.onnx_runtime.cpu:ContribAttentionMask "

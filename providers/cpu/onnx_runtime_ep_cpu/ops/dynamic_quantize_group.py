@@ -12,7 +12,7 @@ from ..algorithms.quantize import IntegerProduct
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
-from .contrib_quantization import WeightSide, dynamic_quantize_matmul
+from .contrib_integer_matmul import WeightSide, dynamic_quantize_matmul
 
 _F32 = np.dtype(np.float32)
 SLOTS = 4  # each member's inputs after A: B, b_scale, b_zero_point, bias ("" where absent)

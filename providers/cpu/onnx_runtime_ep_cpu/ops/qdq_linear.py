@@ -335,7 +335,7 @@ def qlinear_matmul_add(node, shapes, opset):
     bias was the Add's A. Anything the pass does not take (other types, a stacked B, a bias that is not a row)
     runs the two kernels in turn, which also give the errors."""
     from ..compiled import qgemm
-    from .contrib_quantization import qlinear_add
+    from .contrib_qlinear_binary import qlinear_add
 
     matmul, add = qlinear_matmul(node, shapes, opset), qlinear_add(node, shapes, opset)
     bias_first = bool(node.attr("bias_first", 0))

@@ -1,0 +1,99 @@
+"""QLinearConcat and QLinearWhere (domain com.microsoft, docs/ContribOperators.md): each input requantized to
+the output's scale and zero point (dequantized, then quantized as QuantizeLinear does), then joined."""
+
+from __future__ import annotations
+
+from operator import is_
+
+import numpy as np
+
+from ..algorithms.quantize import apply_table, dequantize, lookup_table, quantize
+from ..registry import register
+from ._common import CONTRIB_DOMAIN, argument_error, normalize_axis, required_attr
+from .contrib_quantization import eight_bit, float_scale, scalar
+
+# -- QLinearConcat ---------------------------------------------------------------------------------
+
+
+@register("QLinearConcat", domain=CONTRIB_DOMAIN, since=1)
+def qlinear_concat(node, shapes, opset):
+    axis = int(required_attr(node, "axis", "the axis to concatenate on"))
+    constant_parts: dict[int, tuple] = {}  # a constant part (a class token) requantized once: (inputs, codes)
+    tables: dict[int, tuple] = {}  # per part, its constant parameters and their 256-code table (or None: same grid)
+
+    def part(i, triple, dtype, scale, zero, y_params):
+        seen = constant_parts.get(i)
+        if seen is not None and all(map(is_, seen[0], triple + y_params)):
+            return seen[1]
+        params = triple[1:] + y_params
+        known = tables.get(i)
+        if known is not None and all(map(is_, known[0], params)) and triple[0].dtype == dtype:
+            codes = triple[0] if known[1] is None else apply_table(known[1], triple[0])
+        else:
+            codes = _requantized(node, i // 3, triple, dtype, scale, zero)
+            if not any(v is not None and v.flags.writeable for v in params):
+                # a code's requantized value depends on the code only: one table for every later call
+                same = codes is triple[0]
+                tables[i] = (params, None if same else _requantize_table(triple, dtype, scale, zero))
+        if not any(v is not None and v.flags.writeable for v in triple + y_params):
+            constant_parts[i] = (triple + y_params, codes)
+        return codes
+
+    def kernel(y_scale, y_zero_point, *triples):
+        dtype = eight_bit(node, "Y_zero_point", y_zero_point)
+        scale, zero = float_scale(node, "Y_scale", y_scale), scalar(node, "Y_zero_point", y_zero_point)
+        if not triples or len(triples) % 3:
+            raise argument_error(node, f"has {len(triples)} inputs after Y_scale and Y_zero_point; expected "
+                                 "(tensor, scale, zero point) triples")
+        parts = [part(i, triples[i:i + 3], dtype, scale, zero, (y_scale, y_zero_point))
+                 for i in range(0, len(triples), 3)]
+        a = normalize_axis(node, axis, parts[0].ndim)
+        _check_concat_shapes(node, parts, a)
+        return (np.concatenate(parts, axis=a),)
+
+    return kernel
+
+
+def _requantize_table(triple, dtype, y_scale, y_zero) -> np.ndarray:
+    """_requantized's codes for every 8-bit code: the same dequantize and quantize, element by element."""
+    x_zero = np.zeros((), dtype) if triple[2] is None else triple[2].reshape(())
+    return lookup_table(dtype, triple[1].reshape(()), x_zero, lambda values: values, y_scale, y_zero)
+
+
+def _requantized(node, index, triple, dtype, y_scale, y_zero):
+    x, x_scale, x_zero_point = triple
+    if x.dtype != dtype:
+        raise argument_error(node, f"tensor {index} is {x.dtype}; expected {dtype} like Y_zero_point")
+    x_scale = float_scale(node, f"scale {index}", x_scale)
+    x_zero = scalar(node, f"zero point {index}", x_zero_point, dtype)
+    x_zero = np.zeros((), dtype) if x_zero is None else x_zero
+    if x_scale == y_scale and x_zero == y_zero:
+        return x
+    return quantize(dequantize(x, x_scale, x_zero), y_scale, y_zero, dtype)
+
+
+@register("QLinearWhere", domain=CONTRIB_DOMAIN, since=1)
+def qlinear_where(node, shapes, opset):
+    """Z = Where(condition, X, Y) on the real values: X and Y requantized to Z's parameters, as in QLinearConcat."""
+
+    def kernel(condition, x, x_scale, x_zero_point, y, y_scale, y_zero_point, z_scale, z_zero_point):
+        if condition.dtype != np.bool_:
+            raise argument_error(node, f"input 'condition' is {condition.dtype}; expected bool")
+        dtype = eight_bit(node, "z_zero_point", z_zero_point)
+        scale, zero = float_scale(node, "z_scale", z_scale), scalar(node, "z_zero_point", z_zero_point)
+        a = _requantized(node, 0, (x, x_scale, x_zero_point), dtype, scale, zero)
+        b = _requantized(node, 1, (y, y_scale, y_zero_point), dtype, scale, zero)
+        try:
+            return (np.where(condition, a, b),)
+        except ValueError:
+            raise argument_error(node, f"condition {condition.shape}, X {x.shape} and Y {y.shape} do not "
+                                 "broadcast") from None
+
+    return kernel
+
+
+def _check_concat_shapes(node, parts, axis):
+    first = parts[0].shape
+    for i, p in enumerate(parts[1:], 1):
+        if p.ndim != len(first) or any(d != e for j, (d, e) in enumerate(zip(p.shape, first)) if j != axis):
+            raise argument_error(node, f"tensor {i} has shape {p.shape}; expected {first} outside axis {axis}")
