@@ -122,6 +122,31 @@ def test_a_staged_read_takes_a_free_block_instead_of_waiting_for_another_lane(de
     b.deallocate(theirs)
 
 
+@only_simulated
+@pytest.mark.parametrize("blocks", [1.5, 5.25], ids=["within-the-ring", "past-the-ring"])
+def test_a_large_async_download_is_staged_and_returns_before_the_copy_ran(deferred, handles, blocks):
+    """copy_async into a host array larger than a staging block goes through pinned blocks, a chunk each: it returns
+    with the copy (past a whole ring, its last chunks) still queued on the lane's transfer stream, and the array
+    holds the bytes after the lane's sync. Before, a download larger than a block went to pageable memory, which a
+    GPU copies synchronously (the simulator ran the stream at once)."""
+    a = handles[0]
+    lane = a.provider.cuda_device()
+    block = lane.shared.staging.block_bytes
+    count = int(blocks * block) // 4 + 3
+    source = np.arange(count, dtype=np.float32)
+    buffer = a.allocate(source.nbytes, 256)
+    a.copy_from_host(source.view(np.uint8), buffer)
+    lane.sync()
+    out = np.zeros(count, np.float32)
+    lane.copy_async(out.view(np.uint8), buffer.ptr, out.nbytes)
+    (status,) = cu.cuStreamQuery(lane.transfer)
+    assert status == cu.CUresult.CUDA_ERROR_NOT_READY  # past the ring: its last chunks are still queued
+    a.sync()
+    np.testing.assert_array_equal(out, source)
+    assert lane.shared.staging.allocated <= 4
+    a.deallocate(buffer)
+
+
 # -- borrowed memory --------------------------------------------------------------------------------------------
 @only_simulated
 def test_ending_a_borrow_waits_for_the_lanes_that_read_it(deferred):

@@ -390,11 +390,11 @@ class CudaDevice(AccessOrdering):
     def copy_async(self, dst: int | np.ndarray, src: int | np.ndarray, nbytes: int, lane=None) -> Fence:
         """Enqueue a copy on the lane's transfer stream and return its fence.
 
-        ``dst``/``src`` are device addresses or uint8 host arrays. A host source goes through a pinned staging
-        block, so it may be reused at once and the copy is really asynchronous. A host destination of up to a
-        staging block also does: it holds the bytes after the next :meth:`sync` (the host-visible point);
-        a larger one is written by the driver (pageable memory: synchronously on a GPU) and must stay alive
-        until then. A zero-byte copy needs no event and returns the signalled fence.
+        ``dst``/``src`` are device addresses or uint8 host arrays. A host source goes through pinned staging
+        blocks, so it may be reused at once and the copy is really asynchronous. A host destination does too, a
+        block per chunk: it holds the bytes after the next :meth:`sync` (the host-visible point) and must stay
+        alive until then; past a whole ring of blocks the host waits for the earliest chunks. A zero-byte copy
+        needs no event and returns the signalled fence.
         """
         if not nbytes:
             return SIGNALLED
@@ -407,14 +407,11 @@ class CudaDevice(AccessOrdering):
                 self._transfer_waits_for_compute(lane)
             if isinstance(src, np.ndarray):
                 self.staging.upload(dst, src[:nbytes], transfer)
-            elif isinstance(dst, np.ndarray) and nbytes <= self.staging.block_bytes:
+            elif isinstance(dst, np.ndarray):
                 self.staging.download_async(dst[:nbytes], src, transfer)
             else:
-                if isinstance(dst, np.ndarray):
-                    result, call = d.cuMemcpyDtoHAsync(dst.ctypes.data, src, nbytes, transfer), "cuMemcpyDtoHAsync"
-                else:
-                    result, call = d.cuMemcpyDtoDAsync(dst, src, nbytes, transfer), "cuMemcpyDtoDAsync"
-                self._check(result, f"{call}({nbytes} B, transfer stream)")
+                self._check(d.cuMemcpyDtoDAsync(dst, src, nbytes, transfer), f"cuMemcpyDtoDAsync({nbytes} B, transfer "
+                            f"stream)")
             lane.transfer_since_join = True
             return self._record(transfer, "transfer", lane)
 

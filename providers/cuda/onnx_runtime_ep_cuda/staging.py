@@ -219,19 +219,21 @@ class PinnedStaging:
                 block.held.release()
 
     def download_async(self, dst: np.ndarray, src: int, stream) -> None:
-        """Enqueue device bytes at ``src`` into host array ``dst`` (uint8, at most one block) through a pinned
-        block; ``dst`` holds them after :meth:`deliver` (``CudaDevice.sync`` calls it)."""
-        if dst.size > BLOCK_BYTES:
-            raise ProviderError(f"CUDAExecutionProvider: a staged download holds at most {BLOCK_BYTES} bytes")
-        block = self._block()
-        try:
-            result = self.device.driver.cuMemcpyDtoHAsync(block.address, src, dst.size, stream)
-            if int(result[0]):
-                self._check(result, f"cuMemcpyDtoHAsync({dst.size} B, pinned)")
-            self._recorded(block, stream)
-            block.pending = dst
-        finally:
-            block.held.release()
+        """Enqueue device bytes at ``src`` into host array ``dst`` (uint8) through pinned blocks, a block per chunk;
+        ``dst`` holds them after :meth:`deliver` (``CudaDevice.sync`` calls it). Past a whole ring the host waits
+        for the earliest chunks' copies (and delivers them) as their blocks are reused."""
+        d = self.device.driver
+        for offset in range(0, dst.size, BLOCK_BYTES):
+            chunk = dst[offset: offset + BLOCK_BYTES]
+            block = self._block()
+            try:
+                result = d.cuMemcpyDtoHAsync(block.address, src + offset, chunk.size, stream)
+                if int(result[0]):
+                    self._check(result, f"cuMemcpyDtoHAsync({chunk.size} B, pinned)")
+                self._recorded(block, stream)
+                block.pending = chunk
+            finally:
+                block.held.release()
 
     def download(self, dst: np.ndarray, src: int, stream) -> None:
         """Copy device bytes at ``src`` into host array ``dst`` (uint8) and wait for them."""
