@@ -299,6 +299,51 @@ def _free_during(a, device, source, other, base) -> None:
     assert device.frees == frees + 1 and base in device._live  # noqa: SLF001
 
 
+def test_ending_a_borrow_a_capture_reached_waits_for_the_end_of_the_capture(handles):
+    """B's capture copies from memory A borrowed; A's binding is released meanwhile (the borrow returned): the loan
+    is forgotten and B's new graph reset once the capture's graph is recorded. Before, the return was refused with
+    a typed error (a DeviceIoBinding's release quarantined its memory with a warning)."""
+    a, b = handles[:2]
+    device = a.provider.cuda_device().shared
+    memory = RawMemory(device, 256)
+    lent = ort.DeviceBuffer(a.device_id, 256, 256, memory.ptr, ort.Ownership.BORROWED_MUT)
+    a.hook.borrow_device_memory(buffer=lent)
+    a.provider.fill(lent, 7)
+    target = b.allocate(256, 256)
+    token = _begin(b)
+    b.hook.copy_device_to_device(src=lent, src_offset=64, dst=target, dst_offset=0, nbytes=128)
+    a.sync()
+    a.hook.return_device_memory(buffer=lent)
+    assert memory.ptr in device._lent  # noqa: SLF001 - held until the graph is recorded
+    b.hook.end_owned_device_graph_capture(token=token)
+    assert memory.ptr not in device._lent  # noqa: SLF001
+    assert not b.hook.has_owned_device_graph(token=token)
+    b.deallocate(target)
+    memory.close()
+
+
+def test_a_reserved_release_a_capture_reached_waits_for_the_end_of_the_capture(handles):
+    """B's capture copies from A's reserved (mapped-growth) allocation, and A releases it meanwhile: the unmap waits
+    for the capture's graph to be recorded, which it resets. Before, the release was refused with a typed error."""
+    from onnx_runtime_ep_cuda.vmm import MappedGrowthBuffer, granularity
+
+    a, b = handles[:2]
+    size = 4 * granularity(a.provider.cuda_device())
+    reserved = a.hook.allocate_committed(size=size, alignment=256, committed_ranges=[(0, 256)])
+    growth = reserved.provider_state
+    assert isinstance(growth, MappedGrowthBuffer)
+    a.provider.fill(reserved, 5, 0, 256)
+    target = b.allocate(256, 256)
+    token = _begin(b)
+    b.hook.copy_device_to_device(src=reserved, src_offset=0, dst=target, dst_offset=0, nbytes=256)
+    a.deallocate(reserved)
+    assert not growth._closed  # noqa: SLF001 - still mapped: the capture recorded its address
+    b.hook.end_owned_device_graph_capture(token=token)
+    assert growth._closed  # noqa: SLF001
+    assert not b.hook.has_owned_device_graph(token=token)
+    b.deallocate(target)
+
+
 def test_a_session_run_survives_a_free_deferred_by_another_sessions_capture():
     """End to end: B (capturing) reads A's output in place; A frees that output while nothing captures, which resets
     B's graph; the next runs on a new output capture afresh and replay, with right results throughout."""

@@ -20,8 +20,9 @@ and every buffer a hook reached inside it: a bound output's copy, a decode step'
 replay orders them again on its own (event waits, no host synchronization) and the lanes that read or write them
 later wait for the replay. Freeing such memory, or ending its borrow, while a graph of another lane that recorded
 it is installed resets that graph (its session captures afresh at its next run) instead of leaving it to replay on
-memory the pool may hand out again. A free of memory a capture in progress reached is deferred to the end of that
-capture (device.py), where it resets the graph just recorded; ending a borrow then is refused with a typed error.
+memory the pool may hand out again. Releasing memory a capture in progress reached (a free, the end of a borrow, a
+reserved release) is held until that capture's graph is recorded (:meth:`AccessOrdering.hold_for_capture`), then
+resets it.
 """
 
 from __future__ import annotations
@@ -84,16 +85,21 @@ class AccessOrdering:
         with self._lock:
             self._homes[key] = lane.compute
 
-    def forget_access(self, key: int) -> None:
+    def forget_access(self, key: int, then=None) -> None:
         """Drop what :meth:`order_access` remembers of memory released without :meth:`free` (a reserved allocation),
-        resetting the graphs of other lanes that recorded it."""
+        resetting the graphs of other lanes that recorded it, then call ``then`` (the release itself). While a
+        capture that reached the memory is open, both wait for its end (:meth:`hold_for_capture`)."""
         with self._lock:
             records = self._records_in(key, key + 1, self._homes.get(key, self.compute))
+        if self.hold_for_capture(records, lambda: self.forget_access(key, then)):
+            return
         self._reset_records(records, key, "its release")
         with self._lock:
             self._marks.pop(key, None)
             self._homes.pop(key, None)
             self._loose.discard(key)
+        if then is not None:
+            then()
 
     # -- borrowed memory --------------------------------------------------------------------------------
     def lend(self, lane, start: int, nbytes: int) -> None:
@@ -124,8 +130,10 @@ class AccessOrdering:
             home = self._homes.get(start, self.compute)
             records = self._records_in(start, loan[0], home)
             touched = self._touching(start, loan[0], home)
-        self._reset_records(records, start, "the end of its borrow")  # raises, the loan kept, while one captures
         self._host_wait(touched)  # the caller may reuse the memory once this returns: no lane may still use it
+        if self.hold_for_capture(records, lambda: self.end_loan(start)):
+            return  # a capture reached it: its graph is reset, and the loan forgotten, once it is recorded
+        self._reset_records(records, start, "the end of its borrow")
         with self._lock:
             end, _count = self._lent.pop(start)
             self._homes.pop(start, None)
@@ -258,6 +266,22 @@ class AccessOrdering:
                     start <= k < end for k in (*lane.captured_reads, *lane.captured_writes)):
                 found[id(lane)] = (None, lane)
         return list(found.values())
+
+    def hold_for_capture(self, records: list[tuple], release) -> bool | None:
+        """Queue ``release`` on a lane among ``records`` whose capture reached the memory and is still open (in
+        progress, or ended with its graph not yet recorded): it runs once that graph is recorded or discarded
+        (``CudaDevice.settle_capture``), when the graph is there to reset. True when queued; None when no capture
+        is among the records; False when those captures closed meanwhile (their graphs are records now)."""
+        capturing = [lane for graphs, lane in records if graphs is None] + [
+            graphs.device for graphs, token in records if graphs is not None and graphs.capturing(token)]
+        if not capturing:
+            return None
+        with self._order_lock:
+            lane = next((each for each in capturing if each.capture_open), None)
+            if lane is None:
+                return False
+            lane.releases_after_record.append(release)
+            return True
 
     def _reset_records(self, records: list[tuple], start: int, why: str) -> None:
         for graphs, token in records:

@@ -276,16 +276,12 @@ class CudaDevice(AccessOrdering):
                 records = self._records_in(base, base + nbytes, home) if nbytes is not None else []
             if not records:
                 break
-            capturing = [lane for graphs, lane in records if graphs is None] + [
-                graphs.device for graphs, token in records if graphs is not None and graphs.capturing(token)]
-            if not capturing or attempt == 2:  # another lane's graph recorded this memory: reset it first
+            held = self.hold_for_capture(records, lambda: self.free(base, stream))
+            if held:
+                return
+            if held is None or attempt == 2:  # another lane's graph recorded this memory: reset it first
                 self._reset_records(records, base, "a free")
                 break
-            with self._order_lock:
-                open_lane = next((lane for lane in capturing if lane.capture_open), None)
-                if open_lane is not None:
-                    open_lane.frees_after_record.append((base, stream))
-                    return
             # That capture was recorded meanwhile: its graph is among the records now.
         with self._lock:
             nbytes = self._live.pop(base, None)
@@ -631,20 +627,21 @@ class CudaDevice(AccessOrdering):
                 lane.gate.release()
 
     def settle_capture(self, lane=None) -> None:
-        """After the lane's capture ended and its graph was recorded (or discarded): free the memory it reached that
-        a thread freed meanwhile, each allocation once, resetting the graphs that recorded it (graphs.py calls
-        this). Nothing while the capture is still in progress."""
+        """After the lane's capture ended and its graph was recorded (or discarded): release the memory it reached
+        that a thread released meanwhile (frees, ends of borrows, reserved releases; access.hold_for_capture), each
+        once, resetting the graphs that recorded it (graphs.py calls this). Nothing while the capture is in
+        progress."""
         lane = self.default_lane if lane is None else lane
         with self._order_lock:
             if lane.capture_thread is not None or not lane.capture_open:
                 return
             lane.capture_open = False
-            frees, lane.frees_after_record = lane.frees_after_record, []
+            releases, lane.releases_after_record = lane.releases_after_record, []
         failure = None
-        for base, stream in frees:
+        for release in releases:
             try:
-                self.free(base, stream)
-            except OnnxRuntimeError as error:  # the others are still freed; the first failure is reported
+                release()
+            except OnnxRuntimeError as error:  # the others are still released; the first failure is reported
                 failure = failure or error
         if failure is not None:
             raise failure

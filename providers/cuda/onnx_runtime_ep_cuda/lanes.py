@@ -55,10 +55,10 @@ class Lane:
         self.allocated_since_join = False
         self.transfer_since_join = False
         self.capture_thread: int | None = None
-        # From begin_capture until the capture's graph is recorded or discarded (CudaDevice.settle_capture): frees
-        # of memory the capture reached wait for that point, in frees_after_record as (base, stream).
+        # From begin_capture until the capture's graph is recorded or discarded (CudaDevice.settle_capture): releases
+        # of memory the capture reached (frees, ends of borrows, reserved releases) wait for that point.
         self.capture_open = False
-        self.frees_after_record: list[tuple] = []
+        self.releases_after_record: list = []
         self.captured_bases: set[int] = set()  # allocated during the capture: the graph's own memory
         self.frees_after_capture: list[tuple] = []  # (base, nbytes, stream, home)
         self.precapture = None  # an event recorded on compute just before the capture in progress began

@@ -83,6 +83,5 @@ class ReservedAllocations:
             return False
         lane = self.cuda_device()
         lane.shared.wait_for_users(lane, id(reserved))  # no queued work of a lane that touched it may still run
-        lane.forget_access(id(reserved))
-        reserved.close()
+        lane.forget_access(id(reserved), reserved.close)  # after a capture that reached it, when one is open
         return True
