@@ -6,9 +6,10 @@
 Each model streams the same frames the way silero-vad's OnnxWrapper does at 16 kHz: a (1, 576) window (64
 samples of context and a 512-sample frame), the (2, 1, 128) state returned by the previous frame, and sr. The
 frames alternate between the two runtimes in blocks (interleaved rounds), CPU time of this thread, medians per
-frame in microseconds. The model files come from the silero-vad wheel in the zoo's venv (scripts/build_zoo.sh),
-or --data. The load average is printed beside the numbers. ``--busy N`` measures again beside N CPU-bound processes
-that the script starts (zoo_bench's competitors): a streaming model shares its host in deployment.
+frame in microseconds and the median of the rounds' ratios. The model files come from the silero-vad wheel in the
+zoo's venv (scripts/build_zoo.sh), or --data. The load average is printed beside the numbers. ``--busy N`` measures
+again beside N CPU-bound processes that the script starts (zoo_bench's competitors): a streaming model shares its
+host in deployment.
 """
 
 from __future__ import annotations
@@ -93,22 +94,25 @@ def main() -> int:
         with competitors:
             print(f"{condition}: {'model':21s} {'ours us':>9s} {'ort us':>8s} {'ratio':>6s} {'max |dp|':>9s}")
             for name, ours, theirs in pairs:
-                a, b, diff = compare(ours, theirs, windows, args.rounds)
-                print(f"{condition}: {name:21s} {a:9.1f} {b:8.1f} {a / b:6.2f} {diff:9.2e}", flush=True)
+                a, b, ratio, diff = compare(ours, theirs, windows, args.rounds)
+                print(f"{condition}: {name:21s} {a:9.1f} {b:8.1f} {ratio:6.2f} {diff:9.2e}", flush=True)
     print(f"load {os.getloadavg()[0]:.2f}")
     return 0
 
 
-def compare(ours, theirs, windows: np.ndarray, rounds: int) -> tuple[float, float, float]:
-    """Median microseconds per frame of each runtime (rounds alternating) and their largest probability gap."""
-    mine, other, diff = [], [], 0.0
+def compare(ours, theirs, windows: np.ndarray, rounds: int) -> tuple[float, float, float, float]:
+    """Median microseconds per frame of each runtime (rounds alternating), the median of the rounds' ratios (each
+    round's two blocks ran next to each other, so a shared host's load moves both) and their largest probability
+    gap."""
+    mine, other, ratios, diff = [], [], [], 0.0
     for _ in range(rounds):
         t_ours, p_ours = stream(ours, windows)
         t_ort, p_ort = stream(theirs, windows)
         mine.append(statistics.median(t_ours))
         other.append(statistics.median(t_ort))
+        ratios.append(mine[-1] / other[-1])
         diff = max(diff, float(np.max(np.abs(p_ours - p_ort))))
-    return statistics.median(mine) * 1e6, statistics.median(other) * 1e6, diff
+    return statistics.median(mine) * 1e6, statistics.median(other) * 1e6, statistics.median(ratios), diff
 
 
 if __name__ == "__main__":

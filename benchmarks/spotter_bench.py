@@ -6,10 +6,11 @@
 
 Each model (both exports) is called once per frame with the recurrent state the previous frame returned (an output
 ``X_out`` feeds input ``X``), the way a streaming deployment runs a keyword spotter or a character model's decode.
-Frames alternate between the two runtimes in blocks (interleaved rounds), CPU time of this thread, median per frame
-in microseconds; the largest gap between the two runtimes' first outputs is printed beside. ``--busy N`` measures
-again beside N CPU-bound processes the script starts (zoo_bench's competitors). ``--profile`` prints, per operator
-type, the median time of each node per frame from each runtime's own Chrome trace (wall time, whole microseconds).
+Frames alternate between the two runtimes in blocks (interleaved rounds), CPU time of this thread: the median per
+frame in microseconds, and the median of the rounds' ratios; the largest gap between the two runtimes' first
+outputs is printed beside. ``--busy N`` measures again beside N CPU-bound processes the script starts (zoo_bench's
+competitors). ``--profile`` prints, per operator type, the median time of each node per frame from each runtime's
+own Chrome trace (wall time, whole microseconds).
 """
 
 from __future__ import annotations
@@ -84,16 +85,19 @@ def stream(session, feeds: list[dict]) -> tuple[list[float], np.ndarray]:
     return times, np.stack(firsts)
 
 
-def compare(ours, theirs, feeds: list[dict], rounds: int) -> tuple[float, float, float]:
-    """Median microseconds per frame of each runtime (rounds alternating) and their largest first-output gap."""
-    mine, other, diff = [], [], 0.0
+def compare(ours, theirs, feeds: list[dict], rounds: int) -> tuple[float, float, float, float]:
+    """Median microseconds per frame of each runtime (rounds alternating), the median of the rounds' ratios (each
+    round's two blocks ran next to each other, so a shared host's load moves both) and the largest first-output
+    gap."""
+    mine, other, ratios, diff = [], [], [], 0.0
     for _ in range(rounds):
         t_ours, o_ours = stream(ours, feeds)
         t_ort, o_ort = stream(theirs, feeds)
         mine.append(statistics.median(t_ours))
         other.append(statistics.median(t_ort))
+        ratios.append(mine[-1] / other[-1])
         diff = max(diff, float(np.max(np.abs(o_ours - o_ort))))
-    return statistics.median(mine) * 1e6, statistics.median(other) * 1e6, diff
+    return statistics.median(mine) * 1e6, statistics.median(other) * 1e6, statistics.median(ratios), diff
 
 
 def _one_thread(options):
@@ -174,8 +178,8 @@ def main() -> int:
         with competitors:
             print(f"{condition}: {'model':22s} {'ours us':>9s} {'ort us':>8s} {'ratio':>6s} {'max |d|':>9s}")
             for name, ours, theirs, feeds in pairs:
-                a, b, diff = compare(ours, theirs, feeds, args.rounds)
-                print(f"{condition}: {name:22s} {a:9.1f} {b:8.1f} {a / b:6.2f} {diff:9.2e}", flush=True)
+                a, b, ratio, diff = compare(ours, theirs, feeds, args.rounds)
+                print(f"{condition}: {name:22s} {a:9.1f} {b:8.1f} {ratio:6.2f} {diff:9.2e}", flush=True)
     print(f"load {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -8,7 +8,7 @@
 
 A streaming model (silero-vad's op18 export) runs these thirteen nodes per frame; the fused step is one call of the
 compiled LSTM loop (ops/recurrent.py's kernel). The weights are reordered once, here, to that loop's gate order
-(i, o, f, c) and the two biases summed.
+(i, o, f, c) and layout (transposed), and the two biases summed.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _oriented(x: str, h: str, x_parts: tuple, h_parts: tuple) -> tuple[str, str,
 
 
 def _cell_weights(x_parts: tuple, h_parts: tuple) -> list[np.ndarray] | None:
-    """W, R and the summed bias in the compiled loop's gate order; None unless float32."""
+    """W^T (I, 4H), R^T (H, 4H) and the summed bias in the compiled loop's gate order; None unless float32."""
     (_, w_x, b_x), (_, w_h, b_h) = x_parts, h_parts
     dtype = np.result_type(w_x.dtype, w_h.dtype)
     if dtype != np.float32:
@@ -108,7 +108,8 @@ def _cell_weights(x_parts: tuple, h_parts: tuple) -> list[np.ndarray] | None:
     for b in (b_x, b_h):
         if b is not None:
             bias = bias + b.astype(dtype)
-    return [_gate_order(np.asarray(array, dtype), hidden) for array in (w_x, w_h, bias)]
+    w_x, w_h, bias = (_gate_order(np.asarray(array, dtype), hidden) for array in (w_x, w_h, bias))
+    return [np.ascontiguousarray(w_x.T), np.ascontiguousarray(w_h.T), bias]  # the loop reads W^T and R^T
 
 
 def fuse_lstm_cells(graph: Graph, owns=None) -> bool:

@@ -22,6 +22,7 @@ from ..registry import register
 from ._common import graph_error, quiet, shape_free
 
 _DIRECTIONS = ("forward", "reverse", "bidirectional")
+_FLOAT32 = np.dtype(np.float32)  # the loops' gates vectorize in float32 (compiled/gates.py)
 
 
 def _relu(x, alpha, beta):
@@ -329,11 +330,12 @@ _COMPILED_BATCH = 4
 
 
 def _lstm_weights(w, r, b, hidden: int, dtype) -> list:
-    """Per direction: W and R contiguous, and the two biases summed (Wb + Rb)."""
+    """Per direction: W^T and R^T contiguous (the loop's layout), and the two biases summed (Wb + Rb)."""
     weights = []
     for d in range(w.shape[0]):
         bias = np.zeros(4 * hidden, dtype) if b is None else b[d, : 4 * hidden] + b[d, 4 * hidden:]
-        weights.append((np.ascontiguousarray(w[d]), np.ascontiguousarray(r[d]), np.ascontiguousarray(bias, dtype)))
+        weights.append((np.ascontiguousarray(w[d].T, dtype), np.ascontiguousarray(r[d].T, dtype),
+                        np.ascontiguousarray(bias, dtype)))
     return weights
 
 
@@ -416,7 +418,8 @@ class _CompiledLSTM(_CompiledRecurrence):
         calls = []
         for d, (wd, rd, bias) in enumerate(weights):
             out = np.empty((seq, batch, hidden), dtype) if dirs > 1 else y.reshape(seq, batch, hidden)
-            calls.append((xs @ wd.T if projected else xs, wd, rd, bias, h[d], c[d], out, self.backward[d], projected))
+            calls.append((xs @ wd if projected else xs, wd, rd, bias, h[d], c[d], out, self.backward[d], projected,
+                          dtype is _FLOAT32))
         if not stepped(self, self.steps, calls):
             return None  # (h and c are this call's copies: numpy starts again from the states fed)
         for d, arguments in enumerate(calls if dirs > 1 else ()):
@@ -436,7 +439,8 @@ class _CompiledLSTM(_CompiledRecurrence):
         c = np.zeros(shape, dtype) if c0 is None else np.array(c0, dtype=dtype, order="C")
         seq = x.shape[0]
         y = np.empty((seq, 1, shape[1], shape[2]), dtype)
-        self.steps(x, wd, rd, bias, h[0], c[0], y.reshape(seq, shape[1], shape[2]), self.backward[0], False)
+        self.steps(x, wd, rd, bias, h[0], c[0], y.reshape(seq, shape[1], shape[2]), self.backward[0], False,
+                   dtype is _FLOAT32)
         return [y, h, c]
 
 
@@ -446,22 +450,22 @@ def _state_shape(s) -> tuple | None:
 
 @register("LSTMCell", domain=FUSED_DOMAIN, since=1)
 def lstm_cell(node, shapes, opset):
-    """recurrent_fusions' one LSTM step: inputs x (B, I), h (B, H), c (B, H) and the cell's float32 W (4H, I),
-    R (4H, H), bias (4H) in gate order i, o, f, c; outputs h', c' (B, H)."""
+    """recurrent_fusions' one LSTM step: inputs x (B, I), h (B, H), c (B, H) and the cell's float32 W^T (I, 4H),
+    R^T (H, 4H), bias (4H) in gate order i, o, f, c; outputs h', c' (B, H)."""
     from ..compiled.lstm import lstm_steps
 
     def kernel(x, h, c, w, r, bias):
-        hidden = r.shape[1]
-        if x.ndim != 2 or x.shape[1] != w.shape[1] or h.shape != (x.shape[0], hidden) or c.shape != h.shape:
+        hidden = r.shape[0]
+        if x.ndim != 2 or x.shape[1] != w.shape[0] or h.shape != (x.shape[0], hidden) or c.shape != h.shape:
             raise InvalidArgumentError(
                 f"node {node.name!r} (LSTMCell): x {x.shape}, h {h.shape} and c {c.shape} must be (batch, "
-                f"{w.shape[1]}), (batch, {hidden}) and (batch, {hidden}) for this cell's weights; feed the shapes the "
+                f"{w.shape[0]}), (batch, {hidden}) and (batch, {hidden}) for this cell's weights; feed the shapes the "
                 f"model's LSTM cell was exported with")
         h_new = np.array(h, np.float32, order="C")
         c_new = np.array(c, np.float32, order="C")
         xs = np.ascontiguousarray(x, np.float32).reshape(1, *x.shape)
         if stepped(state, lstm_steps, [(xs, w, r, bias, h_new, c_new, np.empty((1, *h.shape), np.float32), False,
-                                        False)]):
+                                        False, True)]):
             return [h_new, c_new]
         return _cell_by_numpy(x, h, c, w, r, bias)
 
@@ -475,8 +479,8 @@ class _Tried:
 
 def _cell_by_numpy(x, h, c, w, r, bias) -> list:
     """One LSTM step in float32 numpy, gate order i, o, f, c (the compiled loop's), for when it must not compile."""
-    pre = np.asarray(x, np.float32) @ w.T + np.asarray(h, np.float32) @ r.T + bias
-    hidden = r.shape[1]
+    pre = np.asarray(x, np.float32) @ w + np.asarray(h, np.float32) @ r + bias
+    hidden = r.shape[0]
     i, o, f = (sigmoid(pre[:, k * hidden:(k + 1) * hidden]) for k in range(3))
     c_new = f * c + i * np.tanh(pre[:, 3 * hidden:])
     return [(o * np.tanh(c_new)).astype(np.float32, copy=False), c_new.astype(np.float32, copy=False)]
@@ -510,7 +514,7 @@ class _CompiledGRU(_CompiledRecurrence):
         h = np.zeros(shape, x.dtype) if h0 is None else np.array(h0, dtype=x.dtype, order="C")
         y = np.empty((x.shape[0], 1, shape[1], shape[2]), x.dtype)
         self.steps(x, wd, rd, w_bias, r_bias, h[0], y.reshape(x.shape[0], shape[1], shape[2]), self.backward[0],
-                   False, self.linear_before_reset)
+                   False, self.linear_before_reset, x.dtype is _FLOAT32)
         return [y, h]
 
     def _checked(self, x, w, r, b, h0) -> list | None:
@@ -531,8 +535,8 @@ class _CompiledGRU(_CompiledRecurrence):
         calls = []
         for d, (wd, rd, w_bias, r_bias) in enumerate(self._weights(w, r, b, hidden, x.dtype)):
             out = np.empty((seq, batch, hidden), x.dtype) if dirs > 1 else y.reshape(seq, batch, hidden)
-            calls.append((xs @ wd.T if projected else xs, wd, rd, w_bias, r_bias, h[d], out, self.backward[d],
-                          projected, self.linear_before_reset))
+            calls.append((xs @ wd if projected else xs, wd, rd, w_bias, r_bias, h[d], out, self.backward[d],
+                          projected, self.linear_before_reset, x.dtype is _FLOAT32))
         if not stepped(self, self.steps, calls):
             return None
         for d, arguments in enumerate(calls if dirs > 1 else ()):
@@ -569,10 +573,10 @@ def _call(steps, arguments) -> bool:
 
 
 def _gru_weights(w, r, b, hidden: int, dtype) -> list:
-    """Per direction: W and R contiguous, Wb and Rb (zeros without B)."""
+    """Per direction: W^T and R^T contiguous (the loop's layout), Wb and Rb (zeros without B)."""
     weights = []
     for d in range(w.shape[0]):
         w_bias = np.zeros(3 * hidden, dtype) if b is None else np.ascontiguousarray(b[d, : 3 * hidden], dtype)
         r_bias = np.zeros(3 * hidden, dtype) if b is None else np.ascontiguousarray(b[d, 3 * hidden:], dtype)
-        weights.append((np.ascontiguousarray(w[d], dtype), np.ascontiguousarray(r[d], dtype), w_bias, r_bias))
+        weights.append((np.ascontiguousarray(w[d].T, dtype), np.ascontiguousarray(r[d].T, dtype), w_bias, r_bias))
     return weights
