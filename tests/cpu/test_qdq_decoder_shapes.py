@@ -24,7 +24,8 @@ from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
 
 ROOT = Path(__file__).resolve().parents[2]
 ZOO = ROOT / "benchmarks" / ".models" / "zoo"
-DECODERS = ("gpt2.torchscript", "gpt2.dynamo", "llama.torchscript", "llama.dynamo")
+DECODERS = ("gpt2.torchscript", "gpt2.dynamo", "llama.torchscript", "llama.dynamo", "t5_decoder.torchscript",
+            "t5_decoder.dynamo")
 # Operators that only compute shapes, positions or masks: none may run per call once the lengths are known.
 SHAPE_WORK = ("Shape", "Size", "Range", "ConstantOfShape")
 
@@ -157,9 +158,11 @@ def test_outputs_agree_with_onnxruntime_within_activation_codes(qdq_decoders, na
     for feed in feeds:
         for output, got, want in zip(code, ours.run(None, feed), theirs.run(None, feed)):
             assert got.shape == want.shape
-            # a present is one rounding from the fed values: one code; the logits sit past every layer's rounding,
-            # where a tie rounded the other way upstream moves them by a few codes
-            bound = (1.0 if output.startswith("present") else 8.0) * code[output] * (1 + 1e-5)
+            # the first layer's presents are one rounding from the fed values: one code; the logits (and t5's
+            # later presents, past its RMSNorm's roundings) sit past earlier layers' roundings, where a tie rounded
+            # the other way upstream moves them by a few codes
+            first = output.startswith("present") and (name.startswith(("gpt2", "llama")) or ".0." in output)
+            bound = (1.0 if first else 8.0) * code[output] * (1 + 1e-5)
             assert float(np.abs(got - want).max()) <= bound, (output, float(np.abs(got - want).max()) / code[output])
 
 
