@@ -147,6 +147,24 @@ def test_a_large_async_download_is_staged_and_returns_before_the_copy_ran(deferr
     a.deallocate(buffer)
 
 
+@only_simulated
+def test_too_many_live_fences_wait_for_the_lane_that_holds_them(deferred, handles):
+    """A lane records fences far ahead of its queued work: once the device holds over a thousand live events and
+    none has completed, it synchronizes the lane holding them, not every lane (B's queued work stays queued), and
+    the event count stays bounded. Before, it synchronized every lane of the device."""
+    a, b = handles[:2]
+    lane = a.provider.cuda_device()
+    mine, theirs = a.allocate(256, 256), b.allocate(256, 256)
+    b.provider.fill(theirs, 1)
+    a.provider.fill(mine, 2)
+    for _ in range(1100):
+        lane.record_compute_fence()
+    assert len(lane.shared._events) <= 1025  # noqa: SLF001
+    assert _queued(b)
+    a.deallocate(mine)
+    b.deallocate(theirs)
+
+
 # -- borrowed memory --------------------------------------------------------------------------------------------
 @only_simulated
 def test_ending_a_borrow_waits_for_the_lanes_that_read_it(deferred):

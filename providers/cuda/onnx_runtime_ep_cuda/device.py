@@ -536,9 +536,14 @@ class CudaDevice(AccessOrdering):
                     self._idle_events.append(event)
                     recycled += 1
         if not recycled:
-            # The host is over a thousand fences ahead of the device; waiting bounds the event count
-            # and keeps every later record from polling the whole table again.
-            self.sync()
+            # The host is over a thousand fences ahead of the device; waiting for the lane that holds the most of
+            # them bounds the event count and keeps every later record from polling the whole table again.
+            with self._lock:
+                held = collections.Counter(id(owner) for _event, owner in self._events.values()
+                                           if owner.capture_thread is None)
+                lanes = {id(owner): owner for _event, owner in self._events.values()}
+            if held:
+                self.sync(lanes[held.most_common(1)[0][0]])
 
     def sync(self, lane=None) -> None:
         """Block until the lane's streams are idle (every lane's when None, but a lane that is capturing only up
