@@ -223,6 +223,32 @@ def test_external_memory_inside_a_live_allocation_is_ordered_as_that_allocation(
     assert not device._lent  # noqa: SLF001
 
 
+@only_simulated
+def test_external_memory_inside_a_reserved_allocation_is_ordered_as_that_allocation(deferred, handles):
+    """B borrows an address inside A's reserved (mapped-growth) allocation, a KV cache's kind, and copies from it
+    while A's fill of the allocation is still queued: B waits for A's write, and no loan is made. Before, the inner
+    address was a loan homed on B, and B copied the bytes before A wrote them."""
+    from onnx_runtime_ep_cuda.vmm import granularity
+
+    a, b = handles[:2]
+    device = a.provider.cuda_device().shared
+    reserved = a.hook.allocate_committed(size=4 * granularity(a.provider.cuda_device()), alignment=256,
+                                         committed_ranges=[(0, 4096)])
+    a.provider.fill(reserved, 5, 0, 4096)
+    inner = ort.DeviceBuffer(a.device_id, 256, 256, reserved.ptr + 512, ort.Ownership.BORROWED_MUT)
+    b.hook.borrow_device_memory(buffer=inner)
+    assert not device._lent  # noqa: SLF001
+    target = b.allocate(256, 256)
+    b.hook.copy_device_to_device(src=inner, src_offset=0, dst=target, dst_offset=0, nbytes=256)
+    out = np.empty(256, np.uint8)
+    b.copy_to_host(target, out)
+    assert (out == 5).all()
+    b.hook.return_device_memory(buffer=inner)
+    b.deallocate(target)
+    a.deallocate(reserved)
+    assert not device._ranges  # noqa: SLF001 - forgotten with the allocation
+
+
 # -- a free during a capture that reached the memory ----------------------------------------------------------------
 def _capture_pair():
     from onnx_runtime import ProviderHandle

@@ -4,7 +4,8 @@ recorded an address.
 
 Keys. A pool allocation is known by its base, and so is every address inside it (an alias, or external memory
 bound at an offset of it: found by an interval lookup), so whoever touches part of it is ordered against whoever
-touched the whole. A reserved allocation is known by the object holding it (``note_home``). Memory a session
+touched the whole. A reserved allocation is known by the object holding it (``note_home``), and so is every
+address of its reserved range (the same interval lookup). Memory a session
 borrowed (external memory bound through a ``DeviceIoBinding``, outside any allocation here) is lent by
 :meth:`AccessOrdering.lend`: its home is the lane of the instance that borrowed it, for as long as the borrow
 lasts, and every address inside it is keyed by its start, so a reader at an offset waits for a writer of the whole.
@@ -47,11 +48,14 @@ class AccessOrdering:
         self._loose: set[int] = set()  # keys of marks on memory of no allocation here (addresses inside one)
         self._lent: dict[int, list] = {}  # start of borrowed memory -> [end, borrows outstanding]
         self._recorded: dict[int, dict[int, tuple]] = {}  # key -> id(record) -> (graphs, token, lane)
+        self._ranges: dict[int, tuple[int, int]] = {}  # start of a reserved range -> (its end, its key)
+        self._range_starts: list[int] = []  # the keys of _ranges, sorted
         self.ordered_waits = 0  # cross-lane event waits enqueued by order_access and frees
 
     def _clear_access(self) -> None:
-        for table in (self._marks, self._homes, self._loose, self._lent, self._recorded):
+        for table in (self._marks, self._homes, self._loose, self._lent, self._recorded, self._ranges):
             table.clear()
+        self._range_starts.clear()
 
     # -- keys -----------------------------------------------------------------------------------------
     def _resolve(self, key: int) -> int:
@@ -62,6 +66,9 @@ class AccessOrdering:
         base = self._owning_base(key)
         if base is not None:
             return base
+        owner = self._reserved_owner(key)
+        if owner is not None:
+            return owner
         for start, (end, _count) in self._lent.items():
             if start <= key < end:
                 return start
@@ -76,14 +83,26 @@ class AccessOrdering:
         base = starts[index]
         return base if address < base + self._live[base] else None
 
+    def _reserved_owner(self, address: int) -> int | None:
+        """The key of the reserved allocation whose range holds ``address``, or None. Called under ``_lock``."""
+        index = bisect.bisect_right(self._range_starts, address) - 1
+        if index < 0:
+            return None
+        end, owner = self._ranges[self._range_starts[index]]
+        return owner if address < end else None
+
     def resolve_keys(self, keys) -> list[int]:
         with self._lock:
             return [self._resolve(k) for k in keys]
 
-    def note_home(self, key: int, lane) -> None:
-        """Memory ``key`` names (not a pool allocation: a reserved one) is ``lane``'s, for :meth:`order_access`."""
+    def note_home(self, key: int, lane, start: int = 0, nbytes: int = 0) -> None:
+        """Memory ``key`` names (not a pool allocation: a reserved one, whose addresses are ``[start, start +
+        nbytes)``) is ``lane``'s, for :meth:`order_access`."""
         with self._lock:
             self._homes[key] = lane.compute
+            if nbytes:
+                self._ranges[start] = (start + nbytes, key)
+                bisect.insort(self._range_starts, start)
 
     def forget_access(self, key: int, then=None) -> None:
         """Drop what :meth:`order_access` remembers of memory released without :meth:`free` (a reserved allocation),
@@ -98,6 +117,9 @@ class AccessOrdering:
             self._marks.pop(key, None)
             self._homes.pop(key, None)
             self._loose.discard(key)
+            for start in [s for s, (_end, owner) in self._ranges.items() if owner == key]:
+                del self._ranges[start]
+                self._range_starts.pop(bisect.bisect_left(self._range_starts, start))
         if then is not None:
             then()
 
@@ -107,8 +129,8 @@ class AccessOrdering:
         Memory a live allocation starts is that allocation's already; an overlapping loan of the same start is
         counted and keeps the first borrower as home."""
         with self._lock:
-            if self._owning_base(start) is not None:  # inside a live allocation: ordered as part of it
-                return
+            if self._owning_base(start) is not None or self._reserved_owner(start) is not None:
+                return  # inside an allocation here: ordered as part of it
             loan = self._lent.get(start)
             if loan is not None:
                 loan[0], loan[1] = max(loan[0], start + max(nbytes, 1)), loan[1] + 1

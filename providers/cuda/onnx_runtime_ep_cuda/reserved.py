@@ -41,7 +41,7 @@ class ReservedAllocations:
             reserved.close()
             raise
         self._allocations += 1
-        self.cuda_device().note_home(id(reserved), self.cuda_device())
+        self.cuda_device().note_home(id(reserved), self.cuda_device(), reserved.ptr, reserved.capacity)
         return DeviceBuffer(self.device_id(), size, alignment, reserved.ptr, host=None, provider_state=reserved)
 
     @hookimpl
