@@ -102,6 +102,47 @@ def test_a_sessions_sync_waits_for_another_lanes_write_into_its_memory(deferred,
     c.deallocate(theirs)
 
 
+def test_eight_sessions_on_eight_threads_each_sync_only_their_own_stream():
+    """Eight sessions, a thread each, run a device-resident step (input and output on the device) and synchronize
+    their outputs after every step: each synchronization is one stream synchronization of the session's own lane
+    (before, two per lane of the device for every one), and every result is right."""
+    steps, count = 5, 8
+    sessions = [session(consumer()) for _ in range(count)]
+    feeds = [_feed(60 + k) for k in range(count)]
+    bindings = []
+    for sess, x in zip(sessions, feeds, strict=True):
+        handle = sess.provider_handle("CUDAExecutionProvider")
+        binding = sess.io_binding()
+        binding.bind_ortvalue_input("h", ort.OrtValue(ort.Tensor.from_numpy(x, provider=handle)))
+        binding.bind_output("z", "cuda")
+        sess.run_with_iobinding(binding)  # warm: constants uploaded, kernels built
+        binding.synchronize_outputs()
+        bindings.append(binding)
+    device = sessions[0].provider_handle("CUDAExecutionProvider").provider.cuda_device().shared
+    barrier = threading.Barrier(count)
+
+    def work(index: int) -> None:
+        barrier.wait()
+        for _ in range(steps):
+            sessions[index].run_with_iobinding(bindings[index])
+            bindings[index].synchronize_outputs()
+
+    plain = device.driver
+    counting = _counted(device)
+    try:
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(count)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        device.driver = plain
+    assert counting.calls.get("cuStreamSynchronize", 0) == count * steps, counting.calls
+    for binding, x in zip(bindings, feeds, strict=True):
+        (z,) = binding.copy_outputs_to_cpu()
+        np.testing.assert_allclose(z, np.tanh(x.astype(np.float64) + BIAS), rtol=1e-5, atol=1e-6)
+
+
 @only_simulated
 def test_a_staged_read_takes_a_free_block_instead_of_waiting_for_another_lane(deferred, handles):
     """B's upload holds a staging block whose copy is still queued on B's stream; A's downloads take a block whose
