@@ -258,9 +258,9 @@ def _external_locations(data: bytes) -> set[str]:
 def plan_key(digest: str, config: dict[str, str], handles) -> str:
     parts = {
         "format": FORMAT, "model": digest, "config": sorted(config.items()),
-        "providers": [[handle.name, handle.source, _provider_version(handle), _package_fingerprint(
+        "providers": [[handle.name, handle.source, _provider_version(handle), package_fingerprint(
             type(handle.provider).__module__)] for handle in handles],
-        "runtime": _package_fingerprint(__name__), "host": _host(),
+        "runtime": package_fingerprint(__name__), "host": _host(),
         "environment": sorted((k, v) for k, v in os.environ.items()
                               if k.startswith("ONNX_RUNTIME_") and k not in _UNKEYED_VARIABLES),
     }
@@ -294,21 +294,23 @@ def _host() -> str:
 
 
 @functools.cache
-def _package_fingerprint(module_name: str) -> str:
+def package_fingerprint(module_name: str) -> str:
     """Size and modification time of every Python module of ``module_name``'s top-level package: an edited
     install (or an editable one under development) never reads plans its old code wrote."""
     module = sys.modules.get(module_name.split(".")[0])
     folder = os.path.dirname(getattr(module, "__file__", None) or "")
     if not folder:
         return module_name
-    digest = hashlib.sha256(folder.encode())
-    for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        for name in sorted(files):
-            if name.endswith(".py"):
-                stat = os.stat(os.path.join(root, name))
-                digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()
+    rows, pending, skip = [], [folder], len(folder) + 1
+    while pending:  # a flat loop over scandir: os.walk's generator and path joins cost about what the stats do
+        with os.scandir(pending.pop()) as listing:
+            for entry in listing:
+                if entry.name.endswith(".py"):
+                    stat = entry.stat()
+                    rows.append(f"{entry.path[skip:]}\0{stat.st_size}\0{stat.st_mtime_ns}")
+                elif entry.name != "__pycache__" and entry.is_dir():
+                    pending.append(entry.path)
+    return hashlib.sha256("\n".join([folder, *sorted(rows)]).encode()).hexdigest()
 
 
 def signature_part(dims: tuple) -> str:

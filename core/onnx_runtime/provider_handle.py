@@ -10,6 +10,7 @@ buffers never.
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -30,17 +31,31 @@ from .run_scope import Scope
 _DISCOVERY_HOOKS = {"onnx_runtime_providers"}
 
 
-class _ContractManager(pluggy.PluginManager):
+class ContractManager(pluggy.PluginManager):
     """pluggy's manager, skipping dunder names when it looks for hook specifications and implementations:
     no hook of the contract is one, and they are most of what ``dir()`` lists (27 of the CPU provider's
     33 names). pluggy inspects each name statically (``inspect.getattr_static``), a cost every session
     creation paid for the provider, its fallbacks and the specification (measured in 812ef5d)."""
 
+    def __init__(self, project_name: str):
+        super().__init__(project_name)
+        self._spec_marker = project_name + "_spec"
+
     def parse_hookimpl_opts(self, plugin, name: str):
         return None if name.startswith("__") else super().parse_hookimpl_opts(plugin, name)
 
     def parse_hookspec_opts(self, module_or_class, name: str):
-        return None if name.startswith("__") else super().parse_hookspec_opts(module_or_class, name)
+        if name.startswith("__"):
+            return None
+        if isinstance(module_or_class, type):  # a plain function found in the class's own namespaces: its marker
+            for owner in module_or_class.__mro__:  # (what pluggy's static lookup returns, without its checks)
+                if name in owner.__dict__:
+                    found = owner.__dict__[name]
+                    if isinstance(found, types.FunctionType):
+                        opts = getattr(found, self._spec_marker, None)
+                        return opts if isinstance(opts, dict) else None
+                    break
+        return super().parse_hookspec_opts(module_or_class, name)
 
 
 class ProviderHandle:
@@ -50,7 +65,7 @@ class ProviderHandle:
         self.provider = provider
         self.source = source
         label = f"{type(provider).__name__} ({source})"
-        self.pm = _ContractManager(PROJECT)
+        self.pm = ContractManager(PROJECT)
         self.pm.add_hookspecs(ExecutionProviderSpec)
         try:
             self.pm.register(provider, name="provider")

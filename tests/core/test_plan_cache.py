@@ -118,7 +118,7 @@ def test_every_part_of_the_key_invalidates(cache_dir, monkeypatch, change):
     elif change == "environment":
         monkeypatch.setenv("ONNX_RUNTIME_SOME_KNOB", "1")
     elif change == "code":  # an edited module of the runtime or of a provider
-        monkeypatch.setattr(plan_cache, "_package_fingerprint", lambda module: f"edited {module}")
+        monkeypatch.setattr(plan_cache, "package_fingerprint", lambda module: f"edited {module}")
     else:
         monkeypatch.setattr(plan_cache, "_host", lambda: "another CPU")
     before = set(_plans(cache_dir))

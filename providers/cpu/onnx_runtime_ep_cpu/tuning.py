@@ -28,7 +28,9 @@ from onnx_runtime.errors import InvalidArgumentError
 _ENVIRONMENT_PREFIX = "ONNX_RUNTIME_CPU_"
 
 
-@dataclasses.dataclass
+# The defaults live on the class and a change on the one instance: no generated __init__, __repr__ or __eq__,
+# whose source dataclasses compiles for every field when the provider is imported (each new process).
+@dataclasses.dataclass(init=False, repr=False, eq=False)
 class Knobs:
     """Every knob, with its default. Sizes are in multiply-adds (macs), elements or bytes."""
 
