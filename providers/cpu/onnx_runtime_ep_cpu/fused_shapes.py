@@ -27,6 +27,7 @@ RULES: dict[str, tuple[str, tuple[int, ...]]] = {
     "FusedConv": (SHAPES, ()), "ConcatBuffer": (SHAPES, ()), "ReshapeTranspose": (SHAPES, ()),
     "TransposeReshape": (SHAPES, ()), "ContribPackedAttention": (SHAPES, ()), "ContribAttentionMask": (SHAPES, ()),
     "LSTMCell": (SHAPES, ()), "FusedSegment": (SHAPES, ()), "SpectralMagnitude": (SHAPES, ()),
+    "ProjectionGroup": (SHAPES, ()), "PatchEmbedding": (SHAPES, ()),
 }
 
 for _op, (_kind, _operands) in RULES.items():

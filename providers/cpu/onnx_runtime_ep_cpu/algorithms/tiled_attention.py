@@ -42,18 +42,22 @@ class TiledLayout:
 
 
 def few_in_place(geo, q, k, v, scale, bias, outputs: int = 3) -> tuple | None:
-    """(Y, present_key, present_value)[:outputs] of a small attention over C-contiguous 3-D Q, K and V (``geo``: the
+    """(Y, present_key, present_value)[:outputs] of a small attention over 3-D Q, K and V (``geo``: the
     kernel's head layout): Y (B, S, Hq * Dv) read and written in that layout by compiled/attention_lanes.py's
     loop where enough query rows share each KV head, else compiled/attention.few_rows_by_position; the keys and
     values as heads (made only when asked for: an encoder's node has one output). ``bias`` as decoder.py's
-    few-row loop takes it. None where a row has no finite score."""
+    few-row loop takes it. Q, K and V may be column views of one product (rows_readable): the 16-lane loop reads
+    them in place, the scalar one a contiguous copy. None where a row has no finite score."""
     lanes, loop = FEW_ROWS[:2] if FEW_ROWS[1] is not None else few_rows_loops()
     batch, keys, heads, size = q.shape[0], k.shape[1], geo.q_heads, geo.head_size
+    in_lanes = lanes is not None and geo.q_len * (heads // geo.kv_heads) >= LANES_ROWS
+    if not in_lanes:
+        q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
     y = np.empty((batch, geo.q_len, heads * geo.v_head_size), np.float32)
     operands = (q.reshape(batch, geo.q_len, heads, size), k.reshape(batch, keys, geo.kv_heads, size),
                 v.reshape(batch, keys, geo.kv_heads, geo.v_head_size), scale, bias,
                 y.reshape(batch, geo.q_len, heads, geo.v_head_size))
-    if lanes is not None and geo.q_len * (heads // geo.kv_heads) >= LANES_ROWS:
+    if in_lanes:
         if not lanes(*operands, np.empty(FEW_ROWS[2](size, keys), np.float32)):
             return None
     elif not loop(*operands):
@@ -76,6 +80,17 @@ def few_by_head(geo, q, k, v, scale, bias, outputs: int = 3) -> tuple | None:
     if not FEW_ROWS[3](q, k, v, scale, bias, y, np.empty(FEW_ROWS[2](geo.head_size, k.shape[2]), np.float32)):
         return None
     return (y, k, v)[:outputs]
+
+
+def rows_readable(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> bool:
+    """Whether few_in_place reads these float32 3-D (B, S, H * D) arrays as they are: C-contiguous, or rows at a
+    larger stride (column views of one product) with contiguous components and no negative stride."""
+    for x in (q, k, v):
+        if not x.flags.c_contiguous:
+            strides = x.strides
+            if strides[2] != 4 or strides[0] < 0 or strides[1] < 0:
+                return False
+    return True
 
 
 def _heads_readable(x: np.ndarray) -> np.ndarray:

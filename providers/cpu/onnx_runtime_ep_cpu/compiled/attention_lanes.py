@@ -247,15 +247,17 @@ def _softmax_rows(scores, padded, count, bias, b, h, r0, zeros, reciprocals):
 
 @jit
 def few_rows_in_lanes(q, k, v, scale, bias, y, scratch):
-    """attention.few_rows_by_position's result (same arguments: (B, S, H, D) heads by position, float32, every array
+    """attention.few_rows_by_position's result (same arguments: (B, S, H, D) heads by position, float32, y
     C-contiguous) through the 16-lane steps above, ROWS query rows at a time; ``scratch`` holds scratch_size(head
-    size, keys) floats. False, with y partly written, when a row's largest score is not finite (the caller's
-    general path decides those)."""
-    batch, rows, heads, size = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
+    size, keys) floats. q, k and v may be views (column slices of one projection product): each head's
+    components contiguous, every stride non-negative, none of them empty. False, with y partly written, when a
+    row's largest score is not finite (the caller's general path decides those)."""
+    batch, rows, heads = q.shape[0], q.shape[1], q.shape[2]
     keys, kv_heads, value_size = k.shape[1], k.shape[2], v.shape[3]
-    return _few_rows(q.reshape(-1), (rows * heads * size, heads * size, size), k.reshape(-1),
-                     (keys * kv_heads * size, kv_heads * size, size), v.reshape(-1),
-                     (keys * kv_heads * value_size, kv_heads * value_size, value_size), y.reshape(-1),
+    size = q.shape[3]
+    return _few_rows(_flat(q), (q.strides[0] // 4, q.strides[1] // 4, q.strides[2] // 4), _flat(k),
+                     (k.strides[0] // 4, k.strides[1] // 4, k.strides[2] // 4), _flat(v),
+                     (v.strides[0] // 4, v.strides[1] // 4, v.strides[2] // 4), y.reshape(-1),
                      (rows * heads * value_size, heads * value_size, value_size),
                      batch, rows, heads, kv_heads, keys, size, value_size, scale, bias, scratch)
 

@@ -24,7 +24,7 @@ from ..algorithms.activations import sigmoid
 from ..algorithms.contrib_attention import grouped_matmul, softmax_
 from ..algorithms.precision import FLOAT32, compute_dtype, upcast
 from ..algorithms.products import gemv_host
-from ..algorithms.tiled_attention import TiledLayout, few_by_head, few_in_place, few_macs, lanes_take
+from ..algorithms.tiled_attention import TiledLayout, few_by_head, few_in_place, few_macs, lanes_take, rows_readable
 from ..compiled import COMPILED_DTYPES, deferred
 from ..compiled.deferred import numpy_first  # (the tiles import numba: not while it loads)
 from ..registry import register
@@ -334,8 +334,7 @@ class _Attention:
             bias = np.ascontiguousarray(mask).reshape(lead + mask.shape[-1:])
         if self._by_head and not numpy_first():  # (its loop has no numpy version to serve while numba loads)
             return few_by_head(geo, q, k, v, self._few_scale, bias, self._outputs)
-        if geo.rank == 3 and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous \
-                and not numpy_first():
+        if geo.rank == 3 and rows_readable(q, k, v) and not numpy_first():
             return few_in_place(geo, q, k, v, self._few_scale, bias, self._outputs)  # (Y in place: no copies)
         queries = geo.to_heads(q, geo.q_heads)
         keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)

@@ -1,0 +1,148 @@
+"""An attention's query, key and value projections of one input as one product.
+
+Both torch exporters write a layer's projections as three products of the same normalized input, each with or
+without a bias (MatMul, or the FusedMatMul that fusions.py makes of MatMul + Add), read by the 3-D Attention that
+attention_heads.py folds:
+
+    Attention(A @ Wq [+ bq], A @ Wk [+ bk], A @ Wv [+ bv], ...)
+      ->  q, k, v = ProjectionGroup(A, [Wq | Wk | Wv], [bq | bk | bv]; widths)
+          Attention(q, k, v, ...)
+
+One product over the weights side by side reads A once and pays one step's fixed cost instead of three; the
+outputs are column views of it, which the attention reads in place (ops/transformer.py). A member without a bias
+gets zeros (adding zero changes no value). Applied where every member's weight is a constant float32 matrix of
+one row count, its bias (if any) a constant vector of its width, its output read only by that Attention and by
+nothing else. The merged weights replace the members' (they are dropped where no other node reads them).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+from onnx_runtime.ir import Graph, Node
+from onnx_runtime.optimizer.rewrite import add_initializer, forget_value
+
+from .fusions import FUSED_DOMAIN, GraphView, owned
+
+_F32 = np.dtype(np.float32)
+# (ids of the members' weights and biases) -> (weak references to them, the merged weight, the merged bias): a
+# specialized graph (session/specialize.py) is fused again over the same constants and shares their merge.
+_MERGED: dict[tuple, tuple] = {}
+_MERGED_LIMIT = 256
+
+
+def _member(view: GraphView, fed: set[str], node: Node | None) -> tuple | None:
+    """(A, weight, bias or None) of a product this pass merges, else None."""
+    if node is None:
+        return None
+    if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and len(node.inputs) == 2:
+        bias = None
+    elif node.op_type == "FusedMatMul" and node.domain == FUSED_DOMAIN and len(node.inputs) == 3 \
+            and node.attr("activation", "none") == "none":
+        bias = view.const(node.inputs[2])
+        if bias is None:
+            return None
+    else:
+        return None
+    weight = view.const(node.inputs[1])
+    if fed & set(node.inputs[1:]):  # initializers a feed may override
+        return None
+    if not node.inputs[0] or view.const(node.inputs[0]) is not None or weight is None or weight.ndim != 2 \
+            or weight.dtype != _F32 or (bias is not None and (bias.dtype != _F32 or bias.shape != weight.shape[1:])):
+        return None
+    return node.inputs[0], weight, bias
+
+
+def merged(weights: list[np.ndarray], biases: list[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray | None]:
+    """The members' weights side by side, and their biases (zeros for a member without one; None if none has
+    one), made once per set of constant arrays."""
+    key = tuple(id(w) for w in weights) + tuple(id(b) for b in biases)
+    known = _MERGED.get(key)
+    arrays = [*weights, *(b for b in biases if b is not None)]
+    if known is not None and len(known[0]) == len(arrays) and all(r() is a for r, a in zip(known[0], arrays)):
+        return known[1], known[2]
+    weight = np.concatenate(weights, axis=1)
+    bias = None if all(b is None for b in biases) else np.concatenate(
+        [np.zeros(w.shape[1], _F32) if b is None else b.reshape(-1) for w, b in zip(weights, biases)])
+    weight.flags.writeable = False
+    if bias is not None:
+        bias.flags.writeable = False
+    if len(_MERGED) >= _MERGED_LIMIT:
+        _MERGED.clear()
+    try:
+        _MERGED[key] = ([weakref.ref(a) for a in arrays], weight, bias)
+    except TypeError:  # an array type without weak references: not kept
+        pass
+    return weight, bias
+
+
+def _fresh(graph: Graph, base: str) -> str:
+    name, index = base, 0
+    while name in graph.initializers or graph.type_of(name) is not None:
+        index += 1
+        name = f"{base}_{index}"
+    return name
+
+
+def _members(view: GraphView, fed: set[str], attention: Node) -> tuple[list[Node], list[tuple]]:
+    """The products of the Attention's query, key and value this pass merges, with their (A, weight, bias): the
+    largest set reading one A whose weights have one row count."""
+    members: list[Node] = []
+    parts: list[tuple] = []
+    for name in attention.inputs[:3]:
+        node = view.producer.get(name) if name else None
+        part = _member(view, fed, node)
+        readers = view.consumers.get(name, [])
+        if part is None or node in members or len(readers) != 1 or readers[0] is not attention \
+                or attention.inputs.count(name) != 1 or name in view.outputs or name in view.inner_reads:
+            continue
+        members.append(node)
+        parts.append(part)
+    by_input: dict[tuple, list[int]] = {}
+    for index, part in enumerate(parts):
+        by_input.setdefault((part[0], part[1].shape[0]), []).append(index)
+    chosen = max(by_input.values(), key=len, default=[])
+    return [members[i] for i in chosen], [parts[i] for i in chosen]
+
+
+def group_attention_projections(graph: Graph, owns=None) -> bool:
+    """Merge the products feeding each Attention's query, key and value (see the module docstring)."""
+    view, fed = GraphView(graph), {vi.name for vi in graph.inputs}
+    changed = False
+    for attention in list(graph.nodes):
+        if attention.op_type != "Attention" or attention.domain not in ("", "ai.onnx") or len(attention.inputs) < 3:
+            continue
+        members, parts = _members(view, fed, attention)
+        if len(members) < 2 or not owned(owns, members):
+            continue
+        weight, bias = merged([part[1] for part in parts], [part[2] for part in parts])
+        first = members[0]
+        weight_name = _fresh(graph, f"{first.name or 'projection'}/group_weight")
+        add_initializer(graph, weight_name, weight)
+        inputs = [parts[0][0], weight_name]
+        if bias is not None:
+            bias_name = _fresh(graph, f"{first.name or 'projection'}/group_bias")
+            add_initializer(graph, bias_name, bias)
+            inputs.append(bias_name)
+        fused = Node("ProjectionGroup", inputs, [m.outputs[0] for m in members], name=f"{first.name}/group",
+                     domain=FUSED_DOMAIN, attrs={"widths": [int(part[1].shape[1]) for part in parts]}, opset=1)
+        _replace(graph, members, fused, view)
+        view = GraphView(graph)
+        changed = True
+    return changed
+
+
+def _replace(graph: Graph, members: list[Node], fused: Node, view: GraphView) -> None:
+    """``fused`` where the first member was (its inputs: A, produced before every member, and constants); the
+    members' weights and biases that nothing else reads dropped."""
+    gone = {id(m) for m in members}
+    position = min(graph.nodes.index(m) for m in members)
+    nodes = [n for n in graph.nodes if id(n) not in gone]
+    nodes.insert(sum(1 for n in graph.nodes[:position] if id(n) not in gone), fused)
+    graph.nodes = nodes
+    still_read = {name for node in graph.nodes for name in node.inputs} | view.outputs | view.inner_reads
+    for member in members:
+        for name in member.inputs[1:]:
+            if name not in still_read and graph.initializers.pop(name, None) is not None:
+                forget_value(graph, name)
