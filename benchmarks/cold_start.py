@@ -26,7 +26,8 @@ provider list, stay). ``--plans off`` (or ``--no-plan-cache``): the cache is tur
 ``--phases`` adds, per model, the main thread's CPU time in each step of our creation and first run (the providers'
 handles, the plan cache's key and read, placement, the specializations planned at the first run, the executor's
 runs; placement nests in the specialized plans, and a session whose specializing graph came from the plan cache
-places only there), medians over the processes: where a warm start's time goes.
+places only there), medians over the processes: where a warm start's time goes; and the CPU time the main thread
+spent importing modules and in the cyclic collector meanwhile (nested in those steps).
 
 ``--main-job`` times the README's main job instead (``onnx-runtime run`` on its embedded default model) as the
 first process after an install runs it: an empty numba cache, the whole process's wall and CPU time.
@@ -42,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +59,7 @@ PHASES = (("onnx_runtime.session.inference_session", None, "create_handles", "pr
           ("onnx_runtime.session.inference_session", None, "place", "placement"),
           ("onnx_runtime.session.inference_session", "InferenceSession", "_plan_specialized", "specialized plans"),
           ("onnx_runtime.session.executor", "Executor", "run", "executor runs"))
+IMPORTS, COLLECTOR = "imports", "collector"  # --phases: CPU in module imports and in the cyclic collector
 
 
 def spec_of(name: str) -> tuple[str, list[dict]]:
@@ -98,7 +101,43 @@ def timed_phases() -> dict[str, float]:
                 spent[_label] = spent.get(_label, 0.0) + time.thread_time() - began
 
         setattr(holder, name, timed)
+    _time_imports_and_collections(spent)
     return spent
+
+
+def _time_imports_and_collections(spent: dict[str, float]) -> None:
+    """Add the main thread's CPU seconds in module imports (outermost ones: a module's own imports count in it) and
+    in the cyclic collector's runs to ``spent`` (labels IMPORTS and COLLECTOR). Both nest in the phases above: a
+    kernel family imported at placement counts in placement as well. Imports are timed around importlib's loader
+    step (``_load_unlocked``, found at each import by name), which only a diagnostic may patch."""
+    import gc
+    import importlib._bootstrap as bootstrap
+
+    load, depth, main = bootstrap._load_unlocked, [0], threading.get_ident()  # noqa: SLF001  (see above)
+
+    def timed_load(spec):
+        if depth[0] or threading.get_ident() != main:
+            return load(spec)
+        depth[0] += 1
+        began = time.thread_time()
+        try:
+            return load(spec)
+        finally:
+            depth[0] -= 1
+            spent[IMPORTS] = spent.get(IMPORTS, 0.0) + time.thread_time() - began
+
+    began = [0.0]
+
+    def collection(phase: str, info: dict) -> None:
+        if threading.get_ident() != main:
+            return
+        if phase == "start":
+            began[0] = time.thread_time()
+        else:
+            spent[COLLECTOR] = spent.get(COLLECTOR, 0.0) + time.thread_time() - began[0]
+
+    bootstrap._load_unlocked = timed_load  # noqa: SLF001
+    gc.callbacks.append(collection)
 
 
 def worker(runtime: str, path: str, calls: list[list[dict]]) -> dict:
@@ -147,9 +186,9 @@ def sample(runtime: str, path: str, calls: list[list[dict]], background: bool = 
 
 
 def phase_table(everything: dict) -> None:
-    labels = [label for *_, label in PHASES]
+    labels = [label for *_, label in PHASES] + [IMPORTS, COLLECTOR]
     print("\nMain-thread CPU ms per step of ours' creation and first run (medians; placement nests in the "
-          "specialized plans):\n")
+          "specialized plans; imports and collector runs nest in the steps they happen in):\n")
     print("| model | " + " | ".join(labels) + " |")
     print("|---|" + "---|" * len(labels))
     for name, runs in everything.items():

@@ -1,0 +1,49 @@
+"""benchmarks/cold_start.py --phases: a fresh process's creation and first run split into the session's steps, with
+the CPU time its main thread spent importing modules and in the cyclic collector (the split that shows where a
+warm start's time goes). Run in a child process: the diagnostic wraps session functions and importlib for good."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+from onnx import TensorProto, helper
+import onnx_runtime as ort
+import cold_start
+spent = cold_start.timed_phases()
+x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 5, 5])
+y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+w = helper.make_tensor("w", TensorProto.FLOAT, [3, 2, 3, 3], np.linspace(-1, 1, 54).astype(np.float32))
+node = helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])
+graph = helper.make_graph([node], "g", [x], [y], [w])
+model = helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 13)])
+options = ort.SessionOptions()
+options.intra_op_num_threads = 1
+sess = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+out = sess.run(None, {"x": np.ones((1, 2, 5, 5), np.float32)})[0]
+print(json.dumps({"spent": spent, "shape": list(out.shape), "loaded": "onnx_runtime_ep_cpu.ops.conv" in sys.modules}))
+"""
+
+
+def test_phases_count_the_imports_and_the_steps_they_nest_in():
+    done = subprocess.run([sys.executable, "-c", CHILD, str(BENCHMARKS)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, ONNX_RUNTIME_PLAN_CACHE="0"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    spent = result["spent"]
+    assert result["shape"] == [1, 3, 5, 5] and result["loaded"]
+    # The CPU provider and the conv family are imported inside these steps: their imports are counted, and within
+    # the steps' own time (a diagnostic that double-counted or missed them would break one of these).
+    assert spent["imports"] > 0 and spent["providers"] > 0 and spent["executor runs"] >= 0
+    assert spent["imports"] <= spent["providers"] + spent.get("placement", 0.0) + spent.get("executor runs", 0.0) \
+        + spent.get("specialized plans", 0.0) + 0.05
+    assert spent.get("collector", 0.0) >= 0.0
