@@ -216,6 +216,7 @@ class _Bindings:
         # On the host the logits are the run's output as the kernel made them, not copied into their binding
         # first (a copy of the whole vocabulary per step).
         self.wanted = ["logits"] if self.host is not None and self.HOST_LOGITS else []
+        self.prepared = None  # the session's prepared run of this state's bindings (_host_run)
 
     def _bind_cache(self, layout: _Layout, prompt: int) -> None:
         """The KV cache (each past aliased by its present: appended in place) and the mask, growing by steps."""
@@ -268,21 +269,14 @@ class _Bindings:
         can, else through the host (the row down, the token up); ``values``: the run's host outputs."""
         vocabulary = self.layout.vocabulary
         if self.host is not None:
-            logits, ids, positions, mask, tokens = self.host
-            assert logits is not None and ids is not None and mask is not None and tokens is not None
+            logits = self.host[0]
+            assert logits is not None
             if values:
                 row = values[0][0, -1]
             else:
                 offset = (self.logits.logical_shape[1] - 1) * vocabulary
                 row = logits[offset: offset + vocabulary]
-            # numpy's argmax takes the first maximum and ranks NaN above every number, as device_argmax does.
-            token = int(np.argmax(row if row.dtype == np.float32 else row.astype(np.float32)))
-            ids[0] = token
-            if positions is not None:
-                positions[0] = position
-            if position < self.mask_len:
-                mask[position] = 1
-            tokens[step] = token
+            self._choose_on_host(step, position, row)
             return
         offset = (self.logits.logical_shape[1] - 1) * vocabulary
         if self.logits.device_argmax_supported():
@@ -300,6 +294,19 @@ class _Bindings:
         if position < self.mask_len:
             self.mask.write_bytes(8 * position, np.array([1], np.int64))
         self.tokens.write_bytes(4 * step, np.array([token], np.uint32))
+
+    def _choose_on_host(self, step: int, position: int, row: np.ndarray) -> None:
+        """The token of the logits ``row`` written into the host bindings' arrays (ids, position, mask bit, tokens)."""
+        _logits, ids, positions, mask, tokens = self.host  # type: ignore[misc]
+        assert ids is not None and mask is not None and tokens is not None
+        # numpy's argmax takes the first maximum and ranks NaN above every number, as device_argmax does.
+        token = int((row if row.dtype == np.float32 else row.astype(np.float32)).argmax())
+        ids[0] = token
+        if positions is not None:
+            positions[0] = position
+        if position < self.mask_len:
+            mask[position] = 1
+        tokens[step] = token
 
     def _start(self, length: int) -> list[DeviceIoBinding]:
         """Write the prompt's state; the bindings of a run."""
@@ -342,6 +349,32 @@ class _Bindings:
                 return True
         return False
 
+    def _step(self, bindings: list[DeviceIoBinding], step: int, length: int, new: int) -> None:
+        """One step's run and choice through ``run_with_device_bindings`` (see ``_host_run`` for the host's)."""
+        epilogue = self._epilogue(step, length, new)
+        values = self.session.run_with_device_bindings(bindings, output_names=self.wanted,
+                                                       single_token_step=step > 0, epilogue=epilogue)
+        if epilogue is None:
+            self._ran(step, length)
+            self._choose(step, length + step, new, values)
+
+    def _advance(self, step: int, length: int, every: bool) -> None:
+        """The next step's shapes: one token (set once on the host, where nothing else sets them) and the mask."""
+        if step == 0 or every:
+            self.ids.set_logical_shape((1, 1))
+            if self.positions is not None:
+                self.positions.set_logical_shape((1, 1))
+        self.mask.set_logical_shape(self._next_mask_shape(step, length))
+
+    def _host_run(self, bindings: list[DeviceIoBinding]):
+        """The session's prepared run of these bindings where the whole state is in host memory and a step is the run
+        then the host's argmax (made once per state: a reused state binds the same buffers); else None."""
+        if type(self) is not _Bindings or self.host is None or self.wanted != ["logits"]:
+            return None
+        if self.prepared is None:
+            self.prepared = self.session.prepare_device_binding_run(bindings, output_names=self.wanted)
+        return self.prepared
+
     def loop(self, prompt: list[int], new: int, on_token, eos_token_id, read_every: int = 1) -> GenerationResult:
         length = len(prompt)
         self.ids.write_logical(np.array([prompt], np.int64))
@@ -354,14 +387,13 @@ class _Bindings:
         start = time.perf_counter()
         first = 0.0
         steps = 0
+        run = self._host_run(bindings)
         for step in range(new):
             self._grow(length + step + 1 if step else length)
-            epilogue = self._epilogue(step, length, new)
-            values = self.session.run_with_device_bindings(bindings, output_names=self.wanted,
-                                                           single_token_step=step > 0, epilogue=epilogue)
-            if epilogue is None:
-                self._ran(step, length)
-                self._choose(step, length + step, new, values)
+            if run is not None:
+                self._choose_on_host(step, length + step, run(step > 0)[0][0, -1])
+            else:
+                self._step(bindings, step, length, new)
             steps += 1
             if step == 0 or (read_each and (steps % read_every == 0 or step == new - 1)):
                 ended = self._read(tokens, steps, on_token, eos_token_id)
@@ -369,10 +401,7 @@ class _Bindings:
                     first = time.perf_counter() - start
                 if ended:
                     break
-            self.ids.set_logical_shape((1, 1))
-            if self.positions is not None:
-                self.positions.set_logical_shape((1, 1))
-            self.mask.set_logical_shape(self._next_mask_shape(step, length))
+            self._advance(step, length, run is None)
         drained = self.tokens.read_logical()
         if not read_each:
             tokens = [int(t) for t in drained[:steps]]

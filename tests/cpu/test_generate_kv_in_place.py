@@ -55,16 +55,21 @@ def test_each_step_writes_its_rows_at_a_fixed_address(monkeypatch):
     generator = generate.Generator(path, providers=[CPU])
     session = generator.session
     seen: list[tuple] = []
-    run = session.run_with_device_bindings
+    prepare = session.prepare_device_binding_run
 
-    def watch(bindings, *args, **kwargs):
-        results = run(bindings, *args, **kwargs)
+    def prepared(bindings, *args, **kwargs):  # the host loop's steps go through the prepared run
+        run = prepare(bindings, *args, **kwargs)
         cache = next(b for b in bindings if b.output_name == "present.0.key")
-        whole = cache.host_array()[: np.prod(cache.physical_shape)].reshape(cache.physical_shape)
-        seen.append((cache.buffer.ptr, cache.logical_shape, whole.copy()))
-        return results
 
-    monkeypatch.setattr(session, "run_with_device_bindings", watch)
+        def watch(*step_args):
+            results = run(*step_args)
+            whole = cache.host_array()[: np.prod(cache.physical_shape)].reshape(cache.physical_shape)
+            seen.append((cache.buffer.ptr, cache.logical_shape, whole.copy()))
+            return results
+
+        return watch
+
+    monkeypatch.setattr(session, "prepare_device_binding_run", prepared)
     generator.generate(PROMPT, 6)
     assert len({ptr for ptr, _shape, _rows in seen}) == 1
     assert [shape[2] for _ptr, shape, _rows in seen] == [len(PROMPT) + step for step in range(6)]

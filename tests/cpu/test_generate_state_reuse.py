@@ -92,3 +92,29 @@ def test_generations_on_several_threads_each_get_their_own_state():
         thread.join()
     assert all(tokens == expected[new] for new, runs in got.items() for tokens in runs)
     assert all(len(runs) == 6 for runs in got.values())
+
+
+def test_the_host_loop_lays_its_bindings_out_once_and_refuses_a_released_one(monkeypatch):
+    from onnx_runtime.errors import InvalidArgumentError
+    from onnx_runtime.session import device_binding_run
+
+    path = _model("gpt2.dynamo.fp32")
+    generator = Generator(path, providers=[CPU])
+    laid: list = []
+    layout = device_binding_run._layout  # noqa: SLF001  (wrapped to count the layouts made or looked up)
+
+    def counted(*args):
+        laid.append(args[1])
+        return layout(*args)
+
+    monkeypatch.setattr(device_binding_run, "_layout", counted)
+    expected = onnxruntime_greedy(path, PROMPT, 20)
+    assert generator.generate(PROMPT, 20).tokens == expected
+    assert generator.generate(PROMPT, 20).tokens == expected
+    assert len(laid) == 1  # one state, prepared once: no per-step lookup
+    state = generator._kept  # noqa: SLF001
+    assert state is not None and state.prepared is not None
+    state.caches[0].close()
+    with pytest.raises(InvalidArgumentError, match="was released; prepare the run again"):
+        state.prepared(True)
+    generator.close()

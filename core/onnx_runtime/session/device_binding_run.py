@@ -164,6 +164,24 @@ def run_with_device_bindings(session: SessionSide, bindings, input_feed: dict | 
     return [_host(value) for value in values[:count]]
 
 
+def prepared_host_run(session: SessionSide, bindings, output_names) -> Callable[[bool], list] | None:
+    """:func:`run_with_device_bindings` for a loop that binds the same host buffers at every call (a decode loop's):
+    the bindings are laid out and checked once, here; the callable takes ``single_token_step`` and runs as that
+    function does, without the per-call layout lookup. None unless every binding is in host memory and every
+    provider is a host one (the caller then runs each step through :func:`run_with_device_bindings`)."""
+    bindings = tuple(bindings)
+    layout = _layout(session, bindings, output_names)
+    if not layout.host:
+        return None
+
+    def run(single_token_step: bool = False) -> list:
+        if not layout.holds(bindings):
+            raise InvalidArgumentError("a device binding of this prepared run was released; prepare the run again")
+        return _run_on_host(session, layout, bindings, single_token_step)
+
+    return run
+
+
 def _finish(layout: _Layout, bindings: tuple, values, tail: device_step.CapturedTail | None,
             epilogue: device_step.StepEpilogue | None) -> None:
     """The bound outputs written and the epilogue launched, unless the replayed graph did both."""
