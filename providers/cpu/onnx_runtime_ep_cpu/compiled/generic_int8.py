@@ -40,6 +40,13 @@ def fake_quantize(x, scale, zero, low, high, out):
     out[...] = np.where(np.isnan(v), (_F32(0) - z) * s, (v - z) * s)
 
 
+def grid_lookup(x, scale, zero, low, high, table, out):
+    s, z = _F32(scale), _F32(zero)
+    v = _codes(x, s, z, _F32(low), _F32(high))
+    index = np.where(np.isnan(v), z, v) - _F32(low)
+    out[...] = table[index.astype(np.int64)]
+
+
 def dynamic_parameters(x):
     """compiled/quantize.dynamic_parameters: the float32 (scale, zero point) of a flat float32 array."""
     low = _F32(np.fmin.reduce(x, initial=_F32(0)))  # fmin skips NaN, as the loop's comparisons do
@@ -217,6 +224,7 @@ GENERIC_INT8 = {
     _COMPILED + "quantize.quantize": quantize,
     _COMPILED + "quantize.dequantize": dequantize,
     _COMPILED + "quantize.fake_quantize": fake_quantize,
+    _COMPILED + "quantize.grid_lookup": grid_lookup,
     _COMPILED + "quantize.dynamic_quantize": dynamic_quantize,
     _COMPILED + "qgemm.pack_columns": pack_columns,
     _COMPILED + "qgemm_tiles.pack_pairs": pack_pairs,

@@ -76,6 +76,20 @@ def fake_quantize(x, scale, zero, low, high, out):
 
 
 @jit
+def grid_lookup(x, scale, zero, low, high, table, out):
+    """out[i] = table[code(x[i]) - low] for flat float32 ``x`` on a per-tensor grid: the code as QuantizeLinear
+    makes it (x / scale in float32, half to even, plus the zero point, saturated; NaN the zero point's code),
+    which on a grid value (code - zero) * scale is that code again."""
+    s, z, lo, hi = np.float32(scale), np.float32(zero), np.float32(low), np.float32(high)
+    nan_at = np.int64(z - lo)
+    for i in range(x.shape[0]):
+        v = np.rint(x[i] / s) + z
+        v = lo if v < lo else v
+        v = hi if v > hi else v
+        out[i] = table[np.int64(v - lo)] if v == v else table[nan_at]
+
+
+@jit
 def value_range(x):
     """(min, max) of a flat float32 array, each widened to include 0 (DynamicQuantizeLinear's range).
     NaN is skipped, as the comparisons are false for it."""

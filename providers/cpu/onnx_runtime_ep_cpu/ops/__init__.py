@@ -59,6 +59,7 @@ FAMILIES = {
         "RandomUniformLike Range"
     ),
     "gradient": "ai.onnx.preview.training:Gradient",
+    "grid_table": "ai.onnx_runtime.cpu:GridTable",
     "image": "AffineGrid CenterCropPad Col2Im DeformConv GridSample ImageDecoder MaxUnpool",
     "linalg": "Einsum Gemm MatMul ai.onnx_runtime.cpu:FusedMatMul",
     "loss": "NegativeLogLikelihoodLoss SoftmaxCrossEntropyLoss",

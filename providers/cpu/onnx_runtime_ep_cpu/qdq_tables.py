@@ -1,0 +1,213 @@
+"""Grid tables: in a QDQ model, a float chain that reads one tensor on an 8-bit grid and constant scalars is a
+function of that tensor's 256 codes, run as one table lookup (ops/grid_table.py).
+
+quantize_static rounds every activation to its grid (QuantizeLinear -> DequantizeLinear, one QuantizeDequantize
+node after qdq_fusions.fuse_quantize_dequantize). GPT-2's tanh GELU is then Pow, Mul, Add, Mul, Tanh, Add, Mul,
+Mul with a rounding after each: sixteen steps over small float tensors per layer, every one of whose results is
+a function of the one code of the product it reads (both operands of Add(x, f(x)) and Mul(x, g(x)) are
+functions of x's code). LLaMA's SiLU gate (Sigmoid, rounding) is another. Each such result becomes one GridTable
+node: the chain's own node kernels run once on the grid's 256 values, then each element's code picks its entry.
+
+The root is a float32 tensor whose every value lies on a per-tensor 8-bit grid with a float32 scale: the output
+of a QuantizeDequantize, or of a dequantizing QuantizedMatMul/QuantizedConv (qdq_fusions.absorb_dequantize; a
+rounded add's grid where it has one). A grid value is the float32 product (code - zero) * scale, which both
+make exactly, and from which QuantizeLinear's division gives the code back. Chain nodes are elementwise, with
+one output that no subgraph reads and that is no graph output, and every input the root, a chain value or a
+constant of one element (so no broadcast moves an element). The values are the chain's own kernels' on the same
+float32 inputs, element by element.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx_runtime.ir import Graph, Node
+
+from .fusions import FUSED_DOMAIN, GraphView, owned
+from .registry import NEEDS, lookup
+
+_F32 = np.dtype(np.float32)
+_EIGHT_BIT = frozenset({np.dtype(np.uint8), np.dtype(np.int8)})
+MIN_NODES = 2  # one node already makes one pass
+
+# Float operators whose every output element depends only on the same element of each input.
+_ELEMENTWISE = frozenset({
+    "Abs", "Add", "Ceil", "Celu", "Clip", "Cos", "Div", "Elu", "Erf", "Exp", "Floor", "Gelu", "HardSigmoid",
+    "HardSwish", "Identity", "LeakyRelu", "Log", "Max", "Min", "Mish", "Mul", "Neg", "Pow", "Reciprocal", "Relu",
+    "Round", "Selu", "Sigmoid", "Sin", "Softplus", "Softsign", "Sqrt", "Sub", "Tanh", "ThresholdedRelu",
+})
+_FUSED_ELEMENTWISE = frozenset({"QuantizeDequantize", "RoundedGelu"})
+_GROUPS = frozenset({"QuantizedMatMul", "QuantizedConv"})
+
+
+def _grid_pair(view: GraphView, scale: str, zero: str) -> tuple | None:
+    """(scale name, zero name) of a per-tensor 8-bit grid with a float32 scale, else None."""
+    s, z = view.const(scale), view.const(zero)
+    if s is None or z is None or s.size != 1 or z.size != 1 or s.dtype != _F32 or z.dtype not in _EIGHT_BIT:
+        return None
+    return scale, zero
+
+
+# Operators whose outputs hold only values of their first input: on its grid when it is.
+_MOVING = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Expand", "Slice",
+                     "Gather", "Split"})
+_FUSED_MOVING = frozenset({"ReshapeTranspose", "TransposeReshape"})
+
+
+def grid_of(view: GraphView, name: str, depth: int = 0) -> tuple | None:
+    """(scale name, zero name) of the per-tensor grid every value of ``name`` lies on, as its producer makes it
+    (through data movement); else None."""
+    node = view.producer.get(name)
+    if node is None or depth > 8:
+        return None
+    if (node.op_type in _MOVING and node.domain in ("", "ai.onnx")) \
+            or (node.op_type in _FUSED_MOVING and node.domain == FUSED_DOMAIN):
+        return grid_of(view, node.inputs[0], depth + 1)
+    if node.domain != FUSED_DOMAIN or node.outputs[0] != name:
+        return None
+    if node.op_type == "QuantizeDequantize" and len(node.inputs) == 3 and node.inputs[2]:
+        return _grid_pair(view, node.inputs[1], node.inputs[2])
+    if node.op_type in _GROUPS and node.attr("dequantize", 0):
+        if node.op_type == "QuantizedMatMul" and len(node.inputs) > 9:  # the rounded add's grid
+            return _grid_pair(view, node.inputs[10], node.inputs[11]) if len(node.inputs) == 12 else None
+        return _grid_pair(view, node.inputs[6], node.inputs[7]) if len(node.inputs) > 7 else None
+    return None
+
+
+# A convolution's activations run inside compiled segments (segment_fusions.py) that round them in place: a
+# table there would cut the segment (mobilenetv3 QDQ went from 4 steps to 28, 185 -> 335 us).
+_CONVOLUTIONS = frozenset({"Conv", "ConvTranspose", "QuantizedConv", "FusedConv", "GlobalAveragePool",
+                           "AveragePool", "MaxPool"})
+
+
+def _by_convolution(view: GraphView, name: str) -> bool:
+    """Whether ``name`` is a convolution's or pooling's output, rounded (through data movement) or not."""
+    node = view.producer.get(name)
+    for _ in range(8):
+        if node is None:
+            return False
+        if node.op_type in _CONVOLUTIONS:
+            return True
+        if node.op_type not in _MOVING | _FUSED_MOVING | {"QuantizeDequantize"}:
+            return False
+        node = view.producer.get(node.inputs[0])
+    return False
+
+
+def _elementwise(node: Node) -> bool:
+    if node.domain == FUSED_DOMAIN:
+        return node.op_type in _FUSED_ELEMENTWISE
+    return node.domain in ("", "ai.onnx") and node.op_type in _ELEMENTWISE
+
+
+class _Chains:
+    def __init__(self, graph: Graph, owns):
+        self.graph, self.owns = graph, owns
+        self.view = GraphView(graph)
+        self.source: dict[str, str] = {}  # value -> the grid tensor it is a function of
+        self.members: dict[str, list[Node]] = {}  # grid tensor -> its chain's nodes, in graph order
+        self.grids: dict[str, tuple | None] = {}
+
+    def grid(self, name: str) -> tuple | None:
+        if name not in self.grids:
+            self.grids[name] = None if _by_convolution(self.view, name) else grid_of(self.view, name)
+        return self.grids[name]
+
+    def scalar(self, name: str) -> bool:
+        value = self.view.const(name)
+        return value is not None and value.size == 1 and value.ndim <= 1
+
+    def take(self, node: Node) -> None:
+        """Adds ``node`` to the chain of the one grid tensor its non-constant inputs are functions of."""
+        if not _elementwise(node) or node.subgraphs() or len(node.outputs) != 1 or not owned(self.owns, [node]) \
+                or node.outputs[0] in self.view.outputs or node.outputs[0] in self.view.inner_reads:
+            return
+        factory = lookup(node.op_type, node.domain, node.opset)
+        if factory is None or NEEDS.get(factory) or any("," in n or "|" in n for n in [*node.inputs, *node.outputs]):
+            return  # (the table's attributes spell a node's values with those separators)
+        roots = set()
+        for name in node.inputs:
+            if not name or self.scalar(name):
+                continue
+            if name in self.source:
+                roots.add(self.source[name])
+            elif self.grid(name) is not None:
+                roots.add(name)
+            else:
+                return
+        if len(roots) != 1:
+            return
+        root = roots.pop()
+        self.source[node.outputs[0]] = root
+        self.members.setdefault(root, []).append(node)
+
+    def ends(self, root: str) -> list[tuple[str, list[Node]]]:
+        """The chain's float32 results that nodes outside it read, each with the chain nodes it depends on, where
+        it depends on at least MIN_NODES of them."""
+        nodes = self.members[root]
+        inside = {id(n) for n in nodes}
+        made = {n.outputs[0]: n for n in nodes}
+        order = {id(n): i for i, n in enumerate(nodes)}
+        found = []
+        for node in nodes:
+            value = node.outputs[0]
+            info = self.graph.type_of(value)
+            outside = [r for r in self.view.consumers.get(value, []) if id(r) not in inside]
+            if not outside or any(r.op_type in _CONVOLUTIONS for r in outside) or info is None \
+                    or info.dtype is None or info.dtype.numpy != _F32:
+                continue
+            cone, stack, seen = [], [node], set()
+            while stack:
+                current = stack.pop()
+                if id(current) in seen:
+                    continue
+                seen.add(id(current))
+                cone.append(current)
+                stack.extend(made[i] for i in current.inputs if i in made)
+            if len(cone) >= MIN_NODES:
+                found.append((value, sorted(cone, key=lambda n: order[id(n)])))
+        return found
+
+
+def _table_node(graph: Graph, root: str, grid: tuple, value: str, cone: list[Node]) -> Node:
+    """The chain in plain attributes (a graph attribute would make it control flow to the session's shape
+    analysis, and every shape after it unknown): per node ``chain`` "domain:op_type:opset", ``wiring`` its input
+    names then its output after "|", and its attributes as ``{index}.{name}``; ``names`` the body's inputs
+    (the root, then the constants in input order after scale and zero point), ``result`` the value made."""
+    constants = []
+    for node in cone:
+        for name in node.inputs:
+            if name and name != root and name not in constants and name in graph.initializers:
+                constants.append(name)
+    attrs: dict = {"chain": [f"{n.domain}:{n.op_type}:{n.opset}" for n in cone],
+                   "wiring": [",".join(n.inputs) + "|" + n.outputs[0] for n in cone],
+                   "names": [root, *constants], "result": value}
+    for index, node in enumerate(cone):
+        attrs.update({f"{index}.{key}": v for key, v in (node.attrs or {}).items()})
+    return Node("GridTable", [root, *grid, *constants], [value], name=f"{cone[-1].name or cone[-1].op_type}/grid_table",
+                domain=FUSED_DOMAIN, attrs=attrs, opset=1)
+
+
+def fuse_grid_tables(graph: Graph, owns=None) -> bool:
+    """Each result of the module doc's chains becomes a GridTable node where its last node was; chain nodes
+    nothing reads any more go."""
+    if not any(n.op_type == "QuantizeDequantize" and n.domain == FUSED_DOMAIN for n in graph.nodes):
+        return False
+    chains = _Chains(graph, owns)
+    for node in graph.nodes:
+        chains.take(node)
+    replaced: dict[int, Node] = {}
+    for root in chains.members:
+        for value, cone in chains.ends(root):
+            replaced[id(chains.view.producer[value])] = _table_node(graph, root, chains.grid(root), value, cone)
+    if not replaced:
+        return False
+    nodes = [replaced.get(id(n), n) for n in graph.nodes]
+    chained = {id(n) for members in chains.members.values() for n in members}
+    while True:  # chain nodes whose values no one reads now (the tables read the grid tensors themselves)
+        read = {name for n in nodes for name in n.inputs} | chains.view.outputs | chains.view.inner_reads
+        kept = [n for n in nodes if id(n) not in chained or any(o in read for o in n.outputs)]
+        if len(kept) == len(nodes):
+            break
+        nodes = kept
+    graph.nodes = nodes
+    return True
