@@ -45,13 +45,13 @@ def _frozen(rng, *shape):
 def test_repeated_frames_follow_each_calls_input_and_states(monkeypatch, direction):
     fast_calls = []
     compiled = recurrent._CompiledLSTM  # noqa: SLF001 (a white-box count of the recorded-signature calls)
-    original = compiled._one_direction  # noqa: SLF001
+    original = compiled.one_direction
 
     def spy(self, *args):
         fast_calls.append(1)
         return original(self, *args)
 
-    monkeypatch.setattr(compiled, "_one_direction", spy)
+    monkeypatch.setattr(compiled, "one_direction", spy)
     rng = np.random.default_rng(7)
     inputs, hidden = 24, 16
     w, r, b = _frozen(rng, 1, 4 * hidden, inputs), _frozen(rng, 1, 4 * hidden, hidden), _frozen(rng, 1, 8 * hidden)

@@ -245,6 +245,11 @@ def gru(node, shapes, opset):
     outputs = len(node.outputs)
 
     def kernel(x, w, r, b=None, seq_lens=None, h0=None):
+        fast = compiled.fast if compiled is not None else None
+        if fast is not None and fast[0] is w and fast[1] is r and fast[2] is b and seq_lens is None \
+                and x.shape == fast[3] and x.dtype is fast[4] and x.flags.c_contiguous \
+                and (None if h0 is None else h0.shape) == fast[5]:
+            return compiled.one_direction(x, h0, fast)[:outputs]  # (a repeat of a checked streaming frame)
         if compiled is not None and seq_lens is None and x.dtype in COMPILED_DTYPES and w.dtype == x.dtype \
                 and r.dtype == x.dtype and x.ndim == 3 and x.shape[0 if spec.layout else 1] <= _COMPILED_BATCH:
             found = compiled(x, w, r, b, h0)
@@ -286,6 +291,11 @@ def lstm(node, shapes, opset):
     outputs = len(node.outputs)
 
     def kernel(x, w, r, b=None, seq_lens=None, h0=None, c0=None, p=None):
+        fast = compiled.fast if compiled is not None else None
+        if fast is not None and fast[0] is w and fast[1] is r and fast[2] is b and seq_lens is None and p is None \
+                and x.shape == fast[3] and x.dtype is fast[4] and x.flags.c_contiguous and h0 is not None \
+                and c0 is not None and h0.shape == fast[5] and c0.shape == fast[5]:
+            return compiled.one_direction(x, h0, c0, fast)[:outputs]  # (a repeat of a checked streaming frame)
         if compiled is not None and p is None and seq_lens is None and x.dtype in COMPILED_DTYPES \
                 and w.dtype == x.dtype and r.dtype == x.dtype and x.ndim == 3 \
                 and x.shape[0 if spec.layout else 1] <= _COMPILED_BATCH:
@@ -354,7 +364,8 @@ class _CompiledRecurrence:
         # may run from several threads)
         self.kept: tuple = (None, None, None, None, None)
         self.backward = [spec.direction == "reverse" or d == 1 for d in range(spec.num_directions)]
-        self.fast: tuple | None = None  # (W, R, B, X's shape and dtype, the states' shape, ..., the weights)
+        # (W, R, B, X's shape and dtype, the states' shape, ..., the weights, Y's shapes, the loop's last arguments)
+        self.fast: tuple | None = None
         self.tried = False  # a compiled call has run whole (see stepped)
 
     def _weights(self, w, r, b, hidden: int, dtype) -> list:
@@ -396,7 +407,7 @@ class _CompiledLSTM(_CompiledRecurrence):
         if fast is not None and fast[0] is w and fast[1] is r and fast[2] is b and x.shape == fast[3] \
                 and x.dtype is fast[4] and x.flags.c_contiguous and _state_shape(h0) == fast[5] \
                 and _state_shape(c0) == fast[5]:
-            return self._one_direction(x, h0, c0, fast)
+            return self.one_direction(x, h0, c0, fast)
         spec = self.spec
         dtype = x.dtype
         xs = np.swapaxes(x, 0, 1) if spec.layout else x
@@ -428,19 +439,18 @@ class _CompiledLSTM(_CompiledRecurrence):
             return [y.transpose(2, 0, 1, 3), np.swapaxes(h, 0, 1), np.swapaxes(c, 0, 1)]
         if dirs == 1 and weights is self.kept[4] and not projected and self.tried:
             # (checked above for this signature: later calls with it skip the checks and the layout moves)
-            self.fast = (w, r, b, x.shape, dtype, shape, weights[0])
+            self.fast = (w, r, b, x.shape, dtype, shape, weights[0], ((seq, 1, batch, hidden), (seq, batch, hidden)),
+                         (self.backward[0], False, dtype is _FLOAT32))
         return [y, h, c]
 
-    def _one_direction(self, x, h0, c0, fast) -> list:
+    def one_direction(self, x, h0, c0, fast) -> list:
         """A call with the signature ``fast`` records (one forward or reverse direction, layout 0, few steps,
         constant weights), whose checks passed: fresh states, the loop, the outputs."""
-        _w, _r, _b, _shape, dtype, shape, (wd, rd, bias) = fast
+        dtype, shape, (wd, rd, bias), (y_shape, rows), tail = fast[4], fast[5], fast[6], fast[7], fast[8]
         h = np.zeros(shape, dtype) if h0 is None else np.array(h0, dtype=dtype, order="C")
         c = np.zeros(shape, dtype) if c0 is None else np.array(c0, dtype=dtype, order="C")
-        seq = x.shape[0]
-        y = np.empty((seq, 1, shape[1], shape[2]), dtype)
-        self.steps(x, wd, rd, bias, h[0], c[0], y.reshape(seq, shape[1], shape[2]), self.backward[0], False,
-                   dtype is _FLOAT32)
+        y = np.empty(y_shape, dtype)
+        self.steps(x, wd, rd, bias, h[0], c[0], y.reshape(rows), *tail)
         return [y, h, c]
 
 
@@ -504,17 +514,16 @@ class _CompiledGRU(_CompiledRecurrence):
         fast = self.fast
         if fast is not None and fast[0] is w and fast[1] is r and fast[2] is b and x.shape == fast[3] \
                 and x.dtype is fast[4] and x.flags.c_contiguous and _state_shape(h0) == fast[5]:
-            return self._one_direction(x, h0, fast)
+            return self.one_direction(x, h0, fast)
         return self._checked(x, w, r, b, h0)
 
-    def _one_direction(self, x, h0, fast) -> list:
+    def one_direction(self, x, h0, fast) -> list:
         """A call with the signature ``fast`` records (one direction, layout 0, few steps, constant weights, the
         loop tried), whose checks passed: a fresh state, the loop, the outputs."""
-        shape, (wd, rd, w_bias, r_bias) = fast[5] or fast[6], fast[7]
-        h = np.zeros(shape, x.dtype) if h0 is None else np.array(h0, dtype=x.dtype, order="C")
-        y = np.empty((x.shape[0], 1, shape[1], shape[2]), x.dtype)
-        self.steps(x, wd, rd, w_bias, r_bias, h[0], y.reshape(x.shape[0], shape[1], shape[2]), self.backward[0],
-                   False, self.linear_before_reset, x.dtype is _FLOAT32)
+        dtype, shape, (wd, rd, w_bias, r_bias), (y_shape, rows), tail = fast[4], fast[6], fast[7], fast[8], fast[9]
+        h = np.zeros(shape, dtype) if h0 is None else np.array(h0, dtype=dtype, order="C")
+        y = np.empty(y_shape, dtype)
+        self.steps(x, wd, rd, w_bias, r_bias, h[0], y.reshape(rows), *tail)
         return [y, h]
 
     def _checked(self, x, w, r, b, h0) -> list | None:
@@ -545,7 +554,9 @@ class _CompiledGRU(_CompiledRecurrence):
             return [y.transpose(2, 0, 1, 3), np.swapaxes(h, 0, 1)]
         if dirs == 1 and not projected and self.tried and self.kept[4] is not None and self.kept[0] is w:
             # (checked above for this signature: later calls with it skip the checks and the layout moves)
-            self.fast = (w, r, b, x.shape, x.dtype, _state_shape(h0), (dirs, batch, hidden), self.kept[4][0])
+            self.fast = (w, r, b, x.shape, x.dtype, _state_shape(h0), (dirs, batch, hidden), self.kept[4][0],
+                         ((seq, 1, batch, hidden), (seq, batch, hidden)),
+                         (self.backward[0], False, self.linear_before_reset, x.dtype is _FLOAT32))
         return [y, h]
 
 
