@@ -37,6 +37,7 @@ from .conv_depthwise import (
 from .conv_depthwise_small import FlatDepthwise, PairsDepthwise, flat_depthwise_apply, pairs_depthwise_apply
 from .conv_direct import DirectConv, direct_tiles_apply, direct_tiles_before_packed
 from .conv_packed import PackedConv, packed_conv_applies
+from .conv_pointwise_batch import PointwiseBatch, pointwise_batch_applies
 from .precision import compute_dtype
 from .prepared import Prepared
 from .products import GEMV_ROWS, few_rows_product
@@ -136,7 +137,7 @@ def compiled_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, pr
     """``build() -> (compute, blocks)`` of the compiled convolution (packed, direct tiles, depthwise lanes or
     loop) that takes this geometry, whose modules import numba; None where none does."""
     c, m = x.shape[1], w.shape[0]
-    if pixel_product_applies(geo, group, x):  # (numpy_compute's first choice)
+    if pixel_product_applies(geo, group, x) or pointwise_batch_applies(geo, group, x, w):  # (numpy_compute's)
         return None
     direct = direct_tiles_apply(geo, group, x, w)
     if packed_conv_applies(geo, group, x) and not (direct and direct_tiles_before_packed(geo, w, group)):
@@ -188,6 +189,8 @@ def numpy_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepa
 
         compute.bind = bind
         return compute, False
+    if pointwise_batch_applies(geo, group, x, w):
+        return PointwiseBatch(geo, prepared, dtype), False
     if group == c and group > 1:
         def compute(xc, w, b):
             return conv_depthwise(xc, grouped(w, b), geo, b is not None)
@@ -248,6 +251,8 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
         # arguments are the caller's, not the tried call's: tried again until one such call ran (ops/conv.py).
         path.direct = compute if isinstance(compute, _DIRECT) else None
         path.direct_tried = False
+        # whether its ``bind`` applies a finish's residual too (the others' binds are not given one)
+        path.binds_residual = getattr(compute, "binds_residual", False)
 
     def path(x, w, b, finish, out=None, shuffle=None):
         """The convolution; with ``out`` (the output's shape and dtype), written there (in place by the

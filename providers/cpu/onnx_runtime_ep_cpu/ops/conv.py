@@ -77,7 +77,10 @@ def _bind(resolve, inputs, outputs, constant, bounds, hard_swish, prepare):
     if isinstance(direct, LanesDepthwise) and z is None:  # (AVX2 hosts) as convolve calls it: run straight
         return direct.bind_run(x, w, b, bounds, hard_swish, y)
     if z is not None:
-        return None
+        if not (path.binds_residual and prepare is not None and takes_compiled(x) and z.shape == out_shape
+                and z.dtype == x.dtype):
+            return None
+        return path.bind(x, w, None, prepare(b, z, x.dtype), y)
     if hard_swish:  # (as convolve: the convolution with its bias, then HardSwish's operations in place)
         steps = path.bind(x, w, b, None, y)
         return None if steps is None else steps + hard_swish_steps(y, y)
