@@ -5,17 +5,31 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..algorithms.precision import upcast
 from ..algorithms.softmax import hardmax, log_softmax, softmax
 from ..registry import register
 from ._common import normalize_axis
 
+_FLOAT32 = np.dtype(np.float32)
+# Up to this many elements the compiled rows serve a float32 softmax (algorithms/softmax.py's own bound).
+_ROWS_LIMIT = 1 << 16
 
-def _along_axis(node, fn, default_axis: int, coerce_2d: bool):
-    """Apply ``fn(x, axis)`` per axis (opset 13+) or over the input flattened to 2-D at axis (<13)."""
+
+def _along_axis(node, fn, default_axis: int, coerce_2d: bool, rows=None):
+    """Apply ``fn(x, axis)`` per axis (opset 13+) or over the input flattened to 2-D at axis (<13). ``rows(x2, y2)``:
+    a compiled loop over the rows of a 2-D float32 array, called straight for a contiguous float32 input whose
+    rows are the axis (a streaming model's closing Softmax runs every frame on a few classes)."""
     axis = int(node.attr("axis", default_axis))
 
     def kernel(x):
+        if rows is not None and x.dtype is _FLOAT32 and 0 < x.size <= _ROWS_LIMIT and x.flags.c_contiguous \
+                and -x.ndim <= axis < x.ndim and (coerce_2d or axis % x.ndim == x.ndim - 1):
+            width = math.prod(x.shape[axis % x.ndim:])
+            y = np.empty(x.shape, _FLOAT32)
+            rows(x.reshape(-1, width), y.reshape(-1, width))
+            return (y,)
         if x.size == 0:
             return (x,)
         a = normalize_axis(node, axis, x.ndim)
@@ -31,12 +45,18 @@ def _along_axis(node, fn, default_axis: int, coerce_2d: bool):
 
 @register("Softmax", since=1)
 def softmax_1(node, shapes, opset):
-    return _along_axis(node, softmax, 1, coerce_2d=True)
+    return _along_axis(node, softmax, 1, coerce_2d=True, rows=_softmax_rows())
 
 
 @register("Softmax", since=13)
 def softmax_13(node, shapes, opset):
-    return _along_axis(node, softmax, -1, coerce_2d=False)
+    return _along_axis(node, softmax, -1, coerce_2d=False, rows=_softmax_rows())
+
+
+def _softmax_rows():
+    from ..compiled import transformer  # (numba itself loads at the loop's first call)
+
+    return transformer.softmax_rows_float32_
 
 
 @register("LogSoftmax", since=1)
