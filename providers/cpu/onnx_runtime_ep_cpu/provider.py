@@ -24,6 +24,7 @@ from .threads import apply_thread_settings
 # The fusion passes, by the module that defines each list: imported at the first use of a list (this module's
 # attribute, so a test may replace one), since a session whose plan is cached (onnx_runtime/plan_cache.py) runs none.
 _PASS_MODULES = {"PRECISION_PASSES": "precision_fusions", "QDQ_PASSES": "qdq_fusions", "PASSES": "fusions",
+                 "DYNAMIC_CONV_PASSES": "dynamic_conv_fusions",
                  "CONV_PASSES": "conv_fusions", "DECODER_PASSES": "decoder_fusions", "HEADS_PASSES": "attention_heads",
                  "RECURRENT_PASSES": "recurrent_fusions", "SPECTRAL_PASSES": "spectral_fusions"}
 
@@ -86,7 +87,8 @@ class CPUExecutionProvider:
         # PRECISION_PASSES run before the generic optimizer; decoder passes read what PASSES fuse, and the heads
         # pass the layout pairs decoder passes make
         this = sys.modules[__name__]
-        return [*this.PRECISION_PASSES, *this.QDQ_PASSES, *this.RECURRENT_PASSES, *this.SPECTRAL_PASSES, *this.PASSES,
+        return [*this.PRECISION_PASSES, *this.QDQ_PASSES, *this.DYNAMIC_CONV_PASSES, *this.RECURRENT_PASSES,
+                *this.SPECTRAL_PASSES, *this.PASSES,
                 *this.CONV_PASSES, *this.DECODER_PASSES, *this.HEADS_PASSES]
 
     @hookimpl

@@ -40,6 +40,7 @@ FAMILIES = {
     "segment": "ai.onnx_runtime.cpu:FusedSegment",
     "spectrum": "ai.onnx_runtime.cpu:SpectralMagnitude",
     "dropout": "Dropout",
+    "dynamic_quantize_conv": "ai.onnx_runtime.cpu:DynamicQuantizeConv",
     "dynamic_quantize_group": "ai.onnx_runtime.cpu:DynamicQuantizeMatMulGroup",
     "patch_embedding": "ai.onnx_runtime.cpu:PatchEmbedding",
     "projection_group": "ai.onnx_runtime.cpu:ProjectionGroup",

@@ -1,0 +1,79 @@
+"""A dynamically quantized convolution in one call (ops/dynamic_quantize_conv.py): onnxruntime's dynamic
+quantization writes each Conv as DynamicQuantizeLinear -> ConvInteger -> Cast -> Mul by the scales' product
+(-> bias Add). Here the input is quantized as DynamicQuantizeLinear does (one scale and zero point over all of
+it), its codes gathered into patch rows (padding takes the zero point's code, as ConvInteger pads), and the
+rows multiplied by the packed weight with scaled_product's exact int32 accumulation and float64 rescaling.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import jit
+from .qgemm import scaled_product
+from .quantize import dynamic_parameters
+
+
+@jit
+def _padded_codes(x, scale, zero, top, bottom, left, right):
+    """x's (N, C, H, W) DynamicQuantizeLinear codes (compiled/quantize.dynamic_quantize's arithmetic) in a flat
+    (N, C, H + top + bottom, W + left + right) buffer whose border holds the zero point's code."""
+    batch, channels, height, width = x.shape
+    tall, wide = height + top + bottom, width + left + right
+    codes = np.empty(batch * channels * tall * wide, np.uint8)
+    codes[:] = np.uint8(zero)
+    flat = x.reshape(-1)
+    for line in range(batch * channels * height):
+        plane, h = line // height, line % height
+        source = flat[line * width:(line + 1) * width]
+        start = (plane * tall + h + top) * wide + left
+        target = codes[start:start + width]
+        for w in range(width):
+            v = np.rint(source[w] / scale) + zero
+            v = np.float32(0) if v < 0 else v
+            v = np.float32(255) if v > 255 else v
+            target[w] = np.int32(v) if v == v else 0
+    return codes
+
+
+@jit
+def _patch_rows(codes, channels, tall, wide, kh, kw, sh, sw, dh, dw, oh, ow, rows):
+    """rows[(b*OH + r)*OW + q, (c*KH + i)*KW + j] = padded[b, c, r*sh + i*dh, q*sw + j*dw] from the flat padded
+    codes (N, C, tall, wide): one gather per element through a table of the taps' offsets."""
+    depth = channels * kh * kw
+    taps = np.empty(depth, np.uint64)
+    for c in range(channels):
+        for i in range(kh):
+            for j in range(kw):
+                taps[(c * kh + i) * kw + j] = np.uint64((c * tall + i * dh) * wide + j * dw)
+    for p in range(rows.shape[0]):
+        b, spot = p // (oh * ow), p % (oh * ow)
+        r, q = spot // ow, spot % ow
+        # unsigned offsets: numba checks signed ones for wraparound, which keeps the gather from vectorizing
+        base = np.uint64((b * channels * tall + r * sh) * wide + q * sw)
+        line = rows[p]
+        for k in range(depth):
+            line[k] = codes[base + taps[k]]
+
+
+@jit
+def dynamic_conv(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, packed, pairs, b_scales, bias, out):
+    """out (N, M, OH * OW) float32 = float32(acc * (x_scale * b_scales[m or 0])) (+ bias[m] in float32), acc the
+    int32 sum over taps of (code - zero) * packed[m, tap], for float32 ``x`` (N, C, H, W) quantized as
+    DynamicQuantizeLinear does. packed (M, C*KH*KW) int16 (qgemm.pack_columns of the weight's rows) and its
+    pairs, b_scales (1,) or (M,) float64, bias (M,) or (0,) float32."""
+    scale, zero = dynamic_parameters(x.reshape(-1))
+    codes = _padded_codes(x, scale, zero, top, bottom, left, right)
+    batch, channels = x.shape[0], x.shape[1]
+    spots = oh * ow
+    rows = np.empty((batch * spots, channels * kh * kw), np.uint8)
+    _patch_rows(codes, channels, x.shape[2] + top + bottom, x.shape[3] + left + right, kh, kw, sh, sw, dh, dw, oh,
+                ow, rows)
+    columns = out.shape[1]
+    y = np.empty((batch * spots, columns), np.float32)
+    scaled_product(rows, np.int32(zero), packed, pairs, np.float64(scale), b_scales, bias, y)
+    for b in range(batch):
+        for m in range(columns):
+            target = out[b, m]
+            for p in range(spots):
+                target[p] = y[b * spots + p, m]

@@ -1,0 +1,126 @@
+"""DynamicQuantizeConv (dynamic_conv_fusions.py): onnxruntime's dynamic quantization of a Conv,
+DynamicQuantizeLinear(x) -> ConvInteger(codes, W) -> Cast to float -> Mul by Mul(x_scale, w_scale) (-> Add of
+a per-channel bias), as one node. A ViT's patch embedding and a Whisper encoder's two Conv1d paid six steps,
+the codes as a uint8 tensor and the exact float convolution of the centred codes; here one compiled call
+(compiled/dynamic_conv.py) quantizes, gathers patch rows and multiplies them by the packed weight in int32.
+
+Inputs: X (float32, N x C x D1 [x D2]), W (8-bit, M x C x K1 [x K2], constant), w_scale (float32, one value),
+w_zero_point (W's type, one value or one per output channel, or ""), B (float32, M values, or absent).
+Attributes: Conv's (kernel_shape, strides, pads, dilations; group 1, explicit pads).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..algorithms.quantize import IntegerProduct, dynamic_uint8
+from ..fusions import FUSED_DOMAIN
+from ..registry import register
+from ._common import argument_error
+from .contrib_integer_matmul import WeightSide
+from .quantization import integer_conv
+
+_F32 = np.dtype(np.float32)
+_SCRATCH = 1 << 28  # bytes of padded codes and patch rows the compiled call may allocate
+
+
+def _ints(node, name: str, count: int, default: int) -> list[int]:
+    values = node.attr(name)
+    return [default] * count if values is None else [int(v) for v in values]
+
+
+@register("DynamicQuantizeConv", domain=FUSED_DOMAIN, since=1)
+def dynamic_quantize_conv(node, shapes, opset):
+    from ..compiled import dynamic_conv  # once here: an import statement costs each call microseconds
+
+    exact = integer_conv(node, shapes, opset)  # the unfused arithmetic, for every input the compiled call does not take
+    product = IntegerProduct()
+    last: list = [None] * 5  # the constant inputs of the last call, then their WeightSide (or None)
+
+    def side_of(w, w_scale, w_zero_point, bias):
+        if last[0] is w and last[1] is w_scale and last[2] is w_zero_point and last[3] is bias:
+            return last[4]
+        side = None
+        if w.ndim in (3, 4) and w.dtype in (np.uint8, np.int8) and w_scale.size == 1 \
+                and (bias is None or bias.size == w.shape[0]):
+            # The weight's rows (output channels) as B's columns: taps (c, i, j) in ConvInteger's order.
+            b = w.reshape(w.shape[0], -1).T
+            side = WeightSide.of(product, np.empty((1, b.shape[0]), _F32), b, w_scale.reshape(()),
+                                 None if w_zero_point is None else w_zero_point.reshape(-1),
+                                 None if bias is None else bias.reshape(-1))
+        if all(v is None or not v.flags.writeable for v in (w, w_scale, w_zero_point, bias)):
+            last[:] = [w, w_scale, w_zero_point, bias, side]
+        return side
+
+    geometries: dict = {}  # per (X's shape, W's shape): _geometry's answer (a run repeats its shapes)
+
+    def kernel(x, w, w_scale, w_zero_point=None, bias=None):
+        side = side_of(w, w_scale, w_zero_point, bias) if x.dtype is _F32 else None
+        key = (x.shape, w.shape)
+        geometry = geometries.get(key) if side is not None else None
+        if geometry is None and side is not None:
+            _check(node, x, w, w_scale, bias)
+            geometry = _geometry(node, x.shape, w.shape)
+            if len(geometries) < 16:
+                geometries[key] = geometry
+        if geometry is None:
+            _check(node, x, w, w_scale, bias)
+            return (_unfused(exact, x, w, w_scale, w_zero_point, bias),)
+        shape4, steps, out_shape, (oh, ow) = geometry
+        out = np.empty(out_shape, _F32)
+        dynamic_conv.dynamic_conv(np.ascontiguousarray(x).reshape(shape4), *steps, oh, ow, side.packed, side.pairs,
+                                  side.scales, side.bias, out.reshape(out_shape[0], out_shape[1], oh * ow))
+        return (out,)
+
+    return kernel
+
+
+def _check(node, x, w, w_scale, bias) -> None:
+    if x.dtype != _F32:
+        raise argument_error(node, f"input 'X' is {x.dtype}; expected float32 (DynamicQuantizeLinear's input)")
+    if w_scale.dtype != _F32 or w_scale.size != 1:
+        raise argument_error(node, f"w_scale is {w_scale.dtype}{w_scale.shape}; expected one float32 value")
+    if bias is not None and (bias.dtype != _F32 or bias.size != w.shape[0]):
+        raise argument_error(node, f"bias is {bias.dtype}{bias.shape}; expected {w.shape[0]} float32 values, one "
+                                   "per output channel")
+
+
+def _geometry(node, x_shape, w_shape) -> tuple | None:
+    """(X's shape as N x C x H x W, (kh, kw, sh, sw, dh, dw, top, bottom, left, right), the output shape,
+    (OH, OW)) for the compiled call, a 1-D convolution as a 2-D one of height 1; None where it does not apply
+    (the unfused path checks those)."""
+    if len(x_shape) != len(w_shape) or 0 in x_shape or x_shape[1] != w_shape[1]:
+        return None
+    spatial = len(x_shape) - 2
+    kernel_shape = list(w_shape[2:])
+    strides = _ints(node, "strides", spatial, 1)
+    dilations = _ints(node, "dilations", spatial, 1)
+    pads = _ints(node, "pads", 2 * spatial, 0)
+    if len(strides) != spatial or len(dilations) != spatial or len(pads) != 2 * spatial:
+        return None
+    sizes = [(x_shape[2 + a] + pads[a] + pads[a + spatial] - dilations[a] * (kernel_shape[a] - 1) - 1)
+             // strides[a] + 1 for a in range(spatial)]
+    if min(sizes) <= 0:
+        return None
+    padded = x_shape[0] * x_shape[1] * math.prod(x_shape[2 + a] + pads[a] + pads[a + spatial] for a in range(spatial))
+    if padded + math.prod(sizes) * x_shape[0] * math.prod(w_shape[1:]) > _SCRATCH:
+        return None  # the unfused path, with the float convolution's own checks of such geometries
+    one = spatial == 1
+    shape4 = tuple(x_shape[:2]) + ((1,) if one else ()) + tuple(x_shape[2:])
+    (kh, kw), (sh, sw), (dh, dw) = ((([1] if one else []) + v) for v in (kernel_shape, strides, dilations))
+    top, bottom, left, right = (0, 0, pads[0], pads[1]) if one else (pads[0], pads[2], pads[1], pads[3])
+    return (shape4, (kh, kw, sh, sw, dh, dw, top, bottom, left, right), (x_shape[0], w_shape[0], *sizes),
+            (1, sizes[0]) if one else (sizes[0], sizes[1]))
+
+
+def _unfused(exact, x, w, w_scale, w_zero_point, bias) -> np.ndarray:
+    """The nodes it replaces, one by one: the codes, the exact integer convolution, its float32 value times the
+    float32 product of the scales, the bias added in float32."""
+    x_scale, x_zero, codes = dynamic_uint8(x)
+    acc = exact(codes, w, np.asarray(x_zero), w_zero_point).astype(np.int64).astype(np.int32)
+    y = acc.astype(_F32) * (x_scale * w_scale.reshape(()).astype(_F32))
+    if bias is not None:
+        y = y + bias.reshape((-1,) + (1,) * (y.ndim - 2))
+    return y.astype(_F32, copy=False)

@@ -1,0 +1,188 @@
+"""onnxruntime's dynamically quantized Conv (DynamicQuantizeLinear -> ConvInteger -> Cast -> Mul by the scales'
+product -> bias Add) as one DynamicQuantizeConv (dynamic_conv_fusions.py, ops/dynamic_quantize_conv.py): against
+a float64 reference of the quantized arithmetic (the codes, the exact integer convolution, the rescale), the
+unfused nodes and onnxruntime, on 1-D and 2-D geometries and on the zoo's ViT and Whisper exports from both torch
+exporters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx_runtime
+import onnxruntime
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx_runtime.errors import InvalidArgumentError
+
+ZOO = Path(__file__).resolve().parents[2] / "benchmarks" / ".models" / "zoo"
+
+# (input shape, weight shape, strides, pads, dilations): a ViT patch embedding, a Whisper Conv1d pair, a padded
+# strided 3x3, a dilated 1-D one
+GEOMETRIES = [
+    ((1, 3, 32, 32), (16, 3, 8, 8), [8, 8], [0, 0, 0, 0], [1, 1]),
+    ((1, 20, 30), (12, 20, 3), [1], [1, 1], [1]),
+    ((2, 12, 30), (12, 12, 3), [2], [1, 1], [1]),
+    ((2, 4, 9, 11), (8, 4, 3, 3), [2, 1], [1, 0, 2, 1], [1, 1]),
+    ((1, 5, 17), (6, 5, 3), [1], [2, 0], [2]),
+]
+
+
+def chain_model(x_shape, w_shape, strides, pads, dilations, bias=True, zero_per_channel=False, group=1) -> bytes:
+    """The nodes quantize_dynamic writes for one Conv, weights in [-64, 63] (onnxruntime's u8 x s8 kernels
+    saturate pairwise sums past that)."""
+    rng = np.random.default_rng(sum(w_shape))
+    channels = w_shape[0]
+    zero = rng.integers(-3, 4, channels).astype(np.int8) if zero_per_channel else np.int8(1)
+    inits = [numpy_helper.from_array(rng.integers(-64, 64, w_shape).astype(np.int8), "w"),
+             numpy_helper.from_array(np.float32(0.0123), "ws"),
+             numpy_helper.from_array(zero, "wz"),
+             numpy_helper.from_array(rng.standard_normal((1, channels) + (1,) * (len(w_shape) - 2))
+                                     .astype(np.float32), "b")]
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "s", "z"]),
+             helper.make_node("Mul", ["s", "ws"], ["scale"]),
+             helper.make_node("ConvInteger", ["q", "w", "z", "wz"], ["acc"], strides=strides, pads=pads,
+                              dilations=dilations, group=group),
+             helper.make_node("Cast", ["acc"], ["accf"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["accf", "scale"], ["y0" if bias else "y"])]
+    if bias:
+        nodes.append(helper.make_node("Add", ["y0", "b"], ["y"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m.SerializeToString()
+
+
+def reference(x, model: bytes) -> np.ndarray:
+    """The quantized arithmetic in float64 and int64: DynamicQuantizeLinear's codes, the integer convolution
+    tap by tap (padding with the zero point), the rescale and the bias."""
+    from onnx import load_from_string
+
+    m = load_from_string(model)
+    init = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+    conv = next(n for n in m.graph.node if n.op_type == "ConvInteger")
+    attrs = {a.name: list(a.ints) for a in conv.attribute}
+    w, wz = init["w"].astype(np.int64), init["wz"].astype(np.int64)
+    low, high = min(0.0, float(x.min())), max(0.0, float(x.max()))
+    scale = np.float32((np.float32(high) - np.float32(low)) / np.float32(255))
+    zero = float(np.clip(np.rint(-np.float32(low) / scale), 0, 255))
+    codes = np.clip(np.rint(x / scale) + zero, 0, 255).astype(np.int64) - int(zero)
+    spatial = x.ndim - 2
+    if spatial == 1:
+        codes, w = codes[:, :, None, :], w[:, :, None, :]
+        strides, dil = [1] + attrs["strides"], [1] + attrs["dilations"]
+        pads = [0, attrs["pads"][0], 0, attrs["pads"][1]]
+    else:
+        strides, dil, pads = attrs["strides"], attrs["dilations"], attrs["pads"]
+    padded = np.pad(codes, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))  # centred: pads are 0
+    wc = w - (wz.reshape(-1, 1, 1, 1) if wz.ndim else wz)
+    kh, kw = wc.shape[2:]
+    oh = (padded.shape[2] - dil[0] * (kh - 1) - 1) // strides[0] + 1
+    ow = (padded.shape[3] - dil[1] * (kw - 1) - 1) // strides[1] + 1
+    acc = np.zeros((x.shape[0], w.shape[0], oh, ow), np.int64)
+    for i in range(kh):
+        for j in range(kw):
+            window = padded[:, :, i * dil[0]:i * dil[0] + strides[0] * (oh - 1) + 1:strides[0],
+                            j * dil[1]:j * dil[1] + strides[1] * (ow - 1) + 1:strides[1]]
+            acc += np.einsum("nchw,mc->nmhw", window, wc[:, :, i, j])
+    y = acc * (np.float64(scale) * np.float64(init["ws"]))
+    if "b" in init and any(n.op_type == "Add" for n in m.graph.node):
+        y = y + init["b"].reshape(1, -1, 1, 1).astype(np.float64)
+    return y.reshape(y.shape[:2] + y.shape[3:]) if spatial == 1 else y
+
+
+def ops(session) -> list[str]:
+    return [n.op_type for n in session.placement()]
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g[1])) if len(g) > 3 else None)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("zero_per_channel", [False, True])
+def test_fused_conv_matches_reference_and_onnxruntime(geometry, bias, zero_per_channel):
+    model = chain_model(*geometry, bias=bias, zero_per_channel=zero_per_channel)
+    session = onnx_runtime.InferenceSession(model, providers=["cpu"])
+    assert ops(session) == ["DynamicQuantizeConv"]
+    # onnxruntime's ConvInteger takes a per-tensor weight zero point only
+    oracle = None if zero_per_channel else onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(7)
+    for scale, shift in ((1.0, 0.0), (3.0, 2.0), (0.5, -1.0)):
+        x = (rng.standard_normal(geometry[0]) * scale + shift).astype(np.float32)
+        ours = session.run(None, {"x": x})[0]
+        exact = reference(x, model)
+        assert ours.shape == exact.shape
+        # one float32 rounding of the rescaled sum (and of the bias addition) apart from the float64 value
+        bound = 4 * np.finfo(np.float32).eps * (np.abs(exact).max() + 1)
+        np.testing.assert_allclose(ours, exact, rtol=0, atol=bound)
+        if oracle is not None:
+            np.testing.assert_allclose(ours, oracle.run(None, {"x": x})[0], rtol=0, atol=2 * bound)
+
+
+def test_all_zero_input_and_extreme_values():
+    model = chain_model(*GEOMETRIES[1])
+    session = onnx_runtime.InferenceSession(model, providers=["cpu"])
+    oracle = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
+    for x in (np.zeros((1, 20, 30), np.float32), np.full((1, 20, 30), 1e30, np.float32),
+              np.linspace(-5, 0, 600, dtype=np.float32).reshape(1, 20, 30)):
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], oracle.run(None, {"x": x})[0],
+                                   rtol=1e-5, atol=1e-5 * (np.abs(x).max() + 1))
+
+
+def test_grouped_conv_stays_unfused():
+    model = chain_model((1, 4, 10), (4, 2, 3), [1], [1, 1], [1], group=2)
+    session = onnx_runtime.InferenceSession(model, providers=["cpu"])
+    assert "DynamicQuantizeConv" not in ops(session) and "ConvInteger" in ops(session)
+    x = np.random.default_rng(3).standard_normal((1, 4, 10)).astype(np.float32)
+    oracle = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], oracle.run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_names_a_wrong_input_type():
+    from onnx_runtime.ir import Node
+    from onnx_runtime_ep_cpu.ops.dynamic_quantize_conv import dynamic_quantize_conv
+
+    node = Node("DynamicQuantizeConv", ["x", "w", "s", "z"], ["y"], name="patch", domain="ai.onnx_runtime.cpu",
+                attrs={"strides": [1], "pads": [0, 0], "dilations": [1]}, opset=1)
+    kernel = dynamic_quantize_conv(node, [None] * 4, 1)
+    w, scale, zero = np.ones((2, 3, 3), np.int8), np.float32(0.1), np.int8(0)
+    with pytest.raises(InvalidArgumentError, match="'X' is float64; expected float32"):
+        kernel(np.ones((1, 3, 8)), w, np.asarray(scale), np.asarray(zero))
+    with pytest.raises(InvalidArgumentError, match="bias is float32.*expected 2 float32 values"):
+        kernel(np.ones((1, 3, 8), np.float32), w, np.asarray(scale), np.asarray(zero), np.ones(5, np.float32))
+
+
+def test_declared_huge_pads_do_not_size_the_scratch():
+    # pads of 2**40 (a fuzz case of ConvInteger): the compiled call is not taken, the unfused path answers
+    from onnx_runtime.errors import OnnxRuntimeError
+
+    model = chain_model((1, 2, 5), (2, 2, 3), [1], [1, 1 << 40], [1])
+    try:
+        session = onnx_runtime.InferenceSession(model, providers=["cpu"])
+        session.run(None, {"x": np.ones((1, 2, 5), np.float32)})
+    except OnnxRuntimeError:
+        pass
+
+
+def _zoo(name: str) -> Path:
+    path = ZOO / f"{name}.onnx"
+    if not path.exists():
+        pytest.skip(f"{path} is not built (scripts/build_zoo.sh)")
+    return path
+
+
+@pytest.mark.parametrize("name", ["vit.torchscript", "vit.dynamo", "whisper_encoder.torchscript",
+                                  "whisper_encoder.dynamo"])
+def test_zoo_exports_fuse_and_match_onnxruntime(name):
+    path = _zoo(f"{name}.int8_dynamic")
+    manifest = json.loads((ZOO / "manifest.json").read_text())
+    call = next(m for m in manifest["models"] if m["name"] == f"{name}.int8_dynamic")["calls"]["default"]
+    feeds = {f["name"]: np.random.default_rng(1).standard_normal(f["shape"]).astype(np.float32)
+             for f in call["feeds"]}
+    session = onnx_runtime.InferenceSession(str(path), providers=["cpu"])
+    ours = session.run(None, feeds)
+    convs = 1 if name.startswith("vit") else 2
+    assert ops(session).count("DynamicQuantizeConv") == convs and "ConvInteger" not in ops(session)
+    theirs = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
+    for y, t in zip(ours, theirs):
+        np.testing.assert_allclose(y, t, rtol=1e-3, atol=1e-3 * (np.abs(t).max() + 1))
