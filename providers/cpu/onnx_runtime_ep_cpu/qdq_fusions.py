@@ -28,6 +28,7 @@ from onnx_runtime.ir import Graph, Node
 from onnx_runtime.optimizer.elimination import reshaped
 
 from .fusions import FUSED_DOMAIN, GraphView, owned, until_fixed
+from .qdq_folds import drop_rounding_before_quantizing
 from .qdq_tables import fuse_grid_tables
 from .qoperator_lowering import lower_qoperator_cnn
 
@@ -775,7 +776,7 @@ INTEGER_GROUP_PASSES = [_early(until_fixed(fuse_quantized_linear)), _early(until
 QDQ_PASSES = [lower_qoperator_cnn, *_MATMUL_GROUP_PASSES, until_fixed(fuse_quantize_dequantize),
               until_fixed(drop_repeated_rounding),
               until_fixed(fuse_rounded_gelu),
-              until_fixed(absorb_rounded_add), fuse_grid_tables,
+              until_fixed(absorb_rounded_add), until_fixed(drop_rounding_before_quantizing), fuse_grid_tables,
               until_fixed(fuse_dynamic_matmul), until_fixed(fuse_dynamic_quantize_matmul),
               until_fixed(unflatten_dynamic_quantize_matmul),
               until_fixed(group_dynamic_quantize_matmul),
