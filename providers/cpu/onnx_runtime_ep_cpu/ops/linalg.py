@@ -253,10 +253,15 @@ def _gemm_for_shape(node, shapes, general):
     trans_a, trans_b = bool(node.attr("transA", 0)), bool(node.attr("transB", 0))
     rows, depth = a_shape[::-1] if trans_a else a_shape
     columns = b_shape[0] if trans_b else b_shape[1]
-    if depth != (b_shape[1] if trans_b else b_shape[0]) or (gemv_host() and not _blas_sized(rows, depth, columns)):
+    if depth != (b_shape[1] if trans_b else b_shape[0]):
         return None  # (the general kernel reports a mismatch)
-    if c_shape is not None and (len(c_shape) > 2 or not all(
-            c in (1, d) for c, d in zip(c_shape[::-1], (columns, rows)))):
+    # A product BLAS does not take at every thread count: many rows are the packed product's (the general
+    # kernel's); a few rows are the few-row split's at more than one thread, else BLAS's as below (a decoder's
+    # one-row Gemm on one thread, which the general kernel's checks and lookups made twice as slow).
+    split = gemv_host() and not _blas_sized(rows, depth, columns)
+    if split and (rows > GEMV_ROWS or trans_a):
+        return None
+    if not _adds_in_place(c_shape, rows, columns):
         return None  # C that does not add in place (it would widen the output): the general kernel broadcasts it
 
     def kernel(a, b, c=None):
@@ -264,12 +269,19 @@ def _gemm_for_shape(node, shapes, general):
         if a.shape != a_shape or b.shape != b_shape or dtype not in BLAS_FLOATS or b.dtype is not dtype \
                 or (c is None) != (c_shape is None) or (c is not None and (c.shape != c_shape or c.dtype is not dtype)):
             return general(a, b, c)
-        y = np.matmul(a.T if trans_a else a, b.T if trans_b else b)
+        y = few_rows_product(a, b, trans_b) if split and kernel_threads() > 1 else None
+        if y is None:
+            y = np.matmul(a.T if trans_a else a, b.T if trans_b else b)
         if c is not None:
             y += c
         return (y,)
 
     return kernel
+
+
+def _adds_in_place(c_shape: tuple | None, rows: int, columns: int) -> bool:
+    """Whether a Gemm's C of this shape (or none) adds into the (rows, columns) product without widening it."""
+    return c_shape is None or (len(c_shape) <= 2 and all(c in (1, d) for c, d in zip(c_shape[::-1], (columns, rows))))
 
 
 def _blas_sized(rows: int, depth: int, columns: int) -> bool:
