@@ -177,6 +177,33 @@ def test_projection_group_kernel_shapes_and_errors():
         kernel(rng.standard_normal((2, 4, 7)).astype(np.float32), w[:, :6], b)
 
 
+def test_merged_weights_are_shared_by_specializations_and_released_with_the_session():
+    """Each signature's specialized graph merges the same constants: one merged array for all, dropped once the
+    session (which holds the members' weights) is gone."""
+    import gc
+
+    model, weights = _attention_model(1, 5, 8, 2, 2, 3, "101", False)
+    proto = __import__("onnx").load_from_string(model)
+    proto.graph.input[0].type.tensor_type.shape.dim[1].dim_param = "s"  # the length free: one plan per length
+    for name in ("q_shape", "k_shape", "v_shape", "merged_shape"):
+        init = next(i for i in proto.graph.initializer if i.name == name)
+        value = numpy_helper.to_array(init).copy()
+        value[1] = 0  # (Reshape copies the length)
+        init.CopyFrom(numpy_helper.from_array(value, name))
+    gc.collect()
+    before = projection_groups.kept_merges()
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["cpu"])
+    for length in (5, 7, 5, 9):
+        feeds = _feeds(1, length, 8, False, length)
+        (y,) = session.run(None, feeds)
+        exact, bound = _attention_reference(feeds, weights, 2, 2, 3)
+        assert_within(y, exact, bound, f"length {length}")
+    assert projection_groups.kept_merges() == before + 1
+    del session
+    gc.collect()
+    assert projection_groups.kept_merges() == before
+
+
 # -- the patch embedding ---------------------------------------------------------------------------------------
 
 

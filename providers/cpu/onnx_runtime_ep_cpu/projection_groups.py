@@ -26,8 +26,9 @@ from onnx_runtime.optimizer.rewrite import add_initializer, forget_value
 from .fusions import FUSED_DOMAIN, GraphView, owned
 
 _F32 = np.dtype(np.float32)
-# (ids of the members' weights and biases) -> (weak references to them, the merged weight, the merged bias): a
-# specialized graph (session/specialize.py) is fused again over the same constants and shares their merge.
+# (ids of the members' weights and biases) -> (weak references to them, the merged weight, the merged bias): each
+# specialized graph (session/specialize.py) is fused again over the same constants and shares their merge; an
+# entry goes when the first member's weight does (the session that owns it closed).
 _MERGED: dict[tuple, tuple] = {}
 _MERGED_LIMIT = 256
 
@@ -72,9 +73,15 @@ def merged(weights: list[np.ndarray], biases: list[np.ndarray | None]) -> tuple[
         _MERGED.clear()
     try:
         _MERGED[key] = ([weakref.ref(a) for a in arrays], weight, bias)
+        weakref.finalize(weights[0], _MERGED.pop, key, None)  # gone with the session's weights, not kept after
     except TypeError:  # an array type without weak references: not kept
         pass
     return weight, bias
+
+
+def kept_merges() -> int:
+    """How many merged weight sets are kept (one per live set of member weights)."""
+    return len(_MERGED)
 
 
 def _fresh(graph: Graph, base: str) -> str:
