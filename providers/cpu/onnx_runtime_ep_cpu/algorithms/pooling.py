@@ -62,6 +62,14 @@ def _pool_call(x: np.ndarray, geo: Geometry, include_pad: bool | None, y: np.nda
     return planes, rows, (kh, kw, sh, sw, dh, dw, ph, pw, include_pad is None, lo_h, hi_h, lo_w, hi_w)
 
 
+def _windowed(arguments: tuple) -> bool:
+    """Whether the pool job would run windows.pool (its 3x3 kernel) rather than pool_2d: one part of any other
+    window calls pool_2d here, without the job's mailbox round trip (several times a small pool's arithmetic)."""
+    from ..compiled import windows
+
+    return windows.takes_pool.py_func(*arguments[:6])  # (its Python predicate: no compiled call for a test)
+
+
 def bound_pool(loops, x: np.ndarray, geo: Geometry, include_pad: bool | None, y: np.ndarray):
     """compiled_pool's loop into the C-contiguous ``y``, prepared once (a segment's bound plan):
     ``[(loop, arguments)]``, or None where the loops do not apply or the planes split across threads."""
@@ -86,7 +94,8 @@ def compiled_pool(loops, x: np.ndarray, geo: Geometry, include_pad: bool | None 
     planes, rows, arguments = _pool_call(x, geo, include_pad, y)
     spans = thread_spans(planes.shape[0], x.size, x.dtype)
     # (the helper threads' parts are compiled code; the part's types only built while numpy serves)
-    if spans is None or deferred.state.deferring and deferred.numpy_first(("jobs.POOL", (planes, rows, *arguments))):
+    if spans is None or len(spans) == 1 and not _windowed(arguments) \
+            or deferred.state.deferring and deferred.numpy_first(("jobs.POOL", (planes, rows, *arguments))):
         loops.pool_2d(planes, rows, *arguments)
     else:
         from ..compiled import jobs, workers
