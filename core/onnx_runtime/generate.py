@@ -295,6 +295,25 @@ class _Bindings:
             self.mask.write_bytes(8 * position, np.array([1], np.int64))
         self.tokens.write_bytes(4 * step, np.array([token], np.uint32))
 
+    def _write(self, binding: DeviceIoBinding, array: np.ndarray) -> None:
+        """``binding.write_logical(array)``; on a host state, straight into its array (no transfer to count, and
+        none of the provider hooks' dispatch a short generation would pay for each of its four writes)."""
+        if self.host is None:
+            binding.write_logical(array)
+            return
+        host = binding.host_array()
+        assert host is not None
+        host[: array.size] = array.reshape(-1)
+        binding.set_logical_shape(array.shape)
+
+    def _tokens(self, start: int, stop: int) -> np.ndarray:
+        """The chosen tokens ``start:stop`` (the flags word at index ``new``), read from the device or host state."""
+        if self.host is not None:
+            tokens = self.host[4]
+            assert tokens is not None
+            return tokens[start:stop].copy()
+        return np.frombuffer(self.tokens.read_bytes_range(4 * start, 4 * (stop - start)), np.uint32)
+
     def _choose_on_host(self, step: int, position: int, row: np.ndarray) -> None:
         """The token of the logits ``row`` written into the host bindings' arrays (ids, position, mask bit, tokens)."""
         _logits, ids, positions, mask, tokens = self.host  # type: ignore[misc]
@@ -312,7 +331,7 @@ class _Bindings:
         """Write the prompt's state; the bindings of a run."""
         mask = np.zeros((1, self.capacity), np.int64)
         mask[0, :length] = 1
-        self.mask.write_logical(mask)
+        self._write(self.mask, mask)
         self.mask.set_logical_shape((1, length))
         logits = [] if self.wanted else [self.logits]
         return [*self.caches, self.ids, self.mask, *logits] + ([self.positions] if self.positions else [])
@@ -340,7 +359,7 @@ class _Bindings:
     def _read(self, tokens: list[int], steps: int, on_token, eos_token_id) -> bool:
         """Read the tokens chosen since the last read (one download) onto ``tokens``, streaming each; whether the
         end-of-sequence token was among them (the ones after it are dropped)."""
-        chosen = np.frombuffer(self.tokens.read_bytes_range(4 * len(tokens), 4 * (steps - len(tokens))), np.uint32)
+        chosen = self._tokens(len(tokens), steps)
         for token in map(int, chosen):
             tokens.append(token)
             if on_token is not None:
@@ -377,11 +396,11 @@ class _Bindings:
 
     def loop(self, prompt: list[int], new: int, on_token, eos_token_id, read_every: int = 1) -> GenerationResult:
         length = len(prompt)
-        self.ids.write_logical(np.array([prompt], np.int64))
+        self._write(self.ids, np.array([prompt], np.int64))
         if self.positions is not None:
-            self.positions.write_logical(np.arange(length, dtype=np.int64).reshape(1, length))
+            self._write(self.positions, np.arange(length, dtype=np.int64).reshape(1, length))
         bindings = self._start(length)
-        self.tokens.write_logical(np.zeros(new + 1, np.uint32))
+        self._write(self.tokens, np.zeros(new + 1, np.uint32))
         read_each = on_token is not None or eos_token_id is not None
         tokens: list[int] = []
         start = time.perf_counter()
@@ -402,7 +421,7 @@ class _Bindings:
                 if ended:
                     break
             self._advance(step, length, run is None)
-        drained = self.tokens.read_logical()
+        drained = self._tokens(0, new + 1)
         if not read_each:
             tokens = [int(t) for t in drained[:steps]]
         if drained[new]:

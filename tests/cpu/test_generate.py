@@ -76,17 +76,24 @@ class RangedUploads:
         return (yield)
 
 
-def test_the_loop_reads_only_the_first_token_and_the_final_drain():
+@pytest.mark.parametrize("host", [True, False])
+def test_the_loop_reads_only_the_first_token_and_the_final_drain(host, monkeypatch):
+    from onnx_runtime.session.device_io_binding import DeviceIoBinding
+
     path = _model("llama.torchscript.fp32")
+    if not host:  # as on a device: no host arrays, argmax and token writes through the provider's hooks
+        monkeypatch.setattr(DeviceIoBinding, "host_array", lambda self: None)
     generator = Generator(path, providers=[CPU])
     handle = generator.session.provider_handle(CPU)
     counter, ranged = CopyCounter(handle), RangedUploads(handle)
     for new in (3, 9):
         before = (counter.uploads + ranged.calls, counter.downloads)
         result = generator.generate(PROMPT, new)
-        assert len(result.tokens) == new
-        # ids, positions, mask and token scratch written once; the first token and the drain read: whatever `new`.
-        assert (counter.uploads + ranged.calls - before[0], counter.downloads - before[1]) == (4, 2)
+        assert result.tokens == onnxruntime_greedy(path, PROMPT, new)
+        # On a device: ids, positions, mask and token scratch written once, the first token and the drain read,
+        # whatever `new`. A host state writes and reads its arrays in place: no transfer at all.
+        expected = (0, 0) if host else (4, 2)
+        assert (counter.uploads + ranged.calls - before[0], counter.downloads - before[1]) == expected
 
 
 def test_a_provider_without_device_argmax_chooses_through_the_host(monkeypatch):
