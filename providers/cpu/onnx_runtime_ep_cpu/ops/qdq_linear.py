@@ -133,10 +133,13 @@ def quantized_matmul(node, shapes, opset):
 
     rounded = Prepared()  # the rounded add's parameters per set of constant inputs
     repeat = RepeatCall()  # the last call with a 2-D B and no rounded add: its A, constants and loop arguments
+    stacked = RepeatCall()  # the last stacked call (attention's: B fed): A, the parameters, B's shape and type
 
     def kernel(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero, bias=None, row=None, after_scale=None,
                after_zero=None):
-        out = repeated_product(repeat, a, (b, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, bias), row)
+        out = repeated_product(repeat, a, (b, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, bias), row) \
+            if b.ndim == 2 else repeated_stacked(stacked, qgemm, a, b, (a_scale, a_zero, b_scale, b_zero, y_scale,
+                                                                         y_zero, bias), row)
         if out is not None:
             return (out,)
         columns = _columns(b, trans_b)
@@ -150,6 +153,7 @@ def quantized_matmul(node, shapes, opset):
             node, qgemm, columns, row, after_scale, after_zero, dequantize))
         if b.ndim != 2 or a.ndim < 1:
             y = _stacked(node, qgemm, a, b, p)
+            _keep_stacked(stacked, a, b, y, key[1:], p, after)
             return (y if after is None else _round_after(y, row, after),)
         depth = b.shape[1] if trans_b else b.shape[0]
         if a.shape[-1] != depth:
@@ -172,6 +176,7 @@ def quantized_matmul(node, shapes, opset):
         return (out,)
 
     kernel.repeat = repeat  # type: ignore[attr-defined]
+    kernel.stacked = stacked  # type: ignore[attr-defined]
     return kernel
 
 
@@ -185,6 +190,27 @@ def repeated_product(repeat: RepeatCall, a, constants: tuple, row=None):
     out = np.empty(out_shape, out_dtype)
     qgemm.requantized_product(np.ascontiguousarray(a).reshape(flat_shape), packed, pairs, multiplier, offset, consts,
                               out.reshape(rows))
+    return out
+
+
+def _keep_stacked(stacked: RepeatCall, a, b, y, constants: tuple, p, after) -> None:
+    """Keeps a stacked call without a rounded add whose operands have the same batch dimensions (no broadcast)
+    for its repeats."""
+    if after is None and a.ndim >= 2 and a.shape[:-2] == b.shape[:-2] and y.size:
+        stacked.keep(a, constants, (b.shape, b.dtype, (-1,) + a.shape[-2:], (-1,) + b.shape[-2:], y.shape, y.dtype,
+                                    p.multiplier, p.offset, p.consts))
+
+
+def repeated_stacked(stacked: RepeatCall, qgemm, a, b, constants: tuple, row=None):
+    """The product of stacked operands repeating ``stacked``'s kept call (A's and B's shapes and types, the same
+    constant parameters, no rounded add; B is read as fed), or None for any other call."""
+    kept = None if row is not None else stacked.match(a, constants)
+    if kept is None or b.shape != kept[0] or b.dtype is not kept[1]:
+        return None
+    a_layout, b_layout = kept[2], kept[3]
+    out = np.empty(kept[4], kept[5])
+    qgemm.requantized_batched_product(np.ascontiguousarray(a).reshape(a_layout), np.ascontiguousarray(b).reshape(
+        b_layout), *kept[6:], out.reshape(-1, a_layout[1], b_layout[2]))
     return out
 
 
