@@ -40,7 +40,9 @@ only the PRIMARY slot refuses a VERIFY capture: those runs stay eager and the de
 A run that cannot be captured runs eagerly and says why in :attr:`DeviceGraphRunner.status` (the session's
 ``device_graph_status()``); :attr:`DeviceGraphRunner.counts` counts captures, replays and segments. A capture
 that fails (a kernel synchronizing with the host, say) is abandoned for that signature, with the error as the
-reason; a kernel chosen for the run's shapes that refuses capture becomes a seam at the next capture.
+reason; a kernel chosen for the run's shapes that refuses capture becomes a seam at the next capture. A graph the
+provider resets as its capture ends (a release the capture held, of memory the graph recorded) is captured again at
+the next run, unless that happened at every capture so far.
 
 Each captured signature is its own :class:`DeviceGraphOwner`, so graphs of different signatures never
 replace each other on a provider that keeps a graph per owner. On one that holds a single graph per slot
@@ -107,6 +109,11 @@ class _Layout:
 
 class _ArenaExhausted(OnnxRuntimeError):
     """The capture needed more arena than the eager run suggested."""
+
+
+class _GraphReset(OnnxRuntimeError):
+    """The provider reset a graph just recorded: a release the capture held (a free, the end of a borrow) ran when
+    it ended and reset the graph that recorded the address, or another thread reset it."""
 
 
 class _NotCapturable(KernelError):
@@ -292,6 +299,7 @@ class _Entry:
     arena_bytes: int
     forced: frozenset[str] = frozenset()  # nodes whose kernel for these shapes turned out not capturable
     attempts: int = 0
+    resets: int = 0  # captures whose graph the provider reset before their first launch
     failure: str = ""
     token: DeviceGraphToken | None = None
     arena: _Arena | None = None
@@ -471,7 +479,7 @@ class DeviceGraphRunner:
                     self._server.stop(handle)  # the stream is idle: frees deferred during the capture may run
                 entry.token = token
                 self.segment_captures += 1
-                self._launch_segment(entry, segment)  # the seams after it read what it computes
+                self._launch_captured(entry, segment)  # the seams after it read what it computes
                 entry.views.update((slot, _view(env[slot])) for step in steps.steps for slot in step.outputs
                                    if slot in seam_reads)
                 segment += 1
@@ -482,7 +490,7 @@ class DeviceGraphRunner:
                 handle.hook.abort_owned_device_graph_capture(token=token)
                 handle.hook.reset_owned_device_graph(token=token)
         if failure is None:
-            entry.arena = arena
+            entry.arena, entry.resets = arena, 0
             entry.outputs = {slot: env[slot] for slot in {*plan.output_slots, *region.downloads.values()}
                              if slot in region.produced}
             self.captures += 1
@@ -498,7 +506,32 @@ class DeviceGraphRunner:
         del failure
         return run.eager(self.executor)
 
+    def _launch_captured(self, entry: _Entry, index: int) -> None:
+        """Launch a segment just recorded; :class:`_GraphReset` where the provider reset its graph since."""
+        hook = entry.handle.hook
+        if hook.has_owned_device_graph(token=entry.token):
+            try:
+                self._launch_segment(entry, index)
+                return
+            except Exception as exc:
+                if hook.has_owned_device_graph(token=entry.token):
+                    raise
+                raise _GraphReset(f"the provider reset the graph it had just recorded ({exc})") from exc
+        raise _GraphReset("the provider reset the graph as its capture ended (a release the capture held, of "
+                          "memory the graph recorded)")
+
     def _capture_failed(self, entry: _Entry, run: _Run, failure: Exception) -> None:
+        if isinstance(failure, _GraphReset):
+            # Says nothing against capturing these shapes: the next run captures them again, unless every
+            # capture so far was reset.
+            entry.attempts -= 1
+            entry.resets += 1
+            if entry.resets < MAX_CAPTURE_ATTEMPTS:
+                self.status = f"eager: {failure}; the next run captures again"
+                return
+            entry.failure = f"{failure}, at each of its {entry.resets} captures"
+            self.status = f"eager: {entry.failure}"
+            return
         if isinstance(failure, _ArenaExhausted) and entry.attempts < MAX_CAPTURE_ATTEMPTS:
             entry.arena_bytes = max(2 * entry.arena_bytes, 1 << 20)
             self.status = "eager: the capture arena was too small; it is grown and the next run captures again"
