@@ -3,6 +3,8 @@ quantization writes each Conv as DynamicQuantizeLinear -> ConvInteger -> Cast ->
 (-> bias Add). Here the input is quantized as DynamicQuantizeLinear does (one scale and zero point over all of
 it), its codes gathered into patch rows (padding takes the zero point's code, as ConvInteger pads), and the
 rows multiplied by the packed weight with scaled_product's exact int32 accumulation and float64 rescaling.
+QLinearConv (ops/quantization.py) runs the same patch rows of its 8-bit input through QGemm's requantizing
+product (qgemm.qgemm).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
-from .qgemm import scaled_product
+from .qgemm import qgemm, scaled_product
 from .quantize import dynamic_parameters
 
 
@@ -72,6 +74,44 @@ def dynamic_conv(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, pa
     columns = out.shape[1]
     y = np.empty((batch * spots, columns), np.float32)
     scaled_product(rows, np.int32(zero), packed, pairs, np.float64(scale), b_scales, bias, y)
+    for b in range(batch):
+        for m in range(columns):
+            target = out[b, m]
+            for p in range(spots):
+                target[p] = y[b * spots + p, m]
+
+
+@jit
+def _padded_copy(x, zero, top, bottom, left, right):
+    """x's (N, C, H, W) codes in a flat (N, C, H + top + bottom, W + left + right) buffer bordered by ``zero``."""
+    batch, channels, height, width = x.shape
+    tall, wide = height + top + bottom, width + left + right
+    codes = np.empty(batch * channels * tall * wide, x.dtype)
+    codes[:] = zero
+    flat = x.reshape(-1)
+    for line in range(batch * channels * height):
+        plane, h = line // height, line % height
+        start = (plane * tall + h + top) * wide + left
+        codes[start:start + width] = flat[line * width:(line + 1) * width]
+    return codes
+
+
+@jit
+def qlinear_conv(x, x_zero, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, packed, pairs, c, multiplier,
+                 zero, low, high, out):
+    """QLinearConv of contiguous 8-bit ``x`` (N, C, H, W) into ``out`` (N, M, OH * OW) codes: padding takes x's
+    zero point, each output is qgemm.qgemm's saturate(rint((acc + c[m]) * multiplier[m or 0]) + zero) of the
+    int32 sum over taps of (code - x_zero) * packed[m, tap]. c (M,) or (0,) int32, multiplier (1,) or (M,)
+    float64."""
+    codes = _padded_copy(x, x_zero, top, bottom, left, right)
+    batch, channels = x.shape[0], x.shape[1]
+    spots = oh * ow
+    rows = np.empty((batch * spots, channels * kh * kw), x.dtype)
+    _patch_rows(codes, channels, x.shape[2] + top + bottom, x.shape[3] + left + right, kh, kw, sh, sw, dh, dw, oh,
+                ow, rows)
+    columns = out.shape[1]
+    y = np.empty((batch * spots, columns), out.dtype)
+    qgemm(rows, x_zero, packed, pairs, c, multiplier, zero, low, high, True, y)
     for b in range(batch):
         for m in range(columns):
             target = out[b, m]

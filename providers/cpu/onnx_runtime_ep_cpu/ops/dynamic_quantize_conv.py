@@ -11,10 +11,9 @@ Attributes: Conv's (kernel_shape, strides, pads, dilations; group 1, explicit pa
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
+from ..algorithms.patch_geometry import patch_geometry
 from ..algorithms.quantize import IntegerProduct, dynamic_uint8
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
@@ -23,12 +22,6 @@ from .contrib_integer_matmul import WeightSide
 from .quantization import integer_conv
 
 _F32 = np.dtype(np.float32)
-_SCRATCH = 1 << 28  # bytes of padded codes and patch rows the compiled call may allocate
-
-
-def _ints(node, name: str, count: int, default: int) -> list[int]:
-    values = node.attr(name)
-    return [default] * count if values is None else [int(v) for v in values]
 
 
 @register("DynamicQuantizeConv", domain=FUSED_DOMAIN, since=1)
@@ -54,7 +47,7 @@ def dynamic_quantize_conv(node, shapes, opset):
             last[:] = [w, w_scale, w_zero_point, bias, side]
         return side
 
-    geometries: dict = {}  # per (X's shape, W's shape): _geometry's answer (a run repeats its shapes)
+    geometries: dict = {}  # per (X's shape, W's shape): patch_geometry's answer (a run repeats its shapes)
 
     def kernel(x, w, w_scale, w_zero_point=None, bias=None):
         side = side_of(w, w_scale, w_zero_point, bias) if x.dtype is _F32 else None
@@ -62,7 +55,7 @@ def dynamic_quantize_conv(node, shapes, opset):
         geometry = geometries.get(key) if side is not None else None
         if geometry is None and side is not None:
             _check(node, x, w, w_scale, bias)
-            geometry = _geometry(node, x.shape, w.shape)
+            geometry = patch_geometry(node, x.shape, w.shape)
             if len(geometries) < 16:
                 geometries[key] = geometry
         if geometry is None:
@@ -85,34 +78,6 @@ def _check(node, x, w, w_scale, bias) -> None:
     if bias is not None and (bias.dtype != _F32 or bias.size != w.shape[0]):
         raise argument_error(node, f"bias is {bias.dtype}{bias.shape}; expected {w.shape[0]} float32 values, one "
                                    "per output channel")
-
-
-def _geometry(node, x_shape, w_shape) -> tuple | None:
-    """(X's shape as N x C x H x W, (kh, kw, sh, sw, dh, dw, top, bottom, left, right), the output shape,
-    (OH, OW)) for the compiled call, a 1-D convolution as a 2-D one of height 1; None where it does not apply
-    (the unfused path checks those)."""
-    if len(x_shape) != len(w_shape) or 0 in x_shape or x_shape[1] != w_shape[1]:
-        return None
-    spatial = len(x_shape) - 2
-    kernel_shape = list(w_shape[2:])
-    strides = _ints(node, "strides", spatial, 1)
-    dilations = _ints(node, "dilations", spatial, 1)
-    pads = _ints(node, "pads", 2 * spatial, 0)
-    if len(strides) != spatial or len(dilations) != spatial or len(pads) != 2 * spatial:
-        return None
-    sizes = [(x_shape[2 + a] + pads[a] + pads[a + spatial] - dilations[a] * (kernel_shape[a] - 1) - 1)
-             // strides[a] + 1 for a in range(spatial)]
-    if min(sizes) <= 0:
-        return None
-    padded = x_shape[0] * x_shape[1] * math.prod(x_shape[2 + a] + pads[a] + pads[a + spatial] for a in range(spatial))
-    if padded + math.prod(sizes) * x_shape[0] * math.prod(w_shape[1:]) > _SCRATCH:
-        return None  # the unfused path, with the float convolution's own checks of such geometries
-    one = spatial == 1
-    shape4 = tuple(x_shape[:2]) + ((1,) if one else ()) + tuple(x_shape[2:])
-    (kh, kw), (sh, sw), (dh, dw) = ((([1] if one else []) + v) for v in (kernel_shape, strides, dilations))
-    top, bottom, left, right = (0, 0, pads[0], pads[1]) if one else (pads[0], pads[2], pads[1], pads[3])
-    return (shape4, (kh, kw, sh, sw, dh, dw, top, bottom, left, right), (x_shape[0], w_shape[0], *sizes),
-            (1, sizes[0]) if one else (sizes[0], sizes[1]))
 
 
 def _unfused(exact, x, w, w_scale, w_zero_point, bias) -> np.ndarray:

@@ -27,6 +27,7 @@ from ._common import argument_error, quiet
 from .conv import conv
 from .elementwise import cast_to
 from .linalg import zero_point_rows
+from .qlinear_conv_rows import patch_rows_conv
 
 _INTEGER_TARGETS = {
     DataType.UINT8, DataType.INT8, DataType.UINT16, DataType.INT16,
@@ -609,7 +610,12 @@ def qlinear_conv(node, shapes, opset):
         bias64 = np.zeros(1) if bias is None else bias.astype(np.float64).reshape(-1)
         return bias64, multiplier / float(y_scale.reshape(())), int(y_zero_point.reshape(())), low, high
 
+    fast = patch_rows_conv(node)  # group 1: patch rows times the packed weight in one compiled call
+
     def kernel(x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias=None):
+        out = fast(x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias)
+        if out is not None:
+            return (out,)
         acc = run(x, w, x_zero_point, w_zero_point)
         if y_zero_point.dtype in _EIGHT_BIT and acc.ndim >= 2 and acc.size and y_zero_point.size == 1 \
                 and (bias is None or bias.size == acc.shape[1]) and w_scale.size in (1, acc.shape[1]):
