@@ -12,8 +12,16 @@ from __future__ import annotations
 import numpy as np
 import onnx_runtime as ort
 import pytest
+import test_device_graphs
+from cuda_op_harness import kernel_file
 from onnx_runtime.errors import ProviderError
-from test_device_graphs import SlotHooksOnlyCUDAExecutionProvider
+from test_device_graphs import (
+    SlotHooksOnlyCUDAExecutionProvider,
+    axpb_model,
+    capture_session,
+    expected,
+    host_provider,  # noqa: F401 - the fixture, requested by name below
+)
 from test_streams_lent_memory_cuda import BIAS, SHAPE, RawMemory, consumer, producer
 
 cu = pytest.importorskip("onnx_runtime_ep_cuda.sim.driver", reason="the CUDA provider is not installed")
@@ -23,8 +31,9 @@ SLOTS = SlotHooksOnlyCUDAExecutionProvider.__name__
 
 
 @pytest.fixture(autouse=True)
-def mode(cuda_driver_mode):
-    pass
+def mode(cuda_driver_mode, tmp_path_factory):
+    test_device_graphs._source["path"] = kernel_file(tmp_path_factory, "graph_test_ops.cu",  # noqa: SLF001
+                                                     test_device_graphs.TEST_KERNELS)
 
 
 @pytest.fixture(params=[CUDA, SLOTS])
@@ -229,4 +238,44 @@ def test_a_capture_that_fails_for_a_recurring_reason_still_ends_eager(provider):
     status = sess.device_graph_status()
     assert status.startswith("eager: capture failed") and "refuses to end" in status, status
     sess.close()
+    _leak_free(handle)
+
+
+class _ResetBeforeSegment:
+    """On the capturing handle: the first launch of segment ``index`` after registration finds the graph reset, as
+    another thread's free of memory it recorded leaves it between two segments of one replay."""
+
+    def __init__(self, handle, index: int):
+        self.handle, self.index, self.fired = handle, index, False
+
+    @ort.hookimpl(tryfirst=True)
+    def replay_owned_device_graph_segment(self, token, index):
+        if index == self.index and not self.fired:
+            self.fired = True
+            self.handle.hook.reset_owned_device_graph(token=token)
+
+
+def test_a_graph_reset_between_two_segments_of_a_replay_runs_eagerly_and_captures_again(request):
+    """Two segments with a host seam between them; the graph is reset after the first segment of a replay ran: that
+    run goes eagerly with the right result (before, the stale launch raised to the caller), the next one warms up
+    and the one after captures and replays."""
+    ops = ("Axpb", "Axpb", "Axpb", "Axpb")
+    session = capture_session(axpb_model(ops, host_node=1), providers=(CUDA, request.getfixturevalue("host_provider")))
+    handle = session.provider_handle(CUDA)
+    hooks = _ResetBeforeSegment(handle, 1)
+    rng = np.random.default_rng(6)
+    statuses = []
+    for step in range(6):
+        if step == 3:
+            handle.pm.register(hooks, name="reset-between-segments")
+        x = rng.standard_normal((2, 8)).astype(np.float32)
+        (y,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(y, expected(x.astype(np.float64), ops), rtol=1e-5, atol=1e-6)
+        statuses.append(session.device_graph_status())
+    handle.pm.unregister(hooks)
+    assert hooks.fired
+    assert statuses[2].startswith("replaying 2 graph segments") and statuses[3].startswith("eager: warming up")
+    assert statuses[4].startswith("replaying 2 graph segments") and statuses[5] == statuses[4]
+    assert session._executor.graphs.counts["captures"] == 2  # noqa: SLF001
+    session.close()
     _leak_free(handle)

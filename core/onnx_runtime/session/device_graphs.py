@@ -597,9 +597,10 @@ class DeviceGraphRunner:
         except Exception as exc:
             if submissions:
                 self.executor.abort_validation(submissions, exc)
-            if not segment and not handle.hook.has_owned_device_graph(token=entry.token):
-                # Reset since the check in run_plan, by another thread (a free of memory the graph recorded): no
-                # segment ran, so this run goes eagerly and the next captures these shapes afresh.
+            if not handle.hook.has_owned_device_graph(token=entry.token):
+                # Reset since the check in run_plan, by another thread (a free of memory the graph recorded): the
+                # segments launched wrote only arena blocks (a tail is in the last one), so this run goes eagerly
+                # and the next captures these shapes afresh.
                 self._drop(slot, key)
                 return self._size(slot, key, entry.region, run)
             if not isinstance(exc, _SeamChanged):
