@@ -3,8 +3,9 @@
 A release the capture held (another session's free of memory the graph reads, the end of a borrow) runs when the
 capture ends and resets the graph that recorded the address; another thread may reset it too. The session's first
 launch of that graph then finds it gone: that run goes eagerly and the next run of the signature captures again,
-as after a reset seen before a replay. Only a capture that keeps failing leaves the signature eager. Each case runs
-on the CUDA provider's owner hooks and through the contract's defaults over its slot hooks.
+as after a reset seen before a replay. Only a capture that keeps failing leaves the signature eager. These cases run
+on the CUDA provider's owner hooks and through the contract's defaults over its slot hooks; a reset between two
+segments of a replay (owner hooks, a host seam between the segments) makes that replay eager.
 """
 
 from __future__ import annotations
