@@ -157,15 +157,12 @@ def test_chains_that_stay():
 
 
 def test_kernel_refuses_float_codes():
-    from onnx_runtime.dtypes import DataType
-    from onnx_runtime.ir import Graph, Node, TypeInfo, ValueInfo
+    from onnx_runtime.ir import Node
     from onnx_runtime_ep_cpu.ops.code_table import code_table
 
-    body = Graph(name="b", nodes=[Node("Relu", ["x"], ["y"], name="relu", opset=20)],
-                 inputs=[ValueInfo("x", TypeInfo("tensor", DataType.UINT8, (4,)))],
-                 outputs=[ValueInfo("y", TypeInfo("tensor", DataType.UINT8, (4,)))], initializers={}, value_info={},
-                 opsets={"": 20})
-    node = Node("CodeTable", ["x"], ["y"], name="table", domain="ai.onnx_runtime.cpu", attrs={"body": body}, opset=1)
+    # the chain in table_chains.py's plain attributes: one Relu of opset 20 from "x" to "y"
+    node = Node("CodeTable", ["x"], ["y"], name="table", domain="ai.onnx_runtime.cpu",
+                attrs={"chain": [":Relu:20"], "wiring": ["x|y"], "names": ["x"], "result": "y"}, opset=1)
     kernel = code_table(node, [(4,)], 1)
     with pytest.raises(InvalidArgumentError, match="'x' is float32; expected uint8 or int8"):
         kernel(np.zeros(4, np.float32))

@@ -22,12 +22,11 @@ from __future__ import annotations
 import numpy as np
 from onnx_runtime.ir import Graph, Node
 
-from .fusions import FUSED_DOMAIN, GraphView, owned
-from .registry import NEEDS, lookup
+from .fusions import FUSED_DOMAIN, GraphView
+from .table_chains import ElementwiseChains, chain_attributes
 
 _F32 = np.dtype(np.float32)
 _EIGHT_BIT = frozenset({np.dtype(np.uint8), np.dtype(np.int8)})
-MIN_NODES = 2  # one node already makes one pass
 
 # Float operators whose every output element depends only on the same element of each input.
 _ELEMENTWISE = frozenset({
@@ -99,90 +98,8 @@ def _elementwise(node: Node) -> bool:
     return node.domain in ("", "ai.onnx") and node.op_type in _ELEMENTWISE
 
 
-class _Chains:
-    def __init__(self, graph: Graph, owns):
-        self.graph, self.owns = graph, owns
-        self.view = GraphView(graph)
-        self.source: dict[str, str] = {}  # value -> the grid tensor it is a function of
-        self.members: dict[str, list[Node]] = {}  # grid tensor -> its chain's nodes, in graph order
-        self.grids: dict[str, tuple | None] = {}
-
-    def grid(self, name: str) -> tuple | None:
-        if name not in self.grids:
-            self.grids[name] = None if _by_convolution(self.view, name) else grid_of(self.view, name)
-        return self.grids[name]
-
-    def scalar(self, name: str) -> bool:
-        value = self.view.const(name)
-        return value is not None and value.size == 1 and value.ndim <= 1
-
-    def take(self, node: Node) -> None:
-        """Adds ``node`` to the chain of the one grid tensor its non-constant inputs are functions of."""
-        if not _elementwise(node) or node.subgraphs() or len(node.outputs) != 1 or not owned(self.owns, [node]) \
-                or node.outputs[0] in self.view.outputs or node.outputs[0] in self.view.inner_reads:
-            return
-        factory = lookup(node.op_type, node.domain, node.opset)
-        if factory is None or NEEDS.get(factory) or any("," in n or "|" in n for n in [*node.inputs, *node.outputs]):
-            return  # (the table's attributes spell a node's values with those separators)
-        roots = set()
-        for name in node.inputs:
-            if not name or self.scalar(name):
-                continue
-            if name in self.source:
-                roots.add(self.source[name])
-            elif self.grid(name) is not None:
-                roots.add(name)
-            else:
-                return
-        if len(roots) != 1:
-            return
-        root = roots.pop()
-        self.source[node.outputs[0]] = root
-        self.members.setdefault(root, []).append(node)
-
-    def ends(self, root: str) -> list[tuple[str, list[Node]]]:
-        """The chain's float32 results that nodes outside it read, each with the chain nodes it depends on, where
-        it depends on at least MIN_NODES of them."""
-        nodes = self.members[root]
-        inside = {id(n) for n in nodes}
-        made = {n.outputs[0]: n for n in nodes}
-        order = {id(n): i for i, n in enumerate(nodes)}
-        found = []
-        for node in nodes:
-            value = node.outputs[0]
-            info = self.graph.type_of(value)
-            outside = [r for r in self.view.consumers.get(value, []) if id(r) not in inside]
-            if not outside or any(r.op_type in _CONVOLUTIONS for r in outside) or info is None \
-                    or info.dtype is None or info.dtype.numpy != _F32:
-                continue
-            cone, stack, seen = [], [node], set()
-            while stack:
-                current = stack.pop()
-                if id(current) in seen:
-                    continue
-                seen.add(id(current))
-                cone.append(current)
-                stack.extend(made[i] for i in current.inputs if i in made)
-            if len(cone) >= MIN_NODES:
-                found.append((value, sorted(cone, key=lambda n: order[id(n)])))
-        return found
-
-
 def _table_node(graph: Graph, root: str, grid: tuple, value: str, cone: list[Node]) -> Node:
-    """The chain in plain attributes (a graph attribute would make it control flow to the session's shape
-    analysis, and every shape after it unknown): per node ``chain`` "domain:op_type:opset", ``wiring`` its input
-    names then its output after "|", and its attributes as ``{index}.{name}``; ``names`` the body's inputs
-    (the root, then the constants in input order after scale and zero point), ``result`` the value made."""
-    constants = []
-    for node in cone:
-        for name in node.inputs:
-            if name and name != root and name not in constants and name in graph.initializers:
-                constants.append(name)
-    attrs: dict = {"chain": [f"{n.domain}:{n.op_type}:{n.opset}" for n in cone],
-                   "wiring": [",".join(n.inputs) + "|" + n.outputs[0] for n in cone],
-                   "names": [root, *constants], "result": value}
-    for index, node in enumerate(cone):
-        attrs.update({f"{index}.{key}": v for key, v in (node.attrs or {}).items()})
+    constants, attrs = chain_attributes(graph, root, value, cone)
     return Node("GridTable", [root, *grid, *constants], [value], name=f"{cone[-1].name or cone[-1].op_type}/grid_table",
                 domain=FUSED_DOMAIN, attrs=attrs, opset=1)
 
@@ -192,22 +109,19 @@ def fuse_grid_tables(graph: Graph, owns=None) -> bool:
     nothing reads any more go."""
     if not any(n.op_type == "QuantizeDequantize" and n.domain == FUSED_DOMAIN for n in graph.nodes):
         return False
-    chains = _Chains(graph, owns)
-    for node in graph.nodes:
-        chains.take(node)
-    replaced: dict[int, Node] = {}
-    for root in chains.members:
-        for value, cone in chains.ends(root):
-            replaced[id(chains.view.producer[value])] = _table_node(graph, root, chains.grid(root), value, cone)
-    if not replaced:
-        return False
-    nodes = [replaced.get(id(n), n) for n in graph.nodes]
-    chained = {id(n) for members in chains.members.values() for n in members}
-    while True:  # chain nodes whose values no one reads now (the tables read the grid tensors themselves)
-        read = {name for n in nodes for name in n.inputs} | chains.view.outputs | chains.view.inner_reads
-        kept = [n for n in nodes if id(n) not in chained or any(o in read for o in n.outputs)]
-        if len(kept) == len(nodes):
-            break
-        nodes = kept
-    graph.nodes = nodes
-    return True
+    view = GraphView(graph)
+    grids: dict[str, tuple | None] = {}
+
+    def grid(name: str) -> tuple | None:
+        if name not in grids:
+            grids[name] = None if _by_convolution(view, name) else grid_of(view, name)
+        return grids[name]
+
+    def serves(value: str, outside: list[Node]) -> bool:
+        info = graph.type_of(value)
+        return not any(r.op_type in _CONVOLUTIONS for r in outside) and info is not None \
+            and info.dtype is not None and info.dtype.numpy == _F32
+
+    chains = ElementwiseChains(view, owns, elementwise=_elementwise, root=lambda name: grid(name) is not None,
+                               serves=serves, max_constant_rank=1)
+    return chains.replace(lambda root, value, cone: _table_node(graph, root, grid(root), value, cone))
