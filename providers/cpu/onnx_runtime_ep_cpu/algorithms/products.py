@@ -221,6 +221,11 @@ class Split:
         self._split, self._product, self._sum = jobs.split_product, jobs.product, gemv.sum_blocks
         self._jobs, self._workers = jobs, workers
 
+    @property
+    def route(self) -> tuple[int, int]:
+        """(threads, work items): how this shape's calls are split."""
+        return self._parts, self._items
+
     def _trial(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         try:
             with deferred.Trial():
