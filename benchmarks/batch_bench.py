@@ -126,15 +126,18 @@ def engine_run(engine, model, data, out, shard_rows, workers, threads, runtime, 
                batch_size) -> tuple[float, float, float]:
     from onnx_runtime.batch import run_job
 
-    cpu = time.process_time()
+    cpu, wall = time.process_time(), time.perf_counter()
     summary = run_job(model, data, out, engine=engine, workers=workers, threads=threads, shard_rows=shard_rows,
                       batch_size=batch_size, address=address, progress=False, runtime=runtime)
-    driver = time.process_time() - cpu
+    driver, wall = time.process_time() - cpu, time.perf_counter() - wall
     assert summary.processed_rows == summary.rows and not summary.failures, summary.as_dict()
-    print(f"    start-up (to the first shard) {summary.first_shard_seconds:.1f} s, after it "
+    # from the call, not the summary's start: the driver's reading before it overlaps the workers' preparing
+    before_start = max(wall - summary.seconds, 0.0)
+    print(f"    start-up (to the first shard, from the call) {before_start + summary.first_shard_seconds:.2f} s, "
+          f"after it "
           f"{summary.steady_rows_per_second:.1f} rows/s; CPU: driver {driver:.2f} s, {len(summary.worker_cpu)} workers "
           f"{summary.worker_cpu_seconds:.2f} s of which shards {summary.shard_cpu_seconds:.2f} s", flush=True)
-    return summary.rows_per_second, summary.steady_rows_per_second, driver + summary.worker_cpu_seconds
+    return summary.processed_rows / wall, summary.steady_rows_per_second, driver + summary.worker_cpu_seconds
 
 
 def _shared_imports() -> int:

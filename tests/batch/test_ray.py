@@ -67,25 +67,30 @@ def test_batch_command_on_ray_with_a_killed_worker(cluster, mlp, rows, parquet_d
     killed = []
 
     def kill_one_worker():
+        # The first worker seen running a shard, polled from the job's start: the workers load their kernels
+        # before the shards, after which the shards finish faster than a wait for the first part file and a
+        # scan of the processes (the kill came after the job's end, at load).
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (out.is_dir() and any(f.startswith("part-")
-                                                                           for f in os.listdir(out))):
-            time.sleep(0.01)
-        for process in psutil.Process().children(recursive=True):  # this test's Ray only
-            try:
-                command = process.cmdline()
-            except psutil.Error:  # exited meanwhile
-                continue
-            if any("_ray_shard" in part for part in command):  # a worker running a shard (its process title)
-                os.kill(process.pid, signal.SIGKILL)
-                killed.append(sum(f.startswith("part-") for f in os.listdir(out)))
-                return
+        while time.monotonic() < deadline and not done.is_set():
+            for process in psutil.Process().children(recursive=True):  # this test's Ray only
+                try:
+                    command = process.cmdline()
+                except psutil.Error:  # exited meanwhile
+                    continue
+                if any("_ray_shard" in part for part in command):  # a worker running a shard (its process title)
+                    os.kill(process.pid, signal.SIGKILL)
+                    killed.append(sum(f.startswith("part-") for f in os.listdir(out)) if out.is_dir() else 0)
+                    return
 
+    done = threading.Event()
     killer = threading.Thread(target=kill_one_worker)
     killer.start()
-    summary = run_job(mlp, parquet_data, str(out), engine="ray", workers=2, threads=1, shard_rows=10,
-                      progress=False)
-    killer.join()
+    try:
+        summary = run_job(mlp, parquet_data, str(out), engine="ray", workers=2, threads=1, shard_rows=10,
+                          progress=False)
+    finally:
+        done.set()
+        killer.join()
     assert killed and killed[0] < 60, "no Ray worker killed mid-job"
     assert summary.processed_rows == 600 and summary.failures == [] and summary.failed_shards == []
     assert_predictions(read_predictions(str(out)), rows, list(range(600)))

@@ -12,7 +12,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
 from ..errors import InvalidArgumentError, OnnxRuntimeError
-from .job import process_shard
+from .job import prepare_worker, process_shard
 
 
 class WorkerLostError(OnnxRuntimeError):
@@ -113,6 +113,24 @@ def _ray_shard(job, shard):
     return process_shard(job, shard)
 
 
+def _ray_prepare(settings: dict) -> None:
+    prepare_worker(settings)
+
+
+def prepare_ray(settings: dict, workers: int, threads: int, address) -> list:
+    """On a running Ray, one task per worker that constructs its predictor (session created, kernels loaded)
+    before the job's shards, while the driver reads the data set; refs the caller keeps until the job ends.
+    Empty without a running Ray (run_ray starts one and its workers construct at their first shard)."""
+    try:
+        import ray
+    except ImportError:
+        return []
+    if not ray.is_initialized():
+        return []
+    task = ray.remote(_ray_prepare).options(num_cpus=threads, max_retries=0)
+    return [task.remote(settings) for _ in range(workers)]
+
+
 def run_ray(job, shards, workers, threads, finished, retries, address) -> None:
     """The shards as Ray tasks of ``threads`` CPUs each, ``workers`` of them at a time, two queued per worker.
 
@@ -201,3 +219,4 @@ def _dask_client(client_class, address):
 
 
 ENGINES = {"local": run_local, "ray": run_ray, "dask": run_dask}
+PREPARE = {"ray": prepare_ray}  # engines whose workers can construct their predictors before the shards come

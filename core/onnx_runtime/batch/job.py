@@ -26,9 +26,15 @@ def part_path(output: str, index: int) -> str:
 
 
 def _predictor(job: dict) -> Predictor:
-    key = repr(job["predictor"])
+    return prepare_worker(job["predictor"])
+
+
+def prepare_worker(settings: dict) -> Predictor:
+    """This process's predictor for ``settings`` (a job's ``predictor`` entry), its session created and kernels
+    loaded at construction: an engine calls it ahead of the shards, while the driver still reads the data set."""
+    key = repr(settings)
     if key not in _PREDICTORS:
-        _PREDICTORS[key] = Predictor(**job["predictor"])
+        _PREDICTORS[key] = Predictor(**settings, prepare=True)
     return _PREDICTORS[key]
 
 

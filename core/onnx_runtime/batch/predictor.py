@@ -25,6 +25,7 @@ _TYPES = {"float": np.float32, "double": np.float64, "float16": np.float16, "int
           "uint64": np.uint64, "bool": np.bool_}
 _RUNTIMES = ("onnx_runtime", "onnxruntime")
 _SESSIONS: dict = {}  # per process: (model identity, settings) -> session
+_PREPARED: set = set()  # ids of the sessions in _SESSIONS that ran their warm-up batch
 _LOCK = threading.Lock()
 
 
@@ -123,13 +124,16 @@ class Predictor:
     elements and 0 over padding. Outputs are cut back to each row's length along padded axes.
     ``errors``: "raise" stops at the first failing row; "record" retries a failing micro-batch row by row and
     puts each failing row's message in ``error_column`` (its outputs None).
-    ``runtime``: "onnx_runtime" (this runtime) or "onnxruntime" (the reference, for comparisons)."""
+    ``runtime``: "onnx_runtime" (this runtime) or "onnxruntime" (the reference, for comparisons).
+    ``prepare``: create the session and load its kernels at construction (:meth:`prepare`), so that a worker's
+    first batch pays neither; pass True where the constructor runs in the worker (Ray Data's callable class,
+    ``fn_constructor_kwargs``), leave it False where it runs in the driver (Dask pickles the instance)."""
 
     def __init__(self, model, *, providers=None, provider_options=None, session_options=None,
                  intra_op_threads: int | None = None, batch_size: int | None = None, inputs: dict | None = None,
                  outputs: list | None = None, keep_columns=None, pad_value=0, pad_to: dict | None = None,
                  mask_input: str | None = None, errors: str = "raise", error_column: str = "error",
-                 runtime: str = "onnx_runtime"):
+                 runtime: str = "onnx_runtime", prepare: bool = False):
         if isinstance(model, os.PathLike):
             model = os.fspath(model)
         if not isinstance(model, (str, bytes)):
@@ -149,6 +153,47 @@ class Predictor:
         self.keep_columns, self.pad_value, self.pad_to = keep_columns, pad_value, dict(pad_to or {})
         self.mask_input, self.errors, self.error_column = mask_input, errors, error_column
         self._session = None
+        if prepare:
+            self.prepare()
+
+    def prepare(self) -> None:
+        """Create this process's session and run it once on a micro-batch of zeros where every input's per-row
+        shape is static, read-only as a data set's columns are, so the plan is made and its kernels (numba's
+        import, the cached machine code the plan links) are loaded now rather than inside the first batch.
+        Once per session and process. A model that refuses zeros (or has dynamic per-row shapes) loads at its
+        first real batch instead, where a real error is reported with its rows."""
+        sess = self.session
+        with _LOCK:
+            if id(sess) in _PREPARED:
+                return
+        feeds = self._warm_feeds(sess)
+        if feeds is not None:
+            try:
+                sess.run(self.outputs or [arg.name for arg in sess.get_outputs()], feeds)
+            except Exception:  # noqa: BLE001 (zeros are not the data: its first batch reports a real error)
+                pass
+        with _LOCK:
+            _PREPARED.add(id(sess))
+
+    def _warm_feeds(self, sess) -> dict | None:
+        args = {arg.name: arg for arg in sess.get_inputs()}
+        step = self._step(args)
+        feeds = {}
+        for name, arg in args.items():
+            shape = list(arg.shape or [])
+            rows = shape[0] if shape and isinstance(shape[0], int) and shape[0] > 0 else step
+            if not shape or not all(isinstance(d, int) and d > 0 for d in shape[1:]):
+                return None
+            try:
+                dtype = _numpy_type(arg.type, name)
+            except InvalidArgumentError:
+                return None
+            value = np.zeros([rows, *shape[1:]], dtype=dtype)
+            if name == self.mask_input:
+                value[...] = 1
+            value.setflags(write=False)
+            feeds[name] = value
+        return feeds
 
     def __getstate__(self):
         state = dict(self.__dict__)

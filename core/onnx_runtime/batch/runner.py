@@ -162,6 +162,11 @@ def run_job(model: str, data: str, output: str, *, engine: str = "local", worker
     if not os.path.isfile(model):
         raise InvalidArgumentError(f"batch: model {model!r} is not a file")
     workers, threads = plan_workers(workers, threads)
+    settings = dict(model=os.path.abspath(model), providers=providers, intra_op_threads=threads,
+                    batch_size=batch_size, outputs=outputs, keep_columns=[], errors="record", runtime=runtime,
+                    **(predictor_options or {}))
+    # the workers create their sessions while this process reads the model's inputs, hashes it and opens the data
+    preparing = engines.PREPARE[engine](settings, workers, threads, address) if engine in engines.PREPARE else []
     source = open_source(data, _model_inputs(model))
     shards = source.shards(shard_rows)
     manifest = {"model_sha256": _sha256(model), "source": source.describe(), "shard_rows": shard_rows,
@@ -173,10 +178,7 @@ def run_job(model: str, data: str, output: str, *, engine: str = "local", worker
     for index in sorted(done):
         summary.failures += _recorded_failures(output, index)
     pending = [s for s in shards if s.index not in done]
-    job = {"source": source, "output": os.path.abspath(output), "id_column": id_column,
-           "predictor": dict(model=os.path.abspath(model), providers=providers, intra_op_threads=threads,
-                             batch_size=batch_size, outputs=outputs, keep_columns=[], errors="record",
-                             runtime=runtime, **(predictor_options or {}))}
+    job = {"source": source, "output": os.path.abspath(output), "id_column": id_column, "predictor": settings}
     bar = Progress(summary.rows, sum(s.stop - s.start for s in shards if s.index in done), enabled=progress)
     start = time.perf_counter()
 
@@ -196,6 +198,7 @@ def run_job(model: str, data: str, output: str, *, engine: str = "local", worker
     try:
         engines.ENGINES[engine](job, pending, workers, threads, finished, retries, address)
     finally:
+        del preparing  # (the preparing tasks referenced until the job ends)
         bar.close()
         summary.seconds = time.perf_counter() - start
         with open(os.path.join(output, "_summary.json"), "w") as f:
