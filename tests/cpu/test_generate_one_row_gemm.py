@@ -42,13 +42,13 @@ def test_one_row_gemm_takes_the_lean_kernel_and_matches_float64(threads, trans_b
         return y
 
     monkeypatch.setattr(linalg, "few_rows_product", counted)
-    data, b, c = _gemm_model(1, 256, 512, trans_b, with_c)
+    data, b, c = _gemm_model(1, 1024, 1024, trans_b, with_c)  # enough weights to split
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     session = ort.InferenceSession(data, options, providers=[CPU])
     rng = np.random.default_rng(1)
     for _ in range(3):  # the planned shape, repeated (a decode loop's)
-        a = rng.standard_normal((1, 256)).astype(np.float32)
+        a = rng.standard_normal((1, 1024)).astype(np.float32)
         y = session.run(None, {"a": a})[0]
         reference = a.astype(np.float64) @ (b.T if trans_b else b).astype(np.float64)
         if c is not None:

@@ -59,9 +59,10 @@ class Knobs:
     conv_tasks_per_thread: int = 4
     #: The same for the packed products; cut finer, a prefill measured slower on a quiet machine (25f146c).
     product_tasks_per_thread: int = 1
-    #: Few-row products (compiled/gemv.py) of at least this many weights are split across the threads
-    #: (measured in baa9e65).
-    gemv_split_weights: int = 1 << 14
+    #: Few-row products (compiled/gemv.py) of at least this many weights are split across the threads;
+    #: smaller ones take BLAS on one thread, which the split's handoff to a helper made slower with or
+    #: without another process on the CPUs (measured in the commit that set it; baa9e65 before).
+    gemv_split_weights: int = 1 << 20
     #: From this many weights per thread a few-row product's part waits for a sleeping helper (8f78cef).
     gemv_long_weights: int = 1 << 24
     #: From this size an image's padded copy for the packed convolution is split across the helpers
