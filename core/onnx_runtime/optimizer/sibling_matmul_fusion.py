@@ -19,11 +19,11 @@ from .rewrite import add_initializer, constant, new_node, tensor_type
 
 _FLOATS = (np.float16, np.float32, np.float64)
 _ONNX = ("", "ai.onnx")
-# Merging pays when the merged product is big enough to split across threads: the CPU provider's
-# few-row products split from 16384 weights (OpenBLAS's own from 460800), and merged products of at least
-# 65536 measured faster on a LLaMA-like decode step's q/k/v and gate/up (a74a05e); below that the pieces
-# and the merged product stream the weights at the same speed, and the Split the merge adds costs more
-# than the calls it saves.
+# Merging pays when the merged product is big enough: merged products of this size and up measured faster on
+# a LLaMA-like decode step's q/k/v and gate/up (a74a05e), when the CPU provider split few-row products across
+# threads from far fewer weights than its gemv_split_weights knob now asks (99c5824); merges under that knob
+# run as one one-thread product, not re-measured. Below this size the pieces and the merged product stream the
+# weights at the same speed, and the Split the merge adds costs more than the calls it saves.
 _MIN_MERGED_SIZE = 65_536
 # Split takes its sizes as an input from opset 13 on, as an attribute before.
 _SPLIT_SIZES_AS_INPUT = 13
