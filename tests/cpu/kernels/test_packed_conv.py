@@ -259,7 +259,9 @@ def test_pooling_split_across_threads_matches_the_reference(monkeypatch, kernel_
     (y,) = (pool.max_pool if op == "MaxPool" else pool.average_pool)(node, None, 19)(x)
     expected = ReferenceEvaluator(helper.make_node(op, ["x"], ["y"], **attrs)).run(None, {"x": x})[0]
     np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-6)
-    assert splits == [kernel_threads]
+    # one part of a window other than the 3x3 kernel's runs on this thread without a job (b825f5c)
+    direct = kernel_threads == 1 and attrs["kernel_shape"] != [3, 3]
+    assert splits == ([] if direct else [kernel_threads])
 
 
 @pytest.mark.parametrize("activation", [None, "Relu"])

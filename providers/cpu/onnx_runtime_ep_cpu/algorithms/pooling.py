@@ -93,9 +93,10 @@ def compiled_pool(loops, x: np.ndarray, geo: Geometry, include_pad: bool | None 
     y = np.empty(x.shape[:2] + geo.out, dtype=x.dtype)
     planes, rows, arguments = _pool_call(x, geo, include_pad, y)
     spans = thread_spans(planes.shape[0], x.size, x.dtype)
-    # (the helper threads' parts are compiled code; the part's types only built while numpy serves)
-    if spans is None or len(spans) == 1 and not _windowed(arguments) \
-            or deferred.state.deferring and deferred.numpy_first(("jobs.POOL", (planes, rows, *arguments))):
+    # (the helper threads' parts are compiled code; the part's types only built while numpy serves; the deferral
+    # is asked before _windowed, whose module import would load numba on the run thread)
+    if spans is None or deferred.state.deferring and deferred.numpy_first(("jobs.POOL", (planes, rows, *arguments))) \
+            or len(spans) == 1 and not _windowed(arguments):
         loops.pool_2d(planes, rows, *arguments)
     else:
         from ..compiled import jobs, workers
