@@ -149,5 +149,38 @@ def test_generic_is_the_loop_exactly(name, args):
             np.testing.assert_array_equal(have.view(np.uint8), want.view(np.uint8))  # bit for bit
 
 
+def _rounded_gelu_params(signed: bool) -> np.ndarray:
+    from onnx_runtime_ep_cpu.algorithms.erf import scaled_coefficients
+    from onnx_runtime_ep_cpu.compiled import rounded_gelu as loop
+
+    params = np.zeros(loop.PARAMS, F32)
+    params[loop.DIVISOR], params[loop.ONE], params[loop.HALF] = np.sqrt(2), 1, 0.5
+    params[loop.SERIES:loop.SERIES + 7] = scaled_coefficients(1.0)
+    low, high = (-128, 127) if signed else (0, 255)
+    for i, (scale, zero) in enumerate([(0.0079, 0), (0.0083, -128 if signed else 0), (0.031, 5 if signed else 133)]):
+        params[loop.ROUNDINGS + 4 * i: loop.ROUNDINGS + 4 * i + 4] = scale, zero, low, high
+    return params
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_rounded_gelu_generic_within_one_code_of_the_loop(signed):
+    # The loop's tanh is its own vectorizable one, the twin's numpy's (the Erf kernel's): a few ulp apart, so a
+    # rounded code may differ by one where a value lies that close to a half-integer of its grid.
+    from onnx_runtime_ep_cpu.compiled import rounded_gelu as loop
+
+    params = _rounded_gelu_params(signed)
+    x = np.concatenate([RNG.standard_normal(4000).astype(F32) * 3, np.array([0, -0.0, 40, -40, np.nan], F32)])
+    want, got = np.empty_like(x), np.empty_like(x)
+    loop.rounded_gelu.dispatcher()(x, params, want)
+    GENERIC_INT8["onnx_runtime_ep_cpu.compiled.rounded_gelu.rounded_gelu"](x, params, got)
+    step = params[loop.ROUNDINGS + 8] * params[loop.HALF]  # one code of the last rounding, times the half
+    assert np.isnan(got[-1]) == np.isnan(want[-1])
+    assert np.abs(got[:-1] - want[:-1]).max() <= step * 1.001
+    assert np.mean(got[:-1] == want[:-1]) > 0.99
+    assert len(np.unique(got)) > 50  # the grids leave the chain many distinct results
+
+
 def test_every_int8_loop_is_covered():
-    assert {f"onnx_runtime_ep_cpu.compiled.{name}" for name, _ in CASES} == set(GENERIC_INT8)
+    covered = {f"onnx_runtime_ep_cpu.compiled.{name}" for name, _ in CASES}
+    covered.add("onnx_runtime_ep_cpu.compiled.rounded_gelu.rounded_gelu")  # within one code (the test above)
+    assert covered == set(GENERIC_INT8)

@@ -220,7 +220,31 @@ def requantized_product_add(a, packed, pairs, multiplier, offset, consts, bias, 
 
 
 _COMPILED = "onnx_runtime_ep_cpu.compiled."
+def _rounded(v, s, z, lo, hi):
+    """DequantizeLinear(QuantizeLinear(v)) in float32 (NaN: the zero point's value), as rounded_gelu._rounded."""
+    q = np.minimum(np.maximum(np.rint(v / s) + z, lo), hi)
+    return np.where(np.isnan(q), (_F32(0) - z) * s, (q - z) * s).astype(_F32, copy=False)
+
+
+def rounded_gelu(x, params, out):
+    """compiled/rounded_gelu.rounded_gelu with the erf series' tanh from numpy (the Erf kernel's), where the loop
+    takes its own vectorizable tanh: within a few ulp, so a code may differ by one where a value lies that close
+    to a half-integer of its grid (the loop's own bound against the separate nodes)."""
+    d, one, h = params[0], params[1], params[2]
+    coefficients, rounds = params[3:10], params[10:22].reshape(3, 4)
+    with np.errstate(all="ignore"):
+        t = x / d
+        square = t * t
+        series = np.full_like(t, coefficients[6])
+        for c in coefficients[5::-1]:
+            series = series * square + c
+        e = _rounded(np.tanh(series * t), *rounds[0])
+        u = _rounded(e + one, *rounds[1])
+        out[...] = _rounded(x * u, *rounds[2]) * h
+
+
 GENERIC_INT8 = {
+    _COMPILED + "rounded_gelu.rounded_gelu": rounded_gelu,
     _COMPILED + "quantize.quantize": quantize,
     _COMPILED + "quantize.dequantize": dequantize,
     _COMPILED + "quantize.fake_quantize": fake_quantize,

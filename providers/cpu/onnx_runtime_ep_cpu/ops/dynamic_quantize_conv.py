@@ -15,6 +15,7 @@ import numpy as np
 
 from ..algorithms.patch_geometry import patch_geometry
 from ..algorithms.quantize import IntegerProduct, dynamic_uint8
+from ..compiled.deferred import numpy_first
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
@@ -26,8 +27,6 @@ _F32 = np.dtype(np.float32)
 
 @register("DynamicQuantizeConv", domain=FUSED_DOMAIN, since=1)
 def dynamic_quantize_conv(node, shapes, opset):
-    from ..compiled import dynamic_conv  # once here: an import statement costs each call microseconds
-
     exact = integer_conv(node, shapes, opset)  # the unfused arithmetic, for every input the compiled call does not take
     product = IntegerProduct()
     last: list = [None] * 5  # the constant inputs of the last call, then their WeightSide (or None)
@@ -50,6 +49,9 @@ def dynamic_quantize_conv(node, shapes, opset):
     geometries: dict = {}  # per (X's shape, W's shape): patch_geometry's answer (a run repeats its shapes)
 
     def kernel(x, w, w_scale, w_zero_point=None, bias=None):
+        if numpy_first():  # numba loads in the background: the unfused arithmetic on numpy meanwhile
+            _check(node, x, w, w_scale, bias)
+            return (_unfused(exact, x, w, w_scale, w_zero_point, bias),)
         side = side_of(w, w_scale, w_zero_point, bias) if x.dtype is _F32 else None
         key = (x.shape, w.shape)
         geometry = geometries.get(key) if side is not None else None
@@ -61,13 +63,24 @@ def dynamic_quantize_conv(node, shapes, opset):
         if geometry is None:
             _check(node, x, w, w_scale, bias)
             return (_unfused(exact, x, w, w_scale, w_zero_point, bias),)
-        shape4, steps, out_shape, (oh, ow) = geometry
-        out = np.empty(out_shape, _F32)
-        dynamic_conv.dynamic_conv(np.ascontiguousarray(x).reshape(shape4), *steps, oh, ow, side.packed, side.pairs,
-                                  side.scales, side.bias, out.reshape(out_shape[0], out_shape[1], oh * ow))
-        return (out,)
+        return (_compiled_call(x, geometry, side),)
 
     return kernel
+
+
+_COMPILED: list = []  # compiled/dynamic_conv, imported at the first call numba serves (it imports numba)
+
+
+def _compiled_call(x, geometry, side) -> np.ndarray:
+    if not _COMPILED:
+        from ..compiled import dynamic_conv
+
+        _COMPILED.append(dynamic_conv)
+    shape4, steps, out_shape, (oh, ow) = geometry
+    out = np.empty(out_shape, _F32)
+    _COMPILED[0].dynamic_conv(np.ascontiguousarray(x).reshape(shape4), *steps, oh, ow, side.packed, side.pairs,
+                              side.scales, side.bias, out.reshape(out_shape[0], out_shape[1], oh * ow))
+    return out
 
 
 def _check(node, x, w, w_scale, bias) -> None:

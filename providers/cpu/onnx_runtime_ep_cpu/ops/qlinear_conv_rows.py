@@ -13,6 +13,7 @@ import numpy as np
 
 from ..algorithms.patch_geometry import patch_geometry
 from ..algorithms.quantize import IntegerProduct, integer_range
+from ..compiled.deferred import numpy_first
 
 _EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
 _F32 = np.dtype(np.float32)
@@ -45,9 +46,7 @@ def _side(product, qgemm, x, x_scale, x_zero, w, w_scale, w_zero, y_scale, y_zer
 
 def patch_rows_conv(node):
     """A function of QLinearConv's inputs giving its output through the compiled call, or None where that call
-    does not take them."""
-    from ..compiled import dynamic_conv, qgemm
-
+    does not take them (and while numba loads in the background: the call's modules import it)."""
     auto_pad = node.attr("auto_pad", "NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
     if int(node.attr("group", 1)) != 1 or auto_pad != "NOTSET":
@@ -57,6 +56,10 @@ def patch_rows_conv(node):
     geometries: dict = {}  # per (X's shape, W's shape): patch_geometry's answer
 
     def fast(x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias=None):
+        if numpy_first():
+            return None
+        from ..compiled import dynamic_conv, qgemm  # (found in sys.modules after the first call)
+
         params = (x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias)
         seen, found = last
         if found is None or found[-1] != x.dtype or len(seen) != len(params) \
