@@ -90,3 +90,18 @@ def run_float64(model: onnx.ModelProto, feeds: dict, outputs=None) -> list:
 
     wide = {k: v.astype(np.float64) if getattr(v, "dtype", None) == np.float32 else v for k, v in feeds.items()}
     return ReferenceEvaluator(float64_model(model)).run(outputs, wide)
+
+
+def integer_conv(padded: np.ndarray, w: np.ndarray, strides, dilations) -> np.ndarray:
+    """The exact int64 convolution (N, M, OH, OW) of already padded (N, C, H, W) codes with (M, C, KH, KW)
+    weights, zero points taken off both beforehand: one einsum per tap."""
+    kh, kw = w.shape[2:]
+    oh = (padded.shape[2] - dilations[0] * (kh - 1) - 1) // strides[0] + 1
+    ow = (padded.shape[3] - dilations[1] * (kw - 1) - 1) // strides[1] + 1
+    acc = np.zeros((padded.shape[0], w.shape[0], oh, ow), np.int64)
+    for i in range(kh):
+        for j in range(kw):
+            window = padded[:, :, i * dilations[0]:i * dilations[0] + strides[0] * (oh - 1) + 1:strides[0],
+                            j * dilations[1]:j * dilations[1] + strides[1] * (ow - 1) + 1:strides[1]]
+            acc += np.einsum("nchw,mc->nmhw", window.astype(np.int64), w[:, :, i, j].astype(np.int64))
+    return acc

@@ -15,6 +15,7 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime.errors import InvalidArgumentError
+from reference64 import integer_conv
 
 ZOO = Path(__file__).resolve().parents[2] / "benchmarks" / ".models" / "zoo"
 
@@ -78,15 +79,7 @@ def reference(x, model: bytes) -> np.ndarray:
         strides, dil, pads = attrs["strides"], attrs["dilations"], attrs["pads"]
     padded = np.pad(codes, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))  # centred: pads are 0
     wc = w - (wz.reshape(-1, 1, 1, 1) if wz.ndim else wz)
-    kh, kw = wc.shape[2:]
-    oh = (padded.shape[2] - dil[0] * (kh - 1) - 1) // strides[0] + 1
-    ow = (padded.shape[3] - dil[1] * (kw - 1) - 1) // strides[1] + 1
-    acc = np.zeros((x.shape[0], w.shape[0], oh, ow), np.int64)
-    for i in range(kh):
-        for j in range(kw):
-            window = padded[:, :, i * dil[0]:i * dil[0] + strides[0] * (oh - 1) + 1:strides[0],
-                            j * dil[1]:j * dil[1] + strides[1] * (ow - 1) + 1:strides[1]]
-            acc += np.einsum("nchw,mc->nmhw", window, wc[:, :, i, j])
+    acc = integer_conv(padded, wc, strides, dil)
     y = acc * (np.float64(scale) * np.float64(init["ws"]))
     if "b" in init and any(n.op_type == "Add" for n in m.graph.node):
         y = y + init["b"].reshape(1, -1, 1, 1).astype(np.float64)

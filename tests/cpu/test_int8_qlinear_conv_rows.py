@@ -10,6 +10,7 @@ import onnx_runtime
 import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from reference64 import integer_conv
 
 GEOMETRIES = [
     ((1, 3, 28, 28), (48, 3, 7, 7), [7, 7], [0, 0, 0, 0], [1, 1]),
@@ -49,15 +50,7 @@ def reference(x, init, geometry, bias) -> np.ndarray:
         codes, w = codes[:, :, None, :], w[:, :, None, :]
         strides, dil, pads = [1] + strides, [1] + dil, [0, pads[0], 0, pads[1]]
     padded = np.pad(codes, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
-    kh, kw = w.shape[2:]
-    oh = (padded.shape[2] - dil[0] * (kh - 1) - 1) // strides[0] + 1
-    ow = (padded.shape[3] - dil[1] * (kw - 1) - 1) // strides[1] + 1
-    acc = np.zeros((x.shape[0], w.shape[0], oh, ow), np.int64)
-    for i in range(kh):
-        for j in range(kw):
-            window = padded[:, :, i * dil[0]:i * dil[0] + strides[0] * (oh - 1) + 1:strides[0],
-                            j * dil[1]:j * dil[1] + strides[1] * (ow - 1) + 1:strides[1]]
-            acc += np.einsum("nchw,mc->nmhw", window, w[:, :, i, j])
+    acc = integer_conv(padded, w, strides, dil)
     if bias:
         acc += init["b"].astype(np.int64).reshape(1, -1, 1, 1)
     scale = np.float64(init["xs"]) * init["ws"].astype(np.float64).reshape(-1, 1, 1) / np.float64(init["ys"])

@@ -8,10 +8,6 @@ everything downstream looks value-dependent and a decode step's Shape/Unsqueeze/
 fuses away, so their shapes are given from shape-only sizes (steps.py, shape_layout.py)."""
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import numpy as np
 import onnx
 import onnx_runtime
@@ -22,8 +18,6 @@ from onnx_runtime.session.shape_layout import layout_shapes
 from onnx_runtime_ep_cpu import fused_shapes, registry
 from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
 
-ROOT = Path(__file__).resolve().parents[2]
-ZOO = ROOT / "benchmarks" / ".models" / "zoo"
 DECODERS = ("gpt2.torchscript", "gpt2.dynamo", "llama.torchscript", "llama.dynamo", "t5_decoder.torchscript",
             "t5_decoder.dynamo")
 # Operators that only compute shapes, positions or masks: none may run per call once the lengths are known.
@@ -92,22 +86,6 @@ def test_split_shapes_and_refusals():
     assert layout_shapes(uneven, [_forms((1, "s", 8))], lambda i: None, 1) is None  # a symbolic split axis
     unknown = onnx_runtime.ir.Node("Reshape", ["x", "shape"], ["y"])
     assert layout_shapes(unknown, [_forms((1, "s"))], lambda i: None, 1) is None  # sizes computed per call
-
-
-@pytest.fixture(scope="module")
-def qdq_decoders(tmp_path_factory):
-    if not (ZOO / "manifest.json").exists():
-        pytest.skip("the model zoo is not built: run scripts/build_zoo.sh")
-    pytest.importorskip("onnxruntime.quantization", reason="quantize_static builds the models: install the test extra")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import qdq_decoders
-        import zoo_feeds
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    built = qdq_decoders.build(ZOO, tmp_path_factory.mktemp("qdq_decoders"))
-    entries = {e["name"]: e for e in json.loads((ZOO / "manifest.json").read_text())["models"]}
-    return built, entries, zoo_feeds
 
 
 def _steps(session) -> tuple[int, dict]:

@@ -6,8 +6,6 @@ fall."""
 from __future__ import annotations
 
 import contextlib
-import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +16,6 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime.errors import OnnxRuntimeError
 from onnx_runtime_ep_cpu import qdq_fusions
 
-ROOT = Path(__file__).resolve().parents[2]
-ZOO = ROOT / "benchmarks" / ".models" / "zoo"
 SCALE_X, ZERO_X = 0.021, 131
 # (name, scale, zero point) of each rounding; int8 zero points for one of them
 GRIDS = [("a", 0.013, 128), ("b", 0.0071, 10), ("c", 0.012, 0), ("d", 0.0093, -3), ("e", 0.011, 120)]
@@ -138,23 +134,6 @@ def test_a_grid_table_refuses_other_input_types(tmp_path):
         kernel(np.zeros(4, np.float64), *constants)
     with pytest.raises(OnnxRuntimeError, match="uint8 or int8"):
         kernel(np.zeros(4, np.float32), constants[0], np.array(3, np.int32), *constants[2:])
-
-
-@pytest.fixture(scope="module")
-def qdq_decoders(tmp_path_factory):
-    if not (ZOO / "manifest.json").exists():
-        pytest.skip("the model zoo is not built: run scripts/build_zoo.sh")
-    pytest.importorskip("onnxruntime.quantization", reason="quantize_static builds the models: install the test extra")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import qdq_decoders
-        import zoo_feeds
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    names = ("gpt2.torchscript", "gpt2.dynamo", "llama.torchscript", "llama.dynamo")
-    built = qdq_decoders.build(ZOO, tmp_path_factory.mktemp("qdq_grid_tables"), names)
-    entries = {e["name"]: e for e in json.loads((ZOO / "manifest.json").read_text())["models"]}
-    return built, entries, zoo_feeds
 
 
 @pytest.mark.parametrize("name, gone", [

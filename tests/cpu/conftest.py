@@ -1,0 +1,30 @@
+"""Fixtures shared by the CPU provider's test files."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ZOO = ROOT / "benchmarks" / ".models" / "zoo"
+
+
+@pytest.fixture(scope="session")
+def qdq_decoders(tmp_path_factory):
+    """(built, manifest entries by name, the zoo_feeds module): the zoo's decoders quantized with quantize_static
+    to QDQ by benchmarks/qdq_decoders.py, built once per test session (each build calibrates)."""
+    if not (ZOO / "manifest.json").exists():
+        pytest.skip("the model zoo is not built: run scripts/build_zoo.sh")
+    pytest.importorskip("onnxruntime.quantization", reason="quantize_static builds the models: install the test extra")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import qdq_decoders
+        import zoo_feeds
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    built = qdq_decoders.build(ZOO, tmp_path_factory.mktemp("qdq_decoders"))
+    entries = {e["name"]: e for e in json.loads((ZOO / "manifest.json").read_text())["models"]}
+    return built, entries, zoo_feeds
