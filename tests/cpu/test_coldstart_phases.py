@@ -28,9 +28,13 @@ graph = helper.make_graph([node], "g", [x], [y], [w])
 model = helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 13)])
 options = ort.SessionOptions()
 options.intra_op_num_threads = 1
+import time
+began = time.thread_time()
 sess = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 out = sess.run(None, {"x": np.ones((1, 2, 5, 5), np.float32)})[0]
-print(json.dumps({"spent": spent, "shape": list(out.shape), "loaded": "onnx_runtime_ep_cpu.ops.conv" in sys.modules}))
+total = time.thread_time() - began
+print(json.dumps({"spent": spent, "total": total, "shape": list(out.shape),
+                  "loaded": "onnx_runtime_ep_cpu.ops.conv" in sys.modules}))
 """
 
 
@@ -41,9 +45,11 @@ def test_phases_count_the_imports_and_the_steps_they_nest_in():
     result = json.loads(done.stdout.strip().splitlines()[-1])
     spent = result["spent"]
     assert result["shape"] == [1, 3, 5, 5] and result["loaded"]
-    # The CPU provider and the conv family are imported inside these steps: their imports are counted, and within
-    # the steps' own time (a diagnostic that double-counted or missed them would break one of these).
+    # The CPU provider and the conv family are imported during creation and the first run: their imports are
+    # counted once (outermost imports only), within the main thread's time for both. Not within the timed steps'
+    # sum: some imports run in creation outside them (the optimizer's passes), far more on a fresh checkout whose
+    # modules have no bytecode yet (a CI clone's 0.16 s against 0.06 s of steps).
     assert spent["imports"] > 0 and spent["providers"] > 0 and spent["executor runs"] >= 0
-    assert spent["imports"] <= spent["providers"] + spent.get("placement", 0.0) + spent.get("executor runs", 0.0) \
-        + spent.get("specialized plans", 0.0) + 0.05
+    assert spent["imports"] <= result["total"] + 1e-3
+    assert spent["providers"] + spent.get("executor runs", 0.0) <= result["total"] + 1e-3
     assert spent.get("collector", 0.0) >= 0.0
