@@ -91,6 +91,14 @@ def owned(owns, nodes: list[Node]) -> bool:
     return owns is None or all(owns(n) for n in nodes)
 
 
+def bypass(graph: Graph, node: Node, source: str) -> None:
+    """Remove ``node``, whose one output equals its input ``source``: its readers read ``source`` instead."""
+    output = node.outputs[0]
+    graph.nodes = [n for n in graph.nodes if n is not node]
+    for reader in graph.nodes:
+        reader.inputs = [source if name == output else name for name in reader.inputs]
+
+
 def replace_nodes(graph: Graph, removed: list[Node], fused: Node) -> None:
     """Put ``fused`` where the last removed node was (its inputs are all produced earlier)."""
     gone = {id(n) for n in removed}

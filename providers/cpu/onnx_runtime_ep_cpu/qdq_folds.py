@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from onnx_runtime.ir import Graph, Node
 
-from .fusions import FUSED_DOMAIN, GraphView, owned
+from .fusions import FUSED_DOMAIN, GraphView, bypass, owned
 
 _F32 = np.dtype(np.float32)
 _EIGHT_BIT = frozenset({np.dtype(np.uint8), np.dtype(np.int8)})
@@ -72,9 +72,6 @@ def drop_rounding_before_quantizing(graph: Graph, owns=None) -> bool:
         if grid is None or info is None or info.dtype is None or info.dtype.numpy != _F32 \
                 or not _quantized_by_readers(view, node.outputs[0], grid) or not owned(owns, [node]):
             continue
-        source, output = node.inputs[0], node.outputs[0]
-        graph.nodes = [n for n in graph.nodes if n is not node]
-        for reader in graph.nodes:
-            reader.inputs = [source if name == output else name for name in reader.inputs]
+        bypass(graph, node, node.inputs[0])
         return True
     return False

@@ -27,7 +27,7 @@ import numpy as np
 from onnx_runtime.ir import Graph, Node
 from onnx_runtime.optimizer.elimination import reshaped
 
-from .fusions import FUSED_DOMAIN, GraphView, owned, until_fixed
+from .fusions import FUSED_DOMAIN, GraphView, bypass, owned, until_fixed
 from .qdq_folds import drop_rounding_before_quantizing
 from .qdq_tables import fuse_grid_tables
 from .qoperator_lowering import lower_qoperator_cnn
@@ -629,10 +629,7 @@ def drop_repeated_rounding(graph: Graph, owns=None) -> bool:
         mine, grid = _slot_params(view, node, 1), _grid_of(view, node.inputs[0])
         if mine is None or grid is None or not _per_tensor(mine) or not _same(mine, grid) or not owned(owns, [node]):
             continue
-        source, output = node.inputs[0], node.outputs[0]
-        graph.nodes = [n for n in graph.nodes if n is not node]
-        for reader in graph.nodes:
-            reader.inputs = [source if name == output else name for name in reader.inputs]
+        bypass(graph, node, node.inputs[0])
         return True
     return False
 
