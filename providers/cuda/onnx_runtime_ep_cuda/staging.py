@@ -222,21 +222,15 @@ class PinnedStaging:
         """Enqueue device bytes at ``src`` into host array ``dst`` (uint8) through pinned blocks, a block per chunk;
         ``dst`` holds them after :meth:`deliver` (``CudaDevice.sync`` calls it). Past a whole ring the host waits
         for the earliest chunks' copies (and delivers them) as their blocks are reused."""
-        d = self.device.driver
-        for offset in range(0, dst.size, BLOCK_BYTES):
-            chunk = dst[offset: offset + BLOCK_BYTES]
-            block = self._block()
-            try:
-                result = d.cuMemcpyDtoHAsync(block.address, src + offset, chunk.size, stream)
-                if int(result[0]):
-                    self._check(result, f"cuMemcpyDtoHAsync({chunk.size} B, pinned)")
-                self._recorded(block, stream)
-                block.pending = chunk
-            finally:
-                block.held.release()
+        self._download(dst, src, stream, wait=False)
 
     def download(self, dst: np.ndarray, src: int, stream) -> None:
         """Copy device bytes at ``src`` into host array ``dst`` (uint8) and wait for them."""
+        self._download(dst, src, stream, wait=True)
+
+    def _download(self, dst: np.ndarray, src: int, stream, wait: bool) -> None:
+        """A pinned block per chunk: copied out as each block's copy settles (``wait``), or left pending for
+        :meth:`deliver`."""
         d = self.device.driver
         for offset in range(0, dst.size, BLOCK_BYTES):
             chunk = dst[offset: offset + BLOCK_BYTES]
@@ -246,8 +240,11 @@ class PinnedStaging:
                 if int(result[0]):
                     self._check(result, f"cuMemcpyDtoHAsync({chunk.size} B, pinned)")
                 self._recorded(block, stream)
-                self._settle(block)
-                chunk[:] = block.view[: chunk.size]
+                if wait:
+                    self._settle(block)
+                    chunk[:] = block.view[: chunk.size]
+                else:
+                    block.pending = chunk
             finally:
                 block.held.release()
 
