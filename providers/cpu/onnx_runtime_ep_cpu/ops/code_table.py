@@ -14,7 +14,7 @@ import numpy as np
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
-from .table_chain import TableChain
+from .table_chain import TableChain, broadcast_rank
 
 _EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
 _CODE_COUNT = 256
@@ -44,9 +44,7 @@ def code_table(node, shapes, opset):
             found = tables[dtype] = chain.evaluate(codes, constants, None, "codes")
         table, rank = found
         out = table.take(x.view(np.uint8))
-        if rank > out.ndim:
-            out = out.reshape((1,) * (rank - out.ndim) + out.shape)
-        return (out,)
+        return (broadcast_rank(out, rank),)
 
     return kernel
 

@@ -17,7 +17,7 @@ from ..algorithms.quantize import integer_range
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
-from .table_chain import TableChain
+from .table_chain import TableChain, broadcast_rank
 
 _F32 = np.dtype(np.float32)
 _EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
@@ -59,9 +59,7 @@ def grid_table(node, shapes, opset):
         out = np.empty(x.shape, _F32)
         if out.size:
             compiled.grid_lookup(np.ascontiguousarray(x).reshape(-1), s, z, low, high, table, out.reshape(-1))
-        if rank > out.ndim:
-            out = out.reshape((1,) * (rank - out.ndim) + out.shape)
-        return (out,)
+        return (broadcast_rank(out, rank),)
 
     return kernel
 

@@ -60,3 +60,8 @@ class TableChain:
                                    f"{dtype or 'value'} each (elementwise nodes only)")
         rank = max([np.ndim(c) for c in constants] + [0])
         return np.ascontiguousarray(result.reshape(-1)), rank
+
+
+def broadcast_rank(out: np.ndarray, rank: int) -> np.ndarray:
+    """``out`` with leading ones up to ``rank`` dimensions, where the chain's constants had more than the root."""
+    return out.reshape((1,) * (rank - out.ndim) + out.shape) if rank > out.ndim else out
