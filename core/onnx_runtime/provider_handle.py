@@ -1,10 +1,10 @@
-"""One provider instance behind its own plugin manager: the object the session talks to.
+"""One provider instance and its hooks: the object the session talks to.
 
-The handle registers the provider instance and, for every hook the provider does not implement,
-the core's default. So each hook has exactly one implementation and ``handle.hook.<name>(...)``
-reaches it in one pluggy call. The handle also enforces the memory rules that every provider gets
-for free: a buffer is freed at most once, only by the provider of its device, and borrowed
-buffers never.
+Each hook has exactly one implementation, the provider's or, where it implements none, the core's
+default; ``handle.hook.<name>(...)`` calls it directly (hook_table.py), or through pluggy's manager
+for providers pluggy must read and once plugins are registered on the handle (``pm``). The handle
+also enforces the memory rules that every provider gets for free: a buffer is freed at most once,
+only by the provider of its device, and borrowed buffers never.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import contextlib
 import types
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pluggy
@@ -26,6 +27,7 @@ from .contract.memory_defaults import release_buffer
 from .contract.version import incompatibility
 from .devices import DeviceId, DeviceType
 from .errors import PluginError, ProviderError
+from .hook_table import HookTable, provider_hooks
 from .run_scope import Scope
 
 _DISCOVERY_HOOKS = {"onnx_runtime_providers"}
@@ -65,15 +67,13 @@ class ProviderHandle:
         self.provider = provider
         self.source = source
         label = f"{type(provider).__name__} ({source})"
-        self.pm = ContractManager(PROJECT)
-        self.pm.add_hookspecs(ExecutionProviderSpec)
-        try:
-            self.pm.register(provider, name="provider")
-        except pluggy.PluginValidationError as exc:
-            raise PluginError(f"provider {label} has an invalid hook implementation: {exc}") from None
-        # What register found (pluggy keeps a hook without a spec as an unverified caller): read
-        # back rather than parsed twice, a cost every session creation paid (measured in 50054a1).
-        implemented = {caller.name for caller in self.pm.get_hookcallers(provider) or ()}
+        self._label = label
+        self._pm: pluggy.PluginManager | None = None
+        known = provider_hooks(provider)  # hook_table.py: None where pluggy's manager must read the provider
+        if known is None:
+            implemented = self._register_provider()
+        else:
+            implemented = set(known)
         unknown = sorted(implemented - set(HOOK_NAMES) - _DISCOVERY_HOOKS)
         if unknown:
             import difflib  # (only for this error)
@@ -90,12 +90,14 @@ class ProviderHandle:
         if "name" not in implemented:
             raise PluginError(f"provider {label} must implement the `name` hook (e.g. 'MyExecutionProvider')")
         self._implemented = frozenset(implemented & set(HOOK_NAMES))
-        defaults = DefaultFallbacks(self)
-        fallbacks = SimpleNamespace(
-            **{n: getattr(defaults, n) for n in HOOK_NAMES if n not in self._implemented and hasattr(defaults, n)}
-        )
-        self.pm.register(fallbacks, name="defaults")
-        self.hook: pluggy.HookRelay = self.pm.hook
+        self._defaults = DefaultFallbacks(self)
+        table = HookTable(provider, known or {}, self._defaults)
+        table.bind_manager(lambda: self.pm)
+        # Each hook resolved once into its implementation (hook_table.py), or pluggy's caller where needed.
+        self.hook: Any = table
+        if self._pm is not None:
+            self._register_defaults(self._pm)
+            table.attach(self._pm)
         self.name: str = self.hook.name()
         if not isinstance(self.name, str) or not self.name:
             raise PluginError(f"provider {label}: the `name` hook must return a non-empty string")
@@ -111,6 +113,41 @@ class ProviderHandle:
         self.memory_account = None
         self.run_scope: Scope | None = None  # (enter, leave) that each run of the session calls (set_run_scope)
         self._refresh_device()
+
+    @property
+    def pm(self) -> pluggy.PluginManager:
+        """The provider and the defaults behind pluggy's manager, built at the first ask (for plugins registered
+        on this handle, which then take part in every hook call)."""
+        if self._pm is None:
+            self._register_provider()
+            assert self._pm is not None
+            self._register_defaults(self._pm)
+            self.hook.attach(self._pm)
+        return self._pm
+
+    @property
+    def manager_built(self) -> bool:
+        """Whether pluggy's manager was made (a provider pluggy must read, or ``pm`` asked for)."""
+        return self._pm is not None
+
+    def _register_provider(self) -> set[str]:
+        """Make the manager with the contract's specification and register the provider; the hooks it
+        implements (pluggy validates them: an invalid one raises PluginError)."""
+        pm = ContractManager(PROJECT)
+        pm.add_hookspecs(ExecutionProviderSpec)
+        try:
+            pm.register(self.provider, name="provider")
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"provider {self._label} has an invalid hook implementation: {exc}") from None
+        self._pm = pm
+        # What register found (pluggy keeps a hook without a spec as an unverified caller): read
+        # back rather than parsed twice, a cost every session creation paid (measured in 50054a1).
+        return {caller.name for caller in pm.get_hookcallers(self.provider) or ()}
+
+    def _register_defaults(self, pm: pluggy.PluginManager) -> None:
+        fallbacks = SimpleNamespace(**{n: getattr(self._defaults, n) for n in HOOK_NAMES
+                                       if n not in self._implemented and hasattr(self._defaults, n)})
+        pm.register(fallbacks, name="defaults")
 
     def implements(self, hook: str) -> bool:
         """Whether the provider itself implements ``hook`` (rather than the core default)."""
