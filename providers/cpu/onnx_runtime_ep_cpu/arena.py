@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
-from dataclasses import dataclass
+from typing import NamedTuple
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
@@ -30,8 +30,7 @@ TRIM_THRESHOLD = 256 << 20
 ARENA_KEY = "session.enable_cpu_mem_arena"
 
 
-@dataclass(frozen=True)
-class ArenaStatus:
+class ArenaStatus(NamedTuple):  # (a frozen dataclass would generate its methods in every fresh process)
     applied: bool
     reason: str
 
