@@ -46,8 +46,9 @@ from .session.device_step import StepEpilogue
 from .session.inference_session import GRAPH_CAPTURE_KEY, InferenceSession
 from .session.options import SessionOptions
 
-# Bytes of one host KV cache at capacity from which it is appended in place (see _Bindings._bind_cache).
-IN_PLACE_BYTES = 1 << 16
+# Bytes of one host KV cache at capacity from which it is appended in place (see _Bindings._bind_cache): every
+# size, since the decode attention reads the cache where it lies (tests raise it to compare with the copying loop).
+IN_PLACE_BYTES = 0
 
 
 @dataclass
@@ -223,9 +224,9 @@ class _Bindings:
         # Reserved at capacity, committed as the rows arrive (from the start: the valid rows are compact there),
         # on providers that reserve address space; the others commit it all at once.
         self.committed_rows = prompt
-        # In host memory a cache worth it is laid out at its capacity instead (every row at a fixed address,
-        # committed at once), so each step appends its rows in place rather than copying the cache twice
-        # (kv_append.py); a small cache's copies cost less than the append's checks and its strided reads.
+        # In host memory the cache is laid out at its capacity instead (every row at a fixed address, committed
+        # at once), so each step appends its rows in place rather than copying the cache twice (kv_append.py),
+        # and the attention reads the valid rows there (kv_append.contiguous_rows) instead of a third copy.
         in_place = self.session.provider_handle(self.home).is_host_accessible and min(
             heads * self.capacity * dim * dtype.numpy.itemsize for _past, _present, dtype, heads, dim in layout.caches
         ) >= IN_PLACE_BYTES

@@ -10,7 +10,9 @@ is the window one step longer. That saves the Concat's copy of the whole cache a
 A bound run names its windows for the duration of the run on its thread (:func:`appending`); a Concat kernel
 asks :func:`append` first. Only the Concat that gives the binding's own output from the window as first of two
 inputs appends, once per run, along the axis the window grows on, within the capacity and in the buffer's dtype;
-anything else (another thread's run, another value fed, another node) concatenates as before.
+anything else (another thread's run, another value fed, another node) concatenates as before. A kernel reading
+the grown windows (a decode step's attention) asks :func:`contiguous_rows` for the whole buffers, to read the
+valid rows where they lie instead of copying each window (strided across heads) out every step.
 """
 
 from __future__ import annotations
@@ -37,17 +39,17 @@ class Window:
 
 
 _LOCAL = threading.local()  # .windows: id(fed view) -> Window, during a bound run on this thread
+# (.grown: id(an append's result) -> Window, filled as this run's Concats append)
 
 
 @contextmanager
 def appending(windows: Sequence[Window]) -> Iterator[None]:
     """Within the block, Concats on this thread may append into ``windows`` (nested runs see only their own)."""
-    saved = getattr(_LOCAL, "windows", None)
-    _LOCAL.windows = {id(window.fed): window for window in windows}
+    saved = enter(windows)
     try:
         yield
     finally:
-        _LOCAL.windows = saved
+        leave(saved)
 
 
 def append(output: str, xs: tuple, axis: int) -> np.ndarray | None:
@@ -73,15 +75,32 @@ def append(output: str, xs: tuple, axis: int) -> np.ndarray | None:
     before = window.before
     physical[before + (slice(length, grown),)] = new
     window.result = result = physical[before + (slice(0, grown),)]
+    _LOCAL.grown[id(result)] = window
     return result
 
 
-def enter(windows: Sequence[Window]) -> dict | None:
+def contiguous_rows(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """C-contiguous arrays whose first rows along the second-to-last axis are ``keys`` and ``values``: the buffers
+    this thread's bound run appended them into, at their capacity, where it did for both at one length (read where
+    they lie); else contiguous copies."""
+    grown = getattr(_LOCAL, "grown", None)
+    if grown:
+        key_window, value_window = grown.get(id(keys)), grown.get(id(values))
+        if key_window is not None and value_window is not None and key_window.result is keys \
+                and value_window.result is values and key_window.axis == keys.ndim - 2 == value_window.axis \
+                and keys.shape[-2] == values.shape[-2] and key_window.physical.flags.c_contiguous \
+                and value_window.physical.flags.c_contiguous:
+            return key_window.physical, value_window.physical
+    return np.ascontiguousarray(keys), np.ascontiguousarray(values)
+
+
+def enter(windows: Sequence[Window]) -> tuple:
     """:func:`appending` without the context manager, for a run's hot path: returns what :func:`leave` restores."""
-    saved = getattr(_LOCAL, "windows", None)
+    saved = (getattr(_LOCAL, "windows", None), getattr(_LOCAL, "grown", None))
     _LOCAL.windows = {id(window.fed): window for window in windows}
+    _LOCAL.grown = {}
     return saved
 
 
-def leave(saved: dict | None) -> None:
-    _LOCAL.windows = saved
+def leave(saved: tuple | None) -> None:
+    _LOCAL.windows, _LOCAL.grown = saved if saved is not None else (None, None)

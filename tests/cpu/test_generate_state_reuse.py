@@ -34,8 +34,8 @@ def _counting_bindings(generator: Generator) -> list:
 @pytest.mark.parametrize("name", ["gpt2.dynamo.fp32", "llama.torchscript.fp32"])
 def test_generations_that_fit_run_on_the_kept_state(name, in_place, monkeypatch):
     path = _model(name)
-    if in_place:  # the cache at fixed strides, appended in place (kv_append.py)
-        monkeypatch.setattr(generate, "IN_PLACE_BYTES", 0)
+    # In place: the cache at fixed strides, appended in place (kv_append.py); else copied at every step.
+    monkeypatch.setattr(generate, "IN_PLACE_BYTES", 0 if in_place else 1 << 62)
     generator = Generator(path, providers=[CPU])
     made = _counting_bindings(generator)
     expected = {(tuple(prompt), new): onnxruntime_greedy(path, prompt, new)

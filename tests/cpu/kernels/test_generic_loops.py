@@ -71,6 +71,11 @@ def _decoder_cases():
     masked[0, 0, 1] = -np.inf
     cases.append((d + "few_query_attention_float32", (_r(1, 2, 3, 8), _r(1, 2, 7, 8), _r(1, 2, 7, 8), F32(0.3),
                                                       masked, np.empty((1, 2, 3, 8), F32))))
+    for bias in (_e(4), _r(1, 1, 1, 7)):  # a cache at capacity 12 with 7 valid rows: the rest (NaN) never read
+        k, v = _r(2, 2, 12, 16), _r(2, 2, 12, 16)
+        k[:, :, 7:], v[:, :, 7:] = np.nan, np.nan
+        cases.append((d + "few_query_attention_prefix_float32", (_r(2, 4, 1, 16), k, v, 7, F32(0.25), bias,
+                                                                 np.empty((2, 4, 1, 16), F32))))
     for half in (8, 5):
         cases.append((d + "rotate_half", (_r(6, 16), _r(10, 16), _r(10, 16), RNG.integers(0, 10, 6), half,
                                           np.empty((6, 16), F32))))

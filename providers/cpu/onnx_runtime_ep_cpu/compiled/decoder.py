@@ -110,9 +110,10 @@ def row_dot(a, b):
 
 @contracting_jit
 def _weighted_rows(weights, rows, out):
-    """out = the sum over t of weights[t] * rows[t] (in t order, one fused multiply-add per term)."""
+    """out = the sum over t of weights[t] * rows[t] (in t order, one fused multiply-add per term); ``rows`` may
+    hold more rows than ``weights`` weighs (a cache at its capacity): those are not read."""
     out[:] = 0
-    for t in range(rows.shape[0]):
+    for t in range(weights.shape[0]):
         weight = weights[t]
         row = rows[t]
         for j in range(out.shape[0]):
@@ -130,8 +131,14 @@ def few_query_attention_float32(q, k, v, scale, bias, y):
     short encoder's) is a handful of such rows, where numpy's eight calls cost several times the
     arithmetic. False, with ``y`` partly written, when a row's largest score is not finite (a fully masked
     row, inf or NaN): the caller's general path decides those."""
+    return few_query_attention_prefix_float32(q, k, v, k.shape[2], scale, bias, y)
+
+
+@jit
+def few_query_attention_prefix_float32(q, k, v, keys, scale, bias, y):
+    """few_query_attention_float32 over the first ``keys`` rows of each head of K and V: a KV cache kept at its
+    capacity (kv_append.py), read where it lies instead of copied out of it at the valid length every step."""
     batch, heads, rows = q.shape[0], q.shape[1], q.shape[2]
-    keys = k.shape[2]
     group = heads // k.shape[1]
     with_bias = bias.size > 0
     bias_b, bias_h, bias_r = bias.shape[0] > 1, bias.shape[1] > 1, bias.shape[2] > 1

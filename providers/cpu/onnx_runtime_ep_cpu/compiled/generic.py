@@ -120,6 +120,10 @@ def few_query_attention_float32(q, k, v, scale, bias, y):
     return True
 
 
+def few_query_attention_prefix_float32(q, k, v, keys, scale, bias, y):
+    return few_query_attention_float32(q, k[:, :, :keys], v[:, :, :keys], scale, bias, y)
+
+
 def rotate_half(q, cos, sin, table_row, half, out):
     d = q.shape[1]
     rest = d - half
@@ -252,6 +256,7 @@ GENERIC = {
     _DECODER + "rms_norm": rms_norm,
     _DECODER + "skip_rms_norm": skip_rms_norm,
     _DECODER + "few_query_attention_float32": few_query_attention_float32,
+    _DECODER + "few_query_attention_prefix_float32": few_query_attention_prefix_float32,
     _DECODER + "rotate_half": rotate_half,
     _DECODER + "swish_mul_float32": swish_mul_float32,
     _COMPILED + "smallconv.conv_gathered": conv_gathered,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from onnx_runtime import budget
+from onnx_runtime import budget, kv_append
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidGraphError
 from onnx_runtime.loader import implicit_inputs
@@ -231,7 +231,7 @@ class _Attention:
         limit = few_macs(geo, KNOBS.few_query_macs if geo.q_len <= _FEW_QUERIES else KNOBS.few_query_macs // 2)
         self._few_keys = limit // per_key if per_key else math.inf  # the most keys it takes (checked per call)
         if self.compiled is not None and (self.shape_key is not None or geo.total_len <= self._few_keys):
-            self.few = _compiled_decoder().few_query_attention_float32
+            self.few = _compiled_decoder().few_query_attention_prefix_float32
             self._outputs, self._few_scale = len(node.outputs), np.float32(self.scale)
             self._few_bias = np.empty((0, 0, 0, 0), np.float32) if self.frontier is None else self.frontier[None, None]
             self._few_masks: dict[tuple, tuple | None] = {}  # per mask shape: its (B', H', M', T) view, or None
@@ -339,8 +339,8 @@ class _Attention:
         queries = geo.to_heads(q, geo.q_heads)
         keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
         y = np.empty((queries.shape[0], geo.q_heads, geo.q_len, geo.v_head_size), np.float32)
-        if not self.few(np.ascontiguousarray(queries), np.ascontiguousarray(keys), np.ascontiguousarray(values),
-                        self._few_scale, bias, y):
+        key_rows, value_rows = kv_append.contiguous_rows(keys, values)  # (caches appended in place: where they lie)
+        if not self.few(np.ascontiguousarray(queries), key_rows, value_rows, keys.shape[2], self._few_scale, bias, y):
             return None
         return (geo.from_heads(y), keys, values)[:self._outputs]
 
