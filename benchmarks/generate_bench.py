@@ -4,13 +4,15 @@ OrtValues, each step's presents bound as the next step's pasts) and against onnx
 installed and can load the export (a genai_config.json is written for it beside a link to the model).
 
     .venv/bin/python benchmarks/generate_bench.py [--models 'gpt2.*fp32,llama.*fp32'] [--prompt 16] [--new 64]
-        [--threads 1,0] [--rounds 5] [--zoo FOLDER]
+        [--threads 1,0] [--rounds 5] [--zoo FOLDER] [--busy N]
 
 For each model and thread count (0: each runtime's default), every engine runs the same prompt; their greedy
 tokens are compared (a fast but wrong loop shows as "tokens differ"). Then the engines are timed in interleaved
 rounds. Each round runs the whole generation twice per engine: with 1 new token (the time to first token:
 prefill + argmax) and with ``--new`` tokens; the decode rate is (new - 1) / (T_new - T_1), T_new - T_1 taken
-within each round and its median over the rounds (wall time, and this process's CPU time). Kernels load in the
+within each round and its median over the rounds (wall time, and this process's CPU time). With ``--busy N`` each
+row is measured again beside N CPU-bound processes the script starts (zoo_bench's competitors), marked "busy".
+Kernels load in the
 foreground (``ONNX_RUNTIME_COMPILE_IN_BACKGROUND=0`` unless set), so no loader thread's work is counted as a
 step's, and every engine generates once before the timed rounds. The table
 gives tokens/s for each engine and the ratios ours/onnxruntime and ours/genai of tokens/s (higher is better:
@@ -34,6 +36,9 @@ from pathlib import Path
 os.environ.setdefault("ONNX_RUNTIME_COMPILE_IN_BACKGROUND", "0")
 
 import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zoo_bench import Competitors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ZOO = Path(os.environ.get("ONNX_RUNTIME_ZOO") or ROOT / "benchmarks/.models/zoo")
@@ -260,6 +265,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", default="1,0", help="intra-op thread counts to run (0: the default)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-genai", action="store_true", help="leave onnxruntime-genai out")
+    parser.add_argument("--busy", type=int, default=0, help="also time each row beside this many CPU-bound processes")
     parser.add_argument("--zoo", type=Path, default=ZOO,
                         help="a folder of exports with a manifest.json (benchmarks/decoder_export.py writes one)")
     args = parser.parse_args(argv)
@@ -284,6 +290,11 @@ def main(argv=None) -> int:
             compare_tokens(engines, prompt, args.new, notes)
             print(row(name, threads, bench(engines, prompt, args.new, args.rounds), notes))
             sys.stdout.flush()
+            if args.busy:
+                with Competitors(args.busy):
+                    table = bench(engines, prompt, args.new, args.rounds)
+                print(row(f"{name} busy {args.busy}", threads, table, []))
+                sys.stdout.flush()
     return 0
 
 
