@@ -136,7 +136,7 @@ def test_projection_group_matches_the_float64_reference_and_the_unfused_graph(ca
         assert_within(y, exact, bound, f"seed {seed}")
     groups = [shapes for op, shapes in made if op == "ProjectionGroup"]
     assert groups and groups[0][0] == (batch, length, embed), made
-    _without(monkeypatch, projection_groups.group_attention_projections)
+    _without(monkeypatch, projection_groups.group_attention_projections, projection_groups.group_sibling_projections)
     made.clear()
     (unfused,) = ort.InferenceSession(model, providers=["cpu"]).run(None, feeds)
     assert not [op for op, _ in made if op == "ProjectionGroup"]
@@ -177,11 +177,13 @@ def test_projection_group_kernel_shapes_and_errors():
         kernel(rng.standard_normal((2, 4, 7)).astype(np.float32), w[:, :6], b)
 
 
-def test_merged_weights_are_shared_by_specializations_and_released_with_the_session():
+def test_merged_weights_are_shared_by_specializations_and_released_with_the_session(monkeypatch):
     """Each signature's specialized graph merges the same constants: one merged array for all, dropped once the
-    session (which holds the members' weights) is gone."""
+    session (which holds the members' weights) is gone. (Without the siblings' grouping, which merges the
+    generic graph's products, read by head splits, before any specialization: those carry its merged array.)"""
     import gc
 
+    _without(monkeypatch, projection_groups.group_sibling_projections)
     model, weights = _attention_model(1, 5, 8, 2, 2, 3, "101", False)
     proto = __import__("onnx").load_from_string(model)
     proto.graph.input[0].type.tensor_type.shape.dim[1].dim_param = "s"  # the length free: one plan per length
@@ -332,7 +334,8 @@ def test_zoo_encoders_fuse_and_match_the_unfused_graph(name, made, monkeypatch):
     assert ops.count("ProjectionGroup") == 2, ops  # (each zoo encoder has two layers)
     if name.startswith("vit"):
         assert ops.count("PatchEmbedding") == 1 and "Conv" not in ops, ops
-    _without(monkeypatch, projection_groups.group_attention_projections, patch_embedding.fuse_patch_embedding)
+    _without(monkeypatch, projection_groups.group_attention_projections, projection_groups.group_sibling_projections,
+             patch_embedding.fuse_patch_embedding)
     unfused = ort.InferenceSession(path, providers=["cpu"]).run(None, feeds)
     theirs = oracle.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feeds)
     for got, plain, reference in zip(ours, unfused, theirs):

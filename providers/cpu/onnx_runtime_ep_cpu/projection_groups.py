@@ -13,6 +13,16 @@ outputs are column views of it, which the attention reads in place (ops/transfor
 gets zeros (adding zero changes no value). Applied where every member's weight is a constant float32 matrix of
 one row count, its bias (if any) a constant vector of its width, its output read only by that Attention and by
 nothing else. The merged weights replace the members' (they are dropped where no other node reads them).
+
+A decoder's projections of one input reach their attention through head splits and rotary embeddings, and a
+gated feed-forward block's gate and up products meet in SwishMul:
+
+    ReshapeTranspose(A @ Wq), ReshapeTranspose(A @ Wk), ReshapeTranspose(A @ Wv)  (rotary after, on the heads)
+    SwishMul(A @ Wg, A @ Wu)
+
+group_sibling_projections merges any such products of one input the same way, where every reader of each
+member's output takes a column view as it takes a whole array (_VIEW_READERS: the head split reshapes it,
+SwishMul copies a strided operand before its compiled pass, Attention reads it in place).
 """
 
 from __future__ import annotations
@@ -123,21 +133,57 @@ def group_attention_projections(graph: Graph, owns=None) -> bool:
         members, parts = _members(view, fed, attention)
         if len(members) < 2 or not owned(owns, members):
             continue
-        weight, bias = merged([part[1] for part in parts], [part[2] for part in parts])
-        first = members[0]
-        weight_name = _fresh(graph, f"{first.name or 'projection'}/group_weight")
-        add_initializer(graph, weight_name, weight)
-        inputs = [parts[0][0], weight_name]
-        if bias is not None:
-            bias_name = _fresh(graph, f"{first.name or 'projection'}/group_bias")
-            add_initializer(graph, bias_name, bias)
-            inputs.append(bias_name)
-        fused = Node("ProjectionGroup", inputs, [m.outputs[0] for m in members], name=f"{first.name}/group",
-                     domain=FUSED_DOMAIN, attrs={"widths": [int(part[1].shape[1]) for part in parts]}, opset=1)
-        _replace(graph, members, fused, view)
+        _group(graph, members, parts, view)
         view = GraphView(graph)
         changed = True
     return changed
+
+
+# (op_type, domain) of the readers that take a member's column view of the merged product as a whole array.
+_VIEW_READERS = frozenset({("ReshapeTranspose", FUSED_DOMAIN), ("SwishMul", FUSED_DOMAIN), ("Attention", ""),
+                           ("Attention", "ai.onnx")})
+
+
+def _view_read(view: GraphView, name: str) -> bool:
+    """Whether ``name`` is read, only by _VIEW_READERS, and is no graph output or subgraph read."""
+    readers = view.consumers.get(name, [])
+    return bool(readers) and name not in view.outputs and name not in view.inner_reads \
+        and all((reader.op_type, reader.domain) in _VIEW_READERS for reader in readers)
+
+
+def group_sibling_projections(graph: Graph, owns=None) -> bool:
+    """Merge the products of one input (weights of one row count) whose outputs only _VIEW_READERS read (see the
+    module docstring)."""
+    view, fed = GraphView(graph), {vi.name for vi in graph.inputs}
+    siblings: dict[tuple, list[tuple[Node, tuple]]] = {}
+    for node in graph.nodes:
+        part = _member(view, fed, node)
+        if part is not None and len(node.outputs) == 1 and _view_read(view, node.outputs[0]):
+            siblings.setdefault((part[0], part[1].shape[0]), []).append((node, part))
+    changed = False
+    for found in siblings.values():
+        members = [node for node, _ in found]
+        if len(members) < 2 or not owned(owns, members):
+            continue
+        _group(graph, members, [part for _, part in found], view)
+        changed = True
+    return changed
+
+
+def _group(graph: Graph, members: list[Node], parts: list[tuple], view: GraphView) -> None:
+    """One ProjectionGroup of ``members`` (their (A, weight, bias) ``parts``) in their place."""
+    weight, bias = merged([part[1] for part in parts], [part[2] for part in parts])
+    first = members[0]
+    weight_name = _fresh(graph, f"{first.name or 'projection'}/group_weight")
+    add_initializer(graph, weight_name, weight)
+    inputs = [parts[0][0], weight_name]
+    if bias is not None:
+        bias_name = _fresh(graph, f"{first.name or 'projection'}/group_bias")
+        add_initializer(graph, bias_name, bias)
+        inputs.append(bias_name)
+    fused = Node("ProjectionGroup", inputs, [m.outputs[0] for m in members], name=f"{first.name}/group",
+                 domain=FUSED_DOMAIN, attrs={"widths": [int(part[1].shape[1]) for part in parts]}, opset=1)
+    _replace(graph, members, fused, view)
 
 
 def _replace(graph: Graph, members: list[Node], fused: Node, view: GraphView) -> None:

@@ -1,0 +1,209 @@
+"""Sibling products of one input as one ProjectionGroup (projection_groups.group_sibling_projections): a decoder's
+query, key and value products read through head splits (then rotary embeddings and the cache's Concat), and a
+gated feed-forward block's gate and up products read by SwishMul. A synthetic decoder layer with odd sizes
+against a float64 reference and the unfused graph; products read by anything else, or graph outputs, keep
+their nodes; the zoo's decoders from both torch exporters (and the optimizer's output) against the float64
+reference (onnxruntime for the optimizer's contrib operators) and the graph with the pass off."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_runtime as ort
+import pytest
+from model_helpers import make_model, tensor_info
+from onnx import TensorProto, helper, numpy_helper
+from onnx_runtime.session import executor, steps
+from onnx_runtime_ep_cpu import attention_heads, projection_groups, provider
+from reference64 import assert_within, gamma, run_float64
+
+ZOO = Path(__file__).resolve().parents[2] / "benchmarks" / ".models" / "zoo"
+
+
+@pytest.fixture
+def made(monkeypatch) -> list:
+    """(op type, input shapes) of every kernel the session makes."""
+    kernels: list = []
+    original = steps.make_kernel
+
+    def recording(handle, node, shapes, graph):
+        kernels.append((node.op_type, tuple(tuple(s) if s is not None else None for s in shapes)))
+        return original(handle, node, shapes, graph)
+
+    monkeypatch.setattr(steps, "make_kernel", recording)
+    monkeypatch.setattr(executor, "make_kernel", recording)  # (a static graph's kernels are made at planning)
+    return kernels
+
+
+def _unfused(monkeypatch) -> None:
+    """The provider's passes without either grouping (the attention's, which takes q, k and v where an Attention
+    reads them directly, and the siblings')."""
+    gone = (projection_groups.group_sibling_projections, projection_groups.group_attention_projections)
+    kept = [p for p in attention_heads.HEADS_PASSES if p not in gone]
+    monkeypatch.setattr(provider, "HEADS_PASSES", kept, raising=False)
+
+
+def _layer(batch, length, embed, q_heads, kv_heads, size, hidden, q_bias: bool, extra_reader: str = ""):
+    """x -> q, k, v products (q with an Add of a bias where ``q_bias``) -> head split (Reshape + Transpose) ->
+    causal Attention -> head merge -> y; x -> gate, up products -> Swish(gate) * up -> down product -> z.
+    ``extra_reader``: "graph" makes the up product a graph output too, "add" adds a second reader of it."""
+    rng = np.random.default_rng(embed * 7 + hidden)
+    weights: dict[str, np.ndarray] = {}
+    nodes = []
+    for name, width in (("q", q_heads * size), ("k", kv_heads * size), ("v", kv_heads * size)):
+        weights[f"w{name}"] = (rng.standard_normal((embed, width)) / 3).astype(np.float32)
+        product = f"{name}_flat"
+        nodes.append(helper.make_node("MatMul", ["x", f"w{name}"], [product]))
+        if name == "q" and q_bias:
+            weights["bq"] = rng.standard_normal(width).astype(np.float32)
+            nodes.append(helper.make_node("Add", [product, "bq"], ["q_biased"]))
+            product = "q_biased"
+        weights[f"{name}_shape"] = np.array([batch, length, -1, size], np.int64)
+        nodes += [helper.make_node("Reshape", [product, f"{name}_shape"], [f"{name}_split"]),
+                  helper.make_node("Transpose", [f"{name}_split"], [f"{name}_heads"], perm=[0, 2, 1, 3])]
+    weights["merged_shape"] = np.array([batch, length, -1], np.int64)
+    nodes += [helper.make_node("Attention", ["q_heads", "k_heads", "v_heads"], ["y_heads"], is_causal=1),
+              helper.make_node("Transpose", ["y_heads"], ["y_split"], perm=[0, 2, 1, 3]),
+              helper.make_node("Reshape", ["y_split", "merged_shape"], ["y"])]
+    for name, shape in (("wg", (embed, hidden)), ("wu", (embed, hidden)), ("wd", (hidden, embed))):
+        weights[name] = (rng.standard_normal(shape) / 3).astype(np.float32)
+    nodes += [helper.make_node("MatMul", ["x", "wg"], ["gate"]), helper.make_node("MatMul", ["x", "wu"], ["up"]),
+              helper.make_node("Sigmoid", ["gate"], ["gate_sigmoid"]),
+              helper.make_node("Mul", ["gate", "gate_sigmoid"], ["swish"]),
+              helper.make_node("Mul", ["swish", "up"], ["gated"]),
+              helper.make_node("MatMul", ["gated", "wd"], ["z"])]
+    outputs = [tensor_info("y", TensorProto.FLOAT, None), tensor_info("z", TensorProto.FLOAT, None)]
+    if extra_reader == "graph":
+        outputs.append(tensor_info("up", TensorProto.FLOAT, None))
+    elif extra_reader == "add":
+        nodes.append(helper.make_node("Add", ["up", "up"], ["up_twice"]))
+        outputs.append(tensor_info("up_twice", TensorProto.FLOAT, None))
+    initializers = [numpy_helper.from_array(value, name) for name, value in weights.items()]
+    model = make_model(nodes, [tensor_info("x", TensorProto.FLOAT, [batch, length, embed])], outputs, initializers,
+                       opset=23)
+    return model, weights
+
+
+def _reference(x: np.ndarray, weights: dict, q_heads: int, kv_heads: int, size: int) -> tuple[list, list]:
+    """(y, z) in float64, and bounds on a float32 computation's error (the products' gamma times magnitudes,
+    carried through the softmax-weighted sums and the gate)."""
+    x = x.astype(np.float64)
+    batch, length, embed = x.shape
+    w = {name: value.astype(np.float64) for name, value in weights.items()}
+
+    def heads(name, count):
+        y = x @ w[f"w{name}"] + (w["bq"] if name == "q" and "bq" in w else 0)
+        return y.reshape(batch, length, count, size).transpose(0, 2, 1, 3)
+
+    q, k, v = heads("q", q_heads), heads("k", kv_heads), heads("v", kv_heads)
+    k, v = np.repeat(k, q_heads // kv_heads, axis=1), np.repeat(v, q_heads // kv_heads, axis=1)
+    scores = q @ k.swapaxes(-1, -2) / np.sqrt(size)
+    scores = np.where(np.tril(np.ones((length, length), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    y = (probs @ v).transpose(0, 2, 1, 3).reshape(batch, length, -1)
+    scale = max(float(np.abs(q).max()), float(np.abs(k).max()), float(np.abs(v).max()), 1.0)
+    y_bound = (gamma(embed + 1) * 40 + gamma(size + length + 8) * 40) * scale * (1 + scale * np.sqrt(size))
+    gate, up = x @ w["wg"], x @ w["wu"]
+    gated = gate / (1 + np.exp(-gate)) * up
+    z = gated @ w["wd"]
+    magnitude = np.abs(x) @ np.maximum(np.abs(w["wg"]), np.abs(w["wu"]))
+    gated_bound = gamma(embed + 8) * 4 * magnitude * (np.abs(gate) + np.abs(up) + magnitude)
+    z_bound = gated_bound @ np.abs(w["wd"]) + gamma(z.shape[-1] + gated.shape[-1]) * (np.abs(gated) @ np.abs(w["wd"]))
+    return [y, z], [np.full(y.shape, y_bound), z_bound]
+
+
+LAYERS = [
+    # batch, length, embed, query heads, KV heads, head size, feed-forward width, query bias
+    (1, 16, 64, 4, 2, 16, 128, False),  # the zoo LLaMA's layer (grouped-query heads)
+    (2, 7, 13, 3, 3, 5, 11, True),  # odd sizes, a query bias (FusedMatMul member), a batch of two
+    (1, 1, 24, 4, 1, 6, 40, False),  # a decode step's one row
+]
+
+
+@pytest.mark.parametrize("case", LAYERS, ids=[f"b{c[0]}s{c[1]}e{c[2]}h{c[3]}-{c[4]}d{c[5]}f{c[6]}qb{int(c[7])}"
+                                              for c in LAYERS])
+def test_sibling_groups_match_the_float64_reference_and_the_unfused_graph(case, made, monkeypatch):
+    batch, length, embed, q_heads, kv_heads, size, hidden, q_bias = case
+    model, weights = _layer(*case)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    for seed in (0, 1):  # the planned kernels on new values
+        x = np.random.default_rng(seed).standard_normal((batch, length, embed)).astype(np.float32)
+        got = session.run(None, {"x": x})
+        exact, bounds = _reference(x, weights, q_heads, kv_heads, size)
+        for name, value, reference, bound in zip("yz", got, exact, bounds):
+            assert_within(value, reference, bound, f"{name}, seed {seed}")
+    groups = [shapes for op, shapes in made if op == "ProjectionGroup"]
+    # q, k, v (read by the Attention once its head split is folded in) and gate, up (SwishMul's)
+    assert sorted(shape[1] for shape in groups) == sorted([(embed, (q_heads + 2 * kv_heads) * size),
+                                                           (embed, 2 * hidden)]), made
+    ops = [op for op, _ in made]
+    assert ops.count("MatMul") == 1 and "FusedMatMul" not in ops, ops  # only the down product is left alone
+    _unfused(monkeypatch)
+    made.clear()
+    unfused = ort.InferenceSession(model.SerializeToString(), providers=["cpu"]).run(None, {"x": x})
+    assert not [op for op, _ in made if op == "ProjectionGroup"]
+    for name, value, plain, bound in zip("yz", got, unfused, bounds):
+        assert_within(value, plain.astype(np.float64), 2 * bound, f"{name} against the unfused graph")
+
+
+@pytest.mark.parametrize("extra_reader", ["graph", "add"])
+def test_a_product_read_elsewhere_keeps_its_node(extra_reader, made):
+    """The up product also a graph output, or read by an Add: gate and up stay two products (q, k, v still
+    merge), and every output is the reference's."""
+    model, weights = _layer(2, 5, 12, 2, 2, 3, 9, True, extra_reader)
+    x = np.random.default_rng(4).standard_normal((2, 5, 12)).astype(np.float32)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["cpu"]).run(None, {"x": x})
+    exact, bounds = _reference(x, weights, 2, 2, 3)
+    for name, value, reference, bound in zip("yz", got, exact, bounds):
+        assert_within(value, reference, bound, name)
+    up = x.astype(np.float64) @ weights["wu"].astype(np.float64)
+    extra = up if extra_reader == "graph" else 2 * up
+    assert_within(got[2], extra, 4 * gamma(13) * (np.abs(x.astype(np.float64)) @ np.abs(weights["wu"])), "up")
+    groups = [shapes for op, shapes in made if op == "ProjectionGroup"]
+    assert [shape[1] for shape in groups] == [(12, 18)], made
+
+
+# -- the zoo's decoders ------------------------------------------------------------------------------------------
+
+ZOO_DECODERS = ["llama.torchscript.fp32", "llama.dynamo.fp32", "t5_decoder.torchscript.fp32",
+                "t5_decoder.dynamo.fp32", "llama.torchscript.optimized", "llama.dynamo.optimized"]
+
+
+@pytest.mark.parametrize("name", ZOO_DECODERS)
+def test_zoo_decoders_group_siblings_and_match(name, made, monkeypatch):
+    if not (ZOO / f"{name}.onnx").is_file():
+        pytest.skip("the model zoo is not built: run scripts/build_zoo.sh")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from zoo_feeds import make_feeds
+
+    entry = next(m for m in json.loads((ZOO / "manifest.json").read_text())["models"] if m["name"] == name)
+    path = str(ZOO / f"{name}.onnx")
+    session = ort.InferenceSession(path, providers=["cpu"])
+    calls = {call: make_feeds(spec) for call, spec in entry["calls"].items()}
+    ours = {}
+    for call, feeds in calls.items():
+        for _ in range(2):  # (the specialized plan, where the passes fire, is made at a first run)
+            ours[call] = session.run(None, feeds)
+    groups = [shapes[1] for op, shapes in made if op == "ProjectionGroup"]
+    # Per layer (two) and call signature (prefill, decode): the self-attention's q, k, v; LLaMA's gate and up too
+    per_call = 4 if name.startswith("llama") else 2
+    assert len(groups) >= per_call * len(calls), made
+    _unfused(monkeypatch)
+    plain_session = ort.InferenceSession(path, providers=["cpu"])
+    if name.endswith(".fp32"):
+        reference = {call: run_float64(onnx.load(path), feeds) for call, feeds in calls.items()}
+    else:  # the optimizer's contrib operators: onnxruntime as the oracle
+        oracle = pytest.importorskip("onnxruntime", reason="onnxruntime is the oracle: install the test extra")
+        theirs = oracle.InferenceSession(path, providers=["CPUExecutionProvider"])
+        reference = {call: theirs.run(None, feeds) for call, feeds in calls.items()}
+    for call, feeds in calls.items():
+        unfused = plain_session.run(None, feeds)
+        for got, plain, exact in zip(ours[call], unfused, reference[call]):
+            scale = float(np.abs(exact).max()) + 1e-6
+            np.testing.assert_allclose(got, plain, rtol=0, atol=2e-5 * scale, err_msg=f"{call}: the unfused graph")
+            np.testing.assert_allclose(got, exact, rtol=0, atol=1e-4 * scale, err_msg=f"{call}: the reference")
