@@ -139,6 +139,10 @@ def _crop_cases():
         x = _r(300, scale=30, dtype=dtype)
         x[:3] = [np.nan, np.inf, -np.inf]
         cases.append(("sigmoid.sigmoid_into", (x, np.empty(300, dtype))))
+    for alpha in (1.0, 1.702):
+        x = _r(301, scale=30)
+        x[:3] = [np.nan, np.inf, -200.0]
+        cases.append(("silu.silu_float32", (x, np.empty(301, F32), alpha)))
     return cases
 
 

@@ -35,8 +35,14 @@ def sigmoid_into(x, y):
     y[...] = one / (one + np.exp(-x))
 
 
+def silu_float32(x, y, alpha):
+    with np.errstate(over="ignore"):  # exp of a large -alpha*x overflows to inf: the limit 0, as the loop's
+        y[...] = x / (np.float32(1) + np.exp(np.float32(-alpha) * x))
+
+
 _COMPILED = "onnx_runtime_ep_cpu.compiled."
 GENERIC_CONV = {
     _COMPILED + "epilogue.crop_bias_residual_activation": crop_bias_residual_activation,
     _COMPILED + "sigmoid.sigmoid_into": sigmoid_into,
+    _COMPILED + "silu.silu_float32": silu_float32,
 }

@@ -192,12 +192,25 @@ def shrink(node, shapes, opset):
     return kernel
 
 
+_silu_loop: list = [None]  # compiled/silu.py's loop, imported on the first float32 Swish
+
+
 @register("Swish", since=24)
 def swish(node, shapes, opset):
     alpha = float(node.attr("alpha", 1.0))
 
     @quiet  # exp overflows to inf for large negative inputs, giving the correct limit 0
     def kernel(x):
+        if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous:
+            # one pass instead of numpy's four over memory (EfficientNet's batch-sized maps)
+            loop = _silu_loop[0]
+            if loop is None:
+                from ..compiled.silu import silu_float32
+
+                loop = _silu_loop[0] = silu_float32
+            y = np.empty_like(x)
+            loop(x.reshape(-1), y.reshape(-1), alpha)
+            return (y,)
         xc = upcast(x)
         y = xc / (1 + np.exp(-xc.dtype.type(alpha) * xc))
         return (y.astype(x.dtype, copy=False),)
