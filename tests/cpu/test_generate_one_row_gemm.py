@@ -1,15 +1,15 @@
 """A decoder's one-row Gemm (OPT's fc1/fc2: one token against constant weights, C a bias row) of a planned shape too
-large for BLAS at every thread count takes the lean per-shape kernel: BLAS's product on one thread, the few-row
-split at more; either within float32 rounding of a float64 reference, with and without transB and C."""
+large for BLAS at every thread count takes the few-row tiles (compiled/few_rows.py) on one thread and on two; within
+float32 rounding of a float64 reference, with and without transB and C."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx_runtime as ort
 import pytest
-from model_helpers import make_model, tensor_info
+from model_helpers import make_model, record_calls, tensor_info
 from onnx import helper, numpy_helper
-from onnx_runtime_ep_cpu.algorithms.products import gemv_host
+from onnx_runtime_ep_cpu.algorithms.products import PackedProduct, gemv_host
 from onnx_runtime_ep_cpu.ops import linalg
 
 CPU = "CPUExecutionProvider"
@@ -42,6 +42,7 @@ def test_one_row_gemm_takes_the_lean_kernel_and_matches_float64(threads, trans_b
         return y
 
     monkeypatch.setattr(linalg, "few_rows_product", counted)
+    taken = record_calls(monkeypatch, PackedProduct)
     data, b, c = _gemm_model(1, 1024, 1024, trans_b, with_c)  # enough weights to split
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -54,9 +55,10 @@ def test_one_row_gemm_takes_the_lean_kernel_and_matches_float64(threads, trans_b
         if c is not None:
             reference = reference + c
         np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5)
-    # One thread: BLAS straight away (the general kernel asked the split first, which refuses one thread); more:
-    # the split is asked (it computes the product once numba has loaded; numpy's BLAS serves it before).
-    assert len(calls) == (0 if threads == 1 else 3)
+    # Constant weights this large take the few-row tiles (compiled/few_rows.py) on every thread count: the few-row
+    # split, which reads the weights once per row, is not asked.
+    assert not calls
+    assert taken and all(packed.route == ("few rows", threads) for packed in taken)
 
 
 def test_rows_of_a_free_dimension_match_float64_whatever_their_count():

@@ -99,6 +99,13 @@ class Knobs:
     #: below this many multiply-adds: there compiled/gemv.py's loops are no faster and cost about a
     #: microsecond more per call (a decode step's 64-wide products: 1.7-3.7 us against BLAS's 0.9-3.0).
     few_rows_blas_macs: int = 1 << 22
+    #: A few-row product of constant weights on one thread takes compiled/few_rows.py's tiles from this many
+    #: multiply-adds, BLAS below (its call costs less there, and from about here on OpenBLAS packs the weights
+    #: on every call; measured in the commit that set it).
+    few_rows_packed_macs: int = 1 << 20
+    #: The same for two or more rows by transposed weights (Gemm's transB), where OpenBLAS's strided packing
+    #: makes it several times slower from much smaller sizes.
+    few_rows_transposed_macs: int = 1 << 16
 
 
 KNOBS = Knobs()

@@ -22,9 +22,11 @@ pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="the few-row products
 
 
 @pytest.fixture(autouse=True)
-def few_rows_at_every_size(knobs):
-    """These tests are about gemv.py's loops: products below the few_rows_blas_macs knob take them too."""
+def few_rows_at_every_size(knobs, monkeypatch):
+    """These tests are about gemv.py's loops: products below the few_rows_blas_macs knob take them too, and so do
+    constant weights (which compiled/few_rows.py's tiles take otherwise: test_few_row_tiles.py)."""
     knobs(few_rows_blas_macs=1)
+    monkeypatch.setattr(products.PackedProduct, "takes_few", staticmethod(lambda a, b: False))
 
 
 def _taken(monkeypatch) -> list:

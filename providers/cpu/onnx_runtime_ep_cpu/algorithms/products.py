@@ -40,9 +40,9 @@ class PackedProduct:
     the bias padded once per constant array."""
 
     def __init__(self):
-        from ..compiled import matmul
+        from ..compiled import few_rows, matmul
 
-        self._matmul = matmul
+        self._matmul, self._few_rows = matmul, few_rows
         self._weights, self._bias = Prepared(), Prepared()
         self._offsets: dict[int, np.ndarray] = {}  # per depth: gemm.packed_offsets
         self._task_cache: dict[tuple, tuple] = {}  # per (panels, threads): _tasks
@@ -52,6 +52,8 @@ class PackedProduct:
         # Where the background loader guards, the first call is tried (deferred.Trial): a loop or runner that
         # numba's cache misses is compiled by the loader's child while BLAS and the epilogue's loops serve.
         self._tried = not deferred.guarding()
+        # (tiles, threads) of the last plan made: "few rows" (compiled/few_rows.py) or "panels" (matmul.py)
+        self.route: tuple[str, int] | None = None
 
     @staticmethod
     def applies(a: np.ndarray, b: np.ndarray) -> bool:
@@ -59,6 +61,20 @@ class PackedProduct:
                 and a.shape[-1] == b.shape[0] and a.size >= PACKED_ROWS * b.shape[0] and b.shape[1] > 0
                 and b.shape[0] > 0 and a.size * b.shape[1] >= KNOBS.packed_macs and gemv_host()
                 and not numpy_first("jobs.MATMUL"))
+
+    @staticmethod
+    def takes_few(a: np.ndarray, b: np.ndarray) -> bool:
+        """Whether a product of at most GEMV_ROWS rows of ``a`` by a constant float32 ``b`` (K x N, or a view of
+        a constant) runs compiled/few_rows.py's tiles: from the few_rows_packed_macs knob (few_rows_transposed_macs
+        for rows by transposed weights), or where it is split across threads (below, BLAS's one call costs less
+        than the tiles' call)."""
+        if not (a.dtype is b.dtype is FLOAT32 and b.ndim == 2 and a.ndim >= 2 and a.shape[-1] == b.shape[0]
+                and a.size <= GEMV_ROWS * b.shape[0] and b.size and a.size and not b.flags.writeable):
+            return False
+        weights, rows = b.size, a.size // b.shape[0]
+        least = KNOBS.few_rows_transposed_macs if rows > 1 and not b.flags.c_contiguous else KNOBS.few_rows_packed_macs
+        return (rows * weights >= least or (weights >= KNOBS.gemv_split_weights and kernel_threads() > 1)) \
+            and gemv_host() and not numpy_first("jobs.MATMUL")
 
     def __call__(self, a, b, bias=None, residual=None, coefficients=None, weights=None) -> np.ndarray:
         """a @ b (+ bias) [Gelu with ``coefficients``] (+ residual), as a fresh (..., N) array; ``bias``
@@ -91,8 +107,9 @@ class PackedProduct:
         residual = self._empty if residual is None else np.ascontiguousarray(residual).reshape(-1)
         y = np.empty(a.shape[:-1] + (n,), dtype=np.float32)
         if threads == 1:  # every panel on this thread: one compiled call, without posting a job to itself
-            self._matmul.matmul_panels(x, depth, rows, depth, packed, offsets, padded_bias, y.reshape(-1), n, residual,
-                                       flags, coefficients, 0, packed.shape[0], np.empty(scratch, np.float32))
+            panels = self._few_rows.few_row_panels if rows <= GEMV_ROWS else self._matmul.matmul_panels
+            panels(x, depth, rows, depth, packed, offsets, padded_bias, y.reshape(-1), n, residual, flags, coefficients,
+                   0, packed.shape[0], np.empty(scratch, np.float32))
             return y
         claims = np.zeros(threads, dtype=np.int64)  # per call: what each thread's tasks have given out
         head = (x, depth, rows, depth, packed, offsets, padded_bias, y.reshape(-1), n, residual, flags, coefficients,
@@ -126,10 +143,14 @@ class PackedProduct:
         coefficients = self._empty if coefficients is None else coefficients
         panels = packed.shape[0]
         macs = rows * depth * n
-        threads = max(1, min(threads_now, panels, macs // KNOBS.split_macs))
+        if rows <= GEMV_ROWS:  # few rows (few_rows.py's tiles): split by weights, as the few-row Split
+            threads = 1 if depth * n < KNOBS.gemv_split_weights else max(1, min(threads_now, panels))
+        else:
+            threads = max(1, min(threads_now, panels, macs // KNOBS.split_macs))
         bounds, ranges = self._tasks(panels, threads)
         spread = threads > 1 and macs >= KNOBS.long_macs * threads
         helpers = helper_count() if spread or threads > 1 else 0
+        self.route = ("few rows" if rows <= GEMV_ROWS else "panels", threads)
         return (depth, rows, n, packed, offsets, padded_bias, flags, coefficients, threads, bounds, ranges,
                 matmul.scratch_size(depth), spread, workers.run, workers.call, jobs.MATMUL.address(), helpers)
 

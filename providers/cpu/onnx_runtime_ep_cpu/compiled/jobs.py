@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention, depthwise, epilogue, gemm, gemv, jit, lanes, matmul, pooling, windows
+from . import attention, depthwise, epilogue, few_rows, gemm, gemv, jit, lanes, matmul, pooling, windows
 from .mailbox import STORED, flag, floats, ints, offsets, pair, scalar
 from .workers import Kind, claim_task, collect, offer, run_here
 
@@ -76,8 +76,12 @@ def _run_matmul(x, lda, rows, depth, packed, offsets, bias, y, n, residual, flag
         i = claim_task(claims, ranges, part, cursor)
         if i < 0:
             break
-        matmul.matmul_panels(x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients,
-                             bounds[i], bounds[i + 1], scratch)
+        if rows <= few_rows.ROWS:  # (a few rows' product: the same sums in tiles of all its rows)
+            few_rows.few_row_panels(x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients,
+                                    bounds[i], bounds[i + 1], scratch)
+        else:
+            matmul.matmul_panels(x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients,
+                                 bounds[i], bounds[i + 1], scratch)
 
 
 # matmul.matmul_panels, one part. Task i covers panels bounds[i] .. bounds[i + 1]; part p's tasks are

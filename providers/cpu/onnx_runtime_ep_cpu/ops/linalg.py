@@ -45,7 +45,12 @@ def matmul(node, shapes, opset):
             return (kept(a, b),)
         if a.dtype is b.dtype and a.dtype in BLAS_FLOATS and b.ndim > 1:
             if b.ndim == 2 and a.ndim > 1 and a.size <= GEMV_ROWS * b.shape[0]:
-                split = few_rows_split(a, b, False) or np.matmul  # (None: BLAS's)
+                if PackedProduct.takes_few(a, b):  # constant weights: few_rows.py's tiles
+                    if packed is None:
+                        packed = PackedProduct()
+                    split = packed
+                else:
+                    split = few_rows_split(a, b, False) or np.matmul  # (None: BLAS's)
                 if not b.flags.writeable and b.flags.c_contiguous:  # a constant: the same array every run
                     last = (a.shape, b, split, kernel_threads())
                 return (split(a, b),)
@@ -193,18 +198,23 @@ def _gemm_kernel(node, c_must_match: bool):
         right = b.T if trans_b else b
         term = c if c is not None and beta != 0 else None  # what C adds
         rows, n = left.shape[0], right.shape[-1]
-        if alpha == 1 and rows > GEMV_ROWS and PackedProduct.applies(left, right) and (
-                term is None or (beta == 1 and term.dtype is FLOAT32 and term.shape in ((n,), (1, n), (rows, n)))):
-            # A batch through a constant layer (a classifier's): compiled/matmul.py, C as its bias (a row) or
-            # residual (a whole output; the batch has more than one row).
+        fits = term is None or (beta == 1 and term.dtype is FLOAT32 and term.shape in ((n,), (1, n), (rows, n))
+                                and (not c_must_match or term.shape == (rows, n)))
+        few = rows <= GEMV_ROWS and PackedProduct.takes_few(left, right)
+        if few or (alpha == 1 and fits and rows > GEMV_ROWS and PackedProduct.applies(left, right)):
+            # Constant weights: compiled/matmul.py for a batch (a classifier's), few_rows.py for a few rows, C as
+            # the bias (a row) or residual (a whole output) where it adds as one.
             if packed is None:
                 packed = PackedProduct()
-            row = term is not None and term.size == n
-            bias = (term if term.ndim == 1 else term.reshape(n)) if row else None  # (a 1-D C itself: its pad is kept)
-            return (packed(left, right, bias, None if row else term, None, b),)
-        y = few_rows_product(left, b, trans_b) if left.shape[1] == b.shape[1 if trans_b else 0] else None
-        if y is None:
-            y = blas_matmul(left, b.T if trans_b else b)
+            if alpha == 1 and fits:
+                row = term is not None and term.size == n
+                bias = (term if term.ndim == 1 else term.reshape(n)) if row else None  # (a 1-D C: its pad is kept)
+                return (packed(left, right, bias, None if row else term, None, b),)
+            y = packed(left, right, None, None, None, b)
+        else:
+            y = few_rows_product(left, b, trans_b) if left.shape[1] == b.shape[1 if trans_b else 0] else None
+            if y is None:
+                y = blas_matmul(left, b.T if trans_b else b)
         y = _scale(y, alpha)
         if c is not None and beta != 0:
             if c_must_match and c.shape != y.shape:
@@ -255,11 +265,10 @@ def _gemm_for_shape(node, shapes, general):
     columns = b_shape[0] if trans_b else b_shape[1]
     if depth != (b_shape[1] if trans_b else b_shape[0]):
         return None  # (the general kernel reports a mismatch)
-    # A product BLAS does not take at every thread count: many rows are the packed product's (the general
-    # kernel's); a few rows are the few-row split's at more than one thread, else BLAS's as below (a decoder's
-    # one-row Gemm on one thread, which the general kernel's checks and lookups made twice as slow).
-    split = gemv_host() and not _blas_sized(rows, depth, columns)
-    if split and (rows > GEMV_ROWS or trans_a):
+    # A product BLAS does not take at every thread count is the general kernel's (the packed product's, few_rows.py's
+    # tiles or the few-row split); the rest is BLAS's as below (a decoder's small one-row Gemm, which the general
+    # kernel's checks and lookups made twice as slow).
+    if gemv_host() and not _blas_sized(rows, depth, columns, trans_b):
         return None
     if not _adds_in_place(c_shape, rows, columns):
         return None  # C that does not add in place (it would widen the output): the general kernel broadcasts it
@@ -269,9 +278,7 @@ def _gemm_for_shape(node, shapes, general):
         if a.shape != a_shape or b.shape != b_shape or dtype not in BLAS_FLOATS or b.dtype is not dtype \
                 or (c is None) != (c_shape is None) or (c is not None and (c.shape != c_shape or c.dtype is not dtype)):
             return general(a, b, c)
-        y = few_rows_product(a, b, trans_b) if split and kernel_threads() > 1 else None
-        if y is None:
-            y = np.matmul(a.T if trans_a else a, b.T if trans_b else b)
+        y = np.matmul(a.T if trans_a else a, b.T if trans_b else b)
         if c is not None:
             y += c
         return (y,)
@@ -284,13 +291,15 @@ def _adds_in_place(c_shape: tuple | None, rows: int, columns: int) -> bool:
     return c_shape is None or (len(c_shape) <= 2 and all(c in (1, d) for c, d in zip(c_shape[::-1], (columns, rows))))
 
 
-def _blas_sized(rows: int, depth: int, columns: int) -> bool:
-    """Whether a float32 product of this size against constant weights is BLAS's at every thread count: below the
-    packed product's knob for many rows, too few weights to split and below the few_rows_blas_macs knob for few."""
+def _blas_sized(rows: int, depth: int, columns: int, transposed: bool) -> bool:
+    """Whether a float32 product of this size against constant weights (``transposed``: Gemm's transB) is BLAS's at
+    every thread count: below the packed product's knob for many rows; for few, too few weights to split and below
+    the knobs of few_rows.py's tiles and of the few-row split's loops."""
     macs = rows * depth * columns
     if rows > GEMV_ROWS:
         return macs < KNOBS.packed_macs
-    return depth * columns < KNOBS.gemv_split_weights and macs < KNOBS.few_rows_blas_macs
+    tiles = KNOBS.few_rows_transposed_macs if transposed and rows > 1 else KNOBS.few_rows_packed_macs
+    return depth * columns < KNOBS.gemv_split_weights and macs < min(tiles, KNOBS.few_rows_blas_macs)
 
 
 def zero_point_rows(zero_point: np.ndarray, a: np.ndarray) -> np.ndarray:
