@@ -4,6 +4,7 @@ across the helper threads), and max pooling with the indices of its maxima.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -36,6 +37,45 @@ def max_pool_with_indices(geo: Geometry, xp: np.ndarray, x_shape, column_major: 
         spatial = spatial * geo.in_shape[i] + pos
     planes = np.arange(n * c, dtype=np.int64).reshape((n, c) + (1,) * rank) * math.prod(geo.in_shape)
     return y, planes + spatial
+
+
+# A max pool of a few taps up to this many reads (input elements times taps) runs as numpy calls over the taps'
+# strided views: each costs about a microsecond on a small map, the compiled loop's call several. More taps
+# (and a padded copy) pay off only on the smallest maps.
+SMALL_MAX_READS = 1 << 15
+SMALL_MAX_TAPS = 4
+TINY_MAX_READS = 1 << 11
+
+
+class SmallMaxPool:
+    """Max pooling of one input shape by ``np.maximum`` over the window taps' strided views of the padded input
+    (a streaming model's pool on a map of a few hundred values): the views' indices made once per shape."""
+
+    __slots__ = ("geo", "taps")
+
+    def __init__(self, geo: Geometry):
+        self.geo = geo
+        ranges = [range(k) for k in geo.kernel]
+        self.taps = [(Ellipsis, *(slice(t * d, t * d + (o - 1) * s + 1, s)
+                                  for t, d, o, s in zip(tap, geo.dilations, geo.out, geo.strides)))
+                     for tap in itertools.product(*ranges)]
+
+    @staticmethod
+    def fits(x: np.ndarray, geo: Geometry) -> bool:
+        taps = math.prod(geo.kernel)
+        reads = x.size * taps
+        return x.dtype.kind == "f" and 0 not in geo.out and 0 < reads and (
+            reads <= TINY_MAX_READS or taps <= SMALL_MAX_TAPS and reads <= SMALL_MAX_READS)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        xp = self.geo.pad(x, -np.inf)
+        taps = self.taps
+        if len(taps) == 1:
+            return xp[taps[0]].copy()
+        y = np.maximum(xp[taps[0]], xp[taps[1]])
+        for tap in taps[2:]:
+            np.maximum(y, xp[tap], out=y)
+        return y
 
 
 def pool_loops():

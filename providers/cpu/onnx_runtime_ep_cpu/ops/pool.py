@@ -10,12 +10,14 @@ import numpy as np
 from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError
 
-from ..algorithms.pooling import bound_pool, compiled_pool, lowest, max_pool_with_indices, pool_loops
+from ..algorithms.pooling import SmallMaxPool, bound_pool, compiled_pool, lowest, max_pool_with_indices, pool_loops
 from ..algorithms.precision import compute_dtype, upcast
 from ..algorithms.window import Window
 from ..compiled import takes as takes_compiled
 from ..registry import register
 from ._common import graph_error, spatial_axes, wants_output
+
+_SHAPES = 16  # input shapes a pool keeps its resolved path for; past that, it starts over
 
 
 @register("MaxPool", since=1)
@@ -26,8 +28,16 @@ def max_pool(node, shapes, opset):
         raise graph_error(node, "storage_order", f"is {storage_order}; expected 0 (row major) or 1")
     with_indices = wants_output(node, 1)
     loops = None if with_indices else pool_loops()
+    small: dict = {}  # (shape, dtype) -> SmallMaxPool, or None where the compiled loop serves that input
 
     def kernel(x):
+        if not with_indices:
+            key = (x.shape, x.dtype)
+            run = small.get(key, False)
+            if run is False:
+                run = _small_max_pool(node, window, x, small, key)
+            if run is not None:
+                return (run(x),)
         geo = _resolved(node, window, x)
         if with_indices:
             xp = geo.pad(x, lowest(x.dtype))
@@ -68,6 +78,16 @@ def average_pool(node, shapes, opset):
     kernel.bind = lambda inputs, outputs, constant: bound_pool(loops, inputs[0], _resolved(node, window, inputs[0]),
                                                                include_pad, outputs[0])
     return kernel
+
+
+def _small_max_pool(node, window: Window, x: np.ndarray, cache: dict, key: tuple):
+    """The taps path for ``x``'s shape and dtype (None: the compiled loop's), resolved and kept once per shape."""
+    geo = _resolved(node, window, x)
+    run = SmallMaxPool(geo) if SmallMaxPool.fits(x, geo) else None
+    if len(cache) >= _SHAPES:
+        cache.clear()
+    cache[key] = run
+    return run
 
 
 def _resolved(node, window: Window, x: np.ndarray):
