@@ -140,7 +140,7 @@ def engine_run(engine, model, data, out, shard_rows, workers, threads, runtime, 
     return summary.processed_rows / wall, summary.steady_rows_per_second, driver + summary.worker_cpu_seconds
 
 
-def _shared_imports() -> int:
+def _shared_imports() -> tuple[int, float]:
     """A Ray worker's start, as a cluster that ran an earlier job has it: Ray and the batch job's own modules
     (the engine's, which either runtime's shards import) loaded; neither onnxruntime nor numba and the CPU
     provider."""
@@ -148,15 +148,18 @@ def _shared_imports() -> int:
     from onnx_runtime.batch import job
 
     job.count_from_here()  # (the workers' CPU counts from here: the cluster's start is not the job's)
+    before = time.process_time()  # (Ray's import, the setup hook's where it has one)
     time.sleep(0.5)  # (held, so that each worker of the pool takes one)
-    return os.getpid()
+    return os.getpid(), before
 
 
-def ray_pool_ready(ray, workers: int, threads: int) -> int:
+def ray_pool_ready(ray, workers: int, threads: int) -> tuple[int, float]:
     """Start the cluster's worker processes before the timed runs: the first engine run would otherwise pay their
-    start (Ray's own import) and the other runtime's first run find them started."""
+    start (Ray's own import) and the other runtime's first run find them started. Returns how many and their CPU
+    until then."""
     task = ray.remote(_shared_imports).options(num_cpus=threads)
-    return len(set(ray.get([task.remote() for _ in range(workers)])))
+    started = dict(ray.get([task.remote() for _ in range(workers)]))
+    return len(started), sum(started.values())
 
 
 def run_config(engine, args, data, out, workers, threads, runtime, addresses) -> tuple[float, float, float]:
@@ -178,6 +181,10 @@ def main(argv=None) -> int:
                         help="rows per model run (default: the predictor's, the model's static batch or 32)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--engines", default="local,ray,dask")
+    parser.add_argument("--ray-setup-hook", action="store_true",
+                        help="start Ray with onnx_runtime.batch.ray_runtime_env(): its workers import numba and the "
+                             "CPU provider's kernel modules as they start, before the timed runs (their CPU is "
+                             "printed, not counted in the runs)")
     args = parser.parse_args(argv)
     if not os.path.isfile(args.model):
         raise SystemExit(f"batch_bench: no model {args.model}; build the zoo (scripts/build_zoo.sh) or pass --model")
@@ -195,9 +202,14 @@ def main(argv=None) -> int:
             import ray
 
             start = time.perf_counter()
-            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-            print(f"ray.init: {time.perf_counter() - start:.1f} s, its {ray_pool_ready(ray, workers, threads)} "
-                  f"workers up after {time.perf_counter() - start:.1f} s (not in the timed runs)")
+            from onnx_runtime.batch import ray_runtime_env
+
+            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                     runtime_env=ray_runtime_env() if args.ray_setup_hook else None)
+            up, setup_cpu = ray_pool_ready(ray, workers, threads)
+            print(f"ray.init: {time.perf_counter() - start:.1f} s, its {up} workers up after "
+                  f"{time.perf_counter() - start:.1f} s (not in the timed runs); their CPU before the job "
+                  f"{setup_cpu:.2f} s{' (with the setup hook)' if args.ray_setup_hook else ''}", flush=True)
         if "dask" in engines:
             from distributed import LocalCluster
 

@@ -7,10 +7,11 @@
 ``onnx-runtime batch MODEL --input DATA --output OUT`` runs :func:`run_job` (docs/batch.md).
 """
 
+from .engines import ray_runtime_env, ray_worker_setup
 from .job import read_predictions
 from .predictor import Predictor, check_providers, sessions_here
 from .runner import Summary, run_job
 from .sizing import plan_workers, usable_cpus, worker_threads
 
-__all__ = ["Predictor", "Summary", "check_providers", "plan_workers", "read_predictions", "run_job", "sessions_here",
-           "usable_cpus", "worker_threads"]
+__all__ = ["Predictor", "Summary", "check_providers", "plan_workers", "ray_runtime_env", "ray_worker_setup",
+           "read_predictions", "run_job", "sessions_here", "usable_cpus", "worker_threads"]

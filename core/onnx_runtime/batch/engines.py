@@ -108,6 +108,53 @@ def forkserver_preload() -> list[str]:
     return names
 
 
+RAY_SETUP_HOOK = "onnx_runtime.batch.engines.ray_worker_setup"
+_SETUP_SKIPPED: list = []  # modules this process's setup hook could not import (empty where it ran cleanly)
+_SETUP_RAN = [False]
+
+
+def ray_worker_setup(names: list[str] | None = None) -> list[str]:
+    """Ray's ``worker_process_setup_hook`` (:func:`ray_runtime_env`): imports what the local engine's forkserver
+    preloads (numba and the CPU provider's kernel modules) as each worker process starts, ahead of its first
+    task, so that workers a long-lived cluster started before the job (for other tasks, or a warm-up) begin
+    their first shard with only the session to make. Never raises: Ray refuses a worker whose hook fails, so a
+    module that does not import is skipped here and reported by the task that needs it. Returns the skipped
+    names.
+
+    run_ray does not set it on the cluster it starts itself: Ray prestarts workers only for jobs without a
+    runtime_env, so there the first shard would wait for new processes to start and import instead."""
+    import importlib
+
+    skipped = []
+    for name in forkserver_preload() if names is None else names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 (the task that imports it reports the real error)
+            skipped.append(name)
+    _SETUP_SKIPPED[:] = skipped
+    _SETUP_RAN[0] = True
+    return skipped
+
+
+def ray_setup_state() -> tuple[bool, list[str]]:
+    """``(ran, skipped)``: whether this process ran :func:`ray_worker_setup`, and what it skipped."""
+    return _SETUP_RAN[0], list(_SETUP_SKIPPED)
+
+
+def ray_runtime_env(runtime_env: dict | None = None) -> dict:
+    """``runtime_env`` (a ``ray.init`` argument) with :func:`ray_worker_setup` as its worker setup hook:
+    ``ray.init(runtime_env=ray_runtime_env())``. A different hook already there is refused (Ray runs one): call
+    ray_worker_setup from it instead."""
+    env = dict(runtime_env or {})
+    hook = env.get("worker_process_setup_hook")
+    if hook not in (None, RAY_SETUP_HOOK, ray_worker_setup):
+        raise InvalidArgumentError(
+            f"batch: runtime_env already has the worker_process_setup_hook {hook!r}; Ray runs one hook per job, so "
+            f"call onnx_runtime.batch.engines.ray_worker_setup() from yours and pass your runtime_env as it is")
+    env["worker_process_setup_hook"] = RAY_SETUP_HOOK
+    return env
+
+
 def _ray_shard(job, shard):
     """A Ray task: one shard, in a pooled worker process whose predictor and session stay for its next shards."""
     return process_shard(job, shard)
