@@ -133,13 +133,14 @@ def quantized_matmul(node, shapes, opset):
 
     rounded = Prepared()  # the rounded add's parameters per set of constant inputs
     repeat = RepeatCall()  # the last call with a 2-D B and no rounded add: its A, constants and loop arguments
+    repeat_rounded = RepeatCall()  # the same for a call with a rounded add (an encoder's projections)
     stacked = RepeatCall()  # the last stacked call (attention's: B fed): A, the parameters, B's shape and type
+    repeats = (repeat, repeat_rounded, stacked)
 
     def kernel(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero, bias=None, row=None, after_scale=None,
                after_zero=None):
-        out = repeated_product(repeat, a, (b, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, bias), row) \
-            if b.ndim == 2 else repeated_stacked(stacked, qgemm, a, b, (a_scale, a_zero, b_scale, b_zero, y_scale,
-                                                                         y_zero, bias), row)
+        out = _repeated(repeats, qgemm, a, b, (a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, bias), row,
+                        after_scale, after_zero)
         if out is not None:
             return (out,)
         columns = _columns(b, trans_b)
@@ -171,11 +172,15 @@ def quantized_matmul(node, shapes, opset):
                 repeat.keep(a, (b, *key[1:]), (qgemm, flat.shape, packed, pairs, p.multiplier, p.offset, p.consts,
                                                out.shape, p.out_dtype, (-1, columns)))
             else:
-                qgemm.requantized_product_rounded(flat, packed, pairs, p.multiplier, p.offset, p.consts,
-                                                  row.reshape(-1), after, out.reshape(-1, columns))
+                line = row.reshape(-1)
+                qgemm.requantized_product_rounded(flat, packed, pairs, p.multiplier, p.offset, p.consts, line, after,
+                                                  out.reshape(-1, columns))
+                repeat_rounded.keep(a, (b, *key[1:], row, after_scale, after_zero), (
+                    flat.shape, packed, pairs, p.multiplier, p.offset, p.consts, line, after, out.shape, (-1, columns)))
         return (out,)
 
     kernel.repeat = repeat  # type: ignore[attr-defined]
+    kernel.repeat_rounded = repeat_rounded  # type: ignore[attr-defined]
     kernel.stacked = stacked  # type: ignore[attr-defined]
     return kernel
 
@@ -190,6 +195,30 @@ def repeated_product(repeat: RepeatCall, a, constants: tuple, row=None):
     out = np.empty(out_shape, out_dtype)
     qgemm.requantized_product(np.ascontiguousarray(a).reshape(flat_shape), packed, pairs, multiplier, offset, consts,
                               out.reshape(rows))
+    return out
+
+
+def _repeated(repeats: tuple, qgemm, a, b, params: tuple, row, after_scale, after_zero):
+    """The product of a call repeating one of QuantizedMatMul's kept calls (a plain product, one with a rounded
+    add, stacked operands), or None."""
+    repeat, rounded, stacked = repeats
+    if row is not None:
+        return repeated_rounded(rounded, qgemm, a, (b, *params, row, after_scale, after_zero))
+    if b.ndim == 2:
+        return repeated_product(repeat, a, (b, *params))
+    return repeated_stacked(stacked, qgemm, a, b, params)
+
+
+def repeated_rounded(repeat: RepeatCall, qgemm, a, constants: tuple):
+    """The product and rounded add of a call repeating ``repeat``'s kept call (A's shape and type, the same
+    constant arrays, the row and the rounding's among them), or None for any other call."""
+    arguments = repeat.match(a, constants)
+    if arguments is None:
+        return None
+    flat_shape, packed, pairs, multiplier, offset, consts, line, after, out_shape, rows = arguments
+    out = np.empty(out_shape, _F32)
+    qgemm.requantized_product_rounded(np.ascontiguousarray(a).reshape(flat_shape), packed, pairs, multiplier, offset,
+                                      consts, line, after, out.reshape(rows))
     return out
 
 
