@@ -11,6 +11,7 @@ import numpy as np
 
 from ..algorithms.activations import sigmoid
 from ..algorithms.quantize import apply_table, integer_range, lookup_table, quantize, widen
+from ..algorithms.repeat_call import RepeatCall
 from ..registry import register
 from ._common import CONTRIB_DOMAIN, argument_error, normalize_axis, required_attr
 from .contrib_quantization import eight_bit, float_scale, scalar
@@ -61,10 +62,18 @@ def qlinear_leaky_relu(node, shapes, opset):
 
 @register("QLinearSoftmax", domain=CONTRIB_DOMAIN, since=1)
 def qlinear_softmax(node, shapes, opset):
+    from ..compiled import quantize as compiled
+
     version = int(required_attr(node, "opset", "the opset of the Softmax it replaces (e.g. 13)"))
     axis = int(node.attr("axis", 1 if version < 13 else -1))
+    repeat = RepeatCall()  # the last call over rows: X's shape and type, the constant parameters, the loop's arguments
 
     def kernel(x, x_scale, x_zero_point=None, y_scale=None, y_zero_point=None):
+        kept = repeat.match(x, (x_scale, x_zero_point, y_scale, y_zero_point))
+        if kept is not None:  # a run repeats its shapes and constant parameters: the checks held last time
+            out = np.empty(x.shape, x.dtype)
+            compiled.softmax_codes(np.ascontiguousarray(x).reshape(kept[0]), *kept[1:], out.reshape(kept[0]))
+            return (out,)
         dtype = eight_bit(node, "X", x)
         if y_scale is None:
             raise argument_error(node, "input 'y_scale' is missing; expected a float32 scalar")
@@ -76,7 +85,13 @@ def qlinear_softmax(node, shapes, opset):
         a = normalize_axis(node, axis, x.ndim)
         y_scale_value = float_scale(node, "y_scale", y_scale)
         if a == x.ndim - 1 and y_zero is not None:  # rows along the last axis (either opset): one compiled pass
-            return (_softmax_rows(x, float(scale), y_scale_value, y_zero, dtype),)
+            arguments = ((-1, x.shape[-1]), _exp_table(float(scale)), y_scale_value, int(y_zero),
+                         *integer_range(dtype))
+            out = np.empty(x.shape, dtype)
+            compiled.softmax_codes(np.ascontiguousarray(x).reshape(arguments[0]), *arguments[1:],
+                                   out.reshape(arguments[0]))
+            repeat.keep(x, (x_scale, x_zero_point, y_scale, y_zero_point), arguments)
+            return (out,)
         # Before opset 13 softmax runs over the input flattened to 2-D at the axis.
         rows = x.reshape(math.prod(x.shape[:a]), -1) if version < 13 else x
         along = 1 if version < 13 else a
@@ -95,12 +110,3 @@ def _exp_table(x_scale: float) -> np.ndarray:
     table = np.exp(np.arange(0, -256, -1, dtype=np.int64) * x_scale)
     table.flags.writeable = False
     return table
-
-
-def _softmax_rows(x, x_scale: float, y_scale, y_zero, dtype) -> np.ndarray:
-    from ..compiled import quantize as compiled
-
-    out = np.empty(x.shape, dtype)
-    compiled.softmax_codes(np.ascontiguousarray(x).reshape(-1, x.shape[-1]), _exp_table(x_scale), y_scale,
-                           int(y_zero), *integer_range(dtype), out.reshape(-1, x.shape[-1]))
-    return out
