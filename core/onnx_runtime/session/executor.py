@@ -67,8 +67,10 @@ _LAST_BEGUN: dict[int, object] = {}
 def graph_slot_of(run_options) -> DeviceGraphSlot:
     """The device-graph slot ``run_options`` select: ``RunOptions.add_run_config_entry("device_graph.slot",
     "verify")`` for a multi-token verification step, whose graphs then never evict the decode step's."""
+    if run_options is None:  # (every plain run)
+        return DeviceGraphSlot.PRIMARY
     try:
-        value = run_options.get_run_config_entry(GRAPH_SLOT_KEY) if run_options is not None else "primary"
+        value = run_options.get_run_config_entry(GRAPH_SLOT_KEY)
     except (AttributeError, OnnxRuntimeError):  # not set
         return DeviceGraphSlot.PRIMARY
     try:

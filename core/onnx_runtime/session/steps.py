@@ -23,6 +23,7 @@ from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
 from . import shape_program, shape_rules
 from .placement import Copy
+from .step_code import StepCode
 
 
 def shape_of(value):
@@ -162,9 +163,13 @@ class Step:
 
 class Steps:
     """Steps in run order, with the hot loop's view of them. ``shape_values``: where the leading steps compute
-    only what the feeds' shapes determine, the cache that skips them (see :class:`ShapeValues`)."""
+    only what the feeds' shapes determine, the cache that skips them (see :class:`ShapeValues`). From the
+    second run on, the steps run as one straight-line function (``code``, :mod:`.step_code`); the first run
+    takes the loop, so a plan run once (a creation's warm-up, a capture) builds nothing."""
 
     shape_values: ShapeValues | None = None
+    code: StepCode | None = None
+    runs = 0  # loop runs so far (until ``code`` is built)
 
     def __init__(self, steps: list[Step]):
         self.steps = steps
@@ -425,31 +430,72 @@ def run_steps(steps: Steps, env: list, profile: dict | None = None) -> None:
         _run(steps, env, profile)
 
 
+# Loop runs of a step list before it is built into straight-line code; longer lists keep the loop (a function of
+# that many lines costs more to compile than the loop loses in a few runs).
+STRAIGHT_AFTER = 1
+STRAIGHT_MAX_STEPS = 20000
+
+
+def _straight(steps: Steps) -> StepCode | None:
+    code = steps.code
+    if code is None:
+        steps.runs += 1
+        if steps.runs == STRAIGHT_AFTER + 1 and len(steps.steps) <= STRAIGHT_MAX_STEPS:
+            try:
+                code = steps.code = StepCode(steps.steps)
+            except (RecursionError, MemoryError, SyntaxError):  # (the compiler's limits): the loop serves
+                code = None
+    return code
+
+
 def _run(steps: Steps, env: list, profile: dict | None) -> None:
-    index = 0
+    code = None
     try:
         if profile is not None:
             _run_profiled(steps, env, profile)
+        elif (code := _straight(steps)) is not None:
+            code.run(env)
         else:
-            for index, (run, fetch, single, outs, release) in enumerate(steps.fast):  # noqa: B007 (read on error)
-                results = run(*fetch(env))
-                if single is not None:
-                    env[single] = results[0]
-                else:
-                    if len(results) < len(outs):
-                        raise KernelError(f"kernel returned {len(results)} outputs, the node has {len(outs)}")
-                    for slot, value in zip(outs, results):
-                        env[slot] = value
-                for slot in release:
-                    env[slot] = None
-    except _ProfiledStepError as wrapped:
+            _loop(steps, env)
+    except _StepError as wrapped:
         exc, index = wrapped.args
         raise node_error(steps.steps[index], exc, type(exc) if isinstance(exc, OnnxRuntimeError) else KernelError) \
             from exc
-    except OnnxRuntimeError as exc:
-        raise node_error(steps.steps[index], exc, type(exc)) from exc
     except Exception as exc:
-        raise node_error(steps.steps[index], exc, KernelError) from exc
+        if code is None:  # (the loops wrap theirs in _StepError)
+            raise
+        index = _failed_at(code, exc)
+        reported: Exception = exc
+        kind = type(exc) if isinstance(exc, OnnxRuntimeError) else KernelError
+        if isinstance(exc, ValueError) and "values to unpack" in str(exc):  # the code's slice of a short result
+            count = len(steps.steps[index].outputs)
+            reported = KernelError(f"kernel returned fewer outputs than the node has ({count})")
+        raise node_error(steps.steps[index], reported, kind) from exc
+
+
+def _loop(steps: Steps, env: list) -> None:
+    index = 0
+    try:
+        for index, (run, fetch, single, outs, release) in enumerate(steps.fast):  # noqa: B007 (read on error)
+            results = run(*fetch(env))
+            if single is not None:
+                env[single] = results[0]
+            else:
+                if len(results) < len(outs):
+                    raise KernelError(f"kernel returned {len(results)} outputs, the node has {len(outs)}")
+                for slot, value in zip(outs, results):
+                    env[slot] = value
+            for slot in release:
+                env[slot] = None
+    except Exception as exc:
+        raise _StepError(exc, index) from exc
+
+
+def _failed_at(code: StepCode, exc: BaseException) -> int:
+    index = code.step_at(exc)
+    if index is None:  # not a step's line (the code's own stores): nothing a node did
+        raise exc
+    return index
 
 
 def _run_profiled(steps: Steps, env: list, profile: dict) -> None:
@@ -462,7 +508,7 @@ def _run_profiled(steps: Steps, env: list, profile: dict) -> None:
         try:
             results = run(*args)
         except Exception as exc:
-            raise _ProfiledStepError(exc, index) from exc
+            raise _StepError(exc, index) from exc
         elapsed = clock() - start
         key = step.node.op_type if step.node is not None else "copy"
         total, calls = profile.get(key, (0.0, 0))
@@ -475,8 +521,8 @@ def _run_profiled(steps: Steps, env: list, profile: dict) -> None:
             env[slot] = None
 
 
-class _ProfiledStepError(Exception):
-    """Carries a step failure and its index out of the profiled loop."""
+class _StepError(Exception):
+    """Carries a step failure and its index out of a loop."""
 
 
 def node_error(step: Step | None, exc: Exception, kind: type) -> Exception:
