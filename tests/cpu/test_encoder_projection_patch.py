@@ -177,13 +177,11 @@ def test_projection_group_kernel_shapes_and_errors():
         kernel(rng.standard_normal((2, 4, 7)).astype(np.float32), w[:, :6], b)
 
 
-def test_merged_weights_are_shared_by_specializations_and_released_with_the_session(monkeypatch):
+def test_merged_weights_are_shared_by_specializations_and_released_with_the_session():
     """Each signature's specialized graph merges the same constants: one merged array for all, dropped once the
-    session (which holds the members' weights) is gone. (Without the siblings' grouping, which merges the
-    generic graph's products, read by head splits, before any specialization: those carry its merged array.)"""
+    session (which holds the members' weights) is gone."""
     import gc
 
-    _without(monkeypatch, projection_groups.group_sibling_projections)
     model, weights = _attention_model(1, 5, 8, 2, 2, 3, "101", False)
     proto = __import__("onnx").load_from_string(model)
     proto.graph.input[0].type.tensor_type.shape.dim[1].dim_param = "s"  # the length free: one plan per length

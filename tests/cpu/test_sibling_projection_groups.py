@@ -3,7 +3,9 @@ query, key and value products read through head splits (then rotary embeddings a
 gated feed-forward block's gate and up products read by SwishMul. A synthetic decoder layer with odd sizes
 against a float64 reference and the unfused graph; products read by anything else, or graph outputs, keep
 their nodes; the zoo's decoders from both torch exporters (and the optimizer's output) against the float64
-reference (onnxruntime for the optimizer's contrib operators) and the graph with the pass off."""
+reference (onnxruntime for the optimizer's contrib operators) and the graph with the pass off. A product cut by
+a Split of its last axis (GPT-2's c_attn) as one ProjectionGroup (projection_groups.split_projection_outputs):
+sizes given or equal parts, against float64 and the unfused graph; a Split read elsewhere kept."""
 
 from __future__ import annotations
 
@@ -40,9 +42,10 @@ def made(monkeypatch) -> list:
 
 
 def _unfused(monkeypatch) -> None:
-    """The provider's passes without either grouping (the attention's, which takes q, k and v where an Attention
-    reads them directly, and the siblings')."""
-    gone = (projection_groups.group_sibling_projections, projection_groups.group_attention_projections)
+    """The provider's passes without any grouping (the attention's, which takes q, k and v where an Attention
+    reads them directly, the siblings' and the split products')."""
+    gone = (projection_groups.group_sibling_projections, projection_groups.group_attention_projections,
+            projection_groups.split_projection_outputs)
     kept = [p for p in attention_heads.HEADS_PASSES if p not in gone]
     monkeypatch.setattr(provider, "HEADS_PASSES", kept, raising=False)
 
@@ -168,10 +171,93 @@ def test_a_product_read_elsewhere_keeps_its_node(extra_reader, made):
     assert [shape[1] for shape in groups] == [(12, 18)], made
 
 
+def _split_layer(batch, length, embed, heads, size, sizes: bool, extra_reader: bool = False):
+    """x -> one product by [Wq | Wk | Wv] + bias -> Split of the last axis (its sizes as an input, or
+    num_outputs) -> head splits -> causal Attention -> head merge -> y (GPT-2's c_attn). ``extra_reader``: the
+    key part is also a graph output."""
+    rng = np.random.default_rng(embed * 5 + size)
+    width = heads * size
+    weights = {"wqkv": (rng.standard_normal((embed, 3 * width)) / 3).astype(np.float32),
+               "bqkv": rng.standard_normal(3 * width).astype(np.float32),
+               "sizes": np.array([width] * 3, np.int64),
+               "heads_shape": np.array([batch, length, heads, size], np.int64),
+               "merged_shape": np.array([batch, length, width], np.int64)}
+    split = helper.make_node("Split", ["qkv", "sizes"], ["q", "k", "v"], axis=2) if sizes else \
+        helper.make_node("Split", ["qkv"], ["q", "k", "v"], axis=-1, num_outputs=3)
+    nodes = [helper.make_node("MatMul", ["x", "wqkv"], ["qkv_flat"]),
+             helper.make_node("Add", ["qkv_flat", "bqkv"], ["qkv"]), split]
+    for name in "qkv":
+        nodes += [helper.make_node("Reshape", [name, "heads_shape"], [f"{name}_split"]),
+                  helper.make_node("Transpose", [f"{name}_split"], [f"{name}_heads"], perm=[0, 2, 1, 3])]
+    nodes += [helper.make_node("Attention", ["q_heads", "k_heads", "v_heads"], ["y_heads"], is_causal=1),
+              helper.make_node("Transpose", ["y_heads"], ["y_split"], perm=[0, 2, 1, 3]),
+              helper.make_node("Reshape", ["y_split", "merged_shape"], ["y"])]
+    outputs = [tensor_info("y", TensorProto.FLOAT, None)] + ([tensor_info("k", TensorProto.FLOAT, None)]
+                                                              if extra_reader else [])
+    if not sizes:
+        del weights["sizes"]
+    initializers = [numpy_helper.from_array(value, name) for name, value in weights.items()]
+    model = make_model(nodes, [tensor_info("x", TensorProto.FLOAT, [batch, length, embed])], outputs, initializers,
+                       opset=23)
+    parts = np.split(weights["wqkv"], 3, axis=1)
+    biases = np.split(weights["bqkv"], 3)
+    as_layer = {"wq": parts[0], "wk": parts[1], "wv": parts[2], "bq": biases[0]}
+    return model, as_layer, biases
+
+
+SPLITS = [
+    # batch, length, embed, heads, head size, sizes as an input (else num_outputs)
+    (1, 16, 64, 4, 16, True),  # the zoo GPT-2's layer
+    (2, 5, 13, 3, 5, False),  # odd sizes, equal parts
+]
+
+
+@pytest.mark.parametrize("case", SPLITS, ids=[f"b{c[0]}s{c[1]}e{c[2]}h{c[3]}d{c[4]}sizes{int(c[5])}" for c in SPLITS])
+def test_a_split_product_matches_the_float64_reference_and_the_unfused_graph(case, made, monkeypatch):
+    batch, length, embed, heads, size, sizes = case
+    model, weights, biases = _split_layer(*case)
+    x = np.random.default_rng(9).standard_normal((batch, length, embed)).astype(np.float32)
+    (y,) = ort.InferenceSession(model.SerializeToString(), providers=["cpu"]).run(None, {"x": x})
+    exact = _reference_with_biases(x, np.ones((batch, length, 1), np.float32), weights, biases, heads, size)
+    assert_within(y, exact[0], exact[1], "y")
+    ops = [op for op, _ in made]
+    assert ops.count("ProjectionGroup") == 1 and "Split" not in ops, ops
+    _unfused(monkeypatch)
+    made.clear()
+    (unfused,) = ort.InferenceSession(model.SerializeToString(), providers=["cpu"]).run(None, {"x": x})
+    assert "Split" in [op for op, _ in made]
+    assert_within(y, unfused.astype(np.float64), 2 * exact[1], "y against the unfused graph")
+
+
+def _reference_with_biases(x, ones, weights, biases, heads, size):
+    """_reference's y for q, k and v each with its bias: the input widened by a column of ones whose weights
+    are the biases."""
+    widened = np.concatenate([x, ones], axis=-1)
+    layer = {name: np.concatenate([weights[name], bias[None]], axis=0)
+             for name, bias in zip(("wq", "wk", "wv"), biases)}
+    no_gate = np.zeros((widened.shape[-1], 1), np.float32)  # (_reference's feed-forward part, unused here)
+    layer.update({"wg": no_gate, "wu": no_gate, "wd": np.zeros((1, 1), np.float32)})
+    (y, _), (bound, _) = _reference(widened, layer, heads, heads, size)
+    return y, bound
+
+
+def test_a_split_read_elsewhere_keeps_its_nodes(made):
+    model, weights, biases = _split_layer(2, 5, 13, 3, 5, True, extra_reader=True)
+    x = np.random.default_rng(10).standard_normal((2, 5, 13)).astype(np.float32)
+    y, key = ort.InferenceSession(model.SerializeToString(), providers=["cpu"]).run(None, {"x": x})
+    exact = _reference_with_biases(x, np.ones((2, 5, 1), np.float32), weights, biases, 3, 5)
+    assert_within(y, exact[0], exact[1], "y")
+    k64 = x.astype(np.float64) @ weights["wk"] + biases[1]
+    assert_within(key, k64, 4 * gamma(14) * (np.abs(x.astype(np.float64)) @ np.abs(weights["wk"]) + np.abs(biases[1])))
+    ops = [op for op, _ in made]
+    assert "Split" in ops and "ProjectionGroup" not in ops, ops
+
+
 # -- the zoo's decoders ------------------------------------------------------------------------------------------
 
 ZOO_DECODERS = ["llama.torchscript.fp32", "llama.dynamo.fp32", "t5_decoder.torchscript.fp32",
-                "t5_decoder.dynamo.fp32", "llama.torchscript.optimized", "llama.dynamo.optimized"]
+                "t5_decoder.dynamo.fp32", "llama.torchscript.optimized", "llama.dynamo.optimized",
+                "gpt2.torchscript.fp32", "gpt2.dynamo.fp32"]
 
 
 @pytest.mark.parametrize("name", ZOO_DECODERS)
@@ -190,8 +276,11 @@ def test_zoo_decoders_group_siblings_and_match(name, made, monkeypatch):
         for _ in range(2):  # (the specialized plan, where the passes fire, is made at a first run)
             ours[call] = session.run(None, feeds)
     groups = [shapes[1] for op, shapes in made if op == "ProjectionGroup"]
-    # Per layer (two) and call signature (prefill, decode): the self-attention's q, k, v; LLaMA's gate and up too
+    # Per layer (two) and call signature (prefill, decode): the self-attention's q, k, v (GPT-2's one split
+    # product); LLaMA's gate and up too
     per_call = 4 if name.startswith("llama") else 2
+    if name.startswith("gpt2"):
+        assert "Split" not in [op for op, _ in made], made
     assert len(groups) >= per_call * len(calls), made
     _unfused(monkeypatch)
     plain_session = ort.InferenceSession(path, providers=["cpu"])

@@ -22,11 +22,15 @@ gated feed-forward block's gate and up products meet in SwishMul:
 
 group_sibling_projections merges any such products of one input the same way, where every reader of each
 member's output takes a column view as it takes a whole array (_VIEW_READERS: the head split reshapes it,
-SwishMul copies a strided operand before its compiled pass, Attention reads it in place).
+SwishMul copies a strided operand before its compiled pass, Attention reads it in place), in specialized plans
+where the product is below the packed_macs knob (larger ones keep ops/linalg.py's packed product). A product already
+merged (GPT-2's c_attn, or the optimizer's sibling MatMuls) and cut by a Split of its last axis into such
+readers' inputs is one too (split_projection_outputs): the Split's copies become the product's column views.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import numpy as np
@@ -34,6 +38,7 @@ from onnx_runtime.ir import Graph, Node
 from onnx_runtime.optimizer.rewrite import add_initializer, forget_value
 
 from .fusions import FUSED_DOMAIN, GraphView, owned
+from .tuning import KNOBS
 
 _F32 = np.dtype(np.float32)
 # (ids of the members' weights and biases) -> (weak references to them, the merged weight, the merged bias): each
@@ -151,6 +156,16 @@ def _view_read(view: GraphView, name: str) -> bool:
         and all((reader.op_type, reader.domain) in _VIEW_READERS for reader in readers)
 
 
+def _blas_sized(graph: Graph, a: str, depth: int, total: int) -> bool:
+    """Whether A's shape is static (a specialized plan) and its product by a (depth, total) weight is below the
+    packed_macs knob: ProjectionGroup's kernel runs one BLAS product, where a MatMul or FusedMatMul of more
+    multiply-adds runs the packed product (ops/linalg.py)."""
+    info = graph.type_of(a)
+    shape = info.static_shape if info is not None and info.is_tensor else None
+    return shape is not None and len(shape) >= 1 and shape[-1] == depth \
+        and math.prod(shape[:-1]) * depth * total < KNOBS.packed_macs
+
+
 def group_sibling_projections(graph: Graph, owns=None) -> bool:
     """Merge the products of one input (weights of one row count) whose outputs only _VIEW_READERS read (see the
     module docstring)."""
@@ -161,9 +176,10 @@ def group_sibling_projections(graph: Graph, owns=None) -> bool:
         if part is not None and len(node.outputs) == 1 and _view_read(view, node.outputs[0]):
             siblings.setdefault((part[0], part[1].shape[0]), []).append((node, part))
     changed = False
-    for found in siblings.values():
+    for (a, depth), found in siblings.items():
         members = [node for node, _ in found]
-        if len(members) < 2 or not owned(owns, members):
+        if len(members) < 2 or not _blas_sized(graph, a, depth, sum(int(p[1].shape[1]) for _, p in found)) \
+                or not owned(owns, members):
             continue
         _group(graph, members, [part for _, part in found], view)
         changed = True
@@ -199,3 +215,53 @@ def _replace(graph: Graph, members: list[Node], fused: Node, view: GraphView) ->
         for name in member.inputs[1:]:
             if name not in still_read and graph.initializers.pop(name, None) is not None:
                 forget_value(graph, name)
+
+
+def _split_widths(view: GraphView, split: Node, total: int, rank: int | None) -> list[int] | None:
+    """The widths a Split of a (..., total) product's last axis cuts (its sizes, or equal parts), else None."""
+    axis = int(split.attr("axis", 0))
+    if axis != -1 and (rank is None or axis != rank - 1):
+        return None
+    count = len(split.outputs)
+    if split.opset >= 13:
+        sizes = view.const(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1] else None
+        if sizes is None and len(split.inputs) > 1 and split.inputs[1]:
+            return None  # sizes computed at run time
+    else:
+        sizes = split.attr("split")
+    if sizes is None:
+        widths = [total // count] * count if count and total % count == 0 else None
+    else:
+        widths = [int(w) for w in np.asarray(sizes).reshape(-1)]
+    if widths is None or len(widths) != count or sum(widths) != total or min(widths) <= 0:
+        return None
+    return widths
+
+
+def split_projection_outputs(graph: Graph, owns=None) -> bool:
+    """Each product whose only reader is a Split of its last axis into _VIEW_READERS' inputs as one
+    ProjectionGroup over the same weight (see the module docstring)."""
+    view, fed = GraphView(graph), {vi.name for vi in graph.inputs}
+    changed = False
+    for split in list(graph.nodes):
+        if split.op_type != "Split" or split.domain not in ("", "ai.onnx") or not split.inputs \
+                or not all(split.outputs) or not all(_view_read(view, name) for name in split.outputs):
+            continue
+        name = split.inputs[0]
+        product = view.producer.get(name)
+        part = _member(view, fed, product)
+        readers = view.consumers.get(name, [])
+        if part is None or len(product.outputs) != 1 or len(readers) != 1 or name in view.outputs \
+                or name in view.inner_reads:
+            continue
+        info = graph.type_of(name)
+        rank = len(info.shape) if info is not None and info.is_tensor and info.shape is not None else None
+        widths = _split_widths(view, split, int(part[1].shape[1]), rank)
+        if widths is None or not _blas_sized(graph, part[0], *part[1].shape) or not owned(owns, [product, split]):
+            continue
+        fused = Node("ProjectionGroup", list(product.inputs), list(split.outputs), name=f"{product.name}/group",
+                     domain=FUSED_DOMAIN, attrs={"widths": widths}, opset=1)
+        _replace(graph, [product, split], fused, view)
+        view = GraphView(graph)
+        changed = True
+    return changed

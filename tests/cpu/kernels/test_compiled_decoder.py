@@ -332,7 +332,8 @@ def _attention_block_model(weights, extra_outputs=()):
 def test_attention_block_fuses_types_its_outputs_and_keeps_the_results():
     weights = {n: RNG.standard_normal((16, 16)).astype(np.float32) for n in "qkv"}
     sess = _session(_attention_block_model(weights))
-    assert sorted(_ops(sess)) == ["Attention", "Concat", "Concat", "MatMul", "MatMul", "MatMul", "ReshapeTranspose",
+    # (q, k and v of one input as one ProjectionGroup whose column views the head splits read: projection_groups.py)
+    assert sorted(_ops(sess)) == ["Attention", "Concat", "Concat", "ProjectionGroup", "ReshapeTranspose",
                                   "ReshapeTranspose", "ReshapeTranspose", "RotateHalfEmbedding", "RotateHalfEmbedding",
                                   "TransposeReshape"]
     assert "CPUExecutionProvider:infer_fused_types" in sess.applied_passes()
