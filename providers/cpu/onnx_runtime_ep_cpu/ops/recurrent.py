@@ -440,7 +440,7 @@ class _CompiledLSTM(_CompiledRecurrence):
         if dirs == 1 and weights is self.kept[4] and not projected and self.tried:
             # (checked above for this signature: later calls with it skip the checks and the layout moves)
             self.fast = (w, r, b, x.shape, dtype, shape, weights[0], ((seq, 1, batch, hidden), (seq, batch, hidden)),
-                         (self.backward[0], False, dtype is _FLOAT32))
+                         (self.backward[0], False, dtype is _FLOAT32), direct_entry(self.steps, calls[0]))
         return [y, h, c]
 
     def one_direction(self, x, h0, c0, fast) -> list:
@@ -450,7 +450,7 @@ class _CompiledLSTM(_CompiledRecurrence):
         h = np.zeros(shape, dtype) if h0 is None else np.array(h0, dtype=dtype, order="C")
         c = np.zeros(shape, dtype) if c0 is None else np.array(c0, dtype=dtype, order="C")
         y = np.empty(y_shape, dtype)
-        self.steps(x, wd, rd, bias, h[0], c[0], y.reshape(rows), *tail)
+        fast[9](x, wd, rd, bias, h[0], c[0], y.reshape(rows), *tail)
         return [y, h, c]
 
 
@@ -523,7 +523,7 @@ class _CompiledGRU(_CompiledRecurrence):
         dtype, shape, (wd, rd, w_bias, r_bias), (y_shape, rows), tail = fast[4], fast[6], fast[7], fast[8], fast[9]
         h = np.zeros(shape, dtype) if h0 is None else np.array(h0, dtype=dtype, order="C")
         y = np.empty(y_shape, dtype)
-        self.steps(x, wd, rd, w_bias, r_bias, h[0], y.reshape(rows), *tail)
+        fast[10](x, wd, rd, w_bias, r_bias, h[0], y.reshape(rows), *tail)
         return [y, h]
 
     def _checked(self, x, w, r, b, h0) -> list | None:
@@ -556,8 +556,23 @@ class _CompiledGRU(_CompiledRecurrence):
             # (checked above for this signature: later calls with it skip the checks and the layout moves)
             self.fast = (w, r, b, x.shape, x.dtype, _state_shape(h0), (dirs, batch, hidden), self.kept[4][0],
                          ((seq, 1, batch, hidden), (seq, batch, hidden)),
-                         (self.backward[0], False, self.linear_before_reset, x.dtype is _FLOAT32))
+                         (self.backward[0], False, self.linear_before_reset, x.dtype is _FLOAT32),
+                         direct_entry(self.steps, calls[0]))
         return [y, h]
+
+
+def direct_entry(steps, arguments: tuple):
+    """The compiled loop's overload for ``arguments``' types (a streaming signature that has run whole), called
+    without numba's dispatcher, whose typing of the eleven arguments on every call costs about what a one-step
+    loop does; the loop itself where it is not a compiled Loop or has no linked overload."""
+    if not isinstance(steps, deferred.Loop):
+        return steps
+    try:
+        dispatcher = steps.dispatcher()
+        found = deferred.overload(steps, tuple(dispatcher.typeof_pyval(a) for a in arguments))
+    except (TypeError, ValueError):
+        return steps
+    return steps if found is None else found
 
 
 def stepped(owner, steps, calls: list) -> bool:
