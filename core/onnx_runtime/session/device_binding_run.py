@@ -267,7 +267,11 @@ def _host_feeds(session: SessionSide, layout: _Layout, bindings: tuple, single_t
 def _host_outputs(layout: _Layout, bindings: tuple, produced: list) -> None:
     """Each output copied into its binding (a window appended in place needs none), its shape adopted."""
     plain = True
+    window_at = layout.window_at
     for (name, index, proven, dtype), value in produced:  # every shape checked before any binding is written
+        window = window_at.get(index)
+        if window is not None and value is window.result:  # the binding's own buffer, within its capacity
+            continue
         binding = bindings[index]
         physical_shape = binding.physical_shape
         if type(value) is not np.ndarray or value.dtype != dtype or value.ndim != len(physical_shape) \
@@ -278,7 +282,7 @@ def _host_outputs(layout: _Layout, bindings: tuple, produced: list) -> None:
         for (_name, index, _proven, _dtype), value in produced:
             _deliver(bindings[index], value)
         return
-    physical, aliased, window_at = layout.physical, layout.aliased, layout.window_at
+    physical, aliased = layout.physical, layout.aliased
     for (_name, index, _proven, _dtype), value in produced:
         binding = bindings[index]
         shape = value.shape
