@@ -12,9 +12,11 @@ import os
 import sys
 import tempfile
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pluggy
 
@@ -354,6 +356,12 @@ def _provider_classes(plugin) -> list[Callable[[], object]]:
         plugin.name, f"{PROJECT}_impl"
     ):
         return [lambda: plugin]
+    hook = _plain_discovery_hook(plugin)
+    if hook is not None:  # what pluggy's call of the one implementation returns, without building its manager
+        classes: list[Callable[[], object]] = list(hook() or [])
+        if not classes:
+            raise PluginError("it contributes no provider classes (implement `onnx_runtime_providers`)")
+        return classes
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(DiscoverySpec)
     try:
@@ -364,6 +372,21 @@ def _provider_classes(plugin) -> list[Callable[[], object]]:
     if not classes:
         raise PluginError("it contributes no provider classes (implement `onnx_runtime_providers`)")
     return classes
+
+
+def _plain_discovery_hook(plugin) -> Callable[[], Any] | None:
+    """A module's ``onnx_runtime_providers``: a plain function of no arguments, marked without options that
+    change its call (entry points name such modules); None where pluggy must register the plugin."""
+    if not isinstance(plugin, types.ModuleType):
+        return None
+    hook = vars(plugin).get("onnx_runtime_providers")
+    if not isinstance(hook, types.FunctionType):
+        return None
+    opts = getattr(hook, f"{PROJECT}_impl", None)
+    if not isinstance(opts, dict) or any(opts.get(key) for key in opts if key not in ("tryfirst", "trylast")) \
+            or hook.__code__.co_argcount or hasattr(hook, "__wrapped__"):
+        return None
+    return hook
 
 
 def _matches(entry: ProviderEntry, name: str) -> bool:

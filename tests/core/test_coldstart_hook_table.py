@@ -108,3 +108,23 @@ def test_hook_set_on_the_instance_is_read_by_pluggy():
     assert provider_hooks(provider) is None
     handle = ProviderHandle(provider)
     assert handle.manager_built and handle.short_name == "own"
+
+
+def test_an_entry_point_modules_providers_are_read_without_pluggy_as_with_it():
+    import types
+
+    from onnx_runtime import discovery
+
+    module = types.ModuleType("fake_negator_plugin")
+    module.onnx_runtime_providers = ort.hookimpl(lambda: [_Negator])
+    assert discovery._plain_discovery_hook(module) is module.onnx_runtime_providers  # noqa: SLF001
+    assert discovery._provider_classes(module) == [_Negator]  # noqa: SLF001
+    empty = types.ModuleType("fake_empty_plugin")
+    empty.onnx_runtime_providers = ort.hookimpl(lambda: [])
+    with pytest.raises(PluginError, match="contributes no provider classes"):
+        discovery._provider_classes(empty)  # noqa: SLF001
+    odd = types.ModuleType("fake_odd_plugin")
+    odd.onnx_runtime_providers = ort.hookimpl(lambda colour: [_Negator])  # pluggy validates it (and refuses it)
+    assert discovery._plain_discovery_hook(odd) is None  # noqa: SLF001
+    with pytest.raises(PluginError):
+        discovery._provider_classes(odd)  # noqa: SLF001
