@@ -125,3 +125,27 @@ def test_a_session_runs_a_few_row_gemm_of_initializers(knobs):
         (y,) = session.run(None, {"x": x})
         expected = x.astype(np.float64) @ w.T.astype(np.float64) + bias
         assert np.abs(y - expected).max() <= _bound(x, w, 301)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("lead", [(1, 1), (2, 3), (1, 8)])
+def test_a_projection_group_of_a_decode_step_takes_the_tiles(monkeypatch, knobs, with_bias, lead):
+    """A merged query/key/value product (ProjectionGroup) of a decode step's few rows by its constant weights."""
+    from onnx_runtime_ep_cpu.ops import projection_group
+
+    knobs(threads=1, few_rows_packed_macs=1)
+    rng = np.random.default_rng(9)
+    depth, widths = 97, [32, 17, 17]
+    a = rng.standard_normal((*lead, depth), dtype=np.float32)
+    w = _constant(rng.standard_normal((depth, sum(widths)), dtype=np.float32))
+    bias = _constant(rng.standard_normal(sum(widths)).astype(np.float32)) if with_bias else None
+    node = Node("ProjectionGroup", ["a", "w"] + (["bias"] if with_bias else []), ["q", "k", "v"],
+                domain="ai.onnx_runtime.cpu", attrs={"widths": widths}, opset=1)
+    kernel = projection_group.projection_group(node, [a.shape, w.shape] + ([bias.shape] if with_bias else []), 1)
+    taken = record_calls(monkeypatch, products.PackedProduct)
+    expected = a.astype(np.float64) @ w.astype(np.float64) + (0 if bias is None else bias)
+    for _ in range(2):
+        outputs = kernel(a, w, bias) if with_bias else kernel(a, w)
+        y = np.concatenate(outputs, axis=-1)
+        assert y.shape == expected.shape and np.abs(y - expected).max() <= _bound(a, w, depth)
+    assert taken and taken[-1].route == ("few rows", 1)

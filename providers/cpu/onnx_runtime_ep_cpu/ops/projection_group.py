@@ -7,8 +7,10 @@ import math
 
 import numpy as np
 
+from ..algorithms.products import GEMV_ROWS, PackedProduct
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
+from ..tuning import KNOBS
 from ._common import argument_error, required_attr
 
 _F32 = np.dtype(np.float32)
@@ -55,16 +57,26 @@ def projection_group(node, shapes, opset):
     no_bias = np.empty(0, _F32)
     no_residual = np.empty((0, 0), _F32)
     add = compiled.add_bias_residual_
+    # A decode step's few rows by constant weights of this size: few_rows.py's tiles (BLAS packs the weights per call)
+    few = rows <= GEMV_ROWS and (rows * depth * total >= KNOBS.few_rows_packed_macs
+                                 or depth * total >= KNOBS.gemv_split_weights)
+    packed = None  # the node's PackedProduct, made on first use
 
     def kernel(a, w, bias=None):
-        # The planned shape: one BLAS product of A's rows, the bias added in place, column views reshaped.
+        nonlocal packed
+        # The planned shape: one product of A's rows (BLAS's, or the tiles'), the bias added, column views reshaped.
         if a.shape != a_shape or a.dtype is not _F32 or w.dtype is not _F32 or w.shape != (depth, total) \
                 or not a.flags.c_contiguous \
                 or (bias is not None and (bias.dtype is not _F32 or bias.shape != (total,))):
             return general(a, w, bias)
-        y = np.dot(a.reshape(rows, depth), w)
-        add(y, no_bias if bias is None else bias, no_residual)
-        y = y.reshape(out_shape)
+        if few and PackedProduct.takes_few(a.reshape(rows, depth), w):
+            if packed is None:
+                packed = PackedProduct()
+            y = packed(a.reshape(rows, depth), w, bias).reshape(out_shape)
+        else:
+            y = np.dot(a.reshape(rows, depth), w)
+            add(y, no_bias if bias is None else bias, no_residual)
+            y = y.reshape(out_shape)
         return tuple([y[member] for member in members])
 
     return kernel
