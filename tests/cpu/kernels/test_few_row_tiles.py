@@ -149,3 +149,29 @@ def test_a_projection_group_of_a_decode_step_takes_the_tiles(monkeypatch, knobs,
         y = np.concatenate(outputs, axis=-1)
         assert y.shape == expected.shape and np.abs(y - expected).max() <= _bound(a, w, depth)
     assert taken and taken[-1].route == ("few rows", 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_the_tiles_epilogue_adds_bias_gelu_and_residual(knobs, threads, rows):
+    """The epilogue PackedProduct's callers may ask of few rows: bias, the erf Gelu's series, residual."""
+    import math
+
+    from onnx_runtime_ep_cpu.algorithms.activations import gelu_series
+
+    knobs(threads=threads, gemv_split_weights=1)
+    rng = np.random.default_rng(rows)
+    depth, columns = 83, 70
+    a = rng.standard_normal((rows, depth), dtype=np.float32) * 0.2
+    b = _constant(rng.standard_normal((depth, columns), dtype=np.float32) * 0.2)
+    bias = _constant(rng.standard_normal(columns).astype(np.float32))
+    residual = rng.standard_normal((rows, columns)).astype(np.float32)
+    packed = products.PackedProduct()
+    u = a.astype(np.float64) @ b.astype(np.float64) + bias
+    erf = np.vectorize(math.erf)
+    for coefficients, expected in ((None, u + residual), (gelu_series("none", np.float32),
+                                                           0.5 * u * (1 + erf(u / math.sqrt(2))) + residual)):
+        for _ in range(2):
+            y = packed(a, b, bias, residual, coefficients)
+            assert y.shape == (rows, columns) and np.abs(y - expected).max() <= 1e-5
+        assert packed.route[0] == "few rows"
