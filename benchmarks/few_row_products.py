@@ -75,20 +75,22 @@ def sessions(model: bytes, threads: int):
         os.unlink(path)
 
 
-def timed_blocks(runners: dict, seconds: float, block_seconds: float = 0.004, min_blocks: int = 7) -> dict:
-    """Seconds of CPU per call of each runner: blocks of calls (about ``block_seconds`` each), the runners taking
-    turns (order rotating), until ``seconds`` have passed and each has ``min_blocks``; the median block."""
+def timed_blocks(runners: dict, seconds: float, block_seconds: float = 0.004, min_blocks: int = 7,
+                 clock=time.process_time) -> dict:
+    """Seconds of CPU (or of ``clock``) per call of each runner: blocks of calls (about ``block_seconds`` each), the
+    runners taking turns (order rotating), until ``seconds`` have passed and each has ``min_blocks``; the median
+    block."""
     names = list(runners)
     calls = {}
     for name, run in runners.items():  # warm-up, and the calls per block
         for _ in range(3):
             run()
-        start = time.process_time()
+        start = clock()
         count = 0
-        while time.process_time() - start < block_seconds / 2 or count < 2:
+        while clock() - start < block_seconds / 2 or count < 2:
             run()
             count += 1
-        calls[name] = max(1, int(count * block_seconds / max(time.process_time() - start, 1e-9)))
+        calls[name] = max(1, int(count * block_seconds / max(clock() - start, 1e-9)))
     samples: dict[str, list[float]] = {name: [] for name in names}
     began, round_ = time.perf_counter(), 0
     while min(len(s) for s in samples.values()) < min_blocks or time.perf_counter() - began < seconds:
@@ -96,10 +98,10 @@ def timed_blocks(runners: dict, seconds: float, block_seconds: float = 0.004, mi
         for name in names[shift:] + names[:shift]:
             run, count = runners[name], calls[name]
             run()
-            start = time.process_time()
+            start = clock()
             for _ in range(count):
                 run()
-            samples[name].append((time.process_time() - start) / count)
+            samples[name].append((clock() - start) / count)
         round_ += 1
     return {name: statistics.median(s) for name, s in samples.items()}
 
@@ -118,18 +120,22 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=0, help="CPU-bound competitor processes")
     parser.add_argument("--seconds", type=float, default=0.3, help="timed seconds per product, at least")
     parser.add_argument("--bare", action="store_true", help="also time np.matmul on the same arrays")
+    parser.add_argument("--wall", action="store_true", help="wall-clock time instead of CPU time (more threads' "
+                        "CPU time adds up; beside a busy process, waiting for a core counts)")
     parser.add_argument("--json")
     args = parser.parse_args()
     os.environ.setdefault("ONNX_RUNTIME_COMPILE_IN_BACKGROUND", "0")
 
     rows_list = [int(r) for r in args.rows.split(",")]
+    clock = time.perf_counter if args.wall else time.process_time
     shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
     competitors = [multiprocessing.get_context("spawn").Process(target=busy_loop, daemon=True)
                    for _ in range(args.busy)]
     for process in competitors:
         process.start()
     results = []
-    print(f"load {os.getloadavg()[0]:.2f}, threads {args.threads or 'default'}, busy {args.busy}", flush=True)
+    print(f"load {os.getloadavg()[0]:.2f}, threads {args.threads or 'default'}, busy {args.busy}, "
+          f"{'wall' if args.wall else 'CPU'} time", flush=True)
     print(f"{'layout':8} {'K x N':>10} {'rows':>4} {'ours us':>9} {'ort us':>9} {'ratio':>6}"
           + (f" {'blas us':>9}" if args.bare else "") + "  err", flush=True)
     try:
@@ -149,7 +155,7 @@ def main() -> None:
                     if args.bare:
                         weights = w if layout == "matmul" else np.ascontiguousarray(w.T).T
                         runners["blas"] = lambda x=x, w=weights: np.matmul(x, w)
-                    times = timed_blocks(runners, args.seconds)
+                    times = timed_blocks(runners, args.seconds, clock=clock)
                     ratio = times["ours"] / times["ort"]
                     line = {"layout": layout, "depth": depth, "n": n, "rows": rows, "ratio": ratio, "err": err,
                             **{f"{name}_us": t * 1e6 for name, t in times.items()}}
