@@ -17,9 +17,10 @@ def _ops(sess):
 
 
 def _roundings(sess, x) -> int:
-    """QuantizeDequantize nodes, standing alone or in a grid table's chain (qdq_tables.py)."""
+    """QuantizeDequantize nodes, standing alone, as a producer's epilogue (qdq_epilogues.py) or in a grid table's
+    chain (qdq_tables.py)."""
     nodes = sess.graph_for({"x": x}).nodes
-    return sum(n.op_type == "QuantizeDequantize" for n in nodes) + sum(
+    return sum(n.op_type == "QuantizeDequantize" or n.op_type.endswith("Rounded") for n in nodes) + sum(
         str(kind).split(":")[1] == "QuantizeDequantize" for n in nodes if n.op_type == "GridTable"
         for kind in n.attrs["chain"])
 

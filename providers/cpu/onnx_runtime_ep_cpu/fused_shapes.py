@@ -10,6 +10,7 @@ from __future__ import annotations
 from onnx_runtime.session.shape_rules import BROADCAST, FIRST, MATMUL, SAME, SHAPES, declare
 
 from .fusions import FUSED_DOMAIN
+from .qdq_epilogues import BROADCASTING, ELEMENTWISE, SHAPED, SUFFIX
 
 RULES: dict[str, tuple[str, tuple[int, ...]]] = {
     # float16 conversions (precision_fusions.py): output i is input i converted
@@ -31,6 +32,11 @@ RULES: dict[str, tuple[str, tuple[int, ...]]] = {
     "LSTMCell": (SHAPES, ()), "FusedSegment": (SHAPES, ()), "SpectralMagnitude": (SHAPES, ()),
     "ProjectionGroup": (SHAPES, ()), "PatchEmbedding": (SHAPES, ()),
 }
+
+# producers with their rounding as an epilogue (qdq_epilogues.py): the producer's own rule
+RULES.update({op + SUFFIX: (BROADCAST, (0, 1)) for op in BROADCASTING})
+RULES.update({op + SUFFIX: (FIRST, (0,)) for op in ELEMENTWISE})
+RULES.update({op + SUFFIX: (SHAPES, ()) for op in SHAPED})
 
 for _op, (_kind, _operands) in RULES.items():
     declare(FUSED_DOMAIN, _op, _kind, _operands)

@@ -26,7 +26,8 @@ from .threads import apply_thread_settings
 _PASS_MODULES = {"PRECISION_PASSES": "precision_fusions", "QDQ_PASSES": "qdq_fusions", "PASSES": "fusions",
                  "DYNAMIC_CONV_PASSES": "dynamic_conv_fusions",
                  "CONV_PASSES": "conv_fusions", "DECODER_PASSES": "decoder_fusions", "HEADS_PASSES": "attention_heads",
-                 "RECURRENT_PASSES": "recurrent_fusions", "SPECTRAL_PASSES": "spectral_fusions"}
+                 "RECURRENT_PASSES": "recurrent_fusions", "SPECTRAL_PASSES": "spectral_fusions",
+                 "QDQ_EPILOGUE_PASSES": "qdq_epilogues"}
 
 
 def __getattr__(name: str):
@@ -85,11 +86,11 @@ class CPUExecutionProvider:
     @hookimpl
     def custom_passes(self):
         # PRECISION_PASSES run before the generic optimizer; decoder passes read what PASSES fuse, and the heads
-        # pass the layout pairs decoder passes make
+        # pass the layout pairs decoder passes make; the roundings left then become their producers' epilogues
         this = sys.modules[__name__]
         return [*this.PRECISION_PASSES, *this.QDQ_PASSES, *this.DYNAMIC_CONV_PASSES, *this.RECURRENT_PASSES,
                 *this.SPECTRAL_PASSES, *this.PASSES,
-                *this.CONV_PASSES, *this.DECODER_PASSES, *this.HEADS_PASSES]
+                *this.CONV_PASSES, *this.DECODER_PASSES, *this.HEADS_PASSES, *this.QDQ_EPILOGUE_PASSES]
 
     @hookimpl
     def get_kernel(self, node, shapes, opset, graph):

@@ -23,6 +23,7 @@ import numpy as np
 from onnx_runtime.ir import Graph, Node
 
 from .fusions import FUSED_DOMAIN, GraphView
+from .qdq_epilogues import FOLDED, SUFFIX
 from .table_chains import ElementwiseChains, chain_attributes
 
 _F32 = np.dtype(np.float32)
@@ -65,6 +66,8 @@ def grid_of(view: GraphView, name: str, depth: int = 0) -> tuple | None:
         return None
     if node.op_type == "QuantizeDequantize" and len(node.inputs) == 3 and node.inputs[2]:
         return _grid_pair(view, node.inputs[1], node.inputs[2])
+    if node.op_type.endswith(SUFFIX) and node.op_type[:-len(SUFFIX)] in FOLDED:  # a rounding epilogue's grid
+        return _grid_pair(view, node.inputs[-2], node.inputs[-1])
     if node.op_type in _GROUPS and node.attr("dequantize", 0):
         if node.op_type == "QuantizedMatMul" and len(node.inputs) > 9:  # the rounded add's grid
             return _grid_pair(view, node.inputs[10], node.inputs[11]) if len(node.inputs) == 12 else None

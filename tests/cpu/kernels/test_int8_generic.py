@@ -115,6 +115,13 @@ def _requantizing_cases():
                                  np.array([1e-3]), -5, -128, 127, np.empty((1, 1, 9), np.int8))),
         ("quantize.softmax_codes", (RNG.integers(0, 256, (4, 12)).astype(np.uint8),
                                     np.exp(-np.arange(256) * 0.05), 1 / 256, 0, 0, 255, np.empty((4, 12), np.uint8))),
+        # Add/Sub/Mul/Div then a rounding: equal sizes, one value either side, a repeated trailing block
+        ("quantize.rounded_binary", (_data(24), _data(24), 0, 0.05, 3, 0, 255, np.empty(24, F32))),
+        ("quantize.rounded_binary", (_data(24), _data(1), 1, 0.05, 3, 0, 255, np.empty(24, F32))),
+        ("quantize.rounded_binary", (_data(1), _data(24), 1, 0.05, -3, -128, 127, np.empty(24, F32))),
+        ("quantize.rounded_binary", (_data(24), _data(6), 2, 0.05, 3, 0, 255, np.empty(24, F32))),
+        ("quantize.rounded_binary", (_data(6), _data(24), 3, 0.05, 3, 0, 255, np.empty(24, F32))),
+        ("quantize.rounded_concat", (_data(4, 12), _data(4, 3), 0.05, 3, 0, 255, np.empty((4, 15), F32))),
         ("qgemm.requantized_batched_product", (RNG.integers(0, 256, (2, 4, 9)).astype(np.uint8),
                                                RNG.integers(0, 256, (2, 9, 6)).astype(np.uint8), one, zero_offset,
                                                _consts(False, False), np.empty((2, 4, 6), np.uint8))),

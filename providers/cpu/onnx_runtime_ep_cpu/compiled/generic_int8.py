@@ -40,6 +40,26 @@ def fake_quantize(x, scale, zero, low, high, out):
     out[...] = np.where(np.isnan(v), (_F32(0) - z) * s, (v - z) * s)
 
 
+def _rounded(v, scale, zero, low, high):
+    s, z = _F32(scale), _F32(zero)
+    codes = _codes(v, s, z, _F32(low), _F32(high))
+    return np.where(np.isnan(codes), (_F32(0) - z) * s, (codes - z) * s)
+
+
+_BINARY = (np.add, np.subtract, np.multiply, np.divide)
+
+
+def rounded_binary(a, b, op, scale, zero, low, high, out):
+    n = out.shape[0]
+    a = a if a.shape[0] in (1, n) else np.tile(a, n // a.shape[0])
+    b = b if b.shape[0] in (1, n) else np.tile(b, n // b.shape[0])
+    out[...] = _rounded(_BINARY[op](a, b), scale, zero, low, high)
+
+
+def rounded_concat(a, b, scale, zero, low, high, out):
+    out[...] = _rounded(np.concatenate([a, b], axis=1), scale, zero, low, high)
+
+
 def grid_lookup(x, scale, zero, low, high, table, out):
     s, z = _F32(scale), _F32(zero)
     v = _codes(x, s, z, _F32(low), _F32(high))
@@ -249,6 +269,8 @@ GENERIC_INT8 = {
     _COMPILED + "quantize.dequantize": dequantize,
     _COMPILED + "quantize.fake_quantize": fake_quantize,
     _COMPILED + "quantize.grid_lookup": grid_lookup,
+    _COMPILED + "quantize.rounded_binary": rounded_binary,
+    _COMPILED + "quantize.rounded_concat": rounded_concat,
     _COMPILED + "quantize.dynamic_quantize": dynamic_quantize,
     _COMPILED + "qgemm.pack_columns": pack_columns,
     _COMPILED + "qgemm_tiles.pack_pairs": pack_pairs,

@@ -281,3 +281,65 @@ def softmax_codes(x, table, y_scale, y_zero, low, high, out):
             v = np.rint(np.float32(e[c] / total) / s) + z
             v = lo if v < lo else v
             out[r, c] = hi if v > hi else v
+
+
+@jit
+def _on_grid(v, s, z, lo, hi):
+    """fake_quantize_row's value for one float32 ``v``."""
+    q = np.rint(v / s) + z
+    q = lo if q < lo else q
+    q = hi if q > hi else q
+    return (q - z) * s if q == q else (np.float32(0) - z) * s
+
+
+@jit
+def _binary_rows(op, a, b, s, z, lo, hi, out):
+    """out[r, j] = rounded(a[r, j] op b[r, j]) over 2-D arrays of which ``a`` or ``b`` may have one row
+    (repeated). Rounded as each value is made: a second pass over ``out`` in place would be one whose
+    input and output LLVM cannot tell apart, and not vectorized."""
+    ra, rb = a.shape[0] - 1, b.shape[0] - 1
+    for r in range(out.shape[0]):
+        x, y, o = a[min(r, ra)], b[min(r, rb)], out[r]
+        # one loop per operator: LLVM vectorizes each
+        if op == 0:
+            for j in range(o.shape[0]):
+                o[j] = _on_grid(x[j] + y[j], s, z, lo, hi)
+        elif op == 1:
+            for j in range(o.shape[0]):
+                o[j] = _on_grid(x[j] - y[j], s, z, lo, hi)
+        elif op == 2:
+            for j in range(o.shape[0]):
+                o[j] = _on_grid(x[j] * y[j], s, z, lo, hi)
+        else:
+            for j in range(o.shape[0]):
+                o[j] = _on_grid(x[j] / y[j], s, z, lo, hi)
+
+
+@jit
+def rounded_binary(a, b, op, scale, zero, low, high, out):
+    """A float32 Add/Sub/Mul/Div (``op`` 0-3) whose result is rounded to a per-tensor grid, as the operator then
+    QuantizeDequantize give it (qdq_epilogues.py). Flat arrays: ``out`` has the size of the larger operand; the
+    smaller one repeats over it (its shape is the larger's trailing dimensions, or one value)."""
+    s, z, lo, hi = np.float32(scale), np.float32(zero), np.float32(low), np.float32(high)
+    n, na, nb = out.shape[0], a.shape[0], b.shape[0]
+    if na == 1 and nb > 1:  # one value: a row of it as wide as the output
+        row = np.full(nb, a[0], np.float32)
+        _binary_rows(op, row.reshape((1, nb)), b.reshape((1, nb)), s, z, lo, hi, out.reshape((1, n)))
+    elif nb == 1 and na > 1:
+        row = np.full(na, b[0], np.float32)
+        _binary_rows(op, a.reshape((1, na)), row.reshape((1, na)), s, z, lo, hi, out.reshape((1, n)))
+    else:
+        width = min(na, nb)
+        _binary_rows(op, a.reshape((na // width, width)), b.reshape((nb // width, width)), s, z, lo, hi,
+                     out.reshape((n // width, width)))
+
+
+@jit
+def rounded_concat(a, b, scale, zero, low, high, out):
+    """Concat of two float32 blocks per outer index, (outer, A) and (outer, B) into (outer, A + B), each value
+    rounded to a per-tensor grid on the way (qdq_epilogues.py)."""
+    s, z, lo, hi = np.float32(scale), np.float32(zero), np.float32(low), np.float32(high)
+    width = a.shape[1]
+    for o in range(out.shape[0]):
+        fake_quantize_row(a[o], s, z, lo, hi, out[o, :width])
+        fake_quantize_row(b[o], s, z, lo, hi, out[o, width:])

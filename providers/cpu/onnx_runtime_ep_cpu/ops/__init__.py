@@ -37,6 +37,20 @@ FAMILIES = {
     "code_table": "ai.onnx_runtime.cpu:CodeTable",
     "conv": "Conv ConvTranspose ai.onnx_runtime.cpu:ConcatBuffer ai.onnx_runtime.cpu:FusedConv",
     "detection": "NonMaxSuppression RoiAlign",
+    "rounded_output": (
+        "ai.onnx_runtime.cpu:AddRounded ai.onnx_runtime.cpu:SubRounded ai.onnx_runtime.cpu:MulRounded "
+        "ai.onnx_runtime.cpu:DivRounded ai.onnx_runtime.cpu:PowRounded ai.onnx_runtime.cpu:MaxRounded "
+        "ai.onnx_runtime.cpu:MinRounded ai.onnx_runtime.cpu:SoftmaxRounded "
+        "ai.onnx_runtime.cpu:LayerNormalizationRounded ai.onnx_runtime.cpu:CastRounded "
+        "ai.onnx_runtime.cpu:NegRounded ai.onnx_runtime.cpu:SqrtRounded ai.onnx_runtime.cpu:ReciprocalRounded "
+        "ai.onnx_runtime.cpu:TanhRounded ai.onnx_runtime.cpu:SigmoidRounded ai.onnx_runtime.cpu:ErfRounded "
+        "ai.onnx_runtime.cpu:ExpRounded ai.onnx_runtime.cpu:AbsRounded ai.onnx_runtime.cpu:ReluRounded "
+        "ai.onnx_runtime.cpu:ConcatRounded ai.onnx_runtime.cpu:ReduceMeanRounded "
+        "ai.onnx_runtime.cpu:ReduceSumRounded ai.onnx_runtime.cpu:GatherRounded "
+        "ai.onnx_runtime.cpu:UnsqueezeRounded ai.onnx_runtime.cpu:SqueezeRounded "
+        "ai.onnx_runtime.cpu:ReshapeRounded ai.onnx_runtime.cpu:TransposeRounded "
+        "ai.onnx_runtime.cpu:ExpandRounded ai.onnx_runtime.cpu:SliceRounded ai.onnx_runtime.cpu:WhereRounded"
+    ),
     "segment": "ai.onnx_runtime.cpu:FusedSegment",
     "spectrum": "ai.onnx_runtime.cpu:SpectralMagnitude",
     "dropout": "Dropout",

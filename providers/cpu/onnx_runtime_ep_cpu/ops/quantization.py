@@ -23,7 +23,7 @@ from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import IntegerProduct
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
-from ._common import argument_error, quiet
+from ._common import argument_error, quiet, shape_free
 from .conv import conv
 from .elementwise import cast_to
 from .linalg import zero_point_rows
@@ -396,7 +396,7 @@ def quantize_dequantize(node, shapes, opset):
 
     kernel.bind = _rounding_binder(granularity, lambda scale, zero_point: prepared.get(
         "params", (scale, zero_point), lambda: compiled_params(scale, zero_point)))
-    return kernel
+    return shape_free(kernel)  # (its layout is taken per call)
 
 
 def _rounding_binder(granularity, params_of):
