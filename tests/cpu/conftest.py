@@ -12,6 +12,23 @@ ROOT = Path(__file__).resolve().parents[2]
 ZOO = ROOT / "benchmarks" / ".models" / "zoo"
 
 
+@pytest.fixture
+def made(monkeypatch) -> list:
+    """(op type, input shapes) of every kernel the session makes."""
+    from onnx_runtime.session import executor, steps
+
+    kernels: list = []
+    original = steps.make_kernel
+
+    def recording(handle, node, shapes, graph):
+        kernels.append((node.op_type, tuple(tuple(s) if s is not None else None for s in shapes)))
+        return original(handle, node, shapes, graph)
+
+    monkeypatch.setattr(steps, "make_kernel", recording)
+    monkeypatch.setattr(executor, "make_kernel", recording)  # (a static graph's kernels are made at planning)
+    return kernels
+
+
 @pytest.fixture(scope="session")
 def qdq_decoders(tmp_path_factory):
     """(built, manifest entries by name, the zoo_feeds module): the zoo's decoders quantized with quantize_static

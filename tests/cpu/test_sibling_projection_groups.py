@@ -19,26 +19,10 @@ import onnx_runtime as ort
 import pytest
 from model_helpers import make_model, tensor_info
 from onnx import TensorProto, helper, numpy_helper
-from onnx_runtime.session import executor, steps
 from onnx_runtime_ep_cpu import attention_heads, projection_groups, provider
 from reference64 import assert_within, gamma, run_float64
 
 ZOO = Path(__file__).resolve().parents[2] / "benchmarks" / ".models" / "zoo"
-
-
-@pytest.fixture
-def made(monkeypatch) -> list:
-    """(op type, input shapes) of every kernel the session makes."""
-    kernels: list = []
-    original = steps.make_kernel
-
-    def recording(handle, node, shapes, graph):
-        kernels.append((node.op_type, tuple(tuple(s) if s is not None else None for s in shapes)))
-        return original(handle, node, shapes, graph)
-
-    monkeypatch.setattr(steps, "make_kernel", recording)
-    monkeypatch.setattr(executor, "make_kernel", recording)  # (a static graph's kernels are made at planning)
-    return kernels
 
 
 def _unfused(monkeypatch) -> None:
