@@ -52,6 +52,7 @@ def _transformer_cases():
     odd[1, 3], odd[2] = np.nan, -np.inf  # NaN through the sum; a row without a finite maximum
     for x in (_r(3, 1000, scale=5), odd):
         cases.append((t + "softmax_rows_float32_", (x, np.empty(x.shape, F32))))
+        cases.append(("log_softmax.log_softmax_rows_float32_", (x, np.empty(x.shape, F32))))
     cases.append((t + "divide_by_row_sums_", (np.abs(_r(4, 30)) + 0.1, _r(4, 16))))
     return cases
 

@@ -86,6 +86,13 @@ def softmax_rows_float32_(x, y):
     y[...] = weights
 
 
+def log_softmax_rows_float32_(x, y):
+    peak = np.fmax.reduce(x, axis=1, initial=-np.inf)[:, None]  # transformer.row_max: the largest non-NaN value
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # NaN and overflow as in the loop
+        shifted = x - peak
+        np.subtract(shifted, np.log(np.exp(shifted).sum(axis=1, keepdims=True)), out=y)
+
+
 def divide_by_row_sums_(weights, y):
     y /= weights.sum(axis=1, keepdims=True)
 
@@ -259,6 +266,7 @@ GENERIC = {
     _DECODER + "few_query_attention_prefix_float32": few_query_attention_prefix_float32,
     _DECODER + "rotate_half": rotate_half,
     _DECODER + "swish_mul_float32": swish_mul_float32,
+    _COMPILED + "log_softmax.log_softmax_rows_float32_": log_softmax_rows_float32_,
     _COMPILED + "smallconv.conv_gathered": conv_gathered,
     _COMPILED + "im2col.fill_columns": fill_columns,
     _COMPILED + "im2col.fill_tight_columns": fill_tight_columns,

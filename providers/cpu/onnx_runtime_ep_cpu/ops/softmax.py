@@ -15,16 +15,19 @@ from ._common import normalize_axis
 _FLOAT32 = np.dtype(np.float32)
 # Up to this many elements the compiled rows serve a float32 softmax (algorithms/softmax.py's own bound).
 _ROWS_LIMIT = 1 << 16
+# The log-softmax rows beat numpy's formula at every size measured (one row of a few classes up to a block of
+# many long rows), so they have no bound of their own.
+_NO_LIMIT = 1 << 62
 
 
-def _along_axis(node, fn, default_axis: int, coerce_2d: bool, rows=None):
+def _along_axis(node, fn, default_axis: int, coerce_2d: bool, rows=None, rows_limit: int = _ROWS_LIMIT):
     """Apply ``fn(x, axis)`` per axis (opset 13+) or over the input flattened to 2-D at axis (<13). ``rows(x2, y2)``:
     a compiled loop over the rows of a 2-D float32 array, called straight for a contiguous float32 input whose
     rows are the axis (a streaming model's closing Softmax runs every frame on a few classes)."""
     axis = int(node.attr("axis", default_axis))
 
     def kernel(x):
-        if rows is not None and x.dtype is _FLOAT32 and 0 < x.size <= _ROWS_LIMIT and x.flags.c_contiguous \
+        if rows is not None and x.dtype is _FLOAT32 and 0 < x.size <= rows_limit and x.flags.c_contiguous \
                 and -x.ndim <= axis < x.ndim and (coerce_2d or axis % x.ndim == x.ndim - 1):
             width = math.prod(x.shape[axis % x.ndim:])
             y = np.empty(x.shape, _FLOAT32)
@@ -61,12 +64,18 @@ def _softmax_rows():
 
 @register("LogSoftmax", since=1)
 def log_softmax_1(node, shapes, opset):
-    return _along_axis(node, log_softmax, 1, coerce_2d=True)
+    return _along_axis(node, log_softmax, 1, coerce_2d=True, rows=_log_softmax_rows(), rows_limit=_NO_LIMIT)
 
 
 @register("LogSoftmax", since=13)
 def log_softmax_13(node, shapes, opset):
-    return _along_axis(node, log_softmax, -1, coerce_2d=False)
+    return _along_axis(node, log_softmax, -1, coerce_2d=False, rows=_log_softmax_rows(), rows_limit=_NO_LIMIT)
+
+
+def _log_softmax_rows():
+    from ..compiled import log_softmax as compiled_log_softmax  # (numba itself loads at the loop's first call)
+
+    return compiled_log_softmax.log_softmax_rows_float32_
 
 
 @register("Hardmax", since=1)
