@@ -41,6 +41,7 @@ def fake_quantize(x, scale, zero, low, high, out):
 
 
 def _rounded(v, scale, zero, low, high):
+    """DequantizeLinear(QuantizeLinear(v)) in float32 (NaN: the zero point's value), as quantize._on_grid."""
     s, z = _F32(scale), _F32(zero)
     codes = _codes(v, s, z, _F32(low), _F32(high))
     return np.where(np.isnan(codes), (_F32(0) - z) * s, (codes - z) * s)
@@ -239,13 +240,6 @@ def requantized_product_add(a, packed, pairs, multiplier, offset, consts, bias, 
     out[...] = np.minimum(np.maximum(v, add[C_LOW]), add[C_HIGH])
 
 
-_COMPILED = "onnx_runtime_ep_cpu.compiled."
-def _rounded(v, s, z, lo, hi):
-    """DequantizeLinear(QuantizeLinear(v)) in float32 (NaN: the zero point's value), as rounded_gelu._rounded."""
-    q = np.minimum(np.maximum(np.rint(v / s) + z, lo), hi)
-    return np.where(np.isnan(q), (_F32(0) - z) * s, (q - z) * s).astype(_F32, copy=False)
-
-
 def rounded_gelu(x, params, out):
     """compiled/rounded_gelu.rounded_gelu with the erf series' tanh from numpy (the Erf kernel's), where the loop
     takes its own vectorizable tanh: within a few ulp, so a code may differ by one where a value lies that close
@@ -263,6 +257,7 @@ def rounded_gelu(x, params, out):
         out[...] = _rounded(x * u, *rounds[2]) * h
 
 
+_COMPILED = "onnx_runtime_ep_cpu.compiled."
 GENERIC_INT8 = {
     _COMPILED + "rounded_gelu.rounded_gelu": rounded_gelu,
     _COMPILED + "quantize.quantize": quantize,
