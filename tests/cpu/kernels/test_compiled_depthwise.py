@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 from onnx_runtime.ir import Node
-from onnx_runtime_ep_cpu.algorithms import conv_blas, conv_depthwise, conv_path, window
+from onnx_runtime_ep_cpu.algorithms import conv_blas, conv_depthwise, window
 from onnx_runtime_ep_cpu.compiled import depthwise, gemm
 from onnx_runtime_ep_cpu.ops import conv as conv_ops
 
@@ -80,7 +80,7 @@ def numpy_path_forbidden(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the numpy depthwise path ran")
 
-    monkeypatch.setattr(conv_path, "conv_depthwise", fail)
+    monkeypatch.setattr(conv_depthwise, "conv_depthwise", fail)
 
 
 CASES = [
@@ -176,7 +176,7 @@ def test_other_dtypes_and_ranks_keep_the_numpy_path(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the compiled depthwise loop ran")
 
-    monkeypatch.setattr(conv_path, "compiled_depthwise", fail)
+    monkeypatch.setattr(conv_depthwise, "compiled_depthwise", fail)
     x = RNG.standard_normal((1, 4, 7, 8)).astype(np.float16)
     w = _constant(RNG.standard_normal((4, 1, 3, 3)).astype(np.float16))
     y = _run(x, w, None, {"pads": [1, 1, 1, 1]})
@@ -191,7 +191,7 @@ def test_other_dtypes_and_ranks_keep_the_numpy_path(monkeypatch):
                                                 ((1, 3, 4, 5, 6), (2, 3, 2), {"pads": [1, 0, 1, 0, 1, 1]})])
 def test_numpy_path_still_matches_direct_convolution(monkeypatch, shape, kernel, attrs, knobs):
     # The fallback for other dtypes and ranks, forced for float32 and split into small channel blocks.
-    monkeypatch.setattr(conv_path, "depthwise_compiles", lambda geo, x: False)
+    monkeypatch.setattr(conv_depthwise, "depthwise_compiles", lambda geo, x: False)
     knobs(depthwise_block_bytes=2 * 4 * 10 * 30)
     c = shape[1]
     x = RNG.standard_normal(shape).astype(np.float32)

@@ -8,6 +8,7 @@ kernels, im2col over contiguous rows, or im2col.
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 
@@ -27,14 +28,6 @@ from .conv_blas import (
     tight_fits,
     winograd_weights,
 )
-from .conv_depthwise import (
-    LanesDepthwise,
-    compiled_depthwise,
-    conv_depthwise,
-    depthwise_compiles,
-    depthwise_lanes_apply,
-)
-from .conv_depthwise_small import FlatDepthwise, PairsDepthwise, flat_depthwise_apply, pairs_depthwise_apply
 from .conv_direct import DirectConv, direct_tiles_apply, direct_tiles_before_packed
 from .conv_packed import PackedConv, packed_conv_applies
 from .conv_pointwise_batch import PointwiseBatch, pointwise_batch_applies
@@ -144,15 +137,33 @@ def compiled_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, pr
         return _running(lambda: (PackedConv(geo, group, x.shape, w.shape, prepared), True), "jobs.CONV", "jobs.PAD")
     if direct:
         return lambda: (DirectConv(geo, group, x.shape, w.shape, prepared), True)
-    if group == c and group > 1 and pairs_depthwise_apply(geo, x, m):
-        return lambda: (PairsDepthwise(geo, prepared, dtype), True)
-    if group == c and group > 1 and flat_depthwise_apply(geo, x, m):
-        return lambda: (FlatDepthwise(geo, prepared, dtype), True)
-    if group == c and group > 1 and depthwise_lanes_apply(geo, x, m):
-        return lambda: (LanesDepthwise(geo, prepared), True)
-    if group == c and group > 1 and depthwise_compiles(geo, x):
-        return _running(lambda: (compiled_depthwise(geo, m, prepared, dtype), True), "jobs.DEPTHWISE")
+    if group == c and group > 1:
+        return _compiled_depthwise(geo, x, m, prepared, dtype)
     return None
+
+
+def _compiled_depthwise(geo: Geometry, x: np.ndarray, m: int, prepared: Prepared, dtype):
+    """compiled_compute's builder for a depthwise convolution, or None. The depthwise modules load here, at a
+    model's first depthwise convolution: a model without one never imports them."""
+    from . import conv_depthwise as depthwise
+    from . import conv_depthwise_small as small
+
+    if small.pairs_depthwise_apply(geo, x, m):
+        return lambda: (small.PairsDepthwise(geo, prepared, dtype), True)
+    if small.flat_depthwise_apply(geo, x, m):
+        return lambda: (small.FlatDepthwise(geo, prepared, dtype), True)
+    if depthwise.depthwise_lanes_apply(geo, x, m):
+        return lambda: (depthwise.LanesDepthwise(geo, prepared), True)
+    if depthwise.depthwise_compiles(geo, x):
+        return _running(lambda: (depthwise.compiled_depthwise(geo, m, prepared, dtype), True), "jobs.DEPTHWISE")
+    return None
+
+
+def lanes_depthwise(compute) -> bool:
+    """Whether ``compute`` is the depthwise lanes loop (conv_depthwise.LanesDepthwise), without importing its
+    module: none is, until a depthwise convolution has loaded it."""
+    module = sys.modules.get(f"{__package__}.conv_depthwise")
+    return module is not None and isinstance(compute, module.LanesDepthwise)
 
 
 def _running(build, *kinds: str):
@@ -192,8 +203,10 @@ def numpy_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepa
     if pointwise_batch_applies(geo, group, x, w):
         return PointwiseBatch(geo, prepared, dtype), False
     if group == c and group > 1:
+        from . import conv_depthwise as depthwise  # (loaded at the first depthwise convolution)
+
         def compute(xc, w, b):
-            return conv_depthwise(xc, grouped(w, b), geo, b is not None)
+            return depthwise.conv_depthwise(xc, grouped(w, b), geo, b is not None)
         return compute, False
     if direct_applies(geo, group, x, w):
         return direct_conv(geo, group, x.shape, w.shape, prepared, dtype), False
@@ -249,7 +262,7 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
         # The packed convolution, direct tiles and depthwise lanes, for callers that pass bias, residual and
         # activation straight (a call costs a few microseconds of Python less than through ``path``). Their
         # arguments are the caller's, not the tried call's: tried again until one such call ran (ops/conv.py).
-        path.direct = compute if isinstance(compute, _DIRECT) else None
+        path.direct = compute if isinstance(compute, _DIRECT) or lanes_depthwise(compute) else None
         path.direct_tried = False
         # whether its ``bind`` applies a finish's residual too (the others' binds are not given one)
         path.binds_residual = getattr(compute, "binds_residual", False)
@@ -321,4 +334,5 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
 
 
 _IN_PLACE = (PackedConv, DirectConv)  # the computes that write into a given C-contiguous output
-_DIRECT = (PackedConv, DirectConv, LanesDepthwise)  # the computes with ``run`` (see path.direct)
+# the computes with ``run`` (see path.direct), with the depthwise lanes (lanes_depthwise)
+_DIRECT = (PackedConv, DirectConv)

@@ -11,10 +11,9 @@ from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError
 
 from ..algorithms.activations import hard_swish_in_place, hard_swish_steps
-from ..algorithms.conv_depthwise import LanesDepthwise
 from ..algorithms.conv_direct import DirectConv
 from ..algorithms.conv_packed import PackedConv
-from ..algorithms.conv_path import conv_path
+from ..algorithms.conv_path import conv_path, lanes_depthwise
 from ..algorithms.conv_rows import RowWeights, as_row, lifts, row_geometry
 from ..algorithms.precision import compute_dtype
 from ..algorithms.prepared import Prepared
@@ -74,7 +73,7 @@ def _bind(resolve, inputs, outputs, constant, bounds, hard_swish, prepare):
     direct = path.direct
     if isinstance(direct, (DirectConv, PackedConv)) and (z is None or (z.shape == out_shape and z.dtype == x.dtype)):
         return direct.bind(x, w, b, z, bounds, hard_swish, y)
-    if isinstance(direct, LanesDepthwise) and z is None:  # (AVX2 hosts) as convolve calls it: run straight
+    if z is None and lanes_depthwise(direct):  # (AVX2 hosts) as convolve calls it: run straight
         return direct.bind_run(x, w, b, bounds, hard_swish, y)
     if z is not None:
         if not (path.binds_residual and prepare is not None and takes_compiled(x) and z.shape == out_shape
