@@ -227,6 +227,7 @@ def test_float_inputs_take_compiled_loops(monkeypatch):
     loop = loops.pool_2d
     monkeypatch.setattr(loops, "pool_2d", lambda *args: calls.append(args[10]) or loop(*args))  # is_max
     monkeypatch.setattr(pooling, "TINY_MAX_READS", 0)  # (a map this small is pooled over its taps by numpy)
+    monkeypatch.setattr(pooling, "SMALL_MAX_READS", 0)
     x = RNG.standard_normal((1, 2, 6, 6))
     kernel("MaxPool", {"kernel_shape": [2, 2]}, x.shape)(x)
     kernel("AveragePool", {"kernel_shape": [3]}, x.shape[:3])(x[:, :, 0])
@@ -305,6 +306,7 @@ def test_three_by_three_max_pools_read_the_planes_in_place(monkeypatch, stride, 
     real = workers.run
     monkeypatch.setattr(workers, "run", lambda job, parts, *a: posted.append(job) or real(job, parts, *a))
     monkeypatch.setattr(pooling, "TINY_MAX_READS", 0)  # (a map this small is pooled over its taps by numpy)
+    monkeypatch.setattr(pooling, "SMALL_MAX_READS", 0)
     attrs = {"kernel_shape": [3, 3], "strides": [stride, stride], "pads": pads, "ceil_mode": ceil_mode}
     assert windows.takes_pool(3, 3, stride, stride, 1, 1)
     x = RNG.standard_normal((2, 3, height, width)).astype(np.float32)
