@@ -46,5 +46,8 @@ def test_light_model_runs_entirely_on_cuda(name):
         if output.name in softmax_outputs:
             assert np.isfinite(have).all() and np.allclose(have.reshape(len(have), -1).sum(axis=1), 1, atol=1e-4)
             continue
+        # Random weights grow the deepest nets' logits to about 1e31 over 16+ convolutions, where float32 sums in
+        # another order (the CPU's numpy paths while its kernels load, or the device's loops) differ by about 1e-4
+        # of the scale; a wrong kernel is off by the scale itself.
         scale = float(np.abs(want).max()) or 1.0
-        np.testing.assert_allclose(have / scale, want / scale, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(have / scale, want / scale, rtol=0, atol=1e-3)
