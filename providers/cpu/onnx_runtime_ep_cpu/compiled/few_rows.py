@@ -123,15 +123,11 @@ def _wide_tile(mr, x, xo, lda, w, wo, stride, c, co, ldc, depth):
         _w8(x, xo, lda, w, wo, stride, c, co, ldc, depth)
 
 
-def scratch_size(depth: int) -> int:
-    """Floats of scratch few_row_panels needs: one tile's output (the last panel's, past y's columns)."""
-    return ROWS * NR
-
-
 @jit
 def few_row_panels(x, lda, m, depth, packed, offsets, bias, y, n, residual, flags, coefficients, first, end,
                    scratch):
-    """matmul.matmul_panels's result (same arguments; ``offsets`` unused: panel rows are k * NR apart) for
+    """matmul.matmul_panels's result (same arguments, ``scratch`` of matmul.scratch_size, of which one tile's
+    output is used: the last panel's, past y's columns; ``offsets`` unused: panel rows are k * NR apart) for
     panels first .. end, computed panel group by panel group with every row's tiles over each group."""
     flat = packed.reshape(-1)
     stride = depth * NR

@@ -41,7 +41,7 @@ def fake_quantize(x, scale, zero, low, high, out):
 
 
 def _rounded(v, scale, zero, low, high):
-    """DequantizeLinear(QuantizeLinear(v)) in float32 (NaN: the zero point's value), as quantize._on_grid."""
+    """DequantizeLinear(QuantizeLinear(v)) in float32 (NaN: the zero point's value), as quantize.on_grid."""
     s, z = _F32(scale), _F32(zero)
     codes = _codes(v, s, z, _F32(low), _F32(high))
     return np.where(np.isnan(codes), (_F32(0) - z) * s, (codes - z) * s)

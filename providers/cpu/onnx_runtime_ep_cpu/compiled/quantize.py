@@ -284,8 +284,9 @@ def softmax_codes(x, table, y_scale, y_zero, low, high, out):
 
 
 @jit
-def _on_grid(v, s, z, lo, hi):
-    """fake_quantize_row's value for one float32 ``v``."""
+def on_grid(v, s, z, lo, hi):
+    """fake_quantize_row's value for one float32 ``v``: DequantizeLinear(QuantizeLinear(v)), NaN to the zero
+    point's value."""
     q = np.rint(v / s) + z
     q = lo if q < lo else q
     q = hi if q > hi else q
@@ -303,16 +304,16 @@ def _binary_rows(op, a, b, s, z, lo, hi, out):
         # one loop per operator: LLVM vectorizes each
         if op == 0:
             for j in range(o.shape[0]):
-                o[j] = _on_grid(x[j] + y[j], s, z, lo, hi)
+                o[j] = on_grid(x[j] + y[j], s, z, lo, hi)
         elif op == 1:
             for j in range(o.shape[0]):
-                o[j] = _on_grid(x[j] - y[j], s, z, lo, hi)
+                o[j] = on_grid(x[j] - y[j], s, z, lo, hi)
         elif op == 2:
             for j in range(o.shape[0]):
-                o[j] = _on_grid(x[j] * y[j], s, z, lo, hi)
+                o[j] = on_grid(x[j] * y[j], s, z, lo, hi)
         else:
             for j in range(o.shape[0]):
-                o[j] = _on_grid(x[j] / y[j], s, z, lo, hi)
+                o[j] = on_grid(x[j] / y[j], s, z, lo, hi)
 
 
 @jit

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
+from .quantize import on_grid
 from .transformer import exp_nonpositive_float32
 
 # The layout of ``params`` (float32): the Div's divisor, the Add's and last Mul's constants, the erf series'
@@ -24,15 +25,6 @@ DIVISOR, ONE, HALF = range(3)
 SERIES = 3
 ROUNDINGS = SERIES + 7
 PARAMS = ROUNDINGS + 3 * 4
-
-
-@jit
-def _rounded(v, s, z, lo, hi):
-    """DequantizeLinear(QuantizeLinear(v)) of one float32 value (NaN: the zero point's value)."""
-    q = np.rint(v / s) + z
-    q = lo if q < lo else q
-    q = hi if q > hi else q
-    return (q - z) * s if q == q else (np.float32(0) - z) * s
 
 
 @jit
@@ -59,6 +51,6 @@ def rounded_gelu(x, params, out):
     s3, z3, lo3, hi3 = params[r + 8], params[r + 9], params[r + 10], params[r + 11]
     for i in range(x.shape[0]):
         v = x[i]
-        e = _rounded(_erf(v / d, c0, c1, c2, c3, c4, c5, c6), s1, z1, lo1, hi1)
-        u = _rounded(e + one, s2, z2, lo2, hi2)
-        out[i] = _rounded(v * u, s3, z3, lo3, hi3) * h
+        e = on_grid(_erf(v / d, c0, c1, c2, c3, c4, c5, c6), s1, z1, lo1, hi1)
+        u = on_grid(e + one, s2, z2, lo2, hi2)
+        out[i] = on_grid(v * u, s3, z3, lo3, hi3) * h

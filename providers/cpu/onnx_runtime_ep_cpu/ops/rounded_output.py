@@ -160,5 +160,6 @@ def _rounded_concat(axis: int, run, round_):
 
     return kernel
 
+
 for _op in ROUNDED_OPS:
     register(_op, domain=FUSED_DOMAIN, since=1)(rounded_output)
