@@ -71,10 +71,15 @@ class PackedProduct:
         if not (a.dtype is b.dtype is FLOAT32 and b.ndim == 2 and a.ndim >= 2 and a.shape[-1] == b.shape[0]
                 and a.size <= GEMV_ROWS * b.shape[0] and b.size and a.size and not b.flags.writeable):
             return False
-        weights, rows = b.size, a.size // b.shape[0]
-        least = KNOBS.few_rows_transposed_macs if rows > 1 and not b.flags.c_contiguous else KNOBS.few_rows_packed_macs
-        return (rows * weights >= least or (weights >= KNOBS.gemv_split_weights and kernel_threads() > 1)) \
+        return PackedProduct.few_sized(a.size // b.shape[0], b.size, not b.flags.c_contiguous, kernel_threads()) \
             and gemv_host() and not numpy_first("jobs.MATMUL")
+
+    @staticmethod
+    def few_sized(rows: int, weights: int, transposed: bool, threads: int) -> bool:
+        """takes_few's size rule for ``rows`` by ``weights`` constant weights (``transposed``: a view of their
+        transpose) on ``threads`` threads."""
+        least = KNOBS.few_rows_transposed_macs if rows > 1 and transposed else KNOBS.few_rows_packed_macs
+        return rows * weights >= least or (weights >= KNOBS.gemv_split_weights and threads > 1)
 
     def __call__(self, a, b, bias=None, residual=None, coefficients=None, weights=None) -> np.ndarray:
         """a @ b (+ bias) [Gelu with ``coefficients``] (+ residual), as a fresh (..., N) array; ``bias``

@@ -10,7 +10,6 @@ import numpy as np
 from ..algorithms.products import GEMV_ROWS, PackedProduct
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
-from ..tuning import KNOBS
 from ._common import argument_error, required_attr
 
 _F32 = np.dtype(np.float32)
@@ -58,8 +57,8 @@ def projection_group(node, shapes, opset):
     no_residual = np.empty((0, 0), _F32)
     add = compiled.add_bias_residual_
     # A decode step's few rows by constant weights of this size: few_rows.py's tiles (BLAS packs the weights per call)
-    few = rows <= GEMV_ROWS and (rows * depth * total >= KNOBS.few_rows_packed_macs
-                                 or depth * total >= KNOBS.gemv_split_weights)
+    # (any thread count here: each call's takes_few reads the running one)
+    few = rows <= GEMV_ROWS and PackedProduct.few_sized(rows, depth * total, False, threads=2)
     packed = None  # the node's PackedProduct, made on first use
 
     def kernel(a, w, bias=None):
