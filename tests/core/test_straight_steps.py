@@ -116,3 +116,16 @@ def test_a_kernel_that_returns_too_few_outputs_is_a_kernel_error():
         with pytest.raises(KernelError, match=r"kernel returned .*outputs"):
             run_steps(steps, [None, 1.0, None, None])
     assert steps.code is not None
+
+
+def test_a_kernels_own_unpacking_error_keeps_its_message_after_the_build():
+    def unpacks(a):
+        first, second = (a,)  # the kernel's own failure, not a short result
+        return (first, second)
+
+    steps = _steps((unpacks, (1,), (2, 3), ()))
+    for _ in range(3):  # the loop, then the code it builds, then the code again
+        with pytest.raises(KernelError, match=r"not enough values to unpack") as caught:
+            run_steps(steps, [None, 1.0, None, None])
+        assert "fewer outputs" not in str(caught.value)
+    assert steps.code is not None

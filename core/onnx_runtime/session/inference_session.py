@@ -372,12 +372,14 @@ class InferenceSession:
 
     def _run(self, output_names, input_feed: dict, run_options: RunOptions | None = None) -> list:
         self._check_runnable(run_options)
-        names = self._output_names if not output_names else tuple(output_names)
-        for name in names if output_names else ():
-            if name not in self._output_names:
-                raise InvalidArgumentError(
-                    f"unknown output {name!r}; the model's outputs are {list(self._output_names)}"
-                )
+        names = self._output_names
+        if output_names:  # (only names the caller gave need checking)
+            names = tuple(output_names)
+            for name in names:
+                if name not in self._output_names:
+                    raise InvalidArgumentError(
+                        f"unknown output {name!r}; the model's outputs are {list(self._output_names)}"
+                    )
         feeds = self._validate_feeds(input_feed)
         executor = self._executor_for(feeds)
         slot = graph_slot_of(run_options)

@@ -19,8 +19,9 @@ BUILT = [0]  # functions built in this process (tests assert that a stream of fr
 
 class StepCode:
     """Built from steps with ``run``, ``inputs``, ``outputs`` and ``release`` (:class:`.steps.Step`).
-    ``run(env)``: the steps in order over ``env``; ``step_at(exc)``: the index of the step whose call raised
-    ``exc`` (None when the failure is not in a step's line)."""
+    ``run(env)``: the steps in order over ``env``; ``step_at(exc)``: the index of the step whose line raised
+    ``exc`` (None when the failure is not in a step's line), and whether the line itself raised it (taking
+    apart the kernel's results) rather than the kernel it called."""
 
     __slots__ = ("run", "_code", "_lines")
 
@@ -34,14 +35,14 @@ class StepCode:
         self._code = self.run.__code__
         BUILT[0] += 1
 
-    def step_at(self, exc: BaseException) -> int | None:
+    def step_at(self, exc: BaseException) -> tuple[int | None, bool]:
         tb = exc.__traceback__
-        line = None
+        line, own = None, False
         while tb is not None:
             if tb.tb_frame.f_code is self._code:
-                line = tb.tb_lineno
+                line, own = tb.tb_lineno, tb.tb_next is None
             tb = tb.tb_next
-        return self._lines.get(line) if line is not None else None
+        return (self._lines.get(line) if line is not None else None), own
 
 
 def _source(steps: Sequence[Any]) -> tuple[list[str], list[str], dict[int, int]]:

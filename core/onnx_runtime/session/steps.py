@@ -464,10 +464,12 @@ def _run(steps: Steps, env: list, profile: dict | None) -> None:
     except Exception as exc:
         if code is None:  # (the loops wrap theirs in _StepError)
             raise
-        index = _failed_at(code, exc)
+        index, own = code.step_at(exc)
+        if index is None:  # not a step's line (the code's own stores): nothing a node did
+            raise
         reported: Exception = exc
         kind = type(exc) if isinstance(exc, OnnxRuntimeError) else KernelError
-        if isinstance(exc, ValueError) and "values to unpack" in str(exc):  # the code's slice of a short result
+        if own and isinstance(exc, ValueError):  # the line's unpacking of a result shorter than the node's outputs
             count = len(steps.steps[index].outputs)
             reported = KernelError(f"kernel returned fewer outputs than the node has ({count})")
         raise node_error(steps.steps[index], reported, kind) from exc
@@ -489,13 +491,6 @@ def _loop(steps: Steps, env: list) -> None:
                 env[slot] = None
     except Exception as exc:
         raise _StepError(exc, index) from exc
-
-
-def _failed_at(code: StepCode, exc: BaseException) -> int:
-    index = code.step_at(exc)
-    if index is None:  # not a step's line (the code's own stores): nothing a node did
-        raise exc
-    return index
 
 
 def _run_profiled(steps: Steps, env: list, profile: dict) -> None:

@@ -15,8 +15,8 @@ from ._common import normalize_axis
 _FLOAT32 = np.dtype(np.float32)
 # Up to this many elements the compiled rows serve a float32 softmax (algorithms/softmax.py's own bound).
 _ROWS_LIMIT = 1 << 16
-# The log-softmax rows beat numpy's formula at every size measured (one row of a few classes up to a block of
-# many long rows), so they have no bound of their own.
+# The log-softmax rows beat numpy's formula at the sizes measured (one row of a few classes up to a block of
+# many long rows; not many rows of width one, whose outputs are all zeros), so they have no bound of their own.
 _NO_LIMIT = 1 << 62
 
 
