@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing
 import os
 import statistics
 import sys
@@ -27,6 +26,9 @@ import time
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zoo_bench import Competitors, session  # noqa: E402
 
 # The zoo's decoders and encoders (hidden 64, MLP 128-256, vocabulary 1000) and the sizes of the models they
 # stand for (gpt2 768, llama 1024-4096, bert/t5 512-768, whisper 384-1024).
@@ -54,23 +56,11 @@ def product_model(layout: str, depth: int, n: int, seed: int) -> tuple[bytes, np
 
 
 def sessions(model: bytes, threads: int):
-    import onnx_runtime as ours
-    import onnxruntime as ort
-
     with tempfile.NamedTemporaryFile(suffix=".onnx", delete=False) as f:
         f.write(model)
         path = f.name
     try:
-        made = {}
-        for name, rt in (("ours", ours), ("ort", ort)):
-            options = rt.SessionOptions()
-            if threads:
-                options.intra_op_num_threads = threads
-                options.inter_op_num_threads = 1
-            if name == "ort":
-                options.log_severity_level = 3
-            made[name] = rt.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-        return made
+        return {name: session(name, path, threads) for name in ("ours", "ort")}
     finally:
         os.unlink(path)
 
@@ -106,11 +96,6 @@ def timed_blocks(runners: dict, seconds: float, block_seconds: float = 0.004, mi
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def busy_loop() -> None:
-    while True:
-        pass
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
@@ -129,16 +114,12 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     clock = time.perf_counter if args.wall else time.process_time
     shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
-    competitors = [multiprocessing.get_context("spawn").Process(target=busy_loop, daemon=True)
-                   for _ in range(args.busy)]
-    for process in competitors:
-        process.start()
     results = []
     print(f"load {os.getloadavg()[0]:.2f}, threads {args.threads or 'default'}, busy {args.busy}, "
           f"{'wall' if args.wall else 'CPU'} time", flush=True)
     print(f"{'layout':8} {'K x N':>10} {'rows':>4} {'ours us':>9} {'ort us':>9} {'ratio':>6}"
           + (f" {'blas us':>9}" if args.bare else "") + "  err", flush=True)
-    try:
+    with Competitors(args.busy):
         for layout in args.layouts.split(","):
             for seed, (depth, n) in enumerate(shapes):
                 model, w, bias = product_model(layout, depth, n, seed)
@@ -163,10 +144,6 @@ def main() -> None:
                     print(f"{layout:8} {depth:>4}x{n:<5} {rows:>4} {times['ours'] * 1e6:9.2f} "
                           f"{times['ort'] * 1e6:9.2f} {ratio:6.2f}"
                           + (f" {times['blas'] * 1e6:9.2f}" if args.bare else "") + f"  {err:.1e}", flush=True)
-    finally:
-        for process in competitors:
-            process.terminate()
-            process.join()
     by_rows = {rows: [r["ratio"] for r in results if r["rows"] == rows] for rows in rows_list}
     print("geomean by rows: " + ", ".join(
         f"{rows}: {math.exp(statistics.fmean(math.log(v) for v in values)):.2f}" for rows, values in by_rows.items()
