@@ -11,6 +11,18 @@ Each output position reads its own patch and no other, so the convolution is the
 that writes the tokens (N, patches, M) in place of a general convolution path and a layout step. Applied where
 x's shape is static, the weight and bias are constant float32, and the convolution's output feeds only the
 ReshapeTranspose.
+
+Both exporters then put the class token (and any other learned tokens) before the patches and add the position
+table: Concat(Expand(cls), tokens; axis 1) -> Add(., positions). fuse_patch_tokens folds those into the node too:
+
+    Add(Concat(C, PatchEmbedding(x, W, b); axis 1), P)  ->  PatchEmbedding(x, W, b, C + P[:c], P[c:])
+
+The leading rows C + P[:c] are constants (the same for every image) and each patch row's (x W + b) + P[c + t]
+is added in the unfused graph's order as the product is stored, so the values are the unfused graph's, in one
+step instead of three. Either half applies alone (no class token, or no position table). Applied where the
+tokens' shape is static, the leading tokens are constant float32 rows equal across the batch (an Expand the
+specialized plan folded), the position table a constant float32 array that broadcasts to (1, c + T, M), and
+each intermediate is read only by the next node.
 """
 
 from __future__ import annotations
@@ -63,6 +75,14 @@ def _tokens(view: GraphView, conv: Node, x_shape: tuple, weight: np.ndarray) -> 
     return layout
 
 
+def _fresh(graph: Graph, base: str) -> str:
+    name, index = base, 0
+    while name in graph.initializers or graph.type_of(name) is not None:
+        index += 1
+        name = f"{base}_{index}"
+    return name
+
+
 def fuse_patch_embedding(graph: Graph, owns=None) -> bool:
     """Each patch-embedding convolution and its token layout as one PatchEmbedding (see the module docstring)."""
     view, changed = GraphView(graph), False
@@ -83,10 +103,7 @@ def fuse_patch_embedding(graph: Graph, owns=None) -> bool:
         if layout is None or not owned(owns, [conv, layout]):
             continue
         matrix = np.ascontiguousarray(weight.reshape(weight.shape[0], -1).T)
-        name, index = f"{conv.name or 'conv'}/patch_weight", 0
-        while name in graph.initializers or graph.type_of(name) is not None:
-            index += 1
-            name = f"{conv.name or 'conv'}/patch_weight_{index}"
+        name = _fresh(graph, f"{conv.name or 'conv'}/patch_weight")
         add_initializer(graph, name, matrix)
         inputs = [conv.inputs[0], name] + ([conv.inputs[2]] if bias is not None else [])
         fused = Node("PatchEmbedding", inputs, list(layout.outputs), name=f"{conv.name}/patches",
@@ -96,6 +113,91 @@ def fuse_patch_embedding(graph: Graph, owns=None) -> bool:
                 and conv.inputs[1] not in view.inner_reads:
             graph.initializers.pop(conv.inputs[1], None)
             forget_value(graph, conv.inputs[1])
+        view = GraphView(graph)
+        changed = True
+    return changed
+
+
+def _only_reader(view: GraphView, name: str, op_type: str) -> Node | None:
+    readers = view.consumers.get(name, [])
+    if len(readers) != 1 or name in view.outputs or name in view.inner_reads:
+        return None
+    node = readers[0]
+    return node if node.op_type == op_type and node.domain in ("", "ai.onnx") and node.inputs.count(name) == 1 \
+        else None
+
+
+def _leading(view: GraphView, concat: Node | None, tokens: tuple) -> np.ndarray | None:
+    """The (c, M) rows a Concat puts before the patch tokens (its last input), each the same for every image;
+    else None."""
+    if concat is None or len(concat.inputs) < 2 or int(concat.attr("axis", 0)) not in (1, -2):
+        return None
+    batch, _, width = tokens
+    blocks = [view.const(name) for name in concat.inputs[:-1]]
+    if any(b is None or b.dtype != _F32 or b.ndim != 3 or b.shape[0] != batch or b.shape[2] != width for b in blocks):
+        return None
+    rows = np.concatenate(blocks, axis=1)
+    return rows[0] if all(np.array_equal(rows[i], rows[0]) for i in range(1, batch)) else None
+
+
+def _positions(view: GraphView, out: str, shape: tuple) -> tuple[Node, np.ndarray] | None:
+    """The Add of a constant float32 table broadcasting to (1, c + T, M) that is ``out``'s only reader (``shape``:
+    its (N, c + T, M)), and the table as (c + T, M); else None."""
+    add = _only_reader(view, out, "Add")
+    if add is None or len(add.inputs) != 2 or _static(view.graph, add.outputs[0]) != shape:
+        return None
+    table, rows = view.const(add.inputs[1] if add.inputs[0] == out else add.inputs[0]), (1, *shape[1:])
+    try:
+        fits = table is not None and table.dtype == _F32 and np.broadcast_shapes(table.shape, rows) == rows
+    except ValueError:
+        return None
+    return (add, np.broadcast_to(table, rows)[0]) if fits else None
+
+
+def _constant_inputs(graph: Graph, name: str, **values) -> list[str]:
+    """An initializer per value that is not None, named after ``name``; "" for those that are."""
+    inputs = []
+    for part, value in values.items():
+        if value is None:
+            inputs.append("")
+            continue
+        inputs.append(_fresh(graph, f"{name}/{part}"))
+        add_initializer(graph, inputs[-1], np.ascontiguousarray(value, dtype=_F32))
+    return inputs
+
+
+def fuse_patch_tokens(graph: Graph, owns=None) -> bool:
+    """Each PatchEmbedding's leading-token Concat and position Add folded into it (see the module docstring)."""
+    view, changed = GraphView(graph), False
+    for patches in list(graph.nodes):
+        if patches.op_type != "PatchEmbedding" or patches.domain != FUSED_DOMAIN or len(patches.inputs) > 3:
+            continue
+        tokens = _static(graph, patches.outputs[0])
+        if tokens is None or len(tokens) != 3:
+            continue
+        batch, count, width = tokens
+        members, out = [patches], patches.outputs[0]
+        concat = _only_reader(view, out, "Concat")
+        head = _leading(view, concat, tokens) if concat is not None and concat.inputs[-1] == out else None
+        if head is not None:
+            members.append(concat)
+            out = concat.outputs[0]
+        lead = 0 if head is None else head.shape[0]
+        positions = _positions(view, out, (batch, lead + count, width))
+        table = None
+        if positions is not None:
+            members.append(positions[0])
+            out, table = positions[0].outputs[0], positions[1]
+            head = None if head is None else head + table[:lead]  # (float32, as the unfused Add makes these rows)
+        if len(members) == 1 or not owned(owns, members) or _static(graph, out) != (batch, lead + count, width):
+            continue
+        inputs = list(patches.inputs) + [""] * (3 - len(patches.inputs)) + _constant_inputs(
+            graph, patches.name or "patches", head=head, positions=None if table is None else table[lead:])
+        while inputs[-1] == "":
+            inputs.pop()
+        fused = Node("PatchEmbedding", inputs, [out], name=f"{patches.name}/tokens", domain=FUSED_DOMAIN,
+                     attrs=dict(patches.attrs), opset=patches.opset)
+        replace_nodes(graph, members, fused)
         view = GraphView(graph)
         changed = True
     return changed
