@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .epilogue import CLIP, LEAKY_RELU, RELU
-from .generic_conv import GENERIC_CONV
+from .generic_conv import GENERIC_CONV, activate_in_place
 from .generic_int8 import GENERIC_INT8
 
 
@@ -184,16 +184,12 @@ def fill_tight_columns(x, cols, kh, kw, dh, dw, top, left, row_start, row_count)
 
 
 def bias_residual_activation(y, bias, residual, bounds, first, end):
-    part = y[:, :, first:end]
+    part = y[:, :, first:end]  # a view: every step below writes y in place
     if bias.shape[0] > 0:  # without a bias nothing is added (adding zero would turn -0.0 into +0.0)
-        part = part + bias[None, :, None]
+        np.add(part, bias[None, :, None], out=part)
     if residual.shape[0] > 0:
-        part = part + residual[:, :, first:end]
-    low, high, slope = bounds[0], bounds[1], bounds[2]
-    # compiled/epilogue.activate: comparisons with NaN are false, so NaN passes through
-    part = np.where(part < 0, part * slope, part)
-    part = np.where(part < low, low, part)
-    y[:, :, first:end] = np.where(part > high, high, part)
+        np.add(part, residual[:, :, first:end], out=part)
+    activate_in_place(part, bounds)
 
 
 def channel_affine(x, factor, shift, out, kind, params):

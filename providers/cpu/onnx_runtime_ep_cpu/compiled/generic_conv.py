@@ -7,13 +7,18 @@ from __future__ import annotations
 import numpy as np
 
 
-def _activate(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """compiled/epilogue.activate over an array: v*slope below zero, then max with low, then min with high
-    (comparisons with NaN are false, so NaN passes through; the high bound wins where low > high)."""
+def activate_in_place(values: np.ndarray, bounds: np.ndarray) -> None:
+    """compiled/epilogue.activate over an array, in place: v*slope below zero, then max with low, then min with
+    high (comparisons with NaN are false, so NaN passes through; the high bound wins where low > high). A step
+    that is the identity for these bounds (slope 1, low -inf, high +inf) is skipped, and the others write only the
+    entries they change, so a ReLU is one comparison and one masked store rather than six full-size temporaries."""
     low, high, slope = bounds[0], bounds[1], bounds[2]
-    values = np.where(values < 0, values * slope, values)
-    values = np.where(values < low, low, values)
-    return np.where(values > high, high, values)
+    if slope != 1:
+        np.multiply(values, slope, out=values, where=values < 0)
+    if low > -np.inf:
+        np.copyto(values, low, where=values < low)
+    if high < np.inf:
+        np.copyto(values, high, where=values > high)
 
 
 def crop_bias_residual_activation(rows, y, width, bias, residual, bounds):
@@ -23,11 +28,15 @@ def crop_bias_residual_activation(rows, y, width, bias, residual, bounds):
         return
     padded = rows.shape[2] // lines
     part = rows[:, :, :lines * padded].reshape(images, channels, lines, padded)[:, :, :, :width]
+    out = y[:, :, :lines * width].reshape(images, channels, lines, width)  # a view: one axis split in two
     if bias.shape[0] > 0:  # without a bias nothing is added (adding zero would turn -0.0 into +0.0)
-        part = part + bias[None, :, None, None]
+        np.add(part, bias[None, :, None, None], out=out)
+        part = out
     if residual.shape[0] > 0:
-        part = part + residual[:, :, :lines * width].reshape(images, channels, lines, width)
-    y[:, :, :lines * width] = _activate(part, bounds).reshape(images, channels, lines * width)
+        np.add(part, residual[:, :, :lines * width].reshape(images, channels, lines, width), out=out)
+    elif part is not out:
+        np.copyto(out, part)
+    activate_in_place(out, bounds)
 
 
 def sigmoid_into(x, y):
