@@ -17,7 +17,9 @@ where inference fails, runs use the session's generic plan.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import threading
 import warnings
 from collections.abc import Callable
@@ -42,6 +44,21 @@ from .shape_wheres import see_through_shape_wheres
 LIMIT = 8
 # Rounds of inference and folding; exported models settle in two or three.
 MAX_ROUNDS = 6
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """A specialization builds thousands of long-lived objects (a graph copy, its plan and kernels, and the kernel
+    families its placement imports), as session creation does (inference_session._collector_paused): the cyclic
+    collector, which would rescan them generation after generation, is paused meanwhile (a fresh process's first
+    run spent 2-4 ms of main-thread CPU in it); it runs as usual afterwards, and one already disabled stays so."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class Specializer:
@@ -105,7 +122,8 @@ class Specializer:
             if self._failed or len(self._exact) + len(self._templates) >= LIMIT:
                 return None
             template = self._template(signature)
-            with symbols_bound(() if template is None else template.dims, signature, "specialized_"):
+            with symbols_bound(() if template is None else template.dims, signature, "specialized_"), \
+                    _collector_paused():
                 executor = self._build(signature if template is None else template.dims)  # (sized at these feeds)
             if template is not None and executor is not None:
                 self._templates.append((template, executor))
