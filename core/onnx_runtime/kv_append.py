@@ -29,13 +29,16 @@ class Window:
     ``axis``, to be appended into by the Concat giving ``output``; ``result`` is the longer window an append
     made (None until one does)."""
 
-    __slots__ = ("fed", "physical", "axis", "output", "result", "before", "across")
+    __slots__ = ("fed", "physical", "axis", "output", "result", "before", "across", "spans")
 
     def __init__(self, fed: np.ndarray, physical: np.ndarray, axis: int, output: str):
         self.fed, self.physical, self.axis, self.output = fed, physical, axis, output
         self.result: np.ndarray | None = None
         self.before = (slice(None),) * axis  # the index of the axes before the growing one
         self.across = physical.shape[:axis] + physical.shape[axis + 1:]  # what both parts must span elsewhere
+        # Shape -> whether it spans ``across`` on the other axes (a decode loop's parts have a few shapes: the step's
+        # rows, and the past at each length), so a step compares each shape once, not two slices of it per call.
+        self.spans: dict[tuple, bool] = {}
 
 
 _LOCAL = threading.local()  # .windows: id(fed view) -> Window, during a bound run on this thread
@@ -64,12 +67,22 @@ def append(output: str, xs: tuple, axis: int) -> np.ndarray | None:
             or window.output != output:
         return None
     physical = window.physical
-    if type(new) is not np.ndarray or new.dtype != physical.dtype or new.ndim != physical.ndim \
-            or new.shape[:axis] + new.shape[axis + 1:] != window.across \
-            or past.shape[:axis] + past.shape[axis + 1:] != window.across:
+    if type(new) is not np.ndarray or new.dtype != physical.dtype:
         return None
-    length = past.shape[axis]
-    grown = length + new.shape[axis]
+    spans = window.spans
+    new_shape, past_shape = new.shape, past.shape
+    fits = spans.get(new_shape)
+    if fits is None:
+        fits = _spans(window, new_shape)
+    if not fits:
+        return None
+    fits = spans.get(past_shape)
+    if fits is None:
+        fits = _spans(window, past_shape)
+    if not fits:
+        return None
+    length = past_shape[axis]
+    grown = length + new_shape[axis]
     if grown > physical.shape[axis]:
         return None
     before = window.before
@@ -77,6 +90,16 @@ def append(output: str, xs: tuple, axis: int) -> np.ndarray | None:
     window.result = result = physical[before + (slice(0, grown),)]
     _LOCAL.grown[id(result)] = window
     return result
+
+
+def _spans(window: Window, shape: tuple) -> bool:
+    """Whether an array of ``shape`` spans ``window``'s buffer on every axis but the growing one (kept per shape)."""
+    axis = window.axis
+    fits = len(shape) == window.physical.ndim and shape[:axis] + shape[axis + 1:] == window.across
+    if len(window.spans) >= 4096:  # (shapes without bound: start over)
+        window.spans.clear()
+    window.spans[shape] = fits
+    return fits
 
 
 def contiguous_rows(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -237,7 +237,7 @@ def _run_on_host(session: SessionSide, layout: _Layout, bindings: tuple, single_
         if windows:
             kv_append.leave(saved)
     count = len(layout.host_names)
-    _host_outputs(layout, bindings, list(zip(layout.outputs, values[count:])))
+    _host_outputs(layout, bindings, values[count:])
     return values[:count]
 
 
@@ -264,13 +264,15 @@ def _host_feeds(session: SessionSide, layout: _Layout, bindings: tuple, single_t
     return feeds
 
 
-def _host_outputs(layout: _Layout, bindings: tuple, produced: list) -> None:
-    """Each output copied into its binding (a window appended in place needs none), its shape adopted."""
+def _host_outputs(layout: _Layout, bindings: tuple, values: list) -> None:
+    """Each output (``values``, in ``layout.outputs``' order) copied into its binding, its shape adopted. A cache
+    window appended in place (kv_append) is the binding's own buffer within its capacity by construction: it needs
+    no copy and no check, only its shape adopted and kept as the next run's view of that input (a decode step's
+    caches are most of its outputs, so they take this path first)."""
+    outputs, appended = layout.outputs, layout.appended
     plain = True
-    window_at = layout.window_at
-    for (name, index, proven, dtype), value in produced:  # every shape checked before any binding is written
-        window = window_at.get(index)
-        if window is not None and value is window.result:  # the binding's own buffer, within its capacity
+    for (name, index, proven, dtype), window, value in zip(outputs, appended, values):
+        if window is not None and value is window.result:
             continue
         binding = bindings[index]
         physical_shape = binding.physical_shape
@@ -278,24 +280,25 @@ def _host_outputs(layout: _Layout, bindings: tuple, produced: list) -> None:
                 or not all(map(operator.le, value.shape, physical_shape)):
             _check_output(binding, name, value, proven)  # raises what is wrong, if anything is
             plain = False
-    if not plain:
-        for (_name, index, _proven, _dtype), value in produced:
+    if not plain:  # (every shape was checked above, before any binding is written)
+        for (_name, index, _proven, _dtype), value in zip(outputs, values):
             _deliver(bindings[index], value)
         return
     physical, aliased = layout.physical, layout.aliased
-    for (_name, index, _proven, _dtype), value in produced:
+    for (_name, index, _proven, _dtype), window, value in zip(outputs, appended, values):
         binding = bindings[index]
         shape = value.shape
-        whole = physical.get(index)
-        if whole is None:
-            view = binding.host_array()[: value.size].reshape(shape)
-            view[...] = value  # numpy copes with an aliased output
-        elif index in window_at and value is window_at[index].result:  # appended in place: the window
+        if window is not None and value is window.result:
+            binding.set_appended_shape(shape)
             view = value
         else:
-            view = whole[tuple(map(slice, shape))]
-            view[...] = value
-        binding.set_logical_shape(shape)
+            whole = physical.get(index)
+            if whole is None:
+                view = binding.host_array()[: value.size].reshape(shape)
+            else:
+                view = whole[tuple(map(slice, shape))]
+            view[...] = value  # numpy copes with an aliased output
+            binding.set_logical_shape(shape)
         alias = aliased.get(index)
         if alias is not None and alias.admits(shape):  # the next run feeds this view (a KV cache's next step)
             alias.last = (shape, view)
@@ -327,7 +330,7 @@ class _Layout:
     (and raises what those checks raise)."""
 
     __slots__ = ("bindings", "input_names", "inputs", "outputs", "host_names", "names", "delivered", "complete",
-                 "host", "aliased", "physical", "windows", "window_at")
+                 "host", "aliased", "physical", "windows", "window_at", "appended")
 
     LIMIT = 256  # shapes remembered per binding (a window without bound: start over past it)
 
@@ -365,6 +368,8 @@ class _Layout:
                         name = next(name for name, at, _proof in self.inputs if at == index)
                         self.windows.append(_Window(name, whole, axis, binding.output_name))
                         self.window_at[index] = self.windows[-1]
+        # Per output (in ``outputs``' order): the window its binding is appended through in place, else None.
+        self.appended = tuple(self.window_at.get(index) for _name, index, _proven, _dtype in self.outputs)
 
     def holds(self, bindings: tuple[DeviceIoBinding, ...]) -> bool:
         if len(bindings) != len(self.bindings):
