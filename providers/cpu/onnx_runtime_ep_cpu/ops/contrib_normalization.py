@@ -13,6 +13,7 @@ import types
 
 import numpy as np
 
+from ..algorithms.kept_call import KeptCall
 from ..algorithms.normalization import broadcasts_into, layer_norm_compiles, standardize_rows
 from ..algorithms.precision import compute_dtype
 from ..compiled.deferred import numpy_first, tried
@@ -215,10 +216,11 @@ def _compiled_sum(input_ids, segment_ids, word, position, segment, position_ids,
 
 
 def fused_embed_norm(input_ids, segment_ids, word, position, segment, gamma, beta, mask, position_ids,
-                      epsilon: float) -> tuple | None:
+                      epsilon: float, kept: KeptCall | None = None) -> tuple | None:
     """(normalized, mask_index, embedding_sum) from compiled/embedding.embed_layer_norm_, one call for the
     lookups, the sum and the normalization, where the compiled loops take the inputs and gamma and beta are
-    (hidden,) of the tables' dtype; None where the kernel's general path decides (and reports)."""
+    (hidden,) of the tables' dtype; None where the kernel's general path decides (and reports). A call that
+    ran whole is kept in ``kept`` for _embed_repeat."""
     dtype = word.dtype
     hidden = word.shape[-1] if word.ndim == 2 else -1
     if not _compiled_takes(input_ids, segment_ids, word, position, segment, None, mask, dtype) \
@@ -232,16 +234,42 @@ def fused_embed_norm(input_ids, segment_ids, word, position, segment, gamma, bet
     from ..compiled.embedding import embed_layer_norm_
 
     batch, steps = input_ids.shape
-    total = np.empty((batch, steps, hidden), dtype)
-    out = np.empty((batch, steps, hidden), dtype)
-    counts = np.zeros(batch, np.int32)
-    rows = batch * steps
-    found = embed_layer_norm_(input_ids, word, position, _NO_IDS if position_ids is None else position_ids,
-                              _NO_IDS if segment_ids is None else segment_ids,
-                              _NO_ROWS[dtype] if segment is None else segment, _NO_IDS if mask is None else mask,
-                              gamma, _NO_ROWS[dtype][0] if beta is None else beta, epsilon, total, out, counts,
-                              np.empty(rows, dtype), np.empty(rows, dtype))
+    total, out, counts, mean, inv_std = _embed_outputs(batch, steps, hidden, dtype)
+    arguments = (input_ids, word, position, _NO_IDS if position_ids is None else position_ids,
+                 _NO_IDS if segment_ids is None else segment_ids, _NO_ROWS[dtype] if segment is None else segment,
+                 _NO_IDS if mask is None else mask, gamma, _NO_ROWS[dtype][0] if beta is None else beta, epsilon, total,
+                 out, counts, mean, inv_std)
+    found = embed_layer_norm_(*arguments)
+    if kept is not None and found < 0:  # (the omitted inputs' stand-ins, the segment table, beta and epsilon)
+        kept.keep((word, position, segment, gamma, beta), (input_ids, segment_ids, mask, position_ids),
+                  (embed_layer_norm_, *(arguments[i] for i in (3, 4, 5, 6, 8, 9))))
     return (out, counts, total) if found < 0 else None
+
+
+def _embed_outputs(batch: int, steps: int, hidden: int, dtype) -> tuple:
+    """(total, out, counts, mean, inv_std) for embed_layer_norm_: the float ones views of one fresh buffer."""
+    rows = batch * steps
+    size = rows * hidden
+    floats = np.empty(2 * size + 2 * rows, dtype)
+    return (floats[:size].reshape(batch, steps, hidden), floats[size:2 * size].reshape(batch, steps, hidden),
+            np.zeros(batch, np.int32), floats[2 * size:2 * size + rows], floats[2 * size + rows:])
+
+
+def _embed_repeat(kept: KeptCall, input_ids, segment_ids, word, position, segment, gamma, beta, mask,
+                  position_ids) -> tuple | None:
+    """fused_embed_norm's result for a call repeating the kept one (the same tables, gamma and beta, fed ids and
+    mask of the same kinds): the compiled loop straight away; None for any other call or an id outside its table."""
+    found = kept.match((word, position, segment, gamma, beta), (input_ids, segment_ids, mask, position_ids))
+    if found is None:
+        return None
+    loop, no_positions, no_segments, table, no_mask, beta_row, epsilon = found
+    batch, steps = input_ids.shape
+    total, out, counts, mean, inv_std = _embed_outputs(batch, steps, word.shape[1], word.dtype)
+    if loop(input_ids, word, position, no_positions if position_ids is None else position_ids,
+             no_segments if segment_ids is None else segment_ids, table, no_mask if mask is None else mask, gamma,
+             beta_row, epsilon, total, out, counts, mean, inv_std) >= 0:
+        return None
+    return out, counts, total
 
 
 @register("EmbedLayerNormalization", domain=CONTRIB_DOMAIN, since=1)
@@ -256,13 +284,20 @@ def embed_layer_normalization(node, shapes, opset):
     # goes to the loader's child while the numpy path serves (no compile on a run's thread).
     ran = types.SimpleNamespace(fused=False, summed=False)
 
+    kept = KeptCall()  # the last compiled call that ran whole, once the loop has run after deferral
+
     def kernel(input_ids, segment_ids, word_embedding, position_embedding, segment_embedding, gamma, beta,
                mask=None, position_ids=None):
+        fused = _embed_repeat(kept, input_ids, segment_ids, word_embedding, position_embedding, segment_embedding,
+                              gamma, beta, mask, position_ids)
+        if fused is not None:
+            return fused[:len(node.outputs)]
         dtype = compute_dtype(word_embedding.dtype)
         if dtype == word_embedding.dtype:
             arguments = (input_ids, segment_ids, word_embedding, position_embedding, segment_embedding, gamma, beta,
                          mask, position_ids, epsilon)
-            fused = fused_embed_norm(*arguments) if ran.fused else tried(ran, "fused", fused_embed_norm, *arguments)
+            fused = fused_embed_norm(*arguments, kept) if ran.fused else \
+                tried(ran, "fused", fused_embed_norm, *arguments)
             if fused is not None:
                 return fused[:len(node.outputs)]
         arguments = (input_ids, segment_ids, word_embedding, position_embedding, segment_embedding, position_ids,

@@ -25,6 +25,7 @@ from ..algorithms.contrib_attention import (
     rotate_,
     split_heads,
 )
+from ..algorithms.kept_call import KeptCall
 from ..algorithms.precision import compute_dtype
 from ..compiled.deferred import numpy_first, tried
 from ..contrib_lowering import PACKED_LOOP_MACS, packed_macs_factor
@@ -242,8 +243,14 @@ class _PackedAttention:
         self.longer: dict[tuple, object] = {}  # per (B, S, hidden): the ONNX Attention kernel of longer sequences
         self.scales: dict[int, np.float32] = {}  # per head size (the attributes read once)
         self.seen: tuple = (None, None, None)  # (weights, bias, _packed_weights' answer) of the last call
+        self.kept = KeptCall()  # the last compiled call with a count or no mask, once one ran after deferral
 
     def __call__(self, x, weights, bias=None, mask_index=None):
+        kept = self.kept.match((weights, bias), (x, mask_index))
+        if kept is not None:  # a repeat of the last call: its product and loop straight away
+            y = self.repeat(x, weights, mask_index, *kept)
+            if y is not None:
+                return (y,)
         seen = self.seen  # the weights and bias of the last call (initializers: the same arrays every run)
         prepared = seen[2] if seen[0] is weights and seen[1] is bias else self.prepare(weights, bias)
         if prepared is None or x.dtype != _F32 or x.ndim != 3 or not x.size or x.shape[2] != weights.shape[0] \
@@ -263,8 +270,11 @@ class _PackedAttention:
             if counts.size:
                 mask = key_mask_bias(counts, batch, steps, steps, 0, self.fill)
             return (self.long_attention(qkv.reshape(batch, steps, -1), mask, size),)
-        y = self.attend(qkv, add, counts, mask, batch, steps, size) if self.tried else \
-            tried(self, "tried", self.attend, qkv, add, counts, mask, batch, steps, size)
+        if self.tried and mask is _NO_MASK:  # (a count or no mask: the same arrays' kinds repeat it)
+            y = self.attend(qkv, add, counts, mask, batch, steps, size, (x, weights, bias, mask_index))
+        else:
+            y = self.attend(qkv, add, counts, mask, batch, steps, size) if self.tried else \
+                tried(self, "tried", self.attend, qkv, add, counts, mask, batch, steps, size)
         return self.general(x, weights, bias, mask_index) if y is None else (y,)
 
     def prepare(self, weights, bias) -> tuple | None:
@@ -273,10 +283,11 @@ class _PackedAttention:
         self.seen = (weights, bias, prepared)
         return prepared
 
-    def attend(self, qkv, add, counts, mask, batch: int, steps: int, size: int):
+    def attend(self, qkv, add, counts, mask, batch: int, steps: int, size: int, inputs: tuple = ()):
         """Y from the compiled loops over the packed product (B * S, 3 * N * D) and its bias ``add`` (3, N, D):
         attention_lanes.py's 16-lane loop over contiguous Q, K, V (the bias added as they are written) where it
-        takes the sequence, else packed_attention.py's loop in place; None where a row has no finite score."""
+        takes the sequence, else packed_attention.py's loop in place; None where a row has no finite score. With
+        the node's ``inputs``, a call that ran whole is kept for ``repeat``."""
         heads = self.heads
         if self.loop is None:
             from ..compiled import packed_attention
@@ -295,11 +306,31 @@ class _PackedAttention:
 
                 work = self.work[(batch, steps, size)] = \
                     (3 * heads * size + 1) * batch * steps + scratch_size(size, steps)
-            done = self.lanes(packed, add, counts, mask, self.fill, self.scale(size),
-                              y.reshape(batch, steps, heads, size), np.empty(work, np.float32))
+            loop, arguments = self.lanes, (packed, add, counts, mask, self.fill, self.scale(size),
+                                           y.reshape(batch, steps, heads, size), np.empty(work, np.float32))
         else:
-            done = self.loop(packed, add, counts, mask, self.scale(size), self.fill, self.causal,
-                             y.reshape(batch, steps, heads, size))
+            work, loop, arguments = 0, self.loop, (packed, add, counts, mask, self.scale(size), self.fill,
+                                                   self.causal, y.reshape(batch, steps, heads, size))
+        if not loop(*arguments):
+            return None
+        if inputs:
+            x, weights, bias, mask_index = inputs
+            repeat = (loop, work, (batch * steps, x.shape[2]), packed.shape, add, arguments[4:6], y.shape,
+                      (batch, steps, heads, size))
+            self.kept.keep((weights, bias), (x, mask_index), repeat)
+        return y
+
+    def repeat(self, x, weights, mask_index, loop, work: int, rows: tuple, packed: tuple, add, between: tuple,
+               shape: tuple, heads_shape: tuple):
+        """Y for a call repeating the kept one (KeptCall: the same weight and bias, x and the mask index of the
+        same kinds) through the kept arguments; None where a row has no finite score."""
+        qkv = np.matmul(x.reshape(rows), weights).reshape(packed)
+        y = np.empty(shape, np.float32)
+        counts = _NO_COUNTS if mask_index is None else mask_index
+        if work:
+            done = loop(qkv, add, counts, _NO_MASK, *between, y.reshape(heads_shape), np.empty(work, np.float32))
+        else:
+            done = loop(qkv, add, counts, _NO_MASK, *between, self.causal, y.reshape(heads_shape))
         return y if done else None
 
     def scale(self, size: int) -> np.float32:
