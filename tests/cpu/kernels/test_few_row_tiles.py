@@ -10,7 +10,7 @@ from model_helpers import make_model, record_calls, tensor_info
 from onnx import helper, numpy_helper
 from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu.algorithms import products
-from onnx_runtime_ep_cpu.compiled import gemm
+from onnx_runtime_ep_cpu.compiled import few_rows, gemm
 from onnx_runtime_ep_cpu.ops import linalg
 
 pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="the few-row tiles run on AVX-512 hosts only")
@@ -26,7 +26,7 @@ def _bound(a: np.ndarray, b: np.ndarray, depth: int) -> float:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17])
 @pytest.mark.parametrize("depth,columns", [(1, 33), (7, 31), (129, 97), (257, 130), (64, 1)])
 def test_matmul_of_constant_weights_matches_float64(monkeypatch, knobs, threads, rows, depth, columns):
     knobs(threads=threads, few_rows_packed_macs=1, few_rows_transposed_macs=1, gemv_split_weights=1, packed_macs=1,
@@ -41,7 +41,7 @@ def test_matmul_of_constant_weights_matches_float64(monkeypatch, knobs, threads,
         (y,) = kernel(a, b)
         assert y.shape == expected.shape and y.dtype == np.float32
         assert np.abs(y - expected).max() <= _bound(a, b, depth)
-    assert taken and taken[-1].route[0] == ("few rows" if rows <= products.GEMV_ROWS else "panels")
+    assert taken and taken[-1].route[0] == ("few rows" if rows <= few_rows.PANEL_ROWS else "panels")
     assert taken[-1].route[1] == min(threads, -(-columns // gemm.NR))
 
 

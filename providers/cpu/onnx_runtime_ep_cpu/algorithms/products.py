@@ -112,7 +112,8 @@ class PackedProduct:
         residual = self._empty if residual is None else np.ascontiguousarray(residual).reshape(-1)
         y = np.empty(a.shape[:-1] + (n,), dtype=np.float32)
         if threads == 1:  # every panel on this thread: one compiled call, without posting a job to itself
-            panels = self._few_rows.few_row_panels if rows <= GEMV_ROWS else self._matmul.matmul_panels
+            few = rows <= self._few_rows.PANEL_ROWS
+            panels = self._few_rows.few_row_panels if few else self._matmul.matmul_panels
             panels(x, depth, rows, depth, packed, offsets, padded_bias, y.reshape(-1), n, residual, flags, coefficients,
                    0, packed.shape[0], np.empty(scratch, np.float32))
             return y
@@ -124,6 +125,41 @@ class PackedProduct:
             return y
         call(self._jobs.split_matmul, (*head, self._workers.local_mailbox(scratch)), address, scratch, helpers)
         return y
+
+    def bound(self, a, b, bias=None, coefficients=None, weights=None):
+        """``run(a, b=None)``: this product (``b``, ``bias``, ``coefficients`` and ``weights`` as the last call
+        passed them, no residual) of arrays shaped as ``a``, as one call of the compiled tiles' entry point for the
+        argument types the last call passed, the plan and its lookups done here. A caller keeps it while the
+        thread count and ``knobs_epoch`` stay the same (the dispatcher's typing of fifteen arguments and __call__'s
+        checks cost a 64-wide product's arithmetic); ``b`` is ignored, so it stands where a Split is called. None
+        where the last call was not this one, ran on more threads, through matmul.py's tiles, or has not run whole
+        (a first call's trial)."""
+        last = self._last
+        source = b if weights is None else weights
+        if not self._tried or last is None or a.shape != last[0] or source is not last[1] or bias is not last[2] \
+                or coefficients is not last[3] or not last[4] or last[5][0] != kernel_threads():
+            return None
+        (depth, rows, n, packed, offsets, padded_bias, flags, coefficients, threads, *_) = last[6]
+        if threads != 1 or rows > self._few_rows.PANEL_ROWS:
+            return None
+        from ..compiled.gemm import NR
+
+        empty, end, out_shape = self._empty, packed.shape[0], a.shape[:-1] + (n,)
+        # The tiles write a scratch only for a last panel past y's columns (one tile's output there)
+        spare = self._few_rows.ROWS * NR if n % NR else 0
+        arguments = (np.ascontiguousarray(a).reshape(-1), depth, rows, depth, packed, offsets, padded_bias,
+                     np.empty(rows * n, np.float32), n, empty, flags, coefficients, 0, end, np.empty(spare, np.float32))
+        entry = _entry(self._few_rows.few_row_panels, arguments)
+        if entry is None:
+            return None
+
+        def run(x, _b=None):
+            y = np.empty(out_shape, np.float32)
+            entry(x.reshape(-1), depth, rows, depth, packed, offsets, padded_bias, y.reshape(-1), n, empty, flags,
+                  coefficients, 0, end, np.empty(spare, np.float32) if spare else empty)
+            return y
+
+        return run
 
     def _plan(self, a, b, source, bias, with_residual: bool, coefficients, threads_now: int) -> tuple:
         """What a call of these shapes, arrays and knobs passes besides its operands (see __call__)."""
@@ -155,7 +191,7 @@ class PackedProduct:
         bounds, ranges = self._tasks(panels, threads)
         spread = threads > 1 and macs >= KNOBS.long_macs * threads
         helpers = helper_count() if spread or threads > 1 else 0
-        self.route = ("few rows" if rows <= GEMV_ROWS else "panels", threads)
+        self.route = ("few rows" if rows <= self._few_rows.PANEL_ROWS else "panels", threads)
         return (depth, rows, n, packed, offsets, padded_bias, flags, coefficients, threads, bounds, ranges,
                 matmul.scratch_size(depth), spread, workers.run, workers.call, jobs.MATMUL.address(), helpers)
 
@@ -173,6 +209,24 @@ class PackedProduct:
                 ranges.append(len(bounds) - 1)
             tasks = self._task_cache[key] = (np.array(bounds, dtype=np.int64), np.array(ranges, dtype=np.int64))
         return tasks
+
+
+def _entry(loop, arguments: tuple):
+    """The compiled ``loop``'s linked overload for ``arguments``' types, called without numba's dispatcher; None where
+    it is not a built compiled loop or has no such overload linked (the background loader's child compiles it)."""
+    if not isinstance(loop, deferred.Loop):
+        return None
+    try:
+        dispatcher = loop.dispatcher()
+        return deferred.overload(loop, tuple(dispatcher.typeof_pyval(value) for value in arguments))
+    except (TypeError, ValueError):
+        return None
+
+
+# Bumped whenever a knob changes: a kernel keeping a PackedProduct.bound call compares it (the route it binds was
+# chosen with the knobs).
+knobs_epoch = [0]
+when_changed(lambda: knobs_epoch.__setitem__(0, knobs_epoch[0] + 1))
 
 
 def blas_product(a, b, bias=None, residual=None, coefficients=None) -> np.ndarray:

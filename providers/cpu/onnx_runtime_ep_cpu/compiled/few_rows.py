@@ -26,6 +26,10 @@ from .gemm import BIAS, NR, RESIDUAL
 from .transformer import gelu_float32_
 
 ROWS = 8  # rows per tile, at most: 16 accumulators at one panel, 19 registers with the loads and a broadcast
+# Products of up to this many rows take these tiles rather than matmul.py's (PackedProduct, jobs.MATMUL): a 9-16 row
+# product of 1-16 MB of weights streamed them 1.3-2.1x slower there (its 12-row tiles each pass over every panel),
+# and no shape from 64x64 to 1024x4096 was faster there (measured in the commit that set it).
+PANEL_ROWS = 16
 HALVES = NR // llvm.LANES  # vectors per panel row
 
 

@@ -76,7 +76,7 @@ def _run_matmul(x, lda, rows, depth, packed, offsets, bias, y, n, residual, flag
         i = claim_task(claims, ranges, part, cursor)
         if i < 0:
             break
-        if rows <= few_rows.ROWS:  # (a few rows' product: the same sums in tiles of all its rows)
+        if rows <= few_rows.PANEL_ROWS:  # (a few rows' product: the same sums in tiles of all its rows)
             few_rows.few_row_panels(x, lda, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients,
                                     bounds[i], bounds[i + 1], scratch)
         else:

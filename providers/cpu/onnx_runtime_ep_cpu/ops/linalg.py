@@ -19,6 +19,7 @@ from ..algorithms.products import (
     few_rows_product,
     few_rows_split,
     gemv_host,
+    knobs_epoch,
     product,
 )
 from ..fusions import FUSED_DOMAIN
@@ -30,18 +31,20 @@ from ..tuning import KNOBS
 @register("MatMul", since=1)
 def matmul(node, shapes, opset):
     packed = None  # this node's PackedProduct, made on first use
-    # This node's last few-row product of a constant b: (a's shape, b, its Split, the thread count). A
-    # decode step repeats it every run, and the lookups it skips are a large part of a small product's
-    # cost (measured in 2faee0e).
-    last = (None, None, None, 0)
+    # This node's last product of a constant b: (a's shape, b, what computed it (a Split, BLAS, or the PackedProduct's
+    # bound call), the thread count, the knobs' epoch). A decode step repeats it every run, and the lookups it skips
+    # are a large part of a small product's cost (measured in 2faee0e, and for the bound call in the commit that
+    # added it).
+    last = (None, None, None, 0, -1)
 
     def kernel(a, b):
         # Single and double precision go straight to BLAS (or, for float32 times a constant matrix, to
         # compiled/gemv.py for a decode step's few rows and compiled/matmul.py for many): the per-call
         # checks below cost as much as the product of a small decode-step matrix.
         nonlocal packed, last
-        shape, weights, kept, threads = last  # one read: another thread running this node may replace it
-        if b is weights and a.shape == shape and a.dtype is b.dtype and kernel_threads() == threads:
+        shape, weights, kept, threads, epoch = last  # one read: another thread running this node may replace it
+        if b is weights and a.shape == shape and a.dtype is b.dtype and kernel_threads() == threads \
+                and knobs_epoch[0] == epoch:
             return (kept(a, b),)
         if a.dtype is b.dtype and a.dtype in BLAS_FLOATS and b.ndim > 1:
             if b.ndim == 2 and a.ndim > 1 and a.size <= GEMV_ROWS * b.shape[0]:
@@ -51,14 +54,17 @@ def matmul(node, shapes, opset):
                     split = packed
                 else:
                     split = few_rows_split(a, b, False) or np.matmul  # (None: BLAS's)
-                if not b.flags.writeable and b.flags.c_contiguous:  # a constant: the same array every run
-                    last = (a.shape, b, split, kernel_threads())
-                return (split(a, b),)
             elif PackedProduct.applies(a, b):
                 if packed is None:
                     packed = PackedProduct()
-                return (packed(a, b),)
-            return (np.matmul(a, b),)
+                split = packed
+            else:
+                return (np.matmul(a, b),)
+            y = split(a, b)
+            if not b.flags.writeable and b.flags.c_contiguous:  # a constant: the same array every run
+                kept = (packed.bound(a, b) if split is packed else None) or split
+                last = (a.shape, b, kept, kernel_threads(), knobs_epoch[0])
+            return (y,)
         # asarray: two 1-D inputs make np.matmul return a numpy scalar, and kernels return arrays.
         return (np.asarray(blas_matmul(a, b)).astype(a.dtype, copy=False),)
 
@@ -187,9 +193,16 @@ def _gemm_kernel(node, c_must_match: bool):
     trans_b = bool(node.attr("transB", 0))
 
     packed = None  # this node's PackedProduct, made on first use
+    # The last call's PackedProduct.bound product, as MatMul keeps it: (a's shape, b, c, the bound call, the thread
+    # count, the knobs' epoch), for constant B and C (or none) where C adds as a bias.
+    last = (None, None, None, None, 0, -1)
 
     def kernel(a, b, c=None):
-        nonlocal packed
+        nonlocal packed, last
+        shape, weights, term_kept, kept, threads, epoch = last  # one read (as MatMul's)
+        if b is weights and c is term_kept and a.shape == shape and a.dtype is FLOAT32 \
+                and kernel_threads() == threads and knobs_epoch[0] == epoch:
+            return (kept(a),)
         if a.ndim != 2 or b.ndim != 2:
             raise InvalidArgumentError(
                 f"node {node.name!r} (Gemm): inputs must be matrices, got shapes {a.shape} and {b.shape}"
@@ -209,7 +222,10 @@ def _gemm_kernel(node, c_must_match: bool):
             if alpha == 1 and fits:
                 row = term is not None and term.size == n
                 bias = (term if term.ndim == 1 else term.reshape(n)) if row else None  # (a 1-D C: its pad is kept)
-                return (packed(left, right, bias, None if row else term, None, b),)
+                y = packed(left, right, bias, None if row else term, None, b)
+                if (term is None or row) and not trans_a:
+                    last = _kept_gemm(packed, a, right, b, c, bias) or last
+                return (y,)
             y = packed(left, right, None, None, None, b)
         else:
             y = few_rows_product(left, b, trans_b) if left.shape[1] == b.shape[1 if trans_b else 0] else None
@@ -217,22 +233,37 @@ def _gemm_kernel(node, c_must_match: bool):
                 y = blas_matmul(left, b.T if trans_b else b)
         y = _scale(y, alpha)
         if c is not None and beta != 0:
-            if c_must_match and c.shape != y.shape:
-                raise InvalidArgumentError(
-                    f"node {node.name!r} (Gemm): C has shape {c.shape} but broadcast=0 requires the "
-                    f"output shape {y.shape}; set broadcast=1 or feed a full C"
-                )
-            term = c if beta == 1 else c * beta
-            # (Dtype kind and shapes compared directly: np.issubdtype and np.broadcast_shapes cost more than
-            # a one-row product's arithmetic.)
-            if y.dtype.kind == "f" and term.ndim <= y.ndim and all(
-                    t == 1 or t == d for t, d in zip(term.shape[::-1], y.shape[::-1])):
-                y += term
-            else:
-                y = y + term
+            y = _add_c(node, y, c, beta, c_must_match)
         return (y.astype(a.dtype, copy=False),)
 
     return kernel
+
+
+def _kept_gemm(packed: PackedProduct, a: np.ndarray, right: np.ndarray, b: np.ndarray, c: np.ndarray | None,
+               bias) -> tuple | None:
+    """A Gemm kernel's ``last`` for the PackedProduct call it just made: a (not transposed) by ``right`` (constant b,
+    or its transpose), C none or constant, added as ``bias``; None where that is not kept."""
+    if b.flags.writeable or (c is not None and c.flags.writeable):
+        return None
+    kept = packed.bound(a, right, bias, None, b)
+    return None if kept is None else (a.shape, b, c, kept, kernel_threads(), knobs_epoch[0])
+
+
+def _add_c(node, y: np.ndarray, c: np.ndarray, beta: float, c_must_match: bool) -> np.ndarray:
+    """Gemm's ``y + beta * C``, in place where C broadcasts into y."""
+    if c_must_match and c.shape != y.shape:
+        raise InvalidArgumentError(
+            f"node {node.name!r} (Gemm): C has shape {c.shape} but broadcast=0 requires the "
+            f"output shape {y.shape}; set broadcast=1 or feed a full C"
+        )
+    term = c if beta == 1 else c * beta
+    # (Dtype kind and shapes compared directly: np.issubdtype and np.broadcast_shapes cost more than
+    # a one-row product's arithmetic.)
+    if y.dtype.kind == "f" and term.ndim <= y.ndim and all(
+            t == 1 or t == d for t, d in zip(term.shape[::-1], y.shape[::-1])):
+        y += term
+        return y
+    return y + term
 
 
 @register("Gemm", since=1)
