@@ -17,8 +17,7 @@ from numba.extending import intrinsic
 
 from . import jit, llvm
 from .directconv import CHANNELS
-from .epilogue import activate
-from .segment_loops import squeeze_gate
+from .segment_loops import squeeze_products, squeeze_scale
 
 
 def pack_depthwise(w: np.ndarray, b, channels: int) -> tuple[np.ndarray, np.ndarray]:
@@ -178,30 +177,30 @@ def squeeze_excite_blocked(x, w1, b1, bounds1, swish, w2, b2, bounds2, gate, alp
                            pixels, pooled, hidden, scale):
     """segment_loops.squeeze_excite over the blocked flat ``x`` and ``y`` (images x blocks x pixels x 16): the
     plane means summed pixel by pixel over the block's 16 lanes at once (the plain loop's order for each
-    channel), the two 1x1 convolutions and the gate on the ``channels`` real channels, the product on all 16
-    lanes (``scale`` zero past the channels). ``pooled`` and ``scale``: blocks * 16, ``hidden``: R."""
+    channel), the two 1x1 convolutions and the gate on the ``channels`` real channels (one image by
+    segment_loops.squeeze_scale, more all at once by squeeze_products), the product on all 16 lanes (``scale``
+    zero past the channels). ``pooled`` and ``scale``: blocks * 16, ``hidden``: R."""
     blocks = (channels + CHANNELS - 1) // CHANNELS
-    reduced = w1.shape[0]
-    one = np.float32(1)
     divisor = np.float32(pixels)
     for k in range(scale.size):
         scale[k] = 0
+    if images == 1:
+        _lane_sums(x, 0, blocks, pixels, pooled)
+        for c in range(channels):
+            pooled[c] = pooled[c] / divisor
+        squeeze_scale(pooled, w1, b1, bounds1, swish, w2, b2, bounds2, gate, alpha, beta, hidden, scale)
+        _scaled(x, 0, blocks, pixels, scale, y)
+        return
+    means = np.empty((channels, images), dtype=np.float32)
     for n in range(images):
         _lane_sums(x, n, blocks, pixels, pooled)
         for c in range(channels):
-            pooled[c] = pooled[c] / divisor
-        for r in range(reduced):
-            total = np.float32(0)
-            for c in range(channels):
-                total += w1[r, c] * pooled[c]
-            v = activate(total + b1[r], bounds1[0], bounds1[1], bounds1[2])
-            hidden[r] = v / (one + np.exp(-v)) if swish else v
+            means[c, n] = pooled[c] / divisor
+    gates = np.empty((channels, images), dtype=np.float32)
+    squeeze_products(means, w1, b1, bounds1, swish, w2, b2, bounds2, gate, alpha, beta, gates)
+    for n in range(images):
         for c in range(channels):
-            total = np.float32(0)
-            for r in range(reduced):
-                total += w2[c, r] * hidden[r]
-            scale[c] = squeeze_gate(activate(total + b2[c], bounds2[0], bounds2[1], bounds2[2]), gate, alpha, beta,
-                                    np.float32(0), one)
+            scale[c] = gates[c, n]
         _scaled(x, n, blocks, pixels, scale, y)
 
 
