@@ -95,3 +95,26 @@ def test_no_bound_product_where_the_plan_splits_across_threads(knobs):
     run = packed.bound(a, b)
     assert run is not None and np.array_equal(run(a), packed(a, b))
     assert packed.bound(a[:2], b) is None  # not the last call's shape
+
+
+@pytest.mark.parametrize("rows", [9, 12, 16])
+def test_transposed_gemm_of_9_to_16_rows_takes_the_tiles(monkeypatch, knobs, rows):
+    """Gemm's transB weights by 9-16 rows take few_rows.py's tiles from few_rows_transposed_macs (not OpenBLAS's
+    strided packing), in the planned-shape kernel as in the general one; FEW_TILE_ROWS is few_rows.PANEL_ROWS."""
+    from onnx_runtime_ep_cpu.compiled import few_rows
+
+    assert products.FEW_TILE_ROWS == few_rows.PANEL_ROWS
+    knobs(threads=1, few_rows_transposed_macs=1 << 16, packed_macs=1 << 19, few_rows_packed_macs=1 << 20)
+    depth, columns = 64, 256  # rows * 16K multiply-adds: above the transposed knob, below packed_macs
+    rng = np.random.default_rng(rows)
+    a = rng.standard_normal((rows, depth), dtype=np.float32)
+    b = _constant(rng.standard_normal((columns, depth), dtype=np.float32))
+    c = _constant(rng.standard_normal(columns).astype(np.float32))
+    node = Node("Gemm", ["a", "b", "c"], ["y"], attrs={"transB": 1}, opset=13)
+    taken = record_calls(monkeypatch, products.PackedProduct)
+    planned = linalg.gemm_7(node, [(rows, depth), (columns, depth), (columns,)], 13)
+    for kernel in (planned, linalg.gemm_7(node, None, 13)):
+        (y,) = kernel(a, b, c)
+        expected = a.astype(np.float64) @ b.T.astype(np.float64) + c
+        assert np.abs(y - expected).max() <= _bound(a, b, depth) + 1e-5
+    assert len({id(packed) for packed in taken}) == 2 and all(packed.route == ("few rows", 1) for packed in taken)

@@ -31,6 +31,10 @@ def product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 # compiled/matmul.py's packed product on the helper threads; from this many multiply-adds per thread
 # they are split, from _LONG_MACS per thread a part waits for a sleeping helper (milliseconds).
 PACKED_ROWS = 9  # past the few-row products' GEMV_ROWS: no float32 product of constant weights is OpenBLAS's
+# Rows up to which a product of constant weights may take compiled/few_rows.py's tiles (its PANEL_ROWS, here without
+# importing numba): Gemm's transB weights from few_rows_transposed_macs up to this many rows, not OpenBLAS's strided
+# packing (64x256 by 12-16 rows 1.8-2.2x onnxruntime's time there; measured in the commit that set it).
+FEW_TILE_ROWS = 16
 
 
 class PackedProduct:
@@ -64,12 +68,12 @@ class PackedProduct:
 
     @staticmethod
     def takes_few(a: np.ndarray, b: np.ndarray) -> bool:
-        """Whether a product of at most GEMV_ROWS rows of ``a`` by a constant float32 ``b`` (K x N, or a view of
+        """Whether a product of at most FEW_TILE_ROWS rows of ``a`` by a constant float32 ``b`` (K x N, or a view of
         a constant) runs compiled/few_rows.py's tiles: from the few_rows_packed_macs knob (few_rows_transposed_macs
         for rows by transposed weights), or where it is split across threads (below, BLAS's one call costs less
         than the tiles' call)."""
         if not (a.dtype is b.dtype is FLOAT32 and b.ndim == 2 and a.ndim >= 2 and a.shape[-1] == b.shape[0]
-                and a.size <= GEMV_ROWS * b.shape[0] and b.size and a.size and not b.flags.writeable):
+                and a.size <= FEW_TILE_ROWS * b.shape[0] and b.size and a.size and not b.flags.writeable):
             return False
         return PackedProduct.few_sized(a.size // b.shape[0], b.size, not b.flags.c_contiguous, kernel_threads()) \
             and gemv_host() and not numpy_first("jobs.MATMUL")

@@ -12,6 +12,7 @@ from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 from ..algorithms.activations import gelu_erf, gelu_series, gelu_tanh
 from ..algorithms.precision import BLAS_FLOATS, FLOAT32, compute_dtype
 from ..algorithms.products import (
+    FEW_TILE_ROWS,
     GEMV_ROWS,
     PACKED_ROWS,
     PackedProduct,
@@ -213,7 +214,7 @@ def _gemm_kernel(node, c_must_match: bool):
         rows, n = left.shape[0], right.shape[-1]
         fits = term is None or (beta == 1 and term.dtype is FLOAT32 and term.shape in ((n,), (1, n), (rows, n))
                                 and (not c_must_match or term.shape == (rows, n)))
-        few = rows <= GEMV_ROWS and PackedProduct.takes_few(left, right)
+        few = rows <= FEW_TILE_ROWS and PackedProduct.takes_few(left, right)
         if few or (alpha == 1 and fits and rows > GEMV_ROWS and PackedProduct.applies(left, right)):
             # Constant weights: compiled/matmul.py for a batch (a classifier's), few_rows.py for a few rows, C as
             # the bias (a row) or residual (a whole output) where it adds as one.
@@ -325,12 +326,14 @@ def _adds_in_place(c_shape: tuple | None, rows: int, columns: int) -> bool:
 def _blas_sized(rows: int, depth: int, columns: int, transposed: bool) -> bool:
     """Whether a float32 product of this size against constant weights (``transposed``: Gemm's transB) is BLAS's at
     every thread count: below the packed product's knob for many rows; for few, too few weights to split and below
-    the knobs of few_rows.py's tiles and of the few-row split's loops."""
+    the knobs of few_rows.py's tiles and of the few-row split's loops (up to GEMV_ROWS rows) or of the packed
+    product."""
     macs = rows * depth * columns
-    if rows > GEMV_ROWS:
+    if rows > FEW_TILE_ROWS:
         return macs < KNOBS.packed_macs
     tiles = KNOBS.few_rows_transposed_macs if transposed and rows > 1 else KNOBS.few_rows_packed_macs
-    return depth * columns < KNOBS.gemv_split_weights and macs < min(tiles, KNOBS.few_rows_blas_macs)
+    other = KNOBS.few_rows_blas_macs if rows <= GEMV_ROWS else KNOBS.packed_macs
+    return depth * columns < KNOBS.gemv_split_weights and macs < min(tiles, other)
 
 
 def zero_point_rows(zero_point: np.ndarray, a: np.ndarray) -> np.ndarray:
