@@ -267,8 +267,7 @@ def _host_feeds(session: SessionSide, layout: _Layout, bindings: tuple, single_t
 def _host_outputs(layout: _Layout, bindings: tuple, values: list) -> None:
     """Each output (``values``, in ``layout.outputs``' order) copied into its binding, its shape adopted. A cache
     window appended in place (kv_append) is the binding's own buffer within its capacity by construction: it needs
-    no copy and no check, only its shape adopted and kept as the next run's view of that input (a decode step's
-    caches are most of its outputs, so they take this path first)."""
+    no copy and no check, only its shape adopted and kept as the next run's view of that input."""
     outputs, appended = layout.outputs, layout.appended
     plain = True
     for (name, index, proven, dtype), window, value in zip(outputs, appended, values):
@@ -289,7 +288,6 @@ def _host_outputs(layout: _Layout, bindings: tuple, values: list) -> None:
         binding = bindings[index]
         shape = value.shape
         if window is not None and value is window.result:
-            binding.set_appended_shape(shape)
             view = value
         else:
             whole = physical.get(index)
@@ -298,7 +296,7 @@ def _host_outputs(layout: _Layout, bindings: tuple, values: list) -> None:
             else:
                 view = whole[tuple(map(slice, shape))]
             view[...] = value  # numpy copes with an aliased output
-            binding.set_logical_shape(shape)
+        binding.set_logical_shape(shape)
         alias = aliased.get(index)
         if alias is not None and alias.admits(shape):  # the next run feeds this view (a KV cache's next step)
             alias.last = (shape, view)

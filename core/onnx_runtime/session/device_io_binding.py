@@ -411,12 +411,6 @@ class DeviceIoBinding:
         _check_logical(self.label, physical, shape)
         self._logical = shape
 
-    def set_appended_shape(self, shape: tuple[int, ...]) -> None:
-        """The logical shape of a cache window a bound run appended into in place (kv_append.append): a tuple of
-        the window's own ints, within the physical shape because the append kept it there, so adopted without
-        set_logical_shape's checks (a decode step adopts one per cache)."""
-        self._logical = shape
-
     def set_physical_and_logical_shapes(self, physical_shape, logical_shape) -> None:
         physical = _shape(physical_shape, f"physical shape of {self.label}")
         logical = _shape(logical_shape, f"logical shape of {self.label}")

@@ -236,7 +236,6 @@ class _Attention:
             self._few_bias = np.empty((0, 0, 0, 0), np.float32) if self.frontier is None else self.frontier[None, None]
             self._few_masks: dict[tuple, tuple | None] = {}  # per mask shape: its (B', H', M', T) view, or None
             self._by_head = geo.rank == 4 and lanes_take(geo)  # (B, H, S, D) heads of a prefill: the 16-lane loop
-            self._few_heads = (geo.q_heads, geo.q_len, geo.v_head_size)  # Y's shape after the batch
 
     def bias(self, mask: np.ndarray | None, nonpad: np.ndarray | None, dtype, total: int) -> np.ndarray | None:
         """The additive attention bias over ``total`` keys (0 or -inf for masked ones, plus a float mask's values)."""
@@ -332,21 +331,14 @@ class _Attention:
                 lead = self._few_masks[mask.shape[:-1]] = self._few_mask_view(mask.shape, q.shape[0])
             if lead is None or mask.dtype is not FLOAT32 or mask.shape[-1] != k.shape[-2]:
                 return None
-            # (a 4-D mask is already (B', H', M', T): read as it lies where it is contiguous)
             bias = mask if mask.ndim == 4 and mask.flags.c_contiguous else \
-                np.ascontiguousarray(mask).reshape(lead + mask.shape[-1:])
+                np.ascontiguousarray(mask).reshape(lead + mask.shape[-1:])  # (a 4-D one is read as it lies)
         if self._by_head and not numpy_first():  # (its loop has no numpy version to serve while numba loads)
             return few_by_head(geo, q, k, v, self._few_scale, bias, self._outputs)
-        if geo.rank == 4:  # (B, H, S, D) operands, a decode step's: no head moves, Y made as the call returns it
-            y = np.empty(q.shape[:1] + self._few_heads, np.float32)
-            key_rows, value_rows = kv_append.contiguous_rows(k, v)  # (caches appended in place: where they lie)
-            if not self.few(np.ascontiguousarray(q), key_rows, value_rows, k.shape[2], self._few_scale, bias, y):
-                return None
-            return (y, k, v)[:self._outputs]
-        if rows_readable(q, k, v) and not numpy_first():
+        if geo.rank == 3 and rows_readable(q, k, v) and not numpy_first():
             return few_in_place(geo, q, k, v, self._few_scale, bias, self._outputs)  # (Y in place: no copies)
-        queries = geo.to_heads(q, geo.q_heads)
-        keys, values = geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads)
+        queries, keys, values = (q, k, v) if geo.rank == 4 else (  # (a decode step's (B, H, S, D): no head moves)
+            geo.to_heads(q, geo.q_heads), geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads))
         y = np.empty((queries.shape[0], geo.q_heads, geo.q_len, geo.v_head_size), np.float32)
         key_rows, value_rows = kv_append.contiguous_rows(keys, values)  # (caches appended in place: where they lie)
         if not self.few(np.ascontiguousarray(queries), key_rows, value_rows, keys.shape[2], self._few_scale, bias, y):
