@@ -25,7 +25,9 @@ member's output takes a column view as it takes a whole array (_VIEW_READERS: th
 SwishMul copies a strided operand before its compiled pass, Attention reads it in place), in specialized plans
 where the product is below the packed_macs knob (larger ones keep ops/linalg.py's packed product). A product already
 merged (GPT-2's c_attn, or the optimizer's sibling MatMuls) and cut by a Split of its last axis into such
-readers' inputs is one too (split_projection_outputs): the Split's copies become the product's column views.
+readers' inputs is one too (split_projection_outputs): the Split's copies become the product's column views. A
+part whose only reader is an Add of a constant bias of its width (OPT's merged q/k/v: the product without its
+biases, each added after the Split) takes that bias into the group's, so the Add's readers read the view.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import numpy as np
 from onnx_runtime.ir import Graph, Node
 from onnx_runtime.optimizer.rewrite import add_initializer, forget_value
 
-from .fusions import FUSED_DOMAIN, GraphView, owned
+from .fusions import FUSED_DOMAIN, GraphView, other_input, owned
 from .tuning import KNOBS
 
 _F32 = np.dtype(np.float32)
@@ -238,14 +240,33 @@ def _split_widths(view: GraphView, split: Node, total: int, rank: int | None) ->
     return widths
 
 
+def _split_parts(view: GraphView, split: Node, widths: list[int]) -> list[tuple] | None:
+    """Per output of ``split``: (the name its readers read, the constant bias added to it or None, that Add or
+    None), where each part is read only by _VIEW_READERS, or only by an Add of a constant float32 vector of its
+    width whose output they alone read; else None."""
+    parts = []
+    for name, width in zip(split.outputs, widths):
+        if _view_read(view, name):
+            parts.append((name, None, None))
+            continue
+        add = view.only_consumer(name, "Add")
+        bias_name = other_input(add, name) if add is not None and add.domain in ("", "ai.onnx") else None
+        bias = view.const(bias_name) if bias_name else None
+        if bias is None or bias.dtype != _F32 or bias.shape != (width,) or len(add.outputs) != 1 \
+                or not _view_read(view, add.outputs[0]):
+            return None
+        parts.append((add.outputs[0], bias, add))
+    return parts
+
+
 def split_projection_outputs(graph: Graph, owns=None) -> bool:
-    """Each product whose only reader is a Split of its last axis into _VIEW_READERS' inputs as one
-    ProjectionGroup over the same weight (see the module docstring)."""
+    """Each product whose only reader is a Split of its last axis into _VIEW_READERS' inputs (directly, or through
+    an Add of a constant bias per part) as one ProjectionGroup over the same weight (see the module docstring)."""
     view, fed = GraphView(graph), {vi.name for vi in graph.inputs}
     changed = False
     for split in list(graph.nodes):
         if split.op_type != "Split" or split.domain not in ("", "ai.onnx") or not split.inputs \
-                or not all(split.outputs) or not all(_view_read(view, name) for name in split.outputs):
+                or not all(split.outputs):
             continue
         name = split.inputs[0]
         product = view.producer.get(name)
@@ -257,11 +278,26 @@ def split_projection_outputs(graph: Graph, owns=None) -> bool:
         info = graph.type_of(name)
         rank = len(info.shape) if info is not None and info.is_tensor and info.shape is not None else None
         widths = _split_widths(view, split, int(part[1].shape[1]), rank)
-        if widths is None or not _blas_sized(graph, part[0], *part[1].shape) or not owned(owns, [product, split]):
+        parts = None if widths is None else _split_parts(view, split, widths)
+        adds = [] if parts is None else [add for _name, _bias, add in parts if add is not None]
+        # (a product with its own bias keeps the Adds: adding the two biases first would round differently)
+        if parts is None or (adds and part[2] is not None) or not _blas_sized(graph, part[0], *part[1].shape) \
+                or not owned(owns, [product, split, *adds]):
             continue
-        fused = Node("ProjectionGroup", list(product.inputs), list(split.outputs), name=f"{product.name}/group",
+        inputs = list(product.inputs)
+        if adds:
+            bias = np.concatenate([np.zeros(width, _F32) if b is None else b
+                                   for (_read, b, _add), width in zip(parts, widths)])
+            inputs.append(_fresh(graph, f"{product.name or 'projection'}/group_bias"))
+            add_initializer(graph, inputs[-1], bias)
+        fused = Node("ProjectionGroup", inputs, [read for read, _bias, _add in parts], name=f"{product.name}/group",
                      domain=FUSED_DOMAIN, attrs={"widths": widths}, opset=1)
-        _replace(graph, [product, split], fused, view)
+        _replace(graph, [product, split, *adds], fused, view)
+        still_read = {n for node in graph.nodes for n in node.inputs} | view.outputs | view.inner_reads
+        for add in adds:  # (an Add's bias may be its first input, which _replace leaves)
+            for bias_name in add.inputs:
+                if bias_name not in still_read and graph.initializers.pop(bias_name, None) is not None:
+                    forget_value(graph, bias_name)
         view = GraphView(graph)
         changed = True
     return changed
