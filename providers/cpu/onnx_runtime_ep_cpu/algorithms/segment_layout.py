@@ -213,6 +213,9 @@ def block_direct_runs(segment, steps: list, spans: dict, env: list, blocks: dict
     tiled = (_blocked_ops().depthwise_blocked, _blocked_ops().max_pool_blocked)
     scratch = sum(a.nbytes for f, arguments in steps if f in tiled for a in arguments[-4::3])  # (block, tile)
     scratch += sum(a.nbytes for f, arguments in steps if f is _gathered().conv_gathered for a in arguments[8:11])
+    from ..compiled.directconv_blocked import conv_blocked
+
+    scratch += sum(arguments[8].nbytes for f, arguments in steps if f is conv_blocked)  # (its padded source)
     return steps, scratch
 
 
@@ -284,8 +287,10 @@ def _block_direct(inner, arguments, chosen, buffers, steps, at) -> None:
         steps[at] = _gathered_step(flat_x, weights, offsets, bias, residual, bounds, flags, flat_y, x.shape,
                                    y.shape, (sh, sw, top, left, int(height), int(width)))
         return
+    source = np.zeros(kernel.source_size(x.shape[1], int(height), int(width), int(sw), x_slot in chosen,
+                                         bool(in_place)), np.float32)  # (the pads stay zero: calls fill the rest)
     steps[at] = (kernel.conv_blocked, (
-        flat_x, weights, offsets, bias, residual, bounds, flags, flat_y, sh, sw, top, left, height, width,
+        flat_x, weights, offsets, bias, residual, bounds, flags, flat_y, source, sh, sw, top, left, height, width,
         in_place, *x.shape, x_slot in chosen, *y.shape[1:], y_slot in chosen))
 
 

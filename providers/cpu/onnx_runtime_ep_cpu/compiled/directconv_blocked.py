@@ -37,16 +37,16 @@ def fill_blocked(x, base, planes, lanes, height, width, source, top, left, padde
 
 
 @jit
-def conv_blocked(x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, top, left, padded_height,
+def conv_blocked(x, weights, offsets, bias, residual, bounds, flags, y, source, sh, sw, top, left, padded_height,
                  padded_width, in_place, images, channels, height, width, x_blocked, outputs, oh, ow, y_blocked):
     """directconv.conv_direct for one group over flat ``x`` (images x ``channels`` x ``height`` x ``width``,
     blocked where ``x_blocked``: then ``offsets`` are blocked_taps) into flat ``y`` (images x ``outputs`` x
-    ``oh`` x ``ow``, blocked where ``y_blocked``; ``residual`` in y's layout)."""
+    ``oh`` x ``ow``, blocked where ``y_blocked``; ``residual`` in y's layout). Unless ``in_place``, each image is
+    copied into the interior of ``source`` (source_size floats, zeros elsewhere: the plan's own buffer, allocated
+    once, whose pads and margin no call writes)."""
     tiles, depth = weights.shape[1], weights.shape[2]
     lanes = CHANNELS if x_blocked else 1
     stored = (channels + CHANNELS - 1) // CHANNELS * CHANNELS if x_blocked else channels
-    plane = padded_height * padded_width
-    source = np.zeros(0 if in_place else stored * plane + PIXELS * sw * lanes, dtype=np.float32)
     pixels = min(PIXELS, ow)
     tile_flags = flags | BLOCKED_OUT if y_blocked else flags
     for n in range(images):
@@ -71,6 +71,16 @@ def conv_blocked(x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, 
                         at = ((n * outputs + first) * oh + oy) * ow + ox
                     conv_tile(w, image, start, offsets, depth, sw * lanes, y, at, oh * ow, pixels, count, tile_bias,
                           residual, tile_flags, bounds)
+
+
+def source_size(channels: int, padded_height: int, padded_width: int, sw: int, x_blocked: bool,
+                in_place: bool) -> int:
+    """The floats of conv_blocked's ``source`` for an image of ``channels`` channels (its stored ones:
+    whole blocks of 16 where ``x_blocked``): the padded planes and a margin for a row's last tile (0 in place)."""
+    if in_place:
+        return 0
+    stored = -(-channels // CHANNELS) * CHANNELS if x_blocked else channels
+    return stored * padded_height * padded_width + PIXELS * sw * (CHANNELS if x_blocked else 1)
 
 
 @jit
