@@ -17,6 +17,7 @@ import numpy as np
 from onnx_runtime.ir import Graph, Node
 
 from .fusions import FUSED_DOMAIN, GraphView, owned
+from .qdq_norms import fuse_rounded_rms_norm
 from .registry import NEEDS, lookup
 
 _F32 = np.dtype(np.float32)
@@ -103,4 +104,4 @@ def fold_rounding_epilogues(graph: Graph, owns=None) -> bool:
     return True
 
 
-QDQ_EPILOGUE_PASSES = [fold_rounding_epilogues]
+QDQ_EPILOGUE_PASSES = [fold_rounding_epilogues, fuse_rounded_rms_norm]  # (the norms read the Rounded nodes)

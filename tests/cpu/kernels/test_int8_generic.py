@@ -60,7 +60,20 @@ def _cases():
                                         np.empty((2, 6, 10), F32))),
         ("qgemm.dynamic_scaled_group", (_data(5, 33), _packed(20, 33), no_pairs, b_scales, bias[:0],
                                         np.empty((4, 5, 5), F32))),
-    ] + _requantizing_cases()
+    ] + _requantizing_cases() + _rounded_norm_cases()
+
+
+def _rounded_norm_cases():
+    # RMS normalizations with their roundings (compiled/rounded_norm.py): a mean's, a table's and a product's grid
+    norm = np.array([0.02, 0, 0, 255, 0.004, 0, 0, 255, 0.05, 3, 0, 255], F32)
+    signed = np.array([0.02, -128, -128, 127, 0.004, -128, -128, 127, 0.05, -3, -128, 127], F32)
+    table, weight = RNG.uniform(0.1, 4, 256).astype(F32), RNG.standard_normal(64).astype(F32)
+    means = np.array([0.3, np.nan, 1e9, 0.0], F32)
+    return [
+        ("rounded_norm.rounded_rms_norm", (_data(5, 64), weight, norm, table, np.empty((5, 64), F32))),
+        ("rounded_norm.rounded_rms_norm", (_data(3, 7), weight[:0], signed, table, np.empty((3, 7), F32))),
+        ("rounded_norm.rounded_rms_rows", (_data(4, 64), means, weight, signed, table, np.empty((4, 64), F32))),
+    ]
 
 
 def _consts(a_quantize: bool, dequantize: bool, b_quantize: bool = False, out_signed: bool = False) -> np.ndarray:

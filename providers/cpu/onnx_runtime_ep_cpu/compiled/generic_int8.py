@@ -257,9 +257,26 @@ def rounded_gelu(x, params, out):
         out[...] = _rounded(x * u, *rounds[2]) * h
 
 
+def rounded_rms_norm(x, weight, params, table, out):
+    """compiled/rounded_norm.rounded_rms_norm: the mean as generic.plane_means takes it (numpy's sum, divided once)."""
+    rounded_rms_rows(x, (x * x).sum(axis=1) / x.shape[1], weight, params, table, out)
+
+
+def rounded_rms_rows(x, means, weight, params, table, out):
+    """compiled/rounded_norm.rounded_rms_rows: the roundings and the table entry as the loop takes them."""
+    m = _rounded(means, *params[0:4])
+    s, z, low, high = _F32(params[4]), _F32(params[5]), _F32(params[6]), _F32(params[7])
+    v = _codes(m, s, z, low, high)
+    factor = table[(np.where(np.isnan(v), z, v) - low).astype(np.int64)]
+    y = _rounded(x * factor[:, None], *params[8:12])
+    out[...] = y * weight if weight.shape[0] == x.shape[1] else y
+
+
 _COMPILED = "onnx_runtime_ep_cpu.compiled."
 GENERIC_INT8 = {
     _COMPILED + "rounded_gelu.rounded_gelu": rounded_gelu,
+    _COMPILED + "rounded_norm.rounded_rms_norm": rounded_rms_norm,
+    _COMPILED + "rounded_norm.rounded_rms_rows": rounded_rms_rows,
     _COMPILED + "quantize.quantize": quantize,
     _COMPILED + "quantize.dequantize": dequantize,
     _COMPILED + "quantize.fake_quantize": fake_quantize,

@@ -91,6 +91,7 @@ FAMILIES = {
     "pool": "AveragePool GlobalAveragePool GlobalLpPool GlobalMaxPool LpPool MaxPool",
     "precision": "ai.onnx_runtime.cpu:FloatToHalf ai.onnx_runtime.cpu:HalfToFloat ai.onnx_runtime.cpu:RoundToHalf",
     "qdq_gelu": "ai.onnx_runtime.cpu:RoundedGelu",
+    "qdq_norm": "ai.onnx_runtime.cpu:RoundedRMSNorm",
     "qdq_linear": (
         "QLinearMatMul ai.onnx_runtime.cpu:QLinearMatMulAdd ai.onnx_runtime.cpu:QuantizedConv "
         "ai.onnx_runtime.cpu:QuantizedMatMul"
