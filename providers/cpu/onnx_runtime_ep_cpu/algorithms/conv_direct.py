@@ -121,6 +121,37 @@ class DirectConv:
         return [(kernel.conv_direct, (x, weights, self._offsets, self._bias(b), residual, bounds, flags, y,
                                       *self._geometry))]
 
+    def bound_run(self, x, w, b, bounds, hard_swish: bool, shape: tuple | None = None):
+        """``run(x)``: run(x, w, b, None, bounds, hard_swish) (shaped ``shape``, the output's by default) for a float32
+        x of x's size (a 1-D convolution's (N, C, L) for its row view, say), as one call
+        of the compiled loop's entry point (the weights, bias, flags and loop looked up once: a streaming model's
+        small convolution costs about as much in those as in its arithmetic); None where w or b is not a constant
+        (read-only) array or the loop has no linked overload for these types."""
+        from .products import entry_point
+
+        if w.flags.writeable or (b is not None and b.flags.writeable) or not x.flags.c_contiguous:
+            return None
+        kernel = self._kernel
+        weights = self._prepared.get("direct_tiles", (w,), lambda: kernel.pack_weights(w, self._group))
+        flags = (kernel.BIAS if b is not None and b.size else 0) | (kernel.HARD_SWISH if hard_swish else 0)
+        offsets, bias, residual, geometry, out = self._offsets, self._bias(b), self._no_residual, self._geometry, \
+            self._out
+        x_view, y_view = self._view if self._view is not None else (x.shape, out)
+        arguments = (x.reshape(x_view), weights, offsets, bias, residual, bounds, flags,
+                     np.empty(out, np.float32).reshape(y_view), *geometry)
+        entry = entry_point(kernel.conv_direct, arguments)
+        if entry is None:
+            return None
+
+        result = out if shape is None else shape
+
+        def run(x):
+            y = np.empty(result, np.float32)
+            entry(x.reshape(x_view), weights, offsets, bias, residual, bounds, flags, y.reshape(y_view), *geometry)
+            return y
+
+        return run
+
     def run(self, x, w, b, residual, bounds, hard_swish=False, out=None):
         """The convolution of float32 x by w, + b (None or empty: none), + ``residual`` (the output's shape,
         or None) and the activation ``bounds`` (epilogue.activation_bounds), into ``out`` (C-contiguous)

@@ -153,7 +153,7 @@ class PackedProduct:
         spare = self._few_rows.ROWS * NR if n % NR else 0
         arguments = (np.ascontiguousarray(a).reshape(-1), depth, rows, depth, packed, offsets, padded_bias,
                      np.empty(rows * n, np.float32), n, empty, flags, coefficients, 0, end, np.empty(spare, np.float32))
-        entry = _entry(self._few_rows.few_row_panels, arguments)
+        entry = entry_point(self._few_rows.few_row_panels, arguments)
         if entry is None:
             return None
 
@@ -215,7 +215,7 @@ class PackedProduct:
         return tasks
 
 
-def _entry(loop, arguments: tuple):
+def entry_point(loop, arguments: tuple):
     """The compiled ``loop``'s linked overload for ``arguments``' types, called without numba's dispatcher; None where
     it is not a built compiled loop or has no such overload linked (the background loader's child compiles it)."""
     if not isinstance(loop, deferred.Loop):

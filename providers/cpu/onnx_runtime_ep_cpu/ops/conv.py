@@ -89,6 +89,7 @@ def _bind(resolve, inputs, outputs, constant, bounds, hard_swish, prepare):
 
 
 _NO_ACTIVATION = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)  # activation bounds of none
+_FLOAT32 = np.dtype(np.float32)
 
 
 def _conv_resolver(node, shapes):
@@ -266,8 +267,18 @@ def fused_conv(node, shapes, opset):
     if node.attr("append"):
         return _appending(node, resolve, convolve)
     if not concat:
+        # The last call's DirectConv.bound_run, for constant w and b and no residual: (x's shape, w, b, the call)
+        last = (None, None, None, None)
+
         def kernel(x, w, b=None, z=None):
-            return (convolve(x, w, b, z),)
+            nonlocal last
+            shape, weights, bias, kept = last  # one read: another thread running this node may replace it
+            if w is weights and b is bias and z is None and x.shape == shape and x.dtype is _FLOAT32:
+                return (kept(x),)
+            y = convolve(x, w, b, z)
+            if z is None and shuffled is None:
+                last = _kept_direct(resolve, row_weights, x, w, b, bounds, hard_swish) or last
+            return (y,)
 
         if shuffled is None:
             kernel.bind = lambda inputs, outputs, constant: _bind(resolve, inputs, outputs, constant, bounds,
@@ -299,6 +310,22 @@ def fused_conv(node, shapes, opset):
         return (into,)
 
     return into_concat
+
+
+def _kept_direct(resolve, row_weights, x, w, b, bounds, hard_swish: bool) -> tuple | None:
+    """A FusedConv kernel's ``last`` after a call without a residual: x's shape, w, b and the bound call of its
+    path's direct tiles (algorithms/conv_direct.py), which skips the path lookup and the tiles' argument setup (a
+    keyword spotter's one-frame Conv1d paid more there than in its arithmetic); None where another path runs it
+    or the direct tiles have not run whole yet."""
+    if x.dtype is not _FLOAT32:
+        return None
+    rows = lifts(x, w)
+    path, out_shape = resolve(as_row(x), row_weights(w), b, True) if rows else resolve(x, w, b)
+    if not isinstance(path.direct, DirectConv) or not path.direct_tried:
+        return None
+    run = path.direct.bound_run(as_row(x) if rows else x, row_weights(w) if rows else w, b, bounds, hard_swish,
+                                out_shape[:2] + out_shape[3:] if rows else None)
+    return None if run is None else (x.shape, w, b, run)
 
 
 def _appending(node, resolve, convolve):
