@@ -1,0 +1,194 @@
+"""DeviceIoBinding on the CUDA simulator while work is still queued (issue 21, deferred execution as a GPU
+has it): a bound feed rewritten in place between replays that have not run yet, a binding released while a
+captured graph that recorded its address may still be queued, and bindings alive across a sticky kernel fault
+(quarantined with the fault named, the device recovered for the next session's bindings)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import warnings
+
+import numpy as np
+import onnx
+import onnx_runtime as ort
+import pytest
+from cuda_op_harness import kernel_file
+from model_helpers import make_model, tensor_info
+from onnx import TensorProto, helper
+from onnx_runtime import DataType, DeviceBindingSpec
+
+pytest.importorskip("onnx_runtime_ep_cuda.driver", reason="the CUDA provider is not installed")
+from onnx_runtime_ep_cuda.driver import CudaDeviceFaultError  # noqa: E402
+
+CUDA = "CUDAExecutionProvider"
+VOCAB, HIDDEN = 16, 8
+FAULTS = r"""
+extern "C" __global__ void scribble(float* p, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) p[i] = 1.0f;
+}
+"""
+
+
+@pytest.fixture
+def sim(cuda_driver_mode):
+    from onnx_runtime_ep_cuda.driver import simulated
+
+    if not simulated():
+        pytest.skip("deferred execution and provoked faults: simulator only")
+    from onnx_runtime_ep_cuda.sim import driver as cu
+
+    yield cu
+    cu.configure(deferred=False, sticky_errors=False)
+
+
+@pytest.fixture
+def step_model():
+    """logits = Gather(E, token) @ W: one greedy step, token int64 [1], logits [1, VOCAB]."""
+    rng = np.random.default_rng(7)
+    embedding = rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32)
+    projection = rng.standard_normal((HIDDEN, VOCAB)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["embedding", "token"], ["hidden"]),
+             helper.make_node("MatMul", ["hidden", "projection"], ["logits"])]
+    model = make_model(nodes, [tensor_info("token", TensorProto.INT64, [1])], [tensor_info("logits", shape=[1, VOCAB])],
+                       [onnx.numpy_helper.from_array(embedding, "embedding"),
+                        onnx.numpy_helper.from_array(projection, "projection")])
+    return model, embedding, projection
+
+
+def _session(model, capture):
+    options = ort.SessionOptions()
+    if capture:
+        options.add_session_config_entry("session.graph_capture", "1")
+    return ort.InferenceSession(model.SerializeToString(), options, providers=[CUDA])
+
+
+def _bindings(sess):
+    return (sess.device_io_binding(DeviceBindingSpec.input("token", np.int64, (1,))),
+            sess.device_io_binding(DeviceBindingSpec.output("logits", np.float32, (1, VOCAB))))
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
+def test_a_bound_feed_rewritten_in_place_between_queued_replays_feeds_each_its_own_value(sim, step_model, capture):
+    """Each step's logits are copied on the device into a tensor of their own and nothing is read until the end:
+    every run is still queued when the next write_logical/write_bytes rewrites the token in place, so an upload
+    that overtook the queued run (or a replay reading a stale staging copy) shows as another step's logits."""
+    model, embedding, projection = step_model
+    sim.configure(deferred=True)
+    sess = _session(model, capture)
+    token, logits = _bindings(sess)
+    tokens = [1, 5, 2, 9, 3, 7, 11, 4, 14, 0]
+    kept = []
+    for step, value in enumerate(tokens):
+        if step % 2:
+            token.write_bytes(0, np.array([VOCAB - 1], np.int64))  # overwritten before the run: never seen
+            token.write_bytes(0, np.array([value], np.int64))
+        else:
+            token.write_logical(np.array([value], np.int64))
+        sess.run_with_device_bindings([token, logits])
+        copy = ort.Tensor.empty(DataType.FLOAT, (1, VOCAB), provider=logits.allocator)
+        logits.snapshot_device_into(copy, logits.nbytes)
+        kept.append(copy)
+    if capture:
+        runner = sess._executor.graphs  # noqa: SLF001  (the runner's counts: white box)
+        assert sess.device_graph_status() == "replaying" and runner.captures == 1
+        assert runner.replays == len(tokens) - 1  # the first run warms up; the capture launches its graph too
+    for value, copy in zip(tokens, kept):
+        np.testing.assert_allclose(copy.numpy(), embedding[[value]] @ projection, rtol=1e-5, atol=1e-5)
+        copy.close()
+    token.close()
+    logits.close()
+
+
+def test_a_binding_released_under_a_queued_replay_resets_its_graph_and_the_next_binding_captures_again(sim, step_model):
+    """A replay is queued (deferred) when the output binding its graph recorded is closed: the release resets that
+    graph and frees the memory once, nothing quarantined; a new output binding is captured afresh and never written
+    through the old graph, and memory allocated after the release is not written by the queued replay."""
+    from onnx_runtime.session.device_io_binding import quarantined_allocations
+
+    model, embedding, projection = step_model
+    sim.configure(deferred=True)
+    sess = _session(model, capture=True)
+    device = sess.provider_handle(CUDA)
+    quarantined = len(quarantined_allocations())
+    token, logits = _bindings(sess)
+    for value in (1, 2, 3):
+        token.write_logical(np.array([value], np.int64))
+        sess.run_with_device_bindings([token, logits])
+    graph, address = logits.device_graph_token, logits.device_ptr
+    assert sess.device_graph_status() == "replaying" and device.hook.has_owned_device_graph(token=graph)
+    token.write_logical(np.array([6], np.int64))
+    sess.run_with_device_bindings([token, logits])  # queued, not run
+    logits.close()
+    assert not device.hook.has_owned_device_graph(token=graph)
+    assert len(quarantined_allocations()) == quarantined
+    # Memory at the freed address, written by the host: a replay running after the free would overwrite it.
+    other = ort.Tensor.zeros(DataType.FLOAT, (1, VOCAB), provider=token.allocator)
+    fresh = sess.device_io_binding(DeviceBindingSpec.output("logits", np.float32, (1, VOCAB)))
+    runner = sess._executor.graphs  # noqa: SLF001  (the runner's counts: white box)
+    captures = runner.captures
+    for value in (4, 8, 12, 15):
+        token.write_logical(np.array([value], np.int64))
+        sess.run_with_device_bindings([token, fresh])
+        np.testing.assert_allclose(fresh.read_logical(), embedding[[value]] @ projection, rtol=1e-5, atol=1e-5)
+    assert runner.captures == captures + 1 and sess.device_graph_status() == "replaying"
+    assert fresh.device_ptr != address or not np.any(other.numpy())
+    assert not np.any(other.numpy())
+    other.close()
+    token.close()
+    fresh.close()
+    sess.close()
+    gc.collect()
+    allocations, frees = device.allocation_counts() or (0, 0)
+    assert allocations == frees
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["immediate", "deferred"])
+def test_bindings_alive_across_a_sticky_fault_are_refused_then_quarantined_and_the_device_recovers(
+        sim, step_model, deferred, tmp_path_factory):
+    """A kernel faults while a session replays on bindings: every use of those bindings (run, read, write) is the
+    typed fault error naming the kernel, their release quarantines the memory of the dead context with a warning
+    naming the binding (never a free on it), and a new session's bindings on the recovered device capture and
+    replay the right values."""
+    from onnx_runtime.session.device_io_binding import quarantined_allocations
+
+    model, embedding, projection = step_model
+    path = kernel_file(tmp_path_factory, "faults.cu", FAULTS)
+    sim.configure(deferred=deferred, sticky_errors=True)
+    sess = _session(model, capture=True)
+    token, logits = _bindings(sess)
+    for value in (1, 2, 3):
+        token.write_logical(np.array([value], np.int64))
+        sess.run_with_device_bindings([token, logits])
+    assert sess.device_graph_status() == "replaying"
+    device = sess.provider_handle(CUDA).provider.cuda_device()
+    with pytest.raises(CudaDeviceFaultError, match="faults.cu:scribble"):
+        function = device.function(device.load(path), "scribble")
+        device.launch(function, 1, 32, [(64, ctypes.c_void_p), (8, ctypes.c_int)])  # an address nothing maps
+        device.sync()
+    uses = {"run": lambda: sess.run_with_device_bindings([token, logits]),
+            "read": logits.read_logical,
+            "write": lambda: token.write_logical(np.array([4], np.int64))}
+    for use in uses.values():
+        with pytest.raises(CudaDeviceFaultError, match="faults.cu:scribble"):
+            use()
+    quarantined = len(quarantined_allocations())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        token.close()
+        logits.close()
+    messages = [str(w.message) for w in caught]
+    for name in ("token", "logits"):
+        assert any(f"'{name}'" in m and "faults.cu:scribble" in m and "quarantined" in m for m in messages), messages
+    assert len(quarantined_allocations()) == quarantined + 2
+    sess.close()
+    after = _session(model, capture=True)
+    token, logits = _bindings(after)
+    for value in (5, 6, 7, 10):
+        token.write_logical(np.array([value], np.int64))
+        after.run_with_device_bindings([token, logits])
+        np.testing.assert_allclose(logits.read_logical(), embedding[[value]] @ projection, rtol=1e-5, atol=1e-5)
+    assert after.device_graph_status() == "replaying"
+    token.close()
+    logits.close()
