@@ -310,7 +310,9 @@ def _gemm_for_shape(node, shapes, general):
         if a.shape != a_shape or b.shape != b_shape or dtype not in BLAS_FLOATS or b.dtype is not dtype \
                 or (c is None) != (c_shape is None) or (c is not None and (c.shape != c_shape or c.dtype is not dtype)):
             return general(a, b, c)
-        y = np.matmul(a.T if trans_a else a, b.T if trans_b else b)
+        # np.dot: np.matmul's BLAS call on 2-D operands (the same bits), without the generalized ufunc's dispatch
+        # (0.3 us of a streaming classifier's 1x64 by 64x12 Gemm)
+        y = np.dot(a.T if trans_a else a, b.T if trans_b else b)
         if c is not None:
             y += c
         return (y,)
