@@ -32,7 +32,7 @@ from .options import RunOptions, SessionOptions
 from .placement import Placement, place
 from .profiling import Profile
 from .provider_setup import FALLBACK_KEY, create_handles, resolve_providers
-from .specialize import Specializer
+from .specialize import Specializer, promote_built
 from .strict import STRICT_KEY
 
 
@@ -104,6 +104,7 @@ def _collector_paused():
         yield
     finally:
         if was_enabled:
+            promote_built()  # what creation made, to the oldest generation unscanned
             gc.enable()
 
 
