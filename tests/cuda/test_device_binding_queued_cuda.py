@@ -192,3 +192,51 @@ def test_bindings_alive_across_a_sticky_fault_are_refused_then_quarantined_and_t
     assert after.device_graph_status() == "replaying"
     token.close()
     logits.close()
+
+
+def test_a_replayed_decode_step_moves_no_host_bytes_by_transfer_stats_and_the_driver(sim, step_model, monkeypatch):
+    """Issue 21's target, asserted from both sides at once with the work queued (deferred): each replayed greedy step
+    (run, device argmax, device token writer) leaves every binding's transfer_stats as they were and makes no
+    host synchronization, no host transfer and one graph launch at the driver; the caller's single read at the end
+    is the only host traffic, counted once on the binding read."""
+    from test_device_graphs import CountingDriver
+
+    model, embedding, projection = step_model
+    sim.configure(deferred=True)
+    sess = _session(model, capture=True)
+    steps = 8
+    token, logits = _bindings(sess)
+    result = sess.device_io_binding(DeviceBindingSpec.scratch("argmax", np.uint32, (2,)))
+    mask = sess.device_io_binding(DeviceBindingSpec.scratch("mask", np.int64, (1, steps + 1)))
+    tokens = sess.device_io_binding(DeviceBindingSpec.scratch("tokens", np.uint32, (steps + 1,)))
+    bindings = [token, logits, result, mask, tokens]
+    token.write_logical(np.array([3], np.int64))
+    mask.write_logical(np.zeros((1, steps + 1), np.int64))
+    tokens.write_logical(np.zeros(steps + 1, np.uint32))
+    device = sess.provider_handle(CUDA).provider.cuda_device()
+    counting = CountingDriver(device.driver)
+    monkeypatch.setattr(device, "driver", counting)
+    per_step = []
+    for step in range(steps):
+        stats = [b.transfer_stats for b in bindings]
+        counting.calls.clear()
+        sess.run_with_device_bindings([token, logits])
+        logits.device_argmax(VOCAB, 1, result)
+        result.device_token_writer(token, None, mask, tokens, capacity=steps, next_position=step, mask_len=steps + 1,
+                                   step=step)
+        per_step.append((counting.syncs(), counting.host_transfers(), counting.calls.get("cuGraphLaunch", 0),
+                         [b.transfer_stats for b in bindings] == stats))
+    assert sess.device_graph_status() == "replaying"
+    assert all(step == (0, 0, 1, True) for step in per_step[2:]), per_step
+    before = tokens.transfer_stats
+    drained = tokens.read_logical()
+    assert tokens.transfer_stats == ort.DeviceBindingTransferStats(
+        before.host_upload_calls, before.host_upload_bytes, before.host_download_calls + 1,
+        before.host_download_bytes + tokens.nbytes)
+    want, last = [], 3
+    for _ in range(steps):
+        last = int(np.argmax(embedding[last] @ projection))
+        want.append(last)
+    assert drained[:steps].tolist() == want
+    for binding in bindings:
+        binding.close()
