@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import threading
 import warnings
 
 import numpy as np
@@ -240,3 +241,57 @@ def test_a_replayed_decode_step_moves_no_host_bytes_by_transfer_stats_and_the_dr
     assert drained[:steps].tolist() == want
     for binding in bindings:
         binding.close()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["a-session-each", "one-session"])
+def test_eight_threads_run_greedy_loops_on_bindings_with_work_queued_and_blocks_shuffled(sim, step_model, shared):
+    """Eight threads on one device, each a greedy loop on its own bindings (run, device argmax, device token
+    writer, captured then replayed) with deferred execution and blocks in shuffled order: on sessions of their own
+    (a lane each) and all on one session (its run lock), every thread's tokens are its single-threaded tokens."""
+    model, embedding, projection = step_model
+    sim.configure(deferred=True, shuffle_blocks=7)
+    threads, steps = 8, 8
+    one = _session(model, capture=True) if shared else None
+    sessions, failures = [], []
+    barrier = threading.Barrier(threads)
+
+    def loop(start: int) -> None:
+        sess = one or _session(model, capture=True)
+        sessions.append(sess)
+        token, logits = _bindings(sess)
+        result = sess.device_io_binding(DeviceBindingSpec.scratch("argmax", np.uint32, (2,)))
+        mask = sess.device_io_binding(DeviceBindingSpec.scratch("mask", np.int64, (1, steps + 1)))
+        tokens = sess.device_io_binding(DeviceBindingSpec.scratch("tokens", np.uint32, (steps + 1,)))
+        token.write_logical(np.array([start], np.int64))
+        mask.write_logical(np.zeros((1, steps + 1), np.int64))
+        tokens.write_logical(np.zeros(steps + 1, np.uint32))
+        barrier.wait()
+        try:
+            for step in range(steps):
+                sess.run_with_device_bindings([token, logits])
+                logits.device_argmax(VOCAB, 1, result)
+                result.device_token_writer(token, None, mask, tokens, capacity=steps, next_position=step,
+                                           mask_len=steps + 1, step=step)
+            want, last = [], start
+            for _ in range(steps):
+                last = int(np.argmax(embedding[last] @ projection))
+                want.append(last)
+            got = tokens.read_logical()[:steps].tolist()
+            if got != want:
+                failures.append(f"thread {start}: {got} != {want}")
+        except Exception as exc:  # noqa: BLE001 - every failure is reported below
+            failures.append(f"thread {start}: {type(exc).__name__}: {exc}")
+        finally:
+            for binding in (token, logits, result, mask, tokens):
+                binding.close()
+
+    workers = [threading.Thread(target=loop, args=(start,)) for start in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert not failures, failures[:3]
+    for sess in {id(s): s for s in sessions}.values():
+        runner = sess._executor.graphs  # noqa: SLF001  (the runner's counts: white box)
+        assert sess.device_graph_status() == "replaying"
+        assert runner.replays == (threads if shared else 1) * (steps - 1)  # every run after each warm-up replayed
