@@ -1,5 +1,6 @@
 """The small-plane depthwise loops (compiled/depthwise_small.py, algorithms/conv_depthwise_small.py): the
-channels-last pair sums (5x5-and-larger windows onto few outputs) and the flat planes (stride-1 windows keeping
+channels-last pair sums (5x5-and-larger windows, or 3x3 ones over planes of up to 16 pixels, onto few outputs)
+and the flat planes (stride-1 windows keeping
 a small plane's size): against a float64 reference (onnx's evaluator
 on the inputs in float64) and onnxruntime, through sessions (the Conv alone, fused with an activation, and
 with a residual sum), for strides, dilations, uneven pads and batches. No ISA-specific code: the loop is plain
@@ -24,11 +25,14 @@ CASES = {
     "7x7, uneven pads, 2 images": ((2, 16, 4, 4), (7, 7), dict(pads=[3, 1, 2, 4])),
     "5x5/2 dilated 2": ((1, 24, 6, 6), (5, 5), dict(pads=[4, 4, 4, 4], strides=[2, 2], dilations=[2, 2])),
     "5x5/(1,2), no pads": ((1, 33, 6, 8), (5, 5), dict(strides=[1, 2])),
+    "3x3 on 4x4, 2 images": ((2, 96, 4, 4), (3, 3), dict(pads=[1, 1, 1, 1])),  # (small planes: PAIRS_SMALL_INPUTS)
+    "3x3 on 2x2, 3 images": ((3, 40, 2, 2), (3, 3), dict(pads=[1, 1, 1, 1])),
+    "3x3/2 on 4x4": ((1, 32, 4, 4), (3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2])),
 }
 # (x shape, kernel, attributes): each taken by the flat planes
 FLAT_CASES = {
     "3x3 on 8x8": ((1, 72, 8, 8), (3, 3), dict(pads=[1, 1, 1, 1])),
-    "3x3 on 4x4, 2 images": ((2, 96, 4, 4), (3, 3), dict(pads=[1, 1, 1, 1])),
+    "3x3 on 4x4, 8 channels": ((2, 8, 4, 4), (3, 3), dict(pads=[1, 1, 1, 1])),  # (too few for the pair sums)
     "5x5 on 8x8": ((1, 40, 8, 8), (5, 5), dict(pads=[2, 2, 2, 2])),
     "3x3 dilated 2 on 6x7": ((1, 8, 6, 7), (3, 3), dict(pads=[2, 2, 2, 2], dilations=[2, 2])),
     "2x2, uneven pads": ((1, 5, 8, 8), (2, 2), dict(pads=[1, 0, 0, 1])),

@@ -21,16 +21,23 @@ from .window import Geometry
 PAIRS_MAX_INPUTS, PAIRS_MAX_OUTPUTS = 64, 16
 PAIRS_MIN_TAPS = 25
 PAIRS_MIN_CHANNELS = 16
+# ... and 3x3 windows (at least PAIRS_SMALL_TAPS taps) over planes of up to PAIRS_SMALL_INPUTS pixels, where the
+# flat planes pay their per-plane setup for a handful of outputs (one thread, min of 50 calls, load 13:
+# 1152 channels of 2x2 at batch 32 1190 -> 261 us, at batch 1 64 -> 16 us; 480 of 4x4 752 -> 347 and 28 -> 17 us;
+# 240 of 8x8 662 against 717 us, kept flat).
+PAIRS_SMALL_TAPS, PAIRS_SMALL_INPUTS = 9, 16
 # The flat planes win on planes of up to this many pixels (8x8 3x3 windows: 72 channels 8.3 -> 4.9 us, 240
 # channels 19.5 -> 15.5 us; 4x4: 6.2 -> 4.3 us); on 16x16 and larger the plane loops' row tiles are faster.
 FLAT_MAX_PIXELS = 64
 
 
 def pairs_depthwise_apply(geo: Geometry, x: np.ndarray, m: int) -> bool:
-    """Whether the pair sums run this depthwise convolution (one output per channel)."""
+    """Whether the pair sums run this depthwise convolution (one output per channel): 5x5 windows and larger, or
+    3x3 ones over planes of up to PAIRS_SMALL_INPUTS pixels."""
+    taps, inputs = math.prod(geo.kernel), math.prod(geo.in_shape)
     return (takes_compiled(x) and len(geo.kernel) == 2 and m == x.shape[1] >= PAIRS_MIN_CHANNELS and x.size > 0
-            and math.prod(geo.kernel) >= PAIRS_MIN_TAPS and 0 < math.prod(geo.out) <= PAIRS_MAX_OUTPUTS
-            and math.prod(geo.in_shape) <= PAIRS_MAX_INPUTS)
+            and (taps >= PAIRS_MIN_TAPS or (taps >= PAIRS_SMALL_TAPS and inputs <= PAIRS_SMALL_INPUTS))
+            and 0 < math.prod(geo.out) <= PAIRS_MAX_OUTPUTS and inputs <= PAIRS_MAX_INPUTS)
 
 
 def flat_depthwise_apply(geo: Geometry, x: np.ndarray, m: int) -> bool:
