@@ -459,7 +459,7 @@ def _drop_if_unread(view: GraphView, node: Node, reader: Node, removed: list[Nod
         removed.append(node)
 
 
-def fuse_quantized_linear(graph: Graph, owns=None, kinds=frozenset(_LINEAR)) -> bool:
+def fuse_quantized_linear(graph: Graph, owns=None, kinds=frozenset(_LINEAR), conv_ranks=(3, 4, 5)) -> bool:
     """DequantizeLinear(codes) -> MatMul/Gemm/Conv (weight: DequantizeLinear of constant codes, per tensor or
     per output channel; or, for MatMul, a second dequantized activation) -> QuantizeLinear: one node computing
     the integer product of the codes, requantized once (ops/qdq_linear.py), as onnxruntime's QDQ transformer
@@ -474,6 +474,8 @@ def fuse_quantized_linear(graph: Graph, owns=None, kinds=frozenset(_LINEAR)) -> 
         if group is None:
             continue
         dq_a, a_params, dq_b, b_params, quantize, _ = group
+        if node.op_type == "Conv" and _constant(view, dq_b.inputs[0]).ndim not in conv_ranks:
+            continue
         removed = [node, quantize]
         _drop_if_unread(view, dq_a, node, removed)
         _drop_if_unread(view, dq_b, node, removed)
@@ -753,18 +755,19 @@ def _early(graph_pass):
 
 
 def fuse_quantized_matmul(graph: Graph, owns=None) -> bool:
-    """fuse_quantized_linear of MatMul and Gemm groups only."""
-    return fuse_quantized_linear(graph, owns, _PRODUCTS)
+    """fuse_quantized_linear of MatMul and Gemm groups and of 1-D convolutions (a 3-D weight: an audio
+    encoder's Conv1d stem), whose patch rows run QuantizedMatMul's integer product."""
+    return fuse_quantized_linear(graph, owns, _PRODUCTS, (3,))
 
 
-_PRODUCTS = frozenset({"MatMul", "Gemm"})
+_PRODUCTS = frozenset({"MatMul", "Gemm", "Conv"})
 
 # The integer groups compute what onnxruntime's QDQ kernels compute. For MatMul and Gemm they are the default:
 # one node per group in place of a rounding node, a float product and the next rounding node, which on the
 # zoo's transformer encoders measured 1.56 -> 1.39 (t5), 2.07 -> 1.73 (vit), 1.86 -> 1.81 (bert), one thread,
-# CPU time against onnxruntime. A convolution has no integer kernel (it runs the float one on the centred
-# codes), which measured slower than the float path with its roundings (resnet 2.19 -> 2.67); Conv groups stay
-# out of the default passes (INTEGER_GROUP_PASSES has them, for a caller to add before QDQ_PASSES).
+# CPU time against onnxruntime. A 2-D convolution group measured slower than the float path with its roundings
+# (resnet 2.19 -> 2.67, before its patch rows took the integer product); those stay out of the default passes
+# (INTEGER_GROUP_PASSES has every rank, for a caller to add before QDQ_PASSES). 1-D ones (whisper's Conv1d) are in.
 _MATMUL_GROUP_PASSES = [_early(until_fixed(fuse_quantized_matmul)), _early(until_fixed(absorb_quantize)),
                         _early(until_fixed(absorb_dequantize))]
 INTEGER_GROUP_PASSES = [_early(until_fixed(fuse_quantized_linear)), _early(until_fixed(absorb_quantize)),

@@ -108,6 +108,12 @@ def _requantizing_cases():
                                                _consts(True, True), row, after, np.empty((6, 20), F32))),
         ("qgemm.requantized_batched_product", (_data(3, 5, 16), _data(3, 16, 7), one, zero_offset,
                                                _consts(True, True, b_quantize=True), np.empty((3, 5, 7), F32))),
+        # a QDQ Conv's patch rows: 8-bit codes padded with their zero point, float32 data padded with 0.0
+        ("dynamic_conv.quantized_conv", (RNG.integers(0, 256, (2, 3, 4, 9)).astype(np.uint8), np.uint8(7), 2, 3, 1,
+                                         2, 1, 1, 1, 0, 1, 1, 4, 5, _packed(5, 18), no_pairs, per_column[:5],
+                                         per_column_offset[:5], _consts(False, False), np.empty((2, 5, 20), np.uint8))),
+        ("dynamic_conv.quantized_conv", (_data(1, 4, 1, 11), F32(0), 1, 3, 1, 2, 1, 2, 0, 0, 1, 2, 1, 5, packed[:, :12],
+                                         no_pairs, one, zero_offset, _consts(True, True), np.empty((1, 20, 5), F32))),
         ("qgemm.qgemm", (a8, 7, packed, no_pairs, RNG.integers(-5000, 5000, 20).astype(np.int32), per_column, 120,
                          0, 255, True, np.empty((6, 20), np.uint8))),
         ("qgemm.qgemm", (a8, 7, packed, no_pairs, np.zeros(0, np.int32), one, 0, 0, 0, False,

@@ -4,7 +4,7 @@ quantization writes each Conv as DynamicQuantizeLinear -> ConvInteger -> Cast ->
 it), its codes gathered into patch rows (padding takes the zero point's code, as ConvInteger pads), and the
 rows multiplied by the packed weight with scaled_product's exact int32 accumulation and float64 rescaling.
 QLinearConv (ops/quantization.py) runs the same patch rows of its 8-bit input through QGemm's requantizing
-product (qgemm.qgemm).
+product (qgemm.qgemm), and a QDQ Conv group (ops/qdq_linear.py) through qgemm.requantized_product.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
-from .qgemm import qgemm, scaled_product
+from .qgemm import qgemm, requantized_product, scaled_product
 from .quantize import dynamic_parameters
 
 
@@ -112,6 +112,31 @@ def qlinear_conv(x, x_zero, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh
     columns = out.shape[1]
     y = np.empty((batch * spots, columns), out.dtype)
     qgemm(rows, x_zero, packed, pairs, c, multiplier, zero, low, high, True, y)
+    for b in range(batch):
+        for m in range(columns):
+            target = out[b, m]
+            for p in range(spots):
+                target[p] = y[b * spots + p, m]
+
+
+@jit
+def quantized_conv(x, pad, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, packed, pairs, multiplier,
+                   offset, consts, out):
+    """A QDQ Conv group (ops/qdq_linear.quantized_conv) of contiguous ``x`` (N, C, H, W): its 8-bit codes, or
+    float32 data quantized as QuantizeLinear does (``consts``, qgemm's layout, says which). Padding takes ``pad``
+    (x's zero point, or 0.0, whose code is the zero point: the centred value 0 either way, as the float
+    convolution of the dequantized input pads); the patch rows go through qgemm.requantized_product (int32 sum
+    of the centred codes times packed (M, C*KH*KW), then requantize_affine per output channel) into ``out``
+    (N, M, OH * OW): codes, or their float32 values where consts says dequantize."""
+    codes = _padded_copy(x, pad, top, bottom, left, right)
+    batch, channels = x.shape[0], x.shape[1]
+    spots = oh * ow
+    rows = np.empty((batch * spots, channels * kh * kw), x.dtype)
+    _patch_rows(codes, channels, x.shape[2] + top + bottom, x.shape[3] + left + right, kh, kw, sh, sw, dh, dw, oh,
+                ow, rows)
+    columns = out.shape[1]
+    y = np.empty((batch * spots, columns), out.dtype)
+    requantized_product(rows, packed, pairs, multiplier, offset, consts, y)
     for b in range(batch):
         for m in range(columns):
             target = out[b, m]

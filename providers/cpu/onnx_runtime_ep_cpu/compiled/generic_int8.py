@@ -273,6 +273,21 @@ def rounded_rms_rows(x, means, weight, params, table, out):
 
 
 _COMPILED = "onnx_runtime_ep_cpu.compiled."
+def quantized_conv(x, pad, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, packed, pairs, multiplier,
+                   offset, consts, out):
+    """compiled/dynamic_conv.quantized_conv: the padded input's patch rows (row (b, r, q), column (c, i, j))
+    through requantized_product, written (N, M, OH * OW)."""
+    batch, channels, height, width = x.shape
+    padded = np.full((batch, channels, height + top + bottom, width + left + right), pad, x.dtype)
+    padded[:, :, top:top + height, left:left + width] = x
+    taps = [padded[:, :, i * dh:i * dh + (oh - 1) * sh + 1:sh, j * dw:j * dw + (ow - 1) * sw + 1:sw]
+            for i in range(kh) for j in range(kw)]
+    rows = np.stack(taps, axis=2).transpose(0, 3, 4, 1, 2).reshape(batch * oh * ow, channels * kh * kw)
+    y = np.empty((batch * oh * ow, out.shape[1]), out.dtype)
+    requantized_product(rows, packed, pairs, multiplier, offset, consts, y)
+    out[...] = y.reshape(batch, oh * ow, -1).transpose(0, 2, 1)
+
+
 GENERIC_INT8 = {
     _COMPILED + "rounded_gelu.rounded_gelu": rounded_gelu,
     _COMPILED + "rounded_norm.rounded_rms_norm": rounded_rms_norm,
@@ -298,4 +313,5 @@ GENERIC_INT8 = {
     _COMPILED + "quantize.softmax_codes": softmax_codes,
     _COMPILED + "qgemm.qgemm": qgemm,
     _COMPILED + "qgemm.requantized_product_add": requantized_product_add,
+    _COMPILED + "dynamic_conv.quantized_conv": quantized_conv,
 }

@@ -23,6 +23,7 @@ from operator import is_
 import numpy as np
 from onnx_runtime.errors import OnnxRuntimeError
 
+from ..algorithms.patch_geometry import patch_geometry
 from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import integer_range
 from ..algorithms.repeat_call import RepeatCall
@@ -353,13 +354,18 @@ def _stacked(node, qgemm, a, b, p) -> np.ndarray:
 
 @register("QuantizedConv", domain=FUSED_DOMAIN, since=1)
 def quantized_conv(node, shapes, opset):
-    """A QDQ Conv: the exact convolution of the centred codes (ops/quantization.integer_conv, quantizing x
-    in the same pass with ``quantize_a``), then one requantizing pass per output channel."""
+    """A QDQ Conv: for group 1 (1-D and 2-D, explicit pads) its patch rows through the integer product of
+    QuantizedMatMul in one compiled call (compiled/dynamic_conv.quantized_conv: x quantized, gathered, the int32
+    product against the weight packed once, requantized per output channel); otherwise the exact float
+    convolution of the centred codes (ops/quantization.integer_conv, quantizing x in the same pass with
+    ``quantize_a``), then one requantizing pass per output channel. Both give the same codes (exact sums, the
+    same float64 rounding)."""
     from ..compiled import quantize as compiled
 
     run = integer_conv(node, shapes, opset)
     quantize_a, dequantize = bool(node.attr("quantize_a", 0)), bool(node.attr("dequantize", 0))
     params = Prepared()
+    rows = _conv_rows(node, quantize_a, dequantize)
 
     def kernel(x, x_scale, x_zero, w, w_scale, w_zero, y_scale, y_zero, bias=None):
         if w.ndim < 3 or x.ndim != w.ndim:
@@ -369,6 +375,9 @@ def quantized_conv(node, shapes, opset):
             node, channels, x_scale, x_zero, w_scale, w_zero, y_scale, y_zero, bias))
         _operand(node, "W", w, False, p.b_dtype)
         _operand(node, "X", x, quantize_a, p.a_dtype)
+        out = rows(x, w, w_zero, p)
+        if out is not None:
+            return (out,)
         acc = run(x, w, x_zero, w_zero, (p.a_scale, p.a_low, p.a_high) if quantize_a else None)
         out = np.empty(acc.shape, _F32 if dequantize else p.y_dtype)
         if out.size:
@@ -378,6 +387,49 @@ def quantized_conv(node, shapes, opset):
         return (out,)
 
     return kernel
+
+
+def _conv_rows(node, quantize_a: bool, dequantize: bool):
+    """quantized_conv's compiled call: a function of (x, w, w_zero, the group's _Requantization) giving the
+    output, or None where the call does not take them (another group count or auto_pad, a geometry
+    patch_geometry declines). While numba loads in the background its numpy twin (generic_int8) serves."""
+    auto_pad = node.attr("auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if int(node.attr("group", 1)) != 1 or auto_pad != "NOTSET":
+        return lambda *inputs: None
+    geometries: dict = {}  # per (X's shape, W's shape): patch_geometry's answer
+    side: list = [None, None, None]  # the weight, its zero point, then (packed, pairs)
+
+    def call(x, w, w_zero, p):
+        from ..compiled import dynamic_conv, qgemm  # (found in sys.modules after the first call)
+
+        key = (x.shape, w.shape)
+        geometry = geometries.get(key)
+        if geometry is None:
+            geometry = patch_geometry(node, x.shape, w.shape)
+            if geometry is None:
+                return None
+            if len(geometries) < 16:
+                geometries[key] = geometry
+        if side[0] is w and side[1] is w_zero:
+            packed, pairs = side[2]
+        else:
+            packed = np.empty((w.shape[0], w[0].size), np.int16)
+            qgemm.pack_columns(w.reshape(w.shape[0], -1).T, p.b_zeros, packed)
+            packed = qgemm.compact(packed)
+            pairs = qgemm.pairs_for(packed)
+            if not w.flags.writeable and not w_zero.flags.writeable:
+                side[:] = [w, w_zero, (packed, pairs)]
+        if p.consts is None:
+            p.consts = p.compiled_consts(quantize_a, False, dequantize)
+        shape4, steps, out_shape, (oh, ow) = geometry
+        out = np.empty(out_shape, _F32 if dequantize else p.y_dtype)
+        pad = np.float32(0) if quantize_a else x.dtype.type(p.a_zero)
+        dynamic_conv.quantized_conv(np.ascontiguousarray(x).reshape(shape4), pad, *steps, oh, ow, packed, pairs,
+                                    p.multiplier, p.offset, p.consts, out.reshape(out_shape[0], out_shape[1], oh * ow))
+        return out
+
+    return call
 
 
 @register("QLinearMatMulAdd", domain=FUSED_DOMAIN, since=1)
