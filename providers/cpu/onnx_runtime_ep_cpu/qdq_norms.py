@@ -23,6 +23,7 @@ from onnx_runtime.ir import Graph, Node
 from .fusions import FUSED_DOMAIN, GraphView, owned
 
 _F32 = np.dtype(np.float32)
+SQUARES = "squares_"  # the prefix of a squares' GridTable's attributes on RoundedRMSNorm (ops/qdq_norm.py)
 
 
 def _sole(view: GraphView, name: str, op_type: str, domain: str) -> Node | None:
@@ -63,17 +64,47 @@ def _mean_of_last_axis(view: GraphView, mean: Node, rank: int) -> bool:
     return len(axes) == 1 and axes[0] in (-1, rank - 1)
 
 
-def _chain(graph: Graph, view: GraphView, pow_: Node) -> tuple | None:
-    """(nodes, fused inputs, GridTable) of an RMS normalization starting at ``pow_``, else None."""
-    if pow_.op_type != "Pow" or pow_.domain or len(pow_.inputs) != 2 or len(pow_.outputs) != 1:
+def _squares_table(graph: Graph, view: GraphView, squares: Node) -> tuple | None:
+    """(x, rank, depth) where ``squares`` is a GridTable of y whose sole reader's chain multiplies x, and x is y or a
+    QuantizeDequantize of y (so of y's shape, element for element); else None."""
+    if squares.op_type != "GridTable" or squares.domain != FUSED_DOMAIN or not _scalars(view, squares.inputs[1:]):
         return None
-    x = pow_.inputs[0]
-    exponent = view.const(pow_.inputs[1])
+    y = squares.inputs[0]
+    mean = _sole(view, squares.outputs[0], "ReduceMeanRounded", FUSED_DOMAIN)
+    table = None if mean is None else _sole(view, mean.outputs[0], "GridTable", FUSED_DOMAIN)
+    product = None if table is None else _sole(view, table.outputs[0], "MulRounded", FUSED_DOMAIN)
+    if product is None or len(product.inputs) != 4 or table.outputs[0] not in product.inputs[:2]:
+        return None
+    x = product.inputs[1] if product.inputs[0] == table.outputs[0] else product.inputs[0]
+    if x != y:
+        source = view.producer.get(x)
+        if source is None or source.op_type != "QuantizeDequantize" or source.domain != FUSED_DOMAIN \
+                or source.inputs[0] != y or not _scalars(view, source.inputs[1:]):
+            return None
     found = _last_dim(graph, x)
-    if exponent is None or exponent.dtype != _F32 or exponent.size != 1 or exponent.reshape(-1)[0] != 2 \
-            or found is None or view.const(x) is not None:
-        return None
-    rank, depth = found
+    return None if found is None or _last_dim(graph, y) is None or view.const(y) is not None else (x, *found)
+
+
+def _chain(graph: Graph, view: GraphView, pow_: Node) -> tuple | None:
+    """(nodes, fused inputs, GridTable, squares' GridTable or None) of an RMS normalization starting at ``pow_`` (a
+    Pow, or a GridTable making the squares: a Cast's rounding before the Pow makes the Pow a table of the cast's
+    input), else None."""
+    squares = None
+    if pow_.op_type == "GridTable":
+        found = _squares_table(graph, view, pow_)
+        if found is None:
+            return None
+        squares, (x, rank, depth) = pow_, found
+    else:
+        if pow_.op_type != "Pow" or pow_.domain or len(pow_.inputs) != 2 or len(pow_.outputs) != 1:
+            return None
+        x = pow_.inputs[0]
+        exponent = view.const(pow_.inputs[1])
+        found = _last_dim(graph, x)
+        if exponent is None or exponent.dtype != _F32 or exponent.size != 1 or exponent.reshape(-1)[0] != 2 \
+                or found is None or view.const(x) is not None:
+            return None
+        rank, depth = found
     mean = _sole(view, pow_.outputs[0], "ReduceMeanRounded", FUSED_DOMAIN)
     if mean is None or mean.inputs[0] != pow_.outputs[0] or not _mean_of_last_axis(view, mean, rank):
         return None
@@ -92,8 +123,9 @@ def _chain(graph: Graph, view: GraphView, pow_: Node) -> tuple | None:
         if value is not None and value.dtype == _F32 and value.shape == (depth,):
             nodes.append(scale)
             weight, output = other, scale.outputs[0]
-    inputs = [x, weight, *mean.inputs[-2:], *product.inputs[2:], *table.inputs[1:]]
-    return nodes, inputs, output, table
+    inputs = [x, weight, *mean.inputs[-2:], *product.inputs[2:],
+              *([] if squares is None else squares.inputs), *table.inputs[1:]]
+    return nodes, inputs, output, table, squares
 
 
 def fuse_rounded_rms_norm(graph: Graph, owns=None) -> bool:
@@ -107,9 +139,13 @@ def fuse_rounded_rms_norm(graph: Graph, owns=None) -> bool:
         found = _chain(graph, view, node)
         if found is None or not owned(owns, found[0]) or any(id(n) in gone for n in found[0]):
             continue
-        nodes, inputs, output, table = found
+        nodes, inputs, output, table, squares = found
+        attrs = dict(table.attrs or {})
+        if squares is not None:  # its inputs (y, grid, constants) come before the table's, its attributes prefixed
+            attrs.update({SQUARES + key: value for key, value in (squares.attrs or {}).items()})
+            attrs[SQUARES + "inputs"] = len(squares.inputs)
         fused[id(nodes[-1])] = Node("RoundedRMSNorm", inputs, [output], name=f"{nodes[-1].name}/rms_norm",
-                                    domain=FUSED_DOMAIN, attrs=dict(table.attrs or {}), opset=1)
+                                    domain=FUSED_DOMAIN, attrs=attrs, opset=1)
         gone.update(id(n) for n in nodes[:-1])
         for n in nodes[:-1]:
             graph.value_info.pop(n.outputs[0], None)
