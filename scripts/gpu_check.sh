@@ -102,7 +102,8 @@ if [ "$DRY" -eq 1 ]; then
     unset ONNX_RUNTIME_CUDA_TESTS
     tests=(tests/cuda/test_device_faults.py tests/cuda/test_concurrency.py tests/cuda/test_simulator_modes.py
            tests/cuda/test_streams_per_session_cuda.py tests/cuda/test_streams_lent_memory_cuda.py
-           tests/cuda/test_streams_session_sync_cuda.py tests/cuda/test_device_graph_recapture_cuda.py)
+           tests/cuda/test_streams_session_sync_cuda.py tests/cuda/test_device_graph_recapture_cuda.py
+           tests/cuda/test_device_binding_queued_cuda.py)
 else
     phase "tests/cuda on the real driver (limit ${TEST_LIMIT}s, ${TEST_LIMIT_EACH:-120}s per test)"
     export ONNX_RUNTIME_CUDA_TESTS=real
@@ -113,7 +114,7 @@ else
     tests=(--ignore=tests/cuda/test_simulator.py --ignore=tests/cuda/test_simulator_modes.py
            tests/cuda/test_device_memory.py tests/cuda/test_device_faults.py tests/cuda/test_concurrency.py
            tests/cuda/test_streams_per_session_cuda.py tests/cuda/test_streams_lent_memory_cuda.py
-           tests/cuda/test_streams_session_sync_cuda.py tests/cuda/test_device_graph_recapture_cuda.py
+           tests/cuda/test_streams_session_sync_cuda.py tests/cuda/test_device_graph_recapture_cuda.py tests/cuda/test_device_binding_queued_cuda.py
            tests/cuda/test_streams_cross_free_cuda.py tests/cuda/test_device_graphs.py tests/cuda/test_validation.py tests/cuda/test_decode.py
            tests/cuda/test_decode_step_counter_cuda.py tests/cuda/test_validation_in_graph_cuda.py tests/cuda/test_capture_models.py tests/cuda/test_ops_attention.py tests/cuda/test_ops_linalg.py
            tests/cuda/test_ops_conv.py tests/cuda/test_light_models_cuda.py tests/cuda/test_ops_channel_norm.py

@@ -45,6 +45,22 @@ def sim(cuda_driver_mode):
 
 
 @pytest.fixture
+def queued(cuda_driver_mode):
+    """Work left queued when the host goes on: the simulator in deferred mode with blocks in shuffled order (seeded),
+    or a GPU, where it is so anyway (scripts/gpu_check.sh runs these there)."""
+    from onnx_runtime_ep_cuda.driver import simulated
+
+    if not simulated():
+        yield
+        return
+    from onnx_runtime_ep_cuda.sim import driver as cu
+
+    previous = cu.configure(deferred=True, shuffle_blocks=7)
+    yield
+    cu.configure(**previous)
+
+
+@pytest.fixture
 def step_model():
     """logits = Gather(E, token) @ W: one greedy step, token int64 [1], logits [1, VOCAB]."""
     rng = np.random.default_rng(7)
@@ -71,12 +87,11 @@ def _bindings(sess):
 
 
 @pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
-def test_a_bound_feed_rewritten_in_place_between_queued_replays_feeds_each_its_own_value(sim, step_model, capture):
+def test_a_bound_feed_rewritten_in_place_between_queued_replays_feeds_each_its_own_value(queued, step_model, capture):
     """Each step's logits are copied on the device into a tensor of their own and nothing is read until the end:
     every run is still queued when the next write_logical/write_bytes rewrites the token in place, so an upload
     that overtook the queued run (or a replay reading a stale staging copy) shows as another step's logits."""
     model, embedding, projection = step_model
-    sim.configure(deferred=True)
     sess = _session(model, capture)
     token, logits = _bindings(sess)
     tokens = [1, 5, 2, 9, 3, 7, 11, 4, 14, 0]
@@ -102,14 +117,14 @@ def test_a_bound_feed_rewritten_in_place_between_queued_replays_feeds_each_its_o
     logits.close()
 
 
-def test_a_binding_released_under_a_queued_replay_resets_its_graph_and_the_next_binding_captures_again(sim, step_model):
+def test_a_binding_released_under_a_queued_replay_resets_its_graph_and_the_next_binding_captures_again(queued,
+                                                                                                      step_model):
     """A replay is queued (deferred) when the output binding its graph recorded is closed: the release resets that
     graph and frees the memory once, nothing quarantined; a new output binding is captured afresh and never written
     through the old graph, and memory allocated after the release is not written by the queued replay."""
     from onnx_runtime.session.device_io_binding import quarantined_allocations
 
     model, embedding, projection = step_model
-    sim.configure(deferred=True)
     sess = _session(model, capture=True)
     device = sess.provider_handle(CUDA)
     quarantined = len(quarantined_allocations())
@@ -195,7 +210,7 @@ def test_bindings_alive_across_a_sticky_fault_are_refused_then_quarantined_and_t
     logits.close()
 
 
-def test_a_replayed_decode_step_moves_no_host_bytes_by_transfer_stats_and_the_driver(sim, step_model, monkeypatch):
+def test_a_replayed_decode_step_moves_no_host_bytes_by_transfer_stats_and_the_driver(queued, step_model, monkeypatch):
     """Issue 21's target, asserted from both sides at once with the work queued (deferred): each replayed greedy step
     (run, device argmax, device token writer) leaves every binding's transfer_stats as they were and makes no
     host synchronization, no host transfer and one graph launch at the driver; the caller's single read at the end
@@ -203,7 +218,6 @@ def test_a_replayed_decode_step_moves_no_host_bytes_by_transfer_stats_and_the_dr
     from test_device_graphs import CountingDriver
 
     model, embedding, projection = step_model
-    sim.configure(deferred=True)
     sess = _session(model, capture=True)
     steps = 8
     token, logits = _bindings(sess)
@@ -244,12 +258,11 @@ def test_a_replayed_decode_step_moves_no_host_bytes_by_transfer_stats_and_the_dr
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["a-session-each", "one-session"])
-def test_eight_threads_run_greedy_loops_on_bindings_with_work_queued_and_blocks_shuffled(sim, step_model, shared):
+def test_eight_threads_run_greedy_loops_on_bindings_with_work_queued_and_blocks_shuffled(queued, step_model, shared):
     """Eight threads on one device, each a greedy loop on its own bindings (run, device argmax, device token
     writer, captured then replayed) with deferred execution and blocks in shuffled order: on sessions of their own
     (a lane each) and all on one session (its run lock), every thread's tokens are its single-threaded tokens."""
     model, embedding, projection = step_model
-    sim.configure(deferred=True, shuffle_blocks=7)
     threads, steps = 8, 8
     one = _session(model, capture=True) if shared else None
     sessions, failures = [], []
