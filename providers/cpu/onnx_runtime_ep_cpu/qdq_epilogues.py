@@ -17,6 +17,7 @@ import numpy as np
 from onnx_runtime.ir import Graph, Node
 
 from .fusions import FUSED_DOMAIN, GraphView, owned
+from .qdq_concat_inputs import fold_concat_input_roundings
 from .qdq_norms import fuse_rounded_rms_norm
 from .registry import NEEDS, lookup
 
@@ -104,4 +105,5 @@ def fold_rounding_epilogues(graph: Graph, owns=None) -> bool:
     return True
 
 
-QDQ_EPILOGUE_PASSES = [fold_rounding_epilogues, fuse_rounded_rms_norm]  # (the norms read the Rounded nodes)
+# (the norms and the Concat inputs read the Rounded nodes)
+QDQ_EPILOGUE_PASSES = [fold_rounding_epilogues, fuse_rounded_rms_norm, fold_concat_input_roundings]
