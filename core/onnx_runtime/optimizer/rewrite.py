@@ -135,6 +135,15 @@ def add_initializer(graph: Graph, name: str, array: np.ndarray) -> None:
     graph.value_info[name] = ValueInfo(name, tensor_type(array))
 
 
+def fresh_name(graph: Graph, base: str) -> str:
+    """``base``, or ``base_1``, ``base_2``, ...: the first that names no constant and no typed value of the graph."""
+    name, index = base, 0
+    while name in graph.initializers or graph.type_of(name) is not None:
+        index += 1
+        name = f"{base}_{index}"
+    return name
+
+
 def forget_value(graph: Graph, name: str) -> None:
     """Drop what the graph knows about a value that no longer exists."""
     if name and name not in {vi.name for vi in graph.inputs} | {vi.name for vi in graph.outputs}:

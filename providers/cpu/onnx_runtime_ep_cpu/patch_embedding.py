@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 from onnx_runtime.ir import Graph, Node
-from onnx_runtime.optimizer.rewrite import add_initializer, forget_value
+from onnx_runtime.optimizer.rewrite import add_initializer, forget_value, fresh_name
 
 from .fusions import FUSED_DOMAIN, GraphView, owned, replace_nodes
 
@@ -75,14 +75,6 @@ def _tokens(view: GraphView, conv: Node, x_shape: tuple, weight: np.ndarray) -> 
     return layout
 
 
-def _fresh(graph: Graph, base: str) -> str:
-    name, index = base, 0
-    while name in graph.initializers or graph.type_of(name) is not None:
-        index += 1
-        name = f"{base}_{index}"
-    return name
-
-
 def fuse_patch_embedding(graph: Graph, owns=None) -> bool:
     """Each patch-embedding convolution and its token layout as one PatchEmbedding (see the module docstring)."""
     view, changed = GraphView(graph), False
@@ -103,7 +95,7 @@ def fuse_patch_embedding(graph: Graph, owns=None) -> bool:
         if layout is None or not owned(owns, [conv, layout]):
             continue
         matrix = np.ascontiguousarray(weight.reshape(weight.shape[0], -1).T)
-        name = _fresh(graph, f"{conv.name or 'conv'}/patch_weight")
+        name = fresh_name(graph, f"{conv.name or 'conv'}/patch_weight")
         add_initializer(graph, name, matrix)
         inputs = [conv.inputs[0], name] + ([conv.inputs[2]] if bias is not None else [])
         fused = Node("PatchEmbedding", inputs, list(layout.outputs), name=f"{conv.name}/patches",
@@ -161,7 +153,7 @@ def _constant_inputs(graph: Graph, name: str, **values) -> list[str]:
         if value is None:
             inputs.append("")
             continue
-        inputs.append(_fresh(graph, f"{name}/{part}"))
+        inputs.append(fresh_name(graph, f"{name}/{part}"))
         add_initializer(graph, inputs[-1], np.ascontiguousarray(value, dtype=_F32))
     return inputs
 

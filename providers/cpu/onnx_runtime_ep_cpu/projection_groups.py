@@ -37,7 +37,7 @@ import weakref
 
 import numpy as np
 from onnx_runtime.ir import Graph, Node
-from onnx_runtime.optimizer.rewrite import add_initializer, forget_value
+from onnx_runtime.optimizer.rewrite import add_initializer, forget_value, fresh_name
 
 from .fusions import FUSED_DOMAIN, GraphView, other_input, owned
 from .tuning import KNOBS
@@ -99,14 +99,6 @@ def merged(weights: list[np.ndarray], biases: list[np.ndarray | None]) -> tuple[
 def kept_merges() -> int:
     """How many merged weight sets are kept (one per live set of member weights)."""
     return len(_MERGED)
-
-
-def _fresh(graph: Graph, base: str) -> str:
-    name, index = base, 0
-    while name in graph.initializers or graph.type_of(name) is not None:
-        index += 1
-        name = f"{base}_{index}"
-    return name
 
 
 def _members(view: GraphView, fed: set[str], attention: Node) -> tuple[list[Node], list[tuple]]:
@@ -192,11 +184,11 @@ def _group(graph: Graph, members: list[Node], parts: list[tuple], view: GraphVie
     """One ProjectionGroup of ``members`` (their (A, weight, bias) ``parts``) in their place."""
     weight, bias = merged([part[1] for part in parts], [part[2] for part in parts])
     first = members[0]
-    weight_name = _fresh(graph, f"{first.name or 'projection'}/group_weight")
+    weight_name = fresh_name(graph, f"{first.name or 'projection'}/group_weight")
     add_initializer(graph, weight_name, weight)
     inputs = [parts[0][0], weight_name]
     if bias is not None:
-        bias_name = _fresh(graph, f"{first.name or 'projection'}/group_bias")
+        bias_name = fresh_name(graph, f"{first.name or 'projection'}/group_bias")
         add_initializer(graph, bias_name, bias)
         inputs.append(bias_name)
     fused = Node("ProjectionGroup", inputs, [m.outputs[0] for m in members], name=f"{first.name}/group",
@@ -288,7 +280,7 @@ def split_projection_outputs(graph: Graph, owns=None) -> bool:
         if adds:
             bias = np.concatenate([np.zeros(width, _F32) if b is None else b
                                    for (_read, b, _add), width in zip(parts, widths)])
-            inputs.append(_fresh(graph, f"{product.name or 'projection'}/group_bias"))
+            inputs.append(fresh_name(graph, f"{product.name or 'projection'}/group_bias"))
             add_initializer(graph, inputs[-1], bias)
         fused = Node("ProjectionGroup", inputs, [read for read, _bias, _add in parts], name=f"{product.name}/group",
                      domain=FUSED_DOMAIN, attrs={"widths": widths}, opset=1)
