@@ -71,14 +71,9 @@ def dynamic_conv(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, pa
     rows = np.empty((batch * spots, channels * kh * kw), np.uint8)
     _patch_rows(codes, channels, x.shape[2] + top + bottom, x.shape[3] + left + right, kh, kw, sh, sw, dh, dw, oh,
                 ow, rows)
-    columns = out.shape[1]
-    y = np.empty((batch * spots, columns), np.float32)
+    y = np.empty((batch * spots, out.shape[1]), np.float32)
     scaled_product(rows, np.int32(zero), packed, pairs, np.float64(scale), b_scales, bias, y)
-    for b in range(batch):
-        for m in range(columns):
-            target = out[b, m]
-            for p in range(spots):
-                target[p] = y[b * spots + p, m]
+    _images_by_channel(y, out)
 
 
 @jit
@@ -97,26 +92,38 @@ def _padded_copy(x, zero, top, bottom, left, right):
 
 
 @jit
+def _padded_patch_rows(x, pad, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow):
+    """The patch rows (N * OH * OW, C * KH * KW) of ``x`` (N, C, H, W) padded with ``pad``."""
+    codes = _padded_copy(x, pad, top, bottom, left, right)
+    channels = x.shape[1]
+    rows = np.empty((x.shape[0] * oh * ow, channels * kh * kw), x.dtype)
+    _patch_rows(codes, channels, x.shape[2] + top + bottom, x.shape[3] + left + right, kh, kw, sh, sw, dh, dw, oh,
+                ow, rows)
+    return rows
+
+
+@jit
+def _images_by_channel(y, out):
+    """Product rows ``y`` (N * spots, M) into ``out`` (N, M, spots)."""
+    spots = out.shape[2]
+    for b in range(out.shape[0]):
+        for m in range(out.shape[1]):
+            target = out[b, m]
+            for p in range(spots):
+                target[p] = y[b * spots + p, m]
+
+
+@jit
 def qlinear_conv(x, x_zero, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, packed, pairs, c, multiplier,
                  zero, low, high, out):
     """QLinearConv of contiguous 8-bit ``x`` (N, C, H, W) into ``out`` (N, M, OH * OW) codes: padding takes x's
     zero point, each output is qgemm.qgemm's saturate(rint((acc + c[m]) * multiplier[m or 0]) + zero) of the
     int32 sum over taps of (code - x_zero) * packed[m, tap]. c (M,) or (0,) int32, multiplier (1,) or (M,)
     float64."""
-    codes = _padded_copy(x, x_zero, top, bottom, left, right)
-    batch, channels = x.shape[0], x.shape[1]
-    spots = oh * ow
-    rows = np.empty((batch * spots, channels * kh * kw), x.dtype)
-    _patch_rows(codes, channels, x.shape[2] + top + bottom, x.shape[3] + left + right, kh, kw, sh, sw, dh, dw, oh,
-                ow, rows)
-    columns = out.shape[1]
-    y = np.empty((batch * spots, columns), out.dtype)
+    rows = _padded_patch_rows(x, x_zero, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow)
+    y = np.empty((rows.shape[0], out.shape[1]), out.dtype)
     qgemm(rows, x_zero, packed, pairs, c, multiplier, zero, low, high, True, y)
-    for b in range(batch):
-        for m in range(columns):
-            target = out[b, m]
-            for p in range(spots):
-                target[p] = y[b * spots + p, m]
+    _images_by_channel(y, out)
 
 
 @jit
@@ -128,17 +135,7 @@ def quantized_conv(x, pad, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh,
     convolution of the dequantized input pads); the patch rows go through qgemm.requantized_product (int32 sum
     of the centred codes times packed (M, C*KH*KW), then requantize_affine per output channel) into ``out``
     (N, M, OH * OW): codes, or their float32 values where consts says dequantize."""
-    codes = _padded_copy(x, pad, top, bottom, left, right)
-    batch, channels = x.shape[0], x.shape[1]
-    spots = oh * ow
-    rows = np.empty((batch * spots, channels * kh * kw), x.dtype)
-    _patch_rows(codes, channels, x.shape[2] + top + bottom, x.shape[3] + left + right, kh, kw, sh, sw, dh, dw, oh,
-                ow, rows)
-    columns = out.shape[1]
-    y = np.empty((batch * spots, columns), out.dtype)
+    rows = _padded_patch_rows(x, pad, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow)
+    y = np.empty((rows.shape[0], out.shape[1]), out.dtype)
     requantized_product(rows, packed, pairs, multiplier, offset, consts, y)
-    for b in range(batch):
-        for m in range(columns):
-            target = out[b, m]
-            for p in range(spots):
-                target[p] = y[b * spots + p, m]
+    _images_by_channel(y, out)
