@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -99,3 +100,16 @@ class CopyCounter:
         call()
         return tuple(now - then for now, then in zip((self.uploads, self.downloads, self.device_copies), before))
 
+
+@contextlib.contextmanager
+def qdq_epilogues_without(*names: str):
+    """The CPU provider's QDQ epilogue passes without the ones named, for the graph a fold would leave (the unfolded
+    values a test compares with); the list is restored on leaving."""
+    from onnx_runtime_ep_cpu import provider
+
+    saved = provider.QDQ_EPILOGUE_PASSES
+    provider.QDQ_EPILOGUE_PASSES = [p for p in saved if p.__name__ not in names]
+    try:
+        yield
+    finally:
+        provider.QDQ_EPILOGUE_PASSES = saved

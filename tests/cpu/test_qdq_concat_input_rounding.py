@@ -3,13 +3,11 @@ rounds to the same grid (as quantize_static leaves a QDQ decoder's KV cache, bot
 outputs are the unfolded graph's, bit for bit, and onnxruntime's."""
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import onnx_runtime
 import pytest
+from model_helpers import qdq_epilogues_without
 from onnx import TensorProto, helper, numpy_helper
-from onnx_runtime_ep_cpu import provider
 
 F32 = np.float32
 
@@ -44,16 +42,6 @@ def _feeds(past=5, seed=0) -> dict:
     return {"past": p, "new": (rng.standard_normal((1, 2, 1, 8)) * 2).astype(F32)}
 
 
-@contextlib.contextmanager
-def _without_fold():
-    saved = provider.QDQ_EPILOGUE_PASSES
-    provider.QDQ_EPILOGUE_PASSES = [p for p in saved if p.__name__ != "fold_concat_input_roundings"]
-    try:
-        yield
-    finally:
-        provider.QDQ_EPILOGUE_PASSES = saved
-
-
 def _run(model, feeds):
     session = onnx_runtime.InferenceSession(model.SerializeToString(), providers=["cpu"])
     session.run(None, feeds)
@@ -71,7 +59,7 @@ def _bitwise(got, want):
 def test_past_rounding_folds_into_the_concat(opset, signed):
     model, feeds = _model(opset, signed), _feeds()
     ops, got = _run(model, feeds)
-    with _without_fold():
+    with qdq_epilogues_without("fold_concat_input_roundings"):
         plain_ops, want = _run(model, feeds)
     assert plain_ops.count("QuantizeDequantize") == 2 and ops.count("QuantizeDequantize") == 1
     assert ops.count("ConcatRounded") == 1
@@ -99,7 +87,7 @@ def test_what_the_fold_leaves_alone(change):
                    past_output=change == "rounded_past_is_an_output")
     feeds = _feeds()
     ops, got = _run(model, feeds)
-    with _without_fold():
+    with qdq_epilogues_without("fold_concat_input_roundings"):
         _, want = _run(model, feeds)
     assert ops.count("QuantizeDequantize") == 2
     _bitwise(got, want)

@@ -4,14 +4,12 @@ the Pow a GridTable of the cast's input (its squares by code), and the normaliza
 RoundedRMSNorm whose values are the unfused nodes', bit for bit, in both torch exporters' forms."""
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import onnx
 import onnx_runtime
 import pytest
+from model_helpers import qdq_epilogues_without
 from onnx import TensorProto, helper, numpy_helper
-from onnx_runtime_ep_cpu import provider
 
 F32 = np.float32
 GRIDS = {"x": (0.031, 128), "cast": (0.029, 127), "mean": (0.0157, 0), "lifted": (0.0158, 0), "root": (0.0087, 0),
@@ -69,16 +67,6 @@ def _feeds(rows=4, depth=64, seed=0) -> dict:
     return {"x": x}
 
 
-@contextlib.contextmanager
-def _without_norms():
-    saved = provider.QDQ_EPILOGUE_PASSES
-    provider.QDQ_EPILOGUE_PASSES = [p for p in saved if p.__name__ != "fuse_rounded_rms_norm"]
-    try:
-        yield
-    finally:
-        provider.QDQ_EPILOGUE_PASSES = saved
-
-
 def _run(model: onnx.ModelProto, feeds: dict) -> tuple[list[str], list[np.ndarray]]:
     session = onnx_runtime.InferenceSession(model.SerializeToString(), providers=["cpu"])
     session.run(None, feeds)
@@ -96,7 +84,7 @@ def _bitwise(got, want):
 def test_norm_after_a_cast_is_one_node_with_the_unfused_values(form, signed, depth):
     model, feeds = _model(form, depth, signed), _feeds(depth=depth)
     ops, got = _run(model, feeds)
-    with _without_norms():
+    with qdq_epilogues_without("fuse_rounded_rms_norm"):
         plain_ops, want = _run(model, feeds)
     assert "GridTable" in plain_ops and "Pow" not in plain_ops  # the squares are a table of the cast's input
     assert ops.count("RoundedRMSNorm") == 1 and "GridTable" not in ops and "ReduceMeanRounded" not in ops
@@ -125,7 +113,7 @@ def test_norm_after_a_cast_against_onnxruntime(form):
 def test_cast_value_read_elsewhere_still_folds_and_stays():
     model, feeds = _model("dynamo", cast_reader=True), _feeds()
     ops, got = _run(model, feeds)
-    with _without_norms():
+    with qdq_epilogues_without("fuse_rounded_rms_norm"):
         _, want = _run(model, feeds)
     assert ops.count("RoundedRMSNorm") == 1
     _bitwise(got, want)
@@ -144,7 +132,7 @@ def test_squares_of_another_tensor_are_left_alone():
     model.graph.node.insert(1, helper.make_node("DequantizeLinear", ["other_q", "cast_s", "cast_z"], ["other_r"]))
     feeds = {**_feeds(), "other": _feeds(seed=5)["x"]}
     ops, got = _run(model, feeds)
-    with _without_norms():
+    with qdq_epilogues_without("fuse_rounded_rms_norm"):
         _, want = _run(model, feeds)
     assert "RoundedRMSNorm" not in ops
     _bitwise(got, want)

@@ -4,14 +4,12 @@ both torch exporters) runs as one RoundedRMSNorm node (ops/qdq_norm.py) whose va
 for bit; chains the pass must leave alone keep their nodes."""
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import onnx
 import onnx_runtime
 import pytest
+from model_helpers import qdq_epilogues_without
 from onnx import TensorProto, helper, numpy_helper
-from onnx_runtime_ep_cpu import provider
 
 F32 = np.float32
 DEPTH = 64
@@ -87,16 +85,6 @@ def _feeds(rows=4, seed=0) -> dict:
     return {"x": x}
 
 
-@contextlib.contextmanager
-def _without_norms():
-    saved = provider.QDQ_EPILOGUE_PASSES
-    provider.QDQ_EPILOGUE_PASSES = [p for p in saved if p.__name__ != "fuse_rounded_rms_norm"]
-    try:
-        yield
-    finally:
-        provider.QDQ_EPILOGUE_PASSES = saved
-
-
 def _run(model: onnx.ModelProto, feeds: dict) -> tuple[list[str], list[np.ndarray]]:
     session = onnx_runtime.InferenceSession(model.SerializeToString(), providers=["cpu"])
     outputs = session.run(None, feeds)
@@ -110,7 +98,7 @@ def _run(model: onnx.ModelProto, feeds: dict) -> tuple[list[str], list[np.ndarra
 def test_rms_norm_is_one_node_with_the_unfused_values(form, weight, product, signed):
     model, feeds = _model(form, weight, product, signed), _feeds()
     ops, got = _run(model, feeds)
-    with _without_norms():
+    with qdq_epilogues_without("fuse_rounded_rms_norm"):
         plain_ops, want = _run(model, feeds)
     assert ops.count("RoundedRMSNorm") == 1 and "Pow" not in ops and "GridTable" not in ops
     assert "RoundedRMSNorm" not in plain_ops and "Pow" in plain_ops
@@ -148,7 +136,7 @@ def test_what_the_pass_leaves_alone(change):
         init["gamma"].CopyFrom(numpy_helper.from_array(np.ones((4, 1), F32), "gamma"))
     feeds = _feeds()
     ops, got = _run(model, feeds)
-    with _without_norms():
+    with qdq_epilogues_without("fuse_rounded_rms_norm"):
         _, want = _run(model, feeds)
     if change == "weight_per_row":  # the normalization folds; the weight's Mul stays a node of its own
         assert ops.count("RoundedRMSNorm") == 1 and "Mul" in ops
