@@ -110,6 +110,9 @@ class Knobs:
 
 KNOBS = Knobs()
 _on_change: list[Callable[[], None]] = []
+# Bumped whenever a knob changes: a kernel that keeps a call (a bound product, a kept contrib call) holds the epoch
+# it kept it in, since the path it keeps was chosen with the knobs.
+knobs_epoch = [0]
 
 
 def when_changed(clear: Callable[[], None]) -> None:
@@ -128,6 +131,7 @@ def _set(changes: dict) -> None:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise InvalidArgumentError(f"CPU tuning knob {name!r} is {value!r}; expected a positive integer")
         setattr(KNOBS, name, value)
+    knobs_epoch[0] += 1
     for clear in _on_change:
         clear()
 

@@ -15,10 +15,7 @@ from operator import is_
 
 import numpy as np
 
-from ..tuning import when_changed
-
-_epoch = [0]  # bumped whenever a knob changes; a kept call holds the epoch it was kept in
-when_changed(lambda: _epoch.__setitem__(0, _epoch[0] + 1))
+from ..tuning import knobs_epoch
 
 
 def fed_kind(a: np.ndarray | None):
@@ -45,7 +42,7 @@ class KeptCall:
 
     def match(self, constants: tuple, fed: tuple):
         entry = self._entry  # one read: another thread may keep another call meanwhile
-        if entry is None or entry[3] != _epoch[0] or not all(map(is_, constants, entry[0])):
+        if entry is None or entry[3] != knobs_epoch[0] or not all(map(is_, constants, entry[0])):
             return None
         for a, kind in zip(fed, entry[1]):
             if a is None:
@@ -60,7 +57,7 @@ class KeptCall:
         kinds (each C-contiguous and writeable, or None); False, keeping nothing, for other calls."""
         if not all(c is None or not c.flags.writeable for c in constants) or not all(map(plain, fed)):
             return False
-        self._entry = (constants, tuple(map(fed_kind, fed)), arguments, _epoch[0])
+        self._entry = (constants, tuple(map(fed_kind, fed)), arguments, knobs_epoch[0])
         return True
 
     def clear(self) -> None:

@@ -134,7 +134,7 @@ class PackedProduct:
         """``run(a, b=None)``: this product (``b``, ``bias``, ``coefficients`` and ``weights`` as the last call
         passed them, no residual) of arrays shaped as ``a``, as one call of the compiled tiles' entry point for the
         argument types the last call passed, the plan and its lookups done here. A caller keeps it while the
-        thread count and ``knobs_epoch`` stay the same (the dispatcher's typing of fifteen arguments and __call__'s
+        thread count and the knobs' epoch stay the same (the dispatcher's typing of fifteen arguments and __call__'s
         checks cost a 64-wide product's arithmetic); ``b`` is ignored, so it stands where a Split is called. None
         where the last call was not this one, ran on more threads, through matmul.py's tiles, or has not run whole
         (a first call's trial)."""
@@ -225,12 +225,6 @@ def entry_point(loop, arguments: tuple):
         return deferred.overload(loop, tuple(dispatcher.typeof_pyval(value) for value in arguments))
     except (TypeError, ValueError):
         return None
-
-
-# Bumped whenever a knob changes: a kernel keeping a PackedProduct.bound call compares it (the route it binds was
-# chosen with the knobs).
-knobs_epoch = [0]
-when_changed(lambda: knobs_epoch.__setitem__(0, knobs_epoch[0] + 1))
 
 
 def blas_product(a, b, bias=None, residual=None, coefficients=None) -> np.ndarray:

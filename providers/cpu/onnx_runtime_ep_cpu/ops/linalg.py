@@ -20,13 +20,12 @@ from ..algorithms.products import (
     few_rows_product,
     few_rows_split,
     gemv_host,
-    knobs_epoch,
     product,
 )
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ..threads import kernel_threads
-from ..tuning import KNOBS
+from ..tuning import KNOBS, knobs_epoch
 
 
 @register("MatMul", since=1)
