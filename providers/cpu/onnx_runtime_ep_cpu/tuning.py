@@ -106,6 +106,12 @@ class Knobs:
     #: The same for two or more rows by transposed weights (Gemm's transB), where OpenBLAS's strided packing
     #: makes it several times slower from much smaller sizes.
     few_rows_transposed_macs: int = 1 << 16
+    #: A one-row product (a decode step's) of constant weights with a reduction of at least
+    #: products.ONE_ROW_DEPTH takes few_rows.py's tiles from this many weights, below few_rows_packed_macs: a decode
+    #: step streams every layer's weights, so a matrix this size comes from the L3 cache, where the tiles' streams
+    #: over the packed panels beat OpenBLAS's call (which packs the weights, or walks them with a stride) by
+    #: 1.2-2.6x; from the L2 cache BLAS is ~10% faster (measured in the commit that set it).
+    one_row_tile_weights: int = 1 << 16
 
 
 KNOBS = Knobs()

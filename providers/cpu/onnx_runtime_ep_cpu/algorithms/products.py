@@ -35,6 +35,9 @@ PACKED_ROWS = 9  # past the few-row products' GEMV_ROWS: no float32 product of c
 # importing numba): Gemm's transB weights from few_rows_transposed_macs up to this many rows, not OpenBLAS's strided
 # packing (64x256 by 12-16 rows 1.8-2.2x onnxruntime's time there; measured in the commit that set it).
 FEW_TILE_ROWS = 16
+# A one-row product takes the tiles from the one_row_tile_weights knob only with a reduction this deep: over shorter
+# panels the tiles' per-panel work shows (64x1000 from the L3 cache 14.5 against BLAS's 9.4 us).
+ONE_ROW_DEPTH = 128
 
 
 class PackedProduct:
@@ -75,13 +78,15 @@ class PackedProduct:
         if not (a.dtype is b.dtype is FLOAT32 and b.ndim == 2 and a.ndim >= 2 and a.shape[-1] == b.shape[0]
                 and a.size <= FEW_TILE_ROWS * b.shape[0] and b.size and a.size and not b.flags.writeable):
             return False
-        return PackedProduct.few_sized(a.size // b.shape[0], b.size, not b.flags.c_contiguous, kernel_threads()) \
-            and gemv_host() and not numpy_first("jobs.MATMUL")
+        return PackedProduct.few_sized(a.size // b.shape[0], b.size, not b.flags.c_contiguous, kernel_threads(),
+                                       b.shape[0]) and gemv_host() and not numpy_first("jobs.MATMUL")
 
     @staticmethod
-    def few_sized(rows: int, weights: int, transposed: bool, threads: int) -> bool:
+    def few_sized(rows: int, weights: int, transposed: bool, threads: int, depth: int = 0) -> bool:
         """takes_few's size rule for ``rows`` by ``weights`` constant weights (``transposed``: a view of their
-        transpose) on ``threads`` threads."""
+        transpose) on ``threads`` threads, ``depth`` (K) deep."""
+        if rows == 1 and depth >= ONE_ROW_DEPTH and weights >= KNOBS.one_row_tile_weights:
+            return True
         least = KNOBS.few_rows_transposed_macs if rows > 1 and transposed else KNOBS.few_rows_packed_macs
         return rows * weights >= least or (weights >= KNOBS.gemv_split_weights and threads > 1)
 

@@ -159,13 +159,23 @@ def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general):
     # np.dot: the same BLAS call as np.matmul on 2-D float32/float64 operands (the same bits) without the
     # generalized ufunc's dispatch, which a short sequence's products pay on every call
     product = np.dot if dtypes <= BLAS_FLOATS else np.matmul
+    # A decode step's few rows by constant float32 weights of this size: few_rows.py's tiles, bias and residual in
+    # their epilogue (as MatMul's and Gemm's; a step's out-projection streams its weights from the L3 cache, where
+    # BLAS's call was 2.6x the tiles' at 256x256). Any thread count here: each call's takes_few reads the running one.
+    few = plain and rows <= GEMV_ROWS and gemv_host() and PackedProduct.few_sized(rows, depth * n, False, 2, depth)
+    packed = None  # this node's PackedProduct, made on first use
 
     def kernel(a, b, bias, residual=None):
+        nonlocal packed
         dtype = a.dtype
         if a.shape != a_shape or dtype not in dtypes or b.dtype is not dtype or bias.dtype is not dtype \
                 or b.ndim != 2 or bias.shape != bias_shape or not a.flags.c_contiguous or (residual is not None and (
                     residual.shape != out_shape or residual.dtype is not dtype or not residual.flags.c_contiguous)):
             return general(a, b, bias, residual)
+        if few and dtype is FLOAT32 and PackedProduct.takes_few(a.reshape(rows, depth), b):
+            if packed is None:
+                packed = PackedProduct()
+            return (packed(a.reshape(rows, depth), b, bias, residual).reshape(out_shape),)
         y = product(a.reshape(rows, depth), b)
         skip = no_residual[dtype] if residual is None else residual.reshape(rows, n)
         if plain:
@@ -332,9 +342,8 @@ def _blas_sized(rows: int, depth: int, columns: int, transposed: bool) -> bool:
     macs = rows * depth * columns
     if rows > FEW_TILE_ROWS:
         return macs < KNOBS.packed_macs
-    tiles = KNOBS.few_rows_transposed_macs if transposed and rows > 1 else KNOBS.few_rows_packed_macs
     other = KNOBS.few_rows_blas_macs if rows <= GEMV_ROWS else KNOBS.packed_macs
-    return depth * columns < KNOBS.gemv_split_weights and macs < min(tiles, other)
+    return not PackedProduct.few_sized(rows, depth * columns, transposed, 2, depth) and macs < other
 
 
 def zero_point_rows(zero_point: np.ndarray, a: np.ndarray) -> np.ndarray:

@@ -58,7 +58,7 @@ def projection_group(node, shapes, opset):
     add = compiled.add_bias_residual_
     # A decode step's few rows by constant weights of this size: few_rows.py's tiles (BLAS packs the weights per call)
     # (any thread count here: each call's takes_few reads the running one)
-    few = rows <= GEMV_ROWS and PackedProduct.few_sized(rows, depth * total, False, threads=2)
+    few = rows <= GEMV_ROWS and PackedProduct.few_sized(rows, depth * total, False, 2, depth)
     packed = None  # the node's PackedProduct, made on first use
 
     def kernel(a, w, bias=None):

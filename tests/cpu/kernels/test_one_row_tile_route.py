@@ -1,0 +1,99 @@
+"""A decode step's one-row products of constant weights with the one_row_tile_weights knob's weights and at least
+products.ONE_ROW_DEPTH deep take compiled/few_rows.py's tiles (OPT's MatMul q/k/v/out and lm head, Gemm transB
+fc1/fc2, FusedMatMul out-projection with bias and residual, ProjectionGroup), below few_rows_packed_macs; shallower
+or smaller ones stay BLAS's. Results against a float64 reference; the route read from the node's PackedProduct."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from model_helpers import record_calls
+from onnx_runtime.ir import Node
+from onnx_runtime_ep_cpu.algorithms import products
+from onnx_runtime_ep_cpu.compiled import gemm
+from onnx_runtime_ep_cpu.ops import linalg, projection_group
+
+pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="the few-row tiles run on AVX-512 hosts only")
+
+FUSED = "ai.onnx_runtime.cpu"
+
+
+def _constant(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False  # an initializer: the same read-only array on every run
+    return array
+
+
+def _bound(a: np.ndarray, b: np.ndarray, depth: int) -> float:
+    return 1e-5 * np.sqrt(depth) * float(np.abs(a).max()) * float(np.abs(b).max()) + 1e-6
+
+
+def _product(op: str, depth: int, columns: int, rng):
+    """(kernel, its inputs, the float64 reference) of a one-row product ``op`` of (depth, columns) constant weights."""
+    a = rng.standard_normal((1, 1, depth), dtype=np.float32)
+    w = _constant(rng.standard_normal((depth, columns), dtype=np.float32))
+    bias = _constant(rng.standard_normal(columns).astype(np.float32))
+    reference = a.astype(np.float64) @ w.astype(np.float64)
+    if op == "MatMul":
+        return linalg.matmul(Node("MatMul", ["a", "w"], ["y"], opset=13), [a.shape, w.shape], 13), (a, w), reference
+    if op == "Gemm":  # fc1/fc2 of an OPT export: transB weights (N, K), C the bias row
+        flat = a.reshape(1, depth)
+        node = Node("Gemm", ["a", "w", "c"], ["y"], attrs={"transB": 1}, opset=13)
+        weights = _constant(np.ascontiguousarray(w.T))
+        kernel = linalg.gemm_7(node, [flat.shape, weights.shape, bias.shape], 13)
+        return kernel, (flat, weights, bias), reference.reshape(1, columns) + bias
+    if op == "FusedMatMul":  # an out-projection: bias and the residual in the product's epilogue
+        residual = rng.standard_normal((1, 1, columns), dtype=np.float32)
+        node = Node("FusedMatMul", ["a", "w", "bias", "r"], ["y"], domain=FUSED, opset=1)
+        kernel = linalg.fused_matmul(node, [a.shape, w.shape, bias.shape, residual.shape], 1)
+        return kernel, (a, w, bias, residual), reference + bias + residual
+    widths = [columns // 4, columns // 4, columns - columns // 2]  # ProjectionGroup: query, key, value
+    node = Node("ProjectionGroup", ["a", "w", "bias"], ["q", "k", "v"], domain=FUSED, attrs={"widths": widths},
+                opset=1)
+    kernel = projection_group.projection_group(node, [a.shape, w.shape, bias.shape], 1)
+    return (lambda *args: (np.concatenate(kernel(*args), axis=-1),)), (a, w, bias), reference + bias
+
+
+def _run(kernel, inputs, reference, depth) -> None:
+    for _ in range(3):  # the first call may be the deferred trial; then the node's kept (bound) call
+        (y,) = kernel(*inputs)
+        assert y.shape == reference.shape and y.dtype == np.float32
+        assert np.abs(y - reference).max() <= _bound(inputs[0], inputs[1], depth)
+
+
+@pytest.mark.parametrize("op", ["MatMul", "Gemm", "FusedMatMul", "ProjectionGroup"])
+@pytest.mark.parametrize("depth,columns", [(256, 256), (512, 256), (256, 1000), (128, 520)])
+def test_one_row_of_l3_sized_weights_takes_the_tiles(monkeypatch, knobs, op, depth, columns):
+    knobs(threads=1)
+    assert depth * columns >= products.KNOBS.one_row_tile_weights > 0
+    assert depth * columns < products.KNOBS.few_rows_packed_macs  # the route this knob adds, not the older one's
+    taken = record_calls(monkeypatch, products.PackedProduct)
+    _run(*_product(op, depth, columns, np.random.default_rng(depth + columns)), depth)
+    assert taken and taken[-1].route == ("few rows", 1)
+
+
+@pytest.mark.parametrize("op", ["MatMul", "Gemm", "FusedMatMul", "ProjectionGroup"])
+@pytest.mark.parametrize("depth,columns,knob", [(64, 1024, None), (256, 256, 1 << 17), (127, 1024, None)])
+def test_shallow_or_smaller_one_row_products_stay_blas(monkeypatch, knobs, op, depth, columns, knob):
+    knobs(threads=1, **({} if knob is None else {"one_row_tile_weights": knob}))
+    assert depth * columns < products.KNOBS.few_rows_packed_macs
+    taken = record_calls(monkeypatch, products.PackedProduct)
+    _run(*_product(op, depth, columns, np.random.default_rng(depth)), depth)
+    assert not taken
+
+
+def test_the_knob_moves_a_built_kernel_at_its_next_call(monkeypatch, knobs):
+    """Kernels kept bound across calls (MatMul/Gemm) and FusedMatMul's planned route follow a knob change."""
+    knobs(threads=1)
+    rng = np.random.default_rng(3)
+    for op in ("MatMul", "Gemm", "FusedMatMul"):
+        kernel, inputs, reference = _product(op, 256, 512, rng)
+        taken = record_calls(monkeypatch, products.PackedProduct)
+        _run(kernel, inputs, reference, 256)
+        assert taken, op
+        knobs(one_row_tile_weights=1 << 30)
+        taken.clear()
+        _run(kernel, inputs, reference, 256)
+        assert not taken, op
+        knobs(one_row_tile_weights=1 << 16)
+        _run(kernel, inputs, reference, 256)
+        assert taken, op
