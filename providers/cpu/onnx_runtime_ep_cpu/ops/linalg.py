@@ -17,11 +17,13 @@ from ..algorithms.products import (
     PACKED_ROWS,
     PackedProduct,
     blas_matmul,
+    entry_point,
     few_rows_product,
     few_rows_split,
     gemv_host,
     product,
 )
+from ..compiled.deferred import numpy_first
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ..threads import kernel_threads
@@ -292,8 +294,9 @@ def _gemm_for_shape(node, shapes, general):
     """Gemm with alpha 1 and beta 1 (or no C) for the one shape of A, B and C the kernel is made for (a planned
     shape), where ``general``'s product is BLAS's anyway (no compiled products, or a product too small for
     them: _blas_sized): the same calls, so the same bits, without its per-call checks and lookups, which cost
-    a classifier's or pooler's one-row product several times its arithmetic. Other shapes and dtypes go to
-    ``general``. None where it does not apply."""
+    a classifier's or pooler's one-row product several times its arithmetic; a float32 product of at most
+    SMALL_GEMM_MACS by constant B (and C) through compiled/small_gemm.py's loop, kept bound. Other shapes and dtypes
+    go to ``general``. None where it does not apply."""
     a_shape, b_shape, c_shape = (tuple(s) if s is not None else None
                                  for s in (list(shapes or ()) + [None, None, None])[:3])
     if float(node.attr("alpha", 1.0)) != 1 \
@@ -326,7 +329,74 @@ def _gemm_for_shape(node, shapes, general):
             y += c
         return (y,)
 
+    if _small_loop(rows, depth, columns, trans_a, trans_b, c_shape):
+        return _small_gemm(kernel, (a_shape, b_shape, c_shape), trans_b)
     return kernel
+
+
+# Float32 Gemms of up to this many multiply-adds (by transposed weights, or of one or two rows by K x N weights) run
+# compiled/small_gemm.py's loop, product and bias in one call, instead of BLAS's call and the bias add (a streaming
+# classifier's 64 features into 12-30 classes: 0.6-1.3 against 1.6-3.0 us, one thread, measured in the commit that
+# added it); beyond, BLAS's blocked products win.
+SMALL_GEMM_MACS = 8192
+
+
+def _small_loop(rows: int, depth: int, columns: int, trans_a: bool, trans_b: bool, c_shape: tuple | None) -> bool:
+    """Whether a planned Gemm of this shape (alpha 1, beta 1) may run compiled/small_gemm.py's loop."""
+    return not trans_a and rows * depth * columns <= SMALL_GEMM_MACS and (trans_b or rows <= 2) \
+        and c_shape in (None, (columns,), (1, columns))
+
+
+_NO_BIAS = np.empty(0, np.float32)
+_NO_BIAS.flags.writeable = False
+
+
+def _small_gemm(kernel, planned: tuple, trans_b: bool):
+    """``kernel`` (Gemm for the ``planned`` shapes) whose float32 calls by constant B and C run compiled/small_gemm.py's
+    loop through its entry point once bound (_bind_small): the product and the bias in one call, without the checks;
+    every other call is ``kernel``'s."""
+    a_shape = planned[0]
+    out_shape = (a_shape[0], planned[1][0] if trans_b else planned[1][1])
+    # (b, c, C as the bias row, the entry point) of the bound call; tries: the calls left before binding is tried
+    # again (a cache miss the background loader fills later, numba still loading), doubling each time.
+    bound: tuple = (None, None, None, None)
+    tries = [1, 1]
+
+    def small(a, b, c=None):
+        nonlocal bound
+        kept_b, kept_c, bias, entry = bound  # one read: another thread may bind meanwhile
+        if b is kept_b and c is kept_c and a.shape == a_shape and a.dtype is FLOAT32 and a.flags.c_contiguous:
+            y = np.empty(out_shape, FLOAT32)
+            entry(a, b, bias, y)
+            return (y,)
+        tries[0] -= 1
+        if tries[0] <= 0 and a.dtype is FLOAT32:
+            tries[1] = tries[0] = tries[1] * 2
+            bound = _bind_small(a, b, c, planned, trans_b) or bound
+        return kernel(a, b, c)
+
+    return small
+
+
+def _bind_small(a, b, c, planned: tuple, trans_b: bool) -> tuple | None:
+    """(b, c, the bias row, the loop's entry point) for float32 A, B and C of the ``planned`` shapes (C none or a
+    row), B and C constant (read-only) and all C-contiguous, where numba is loaded and the loop is linked; None
+    otherwise (numba still loading, a fed B or C, or a cache miss the background loader fills)."""
+    a_shape, b_shape, c_shape = planned
+    if a.shape != a_shape or b.shape != b_shape or (None if c is None else c.shape) != c_shape \
+            or not a.flags.c_contiguous or b.dtype is not FLOAT32 or b.flags.writeable \
+            or not b.flags.c_contiguous or (c is not None and (c.dtype is not FLOAT32 or c.flags.writeable
+                                                              or not c.flags.c_contiguous)):
+        return None
+    if numpy_first():  # numba loads in the background meanwhile: BLAS serves
+        return None
+    from ..compiled import small_gemm
+
+    loop = small_gemm.rows_by_transposed_bias_ if trans_b else small_gemm.rows_by_weights_bias_
+    bias = _NO_BIAS if c is None else c.reshape(-1)
+    out = np.empty((a_shape[0], b_shape[0] if trans_b else b_shape[1]), FLOAT32)
+    entry = entry_point(loop, (a, b, bias, out))
+    return None if entry is None else (b, c, bias, entry)
 
 
 def _adds_in_place(c_shape: tuple | None, rows: int, columns: int) -> bool:

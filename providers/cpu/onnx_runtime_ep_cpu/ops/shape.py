@@ -423,8 +423,16 @@ def _slice_index(shape, rank, starts, ends, axes=None, steps=None) -> tuple:
 def gather(node, shapes, opset):
     axis = node.attr("axis", 0)
     # np.take accepts negative indices and raises IndexError for out-of-range ones.
+    # The last one-index call with constant indices (read-only: identity stands for the value): (the data's shape,
+    # the indices, the view's key). A streaming model picks the same state of the same shape every frame, and the
+    # checks below cost several times the view.
+    kept: tuple = (None, None, None)
 
     def kernel(x, indices):
+        nonlocal kept
+        shape, held, key = kept  # one read: another thread may keep another call meanwhile
+        if indices is held and x.shape == shape:
+            return (x[key],)
         ax = normalize_axis(axis, x.ndim)
         # One index (a streaming model picking a state, a shape's entry) is a view: no copy, no np.take.
         if isinstance(indices, np.ndarray) and indices.size == 1 and indices.ndim <= 1 and indices.dtype.kind in "iu":
@@ -432,7 +440,10 @@ def gather(node, shapes, opset):
             if -dim <= i < dim:
                 i += dim if i < 0 else 0
                 # (Ellipsis last: a 0-d result stays an array instead of becoming a numpy scalar.)
-                return (x[(slice(None),) * ax + ((i,) if indices.ndim == 0 else (slice(i, i + 1),)) + (Ellipsis,)],)
+                key = (slice(None),) * ax + ((i,) if indices.ndim == 0 else (slice(i, i + 1),)) + (Ellipsis,)
+                if frozen(indices):
+                    kept = (x.shape, indices, key)
+                return (x[key],)
         return (np.take(x, indices, axis=ax),)
 
     return shape_free(kernel)

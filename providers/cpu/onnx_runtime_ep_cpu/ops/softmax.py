@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from ..algorithms.bound_loop import bound_entry
 from ..algorithms.precision import upcast
 from ..algorithms.softmax import hardmax, log_softmax, softmax
 from ..registry import register
@@ -25,13 +26,30 @@ def _along_axis(node, fn, default_axis: int, coerce_2d: bool, rows=None, rows_li
     a compiled loop over the rows of a 2-D float32 array, called straight for a contiguous float32 input whose
     rows are the axis (a streaming model's closing Softmax runs every frame on a few classes)."""
     axis = int(node.attr("axis", default_axis))
+    # The last rows call's (input shape, the loop's bound entry point, the 2-D rows shape, or None where the input
+    # is 2-D already): a streaming model calls the node with the same shape every frame, and the checks, the
+    # reshapes and the dispatcher's typing below cost several times a few classes' arithmetic.
+    kept = (None, None, None)
 
     def kernel(x):
+        nonlocal kept
+        shape, entry, rows_shape = kept  # one read: another thread may keep another call meanwhile
+        if x.shape == shape and x.dtype is _FLOAT32 and x.flags.c_contiguous:
+            y = np.empty(shape, _FLOAT32)
+            if rows_shape is None:
+                entry(x, y)
+            else:
+                entry(x.reshape(rows_shape), y.reshape(rows_shape))
+            return (y,)
         if rows is not None and x.dtype is _FLOAT32 and 0 < x.size <= rows_limit and x.flags.c_contiguous \
                 and -x.ndim <= axis < x.ndim and (coerce_2d or axis % x.ndim == x.ndim - 1):
             width = math.prod(x.shape[axis % x.ndim:])
             y = np.empty(x.shape, _FLOAT32)
-            rows(x.reshape(-1, width), y.reshape(-1, width))
+            x2, y2 = x.reshape(-1, width), y.reshape(-1, width)
+            rows(x2, y2)
+            bound = bound_entry(rows, (x2, y2))
+            if bound is not None:
+                kept = (x.shape, bound, None if x2.shape == x.shape else x2.shape)
             return (y,)
         if x.size == 0:
             return (x,)

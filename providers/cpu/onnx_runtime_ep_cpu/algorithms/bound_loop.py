@@ -1,0 +1,23 @@
+"""A compiled loop's entry point for one call's argument types, for a kernel that repeats that call every run.
+
+Calling a compiled loop goes through numba's dispatcher, which types every argument on every call; a small
+kernel that runs on the same shapes each frame (a streaming model's closing Softmax, a classifier's few-row
+Gemm) keeps the linked overload's entry point instead, as PackedProduct.bound does for the product tiles. Only
+for a loop that already runs compiled (numba imported and the loop switched to its dispatcher by its first call
+or by the background loader): binding never imports numba or compiles on a run's thread, and while the loop's
+numpy twin serves, the kernel keeps calling the loop. The entry point does not check its arguments: the caller
+passes arrays of the kept dtypes, dimensions and layouts only.
+"""
+
+from __future__ import annotations
+
+from ..compiled import deferred
+from .products import entry_point
+
+
+def bound_entry(loop, arguments: tuple):
+    """``loop``'s entry point for ``arguments``' types where the loop runs compiled and the overload is linked;
+    None otherwise (the caller keeps calling ``loop``)."""
+    if not isinstance(loop, deferred.Loop) or not loop.switched:
+        return None
+    return entry_point(loop, arguments)
