@@ -30,7 +30,7 @@ RULES: dict[str, tuple[str, tuple[int, ...]]] = {
     "FusedConv": (SHAPES, ()), "ConcatBuffer": (SHAPES, ()), "ReshapeTranspose": (SHAPES, ()),
     "TransposeReshape": (SHAPES, ()), "ContribPackedAttention": (SHAPES, ()), "ContribAttentionMask": (SHAPES, ()),
     "LSTMCell": (SHAPES, ()), "FusedSegment": (SHAPES, ()), "SpectralMagnitude": (SHAPES, ()),
-    "ProjectionGroup": (SHAPES, ()), "PatchEmbedding": (SHAPES, ()),
+    "ProjectionGroup": (SHAPES, ()), "PatchEmbedding": (SHAPES, ()), "QuantizedMatMulGroup": (SHAPES, ()),
 }
 
 # producers with their rounding as an epilogue (qdq_epilogues.py): the producer's own rule

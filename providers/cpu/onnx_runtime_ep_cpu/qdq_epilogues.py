@@ -18,6 +18,7 @@ from onnx_runtime.ir import Graph, Node
 
 from .fusions import FUSED_DOMAIN, GraphView, owned
 from .qdq_concat_inputs import fold_concat_input_roundings
+from .qdq_groups import group_quantized_products
 from .qdq_norms import fuse_rounded_rms_norm
 from .registry import NEEDS, lookup
 
@@ -105,5 +106,7 @@ def fold_rounding_epilogues(graph: Graph, owns=None) -> bool:
     return True
 
 
-# (the norms and the Concat inputs read the Rounded nodes)
-QDQ_EPILOGUE_PASSES = [fold_rounding_epilogues, fuse_rounded_rms_norm, fold_concat_input_roundings]
+# (the norms and the Concat inputs read the Rounded nodes; the products are grouped last, after every pass that
+# reads a QuantizedMatMul)
+QDQ_EPILOGUE_PASSES = [fold_rounding_epilogues, fuse_rounded_rms_norm, fold_concat_input_roundings,
+                       group_quantized_products]

@@ -97,6 +97,7 @@ def _requantizing_cases():
     per_column, per_column_offset = RNG.uniform(1e-4, 1e-3, 20), RNG.uniform(-2, 2, 20)
     one, zero_offset = np.array([4e-4]), np.array([0.5])
     row, after = RNG.standard_normal(20).astype(F32), np.array([F32(0.07), 5, 0, 255], np.float64)
+    members = np.array([[0, 12, 120, 0, 255, F32(0.1)], [12, 8, 3, 0, 255, F32(0.07)]])  # first, width, grid
     return [
         ("qgemm.requantized_product", (a8, packed, no_pairs, per_column, per_column_offset, _consts(False, False),
                                        np.empty((6, 20), np.uint8))),
@@ -106,6 +107,11 @@ def _requantizing_cases():
                                        np.empty((6, 20), F32))),
         ("qgemm.requantized_product_rounded", (af, packed, no_pairs, per_column, per_column_offset,
                                                _consts(True, True), row, after, np.empty((6, 20), F32))),
+        # products of one A side by side, each member's columns requantized to its own grid into its own block
+        ("qgemm.requantized_group", (af, packed, no_pairs, per_column, per_column_offset, _consts(True, True), members,
+                                     np.empty(6 * 20, F32))),
+        ("qgemm.requantized_group", (a8, packed, no_pairs, per_column, per_column_offset, _consts(False, False),
+                                     members, np.empty(6 * 20, np.uint8))),
         ("qgemm.requantized_batched_product", (_data(3, 5, 16), _data(3, 16, 7), one, zero_offset,
                                                _consts(True, True, b_quantize=True), np.empty((3, 5, 7), F32))),
         # a QDQ Conv's patch rows: 8-bit codes padded with their zero point, float32 data padded with 0.0

@@ -175,6 +175,18 @@ def requantized_product(a, packed, pairs, multiplier, offset, consts, out):
     _finish(_product(_a_codes(a, consts), packed, pairs), multiplier, offset, consts, out)
 
 
+def requantized_group(a, packed, pairs, multiplier, offset, consts, members, out):
+    acc = _product(_a_codes(a, consts), packed, pairs).astype(np.float64)
+    rows = acc.shape[0]
+    v = np.rint(acc * multiplier + offset)
+    for first, width, zero, low, high, scale in members:
+        first, width = int(first), int(width)
+        codes = np.minimum(np.maximum(v[:, first:first + width] + zero, low), high)
+        codes = np.where(np.isnan(codes), 0.0, codes)
+        block = (codes - zero) * scale if consts[DEQUANTIZE] != 0 else codes
+        out[rows * first:rows * (first + width)] = block.reshape(-1)
+
+
 def requantized_product_rounded(a, packed, pairs, multiplier, offset, consts, row, after, out):
     requantized_product(a, packed, pairs, multiplier, offset, consts, out)
     s, z = _F32(after[AFTER_SCALE]), _F32(after[AFTER_ZERO])
@@ -307,6 +319,7 @@ GENERIC_INT8 = {
     _COMPILED + "qgemm.dynamic_scaled_group": dynamic_scaled_group,
     _COMPILED + "qgemm.requantized_product": requantized_product,
     _COMPILED + "qgemm.requantized_product_rounded": requantized_product_rounded,
+    _COMPILED + "qgemm.requantized_group": requantized_group,
     _COMPILED + "qgemm.requantized_batched_product": requantized_batched_product,
     _COMPILED + "quantize.requantize": requantize,
     _COMPILED + "quantize.requantize_binary": requantize_binary,

@@ -165,6 +165,43 @@ def requantized_product(a, packed, pairs, multiplier, offset, consts, out):
     _finish(acc, multiplier, offset, consts, out)
 
 
+# The layout of ``members``, requantized_group's rows (float64, one per member): its first column in the joined
+# product, its width, then its output's zero point, code range and scale.
+G_FIRST, G_WIDTH, G_ZERO, G_LOW, G_HIGH, G_SCALE = range(6)
+GROUP_COLUMNS = 6
+
+
+@jit
+def requantized_group(a, packed, pairs, multiplier, offset, consts, members, out):
+    """requantized_product of several QDQ products of one A (a layer's query, key and value, or its gate and
+    up projections) as one: A quantized once, one int32 product by the members' weights side by side (packed
+    (N, K) over all their columns, multiplier and offset (N,) per joined column), then member g's columns
+    finished with its own output zero point, code range and scale (``members``, laid out as above) into its
+    own contiguous (M, width) block of the flat ``out``, starting at M * first. Each member's values are what
+    requantized_product gives it alone: the same codes, integers and float64 requantization per column."""
+    rows, depth = a.shape
+    centred = np.empty((rows, depth), np.int16)
+    _rows_of(a, consts, centred)
+    acc = np.empty((rows, packed.shape[0]), np.int32)
+    _centred_product(centred, packed, pairs, acc)
+    dequantize = consts[DEQUANTIZE] != 0
+    for g in range(members.shape[0]):
+        first, width = int(members[g, G_FIRST]), int(members[g, G_WIDTH])
+        z, lo, hi, s = members[g, G_ZERO], members[g, G_LOW], members[g, G_HIGH], members[g, G_SCALE]
+        block = out[rows * first:rows * (first + width)].reshape((rows, width))
+        scales, offsets = multiplier[first:first + width], offset[first:first + width]
+        # (slices and the branch outside the loops: indexing the joined arrays per element kept LLVM from
+        # vectorizing it, 4x slower than requantize_affine's loop)
+        for m in range(rows):
+            line, sums = block[m], acc[m, first:first + width]
+            if dequantize:
+                for j in range(width):
+                    line[j] = (requantized_code(np.float64(sums[j]), scales[j], offsets[j], z, lo, hi) - z) * s
+            else:
+                for j in range(width):
+                    line[j] = requantized_code(np.float64(sums[j]), scales[j], offsets[j], z, lo, hi)
+
+
 # The layout of ``after``, requantized_product_rounded's second rounding (float64): scale, zero point, code range.
 AFTER_SCALE, AFTER_ZERO, AFTER_LOW, AFTER_HIGH = range(4)
 

@@ -58,6 +58,7 @@ FAMILIES = {
     "dynamic_quantize_group": "ai.onnx_runtime.cpu:DynamicQuantizeMatMulGroup",
     "patch_embedding": "ai.onnx_runtime.cpu:PatchEmbedding",
     "projection_group": "ai.onnx_runtime.cpu:ProjectionGroup",
+    "qdq_group": "ai.onnx_runtime.cpu:QuantizedMatMulGroup",
     "elementwise": (
         "Abs Acos Acosh Add And Asin Asinh Atan Atanh BitShift BitwiseAnd BitwiseNot BitwiseOr BitwiseXor "
         "Cast CastLike Ceil Clip Cos Cosh Div Equal Erf Exp Floor Greater GreaterOrEqual HardSwish Identity "

@@ -36,7 +36,7 @@ _EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
 _F32 = np.dtype(np.float32)
 
 
-class _Requantization:
+class Requantization:
     """The constant side of a group, checked and made once per set of constant inputs: the input's
     (scale, zero point, code range), the weight's, and per output channel the float64 ``multiplier`` and
     ``offset`` with code = rint(acc * multiplier + offset) + y_zero (one of each when they are uniform)."""
@@ -124,8 +124,8 @@ def quantized_matmul(node, shapes, opset):
     dequantize = bool(node.attr("dequantize", 0))
     last: list = [(), None]  # the constant inputs last seen, and what was made of them
 
-    def prepare(columns: int, constants: tuple) -> _Requantization:
-        p = _Requantization(node, columns, *constants, alpha, beta)
+    def prepare(columns: int, constants: tuple) -> Requantization:
+        p = Requantization(node, columns, *constants, alpha, beta)
         p.consts = p.compiled_consts(quantize_a, quantize_b, dequantize)
         p.out_dtype = _F32 if dequantize else p.y_dtype
         if all(c is None or not c.flags.writeable for c in constants):
@@ -371,7 +371,7 @@ def quantized_conv(node, shapes, opset):
         if w.ndim < 3 or x.ndim != w.ndim:
             raise argument_error(node, f"X {x.shape} and W {w.shape} must be (N, C, ...) and (M, C/group, k...)")
         channels = w.shape[0]
-        p = params.get(channels, (x_scale, x_zero, w_scale, w_zero, y_scale, y_zero, bias), lambda: _Requantization(
+        p = params.get(channels, (x_scale, x_zero, w_scale, w_zero, y_scale, y_zero, bias), lambda: Requantization(
             node, channels, x_scale, x_zero, w_scale, w_zero, y_scale, y_zero, bias))
         _operand(node, "W", w, False, p.b_dtype)
         _operand(node, "X", x, quantize_a, p.a_dtype)
@@ -390,7 +390,7 @@ def quantized_conv(node, shapes, opset):
 
 
 def _conv_rows(node, quantize_a: bool, dequantize: bool):
-    """quantized_conv's compiled call: a function of (x, w, w_zero, the group's _Requantization) giving the
+    """quantized_conv's compiled call: a function of (x, w, w_zero, the group's Requantization) giving the
     output, or None where the call does not take them (another group count or auto_pad, a geometry
     patch_geometry declines). While numba loads in the background its numpy twin (generic_int8) serves."""
     auto_pad = node.attr("auto_pad", "NOTSET")
@@ -455,7 +455,7 @@ def qlinear_matmul_add(node, shapes, opset):
                 or not (bias_zero.dtype == x_zero.dtype == c_zero.dtype == y_zero.dtype):
             return None
         try:
-            p = _Requantization(node, columns, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, None)
+            p = Requantization(node, columns, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, None)
         except OnnxRuntimeError:
             return None
         p.consts = p.compiled_consts(False, False, False)
