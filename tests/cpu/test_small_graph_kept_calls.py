@@ -69,6 +69,8 @@ def _gemm_session(rows, depth, columns, trans_b: bool, c_shape, c_fed=False, see
     (2, 64, 64, False, (64,), True), (1, 7, 5, False, (1, 5), True), (3, 17, 9, True, (9,), True),
     (4, 64, 30, False, (30,), False),  # K x N weights past two rows: BLAS's
     (16, 64, 64, True, (64,), False),  # past SMALL_GEMM_MACS
+    (1, 128, 96, True, (96,), True), (1, 256, 128, True, None, True),  # one row by transposed weights: further
+    (2, 128, 96, True, (96,), False), (1, 128, 96, False, (96,), False),
 ])
 def test_small_gemm_bound_and_within_float32_rounding(binds, rows, depth, columns, trans_b, c_shape, bound):
     session, b, c = _gemm_session(rows, depth, columns, trans_b, c_shape)
