@@ -217,6 +217,8 @@ class InferenceSession:
 
     def _place_generic(self) -> dict[str, ProviderHandle]:
         """Place the session's graph and make its generic executor (unplanned); the assignment."""
+        if self._specializer is not None:
+            self._specializer.snapshot()  # its copy of the graph as the passes left it, before placement changes it
         placement, assignment = place(self._model.graph, self._handles, FunctionExpander(self._model.functions))
         executor = Executor(self._model.graph, assignment, placement)
         executor.strict = self._strict

@@ -86,7 +86,12 @@ class Specializer:
 
     def __init__(self, graph: Graph, inputs: list[str], proto: onnx.ModelProto, handles: list[ProviderHandle],
                  prepare: Callable[[Graph], Executor], folded: dict[str, np.ndarray] | None = None):
-        self._graph = clone_graph(graph)  # the session's optimized graph, before placement
+        # The session's optimized graph, before placement: kept as it is by ``snapshot`` (a copy), at the first
+        # signature resolved here or before the session places that graph, whichever comes first (a session
+        # whose specialized plans all come from the plan cache never copies it).
+        self._source: Graph | None = graph
+        self._graph: Graph | None = None
+        self._snapshot_lock = threading.Lock()
         self._inputs = inputs
         self._model_proto, self._folded = proto, folded or {}  # read by the properties below, at the first resolve
         self._handles = handles
@@ -118,6 +123,15 @@ class Specializer:
         (half-precision models in float32), and inference over the model needs its constants as written."""
         return {vi.name: vi.type.tensor_type.elem_type for sub in all_graphs(self._model_proto.graph)
                 for vi in (*sub.value_info, *sub.output) if vi.type.HasField("tensor_type")}
+
+    def snapshot(self) -> Graph:
+        """The session's graph as it was at creation: copied now if not yet. The session calls it before placing
+        that graph (placement may expand function calls in place)."""
+        with self._snapshot_lock:
+            if self._graph is None:
+                assert self._source is not None
+                self._graph, self._source = clone_graph(self._source), None
+            return self._graph
 
     def executor_for(self, feeds: dict) -> Executor | None:
         """The executor for these feeds' shapes, made now if new; None: the session's generic plan."""
@@ -186,7 +200,7 @@ class Specializer:
         """The executor of the graph specialized to ``dims`` (per input, per axis: an int, or a symbol as
         ``(index, 0)``, a :class:`.shape_program.Template`'s form)."""
         try:
-            graph = clone_graph(self._graph)
+            graph = clone_graph(self.snapshot())
             if not self._resolve(graph, dims):
                 return None
             return self._prepare(graph)

@@ -25,10 +25,12 @@ _SYMBOLS = {np.dtype(np.float32): "sgemm", np.dtype(np.float64): "dgemm"}
 _PREFIXES = ("scipy_cblas_", "cblas_")
 
 
-def bundled_openblas() -> list[tuple[str, ctypes.CDLL]]:
+@functools.cache
+def bundled_openblas() -> tuple[tuple[str, ctypes.CDLL], ...]:
     """The OpenBLAS libraries numpy's wheel bundles (numpy.libs or numpy/.libs) that this process has loaded,
     found by file name and opened with RTLD_NOLOAD: the library numpy calls, without threadpoolctl's scan of
-    every loaded library (and its import), several ms of a fresh process."""
+    every loaded library (and its import), several ms of a fresh process. Looked up once (numpy loaded them when
+    it was imported): the session's thread settings and the first product both ask."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(np.__file__)))
     found = []
     for folder in (os.path.join(root, "numpy.libs"), os.path.join(root, "numpy", ".libs")):
@@ -37,7 +39,7 @@ def bundled_openblas() -> list[tuple[str, ctypes.CDLL]]:
                 found.append((path, ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL)))
             except OSError:  # not loaded (or not a library)
                 continue
-    return found
+    return tuple(found)
 
 
 def _numpy_blas_libraries() -> list[str]:

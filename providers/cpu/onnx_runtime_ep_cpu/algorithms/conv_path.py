@@ -173,10 +173,13 @@ def _running(build, *kinds: str):
     return build
 
 
-def numpy_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared, dtype):
+def numpy_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared, dtype,
+                  interim: bool = False):
     """``(compute, blocks)``: the convolution by numpy and BLAS (the loops it calls have numpy equivalents
     that serve while numba loads, compiled/generic.py), for what no compiled convolution takes and for the
-    first runs of what one does (see conv_path)."""
+    first runs of what one does (see conv_path). ``interim``: it serves only until a compiled convolution takes
+    over, so the direct gathered loop's offset table (a few hundred microseconds per convolution to build) is
+    not made for it: im2col serves those few calls."""
     c, m = x.shape[1], w.shape[0]
 
     def grouped(w, b):
@@ -208,7 +211,7 @@ def numpy_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepa
         def compute(xc, w, b):
             return depthwise.conv_depthwise(xc, grouped(w, b), geo, b is not None)
         return compute, False
-    if direct_applies(geo, group, x, w):
+    if not interim and direct_applies(geo, group, x, w):
         return direct_conv(geo, group, x.shape, w.shape, prepared, dtype), False
     if use_taps(geo, group, c, m, dtype):
         def compute(xc, w, b, finish):
@@ -249,7 +252,7 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
     kinds = getattr(build, "kinds", ())
     # (guarding: until a call of the compiled one has run, numba's cache may miss a loop it calls: tried first)
     if build is not None and (deferred.numpy_first(*kinds) or deferred.guarding()):
-        chosen, pending = numpy_compute(geo, group, x, w, prepared, dtype), build
+        chosen, pending = numpy_compute(geo, group, x, w, prepared, dtype, interim=True), build
     else:
         chosen = build() if build is not None else numpy_compute(geo, group, x, w, prepared, dtype)
 
@@ -295,7 +298,7 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
         """``path`` by numpy's algorithm: for a call whose direct loop missed numba's cache inside a Trial (the
         loader's child compiles it meanwhile), which must not compile on this thread."""
         if not served:
-            compute, blocks = numpy_compute(geo, group, x, w, prepared, dtype)
+            compute, blocks = numpy_compute(geo, group, x, w, prepared, dtype, interim=True)
             served.append((compute, blocks, getattr(compute, "reads_shuffled", False)))
         return run(x, w, b, finish, out, shuffle, served[0])
 
@@ -318,6 +321,21 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
                 finish.rows(y.reshape(n, m, math.prod(geo.out)), 0, math.prod(geo.out))
         return y.reshape(out_shape).astype(x.dtype, copy=False)
 
+    def settle() -> None:
+        """Where numpy served the calls so far (compiled/deferred.py, compiled/reference_run.py) and need not now:
+        the compiled convolution, for a bound plan's calls; numpy's stays where a loop it needs misses the cache
+        while the loader guards (its child compiles it; the plan is made again once it has)."""
+        nonlocal pending
+        builder = pending
+        if builder is None or deferred.numpy_first(*kinds):
+            return
+        try:
+            with deferred.Trial():
+                take(builder())
+        except deferred.WouldCompile:
+            return
+        pending = None
+
     def bind(x, w, b, finish, y):
         """The current algorithm's call into the C-contiguous ``y`` prepared once, as ``[(function, arguments)]``
         (a segment's bound plan, ops/segment.py), where it can be (its ``bind``); else None."""
@@ -328,6 +346,7 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
         return prepare(x, w, b, finish, y)
 
     path.bind = bind
+    path.settle = settle
     path.numpy = by_numpy
     take(chosen)
     return path
