@@ -15,43 +15,106 @@ from .contrib_quantization import eight_bit, float_scale, scalar
 # -- QLinearConcat ---------------------------------------------------------------------------------
 
 
-@register("QLinearConcat", domain=CONTRIB_DOMAIN, since=1)
-def qlinear_concat(node, shapes, opset):
-    axis = int(required_attr(node, "axis", "the axis to concatenate on"))
-    constant_parts: dict[int, tuple] = {}  # a constant part (a class token) requantized once: (inputs, codes)
-    tables: dict[int, tuple] = {}  # per part, its constant parameters and their 256-code table (or None: same grid)
+class _QLinearConcat:
+    """Each part requantized to Y's grid (a constant part once, a part of constant parameters by a 256-code
+    table), then joined. A call whose parameters and constant parts are the kept call's read-only arrays and
+    whose other parts have its shapes and dtypes repeats its plan without the checks: a constant part's codes,
+    a table or nothing per part (numpy's indexing and concatenate take any strides: a transposed view too)."""
 
-    def part(i, triple, dtype, scale, zero, y_params):
-        seen = constant_parts.get(i)
+    def __init__(self, node):
+        self.node = node
+        self.axis = int(required_attr(node, "axis", "the axis to concatenate on"))
+        self.constant_parts: dict[int, tuple] = {}  # a constant part (a class token) requantized once
+        self.tables: dict[int, tuple] = {}  # per part, its constant parameters and 256-code table (None: same grid)
+        # the last checked call's (constants, the other parts' (shape, dtype), axis, a step per part), or None
+        self.kept: tuple | None = None
+
+    def __call__(self, y_scale, y_zero_point, *triples):
+        kept = self.kept  # (one read: another thread may keep another call meanwhile)
+        if kept is not None:
+            constants, kinds, a, steps = kept
+            tensors = triples[0::3]
+            if len(triples) == 3 * len(steps) and all(map(is_, constants, (y_scale, y_zero_point, *triples[1::3],
+                                                                        *triples[2::3]))) \
+                    and all(_repeats(x, step, kind) for x, step, kind in zip(tensors, steps, kinds)):
+                return (np.concatenate([x if step is None else step.codes if type(step) is _Codes else
+                                        apply_table(step, x) for x, step in zip(tensors, steps)], axis=a),)
+        y = self.checked(y_scale, y_zero_point, triples)
+        self.keep(y_scale, y_zero_point, triples)
+        return y
+
+    def part(self, i, triple, dtype, scale, zero, y_params):
+        seen = self.constant_parts.get(i)
         if seen is not None and all(map(is_, seen[0], triple + y_params)):
             return seen[1]
         params = triple[1:] + y_params
-        known = tables.get(i)
+        known = self.tables.get(i)
         if known is not None and all(map(is_, known[0], params)) and triple[0].dtype == dtype:
             codes = triple[0] if known[1] is None else apply_table(known[1], triple[0])
         else:
-            codes = _requantized(node, i // 3, triple, dtype, scale, zero)
+            codes = _requantized(self.node, i // 3, triple, dtype, scale, zero)
             if not any(v is not None and v.flags.writeable for v in params):
                 # a code's requantized value depends on the code only: one table for every later call
                 same = codes is triple[0]
-                tables[i] = (params, None if same else _requantize_table(triple, dtype, scale, zero))
+                self.tables[i] = (params, None if same else _requantize_table(triple, dtype, scale, zero))
         if not any(v is not None and v.flags.writeable for v in triple + y_params):
-            constant_parts[i] = (triple + y_params, codes)
+            self.constant_parts[i] = (triple + y_params, codes)
         return codes
 
-    def kernel(y_scale, y_zero_point, *triples):
+    def checked(self, y_scale, y_zero_point, triples):
+        node = self.node
         dtype = eight_bit(node, "Y_zero_point", y_zero_point)
         scale, zero = float_scale(node, "Y_scale", y_scale), scalar(node, "Y_zero_point", y_zero_point)
         if not triples or len(triples) % 3:
             raise argument_error(node, f"has {len(triples)} inputs after Y_scale and Y_zero_point; expected "
                                  "(tensor, scale, zero point) triples")
-        parts = [part(i, triples[i:i + 3], dtype, scale, zero, (y_scale, y_zero_point))
+        parts = [self.part(i, triples[i:i + 3], dtype, scale, zero, (y_scale, y_zero_point))
                  for i in range(0, len(triples), 3)]
-        a = normalize_axis(node, axis, parts[0].ndim)
+        a = normalize_axis(node, self.axis, parts[0].ndim)
         _check_concat_shapes(node, parts, a)
         return (np.concatenate(parts, axis=a),)
 
-    return kernel
+    def keep(self, y_scale, y_zero_point, triples) -> None:
+        """Keeps the plan of a call that just passed the checks, where every part's work is fixed by read-only
+        arrays: a constant part's codes, another part's table (None: on Y's grid already, taken as it is)."""
+        y_params = (y_scale, y_zero_point)
+        steps, kinds = [], []
+        for i in range(0, len(triples), 3):
+            seen = self.constant_parts.get(i)
+            if seen is not None and all(map(is_, seen[0], triples[i:i + 3] + y_params)):
+                steps.append(_Codes(seen[1], triples[i]))
+                kinds.append(None)
+                continue
+            known = self.tables.get(i)
+            if known is None or not all(map(is_, known[0], triples[i + 1:i + 3] + y_params)):
+                self.kept = None
+                return
+            steps.append(known[1])
+            kinds.append((triples[i].shape, triples[i].dtype))
+        a = normalize_axis(self.node, self.axis, triples[0].ndim)
+        self.kept = ((*y_params, *triples[1::3], *triples[2::3]), kinds, a, steps)
+
+
+def _repeats(x, step, kind) -> bool:
+    """Whether part ``x`` is the kept call's: the same constant array, or the same shape and dtype."""
+    if kind is None:
+        return x is step.source
+    return x.shape == kind[0] and x.dtype is kind[1]
+
+
+@register("QLinearConcat", domain=CONTRIB_DOMAIN, since=1)
+def qlinear_concat(node, shapes, opset):
+    return _QLinearConcat(node)
+
+
+class _Codes:
+    """A constant part's requantized codes in a kept QLinearConcat plan (beside tables and None), and the
+    read-only array they were made from."""
+
+    __slots__ = ("codes", "source")
+
+    def __init__(self, codes: np.ndarray, source: np.ndarray):
+        self.codes, self.source = codes, source
 
 
 def _requantize_table(triple, dtype, y_scale, y_zero) -> np.ndarray:
