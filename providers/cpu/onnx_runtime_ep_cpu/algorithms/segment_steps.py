@@ -21,6 +21,7 @@ import numpy as np
 from .activations import hard_swish_steps
 from .segment_arena import Lifetimes
 from .segment_blocks import squeeze_excitations
+from .segment_chain import chained
 from .segment_layout import block_direct_runs
 
 _VIEWS = frozenset({"Flatten", "Reshape", "Squeeze", "Unsqueeze", "Identity"})
@@ -35,9 +36,9 @@ class BoundPlan:
     the provisional.Ticket of a plan built while a loop it calls was served by a fallback."""
 
     __slots__ = ("lock", "nbytes", "arena", "ticket", "constant_slots", "_feeds", "_constant_slots", "_constants",
-                 "_steps", "_results")
+                 "_steps", "_results", "_calls")
 
-    def __init__(self, feeds, constants: dict[int, np.ndarray], steps, results, nbytes: int = 0):
+    def __init__(self, feeds, constants: dict[int, np.ndarray], steps, results, nbytes: int = 0, calls=None):
         self.lock = threading.Lock()
         self.ticket = None
         self.nbytes = nbytes  # the buffers it holds (feeds' and values')
@@ -49,6 +50,10 @@ class BoundPlan:
         self._constants = tuple(constants[s] for s in slots)
         self._steps = tuple([(_direct(function, arguments), arguments) for function, arguments in steps])
         self._results = tuple(results)
+        # what a run calls: the steps, or the steps with runs of them chained (segment_chain.chained); the steps
+        # keep the arrays a chain's table addresses
+        self._calls = self._steps if calls is None else tuple(
+            [(_direct(function, arguments), arguments) for function, arguments in calls])
 
     @property
     def constants(self) -> tuple:
@@ -75,13 +80,13 @@ class BoundPlan:
         """What the plan binds: its steps, those that run a node's kernel (not prepared), and whether it is
         provisional (made again once the loops that were served by fallbacks are linked)."""
         return {"steps": len(self._steps), "kernels": sum(f is _run_kernel for f, _ in self._steps),
-                "provisional": self.ticket is not None}
+                "calls": len(self._calls), "provisional": self.ticket is not None}
 
     def run(self, inputs):
         copy = np.copyto
         for slot, buffer in self._feeds:
             copy(buffer, inputs[slot])
-        for function, arguments in self._steps:
+        for function, arguments in self._calls:
             function(*arguments)
         return tuple([result.copy() for result in self._results])
 
@@ -107,10 +112,13 @@ def _direct(function, arguments):
 
 
 def _linked(function, arguments) -> bool:
-    """Whether a step's call has its overload (see _direct): False where the loader's child compiles it first."""
-    from ..compiled.deferred import Loop, overload
+    """Whether a step's call has its overload (see _direct): False where the loader's child compiles it first.
+    Without a loader guarding, True at once: _direct links or compiles what the final steps call, and a node's
+    steps that block_direct_runs replaces (direct tiles by blocked ones) are not linked for nothing (~60 ms of
+    a new worker's CPU on a MobileNet)."""
+    from ..compiled.deferred import Loop, guarding, overload
 
-    if not isinstance(function, Loop):
+    if not isinstance(function, Loop) or not guarding():
         return True
     dispatcher = function.dispatcher()
     try:
@@ -173,7 +181,8 @@ def build_plan(segment, env: list, limit_bytes: int) -> BoundPlan | None:
     copied = sum(a[2][0].nbytes for f, a in steps if f is _run_kernel)
     if copied > COPY_LIMIT_BYTES or all(f is _run_kernel for f, _ in steps):
         return None  # (its kernels' outputs copied into the buffers would cost more than the plan saves)
-    plan = BoundPlan(feeds, constants, steps, results, arena.nbytes + other_bytes)
+    calls = chained(steps, _linked)
+    plan = BoundPlan(feeds, constants, steps, results, arena.nbytes + other_bytes, None if calls is steps else calls)
     plan.arena = arena
     return plan
 

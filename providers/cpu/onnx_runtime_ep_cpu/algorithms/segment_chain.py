@@ -1,0 +1,103 @@
+"""Runs of a bound plan's blocked-layout steps as one compiled call (compiled/conv_chain.run_chain).
+
+A bound plan (segment_steps.py) calls each step's compiled loop with its prepared arguments, and numba's wrapper
+unboxes every argument again on each call (about half a microsecond for a direct convolution's 25). Where two or
+more consecutive steps call loops of PATTERNS with arguments of their pattern's types, ``chained`` writes them
+as rows of one table for ``run_chain``: one call, two arrays to unbox, the same loops on the same buffers in
+the same order (the same values bit for bit). ``CHAIN`` turns it off (plans made after the change).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CHAIN = True
+# Each chained loop (by name: compiled/directconv_blocked.py, directconv_gathered.py, blocked_ops.py) and its
+# arguments: "fN" a C-contiguous float32 array of N dimensions, "i1" a C-contiguous int64 vector, "i" an integer,
+# "b" a flag, "r" a float32 scalar. A loop's number in run_chain is its place here.
+PATTERNS = {
+    "conv_blocked": "f1 f4 i1 f2 f1 f1 i f1 f1 i i i i i i b i i i i b i i i b",
+    "conv_gathered": "f1 f4 i1 f2 f1 f1 i f1 f1 i1 i1 i i i i i i i i i b i",
+    "depthwise_blocked": "f1 f1 i1 f1 f1 i f1 i i i i i i i i i i f1 i i f1",
+    "max_pool_blocked": "f1 i1 f1 i i i i i i i i i i f1 i i f1",
+    "squeeze_excite_blocked": "f1 f2 f1 f1 b f2 f1 f1 i r r f1 i i i f1 f1 f1",
+    "plane_means_blocked": "f1 f1 i i i f1",
+}
+_MODULES = ("onnx_runtime_ep_cpu.compiled.directconv_blocked", "onnx_runtime_ep_cpu.compiled.directconv_gathered",
+            "onnx_runtime_ep_cpu.compiled.blocked_ops")
+_KINDS = {name: (number, pattern.split()) for number, (name, pattern) in enumerate(PATTERNS.items())}
+_WIDTH = 1 + max(sum({"f2": 3, "f4": 5}.get(c, 2 if c[0] in "fi" and len(c) == 2 else 1) for c in p)
+                 for _, p in _KINDS.values())
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _field(code: str, value, reals: list) -> list | None:
+    """One argument's slots in a row (PATTERNS' codes), or None where ``value`` is not of that type."""
+    if code[0] in "fi" and len(code) == 2:
+        dtype, ndim = (np.float32, int(code[1])) if code[0] == "f" else (np.int64, 1)
+        if type(value) is not np.ndarray or value.dtype != dtype or value.ndim != ndim or not value.flags.c_contiguous:
+            return None
+        return [value.__array_interface__["data"][0], *value.shape]
+    if code == "i":
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+                or not _INT64[0] <= int(value) <= _INT64[1]:
+            return None
+        return [int(value)]
+    if code == "b":
+        return [int(value)] if isinstance(value, (bool, np.bool_)) else None
+    if type(value) is not np.float32:
+        return None
+    reals.append(float(value))
+    return [len(reals) - 1]
+
+
+def _row(function, arguments, reals: list) -> list | None:
+    """The table row of one step, or None where it is not a chained loop called with its pattern's types."""
+    from ..compiled.deferred import Loop
+
+    if not isinstance(function, Loop) or function.__module__ not in _MODULES or function.__name__ not in _KINDS:
+        return None
+    number, pattern = _KINDS[function.__name__]
+    if len(arguments) != len(pattern):
+        return None
+    row = [number]
+    for code, value in zip(pattern, arguments):
+        slots = _field(code, value, reals)
+        if slots is None:
+            return None
+        row.extend(slots)
+    return row + [0] * (_WIDTH - len(row))
+
+
+def chained(steps: list, linked) -> list:
+    """``steps`` with each run of two or more consecutive chainable steps replaced by one ``run_chain`` step (the
+    caller keeps ``steps``: the arrays at the tables' addresses); ``steps`` itself where nothing chains, CHAIN is
+    off, or ``linked(function, arguments)`` says run_chain is not linked yet (a background loader compiles it
+    first: segment_steps._linked)."""
+    if not CHAIN:
+        return steps
+    rows: list = []
+    reals: list = []
+    for function, arguments in steps:
+        rows.append(_row(function, arguments, reals))
+    if sum(r is not None for r in rows) < 2:
+        return steps
+    from ..compiled.conv_chain import run_chain
+
+    out: list = []
+    index = 0
+    while index < len(steps):
+        end = index
+        while end < len(steps) and rows[end] is not None:
+            end += 1
+        if end - index >= 2:
+            table = np.array(rows[index:end], dtype=np.int64)
+            values = np.array(reals if reals else [0.0], dtype=np.float64)
+            if not linked(run_chain, (table, values)):
+                return steps
+            out.append((run_chain, (table, values)))
+            index = end
+        else:
+            out.append(steps[index])
+            index += 1
+    return out if len(out) < len(steps) else steps

@@ -1,0 +1,72 @@
+"""One compiled call for a run of a segment plan's consecutive blocked-layout steps (algorithms/segment_chain.py).
+
+Each step of a bound plan (algorithms/segment_steps.py) is a compiled loop's entry point called with its prepared
+arguments, and numba's wrapper unboxes every argument on every call: a direct convolution's 25 arguments cost
+about half a microsecond before its loop starts, as much as the loop itself for a small layer. ``run_chain``
+takes those calls as rows of one int64 table, each row a loop's number (its place in segment_chain.PATTERNS)
+then its arguments in the order of that loop's pattern: an array its address and its dimensions, an integer or
+a flag its value, a float32 its index in ``reals``; one call unboxes two arrays and runs every row's loop on
+views of the plan's own buffers (which the plan keeps, with the arrays it binds, for as long as the table).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import jit
+from .blocked_ops import depthwise_blocked, max_pool_blocked, plane_means_blocked, squeeze_excite_blocked
+from .directconv_blocked import conv_blocked
+from .directconv_gathered import conv_gathered
+from .workers import float_array, int_array
+
+
+@jit
+def _f1(row, at):
+    return float_array(row[at], (row[at + 1],))
+
+
+@jit
+def _f2(row, at):
+    return float_array(row[at], (row[at + 1], row[at + 2]))
+
+
+@jit
+def _f4(row, at):
+    return float_array(row[at], (row[at + 1], row[at + 2], row[at + 3], row[at + 4]))
+
+
+@jit
+def _i1(row, at):
+    return int_array(row[at], (row[at + 1],))
+
+
+@jit
+def run_chain(table, reals):
+    """Each row of ``table`` (see the module doc): its loop over the arrays at the row's addresses."""
+    for r in range(table.shape[0]):
+        row = table[r]
+        kind = row[0]
+        if kind == 0:
+            conv_blocked(_f1(row, 1), _f4(row, 3), _i1(row, 8), _f2(row, 10), _f1(row, 13), _f1(row, 15), row[17],
+                         _f1(row, 18), _f1(row, 20), row[22], row[23], row[24], row[25], row[26], row[27],
+                         row[28] != 0, row[29], row[30], row[31], row[32], row[33] != 0, row[34], row[35], row[36],
+                         row[37] != 0)
+        elif kind == 1:
+            conv_gathered(_f1(row, 1), _f4(row, 3), _i1(row, 8), _f2(row, 10), _f1(row, 13), _f1(row, 15), row[17],
+                          _f1(row, 18), _f1(row, 20), _i1(row, 22), _i1(row, 24), row[26], row[27], row[28],
+                          row[29], row[30], row[31], row[32], row[33], row[34], row[35] != 0, row[36])
+        elif kind == 2:
+            depthwise_blocked(_f1(row, 1), _f1(row, 3), _i1(row, 5), _f1(row, 7), _f1(row, 9), row[11],
+                              _f1(row, 12), row[14], row[15], row[16], row[17], row[18], row[19], row[20], row[21],
+                              row[22], row[23], _f1(row, 24), row[26], row[27], _f1(row, 28))
+        elif kind == 3:
+            max_pool_blocked(_f1(row, 1), _i1(row, 3), _f1(row, 5), row[7], row[8], row[9], row[10], row[11],
+                             row[12], row[13], row[14], row[15], row[16], _f1(row, 17), row[19], row[20],
+                             _f1(row, 21))
+        elif kind == 4:
+            squeeze_excite_blocked(_f1(row, 1), _f2(row, 3), _f1(row, 6), _f1(row, 8), row[10] != 0, _f2(row, 11),
+                                   _f1(row, 14), _f1(row, 16), row[18], np.float32(reals[row[19]]),
+                                   np.float32(reals[row[20]]), _f1(row, 21), row[23], row[24], row[25],
+                                   _f1(row, 26), _f1(row, 28), _f1(row, 30))
+        else:
+            plane_means_blocked(_f1(row, 1), _f1(row, 3), row[5], row[6], row[7], _f1(row, 8))
