@@ -97,3 +97,36 @@ def test_the_knob_moves_a_built_kernel_at_its_next_call(monkeypatch, knobs):
         knobs(one_row_tile_weights=1 << 16)
         _run(kernel, inputs, reference, 256)
         assert taken, op
+
+
+@pytest.mark.parametrize("op", ["FusedMatMul", "ProjectionGroup"])
+def test_fused_and_grouped_products_keep_a_bound_call(monkeypatch, knobs, op):
+    """After its first products a FusedMatMul (bias and residual) or ProjectionGroup (bias) runs its bound call: no
+    PackedProduct call, and new values of the same shapes (a new residual too) within the float64 bound."""
+    knobs(threads=1)
+    rng = np.random.default_rng(7)
+    kernel, inputs, reference = _product(op, 256, 512, rng)
+    _run(kernel, inputs, reference, 256)
+    taken = record_calls(monkeypatch, products.PackedProduct)
+    a, w, bias = inputs[:3]
+    for _ in range(3):
+        a = rng.standard_normal(a.shape, dtype=np.float32)
+        residual = rng.standard_normal((1, 1, 512), dtype=np.float32) if op == "FusedMatMul" else None
+        (y,) = kernel(a, w, bias, *([] if residual is None else [residual]))
+        expected = a.astype(np.float64) @ w.astype(np.float64) + bias + (0 if residual is None else residual)
+        assert y.shape == expected.shape and np.abs(y - expected).max() <= _bound(a, w, 256)
+    assert not taken
+
+
+def test_a_bound_fused_product_leaves_other_residuals_to_the_checked_path(monkeypatch, knobs):
+    """A residual the bound call was not made for (float64, or none where it adds one) goes the checked way."""
+    knobs(threads=1)
+    rng = np.random.default_rng(8)
+    kernel, (a, w, bias, residual), reference = _product("FusedMatMul", 256, 512, rng)
+    _run(kernel, (a, w, bias, residual), reference, 256)
+    wide = rng.standard_normal((1, 1, 512))
+    (y,) = kernel(a, w, bias, wide)
+    expected = a.astype(np.float64) @ w.astype(np.float64) + bias + wide
+    assert np.abs(y - expected).max() <= _bound(a, w, 256) * 2
+    (y,) = kernel(a, w, bias)
+    assert np.abs(y - (a.astype(np.float64) @ w.astype(np.float64) + bias)).max() <= _bound(a, w, 256)

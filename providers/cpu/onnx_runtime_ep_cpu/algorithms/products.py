@@ -135,18 +135,19 @@ class PackedProduct:
         call(self._jobs.split_matmul, (*head, self._workers.local_mailbox(scratch)), address, scratch, helpers)
         return y
 
-    def bound(self, a, b, bias=None, coefficients=None, weights=None):
+    def bound(self, a, b, bias=None, coefficients=None, weights=None, residual: bool = False):
         """``run(a, b=None)``: this product (``b``, ``bias``, ``coefficients`` and ``weights`` as the last call
         passed them, no residual) of arrays shaped as ``a``, as one call of the compiled tiles' entry point for the
         argument types the last call passed, the plan and its lookups done here. A caller keeps it while the
         thread count and the knobs' epoch stay the same (the dispatcher's typing of fifteen arguments and __call__'s
-        checks cost a 64-wide product's arithmetic); ``b`` is ignored, so it stands where a Split is called. None
-        where the last call was not this one, ran on more threads, through matmul.py's tiles, or has not run whole
-        (a first call's trial)."""
+        checks cost a 64-wide product's arithmetic); ``b`` is ignored, so it stands where a Split is called. With
+        ``residual`` (the last call passed one): ``run(a, b, skip)``, ``skip`` a float32 array of a's rows by N in C
+        order, which the caller checks. None where the last call was not this one, ran on more threads, through
+        matmul.py's tiles, or has not run whole (a first call's trial)."""
         last = self._last
         source = b if weights is None else weights
         if not self._tried or last is None or a.shape != last[0] or source is not last[1] or bias is not last[2] \
-                or coefficients is not last[3] or not last[4] or last[5][0] != kernel_threads():
+                or coefficients is not last[3] or last[4] is residual or last[5][0] != kernel_threads():
             return None
         (depth, rows, n, packed, offsets, padded_bias, flags, coefficients, threads, *_) = last[6]
         if threads != 1 or rows > self._few_rows.PANEL_ROWS:
@@ -168,7 +169,13 @@ class PackedProduct:
                   coefficients, 0, end, np.empty(spare, np.float32) if spare else empty)
             return y
 
-        return run
+        def run_adding(x, _b, skip):
+            y = np.empty(out_shape, np.float32)
+            entry(x.reshape(-1), depth, rows, depth, packed, offsets, padded_bias, y.reshape(-1), n, skip.reshape(-1),
+                  flags, coefficients, 0, end, np.empty(spare, np.float32) if spare else empty)
+            return y
+
+        return run_adding if residual else run
 
     def _plan(self, a, b, source, bias, with_residual: bool, coefficients, threads_now: int) -> tuple:
         """What a call of these shapes, arrays and knobs passes besides its operands (see __call__)."""

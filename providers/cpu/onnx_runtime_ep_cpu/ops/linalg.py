@@ -166,9 +166,15 @@ def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general):
     # BLAS's call was 2.6x the tiles' at 256x256). Any thread count here: each call's takes_few reads the running one.
     few = plain and rows <= GEMV_ROWS and gemv_host() and PackedProduct.few_sized(rows, depth * n, False, 2, depth)
     packed = None  # this node's PackedProduct, made on first use
+    # Its bound call (PackedProduct.bound), as MatMul keeps one: (b, bias, whether it adds a residual, the call, the
+    # thread count, the knobs' epoch), for constant b and bias.
+    kept: tuple = (None, None, False, None, 0, -1)
 
     def kernel(a, b, bias, residual=None):
-        nonlocal packed
+        nonlocal packed, kept
+        y = _kept_fused_run(kept, a, b, bias, residual, a_shape, out_shape) if few else None
+        if y is not None:
+            return (y,)
         dtype = a.dtype
         if a.shape != a_shape or dtype not in dtypes or b.dtype is not dtype or bias.dtype is not dtype \
                 or b.ndim != 2 or bias.shape != bias_shape or not a.flags.c_contiguous or (residual is not None and (
@@ -177,7 +183,9 @@ def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general):
         if few and dtype is FLOAT32 and PackedProduct.takes_few(a.reshape(rows, depth), b):
             if packed is None:
                 packed = PackedProduct()
-            return (packed(a.reshape(rows, depth), b, bias, residual).reshape(out_shape),)
+            y = packed(a.reshape(rows, depth), b, bias, residual).reshape(out_shape)
+            kept = _kept_fused(packed, a.reshape(rows, depth), b, bias, residual is not None) or kept
+            return (y,)
         y = product(a.reshape(rows, depth), b)
         skip = no_residual[dtype] if residual is None else residual.reshape(rows, n)
         if plain:
@@ -186,6 +194,30 @@ def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general):
         return (compiled.gelu(y, series[dtype], bias, None if residual is None else skip, out=y).reshape(out_shape),)
 
     return kernel
+
+
+def _kept_fused(packed: PackedProduct, rows: np.ndarray, b: np.ndarray, bias: np.ndarray, adding: bool) -> tuple | None:
+    """A planned FusedMatMul's ``kept`` for the PackedProduct call it just made (``rows``: A as a matrix; ``adding``:
+    with a residual): (b, bias, adding, the bound call, the thread count, the knobs' epoch) for constant b and bias,
+    else None."""
+    if b.flags.writeable or bias.flags.writeable:
+        return None
+    bound = packed.bound(rows, b, bias, residual=adding)
+    return None if bound is None else (b, bias, adding, bound, kernel_threads(), knobs_epoch[0])
+
+
+def _kept_fused_run(kept: tuple, a, b, bias, residual, a_shape: tuple, out_shape: tuple) -> np.ndarray | None:
+    """The FusedMatMul's product by its kept bound call where these operands are the ones it was kept for (float32,
+    the planned shapes, the same constant b and bias, a residual where it adds one); None otherwise."""
+    weights, kept_bias, adding, run, threads, epoch = kept  # one read: another thread may replace it
+    if b is not weights or bias is not kept_bias or a.shape != a_shape or a.dtype is not FLOAT32 \
+            or not a.flags.c_contiguous or kernel_threads() != threads or knobs_epoch[0] != epoch:
+        return None
+    if residual is None:
+        return None if adding else run(a).reshape(out_shape)
+    if not adding or residual.dtype is not FLOAT32 or residual.shape != out_shape or not residual.flags.c_contiguous:
+        return None
+    return run(a, b, residual).reshape(out_shape)
 
 
 def _scale(y: np.ndarray, factor: float) -> np.ndarray:
