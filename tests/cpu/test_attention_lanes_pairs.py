@@ -1,7 +1,8 @@
 """compiled/attention_lanes.py's key blocks and value column blocks taken in pairs (and an odd last block alone):
 shapes whose keys or value heads fill an odd number of 16-lane blocks, an even one, and a pair whose second block
 is partly padding, over (B, S, H, D) and (B, H, S, D) operands, against a float64 reference. A bias that hides
-every key but those of one block checks that each block's scores land in their own place."""
+every key but those of one block checks that each block's scores land in their own place. few_rows_of_tokens
+reads 3-D column views of one product in place."""
 
 from __future__ import annotations
 
@@ -65,4 +66,22 @@ def test_each_key_block_in_its_place(block):
     assert attention_lanes.few_rows_in_lanes(q, k, v, np.float32(0.25), visible, y, scratch)
     expected = _reference(q[:, :, :, :], k[:, block * 16:(block + 1) * 16], v[:, block * 16:(block + 1) * 16],
                           0.25, np.zeros((1, 1, 1, 16), np.float32))
+    assert np.abs(y - expected).max() <= 2e-6 * max(1.0, np.abs(expected).max())
+
+
+@pytest.mark.parametrize("rows,keys,heads,kv_heads,size", [(17, 17, 4, 4, 16), (50, 50, 4, 2, 16), (9, 40, 3, 1, 24)])
+def test_tokens_loop_reads_column_views(rows, keys, heads, kv_heads, size):
+    """few_rows_of_tokens over 3-D (B, S, H * D) operands: Q, K and V column views of one (B, S, 3 parts) product
+    (an encoder's ProjectionGroup output), read in place, heads found from their counts; y against float64."""
+    rng = np.random.default_rng(rows + keys)
+    width, kv_width = heads * size, kv_heads * size
+    product = rng.standard_normal((2, max(rows, keys), width + 2 * kv_width + 3)).astype(np.float32)
+    q = product[:, :rows, :width]
+    k = product[:, :keys, width:width + kv_width]
+    v = product[:, :keys, width + kv_width:width + 2 * kv_width]
+    y = np.full((2, rows, width), np.nan, np.float32)
+    scale = np.float32(size ** -0.5)
+    assert attention_lanes.few_rows_of_tokens(q, k, v, heads, kv_heads, scale, np.empty((0, 0, 0, 0), np.float32), y)
+    split = (q.reshape(2, rows, heads, size), k.reshape(2, keys, kv_heads, size), v.reshape(2, keys, kv_heads, size))
+    expected = _reference(*split, scale, np.zeros((1, 1, 1, keys), np.float32)).reshape(2, rows, width)
     assert np.abs(y - expected).max() <= 2e-6 * max(1.0, np.abs(expected).max())

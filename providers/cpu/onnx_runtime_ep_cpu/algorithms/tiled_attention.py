@@ -54,13 +54,12 @@ def few_in_place(geo, q, k, v, scale, bias, outputs: int = 3) -> tuple | None:
     if not in_lanes:
         q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
     y = np.empty((batch, geo.q_len, heads * geo.v_head_size), np.float32)
-    operands = (q.reshape(batch, geo.q_len, heads, size), k.reshape(batch, keys, geo.kv_heads, size),
-                v.reshape(batch, keys, geo.kv_heads, geo.v_head_size), scale, bias,
-                y.reshape(batch, geo.q_len, heads, geo.v_head_size))
-    if in_lanes:
-        if not lanes(*operands, np.empty(FEW_ROWS[2](size, keys), np.float32)):
+    if in_lanes:  # (the 3-D operands as they are: the loop finds the heads and makes its scratch)
+        if not lanes(q, k, v, heads, geo.kv_heads, scale, bias, y):
             return None
-    elif not loop(*operands):
+    elif not loop(q.reshape(batch, geo.q_len, heads, size), k.reshape(batch, keys, geo.kv_heads, size),
+                  v.reshape(batch, keys, geo.kv_heads, geo.v_head_size), scale, bias,
+                  y.reshape(batch, geo.q_len, heads, geo.v_head_size)):
         return None
     if outputs == 1:
         return (y,)
@@ -115,7 +114,8 @@ LANES_MACS = 16
 # The same over (B, H, S, D) heads, whose loop reads K and V rows at a stride: with a bias per head it outran the
 # compiled pass per head to about half of that.
 BY_HEAD_MACS = 8
-FEW_ROWS: list = [None, None, None, None]  # once imported: the 16-lane loop (None off AVX-512), the scalar one,
+FEW_ROWS: list = [None, None, None, None]  # once imported: the 16-lane loop over 3-D (B, S, H * D) operands
+# (attention_lanes.few_rows_of_tokens; None off AVX-512), the scalar one,
 # the 16-lane loop's scratch_size, and its loop over (B, H, S, D) heads
 
 
@@ -127,7 +127,7 @@ def few_rows_loops() -> list:
     if gemv_host():
         from ..compiled import attention_lanes
 
-        FEW_ROWS[0], FEW_ROWS[2], FEW_ROWS[3] = attention_lanes.few_rows_in_lanes, attention_lanes.scratch_size,\
+        FEW_ROWS[0], FEW_ROWS[2], FEW_ROWS[3] = attention_lanes.few_rows_of_tokens, attention_lanes.scratch_size,\
             attention_lanes.few_rows_by_head
     FEW_ROWS[1] = attention.few_rows_by_position
     return FEW_ROWS[:2]

@@ -305,6 +305,23 @@ def few_rows_in_lanes(q, k, v, scale, bias, y, scratch):
 
 
 @jit
+def few_rows_of_tokens(q, k, v, heads, kv_heads, scale, bias, y):
+    """few_rows_in_lanes over 3-D (B, S, H * D) q, k, v and y as an encoder's Attention node has them (``heads``
+    query and ``kv_heads`` KV heads side by side in each token's row; y C-contiguous), its scratch made here:
+    the caller reshapes nothing. q, k and v may be column views of one product: rows at any non-negative
+    stride, components contiguous. False, with y partly written, when a row's largest score is not finite."""
+    batch, rows, keys = q.shape[0], q.shape[1], k.shape[1]
+    size, value_size = q.shape[2] // heads, v.shape[2] // kv_heads
+    padded = -(-keys // LANES) * LANES
+    scratch = np.empty(size * padded + ROWS * padded + ROWS * size + keys, np.float32)  # scratch_size's floats
+    return _few_rows(_flat(q), (q.strides[0] // 4, q.strides[1] // 4, size), _flat(k),
+                     (k.strides[0] // 4, k.strides[1] // 4, size), _flat(v),
+                     (v.strides[0] // 4, v.strides[1] // 4, value_size), y.reshape(-1),
+                     (rows * heads * value_size, heads * value_size, value_size),
+                     batch, rows, heads, kv_heads, keys, size, value_size, scale, bias, scratch)
+
+
+@jit
 def few_rows_by_head(q, k, v, scale, bias, y, scratch):
     """few_rows_in_lanes over (B, H, S, D) heads (a decoder's heads after its split, its past and present keys and
     values), y (B, H, S, Dv) C-contiguous. q, k and v may be views (a head split that only transposed): each
