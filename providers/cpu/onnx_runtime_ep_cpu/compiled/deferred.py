@@ -39,6 +39,7 @@ import numpy as np
 
 from .. import provisional
 from .child_process import encode, pickled, run_child
+from .reference_run import local as _reference
 
 ENV = "ONNX_RUNTIME_COMPILE_IN_BACKGROUND"
 CONFIG_KEY = "session.compile_in_background"
@@ -183,7 +184,7 @@ def numpy_first(*kinds: str | tuple) -> bool:
     ("jobs.NAME", arguments), a part's arguments as the compiled path would post them, for the kind's writer
     too (its types are the arguments')."""
     if not state.deferring:
-        return False
+        return getattr(_reference, "depth", 0) > 0  # (a ReferenceRun: numpy's path, nothing recorded)
     if kinds:
         key = tuple(k if isinstance(k, str) else (k[0], tuple(_describe(a) for a in k[1])) for k in kinds)
         if key not in _needs:
@@ -286,10 +287,11 @@ class Loop(functools.partial):
         return self._dispatcher
 
     def _first(self, *args):
-        if state.deferring:
+        if state.deferring or getattr(_reference, "depth", 0):
             generic = self.generic()
             if generic is not None:
-                self._record(args)
+                if state.deferring:
+                    self._record(args)
                 with np.errstate(all="ignore"):  # the loops give inf/NaN silently (error_model="numpy")
                     return generic(*args)
         target = self.dispatcher()

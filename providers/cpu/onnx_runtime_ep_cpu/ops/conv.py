@@ -18,7 +18,7 @@ from ..algorithms.conv_rows import RowWeights, as_row, lifts, row_geometry
 from ..algorithms.precision import compute_dtype
 from ..algorithms.prepared import Prepared
 from ..algorithms.window import Window
-from ..compiled import deferred
+from ..compiled import deferred, reference_run
 from ..compiled import takes as takes_compiled
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
@@ -36,6 +36,8 @@ def conv(node, shapes, opset):
             x, w = as_row(x), row_weights(w)
         path = resolve(x, w, b, rows)[0]
         direct = path.direct
+        if reference_run.active():  # (as FusedConv's convolve)
+            direct, path = None, path.numpy
         y = None if direct is None else direct_call(path, direct, x, w, b, None, _NO_ACTIVATION)
         if y is None:
             y = path(x, w, b, None) if direct is None else path.numpy(x, w, b, None)
@@ -70,6 +72,7 @@ def _bind(resolve, inputs, outputs, constant, bounds, hard_swish, prepare):
     if rows:  # (views of the plan's buffers, which the bound calls read and write: contiguous ones, no copies)
         x, w, y, z = as_row(x), as_row(w), as_row(y), None if z is None else as_row(z)
     path, out_shape = resolve(x, w, b, rows)
+    path.settle()  # (numpy served a reference run's call: the compiled convolution is bound)
     direct = path.direct
     if isinstance(direct, (DirectConv, PackedConv)) and (z is None or (z.shape == out_shape and z.dtype == x.dtype)):
         return direct.bind(x, w, b, z, bounds, hard_swish, y)
@@ -244,6 +247,8 @@ def fused_conv(node, shapes, opset):
                 x = shuffled.apply(x)
         path, out_shape = resolve(x, w, b, rows)
         direct = path.direct
+        if reference_run.active():  # (numpy's convolution: a compiled one would link its loops for these types)
+            direct, path = None, path.numpy
         if direct is not None and shuffle is None and out is None and (z is None or (
                 direct.takes_residual and z.shape == out_shape and z.dtype == x.dtype)):
             y = direct_call(path, direct, x, w, b, z, bounds, hard_swish)

@@ -31,6 +31,7 @@ from onnx_runtime.errors import OnnxRuntimeError
 from .. import provisional
 from ..algorithms.segment_steps import BoundPlan, build_plan
 from ..compiled import deferred
+from ..compiled.reference_run import ReferenceRun
 from ..fusions import FUSED_DOMAIN
 from ..registry import NEEDS, lookup, register
 
@@ -221,7 +222,8 @@ class Segment:
         plan's values, whichever copy and however many threads. A plan that cannot be made or disagrees leaves
         the signature to the nodes for good (made while fallbacks served: until those misses settle)."""
         with provisional.watching() as seen:  # fallbacks served while it is made: a provisional plan
-            env, outputs = self._node_by_node(inputs, keep_all=True)
+            with ReferenceRun():  # (its per-node compiled code is never called again: numpy's paths serve it)
+                env, outputs = self._node_by_node(inputs, keep_all=True)
             plan, outputs = self._checked_plan(env, inputs, outputs)
         ticket = provisional.ticket(seen)
         if plan is False and ticket is None:  # (a miss the child gave up on: tried again at the next run)
