@@ -2,7 +2,8 @@
 compiled/conv_chain.run_chain): a chained plan gives the unchained plan's values bit for bit (the same loops on
 the same buffers in the same order) and a float64 reference's to float32 rounding, over every chained loop
 (direct convolutions plain and gathered, depthwise, squeeze-excitation, max pool, plane means), batches 1 and 3,
-and the zoo's ResNet and MobileNetV3 from both torch exporters; steps of other types are left unchained."""
+and the zoo's ResNet and MobileNetV3 from both torch exporters; steps of other types are left unchained. A
+closing classifier Gemm binds compiled/small_gemm.py's loop (one call for product and bias)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import json
 from pathlib import Path
 
 import numpy as np
+import onnx
+import onnxruntime
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime_ep_cpu.algorithms import segment_chain
 from onnx_runtime_ep_cpu.compiled import deferred, host
 from reference64 import run_float64
@@ -105,7 +109,6 @@ def test_zoo_cnns_chained_as_unchained(name, monkeypatch):
     """Both exporters' ResNet and MobileNetV3: the whole model's outputs with the chains equal those without, and
     onnxruntime's to float32 rounding."""
     import onnx_runtime as ours
-    import onnxruntime
 
     model = next(m for m in json.loads((_ZOO / "manifest.json").read_text())["models"] if m["name"] == name)
     feed = {f["name"]: np.random.default_rng(5).standard_normal(f["shape"]).astype(np.float32)
@@ -122,3 +125,49 @@ def test_zoo_cnns_chained_as_unchained(name, monkeypatch):
     for a, b, c in zip(outputs[True], outputs[False], theirs):
         np.testing.assert_array_equal(a, b)
         assert np.abs(a - c).max() <= 1e-4 * (1 + np.abs(c).max())
+
+
+def _head_model(trans_b: int, bias: str) -> onnx.ModelProto:
+    rng = np.random.default_rng(31)
+    w = (rng.standard_normal((16, 3, 3, 3)) * 0.3).astype(np.float32)
+    w2 = (rng.standard_normal((16, 16, 1, 1)) * 0.3).astype(np.float32)
+    head = (rng.standard_normal((10, 16) if trans_b else (16, 10)) * 0.3).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(w2, "w2"), numpy_helper.from_array(head, "head")]
+    gemm_inputs = ["flat", "head"]
+    if bias != "none":
+        shape = (10,) if bias == "row" else (1, 10)
+        inits.append(numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), "bias"))
+        gemm_inputs.append("bias")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[3, 3], pads=[1] * 4),
+             helper.make_node("Relu", ["c"], ["r0"]),
+             helper.make_node("Conv", ["r0", "w2"], ["c2"], kernel_shape=[1, 1]),
+             helper.make_node("Relu", ["c2"], ["r"]), helper.make_node("GlobalAveragePool", ["r"], ["p"]),
+             helper.make_node("Flatten", ["p"], ["flat"]),
+             helper.make_node("Gemm", gemm_inputs, ["logits"], transB=trans_b)]
+    graph = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 9, 9])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("trans_b", [0, 1])
+@pytest.mark.parametrize("bias", ["none", "row", "matrix"])
+def test_classifier_gemm_binds_the_small_loop(trans_b, bias):
+    """A segment's closing float32 Gemm (1 x 16 by 16 x 10, both layouts of B, C none, (N,) or (1, N)) binds
+    compiled/small_gemm.py's loop, product and bias in one call: within float32 rounding of float64 and of
+    onnxruntime."""
+    model = _head_model(trans_b, bias)
+    deferred.wait_ready(240)
+    x = np.random.default_rng(trans_b).standard_normal((1, 3, 9, 9)).astype(np.float32)
+    segment, feeds = _segment_and_feeds(model, x)
+    segment(*feeds)
+    ((plan,),) = segment.plans.values()
+    called = [getattr(f, "__name__", "") for f, _ in plan._steps]  # noqa: SLF001
+    assert ("rows_by_transposed_bias_" if trans_b else "rows_by_weights_bias_") in called
+    assert "matmul" not in called
+    got = segment(*feeds)[0]
+    (wide,) = run_float64(model, {"x": x})
+    (theirs,) = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})
+    assert got.shape == wide.shape == (1, 10) and got.dtype == np.float32
+    assert np.abs(got - wide).max() <= 1e-5 * (1 + np.abs(wide).max())
+    assert np.abs(got - theirs).max() <= 1e-5 * (1 + np.abs(theirs).max())
