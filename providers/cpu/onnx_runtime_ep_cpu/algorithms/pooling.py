@@ -94,6 +94,10 @@ def _pool_call(x: np.ndarray, geo: Geometry, include_pad: bool | None, y: np.nda
     (kh, kw), (sh, sw), (dh, dw), (ph, pw), (eh, ew), (h, w) = fields
     planes = np.ascontiguousarray(x).reshape(-1, h, w)
     rows = y.reshape(planes.shape[0], -1, y.shape[-1])
+    # An axis of one output window never steps, so its stride is any; the loops size row buffers by the
+    # stride, and a stride of 2**62 there would ask for exabytes. (Strides within the input keep their routes.)
+    sh = 1 if rows.shape[1] == 1 and sh > ph + h + eh else sh
+    sw = 1 if rows.shape[2] == 1 and sw > pw + w + ew else sw
     # The positions an average counts, in padded coordinates: the input, plus the declared pads
     # with count_include_pad; a ceil_mode overhang never counts.
     (lo_h, hi_h), (lo_w, hi_w) = (
