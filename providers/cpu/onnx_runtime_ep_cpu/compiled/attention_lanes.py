@@ -138,6 +138,20 @@ def _biased_peak(typingctx, scores, padded, bias, keys):
     return signature, codegen
 
 
+def _halves_tree(builder, vector, combine):
+    """_tree's result (the same pairs combined in the same order) in vectors: each step combines the even lanes
+    with the odd ones, four shuffles and four combines where _tree extracts all sixteen lanes."""
+    count = LANES
+    while count > 1:
+        count //= 2
+        even = builder.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(llvm.I32, count),
+                                                                  list(range(0, 2 * count, 2))))
+        odd = builder.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(llvm.I32, count),
+                                                                 list(range(1, 2 * count, 2))))
+        vector = combine(even, odd)
+    return builder.extract_element(vector, ir.Constant(llvm.I32, 0))
+
+
 def _exp_nonpositive(builder, a):
     """transformer.exp_nonpositive_float32 on 16 lanes (NaN stays NaN, 0 below its floor)."""
     floor = _constant(EXP_FLOOR)
@@ -176,6 +190,88 @@ def _exp_sum(typingctx, scores, padded, peak):
         return _tree(builder, sums, builder.fadd)
 
     return signature, codegen
+
+
+def _group_softmax_codegen(biased: bool):
+    """_group_softmax's body, with the bias rows added (``biased``) or not read at all."""
+    def codegen(context, builder, sig, args):
+        scores_ptr, bias_ptr, reciprocals_ptr = (_pointer(context, builder, sig, args, i) for i in (0, 3, 5))
+        padded, keys, bias_step = args[1], args[2], args[4]
+        masked_load = llvm.masked_load(builder.module)
+        lowest = _constant(-np.inf)
+        blocks = builder.sdiv(padded, ir.Constant(llvm.I64, LANES))
+
+        def row_at(i, first):
+            return _vector_at(builder, scores_ptr, builder.add(builder.mul(padded, ir.Constant(llvm.I64, i)), first))
+
+        def peak_block(c, carried):
+            first = builder.mul(c, ir.Constant(llvm.I64, LANES))
+            visible = _lanes_below(builder, builder.sub(keys, first))
+            peaks = []
+            for i in range(ROWS):
+                at = row_at(i, first)
+                row = builder.load(at, align=4)
+                if biased:
+                    bias_at = builder.add(builder.mul(bias_step, ir.Constant(llvm.I64, i)), first)
+                    row = builder.fadd(row, builder.call(masked_load, [_vector_at(builder, bias_ptr, bias_at),
+                                                                       llvm.ALIGN, visible, llvm.ZEROS]))
+                row = builder.select(visible, row, lowest)
+                builder.store(row, at, align=4)
+                peaks.append(builder.select(builder.fcmp_ordered(">", row, carried[i]), row, carried[i]))
+            return peaks
+
+        peaks = llvm.counted_loop(builder, blocks, [lowest] * ROWS, peak_block, "peak")
+        peaks = [_halves_tree(builder, p, lambda a, b: builder.select(builder.fcmp_ordered(">", b, a), b, a))
+                 for p in peaks]
+        infinity = ir.Constant(llvm.F32, float("inf"))
+        fabs = llvm.declare(builder.module, "llvm.fabs.f32", ir.FunctionType(llvm.F32, [llvm.F32]))
+        finite = [builder.fcmp_ordered("<", builder.call(fabs, [p]), infinity) for p in peaks]
+        every = finite[0]
+        for f in finite[1:]:
+            every = builder.and_(every, f)
+        with builder.if_then(every):
+            shifts = [llvm.splat(builder, p) for p in peaks]
+
+            def exp_block(c, carried):
+                first = builder.mul(c, ir.Constant(llvm.I64, LANES))
+                sums = []
+                for i in range(ROWS):
+                    at = row_at(i, first)
+                    weights = _exp_nonpositive(builder, builder.fsub(builder.load(at, align=4), shifts[i]))
+                    builder.store(weights, at, align=4)
+                    sums.append(builder.fadd(carried[i], weights))
+                return sums
+
+            sums = llvm.counted_loop(builder, blocks, [llvm.ZEROS] * ROWS, exp_block, "exp")
+            one = ir.Constant(llvm.F32, 1.0)
+            for i in range(ROWS):
+                builder.store(builder.fdiv(one, _halves_tree(builder, sums[i], builder.fadd)),
+                              builder.gep(reciprocals_ptr, [ir.Constant(llvm.I64, i)]))
+        return every
+
+    return codegen
+
+
+@intrinsic
+def _group_softmax(typingctx, scores, padded, keys, bias, bias_step, reciprocals):
+    """_softmax_rows for a whole group of ROWS rows, the rows interleaved: scores[i * padded + t] += bias[i *
+    bias_step + t] for t < keys (bias: the first row's), -inf for the padding keys; then, where every row's
+    largest score is finite, the rows' unnormalized weights in place and the reciprocals of their sums. Returns
+    whether every largest score was finite. The same values as _softmax_rows's, summed in the same order."""
+    return types.boolean(scores, padded, keys, bias, bias_step, reciprocals), _group_softmax_codegen(True)
+
+
+@intrinsic
+def _group_softmax_unbiased(typingctx, scores, padded, keys, reciprocals):
+    """_group_softmax without a bias (nothing added, no bias row read)."""
+    def codegen(context, builder, sig, args):
+        scores_v, padded_v, keys_v, reciprocals_v = args
+        types_ = sig.args
+        inner = types.boolean(types_[0], types_[1], types_[2], types_[0], types_[1], types_[3])
+        return _group_softmax_codegen(False)(context, builder, inner,
+                                             [scores_v, padded_v, keys_v, scores_v, padded_v, reciprocals_v])
+
+    return types.boolean(scores, padded, keys, reciprocals), codegen
 
 
 @intrinsic
@@ -345,8 +441,8 @@ def _flat(a):
 
 
 @jit
-def _few_rows(q, q_steps, k, k_steps, v, v_steps, y, y_steps, batch, rows, heads, kv_heads, keys, size, value_size,
-              scale, bias, scratch):
+def _few_rows(q, q_steps, k, k_steps, v, v_steps, y, y_steps, batch, rows, heads, kv_heads, keys, size,  # noqa: C901
+              value_size, scale, bias, scratch):
     """The loop of few_rows_in_lanes and few_rows_by_head over flat q, k, v and y: element (b, s, h, :) of each at
     b * steps[0] + s * steps[1] + h * steps[2] (its head's components contiguous)."""
     padded = -(-keys // LANES) * LANES
@@ -360,6 +456,9 @@ def _few_rows(q, q_steps, k, k_steps, v, v_steps, y, y_steps, batch, rows, heads
     q_step, v_step, y_step = q_steps[1], v_steps[1], y_steps[1]
     out = np.empty(ROWS * value_size, np.float32)  # a last group's rows, copied out to y's
     packed_for = -1
+    with_bias = bias.size > 0
+    bias_b, bias_h, bias_r = bias.shape[0] > 1, bias.shape[1] > 1, bias.shape[2] > 1
+    bias_step = bias.strides[2] // 4
     for b in range(batch):
         for h in range(heads):
             g = h // group
@@ -377,7 +476,15 @@ def _few_rows(q, q_steps, k, k_steps, v, v_steps, y, y_steps, batch, rows, heads
                     for i in range(count):
                         spare[i * size: (i + 1) * size] = q[q_first + i * q_step: q_first + i * q_step + size]
                     _scores_rows(packed, padded, size, spare, size, scale, scores)
-                if not _softmax_rows(scores, padded, count, bias, b, h, r0, zeros, reciprocals):
+                if count < ROWS:  # (a whole group's softmax in one pass: a helper call per group cost 3-8%)
+                    if not _softmax_rows(scores, padded, count, bias, b, h, r0, zeros, reciprocals):
+                        return False
+                elif not with_bias:
+                    if not _group_softmax_unbiased(scores, padded, keys, reciprocals):
+                        return False
+                elif not _group_softmax(scores, padded, keys, bias[b if bias_b else 0, h if bias_h else 0,
+                                                                      r0 if bias_r else 0:],
+                                        bias_step if bias_r else 0, reciprocals):
                     return False
                 y_first = b * y_steps[0] + r0 * y_step + h * y_steps[2]
                 if count == ROWS:
