@@ -41,12 +41,14 @@ from ..loader import implicit_inputs
 from ..memory.activations import admit_plan
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
+from . import mask_values
 from .placement import Copy, Placement
 from .steps import (
     Plan,
     ShapeKeyedKernel,
     ShapeValues,
     Step,
+    Steps,
     Uploader,
     downloader,
     make_kernel,
@@ -259,6 +261,11 @@ class Executor:
                         if (info := self.graph.type_of(name)) is not None and info.shape is not None
                         and all(isinstance(d, int) for d in info.shape)}
             plan.shape_values = ShapeValues(steps, body, tuple(sorted(tensor_feeds)), kept, declared)
+            if mask_values.ENABLED:  # the attention-mask chain of the body, kept per mask (see mask_values)
+                masks = {feed_slots[name] for name in mask_values.mask_feeds(self.graph)}
+                chained = mask_values.grouped(body, masks, set(kept), {where[name][0] for name in self._consts})
+                if chained is not body:
+                    plan.shape_values.body = Steps(chained)
         admit_plan(plan, self.graph, self.assignment)  # host activations, charged once per plan, not per run
         return plan
 

@@ -1,0 +1,124 @@
+"""A decode step's attention-mask chain (Cast -> GatherND -> And -> Where from the dynamo exporter, Cast ->
+Flatten -> Gather -> Reshape -> And -> Where from TorchScript) runs once per mask and feed shapes
+(session/mask_values.py): a repeated mask returns the kept bias without running the chain, a changed mask at
+the same shapes runs it again, and every output stays onnxruntime's."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_runtime
+import pytest
+from onnx_runtime.session import mask_values
+from test_generate import _model
+
+DECODERS = ["gpt2.dynamo.fp32", "gpt2.torchscript.fp32", "llama.dynamo.fp32", "llama.torchscript.fp32"]
+
+
+def _feeds(session, past: int, mask: np.ndarray, rng) -> dict:
+    feeds = {"input_ids": np.array([[int(rng.integers(1, 900))]], np.int64), "attention_mask": mask}
+    names = [i.name for i in session.get_inputs()]
+    if "position_ids" in names:
+        feeds["position_ids"] = np.array([[past]], np.int64)
+    for info in session.get_inputs():
+        if "past" in info.name:
+            feeds[info.name] = rng.standard_normal((1, info.shape[1], past, info.shape[3])).astype(np.float32)
+    return feeds
+
+
+@pytest.fixture
+def chains(monkeypatch) -> tuple[list, list]:
+    """(every MaskChain made from now on, one entry per run of a chain's steps)."""
+    made, runs = [], []
+    init, run = mask_values.MaskChain.__init__, mask_values.MaskChain.compute
+
+    def recording_init(self, *args):
+        init(self, *args)
+        made.append(self)
+
+    def counting_run(self, args):
+        runs.append(self)
+        return run(self, args)
+
+    monkeypatch.setattr(mask_values.MaskChain, "__init__", recording_init)
+    monkeypatch.setattr(mask_values.MaskChain, "compute", counting_run)
+    return made, runs
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_mask_chain_runs_once_per_mask_and_matches_onnxruntime(name, chains):
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is the oracle: install the test extra")
+    path = _model(name)
+    made, runs = chains
+    options = onnx_runtime.SessionOptions()
+    options.intra_op_num_threads = 1
+    ours = onnx_runtime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    oracle = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    outputs = [o.name for o in oracle.get_outputs()]
+    rng = np.random.default_rng(7)
+    past = 9
+    ones = np.ones((1, past + 1), np.int64)
+    holes = ones.copy()
+    holes[0, [1, 4]] = 0  # padding inside the window: the bias differs from the all-ones mask's
+    base = _feeds(oracle, past, ones, rng)
+
+    def check(mask) -> np.ndarray:
+        feeds = dict(base, attention_mask=mask.copy())  # a fresh array each call, as a loop's feed is
+        got = ours.run(outputs, feeds)
+        want = oracle.run(outputs, feeds)
+        for value, expected in zip(got, want):
+            scale = max(1.0, float(np.abs(expected).max()))
+            assert np.abs(value - expected).max() <= 2e-5 * scale
+        return got[0]
+
+    # The session's first feed shapes get a plan of their own; a decode loop's later lengths share the symbolic
+    # one, whose body holds the chain.
+    warm = _feeds(oracle, past - 1, np.ones((1, past), np.int64), rng)
+    ours.run(outputs, warm)
+    first = check(ones)  # new feed shapes: every step runs (and the shape-only values are kept)
+    check(ones)  # the body: the chain runs and keeps its bias for this mask
+    assert made and any({"Where"} <= {s.node.op_type for s in chain.steps} for chain in made)
+    assert all(s.node.domain in ("", "ai.onnx") for chain in made for s in chain.steps)
+    count = len(runs)
+    assert count >= 1
+    again = check(ones)
+    assert len(runs) == count  # kept: the chain's steps did not run
+    np.testing.assert_array_equal(again, first)
+    padded = check(holes)  # the same shapes, another mask: runs, and is onnxruntime's
+    assert len(runs) == count + 1
+    assert np.abs(padded - first).max() > 1e-3
+    check(ones)
+    check(holes)
+    assert len(runs) == count + 1  # both masks kept
+
+    # The same session with the chain left ungrouped computes the same outputs, bit for bit.
+    mask_values.ENABLED = False
+    try:
+        plain = onnx_runtime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    finally:
+        mask_values.ENABLED = True
+    for mask in (ones, holes, holes, ones):
+        feeds = dict(base, attention_mask=mask.copy())
+        for a, b in zip(plain.run(outputs, feeds), ours.run(outputs, feeds)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_kept_bias_is_read_only_and_bounded(chains):
+    made, _runs = chains
+    path = _model("gpt2.dynamo.fp32")
+    ours = onnx_runtime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(3)
+    outputs = [o.name for o in ours.get_outputs()]
+    for past in (3, 4, 5):
+        base = _feeds(ours, past, np.ones((1, past + 1), np.int64), rng)
+        for _ in range(3):
+            ours.run(outputs, base)
+    kept = [entry for chain in made for entry in chain.kept.values()]
+    assert kept
+    assert all(not r.flags.writeable for results, _held in kept for r in results)
+    chain = next(c for c in made if c.kept)
+    before = len(chain.kept)
+    chain.LIMIT = before  # a full table starts over rather than growing
+    base = _feeds(ours, 5, np.array([[1, 0, 1, 1, 1, 1]], np.int64), rng)
+    for _ in range(2):
+        ours.run(outputs, base)
+    assert len(chain.kept) == 1
