@@ -1,7 +1,8 @@
 """A decode step's attention-mask chain (Cast -> GatherND -> And -> Where from the dynamo exporter, Cast ->
-Flatten -> Gather -> Reshape -> And -> Where from TorchScript) runs once per mask and feed shapes
-(session/mask_values.py): a repeated mask returns the kept bias without running the chain, a changed mask at
-the same shapes runs it again, and every output stays onnxruntime's."""
+Flatten -> Gather -> Reshape -> And -> Where from TorchScript) and its positions' chain (rotary Cos/Sin, a
+position embedding's Gather) run once per mask, positions and feed shapes (session/mask_values.py): repeated
+feeds return the kept values without running the chain, a changed mask or position at the same shapes runs it
+again, and every output stays onnxruntime's."""
 
 from __future__ import annotations
 
@@ -61,8 +62,10 @@ def test_mask_chain_runs_once_per_mask_and_matches_onnxruntime(name, chains):
     holes[0, [1, 4]] = 0  # padding inside the window: the bias differs from the all-ones mask's
     base = _feeds(oracle, past, ones, rng)
 
-    def check(mask) -> np.ndarray:
+    def check(mask, position: int | None = None) -> np.ndarray:
         feeds = dict(base, attention_mask=mask.copy())  # a fresh array each call, as a loop's feed is
+        if position is not None:
+            feeds["position_ids"] = np.array([[position]], np.int64)
         got = ours.run(outputs, feeds)
         want = oracle.run(outputs, feeds)
         for value, expected in zip(got, want):
@@ -89,6 +92,13 @@ def test_mask_chain_runs_once_per_mask_and_matches_onnxruntime(name, chains):
     check(ones)
     check(holes)
     assert len(runs) == count + 1  # both masks kept
+    if "position_ids" in base:  # the positions' chain (rotary angles, position embeddings) is keyed the same way
+        moved = check(ones, past + 3)
+        assert len(runs) == count + 2
+        assert np.abs(moved - first).max() > 1e-3
+        check(ones, past + 3)
+        check(ones)
+        assert len(runs) == count + 2
 
     # The same session with the chain left ungrouped computes the same outputs, bit for bit.
     mask_values.ENABLED = False
@@ -96,8 +106,10 @@ def test_mask_chain_runs_once_per_mask_and_matches_onnxruntime(name, chains):
         plain = onnx_runtime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     finally:
         mask_values.ENABLED = True
-    for mask in (ones, holes, holes, ones):
+    for mask, position in ((ones, None), (holes, None), (holes, None), (ones, past + 3), (ones, None)):
         feeds = dict(base, attention_mask=mask.copy())
+        if position is not None:
+            feeds["position_ids"] = np.array([[position]], np.int64)
         for a, b in zip(plain.run(outputs, feeds), ours.run(outputs, feeds)):
             np.testing.assert_array_equal(a, b)
 

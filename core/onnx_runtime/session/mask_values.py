@@ -32,7 +32,7 @@ CHAIN_OPS = frozenset({
     "Cast", "CastLike", "Identity", "Not", "And", "Or", "Xor", "Where", "Equal", "Less", "LessOrEqual", "Greater",
     "GreaterOrEqual", "Add", "Sub", "Mul", "Neg", "Min", "Max", "Expand", "Reshape", "Flatten", "Unsqueeze",
     "Squeeze", "Transpose", "Slice", "Concat", "Gather", "GatherND", "GatherElements", "Tile", "CumSum",
-    "ReduceMax", "ReduceMin", "ReduceSum",
+    "ReduceMax", "ReduceMin", "ReduceSum", "Div", "Cos", "Sin", "Exp", "Pow", "Sqrt", "Reciprocal", "Abs",
 })
 
 
@@ -41,11 +41,12 @@ _INTEGERS = frozenset({"BOOL", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT
 
 def mask_feeds(graph) -> set[str]:
     """Names of the graph's integer or boolean tensor inputs named as masks (``attention_mask``,
-    ``encoder_attention_mask``, ``padding_mask``): feeds a loop repeats for a given length."""
+    ``encoder_attention_mask``, ``padding_mask``) or positions (``position_ids``): feeds a loop repeats for a
+    given length (the rotary angles or position embeddings of a position are a chain of their own)."""
     names = set()
     for info in graph.inputs:
         dtype = info.type.dtype
-        if info.type.is_tensor and dtype is not None and info.name.lower().endswith("mask") \
+        if info.type.is_tensor and dtype is not None and info.name.lower().endswith(("mask", "position_ids")) \
                 and dtype.name in _INTEGERS:
             names.add(info.name)
     return names
