@@ -9,7 +9,9 @@ import contextlib
 import threading
 
 import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper
 from onnx_runtime import session as session_module
 from onnx_runtime_ep_cpu.compiled import deferred
 from onnx_runtime_ep_cpu.compiled.reference_run import ReferenceRun, active
@@ -98,3 +100,42 @@ def test_plan_after_a_numpy_reference_run_binds_what_a_compiled_one_does(monkeyp
             described[reference] = [p.describe() for p in plans]
     assert described[True] == described[False]  # (the convolutions bound compiled, none left to its kernel)
     assert all(d["kernels"] == 0 for d in described[True])
+
+
+def _pool_model(op: str) -> onnx.ModelProto:
+    extra = {"count_include_pad": 1} if op == "AveragePool" else {}
+    node = helper.make_node(op, ["x"], ["y"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], **extra)
+    graph = helper.make_graph([node], "pool", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 9, 9])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
+def test_pool_in_a_reference_run_posts_no_job(monkeypatch, op):
+    """A 3x3 pool in a reference run takes its loop's numpy equivalent, not the helper-job entry points (linked for
+    that run alone, ~50 ms in a new worker); outside one the job runs as before. Both within a float64 bound."""
+    from onnx_runtime_ep_cpu.compiled import workers
+
+    deferred.wait_ready(240)
+    posted = []
+    real_run = workers.run
+
+    def run(kind, parts, *rest):
+        posted.append(kind)
+        return real_run(kind, parts, *rest)
+
+    monkeypatch.setattr(workers, "run", run)
+    model = _pool_model(op)
+    options = session_module.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.add_session_config_entry("session.compile_in_background", "0")
+    sess = session_module.InferenceSession(model.SerializeToString(), sess_options=options)
+    x = np.random.default_rng(7).standard_normal((2, 5, 9, 9)).astype(np.float32)
+    (exact,) = run_float64(model, {"x": x})
+    with ReferenceRun():
+        (got,) = sess.run(None, {"x": x})
+    assert posted == [], "a reference run posted a pool job"
+    assert np.abs(got - exact).max() <= 1e-5 * (1 + np.abs(exact).max())
+    (got,) = sess.run(None, {"x": x})
+    assert posted, "outside a reference run the 3x3 pool was expected to run as a job"
+    assert np.abs(got - exact).max() <= 1e-5 * (1 + np.abs(exact).max())

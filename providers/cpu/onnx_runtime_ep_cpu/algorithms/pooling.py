@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from ..compiled import deferred
+from ..compiled import deferred, reference_run
 from ..compiled import takes as takes_compiled
 from ..threads import helper_count
 from .split import thread_spans
@@ -138,8 +138,10 @@ def compiled_pool(loops, x: np.ndarray, geo: Geometry, include_pad: bool | None 
     planes, rows, arguments = _pool_call(x, geo, include_pad, y)
     spans = thread_spans(planes.shape[0], x.size, x.dtype)
     # (the helper threads' parts are compiled code; the part's types only built while numpy serves; the deferral
-    # is asked before _windowed, whose module import would load numba on the run thread)
-    if spans is None or deferred.state.deferring and deferred.numpy_first(("jobs.POOL", (planes, rows, *arguments))) \
+    # is asked before _windowed, whose module import would load numba on the run thread. A segment's reference
+    # run takes the loop's numpy equivalent: the job's entry points, linked for it alone, are never called again)
+    if spans is None or (deferred.numpy_first(("jobs.POOL", (planes, rows, *arguments)))
+                         if deferred.state.deferring else reference_run.active()) \
             or len(spans) == 1 and not _windowed(arguments):
         loops.pool_2d(planes, rows, *arguments)
     else:
