@@ -65,7 +65,7 @@ class Program:
     def instantiate(self, env: list, point: np.ndarray) -> bool:
         """Set the needed slots of ``env`` for the symbols' values (``point``: 1, s_0, s_1, ...); False where a
         guard fails (a length outside the bases' margin, an empty range: the caller runs the steps instead)."""
-        numbers = (self.forms @ point).tolist()
+        numbers = self.forms.dot(point).tolist()  # (ndarray.dot: less dispatch than the matmul ufunc)
         if self.guards and min(numbers[:self.guards]) < 0:
             return False
         windows = self._windows

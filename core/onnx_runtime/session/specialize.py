@@ -42,6 +42,7 @@ from .shape_wheres import see_through_shape_wheres
 
 # Distinct specializations a session keeps (exact signatures and symbolic templates together).
 LIMIT = 8
+MATCHED = 4096  # signatures kept per session with the template executor that serves them
 # Rounds of inference and folding; exported models settle in two or three.
 MAX_ROUNDS = 6
 
@@ -98,6 +99,9 @@ class Specializer:
         self._prepare = prepare
         self._exact: dict[tuple, Executor | None] = {}
         self._templates: list[tuple[Template, Executor]] = []
+        # Signatures a template served, with its executor: a decode loop's later generations pass the same lengths
+        # again, and a dict lookup costs less than the templates' tests. Bounded (MATCHED), started over past it.
+        self._matched: dict[tuple, Executor] = {}
         self._last: tuple = ((), None)
         self._lock = threading.Lock()
         self._failed = False
@@ -142,13 +146,16 @@ class Specializer:
         last_signature, last = self._last
         if signature == last_signature:
             return last
-        executor = self._exact[signature] if signature in self._exact else self._lookup(signature)
+        executor = self._matched.get(signature)
+        if executor is None:
+            executor = self._exact[signature] if signature in self._exact else self._lookup(signature)
         self._last = (signature, executor)
         return executor
 
     def _lookup(self, signature: tuple) -> Executor | None:
         for known, found in self._templates:
             if known.matches(signature):
+                self._remember(signature, found)
                 return found
         with self._lock:
             if signature in self._exact:
@@ -161,9 +168,16 @@ class Specializer:
                 executor = self._build(signature if template is None else template.dims)  # (sized at these feeds)
             if template is not None and executor is not None:
                 self._templates.append((template, executor))
+                self._remember(signature, executor)
             else:
                 self._exact[signature] = executor
             return executor
+
+    def _remember(self, signature: tuple, executor: Executor) -> None:
+        matched = self._matched
+        if len(matched) >= MATCHED:  # (lengths without bound: start over)
+            matched.clear()
+        matched[signature] = executor
 
     def close(self) -> None:
         with self._lock:
@@ -172,6 +186,7 @@ class Specializer:
                     executor.close()
             self._exact.clear()
             self._templates.clear()
+            self._matched.clear()
             self._last = ((), None)
 
     def _template(self, signature: tuple) -> Template | None:

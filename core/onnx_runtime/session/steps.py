@@ -328,8 +328,13 @@ class ShapeValues:
             self._keep(key, values)
 
     def _keep(self, key: tuple, values: tuple) -> None:
-        size = sum(v.nbytes for v in values) if all(isinstance(v, np.ndarray) for v in values) else None
-        if size is not None and size <= self.BYTES:
+        # (a first generation keeps at every step: one loop, no generators)
+        size = 0
+        for value in values:
+            if not isinstance(value, np.ndarray):
+                return
+            size += value.nbytes
+        if size <= self.BYTES:
             for value in values:
                 value.flags.writeable = False
             if len(self.values) >= self.LIMIT or self.held + size > self.TOTAL_BYTES:

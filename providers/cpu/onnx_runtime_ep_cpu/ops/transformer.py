@@ -157,6 +157,10 @@ _ROW_BLOCK = 32
 def _length_free_key(shapes) -> tuple:
     """The input shapes without the keys' length (axis -2 of K, V and the pasts, the mask's last axis): a
     length-free Attention kernel serves every shapes that agree on these."""
+    if len(shapes) == 4:  # (Q, K, V, mask), a decode step's: each new length of a first generation asks
+        q, k, v, mask = shapes
+        if k is not None and v is not None and mask is not None:
+            return q, k[:-2] + k[-1:], v[:-2] + v[-1:], mask[:-1]
     key = list(shapes)
     for index in range(1, min(len(key), 6)):
         shape = key[index]
