@@ -108,3 +108,41 @@ def test_a_read_only_input_that_stays_is_still_bound_as_a_constant(monkeypatch):
     assert np.abs(got - exact).max() <= 1e-4 * (1 + np.abs(exact).max())
     planned = [s for s in made if any(p for p in s.plans.values())]
     assert planned and not any(s.fed for s in planned)
+
+
+def test_a_new_batch_size_copies_a_feed_already_seen_to_change(monkeypatch):
+    """A batch job's partial last micro-batch is a new input shape, which the session specializes into a new copy
+    of the segment: that copy's first plan copies in the feed its sibling saw change (one plan per shape, not a
+    plan bound to the read-only feed and a second at the next batch). Every run within a float64 bound."""
+    deferred.wait_ready(240)
+    made, planned = [], []
+    real_init = segment_module.Segment.__init__
+    real_plan = segment_module.Segment._plan_and_run  # noqa: SLF001
+
+    def init(self, node):
+        real_init(self, node)
+        made.append(self)
+
+    def plan_and_run(self, key, inputs):
+        planned.append(key[0][0])
+        return real_plan(self, key, inputs)
+
+    monkeypatch.setattr(segment_module.Segment, "__init__", init)
+    monkeypatch.setattr(segment_module.Segment, "_plan_and_run", plan_and_run)
+    model = _cnn()
+    options = session_module.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.add_session_config_entry("session.compile_in_background", "0")
+    sess = session_module.InferenceSession(model.SerializeToString(), sess_options=options)
+    rows = np.random.default_rng(11).standard_normal((40, 3, 17, 17)).astype(np.float32)
+    rows.setflags(write=False)
+    for start, stop in [(0, 8), (8, 16), (16, 21), (21, 29), (29, 34), (34, 40)]:  # batches of 8, tails of 5, one 6
+        x = rows[start:stop]
+        (got,) = sess.run(None, {"x": x})
+        (exact,) = run_float64(model, {"x": x})
+        assert np.abs(got - exact).max() <= 1e-4 * (1 + np.abs(exact).max()), (start, stop)
+    assert len({id(s) for s in made}) >= 2, "each batch size was expected to get its own copy of the segment"
+    # batch 8: bound to the feed, then planned again once it changed; 5 and 6: one plan each, the feed copied in
+    assert sorted(planned) == [(5, 3, 17, 17), (6, 3, 17, 17), (8, 3, 17, 17), (8, 3, 17, 17)], planned
+    copies = [s for s in made if any(p for p in s.plans.values())]
+    assert copies and all(s.fed == {0} for s in copies)

@@ -24,6 +24,7 @@ deferred.wait_ready. So is a signature that such a window left to the nodes.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import numpy as np
 from onnx_runtime.errors import OnnxRuntimeError
@@ -38,6 +39,27 @@ from ..registry import NEEDS, lookup, register
 POOL_LIMIT_BYTES = 64 << 20
 _SIGNATURES = 16  # bound plans (and node kernels) kept per segment; past that, they start over
 _COPIES = 4  # plans per signature at most, for as many concurrent runs (more wait for the first)
+
+
+_FED: dict[tuple, tuple] = {}  # (segment name, id of a weight) -> (a weak reference to it, the fed set)
+
+
+def _shared_fed(segment, inputs) -> set[int]:
+    """The fed set of every copy of this segment the session specializes by input shapes, found by the segment's
+    name and its last read-only input (a weight: the same array in each copy): a new shape (a batch's partial last
+    micro-batch) would otherwise bind a feed already seen to change, and plan again at its next run."""
+    anchor = next((x for x in reversed(inputs) if isinstance(x, np.ndarray) and not x.flags.writeable), None)
+    if anchor is None:
+        return segment.fed
+    key = (segment.name, id(anchor))
+    found = _FED.get(key)
+    if found is not None and found[0]() is anchor:
+        found[1].update(segment.fed)
+        return found[1]
+    if len(_FED) >= 1024:
+        _FED.clear()
+    _FED[key] = (weakref.ref(anchor), segment.fed)
+    return segment.fed
 
 
 class _Inner:
@@ -98,6 +120,7 @@ class Segment:
         self.replanned: set[tuple] = set()
         # read-only inputs seen to change between runs (a feed from Arrow or a memory map): copied in like feeds
         self.fed: set[int] = set()
+        self.fed_shared = False  # self.fed is the specializations' shared set (_shared_fed)
         self.waiting: dict[tuple, provisional.Ticket] = {}  # signatures left to the nodes by a provisional window
         self.lock = threading.Lock()  # planning
 
@@ -221,6 +244,8 @@ class Segment:
         check the plan against it, and return the plan's outputs: every run of a planned signature gives the
         plan's values, whichever copy and however many threads. A plan that cannot be made or disagrees leaves
         the signature to the nodes for good (made while fallbacks served: until those misses settle)."""
+        if not self.fed_shared:
+            self.fed, self.fed_shared = _shared_fed(self, inputs), True
         with provisional.watching() as seen:  # fallbacks served while it is made: a provisional plan
             with ReferenceRun():  # (its per-node compiled code is never called again: numpy's paths serve it)
                 env, outputs = self._node_by_node(inputs, keep_all=True)
