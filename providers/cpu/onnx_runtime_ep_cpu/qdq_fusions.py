@@ -224,25 +224,39 @@ def _merged_shape(graph: Graph, node: Node) -> tuple | None:
     return reshaped(tuple(x_shape[p] for p in perm), target, False)  # arithmetic: declared sizes may be huge
 
 
+def _product_weight(view: GraphView, node: Node) -> tuple | None:
+    """(K, N) of the constant 2-D weight of a DynamicQuantizeMatMul, or of a QDQ group's QuantizedMatMul
+    (weight input 3, transB as Gemm's), else None."""
+    if node.op_type == "DynamicQuantizeMatMul" and node.domain == "com.microsoft":
+        weight = view.const(node.inputs[1]) if len(node.inputs) > 1 else None
+        return weight.shape if weight is not None and weight.ndim == 2 else None
+    if node.op_type != "QuantizedMatMul" or node.domain != FUSED_DOMAIN or len(node.inputs) < 8:
+        return None
+    weight = view.const(node.inputs[3])
+    if weight is None or weight.ndim != 2:
+        return None
+    return weight.shape[::-1] if node.attr("transB", 0) else weight.shape
+
+
 def _unflatten_match(graph: Graph, view: GraphView, node: Node) -> tuple | None:
     """(the Reshape after ``node``, the node before it, the unflattened input shape) where ``node`` is a
-    DynamicQuantizeMatMul of static (M, K) rows by a constant weight whose product only a Reshape to
-    (..., N) with M rows reads."""
-    if node.op_type != "DynamicQuantizeMatMul" or node.domain != "com.microsoft" or len(node.outputs) != 1:
+    DynamicQuantizeMatMul or QuantizedMatMul of static (M, K) rows by a constant weight whose product only a
+    Reshape to (..., N) with M rows reads."""
+    if len(node.outputs) != 1:
         return None
-    weight = view.const(node.inputs[1]) if len(node.inputs) > 1 else None
+    weight = _product_weight(view, node)
     after = view.only_consumer(node.outputs[0], "Reshape")
     before = view.producer.get(node.inputs[0])
-    if weight is None or weight.ndim != 2 or after is None or before is None:
+    if weight is None or after is None or before is None:
         return None
     a_shape = _static(graph, node.inputs[0])
     if a_shape is None and before.op_type == "TransposeReshape":
         a_shape = _merged_shape(graph, before)
     out_shape = _static(graph, after.outputs[0])
-    if a_shape is None or out_shape is None or len(out_shape) < 3 or out_shape[-1] != weight.shape[1] \
-            or a_shape != (math.prod(out_shape[:-1]), weight.shape[0]):
+    if a_shape is None or out_shape is None or len(out_shape) < 3 or out_shape[-1] != weight[1] \
+            or a_shape != (math.prod(out_shape[:-1]), weight[0]):
         return None
-    return after, before, out_shape[:-1] + (weight.shape[0],)
+    return after, before, out_shape[:-1] + (weight[0],)
 
 
 def _unflattened_input(graph: Graph, view: GraphView, node: Node, before: Node, wanted: tuple) -> tuple | None:
@@ -271,11 +285,12 @@ def _unflattened_input(graph: Graph, view: GraphView, node: Node, before: Node, 
 def unflatten_dynamic_quantize_matmul(graph: Graph, owns=None) -> bool:
     """Reshape(X (..., K) -> (M, K)) -> DynamicQuantizeMatMul -> Reshape((M, N) -> (..., N)), as both torch
     exporters write GPT-2's Conv1D (addmm over a flattened view) and the optimizer leaves it after quantization:
-    the product of X itself, the two Reshapes gone. A flattening Reshape or TransposeReshape (the attention's
-    heads merged) of another input, read by the product alone, is given the output's leading dimensions
-    instead. A is quantized over all its values and its rows multiplied one by one, so the flattening changes
-    no bit; it only cost two nodes per product. Shapes must be static (a specialized graph's), the product's
-    output read by that Reshape alone and no graph output."""
+    the product of X itself, the two Reshapes gone. The same for a static QDQ group's QuantizedMatMul (the
+    Gemm of GPT-2's Conv1D, bias and rounded add included: per-tensor A, rows one by one). A flattening Reshape
+    or TransposeReshape (the attention's heads merged) of another input, read by the product alone, is given
+    the output's leading dimensions instead. A is quantized over all its values and its rows multiplied one by
+    one, so the flattening changes no bit; it only cost two nodes per product. Shapes must be static (a
+    specialized graph's), the product's output read by that Reshape alone and no graph output."""
     view = GraphView(graph)
     for node in graph.nodes:
         match = _unflatten_match(graph, view, node)
