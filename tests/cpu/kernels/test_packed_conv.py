@@ -30,6 +30,7 @@ def packed_at_every_size(monkeypatch):
     AVX-512 hosts: conv_direct.direct_tiles_before_packed)."""
     monkeypatch.setattr(conv_direct, "SMALL_MACS", 0)
     monkeypatch.setattr(conv_direct, "STEM_CHANNELS", 0)  # (and the one-thread stems)
+    monkeypatch.setattr(conv_direct, "ROW_MACS", 0)  # (and the one-thread single rows)
 
 
 @pytest.fixture(params=[1, 2], ids=["one thread", "two threads"])

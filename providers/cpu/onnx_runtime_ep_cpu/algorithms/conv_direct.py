@@ -43,16 +43,25 @@ def direct_tiles_before_packed(geo: Geometry, w: np.ndarray, group: int = 1) -> 
     is small enough for the direct tiles to win; or, on one thread, a stem: at most STEM_CHANNELS input
     channels per group into whole tiles of 16 output channels (the packed convolution's 32-channel tiles run
     half empty there: 3->16 7x7/2 on 64x64 52 vs 59 us, on 224x224 545 vs 721 us; with 8 or 32 outputs, or
-    more inputs, the packed one won)."""
-    if w[0].size * w.shape[0] * math.prod(geo.out) <= SMALL_MACS:
+    more inputs, the packed one won); or, on one thread, a single row (a 1-D convolution, conv_rows.py) of at
+    most ROW_MACS multiply-adds, where the packed convolution's pixel tiles span one short row."""
+    macs = w[0].size * w.shape[0] * math.prod(geo.out)
+    if macs <= SMALL_MACS:
         return True
     from ..threads import kernel_threads
 
+    if kernel_threads() != 1:  # (the direct tiles run on one thread, the packed convolution splits)
+        return False
+    if geo.in_shape[0] == 1 and geo.kernel[0] == 1 and macs <= ROW_MACS:
+        return True
     outputs = w.shape[0] // group
-    return w.shape[1] <= STEM_CHANNELS and outputs == CHANNELS_PER_TILE and kernel_threads() == 1
+    return w.shape[1] <= STEM_CHANNELS and outputs == CHANNELS_PER_TILE
 
 
 STEM_CHANNELS, CHANNELS_PER_TILE = 4, 16
+# Multiply-adds per image up to which a single-row convolution takes the direct tiles on one thread (beyond, the
+# packed convolution caught up on Whisper-like 1-D layers; measured in this constant's commit).
+ROW_MACS = 1 << 22
 
 
 _IDENTITY_BOUNDS = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)

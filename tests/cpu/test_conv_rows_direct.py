@@ -1,0 +1,79 @@
+"""A single-row (1-D) float32 convolution above conv_direct.SMALL_MACS takes the direct tiles on one thread, up to
+conv_direct.ROW_MACS multiply-adds (Whisper's first front-end layer, 80 -> 64 channels over 100 frames), where the
+packed convolution's pixel tiles span one short row; on two threads, and beyond that size, the packed convolution
+keeps it. Results against a float64 reference either way."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_runtime as ort
+import pytest
+from model_helpers import make_model, tensor_info
+from onnx import TensorProto, helper, numpy_helper
+from onnx_runtime_ep_cpu.algorithms import conv_direct, conv_path
+from onnx_runtime_ep_cpu.algorithms.window import Geometry
+from onnx_runtime_ep_cpu.compiled import host
+
+pytestmark = pytest.mark.skipif(not host.AVX2, reason="the direct tiles need an AVX2 host")
+
+
+def _reference(x, w, b, stride):
+    """float64 1-D convolution with one pad each side, by its definition."""
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1)))
+    k = w.shape[2]
+    out = (x.shape[2] + 2 - k) // stride + 1
+    taps = np.stack([xp[:, :, t: t + (out - 1) * stride + 1: stride] for t in range(k)], axis=2)  # (N, C, K, L)
+    return np.einsum("nckl,mck->nml", taps, w.astype(np.float64)) + b.astype(np.float64)[None, :, None]
+
+
+def _run(cin, cout, length, stride, threads):
+    rng = np.random.default_rng(cin + cout + length)
+    w = (rng.standard_normal((cout, cin, 3)) / np.sqrt(3 * cin)).astype(np.float32)
+    b = rng.standard_normal(cout).astype(np.float32)
+    x = rng.standard_normal((1, cin, length)).astype(np.float32)
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[1, 1], strides=[stride], kernel_shape=[3])
+    model = make_model([node], [tensor_info("x", TensorProto.FLOAT, x.shape)], [tensor_info("y", TensorProto.FLOAT)],
+                       [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.compile_in_background", "0")  # (the compiled paths from the first run)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    y = session.run(None, {"x": x})[0]
+    expected = _reference(x, w, b, stride)
+    assert np.abs(y - expected).max() <= 1e-5 * max(1.0, np.abs(expected).max())
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The convolution classes conv_path builds, by name."""
+    names = []
+    for cls in (conv_path.DirectConv, conv_path.PackedConv):
+        monkeypatch.setattr(conv_path, cls.__name__, type(cls.__name__, (cls,), {
+            "__init__": lambda self, *args, _cls=cls, **kwargs: names.append(_cls.__name__) or _cls.__init__(
+                self, *args, **kwargs)}))
+    return names
+
+
+@pytest.mark.parametrize("cin,cout,length,stride,taken", [
+    (80, 64, 100, 1, "DirectConv"),  # Whisper's first layer: 1.5M multiply-adds
+    (80, 128, 100, 1, "DirectConv"),  # 3.1M
+    (128, 128, 200, 2, "PackedConv"),  # strided, 4.9M: past ROW_MACS
+])
+def test_one_thread_single_row_takes_the_direct_tiles(built, cin, cout, length, stride, taken):
+    assert cin * 3 * cout * ((length - 1) // stride + 1) > conv_direct.SMALL_MACS
+    _run(cin, cout, length, stride, threads=1)
+    assert built == [taken]
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="two threads need two usable CPUs")
+def test_two_threads_keep_the_packed_convolution(built):
+    _run(80, 64, 100, 1, threads=2)
+    assert built == ["PackedConv"]
+
+
+def test_a_two_dimensional_convolution_of_that_size_keeps_the_packed_one(knobs):
+    knobs(threads=1)
+    square = Geometry((10, 10), (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (10, 10))
+    assert not conv_direct.direct_tiles_before_packed(square, np.zeros((64, 24, 3, 3), np.float32))  # 1.4M
+    row = Geometry((1, 100), (1, 3), (1, 1), (1, 1), (0, 1), (0, 1), (1, 100))
+    assert conv_direct.direct_tiles_before_packed(row, np.zeros((64, 80, 1, 3), np.float32))  # 1.5M
