@@ -7,7 +7,8 @@
 #      and benchmarks/.models/zoo (the generate rows: tokens/s vs torch), onnxruntime, pytest-timeout. A missing required one stops the check with the command that fixes it;
 #   1. install this working tree's four distributions without fetching anything (--no-deps --no-index);
 #   2. the tests that matter first: tests/cuda against the real driver (ONNX_RUNTIME_CUDA_TESTS=real), device
-#      memory, faults, threads, graphs, validation and decode first, the simulator's own tests left out;
+#      memory, faults, threads, graphs, validation and decode first, the simulator's own tests left out; in
+#      TEST_WORKERS processes where pytest-xdist is installed (default half the CPUs, at most 8);
 #   3. the benchmark table against torch on the same GPU (scripts/gpu_bench.py), the generate loop's tokens/s
 #      against torch's greedy loop on the zoo's decoders included (scripts/gpu_generate.py).
 # Every phase has a time limit (INSTALL_LIMIT, TEST_LIMIT, BENCH_LIMIT; together under 8 minutes), so the
@@ -123,6 +124,14 @@ fi
 per_test=()
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then
     per_test=(-p timeout "--timeout=${TEST_LIMIT_EACH:-120}")
+fi
+# On a GPU machine the 2,000 tests of tests/cuda do not fit the limit one at a time: with pytest-xdist they run in
+# TEST_WORKERS processes (default: half the CPUs, at most 8), each with its own CUDA context. TEST_WORKERS=1 keeps
+# the order above. The dry run stays in one process.
+workers=${TEST_WORKERS:-$(( $(nproc) / 2 > 8 ? 8 : $(nproc) / 2 ))}
+if [ "$DRY" -eq 0 ] && [ "$workers" -gt 1 ] && "$PY" -c "import xdist" 2>/dev/null; then
+    per_test+=(-n "$workers")
+    echo "tests in $workers processes (pytest-xdist)"
 fi
 limited "$TEST_LIMIT" "$PY" -m pytest -v -p no:cacheprovider -rfE ${per_test[@]+"${per_test[@]}"} "${tests[@]}" \
     >"$LOGS/tests.log" 2>&1

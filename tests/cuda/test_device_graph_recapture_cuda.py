@@ -24,6 +24,7 @@ from test_device_graphs import (
     host_provider,  # noqa: F401 - the fixture, requested by name below
 )
 from test_streams_lent_memory_cuda import BIAS, SHAPE, RawMemory, consumer, producer
+from test_streams_session_sync_cuda import _elsewhere
 
 cu = pytest.importorskip("onnx_runtime_ep_cuda.sim.driver", reason="the CUDA provider is not installed")
 
@@ -113,10 +114,10 @@ def _write_h(a, memory, x: np.ndarray):
 
 def test_a_release_held_by_the_capture_resets_its_graph_and_the_next_run_captures_again(provider):
     """A writes h into external memory it borrowed; B captures a run reading h there in place. A's binding is
-    released while B's capture is open: the end of the borrow is held until the capture ends, then runs once and
-    resets B's new graph. That run goes eagerly (right result); B's next run at the same address (same signature)
-    captures again and later runs replay, each equal to the float64 reference. Before, the stale launch made the
-    signature eager for good."""
+    released from another thread while B's capture is open: the end of the borrow is held until the capture ends,
+    then runs once and resets B's new graph. That run goes eagerly (right result); B's next run at the same address
+    (same signature) captures again and later runs replay, each equal to the float64 reference. Before, the stale
+    launch made the signature eager for good."""
     model_a, w = producer()
     a, b = _session(model_a, CUDA), _session(consumer(), provider, capture=True)
     handle_a, handle_b = a.provider_handle(CUDA), b.provider_handle(provider)
@@ -126,7 +127,9 @@ def test_a_release_held_by_the_capture_resets_its_graph_and_the_next_run_capture
     x = rng.standard_normal(SHAPE).astype(np.float32)
     kept = _write_h(a, memory, x)
     h = ort.Tensor(ort.DataType.FLOAT, SHAPE, kept.buffer.alias(), handle_b)
-    hooks = _AtCaptureEnd(lambda token: kept.close())
+    # Another thread releases A's binding: the capturing thread itself may not synchronize A's stream (a GPU
+    # refuses it; the binding would be quarantined with a warning instead).
+    hooks = _AtCaptureEnd(lambda token: _elsewhere(kept.close))
     handle_b.pm.register(hooks, name="release-at-capture-end")
     statuses = []
     try:

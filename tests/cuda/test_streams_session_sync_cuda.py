@@ -384,6 +384,25 @@ def _free_during(a, device, source, other, base) -> None:
     assert device.frees == frees + 1 and base in device._live  # noqa: SLF001
 
 
+def _elsewhere(action) -> None:
+    """Run ``action`` on another thread and wait for it: the thread that captures may not synchronize or release
+    (an H200 refuses cuStreamSynchronize there), so another session's work during a capture comes from elsewhere."""
+    failures = []
+
+    def run():
+        try:
+            action()
+        except BaseException as error:  # noqa: BLE001 - re-raised on the test's thread
+            failures.append(error)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "the other thread's work did not finish within 30 s"
+    if failures:
+        raise failures[0]
+
+
 def test_ending_a_borrow_a_capture_reached_waits_for_the_end_of_the_capture(handles):
     """B's capture copies from memory A borrowed; A's binding is released meanwhile (the borrow returned): the loan
     is forgotten and B's new graph reset once the capture's graph is recorded. Before, the return was refused with
@@ -397,8 +416,12 @@ def test_ending_a_borrow_a_capture_reached_waits_for_the_end_of_the_capture(hand
     target = b.allocate(256, 256)
     token = _begin(b)
     b.hook.copy_device_to_device(src=lent, src_offset=64, dst=target, dst_offset=0, nbytes=128)
-    a.sync()
-    a.hook.return_device_memory(buffer=lent)
+
+    def give_back():
+        a.sync()
+        a.hook.return_device_memory(buffer=lent)
+
+    _elsewhere(give_back)
     assert memory.ptr in device._lent  # noqa: SLF001 - held until the graph is recorded
     b.hook.end_owned_device_graph_capture(token=token)
     assert memory.ptr not in device._lent  # noqa: SLF001
@@ -421,7 +444,7 @@ def test_a_reserved_release_a_capture_reached_waits_for_the_end_of_the_capture(h
     target = b.allocate(256, 256)
     token = _begin(b)
     b.hook.copy_device_to_device(src=reserved, src_offset=0, dst=target, dst_offset=0, nbytes=256)
-    a.deallocate(reserved)
+    _elsewhere(lambda: a.deallocate(reserved))
     assert not growth._closed  # noqa: SLF001 - still mapped: the capture recorded its address
     b.hook.end_owned_device_graph_capture(token=token)
     assert growth._closed  # noqa: SLF001

@@ -352,5 +352,9 @@ class DeviceGraphs:
 
     def close(self) -> None:
         with self._lock:
+            # A capture still open is ended first: until then its thread may not destroy graphs (a GPU refuses
+            # cuGraphExecDestroy there, and an open capture would refuse this thread's later work too).
+            if self._active is not None:
+                self._discard_capture(self._active)
             for owner in {key[0] for key in self._lifecycles}:
                 self.retire(owner)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from .execution import _drain_all, _drop_graph_memory, _end_capture, _submit
+from .execution import _drain_all, _drop_graph_memory, _end_capture, _submit, _unsafe_while_capturing
 from .state import _api, _Capture, _Fail, _Graph, _GraphExec, _lookup, _state, _stream
 from .types import (
     CUgraph,
@@ -109,6 +109,7 @@ def cuGraphLaunch(hGraphExec, hStream):
 @_api()
 def cuGraphExecDestroy(hGraphExec):
     execution = _lookup(_state.execs, hGraphExec, "executable graph", CUresult.CUDA_ERROR_INVALID_VALUE)
+    _unsafe_while_capturing("cuGraphExecDestroy")  # an H200 refuses it on a thread a capture prohibits
     _drain_all()  # queued launches of it run first
     del _state.execs[execution.handle]
     execution.graph.execs -= 1

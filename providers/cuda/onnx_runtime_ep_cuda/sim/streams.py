@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .execution import _capturing, _check_legacy, _dispatch, _drain, _invalidate
+from .execution import _capturing, _check_legacy, _dispatch, _drain, _invalidate, _unsafe_while_capturing
 from .state import _api, _Event, _event, _Fail, _state, _Stream, _stream, _value
 from .types import _DEFAULT_STREAMS, CUevent, CUevent_flags, CUresult, CUstream
 
@@ -43,6 +43,7 @@ def cuStreamSynchronize(hStream):
     if stream.capture is not None:
         _invalidate(stream.capture, "cuStreamSynchronize was called on a capturing stream")
         raise _Fail(CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "cuStreamSynchronize on a capturing stream")
+    _unsafe_while_capturing("cuStreamSynchronize")  # any stream, from a thread a capture prohibits (as an H200 does)
     _drain(stream)
 
 
