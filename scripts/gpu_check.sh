@@ -106,7 +106,7 @@ if [ "$DRY" -eq 1 ]; then
            tests/cuda/test_streams_session_sync_cuda.py tests/cuda/test_device_graph_recapture_cuda.py
            tests/cuda/test_device_binding_queued_cuda.py)
 else
-    phase "tests/cuda on the real driver (limit ${TEST_LIMIT}s, ${TEST_LIMIT_EACH:-120}s per test)"
+    phase "tests/cuda on the real driver (limit ${TEST_LIMIT}s, ${TEST_LIMIT_EACH:-60}s per test)"
     export ONNX_RUNTIME_CUDA_TESTS=real
     # What a GPU can break that the simulator cannot show first: device memory, faults, threads, graphs,
     # validation and decode; then what has not run on a GPU yet (capture of whole models, attention, GEMM,
@@ -123,7 +123,9 @@ else
 fi
 per_test=()
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then
-    per_test=(-p timeout "--timeout=${TEST_LIMIT_EACH:-120}")
+    # The thread method dumps every thread's stack into the log and ends the process, so a test stuck inside a
+    # driver call (where the signal method cannot interrupt it) is reported and xdist goes on in a new worker.
+    per_test=(-p timeout "--timeout=${TEST_LIMIT_EACH:-60}" --timeout-method=thread)
 fi
 # On a GPU machine the 2,000 tests of tests/cuda do not fit the limit one at a time: with pytest-xdist they run in
 # TEST_WORKERS processes (default: half the CPUs, at most 8), each with its own CUDA context. TEST_WORKERS=1 keeps
