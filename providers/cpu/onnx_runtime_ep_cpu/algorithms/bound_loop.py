@@ -21,3 +21,25 @@ def bound_entry(loop, arguments: tuple):
     if not isinstance(loop, deferred.Loop) or not loop.switched:
         return None
     return entry_point(loop, arguments)
+
+
+class EntryOnce:
+    """A compiled loop's entry point, bound once for a kernel whose loop calls keep their argument types while the
+    shapes change (a decode step's growing past): binding types every argument and looks the overload up (tens of
+    microseconds), so it is done at most once per kernel, and not again after the linked loop had no overload for
+    those types. The caller passes only arguments of the types of the call it was bound with."""
+
+    __slots__ = ("loop", "entry", "missed")
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.entry = None
+        self.missed = False
+
+    def __call__(self, arguments: tuple):
+        """The entry point (bound now from ``arguments`` where not yet), or None."""
+        entry = self.entry
+        if entry is None and not self.missed:
+            entry = self.entry = bound_entry(self.loop, arguments)
+            self.missed = entry is None and getattr(self.loop, "switched", True)  # (a loop on numpy binds later)
+        return entry

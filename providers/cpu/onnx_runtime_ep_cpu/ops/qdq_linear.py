@@ -23,6 +23,7 @@ from operator import is_
 import numpy as np
 from onnx_runtime.errors import OnnxRuntimeError
 
+from ..algorithms.bound_loop import EntryOnce
 from ..algorithms.patch_geometry import patch_geometry
 from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import integer_range
@@ -137,6 +138,7 @@ def quantized_matmul(node, shapes, opset):
     repeat_rounded = RepeatCall()  # the same for a call with a rounded add (an encoder's projections)
     stacked = RepeatCall()  # the last stacked call (attention's: B fed): A, the parameters, B's shape and type
     repeats = (repeat, repeat_rounded, stacked)
+    binds: dict = {}  # the loops' entry points (EntryOnce) by loop and argument kinds, for the kept calls
 
     def kernel(a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero, bias=None, row=None, after_scale=None,
                after_zero=None):
@@ -155,7 +157,7 @@ def quantized_matmul(node, shapes, opset):
             node, qgemm, columns, row, after_scale, after_zero, dequantize))
         if b.ndim != 2 or a.ndim < 1:
             y = _stacked(node, qgemm, a, b, p)
-            _keep_stacked(stacked, a, b, y, key[1:], p, after)
+            _keep_stacked(stacked, binds, qgemm, a, b, y, key[1:], p, after)
             return (y if after is None else _round_after(y, row, after),)
         depth = b.shape[1] if trans_b else b.shape[0]
         if a.shape[-1] != depth:
@@ -167,10 +169,13 @@ def quantized_matmul(node, shapes, opset):
             flat = np.ascontiguousarray(a).reshape(out.size // columns, depth)
             pairs = qgemm.pairs_for(packed)
             if after is None:
-                qgemm.requantized_product(flat, packed, pairs, p.multiplier, p.offset, p.consts,
-                                          out.reshape(-1, columns))
+                arguments = (flat, packed, pairs, p.multiplier, p.offset, p.consts, out.reshape(-1, columns))
+                qgemm.requantized_product(*arguments)
                 # constants (B among them, so packed once and kept): later calls with this A shape skip the checks
-                repeat.keep(a, (b, *key[1:]), (qgemm, flat.shape, packed, pairs, p.multiplier, p.offset, p.consts,
+                # and, once the loop runs compiled, the dispatcher's typing of seven arrays (its entry point)
+                entry = (not b.flags.writeable and _entry(binds, qgemm.requantized_product, arguments)) \
+                    or qgemm.requantized_product
+                repeat.keep(a, (b, *key[1:]), (entry, flat.shape, packed, pairs, p.multiplier, p.offset, p.consts,
                                                out.shape, p.out_dtype, (-1, columns)))
             else:
                 line = row.reshape(-1)
@@ -192,10 +197,9 @@ def repeated_product(repeat: RepeatCall, a, constants: tuple, row=None):
     arguments = None if row is not None else repeat.match(a, constants)
     if arguments is None:
         return None
-    qgemm, flat_shape, packed, pairs, multiplier, offset, consts, out_shape, out_dtype, rows = arguments
+    product, flat_shape, packed, pairs, multiplier, offset, consts, out_shape, out_dtype, rows = arguments
     out = np.empty(out_shape, out_dtype)
-    qgemm.requantized_product(np.ascontiguousarray(a).reshape(flat_shape), packed, pairs, multiplier, offset, consts,
-                              out.reshape(rows))
+    product(np.ascontiguousarray(a).reshape(flat_shape), packed, pairs, multiplier, offset, consts, out.reshape(rows))
     return out
 
 
@@ -223,11 +227,26 @@ def repeated_rounded(repeat: RepeatCall, qgemm, a, constants: tuple):
     return out
 
 
-def _keep_stacked(stacked: RepeatCall, a, b, y, constants: tuple, p, after) -> None:
+def _entry(binds: dict, loop, arguments: tuple):
+    """``loop``'s entry point for ``arguments``' types, bound once per kernel, loop and array kinds (EntryOnce:
+    the kept calls differ from the bound one in shapes only), or None."""
+    key = (loop, *((x.dtype, x.ndim) if isinstance(x, np.ndarray) else type(x) for x in arguments))
+    bind = binds.get(key)
+    if bind is None:
+        bind = binds[key] = EntryOnce(loop)
+    return bind(arguments)
+
+
+def _keep_stacked(stacked: RepeatCall, binds: dict, qgemm, a, b, y, constants: tuple, p, after) -> None:
     """Keeps a stacked call without a rounded add whose operands have the same batch dimensions (no broadcast)
-    for its repeats."""
-    if after is None and a.ndim >= 2 and a.shape[:-2] == b.shape[:-2] and y.size:
-        stacked.keep(a, constants, (b.shape, b.dtype, (-1,) + a.shape[-2:], (-1,) + b.shape[-2:], y.shape, y.dtype,
+    for its repeats, with the loop's entry point once it runs compiled (the dispatcher types six arrays)."""
+    if after is None and a.ndim >= 2 and a.shape[:-2] == b.shape[:-2] and y.size \
+            and all(c is None or not c.flags.writeable for c in constants):
+        a_layout, b_layout = (-1,) + a.shape[-2:], (-1,) + b.shape[-2:]
+        loop = qgemm.requantized_batched_product
+        entry = _entry(binds, loop, (np.ascontiguousarray(a).reshape(a_layout), np.ascontiguousarray(b).reshape(
+            b_layout), p.multiplier, p.offset, p.consts, y.reshape(-1, a.shape[-2], b.shape[-1]))) or loop
+        stacked.keep(a, constants, (b.shape, b.dtype, a_layout, b_layout, y.shape, y.dtype, entry,
                                     p.multiplier, p.offset, p.consts))
 
 
@@ -239,8 +258,8 @@ def repeated_stacked(stacked: RepeatCall, qgemm, a, b, constants: tuple, row=Non
         return None
     a_layout, b_layout = kept[2], kept[3]
     out = np.empty(kept[4], kept[5])
-    qgemm.requantized_batched_product(np.ascontiguousarray(a).reshape(a_layout), np.ascontiguousarray(b).reshape(
-        b_layout), *kept[6:], out.reshape(-1, a_layout[1], b_layout[2]))
+    kept[6](np.ascontiguousarray(a).reshape(a_layout), np.ascontiguousarray(b).reshape(b_layout), *kept[7:],
+            out.reshape(-1, a_layout[1], b_layout[2]))
     return out
 
 

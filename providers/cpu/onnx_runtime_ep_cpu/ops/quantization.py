@@ -19,6 +19,7 @@ import numpy as np
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
+from ..algorithms.bound_loop import EntryOnce
 from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import IntegerProduct
 from ..fusions import FUSED_DOMAIN
@@ -378,8 +379,20 @@ def quantize_dequantize(node, shapes, opset):
         return (*_channel_params(scale, zero_point), *_integer_range(target))
 
     last: list = [None, None, None]  # the constant scale and zero point of the last call, and their params
+    # The last compiled call's (x's shape, scale, zero point, the loop's bound entry point, its parameters, the
+    # layout): a decode step rounds the same shapes every run, where the dispatcher's typing of six arguments
+    # costs more than a few hundred values' rounding.
+    kept = (None,) * 6
+    bind = EntryOnce(compiled.fake_quantize)
 
     def kernel(x, scale, zero_point):
+        nonlocal kept
+        shape, kept_scale, kept_zero, entry, kept_params, kept_layout = kept  # (one read: threads)
+        if x.shape == shape and scale is kept_scale and zero_point is kept_zero and x.dtype is _F32 \
+                and x.flags.c_contiguous:
+            y = np.empty(shape, _F32)
+            entry(x.reshape(kept_layout), *kept_params, y.reshape(kept_layout))
+            return (y,)
         if last[0] is scale and last[1] is zero_point:
             params = last[2]  # the usual call: the same constant arrays, no key to build
         else:
@@ -390,13 +403,25 @@ def quantize_dequantize(node, shapes, opset):
             layout = (1, 1, x.size) if scale.size == 1 else granularity.channels(scale, x.shape)
             if layout is not None:
                 y = np.empty(x.shape, _F32)
-                compiled.fake_quantize(np.ascontiguousarray(x).reshape(layout), *params, y.reshape(layout))
+                arguments = (np.ascontiguousarray(x).reshape(layout), *params, y.reshape(layout))
+                compiled.fake_quantize(*arguments)
+                kept = _kept_rounding(bind, x, scale, zero_point, last, arguments) or kept
                 return (y,)
         return dequantize(quantize(x, scale, zero_point)[0], scale, zero_point)
 
     kernel.bind = _rounding_binder(granularity, lambda scale, zero_point: prepared.get(
         "params", (scale, zero_point), lambda: compiled_params(scale, zero_point)))
     return shape_free(kernel)  # (its layout is taken per call)
+
+
+def _kept_rounding(bind, x, scale, zero_point, last: list, arguments: tuple) -> tuple | None:
+    """quantize_dequantize's kept call for a contiguous ``x`` and constant parameters (those ``last`` holds): (x's
+    shape, scale, zero point, fake_quantize's entry point (``bind``, an EntryOnce), its parameters, the layout),
+    or None."""
+    if last[0] is not scale or last[1] is not zero_point or not x.flags.c_contiguous:
+        return None
+    bound = bind(arguments)
+    return None if bound is None else (x.shape, scale, zero_point, bound, arguments[1:-1], arguments[0].shape)
 
 
 def _rounding_binder(granularity, params_of):

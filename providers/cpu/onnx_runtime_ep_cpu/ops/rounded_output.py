@@ -21,6 +21,7 @@ import numpy as np
 from onnx_runtime.errors import OnnxRuntimeError
 from onnx_runtime.ir import Node
 
+from ..algorithms.bound_loop import EntryOnce
 from ..algorithms.quantize import integer_range
 from ..fusions import FUSED_DOMAIN
 from ..qdq_epilogues import BROADCASTING, ELEMENTWISE, SHAPED, SUFFIX
@@ -119,8 +120,20 @@ def _rounded_binary(op: int, run, round_):
 
     grid = _Grid()
     layouts: dict = {}
+    # The last compiled call's (A's shape, B's shape, scale, zero point, the loop's bound entry point, its grid
+    # arguments, the output's size and shape): a decode step repeats it every run, and the checks above and
+    # the dispatcher's typing of eight arguments cost more than a few hundred values' arithmetic.
+    kept = (None,) * 8
+    bind = EntryOnce(compiled.rounded_binary)
 
     def kernel(a, b, scale, zero_point):
+        nonlocal kept
+        a_shape, b_shape, kept_scale, kept_zero, entry, grid_args, size, shape = kept  # (one read: threads)
+        if a.shape == a_shape and b.shape == b_shape and scale is kept_scale and zero_point is kept_zero \
+                and a.dtype is _F32 and b.dtype is _F32 and a.flags.c_contiguous and b.flags.c_contiguous:
+            out = np.empty(size, _F32)
+            entry(a.reshape(-1), b.reshape(-1), op, *grid_args, out)
+            return (out.reshape(shape),)
         params = grid.of(scale, zero_point)
         if params is not None and a.dtype is _F32 and b.dtype is _F32:
             key = (a.shape, b.shape)
@@ -131,7 +144,12 @@ def _rounded_binary(op: int, run, round_):
                 shape = layouts[key] = _broadcast(*key)
             if shape is not None and a.size and b.size:
                 out = np.empty(shape, _F32)
-                compiled.rounded_binary(a.reshape(-1), b.reshape(-1), op, *params, out.reshape(-1))
+                arguments = (a.reshape(-1), b.reshape(-1), op, *params, out.reshape(-1))
+                compiled.rounded_binary(*arguments)
+                if scale is grid.scale and a.flags.c_contiguous and b.flags.c_contiguous:  # (constant parameters)
+                    bound = bind(arguments)
+                    if bound is not None:
+                        kept = (a.shape, b.shape, scale, zero_point, bound, params, out.size, shape)
                 return (out,)
         return round_(run(a, b)[0], scale, zero_point)
 
@@ -144,8 +162,19 @@ def _rounded_concat(axis: int, run, round_):
     from ..compiled import quantize as compiled
 
     grid = _Grid()
+    # The last compiled call's (A's shape, B's shape, scale, zero point, the loop's bound entry point, its grid
+    # arguments, the 2-D views' shapes for A, B and the output, the output's shape), as in _rounded_binary.
+    kept = (None,) * 10
+    bind = EntryOnce(compiled.rounded_concat)
 
     def kernel(a, b, scale, zero_point):
+        nonlocal kept
+        a_shape, b_shape, kept_scale, kept_zero, entry, grid_args, a_rows, b_rows, out_rows, shape = kept
+        if a.shape == a_shape and b.shape == b_shape and scale is kept_scale and zero_point is kept_zero \
+                and a.dtype is _F32 and b.dtype is _F32 and a.flags.c_contiguous and b.flags.c_contiguous:
+            out = np.empty(out_rows, _F32)
+            entry(a.reshape(a_rows), b.reshape(b_rows), *grid_args, out)
+            return (out.reshape(shape),)
         params = grid.of(scale, zero_point)
         rank = a.ndim
         if params is not None and a.dtype is _F32 and b.dtype is _F32 and rank == b.ndim and -rank <= axis < rank:
@@ -154,7 +183,13 @@ def _rounded_concat(axis: int, run, round_):
                 shape = a.shape[:at] + (a.shape[at] + b.shape[at],) + a.shape[at + 1:]
                 out = np.empty(shape, _F32)
                 outer = math.prod(a.shape[:at])
-                compiled.rounded_concat(a.reshape(outer, -1), b.reshape(outer, -1), *params, out.reshape(outer, -1))
+                arguments = (a.reshape(outer, -1), b.reshape(outer, -1), *params, out.reshape(outer, -1))
+                compiled.rounded_concat(*arguments)
+                if scale is grid.scale and a.flags.c_contiguous and b.flags.c_contiguous:  # (constant parameters)
+                    bound = bind(arguments)
+                    if bound is not None:
+                        kept = (a.shape, b.shape, scale, zero_point, bound, params, arguments[0].shape,
+                                arguments[1].shape, arguments[-1].shape, shape)
                 return (out,)
         return round_(run(a, b)[0], scale, zero_point)
 
