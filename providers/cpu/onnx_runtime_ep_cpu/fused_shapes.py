@@ -10,7 +10,16 @@ from __future__ import annotations
 from onnx_runtime.session.shape_rules import BROADCAST, FIRST, MATMUL, SAME, SHAPES, declare
 
 from .fusions import FUSED_DOMAIN
-from .qdq_epilogues import BROADCASTING, ELEMENTWISE, SHAPED, SUFFIX
+
+# A producer with its rounding as an epilogue (qdq_epilogues.py) is the op type SUFFIX appended to the producer's;
+# the producers whose rounding folds, by the shape rule their output follows. (Here, not in qdq_epilogues.py: the
+# provider declares these rules at import, and a session whose plans are cached runs no pass.)
+SUFFIX = "Rounded"
+BROADCASTING = ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min")
+ELEMENTWISE = ("Softmax", "LayerNormalization", "Cast", "Neg", "Sqrt", "Reciprocal", "Tanh", "Sigmoid", "Erf",
+               "Exp", "Abs", "Relu")
+SHAPED = ("Concat", "ReduceMean", "ReduceSum", "Gather", "Unsqueeze", "Squeeze", "Reshape", "Transpose", "Expand",
+          "Slice", "Where")
 
 RULES: dict[str, tuple[str, tuple[int, ...]]] = {
     # float16 conversions (precision_fusions.py): output i is input i converted

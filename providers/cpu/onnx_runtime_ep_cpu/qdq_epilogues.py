@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from onnx_runtime.ir import Graph, Node
 
+from .fused_shapes import BROADCASTING, ELEMENTWISE, SHAPED, SUFFIX
 from .fusions import FUSED_DOMAIN, GraphView, owned
 from .qdq_concat_inputs import fold_concat_input_roundings
 from .qdq_groups import group_quantized_products
@@ -23,14 +24,8 @@ from .qdq_norms import fuse_rounded_rms_norm
 from .registry import NEEDS, lookup
 
 _F32 = np.dtype(np.float32)
-SUFFIX = "Rounded"  # the fused node's op type: the producer's, then this
-# The producers whose rounding folds, by the shape rule their output follows (fused_shapes.py); SHAPED ones only
-# where the output's shape is static (an exact plan's).
-BROADCASTING = ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min")
-ELEMENTWISE = ("Softmax", "LayerNormalization", "Cast", "Neg", "Sqrt", "Reciprocal", "Tanh", "Sigmoid", "Erf",
-               "Exp", "Abs", "Relu")
-SHAPED = ("Concat", "ReduceMean", "ReduceSum", "Gather", "Unsqueeze", "Squeeze", "Reshape", "Transpose", "Expand",
-          "Slice", "Where")
+# The producers whose rounding folds (SUFFIX, BROADCASTING, ELEMENTWISE and SHAPED: fused_shapes.py, where their
+# shape rules are); SHAPED ones only where the output's shape is static (an exact plan's).
 FOLDED = frozenset(BROADCASTING + ELEMENTWISE + SHAPED)
 
 

@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
 import numpy as np
 from onnx_runtime.errors import OnnxRuntimeError
 
 from .. import provisional
-from ..algorithms.segment_steps import BoundPlan, build_plan
 from ..compiled import deferred
 from ..compiled.reference_run import ReferenceRun
 from ..fusions import FUSED_DOMAIN
 from ..registry import NEEDS, lookup, register
+
+if TYPE_CHECKING:
+    from ..algorithms.segment_steps import BoundPlan
 
 POOL_LIMIT_BYTES = 64 << 20
 _SIGNATURES = 16  # bound plans (and node kernels) kept per segment; past that, they start over
@@ -295,6 +298,14 @@ class Segment:
         if all(_close(a, b) for a, b in zip(planned, outputs)):
             return plan, planned
         return None, outputs
+
+
+def build_plan(segment, env, limit_bytes):
+    """algorithms/segment_steps.build_plan, imported at a process's first plan: a segment plans only once numba
+    serves, so the first runs never load the builder and its modules."""
+    from ..algorithms.segment_steps import build_plan as build
+
+    return build(segment, env, limit_bytes)
 
 
 def _close(a, b) -> bool:

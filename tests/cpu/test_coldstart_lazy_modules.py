@@ -1,0 +1,124 @@
+"""What a fresh process imports for a session whose plans are cached and its first runs (served by numpy while
+numba loads, compiled/deferred.py): every module is a few hundred microseconds of a creation + first run that
+onnxruntime does in about ten milliseconds (docs/cold-start.md). Two modules stay out of it:
+
+- the bound-plan builder of a FusedSegment (algorithms/segment_steps.py and the four segment_* modules it
+  imports): a segment runs its nodes one by one until numba serves, and plans only then;
+- the QDQ epilogue pass (qdq_epilogues.py and the three pass modules it imports): the provider declares the
+  rounded producers' shape rules at import (fused_shapes.py), and a cached plan runs no pass.
+
+Once the loader is done the segment still plans, and every run's values stay within a float64 bound.
+What matters is what a new process loads, so the checks run in fresh interpreters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from reference64 import assert_within, run_float64
+
+SEGMENT_BUILDER = ("onnx_runtime_ep_cpu.algorithms.segment_steps", "onnx_runtime_ep_cpu.algorithms.segment_layout",
+                   "onnx_runtime_ep_cpu.algorithms.segment_chain", "onnx_runtime_ep_cpu.algorithms.segment_blocks",
+                   "onnx_runtime_ep_cpu.algorithms.segment_arena")
+EPILOGUE_PASS = ("onnx_runtime_ep_cpu.qdq_epilogues", "onnx_runtime_ep_cpu.qdq_norms",
+                 "onnx_runtime_ep_cpu.qdq_groups", "onnx_runtime_ep_cpu.qdq_concat_inputs")
+
+SCRIPT = r"""
+import json, sys
+import numpy as np
+import onnx_runtime as ort
+from onnx_runtime.session import shape_rules
+from onnx_runtime_ep_cpu.compiled import deferred
+from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
+
+WATCHED = NAMES
+options = ort.SessionOptions()
+options.intra_op_num_threads = 1
+sess = ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
+x = np.load(sys.argv[2])
+first = sess.run(None, {"x": x})
+report = {"numpy_first": deferred.numpy_first(), "first_run": [m for m in WATCHED if m in sys.modules],
+          "rounded_rules": sorted(op for op in shape_rules.declared(FUSED_DOMAIN) if op.endswith("Rounded"))}
+deferred.wait_ready()
+sess.run(None, {"x": x})  # (the segment plans at this run, and checks its plan against its nodes)
+planned = sess.run(None, {"x": x})
+report["after_loader"] = [m for m in WATCHED if m in sys.modules]
+report["outputs"] = [[o.tolist() for o in first], [o.tolist() for o in planned]]
+print(json.dumps(report))
+""".replace("NAMES", repr(SEGMENT_BUILDER + EPILOGUE_PASS))
+
+
+def _residual_cnn(channels: int = 8, size: int = 10) -> onnx.ModelProto:
+    """Conv-Relu, MaxPool, a residual block (two convolutions and an Add), global pooling and a Gemm head: one
+    FusedSegment after the CPU passes (as the zoo's ResNets), batch symbolic (specialized per signature)."""
+    rng = np.random.default_rng(11)
+    inits, nodes = [], []
+
+    def weight(name, *shape):
+        inits.append(numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name))
+        return name
+
+    def conv(x, y, cin, cout, k):
+        nodes.append(helper.make_node("Conv", [x, weight(f"{y}_w", cout, cin, k, k), weight(f"{y}_b", cout)], [y],
+                                      kernel_shape=[k, k], pads=[k // 2] * 4))
+
+    conv("x", "c1", 3, channels, 3)
+    nodes.append(helper.make_node("Relu", ["c1"], ["r1"]))
+    nodes.append(helper.make_node("MaxPool", ["r1"], ["m1"], kernel_shape=[2, 2], strides=[2, 2]))
+    conv("m1", "c2", channels, channels, 3)
+    nodes.append(helper.make_node("Relu", ["c2"], ["r2"]))
+    conv("r2", "c3", channels, channels, 3)
+    nodes.append(helper.make_node("Add", ["c3", "m1"], ["s"]))
+    nodes.append(helper.make_node("Relu", ["s"], ["r3"]))
+    nodes.append(helper.make_node("GlobalAveragePool", ["r3"], ["p"]))
+    nodes.append(helper.make_node("Flatten", ["p"], ["f"]))
+    nodes.append(helper.make_node("Gemm", ["f", weight("fc_w", 5, channels), weight("fc_b", 5)], ["y"], transB=1))
+    graph = helper.make_graph(nodes, "residual_cnn",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, size, size])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _fresh_process(model_path, x_path, plans) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "ONNX_RUNTIME_COMPILE_IN_BACKGROUND"}  # (deferral on)
+    env.update(ONNX_RUNTIME_PLAN_CACHE="1", ONNX_RUNTIME_PLAN_CACHE_DIR=str(plans))
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(model_path), str(x_path)], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_cached_first_runs_import_neither_the_segment_builder_nor_the_epilogue_pass(tmp_path, batch):
+    model = _residual_cnn()
+    model_path, x_path = tmp_path / "cnn.onnx", tmp_path / "x.npy"
+    onnx.save(model, model_path)
+    x = np.random.default_rng(batch).standard_normal((batch, 3, 10, 10)).astype(np.float32)
+    np.save(x_path, x)
+    exact = run_float64(model, {"x": x})[0]
+    # float32 convolutions of at most 3*3*8 terms, three deep, then a mean and a product of 8: a loose bound
+    bound = 1e-4 * max(1.0, float(np.max(np.abs(exact))))
+
+    plans = tmp_path / "plans"
+    for _ in range(3):  # (an edit of the installed code between the two processes changes the plans' key)
+        _fresh_process(model_path, x_path, plans)  # plans anew and writes them
+        written = set(os.listdir(plans))
+        assert any(name.endswith("-graph.plan") for name in written)
+        report = _fresh_process(model_path, x_path, plans)  # reads them, as later processes do
+        if set(os.listdir(plans)) == written:
+            break
+    assert set(os.listdir(plans)) == written, "the second process wrote plans of its own: it read none"
+
+    assert report["numpy_first"], "the first run ended after the loader switched: nothing left to check"
+    assert report["first_run"] == [], f"the first run imported {report['first_run']}"
+    assert "AddRounded" in report["rounded_rules"] and "ConcatRounded" in report["rounded_rules"]
+    assert set(SEGMENT_BUILDER) <= set(report["after_loader"]), "the segment did not plan after the loader"
+    for outputs in report["outputs"]:
+        assert_within(np.array(outputs[0], np.float32), exact, bound)
