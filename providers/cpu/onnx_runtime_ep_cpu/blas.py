@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import glob
 import os
 
 import numpy as np
@@ -34,7 +33,12 @@ def bundled_openblas() -> tuple[tuple[str, ctypes.CDLL], ...]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(np.__file__)))
     found = []
     for folder in (os.path.join(root, "numpy.libs"), os.path.join(root, "numpy", ".libs")):
-        for path in sorted(glob.glob(os.path.join(folder, "*openblas*"))):
+        try:  # (a listing, not glob: its pattern's regex compiles in every new process)
+            names = sorted(name for name in os.listdir(folder) if "openblas" in name and not name.startswith("."))
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(folder, name)
             try:
                 found.append((path, ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL)))
             except OSError:  # not loaded (or not a library)
