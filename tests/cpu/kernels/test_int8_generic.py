@@ -112,6 +112,10 @@ def _requantizing_cases():
                                      np.empty(6 * 20, F32))),
         ("qgemm.requantized_group", (a8, packed, no_pairs, per_column, per_column_offset, _consts(False, False),
                                      members, np.empty(6 * 20, np.uint8))),
+        # the same with each member's rounded add (an encoder's q/k/v: bias row, second rounding); the second none
+        ("qgemm.requantized_group_rounded", (af, packed, no_pairs, per_column, per_column_offset, _consts(True, True),
+                                             members, row, np.array([[F32(0.07), 5, 0, 255, 1], [0, 0, 0, 0, 0]]),
+                                             np.empty(6 * 20, F32))),
         ("qgemm.requantized_batched_product", (_data(3, 5, 16), _data(3, 16, 7), one, zero_offset,
                                                _consts(True, True, b_quantize=True), np.empty((3, 5, 7), F32))),
         # a QDQ Conv's patch rows: 8-bit codes padded with their zero point, float32 data padded with 0.0

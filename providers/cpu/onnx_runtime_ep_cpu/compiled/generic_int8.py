@@ -141,7 +141,7 @@ def dynamic_scaled_group(a, packed, pairs, b_scales, bias, out):
 # ``after``, repeated here so that this module imports no loop module.
 A_SCALE, A_ZERO, A_LOW, A_HIGH, A_QUANTIZE, Y_ZERO, Y_LOW, Y_HIGH, Y_SCALE, DEQUANTIZE = range(10)
 B_SCALE, B_ZERO, B_LOW, B_HIGH, B_QUANTIZE = range(10, 15)
-AFTER_SCALE, AFTER_ZERO, AFTER_LOW, AFTER_HIGH = range(4)
+AFTER_SCALE, AFTER_ZERO, AFTER_LOW, AFTER_HIGH, AFTER_ON = range(5)
 
 
 def _centred_codes(x, scale, zero, low, high, quantize):
@@ -185,6 +185,19 @@ def requantized_group(a, packed, pairs, multiplier, offset, consts, members, out
         codes = np.where(np.isnan(codes), 0.0, codes)
         block = (codes - zero) * scale if consts[DEQUANTIZE] != 0 else codes
         out[rows * first:rows * (first + width)] = block.reshape(-1)
+
+
+def requantized_group_rounded(a, packed, pairs, multiplier, offset, consts, members, row, afters, out):
+    requantized_group(a, packed, pairs, multiplier, offset, consts, members, out)
+    rows = a.shape[0]
+    for (first, width, *_), after in zip(members, afters):
+        if after[AFTER_ON] == 0:
+            continue
+        first, width = int(first), int(width)
+        block = out[rows * first:rows * (first + width)].reshape(rows, width)
+        s, z = _F32(after[AFTER_SCALE]), _F32(after[AFTER_ZERO])
+        v = _codes(block + row[first:first + width], s, z, _F32(after[AFTER_LOW]), _F32(after[AFTER_HIGH]))
+        block[...] = np.where(np.isnan(v), (_F32(0) - z) * s, (v - z) * s)
 
 
 def requantized_product_rounded(a, packed, pairs, multiplier, offset, consts, row, after, out):
@@ -320,6 +333,7 @@ GENERIC_INT8 = {
     _COMPILED + "qgemm.requantized_product": requantized_product,
     _COMPILED + "qgemm.requantized_product_rounded": requantized_product_rounded,
     _COMPILED + "qgemm.requantized_group": requantized_group,
+    _COMPILED + "qgemm.requantized_group_rounded": requantized_group_rounded,
     _COMPILED + "qgemm.requantized_batched_product": requantized_batched_product,
     _COMPILED + "quantize.requantize": requantize,
     _COMPILED + "quantize.requantize_binary": requantize_binary,

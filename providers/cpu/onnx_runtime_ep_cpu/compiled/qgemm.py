@@ -235,6 +235,45 @@ def requantized_product_rounded(a, packed, pairs, multiplier, offset, consts, ro
                 line[n] = (q - z) * s if q == q else zero_value
 
 
+# The layout of ``afters``, requantized_group_rounded's rows (float64, one per member): ``after``'s four values,
+# then whether the member has a rounded add at all.
+AFTER_ON = 4
+AFTER_COLUMNS = 5
+
+
+@jit
+def _round_added(out, row, s, z, lo, hi):
+    """out[m, n] = fake_quantize_row(out[m, n] + row[n]) in place for float32 (M, N) ``out`` and (N,) ``row``:
+    requantized_product_rounded's per-column branch (the same float32 operations)."""
+    zero_value = (np.float32(0) - z) * s
+    for m in range(out.shape[0]):
+        line = out[m]
+        for n in range(line.shape[0]):
+            q = np.rint((line[n] + row[n]) / s) + z
+            q = lo if q < lo else q
+            q = hi if q > hi else q
+            line[n] = (q - z) * s if q == q else zero_value
+
+
+@jit
+def requantized_group_rounded(a, packed, pairs, multiplier, offset, consts, members, row, afters, out):
+    """requantized_group's float32 values (``consts[DEQUANTIZE]`` on), then per member with ``afters[g,
+    AFTER_ON]`` its rounded add (requantized_product_rounded's second rounding): the joined float32 ``row`` (N,),
+    the member's columns of it (a row of one value repeated over them), added to its block and rounded to the grid
+    of ``afters[g]`` (AFTER_SCALE .. AFTER_HIGH): an encoder layer's query, key and value Linear layers, each
+    what its own QuantizedMatMul gives."""
+    requantized_group(a, packed, pairs, multiplier, offset, consts, members, out)
+    rows = a.shape[0]
+    for g in range(members.shape[0]):
+        if afters[g, AFTER_ON] == 0:
+            continue
+        first, width = int(members[g, G_FIRST]), int(members[g, G_WIDTH])
+        block = out[rows * first:rows * (first + width)].reshape((rows, width))
+        _round_added(block, row[first:first + width], np.float32(afters[g, AFTER_SCALE]),
+                     np.float32(afters[g, AFTER_ZERO]), np.float32(afters[g, AFTER_LOW]),
+                     np.float32(afters[g, AFTER_HIGH]))
+
+
 @jit
 def _centred_pairs(b, scale, zero, low, high, quantize, out):
     """centred_columns straight into qgemm_tiles' pairs: out[k2, n, t] = code(b[2*k2 + t, n]) - zero as int16 for
