@@ -220,3 +220,31 @@ def test_a_growing_past_binds_once(loop_calls, monkeypatch):
             _close(kernel(a, b, scale, zero)[0], _rounded(np.concatenate([a, b], 2)))
     assert len(binds) == 1
     assert len(calls) == 6  # the first call of each length
+
+
+# The loops whose kernels call their entry point on a repeated call (rounded_concat also reads strided halves in
+# the rotary embedding, which go through its checked path; the product groups are qdq_group.py's)
+BOUND_LOOPS = {"rounded_binary", "fake_quantize", "requantized_product", "requantized_batched_product", "grid_lookup",
+               "rounded_rms_norm"}
+
+
+@pytest.mark.parametrize("name", ["llama.torchscript", "llama.dynamo", "gpt2.torchscript", "gpt2.dynamo"])
+def test_a_decode_step_repeats_without_the_dispatcher(qdq_decoders, loop_calls, name):
+    """After its first runs, a static QDQ decoder's decode step calls none of those loops through numba's
+    dispatcher, and its outputs stay those of the first run and within a few codes of onnxruntime's. (T5's
+    position bias is added as a strided view, which the rounded Add takes through its checked path.)"""
+    import onnx_runtime
+
+    built, entries, zoo_feeds = qdq_decoders
+    feeds = zoo_feeds.make_feeds(entries[name + ".fp32"]["calls"]["decode"])
+    session = onnx_runtime.InferenceSession(str(built[name]), providers=["cpu"])
+    first = [session.run(None, feeds) for _ in range(3)][0]
+    calls = loop_calls()
+    got = session.run(None, feeds)
+    assert not {getattr(loop, "__name__", "") for loop in calls} & BOUND_LOOPS, calls
+    for a, b in zip(got, first):
+        np.testing.assert_array_equal(a, b)
+    oracle = pytest.importorskip("onnxruntime", reason="onnxruntime is the oracle: install the test extra")
+    want = oracle.InferenceSession(str(built[name]), providers=["CPUExecutionProvider"]).run(None, feeds)
+    for a, b in zip(got, want):  # a few codes of each output's grid: onnxruntime's integer kernels round apart
+        assert float(np.abs(a - b).max()) <= 0.08 * max(1.0, float(np.abs(b).max()))

@@ -43,3 +43,13 @@ class EntryOnce:
             entry = self.entry = bound_entry(self.loop, arguments)
             self.missed = entry is None and getattr(self.loop, "switched", True)  # (a loop on numpy binds later)
         return entry
+
+    def run(self, arguments: tuple):
+        """The loop on ``arguments``: through the entry point once bound, else the dispatcher, then bound from
+        them (the overload exists then)."""
+        entry = self.entry
+        if entry is not None:
+            return entry(*arguments)
+        result = self.loop(*arguments)
+        self(arguments)
+        return result

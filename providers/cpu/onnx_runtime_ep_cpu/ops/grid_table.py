@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..algorithms.bound_loop import EntryOnce
 from ..algorithms.quantize import integer_range
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
@@ -40,6 +41,9 @@ def grid_table(node, shapes, opset):
     chain = TableChain(node)
     expected = len(chain.names) + 2
     state: dict = {"key": (), "found": None}  # the grid and constants last seen, and their table
+    # the lookup's entry point once it runs compiled: a decode step's few values cost less than the dispatcher's
+    # typing of seven arguments
+    bind = EntryOnce(compiled.grid_lookup)
 
     def kernel(x, scale, zero, *constants):
         key = (scale, zero, *constants)
@@ -58,7 +62,11 @@ def grid_table(node, shapes, opset):
         table, s, z, low, high, rank = state["found"]
         out = np.empty(x.shape, _F32)
         if out.size:
-            compiled.grid_lookup(np.ascontiguousarray(x).reshape(-1), s, z, low, high, table, out.reshape(-1))
+            arguments = (np.ascontiguousarray(x).reshape(-1), s, z, low, high, table, out.reshape(-1))
+            if table.flags.c_contiguous:  # (the flat float32 arguments keep their types; a strided table's differ)
+                bind.run(arguments)
+            else:
+                compiled.grid_lookup(*arguments)
         return (broadcast_rank(out, rank),)
 
     return kernel

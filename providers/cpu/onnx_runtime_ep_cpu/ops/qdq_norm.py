@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from onnx_runtime.ir import Node
 
+from ..algorithms.bound_loop import EntryOnce
 from ..algorithms.pooling import pool_loops
 from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import integer_range
@@ -84,6 +85,8 @@ def rounded_rms_norm(node, shapes, opset):
     table_of = grid_table(table_node, [None] * (len(node.inputs) - own + 1), 1)
     pool = pool_loops()
     prepared = Prepared()  # (params, table) per set of constant inputs
+    # the loop's entry point once it runs compiled: a decode step's row costs less than the dispatcher's typing
+    bind = EntryOnce(loop.rounded_rms_norm)
 
     def prepare(weight, mean_scale, mean_zero, product_scale, product_zero, table_scale, table_zero, constants):
         params = np.zeros(loop.PARAMS, _F32)
@@ -124,7 +127,8 @@ def rounded_rms_norm(node, shapes, opset):
         if out.size:
             depth = rows.shape[1]
             if depth <= loop.LIMIT:
-                loop.rounded_rms_norm(rows, scale, params, table, out.reshape(-1, depth))
+                # (the entry point's arguments keep their types: rows and table contiguous float32)
+                bind.run((rows, scale, params, table, out.reshape(-1, depth)))
             else:  # the ReduceMean kernel's sum beyond its loop's rows: numpy's pairwise sum, divided in place
                 means = np.add.reduce(rows * rows, axis=1)
                 means /= depth
