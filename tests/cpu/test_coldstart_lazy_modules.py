@@ -122,3 +122,26 @@ def test_cached_first_runs_import_neither_the_segment_builder_nor_the_epilogue_p
     assert set(SEGMENT_BUILDER) <= set(report["after_loader"]), "the segment did not plan after the loader"
     for outputs in report["outputs"]:
         assert_within(np.array(outputs[0], np.float32), exact, bound)
+
+
+HOST_SCRIPT = r"""
+import json, sys
+before = "encodings.ascii" in sys.modules
+from onnx_runtime_ep_cpu.compiled import host
+print(json.dumps({"before": before, "after": "encodings.ascii" in sys.modules, "avx2": host.AVX2,
+                  "avx512": host.AVX512, "flags": sorted(host._FEATURES)}))
+"""
+
+
+@pytest.mark.skipif(not os.path.isfile("/proc/cpuinfo"), reason="reads Linux's /proc/cpuinfo")
+def test_the_host_flags_are_read_without_the_ascii_codec():
+    """compiled/host.py reads /proc/cpuinfo (ASCII) as UTF-8, a codec every interpreter has loaded: the ASCII
+    codec's module would cost a new process its import."""
+    done = subprocess.run([sys.executable, "-c", HOST_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not report["before"] and not report["after"]
+    with open("/proc/cpuinfo", "rb") as info:
+        line = next((row for row in info.read().decode("ascii", "replace").splitlines()
+                     if row.startswith("flags") and ":" in row), "")
+    assert report["flags"] == sorted(set(line.split(":", 1)[1].split())) if line else report["flags"] == []

@@ -54,7 +54,7 @@ def _host_features() -> dict:
     # llvmlite, which a process whose kernels are all numpy or BLAS would load for this alone
     if SYSTEM == "Linux":
         try:
-            with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:  # (ASCII; utf-8 is loaded)
                 features = _cpuinfo_features(info.read())
         except OSError:
             features = {}
