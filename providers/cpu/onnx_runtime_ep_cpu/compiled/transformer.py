@@ -11,8 +11,6 @@ vectorize without reassociation, so the row sums alone are compiled with it.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from . import compiler, jit
@@ -349,19 +347,17 @@ def _empty(dtype, ndim: int) -> np.ndarray:
     return np.empty((0,) * ndim, dtype)
 
 
-# The longest row as_rows makes of a tensor's elements (the loops' row scratch stays in the L1 cache).
-_ROW_FLOATS = 8192
+_ROW_FLOATS = 8192  # the longest row as_rows makes (the loops' row scratch stays in the L1 cache)
 
 
 def as_rows(x: np.ndarray) -> np.ndarray:
-    """x's elements as a C-contiguous 2-D array of rows, for elementwise loops: one row up to _ROW_FLOATS elements,
-    else rows of the largest power of two of at least 64 and at most _ROW_FLOATS elements that divides its size (a
-    vectorized inner loop then leaves no scalar remainder, where rows of a Conv1d output's 100 frames leave one per
-    row), else rows along its last axis, short last axes one long row."""
+    """x's elements as a C-contiguous 2-D array of rows for elementwise loops: one row up to _ROW_FLOATS, else rows
+    of the largest power of two from 64 to _ROW_FLOATS dividing its size (no scalar remainder in the vectorized loop,
+    where a Conv1d output's rows of 100 frames leave one each), else rows along its last axis, short ones one row."""
     x = np.ascontiguousarray(x)
     if x.size <= _ROW_FLOATS:
         return x.reshape(1, -1)
-    length = math.gcd(x.size, _ROW_FLOATS)
+    length = min(x.size & -x.size, _ROW_FLOATS)  # (the largest power of two dividing the size)
     if length >= 64:
         return x.reshape(-1, length)
     if x.ndim >= 2 and x.shape[-1] >= 64:
