@@ -287,3 +287,32 @@ def _signed_rounded(values):
     v = np.asarray(values, np.float64)
     codes = np.clip(np.rint(v / np.float64(F32(SCALE))) + 7, -128, 127)
     return (codes - 7) * np.float64(F32(SCALE))
+
+
+def test_a_present_after_an_empty_past_is_one_compiled_pass(monkeypatch):
+    """A prefill's present key: ConcatRounded of the empty past and the new keys runs the compiled rounded
+    concat (the new part rounded), not the Concat kernel and a rounding after it; values within one code of the
+    float64 reference, either part empty."""
+    concats = []
+    real = rounded_output.lookup
+
+    def spying(op_type, domain, opset):
+        factory = real(op_type, domain, opset)
+
+        def made(*args):
+            run = factory(*args)
+            return lambda *inputs: concats.append(op_type) or run(*inputs)
+
+        return made
+
+    monkeypatch.setattr(rounded_output, "lookup", spying)
+    kernel = rounded_output.rounded_output(_rounded_node("Concat", 2, axis=2), [None, None, (), ()], 1)
+    scale, zero = _constant(SCALE, F32), _constant(ZERO, np.uint8)
+    rng = np.random.default_rng(9)
+    for past, new in [(0, 16), (0, 1), (16, 0), (5, 1)]:
+        a = (rng.standard_normal((1, 2, past, 16)) * 2).astype(F32)
+        b = (rng.standard_normal((1, 2, new, 16)) * 2).astype(F32)
+        (y,) = kernel(a, b, scale, zero)
+        assert y.shape == (1, 2, past + new, 16)
+        _close(y, _rounded(np.concatenate([a, b], 2)))
+    assert not concats

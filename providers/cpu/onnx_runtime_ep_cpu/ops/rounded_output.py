@@ -179,11 +179,13 @@ def _rounded_concat(axis: int, run, round_):
         rank = a.ndim
         if params is not None and a.dtype is _F32 and b.dtype is _F32 and rank == b.ndim and -rank <= axis < rank:
             at = axis % rank
-            if a.shape[:at] == b.shape[:at] and a.shape[at + 1:] == b.shape[at + 1:] and a.size and b.size:
+            outer = math.prod(a.shape[:at])
+            # (one part may be empty: a prefill's past, whose present is its new part rounded)
+            if a.shape[:at] == b.shape[:at] and a.shape[at + 1:] == b.shape[at + 1:] and outer and a.size + b.size:
                 shape = a.shape[:at] + (a.shape[at] + b.shape[at],) + a.shape[at + 1:]
                 out = np.empty(shape, _F32)
-                outer = math.prod(a.shape[:at])
-                arguments = (a.reshape(outer, -1), b.reshape(outer, -1), *params, out.reshape(outer, -1))
+                arguments = (a.reshape(outer, a.size // outer), b.reshape(outer, b.size // outer), *params,
+                             out.reshape(outer, out.size // outer))
                 compiled.rounded_concat(*arguments)
                 if scale is grid.scale and a.flags.c_contiguous and b.flags.c_contiguous:  # (constant parameters)
                     bound = bind(arguments)
