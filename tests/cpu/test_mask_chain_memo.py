@@ -6,10 +6,13 @@ again, and every output stays onnxruntime's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx_runtime
 import pytest
-from onnx_runtime.session import mask_values
+from onnx_runtime.errors import OnnxRuntimeError
+from onnx_runtime.session import mask_values, steps
 from test_generate import _model
 
 DECODERS = ["gpt2.dynamo.fp32", "gpt2.torchscript.fp32", "llama.dynamo.fp32", "llama.torchscript.fp32"]
@@ -126,7 +129,7 @@ def test_kept_bias_is_read_only_and_bounded(chains):
             ours.run(outputs, base)
     kept = [entry for chain in made for entry in chain.kept.values()]
     assert kept
-    assert all(not r.flags.writeable for results, _held in kept for r in results)
+    assert all(not r.flags.writeable for results in kept for r in results)
     chain = next(c for c in made if c.kept)
     before = len(chain.kept)
     chain.LIMIT = before  # a full table starts over rather than growing
@@ -134,3 +137,46 @@ def test_kept_bias_is_read_only_and_bounded(chains):
     for _ in range(2):
         ours.run(outputs, base)
     assert len(chain.kept) == 1
+
+
+def test_a_failing_chain_step_is_named_with_its_node(chains):
+    made, _runs = chains
+    path = _model("gpt2.dynamo.fp32")
+    ours = onnx_runtime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(5)
+    outputs = [o.name for o in ours.get_outputs()]
+    for past in (3, 4, 4):
+        ours.run(outputs, _feeds(ours, past, np.ones((1, past + 1), np.int64), rng))
+    chain = next(c for c in made if c.runs)
+    victim = chain.steps[1]
+
+    def broken(*_args):
+        raise ValueError("broken kernel")
+
+    chain.steps[1] = dataclasses.replace(victim, run=broken)
+    chain.kept.clear()
+    with pytest.raises(OnnxRuntimeError, match=f"{victim.node.name}.*broken kernel"):
+        ours.run(outputs, _feeds(ours, 4, np.ones((1, 5), np.int64), rng))
+
+
+@pytest.mark.parametrize("name", ["gpt2.torchscript.fp32", "llama.dynamo.fp32"])
+def test_kept_shape_values_made_anew_still_find_the_chain(name, chains, monkeypatch):
+    """The shape-only cache starting over makes its values anew: the chain is keyed by their bytes, not identity."""
+    made, runs = chains
+    monkeypatch.setattr(steps.ShapeValues, "LIMIT", 1)  # every new feed shape starts the shape-only cache over
+    path = _model(name)
+    ours = onnx_runtime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    outputs = [o.name for o in ours.get_outputs()]
+    rng = np.random.default_rng(11)
+    feeds = {past: _feeds(ours, past, np.ones((1, past + 1), np.int64), rng) for past in (3, 9, 10)}
+    ours.run(outputs, feeds[3])
+    for past in (9, 10):
+        for _ in range(2):
+            ours.run(outputs, feeds[past])
+    assert made and runs
+    count = len(runs)
+    for _ in range(3):
+        for past in (9, 10):
+            for _ in range(2):
+                ours.run(outputs, feeds[past])
+    assert len(runs) == count

@@ -5,13 +5,13 @@ small steps that the shape-only cache (:class:`.steps.ShapeValues`) cannot skip,
 values: ``Cast -> GatherND -> And -> Expand -> Where`` (dynamo, gathering ``mask[batch, key]`` by shape-derived
 indices), ``Cast -> Flatten -> Gather -> Reshape -> Cast -> And -> Expand -> Where`` (TorchScript), and the like.
 A generation loop feeds the same mask for a given length every time it passes that length, so the chain's
-results are a function of the mask's bytes and of the other values the chain reads: constants and the kept
-shape-only values (read-only arrays, whose identity stands for their contents as long as they are held).
+results are a function of the mask's bytes and of the other values the chain reads: constants (by identity)
+and the kept shape-only values (small: by their bytes too).
 
 :func:`grouped` replaces the steps of a plan's body that read only mask feeds, constants, kept values and each
 other's outputs (pure operators, no graph outputs) with one step, :class:`MaskChain`, whose kernel returns the
-kept results of an earlier call with the same mask bytes and the same read-only inputs, and otherwise runs the
-steps. Its results are read-only, as the shape-only cache's are.
+kept results of an earlier call with the same masks, kept values and constants, and otherwise runs the
+steps and keeps read-only copies of their results, as the shape-only cache keeps its values.
 """
 
 from __future__ import annotations
@@ -54,19 +54,20 @@ def mask_feeds(graph) -> set[str]:
 
 class MaskChain:
     """The kernel of a grouped chain: ``inputs`` (slots, in the call's argument order) of which the first
-    ``masks`` are mask feeds, keyed by their bytes; the rest read-only (constants, kept values), keyed by
-    identity while an entry holds them. ``steps`` run over a local table on a miss; ``outputs`` are the slots
-    the rest of the plan reads. Entries are bounded in count and bytes; a call whose inputs are not all
-    read-only arrays, or whose results are larger than an entry may hold, runs the steps without keeping."""
+    ``by_value`` (the mask feeds and the kept shape-only values: small, and made anew whenever the shape-only
+    cache starts over) are keyed by their shapes and bytes, the rest (constants, which live and stay as they are
+    for the plan's life) by identity. ``steps`` run on a miss; ``outputs`` are the slots the rest of the plan
+    reads. Entries are bounded in count and bytes; results larger than an entry may hold are not kept."""
 
     LIMIT = 1024
+    KEY_BYTES = 64 << 10  # larger keyed inputs: the steps run, nothing kept
     ENTRY_BYTES = 256 << 10
     TOTAL_BYTES = 8 << 20
 
-    def __init__(self, steps: list[Step], inputs: tuple[int, ...], masks: int, outputs: tuple[int, ...]):
+    def __init__(self, steps: list[Step], inputs: tuple[int, ...], by_value: int, outputs: tuple[int, ...]):
         self.steps = steps
         self.inputs = inputs
-        self.masks = masks
+        self.by_value = by_value
         self.outputs = outputs
         self.kept: dict[tuple, tuple] = {}
         self.held = 0
@@ -74,53 +75,57 @@ class MaskChain:
         self._lock = threading.Lock()
 
     def __call__(self, *args):
-        masks = self.masks
-        try:  # (the session checked the feeds' dtypes: shape and bytes tell masks apart)
-            key = [(a.shape, a.tobytes()) for a in args[:masks]]
-            for a in args[masks:]:
-                if a.flags.writeable:
-                    key = None
-                    break
-                key.append(id(a))
+        count = self.by_value
+        try:  # (the session checked the feeds' dtypes; a kept value's dtype is the plan's: shape and bytes suffice)
+            if sum([a.nbytes for a in args[:count]]) > self.KEY_BYTES:  # (a prefill's causal mask at length 1024)
+                key = None
+            else:
+                key = tuple([(a.shape, a.tobytes()) for a in args[:count]] + [id(a) for a in args[count:]])
         except AttributeError:  # not an array: the steps say what is wrong with it
             key = None
         if key is not None:
-            key = tuple(key)
             entry = self.kept.get(key)
             if entry is not None:
-                return entry[0]
+                return entry
         results = self.compute(args)
         if key is not None:
-            self._keep(key, args[masks:], results)
+            self._keep(key, results)
         return results
 
     def compute(self, args) -> tuple:
-        """The chain's steps over ``args`` (a miss)."""
+        """The chain's steps over ``args`` (a miss: every step of a first generation), over a table of the slots
+        they use. (A plain loop: building them into straight-line code costs a compile, 1-2 ms, that the few misses
+        of a plan's first generations would not earn back.)"""
         self.runs += 1
         env = dict(zip(self.inputs, args))
+        env[0] = None  # (an omitted input's slot)
         for step in self.steps:
             try:
-                values = step.run(*[env.get(slot) for slot in step.inputs])
+                values = step.run(*[env[slot] for slot in step.inputs])
             except Exception as exc:  # named after the node that failed, as the plan's own loop names it
                 raise node_error(step, exc, type(exc) if isinstance(exc, OnnxRuntimeError) else KernelError) \
                     from exc
             for slot, value in zip(step.outputs, values):
                 env[slot] = value
-        return tuple(env[slot] for slot in self.outputs)
+        return tuple([env[slot] for slot in self.outputs])
 
-    def _keep(self, key: tuple, held: tuple, results: tuple) -> None:
+    def _keep(self, key: tuple, results: tuple) -> None:
         if not all(isinstance(r, np.ndarray) for r in results):
             return
         size = sum(r.nbytes for r in results)
         if size > self.ENTRY_BYTES:
             return
-        for result in results:  # shared by every later call with this key
+        # Copies, read-only and shared by every later call with this key: a result may view a feed's buffer (the
+        # caller rewrites it), and this call's own results stay as the steps made them (a kernel that keeps what
+        # it derives from a read-only input by identity would do that for every new mask of a first generation).
+        results = tuple([result.copy() for result in results])
+        for result in results:
             result.flags.writeable = False
         with self._lock:
             if len(self.kept) >= self.LIMIT or self.held + size > self.TOTAL_BYTES:
                 self.kept.clear()
                 self.held = 0
-            self.kept[key] = (results, held)  # (held: the keyed inputs stay alive, so their ids stay theirs)
+            self.kept[key] = results
             self.held += size
 
 
@@ -156,13 +161,13 @@ def grouped(steps: list[Step], masks: set[int], kept: set[int], constants: set[i
         for slot in steps[index].inputs:
             if slot and slot not in made and slot not in external:
                 external.append(slot)
-    mask_inputs = [slot for slot in external if slot in masks]
-    inputs = tuple(mask_inputs + [slot for slot in external if slot not in masks])
+    by_value = [slot for slot in external if slot not in constants]  # masks and kept values
+    inputs = tuple(by_value + [slot for slot in external if slot in constants])
     inner = [dataclasses.replace(steps[index], release=()) for index in members]
     release = tuple(dict.fromkeys(slot for index in members for slot in steps[index].release if slot not in made))
     first = steps[members[0]].node
     node = Node("MaskChain", [], [], name=f"{first.name}/mask_chain" if first is not None else "mask_chain")
-    chain = Step(MaskChain(inner, inputs, len(mask_inputs), outputs), inputs, outputs, release, node,
+    chain = Step(MaskChain(inner, inputs, len(by_value), outputs), inputs, outputs, release, node,
                  steps[members[0]].provider)
     out = [step for index, step in enumerate(steps) if index not in chosen]
     out.insert(members[0], chain)
