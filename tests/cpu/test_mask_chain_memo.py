@@ -81,7 +81,9 @@ def test_mask_chain_runs_once_per_mask_and_matches_onnxruntime(name, chains):
     warm = _feeds(oracle, past - 1, np.ones((1, past), np.int64), rng)
     ours.run(outputs, warm)
     first = check(ones)  # new feed shapes: every step runs (and the shape-only values are kept)
-    check(ones)  # the body: the chain runs and keeps its bias for this mask
+    check(ones)  # the body: the chain runs (shapes new to it: nothing kept)
+    assert made and not any(chain.kept for chain in made)
+    check(ones)  # shapes met before: the chain runs and keeps its bias for this mask
     assert made and any({"Where"} <= {s.node.op_type for s in chain.steps} for chain in made)
     assert all(s.node.domain in ("", "ai.onnx") for chain in made for s in chain.steps)
     count = len(runs)
@@ -145,7 +147,7 @@ def test_a_failing_chain_step_is_named_with_its_node(chains):
     ours = onnx_runtime.InferenceSession(path, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(5)
     outputs = [o.name for o in ours.get_outputs()]
-    for past in (3, 4, 4):
+    for past in (3, 4, 4, 4):
         ours.run(outputs, _feeds(ours, past, np.ones((1, past + 1), np.int64), rng))
     chain = next(c for c in made if c.runs)
     victim = chain.steps[1]
@@ -170,9 +172,10 @@ def test_kept_shape_values_made_anew_still_find_the_chain(name, chains, monkeypa
     rng = np.random.default_rng(11)
     feeds = {past: _feeds(ours, past, np.ones((1, past + 1), np.int64), rng) for past in (3, 9, 10)}
     ours.run(outputs, feeds[3])
-    for past in (9, 10):
-        for _ in range(2):
-            ours.run(outputs, feeds[past])
+    for _ in range(2):  # the second cycle keeps what the first only ran
+        for past in (9, 10):
+            for _ in range(2):
+                ours.run(outputs, feeds[past])
     assert made and runs
     count = len(runs)
     for _ in range(3):

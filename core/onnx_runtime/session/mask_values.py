@@ -57,7 +57,9 @@ class MaskChain:
     ``by_value`` (the mask feeds and the kept shape-only values: small, and made anew whenever the shape-only
     cache starts over) are keyed by their shapes and bytes, the rest (constants, which live and stay as they are
     for the plan's life) by identity. ``steps`` run on a miss; ``outputs`` are the slots the rest of the plan
-    reads. Entries are bounded in count and bytes; results larger than an entry may hold are not kept."""
+    reads. Entries are bounded in count and bytes; results larger than an entry may hold are not kept. Inputs of
+    shapes met for the first time are not keyed (nor kept): a first generation meets a new length every step, and
+    keying and keeping what only a later generation could read cost it about 8 us a step."""
 
     LIMIT = 1024
     KEY_BYTES = 64 << 10  # larger keyed inputs: the steps run, nothing kept
@@ -70,6 +72,7 @@ class MaskChain:
         self.by_value = by_value
         self.outputs = outputs
         self.kept: dict[tuple, tuple] = {}
+        self.seen: set[tuple] = set()  # the keyed inputs' shapes met so far: keys are made from the second on
         self.held = 0
         self.runs = 0  # the steps' runs (tests: a repeated mask runs none)
         self._lock = threading.Lock()
@@ -77,7 +80,13 @@ class MaskChain:
     def __call__(self, *args):
         count = self.by_value
         try:  # (the session checked the feeds' dtypes; a kept value's dtype is the plan's: shape and bytes suffice)
-            if sum([a.nbytes for a in args[:count]]) > self.KEY_BYTES:  # (a prefill's causal mask at length 1024)
+            shapes = tuple([a.shape for a in args[:count]])
+            if shapes not in self.seen:  # a length new to this plan (a first generation's every step): run only
+                if len(self.seen) >= 4 * self.LIMIT:
+                    self.seen.clear()
+                self.seen.add(shapes)
+                key = None
+            elif sum([a.nbytes for a in args[:count]]) > self.KEY_BYTES:  # (a prefill's causal mask at 1024)
                 key = None
             else:
                 key = tuple([(a.shape, a.tobytes()) for a in args[:count]] + [id(a) for a in args[count:]])
