@@ -27,6 +27,7 @@ from ..tensor import Tensor
 from .cached_plans import CachedSpecializer, encode_creation, open_plans, read_creation, store_creation
 from .custom_passes import run_custom_passes
 from .executor import Executor, graph_slot_of
+from .feed_types import check_type_and_shape
 from .io_binding import IOBinding
 from .options import RunOptions, SessionOptions
 from .placement import Placement, place
@@ -615,7 +616,7 @@ class InferenceSession:
         expected = self._check_output_name(name) if output else self._check_input_name(name)
         if expected.kind != "tensor":
             raise InvalidArgumentError(f"{name!r} is a {expected.describe()}; only tensors can be bound")
-        _check_type_and_shape("output" if output else "input", name, tensor.dtype, tensor.shape, expected)
+        check_type_and_shape("output" if output else "input", name, tensor.dtype, tensor.shape, expected)
 
     # -- profiling (SessionOptions.enable_profiling) -----------------------------------------------
     def profile_summary(self) -> dict[str, tuple[float, int]]:
@@ -788,31 +789,8 @@ def _check_feed(name: str, value, expected: TypeInfo):
                 f"input {name!r} must be a numpy array, got {type(value).__name__}; pass np.asarray(value)"
             )
     got = DataType.from_numpy(value.dtype) if value.dtype.kind not in "OUS" else DataType.STRING
-    _check_type_and_shape("input", name, got, value.shape, expected, value.dtype)
+    check_type_and_shape("input", name, got, value.shape, expected, value.dtype)
     if got is DataType.STRING and value.dtype.kind != "O":
         value = value.astype(object)
     return value
 
-
-def _check_type_and_shape(kind: str, name: str, dtype: DataType, shape, expected: TypeInfo,
-                          array_dtype: np.dtype | None = None) -> None:
-    """``kind`` ("input"/"output") ``name``'s element type and shape against the model's declaration
-    (``array_dtype``: the numpy dtype of a fed array, named in the error; formatted only on failure,
-    as runs check every feed)."""
-    if expected.dtype is not None and dtype is not expected.dtype:
-        hint = (f"; convert it with .astype(np.{expected.dtype.numpy.name})"
-                if expected.dtype is not DataType.STRING else "")
-        described = f"{array_dtype} array" if array_dtype is not None else dtype.ort_type
-        raise InvalidArgumentError(f"{kind} {name!r} expects {expected.dtype.ort_type}, got {described}{hint}")
-    if expected.shape is not None:
-        if len(shape) != len(expected.shape):
-            raise InvalidArgumentError(
-                f"{kind} {name!r} expects rank {len(expected.shape)} ({expected.describe()}), got shape "
-                f"{list(shape)}"
-            )
-        for axis, (want, got) in enumerate(zip(expected.shape, shape)):
-            if isinstance(want, int) and want != got:
-                raise InvalidArgumentError(
-                    f"{kind} {name!r} dimension {axis} must be {want} ({expected.describe()}), got shape "
-                    f"{list(shape)}"
-                )

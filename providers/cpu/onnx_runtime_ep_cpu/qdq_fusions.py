@@ -242,7 +242,7 @@ def _unflatten_match(graph: Graph, view: GraphView, node: Node) -> tuple | None:
     """(the Reshape after ``node``, the node before it, the unflattened input shape) where ``node`` is a
     DynamicQuantizeMatMul or QuantizedMatMul of static (M, K) rows by a constant weight whose product only a
     Reshape to (..., N) with M rows reads."""
-    if len(node.outputs) != 1:
+    if len(node.outputs) != 1 or not node.inputs or not node.inputs[0]:
         return None
     weight = _product_weight(view, node)
     after = view.only_consumer(node.outputs[0], "Reshape")

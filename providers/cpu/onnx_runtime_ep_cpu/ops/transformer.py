@@ -21,6 +21,7 @@ from onnx_runtime.loader import implicit_inputs
 from onnx_runtime.session.subgraph import Subgraph
 
 from ..algorithms.activations import sigmoid
+from ..algorithms.attention_keys import length_free_key as _length_free_key
 from ..algorithms.contrib_attention import grouped_matmul, softmax_
 from ..algorithms.precision import FLOAT32, compute_dtype, upcast
 from ..algorithms.products import gemv_host
@@ -152,21 +153,6 @@ def _visible_keys(q_len: int, total_len: int, offset, causal: bool, left: int, r
 # Query rows per block of the compiled attention when a mask hides trailing keys from some rows
 # (32 beat 16 and 64 on a causal prefill; afcca01).
 _ROW_BLOCK = 32
-
-
-def _length_free_key(shapes) -> tuple:
-    """The input shapes without the keys' length (axis -2 of K, V and the pasts, the mask's last axis): a
-    length-free Attention kernel serves every shapes that agree on these."""
-    if len(shapes) == 4:  # (Q, K, V, mask), a decode step's: each new length of a first generation asks
-        q, k, v, mask = shapes
-        if k is not None and v is not None and mask is not None:
-            return q, k[:-2] + k[-1:], v[:-2] + v[-1:], mask[:-1]
-    key = list(shapes)
-    for index in range(1, min(len(key), 6)):
-        shape = key[index]
-        if shape is not None:
-            key[index] = shape[:-1] if index == 3 else shape[:-2] + shape[-1:]
-    return tuple(key)
 
 
 class _Attention:

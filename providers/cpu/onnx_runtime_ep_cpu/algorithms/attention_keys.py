@@ -1,0 +1,18 @@
+"""Keys of the Attention kernels' cache by input shapes: the shapes a length-free kernel serves alike."""
+
+from __future__ import annotations
+
+
+def length_free_key(shapes) -> tuple:
+    """The input shapes without the keys' length (axis -2 of K, V and the pasts, the mask's last axis): a
+    length-free Attention kernel serves every shapes that agree on these."""
+    if len(shapes) == 4:  # (Q, K, V, mask), a decode step's: each new length of a first generation asks
+        q, k, v, mask = shapes
+        if k is not None and v is not None and mask is not None:
+            return q, k[:-2] + k[-1:], v[:-2] + v[-1:], mask[:-1]
+    key = list(shapes)
+    for index in range(1, min(len(key), 6)):
+        shape = key[index]
+        if shape is not None:
+            key[index] = shape[:-1] if index == 3 else shape[:-2] + shape[-1:]
+    return tuple(key)
