@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime.contract.markers import hookimpl
 
 LIGHT_DIR = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
@@ -113,3 +113,21 @@ def qdq_epilogues_without(*names: str):
         yield
     finally:
         provider.QDQ_EPILOGUE_PASSES = saved
+
+
+def decode_concat_model() -> bytes:
+    """present = Concat(past, x) over the sequence; y = x + sum(present) over it, through an Expand whose
+    target the graph computes from Shape(x) (what exporters write)."""
+    nodes = [
+        helper.make_node("Concat", ["past", "x"], ["present"], axis=1),
+        helper.make_node("ReduceSum", ["present", "axis"], ["total"], keepdims=1),
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Expand", ["total", "shape"], ["spread"]),
+        helper.make_node("Add", ["x", "spread"], ["y"]),
+    ]
+    model = make_model(
+        nodes,
+        [tensor_info("x", TensorProto.FLOAT, [1, "seq", 4]), tensor_info("past", TensorProto.FLOAT, [1, "past", 4])],
+        [tensor_info("y", TensorProto.FLOAT, None), tensor_info("present", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array([1], np.int64), "axis")])
+    return model.SerializeToString()

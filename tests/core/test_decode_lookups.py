@@ -8,29 +8,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_runtime as ort
 import pytest
-from model_helpers import make_model, tensor_info
-from onnx import TensorProto, helper, numpy_helper
+from model_helpers import decode_concat_model
 from onnx_runtime.session import shape_program, specialize
 from onnx_runtime.session.steps import ShapeValues, Steps
 from onnx_runtime_ep_cpu.ops import transformer
-
-
-def _model() -> bytes:
-    """present = Concat(past, x) over the sequence; y = x + sum(present) over it, through an Expand whose
-    target the graph computes from Shape(x)."""
-    nodes = [
-        helper.make_node("Concat", ["past", "x"], ["present"], axis=1),
-        helper.make_node("ReduceSum", ["present", "axis"], ["total"], keepdims=1),
-        helper.make_node("Shape", ["x"], ["shape"]),
-        helper.make_node("Expand", ["total", "shape"], ["spread"]),
-        helper.make_node("Add", ["x", "spread"], ["y"]),
-    ]
-    model = make_model(
-        nodes,
-        [tensor_info("x", TensorProto.FLOAT, [1, "seq", 4]), tensor_info("past", TensorProto.FLOAT, [1, "past", 4])],
-        [tensor_info("y", TensorProto.FLOAT, None), tensor_info("present", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(np.array([1], np.int64), "axis")])
-    return model.SerializeToString()
 
 
 def _step(sess, past: int, rng) -> None:
@@ -57,7 +38,7 @@ def template_tests(monkeypatch) -> list:
 
 
 def test_a_later_generation_finds_its_signatures_without_testing_the_templates(template_tests):
-    sess = ort.InferenceSession(_model(), providers=["cpu"])
+    sess = ort.InferenceSession(decode_concat_model(), providers=["cpu"])
     rng = np.random.default_rng(0)
     for past in range(3, 12):  # a first generation: a template serves from the second length on
         _step(sess, past, rng)
@@ -70,7 +51,7 @@ def test_a_later_generation_finds_its_signatures_without_testing_the_templates(t
 
 def test_the_matched_signatures_are_bounded(template_tests, monkeypatch):
     monkeypatch.setattr(specialize, "MATCHED", 3)
-    sess = ort.InferenceSession(_model(), providers=["cpu"])
+    sess = ort.InferenceSession(decode_concat_model(), providers=["cpu"])
     rng = np.random.default_rng(1)
     for _ in range(2):
         for past in range(3, 12):

@@ -5,26 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_runtime as ort
-from model_helpers import make_model, tensor_info
-from onnx import TensorProto, helper, numpy_helper
-
-
-def _model():
-    """present = Concat(past, x) over the sequence; y = x + sum(present) over it, through an Expand whose
-    target the graph computes from Shape(x) (what exporters write)."""
-    nodes = [
-        helper.make_node("Concat", ["past", "x"], ["present"], axis=1),
-        helper.make_node("ReduceSum", ["present", "axis"], ["total"], keepdims=1),
-        helper.make_node("Shape", ["x"], ["shape"]),
-        helper.make_node("Expand", ["total", "shape"], ["spread"]),
-        helper.make_node("Add", ["x", "spread"], ["y"]),
-    ]
-    model = make_model(
-        nodes,
-        [tensor_info("x", TensorProto.FLOAT, [1, "seq", 4]), tensor_info("past", TensorProto.FLOAT, [1, "past", 4])],
-        [tensor_info("y", TensorProto.FLOAT, None), tensor_info("present", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(np.array([1], np.int64), "axis")])
-    return model.SerializeToString()
+from model_helpers import decode_concat_model
 
 
 def _feeds(seq, past, rng):
@@ -33,7 +14,7 @@ def _feeds(seq, past, rng):
 
 
 def test_the_decode_steps_token_dimension_stays_one_in_the_template():
-    sess = ort.InferenceSession(_model(), providers=["cpu"])
+    sess = ort.InferenceSession(decode_concat_model(), providers=["cpu"])
     rng = np.random.default_rng(0)
     sess.run(None, _feeds(3, 0, rng))  # the prefill
     for past in (3, 4, 5, 8):  # then one token at a time
@@ -50,7 +31,7 @@ def test_the_decode_steps_token_dimension_stays_one_in_the_template():
 
 
 def test_a_length_that_leaves_one_becomes_symbolic():
-    sess = ort.InferenceSession(_model(), providers=["cpu"])
+    sess = ort.InferenceSession(decode_concat_model(), providers=["cpu"])
     rng = np.random.default_rng(1)
     for seq in (1, 5, 6):
         feeds = _feeds(seq, 2, rng)
