@@ -119,12 +119,16 @@ def test_mask_chain_runs_once_per_mask_and_matches_onnxruntime(name, chains):
             np.testing.assert_array_equal(a, b)
 
 
+def _gpt2_dynamo():
+    """A session of the zoo's dynamo GPT-2 and its output names."""
+    ours = onnx_runtime.InferenceSession(_model("gpt2.dynamo.fp32"), providers=["CPUExecutionProvider"])
+    return ours, [o.name for o in ours.get_outputs()]
+
+
 def test_kept_bias_is_read_only_and_bounded(chains):
     made, _runs = chains
-    path = _model("gpt2.dynamo.fp32")
-    ours = onnx_runtime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    ours, outputs = _gpt2_dynamo()
     rng = np.random.default_rng(3)
-    outputs = [o.name for o in ours.get_outputs()]
     for past in (3, 4, 5):
         base = _feeds(ours, past, np.ones((1, past + 1), np.int64), rng)
         for _ in range(3):
@@ -143,10 +147,8 @@ def test_kept_bias_is_read_only_and_bounded(chains):
 
 def test_a_failing_chain_step_is_named_with_its_node(chains):
     made, _runs = chains
-    path = _model("gpt2.dynamo.fp32")
-    ours = onnx_runtime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    ours, outputs = _gpt2_dynamo()
     rng = np.random.default_rng(5)
-    outputs = [o.name for o in ours.get_outputs()]
     for past in (3, 4, 4, 4):
         ours.run(outputs, _feeds(ours, past, np.ones((1, past + 1), np.int64), rng))
     chain = next(c for c in made if c.runs)
