@@ -111,22 +111,6 @@ def zoo_entries(pattern: str, architecture: str | None = None) -> list[dict]:
             and (architecture is None or e.get("architecture") == architecture)]
 
 
-def model_feeds(entry: dict) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    feeds = {}
-    for feed in entry["calls"]["default"]["feeds"]:
-        shape, dtype = feed["shape"], np.dtype(feed["dtype"])
-        if feed.get("fill") == "ids":
-            feeds[feed["name"]] = rng.integers(0, feed.get("high", 2), shape).astype(dtype)
-        elif feed.get("fill") == "ones":
-            feeds[feed["name"]] = np.ones(shape, dtype)
-        elif feed.get("fill") == "zeros":
-            feeds[feed["name"]] = np.zeros(shape, dtype)
-        else:
-            feeds[feed["name"]] = rng.standard_normal(shape).astype(dtype)
-    return feeds
-
-
 def recorded_loop(session, feeds: dict):
     """A callable that runs the plan ``session`` takes for ``feeds`` with every kernel replaced by the outputs it
     gave once (so the loop moves the same values and frees at the same steps), and the plan's step count."""
@@ -161,10 +145,13 @@ def recorded_loop(session, feeds: dict):
     return run, len(replayed)
 
 
-def model(entry: dict, rounds: int) -> str:
+def model(entry: dict, call: str, rounds: int) -> str:
+    """One manifest call of a zoo model (a decoder's are ``prefill`` and ``decode``, the others' ``default``)."""
+    import zoo_feeds
+
     path = str(ZOO / entry["file"])
     ours, theirs = sessions(path)
-    feeds = model_feeds(entry)
+    feeds = zoo_feeds.make_feeds(entry["calls"][call])
     for _ in range(3):
         ours.run(None, feeds)
         theirs.run(None, feeds)
@@ -173,7 +160,8 @@ def model(entry: dict, rounds: int) -> str:
     m = median_of(rounds, {"ours": lambda: per_call(lambda: ours.run(None, feeds), calls),
                            "ort": lambda: per_call(lambda: theirs.run(None, feeds), calls),
                            "loop": lambda: per_call(loop, calls)})
-    return (f"{entry['name']}: ours {m['ours'] * 1e6:.0f} us, onnxruntime {m['ort'] * 1e6:.0f} us (ratio "
+    label = entry["name"] if call == "default" else f"{entry['name']} {call}"
+    return (f"{label}: ours {m['ours'] * 1e6:.0f} us, onnxruntime {m['ort'] * 1e6:.0f} us (ratio "
             f"{m['ours'] / m['ort']:.2f}); {nodes} steps, the loop without kernels {m['loop'] * 1e6:.1f} us "
             f"({m['loop'] / max(nodes, 1) * 1e6:.2f} us/step, {m['loop'] / m['ours']:.0%} of the run)")
 
@@ -214,7 +202,6 @@ class Split:
 
 
 def decoder(name: str, rounds: int, new: int) -> list[str]:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import generate_bench
     from onnx_runtime import generate as generate_module
     from onnx_runtime.session import executor, inference_session
@@ -275,8 +262,10 @@ def main(argv=None) -> int:
           f"median of {args.rounds} interleaved rounds")
     if args.chain:
         print(chain(args.chain, args.rounds))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     for entry in zoo_entries(args.models) if args.models else []:
-        print(model(entry, args.rounds))
+        for call in entry["calls"]:
+            print(model(entry, call, args.rounds))
     for entry in zoo_entries(args.decoders, "decoder") if args.decoders else []:
         for line in decoder(entry["name"], args.rounds, args.new):
             print(line)
