@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 # Steady state: numba kernels load before the first run returns, not in a thread whose CPU time process_time
@@ -121,6 +122,17 @@ def onnxruntime_iobinding(path: str, threads: int):
     return generate
 
 
+def hidden_size(model, vocab: int) -> int:
+    """The model's hidden size, from its constant 2-D tables with one side the vocabulary: the token embedding
+    (vocabulary, hidden) and the output projection (hidden, vocabulary), or its transpose, float or quantized; the
+    width most of them agree on. Raises ValueError where there is none (the engine is then left out, saying why)."""
+    widths = Counter(dims[1 - dims.index(vocab)] for dims in (tuple(t.dims) for t in model.graph.initializer)
+                     if len(dims) == 2 and dims.count(vocab) == 1)
+    if not widths:
+        raise ValueError(f"no constant (vocabulary, hidden) table with vocabulary {vocab} to read the hidden size from")
+    return widths.most_common(1)[0][0]
+
+
 def genai_folder(path: str, threads: int, max_length: int) -> str:
     """A folder onnxruntime-genai can load: a link to the export and a genai_config.json read from its inputs."""
     import onnx
@@ -132,7 +144,10 @@ def genai_folder(path: str, threads: int, max_length: int) -> str:
     kv_heads, head_size = dims[1].dim_value, dims[3].dim_value
     vocab = next(o for o in model.graph.output if o.name == "logits").type.tensor_type.shape.dim[2].dim_value
     kind = "llama"  # genai's decoder with separate key and value caches and position ids (its "gpt2" stacks them)
-    heads = 4  # the zoo's decoders (benchmarks/zoo_models.py): 4 attention heads of 16, hidden 64
+    hidden = hidden_size(model, vocab)
+    if hidden % head_size:
+        raise ValueError(f"{path}: hidden size {hidden} is not a multiple of the cache's head size {head_size}")
+    heads = hidden // head_size  # query heads: a grouped-query export's cache has fewer (kv_heads)
     folder = tempfile.mkdtemp(prefix="generate_bench_genai_")
     os.symlink(os.path.abspath(path), os.path.join(folder, "model.onnx"))
     decoder_inputs = {"input_ids": "input_ids", "attention_mask": "attention_mask",
@@ -145,7 +160,7 @@ def genai_folder(path: str, threads: int, max_length: int) -> str:
             "eos_token_id": vocab - 1,
             "pad_token_id": 0,
             "decoder": {
-                "filename": "model.onnx", "head_size": head_size, "hidden_size": heads * head_size,
+                "filename": "model.onnx", "head_size": head_size, "hidden_size": hidden,
                 "num_attention_heads": heads, "num_key_value_heads": kv_heads, "num_hidden_layers": len(keys),
                 "session_options": {"intra_op_num_threads": threads, "provider_options": []},
                 "inputs": decoder_inputs,
