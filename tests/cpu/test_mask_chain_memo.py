@@ -157,8 +157,9 @@ def test_a_failing_chain_step_is_named_with_its_node(chains):
     def broken(*_args):
         raise ValueError("broken kernel")
 
-    chain.steps[1] = dataclasses.replace(victim, run=broken)
-    chain.kept.clear()
+    broken_steps = list(chain.steps)
+    broken_steps[1] = dataclasses.replace(victim, run=broken)
+    chain.__init__(broken_steps, chain.inputs, chain.by_value, chain.outputs)  # (its loop is made from its steps)
     with pytest.raises(OnnxRuntimeError, match=f"{victim.node.name}.*broken kernel"):
         ours.run(outputs, _feeds(ours, 4, np.ones((1, 5), np.int64), rng))
 
@@ -185,3 +186,30 @@ def test_kept_shape_values_made_anew_still_find_the_chain(name, chains, monkeypa
             for _ in range(2):
                 ours.run(outputs, feeds[past])
     assert len(runs) == count
+
+
+def test_a_miss_runs_the_steps_over_their_own_slots():
+    """A miss runs the chain's steps over its slots renumbered (inputs first, an omitted input's slot None):
+    results by output slot whatever the plan's numbering, several outputs of one step, an omitted input."""
+    from onnx_runtime.ir import Node
+
+    def scaled(x, omitted):
+        assert omitted is None
+        return (x * 2,)
+
+    def split(x, y):
+        return x + y, x - y
+
+    chain_steps = [
+        steps.Step(scaled, (40, 0), (7,), (), Node("Mul", ["m", ""], ["s"], name="scaled"), "cpu"),
+        steps.Step(split, (7, 12), (90, 3), (), Node("Add", ["s", "c"], ["p", "q"], name="split"), "cpu"),
+    ]
+    chain = mask_values.MaskChain(chain_steps, (40, 12), 1, (3, 7, 90))
+    mask, constant = np.arange(5, dtype=np.int64), np.full(5, 3, np.int64)
+    got = chain.compute((mask, constant))
+    np.testing.assert_array_equal(got[0], mask * 2 - constant)
+    np.testing.assert_array_equal(got[1], mask * 2)
+    np.testing.assert_array_equal(got[2], mask * 2 + constant)
+    single = mask_values.MaskChain(chain_steps, (40, 12), 1, (90,))
+    (alone,) = single.compute((mask, constant))
+    np.testing.assert_array_equal(alone, mask * 2 + constant)

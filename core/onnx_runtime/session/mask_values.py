@@ -17,13 +17,14 @@ steps and keeps read-only copies of their results, as the shape-only cache keeps
 from __future__ import annotations
 
 import dataclasses
+import operator
 import threading
 
 import numpy as np
 
 from ..errors import KernelError, OnnxRuntimeError
 from ..ir import Node
-from .steps import Step, node_error
+from .steps import Step, Steps, _loop, _StepError, node_error
 
 ENABLED = True  # (off: the chain's steps run every call, as before; same-process A/B)
 
@@ -76,6 +77,20 @@ class MaskChain:
         self.held = 0
         self.runs = 0  # the steps' runs (tests: a repeated mask runs none)
         self._lock = threading.Lock()
+        # A miss runs the plan's own loop over a list of the chain's slots numbered densely, the inputs first (the
+        # call's arguments are its head) and a slot that stays None for omitted inputs: a first generation misses
+        # at every step, and a table by the plan's slot numbers cost more per chain step.
+        local = {slot: index for index, slot in enumerate(inputs)}
+        for step in steps:
+            for slot in step.outputs:
+                local.setdefault(slot, len(local))
+        none = local.setdefault(0, len(local))  # (slot 0: an omitted input)
+        self._local = Steps([dataclasses.replace(step, inputs=tuple(local.get(slot, none) for slot in step.inputs),
+                                                 outputs=tuple(local[slot] for slot in step.outputs), release=())
+                             for step in steps])
+        self._tail = (None,) * (len(local) - len(inputs))
+        self._results = operator.itemgetter(*(local[slot] for slot in outputs)) if len(outputs) > 1 else None
+        self._result = local[outputs[0]] if outputs else None
 
     def __call__(self, *args):
         count = self.by_value
@@ -106,17 +121,16 @@ class MaskChain:
         they use. (A plain loop: building them into straight-line code costs a compile, 1-2 ms, that the few misses
         of a plan's first generations would not earn back.)"""
         self.runs += 1
-        env = dict(zip(self.inputs, args))
-        env[0] = None  # (an omitted input's slot)
-        for step in self.steps:
-            try:
-                values = step.run(*[env[slot] for slot in step.inputs])
-            except Exception as exc:  # named after the node that failed, as the plan's own loop names it
-                raise node_error(step, exc, type(exc) if isinstance(exc, OnnxRuntimeError) else KernelError) \
-                    from exc
-            for slot, value in zip(step.outputs, values):
-                env[slot] = value
-        return tuple([env[slot] for slot in self.outputs])
+        env = [*args, *self._tail]
+        try:
+            _loop(self._local, env)
+        except _StepError as wrapped:  # named after the node that failed, as the plan's own loop names it
+            exc, index = wrapped.args
+            raise node_error(self.steps[index], exc, type(exc) if isinstance(exc, OnnxRuntimeError) else KernelError) \
+                from exc
+        if self._results is not None:
+            return self._results(env)
+        return (env[self._result],) if self._result is not None else ()
 
     def _keep(self, key: tuple, results: tuple) -> None:
         if not all(isinstance(r, np.ndarray) for r in results):
