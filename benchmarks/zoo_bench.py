@@ -25,6 +25,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +37,7 @@ QUIET_GEOMEAN, QUIET_EACH = 1.0, 1.25
 BUSY_RATIO, BUSY_SPREAD, BUSY_MAX_OVER_QUIET = 1.5, 0.25, 3.0
 COLD_RATIO = 2.0
 RSS_RATIO = 1.5
+SETTLE_LIMIT = 0.5  # seconds a block waits at most for the other runtime's pool to stop spinning
 THREADS = {"1": 1, "default": 0}  # label -> intra_op_num_threads (0: each runtime's own default)
 SAYS = {"1": "one thread", "default": "default threads"}
 
@@ -115,26 +117,70 @@ def busy_loop() -> None:
         x = (x + 1) & 0xFFFF
 
 
-def stats(samples: list[float], quiet_median: float | None = None) -> dict:
+def _percentile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def stats(samples: list[float], quiet_median: float | None = None, block: int = 0) -> dict:
+    """Per call: median, p10/p90, min/max and the spread (p90 - p10) / median. With ``block`` (the calls each
+    turn timed in a row, in_blocks), per round as well: each block's median, their spread the same way and
+    the slowest round's median over the quiet median: run to run as a user timing a batch of calls sees it,
+    where one descheduled call among hundreds moves the per-call maximum but not a round."""
     ordered = sorted(samples)
-
-    def pct(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
-
     med = statistics.median(ordered)
-    out = {"n": len(ordered), "median": med, "p10": pct(0.1), "p90": pct(0.9), "min": ordered[0],
-           "max": ordered[-1], "spread": (pct(0.9) - pct(0.1)) / med if med > 0 else math.inf}
+    out = {"n": len(ordered), "median": med, "p10": _percentile(ordered, 0.1), "p90": _percentile(ordered, 0.9),
+           "min": ordered[0], "max": ordered[-1],
+           "spread": (_percentile(ordered, 0.9) - _percentile(ordered, 0.1)) / med if med > 0 else math.inf}
+    rounds = sorted(statistics.median(samples[i:i + block]) for i in range(0, len(samples), block)) if block else []
+    if rounds:
+        middle = statistics.median(rounds)
+        out["rounds"] = len(rounds)
+        out["round_spread"] = ((_percentile(rounds, 0.9) - _percentile(rounds, 0.1)) / middle if middle > 0
+                               else math.inf)
     if quiet_median:
         out["max_over_quiet"] = ordered[-1] / quiet_median
-        out["p90_over_quiet"] = pct(0.9) / quiet_median
+        out["p90_over_quiet"] = _percentile(ordered, 0.9) / quiet_median
+        if rounds:
+            out["round_max_over_quiet"] = rounds[-1] / quiet_median
     return out
+
+
+def others_running() -> bool:
+    """Whether another thread of this process is running or waiting for a CPU (Linux: /proc's task states):
+    a pool spinning after its last job (onnxruntime's intra-op pool spins ~40 ms of CPU after a run, longer
+    than the pause; numpy's OpenBLAS ~0.1 s; our helpers 5 ms)."""
+    me = threading.get_native_id()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for tid in tids:
+        if int(tid) == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as stat:
+                if stat.read().rsplit(b")", 1)[1].split()[0] == b"R":
+                    return True
+        except (OSError, IndexError):  # a thread that ended meanwhile
+            continue
+    return False
+
+
+def settle(pause: float, limit: float = SETTLE_LIMIT) -> None:
+    """Sleep ``pause`` seconds, then until no other thread of this process runs (at most ``limit`` more): the
+    next block's runtime then does not share the CPUs with the other runtime's spinning pool."""
+    time.sleep(pause)
+    deadline = time.perf_counter() + limit
+    while time.perf_counter() < deadline and others_running():
+        time.sleep(0.002)
 
 
 def in_blocks(runners: dict, repeat: int, block: int, pause: float, max_seconds: float,
               min_samples: int) -> dict[str, tuple[list[float], list[float]]]:
     """Seconds per call of each runner, wall clock and this process's CPU time: blocks of ``block`` timed
-    calls, the runtimes taking turns (order rotating), ``pause`` seconds before each block and its first call
-    untimed, so neither pays for the other's spinning pool. Stops at ``repeat`` calls each, or after
+    calls, the runtimes taking turns (order rotating), ``pause`` seconds before each block and then until no
+    other thread of this process runs (settle) and its first call untimed, so neither pays for the other's
+    spinning pool. Stops at ``repeat`` calls each, or after
     ``max_seconds`` once each has ``min_samples``.
 
     The CPU time leaves out the time this process waited for a core, which on a loaded host dominates the wall
@@ -148,7 +194,7 @@ def in_blocks(runners: dict, repeat: int, block: int, pause: float, max_seconds:
             break
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
-            time.sleep(pause)
+            settle(pause)
             run, (wall, cpu) = runners[name], times[name]
             advance = getattr(run, "advance", None)  # a growing decode call's next inputs, made untimed
             run()
@@ -211,7 +257,8 @@ def measure(condition: str, sessions: dict, feeds: dict, threads: list[str], out
             times = in_blocks(runners, args.repeat, args.block, args.pause, args.max_seconds, args.min_samples)
             for runtime, (wall, cpu) in times.items():
                 quiet = out[call].get(f"quiet/{label}/{runtime}", {}).get("median")
-                out[call][f"{condition}/{label}/{runtime}"] = {**stats(wall, quiet), "cpu": stats(cpu)}
+                out[call][f"{condition}/{label}/{runtime}"] = {**stats(wall, quiet, args.block),
+                                                               "cpu": stats(cpu, None, args.block)}
 
 
 def worker_steady(zoo: Path, name: str, args: argparse.Namespace) -> dict:
@@ -344,8 +391,11 @@ def verdicts(results: list[dict], threads: list[str], busy: bool) -> dict:
                 ours_busy, ort_busy = measured[f"busy/{label}/ours"], measured[f"busy/{label}/ort"]
                 for target, value, limit in (
                         ("busy ratio", ratio(ours_busy["median"], ort_busy["median"]), BUSY_RATIO),
-                        ("busy spread (ours)", ours_busy["spread"], BUSY_SPREAD),
-                        ("busy max / quiet median (ours)", ours_busy["max_over_quiet"], BUSY_MAX_OVER_QUIET)):
+                        ("busy spread per call (ours)", ours_busy["spread"], BUSY_SPREAD),
+                        ("busy spread of round medians (ours)", ours_busy["round_spread"], BUSY_SPREAD),
+                        ("busy max call / quiet median (ours)", ours_busy["max_over_quiet"], BUSY_MAX_OVER_QUIET),
+                        ("busy slowest round / quiet median (ours)", ours_busy["round_max_over_quiet"],
+                         BUSY_MAX_OVER_QUIET)):
                     rows.append({"target": f"{target}, {SAYS[label]}", "model": result["name"], "call": call,
                                  "value": value, "limit": limit})
         cold = result["cold"]
@@ -422,17 +472,21 @@ def steady_table(ok: list[dict], threads: list[str]) -> list[str]:
 
 
 def busy_table(ok: list[dict], threads: list[str]) -> list[str]:
-    lines = ["Beside a CPU-bound process: median ms, the ratio, the spread (p90 - p10) / median of each runtime, "
-             "and ours' slowest call over its quiet median.", "",
-             "| model | call | threads | ours / ort | ratio | spread ours / ort | ours max / quiet |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["Beside a CPU-bound process: median ms, the ratio, the spread (p90 - p10) / median of each runtime "
+             "per call and over the rounds' medians (a round: the calls a turn times in a row), and the slowest "
+             "call and round over the quiet median, each runtime's.", "",
+             "| model | call | threads | ours / ort | ratio | spread per call ours / ort "
+             "| spread of rounds ours / ort | max call / quiet ours / ort | slowest round / quiet ours / ort |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in ok:
         for call, m in r["steady"]["calls"].items():
             for label in threads:
                 ours, ort = m[f"busy/{label}/ours"], m[f"busy/{label}/ort"]
                 lines.append(f"| {r['name']} | {call} | {SAYS[label]} | {ms(ours['median'])} / {ms(ort['median'])} "
                              f"| {fmt(ratio(ours['median'], ort['median']))} | {ours['spread']:.0%} / "
-                             f"{ort['spread']:.0%} | {fmt(ours['max_over_quiet'])} |")
+                             f"{ort['spread']:.0%} | {ours['round_spread']:.0%} / {ort['round_spread']:.0%} "
+                             f"| {fmt(ours['max_over_quiet'])} / {fmt(ort['max_over_quiet'])} "
+                             f"| {fmt(ours['round_max_over_quiet'])} / {fmt(ort['round_max_over_quiet'])} |")
     return lines
 
 

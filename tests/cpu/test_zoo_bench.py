@@ -91,6 +91,50 @@ def test_growing_decode_walks_one_consistent_sequence():
         grown(DECODERS[0]["calls"]["decode"], -1)
 
 
+def test_round_medians_spread_and_slowest_round():
+    """Run to run: each block's median (a round) as well as every call; one slow call among a round's moves
+    the per-call maximum, not the round's median."""
+    import zoo_bench
+
+    samples = [1.0] * 9 + [30.0] + [1.2] * 10 + [0.8] * 10  # three rounds of 10, one descheduled call
+    s = zoo_bench.stats(samples, quiet_median=1.0, block=10)
+    assert s["rounds"] == 3 and s["max_over_quiet"] == 30.0
+    assert s["round_max_over_quiet"] == pytest.approx(1.2)
+    assert s["round_spread"] == pytest.approx((1.2 - 0.8) / 1.0)
+    assert "rounds" not in zoo_bench.stats(samples)
+
+
+def test_settle_waits_for_another_spinning_thread():
+    """A block starts once no other thread of the process runs: onnxruntime's intra-op pool spins ~40 ms of
+    CPU after its runs, longer than the pause, and the next block's runtime would share the CPUs with it."""
+    import threading
+    import time
+
+    import numpy as np
+    import zoo_bench
+
+    def spin(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            np.sqrt(np.ones(16))  # releases the GIL now and then, as a native pool's spin never holds it
+
+    spinner = threading.Thread(target=spin, args=(0.3,))
+    start = time.perf_counter()
+    spinner.start()
+    zoo_bench.settle(0.0, limit=5.0)
+    assert time.perf_counter() - start >= 0.25 and not spinner.is_alive()
+    idle = threading.Thread(target=threading.Event().wait, args=(2.0,), daemon=True)
+    idle.start()  # a sleeping thread is not waited for
+    start = time.perf_counter()
+    zoo_bench.settle(0.0, limit=5.0)
+    assert time.perf_counter() - start < 0.5
+    spinner = threading.Thread(target=spin, args=(3.0,), daemon=True)
+    spinner.start()
+    start = time.perf_counter()
+    zoo_bench.settle(0.0, limit=0.2)  # bounded
+    assert time.perf_counter() - start < 1.5
+
+
 def finite_positive(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
@@ -116,8 +160,9 @@ def test_quick_run(tmp_path):
                     assert s["min"] <= s["p10"] <= s["median"] <= s["p90"] <= s["max"]
                     assert s["cpu"]["n"] == s["n"] and finite_positive(s["cpu"]["median"])
                     assert math.isfinite(s["spread"]) and s["spread"] >= 0
+                    assert s["rounds"] >= 2 and math.isfinite(s["round_spread"]) and s["round_spread"] >= 0
                     if condition == "busy":
-                        assert finite_positive(s["max_over_quiet"])
+                        assert finite_positive(s["max_over_quiet"]) and finite_positive(s["round_max_over_quiet"])
     for runtime in ("ours", "ort"):
         cold = result["cold"][runtime]
         assert all(finite_positive(cold[k]) for k in ("import_s", "create_s", "create_first_s", "create_first_cpu_s"))

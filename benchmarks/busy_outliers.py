@@ -1,0 +1,217 @@
+"""What a slow call beside a CPU-bound process is made of (issue 19's "no run above 3x its quiet median").
+
+Each timed call of each runtime records, besides its wall time: the calling thread's CPU time, the time it and
+every other thread of this process waited on a run queue while the call ran (``/proc/<tid>/schedstat``'s second
+field: ready to run, no CPU given), its minor/major page faults and involuntary context switches
+(``getrusage(RUSAGE_THREAD)``), and the time Python's cyclic collector ran inside it (``gc.callbacks``). A call
+is then attributed: the wall time left after the calling thread's CPU time and its run-queue wait is time it
+slept or spun waiting on another thread (a helper, OpenBLAS's pool) or blocked on a fault.
+
+    .venv/bin/python benchmarks/busy_outliers.py --models mobilenetv3.torchscript.fp32 --threads 1,default
+
+Both runtimes run in this one process, taking turns in blocks, quiet and then beside ``--busy`` competitors
+(zoo_bench's), so the host's slow phases fall on both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from zoo_bench import DEFAULT_ZOO, THREADS, Competitors, load_model, session  # noqa: E402
+
+
+class Collector:
+    """Time Python's cyclic collector spends, accumulated by gc.callbacks."""
+
+    def __init__(self) -> None:
+        self.seconds, self.count, self._start = 0.0, 0, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.count += 1
+
+
+class RunQueueWait:
+    """Nanoseconds every thread of this process has waited on a run queue (schedstat's run_delay), per thread,
+    read through descriptors kept open (pread at 0 regenerates the line)."""
+
+    def __init__(self) -> None:
+        self.me = os.open(f"/proc/self/task/{_gettid()}/schedstat", os.O_RDONLY)
+        self.others: list[int] = []
+
+    def rescan(self) -> None:
+        """Open every other thread alive now (helpers, pools and the loader start lazily)."""
+        for fd in self.others:
+            os.close(fd)
+        mine = _gettid()
+        tids = [tid for tid in os.listdir("/proc/self/task") if int(tid) != mine]
+        self.others = [os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY) for tid in tids]
+        self.names = []
+        for tid in tids:
+            try:
+                self.names.append(f"{tid}:" + Path(f"/proc/self/task/{tid}/comm").read_text().strip())
+            except OSError:
+                self.names.append(tid)
+
+    def per_thread_cpu(self) -> dict[str, int]:
+        return {name: self._read(fd)[0] for name, fd in zip(self.names, self.others)}
+
+    @staticmethod
+    def _read(fd: int) -> tuple[int, int]:
+        try:
+            fields = os.pread(fd, 128, 0).split()
+            return int(fields[0]), int(fields[1])  # on-CPU ns, run-queue wait ns
+        except (OSError, IndexError):  # a thread that ended
+            return 0, 0
+
+    def sample(self) -> tuple[int, int, int, int]:
+        own_cpu, own_wait = self._read(self.me)
+        other_cpu = other_wait = 0
+        for fd in self.others:
+            cpu, wait = self._read(fd)
+            other_cpu += cpu
+            other_wait += wait
+        return own_cpu, own_wait, other_cpu, other_wait
+
+
+def _gettid() -> int:
+    return getattr(os, "gettid", lambda: int(os.readlink("/proc/thread-self").rsplit("/", 1)[1]))()
+
+
+def timed(run, count: int, queue: RunQueueWait, collector: Collector) -> list[dict]:
+    rows = []
+    for _ in range(count):
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+        gc_before, gc_count = collector.seconds, collector.count
+        before = queue.sample()
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        run()
+        wall, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+        after = queue.sample()
+        done = resource.getrusage(resource.RUSAGE_THREAD)
+        rows.append({"wall": wall, "cpu": cpu, "wait": (after[1] - before[1]) * 1e-9,
+                     "others_cpu": (after[2] - before[2]) * 1e-9, "others_wait": (after[3] - before[3]) * 1e-9,
+                     "gc": collector.seconds - gc_before, "gcs": collector.count - gc_count,
+                     "minflt": done.ru_minflt - usage.ru_minflt, "majflt": done.ru_majflt - usage.ru_majflt,
+                     "nivcsw": done.ru_nivcsw - usage.ru_nivcsw, "nvcsw": done.ru_nvcsw - usage.ru_nvcsw})
+    return rows
+
+
+def explain(row: dict) -> str:
+    """The largest part of a slow call's wall time."""
+    parts = {"own run-queue wait": row["wait"], "collector": row["gc"], "own CPU": row["cpu"] - row["gc"],
+             "blocked/other threads": row["wall"] - row["cpu"] - row["wait"]}
+    return max(parts, key=parts.get)
+
+
+def summarize(rows: list[dict], quiet_median: float) -> dict:
+    walls = [r["wall"] for r in rows]
+    med = statistics.median(walls)
+    slow = sorted(rows, key=lambda r: r["wall"], reverse=True)[:5]
+    over = [r for r in rows if r["wall"] > 3 * quiet_median]
+    cpus = sorted(r["cpu"] for r in rows)
+    return {"n": len(rows), "median_ms": med * 1e3,
+            "cpu_ms": [round(cpus[len(cpus) // 2] * 1e3, 3), round(cpus[int(0.9 * len(cpus))] * 1e3, 3),
+                       round(cpus[-1] * 1e3, 3)], "max_over_quiet": max(walls) / quiet_median,
+            "over_3x": len(over), "gc_calls": sum(r["gcs"] > 0 for r in rows),
+            "faults_calls": sum(r["minflt"] + r["majflt"] > 0 for r in rows),
+            "over_3x_why": {why: sum(explain(r) == why for r in over) for why in {explain(r) for r in over}},
+            "slowest": [{k: (round(v * 1e3, 3) if isinstance(v, float) else v) for k, v in r.items()}
+                        for r in slow]}
+
+
+def probe(zoo: Path, name: str, labels: list[str], busy: int, count: int, block: int) -> dict:
+    from zoo_feeds import make_feeds
+
+    os.environ["ONNX_RUNTIME_COMPILE_IN_BACKGROUND"] = "0"
+    model = load_model(zoo, name)
+    call, spec = next(iter(model["calls"].items()))
+    feed = make_feeds(spec)
+    path = str(zoo / model["file"])
+    sessions = {(rt, label): session(rt, path, THREADS[label]) for label in labels for rt in ("ours", "ort")}
+    for sess in sessions.values():
+        for _ in range(5):
+            sess.run(None, feed)
+    collector, queue = Collector(), RunQueueWait()
+    queue.rescan()
+    out: dict = {"model": name, "call": call}
+    for condition in ("quiet", "busy") if busy else ("quiet",):
+        competitors = Competitors(busy) if condition == "busy" else None
+        if competitors:
+            competitors.__enter__()
+        try:
+            rows: dict = {key: [] for key in sessions}
+            threads_cpu: dict = {}
+            for round_ in range(count // block):
+                keys = list(sessions)
+                for key in keys[round_ % 2:] + keys[:round_ % 2]:
+                    sess = sessions[key]
+                    time.sleep(0.02)
+                    sess.run(None, feed)
+                    before = queue.per_thread_cpu()
+                    rows[key] += timed(lambda s=sess: s.run(None, feed), block, queue, collector)
+                    after = queue.per_thread_cpu()
+                    spent = threads_cpu.setdefault(key, {})
+                    for name in after:
+                        spent[name] = spent.get(name, 0) + after[name] - before.get(name, 0)
+        finally:
+            if competitors:
+                competitors.__exit__()
+        for (rt, label), got in rows.items():
+            quiet = out.get(f"quiet/{label}/{rt}", {}).get("median_ms")
+            quiet = quiet * 1e-3 if quiet else statistics.median(r["wall"] for r in got)
+            out[f"{condition}/{label}/{rt}"] = summarize(got, quiet)
+            spent = threads_cpu[rt, label]
+            out[f"{condition}/{label}/{rt}"]["other_threads_ms"] = {
+                name: round(ns * 1e-6, 2) for name, ns in spent.items() if ns > 0}
+    out["load"] = os.getloadavg()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--zoo", type=Path, default=DEFAULT_ZOO)
+    parser.add_argument("--models", required=True, help="comma-separated zoo names")
+    parser.add_argument("--threads", default="1,default")
+    parser.add_argument("--busy", type=int, default=1)
+    parser.add_argument("--count", type=int, default=400, help="timed calls per session and condition")
+    parser.add_argument("--block", type=int, default=10)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    labels = [label for label in THREADS if label in args.threads.split(",")]
+    results = []
+    for name in args.models.split(","):
+        result = probe(args.zoo.resolve(), name, labels, args.busy, args.count, args.block)
+        results.append(result)
+        for key, s in result.items():
+            if isinstance(s, dict):
+                print(f"{name} {key}: median {s['median_ms']:.3f} ms, max/quiet {s['max_over_quiet']:.1f}, "
+                      f">3x {s['over_3x']} {s['over_3x_why']}, calls with gc {s['gc_calls']}, "
+                      f"with faults {s['faults_calls']}", flush=True)
+                print("     other threads' CPU in its blocks (ms):", s["other_threads_ms"],
+                      "; CPU-time p50/p90/max (ms):", s["cpu_ms"])
+                if s["max_over_quiet"] > 3:
+                    for row in s["slowest"][:3]:
+                        print("    ", row)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
