@@ -66,3 +66,26 @@ def test_affine_values_match_their_definition(shape):
     expected = coef[0] + 7 * coef[1] - 2 * coef[2]
     assert value.shape == shape and value.dtype == np.int32
     np.testing.assert_array_equal(value, expected)
+
+
+@pytest.mark.parametrize("alpha", [(0, 1), (0, -1), (0, 0, 0, 3), (1,)])
+@pytest.mark.parametrize("symbol", [0, 1, 9])
+def test_an_int64_range_without_broadcast_is_one_arange(alpha, symbol, monkeypatch):
+    """A position Range (int64, one moving axis, every other extent 1): its definition, made without broadcasting
+    or casting (a first generation makes one at every new length)."""
+    extents = tuple(_form(2, 1) if a else _form(1) for a in alpha)
+    value = Linear(alpha, _form(5, 2), extents, np.dtype(np.int64))
+    program = Program({1: value}, (1,), [], 1)
+    env: list = [None] * 2
+
+    def refused(*_args, **_kwargs):
+        raise AssertionError("broadcast a value that has nothing to broadcast")
+
+    monkeypatch.setattr(np, "broadcast_to", refused)
+    assert program.instantiate(env, np.array([1, symbol], np.int64))
+    sizes = [2 + symbol if a else 1 for a in alpha]
+    grid = np.indices(sizes, dtype=np.int64)
+    expected = 5 + 2 * symbol + sum(a * grid[axis] for axis, a in enumerate(alpha))
+    assert env[1].dtype == np.int64 and env[1].shape == tuple(sizes)
+    assert env[1].flags.c_contiguous and env[1].flags.writeable
+    np.testing.assert_array_equal(env[1], expected)

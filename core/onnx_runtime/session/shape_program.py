@@ -93,6 +93,9 @@ def _window(base: np.ndarray, rank: int, sliced: tuple, broadcasts: bool, number
     return part.copy()  # a fresh array, as a kernel returns
 
 
+_INT64 = np.dtype(np.int64)
+
+
 def _materialize(value, numbers: list[int], row: int) -> np.ndarray:
     if isinstance(value, Linear):
         rank = len(value.alpha)
@@ -102,6 +105,8 @@ def _materialize(value, numbers: list[int], row: int) -> np.ndarray:
             axis, beta = moving[0], numbers[row]
             alpha, shape = value.alpha[axis], [1] * rank
             shape[axis] = extents[axis]
+            if shape == extents and value.dtype == _INT64:  # nothing to broadcast or cast (a position Range)
+                return np.arange(beta, beta + alpha * extents[axis], alpha, dtype=np.int64).reshape(extents)
             line = np.arange(beta, beta + alpha * extents[axis], alpha, dtype=np.int64).reshape(shape)
             return np.broadcast_to(line, extents).astype(value.dtype, order="C")
         out = np.full(extents, numbers[row], np.int64)

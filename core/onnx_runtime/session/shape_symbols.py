@@ -76,7 +76,8 @@ class Affine:
 
     def at(self, point: np.ndarray) -> np.ndarray:
         coef = self.coef  # (one product: tensordot's own Python costs several times it, at every new length)
-        return (point @ coef.reshape(coef.shape[0], coef[0].size)).reshape(coef.shape[1:]).astype(self.dtype)
+        return (point @ coef.reshape(coef.shape[0], coef[0].size)).reshape(coef.shape[1:]).astype(self.dtype,
+                                                                                                   copy=False)
 
 
 class Linear:
