@@ -88,3 +88,26 @@ def test_the_description_matches_the_provider_class(sim, monkeypatch):
     assert PROVIDER.selected_by_default == bool(handle.hook.selected_by_default())
     assert PROVIDER.availability() == handle.availability()
     assert PROVIDER.load() is CUDAExecutionProvider
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the Linux search order")
+def test_probe_without_a_driver_runs_no_library_search(monkeypatch):
+    """Where neither libcuda soname loads (a CPU-only machine, a batch worker), the probe answers without
+    ctypes.util.find_library, whose ldconfig and gcc subprocesses cost a new process ~40 ms and find nothing the
+    loader did not; a soname that loads is found without it too."""
+    searched, opened = [], []
+
+    def search(name):
+        searched.append(name)
+        return "libcuda.so.1"
+
+    def missing(name, *args, **kwargs):
+        opened.append(name)
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(driver.ctypes.util, "find_library", search)
+    monkeypatch.setattr(driver.ctypes, "CDLL", missing)
+    assert driver._libcuda_present() is False  # noqa: SLF001
+    assert searched == [] and opened == ["libcuda.so.1", "libcuda.so"]
+    monkeypatch.setattr(driver.ctypes, "CDLL", lambda name, *args, **kwargs: opened.append(name))
+    assert driver._libcuda_present() is True and searched == []  # noqa: SLF001

@@ -14,6 +14,7 @@ import ctypes.util
 import functools
 import importlib
 import os
+import sys
 
 from onnx_runtime.errors import ProviderError
 
@@ -39,15 +40,25 @@ def load_driver_module():
 def _libcuda_present() -> bool:
     # cuda-python imports fine without a driver and only fails at the first call, deep in its loader;
     # looking for libcuda first gives the user the real reason.
-    for candidate in ("libcuda.so.1", "libcuda.so", ctypes.util.find_library("cuda")):
-        if not candidate:
-            continue
+    for candidate in ("libcuda.so.1", "libcuda.so"):
         try:
             ctypes.CDLL(candidate)
             return True
         except OSError:
             continue
-    return False
+    # On Linux find_library answers a soname that the loader above resolves through the same cache and paths,
+    # and it runs ldconfig and gcc to find it: a machine without the driver (a CPU batch worker) paid that on
+    # every probe. Elsewhere it is the only search.
+    if sys.platform.startswith("linux"):
+        return False
+    found = ctypes.util.find_library("cuda")
+    if not found:
+        return False
+    try:
+        ctypes.CDLL(found)
+        return True
+    except OSError:
+        return False
 
 
 def probe() -> str:
