@@ -60,7 +60,7 @@ def _cases():
                                         np.empty((2, 6, 10), F32))),
         ("qgemm.dynamic_scaled_group", (_data(5, 33), _packed(20, 33), no_pairs, b_scales, bias[:0],
                                         np.empty((4, 5, 5), F32))),
-    ] + _requantizing_cases() + _rounded_norm_cases()
+    ] + _requantizing_cases() + _rounded_norm_cases() + _rounded_rotary_cases()
 
 
 def _rounded_norm_cases():
@@ -75,6 +75,23 @@ def _rounded_norm_cases():
         ("rounded_norm.rounded_rms_rows", (_data(4, 64), means, weight, signed, table, np.empty((4, 64), F32))),
     ]
 
+
+
+def _rounded_rotary_cases():
+    # rotate-half rotations with their roundings (compiled/rounded_rotary.py): five grids, the sum's used or not
+    grids = np.array([0.023, 130, 0, 255, 0.031, 126, 0, 255, 0.033, 128, 0, 255, 0.021, 125, 0, 255,
+                      0.037, 129, 0, 255], F32)
+    signed = grids.copy()
+    signed[1::4] -= 128
+    signed[2::4], signed[3::4] = -128, 127
+    tables = RNG.uniform(-1, 1, (2, 2, 16)).astype(F32)
+    rows = np.array([0, 1, 0, 1, 0, 1], np.int64)
+    return [
+        ("rounded_rotary.rounded_rotary", (_data(6, 16), tables[0], tables[1], rows, 8, grids, True,
+                                           np.empty((6, 16), F32))),
+        ("rounded_rotary.rounded_rotary", (_data(6, 10), tables[0, :, :10], tables[1, :, :10], rows, 4, signed, False,
+                                           np.empty((6, 10), F32))),
+    ]
 
 def _consts(a_quantize: bool, dequantize: bool, b_quantize: bool = False, out_signed: bool = False) -> np.ndarray:
     consts = np.zeros(15)

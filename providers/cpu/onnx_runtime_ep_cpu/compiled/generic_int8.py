@@ -297,6 +297,14 @@ def rounded_rms_rows(x, means, weight, params, table, out):
     out[...] = y * weight if weight.shape[0] == x.shape[1] else y
 
 
+
+def rounded_rotary(x, cos, sin, table_row, half, params, rounded_sum, out):
+    """compiled/rounded_rotary.rounded_rotary: each rounding and sum as the loop takes them."""
+    c, s = cos[table_row], sin[table_row]
+    turned = np.concatenate((_rounded(-x[:, half:], *params[4:8]), x[:, :half]), axis=1)
+    y = _rounded(x * c, *params[0:4]) + _rounded(_rounded(turned, *params[8:12]) * s, *params[12:16])
+    out[...] = _rounded(y, *params[16:20]) if rounded_sum else y
+
 _COMPILED = "onnx_runtime_ep_cpu.compiled."
 def quantized_conv(x, pad, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, packed, pairs, multiplier,
                    offset, consts, out):
@@ -317,6 +325,7 @@ GENERIC_INT8 = {
     _COMPILED + "rounded_gelu.rounded_gelu": rounded_gelu,
     _COMPILED + "rounded_norm.rounded_rms_norm": rounded_rms_norm,
     _COMPILED + "rounded_norm.rounded_rms_rows": rounded_rms_rows,
+    _COMPILED + "rounded_rotary.rounded_rotary": rounded_rotary,
     _COMPILED + "quantize.quantize": quantize,
     _COMPILED + "quantize.dequantize": dequantize,
     _COMPILED + "quantize.fake_quantize": fake_quantize,

@@ -93,6 +93,7 @@ FAMILIES = {
     "precision": "ai.onnx_runtime.cpu:FloatToHalf ai.onnx_runtime.cpu:HalfToFloat ai.onnx_runtime.cpu:RoundToHalf",
     "qdq_gelu": "ai.onnx_runtime.cpu:RoundedGelu",
     "qdq_norm": "ai.onnx_runtime.cpu:RoundedRMSNorm",
+    "qdq_rotary": "ai.onnx_runtime.cpu:RoundedRotary",
     "qdq_linear": (
         "QLinearMatMul ai.onnx_runtime.cpu:QLinearMatMulAdd ai.onnx_runtime.cpu:QuantizedConv "
         "ai.onnx_runtime.cpu:QuantizedMatMul"
