@@ -353,8 +353,26 @@ def convert_type(tp: onnx.TypeProto) -> TypeInfo:
     return TypeInfo("unknown")
 
 
+# Flat tensor types by their serialized bytes: a graph's values repeat a few types, and reading a shape dimension
+# by dimension costs most of a value's conversion (plans are decoded at every cached creation and first run).
+# Equal bytes are an equal TypeProto; each value still gets a TypeInfo of its own (passes may change one).
+TENSOR_TYPES: dict[bytes, tuple] = {}
+TENSOR_TYPES_KEPT = 4096
+
+
 def _value_info(vi: onnx.ValueInfoProto) -> ValueInfo:
-    return ValueInfo(vi.name, convert_type(vi.type), vi.doc_string)
+    tp = vi.type
+    key = tp.SerializeToString()
+    known = TENSOR_TYPES.get(key)
+    if known is None:
+        info = convert_type(tp)
+        if info.elem is not None or info.key_dtype is not None:
+            return ValueInfo(vi.name, info, vi.doc_string)
+        if len(TENSOR_TYPES) >= TENSOR_TYPES_KEPT:
+            TENSOR_TYPES.clear()
+        TENSOR_TYPES[key] = (info.kind, info.dtype, info.shape)
+        return ValueInfo(vi.name, info, vi.doc_string)
+    return ValueInfo(vi.name, TypeInfo(*known), vi.doc_string)
 
 
 # -- attributes ------------------------------------------------------------------------------------
