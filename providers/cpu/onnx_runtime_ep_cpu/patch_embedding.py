@@ -86,7 +86,7 @@ def fuse_patch_embedding(graph: Graph, owns=None) -> bool:
         weight = view.const(conv.inputs[1])
         bias = view.const(conv.inputs[2]) if len(conv.inputs) == 3 and conv.inputs[2] else None
         x_shape = _static(graph, conv.inputs[0])
-        if weight is None or weight.dtype != _F32 or (len(conv.inputs) == 3 and conv.inputs[2] and (
+        if weight is None or weight.dtype != _F32 or weight.ndim != 4 or (len(conv.inputs) == 3 and conv.inputs[2] and (
                 bias is None or bias.dtype != _F32 or bias.shape != weight.shape[:1])) \
                 or x_shape is None or len(x_shape) != 4 or x_shape[1] != weight.shape[1]:
             continue
