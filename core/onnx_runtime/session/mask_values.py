@@ -93,18 +93,18 @@ class MaskChain:
         self._result = local[outputs[0]] if outputs else None
 
     def __call__(self, *args):
-        count = self.by_value
+        keyed = args[:self.by_value]
         try:  # (the session checked the feeds' dtypes; a kept value's dtype is the plan's: shape and bytes suffice)
-            shapes = tuple([a.shape for a in args[:count]])
+            shapes = tuple([a.shape for a in keyed])
             if shapes not in self.seen:  # a length new to this plan (a first generation's every step): run only
                 if len(self.seen) >= 4 * self.LIMIT:
                     self.seen.clear()
                 self.seen.add(shapes)
                 key = None
-            elif sum([a.nbytes for a in args[:count]]) > self.KEY_BYTES:  # (a prefill's causal mask at 1024)
+            elif sum([a.nbytes for a in keyed]) > self.KEY_BYTES:  # (a prefill's causal mask at 1024)
                 key = None
-            else:
-                key = tuple([(a.shape, a.tobytes()) for a in args[:count]] + [id(a) for a in args[count:]])
+            else:  # (every later generation's step makes one: the shapes once, then the bytes and identities)
+                key = (shapes, *[a.tobytes() for a in keyed], *[id(a) for a in args[self.by_value:]])
         except AttributeError:  # not an array: the steps say what is wrong with it
             key = None
         if key is not None:
@@ -133,17 +133,22 @@ class MaskChain:
         return (env[self._result],) if self._result is not None else ()
 
     def _keep(self, key: tuple, results: tuple) -> None:
-        if not all(isinstance(r, np.ndarray) for r in results):
-            return
-        size = sum(r.nbytes for r in results)
+        size = 0
+        for result in results:
+            if not isinstance(result, np.ndarray):
+                return
+            size += result.nbytes
         if size > self.ENTRY_BYTES:
             return
         # Copies, read-only and shared by every later call with this key: a result may view a feed's buffer (the
         # caller rewrites it), and this call's own results stay as the steps made them (a kernel that keeps what
         # it derives from a read-only input by identity would do that for every new mask of a first generation).
-        results = tuple([result.copy() for result in results])
+        copies = []
         for result in results:
+            result = result.copy()
             result.flags.writeable = False
+            copies.append(result)
+        results = tuple(copies)
         with self._lock:
             if len(self.kept) >= self.LIMIT or self.held + size > self.TOTAL_BYTES:
                 self.kept.clear()
