@@ -30,6 +30,7 @@ the ``tokenizer.json`` in the model's folder.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import threading
@@ -407,21 +408,23 @@ class _Bindings:
         start = time.perf_counter()
         first = 0.0
         steps = 0
-        run = self._host_run(bindings)
-        for step in range(new):
-            self._grow(length + step + 1 if step else length)
-            if run is not None:
-                self._choose_on_host(step, length + step, run(step > 0)[0][0, -1])
-            else:
-                self._step(bindings, step, length, new)
-            steps += 1
-            if step == 0 or (read_each and (steps % read_every == 0 or step == new - 1)):
-                ended = self._read(tokens, steps, on_token, eos_token_id)
-                if step == 0:
-                    first = time.perf_counter() - start
-                if ended:
-                    break
-            self._advance(step, length, run is None)
+        prepared = self._host_run(bindings)
+        # A host loop enters the session's per-run scopes once for all its steps, not at each step.
+        with prepared.held() if prepared is not None else contextlib.nullcontext() as run:
+            for step in range(new):
+                self._grow(length + step + 1 if step else length)
+                if run is not None:
+                    self._choose_on_host(step, length + step, run(step > 0)[0][0, -1])
+                else:
+                    self._step(bindings, step, length, new)
+                steps += 1
+                if step == 0 or (read_each and (steps % read_every == 0 or step == new - 1)):
+                    ended = self._read(tokens, steps, on_token, eos_token_id)
+                    if step == 0:
+                        first = time.perf_counter() - start
+                    if ended:
+                        break
+                self._advance(step, length, run is None)
         drained = self._tokens(0, new + 1)
         if not read_each:
             tokens = [int(t) for t in drained[:steps]]

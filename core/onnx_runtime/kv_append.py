@@ -41,7 +41,7 @@ class Window:
         self.spans: dict[tuple, bool] = {}
 
 
-_LOCAL = threading.local()  # .windows: id(fed view) -> Window, during a bound run on this thread
+_LOCAL = threading.local()  # .windows: output name -> Window, during a bound run on this thread
 # (.grown: id(an append's result) -> Window, filled as this run's Concats append)
 
 
@@ -62,9 +62,8 @@ def append(output: str, xs: tuple, axis: int) -> np.ndarray | None:
     if not windows or len(xs) != 2:
         return None
     past, new = xs
-    window = windows.get(id(past))
-    if window is None or window.fed is not past or window.result is not None or window.axis != axis \
-            or window.output != output:
+    window = windows.get(output)
+    if window is None or window.fed is not past or window.result is not None or window.axis != axis:
         return None
     physical = window.physical
     if type(new) is not np.ndarray or new.dtype != physical.dtype:
@@ -117,10 +116,16 @@ def contiguous_rows(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, n
     return np.ascontiguousarray(keys), np.ascontiguousarray(values)
 
 
-def enter(windows: Sequence[Window]) -> tuple:
-    """:func:`appending` without the context manager, for a run's hot path: returns what :func:`leave` restores."""
+def by_output(windows: Sequence[Window]) -> dict[str, Window]:
+    """``windows`` keyed as :func:`enter` takes them: a loop of runs over the same windows builds this once."""
+    return {window.output: window for window in windows}
+
+
+def enter(windows: Sequence[Window] | dict[str, Window]) -> tuple:
+    """:func:`appending` without the context manager, for a run's hot path: returns what :func:`leave` restores.
+    ``windows`` may come keyed by their outputs already (:func:`by_output`, made once for many runs)."""
     saved = (getattr(_LOCAL, "windows", None), getattr(_LOCAL, "grown", None))
-    _LOCAL.windows = {id(window.fed): window for window in windows}
+    _LOCAL.windows = windows if isinstance(windows, dict) else by_output(windows)
     _LOCAL.grown = {}
     return saved
 

@@ -5,6 +5,7 @@ Concat back to numpy, and a bound run on a hand-made cache graph against the pla
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -68,6 +69,7 @@ def test_each_step_writes_its_rows_at_a_fixed_address(monkeypatch):
             seen.append((cache.buffer.ptr, cache.logical_shape, whole.copy()))
             return results
 
+        watch.held = lambda: contextlib.nullcontext(watch)  # (the loop runs its steps inside held())
         return watch
 
     monkeypatch.setattr(session, "prepare_device_binding_run", prepared)

@@ -20,13 +20,14 @@ import math
 import operator
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import kv_append
+from .. import budget, kv_append, run_scope
 from ..contract.buffers import DeviceBuffer
 from ..contract.markers import hookimpl
 from ..dtypes import DataType
@@ -164,6 +165,48 @@ def run_with_device_bindings(session: SessionSide, bindings, input_feed: dict | 
     return [_host(value) for value in values[:count]]
 
 
+class PreparedRun:
+    """A :func:`prepared_host_run` inside its session's per-run scopes (the value budget, the providers' run
+    scopes): a call enters them for one run; ``held()`` enters them once for a loop of runs (a generation's steps)
+    and yields the run without them. ``closed``: whether the session was closed (checked at every run)."""
+
+    __slots__ = ("_run", "_closed", "_limit", "_scopes")
+
+    def __init__(self, run: Callable[[bool], list], closed: Callable[[], bool], limit, scopes):
+        self._run, self._closed, self._limit, self._scopes = run, closed, limit, scopes
+
+    def __call__(self, single_token_step: bool = False) -> list:
+        self._check()
+        token = budget.enter(self._limit, None)
+        scopes = run_scope.enter(self._scopes)
+        try:
+            return self._run(single_token_step)
+        finally:
+            run_scope.leave(scopes)
+            budget.leave(token)
+
+    @contextmanager
+    def held(self) -> Iterator[Callable[[bool], list]]:
+        """The scopes entered once around the block (what runs between its steps, a caller's callback, sees them
+        too: a run of another session inside enters its own over them)."""
+        self._check()
+        token = budget.enter(self._limit, None)
+        scopes = run_scope.enter(self._scopes)
+        try:
+            yield self._held_run
+        finally:
+            run_scope.leave(scopes)
+            budget.leave(token)
+
+    def _held_run(self, single_token_step: bool = False) -> list:
+        self._check()  # (a step's caller may close the session between steps)
+        return self._run(single_token_step)
+
+    def _check(self) -> None:
+        if self._closed():
+            raise InvalidArgumentError("this session was closed; create a new InferenceSession")
+
+
 def prepared_host_run(session: SessionSide, bindings, output_names) -> Callable[[bool], list] | None:
     """:func:`run_with_device_bindings` for a loop that binds the same host buffers at every call (a decode loop's):
     the bindings are laid out and checked once, here; the callable takes ``single_token_step`` and runs as that
@@ -230,7 +273,7 @@ def _run_on_host(session: SessionSide, layout: _Layout, bindings: tuple, single_
     if not layout.complete:
         session.check_missing(feeds)
         layout.complete = True
-    saved = kv_append.enter(windows) if windows else None
+    saved = kv_append.enter(layout.keyed) if windows else None
     try:
         values = session.executor_for(feeds).run(feeds, layout.names, session.profile)
     finally:
@@ -328,7 +371,7 @@ class _Layout:
     (and raises what those checks raise)."""
 
     __slots__ = ("bindings", "input_names", "inputs", "outputs", "host_names", "names", "delivered", "complete",
-                 "host", "aliased", "physical", "windows", "window_at", "appended")
+                 "host", "aliased", "physical", "windows", "window_at", "appended", "keyed")
 
     LIMIT = 256  # shapes remembered per binding (a window without bound: start over past it)
 
@@ -368,6 +411,7 @@ class _Layout:
                         self.window_at[index] = self.windows[-1]
         # Per output (in ``outputs``' order): the window its binding is appended through in place, else None.
         self.appended = tuple(self.window_at.get(index) for _name, index, _proven, _dtype in self.outputs)
+        self.keyed = kv_append.by_output(self.windows)  # as each run names them to its Concats
 
     def holds(self, bindings: tuple[DeviceIoBinding, ...]) -> bool:
         if len(bindings) != len(self.bindings):

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import operator
 import sys
 import warnings
 import weakref
@@ -67,9 +66,6 @@ from ..tensor import DEFAULT_ALIGNMENT, Tensor
 _QUARANTINE: list[tuple[ProviderHandle, DeviceBuffer]] = []  # allocations a failed release kept alive
 # Bindings a session made -> that session, so that closing it releases them (see release_session_bindings).
 _LIVE: weakref.WeakKeyDictionary[DeviceIoBinding, weakref.ref] = weakref.WeakKeyDictionary()
-
-
-_INT = {int}  # the element type of a logical shape set in the common case
 
 
 def track(binding: DeviceIoBinding, session: object) -> DeviceIoBinding:
@@ -403,9 +399,8 @@ class DeviceIoBinding:
         if shape == self._logical:  # a decode loop sets the same shape most steps
             return
         physical = self._physical
-        if len(shape) == len(physical) and set(map(type, shape)) <= _INT and min(shape, default=0) >= 0 \
-                and all(map(operator.le, shape, physical)):
-            self._logical = shape  # the common case, checked in C calls without building the messages' label
+        if len(shape) == len(physical) and all([type(n) is int and 0 <= n <= most for n, most in zip(shape, physical)]):
+            self._logical = shape  # the common case, checked without building the messages' label
             return
         shape = _shape(shape, f"logical shape of {self.label}")
         _check_logical(self.label, physical, shape)

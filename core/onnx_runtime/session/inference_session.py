@@ -562,9 +562,10 @@ class InferenceSession:
     def prepare_device_binding_run(self, bindings, output_names=None):
         """For a loop that runs with the same host ``bindings`` every call (a decode loop on the CPU provider): a
         callable ``run(single_token_step=False)`` doing what ``run_with_device_bindings(bindings, output_names=...,
-        single_token_step=...)`` does, with the bindings laid out and checked once, now. None where a binding or a
-        provider is not in host memory (run each step with ``run_with_device_bindings``)."""
-        from .device_binding_run import SessionSide, prepared_host_run
+        single_token_step=...)`` does, with the bindings laid out and checked once, now; its ``held()`` enters the
+        session's per-run scopes once for a loop of such runs. None where a binding or a provider is not in host
+        memory (run each step with ``run_with_device_bindings``)."""
+        from .device_binding_run import PreparedRun, SessionSide, prepared_host_run
 
         self._check_runnable(None)
         side = SessionSide(tuple(self._handles), self._output_names, self._checked_input, self._check_output_name,
@@ -572,20 +573,7 @@ class InferenceSession:
         prepared = prepared_host_run(side, bindings, output_names)
         if prepared is None:
             return None
-        limit, run_scopes = self._max_value_bytes, self._run_scopes
-
-        def run(single_token_step: bool = False) -> list:
-            if self._closed:
-                raise InvalidArgumentError("this session was closed; create a new InferenceSession")
-            token = budget.enter(limit, None)
-            scopes = run_scope.enter(run_scopes)
-            try:
-                return prepared(single_token_step)
-            finally:
-                run_scope.leave(scopes)
-                budget.leave(token)
-
-        return run
+        return PreparedRun(prepared, lambda: self._closed, self._max_value_bytes, self._run_scopes)
 
     def _device_handle(self, device_type: str, device_id: int) -> ProviderHandle:
         """This session's provider on ``device_type:device_id``, else the process-wide handle of that device."""
