@@ -296,11 +296,17 @@ def _host() -> str:
 @functools.cache
 def package_fingerprint(module_name: str) -> str:
     """Size and modification time of every Python module of ``module_name``'s top-level package: an edited
-    install (or an editable one under development) never reads plans its old code wrote."""
+    install (or an editable one under development) never reads plans its old code wrote. A package that a
+    wheel installed (beside its .dist-info) is keyed by the distribution's RECORD instead, which holds the
+    SHA-256 of every file it installed and which each install, upgrade or reinstall rewrites: one read instead of
+    a stat per module (~1.5 ms of a new process's creation)."""
     module = sys.modules.get(module_name.split(".")[0])
     folder = os.path.dirname(getattr(module, "__file__", None) or "")
     if not folder:
         return module_name
+    record = installed_record(folder)
+    if record is not None:
+        return record
     rows, pending, skip = [], [folder], len(folder) + 1
     while pending:  # a flat loop over scandir: os.walk's generator and path joins cost about what the stats do
         with os.scandir(pending.pop()) as listing:
@@ -311,6 +317,32 @@ def package_fingerprint(module_name: str) -> str:
                 elif entry.name != "__pycache__" and entry.is_dir():
                     pending.append(entry.path)
     return hashlib.sha256("\n".join([folder, *sorted(rows)]).encode()).hexdigest()
+
+
+def installed_record(folder: str) -> str | None:
+    """A fingerprint of the RECORD of the distribution whose wheel installed the package ``folder`` (a
+    ``<name>-<version>.dist-info`` beside it, named after the package, whose RECORD lists the package's
+    ``__init__.py``), or None: an editable install or a source tree (their RECORD, if any, lists no module of
+    the folder), where every module is stat'ed instead."""
+    parent, package = os.path.split(folder)
+    try:
+        with os.scandir(parent) as listing:
+            found = [entry.path for entry in listing if entry.name.endswith(".dist-info")
+                     and entry.name.split("-", 1)[0].lower() == package.lower()]
+    except OSError:
+        return None
+    for info in found:
+        record = os.path.join(info, "RECORD")
+        try:
+            with open(record, "rb") as handle:
+                data = handle.read()
+            stat = os.stat(record)
+        except OSError:
+            continue
+        if data.startswith(f"{package}/__init__.py,".encode()) or f"\n{package}/__init__.py,".encode() in data:
+            return hashlib.sha256(b"\0".join([folder.encode(), record.encode(), data, str(stat.st_size).encode(),
+                                                str(stat.st_mtime_ns).encode()])).hexdigest()
+    return None
 
 
 def signature_part(dims: tuple) -> str:
