@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from ..blas import gemm_accumulate
+from ..compiled import reference_run
 from ..compiled import takes as takes_compiled
 from ..tuning import KNOBS
 from .window import Geometry, strided_view
@@ -37,7 +38,9 @@ def conv_im2col(x, weights, geo: Geometry, group: int, with_bias: bool, finish=N
     """
     n, c = x.shape[:2]
     cg, mg, depth = c // group, weights.shape[1], weights.shape[2]
-    if len(geo.kernel) == 2 and takes_compiled(x):
+    # A segment's reference run serves the compiled loop by its numpy equivalent, one image and block at a
+    # time (a tap's copy each); the window view copies every image's taps of a block at once.
+    if len(geo.kernel) == 2 and takes_compiled(x) and not reference_run.active():
         fill = _compiled_im2col(x.reshape(n, group, cg, *x.shape[2:]), geo)
     else:
         windows = geo.windows(geo.pad(x, 0).reshape(n, group, cg, *geo.padded_shape(x.shape)[2:]))
