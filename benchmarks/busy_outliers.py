@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from zoo_bench import DEFAULT_ZOO, THREADS, Competitors, load_model, session  # noqa: E402
+from zoo_bench import DEFAULT_ZOO, THREADS, Competitors, load_model, session, settle  # noqa: E402
 
 
 class Collector:
@@ -135,7 +135,28 @@ def summarize(rows: list[dict], quiet_median: float) -> dict:
                         for r in slow]}
 
 
-def probe(zoo: Path, name: str, labels: list[str], busy: int, count: int, block: int) -> dict:
+def in_rounds(sessions: dict, feed: dict, count: int, block: int, queue: RunQueueWait, collector: Collector,
+              pause) -> tuple[dict, dict]:
+    """Blocks of ``block`` timed calls, the sessions taking turns (order rotating), ``pause()`` and one untimed
+    call before each; returns each session's rows and the CPU time each other thread used inside its blocks."""
+    rows: dict = {key: [] for key in sessions}
+    threads_cpu: dict = {}
+    for round_ in range(count // block):
+        keys = list(sessions)
+        for key in keys[round_ % 2:] + keys[:round_ % 2]:
+            sess = sessions[key]
+            pause()
+            sess.run(None, feed)
+            before = queue.per_thread_cpu()
+            rows[key] += timed(lambda s=sess: s.run(None, feed), block, queue, collector)
+            after = queue.per_thread_cpu()
+            spent = threads_cpu.setdefault(key, {})
+            for thread in after:
+                spent[thread] = spent.get(thread, 0) + after[thread] - before.get(thread, 0)
+    return rows, threads_cpu
+
+
+def probe(zoo: Path, name: str, labels: list[str], busy: int, count: int, block: int, settled: bool) -> dict:
     from zoo_feeds import make_feeds
 
     os.environ["ONNX_RUNTIME_COMPILE_IN_BACKGROUND"] = "0"
@@ -155,20 +176,8 @@ def probe(zoo: Path, name: str, labels: list[str], busy: int, count: int, block:
         if competitors:
             competitors.__enter__()
         try:
-            rows: dict = {key: [] for key in sessions}
-            threads_cpu: dict = {}
-            for round_ in range(count // block):
-                keys = list(sessions)
-                for key in keys[round_ % 2:] + keys[:round_ % 2]:
-                    sess = sessions[key]
-                    time.sleep(0.02)
-                    sess.run(None, feed)
-                    before = queue.per_thread_cpu()
-                    rows[key] += timed(lambda s=sess: s.run(None, feed), block, queue, collector)
-                    after = queue.per_thread_cpu()
-                    spent = threads_cpu.setdefault(key, {})
-                    for name in after:
-                        spent[name] = spent.get(name, 0) + after[name] - before.get(name, 0)
+            rows, threads_cpu = in_rounds(sessions, feed, count, block, queue, collector,
+                                          (lambda: settle(0.02)) if settled else (lambda: time.sleep(0.02)))
         finally:
             if competitors:
                 competitors.__exit__()
@@ -192,11 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=400, help="timed calls per session and condition")
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--no-settle", action="store_true",
+                        help="only the 20 ms pause before a block, not zoo_bench's wait for the other pools")
     args = parser.parse_args(argv)
     labels = [label for label in THREADS if label in args.threads.split(",")]
     results = []
     for name in args.models.split(","):
-        result = probe(args.zoo.resolve(), name, labels, args.busy, args.count, args.block)
+        result = probe(args.zoo.resolve(), name, labels, args.busy, args.count, args.block,
+                       not args.no_settle)
         results.append(result)
         for key, s in result.items():
             if isinstance(s, dict):
