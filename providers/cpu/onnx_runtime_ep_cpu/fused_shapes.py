@@ -35,6 +35,7 @@ RULES: dict[str, tuple[str, tuple[int, ...]]] = {
     "QuantizedMatMul": (MATMUL, (0, 3)), "QLinearMatMulAdd": (MATMUL, (0, 3)),
     # output shapes from the inputs' shapes and attributes by the op's own rule
     "FusedMatMul": (SHAPES, ()), "DynamicQuantizeMatMulGroup": (SHAPES, ()), "QuantizedConv": (SHAPES, ()),
+    "GroupedQuantizedMatMul": (SHAPES, ()),
     "DynamicQuantizeConv": (SHAPES, ()),
     "FusedConv": (SHAPES, ()), "ConcatBuffer": (SHAPES, ()), "ReshapeTranspose": (SHAPES, ()),
     "TransposeReshape": (SHAPES, ()), "ContribPackedAttention": (SHAPES, ()), "ContribAttentionMask": (SHAPES, ()),

@@ -21,6 +21,7 @@ from .fusions import FUSED_DOMAIN, GraphView, owned
 from .qdq_concat_inputs import fold_concat_input_roundings
 from .qdq_groups import group_quantized_products
 from .qdq_norms import fuse_rounded_rms_norm
+from .qdq_repeat_kv import fold_repeated_kv
 from .qdq_rotary import fuse_rounded_rotary
 from .registry import NEEDS, lookup
 
@@ -105,4 +106,4 @@ def fold_rounding_epilogues(graph: Graph, owns=None) -> bool:
 # (the norms and the Concat inputs read the Rounded nodes; the products are grouped last, after every pass that
 # reads a QuantizedMatMul)
 QDQ_EPILOGUE_PASSES = [fold_rounding_epilogues, fuse_rounded_rms_norm, fold_concat_input_roundings,
-                       fuse_rounded_rotary, group_quantized_products]
+                       fuse_rounded_rotary, fold_repeated_kv, group_quantized_products]

@@ -94,6 +94,7 @@ FAMILIES = {
     "qdq_gelu": "ai.onnx_runtime.cpu:RoundedGelu",
     "qdq_norm": "ai.onnx_runtime.cpu:RoundedRMSNorm",
     "qdq_rotary": "ai.onnx_runtime.cpu:RoundedRotary",
+    "qdq_grouped": "ai.onnx_runtime.cpu:GroupedQuantizedMatMul",
     "qdq_linear": (
         "QLinearMatMul ai.onnx_runtime.cpu:QLinearMatMulAdd ai.onnx_runtime.cpu:QuantizedConv "
         "ai.onnx_runtime.cpu:QuantizedMatMul"
