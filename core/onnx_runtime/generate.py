@@ -50,6 +50,7 @@ from .session.options import SessionOptions
 # Bytes of one host KV cache at capacity from which it is appended in place (see _Bindings._bind_cache): every
 # size, since the decode attention reads the cache where it lies (tests raise it to compare with the copying loop).
 IN_PLACE_BYTES = 0
+_FLOAT32 = np.dtype(np.float32)
 
 
 @dataclass
@@ -321,7 +322,7 @@ class _Bindings:
         _logits, ids, positions, mask, tokens = self.host  # type: ignore[misc]
         assert ids is not None and mask is not None and tokens is not None
         # numpy's argmax takes the first maximum and ranks NaN above every number, as device_argmax does.
-        token = int((row if row.dtype == np.float32 else row.astype(np.float32)).argmax())
+        token = int((row if row.dtype is _FLOAT32 else row.astype(np.float32)).argmax())
         ids[0] = token
         if positions is not None:
             positions[0] = position

@@ -116,3 +116,40 @@ def test_a_logical_shape_of_ints_within_the_capacity_is_taken_as_a_tuple():
         past.set_logical_shape(shape)
         assert past.logical_shape == tuple(int(n) for n in shape)
         assert all(type(n) is int for n in past.logical_shape)
+
+
+def test_appended_windows_adopt_their_shape_without_the_logical_shape_check(monkeypatch):
+    """Each step's grown cache windows are taken as they are (within the capacity by construction); only the mask's
+    next shape goes through set_logical_shape, and the caches' logical shapes are the valid rows after the loop."""
+    from onnx_runtime.session.device_io_binding import DeviceIoBinding
+
+    path = _model("gpt2.dynamo.fp32")
+    generator = generate.Generator(path, providers=[CPU])
+    generator.generate(PROMPT, 4)
+    checked: list = []
+    set_logical_shape = DeviceIoBinding.set_logical_shape
+
+    def counting(self, shape):
+        checked.append(self.label)
+        return set_logical_shape(self, shape)
+
+    monkeypatch.setattr(DeviceIoBinding, "set_logical_shape", counting)
+    assert generator.generate(PROMPT, 6).tokens == onnxruntime_greedy(path, PROMPT, 6)
+    assert not [label for label in checked if "past" in label], checked
+    state = generator._kept  # noqa: SLF001 (the generation's kept state)
+    assert {cache.logical_shape[2] for cache in state.caches} == {len(PROMPT) + 5}
+
+
+def test_a_prepared_run_refuses_a_released_binding():
+    session = InferenceSession(_window_model(), providers=[CPU])
+    past = session.device_io_binding(DeviceBindingSpec.input(
+        "past", np.float32, (1, 2, 8, 4), (1, 2, 0, 4), output_name="present", expose_logical_input_shape=True,
+        fixed_physical_strides=True))
+    new = session.device_io_binding(DeviceBindingSpec.input("new", np.float32, (1, 2, 1, 4)))
+    run = session.prepare_device_binding_run([past, new], output_names=["other"])
+    run(False)
+    new.close()
+    with pytest.raises(InvalidArgumentError, match="released"):
+        run(False)
+    with pytest.raises(InvalidArgumentError, match="released"), run.held() as step:
+        step(False)

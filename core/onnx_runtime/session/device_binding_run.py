@@ -218,7 +218,8 @@ def prepared_host_run(session: SessionSide, bindings, output_names) -> Callable[
         return None
 
     def run(single_token_step: bool = False) -> list:
-        if not layout.holds(bindings):
+        # (the layout was made for these very bindings, which this closure keeps alive: only a release can undo it)
+        if any([binding.closed for binding in bindings]):
             raise InvalidArgumentError("a device binding of this prepared run was released; prepare the run again")
         return _run_on_host(session, layout, bindings, single_token_step)
 
@@ -332,6 +333,7 @@ def _host_outputs(layout: _Layout, bindings: tuple, values: list) -> None:
         shape = value.shape
         if window is not None and value is window.result:
             view = value
+            binding.set_appended_shape(shape)
         else:
             whole = physical.get(index)
             if whole is None:
@@ -339,7 +341,7 @@ def _host_outputs(layout: _Layout, bindings: tuple, values: list) -> None:
             else:
                 view = whole[tuple(map(slice, shape))]
             view[...] = value  # numpy copes with an aliased output
-        binding.set_logical_shape(shape)
+            binding.set_logical_shape(shape)
         alias = aliased.get(index)
         if alias is not None and alias.admits(shape):  # the next run feeds this view (a KV cache's next step)
             alias.last = (shape, view)

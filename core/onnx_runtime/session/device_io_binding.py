@@ -406,6 +406,10 @@ class DeviceIoBinding:
         _check_logical(self.label, physical, shape)
         self._logical = shape
 
+    def set_appended_shape(self, shape: tuple[int, ...]) -> None:
+        """set_logical_shape for a window a run appended in place (kv_append.py): within capacity by construction."""
+        self._logical = shape
+
     def set_physical_and_logical_shapes(self, physical_shape, logical_shape) -> None:
         physical = _shape(physical_shape, f"physical shape of {self.label}")
         logical = _shape(logical_shape, f"logical shape of {self.label}")
