@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 
 from .. import provisional
-from .child_process import encode, pickled, run_child
 from .reference_run import local as _reference
 
 ENV = "ONNX_RUNTIME_COMPILE_IN_BACKGROUND"
@@ -52,7 +51,7 @@ _MAX_SIGNATURES = 16  # per loop: argument types recorded for the loader to link
 _lock = threading.Lock()  # the list of loops and their recorded signatures: held for microseconds
 _build_lock = threading.RLock()  # building a dispatcher (the first imports numba): held for long
 _loops: list[Loop] = []
-_generic: dict | None = None  # generic.py's table, imported on the first deferred call
+_generic = None  # generic.py's lookup of a loop's numpy twin, imported on the first deferred call
 _needs: set[tuple] = set()  # job kinds named by numpy_first's callers ("jobs.POOL", or with a part's types)
 _kinds_linked: set = set()  # of those, the ones the loader has dealt with
 _missed: set[tuple] = set()  # (loop, numba signature) or (None, runner entry) a run's thread met uncached
@@ -266,10 +265,10 @@ class Loop(functools.partial):
         if self._generic is False:
             global _generic
             if _generic is None:
-                from .generic import GENERIC
+                from .generic import twin
 
-                _generic = GENERIC
-            self._generic = _generic.get(self.key)
+                _generic = twin
+            self._generic = _generic(self.key)
         return self._generic
 
     def dispatcher(self):
@@ -682,6 +681,8 @@ def _compile_in_child(misses: list, kinds: list, signatures: tuple | list = (), 
     interpreter (compile_child.py), and what the runs missed: ``signatures`` ((loop, numba signature)) and
     ``runners`` (job runners' entry functions); False where it failed or the process is exiting (the child
     killed)."""
+    from .child_process import encode, pickled, run_child  # (only the loader's misses start a child)
+
     request = {"loops": [[loop.__module__, loop.__qualname__, [encode(d) for d in described]]
                          for loop, described in misses],
                "kinds": [[f"{_PACKAGE}.{name.rpartition('.')[0]}", name.rpartition(".")[2]] for name in kinds],

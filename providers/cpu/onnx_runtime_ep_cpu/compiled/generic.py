@@ -12,7 +12,6 @@ import numpy as np
 
 from .epilogue import CLIP, LEAKY_RELU, RELU
 from .generic_conv import GENERIC_CONV, activate_in_place
-from .generic_int8 import GENERIC_INT8
 
 
 def _rows_like(values: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -249,7 +248,7 @@ def pool_2d(x, y, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w
 
 _COMPILED = "onnx_runtime_ep_cpu.compiled."
 _TRANSFORMER, _DECODER = _COMPILED + "transformer.", _COMPILED + "decoder."
-GENERIC = {
+_FLOAT = {
     _TRANSFORMER + "add_bias_residual_": add_bias_residual_,
     _TRANSFORMER + "gelu_float32_": gelu_float32_,
     _TRANSFORMER + "layer_norm_rows": layer_norm_rows,
@@ -272,5 +271,24 @@ GENERIC = {
     _COMPILED + "pooling.plane_means": plane_means,
     _COMPILED + "pooling.pool_2d": pool_2d,
     **GENERIC_CONV,
-    **GENERIC_INT8,
 }
+
+
+def twin(key: str):
+    """The numpy equivalent of the loop ``key`` (its module and name), or None. The integer loops' twins
+    (generic_int8.py) are imported at the first key the float ones do not hold: a float model's first runs never
+    import them."""
+    found = _FLOAT.get(key)
+    if found is None:
+        from .generic_int8 import GENERIC_INT8
+
+        found = GENERIC_INT8.get(key)
+    return found
+
+
+def __getattr__(name: str):
+    if name == "GENERIC":  # every twin by key (tests and tools), the integer ones imported with it
+        from .generic_int8 import GENERIC_INT8
+
+        return {**_FLOAT, **GENERIC_INT8}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
