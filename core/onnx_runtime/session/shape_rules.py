@@ -11,6 +11,8 @@ Kinds:
 - ``FIRST``: output 0 has input ``operands[0]``'s shape (elementwise maps, normalizations, rounding).
 - ``BROADCAST``: output 0 is the broadcast of the ``operands`` inputs' shapes.
 - ``MATMUL``: output 0 is MatMul's shape over inputs ``operands`` (refused where ``transA``/``transB`` is set).
+- ``CONCAT``: output 0 is Concat's shape (attribute ``axis``) over every input but the last ``operands[0]`` (a
+  rounded Concat: its parts, then its grid's scale and zero point).
 - ``SHAPES``: the outputs' shapes follow from the inputs' shapes and attributes by a rule not given here:
   a Shape of them is shape-only, but shape programs do not propagate through them.
 - ``VALUES``: the outputs' shapes depend on input values (declared so that a walk over a provider's
@@ -21,7 +23,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 SAME, FIRST, BROADCAST, MATMUL, SHAPES, VALUES = "same", "first", "broadcast", "matmul", "shapes", "values"
-KINDS = (SAME, FIRST, BROADCAST, MATMUL, SHAPES, VALUES)
+CONCAT = "concat"
+KINDS = (SAME, FIRST, BROADCAST, MATMUL, CONCAT, SHAPES, VALUES)
 
 
 class ShapeRule(NamedTuple):
@@ -37,7 +40,7 @@ def declare(domain: str, op_type: str, kind: str, operands: tuple[int, ...] = ()
     error (two providers may not disagree on one operator)."""
     if kind not in KINDS:
         raise ValueError(f"shape rule of {domain}:{op_type}: kind {kind!r}; expected one of {KINDS}")
-    wanted = {FIRST: 1, MATMUL: 2}.get(kind)
+    wanted = {FIRST: 1, MATMUL: 2, CONCAT: 1}.get(kind)
     operands = tuple(operands) or ((0,) if kind == FIRST else (0, 1) if kind == MATMUL else ())
     if wanted is not None and len(operands) != wanted or kind == BROADCAST and len(operands) < 2:
         raise ValueError(f"shape rule of {domain}:{op_type}: {kind} takes {wanted or 'two or more'} operand "

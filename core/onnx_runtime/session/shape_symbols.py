@@ -250,6 +250,9 @@ def _propagated(node: Node, shapes: list, symbols: int) -> tuple | None:
 def _declared_shape(node: Node, shapes: list, symbols: int) -> tuple | None:
     """Output 0's shape by the rule a provider declared for its own operator (shape_rules)."""
     rule = shape_rules.rule_of(node.domain, node.op_type)
+    if rule is not None and rule.kind == shape_rules.CONCAT:
+        parts = shapes[:len(shapes) - rule.operands[0]]
+        return _concat_shape(node, parts, symbols) if parts and all(s is not None for s in parts) else None
     if rule is None or any(i >= len(shapes) or shapes[i] is None for i in rule.operands):
         return None
     operands = [shapes[i] for i in rule.operands]

@@ -7,7 +7,7 @@ runs per call. Operand indices name the inputs a rule reads (QuantizedMatMul: A 
 point, then B codes)."""
 from __future__ import annotations
 
-from onnx_runtime.session.shape_rules import BROADCAST, FIRST, MATMUL, SAME, SHAPES, declare
+from onnx_runtime.session.shape_rules import BROADCAST, CONCAT, FIRST, MATMUL, SAME, SHAPES, declare
 
 from .fusions import FUSED_DOMAIN
 
@@ -46,7 +46,8 @@ RULES: dict[str, tuple[str, tuple[int, ...]]] = {
 # producers with their rounding as an epilogue (qdq_epilogues.py): the producer's own rule
 RULES.update({op + SUFFIX: (BROADCAST, (0, 1)) for op in BROADCASTING})
 RULES.update({op + SUFFIX: (FIRST, (0,)) for op in ELEMENTWISE})
-RULES.update({op + SUFFIX: (SHAPES, ()) for op in SHAPED})
+RULES.update({op + SUFFIX: (SHAPES, ()) for op in SHAPED if op != "Concat"})
+RULES["Concat" + SUFFIX] = (CONCAT, (2,))  # (its parts, then the rounding's scale and zero point)
 
 for _op, (_kind, _operands) in RULES.items():
     declare(FUSED_DOMAIN, _op, _kind, _operands)

@@ -7,7 +7,8 @@ quantize_static rounds the past input, then the present Concat's output, calibra
 Exact: the Concat rounds every value it copies to that grid, and rounding a value already on the grid gives it back
 (checked per grid at fold time for every code: (c - z) * s rounds to c), saturated and NaN values included (they
 round to a code's value once, which the second rounding keeps). Applied where both grids are constant scalars of the
-same values and types, p is float32, and the rounded value has no other reader (no graph output, no subgraph).
+same values and types, p is float32, and the rounded value has no other reader (no graph output, no subgraph) but
+Shape or Size nodes (a symbolic plan's), which then read p (of the same shape).
 Runs after qdq_epilogues.fold_rounding_epilogues, which makes the ConcatRounded nodes. Saves a decode call one step
 per past tensor.
 """
@@ -46,12 +47,18 @@ def _same_grid(view: GraphView, rounding: Node, concat: Node) -> bool:
                for a, b in zip(mine, theirs)) and _idempotent(*mine)
 
 
+def _sizes(node: Node, name: str) -> bool:
+    """Whether ``node`` reads only the shape of ``name`` (a symbolic plan's Shape of the past): the rounding's input
+    has that shape too."""
+    return node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx") and list(node.inputs) == [name]
+
+
 def _foldable(graph: Graph, view: GraphView, rounding: Node) -> Node | None:
     """The ConcatRounded that reads ``rounding``'s output alone and rounds to its grid, else None."""
     if rounding.op_type != "QuantizeDequantize" or rounding.domain != FUSED_DOMAIN or len(rounding.outputs) != 1:
         return None
     name = rounding.outputs[0]
-    readers = view.consumers.get(name, [])
+    readers = [r for r in view.consumers.get(name, []) if not _sizes(r, name)]
     if len(readers) != 1 or name in view.outputs or name in view.inner_reads:
         return None
     concat = readers[0]
@@ -73,7 +80,8 @@ def fold_concat_input_roundings(graph: Graph, owns=None) -> bool:
         concat = _foldable(graph, view, node)
         if concat is None or not owned(owns, [node, concat]):
             continue
-        concat.inputs = [node.inputs[0] if name == node.outputs[0] else name for name in concat.inputs]
+        for reader in [concat, *view.consumers.get(node.outputs[0], [])]:  # (Shape/Size readers read its input)
+            reader.inputs = [node.inputs[0] if name == node.outputs[0] else name for name in reader.inputs]
         graph.value_info.pop(node.outputs[0], None)
         gone.add(id(node))
     if not gone:

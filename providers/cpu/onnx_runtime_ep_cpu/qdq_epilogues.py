@@ -27,7 +27,8 @@ from .registry import NEEDS, lookup
 
 _F32 = np.dtype(np.float32)
 # The producers whose rounding folds (SUFFIX, BROADCASTING, ELEMENTWISE and SHAPED: fused_shapes.py, where their
-# shape rules are); SHAPED ones only where the output's shape is static (an exact plan's).
+# shape rules are); SHAPED ones other than Concat (whose rule a shape program passes) only where the output's
+# shape is static (an exact plan's).
 FOLDED = frozenset(BROADCASTING + ELEMENTWISE + SHAPED)
 
 
@@ -68,7 +69,7 @@ def _foldable(graph: Graph, view: GraphView, rounding: Node) -> Node | None:
     if producer is None or producer.domain not in ("", "ai.onnx") or producer.op_type not in FOLDED \
             or producer.outputs[0] != value or any(producer.outputs[1:]) or producer.subgraphs():
         return None
-    if producer.op_type in SHAPED and not _static(graph, value):
+    if producer.op_type in SHAPED and producer.op_type != "Concat" and not _static(graph, value):
         return None  # (a shape program cannot pass its rule: a symbolic plan would run the shape work per call)
     readers = view.consumers.get(value, [])
     if len(readers) != 1 or readers[0] is not rounding or value in view.outputs or value in view.inner_reads \
