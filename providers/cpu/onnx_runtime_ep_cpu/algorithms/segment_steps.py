@@ -21,7 +21,7 @@ import numpy as np
 from .activations import hard_swish_steps
 from .segment_arena import Lifetimes
 from .segment_blocks import squeeze_excitations
-from .segment_chain import chained
+from .segment_chain import chained, read_in_place
 from .segment_layout import block_direct_runs
 
 _VIEWS = frozenset({"Flatten", "Reshape", "Squeeze", "Unsqueeze", "Identity"})
@@ -36,7 +36,7 @@ class BoundPlan:
     the provisional.Ticket of a plan built while a loop it calls was served by a fallback."""
 
     __slots__ = ("lock", "nbytes", "arena", "ticket", "constant_slots", "_feeds", "_constant_slots", "_constants",
-                 "_steps", "_results", "_calls")
+                 "_steps", "_results", "_calls", "_copied", "_read_in_place")
 
     def __init__(self, feeds, constants: dict[int, np.ndarray], steps, results, nbytes: int = 0, calls=None):
         self.lock = threading.Lock()
@@ -54,6 +54,12 @@ class BoundPlan:
         # keep the arrays a chain's table addresses
         self._calls = self._steps if calls is None else tuple(
             [(_direct(function, arguments), arguments) for function, arguments in calls])
+        # feeds a chained first convolution reads from the caller's array (segment_chain.read_in_place)
+        self._read_in_place = tuple((slot, buffer, table, row, buffer.__array_interface__["data"][0])
+                                    for slot, buffer, table, row in read_in_place(self._feeds, self._steps,
+                                                                                  self._calls, self._results))
+        direct = {entry[0] for entry in self._read_in_place}
+        self._copied = tuple((slot, buffer) for slot, buffer in self._feeds if slot not in direct)
 
     @property
     def constants(self) -> tuple:
@@ -84,8 +90,15 @@ class BoundPlan:
 
     def run(self, inputs):
         copy = np.copyto
-        for slot, buffer in self._feeds:
+        for slot, buffer in self._copied:
             copy(buffer, inputs[slot])
+        for slot, buffer, table, row, own in self._read_in_place:  # (its shape and dtype: the plan's signature)
+            value = inputs[slot]
+            if value.flags.c_contiguous and value.flags.aligned:
+                table[row, 1] = value.__array_interface__["data"][0]
+            else:
+                table[row, 1] = own
+                copy(buffer, value)
         for function, arguments in self._calls:
             function(*arguments)
         return tuple([result.copy() for result in self._results])
