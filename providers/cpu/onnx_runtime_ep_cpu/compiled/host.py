@@ -21,6 +21,7 @@ import sys
 # another call on arm64 and on 32-bit x86), so only the platforms listed here start helper threads.
 FUTEX_SYSCALLS = {("Linux", "x86_64"): 202}
 FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129  # FUTEX_WAIT / FUTEX_WAKE | FUTEX_PRIVATE_FLAG (Linux)
+SCHED_YIELD_SYSCALLS = {("Linux", "x86_64"): 24}  # SYS_sched_yield, where helper threads run
 
 _X86_64 = frozenset({"x86_64", "amd64"})  # platform.machine()'s spellings (Linux and macOS, BSD and Windows)
 
@@ -72,6 +73,7 @@ SYSTEM, MACHINE = platform.system(), platform.machine()
 HELPERS_REFUSED = helper_threads_refusal(SYSTEM, MACHINE, sys.byteorder, 64 if sys.maxsize > 2**32 else 32)
 HELPER_THREADS = not HELPERS_REFUSED
 SYS_FUTEX = FUTEX_SYSCALLS.get((SYSTEM, MACHINE), -1)  # -1: no helper threads, never called
+SYS_SCHED_YIELD = SCHED_YIELD_SYSCALLS.get((SYSTEM, MACHINE), -1)
 _FEATURES = _host_features()
 AVX512 = avx512(MACHINE, _FEATURES)
 # qgemm_tiles.py's int16 pair products: vpmaddwd on 512 bits (AVX-512BW), vpdpwssd with AVX-512 VNNI

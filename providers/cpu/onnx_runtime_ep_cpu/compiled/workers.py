@@ -28,7 +28,8 @@ Measured on a 2-CPU virtual machine, and built around it:
   idle virtual CPU), so a caller that finds its helper asleep does the whole job itself and only
   wakes the helper for later jobs. The helper never takes the GIL after it starts: one that slept on
   a Python Event made the caller stall in GIL handoffs, whole switch intervals, on waking it (c8dc8a0).
-- A helper the scheduler put on the caller's CPU is moved off it (``Helpers._spread``).
+- A helper the scheduler put on the caller's CPU is moved off it (``Helpers._spread``); until then a caller
+  waiting for that helper's part gives the CPU up instead of spinning (``_wait``).
 - A part its helper has not started by the time the caller has run its own is taken back (claimed
   by compare-and-swap, ``collect``) and run by the caller: such a helper is descheduled, e.g. behind
   another pool spinning on its CPU, and waiting for it cost whole time slices (7c8544f; on an idle
@@ -221,6 +222,7 @@ def _publish(m):
 # thread, made to hand the GIL over, stalled for whole switch intervals after each idle spell (c8dc8a0).
 # Linux x86-64 only (host.py); the futex wait has no timeout.
 _SYS_FUTEX, _FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = host.SYS_FUTEX, host.FUTEX_WAIT_PRIVATE, host.FUTEX_WAKE_PRIVATE
+_SYS_SCHED_YIELD = host.SYS_SCHED_YIELD
 
 
 @jit
@@ -282,8 +284,14 @@ def _relax():
 
 @jit
 def _wait(mailbox, sequence):
+    """Until the helper has done job ``sequence``: spinning, or, while the helper runs on the caller's CPU,
+    giving that CPU up (sched_yield): the helper can only go on when the caller leaves it, and a caller spinning
+    there held it off until the scheduler preempted the caller (30 ms of spinning seen on a loaded host)."""
     while _atomic_load(mailbox, DONE) != sequence:
-        _relax()
+        if mailbox[CPU] == _sched_getcpu():
+            _syscall(_SYS_SCHED_YIELD, 0, 0, 0, 0)
+        else:
+            _relax()
 
 
 @jit
