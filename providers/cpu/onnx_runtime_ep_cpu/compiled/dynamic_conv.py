@@ -12,7 +12,14 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
-from .qgemm import qgemm, requantized_product, scaled_product
+from .qgemm import (
+    _finish,
+    _rows_of,
+    qgemm,
+    requantized_product,
+    scaled_product,
+)
+from .qgemm_tiles import strided_product
 from .quantize import dynamic_parameters
 
 
@@ -139,3 +146,38 @@ def quantized_conv(x, pad, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh,
     y = np.empty((rows.shape[0], out.shape[1]), out.dtype)
     requantized_product(rows, packed, pairs, multiplier, offset, consts, y)
     _images_by_channel(y, out)
+
+
+@jit
+def _channel_last_centred(x, consts, left, right):
+    """x (N, C, 1, W) as centred int16 codes laid out (N, left + W + right, C): code(x[b, c, 0, w]) - zero at
+    [b, left + w, c] (x's 8-bit codes, or float32 data quantized as QuantizeLinear does: qgemm's ``consts``),
+    0 in the pads (the zero point's code, centred). Centred along x's rows first (vector code), then turned."""
+    batch, channels, width = x.shape[0], x.shape[1], x.shape[3]
+    centred = np.empty((batch * channels, width), np.int16)
+    _rows_of(x.reshape(batch * channels, width), consts, centred)
+    out = np.zeros((batch, left + width + right, channels), np.int16)
+    for b in range(batch):
+        for w in range(width):
+            line = out[b, left + w]
+            for c in range(channels):
+                line[c] = centred[b * channels + c, w]
+    return out
+
+
+@jit
+def quantized_conv_lines(x, kw, sw, left, right, ow, pairs, multiplier, offset, consts, out):
+    """quantized_conv for a 1-D convolution without dilation (``x`` (N, C, 1, W), C even; qgemm_tiles' register
+    tiles): x's centred codes laid out channel-last, where each output's window is kw * C consecutive values,
+    so the product reads the windows in place, ``sw * C`` apart (qgemm_tiles.strided_product), instead of
+    gathering patch rows. ``pairs``: the weight packed in (tap, channel) order, k = j * C + c. The same int32
+    sums and requantization as quantized_conv."""
+    channels = x.shape[1]
+    codes = _channel_last_centred(x, consts, left, right)
+    flat, wide = codes.reshape(-1), codes.shape[1] * channels
+    acc = np.empty((ow, out.shape[1]), np.int32)
+    y = np.empty((ow, out.shape[1]), out.dtype)
+    for b in range(x.shape[0]):
+        strided_product(flat, b * wide, sw * channels, ow, pairs, acc)
+        _finish(acc, multiplier, offset, consts, y)
+        _images_by_channel(y, out[b:b + 1])

@@ -196,47 +196,42 @@ def portable_product(centred, pairs, out):
 
 if AVAILABLE:
     @_with_kernels
-    def _row_tiles(a, a_row, pairs, wide, c, c_at, ldc, single):
-        """MR rows (one with ``single``) of int16 ``a`` (rows of 2 * K2 values) from row a_row by the first
-        ``wide`` columns of the pairs, into int32 ``c`` (flat, rows of ldc values) from c_at."""
+    def _row_tiles(flat_a, a_at, lda, pairs, wide, c, c_at, ldc, single):
+        """MR rows (one with ``single``) of int16 ``flat_a``, the first from a_at and each ``lda`` pairs after
+        the one before, by the first ``wide`` columns of the pairs, into int32 ``c`` (flat, rows of ldc values)
+        from c_at."""
         depth2, ldb = pairs.shape[0], 2 * pairs.shape[1]
-        flat_a, flat_b = a.reshape(-1), pairs.reshape(-1)
+        flat_b = pairs.reshape(-1)
         j0 = 0
         while j0 < wide:
             nc = min(NC_MAX, (wide - j0) // LANES)
-            a_at, b_at, at = a_row * 2 * depth2, 2 * j0, c_at + j0
+            b_at, at = 2 * j0, c_at + j0
             if single:
                 if nc == 4:
-                    _row_4(flat_a, a_at, flat_b, b_at, c, at, depth2, depth2, ldb, ldc)
+                    _row_4(flat_a, a_at, flat_b, b_at, c, at, depth2, lda, ldb, ldc)
                 elif nc == 3:
-                    _row_3(flat_a, a_at, flat_b, b_at, c, at, depth2, depth2, ldb, ldc)
+                    _row_3(flat_a, a_at, flat_b, b_at, c, at, depth2, lda, ldb, ldc)
                 elif nc == 2:
-                    _row_2(flat_a, a_at, flat_b, b_at, c, at, depth2, depth2, ldb, ldc)
+                    _row_2(flat_a, a_at, flat_b, b_at, c, at, depth2, lda, ldb, ldc)
                 else:
-                    _row_1(flat_a, a_at, flat_b, b_at, c, at, depth2, depth2, ldb, ldc)
+                    _row_1(flat_a, a_at, flat_b, b_at, c, at, depth2, lda, ldb, ldc)
             elif nc == 4:
-                _tile_4(flat_a, a_at, flat_b, b_at, c, at, depth2, depth2, ldb, ldc)
+                _tile_4(flat_a, a_at, flat_b, b_at, c, at, depth2, lda, ldb, ldc)
             elif nc == 3:
-                _tile_3(flat_a, a_at, flat_b, b_at, c, at, depth2, depth2, ldb, ldc)
+                _tile_3(flat_a, a_at, flat_b, b_at, c, at, depth2, lda, ldb, ldc)
             elif nc == 2:
-                _tile_2(flat_a, a_at, flat_b, b_at, c, at, depth2, depth2, ldb, ldc)
+                _tile_2(flat_a, a_at, flat_b, b_at, c, at, depth2, lda, ldb, ldc)
             else:
-                _tile_1(flat_a, a_at, flat_b, b_at, c, at, depth2, depth2, ldb, ldc)
+                _tile_1(flat_a, a_at, flat_b, b_at, c, at, depth2, lda, ldb, ldc)
             j0 += nc * LANES
 
     @jit
-    def _tiled(centred, pairs, out):
-        """out (M, N) int32, C-contiguous = centred (M, K) int16 times the pairs (K2, N rounded up to 16, 2):
-        tiles of MR rows (then of one row, for the last M % MR) by 16 * NC columns stored in place, the last
-        partial 16 columns through a scratch tile. A is read in place where its rows are whole pairs, else from
-        a zero-padded copy."""
-        rows, depth = centred.shape
-        depth2, columns = pairs.shape[0], out.shape[1]
-        if depth == 2 * depth2:
-            a = np.ascontiguousarray(centred)
-        else:
-            a = np.zeros((rows, 2 * depth2), np.int16)
-            a[:, :depth] = centred
+    def _rows_by_pairs(flat_a, start, lda, rows, pairs, out):
+        """out (rows, N) int32, C-contiguous: row r the product of the 2 * K2 int16 values of ``flat_a`` from
+        start + 2 * lda * r by the pairs (K2, N rounded up to 16, 2). Tiles of MR rows (then of one row, for
+        the last rows % MR) by 16 * NC columns stored in place, the last partial 16 columns through a scratch
+        tile."""
+        columns = out.shape[1]
         full = rows - rows % MR
         wide = columns - columns % LANES
         flat_out = out.reshape(-1)
@@ -245,14 +240,46 @@ if AVAILABLE:
         i0 = 0
         while i0 < rows:
             single = i0 >= full
+            a_at = start + 2 * lda * i0
             if wide:
-                _row_tiles(a, i0, pairs, wide, flat_out, i0 * columns, columns, single)
+                _row_tiles(flat_a, a_at, lda, pairs, wide, flat_out, i0 * columns, columns, single)
             if wide < columns:
-                _row_tiles(a, i0, tail, LANES, scratch, 0, LANES, single)
+                _row_tiles(flat_a, a_at, lda, tail, LANES, scratch, 0, LANES, single)
                 for i in range(1 if single else MR):
                     out[i0 + i, wide:] = scratch[i * LANES:i * LANES + columns - wide]
             i0 += 1 if single else MR
 
+    @jit
+    def _tiled(centred, pairs, out):
+        """out (M, N) int32, C-contiguous = centred (M, K) int16 times the pairs (K2, N rounded up to 16, 2). A
+        is read in place where its rows are whole pairs, else from a zero-padded copy."""
+        rows, depth = centred.shape
+        depth2 = pairs.shape[0]
+        if depth == 2 * depth2:
+            a = np.ascontiguousarray(centred)
+        else:
+            a = np.zeros((rows, 2 * depth2), np.int16)
+            a[:, :depth] = centred
+        _rows_by_pairs(a.reshape(-1), 0, depth2, rows, pairs, out)
+
+    @jit
+    def strided_product(flat, start, stride, rows, pairs, out):
+        """out (rows, N) int32, C-contiguous: row r the product of int16 flat[start + r * stride:][:2 * K2] by the
+        pairs, read in place: rows that overlap in one buffer (the windows of a 1-D convolution over channel-last
+        codes, compiled/dynamic_conv.quantized_conv_lines). ``stride`` even; every row within ``flat``."""
+        _rows_by_pairs(flat, start, stride // 2, rows, pairs, out)
+
     tile_product = _tiled
 else:
     tile_product = portable_product
+
+    @jit
+    def strided_product(flat, start, stride, rows, pairs, out):
+        """The register tiles' strided_product where there are none: the same integers, a row at a time."""
+        for m in range(rows):
+            line, at = out[m], start + m * stride
+            line[:] = 0
+            for k2 in range(pairs.shape[0]):
+                a0, a1 = np.int32(flat[at + 2 * k2]), np.int32(flat[at + 2 * k2 + 1])
+                for n in range(out.shape[1]):
+                    line[n] += a0 * np.int32(pairs[k2, n, 0]) + a1 * np.int32(pairs[k2, n, 1])

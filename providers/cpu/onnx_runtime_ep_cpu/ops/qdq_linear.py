@@ -19,6 +19,7 @@ the real value lies within float32 rounding of a half-integer: the bound onnxrun
 from __future__ import annotations
 
 from operator import is_
+from types import SimpleNamespace
 
 import numpy as np
 from onnx_runtime.errors import OnnxRuntimeError
@@ -28,6 +29,7 @@ from ..algorithms.patch_geometry import patch_geometry
 from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import integer_range
 from ..algorithms.repeat_call import RepeatCall
+from ..compiled.deferred import numpy_first, tried
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
@@ -411,13 +413,16 @@ def quantized_conv(node, shapes, opset):
 def _conv_rows(node, quantize_a: bool, dequantize: bool):
     """quantized_conv's compiled call: a function of (x, w, w_zero, the group's Requantization) giving the
     output, or None where the call does not take them (another group count or auto_pad, a geometry
-    patch_geometry declines). While numba loads in the background its numpy twin (generic_int8) serves."""
+    patch_geometry declines). While numba loads in the background its numpy twin (generic_int8) serves. A 1-D
+    convolution without dilation over an even channel count, where the register tiles run, reads its windows
+    in place from channel-last codes (dynamic_conv.quantized_conv_lines) instead of gathering patch rows."""
     auto_pad = node.attr("auto_pad", "NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
     if int(node.attr("group", 1)) != 1 or auto_pad != "NOTSET":
         return lambda *inputs: None
     geometries: dict = {}  # per (X's shape, W's shape): patch_geometry's answer
-    side: list = [None, None, None]  # the weight, its zero point, then (packed, pairs)
+    side: list = [None, None, {}]  # the weight, its zero point, then its (packed, pairs) per layout
+    ran = SimpleNamespace(compiled=False)  # (the lines' call in a Trial until one ran whole: deferred.tried)
 
     def call(x, w, w_zero, p):
         from ..compiled import dynamic_conv, qgemm  # (found in sys.modules after the first call)
@@ -430,18 +435,15 @@ def _conv_rows(node, quantize_a: bool, dequantize: bool):
                 return None
             if len(geometries) < 16:
                 geometries[key] = geometry
-        if side[0] is w and side[1] is w_zero:
-            packed, pairs = side[2]
-        else:
-            packed = np.empty((w.shape[0], w[0].size), np.int16)
-            qgemm.pack_columns(w.reshape(w.shape[0], -1).T, p.b_zeros, packed)
-            packed = qgemm.compact(packed)
-            pairs = qgemm.pairs_for(packed)
-            if not w.flags.writeable and not w_zero.flags.writeable:
-                side[:] = [w, w_zero, (packed, pairs)]
         if p.consts is None:
             p.consts = p.compiled_consts(quantize_a, False, dequantize)
         shape4, steps, out_shape, (oh, ow) = geometry
+        if _takes_lines(qgemm, shape4, steps) and not numpy_first():
+            arguments = (side, dynamic_conv, qgemm, x, w, w_zero, p, geometry, dequantize)
+            out = _conv_lines(*arguments) if ran.compiled else tried(ran, "compiled", _conv_lines, *arguments)
+            if out is not None:
+                return out
+        packed, pairs = _conv_weight(side, qgemm, w, w_zero, p, False)
         out = np.empty(out_shape, _F32 if dequantize else p.y_dtype)
         pad = np.float32(0) if quantize_a else x.dtype.type(p.a_zero)
         dynamic_conv.quantized_conv(np.ascontiguousarray(x).reshape(shape4), pad, *steps, oh, ow, packed, pairs,
@@ -449,6 +451,44 @@ def _conv_rows(node, quantize_a: bool, dequantize: bool):
         return out
 
     return call
+
+
+def _conv_lines(side: list, dynamic_conv, qgemm, x, w, w_zero, p, geometry: tuple, dequantize: bool):
+    """_conv_rows' call through dynamic_conv.quantized_conv_lines (the windows read in place)."""
+    shape4, steps, out_shape, (_, ow) = geometry
+    _, pairs = _conv_weight(side, qgemm, w, w_zero, p, True)
+    out = np.empty(out_shape, _F32 if dequantize else p.y_dtype)
+    dynamic_conv.quantized_conv_lines(np.ascontiguousarray(x).reshape(shape4), steps[1], steps[3], steps[8],
+                                      steps[9], ow, pairs, p.multiplier, p.offset, p.consts,
+                                      out.reshape(out_shape[0], out_shape[1], ow))
+    return out
+
+
+def _takes_lines(qgemm, shape4: tuple, steps: tuple) -> bool:
+    """Whether dynamic_conv.quantized_conv_lines takes this geometry: height 1 with a one-row kernel and no
+    vertical pads, no dilation, an even channel count (windows start on whole pairs), register tiles. (The loop
+    has no numpy twin: while numba loads, the patch rows' twin serves.)"""
+    kh, dw, top, bottom = steps[0], steps[5], steps[6], steps[7]
+    return shape4[2] == kh == 1 and dw == 1 and top == bottom == 0 and shape4[1] % 2 == 0 \
+        and qgemm.qgemm_tiles.AVAILABLE
+
+
+def _conv_weight(side: list, qgemm, w, w_zero, p, lines: bool):
+    """The packed weight and its pairs: columns (channel, tap) for patch rows, (tap, channel) for lines."""
+    if side[0] is not w or side[1] is not w_zero:
+        side[:] = [w, w_zero, {}]
+    found = side[2].get(lines)
+    if found is None:
+        # (K, M): k = j * C + c (a copy) for lines, c * taps + j (a view) for patch rows
+        columns = w.reshape(w.shape[0], w.shape[1], -1).transpose(2, 1, 0).reshape(-1, w.shape[0]) if lines \
+            else w.reshape(w.shape[0], -1).T
+        packed = np.empty((w.shape[0], w[0].size), np.int16)
+        qgemm.pack_columns(columns, p.b_zeros, packed)
+        packed = qgemm.compact(packed)
+        found = (packed, qgemm.pairs_for(packed))
+        if not w.flags.writeable and not w_zero.flags.writeable:
+            side[2][lines] = found
+    return found
 
 
 @register("QLinearMatMulAdd", domain=FUSED_DOMAIN, since=1)
