@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from onnx_runtime.session.shape_rules import BROADCAST, CONCAT, FIRST, MATMUL, SAME, SHAPES, declare
 
-from .fusions import FUSED_DOMAIN
+from .fused_domain import FUSED_DOMAIN
 
 # A producer with its rounding as an epilogue (qdq_epilogues.py) is the op type SUFFIX appended to the producer's;
 # the producers whose rounding folds, by the shape rule their output follows. (Here, not in qdq_epilogues.py: the

@@ -25,8 +25,7 @@ import math
 import numpy as np
 from onnx_runtime.ir import Graph, Node
 
-# Kernels that no ONNX operator matches exactly live in the provider's own domain.
-FUSED_DOMAIN = "ai.onnx_runtime.cpu"
+from .fused_domain import FUSED_DOMAIN  # (kernels that no ONNX operator matches exactly)
 
 
 class GraphView:

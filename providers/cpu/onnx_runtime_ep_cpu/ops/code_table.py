@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
 from .table_chain import TableChain, broadcast_rank

@@ -29,7 +29,7 @@ from ..algorithms.kept_call import KeptCall
 from ..algorithms.precision import compute_dtype
 from ..compiled.deferred import numpy_first, tried
 from ..contrib_lowering import PACKED_LOOP_MACS, packed_macs_factor
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ..tuning import KNOBS
 from ._common import CONTRIB_DOMAIN, argument_error, graph_error, has_input, wants_output

@@ -20,7 +20,7 @@ from ..algorithms.prepared import Prepared
 from ..algorithms.window import Window
 from ..compiled import deferred, reference_run
 from ..compiled import takes as takes_compiled
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import activation_code, channel_param, graph_error, group_count, in_place_activation
 

@@ -16,7 +16,7 @@ import numpy as np
 from ..algorithms.patch_geometry import patch_geometry
 from ..algorithms.quantize import IntegerProduct, dynamic_uint8
 from ..compiled.deferred import numpy_first
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
 from .contrib_integer_matmul import WeightSide

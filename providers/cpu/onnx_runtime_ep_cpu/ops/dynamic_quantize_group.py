@@ -9,7 +9,7 @@ import numpy as np
 
 from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import IntegerProduct
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
 from .contrib_integer_matmul import WeightSide, dynamic_quantize_matmul

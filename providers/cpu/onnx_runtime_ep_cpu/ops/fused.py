@@ -15,7 +15,7 @@ import numpy as np
 from onnx_runtime.ir import Node
 
 from ..compiled import COMPILED_DTYPES
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import quiet, stash_dtype
 from .shape import reshape_to

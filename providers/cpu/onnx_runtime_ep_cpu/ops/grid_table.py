@@ -15,7 +15,7 @@ import numpy as np
 
 from ..algorithms.bound_loop import EntryOnce
 from ..algorithms.quantize import integer_range
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
 from .table_chain import TableChain, broadcast_rank

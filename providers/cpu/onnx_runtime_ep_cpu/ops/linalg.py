@@ -24,7 +24,7 @@ from ..algorithms.products import (
     product,
 )
 from ..compiled.deferred import numpy_first
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ..threads import kernel_threads
 from ..tuning import KNOBS, knobs_epoch

@@ -26,7 +26,7 @@ from ..algorithms.precision import compute_dtype, upcast
 from ..algorithms.prepared import Prepared
 from ..compiled import COMPILED_DTYPES
 from ..compiled import takes as takes_compiled
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import (
     activation_code,

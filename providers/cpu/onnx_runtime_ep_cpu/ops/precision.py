@@ -15,7 +15,7 @@ from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidArgumentError
 
 from ..algorithms.precision import FLOAT32, HALF_FLOATS, narrow, round_all, widen
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import graph_error
 

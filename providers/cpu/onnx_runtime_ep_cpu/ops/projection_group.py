@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from ..algorithms.products import GEMV_ROWS, PackedProduct
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ..threads import kernel_threads
 from ..tuning import knobs_epoch

@@ -13,7 +13,7 @@ import numpy as np
 from ..algorithms.erf import scaled_coefficients
 from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import integer_range
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
 

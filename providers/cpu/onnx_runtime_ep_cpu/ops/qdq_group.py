@@ -21,7 +21,7 @@ from onnx_runtime.ir import Node
 from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import integer_range
 from ..algorithms.repeat_call import RepeatCall
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
 from .qdq_linear import Requantization, quantized_matmul

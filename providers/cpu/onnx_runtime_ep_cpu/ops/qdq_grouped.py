@@ -18,7 +18,7 @@ import math
 import numpy as np
 from onnx_runtime.ir import Node
 
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
 from .qdq_linear import quantized_matmul

@@ -20,7 +20,7 @@ from ..algorithms.bound_loop import EntryOnce
 from ..algorithms.pooling import pool_loops
 from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import integer_range
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..qdq_norms import SQUARES
 from ..registry import register
 from ._common import argument_error

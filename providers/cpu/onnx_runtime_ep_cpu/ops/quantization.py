@@ -22,7 +22,7 @@ from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 from ..algorithms.bound_loop import EntryOnce
 from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import IntegerProduct
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error, quiet, shape_free
 from .conv import conv

@@ -17,7 +17,7 @@ from ..algorithms.activations import hard_sigmoid_of, sigmoid, softplus, softsig
 from ..algorithms.precision import compute_dtype, scalar
 from ..algorithms.prepared import Prepared
 from ..compiled import COMPILED_DTYPES, deferred
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import graph_error, quiet, shape_free
 

@@ -23,7 +23,7 @@ from onnx_runtime.ir import Node
 
 from ..algorithms.bound_loop import EntryOnce
 from ..algorithms.quantize import integer_range
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..qdq_epilogues import BROADCASTING, ELEMENTWISE, SHAPED, SUFFIX
 from ..registry import NEEDS, lookup, register
 from ._common import shape_free

@@ -33,7 +33,7 @@ from onnx_runtime.errors import OnnxRuntimeError
 from .. import provisional
 from ..compiled import deferred
 from ..compiled.reference_run import ReferenceRun
-from ..fusions import FUSED_DOMAIN
+from ..fused_domain import FUSED_DOMAIN
 from ..registry import NEEDS, lookup, register
 
 if TYPE_CHECKING:
