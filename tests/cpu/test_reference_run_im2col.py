@@ -89,3 +89,28 @@ def test_reference_run_reads_the_flag_per_call(monkeypatch):
     conv_im2col(x, grouped_weights(np.ones((1, 1, 3, 3), np.float32), None, 1, np.float32), _geometry(4, 3, 1, 1), 1,
                 False)
     assert seen
+
+
+@pytest.mark.parametrize("pad,dilation", [(1, 1), (2, 2)])
+def test_reference_run_tight_rows_stage_each_block_at_once(monkeypatch, pad, dilation):
+    """A stride-1 window as wide as its input (conv_tight_rows): in a reference run the staged rows fill a block,
+    not the compiled fill's numpy equivalent; the same columns, the same result."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((6, 4, 12, 12)).astype(np.float32)
+    w = rng.standard_normal((5, 4, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(5).astype(np.float32)
+    geo = _geometry(12, 3, 1, pad, dilation)
+    assert conv_blas.tight_fits(geo)
+    weights = grouped_weights(w, b, 1, np.float32)
+    expected = _float64(x, w, b, geo, 1)
+    calls = []
+    real = im2col.fill_tight_columns
+    monkeypatch.setattr(im2col, "fill_tight_columns", lambda *args: calls.append(1) or real(*args))
+    compiled = conv_blas.conv_tight_rows(x, weights, geo, True)
+    assert calls
+    calls.clear()
+    with ReferenceRun():
+        served = conv_blas.conv_tight_rows(x, weights, geo, True)
+    assert not calls
+    assert np.abs(served - expected).max() <= 1e-5 * np.abs(expected).max() * 36
+    np.testing.assert_array_equal(served, compiled)

@@ -120,8 +120,9 @@ def conv_tight_rows(x, weights, geo: Geometry, with_bias: bool, finish=None) -> 
 
 def tight_fill(x, geo: Geometry, taps: np.ndarray):
     """``fill(image, start, count)``: the column rows of output rows start .. start + count of one
-    image into the first count * W columns of ``taps`` (C*K, rows * W), for conv_tight_rows."""
-    if takes_compiled(x):
+    image into the first count * W columns of ``taps`` (C*K, rows * W), for conv_tight_rows. In a segment's
+    reference run the staged rows serve (one copy a block), not the compiled fill's numpy equivalent (one a tap)."""
+    if takes_compiled(x) and not reference_run.active():
         from ..compiled.im2col import fill_tight_columns
 
         xc = np.ascontiguousarray(x)
