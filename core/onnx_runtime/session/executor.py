@@ -120,6 +120,7 @@ class Executor:
     """Builds and runs plans for one graph whose nodes are already placed."""
 
     strict = False  # every kernel call checked against its node (session/strict.py); set before planning
+    ran = False  # set by the session's first run of this executor (InferenceSession._run)
 
     def __init__(self, graph: Graph, assignment: dict[str, ProviderHandle], placement: Placement):
         self.graph = graph

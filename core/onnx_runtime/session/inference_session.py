@@ -387,6 +387,16 @@ class InferenceSession:
                     )
         feeds = self._validate_feeds(input_feed)
         executor = self._executor_for(feeds)
+        if executor.ran:
+            return self._execute(executor, feeds, names, run_options)
+        # A plan's first run links and binds its kernels (thousands of objects that live as long as the plan):
+        # paused and promoted as creation is, so that no later collection of the young generations scans them
+        # inside a run (a one-off 0.2-0.7 ms in a 0.1 ms call).
+        executor.ran = True
+        with _collector_paused():
+            return self._execute(executor, feeds, names, run_options)
+
+    def _execute(self, executor: Executor, feeds: dict, names: tuple, run_options: RunOptions | None) -> list:
         slot = graph_slot_of(run_options)
         logged = self._log.severity == 0 or (run_options is not None and run_options.log_severity_level == 0)
         if self._profile is None and not logged:
