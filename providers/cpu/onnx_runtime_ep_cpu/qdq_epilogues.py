@@ -73,8 +73,10 @@ def _foldable(graph: Graph, view: GraphView, rounding: Node) -> Node | None:
         return None  # (a shape program cannot pass its rule: a symbolic plan would run the shape work per call)
     readers = view.consumers.get(value, [])
     if len(readers) != 1 or readers[0] is not rounding or value in view.outputs or value in view.inner_reads \
-            or rounding.inputs.count(value) != 1 or not _float32(graph, value) or _sized(view, rounding.outputs[0]):
+            or rounding.inputs.count(value) != 1 or not _float32(graph, value):
         return None
+    if _sized(view, rounding.outputs[0]) and rounding.outputs[0] not in view.outputs:
+        return None  # (a graph output's rounding folds all the same: no specialization can drop it)
     factory = lookup(producer.op_type, "", producer.opset)
     return producer if factory is not None and not NEEDS.get(factory) else None
 
