@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import KernelError, OnnxRuntimeError
 from ..ir import Node
-from .steps import Step, Steps, _loop, _StepError, node_error
+from .steps import Step, StepFailure, Steps, node_error, run_loop
 
 ENABLED = True  # (off: the chain's steps run every call, as before; same-process A/B)
 
@@ -123,8 +123,8 @@ class MaskChain:
         self.runs += 1
         env = [*args, *self._tail]
         try:
-            _loop(self._local, env)
-        except _StepError as wrapped:  # named after the node that failed, as the plan's own loop names it
+            run_loop(self._local, env)
+        except StepFailure as wrapped:  # named after the node that failed, as the plan's own loop names it
             exc, index = wrapped.args
             raise node_error(self.steps[index], exc, type(exc) if isinstance(exc, OnnxRuntimeError) else KernelError) \
                 from exc

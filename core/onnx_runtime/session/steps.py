@@ -461,13 +461,13 @@ def _run(steps: Steps, env: list, profile: dict | None) -> None:
         elif (code := _straight(steps)) is not None:
             code.run(env)
         else:
-            _loop(steps, env)
-    except _StepError as wrapped:
+            run_loop(steps, env)
+    except StepFailure as wrapped:
         exc, index = wrapped.args
         raise node_error(steps.steps[index], exc, type(exc) if isinstance(exc, OnnxRuntimeError) else KernelError) \
             from exc
     except Exception as exc:
-        if code is None:  # (the loops wrap theirs in _StepError)
+        if code is None:  # (the loops wrap theirs in StepFailure)
             raise
         index, own = code.step_at(exc)
         if index is None:  # not a step's line (the code's own stores): nothing a node did
@@ -480,7 +480,8 @@ def _run(steps: Steps, env: list, profile: dict | None) -> None:
         raise node_error(steps.steps[index], reported, kind) from exc
 
 
-def _loop(steps: Steps, env: list) -> None:
+def run_loop(steps: Steps, env: list) -> None:
+    """Run ``steps`` over ``env``; a failing step leaves as a ``StepFailure`` carrying its index."""
     index = 0
     try:
         for index, (run, fetch, single, outs, release) in enumerate(steps.fast):  # noqa: B007 (read on error)
@@ -495,7 +496,7 @@ def _loop(steps: Steps, env: list) -> None:
             for slot in release:
                 env[slot] = None
     except Exception as exc:
-        raise _StepError(exc, index) from exc
+        raise StepFailure(exc, index) from exc
 
 
 def _run_profiled(steps: Steps, env: list, profile: dict) -> None:
@@ -508,7 +509,7 @@ def _run_profiled(steps: Steps, env: list, profile: dict) -> None:
         try:
             results = run(*args)
         except Exception as exc:
-            raise _StepError(exc, index) from exc
+            raise StepFailure(exc, index) from exc
         elapsed = clock() - start
         key = step.node.op_type if step.node is not None else "copy"
         total, calls = profile.get(key, (0.0, 0))
@@ -521,7 +522,7 @@ def _run_profiled(steps: Steps, env: list, profile: dict) -> None:
             env[slot] = None
 
 
-class _StepError(Exception):
+class StepFailure(Exception):
     """Carries a step failure and its index out of a loop."""
 
 
