@@ -256,9 +256,10 @@ def measure(condition: str, sessions: dict, feeds: dict, threads: list[str], out
                        for runtime in ("ours", "ort")}
             times = in_blocks(runners, args.repeat, args.block, args.pause, args.max_seconds, args.min_samples)
             for runtime, (wall, cpu) in times.items():
-                quiet = out[call].get(f"quiet/{label}/{runtime}", {}).get("median")
-                out[call][f"{condition}/{label}/{runtime}"] = {**stats(wall, quiet, args.block),
-                                                               "cpu": stats(cpu, None, args.block)}
+                quiet = out[call].get(f"quiet/{label}/{runtime}", {})
+                out[call][f"{condition}/{label}/{runtime}"] = {
+                    **stats(wall, quiet.get("median"), args.block),
+                    "cpu": stats(cpu, quiet.get("cpu", {}).get("median"), args.block)}
 
 
 def worker_steady(zoo: Path, name: str, args: argparse.Namespace) -> dict:
@@ -473,11 +474,14 @@ def steady_table(ok: list[dict], threads: list[str]) -> list[str]:
 
 def busy_table(ok: list[dict], threads: list[str]) -> list[str]:
     lines = ["Beside a CPU-bound process: median ms, the ratio, the spread (p90 - p10) / median of each runtime "
-             "per call and over the rounds' medians (a round: the calls a turn times in a row), and the slowest "
-             "call and round over the quiet median, each runtime's.", "",
+             "per call and over the rounds' medians (a round: the calls a turn times in a row), the slowest "
+             "call and round over the quiet median, each runtime's, and the slowest call's CPU time over the quiet "
+             "CPU median (the process's CPU time: near 1 where a slow call waited for a CPU; on the default threads "
+             "it counts every thread, at the scheduler's tick).", "",
              "| model | call | threads | ours / ort | ratio | spread per call ours / ort "
-             "| spread of rounds ours / ort | max call / quiet ours / ort | slowest round / quiet ours / ort |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| spread of rounds ours / ort | max call / quiet ours / ort | slowest round / quiet ours / ort "
+             "| max CPU / quiet CPU ours / ort |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in ok:
         for call, m in r["steady"]["calls"].items():
             for label in threads:
@@ -486,7 +490,8 @@ def busy_table(ok: list[dict], threads: list[str]) -> list[str]:
                              f"| {fmt(ratio(ours['median'], ort['median']))} | {ours['spread']:.0%} / "
                              f"{ort['spread']:.0%} | {ours['round_spread']:.0%} / {ort['round_spread']:.0%} "
                              f"| {fmt(ours['max_over_quiet'])} / {fmt(ort['max_over_quiet'])} "
-                             f"| {fmt(ours['round_max_over_quiet'])} / {fmt(ort['round_max_over_quiet'])} |")
+                             f"| {fmt(ours['round_max_over_quiet'])} / {fmt(ort['round_max_over_quiet'])} "
+                             f"| {fmt(ours['cpu']['max_over_quiet'])} / {fmt(ort['cpu']['max_over_quiet'])} |")
     return lines
 
 

@@ -163,6 +163,7 @@ def test_quick_run(tmp_path):
                     assert s["rounds"] >= 2 and math.isfinite(s["round_spread"]) and s["round_spread"] >= 0
                     if condition == "busy":
                         assert finite_positive(s["max_over_quiet"]) and finite_positive(s["round_max_over_quiet"])
+                        assert finite_positive(s["cpu"]["max_over_quiet"])
     for runtime in ("ours", "ort"):
         cold = result["cold"][runtime]
         assert all(finite_positive(cold[k]) for k in ("import_s", "create_s", "create_first_s", "create_first_cpu_s"))
