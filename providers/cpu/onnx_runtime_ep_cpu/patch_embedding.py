@@ -12,6 +12,11 @@ that writes the tokens (N, patches, M) in place of a general convolution path an
 x's shape is static, the weight and bias are constant float32, and the convolution's output feeds only the
 ReshapeTranspose.
 
+In a static-QDQ export the convolution's output is rounded to its 8-bit grid first (qdq_fusions' QuantizeDequantize,
+one scale and zero point) and the layout reads the rounded values. The rounding is elementwise, so it moves past
+the layout: Conv -> QuantizeDequantize -> ReshapeTranspose becomes PatchEmbedding -> QuantizeDequantize on the
+tokens.
+
 Both exporters then put the class token (and any other learned tokens) before the patches and add the position
 table: Concat(Expand(cls), tokens; axis 1) -> Add(., positions). fuse_patch_tokens folds those into the node too:
 
@@ -28,7 +33,7 @@ each intermediate is read only by the next node.
 from __future__ import annotations
 
 import numpy as np
-from onnx_runtime.ir import Graph, Node
+from onnx_runtime.ir import Graph, Node, ValueInfo
 from onnx_runtime.optimizer.rewrite import add_initializer, forget_value, fresh_name
 
 from .fusions import FUSED_DOMAIN, GraphView, owned, replace_nodes
@@ -55,24 +60,39 @@ def _patch_kernel(conv: Node, weight: np.ndarray) -> tuple[int, int] | None:
     return (int(kernel[0]), int(kernel[1])) if auto_pad in ("NOTSET", "VALID") else None
 
 
-def _tokens(view: GraphView, conv: Node, x_shape: tuple, weight: np.ndarray) -> Node | None:
+def _tokens(view: GraphView, conv: Node, x_shape: tuple, weight: np.ndarray) -> tuple[Node, Node | None] | None:
     """The ReshapeTranspose that makes the convolution's output (N, M, Hp, Wp) tokens (N, Hp * Wp, M), its only
-    reader; else None."""
-    out = conv.outputs[0]
+    reader or the only reader of a per-tensor rounding that is the convolution's only reader, and that rounding
+    (or None); else None."""
+    rounding, out = None, conv.outputs[0]
     readers = view.consumers.get(out, [])
+    if len(readers) == 1 and _per_tensor_rounding(view, readers[0]) and out not in view.outputs \
+            and out not in view.inner_reads:
+        rounding, out = readers[0], readers[0].outputs[0]
+        readers = view.consumers.get(out, [])
     if len(readers) != 1 or out in view.outputs or out in view.inner_reads:
         return None
     layout = readers[0]
     if layout.op_type != "ReshapeTranspose" or layout.domain != FUSED_DOMAIN \
             or list(layout.attr("perm", [])) != [0, 2, 1]:
         return None
-    conv_shape, tokens = _static(view.graph, out), _static(view.graph, layout.outputs[0])
+    conv_shape, tokens = _static(view.graph, conv.outputs[0]), _static(view.graph, layout.outputs[0])
     if conv_shape is None or tokens is None or len(conv_shape) != 4:
         return None
     batch, channels, rows, columns = conv_shape
     if (batch, channels) != (x_shape[0], weight.shape[0]) or tokens != (batch, rows * columns, channels):
         return None
-    return layout
+    return layout, rounding
+
+
+def _per_tensor_rounding(view: GraphView, node: Node) -> bool:
+    """Whether ``node`` is a QuantizeDequantize of one output with a constant scale and zero point of one value
+    each (elementwise: it commutes with a layout change)."""
+    if node.op_type != "QuantizeDequantize" or node.domain != FUSED_DOMAIN or len(node.inputs) != 3 \
+            or len(node.outputs) != 1:
+        return False
+    scale, zero = view.const(node.inputs[1]), view.const(node.inputs[2])
+    return scale is not None and zero is not None and scale.size == 1 and zero.size == 1
 
 
 def fuse_patch_embedding(graph: Graph, owns=None) -> bool:
@@ -91,16 +111,24 @@ def fuse_patch_embedding(graph: Graph, owns=None) -> bool:
                 or x_shape is None or len(x_shape) != 4 or x_shape[1] != weight.shape[1]:
             continue
         patch = _patch_kernel(conv, weight)
-        layout = _tokens(view, conv, x_shape, weight) if patch is not None else None
-        if layout is None or not owned(owns, [conv, layout]):
+        found = _tokens(view, conv, x_shape, weight) if patch is not None else None
+        members = [conv, *(n for n in found[::-1] if n is not None)] if found is not None else []
+        if found is None or not owned(owns, members):
             continue
+        layout, rounding = found
         matrix = np.ascontiguousarray(weight.reshape(weight.shape[0], -1).T)
         name = fresh_name(graph, f"{conv.name or 'conv'}/patch_weight")
         add_initializer(graph, name, matrix)
         inputs = [conv.inputs[0], name] + ([conv.inputs[2]] if bias is not None else [])
-        fused = Node("PatchEmbedding", inputs, list(layout.outputs), name=f"{conv.name}/patches",
+        tokens = list(layout.outputs) if rounding is None else [fresh_name(graph, f"{conv.name or 'conv'}/tokens")]
+        fused = Node("PatchEmbedding", inputs, tokens, name=f"{conv.name}/patches",
                      domain=FUSED_DOMAIN, attrs={"kernel_shape": list(patch)}, opset=1)
-        replace_nodes(graph, [conv, layout], fused)
+        replace_nodes(graph, members, fused)
+        if rounding is not None:  # the rounding on the tokens, after the product
+            graph.value_info[tokens[0]] = ValueInfo(tokens[0], graph.type_of(layout.outputs[0]))
+            moved = Node(rounding.op_type, [tokens[0], *rounding.inputs[1:]], list(layout.outputs),
+                         name=rounding.name, domain=rounding.domain, attrs=dict(rounding.attrs), opset=rounding.opset)
+            graph.nodes.insert(graph.nodes.index(fused) + 1, moved)
         if not any(conv.inputs[1] in node.inputs for node in graph.nodes) and conv.inputs[1] not in view.outputs \
                 and conv.inputs[1] not in view.inner_reads:
             graph.initializers.pop(conv.inputs[1], None)
