@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from onnx_runtime.ir import Graph, Node
 
-from .fusions import FUSED_DOMAIN, GraphView
+from .fusions import FUSED_DOMAIN, GraphView, owned
 from .qdq_epilogues import FOLDED, SUFFIX
 from .table_chains import ElementwiseChains, chain_attributes
 
@@ -128,3 +128,51 @@ def fuse_grid_tables(graph: Graph, owns=None) -> bool:
     chains = ElementwiseChains(view, owns, elementwise=_elementwise, root=lambda name: grid(name) is not None,
                                serves=serves, max_constant_rank=1)
     return chains.replace(lambda root, value, cone: _table_node(graph, root, grid(root), value, cone))
+
+
+# Data movement a per-tensor rounding commutes with (the rounding is elementwise with scalar parameters).
+_ROUNDING_MOVES = frozenset({"Unsqueeze", "Squeeze", "Reshape", "Flatten"})
+
+
+def round_before_moving(graph: Graph, owns=None) -> bool:
+    """A rounding after data movement of an elementwise result on a grid's root moves before the movement:
+    Unsqueeze(Cos(x)) -> rounding (the dynamo LLaMA's rotary tables) becomes Unsqueeze(rounding(Cos(x))), whose
+    Cos and rounding fuse_grid_tables then makes one table lookup of x's codes. Exact: a per-tensor rounding maps
+    each value alone, so it gives the same values before or after the movement. Applied where the rounding's scale
+    and zero point are constant scalars, the elementwise node's one output only the movement reads, the moved
+    value only the rounding, and the elementwise node's first input lies on a per-tensor grid."""
+    view = GraphView(graph)
+    moved = False
+    for rounding in list(graph.nodes):
+        if rounding.op_type != "QuantizeDequantize" or rounding.domain != FUSED_DOMAIN or len(rounding.inputs) != 3 \
+                or _grid_pair(view, rounding.inputs[1], rounding.inputs[2]) is None:
+            continue
+        move = view.producer.get(rounding.inputs[0])
+        if move is None or move.op_type not in _ROUNDING_MOVES or move.domain not in ("", "ai.onnx") \
+                or len(move.outputs) != 1:
+            continue
+        value = move.inputs[0]
+        source = view.producer.get(value)
+        if source is None or not _elementwise(source) or source.domain or len(source.outputs) != 1 \
+                or grid_of(view, source.inputs[0]) is None or view.const(source.inputs[0]) is not None:
+            continue
+        if [r for r in view.consumers.get(value, [])] != [move] or move.inputs.count(value) != 1 \
+                or [r for r in view.consumers.get(move.outputs[0], [])] != [rounding] \
+                or {value, move.outputs[0]} & (view.outputs | view.inner_reads) or not owned(owns, [move, rounding]):
+            continue
+        info = graph.type_of(value)
+        if info is None or info.dtype is None or info.dtype.numpy != _F32:
+            continue
+        rounded, result = f"{value}/rounded", rounding.outputs[0]
+        graph.value_info.pop(move.outputs[0], None)
+        graph.value_info[rounded] = type(graph.value_info[value])(rounded, info)
+        rounding.inputs = [value, *rounding.inputs[1:]]
+        rounding.outputs = [rounded]
+        move.inputs = [rounded, *move.inputs[1:]]
+        move.outputs = [result]
+        nodes = [n for n in graph.nodes if n is not rounding]
+        nodes.insert(nodes.index(move), rounding)
+        graph.nodes = nodes
+        view = GraphView(graph)
+        moved = True
+    return moved
