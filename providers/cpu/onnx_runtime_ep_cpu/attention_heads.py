@@ -22,7 +22,12 @@ from onnx_runtime.ir import Graph, Node
 
 from .fusions import FUSED_DOMAIN, owned, replace_nodes
 from .patch_embedding import fuse_patch_embedding, fuse_patch_tokens
-from .projection_groups import group_attention_projections, group_sibling_projections, split_projection_outputs
+from .projection_groups import (
+    fold_head_splits,
+    group_attention_projections,
+    group_sibling_projections,
+    split_projection_outputs,
+)
 
 _HEADS = [0, 2, 1, 3]
 
@@ -114,4 +119,4 @@ def drop_zero_masks(graph: Graph, owns=None) -> bool:
 
 # The provider's last passes (after decoder_fusions.py's layout pairs, which the patch embedding also reads).
 HEADS_PASSES = [fuse_attention_heads, drop_zero_masks, group_attention_projections, group_sibling_projections,
-                split_projection_outputs, fuse_patch_embedding, fuse_patch_tokens]
+                split_projection_outputs, fuse_patch_embedding, fuse_patch_tokens, fold_head_splits]

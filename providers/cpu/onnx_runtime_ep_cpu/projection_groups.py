@@ -28,6 +28,11 @@ merged (GPT-2's c_attn, or the optimizer's sibling MatMuls) and cut by a Split o
 readers' inputs is one too (split_projection_outputs): the Split's copies become the product's column views. A
 part whose only reader is an Add of a constant bias of its width (OPT's merged q/k/v: the product without its
 biases, each added after the Split) takes that bias into the group's, so the Add's readers read the view.
+
+Last, a member whose only reader is its head split (ReshapeTranspose) comes out split (fold_head_splits): the
+group's kernel reshapes and transposes the column as the split did, and at a decode step's one token (where the
+transpose moves only axes of length 1) its members are slices of the product reshaped once, so a layer's q, k
+and v cost one step, not four.
 """
 
 from __future__ import annotations
@@ -290,6 +295,53 @@ def split_projection_outputs(graph: Graph, owns=None) -> bool:
             for bias_name in add.inputs:
                 if bias_name not in still_read and graph.initializers.pop(bias_name, None) is not None:
                     forget_value(graph, bias_name)
+        view = GraphView(graph)
+        changed = True
+    return changed
+
+
+def _head_split(view: GraphView, name: str) -> tuple[Node, list[int]] | None:
+    """(the ReshapeTranspose, its layout [rank, *shape, *perm]) where that fused head split is the only reader of
+    ``name`` (no graph output or subgraph read) and its target shape is constant without 0 (copying a dimension
+    would depend on the column's shape), else None."""
+    readers = view.consumers.get(name, [])
+    if len(readers) != 1 or name in view.outputs or name in view.inner_reads:
+        return None
+    split = readers[0]
+    if split.op_type != "ReshapeTranspose" or split.domain != FUSED_DOMAIN or split.inputs != [name] \
+            or len(split.outputs) != 1 or not split.outputs[0]:
+        return None
+    shape = [int(d) for d in np.asarray(split.attr("shape", [])).reshape(-1)]
+    perm = [int(p) for p in split.attr("perm", [])]
+    if not shape or 0 in shape or shape.count(-1) > 1 or sorted(perm) != list(range(len(shape))):
+        return None
+    return split, [len(shape), *shape, *perm]
+
+
+def fold_head_splits(graph: Graph, owns=None) -> bool:
+    """A ProjectionGroup's outputs that a head split (ReshapeTranspose) alone reads come out split: the group's
+    kernel reshapes and transposes its column views as the split did (attribute ``layouts``), one step instead of
+    one per member (a decode step's q, k and v). Runs after the passes that read ReshapeTranspose (the 3-D
+    attention fold, the patch embedding)."""
+    view = GraphView(graph)
+    changed = False
+    for group in list(graph.nodes):
+        if group.op_type != "ProjectionGroup" or group.domain != FUSED_DOMAIN or group.attr("layouts") is not None:
+            continue
+        splits = [_head_split(view, name) for name in group.outputs]
+        found = [split for split, _layout in filter(None, splits)]
+        if not found or not owned(owns, [group, *found]):
+            continue
+        layouts = [value for found_split in splits for value in (found_split[1] if found_split else [0])]
+        outputs = [found_split[0].outputs[0] if found_split else name
+                   for name, found_split in zip(group.outputs, splits)]
+        fused = Node("ProjectionGroup", list(group.inputs), outputs, name=group.name, domain=FUSED_DOMAIN,
+                     attrs={**dict(group.attrs), "layouts": layouts}, opset=group.opset)
+        gone = {id(split) for split in found}
+        graph.nodes = [fused if node is group else node for node in graph.nodes if id(node) not in gone]
+        for name, found_split in zip(group.outputs, splits):
+            if found_split:
+                forget_value(graph, name)
         view = GraphView(graph)
         changed = True
     return changed

@@ -25,6 +25,78 @@ def _widths(node) -> list[int]:
     return widths
 
 
+def _layouts(node, widths: list[int]) -> list[tuple | None]:
+    """Per output, the (shape, perm) of the head split folded into the group (projection_groups.fold_head_splits:
+    the column reshaped, then transposed, as the ReshapeTranspose it replaces did), or None for the column as is.
+    Attribute ``layouts``: per output its rank r, then r target dimensions (no 0; one may be -1), then a
+    permutation of range(r); r = 0 for none."""
+    flat = [int(v) for v in node.attr("layouts", [])]
+    if not flat:
+        return [None] * len(widths)
+    layouts, at = [], 0
+    for _ in widths:
+        rank = flat[at] if at < len(flat) else -1
+        shape, perm = tuple(flat[at + 1:at + 1 + rank]), tuple(flat[at + 1 + rank:at + 1 + 2 * rank])
+        if rank < 0 or len(perm) != rank or 0 in shape or shape.count(-1) > 1 or sorted(perm) != list(range(rank)):
+            raise argument_error(node, f"attribute 'layouts' is {flat}; expected per output a rank r, r target "
+                                       f"dimensions (none 0, at most one -1) and a permutation of range(r)")
+        layouts.append((shape, perm) if rank else None)
+        at += 1 + 2 * rank
+    if at != len(flat):
+        raise argument_error(node, f"attribute 'layouts' is {flat}: {len(flat) - at} values past the "
+                                   f"{len(widths)} outputs' layouts")
+    return layouts
+
+
+def _columns(node, widths: list[int], starts: list[int]):
+    """The function taking the group's product (..., sum of widths) to its outputs: each member's column view,
+    split into heads where the node's layouts say so."""
+    spans = [(Ellipsis, slice(starts[i], starts[i + 1])) for i in range(len(widths))]
+    layouts = _layouts(node, widths)
+
+    if any(layouts):
+        def columns(y: np.ndarray) -> tuple:
+            try:
+                return tuple([y[span] if layout is None else y[span].reshape(layout[0]).transpose(layout[1])
+                              for span, layout in zip(spans, layouts)])
+            except ValueError:
+                raise argument_error(node, f"A's product {y.shape} does not split into the heads of attribute "
+                                           f"'layouts' {layouts}") from None
+    else:
+        def columns(y: np.ndarray) -> tuple:
+            return tuple([y[span] for span in spans])
+    return columns, layouts
+
+
+def _planned_heads(columns, layouts: list, widths: list[int], lead: tuple) -> tuple | None:
+    """(the product's shape, the function taking it to the members) where every member is split into heads whose
+    transpose moves only axes of length 1 at the planned leading shape (a decode step's one token): the product,
+    reshaped once, holds the heads side by side along one axis, and each member is a slice of it, not a reshaped
+    and transposed column (two calls a member). None where that does not hold, checked on a product of distinct
+    values against ``columns``."""
+    if not all(layouts):
+        return None
+    total = sum(widths)
+    probe = np.arange(math.prod(lead) * total, dtype=np.int64).reshape(lead + (total,))
+    if probe.size > 1 << 16:  # (bounds the check's cost at planning: the one-token products it serves are small)
+        return None
+    wanted = columns(probe)
+    first = wanted[0].shape
+    if any(len(part.shape) != len(first) for part in wanted):
+        return None
+    for axis in range(len(first)):
+        if any(part.shape[:axis] != first[:axis] or part.shape[axis + 1:] != first[axis + 1:] for part in wanted) \
+                or math.prod(first[:axis]) != math.prod(lead):
+            continue
+        ends = np.cumsum([0, *(part.shape[axis] for part in wanted)]).tolist()
+        shape = first[:axis] + (ends[-1],) + first[axis + 1:]
+        spans = [(slice(None),) * axis + (slice(ends[i], ends[i + 1]),) for i in range(len(wanted))]
+        heads = probe.reshape(shape)
+        if all(np.array_equal(heads[span], part) for span, part in zip(spans, wanted)):
+            return shape, lambda y, spans=spans: tuple([y[span] for span in spans])
+    return None
+
+
 class _Tiles:
     """A planned node's few-row tiles: its PackedProduct (made on first use) and, as MatMul keeps one, the bound call
     of its last product (PackedProduct.bound) with what it was bound for: (w, bias, the call, the thread count, the
@@ -60,15 +132,12 @@ class _Tiles:
 @register("ProjectionGroup", domain=FUSED_DOMAIN, since=1)
 def projection_group(node, shapes, opset):
     """Inputs: A (..., K), W (K, sum of widths), optional bias (sum of widths,); one output (..., width) per
-    member: (A @ W + bias)'s columns of that member."""
+    member: (A @ W + bias)'s columns of that member (split into heads where attribute ``layouts`` says so)."""
     widths = _widths(node)
     starts = [0, *np.cumsum(widths).tolist()]
     total = starts[-1]
 
-    spans = [(Ellipsis, slice(starts[i], starts[i + 1])) for i in range(len(widths))]
-
-    def columns(y: np.ndarray) -> tuple:
-        return tuple([y[span] for span in spans])
+    columns, layouts = _columns(node, widths, starts)
 
     def general(a, w, bias=None):
         if w.ndim != 2 or a.ndim < 1 or a.shape[-1] != w.shape[0] or w.shape[1] != total \
@@ -88,6 +157,7 @@ def projection_group(node, shapes, opset):
     rows, depth = math.prod(a_shape[:-1]), a_shape[-1]
     lead = a_shape[:-1]
     out_shape = lead + (total,)
+    out_shape, columns_planned = _planned_heads(columns, layouts, widths, lead) or (out_shape, columns)
     no_bias = np.empty(0, _F32)
     no_residual = np.empty((0, 0), _F32)
     add = compiled.add_bias_residual_
@@ -99,7 +169,7 @@ def projection_group(node, shapes, opset):
     def kernel(a, w, bias=None):
         run = tiles.bound_for(a, w, bias, a_shape) if few else None
         if run is not None:
-            return columns(run(a).reshape(out_shape))
+            return columns_planned(run(a).reshape(out_shape))
         # The planned shape: one product of A's rows (BLAS's, or the tiles'), the bias added, column views reshaped.
         if a.shape != a_shape or a.dtype is not _F32 or w.dtype is not _F32 or w.shape != (depth, total) \
                 or not a.flags.c_contiguous \
@@ -111,6 +181,6 @@ def projection_group(node, shapes, opset):
             y = np.dot(a.reshape(rows, depth), w)
             add(y, no_bias if bias is None else bias, no_residual)
             y = y.reshape(out_shape)
-        return columns(y)
+        return columns_planned(y)
 
     return kernel
