@@ -168,7 +168,7 @@ def fuse_rms_norm(graph: Graph, owns=None) -> bool:
     return False
 
 
-def _slice_bounds(view: GraphView, node: Node):
+def slice_bounds(view: GraphView, node: Node):
     """(start, end) of a Slice over the last axis with step 1, from constant inputs; else None. The axis may
     be -1 or, where the input's rank is known, rank - 1 (the dynamo exporter's spelling); an end past the
     axis (INT64_MAX, "to the end") is clamped to its size where that is known."""
@@ -205,7 +205,7 @@ def fuse_rotate_half(graph: Graph, owns=None) -> bool:
         if high is None or low is None or high.inputs[0] != low.inputs[0]:
             continue
         q = low.inputs[0]
-        low_bounds, high_bounds = _slice_bounds(view, low), _slice_bounds(view, high)
+        low_bounds, high_bounds = slice_bounds(view, low), slice_bounds(view, high)
         if low_bounds is None or high_bounds is None or low_bounds[0] != 0 or high_bounds[0] != low_bounds[1]:
             continue
         if view.only_consumer(high.outputs[0], "Neg") is not neg or view.only_consumer(neg.outputs[0], "Concat") \

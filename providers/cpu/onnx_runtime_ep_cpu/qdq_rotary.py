@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from onnx_runtime.ir import Graph, Node
 
-from .fusions import FUSED_DOMAIN, GraphView, _slice_bounds, owned
+from .fusions import FUSED_DOMAIN, GraphView, owned, slice_bounds
 
 _QDQ = f"{FUSED_DOMAIN}:QuantizeDequantize:1"
 
@@ -74,7 +74,7 @@ def _chain(graph: Graph, view: GraphView, concat: Node) -> tuple | None:
     if not shape or not isinstance(shape[-1], int) or info.dtype is None or info.dtype.numpy != "float32":
         return None
     axis = int(concat.attr("axis", 0))
-    low_bounds, high_bounds = _slice_bounds(view, low), _slice_bounds(view, high)
+    low_bounds, high_bounds = slice_bounds(view, low), slice_bounds(view, high)
     if axis not in (-1, len(shape) - 1) or low_bounds is None or high_bounds is None or low_bounds[0] != 0 \
             or high_bounds != (low_bounds[1], shape[-1]):
         return None

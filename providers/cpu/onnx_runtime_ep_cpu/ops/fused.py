@@ -37,7 +37,7 @@ def _rotate_half_numpy(q, cos, sin, half, end):
     return out + rotated  # the tables broadcast one product up
 
 
-class _RotationPlan:
+class RotationPlan:
     """How the compiled loop sees one pair of (q, cos/sin) shapes: q as (rows, end), the tables as
     (table rows, end), and for each row of q the table row it reads once the tables are broadcast over
     q's leading axes. None where the loop does not apply. The last pair's plan is kept (with its key in
@@ -76,7 +76,7 @@ def rotate_half_embedding(node, shapes, opset):
     covers q's last axis (end = its size) and cos/sin broadcast onto q; otherwise three numpy passes."""
     half, end = int(node.attr("half")), int(node.attr("end"))
     compiled = _compiled_decoder()
-    plans = _RotationPlan(half, end)
+    plans = RotationPlan(half, end)
 
     def kernel(q, cos, sin):
         if q.dtype in COMPILED_DTYPES and q.dtype == cos.dtype == sin.dtype and cos.shape == sin.shape:

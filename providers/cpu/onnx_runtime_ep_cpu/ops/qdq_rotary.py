@@ -19,7 +19,7 @@ from ..algorithms.quantize import integer_range
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
-from .fused import _RotationPlan
+from .fused import RotationPlan
 
 _F32 = np.dtype(np.float32)
 _EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
@@ -40,7 +40,7 @@ def rounded_rotary(node, shapes, opset):
     half, end = int(node.attr("half")), int(node.attr("end"))
     rounded_sum = len(node.inputs) > 11 and bool(node.inputs[11])
     prepared = Prepared()  # the roundings' params per set of constant grids
-    plans = _RotationPlan(half, end)
+    plans = RotationPlan(half, end)
     # the loop's entry point once it runs compiled: a decode step's few rows cost less than the dispatcher's typing
     bind = EntryOnce(loop.rounded_rotary)
 
