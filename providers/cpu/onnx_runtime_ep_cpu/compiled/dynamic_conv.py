@@ -12,13 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
-from .qgemm import (
-    _finish,
-    _rows_of,
-    qgemm,
-    requantized_product,
-    scaled_product,
-)
+from .qgemm import centred_rows_of, finish_requantized, qgemm, requantized_product, scaled_product
 from .qgemm_tiles import strided_product
 from .quantize import dynamic_parameters
 
@@ -155,7 +149,7 @@ def _channel_last_centred(x, consts, left, right):
     0 in the pads (the zero point's code, centred). Centred along x's rows first (vector code), then turned."""
     batch, channels, width = x.shape[0], x.shape[1], x.shape[3]
     centred = np.empty((batch * channels, width), np.int16)
-    _rows_of(x.reshape(batch * channels, width), consts, centred)
+    centred_rows_of(x.reshape(batch * channels, width), consts, centred)
     out = np.zeros((batch, left + width + right, channels), np.int16)
     for b in range(batch):
         for w in range(width):
@@ -179,5 +173,5 @@ def quantized_conv_lines(x, kw, sw, left, right, ow, pairs, multiplier, offset, 
     y = np.empty((ow, out.shape[1]), out.dtype)
     for b in range(x.shape[0]):
         strided_product(flat, b * wide, sw * channels, ow, pairs, acc)
-        _finish(acc, multiplier, offset, consts, y)
+        finish_requantized(acc, multiplier, offset, consts, y)
         _images_by_channel(y, out[b:b + 1])

@@ -133,7 +133,7 @@ CONSTS = 15
 
 
 @jit
-def _finish(acc, multiplier, offset, consts, out):
+def finish_requantized(acc, multiplier, offset, consts, out):
     """requantize_affine of an (M, N) accumulator into ``out``: per column n, or per tensor for one
     multiplier."""
     rows, columns = acc.shape
@@ -143,7 +143,7 @@ def _finish(acc, multiplier, offset, consts, out):
 
 
 @jit
-def _rows_of(a, consts, out):
+def centred_rows_of(a, consts, out):
     _centred_rows(a, np.float32(consts[A_SCALE]), consts[A_ZERO], consts[A_LOW], consts[A_HIGH],
                   consts[A_QUANTIZE] != 0, out)
 
@@ -159,10 +159,10 @@ def requantized_product(a, packed, pairs, multiplier, offset, consts, out):
     (N,) or (1,) float64, out (M, N) of the codes' type or float32."""
     rows, depth = a.shape
     centred = np.empty((rows, depth), np.int16)
-    _rows_of(a, consts, centred)
+    centred_rows_of(a, consts, centred)
     acc = np.empty((rows, packed.shape[0]), np.int32)
     _centred_product(centred, packed, pairs, acc)
-    _finish(acc, multiplier, offset, consts, out)
+    finish_requantized(acc, multiplier, offset, consts, out)
 
 
 # The layout of ``members``, requantized_group's rows (float64, one per member): its first column in the joined
@@ -181,7 +181,7 @@ def requantized_group(a, packed, pairs, multiplier, offset, consts, members, out
     requantized_product gives it alone: the same codes, integers and float64 requantization per column."""
     rows, depth = a.shape
     centred = np.empty((rows, depth), np.int16)
-    _rows_of(a, consts, centred)
+    centred_rows_of(a, consts, centred)
     acc = np.empty((rows, packed.shape[0]), np.int32)
     _centred_product(centred, packed, pairs, acc)
     dequantize = consts[DEQUANTIZE] != 0
@@ -305,17 +305,17 @@ def requantized_batched_product(a, b, multiplier, offset, consts, out):
     if _TILES:
         pairs = np.empty(((depth + 1) // 2, (columns + LANES - 1) // LANES * LANES, 2), np.int16)
         for i in range(count):
-            _rows_of(a[i], consts, centred)
+            centred_rows_of(a[i], consts, centred)
             _centred_pairs(b[i], b_scale, b_zero, b_low, b_high, b_quantize, pairs)
             tile_product(centred, pairs, acc)
-            _finish(acc, multiplier, offset, consts, out[i])
+            finish_requantized(acc, multiplier, offset, consts, out[i])
         return
     packed = np.empty((columns, depth), np.int16)
     for i in range(count):
-        _rows_of(a[i], consts, centred)
+        centred_rows_of(a[i], consts, centred)
         centred_columns(b[i], b_scale, b_zero, b_low, b_high, b_quantize, packed)
         _centred_product(centred, packed, _NO_PAIRS, acc)
-        _finish(acc, multiplier, offset, consts, out[i])
+        finish_requantized(acc, multiplier, offset, consts, out[i])
 
 
 @jit
@@ -449,7 +449,7 @@ def requantized_product_add(a, packed, pairs, multiplier, offset, consts, bias, 
     rows, depth = a.shape
     columns = packed.shape[0]
     centred = np.empty((rows, depth), np.int16)
-    _rows_of(a, consts, centred)
+    centred_rows_of(a, consts, centred)
     acc = np.empty((rows, columns), np.int32)
     _centred_product(centred, packed, pairs, acc)
     one_m, one_b = multiplier.shape[0] == 1, bias.shape[0] == 1
