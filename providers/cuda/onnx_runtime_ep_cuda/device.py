@@ -26,6 +26,12 @@ by graphs.py) other threads' calls on that lane wait at its gate instead of land
 invalidating the capture; other lanes run and capture meanwhile. Runs of one session are serialized by its executor
 (session/executor.py).
 
+Finalizers. A garbage collection runs finalizers on the thread whose allocation started it, at any point of that
+thread's code, so a tensor dropped in a reference cycle frees its device memory (``Tensor.__del__``) while that thread
+may hold the device's own locks. Those locks are reentrant, and a free issued on a thread that holds one is kept and
+issued at the next allocation, free or sync instead of changing the tables that thread is in the middle of (waiting
+for a plain lock the thread itself holds never ends).
+
 Faults. An exception in device code (illegal address, assert, trap) leaves a CUDA context unusable: every
 later call fails. The first call that reports it raises :class:`CudaDeviceFaultError` naming the kernel
 (the one launching, or the kernels launched most recently when a synchronization reports it), marks this
@@ -93,7 +99,7 @@ class CudaDevice(AccessOrdering):
         self.index = index
         self.closed = False
         self.fault = ""  # why the device became unusable (a kernel fault), once it did
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: see "Finalizers" in the module docstring
         self._kernel_names: dict[int, str] = {}  # function handle -> "file.cu:kernel", for fault reports
         self._recent = collections.deque(maxlen=8)  # the functions launched last, newest last
         self._check(d.cuInit(0), "cuInit")
@@ -111,7 +117,8 @@ class CudaDevice(AccessOrdering):
         self._gate = self.default_lane.gate
         self._lanes: dict[int, Lane] = {id(self.compute): self.default_lane}  # id(compute stream) -> lane
         self._idle_lanes: list[Lane] = []  # lanes of closed instances, handed to the next one
-        self._order_lock = threading.Lock()  # a lane's capture flag and events recorded on it (lanes.py)
+        self._order_lock = threading.RLock()  # a lane's capture flag and events recorded on it (lanes.py)
+        self._deferred_frees: collections.deque = collections.deque()  # (release, args): see "Finalizers"
         self._init_access()
         self.pooled = bool(self._attribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED))
         if self.pooled:
@@ -235,6 +242,8 @@ class CudaDevice(AccessOrdering):
         if alignment <= 0 or alignment & (alignment - 1):
             raise InvalidArgumentError(f"CUDAExecutionProvider: alignment must be a power of two, got {alignment}")
         self._bind()
+        if self._deferred_frees:
+            self._free_deferred()
         lane = self._lane(stream) if lane is None else lane
         # Zero-byte allocations still need a unique non-null address; larger alignments than the
         # driver guarantees are met by over-allocating and rounding up.
@@ -269,6 +278,10 @@ class CudaDevice(AccessOrdering):
         """Free the allocation whose ``base`` :meth:`allocate` returned, stream-ordered on ``stream`` (compute by
         default) and after its home stream's work and the lanes that touched it (see the module docstring). Memory
         a capture in progress reached is freed when that capture's graph is recorded (:meth:`settle_capture`)."""
+        if self.defer_inside(self.free, base, stream):
+            return
+        if self._deferred_frees:
+            self._free_deferred()
         for attempt in range(3):
             with self._lock:
                 nbytes = self._live.get(base)
@@ -298,6 +311,26 @@ class CudaDevice(AccessOrdering):
         if marks is not None:  # the lanes that read or wrote it are waited for like the home stream
             home = (home, marks.writer, *marks.readers)
         self._release(base, nbytes, self._stream(stream), home)
+
+    def defer_inside(self, release, *args) -> bool:
+        """Keep ``release(*args)`` for the next allocation, free or sync when the calling thread holds the device's
+        locks (a finalizer that a collection ran inside them: see "Finalizers"); True when it was kept."""
+        if self._lock._is_owned() or self._order_lock._is_owned():
+            self._deferred_frees.append((release, args))
+            return True
+        return False
+
+    def _free_deferred(self) -> None:
+        """Issue the frees finalizers asked for while their thread held the device's locks (see "Finalizers")."""
+        while self._deferred_frees and not (self._lock._is_owned() or self._order_lock._is_owned()):
+            try:
+                release, args = self._deferred_frees.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            try:
+                release(*args)
+            except OnnxRuntimeError:  # as in the finalizer that asked for it: a failed free leaks, raises nowhere else
+                pass
 
     def _release(self, base: int, nbytes: int, stream=None, home=None) -> None:
         self._bind()
@@ -551,6 +584,8 @@ class CudaDevice(AccessOrdering):
         their host arrays. A lane's transfer stream is waited for only when work was queued there since it was
         last joined to compute."""
         self._bind()
+        if self._deferred_frees:
+            self._free_deferred()
         with self._lock:
             lanes = [lane] if lane is not None else [*{id(x): x for x in self._lanes.values()}.values()]
         me = threading.get_ident()

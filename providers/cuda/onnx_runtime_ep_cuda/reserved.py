@@ -82,6 +82,11 @@ class ReservedAllocations:
         if not isinstance(reserved, MappedGrowthBuffer):
             return False
         lane = self.cuda_device()
+        if not lane.shared.defer_inside(self._release_mapped, lane, reserved):  # a finalizer inside the device's locks
+            self._release_mapped(lane, reserved)
+        return True
+
+    @staticmethod
+    def _release_mapped(lane, reserved: MappedGrowthBuffer) -> None:
         lane.shared.wait_for_users(lane, id(reserved))  # no queued work of a lane that touched it may still run
         lane.forget_access(id(reserved), reserved.close)  # after a capture that reached it, when one is open
-        return True
