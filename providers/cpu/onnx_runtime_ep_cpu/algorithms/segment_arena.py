@@ -60,7 +60,7 @@ class Lifetimes:
     def arena(self, steps, results) -> Arena:
         """The second binding's allocator: the buffers that ``steps`` (or the plan's ``results``) reference,
         placed in one arena."""
-        used = {id(_root(a)) for a in _arrays(steps)} | {id(_root(a)) for a in results}
+        used = {id(_root(a)) for a in arrays_in(steps)} | {id(_root(a)) for a in results}
         sizes = {key: array.nbytes for key, array in self.arrays.items() if id(array) in used and array.nbytes}
         offsets, total = place({key: (*self.intervals[key], size) for key, size in sizes.items()})
         return Arena(offsets, total, {key: (self.arrays[key].shape, self.arrays[key].dtype) for key in offsets},
@@ -116,10 +116,10 @@ def place(items: dict) -> tuple[dict, int]:
     return offsets, total
 
 
-def _arrays(value):
+def arrays_in(value):
     """The arrays in a step list's arguments (tuples and lists of them, nested)."""
     if isinstance(value, np.ndarray):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _arrays(item)
+            yield from arrays_in(item)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .segment_arena import arrays_in
+
 CHAIN = True
 # Each chained loop (by name: compiled/directconv_blocked.py, directconv_gathered.py, blocked_ops.py) and its
 # arguments: "fN" a C-contiguous float32 array of N dimensions, "i1" a C-contiguous int64 vector, "i" an integer,
@@ -107,14 +109,6 @@ def chained(steps: list, linked) -> list:
 _X_AT, _IN_PLACE_AT, _X_BLOCKED_AT = 1, 28, 33
 
 
-def _arrays(value):
-    if isinstance(value, np.ndarray):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _arrays(item)
-
-
 def read_in_place(feeds, steps, calls, results) -> tuple:
     """``(slot, buffer, table, row)`` for each feed whose only reader is a chained conv_blocked row that copies
     its plain input image by image into its own padded source (not in place): that row can read the caller's
@@ -127,7 +121,7 @@ def read_in_place(feeds, steps, calls, results) -> tuple:
     for slot, buffer in feeds:
         if buffer.dtype != np.float32 or not buffer.flags.c_contiguous:
             continue
-        touching = sum(np.may_share_memory(a, buffer) for _, arguments in steps for a in _arrays(arguments))
+        touching = sum(np.may_share_memory(a, buffer) for _, arguments in steps for a in arrays_in(arguments))
         if touching != 1 or any(np.may_share_memory(r, buffer) for r in results):
             continue
         address = buffer.__array_interface__["data"][0]
