@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime.contract.markers import hookimpl
 
+ROOT = Path(__file__).resolve().parents[1]
 LIGHT_DIR = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 LIGHT_MODELS = sorted(f[:-5] for f in os.listdir(LIGHT_DIR) if f.endswith(".onnx"))
 
@@ -131,3 +136,78 @@ def decode_concat_model() -> bytes:
         [tensor_info("y", TensorProto.FLOAT, None), tensor_info("present", TensorProto.FLOAT, None)],
         [numpy_helper.from_array(np.array([1], np.int64), "axis")])
     return model.SerializeToString()
+
+
+def ops_and_outputs(model: onnx.ModelProto, feeds: dict) -> tuple[list[str], list[np.ndarray]]:
+    """Our session's outputs for ``feeds`` at its second run (a specialized plan's, where the passes have fired)
+    and the op types of the graph that ran them."""
+    import onnx_runtime
+
+    session = onnx_runtime.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    session.run(None, feeds)
+    outputs = session.run(None, feeds)
+    return [n.op_type for n in session.graph_for(feeds).nodes], outputs
+
+
+def oracle_session(model: onnx.ModelProto):
+    """onnxruntime's CPU session of ``model``, quiet (the oracle); skips the test when onnxruntime is missing."""
+    import pytest
+
+    onnxruntime = pytest.importorskip("onnxruntime", reason="onnxruntime is the oracle: install the test extra")
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3
+    return onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def read_only(value, dtype) -> np.ndarray:
+    """``value`` as an array of ``dtype`` that cannot be written, as initializers are."""
+    array = np.array(value, dtype)
+    array.flags.writeable = False
+    return array
+
+
+def zoo_manifest() -> Path:
+    """The model zoo's manifest.json (ONNX_RUNTIME_ZOO or benchmarks/.models/zoo); skips the calling test module
+    when the zoo is not built."""
+    import pytest
+
+    zoo = Path(os.environ.get("ONNX_RUNTIME_ZOO") or ROOT / "benchmarks/.models/zoo")
+    manifest = zoo / "manifest.json"
+    if not manifest.is_file():
+        pytest.skip(f"the model zoo is not built ({manifest} is missing): run scripts/build_zoo.sh",
+                    allow_module_level=True)
+    return manifest
+
+
+def json_from_child(script: str, *args, env: dict | None = None, timeout: float = 600):
+    """The JSON on the last line ``python -c script args`` prints in a fresh process (``env``, else ours); the
+    process must succeed."""
+    done = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def mul_relu_batch_model() -> bytes:
+    """Y = Relu(X * W), X of a symbolic batch: each batch size is its own plan (signature)."""
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["X", "W"], ["Z"]), helper.make_node("Relu", ["Z"], ["Y"])], "g",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor("W", TensorProto.FLOAT, [4], [0.5, -1.0, 2.0, 3.0])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def zoo_model(name: str) -> tuple[dict, str]:
+    """(manifest entry, path) of the model zoo's model ``name``, with benchmarks/ on sys.path (zoo_feeds); skips
+    the test when the zoo lacks the model."""
+    import pytest
+
+    zoo = ROOT / "benchmarks" / ".models" / "zoo"
+    path = zoo / f"{name}.onnx"
+    if not path.is_file():
+        pytest.skip("the model zoo is not built: run scripts/build_zoo.sh")
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    entry = next(m for m in json.loads((zoo / "manifest.json").read_text())["models"] if m["name"] == name)
+    return entry, str(path)

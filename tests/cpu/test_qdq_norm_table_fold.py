@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_runtime
 import pytest
-from model_helpers import qdq_epilogues_without
+from model_helpers import ops_and_outputs, oracle_session, qdq_epilogues_without
 from onnx import TensorProto, helper, numpy_helper
 
 F32 = np.float32
@@ -67,13 +66,6 @@ def _feeds(rows=4, depth=64, seed=0) -> dict:
     return {"x": x}
 
 
-def _run(model: onnx.ModelProto, feeds: dict) -> tuple[list[str], list[np.ndarray]]:
-    session = onnx_runtime.InferenceSession(model.SerializeToString(), providers=["cpu"])
-    session.run(None, feeds)
-    outputs = session.run(None, feeds)  # (a specialized plan's run)
-    return [n.op_type for n in session.graph_for(feeds).nodes], outputs
-
-
 def _bitwise(got, want):
     for have, expected in zip(got, want):
         np.testing.assert_array_equal(have.view(np.uint32), expected.view(np.uint32))
@@ -83,9 +75,9 @@ def _bitwise(got, want):
 @pytest.mark.parametrize("signed,depth", [(False, 64), (True, 64), (False, 7), (True, 5000)])
 def test_norm_after_a_cast_is_one_node_with_the_unfused_values(form, signed, depth):
     model, feeds = _model(form, depth, signed), _feeds(depth=depth)
-    ops, got = _run(model, feeds)
+    ops, got = ops_and_outputs(model, feeds)
     with qdq_epilogues_without("fuse_rounded_rms_norm"):
-        plain_ops, want = _run(model, feeds)
+        plain_ops, want = ops_and_outputs(model, feeds)
     assert "GridTable" in plain_ops and "Pow" not in plain_ops  # the squares are a table of the cast's input
     assert ops.count("RoundedRMSNorm") == 1 and "GridTable" not in ops and "ReduceMeanRounded" not in ops
     assert "Mul" not in ops and "MulRounded" not in ops
@@ -95,13 +87,10 @@ def test_norm_after_a_cast_is_one_node_with_the_unfused_values(form, signed, dep
 
 @pytest.mark.parametrize("form", ["torchscript", "dynamo"])
 def test_norm_after_a_cast_against_onnxruntime(form):
-    onnxruntime = pytest.importorskip("onnxruntime")
     model, feeds = _model(form, rows="rows"), _feeds(rows=6, seed=1)  # (a symbolic row count)
-    ops, got = _run(model, feeds)
+    ops, got = ops_and_outputs(model, feeds)
     assert ops.count("RoundedRMSNorm") == 1
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 3
-    theirs = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    theirs = oracle_session(model)
     want = theirs.run(None, feeds)
     np.testing.assert_array_equal(got[1], want[1])
     # only the mean's summation order may differ: a row's mean moves by one code of its grid at most where it lies
@@ -112,9 +101,9 @@ def test_norm_after_a_cast_against_onnxruntime(form):
 
 def test_cast_value_read_elsewhere_still_folds_and_stays():
     model, feeds = _model("dynamo", cast_reader=True), _feeds()
-    ops, got = _run(model, feeds)
+    ops, got = ops_and_outputs(model, feeds)
     with qdq_epilogues_without("fuse_rounded_rms_norm"):
-        _, want = _run(model, feeds)
+        _, want = ops_and_outputs(model, feeds)
     assert ops.count("RoundedRMSNorm") == 1
     _bitwise(got, want)
 
@@ -131,9 +120,9 @@ def test_squares_of_another_tensor_are_left_alone():
     model.graph.node.insert(0, helper.make_node("QuantizeLinear", ["other", "cast_s", "cast_z"], ["other_q"]))
     model.graph.node.insert(1, helper.make_node("DequantizeLinear", ["other_q", "cast_s", "cast_z"], ["other_r"]))
     feeds = {**_feeds(), "other": _feeds(seed=5)["x"]}
-    ops, got = _run(model, feeds)
+    ops, got = ops_and_outputs(model, feeds)
     with qdq_epilogues_without("fuse_rounded_rms_norm"):
-        _, want = _run(model, feeds)
+        _, want = ops_and_outputs(model, feeds)
     assert "RoundedRMSNorm" not in ops
     _bitwise(got, want)
 

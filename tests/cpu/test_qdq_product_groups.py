@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import onnx_runtime
 import pytest
-from model_helpers import qdq_epilogues_without
+from model_helpers import ops_and_outputs, qdq_epilogues_without
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime.errors import InvalidArgumentError
 from onnx_runtime.ir import Node
@@ -74,13 +74,6 @@ def _feeds(model: onnx.ModelProto) -> dict:
     return {"x": (np.random.default_rng(5).standard_normal(dims) * 2).astype(F32)}
 
 
-def _run(model: onnx.ModelProto, feeds: dict) -> tuple[list[str], list]:
-    session = onnx_runtime.InferenceSession(model.SerializeToString(), providers=["cpu"])
-    session.run(None, feeds)
-    outputs = session.run(None, feeds)  # (a specialized plan's run)
-    return [n.op_type for n in session.graph_for(feeds).nodes], outputs
-
-
 @pytest.mark.parametrize("form", ["torchscript", "dynamo"])
 @pytest.mark.parametrize("signed", [False, True])
 @pytest.mark.parametrize("per_channel", [False, True])
@@ -88,10 +81,10 @@ def _run(model: onnx.ModelProto, feeds: dict) -> tuple[list[str], list]:
 def test_products_of_one_input_are_one_group_with_the_members_values(form, signed, per_channel, rows):
     model = _model(form, signed, per_channel, rows=rows)
     feeds = _feeds(model)
-    ops, grouped = _run(model, feeds)
+    ops, grouped = ops_and_outputs(model, feeds)
     assert ops.count("QuantizedMatMulGroup") == 1 and "QuantizedMatMul" not in ops
     with qdq_epilogues_without(OFF):
-        apart_ops, apart = _run(model, feeds)
+        apart_ops, apart = ops_and_outputs(model, feeds)
     assert apart_ops.count("QuantizedMatMul") == len(WIDTHS) and "QuantizedMatMulGroup" not in apart_ops
     for ours, theirs in zip(grouped, apart):
         assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
@@ -103,7 +96,7 @@ def test_group_against_onnxruntime(form):
     onnxruntime = pytest.importorskip("onnxruntime")
     model = _model(form, per_channel=True)
     feeds = _feeds(model)
-    _, ours = _run(model, feeds)
+    _, ours = ops_and_outputs(model, feeds)
     theirs = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None,
                                                                                                               feeds)
     for g, (a, b) in enumerate(zip(ours, theirs)):
@@ -114,14 +107,14 @@ def test_group_against_onnxruntime(form):
 def test_another_grid_or_an_output_member_is_left_out():
     model = _model("dynamo", other_grid=True, output_member=True)
     feeds = _feeds(model)
-    ops, grouped = _run(model, feeds)
+    ops, grouped = ops_and_outputs(model, feeds)
     # the first member is a graph output and the last reads x on another grid: only the middle one is left
     assert ops.count("QuantizedMatMulGroup") == 0 and ops.count("QuantizedMatMul") == len(WIDTHS)
     model = _model("dynamo", other_grid=True)
-    ops, grouped = _run(model, feeds)
+    ops, grouped = ops_and_outputs(model, feeds)
     assert ops.count("QuantizedMatMulGroup") == 1 and ops.count("QuantizedMatMul") == 1
     with qdq_epilogues_without(OFF):
-        _, apart = _run(model, feeds)
+        _, apart = ops_and_outputs(model, feeds)
     for ours, theirs in zip(grouped, apart):
         np.testing.assert_array_equal(ours, theirs)
 

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import onnx_runtime
 import pytest
-from model_helpers import qdq_epilogues_without
+from model_helpers import ops_and_outputs, oracle_session, qdq_epilogues_without, read_only
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime.errors import OnnxRuntimeError
 from onnx_runtime.ir import Node
@@ -20,14 +20,8 @@ F32 = np.float32
 DEPTH = 16
 
 
-def _constant(value, dtype):
-    array = np.array(value, dtype)
-    array.flags.writeable = False  # as initializers are
-    return array
-
-
-PARAMS = (_constant(0.04, F32), _constant(128, np.uint8), _constant(0.03, F32), _constant(125, np.uint8),
-          _constant(0.5, F32), _constant(100, np.uint8))
+PARAMS = (read_only(0.04, F32), read_only(128, np.uint8), read_only(0.03, F32), read_only(125, np.uint8),
+          read_only(0.5, F32), read_only(100, np.uint8))
 ATTRS = {"quantize_a": 1, "quantize_b": 1, "dequantize": 1}
 NAMES = ["a", "as", "az", "b", "bs", "bz", "ys", "yz"]
 
@@ -153,21 +147,14 @@ def _feeds(transposed: bool, rows=1, length=5, seed=0) -> dict:
     return {"q": q, "kv": (rng.standard_normal((1, 2, length, DEPTH)) * 2).astype(F32)}
 
 
-def _run(model: onnx.ModelProto, feeds: dict) -> tuple[list[str], list[np.ndarray]]:
-    session = onnx_runtime.InferenceSession(model.SerializeToString(), providers=["cpu"])
-    outputs = session.run(None, feeds)
-    outputs = session.run(None, feeds)  # (a specialized plan's run)
-    return [n.op_type for n in session.graph_for(feeds).nodes], outputs
-
-
 @pytest.mark.parametrize("form", ["torchscript", "dynamo"])
 @pytest.mark.parametrize("transposed", [True, False])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_repeat_is_read_in_place_with_the_unfused_values(form, transposed, rows):
     model, feeds = _model(form, transposed), _feeds(transposed, rows)
-    ops, got = _run(model, feeds)
+    ops, got = ops_and_outputs(model, feeds)
     with qdq_epilogues_without("fold_repeated_kv"):
-        plain_ops, want = _run(model, feeds)
+        plain_ops, want = ops_and_outputs(model, feeds)
     assert ops.count("GroupedQuantizedMatMul") == 1 and "Expand" not in ops, ops
     assert "GroupedQuantizedMatMul" not in plain_ops and "Expand" in plain_ops
     for have, expected in zip(got, want):
@@ -177,16 +164,12 @@ def test_repeat_is_read_in_place_with_the_unfused_values(form, transposed, rows)
 
 @pytest.mark.parametrize("form", ["torchscript", "dynamo"])
 def test_repeat_against_onnxruntime(form):
-    onnxruntime = pytest.importorskip("onnxruntime", reason="onnxruntime is the oracle: install the test extra")
     for transposed in (True, False):
         model = _model(form, transposed)
-        options = onnxruntime.SessionOptions()
-        options.log_severity_level = 3
-        theirs = onnxruntime.InferenceSession(model.SerializeToString(), options,
-                                              providers=["CPUExecutionProvider"])
+        theirs = oracle_session(model)
         for rows in (1, 4):
             feeds = _feeds(transposed, rows, seed=rows)
-            ops, (got,) = _run(model, feeds)
+            ops, (got,) = ops_and_outputs(model, feeds)
             (want,) = theirs.run(None, feeds)
             assert ops.count("GroupedQuantizedMatMul") == 1
             assert np.abs(got - want).max() <= 0.5 * 1.001  # one code: onnxruntime's integer kernel rounds apart
@@ -196,9 +179,9 @@ def test_repeat_against_onnxruntime(form):
 def test_an_expand_over_the_length_too_keeps_its_values():
     """kv of length 1 spread to 3 by the Expand: the fused node's check sends it the unfused way."""
     model, feeds = _model("dynamo", True, length=1, spread_length=3), _feeds(True, 2, length=1)
-    ops, got = _run(model, feeds)
+    ops, got = ops_and_outputs(model, feeds)
     with qdq_epilogues_without("fold_repeated_kv"):
-        _, want = _run(model, feeds)
+        _, want = ops_and_outputs(model, feeds)
     assert got[0].shape == (1, 4, 2, 3)
     for have, expected in zip(got, want):
         np.testing.assert_array_equal(have, expected)

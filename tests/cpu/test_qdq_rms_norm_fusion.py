@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_runtime
 import pytest
-from model_helpers import qdq_epilogues_without
+from model_helpers import ops_and_outputs, oracle_session, qdq_epilogues_without
 from onnx import TensorProto, helper, numpy_helper
 
 F32 = np.float32
@@ -85,21 +84,14 @@ def _feeds(rows=4, seed=0) -> dict:
     return {"x": x}
 
 
-def _run(model: onnx.ModelProto, feeds: dict) -> tuple[list[str], list[np.ndarray]]:
-    session = onnx_runtime.InferenceSession(model.SerializeToString(), providers=["cpu"])
-    outputs = session.run(None, feeds)
-    outputs = session.run(None, feeds)  # (a specialized plan's run)
-    return [n.op_type for n in session.graph_for(feeds).nodes], outputs
-
-
 @pytest.mark.parametrize("form", ["torchscript", "dynamo"])
 @pytest.mark.parametrize("weight,product,signed", [(True, True, False), (True, True, True), (False, False, False),
                                                    (True, False, True)])
 def test_rms_norm_is_one_node_with_the_unfused_values(form, weight, product, signed):
     model, feeds = _model(form, weight, product, signed), _feeds()
-    ops, got = _run(model, feeds)
+    ops, got = ops_and_outputs(model, feeds)
     with qdq_epilogues_without("fuse_rounded_rms_norm"):
-        plain_ops, want = _run(model, feeds)
+        plain_ops, want = ops_and_outputs(model, feeds)
     assert ops.count("RoundedRMSNorm") == 1 and "Pow" not in ops and "GridTable" not in ops
     assert "RoundedRMSNorm" not in plain_ops and "Pow" in plain_ops
     assert "Mul" not in ops and "MulRounded" not in ops  # the weight's Mul and the product go into the node
@@ -110,13 +102,10 @@ def test_rms_norm_is_one_node_with_the_unfused_values(form, weight, product, sig
 
 @pytest.mark.parametrize("form", ["torchscript", "dynamo"])
 def test_rms_norm_against_onnxruntime(form):
-    onnxruntime = pytest.importorskip("onnxruntime")
     model, feeds = _model(form, product=False, rows="rows"), _feeds(rows=6, seed=1)  # (a symbolic row count)
-    ops, (got,) = _run(model, feeds)
+    ops, (got,) = ops_and_outputs(model, feeds)
     assert ops.count("RoundedRMSNorm") == 1
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 3
-    theirs = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    theirs = oracle_session(model)
     (want,) = theirs.run(None, feeds)
     # The same float32 operations; only the mean's summation order may differ, which moves a row's mean by one
     # code of its grid at most where it lies within rounding of a half-code: every value matches elsewhere.
@@ -135,9 +124,9 @@ def test_what_the_pass_leaves_alone(change):
     elif change == "weight_per_row":
         init["gamma"].CopyFrom(numpy_helper.from_array(np.ones((4, 1), F32), "gamma"))
     feeds = _feeds()
-    ops, got = _run(model, feeds)
+    ops, got = ops_and_outputs(model, feeds)
     with qdq_epilogues_without("fuse_rounded_rms_norm"):
-        _, want = _run(model, feeds)
+        _, want = ops_and_outputs(model, feeds)
     if change == "weight_per_row":  # the normalization folds; the weight's Mul stays a node of its own
         assert ops.count("RoundedRMSNorm") == 1 and "Mul" in ops
     else:

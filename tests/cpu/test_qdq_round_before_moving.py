@@ -7,9 +7,9 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
-import onnx
 import onnx_runtime
 import pytest
+from model_helpers import ops_and_outputs, oracle_session
 from onnx import TensorProto, helper, numpy_helper
 
 F32 = np.float32
@@ -59,13 +59,6 @@ def _feeds(rows=5, seed=0):
     return {"x": x}
 
 
-def _run(model: onnx.ModelProto, feeds: dict):
-    session = onnx_runtime.InferenceSession(model.SerializeToString(), providers=["cpu"])
-    session.run(None, feeds)
-    outputs = session.run(None, feeds)
-    return [n.op_type for n in session.graph_for(feeds).nodes], outputs
-
-
 def _want(x, op):
     def grid(v, scale, zero):
         s = np.float64(F32(scale))
@@ -78,9 +71,9 @@ def _want(x, op):
 @pytest.mark.parametrize("op", ["Cos", "Sin"])
 def test_rounding_moves_before_the_movement_and_makes_a_table(move, op):
     model, feeds = _model(move, op), _feeds()
-    ops, got = _run(model, feeds)
+    ops, got = ops_and_outputs(model, feeds)
     with _without_the_move():
-        plain_ops, want = _run(model, feeds)
+        plain_ops, want = ops_and_outputs(model, feeds)
     assert "GridTable" in ops and op not in ops, ops
     assert op in plain_ops and "GridTable" not in plain_ops, plain_ops
     np.testing.assert_array_equal(got[0].view(np.uint32), want[0].view(np.uint32))
@@ -90,14 +83,11 @@ def test_rounding_moves_before_the_movement_and_makes_a_table(move, op):
 
 
 def test_against_onnxruntime():
-    onnxruntime = pytest.importorskip("onnxruntime", reason="onnxruntime is the oracle: install the test extra")
     model = _model()
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 3
-    theirs = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    theirs = oracle_session(model)
     for rows in (1, 7):
         feeds = _feeds(rows, seed=rows)
-        ops, (got,) = _run(model, feeds)
+        ops, (got,) = ops_and_outputs(model, feeds)
         assert "GridTable" in ops
         (want,) = theirs.run(None, feeds)
         assert np.abs(got - want).max() <= F32(Y[0]) * 1.001
@@ -107,9 +97,9 @@ def test_against_onnxruntime():
 @pytest.mark.parametrize("change", ["extra_reader", "per_channel"])
 def test_what_stays(change):
     model, feeds = _model(extra_reader=change == "extra_reader", per_channel=change == "per_channel"), _feeds()
-    ops, got = _run(model, feeds)
+    ops, got = ops_and_outputs(model, feeds)
     with _without_the_move():
-        _, want = _run(model, feeds)
+        _, want = ops_and_outputs(model, feeds)
     assert "Cos" in ops, ops
     for have, expected in zip(got, want):
         np.testing.assert_array_equal(have, expected)

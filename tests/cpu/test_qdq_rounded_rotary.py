@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import onnx_runtime
 import pytest
-from model_helpers import qdq_epilogues_without
+from model_helpers import ops_and_outputs, oracle_session, qdq_epilogues_without
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime.errors import OnnxRuntimeError
 from onnx_runtime.ir import Node
@@ -179,20 +179,13 @@ def _feeds(steps=3, seed=0) -> dict:
     return {"x": x, "cos": np.cos(angles).astype(F32), "sin": np.sin(angles).astype(F32)}
 
 
-def _run(model: onnx.ModelProto, feeds: dict) -> tuple[list[str], list[np.ndarray]]:
-    session = onnx_runtime.InferenceSession(model.SerializeToString(), providers=["cpu"])
-    outputs = session.run(None, feeds)
-    outputs = session.run(None, feeds)  # (a specialized plan's run)
-    return [n.op_type for n in session.graph_for(feeds).nodes], outputs
-
-
 @pytest.mark.parametrize("form", ["torchscript", "dynamo"])
 @pytest.mark.parametrize("signed,rounded_sum", [(False, True), (True, True), (False, False), (True, False)])
 def test_rotation_is_one_node_with_the_unfused_values(form, signed, rounded_sum):
     model, feeds = _model(form, signed, rounded_sum), _feeds()
-    ops, got = _run(model, feeds)
+    ops, got = ops_and_outputs(model, feeds)
     with qdq_epilogues_without("fuse_rounded_rotary"):
-        plain_ops, want = _run(model, feeds)
+        plain_ops, want = ops_and_outputs(model, feeds)
     assert ops.count("RoundedRotary") == 1 and "Slice" not in ops and "ConcatRounded" not in ops, ops
     assert "RoundedRotary" not in plain_ops and "ConcatRounded" in plain_ops
     for have, expected in zip(got, want):
@@ -202,14 +195,11 @@ def test_rotation_is_one_node_with_the_unfused_values(form, signed, rounded_sum)
 
 @pytest.mark.parametrize("form", ["torchscript", "dynamo"])
 def test_rotation_against_onnxruntime(form):
-    onnxruntime = pytest.importorskip("onnxruntime", reason="onnxruntime is the oracle: install the test extra")
     model = _model(form)
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 3
-    theirs = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    theirs = oracle_session(model)
     for steps in (1, 5):
         feeds = _feeds(steps, seed=steps)
-        ops, (got,) = _run(model, feeds)
+        ops, (got,) = ops_and_outputs(model, feeds)
         (want,) = theirs.run(None, feeds)
         assert ops.count("RoundedRotary") == 1
         # the same float32 operations: a value within rounding of a half-code may land one code over
@@ -219,9 +209,9 @@ def test_rotation_against_onnxruntime(form):
 
 def test_a_read_intermediate_keeps_the_nodes():
     model, feeds = _model("dynamo", extra_reader=True), _feeds()
-    ops, got = _run(model, feeds)
+    ops, got = ops_and_outputs(model, feeds)
     with qdq_epilogues_without("fuse_rounded_rotary"):
-        _, want = _run(model, feeds)
+        _, want = ops_and_outputs(model, feeds)
     assert "RoundedRotary" not in ops
     for have, expected in zip(got, want):
         np.testing.assert_array_equal(have, expected)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from model_helpers import read_only
 from onnx_runtime.errors import OnnxRuntimeError
 from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
@@ -14,14 +15,8 @@ from onnx_runtime_ep_cpu.ops.qdq_linear import quantized_matmul
 F32 = np.float32
 
 
-def _constant(value, dtype):
-    array = np.array(value, dtype)
-    array.flags.writeable = False  # as initializers are
-    return array
-
-
-PARAMS = (_constant(0.04, F32), _constant(128, np.uint8), _constant(0.02, F32), _constant(120, np.uint8),
-          _constant(0.5, F32), _constant(100, np.uint8))
+PARAMS = (read_only(0.04, F32), read_only(128, np.uint8), read_only(0.02, F32), read_only(120, np.uint8),
+          read_only(0.5, F32), read_only(100, np.uint8))
 
 
 def _want(a, b, params=PARAMS):
@@ -62,7 +57,7 @@ def test_other_parameters_or_types_after_a_kept_call_are_checked():
     a = rng.standard_normal((2, 4, 8)).astype(F32)
     b = rng.standard_normal((2, 8, 5)).astype(F32)
     _call(kernel, a, b)
-    other = (_constant(0.03, F32), *PARAMS[1:])
+    other = (read_only(0.03, F32), *PARAMS[1:])
     np.testing.assert_array_equal(_call(kernel, a, b, other), _want(a, b, other))
     with pytest.raises(OnnxRuntimeError, match="float32"):
         _call(kernel, a, b.astype(np.float64))
