@@ -17,25 +17,11 @@ from onnx_runtime.contract.markers import PROJECT
 
 
 @pytest.fixture
-def package(tmp_path, monkeypatch):
-    """A package on disk (two folders deep) registered under a name of its own, and a fingerprint reader that
-    forgets what it computed (the real one is cached per process)."""
-    root = tmp_path / "fingerprinted"
-    (root / "inner" / "__pycache__").mkdir(parents=True)
-    (root / "__init__.py").write_text("")
-    (root / "first.py").write_text("X = 1\n")
-    (root / "inner" / "second.py").write_text("Y = 2\n")
-    module = types.ModuleType("fingerprinted")
-    module.__file__ = str(root / "__init__.py")
-    monkeypatch.setitem(sys.modules, "fingerprinted", module)
-
-    def fingerprint() -> str:
-        plan_cache.package_fingerprint.cache_clear()
-        try:
-            return plan_cache.package_fingerprint("fingerprinted.first")
-        finally:
-            plan_cache.package_fingerprint.cache_clear()
-
+def package(on_disk_package):
+    """A package on disk (two folders deep, a bytecode cache folder in it) registered under a name of its own, and
+    a fingerprint reader that forgets what it computed (the real one is cached per process)."""
+    root, fingerprint = on_disk_package("fingerprinted")
+    (root / "inner" / "__pycache__").mkdir()
     return root, fingerprint
 
 

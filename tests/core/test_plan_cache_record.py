@@ -7,33 +7,16 @@ source tree (no RECORD beside the package that lists its modules) is still keyed
 from __future__ import annotations
 
 import os
-import sys
-import types
 
 import pytest
 from onnx_runtime import plan_cache
 
 
 @pytest.fixture
-def site(tmp_path, monkeypatch):
+def site(tmp_path, on_disk_package):
     """A site-packages folder holding package ``wheeled`` (two folders deep), registered under its name, and a
     fingerprint reader that forgets what it computed (the real one is cached per process)."""
-    root = tmp_path / "wheeled"
-    (root / "inner").mkdir(parents=True)
-    (root / "__init__.py").write_text("")
-    (root / "first.py").write_text("X = 1\n")
-    (root / "inner" / "second.py").write_text("Y = 2\n")
-    module = types.ModuleType("wheeled")
-    module.__file__ = str(root / "__init__.py")
-    monkeypatch.setitem(sys.modules, "wheeled", module)
-
-    def fingerprint() -> str:
-        plan_cache.package_fingerprint.cache_clear()
-        try:
-            return plan_cache.package_fingerprint("wheeled.first")
-        finally:
-            plan_cache.package_fingerprint.cache_clear()
-
+    _, fingerprint = on_disk_package("wheeled")
     return tmp_path, fingerprint
 
 
