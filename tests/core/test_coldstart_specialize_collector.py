@@ -9,23 +9,13 @@ import gc
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from model_helpers import mul_relu_batch_model
 from onnx_runtime import InferenceSession
 from onnx_runtime.session import specialize
 
 
-def _model() -> bytes:
-    """Y = Relu(X * W) with X of a symbolic batch: each batch size is its own signature."""
-    graph = helper.make_graph(
-        [helper.make_node("Mul", ["X", "W"], ["Z"]), helper.make_node("Relu", ["Z"], ["Y"])], "g",
-        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor("W", TensorProto.FLOAT, [4], [0.5, -1.0, 2.0, 3.0])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
-
-
 def _recording_session(states: list) -> InferenceSession:
-    session = InferenceSession(_model(), providers=["CPUExecutionProvider"])
+    session = InferenceSession(mul_relu_batch_model(), providers=["CPUExecutionProvider"])
     specializer = session._specializer  # noqa: SLF001  (the build the test watches)
     assert specializer is not None, "a symbolic batch should specialize per signature"
     prepare = specializer._prepare  # noqa: SLF001
@@ -74,7 +64,7 @@ def test_an_interrupted_build_still_restores_the_collector():
     was = gc.isenabled()
     gc.enable()
     try:
-        session = InferenceSession(_model(), providers=["CPUExecutionProvider"])
+        session = InferenceSession(mul_relu_batch_model(), providers=["CPUExecutionProvider"])
         specializer = session._specializer  # noqa: SLF001
 
         def failing(graph):
@@ -90,7 +80,7 @@ def test_an_interrupted_build_still_restores_the_collector():
 
 
 def test_model_is_valid_onnx():
-    onnx.checker.check_model(onnx.load_from_string(_model()))
+    onnx.checker.check_model(onnx.load_from_string(mul_relu_batch_model()))
 
 
 @pytest.fixture
@@ -107,7 +97,7 @@ def test_creation_and_specialization_put_what_they_built_in_the_oldest_generatio
     was = gc.isenabled()
     gc.enable()
     try:
-        session = InferenceSession(_model(), providers=["CPUExecutionProvider"])
+        session = InferenceSession(mul_relu_batch_model(), providers=["CPUExecutionProvider"])
         graph = session._model.graph  # noqa: SLF001
         assert any(found is graph for found in gc.get_objects(generation=2))
         (y,) = session.run(None, {"X": np.ones((3, 4), np.float32)})
@@ -124,13 +114,13 @@ def test_promotion_stops_after_the_process_budget(promotions):
     """Each promoted build counts (a creation, then each new signature); past the budget builds leave what they made
     to the collector, so a loop creating and dropping sessions keeps collecting their cycles."""
     promotions[0] = 2
-    session = InferenceSession(_model(), providers=["CPUExecutionProvider"])
+    session = InferenceSession(mul_relu_batch_model(), providers=["CPUExecutionProvider"])
     assert promotions[0] == 1
     session.run(None, {"X": np.ones((2, 4), np.float32)})
     assert promotions[0] == 0
     for batch in (1, 3):
-        (y,) = InferenceSession(_model(), providers=["CPUExecutionProvider"]).run(None, {"X": np.ones((batch, 4),
-                                                                                                     np.float32)})
+        (y,) = InferenceSession(mul_relu_batch_model(), providers=["CPUExecutionProvider"]).run(
+            None, {"X": np.ones((batch, 4), np.float32)})
         np.testing.assert_allclose(y, _reference(np.ones((batch, 4))), rtol=1e-6)
     assert promotions[0] == 0
 
@@ -145,7 +135,7 @@ def test_a_process_with_frozen_objects_keeps_them_frozen(promotions):
     try:
         frozen = gc.get_freeze_count()
         assert frozen > 0
-        session = InferenceSession(_model(), providers=["CPUExecutionProvider"])
+        session = InferenceSession(mul_relu_batch_model(), providers=["CPUExecutionProvider"])
         session.run(None, {"X": np.ones((2, 4), np.float32)})
         assert gc.get_freeze_count() > frozen // 2  # (frozen objects freed meanwhile leave the count; unfreeze: 0)
     finally:

@@ -8,20 +8,10 @@ import gc
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
+from model_helpers import mul_relu_batch_model
 from onnx_runtime import InferenceSession
 from onnx_runtime.session import specialize
 from onnx_runtime.session.executor import Executor
-
-
-def _model() -> bytes:
-    """Y = Relu(X * W), X of a symbolic batch: each batch size is its own plan."""
-    graph = helper.make_graph(
-        [helper.make_node("Mul", ["X", "W"], ["Z"]), helper.make_node("Relu", ["Z"], ["Y"])], "g",
-        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor("W", TensorProto.FLOAT, [4], [0.5, -1.0, 2.0, 3.0])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
 @pytest.mark.parametrize("enabled", (True, False))
@@ -43,7 +33,7 @@ def test_a_plans_first_run_is_paused_and_promoted(monkeypatch, enabled):
             gc.enable()
         else:
             gc.disable()
-        session = InferenceSession(_model(), providers=["CPUExecutionProvider"])
+        session = InferenceSession(mul_relu_batch_model(), providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(5)
         for batch in (2, 2, 3, 3, 2):
             x = rng.standard_normal((batch, 4)).astype(np.float32)
