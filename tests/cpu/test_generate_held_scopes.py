@@ -78,13 +78,19 @@ def _window_model() -> bytes:
                       ).SerializeToString()
 
 
-def test_only_the_concat_giving_the_windows_output_appends_in_place():
+def _window_run():
+    """(session, past's window binding appending present in place, new's binding, the prepared run giving other)."""
     session = InferenceSession(_window_model(), providers=[CPU])
     past = session.device_io_binding(DeviceBindingSpec.input(
         "past", np.float32, (1, 2, 8, 4), (1, 2, 0, 4), output_name="present", expose_logical_input_shape=True,
         fixed_physical_strides=True))
     new = session.device_io_binding(DeviceBindingSpec.input("new", np.float32, (1, 2, 1, 4)))
     run = session.prepare_device_binding_run([past, new], output_names=["other"])
+    return session, past, new, run
+
+
+def test_only_the_concat_giving_the_windows_output_appends_in_place():
+    session, past, new, run = _window_run()
     rng = np.random.default_rng(0)
     rows = []
     with run.held() as step:
@@ -141,12 +147,7 @@ def test_appended_windows_adopt_their_shape_without_the_logical_shape_check(monk
 
 
 def test_a_prepared_run_refuses_a_released_binding():
-    session = InferenceSession(_window_model(), providers=[CPU])
-    past = session.device_io_binding(DeviceBindingSpec.input(
-        "past", np.float32, (1, 2, 8, 4), (1, 2, 0, 4), output_name="present", expose_logical_input_shape=True,
-        fixed_physical_strides=True))
-    new = session.device_io_binding(DeviceBindingSpec.input("new", np.float32, (1, 2, 1, 4)))
-    run = session.prepare_device_binding_run([past, new], output_names=["other"])
+    session, past, new, run = _window_run()
     run(False)
     new.close()
     with pytest.raises(InvalidArgumentError, match="released"):
