@@ -6,13 +6,11 @@ child its misses). Each module is a few hundred microseconds of a new process's 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import onnx
+from model_helpers import json_from_child
 from onnx import TensorProto, helper, numpy_helper
 from reference64 import assert_within, run_float64
 
@@ -52,10 +50,7 @@ def test_a_float_first_run_imports_neither_the_integer_twins_nor_the_compile_chi
     x = np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype(np.float32)
     np.save(x_path, x)
     env = {k: v for k, v in os.environ.items() if k != "ONNX_RUNTIME_COMPILE_IN_BACKGROUND"}  # (deferral on)
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(model_path), str(x_path)], capture_output=True,
-                          text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = json_from_child(SCRIPT, model_path, x_path, env=env)
     assert report["numpy_first"], "the first run ended after the loader switched: nothing left to check"
     assert report["loaded"] == [], f"the first run imported {report['loaded']}"
     exact = run_float64(model, {"x": x})[0]
@@ -78,8 +73,6 @@ print(json.dumps({"before": before, "after_float": after_float, "float_twin": fl
 
 
 def test_the_integer_twins_load_at_the_first_key_the_float_table_lacks():
-    done = subprocess.run([sys.executable, "-c", TWINS], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = json_from_child(TWINS, timeout=300)
     assert report == {"before": False, "after_float": False, "float_twin": True, "int8_twin": True,
                       "missing": None, "table": True}

@@ -5,13 +5,11 @@ microseconds of its creation + first run (docs/cold-start.md). The check runs in
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import onnx
+from model_helpers import json_from_child
 from onnx import TensorProto, helper, numpy_helper
 from reference64 import assert_within, run_float64
 
@@ -46,10 +44,7 @@ def _model() -> onnx.ModelProto:
 
 def _fresh(model_path, x_path, plans) -> dict:
     env = dict(os.environ, ONNX_RUNTIME_PLAN_CACHE="1", ONNX_RUNTIME_PLAN_CACHE_DIR=str(plans))
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(model_path), str(x_path)], capture_output=True,
-                          text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_from_child(SCRIPT, model_path, x_path, env=env)
 
 
 def test_a_cached_creation_and_first_run_import_no_fusion_pass(tmp_path):
