@@ -11,6 +11,7 @@ allocation path (its file and line): the allocation-site statistics of ``onnx-ru
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import sys
@@ -43,6 +44,11 @@ def _site() -> tuple[str, int]:
     return frame.f_code.co_filename, frame.f_lineno
 
 
+def _held_here(lock) -> bool:
+    """Whether the calling thread holds the reentrant ``lock`` (what threading.Condition asks it too)."""
+    return lock._is_owned()  # noqa: SLF001
+
+
 class DeviceAccount:
     """Charges one provider handle's allocations to ``governor`` for ``holder`` (see the module docstring).
 
@@ -66,7 +72,10 @@ class DeviceAccount:
         # Deferred providers: id(buffer) -> its own leases (its allocation's, then one per committed growth).
         self._buffer_leases: dict[int, list[MemoryLease]] = {}
         self._local = threading.local()
-        self._lock = threading.Lock()
+        # Reentrant: a collection may run a finalizer (Tensor.__del__) that releases a buffer while this thread is
+        # inside the lock; ``released`` keeps such a release for the thread's next call instead of waiting on itself.
+        self._lock = threading.RLock()
+        self._released_inside: collections.deque = collections.deque()
         self._sites: dict[tuple[str, int], list[int]] = {}  # site -> [requests, bytes]
         self._small = 0  # allocations below SITE_EXACT_BYTES so far: every SITE_SAMPLE-th is attributed
         self._deferred = bool(handle.implements("wait_for_deferred_releases"))
@@ -167,6 +176,8 @@ class DeviceAccount:
 
     def _charge(self, size: int) -> MemoryLease | None:
         """Charge ``size`` bytes: a lease of its own for a deferred-release provider, else against the chunks."""
+        if self._released_inside:
+            self._release_kept()
         if self._deferred:
             return self.governor.reserve(size, self.tier, self.role, self.holder)
         with self._lock:
@@ -228,6 +239,23 @@ class DeviceAccount:
 
     def released(self, buffer) -> None:
         """The buffer was freed (or its release was accepted): give its bytes back, or defer that."""
+        if _held_here(self._lock):  # a finalizer run by a collection inside this thread's section: kept for later
+            self._released_inside.append(buffer)
+            return
+        if self._released_inside:
+            self._release_kept()
+        self._release(buffer)
+
+    def _release_kept(self) -> None:
+        """The releases ``released`` kept while their thread was inside the lock."""
+        while self._released_inside and not _held_here(self._lock):
+            try:
+                buffer = self._released_inside.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            self._release(buffer)
+
+    def _release(self, buffer) -> None:
         with self._lock:
             size = self._sizes.pop(id(buffer), None)
             if size is not None:
@@ -244,6 +272,8 @@ class DeviceAccount:
     @property
     def charged(self) -> int:
         """Bytes charged to buffers still live."""
+        if self._released_inside:
+            self._release_kept()
         with self._lock:
             return self._used + sum(lease.nbytes for leases in self._buffer_leases.values() for lease in leases)
 
@@ -255,6 +285,8 @@ class DeviceAccount:
     def close(self) -> None:
         """Stop charging (the session is closed); buffers still live (tensors the caller allocated through the
         session's handle) keep their charge until freed, so the account stays on the handle until then."""
+        if self._released_inside:
+            self._release_kept()
         with self._lock:
             self._closed = True
             self._trim()
