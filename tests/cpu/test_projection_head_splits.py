@@ -7,15 +7,11 @@ ReshapeTranspose and match the float64 reference."""
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import numpy as np
 import onnx
 import onnx_runtime as ort
 import pytest
-from model_helpers import make_model, tensor_info
+from model_helpers import make_model, tensor_info, zoo_model
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime.errors import InvalidArgumentError
 from onnx_runtime.ir import Node
@@ -23,8 +19,6 @@ from onnx_runtime_ep_cpu import attention_heads, projection_groups, provider
 from onnx_runtime_ep_cpu.fused_domain import FUSED_DOMAIN
 from onnx_runtime_ep_cpu.registry import lookup
 from reference64 import assert_within, gamma, run_float64
-
-ZOO = Path(__file__).resolve().parents[2] / "benchmarks" / ".models" / "zoo"
 
 
 def _group_node(widths, layouts) -> Node:
@@ -138,13 +132,9 @@ ZOO_DECODERS = ["gpt2.torchscript.fp32", "gpt2.dynamo.fp32", "llama.torchscript.
 
 @pytest.mark.parametrize("name", ZOO_DECODERS)
 def test_zoo_decoders_keep_no_head_split_step(name, made):
-    if not (ZOO / f"{name}.onnx").is_file():
-        pytest.skip("the model zoo is not built: run scripts/build_zoo.sh")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    entry, path = zoo_model(name)
     from zoo_feeds import make_feeds
 
-    entry = next(m for m in json.loads((ZOO / "manifest.json").read_text())["models"] if m["name"] == name)
-    path = str(ZOO / f"{name}.onnx")
     session = ort.InferenceSession(path, providers=["cpu"])
     feeds = make_feeds(entry["calls"]["decode"])
     for _ in range(2):

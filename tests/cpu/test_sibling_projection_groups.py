@@ -9,20 +9,14 @@ sizes given or equal parts, against float64 and the unfused graph; a Split read 
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import numpy as np
 import onnx
 import onnx_runtime as ort
 import pytest
-from model_helpers import make_model, tensor_info
+from model_helpers import make_model, tensor_info, zoo_model
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime_ep_cpu import attention_heads, projection_groups, provider
 from reference64 import assert_within, gamma, run_float64
-
-ZOO = Path(__file__).resolve().parents[2] / "benchmarks" / ".models" / "zoo"
 
 
 def _unfused(monkeypatch) -> None:
@@ -246,13 +240,9 @@ ZOO_DECODERS = ["llama.torchscript.fp32", "llama.dynamo.fp32", "t5_decoder.torch
 
 @pytest.mark.parametrize("name", ZOO_DECODERS)
 def test_zoo_decoders_group_siblings_and_match(name, made, monkeypatch):
-    if not (ZOO / f"{name}.onnx").is_file():
-        pytest.skip("the model zoo is not built: run scripts/build_zoo.sh")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    entry, path = zoo_model(name)
     from zoo_feeds import make_feeds
 
-    entry = next(m for m in json.loads((ZOO / "manifest.json").read_text())["models"] if m["name"] == name)
-    path = str(ZOO / f"{name}.onnx")
     session = ort.InferenceSession(path, providers=["cpu"])
     calls = {call: make_feeds(spec) for call, spec in entry["calls"].items()}
     ours = {}
