@@ -107,6 +107,28 @@ def replace_nodes(graph: Graph, removed: list[Node], fused: Node) -> None:
     graph.nodes = [n for n in nodes if id(n) not in gone or n is fused]
 
 
+def fuse_chains(graph: Graph, owns, find, make) -> bool:
+    """Each chain ``find(graph, view, node)`` returns (a tuple whose first item is its nodes, last the one its
+    result leaves) that ``owns`` allows and that shares no node with a chain taken before becomes ``make(found)``,
+    standing where its last node was; the others go, with their value_info. Whether any chain was fused."""
+    view = GraphView(graph)
+    fused: dict[int, Node] = {}
+    gone: set[int] = set()
+    for node in graph.nodes:
+        found = find(graph, view, node)
+        if found is None or not owned(owns, found[0]) or any(id(n) in gone or id(n) in fused for n in found[0]):
+            continue
+        nodes = found[0]
+        fused[id(nodes[-1])] = make(found)
+        gone.update(id(n) for n in nodes[:-1])
+        for n in nodes[:-1]:
+            graph.value_info.pop(n.outputs[0], None)
+    if not fused:
+        return False
+    graph.nodes = [fused.get(id(n), n) for n in graph.nodes if id(n) not in gone]
+    return True
+
+
 def _last_axis(axes, rank_hint) -> bool:
     return axes is not None and len(axes) == 1 and (int(axes[0]) == -1 or (rank_hint and int(axes[0]) == rank_hint - 1))
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from onnx_runtime.ir import Graph, Node
 
-from .fusions import FUSED_DOMAIN, GraphView, owned
+from .fusions import FUSED_DOMAIN, GraphView, fuse_chains
 
 _F32 = np.dtype(np.float32)
 SQUARES = "squares_"  # the prefix of a squares' GridTable's attributes on RoundedRMSNorm (ops/qdq_norm.py)
@@ -132,24 +132,14 @@ def fuse_rounded_rms_norm(graph: Graph, owns=None) -> bool:
     """Every RMS normalization the module doc names becomes one RoundedRMSNorm where its last node was."""
     if not any(n.op_type == "GridTable" and n.domain == FUSED_DOMAIN for n in graph.nodes):
         return False
-    view = GraphView(graph)
-    fused: dict[int, Node] = {}
-    gone: set[int] = set()
-    for node in graph.nodes:
-        found = _chain(graph, view, node)
-        if found is None or not owned(owns, found[0]) or any(id(n) in gone for n in found[0]):
-            continue
-        nodes, inputs, output, table, squares = found
-        attrs = dict(table.attrs or {})
-        if squares is not None:  # its inputs (y, grid, constants) come before the table's, its attributes prefixed
-            attrs.update({SQUARES + key: value for key, value in (squares.attrs or {}).items()})
-            attrs[SQUARES + "inputs"] = len(squares.inputs)
-        fused[id(nodes[-1])] = Node("RoundedRMSNorm", inputs, [output], name=f"{nodes[-1].name}/rms_norm",
-                                    domain=FUSED_DOMAIN, attrs=attrs, opset=1)
-        gone.update(id(n) for n in nodes[:-1])
-        for n in nodes[:-1]:
-            graph.value_info.pop(n.outputs[0], None)
-    if not fused:
-        return False
-    graph.nodes = [fused.get(id(n), n) for n in graph.nodes if id(n) not in gone]
-    return True
+    return fuse_chains(graph, owns, _chain, _rms_norm)
+
+
+def _rms_norm(found) -> Node:
+    nodes, inputs, output, table, squares = found
+    attrs = dict(table.attrs or {})
+    if squares is not None:  # its inputs (y, grid, constants) come before the table's, its attributes prefixed
+        attrs.update({SQUARES + key: value for key, value in (squares.attrs or {}).items()})
+        attrs[SQUARES + "inputs"] = len(squares.inputs)
+    return Node("RoundedRMSNorm", inputs, [output], name=f"{nodes[-1].name}/rms_norm", domain=FUSED_DOMAIN,
+                attrs=attrs, opset=1)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from onnx_runtime.ir import Graph, Node
 
-from .fusions import FUSED_DOMAIN, GraphView, owned, slice_bounds
+from .fusions import FUSED_DOMAIN, GraphView, fuse_chains, slice_bounds
 
 _QDQ = f"{FUSED_DOMAIN}:QuantizeDequantize:1"
 
@@ -104,21 +104,11 @@ def fuse_rounded_rotary(graph: Graph, owns=None) -> bool:
     """Every rotation the module doc names becomes one RoundedRotary where its Add was."""
     if not any(n.op_type == "ConcatRounded" and n.domain == FUSED_DOMAIN for n in graph.nodes):
         return False
-    view = GraphView(graph)
-    fused: dict[int, Node] = {}
-    gone: set[int] = set()
-    for node in graph.nodes:
-        found = _chain(graph, view, node)
-        if found is None or not owned(owns, found[0]) or any(id(n) in gone or id(n) in fused for n in found[0]):
-            continue
-        nodes, inputs, half, end = found
-        add = nodes[-1]
-        fused[id(add)] = Node("RoundedRotary", inputs, [add.outputs[0]], name=f"{add.name}/rotary",
-                              domain=FUSED_DOMAIN, attrs={"half": half, "end": end}, opset=1)
-        gone.update(id(n) for n in nodes[:-1])
-        for n in nodes[:-1]:
-            graph.value_info.pop(n.outputs[0], None)
-    if not fused:
-        return False
-    graph.nodes = [fused.get(id(n), n) for n in graph.nodes if id(n) not in gone]
-    return True
+    return fuse_chains(graph, owns, _chain, _rotary)
+
+
+def _rotary(found) -> Node:
+    nodes, inputs, half, end = found
+    add = nodes[-1]
+    return Node("RoundedRotary", inputs, [add.outputs[0]], name=f"{add.name}/rotary", domain=FUSED_DOMAIN,
+                attrs={"half": half, "end": end}, opset=1)
