@@ -5,19 +5,16 @@ KeyError 'default' on the decoders), and the generation split. Skipped when the 
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from pathlib import Path
 
 import pytest
+from model_helpers import zoo_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
-ZOO = Path(os.environ.get("ONNX_RUNTIME_ZOO") or ROOT / "benchmarks/.models/zoo")
-MANIFEST = ZOO / "manifest.json"
-if not MANIFEST.is_file():
-    pytest.skip(f"the model zoo is not built ({MANIFEST} is missing): run scripts/build_zoo.sh",
-                allow_module_level=True)
+MANIFEST = zoo_manifest()
+ZOO = MANIFEST.parent
 pytest.importorskip("onnxruntime", reason="the benchmark compares with onnxruntime")
 
 sys.path.insert(0, str(ROOT / "benchmarks"))

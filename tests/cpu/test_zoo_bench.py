@@ -7,19 +7,16 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from model_helpers import zoo_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
-ZOO = Path(os.environ.get("ONNX_RUNTIME_ZOO") or ROOT / "benchmarks/.models/zoo")
-MANIFEST = ZOO / "manifest.json"
-if not MANIFEST.is_file():
-    pytest.skip(f"the model zoo is not built ({MANIFEST} is missing): run scripts/build_zoo.sh",
-                allow_module_level=True)
+MANIFEST = zoo_manifest()
+ZOO = MANIFEST.parent
 pytest.importorskip("onnxruntime", reason="the benchmark compares with onnxruntime: install the test extra")
 
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -14,13 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from model_helpers import zoo_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
-ZOO = Path(os.environ.get("ONNX_RUNTIME_ZOO") or ROOT / "benchmarks/.models/zoo")
-MANIFEST = ZOO / "manifest.json"
-if not MANIFEST.is_file():
-    pytest.skip(f"the model zoo is not built ({MANIFEST} is missing): run scripts/build_zoo.sh",
-                allow_module_level=True)
+MANIFEST = zoo_manifest()
+ZOO = MANIFEST.parent
 
 MODELS = [m for m in json.loads(MANIFEST.read_text())["models"] if m["status"] == "ok"]
 
