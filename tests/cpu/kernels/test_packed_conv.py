@@ -31,6 +31,7 @@ def packed_at_every_size(monkeypatch):
     monkeypatch.setattr(conv_direct, "SMALL_MACS", 0)
     monkeypatch.setattr(conv_direct, "STEM_CHANNELS", 0)  # (and the one-thread stems)
     monkeypatch.setattr(conv_direct, "ROW_MACS", 0)  # (and the one-thread single rows)
+    monkeypatch.setattr(conv_direct, "split_cost_favours_direct", lambda *_: False)  # (and on more threads)
 
 
 @pytest.fixture(params=[1, 2], ids=["one thread", "two threads"])

@@ -44,14 +44,17 @@ def direct_tiles_before_packed(geo: Geometry, w: np.ndarray, group: int = 1) -> 
     channels per group into whole tiles of 16 output channels (the packed convolution's 32-channel tiles run
     half empty there: 3->16 7x7/2 on 64x64 52 vs 59 us, on 224x224 545 vs 721 us; with 8 or 32 outputs, or
     more inputs, the packed one won); or, on one thread, a single row (a 1-D convolution, conv_rows.py) of at
-    most ROW_MACS multiply-adds, where the packed convolution's pixel tiles span one short row."""
+    most ROW_MACS multiply-adds, where the packed convolution's pixel tiles span one short row; or, on more
+    threads, where the direct tiles on the calling thread cost less than the packed convolution split across
+    them (split_cost_favours_direct)."""
     macs = w[0].size * w.shape[0] * math.prod(geo.out)
     if macs <= SMALL_MACS:
         return True
     from ..threads import kernel_threads
 
-    if kernel_threads() != 1:  # (the direct tiles run on one thread, the packed convolution splits)
-        return False
+    threads = kernel_threads()
+    if threads != 1:  # (the direct tiles run on one thread, the packed convolution splits)
+        return split_cost_favours_direct(geo, w, group, threads)
     if geo.in_shape[0] == 1 and geo.kernel[0] == 1 and macs <= ROW_MACS:
         return True
     outputs = w.shape[0] // group
@@ -62,6 +65,33 @@ STEM_CHANNELS, CHANNELS_PER_TILE = 4, 16
 # Multiply-adds per image up to which a single-row convolution takes the direct tiles on one thread (beyond, the
 # packed convolution caught up on Whisper-like 1-D layers; measured in this constant's commit).
 ROW_MACS = 1 << 22
+# Output pixels of one row per direct tile on AVX-512 hosts (compiled/directconv.PIXELS there: the only hosts
+# where the packed convolution competes), mirrored so the choice imports no numba.
+TILE_PIXELS = 8
+# What the helpers add to a split convolution, as a share of a thread each (measured on a 2-core host shared
+# with other processes, where a helper is often descheduled: well short of a whole thread; this constant's
+# commit), and the split's fixed cost (the job's post, the helpers' wake and claims) in multiply-adds of a
+# tile's arithmetic.
+HELPER_SHARE = 0.5
+SPLIT_MACS = 1 << 18
+
+
+def split_cost_favours_direct(geo: Geometry, w: np.ndarray, group: int, threads: int) -> bool:
+    """Whether the direct tiles on the calling thread cost no more than the packed convolution split across
+    ``threads``: both hold output channels across the lanes, so each costs its multiply-adds over its share
+    of useful lanes (the direct tiles': 16 channels x TILE_PIXELS pixels of a row; the packed one's:
+    conv_packed.lane_work, whose pixel panels cost more per lane), the split one divided by the threads'
+    speed-up (HELPER_SHARE each helper) plus SPLIT_MACS. A shallow strided stem (resnet's 3->16 7x7/2, whose
+    packed panels gather every window) stays on the direct tiles; deeper, wider layers split."""
+    from .conv_packed import lane_work
+
+    outputs = w.shape[0] // group
+    macs = w[0].size * w.shape[0] * math.prod(geo.out)
+    ow = geo.out[1]
+    direct = macs * (CHANNELS_PER_TILE * -(-outputs // CHANNELS_PER_TILE) / outputs) * (
+        TILE_PIXELS * -(-ow // TILE_PIXELS) / ow)
+    packed = macs * lane_work(geo, outputs, w[0].size) / (1 + (threads - 1) * HELPER_SHARE) + SPLIT_MACS
+    return direct <= packed
 
 
 _IDENTITY_BOUNDS = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)

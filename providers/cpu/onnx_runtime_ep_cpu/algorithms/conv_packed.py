@@ -51,20 +51,75 @@ def lanes_apply(geo: Geometry, outputs: int, depth: int) -> bool:
     of 14) times its gain at equal shares (_LANES_GAIN; _LANES_GAIN_SHALLOW for shallow stems, where each
     panel tile mostly stores; measured in 14dd70b) beats the pixel panels' (pixels in panels of 32 over the
     lane grid, channels in tiles of 8 or 12)."""
-    if geo.strides[1] not in (1, 2):
-        return False
-    from ..compiled import gemm, lanes  # (loaded already by the packed convolution that asks)
+    shares = _lane_shares(geo, outputs)
+    return shares is not None and shares[0] * _lanes_gain(depth) >= shares[1]
 
+
+def _lanes_gain(depth: int) -> float:
+    return _LANES_GAIN_SHALLOW if depth < 64 else _LANES_GAIN
+
+
+# The tiles' shapes (compiled/lanes.py's CHANNELS x PIXELS and shape(), gemm.py's NR and tile_rows), mirrored so
+# that weighing a layout (here and conv_direct's choice at plan time) imports no numba; test_conv_cost checks them.
+LANE_CHANNELS, LANE_PIXELS, PANEL_PIXELS = 32, 14, 32
+
+
+def lane_tile(out_width: int) -> tuple[int, int]:
+    """compiled/lanes.shape: (pixels per row chunk, rows) of a lane tile."""
+    return (LANE_PIXELS // 2, 2) if out_width <= LANE_PIXELS // 2 else (LANE_PIXELS, 1)
+
+
+def panel_rows(m: int) -> int:
+    """compiled/gemm.tile_rows: output channels per panel tile, 12 or 8."""
+    return 8 if -(-m // 12) * 12 > 1.06 * (-(-m // 8) * 8) else 12
+
+
+def _lane_shares(geo: Geometry, outputs: int) -> tuple[float, float] | None:
+    """(the channel-lane tiles' share of useful lanes, the pixel panels'), or None where the lanes do not
+    take this window (column strides other than 1 and 2) or the output is empty."""
+    if geo.strides[1] not in (1, 2):
+        return None
     (oh, ow), pixels = geo.out, math.prod(geo.out)
     if not pixels or not outputs:  # an empty output: nothing to weigh
-        return False
-    columns, rows = lanes.shape(ow)
-    tiles = lanes.CHANNELS * -(-outputs // lanes.CHANNELS)
+        return None
+    columns, rows = lane_tile(ow)
+    tiles = LANE_CHANNELS * -(-outputs // LANE_CHANNELS)
     by_lanes = outputs / tiles * pixels / (-(-oh // rows) * rows * -(-ow // columns) * columns)
+    return by_lanes, _panel_share(geo, outputs)
+
+
+def _panel_share(geo: Geometry, outputs: int) -> float:
+    (oh, _), pixels = geo.out, math.prod(geo.out)
     grid = _lane_grid(geo, geo.padded_shape(geo.in_shape)[1])
-    mr = gemm.tile_rows(outputs)
-    panels = pixels / (gemm.NR * -(-(oh * grid) // gemm.NR)) * outputs / (mr * -(-outputs // mr))
-    return by_lanes * (_LANES_GAIN_SHALLOW if depth < 64 else _LANES_GAIN) >= panels
+    mr = panel_rows(outputs)
+    return pixels / (PANEL_PIXELS * -(-(oh * grid) // PANEL_PIXELS)) * outputs / (mr * -(-outputs // mr))
+
+
+def lane_work(geo: Geometry, outputs: int, depth: int) -> float:
+    """The packed convolution's work per useful multiply-add on one thread, in channel-lane tile steps (the
+    unit of the direct tiles, conv_direct.DirectConv, whose tiles also hold output channels across the
+    lanes), for the layout it takes (lanes_apply): one over the lanes' useful share; or the pixel panels'
+    _lanes_gain over theirs, plus, for a strided window not split into phases, the packing of each panel
+    (a gather of its input values, PANEL_GATHER lane steps each, shared by the output channels). A pointwise
+    window runs as one row of pixels, as PackedConv runs it. (For conv_direct's choice between the two.)"""
+    if math.prod(geo.out) == 0 or outputs == 0:
+        return math.inf
+    if geo.kernel == (1, 1) and geo.strides == (1, 1) and geo.unpadded:
+        pixels = math.prod(geo.out)
+        geo = Geometry((1, pixels), (1, 1), (1, 1), (1, 1), (0, 0), (0, 0), (1, pixels))
+    shares = _lane_shares(geo, outputs)
+    gain = _lanes_gain(depth)
+    if shares is not None and shares[0] * gain >= shares[1]:
+        return 1 / shares[0]
+    work = gain / _panel_share(geo, outputs)
+    if geo.strides != (1, 1) and phase_split(geo, geo.padded_shape(geo.in_shape), outputs) is None:
+        work += PANEL_GATHER / outputs
+    return work
+
+
+# A strided panel's gathered input value, in lane tile steps (fitted to shallow 7x7/2 stems of 16-64 outputs on
+# one thread, the panels against the direct tiles: this constant's commit).
+PANEL_GATHER = 8
 
 
 _LANES_GAIN, _LANES_GAIN_SHALLOW = 1.25, 1.8

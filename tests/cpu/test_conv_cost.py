@@ -1,0 +1,115 @@
+"""On two threads a convolution above conv_direct.SMALL_MACS takes the direct tiles on the calling thread where
+they cost less than the packed convolution split across the threads (conv_direct.split_cost_favours_direct): a
+stem of 3 channels into 16 or 32 (resnet's 7x7/2, whose packed panels gather every strided window and whose
+split ran 1.4-1.7x slower than the direct tiles); wider, deeper layers keep the split packed convolution.
+Results against a float64 reference (and the zoo's resnet against onnxruntime) either way."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx_runtime as ort
+import pytest
+from conftest import ZOO
+from model_helpers import make_model, tensor_info
+from onnx import TensorProto, helper, numpy_helper
+from onnx_runtime_ep_cpu.algorithms import conv_direct, conv_packed, conv_path
+from onnx_runtime_ep_cpu.algorithms.window import Geometry
+from onnx_runtime_ep_cpu.compiled import host
+
+pytestmark = [pytest.mark.skipif(not host.AVX512, reason="the packed convolution needs an AVX-512 host"),
+              pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two threads need two usable CPUs")]
+
+
+def _reference(x, w, b, stride, pad):
+    """float64 2-D convolution by its definition, then Relu."""
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    k, out = w.shape[2], (x.shape[2] + 2 * pad - w.shape[2]) // stride + 1
+    taps = np.stack([xp[:, :, i: i + (out - 1) * stride + 1: stride, j: j + (out - 1) * stride + 1: stride]
+                     for i in range(k) for j in range(k)], axis=2)  # (N, C, K*K, out, out)
+    y = np.einsum("ncthw,mct->nmhw", taps, w.astype(np.float64).reshape(*w.shape[:2], -1))
+    return np.maximum(y + b.astype(np.float64)[None, :, None, None], 0)
+
+
+def _session(model, threads):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.compile_in_background", "0")  # (the compiled paths from the first run)
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def _run(cin, cout, k, stride, size, threads):
+    rng = np.random.default_rng(cin + cout + size)
+    w = (rng.standard_normal((cout, cin, k, k)) / np.sqrt(cin * k * k)).astype(np.float32)
+    b = rng.standard_normal(cout).astype(np.float32)
+    x = rng.standard_normal((1, cin, size, size)).astype(np.float32)
+    pad = k // 2
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[pad] * 4, strides=[stride] * 2,
+                              kernel_shape=[k, k]), helper.make_node("Relu", ["c"], ["y"])]
+    model = make_model(nodes, [tensor_info("x", TensorProto.FLOAT, x.shape)], [tensor_info("y", TensorProto.FLOAT)],
+                       [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    y = _session(model.SerializeToString(), threads).run(None, {"x": x})[0]
+    expected = _reference(x, w, b, stride, pad)
+    assert np.abs(y - expected).max() <= 1e-5 * max(1.0, np.abs(expected).max())
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The convolution classes conv_path builds: (name, weight shape)."""
+    names = []
+    for cls in (conv_path.DirectConv, conv_path.PackedConv):
+        monkeypatch.setattr(conv_path, cls.__name__, type(cls.__name__, (cls,), {
+            "__init__": lambda self, *args, _cls=cls, **kwargs: names.append((_cls.__name__, tuple(args[3])))
+            or _cls.__init__(self, *args, **kwargs)}))
+    return names
+
+
+@pytest.mark.parametrize("cin,cout,k,stride,size,taken", [
+    (3, 16, 7, 2, 64, "DirectConv"),  # resnet's stem: 2.4M multiply-adds
+    (3, 16, 3, 2, 128, "DirectConv"),  # 1.8M, depth 27
+    (3, 32, 7, 2, 64, "DirectConv"),  # 4.8M: the packed convolution's panels gather each strided window
+    (32, 64, 3, 1, 32, "PackedConv"),  # 18.9M
+    (128, 128, 3, 1, 14, "PackedConv"),  # 28.9M
+])
+def test_two_threads_weigh_the_split(built, cin, cout, k, stride, size, taken):
+    assert cin * k * k * cout * ((size + 2 * (k // 2) - k) // stride + 1) ** 2 > conv_direct.SMALL_MACS
+    _run(cin, cout, k, stride, size, threads=2)
+    assert [name for name, _ in built] == [taken]
+
+
+def test_one_thread_keeps_its_rules(built):
+    _run(16, 32, 3, 1, 32, threads=1)  # 4.7M, no stem: the packed convolution, as before
+    assert [name for name, _ in built] == ["PackedConv"]
+
+
+def test_more_threads_split_sooner():
+    geo = Geometry((64, 64), (7, 7), (2, 2), (1, 1), (3, 3), (3, 3), (32, 32))
+    w = np.zeros((32, 3, 7, 7), np.float32)  # 4.8M: close on two threads, split on eight
+    assert conv_direct.split_cost_favours_direct(geo, w, 1, 2)
+    assert not conv_direct.split_cost_favours_direct(geo, w, 1, 8)
+
+
+def test_mirrored_tile_shapes_match_the_kernels():
+    from onnx_runtime_ep_cpu.compiled import directconv, gemm, lanes
+
+    assert (conv_packed.LANE_CHANNELS, conv_packed.LANE_PIXELS) == (lanes.CHANNELS, lanes.PIXELS)
+    assert conv_packed.PANEL_PIXELS == gemm.NR and conv_direct.TILE_PIXELS == directconv.PIXELS
+    assert conv_direct.CHANNELS_PER_TILE == directconv.CHANNELS
+    assert all(conv_packed.lane_tile(width) == lanes.shape(width) for width in range(1, 64))
+    assert all(conv_packed.panel_rows(m) == gemm.tile_rows(m) for m in range(1, 1025))
+
+
+def test_zoo_resnet_stem_on_the_direct_tiles_at_two_threads(built):
+    import onnxruntime
+
+    path = ZOO / "resnet.torchscript.fp32.onnx"
+    if not path.exists():
+        pytest.skip("the model zoo is not built: run scripts/build_zoo.sh")
+    x = np.random.default_rng(0).standard_normal((1, 3, 64, 64)).astype(np.float32)
+    ours = _session(str(path), 2)
+    name = ours.get_inputs()[0].name
+    y = ours.run(None, {name: x})[0]
+    assert ("DirectConv", (16, 3, 7, 7)) in built  # the stem
+    expected = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {name: x})[0]
+    assert np.abs(y - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
