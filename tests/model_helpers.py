@@ -211,3 +211,19 @@ def zoo_model(name: str) -> tuple[dict, str]:
         sys.path.insert(0, str(ROOT / "benchmarks"))
     entry = next(m for m in json.loads((zoo / "manifest.json").read_text())["models"] if m["name"] == name)
     return entry, str(path)
+
+
+def qdq_zoo_sessions(qdq_decoders, name: str, without: str) -> tuple:
+    """For the QDQ zoo decoder ``name`` of the qdq_decoders fixture: (its call specs, onnxruntime's session, the
+    oracle (skips when onnxruntime is missing), ours, ours made without the QDQ epilogue pass ``without``)."""
+    import onnx_runtime
+    import pytest
+
+    built, entries, _ = qdq_decoders
+    oracle = pytest.importorskip("onnxruntime", reason="onnxruntime is the oracle: install the test extra")
+    path = str(built[name])
+    theirs = oracle.InferenceSession(path, providers=["CPUExecutionProvider"])
+    ours = onnx_runtime.InferenceSession(path, providers=["cpu"])
+    with qdq_epilogues_without(without):
+        plain = onnx_runtime.InferenceSession(path, providers=["cpu"])
+    return entries[name + ".fp32"]["calls"], theirs, ours, plain

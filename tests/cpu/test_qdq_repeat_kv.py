@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_runtime
 import pytest
-from model_helpers import ops_and_outputs, oracle_session, qdq_epilogues_without, read_only
+from model_helpers import ops_and_outputs, oracle_session, qdq_epilogues_without, qdq_zoo_sessions, read_only
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime.errors import OnnxRuntimeError
 from onnx_runtime.ir import Node
@@ -192,13 +191,8 @@ def test_zoo_llama_attention_products(qdq_decoders, name):
     """Both exporters' QDQ LLaMA (4 query heads on 2 key/value heads): the four attention products read the
     presents in place in prefill and in decode calls over new lengths; outputs bit for bit those of the unfused
     nodes, within a few codes of onnxruntime's."""
-    built, entries, zoo_feeds = qdq_decoders
-    calls = entries[name + ".fp32"]["calls"]
-    oracle = pytest.importorskip("onnxruntime", reason="onnxruntime is the oracle: install the test extra")
-    theirs = oracle.InferenceSession(str(built[name]), providers=["CPUExecutionProvider"])
-    ours = onnx_runtime.InferenceSession(str(built[name]), providers=["cpu"])
-    with qdq_epilogues_without("fold_repeated_kv"):
-        plain = onnx_runtime.InferenceSession(str(built[name]), providers=["cpu"])
+    zoo_feeds = qdq_decoders[2]
+    calls, theirs, ours, plain = qdq_zoo_sessions(qdq_decoders, name, "fold_repeated_kv")
     feeds = [zoo_feeds.make_feeds(calls["prefill"])]
     feeds += [zoo_feeds.make_feeds(zoo_feeds.grown(calls["decode"], extra)) for extra in range(4)]
     for feed in feeds:

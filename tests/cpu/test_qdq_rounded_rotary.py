@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_runtime
 import pytest
-from model_helpers import ops_and_outputs, oracle_session, qdq_epilogues_without
+from model_helpers import ops_and_outputs, oracle_session, qdq_epilogues_without, qdq_zoo_sessions
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime.errors import OnnxRuntimeError
 from onnx_runtime.ir import Node
@@ -221,13 +220,9 @@ def test_a_read_intermediate_keeps_the_nodes():
 def test_zoo_llama_decode_rotations(qdq_decoders, name):
     """Both exporters' QDQ LLaMA: the four rotations (q and k of two layers) fold in prefill and decode; outputs bit
     for bit those of the unfused nodes, within a few codes of onnxruntime's."""
-    built, entries, zoo_feeds = qdq_decoders
-    calls = entries[name + ".fp32"]["calls"]
-    oracle = pytest.importorskip("onnxruntime", reason="onnxruntime is the oracle: install the test extra")
-    theirs = oracle.InferenceSession(str(built[name]), providers=["CPUExecutionProvider"])
-    ours = onnx_runtime.InferenceSession(str(built[name]), providers=["cpu"])
+    zoo_feeds = qdq_decoders[2]
+    calls, theirs, ours, plain = qdq_zoo_sessions(qdq_decoders, name, "fuse_rounded_rotary")
     with qdq_epilogues_without("fuse_rounded_rotary"):
-        plain = onnx_runtime.InferenceSession(str(built[name]), providers=["cpu"])
         for call in ("prefill", "decode"):
             plain.run(None, zoo_feeds.make_feeds(calls[call]))
     for call in ("prefill", "decode"):
