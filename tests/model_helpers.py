@@ -227,3 +227,12 @@ def qdq_zoo_sessions(qdq_decoders, name: str, without: str) -> tuple:
     with qdq_epilogues_without(without):
         plain = onnx_runtime.InferenceSession(path, providers=["cpu"])
     return entries[name + ".fp32"]["calls"], theirs, ours, plain
+
+
+def saved_for_child(folder, model: onnx.ModelProto, x: np.ndarray, stem: str) -> tuple:
+    """(model path, input path): ``model`` saved as ``stem``.onnx and ``x`` as x.npy in ``folder``, for a fresh
+    process to read."""
+    model_path, x_path = folder / f"{stem}.onnx", folder / "x.npy"
+    onnx.save(model, model_path)
+    np.save(x_path, x)
+    return model_path, x_path

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 import onnx
-from model_helpers import json_from_child
+from model_helpers import json_from_child, saved_for_child
 from onnx import TensorProto, helper, numpy_helper
 from reference64 import assert_within, run_float64
 
@@ -45,10 +45,8 @@ def _cnn() -> onnx.ModelProto:
 
 def test_a_float_first_run_imports_neither_the_integer_twins_nor_the_compile_child(tmp_path):
     model = _cnn()
-    model_path, x_path = tmp_path / "cnn.onnx", tmp_path / "x.npy"
-    onnx.save(model, model_path)
     x = np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype(np.float32)
-    np.save(x_path, x)
+    model_path, x_path = saved_for_child(tmp_path, model, x, "cnn")
     env = {k: v for k, v in os.environ.items() if k != "ONNX_RUNTIME_COMPILE_IN_BACKGROUND"}  # (deferral on)
     report = json_from_child(SCRIPT, model_path, x_path, env=env)
     assert report["numpy_first"], "the first run ended after the loader switched: nothing left to check"

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import onnx
-from model_helpers import json_from_child
+from model_helpers import json_from_child, saved_for_child
 from onnx import TensorProto, helper, numpy_helper
 from reference64 import assert_within, run_float64
 
@@ -49,10 +49,8 @@ def _fresh(model_path, x_path, plans) -> dict:
 
 def test_a_cached_creation_and_first_run_import_no_fusion_pass(tmp_path):
     model = _model()
-    model_path, x_path = tmp_path / "head.onnx", tmp_path / "x.npy"
-    onnx.save(model, model_path)
     x = np.random.default_rng(2).standard_normal((2, 3, 6, 6)).astype(np.float32)
-    np.save(x_path, x)
+    model_path, x_path = saved_for_child(tmp_path, model, x, "head")
     plans = tmp_path / "plans"
     for _ in range(3):  # (an edit of the installed code between the two processes changes the plans' key)
         planned = _fresh(model_path, x_path, plans)  # plans anew (its passes import fusions.py) and writes
