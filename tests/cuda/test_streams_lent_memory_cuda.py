@@ -13,6 +13,7 @@ a wrong result.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import numpy as np
@@ -199,6 +200,7 @@ def test_ending_each_borrow_forgets_the_memory(deferred):
     blocks = [RawMemory(device, 512) for _ in range(10)]
 
     def remembered() -> tuple[int, int, int, int]:
+        gc.collect()  # earlier tests' garbage, freed whenever a collection runs, would shrink the tables mid-loop
         return len(device._marks), len(device._homes), len(device._loose), len(device._lent)  # noqa: SLF001
 
     start = None  # after the first round, which allocates what the sessions keep

@@ -278,7 +278,7 @@ class CudaDevice(AccessOrdering):
         """Free the allocation whose ``base`` :meth:`allocate` returned, stream-ordered on ``stream`` (compute by
         default) and after its home stream's work and the lanes that touched it (see the module docstring). Memory
         a capture in progress reached is freed when that capture's graph is recorded (:meth:`settle_capture`)."""
-        if self.defer_inside(self.free, base, stream):
+        if (self._lock._is_owned() or self._order_lock._is_owned()) and self.defer_inside(self.free, base, stream):
             return
         if self._deferred_frees:
             self._free_deferred()
