@@ -36,19 +36,22 @@ print(json.dumps(loaded()))
 
 # Creates a CPU session for the model at argv[1], runs it once on ones, and reports what got loaded.
 SESSION = LOADED + """
-import threading
+import threading, traceback
 numba_importers = []  # the threads that started importing numba: the run's own, or the background loader
+main_import = []  # where the run's own thread started it (the failure message shows it)
 class _Watch:
     def find_spec(self, name, path=None, target=None):
         if name == "numba":
             numba_importers.append(threading.current_thread().name)
+            if threading.current_thread() is threading.main_thread():
+                main_import.extend(traceback.format_stack(limit=14)[:-1])
         return None
 sys.meta_path.insert(0, _Watch())
 import numpy as np, onnx_runtime as ort
 sess = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
 feeds = {a.name: np.ones(a.shape, np.float32) for a in sess.get_inputs()}
 out = sess.run(None, feeds)[0]
-report = {"loaded": loaded(), "sum": float(out.sum()), "numba_importers": numba_importers}
+report = {"loaded": loaded(), "sum": float(out.sum()), "numba_importers": numba_importers, "main_import": main_import}
 report["all"] = ort.get_all_providers()  # full discovery still finds every provider, once asked
 print(json.dumps(report))
 """
@@ -161,14 +164,18 @@ def test_a_session_of_numpy_kernels_loads_no_compiler_and_probes_no_device(tmp_p
 def test_the_control_a_model_with_compiled_loops_does_load_numba(tmp_path):
     # With background loading off: by default the first run is served by the loop's numpy equivalent
     # (test_background_compile.py).
-    env = dict(os.environ, ONNX_RUNTIME_COMPILE_IN_BACKGROUND="0")
+    # A numba cache of the test's own: the package's cache is written meanwhile by compile processes of sessions
+    # the suite made before (in a full run the default process below once imported numba on its run's thread
+    # against that cache, never against a private one; the failure message carries where).
+    private = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"))
+    env = dict(private, ONNX_RUNTIME_COMPILE_IN_BACKGROUND="0")
     report = _run(SESSION, _model(tmp_path / "softmax.onnx", "Softmax", axis=-1), env=env)
     assert "numba" in report["loaded"], "the softmax model should use a compiled loop, or the check proves nothing"
     assert np.isclose(report["sum"], 3.0)
     assert report["numba_importers"] == ["MainThread"], report
     # By default the run's thread never imports numba; the background loader may start its import as soon as the
     # run pauses, so whether numba is in sys.modules when the run returns is a race, not the property.
-    default = _run(SESSION, _model(tmp_path / "softmax.onnx", "Softmax", axis=-1))
+    default = _run(SESSION, _model(tmp_path / "softmax.onnx", "Softmax", axis=-1), env=private)
     assert "MainThread" not in default["numba_importers"] and np.isclose(default["sum"], 3.0), default
     assert set(default["numba_importers"]) <= {"onnx-runtime-compiled-loops"}, default
 
