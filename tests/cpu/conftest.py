@@ -29,6 +29,19 @@ def made(monkeypatch) -> list:
     return kernels
 
 
+@pytest.fixture
+def built_convs(monkeypatch) -> list:
+    """The convolutions conv_path builds while the test runs, as (class name, weight shape)."""
+    from onnx_runtime_ep_cpu.algorithms import conv_path
+
+    built = []
+    for cls in (conv_path.DirectConv, conv_path.PackedConv):
+        monkeypatch.setattr(conv_path, cls.__name__, type(cls.__name__, (cls,), {
+            "__init__": lambda self, *args, _cls=cls, **kwargs: built.append((_cls.__name__, tuple(args[3])))
+            or _cls.__init__(self, *args, **kwargs)}))
+    return built
+
+
 @pytest.fixture(scope="session")
 def qdq_decoders(tmp_path_factory):
     """(built, manifest entries by name, the zoo_feeds module): the zoo's decoders quantized with quantize_static

@@ -14,7 +14,7 @@ import pytest
 from conftest import ZOO
 from model_helpers import make_model, tensor_info
 from onnx import TensorProto, helper, numpy_helper
-from onnx_runtime_ep_cpu.algorithms import conv_direct, conv_packed, conv_path
+from onnx_runtime_ep_cpu.algorithms import conv_direct, conv_packed
 from onnx_runtime_ep_cpu.algorithms.window import Geometry
 from onnx_runtime_ep_cpu.compiled import host
 
@@ -55,14 +55,8 @@ def _run(cin, cout, k, stride, size, threads):
 
 
 @pytest.fixture
-def built(monkeypatch):
-    """The convolution classes conv_path builds: (name, weight shape)."""
-    names = []
-    for cls in (conv_path.DirectConv, conv_path.PackedConv):
-        monkeypatch.setattr(conv_path, cls.__name__, type(cls.__name__, (cls,), {
-            "__init__": lambda self, *args, _cls=cls, **kwargs: names.append((_cls.__name__, tuple(args[3])))
-            or _cls.__init__(self, *args, **kwargs)}))
-    return names
+def built(built_convs):
+    return built_convs
 
 
 @pytest.mark.parametrize("cin,cout,k,stride,size,taken", [
