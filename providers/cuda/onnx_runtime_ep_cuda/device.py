@@ -278,7 +278,7 @@ class CudaDevice(AccessOrdering):
         """Free the allocation whose ``base`` :meth:`allocate` returned, stream-ordered on ``stream`` (compute by
         default) and after its home stream's work and the lanes that touched it (see the module docstring). Memory
         a capture in progress reached is freed when that capture's graph is recorded (:meth:`settle_capture`)."""
-        if (self._lock._is_owned() or self._order_lock._is_owned()) and self.defer_inside(self.free, base, stream):
+        if self._holds_locks() and self.defer_inside(self.free, base, stream):  # (no bound method on the common path)
             return
         if self._deferred_frees:
             self._free_deferred()
@@ -315,14 +315,18 @@ class CudaDevice(AccessOrdering):
     def defer_inside(self, release, *args) -> bool:
         """Keep ``release(*args)`` for the next allocation, free or sync when the calling thread holds the device's
         locks (a finalizer that a collection ran inside them: see "Finalizers"); True when it was kept."""
-        if self._lock._is_owned() or self._order_lock._is_owned():
+        if self._holds_locks():
             self._deferred_frees.append((release, args))
             return True
         return False
 
+    def _holds_locks(self) -> bool:
+        """Whether the calling thread is inside the device's lock or its ordering lock."""
+        return self._lock._is_owned() or self._order_lock._is_owned()  # noqa: SLF001
+
     def _free_deferred(self) -> None:
         """Issue the frees finalizers asked for while their thread held the device's locks (see "Finalizers")."""
-        while self._deferred_frees and not (self._lock._is_owned() or self._order_lock._is_owned()):
+        while self._deferred_frees and not self._holds_locks():
             try:
                 release, args = self._deferred_frees.popleft()
             except IndexError:  # another thread took the last one
