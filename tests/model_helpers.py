@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -236,3 +237,29 @@ def saved_for_child(folder, model: onnx.ModelProto, x: np.ndarray, stem: str) ->
     onnx.save(model, model_path)
     np.save(x_path, x)
     return model_path, x_path
+
+
+def within_limit(action, lock, limit_s: float, what: str) -> None:
+    """Run ``action`` on a daemon thread and fail, rather than hang, when it has not returned within ``limit_s``:
+    ``lock`` (a plain lock the stuck thread would hold and wait for) is released so the teardown does not hang too.
+    An exception ``action`` raised is raised here."""
+    import pytest
+
+    failures, finished = [], threading.Event()
+
+    def run():
+        try:
+            action()
+        except BaseException as error:  # noqa: BLE001 - re-raised on the test's thread
+            failures.append(error)
+        finally:
+            finished.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    if not finished.wait(limit_s):
+        with contextlib.suppress(RuntimeError):
+            lock.release()
+        finished.wait(limit_s)
+        pytest.fail(f"{what} did not return within {limit_s} s")
+    if failures:
+        raise failures[0]

@@ -10,10 +10,10 @@ its own with a time limit, so a regression fails instead of hanging the run.
 from __future__ import annotations
 
 import gc
-import threading
 
 import onnx_runtime as ort
 import pytest
+from model_helpers import within_limit
 from onnx_runtime.contract.residency import HolderId
 from onnx_runtime.memory import ProcessMemoryGovernor
 from onnx_runtime.memory.accounts import DeviceAccount
@@ -46,28 +46,12 @@ def test_a_release_by_a_collection_inside_the_account_lock_is_given_back_after_i
     cycle.append(cycle)
     del tensor, cycle
     assert account.charged == 4096
-    failures, finished = [], threading.Event()
-
     def collect_inside():
-        try:
-            with account._lock:  # noqa: SLF001
-                gc.collect()  # as one started by an allocation inside the section would
-            assert account.charged == 0  # given back at the next call
-            buffer = handle.allocate(64)
-            handle.deallocate(buffer)
-            assert account.charged == 0
-        except BaseException as error:  # noqa: BLE001 - re-raised on the test's thread
-            failures.append(error)
-        finally:
-            finished.set()
+        with account._lock:  # noqa: SLF001
+            gc.collect()  # as one started by an allocation inside the section would
+        assert account.charged == 0  # given back at the next call
+        buffer = handle.allocate(64)
+        handle.deallocate(buffer)
+        assert account.charged == 0
 
-    threading.Thread(target=collect_inside, daemon=True).start()
-    if not finished.wait(LIMIT_S):
-        try:  # a plain lock the stuck thread holds and waits for: let it go on, so the teardown does not hang too
-            account._lock.release()  # noqa: SLF001
-        except RuntimeError:
-            pass
-        finished.wait(LIMIT_S)
-        pytest.fail(f"a finalizer's release inside the account's lock did not return within {LIMIT_S} s")
-    if failures:
-        raise failures[0]
+    within_limit(collect_inside, account._lock, LIMIT_S, "a finalizer's release inside the account's lock")  # noqa: SLF001

@@ -11,11 +11,11 @@ hanging the run.
 from __future__ import annotations
 
 import gc
-import threading
 
 import numpy as np
 import onnx_runtime as ort
 import pytest
+from model_helpers import within_limit
 
 pytest.importorskip("onnx_runtime_ep_cuda.driver", reason="the CUDA provider is not installed")
 
@@ -33,27 +33,7 @@ def collector_off():
 
 
 def _within_limit(action, lock) -> None:
-    """Run ``action`` on a daemon thread; fail (rather than hang) when it has not returned within the limit."""
-    failures, finished = [], threading.Event()
-
-    def run():
-        try:
-            action()
-        except BaseException as error:  # noqa: BLE001 - re-raised on the test's thread
-            failures.append(error)
-        finally:
-            finished.set()
-
-    threading.Thread(target=run, daemon=True).start()
-    if not finished.wait(LIMIT_S):
-        try:  # a plain lock the stuck thread holds and waits for: let it go on, so the teardown does not hang too
-            lock.release()
-        except RuntimeError:
-            pass
-        finished.wait(LIMIT_S)
-        pytest.fail(f"a finalizer's free inside the device's lock did not return within {LIMIT_S} s")
-    if failures:
-        raise failures[0]
+    within_limit(action, lock, LIMIT_S, "a finalizer's free inside the device's lock")
 
 
 def _cyclic_tensor(handle, n=64):
