@@ -29,6 +29,44 @@ from model_helpers import make_model, tensor_info  # noqa: E402
 os.environ.setdefault("ONNX_RUNTIME_PLAN_CACHE", "0")
 
 
+def _runtime_variables() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name.startswith(("ONNX_RUNTIME_", "NUMBA_"))}
+
+
+# What the suite starts with: a test module imported at collection, or a test, that changes these for the rest of
+# the run changes what every later test (and every process it starts) runs (a benchmark module once turned off
+# background loading at import, and a cold-start test failed only in the full run).
+_SUITE_VARIABLES = _runtime_variables()
+
+
+def _changed(before: dict[str, str]) -> dict[str, tuple]:
+    after = _runtime_variables()
+    return {name: (before.get(name), after.get(name)) for name in before.keys() | after.keys()
+            if before.get(name) != after.get(name)}
+
+
+def pytest_collection_finish(session):
+    changed = _changed(_SUITE_VARIABLES)
+    if changed:
+        raise pytest.UsageError(f"importing the test modules changed the runtime's environment variables {changed} "
+                                f"(name: (before, after)); set them inside a test (monkeypatch.setenv) or a "
+                                f"script's main(), not at import")
+
+
+@pytest.fixture(autouse=True)
+def _environment_left_as_found():
+    """Fails a test that leaves ONNX_RUNTIME_*/NUMBA_* variables changed (use monkeypatch.setenv, which restores)."""
+    before = _runtime_variables()
+    yield
+    changed = _changed(before)
+    if changed:
+        os.environ.update({name: value for name, (value, _after) in changed.items() if value is not None})
+        for name in [name for name, (value, _after) in changed.items() if value is None]:
+            os.environ.pop(name, None)
+        pytest.fail(f"the test left the runtime's environment variables changed {changed} (name: (before, after)); "
+                    f"use monkeypatch.setenv or restore them")
+
+
 @pytest.fixture
 def knobs():
     """``knobs(name=value, ...)``: the CPU provider's tuning knobs (onnx_runtime_ep_cpu/tuning.py) set for the

@@ -184,8 +184,21 @@ def compile_ahead(models: list[tuple[str, str | bytes]], providers: list[str] | 
     safe), then once more each in this process from the caches; returns this process's passes.
     ``report`` is called with each worker pass as it finishes."""
     # Compile now what the models need: no first run served by numpy while kernels load in the background
-    # (the CPU provider's default), here or in the workers, which inherit the environment.
+    # (the CPU provider's default), here or in the workers, which inherit the environment; the caller's
+    # environment is restored after (processes it starts later inherit the environment, not this choice).
+    previous = os.environ.get(BACKGROUND_COMPILE_ENV)
     os.environ[BACKGROUND_COMPILE_ENV] = "0"
+    try:
+        return _compile_ahead(models, providers, jobs, report)
+    finally:
+        if previous is None:
+            os.environ.pop(BACKGROUND_COMPILE_ENV, None)
+        else:
+            os.environ[BACKGROUND_COMPILE_ENV] = previous
+
+
+def _compile_ahead(models, providers, jobs, report) -> list[Compiled]:
+    """compile_ahead's work, with background loading off in the environment."""
     compile_bytecode()
     if jobs > 1 and len(models) > 1:
         context = multiprocessing.get_context("spawn")
