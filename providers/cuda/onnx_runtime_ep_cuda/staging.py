@@ -16,6 +16,10 @@ settles only the blocks its own streams used.
 Once the provider adopts the memory governor (``govern``), every block is charged to the device's pinned host
 tier (role staging) before it is allocated. A block the budget cannot take is not allocated: the ring stays at
 the blocks it has (one at least: a budget that cannot hold one block fails the copy with the governor's error).
+
+A collection may run a finalizer that synchronizes the device (a released device binding) on a thread inside the
+ring: its lock is reentrant, and :meth:`PinnedStaging.deliver` passes over a block the calling thread itself holds
+(its copy is further up that thread's stack; the next synchronization delivers it) instead of waiting for itself.
 """
 
 from __future__ import annotations
@@ -42,6 +46,17 @@ class _Block:
     lease: object = None  # the governor's charge for the block's pinned bytes, once governed
     stream: object = None  # the stream of its last copy
     held: threading.Lock = field(default_factory=threading.Lock)  # from being handed out until its copy is enqueued
+    owner: int = 0  # the thread holding ``held`` (0: none), so that a finalizer on that thread does not wait for it
+
+    def take(self, blocking: bool = True) -> bool:
+        if not self.held.acquire(blocking):
+            return False
+        self.owner = threading.get_ident()
+        return True
+
+    def give(self) -> None:
+        self.owner = 0
+        self.held.release()
 
 
 class PinnedStaging:
@@ -53,7 +68,7 @@ class PinnedStaging:
         self.device = device
         self._blocks: list[_Block] = []
         self._next = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: see the module docstring (finalizers)
         self.block_bytes = BLOCK_BYTES
         self.allocated = 0  # cuMemHostAlloc calls; every one is freed once by close
         self.freed = 0
@@ -139,16 +154,16 @@ class PinnedStaging:
                 self.allocated += 1
                 view = np.ctypeslib.as_array((ctypes.c_uint8 * BLOCK_BYTES).from_address(address))
                 block = _Block(address, view, event, lease=lease)
-                block.held.acquire()
+                block.take()
                 self._blocks.append(block)
                 return block
             block = self._blocks[self._next % len(self._blocks)]
             self._next = (self._next + 1) % len(self._blocks)
-        block.held.acquire()
+        block.take()
         try:
             self._settle(block)
         except BaseException:
-            block.held.release()
+            block.give()
             raise
         return block
 
@@ -159,23 +174,23 @@ class PinnedStaging:
         for step in range(count):
             index = (self._next + step) % count
             block = self._blocks[index]
-            if not block.held.acquire(blocking=False):
+            if not block.take(blocking=False):
                 continue
             if block.recorded:
                 (err,) = d.cuEventQuery(block.event)
                 if int(err) == int(d.CUresult.CUDA_ERROR_NOT_READY):
-                    block.held.release()
+                    block.give()
                     continue
                 try:
                     self._check((err,), "cuEventQuery(staging block)")
                 except BaseException:
-                    block.held.release()
+                    block.give()
                     raise
                 block.recorded = False
             try:
                 self._settle(block)  # a download it holds reaches its host array
             except BaseException:
-                block.held.release()
+                block.give()
                 raise
             self._next = (index + 1) % count
             return block
@@ -184,12 +199,12 @@ class PinnedStaging:
     def completed(self, streams) -> None:
         """``streams`` were synchronized: the blocks whose last copy went there are complete (no event wait)."""
         for block in list(self._blocks):
-            if block.recorded and any(block.stream is s for s in streams) and block.held.acquire(blocking=False):
+            if block.recorded and any(block.stream is s for s in streams) and block.take(blocking=False):
                 try:
                     if any(block.stream is s for s in streams):
                         block.recorded = False
                 finally:
-                    block.held.release()
+                    block.give()
 
     def _settle(self, block: _Block) -> None:
         if block.recorded:
@@ -216,7 +231,7 @@ class PinnedStaging:
                     self._check(result, f"cuMemcpyHtoDAsync({chunk.size} B, pinned)")
                 self._recorded(block, stream)
             finally:
-                block.held.release()
+                block.give()
 
     def download_async(self, dst: np.ndarray, src: int, stream) -> None:
         """Enqueue device bytes at ``src`` into host array ``dst`` (uint8) through pinned blocks, a block per chunk;
@@ -246,17 +261,23 @@ class PinnedStaging:
                 else:
                     block.pending = chunk
             finally:
-                block.held.release()
+                block.give()
 
     def deliver(self, streams=None) -> None:
         """Finish the staged downloads of ``streams`` (every one when None); after those streams were synchronized
         this waits for nothing."""
         with self._lock:
             blocks = list(self._blocks)
+        me = threading.get_ident()
         for block in blocks:
+            if block.owner == me:  # a finalizer inside this thread's own copy with the block: delivered after it
+                continue
             if block.pending is not None and (streams is None or any(block.stream is s for s in streams)):
-                with block.held:
+                block.take()
+                try:
                     self._settle(block)
+                finally:
+                    block.give()
 
     def abandon(self) -> None:
         """Forget every block: a context reset (after a device fault) freed them with everything else."""
