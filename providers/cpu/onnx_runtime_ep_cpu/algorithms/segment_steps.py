@@ -48,12 +48,17 @@ class BoundPlan:
         self._constant_slots = operator.itemgetter(*slots) if len(slots) > 1 else (
             (lambda inputs, s=slots[0]: (inputs[s],)) if slots else (lambda inputs: ()))
         self._constants = tuple(constants[s] for s in slots)
-        self._steps = tuple([(_direct(function, arguments), arguments) for function, arguments in steps])
         self._results = tuple(results)
         # what a run calls: the steps, or the steps with runs of them chained (segment_chain.chained); the steps
-        # keep the arrays a chain's table addresses
-        self._calls = self._steps if calls is None else tuple(
-            [(_direct(function, arguments), arguments) for function, arguments in calls])
+        # keep the arrays a chain's table addresses. Chained steps are not linked one by one: run_chain's own
+        # library holds their loops, and linking (or compiling) each loop's entry point too was a new process's
+        # largest cost in its first plan.
+        if calls is None:
+            self._steps = self._calls = tuple([(_direct(function, arguments), arguments)
+                                               for function, arguments in steps])
+        else:
+            self._steps = tuple(steps)
+            self._calls = tuple([(_direct(function, arguments), arguments) for function, arguments in calls])
         # feeds a chained first convolution reads from the caller's array (segment_chain.read_in_place)
         self._read_in_place = tuple((slot, buffer, table, row, buffer.__array_interface__["data"][0])
                                     for slot, buffer, table, row in read_in_place(self._feeds, self._steps,
