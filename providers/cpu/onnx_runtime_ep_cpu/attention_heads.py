@@ -21,6 +21,7 @@ from __future__ import annotations
 from onnx_runtime.ir import Graph, Node
 
 from .fusions import FUSED_DOMAIN, owned, replace_nodes
+from .past_attention import fuse_past_attention
 from .patch_embedding import fuse_patch_embedding, fuse_patch_tokens
 from .projection_groups import (
     fold_head_splits,
@@ -117,6 +118,8 @@ def drop_zero_masks(graph: Graph, owns=None) -> bool:
     return changed
 
 
-# The provider's last passes (after decoder_fusions.py's layout pairs, which the patch embedding also reads).
+# The provider's last passes (after decoder_fusions.py's layout pairs, which the patch embedding also reads; the
+# cache appends fold into attention once the projections' head splits have folded).
 HEADS_PASSES = [fuse_attention_heads, drop_zero_masks, group_attention_projections, group_sibling_projections,
-                split_projection_outputs, fuse_patch_embedding, fuse_patch_tokens, fold_head_splits]
+                split_projection_outputs, fuse_patch_embedding, fuse_patch_tokens, fold_head_splits,
+                fuse_past_attention]

@@ -41,6 +41,7 @@ RULES: dict[str, tuple[str, tuple[int, ...]]] = {
     "TransposeReshape": (SHAPES, ()), "ContribPackedAttention": (SHAPES, ()), "ContribAttentionMask": (SHAPES, ()),
     "LSTMCell": (SHAPES, ()), "FusedSegment": (SHAPES, ()), "SpectralMagnitude": (SHAPES, ()),
     "ProjectionGroup": (SHAPES, ()), "PatchEmbedding": (SHAPES, ()), "QuantizedMatMulGroup": (SHAPES, ()),
+    "PastAttention": (SHAPES, ()),
 }
 
 # producers with their rounding as an epilogue (qdq_epilogues.py): the producer's own rule

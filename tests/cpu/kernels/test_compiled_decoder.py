@@ -332,12 +332,12 @@ def _attention_block_model(weights, extra_outputs=()):
 def test_attention_block_fuses_types_its_outputs_and_keeps_the_results():
     weights = {n: RNG.standard_normal((16, 16)).astype(np.float32) for n in "qkv"}
     sess = _session(_attention_block_model(weights))
-    # (q, k and v of one input as one ProjectionGroup that splits their heads itself: projection_groups.py)
-    assert sorted(_ops(sess)) == ["Attention", "Concat", "Concat", "ProjectionGroup", "RotateHalfEmbedding",
-                                  "RotateHalfEmbedding", "TransposeReshape"]
+    # (q, k and v of one input as one ProjectionGroup that splits their heads itself: projection_groups.py; the
+    # cache appends, attention and head merge as one PastAttention: past_attention.py)
+    assert sorted(_ops(sess)) == ["PastAttention", "ProjectionGroup", "RotateHalfEmbedding", "RotateHalfEmbedding"]
     assert "CPUExecutionProvider:infer_fused_types" in sess.applied_passes()
     graph = sess.model.graph
-    for name, shape in (("q_rot", (1, 2, 1, 8)), ("k_rot", (1, 2, 1, 8)), ("att", (1, 2, 1, 8)), ("y", (1, 1, 16))):
+    for name, shape in (("q_rot", (1, 2, 1, 8)), ("k_rot", (1, 2, 1, 8)), ("y", (1, 1, 16))):
         assert graph.type_of(name).static_shape == shape, name
 
     feeds = {"x": RNG.standard_normal((1, 1, 16)), "cos": RNG.standard_normal((1, 1, 1, 8)),

@@ -57,6 +57,7 @@ FAMILIES = {
     "dynamic_quantize_conv": "ai.onnx_runtime.cpu:DynamicQuantizeConv",
     "dynamic_quantize_group": "ai.onnx_runtime.cpu:DynamicQuantizeMatMulGroup",
     "patch_embedding": "ai.onnx_runtime.cpu:PatchEmbedding",
+    "past_attention": "ai.onnx_runtime.cpu:PastAttention",
     "projection_group": "ai.onnx_runtime.cpu:ProjectionGroup",
     "qdq_group": "ai.onnx_runtime.cpu:QuantizedMatMulGroup",
     "elementwise": (

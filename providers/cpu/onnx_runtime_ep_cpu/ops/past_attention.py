@@ -1,0 +1,80 @@
+"""PastAttention (past_attention.py's fold): a decoder layer's two cache appends, its attention over the grown
+cache and, with ``merge_shape``, the merge of Y's heads, as one kernel.
+
+Inputs (q, k, v, mask, past_key, past_value), 4-D (batch, heads, sequence, head size) as the Attention's; outputs
+(Y, present_key, present_value) with present = Concat(past, new) on the keys' axis. The appends go through
+kv_append.append (in place in the bound run's cache buffer, else a concatenation), and the attention is the ONNX
+Attention kernel of the node it replaced, built for the grown cache's shapes, whose decode path then reads the
+cache where the append left it. Y is Reshape(Transpose(Y, (0, 2, 1, 3)), merge_shape) where the merge folded (a
+view at a decode step's one query row).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx_runtime import kv_append
+from onnx_runtime.ir import Node
+
+from ..algorithms.attention_keys import length_free_key
+from ..fused_domain import FUSED_DOMAIN
+from ..registry import register
+from ._common import argument_error
+from .shape import reshape_to
+from .transformer import attention_23, attention_24, attention_25
+
+_ATTENTIONS = {23: attention_23, 24: attention_24, 25: attention_25}
+_HEADS = (0, 2, 1, 3)
+
+
+def _grown(past, new) -> tuple | None:
+    if past is None or new is None or len(past) != 4 or len(new) != 4:
+        return None
+    return tuple(past[:2]) + (past[2] + new[2],) + tuple(past[3:])
+
+
+class _PastAttention:
+    def __init__(self, node, shapes, opset):
+        if len(node.inputs) != 6 or not all(node.inputs[i] for i in (0, 1, 2, 4, 5)) or len(node.outputs) != 3:
+            raise argument_error(node, "PastAttention takes (q, k, v, mask or '', past_key, past_value) and gives "
+                                       "(Y, present_key, present_value)")
+        shapes = list(shapes) + [None] * (6 - len(shapes))
+        q, k, v, mask, past_key, past_value = shapes[:6]
+        present_key, present_value = _grown(past_key, k), _grown(past_value, v)
+        if q is None or len(q) != 4 or present_key is None or present_value is None:
+            raise argument_error(node, f"q, k, v and the pasts must be 4-D (batch, heads, sequence, head size); "
+                                       f"got shapes {shapes}")
+        attrs = {name: value for name, value in node.attrs.items() if name != "merge_shape"}
+        has_mask = bool(node.inputs[3])
+        inner = Node("Attention", ["q", "k", "v", "mask"] if has_mask else ["q", "k", "v"], [node.outputs[0]],
+                     name=node.name, attrs=attrs, opset=node.opset)
+        factory = _ATTENTIONS[max(version for version in _ATTENTIONS if version <= max(node.opset, 23))]
+        inner_shapes = [q, present_key, present_value] + ([mask] if has_mask else [])
+        self.attention = factory(inner, inner_shapes, max(node.opset, 23))
+        self.has_mask = has_mask
+        self.outputs = (node.outputs[1], node.outputs[2])
+        merge = node.attr("merge_shape")
+        self.merge = None if merge is None else [int(d) for d in merge]
+        self.merged = None if self.merge is None or 0 in self.merge or min(self.merge) < -1 else tuple(self.merge)
+        if getattr(self.attention, "shape_key", None) is not None:  # (reads the keys' length per call)
+            self.shape_key = length_free_key
+
+    def __call__(self, q, k, v, mask, past_key, past_value):
+        key_name, value_name = self.outputs
+        present_key = kv_append.append(key_name, (past_key, k), 2)
+        if present_key is None:
+            present_key = np.concatenate((past_key, k), axis=2)
+        present_value = kv_append.append(value_name, (past_value, v), 2)
+        if present_value is None:
+            present_value = np.concatenate((past_value, v), axis=2)
+        y = self.attention(q, present_key, present_value, mask)[0] if self.has_mask else \
+            self.attention(q, present_key, present_value)[0]
+        if self.merged is not None:
+            y = y.transpose(_HEADS).reshape(self.merged)
+        elif self.merge is not None:
+            y = reshape_to(y.transpose(_HEADS), self.merge)
+        return y, present_key, present_value
+
+
+@register("PastAttention", domain=FUSED_DOMAIN, since=1)
+def past_attention(node, shapes, opset):
+    return _PastAttention(node, shapes, opset)

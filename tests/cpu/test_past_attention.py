@@ -1,0 +1,182 @@
+"""A decoder layer's cache Concats and head merge folded into its attention (past_attention.fuse_past_attention):
+PastAttention against a float64 reference on a cached layer (grouped-query heads, a float mask, decode rows and a
+prefill's, one and two sequences), the zoo's decoders from both torch exporters (no Concat or head merge left
+around attention, decode outputs within the float64 bound, greedy tokens as onnxruntime's), the fold off keeps the
+four steps, and inputs the kernel cannot take are a typed error naming the node."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_runtime as ort
+import pytest
+from model_helpers import make_model, tensor_info, zoo_model
+from onnx import TensorProto, helper, numpy_helper
+from onnx_runtime.errors import InvalidArgumentError
+from onnx_runtime.ir import Node
+from onnx_runtime_ep_cpu import attention_heads, past_attention, provider
+from onnx_runtime_ep_cpu.fused_domain import FUSED_DOMAIN
+from onnx_runtime_ep_cpu.registry import lookup
+from reference64 import assert_within, gamma, run_float64
+
+
+def _layer(batch, length, past, embed, heads, kv_heads, size, mask=True):
+    """x -> q, k, v products -> head splits -> k, v after the past (Concat on axis 2) -> Attention (a float mask
+    over every key) -> head merge -> y; the presents are graph outputs (a decoder's layer with past)."""
+    rng = np.random.default_rng(embed + length + past)
+    weights, nodes = {}, []
+    for name, count in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+        weights[f"w{name}"] = (rng.standard_normal((embed, count * size)) / 3).astype(np.float32)
+        weights[f"{name}_shape"] = np.array([batch, length, count, size], np.int64)
+        nodes += [helper.make_node("MatMul", ["x", f"w{name}"], [f"{name}_flat"]),
+                  helper.make_node("Reshape", [f"{name}_flat", f"{name}_shape"], [f"{name}_split"]),
+                  helper.make_node("Transpose", [f"{name}_split"], [f"{name}_heads"], perm=[0, 2, 1, 3])]
+    weights["merged_shape"] = np.array([batch, length, heads * size], np.int64)
+    nodes += [helper.make_node("Concat", ["past_k", "k_heads"], ["present_k"], axis=2),
+              helper.make_node("Concat", ["past_v", "v_heads"], ["present_v"], axis=-2),
+              helper.make_node("Attention", ["q_heads", "present_k", "present_v"] + (["mask"] if mask else []),
+                               ["y_heads"]),
+              helper.make_node("Transpose", ["y_heads"], ["y_split"], perm=[0, 2, 1, 3]),
+              helper.make_node("Reshape", ["y_split", "merged_shape"], ["y"])]
+    cache = [batch, kv_heads, past, size]
+    inputs = [tensor_info("x", TensorProto.FLOAT, [batch, length, embed]),
+              tensor_info("past_k", TensorProto.FLOAT, cache), tensor_info("past_v", TensorProto.FLOAT, cache)]
+    if mask:
+        inputs.append(tensor_info("mask", TensorProto.FLOAT, [batch, 1, length, past + length]))
+    outputs = [tensor_info(n, TensorProto.FLOAT, None) for n in ("y", "present_k", "present_v")]
+    model = make_model(nodes, inputs, outputs, [numpy_helper.from_array(v, n) for n, v in weights.items()], opset=23)
+    return model, weights
+
+
+LAYERS = [  # batch, length, past, embed, heads, kv heads, head size, mask
+    (1, 1, 7, 16, 4, 4, 4, True),  # a decode step
+    (1, 1, 9, 16, 4, 2, 4, True),  # grouped-query heads (qwen2/llama style)
+    (2, 1, 5, 12, 2, 1, 6, True),  # two sequences
+    (1, 4, 6, 16, 4, 2, 4, True),  # a prefill's rows after a past (the merge a real transpose)
+    (1, 1, 0, 16, 4, 4, 4, False),  # an empty past, no mask
+]
+
+
+def _feeds(case, rng):
+    batch, length, past, embed, heads, kv_heads, size, mask = case
+    feeds = {"x": rng.standard_normal((batch, length, embed)).astype(np.float32),
+             "past_k": rng.standard_normal((batch, kv_heads, past, size)).astype(np.float32),
+             "past_v": rng.standard_normal((batch, kv_heads, past, size)).astype(np.float32)}
+    if mask:  # the first key hidden from every query, the others visible
+        bias = np.zeros((batch, 1, length, past + length), np.float32)
+        bias[..., 0] = -1e9 if past + length > 1 else 0
+        feeds["mask"] = bias
+    return feeds
+
+
+@pytest.mark.parametrize("case", LAYERS, ids=[f"b{c[0]}-s{c[1]}-p{c[2]}-h{c[4]}/{c[5]}" for c in LAYERS])
+def test_a_layer_with_past_is_one_step_within_the_float64_bound(case, made):
+    batch, length, past, embed, heads, kv_heads, size, _ = case
+    model, weights = _layer(*case)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    rng = np.random.default_rng(5)
+    for _ in range(3):  # (the specialized plan, where the passes fire, is made at a first run)
+        feeds = _feeds(case, rng)
+        got = session.run(None, feeds)
+        exact = run_float64(model, feeds)
+        x64 = np.abs(feeds["x"].astype(np.float64))
+        product = max(float((x64 @ np.abs(weights[f"w{n}"])).max()) for n in "qkv")
+        reach = max(product, float(np.abs(feeds["past_v"]).max(initial=0.0)))
+        bound = gamma(embed + 1) * product * 8 * (1 + reach * np.sqrt(size)) + \
+            gamma(size + past + length + 8) * 40 * reach
+        for name, value, reference in zip(("y", "present_k", "present_v"), got, exact):
+            assert value.shape == reference.shape, name
+            assert_within(value, reference, bound, name)
+    ops = [op for op, _ in made]
+    assert "PastAttention" in ops, ops
+    assert not {"Concat", "Attention", "TransposeReshape"} & set(ops), ops
+
+
+def test_without_the_fold_the_appends_and_merge_stay(made, monkeypatch):
+    monkeypatch.setattr(provider, "HEADS_PASSES",
+                        [p for p in attention_heads.HEADS_PASSES if p is not past_attention.fuse_past_attention],
+                        raising=False)
+    model, _ = _layer(*LAYERS[1])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    feeds = _feeds(LAYERS[1], np.random.default_rng(1))
+    for _ in range(2):
+        session.run(None, feeds)
+    ops = [op for op, _ in made]
+    assert "PastAttention" not in ops and ops.count("Concat") >= 2 and "TransposeReshape" in ops, ops
+
+
+def test_a_present_read_elsewhere_keeps_its_concat(made):
+    """The fold takes a Concat only its Attention reads (besides the graph's outputs)."""
+    model, _ = _layer(*LAYERS[0])
+    model.graph.node.append(helper.make_node("Neg", ["present_k"], ["k_negated"]))
+    model.graph.output.append(tensor_info("k_negated", TensorProto.FLOAT, None))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    feeds = _feeds(LAYERS[0], np.random.default_rng(2))
+    for _ in range(2):
+        got = session.run(None, feeds)
+    np.testing.assert_array_equal(got[3], -got[1])
+    assert "PastAttention" not in [op for op, _ in made]
+
+
+ZOO_DECODERS = ["gpt2.torchscript.fp32", "gpt2.dynamo.fp32", "llama.torchscript.fp32", "llama.dynamo.fp32"]
+
+
+@pytest.mark.parametrize("name", ZOO_DECODERS)
+def test_zoo_decoders_attend_with_past_in_one_step(name, made):
+    entry, path = zoo_model(name)
+    from zoo_feeds import make_feeds
+
+    session = ort.InferenceSession(path, providers=["cpu"])
+    for call in ("prefill", "decode"):
+        made.clear()
+        feeds = make_feeds(entry["calls"][call])
+        for _ in range(2):
+            got = session.run(None, feeds)
+        for value, exact in zip(got, run_float64(onnx.load(path), feeds)):
+            scale = float(np.abs(exact).max()) + 1e-6
+            np.testing.assert_allclose(value, exact, rtol=0, atol=1e-4 * scale)
+        ops = [op for op, _ in made]
+        assert ops.count("PastAttention") == 2 and "Attention" not in ops, ops
+        if call == "decode":  # (a prefill's flattened merge before dynamo's addmm stays for the Gemm's fusion)
+            assert "TransposeReshape" not in ops, ops
+
+
+@pytest.mark.parametrize("name", ["gpt2.dynamo.fp32", "llama.torchscript.fp32"])
+def test_zoo_greedy_tokens_match_onnxruntime(name):
+    oracle = pytest.importorskip("onnxruntime", reason="onnxruntime is the oracle: install the test extra")
+    _, path = zoo_model(name)
+    from onnx_runtime.generate import Generator
+
+    prompt = [5, 17, 42, 99, 3, 250, 7, 11]
+    with Generator(path, providers=["cpu"]) as generator:
+        ours = generator.generate(prompt, 24).tokens
+    theirs_session = oracle.InferenceSession(path, providers=["CPUExecutionProvider"])
+    names = [i.name for i in theirs_session.get_inputs()]
+    caches = [i for i in theirs_session.get_inputs() if i.name.startswith("past")]
+    state = {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32) for i in caches}
+    tokens, ids = [], list(prompt)
+    for _ in range(24):
+        length = sum(v.shape[2] for v in list(state.values())[:1]) + len(ids)
+        feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, length), np.int64), **state}
+        if "position_ids" in names:
+            feeds["position_ids"] = np.arange(length - len(ids), length, dtype=np.int64)[None]
+        outputs = theirs_session.run(None, feeds)
+        token = int(np.argmax(outputs[0][0, -1]))
+        tokens.append(token)
+        ids = [token]
+        presents = dict(zip([o.name for o in theirs_session.get_outputs()], outputs))
+        state = {c.name: presents[c.name.replace("past_key_values", "present")] for c in caches}
+    assert ours == tokens
+
+
+def _node(inputs=("q", "k", "v", "mask", "pk", "pv")) -> Node:
+    return Node("PastAttention", list(inputs), ["y", "present_k", "present_v"], name="layer0/past",
+                domain=FUSED_DOMAIN, attrs={}, opset=23)
+
+
+def test_inputs_it_cannot_take_are_a_typed_error():
+    factory = lookup("PastAttention", FUSED_DOMAIN, 23)
+    with pytest.raises(InvalidArgumentError, match="layer0/past"):  # 3-D q: no head axis to attend per head
+        factory(_node(), [(1, 1, 16), (1, 4, 1, 4), (1, 4, 1, 4), None, (1, 4, 3, 4), (1, 4, 3, 4)], 23)
+    with pytest.raises(InvalidArgumentError, match="layer0/past"):  # no past_value
+        factory(_node(("q", "k", "v", "", "pk", "")), [(1, 4, 1, 4)] * 3 + [None, (1, 4, 3, 4), None], 23)
