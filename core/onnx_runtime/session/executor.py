@@ -41,7 +41,7 @@ from ..loader import implicit_inputs
 from ..memory.activations import admit_plan
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
-from . import mask_values
+from . import canonical_feeds, mask_values
 from .placement import Copy, Placement
 from .steps import (
     Plan,
@@ -267,6 +267,13 @@ class Executor:
                 chained = mask_values.grouped(body, masks, set(kept), {where[name][0] for name in self._consts})
                 if chained is not body:
                     plan.shape_values.body = Steps(chained)
+            assumed = canonical_feeds.assumed_feeds(self.graph, feed_slots) if canonical_feeds.ENABLED else None
+            if assumed:  # an unpadded generation's mask and positions: shape-only too (see canonical_feeds)
+                both = canonical_feeds.variant(plan.shape_values, steps, assumed, tensor_feeds,
+                                               {where[name][0] for name in self._consts}, set(output_slots), keep,
+                                               declared, self._assign_releases)
+                if both is not None:
+                    plan.shape_values = both
         admit_plan(plan, self.graph, self.assignment)  # host activations, charged once per plan, not per run
         return plan
 

@@ -27,9 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from .shape_symbols import Affine, Builder, Linear, Unsupported, form_of
+from .shape_symbols import Affine, Builder, Linear, Unsupported, Window, form_of
 
-__all__ = ["Program", "Template", "build"]
+__all__ = ["ONES", "POSITIONS", "Program", "Template", "build"]
+
+ONES, POSITIONS = "ones", "positions"  # kinds of assumed feeds (build)
 
 class Program:
     """The symbolic evaluation of a plan's shape-only steps for one class of feed shapes. Every number a call
@@ -247,11 +249,15 @@ def _getter(indices: list[int]):
 
 
 def build(steps: list, shape_only: set[int], feeds: tuple[int, ...], template: Template, point: np.ndarray,
-          env: list, static_shapes: dict, read_later: set[int]) -> tuple[Program, list[int]] | None:
+          env: list, static_shapes: dict, read_later: set[int],
+          assumed: dict | None = None) -> tuple[Program, list[int]] | None:
     """The program of ``steps`` (a plan's steps in order; ``shape_only``: the indices of those the feeds' shapes
     decide) for ``template``'s class, built at ``point``; and the indices of the steps it leaves to run per call.
     ``feeds``: the feed slots in the template's order; ``env``: a run's slots (constants set); ``read_later``: the
-    slots the other steps read. None where a step left per call would read a value only the other steps make."""
+    slots the other steps read. None where a step left per call would read a value only the other steps make.
+    ``assumed``: feed slots whose values the caller checks are what their shapes make them (see
+    :mod:`.canonical_feeds`): ``(ONES, None)`` all ones, ``(POSITIONS, mask slot)`` each row counting up to the
+    mask's length."""
     n = template.symbols
     shapes = {}
     for slot, dims in zip(feeds, template.dims):
@@ -260,6 +266,13 @@ def build(steps: list, shape_only: set[int], feeds: tuple[int, ...], template: T
     constants = {slot: env[slot] for step in steps for slot in step.inputs
                  if slot not in produced and slot not in shapes and isinstance(env[slot], np.ndarray)}
     builder = Builder(n, point, constants, shapes, static_shapes)
+    for slot, (kind, mask) in (assumed or {}).items():
+        dims, dtype = shapes[slot], env[slot].dtype
+        if kind == ONES:
+            builder.values[slot] = Window(np.ones((1,) * len(dims), dtype), tuple(form_of(0, n) for _ in dims), dims)
+        else:  # positions (..., S): mask length - S + index along the last axis
+            alpha = (0,) * (len(dims) - 1) + (1,)
+            builder.values[slot] = Linear(alpha, shapes[mask][-1] - dims[-1], dims, dtype)
     residual: list[int] = []
     available = set(feeds) | set(constants)
     for index, step in enumerate(steps):
@@ -282,7 +295,7 @@ def build(steps: list, shape_only: set[int], feeds: tuple[int, ...], template: T
         residual.append(index)
         available.update(step.outputs)
     wanted = read_later | {slot for index in residual for slot in steps[index].inputs}
-    needed = tuple(sorted(slot for slot in builder.values if slot in wanted))
+    needed = tuple(sorted(slot for slot in builder.values if slot in wanted and slot not in (assumed or {})))
     return Program(builder.values, needed, builder.guards, n), residual
 
 

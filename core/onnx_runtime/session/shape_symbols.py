@@ -26,7 +26,7 @@ BASE_BYTES = 4 << 20
 _ELEMENTWISE = frozenset({
     "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "And", "Or", "Xor", "Not", "Equal", "Less", "Greater",
     "LessOrEqual", "GreaterOrEqual", "Neg", "Abs", "Sqrt", "Reciprocal", "Exp", "Log", "Erf", "Tanh", "Sigmoid",
-    "Relu", "Cast", "Floor", "Ceil", "Sign", "IsNaN", "IsInf", "Mod", "Identity",
+    "Relu", "Cast", "Floor", "Ceil", "Sign", "IsNaN", "IsInf", "Mod", "Identity", "Cos", "Sin",
 })
 # Output 0 has input 0's shape.
 _SAME_SHAPE = frozenset({
@@ -38,7 +38,7 @@ _SAME_SHAPE = frozenset({
 # Elementwise where the scale and zero point are single values (per tensor).
 _PER_TENSOR = frozenset({"DequantizeLinear", "QuantizeLinear"})
 _BROADCAST = _ELEMENTWISE - {"Neg", "Abs", "Sqrt", "Reciprocal", "Exp", "Log", "Erf", "Tanh", "Sigmoid", "Relu",
-                             "Cast", "Floor", "Ceil", "Sign", "IsNaN", "IsInf", "Not", "Identity"}
+                             "Cast", "Floor", "Ceil", "Sign", "IsNaN", "IsInf", "Not", "Identity", "Cos", "Sin"}
 
 
 class Unsupported(Exception):
@@ -173,7 +173,7 @@ class Builder:
         try:
             shape = _propagated(node, shapes, self.symbols) or _declared_shape(node, shapes, self.symbols)
             if shape is None and node.domain in ("", "ai.onnx"):
-                laid = layout_shapes(node, shapes, lambda i: self._sizes(step.inputs[i]), self.symbols)
+                laid = layout_shapes(node, shapes, lambda i: self.sizes(step.inputs[i]), self.symbols)
                 if laid is not None:
                     self.shapes.update((slot, out) for slot, out in zip(step.outputs, laid))
                     return
@@ -182,7 +182,7 @@ class Builder:
         if shape is not None:
             self.shapes[step.outputs[0]] = shape
 
-    def _sizes(self, slot: int) -> list[np.ndarray] | None:
+    def sizes(self, slot: int) -> list[np.ndarray] | None:
         """A 1-D integer value (sizes, axes) as affine forms, or None where it is computed per call."""
         try:
             value = self.value(slot)
@@ -316,6 +316,8 @@ def _dispatch(b: Builder, node: Node, step: Step, inputs: list, slots: list, kin
             return _LINEAR_OPS[op](b, node, inputs, slots)
         except Unsupported:
             pass
+    if op in _FILL_LAYOUT and isinstance(inputs[0], Window) and inputs[0].base.size == 1:
+        return _fill(b, node, inputs[0], slots)
     return _window_op(b, node, step, op, inputs, slots)
 
 
@@ -560,10 +562,15 @@ def _to_window(b: Builder, value: Linear) -> Window:
     """The window of a base array that holds ``value`` at every point within ``MARGIN`` of the builder's."""
     n, point = b.symbols, b.point
     absorbing = next((a for a, x in enumerate(value.alpha) if abs(x) == 1), None)
+    alphas = value.alpha
+    if absorbing is None and not _is_const(value.beta):  # (one position, say): an axis of extent 1 carries it
+        absorbing = next((a for a, ext in enumerate(value.extents) if _is_const(ext, 1)), None)
+        if absorbing is not None:
+            alphas = alphas[:absorbing] + (1,) + alphas[absorbing + 1:]
     shape, lows = [], []
     beta_now = int(value.beta @ point)
     grids = []
-    for axis, (alpha, ext) in enumerate(zip(value.alpha, value.extents)):
+    for axis, (alpha, ext) in enumerate(zip(alphas, value.extents)):
         if alpha == 0:
             shape.append(1)
             lows.append(form_of(0, n))
@@ -682,7 +689,7 @@ def _window_op(b: Builder, node: Node, step: Step, op: str, inputs: list, slots:
         base, lows, extents = base.transpose(perm), [lows[p] for p in perm], [extents[p] for p in perm]
     elif op == "Gather" and isinstance(inputs[0], np.ndarray):
         axis = node.attr("axis", 0) % inputs[0].ndim
-        indices = _as_window(b, inputs[1])
+        indices = _trimmed(_as_window(b, inputs[1]), inputs[0].shape[axis])
         (base,) = step.run(inputs[0], indices.base)[:1]
         base = np.asarray(base)
         fixed = [(form_of(0, n), form_of(d, n)) for d in inputs[0].shape]
@@ -693,6 +700,66 @@ def _window_op(b: Builder, node: Node, step: Step, op: str, inputs: list, slots:
     window = Window(np.ascontiguousarray(base), tuple(lows), tuple(extents))
     _check_window(b, window)
     return window
+
+
+# Layout and gathers whose output holds only input 0's elements: of a fill (one value broadcast), a fill too.
+_FILL_LAYOUT = frozenset({"GatherND", "Gather", "GatherElements", "Reshape", "Flatten"})
+
+
+def _fill(b: Builder, node: Node, source: Window, slots: list) -> Window:
+    """``source`` (one value broadcast: an all-ones attention mask) moved or gathered, as that value broadcast
+    to the output's shape. The gathers' indices are the plan's shape-only values, made from the same feed shapes
+    as the gathered value (the program is checked against the kernels' results where it is built)."""
+    n = b.symbols
+    data = source.extents
+    op = node.op_type
+    if op in ("GatherND", "Gather", "GatherElements"):
+        if slots[1] is None:
+            raise Unsupported("no indices")
+        indices = b.shape_of(slots[1])
+        if indices is None:
+            raise Unsupported("indices of an unknown shape")
+        if op == "GatherND":
+            last = indices[-1] if indices else None
+            if node.attr("batch_dims", 0) or last is None or not _is_const(last) or not 0 < int(last[0]) <= len(data):
+                raise Unsupported("GatherND form")
+            shape = tuple(indices[:-1]) + tuple(data[int(last[0]):])
+        elif op == "Gather":
+            axis = node.attr("axis", 0) % len(data)
+            shape = tuple(data[:axis]) + tuple(indices) + tuple(data[axis + 1:])
+        else:
+            shape = tuple(indices)
+    else:
+        laid = layout_shapes(node, [data], lambda i: b.sizes(slots[i]) if slots[i] is not None else None, n)
+        if laid is None:
+            raise Unsupported(f"{op}'s shape")
+        shape = tuple(laid[0])
+    window = Window(source.base.reshape((1,) * len(shape)), tuple(form_of(0, n) for _ in shape), shape)
+    _check_window(b, window)
+    return window
+
+
+def _trimmed(indices: Window, size: int) -> Window:
+    """``indices`` with its base cut to the entries in ``[0, size)`` (a position embedding's table ends before the
+    margin does); the guards keep a call to the cut base, and a call past it runs the Gather, which reports it."""
+    base = indices.base
+    bad = (base < 0) | (base >= size)
+    if not bad.any():
+        return indices
+    moving = [axis for axis, n in enumerate(base.shape) if n != 1]
+    if len(moving) != 1:
+        raise Unsupported("indices out of range")
+    axis = moving[0]
+    good = np.flatnonzero(~bad.reshape(-1))
+    if not good.size or good[-1] - good[0] + 1 != good.size:
+        raise Unsupported("indices out of range")
+    start, stop = int(good[0]), int(good[-1]) + 1
+    cut = [slice(None)] * base.ndim
+    cut[axis] = slice(start, stop)
+    lows = list(indices.lows)
+    lows[axis] = lows[axis].copy()
+    lows[axis][0] -= start  # (the form's constant term)
+    return Window(base[tuple(cut)], tuple(lows), indices.extents)
 
 
 def _window_elementwise(b: Builder, step: Step, inputs: list, params: tuple | list = ()) -> Window:

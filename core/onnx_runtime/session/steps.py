@@ -210,13 +210,15 @@ def _shape_from_shapes(node: Node) -> bool:
         else shape_rules.from_shapes(node.domain, node.op_type)
 
 
-def shape_only_steps(steps: list[Step], tensor_feeds: set[int], constants: set[int], outputs: set[int]) -> set[int]:
+def shape_only_steps(steps: list[Step], tensor_feeds: set[int], constants: set[int], outputs: set[int],
+                     assumed: frozenset[int] = frozenset()) -> set[int]:
     """Indices of the ``steps`` whose outputs depend only on the shapes of the feeds (``tensor_feeds``' slots)
     and on ``constants``: ``Shape``/``Size`` of a value whose shape the feeds' shapes fix, and what is computed
     from those and constants alone (the positions, masks and relative-position buckets of a decode step whose
     lengths a symbolic specialization kept unknown). Steps that produce graph ``outputs`` are left out (a
-    caller gets fresh arrays), as are random operators and control flow."""
-    derived: set[int] = set()  # values the feeds' shapes determine
+    caller gets fresh arrays), as are random operators and control flow. ``assumed``: feeds whose values count as
+    their shapes' (a caller that checks them: :mod:`.canonical_feeds`)."""
+    derived: set[int] = set(assumed)  # values the feeds' shapes determine
     shaped = set(tensor_feeds) | constants  # values whose shapes the feeds' shapes determine
     found: set[int] = set()
     for index, step in enumerate(steps):
@@ -274,7 +276,7 @@ class ShapeValues:
     that class instantiates the values and runs only the steps the evaluation left (``residual``)."""
 
     __slots__ = ("full", "body", "keys", "kept", "values", "held", "shape_only", "static_shapes", "programs",
-                 "previous")
+                 "previous", "assumed")
 
     LIMIT = 1024
     BYTES = 1 << 20
@@ -294,6 +296,7 @@ class ShapeValues:
         self.static_shapes = static_shapes or {}  # slot -> the plan's declared static shape
         self.programs: list[tuple] = []  # (Template, Program | None, residual Steps | None)
         self.previous: tuple | None = None  # the last new feed shapes
+        self.assumed: dict = {}  # feed slot -> the value its shapes make it (shape_program.build's ``assumed``)
 
     def run(self, env: list, profile: dict | None) -> None:
         try:
@@ -375,7 +378,7 @@ class ShapeValues:
         read_later = {slot for step in self.body.steps for slot in step.inputs}
         try:
             built = shape_program.build(self.full.steps, self.shape_only, self.keys, template, point, env,
-                                        self.static_shapes, read_later)
+                                        self.static_shapes, read_later, self.assumed)
         except Exception:  # noqa: BLE001 (an optimization: the steps still run)
             built = None
         while len(self.programs) >= self.PROGRAMS:

@@ -1,0 +1,126 @@
+"""A decode step's attention mask and position ids as their shapes make them, in an unpadded generation.
+
+A decoder export turns ``attention_mask`` into the additive attention bias and ``position_ids`` into rotary angles
+or a position embedding with chains of small steps (:mod:`.mask_values`). Those read the feeds' values, so the
+shape-only cache (:class:`.steps.ShapeValues`) cannot skip them, and a first generation, which meets a new length
+at every step, runs them at every step. In an unpadded generation every mask entry is 1 and each row of the
+positions counts up to the mask's length (``T - S .. T - 1`` for a mask of length ``T`` and ``S`` new tokens): the
+feeds are then functions of their shapes. While a call's feeds are so (checked per call on their bytes), the plan
+takes a second :class:`.ShapeValues` whose shape-only steps include those chains: their values are kept per feed
+shapes and, for new lengths, instantiated by the shape program (a window of a base computed once over a margin
+of lengths, :mod:`.shape_program`) instead of run. Any other call (a padded batch, positions that do not count up
+to the mask's length) takes the plan's usual values and its mask chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .mask_values import mask_feeds
+from .shape_program import ONES, POSITIONS
+from .steps import ShapeValues, Step, shape_only_steps
+
+ENABLED = True  # (off: every call takes the usual values and mask chain; same-process A/B)
+
+_BYTES = 1 << 16  # the ones and counts compared against are grown in steps of this many bytes
+
+
+class CanonicalFeeds:
+    """Runs ``canonical`` (its ``assumed`` feeds all ones, or positions counting up to their mask's length) when a
+    call's feeds are so, else ``general``. Attribute reads other than these go to ``general``."""
+
+    __slots__ = ("general", "canonical", "masks", "positions", "_ones", "_counts")
+
+    def __init__(self, general: ShapeValues, canonical: ShapeValues, masks: tuple[int, ...],
+                 positions: tuple[tuple[int, int], ...]):
+        self.general = general
+        self.canonical = canonical
+        self.masks = masks
+        self.positions = positions  # (position slot, its mask's slot)
+        self._ones: dict[np.dtype, bytes] = {}
+        self._counts: dict[np.dtype, bytes] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.general, name)
+
+    def run(self, env: list, profile: dict | None) -> None:
+        canonical = self.canonical
+        if canonical is None or not self.holds(env):
+            self.general.run(env, profile)
+            return
+        canonical.run(env, profile)
+        programs = canonical.programs
+        if programs and programs[-1][1] is None:
+            # No program for these feeds' class (a step it could not evaluate, or one that differed from the
+            # kernels): every new length would run all the steps, so the usual values and chain serve from now
+            # on, their program built from the lengths met so far.
+            self.canonical = None
+            if self.general.previous is None:
+                self.general.previous = canonical.previous
+
+    def holds(self, env: list) -> bool:
+        """Whether the call's masks are all ones and its positions count up to their mask's length."""
+        for slot in self.masks:
+            mask = env[slot]
+            if type(mask) is not np.ndarray:
+                return False
+            size = mask.nbytes
+            ones = self._ones.get(mask.dtype)
+            if ones is None or len(ones) < size:
+                ones = self._ones[mask.dtype] = np.ones(-(-max(size, 1) // _BYTES) * _BYTES, mask.dtype).tobytes()
+            if mask.tobytes() != ones[:size]:
+                return False
+        for slot, mask_slot in self.positions:
+            positions, mask = env[slot], env[mask_slot]
+            if type(positions) is not np.ndarray or positions.ndim == 0 or positions.dtype.kind not in "iu":
+                return False
+            count, end = positions.shape[-1], mask.shape[-1]
+            if count > end or count == 0:
+                return False
+            width = positions.dtype.itemsize
+            counts = self._counts.get(positions.dtype)
+            if counts is None or len(counts) < end * width:
+                counts = self._counts[positions.dtype] = np.arange(
+                    -(-end * width // _BYTES) * _BYTES // width, dtype=positions.dtype).tobytes()
+            if positions.tobytes() != counts[(end - count) * width:end * width] * (positions.size // count):
+                return False
+        return True
+
+
+def assumed_feeds(graph, feed_slots: dict[str, int]) -> dict[int, tuple]:
+    """The integer mask feeds (all ones) and position feeds (counting up to ``attention_mask``'s length, where the
+    graph has one) of ``graph``, by slot: ``shape_program.build``'s ``assumed``."""
+    names = mask_feeds(graph)
+    ranks = {info.name: len(info.type.shape) if info.type.shape is not None else None for info in graph.inputs}
+    assumed: dict[int, tuple] = {}
+    masks = {name for name in names if name.lower().endswith("mask")}
+    for name in masks:
+        assumed[feed_slots[name]] = (ONES, None)
+    anchor = "attention_mask" if "attention_mask" in masks and ranks.get("attention_mask") == 2 else None
+    for name in names - masks:
+        if anchor is not None and ranks.get(name) == 2:
+            assumed[feed_slots[name]] = (POSITIONS, feed_slots[anchor])
+    return assumed
+
+
+def variant(general: ShapeValues, steps: list[Step], assumed: dict[int, tuple], tensor_feeds: set[int],
+            constants: set[int], outputs: set[int], keep: set[int], declared: dict, assign_releases) \
+        -> CanonicalFeeds | None:
+    """``general`` (the plan's values) with a second ShapeValues over ``steps`` in which the ``assumed`` feeds
+    count as shape-only; None where that adds no step to the shape-only ones."""
+    found = shape_only_steps(steps, tensor_feeds, constants, outputs, frozenset(assumed))
+    if len(found) <= len(general.shape_only):
+        return None
+    full = [dataclasses.replace(step) for step in steps]
+    body = [dataclasses.replace(step) for index, step in enumerate(steps) if index not in found]
+    read = {slot for step in body for slot in step.inputs}
+    kept = tuple(slot for index in sorted(found) for slot in steps[index].outputs if slot in read)
+    assign_releases(full, keep | set(kept))  # (a full run keeps the values to its end, as the plan's own)
+    assign_releases(body, keep)
+    canonical = ShapeValues(full, body, general.keys, kept, declared)
+    canonical.assumed = assumed
+    masks = tuple(slot for slot, (kind, _) in assumed.items() if kind == ONES)
+    positions = tuple((slot, mask) for slot, (kind, mask) in assumed.items() if kind == POSITIONS)
+    return CanonicalFeeds(general, canonical, masks, positions)
