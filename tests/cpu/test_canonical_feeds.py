@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_runtime
 import pytest
+from model_helpers import zoo_model
 from onnx_runtime.errors import OnnxRuntimeError
 from onnx_runtime.session import canonical_feeds, mask_values
 from test_generate import _model
@@ -113,6 +114,29 @@ def test_a_position_past_the_embedding_table_is_still_an_error(chain_runs):
     assert table is not None and not chain_runs
     with pytest.raises(OnnxRuntimeError):
         ours.run(outputs, _feeds(oracle, limit, 1, rng))
+
+
+@pytest.mark.parametrize("name", ["t5_decoder.dynamo.fp32", "t5_decoder.torchscript.fp32"])
+def test_a_bias_the_same_at_every_length_is_one_read_only_array(name, chain_runs):
+    """T5's encoder mask does not grow with the decoder's past: its bias is the program's value at every point, made
+    once and handed out as one read-only array (kernels that key what they derive by identity keep reusing it)."""
+    entry, path = zoo_model(name)
+    import zoo_feeds
+
+    ours, oracle = _sessions(name)
+    outputs = [o.name for o in oracle.get_outputs()]
+    feeds = [zoo_feeds.make_feeds(zoo_feeds.grown(entry["calls"]["decode"], extra)) for extra in range(14)]
+    for step in feeds[:4]:
+        ours.run(outputs, step)
+    for step in feeds[4:]:
+        _close(ours, oracle, outputs, step)
+    assert not chain_runs
+    values = _values(ours, feeds[-1])
+    programs = [program for _, program, _ in values.canonical.programs if program is not None]
+    fixed = [value for _, value, row in programs[-1].recipes if row is not None and row < 0]
+    assert fixed and all(isinstance(value, np.ndarray) and not value.flags.writeable for value in fixed)
+    moving = [row for _, _, row in programs[-1].recipes if row is not None and row >= 0]
+    assert moving  # (the decoder's own causal bias and relative positions still move with the length)
 
 
 def test_holds_checks_the_bytes():

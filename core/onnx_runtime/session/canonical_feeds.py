@@ -64,29 +64,38 @@ class CanonicalFeeds:
         """Whether the call's masks are all ones and its positions count up to their mask's length."""
         for slot in self.masks:
             mask = env[slot]
-            if type(mask) is not np.ndarray:
-                return False
-            size = mask.nbytes
-            ones = self._ones.get(mask.dtype)
-            if ones is None or len(ones) < size:
-                ones = self._ones[mask.dtype] = np.ones(-(-max(size, 1) // _BYTES) * _BYTES, mask.dtype).tobytes()
-            if mask.tobytes() != ones[:size]:
+            if type(mask) is not np.ndarray or mask.tobytes() != self._ones_for(mask):
                 return False
         for slot, mask_slot in self.positions:
-            positions, mask = env[slot], env[mask_slot]
+            positions = env[slot]
             if type(positions) is not np.ndarray or positions.ndim == 0 or positions.dtype.kind not in "iu":
                 return False
-            count, end = positions.shape[-1], mask.shape[-1]
-            if count > end or count == 0:
-                return False
-            width = positions.dtype.itemsize
-            counts = self._counts.get(positions.dtype)
-            if counts is None or len(counts) < end * width:
-                counts = self._counts[positions.dtype] = np.arange(
-                    -(-end * width // _BYTES) * _BYTES // width, dtype=positions.dtype).tobytes()
-            if positions.tobytes() != counts[(end - count) * width:end * width] * (positions.size // count):
+            end = env[mask_slot].shape[-1]
+            if positions.size == 1:  # (a decode step of one sequence)
+                if positions.item() != end - 1:
+                    return False
+            elif not self._counting(positions, end):
                 return False
         return True
+
+    def _ones_for(self, mask: np.ndarray) -> bytes:
+        size = mask.nbytes
+        ones = self._ones.get(mask.dtype)
+        if ones is None or len(ones) < size:
+            ones = self._ones[mask.dtype] = np.ones(-(-max(size, 1) // _BYTES) * _BYTES // mask.itemsize,
+                                                    mask.dtype).tobytes()
+        return ones[:size]
+
+    def _counting(self, positions: np.ndarray, end: int) -> bool:
+        count = positions.shape[-1]
+        if count > end or count == 0:
+            return False
+        width = positions.itemsize
+        counts = self._counts.get(positions.dtype)
+        if counts is None or len(counts) < end * width:
+            counts = self._counts[positions.dtype] = np.arange(-(-end * width // _BYTES) * _BYTES // width,
+                                                               dtype=positions.dtype).tobytes()
+        return positions.tobytes() == counts[(end - count) * width:end * width] * (positions.size // count)
 
 
 def assumed_feeds(graph, feed_slots: dict[str, int]) -> dict[int, tuple]:

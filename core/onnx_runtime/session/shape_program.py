@@ -54,6 +54,19 @@ class Program:
                 self.recipes.append((slot, value, None))
                 continue
             forms = [value.beta] if isinstance(value, Linear) else list(value.lows)
+            if not any(form[1:].any() for form in (*forms, *value.extents)):
+                # The same at every point (an encoder's mask bias in a decoder step): made once, read-only, and
+                # handed out as one array, which kernels that keep what they derive from it by identity reuse.
+                local = [int(form[0]) for form in (*forms, *value.extents)]
+                if isinstance(value, Linear):
+                    fixed = _materialize(value, local, 0)
+                else:
+                    shape = value.base.shape
+                    sliced = tuple((axis, axis) for axis, n in enumerate(shape) if n != 1)
+                    fixed = _window(value.base, len(shape), sliced, 1 in shape, local, 0)
+                fixed.flags.writeable = False
+                self.recipes.append((slot, fixed, -1))
+                continue
             row = len(rows)
             self.recipes.append((slot, value, row))
             if not isinstance(value, Linear):
@@ -74,6 +87,8 @@ class Program:
         for slot, value, row in self.recipes:
             if row is None:
                 env[slot] = value.at(point)
+            elif row < 0:
+                env[slot] = value
             elif row in windows:
                 env[slot] = _window(*windows[row], numbers, row)
             else:
