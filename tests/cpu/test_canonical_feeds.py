@@ -103,6 +103,30 @@ def test_padded_batches_take_the_chain_and_match_onnxruntime(name, chain_runs):
     assert len(chain_runs) >= 16  # the padded calls (the unpadded ones take the program's values)
 
 
+@pytest.mark.parametrize("name", DECODERS)
+def test_prefills_and_chunks_of_several_tokens_match_onnxruntime(name):
+    """Several new tokens per call (a prefill without a past, chunks after one, batches of 2, a padded row): the
+    positions count along their axis, and each call is onnxruntime's."""
+    ours, oracle = _sessions(name)
+    outputs = [o.name for o in oracle.get_outputs()]
+    rng = np.random.default_rng(11)
+    names = [i.name for i in oracle.get_inputs()]
+    for past, count, batch, pad in [(0, n, 1, 0) for n in range(3, 12)] + [(p, 4, 2, 0) for p in range(5, 14)] \
+            + [(p, 3, 2, 2) for p in range(5, 10)]:
+        feeds = {"input_ids": rng.integers(1, 900, (batch, count)).astype(np.int64),
+                 "attention_mask": np.ones((batch, past + count), np.int64)}
+        positions = np.tile(np.arange(past, past + count), (batch, 1))
+        if pad:
+            feeds["attention_mask"][-1, :pad] = 0
+            positions[-1] = np.maximum(positions[-1] - pad, 0)
+        if "position_ids" in names:
+            feeds["position_ids"] = positions
+        for info in oracle.get_inputs():
+            if "past" in info.name:
+                feeds[info.name] = rng.standard_normal((batch, info.shape[1], past, info.shape[3])).astype(np.float32)
+        _close(ours, oracle, outputs, feeds)
+
+
 def test_a_position_past_the_embedding_table_is_still_an_error(chain_runs):
     ours, oracle = _sessions("gpt2.dynamo.fp32")
     outputs = [o.name for o in oracle.get_outputs()]
