@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import math
 import os
+import threading
 
 import numpy as np
 import onnx
@@ -98,13 +99,85 @@ def initializer_arrays(proto: onnx.ModelProto, mapped: dict[str, np.ndarray], na
     return found
 
 
-def graph_from_plan(proto: onnx.ModelProto, references: dict[str, np.ndarray]) -> Graph:
+def graph_from_plan(proto: onnx.ModelProto, references: dict[str, np.ndarray], lazy: bool = False) -> Graph:
     """The IR of a graph serialize.py wrote (an optimized plan), with the initializers ``references`` (left out
-    of ``proto``) added; its operators of later opsets read back as the standard ones."""
+    of ``proto``) added; its operators of later opsets read back as the standard ones. ``lazy``: its nodes and
+    value types are converted at their first use (:class:`PlanGraph`)."""
     opsets = {("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in proto.opset_import}
     stand_ins = [onnx.TensorProto(name=name) for name in references]
-    return convert_graph(proto.graph, opsets, outer_scope=(), initializer_protos=[*proto.graph.initializer, *stand_ins],
-                         mapped=references)
+    protos = [*proto.graph.initializer, *stand_ins]
+    if not lazy:
+        return convert_graph(proto.graph, opsets, outer_scope=(), initializer_protos=protos, mapped=references)
+    gp = proto.graph
+    initializers: dict[str, np.ndarray] = {}
+    for init in protos:
+        try:
+            initializers[init.name] = references[init.name] if init.name in references \
+                else numpy_helper.to_array(init)
+        except Exception as exc:
+            raise ModelLoadError(f"initializer {init.name!r} could not be read: {exc}") from exc
+    for sparse in gp.sparse_initializer:
+        initializers[sparse.values.name] = _sparse_to_dense(sparse)
+
+    def convert() -> Graph:  # the whole graph again, its initializers the arrays above
+        return convert_graph(gp, opsets, outer_scope=(), initializer_protos=protos, mapped=initializers)
+
+    return PlanGraph(gp.name, [_value_info(vi) for vi in gp.input if vi.name not in initializers],
+                     [_value_info(vi) for vi in gp.output], initializers, opsets, gp.doc_string, convert)
+
+
+_NODES, _VALUE_INFO = Graph.__dict__["nodes"], Graph.__dict__["value_info"]  # the base class's slots
+
+
+class PlanGraph(Graph):
+    """A cached plan's graph whose nodes and value types are converted at their first read (or write): a session
+    whose signature plans all come from the plan cache runs none of its generic graph's nodes, and converting them
+    was most of reading that plan. Name, inputs, outputs, initializers and opsets are there from the start. The
+    conversion is the eager one's (``convert_graph``), so it raises what that would, at the first use."""
+
+    __slots__ = ("_convert", "_converting")
+
+    def __init__(self, name: str, inputs, outputs, initializers, opsets, doc: str, convert):
+        self.name, self.inputs, self.outputs, self.initializers = name, inputs, outputs, initializers
+        self.opsets, self.outer_names, self.doc = opsets, [], doc
+        self._convert, self._converting = convert, threading.Lock()
+
+    def _converted(self) -> None:
+        with self._converting:  # two threads' first reads convert once
+            if self._convert is not None:
+                whole = self._convert()
+                _NODES.__set__(self, whole.nodes)
+                _VALUE_INFO.__set__(self, whole.value_info)
+                self._convert = None
+
+    @property
+    def nodes(self) -> list[Node]:
+        if self._convert is not None:
+            self._converted()
+        return _NODES.__get__(self)
+
+    @nodes.setter
+    def nodes(self, value: list[Node]) -> None:
+        if self._convert is not None:
+            self._converted()
+        _NODES.__set__(self, value)
+
+    @property
+    def value_info(self) -> dict[str, ValueInfo]:
+        if self._convert is not None:
+            self._converted()
+        return _VALUE_INFO.__get__(self)
+
+    @value_info.setter
+    def value_info(self, value: dict[str, ValueInfo]) -> None:
+        if self._convert is not None:
+            self._converted()
+        _VALUE_INFO.__set__(self, value)
+
+    @property
+    def converted(self) -> bool:
+        """Whether the nodes were read (converted) yet."""
+        return self._convert is None
 
 
 def _label(path: str | None) -> str:

@@ -371,8 +371,9 @@ def encode_graph(model, graph, weights: dict[str, np.ndarray], max_bytes: int) -
         return None
 
 
-def decode_graph(data: bytes, references: list[str], weights: dict[str, np.ndarray]):
-    """The graph ``encode_graph`` wrote, its references taken from ``weights``."""
+def decode_graph(data: bytes, references: list[str], weights: dict[str, np.ndarray], lazy: bool = False):
+    """The graph ``encode_graph`` wrote, its references taken from ``weights``; ``lazy``: its nodes converted at
+    their first use (loader.PlanGraph)."""
     from .loader import graph_from_plan
 
     missing = [name for name in references if name not in weights]
@@ -380,7 +381,7 @@ def decode_graph(data: bytes, references: list[str], weights: dict[str, np.ndarr
         raise ValueError(f"the plan names weights the model does not hold: {missing[:3]}")
     proto = onnx.ModelProto()
     proto.ParseFromString(data)
-    return graph_from_plan(proto, {name: weights[name] for name in references})
+    return graph_from_plan(proto, {name: weights[name] for name in references}, lazy)
 
 
 def encode_arrays(arrays: dict[str, np.ndarray]) -> bytes:

@@ -58,7 +58,8 @@ def read_creation(plans: PlanCache, source, map_weights: bool) -> CachedCreation
     try:
         references = list(meta["references"])
         weights = initializer_arrays(proto, mapped, references)
-        graph = plan_cache.decode_graph(sections["graph"], references, weights)
+        # (its nodes converted at their first use: a signature plan read from the cache needs none of them)
+        graph = plan_cache.decode_graph(sections["graph"], references, weights, lazy=True)
         light = None
         if "inference" in sections:
             light = onnx.ModelProto()
