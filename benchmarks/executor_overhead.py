@@ -30,9 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("ONNX_RUNTIME_COMPILE_IN_BACKGROUND", "0")  # steady state: no loader thread running
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 ZOO = Path(os.environ.get("ONNX_RUNTIME_ZOO") or ROOT / "benchmarks/.models/zoo")
@@ -258,6 +256,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new", type=int, default=64, help="new tokens per generation")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
+    os.environ.setdefault("ONNX_RUNTIME_COMPILE_IN_BACKGROUND", "0")  # steady state: no loader thread running
     print(f"host: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; one thread, thread CPU time, "
           f"median of {args.rounds} interleaved rounds")
     if args.chain:

@@ -26,7 +26,8 @@ RATIO = re.compile(r"ratio (\d+\.\d+)")
 
 
 @pytest.mark.skipif(not {DECODER, PLAIN} <= OK, reason="the zoo lacks the models this test runs")
-def test_runs_a_decoders_calls_and_a_plain_models(capsys):
+def test_runs_a_decoders_calls_and_a_plain_models(capsys, monkeypatch):
+    monkeypatch.setenv("ONNX_RUNTIME_COMPILE_IN_BACKGROUND", "0")  # as main() sets it, restored after
     assert executor_overhead.main(["--chain", "20", "--models", f"{DECODER},{PLAIN}", "--decoders", DECODER,
                                    "--rounds", "1", "--new", "4"]) == 0
     lines = capsys.readouterr().out.splitlines()
