@@ -164,6 +164,12 @@ def ray_pool_ready(ray, workers: int, threads: int) -> tuple[int, float]:
 
 def run_config(engine, args, data, out, workers, threads, runtime, addresses) -> tuple[float, float, float]:
     """``(rows/s, rows/s after start-up, CPU seconds)`` of one configuration."""
+    if engine == "ray":
+        import ray
+
+        # (untimed) the workers' CPU counts from here: an idle Ray worker spends ~1% of a CPU, which the rounds'
+        # other configurations before this run would add to a first job's start-up
+        ray_pool_ready(ray, workers, threads)
     if engine is None:
         return single_process(args.model, data, out, args.shard_rows, threads, runtime, args.batch_size)
     if engine == "fresh":
