@@ -1,11 +1,13 @@
 """What a fresh process imports for a session whose plans are cached and its first runs (served by numpy while
 numba loads, compiled/deferred.py): every module is a few hundred microseconds of a creation + first run that
-onnxruntime does in about ten milliseconds (docs/cold-start.md). Two modules stay out of it:
+onnxruntime does in about ten milliseconds (docs/cold-start.md). These stay out of it:
 
 - the bound-plan builder of a FusedSegment (algorithms/segment_steps.py and the four segment_* modules it
   imports): a segment runs its nodes one by one until numba serves, and plans only then;
 - the QDQ epilogue pass (qdq_epilogues.py and the three pass modules it imports): the provider declares the
-  rounded producers' shape rules at import (fused_shapes.py), and a cached plan runs no pass.
+  rounded producers' shape rules at import (fused_shapes.py), and a cached plan runs no pass;
+- the in-place KV append (onnx_runtime/kv_append.py): the shape family imports it at its first two-input Concat,
+  so a CNN's Flatten does not.
 
 Once the loader is done the segment still plans, and every run's values stay within a float64 bound.
 What matters is what a new process loads, so the checks run in fresh interpreters.
@@ -29,6 +31,7 @@ SEGMENT_BUILDER = ("onnx_runtime_ep_cpu.algorithms.segment_steps", "onnx_runtime
                    "onnx_runtime_ep_cpu.algorithms.segment_arena")
 EPILOGUE_PASS = ("onnx_runtime_ep_cpu.qdq_epilogues", "onnx_runtime_ep_cpu.qdq_norms",
                  "onnx_runtime_ep_cpu.qdq_groups", "onnx_runtime_ep_cpu.qdq_concat_inputs")
+KV_APPEND = ("onnx_runtime.kv_append",)
 
 SCRIPT = r"""
 import json, sys
@@ -52,7 +55,7 @@ planned = sess.run(None, {"x": x})
 report["after_loader"] = [m for m in WATCHED if m in sys.modules]
 report["outputs"] = [[o.tolist() for o in first], [o.tolist() for o in planned]]
 print(json.dumps(report))
-""".replace("NAMES", repr(SEGMENT_BUILDER + EPILOGUE_PASS))
+""".replace("NAMES", repr(SEGMENT_BUILDER + EPILOGUE_PASS + KV_APPEND))
 
 
 def _residual_cnn(channels: int = 8, size: int = 10) -> onnx.ModelProto:

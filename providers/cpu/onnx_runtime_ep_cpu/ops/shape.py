@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from onnx_runtime import budget, kv_append
+from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from ..registry import register
@@ -268,6 +268,8 @@ def _concat_factory(default_axis):
 def _appending_concat(output: str, axis: int):
     """Concat of two, which appends in place where the bound run feeding the first allows (kv_append.py): a KV
     cache's ``present = Concat(past, new)``."""
+    from onnx_runtime import kv_append  # (at the first such Concat: the CNNs' Flatten loads this module without it)
+
     def kernel(*xs):
         grown = kv_append.append(output, xs, axis if axis >= 0 else axis + xs[0].ndim)
         return (np.concatenate(xs, axis=axis) if grown is None else grown,)
