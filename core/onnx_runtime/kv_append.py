@@ -29,7 +29,7 @@ class Window:
     ``axis``, to be appended into by the Concat giving ``output``; ``result`` is the longer window an append
     made (None until one does)."""
 
-    __slots__ = ("fed", "physical", "axis", "output", "result", "before", "across", "spans")
+    __slots__ = ("fed", "physical", "axis", "output", "result", "before", "across", "spans", "steps")
 
     def __init__(self, fed: np.ndarray, physical: np.ndarray, axis: int, output: str):
         self.fed, self.physical, self.axis, self.output = fed, physical, axis, output
@@ -39,6 +39,9 @@ class Window:
         # Shape -> whether it spans ``across`` on the other axes (a decode loop's parts have a few shapes: the step's
         # rows, and the past at each length), so a step compares each shape once, not two slices of it per call.
         self.spans: dict[tuple, bool] = {}
+        # Past length -> (the row a one-row append writes, the window one row longer): a decode loop's views made
+        # once per length, not twice per step (indexing makes them at several times the row copy's cost).
+        self.steps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
 
 _LOCAL = threading.local()  # .windows: output name -> Window, during a bound run on this thread
@@ -58,6 +61,13 @@ def appending(windows: Sequence[Window]) -> Iterator[None]:
 def append(output: str, xs: tuple, axis: int) -> np.ndarray | None:
     """``Concat(*xs)`` along ``axis`` (normalized) as a longer window of the buffer ``xs[0]`` views, with
     ``xs[1]`` written after its rows; None where no window of this run allows it (the caller concatenates)."""
+    window = append_window(output, xs, axis)
+    return None if window is None else window.result
+
+
+def append_window(output: str, xs: tuple, axis: int) -> Window | None:
+    """:func:`append`'s window (its ``result`` the longer window, its ``physical`` the buffer), or None: for a
+    kernel that reads the buffer itself (a decode step's attention over the cache it appends to)."""
     windows = getattr(_LOCAL, "windows", None)
     if not windows or len(xs) != 2:
         return None
@@ -84,10 +94,25 @@ def append(output: str, xs: tuple, axis: int) -> np.ndarray | None:
     grown = length + new_shape[axis]
     if grown > physical.shape[axis]:
         return None
-    before = window.before
-    physical[before + (slice(length, grown),)] = new
-    window.result = result = physical[before + (slice(0, grown),)]
-    _LOCAL.grown[id(result)] = window
+    _LOCAL.grown[id(_write(window, new, length, grown))] = window
+    return window
+
+
+def _write(window: Window, new: np.ndarray, length: int, grown: int) -> np.ndarray:
+    """``new`` written at rows ``length:grown`` of the window's buffer; the window's ``result``, rows ``:grown``."""
+    if grown == length + 1:
+        views = window.steps.get(length)
+        if views is None:
+            before, physical = window.before, window.physical
+            views = window.steps[length] = (physical[before + (slice(length, grown),)],
+                                            physical[before + (slice(0, grown),)])
+        row, result = views
+        row[...] = new
+    else:
+        before, physical = window.before, window.physical
+        physical[before + (slice(length, grown),)] = new
+        result = physical[before + (slice(0, grown),)]
+    window.result = result
     return result
 
 

@@ -1,5 +1,6 @@
-"""A decode step's attention reads a KV cache appended in place where it lies (kv_append.contiguous_rows): the
-cache buffers at their capacity with the valid length, not a contiguous copy of each window every step. Checked
+"""A decode step's attention reads a KV cache appended in place where it lies (kv_append.contiguous_rows, or the
+buffers PastAttention appended to, through few_over_rows): the cache buffers at their capacity with the valid
+length, not a contiguous copy of each window every step. Checked
 for the same greedy tokens as the copying loop and onnxruntime on the dynamo decoders, for one in-place read per
 attention and decode step, and on a hand-made step whose cache rows past the valid length are NaN (a read past
 the length would show) against a float64 reference."""
@@ -29,6 +30,18 @@ def _counting_reads(monkeypatch) -> list[int]:
         return key_rows, value_rows
 
     monkeypatch.setattr(kv_append, "contiguous_rows", counted)
+    from onnx_runtime_ep_cpu.ops import transformer
+
+    attention = transformer._Attention  # noqa: SLF001 (the kernel's read of the buffers PastAttention hands over)
+    over_rows = attention.few_over_rows
+
+    def counted_over(self, q, k, v, mask, key_rows, value_rows):
+        found = over_rows(self, q, k, v, mask, key_rows, value_rows)
+        if found is not None:
+            counts[0 if np.shares_memory(key_rows, k) and np.shares_memory(value_rows, v) else 1] += 1
+        return found
+
+    monkeypatch.setattr(attention, "few_over_rows", counted_over)
     return counts
 
 

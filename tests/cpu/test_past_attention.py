@@ -180,3 +180,56 @@ def test_inputs_it_cannot_take_are_a_typed_error():
         factory(_node(), [(1, 1, 16), (1, 4, 1, 4), (1, 4, 1, 4), None, (1, 4, 3, 4), (1, 4, 3, 4)], 23)
     with pytest.raises(InvalidArgumentError, match="layer0/past"):  # no past_value
         factory(_node(("q", "k", "v", "", "pk", "")), [(1, 4, 1, 4)] * 3 + [None, (1, 4, 3, 4), None], 23)
+
+
+def test_one_row_appends_reuse_their_views_and_write_each_row():
+    """kv_append makes a one-row append's two views once per length: a second generation over the same buffer gets
+    the same window objects back, with the new rows where a concatenation puts them."""
+    from onnx_runtime import kv_append
+
+    physical = np.zeros((1, 2, 6, 3), np.float32)
+    window = kv_append.Window(physical[:, :, :0], physical, 2, "present")
+    rng = np.random.default_rng(4)
+    seen = []
+    for _generation in range(2):
+        fed, expected, results = physical[:, :, :0], np.zeros((1, 2, 0, 3), np.float32), []
+        for _ in range(5):
+            row = rng.standard_normal((1, 2, 1, 3)).astype(np.float32)
+            window.fed, window.result = fed, None
+            saved = kv_append.enter([window])
+            try:
+                grown = kv_append.append("present", (fed, row), 2)
+            finally:
+                kv_append.leave(saved)
+            expected = np.concatenate((expected, row), axis=2)
+            np.testing.assert_array_equal(grown, expected)
+            results.append(grown)
+            fed = grown
+        seen.append(results)
+    assert all(first is again for first, again in zip(*seen))
+
+
+@pytest.mark.parametrize("name", ["gpt2.dynamo.fp32", "llama.dynamo.fp32"])
+def test_decode_attention_reads_the_appended_buffers_without_looking_them_up(name, monkeypatch):
+    """PastAttention hands the buffers its appends wrote to the attention (few_over_rows): the decode steps never ask
+    kv_append.contiguous_rows, and the tokens are those of a run that does."""
+    _, path = zoo_model(name)
+    from onnx_runtime import kv_append
+    from onnx_runtime.generate import Generator
+
+    monkeypatch.setenv("ONNX_RUNTIME_COMPILE_IN_BACKGROUND", "0")  # (the compiled loops from the first step)
+    prompt = [3, 14, 15, 92, 65, 35]
+    with Generator(path, providers=["cpu"]) as generator:
+        expected = generator.generate(prompt, 12).tokens
+    asked = []
+    looked_up = kv_append.contiguous_rows
+
+    def counting(keys, values):
+        if keys.shape[2] > len(prompt):  # a decode step's (the prefill's attention takes the lanes path)
+            asked.append(keys.shape)
+        return looked_up(keys, values)
+
+    monkeypatch.setattr(kv_append, "contiguous_rows", counting)
+    with Generator(path, providers=["cpu"]) as generator:
+        assert generator.generate(prompt, 12).tokens == expected
+    assert asked == []

@@ -60,14 +60,17 @@ class _PastAttention:
 
     def __call__(self, q, k, v, mask, past_key, past_value):
         key_name, value_name = self.outputs
-        present_key = kv_append.append(key_name, (past_key, k), 2)
-        if present_key is None:
-            present_key = np.concatenate((past_key, k), axis=2)
-        present_value = kv_append.append(value_name, (past_value, v), 2)
-        if present_value is None:
-            present_value = np.concatenate((past_value, v), axis=2)
-        y = self.attention(q, present_key, present_value, mask)[0] if self.has_mask else \
-            self.attention(q, present_key, present_value)[0]
+        keys = kv_append.append_window(key_name, (past_key, k), 2)
+        values = kv_append.append_window(value_name, (past_value, v), 2)
+        present_key = np.concatenate((past_key, k), axis=2) if keys is None else keys.result
+        present_value = np.concatenate((past_value, v), axis=2) if values is None else values.result
+        found = None if keys is None or values is None else \
+            self.attention.few_over_rows(q, present_key, present_value, mask, keys.physical, values.physical)
+        if found is not None:  # (a decode step over the bound cache: read where it was appended)
+            y = found[0]
+        else:
+            y = self.attention(q, present_key, present_value, mask)[0] if self.has_mask else \
+                self.attention(q, present_key, present_value)[0]
         if self.merged is not None:
             y = y.transpose(_HEADS).reshape(self.merged)
         elif self.merge is not None:

@@ -311,9 +311,21 @@ class _Attention:
             qk = qk.astype(q.dtype, copy=False)
         return (y, present_key, present_value, qk)[: len(self.node.outputs)]
 
-    def few_query_attention(self, q, k, v, mask=None):
+    def few_over_rows(self, q, k, v, mask, key_rows, value_rows):
+        """few_query_attention's result for a decode step's (B, H, S, D) Q, K and V whose K and V are the first rows
+        of ``key_rows``/``value_rows`` (C-contiguous buffers at their capacity: kv_append's), read there; None
+        where the call's own paths decide (see __call__)."""
+        if self.few is None or not self._few_tried or self._by_head or self.geo.rank != 4 \
+                or k.shape[-2] > self._few_keys or q.dtype is not FLOAT32 or key_rows.dtype is not FLOAT32 \
+                or value_rows.dtype is not FLOAT32 \
+                or not (key_rows.flags.c_contiguous and value_rows.flags.c_contiguous):
+            return None
+        return self.few_query_attention(q, k, v, mask, (key_rows, value_rows))
+
+    def few_query_attention(self, q, k, v, mask=None, rows=None):
         """(Y, present_key, present_value) as compiled_attention's for small attention, in one compiled call. None
-        where the general path decides: a row with no finite score, a mask not float32, short or broadcasting."""
+        where the general path decides: a row with no finite score, a mask not float32, short or broadcasting.
+        ``rows``: the buffers K and V are the first rows of, where the caller has them (few_over_rows)."""
         geo, bias = self.geo, self._few_bias
         if mask is not None:
             lead = self._few_masks.get(mask.shape[:-1], False)  # (the keys' length is checked per call)
@@ -330,7 +342,8 @@ class _Attention:
         queries, keys, values = (q, k, v) if geo.rank == 4 else (  # (a decode step's (B, H, S, D): no head moves)
             geo.to_heads(q, geo.q_heads), geo.to_heads(k, geo.kv_heads), geo.to_heads(v, geo.kv_heads))
         y = np.empty((queries.shape[0], geo.q_heads, geo.q_len, geo.v_head_size), np.float32)
-        key_rows, value_rows = kv_append.contiguous_rows(keys, values)  # (caches appended in place: where they lie)
+        # (caches appended in place: where they lie)
+        key_rows, value_rows = kv_append.contiguous_rows(keys, values) if rows is None else rows
         if not self.few(np.ascontiguousarray(queries), key_rows, value_rows, keys.shape[2], self._few_scale, bias, y):
             return None
         return (geo.from_heads(y), keys, values)[:self._outputs]
