@@ -33,6 +33,7 @@ RULES: dict[str, tuple[str, tuple[int, ...]]] = {
     "SwishMul": (BROADCAST, (0, 1)),
     # integer products: MatMul's shape over the codes of A and B (qdq_fusions.py, code_tables.py)
     "QuantizedMatMul": (MATMUL, (0, 3)), "QLinearMatMulAdd": (MATMUL, (0, 3)),
+    "DynamicQuantizeFusedMatMul": (MATMUL, (0, 1)),
     # output shapes from the inputs' shapes and attributes by the op's own rule
     "FusedMatMul": (SHAPES, ()), "DynamicQuantizeMatMulGroup": (SHAPES, ()), "QuantizedConv": (SHAPES, ()),
     "GroupedQuantizedMatMul": (SHAPES, ()),

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..algorithms.bound_loop import EntryOnce
 from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import IntegerProduct, dynamic_uint8, int_matmul, widen
+from ..algorithms.repeat_call import RepeatCall
 from ..registry import register
 from ._common import CONTRIB_DOMAIN, argument_error
 from .contrib_quantization import eight_bit, scalar
@@ -151,8 +153,13 @@ def dynamic_quantize_matmul(node, shapes, opset):
     product = IntegerProduct()
     sides = Prepared()  # WeightSide per set of constant inputs (None: not compiled)
     last: list = [None] * 5  # the constant inputs of the last call, then their WeightSide
+    repeat = RepeatCall()  # the last compiled call: A's shape, the constant inputs and the loop's kept arguments
+    bind = EntryOnce(qgemm.dynamic_scaled_product)
 
     def kernel(a, b, b_scale, b_zero_point=None, bias=None):
+        out = repeated(repeat, a, (b, b_scale, b_zero_point, bias))
+        if out is not None:
+            return (out,)
         if a.dtype is _F32 and a.ndim and a.size:
             if last[0] is b and last[1] is b_scale and last[2] is b_zero_point and last[3] is bias:
                 side = last[4]  # the same constant arrays as before (the usual call): no key to build
@@ -164,8 +171,9 @@ def dynamic_quantize_matmul(node, shapes, opset):
             if side is not None and a.shape[-1] == side.depth:
                 # DynamicQuantizeLinear's codes of A then MatMulIntegerToFloat's product, in one compiled call
                 out = np.empty(a.shape[:-1] + (side.columns,), _F32)
-                qgemm.dynamic_scaled_product(np.ascontiguousarray(a).reshape(-1, side.depth), side.packed,
-                                             side.pairs, side.scales, side.bias, out.reshape(-1, side.columns))
+                arguments = (np.ascontiguousarray(a).reshape(-1, side.depth), side.packed, side.pairs, side.scales,
+                             side.bias, out.reshape(-1, side.columns))
+                run_and_keep(bind, repeat, a, (b, b_scale, b_zero_point, bias), side, arguments, out.shape)
                 return (out,)
         if a.dtype != _F32 or b_scale.dtype != _F32:
             raise argument_error(node, f"A ({a.dtype}) and b_scale ({b_scale.dtype}) must be float32")
@@ -179,6 +187,30 @@ def dynamic_quantize_matmul(node, shapes, opset):
         return (_finish(y, _bias(node, bias, b.shape[-1], _F32), _F32),)
 
     return kernel
+
+
+def run_and_keep(bind: EntryOnce, repeat: RepeatCall, a, constants: tuple, side, arguments: tuple,
+                 out_shape: tuple) -> None:
+    """Runs the loop ``bind`` is for on ``arguments`` (A's rows, ``side``'s arrays, the output's rows) and keeps the
+    call for its repeats once the loop runs compiled (until then numpy's twin serves): its entry point, A's rows'
+    shape, the side and the output's shape and rows."""
+    bind.run(arguments)
+    entry = bind(arguments)
+    if entry is not None:
+        repeat.keep(a, constants, (entry, arguments[0].shape, side, out_shape, arguments[-1].shape))
+
+
+def repeated(repeat: RepeatCall, a, constants: tuple) -> np.ndarray | None:
+    """The output of a call repeating ``repeat``'s kept one (A's shape and type, the same constant arrays): the
+    kept entry point on A's rows, without the checks, shapes worked out or the dispatcher's typing of six arrays;
+    None for any other call."""
+    kept = repeat.match(a, constants)
+    if kept is None:
+        return None
+    entry, rows, side, out_shape, out_rows = kept
+    out = np.empty(out_shape, _F32)
+    entry(np.ascontiguousarray(a).reshape(rows), side.packed, side.pairs, side.scales, side.bias, out.reshape(out_rows))
+    return out
 
 
 class WeightSide:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..algorithms.bound_loop import EntryOnce
 from ..algorithms.prepared import Prepared
 from ..algorithms.quantize import IntegerProduct
+from ..algorithms.repeat_call import RepeatCall
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
-from .contrib_integer_matmul import WeightSide, dynamic_quantize_matmul
+from .contrib_integer_matmul import WeightSide, dynamic_quantize_matmul, repeated, run_and_keep
 
 _F32 = np.dtype(np.float32)
 SLOTS = 4  # each member's inputs after A: B, b_scale, b_zero_point, bias ("" where absent)
@@ -58,11 +60,17 @@ def dynamic_quantize_matmul_group(node, shapes, opset):
     product = IntegerProduct()
     sides = Prepared()
     last: list = [(), None]  # the constant inputs of the last call, then their joined side
+    repeat = RepeatCall()  # the last compiled call: A's shape, the constant inputs and the loop's kept arguments
+    bind = EntryOnce(qgemm.dynamic_scaled_group)
 
     def apart(a, rest):
         return tuple(single(a, *rest[i:i + SLOTS])[0] for i in range(0, len(rest), SLOTS))
 
     def kernel(a, *rest):
+        out = repeated(repeat, a, rest)
+        if out is not None:
+            return tuple(out)
+        given = rest
         if len(rest) < SLOTS * count:  # absent trailing inputs
             rest = rest + (None,) * (SLOTS * count - len(rest))
         if a.dtype is not _F32 or not a.ndim or not a.size:
@@ -76,11 +84,11 @@ def dynamic_quantize_matmul_group(node, shapes, opset):
         if side is None or a.shape[-1] != side.depth:
             return apart(a, rest)
         width = side.columns // count
-        out = np.empty((count, a.size // side.depth, width), _F32)
-        qgemm.dynamic_scaled_group(np.ascontiguousarray(a).reshape(-1, side.depth), side.packed, side.pairs,
-                                   side.scales, side.bias, out)
-        shape = a.shape[:-1] + (width,)
-        return tuple(out[g].reshape(shape) for g in range(count))
+        out = np.empty((count, *a.shape[:-1], width), _F32)
+        arguments = (np.ascontiguousarray(a).reshape(-1, side.depth), side.packed, side.pairs, side.scales, side.bias,
+                     out.reshape(count, -1, width))
+        run_and_keep(bind, repeat, a, given, side, arguments, out.shape)
+        return tuple(out)
 
     return kernel
 
