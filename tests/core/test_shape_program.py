@@ -243,3 +243,36 @@ def test_loops_in_threads_over_one_session_give_the_steps_values():
                                                                                    seed=start)):
             np.testing.assert_array_equal(scores, want)
             np.testing.assert_array_equal(present, want_present)
+
+
+def test_the_straight_code_sets_what_the_loop_sets(monkeypatch):
+    """Each program's instantiation runs as straight-line code; it sets the loop's values (fresh arrays each call,
+    the same dtypes and contents) and fails the same guards."""
+    made = []
+    init = shape_program.Program.__init__
+
+    def recording(self, *args):
+        init(self, *args)
+        made.append(self)
+
+    monkeypatch.setattr(shape_program.Program, "__init__", recording)
+    _loop(_ours(), 12)
+    assert made and all(program._code is not None for program in made)  # noqa: SLF001
+    for program in made:
+        size = max(program.needed) + 1
+        for length in (2, 5, 9, 40, 700):
+            point = np.array([1] + [length] * (program.forms.shape[1] - 1), np.int64)
+            straight, looped = [None] * size, [None] * size
+            done = program.instantiate(straight, point)
+            code, program._code = program._code, None  # noqa: SLF001
+            try:
+                assert program.instantiate(looped, point) == done
+            finally:
+                program._code = code  # noqa: SLF001
+            again = [None] * size
+            program.instantiate(again, point)
+            for slot in program.needed if done else ():
+                a, b = straight[slot], looped[slot]
+                assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+                np.testing.assert_array_equal(a, b)
+                assert again[slot] is not a or not isinstance(a, np.ndarray) or not a.flags.writeable
