@@ -49,10 +49,14 @@ class Knobs:
     #: From this many multiply-adds per thread (milliseconds of work), a part waits for a sleeping helper
     #: rather than running alone, so the helper is awake for the next part (measured in 8f78cef).
     long_macs: int = 1 << 28
-    #: Below this much work (input elements; times taps for a depthwise convolution) a kernel split by
-    #: planes or channels (pooling, batch normalization, depthwise convolution) stays on one thread
-    #: (39c4fd8).
+    #: Below this much work (input elements) a kernel split by planes or channels (pooling, batch
+    #: normalization) stays on one thread (39c4fd8).
     split_elements: int = 1 << 16
+    #: Below this many multiply-adds per image (input or output elements, whichever is more, times taps) a
+    #: depthwise convolution of one image stays on one thread: since its in-place window loops (d57ce75) a
+    #: mobilenet's small layers finish on the caller sooner than a helper's hand-off pays back (measured in
+    #: the commit that set it; before, split_elements decided).
+    split_depthwise_macs: int = 1 << 20
     #: Tasks per thread's share of a packed convolution, claimed one at a time, so that a thread done
     #: first takes what a slower one (a CPU shared with another process) has not started (measured in
     #: 08cafa2).

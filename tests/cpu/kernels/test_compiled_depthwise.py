@@ -261,12 +261,12 @@ def test_direct_kernel_is_the_plane_loop_bit_for_bit(shape, pads, stride, activa
 @needs_avx512
 def test_direct_kernel_splits_channels_across_threads(monkeypatch, kernel_threads, knobs):
     # One image's channels in parts (jobs.split_depthwise), each part by the direct kernel: the same bits.
-    knobs(split_elements=1)
+    knobs(split_depthwise_macs=1)
     x = RNG.standard_normal((1, 10, 14, 14)).astype(np.float32)
     w = _constant(RNG.standard_normal((10, 1, 3, 3)).astype(np.float32))
     b = _constant(RNG.standard_normal(10).astype(np.float32))
     attrs = {"pads": [1, 1, 1, 1], "strides": [2, 2]}
     split = _run(x, w, b, attrs)
-    knobs(split_elements=1 << 40)
+    knobs(split_depthwise_macs=1 << 40)
     np.testing.assert_array_equal(split, _run(x, w, b, attrs))
     np.testing.assert_allclose(split, _reference(x, w, b, attrs), rtol=1e-5, atol=1e-5)

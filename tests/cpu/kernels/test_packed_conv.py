@@ -294,7 +294,7 @@ def test_depthwise_split_across_threads_matches_the_reference(monkeypatch, kerne
 
     from onnx_runtime_ep_cpu.compiled import jobs
 
-    knobs(split_elements=1)
+    knobs(split_depthwise_macs=1)
     splits = []  # the parts of each depthwise convolution, posted from compiled code (jobs.split_depthwise)
     real = jobs.split_depthwise
     monkeypatch.setattr(jobs, "split_depthwise", lambda *a: splits.append(len(a[19]) - 1) or real(*a))

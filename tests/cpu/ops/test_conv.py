@@ -329,7 +329,7 @@ def test_a_depthwise_convolution_reads_through_a_channel_shuffle(monkeypatch, th
     shuffled tensor, and the unfused nodes' values (a FusedConv adds its bias after the convolution)."""
 
     knobs(threads=threads)
-    knobs(split_elements=1)
+    knobs(split_depthwise_macs=1)
     model = _shuffle_model(3, 4, activation=activation)
     x = rand(1, 3, 9, 9)
     session, (fused,) = _run(model, {"x": x})

@@ -88,7 +88,7 @@ def compiled_depthwise(geo: Geometry, m: int, prepared: Prepared, dtype):
         x = np.ascontiguousarray(x)
         # The work counted as elements times taps: each output reads a window of the input.
         work = max(x.size, math.prod(geo.out) * m) * flat_w.shape[1]
-        spans = thread_spans(x.shape[1], work, x.dtype) if x.shape[0] == 1 else None
+        spans = thread_spans(x.shape[1], work, x.dtype, KNOBS.split_depthwise_macs) if x.shape[0] == 1 else None
         if spans is None or len(spans) == 1:  # (one span: the loop itself, without posting a job: ~2 us less)
             # A writeable bias: numba compiles a read-only array argument separately (the parts below
             # get arrays by address).
@@ -117,8 +117,8 @@ def _bind_depthwise(plan, prepared: Prepared, weights, identity, geo: Geometry, 
     arguments)]``, or None where it splits across threads or adds a residual."""
     if (finish is not None and finish.residual.size) or x.dtype != y.dtype or y.shape[1] != m:
         return None
-    spans = thread_spans(x.shape[1], max(x.size, math.prod(geo.out) * m) * math.prod(geo.kernel), x.dtype) \
-        if x.shape[0] == 1 else None
+    spans = thread_spans(x.shape[1], max(x.size, math.prod(geo.out) * m) * math.prod(geo.kernel), x.dtype,
+                         KNOBS.split_depthwise_macs) if x.shape[0] == 1 else None
     if spans is not None and len(spans) > 1:
         return None
     flat_w, bias = prepared.get("depthwise", (w, b), lambda: weights(w, b))

@@ -13,8 +13,9 @@ from ..threads import kernel_threads
 from ..tuning import KNOBS
 
 
-def thread_spans(count: int, elements: int, dtype) -> tuple[tuple[int, int], ...] | None:
-    """``count`` independent rows (planes, channels) split evenly across the kernel threads, for a
+def thread_spans(count: int, elements: int, dtype, least: int | None = None) -> tuple[tuple[int, int], ...] | None:
+    """``count`` independent rows (planes, channels) split evenly across the kernel threads from ``least`` work
+    (default: the split_elements knob), for a
     float32 kernel that runs as a job of compiled/jobs.py (on the helper threads of workers.py, or on
     this one alone: one span when the work is small or there is one thread). None where the jobs do
     not run (other dtypes, hosts without the packed convolution): the caller calls its loop itself.
@@ -22,7 +23,7 @@ def thread_spans(count: int, elements: int, dtype) -> tuple[tuple[int, int], ...
     if dtype != np.float32:
         return None
     threads = kernel_threads()
-    key = (count, elements >= KNOBS.split_elements, threads)
+    key = (count, elements >= (KNOBS.split_elements if least is None else least), threads)
     found = _spans.get(key, False)
     if found is False:
         from ..compiled import host  # not gemm.py, which imports numba
