@@ -114,22 +114,38 @@ def assumed_feeds(graph, feed_slots: dict[str, int]) -> dict[int, tuple]:
     return assumed
 
 
-def variant(general: ShapeValues, steps: list[Step], assumed: dict[int, tuple], tensor_feeds: set[int],
-            constants: set[int], outputs: set[int], keep: set[int], declared: dict, assign_releases) \
-        -> CanonicalFeeds | None:
-    """``general`` (the plan's values) with a second ShapeValues over ``steps`` in which the ``assumed`` feeds
-    count as shape-only; None where that adds no step to the shape-only ones."""
-    found = shape_only_steps(steps, tensor_feeds, constants, outputs, frozenset(assumed))
-    if len(found) <= len(general.shape_only):
+@dataclasses.dataclass
+class Planned:
+    """A plan's canonical steps, found before its releases are assigned (the full steps keep ``kept`` to their
+    end, as they keep the usual values)."""
+
+    assumed: dict[int, tuple]
+    body: list[Step]
+    kept: tuple[int, ...]
+
+    def values(self, general: ShapeValues, declared: dict) -> CanonicalFeeds:
+        """``general`` (the plan's usual values; its full steps are shared) with the canonical ShapeValues."""
+        canonical = ShapeValues(general.full, self.body, general.keys, self.kept, declared)
+        canonical.assumed = self.assumed
+        masks = tuple(slot for slot, (kind, _) in self.assumed.items() if kind == ONES)
+        positions = tuple((slot, mask) for slot, (kind, mask) in self.assumed.items() if kind == POSITIONS)
+        return CanonicalFeeds(general, canonical, masks, positions)
+
+
+def plan(graph, steps: list[Step], feed_slots: dict[str, int], tensor_feeds: set[int], constants: set[int],
+         outputs: set[int], found: set[int]) -> Planned | None:
+    """The canonical steps of a plan whose shape-only steps are ``found``: None where no feed's shape is symbolic
+    (an exact plan meets one shape), the graph has no mask or position feed, or assuming them adds no step."""
+    if all(vi.type.shape is not None and all(isinstance(d, int) for d in vi.type.shape)
+           for vi in graph.inputs if vi.type.is_tensor):
         return None
-    full = [dataclasses.replace(step) for step in steps]
-    body = [dataclasses.replace(step) for index, step in enumerate(steps) if index not in found]
+    assumed = assumed_feeds(graph, feed_slots)
+    if not assumed:
+        return None
+    more = shape_only_steps(steps, tensor_feeds, constants, outputs, frozenset(assumed))
+    if len(more) <= len(found):
+        return None
+    body = [dataclasses.replace(step) for index, step in enumerate(steps) if index not in more]
     read = {slot for step in body for slot in step.inputs}
-    kept = tuple(slot for index in sorted(found) for slot in steps[index].outputs if slot in read)
-    assign_releases(full, keep | set(kept))  # (a full run keeps the values to its end, as the plan's own)
-    assign_releases(body, keep)
-    canonical = ShapeValues(full, body, general.keys, kept, declared)
-    canonical.assumed = assumed
-    masks = tuple(slot for slot, (kind, _) in assumed.items() if kind == ONES)
-    positions = tuple((slot, mask) for slot, (kind, mask) in assumed.items() if kind == POSITIONS)
-    return CanonicalFeeds(general, canonical, masks, positions)
+    kept = tuple(slot for index in sorted(more) for slot in steps[index].outputs if slot in read)
+    return Planned(assumed, body, kept)

@@ -249,12 +249,18 @@ class Executor:
         keep = set(output_slots) | set(feed_slots.values())
         tensor_feeds = {feed_slots[vi.name] for vi in self.graph.inputs if vi.type.is_tensor}
         # Host plans only (device plans have their own replays): the steps that only the feeds' shapes decide.
+        constants = {where[name][0] for name in self._consts}
         found = set() if self._devices or recorded_copies else \
-            shape_only_steps(steps, tensor_feeds, {where[name][0] for name in self._consts}, set(output_slots))
+            shape_only_steps(steps, tensor_feeds, constants, set(output_slots))
         body = [dataclasses.replace(step) for index, step in enumerate(steps) if index not in found] if found else []
         read = {slot for step in body for slot in step.inputs}
         kept = tuple(slot for index in sorted(found) for slot in steps[index].outputs if slot in read)
-        self._assign_releases(steps, keep | set(kept))  # a run that computes the kept values keeps them to its end
+        # An unpadded generation's mask and positions: shape-only too (see canonical_feeds), for plans whose feed
+        # shapes are symbolic (a decode loop's: an exact plan meets one shape).
+        canonical = canonical_feeds.plan(self.graph, steps, feed_slots, tensor_feeds, constants, set(output_slots),
+                                         found) if found and canonical_feeds.ENABLED else None
+        # A run that computes the kept values (either kind's) keeps them to its end.
+        self._assign_releases(steps, keep | set(kept) | set(canonical.kept if canonical is not None else ()))
         plan = Plan(steps, template, feed_slots, output_slots, recorded_copies, frozenset(feed_devices))
         if found:
             self._assign_releases(body, keep)
@@ -264,16 +270,12 @@ class Executor:
             plan.shape_values = ShapeValues(steps, body, tuple(sorted(tensor_feeds)), kept, declared)
             if mask_values.ENABLED:  # the attention-mask chain of the body, kept per mask (see mask_values)
                 masks = {feed_slots[name] for name in mask_values.mask_feeds(self.graph)}
-                chained = mask_values.grouped(body, masks, set(kept), {where[name][0] for name in self._consts})
+                chained = mask_values.grouped(body, masks, set(kept), constants)
                 if chained is not body:
                     plan.shape_values.body = Steps(chained)
-            assumed = canonical_feeds.assumed_feeds(self.graph, feed_slots) if canonical_feeds.ENABLED else None
-            if assumed:  # an unpadded generation's mask and positions: shape-only too (see canonical_feeds)
-                both = canonical_feeds.variant(plan.shape_values, steps, assumed, tensor_feeds,
-                                               {where[name][0] for name in self._consts}, set(output_slots), keep,
-                                               declared, self._assign_releases)
-                if both is not None:
-                    plan.shape_values = both
+            if canonical is not None:
+                self._assign_releases(canonical.body, keep)
+                plan.shape_values = canonical.values(plan.shape_values, declared)
         admit_plan(plan, self.graph, self.assignment)  # host activations, charged once per plan, not per run
         return plan
 

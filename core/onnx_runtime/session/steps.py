@@ -283,9 +283,10 @@ class ShapeValues:
     TOTAL_BYTES = 8 << 20
     PROGRAMS = 4  # classes of feed shapes with a symbolic program (or a failed attempt) kept
 
-    def __init__(self, full: list[Step], body: list[Step], keys: tuple[int, ...], kept: tuple[int, ...],
+    def __init__(self, full: list[Step] | Steps, body: list[Step], keys: tuple[int, ...], kept: tuple[int, ...],
                  static_shapes: dict[int, tuple] | None = None):
-        self.full = Steps(full)
+        self.full = full if isinstance(full, Steps) else Steps(full)  # (another ShapeValues' may be shared)
+        full = self.full.steps
         self.body = Steps(body)
         self.keys = keys
         self.kept = kept
