@@ -17,6 +17,10 @@ from ..ir import Node
 Sizes = Callable[[int], "list[np.ndarray] | None"]
 
 
+class Unsupported(Exception):
+    """A step the symbolic evaluation does not cover: it runs per call (shape_symbols raises it too)."""
+
+
 def _const(form: np.ndarray) -> int | None:
     return None if form[1:].any() else int(form[0])
 
@@ -150,3 +154,36 @@ def _split(node: Node, shape: tuple, sizes: Sizes, symbols: int) -> list[tuple] 
 _RULES: dict[str, Callable[[Node, tuple, Sizes, int], list[tuple] | None]] = {
     "Reshape": _reshaped, "Flatten": _flatten, "Unsqueeze": _unsqueeze, "Squeeze": _squeeze, "Split": _split,
 }
+
+
+# -- shapes of broadcasting, concatenation and products (shape_symbols.Builder.propagate) -------------------------
+def broadcast_forms(shapes: list[tuple], symbols: int) -> tuple:
+    """The broadcast of ``shapes``; Unsupported where two dimensions are not known to agree."""
+    rank = max(len(s) for s in shapes)
+    out = []
+    for axis in range(rank):
+        dims = [s[axis - rank + len(s)] for s in shapes if axis - rank + len(s) >= 0]
+        wide = [d for d in dims if _const(d) != 1]
+        if wide and any(not np.array_equal(d, wide[0]) for d in wide[1:]):
+            raise Unsupported("dimensions not known to agree")
+        out.append(wide[0] if wide else _unit(1, symbols))
+    return tuple(out)
+
+
+def concat_shape(node: Node, shapes: list, symbols: int) -> tuple | None:
+    rank = len(shapes[0])
+    axis = node.attr("axis", 0) % rank
+    total = sum(s[axis] for s in shapes)
+    rest = broadcast_forms([s[:axis] + s[axis + 1:] for s in shapes], symbols)  # must agree: no broadcast of 1s
+    if any(not np.array_equal(a, b) for s in shapes for a, b in zip(s[:axis] + s[axis + 1:], rest)):
+        return None
+    return rest[:axis] + (total,) + rest[axis:]
+
+
+def matmul_shape(shapes: list, symbols: int) -> tuple | None:
+    if len(shapes[1]) == 1 and len(shapes[0]) >= 2:  # a product with a vector
+        return shapes[0][:-1]
+    if len(shapes[0]) >= 2 and len(shapes[1]) >= 2:
+        batch = broadcast_forms([shapes[0][:-2], shapes[1][:-2]], symbols)
+        return batch + (shapes[0][-2], shapes[1][-1])
+    return None

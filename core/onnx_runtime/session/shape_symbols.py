@@ -14,7 +14,8 @@ from onnx import helper
 
 from ..ir import Node
 from . import shape_rules
-from .shape_layout import layout_shapes
+from .shape_fills import FILL_LAYOUT, gathered_shape, index_run
+from .shape_layout import Unsupported, broadcast_forms, concat_shape, layout_shapes, matmul_shape
 
 Step = Any  # a steps.Step (steps.py imports this package's shape_program)
 
@@ -39,10 +40,6 @@ _SAME_SHAPE = frozenset({
 _PER_TENSOR = frozenset({"DequantizeLinear", "QuantizeLinear"})
 _BROADCAST = _ELEMENTWISE - {"Neg", "Abs", "Sqrt", "Reciprocal", "Exp", "Log", "Erf", "Tanh", "Sigmoid", "Relu",
                              "Cast", "Floor", "Ceil", "Sign", "IsNaN", "IsInf", "Not", "Identity", "Cos", "Sin"}
-
-
-class Unsupported(Exception):
-    """A step the symbolic evaluation does not cover: it runs per call."""
 
 
 # -- affine forms: int64 vectors (constant, coefficient of symbol 0, 1, ...) ----------------------------
@@ -210,18 +207,6 @@ def _shape_forms(value, symbols: int) -> tuple:
     return tuple(form_of(n, symbols) for n in np.shape(value))
 
 
-def _broadcast(shapes: list[tuple], symbols: int) -> tuple:
-    rank = max(len(s) for s in shapes)
-    out = []
-    for axis in range(rank):
-        dims = [s[axis - rank + len(s)] for s in shapes if axis - rank + len(s) >= 0]
-        wide = [d for d in dims if not _is_const(d, 1)]
-        if wide and any(not _same(d, wide[0]) for d in wide[1:]):
-            raise Unsupported("dimensions not known to agree")
-        out.append(wide[0] if wide else form_of(1, symbols))
-    return tuple(out)
-
-
 def _propagated(node: Node, shapes: list, symbols: int) -> tuple | None:
     op = node.op_type
     if node.domain not in ("", "ai.onnx", "com.microsoft") or not shapes or shapes[0] is None:
@@ -231,9 +216,9 @@ def _propagated(node: Node, shapes: list, symbols: int) -> tuple | None:
     if any(s is None for s in shapes):
         return None
     if op in _BROADCAST:
-        return _broadcast(shapes, symbols)
+        return broadcast_forms(shapes, symbols)
     if op == "Concat":
-        return _concat_shape(node, shapes, symbols)
+        return concat_shape(node, shapes, symbols)
     if op == "Transpose":
         perm = node.attr("perm") or list(range(len(shapes[0])))[::-1]
         return tuple(shapes[0][p] for p in perm)
@@ -241,7 +226,7 @@ def _propagated(node: Node, shapes: list, symbols: int) -> tuple | None:
         axis = node.attr("axis", 0) % len(shapes[0])
         return shapes[0][:axis] + shapes[1] + shapes[0][axis + 1:]
     if op in ("MatMul", "DynamicQuantizeMatMul"):
-        return _matmul_shape(shapes[:2], symbols)
+        return matmul_shape(shapes[:2], symbols)
     if op == "MatMulNBits" and node.attr("N") is not None:  # A (..., K) times a (K, N) weight
         return shapes[0][:-1] + (form_of(int(node.attr("N")), symbols),)
     return None
@@ -252,35 +237,16 @@ def _declared_shape(node: Node, shapes: list, symbols: int) -> tuple | None:
     rule = shape_rules.rule_of(node.domain, node.op_type)
     if rule is not None and rule.kind == shape_rules.CONCAT:
         parts = shapes[:len(shapes) - rule.operands[0]]
-        return _concat_shape(node, parts, symbols) if parts and all(s is not None for s in parts) else None
+        return concat_shape(node, parts, symbols) if parts and all(s is not None for s in parts) else None
     if rule is None or any(i >= len(shapes) or shapes[i] is None for i in rule.operands):
         return None
     operands = [shapes[i] for i in rule.operands]
     if rule.kind == shape_rules.FIRST:
         return operands[0]
     if rule.kind == shape_rules.BROADCAST:
-        return _broadcast(operands, symbols)
+        return broadcast_forms(operands, symbols)
     if rule.kind == shape_rules.MATMUL and not node.attr("transA", 0) and not node.attr("transB", 0):
-        return _matmul_shape(operands, symbols)
-    return None
-
-
-def _concat_shape(node: Node, shapes: list, symbols: int) -> tuple | None:
-    rank = len(shapes[0])
-    axis = node.attr("axis", 0) % rank
-    total = sum(s[axis] for s in shapes)
-    rest = _broadcast([s[:axis] + s[axis + 1:] for s in shapes], symbols)  # must agree: no broadcast of 1s
-    if any(not _same(a, b) for s in shapes for a, b in zip(s[:axis] + s[axis + 1:], rest)):
-        return None
-    return rest[:axis] + (total,) + rest[axis:]
-
-
-def _matmul_shape(shapes: list, symbols: int) -> tuple | None:
-    if len(shapes[1]) == 1 and len(shapes[0]) >= 2:  # a product with a vector
-        return shapes[0][:-1]
-    if len(shapes[0]) >= 2 and len(shapes[1]) >= 2:
-        batch = _broadcast([shapes[0][:-2], shapes[1][:-2]], symbols)
-        return batch + (shapes[0][-2], shapes[1][-1])
+        return matmul_shape(operands, symbols)
     return None
 
 
@@ -316,7 +282,7 @@ def _dispatch(b: Builder, node: Node, step: Step, inputs: list, slots: list, kin
             return _LINEAR_OPS[op](b, node, inputs, slots)
         except Unsupported:
             pass
-    if op in _FILL_LAYOUT and isinstance(inputs[0], Window) and inputs[0].base.size == 1:
+    if op in FILL_LAYOUT and isinstance(inputs[0], Window) and inputs[0].base.size == 1:
         return _fill(b, node, inputs[0], slots)
     return _window_op(b, node, step, op, inputs, slots)
 
@@ -523,7 +489,7 @@ def _linear_arithmetic(b: Builder, node: Node, inputs: list, slots: list) -> Lin
 
 
 def _linear_sum(b: Builder, left: Linear, right: Linear, sign: int) -> Linear:
-    extents = _broadcast([left.extents, right.extents], b.symbols)
+    extents = broadcast_forms([left.extents, right.extents], b.symbols)
     rank = len(extents)
     la = (0,) * (rank - len(left.alpha)) + left.alpha
     ra = (0,) * (rank - len(right.alpha)) + right.alpha
@@ -535,7 +501,7 @@ def _linear_scaled(b: Builder, left: Linear, right: Linear) -> Linear:
     if any(scale.alpha) or not _is_const(scale.beta):
         raise Unsupported("a product of symbolic values")
     c = int(scale.beta[0])
-    extents = _broadcast([other.extents, scale.extents], b.symbols)
+    extents = broadcast_forms([other.extents, scale.extents], b.symbols)
     alpha = (0,) * (len(extents) - len(other.alpha)) + tuple(c * a for a in other.alpha)
     return Linear(alpha, other.beta * c, extents, other.dtype)
 
@@ -562,11 +528,10 @@ def _to_window(b: Builder, value: Linear) -> Window:
     """The window of a base array that holds ``value`` at every point within ``MARGIN`` of the builder's."""
     n, point = b.symbols, b.point
     absorbing = next((a for a, x in enumerate(value.alpha) if abs(x) == 1), None)
-    alphas = value.alpha
     if absorbing is None and not _is_const(value.beta):  # (one position, say): an axis of extent 1 carries it
         absorbing = next((a for a, ext in enumerate(value.extents) if _is_const(ext, 1)), None)
-        if absorbing is not None:
-            alphas = alphas[:absorbing] + (1,) + alphas[absorbing + 1:]
+    alphas = value.alpha if absorbing is None or value.alpha[absorbing] else \
+        value.alpha[:absorbing] + (1,) + value.alpha[absorbing + 1:]
     shape, lows = [], []
     beta_now = int(value.beta @ point)
     grids = []
@@ -702,64 +667,37 @@ def _window_op(b: Builder, node: Node, step: Step, op: str, inputs: list, slots:
     return window
 
 
-# Layout and gathers whose output holds only input 0's elements: of a fill (one value broadcast), a fill too.
-_FILL_LAYOUT = frozenset({"GatherND", "Gather", "GatherElements", "Reshape", "Flatten"})
-
-
 def _fill(b: Builder, node: Node, source: Window, slots: list) -> Window:
-    """``source`` (one value broadcast: an all-ones attention mask) moved or gathered, as that value broadcast
-    to the output's shape. The gathers' indices are the plan's shape-only values, made from the same feed shapes
-    as the gathered value (the program is checked against the kernels' results where it is built)."""
-    n = b.symbols
-    data = source.extents
-    op = node.op_type
-    if op in ("GatherND", "Gather", "GatherElements"):
-        if slots[1] is None:
-            raise Unsupported("no indices")
-        indices = b.shape_of(slots[1])
-        if indices is None:
-            raise Unsupported("indices of an unknown shape")
-        if op == "GatherND":
-            last = indices[-1] if indices else None
-            if node.attr("batch_dims", 0) or last is None or not _is_const(last) or not 0 < int(last[0]) <= len(data):
-                raise Unsupported("GatherND form")
-            shape = tuple(indices[:-1]) + tuple(data[int(last[0]):])
-        elif op == "Gather":
-            axis = node.attr("axis", 0) % len(data)
-            shape = tuple(data[:axis]) + tuple(indices) + tuple(data[axis + 1:])
-        else:
-            shape = tuple(indices)
+    """``source``, a fill (an all-ones mask), gathered or moved: the gathers' indices are shape-only values made
+    from the same feed shapes (the program is checked against the kernels where it is built)."""
+    if node.op_type.startswith("Gather"):
+        indices = b.shape_of(slots[1]) if len(slots) > 1 and slots[1] is not None else None
+        shape = None if indices is None else gathered_shape(node, tuple(source.extents), tuple(indices))
     else:
-        laid = layout_shapes(node, [data], lambda i: b.sizes(slots[i]) if slots[i] is not None else None, n)
-        if laid is None:
-            raise Unsupported(f"{op}'s shape")
-        shape = tuple(laid[0])
-    window = Window(source.base.reshape((1,) * len(shape)), tuple(form_of(0, n) for _ in shape), shape)
+        laid = layout_shapes(node, [source.extents], lambda i: b.sizes(slots[i]) if slots[i] is not None else None,
+                             b.symbols)
+        shape = None if laid is None else tuple(laid[0])
+    if shape is None:
+        raise Unsupported(f"{node.op_type}'s shape")
+    window = Window(source.base.reshape((1,) * len(shape)), tuple(form_of(0, b.symbols) for _ in shape), shape)
     _check_window(b, window)
     return window
 
 
 def _trimmed(indices: Window, size: int) -> Window:
-    """``indices`` with its base cut to the entries in ``[0, size)`` (a position embedding's table ends before the
-    margin does); the guards keep a call to the cut base, and a call past it runs the Gather, which reports it."""
-    base = indices.base
-    bad = (base < 0) | (base >= size)
-    if not bad.any():
+    """``indices`` cut to the entries in ``[0, size)`` (a table ends before the margin does): the guards keep a call
+    inside the cut, and one past it runs the Gather, which reports it."""
+    try:
+        run = index_run(indices.base, size)
+    except ValueError as exc:
+        raise Unsupported(str(exc)) from None
+    if run is None:
         return indices
-    moving = [axis for axis, n in enumerate(base.shape) if n != 1]
-    if len(moving) != 1:
-        raise Unsupported("indices out of range")
-    axis = moving[0]
-    good = np.flatnonzero(~bad.reshape(-1))
-    if not good.size or good[-1] - good[0] + 1 != good.size:
-        raise Unsupported("indices out of range")
-    start, stop = int(good[0]), int(good[-1]) + 1
-    cut = [slice(None)] * base.ndim
-    cut[axis] = slice(start, stop)
+    axis, start, stop = run
     lows = list(indices.lows)
-    lows[axis] = lows[axis].copy()
-    lows[axis][0] -= start  # (the form's constant term)
-    return Window(base[tuple(cut)], tuple(lows), indices.extents)
+    lows[axis] = lows[axis] - form_of(start, len(lows[axis]) - 1)
+    cut = tuple(slice(start, stop) if a == axis else slice(None) for a in range(indices.base.ndim))
+    return Window(indices.base[cut], tuple(lows), indices.extents)
 
 
 def _window_elementwise(b: Builder, step: Step, inputs: list, params: tuple | list = ()) -> Window:
