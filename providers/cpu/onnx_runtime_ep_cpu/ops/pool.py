@@ -10,9 +10,18 @@ import numpy as np
 from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError
 
-from ..algorithms.pooling import SmallMaxPool, bound_pool, compiled_pool, lowest, max_pool_with_indices, pool_loops
+from ..algorithms.pooling import (
+    KeptPool,
+    SmallMaxPool,
+    bound_pool,
+    compiled_pool,
+    lowest,
+    max_pool_with_indices,
+    pool_loops,
+)
 from ..algorithms.precision import compute_dtype, upcast
 from ..algorithms.window import Window
+from ..compiled import deferred
 from ..compiled import takes as takes_compiled
 from ..registry import register
 from ._common import graph_error, spatial_axes, wants_output
@@ -35,9 +44,10 @@ def max_pool(node, shapes, opset):
             key = (x.shape, x.dtype)
             run = small.get(key, False)
             if run is False:
-                run = _small_max_pool(node, window, x, small, key)
-            if run is not None:
-                return (run(x),)
+                run = _small_max_pool(node, window, x, small, key, loops)
+            y = None if run is None else run(x)
+            if y is not None:
+                return (y,)
         geo = _resolved(node, window, x)
         if with_indices:
             xp = geo.pad(x, lowest(x.dtype))
@@ -80,10 +90,13 @@ def average_pool(node, shapes, opset):
     return kernel
 
 
-def _small_max_pool(node, window: Window, x: np.ndarray, cache: dict, key: tuple):
-    """The taps path for ``x``'s shape and dtype (None: the compiled loop's), resolved and kept once per shape."""
+def _small_max_pool(node, window: Window, x: np.ndarray, cache: dict, key: tuple, loops):
+    """The taps path for ``x``'s shape and dtype, else the compiled loop's kept call (None: compiled_pool's),
+    resolved and kept once per shape (not while numpy serves the loops: asked again at the next call)."""
     geo = _resolved(node, window, x)
-    run = SmallMaxPool(geo) if SmallMaxPool.fits(x, geo) else None
+    run = SmallMaxPool(geo) if SmallMaxPool.fits(x, geo) else KeptPool.of(loops, x, geo)
+    if run is None and deferred.state.deferring:
+        return None
     if len(cache) >= _SHAPES:
         cache.clear()
     cache[key] = run
