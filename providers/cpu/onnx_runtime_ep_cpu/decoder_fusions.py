@@ -25,6 +25,7 @@ import numpy as np
 from onnx_runtime.ir import Graph, Node, TypeInfo, ValueInfo
 
 from .fusions import FUSED_DOMAIN, GraphView, other_input, owned, replace_nodes, until_fixed
+from .gemm_epilogues import fuse_gemm_relu
 
 
 def _rank(graph: Graph, name: str) -> int | None:
@@ -209,4 +210,4 @@ def infer_fused_types(graph: Graph, owns=None) -> bool:
 
 
 DECODER_PASSES = [*(until_fixed(f) for f in (fuse_skip_rms_norm, fuse_swish_mul, fuse_reshape_transpose,
-                                              fuse_transpose_reshape)), infer_fused_types]
+                                              fuse_transpose_reshape)), fuse_gemm_relu, infer_fused_types]

@@ -272,7 +272,7 @@ def test_fused_matmul_broadcasting_residual_and_integer_inputs_take_numpy_path(m
 
 def test_fused_matmul_rejects_unknown_activation():
     with pytest.raises(Exception, match="activation"):
-        _fused("relu")
+        _fused("swish")
 
 
 # -- Attention ---------------------------------------------------------------------------------------

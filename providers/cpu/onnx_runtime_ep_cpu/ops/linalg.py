@@ -100,6 +100,8 @@ def fused_matmul(node, shapes, opset):
     from ..compiled import transformer as compiled
 
     activation = node.attr("activation", "none")
+    if activation == "relu":  # (gemm_epilogues.py) the product and bias as "none", then max(0, .) in place
+        return _relu_after(fused_matmul(_with_activation(node, "none"), shapes, opset))
     # Each activation as (numpy kernel, the compiled loops' series per dtype); None for "none".
     gelus = {"gelu": (gelu_erf, "none"), "gelu_tanh": (gelu_tanh, "tanh")}
     if activation != "none" and activation not in gelus:
@@ -137,6 +139,25 @@ def fused_matmul(node, shapes, opset):
         return (y if residual is None else residual + y,)
 
     return _fused_matmul_for_shape(shapes, activation == "none", series, kernel) or kernel
+
+
+def _with_activation(node, activation: str):
+    from onnx_runtime.ir import Node
+
+    return Node(node.op_type, list(node.inputs), list(node.outputs), name=node.name, domain=node.domain,
+                attrs={**node.attrs, "activation": activation}, opset=node.opset)
+
+
+def _relu_after(product):
+    """FusedMatMul with activation relu: ``product``'s (the "none" kernel's) fresh result clamped at zero in place
+    (NaN stays NaN, as Relu's), then the residual added."""
+
+    def kernel(a, b, bias, residual=None):
+        y = product(a, b, bias)[0]
+        np.maximum(y, y.dtype.type(0), out=y)
+        return (y if residual is None else residual + y,)
+
+    return kernel
 
 
 def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general):
