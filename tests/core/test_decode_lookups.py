@@ -66,6 +66,7 @@ def test_the_matched_signatures_are_bounded(template_tests, monkeypatch):
     ((1, 4, 1, 16), None, None, (1, 1, 1, 9)),
     ((1, 4, 3, 16), (1, 4, 5, 16), (1, 4, 5, 16)),  # no mask input
     ((1, 4, 1, 16), (1, 4, 5, 16), (1, 4, 5, 16), (1, 1, 1, 9), (1, 4, 4, 16), (1, 4, 4, 16)),  # with pasts
+    ((1, 4, 1, 16), (1, 4, 1, 16), (1, 4, 1, 16), None, (1, 4, 4, 16), (1, 4, 4, 16)),  # pasts, no mask
     ((1, 4, 1, 16), (1, 4, 5, 16), (1, 4, 5, 16), (1, 1, 1, 9), (1, 4, 4, 16), (1, 4, 4, 16), (3,)),
 ])
 def test_the_length_free_key_drops_the_keys_length_as_the_general_rule_does(shapes):

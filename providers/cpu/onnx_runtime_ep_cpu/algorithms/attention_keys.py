@@ -10,6 +10,10 @@ def length_free_key(shapes) -> tuple:
         q, k, v, mask = shapes
         if k is not None and v is not None and mask is not None:
             return q, k[:-2] + k[-1:], v[:-2] + v[-1:], mask[:-1]
+    elif len(shapes) == 6:  # (Q, K, V, mask, past K, past V): a PastAttention's, asked by each layer per new length
+        q, k, v, mask, past_k, past_v = shapes
+        if k is not None and v is not None and mask is not None and past_k is not None and past_v is not None:
+            return q, k[:-2] + k[-1:], v[:-2] + v[-1:], mask[:-1], past_k[:-2] + past_k[-1:], past_v[:-2] + past_v[-1:]
     key = list(shapes)
     for index in range(1, min(len(key), 6)):
         shape = key[index]
