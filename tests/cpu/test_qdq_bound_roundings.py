@@ -225,7 +225,7 @@ def test_a_growing_past_binds_once(loop_calls, monkeypatch):
 # The loops whose kernels call their entry point on a repeated call (rounded_concat also reads strided halves in
 # the rotary embedding, which go through its checked path; the product groups are qdq_group.py's)
 BOUND_LOOPS = {"rounded_binary", "fake_quantize", "requantized_product", "requantized_batched_product", "grid_lookup",
-               "rounded_rms_norm", "rounded_rotary"}
+               "rounded_rms_norm", "rounded_rotary", "rounded_attention"}
 
 
 @pytest.mark.parametrize("name", ["llama.torchscript", "llama.dynamo", "gpt2.torchscript", "gpt2.dynamo"])

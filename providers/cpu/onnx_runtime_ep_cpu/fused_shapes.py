@@ -33,6 +33,8 @@ RULES: dict[str, tuple[str, tuple[int, ...]]] = {
     "SwishMul": (BROADCAST, (0, 1)),
     # integer products: MatMul's shape over the codes of A and B (qdq_fusions.py, code_tables.py)
     "QuantizedMatMul": (MATMUL, (0, 3)), "QLinearMatMulAdd": (MATMUL, (0, 3)),
+    # the attention's context (qdq_attention.py): MatMul's shape over q and the values, its inputs 0 and 1
+    "RoundedAttention": (MATMUL, (0, 1)),
     "DynamicQuantizeFusedMatMul": (MATMUL, (0, 1)),
     # output shapes from the inputs' shapes and attributes by the op's own rule
     "FusedMatMul": (SHAPES, ()), "DynamicQuantizeMatMulGroup": (SHAPES, ()), "QuantizedConv": (SHAPES, ()),

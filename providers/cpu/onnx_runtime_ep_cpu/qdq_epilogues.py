@@ -18,6 +18,7 @@ from onnx_runtime.ir import Graph, Node
 
 from .fused_shapes import BROADCASTING, ELEMENTWISE, SHAPED, SUFFIX
 from .fusions import FUSED_DOMAIN, GraphView, owned
+from .qdq_attention import fuse_rounded_attention
 from .qdq_concat_inputs import fold_concat_input_roundings
 from .qdq_groups import group_quantized_products
 from .qdq_norms import fuse_rounded_rms_norm
@@ -109,4 +110,4 @@ def fold_rounding_epilogues(graph: Graph, owns=None) -> bool:
 # (the norms and the Concat inputs read the Rounded nodes; the products are grouped last, after every pass that
 # reads a QuantizedMatMul)
 QDQ_EPILOGUE_PASSES = [fold_rounding_epilogues, fuse_rounded_rms_norm, fold_concat_input_roundings,
-                       fuse_rounded_rotary, fold_repeated_kv, group_quantized_products]
+                       fuse_rounded_rotary, fold_repeated_kv, fuse_rounded_attention, group_quantized_products]

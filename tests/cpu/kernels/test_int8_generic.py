@@ -236,4 +236,6 @@ def test_rounded_gelu_generic_within_one_code_of_the_loop(signed):
 def test_every_int8_loop_is_covered():
     covered = {f"onnx_runtime_ep_cpu.compiled.{name}" for name, _ in CASES}
     covered.add("onnx_runtime_ep_cpu.compiled.rounded_gelu.rounded_gelu")  # within one code (the test above)
+    # within a code or two (numpy's exp in the Softmax): tests/cpu/test_qdq_rounded_attention.py
+    covered.add("onnx_runtime_ep_cpu.compiled.rounded_attention.rounded_attention")
     assert covered == set(GENERIC_INT8)

@@ -305,6 +305,37 @@ def rounded_rotary(x, cos, sin, table_row, half, params, rounded_sum, out):
     y = _rounded(x * c, *params[0:4]) + _rounded(_rounded(turned, *params[8:12]) * s, *params[12:16])
     out[...] = _rounded(y, *params[16:20]) if rounded_sum else y
 
+def rounded_attention(q, k, v, add0, add1, group, tables, steps, params, out):
+    """compiled/rounded_attention.rounded_attention: the same codes, sums, steps and requantizations; the Softmax
+    is generic.py's (numpy's exp: within float32 rounding of the loop's, so a probability on a rounding boundary
+    may take the next code)."""
+    from .generic import softmax_rows_float32_
+
+    def centred(x, at):
+        s, z = _F32(params[at]), _F32(params[at + 1])
+        c = _codes(x, s, z, _F32(params[at + 2]), _F32(params[at + 3]))
+        return (np.where(np.isnan(c), _F32(0), c) - z).astype(np.int64)
+
+    def finished(acc, at):
+        z = params[at + 1]
+        c = np.minimum(np.maximum(np.rint(acc.astype(np.float64) * params[at]) + z, params[at + 2]), params[at + 3])
+        return ((c - z) * params[at + 4]).astype(_F32)
+
+    keys = np.repeat(centred(k, 4), group, axis=1)  # (Q, K: compiled/rounded_attention.py's layout)
+    values = np.repeat(centred(v, 12), group, axis=1)
+    scores = finished(centred(q, 0) @ keys.swapaxes(2, 3), 16)
+    addends = (add0, add1)
+    for kind, index, s, z, low, high in steps:
+        if kind == 0:
+            c = _codes(scores, s, z, low, high)
+            scores = tables[int(index)][(np.where(np.isnan(c), z, c) - low).astype(np.int64)]
+        else:
+            scores = _rounded(scores + addends[int(index)], s, z, low, high)
+    weights = np.empty_like(scores)
+    softmax_rows_float32_(scores.reshape(-1, scores.shape[-1]), weights.reshape(-1, scores.shape[-1]))
+    out[...] = finished(centred(weights, 8) @ values, 21)
+
+
 _COMPILED = "onnx_runtime_ep_cpu.compiled."
 def quantized_conv(x, pad, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, packed, pairs, multiplier,
                    offset, consts, out):
@@ -326,6 +357,7 @@ GENERIC_INT8 = {
     _COMPILED + "rounded_norm.rounded_rms_norm": rounded_rms_norm,
     _COMPILED + "rounded_norm.rounded_rms_rows": rounded_rms_rows,
     _COMPILED + "rounded_rotary.rounded_rotary": rounded_rotary,
+    _COMPILED + "rounded_attention.rounded_attention": rounded_attention,
     _COMPILED + "quantize.quantize": quantize,
     _COMPILED + "quantize.dequantize": dequantize,
     _COMPILED + "quantize.fake_quantize": fake_quantize,

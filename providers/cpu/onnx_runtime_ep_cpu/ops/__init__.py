@@ -97,6 +97,7 @@ FAMILIES = {
     "qdq_norm": "ai.onnx_runtime.cpu:RoundedRMSNorm",
     "qdq_rotary": "ai.onnx_runtime.cpu:RoundedRotary",
     "qdq_grouped": "ai.onnx_runtime.cpu:GroupedQuantizedMatMul",
+    "qdq_attention": "ai.onnx_runtime.cpu:RoundedAttention",
     "qdq_linear": (
         "QLinearMatMul ai.onnx_runtime.cpu:QLinearMatMulAdd ai.onnx_runtime.cpu:QuantizedConv "
         "ai.onnx_runtime.cpu:QuantizedMatMul"

@@ -38,6 +38,27 @@ def _resolved(target: tuple, shape: tuple, allowzero: bool) -> tuple:
     return tuple(dims)
 
 
+def _only_repeats(group: int, allowzero: bool, shape: tuple, spread_to: tuple, reshape_to: tuple) -> bool:
+    """Whether Unsqueeze(2), Expand to ``spread_to`` and Reshape to ``reshape_to`` of a kv of ``shape`` only repeat
+    each of its heads ``group`` times."""
+    if len(shape) != 4:
+        return False
+    batch, heads, length, depth = shape
+    try:
+        spread = np.broadcast_shapes((batch, heads, 1, length, depth), spread_to)
+    except ValueError:
+        return False
+    return spread == (batch, heads, group, length, depth) \
+        and _resolved(reshape_to, spread, allowzero) == (batch, heads * group, length, depth)
+
+
+def repeats_heads(group: int, allowzero: bool, shape: tuple, spread_to, reshape_to) -> bool:
+    """_only_repeats for the targets as a grouped product's inputs give them (``reshape_to`` an array, or the
+    attribute's list)."""
+    return _only_repeats(group, allowzero, shape, tuple(int(d) for d in np.asarray(spread_to).reshape(-1)),
+                         tuple(int(d) for d in np.asarray(reshape_to).reshape(-1)))
+
+
 @register("GroupedQuantizedMatMul", domain=FUSED_DOMAIN, since=1)
 def grouped_quantized_matmul(node, shapes, opset):
     group, transposed = int(node.attr("group", 1)), bool(node.attr("transposed_b", 0))
@@ -65,16 +86,7 @@ def grouped_quantized_matmul(node, shapes, opset):
         reshape_to = tuple(int(d) for d in (fixed if reshape_to is None else reshape_to.reshape(-1)))
         key = (b.shape, spread_to, reshape_to)
         if checked[0] != key:
-            ok = b.ndim == 4
-            if ok:
-                batch, heads, length, depth = b.shape
-                try:
-                    spread = np.broadcast_shapes((batch, heads, 1, length, depth), spread_to)
-                except ValueError:
-                    spread = None
-                ok = spread == (batch, heads, group, length, depth) \
-                    and _resolved(reshape_to, spread, allowzero) == (batch, heads * group, length, depth)
-            checked[:] = [key, ok]
+            checked[:] = [key, _only_repeats(group, allowzero, b.shape, spread_to, reshape_to)]
         params = (b_scale, b_zero, y_scale, y_zero)
         if not checked[1] or a.ndim != 4 or a.shape[:2] != (b.shape[0], b.shape[1] * group):
             return inner(a, a_scale, a_zero, repeated(b, spread_to, reshape_to), *params)

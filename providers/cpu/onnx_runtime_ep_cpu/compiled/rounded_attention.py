@@ -1,0 +1,135 @@
+"""A QDQ decoder's attention between its two products (qdq_attention.fuse_rounded_attention) in one call: the
+scores' integer product requantized to its grid, the rounded elementwise steps on the scores (a GridTable's
+lookup, an AddRounded of a mask or position bias), the Softmax, and the context's integer product.
+
+Each step is its node's arithmetic: the operands quantized as QuantizeLinear does (qgemm._code), the exact
+integer sums (held in float64) requantized in float64 (quantize.requantized_code), a table entry picked by
+the value's code as grid_lookup picks it, an add in float32 then the rounding (quantize.on_grid), and the
+Softmax node's own loop (transformer.softmax_rows_float32_), so the values are the unfused nodes' bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import jit
+from .qgemm import _code
+from .quantize import on_grid, requantized_code
+from .transformer import softmax_rows_float32_
+
+# The layout of ``params`` (float64): per quantized operand (q, keys, softmax, values) its scale, zero point and
+# code range; per product (scores, context) its multiplier, output zero point, code range and output scale.
+Q, K, P, V = 0, 4, 8, 12
+SCORES, CONTEXT = 16, 21
+PARAMS = 26
+# The layout of a row of ``steps`` (float32): its kind, the table or addend it reads, its grid (scale, zero
+# point, code range).
+TABLE, ADD = 0, 1
+STEP_COLUMNS = 6
+
+
+@jit
+def _centred(x, scale, zero, low, high, out):
+    """out[i] = code(x[i]) - zero for flat float32 ``x``, as float64 (one plain loop: LLVM vectorizes it)."""
+    s, z, lo, hi = np.float32(scale), np.float32(zero), np.float32(low), np.float32(high)
+    for i in range(x.shape[0]):
+        out[i] = np.float64(_code(x[i], s, z, lo, hi) - z)
+
+
+@jit
+def _requantized(acc, params, at, out):
+    """out[i] = the float32 value of the product's code for the integer sum acc[i] (float64; parameters at
+    ``params[at:]``), flat."""
+    m, z, lo, hi, s = params[at], params[at + 1], params[at + 2], params[at + 3], params[at + 4]
+    for i in range(acc.shape[0]):
+        out[i] = np.float32((requantized_code(acc[i], m, 0.0, z, lo, hi) - z) * s)
+
+
+@jit
+def _scores(query, keys, sums):
+    """sums = query @ keys for (R, D) and (D, L) float64 codes, one row of keys at a time over each row's sums."""
+    sums[:] = 0
+    for r in range(query.shape[0]):
+        line = sums[r]
+        for d in range(query.shape[1]):
+            c = query[r, d]
+            row = keys[d]
+            for j in range(row.shape[0]):
+                line[j] += c * row[j]
+
+
+@jit
+def _stepped(line, b, h, r, add0, add1, tables, steps):
+    """The steps on one row of scores, in place."""
+    for t in range(steps.shape[0]):
+        s, z, lo, hi = steps[t, 2], steps[t, 3], steps[t, 4], steps[t, 5]
+        if steps[t, 0] == TABLE:
+            table = tables[int(steps[t, 1])]
+            for j in range(line.shape[0]):
+                c = np.rint(line[j] / s) + z
+                c = lo if c < lo else c
+                c = hi if c > hi else c
+                line[j] = table[np.int64(c - lo)] if c == c else table[np.int64(z - lo)]
+            continue
+        addend = add0 if steps[t, 1] == 0 else add1
+        other = addend[b if addend.shape[0] > 1 else 0, h if addend.shape[1] > 1 else 0,
+                       r if addend.shape[2] > 1 else 0]
+        if other.shape[0] == 1:
+            for j in range(line.shape[0]):
+                line[j] = on_grid(line[j] + other[0], s, z, lo, hi)
+        else:
+            for j in range(line.shape[0]):
+                line[j] = on_grid(line[j] + other[j], s, z, lo, hi)
+
+
+@jit
+def _context(probs, values, context):
+    """context = probs @ values for (R, L) and (L, E) float64 codes."""
+    context[:] = 0
+    for r in range(probs.shape[0]):
+        line = context[r]
+        for j in range(probs.shape[1]):
+            c = probs[r, j]
+            row = values[j]
+            for e in range(row.shape[0]):
+                line[e] += c * row[e]
+
+
+@jit
+def _codes(x, params, at):
+    """code(x) - zero as float64, in x's shape (operand parameters at ``params[at:]``)."""
+    flat = np.empty(x.size, np.float64)
+    _centred(x.reshape(-1), params[at], params[at + 1], params[at + 2], params[at + 3], flat)
+    return flat.reshape(x.shape)
+
+
+@jit
+def rounded_attention(q, k, v, add0, add1, group, tables, steps, params, out):
+    """out[b, h] = context of softmax(steps(scores)) for (B, H, R, D) float32 ``q``, (B, H / group, L, D) keys
+    ``k`` and (B, H / group, L, E) values ``v`` (head h reads kv head h // group), ``out`` (B, H, R, E). The
+    steps run on each row of scores in order: TABLE picks ``tables[index]`` by the value's code on the step's
+    grid; ADD adds the row of ``add0`` or ``add1`` (4-D, each axis 1 or the scores', broadcast) and rounds to
+    the step's grid. The integer sums are held in float64 (exact: 8-bit code products), whose loops LLVM
+    vectorizes where int32 products widen to int64 first."""
+    batch, heads, rows, depth = q.shape
+    length, width = k.shape[2], v.shape[3]
+    codes_q, codes_k, codes_v = _codes(q, params, Q), _codes(k, params, K), _codes(v, params, V)
+    keys = np.empty((depth, length), np.float64)  # one kv head's keys, transposed: the scores' rows run over j
+    sums = np.empty((rows, length), np.float64)
+    scores = np.empty((rows, length), np.float32)
+    weights = np.empty((rows, length), np.float32)
+    probs = np.empty((rows, length), np.float64)
+    context = np.empty((rows, width), np.float64)
+    for b in range(batch):
+        for h in range(heads):
+            g = h // group
+            if h % group == 0:
+                keys[:] = codes_k[b, g].T
+            _scores(codes_q[b, h], keys, sums)
+            _requantized(sums.reshape(-1), params, SCORES, scores.reshape(-1))
+            for r in range(rows):
+                _stepped(scores[r], b, h, r, add0, add1, tables, steps)
+            softmax_rows_float32_(scores, weights)
+            _centred(weights.reshape(-1), params[P], params[P + 1], params[P + 2], params[P + 3], probs.reshape(-1))
+            _context(probs, codes_v[b, g], context)
+            _requantized(context.reshape(-1), params, CONTEXT, out[b, h].reshape(-1))
