@@ -92,10 +92,30 @@ def grid_lookup(x, scale, zero, low, high, table, out):
 @jit
 def value_range(x):
     """(min, max) of a flat float32 array, each widened to include 0 (DynamicQuantizeLinear's range).
-    NaN is skipped, as the comparisons are false for it."""
-    low = np.float32(0)
-    high = np.float32(0)
-    for i in range(x.shape[0]):
+    NaN is skipped, as the comparisons are false for it. Eight running pairs, one per element mod 8, then theirs:
+    one pair's chain of dependent compares ran a scalar loop. A value replaces a bound only when strictly beyond
+    it, so the result is the same whatever the order (starting at +0.0, a -0.0 never replaces it)."""
+    zero = np.float32(0)
+    l0 = l1 = l2 = l3 = l4 = l5 = l6 = l7 = zero
+    h0 = h1 = h2 = h3 = h4 = h5 = h6 = h7 = zero
+    n = x.shape[0]
+    full = n - n % 8
+    for i in range(0, full, 8):
+        v0, v1, v2, v3, v4, v5, v6, v7 = x[i], x[i + 1], x[i + 2], x[i + 3], x[i + 4], x[i + 5], x[i + 6], x[i + 7]
+        l0, h0 = (v0 if v0 < l0 else l0), (v0 if v0 > h0 else h0)
+        l1, h1 = (v1 if v1 < l1 else l1), (v1 if v1 > h1 else h1)
+        l2, h2 = (v2 if v2 < l2 else l2), (v2 if v2 > h2 else h2)
+        l3, h3 = (v3 if v3 < l3 else l3), (v3 if v3 > h3 else h3)
+        l4, h4 = (v4 if v4 < l4 else l4), (v4 if v4 > h4 else h4)
+        l5, h5 = (v5 if v5 < l5 else l5), (v5 if v5 > h5 else h5)
+        l6, h6 = (v6 if v6 < l6 else l6), (v6 if v6 > h6 else h6)
+        l7, h7 = (v7 if v7 < l7 else l7), (v7 if v7 > h7 else h7)
+    low, high = zero, zero
+    for v in (l0, l1, l2, l3, l4, l5, l6, l7):
+        low = v if v < low else low
+    for v in (h0, h1, h2, h3, h4, h5, h6, h7):
+        high = v if v > high else high
+    for i in range(full, n):
         v = x[i]
         low = v if v < low else low
         high = v if v > high else high
