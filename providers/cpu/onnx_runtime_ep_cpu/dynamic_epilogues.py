@@ -8,6 +8,7 @@ Gelu only then), as fusions.fuse_matmul_bias folds the same nodes into a float p
 
 from __future__ import annotations
 
+import numpy as np
 from onnx_runtime.ir import Graph, Node
 
 from .fusions import FUSED_DOMAIN, GraphView, other_input, owned, replace_nodes, until_fixed
@@ -53,4 +54,45 @@ def fuse_dynamic_epilogue(graph: Graph, owns=None) -> bool:
     return False
 
 
-DYNAMIC_EPILOGUE_PASSES = [until_fixed(fuse_dynamic_epilogue)]
+# The largest 8-bit table whose Gather -> DequantizeLinear becomes a Gather of its float32 values: the float copy
+# is four times the codes (a tiny encoder's 1000 x 64 vocabulary: 256 KB); a real vocabulary's stays 8-bit.
+DEQUANTIZED_TABLE_VALUES = 1 << 18
+_CODES = frozenset(np.dtype(t) for t in (np.int8, np.uint8))
+
+
+def dequantize_small_tables(graph: Graph, owns=None) -> bool:
+    """Gather(table, indices) -> DequantizeLinear(scale, zero point), as onnxruntime's dynamic quantization
+    writes an embedding, with a constant 8-bit table of at most DEQUANTIZED_TABLE_VALUES values and one constant
+    float32 scale and zero point: a Gather of the table's float32 values, dequantized once here. Each value is
+    (code - zero point) * scale rounded once to float32, as the DequantizeLinear kernel gives it (the integer
+    difference times a float32 scale is exact in float64); the Gather's rows are the same either way."""
+    view = GraphView(graph)
+    for gather in graph.nodes:
+        if gather.op_type != "Gather" or gather.domain or len(gather.inputs) != 2:
+            continue
+        table = view.const(gather.inputs[0])
+        dequantize = view.only_consumer(gather.outputs[0], "DequantizeLinear")
+        if table is None or table.dtype not in _CODES or table.size > DEQUANTIZED_TABLE_VALUES \
+                or dequantize is None or len(dequantize.inputs) != 3 \
+                or any(dequantize.attr(name, 0) for name in ("block_size", "output_dtype", "precision")):
+            continue
+        scale, zero = view.const(dequantize.inputs[1]), view.const(dequantize.inputs[2])
+        if scale is None or zero is None or scale.size != 1 or zero.size != 1 or scale.dtype != np.float32 \
+                or zero.dtype != table.dtype or not owned(owns, [gather, dequantize]):
+            continue
+        values = ((table.astype(np.float64) - float(zero.reshape(-1)[0])) * float(scale.reshape(-1)[0]))
+        name = f"{gather.inputs[0]}/dequantized"
+        while name in graph.initializers or name in graph.value_info:
+            name += "_"
+        graph.initializers[name] = values.astype(np.float32)
+        fused = Node("Gather", [name, gather.inputs[1]], list(dequantize.outputs), name=f"{gather.name}/dequantized",
+                     attrs=dict(gather.attrs or {}), opset=gather.opset)
+        graph.value_info.pop(gather.outputs[0], None)
+        replace_nodes(graph, [gather, dequantize], fused)
+        if not any(gather.inputs[0] in n.inputs for n in graph.nodes):
+            graph.initializers.pop(gather.inputs[0], None)  # (the codes' only reader was this Gather)
+        return True
+    return False
+
+
+DYNAMIC_EPILOGUE_PASSES = [until_fixed(fuse_dynamic_epilogue), until_fixed(dequantize_small_tables)]
