@@ -77,6 +77,18 @@ def test_what_stays_unfused(monkeypatch):
     monkeypatch.undo()
     shared = onnx_runtime.InferenceSession(embedding(50, 24, np.int8, extra_output=True), providers=["cpu"])
     assert "DequantizeLinear" in ops(shared)  # the codes are a graph output too
+    # The table read by another Gather as well: that one keeps the codes.
+    m = onnx.load_from_string(embedding(50, 24, np.int8))
+    m.graph.node.append(helper.make_node("Gather", ["table", "ids"], ["raw"]))
+    m.graph.output.append(helper.make_tensor_value_info("raw", TensorProto.INT8, None))
+    both = onnx_runtime.InferenceSession(m.SerializeToString(), providers=["cpu"])
+    assert "DequantizeLinear" not in ops(both)
+    ids = np.array([[1, 49, -1]], np.int64)
+    y, raw = both.run(None, {"ids": ids})
+    table = numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == "table"))
+    np.testing.assert_array_equal(raw, table[ids])
+    expected = (table[ids].astype(np.float64) + 2) * float(np.float32(0.0173))  # (zero point -2)
+    np.testing.assert_array_equal(y, expected.astype(np.float32))
 
 
 @pytest.mark.parametrize("name", ["bert.torchscript", "bert.dynamo", "llama.torchscript", "llama.dynamo"])

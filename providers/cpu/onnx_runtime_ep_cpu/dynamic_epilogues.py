@@ -89,8 +89,10 @@ def dequantize_small_tables(graph: Graph, owns=None) -> bool:
                      attrs=dict(gather.attrs or {}), opset=gather.opset)
         graph.value_info.pop(gather.outputs[0], None)
         replace_nodes(graph, [gather, dequantize], fused)
-        if not any(gather.inputs[0] in n.inputs for n in graph.nodes):
-            graph.initializers.pop(gather.inputs[0], None)  # (the codes' only reader was this Gather)
+        codes = gather.inputs[0]
+        if codes not in view.inner_reads and codes not in view.outputs and not any(codes in n.inputs
+                                                                                    for n in graph.nodes):
+            graph.initializers.pop(codes, None)  # (the codes' only reader was this Gather)
         return True
     return False
 
