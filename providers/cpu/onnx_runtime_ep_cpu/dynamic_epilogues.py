@@ -97,4 +97,24 @@ def dequantize_small_tables(graph: Graph, owns=None) -> bool:
     return False
 
 
-DYNAMIC_EPILOGUE_PASSES = [until_fixed(fuse_dynamic_epilogue), until_fixed(dequantize_small_tables)]
+def fold_dynamic_conv_relu(graph: Graph, owns=None) -> bool:
+    """DynamicQuantizeConv (dynamic_conv_fusions.py) -> Relu, the Relu its output's only reader: the conv with
+    activation "relu", which clamps its fresh output in place (a dynamically quantized ResNet's every block)."""
+    view = GraphView(graph)
+    for conv in graph.nodes:
+        if conv.op_type != "DynamicQuantizeConv" or conv.domain != FUSED_DOMAIN or len(conv.outputs) != 1 \
+                or conv.attr("activation", "none") != "none":
+            continue
+        relu = view.only_consumer(conv.outputs[0], "Relu")
+        if relu is None or not owned(owns, [conv, relu]):
+            continue
+        fused = Node(conv.op_type, list(conv.inputs), list(relu.outputs), name=f"{conv.name}/relu",
+                     domain=conv.domain, attrs={**(conv.attrs or {}), "activation": "relu"}, opset=conv.opset)
+        graph.value_info.pop(conv.outputs[0], None)
+        replace_nodes(graph, [conv, relu], fused)
+        return True
+    return False
+
+
+DYNAMIC_EPILOGUE_PASSES = [until_fixed(fuse_dynamic_epilogue), until_fixed(dequantize_small_tables),
+                           until_fixed(fold_dynamic_conv_relu)]

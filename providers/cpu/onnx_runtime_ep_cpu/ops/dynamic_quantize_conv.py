@@ -6,12 +6,15 @@ the codes as a uint8 tensor and the exact float convolution of the centred codes
 
 Inputs: X (float32, N x C x D1 [x D2]), W (8-bit, M x C x K1 [x K2], constant), w_scale (float32, one value),
 w_zero_point (W's type, one value or one per output channel, or ""), B (float32, M values, or absent).
-Attributes: Conv's (kernel_shape, strides, pads, dilations; group 1, explicit pads).
+Attributes: Conv's (kernel_shape, strides, pads, dilations; group 1, explicit pads); activation "relu" where the
+Relu that read it is folded in (dynamic_epilogues.fold_dynamic_conv_relu): np.maximum(y, 0) in place, the Relu
+kernel's arithmetic.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from onnx_runtime.errors import InvalidGraphError
 
 from ..algorithms.patch_geometry import patch_geometry
 from ..algorithms.quantize import IntegerProduct, dynamic_uint8
@@ -27,6 +30,22 @@ _F32 = np.dtype(np.float32)
 
 @register("DynamicQuantizeConv", domain=FUSED_DOMAIN, since=1)
 def dynamic_quantize_conv(node, shapes, opset):
+    activation = node.attr("activation", "none")
+    if activation not in ("none", "relu"):
+        raise InvalidGraphError(f"node {node.name!r} (DynamicQuantizeConv): unknown activation {activation!r}")
+    relu = activation == "relu"
+    convolution = _convolution(node, shapes, opset)
+    if not relu:
+        return convolution
+
+    def kernel(x, w, w_scale, w_zero_point=None, bias=None):
+        (y,) = convolution(x, w, w_scale, w_zero_point, bias)  # a fresh float32 array
+        return (np.maximum(y, np.float32(0), out=y),)
+
+    return kernel
+
+
+def _convolution(node, shapes, opset):
     exact = integer_conv(node, shapes, opset)  # the unfused arithmetic, for every input the compiled call does not take
     product = IntegerProduct()
     last: list = [None] * 5  # the constant inputs of the last call, then their WeightSide (or None)
