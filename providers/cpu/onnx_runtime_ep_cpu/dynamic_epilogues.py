@@ -1,10 +1,14 @@
-"""A dynamically quantized product's Gelu and residual Add as its epilogue (ops/dynamic_quantize_fused.py).
+"""What onnxruntime's dynamic quantization leaves around its products, folded into them.
 
-onnxruntime's dynamic quantization leaves an encoder's feed-forward layer as DynamicQuantizeLinear ->
-MatMulInteger -> scales -> bias Add, which qdq_fusions.py makes one DynamicQuantizeMatMul; the Gelu after it
-(fusions.fuse_gelu's, or the dynamo exporter's own Gelu) and the residual Add after the layer's output products
-stay a node each, over a small activation. Runs after fusions.PASSES (the torchscript exporter's Erf chain is a
-Gelu only then), as fusions.fuse_matmul_bias folds the same nodes into a float product."""
+- A DynamicQuantizeMatMul's Gelu and residual Add as its epilogue (ops/dynamic_quantize_fused.py): an encoder's
+  feed-forward layer is DynamicQuantizeLinear -> MatMulInteger -> scales -> bias Add, which qdq_fusions.py makes
+  one DynamicQuantizeMatMul; the Gelu after it (fusions.fuse_gelu's, or the dynamo exporter's own Gelu) and the
+  residual Add after the layer's output products stay a node each, over a small activation.
+- A small embedding table's Gather -> DequantizeLinear as a Gather of its float32 values.
+- A DynamicQuantizeConv's Relu (ops/dynamic_quantize_conv.py's activation).
+
+Runs after fusions.PASSES (the torchscript exporter's Erf chain is a Gelu only then), as fusions.fuse_matmul_bias
+folds the same nodes into a float product."""
 
 from __future__ import annotations
 
