@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu.algorithms.products import gemv_host
 from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
-from onnx_runtime_ep_cpu.ops import fused, transformer
+from onnx_runtime_ep_cpu.ops import fused, transformer, transformer_blocks
 from reference64 import assert_within, gamma
 
 RNG = np.random.default_rng(0)
@@ -33,7 +33,7 @@ def _rms_reference(x, w, eps):
 
 
 def _rms_kernel(**attrs):
-    return transformer.rms_normalization(Node("RMSNormalization", ["x", "w"], ["y"], attrs=attrs), [None, None], 23)
+    return transformer_blocks.rms_normalization(Node("RMSNormalization", ["x", "w"], ["y"], attrs=attrs), [None, None], 23)
 
 
 # -- RMSNormalization ------------------------------------------------------------------------------

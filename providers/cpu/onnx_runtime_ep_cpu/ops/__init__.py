@@ -125,10 +125,8 @@ FAMILIES = {
     "softmax": "Hardmax LogSoftmax Softmax",
     "text": "RegexFullMatch StringConcat StringNormalizer StringSplit TfIdfVectorizer",
     "training": "ai.onnx.preview.training:Adagrad ai.onnx.preview.training:Adam ai.onnx.preview.training:Momentum",
-    "transformer": (
-        "Attention CausalConvWithState LinearAttention RMSNormalization RotaryEmbedding SwiGLU "
-        "ai.onnx.preview:FlexAttention"
-    ),
+    "transformer": "Attention CausalConvWithState LinearAttention ai.onnx.preview:FlexAttention",
+    "transformer_blocks": "RMSNormalization RotaryEmbedding SwiGLU",
 }
 
 declare_families(__name__, __path__, FAMILIES)

@@ -19,7 +19,7 @@ from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import quiet, stash_dtype
 from .shape import reshape_to
-from .transformer import rms_normalization
+from .transformer_blocks import rms_normalization
 
 
 def _compiled_decoder():

@@ -1,5 +1,5 @@
-"""Transformer kernels: Attention, FlexAttention, LinearAttention, RMSNormalization, RotaryEmbedding,
-SwiGLU and CausalConvWithState.
+"""Transformer kernels: Attention, FlexAttention, LinearAttention and CausalConvWithState (RMSNormalization,
+RotaryEmbedding and SwiGLU: transformer_blocks.py).
 
 The spec defines these as functions; here they are direct numpy kernels. Half-precision inputs
 (float16, bfloat16) compute in float32; Attention rounds to the input type where its function body's
@@ -23,15 +23,15 @@ from onnx_runtime.session.subgraph import Subgraph
 from ..algorithms.activations import sigmoid
 from ..algorithms.attention_keys import length_free_key as _length_free_key
 from ..algorithms.contrib_attention import grouped_matmul, softmax_
-from ..algorithms.precision import FLOAT32, compute_dtype, upcast
+from ..algorithms.precision import FLOAT32, compute_dtype
 from ..algorithms.products import gemv_host
 from ..algorithms.tiled_attention import TiledLayout, few_by_head, few_in_place, few_macs, lanes_take, rows_readable
-from ..compiled import COMPILED_DTYPES, deferred
+from ..compiled import deferred
 from ..compiled.deferred import numpy_first  # (the tiles import numba: not while it loads)
 from ..registry import register
 from ..threads import helper_count, kernel_threads
 from ..tuning import KNOBS
-from ._common import argument_error, graph_error, has_input, normalize_axis, stash_dtype
+from ._common import argument_error, graph_error, has_input
 
 _SOFTMAX_PRECISIONS = (DataType.FLOAT, DataType.FLOAT16, DataType.DOUBLE, DataType.BFLOAT16)
 
@@ -698,106 +698,7 @@ def causal_conv_with_state(node, shapes, opset):
     return kernel
 
 
-# -- normalization, positional embedding, gating -------------------------------------------------
-
-
 def _compiled_decoder():
     from ..compiled import decoder  # numba loads only for models that need it
 
     return decoder
-
-
-@register("RMSNormalization", since=23)
-def rms_normalization(node, shapes, opset):
-    epsilon = float(node.attr("epsilon", 1e-5))
-    axis = int(node.attr("axis", -1))
-    stash = stash_dtype(node)
-    # One compiled pass per row when the statistics stay in the input's float32/float64 (see compiled/decoder.py).
-    compiled = _compiled_decoder() if stash in COMPILED_DTYPES else None
-
-    def kernel(x, scale):
-        if x.dtype == stash and scale.dtype == stash and (axis == -1 or axis == x.ndim - 1):
-            if compiled is not None and x.size and scale.shape == x.shape[-1:]:
-                out = np.empty(x.shape, x.dtype)
-                compiled.rms_norm(x.reshape(-1, x.shape[-1]), scale, epsilon, out.reshape(-1, x.shape[-1]))
-                return (out,)
-            # The common case (float32 over the last axis) in four passes, without the generic
-            # multi-axis mean's Python-level overhead: it runs once per layer per decode step.
-            mean_square = np.add.reduce(x * x, axis=-1, keepdims=True)
-            mean_square *= stash.type(1.0 / max(x.shape[-1], 1))
-            mean_square += stash.type(epsilon)
-            y = x / np.sqrt(mean_square, out=mean_square)
-            y *= scale
-            return (y,)
-        axes = tuple(range(normalize_axis(node, axis, x.ndim), x.ndim))
-        xs = x.astype(stash)
-        mean_square = np.mean(np.square(xs), axis=axes, keepdims=True)
-        xs /= np.sqrt(mean_square + stash.type(epsilon))
-        dtype = compute_dtype(np.result_type(compute_dtype(x.dtype), compute_dtype(scale.dtype)))
-        y = xs.astype(dtype, copy=False) * scale.astype(dtype, copy=False)
-        return (y.astype(scale.dtype, copy=False),)
-
-    return kernel
-
-
-@register("RotaryEmbedding", since=23)
-def rotary_embedding(node, shapes, opset):
-    interleaved = bool(node.attr("interleaved", 0))
-    rotary_dim = int(node.attr("rotary_embedding_dim", 0))
-    num_heads = int(node.attr("num_heads", 0))
-
-    def kernel(x, cos_cache, sin_cache, position_ids=None):
-        if x.ndim == 4:  # (B, H, S, D): one cos/sin row per (batch, position), shared by the heads
-            heads_view, expand = x, (slice(None), None)
-        elif x.ndim == 3:  # (B, S, H * D)
-            if num_heads <= 0:
-                raise graph_error(node, "num_heads", "is required (and positive) for a 3-D input")
-            heads_view, expand = x.reshape(x.shape[0], x.shape[1], num_heads, -1), (slice(None), slice(None), None)
-        else:
-            raise argument_error(node, f"input has rank {x.ndim}; expected 3 or 4")
-        head_size = heads_view.shape[-1]
-        dim = rotary_dim or head_size
-        if dim % 2 or dim > head_size:
-            raise argument_error(node, f"rotary_embedding_dim {dim} must be even and at most head size {head_size}")
-        if cos_cache.shape != sin_cache.shape:  # (a shorter sin_cache was indexed past its rows)
-            raise argument_error(node, f"cos_cache {list(cos_cache.shape)} and sin_cache {list(sin_cache.shape)} "
-                                       f"must have one shape")
-        if position_ids is not None:
-            if position_ids.size and (position_ids.min() < 0 or position_ids.max() >= cos_cache.shape[0]):
-                # numpy would wrap a negative position to the cache's last rows
-                raise argument_error(node, f"position_ids span {position_ids.min()}..{position_ids.max()}; they "
-                                           f"must lie in [0, {cos_cache.shape[0]}), the cos/sin caches' rows")
-            cos_cache, sin_cache = cos_cache[position_ids], sin_cache[position_ids]
-        half = dim // 2
-        if cos_cache.shape[-1] != half or sin_cache.shape[-1] != half:
-            raise argument_error(node, f"cos/sin caches must have last dim {half} (rotary dim / 2)")
-        dtype = compute_dtype(x.dtype)
-        cos = cos_cache.astype(dtype, copy=False)[expand]
-        sin = sin_cache.astype(dtype, copy=False)[expand]
-        out = heads_view.astype(dtype)  # a copy; dims past the rotary dim pass through
-        if interleaved:
-            x1, x2 = out[..., 0:dim:2], out[..., 1:dim:2]
-        else:
-            x1, x2 = out[..., :half], out[..., half:dim]
-        real = cos * x1 - sin * x2
-        imag = sin * x1 + cos * x2
-        x1[...] = real
-        x2[...] = imag
-        return (out.reshape(x.shape).astype(x.dtype, copy=False),)
-
-    return kernel
-
-
-@register("SwiGLU", since=28)
-def swiglu(node, shapes, opset):
-    alpha = float(node.attr("alpha", 1.0))
-
-    def kernel(a, b):
-        if a.shape != b.shape:
-            raise argument_error(node, f"A {a.shape} and B {b.shape} must have the same shape (no broadcasting)")
-        gate = upcast(a)
-        with np.errstate(over="ignore"):  # exp overflow for very negative gates: sigmoid is 0 there
-            y = gate * sigmoid(gate * gate.dtype.type(alpha)) * upcast(b)
-        return (y.astype(a.dtype, copy=False),)
-
-    return kernel
