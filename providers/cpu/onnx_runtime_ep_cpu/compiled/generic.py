@@ -12,6 +12,7 @@ import numpy as np
 
 from .epilogue import CLIP, LEAKY_RELU, RELU
 from .generic_conv import GENERIC_CONV, activate_in_place
+from .generic_rows import softmax_rows_float32_
 
 
 def _rows_like(values: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -76,13 +77,6 @@ def mask_and_shift_(scores, scale, mask, first_row):
         return False
     scores -= peak[:, :, None]
     return True
-
-
-def softmax_rows_float32_(x, y):
-    peak = np.fmax.reduce(x, axis=1, initial=-np.inf)  # transformer.row_max: the largest non-NaN value
-    weights = np.exp(x - peak[:, None])
-    weights *= np.float32(1) / weights.sum(axis=1, keepdims=True)
-    y[...] = weights
 
 
 def log_softmax_rows_float32_(x, y):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .generic_rows import softmax_rows_float32_
+
 _F32 = np.float32
 
 
@@ -297,7 +299,6 @@ def rounded_rms_rows(x, means, weight, params, table, out):
     out[...] = y * weight if weight.shape[0] == x.shape[1] else y
 
 
-
 def rounded_rotary(x, cos, sin, table_row, half, params, rounded_sum, out):
     """compiled/rounded_rotary.rounded_rotary: each rounding and sum as the loop takes them."""
     c, s = cos[table_row], sin[table_row]
@@ -305,12 +306,11 @@ def rounded_rotary(x, cos, sin, table_row, half, params, rounded_sum, out):
     y = _rounded(x * c, *params[0:4]) + _rounded(_rounded(turned, *params[8:12]) * s, *params[12:16])
     out[...] = _rounded(y, *params[16:20]) if rounded_sum else y
 
+
 def rounded_attention(q, k, v, add0, add1, group, tables, steps, params, out):
     """compiled/rounded_attention.rounded_attention: the same codes, sums, steps and requantizations; the Softmax
     is generic.py's (numpy's exp: within float32 rounding of the loop's, so a probability on a rounding boundary
     may take the next code)."""
-    from .generic import softmax_rows_float32_
-
     def centred(x, at):
         s, z = _F32(params[at]), _F32(params[at + 1])
         c = _codes(x, s, z, _F32(params[at + 2]), _F32(params[at + 3]))

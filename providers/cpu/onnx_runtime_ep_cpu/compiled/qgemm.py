@@ -51,7 +51,7 @@ def _centre(a, zero, out):
 
 
 @jit
-def _code(x, scale, zero, low, high):
+def float_code(x, scale, zero, low, high):
     """QuantizeLinear of one float32 value: x / scale in float32, rounded half to even, plus the zero point,
     saturated to [low, high] (NaN gives code 0); all float32."""
     v = np.rint(x / scale) + zero
@@ -68,7 +68,7 @@ def _centred_rows(a, scale, zero, low, high, quantize, out):
     for m in range(a.shape[0]):
         if quantize:
             for k in range(a.shape[1]):
-                out[m, k] = np.int16(_code(a[m, k], scale, z, lo, hi) - z)
+                out[m, k] = np.int16(float_code(a[m, k], scale, z, lo, hi) - z)
         else:
             for k in range(a.shape[1]):
                 out[m, k] = np.int16(a[m, k]) - np.int16(zero)
@@ -81,7 +81,7 @@ def centred_columns(b, scale, zero, low, high, quantize, out):
     for n in range(b.shape[1]):
         if quantize:
             for k in range(b.shape[0]):
-                out[n, k] = np.int16(_code(b[k, n], scale, z, lo, hi) - z)
+                out[n, k] = np.int16(float_code(b[k, n], scale, z, lo, hi) - z)
         else:
             for k in range(b.shape[0]):
                 out[n, k] = np.int16(b[k, n]) - np.int16(zero)
@@ -285,7 +285,7 @@ def _centred_pairs(b, scale, zero, low, high, quantize, out):
         k2, t = k // 2, k % 2
         if quantize:
             for n in range(columns):
-                out[k2, n, t] = np.int16(_code(b[k, n], scale, z, lo, hi) - z)
+                out[k2, n, t] = np.int16(float_code(b[k, n], scale, z, lo, hi) - z)
         else:
             for n in range(columns):
                 out[k2, n, t] = np.int16(b[k, n]) - np.int16(zero)

@@ -2,7 +2,7 @@
 scores' integer product requantized to its grid, the rounded elementwise steps on the scores (a GridTable's
 lookup, an AddRounded of a mask or position bias), the Softmax, and the context's integer product.
 
-Each step is its node's arithmetic: the operands quantized as QuantizeLinear does (qgemm._code), the exact
+Each step is its node's arithmetic: the operands quantized as QuantizeLinear does (qgemm.float_code), the exact
 integer sums (held in float64) requantized in float64 (quantize.requantized_code), a table entry picked by
 the value's code as grid_lookup picks it, an add in float32 then the rounding (quantize.on_grid), and the
 Softmax node's own loop (transformer.softmax_rows_float32_), so the values are the unfused nodes' bit for bit.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
-from .qgemm import _code
+from .qgemm import float_code
 from .quantize import on_grid, requantized_code
 from .transformer import softmax_rows_float32_
 
@@ -33,7 +33,7 @@ def _centred(x, scale, zero, low, high, out):
     """out[i] = code(x[i]) - zero for flat float32 ``x``, as float64 (one plain loop: LLVM vectorizes it)."""
     s, z, lo, hi = np.float32(scale), np.float32(zero), np.float32(low), np.float32(high)
     for i in range(x.shape[0]):
-        out[i] = np.float64(_code(x[i], s, z, lo, hi) - z)
+        out[i] = np.float64(float_code(x[i], s, z, lo, hi) - z)
 
 
 @jit

@@ -24,7 +24,7 @@ _F32 = np.dtype(np.float32)
 _EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
 
 
-def _build(chain: TableChain, scale, zero, constants: tuple) -> tuple:
+def table_of_grid(chain: TableChain, scale, zero, constants: tuple) -> tuple:
     """(table, scale, zero, low, high, rank): the chain's result per code, from the lowest code up, the grid's
     parameters as the lookup takes them, and the rank the constants broadcast the result to."""
     low, high = integer_range(zero.dtype)
@@ -54,7 +54,7 @@ def grid_table(node, shapes, opset):
             if scale.size != 1 or scale.dtype != _F32 or zero.size != 1 or zero.dtype not in _EIGHT_BIT:
                 raise argument_error(node, f"the grid is {scale.dtype}{scale.shape} scale and {zero.dtype}{zero.shape} "
                                      "zero point; expected a float32 scalar and a uint8 or int8 scalar")
-            state["found"] = _build(chain, scale, zero, constants)
+            state["found"] = table_of_grid(chain, scale, zero, constants)
             state["key"] = key
         if x.dtype is not _F32:
             raise argument_error(node, f"input {chain.names[0]!r} is {x.dtype}; expected float32 values on the grid "

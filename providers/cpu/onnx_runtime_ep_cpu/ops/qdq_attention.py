@@ -21,7 +21,7 @@ from ..algorithms.quantize import integer_range
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import NEEDS, lookup, register
 from ._common import argument_error
-from .grid_table import _build as grid_table
+from .grid_table import table_of_grid
 from .qdq_grouped import repeats_heads
 from .qdq_linear import Requantization
 from .table_chain import TableChain, chain_nodes
@@ -100,7 +100,7 @@ def _prepare(node, roles: _Roles, loop, args):
         for t, step in enumerate(roles.steps):
             grid = _grid(*(args[i] for i in step[2]))
             if step[0] == "table":
-                table, *_, rank = grid_table(step[1], args[step[2][0]], args[step[2][1]],
+                table, *_, rank = table_of_grid(step[1], args[step[2][0]], args[step[2][1]],
                                              tuple(args[i] for i in step[3]))
                 if rank > 4 or table.size != grid[3] - grid[2] + 1:
                     return None
