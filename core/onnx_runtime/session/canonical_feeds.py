@@ -33,6 +33,8 @@ class CanonicalFeeds:
 
     __slots__ = ("general", "canonical", "masks", "positions", "_ones", "_counts")
 
+    canonical: ShapeValues | None  # None once its class had no program (see run)
+
     def __init__(self, general: ShapeValues, canonical: ShapeValues, masks: tuple[int, ...],
                  positions: tuple[tuple[int, int], ...]):
         self.general = general

@@ -267,15 +267,16 @@ class Executor:
             declared = {slot: info.shape for name, (slot, _) in where.items()
                         if (info := self.graph.type_of(name)) is not None and info.shape is not None
                         and all(isinstance(d, int) for d in info.shape)}
-            plan.shape_values = ShapeValues(steps, body, tuple(sorted(tensor_feeds)), kept, declared)
+            values = ShapeValues(steps, body, tuple(sorted(tensor_feeds)), kept, declared)
             if mask_values.ENABLED:  # the attention-mask chain of the body, kept per mask (see mask_values)
                 masks = {feed_slots[name] for name in mask_values.mask_feeds(self.graph)}
                 chained = mask_values.grouped(body, masks, set(kept), constants)
                 if chained is not body:
-                    plan.shape_values.body = Steps(chained)
+                    values.body = Steps(chained)
+            plan.shape_values = values
             if canonical is not None:
                 self._assign_releases(canonical.body, keep)
-                plan.shape_values = canonical.values(plan.shape_values, declared)
+                plan.shape_values = canonical.values(values, declared)
         admit_plan(plan, self.graph, self.assignment)  # host activations, charged once per plan, not per run
         return plan
 

@@ -12,6 +12,7 @@ import dataclasses
 import operator
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -161,13 +162,20 @@ class Step:
     provider: str
 
 
+class ShapeValuesRun(Protocol):
+    """What a plan's run asks of its shape values: a :class:`ShapeValues`, or canonical_feeds.CanonicalFeeds
+    (which picks one of two per call)."""
+
+    def run(self, env: list, profile: dict | None) -> None: ...
+
+
 class Steps:
     """Steps in run order, with the hot loop's view of them. ``shape_values``: where the leading steps compute
     only what the feeds' shapes determine, the cache that skips them (see :class:`ShapeValues`). From the
     second run on, the steps run as one straight-line function (``code``, :mod:`.step_code`); the first run
     takes the loop, so a plan run once (a creation's warm-up, a capture) builds nothing."""
 
-    shape_values: ShapeValues | None = None
+    shape_values: ShapeValuesRun | None = None
     code: StepCode | None = None
     runs = 0  # loop runs so far (until ``code`` is built)
 

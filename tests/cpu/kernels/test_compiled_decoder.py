@@ -33,7 +33,8 @@ def _rms_reference(x, w, eps):
 
 
 def _rms_kernel(**attrs):
-    return transformer_blocks.rms_normalization(Node("RMSNormalization", ["x", "w"], ["y"], attrs=attrs), [None, None], 23)
+    return transformer_blocks.rms_normalization(Node("RMSNormalization", ["x", "w"], ["y"], attrs=attrs), [None, None],
+                                                23)
 
 
 # -- RMSNormalization ------------------------------------------------------------------------------
