@@ -71,11 +71,15 @@ def _create_session(spec: dict):
         from .. import session as module
         check_providers(spec["providers"])
     options = module.SessionOptions()
-    if spec["runtime"] == "onnx_runtime" and "session.compile_in_background" not in (
-            (spec["session_options"] or {}).get("config") or {}):
+    given = (spec["session_options"] or {}).get("config") or {}
+    if spec["runtime"] == "onnx_runtime" and "session.compile_in_background" not in given:
         # A worker runs shards back to back for its whole life: kernels served from numpy until numba loads in
         # the background (what a short command-line run wants) cost it CPU its sibling workers need.
         options.add_session_config_entry("session.compile_in_background", "0")
+    if spec["runtime"] == "onnx_runtime" and "session.graph_inputs_are_data" not in given:
+        # Every model input is fed from the batch's columns, new rows at each call: the plan that prepare's
+        # read-only zeros make copies them in, so the first batch runs it instead of planning again.
+        options.add_session_config_entry("session.graph_inputs_are_data", "1")
     for key, value in (spec["session_options"] or {}).items():
         if key == "config":
             for entry, text in value.items():

@@ -18,7 +18,7 @@ from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 from . import fused_shapes, ops  # noqa: F401  (fill the registry and the fused operators' shape rules)
 from .arena import ARENA_KEY, apply_arena_settings
 from .compiled import deferred
-from .registry import NEEDS, lookup, registered_versions
+from .registry import HINTS, NEEDS, lookup, registered_versions
 from .threads import apply_thread_settings
 
 # The fusion passes, by the module that defines each list: imported at the first use of a list (this module's
@@ -41,6 +41,7 @@ def __getattr__(name: str):
 class CPUExecutionProvider:
     def __init__(self):
         self._handle = None
+        self._config: dict[str, str] = {}  # the session's config entries, for the kernels that read one
         self.memory_arena = None  # ArenaStatus: whether malloc keeps freed buffers for reuse, and why
 
     @hookimpl
@@ -48,7 +49,7 @@ class CPUExecutionProvider:
         session_config = dict(session_config or {})
         if _provider_options(options or {}, session_config).get("use_arena") is False:
             session_config[ARENA_KEY] = "0"
-        self._handle = handle
+        self._handle, self._config = handle, session_config
         run = apply_thread_settings(session_config)  # the session's own count, entered at each of its runs
         if handle is not None:
             handle.set_run_scope(run.enter, run.leave)
@@ -100,9 +101,9 @@ class CPUExecutionProvider:
             raise InvalidGraphError(
                 f"node {node.name!r}: CPUExecutionProvider has no kernel for {node.op_type} at opset {opset}"
             )
-        needs = NEEDS.get(factory)
+        needs = NEEDS.get(factory, ()) + HINTS.get(factory, ())
         if needs:
-            extras = {"handle": self._handle, "graph": graph}
+            extras = {"handle": self._handle, "graph": graph, "config": self._config}
             return factory(node, shapes, opset, **{name: extras[name] for name in needs})
         return factory(node, shapes, opset)
 

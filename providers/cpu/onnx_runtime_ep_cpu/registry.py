@@ -28,6 +28,9 @@ _REGISTRY: dict[tuple[str, str], list[tuple[int, KernelFactory]]] = {}
 # handle: control flow compiles subgraphs with it) and "graph" (the graph holding the node: Gradient
 # differentiates other nodes of it).
 NEEDS: dict[KernelFactory, tuple[str, ...]] = {}
+# Extras a factory takes when the provider builds a session's kernel but can do without (keyword defaults), so a
+# wrapper that builds it from (node, shapes, opset) alone still may: "graph", "config" (the session config entries).
+HINTS: dict[KernelFactory, tuple[str, ...]] = {}
 
 AI_ONNX = ""
 
@@ -44,18 +47,22 @@ def _norm_domain(domain: str) -> str:
     return "" if domain in ("", "ai.onnx") else domain
 
 
-def register(op_type: str, *, domain: str = AI_ONNX, since: int = 1, needs: tuple[str, ...] = ()):
+def register(op_type: str, *, domain: str = AI_ONNX, since: int = 1, needs: tuple[str, ...] = (),
+             hints: tuple[str, ...] = ()):
     """Register a kernel factory for ``op_type`` from opset ``since`` onward (until the next one).
 
-    ``needs`` names extra keyword arguments the factory takes: "handle" and/or "graph".
+    ``needs`` names extra keyword arguments the factory takes: "handle" and/or "graph"; ``hints`` those it takes
+    when the provider passes them and defaults otherwise: "graph" and/or "config".
     """
-    unknown = set(needs) - {"handle", "graph"}
+    unknown = (set(needs) - {"handle", "graph"}) | (set(hints) - {"graph", "config"})
     if unknown:
-        raise ValueError(f"register({op_type!r}): unknown needs {sorted(unknown)}")
+        raise ValueError(f"register({op_type!r}): unknown needs or hints {sorted(unknown)}")
 
     def decorate(factory: KernelFactory) -> KernelFactory:
         if needs:
             NEEDS[factory] = tuple(needs)
+        if hints:
+            HINTS[factory] = tuple(hints)
         key = (_norm_domain(domain), op_type)
         REGISTERED_IN[(*key, since)] = sys._getframe(1).f_globals.get("__name__", "")  # noqa: SLF001  (the module)
         entries = _REGISTRY.setdefault(key, [])

@@ -44,6 +44,10 @@ _SIGNATURES = 16  # bound plans (and node kernels) kept per segment; past that, 
 _COPIES = 4  # plans per signature at most, for as many concurrent runs (more wait for the first)
 
 
+# "1": the session's graph inputs are new data at every run (a batch job's rows), never weights fed as inputs, so a
+# segment copies a read-only graph input in from its first plan instead of binding it and planning again.
+DATA_INPUTS_KEY = "session.graph_inputs_are_data"
+
 _FED: dict[tuple, tuple] = {}  # (segment name, id of a weight) -> (a weak reference to it, the fed set)
 
 
@@ -319,8 +323,15 @@ def _close(a, b) -> bool:
     return bool(np.allclose(a, b, rtol=1e-3, atol=1e-4 * max(scale, 1e-30), equal_nan=True))
 
 
-@register("FusedSegment", domain=FUSED_DOMAIN, since=1)
-def fused_segment(node, shapes, opset):
+@register("FusedSegment", domain=FUSED_DOMAIN, since=1, hints=("graph", "config"))
+def fused_segment(node, shapes, opset, graph=None, config=None):
     """The nodes of ``body`` in order, over the node's inputs (see the module doc)."""
-    return Segment(node)
+    segment = Segment(node)
+    if graph is not None and (config or {}).get(DATA_INPUTS_KEY, "0") == "1":
+        data = {v.name for v in graph.inputs if v.name not in graph.initializers}
+        slots: dict[str, int] = {}
+        for name in node.inputs:  # (numbered as Segment numbers its input slots)
+            slots.setdefault(name, len(slots))
+        segment.fed.update(slot for name, slot in slots.items() if name in data)
+    return segment
 
