@@ -71,3 +71,36 @@ def test_a_session_imports_its_families_and_a_miss_imports_all(tmp_path):
     assert report["undeclared_before"] == [], report  # families the model does not use stay unimported
     assert report["found"] is True, report
     assert {"signal", "text", "ml", "training"} <= set(report["everything"]), report
+
+
+ATTENTION = r"""
+import json, sys
+import numpy as np
+import onnx_runtime as ort
+sess = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 3, 8)).astype(np.float32) for _ in range(3))
+y = sess.run(None, {"q": q, "k": k, "v": v})[0]
+print(json.dumps({"q": q.tolist(), "k": k.tolist(), "v": v.tolist(), "y": y.tolist(),
+                  "modules": sorted(name for name in sys.modules if name.startswith("onnx_runtime"))}))
+"""
+
+
+def test_an_attention_session_imports_neither_flex_nor_linear_attention(tmp_path):
+    node = helper.make_node("Attention", ["q", "k", "v"], ["y"], q_num_heads=2, kv_num_heads=2)
+    graph = helper.make_graph([node], "attention",
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 3, 8]) for name in "qkv"],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 8])])
+    path = tmp_path / "attention.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), str(path))
+    report = _json("-c", ATTENTION, str(path))
+    q, k, v = (np.array(report[name], np.float64).reshape(1, 3, 2, 4).transpose(0, 2, 1, 3) for name in "qkv")
+    scores = q @ k.transpose(0, 1, 3, 2) / 2.0
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    expected = (weights / weights.sum(axis=-1, keepdims=True) @ v).transpose(0, 2, 1, 3).reshape(1, 3, 8)
+    assert np.abs(np.array(report["y"]) - expected).max() < 1e-5
+    modules = set(report["modules"])
+    assert "onnx_runtime_ep_cpu.ops.transformer" in modules
+    # FlexAttention's modifier subgraphs and the linear-attention recurrences are families of their own
+    assert not {"onnx_runtime.session.subgraph", "onnx_runtime_ep_cpu.ops.flex_attention",
+                "onnx_runtime_ep_cpu.ops.linear_attention"} & modules, sorted(modules)

@@ -37,6 +37,8 @@ FAMILIES = {
     "code_table": "ai.onnx_runtime.cpu:CodeTable",
     "conv": "Conv ConvTranspose ai.onnx_runtime.cpu:ConcatBuffer ai.onnx_runtime.cpu:FusedConv",
     "detection": "NonMaxSuppression RoiAlign",
+    "flex_attention": "ai.onnx.preview:FlexAttention",
+    "linear_attention": "CausalConvWithState LinearAttention",
     "rounded_output": (
         "ai.onnx_runtime.cpu:AddRounded ai.onnx_runtime.cpu:SubRounded ai.onnx_runtime.cpu:MulRounded "
         "ai.onnx_runtime.cpu:DivRounded ai.onnx_runtime.cpu:PowRounded ai.onnx_runtime.cpu:MaxRounded "
@@ -125,7 +127,7 @@ FAMILIES = {
     "softmax": "Hardmax LogSoftmax Softmax",
     "text": "RegexFullMatch StringConcat StringNormalizer StringSplit TfIdfVectorizer",
     "training": "ai.onnx.preview.training:Adagrad ai.onnx.preview.training:Adam ai.onnx.preview.training:Momentum",
-    "transformer": "Attention CausalConvWithState LinearAttention ai.onnx.preview:FlexAttention",
+    "transformer": "Attention",
     "transformer_blocks": "RMSNormalization RotaryEmbedding SwiGLU",
 }
 

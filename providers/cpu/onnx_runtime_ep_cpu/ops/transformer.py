@@ -1,5 +1,5 @@
-"""Transformer kernels: Attention, FlexAttention, LinearAttention and CausalConvWithState (RMSNormalization,
-RotaryEmbedding and SwiGLU: transformer_blocks.py).
+"""Transformer kernels: Attention (FlexAttention: flex_attention.py; LinearAttention and CausalConvWithState:
+linear_attention.py; RMSNormalization, RotaryEmbedding and SwiGLU: transformer_blocks.py).
 
 The spec defines these as functions; here they are direct numpy kernels. Half-precision inputs
 (float16, bfloat16) compute in float32; Attention rounds to the input type where its function body's
@@ -17,10 +17,7 @@ import numpy as np
 from onnx_runtime import budget, kv_append
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidGraphError
-from onnx_runtime.loader import implicit_inputs
-from onnx_runtime.session.subgraph import Subgraph
 
-from ..algorithms.activations import sigmoid
 from ..algorithms.attention_keys import length_free_key as _length_free_key
 from ..algorithms.contrib_attention import grouped_matmul, softmax_
 from ..algorithms.precision import FLOAT32, compute_dtype
@@ -43,7 +40,7 @@ def _has_output(node, index: int) -> bool:
     return len(node.outputs) > index and bool(node.outputs[index])
 
 
-def _softmax_dtype(node, default: np.dtype) -> np.dtype:
+def softmax_dtype_of(node, default: np.dtype) -> np.dtype:
     """The dtype softmax runs in: ``softmax_precision`` when set, else ``default``."""
     precision = node.attr("softmax_precision")
     if precision is None:
@@ -61,12 +58,8 @@ def _rounding_to(narrow: np.dtype, wide: np.dtype):
     return lambda x: x.astype(narrow).astype(wide)
 
 
-def _silu(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):  # exp overflow for very negative x: sigmoid is 0 there
-        return x * sigmoid(x)
 
-
-def _gqa_heads(node, q_heads: int, kv_heads: int) -> None:
+def gqa_heads(node, q_heads: int, kv_heads: int) -> None:
     if kv_heads <= 0 or q_heads % kv_heads:
         raise argument_error(
             node, f"{q_heads} query heads do not split evenly over {kv_heads} key/value heads; "
@@ -107,7 +100,7 @@ class _AttentionGeometry:
             self.kv_heads, self.kv_len, self.v_head_size = k[1], k[2], v[3]
         else:
             raise argument_error(node, f"Q has rank {self.rank}; expected 3 or 4")
-        _gqa_heads(node, self.q_heads, self.kv_heads)
+        gqa_heads(node, self.q_heads, self.kv_heads)
         self.past_len = past[2] if past is not None else 0
         self.total_len = self.past_len + self.kv_len
 
@@ -191,7 +184,7 @@ class _Attention:
         for attr, value in (("left_window_size", self.left), ("right_window_size", self.right)):
             if value < -1:
                 raise graph_error(node, attr, f"is {value}; expected -1 (unbounded) or a size >= 0")
-        _softmax_dtype(node, np.float32)  # validates the attribute
+        softmax_dtype_of(node, np.float32)  # validates the attribute
         # Without nonpad_kv_seqlen the causal/window frontier depends on shapes only: build it once.
         self.static_visible = None if self.has_nonpad else _visible_keys(
             geo.q_len, geo.total_len, geo.past_len, self.causal, self.left, self.right, None)
@@ -199,7 +192,7 @@ class _Attention:
         # Plain scaled-dot-product attention (what the optimizer's attention fusion produces) runs
         # in place; float32 inputs and a float32 or no mask are checked per call.
         self.plain = (self.softcap <= 0 and not self.wants_qk and not self.has_nonpad and not has_input(node, 4)
-                      and self.static_visible is None and _softmax_dtype(node, np.float32) == np.float32)
+                      and self.static_visible is None and softmax_dtype_of(node, np.float32) == np.float32)
         # The compiled path takes plain attention and also a causal/window frontier without a mask
         # (as a precomputed additive bias); float32 operands are checked per call.
         frontier_only = self.static_visible is not None and self.static_visible.ndim == 2 and not has_input(node, 3)
@@ -207,7 +200,7 @@ class _Attention:
         self.frontier = None
         self._tiles: dict[tuple, TiledLayout] = {}  # per input shapes, for _tiled_attention
         if self.softcap <= 0 and not self.wants_qk and not self.has_nonpad and not has_input(node, 4)\
-                and _softmax_dtype(node, np.float32) == np.float32 and (self.static_visible is None or frontier_only):
+                and softmax_dtype_of(node, np.float32) == np.float32 and (self.static_visible is None or frontier_only):
             from ..compiled import transformer as compiled
 
             self.compiled = compiled
@@ -270,7 +263,7 @@ class _Attention:
         present_key = k if past_key is None else np.concatenate((past_key, k), axis=2)
         present_value = v if past_value is None else np.concatenate((past_value, v), axis=2)
         dtype = compute_dtype(q.dtype)
-        softmax_dtype = compute_dtype(_softmax_dtype(self.node, dtype))
+        softmax_dtype = compute_dtype(softmax_dtype_of(self.node, dtype))
         rounded = _rounding_to(q.dtype, dtype)
 
         queries = geo.to_heads(q, geo.q_heads).astype(dtype)
@@ -538,164 +531,6 @@ def attention_24(node, shapes, opset):
 @register("Attention", since=25)  # adds left_window_size / right_window_size
 def attention_25(node, shapes, opset):
     return _Attention(node, shapes, opset)
-
-
-# -- FlexAttention -------------------------------------------------------------------------------
-
-
-def _modifier(node, attr: str, handle) -> Subgraph | None:
-    graph = node.attr(attr)
-    if graph is None:
-        return None
-    if len(graph.inputs) != 1 or len(graph.outputs) != 1:
-        raise graph_error(
-            node, attr, f"has {len(graph.inputs)} inputs and {len(graph.outputs)} outputs; expected 1 and 1"
-        )
-    return Subgraph(graph, [handle])
-
-
-def _modified(node, attr: str, given: np.ndarray, outputs: list) -> np.ndarray:
-    """A modifier subgraph's result, which must keep the shape it was given (a scalar reached softmax's axis)."""
-    result = np.asarray(outputs[0])
-    if result.shape != given.shape:
-        raise argument_error(node, f"subgraph {attr!r} returned shape {result.shape}; it must return the shape it "
-                                   f"is given, {given.shape}")
-    return result
-
-
-@register("FlexAttention", domain="ai.onnx.preview", since=1, needs=("handle",))
-def flex_attention(node, shapes, opset, handle):
-    score_mod = _modifier(node, "score_mod", handle)
-    prob_mod = _modifier(node, "prob_mod", handle)
-    scale_attr = node.attr("scale")
-    outer_names = implicit_inputs(node)
-
-    def kernel(q, k, v, *outer_values):
-        if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-            raise argument_error(node, f"Q, K and V must be rank 4; got shapes {q.shape}, {k.shape}, {v.shape}")
-        _gqa_heads(node, q.shape[1], k.shape[1])
-        outer = dict(zip(outer_names, outer_values))
-        dtype = compute_dtype(q.dtype)
-        # The modifier subgraphs see scores and probabilities in the softmax precision: float32 for
-        # float/half inputs, double for double, unless softmax_precision says otherwise.
-        mod_dtype = _softmax_dtype(node, np.float64 if q.dtype == np.float64 else np.float32)
-        softmax_dtype = compute_dtype(mod_dtype)
-        scale = 1 / math.sqrt(q.shape[3]) if scale_attr is None else float(scale_attr)
-
-        queries = q.astype(dtype) * dtype.type(scale)
-        scores = grouped_matmul(queries, k.astype(dtype, copy=False).swapaxes(-1, -2))
-        if score_mod is not None:
-            scores = _modified(node, "score_mod", scores, score_mod.run([scores.astype(mod_dtype, copy=False)], outer))
-        probs = softmax_(scores.astype(softmax_dtype))
-        if prob_mod is not None:
-            probs = _modified(node, "prob_mod", probs, prob_mod.run([probs.astype(mod_dtype, copy=False)], outer))
-        y = grouped_matmul(probs.astype(dtype, copy=False), v.astype(dtype, copy=False))
-        return (y.astype(v.dtype, copy=False),)
-
-    return kernel
-
-
-# -- LinearAttention -----------------------------------------------------------------------------
-
-_UPDATE_RULES = ("linear", "gated", "delta", "gated_delta")
-
-
-@register("LinearAttention", since=27)
-def linear_attention(node, shapes, opset):
-    rule = node.attr("update_rule", "gated_delta")
-    if rule not in _UPDATE_RULES:
-        raise graph_error(node, "update_rule", f"is {rule!r}; expected one of {', '.join(_UPDATE_RULES)}")
-    heads = {}
-    for attr in ("q_num_heads", "kv_num_heads"):
-        value = node.attr(attr)
-        if value is None or int(value) <= 0:
-            raise graph_error(node, attr, f"is {value}; it is required and must be positive")
-        heads[attr] = int(value)
-    q_heads, kv_heads = heads["q_num_heads"], heads["kv_num_heads"]
-    if q_heads % kv_heads:
-        raise graph_error(node, "q_num_heads", f"({q_heads}) must be a multiple of kv_num_heads ({kv_heads})")
-    gated = rule in ("gated", "gated_delta")
-    delta = rule in ("delta", "gated_delta")
-    for needed, index, name in ((gated, 4, "decay"), (delta, 5, "beta")):
-        if needed and not has_input(node, index):
-            raise InvalidGraphError(f"node {node.name!r} (LinearAttention): update_rule {rule!r} needs input {name!r}")
-    scale_attr = float(node.attr("scale", 0.0))
-    group = q_heads // kv_heads
-
-    def kernel(query, key, value, past_state=None, decay=None, beta=None):
-        batch, steps = query.shape[:2]
-        d_k, d_v = query.shape[2] // q_heads, value.shape[2] // kv_heads
-        f32 = np.float32
-        # Query heads kv*group .. kv*group+group-1 read KV head kv's state.
-        q = query.astype(f32).reshape(batch, steps, kv_heads, group, d_k)
-        k = key.astype(f32).reshape(batch, steps, kv_heads, d_k)
-        v = value.astype(f32).reshape(batch, steps, kv_heads, d_v)
-        if past_state is None:
-            state = np.zeros((batch, kv_heads, d_k, d_v), f32)
-        else:
-            state = past_state.astype(f32)  # a copy: the recurrence updates it in place
-        if gated:
-            per_key = decay.shape[-1] == kv_heads * d_k
-            if not per_key and decay.shape[-1] != kv_heads:
-                raise argument_error(
-                    node, f"decay's last dim {decay.shape[-1]} must be {kv_heads} or {kv_heads * d_k}"
-                )
-            gate = np.exp(decay.astype(f32)).reshape(batch, steps, kv_heads, d_k if per_key else 1, 1)
-        if delta:
-            rate = beta.astype(f32).reshape(batch, steps, beta.shape[-1], 1)
-        out = np.empty((batch, steps, kv_heads, group, d_v), f32)
-        for t in range(steps):
-            k_t, v_t = k[:, t], v[:, t]
-            if gated:
-                state *= gate[:, t]
-            if delta:
-                recalled = np.matmul(k_t[:, :, None, :], state)[:, :, 0]  # S^T k: (B, H_kv, d_v)
-                v_t = rate[:, t] * (v_t - recalled)
-            state += k_t[:, :, :, None] * v_t[:, :, None, :]
-            out[:, t] = np.matmul(q[:, t], state)
-        out *= f32(scale_attr or 1 / math.sqrt(d_k))
-        output = out.reshape(batch, steps, q_heads * d_v).astype(query.dtype, copy=False)
-        state_dtype = query.dtype if past_state is None else past_state.dtype
-        return output, state.astype(state_dtype, copy=False)
-
-    return kernel
-
-
-# -- CausalConvWithState -------------------------------------------------------------------------
-
-
-@register("CausalConvWithState", since=27)
-def causal_conv_with_state(node, shapes, opset):
-    activation = node.attr("activation", "none")
-    if activation not in ("none", "silu", "swish"):
-        raise graph_error(node, "activation", f"is {activation!r}; expected 'none', 'silu' or 'swish'")
-
-    def kernel(x, weight, bias=None, past_state=None):
-        if x.ndim != 3 or weight.ndim != 3 or weight.shape[:2] != (x.shape[1], 1) or weight.shape[2] < 1:
-            raise argument_error(node, f"input {x.shape} must be (batch, channels, length) and weight {weight.shape} "
-                                       f"(channels, 1, taps) with taps >= 1, a depthwise kernel per channel")
-        batch, channels, length = x.shape
-        taps = weight.shape[2]
-        if past_state is not None and past_state.shape != (batch, channels, taps - 1):
-            raise argument_error(node, f"past_state {past_state.shape} must be {(batch, channels, taps - 1)}: "
-                                       f"(batch, channels, taps - 1)")
-        if past_state is None:
-            past_state = np.zeros((batch, channels, taps - 1), dtype=x.dtype)
-        padded = np.concatenate((past_state.astype(x.dtype, copy=False), x), axis=2)
-        dtype = compute_dtype(x.dtype)
-        xc = padded.astype(dtype, copy=False)
-        w = weight.reshape(channels, taps, 1).astype(dtype, copy=False)
-        # Depthwise causal conv: output t sees padded positions t .. t + taps - 1.
-        y = w[:, 0] * xc[:, :, :length]
-        for j in range(1, taps):
-            y += w[:, j] * xc[:, :, j:j + length]
-        if bias is not None:
-            y += bias.astype(dtype, copy=False)[:, None]
-        if activation != "none":
-            y = _silu(y)
-        return y.astype(x.dtype, copy=False), padded[:, :, length:].copy()
-
-    return kernel
 
 
 def _compiled_decoder():
