@@ -263,3 +263,15 @@ def within_limit(action, lock, limit_s: float, what: str) -> None:
         pytest.fail(f"{what} did not return within {limit_s} s")
     if failures:
         raise failures[0]
+
+
+def session_without_passes(model, monkeypatch, list_name: str, *names: str):
+    """A CPU session of ``model`` created while the CPU provider's pass list ``list_name`` ("QDQ_PASSES", ...) lacks
+    the passes ``names``: the control of a test of those passes (the list is restored at once)."""
+    import onnx_runtime
+    from onnx_runtime_ep_cpu import provider
+
+    with monkeypatch.context() as patch:
+        kept = [p for p in getattr(provider, list_name) if p.__name__ not in names]
+        patch.setattr(provider, list_name, kept, raising=False)
+        return onnx_runtime.InferenceSession(model, providers=["cpu"])

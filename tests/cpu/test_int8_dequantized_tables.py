@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import onnx_runtime
 import pytest
-from model_helpers import zoo_model
+from model_helpers import session_without_passes, zoo_model
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime_ep_cpu import dynamic_epilogues
 
@@ -37,12 +37,7 @@ def embedding(rows: int, width: int, dtype, axis: int = 0, extra_output: bool = 
 
 
 def without_pass(data, monkeypatch):
-    with monkeypatch.context() as patch:
-        import onnx_runtime_ep_cpu.provider as provider
-
-        kept = [p for p in dynamic_epilogues.DYNAMIC_EPILOGUE_PASSES if p.__name__ != "dequantize_small_tables"]
-        patch.setattr(provider, "DYNAMIC_EPILOGUE_PASSES", kept, raising=False)
-        return onnx_runtime.InferenceSession(data, providers=["cpu"])
+    return session_without_passes(data, monkeypatch, "DYNAMIC_EPILOGUE_PASSES", "dequantize_small_tables")
 
 
 def ops(session) -> list[str]:

@@ -8,10 +8,9 @@ import numpy as np
 import onnx
 import onnx_runtime
 import pytest
-from model_helpers import zoo_model
+from model_helpers import session_without_passes, zoo_model
 from onnx import TensorProto, helper
 from onnx_runtime.errors import InvalidGraphError
-from onnx_runtime_ep_cpu import dynamic_epilogues
 from onnx_runtime_ep_cpu.compiled import deferred
 from test_int8_dynamic_conv import GEOMETRIES, chain_model, reference
 
@@ -28,12 +27,7 @@ def with_relu(data: bytes, graph_output: bool = False) -> bytes:
 
 
 def without_fold(data, monkeypatch):
-    with monkeypatch.context() as patch:
-        import onnx_runtime_ep_cpu.provider as provider
-
-        kept = [p for p in dynamic_epilogues.DYNAMIC_EPILOGUE_PASSES if p.__name__ != "fold_dynamic_conv_relu"]
-        patch.setattr(provider, "DYNAMIC_EPILOGUE_PASSES", kept, raising=False)
-        return onnx_runtime.InferenceSession(data, providers=["cpu"])
+    return session_without_passes(data, monkeypatch, "DYNAMIC_EPILOGUE_PASSES", "fold_dynamic_conv_relu")
 
 
 def ops(session) -> list[str]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -85,3 +86,14 @@ def deferred():
     previous = cu.configure(deferred=True, trace=True)
     yield
     cu.configure(**previous)
+
+
+@pytest.fixture
+def collector_off():
+    """No automatic collection finds a test's reference cycles before the test's own collection does (the finalizer
+    tests: a collection run inside the device's locks)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    yield
+    if enabled:
+        gc.enable()

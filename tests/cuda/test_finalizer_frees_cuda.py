@@ -20,16 +20,7 @@ from model_helpers import within_limit
 pytest.importorskip("onnx_runtime_ep_cuda.driver", reason="the CUDA provider is not installed")
 
 LIMIT_S = 20
-
-
-@pytest.fixture(autouse=True)
-def collector_off():
-    """No automatic collection finds the cycles before the test's own collection does."""
-    enabled = gc.isenabled()
-    gc.disable()
-    yield
-    if enabled:
-        gc.enable()
+pytestmark = pytest.mark.usefixtures("collector_off")  # (tests/cuda/conftest.py)
 
 
 def _within_limit(action, lock) -> None:

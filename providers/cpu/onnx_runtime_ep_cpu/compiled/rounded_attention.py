@@ -46,14 +46,15 @@ def _requantized(acc, params, at, out):
 
 
 @jit
-def _scores(query, keys, sums):
-    """sums = query @ keys for (R, D) and (D, L) float64 codes, one row of keys at a time over each row's sums."""
-    sums[:] = 0
-    for r in range(query.shape[0]):
-        line = sums[r]
-        for d in range(query.shape[1]):
-            c = query[r, d]
-            row = keys[d]
+def _product(a, b, out):
+    """out = a @ b for (R, K) and (K, N) float64 codes (exact: sums of code products stay far below 2**53), one
+    row of b at a time over each row of out: the scores (query @ keys) and the context (probabilities @ values)."""
+    out[:] = 0
+    for r in range(a.shape[0]):
+        line = out[r]
+        for k in range(a.shape[1]):
+            c = a[r, k]
+            row = b[k]
             for j in range(row.shape[0]):
                 line[j] += c * row[j]
 
@@ -80,19 +81,6 @@ def _stepped(line, b, h, r, add0, add1, tables, steps):
         else:
             for j in range(line.shape[0]):
                 line[j] = on_grid(line[j] + other[j], s, z, lo, hi)
-
-
-@jit
-def _context(probs, values, context):
-    """context = probs @ values for (R, L) and (L, E) float64 codes."""
-    context[:] = 0
-    for r in range(probs.shape[0]):
-        line = context[r]
-        for j in range(probs.shape[1]):
-            c = probs[r, j]
-            row = values[j]
-            for e in range(row.shape[0]):
-                line[e] += c * row[e]
 
 
 @jit
@@ -125,11 +113,11 @@ def rounded_attention(q, k, v, add0, add1, group, tables, steps, params, out):
             g = h // group
             if h % group == 0:
                 keys[:] = codes_k[b, g].T
-            _scores(codes_q[b, h], keys, sums)
+            _product(codes_q[b, h], keys, sums)
             _requantized(sums.reshape(-1), params, SCORES, scores.reshape(-1))
             for r in range(rows):
                 _stepped(scores[r], b, h, r, add0, add1, tables, steps)
             softmax_rows_float32_(scores, weights)
             _centred(weights.reshape(-1), params[P], params[P + 1], params[P + 2], params[P + 3], probs.reshape(-1))
-            _context(probs, codes_v[b, g], context)
+            _product(probs, codes_v[b, g], context)
             _requantized(context.reshape(-1), params, CONTEXT, out[b, h].reshape(-1))
