@@ -53,3 +53,24 @@ def test_phases_count_the_imports_and_the_steps_they_nest_in():
     assert spent["imports"] <= result["total"] + 1e-3
     assert spent["providers"] + spent.get("executor runs", 0.0) <= result["total"] + 1e-3
     assert spent.get("collector", 0.0) >= 0.0
+
+
+def test_compile_packages_writes_stale_bytecode(tmp_path, monkeypatch):
+    """The measured processes must not compile our modules from source (PYTHONDONTWRITEBYTECODE, a fresh archive
+    copy): cold_start writes the packages' bytecode caches first, as an install has them."""
+    import importlib.machinery
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import cold_start
+
+    package = tmp_path / "pkg"
+    package.mkdir()
+    source = package / "module.py"
+    source.write_text("VALUE = 1\n")
+    spec = importlib.machinery.ModuleSpec("onnx_runtime", None, is_package=True)
+    spec.submodule_search_locations = [str(package)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    cold_start.compile_packages()
+    cached = Path(importlib.util.cache_from_source(str(source)))
+    assert cached.is_file() and cached.stat().st_mtime >= source.stat().st_mtime
