@@ -30,7 +30,6 @@ the ``tokenizer.json`` in the model's folder.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import threading
@@ -397,6 +396,33 @@ class _Bindings:
             self.prepared = self.session.prepare_device_binding_run(bindings, output_names=self.wanted)
         return self.prepared
 
+    def _host_steps(self, run, length: int, new: int, tokens: list[int], read_each: bool, read_every: int, on_token,
+                    eos_token_id, start: float) -> tuple[int, float]:
+        """``loop``'s steps on a host state through its prepared ``run``: each step the run, the host's argmax, and
+        the mask grown by one row (within the capacity, which holds prompt + new rows, so set unchecked); the number
+        of steps run and the time to the first token."""
+        choose, grow_mask = self._choose_on_host, self.mask.set_appended_shape
+        first = 0.0
+        steps = 0
+        for step in range(new):
+            rows = length + step + 1 if step else length
+            if rows > self.committed_rows:
+                self._grow(rows)
+            choose(step, length + step, run(step > 0)[0][0, -1])
+            steps += 1
+            if step == 0 or (read_each and (steps % read_every == 0 or step == new - 1)):
+                ended = self._read(tokens, steps, on_token, eos_token_id)
+                if step == 0:
+                    first = time.perf_counter() - start
+                if ended:
+                    break
+            if step == 0:  # one token from now on (set once: nothing else sets the host's shapes)
+                self.ids.set_logical_shape((1, 1))
+                if self.positions is not None:
+                    self.positions.set_logical_shape((1, 1))
+            grow_mask((1, length + step + 1))
+        return steps, first
+
     def loop(self, prompt: list[int], new: int, on_token, eos_token_id, read_every: int = 1) -> GenerationResult:
         length = len(prompt)
         self._write(self.ids, np.array([prompt], np.int64))
@@ -410,22 +436,22 @@ class _Bindings:
         first = 0.0
         steps = 0
         prepared = self._host_run(bindings)
-        # A host loop enters the session's per-run scopes once for all its steps, not at each step.
-        with prepared.held() if prepared is not None else contextlib.nullcontext() as run:
-            for step in range(new):
-                self._grow(length + step + 1 if step else length)
-                if run is not None:
-                    self._choose_on_host(step, length + step, run(step > 0)[0][0, -1])
-                else:
-                    self._step(bindings, step, length, new)
-                steps += 1
-                if step == 0 or (read_each and (steps % read_every == 0 or step == new - 1)):
-                    ended = self._read(tokens, steps, on_token, eos_token_id)
-                    if step == 0:
-                        first = time.perf_counter() - start
-                    if ended:
-                        break
-                self._advance(step, length, run is None)
+        if prepared is not None:
+            # A host loop enters the session's per-run scopes once for all its steps, not at each step.
+            with prepared.held() as run:
+                steps, first = self._host_steps(run, length, new, tokens, read_each, read_every, on_token,
+                                                eos_token_id, start)
+        for step in range(new if prepared is None else 0):
+            self._grow(length + step + 1 if step else length)
+            self._step(bindings, step, length, new)
+            steps += 1
+            if step == 0 or (read_each and (steps % read_every == 0 or step == new - 1)):
+                ended = self._read(tokens, steps, on_token, eos_token_id)
+                if step == 0:
+                    first = time.perf_counter() - start
+                if ended:
+                    break
+            self._advance(step, length, True)
         drained = self._tokens(0, new + 1)
         if not read_each:
             tokens = [int(t) for t in drained[:steps]]

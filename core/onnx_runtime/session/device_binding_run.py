@@ -35,7 +35,7 @@ from ..errors import InvalidArgumentError
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
 from . import device_step
-from .device_io_binding import DeviceIoBinding, device_copy, strided_runs
+from .device_io_binding import RELEASES, DeviceIoBinding, device_copy, strided_runs
 from .executor import graph_slot_of
 
 
@@ -217,10 +217,16 @@ def prepared_host_run(session: SessionSide, bindings, output_names) -> Callable[
     if not layout.host:
         return None
 
+    releases, seen = RELEASES, [RELEASES[0]]
+
     def run(single_token_step: bool = False) -> list:
-        # (the layout was made for these very bindings, which this closure keeps alive: only a release can undo it)
-        if any([binding.closed for binding in bindings]):
-            raise InvalidArgumentError("a device binding of this prepared run was released; prepare the run again")
+        # (the layout was made for these very bindings, which this closure keeps alive: only a release can undo it;
+        # the bindings are looked at only after some binding anywhere was released)
+        if releases[0] != seen[0]:
+            now = releases[0]  # (read before the look: a release during it is looked at next run)
+            if any([binding.closed for binding in bindings]):
+                raise InvalidArgumentError("a device binding of this prepared run was released; prepare the run again")
+            seen[0] = now
         return _run_on_host(session, layout, bindings, single_token_step)
 
     return run

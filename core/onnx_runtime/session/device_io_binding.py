@@ -66,6 +66,9 @@ from ..tensor import DEFAULT_ALIGNMENT, Tensor
 _QUARANTINE: list[tuple[ProviderHandle, DeviceBuffer]] = []  # allocations a failed release kept alive
 # Bindings a session made -> that session, so that closing it releases them (see release_session_bindings).
 _LIVE: weakref.WeakKeyDictionary[DeviceIoBinding, weakref.ref] = weakref.WeakKeyDictionary()
+# Releases so far (bumped after the binding reads as closed): a loop over the same bindings looks at their
+# ``closed`` only when this moved since its last look, not at every step.
+RELEASES = [0]
 
 
 def track(binding: DeviceIoBinding, session: object) -> DeviceIoBinding:
@@ -407,7 +410,8 @@ class DeviceIoBinding:
         self._logical = shape
 
     def set_appended_shape(self, shape: tuple[int, ...]) -> None:
-        """set_logical_shape for a window a run appended in place (kv_append.py): within capacity by construction."""
+        """set_logical_shape for a shape within capacity by construction: a window a run appended in place
+        (kv_append.py), a decode loop's mask grown by one row inside the capacity it was made for."""
         self._logical = shape
 
     def set_physical_and_logical_shapes(self, physical_shape, logical_shape) -> None:
@@ -678,6 +682,7 @@ class DeviceIoBinding:
         buffer, self._buffer = self._buffer, None
         if buffer is None:
             return
+        RELEASES[0] += 1
         self._host_array = None
         _LIVE.pop(self, None)
         allocator = self._allocator

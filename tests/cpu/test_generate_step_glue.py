@@ -1,0 +1,90 @@
+"""The host generate loop's per-step glue (issue 21): a prepared run looks at its bindings' release only after some
+binding was released (a process-wide count, not every binding at every step), and the loop grows the mask by one row
+within its capacity without the logical-shape check. Tokens stay onnxruntime's greedy tokens on both exporters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx_runtime import generate
+from onnx_runtime.errors import InvalidArgumentError
+from onnx_runtime.session.device_io_binding import DeviceBindingSpec, DeviceIoBinding
+from test_generate import PROMPT, _model, onnxruntime_greedy
+from test_generate_held_scopes import _window_run
+
+CPU = "CPUExecutionProvider"
+
+
+def _count_closed_looks(monkeypatch) -> list:
+    looks: list = []
+    closed = DeviceIoBinding.closed
+
+    def counting(self):
+        looks.append(self.label)
+        return closed.fget(self)
+
+    monkeypatch.setattr(DeviceIoBinding, "closed", property(counting))
+    return looks
+
+
+def test_a_prepared_run_looks_at_its_bindings_only_after_a_release(monkeypatch):
+    session, past, new, run = _window_run()
+    run(False)
+    looks = _count_closed_looks(monkeypatch)
+    with run.held() as step:
+        for _ in range(3):
+            step(False)
+    assert looks == []  # nothing released: no binding looked at
+    other = session.device_io_binding(DeviceBindingSpec.scratch("other", np.float32, (4,)))
+    other.close()  # a release elsewhere: one look at the run's two bindings, then none again
+    run(False)
+    run(False)
+    assert len(looks) == 2
+    new.close()
+    with pytest.raises(InvalidArgumentError, match="released"):
+        run(False)
+    with pytest.raises(InvalidArgumentError, match="released"):  # and at every run after it
+        run(False)
+
+
+@pytest.mark.parametrize("name", ["gpt2.dynamo.fp32", "gpt2.torchscript.fp32", "llama.dynamo.fp32",
+                                  "llama.torchscript.fp32"])
+def test_host_steps_grow_the_mask_unchecked_and_keep_the_greedy_tokens(monkeypatch, name):
+    path = _model(name)
+    generator = generate.Generator(path, providers=[CPU])
+    generator.generate(PROMPT, 7)  # (the state both generations below reuse)
+    checked: list = []
+    set_logical_shape = DeviceIoBinding.set_logical_shape
+
+    def counting(self, shape):
+        checked.append(self.label)
+        return set_logical_shape(self, shape)
+
+    monkeypatch.setattr(DeviceIoBinding, "set_logical_shape", counting)
+    looks = _count_closed_looks(monkeypatch)
+    checks = []
+    for new in (3, 7):
+        checked.clear()
+        assert generator.generate(PROMPT, new).tokens == onnxruntime_greedy(path, PROMPT, new)
+        checks.append(sorted(checked))
+    # Only a generation's start (the caches emptied, the prompt written) and its first step (the ids and positions
+    # made one token) check a shape: as many for 7 steps as for 3 (the mask grew inside its capacity at each step).
+    assert checks[0] == checks[1], checks
+    assert looks == []
+    state = generator._kept  # noqa: SLF001 (the generation's kept state)
+    assert state.mask.logical_shape == (1, len(PROMPT) + new)
+    assert {cache.logical_shape[2] for cache in state.caches} == {len(PROMPT) + new - 1}
+    mask = state.host[3]
+    assert mask[: len(PROMPT) + new - 1].all()
+
+
+def test_a_generation_stopping_at_its_end_token_keeps_the_mask_of_the_steps_it_ran():
+    path = _model("gpt2.dynamo.fp32")
+    generator = generate.Generator(path, providers=[CPU])
+    greedy = onnxruntime_greedy(path, PROMPT, 6)
+    result = generator.generate(PROMPT, 6, eos_token_id=greedy[2])
+    assert result.tokens == greedy[: greedy.index(greedy[2]) + 1]
+    state = generator._kept  # noqa: SLF001
+    ran = len(result.tokens)
+    # The step that chose the end token ran with ran - 1 new rows before it; the loop stopped before growing the mask.
+    assert state.mask.logical_shape == (1, len(PROMPT) + ran - 1)
