@@ -66,9 +66,7 @@ from ..tensor import DEFAULT_ALIGNMENT, Tensor
 _QUARANTINE: list[tuple[ProviderHandle, DeviceBuffer]] = []  # allocations a failed release kept alive
 # Bindings a session made -> that session, so that closing it releases them (see release_session_bindings).
 _LIVE: weakref.WeakKeyDictionary[DeviceIoBinding, weakref.ref] = weakref.WeakKeyDictionary()
-# Releases so far (bumped after the binding reads as closed): a loop over the same bindings looks at their
-# ``closed`` only when this moved since its last look, not at every step.
-RELEASES = [0]
+RELEASES = [0]  # releases so far (bumped once closed): a loop's bindings are looked at when it moves
 
 
 def track(binding: DeviceIoBinding, session: object) -> DeviceIoBinding:
@@ -410,8 +408,7 @@ class DeviceIoBinding:
         self._logical = shape
 
     def set_appended_shape(self, shape: tuple[int, ...]) -> None:
-        """set_logical_shape for a shape within capacity by construction: a window a run appended in place
-        (kv_append.py), a decode loop's mask grown by one row inside the capacity it was made for."""
+        """set_logical_shape for a shape within capacity by construction (kv_append.py's windows, a decode mask)."""
         self._logical = shape
 
     def set_physical_and_logical_shapes(self, physical_shape, logical_shape) -> None:
