@@ -104,3 +104,32 @@ def test_an_attention_session_imports_neither_flex_nor_linear_attention(tmp_path
     # FlexAttention's modifier subgraphs and the linear-attention recurrences are families of their own
     assert not {"onnx_runtime.session.subgraph", "onnx_runtime_ep_cpu.ops.flex_attention",
                 "onnx_runtime_ep_cpu.ops.linear_attention"} & modules, sorted(modules)
+
+
+CONV = r"""
+import json, sys
+import numpy as np
+import onnx_runtime as ort
+sess = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+x = np.linspace(-2, 2, 2 * 6 * 6, dtype=np.float32).reshape(1, 2, 6, 6)
+y = sess.run(None, {"x": x})[0]
+print(json.dumps({"x": x.tolist(), "y": y.tolist(), "erf": "onnx_runtime_ep_cpu.algorithms.erf" in sys.modules}))
+"""
+
+
+def test_a_convolution_session_leaves_erf_unimported(tmp_path):
+    w = np.linspace(-1, 1, 3 * 2 * 3 * 3).astype(np.float32).reshape(3, 2, 3, 3)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["y"])]
+    graph = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 6, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 6, 6])],
+                              [onnx.numpy_helper.from_array(w, "w")])
+    path = tmp_path / "conv.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    report = _json("-c", CONV, str(path))
+    x = np.pad(np.array(report["x"], np.float64), ((0, 0), (0, 0), (1, 1), (1, 1)))
+    expected = np.zeros((1, 3, 6, 6))
+    for i in range(6):
+        for j in range(6):
+            expected[0, :, i, j] = np.tensordot(w.astype(np.float64), x[0, :, i:i + 3, j:j + 3], axes=3)
+    assert np.abs(np.array(report["y"]) - np.maximum(expected, 0)).max() < 1e-5
+    assert report["erf"] is False  # Erf and Gelu's series load it at their first use

@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 
-from .erf import erf_float32, erf_float64, scaled_coefficients
 from .precision import scalar, upcast
 
 
@@ -66,6 +65,8 @@ def hard_swish_steps(x: np.ndarray, y: np.ndarray) -> list:
 
 def gelu_erf(x: np.ndarray) -> np.ndarray:
     """0.5 * x * (1 + erf(x / sqrt(2))); below float64, in float32 and in place on erf's fresh result."""
+    from .erf import erf_float32, erf_float64  # (at the first Gelu: every convolution imports this module)
+
     if x.dtype == np.float64:
         return 0.5 * x * (1 + erf_float64(x / math.sqrt(2)))
     xc = upcast(x)
@@ -94,6 +95,8 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
 def gelu_series(approximate: str, dtype) -> np.ndarray | None:
     """Coefficients (lowest first) of the odd series u * P(u^2) whose tanh both Gelu kernels above take,
     for the compiled loops; None where the numpy kernel runs (other dtypes, float64's erf)."""
+    from .erf import scaled_coefficients
+
     if dtype == np.float32 and approximate == "none":
         return np.array(scaled_coefficients(1 / math.sqrt(2)), np.float32)
     if dtype in (np.float32, np.float64) and approximate == "tanh":
