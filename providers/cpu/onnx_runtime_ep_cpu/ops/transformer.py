@@ -19,7 +19,6 @@ from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidGraphError
 
 from ..algorithms.attention_keys import length_free_key as _length_free_key
-from ..algorithms.contrib_attention import grouped_matmul, softmax_
 from ..algorithms.precision import FLOAT32, compute_dtype
 from ..algorithms.products import gemv_host
 from ..algorithms.tiled_attention import TiledLayout, few_by_head, few_in_place, few_macs, lanes_take, rows_readable
@@ -257,6 +256,8 @@ class _Attention:
             outputs = self.plain_attention(q, k, v, attn_mask)
             if outputs is not None:
                 return outputs[: len(self.node.outputs)]
+        from ..algorithms.contrib_attention import grouped_matmul, softmax_  # (the general path alone)
+
         geo = self.geo
         k = geo.to_heads(k, geo.kv_heads)
         v = geo.to_heads(v, geo.kv_heads)
