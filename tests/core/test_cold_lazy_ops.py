@@ -135,3 +135,30 @@ def test_a_convolution_session_leaves_erf_unimported(tmp_path):
             expected[0, :, i, j] = np.tensordot(w.astype(np.float64), x[0, :, i:i + 3, j:j + 3], axes=3)
     assert np.abs(np.array(report["y"]) - np.maximum(expected, 0)).max() < 1e-5
     assert report["erf"] is False  # Erf and Gelu's series load it at their first use
+
+
+LAYER_NORM = r"""
+import json, sys
+import numpy as np
+import onnx_runtime as ort
+sess = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+x = np.linspace(-3, 5, 4 * 16, dtype=np.float32).reshape(4, 16) ** 2
+y = sess.run(None, {"x": x})[0]
+print(json.dumps({"x": x.tolist(), "y": y.tolist(), "split": "onnx_runtime_ep_cpu.algorithms.split" in sys.modules}))
+"""
+
+
+def test_a_layer_normalization_session_leaves_the_thread_split_unimported(tmp_path):
+    scale = np.linspace(0.5, 1.5, 16).astype(np.float32)
+    bias = np.linspace(-1, 1, 16).astype(np.float32)
+    node = helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y"], axis=-1, epsilon=1e-5)
+    graph = helper.make_graph([node], "norm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 16])],
+                              [onnx.numpy_helper.from_array(a, name) for a, name in ((scale, "scale"), (bias, "bias"))])
+    path = tmp_path / "norm.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    report = _json("-c", LAYER_NORM, str(path))
+    x = np.array(report["x"], np.float64)
+    expected = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * scale + bias
+    assert np.abs(np.array(report["y"]) - expected).max() < 1e-4
+    assert report["split"] is False  # BatchNormalization's channel split loads it at its first call

@@ -11,7 +11,6 @@ import numpy as np
 
 from ..compiled import takes as takes_compiled
 from ..threads import helper_count
-from .split import thread_spans
 
 
 def affine_params(mean, var, scale, bias, epsilon, dtype):
@@ -53,6 +52,7 @@ def channel_affine_loop(code):
 
     def affine(x, factor, shift):
         from ..compiled import epilogue
+        from .split import thread_spans  # (BatchNormalization's alone: LayerNormalization's models skip split.py)
 
         n, c = x.shape[:2]
         rows = np.ascontiguousarray(x).reshape(n, c, math.prod(x.shape[2:]))
