@@ -92,6 +92,29 @@ def test_attention_is_one_node_with_the_unfused_values(kv_heads, rows, length):
     assert codes.max() <= 4.01 and np.mean(codes <= 1.01) >= 0.9, (codes.max(), np.mean(codes <= 1.01))
 
 
+@pytest.mark.parametrize("rows,length,compiled", [(16, 16, True), (40, 40, False)])
+def test_an_encoders_attention_runs_the_chains_integer_kernels(monkeypatch, rows, length, compiled):
+    # (the compiled call's scalar products lose to the chain's integer tiles past MOST_SCORES scores per head:
+    # whisper's 50 x 50 encoder attention; the values are the same either way)
+    from onnx_runtime_ep_cpu.ops import qdq_attention
+
+    calls = []
+
+    class Counted(qdq_attention.EntryOnce):
+        def run(self, arguments):
+            calls.append(arguments[0].shape)
+            return super().run(arguments)
+
+    monkeypatch.setattr(qdq_attention, "EntryOnce", Counted)
+    assert (rows * length <= qdq_attention.MOST_SCORES) == compiled
+    model, feeds = _model(), _feeds(rows, length)
+    ops, got = ops_and_outputs(model, feeds)
+    with qdq_epilogues_without("fuse_rounded_attention"):
+        _, want = ops_and_outputs(model, feeds)
+    assert ops.count("RoundedAttention") == 1 and bool(calls) == compiled, (ops, calls)
+    np.testing.assert_array_equal(got[0].view(np.uint32), want[0].view(np.uint32))
+
+
 def test_a_mask_that_enlarges_the_scores_keeps_the_nodes():
     # (the node's shape rule is MatMul's over q and the values: a mask that the graph shows broadcasting the scores
     # over a second batch keeps the nodes)

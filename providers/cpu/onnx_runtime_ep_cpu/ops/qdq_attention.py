@@ -30,6 +30,9 @@ _F32 = np.dtype(np.float32)
 _EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
 _NO_ADDENDS = [np.zeros((1, 1, 1, 1), np.float32)] * 2
 _NO_TABLES = np.zeros((1, 256), np.float32)
+# The most scores per head (query rows x keys) the compiled call takes: its scalar float64 products lose to the
+# chain's integer tiles on an encoder's attention (whisper's); decode steps and short prefills stay under it.
+MOST_SCORES = 1024
 
 
 class _Roles:
@@ -199,9 +202,10 @@ def rounded_attention(node, shapes, opset):
         key = (q.shape, keys.shape, values.shape, q.dtype, keys.dtype, values.dtype, *(a.shape for a in addends),
                *(a.dtype for a in addends), *(args[i].tobytes() for i in targets))
         if key != shaped[0]:
-            if not _takes(roles, q, keys, values, addends, args):
-                return chained(args)
-            shaped[:] = [key, True]
+            shaped[:] = [key, _takes(roles, q, keys, values, addends, args)
+                         and q.shape[2] * keys.shape[2] <= MOST_SCORES]
+        if not shaped[1]:
+            return chained(args)
         params, tables, steps = made
         out = np.empty(q.shape[:3] + values.shape[3:], _F32)
         four = [a if a.ndim == 4 and a.flags.c_contiguous else
