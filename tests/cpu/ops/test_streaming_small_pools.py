@@ -61,9 +61,18 @@ def test_small_max_pools_match_onnxruntime_and_float64(monkeypatch, shape, attrs
 
 
 def test_large_maps_keep_the_compiled_loop(monkeypatch):
+    # the compiled loop through compiled_pool, or through its kept call (pooling.KeptPool) once numba is loaded
     calls = []
-    real = pool_ops.compiled_pool
-    monkeypatch.setattr(pool_ops, "compiled_pool", lambda *args: calls.append(1) or real(*args))
+    real, real_kept = pool_ops.compiled_pool, pooling.KeptPool.__call__
+
+    def kept(self, x):
+        y = real_kept(self, x)
+        if y is not None:
+            calls.append("kept")
+        return y
+
+    monkeypatch.setattr(pool_ops, "compiled_pool", lambda *args: calls.append("compiled_pool") or real(*args))
+    monkeypatch.setattr(pooling.KeptPool, "__call__", kept)
     x = np.random.default_rng(1).standard_normal((1, 32, 32, 32)).astype(np.float32)
     attrs = {"kernel_shape": [2, 2], "strides": [2, 2]}
     assert x.size * 4 > pooling.SMALL_MAX_READS
