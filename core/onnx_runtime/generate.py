@@ -410,18 +410,25 @@ class _Bindings:
                 self._grow(rows)
             choose(step, length + step, run(step > 0)[0][0, -1])
             steps += 1
-            if step == 0 or (read_each and (steps % read_every == 0 or step == new - 1)):
-                ended = self._read(tokens, steps, on_token, eos_token_id)
-                if step == 0:
-                    first = time.perf_counter() - start
-                if ended:
-                    break
+            ended, first = self._read_due(step, steps, new, read_each, read_every, tokens, on_token, eos_token_id,
+                                          start, first)
+            if ended:
+                break
             if step == 0:  # one token from now on (set once: nothing else sets the host's shapes)
                 self.ids.set_logical_shape((1, 1))
                 if self.positions is not None:
                     self.positions.set_logical_shape((1, 1))
             grow_mask((1, length + step + 1))
         return steps, first
+
+    def _read_due(self, step: int, steps: int, new: int, read_each: bool, read_every: int, tokens: list, on_token,
+                  eos_token_id, start: float, first: float) -> tuple[bool, float]:
+        """Read the tokens where due (the first step, every ``read_every`` steps and the last when a caller streams
+        or stops at an end token); (whether generation ended, the time to the first token)."""
+        if step == 0 or (read_each and (steps % read_every == 0 or step == new - 1)):
+            ended = self._read(tokens, steps, on_token, eos_token_id)
+            return ended, time.perf_counter() - start if step == 0 else first
+        return False, first
 
     def loop(self, prompt: list[int], new: int, on_token, eos_token_id, read_every: int = 1) -> GenerationResult:
         length = len(prompt)
@@ -445,12 +452,10 @@ class _Bindings:
             self._grow(length + step + 1 if step else length)
             self._step(bindings, step, length, new)
             steps += 1
-            if step == 0 or (read_each and (steps % read_every == 0 or step == new - 1)):
-                ended = self._read(tokens, steps, on_token, eos_token_id)
-                if step == 0:
-                    first = time.perf_counter() - start
-                if ended:
-                    break
+            ended, first = self._read_due(step, steps, new, read_each, read_every, tokens, on_token, eos_token_id,
+                                          start, first)
+            if ended:
+                break
             self._advance(step, length, True)
         drained = self._tokens(0, new + 1)
         if not read_each:
