@@ -110,10 +110,8 @@ def test_a_read_only_input_that_stays_is_still_bound_as_a_constant(monkeypatch):
     assert planned and not any(s.fed for s in planned)
 
 
-def test_a_new_batch_size_copies_a_feed_already_seen_to_change(monkeypatch):
-    """A batch job's partial last micro-batch is a new input shape, which the session specializes into a new copy
-    of the segment: that copy's first plan copies in the feed its sibling saw change (one plan per shape, not a
-    plan bound to the read-only feed and a second at the next batch). Every run within a float64 bound."""
+def watch_segments(monkeypatch) -> tuple[list, list]:
+    """(the segments the sessions make, each plan's key's first entry) from now on, the loader's kernels ready."""
     deferred.wait_ready(240)
     made, planned = [], []
     real_init = segment_module.Segment.__init__
@@ -129,6 +127,14 @@ def test_a_new_batch_size_copies_a_feed_already_seen_to_change(monkeypatch):
 
     monkeypatch.setattr(segment_module.Segment, "__init__", init)
     monkeypatch.setattr(segment_module.Segment, "_plan_and_run", plan_and_run)
+    return made, planned
+
+
+def test_a_new_batch_size_copies_a_feed_already_seen_to_change(monkeypatch):
+    """A batch job's partial last micro-batch is a new input shape, which the session specializes into a new copy
+    of the segment: that copy's first plan copies in the feed its sibling saw change (one plan per shape, not a
+    plan bound to the read-only feed and a second at the next batch). Every run within a float64 bound."""
+    made, planned = watch_segments(monkeypatch)
     model = _cnn()
     options = session_module.SessionOptions()
     options.intra_op_num_threads = 1

@@ -8,28 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from onnx_runtime import session as session_module
-from onnx_runtime_ep_cpu.compiled import deferred
 from onnx_runtime_ep_cpu.ops import segment as segment_module
 from reference64 import run_float64
-from test_batch_readonly_feeds import _cnn
+from test_batch_readonly_feeds import _cnn, watch_segments
 
 
 def _planned_shapes(monkeypatch, hint: str | None, batches) -> tuple[list, list]:
-    deferred.wait_ready(240)
-    made, planned = [], []
-    real_init = segment_module.Segment.__init__
-    real_plan = segment_module.Segment._plan_and_run  # noqa: SLF001
-
-    def init(self, node):
-        real_init(self, node)
-        made.append(self)
-
-    def plan_and_run(self, key, inputs):
-        planned.append(key[0][0])
-        return real_plan(self, key, inputs)
-
-    monkeypatch.setattr(segment_module.Segment, "__init__", init)
-    monkeypatch.setattr(segment_module.Segment, "_plan_and_run", plan_and_run)
+    made, planned = watch_segments(monkeypatch)
     model = _cnn()
     options = session_module.SessionOptions()
     options.intra_op_num_threads = 1
