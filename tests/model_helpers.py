@@ -275,3 +275,19 @@ def session_without_passes(model, monkeypatch, list_name: str, *names: str):
         kept = [p for p in getattr(provider, list_name) if p.__name__ not in names]
         patch.setattr(provider, list_name, kept, raising=False)
         return onnx_runtime.InferenceSession(model, providers=["cpu"])
+
+
+def logical_shape_checks(monkeypatch) -> list:
+    """The labels of the device bindings whose logical shape is set through the checked path
+    (DeviceIoBinding.set_logical_shape) from now on, in order."""
+    from onnx_runtime.session.device_io_binding import DeviceIoBinding
+
+    checked: list = []
+    set_logical_shape = DeviceIoBinding.set_logical_shape
+
+    def counting(self, shape):
+        checked.append(self.label)
+        return set_logical_shape(self, shape)
+
+    monkeypatch.setattr(DeviceIoBinding, "set_logical_shape", counting)
+    return checked

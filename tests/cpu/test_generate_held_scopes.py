@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from model_helpers import make_model, tensor_info
+from model_helpers import logical_shape_checks, make_model, tensor_info
 from onnx import helper
 from onnx_runtime import InferenceSession, generate, kv_append
 from onnx_runtime.errors import InvalidArgumentError
@@ -127,19 +127,11 @@ def test_a_logical_shape_of_ints_within_the_capacity_is_taken_as_a_tuple():
 def test_appended_windows_adopt_their_shape_without_the_logical_shape_check(monkeypatch):
     """Each step's grown cache windows are taken as they are (within the capacity by construction); only the mask's
     next shape goes through set_logical_shape, and the caches' logical shapes are the valid rows after the loop."""
-    from onnx_runtime.session.device_io_binding import DeviceIoBinding
 
     path = _model("gpt2.dynamo.fp32")
     generator = generate.Generator(path, providers=[CPU])
     generator.generate(PROMPT, 4)
-    checked: list = []
-    set_logical_shape = DeviceIoBinding.set_logical_shape
-
-    def counting(self, shape):
-        checked.append(self.label)
-        return set_logical_shape(self, shape)
-
-    monkeypatch.setattr(DeviceIoBinding, "set_logical_shape", counting)
+    checked = logical_shape_checks(monkeypatch)
     assert generator.generate(PROMPT, 6).tokens == onnxruntime_greedy(path, PROMPT, 6)
     assert not [label for label in checked if "past" in label], checked
     state = generator._kept  # noqa: SLF001 (the generation's kept state)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from model_helpers import logical_shape_checks
 from onnx_runtime import generate
 from onnx_runtime.errors import InvalidArgumentError
 from onnx_runtime.session.device_io_binding import DeviceBindingSpec, DeviceIoBinding
@@ -53,14 +54,7 @@ def test_host_steps_grow_the_mask_unchecked_and_keep_the_greedy_tokens(monkeypat
     path = _model(name)
     generator = generate.Generator(path, providers=[CPU])
     generator.generate(PROMPT, 7)  # (the state both generations below reuse)
-    checked: list = []
-    set_logical_shape = DeviceIoBinding.set_logical_shape
-
-    def counting(self, shape):
-        checked.append(self.label)
-        return set_logical_shape(self, shape)
-
-    monkeypatch.setattr(DeviceIoBinding, "set_logical_shape", counting)
+    checked = logical_shape_checks(monkeypatch)
     looks = _count_closed_looks(monkeypatch)
     checks = []
     for new in (3, 7):
