@@ -657,6 +657,8 @@ def topological_order(graph: Graph, outer: set[str]) -> list[Node]:
                     f"value {out!r} is produced by more than one node (second: {node.name!r}); ONNX graphs are SSA"
                 )
             producer[out] = index
+    if _in_order(graph, producer, available):  # the usual case (exporters, our plans): no reordering to do
+        return list(graph.nodes)
     waiting = [0] * len(graph.nodes)
     dependents: list[list[int]] = [[] for _ in graph.nodes]
     for index, node in enumerate(graph.nodes):
@@ -686,3 +688,23 @@ def topological_order(graph: Graph, outer: set[str]) -> list[Node]:
         if output.name not in producer and output.name not in available:
             raise InvalidGraphError(f"graph output {output.name!r} is not produced by any node, input or initializer")
     return [graph.nodes[i] for i in order]
+
+
+def _in_order(graph: Graph, producer: dict[str, int], available: set[str]) -> bool:
+    """Whether every node reads only values defined before it and every graph output is defined: then the
+    stable order topological_order would make is the file order (its smallest ready index is always the next
+    node). Anything else (a later producer, a cycle, an undefined name) is left to it, which names the fault."""
+    for index, node in enumerate(graph.nodes):
+        for name in node.inputs:
+            made = producer.get(name)
+            if made is None:
+                if name not in available:
+                    return False
+            elif made >= index:
+                return False
+        if node.attrs:
+            for name in implicit_inputs(node):
+                made = producer.get(name)
+                if (made is None and name not in available) or (made is not None and made >= index):
+                    return False
+    return all(out.name in producer or out.name in available for out in graph.outputs)
