@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from zoo_bench import DEFAULT_ZOO, THREADS, Competitors, load_model, session, settle  # noqa: E402
+from zoo_bench import DEFAULT_ZOO, THREADS, Competitors, load_model, session, settle, stats  # noqa: E402
 
 
 class Collector:
@@ -112,11 +112,36 @@ def timed(run, count: int, queue: RunQueueWait, collector: Collector) -> list[di
     return rows
 
 
-def explain(row: dict) -> str:
-    """The largest part of a slow call's wall time."""
+def explain(row: dict, after_preemption: bool = False) -> str:
+    """The largest part of a slow call's wall time; own CPU right after a preempted call is told apart: the
+    process that ran meanwhile emptied the caches the call's weights and buffers were in."""
     parts = {"own run-queue wait": row["wait"], "collector": row["gc"], "own CPU": row["cpu"] - row["gc"],
              "blocked/other threads": row["wall"] - row["cpu"] - row["wait"]}
-    return max(parts, key=parts.get)
+    why = max(parts, key=parts.get)
+    return why + " right after a preempted call" if why == "own CPU" and after_preemption else why
+
+
+def preempted(row: dict) -> bool:
+    """Whether the call lost its CPU to another process while it ran (an involuntary switch, run-queue wait)."""
+    return row["nivcsw"] > 0 or row["wait"] > PREEMPTED_WAIT
+
+
+PREEMPTED_WAIT = 10e-6  # seconds of run-queue wait that count as a preemption (the counter's own jitter is below)
+
+
+def spread(values: list[float]) -> float:
+    """zoo_bench's spread: (p90 - p10) / median."""
+    return stats(values)["spread"] if values else float("nan")
+
+
+def spreads(rows: list[dict]) -> dict:
+    """The per-call spread of the wall time and of the calling thread's CPU time, and the wall time's over the
+    calls the host left alone: neither preempted nor right after a preempted one (whose caches the other
+    process emptied). Where that last one misses too, the work itself varied; where only the first does, the
+    calls waited for a CPU."""
+    alone = [row for i, row in enumerate(rows) if not preempted(row) and not (i and preempted(rows[i - 1]))]
+    return {"wall": spread([r["wall"] for r in rows]), "cpu": spread([r["cpu"] for r in rows]),
+            "wall_left_alone": spread([r["wall"] for r in alone]), "left_alone": len(alone)}
 
 
 def summarize(rows: list[dict], quiet_median: float) -> dict:
@@ -124,13 +149,16 @@ def summarize(rows: list[dict], quiet_median: float) -> dict:
     med = statistics.median(walls)
     slow = sorted(rows, key=lambda r: r["wall"], reverse=True)[:5]
     over = [r for r in rows if r["wall"] > 3 * quiet_median]
+    after = {id(row) for previous, row in zip(rows, rows[1:]) if preempted(previous)}
+    whys = [explain(r, id(r) in after) for r in over]
     cpus = sorted(r["cpu"] for r in rows)
-    return {"n": len(rows), "median_ms": med * 1e3,
+    return {"n": len(rows), "median_ms": med * 1e3, "spread": spreads(rows),
+            "preempted_calls": sum(map(preempted, rows)), "over_3x_preempted": sum(map(preempted, over)),
             "cpu_ms": [round(cpus[len(cpus) // 2] * 1e3, 3), round(cpus[int(0.9 * len(cpus))] * 1e3, 3),
                        round(cpus[-1] * 1e3, 3)], "max_over_quiet": max(walls) / quiet_median,
             "over_3x": len(over), "gc_calls": sum(r["gcs"] > 0 for r in rows),
             "faults_calls": sum(r["minflt"] + r["majflt"] > 0 for r in rows),
-            "over_3x_why": {why: sum(explain(r) == why for r in over) for why in {explain(r) for r in over}},
+            "over_3x_why": {why: whys.count(why) for why in sorted(set(whys))},
             "slowest": [{k: (round(v * 1e3, 3) if isinstance(v, float) else v) for k, v in r.items()}
                         for r in slow]}
 
@@ -156,12 +184,16 @@ def in_rounds(sessions: dict, feed: dict, count: int, block: int, queue: RunQueu
     return rows, threads_cpu
 
 
-def probe(zoo: Path, name: str, labels: list[str], busy: int, count: int, block: int, settled: bool) -> dict:
+def probe(zoo: Path, name: str, labels: list[str], busy: int, count: int, block: int, settled: bool,
+          call: str | None = None) -> dict:
     from zoo_feeds import make_feeds
 
     os.environ["ONNX_RUNTIME_COMPILE_IN_BACKGROUND"] = "0"
     model = load_model(zoo, name)
-    call, spec = next(iter(model["calls"].items()))
+    call = call or next(iter(model["calls"]))
+    if call not in model["calls"]:
+        raise SystemExit(f"{name} has no call {call!r}: it has {', '.join(model['calls'])}")
+    spec = model["calls"][call]
     feed = make_feeds(spec)
     path = str(zoo / model["file"])
     sessions = {(rt, label): session(rt, path, THREADS[label]) for label in labels for rt in ("ours", "ort")}
@@ -200,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--busy", type=int, default=1)
     parser.add_argument("--count", type=int, default=400, help="timed calls per session and condition")
     parser.add_argument("--block", type=int, default=10)
+    parser.add_argument("--call", help="the manifest call to time (a decoder's decode; default: its first)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--no-settle", action="store_true",
                         help="only the 20 ms pause before a block, not zoo_bench's wait for the other pools")
@@ -208,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in args.models.split(","):
         result = probe(args.zoo.resolve(), name, labels, args.busy, args.count, args.block,
-                       not args.no_settle)
+                       not args.no_settle, args.call)
         results.append(result)
         for key, s in result.items():
             if isinstance(s, dict):
@@ -217,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"with faults {s['faults_calls']}", flush=True)
                 print("     other threads' CPU in its blocks (ms):", s["other_threads_ms"],
                       "; CPU-time p50/p90/max (ms):", s["cpu_ms"])
+                sp = s["spread"]
+                print(f"     preempted {s['preempted_calls']} of {s['n']} calls ({s['over_3x_preempted']} of the "
+                      f"{s['over_3x']} >3x); spread per call: wall {sp['wall']:.0%}, CPU {sp['cpu']:.0%}, wall over "
+                      f"the {sp['left_alone']} calls the host left alone {sp['wall_left_alone']:.0%}")
                 if s["max_over_quiet"] > 3:
                     for row in s["slowest"][:3]:
                         print("    ", row)

@@ -37,6 +37,11 @@ QUIET_GEOMEAN, QUIET_EACH = 1.0, 1.25
 BUSY_RATIO, BUSY_SPREAD, BUSY_MAX_OVER_QUIET = 1.5, 0.25, 3.0
 COLD_RATIO = 2.0
 RSS_RATIO = 1.5
+# The busy targets on our own calls (their stats key): onnxruntime's value of the same run is kept beside ours.
+BUSY_OWN_TARGETS = (("busy spread per call (ours)", "spread", BUSY_SPREAD),
+                    ("busy spread of round medians (ours)", "round_spread", BUSY_SPREAD),
+                    ("busy max call / quiet median (ours)", "max_over_quiet", BUSY_MAX_OVER_QUIET),
+                    ("busy slowest round / quiet median (ours)", "round_max_over_quiet", BUSY_MAX_OVER_QUIET))
 SETTLE_LIMIT = 0.5  # seconds a block waits at most for the other runtime's pool to stop spinning
 THREADS = {"1": 1, "default": 0}  # label -> intra_op_num_threads (0: each runtime's own default)
 SAYS = {"1": "one thread", "default": "default threads"}
@@ -377,6 +382,7 @@ def verdicts(results: list[dict], threads: list[str], busy: bool) -> dict:
     """Each target, per model (and call) and overall: the value, the limit and whether it holds."""
     rows: list[dict] = []
     quiet_ratios: dict[str, list[float]] = {label: [] for label in threads}
+    cpu_spreads: list[tuple[str, float, float]] = []
     for result in results:
         if "error" in result:
             continue
@@ -390,15 +396,14 @@ def verdicts(results: list[dict], threads: list[str], busy: bool) -> dict:
                 if not busy:
                     continue
                 ours_busy, ort_busy = measured[f"busy/{label}/ours"], measured[f"busy/{label}/ort"]
-                for target, value, limit in (
-                        ("busy ratio", ratio(ours_busy["median"], ort_busy["median"]), BUSY_RATIO),
-                        ("busy spread per call (ours)", ours_busy["spread"], BUSY_SPREAD),
-                        ("busy spread of round medians (ours)", ours_busy["round_spread"], BUSY_SPREAD),
-                        ("busy max call / quiet median (ours)", ours_busy["max_over_quiet"], BUSY_MAX_OVER_QUIET),
-                        ("busy slowest round / quiet median (ours)", ours_busy["round_max_over_quiet"],
-                         BUSY_MAX_OVER_QUIET)):
+                rows.append({"target": f"busy ratio, {SAYS[label]}", "model": result["name"], "call": call,
+                             "value": ratio(ours_busy["median"], ort_busy["median"]), "limit": BUSY_RATIO})
+                for target, key, limit in BUSY_OWN_TARGETS:
+                    # onnxruntime's value of the same run beside ours: a miss both share is the host's.
                     rows.append({"target": f"{target}, {SAYS[label]}", "model": result["name"], "call": call,
-                                 "value": value, "limit": limit})
+                                 "value": ours_busy[key], "limit": limit, "ort": ort_busy[key]})
+                cpu_spreads.append((f"busy spread per call of CPU time, {SAYS[label]}", ours_busy["cpu"]["spread"],
+                                    ort_busy["cpu"]["spread"]))
         cold = result["cold"]
         rows.append({"target": "session creation + first runs", "model": result["name"], "call": "all",
                      "value": ratio(cold["ours"]["create_first_s"], cold["ort"]["create_first_s"]),
@@ -418,7 +423,33 @@ def verdicts(results: list[dict], threads: list[str], busy: bool) -> dict:
         entry["checked"] += 1
         entry["held"] += row["holds"]
         entry["worst"] = max(entry["worst"], row["value"])
-    return {"overall": overall, "per_target": summary, "rows": rows, "info": informative(results, threads)}
+    return {"overall": overall, "per_target": summary, "rows": rows, "info": informative(results, threads),
+            "same_run": same_run(rows, cpu_spreads)}
+
+
+def same_run(rows: list[dict], cpu_spreads: list[tuple[str, float, float]]) -> dict:
+    """The busy targets on our own spread and slowest calls, counted for both runtimes over the same calls of
+    the same run, and how many calls both missed (what the host did to both); beside them, not a target, the
+    spread of the process's CPU time per call against the same limit: near the wall-time spread where the work
+    itself varied, far below it where calls waited for a core."""
+    counts: dict[str, dict] = {}
+    for row in rows:
+        if "ort" in row:
+            add_counts(counts, row["target"].replace(" (ours)", ""), row["limit"], row["value"], row["ort"])
+    for target, ours, ort in cpu_spreads:
+        add_counts(counts, target + " (not a target)", BUSY_SPREAD, ours, ort)
+    return counts
+
+
+def add_counts(counts: dict, target: str, limit: float, ours: float, ort: float) -> None:
+    entry = counts.setdefault(target, {"limit": limit, "checked": 0, "ours_held": 0, "ort_held": 0,
+                                       "both_missed": 0, "ours_worst": 0.0, "ort_worst": 0.0})
+    entry["checked"] += 1
+    entry["ours_held"] += ours <= limit
+    entry["ort_held"] += ort <= limit
+    entry["both_missed"] += ours > limit and ort > limit
+    entry["ours_worst"] = max(entry["ours_worst"], ours)
+    entry["ort_worst"] = max(entry["ort_worst"], ort)
 
 
 def informative(results: list[dict], threads: list[str]) -> dict:
@@ -477,18 +508,20 @@ def busy_table(ok: list[dict], threads: list[str]) -> list[str]:
              "per call and over the rounds' medians (a round: the calls a turn times in a row), the slowest "
              "call and round over the quiet median, each runtime's, and the slowest call's CPU time over the quiet "
              "CPU median (the process's CPU time: near 1 where a slow call waited for a CPU; on the default threads "
-             "it counts every thread, at the scheduler's tick).", "",
+             "it counts every thread, at the scheduler's tick); the CPU spread is the same spread of that CPU time.",
+             "",
              "| model | call | threads | ours / ort | ratio | spread per call ours / ort "
-             "| spread of rounds ours / ort | max call / quiet ours / ort | slowest round / quiet ours / ort "
-             "| max CPU / quiet CPU ours / ort |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| CPU spread per call ours / ort | spread of rounds ours / ort | max call / quiet ours / ort "
+             "| slowest round / quiet ours / ort | max CPU / quiet CPU ours / ort |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in ok:
         for call, m in r["steady"]["calls"].items():
             for label in threads:
                 ours, ort = m[f"busy/{label}/ours"], m[f"busy/{label}/ort"]
                 lines.append(f"| {r['name']} | {call} | {SAYS[label]} | {ms(ours['median'])} / {ms(ort['median'])} "
                              f"| {fmt(ratio(ours['median'], ort['median']))} | {ours['spread']:.0%} / "
-                             f"{ort['spread']:.0%} | {ours['round_spread']:.0%} / {ort['round_spread']:.0%} "
+                             f"{ort['spread']:.0%} | {ours['cpu']['spread']:.0%} / {ort['cpu']['spread']:.0%} "
+                             f"| {ours['round_spread']:.0%} / {ort['round_spread']:.0%} "
                              f"| {fmt(ours['max_over_quiet'])} / {fmt(ort['max_over_quiet'])} "
                              f"| {fmt(ours['round_max_over_quiet'])} / {fmt(ort['round_max_over_quiet'])} "
                              f"| {fmt(ours['cpu']['max_over_quiet'])} / {fmt(ort['cpu']['max_over_quiet'])} |")
@@ -526,7 +559,20 @@ def verdict_table(verdict: dict) -> list[str]:
     for target, entry in verdict["per_target"].items():
         lines.append(f"| {target} | {entry['limit']} | {entry['held']} of {entry['checked']} | "
                      f"{fmt(entry['worst'])} |")
-    return lines + ["", "Not targets: " + ", ".join(f"{k} {fmt(v)}" for k, v in verdict["info"].items()) + "."]
+    lines += ["", "Not targets: " + ", ".join(f"{k} {fmt(v)}" for k, v in verdict["info"].items()) + "."]
+    if verdict.get("same_run"):
+        lines += ["", "The busy targets on each runtime's own calls, counted for both over the same calls of this run "
+                  "(a call both miss is the host's doing more than a runtime's), and the spread of the process's CPU "
+                  "time per call against the same limit (not a target: far below the wall-time spread where calls "
+                  "waited for a core).", "",
+                  "| busy, each runtime's own | limit | ours holds | onnxruntime holds | both miss "
+                  "| worst ours / ort |",
+                  "|---|---|---|---|---|---|"]
+        for target, entry in verdict["same_run"].items():
+            lines.append(f"| {target} | {entry['limit']} | {entry['ours_held']} of {entry['checked']} | "
+                         f"{entry['ort_held']} of {entry['checked']} | {entry['both_missed']} | "
+                         f"{fmt(entry['ours_worst'])} / {fmt(entry['ort_worst'])} |")
+    return lines
 
 
 def report(results: list[dict], skipped: list[tuple[str, str]], threads: list[str], busy: bool,

@@ -101,6 +101,63 @@ def test_round_medians_spread_and_slowest_round():
     assert "rounds" not in zoo_bench.stats(samples)
 
 
+def test_busy_targets_count_onnxruntime_over_the_same_calls():
+    """Each busy target on a runtime's own calls is counted for both runtimes over the same calls, with the
+    calls both missed; the CPU-time spread stands beside them against the same limit, not as a target."""
+    import zoo_bench
+
+    def measured(spread, cpu_spread, max_over_quiet):
+        return {"median": 1.0, "spread": spread, "round_spread": 0.1, "max_over_quiet": max_over_quiet,
+                "round_max_over_quiet": 1.2, "cpu": {"spread": cpu_spread}}
+
+    quiet = {"median": 1.0, "cpu": {"median": 1.0}}
+    calls = {"a": {"quiet/1/ours": quiet, "quiet/1/ort": quiet,
+                   "busy/1/ours": measured(0.9, 0.1, 40.0), "busy/1/ort": measured(1.1, 0.2, 2.0)},
+             "b": {"quiet/1/ours": quiet, "quiet/1/ort": quiet,
+                   "busy/1/ours": measured(0.2, 0.3, 2.0), "busy/1/ort": measured(0.5, 0.1, 9.0)}}
+    cold = {"create_first_s": 1.0, "create_first_cpu_s": 1.0, "rss_peak": 1}
+    result = {"name": "m", "steady": {"calls": calls}, "cold": {"ours": cold, "ort": cold}}
+    verdict = zoo_bench.verdicts([result], ["1"], busy=True)
+    held = {row["target"]: [] for row in verdict["rows"]}
+    for row in verdict["rows"]:
+        held[row["target"]].append(row["holds"])
+    assert held["busy spread per call (ours), one thread"] == [False, True]  # the targets themselves unchanged
+    same = verdict["same_run"]
+    spread = same["busy spread per call, one thread"]
+    assert (spread["checked"], spread["ours_held"], spread["ort_held"], spread["both_missed"]) == (2, 1, 0, 1)
+    slowest = same["busy max call / quiet median, one thread"]
+    assert (slowest["ours_held"], slowest["ort_held"], slowest["both_missed"]) == (1, 1, 0)
+    assert (slowest["ours_worst"], slowest["ort_worst"]) == (40.0, 9.0)
+    cpu = same["busy spread per call of CPU time, one thread (not a target)"]
+    assert (cpu["ours_held"], cpu["ort_held"], cpu["limit"]) == (1, 2, zoo_bench.BUSY_SPREAD)
+    assert not any("CPU time" in row["target"] for row in verdict["rows"])
+    table = "\n".join(zoo_bench.verdict_table(verdict))
+    assert "| busy spread per call, one thread | 0.25 | 1 of 2 | 0 of 2 | 1 | 0.90 / 1.10 |" in table
+
+
+def test_busy_outliers_spread_of_the_calls_the_host_left_alone():
+    """busy_outliers: a preempted call (an involuntary switch or run-queue wait) and the one after it are left out
+    of the third spread only, the others count every call; a slow call's own CPU right after a preempted call is
+    told apart from one's own CPU elsewhere."""
+    import busy_outliers
+
+    def row(wall, cpu, wait=0.0, nivcsw=0):
+        return {"wall": wall, "cpu": cpu, "wait": wait, "nivcsw": nivcsw, "nvcsw": 0, "gc": 0.0, "gcs": 0,
+                "minflt": 0, "majflt": 0, "others_cpu": 0.0, "others_wait": 0.0}
+
+    rows = [row(1.0, 1.0)] * 4 + [row(30.0, 2.0, wait=28.0, nivcsw=1), row(2.0, 2.0)] + [row(1.0, 1.0)] * 4
+    rows[8] = row(1.0, 1.0, wait=1e-6)  # jitter of the wait counter, not a preemption
+    assert [busy_outliers.preempted(r) for r in rows] == [False] * 4 + [True] + [False] * 5
+    s = busy_outliers.summarize(rows, quiet_median=1.0)
+    assert (s["preempted_calls"], s["over_3x"], s["over_3x_preempted"]) == (1, 1, 1)
+    assert s["spread"]["left_alone"] == 8 and s["spread"]["wall_left_alone"] == 0.0
+    assert s["spread"]["wall"] == pytest.approx(1.0) and s["spread"]["cpu"] == pytest.approx(1.0)
+    rows[5] = row(4.0, 4.0)  # its own CPU time, the caches emptied by whoever ran meanwhile
+    rows[2] = row(4.0, 4.0)
+    why = busy_outliers.summarize(rows, quiet_median=1.0)["over_3x_why"]
+    assert why == {"own CPU": 1, "own CPU right after a preempted call": 1, "own run-queue wait": 1}
+
+
 def test_settle_waits_for_another_spinning_thread():
     """A block starts once no other thread of the process runs: onnxruntime's intra-op pool spins ~40 ms of
     CPU after its runs, longer than the pause, and the next block's runtime would share the CPUs with it."""
@@ -143,6 +200,7 @@ def test_quick_run(tmp_path):
                            "--models", SMALL, "--json", str(out)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
     assert "| target | limit | holds | worst |" in done.stdout
+    assert "| busy, each runtime's own | limit | ours holds | onnxruntime holds | both miss |" in done.stdout
     data = json.loads(out.read_text())
     (result,) = data["results"]
     assert result["name"] == SMALL and "error" not in result
