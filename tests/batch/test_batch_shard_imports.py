@@ -57,3 +57,24 @@ def test_a_sliced_column_is_read_in_place_with_its_offset(tmp_path):
         assert got.dtype == dtype and got.shape == (18, IN) and not failures and ids == list(range(13, 31))
         assert np.array_equal(got, values[13:31])
         assert not got.flags.writeable  # Arrow's memory, viewed: immutable as pyarrow's zero-copy conversion has it
+
+
+def test_a_row_group_is_decoded_on_the_calling_thread(monkeypatch, tmp_path):
+    """A worker is one of workers x threads = CPUs: its shard's row group is read without Arrow's thread pool."""
+    import pyarrow.parquet as pq
+
+    values = (np.arange(30 * IN) % 89).astype(np.float32).reshape(30, IN)
+    path = str(tmp_path / "x.parquet")
+    pq.write_table(pa.table({"x": pa.FixedSizeListArray.from_arrays(pa.array(values.ravel()), IN)}), path)
+    asked = []
+    real = pq.ParquetFile.read_row_group
+
+    def read_row_group(self, i, columns=None, use_threads=True, use_pandas_metadata=False):
+        asked.append(use_threads)
+        return real(self, i, columns=columns, use_threads=use_threads, use_pandas_metadata=use_pandas_metadata)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", read_row_group)
+    source = open_source(path)
+    columns, ids, failures = source.read(source.shards(30)[0], None)
+    assert asked == [False]
+    assert np.array_equal(columns["x"], values) and ids == list(range(30)) and not failures
