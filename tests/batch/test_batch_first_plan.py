@@ -70,3 +70,44 @@ def test_a_prepared_predictors_first_batch_plans_only_its_tail(monkeypatch):
     assert planned == [(8, 3, 15, 15), (4, 3, 15, 15)], planned
     exact = _reference(model, x)
     assert np.abs(y - exact).max() <= 1e-4 * (1 + np.abs(exact).max())
+
+
+def test_a_jobs_shards_run_in_equal_micro_batches_planned_once(monkeypatch, tmp_path):
+    """run_job without a batch size splits each 50-row shard into two calls of 25 rows, not 32 + 18: a worker
+    plans one micro-batch shape (at its warm-up), where a short last call would plan a second."""
+    from pathlib import Path
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from onnx_runtime.batch import engines, read_predictions, run_job
+    from onnx_runtime.batch.job import process_shard
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "cpu"))  # reference64
+    deferred.wait_ready(240)
+    planned = []
+    real_plan = segment_module.Segment._plan_and_run  # noqa: SLF001
+
+    def plan_and_run(self, key, inputs):
+        planned.append(key[0][0])
+        return real_plan(self, key, inputs)
+
+    def in_this_process(job, shards, workers, threads, finished, retries, address):
+        for shard in shards:
+            finished(process_shard(job, shard))
+
+    monkeypatch.setattr(segment_module.Segment, "_plan_and_run", plan_and_run)
+    monkeypatch.setitem(engines.ENGINES, "local", in_this_process)
+    monkeypatch.setenv("ONNX_RUNTIME_PLAN_CACHE", "0")
+    model = _cnn()
+    onnx.save(model, str(tmp_path / "cnn.onnx"))
+    x = np.random.default_rng(5).standard_normal((100, 3, 15, 15)).astype(np.float32)
+    pq.write_table(pa.table({"x": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 3 * 15 * 15)}),
+                   str(tmp_path / "x.parquet"), row_group_size=50)
+    summary = run_job(str(tmp_path / "cnn.onnx"), str(tmp_path / "x.parquet"), str(tmp_path / "out"), workers=1,
+                      threads=1, shard_rows=50, progress=False)
+    assert summary.processed_rows == 100 and not summary.failures
+    assert planned == [(25, 3, 15, 15)], planned
+    table = read_predictions(str(tmp_path / "out"))
+    y = np.array(table.column("y").to_pylist(), np.float64)[np.argsort(table.column("row_id").to_pylist())]
+    exact = _reference(model, x)
+    assert np.abs(y - exact).max() <= 1e-4 * (1 + np.abs(exact).max())

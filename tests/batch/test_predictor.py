@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from batch_helpers import IN, mlp_reference
 from onnx_runtime.batch import Predictor, plan_workers, usable_cpus, worker_threads
+from onnx_runtime.batch.sizing import even_micro_batch
 from onnx_runtime.errors import InvalidArgumentError, ProviderNotAvailableError
 
 
@@ -117,6 +118,18 @@ def test_sizing_never_oversubscribes():
                 with pytest.raises(InvalidArgumentError, match="oversubscribes"):
                     plan_workers(workers, threads, cpus=8)
     assert worker_threads() == usable_cpus()  # a plain process: one session, every CPU
+
+
+def test_micro_batches_split_a_shard_evenly_where_they_can():
+    # (rows, rows per call): at most 32 and at least 16 rows, dividing the shard; a short shard in one call
+    cases = [(1, 1), (20, 20), (32, 32), (48, 24), (50, 25), (64, 32), (250, 25), (1000, 25), (1024, 32), (997, 32),
+             (33, 32)]
+    assert [(rows, even_micro_batch(rows)) for rows, _ in cases] == cases
+    for rows in range(1, 400):
+        size = even_micro_batch(rows)
+        assert size <= 32 and (rows % size == 0 or size == 32) and (size >= 16 or size == rows)
+    with pytest.raises(InvalidArgumentError, match="rows per shard"):
+        even_micro_batch(0)
 
 
 def test_session_options_are_plain_data(mlp, rows):

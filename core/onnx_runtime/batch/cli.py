@@ -18,7 +18,9 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, help="concurrent sessions (default: CPUs / --threads)")
     p.add_argument("--threads", type=int, help="intra-op threads per session (default: CPUs / --workers)")
     p.add_argument("--shard-rows", type=int, default=1024, help="rows per shard, the unit of resume (default 1024)")
-    p.add_argument("--batch-size", type=int, help="rows per model call (default: the model's batch, else 32)")
+    p.add_argument("--batch-size", type=int,
+                   help="rows per model call (default: the model's batch, else a shard's rows in equal calls of at "
+                        "most 32 where they split so, else 32)")
     p.add_argument("--id-column", help="a Parquet column holding row ids (default: the row's position)")
     p.add_argument("--outputs", help="comma-separated model outputs to write (default: all)")
     p.add_argument("--providers", help="comma-separated provider names (default: all available)")

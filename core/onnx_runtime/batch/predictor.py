@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, ProviderNotAvailableError
 from . import padding
-from .sizing import worker_threads
+from .sizing import MICRO_BATCH_ROWS, worker_threads
 
 _TYPES = {"float": np.float32, "double": np.float64, "float16": np.float16, "int8": np.int8, "uint8": np.uint8,
           "int16": np.int16, "uint16": np.uint16, "int32": np.int32, "uint32": np.uint32, "int64": np.int64,
@@ -336,7 +336,7 @@ class Predictor:
         if len(static) == 1 and min(static) > 0:
             fixed = static.pop()
             return min(fixed, self.batch_size or fixed) if fixed == 1 else fixed
-        return self.batch_size or 32
+        return self.batch_size or MICRO_BATCH_ROWS
 
     def _run_chunk(self, sess, args, names, rows, chunk, ids, per_row) -> None:
         feeds, lengths = {}, None

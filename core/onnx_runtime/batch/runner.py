@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ..errors import InvalidArgumentError
 from . import engines
 from .job import part_path
-from .sizing import plan_workers
+from .sizing import even_micro_batch, plan_workers
 from .sources import open_source
 
 
@@ -162,8 +162,10 @@ def run_job(model: str, data: str, output: str, *, engine: str = "local", worker
     if not os.path.isfile(model):
         raise InvalidArgumentError(f"batch: model {model!r} is not a file")
     workers, threads = plan_workers(workers, threads)
+    # (the manifest keeps the batch size as given: a resumed job picks the same one)
+    run_rows = even_micro_batch(shard_rows) if batch_size is None else batch_size
     settings = dict(model=os.path.abspath(model), providers=providers, intra_op_threads=threads,
-                    batch_size=batch_size, outputs=outputs, keep_columns=[], errors="record", runtime=runtime,
+                    batch_size=run_rows, outputs=outputs, keep_columns=[], errors="record", runtime=runtime,
                     **(predictor_options or {}))
     # the workers create their sessions while this process reads the model's inputs, hashes it and opens the data
     preparing = engines.PREPARE[engine](settings, workers, threads, address) if engine in engines.PREPARE else []

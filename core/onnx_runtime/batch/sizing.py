@@ -37,6 +37,26 @@ def plan_workers(workers: int | None = None, threads: int | None = None, cpus: i
     return workers, threads
 
 
+MICRO_BATCH_ROWS = 32  # rows per model call where neither the caller nor the model's static batch size says
+
+
+def even_micro_batch(rows: int, most: int = MICRO_BATCH_ROWS) -> int:
+    """Rows per model call for batches of ``rows`` rows: the largest size from ``most`` down to half of it that
+    divides ``rows`` (``rows`` itself when it is at most ``most``), else ``most``.
+
+    Every call of a batch then has the same number of rows. A runtime that plans per input shape (this one does)
+    otherwise plans the short last call too, once per worker: a 250-row shard in calls of 32 is 7 x 32 + 26 rows,
+    in calls of 25 it is 10 x 25."""
+    if not isinstance(rows, int) or rows < 1:
+        raise InvalidArgumentError(f"batch sizing: rows per shard must be a positive integer, got {rows!r}")
+    if rows <= most:
+        return rows
+    for size in range(most, (most + 1) // 2 - 1, -1):
+        if rows % size == 0:
+            return size
+    return most
+
+
 def worker_threads() -> int:
     """Intra-op threads for a session created inside a worker, when the user gave none.
 
