@@ -27,13 +27,13 @@ from __future__ import annotations
 import functools
 import math
 import re
-from dataclasses import dataclass
 
 import onnx
 from onnx import defs
 
 from .errors import InvalidGraphError
 from .proto_walk import node_subgraphs
+from .records import FrozenRecord
 
 # Far above any tensor a process can hold (2**40 float32 elements are 4 TiB), far below where a product of
 # a few such dimensions overflows int64.
@@ -42,10 +42,11 @@ MAX_DECLARED_DIM = 2**40
 _SINGLE = defs.OpSchema.FormalParameterOption.Single
 
 
-@dataclass(frozen=True)
-class _Rules:
+class _Rules(FrozenRecord):
     """What a schema allows, read once per operator version (reading a schema's fields builds new objects)."""
 
+    __slots__ = __match_args__ = ("inputs", "outputs", "required", "attributes", "required_attributes", "since",
+                                  "variadic")
     inputs: tuple[int, int]
     outputs: tuple[int, int]
     required: tuple[tuple[bool, str], ...]  # per formal input: required (Single), name; the last repeats
@@ -53,6 +54,17 @@ class _Rules:
     required_attributes: frozenset[str]
     since: int
     variadic: bool  # the last formal input repeats (Max, Concat, Sum): none of its names may be left empty
+
+    def __init__(self,
+                 inputs: tuple[int, int], outputs: tuple[int, int], required: tuple[tuple[bool, str], ...],
+                 attributes: dict[str, int], required_attributes: frozenset[str], since: int, variadic: bool) -> None:
+        object.__setattr__(self, "inputs", inputs)
+        object.__setattr__(self, "outputs", outputs)
+        object.__setattr__(self, "required", required)
+        object.__setattr__(self, "attributes", attributes)
+        object.__setattr__(self, "required_attributes", required_attributes)
+        object.__setattr__(self, "since", since)
+        object.__setattr__(self, "variadic", variadic)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -142,9 +154,11 @@ def _check_attribute_values(node: onnx.NodeProto, domain: str, where: str, fix: 
     if node.op_type == "GatherND" and counts.get("batch_dims", 0) < 0:  # onnx's inference indexes by it: a segfault
         raise InvalidGraphError(f"{_node_label(node)} in {where}: batch_dims is {counts['batch_dims']}; it counts "
                                 f"leading dimensions and must be >= 0; {fix}")
-    if node.op_type == "Split" and "num_outputs" in counts and counts["num_outputs"] != _given(node.output):
-        raise InvalidGraphError(f"{_node_label(node)} in {where} has {_given(node.output)} outputs but num_outputs "
-                                f"{counts['num_outputs']}; {fix}")
+    # onnx's Split inference indexes every output slot, trailing empty names included: they count here.
+    if node.op_type == "Split" and "num_outputs" in counts and counts["num_outputs"] != len(node.output):
+        raise InvalidGraphError(f"{_node_label(node)} in {where} has {len(node.output)} outputs (empty names "
+                                f"included) but num_outputs {counts['num_outputs']}; drop the empty names or set "
+                                f"num_outputs to the output count; {fix}")
     if node.op_type == "Scan" and not 1 <= counts.get("num_scan_inputs", 1) <= len(node.input):
         raise InvalidGraphError(f"{_node_label(node)} in {where}: num_scan_inputs {counts['num_scan_inputs']} is not "
                                 f"in [1, {len(node.input)}] (its input count); {fix}")
