@@ -451,17 +451,46 @@ def gather(node, shapes, opset):
     return shape_free(kernel)
 
 
+def _element_positions(indices: np.ndarray, shape: tuple[int, ...], ax: int) -> np.ndarray | None:
+    """The flat (C-order) positions in data of ``shape`` that GatherElements' ``indices`` along ``ax`` pick, or
+    None where an index lies outside [-n, n) (the general path then raises the node's error)."""
+    n = shape[ax]
+    if indices.size and not (-n <= int(indices.min()) and int(indices.max()) < n):
+        return None
+    along = indices.astype(np.intp)
+    along[along < 0] += n
+    strides = np.cumprod((1,) + shape[:0:-1])[::-1]  # in elements
+    positions = along * strides[ax]
+    for d, size in enumerate(indices.shape):
+        if d != ax:
+            positions += (np.arange(size, dtype=np.intp) * strides[d]).reshape((size,) + (1,) * (indices.ndim - d - 1))
+    return positions
+
+
 @register("GatherElements", since=11)
 @indices_checked
 def gather_elements(node, shapes, opset):
     axis = node.attr("axis", 0)
+    # Constant indices (read-only: an initializer, or a plan's shape-derived value such as DeBERTa's relative
+    # positions; identity stands for contents) gather by flat positions worked out once: (the indices, the data's
+    # shape, the positions). np.take_along_axis builds its index grids on every call, several times the gather.
+    kept: tuple = (None, None, None)
 
     def kernel(x, indices):
+        nonlocal kept
+        held, shape, positions = kept  # one read: another thread may keep another call meanwhile
+        if held is indices and shape == x.shape:
+            return (x.reshape(-1)[positions],)
         ax = normalize_axis(axis, x.ndim)
         if indices.ndim != x.ndim or any(i > d for a, (i, d) in enumerate(zip(indices.shape, x.shape)) if a != ax):
             raise InvalidArgumentError(
                 f"node {node.name!r} (GatherElements): indices of shape {list(indices.shape)} do not fit data of "
                 f"shape {list(x.shape)}; they need the data's rank and, off axis {ax}, no larger dimensions")
+        if frozen(indices) and indices.dtype.kind in "iu" and x.size:
+            positions = _element_positions(indices, x.shape, ax)
+            if positions is not None:
+                kept = (indices, x.shape, positions)
+                return (x.reshape(-1)[positions],)
         # Off the axis, indices may be shorter than the data: gather from the matching corner.
         corner = tuple(slice(None) if d == ax else slice(0, n) for d, n in enumerate(indices.shape))
         return (np.take_along_axis(x[corner], indices.astype(np.int64, copy=False), axis=ax),)
