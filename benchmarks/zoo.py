@@ -12,6 +12,7 @@ and ``manifest.json`` lists every model: file, architecture, exporter, variant, 
 its feeds; what failed (an export, a conversion, a call onnxruntime refuses) is listed with the reason.
 
     .venv-zoo/bin/python benchmarks/zoo.py --out benchmarks/.models/zoo [--models bert,gpt2] [--exporters dynamo]
+    .venv-zoo/bin/python benchmarks/zoo.py --holdout    # holdout_models.py's set, into benchmarks/.models/holdout
 
 (scripts/build_zoo.sh makes .venv-zoo and runs this.)
 """
@@ -311,10 +312,17 @@ def summary_line(record: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), ".models", "zoo"))
+    parser.add_argument("--out", help="the folder (default benchmarks/.models/zoo, or holdout with --holdout)")
+    parser.add_argument("--holdout", action="store_true",
+                        help="build holdout_models.py's architectures, which no speed work was tuned on")
     parser.add_argument("--models", default="", help="comma-separated model names (default: all)")
     parser.add_argument("--exporters", default=",".join(EXPORTERS))
     args = parser.parse_args(argv)
+    if args.holdout:
+        from holdout_models import HOLDOUT_SPECS as specs
+    else:
+        specs = SPECS
+    args.out = args.out or os.path.join(os.path.dirname(__file__), ".models", "holdout" if args.holdout else "zoo")
     os.makedirs(args.out, exist_ok=True)
     wanted = set(filter(None, args.models.split(",")))
     start, models = time.perf_counter(), []
@@ -322,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.disable(logging.WARNING)  # the quantizers' advice on every tensor they skip
     ort.set_default_logger_severity(3)  # the refused calls are in the manifest
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    for spec in SPECS:
+    for spec in specs:
         if wanted and spec.name not in wanted:
             continue
         for exporter in args.exporters.split(","):
