@@ -68,6 +68,22 @@ def append(output: str, xs: tuple, axis: int) -> np.ndarray | None:
 def append_window(output: str, xs: tuple, axis: int) -> Window | None:
     """:func:`append`'s window (its ``result`` the longer window, its ``physical`` the buffer), or None: for a
     kernel that reads the buffer itself (a decode step's attention over the cache it appends to)."""
+    found = admitted(output, xs, axis)
+    if found is None:
+        return None
+    window, length = found
+    grown = length + xs[1].shape[axis]
+    row, result = _views(window, length, grown)
+    row[...] = xs[1]
+    _LOCAL.grown[id(result)] = window
+    window.result = result
+    return window
+
+
+def admitted(output: str, xs: tuple, axis: int) -> tuple[Window, int] | None:
+    """The window :func:`append_window` would append ``xs[1]`` into, and the past's length in it, with nothing
+    written or marked yet: for a kernel that writes the rows itself (:func:`claim`); None where no window of this
+    run allows the append."""
     windows = getattr(_LOCAL, "windows", None)
     if not windows or len(xs) != 2:
         return None
@@ -91,29 +107,31 @@ def append_window(output: str, xs: tuple, axis: int) -> Window | None:
     if not fits:
         return None
     length = past_shape[axis]
-    grown = length + new_shape[axis]
-    if grown > physical.shape[axis]:
+    if length + new_shape[axis] > physical.shape[axis]:
         return None
-    _LOCAL.grown[id(_write(window, new, length, grown))] = window
-    return window
+    return window, length
 
 
-def _write(window: Window, new: np.ndarray, length: int, grown: int) -> np.ndarray:
-    """``new`` written at rows ``length:grown`` of the window's buffer; the window's ``result``, rows ``:grown``."""
+def claim(window: Window, length: int, grown: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``length:grown`` of an :func:`admitted` window taken as this run's append: (those rows of the buffer,
+    which the caller writes before anything reads the result, the window's ``result``, rows ``:grown``)."""
+    row, result = _views(window, length, grown)
+    _LOCAL.grown[id(result)] = window
+    window.result = result
+    return row, result
+
+
+def _views(window: Window, length: int, grown: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows ``length:grown`` of the window's buffer, rows ``:grown``): a one-row append's kept per length."""
     if grown == length + 1:
         views = window.steps.get(length)
         if views is None:
             before, physical = window.before, window.physical
             views = window.steps[length] = (physical[before + (slice(length, grown),)],
                                             physical[before + (slice(0, grown),)])
-        row, result = views
-        row[...] = new
-    else:
-        before, physical = window.before, window.physical
-        physical[before + (slice(length, grown),)] = new
-        result = physical[before + (slice(0, grown),)]
-    window.result = result
-    return result
+        return views
+    before, physical = window.before, window.physical
+    return physical[before + (slice(length, grown),)], physical[before + (slice(0, grown),)]
 
 
 def _spans(window: Window, shape: tuple) -> bool:

@@ -1,6 +1,6 @@
 """A decode step's attention reads a KV cache appended in place where it lies (kv_append.contiguous_rows, or the
-buffers PastAttention appended to, through few_over_rows): the cache buffers at their capacity with the valid
-length, not a contiguous copy of each window every step. Checked
+buffers PastAttention appended to, through few_over_rows or append_over_rows): the cache buffers at their capacity
+with the valid length, not a contiguous copy of each window every step. Checked
 for the same greedy tokens as the copying loop and onnxruntime on the dynamo decoders, for one in-place read per
 attention and decode step, and on a hand-made step whose cache rows past the valid length are NaN (a read past
 the length would show) against a float64 reference."""
@@ -41,7 +41,16 @@ def _counting_reads(monkeypatch) -> list[int]:
             counts[0 if np.shares_memory(key_rows, k) and np.shares_memory(value_rows, v) else 1] += 1
         return found
 
+    appended_over = attention.append_over_rows
+
+    def counted_appended(self, q, k, v, mask, key_rows, value_rows, length):
+        found = appended_over(self, q, k, v, mask, key_rows, value_rows, length)
+        if found is not None:  # (PastAttention's compiled append and read of the buffers kv_append admitted)
+            counts[0] += 1
+        return found
+
     monkeypatch.setattr(attention, "few_over_rows", counted_over)
+    monkeypatch.setattr(attention, "append_over_rows", counted_appended)
     return counts
 
 

@@ -20,16 +20,22 @@ CPU = "CPUExecutionProvider"
 
 
 def _counting_appends(monkeypatch) -> list[int]:
-    """Counts of appends made in place: [made, refused]."""
+    """Counts of appends made in place: [made, refused] (a Concat's append and PastAttention's numpy path call
+    append_window; PastAttention's compiled decode step claims the rows it writes)."""
     counts = [0, 0]
-    append = kv_append.append_window  # (what a Concat's append and PastAttention's both call)
+    append, claim = kv_append.append_window, kv_append.claim
 
     def counted(output, xs, axis):
         grown = append(output, xs, axis)
         counts[0 if grown is not None else 1] += 1
         return grown
 
+    def claimed(window, length, grown):
+        counts[0] += 1
+        return claim(window, length, grown)
+
     monkeypatch.setattr(kv_append, "append_window", counted)
+    monkeypatch.setattr(kv_append, "claim", claimed)
     return counts
 
 

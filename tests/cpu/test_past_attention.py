@@ -233,3 +233,57 @@ def test_decode_attention_reads_the_appended_buffers_without_looking_them_up(nam
     with Generator(path, providers=["cpu"]) as generator:
         assert generator.generate(prompt, 12).tokens == expected
     assert asked == []
+
+
+@pytest.mark.parametrize("heads,kv_heads,masked", [(4, 4, False), (4, 2, False), (4, 4, True)],
+                         ids=["heads", "grouped", "a row fully masked"])
+def test_a_bound_decode_step_appends_and_attends_in_one_compiled_call(heads, kv_heads, masked, monkeypatch):
+    """In a bound run whose caches kv_append grows (a generation's decode step), PastAttention writes the step's rows
+    and attends over the grown cache in one compiled call (append_attention_float32): Y within the float64 bound,
+    the rows in the buffers, the presents the windows' results. A row with no finite score (every key masked) still
+    gets its rows written and takes the attention's general path, which gives such a row zeros."""
+    monkeypatch.setenv("ONNX_RUNTIME_COMPILE_IN_BACKGROUND", "0")  # (the compiled loops from the first call)
+    from onnx_runtime import kv_append
+    from onnx_runtime_ep_cpu.compiled import decoder
+
+    size, capacity, past = 8, 12, 7
+    node = Node("PastAttention", ["q", "k", "v", "mask", "pk", "pv"], ["y", "present_k", "present_v"], name="layer0",
+                domain=FUSED_DOMAIN, attrs={"scale": 0.5, "merge_shape": [1, 1, heads * size]}, opset=23)
+    rng = np.random.default_rng(heads + kv_heads)
+    q = rng.standard_normal((1, heads, 1, size)).astype(np.float32)
+    k, v = (rng.standard_normal((1, kv_heads, 1, size)).astype(np.float32) for _ in range(2))
+    mask = np.zeros((1, 1, 1, past + 1), np.float32)
+    mask[..., 0] = -np.inf if not masked else 0
+    if masked:
+        mask[...] = -np.inf
+    keys, values = (rng.standard_normal((1, kv_heads, capacity, size)).astype(np.float32) for _ in range(2))
+    before_keys, before_values = keys.copy(), values.copy()
+    shapes = [q.shape, k.shape, v.shape, mask.shape, (1, kv_heads, past, size), (1, kv_heads, past, size)]
+    kernel = lookup("PastAttention", FUSED_DOMAIN, 1)(node, shapes, 23)
+    calls = []
+    compiled = decoder.append_attention_float32
+    monkeypatch.setattr(kernel.attention, "_append", lambda *a: calls.append(a[5]) or compiled(*a))
+    fed_keys, fed_values = keys[:, :, :past], values[:, :, :past]
+    windows = [kv_append.Window(fed_keys, keys, 2, "present_k"), kv_append.Window(fed_values, values, 2, "present_v")]
+    with kv_append.appending(windows):
+        y, present_k, present_v = kernel(q, k, v, mask, fed_keys, fed_values)
+    assert calls == [past]
+    assert present_k is windows[0].result and present_v is windows[1].result
+    assert np.shares_memory(present_k, keys) and np.shares_memory(present_v, values)
+    grown_k = np.concatenate((before_keys[:, :, :past], k), axis=2)
+    grown_v = np.concatenate((before_values[:, :, :past], v), axis=2)
+    np.testing.assert_array_equal(present_k, grown_k)
+    np.testing.assert_array_equal(present_v, grown_v)
+    np.testing.assert_array_equal(keys[:, :, past + 1:], before_keys[:, :, past + 1:])  # nothing past the new row
+    group = heads // kv_heads
+    k64, v64 = (np.repeat(x.astype(np.float64), group, axis=1) for x in (grown_k, grown_v))
+    scores = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k64) * 0.5 + mask
+    if masked:
+        exact = np.zeros((1, heads, 1, size))
+    else:
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        exact = np.einsum("bhqk,bhkd->bhqd", weights / weights.sum(-1, keepdims=True), v64)
+    exact = exact.transpose(0, 2, 1, 3).reshape(1, 1, heads * size)
+    reach = float(np.abs(v64).max())
+    assert_within(y, exact, gamma(size + past + 8) * 40 * reach * (1 + float(np.abs(scores[np.isfinite(scores)])
+                                                                                .max(initial=0.0))), "y")

@@ -77,6 +77,11 @@ def _decoder_cases():
         k[:, :, 7:], v[:, :, 7:] = np.nan, np.nan
         cases.append((d + "few_query_attention_prefix_float32", (_r(2, 4, 1, 16), k, v, 7, F32(0.25), bias,
                                                                  np.empty((2, 4, 1, 16), F32))))
+        k, v = _r(2, 2, 12, 16), _r(2, 2, 12, 16)
+        k[:, :, 8:], v[:, :, 8:] = np.nan, np.nan  # (row 7 is written by the call, the rows after it never read)
+        cases.append((d + "append_attention_float32", (_r(2, 4, 1, 16), _r(2, 2, 1, 16), _r(2, 2, 1, 16), k, v, 7,
+                                                       F32(0.25), bias if not bias.size else _r(1, 1, 1, 8),
+                                                       np.empty((2, 4, 1, 16), F32))))
     for half in (8, 5):
         cases.append((d + "rotate_half", (_r(6, 16), _r(10, 16), _r(10, 16), RNG.integers(0, 10, 6), half,
                                           np.empty((6, 16), F32))))

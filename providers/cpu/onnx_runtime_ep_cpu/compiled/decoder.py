@@ -68,6 +68,23 @@ def skip_rms_norm(a, b, weight, epsilon, out, total):
 
 
 @jit
+def append_attention_float32(q, k, v, key_rows, value_rows, length, scale, bias, y):
+    """A decode step's cache appends and attention in one call: K and V (B, G, S, D) written at rows
+    ``length:length + S`` of ``key_rows`` and ``value_rows`` (the (B, G, capacity, D) caches kv_append grows in
+    place), then few_query_attention_prefix_float32 over their first ``length + S`` rows into ``y``. False as
+    that function's (the rows are written either way)."""
+    for b in range(k.shape[0]):
+        for g in range(k.shape[1]):
+            for r in range(k.shape[2]):
+                key_row, value_row = key_rows[b, g, length + r], value_rows[b, g, length + r]
+                for j in range(key_row.shape[0]):
+                    key_row[j] = k[b, g, r, j]
+                for j in range(value_row.shape[0]):
+                    value_row[j] = v[b, g, r, j]
+    return few_query_attention_prefix_float32(q, key_rows, value_rows, length + k.shape[2], scale, bias, y)
+
+
+@jit
 def rotate_half(q, cos, sin, table_row, half, out):
     """q * cos + concat(-q[:, half:], q[:, :half]) * sin for each row of ``q`` (rows, d); row ``r`` of q
     uses row ``table_row[r]`` of ``cos`` and ``sin`` (the broadcast of the tables over batch and heads)."""

@@ -124,6 +124,13 @@ def few_query_attention_prefix_float32(q, k, v, keys, scale, bias, y):
     return few_query_attention_float32(q, k[:, :, :keys], v[:, :, :keys], scale, bias, y)
 
 
+def append_attention_float32(q, k, v, key_rows, value_rows, length, scale, bias, y):
+    rows = k.shape[2]
+    key_rows[:, :, length:length + rows] = k
+    value_rows[:, :, length:length + rows] = v
+    return few_query_attention_prefix_float32(q, key_rows, value_rows, length + rows, scale, bias, y)
+
+
 def rotate_half(q, cos, sin, table_row, half, out):
     d = q.shape[1]
     rest = d - half
@@ -253,6 +260,7 @@ _FLOAT = {
     _DECODER + "skip_rms_norm": skip_rms_norm,
     _DECODER + "few_query_attention_float32": few_query_attention_float32,
     _DECODER + "few_query_attention_prefix_float32": few_query_attention_prefix_float32,
+    _DECODER + "append_attention_float32": append_attention_float32,
     _DECODER + "rotate_half": rotate_half,
     _DECODER + "swish_mul_float32": swish_mul_float32,
     _COMPILED + "log_softmax.log_softmax_rows_float32_": log_softmax_rows_float32_,

@@ -60,22 +60,49 @@ class _PastAttention:
 
     def __call__(self, q, k, v, mask, past_key, past_value):
         key_name, value_name = self.outputs
+        # A decode step over the bound cache: the appends and the attention in one compiled call, which writes
+        # the rows kv_append admits and reads the cache where they landed.
+        keys = kv_append.admitted(key_name, (past_key, k), 2)
+        values = None if keys is None else kv_append.admitted(value_name, (past_value, v), 2)
+        if values is not None and keys[1] == values[1]:
+            found = self._appended(q, k, v, mask, keys, values)
+            if found is not None:
+                return found
         keys = kv_append.append_window(key_name, (past_key, k), 2)
         values = kv_append.append_window(value_name, (past_value, v), 2)
         present_key = np.concatenate((past_key, k), axis=2) if keys is None else keys.result
         present_value = np.concatenate((past_value, v), axis=2) if values is None else values.result
         found = None if keys is None or values is None else \
             self.attention.few_over_rows(q, present_key, present_value, mask, keys.physical, values.physical)
-        if found is not None:  # (a decode step over the bound cache: read where it was appended)
-            y = found[0]
-        else:
-            y = self.attention(q, present_key, present_value, mask)[0] if self.has_mask else \
-                self.attention(q, present_key, present_value)[0]
+        y = found[0] if found is not None else self._attend(q, present_key, present_value, mask)
+        return self._merged(y), present_key, present_value
+
+    def _appended(self, q, k, v, mask, keys: tuple, values: tuple) -> tuple | None:
+        """(Y, present_key, present_value) through the attention's append_over_rows into the ``keys`` and
+        ``values`` windows kv_append admitted at one length; None where it declines (nothing written)."""
+        (key_window, length), (value_window, _length) = keys, values
+        y = self.attention.append_over_rows(q, k, v, mask if self.has_mask else None, key_window.physical,
+                                            value_window.physical, length)
+        if y is None:
+            return None
+        grown = length + k.shape[2]
+        present_key = kv_append.claim(key_window, length, grown)[1]
+        present_value = kv_append.claim(value_window, length, grown)[1]
+        if y is False:  # (the rows are in place; a row without a finite score goes the attention's own way)
+            y = self._attend(q, present_key, present_value, mask)
+        return self._merged(y), present_key, present_value
+
+    def _attend(self, q, present_key, present_value, mask):
+        return self.attention(q, present_key, present_value, mask)[0] if self.has_mask else \
+            self.attention(q, present_key, present_value)[0]
+
+    def _merged(self, y):
         if self.merged is not None:
-            y = y.transpose(_HEADS).reshape(self.merged)
-        elif self.merge is not None:
-            y = reshape_to(y.transpose(_HEADS), self.merge)
-        return y, present_key, present_value
+            # (one query row: Y's (B, H, 1, D) lies as its merge's (B, 1, H, D) does, so the merge is a reshape)
+            return y.reshape(self.merged) if y.shape[2] == 1 else y.transpose(_HEADS).reshape(self.merged)
+        if self.merge is not None:
+            return reshape_to(y.transpose(_HEADS), self.merge)
+        return y
 
 
 @register("PastAttention", domain=FUSED_DOMAIN, since=1)

@@ -214,6 +214,7 @@ class _Attention:
         self._few_keys = limit // per_key if per_key else math.inf  # the most keys it takes (checked per call)
         if self.compiled is not None and (self.shape_key is not None or geo.total_len <= self._few_keys):
             self.few = _compiled_decoder().few_query_attention_prefix_float32
+            self._append = _compiled_decoder().append_attention_float32
             self._outputs, self._few_scale = len(node.outputs), np.float32(self.scale)
             self._few_bias = np.empty((0, 0, 0, 0), np.float32) if self.frontier is None else self.frontier[None, None]
             self._few_masks: dict[tuple, tuple | None] = {}  # per mask shape: its (B', H', M', T) view, or None
@@ -316,19 +317,34 @@ class _Attention:
             return None
         return self.few_query_attention(q, k, v, mask, (key_rows, value_rows))
 
+    def append_over_rows(self, q, k, v, mask, key_rows, value_rows, length: int):
+        """few_over_rows for a decode step that has not appended yet: K and V written at row ``length`` of
+        ``key_rows``/``value_rows`` (kv_append's buffers) and the attention over the grown rows, in one compiled
+        call. Y (B, H, S, D); None where few_over_rows would decline (nothing is written); False where the rows
+        were written but a row had no finite score (the caller's general path decides)."""
+        keys = length + k.shape[-2]
+        if self.few is None or not self._few_tried or self._by_head or self.geo.rank != 4 or keys > self._few_keys \
+                or q.dtype is not FLOAT32 or k.dtype is not FLOAT32 or v.dtype is not FLOAT32 \
+                or not (key_rows.flags.c_contiguous and value_rows.flags.c_contiguous):
+            return None
+        bias = self._few_bias if mask is None else self.few_mask(mask, q.shape[0], keys)
+        if bias is None:
+            return None
+        geo = self.geo
+        y = np.empty((q.shape[0], geo.q_heads, geo.q_len, geo.v_head_size), np.float32)
+        if not self._append(np.ascontiguousarray(q), k, v, key_rows, value_rows, length, self._few_scale, bias, y):
+            return False
+        return y
+
     def few_query_attention(self, q, k, v, mask=None, rows=None):
         """(Y, present_key, present_value) as compiled_attention's for small attention, in one compiled call. None
         where the general path decides: a row with no finite score, a mask not float32, short or broadcasting.
         ``rows``: the buffers K and V are the first rows of, where the caller has them (few_over_rows)."""
         geo, bias = self.geo, self._few_bias
         if mask is not None:
-            lead = self._few_masks.get(mask.shape[:-1], False)  # (the keys' length is checked per call)
-            if lead is False:
-                lead = self._few_masks[mask.shape[:-1]] = self._few_mask_view(mask.shape, q.shape[0])
-            if lead is None or mask.dtype is not FLOAT32 or mask.shape[-1] != k.shape[-2]:
+            bias = self.few_mask(mask, q.shape[0], k.shape[-2])
+            if bias is None:
                 return None
-            bias = mask if mask.ndim == 4 and mask.flags.c_contiguous else \
-                np.ascontiguousarray(mask).reshape(lead + mask.shape[-1:])  # (a 4-D one is read as it lies)
         if self._by_head and not numpy_first():  # (its loop has no numpy version to serve while numba loads)
             return few_by_head(geo, q, k, v, self._few_scale, bias, self._outputs)
         if geo.rank == 3 and rows_readable(q, k, v) and not numpy_first():
@@ -341,6 +357,17 @@ class _Attention:
         if not self.few(np.ascontiguousarray(queries), key_rows, value_rows, keys.shape[2], self._few_scale, bias, y):
             return None
         return (geo.from_heads(y), keys, values)[:self._outputs]
+
+    def few_mask(self, mask: np.ndarray, batch: int, keys: int) -> np.ndarray | None:
+        """The float32 ``mask`` over ``keys`` keys as the (B', H', M', T) bias the compiled call reads, or None where
+        it broadcasts otherwise or is not float32 (the general path takes it)."""
+        lead = self._few_masks.get(mask.shape[:-1], False)  # (the keys' length is checked per call)
+        if lead is False:
+            lead = self._few_masks[mask.shape[:-1]] = self._few_mask_view(mask.shape, batch)
+        if lead is None or mask.dtype is not FLOAT32 or mask.shape[-1] != keys:
+            return None
+        return mask if mask.ndim == 4 and mask.flags.c_contiguous else \
+            np.ascontiguousarray(mask).reshape(lead + mask.shape[-1:])  # (a 4-D one is read as it lies)
 
     def _few_mask_view(self, shape: tuple, batch: int) -> tuple | None:
         """The (B', H', M') leading the keys' axis in the (B', H', M', T) shape the compiled call reads a mask of
