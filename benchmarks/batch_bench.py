@@ -1,5 +1,6 @@
 """Batch throughput: one model over one Parquet data set as a single process, on each engine, and with
-onnxruntime wrapped the same way, interleaved over rounds (medians).
+onnxruntime wrapped the same way, interleaved over rounds (medians): each configuration runs both runtimes back to
+back, the first of the pair alternating by round, so that their ratio sees the same load on a shared host.
 
     python benchmarks/batch_bench.py [--model M.onnx] [--rows 16000] [--shard-rows 250] [--batch-size N] [--rounds 2]
 
@@ -39,6 +40,7 @@ import time
 import numpy as np
 
 ZOO = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".models", "zoo")
+RUNTIMES = ("onnx_runtime", "onnxruntime")
 
 
 def make_data(model: str, rows: int, shard_rows: int, folder: str) -> str:
@@ -184,7 +186,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, default=16000)
     parser.add_argument("--shard-rows", type=int, default=250)
     parser.add_argument("--batch-size", type=int, default=None,
-                        help="rows per model run (default: the predictor's, the model's static batch or 32)")
+                        help="rows per model run (default: run_job's, the model's static batch or the shard's rows "
+                             "in equal runs of at most 32)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--engines", default="local,ray,dask")
     parser.add_argument("--ray-setup-hook", action="store_true",
@@ -195,7 +198,10 @@ def main(argv=None) -> int:
     if not os.path.isfile(args.model):
         raise SystemExit(f"batch_bench: no model {args.model}; build the zoo (scripts/build_zoo.sh) or pass --model")
     from onnx_runtime.batch import plan_workers, usable_cpus
+    from onnx_runtime.batch.sizing import even_micro_batch
 
+    if args.batch_size is None:  # the engines' (run_job's), for the single processes too: the same runs per shard
+        args.batch_size = even_micro_batch(args.shard_rows)
     cpus = usable_cpus()
     workers, threads = plan_workers(cpus=cpus)
     engines = [e for e in args.engines.split(",") if e]
@@ -229,8 +235,10 @@ def main(argv=None) -> int:
         configs += [(f"{e}, {workers} workers x {threads} threads", e, threads) for e in engines]
         results: dict = {}
         for round_ in range(args.rounds):
-            for runtime in ("onnx_runtime", "onnxruntime"):
-                for label, engine, t in configs:
+            for label, engine, t in configs:
+                # both runtimes back to back, the first of the pair alternating by round: on a shared host the
+                # load moves within a round, and their ratio should see the same load
+                for runtime in RUNTIMES if round_ % 2 == 0 else RUNTIMES[::-1]:
                     out = os.path.join(folder, f"out-{round_}-{runtime}-{len(results)}")
                     rate, steady, cpu = run_config(engine, args, data, out, workers, t, runtime, addresses)
                     shutil.rmtree(out, ignore_errors=True)
@@ -252,7 +260,7 @@ def main(argv=None) -> int:
 def report(results, configs, cpus, args) -> None:
     median = {key: statistics.median(values) for key, values in results.items()}
     print(f"\nmodel {os.path.basename(args.model)}, {args.rows} rows, shards of {args.shard_rows}, "
-          f"{args.batch_size or 'default'} rows per run, {cpus} CPUs, "
+          f"{args.batch_size} rows per run, {cpus} CPUs, "
           f"medians of {args.rounds} rounds (rows/s: wall clock; rows/CPU-s: CPU time, start-up included)")
     for runtime in ("onnx_runtime", "onnxruntime"):
         for kind in ("fresh", None):
@@ -272,17 +280,30 @@ def report(results, configs, cpus, args) -> None:
                 print(f"  {label:<36} {rate:9.1f} rows/s = {rate / fresh:.2f} x the best fresh single process, "
                       f"{rate / warm:.2f} x the best warm one; after start-up {steady / warm:.2f} x the warm one; "
                       f"CPU {cpu:.2f} s = {cpu / fresh_cpu:.2f} x the fresh single process's least")
-    for runtime in ("onnx_runtime", "onnxruntime"):
-        for label, engine, _ in configs:
-            if engine not in (None, "fresh"):
-                per_round = [rate / max(results[(runtime, other)][r] for other, kind, _ in configs if kind is None)
-                             for r, rate in enumerate(results[(runtime, label)])]
-                print(f"{runtime}: {label} / the same round's best warm single process, by round: "
-                      f"{', '.join(f'{value:.2f}' for value in per_round)}")
+    report_rounds(results, configs)
     print("onnx_runtime / onnxruntime, same configuration (rows/s; CPU seconds):")
     for label, _, _ in configs:
         print(f"  {label:<36} {median[('onnx_runtime', label)] / median[('onnxruntime', label)]:.2f}; "
               f"{median[('onnx_runtime', label, 'cpu')] / median[('onnxruntime', label, 'cpu')]:.2f}")
+
+
+
+def report_rounds(results, configs) -> None:
+    """Each engine's ratios round by round: a first round creates the workers' sessions, later ones find them made,
+    and on a shared host the load moves between rounds, so the medians alone hide both."""
+    engines = [label for label, engine, _ in configs if engine not in (None, "fresh")]
+    for runtime in RUNTIMES:
+        for label in engines:
+            per_round = [rate / max(results[(runtime, other)][r] for other, kind, _ in configs if kind is None)
+                         for r, rate in enumerate(results[(runtime, label)])]
+            print(f"{runtime}: {label} / the same round's best warm single process, by round: "
+                  f"{', '.join(f'{value:.2f}' for value in per_round)}")
+    for label in engines:
+        rates = zip(results[("onnx_runtime", label)], results[("onnxruntime", label)])
+        cpus = zip(results[("onnx_runtime", label, "cpu")], results[("onnxruntime", label, "cpu")])
+        print(f"onnx_runtime / onnxruntime, {label}, by round: rows/s "
+              f"{', '.join(f'{ours / theirs:.2f}' for ours, theirs in rates)}; rows per CPU-second "
+              f"{', '.join(f'{theirs / ours:.2f}' for ours, theirs in cpus)}")
 
 
 if __name__ == "__main__":
