@@ -63,3 +63,13 @@ def test_kernels_of_their_own_stay_bounded_beside_shared_ones():
     distinct = {id(kernel) for kernel in keyed.cache.values()}
     assert len(distinct) <= ShapeKeyedKernel.LIMIT + len(keyed.by_key)
     assert len(handle.hook.made) == 1 + 399
+
+
+def test_shared_entries_start_over_at_their_bound(monkeypatch):
+    """A first generation longer than the bound: every length still finds the one kernel, the entries stay bounded."""
+    monkeypatch.setattr(ShapeKeyedKernel, "SHARED_LIMIT", 16)
+    handle = _Handle()
+    keyed = ShapeKeyedKernel(handle, Node("Attention", ["a", "b"], ["c"]), graph=None)
+    for end in (KEYED_FROM + 15, KEYED_FROM + 100):
+        _run(keyed, range(KEYED_FROM, end))
+        assert 0 < len(keyed.cache) <= 16 and len(handle.hook.made) == 1

@@ -69,15 +69,21 @@ def test_the_matched_signatures_are_bounded(template_tests, monkeypatch):
     ((1, 4, 1, 16), (1, 4, 1, 16), (1, 4, 1, 16), None, (1, 4, 4, 16), (1, 4, 4, 16)),  # pasts, no mask
     ((1, 4, 1, 16), (1, 4, 5, 16), (1, 4, 5, 16), (1, 1, 1, 9), (1, 4, 4, 16), (1, 4, 4, 16), (3,)),
 ])
-def test_the_length_free_key_drops_the_keys_length_as_the_general_rule_does(shapes):
-    want = list(shapes)
-    for index in range(1, min(len(want), 6)):
-        if want[index] is not None:
-            want[index] = want[index][:-1] if index == 3 else want[index][:-2] + want[index][-1:]
-    assert transformer._length_free_key(shapes) == tuple(want)  # noqa: SLF001
+def test_the_length_free_key_drops_the_keys_length_and_nothing_else(shapes):
+    key = transformer._length_free_key  # noqa: SLF001
     longer = tuple(None if s is None else s[:-2] + (s[-2] + 7,) + s[-1:] if i in (1, 2, 4, 5)
                    else s[:-1] + (s[-1] + 7,) if i == 3 else s for i, s in enumerate(shapes))
-    assert transformer._length_free_key(longer) == transformer._length_free_key(shapes)  # noqa: SLF001
+    assert key(longer) == key(shapes)
+    # Any other axis changed, or a shape of another rank (its length axis kept), gives another key.
+    for index, shape in enumerate(shapes):
+        length_axis = len(shape) - (1 if index == 3 else 2) if shape is not None and 0 < index < 6 else None
+        for axis in range(len(shape or ())):
+            if axis != length_axis:
+                changed = shape[:axis] + (shape[axis] + 1,) + shape[axis + 1:]
+                assert key(shapes[:index] + (changed,) + shapes[index + 1:]) != key(shapes), (index, axis)
+        if shape is not None and length_axis is not None and length_axis > 0:
+            fewer = shape[1:]  # (the same length and last axes, one leading axis less)
+            assert key(shapes[:index] + (fewer,) + shapes[index + 1:]) != key(shapes), index
 
 
 def _values() -> ShapeValues:

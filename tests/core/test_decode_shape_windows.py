@@ -89,3 +89,27 @@ def test_an_int64_range_without_broadcast_is_one_arange(alpha, symbol, monkeypat
     assert env[1].dtype == np.int64 and env[1].shape == tuple(sizes)
     assert env[1].flags.c_contiguous and env[1].flags.writeable
     np.testing.assert_array_equal(env[1], expected)
+
+
+@pytest.mark.parametrize("symbols", [1, 2])
+def test_the_straight_code_fails_exactly_the_points_a_guard_fails(symbols):
+    """The straight-line code keeps only the distinct guards (with one symbol, its lowest and highest value): it
+    fails the same points as every guard row tested one by one, for a list or an array point."""
+    rng = np.random.default_rng(symbols)
+    zero, one, three = (np.array([n] + [0] * symbols, np.int64) for n in (0, 1, 3))
+    window = Window(np.arange(40, dtype=np.float32).reshape(1, 40), (zero, zero), (one, three))
+    grid = np.stack(np.meshgrid(*[np.arange(-10, 22)] * symbols, indexing="ij"), -1).reshape(-1, symbols)
+    for _ in range(40):
+        guards = [rng.integers(-20, 21, 1 + symbols) for _ in range(rng.integers(0, 7))]
+        guards += guards[:1]  # (a repeated row)
+        guards += [np.array([rng.integers(-1, 3)] + [0] * symbols)] * int(rng.integers(0, 2))  # (no symbol)
+        program = Program({1: window}, (1,), guards, symbols)
+        assert program._code is not None  # noqa: SLF001
+        for values in grid:
+            point = np.array([1, *values], np.int64)
+            want = all(int(g @ point) >= 0 for g in guards)
+            env: list = [None] * 2
+            assert program.instantiate(env, point.tolist()) is want
+            assert program.instantiate([None] * 2, point) is want
+            if want:
+                np.testing.assert_array_equal(env[1], np.arange(3, dtype=np.float32).reshape(1, 3))

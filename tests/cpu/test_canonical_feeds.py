@@ -178,3 +178,18 @@ def test_holds_checks_the_bytes():
     assert not both.holds([ones, np.arange(10).reshape(1, 10)])  # more positions than the mask's length
     assert not both.holds([ones, np.array([[8.0]])])
     assert not both.holds([[1] * 9, np.array([[8]])])
+
+
+def test_holds_compares_every_byte_of_the_mask_with_the_longer_ones_kept():
+    """The mask's bytes are compared as a prefix of the ones kept for longer masks: an entry anywhere that is not
+    1 (first, last, a value whose low byte is 1) fails, at lengths below and past the kept ones' size."""
+    both = canonical_feeds.CanonicalFeeds(None, None, (0,), ((1, 0),))
+    for length in (1, 9, 8192, 8193, 70000):
+        positions = np.array([[length - 1]])
+        assert both.holds([np.ones((1, length), np.int64), positions])
+        assert both.holds([np.ones((1, 2 * length), np.int64)[:, ::2], positions])  # (a strided view)
+        for at, value in ((0, 0), (length - 1, 0), (length - 1, 257), (length // 2, -1)):
+            mask = np.ones((1, length), np.int64)
+            mask[0, at] = value
+            assert not both.holds([mask, positions]), (length, at, value)
+    assert not both.holds([np.ones((1, 9), np.uint8) * 2, np.array([[8]])])

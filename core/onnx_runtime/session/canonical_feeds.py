@@ -66,11 +66,17 @@ class CanonicalFeeds:
         """Whether the call's masks are all ones and its positions count up to their mask's length."""
         for slot in self.masks:
             mask = env[slot]
-            if type(mask) is not np.ndarray or mask.tobytes() != self._ones_for(mask):
+            if type(mask) is not np.ndarray:
+                return False
+            data = mask.tobytes()
+            ones = self._ones.get(mask.dtype)
+            if ones is None or len(ones) < len(data):
+                ones = self._grown_ones(mask)
+            if not ones.startswith(data):  # (a prefix of whole ones is all ones: one compare, no slice made)
                 return False
         for slot, mask_slot in self.positions:
             positions = env[slot]
-            if type(positions) is not np.ndarray or positions.ndim == 0 or positions.dtype.kind not in "iu":
+            if type(positions) is not np.ndarray or positions.dtype.kind not in "iu" or positions.ndim == 0:
                 return False
             end = env[mask_slot].shape[-1]
             if positions.size == 1:  # (a decode step of one sequence)
@@ -80,13 +86,11 @@ class CanonicalFeeds:
                 return False
         return True
 
-    def _ones_for(self, mask: np.ndarray) -> bytes:
+    def _grown_ones(self, mask: np.ndarray) -> bytes:
         size = mask.nbytes
-        ones = self._ones.get(mask.dtype)
-        if ones is None or len(ones) < size:
-            ones = self._ones[mask.dtype] = np.ones(-(-max(size, 1) // _BYTES) * _BYTES // mask.itemsize,
-                                                    mask.dtype).tobytes()
-        return ones[:size]
+        ones = self._ones[mask.dtype] = np.ones(-(-max(size, 1) // _BYTES) * _BYTES // mask.itemsize,
+                                                mask.dtype).tobytes()
+        return ones
 
     def _counting(self, positions: np.ndarray, end: int) -> bool:
         count = positions.shape[-1]

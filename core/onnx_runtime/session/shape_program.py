@@ -79,35 +79,34 @@ class Program:
         self._code = self._straight()
 
     def _straight(self):
-        """:meth:`instantiate`'s work as one function of straight-line code for these recipes (each window's slicing
-        spelled out, constants bound by name): a first generation instantiates at every step, and the general
-        loop's per-recipe dispatch and index building cost about a microsecond a window more. None where the
-        recipes are not all laid out here."""
-        lines = ["def instantiate(env, point):", "    numbers = forms.dot(point).tolist()"]
-        if self.guards:
-            lines += [f"    if min(numbers[:{self.guards}]) < 0:", "        return False"]
-        scope: dict = {"forms": self.forms, "broadcast_to": np.broadcast_to, "materialize": _materialize}
+        """:meth:`instantiate`'s work as one function of straight-line code for these recipes: the guards reduced to
+        the distinct ones (with one symbol, to its lowest and highest value), each window's bounds spelled out as
+        integer arithmetic on the symbols, constants bound by name. A first generation instantiates at every step,
+        and the matrix product of every row with the point, the general loop's per-recipe dispatch and its index
+        building cost several microseconds a step. None where the recipes are not all laid out here."""
+        symbols = self.forms.shape[1] - 1
+        names = [f"s{k}" for k in range(symbols)]
+        lines = ["def instantiate(env, point):"]
+        if symbols:
+            lines.append(f"    {''.join(f'{n}, ' for n in names)}= point[1:]")
+        failing = _failing_guards(self.forms[:self.guards].tolist(), names)
+        if failing:
+            lines += [f"    if {' or '.join(failing)}:", "        return False"]
+        scope: dict = {"forms": self.forms, "broadcast_to": np.broadcast_to, "materialize": _materialize,
+                       "asarray": np.asarray, "int64": np.int64}
+        rows = self.forms.tolist()
+        if any(row is None or (row >= 0 and row not in self._windows) for _, _, row in self.recipes):
+            lines += ["    vector = asarray(point, int64)", "    numbers = forms.dot(vector).tolist()"]
         for index, (slot, value, row) in enumerate(self.recipes):
             name = f"v{index}"
             scope[name] = value
             if row is None:
-                lines.append(f"    env[{slot}] = {name}.at(point)")
+                lines.append(f"    env[{slot}] = {name}.at(vector)")
             elif row < 0:
                 lines.append(f"    env[{slot}] = {name}")
             elif row in self._windows:
-                base, rank, sliced, broadcasts = self._windows[row]
-                scope[name] = base
-                cuts = [":"] * rank
-                for axis, at in sliced:
-                    cuts[axis] = f"numbers[{at}]:numbers[{at}] + numbers[{at + rank}]"
-                lines.append(f"    part = {name}[{', '.join(cuts) if rank else '()'}]")
-                if broadcasts:
-                    extents = ", ".join(f"numbers[{row + rank + axis}]" for axis in range(rank))
-                    lines += [f"    extents = ({extents},)",
-                              f"    env[{slot}] = part.copy() if part.shape == extents else "
-                              "broadcast_to(part, extents).copy()"]
-                else:
-                    lines.append(f"    env[{slot}] = part.copy()")
+                scope[name] = self._windows[row][0]
+                lines += _window_lines(name, slot, self._windows[row], rows, row, names)
             elif isinstance(value, Linear):
                 lines.append(f"    env[{slot}] = materialize({name}, numbers, {row})")
             else:
@@ -119,12 +118,14 @@ class Program:
             return None
         return scope["instantiate"]
 
-    def instantiate(self, env: list, point: np.ndarray) -> bool:
-        """Set the needed slots of ``env`` for the symbols' values (``point``: 1, s_0, s_1, ...); False where a
-        guard fails (a length outside the bases' margin, an empty range: the caller runs the steps instead)."""
+    def instantiate(self, env: list, point) -> bool:
+        """Set the needed slots of ``env`` for the symbols' values (``point``: 1, s_0, s_1, ... as a list of ints or
+        an array); False where a guard fails (a length outside the bases' margin, an empty range: the caller runs
+        the steps instead)."""
         code = self._code
         if code is not None:
-            return code(env, point)
+            return code(env, point.tolist() if type(point) is np.ndarray else point)
+        point = np.asarray(point, np.int64)
         numbers = self.forms.dot(point).tolist()  # (ndarray.dot: less dispatch than the matmul ufunc)
         if self.guards and min(numbers[:self.guards]) < 0:
             return False
@@ -139,6 +140,52 @@ class Program:
             else:
                 env[slot] = _materialize(value, numbers, row)
         return True
+
+
+def _window_lines(name: str, slot: int, window: tuple, rows: list[list[int]], row: int, names: list[str]) -> list[str]:
+    """Straight-line code setting ``env[slot]`` to a window of the base bound to ``name`` (``window``: as
+    ``Program._windows`` holds it, its forms from ``row`` of ``rows``)."""
+    _, rank, sliced, broadcasts = window
+    cuts = [":"] * rank
+    for axis, at in sliced:
+        low, extent = rows[at], rows[at + rank]
+        cuts[axis] = f"{_expression(low, names)}:{_expression(list(map(sum, zip(low, extent))), names)}"
+    lines = [f"    part = {name}[{', '.join(cuts) if rank else '()'}]"]
+    if not broadcasts:
+        return lines + [f"    env[{slot}] = part.copy()"]
+    extents = ", ".join(_expression(rows[row + rank + axis], names) for axis in range(rank))
+    return lines + [f"    extents = ({extents},)",
+                    f"    env[{slot}] = part.copy() if part.shape == extents else broadcast_to(part, extents).copy()"]
+
+
+def _expression(form: list[int], names: list[str]) -> str:
+    """Python source of the affine form ``form[0] + sum_k form[1 + k] * names[k]`` over ints."""
+    terms = [str(form[0])] if form[0] or not any(form[1:]) else []
+    for coefficient, name in zip(form[1:], names):
+        if coefficient:
+            sign = "-" if coefficient < 0 else "+"
+            term = name if abs(coefficient) == 1 else f"{abs(coefficient)} * {name}"
+            terms.append(f"{sign} {term}" if terms else (term if sign == "+" else f"-{term}"))
+    return terms[0] if len(terms) == 1 else f"({' '.join(terms)})"
+
+
+def _failing_guards(guards: list[list[int]], names: list[str]) -> list[str]:
+    """Python tests, one true where a guard (``form >= 0``) fails, for the distinct ``guards``: a guard without
+    symbols is decided here (kept only as ``True`` when it fails); with one symbol they are its bounds."""
+    failing: list[str] = []
+    distinct = list(dict.fromkeys(map(tuple, guards)))
+    if any(not any(form[1:]) and form[0] < 0 for form in distinct):
+        return ["True"]
+    distinct = [form for form in distinct if any(form[1:])]
+    if len(names) == 1 and distinct:
+        lows = [-(constant // coefficient) for constant, coefficient in distinct if coefficient > 0]
+        highs = [constant // -coefficient for constant, coefficient in distinct if coefficient < 0]
+        if lows:
+            failing.append(f"{names[0]} < {max(lows)}")
+        if highs:
+            failing.append(f"{names[0]} > {min(highs)}")
+        return failing
+    return [f"{_expression(list(form), names)} < 0" for form in distinct]
 
 
 def _window(base: np.ndarray, rank: int, sliced: tuple, broadcasts: bool, numbers: list[int], row: int) -> np.ndarray:
@@ -263,6 +310,11 @@ class Template:
         """(1, s_0, s_1, ...) for a signature of this class; None for one outside it."""
         values = self._values(signature)
         return None if values is None else np.array([1, *values], np.int64)
+
+    def coordinates(self, signature: tuple) -> list[int] | None:
+        """:meth:`point` as a list of ints (what :meth:`Program.instantiate` reads fastest)."""
+        values = self._values(signature)
+        return None if values is None else [1, *values]
 
 
 def _compiled_test(dims: tuple):

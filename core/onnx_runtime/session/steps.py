@@ -69,7 +69,12 @@ class ShapeKeyedKernel:
             key = tuple(shape_of(x) for x in inputs)
             kernel = self.cache.get(key)
         if kernel is None:
-            kernel = self._kernel_for(key)
+            shape_key = self.shape_key
+            kernel = self.by_key.get(shape_key(key)) if shape_key is not None else None
+            if kernel is None or len(self.cache) >= self.SHARED_LIMIT:
+                kernel = self._kernel_for(key)
+            else:  # (a length-free kernel at a new length: every step of a first generation)
+                self.cache[key] = kernel
         return kernel(*inputs)
 
     def _kernel_for(self, key: tuple):
@@ -322,7 +327,7 @@ class ShapeValues:
         if key is not None:
             found = self._program(key, env)
             if found is not None and found[1]:
-                values = tuple(env[slot] for slot in self.kept)  # (the body releases them at their last reader)
+                values = tuple([env[slot] for slot in self.kept])  # (the body releases them at their last reader)
                 _run(self.body, env, profile)
                 self.previous = key
                 self._keep(key, values)
@@ -361,7 +366,7 @@ class ShapeValues:
         the program is checked against them; None: the steps run."""
         for entry in list(self.programs):  # (a copy: runs of one plan may overlap)
             template, program, residual = entry
-            point = template.point(key)
+            point = template.coordinates(key)
             if point is None:
                 continue
             if program is None:
