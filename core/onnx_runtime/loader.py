@@ -217,8 +217,7 @@ def _read_proto(model, mapped: dict | None = None) -> tuple[onnx.ModelProto, str
             raise ModelNotFoundError(f"model file {path!r} does not exist; check the path")
         if os.path.isdir(path):
             raise ModelParseError(f"model path {path!r} is a directory; pass the .onnx file inside it")
-        with open(path, "rb") as handle:
-            data = handle.read()
+        data = model_bytes(path)
         proto = _parse(data, path)
         if len(data) <= _SCAN_LIMIT and _EXTERNAL_KEY not in data:
             return proto, path  # no tensor can name a data file: skip onnx's walk over every tensor
@@ -237,6 +236,37 @@ def _read_proto(model, mapped: dict | None = None) -> tuple[onnx.ModelProto, str
     raise ModelLoadError(
         f"cannot load a model from {type(model).__name__}; pass a file path, the model's bytes, or an onnx.ModelProto"
     )
+
+
+# A model file's bytes as the plan cache's key hashed them (plan_cache.source_digest), held for the parse that
+# follows in the same creation: one read of the file instead of two. By path, with the file's identity when read;
+# the next read of the path takes them if the file is unchanged since, else reads it again. Files past
+# READ_AHEAD_BYTES are read twice rather than held between the two steps.
+_READ_AHEAD: dict[str, tuple[tuple, bytes]] = {}
+READ_AHEAD_BYTES = 64 << 20
+
+
+def model_bytes(path: str, keep: bool = False) -> bytes:
+    """The bytes of the model file ``path``; ``keep``: held for the next call with the same path (see above)."""
+    kept = _READ_AHEAD.pop(path, None)
+    if kept is not None:
+        try:
+            if _identity(os.stat(path)) == kept[0]:
+                return kept[1]
+        except OSError:
+            pass
+    with open(path, "rb") as handle:
+        identity = _identity(os.fstat(handle.fileno()))  # before the read: a change during it reads again
+        data = handle.read()
+    if keep and len(data) <= READ_AHEAD_BYTES:
+        if len(_READ_AHEAD) >= 4:  # (creations that failed between the two steps: never more than a few)
+            _READ_AHEAD.clear()
+        _READ_AHEAD[path] = (identity, data)
+    return data
+
+
+def _identity(stat: os.stat_result) -> tuple:
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
 
 
 # A tensor stored outside the model names its file under this key (onnx requires it); bytes without

@@ -42,6 +42,7 @@ import numpy as np
 import onnx
 
 from .errors import InvalidArgumentError
+from .loader import model_bytes
 
 ENABLE_KEY = "session.plan_cache"  # "0": this session neither reads nor writes plans
 DIR_KEY = "session.plan_cache_dir"
@@ -186,7 +187,7 @@ def open_cache(config: dict[str, str], source, handles) -> PlanCache | None:
     ``handles``, or None: turned off, or a source the cache does not key (an ``onnx.ModelProto``)."""
     if os.environ.get(ENV_ENABLE, "1") == "0" or config.get(ENABLE_KEY, "1") == "0":
         return None
-    digest = source_digest(source)
+    digest = source_digest(source, keep=True)
     if digest is None:
         return None
     directory = config.get(DIR_KEY) or os.environ.get(ENV_DIR) or default_directory()
@@ -211,17 +212,17 @@ def default_directory() -> str:
     return os.path.join(base, "onnx_runtime", "plans")
 
 
-def source_digest(source) -> str | None:
+def source_digest(source, keep: bool = False) -> str | None:
     """SHA-256 of the model's bytes (a path's file, plus the size and time of the external data files beside it
-    that the model may name), or None for what is not a path or bytes."""
+    that the model may name), or None for what is not a path or bytes. ``keep``: the file's bytes are held for
+    the loader's parse of the same creation (loader.model_bytes), which then reads the file no second time."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         return hashlib.sha256(source).hexdigest()
     if not isinstance(source, (str, os.PathLike)):
         return None
     path = os.fspath(source)
     try:
-        with open(path, "rb") as handle:
-            data = handle.read()
+        data = model_bytes(path, keep)
     except OSError:
         return None  # the loader says what is wrong with the path
     digest = hashlib.sha256(data)
