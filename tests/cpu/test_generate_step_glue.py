@@ -82,3 +82,25 @@ def test_a_generation_stopping_at_its_end_token_keeps_the_mask_of_the_steps_it_r
     ran = len(result.tokens)
     # The step that chose the end token ran with ran - 1 new rows before it; the loop stopped before growing the mask.
     assert state.mask.logical_shape == (1, len(PROMPT) + ran - 1)
+
+
+@pytest.mark.parametrize("name", ["gpt2.dynamo.fp32", "llama.torchscript.fp32"])
+def test_host_steps_feed_by_the_layouts_flags_and_adopt_appended_presents(monkeypatch, name):
+    """A host step reads each input's shape through the flags its layout read once (no kernel_input_shape call per
+    binding) and, its outputs all appended in place, only adopts their shapes (never _host_outputs' copying way),
+    with the caches' logical shapes and onnxruntime's greedy tokens after it."""
+    from onnx_runtime.session import device_binding_run
+
+    path = _model(name)
+    generator = generate.Generator(path, providers=[CPU])
+    generator.generate(PROMPT, 3)
+    asked, general = [], []
+    shape_of, outputs = DeviceIoBinding.kernel_input_shape, device_binding_run._host_outputs  # noqa: SLF001
+    monkeypatch.setattr(DeviceIoBinding, "kernel_input_shape", lambda self, *a: asked.append(self.label) or
+                        shape_of(self, *a))
+    monkeypatch.setattr(device_binding_run, "_host_outputs", lambda *a: general.append(1) or outputs(*a))
+    new = 6
+    assert generator.generate(PROMPT, new).tokens == onnxruntime_greedy(path, PROMPT, new)
+    assert asked == [] and general == []
+    state = generator._kept  # noqa: SLF001
+    assert {cache.logical_shape[2] for cache in state.caches} == {len(PROMPT) + new - 1}

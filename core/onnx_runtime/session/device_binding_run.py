@@ -287,7 +287,8 @@ def _run_on_host(session: SessionSide, layout: _Layout, bindings: tuple, single_
         if windows:
             kv_append.leave(saved)
     count = len(layout.host_names)
-    _host_outputs(layout, bindings, values[count:])
+    if not (layout.every_appended and _adopted(layout, bindings, values[count:])):
+        _host_outputs(layout, bindings, values[count:])
     return values[:count]
 
 
@@ -295,9 +296,10 @@ def _host_feeds(session: SessionSide, layout: _Layout, bindings: tuple, single_t
     """Each bound input as a view of its buffer: the same view as the last run's where the shape is the same."""
     feeds = {}
     physical = layout.physical
-    for name, index, proof in layout.inputs:
+    for name, index, proof, exposed, frozen in layout.shown:
         binding = bindings[index]
-        shape = binding.kernel_input_shape(single_token_step)
+        # (kernel_input_shape, its flags read once per layout: a decode step feeds seven bindings)
+        shape = binding.logical_shape if exposed and not (single_token_step and frozen) else binding.physical_shape
         last_shape, last_view = proof.last
         if shape == last_shape:  # fed as the last run fed it: the same view
             feeds[name] = last_view
@@ -353,6 +355,21 @@ def _host_outputs(layout: _Layout, bindings: tuple, values: list) -> None:
             alias.last = (shape, view)
 
 
+def _adopted(layout: _Layout, bindings: tuple, values: list) -> bool:
+    """Where every output is its window's result (a host decode step's presents): their shapes adopted, each kept
+    as the next run's view of its input; False, with nothing done, where one is not (_host_outputs' general way)."""
+    appending = layout.appending
+    for (_index, window, _alias), value in zip(appending, values):
+        if value is not window.result:
+            return False
+    for (index, _window, alias), value in zip(appending, values):
+        shape = value.shape
+        bindings[index].set_appended_shape(shape)
+        if alias is not None and alias.admits(shape):
+            alias.last = (shape, value)
+    return True
+
+
 class _Window(kv_append.Window):
     """A cache's window (kv_append.Window) with the input name it is fed as."""
 
@@ -379,7 +396,8 @@ class _Layout:
     (and raises what those checks raise)."""
 
     __slots__ = ("bindings", "input_names", "inputs", "outputs", "host_names", "names", "delivered", "complete",
-                 "host", "aliased", "physical", "windows", "window_at", "appended", "keyed")
+                 "host", "aliased", "physical", "windows", "window_at", "appended", "keyed", "shown", "every_appended",
+                 "appending")
 
     LIMIT = 256  # shapes remembered per binding (a window without bound: start over past it)
 
@@ -395,6 +413,9 @@ class _Layout:
             (name, position[id(binding)], set(), binding.dtype.numpy) for name, binding in outputs.items())
         # Position of a binding that is both an input and an output -> its input's proof.
         self.aliased = {index: proof for _name, index, proof in self.inputs if bindings[index].output_name}
+        # The inputs with what decides the shape kernels see (kernel_input_shape's flags: fixed per binding).
+        self.shown = tuple((name, index, proof, bindings[index].exposes_logical_input_shape(),
+                            bindings[index].mask_decode_freeze_safe()) for name, index, proof in self.inputs)
         self.host_names = _host_names(session, output_names, outputs)
         self.names = self.host_names + tuple(outputs)
         self.delivered = frozenset(outputs)
@@ -419,6 +440,11 @@ class _Layout:
                         self.window_at[index] = self.windows[-1]
         # Per output (in ``outputs``' order): the window its binding is appended through in place, else None.
         self.appended = tuple(self.window_at.get(index) for _name, index, _proven, _dtype in self.outputs)
+        # Whether every output is appended in place (a host decode state's presents), and per output its position,
+        # window and aliased input's proof: a run whose outputs are all their windows' results only adopts shapes.
+        self.appending = tuple((index, window, self.aliased.get(index)) for (_name, index, _proven, _dtype), window
+                               in zip(self.outputs, self.appended) if window is not None)
+        self.every_appended = bool(self.outputs) and len(self.appending) == len(self.outputs)
         self.keyed = kv_append.by_output(self.windows)  # as each run names them to its Concats
 
     def holds(self, bindings: tuple[DeviceIoBinding, ...]) -> bool:
