@@ -31,6 +31,7 @@ from ..registry import register
 from ._common import (
     activation_code,
     channel_param,
+    frozen,
     graph_error,
     in_place_activation,
     normalize_axis,
@@ -128,8 +129,40 @@ def batch_normalization_14(node, shapes, opset):
 @register("InstanceNormalization", since=1)
 def instance_normalization(node, shapes, opset):
     epsilon = float(node.attr("epsilon", 1e-5))
+    from ..compiled import transformer as compiled
+    # Ones for the compiled row loop's per-column scale, kept per row length: (length, ones). The node's own scale
+    # and bias are per channel, that is per row, and are applied after, unless they are the constants 1 and 0
+    # (GroupNorm as the TorchScript exporter writes it: InstanceNormalization of ones and zeros between
+    # Reshapes, its affine in a Mul and an Add after): kept as (scale, bias, whether they are).
+    ones: tuple = (0, None)
+    identity: tuple = (None, None, False)
+
+    def by_rows(x, scale, bias):
+        """Each (image, channel) plane a row of the compiled LayerNormalization loop (one pass for the statistics
+        and one for the output), where numpy's standardize runs a pass per operation."""
+        nonlocal ones, identity
+        n, c = x.shape[0], x.shape[1]
+        rows = x.reshape(n * c, -1)
+        length, unit = ones
+        if length != rows.shape[1]:
+            unit = np.ones(rows.shape[1], x.dtype)
+            ones = (rows.shape[1], unit)
+        y, _, _ = compiled.layer_norm(rows, unit, None, epsilon)
+        held_scale, held_bias, trivial = identity
+        if held_scale is not scale or held_bias is not bias:
+            trivial = bool(np.all(scale == 1) and np.all(bias == 0))
+            if frozen(scale) and frozen(bias):
+                identity = (scale, bias, trivial)
+        if not trivial:
+            planes = y.reshape(n, c, -1)
+            planes *= scale.reshape(c, 1)
+            planes += bias.reshape(c, 1)
+        return (y.reshape(x.shape),)
 
     def kernel(x, scale, bias):
+        if x.ndim >= 3 and x.size and takes_compiled(x) and x.flags.c_contiguous and scale.dtype == x.dtype \
+                and bias.dtype == x.dtype and scale.shape == bias.shape == (x.shape[1],):
+            return by_rows(x, scale, bias)
         dtype = compute_dtype(x.dtype)
         normalized, _, _ = standardize(x.astype(dtype, copy=False), spatial_axes(x), epsilon)
         y = normalized * channel_param(scale, x.ndim, dtype) + channel_param(bias, x.ndim, dtype)
