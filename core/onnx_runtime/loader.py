@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import math
 import os
+import sys
 import threading
 
 import numpy as np
@@ -86,13 +87,33 @@ def read_model(model, map_weights: bool = True) -> tuple[onnx.ModelProto, str | 
     return proto, path, mapped
 
 
+# Element types whose raw_data is the array's bytes as they are (little-endian hosts): read by np.frombuffer
+# without numpy_helper.to_array's general dispatch (packed, external, string and typed-field tensors take it).
+_RAW_DTYPES = {int(code): np.dtype(kind) for code, kind in (
+    (onnx.TensorProto.FLOAT, np.float32), (onnx.TensorProto.DOUBLE, np.float64), (onnx.TensorProto.FLOAT16, np.float16),
+    (onnx.TensorProto.INT8, np.int8), (onnx.TensorProto.UINT8, np.uint8), (onnx.TensorProto.INT16, np.int16),
+    (onnx.TensorProto.UINT16, np.uint16), (onnx.TensorProto.INT32, np.int32), (onnx.TensorProto.UINT32, np.uint32),
+    (onnx.TensorProto.INT64, np.int64), (onnx.TensorProto.UINT64, np.uint64), (onnx.TensorProto.BOOL, np.bool_))
+} if sys.byteorder == "little" else {}
+_EXTERNAL = onnx.TensorProto.EXTERNAL
+
+
+def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
+    """numpy_helper.to_array(tensor), the same array, with plain raw_data tensors (most weights) read directly."""
+    dtype = _RAW_DTYPES.get(tensor.data_type)
+    if dtype is not None and tensor.HasField("raw_data") and tensor.data_location != _EXTERNAL \
+            and not tensor.HasField("segment"):
+        return np.frombuffer(tensor.raw_data, dtype=dtype).reshape(tuple(tensor.dims))
+    return numpy_helper.to_array(tensor)
+
+
 def initializer_arrays(proto: onnx.ModelProto, mapped: dict[str, np.ndarray], names) -> dict[str, np.ndarray]:
     """The top-level initializers ``names`` of ``proto`` as arrays (``mapped`` ones as mapped)."""
     wanted = set(names)
     found: dict[str, np.ndarray] = {}
     for init in proto.graph.initializer:
         if init.name in wanted:
-            found[init.name] = mapped[init.name] if init.name in mapped else numpy_helper.to_array(init)
+            found[init.name] = mapped[init.name] if init.name in mapped else tensor_array(init)
     for sparse in proto.graph.sparse_initializer:
         if sparse.values.name in wanted:
             found[sparse.values.name] = _sparse_to_dense(sparse)
@@ -113,7 +134,7 @@ def graph_from_plan(proto: onnx.ModelProto, references: dict[str, np.ndarray], l
     for init in protos:
         try:
             initializers[init.name] = references[init.name] if init.name in references \
-                else numpy_helper.to_array(init)
+                else tensor_array(init)
         except Exception as exc:
             raise ModelLoadError(f"initializer {init.name!r} could not be read: {exc}") from exc
     for sparse in gp.sparse_initializer:
@@ -488,7 +509,7 @@ def convert_attribute(attr: onnx.AttributeProto, opsets: dict[str, int], outer_s
     if kind == _ATTR.STRING:
         return attr.s.decode("utf-8", errors="surrogateescape")
     if kind == _ATTR.TENSOR:
-        return numpy_helper.to_array(attr.t)
+        return tensor_array(attr.t)
     if kind == _ATTR.SPARSE_TENSOR:
         return _sparse_to_dense(attr.sparse_tensor)
     if kind == _ATTR.GRAPH:
@@ -581,7 +602,7 @@ def convert_graph(gp: onnx.GraphProto, opsets: dict[str, int], outer_scope, init
     for init in gp.initializer if initializer_protos is None else initializer_protos:
         try:
             initializers[init.name] = mapped[init.name] if mapped and init.name in mapped \
-                else numpy_helper.to_array(init)
+                else tensor_array(init)
         except Exception as exc:
             raise ModelLoadError(f"initializer {init.name!r} could not be read: {exc}") from exc
     for sparse in gp.sparse_initializer:

@@ -475,3 +475,21 @@ def test_attribute_decoding():
     assert [g.name for g in attrs["gs"]] == ["sub", "sub2"] and all(isinstance(g, ir.Graph) for g in attrs["gs"])
     assert graph.nodes[1].subgraphs() == [attrs["g"], *attrs["gs"]]
     assert graph.nodes[1].attr("missing", 7) == 7
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int8, np.uint8, np.int16, np.uint16,
+                                   np.int32, np.uint32, np.int64, np.uint64, np.bool_])
+def test_tensor_arrays_are_numpy_helpers(dtype):
+    """loader.tensor_array reads plain raw_data tensors itself: the same dtype, shape, values and flags as
+    numpy_helper.to_array, which the typed-field, string and packed tensors still take."""
+    values = (np.arange(24) % 7 - 3).reshape(2, 3, 4).astype(dtype)
+    protos = [numpy_helper.from_array(values, "raw"), helper.make_tensor("typed", helper.np_dtype_to_tensor_dtype(
+        np.dtype(dtype)), values.shape, values.reshape(-1).tolist()), numpy_helper.from_array(values[:0], "empty"),
+        helper.make_tensor("text", TensorProto.STRING, (2,), [b"a", b"bc"]),
+        helper.make_tensor("packed", TensorProto.INT4, (3,), [1, -2, 3])]
+    for proto in protos:
+        got, expected = model_loader.tensor_array(proto), numpy_helper.to_array(proto)
+        assert got.dtype == expected.dtype and got.shape == expected.shape, proto.name
+        assert got.flags.writeable == expected.flags.writeable, proto.name
+        np.testing.assert_array_equal(got, expected, err_msg=proto.name)
+    assert protos[0].HasField("raw_data") and not protos[1].HasField("raw_data")
