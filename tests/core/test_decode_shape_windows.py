@@ -113,3 +113,16 @@ def test_the_straight_code_fails_exactly_the_points_a_guard_fails(symbols):
             assert program.instantiate([None] * 2, point) is want
             if want:
                 np.testing.assert_array_equal(env[1], np.arange(3, dtype=np.float32).reshape(1, 3))
+
+
+def test_a_window_whose_unit_axes_keep_extent_one_is_cut_without_broadcasting():
+    """A mask bias's window (base axes of length 1 whose extents are always 1): cut and copied, its shape never
+    compared for a broadcast."""
+    base, lows, extents = CASES[0]
+    program = Program({3: Window(base, tuple(lows), tuple(extents))}, (3,), [], 1)
+    assert "broadcast_to" not in program._code.__code__.co_names  # noqa: SLF001
+    for symbol in (0, 1, 7, 30):
+        env: list = [None] * 4
+        assert program.instantiate(env, [1, symbol])
+        np.testing.assert_array_equal(env[3], base[:, :, :, 256 - symbol:257])
+        assert env[3].flags.writeable and env[3].flags.c_contiguous and not np.shares_memory(env[3], base)

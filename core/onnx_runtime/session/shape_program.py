@@ -145,7 +145,10 @@ class Program:
 def _window_lines(name: str, slot: int, window: tuple, rows: list[list[int]], row: int, names: list[str]) -> list[str]:
     """Straight-line code setting ``env[slot]`` to a window of the base bound to ``name`` (``window``: as
     ``Program._windows`` holds it, its forms from ``row`` of ``rows``)."""
-    _, rank, sliced, broadcasts = window
+    base, rank, sliced, broadcasts = window
+    # A base axis of length 1 broadcasts only where its extent is not always 1 (a mask's leading axes are).
+    unit = [1] + [0] * len(names)
+    broadcasts = broadcasts and any(n == 1 and rows[row + rank + axis] != unit for axis, n in enumerate(base.shape))
     cuts = [":"] * rank
     for axis, at in sliced:
         low, extent = rows[at], rows[at + rank]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+from numpy import ndarray
 
 from ..contract.kernels import KernelFn
 from ..errors import InvalidArgumentError, InvalidRunValueError, KernelError, OnnxRuntimeError, ProviderError
@@ -348,12 +349,12 @@ class ShapeValues:
         # (a first generation keeps at every step: one loop, no generators)
         size = 0
         for value in values:
-            if not isinstance(value, np.ndarray):
+            if not isinstance(value, ndarray):
                 return
             size += value.nbytes
         if size <= self.BYTES:
             for value in values:
-                value.flags.writeable = False
+                value.setflags(write=False)  # (the method: a flags object made per value costs more)
             if len(self.values) >= self.LIMIT or self.held + size > self.TOTAL_BYTES:
                 self.values.clear()
                 self.held = 0
