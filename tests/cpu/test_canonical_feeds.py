@@ -193,3 +193,13 @@ def test_holds_compares_every_byte_of_the_mask_with_the_longer_ones_kept():
             mask[0, at] = value
             assert not both.holds([mask, positions]), (length, at, value)
     assert not both.holds([np.ones((1, 9), np.uint8) * 2, np.array([[8]])])
+
+
+def test_holds_checks_every_mask_and_position_feed_it_was_made_for():
+    """Two masks (one int64, one bool) with a position feed each: every one is checked, against its own mask."""
+    both = canonical_feeds.CanonicalFeeds(None, None, (0, 2), ((1, 0), (3, 2)))
+    good = [np.ones((1, 9), np.int64), np.array([[8]]), np.ones((2, 5), bool), np.array([[3, 4], [3, 4]], np.int32)]
+    assert both.holds(good)
+    for index, bad in ((0, np.ones((1, 10), np.int64)), (1, np.array([[4]])), (2, np.eye(2, 5, dtype=bool)),
+                       (3, np.array([[3, 4], [2, 3]], np.int32)), (3, np.array([[7]])), (2, [[True] * 5] * 2)):
+        assert not both.holds(good[:index] + [bad] + good[index + 1:]), index

@@ -31,7 +31,7 @@ class CanonicalFeeds:
     """Runs ``canonical`` (its ``assumed`` feeds all ones, or positions counting up to their mask's length) when a
     call's feeds are so, else ``general``. Attribute reads other than these go to ``general``."""
 
-    __slots__ = ("general", "canonical", "masks", "positions", "_ones", "_counts")
+    __slots__ = ("general", "canonical", "masks", "positions", "_ones", "_counts", "_check")
 
     canonical: ShapeValues | None  # None once its class had no program (see run)
 
@@ -43,13 +43,14 @@ class CanonicalFeeds:
         self.positions = positions  # (position slot, its mask's slot)
         self._ones: dict[np.dtype, bytes] = {}
         self._counts: dict[np.dtype, bytes] = {}
+        self._check = _holds_code(masks, positions, self._ones, self._counts)
 
     def __getattr__(self, name: str):
         return getattr(self.general, name)
 
     def run(self, env: list, profile: dict | None) -> None:
         canonical = self.canonical
-        if canonical is None or not self.holds(env):
+        if canonical is None or not self._check(env):
             self.general.run(env, profile)
             return
         canonical.run(env, profile)
@@ -64,44 +65,52 @@ class CanonicalFeeds:
 
     def holds(self, env: list) -> bool:
         """Whether the call's masks are all ones and its positions count up to their mask's length."""
-        for slot in self.masks:
-            mask = env[slot]
-            if type(mask) is not np.ndarray:
-                return False
-            data = mask.tobytes()
-            ones = self._ones.get(mask.dtype)
-            if ones is None or len(ones) < len(data):
-                ones = self._grown_ones(mask)
-            if not ones.startswith(data):  # (a prefix of whole ones is all ones: one compare, no slice made)
-                return False
-        for slot, mask_slot in self.positions:
-            positions = env[slot]
-            if type(positions) is not np.ndarray or positions.dtype.kind not in "iu" or positions.ndim == 0:
-                return False
-            end = env[mask_slot].shape[-1]
-            if positions.size == 1:  # (a decode step of one sequence)
-                if positions.item() != end - 1:
-                    return False
-            elif not self._counting(positions, end):
-                return False
-        return True
+        return self._check(env)
 
-    def _grown_ones(self, mask: np.ndarray) -> bytes:
-        size = mask.nbytes
-        ones = self._ones[mask.dtype] = np.ones(-(-max(size, 1) // _BYTES) * _BYTES // mask.itemsize,
-                                                mask.dtype).tobytes()
-        return ones
 
-    def _counting(self, positions: np.ndarray, end: int) -> bool:
-        count = positions.shape[-1]
-        if count > end or count == 0:
-            return False
-        width = positions.itemsize
-        counts = self._counts.get(positions.dtype)
-        if counts is None or len(counts) < end * width:
-            counts = self._counts[positions.dtype] = np.arange(-(-end * width // _BYTES) * _BYTES // width,
-                                                               dtype=positions.dtype).tobytes()
-        return positions.tobytes() == counts[(end - count) * width:end * width] * (positions.size // count)
+def _holds_code(masks: tuple[int, ...], positions: tuple[tuple[int, int], ...], ones: dict, counts: dict):
+    """CanonicalFeeds.holds for these slots as one function of straight-line code (checked at every call: the
+    loops' own costs were about half of it). A mask's bytes are compared as a prefix of the ones kept for the
+    longest mask so far (whole ones: a prefix is all ones; one compare, no slice made)."""
+    lines = ["def holds(env):"]
+    for slot in masks:
+        lines += [f"    mask = env[{int(slot)}]",
+                  "    if type(mask) is not ndarray:", "        return False",
+                  "    data = mask.tobytes()",
+                  "    kept = ones.get(mask.dtype)",
+                  "    if kept is None or len(kept) < len(data):", "        kept = grown_ones(ones, mask)",
+                  "    if not kept.startswith(data):", "        return False"]
+    for slot, mask_slot in positions:
+        lines += [f"    positions = env[{int(slot)}]",
+                  "    if type(positions) is not ndarray or positions.dtype.kind not in 'iu' or positions.ndim == 0:",
+                  "        return False",
+                  f"    end = env[{int(mask_slot)}].shape[-1]",
+                  "    if positions.size == 1:  # (a decode step of one sequence)",
+                  "        if positions.item() != end - 1:", "            return False",
+                  "    elif not counting(counts, positions, end):", "        return False"]
+    lines.append("    return True")
+    scope: dict = {"ndarray": np.ndarray, "ones": ones, "counts": counts, "grown_ones": _grown_ones,
+                   "counting": _counting}
+    exec(compile("\n".join(lines) + "\n", "<canonical_feeds.holds>", "exec"), scope)  # noqa: S102 (ints and names)
+    return scope["holds"]
+
+
+def _grown_ones(ones: dict, mask: np.ndarray) -> bytes:
+    size = mask.nbytes
+    kept = ones[mask.dtype] = np.ones(-(-max(size, 1) // _BYTES) * _BYTES // mask.itemsize, mask.dtype).tobytes()
+    return kept
+
+
+def _counting(counts: dict, positions: np.ndarray, end: int) -> bool:
+    count = positions.shape[-1]
+    if count > end or count == 0:
+        return False
+    width = positions.itemsize
+    kept = counts.get(positions.dtype)
+    if kept is None or len(kept) < end * width:
+        kept = counts[positions.dtype] = np.arange(-(-end * width // _BYTES) * _BYTES // width,
+                                                   dtype=positions.dtype).tobytes()
+    return positions.tobytes() == kept[(end - count) * width:end * width] * (positions.size // count)
 
 
 def assumed_feeds(graph, feed_slots: dict[str, int]) -> dict[int, tuple]:
