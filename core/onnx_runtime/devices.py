@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+
+from .records import FrozenRecord
 
 
 class DeviceType(enum.Enum):
@@ -25,13 +26,29 @@ class DeviceType(enum.Enum):
         return {"cpu": 1, "cuda": 2, "metal": 8, "rocm": 10, "other": 12}[self.value]
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceId:
+class DeviceId(FrozenRecord):
     """One device: its kind and ordinal. ``host_accessible`` can be forced for unified memory."""
 
-    type: DeviceType = DeviceType.CPU
-    index: int = 0
-    host_accessible_override: bool | None = None
+    __slots__ = __match_args__ = ("type", "index", "host_accessible_override")
+    type: DeviceType
+    index: int
+    host_accessible_override: bool | None
+
+    def __init__(self, type: DeviceType = DeviceType.CPU, index: int = 0,
+                 host_accessible_override: bool | None = None) -> None:
+        object.__setattr__(self, "type", type)
+        object.__setattr__(self, "index", index)
+        object.__setattr__(self, "host_accessible_override", host_accessible_override)
+
+    # (written out: placement and copies compare and hash devices often)
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is DeviceId:
+            return (self.type is other.type and self.index == other.index
+                    and self.host_accessible_override == other.host_accessible_override)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.type, self.index, self.host_accessible_override))
 
     @classmethod
     def cpu(cls) -> DeviceId:
@@ -50,12 +67,16 @@ class DeviceId:
 CPU_DEVICE = DeviceId(DeviceType.CPU, 0)
 
 
-@dataclass(frozen=True, slots=True)
-class TensorLayout:
+class TensorLayout(FrozenRecord):
     """Physical layout of a tensor's buffer. Only row-major contiguous is produced today."""
 
-    alignment: int = 64
-    contiguous: bool = True
+    __slots__ = __match_args__ = ("alignment", "contiguous")
+    alignment: int
+    contiguous: bool
+
+    def __init__(self, alignment: int = 64, contiguous: bool = True) -> None:
+        object.__setattr__(self, "alignment", alignment)
+        object.__setattr__(self, "contiguous", contiguous)
 
     @classmethod
     def default(cls) -> TensorLayout:

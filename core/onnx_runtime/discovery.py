@@ -15,7 +15,6 @@ import threading
 import types
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
@@ -27,6 +26,7 @@ from .contract.markers import PROJECT
 from .contract.version import incompatibility
 from .errors import InvalidArgumentError, PluginError, ProviderNotAvailableError
 from .provider_handle import ProviderHandle
+from .records import FrozenRecord, Record
 
 ENTRY_POINT_GROUP = "onnx_runtime.providers"
 KEPT_LISTINGS = 8  # listings kept per folder: one per import-path state (scripts run from several folders)
@@ -43,29 +43,49 @@ def entry_points(**selection) -> list:
 EXTRAS = {"cpu": "pip install 'onnx-runtime[cpu]'", "cuda": "pip install 'onnx-runtime[cuda]'"}
 
 
-@dataclass
-class ProviderEntry:
+class ProviderEntry(Record):
     """A discovered provider class and what is known of it without initializing a device.
 
     Its availability is probed at the first question, not at discovery: a probe may load a device library
     (cuda-python and the driver), which a session that asks only for other providers should not pay for.
     """
 
+    # (compared and shown: the description; the probe, its answer and the spare handles are not)
+    __match_args__ = ("cls", "name", "short_name", "source", "distribution", "version", "device", "contract_version",
+                      "selected_by_default", "hooks")
     cls: Callable[[], object]  # a provider class, or a factory returning an instance registered in-process
     name: str
     short_name: str
     source: str
-    distribution: str = ""
-    version: str = ""
-    device: str = "cpu:0"
-    contract_version: str = ""
-    selected_by_default: bool = True  # used by sessions that name no providers
-    hooks: list[str] | None = None  # None for a deferred provider until its class is imported
-    probe: Callable[[], Availability] | None = field(default=None, repr=False, compare=False)
-    _availability: Availability | None = field(default=None, repr=False, compare=False)
+    distribution: str
+    version: str
+    device: str
+    contract_version: str
+    selected_by_default: bool  # used by sessions that name no providers
+    hooks: list[str] | None  # None for a deferred provider until its class is imported
+    probe: Callable[[], Availability] | None
+    _availability: Availability | None
     # the handle discovery built to read the provider's name and hooks, uninitialized: the first create() takes it
     # (building a handle's plugin managers is a noticeable part of a fresh process's first session)
-    spares: list[ProviderHandle] = field(default_factory=list, repr=False, compare=False)
+    spares: list[ProviderHandle]
+
+    def __init__(self, cls: Callable[[], object], name: str, short_name: str, source: str, distribution: str = "",
+                 version: str = "", device: str = "cpu:0", contract_version: str = "", selected_by_default: bool = True,
+                 hooks: list[str] | None = None, probe: Callable[[], Availability] | None = None,
+                 _availability: Availability | None = None, spares: list[ProviderHandle] | None = None) -> None:
+        self.cls = cls
+        self.name = name
+        self.short_name = short_name
+        self.source = source
+        self.distribution = distribution
+        self.version = version
+        self.device = device
+        self.contract_version = contract_version
+        self.selected_by_default = selected_by_default
+        self.hooks = hooks
+        self.probe = probe
+        self._availability = _availability
+        self.spares = [] if spares is None else spares
 
     @property
     def availability(self) -> Availability:
@@ -103,11 +123,16 @@ class ProviderEntry:
         return handle
 
 
-@dataclass
-class BrokenPlugin:
+class BrokenPlugin(Record):
+    __match_args__ = ("source", "reason", "entry_point")
     source: str
     reason: str
-    entry_point: str = ""  # the entry point's name ("cpu"), when the plugin came from one
+    entry_point: str  # the entry point's name ("cpu"), when the plugin came from one
+
+    def __init__(self, source: str, reason: str, entry_point: str = "") -> None:
+        self.source = source
+        self.reason = reason
+        self.entry_point = entry_point
 
 
 class ProviderRegistry:
@@ -256,14 +281,20 @@ class ProviderRegistry:
         warnings.warn(f"onnx-runtime: skipping {source}: {reason}", RuntimeWarning, stacklevel=3)
 
 
-@dataclass(frozen=True)
-class ListedEntryPoint:
+class ListedEntryPoint(FrozenRecord):
     """An entry point of the group as an earlier process listed it (``listed_entry_points``)."""
 
+    __slots__ = __match_args__ = ("name", "value", "dist_name", "version")
     name: str
     value: str
     dist_name: str
     version: str
+
+    def __init__(self, name: str, value: str, dist_name: str, version: str) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "value", value)
+        object.__setattr__(self, "dist_name", dist_name)
+        object.__setattr__(self, "version", version)
 
     def load(self):
         """The object ``module:attr.attr [extras]`` names, as importlib.metadata's EntryPoint.load finds it."""

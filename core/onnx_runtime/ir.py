@@ -8,30 +8,39 @@ they read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .dtypes import DataType
+from .records import Record
 
 # A dimension is a concrete int, a symbolic name, or None when unknown.
 Dim = int | str | None
 
 
-@dataclass(slots=True)
-class TypeInfo:
+class TypeInfo(Record):
     """The type of one value: a tensor (dtype + shape), a sequence, an optional, or a map.
 
     ``shape`` is None when the rank is unknown. ``elem`` is the element type of a sequence or
     optional.
     """
 
-    kind: str = "tensor"  # "tensor" | "sparse_tensor" | "sequence" | "optional" | "map" | "unknown"
-    dtype: DataType | None = None
-    shape: tuple[Dim, ...] | None = None
-    elem: TypeInfo | None = None
-    key_dtype: DataType | None = None
+    __slots__ = __match_args__ = ("kind", "dtype", "shape", "elem", "key_dtype")
+    kind: str  # "tensor" | "sparse_tensor" | "sequence" | "optional" | "map" | "unknown"
+    dtype: DataType | None
+    shape: tuple[Dim, ...] | None
+    elem: TypeInfo | None
+    key_dtype: DataType | None
+
+    def __init__(self,
+                 kind: str = "tensor", dtype: DataType | None = None, shape: tuple[Dim, ...] | None = None,
+                 elem: TypeInfo | None = None, key_dtype: DataType | None = None) -> None:
+        self.kind = kind
+        self.dtype = dtype
+        self.shape = shape
+        self.elem = elem
+        self.key_dtype = key_dtype
 
     @property
     def is_tensor(self) -> bool:
@@ -58,15 +67,19 @@ class TypeInfo:
         return self.kind
 
 
-@dataclass(slots=True)
-class ValueInfo:
+class ValueInfo(Record):
+    __slots__ = __match_args__ = ("name", "type", "doc")
     name: str
-    type: TypeInfo = field(default_factory=TypeInfo)
-    doc: str = ""
+    type: TypeInfo
+    doc: str
+
+    def __init__(self, name: str, type: TypeInfo | None = None, doc: str = "") -> None:
+        self.name = name
+        self.type = TypeInfo() if type is None else type
+        self.doc = doc
 
 
-@dataclass(eq=False, slots=True)
-class Node:
+class Node(Record):
     """One operator application. ``inputs`` uses "" for an omitted optional input.
 
     ``attrs`` maps attribute names to Python values: int, float, str, numpy arrays (tensors),
@@ -74,15 +87,32 @@ class Node:
     the node's domain in the model.
     """
 
+    __slots__ = __match_args__ = ("op_type", "inputs", "outputs", "name", "domain", "attrs", "opset", "doc", "proto")
     op_type: str
     inputs: list[str]
     outputs: list[str]
-    name: str = ""
-    domain: str = ""
-    attrs: dict[str, Any] = field(default_factory=dict)
-    opset: int = 0
-    doc: str = ""
-    proto: Any = None  # the onnx.NodeProto it came from, kept for function expansion
+    name: str
+    domain: str
+    attrs: dict[str, Any]
+    opset: int
+    doc: str
+    proto: Any  # the onnx.NodeProto it came from, kept for function expansion
+
+    def __init__(self,
+                 op_type: str, inputs: list[str], outputs: list[str], name: str = "", domain: str = "",
+                 attrs: dict[str, Any] | None = None, opset: int = 0, doc: str = "", proto: Any = None) -> None:
+        self.op_type = op_type
+        self.inputs = inputs
+        self.outputs = outputs
+        self.name = name
+        self.domain = domain
+        self.attrs = {} if attrs is None else attrs
+        self.opset = opset
+        self.doc = doc
+        self.proto = proto
+
+    __eq__ = object.__eq__  # (equal only to itself, and hashable)
+    __hash__ = object.__hash__
 
     @property
     def qualified_op(self) -> str:
@@ -106,8 +136,9 @@ class Node:
         return f"Node({self.name!r}, {self.qualified_op}, in={self.inputs}, out={self.outputs})"
 
 
-@dataclass(eq=False, slots=True)
-class Graph:
+class Graph(Record):
+    __slots__ = __match_args__ = ("name", "nodes", "inputs", "outputs", "initializers", "value_info", "opsets",
+                                  "outer_names", "doc")
     name: str
     nodes: list[Node]
     inputs: list[ValueInfo]
@@ -115,8 +146,25 @@ class Graph:
     initializers: dict[str, np.ndarray]
     value_info: dict[str, ValueInfo]
     opsets: dict[str, int]
-    outer_names: list[str] = field(default_factory=list)
-    doc: str = ""
+    outer_names: list[str]
+    doc: str
+
+    def __init__(self,
+                 name: str, nodes: list[Node], inputs: list[ValueInfo], outputs: list[ValueInfo],
+                 initializers: dict[str, np.ndarray], value_info: dict[str, ValueInfo], opsets: dict[str, int],
+                 outer_names: list[str] | None = None, doc: str = "") -> None:
+        self.name = name
+        self.nodes = nodes
+        self.inputs = inputs
+        self.outputs = outputs
+        self.initializers = initializers
+        self.value_info = value_info
+        self.opsets = opsets
+        self.outer_names = [] if outer_names is None else outer_names
+        self.doc = doc
+
+    __eq__ = object.__eq__  # (equal only to itself, and hashable)
+    __hash__ = object.__hash__
 
     def type_of(self, name: str) -> TypeInfo | None:
         info = self.value_info.get(name)
@@ -141,22 +189,44 @@ class Graph:
                 yield from sub.walk()
 
 
-@dataclass(eq=False, slots=True)
-class Model:
+class Model(Record):
+    __slots__ = __match_args__ = ("graph", "opsets", "ir_version", "producer_name", "producer_version", "domain",
+                                  "model_version", "doc_string", "metadata", "functions", "path", "inference_proto")
     graph: Graph
     opsets: dict[str, int]
-    ir_version: int = 0
-    producer_name: str = ""
-    producer_version: str = ""
-    domain: str = ""
-    model_version: int = 0
-    doc_string: str = ""
-    metadata: dict[str, str] = field(default_factory=dict)
-    functions: dict[tuple[str, str], Any] = field(default_factory=dict)
-    path: str | None = None
+    ir_version: int
+    producer_name: str
+    producer_version: str
+    domain: str
+    model_version: int
+    doc_string: str
+    metadata: dict[str, str]
+    functions: dict[tuple[str, str], Any]
+    path: str | None
     # The model as onnx shape inference reads it (large initializers as typed inputs): inferred anew
     # per input signature when a session specializes its graph (session/specialize.py).
-    inference_proto: Any = None
+    inference_proto: Any
+
+    def __init__(self,
+                 graph: Graph, opsets: dict[str, int], ir_version: int = 0, producer_name: str = "",
+                 producer_version: str = "", domain: str = "", model_version: int = 0, doc_string: str = "",
+                 metadata: dict[str, str] | None = None, functions: dict[tuple[str, str], Any] | None = None,
+                 path: str | None = None, inference_proto: Any = None) -> None:
+        self.graph = graph
+        self.opsets = opsets
+        self.ir_version = ir_version
+        self.producer_name = producer_name
+        self.producer_version = producer_version
+        self.domain = domain
+        self.model_version = model_version
+        self.doc_string = doc_string
+        self.metadata = {} if metadata is None else metadata
+        self.functions = {} if functions is None else functions
+        self.path = path
+        self.inference_proto = inference_proto
+
+    __eq__ = object.__eq__  # (equal only to itself, and hashable)
+    __hash__ = object.__hash__
 
 
 def clone_graph(graph: Graph) -> Graph:

@@ -10,17 +10,28 @@ logging keeps its handlers and filters.
 
 from __future__ import annotations
 
-import logging
 import sys
+from typing import TYPE_CHECKING
 
 from .errors import InvalidArgumentError
 
-LOGGER = logging.getLogger("onnx_runtime")
-LEVELS = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR, 4: logging.CRITICAL}
+if TYPE_CHECKING:
+    import logging
+
+# logging's DEBUG, INFO, WARNING, ERROR and CRITICAL: the module itself is imported at the first record a session
+# lets through (or asks to see), as most processes never log one
+LEVELS = {0: 10, 1: 20, 2: 30, 3: 40, 4: 50}
 NAMES = {0: "VERBOSE", 1: "INFO", 2: "WARNING", 3: "ERROR", 4: "FATAL"}
 
 _default_severity = 2
 _stderr_handler: logging.Handler | None = None
+
+
+def logger() -> logging.Logger:
+    """The ``onnx_runtime`` logger, where sessions' records go."""
+    import logging
+
+    return logging.getLogger("onnx_runtime")
 
 
 def set_default_logger_severity(severity: int) -> None:
@@ -60,7 +71,7 @@ class SessionLog:
 
     def log(self, severity: int, message: str, *args) -> None:
         if severity >= self.severity:
-            LOGGER.log(LEVELS[severity], "[%s] " + message, self.logid, *args)
+            logger().log(LEVELS[severity], "[%s] " + message, self.logid, *args)
 
     def verbose(self, message: str, *args) -> None:
         self.log(0, message, *args)
@@ -75,10 +86,13 @@ class SessionLog:
 def _make_visible(level: int) -> None:
     """Let records of ``level`` through the ``onnx_runtime`` logger; with no logging configured anywhere, print
     them to stderr as onnxruntime does."""
+    import logging
+
     global _stderr_handler
-    if LOGGER.getEffectiveLevel() > level:
-        LOGGER.setLevel(level)
-    if _stderr_handler is None and not LOGGER.handlers and not logging.getLogger().handlers:
+    records = logger()
+    if records.getEffectiveLevel() > level:
+        records.setLevel(level)
+    if _stderr_handler is None and not records.handlers and not logging.getLogger().handlers:
         _stderr_handler = logging.StreamHandler(sys.stderr)
         _stderr_handler.setFormatter(logging.Formatter("%(asctime)s [%(levelname)s:%(name)s] %(message)s"))
-        LOGGER.addHandler(_stderr_handler)
+        records.addHandler(_stderr_handler)

@@ -6,8 +6,6 @@ again, and every output stays onnxruntime's."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import onnx_runtime
 import pytest
@@ -164,7 +162,7 @@ def test_a_failing_chain_step_is_named_with_its_node(chains):
         raise ValueError("broken kernel")
 
     broken_steps = list(chain.steps)
-    broken_steps[1] = dataclasses.replace(victim, run=broken)
+    broken_steps[1] = victim.replace(run=broken)
     chain.__init__(broken_steps, chain.inputs, chain.by_value, chain.outputs)  # (its loop is made from its steps)
     with pytest.raises(OnnxRuntimeError, match=f"{victim.node.name}.*broken kernel"):
         ours.run(outputs, _feeds(ours, 4, np.ones((1, 5), np.int64), rng))

@@ -14,13 +14,13 @@ meaningful only to the owning provider.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import numpy as np
 
 from ..devices import DeviceId
 from ..errors import InvalidArgumentError
+from ..records import FrozenRecord
 
 # Host memory the copy hooks accept: bytes-like, or a C-contiguous array (read as its bytes).
 HostBytes: TypeAlias = bytes | bytearray | memoryview | np.ndarray
@@ -127,15 +127,18 @@ class DeviceBuffer:
         return f"DeviceBuffer({self.device}, {self.size} B, ptr={self.ptr:#x}, {self.ownership.value}{state})"
 
 
-@dataclass(frozen=True, slots=True)
-class Fence:
+class Fence(FrozenRecord):
     """Completion of an asynchronous copy or of compute so far.
 
     ``id`` is a provider-private event handle; 0 is reserved for an already-signalled fence, which
     synchronous providers return and ``wait_fence`` treats as a no-op.
     """
 
-    id: int = 0
+    __slots__ = __match_args__ = ("id",)
+    id: int
+
+    def __init__(self, id: int = 0) -> None:
+        object.__setattr__(self, "id", id)
 
     @classmethod
     def signalled(cls) -> Fence:

@@ -10,13 +10,12 @@ then checks that the class says the same name as its description.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from ..records import FrozenRecord
 from .kernels import Availability
 
 
-@dataclass(frozen=True)
-class DeferredProvider:
+class DeferredProvider(FrozenRecord):
     """A provider class to be imported on first use, and what is known of it until then.
 
     ``load`` returns the provider class (it does the import); ``probe`` answers the ``availability`` question
@@ -24,13 +23,27 @@ class DeferredProvider:
     initialization.
     """
 
+    __slots__ = __match_args__ = ("name", "short_name", "device", "contract_version", "load", "probe",
+                                  "selected_by_default")
     name: str
     short_name: str
     device: str
     contract_version: str
     load: Callable[[], Callable[[], object]]
-    probe: Callable[[], Availability] | None = None
-    selected_by_default: bool = True
+    probe: Callable[[], Availability] | None
+    selected_by_default: bool
+
+    def __init__(self,
+                 name: str, short_name: str, device: str, contract_version: str,
+                 load: Callable[[], Callable[[], object]], probe: Callable[[], Availability] | None = None,
+                 selected_by_default: bool = True) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "short_name", short_name)
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "contract_version", contract_version)
+        object.__setattr__(self, "load", load)
+        object.__setattr__(self, "probe", probe)
+        object.__setattr__(self, "selected_by_default", selected_by_default)
 
     def __call__(self) -> object:
         """A fresh instance of the provider class (imports it on the first call)."""

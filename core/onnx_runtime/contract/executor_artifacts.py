@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+
+from ..records import FrozenRecord
 
 if TYPE_CHECKING:
     from ..devices import DeviceId
@@ -20,12 +21,15 @@ if TYPE_CHECKING:
 _executor_ids = itertools.count(1)
 
 
-@dataclass(frozen=True, slots=True)
-class ExecutorInstanceId:
+class ExecutorInstanceId(FrozenRecord):
     """Process-unique identity of one executor sharing a provider; 0 (``UNSCOPED``) is for direct callers."""
 
+    __slots__ = __match_args__ = ("value",)
     value: int
     UNSCOPED: ClassVar[ExecutorInstanceId]
+
+    def __init__(self, value: int) -> None:
+        object.__setattr__(self, "value", value)
 
     @classmethod
     def new(cls) -> ExecutorInstanceId:
@@ -35,31 +39,53 @@ class ExecutorInstanceId:
 ExecutorInstanceId.UNSCOPED = ExecutorInstanceId(0)
 
 
-@dataclass(frozen=True, slots=True)
-class ExecutorArtifactProviderId:
+class ExecutorArtifactProviderId(FrozenRecord):
     """The provider-instance label echoed through the artifact hooks, so a generation cannot be carried
     across a provider rebuild; 0 (``UNSCOPED``) for providers that own no executor artifacts."""
 
+    __slots__ = __match_args__ = ("value",)
     value: int
     UNSCOPED: ClassVar[ExecutorArtifactProviderId]
+
+    def __init__(self, value: int) -> None:
+        object.__setattr__(self, "value", value)
 
 
 ExecutorArtifactProviderId.UNSCOPED = ExecutorArtifactProviderId(0)
 
 
-@dataclass(frozen=True, slots=True)
-class ExecutorArtifactGeneration:
+class ExecutorArtifactGeneration(FrozenRecord):
     """Process-unique generation of one executor build, assigned by the session."""
 
+    __slots__ = __match_args__ = ("value",)
     value: int
 
+    def __init__(self, value: int) -> None:
+        object.__setattr__(self, "value", value)
 
-@dataclass(frozen=True, slots=True, order=True)
-class ExecutorArtifactReadinessEpoch:
+
+class ExecutorArtifactReadinessEpoch(FrozenRecord):
     """Executor-local epoch, advanced at every kernel-cache miss; a provider is asked once per epoch."""
 
+    __slots__ = __match_args__ = ("value",)
     value: int
     INITIAL: ClassVar[ExecutorArtifactReadinessEpoch]
+
+    def __init__(self, value: int) -> None:
+        object.__setattr__(self, "value", value)
+
+    # ordered by value, as a dataclass with order=True
+    def __lt__(self, other: ExecutorArtifactReadinessEpoch) -> bool:
+        return self.value < other.value if other.__class__ is self.__class__ else NotImplemented
+
+    def __le__(self, other: ExecutorArtifactReadinessEpoch) -> bool:
+        return self.value <= other.value if other.__class__ is self.__class__ else NotImplemented
+
+    def __gt__(self, other: ExecutorArtifactReadinessEpoch) -> bool:
+        return self.value > other.value if other.__class__ is self.__class__ else NotImplemented
+
+    def __ge__(self, other: ExecutorArtifactReadinessEpoch) -> bool:
+        return self.value >= other.value if other.__class__ is self.__class__ else NotImplemented
 
 
 ExecutorArtifactReadinessEpoch.INITIAL = ExecutorArtifactReadinessEpoch(0)
@@ -79,13 +105,20 @@ class ExecutorKernelScope(enum.Enum):
     REQUIRED = "required"
 
 
-@dataclass(frozen=True, slots=True)
-class ExecutorArtifactPolicy:
+class ExecutorArtifactPolicy(FrozenRecord):
     """Immutable provider policy the session snapshots once before compiling an executor."""
 
+    __slots__ = __match_args__ = ("provider", "device", "route_residency")
     provider: ExecutorArtifactProviderId
     device: DeviceId
-    route_residency: ExecutorRouteResidencyConfig = ExecutorRouteResidencyConfig.DISABLED
+    route_residency: ExecutorRouteResidencyConfig
+
+    def __init__(self,
+                 provider: ExecutorArtifactProviderId, device: DeviceId,
+                 route_residency: ExecutorRouteResidencyConfig = ExecutorRouteResidencyConfig.DISABLED) -> None:
+        object.__setattr__(self, "provider", provider)
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "route_residency", route_residency)
 
 
 class ExecutorArtifactStateKind(enum.Enum):
@@ -95,14 +128,19 @@ class ExecutorArtifactStateKind(enum.Enum):
     PENDING = "pending"  # not yet decidable at this readiness epoch
 
 
-@dataclass(frozen=True, slots=True)
-class ExecutorArtifactState:
+class ExecutorArtifactState(FrozenRecord):
     """What a provider observed for one inspection; ``reason`` says why a PENDING state is pending
     (a node whose producer is not published yet, or provider readiness)."""
 
+    __slots__ = __match_args__ = ("kind", "reason", "node")
     kind: ExecutorArtifactStateKind
-    reason: str = ""
-    node: str | None = None
+    reason: str
+    node: str | None
+
+    def __init__(self, kind: ExecutorArtifactStateKind, reason: str = "", node: str | None = None) -> None:
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "reason", reason)
+        object.__setattr__(self, "node", node)
 
     @classmethod
     def pending(cls, reason: str, node: str | None = None) -> ExecutorArtifactState:
@@ -111,16 +149,26 @@ class ExecutorArtifactState:
         return cls(ExecutorArtifactStateKind.PENDING, reason, node)
 
 
-@dataclass(frozen=True, slots=True)
-class ExecutorArtifactReport:
+class ExecutorArtifactReport(FrozenRecord):
     """A provider's untrusted report for one executor, generation and readiness epoch; the session checks
     the echoed labels against its own state before acting on it."""
 
+    __slots__ = __match_args__ = ("provider", "executor", "generation", "readiness", "state")
     provider: ExecutorArtifactProviderId
     executor: ExecutorInstanceId
     generation: ExecutorArtifactGeneration
     readiness: ExecutorArtifactReadinessEpoch
     state: ExecutorArtifactState
+
+    def __init__(self,
+                 provider: ExecutorArtifactProviderId, executor: ExecutorInstanceId,
+                 generation: ExecutorArtifactGeneration, readiness: ExecutorArtifactReadinessEpoch,
+                 state: ExecutorArtifactState) -> None:
+        object.__setattr__(self, "provider", provider)
+        object.__setattr__(self, "executor", executor)
+        object.__setattr__(self, "generation", generation)
+        object.__setattr__(self, "readiness", readiness)
+        object.__setattr__(self, "state", state)
 
 
 @runtime_checkable

@@ -13,7 +13,8 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
-from dataclasses import dataclass
+
+from ..records import FrozenRecord
 
 
 class DeviceGraphSlot(enum.IntEnum):
@@ -40,32 +41,44 @@ class IdentitySpace:
 _GRAPH_OWNERS = IdentitySpace()
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceGraphOwner:
+class DeviceGraphOwner(FrozenRecord):
     """Identity of one executor's device-graph namespace. ``DeviceGraphOwner.new()`` mints one."""
 
+    __slots__ = __match_args__ = ("id",)
     id: int
+
+    def __init__(self, id: int) -> None:
+        object.__setattr__(self, "id", id)
 
     @classmethod
     def new(cls) -> DeviceGraphOwner:
         return cls(_GRAPH_OWNERS.mint())
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceGraphToken:
+class DeviceGraphToken(FrozenRecord):
     """Exact identity of one installed graph generation; required by replay, liveness and reset."""
 
+    __slots__ = __match_args__ = ("owner", "slot", "generation")
     owner: DeviceGraphOwner
     slot: DeviceGraphSlot
     generation: int
 
+    def __init__(self, owner: DeviceGraphOwner, slot: DeviceGraphSlot, generation: int) -> None:
+        object.__setattr__(self, "owner", owner)
+        object.__setattr__(self, "slot", slot)
+        object.__setattr__(self, "generation", generation)
 
-@dataclass(frozen=True, slots=True)
-class CaptureRegionShapeStatus:
+
+class CaptureRegionShapeStatus(FrozenRecord):
     """Resolved-shape facts the capture-region policy needs for one node."""
 
+    __slots__ = __match_args__ = ("inputs_resolved", "outputs_resolved")
     inputs_resolved: bool
     outputs_resolved: bool
+
+    def __init__(self, inputs_resolved: bool, outputs_resolved: bool) -> None:
+        object.__setattr__(self, "inputs_resolved", inputs_resolved)
+        object.__setattr__(self, "outputs_resolved", outputs_resolved)
 
 
 class StructuralCaptureDecline(enum.Enum):

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ..devices import TensorLayout
 from ..errors import InvalidArgumentError
+from ..records import FrozenRecord, Record
 
 
-@dataclass(frozen=True, slots=True)
-class KernelMatch:
+class KernelMatch(FrozenRecord):
     """A provider's answer to "can you run this node?".
 
     ``KernelMatch.supported(cost)``: yes, at a relative cost (lower is better).
@@ -21,9 +20,15 @@ class KernelMatch:
     provider accepts and how to change the model or the registration.
     """
 
+    __slots__ = __match_args__ = ("is_supported", "cost", "reason")
     is_supported: bool
-    cost: float = 1.0
-    reason: str = ""
+    cost: float
+    reason: str
+
+    def __init__(self, is_supported: bool, cost: float = 1.0, reason: str = "") -> None:
+        object.__setattr__(self, "is_supported", is_supported)
+        object.__setattr__(self, "cost", cost)
+        object.__setattr__(self, "reason", reason)
 
     @classmethod
     def supported(cls, cost: float = 1.0) -> KernelMatch:
@@ -64,12 +69,16 @@ class Kernel(Protocol):
 KernelFn = Callable[..., tuple]
 
 
-@dataclass(frozen=True, slots=True)
-class Availability:
+class Availability(FrozenRecord):
     """Whether an installed provider can run on this machine, and if not, why (and what to do)."""
 
+    __slots__ = __match_args__ = ("available", "reason")
     available: bool
-    reason: str = ""
+    reason: str
+
+    def __init__(self, available: bool, reason: str = "") -> None:
+        object.__setattr__(self, "available", available)
+        object.__setattr__(self, "reason", reason)
 
     @classmethod
     def yes(cls) -> Availability:
@@ -105,13 +114,18 @@ class ArgmaxTieBreak(enum.Enum):
             ) from None
 
 
-@dataclass(slots=True)
-class EpContext:
+class EpContext(Record):
     """A provider's compiled-context blob (the ``EPContext`` node payload) keyed by its source."""
 
+    __slots__ = __match_args__ = ("source", "payload", "metadata")
     source: str
     payload: bytes
-    metadata: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, str]
+
+    def __init__(self, source: str, payload: bytes, metadata: dict[str, str] | None = None) -> None:
+        self.source = source
+        self.payload = payload
+        self.metadata = {} if metadata is None else metadata
 
 
 # A graph pass: takes an onnx_runtime.ir.Graph (and, optionally, the ``owns(node)`` predicate of

@@ -17,10 +17,10 @@ import itertools
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..errors import InvalidArgumentError, ProviderError
+from ..records import FrozenRecord, Record
 
 if TYPE_CHECKING:
     from ..devices import DeviceId
@@ -48,12 +48,16 @@ class Tier(enum.Enum):
 _holder_ids = itertools.count(1)
 
 
-@dataclass(frozen=True, slots=True)
-class HolderId:
+class HolderId(FrozenRecord):
     """Who holds governed bytes (a session, a provider's residency cache, a KV pool); named in errors."""
 
+    __slots__ = __match_args__ = ("label", "id")
     label: str
-    id: int = field(default_factory=lambda: next(_holder_ids))
+    id: int
+
+    def __init__(self, label: str, id: int | None = None) -> None:
+        object.__setattr__(self, "label", label)
+        object.__setattr__(self, "id", next(_holder_ids) if id is None else id)
 
     def __str__(self) -> str:
         return f"{self.label}#{self.id}"
@@ -146,13 +150,17 @@ class MemoryGovernor(Protocol):
         ...
 
 
-@dataclass(slots=True)
-class WorkspaceAllocation:
+class WorkspaceAllocation(Record):
     """Executor workspace: the buffer and the compatibility lease that paid for it (None when the
     provider's allocator charges the governor itself)."""
 
+    __slots__ = __match_args__ = ("buffer", "lease")
     buffer: DeviceBuffer
-    lease: MemoryLease | None = None
+    lease: MemoryLease | None
+
+    def __init__(self, buffer: DeviceBuffer, lease: MemoryLease | None = None) -> None:
+        self.buffer = buffer
+        self.lease = lease
 
     def into_parts(self) -> tuple[DeviceBuffer, MemoryLease | None]:
         return self.buffer, self.lease
@@ -181,38 +189,58 @@ def quarantined_workspace_leases() -> list[MemoryLease]:
         return list(_QUARANTINED_LEASES)
 
 
-@dataclass(frozen=True, slots=True)
-class RawDeviceAllocationSiteStats:
+class RawDeviceAllocationSiteStats(FrozenRecord):
     """Device allocations made outside the ``allocate`` hook, attributed to their source site."""
 
+    __slots__ = __match_args__ = ("file", "line", "requests", "requested_bytes",
+                                  "driver_allocations", "driver_bytes", "pool_hits", "pool_hit_bytes")
     file: str
     line: int
-    requests: int = 0
-    requested_bytes: int = 0
-    driver_allocations: int = 0
-    driver_bytes: int = 0
-    pool_hits: int = 0
-    pool_hit_bytes: int = 0
+    requests: int
+    requested_bytes: int
+    driver_allocations: int
+    driver_bytes: int
+    pool_hits: int
+    pool_hit_bytes: int
+
+    def __init__(self,
+                 file: str, line: int, requests: int = 0, requested_bytes: int = 0, driver_allocations: int = 0,
+                 driver_bytes: int = 0, pool_hits: int = 0, pool_hit_bytes: int = 0) -> None:
+        object.__setattr__(self, "file", file)
+        object.__setattr__(self, "line", line)
+        object.__setattr__(self, "requests", requests)
+        object.__setattr__(self, "requested_bytes", requested_bytes)
+        object.__setattr__(self, "driver_allocations", driver_allocations)
+        object.__setattr__(self, "driver_bytes", driver_bytes)
+        object.__setattr__(self, "pool_hits", pool_hits)
+        object.__setattr__(self, "pool_hit_bytes", pool_hit_bytes)
 
 
 # -- identity, staging, sealed constants ----------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class ExecutionProviderCapabilities:
+class ExecutionProviderCapabilities(FrozenRecord):
     """What an executor may hand the provider beyond resident tensors. Stock providers advertise none."""
 
-    lazy_weight_inputs: bool = False  # kernels accept a PagedWeight in place of a resident initializer
+    __slots__ = __match_args__ = ("lazy_weight_inputs",)
+    lazy_weight_inputs: bool  # kernels accept a PagedWeight in place of a resident initializer
+
+    def __init__(self, lazy_weight_inputs: bool = False) -> None:
+        object.__setattr__(self, "lazy_weight_inputs", lazy_weight_inputs)
 
     @classmethod
     def stock(cls) -> ExecutionProviderCapabilities:
         return cls()
 
 
-@dataclass(frozen=True, slots=True)
-class ProviderContextIdentity:
+class ProviderContextIdentity(FrozenRecord):
     """The provider memory context (e.g. a CUDA context) that owns sealed constants."""
 
+    __slots__ = __match_args__ = ("provider", "context")
     provider: str
     context: int
+
+    def __init__(self, provider: str, context: int) -> None:
+        object.__setattr__(self, "provider", provider)
+        object.__setattr__(self, "context", context)
 
 
 @runtime_checkable
@@ -249,15 +277,22 @@ class HostToDeviceCopier(Protocol):
 
 
 # -- lazy weights -----------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class LazyWeight:
+class LazyWeight(FrozenRecord):
     """An initializer left in its file: ``nbytes`` at ``offset`` of the region source."""
 
+    __slots__ = __match_args__ = ("name", "offset", "nbytes", "dtype", "shape")
     name: str
     offset: int
     nbytes: int
     dtype: str
     shape: tuple[int, ...]
+
+    def __init__(self, name: str, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "offset", offset)
+        object.__setattr__(self, "nbytes", nbytes)
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "shape", shape)
 
 
 @runtime_checkable
@@ -267,14 +302,19 @@ class MmapRegionSource(Protocol):
     def region(self, offset: int, nbytes: int) -> memoryview: ...
 
 
-@dataclass(slots=True)
-class PagedWeight:
+class PagedWeight(Record):
     """A lazy weight made resident: the executor substitutes ``buffer`` for the initializer and keeps
     this object for the kernel's lifetime; ``fence`` orders the kernel after the upload."""
 
+    __slots__ = __match_args__ = ("key", "buffer", "fence")
     key: int
     buffer: DeviceBuffer
-    fence: Fence | None = None
+    fence: Fence | None
+
+    def __init__(self, key: int, buffer: DeviceBuffer, fence: Fence | None = None) -> None:
+        self.key = key
+        self.buffer = buffer
+        self.fence = fence
 
 
 class RoutedResidencyRequirement(enum.Enum):

@@ -16,10 +16,10 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from ..contract.residency import HolderId, MappedGrowthGrant, MemoryLease, MemoryRole, Tier
 from ..errors import InvalidArgumentError, ProviderError
+from ..records import Record
 
 __all__ = ["DeviceGovernor", "MemoryBudgetError", "ProcessMemoryGovernor", "parse_byte_limit", "process_governor"]
 
@@ -57,23 +57,39 @@ def parse_byte_limit(value: str | int | float, key: str, total: int | None = Non
     return int(number * _UNITS[unit])
 
 
-@dataclass
-class _Deferred:
+class _Deferred(Record):
+    __match_args__ = ("lease", "settle")
     lease: MemoryLease
     settle: Callable[[], None]  # blocks until the release is done (e.g. a stream synchronize)
 
+    def __init__(self, lease: MemoryLease, settle: Callable[[], None]) -> None:
+        self.lease = lease
+        self.settle = settle
 
-@dataclass
-class _Budget:
+
+class _Budget(Record):
     """One device tier's ledger."""
 
-    limit: int | None = None
-    used: int = 0
-    high_water: int = 0
-    by_holder: dict[HolderId, int] = field(default_factory=dict)
-    by_role: dict[MemoryRole, int] = field(default_factory=dict)
-    deferred: list[_Deferred] = field(default_factory=list)
-    refused: int = 0  # reservations refused for lack of budget
+    __match_args__ = ("limit", "used", "high_water", "by_holder", "by_role", "deferred", "refused")
+    limit: int | None
+    used: int
+    high_water: int
+    by_holder: dict[HolderId, int]
+    by_role: dict[MemoryRole, int]
+    deferred: list[_Deferred]
+    refused: int  # reservations refused for lack of budget
+
+    def __init__(self,
+                 limit: int | None = None, used: int = 0, high_water: int = 0,
+                 by_holder: dict[HolderId, int] | None = None, by_role: dict[MemoryRole, int] | None = None,
+                 deferred: list[_Deferred] | None = None, refused: int = 0) -> None:
+        self.limit = limit
+        self.used = used
+        self.high_water = high_water
+        self.by_holder = {} if by_holder is None else by_holder
+        self.by_role = {} if by_role is None else by_role
+        self.deferred = [] if deferred is None else deferred
+        self.refused = refused
 
 
 def _debit(budget: _Budget, holder: HolderId | None, role: MemoryRole, nbytes: int) -> None:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..contract.buffers import DeviceBuffer, Ownership
 from ..contract.residency import HolderId, MemoryLease, MemoryRole, Tier
 from ..dtypes import DataType
+from ..records import Record
 from ..tensor import Tensor
 from .governor import DeviceGovernor
 from .mapped import mapped_region
@@ -28,11 +28,16 @@ from .mapped import mapped_region
 __all__ = ["SealedWeights", "live_sealed_constants", "provider_seals"]
 
 
-@dataclass
-class _Entry:
+class _Entry(Record):
+    __match_args__ = ("allocation", "lease", "refs")
     allocation: object  # the provider's SealedDeviceAllocation
     lease: MemoryLease
-    refs: int = 0
+    refs: int
+
+    def __init__(self, allocation: object, lease: MemoryLease, refs: int = 0) -> None:
+        self.allocation = allocation
+        self.lease = lease
+        self.refs = refs
 
 
 _LOCK = threading.Lock()

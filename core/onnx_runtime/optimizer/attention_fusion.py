@@ -21,14 +21,13 @@ alone: Softmax makes NaN of that row where Attention makes zeros.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import onnx
 
 from ..dtypes import DataType
 from ..ir import Dim, Graph, Node, TypeInfo, ValueInfo
 from ..loader import SHAPE_VALUE_LIMIT, convert_type
+from ..records import Record
 from .context import PassContext
 from .rewrite import Uses, constant, forget_value, new_node, remove_nodes, set_attr
 
@@ -89,8 +88,9 @@ def _ungroup_repeats(graph: Graph, matcher: _Matcher) -> list[Node]:
     return removed
 
 
-@dataclass
-class _Match:
+class _Match(Record):
+    __match_args__ = ("q", "k_source", "k_perm", "k_transpose", "v", "mask", "mask_parts", "scale", "k_shape",
+                      "grouped", "core", "dropped", "rewires", "guarded", "mask_shape")
     q: str
     k_source: str  # K, or what a Transpose by ``k_perm`` turns into K
     k_perm: list[int] | None
@@ -102,19 +102,45 @@ class _Match:
     k_shape: tuple
     grouped: bool  # K and V are un-repeated: Q's heads share them in groups
     core: list[Node]  # first MatMul ... second MatMul, in order: the nodes Attention computes
-    dropped: list[Node] = field(default_factory=list)  # nodes feeding the core that go with it
-    rewires: list[tuple[Node, str, str]] = field(default_factory=list)  # (node, input it reads, input it reads now)
-    guarded: bool = False  # Softmax's NaN (a row the mask hides entirely) is zeroed, as Attention does
-    mask_shape: tuple = ()  # the summed mask's, with ``mask_parts``
+    dropped: list[Node]  # nodes feeding the core that go with it
+    rewires: list[tuple[Node, str, str]]  # (node, input it reads, input it reads now)
+    guarded: bool  # Softmax's NaN (a row the mask hides entirely) is zeroed, as Attention does
+    mask_shape: tuple  # the summed mask's, with ``mask_parts``
+
+    def __init__(self,
+                 q: str, k_source: str, k_perm: list[int] | None, k_transpose: Node | None, v: str, mask: str,
+                 mask_parts: tuple[str, str] | None, scale: float, k_shape: tuple, grouped: bool, core: list[Node],
+                 dropped: list[Node] | None = None, rewires: list[tuple[Node, str, str]] | None = None,
+                 guarded: bool = False, mask_shape: tuple = ()) -> None:
+        self.q = q
+        self.k_source = k_source
+        self.k_perm = k_perm
+        self.k_transpose = k_transpose
+        self.v = v
+        self.mask = mask
+        self.mask_parts = mask_parts
+        self.scale = scale
+        self.k_shape = k_shape
+        self.grouped = grouped
+        self.core = core
+        self.dropped = [] if dropped is None else dropped
+        self.rewires = [] if rewires is None else rewires
+        self.guarded = guarded
+        self.mask_shape = mask_shape
 
 
-@dataclass
-class _Repeat:
+class _Repeat(Record):
     """A KV tensor whose heads a repeat_kv pattern repeats ``times`` times each."""
 
+    __match_args__ = ("kv", "times", "nodes")
     kv: str
     times: int
     nodes: list[Node]
+
+    def __init__(self, kv: str, times: int, nodes: list[Node]) -> None:
+        self.kv = kv
+        self.times = times
+        self.nodes = nodes
 
 
 class _Matcher:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -20,6 +19,7 @@ from ..ir import Graph, Model
 from ..loader import SHAPE_VALUE_LIMIT, initializer_arrays, model_of, read_model
 from ..memory import MemoryBudgetError
 from ..plan_cache import PlanCache
+from ..records import Record
 from .executor import Executor
 from .specialize import Specializer
 
@@ -39,12 +39,20 @@ def open_plans(options, config: dict[str, str], source, handles, provider_option
     return plan_cache.open_cache(keyed, source, handles)
 
 
-@dataclass
-class CachedCreation:
+class CachedCreation(Record):
+    __match_args__ = ("model", "applied", "folded", "placed")
     model: Model
     applied: list[str]
     folded: dict[str, np.ndarray]
-    placed: list[str] | None = None  # the providers the writer's generic placement used (written after it placed)
+    placed: list[str] | None  # the providers the writer's generic placement used (written after it placed)
+
+    def __init__(self,
+                 model: Model, applied: list[str], folded: dict[str, np.ndarray],
+                 placed: list[str] | None = None) -> None:
+        self.model = model
+        self.applied = applied
+        self.folded = folded
+        self.placed = placed
 
 
 def read_creation(plans: PlanCache, source, map_weights: bool) -> CachedCreation | None:

@@ -14,10 +14,9 @@ to the mask's length) takes the plan's usual values and its mask chain.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
+from ..records import Record
 from .mask_values import mask_feeds
 from .shape_program import ONES, POSITIONS
 from .steps import ShapeValues, Step, shape_only_steps
@@ -129,14 +128,19 @@ def assumed_feeds(graph, feed_slots: dict[str, int]) -> dict[int, tuple]:
     return assumed
 
 
-@dataclasses.dataclass
-class Planned:
+class Planned(Record):
     """A plan's canonical steps, found before its releases are assigned (the full steps keep ``kept`` to their
     end, as they keep the usual values)."""
 
+    __match_args__ = ("assumed", "body", "kept")
     assumed: dict[int, tuple]
     body: list[Step]
     kept: tuple[int, ...]
+
+    def __init__(self, assumed: dict[int, tuple], body: list[Step], kept: tuple[int, ...]) -> None:
+        self.assumed = assumed
+        self.body = body
+        self.kept = kept
 
     def values(self, general: ShapeValues, declared: dict) -> CanonicalFeeds:
         """``general`` (the plan's usual values; its full steps are shared) with the canonical ShapeValues."""
@@ -160,7 +164,7 @@ def plan(graph, steps: list[Step], feed_slots: dict[str, int], tensor_feeds: set
     more = shape_only_steps(steps, tensor_feeds, constants, outputs, frozenset(assumed))
     if len(more) <= len(found):
         return None
-    body = [dataclasses.replace(step) for index, step in enumerate(steps) if index not in more]
+    body = [step.replace() for index, step in enumerate(steps) if index not in more]
     read = {slot for step in body for slot in step.inputs}
     kept = tuple(slot for index in sorted(more) for slot in steps[index].outputs if slot in read)
     return Planned(assumed, body, kept)

@@ -24,7 +24,6 @@ run may instead replay device graphs, in the slot the run options name (:data:`G
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 import warnings
@@ -252,7 +251,7 @@ class Executor:
         constants = {where[name][0] for name in self._consts}
         found = set() if self._devices or recorded_copies else \
             shape_only_steps(steps, tensor_feeds, constants, set(output_slots))
-        body = [dataclasses.replace(step) for index, step in enumerate(steps) if index not in found] if found else []
+        body = [step.replace() for index, step in enumerate(steps) if index not in found] if found else []
         read = {slot for step in body for slot in step.inputs}
         kept = tuple(slot for index in sorted(found) for slot in steps[index].outputs if slot in read)
         # An unpadded generation's mask and positions: shape-only too (see canonical_feeds), for plans whose feed

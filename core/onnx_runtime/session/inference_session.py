@@ -7,7 +7,6 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from operator import itemgetter
 
 import numpy as np
@@ -16,7 +15,7 @@ from .. import budget, run_scope
 from ..dtypes import DataType
 from ..errors import InvalidArgumentError
 from ..functions import FunctionExpander
-from ..ir import Model, TypeInfo, ValueInfo
+from ..ir import Model, TypeInfo
 from ..loader import load_model
 from ..logs import SessionLog
 from ..memory.session import MAP_WEIGHTS_KEY, governed
@@ -29,45 +28,13 @@ from .custom_passes import run_custom_passes
 from .executor import Executor, graph_slot_of
 from .feed_types import check_type_and_shape
 from .io_binding import IOBinding
+from .model_info import ModelMetadata, NodeArg
 from .options import RunOptions, SessionOptions
 from .placement import Placement, place
 from .profiling import Profile
 from .provider_setup import FALLBACK_KEY, create_handles, resolve_providers
 from .specialize import Specializer, promote_built
 from .strict import STRICT_KEY
-
-
-@dataclass(frozen=True)
-class NodeArg:
-    """A graph input or output as onnxruntime describes it."""
-
-    name: str
-    type: str
-    shape: list
-
-    @classmethod
-    def of(cls, vi: ValueInfo) -> NodeArg:
-        t = vi.type
-        if t.kind == "tensor":
-            type_name = f"tensor({t.dtype})" if t.dtype is not None else "tensor(undefined)"
-            shape = [d for d in t.shape] if t.shape is not None else []
-        elif t.kind in ("sequence", "optional"):
-            type_name = f"{t.kind}({NodeArg.of(ValueInfo('', t.elem)).type if t.elem else 'undefined'})"
-            shape = []
-        else:
-            type_name, shape = t.kind, []
-        return cls(vi.name, type_name, shape)
-
-
-@dataclass(frozen=True)
-class ModelMetadata:
-    producer_name: str
-    graph_name: str
-    domain: str
-    description: str
-    graph_description: str
-    version: int
-    custom_metadata_map: dict = field(default_factory=dict)
 
 
 def session_config(options: SessionOptions) -> dict[str, str]:

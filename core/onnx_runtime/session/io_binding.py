@@ -14,7 +14,6 @@ runs (decode steps, say) need not cross the host. What each binding means:
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,16 +22,22 @@ from ..dtypes import DataType
 from ..errors import InvalidArgumentError
 from ..ort_value import OrtValue, element_type_of
 from ..provider_handle import ProviderHandle
+from ..records import Record
 from ..tensor import Tensor
 
 _MAX_ALIGNMENT = 256
 
 
-@dataclass
-class _Output:
+class _Output(Record):
+    __match_args__ = ("handle", "target", "result")
     handle: ProviderHandle  # where the value must end up
-    target: OrtValue | None = None  # a caller's buffer the run writes into
-    result: OrtValue | None = None
+    target: OrtValue | None  # a caller's buffer the run writes into
+    result: OrtValue | None
+
+    def __init__(self, handle: ProviderHandle, target: OrtValue | None = None, result: OrtValue | None = None) -> None:
+        self.handle = handle
+        self.target = target
+        self.result = result
 
 
 class IOBinding:

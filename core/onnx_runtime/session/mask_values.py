@@ -16,7 +16,6 @@ steps and keeps read-only copies of their results, as the shape-only cache keeps
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 import threading
 
@@ -85,7 +84,7 @@ class MaskChain:
             for slot in step.outputs:
                 local.setdefault(slot, len(local))
         none = local.setdefault(0, len(local))  # (slot 0: an omitted input)
-        self._local = Steps([dataclasses.replace(step, inputs=tuple(local.get(slot, none) for slot in step.inputs),
+        self._local = Steps([step.replace(inputs=tuple(local.get(slot, none) for slot in step.inputs),
                                                  outputs=tuple(local[slot] for slot in step.outputs), release=())
                              for step in steps])
         self._tail = (None,) * (len(local) - len(inputs))
@@ -191,7 +190,7 @@ def grouped(steps: list[Step], masks: set[int], kept: set[int], constants: set[i
                 external.append(slot)
     by_value = [slot for slot in external if slot not in constants]  # masks and kept values
     inputs = tuple(by_value + [slot for slot in external if slot in constants])
-    inner = [dataclasses.replace(steps[index], release=()) for index in members]
+    inner = [steps[index].replace(release=()) for index in members]
     release = tuple(dict.fromkeys(slot for index in members for slot in steps[index].release if slot not in made))
     first = steps[members[0]].node
     node = Node("MaskChain", [], [], name=f"{first.name}/mask_chain" if first is not None else "mask_chain")

@@ -9,32 +9,48 @@ otherwise the node goes to the first provider, in the session's priority order, 
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 from ..contract.kernels import input_facts
 from ..errors import ProviderError, UnsupportedOperatorError
 from ..ir import Graph, Node
 from ..provider_handle import ProviderHandle
+from ..records import Record
 
 
-@dataclass
-class NodePlacement:
+class NodePlacement(Record):
+    __match_args__ = ("node", "op_type", "domain", "provider", "claimed", "cost", "rejected")
     node: str
     op_type: str
     domain: str
     provider: str
-    claimed: bool = False
-    cost: float = 1.0
-    rejected: dict[str, str] = field(default_factory=dict)  # provider name -> reason
+    claimed: bool
+    cost: float
+    rejected: dict[str, str]  # provider name -> reason
+
+    def __init__(self,
+                 node: str, op_type: str, domain: str, provider: str, claimed: bool = False, cost: float = 1.0,
+                 rejected: dict[str, str] | None = None) -> None:
+        self.node = node
+        self.op_type = op_type
+        self.domain = domain
+        self.provider = provider
+        self.claimed = claimed
+        self.cost = cost
+        self.rejected = {} if rejected is None else rejected
 
 
-@dataclass
-class Copy:
+class Copy(Record):
     """A transfer the executor inserted at a device boundary."""
 
+    __match_args__ = ("value", "source", "target")
     value: str
     source: str  # "host" or a provider name
     target: str
+
+    def __init__(self, value: str, source: str, target: str) -> None:
+        self.value = value
+        self.source = source
+        self.target = target
 
 
 class Placement:

@@ -8,10 +8,8 @@ This module imports neither of them.
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 import time
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -22,6 +20,7 @@ from ..errors import InvalidArgumentError, InvalidRunValueError, KernelError, On
 from ..ir import Graph, Node
 from ..optimizer.constant_folding import NONDETERMINISTIC
 from ..provider_handle import ProviderHandle
+from ..records import Record
 from ..tensor import Tensor
 from . import shape_program, shape_rules
 from .placement import Copy
@@ -158,14 +157,23 @@ def on_device(value):
 
 
 # -- steps and plans ----------------------------------------------------------------------------------
-@dataclass(slots=True)
-class Step:
+class Step(Record):
+    __slots__ = __match_args__ = ("run", "inputs", "outputs", "release", "node", "provider")
     run: KernelFn  # the node's kernel, or a copy (an Uploader, or downloader)
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     release: tuple[int, ...]
     node: Node | None
     provider: str
+
+    def __init__(self, run: KernelFn, inputs: tuple[int, ...], outputs: tuple[int, ...], release: tuple[int, ...],
+                 node: Node | None, provider: str) -> None:
+        self.run = run
+        self.inputs = inputs
+        self.outputs = outputs
+        self.release = release
+        self.node = node
+        self.provider = provider
 
 
 class ShapeValuesRun(Protocol):
@@ -402,7 +410,7 @@ class ShapeValues:
             self.programs.append((template, None, None))
             return None
         program, residual = built
-        steps = [dataclasses.replace(self.full.steps[index], release=()) for index in residual]
+        steps = [self.full.steps[index].replace(release=()) for index in residual]
         entry = (template, program, Steps(steps))
         self.programs.append(entry)
         return entry, False

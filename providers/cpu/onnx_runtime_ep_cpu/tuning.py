@@ -19,7 +19,6 @@ rounding.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from collections.abc import Callable, Iterator
 
@@ -28,9 +27,8 @@ from onnx_runtime.errors import InvalidArgumentError
 _ENVIRONMENT_PREFIX = "ONNX_RUNTIME_CPU_"
 
 
-# The defaults live on the class and a change on the one instance: no generated __init__, __repr__ or __eq__,
-# whose source dataclasses compiles for every field when the provider is imported (each new process).
-@dataclasses.dataclass(init=False, repr=False, eq=False)
+# The defaults live on the class and a change on the one instance, a plain class: dataclasses would compile code
+# for it (and import its own module) in every new process.
 class Knobs:
     """Every knob, with its default. Sizes are in multiply-adds (macs), elements or bytes."""
 
@@ -119,6 +117,7 @@ class Knobs:
 
 
 KNOBS = Knobs()
+KNOB_NAMES = tuple(Knobs.__annotations__)  # every knob, in the order above
 _on_change: list[Callable[[], None]] = []
 # Bumped whenever a knob changes: a kernel that keeps a call (a bound product, a kept contrib call) holds the epoch
 # it kept it in, since the path it keeps was chosen with the knobs.
@@ -132,7 +131,7 @@ def when_changed(clear: Callable[[], None]) -> None:
 
 
 def _set(changes: dict) -> None:
-    names = {field.name for field in dataclasses.fields(Knobs)}
+    names = set(KNOB_NAMES)
     unknown = sorted(set(changes) - names)
     if unknown:
         raise InvalidArgumentError(
@@ -149,7 +148,7 @@ def _set(changes: dict) -> None:
 @contextlib.contextmanager
 def override(**changes: int | None) -> Iterator[Knobs]:
     """Set the given knobs for the ``with`` block (the process's kernels all see them), then restore them."""
-    before = dataclasses.asdict(KNOBS)
+    before = {name: getattr(KNOBS, name) for name in KNOB_NAMES}
     _set(changes)
     try:
         yield KNOBS
@@ -159,14 +158,14 @@ def override(**changes: int | None) -> Iterator[Knobs]:
 
 def _from_environment(environ) -> dict:
     changes = {}
-    for field in dataclasses.fields(Knobs):
-        text = environ.get(_ENVIRONMENT_PREFIX + field.name.upper())
+    for name in KNOB_NAMES:
+        text = environ.get(_ENVIRONMENT_PREFIX + name.upper())
         if text is not None:
             try:
-                changes[field.name] = int(text)
+                changes[name] = int(text)
             except ValueError:
                 raise InvalidArgumentError(
-                    f"{_ENVIRONMENT_PREFIX}{field.name.upper()}={text!r}: expected an integer") from None
+                    f"{_ENVIRONMENT_PREFIX}{name.upper()}={text!r}: expected an integer") from None
     return changes
 
 
