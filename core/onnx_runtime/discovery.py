@@ -17,8 +17,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import pluggy
-
 from .contract.deferred import DeferredProvider
 from .contract.hookspecs import DiscoverySpec
 from .contract.kernels import Availability
@@ -393,6 +391,8 @@ def _provider_classes(plugin) -> list[Callable[[], object]]:
         if not classes:
             raise PluginError("it contributes no provider classes (implement `onnx_runtime_providers`)")
         return classes
+    import pluggy  # (loaded only for a plugin whose hooks pluggy must read)
+
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(DiscoverySpec)
     try:

@@ -10,13 +10,11 @@ only by the provider of its device, and borrowed buffers never.
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pluggy
 
 from .contract.buffers import DeviceBuffer
 from .contract.defaults import DefaultFallbacks
@@ -30,34 +28,10 @@ from .errors import PluginError, ProviderError
 from .hook_table import HookTable, provider_hooks
 from .run_scope import Scope
 
+if TYPE_CHECKING:
+    import pluggy
+
 _DISCOVERY_HOOKS = {"onnx_runtime_providers"}
-
-
-class ContractManager(pluggy.PluginManager):
-    """pluggy's manager, skipping dunder names when it looks for hook specifications and implementations:
-    no hook of the contract is one, and they are most of what ``dir()`` lists (27 of the CPU provider's
-    33 names). pluggy inspects each name statically (``inspect.getattr_static``), a cost every session
-    creation paid for the provider, its fallbacks and the specification (measured in 812ef5d)."""
-
-    def __init__(self, project_name: str):
-        super().__init__(project_name)
-        self._spec_marker = project_name + "_spec"
-
-    def parse_hookimpl_opts(self, plugin, name: str):
-        return None if name.startswith("__") else super().parse_hookimpl_opts(plugin, name)
-
-    def parse_hookspec_opts(self, module_or_class, name: str):
-        if name.startswith("__"):
-            return None
-        if isinstance(module_or_class, type):  # a plain function found in the class's own namespaces: its marker
-            for owner in module_or_class.__mro__:  # (what pluggy's static lookup returns, without its checks)
-                if name in owner.__dict__:
-                    found = owner.__dict__[name]
-                    if isinstance(found, types.FunctionType):
-                        opts = getattr(found, self._spec_marker, None)
-                        return opts if isinstance(opts, dict) else None
-                    break
-        return super().parse_hookspec_opts(module_or_class, name)
 
 
 class ProviderHandle:
@@ -133,6 +107,10 @@ class ProviderHandle:
     def _register_provider(self) -> set[str]:
         """Make the manager with the contract's specification and register the provider; the hooks it
         implements (pluggy validates them: an invalid one raises PluginError)."""
+        import pluggy
+
+        from .plugin_manager import ContractManager  # (pluggy loads with the first manager a process builds)
+
         pm = ContractManager(PROJECT)
         pm.add_hookspecs(ExecutionProviderSpec)
         try:

@@ -1,6 +1,6 @@
 """What every session creation pays before its plans are read, made cheaper without changing what it decides:
 the plan key's fingerprint of the installed code (plan_cache.py) still changes with any module's size, time or
-name and ignores bytecode caches; the provider handle's hook specifications (provider_handle.py) are the ones
+name and ignores bytecode caches; the provider handle's hook specifications (plugin_manager.py) are the ones
 pluggy's own lookup finds."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import types
 
 import pluggy
 import pytest
-from onnx_runtime import plan_cache, provider_handle
+from onnx_runtime import plan_cache
 from onnx_runtime.contract.hookspecs import ExecutionProviderSpec
 from onnx_runtime.contract.markers import PROJECT
+from onnx_runtime.plugin_manager import ContractManager
 
 
 @pytest.fixture
@@ -67,7 +68,7 @@ def test_the_handle_reads_the_specifications_pluggy_reads():
 
     for namespace in (ExecutionProviderSpec, Extended):
         expected = _pluggy_specs(namespace)
-        contract = provider_handle.ContractManager(PROJECT)
+        contract = ContractManager(PROJECT)
         contract.add_hookspecs(namespace)
         got = {name: caller.spec.opts for name, caller in vars(contract.hook).items()
                if isinstance(caller, pluggy.HookCaller)}

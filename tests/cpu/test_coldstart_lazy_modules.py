@@ -7,7 +7,12 @@ onnxruntime does in about ten milliseconds (docs/cold-start.md). These stay out 
 - the QDQ epilogue pass (qdq_epilogues.py and the three pass modules it imports): the provider declares the
   rounded producers' shape rules at import (fused_shapes.py), and a cached plan runs no pass;
 - the in-place KV append (onnx_runtime/kv_append.py): the shape family imports it at its first two-input Concat,
-  so a CNN's Flatten does not.
+  so a CNN's Flatten does not;
+- dataclasses: ``@dataclass`` compiles every class's methods in every new process, so the classes on this path
+  are plain ones (onnx_runtime/records.py), planned anew or from the plan cache;
+- logging: onnx_runtime/logs.py imports it at the first record a session lets through;
+- pluggy: the contract's markers are the core's own (contract/markers.py), and its manager is built (and pluggy
+  imported) only where a handle needs one (provider_handle.py), which a CPU session's direct hook table does not.
 
 Once the loader is done the segment still plans, and every run's values stay within a float64 bound.
 What matters is what a new process loads, so the checks run in fresh interpreters.
@@ -125,6 +130,49 @@ def test_cached_first_runs_import_neither_the_segment_builder_nor_the_epilogue_p
     assert set(SEGMENT_BUILDER) <= set(report["after_loader"]), "the segment did not plan after the loader"
     for outputs in report["outputs"]:
         assert_within(np.array(outputs[0], np.float32), exact, bound)
+
+
+DATACLASS_SCRIPT = r"""
+import json, sys, threading
+import numpy as np
+import onnx
+main, imported = threading.get_ident(), []
+# (the main thread's imports only: the background loader may import numba, which imports dataclasses)
+sys.addaudithook(lambda event, args: event == "import" and threading.get_ident() == main and imported.append(args[0]))
+import onnx_runtime as ort
+options = ort.SessionOptions()
+options.intra_op_num_threads = 1
+sess = ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
+y = sess.run(None, {"x": np.load(sys.argv[2])})[0]
+made = sorted({f"{name}.{value.__qualname__}" for name in set(imported) if name.startswith("onnx_runtime")
+               for value in vars(sys.modules.get(name, sys)).values()
+               if isinstance(value, type) and value.__module__ == name and "__dataclass_fields__" in vars(value)})
+unwanted = [name for name in ("dataclasses", "logging", "pluggy") if name in imported]
+print(json.dumps({"unwanted": unwanted, "made": made, "y": y.tolist()}))
+"""
+
+
+@pytest.mark.parametrize("plans", ["planned anew", "from the plan cache"])
+def test_a_convolution_session_defines_no_dataclass_and_loads_neither_logging_nor_pluggy(tmp_path, plans):
+    """Importing the runtime, creating a CNN session and its first run import no module that defines a dataclass
+    (each costs a new process about half a millisecond of generated code), nor the dataclasses module, nor logging
+    (a session of the default severity logs nothing here), nor pluggy (no plugin manager is built)."""
+    model = _residual_cnn()
+    model_path, x_path = tmp_path / "cnn.onnx", tmp_path / "x.npy"
+    onnx.save(model, model_path)
+    x = np.random.default_rng(5).standard_normal((2, 3, 10, 10)).astype(np.float32)
+    np.save(x_path, x)
+    exact = run_float64(model, {"x": x})[0]
+    env = dict(os.environ, ONNX_RUNTIME_PLAN_CACHE_DIR=str(tmp_path / "plans"),
+               ONNX_RUNTIME_PLAN_CACHE="0" if plans == "planned anew" else "1")
+    for _ in range(1 if plans == "planned anew" else 2):  # (the second process reads the first one's plans)
+        done = subprocess.run([sys.executable, "-c", DATACLASS_SCRIPT, str(model_path), str(x_path)],
+                              capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["made"] == [], f"dataclasses defined on the way: {report['made']}"
+    assert report["unwanted"] == [], f"imported on the way: {report['unwanted']}"
+    assert_within(np.array(report["y"], np.float32), exact, 1e-4 * max(1.0, float(np.max(np.abs(exact)))))
 
 
 HOST_SCRIPT = r"""

@@ -10,9 +10,10 @@ satisfies it structurally.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import pluggy
+if TYPE_CHECKING:
+    import pluggy
 
 
 class ContractHandle(Protocol):
