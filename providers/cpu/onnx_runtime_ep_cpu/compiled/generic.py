@@ -157,8 +157,9 @@ def conv_gathered(x, w, b, table, y):
 
 
 def fill_columns(x, cols, kh, kw, sh, sw, dh, dw, top, left, row_start, row_count, ow_count):
-    """One strided copy per tap from a zero-bordered copy of the rows the taps reach: gathering every tap
-    through index arrays and masking the padding cost a stem convolution's first run several milliseconds."""
+    """One strided copy of every tap at once from a zero-bordered copy of the rows the taps reach: gathering
+    every tap through index arrays and masking the padding cost a stem convolution's first run several
+    milliseconds, and a copy per tap a Python step per tap."""
     channels, height, width = x.shape
     if row_count <= 0 or ow_count <= 0:
         return
@@ -173,10 +174,11 @@ def fill_columns(x, cols, kh, kw, sh, sw, dh, dw, top, left, row_start, row_coun
     across, along = cols.strides  # column rows (channel, tap), then output positions (row, column)
     target = np.lib.stride_tricks.as_strided(cols, (channels, kh, kw, row_count, ow_count),
                                              (kh * kw * across, kw * across, across, ow_count * along, along))
-    for i in range(kh):
-        for j in range(kw):
-            target[:, i, j] = source[:, i * dh:i * dh + (row_count - 1) * sh + 1:sh,
-                                     j * dw:j * dw + (ow_count - 1) * sw + 1:sw]
+    by_channel, by_row, by_column = source.strides  # tap (i, j) of output (r, c) reads source[:, i*dh + r*sh, ...]
+    taps = np.lib.stride_tricks.as_strided(source, (channels, kh, kw, row_count, ow_count),
+                                           (by_channel, dh * by_row, dw * by_column, sh * by_row, sw * by_column),
+                                           writeable=False)
+    np.copyto(target, taps)
 
 
 def fill_tight_columns(x, cols, kh, kw, dh, dw, top, left, row_start, row_count):
