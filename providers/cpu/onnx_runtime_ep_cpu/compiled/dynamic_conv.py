@@ -12,9 +12,27 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
-from .qgemm import centred_rows_of, finish_requantized, qgemm, requantized_product, scaled_product
+from .qgemm import (
+    A_HIGH,
+    A_LOW,
+    A_QUANTIZE,
+    A_SCALE,
+    A_ZERO,
+    DEQUANTIZE,
+    Y_HIGH,
+    Y_LOW,
+    Y_SCALE,
+    Y_ZERO,
+    centred_rows_of,
+    finish_requantized,
+    float_code,
+    qgemm,
+    requantized_product,
+    scaled_product,
+)
+from .qgemm_quads import strided_quads
 from .qgemm_tiles import strided_product
-from .quantize import dynamic_parameters
+from .quantize import dynamic_parameters, requantized_code
 
 
 @jit
@@ -174,4 +192,92 @@ def quantized_conv_lines(x, kw, sw, left, right, ow, pairs, multiplier, offset, 
     for b in range(x.shape[0]):
         strided_product(flat, b * wide, sw * channels, ow, pairs, acc)
         finish_requantized(acc, multiplier, offset, consts, y)
+        _images_by_channel(y, out[b:b + 1])
+
+
+@jit
+def _channel_last_unsigned(x, consts, left, right):
+    """x (N, C, 1, W) as unsigned codes laid out (N, left + W + right, C): code(x[b, c, 0, w]) - low at
+    [b, left + w, c] (x's 8-bit codes, or float32 data quantized as QuantizeLinear does: qgemm's ``consts``;
+    ``low`` the code range's, so int8 codes shift by 128), the zero point's shifted code in the pads. Coded
+    along x's rows first (vector code), then turned."""
+    batch, channels, width = x.shape[0], x.shape[1], x.shape[3]
+    scale, zero = np.float32(consts[A_SCALE]), np.float32(consts[A_ZERO])
+    low, high = np.float32(consts[A_LOW]), np.float32(consts[A_HIGH])
+    quantize = consts[A_QUANTIZE] != 0
+    rows = x.reshape(batch * channels, width)
+    coded = np.empty((batch * channels, width), np.uint8)
+    for line in range(batch * channels):
+        source, target = rows[line], coded[line]
+        if quantize:
+            for w in range(width):
+                target[w] = np.uint8(np.int32(float_code(source[w], scale, zero, low, high) - low))
+        else:
+            for w in range(width):
+                target[w] = np.uint8(np.int32(source[w]) - np.int32(low))
+    out = np.empty((batch, left + width + right, channels), np.uint8)
+    out[:] = np.uint8(np.int32(zero - low))
+    for b in range(batch):
+        for w in range(width):
+            line = out[b, left + w]
+            for c in range(channels):
+                line[c] = coded[b * channels + c, w]
+    return out
+
+
+@jit
+def _window_sums(codes, kw, sw, sums):
+    """sums[r] = the sum of one image's channel-last ``codes`` (positions, C) over window r: kw positions from
+    r * sw."""
+    totals = np.zeros(codes.shape[0], np.int64)
+    for p in range(codes.shape[0]):
+        for c in range(codes.shape[1]):
+            totals[p] += codes[p, c]
+    for r in range(sums.shape[0]):
+        total = np.int64(0)
+        for j in range(kw):
+            total += totals[r * sw + j]
+        sums[r] = total
+
+
+@jit
+def _finish_rows(acc, fix, weight_zeros, sums, multiplier, offset, consts, out):
+    """out (rows, M) = the requantized codes (or their float32 values) of the int32 sums acc[r, m] + fix[m] -
+    weight_zeros[m] * sums[r] (wrapped to int32 as an accumulator wraps): requantize_affine's arithmetic per
+    output channel m, ``multiplier`` and ``offset`` (M,)."""
+    rows, columns = acc.shape
+    z, lo, hi, s = np.float64(consts[Y_ZERO]), np.float64(consts[Y_LOW]), np.float64(consts[Y_HIGH]), \
+        np.float64(consts[Y_SCALE])
+    dequantize = consts[DEQUANTIZE] != 0
+    for r in range(rows):
+        line, target, count = acc[r], out[r], sums[r]
+        for m in range(columns):
+            total = np.int32(np.int64(line[m]) + fix[m] - weight_zeros[m] * count)
+            v = requantized_code(np.float64(total), multiplier[m], offset[m], z, lo, hi)
+            target[m] = (v - z) * s if dequantize else v
+
+
+@jit
+def quantized_conv_quads(x, kw, sw, left, right, ow, quads, fix, weight_zeros, multiplier, offset, consts, out):
+    """quantized_conv_lines on AVX-512 VNNI's byte products (compiled/qgemm_quads, C a multiple of 4): x's codes
+    shifted to unsigned and laid out channel-last, each output's window read in place as kw * C bytes, by the
+    weight's signed codes in quads (k = j * C + c); the zero points' terms added after the product, per output
+    channel m: ``fix`` (M,) int64 = K * zu * zs[m] - zu * sum_k s[k, m] and, where any ``weight_zeros`` zs[m]
+    (the signed weight's zero points) is not 0, -zs[m] times each window's sum of codes. The same int32 sums
+    and requantization as quantized_conv."""
+    channels = x.shape[1]
+    codes = _channel_last_unsigned(x, consts, left, right)
+    flat, wide = codes.reshape(-1), codes.shape[1] * channels
+    columns = out.shape[1]
+    acc = np.empty((ow, columns), np.int32)
+    y = np.empty((ow, columns), out.dtype)
+    sums = np.zeros(ow, np.int64)
+    rows_needed = np.any(weight_zeros != 0)
+    scales, shifts = np.empty(columns), np.empty(columns)
+    scales[:], shifts[:] = multiplier, offset  # (one per tensor, or per channel)
+    for b in range(x.shape[0]):
+        strided_quads(flat, b * wide, sw * channels, ow, quads, acc)
+        if rows_needed:
+            _window_sums(codes[b], kw, sw, sums)
+        _finish_rows(acc, fix, weight_zeros, sums, scales, shifts, consts, y)
         _images_by_channel(y, out[b:b + 1])

@@ -386,9 +386,16 @@ def quantized_conv(node, shapes, opset):
     run = integer_conv(node, shapes, opset)
     quantize_a, dequantize = bool(node.attr("quantize_a", 0)), bool(node.attr("dequantize", 0))
     params = Prepared()
-    rows = _conv_rows(node, quantize_a, dequantize)
+    repeat = RepeatCall()  # the last call of the byte products: X's shape and type, the constants, the loop's call
+    rows = _conv_rows(node, quantize_a, dequantize, repeat)
 
     def kernel(x, x_scale, x_zero, w, w_scale, w_zero, y_scale, y_zero, bias=None):
+        kept = repeat.match(x, (x_scale, x_zero, w, w_scale, w_zero, y_scale, y_zero, bias))
+        if kept is not None:
+            loop, shape4, arguments, out_shape, out_dtype, layout = kept
+            out = np.empty(out_shape, out_dtype)
+            loop(np.ascontiguousarray(x).reshape(shape4), *arguments, out.reshape(layout))
+            return (out,)
         if w.ndim < 3 or x.ndim != w.ndim:
             raise argument_error(node, f"X {x.shape} and W {w.shape} must be (N, C, ...) and (M, C/group, k...)")
         channels = w.shape[0]
@@ -396,7 +403,8 @@ def quantized_conv(node, shapes, opset):
             node, channels, x_scale, x_zero, w_scale, w_zero, y_scale, y_zero, bias))
         _operand(node, "W", w, False, p.b_dtype)
         _operand(node, "X", x, quantize_a, p.a_dtype)
-        out = rows(x, w, w_zero, p)
+        out = rows(x, w, w_zero, p, lambda kept: repeat.keep(x, (x_scale, x_zero, w, w_scale, w_zero, y_scale,
+                                                                   y_zero, bias), kept))
         if out is not None:
             return (out,)
         acc = run(x, w, x_zero, w_zero, (p.a_scale, p.a_low, p.a_high) if quantize_a else None)
@@ -410,12 +418,14 @@ def quantized_conv(node, shapes, opset):
     return kernel
 
 
-def _conv_rows(node, quantize_a: bool, dequantize: bool):
-    """quantized_conv's compiled call: a function of (x, w, w_zero, the group's Requantization) giving the
-    output, or None where the call does not take them (another group count or auto_pad, a geometry
-    patch_geometry declines). While numba loads in the background its numpy twin (generic_int8) serves. A 1-D
-    convolution without dilation over an even channel count, where the register tiles run, reads its windows
-    in place from channel-last codes (dynamic_conv.quantized_conv_lines) instead of gathering patch rows."""
+def _conv_rows(node, quantize_a: bool, dequantize: bool, repeat: RepeatCall):
+    """quantized_conv's compiled call: a function of (x, w, w_zero, the group's Requantization, a function that
+    keeps a call's loop and arguments on ``repeat``) giving the output, or None where the call does not take
+    them (another group count or auto_pad, a geometry patch_geometry declines). While numba loads in the
+    background its numpy twin (generic_int8) serves. A 1-D convolution without dilation over an even channel
+    count, where the register tiles run, reads its windows in place from channel-last codes
+    (dynamic_conv.quantized_conv_lines) instead of gathering patch rows; over whole quads of channels, on VNNI,
+    as bytes (dynamic_conv.quantized_conv_quads), whose calls are kept for their repeats."""
     auto_pad = node.attr("auto_pad", "NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
     if int(node.attr("group", 1)) != 1 or auto_pad != "NOTSET":
@@ -423,9 +433,10 @@ def _conv_rows(node, quantize_a: bool, dequantize: bool):
     geometries: dict = {}  # per (X's shape, W's shape): patch_geometry's answer
     side: list = [None, None, {}]  # the weight, its zero point, then its (packed, pairs) per layout
     ran = SimpleNamespace(compiled=False)  # (the lines' call in a Trial until one ran whole: deferred.tried)
+    binds: dict = {}  # the byte products' entry point (EntryOnce), for the kept calls
 
-    def call(x, w, w_zero, p):
-        from ..compiled import dynamic_conv, qgemm  # (found in sys.modules after the first call)
+    def call(x, w, w_zero, p, keep):
+        from ..compiled import dynamic_conv, qgemm, qgemm_quads  # (found in sys.modules after the first call)
 
         key = (x.shape, w.shape)
         geometry = geometries.get(key)
@@ -440,8 +451,12 @@ def _conv_rows(node, quantize_a: bool, dequantize: bool):
         shape4, steps, out_shape, (oh, ow) = geometry
         if _takes_lines(qgemm, shape4, steps) and not numpy_first():
             arguments = (side, dynamic_conv, qgemm, x, w, w_zero, p, geometry, dequantize)
-            out = _conv_lines(*arguments) if ran.compiled else tried(ran, "compiled", _conv_lines, *arguments)
+            quads = _takes_quads(qgemm_quads, shape4)
+            lines = _conv_quads if quads else _conv_lines
+            out = lines(*arguments) if ran.compiled else tried(ran, "compiled", lines, *arguments)
             if out is not None:
+                if quads and ran.compiled:
+                    _keep_quads(binds, keep, side, dynamic_conv, x, w, w_zero, p, geometry, out)
                 return out
         packed, pairs = _conv_weight(side, qgemm, w, w_zero, p, False)
         out = np.empty(out_shape, _F32 if dequantize else p.y_dtype)
@@ -462,6 +477,59 @@ def _conv_lines(side: list, dynamic_conv, qgemm, x, w, w_zero, p, geometry: tupl
                                       steps[9], ow, pairs, p.multiplier, p.offset, p.consts,
                                       out.reshape(out_shape[0], out_shape[1], ow))
     return out
+
+
+def _conv_quads(side: list, dynamic_conv, qgemm, x, w, w_zero, p, geometry: tuple, dequantize: bool):
+    """_conv_rows' call through dynamic_conv.quantized_conv_quads (the windows read in place as bytes, VNNI's
+    byte products)."""
+    shape4, steps, out_shape, (_, ow) = geometry
+    quads, fix, zeros = _quad_weight(side, w, w_zero, p)
+    out = np.empty(out_shape, _F32 if dequantize else p.y_dtype)
+    dynamic_conv.quantized_conv_quads(np.ascontiguousarray(x).reshape(shape4), steps[1], steps[3], steps[8],
+                                      steps[9], ow, quads, fix, zeros, p.multiplier, p.offset, p.consts,
+                                      out.reshape(out_shape[0], out_shape[1], ow))
+    return out
+
+
+def _keep_quads(binds: dict, keep, side: list, dynamic_conv, x, w, w_zero, p, geometry: tuple, out) -> None:
+    """Keeps a call of the byte products for its repeats (``keep``): the loop's entry point once it runs
+    compiled (the dispatcher types thirteen arguments) and its arguments but X and the output."""
+    shape4, steps, out_shape, (_, ow) = geometry
+    layout = (out_shape[0], out_shape[1], ow)
+    arguments = (steps[1], steps[3], steps[8], steps[9], ow, *_quad_weight(side, w, w_zero, p), p.multiplier,
+                 p.offset, p.consts)
+    loop = dynamic_conv.quantized_conv_quads
+    entry = _entry(binds, loop, (np.ascontiguousarray(x).reshape(shape4), *arguments, out.reshape(layout)))
+    keep((entry or loop, shape4, arguments, out_shape, out.dtype, layout))
+
+
+def _takes_quads(qgemm_quads, shape4: tuple) -> bool:
+    """Whether the lines run on the byte products: VNNI, and a channel count of whole quads (every window and
+    every stride starts on one)."""
+    return qgemm_quads.AVAILABLE and shape4[1] % 4 == 0
+
+
+def _quad_weight(side: list, w, w_zero, p) -> tuple:
+    """quantized_conv_quads' weight for the input's zero point: the weight's codes as signed bytes (uint8 codes
+    less 128) in quads of (tap, channel) order, the zero points' term per output channel (``fix``) and the
+    signed zero points; kept with the packed forms of _conv_weight."""
+    from ..compiled import qgemm_quads
+
+    if side[0] is not w or side[1] is not w_zero:
+        side[:] = [w, w_zero, {}]
+    unsigned_zero = p.a_zero - p.a_low  # the input's zero point among its codes shifted to unsigned
+    key = ("quads", unsigned_zero)
+    found = side[2].get(key)
+    if found is None:
+        shift = 128 if p.b_dtype == np.uint8 else 0
+        columns = w.reshape(w.shape[0], w.shape[1], -1).transpose(2, 1, 0).reshape(-1, w.shape[0]).astype(np.int16)
+        columns -= shift
+        zeros = np.broadcast_to(p.b_zeros.astype(np.int64) - shift, (w.shape[0],)).copy()
+        fix = unsigned_zero * (columns.shape[0] * zeros - columns.sum(axis=0, dtype=np.int64))
+        found = (qgemm_quads.quads_of(columns.astype(np.int8)), fix, zeros)
+        if not w.flags.writeable and not w_zero.flags.writeable:
+            side[2][key] = found
+    return found
 
 
 def _takes_lines(qgemm, shape4: tuple, steps: tuple) -> bool:

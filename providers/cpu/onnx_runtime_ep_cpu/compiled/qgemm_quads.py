@@ -1,0 +1,171 @@
+"""Register-tiled uint8 x int8 -> int32 products on AVX-512 VNNI (``vpdpbusd``): qgemm_tiles' tiles with four
+values of k per int32 lane instead of two, so each instruction does twice the multiply-adds.
+
+qgemm_tiles multiplies centred int16 codes (-255 .. 255) by int16 pairs, two products per lane per
+instruction. ``vpdpbusd`` multiplies unsigned bytes by signed bytes, four per lane, and adds them into the
+int32 lane without saturating: the operands must be the raw codes (centring widens them past a byte). The
+callers make them so: the input's codes shifted to unsigned (u = code - low), the weight's to signed, and the
+zero points' terms added afterwards (compiled/dynamic_conv.quantized_conv_quads):
+sum (u - zu) (s - zs) = sum u s - zs sum u - zu sum s + K zu zs, every term exact modulo 2**32, so the
+int32 result is the same integers the centred products give. Four products of a byte by a byte are at most
+4 * 255 * 128 in size, and the lanes wrap as an int32 accumulator does, whatever the order.
+
+The weight is laid out in quads of k, (K4, N rounded up to 16, 4) int8 (``quads_of``): one 64-byte vector
+holds 16 columns x 4 values of k; each output row broadcasts its four bytes as one int32. Only where
+``AVAILABLE`` (host.AVX512VNNI); the callers take qgemm_tiles' pairs elsewhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import host, jit
+from .deferred import Loop
+from .qgemm_tiles import LANES, MR, NC_MAX
+
+AVAILABLE = host.AVX512VNNI
+
+
+def _emit_tile(builder, mr: int, nc: int, pointers: tuple, values: tuple) -> None:
+    """The IR of one mr x (16 * nc) tile: c[i*ldc + j] = sum_k4 a32[i*lda + k4] . b[k4*ldb + 4j .. 4j+3], with
+    a32 the bytes of ``a`` read as int32 (one broadcast per row and k4) and ``.`` vpdpbusd's sum of four
+    unsigned-by-signed byte products."""
+    from llvmlite import ir
+
+    from . import llvm
+
+    i8x64, i32x16 = ir.VectorType(ir.IntType(8), 4 * LANES), ir.VectorType(llvm.I32, LANES)
+    a_ptr, b_ptr, c_ptr = pointers
+    depth, lda, ldb, ldc = values
+    dot = llvm.declare(builder.module, "llvm.x86.avx512.vpdpbusd.512",
+                       ir.FunctionType(i32x16, [i32x16, i8x64, i8x64]))
+    a32 = builder.bitcast(a_ptr, llvm.I32.as_pointer())
+
+    def const(value):
+        return ir.Constant(llvm.I64, value)
+
+    a_rows = [builder.mul(const(i), lda) for i in range(mr)]
+
+    def step(k, acc):
+        b_row = builder.mul(k, ldb)
+        weights = [builder.load(builder.bitcast(builder.gep(b_ptr, [builder.add(b_row, const(4 * LANES * j))]),
+                                                i8x64.as_pointer()), align=1) for j in range(nc)]
+        summed = []
+        for i in range(mr):
+            quad = builder.load(builder.gep(a32, [builder.add(a_rows[i], k)]), align=1)
+            broadcast = builder.bitcast(llvm.splat(builder, quad, i32x16), i8x64)
+            summed.extend(builder.call(dot, [acc[i * nc + j], broadcast, weights[j]]) for j in range(nc))
+        return summed
+
+    totals = llvm.counted_loop(builder, depth, [ir.Constant(i32x16, None)] * (mr * nc), step, "quadtile")
+    for i in range(mr):
+        row_at = builder.mul(const(i), ldc)
+        for j in range(nc):
+            target = builder.bitcast(builder.gep(c_ptr, [builder.add(row_at, const(LANES * j))]),
+                                     i32x16.as_pointer())
+            builder.store(totals[i * nc + j], target, align=4)
+
+
+def _tile_kernel(mr: int, nc: int):
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def microkernel(typingctx, a, a_at, b, b_at, c, c_at, depth, lda, ldb, ldc):
+        """One tile: ``a`` uint8 (rows of 4*lda values) from a_at, ``b`` int8 quads from b_at (rows of ldb
+        values), ``c`` int32 from c_at (rows of ldc values); depth quads of k."""
+        signature = types.void(a, a_at, b, b_at, c, c_at, depth, lda, ldb, ldc)
+
+        def codegen(context, builder, sig, args):
+            def data(index, at):
+                base = context.make_array(sig.args[index])(context, builder, args[index]).data
+                return builder.gep(base, [args[at]])
+
+            _emit_tile(builder, mr, nc, (data(0, 1), data(2, 3), data(4, 5)), (args[6], args[7], args[8], args[9]))
+            return context.get_dummy_value()
+
+        return signature, codegen
+    return microkernel
+
+
+# The microkernels by NC, globals for the loops that call them, made when those loops are compiled (importing
+# this module imports neither numba nor llvmlite). _tile_<nc>: MR rows; _row_<nc>: one row (the last M % MR).
+_tile_1 = _tile_2 = _tile_3 = _tile_4 = _row_1 = _row_2 = _row_3 = _row_4 = None
+
+
+def _define_kernels() -> None:
+    global _tile_1, _tile_2, _tile_3, _tile_4, _row_1, _row_2, _row_3, _row_4
+    if _tile_4 is None:
+        _row_1, _row_2, _row_3, _row_4 = (_tile_kernel(1, nc) for nc in range(1, NC_MAX + 1))
+        _tile_1, _tile_2, _tile_3, _tile_4 = (_tile_kernel(MR, nc) for nc in range(1, NC_MAX + 1))
+
+
+def _with_kernels(function):
+    """``jit(function)`` for a loop that calls the microkernels: they are defined before numba compiles it."""
+    standard = jit(function)
+    return Loop(function, lambda _: (_define_kernels(), standard.dispatcher())[1])
+
+
+def quads_of(weight: np.ndarray) -> np.ndarray:
+    """int8 ``weight`` (K, N) as (ceil(K / 4), N rounded up to 16, 4) int8: [k4, n, t] = weight[4*k4 + t, n],
+    0 past K and past N."""
+    depth, columns = weight.shape
+    quads = np.zeros(((depth + 3) // 4 * 4, (columns + LANES - 1) // LANES * LANES), np.int8)
+    quads[:depth, :columns] = weight
+    return np.ascontiguousarray(quads.reshape(-1, 4, quads.shape[1]).transpose(0, 2, 1))
+
+
+@_with_kernels
+def _row_tiles(flat_a, a_at, lda, quads, wide, c, c_at, ldc, single):
+    """MR rows (one with ``single``) of uint8 ``flat_a``, the first from a_at and each ``lda`` quads after the one
+    before, by the first ``wide`` columns of the quads, into int32 ``c`` (flat, rows of ldc values) from c_at."""
+    depth4, ldb = quads.shape[0], 4 * quads.shape[1]
+    flat_b = quads.reshape(-1)
+    j0 = 0
+    while j0 < wide:
+        nc = min(NC_MAX, (wide - j0) // LANES)
+        b_at, at = 4 * j0, c_at + j0
+        if single:
+            if nc == 4:
+                _row_4(flat_a, a_at, flat_b, b_at, c, at, depth4, lda, ldb, ldc)
+            elif nc == 3:
+                _row_3(flat_a, a_at, flat_b, b_at, c, at, depth4, lda, ldb, ldc)
+            elif nc == 2:
+                _row_2(flat_a, a_at, flat_b, b_at, c, at, depth4, lda, ldb, ldc)
+            else:
+                _row_1(flat_a, a_at, flat_b, b_at, c, at, depth4, lda, ldb, ldc)
+        elif nc == 4:
+            _tile_4(flat_a, a_at, flat_b, b_at, c, at, depth4, lda, ldb, ldc)
+        elif nc == 3:
+            _tile_3(flat_a, a_at, flat_b, b_at, c, at, depth4, lda, ldb, ldc)
+        elif nc == 2:
+            _tile_2(flat_a, a_at, flat_b, b_at, c, at, depth4, lda, ldb, ldc)
+        else:
+            _tile_1(flat_a, a_at, flat_b, b_at, c, at, depth4, lda, ldb, ldc)
+        j0 += nc * LANES
+
+
+@jit
+def strided_quads(flat, start, stride, rows, quads, out):
+    """out (rows, N) int32, C-contiguous: row r the product of uint8 flat[start + r * stride:][:4 * K4] by the
+    int8 quads (K4, N rounded up to 16, 4), read in place (rows may overlap: a 1-D convolution's windows).
+    ``start`` and ``stride`` multiples of 4; every row within ``flat``. Tiles of MR rows (then of one row, for
+    the last rows % MR) by 16 * NC columns stored in place, the last partial 16 columns through a scratch tile."""
+    columns = out.shape[1]
+    full = rows - rows % MR
+    wide = columns - columns % LANES
+    flat_out = out.reshape(-1)
+    tail = np.ascontiguousarray(quads[:, wide:wide + LANES])
+    scratch = np.empty(MR * LANES, np.int32)
+    lda = stride // 4
+    i0 = 0
+    while i0 < rows:
+        single = i0 >= full
+        a_at = start + stride * i0
+        if wide:
+            _row_tiles(flat, a_at, lda, quads, wide, flat_out, i0 * columns, columns, single)
+        if wide < columns:
+            _row_tiles(flat, a_at, lda, tail, LANES, scratch, 0, LANES, single)
+            for i in range(1 if single else MR):
+                out[i0 + i, wide:] = scratch[i * LANES:i * LANES + columns - wide]
+        i0 += 1 if single else MR
