@@ -135,7 +135,8 @@ class PackedProduct:
         call(self._jobs.split_matmul, (*head, self._workers.local_mailbox(scratch)), address, scratch, helpers)
         return y
 
-    def bound(self, a, b, bias=None, coefficients=None, weights=None, residual: bool = False):
+    def bound(self, a, b, bias=None, coefficients=None, weights=None, residual: bool = False,
+              norm: tuple | None = None):
         """``run(a, b=None)``: this product (``b``, ``bias``, ``coefficients`` and ``weights`` as the last call
         passed them, no residual) of arrays shaped as ``a``, as one call of the compiled tiles' entry point for the
         argument types the last call passed, the plan and its lookups done here. A caller keeps it while the
@@ -143,7 +144,10 @@ class PackedProduct:
         checks cost a 64-wide product's arithmetic); ``b`` is ignored, so it stands where a Split is called. With
         ``residual`` (the last call passed one): ``run(a, b, skip)``, ``skip`` a float32 array of a's rows by N in C
         order, which the caller checks. None where the last call was not this one, ran on more threads, through
-        matmul.py's tiles, or has not run whole (a first call's trial)."""
+        matmul.py's tiles, or has not run whole (a first call's trial). With ``norm`` = (scale, shift, epsilon, rms),
+        float32 ``scale`` and ``shift`` (K,) (``shift`` None for none): ``run(x)`` for ``x`` shaped as ``a`` that ``a``
+        is the normalization of (RMS with ``rms``, else LayerNormalization over the last axis), normalized and
+        multiplied in one call (compiled/normed_rows.py); not with ``residual``."""
         last = self._last
         source = b if weights is None else weights
         if not self._tried or last is None or a.shape != last[0] or source is not last[1] or bias is not last[2] \
@@ -157,6 +161,8 @@ class PackedProduct:
         empty, end, out_shape = self._empty, packed.shape[0], a.shape[:-1] + (n,)
         # The tiles write a scratch only for a last panel past y's columns (one tile's output there)
         spare = self._few_rows.ROWS * NR if n % NR else 0
+        if norm is not None:
+            return None if residual else self._bound_normed(a, norm, plan=last[6], spare=spare, out_shape=out_shape)
         arguments = (np.ascontiguousarray(a).reshape(-1), depth, rows, depth, packed, offsets, padded_bias,
                      np.empty(rows * n, np.float32), n, empty, flags, coefficients, 0, end, np.empty(spare, np.float32))
         entry = entry_point(self._few_rows.few_row_panels, arguments)
@@ -176,6 +182,33 @@ class PackedProduct:
             return y
 
         return run_adding if residual else run
+
+    def _bound_normed(self, a, norm: tuple, plan: tuple, spare: int, out_shape: tuple):
+        """bound's run(x) with the normalization ``norm`` in front (see bound), or None where its loop is not linked."""
+        from ..compiled import normed_rows
+
+        scale, shift, epsilon, rms = norm
+        depth, rows, n, packed, offsets, padded_bias, flags, coefficients = plan[:8]
+        shift = self._empty if shift is None else shift
+        if scale.dtype is not FLOAT32 or scale.shape != (depth,) or shift.dtype is not FLOAT32 \
+                or shift.shape not in ((0,), (depth,)):
+            return None
+        empty, epsilon, rms = self._empty, float(epsilon), bool(rms)
+        arguments = (np.ascontiguousarray(a).reshape(-1), scale, shift, epsilon, rms, np.empty(rows * depth, FLOAT32),
+                     np.empty(rows, FLOAT32), rows, depth, packed, offsets, padded_bias, np.empty(rows * n, FLOAT32),
+                     n, empty, flags, coefficients, np.empty(spare, FLOAT32))
+        entry = entry_point(normed_rows.normed_panels, arguments)
+        if entry is None:
+            return None
+
+        def run(x, _b=None):
+            y = np.empty(out_shape, np.float32)
+            entry(x.reshape(-1), scale, shift, epsilon, rms, np.empty(rows * depth, np.float32),
+                  np.empty(rows, np.float32), rows, depth, packed, offsets, padded_bias, y.reshape(-1), n, empty, flags,
+                  coefficients, np.empty(spare, np.float32) if spare else empty)
+            return y
+
+        return run
 
     def _plan(self, a, b, source, bias, with_residual: bool, coefficients, threads_now: int) -> tuple:
         """What a call of these shapes, arrays and knobs passes besides its operands (see __call__)."""
