@@ -424,3 +424,72 @@ def test_a_gemm_over_the_heads_flattened_view_becomes_a_fused_matmul():
     view = heads.astype(np.float64).transpose(0, 2, 1, 3).reshape(-1, 8)
     want = (view @ w + b).reshape(1, 5, 6) + residual
     np.testing.assert_allclose(sess.run(None, {"heads": heads, "residual": residual})[0], want, rtol=1e-5, atol=1e-5)
+
+
+# -- ConvNeXt's layer scale ------------------------------------------------------------------------
+
+def _layer_scale_model(scale_first: bool, scale_shape, residual: bool, shared_weight: bool = False):
+    """ConvNeXt's block tail, channels last: x [1, 3, 3, 8] @ W [8, 4] + b, times a constant layer scale
+    (TorchScript and dynamo both write Mul(scale, product); the other order too), then back to channels first
+    and + the block's input (or, ``residual``, + a channels-last residual straight after the product)."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["mm"]),
+        helper.make_node("Add", ["b", "mm"], ["biased"]),
+        helper.make_node("Mul", ["scale", "biased"] if scale_first else ["biased", "scale"], ["scaled"]),
+    ]
+    if residual:
+        nodes.append(helper.make_node("Add", ["scaled", "r"], ["y"]))
+        inputs = [tensor_info("x", shape=[1, 3, 3, 8]), tensor_info("r", shape=[1, 3, 3, 4])]
+        out = tensor_info("y", shape=None if len(scale_shape) > 4 else [1, 3, 3, 4])
+    else:
+        nodes += [helper.make_node("Transpose", ["scaled"], ["t"], perm=[0, 3, 1, 2]),
+                  helper.make_node("Add", ["r", "t"], ["y"])]
+        inputs = [tensor_info("x", shape=[1, 3, 3, 8]), tensor_info("r", shape=[1, 4, 3, 3])]
+        out = tensor_info("y", shape=[1, 4, 3, 3])
+    outputs = [out]
+    if shared_weight:  # the same weight read unscaled elsewhere keeps its values
+        nodes.append(helper.make_node("MatMul", ["x", "w"], ["plain"]))
+        outputs.append(tensor_info("plain", shape=[1, 3, 3, 4]))
+    rng = np.random.default_rng(12)
+    w = rng.standard_normal((8, 4)).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32)
+    scale = (rng.standard_normal(scale_shape) * 1e-2).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b"), numpy_helper.from_array(scale, "scale")]
+    return make_model(nodes, inputs, outputs, inits, opset=17), w, b, scale
+
+
+def _layer_scale_reference(w, b, scale, x, r, residual):
+    product = (x.astype(np.float64) @ w.astype(np.float64) + b) * scale.astype(np.float64)
+    return product + r if residual else product.transpose(0, 3, 1, 2) + r
+
+
+@pytest.mark.parametrize("scale_first", [True, False])
+@pytest.mark.parametrize("scale_shape", [(4,), (1, 1, 1, 4)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_a_constant_column_scale_after_a_biased_product_folds_into_its_weights(scale_first, scale_shape, residual):
+    model, w, b, scale = _layer_scale_model(scale_first, scale_shape, residual, shared_weight=True)
+    sess = _session(model)
+    fused = [n for n in sess.model.graph.nodes if n.op_type == "FusedMatMul"]
+    assert len(fused) == 1 and "Mul" not in [n.op_type for n in sess.model.graph.nodes], _ops(sess)
+    assert residual == (len(fused[0].inputs) == 4)
+    rng = np.random.default_rng(13)
+    for _ in range(2):
+        x = rng.standard_normal((1, 3, 3, 8)).astype(np.float32)
+        r = rng.standard_normal((1, 3, 3, 4) if residual else (1, 4, 3, 3)).astype(np.float32)
+        y, plain = sess.run(None, {"x": x, "r": r})
+        np.testing.assert_allclose(y, _layer_scale_reference(w, b, scale, x, r, residual), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(plain, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scale_shape", [(3, 1, 4), (1, 3, 1, 1), (1, 1, 1, 1, 4)])
+def test_a_scale_that_varies_along_other_axes_or_grows_the_rank_stays_a_product(scale_shape):
+    model, w, b, scale = _layer_scale_model(True, scale_shape, residual=True)
+    sess = _session(model)
+    assert "Mul" in _ops(sess), _ops(sess)
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((1, 3, 3, 8)).astype(np.float32)
+    r = rng.standard_normal((1, 3, 3, 4)).astype(np.float32)
+    want = _layer_scale_reference(w, b, scale, x, r, True)
+    got = sess.run(None, {"x": x, "r": r})[0]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -14,8 +14,8 @@ intermediate read only inside the pattern) and leaves anything else alone:
   with x^3 as Pow or products  ->  Gelu(approximate="tanh")
 - Gemm over a flattened view whose product a Reshape restores  ->  the view reshaped to the output's
   leading dimensions, MatMul + bias (which the next pass fuses)
-- MatMul by a constant matrix + constant bias, then optionally Gelu, then optionally + a residual
-  ->  FusedMatMul
+- MatMul by a constant matrix + constant bias, then optionally Gelu or a constant per-column scale (folded
+  into the weight and bias), then optionally + a residual  ->  FusedMatMul
 """
 
 from __future__ import annotations
@@ -493,8 +493,9 @@ _GELU_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
 
 
 def fuse_matmul_bias(graph: Graph, owns=None) -> bool:
-    """MatMul(A, B) + bias [-> Gelu] [+ residual] -> FusedMatMul(A, B, bias[, residual], activation):
-    the bias, activation and residual become one pass over the fresh product instead of a node each.
+    """MatMul(A, B) + bias [-> Gelu | * column scale] [+ residual] -> FusedMatMul(A, B, bias[, residual],
+    activation): the bias, activation and residual become one pass over the fresh product instead of a node
+    each; a constant column scale (ConvNeXt's layer scale) is folded into new B and bias constants.
     B is a constant float matrix and bias a constant vector of its column count; A may have any rank
     (the optimizer's Gemm fusion takes the 2-D products of static shape first)."""
     view = GraphView(graph)
@@ -513,6 +514,9 @@ def fuse_matmul_bias(graph: Graph, owns=None) -> bool:
         if gelu is not None and gelu.attr("approximate", "none") in _GELU_ACTIVATIONS:
             matched.append(gelu)
             activation = _GELU_ACTIVATIONS[gelu.attr("approximate", "none")]
+        scaled = _channel_scale(view, add, weight) if gelu is None else None
+        if scaled is not None:
+            matched.append(scaled[0])
         residual_add = view.only_consumer(matched[-1].outputs[0], "Add")
         residual = other_input(residual_add, matched[-1].outputs[0]) if residual_add else None
         if residual is not None and residual != matched[-1].outputs[0]:
@@ -520,11 +524,52 @@ def fuse_matmul_bias(graph: Graph, owns=None) -> bool:
             inputs.append(residual)
         if not owned(owns, matched):
             continue
+        if scaled is not None:
+            inputs[1:3] = _scaled_weights(graph, view, matmul, weight, bias, scaled[1])
         fused = Node("FusedMatMul", inputs, list(matched[-1].outputs), name=f"{matmul.name}/fused",
                      domain=FUSED_DOMAIN, attrs={"activation": activation}, opset=1)
         replace_nodes(graph, matched, fused)
+        _drop_unread(graph, view, [matmul.inputs[1], bias_name, *(scaled[0].inputs if scaled else ())])
         return True
     return False
+
+
+def _channel_scale(view: GraphView, add: Node, weight: np.ndarray):
+    """(the Mul, its constant) when the biased product is read only by a Mul with a constant of one value per
+    output column (ConvNeXt's layer scale: shape (N,) or ones then N, of the weight's dtype, broadcasting over
+    nothing but the last axis), which then folds into the weight's columns and the bias: a column scale
+    commutes with the product, so only the rounding of the scaled weights differs."""
+    mul = view.only_consumer(add.outputs[0], "Mul")
+    name = other_input(mul, add.outputs[0]) if mul is not None else None
+    scale = view.const(name) if name and name != add.outputs[0] else None
+    if scale is None or scale.dtype != weight.dtype or scale.size != weight.shape[1] or scale.ndim == 0 \
+            or scale.shape[-1] != weight.shape[1]:
+        return None
+    info = view.graph.type_of(add.outputs[0])
+    rank = len(info.shape) if info is not None and info.is_tensor and info.shape is not None else 1
+    return (mul, scale.reshape(-1)) if scale.ndim <= rank else None
+
+
+def _scaled_weights(graph: Graph, view: GraphView, matmul: Node, weight, bias, scale) -> list[str]:
+    """New initializers for the weight and bias with the column scale folded in (the originals may have
+    other readers)."""
+    names = []
+    for role, value in (("weight", weight * scale), ("bias", bias * scale)):
+        name = f"{matmul.name or matmul.outputs[0]}/scaled_{role}"
+        while name in graph.initializers or name in graph.value_info or name in view.consumers:
+            name += "_"
+        graph.initializers[name] = np.ascontiguousarray(value, dtype=weight.dtype)
+        names.append(name)
+    return names
+
+
+def _drop_unread(graph: Graph, view: GraphView, names) -> None:
+    """Remove the initializers among ``names`` that no node, subgraph or graph output reads any more."""
+    read = {name for node in graph.nodes for name in node.inputs} | view.outputs | view.inner_reads
+    for name in names:
+        if name and name in graph.initializers and name not in read:
+            del graph.initializers[name]
+            graph.value_info.pop(name, None)
 
 
 def until_fixed(fuse):
