@@ -59,6 +59,30 @@ def load_model(model, infer_shapes: bool = True, free_dims: tuple[dict, dict] | 
     return model_of(proto, path, graph, light)
 
 
+class SerializedModel:
+    """A ModelProto kept as its bytes until its first read (``parsed``): a cached plan's inference model, which only
+    a signature the specializer resolves itself reads (a session whose plans all come from the cache never does)."""
+
+    __slots__ = ("_data", "_proto", "_lock")
+
+    def __init__(self, data: bytes):
+        self._data = data
+        self._proto: onnx.ModelProto | None = None
+        self._lock = threading.Lock()
+
+    def parsed(self) -> onnx.ModelProto:
+        with self._lock:
+            proto = self._proto
+            if proto is None:
+                proto = onnx.ModelProto()
+                proto.ParseFromString(self._data)
+                self._proto = proto
+            return proto
+
+    def SerializeToString(self) -> bytes:  # noqa: N802  (ModelProto's name, for writers of either)
+        return self._data
+
+
 def model_of(proto: onnx.ModelProto, path: str | None, graph: Graph, inference_proto) -> Model:
     """The :class:`Model` of ``proto`` (read from ``path``) with the IR ``graph``."""
     opsets = {("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in proto.opset_import}

@@ -79,3 +79,23 @@ def test_the_kept_bytes_are_the_hashed_ones_and_large_files_are_not_kept(tmp_pat
     monkeypatch.setattr(loader, "READ_AHEAD_BYTES", 16)
     plan_cache.source_digest(path, keep=True)
     assert loader._READ_AHEAD == {}  # noqa: SLF001
+
+
+def test_the_inference_model_is_parsed_only_for_a_signature_the_cache_misses(cache_dir, tmp_path):
+    path = str(tmp_path / "m.onnx")
+    with open(path, "wb") as handle:
+        handle.write(_model_bytes())
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    ort.InferenceSession(path, options, providers=["CPUExecutionProvider"]).run(None, {"x": X})  # writes the plans
+    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    light = session._model.inference_proto  # noqa: SLF001
+    assert isinstance(light, loader.SerializedModel)
+    np.testing.assert_allclose(session.run(None, {"x": X})[0], np.maximum(X.astype(np.float64) @ WEIGHTS, 0),
+                               rtol=1e-5, atol=1e-5)
+    assert light._proto is None  # a cached signature: never parsed  # noqa: SLF001
+    wider = np.concatenate([X, -X, X[:1]])  # a batch of 5: planned here, from the inference model
+    np.testing.assert_allclose(session.run(None, {"x": wider})[0], np.maximum(wider.astype(np.float64) @ WEIGHTS, 0),
+                               rtol=1e-5, atol=1e-5)
+    assert light._proto is not None  # noqa: SLF001
+    assert light.SerializeToString() == light.parsed().SerializeToString()

@@ -16,7 +16,7 @@ import onnx
 from .. import plan_cache
 from ..errors import OnnxRuntimeError
 from ..ir import Graph, Model
-from ..loader import SHAPE_VALUE_LIMIT, initializer_arrays, model_of, read_model
+from ..loader import SHAPE_VALUE_LIMIT, SerializedModel, initializer_arrays, model_of, read_model
 from ..memory import MemoryBudgetError
 from ..plan_cache import PlanCache
 from ..records import Record
@@ -68,10 +68,8 @@ def read_creation(plans: PlanCache, source, map_weights: bool) -> CachedCreation
         weights = initializer_arrays(proto, mapped, references)
         # (its nodes converted at their first use: a signature plan read from the cache needs none of them)
         graph = plan_cache.decode_graph(sections["graph"], references, weights, lazy=True)
-        light = None
-        if "inference" in sections:
-            light = onnx.ModelProto()
-            light.ParseFromString(sections["inference"])
+        # (parsed at its first read: the specializer reads it only for a signature the cache misses)
+        light = SerializedModel(sections["inference"]) if "inference" in sections else None
         folded = plan_cache.decode_arrays(sections["folded"])
         placed = [str(name) for name in meta["placed"]] if isinstance(meta.get("placed"), list) else None
         return CachedCreation(model_of(proto, path, graph, light), [str(p) for p in meta["applied"]], folded, placed)
@@ -116,7 +114,7 @@ class CachedSpecializer(Specializer):
     """A :class:`Specializer` whose specialized graphs (after the optimizer and the providers' passes) are read
     from the plan cache when cached and written to it when made."""
 
-    def __init__(self, graph: Graph, inputs: list[str], proto: onnx.ModelProto, handles, model: Model,
+    def __init__(self, graph: Graph, inputs: list[str], proto: onnx.ModelProto | SerializedModel, handles, model: Model,
                  optimize: Callable[[Graph], Graph], plan: Callable[[Graph], Executor], plans: PlanCache,
                  folded: dict | None = None):
         super().__init__(graph, inputs, proto, handles, self._optimize_then_plan, folded)

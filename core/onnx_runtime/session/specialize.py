@@ -29,7 +29,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..ir import Graph, ValueInfo, clone_graph
-from ..loader import SHAPE_VALUE_LIMIT, convert_type, infer_graph
+from ..loader import SHAPE_VALUE_LIMIT, SerializedModel, convert_type, infer_graph
 from ..memory import MemoryBudgetError
 from ..memory.activations import symbols_bound
 from ..optimizer import PassContext
@@ -85,7 +85,8 @@ _promotions = [PROMOTIONS]  # left to this process
 class Specializer:
     """The specialized executors of one session, made on first sight of a signature."""
 
-    def __init__(self, graph: Graph, inputs: list[str], proto: onnx.ModelProto, handles: list[ProviderHandle],
+    def __init__(self, graph: Graph, inputs: list[str], proto: onnx.ModelProto | SerializedModel,
+                 handles: list[ProviderHandle],
                  prepare: Callable[[Graph], Executor], folded: dict[str, np.ndarray] | None = None):
         # The session's optimized graph, before placement: kept as it is by ``snapshot`` (a copy), at the first
         # signature resolved here or before the session places that graph, whichever comes first (a session
@@ -94,7 +95,7 @@ class Specializer:
         self._graph: Graph | None = None
         self._snapshot_lock = threading.Lock()
         self._inputs = inputs
-        self._model_proto, self._folded = proto, folded or {}  # read by the properties below, at the first resolve
+        self._given_proto, self._folded = proto, folded or {}  # read by the properties below, at the first resolve
         self._handles = handles
         self._prepare = prepare
         self._exact: dict[tuple, Executor | None] = {}
@@ -107,6 +108,11 @@ class Specializer:
         self._failed = False
 
     # What inference over the model needs, made at the first signature resolved here (a cached plan may need none).
+    @functools.cached_property
+    def _model_proto(self) -> onnx.ModelProto:
+        given = self._given_proto  # a cached plan's is parsed only now (loader.SerializedModel)
+        return given.parsed() if isinstance(given, SerializedModel) else given
+
     @functools.cached_property
     def _proto(self) -> onnx.ModelProto:
         return _in_order(self._model_proto)
