@@ -154,3 +154,18 @@ def test_a_session_runs_the_lines_within_one_code_of_onnxruntime(monkeypatch, ac
         codes, want = np.rint(got.astype(np.float64) / 0.05), np.rint(oracle.astype(np.float64) / 0.05)
         assert np.abs(codes - want).max() <= 1 and np.mean(codes == want) >= 0.99
     assert lines
+
+
+def test_the_portable_byte_product_gives_the_tiles_integers():
+    """portable_quads (hosts without VNNI) and the tiles where they run: overlapping windows of unsigned bytes
+    by signed quads, a partial 16-column tile and rows past 4, equal to int64 sums."""
+    rng = np.random.default_rng(11)
+    flat = rng.integers(0, 256, 4 * 60).astype(np.uint8)
+    weight = rng.integers(-128, 128, (24, 37)).astype(np.int8)
+    quads = qgemm_quads.quads_of(weight)
+    rows, stride = 9, 20
+    want = np.stack([flat[r * stride + 8:][:24].astype(np.int64) @ weight.astype(np.int64) for r in range(rows)])
+    for product in (qgemm_quads.portable_quads, qgemm_quads.strided_quads):
+        out = np.empty((rows, 37), np.int32)
+        product(flat, 8, stride, rows, quads, out)
+        np.testing.assert_array_equal(out, want)

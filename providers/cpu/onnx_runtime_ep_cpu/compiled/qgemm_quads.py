@@ -146,7 +146,21 @@ def _row_tiles(flat_a, a_at, lda, quads, wide, c, c_at, ldc, single):
 
 
 @jit
-def strided_quads(flat, start, stride, rows, quads, out):
+def portable_quads(flat, start, stride, rows, quads, out):
+    """strided_quads without the tiles (hosts without VNNI, where the callers take qgemm_tiles' pairs instead,
+    so that nothing compiles VNNI's instruction for them): the same integers, a row at a time."""
+    for m in range(rows):
+        line, at = out[m], start + m * stride
+        line[:] = 0
+        for k4 in range(quads.shape[0]):
+            for t in range(4):
+                value = np.int32(flat[at + 4 * k4 + t])
+                for n in range(out.shape[1]):
+                    line[n] += value * np.int32(quads[k4, n, t])
+
+
+@jit
+def _tiled_quads(flat, start, stride, rows, quads, out):
     """out (rows, N) int32, C-contiguous: row r the product of uint8 flat[start + r * stride:][:4 * K4] by the
     int8 quads (K4, N rounded up to 16, 4), read in place (rows may overlap: a 1-D convolution's windows).
     ``start`` and ``stride`` multiples of 4; every row within ``flat``. Tiles of MR rows (then of one row, for
@@ -169,3 +183,6 @@ def strided_quads(flat, start, stride, rows, quads, out):
             for i in range(1 if single else MR):
                 out[i0 + i, wide:] = scratch[i * LANES:i * LANES + columns - wide]
         i0 += 1 if single else MR
+
+
+strided_quads = _tiled_quads if AVAILABLE else portable_quads
