@@ -27,7 +27,8 @@ _PASS_MODULES = {"PRECISION_PASSES": "precision_fusions", "QDQ_PASSES": "qdq_fus
                  "DYNAMIC_CONV_PASSES": "dynamic_conv_fusions",
                  "CONV_PASSES": "conv_fusions", "DECODER_PASSES": "decoder_fusions", "HEADS_PASSES": "attention_heads",
                  "RECURRENT_PASSES": "recurrent_fusions", "SPECTRAL_PASSES": "spectral_fusions",
-                 "QDQ_EPILOGUE_PASSES": "qdq_epilogues", "DYNAMIC_EPILOGUE_PASSES": "dynamic_epilogues"}
+                 "QDQ_EPILOGUE_PASSES": "qdq_epilogues", "DYNAMIC_EPILOGUE_PASSES": "dynamic_epilogues",
+                 "NORM_PASSES": "norm_projections"}
 
 
 def __getattr__(name: str):
@@ -87,11 +88,13 @@ class CPUExecutionProvider:
     @hookimpl
     def custom_passes(self):
         # PRECISION_PASSES run before the generic optimizer; decoder passes read what PASSES fuse, and the heads
-        # pass the layout pairs decoder passes make; the roundings left then become their producers' epilogues
+        # pass the layout pairs decoder passes make; the roundings left then become their producers' epilogues, and
+        # normalizations fold into the projections (made by the heads passes) that alone read them
         this = sys.modules[__name__]
         return [*this.PRECISION_PASSES, *this.QDQ_PASSES, *this.DYNAMIC_CONV_PASSES, *this.RECURRENT_PASSES,
                 *this.SPECTRAL_PASSES, *this.PASSES, *this.DYNAMIC_EPILOGUE_PASSES,
-                *this.CONV_PASSES, *this.DECODER_PASSES, *this.HEADS_PASSES, *this.QDQ_EPILOGUE_PASSES]
+                *this.CONV_PASSES, *this.DECODER_PASSES, *this.HEADS_PASSES, *this.QDQ_EPILOGUE_PASSES,
+                *this.NORM_PASSES]
 
     @hookimpl
     def get_kernel(self, node, shapes, opset, graph):

@@ -70,16 +70,18 @@ class PackedProduct:
                 and not numpy_first("jobs.MATMUL"))
 
     @staticmethod
-    def takes_few(a: np.ndarray, b: np.ndarray) -> bool:
+    def takes_few(a: np.ndarray, b: np.ndarray, normalized: bool = False) -> bool:
         """Whether a product of at most FEW_TILE_ROWS rows of ``a`` by a constant float32 ``b`` (K x N, or a view of
         a constant) runs compiled/few_rows.py's tiles: from the few_rows_packed_macs knob (few_rows_transposed_macs
         for rows by transposed weights), or where it is split across threads (below, BLAS's one call costs less
-        than the tiles' call)."""
+        than the tiles' call), or of any size where ``a`` is ``normalized`` (the normalization before it then runs
+        in the tiles' call: bound's ``norm``)."""
         if not (a.dtype is b.dtype is FLOAT32 and b.ndim == 2 and a.ndim >= 2 and a.shape[-1] == b.shape[0]
                 and a.size <= FEW_TILE_ROWS * b.shape[0] and b.size and a.size and not b.flags.writeable):
             return False
-        return PackedProduct.few_sized(a.size // b.shape[0], b.size, not b.flags.c_contiguous, kernel_threads(),
-                                       b.shape[0]) and gemv_host() and not numpy_first("jobs.MATMUL")
+        return (normalized or PackedProduct.few_sized(a.size // b.shape[0], b.size, not b.flags.c_contiguous,
+                                                      kernel_threads(), b.shape[0])) \
+            and gemv_host() and not numpy_first("jobs.MATMUL")
 
     @staticmethod
     def few_sized(rows: int, weights: int, transposed: bool, threads: int, depth: int = 0) -> bool:

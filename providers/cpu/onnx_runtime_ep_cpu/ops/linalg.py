@@ -28,6 +28,7 @@ from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ..threads import kernel_threads
 from ..tuning import KNOBS, knobs_epoch
+from .norm_in_front import norm_in_front
 
 
 @register("MatMul", since=1)
@@ -96,7 +97,8 @@ def fused_matmul(node, shapes, opset):
     """MatMul + bias [-> Gelu] [+ residual] (see fusions.fuse_matmul_bias): float32 against constant weights
     through compiled/matmul.py, the epilogue fused; otherwise BLAS for the product, then one compiled pass
     over it in place (float64's Gelu: three, numpy's tanh between) for float32/float64; the unfused kernels
-    for other dtypes."""
+    for other dtypes. With attribute ``normalize`` (norm_in_front.py), inputs 4 and 5 are the normalization's scale
+    and optional shift, applied to A first (input 3, the residual, may be empty)."""
     from ..compiled import transformer as compiled
 
     activation = node.attr("activation", "none")
@@ -138,7 +140,20 @@ def fused_matmul(node, shapes, opset):
                 y = gelu(y).astype(y.dtype, copy=False)
         return (y if residual is None else residual + y,)
 
-    return _fused_matmul_for_shape(shapes, activation == "none", series, kernel) or kernel
+    return _planned_fused_matmul(node, shapes, activation == "none", series, kernel)
+
+
+def _planned_fused_matmul(node, shapes, plain: bool, series: dict, kernel):
+    """FusedMatMul's kernel: ``kernel`` (any shapes) behind its normalization where the node has one, and the
+    planned shape's kernel in front where the shapes are known."""
+    norm = norm_in_front(node, shapes)
+    if norm is None:
+        return _fused_matmul_for_shape(shapes, plain, series, kernel, kernel, None) or kernel
+
+    def normalizing(a, b, bias, residual=None, scale=None, shift=None):
+        return kernel(norm(a, scale, shift), b, bias, residual)
+
+    return _fused_matmul_for_shape(shapes, plain, series, normalizing, kernel, norm) or normalizing
 
 
 def _with_activation(node, activation: str):
@@ -152,20 +167,21 @@ def _relu_after(product):
     """FusedMatMul with activation relu: ``product``'s (the "none" kernel's) fresh result clamped at zero in place
     (NaN stays NaN, as Relu's), then the residual added."""
 
-    def kernel(a, b, bias, residual=None):
-        y = product(a, b, bias)[0]
+    def kernel(a, b, bias, residual=None, scale=None, shift=None):
+        y = product(a, b, bias, None, scale, shift)[0]
         np.maximum(y, y.dtype.type(0), out=y)
         return (y if residual is None else residual + y,)
 
     return kernel
 
 
-def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general):
+def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general, unnormalized, norm):
     """FusedMatMul for the one shape of ``a`` and ``b`` the kernel is made for (a planned shape), where the
     packed product does not take it: BLAS's product of a's rows, then the compiled epilogue in place, the
     row count, output shape and "none" operands decided here (working them out per call cost a short
     sequence's products about as much as their arithmetic). The same calls as ``general``'s BLAS path, so
-    the same bits; other shapes, dtypes or layouts go to ``general``. None where the shapes are not known."""
+    the same bits; other shapes, dtypes or layouts go to ``general``. None where the shapes are not known.
+    ``norm``: the normalization in front (norm_in_front.py), or None; ``unnormalized``: ``general`` without it."""
     a_shape, b_shape = (shapes[0], shapes[1]) if shapes and len(shapes) > 1 else (None, None)
     if not a_shape or not b_shape or len(b_shape) != 2 or len(a_shape) < 2 or a_shape[-1] != b_shape[0] \
             or not all(isinstance(d, int) and d > 0 for d in (*a_shape, *b_shape)):
@@ -185,27 +201,35 @@ def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general):
     # A decode step's few rows by constant float32 weights of this size: few_rows.py's tiles, bias and residual in
     # their epilogue (as MatMul's and Gemm's; a step's out-projection streams its weights from the L3 cache, where
     # BLAS's call was 2.6x the tiles' at 256x256). Any thread count here: each call's takes_few reads the running one.
-    few = plain and rows <= GEMV_ROWS and gemv_host() and PackedProduct.few_sized(rows, depth * n, False, 2, depth)
+    # (Gelu too: its epilogue after the tiles' product, where the series has a float32 form.)
+    tiles_series = None if plain else series.get(FLOAT32)
+    # (and of any size with a normalization in front: the two then run as one compiled call)
+    few = (plain or tiles_series is not None) and rows <= GEMV_ROWS and gemv_host() \
+        and (norm is not None or PackedProduct.few_sized(rows, depth * n, False, 2, depth))
     packed = None  # this node's PackedProduct, made on first use
     # Its bound call (PackedProduct.bound), as MatMul keeps one: (b, bias, whether it adds a residual, the call, the
-    # thread count, the knobs' epoch), for constant b and bias.
-    kept: tuple = (None, None, False, None, 0, -1)
+    # thread count, the knobs' epoch, the normalization's scale), for constant b and bias.
+    kept: tuple = (None, None, False, None, 0, -1, None)
 
-    def kernel(a, b, bias, residual=None):
+    def kernel(a, b, bias, residual=None, scale=None, shift=None):
         nonlocal packed, kept
-        y = _kept_fused_run(kept, a, b, bias, residual, a_shape, out_shape) if few else None
+        y = _kept_fused_run(kept, a, b, bias, residual, a_shape, out_shape, scale) if few else None
         if y is not None:
             return (y,)
         dtype = a.dtype
         if a.shape != a_shape or dtype not in dtypes or b.dtype is not dtype or bias.dtype is not dtype \
                 or b.ndim != 2 or bias.shape != bias_shape or not a.flags.c_contiguous or (residual is not None and (
                     residual.shape != out_shape or residual.dtype is not dtype or not residual.flags.c_contiguous)):
-            return general(a, b, bias, residual)
-        if few and dtype is FLOAT32 and PackedProduct.takes_few(a.reshape(rows, depth), b):
+            return general(a, b, bias, residual) if norm is None else general(a, b, bias, residual, scale, shift)
+        a, spec = (a, None) if norm is None else (norm(a, scale, shift), norm.spec(scale, shift))
+        if a.dtype is not dtype or not a.flags.c_contiguous:  # (the normalization's output of another dtype)
+            return unnormalized(a, b, bias, residual)
+        if few and dtype is FLOAT32 and PackedProduct.takes_few(a.reshape(rows, depth), b, norm is not None):
             if packed is None:
                 packed = PackedProduct()
-            y = packed(a.reshape(rows, depth), b, bias, residual).reshape(out_shape)
-            kept = _kept_fused(packed, a.reshape(rows, depth), b, bias, residual is not None) or kept
+            y = packed(a.reshape(rows, depth), b, bias, residual, tiles_series).reshape(out_shape)
+            kept = _kept_fused(packed, a.reshape(rows, depth), b, bias, residual is not None, tiles_series, spec) \
+                or kept
             return (y,)
         y = product(a.reshape(rows, depth), b)
         skip = no_residual[dtype] if residual is None else residual.reshape(rows, n)
@@ -217,21 +241,27 @@ def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general):
     return kernel
 
 
-def _kept_fused(packed: PackedProduct, rows: np.ndarray, b: np.ndarray, bias: np.ndarray, adding: bool) -> tuple | None:
+def _kept_fused(packed: PackedProduct, rows: np.ndarray, b: np.ndarray, bias: np.ndarray, adding: bool,
+                coefficients, norm: tuple | None) -> tuple | None:
     """A planned FusedMatMul's ``kept`` for the PackedProduct call it just made (``rows``: A as a matrix; ``adding``:
-    with a residual): (b, bias, adding, the bound call, the thread count, the knobs' epoch) for constant b and bias,
-    else None."""
-    if b.flags.writeable or bias.flags.writeable:
+    with a residual; ``coefficients``: its Gelu's; ``norm``: the normalization in front, PackedProduct.bound's):
+    (b, bias, adding, the bound call, the thread count, the knobs' epoch, the normalization's scale) for constant b,
+    bias, scale and shift, else None."""
+    if b.flags.writeable or bias.flags.writeable or (norm is not None and (
+            norm[0].flags.writeable or (norm[1] is not None and norm[1].flags.writeable))):
         return None
-    bound = packed.bound(rows, b, bias, residual=adding)
-    return None if bound is None else (b, bias, adding, bound, kernel_threads(), knobs_epoch[0])
+    bound = packed.bound(rows, b, bias, coefficients, residual=adding, norm=norm)
+    return None if bound is None else (b, bias, adding, bound, kernel_threads(), knobs_epoch[0],
+                                       None if norm is None else norm[0])
 
 
-def _kept_fused_run(kept: tuple, a, b, bias, residual, a_shape: tuple, out_shape: tuple) -> np.ndarray | None:
+def _kept_fused_run(kept: tuple, a, b, bias, residual, a_shape: tuple, out_shape: tuple, scale) -> np.ndarray | None:
     """The FusedMatMul's product by its kept bound call where these operands are the ones it was kept for (float32,
-    the planned shapes, the same constant b and bias, a residual where it adds one); None otherwise."""
-    weights, kept_bias, adding, run, threads, epoch = kept  # one read: another thread may replace it
-    if b is not weights or bias is not kept_bias or a.shape != a_shape or a.dtype is not FLOAT32 \
+    the planned shapes, the same constant b, bias and normalization ``scale``, a residual where it adds one); None
+    otherwise."""
+    weights, kept_bias, adding, run, threads, epoch, kept_scale = kept  # one read: another thread may replace it
+    if b is not weights or bias is not kept_bias or scale is not kept_scale or a.shape != a_shape \
+            or a.dtype is not FLOAT32 \
             or not a.flags.c_contiguous or kernel_threads() != threads or knobs_epoch[0] != epoch:
         return None
     if residual is None:

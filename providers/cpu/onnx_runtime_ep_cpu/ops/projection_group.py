@@ -13,6 +13,7 @@ from ..registry import register
 from ..threads import kernel_threads
 from ..tuning import knobs_epoch
 from ._common import argument_error, required_attr
+from .norm_in_front import norm_in_front
 
 _F32 = np.dtype(np.float32)
 
@@ -100,46 +101,46 @@ def _planned_heads(columns, layouts: list, widths: list[int], lead: tuple) -> tu
 class _Tiles:
     """A planned node's few-row tiles: its PackedProduct (made on first use) and, as MatMul keeps one, the bound call
     of its last product (PackedProduct.bound) with what it was bound for: (w, bias, the call, the thread count, the
-    knobs' epoch), for constant w and bias (or none)."""
+    knobs' epoch, the normalization's scale), for constant w and bias (or none). A node with a normalization in
+    front (norm_in_front.py) binds it with it: its bound call takes the input before the normalization."""
 
     __slots__ = ("packed", "kept")
 
     def __init__(self):
         self.packed: PackedProduct | None = None
-        self.kept: tuple = (None, None, None, 0, -1)
+        self.kept: tuple = (None, None, None, 0, -1, None)
 
-    def __call__(self, rows: np.ndarray, w: np.ndarray, bias) -> np.ndarray:
-        """rows @ w (+ bias), ``rows`` A as a matrix; the call bound for the next one where it can be."""
+    def __call__(self, rows: np.ndarray, w: np.ndarray, bias, norm: tuple | None = None) -> np.ndarray:
+        """rows @ w (+ bias), ``rows`` A as a matrix; the call bound for the next one where it can be (with ``norm``,
+        PackedProduct.bound's, where its scale and shift are constants)."""
         if self.packed is None:
             self.packed = PackedProduct()
         y = self.packed(rows, w, bias)
-        if not w.flags.writeable and (bias is None or not bias.flags.writeable):
-            bound = self.packed.bound(rows, w, bias)
+        if not w.flags.writeable and (bias is None or not bias.flags.writeable) and (norm is None or (
+                not norm[0].flags.writeable and (norm[1] is None or not norm[1].flags.writeable))):
+            bound = self.packed.bound(rows, w, bias, norm=norm)
             if bound is not None:
-                self.kept = (w, bias, bound, kernel_threads(), knobs_epoch[0])
+                self.kept = (w, bias, bound, kernel_threads(), knobs_epoch[0], None if norm is None else norm[0])
         return y
 
-    def bound_for(self, a: np.ndarray, w: np.ndarray, bias, a_shape: tuple):
+    def bound_for(self, a: np.ndarray, w: np.ndarray, bias, a_shape: tuple, scale=None):
         """The kept bound call where it computes this product (float32 A of the planned shape, the same constant w
-        and bias, the thread count and knobs' epoch it was bound with), else None."""
-        weights, kept_bias, run, threads, epoch = self.kept  # one read: another thread may replace it
-        if w is weights and bias is kept_bias and a.shape == a_shape and a.dtype is _F32 and a.flags.c_contiguous \
-                and kernel_threads() == threads and knobs_epoch[0] == epoch:
+        and bias, and normalization ``scale``, the thread count and knobs' epoch it was bound with), else None."""
+        weights, kept_bias, run, threads, epoch, kept_scale = self.kept  # one read: another thread may replace it
+        if w is weights and bias is kept_bias and scale is kept_scale and a.shape == a_shape and a.dtype is _F32 \
+                and a.flags.c_contiguous and kernel_threads() == threads and knobs_epoch[0] == epoch:
             return run
         return None
 
 
-@register("ProjectionGroup", domain=FUSED_DOMAIN, since=1)
-def projection_group(node, shapes, opset):
-    """Inputs: A (..., K), W (K, sum of widths), optional bias (sum of widths,); one output (..., width) per
-    member: (A @ W + bias)'s columns of that member (split into heads where attribute ``layouts`` says so)."""
-    widths = _widths(node)
-    starts = [0, *np.cumsum(widths).tolist()]
-    total = starts[-1]
+def _general(node, columns, total: int, norm) -> tuple:
+    """(general, product): the kernel for any shapes and dtypes, (a, w, bias=None, scale=None, shift=None), and its
+    product of an A already normalized, (a, w, bias)."""
 
-    columns, layouts = _columns(node, widths, starts)
+    def general(a, w, bias=None, scale=None, shift=None):
+        return product(a if norm is None else norm(a, scale, shift), w, bias)
 
-    def general(a, w, bias=None):
+    def product(a, w, bias):
         if w.ndim != 2 or a.ndim < 1 or a.shape[-1] != w.shape[0] or w.shape[1] != total \
                 or (bias is not None and bias.shape != (total,)):
             raise argument_error(node, f"A {a.shape}, W {w.shape}, bias {None if bias is None else bias.shape}; "
@@ -149,6 +150,22 @@ def projection_group(node, shapes, opset):
             y += bias
         return columns(y)
 
+    return general, product
+
+
+@register("ProjectionGroup", domain=FUSED_DOMAIN, since=1)
+def projection_group(node, shapes, opset):
+    """Inputs: A (..., K), W (K, sum of widths), optional bias (sum of widths,); one output (..., width) per
+    member: (A @ W + bias)'s columns of that member (split into heads where attribute ``layouts`` says so). With
+    attribute ``normalize`` (norm_in_front.py), inputs 3 and 4 are the normalization's scale and optional shift,
+    applied to A first."""
+    norm = norm_in_front(node, shapes)
+    widths = _widths(node)
+    starts = [0, *np.cumsum(widths).tolist()]
+    total = starts[-1]
+
+    columns, layouts = _columns(node, widths, starts)
+    general, product = _general(node, columns, total, norm)
     a_shape = tuple(shapes[0]) if shapes and shapes[0] is not None else None
     if not a_shape or not all(isinstance(d, int) and d > 0 for d in a_shape):
         return general
@@ -163,20 +180,26 @@ def projection_group(node, shapes, opset):
     add = compiled.add_bias_residual_
     # A decode step's few rows by constant weights of this size: few_rows.py's tiles (BLAS packs the weights per call)
     # (any thread count here: each call's takes_few reads the running one)
-    few = rows <= GEMV_ROWS and PackedProduct.few_sized(rows, depth * total, False, 2, depth)
+    # (and of any size with a normalization in front: the two then run as one compiled call)
+    few = rows <= GEMV_ROWS and (norm is not None or PackedProduct.few_sized(rows, depth * total, False, 2, depth))
     tiles = _Tiles()
 
-    def kernel(a, w, bias=None):
-        run = tiles.bound_for(a, w, bias, a_shape) if few else None
+    def kernel(a, w, bias=None, scale=None, shift=None):
+        run = tiles.bound_for(a, w, bias, a_shape, scale) if few else None
         if run is not None:
             return columns_planned(run(a).reshape(out_shape))
         # The planned shape: one product of A's rows (BLAS's, or the tiles'), the bias added, column views reshaped.
         if a.shape != a_shape or a.dtype is not _F32 or w.dtype is not _F32 or w.shape != (depth, total) \
                 or not a.flags.c_contiguous \
                 or (bias is not None and (bias.dtype is not _F32 or bias.shape != (total,))):
-            return general(a, w, bias)
-        if few and PackedProduct.takes_few(a.reshape(rows, depth), w):
-            y = tiles(a.reshape(rows, depth), w, bias).reshape(out_shape)
+            return general(a, w, bias, scale, shift)
+        spec = None
+        if norm is not None:
+            a, spec = norm(a, scale, shift), norm.spec(scale, shift)
+            if a.dtype is not _F32 or not a.flags.c_contiguous:
+                return product(a, w, bias)
+        if few and PackedProduct.takes_few(a.reshape(rows, depth), w, norm is not None):
+            y = tiles(a.reshape(rows, depth), w, bias, spec).reshape(out_shape)
         else:
             y = np.dot(a.reshape(rows, depth), w)
             add(y, no_bias if bias is None else bias, no_residual)
