@@ -1,5 +1,6 @@
 """Depthwise convolutions over small planes by compiled/depthwise_small.py's loops: the channels-last pair sums
-(5x5-and-larger windows onto few outputs) and the flat planes (stride-1 windows keeping the plane's size), each
+(5x5-and-larger windows onto few outputs) and the flat planes (stride-1 windows keeping the plane's size), and by
+compiled/depthwise_rows.py's output rows across the lanes (7x7 windows on AVX-512 hosts), each
 where it measured faster than the plane loops of compiled/depthwise.py (conv_depthwise.py).
 """
 
@@ -29,6 +30,10 @@ PAIRS_SMALL_TAPS, PAIRS_SMALL_INPUTS = 9, 16
 # The flat planes win on planes of up to this many pixels (8x8 3x3 windows: 72 channels 8.3 -> 4.9 us, 240
 # channels 19.5 -> 15.5 us; 4x4: 6.2 -> 4.3 us); on 16x16 and larger the plane loops' row tiles are faster.
 FLAT_MAX_PIXELS = 64
+# The output rows across the lanes (compiled/depthwise_rows.py) win for 7x7 windows (ConvNeXt's, float32 on AVX-512
+# hosts) on planes of up to ROWS_MAX_PIXELS outputs where the pair sums do not run: 16 channels of 16x16 against the
+# plane loops and 32 of 8x8 against the flat planes (smaller windows keep the tuned 3x3/5x5 choices).
+ROWS_MIN_TAPS, ROWS_MAX_PIXELS = 49, 256
 
 
 def pairs_depthwise_apply(geo: Geometry, x: np.ndarray, m: int) -> bool:
@@ -38,6 +43,17 @@ def pairs_depthwise_apply(geo: Geometry, x: np.ndarray, m: int) -> bool:
     return (takes_compiled(x) and len(geo.kernel) == 2 and m == x.shape[1] >= PAIRS_MIN_CHANNELS and x.size > 0
             and (taps >= PAIRS_MIN_TAPS or (taps >= PAIRS_SMALL_TAPS and inputs <= PAIRS_SMALL_INPUTS))
             and 0 < math.prod(geo.out) <= PAIRS_MAX_OUTPUTS and inputs <= PAIRS_MAX_INPUTS)
+
+
+def rows_depthwise_apply(geo: Geometry, x: np.ndarray, m: int) -> bool:
+    """Whether the output rows across the lanes run this depthwise convolution: float32 on an AVX-512 host, one
+    output per channel, at least ROWS_MIN_TAPS taps onto up to ROWS_MAX_PIXELS outputs."""
+    if (x.dtype != np.float32 or len(geo.kernel) != 2 or m != x.shape[1] or x.size == 0
+            or math.prod(geo.kernel) < ROWS_MIN_TAPS or not 0 < math.prod(geo.out) <= ROWS_MAX_PIXELS):
+        return False
+    from ..compiled import host
+
+    return host.AVX512
 
 
 def flat_depthwise_apply(geo: Geometry, x: np.ndarray, m: int) -> bool:
@@ -131,3 +147,25 @@ class FlatDepthwise(_SmallDepthwise):
     def _loop_arguments(self, x, weights, bias, bounds, y, c):
         return (x, weights, bias, self._shifts, self._masks, bounds, y,
                 np.zeros(self._pixels + 2 * self._margin, self._dtype), np.empty(self._pixels, self._dtype))
+
+
+class RowsDepthwise(_SmallDepthwise):
+    """The output rows across the lanes (depthwise_rows.depthwise_rows), float32."""
+
+    def __init__(self, geo: Geometry, prepared: Prepared, dtype):
+        super().__init__(geo, prepared, dtype)
+        from ..compiled import depthwise_rows
+
+        self._rows_module = depthwise_rows
+        (oh, ow), (sh, sw) = geo.out, geo.strides
+        self._lanes = 8 if ow <= 8 else 16
+        self._taps, phase_width, size = depthwise_rows.plane_layout(geo.in_shape, geo.kernel, geo.strides,
+                                                                    geo.dilations, geo.begin, geo.out, self._lanes)
+        self._plane_floats = sw * size
+        self._geometry = (*geo.in_shape, *geo.begin, sw, phase_width, size, oh, ow, sh, self._lanes)
+
+    def _loop(self):
+        return self._rows_module.depthwise_rows
+
+    def _loop_arguments(self, x, weights, bias, bounds, y, c):
+        return (x, weights, bias, bounds, y, np.zeros(self._plane_floats, self._dtype), self._taps, *self._geometry)

@@ -150,6 +150,8 @@ def _compiled_depthwise(geo: Geometry, x: np.ndarray, m: int, prepared: Prepared
 
     if small.pairs_depthwise_apply(geo, x, m):
         return lambda: (small.PairsDepthwise(geo, prepared, dtype), True)
+    if small.rows_depthwise_apply(geo, x, m):
+        return lambda: (small.RowsDepthwise(geo, prepared, dtype), True)
     if small.flat_depthwise_apply(geo, x, m):
         return lambda: (small.FlatDepthwise(geo, prepared, dtype), True)
     if depthwise.depthwise_lanes_apply(geo, x, m):
