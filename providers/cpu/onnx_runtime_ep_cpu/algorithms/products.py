@@ -196,18 +196,16 @@ class PackedProduct:
                 or shift.shape not in ((0,), (depth,)):
             return None
         empty, epsilon, rms = self._empty, float(epsilon), bool(rms)
-        arguments = (np.ascontiguousarray(a).reshape(-1), scale, shift, epsilon, rms, np.empty(rows * depth, FLOAT32),
-                     np.empty(rows, FLOAT32), rows, depth, packed, offsets, padded_bias, np.empty(rows * n, FLOAT32),
-                     n, empty, flags, coefficients, np.empty(spare, FLOAT32))
+        arguments = (np.ascontiguousarray(a).reshape(-1), scale, shift, epsilon, rms, rows, depth, packed, offsets,
+                     padded_bias, np.empty(rows * n, FLOAT32), n, empty, flags, coefficients, spare)
         entry = entry_point(normed_rows.normed_panels, arguments)
         if entry is None:
             return None
 
         def run(x, _b=None):
             y = np.empty(out_shape, np.float32)
-            entry(x.reshape(-1), scale, shift, epsilon, rms, np.empty(rows * depth, np.float32),
-                  np.empty(rows, np.float32), rows, depth, packed, offsets, padded_bias, y.reshape(-1), n, empty, flags,
-                  coefficients, np.empty(spare, np.float32) if spare else empty)
+            entry(x.reshape(-1), scale, shift, epsilon, rms, rows, depth, packed, offsets, padded_bias,
+                  y.reshape(-1), n, empty, flags, coefficients, spare)
             return y
 
         return run

@@ -9,6 +9,8 @@ weights with its bias and Gelu epilogue: the same bits as the two kernels one af
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import jit
 from .decoder import rms_norm
 from .few_rows import few_row_panels
@@ -16,15 +18,18 @@ from .transformer import layer_norm_rows
 
 
 @jit
-def normed_panels(x, scale, shift, epsilon, rms, normed, stats, rows, depth, packed, offsets, bias, y, n, residual,
-                  flags, coefficients, scratch):
-    """few_row_panels(normed, ...) over every panel of ``packed`` after ``normed`` (rows * depth, flat) is set to
-    the normalization of ``x`` (flat, rows by depth): RMS with ``rms``, else LayerNormalization with ``shift``
-    (empty: none) and ``stats`` (rows,) for its statistics. ``scale`` and ``shift`` are (depth,)."""
+def normed_panels(x, scale, shift, epsilon, rms, rows, depth, packed, offsets, bias, y, n, residual, flags,
+                  coefficients, spare):
+    """few_row_panels(normalized x, ...) over every panel of ``packed``, x (flat, rows by depth) normalized into
+    scratch first: RMS with ``rms``, else LayerNormalization with ``shift`` (empty: none). ``scale`` and ``shift``
+    are (depth,); ``spare``: the size of few_row_panels' scratch. The scratch is allocated here: passing it in cost
+    an allocation and an argument's unboxing each."""
+    normed = np.empty(rows * depth, x.dtype)
     source, target = x.reshape(rows, depth), normed.reshape(rows, depth)
     if rms:
         rms_norm(source, scale, epsilon, target)
     else:
+        stats = np.empty(rows, x.dtype)
         layer_norm_rows(source, scale, shift, epsilon, target, stats, stats)
     few_row_panels(normed, depth, rows, depth, packed, offsets, bias, y, n, residual, flags, coefficients, 0,
-                   packed.shape[0], scratch)
+                   packed.shape[0], np.empty(spare, x.dtype))
