@@ -1,8 +1,8 @@
-"""The output rows across the lanes (compiled/depthwise_rows.py, algorithms/conv_depthwise_small.RowsDepthwise): 7x7
-depthwise windows over small planes. The loop against a float64 reference for odd sizes, uneven pads, strides 1 and 2,
-dilations, batches and activation bounds (its vectors are plain LLVM ones: it runs on every x86 host); and through
-sessions (the Conv alone, with a Relu, with a residual sum) where the host takes it (AVX-512), ConvNeXt's shapes
-included."""
+"""The output rows across the lanes (compiled/depthwise_rows.py, algorithms/conv_depthwise_small.RowsDepthwise): 5x5
+and 7x7 depthwise windows over small planes. The loop against a float64 reference for odd sizes, uneven pads,
+strides 1 and 2, dilations, batches and activation bounds (its vectors are plain LLVM ones: it runs on every x86
+host); and through sessions (the Conv alone, with a Relu, with a residual sum) where the host takes it (AVX-512,
+stride 1), ConvNeXt's shapes included."""
 
 from __future__ import annotations
 
@@ -113,6 +113,8 @@ SESSION_CASES = {
     "ConvNeXt stage 1": ((1, 32, 8, 8), (7, 7), (3, 3, 3, 3), (1, 1)),
     "14x14, 2 images": ((2, 24, 14, 14), (7, 7), (3, 3, 3, 3), (1, 1)),
     "7x7/2 on 15x13, uneven pads": ((1, 8, 15, 13), (7, 7), (3, 2, 1, 3), (2, 2)),
+    "5x5 on 16x16": ((1, 32, 16, 16), (5, 5), (2, 2, 2, 2), (1, 1)),
+    "5x5 on 8x8": ((1, 64, 8, 8), (5, 5), (2, 2, 2, 2), (1, 1)),
 }
 
 
@@ -123,7 +125,7 @@ def test_sessions_take_the_rows_on_avx512_and_match_float64(case, tail):
     x = np.random.default_rng(1).standard_normal(x_shape).astype(np.float32)
     geo = _geometry(x_shape, kernel, pads, strides)
     assert not pairs_depthwise_apply(geo, x, x_shape[1])
-    assert rows_depthwise_apply(geo, x, x_shape[1]) == host.AVX512
+    assert rows_depthwise_apply(geo, x, x_shape[1]) == (host.AVX512 and strides == (1, 1))  # (strided: plane loops)
     model = _model(x_shape, kernel, pads, strides, tail)
     feeds = {"x": x}
     exact = run_float64(_model(x_shape, kernel, pads, strides, "none"), feeds)[0]
@@ -145,11 +147,12 @@ def test_sessions_take_the_rows_on_avx512_and_match_float64(case, tail):
 
 def test_small_windows_and_large_planes_keep_their_loops():
     x = np.zeros((1, 32, 16, 16), np.float32)
-    five = _geometry(x.shape, (5, 5), (2, 2, 2, 2), (1, 1))
     three = _geometry(x.shape, (3, 3), (1, 1, 1, 1), (1, 1))
-    assert not rows_depthwise_apply(five, x, 32) and not rows_depthwise_apply(three, x, 32)  # tuned 3x3/5x5 choices
-    large = np.zeros((1, 16, 32, 32), np.float32)
-    assert not rows_depthwise_apply(_geometry(large.shape, (7, 7), (3, 3, 3, 3), (1, 1)), large, 16)  # 1024 outputs
+    assert not rows_depthwise_apply(three, x, 32)  # the tuned 3x3 choices
+    large = np.zeros((1, 16, 48, 48), np.float32)
+    assert not rows_depthwise_apply(_geometry(large.shape, (7, 7), (3, 3, 3, 3), (1, 1)), large, 16)  # 2304 outputs
+    wide = np.zeros((1, 64, 32, 32), np.float32)  # work the plane loops split across threads
+    assert not rows_depthwise_apply(_geometry(wide.shape, (5, 5), (2, 2, 2, 2), (1, 1)), wide, 64)
     assert not rows_depthwise_apply(_geometry(x.shape, (7, 7), (3, 3, 3, 3), (1, 1)), x.astype(np.float64), 32)
     small = np.zeros((1, 64, 4, 4), np.float32)  # the pair sums come first there
     assert pairs_depthwise_apply(_geometry(small.shape, (7, 7), (3, 3, 3, 3), (1, 1)), small, 64)

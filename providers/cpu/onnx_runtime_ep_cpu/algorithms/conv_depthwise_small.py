@@ -1,6 +1,6 @@
 """Depthwise convolutions over small planes by compiled/depthwise_small.py's loops: the channels-last pair sums
 (5x5-and-larger windows onto few outputs) and the flat planes (stride-1 windows keeping the plane's size), and by
-compiled/depthwise_rows.py's output rows across the lanes (7x7 windows on AVX-512 hosts), each
+compiled/depthwise_rows.py's output rows across the lanes (5x5 and 7x7 windows on AVX-512 hosts), each
 where it measured faster than the plane loops of compiled/depthwise.py (conv_depthwise.py).
 """
 
@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from ..compiled import takes as takes_compiled
+from ..tuning import KNOBS
 from .prepared import Prepared
 from .window import Geometry
 
@@ -30,10 +31,12 @@ PAIRS_SMALL_TAPS, PAIRS_SMALL_INPUTS = 9, 16
 # The flat planes win on planes of up to this many pixels (8x8 3x3 windows: 72 channels 8.3 -> 4.9 us, 240
 # channels 19.5 -> 15.5 us; 4x4: 6.2 -> 4.3 us); on 16x16 and larger the plane loops' row tiles are faster.
 FLAT_MAX_PIXELS = 64
-# The output rows across the lanes (compiled/depthwise_rows.py) win for 7x7 windows (ConvNeXt's, float32 on AVX-512
-# hosts) on planes of up to ROWS_MAX_PIXELS outputs where the pair sums do not run: 16 channels of 16x16 against the
-# plane loops and 32 of 8x8 against the flat planes (smaller windows keep the tuned 3x3/5x5 choices).
-ROWS_MIN_TAPS, ROWS_MAX_PIXELS = 49, 256
+# The output rows across the lanes (compiled/depthwise_rows.py) win for 5x5 and 7x7 windows (ConvNeXt's, float32 on
+# AVX-512 hosts) where the pair sums do not run, against the plane loops (16x16 to 56x56) and the flat planes (8x8),
+# on planes of up to ROWS_MAX_PIXELS outputs and work that the plane loops would not split across threads (the
+# rows loop runs on one); 3x3 windows keep their tuned loops, and strided windows the plane loops (measured faster
+# there than these rows over column phases).
+ROWS_MIN_TAPS, ROWS_MAX_PIXELS = 25, 1024
 
 
 def pairs_depthwise_apply(geo: Geometry, x: np.ndarray, m: int) -> bool:
@@ -47,9 +50,12 @@ def pairs_depthwise_apply(geo: Geometry, x: np.ndarray, m: int) -> bool:
 
 def rows_depthwise_apply(geo: Geometry, x: np.ndarray, m: int) -> bool:
     """Whether the output rows across the lanes run this depthwise convolution: float32 on an AVX-512 host, one
-    output per channel, at least ROWS_MIN_TAPS taps onto up to ROWS_MAX_PIXELS outputs."""
-    if (x.dtype != np.float32 or len(geo.kernel) != 2 or m != x.shape[1] or x.size == 0
-            or math.prod(geo.kernel) < ROWS_MIN_TAPS or not 0 < math.prod(geo.out) <= ROWS_MAX_PIXELS):
+    output per channel, stride 1, at least ROWS_MIN_TAPS taps onto up to ROWS_MAX_PIXELS outputs per channel, an image's
+    multiply-adds within KNOBS.split_depthwise_macs."""
+    taps, pixels = math.prod(geo.kernel), math.prod(geo.out)
+    if (x.dtype != np.float32 or len(geo.kernel) != 2 or m != x.shape[1] or x.size == 0 or taps < ROWS_MIN_TAPS
+            or geo.strides != (1, 1) or not 0 < pixels <= ROWS_MAX_PIXELS
+            or m * pixels * taps > KNOBS.split_depthwise_macs):
         return False
     from ..compiled import host
 
