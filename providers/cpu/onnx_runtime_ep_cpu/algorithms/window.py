@@ -238,5 +238,23 @@ class Window(WindowAttributes):
         key = (in_shape, kernel)
         geometry = self._cache.get(key)
         if geometry is None:
-            geometry = self._cache[key] = Geometry(tuple(in_shape), *self.geometry(in_shape, kernel))
+            geometry = self._cache[key] = self._shared(tuple(in_shape), kernel)
         return geometry
+
+    def _shared(self, in_shape: tuple[int, ...], kernel) -> Geometry:
+        """The process's one Geometry for these attributes over this shape: a model's many convolutions and pools
+        of one shape, and every later session of the model, build it once. A Geometry is read-only but for its
+        divisor cache, whose arrays depend on the geometry alone."""
+        key = (self.auto_pad, self.ceil_mode, self.kernel, self.strides, self.dilations, self.pads, in_shape,
+               None if kernel is None else tuple(kernel))
+        geometry = _GEOMETRIES.get(key)
+        if geometry is None:  # (raises, naming this node, for attributes that do not fit the shape: never kept)
+            geometry = Geometry(in_shape, *self.geometry(in_shape, kernel))
+            if len(_GEOMETRIES) >= _GEOMETRIES_KEPT:
+                _GEOMETRIES.clear()
+            _GEOMETRIES[key] = geometry
+        return geometry
+
+
+_GEOMETRIES: dict[tuple, Geometry] = {}  # Window._shared's, bounded
+_GEOMETRIES_KEPT = 4096

@@ -189,10 +189,17 @@ def _compiled_epilogue(node):
     from ..compiled import epilogue
 
     kind, params = activation_code(node)
-    # Per dtype, built once: the activation's bounds and the empty stand-ins for no bias/residual.
-    constants = {np.dtype(t): (epilogue.activation_bounds(kind, params, t), epilogue.absent(t, 1),
-                               epilogue.absent(t, 3))
-                 for t in (np.float32, np.float64)}
+    # Per dtype, built once per activation in the process (every FusedConv with a Relu shares them; the loops only
+    # read them): the activation's bounds and the empty stand-ins for no bias/residual.
+    key = (kind, *params)
+    constants = _EPILOGUE_CONSTANTS.get(key)
+    if constants is None:
+        constants = {np.dtype(t): (epilogue.activation_bounds(kind, params, t), epilogue.absent(t, 1),
+                                   epilogue.absent(t, 3))
+                     for t in (np.float32, np.float64)}
+        if len(_EPILOGUE_CONSTANTS) >= 256:
+            _EPILOGUE_CONSTANTS.clear()
+        _EPILOGUE_CONSTANTS[key] = constants
 
     def prepare(b, z, dtype):
         bounds, no_bias, no_residual = constants[dtype]
@@ -210,6 +217,9 @@ def _compiled_epilogue(node):
 
     prepare.float32_bounds = constants[np.dtype(np.float32)][0]  # for the direct tiles, which take float32
     return prepare
+
+
+_EPILOGUE_CONSTANTS: dict[tuple, dict] = {}  # _compiled_epilogue's per activation (code, parameters), bounded
 
 
 @register("FusedConv", domain=FUSED_DOMAIN, since=1)
