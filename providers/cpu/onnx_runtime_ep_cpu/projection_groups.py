@@ -15,17 +15,18 @@ one row count, its bias (if any) a constant vector of its width, its output read
 nothing else. The merged weights replace the members' (they are dropped where no other node reads them).
 
 A decoder's projections of one input reach their attention through head splits and rotary embeddings, and a
-gated feed-forward block's gate and up products meet in SwishMul:
+gated feed-forward block's gate and up products meet in SwishMul, or in a Mul after an activation of the gate:
 
     ReshapeTranspose(A @ Wq), ReshapeTranspose(A @ Wk), ReshapeTranspose(A @ Wv)  (rotary after, on the heads)
     SwishMul(A @ Wg, A @ Wu)
+    Mul(Gelu(A @ Wg), A @ Wu)  (Gemma)
 
 group_sibling_projections merges any such products of one input the same way, where every reader of each
-member's output takes a column view as it takes a whole array (_VIEW_READERS: the head split reshapes it,
-SwishMul copies a strided operand before its compiled pass, Attention reads it in place), in specialized plans
-where the product is below the packed_macs knob (larger ones keep ops/linalg.py's packed product). A product already
-merged (GPT-2's c_attn, or the optimizer's sibling MatMuls) and cut by a Split of its last axis into such
-readers' inputs is one too (split_projection_outputs): the Split's copies become the product's column views. A
+member's output takes a column view as it takes a whole array (_VIEW_READERS), in specialized plans where the
+product is below the packed_macs knob (larger ones keep ops/linalg.py's packed product). A product already merged
+(GPT-2's c_attn, Phi-3's qkv_proj and gate_up_proj, or the optimizer's sibling MatMuls) and cut along its last
+axis into such readers' inputs is one too (split_projection_outputs): by a Split, or by Slices of adjacent
+constant column ranges that cover it once (Phi-3's exports), whose copies become the product's column views. A
 part whose only reader is an Add of a constant bias of its width (OPT's merged q/k/v: the product without its
 biases, each added after the Split) takes that bias into the group's, so the Add's readers read the view.
 
@@ -143,9 +144,13 @@ def group_attention_projections(graph: Graph, owns=None) -> bool:
     return changed
 
 
-# (op_type, domain) of the readers that take a member's column view of the merged product as a whole array.
+# (op_type, domain) of the readers that take a member's column view of the merged product as a whole array: the
+# head split reshapes it, SwishMul and the Gelus copy a strided operand before their compiled pass, Attention reads
+# it in place, Mul is numpy's (a gated feed-forward block whose gate has its own activation: Gemma's
+# Mul(Gelu(A @ Wg), A @ Wu)).
 _VIEW_READERS = frozenset({("ReshapeTranspose", FUSED_DOMAIN), ("SwishMul", FUSED_DOMAIN), ("Attention", ""),
-                           ("Attention", "ai.onnx")})
+                           ("Attention", "ai.onnx"), ("Gelu", ""), ("Gelu", "ai.onnx"), ("Gelu", "com.microsoft"),
+                           ("FastGelu", "com.microsoft"), ("Mul", ""), ("Mul", "ai.onnx")})
 
 
 def _view_read(view: GraphView, name: str) -> bool:
@@ -237,12 +242,12 @@ def _split_widths(view: GraphView, split: Node, total: int, rank: int | None) ->
     return widths
 
 
-def _split_parts(view: GraphView, split: Node, widths: list[int]) -> list[tuple] | None:
-    """Per output of ``split``: (the name its readers read, the constant bias added to it or None, that Add or
-    None), where each part is read only by _VIEW_READERS, or only by an Add of a constant float32 vector of its
-    width whose output they alone read; else None."""
+def _split_parts(view: GraphView, names: list[str], widths: list[int]) -> list[tuple] | None:
+    """Per cut part ``names`` (of ``widths``): (the name its readers read, the constant bias added to it or None,
+    that Add or None), where each part is read only by _VIEW_READERS, or only by an Add of a constant float32
+    vector of its width whose output they alone read; else None."""
     parts = []
-    for name, width in zip(split.outputs, widths):
+    for name, width in zip(names, widths):
         if _view_read(view, name):
             parts.append((name, None, None))
             continue
@@ -256,30 +261,106 @@ def _split_parts(view: GraphView, split: Node, widths: list[int]) -> list[tuple]
     return parts
 
 
+def _ints(view: GraphView, fed: set[str], node: Node, index: int) -> list[int] | None:
+    """Slice input ``index`` of ``node`` as ints where it is a constant vector (not one a feed may override);
+    [] where the input is absent; None where it is computed."""
+    if len(node.inputs) <= index or not node.inputs[index]:
+        return []
+    value = None if node.inputs[index] in fed else view.const(node.inputs[index])
+    if value is None or value.ndim != 1 or value.dtype.kind not in "iu":
+        return None
+    return [int(v) for v in value]
+
+
+def _slice_span(view: GraphView, fed: set[str], node: Node, name: str, total: int,
+                rank: int | None) -> tuple[int, int] | None:
+    """The columns [start, end) of a (..., total) ``name`` that the Slice ``node`` cuts: constant bounds of the last
+    axis alone, step 1, a part of at least one column; else None."""
+    if node.op_type != "Slice" or node.domain not in ("", "ai.onnx") or not node.inputs \
+            or node.inputs[0] != name or node.inputs.count(name) != 1 or len(node.outputs) != 1 \
+            or not node.outputs[0]:
+        return None
+    if node.opset >= 10:
+        starts, ends, axes, steps = (_ints(view, fed, node, index) for index in (1, 2, 3, 4))
+    else:
+        starts, ends, axes, steps = (None if node.attr(key) is None else [int(v) for v in node.attr(key)]
+                                     for key in ("starts", "ends", "axes", "steps"))
+        axes, steps = axes or [], []
+    if starts is None or ends is None or axes is None or steps is None or len(starts) != 1 or len(ends) != 1 \
+            or len(axes) > 1 or steps not in ([], [1]):
+        return None
+    axis = axes[0] if axes else 0  # (no axes: the first, the last only for a vector)
+    if axis != -1 and (rank is None or axis != rank - 1):
+        return None
+    start, end = (min(max(bound + total if bound < 0 else bound, 0), total) for bound in (starts[0], ends[0]))
+    return (start, end) if end > start else None
+
+
+def _slice_cuts(view: GraphView, fed: set[str], name: str, total: int,
+                rank: int | None) -> tuple[list[Node], list[str], list[int]] | None:
+    """(the Slices, their outputs in column order, their widths) where ``name`` is read only by two or more Slices
+    of its last axis that cut it into adjacent parts covering every column once (Phi-3's fused q/k/v and
+    gate/up), else None."""
+    readers = view.consumers.get(name, [])
+    if len(readers) < 2 or len({id(reader) for reader in readers}) != len(readers):
+        return None
+    spans = []
+    for reader in readers:
+        span = _slice_span(view, fed, reader, name, total, rank)
+        if span is None:
+            return None
+        spans.append((span, reader))
+    spans.sort(key=lambda found: found[0])
+    at = 0
+    for (start, end), _reader in spans:
+        if start != at:
+            return None
+        at = end
+    if at != total:
+        return None
+    return [reader for _span, reader in spans], [reader.outputs[0] for _span, reader in spans], \
+        [end - start for (start, end), _reader in spans]
+
+
+def _cuts(view: GraphView, fed: set[str], name: str, total: int,
+          rank: int | None) -> tuple[list[Node], list[str], list[int]] | None:
+    """(the nodes cutting ``name``, the parts in column order, their widths): one Split of its last axis, or
+    Slices of it (_slice_cuts); else None."""
+    readers = view.consumers.get(name, [])
+    if len(readers) == 1 and readers[0].op_type == "Split":
+        split = readers[0]
+        if split.domain not in ("", "ai.onnx") or split.inputs[:1] != [name] or split.inputs.count(name) != 1 \
+                or not all(split.outputs):
+            return None
+        widths = _split_widths(view, split, total, rank)
+        return None if widths is None else ([split], list(split.outputs), widths)
+    return _slice_cuts(view, fed, name, total, rank)
+
+
 def split_projection_outputs(graph: Graph, owns=None) -> bool:
-    """Each product whose only reader is a Split of its last axis into _VIEW_READERS' inputs (directly, or through
-    an Add of a constant bias per part) as one ProjectionGroup over the same weight (see the module docstring)."""
+    """Each product cut along its last axis, by one Split or by Slices, into _VIEW_READERS' inputs (directly, or
+    through an Add of a constant bias per part) as one ProjectionGroup over the same weight (see the module
+    docstring)."""
     view, fed = GraphView(graph), {vi.name for vi in graph.inputs}
     changed = False
-    for split in list(graph.nodes):
-        if split.op_type != "Split" or split.domain not in ("", "ai.onnx") or not split.inputs \
-                or not all(split.outputs):
-            continue
-        name = split.inputs[0]
-        product = view.producer.get(name)
+    for product in list(graph.nodes):
         part = _member(view, fed, product)
-        readers = view.consumers.get(name, [])
-        if part is None or len(product.outputs) != 1 or len(readers) != 1 or name in view.outputs \
-                or name in view.inner_reads:
+        if part is None or len(product.outputs) != 1:
+            continue
+        name = product.outputs[0]
+        if name in view.outputs or name in view.inner_reads:
             continue
         info = graph.type_of(name)
         rank = len(info.shape) if info is not None and info.is_tensor and info.shape is not None else None
-        widths = _split_widths(view, split, int(part[1].shape[1]), rank)
-        parts = None if widths is None else _split_parts(view, split, widths)
+        cut = _cuts(view, fed, name, int(part[1].shape[1]), rank)
+        if cut is None:
+            continue
+        cutters, names, widths = cut
+        parts = _split_parts(view, names, widths)
         adds = [] if parts is None else [add for _name, _bias, add in parts if add is not None]
         # (a product with its own bias keeps the Adds: adding the two biases first would round differently)
         if parts is None or (adds and part[2] is not None) or not _blas_sized(graph, part[0], *part[1].shape) \
-                or not owned(owns, [product, split, *adds]):
+                or not owned(owns, [product, *cutters, *adds]):
             continue
         inputs = list(product.inputs)
         if adds:
@@ -289,7 +370,7 @@ def split_projection_outputs(graph: Graph, owns=None) -> bool:
             add_initializer(graph, inputs[-1], bias)
         fused = Node("ProjectionGroup", inputs, [read for read, _bias, _add in parts], name=f"{product.name}/group",
                      domain=FUSED_DOMAIN, attrs={"widths": widths}, opset=1)
-        _replace(graph, [product, split, *adds], fused, view)
+        _replace(graph, [product, *cutters, *adds], fused, view)
         still_read = {n for node in graph.nodes for n in node.inputs} | view.outputs | view.inner_reads
         for add in adds:  # (an Add's bias may be its first input, which _replace leaves)
             for bias_name in add.inputs:
