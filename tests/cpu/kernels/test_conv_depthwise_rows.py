@@ -29,6 +29,8 @@ LOOP_CASES = {
     "5x5/(1,2) dilated 2": ((1, 5, 13, 19), (5, 5), (1, 2), (2, 2), (3, 1, 2, 4)),
     "3x7/(2,1) dilated (1,2), no top pad": ((1, 3, 9, 20), (3, 7), (2, 1), (1, 2), (0, 5, 1, 0)),
     "7x7/2 on 7x7, no pads": ((3, 4, 7, 7), (7, 7), (2, 2), (1, 1), (0, 0, 0, 0)),
+    "5x5 on 12x10, columns dilated 2": ((1, 6, 12, 10), (5, 5), (1, 1), (1, 2), (2, 4, 2, 4)),
+    "7x7 on 17x17, columns stride 2": ((1, 3, 17, 17), (7, 7), (1, 2), (1, 1), (3, 3, 3, 3)),
 }
 BOUNDS = {"none": (-np.inf, np.inf, 1.0), "relu": (0.0, np.inf, 0.0), "leaky clip": (-1.0, 1.5, 0.1)}
 
@@ -65,7 +67,8 @@ def test_loop_matches_float64(case, activation):
     bounds = np.array(BOUNDS[activation], np.float32)
     exact = _reference(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64), strides, dilations, pads,
                        out, BOUNDS[activation])
-    for lanes in (8, 16):
+    height = depthwise_rows.shared_height(kernel, strides, dilations)  # (0 or the tiles sharing their row loads)
+    for lanes, shared in ((8, height), (16, height), (8, 0), (16, 0)):
         taps, phase_width, size = depthwise_rows.plane_layout((h, width), kernel, strides, dilations, pads[:2], out,
                                                               lanes)
         # a guard past the planes and the output: nothing may be written there
@@ -73,7 +76,7 @@ def test_loop_matches_float64(case, activation):
         y = np.full(n * c * out[0] * out[1] + 32, 7.0, np.float32)
         depthwise_rows.depthwise_rows(x.reshape(-1), w.reshape(-1).copy(), b, bounds, y, planes, taps, h, width,
                                       pads[0], pads[1], strides[1], phase_width, size, out[0], out[1], strides[0],
-                                      lanes)
+                                      lanes, shared)
         taps_count = kernel[0] * kernel[1]
         bound = (taps_count + 2) * np.finfo(np.float32).eps * (1 + np.abs(x).max() * np.abs(w).max() * taps_count)
         assert np.abs(y[:-32].reshape(exact.shape) - exact).max() <= bound

@@ -168,7 +168,8 @@ class RowsDepthwise(_SmallDepthwise):
         self._taps, phase_width, size = depthwise_rows.plane_layout(geo.in_shape, geo.kernel, geo.strides,
                                                                     geo.dilations, geo.begin, geo.out, self._lanes)
         self._plane_floats = sw * size
-        self._geometry = (*geo.in_shape, *geo.begin, sw, phase_width, size, oh, ow, sh, self._lanes)
+        self._geometry = (*geo.in_shape, *geo.begin, sw, phase_width, size, oh, ow, sh, self._lanes,
+                          depthwise_rows.shared_height(geo.kernel, geo.strides, geo.dilations))
 
     def _loop(self):
         return self._rows_module.depthwise_rows

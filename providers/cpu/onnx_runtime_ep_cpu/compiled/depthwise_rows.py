@@ -64,7 +64,19 @@ def _masked(module, lanes: int):
     return load, store
 
 
-def _tile_intrinsic(lanes: int):
+def shared_height(kernel, strides, dilations) -> int:
+    """The window height whose tiles share their row loads (depthwise_rows' ``height``): 5 or 7 rows of stride
+    and dilation 1, else 0 (each tap loads its own rows)."""
+    return kernel[0] if kernel[0] in SHARED_HEIGHTS and strides[0] == dilations[0] == 1 else 0
+
+
+SHARED_HEIGHTS = (5, 7)
+
+
+def _tile_intrinsic(lanes: int, height: int):
+    """The tile of ``lanes`` columns; ``height`` > 0: a window of that many rows of stride and dilation 1, whose
+    ROWS + height - 1 input rows each tap column loads once for all the tile's rows (else one load per tap and
+    row)."""
     vec = ir.VectorType(llvm.F32, lanes)
 
     @intrinsic
@@ -88,14 +100,31 @@ def _tile_intrinsic(lanes: int):
             _, store = _masked(builder.module, lanes)
             initial = _splat(builder, builder.load(builder.gep(bias_ptr, [channel])), lanes)
 
+            def row_at(origin, r):
+                return builder.load(_vector_at(builder, planes_ptr, builder.add(
+                    origin, builder.mul(row_step, ir.Constant(llvm.I64, r))), vec), align=4)
+
             def step(k, sums):
                 weight = _splat(builder, builder.load(builder.gep(w_ptr, [builder.add(w_at, k)])), lanes)
                 origin = builder.add(start, builder.load(builder.gep(taps_ptr, [k])))
-                return [builder.call(fma, [weight, builder.load(_vector_at(
-                    builder, planes_ptr, builder.add(origin, builder.mul(row_step, ir.Constant(llvm.I64, r))), vec),
-                    align=4), sums[r]]) for r in range(ROWS)]
+                return [builder.call(fma, [weight, row_at(origin, r), sums[r]]) for r in range(ROWS)]
 
-            sums = llvm.counted_loop(builder, depth, [initial] * ROWS, step, "depthwise_rows")
+            width = builder.sdiv(depth, ir.Constant(llvm.I64, max(1, height)))
+
+            def column(j, sums):  # taps (i, j) for every window row i: taps[j] is column j's offset in row 0
+                origin = builder.add(start, builder.load(builder.gep(taps_ptr, [j])))
+                rows = [row_at(origin, u) for u in range(ROWS + height - 1)]
+                new = list(sums)
+                for i in range(height):
+                    at = builder.add(w_at, builder.add(builder.mul(width, ir.Constant(llvm.I64, i)), j))
+                    weight = _splat(builder, builder.load(builder.gep(w_ptr, [at])), lanes)
+                    new = [builder.call(fma, [weight, rows[r + i], new[r]]) for r in range(ROWS)]
+                return new
+
+            if height:
+                sums = llvm.counted_loop(builder, width, [initial] * ROWS, column, "depthwise_rows")
+            else:
+                sums = llvm.counted_loop(builder, depth, [initial] * ROWS, step, "depthwise_rows")
             low, high, slope = (_splat(builder, builder.load(builder.gep(bounds_ptr, [ir.Constant(llvm.I64, i)])),
                                        lanes) for i in range(3))
             zeros = ir.Constant(vec, [0.0] * lanes)
@@ -116,8 +145,9 @@ def _tile_intrinsic(lanes: int):
     return tile
 
 
-_tile_16 = _tile_intrinsic(16)
-_tile_8 = _tile_intrinsic(8)
+_tile_16, _tile_8 = _tile_intrinsic(16, 0), _tile_intrinsic(8, 0)
+_tile_16_h5, _tile_8_h5 = _tile_intrinsic(16, 5), _tile_intrinsic(8, 5)
+_tile_16_h7, _tile_8_h7 = _tile_intrinsic(16, 7), _tile_intrinsic(8, 7)
 
 
 @intrinsic
@@ -149,13 +179,13 @@ def _copy_row(typingctx, dst, dst_at, src, src_at, count):
 
 
 @jit
-def depthwise_rows(x, weights, bias, bounds, y, planes, taps, in_h, in_w, top, left, sw, phase_width, size, oh, ow,
-                   sh, lanes):
+def depthwise_rows(x, weights, bias, bounds, y, planes, taps, in_h, in_w, top, left, sw, phase_width, size, oh, ow,  # noqa: C901
+                   sh, lanes, height):
     """y (N, C, oh, ow) = activation(bias + the depthwise convolution of x (N, C, in_h, in_w)), one output per
     channel, all flat float32: ``weights`` (C, taps), ``bias`` (C,) (zeros for none), ``bounds``
     (epilogue.activation_bounds); ``planes`` (sw * size, zero, its pads never written) and ``taps``,
     ``phase_width``, ``size`` from plane_layout; the input at (``top``, ``left``) of the padded plane; ``lanes``
-    16 or 8."""
+    16 or 8; ``height``: shared_height's (the tiles of a window of that height share their row loads)."""
     channels = bias.shape[0]
     depth = taps.shape[0]
     pixels, out_pixels = in_h * in_w, oh * ow
@@ -174,10 +204,24 @@ def depthwise_rows(x, weights, bias, bounds, y, planes, taps, in_h, in_w, top, l
                         planes[np.uint64((column % sw) * size + at + column // sw)] = x[np.uint64(base + r * in_w + v)]
             target = (n * channels + c) * out_pixels
             for r0 in range(0, oh, ROWS):
-                for q0 in range(0, ow, lanes):
+                for q0 in range(0, ow, lanes):  # (the tile of ``lanes`` and ``height``: a helper measured slower)
+                    at, out, columns, rows = r0 * row_step + q0, target + r0 * ow + q0, ow - q0, oh - r0
                     if lanes == 16:
-                        _tile_16(weights, c * depth, planes, r0 * row_step + q0, taps, row_step, bias, c, bounds, y,
-                                 target + r0 * ow + q0, ow, ow - q0, oh - r0)
+                        if height == 7:
+                            _tile_16_h7(weights, c * depth, planes, at, taps, row_step, bias, c, bounds, y, out, ow,
+                                        columns, rows)
+                        elif height == 5:
+                            _tile_16_h5(weights, c * depth, planes, at, taps, row_step, bias, c, bounds, y, out, ow,
+                                        columns, rows)
+                        else:
+                            _tile_16(weights, c * depth, planes, at, taps, row_step, bias, c, bounds, y, out, ow,
+                                     columns, rows)
+                    elif height == 7:
+                        _tile_8_h7(weights, c * depth, planes, at, taps, row_step, bias, c, bounds, y, out, ow, columns,
+                                   rows)
+                    elif height == 5:
+                        _tile_8_h5(weights, c * depth, planes, at, taps, row_step, bias, c, bounds, y, out, ow, columns,
+                                   rows)
                     else:
-                        _tile_8(weights, c * depth, planes, r0 * row_step + q0, taps, row_step, bias, c, bounds, y,
-                                target + r0 * ow + q0, ow, ow - q0, oh - r0)
+                        _tile_8(weights, c * depth, planes, at, taps, row_step, bias, c, bounds, y, out, ow, columns,
+                                rows)
