@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from onnx_runtime_ep_cpu.algorithms import products
 from onnx_runtime_ep_cpu.algorithms.activations import gelu_series
 from onnx_runtime_ep_cpu.algorithms.products import PackedProduct
 from onnx_runtime_ep_cpu.compiled import decoder, gemm, transformer
@@ -102,3 +103,12 @@ def test_a_normalization_is_not_bound_with_a_residual_or_a_mismatched_scale(knob
     assert packed.bound(a, w, norm=(scale[:-1], None, EPSILON, True)) is None  # K - 1 scales for K columns
     assert packed.bound(a, w, norm=(scale.astype(np.float64), None, EPSILON, True)) is None
     assert packed.bound(a, w, norm=(scale, None, EPSILON, True)) is not None
+
+
+def test_a_normalized_product_takes_the_tiles_below_the_size_rule_only_while_small(knobs):
+    knobs(threads=1, few_rows_packed_macs=1 << 40, one_row_tile_weights=1 << 40, gemv_split_weights=1 << 40)
+    small, wide = 64 * 256, 64 * 1000  # a decoder's feed-forward product; a head (BLAS's is faster there)
+    assert small <= products.NORMED_TILE_WEIGHTS < wide
+    assert PackedProduct.few_sized(1, small, False, 1, 64, normalized=True)
+    assert not PackedProduct.few_sized(1, small, False, 1, 64)
+    assert not PackedProduct.few_sized(1, wide, False, 1, 64, normalized=True)

@@ -38,6 +38,11 @@ FEW_TILE_ROWS = 16
 # A one-row product takes the tiles from the one_row_tile_weights knob only with a reduction this deep: over shorter
 # panels the tiles' per-panel work shows (64x1000 from the L3 cache 14.5 against BLAS's 9.4 us).
 ONE_ROW_DEPTH = 128
+# A product of a normalized input (bound with its normalization in front: one compiled call instead of two kernels)
+# takes the tiles below the size rule up to this many weights: a decoder's small q/k/v and feed-forward products gained
+# there, while over a wide head the tiles' product lost more to BLAS's than the fold saved (measured in the commit that
+# set it).
+NORMED_TILE_WEIGHTS = 1 << 15
 
 
 class PackedProduct:
@@ -74,19 +79,21 @@ class PackedProduct:
         """Whether a product of at most FEW_TILE_ROWS rows of ``a`` by a constant float32 ``b`` (K x N, or a view of
         a constant) runs compiled/few_rows.py's tiles: from the few_rows_packed_macs knob (few_rows_transposed_macs
         for rows by transposed weights), or where it is split across threads (below, BLAS's one call costs less
-        than the tiles' call), or of any size where ``a`` is ``normalized`` (the normalization before it then runs
-        in the tiles' call: bound's ``norm``)."""
+        than the tiles' call), or up to NORMED_TILE_WEIGHTS where ``a`` is ``normalized`` (the normalization before
+        it then runs in the tiles' call: bound's ``norm``)."""
         if not (a.dtype is b.dtype is FLOAT32 and b.ndim == 2 and a.ndim >= 2 and a.shape[-1] == b.shape[0]
                 and a.size <= FEW_TILE_ROWS * b.shape[0] and b.size and a.size and not b.flags.writeable):
             return False
-        return (normalized or PackedProduct.few_sized(a.size // b.shape[0], b.size, not b.flags.c_contiguous,
-                                                      kernel_threads(), b.shape[0])) \
-            and gemv_host() and not numpy_first("jobs.MATMUL")
+        return PackedProduct.few_sized(a.size // b.shape[0], b.size, not b.flags.c_contiguous, kernel_threads(),
+                                       b.shape[0], normalized) and gemv_host() and not numpy_first("jobs.MATMUL")
 
     @staticmethod
-    def few_sized(rows: int, weights: int, transposed: bool, threads: int, depth: int = 0) -> bool:
+    def few_sized(rows: int, weights: int, transposed: bool, threads: int, depth: int = 0,
+                  normalized: bool = False) -> bool:
         """takes_few's size rule for ``rows`` by ``weights`` constant weights (``transposed``: a view of their
-        transpose) on ``threads`` threads, ``depth`` (K) deep."""
+        transpose) on ``threads`` threads, ``depth`` (K) deep, of a ``normalized`` input (see takes_few)."""
+        if normalized and weights <= NORMED_TILE_WEIGHTS:
+            return True
         if rows == 1 and depth >= ONE_ROW_DEPTH and weights >= KNOBS.one_row_tile_weights:
             return True
         least = KNOBS.few_rows_transposed_macs if rows > 1 and transposed else KNOBS.few_rows_packed_macs

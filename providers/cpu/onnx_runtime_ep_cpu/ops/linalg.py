@@ -203,9 +203,9 @@ def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general, unnormal
     # BLAS's call was 2.6x the tiles' at 256x256). Any thread count here: each call's takes_few reads the running one.
     # (Gelu too: its epilogue after the tiles' product, where the series has a float32 form.)
     tiles_series = None if plain else series.get(FLOAT32)
-    # (and of any size with a normalization in front: the two then run as one compiled call)
+    # (and smaller ones with a normalization in front: the two then run as one compiled call)
     few = (plain or tiles_series is not None) and rows <= GEMV_ROWS and gemv_host() \
-        and (norm is not None or PackedProduct.few_sized(rows, depth * n, False, 2, depth))
+        and PackedProduct.few_sized(rows, depth * n, False, 2, depth, norm is not None)
     packed = None  # this node's PackedProduct, made on first use
     # Its bound call (PackedProduct.bound), as MatMul keeps one: (b, bias, whether it adds a residual, the call, the
     # thread count, the knobs' epoch, the normalization's scale), for constant b and bias.

@@ -180,8 +180,8 @@ def projection_group(node, shapes, opset):
     add = compiled.add_bias_residual_
     # A decode step's few rows by constant weights of this size: few_rows.py's tiles (BLAS packs the weights per call)
     # (any thread count here: each call's takes_few reads the running one)
-    # (and of any size with a normalization in front: the two then run as one compiled call)
-    few = rows <= GEMV_ROWS and (norm is not None or PackedProduct.few_sized(rows, depth * total, False, 2, depth))
+    # (and smaller ones with a normalization in front: the two then run as one compiled call)
+    few = rows <= GEMV_ROWS and PackedProduct.few_sized(rows, depth * total, False, 2, depth, norm is not None)
     tiles = _Tiles()
 
     def kernel(a, w, bias=None, scale=None, shift=None):
