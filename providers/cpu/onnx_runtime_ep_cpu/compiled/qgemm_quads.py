@@ -21,7 +21,7 @@ import numpy as np
 
 from . import host, jit
 from .deferred import Loop
-from .qgemm_tiles import LANES, MR, NC_MAX
+from .qgemm_tiles import LANES, MR, NC_MAX, tile_kernel
 
 AVAILABLE = host.AVX512VNNI
 
@@ -66,28 +66,6 @@ def _emit_tile(builder, mr: int, nc: int, pointers: tuple, values: tuple) -> Non
             builder.store(totals[i * nc + j], target, align=4)
 
 
-def _tile_kernel(mr: int, nc: int):
-    from numba import types
-    from numba.extending import intrinsic
-
-    @intrinsic
-    def microkernel(typingctx, a, a_at, b, b_at, c, c_at, depth, lda, ldb, ldc):
-        """One tile: ``a`` uint8 (rows of 4*lda values) from a_at, ``b`` int8 quads from b_at (rows of ldb
-        values), ``c`` int32 from c_at (rows of ldc values); depth quads of k."""
-        signature = types.void(a, a_at, b, b_at, c, c_at, depth, lda, ldb, ldc)
-
-        def codegen(context, builder, sig, args):
-            def data(index, at):
-                base = context.make_array(sig.args[index])(context, builder, args[index]).data
-                return builder.gep(base, [args[at]])
-
-            _emit_tile(builder, mr, nc, (data(0, 1), data(2, 3), data(4, 5)), (args[6], args[7], args[8], args[9]))
-            return context.get_dummy_value()
-
-        return signature, codegen
-    return microkernel
-
-
 # The microkernels by NC, globals for the loops that call them, made when those loops are compiled (importing
 # this module imports neither numba nor llvmlite). _tile_<nc>: MR rows; _row_<nc>: one row (the last M % MR).
 _tile_1 = _tile_2 = _tile_3 = _tile_4 = _row_1 = _row_2 = _row_3 = _row_4 = None
@@ -96,8 +74,8 @@ _tile_1 = _tile_2 = _tile_3 = _tile_4 = _row_1 = _row_2 = _row_3 = _row_4 = None
 def _define_kernels() -> None:
     global _tile_1, _tile_2, _tile_3, _tile_4, _row_1, _row_2, _row_3, _row_4
     if _tile_4 is None:
-        _row_1, _row_2, _row_3, _row_4 = (_tile_kernel(1, nc) for nc in range(1, NC_MAX + 1))
-        _tile_1, _tile_2, _tile_3, _tile_4 = (_tile_kernel(MR, nc) for nc in range(1, NC_MAX + 1))
+        _row_1, _row_2, _row_3, _row_4 = (tile_kernel(_emit_tile, 1, nc) for nc in range(1, NC_MAX + 1))
+        _tile_1, _tile_2, _tile_3, _tile_4 = (tile_kernel(_emit_tile, MR, nc) for nc in range(1, NC_MAX + 1))
 
 
 def _with_kernels(function):

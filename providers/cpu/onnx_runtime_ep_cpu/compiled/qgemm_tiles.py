@@ -79,14 +79,16 @@ def _emit_tile(builder, mr: int, nc: int, pointers: tuple, values: tuple) -> Non
             builder.store(totals[i * nc + j], target, align=4)
 
 
-def _tile_kernel(mr: int, nc: int):
+def tile_kernel(emit_tile, mr: int, nc: int):
+    """The numba intrinsic of one MR x NC tile whose IR ``emit_tile(builder, mr, nc, (a, b, c), (depth, lda, ldb,
+    ldc))`` writes: called as (a, a_at, b, b_at, c, c_at, depth, lda, ldb, ldc), arrays with their element
+    offsets. Here ``a`` is int16 (rows of 2*lda values) and ``b`` int16 pairs, depth pairs of k; qgemm_quads
+    passes uint8 rows of 4*lda values and int8 quads, depth quads of k. ``c`` is int32, rows of ldc values."""
     from numba import types
     from numba.extending import intrinsic
 
     @intrinsic
     def microkernel(typingctx, a, a_at, b, b_at, c, c_at, depth, lda, ldb, ldc):
-        """One tile: ``a`` int16 (rows of 2*lda values) from a_at, ``b`` int16 pairs from b_at (rows of ldb
-        values), ``c`` int32 from c_at (rows of ldc values); depth pairs of k."""
         signature = types.void(a, a_at, b, b_at, c, c_at, depth, lda, ldb, ldc)
 
         def codegen(context, builder, sig, args):
@@ -94,7 +96,7 @@ def _tile_kernel(mr: int, nc: int):
                 base = context.make_array(sig.args[index])(context, builder, args[index]).data
                 return builder.gep(base, [args[at]])
 
-            _emit_tile(builder, mr, nc, (data(0, 1), data(2, 3), data(4, 5)), (args[6], args[7], args[8], args[9]))
+            emit_tile(builder, mr, nc, (data(0, 1), data(2, 3), data(4, 5)), (args[6], args[7], args[8], args[9]))
             return context.get_dummy_value()
 
         return signature, codegen
@@ -110,8 +112,8 @@ _tile_1 = _tile_2 = _tile_3 = _tile_4 = _row_1 = _row_2 = _row_3 = _row_4 = None
 def _define_kernels() -> None:
     global _tile_1, _tile_2, _tile_3, _tile_4, _row_1, _row_2, _row_3, _row_4
     if _tile_4 is None:
-        _row_1, _row_2, _row_3, _row_4 = (_tile_kernel(1, nc) for nc in range(1, NC_MAX + 1))
-        _tile_1, _tile_2, _tile_3, _tile_4 = (_tile_kernel(MR, nc) for nc in range(1, NC_MAX + 1))
+        _row_1, _row_2, _row_3, _row_4 = (tile_kernel(_emit_tile, 1, nc) for nc in range(1, NC_MAX + 1))
+        _tile_1, _tile_2, _tile_3, _tile_4 = (tile_kernel(_emit_tile, MR, nc) for nc in range(1, NC_MAX + 1))
 
 
 def _with_kernels(function):
