@@ -91,3 +91,19 @@ def test_the_relu_epilogue_keeps_nan_and_clamps_the_rest():
     bias = np.array([-5.0, 0.0, 1.0, -1.0], np.float32)
     (y,) = kernel(a, b, bias)
     assert np.isnan(y[0, 1]) and y[0, 0] == 0 and y[0, 2] == 4 and y[0, 3] == 0
+
+
+@pytest.mark.parametrize("shapes", [[None, None, None], [(2, None), (None, 4), (4,)]], ids=["unknown", "symbolic"])
+def test_the_relu_epilogue_runs_where_no_shape_was_planned(shapes):
+    """Without a planned shape the "none" product is the 4-argument kernel; the relu epilogue must call it so (fuzz
+    seed 78: a Gemm+Relu of an unplanned shape raised a TypeError)."""
+    node = Node("FusedMatMul", ["a", "b", "bias"], ["y"], name="fc1/fused", domain=FUSED_DOMAIN,
+                attrs={"activation": "relu"}, opset=1)
+    kernel = lookup("FusedMatMul", FUSED_DOMAIN, 1)(node, shapes, 1)
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((2, 3)).astype(np.float32), rng.standard_normal((3, 4)).astype(np.float32)
+    bias = rng.standard_normal(4).astype(np.float32)
+    (y,) = kernel(a, b, bias)
+    exact = np.maximum(a.astype(np.float64) @ b.astype(np.float64) + bias, 0)
+    bound = gamma(4) * (np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64) + np.abs(bias))
+    assert_within(y, exact, bound, "y")

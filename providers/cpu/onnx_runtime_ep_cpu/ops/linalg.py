@@ -168,7 +168,8 @@ def _relu_after(product):
     (NaN stays NaN, as Relu's), then the residual added."""
 
     def kernel(a, b, bias, residual=None, scale=None, shift=None):
-        y = product(a, b, bias, None, scale, shift)[0]
+        # Without a normalization in front the product may be the 4-argument kernel (no planned shape).
+        y = (product(a, b, bias) if scale is None else product(a, b, bias, None, scale, shift))[0]
         np.maximum(y, y.dtype.type(0), out=y)
         return (y if residual is None else residual + y,)
 
