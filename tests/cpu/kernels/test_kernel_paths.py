@@ -561,6 +561,30 @@ def test_layer_norm_on_a_strided_input_and_a_growing_scale():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,stash", [(np.float32, 1), (np.float64, 11)])
+def test_a_planned_layer_norm_takes_its_loop_on_a_channels_last_view(monkeypatch, dtype, stash):
+    # ConvNeXt's LayerNormalization reads Transpose(NCHW map, (0, 2, 3, 1)), a view: the planned loop runs on one
+    # copy of it instead of the general path (compiled.layer_norm with its statistics' allocations).
+    from onnx_runtime_ep_cpu.compiled import transformer
+
+    planes = (rand(2, 16, 5, 3) * 3 + 1).astype(dtype)
+    x = planes.transpose(0, 2, 3, 1)
+    assert not x.flags.c_contiguous
+    scale, bias = constant(rand(16, dtype=dtype)), constant(rand(16, dtype=dtype))
+    run = kernel("LayerNormalization", {"epsilon": 1e-5, "stash_type": stash}, [x.shape, scale.shape, bias.shape])
+
+    def general_path(*args):
+        raise AssertionError("the general LayerNormalization path ran")
+
+    monkeypatch.setattr(transformer, "layer_norm", general_path)
+    got = run(x, scale, bias)[0]
+    want = layer_norm_reference(x, scale, bias, -1, 1e-5)[0]
+    assert got.shape == x.shape and got.dtype == dtype
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
+    np.testing.assert_array_equal(x, planes.transpose(0, 2, 3, 1))  # the input is left as it was
+
+
 @pytest.mark.parametrize("shape,axis", [((2, 3, 7), -1), ((2, 3, 7), 1), ((4, 5), 0), ((3, 1), -1), ((6,), 0),
                                         ((2, 3, 2, 9), 2)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])

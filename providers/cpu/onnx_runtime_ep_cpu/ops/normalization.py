@@ -230,8 +230,10 @@ def _layer_norm_for_shape(node, shapes, axis: int, epsilon: float, stash, genera
 
     def kernel(x, scale, bias=None):
         if x.shape != x_shape or x.dtype is not dtype or scale.dtype is not dtype or scale.shape != params \
-                or not x.flags.c_contiguous or (bias is not None and (bias.dtype is not dtype or bias.shape != params)):
+                or (bias is not None and (bias.dtype is not dtype or bias.shape != params)):
             return general(x, scale, bias)
+        if not x.flags.c_contiguous:  # (a channels-last view of an NCHW map, ConvNeXt's: one copy, not general's path)
+            x = np.ascontiguousarray(x)
         y = np.empty((rows, cols), dtype)
         if not flat:
             scale, bias = scale.reshape(cols), None if bias is None else bias.reshape(cols)
