@@ -1,7 +1,8 @@
 """A single-row (1-D) float32 convolution above conv_direct.SMALL_MACS takes the direct tiles on one thread, up to
 conv_direct.ROW_MACS multiply-adds (Whisper's first front-end layer, 80 -> 64 channels over 100 frames), where the
-packed convolution's pixel tiles span one short row; on two threads, and beyond that size, the packed convolution
-keeps it. Results against a float64 reference either way."""
+packed convolution's pixel tiles span one short row, and on two threads too while the packed convolution would not
+split it (under two threads' KNOBS.split_macs); beyond that size the packed convolution keeps it. Results against a
+float64 reference either way."""
 
 from __future__ import annotations
 
@@ -61,9 +62,30 @@ def test_one_thread_single_row_takes_the_direct_tiles(built, cin, cout, length, 
 
 
 @pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="two threads need two usable CPUs")
-def test_two_threads_keep_the_packed_convolution(built):
+def test_two_threads_keep_the_one_thread_rule_where_the_packed_convolution_would_not_split(built):
+    """Whisper's first layer (1.5M) is under two threads' worth of KNOBS.split_macs: the packed convolution would run
+    it on the calling thread alone (conv_packed.packed_threads), so the one-thread rule holds at two threads too."""
     _run(80, 64, 100, 1, threads=2)
-    assert [name for name, _ in built] == ["PackedConv"]
+    assert [name for name, _ in built] == ["DirectConv"]
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="two threads need two usable CPUs")
+def test_two_threads_weigh_the_split_where_the_packed_convolution_would_split(built, knobs):
+    knobs(split_macs=1 << 18)  # (the same layer now splits: the cost of that split decides)
+    geo = Geometry((1, 100), (1, 3), (1, 1), (1, 1), (0, 1), (0, 1), (1, 100))
+    w = np.zeros((64, 80, 1, 3), np.float32)
+    expected = "DirectConv" if conv_direct.split_cost_favours_direct(geo, w, 1, 2) else "PackedConv"
+    _run(80, 64, 100, 1, threads=2)
+    assert [name for name, _ in built] == [expected]
+
+
+def test_the_packed_convolution_splits_from_split_macs_per_thread(knobs):
+    from onnx_runtime_ep_cpu.algorithms.conv_packed import packed_threads
+
+    knobs(threads=2, split_macs=1 << 20)
+    assert [packed_threads(m) for m in (1 << 20, (1 << 21) - 1, 1 << 21, 1 << 24)] == [1, 1, 2, 2]
+    knobs(threads=1)
+    assert packed_threads(1 << 24) == 1
 
 
 def test_a_two_dimensional_convolution_of_that_size_keeps_the_packed_one(knobs):

@@ -38,21 +38,22 @@ def direct_tiles_apply(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray) 
 SMALL_MACS = 1 << 20
 
 
-def direct_tiles_before_packed(geo: Geometry, w: np.ndarray, group: int = 1) -> bool:
+def direct_tiles_before_packed(geo: Geometry, w: np.ndarray, group: int = 1, images: int = 1) -> bool:
     """Whether a convolution that both the packed convolution and the direct tiles take (direct_tiles_apply)
-    is small enough for the direct tiles to win; or, on one thread, a stem: at most STEM_CHANNELS input
-    channels per group into whole tiles of 16 output channels (the packed convolution's 32-channel tiles run
-    half empty there: 3->16 7x7/2 on 64x64 52 vs 59 us, on 224x224 545 vs 721 us; with 8 or 32 outputs, or
-    more inputs, the packed one won); or, on one thread, a single row (a 1-D convolution, conv_rows.py) of at
-    most ROW_MACS multiply-adds, where the packed convolution's pixel tiles span one short row; or, on more
-    threads, where the direct tiles on the calling thread cost less than the packed convolution split across
-    them (split_cost_favours_direct)."""
+    is small enough for the direct tiles to win; or, where the packed convolution would run on one thread, a
+    stem: at most STEM_CHANNELS input channels per group into whole tiles of 16 output channels (the packed
+    convolution's 32-channel tiles run half empty there: 3->16 7x7/2 on 64x64 52 vs 59 us, on 224x224 545 vs
+    721 us; with 8 or 32 outputs, or more inputs, the packed one won); or, there too, a single row (a 1-D
+    convolution, conv_rows.py) of at most ROW_MACS multiply-adds, where the packed convolution's pixel tiles span
+    one short row; or, where it would split across threads, where the direct tiles on the calling thread cost
+    less than that split (split_cost_favours_direct). ``images``: the batch, which the packed convolution's split
+    counts (packed_threads)."""
     macs = w[0].size * w.shape[0] * math.prod(geo.out)
     if macs <= SMALL_MACS:
         return True
-    from ..threads import kernel_threads
+    from .conv_packed import packed_threads
 
-    threads = kernel_threads()
+    threads = packed_threads(macs * images)
     if threads != 1:  # (the direct tiles run on one thread, the packed convolution splits)
         return split_cost_favours_direct(geo, w, group, threads)
     if geo.in_shape[0] == 1 and geo.kernel[0] == 1 and macs <= ROW_MACS:

@@ -95,6 +95,13 @@ def _panel_share(geo: Geometry, outputs: int) -> float:
     return pixels / (PANEL_PIXELS * -(-(oh * grid) // PANEL_PIXELS)) * outputs / (mr * -(-outputs // mr))
 
 
+def packed_threads(macs: int) -> int:
+    """The threads a packed convolution of ``macs`` multiply-adds (all its images) splits across: none below
+    KNOBS.split_macs per thread. conv_direct weighs the direct tiles against this split, not against one that
+    does not happen (Whisper's 80 -> 64 front-end layer at two threads ran packed on one thread)."""
+    return max(1, min(kernel_threads(), macs // KNOBS.split_macs))
+
+
 def lane_work(geo: Geometry, outputs: int, depth: int) -> float:
     """The packed convolution's work per useful multiply-add on one thread, in channel-lane tile steps (the
     unit of the direct tiles, conv_direct.DirectConv, whose tiles also hold output channels across the
@@ -357,7 +364,7 @@ class PackedConv:
             x = x.reshape(self._flat)
         xp = self._phase_input(x) if self._phases else self._padded_input(x)
         y = np.empty(self._out, dtype=np.float32) if out is None else out
-        threads = max(1, min(kernel_threads(), self._macs // KNOBS.split_macs))
+        threads = packed_threads(self._macs)
         parts, tasks, ranges = self._plan(threads)
         head = (xp, weights, bias, y.reshape(self._n, -1), residual, flags, bounds)
         workers = self._workers
