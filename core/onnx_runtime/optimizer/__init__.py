@@ -28,12 +28,12 @@ def _passes() -> tuple[tuple, tuple]:
     from .attention_fusion import fuse_attention
     from .constant_folding import fold_constants
     from .conv_fusion import fuse_batchnorm_affine, fuse_conv_add, fuse_conv_batchnorm, fuse_conv_mul
-    from .elimination import collapse_reshapes, eliminate_identities, remove_dead_nodes
+    from .elimination import collapse_reshapes, drop_empty_concat_parts, eliminate_identities, remove_dead_nodes
     from .gemm_fusion import fuse_gemm_add, fuse_matmul_add, unflatten_gemm
     from .sibling_matmul_fusion import fuse_sibling_matmuls
     from .symbolic_dims import refine_symbolic_dims
 
-    basic = (fold_constants, eliminate_identities, remove_dead_nodes)
+    basic = (fold_constants, drop_empty_concat_parts, eliminate_identities, remove_dead_nodes)
     return basic, basic + (
         fuse_conv_batchnorm, fuse_conv_mul, fuse_conv_add, fuse_batchnorm_affine, unflatten_gemm, fuse_matmul_add,
         fuse_gemm_add, refine_symbolic_dims, fuse_attention, fuse_sibling_matmuls, collapse_reshapes,
@@ -58,17 +58,19 @@ def passes_for(level: int) -> tuple:
 
 
 def optimize(graph: Graph, handles: list[ProviderHandle], level: int, disabled=(),
-             folded: dict | None = None) -> list[str]:
+             folded: dict | None = None, specialized: bool = False) -> list[str]:
     """Optimize ``graph`` (and its subgraphs) in place; return the names (``optimizer:<pass>``) of
     the passes that changed it. ``disabled`` names passes to skip (``fold_constants`` or
     ``optimizer:fold_constants``); ``folded``, when given, receives the small values constant folding
-    computed (see PassContext.folded)."""
+    computed (see PassContext.folded); ``specialized`` says ``graph`` is specialized to one input signature
+    (see PassContext.specialized)."""
     skipped = {name.removeprefix("optimizer:") for name in disabled}
     passes = [p for p in passes_for(level) if p.__name__ not in skipped]
     applied: list[str] = []
     if passes:
         context = PassContext(graph, handles)
         context.folded = folded
+        context.specialized = specialized
         _optimize(graph, passes, context, applied)
     return [f"optimizer:{name}" for name in applied]
 

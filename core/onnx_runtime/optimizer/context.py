@@ -41,17 +41,23 @@ class PassContext:
         # Where set, constant folding records here the small values it computed (by name, in any graph):
         # shape specialization tells onnx inference about them (session/specialize.py).
         self.folded: dict[str, np.ndarray] | None = None
+        # Set for a graph specialized to one input signature (session/specialize.py): its static shapes are what
+        # inference computed for those shapes, and no later inference round reads its values by name, so passes
+        # may rest rewrites on them (a Slice over a whole static axis is then an identity). Off inside subgraphs:
+        # a loop body's inferred shapes may hold for its first iteration only.
+        self.specialized = False
 
     @contextmanager
     def inside(self, parent: Graph) -> Iterator[None]:
         """Passes run meanwhile on a subgraph of ``parent``: its constants and types become the outer ones."""
-        saved = self.outer_constants, self.outer_types
+        saved = self.outer_constants, self.outer_types, self.specialized
         self.outer_constants = ChainMap(parent.initializers, saved[0])  # type: ignore[arg-type]
         self.outer_types = ChainMap(parent.value_info, saved[1])  # type: ignore[arg-type]
+        self.specialized = False
         try:
             yield
         finally:
-            self.outer_constants, self.outer_types = saved
+            self.outer_constants, self.outer_types, self.specialized = saved
 
     def fresh(self, base: str) -> str:
         """A value or node name no graph of the model uses yet (so no subgraph can see it shadowed)."""

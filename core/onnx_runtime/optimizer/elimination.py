@@ -1,6 +1,10 @@
 """Removing what a run does not need: dead nodes and initializers, Identity and inference Dropout, and
 the no-ops exporters write (a Cast to the type the value has, a one-input Concat, a product with or a
-quotient by a constant 1 that broadcasts nothing, an Expand or Reshape to the shape the value has)."""
+quotient by a constant 1 that broadcasts nothing, an Expand or Reshape to the shape the value has). In a graph
+specialized to one input signature also a Slice whose constant bounds cover whole static axes, and a Concat's
+parts of static length 0 along its axis (a rotary embedding that rotates every column: torch's TorchScript
+export of Phi-3 slices the head into the rotated part, all of it, and the passed-through rest, empty, and
+concatenates them again)."""
 
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ def eliminate_identities(graph: Graph, context: PassContext) -> bool:
     producers = graph.producers()
     removed: list[Node] = []
     for node in graph.nodes:
-        if not _is_passthrough(node, graph, uses):
+        if not _is_passthrough(node, graph, uses, context.specialized):
             continue
         source, output = _source(node, graph), node.outputs[0]
         if output in uses.implicit:
@@ -112,7 +116,7 @@ def _same_type(graph: Graph, a: str, b: str) -> bool:
         and ta.dtype == tb.dtype
 
 
-def _is_passthrough(node: Node, graph: Graph, uses: Uses) -> bool:
+def _is_passthrough(node: Node, graph: Graph, uses: Uses, specialized: bool) -> bool:
     if node.domain not in ("", "ai.onnx") or not node.inputs or not node.inputs[0] or not node.outputs[0]:
         return False
     if node.op_type == "Identity":
@@ -133,22 +137,114 @@ def _is_passthrough(node: Node, graph: Graph, uses: Uses) -> bool:
         return _is_one(graph, one, x) and _same_type(graph, x, node.outputs[0])
     if node.op_type in ("Expand", "Reshape") and len(node.inputs) == 2 and node.opset >= 5:
         return _keeps_shape(node, graph)
-    if node.op_type == "Slice" and node.opset >= 10 and len(node.inputs) >= 3:
-        return _whole_slice(node, graph)
+    if node.op_type == "Slice":
+        return _whole_slice(node, graph, specialized)
     return False
 
 
-def _whole_slice(node: Node, graph: Graph) -> bool:
+def _slice_bounds(node: Node, graph: Graph) -> tuple[list[int], list[int], list[int] | None, list[int]] | None:
+    """A Slice's (starts, ends, axes or None where omitted, steps) where they are constant vectors of one length
+    (inputs from opset 10, attributes before), else None."""
+    if node.opset >= 10:
+        if len(node.inputs) < 3:
+            return None
+        given = [*node.inputs[1:5], "", ""][:4]
+        values = [constant(graph, name) if name else None for name in given]
+        if any(name and value is None for name, value in zip(given, values)):
+            return None  # computed at run time
+        if any(value is not None and (value.ndim != 1 or value.dtype.kind not in "iu") for value in values):
+            return None
+        lists = [None if value is None else [int(v) for v in value] for value in values]
+    else:
+        lists = [None if node.attr(key) is None else [int(v) for v in node.attr(key)]
+                 for key in ("starts", "ends", "axes", "steps")]
+    starts, ends, axes, steps = lists
+    if starts is None or ends is None or len(starts) != len(ends) or (axes is not None and len(axes) != len(starts)) \
+            or (steps is not None and len(steps) != len(starts)):
+        return None
+    return starts, ends, axes, steps if steps is not None else [1] * len(starts)
+
+
+def _whole_slice(node: Node, graph: Graph, specialized: bool) -> bool:
     """A Slice taking every element in order on each axis it names: step 1 from 0 to past any end (exporters write
-    int64's largest value). An end equal to the axis's length is left: a Slice there may be what a later
-    inference round reads to type its output."""
-    starts, ends = constant(graph, node.inputs[1]), constant(graph, node.inputs[2])
-    steps = constant(graph, node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else None
-    if starts is None or ends is None or (len(node.inputs) > 4 and node.inputs[4] and steps is None):
+    int64's largest value), or, in a specialized graph, bounds that clamp to the whole of a static axis. Elsewhere
+    an end equal to the axis's length is left: a Slice there may be what a later inference round reads to type
+    its output."""
+    bounds = _slice_bounds(node, graph)
+    if bounds is None:
         return False
-    if starts.shape != ends.shape or starts.ndim != 1 or (steps is not None and steps.shape != starts.shape):
+    starts, ends, axes, steps = bounds
+    if any(step != 1 for step in steps):
         return False
-    return bool(np.all(starts == 0) and np.all(ends >= _PAST_ANY_END) and (steps is None or np.all(steps == 1)))
+    if all(start == 0 for start in starts) and all(end >= _PAST_ANY_END for end in ends):
+        return True
+    info = graph.type_of(node.inputs[0]) if specialized else None
+    shape = info.shape if info is not None and info.is_tensor else None
+    if shape is None:
+        return False
+    rank = len(shape)
+    named = list(range(len(starts))) if axes is None else [axis + rank if axis < 0 else axis for axis in axes]
+    if len(set(named)) != len(named) or any(not 0 <= axis < rank for axis in named):
+        return False
+    for axis, start, end in zip(named, starts, ends):
+        length = shape[axis]
+        if not isinstance(length, int) or _clamped(start, length) != 0 or _clamped(end, length) != length:
+            return False
+    return True
+
+
+def _clamped(bound: int, length: int) -> int:
+    """A Slice bound of step 1 as an index into an axis of ``length`` (negative counts from the end, clamped)."""
+    return min(max(bound + length if bound < 0 else bound, 0), length)
+
+
+def drop_empty_concat_parts(graph: Graph, context: PassContext) -> bool:
+    """In a specialized graph, a Concat's inputs that a Slice of constant bounds leaves empty along the Concat's
+    axis (a static length 0 there) are left out: they add no element. One input stays where all are empty, and a
+    Concat left with one input is then an identity (eliminate_identities). A part empty only for this signature
+    (a decoder's past at its prefill, fed or computed) stays: the cache fusions read that Concat."""
+    if not context.specialized:
+        return False
+    producers = graph.producers()
+    changed = False
+    for node in graph.nodes:
+        if node.op_type != "Concat" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 \
+                or not all(node.inputs) or node.attr("axis") is None:
+            continue
+        empty = [_sliced_away(producers.get(name), graph) and _empty_along(graph, name, int(node.attr("axis")))
+                 for name in node.inputs]
+        if not any(empty):
+            continue
+        kept = [name for name, gone in zip(node.inputs, empty) if not gone] or node.inputs[:1]
+        set_io(node, inputs=kept)
+        changed = True
+    return changed
+
+
+def _sliced_away(node: Node | None, graph: Graph) -> bool:
+    """Whether ``node`` is a Slice whose constant bounds select nothing on some static axis of its input."""
+    if node is None or node.op_type != "Slice" or node.domain not in ("", "ai.onnx") or not node.inputs:
+        return False
+    bounds = _slice_bounds(node, graph)
+    info = graph.type_of(node.inputs[0])
+    shape = info.shape if info is not None and info.is_tensor else None
+    if bounds is None or shape is None:
+        return False
+    starts, ends, axes, steps = bounds
+    rank = len(shape)
+    named = list(range(len(starts))) if axes is None else [axis + rank if axis < 0 else axis for axis in axes]
+    lengths = [shape[axis] if 0 <= axis < rank else None for axis in named]
+    return any(step == 1 and isinstance(length, int) and _clamped(start, length) >= _clamped(end, length)
+               for length, start, end, step in zip(lengths, starts, ends, steps))
+
+
+def _empty_along(graph: Graph, name: str, axis: int) -> bool:
+    """Whether ``name``'s inferred shape has a static 0 at ``axis`` (negative from the end)."""
+    info = graph.type_of(name)
+    shape = info.shape if info is not None and info.is_tensor else None
+    if shape is None or not -len(shape) <= axis < len(shape):
+        return False
+    return shape[axis] == 0
 
 
 # An end at or past this is past the end of any axis a tensor this runtime holds can have.

@@ -252,7 +252,8 @@ class InferenceSession:
 
     def _optimize_specialized(self, graph):
         early = run_custom_passes(graph, self._handles, [], early=True)
-        applied = optimize(graph, self._handles, self._sess_options.graph_optimization_level, disabled=self._disabled)
+        applied = optimize(graph, self._handles, self._sess_options.graph_optimization_level, disabled=self._disabled,
+                           specialized=True)
         run_custom_passes(graph, self._handles, early + applied)
         return graph
 
