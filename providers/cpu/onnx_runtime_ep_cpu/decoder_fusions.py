@@ -7,6 +7,8 @@ kernel's per-call overhead, not its arithmetic; each pass here removes one node 
 - residual add, then RMS normalization: Add(a, b) -> RMSNormalization  ->  SkipRMSNormalization(a, b, w),
   which outputs the normalized sum and the sum (the residual stream reads it too)
 - SwiGLU's gate: Swish(a) -> Mul(., b)  ->  SwishMul(a, b)
+- GeGLU's gate (Gemma): Gelu(a) -> Mul(., b)  ->  GeluMul(a, b), for ONNX's Gelu (either approximation),
+  contrib's Gelu and FastGelu without a bias
 - splitting heads: Reshape(x, constant shape) -> Transpose  ->  ReshapeTranspose(x)
 - merging heads: Transpose(x) -> Reshape(., constant shape)  ->  TransposeReshape(x)
 
@@ -68,6 +70,33 @@ def fuse_swish_mul(graph: Graph, owns=None) -> bool:
         fused = Node("SwishMul", [swish.inputs[0], other], list(gate.outputs), name=f"{gate.name}/swish_mul",
                      domain=FUSED_DOMAIN, attrs={"alpha": float(swish.attr("alpha", 1.0))}, opset=1)
         replace_nodes(graph, [swish, gate], fused)
+        return True
+    return False
+
+
+def _gelu_form(node: Node) -> str | None:
+    """The approximation a one-input Gelu computes ("none": erf, "tanh"), else None."""
+    if len(node.inputs) != 1 or len(node.outputs) != 1:
+        return None
+    if node.op_type == "Gelu" and node.domain in ("", "ai.onnx"):
+        form = node.attr("approximate", "none")
+        return form if form in ("none", "tanh") else None
+    if node.domain == "com.microsoft":
+        return {"Gelu": "none", "FastGelu": "tanh"}.get(node.op_type)
+    return None
+
+
+def fuse_gelu_mul(graph: Graph, owns=None) -> bool:
+    view = GraphView(graph)
+    for gelu in list(graph.nodes):
+        form = _gelu_form(gelu)
+        gate = view.only_consumer(gelu.outputs[0], "Mul") if form is not None else None
+        other = other_input(gate, gelu.outputs[0]) if gate else None
+        if other is None or other == gelu.outputs[0] or not owned(owns, [gelu, gate]):
+            continue
+        fused = Node("GeluMul", [gelu.inputs[0], other], list(gate.outputs), name=f"{gate.name}/gelu_mul",
+                     domain=FUSED_DOMAIN, attrs={"approximate": form}, opset=1)
+        replace_nodes(graph, [gelu, gate], fused)
         return True
     return False
 
@@ -158,7 +187,7 @@ def _fused_output_shapes(node: Node, shapes: list[tuple[int, ...]]) -> list[tupl
     if node.op_type == "SkipRMSNormalization":
         total = _broadcast(shapes[0], shapes[1])
         return [total, total]
-    if node.op_type == "SwishMul":
+    if node.op_type in ("SwishMul", "GeluMul"):
         return [_broadcast(*shapes)]
     if node.op_type == "ReshapeTranspose":
         return [_split_shape(shapes[0], node)]
@@ -175,7 +204,8 @@ def _split_shape(shape: tuple[int, ...], node: Node) -> tuple[int, ...] | None:
     return tuple(reshaped[p] for p in perm) if reshaped is not None and len(perm) == len(reshaped) else None
 
 
-_TYPED = ("RotateHalfEmbedding", "SkipRMSNormalization", "SwishMul", "ReshapeTranspose", "TransposeReshape")
+_TYPED = ("RotateHalfEmbedding", "SkipRMSNormalization", "SwishMul", "GeluMul", "ReshapeTranspose",
+          "TransposeReshape")
 
 
 def _refines(known: TypeInfo | None, dtype, shape: tuple[int, ...]) -> bool:
@@ -209,5 +239,5 @@ def infer_fused_types(graph: Graph, owns=None) -> bool:
     return changed
 
 
-DECODER_PASSES = [*(until_fixed(f) for f in (fuse_skip_rms_norm, fuse_swish_mul, fuse_reshape_transpose,
+DECODER_PASSES = [*(until_fixed(f) for f in (fuse_skip_rms_norm, fuse_swish_mul, fuse_gelu_mul, fuse_reshape_transpose,
                                               fuse_transpose_reshape)), fuse_gemm_relu, infer_fused_types]

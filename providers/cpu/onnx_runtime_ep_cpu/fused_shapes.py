@@ -30,7 +30,7 @@ RULES: dict[str, tuple[str, tuple[int, ...]]] = {
     # normalizations and rotations over input 0's last axes (fusions.py, conv_fusions.py)
     "SkipRMSNormalization": (FIRST, (0,)), "RotateHalfEmbedding": (FIRST, (0,)),
     "FusedBatchNormalization": (FIRST, (0,)),
-    "SwishMul": (BROADCAST, (0, 1)),
+    "SwishMul": (BROADCAST, (0, 1)), "GeluMul": (BROADCAST, (0, 1)),
     # integer products: MatMul's shape over the codes of A and B (qdq_fusions.py, code_tables.py)
     "QuantizedMatMul": (MATMUL, (0, 3)), "QLinearMatMulAdd": (MATMUL, (0, 3)),
     # the attention's context (qdq_attention.py): MatMul's shape over q and the values, its inputs 0 and 1

@@ -19,7 +19,7 @@ gated feed-forward block's gate and up products meet in SwishMul, or in a Mul af
 
     ReshapeTranspose(A @ Wq), ReshapeTranspose(A @ Wk), ReshapeTranspose(A @ Wv)  (rotary after, on the heads)
     SwishMul(A @ Wg, A @ Wu)
-    Mul(Gelu(A @ Wg), A @ Wu)  (Gemma)
+    GeluMul(A @ Wg, A @ Wu)  (Gemma's Mul(Gelu(A @ Wg), A @ Wu), fused by decoder_fusions.py)
 
 group_sibling_projections merges any such products of one input the same way, where every reader of each
 member's output takes a column view as it takes a whole array (_VIEW_READERS), in specialized plans where the
@@ -145,12 +145,12 @@ def group_attention_projections(graph: Graph, owns=None) -> bool:
 
 
 # (op_type, domain) of the readers that take a member's column view of the merged product as a whole array: the
-# head split reshapes it, SwishMul and the Gelus copy a strided operand before their compiled pass, Attention reads
-# it in place, Mul is numpy's (a gated feed-forward block whose gate has its own activation: Gemma's
-# Mul(Gelu(A @ Wg), A @ Wu)).
-_VIEW_READERS = frozenset({("ReshapeTranspose", FUSED_DOMAIN), ("SwishMul", FUSED_DOMAIN), ("Attention", ""),
-                           ("Attention", "ai.onnx"), ("Gelu", ""), ("Gelu", "ai.onnx"), ("Gelu", "com.microsoft"),
-                           ("FastGelu", "com.microsoft"), ("Mul", ""), ("Mul", "ai.onnx")})
+# head split reshapes it, SwishMul, GeluMul and the Gelus copy a strided operand before their compiled pass,
+# Attention reads it in place, Mul is numpy's (a gated feed-forward block whose gate has its own activation where
+# GeluMul did not fuse).
+_VIEW_READERS = frozenset({("ReshapeTranspose", FUSED_DOMAIN), ("SwishMul", FUSED_DOMAIN), ("GeluMul", FUSED_DOMAIN),
+                           ("Attention", ""), ("Attention", "ai.onnx"), ("Gelu", ""), ("Gelu", "ai.onnx"),
+                           ("Gelu", "com.microsoft"), ("FastGelu", "com.microsoft"), ("Mul", ""), ("Mul", "ai.onnx")})
 
 
 def _view_read(view: GraphView, name: str) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from onnx_runtime_ep_cpu.algorithms.activations import gelu_series
 from onnx_runtime_ep_cpu.compiled import deferred, generic
 from onnx_runtime_ep_cpu.compiled.epilogue import CLIP, LEAKY_RELU, NONE, RELU, activation_bounds
 from onnx_runtime_ep_cpu.compiled.generic_int8 import GENERIC_INT8
@@ -86,6 +87,9 @@ def _decoder_cases():
         cases.append((d + "rotate_half", (_r(6, 16), _r(10, 16), _r(10, 16), RNG.integers(0, 10, 6), half,
                                           np.empty((6, 16), F32))))
     cases.append((d + "swish_mul_float32", (_r(200, scale=4), _r(200), 1.0, np.empty(200, F32))))
+    for approximate in ("none", "tanh"):
+        cases.append((d + "gelu_mul_float32", (_r(200, scale=4), _r(200), gelu_series(approximate, F32),
+                                               np.empty(200, F32))))
     return cases
 
 

@@ -27,6 +27,7 @@ joined: LLVM must not be mid-call while the interpreter tears down.
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import functools
 import os
@@ -47,6 +48,7 @@ QUIET_S, IDLE_SHARE = 0.05, 0.25  # the loader starts once the runs paused (see 
 # cost a few times the loops, so by then they have cost about what loading numba does (ski rental)
 PATIENCE_S = 0.5
 _MAX_SIGNATURES = 16  # per loop: argument types recorded for the loader to link
+LOADER_NAME = "onnx-runtime-compiled-loops"  # the loader's threads
 
 _lock = threading.Lock()  # the list of loops and their recorded signatures: held for microseconds
 _build_lock = threading.RLock()  # building a dispatcher (the first imports numba): held for long
@@ -120,7 +122,7 @@ class _State:
     # native ids of the threads that ran numpy equivalents (None where /proc/self/task is not there)
     callers: set | None = set() if os.path.isdir("/proc/self/task") else None
     last_cpu = (0.0, 0.0)  # (process CPU, monotonic) at the last look, where callers is None
-    thread: threading.Thread | None = None
+    thread: _Thread | None = None
     stop = threading.Event()
     typeof_registered = False
     numba_imported = False  # by ensure_numba
@@ -130,7 +132,7 @@ class _State:
     compiled_in_child = 0  # rounds that needed it
     child_errors = ""  # the end of its stderr, where it failed
     guarding = False  # deferral was opened: a run's thread hands its cache misses to the loader (see guard)
-    rounds: threading.Thread | None = None  # the loader's rounds for misses met after it finished
+    rounds: _Thread | None = None  # the loader's rounds for misses met after it finished
     wanted = False  # a miss came since the last round began
 
 
@@ -391,8 +393,34 @@ def _start(cpu: float) -> None:
         if state.thread is not None:
             return
         state.first_generic = cpu
-        state.thread = threading.Thread(target=_load, name="onnx-runtime-compiled-loops", daemon=True)
+        state.thread = _Thread(_load)
     state.thread.start()
+
+
+class _Thread:
+    """A daemon thread of the loader's, started without waiting for the OS to run it: threading.Thread.start
+    blocks its caller until then, and the loader starts inside a first run (on a loaded host that wait was
+    milliseconds of the run's wall time). ``is_alive`` (from its making to its target's end) and ``join`` as
+    threading's; the thread takes its name."""
+
+    def __init__(self, target) -> None:
+        self.target, self.done = target, threading.Event()
+
+    def start(self) -> None:
+        _thread.start_new_thread(self._run, ())
+
+    def _run(self) -> None:
+        threading.current_thread().name = LOADER_NAME  # (threading's stand-in for a thread it did not start)
+        try:
+            self.target()
+        finally:
+            self.done.set()
+
+    def is_alive(self) -> bool:
+        return not self.done.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.done.wait(timeout)
 
 
 def _numba_type(description):
@@ -434,41 +462,6 @@ def before_kernel_build() -> None:
     if state.importing:
         with _build_lock:
             pass
-
-
-class _WaitWhileImporting:
-    """A meta path finder, first while the loader runs: another thread's first import of a module of the
-    compiled package (most import numba at their top) waits, before the module's code runs, while the loader
-    imports numba. (Not in find_spec itself: Python holds its global import lock around that call.)"""
-
-    prefix = __name__.rsplit(".", 1)[0] + "."
-
-    def find_spec(self, name, path=None, target=None):
-        if not (state.importing and name.startswith(self.prefix) and threading.get_ident() != state.loader_ident):
-            return None
-        from importlib.machinery import PathFinder
-
-        spec = PathFinder.find_spec(name, path, target)
-        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _WaitingLoader(spec.loader)
-        return spec
-
-
-class _WaitingLoader:
-    """Runs the module's own loader once the loader thread's import of numba is done."""
-
-    def __init__(self, loader):
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        module.__loader__ = module.__spec__.loader = self.loader  # the module's own, as if never wrapped
-        if state.importing:
-            with _build_lock:
-                pass
-        self.loader.exec_module(module)
 
 
 def _link_cached(dispatcher, signature: tuple) -> None:
@@ -578,7 +571,7 @@ def _request_round() -> None:
         state.wanted = True
         if not state.ready or state.rounds is not None or state.stop.is_set():
             return  # the loader (or the round thread) looks again before it ends
-        state.rounds = threading.Thread(target=_rounds, name="onnx-runtime-compiled-loops", daemon=True)
+        state.rounds = _Thread(_rounds)
     state.rounds.start()
 
 
@@ -753,7 +746,11 @@ def _load() -> None:
     while not state.stop.wait(QUIET_S):
         if _callers_asleep() or time.process_time() - state.first_generic >= PATIENCE_S:
             break
-    finder = _WaitWhileImporting()
+    if state.stop.is_set():  # the process exits (_stop_at_exit) before the runs paused: numba is never needed
+        return
+    from .import_wait import WaitWhileImporting
+
+    finder = WaitWhileImporting(state, _build_lock)
     state.loader_ident = threading.get_ident()
     sys.meta_path.insert(0, finder)
     try:

@@ -145,6 +145,12 @@ def swish_mul_float32(a, b, alpha, out):
     out[...] = a * _sigmoid_float32(np.float32(alpha) * a) * b
 
 
+def gelu_mul_float32(x, gate, coefficients, out):
+    gelu = np.empty((1, x.shape[0]), np.float32)
+    gelu_float32_(x.reshape(1, -1), np.empty(0, np.float32), gelu, np.empty(0, np.float32), coefficients)
+    np.multiply(gelu[0], gate, out=out)
+
+
 def conv_gathered(x, w, b, table, y):
     images, groups, size = x.shape
     source = np.zeros((images, groups, size + 1), x.dtype)  # the trailing zero: taps in the padding
@@ -265,6 +271,7 @@ _FLOAT = {
     _DECODER + "append_attention_float32": append_attention_float32,
     _DECODER + "rotate_half": rotate_half,
     _DECODER + "swish_mul_float32": swish_mul_float32,
+    _DECODER + "gelu_mul_float32": gelu_mul_float32,
     _COMPILED + "log_softmax.log_softmax_rows_float32_": log_softmax_rows_float32_,
     _COMPILED + "smallconv.conv_gathered": conv_gathered,
     _COMPILED + "im2col.fill_columns": fill_columns,

@@ -71,7 +71,7 @@ FAMILIES = {
     ),
     "fused": (
         "ai.onnx_runtime.cpu:ReshapeTranspose ai.onnx_runtime.cpu:RotateHalfEmbedding "
-        "ai.onnx_runtime.cpu:SkipRMSNormalization ai.onnx_runtime.cpu:SwishMul "
+        "ai.onnx_runtime.cpu:SkipRMSNormalization ai.onnx_runtime.cpu:SwishMul ai.onnx_runtime.cpu:GeluMul "
         "ai.onnx_runtime.cpu:TransposeReshape"
     ),
     "generator": (

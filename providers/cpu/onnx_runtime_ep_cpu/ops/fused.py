@@ -1,5 +1,5 @@
 """Kernels for the provider's own fused operators (domain ai.onnx_runtime.cpu, see fusions.py and
-decoder_fusions.py): RotateHalfEmbedding, SkipRMSNormalization, SwishMul, ReshapeTranspose and
+decoder_fusions.py): RotateHalfEmbedding, SkipRMSNormalization, SwishMul, GeluMul, ReshapeTranspose and
 TransposeReshape.
 
 On float32/float64, the rotation, the residual add with RMS normalization and a decode step's SwishMul
@@ -14,10 +14,11 @@ import math
 import numpy as np
 from onnx_runtime.ir import Node
 
+from ..algorithms.activations import gelu_erf, gelu_series, gelu_tanh
 from ..compiled import COMPILED_DTYPES
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
-from ._common import quiet, stash_dtype
+from ._common import graph_error, quiet, stash_dtype
 from .shape import reshape_to
 from .transformer_blocks import rms_normalization
 
@@ -156,6 +157,29 @@ def swish_mul(node, shapes, opset):
             loop(a.reshape(-1), b.reshape(-1), alpha, out.reshape(-1))
             return (out,)
         return numpy_kernel(a, b)
+
+    return kernel
+
+
+@register("GeluMul", domain=FUSED_DOMAIN, since=1)
+def gelu_mul(node, shapes, opset):
+    """Gelu(a, approximate) * b, the gated unit of a GeGLU feed-forward block (Gemma's Mul(Gelu(A Wg), A Wu)).
+    float32 a and b of one shape are one compiled pass (the Gelu kernel's values, each times its gate); otherwise
+    numpy computes what Gelu then Mul would (b broadcasting)."""
+    approximate = node.attr("approximate", "none")
+    if approximate not in ("none", "tanh"):
+        raise graph_error(node, "approximate", f"is {approximate!r}; expected 'none' or 'tanh'")
+    fn = gelu_erf if approximate == "none" else gelu_tanh
+    coefficients = gelu_series(approximate, np.float32)
+    compiled = _compiled_decoder()
+
+    def kernel(a, b):
+        if a.dtype == np.float32 and b.dtype == a.dtype and a.shape == b.shape and a.size:
+            out = np.empty(a.shape, a.dtype)
+            compiled.gelu_mul_float32(a.reshape(-1), b.reshape(-1), coefficients, out.reshape(-1))
+            return (out,)
+        with np.errstate(over="ignore", invalid="ignore"):  # huge |a| overflows; -inf * 0 is NaN as specified
+            return (fn(a).astype(a.dtype, copy=False) * b,)
 
     return kernel
 
