@@ -130,14 +130,16 @@ def _warn_uncached(exc: Exception) -> None:
 _linked_contexts: set[int] = set()
 
 
-def _linkable(target_context) -> None:
-    """The symbols a cached loop's code may call, registered once per target context (see below)."""
+def _linkable(target_context, folder: str | None = None) -> None:
+    """The symbols a cached loop's code may call, registered once per target context (see below); ``folder``:
+    where the loop's cache entries are, beside which the runtime's compiled functions are kept (nrt_cache.py)."""
     if id(target_context) in _linked_contexts:
         return
     import numba.cpython.hashing  # noqa: F401  (registers the hash secret's symbols)
-    from numba.core.runtime import rtsys
 
-    rtsys.initialize(target_context)
+    from .nrt_cache import initialize_runtime
+
+    initialize_runtime(target_context, folder)
     _linked_contexts.add(id(target_context))
 
 
@@ -147,11 +149,12 @@ def _recover_damaged_entries(dispatcher, qualname: str) -> None:
     numba's ``Cache.load_overload`` first calls ``target_context.refresh()``, which imports and installs every
     typing and lowering registry numba has: most of a warm process's first run went there. Linking a cached
     library needs only the symbols its code calls: numba's C helpers and math functions (registered when the
-    contexts are created), the reference-counting runtime (``rtsys.initialize``, which the refresh would run)
-    and the hash secret (registered when ``numba.cpython.hashing`` is imported). Those are set up here instead,
-    and numba still refreshes the contexts itself before anything compiles (``CompilerBase``) or lowers
-    (``get_function``). A cache entry that no longer unpickles (a truncated or overwritten file) is dropped with a
-    warning and the loop compiled again, which rewrites the entry; left alone it would fail every later process.
+    contexts are created), the reference-counting runtime (``rtsys.initialize``, which the refresh would run; its
+    compiled functions read from beside the cache entries: nrt_cache.py) and the hash secret (registered when
+    ``numba.cpython.hashing`` is imported). Those are set up here instead, and numba still refreshes the contexts
+    itself before anything compiles (``CompilerBase``) or lowers (``get_function``). A cache entry that no longer
+    unpickles (a truncated or overwritten file) is dropped with a warning and the loop compiled again, which
+    rewrites the entry; left alone it would fail every later process.
     """
     cache = getattr(dispatcher, "_cache", None)
     index_path = getattr(getattr(cache, "_cache_file", None), "_index_path", None)
@@ -160,8 +163,10 @@ def _recover_damaged_entries(dispatcher, qualname: str) -> None:
     if index_path is None or load is None or guard is None:
         return
 
+    folder = getattr(cache, "_cache_path", None)
+
     def load_overload(sig, target_context):
-        _linkable(target_context)
+        _linkable(target_context, folder)
         try:
             with guard():
                 return load(sig, target_context)
