@@ -8,8 +8,8 @@ onnxruntime does in about ten milliseconds (docs/cold-start.md). These stay out 
   rounded producers' shape rules at import (fused_shapes.py), and a cached plan runs no pass;
 - the in-place KV append (onnx_runtime/kv_append.py): the shape family imports it at its first two-input Concat,
   so a CNN's Flatten does not;
-- dataclasses: ``@dataclass`` compiles every class's methods in every new process, so the classes on this path
-  are plain ones (onnx_runtime/records.py), planned anew or from the plan cache;
+- dataclasses and named tuples: ``@dataclass`` and ``NamedTuple`` compile every class's methods in every new
+  process, so the classes on this path are plain ones (onnx_runtime/records.py), planned anew or from the plan cache;
 - logging: onnx_runtime/logs.py imports it at the first record a session lets through;
 - pluggy: the contract's markers are the core's own (contract/markers.py), and its manager is built (and pluggy
   imported) only where a handle needs one (provider_handle.py), which a CPU session's direct hook table does not.
@@ -146,7 +146,8 @@ sess = ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvid
 y = sess.run(None, {"x": np.load(sys.argv[2])})[0]
 made = sorted({f"{name}.{value.__qualname__}" for name in set(imported) if name.startswith("onnx_runtime")
                for value in vars(sys.modules.get(name, sys)).values()
-               if isinstance(value, type) and value.__module__ == name and "__dataclass_fields__" in vars(value)})
+               if isinstance(value, type) and value.__module__ == name
+               and ("__dataclass_fields__" in vars(value) or (issubclass(value, tuple) and "_fields" in vars(value)))})
 unwanted = [name for name in ("dataclasses", "logging", "pluggy") if name in imported]
 print(json.dumps({"unwanted": unwanted, "made": made, "y": y.tolist()}))
 """
@@ -155,8 +156,8 @@ print(json.dumps({"unwanted": unwanted, "made": made, "y": y.tolist()}))
 @pytest.mark.parametrize("plans", ["planned anew", "from the plan cache"])
 def test_a_convolution_session_defines_no_dataclass_and_loads_neither_logging_nor_pluggy(tmp_path, plans):
     """Importing the runtime, creating a CNN session and its first run import no module that defines a dataclass
-    (each costs a new process about half a millisecond of generated code), nor the dataclasses module, nor logging
-    (a session of the default severity logs nothing here), nor pluggy (no plugin manager is built)."""
+    or a named tuple (each costs a new process the code it generates for its methods), nor the dataclasses module,
+    nor logging (a session of the default severity logs nothing here), nor pluggy (no plugin manager is built)."""
     model = _residual_cnn()
     model_path, x_path = tmp_path / "cnn.onnx", tmp_path / "x.npy"
     onnx.save(model, model_path)
@@ -170,7 +171,7 @@ def test_a_convolution_session_defines_no_dataclass_and_loads_neither_logging_no
                               capture_output=True, text=True, timeout=600, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["made"] == [], f"dataclasses defined on the way: {report['made']}"
+    assert report["made"] == [], f"dataclasses or named tuples defined on the way: {report['made']}"
     assert report["unwanted"] == [], f"imported on the way: {report['unwanted']}"
     assert_within(np.array(report["y"], np.float32), exact, 1e-4 * max(1.0, float(np.max(np.abs(exact)))))
 

@@ -20,16 +20,24 @@ Kinds:
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from ..records import FrozenRecord
 
 SAME, FIRST, BROADCAST, MATMUL, SHAPES, VALUES = "same", "first", "broadcast", "matmul", "shapes", "values"
 CONCAT = "concat"
 KINDS = (SAME, FIRST, BROADCAST, MATMUL, CONCAT, SHAPES, VALUES)
 
 
-class ShapeRule(NamedTuple):
+class ShapeRule(FrozenRecord):
+    """An operator's declared rule: its kind and the inputs it reads. A record (onnx_runtime/records.py): a
+    NamedTuple generates its methods in every process that imports it, here each new process's first session."""
+
+    __slots__ = __match_args__ = ("kind", "operands")
     kind: str
     operands: tuple[int, ...]
+
+    def __init__(self, kind: str, operands: tuple[int, ...]) -> None:
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "operands", operands)
 
 
 _RULES: dict[tuple[str, str], ShapeRule] = {}

@@ -17,7 +17,8 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
-from typing import NamedTuple
+
+from onnx_runtime.records import FrozenRecord
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
@@ -30,9 +31,17 @@ TRIM_THRESHOLD = 256 << 20
 ARENA_KEY = "session.enable_cpu_mem_arena"
 
 
-class ArenaStatus(NamedTuple):  # (a frozen dataclass would generate its methods in every fresh process)
+class ArenaStatus(FrozenRecord):
+    """Whether the arena is in place, and why (or why not). A record (onnx_runtime/records.py): a NamedTuple, as a
+    dataclass, generates its methods in every process that imports it, here each new process's first session."""
+
+    __slots__ = __match_args__ = ("applied", "reason")
     applied: bool
     reason: str
+
+    def __init__(self, applied: bool, reason: str) -> None:
+        object.__setattr__(self, "applied", applied)
+        object.__setattr__(self, "reason", reason)
 
 
 _status: ArenaStatus | None = None  # set once the arena is in place for the process
