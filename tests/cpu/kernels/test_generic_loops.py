@@ -111,6 +111,10 @@ def _conv_cases():
     for kw, left in ((3, 1), (5, 2)):
         cols = np.full((2 * 3 * kw, 4 * 9 + 3), 7.0, F32)
         cases.append((c + "im2col.fill_tight_columns", (_r(2, 6, 9), cols, 3, kw, 1, 1, 1, left, 1, 4)))
+    # fill_patches: windows that tile the input (2x2 onto 4x4; 3x2 onto 2x3 of 7x7, its last row and column unread)
+    for kh, kw, h, w in ((2, 2, 8, 8), (3, 2, 7, 7)):
+        cols = np.full((3 * kh * kw + 1, (h // kh) * (w // kw)), 7.0, F32)  # the bias row past the patches stays
+        cases.append((c + "im2col.fill_patches", (_r(3, h, w), cols, kh, kw)))
     for kind, params in ((NONE, None), (RELU, None), (CLIP, (-0.5, 0.7)), (LEAKY_RELU, (0.1, 0))):
         bounds = activation_bounds(kind, params, F32)
         y = _r(2, 3, 20)

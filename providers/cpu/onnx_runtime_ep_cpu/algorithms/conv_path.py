@@ -30,6 +30,7 @@ from .conv_blas import (
 )
 from .conv_direct import DirectConv, direct_tiles_apply, direct_tiles_before_packed
 from .conv_packed import PackedConv, packed_conv_applies
+from .conv_patches import PatchConv, patches_apply
 from .conv_pointwise_batch import PointwiseBatch, pointwise_batch_applies
 from .precision import compute_dtype
 from .prepared import Prepared
@@ -132,6 +133,8 @@ def compiled_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, pr
     c, m = x.shape[1], w.shape[0]
     if pixel_product_applies(geo, group, x) or pointwise_batch_applies(geo, group, x, w):  # (numpy_compute's)
         return None
+    if patches_apply(geo, group, x, w):  # (before the direct tiles, whose lanes such a map leaves mostly empty)
+        return lambda: (PatchConv(geo, x.shape, w.shape, prepared), True)
     direct = direct_tiles_apply(geo, group, x, w)
     if packed_conv_applies(geo, group, x) and not (direct and direct_tiles_before_packed(geo, w, group, x.shape[0])):
         return _running(lambda: (PackedConv(geo, group, x.shape, w.shape, prepared), True), "jobs.CONV", "jobs.PAD")

@@ -187,6 +187,14 @@ def fill_columns(x, cols, kh, kw, sh, sw, dh, dw, top, left, row_start, row_coun
     np.copyto(target, taps)
 
 
+def fill_patches(x, cols, kh, kw):
+    channels, _, width = x.shape
+    ow = width // kw
+    oh = cols.shape[1] // ow
+    patches = x[:, :oh * kh, :ow * kw].reshape(channels, oh, kh, ow, kw).transpose(0, 2, 4, 1, 3)
+    cols[:channels * kh * kw] = patches.reshape(channels * kh * kw, oh * ow)
+
+
 def fill_tight_columns(x, cols, kh, kw, dh, dw, top, left, row_start, row_count):
     fill_columns(x, cols, kh, kw, 1, 1, dh, dw, top, left, row_start, row_count, x.shape[2])
 
@@ -275,6 +283,7 @@ _FLOAT = {
     _COMPILED + "log_softmax.log_softmax_rows_float32_": log_softmax_rows_float32_,
     _COMPILED + "smallconv.conv_gathered": conv_gathered,
     _COMPILED + "im2col.fill_columns": fill_columns,
+    _COMPILED + "im2col.fill_patches": fill_patches,
     _COMPILED + "im2col.fill_tight_columns": fill_tight_columns,
     _COMPILED + "epilogue.bias_residual_activation": bias_residual_activation,
     _COMPILED + "epilogue.channel_affine": channel_affine,

@@ -61,6 +61,28 @@ def fill_columns(x, cols, kh, kw, sh, sw, dh, dw, top, left, row_start, row_coun
 
 
 @jit
+def fill_patches(x, cols, kh, kw):
+    """cols[(c*kh + i)*kw + j, r*OW + q] = x[c, r*kh + i, q*kw + j] for a window that tiles ``x`` (C, H, W)
+    (kernel = stride, no padding or dilation; OW = W // kw), for the output rows cols' width holds: a plain
+    copy, without fill_columns' edge searches and twelve arguments (a patch merge's few pixels cost less than
+    those). Rows of ``cols`` past C*kh*kw are left as they are."""
+    channels, height, width = x.shape
+    ow = width // kw
+    pixels = cols.shape[1]
+    source = x.reshape(-1)
+    target = cols.reshape(-1)
+    for c in range(channels):
+        for r in range(pixels // ow):
+            for i in range(kh):
+                # Unsigned flat indices, as in fill_columns, so the copies vectorize.
+                line = np.uint64((c * height + r * kh + i) * width)
+                for j in range(kw):
+                    out = np.uint64(((c * kh + i) * kw + j) * pixels + r * ow)
+                    for q in range(ow):
+                        target[out + np.uint64(q)] = source[line + np.uint64(q * kw + j)]
+
+
+@jit
 def fill_tight_columns(x, cols, kh, kw, dh, dw, top, left, row_start, row_count):
     """fill_columns for a stride-1 window whose output is as wide as ``x`` (C, H, W): column row
     (c, i, j) of an output-row block is then one contiguous run of x's channel shifted by the tap,
