@@ -28,22 +28,31 @@ from onnx_runtime.errors import InvalidArgumentError
 from .blas import bundled_openblas
 from .tuning import KNOBS, when_changed
 
-_DEFAULT_THREADS = usable_cpus()
+_default: list[int] = []  # [one thread per usable CPU], read at the first need (see default_threads)
 # The calling run's session's count (0: not in a run, the default applies)
 _run_threads: contextvars.ContextVar[int] = contextvars.ContextVar("onnx_runtime_cpu_threads", default=0)
 _blas_applied: int | None = None  # the BLAS pool size set (None: not yet)
 
 
+def default_threads() -> int:
+    """One thread per usable CPU (onnx_runtime/cpus.py: the affinity set, capped by a cgroup quota), read once at
+    the first need: its files cost a new process's first session a little, and a session of one thread, whose runs
+    set their own count, never needs it."""
+    if not _default:
+        _default.append(usable_cpus())
+    return _default[0]
+
+
 def kernel_threads() -> int:
     """How many threads a kernel that splits its work uses, the calling one included: the ``threads`` knob of
     tuning.py, else the running session's setting, else one per usable CPU."""
-    return KNOBS.threads or _run_threads.get() or _DEFAULT_THREADS
+    return KNOBS.threads or _run_threads.get() or default_threads()
 
 
 def helper_count() -> int:
     """How many helper threads the split kernels start (once per process): one per other core (or the
     ``helpers`` knob of tuning.py)."""
-    return KNOBS.helpers or max(1, _DEFAULT_THREADS - 1)
+    return KNOBS.helpers or max(1, default_threads() - 1)
 
 
 # numpy's bundled OpenBLAS's thread-count setter, by symbol name
@@ -102,9 +111,9 @@ def session_threads(session_config: dict[str, str]) -> int:
         ) from None
     if threads < 0:
         raise InvalidArgumentError(f"intra_op_num_threads must be >= 0 (0 = default), got {threads}")
-    if session_config.get("session.use_deterministic_compute", "0") == "1":
-        return 1
-    return min(threads, _DEFAULT_THREADS) if threads else _DEFAULT_THREADS
+    if threads == 1 or session_config.get("session.use_deterministic_compute", "0") == "1":
+        return 1  # (one is never past the usable CPUs)
+    return min(threads, default_threads()) if threads else default_threads()
 
 
 class RunThreads:
