@@ -122,11 +122,28 @@ def _direct(function, arguments):
         return function
     dispatcher = function.dispatcher()
     try:
-        types = tuple(dispatcher.typeof_pyval(a) for a in arguments)
+        types = tuple(_argument_type(dispatcher, a) for a in arguments)
     except (TypeError, ValueError):
         return function
     found = overload(function, types)
     return function if found is None else found
+
+
+def _argument_type(dispatcher, value):
+    """numba's type of an argument, as its dispatcher's typeof gives it. A plain ndarray's is built here from its
+    dtype, rank, layout and writeability, as numba's typeof builds it, without the masked-array check that
+    typeof makes first: that check imports numpy.ma, which nothing else a worker's plans run needs."""
+    if type(value) is np.ndarray:
+        from numba.core import types
+        from numba.core.errors import NumbaNotImplementedError
+        from numba.np import numpy_support
+
+        try:
+            dtype = numpy_support.from_dtype(value.dtype)
+        except NumbaNotImplementedError:  # (numba's typeof names the dtype it does not take)
+            return dispatcher.typeof_pyval(value)
+        return types.Array(dtype, value.ndim, numpy_support.map_layout(value), readonly=not value.flags.writeable)
+    return dispatcher.typeof_pyval(value)
 
 
 def _linked(function, arguments) -> bool:
@@ -140,7 +157,7 @@ def _linked(function, arguments) -> bool:
         return True
     dispatcher = function.dispatcher()
     try:
-        types = tuple(dispatcher.typeof_pyval(a) for a in arguments)
+        types = tuple(_argument_type(dispatcher, a) for a in arguments)
     except (TypeError, ValueError):
         return True
     return overload(function, types) is not None
