@@ -236,11 +236,9 @@ class ProviderRegistry:
         self._entries = []
         self._discovered = True
         self.broken = []
-        for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        for ep, plugin, exc in _loaded_entry_points():
             source, dist_name, version = _describe(ep)
-            try:
-                plugin = ep.load()
-            except Exception as exc:
+            if exc is not None:
                 self._broken(source, f"import failed: {type(exc).__name__}: {exc}", ep.name)
                 continue
             if not self._add(plugin, source, dist_name, version, strict=False) and self.broken \
@@ -346,6 +344,27 @@ def listed_entry_points() -> list:
     except OSError:
         pass  # an unwritable folder: list again next time (the plan cache warns about it)
     return found
+
+
+def _loaded_entry_points() -> list[tuple]:
+    """``(entry point, what it loads or None, the error or None)`` for every entry point of the group, sorted by
+    name: from the kept listing (listed_entry_points: a new listing reads every installed distribution's
+    metadata), or from a new listing where a kept entry point does not load, so a stale listing costs no provider
+    and reports nothing that is not installed."""
+    loaded = _load_each(listed_entry_points())
+    if any(isinstance(ep, ListedEntryPoint) and exc is not None for ep, _, exc in loaded):
+        loaded = _load_each(entry_points(group=ENTRY_POINT_GROUP))
+    return loaded
+
+
+def _load_each(found) -> list[tuple]:
+    loaded: list[tuple] = []
+    for ep in sorted(found, key=lambda e: e.name):
+        try:
+            loaded.append((ep, ep.load(), None))
+        except Exception as exc:  # (reported by the discovery as a broken plugin)
+            loaded.append((ep, None, exc))
+    return loaded
 
 
 def _describe(ep) -> tuple[str, str, str]:

@@ -63,3 +63,26 @@ def test_nothing_is_kept_with_the_plan_cache_off(listing, monkeypatch):
     monkeypatch.setenv("ONNX_RUNTIME_PLAN_CACHE", "0")
     assert any(ep.name == "cpu" for ep in discovery.listed_entry_points())
     assert not listing.exists()
+
+
+def test_full_discovery_reads_the_kept_list(listing, monkeypatch):
+    discovery.listed_entry_points()
+    _refuse_listing(monkeypatch)
+    registry = discovery.ProviderRegistry()
+    names = [entry.name for entry in registry.entries()]  # every provider, as a session naming none asks
+    assert "CPUExecutionProvider" in names and not registry.broken
+
+
+def test_full_discovery_lists_again_where_a_kept_entry_point_does_not_load(listing, monkeypatch, recwarn):
+    discovery.listed_entry_points()
+    kept = json.loads(listing.read_text())
+    kept["listings"][0]["rows"].append(["gone", "no_such_module_here.plugin", "gone-dist", "0"])
+    listing.write_text(json.dumps(kept))
+    calls = []
+    original = discovery.entry_points
+    monkeypatch.setattr(discovery, "entry_points", lambda **kw: calls.append(kw) or original(**kw))
+    registry = discovery.ProviderRegistry()
+    assert "CPUExecutionProvider" in [entry.name for entry in registry.entries()]
+    assert calls == [{"group": discovery.ENTRY_POINT_GROUP}]  # the stale list was replaced by a new listing
+    assert not any("no_such_module_here" in str(b) for b in registry.broken)  # nothing reported that is not there
+    assert not any("no_such_module_here" in str(w.message) for w in recwarn)
