@@ -13,6 +13,7 @@ import pytest
 from model_helpers import make_model, record_calls, session_without_passes, tensor_info
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime_ep_cpu.algorithms import products
+from onnx_runtime_ep_cpu.ops import linalg
 from reference64 import assert_within, run_float64
 
 NORMS = ("layer", "layer_no_shift", "rms")
@@ -101,3 +102,38 @@ def test_a_normalization_read_elsewhere_keeps_its_node(extra_reader, made):
     assert ops.count("LayerNormalization") == 1, ops  # the first kept, the second folded
     for value, reference in zip(got, run_float64(model, {"x": x})):
         assert_within(value, reference, _bound(reference, 64), extra_reader)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_folded_normalization_reads_a_channels_last_view_as_a_contiguous_input(size, made, monkeypatch):
+    # ConvNeXt's block: Transpose(NCHW map, (0, 2, 3, 1)) -> LayerNormalization -> MatMul + Add -> Gelu. The folded
+    # FusedMatMul reads the Transpose's view: its planned kernel copies it once and runs as for a contiguous input
+    # (the normalization's loop, then its product), not through the general kernel (linalg.product's dispatch).
+    channels, hidden = 32, 64
+    rng = np.random.default_rng(size)
+    weights = {"w1": (rng.standard_normal((channels, hidden)) / np.sqrt(channels)).astype(np.float32),
+               "b1": (rng.standard_normal(hidden) / 4).astype(np.float32)}
+    nodes = [helper.make_node("Transpose", ["x"], ["pixels"], perm=[0, 2, 3, 1]),
+             _norm_node("layer", "pixels", "n1", weights, rng, channels),
+             helper.make_node("MatMul", ["n1", "w1"], ["p1"]), helper.make_node("Add", ["p1", "b1"], ["h1"]),
+             helper.make_node("Gelu", ["h1"], ["y"])]
+    initializers = [numpy_helper.from_array(value, name) for name, value in weights.items()]
+    model = make_model(nodes, [tensor_info("x", TensorProto.FLOAT, [1, channels, size, size])],
+                       [tensor_info("y", TensorProto.FLOAT, None)], initializers, opset=23)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["cpu"])
+    ops = [op for op, _ in made]
+    assert "LayerNormalization" not in ops and "FusedMatMul" in ops, ops
+    xs = [np.random.default_rng(seed).standard_normal((1, channels, size, size)).astype(np.float32) * 2
+          for seed in range(3)]
+    got = [session.run(None, {"x": x})[0] for x in xs]
+    general = []
+    real = linalg.product
+    monkeypatch.setattr(linalg, "product", lambda *args: general.append(args) or real(*args))
+    again = session.run(None, {"x": xs[-1]})[0]
+    assert np.array_equal(again, got[-1])
+    assert not general
+    for x, value in zip(xs, got):
+        (reference,) = run_float64(model, {"x": x})
+        assert_within(value, reference, _bound(reference, channels), f"{size}x{size}")

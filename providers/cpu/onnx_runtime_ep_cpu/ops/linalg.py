@@ -214,6 +214,7 @@ def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general, unnormal
 
     def kernel(a, b, bias, residual=None, scale=None, shift=None):
         nonlocal packed, kept
+        a = a if a.flags.c_contiguous else _planned_copy(a, a_shape)  # (ConvNeXt's channels-last views)
         y = _kept_fused_run(kept, a, b, bias, residual, a_shape, out_shape, scale) if few else None
         if y is not None:
             return (y,)
@@ -240,6 +241,12 @@ def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general, unnormal
         return (compiled.gelu(y, series[dtype], bias, None if residual is None else skip, out=y).reshape(out_shape),)
 
     return kernel
+
+
+def _planned_copy(a: np.ndarray, a_shape: tuple) -> np.ndarray:
+    """A non-contiguous ``a`` of the planned shape as one C-contiguous copy, for the planned kernel (the general one
+    costs more than the copy); others as they are."""
+    return np.ascontiguousarray(a) if a.shape == a_shape else a
 
 
 def _kept_fused(packed: PackedProduct, rows: np.ndarray, b: np.ndarray, bias: np.ndarray, adding: bool,
