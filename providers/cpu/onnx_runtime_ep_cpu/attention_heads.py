@@ -27,6 +27,7 @@ from .projection_groups import (
     fold_head_splits,
     group_attention_projections,
     group_sibling_projections,
+    split_dynamic_quantize_outputs,
     split_projection_outputs,
 )
 
@@ -121,5 +122,5 @@ def drop_zero_masks(graph: Graph, owns=None) -> bool:
 # The provider's last passes (after decoder_fusions.py's layout pairs, which the patch embedding also reads; the
 # cache appends fold into attention once the projections' head splits have folded).
 HEADS_PASSES = [fuse_attention_heads, drop_zero_masks, group_attention_projections, group_sibling_projections,
-                split_projection_outputs, fuse_patch_embedding, fuse_patch_tokens, fold_head_splits,
-                fuse_past_attention]
+                split_projection_outputs, split_dynamic_quantize_outputs, fuse_patch_embedding, fuse_patch_tokens,
+                fold_head_splits, fuse_past_attention]

@@ -37,7 +37,8 @@ RULES: dict[str, tuple[str, tuple[int, ...]]] = {
     "RoundedAttention": (MATMUL, (0, 1)),
     "DynamicQuantizeFusedMatMul": (MATMUL, (0, 1)),
     # output shapes from the inputs' shapes and attributes by the op's own rule
-    "FusedMatMul": (SHAPES, ()), "DynamicQuantizeMatMulGroup": (SHAPES, ()), "QuantizedConv": (SHAPES, ()),
+    "FusedMatMul": (SHAPES, ()), "DynamicQuantizeMatMulGroup": (SHAPES, ()),
+    "DynamicQuantizeMatMulColumns": (SHAPES, ()), "QuantizedConv": (SHAPES, ()),
     "GroupedQuantizedMatMul": (SHAPES, ()),
     "DynamicQuantizeConv": (SHAPES, ()),
     "FusedConv": (SHAPES, ()), "ConcatBuffer": (SHAPES, ()), "ReshapeTranspose": (SHAPES, ()),

@@ -28,7 +28,9 @@ product is below the packed_macs knob (larger ones keep ops/linalg.py's packed p
 axis into such readers' inputs is one too (split_projection_outputs): by a Split, or by Slices of adjacent
 constant column ranges that cover it once (Phi-3's exports), whose copies become the product's column views. A
 part whose only reader is an Add of a constant bias of its width (OPT's merged q/k/v: the product without its
-biases, each added after the Split) takes that bias into the group's, so the Add's readers read the view.
+biases, each added after the Split) takes that bias into the group's, so the Add's readers read the view. An
+int8_dynamic export's DynamicQuantizeMatMul cut the same way (Phi-3's, GPT-2's c_attn) keeps its product and gives
+the parts as its column views (split_dynamic_quantize_outputs).
 
 Last, a member whose only reader is its head split (ReshapeTranspose) comes out split (fold_head_splits): the
 group's kernel reshapes and transposes the column as the split did, and at a decode step's one token (where the
@@ -376,6 +378,44 @@ def split_projection_outputs(graph: Graph, owns=None) -> bool:
             for bias_name in add.inputs:
                 if bias_name not in still_read and graph.initializers.pop(bias_name, None) is not None:
                     forget_value(graph, bias_name)
+        view = GraphView(graph)
+        changed = True
+    return changed
+
+
+def _dynamic_quantized_width(view: GraphView, fed: set[str], node: Node) -> int | None:
+    """The column count of a contrib DynamicQuantizeMatMul by a constant 2-D weight with constant parameters (none a
+    feed may override), else None."""
+    if node.op_type != "DynamicQuantizeMatMul" or node.domain != "com.microsoft" or len(node.outputs) != 1 \
+            or not 3 <= len(node.inputs) <= 5 or not node.inputs[0] or fed & set(node.inputs[1:]):
+        return None
+    weight = view.const(node.inputs[1])
+    if weight is None or weight.ndim != 2 or any(name and view.const(name) is None for name in node.inputs[2:]):
+        return None
+    return int(weight.shape[1])
+
+
+def split_dynamic_quantize_outputs(graph: Graph, owns=None) -> bool:
+    """The int8_dynamic spelling of split_projection_outputs: a DynamicQuantizeMatMul cut along its last axis, by one
+    Split or by Slices, into _VIEW_READERS' inputs (Phi-3's q/k/v into their head splits, gate/up into SwishMul)
+    becomes one DynamicQuantizeMatMulColumns (ops/dynamic_quantize_group.py) whose outputs are the product's column
+    views. The product is unchanged (one node already), so no size rule applies."""
+    view, fed = GraphView(graph), {vi.name for vi in graph.inputs}
+    changed = False
+    for product in list(graph.nodes):
+        total = _dynamic_quantized_width(view, fed, product)
+        name = product.outputs[0] if total is not None else ""
+        if not name or name in view.outputs or name in view.inner_reads:
+            continue
+        info = graph.type_of(name)
+        rank = len(info.shape) if info is not None and info.is_tensor and info.shape is not None else None
+        cut = _cuts(view, fed, name, total, rank)
+        if cut is None or not all(_view_read(view, part) for part in cut[1]) or not owned(owns, [product, *cut[0]]):
+            continue
+        cutters, names, widths = cut
+        fused = Node("DynamicQuantizeMatMulColumns", list(product.inputs), names, name=f"{product.name}/columns",
+                     domain=FUSED_DOMAIN, attrs={"widths": widths}, opset=1)
+        _replace(graph, [product, *cutters], fused, view)
         view = GraphView(graph)
         changed = True
     return changed

@@ -57,7 +57,8 @@ FAMILIES = {
     "spectrum": "ai.onnx_runtime.cpu:SpectralMagnitude",
     "dropout": "Dropout",
     "dynamic_quantize_conv": "ai.onnx_runtime.cpu:DynamicQuantizeConv",
-    "dynamic_quantize_group": "ai.onnx_runtime.cpu:DynamicQuantizeMatMulGroup",
+    "dynamic_quantize_group": "ai.onnx_runtime.cpu:DynamicQuantizeMatMulGroup "
+                              "ai.onnx_runtime.cpu:DynamicQuantizeMatMulColumns",
     "dynamic_quantize_fused": "ai.onnx_runtime.cpu:DynamicQuantizeFusedMatMul",
     "patch_embedding": "ai.onnx_runtime.cpu:PatchEmbedding",
     "past_attention": "ai.onnx_runtime.cpu:PastAttention",

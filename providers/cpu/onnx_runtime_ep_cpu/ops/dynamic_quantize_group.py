@@ -1,9 +1,15 @@
 """DynamicQuantizeMatMul nodes that read one A, run as one (qdq_fusions.group_dynamic_quantize_matmul): a
 layer's query, key and value projections each quantized the same activation again and paid a node's fixed cost
 for a small product. Here A is quantized once and multiplied by the members' weights side by side, each output
-the bits its own node gives."""
+the bits its own node gives.
+
+One DynamicQuantizeMatMul of projections already merged (Phi-3's qkv_proj and gate_up_proj) that Slices or a Split
+cut into parts (projection_groups.split_dynamic_quantize_outputs) runs as DynamicQuantizeMatMulColumns: its
+outputs are the product's column views, without the cutting nodes' steps and copies."""
 
 from __future__ import annotations
+
+from operator import itemgetter
 
 import numpy as np
 
@@ -13,7 +19,7 @@ from ..algorithms.quantize import IntegerProduct
 from ..algorithms.repeat_call import RepeatCall
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
-from ._common import argument_error
+from ._common import argument_error, graph_error
 from .contrib_integer_matmul import WeightSide, dynamic_quantize_matmul, repeated, run_and_keep
 
 _F32 = np.dtype(np.float32)
@@ -95,3 +101,29 @@ def dynamic_quantize_matmul_group(node, shapes, opset):
 
 def _is(x, y) -> bool:
     return x is y
+
+
+@register("DynamicQuantizeMatMulColumns", domain=FUSED_DOMAIN, since=1)
+def dynamic_quantize_matmul_columns(node, shapes, opset):
+    """DynamicQuantizeMatMul's inputs (A, B, b_scale, b_zero_point, bias); one output per entry of ``widths``: the
+    product's adjacent column views of those widths, in order (the product is the node's own, bit for bit)."""
+    widths = [int(w) for w in node.attr("widths", [])]
+    if len(widths) != len(node.outputs) or min(widths, default=0) <= 0:
+        raise graph_error(node, "widths", f"is {widths} for {len(node.outputs)} outputs; expected one positive "
+                                          f"width per output")
+    single = dynamic_quantize_matmul(node, shapes, opset)
+    ends = np.cumsum(widths).tolist()
+    total = ends[-1]
+    # The views' indices made once, taken by one itemgetter call (C's loop: a list of views costs twice as much).
+    views = itemgetter(*[(Ellipsis, slice(end - width, end)) for width, end in zip(widths, ends)])
+    if len(widths) == 1:
+        whole = views
+        views = lambda product: (whole(product),)  # noqa: E731  (itemgetter of one index returns no tuple)
+
+    def kernel(a, *rest):
+        product = single(a, *rest)[0]
+        if product.shape[-1] != total:
+            raise argument_error(node, f"B has {product.shape[-1]} columns; expected {total}, the sum of the widths")
+        return views(product)
+
+    return kernel
