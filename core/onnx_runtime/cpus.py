@@ -4,10 +4,11 @@ start from it."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
-__all__ = ["cgroup_cpu_quota", "usable_cpus"]
+__all__ = ["cgroup_cpu_quota", "cpu_flags_line", "usable_cpus"]
 
 
 def usable_cpus(affinity: int | None = None, quota: float | None = None) -> int:
@@ -53,3 +54,20 @@ def _cgroup_v2_paths(root: str) -> list[str]:
     except OSError:
         pass
     return paths + [f"{root}/cpu.max"]
+
+
+@functools.cache
+def cpu_flags_line() -> str:
+    """/proc/cpuinfo's first "flags" (x86) or "Features" (Arm) line as it is written, newline included; "" where
+    there is none (not Linux, or unreadable). Read once per process for every reader (the plan cache's key, the CPU
+    provider's kernels), and only up to that line: the kernel writes the file one CPU at a time as it is read, so
+    the whole of it costs a host of many CPUs far more than the first CPU's part. (UTF-8, which every interpreter
+    has loaded: the file is ASCII.)"""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return ""

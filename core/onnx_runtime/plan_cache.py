@@ -41,6 +41,7 @@ import warnings
 import numpy as np
 import onnx
 
+from .cpus import cpu_flags_line
 from .errors import InvalidArgumentError
 from .loader import model_bytes
 
@@ -281,17 +282,8 @@ def _provider_version(handle) -> str:
 
 @functools.cache
 def _host() -> str:
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith(("flags", "Features")):
-                    flags = line
-                    break
-    except OSError:
-        pass
     return "|".join((platform.machine(), sys.version, np.__version__, onnx.__version__,
-                     hashlib.sha256(flags.encode()).hexdigest()))
+                     hashlib.sha256(cpu_flags_line().encode()).hexdigest()))
 
 
 @functools.cache

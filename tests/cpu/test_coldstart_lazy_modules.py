@@ -197,3 +197,48 @@ def test_the_host_flags_are_read_without_the_ascii_codec():
         line = next((row for row in info.read().decode("ascii", "replace").splitlines()
                      if row.startswith("flags") and ":" in row), "")
     assert report["flags"] == sorted(set(line.split(":", 1)[1].split())) if line else report["flags"] == []
+
+
+FLAGS_ONCE_SCRIPT = r"""
+import builtins, json, sys
+import numpy as np
+opened = []
+real_open = builtins.open
+
+
+def counting_open(file, *args, **kwargs):
+    if file == "/proc/cpuinfo":
+        opened.append(file)
+    return real_open(file, *args, **kwargs)
+
+
+builtins.open = counting_open
+import onnx_runtime as ort
+from onnx_runtime_ep_cpu.compiled import host
+options = ort.SessionOptions()
+options.intra_op_num_threads = 1
+sess = ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
+y = sess.run(None, {"x": np.load(sys.argv[2])})[0]
+print(json.dumps({"opened": len(opened), "avx512": host.AVX512, "y": y.tolist()}))
+"""
+
+
+@pytest.mark.skipif(not os.path.isfile("/proc/cpuinfo"), reason="reads Linux's /proc/cpuinfo")
+def test_the_cpu_flags_are_read_once_per_process(tmp_path):
+    """The plan cache's key and the CPU provider's kernels both need the host's CPU flags: one read of /proc/cpuinfo
+    per process serves both (onnx_runtime/cpus.py), a session planned anew and one whose plans are cached alike."""
+    model = _residual_cnn()
+    model_path, x_path = tmp_path / "cnn.onnx", tmp_path / "x.npy"
+    onnx.save(model, model_path)
+    x = np.random.default_rng(9).standard_normal((2, 3, 10, 10)).astype(np.float32)
+    np.save(x_path, x)
+    exact = run_float64(model, {"x": x})[0]
+    env = dict(os.environ, ONNX_RUNTIME_PLAN_CACHE_DIR=str(tmp_path / "plans"), ONNX_RUNTIME_PLAN_CACHE="1")
+    for _ in range(2):  # (the second process reads the first one's plans)
+        done = subprocess.run([sys.executable, "-c", FLAGS_ONCE_SCRIPT, str(model_path), str(x_path)],
+                              capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        assert report["opened"] == 1, f"/proc/cpuinfo opened {report['opened']} times"
+        assert_within(np.array(report["y"], np.float32), exact, 1e-4 * max(1.0, float(np.max(np.abs(exact)))))
+    assert os.listdir(tmp_path / "plans"), "no plan written: the plan cache's key was not made"

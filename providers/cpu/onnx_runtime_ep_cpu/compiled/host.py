@@ -17,6 +17,8 @@ from __future__ import annotations
 import platform
 import sys
 
+from onnx_runtime.cpus import cpu_flags_line
+
 # SYS_futex by (system, machine): the syscall numbers differ per architecture (x86-64's 202 is
 # another call on arm64 and on 32-bit x86), so only the platforms listed here start helper threads.
 FUTEX_SYSCALLS = {("Linux", "x86_64"): 202}
@@ -52,13 +54,10 @@ def _cpuinfo_features(text: str) -> dict:
 
 def _host_features() -> dict:
     # /proc/cpuinfo where there is one (Linux lists what the kernel enabled): it spares the importing of
-    # llvmlite, which a process whose kernels are all numpy or BLAS would load for this alone
+    # llvmlite, which a process whose kernels are all numpy or BLAS would load for this alone. Its flags line is
+    # read once per process (onnx_runtime/cpus.py; the plan cache's key reads it too).
     if SYSTEM == "Linux":
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:  # (ASCII; utf-8 is loaded)
-                features = _cpuinfo_features(info.read())
-        except OSError:
-            features = {}
+        features = _cpuinfo_features(cpu_flags_line())
         if features:
             return features
     from llvmlite import binding
