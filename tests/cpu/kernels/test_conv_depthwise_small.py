@@ -121,3 +121,27 @@ def test_strided_or_shrinking_windows_and_large_planes_keep_off_the_flat_planes(
     assert not flat_depthwise_apply(_geometry(y.shape, (3, 3), dict(pads=[1] * 4, strides=[2, 2])), y, 32)
     assert not flat_depthwise_apply(_geometry(y.shape, (3, 3), {}), y, 32)  # no pads: 6x6 out of 8x8
     assert not flat_depthwise_apply(_geometry(y.shape, (3, 3), dict(pads=[1] * 4)), y, 64)  # two outputs each
+
+
+@pytest.mark.parametrize("case", ["5x5 on 4x4", "3x3 on 2x2, 3 images"])
+def test_a_plain_depthwise_call_keeps_its_loops_entry_point(case):
+    # A Conv node without an epilogue repeats its loop's argument types every run (ConvNeXt's standalone depthwise
+    # nodes): after the first call the loop's entry point is bound once and called without numba's dispatcher.
+    from onnx_runtime_ep_cpu.algorithms.conv_depthwise_small import PairsDepthwise
+    from onnx_runtime_ep_cpu.algorithms.prepared import Prepared
+
+    x_shape, kernel, attrs = CASES[case]
+    geo = _geometry(x_shape, kernel, attrs)
+    model = _model(x_shape, kernel, attrs, "none")
+    w, b = (numpy_helper.to_array(t) for t in model.graph.initializer)
+    w.setflags(write=False)
+    b.setflags(write=False)
+    compute = PairsDepthwise(geo, Prepared(), np.float32)
+    for seed in range(3):
+        x = np.random.default_rng(seed).standard_normal(x_shape).astype(np.float32)
+        ours = compute(x, w, b, None)
+        exact = run_float64(model, {"x": x})[0]
+        taps = kernel[0] * kernel[1]
+        bound = (taps + 2) * np.finfo(np.float32).eps * (1 + np.abs(exact).max() + np.abs(x).max() * taps)
+        assert ours.shape == exact.shape and np.abs(ours - exact).max() <= bound
+    assert compute._plain is not None and compute._plain.entry is not None  # noqa: SLF001

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..compiled import takes as takes_compiled
 from ..tuning import KNOBS
+from .bound_loop import EntryOnce
 from .prepared import Prepared
 from .window import Geometry
 
@@ -83,6 +84,9 @@ class _SmallDepthwise:
         self._module, self._prepared, self._dtype = depthwise_small, prepared, np.dtype(dtype)
         self._out, self._pixels, self._inputs = geo.out, math.prod(geo.out), math.prod(geo.in_shape)
         self._identity = epilogue.activation_bounds(epilogue.NONE, (), dtype)
+        # A plain Conv node's calls (no epilogue) repeat their argument types every run: the loop's entry point,
+        # bound once, skips the dispatcher's typing of a dozen or more arguments per call.
+        self._plain: EntryOnce | None = None  # (made at the first call: a subclass's loop module is set after this)
 
     def _weights(self, w, b):
         def arranged():
@@ -110,6 +114,11 @@ class _SmallDepthwise:
         if residual:  # finish adds the bias after the residual
             loop(*self._arguments(xc, w, None, None, y))
             finish.rows(y.reshape(y.shape[0], y.shape[1], -1), 0, self._pixels)
+        elif finish is None:
+            plain = self._plain
+            if plain is None:
+                plain = self._plain = EntryOnce(loop)
+            plain.run(self._arguments(xc, w, b, None, y))
         else:
             loop(*self._arguments(xc, w, b, finish, y))
         return y
