@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 import threading
 import time
+import types
 
 import numpy as np
+import pytest
 from model_helpers import json_from_child, saved_for_child
 from onnx_runtime_ep_cpu.compiled import deferred
 from reference64 import assert_within, run_float64
@@ -92,3 +94,17 @@ def test_the_loader_thread_takes_its_name_and_joins_as_threadings_do():
     release.set()
     thread.join(30)
     assert not thread.is_alive()
+
+
+def test_a_loader_thread_that_could_not_start_is_not_waited_for(monkeypatch):
+    def refused(function, args):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(deferred, "_thread", types.SimpleNamespace(start_new_thread=refused))
+    thread = deferred._Thread(lambda: None)  # noqa: SLF001
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        thread.start()
+    assert not thread.is_alive()
+    began = time.monotonic()
+    thread.join(30)  # (at exit, _stop_at_exit joins the loader with this limit)
+    assert time.monotonic() - began < 5

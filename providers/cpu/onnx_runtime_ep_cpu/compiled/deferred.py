@@ -407,7 +407,11 @@ class _Thread:
         self.target, self.done = target, threading.Event()
 
     def start(self) -> None:
-        _thread.start_new_thread(self._run, ())
+        try:
+            _thread.start_new_thread(self._run, ())
+        except BaseException:
+            self.done.set()  # never ran: no exit or wait_ready waits for it
+            raise
 
     def _run(self) -> None:
         threading.current_thread().name = LOADER_NAME  # (threading's stand-in for a thread it did not start)
