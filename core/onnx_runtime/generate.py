@@ -410,10 +410,11 @@ class _Bindings:
                 self._grow(rows)
             choose(step, length + step, run(step > 0)[0][0, -1])
             steps += 1
-            ended, first = self._read_due(step, steps, new, read_each, read_every, tokens, on_token, eos_token_id,
-                                          start, first)
-            if ended:
-                break
+            if step == 0 or read_each:  # (else nothing is due: _read_due's own first test, without its call)
+                ended, first = self._read_due(step, steps, new, read_each, read_every, tokens, on_token,
+                                              eos_token_id, start, first)
+                if ended:
+                    break
             if step == 0:  # one token from now on (set once: nothing else sets the host's shapes)
                 self.ids.set_logical_shape((1, 1))
                 if self.positions is not None:

@@ -89,27 +89,57 @@ def admitted(output: str, xs: tuple, axis: int) -> tuple[Window, int] | None:
         return None
     past, new = xs
     window = windows.get(output)
-    if window is None or window.fed is not past or window.result is not None or window.axis != axis:
+    if window is None or window.fed is not past or not _fits(window, past, new, axis):
         return None
+    return window, past.shape[axis]
+
+
+def admitted_pair(outputs: tuple[str, str], pasts: tuple, news: tuple, axis: int) -> tuple[Window, Window, int] | None:
+    """:func:`admitted` for a layer's key and value caches (``outputs``, ``pasts`` and ``news`` in that order) appended
+    at one length: (the key window, the value window, the pasts' length), or None where either would not be admitted.
+    One call for both, as a decode step's attention asks for them on every step (nothing written or marked)."""
+    windows = getattr(_LOCAL, "windows", None)
+    if not windows:
+        return None
+    key_window, value_window = windows.get(outputs[0]), windows.get(outputs[1])
+    if key_window is None or value_window is None or key_window is value_window:
+        return None
+    past_key, past_value = pasts
+    if key_window.fed is not past_key or value_window.fed is not past_value:
+        return None
+    length = past_key.shape[axis]
+    if past_value.shape[axis] != length or not _fits(key_window, past_key, news[0], axis) \
+            or not _fits(value_window, past_value, news[1], axis):
+        return None
+    return key_window, value_window, length
+
+
+def _fits(window: Window, past: np.ndarray, new, axis: int) -> bool:
+    """admitted's checks of one window fed ``past`` (its ``fed``, checked by the caller) taking ``new``."""
     physical = window.physical
-    if type(new) is not np.ndarray or new.dtype != physical.dtype:
-        return None
+    if window.result is not None or window.axis != axis or type(new) is not np.ndarray or new.dtype != physical.dtype:
+        return False
     spans = window.spans
     new_shape, past_shape = new.shape, past.shape
     fits = spans.get(new_shape)
     if fits is None:
         fits = _spans(window, new_shape)
-    if not fits:
-        return None
-    fits = spans.get(past_shape)
-    if fits is None:
-        fits = _spans(window, past_shape)
-    if not fits:
-        return None
-    length = past_shape[axis]
-    if length + new_shape[axis] > physical.shape[axis]:
-        return None
-    return window, length
+    if fits:
+        fits = spans.get(past_shape)
+        if fits is None:
+            fits = _spans(window, past_shape)
+    return fits and past_shape[axis] + new_shape[axis] <= physical.shape[axis]
+
+
+def claim_pair(key_window: Window, value_window: Window, length: int, grown: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`claim` of an :func:`admitted_pair`'s two windows, for a caller that has written both windows' rows
+    ``length:grown`` already: (the key window's ``result``, the value window's)."""
+    marked = _LOCAL.grown
+    keys = _views(key_window, length, grown)[1]
+    values = _views(value_window, length, grown)[1]
+    marked[id(keys)], marked[id(values)] = key_window, value_window
+    key_window.result, value_window.result = keys, values
+    return keys, values
 
 
 def claim(window: Window, length: int, grown: int) -> tuple[np.ndarray, np.ndarray]:

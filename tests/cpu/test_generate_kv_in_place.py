@@ -21,9 +21,9 @@ CPU = "CPUExecutionProvider"
 
 def _counting_appends(monkeypatch) -> list[int]:
     """Counts of appends made in place: [made, refused] (a Concat's append and PastAttention's numpy path call
-    append_window; PastAttention's compiled decode step claims the rows it writes)."""
+    append_window; PastAttention's compiled decode step claims the rows it writes, both caches in one call)."""
     counts = [0, 0]
-    append, claim = kv_append.append_window, kv_append.claim
+    append, claim, claim_pair = kv_append.append_window, kv_append.claim, kv_append.claim_pair
 
     def counted(output, xs, axis):
         grown = append(output, xs, axis)
@@ -34,8 +34,13 @@ def _counting_appends(monkeypatch) -> list[int]:
         counts[0] += 1
         return claim(window, length, grown)
 
+    def claimed_pair(key_window, value_window, length, grown):
+        counts[0] += 2
+        return claim_pair(key_window, value_window, length, grown)
+
     monkeypatch.setattr(kv_append, "append_window", counted)
     monkeypatch.setattr(kv_append, "claim", claimed)
+    monkeypatch.setattr(kv_append, "claim_pair", claimed_pair)
     return counts
 
 
@@ -136,6 +141,67 @@ def test_append_refuses_what_it_cannot_do_in_place(case):
     finally:
         kv_append.leave(saved)
     np.testing.assert_array_equal(physical, before)
+
+
+def _pair(length=2, value_length=None):
+    """A layer's key and value windows (outputs "present_key", "present_value") over caches of 6 rows."""
+    keys, fed_keys, key_window = _window(length=length)
+    values, fed_values, value_window = _window(length=length if value_length is None else value_length)
+    key_window.output, value_window.output = "present_key", "present_value"
+    return (keys, fed_keys, key_window), (values, fed_values, value_window)
+
+
+@pytest.mark.parametrize("case", ["admitted", "value other length", "value not fed", "key taken", "other dtype",
+                                  "other heads", "past capacity", "one window", "no run"])
+def test_a_pair_is_admitted_where_each_cache_alone_would_be(case):
+    (keys, fed_keys, key_window), (values, fed_values, value_window) = _pair(
+        value_length=3 if case == "value other length" else None)
+    k, v = np.ones((1, 2, 1, 3), np.float32), np.full((1, 2, 1, 3), 2, np.float32)
+    pasts, windows = (fed_keys, fed_values), [key_window, value_window]
+    if case == "value not fed":
+        pasts = (fed_keys, fed_values.copy())
+    elif case == "key taken":
+        key_window.result = fed_keys
+    elif case == "other dtype":
+        v = v.astype(np.float64)
+    elif case == "other heads":
+        k = np.ones((1, 1, 1, 3), np.float32)
+    elif case == "past capacity":
+        k, v = np.ones((1, 2, 5, 3), np.float32), np.ones((1, 2, 5, 3), np.float32)
+    elif case == "one window":
+        windows = [key_window]
+    saved = kv_append.enter(windows) if case != "no run" else None
+    try:
+        each = (kv_append.admitted("present_key", (pasts[0], k), 2), kv_append.admitted("present_value",
+                                                                                      (pasts[1], v), 2))
+        pair = kv_append.admitted_pair(("present_key", "present_value"), pasts, (k, v), 2)
+    finally:
+        if saved is not None:
+            kv_append.leave(saved)
+    if case == "admitted":
+        assert each == ((key_window, 2), (value_window, 2)) and pair == (key_window, value_window, 2)
+    else:
+        assert pair is None and (None in each or each[0][1] != each[1][1])
+    assert not keys[:, :, 2:].any() and not values[:, :, 3:].any()  # nothing written either way
+
+
+def test_claiming_a_pair_marks_both_windows_as_claiming_each_does():
+    (keys, fed_keys, key_window), (values, fed_values, value_window) = _pair()
+    saved = kv_append.enter([key_window, value_window])
+    try:
+        key_window_, value_window_, length = kv_append.admitted_pair(
+            ("present_key", "present_value"), (fed_keys, fed_values), (np.ones((1, 2, 1, 3), np.float32),) * 2, 2)
+        keys[:, :, length], values[:, :, length] = 5, 6  # the caller writes the rows, then claims them
+        present_key, present_value = kv_append.claim_pair(key_window_, value_window_, length, length + 1)
+        assert key_window.result is present_key and value_window.result is present_value
+        np.testing.assert_array_equal(present_key, keys[:, :, :3])
+        np.testing.assert_array_equal(present_value, values[:, :, :3])
+        # (a reader of both grown windows reads the buffers where they lie, as after two claims)
+        assert all(a is b for a, b in zip(kv_append.contiguous_rows(present_key, present_value), (keys, values)))
+        assert kv_append.admitted_pair(("present_key", "present_value"), (fed_keys, fed_values),
+                                       (np.ones((1, 2, 1, 3), np.float32),) * 2, 2) is None  # once per run
+    finally:
+        kv_append.leave(saved)
 
 
 def test_another_threads_concat_does_not_see_this_runs_windows():

@@ -130,3 +130,42 @@ def test_a_bound_fused_product_leaves_other_residuals_to_the_checked_path(monkey
     assert np.abs(y - expected).max() <= _bound(a, w, 256) * 2
     (y,) = kernel(a, w, bias)
     assert np.abs(y - (a.astype(np.float64) @ w.astype(np.float64) + bias)).max() <= _bound(a, w, 256)
+
+
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+@pytest.mark.parametrize("depth,columns", [(64, 64), (256, 64)])
+def test_a_blas_sized_fused_product_keeps_its_constants_and_reads_each_calls_values(knobs, activation, depth, columns):
+    """A one-row FusedMatMul below the tiles' sizes (gpt2's out-projection and fc2) runs BLAS's product; once its
+    constant weights and bias were checked, later calls check only A and the residual: new A's and residuals (and
+    none), another bias array, a float64 residual and a writable weight matrix changed in place between calls all
+    give the float64 reference's values."""
+    knobs(threads=1)
+    rng = np.random.default_rng(depth + columns)
+    a = rng.standard_normal((1, 1, depth), dtype=np.float32)
+    w = _constant(rng.standard_normal((depth, columns), dtype=np.float32))
+    bias = _constant(rng.standard_normal(columns).astype(np.float32))
+    node = Node("FusedMatMul", ["a", "w", "bias", "r"], ["y"], domain=FUSED, attrs={"activation": activation},
+                opset=1)
+    kernel = linalg.fused_matmul(node, [a.shape, w.shape, bias.shape, (1, 1, columns)], 1)
+
+    def expected(a, w, bias, residual):
+        y = a.astype(np.float64) @ w.astype(np.float64) + bias
+        if activation == "gelu":
+            y = 0.5 * y * (1 + np.vectorize(__import__("math").erf)(y / np.sqrt(2)))
+        return y + (0 if residual is None else residual)
+
+    for call in range(8):
+        a = rng.standard_normal(a.shape, dtype=np.float32)
+        residual = None if call % 3 == 2 else rng.standard_normal((1, 1, columns), dtype=np.float32)
+        if call == 5:
+            residual = rng.standard_normal((1, 1, columns))  # float64: the checked path's
+        if call == 6:
+            bias = _constant(rng.standard_normal(columns).astype(np.float32))  # another constant bias
+        (y,) = kernel(a, w, bias, *([] if residual is None else [residual]))
+        assert y.shape == (1, 1, columns)
+        assert np.abs(y - expected(a, w, bias, residual)).max() <= 2 * _bound(a, w, depth), call
+    writable = rng.standard_normal((depth, columns), dtype=np.float32)
+    for _ in range(2):
+        (y,) = kernel(a, writable, bias)
+        assert np.abs(y - expected(a, writable, bias, None)).max() <= 2 * _bound(a, writable, depth)
+        writable *= -2  # changed in place: a kernel must not keep a writable operand

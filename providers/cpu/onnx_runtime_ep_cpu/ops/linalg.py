@@ -192,13 +192,11 @@ def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general, unnormal
     if gemv_host() and rows >= PACKED_ROWS and rows * depth * n >= least:  # the packed product's
         return None
     dtypes = BLAS_FLOATS if plain else {dtype for dtype, coefficients in series.items() if coefficients is not None}
-    from ..compiled import transformer as compiled
-
-    out_shape, bias_shape, add = a_shape[:-1] + (n,), (n,), compiled.add_bias_residual_
-    no_residual = {dtype: np.empty((0, 0), dtype) for dtype in BLAS_FLOATS}
+    out_shape, bias_shape = a_shape[:-1] + (n,), (n,)
     # np.dot: the same BLAS call as np.matmul on 2-D float32/float64 operands (the same bits) without the
-    # generalized ufunc's dispatch, which a short sequence's products pay on every call
-    product = np.dot if dtypes <= BLAS_FLOATS else np.matmul
+    # generalized ufunc's dispatch, which a short sequence's products pay on every call; its C function itself where
+    # numpy exposes it (NEP 18's ``_implementation``), without the array-function dispatch in front
+    product = getattr(np.dot, "_implementation", np.dot) if dtypes <= BLAS_FLOATS else np.matmul
     # A decode step's few rows by constant float32 weights of this size: few_rows.py's tiles, bias and residual in
     # their epilogue (as MatMul's and Gemm's; a step's out-projection streams its weights from the L3 cache, where
     # BLAS's call was 2.6x the tiles' at 256x256). Any thread count here: each call's takes_few reads the running one.
@@ -211,11 +209,18 @@ def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general, unnormal
     # Its bound call (PackedProduct.bound), as MatMul keeps one: (b, bias, whether it adds a residual, the call, the
     # thread count, the knobs' epoch, the normalization's scale), for constant b and bias.
     kept: tuple = (None, None, False, None, 0, -1, None)
+    # Where the shape takes BLAS's product (not the tiles, no normalization in front): the constant b and bias of the
+    # last call that did, and their dtype; a call with the same arrays then checks only A and the residual (every
+    # check below costs a decode step's small product about a third of its BLAS call again).
+    blas_kept: tuple = (None, None, None)
+    keeps_blas = norm is None and not few  # (the tiles' shapes keep their bound call instead)
+    blas = _blas_product(product, a_shape, n, plain, series)
 
     def kernel(a, b, bias, residual=None, scale=None, shift=None):
-        nonlocal packed, kept
+        nonlocal packed, kept, blas_kept
         a = a if a.flags.c_contiguous else _planned_copy(a, a_shape)  # (ConvNeXt's channels-last views)
-        y = _kept_fused_run(kept, a, b, bias, residual, a_shape, out_shape, scale) if few else None
+        y = _kept_fused_run(kept, a, b, bias, residual, a_shape, out_shape, scale) if few else \
+            _kept_blas(blas_kept, a, b, bias, residual, a_shape, out_shape, blas)
         if y is not None:
             return (y,)
         dtype = a.dtype
@@ -233,20 +238,54 @@ def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general, unnormal
             kept = _kept_fused(packed, a.reshape(rows, depth), b, bias, residual is not None, tiles_series, spec) \
                 or kept
             return (y,)
+        blas_kept = _constants(keeps_blas, b, bias, dtype, blas_kept)
+        return (blas(a, b, bias, residual, dtype),)
+
+    return kernel
+
+
+def _blas_product(product, a_shape: tuple, n: int, plain: bool, series: dict):
+    """``blas(a, b, bias, residual, dtype)``: a planned FusedMatMul's BLAS ``product`` of A's rows (A of ``a_shape``)
+    by its (K, ``n``) weights with the bias (and Gelu: not ``plain``, ``series`` per dtype) and the residual added in
+    place by the compiled epilogue, as A's shape."""
+    from ..compiled import transformer as compiled
+
+    rows, depth, out_shape = math.prod(a_shape[:-1]), a_shape[-1], a_shape[:-1] + (n,)
+    add, gelu = compiled.add_bias_residual_, compiled.gelu
+    no_residual = {dtype: np.empty((0, 0), dtype) for dtype in BLAS_FLOATS}
+
+    def blas(a, b, bias, residual, dtype):
         y = product(a.reshape(rows, depth), b)
         skip = no_residual[dtype] if residual is None else residual.reshape(rows, n)
         if plain:
             add(y, bias, skip)
-            return (y.reshape(out_shape),)
-        return (compiled.gelu(y, series[dtype], bias, None if residual is None else skip, out=y).reshape(out_shape),)
+            return y.reshape(out_shape)
+        return gelu(y, series[dtype], bias, None if residual is None else skip, out=y).reshape(out_shape)
 
-    return kernel
+    return blas
 
 
 def _planned_copy(a: np.ndarray, a_shape: tuple) -> np.ndarray:
     """A non-contiguous ``a`` of the planned shape as one C-contiguous copy, for the planned kernel (the general one
     costs more than the copy); others as they are."""
     return np.ascontiguousarray(a) if a.shape == a_shape else a
+
+
+def _kept_blas(kept: tuple, a, b, bias, residual, a_shape: tuple, out_shape: tuple, blas) -> np.ndarray | None:
+    """A planned FusedMatMul's ``blas(a, b, bias, residual, dtype)`` where this call's operands are those ``kept`` (b,
+    bias, their dtype: the same constant b and bias, A of the planned shape and their dtype, a residual of the
+    output's shape and dtype or none); else None (the checked path)."""
+    weights, kept_bias, dtype = kept  # one read: another thread may replace it
+    if b is weights and bias is kept_bias and a.shape == a_shape and a.dtype is dtype \
+            and (residual is None or (residual.shape == out_shape and residual.dtype is dtype)):
+        return blas(a, b, bias, residual, dtype)
+    return None
+
+
+def _constants(keeping: bool, b: np.ndarray, bias: np.ndarray, dtype, kept: tuple) -> tuple:
+    """(b, bias, dtype) as a FusedMatMul's kept BLAS operands where it keeps them and both are constants (read-only:
+    the same values on every run), else what it ``kept``."""
+    return (b, bias, dtype) if keeping and not (b.flags.writeable or bias.flags.writeable) else kept
 
 
 def _kept_fused(packed: PackedProduct, rows: np.ndarray, b: np.ndarray, bias: np.ndarray, adding: bool,

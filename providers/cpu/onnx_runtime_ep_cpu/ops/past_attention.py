@@ -59,15 +59,21 @@ class _PastAttention:
             self.shape_key = length_free_key
 
     def __call__(self, q, k, v, mask, past_key, past_value):
-        key_name, value_name = self.outputs
         # A decode step over the bound cache: the appends and the attention in one compiled call, which writes
-        # the rows kv_append admits and reads the cache where they landed.
-        keys = kv_append.admitted(key_name, (past_key, k), 2)
-        values = None if keys is None else kv_append.admitted(value_name, (past_value, v), 2)
-        if values is not None and keys[1] == values[1]:
-            found = self._appended(q, k, v, mask, keys, values)
-            if found is not None:
-                return found
+        # the rows kv_append admits and reads the cache where they landed (both caches asked for at once: a
+        # decode step's other work is a few microseconds, so each lookup shows).
+        found = kv_append.admitted_pair(self.outputs, (past_key, past_value), (k, v), 2)
+        if found is not None:
+            key_window, value_window, length = found
+            y = self.attention.append_over_rows(q, k, v, mask if self.has_mask else None, key_window.physical,
+                                                value_window.physical, length)
+            if y is not None:
+                present_key, present_value = kv_append.claim_pair(key_window, value_window, length,
+                                                                  length + k.shape[2])
+                if y is False:  # (the rows are in place; a row without a finite score goes the attention's own way)
+                    y = self._attend(q, present_key, present_value, mask)
+                return self._merged(y), present_key, present_value
+        key_name, value_name = self.outputs
         keys = kv_append.append_window(key_name, (past_key, k), 2)
         values = kv_append.append_window(value_name, (past_value, v), 2)
         present_key = np.concatenate((past_key, k), axis=2) if keys is None else keys.result
@@ -75,21 +81,6 @@ class _PastAttention:
         found = None if keys is None or values is None else \
             self.attention.few_over_rows(q, present_key, present_value, mask, keys.physical, values.physical)
         y = found[0] if found is not None else self._attend(q, present_key, present_value, mask)
-        return self._merged(y), present_key, present_value
-
-    def _appended(self, q, k, v, mask, keys: tuple, values: tuple) -> tuple | None:
-        """(Y, present_key, present_value) through the attention's append_over_rows into the ``keys`` and
-        ``values`` windows kv_append admitted at one length; None where it declines (nothing written)."""
-        (key_window, length), (value_window, _length) = keys, values
-        y = self.attention.append_over_rows(q, k, v, mask if self.has_mask else None, key_window.physical,
-                                            value_window.physical, length)
-        if y is None:
-            return None
-        grown = length + k.shape[2]
-        present_key = kv_append.claim(key_window, length, grown)[1]
-        present_value = kv_append.claim(value_window, length, grown)[1]
-        if y is False:  # (the rows are in place; a row without a finite score goes the attention's own way)
-            y = self._attend(q, present_key, present_value, mask)
         return self._merged(y), present_key, present_value
 
     def _attend(self, q, present_key, present_value, mask):
