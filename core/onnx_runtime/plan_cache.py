@@ -263,7 +263,7 @@ def plan_key(digest: str, config: dict[str, str], handles) -> str:
         "providers": [[handle.name, handle.source, _provider_version(handle), package_fingerprint(
             type(handle.provider).__module__)] for handle in handles],
         "runtime": package_fingerprint(__name__), "host": _host(),
-        "environment": sorted((k, v) for k, v in os.environ.items()
+        "environment": sorted((k, os.environ[k]) for k in os.environ  # (only the kept variables' values decoded)
                               if k.startswith("ONNX_RUNTIME_") and k not in _UNKEYED_VARIABLES),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()

@@ -289,6 +289,31 @@ def test_variables_that_change_no_plan_are_not_keyed(cache_dir, monkeypatch):
     assert key() != before
 
 
+def test_the_key_reads_only_the_runtimes_variables(monkeypatch):
+    """The key holds the ONNX_RUNTIME_* variables' values; the other variables' values are never read (each read of
+    os.environ decodes one, at every cached creation)."""
+    read: list[str] = []
+
+    class Watched(dict):
+        def __getitem__(self, name):
+            read.append(name)
+            return super().__getitem__(name)
+
+        def items(self):
+            return [(name, self[name]) for name in self]
+
+    class Fake:
+        name, source, provider = "CPUExecutionProvider", "entry point", object()
+
+    monkeypatch.setattr(plan_cache, "_provider_version", lambda handle: "1.0")
+    environment = {"HOME": "/somewhere", "ONNX_RUNTIME_CPU_SOME_KNOB": "3", plan_cache.ENV_LIMIT: "512"}
+    monkeypatch.setattr(os, "environ", Watched(environment))
+    first = plan_cache.plan_key("digest", {}, [Fake()])
+    assert read == ["ONNX_RUNTIME_CPU_SOME_KNOB"]
+    monkeypatch.setattr(os, "environ", Watched(environment, ONNX_RUNTIME_CPU_SOME_KNOB="4"))
+    assert plan_cache.plan_key("digest", {}, [Fake()]) != first
+
+
 def test_the_key_covers_the_provider_set_and_versions(monkeypatch):
     class Fake:
         def __init__(self, name, source="entry point"):
