@@ -9,9 +9,10 @@ onnx_runtime.batch.job.process_shard). A single process runs the shards in a loo
 CPUs, twice: in a fresh process (imports and session creation included, as a user runs it) and in this process,
 where one untimed shard per runtime and thread count has made the sessions and loaded the kernels first. The
 engines run with workers x threads = CPUs (onnx_runtime.batch.plan_workers). Ray and Dask clusters are started
-before the timed runs (a cluster outlives a job), Ray's with its worker processes started and the batch job's
-shared modules (pyarrow, onnx_runtime.batch.job) imported in them, so that neither runtime's first run pays for
-the other's; each runtime's own imports and session creation are inside the time. Their worker
+before the timed runs (a cluster outlives a job), Ray's with its worker processes started, the batch job's
+shared modules (pyarrow, onnx_runtime.batch.job) imported in them and the job's runtime-independent work done
+once (two shards read, a part written: pyarrow's first use in a process), so that neither runtime's first run pays
+for the other's; each runtime's own imports and session creation are inside the time. Their worker
 processes outlive a job too (the Ray engine runs tasks on Ray's worker pool), so the first round's engine runs
 create the workers' sessions and later rounds find them made: each engine's ratio to the same round's best warm
 single process is printed per round as well as the medians. Default model: the zoo's resnet.dynamo.fp32
@@ -142,25 +143,40 @@ def engine_run(engine, model, data, out, shard_rows, workers, threads, runtime, 
     return summary.processed_rows / wall, summary.steady_rows_per_second, driver + summary.worker_cpu_seconds
 
 
-def _shared_imports() -> tuple[int, float]:
+def _shared_imports(data: str | None = None, shard_rows: int = 0) -> tuple[int, float]:
     """A Ray worker's start, as a cluster that ran an earlier job has it: Ray and the batch job's own modules
-    (the engine's, which either runtime's shards import) loaded; neither onnxruntime nor numba and the CPU
-    provider."""
+    (the engine's, which either runtime's shards import) loaded, and the job's runtime-independent work done once
+    (two shards of ``data`` read and a part file written, to a folder removed after): a fresh worker's first
+    reads cost several times its later ones (pyarrow's first use in the process), which the runtime whose job
+    runs first on fresh workers would pay alone. Neither onnxruntime nor numba and the CPU provider loaded."""
     import pyarrow.parquet  # noqa: F401
     from onnx_runtime.batch import job
 
+    if data is not None:
+        from onnx_runtime.batch.sources import open_source
+
+        source = open_source(data)
+        scratch = tempfile.mkdtemp(prefix="batch_bench_warm_")
+        try:
+            for shard in source.shards(shard_rows)[:2]:
+                columns, ids, _ = source.read(shard, None)
+                job.write_part(scratch, shard.index, ids, {"y": np.zeros((len(ids), 8), np.float32)}, {}, [])
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     job.count_from_here()  # (the workers' CPU counts from here: the cluster's start is not the job's)
     before = time.process_time()  # (Ray's import, the setup hook's where it has one)
     time.sleep(0.5)  # (held, so that each worker of the pool takes one)
     return os.getpid(), before
 
 
-def ray_pool_ready(ray, workers: int, threads: int) -> tuple[int, float]:
+def ray_pool_ready(ray, workers: int, threads: int, data: str | None = None,
+                   shard_rows: int = 0) -> tuple[int, float]:
     """Start the cluster's worker processes before the timed runs: the first engine run would otherwise pay their
-    start (Ray's own import) and the other runtime's first run find them started. Returns how many and their CPU
-    until then."""
+    start (Ray's own import) and the other runtime's first run find them started. With ``data``, each worker also
+    does the job's runtime-independent work once (see _shared_imports). Returns how many and their CPU until
+    then."""
     task = ray.remote(_shared_imports).options(num_cpus=threads)
-    started = dict(ray.get([task.remote() for _ in range(workers)]))
+    started = dict(ray.get([task.remote(data, shard_rows) for _ in range(workers)]))
     return len(started), sum(started.values())
 
 
@@ -171,7 +187,7 @@ def run_config(engine, args, data, out, workers, threads, runtime, addresses) ->
 
         # (untimed) the workers' CPU counts from here: an idle Ray worker spends ~1% of a CPU, which the rounds'
         # other configurations before this run would add to a first job's start-up
-        ray_pool_ready(ray, workers, threads)
+        ray_pool_ready(ray, workers, threads, data, args.shard_rows)
     if engine is None:
         return single_process(args.model, data, out, args.shard_rows, threads, runtime, args.batch_size)
     if engine == "fresh":
@@ -218,7 +234,7 @@ def main(argv=None) -> int:
 
             ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False,
                      runtime_env=ray_runtime_env() if args.ray_setup_hook else None)
-            up, setup_cpu = ray_pool_ready(ray, workers, threads)
+            up, setup_cpu = ray_pool_ready(ray, workers, threads, data, args.shard_rows)
             print(f"ray.init: {time.perf_counter() - start:.1f} s, its {up} workers up after "
                   f"{time.perf_counter() - start:.1f} s (not in the timed runs); their CPU before the job "
                   f"{setup_cpu:.2f} s{' (with the setup hook)' if args.ray_setup_hook else ''}", flush=True)
