@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime.errors import InvalidArgumentError
 from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu import attention_heads, past_attention, provider
+from onnx_runtime_ep_cpu.compiled import deferred
 from onnx_runtime_ep_cpu.fused_domain import FUSED_DOMAIN
 from onnx_runtime_ep_cpu.registry import lookup
 from reference64 import assert_within, gamma, run_float64
@@ -244,6 +245,7 @@ def test_a_bound_decode_step_appends_and_attends_in_one_compiled_call(heads, kv_
     gets its rows written and takes the attention's general path, which gives such a row zeros."""
     monkeypatch.setenv("ONNX_RUNTIME_COMPILE_IN_BACKGROUND", "0")  # (the compiled loops from the first call)
     from onnx_runtime import kv_append
+    from onnx_runtime_ep_cpu.algorithms.bound_loop import EntryOnce
     from onnx_runtime_ep_cpu.compiled import decoder
 
     size, capacity, past = 8, 12, 7
@@ -262,7 +264,8 @@ def test_a_bound_decode_step_appends_and_attends_in_one_compiled_call(heads, kv_
     kernel = lookup("PastAttention", FUSED_DOMAIN, 1)(node, shapes, 23)
     calls = []
     compiled = decoder.append_attention_float32
-    monkeypatch.setattr(kernel.attention, "_append", lambda *a: calls.append(a[5]) or compiled(*a))
+    # (the attention's loop, counted: a plain function, so its EntryOnce calls it rather than an entry point)
+    monkeypatch.setattr(kernel.attention, "_append", EntryOnce(lambda *a: calls.append(a[5]) or compiled(*a)))
     fed_keys, fed_values = keys[:, :, :past], values[:, :, :past]
     windows = [kv_append.Window(fed_keys, keys, 2, "present_k"), kv_append.Window(fed_values, values, 2, "present_v")]
     with kv_append.appending(windows):
@@ -287,3 +290,47 @@ def test_a_bound_decode_step_appends_and_attends_in_one_compiled_call(heads, kv_
     reach = float(np.abs(v64).max())
     assert_within(y, exact, gamma(size + past + 8) * 40 * reach * (1 + float(np.abs(scores[np.isfinite(scores)])
                                                                                 .max(initial=0.0))), "y")
+
+
+def test_decode_steps_keep_one_bound_entry_point_for_strided_and_contiguous_keys(monkeypatch):
+    """The decode step's compiled call is bound to its entry point at the first step and every later step passes
+    the types it was bound for: K and V that arrive as strided views of one projection (a ProjectionGroup's columns)
+    or as contiguous arrays, step after step over the growing cache, give the float64 reference's Y and rows."""
+    monkeypatch.setenv("ONNX_RUNTIME_COMPILE_IN_BACKGROUND", "0")
+    from onnx_runtime import kv_append
+    from onnx_runtime_ep_cpu.compiled import decoder
+
+    heads, size, capacity, past = 4, 8, 12, 5
+    node = Node("PastAttention", ["q", "k", "v", "mask", "pk", "pv"], ["y", "present_k", "present_v"], name="layer0",
+                domain=FUSED_DOMAIN, attrs={"scale": 0.5, "merge_shape": [1, 1, heads * size]}, opset=23)
+    shapes = [(1, heads, 1, size)] * 3 + [(1, 1, 1, past + 1), (1, heads, past, size), (1, heads, past, size)]
+    kernel = lookup("PastAttention", FUSED_DOMAIN, 1)(node, shapes, 23)
+    rng = np.random.default_rng(5)
+    keys, values = (np.zeros((1, heads, capacity, size), np.float32) for _ in range(2))
+    keys[:, :, :past], values[:, :, :past] = (rng.standard_normal((1, heads, past, size)) for _ in range(2))
+    for step in range(4):
+        length = past + step
+        q = rng.standard_normal((1, heads, 1, size)).astype(np.float32)
+        packed = rng.standard_normal((1, 1, 3 * heads * size)).astype(np.float32)  # (q | k | v) of one product
+        k, v = (packed[..., i * heads * size:(i + 1) * heads * size].reshape(1, 1, heads, size).transpose(0, 2, 1, 3)
+                for i in (1, 2))
+        if step % 2:
+            k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+        mask = np.zeros((1, 1, 1, length + 1), np.float32)
+        fed_keys, fed_values = keys[:, :, :length], values[:, :, :length]
+        windows = [kv_append.Window(fed_keys, keys, 2, "present_k"),
+                   kv_append.Window(fed_values, values, 2, "present_v")]
+        with kv_append.appending(windows):
+            y, present_k, present_v = kernel(q, k, v, mask, fed_keys, fed_values)
+        assert present_k is windows[0].result and np.shares_memory(present_v, values)
+        np.testing.assert_array_equal(keys[:, :, length], k[:, :, 0])
+        np.testing.assert_array_equal(values[:, :, length], v[:, :, 0])
+        k64, v64 = keys[:, :, :length + 1].astype(np.float64), values[:, :, :length + 1].astype(np.float64)
+        scores = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k64) * 0.5
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        exact = np.einsum("bhqk,bhkd->bhqd", weights / weights.sum(-1, keepdims=True), v64)
+        exact = exact.transpose(0, 2, 1, 3).reshape(1, 1, heads * size)
+        reach = float(np.abs(v64).max()) * (1 + float(np.abs(scores).max()))
+        assert_within(y, exact, gamma(size + length + 8) * 40 * reach, f"y at step {step}")
+    if isinstance(decoder.append_attention_float32, deferred.Loop) and decoder.append_attention_float32.switched:
+        assert kernel.attention._append.entry is not None  # noqa: SLF001 (bound once, at the first step)

@@ -19,6 +19,7 @@ from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidGraphError
 
 from ..algorithms.attention_keys import length_free_key as _length_free_key
+from ..algorithms.bound_loop import EntryOnce
 from ..algorithms.precision import FLOAT32, compute_dtype
 from ..algorithms.products import gemv_host
 from ..algorithms.tiled_attention import TiledLayout, few_by_head, few_in_place, few_macs, lanes_take, rows_readable
@@ -214,7 +215,9 @@ class _Attention:
         self._few_keys = limit // per_key if per_key else math.inf  # the most keys it takes (checked per call)
         if self.compiled is not None and (self.shape_key is not None or geo.total_len <= self._few_keys):
             self.few = _compiled_decoder().few_query_attention_prefix_float32
-            self._append = _compiled_decoder().append_attention_float32
+            # (its entry point bound at the first call: a decode step's call keeps its argument types, see
+            # append_over_rows, and numba's typing of its nine arguments cost a fifth of the call)
+            self._append = EntryOnce(_compiled_decoder().append_attention_float32)
             self._outputs, self._few_scale = len(node.outputs), np.float32(self.scale)
             self._few_bias = np.empty((0, 0, 0, 0), np.float32) if self.frontier is None else self.frontier[None, None]
             self._few_masks: dict[tuple, tuple | None] = {}  # per mask shape: its (B', H', M', T) view, or None
@@ -332,7 +335,10 @@ class _Attention:
             return None
         geo = self.geo
         y = np.empty((q.shape[0], geo.q_heads, geo.q_len, geo.v_head_size), np.float32)
-        if not self._append(np.ascontiguousarray(q), k, v, key_rows, value_rows, length, self._few_scale, bias, y):
+        # (Q, K and V as C-contiguous arrays, the buffers checked so, the bias few_mask's: every call passes the
+        # argument types the entry point was bound for)
+        if not self._append.run((np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), key_rows,
+                                 value_rows, length, self._few_scale, bias, y)):
             return False
         return y
 
