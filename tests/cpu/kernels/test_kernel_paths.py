@@ -585,6 +585,33 @@ def test_a_planned_layer_norm_takes_its_loop_on_a_channels_last_view(monkeypatch
     np.testing.assert_array_equal(x, planes.transpose(0, 2, 3, 1))  # the input is left as it was
 
 
+@pytest.mark.parametrize("dtype,stash", [(np.float32, 1), (np.float64, 11)])
+def test_a_planned_layer_norm_binds_its_loop_for_constant_parameters_only(dtype, stash):
+    # A decode step's LayerNormalization (gpt2's last, one row) calls its loop through the entry point bound for
+    # its constant scale and bias; another scale or bias (a writable array changed between calls, none), a
+    # strided input and new inputs each call still give the float64 reference's values.
+    from onnx_runtime_ep_cpu.algorithms.bound_loop import EntryOnce
+    from onnx_runtime_ep_cpu.compiled import deferred, transformer
+
+    scale, bias = constant(rand(64, dtype=dtype)), constant(rand(64, dtype=dtype))
+    run = kernel("LayerNormalization", {"epsilon": 1e-5, "stash_type": stash}, [(1, 1, 64), scale.shape, bias.shape])
+    writable = rand(64, dtype=dtype)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for call in range(7):
+        x = (rand(1, 1, 64) * 3 + 1).astype(dtype)
+        if call == 3:
+            x = (rand(1, 64, 1) * 3 + 1).astype(dtype).transpose(0, 2, 1)[:, :, ::-1]
+        params = (writable, None) if call in (4, 5) else (scale, bias)
+        got = run(x, *params)[0]
+        want = layer_norm_reference(x, params[0], params[1], -1, 1e-5)[0]
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
+        writable *= -1.5  # (changed in place: a writable scale is never taken as the bound one)
+    loop = transformer.layer_norm_rows
+    if isinstance(loop, deferred.Loop) and loop.switched:
+        bound = [cell.cell_contents for cell in run.__closure__ or () if isinstance(cell.cell_contents, EntryOnce)]
+        assert bound and bound[0].entry is not None
+
+
 @pytest.mark.parametrize("shape,axis", [((2, 3, 7), -1), ((2, 3, 7), 1), ((4, 5), 0), ((3, 1), -1), ((6,), 0),
                                         ((2, 3, 2, 9), 2)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])

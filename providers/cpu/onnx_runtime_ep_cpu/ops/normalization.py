@@ -10,6 +10,7 @@ import numpy as np
 from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError
 
+from ..algorithms.bound_loop import EntryOnce
 from ..algorithms.normalization import (
     affine_normalize,
     affine_params,
@@ -227,6 +228,10 @@ def _layer_norm_for_shape(node, shapes, axis: int, epsilon: float, stash, genera
     # as its arithmetic. Made at the first call whose input has the planned shape, not here: a declared shape
     # can be far larger than any feed (the budget sees feeds and outputs, not what a kernel's build sizes).
     scratch: list[np.ndarray] = []
+    # Y alone, flat parameters: the loop's entry point, bound at the first call of constant scale and bias (the same
+    # read-only arrays every run) and called while they are those (every other argument made here, C-contiguous):
+    # numba's typing of its seven arguments cost a decode step's normalization a third of its call.
+    bind, constants = EntryOnce(loop), [None, None]
 
     def kernel(x, scale, bias=None):
         if x.shape != x_shape or x.dtype is not dtype or scale.dtype is not dtype or scale.shape != params \
@@ -240,7 +245,14 @@ def _layer_norm_for_shape(node, shapes, axis: int, epsilon: float, stash, genera
         if outputs == 1:
             if not scratch:
                 scratch.append(np.empty(rows, dtype))
-            loop(x.reshape(rows, cols), scale, no_bias if bias is None else bias, epsilon, y, scratch[0], scratch[0])
+            arguments = (x.reshape(rows, cols), scale, no_bias if bias is None else bias, epsilon, y, scratch[0],
+                         scratch[0])
+            if scale is constants[0] and bias is constants[1]:
+                bind.run(arguments)
+            else:
+                loop(*arguments)
+                if flat and _constant(scale) and (bias is None or _constant(bias)):
+                    constants[:] = [scale, bias]
             return (y.reshape(x_shape),)
         mean, inv_std = np.empty(stats_shape, dtype), np.empty(stats_shape, dtype)
         loop(x.reshape(rows, cols), scale, no_bias if bias is None else bias, epsilon, y, mean.reshape(rows),
@@ -248,6 +260,11 @@ def _layer_norm_for_shape(node, shapes, axis: int, epsilon: float, stash, genera
         return (y.reshape(x_shape), mean, inv_std)[:outputs]
 
     return kernel
+
+
+def _constant(param: np.ndarray) -> bool:
+    """Whether ``param`` is a C-contiguous read-only array (an initializer: the same values on every run)."""
+    return param.flags.c_contiguous and not param.flags.writeable
 
 
 def _group_norm_kernel(node, per_group_params: bool, stash: np.dtype | None):
