@@ -317,6 +317,22 @@ def _bind_hard_swish(node, kernel, inputs, outputs, constant):
     return hard_swish_steps(x, y)
 
 
+# The layout changes between channels-first and channels-last maps (ConvNeXt's around its convolutions, both
+# exporters): numpy's copy through their view beat the kernel's call and copy. Others (ShuffleNet's 5-D channel
+# shuffle) keep their kernel: the view's copy measured slower there.
+_LAYOUT_PERMS = frozenset({(0, 2, 3, 1), (0, 3, 1, 2)})
+
+
+def _bind_transpose(node, kernel, inputs, outputs, constant):
+    """A 4-D map's layout change (_LAYOUT_PERMS) as the input's buffer copied through its permuted view (made once)
+    into the output's, without the kernel's call, its view and the copy of its result per run."""
+    x, y = inputs[0], outputs[0]
+    perm = tuple(int(p) for p in node.attr("perm", ()))
+    if perm not in _LAYOUT_PERMS or x.ndim != 4 or x.dtype != y.dtype or x.transpose(perm).shape != y.shape:
+        return None
+    return [(np.copyto, (y, x.transpose(perm)))]
+
+
 def _binary(ufunc):
     def bind(node, kernel, inputs, outputs, constant):
         a, b, y = inputs[0], inputs[1], outputs[0]
@@ -457,5 +473,5 @@ BINDERS = {
     "GlobalAveragePool": _bind_global_average_pool, "Gemm": _bind_gemm, "Swish": _bind_swish,
     "Sigmoid": _bind_sigmoid, "Concat": _bind_concat, "Sub": _binary(np.subtract),
     "QuantizeDequantize": _bind_own,  # ops/quantization.py
-    "RoundToHalf": _bind_round_to_half,
+    "RoundToHalf": _bind_round_to_half, "Transpose": _bind_transpose,
 }
