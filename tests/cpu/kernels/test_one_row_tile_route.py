@@ -169,3 +169,21 @@ def test_a_blas_sized_fused_product_keeps_its_constants_and_reads_each_calls_val
         (y,) = kernel(a, writable, bias)
         assert np.abs(y - expected(a, writable, bias, None)).max() <= 2 * _bound(a, writable, depth)
         writable *= -2  # changed in place: a kernel must not keep a writable operand
+
+
+@pytest.mark.parametrize("a_shape,columns", [((1, 1, 64), 1000), ((1, 64), 64), ((1, 3, 256), 64), ((2, 1, 64), 64)])
+def test_a_blas_matmul_of_one_matrix_is_one_dot_of_it(monkeypatch, knobs, a_shape, columns):
+    """A MatMul below the tiles' sizes (gpt2's lm head at a decode step) whose A holds one matrix multiplies it by
+    np.dot's C function, bit for bit np.matmul's product, without calling np.matmul; A of several matrices (a batch)
+    keeps np.matmul."""
+    knobs(threads=1)
+    real, calls = np.matmul, []
+    monkeypatch.setattr(np, "matmul", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    rng = np.random.default_rng(columns)
+    w = _constant(rng.standard_normal((a_shape[-1], columns), dtype=np.float32))
+    kernel = linalg.matmul(Node("MatMul", ["a", "w"], ["y"], opset=13), [a_shape, w.shape], 13)
+    for _ in range(3):  # the first call, then the node's kept product
+        a = rng.standard_normal(a_shape, dtype=np.float32)
+        (y,) = kernel(a, w)
+        np.testing.assert_array_equal(y, real(a, w))
+    assert bool(calls) == (a_shape[0] > 1)

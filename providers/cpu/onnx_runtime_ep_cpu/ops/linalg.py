@@ -56,7 +56,7 @@ def matmul(node, shapes, opset):
                         packed = PackedProduct()
                     split = packed
                 else:
-                    split = few_rows_split(a, b, False) or np.matmul  # (None: BLAS's)
+                    split = few_rows_split(a, b, False) or _one_product(a.shape, b.shape)  # (None: BLAS's)
             elif PackedProduct.applies(a, b):
                 if packed is None:
                     packed = PackedProduct()
@@ -72,6 +72,21 @@ def matmul(node, shapes, opset):
         return (np.asarray(blas_matmul(a, b)).astype(a.dtype, copy=False),)
 
     return kernel if gemv_host() else _blas_products(kernel)
+
+
+def _one_product(a_shape: tuple, b_shape: tuple):
+    """np.matmul for A of ``a_shape`` by a matrix of ``b_shape``. Where A's leading axes hold one matrix (a decode
+    step's (1, 1, K)) of b's depth, np.dot's C function on that matrix: the same BLAS call (the same bits) without the
+    generalized ufunc's and the array-function dispatch, which cost a one-row product of a small matrix about as much
+    as BLAS's call. Otherwise np.matmul itself (and its error for a depth that does not match)."""
+    if len(a_shape) < 2 or math.prod(a_shape[:-2]) != 1 or a_shape[-1] != b_shape[0]:
+        return np.matmul
+    matrix, out_shape, dot = a_shape[-2:], a_shape[:-1] + (b_shape[1],), getattr(np.dot, "_implementation", np.dot)
+
+    def product(a, b):
+        return dot(a.reshape(matrix), b).reshape(out_shape)
+
+    return product
 
 
 def _blas_products(general):
