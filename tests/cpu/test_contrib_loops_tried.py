@@ -67,7 +67,7 @@ def _rotary():
 def _packed_loop_owner():
     from onnx_runtime_ep_cpu.compiled import packed_attention
 
-    return packed_attention, "packed_in_lanes_" if contrib_transformer.tiled_attention.few_rows_loops()[0] \
+    return packed_attention, "product_in_lanes_" if contrib_transformer.tiled_attention.few_rows_loops()[0] \
         is not None else "packed_self_attention_"
 
 

@@ -3,7 +3,9 @@ place, then per (batch, head, query row) the scores against the keys, the key-pa
 weighted sum of the values, each read where the packed product holds it (B, S, 3, N, D). Run as separate
 projections, a mask step and an attention step, a BERT-sized layer spent most of its time between kernels.
 Where attention_lanes.py's 16-lane loop takes the sequence, packed_in_lanes_ instead writes the contiguous
-Q, K, V and key bias that loop reads, in the one pass the bias add would take, and calls it."""
+Q, K, V and key bias that loop reads, in the one pass the bias add would take, and calls it; product_in_lanes_
+takes the node's input itself, computes the packed product with matmul.py's tiles and runs that loop over its
+parts in place, so a short sequence's node is one compiled call."""
 
 from __future__ import annotations
 
@@ -11,7 +13,11 @@ import numpy as np
 
 from . import jit
 from .attention_lanes import few_rows_in_lanes
+from .attention_lanes import scratch_size as lanes_scratch_size
 from .decoder import row_dot
+from .few_rows import PANEL_ROWS, few_row_panels
+from .matmul import matmul_panels
+from .matmul import scratch_size as product_scratch_size
 from .transformer import contracting_jit, exp_shifted_sum_, row_max
 
 
@@ -125,3 +131,43 @@ def _biased_rows(source, part, add, target):
         row, out = source[r, part], target[r]
         for j in range(out.shape[0]):
             out[j] = row[j] + add[j]
+
+
+
+def product_work(batch: int, steps: int, depth: int, hidden: int, size: int) -> int:
+    """Floats product_in_lanes_'s ``work`` holds: the packed product (B * S, 3 * hidden), the key bias, then the
+    scratch of the product's tiles or of the 16-lane loop (used one after the other)."""
+    return (3 * hidden + 1) * batch * steps + max(product_scratch_size(depth), lanes_scratch_size(size, steps))
+
+
+@jit
+def product_in_lanes_(x, heads, packed, offsets, padded_bias, flags, counts, mask, fill, scale, y, work):
+    """packed_in_lanes_'s y (B, S, hidden) from the node's input x (B, S, K) itself, both C-contiguous: the packed
+    product x @ W (+ b) by matmul.py's tiles (few_rows.py's up to PANEL_ROWS rows: the same bits) over W packed by
+    matmul.pack_columns (``flags``: gemm.BIAS to add ``padded_bias``, matmul.pad_bias's, else 0; ``offsets``:
+    gemm.packed_offsets(K)) into ``work`` (product_work's floats), then few_rows_in_lanes reading Q, K and V there
+    as views, with the key bias of ``counts`` or ``mask`` as packed_in_lanes_. One call instead of BLAS's product,
+    a copy of the three parts and the loop's call. False as few_rows_in_lanes."""
+    batch, steps, depth = x.shape
+    hidden = y.shape[2]
+    size = hidden // heads
+    rows = batch * steps
+    part = rows * hidden
+    scratch = work[3 * part + rows:]
+    none = np.empty(0, np.float32)
+    product = work[:3 * part]
+    if rows <= PANEL_ROWS:
+        few_row_panels(x.reshape(-1), depth, rows, depth, packed, offsets, padded_bias, product, 3 * hidden, none,
+                       flags, none, 0, packed.shape[0], scratch)
+    else:
+        matmul_panels(x.reshape(-1), depth, rows, depth, packed, offsets, padded_bias, product, 3 * hidden, none,
+                      flags, none, 0, packed.shape[0], scratch)
+    qkv = product.reshape(batch, steps, 3, heads, size)
+    key_bias = mask
+    if counts.size:
+        key_bias = work[3 * part:3 * part + rows].reshape(batch, 1, 1, steps)
+        for b in range(batch):
+            for t in range(steps):
+                key_bias[b, 0, 0, t] = fill if t >= counts[b] else np.float32(0)
+    return few_rows_in_lanes(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], scale, key_bias,
+                             y.reshape(batch, steps, heads, size), scratch)

@@ -27,6 +27,7 @@ from ..algorithms.contrib_attention import (
 )
 from ..algorithms.kept_call import KeptCall
 from ..algorithms.precision import compute_dtype
+from ..algorithms.product_attention import ProductAttention
 from ..compiled.deferred import numpy_first, tried
 from ..contrib_lowering import PACKED_LOOP_MACS, packed_macs_factor
 from ..fused_domain import FUSED_DOMAIN
@@ -237,18 +238,19 @@ class _PackedAttention:
         self.causal = bool(node.attr("unidirectional", 0))
         self.macs_factor = packed_macs_factor(self.causal)  # (times the few_query_macs knob: longer goes long)
         # compiled loops, imported at the first compiled call
-        self.loop = self.lanes = None
+        self.loop = self.lanes = self.product = None
         self.work: dict[tuple, int] = {}  # per (B, S, head size): the floats the 16-lane path's scratch holds
         self.tried = False  # a compiled call after deferral ran whole (deferred.tried)
         self.longer: dict[tuple, object] = {}  # per (B, S, hidden): the ONNX Attention kernel of longer sequences
         self.scales: dict[int, np.float32] = {}  # per head size (the attributes read once)
         self.seen: tuple = (None, None, None)  # (weights, bias, _packed_weights' answer) of the last call
-        self.kept = KeptCall()  # the last compiled call with a count or no mask, once one ran after deferral
+        self.kept = KeptCall()  # run(x, mask_index): the last compiled call with a count or no mask, once one ran
+        # after deferral
 
     def __call__(self, x, weights, bias=None, mask_index=None):
         kept = self.kept.match((weights, bias), (x, mask_index))
-        if kept is not None:  # a repeat of the last call: its product and loop straight away
-            y = self.repeat(x, weights, mask_index, *kept)
+        if kept is not None:  # a repeat of the last call: its compiled call straight away
+            y = kept(x, mask_index)
             if y is not None:
                 return (y,)
         seen = self.seen  # the weights and bias of the last call (initializers: the same arrays every run)
@@ -262,9 +264,15 @@ class _PackedAttention:
         if masks is None:  # (the contrib kernel words the error)
             return self.general(x, weights, bias, mask_index)
         counts, mask = masks
-        qkv = np.matmul(np.ascontiguousarray(x).reshape(batch * steps, depth), weights)
         factor = self.macs_factor if steps >= tiled_attention.LANES_ROWS else PACKED_LOOP_MACS
-        if self.heads * steps * steps * size > factor * KNOBS.few_query_macs:
+        short = self.heads * steps * steps * size <= factor * KNOBS.few_query_macs
+        if short and self.takes_product(x, weights, bias, steps):  # (the product and the 16-lane loop in one call)
+            keep = (self.kept, mask_index) if self.tried and mask is _NO_MASK else None
+            y = self.product(x, weights, bias, counts, mask, self.scale(size), keep) if self.tried else \
+                tried(self, "tried", self.product, x, weights, bias, counts, mask, self.scale(size))
+            return self.general(x, weights, bias, mask_index) if y is None else (y,)
+        qkv = np.matmul(np.ascontiguousarray(x).reshape(batch * steps, depth), weights)
+        if not short:
             if bias is not None:
                 qkv += bias
             if counts.size:
@@ -276,6 +284,24 @@ class _PackedAttention:
             y = self.attend(qkv, add, counts, mask, batch, steps, size) if self.tried else \
                 tried(self, "tried", self.attend, qkv, add, counts, mask, batch, steps, size)
         return self.general(x, weights, bias, mask_index) if y is None else (y,)
+
+    def takes_product(self, x, weights, bias, steps: int) -> bool:
+        """Whether a short sequence's call runs algorithms/product_attention.py's one call: the 16-lane loop taking
+        the sequence (AVX-512, no causal frontier) and ProductAttention.takes."""
+        if self.loop is None:
+            self.import_loops()
+        return self.product is not None and steps >= tiled_attention.LANES_ROWS and self.product.takes(x, weights,
+                                                                                                      bias)
+
+    def import_loops(self) -> None:
+        from ..compiled import packed_attention
+
+        self.loop = packed_attention.packed_self_attention_
+        loops = tiled_attention.FEW_ROWS if tiled_attention.FEW_ROWS[1] is not None else \
+            tiled_attention.few_rows_loops()
+        if loops[0] is not None and not self.causal:  # (None off AVX-512)
+            self.lanes = packed_attention.packed_in_lanes_
+            self.product = ProductAttention(self.heads, self.fill)
 
     def prepare(self, weights, bias) -> tuple | None:
         """_packed_weights' answer, remembered for these arrays."""
@@ -290,13 +316,7 @@ class _PackedAttention:
         the node's ``inputs``, a call that ran whole is kept for ``repeat``."""
         heads = self.heads
         if self.loop is None:
-            from ..compiled import packed_attention
-
-            self.loop = packed_attention.packed_self_attention_
-            loops = tiled_attention.FEW_ROWS if tiled_attention.FEW_ROWS[1] is not None else \
-                tiled_attention.few_rows_loops()
-            if loops[0] is not None and not self.causal:  # (None off AVX-512)
-                self.lanes = packed_attention.packed_in_lanes_
+            self.import_loops()
         packed = qkv.reshape(batch, steps, 3, heads, size)
         y = np.empty((batch, steps, heads * size), np.float32)
         if self.lanes is not None and steps >= tiled_attention.LANES_ROWS:
@@ -317,7 +337,8 @@ class _PackedAttention:
             x, weights, bias, mask_index = inputs
             repeat = (loop, work, (batch * steps, x.shape[2]), packed.shape, add, arguments[4:6], y.shape,
                       (batch, steps, heads, size))
-            self.kept.keep((weights, bias), (x, mask_index), repeat)
+            self.kept.keep((weights, bias), (x, mask_index),
+                           lambda x, mask_index: self.repeat(x, weights, mask_index, *repeat))
         return y
 
     def repeat(self, x, weights, mask_index, loop, work: int, rows: tuple, packed: tuple, add, between: tuple,
