@@ -348,16 +348,60 @@ def scratch_size(head_size: int, keys: int) -> int:
     return head_size * padded + ROWS * padded + ROWS * head_size + keys
 
 
+def _transposed(builder, rows):
+    """The 16 x 16 block ``rows`` (16 vectors) transposed, in four perfect-shuffle steps: rows i and i + 8
+    interleaved into rows 2i and 2i + 1 rotates each element's (row, lane) bits left by one, so four steps
+    swap them (64 two-vector shuffles, where a scalar copy moves each element alone)."""
+    low = ir.Constant(llvm.LANE_INDEX, [j // 2 + (LANES if j % 2 else 0) for j in range(LANES)])
+    high = ir.Constant(llvm.LANE_INDEX, [LANES // 2 + j // 2 + (LANES if j % 2 else 0) for j in range(LANES)])
+    for _ in range(4):
+        half = LANES // 2
+        shuffled = []
+        for i in range(half):
+            shuffled += [builder.shuffle_vector(rows[i], rows[i + half], low),
+                         builder.shuffle_vector(rows[i], rows[i + half], high)]
+        rows = shuffled
+    return rows
+
+
+@intrinsic
+def _pack_block(typingctx, k, first, key_step, keys, components, packed, at, padded):
+    """packed[(at + j * padded) + i] = k[first + i * key_step + j] for i < 16 and j < components (at most 16):
+    a block of 16 keys' first ``components`` components transposed, keys from ``keys`` on (fewer than 16 left)
+    as zeros; rows of packed from ``components`` on are not written."""
+    signature = types.void(k, first, key_step, keys, components, packed, at, padded)
+
+    def codegen(context, builder, sig, args):
+        k_ptr, packed_ptr = _pointer(context, builder, sig, args, 0), _pointer(context, builder, sig, args, 5)
+        first, key_step, keys, components, at, padded = args[1], args[2], args[3], args[4], args[6], args[7]
+        masked_load, masked_store = llvm.masked_load(builder.module), llvm.masked_store(builder.module)
+        columns = _lanes_below(builder, components)
+        nothing = ir.Constant(ir.VectorType(ir.IntType(1), LANES), [0] * LANES)
+        rows = []
+        for i in range(LANES):
+            present = builder.icmp_signed(">", keys, ir.Constant(llvm.I64, i))
+            offset = builder.add(first, builder.mul(key_step, ir.Constant(llvm.I64, i)))
+            rows.append(builder.call(masked_load, [_vector_at(builder, k_ptr, offset), llvm.ALIGN,
+                                                   builder.select(present, columns, nothing), llvm.ZEROS]))
+        everything = ir.Constant(ir.VectorType(ir.IntType(1), LANES), [1] * LANES)
+        for j, row in enumerate(_transposed(builder, rows)):
+            wanted = builder.icmp_signed(">", components, ir.Constant(llvm.I64, j))
+            target = _vector_at(builder, packed_ptr, builder.add(at, builder.mul(padded, ir.Constant(llvm.I64, j))))
+            builder.call(masked_store, [row, target, llvm.ALIGN, builder.select(wanted, everything, nothing)])
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
 @jit
 def _pack_keys(k, first, key_step, keys, size, packed, padded):
     """K^T of one KV head, key t's components at k[first + t * key_step:][:size] (flat k), into rows of ``padded``
-    keys (packed[d * padded + t]), zeros after the keys."""
-    for t in range(keys):
-        at = first + t * key_step
-        for d in range(size):
-            packed[d * padded + t] = k[at + d]
-    for d in range(size):
-        packed[d * padded + keys: (d + 1) * padded] = 0
+    keys (packed[d * padded + t]), zeros after the keys: blocks of 16 keys by 16 components transposed in
+    registers (_pack_block)."""
+    for t0 in range(0, padded, LANES):
+        for d0 in range(0, size, LANES):
+            _pack_block(k, first + t0 * key_step + d0, key_step, keys - t0, min(LANES, size - d0), packed,
+                        d0 * padded + t0, padded)
 
 
 @jit
