@@ -334,3 +334,116 @@ def test_decode_steps_keep_one_bound_entry_point_for_strided_and_contiguous_keys
         assert_within(y, exact, gamma(size + length + 8) * 40 * reach, f"y at step {step}")
     if isinstance(decoder.append_attention_float32, deferred.Loop) and decoder.append_attention_float32.switched:
         assert kernel.attention._append.entry is not None  # noqa: SLF001 (bound once, at the first step)
+
+
+def _variants(heads, size, past):
+    """Input shapes beside a decode step's (q, k, v, mask, past k, past v): each changes what the length-free
+    key holds (a head count, the head size, the batch, the query rows, the mask's lead) or only the lengths."""
+    q, kv, mask, cache = (1, heads, 1, size), (1, heads, 1, size), (1, 1, 1, past + 1), (1, heads, past, size)
+    step = [q, kv, kv, mask, cache, cache]
+    wider = (1, heads, 1, size * 2)
+    return {
+        "the same": (step, True),
+        "a longer past": ([q, kv, kv, (1, 1, 1, past + 4), (1, heads, past + 3, size), (1, heads, past + 3, size)],
+                          True),
+        "two new rows": ([q, (1, heads, 2, size), (1, heads, 2, size), (1, 1, 1, past + 2), cache, cache], True),
+        "another q": ([(1, heads, 2, size), kv, kv, (1, 1, 2, past + 1), cache, cache], False),
+        "another batch": ([(2, heads, 1, size), (2, heads, 1, size), (2, heads, 1, size), (2, 1, 1, past + 1),
+                           (2, heads, past, size), (2, heads, past, size)], False),
+        "another head size": ([(1, heads, 1, size * 2), wider, wider, mask, (1, heads, past, size * 2),
+                               (1, heads, past, size * 2)], False),
+        "another value size": ([q, kv, wider, mask, cache, (1, heads, past, size * 2)], False),
+        "another mask lead": ([q, kv, kv, (1, heads, 1, past + 1), cache, cache], False),
+        "a 3-D mask": ([q, kv, kv, (1, 1, past + 1), cache, cache], False),
+        "another past head count": ([q, kv, kv, mask, (1, heads * 2, past, size), cache], False),
+    }
+
+
+@pytest.mark.parametrize("windowed", [True, False], ids=["bound caches", "plain pasts"])
+def test_its_own_shape_check_takes_exactly_the_shapes_of_its_length_free_key(windowed, monkeypatch):
+    """call_if_fits (which ShapeKeyedKernel calls instead of building a key of the six shapes) serves exactly the
+    inputs whose length-free key is the kernel's: a new length or row count is served within the float64 bound,
+    any other change declined with nothing written to the caches (the session then finds the shapes' own kernel)."""
+    monkeypatch.setenv("ONNX_RUNTIME_COMPILE_IN_BACKGROUND", "0")
+    from onnx_runtime import kv_append
+    from onnx_runtime_ep_cpu.algorithms.attention_keys import length_free_key
+
+    heads, size, past, capacity = 2, 4, 5, 16
+    node = Node("PastAttention", ["q", "k", "v", "mask", "pk", "pv"], ["y", "present_k", "present_v"], name="layer0",
+                domain=FUSED_DOMAIN, attrs={"scale": 0.5}, opset=23)
+    variants = _variants(heads, size, past)
+    first = variants["the same"][0]
+    kernel = lookup("PastAttention", FUSED_DOMAIN, 1)(node, first, 23)
+    assert kernel.call_if_fits is not None
+    rng = np.random.default_rng(8)
+    for name, (shapes, served) in variants.items():
+        assert (length_free_key(tuple(shapes)) == length_free_key(tuple(first))) == served, name
+        q, k, v, mask = (rng.standard_normal(s).astype(np.float32) for s in shapes[:4])
+        pk_shape, pv_shape = shapes[4], shapes[5]
+        keys = rng.standard_normal(pk_shape[:2] + (capacity,) + pk_shape[3:]).astype(np.float32)
+        values = rng.standard_normal(pv_shape[:2] + (capacity,) + pv_shape[3:]).astype(np.float32)
+        before_keys, before_values = keys.copy(), values.copy()
+        fed_keys, fed_values = keys[:, :, :pk_shape[2]], values[:, :, :pv_shape[2]]
+        windows = [kv_append.Window(fed_keys, keys, 2, "present_k"),
+                   kv_append.Window(fed_values, values, 2, "present_v")]
+        saved = kv_append.enter(windows if windowed else [])
+        try:
+            got = kernel.call_if_fits(q, k, v, mask, fed_keys, fed_values)
+        finally:
+            kv_append.leave(saved)
+        if not served:
+            assert got is None, name
+            np.testing.assert_array_equal(keys, before_keys, name)
+            np.testing.assert_array_equal(values, before_values, name)
+            assert windows[0].result is None and windows[1].result is None, name
+            continue
+        y, present_k, present_v = got
+        k64 = np.concatenate((before_keys[:, :, :pk_shape[2]], k), axis=2).astype(np.float64)
+        v64 = np.concatenate((before_values[:, :, :pv_shape[2]], v), axis=2).astype(np.float64)
+        np.testing.assert_array_equal(present_k, k64.astype(np.float32), name)
+        np.testing.assert_array_equal(present_v, v64.astype(np.float32), name)
+        if windowed:
+            assert present_k is windows[0].result and np.shares_memory(present_v, values), name
+        scores = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k64) * 0.5 + mask
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        exact = np.einsum("bhqk,bhkd->bhqd", weights / weights.sum(-1, keepdims=True), v64)
+        reach = float(np.abs(v64).max()) * (1 + float(np.abs(scores).max()))
+        assert_within(y, exact, gamma(size + k64.shape[2] + 8) * 40 * reach, f"y, {name}")
+
+
+def test_a_session_finds_another_kernel_where_its_checking_kernel_declines(monkeypatch):
+    """Through ShapeKeyedKernel: decode steps at growing lengths reuse the checking kernel without asking the
+    cache, and shapes it declines (another batch, then back) get their own kernel, each call within the bound."""
+    from onnx_runtime.session.steps import ShapeKeyedKernel
+
+    class _Handle:
+        name = "cpu"
+
+        class hook:  # noqa: N801 (the provider's hook, as the session calls it)
+            made: list = []
+
+            @classmethod
+            def get_kernel(cls, node, shapes, opset, graph):
+                cls.made.append(shapes)
+                return lookup("PastAttention", FUSED_DOMAIN, 1)(node, shapes, opset)
+
+    node = Node("PastAttention", ["q", "k", "v", "mask", "pk", "pv"], ["y", "present_k", "present_v"], name="layer0",
+                domain=FUSED_DOMAIN, attrs={"scale": 0.5}, opset=23)
+    keyed = ShapeKeyedKernel(_Handle, node, graph=None)
+    rng = np.random.default_rng(9)
+    heads, size = 2, 4
+    for batch, past in [(1, 3), (1, 4), (1, 5), (2, 5), (2, 6), (1, 6), (1, 7)]:
+        q, k, v = (rng.standard_normal((batch, heads, 1, size)).astype(np.float32) for _ in range(3))
+        pk, pv = (rng.standard_normal((batch, heads, past, size)).astype(np.float32) for _ in range(2))
+        mask = np.zeros((batch, 1, 1, past + 1), np.float32)
+        y, present_k, present_v = keyed(q, k, v, mask, pk, pv)
+        k64 = np.concatenate((pk, k), axis=2).astype(np.float64)
+        v64 = np.concatenate((pv, v), axis=2).astype(np.float64)
+        np.testing.assert_array_equal(present_k, k64.astype(np.float32))
+        scores = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k64) * 0.5
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        exact = np.einsum("bhqk,bhkd->bhqd", weights / weights.sum(-1, keepdims=True), v64)
+        reach = float(np.abs(v64).max()) * (1 + float(np.abs(scores).max()))
+        assert_within(y, exact, gamma(size + past + 8) * 40 * reach, f"y, batch {batch}, past {past}")
+    assert [shapes[0][0] for shapes in _Handle.hook.made] == [1, 2]  # one kernel per batch, none per length
+    assert len(keyed.cache) == 3  # (the first sight of each kernel, and batch 1 found again once by its key)

@@ -41,9 +41,14 @@ class ShapeKeyedKernel:
     shapes that this function maps to the key it gives the kernel's own (an attention kernel that reads the
     keys' length per call): new shapes with that key reuse it. The caches are bounded: past ``LIMIT`` entries
     they start over; shapes that map to kernels of ``by_key`` (entries that hold no kernel of their own) up to
-    ``SHARED_LIMIT``, so a later generation's every length finds its kernel without asking ``shape_key``."""
+    ``SHARED_LIMIT``, so a later generation's every length finds its kernel without asking ``shape_key``.
 
-    __slots__ = ("handle", "node", "graph", "cache", "shape_free", "shape_key", "by_key", "owned")
+    A kernel with a ``call_if_fits`` method (its call that checks the inputs' shapes itself and returns None,
+    having done nothing, for shapes the kernel was not made for) has the last such method found called first,
+    without a key (a decode step's attention, whose six shapes made the key at about its own Python cost); the
+    cache decides only where it declines."""
+
+    __slots__ = ("handle", "node", "graph", "cache", "shape_free", "shape_key", "by_key", "owned", "checking")
 
     LIMIT = 64
     SHARED_LIMIT = 4096
@@ -57,11 +62,17 @@ class ShapeKeyedKernel:
         self.shape_key = None  # the shape_key function of the kernels in by_key
         self.by_key: dict = {}
         self.owned = len(self.cache)  # entries of ``cache`` whose kernel is not one of ``by_key``'s
+        self.checking = None  # the call_if_fits of the last kernel found with one
 
     def __call__(self, *inputs):
         kernel = self.shape_free
         if kernel is not None:
             return kernel(*inputs)
+        checking = self.checking
+        if checking is not None:
+            outputs = checking(*inputs)
+            if outputs is not None:
+                return outputs
         try:  # arrays (nearly always): their shapes are the key as they are
             key = tuple([x.shape for x in inputs])
             kernel = self.cache.get(key)
@@ -75,7 +86,21 @@ class ShapeKeyedKernel:
                 kernel = self._kernel_for(key)
             else:  # (a length-free kernel at a new length: every step of a first generation)
                 self.cache[key] = kernel
+        checking = getattr(kernel, "call_if_fits", None)
+        if checking is not None:
+            return self._checked(checking, key, inputs)
         return kernel(*inputs)
+
+    def _checked(self, checking, key: tuple, inputs: tuple):
+        """The outputs of ``checking`` (a kernel's call_if_fits) for ``inputs`` of shapes ``key``, which the kernel
+        was chosen for; it is called first from now on."""
+        outputs = checking(*inputs)
+        if outputs is None:  # (its check and the cache's key disagree: a kernel's bug, not the caller's)
+            node = self.node
+            raise KernelError(f"{self.handle.name}: the kernel of node {node.name!r} ({node.op_type}) declined input "
+                              f"shapes {list(key)} it was made for")
+        self.checking = checking
+        return outputs
 
     def _kernel_for(self, key: tuple):
         shape_key = self.shape_key

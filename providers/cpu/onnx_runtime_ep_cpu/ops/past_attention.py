@@ -57,11 +57,38 @@ class _PastAttention:
         self.merged = None if self.merge is None or 0 in self.merge or min(self.merge) < -1 else tuple(self.merge)
         if getattr(self.attention, "shape_key", None) is not None:  # (reads the keys' length per call)
             self.shape_key = length_free_key
+            self._key = length_free_key(tuple(tuple(shape) if shape is not None else None for shape in shapes))
+            self._q, self._k, self._v = tuple(q), tuple(k), tuple(v)
+            self._mask_lead = tuple(mask[:-1]) if has_mask and mask is not None else None
+            # (the pasts span what K and V span but the length: what a window's admission checks of both)
+            past_key, past_value = tuple(past_key), tuple(past_value)
+            if has_mask == (mask is not None) and past_key[:2] + past_key[3:] == self._k[:2] + self._k[3:] \
+                    and past_value[:2] + past_value[3:] == self._v[:2] + self._v[3:]:
+                self.call_if_fits = self._call_if_fits
 
     def __call__(self, q, k, v, mask, past_key, past_value):
+        y = self._over_window(q, k, v, mask, past_key, past_value)
+        return y if y is not None else self._concatenated(q, k, v, mask, past_key, past_value)
+
+    def _call_if_fits(self, q, k, v, mask, past_key, past_value):
+        """The call for inputs of this kernel's length-free key (see ShapeKeyedKernel), else None with nothing
+        done. A decode step's Q, K, V and mask lead as at the kernel's first call, with both pasts admitted to
+        their windows (which span what K and V span but the length), need no other check."""
+        lead = self._mask_lead
+        if q.shape == self._q and k.shape == self._k and v.shape == self._v \
+                and (lead is None or mask.shape[:-1] == lead):
+            y = self._over_window(q, k, v, mask, past_key, past_value)
+            if y is not None:
+                return y
+        shapes = tuple(tuple(x.shape) if x is not None else None for x in (q, k, v, mask, past_key, past_value))
+        if length_free_key(shapes) != self._key:
+            return None
+        return self._concatenated(q, k, v, mask, past_key, past_value)
+
+    def _over_window(self, q, k, v, mask, past_key, past_value):
         # A decode step over the bound cache: the appends and the attention in one compiled call, which writes
         # the rows kv_append admits and reads the cache where they landed (both caches asked for at once: a
-        # decode step's other work is a few microseconds, so each lookup shows).
+        # decode step's other work is a few microseconds, so each lookup shows). None where it does not apply.
         found = kv_append.admitted_pair(self.outputs, (past_key, past_value), (k, v), 2)
         if found is not None:
             key_window, value_window, length = found
@@ -73,6 +100,9 @@ class _PastAttention:
                 if y is False:  # (the rows are in place; a row without a finite score goes the attention's own way)
                     y = self._attend(q, present_key, present_value, mask)
                 return self._merged(y), present_key, present_value
+        return None
+
+    def _concatenated(self, q, k, v, mask, past_key, past_value):
         key_name, value_name = self.outputs
         keys = kv_append.append_window(key_name, (past_key, k), 2)
         values = kv_append.append_window(value_name, (past_value, v), 2)
