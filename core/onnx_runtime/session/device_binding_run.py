@@ -52,6 +52,10 @@ class SessionSide(NamedTuple):
     executor_for: Callable[[dict], Any]  # the host executor for these feeds (shape-specialized)
     executor: Any  # the session's executor (device sessions)
     profile: Any
+    # (a prepared host run's: the executor for its inputs' shapes in the model's input order, and what takes
+    # shapes listed in a run's input order to that order, or None; unset: executor_for takes the feeds)
+    executor_for_signature: Callable[[tuple], Any] | None = None
+    signature_order: Callable[[tuple[str, ...]], Callable | None] | None = None
 
 
 @dataclass(eq=False)
@@ -216,7 +220,10 @@ def prepared_host_run(session: SessionSide, bindings, output_names) -> Callable[
     layout = _layout(session, bindings, output_names)
     if not layout.host:
         return None
-
+    order = None if session.signature_order is None else \
+        session.signature_order(tuple(name for name, *_ in layout.shown))
+    # (the feeds' shapes, as _host_feeds has them, name the executor: not read from the feeds again)
+    feed = None if order is None else _feed_by_signature(session, order)
     releases, seen = RELEASES, [RELEASES[0]]
 
     def run(single_token_step: bool = False) -> list:
@@ -227,9 +234,22 @@ def prepared_host_run(session: SessionSide, bindings, output_names) -> Callable[
             if any([binding.closed for binding in bindings]):
                 raise InvalidArgumentError("a device binding of this prepared run was released; prepare the run again")
             seen[0] = now
-        return _run_on_host(session, layout, bindings, single_token_step)
+        return _run_on_host(session, layout, bindings, single_token_step, feed)
 
     return run
+
+
+def _feed_by_signature(session: SessionSide, order: Callable) -> Callable[[_Layout, tuple, bool], tuple]:
+    """_run_on_host's ``feed`` for a prepared run whose inputs are the model's: the executor from the shapes
+    _host_feeds met, put in the model's input order by ``order``."""
+    executor_for_signature = session.executor_for_signature
+    assert executor_for_signature is not None
+
+    def feed(layout: _Layout, bindings: tuple, single_token_step: bool) -> tuple:
+        feeds, shapes = _host_feeds(session, layout, bindings, single_token_step, [])
+        return feeds, executor_for_signature(order(shapes))
+
+    return feed
 
 
 def _finish(layout: _Layout, bindings: tuple, values, tail: device_step.CapturedTail | None,
@@ -266,13 +286,18 @@ def _tail(layout: _Layout, bindings: tuple, epilogue: device_step.StepEpilogue) 
     return device_step.CapturedTail(run, (targets, epilogue.key))
 
 
-def _run_on_host(session: SessionSide, layout: _Layout, bindings: tuple, single_token_step: bool) -> list:
+def _run_on_host(session: SessionSide, layout: _Layout, bindings: tuple, single_token_step: bool,
+                 feed: Callable[[_Layout, tuple, bool], tuple] | None = None) -> list:
     """The bound run of a host session on host bindings: what :func:`run_with_device_bindings` does, in the few
     steps that case takes (a decode step's kernels on small weights take tens of microseconds, so what surrounds
     them shows): each input a view of its buffer (a window of it at fixed physical strides), the executor's run,
     each output copied in. A KV cache at fixed strides (an input aliased by its output) is appended in place by
-    the Concat that makes its output (kv_append.py), which the copy then skips."""
-    feeds = _host_feeds(session, layout, bindings, single_token_step)
+    the Concat that makes its output (kv_append.py), which the copy then skips. ``feed``: a prepared run's
+    (feeds, their executor), else the feeds and executor_for's."""
+    if feed is None:
+        feeds, executor = _host_feeds(session, layout, bindings, single_token_step), None
+    else:
+        feeds, executor = feed(layout, bindings, single_token_step)
     windows = layout.windows
     for window in windows:
         window.fed = feeds[window.output_input]
@@ -282,7 +307,9 @@ def _run_on_host(session: SessionSide, layout: _Layout, bindings: tuple, single_
         layout.complete = True
     saved = kv_append.enter(layout.keyed) if windows else None
     try:
-        values = session.executor_for(feeds).run(feeds, layout.names, session.profile)
+        if executor is None:
+            executor = session.executor_for(feeds)
+        values = executor.run(feeds, layout.names, session.profile)
     finally:
         if windows:
             kv_append.leave(saved)
@@ -292,14 +319,19 @@ def _run_on_host(session: SessionSide, layout: _Layout, bindings: tuple, single_
     return values[:count]
 
 
-def _host_feeds(session: SessionSide, layout: _Layout, bindings: tuple, single_token_step: bool) -> dict:
-    """Each bound input as a view of its buffer: the same view as the last run's where the shape is the same."""
+def _host_feeds(session: SessionSide, layout: _Layout, bindings: tuple, single_token_step: bool,
+                shapes: list | None = None):
+    """Each bound input as a view of its buffer: the same view as the last run's where the shape is the same.
+    With ``shapes`` (a list), also their shapes in ``layout.shown``'s order, appended there: (feeds, shapes)."""
     feeds = {}
+    shown = shapes.append if shapes is not None else None
     physical = layout.physical
     for name, index, proof, exposed, frozen in layout.shown:
         binding = bindings[index]
         # (kernel_input_shape, its flags read once per layout: a decode step feeds seven bindings)
         shape = binding.logical_shape if exposed and not (single_token_step and frozen) else binding.physical_shape
+        if shown is not None:
+            shown(shape)
         last_shape, last_view = proof.last
         if shape == last_shape:  # fed as the last run fed it: the same view
             feeds[name] = last_view
@@ -313,7 +345,7 @@ def _host_feeds(session: SessionSide, layout: _Layout, bindings: tuple, single_t
         else:
             view = feeds[name] = whole[tuple(map(slice, shape))]
         proof.last = (shape, view)
-    return feeds
+    return feeds if shapes is None else (feeds, shapes)
 
 
 def _host_outputs(layout: _Layout, bindings: tuple, values: list) -> None:

@@ -274,6 +274,16 @@ class InferenceSession:
             return self._executor
         return self._specializer.executor_for(feeds) or self._executor
 
+    def _executor_for_signature(self, signature: tuple) -> Executor:
+        if self._specializer is None:
+            return self._executor
+        return self._specializer.executor_for_signature(signature) or self._executor
+
+    def _signature_order(self, names: tuple[str, ...]):
+        """Where a bound run's inputs ``names`` are the model's: what takes their shapes, in that order, to
+        _executor_for_signature's signature (else None: the run asks _executor_for with its feeds)."""
+        return None if self._specializer is None else self._specializer.signature_order(names)
+
     # -- the onnxruntime API --------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
         return list(self._inputs)
@@ -547,7 +557,8 @@ class InferenceSession:
 
         self._check_runnable(None)
         side = SessionSide(tuple(self._handles), self._output_names, self._checked_input, self._check_output_name,
-                           self._check_bound, self._check_missing, self._executor_for, self._executor, self._profile)
+                           self._check_bound, self._check_missing, self._executor_for, self._executor, self._profile,
+                           self._executor_for_signature, self._signature_order)
         prepared = prepared_host_run(side, bindings, output_names)
         if prepared is None:
             return None

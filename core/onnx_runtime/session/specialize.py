@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import operator
 import threading
 import warnings
 from collections.abc import Callable
@@ -152,11 +153,33 @@ class Specializer:
         last_signature, last = self._last
         if signature == last_signature:
             return last
+        return self._found(signature)
+
+    def executor_for_signature(self, signature: tuple) -> Executor | None:
+        """:meth:`executor_for` of feeds whose shapes, in the model's input order, are ``signature`` (a bound run
+        that has them at hand: see :meth:`signature_order`)."""
+        last_signature, last = self._last
+        if signature == last_signature:
+            return last
+        return self._found(signature)
+
+    def _found(self, signature: tuple) -> Executor | None:
         executor = self._matched.get(signature)
         if executor is None:
             executor = self._exact[signature] if signature in self._exact else self._lookup(signature)
         self._last = (signature, executor)
         return executor
+
+    def signature_order(self, names: tuple[str, ...]):
+        """A function taking shapes listed in ``names``' order (a bound run's inputs) to the signature
+        :meth:`executor_for_signature` takes; None where ``names`` are not each of the model's inputs once."""
+        if len(set(names)) != len(names) or set(names) != set(self._inputs) or not self._inputs:
+            return None
+        position = {name: index for index, name in enumerate(names)}
+        order = [position[name] for name in self._inputs]
+        if len(order) == 1:
+            return lambda shapes: (shapes[order[0]],)
+        return operator.itemgetter(*order)
 
     def _lookup(self, signature: tuple) -> Executor | None:
         for known, found in self._templates:
