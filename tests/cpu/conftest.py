@@ -32,11 +32,11 @@ def made(monkeypatch) -> list:
 @pytest.fixture
 def built_convs(monkeypatch) -> list:
     """The convolutions conv_path builds while the test runs, as (class name, weight shape)."""
-    from onnx_runtime_ep_cpu.algorithms import conv_path
+    from onnx_runtime_ep_cpu.algorithms import conv_direct, conv_packed
 
     built = []
-    for cls in (conv_path.DirectConv, conv_path.PackedConv):
-        monkeypatch.setattr(conv_path, cls.__name__, type(cls.__name__, (cls,), {
+    for module, cls in ((conv_direct, conv_direct.DirectConv), (conv_packed, conv_packed.PackedConv)):
+        monkeypatch.setattr(module, cls.__name__, type(cls.__name__, (cls,), {
             "__init__": lambda self, *args, _cls=cls, **kwargs: built.append((_cls.__name__, tuple(args[3])))
             or _cls.__init__(self, *args, **kwargs)}))
     return built

@@ -1,5 +1,5 @@
-"""On two threads a convolution above conv_direct.SMALL_MACS takes the direct tiles on the calling thread where
-they cost less than the packed convolution split across the threads (conv_direct.split_cost_favours_direct): a
+"""On two threads a convolution above conv_choice.SMALL_MACS takes the direct tiles on the calling thread where
+they cost less than the packed convolution split across the threads (conv_choice.split_cost_favours_direct): a
 stem of 3 channels into 16 or 32 (resnet's 7x7/2, whose packed panels gather every strided window and whose
 split ran 1.4-1.7x slower than the direct tiles); wider, deeper layers keep the split packed convolution.
 Results against a float64 reference (and the zoo's resnet against onnxruntime) either way."""
@@ -14,7 +14,7 @@ import pytest
 from conftest import ZOO
 from model_helpers import make_model, tensor_info
 from onnx import TensorProto, helper, numpy_helper
-from onnx_runtime_ep_cpu.algorithms import conv_direct, conv_packed
+from onnx_runtime_ep_cpu.algorithms import conv_choice, conv_packed_layout
 from onnx_runtime_ep_cpu.algorithms.window import Geometry
 from onnx_runtime_ep_cpu.compiled import host
 
@@ -67,7 +67,7 @@ def built(built_convs):
     (128, 128, 3, 1, 14, "PackedConv"),  # 28.9M
 ])
 def test_two_threads_weigh_the_split(built, cin, cout, k, stride, size, taken):
-    assert cin * k * k * cout * ((size + 2 * (k // 2) - k) // stride + 1) ** 2 > conv_direct.SMALL_MACS
+    assert cin * k * k * cout * ((size + 2 * (k // 2) - k) // stride + 1) ** 2 > conv_choice.SMALL_MACS
     _run(cin, cout, k, stride, size, threads=2)
     assert [name for name, _ in built] == [taken]
 
@@ -80,18 +80,18 @@ def test_one_thread_keeps_its_rules(built):
 def test_more_threads_split_sooner():
     geo = Geometry((64, 64), (7, 7), (2, 2), (1, 1), (3, 3), (3, 3), (32, 32))
     w = np.zeros((32, 3, 7, 7), np.float32)  # 4.8M: close on two threads, split on eight
-    assert conv_direct.split_cost_favours_direct(geo, w, 1, 2)
-    assert not conv_direct.split_cost_favours_direct(geo, w, 1, 8)
+    assert conv_choice.split_cost_favours_direct(geo, w, 1, 2)
+    assert not conv_choice.split_cost_favours_direct(geo, w, 1, 8)
 
 
 def test_mirrored_tile_shapes_match_the_kernels():
     from onnx_runtime_ep_cpu.compiled import directconv, gemm, lanes
 
-    assert (conv_packed.LANE_CHANNELS, conv_packed.LANE_PIXELS) == (lanes.CHANNELS, lanes.PIXELS)
-    assert conv_packed.PANEL_PIXELS == gemm.NR and conv_direct.TILE_PIXELS == directconv.PIXELS
-    assert conv_direct.CHANNELS_PER_TILE == directconv.CHANNELS
-    assert all(conv_packed.lane_tile(width) == lanes.shape(width) for width in range(1, 64))
-    assert all(conv_packed.panel_rows(m) == gemm.tile_rows(m) for m in range(1, 1025))
+    assert (conv_packed_layout.LANE_CHANNELS, conv_packed_layout.LANE_PIXELS) == (lanes.CHANNELS, lanes.PIXELS)
+    assert conv_packed_layout.PANEL_PIXELS == gemm.NR and conv_choice.TILE_PIXELS == directconv.PIXELS
+    assert conv_choice.CHANNELS_PER_TILE == directconv.CHANNELS
+    assert all(conv_packed_layout.lane_tile(width) == lanes.shape(width) for width in range(1, 64))
+    assert all(conv_packed_layout.panel_rows(m) == gemm.tile_rows(m) for m in range(1, 1025))
 
 
 def test_zoo_resnet_stem_on_the_direct_tiles_at_two_threads(built):

@@ -1,5 +1,5 @@
-"""A single-row (1-D) float32 convolution above conv_direct.SMALL_MACS takes the direct tiles on one thread, up to
-conv_direct.ROW_MACS multiply-adds (Whisper's first front-end layer, 80 -> 64 channels over 100 frames), where the
+"""A single-row (1-D) float32 convolution above conv_choice.SMALL_MACS takes the direct tiles on one thread, up to
+conv_choice.ROW_MACS multiply-adds (Whisper's first front-end layer, 80 -> 64 channels over 100 frames), where the
 packed convolution's pixel tiles span one short row, and on two threads too while the packed convolution would not
 split it (under two threads' KNOBS.split_macs); beyond that size the packed convolution keeps it. Results against a
 float64 reference either way."""
@@ -11,7 +11,7 @@ import onnx_runtime as ort
 import pytest
 from model_helpers import make_model, tensor_info
 from onnx import TensorProto, helper, numpy_helper
-from onnx_runtime_ep_cpu.algorithms import conv_direct
+from onnx_runtime_ep_cpu.algorithms import conv_choice
 from onnx_runtime_ep_cpu.algorithms.window import Geometry
 from onnx_runtime_ep_cpu.compiled import host
 
@@ -56,7 +56,7 @@ def built(built_convs):
     (128, 128, 200, 2, "PackedConv"),  # strided, 4.9M: past ROW_MACS
 ])
 def test_one_thread_single_row_takes_the_direct_tiles(built, cin, cout, length, stride, taken):
-    assert cin * 3 * cout * ((length - 1) // stride + 1) > conv_direct.SMALL_MACS
+    assert cin * 3 * cout * ((length - 1) // stride + 1) > conv_choice.SMALL_MACS
     _run(cin, cout, length, stride, threads=1)
     assert [name for name, _ in built] == [taken]
 
@@ -64,7 +64,7 @@ def test_one_thread_single_row_takes_the_direct_tiles(built, cin, cout, length, 
 @pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="two threads need two usable CPUs")
 def test_two_threads_keep_the_one_thread_rule_where_the_packed_convolution_would_not_split(built):
     """Whisper's first layer (1.5M) is under two threads' worth of KNOBS.split_macs: the packed convolution would run
-    it on the calling thread alone (conv_packed.packed_threads), so the one-thread rule holds at two threads too."""
+    it on the calling thread alone (conv_choice.packed_threads), so the one-thread rule holds at two threads too."""
     _run(80, 64, 100, 1, threads=2)
     assert [name for name, _ in built] == ["DirectConv"]
 
@@ -74,13 +74,13 @@ def test_two_threads_weigh_the_split_where_the_packed_convolution_would_split(bu
     knobs(split_macs=1 << 18)  # (the same layer now splits: the cost of that split decides)
     geo = Geometry((1, 100), (1, 3), (1, 1), (1, 1), (0, 1), (0, 1), (1, 100))
     w = np.zeros((64, 80, 1, 3), np.float32)
-    expected = "DirectConv" if conv_direct.split_cost_favours_direct(geo, w, 1, 2) else "PackedConv"
+    expected = "DirectConv" if conv_choice.split_cost_favours_direct(geo, w, 1, 2) else "PackedConv"
     _run(80, 64, 100, 1, threads=2)
     assert [name for name, _ in built] == [expected]
 
 
 def test_the_packed_convolution_splits_from_split_macs_per_thread(knobs):
-    from onnx_runtime_ep_cpu.algorithms.conv_packed import packed_threads
+    from onnx_runtime_ep_cpu.algorithms.conv_choice import packed_threads
 
     knobs(threads=2, split_macs=1 << 20)
     assert [packed_threads(m) for m in (1 << 20, (1 << 21) - 1, 1 << 21, 1 << 24)] == [1, 1, 2, 2]
@@ -91,6 +91,6 @@ def test_the_packed_convolution_splits_from_split_macs_per_thread(knobs):
 def test_a_two_dimensional_convolution_of_that_size_keeps_the_packed_one(knobs):
     knobs(threads=1)
     square = Geometry((10, 10), (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (10, 10))
-    assert not conv_direct.direct_tiles_before_packed(square, np.zeros((64, 24, 3, 3), np.float32))  # 1.4M
+    assert not conv_choice.direct_tiles_before_packed(square, np.zeros((64, 24, 3, 3), np.float32))  # 1.4M
     row = Geometry((1, 100), (1, 3), (1, 1), (1, 1), (0, 1), (0, 1), (1, 100))
-    assert conv_direct.direct_tiles_before_packed(row, np.zeros((64, 80, 1, 3), np.float32))  # 1.5M
+    assert conv_choice.direct_tiles_before_packed(row, np.zeros((64, 80, 1, 3), np.float32))  # 1.5M

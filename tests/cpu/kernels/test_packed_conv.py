@@ -13,7 +13,7 @@ from onnx import helper
 from onnx.reference import ReferenceEvaluator
 from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu import threads
-from onnx_runtime_ep_cpu.algorithms import conv_direct, conv_packed, split, window
+from onnx_runtime_ep_cpu.algorithms import conv_choice, conv_packed, split, window
 from onnx_runtime_ep_cpu.compiled import gemm
 from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
 from onnx_runtime_ep_cpu.ops import conv as conv_ops
@@ -27,11 +27,11 @@ pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="the packed convoluti
 @pytest.fixture(autouse=True)
 def packed_at_every_size(monkeypatch):
     """The packed convolution for the small test convolutions too (the direct tiles take the smallest on
-    AVX-512 hosts: conv_direct.direct_tiles_before_packed)."""
-    monkeypatch.setattr(conv_direct, "SMALL_MACS", 0)
-    monkeypatch.setattr(conv_direct, "STEM_CHANNELS", 0)  # (and the one-thread stems)
-    monkeypatch.setattr(conv_direct, "ROW_MACS", 0)  # (and the one-thread single rows)
-    monkeypatch.setattr(conv_direct, "split_cost_favours_direct", lambda *_: False)  # (and on more threads)
+    AVX-512 hosts: conv_choice.direct_tiles_before_packed)."""
+    monkeypatch.setattr(conv_choice, "SMALL_MACS", 0)
+    monkeypatch.setattr(conv_choice, "STEM_CHANNELS", 0)  # (and the one-thread stems)
+    monkeypatch.setattr(conv_choice, "ROW_MACS", 0)  # (and the one-thread single rows)
+    monkeypatch.setattr(conv_choice, "split_cost_favours_direct", lambda *_: False)  # (and on more threads)
 
 
 @pytest.fixture(params=[1, 2], ids=["one thread", "two threads"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .conv_direct import TILE_PIXELS
+from .conv_choice import TILE_PIXELS
 from .prepared import Prepared
 from .window import Geometry
 

@@ -28,10 +28,14 @@ from .conv_blas import (
     tight_fits,
     winograd_weights,
 )
-from .conv_direct import DirectConv, direct_tiles_apply, direct_tiles_before_packed
-from .conv_packed import PackedConv, packed_conv_applies
+from .conv_choice import (
+    direct_tiles_apply,
+    direct_tiles_before_packed,
+    packed_conv_applies,
+    pointwise_batch_applies,
+    tiles,
+)
 from .conv_patches import PatchConv, patches_apply
-from .conv_pointwise_batch import PointwiseBatch, pointwise_batch_applies
 from .precision import compute_dtype
 from .prepared import Prepared
 from .products import GEMV_ROWS, few_rows_product
@@ -137,12 +141,24 @@ def compiled_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, pr
         return lambda: (PatchConv(geo, x.shape, w.shape, prepared), True)
     direct = direct_tiles_apply(geo, group, x, w)
     if packed_conv_applies(geo, group, x) and not (direct and direct_tiles_before_packed(geo, w, group, x.shape[0])):
-        return _running(lambda: (PackedConv(geo, group, x.shape, w.shape, prepared), True), "jobs.CONV", "jobs.PAD")
+        return _running(lambda: (_packed(geo, group, x.shape, w.shape, prepared), True), "jobs.CONV", "jobs.PAD")
     if direct:
-        return lambda: (DirectConv(geo, group, x.shape, w.shape, prepared), True)
+        return lambda: (_direct_tiles(geo, group, x.shape, w.shape, prepared), True)
     if group == c and group > 1:
         return _compiled_depthwise(geo, x, m, prepared, dtype)
     return None
+
+
+def _packed(geo: Geometry, group: int, x_shape, w_shape, prepared: Prepared):
+    from .conv_packed import PackedConv  # (loaded with its builder: the choice weighs it by conv_choice)
+
+    return PackedConv(geo, group, x_shape, w_shape, prepared)
+
+
+def _direct_tiles(geo: Geometry, group: int, x_shape, w_shape, prepared: Prepared):
+    from .conv_direct import DirectConv  # (as _packed)
+
+    return DirectConv(geo, group, x_shape, w_shape, prepared)
 
 
 def _compiled_depthwise(geo: Geometry, x: np.ndarray, m: int, prepared: Prepared, dtype):
@@ -209,6 +225,8 @@ def numpy_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepa
         compute.bind = bind
         return compute, False
     if pointwise_batch_applies(geo, group, x, w):
+        from .conv_pointwise_batch import PointwiseBatch  # (loaded where it is chosen)
+
         return PointwiseBatch(geo, prepared, dtype), False
     if group == c and group > 1:
         from . import conv_depthwise as depthwise  # (loaded at the first depthwise convolution)
@@ -270,7 +288,7 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
         # The packed convolution, direct tiles and depthwise lanes, for callers that pass bias, residual and
         # activation straight (a call costs a few microseconds of Python less than through ``path``). Their
         # arguments are the caller's, not the tried call's: tried again until one such call ran (ops/conv.py).
-        path.direct = compute if isinstance(compute, _DIRECT) or lanes_depthwise(compute) else None
+        path.direct = compute if tiles(compute) or lanes_depthwise(compute) else None
         path.direct_tried = False
         # whether its ``bind`` applies a finish's residual too (the others' binds are not given one)
         path.binds_residual = getattr(compute, "binds_residual", False)
@@ -312,7 +330,7 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
         if shuffle is not None and not reads_shuffled:
             x, shuffle = shuffle.apply(x), None
         xc = x.astype(dtype, copy=False)
-        if out is not None and dtype == x.dtype and out.flags.c_contiguous and isinstance(compute, _IN_PLACE):
+        if out is not None and dtype == x.dtype and out.flags.c_contiguous and tiles(compute):
             return compute(xc, w, b, finish, out)
         if out is not None:
             out[...] = run(x, w, b, finish, None, shuffle, choice)
@@ -356,7 +374,3 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
     take(chosen)
     return path
 
-
-_IN_PLACE = (PackedConv, DirectConv)  # the computes that write into a given C-contiguous output
-# the computes with ``run`` (see path.direct), with the depthwise lanes (lanes_depthwise)
-_DIRECT = (PackedConv, DirectConv)

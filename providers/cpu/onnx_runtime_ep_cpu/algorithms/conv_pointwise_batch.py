@@ -5,7 +5,8 @@ Per image such a convolution is an (M, C) x (C, P) product with P a handful of p
 block's pooled pixel, a late stage's 2x2 map, a strided shortcut's 4x4 map): the packed convolution fills
 its pixel panels or channel lanes a few columns at a time, image after image. Gathered as the (N*P, C) rows
 of every image's pixels, the whole batch is one (N*P, C) x (C, M) product that BLAS runs at full width; the
-gather and the scatter back to (N, M, P) copy N*P*(C + M) values against N*P*C*M multiply-adds.
+gather and the scatter back to (N, M, P) copy N*P*(C + M) values against N*P*C*M multiply-adds. Which
+convolutions it takes: conv_choice.pointwise_batch_applies.
 """
 
 from __future__ import annotations
@@ -16,24 +17,6 @@ import numpy as np
 
 from .prepared import Prepared
 from .window import Geometry
-
-# One output pixel per image (a squeeze-excite block's pooled pixel, a classifier after pooling), or up to
-# MAX_PIXELS where the per-image product is large (C*M of at least MIN_PRODUCT: a late stage's 2x2 map); with
-# at least _MIN_ROWS rows over the batch (fewer: the few-row products). Measured against the packed
-# convolution at batch 32, whole models: it kept 4x4 maps, and small products of 2x2 ones (strided ones too).
-MAX_PIXELS = 4
-MIN_PRODUCT = 1 << 15
-_MIN_ROWS = 16
-
-
-def pointwise_batch_applies(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray) -> bool:
-    """Whether the convolution is a 1x1 window (any stride, no pads) of float32/float64 with few output
-    pixels per image and enough images that their pixels make a product of full width."""
-    pixels = math.prod(geo.out)
-    fits = pixels == 1 or (pixels <= MAX_PIXELS and x.shape[1] * w.shape[0] >= MIN_PRODUCT)
-    return (group == 1 and x.dtype in (np.float32, np.float64) and len(geo.kernel) >= 1
-            and all(k == 1 for k in geo.kernel) and geo.unpadded and pixels > 0 and fits
-            and x.shape[0] * pixels >= _MIN_ROWS and x.shape[1] > 0 and w.shape[0] > 0)
 
 
 class PointwiseBatch:

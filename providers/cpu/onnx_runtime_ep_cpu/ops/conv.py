@@ -11,8 +11,7 @@ from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError
 
 from ..algorithms.activations import hard_swish_in_place, hard_swish_steps
-from ..algorithms.conv_direct import DirectConv
-from ..algorithms.conv_packed import PackedConv
+from ..algorithms.conv_choice import direct_tiles, tiles
 from ..algorithms.conv_path import conv_path, lanes_depthwise
 from ..algorithms.conv_rows import RowWeights, as_row, lifts, row_geometry
 from ..algorithms.precision import compute_dtype
@@ -74,7 +73,7 @@ def _bind(resolve, inputs, outputs, constant, bounds, hard_swish, prepare):
     path, out_shape = resolve(x, w, b, rows)
     path.settle()  # (numpy served a reference run's call: the compiled convolution is bound)
     direct = path.direct
-    if isinstance(direct, (DirectConv, PackedConv)) and (z is None or (z.shape == out_shape and z.dtype == x.dtype)):
+    if tiles(direct) and (z is None or (z.shape == out_shape and z.dtype == x.dtype)):
         return direct.bind(x, w, b, z, bounds, hard_swish, y)
     if z is None and lanes_depthwise(direct):  # (AVX2 hosts) as convolve calls it: run straight
         return direct.bind_run(x, w, b, bounds, hard_swish, y)
@@ -336,7 +335,7 @@ def _kept_direct(resolve, row_weights, x, w, b, bounds, hard_swish: bool) -> tup
         return None
     rows = lifts(x, w)
     path, out_shape = resolve(as_row(x), row_weights(w), b, True) if rows else resolve(x, w, b)
-    if not isinstance(path.direct, DirectConv) or not path.direct_tried:
+    if not direct_tiles(path.direct) or not path.direct_tried:
         return None
     run = path.direct.bound_run(as_row(x) if rows else x, row_weights(w) if rows else w, b, bounds, hard_swish,
                                 out_shape[:2] + out_shape[3:] if rows else None)
