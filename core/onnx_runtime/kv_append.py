@@ -29,10 +29,12 @@ class Window:
     ``axis``, to be appended into by the Concat giving ``output``; ``result`` is the longer window an append
     made (None until one does)."""
 
-    __slots__ = ("fed", "physical", "axis", "output", "result", "before", "across", "spans", "steps")
+    __slots__ = ("fed", "physical", "axis", "output", "result", "before", "across", "spans", "steps", "contiguous")
 
     def __init__(self, fed: np.ndarray, physical: np.ndarray, axis: int, output: str):
         self.fed, self.physical, self.axis, self.output = fed, physical, axis, output
+        # (read once: a kernel reading the buffer in place asks every step, and a window keeps its buffer)
+        self.contiguous = bool(physical.flags.c_contiguous)
         self.result: np.ndarray | None = None
         self.before = (slice(None),) * axis  # the index of the axes before the growing one
         self.across = physical.shape[:axis] + physical.shape[axis + 1:]  # what both parts must span elsewhere

@@ -49,8 +49,17 @@ def _counting_reads(monkeypatch) -> list[int]:
             counts[0] += 1
         return found
 
+    windows_over = attention.append_over_windows
+
+    def counted_windows(self, q, k, v, mask, mask_lead, key_window, value_window, length):
+        found = windows_over(self, q, k, v, mask, mask_lead, key_window, value_window, length)
+        if found is not None:  # (the same, for a step PastAttention's own shape check matched)
+            counts[0] += 1
+        return found
+
     monkeypatch.setattr(attention, "few_over_rows", counted_over)
     monkeypatch.setattr(attention, "append_over_rows", counted_appended)
+    monkeypatch.setattr(attention, "append_over_windows", counted_windows)
     return counts
 
 

@@ -60,6 +60,7 @@ class _PastAttention:
             self._key = length_free_key(tuple(tuple(shape) if shape is not None else None for shape in shapes))
             self._q, self._k, self._v = tuple(q), tuple(k), tuple(v)
             self._mask_lead = tuple(mask[:-1]) if has_mask and mask is not None else None
+            self._few_lead: tuple | None | bool = False  # (the attention's read of that mask, found at a first fit)
             # (the pasts span what K and V span but the length: what a window's admission checks of both)
             past_key, past_value = tuple(past_key), tuple(past_value)
             if has_mask == (mask is not None) and past_key[:2] + past_key[3:] == self._k[:2] + self._k[3:] \
@@ -77,7 +78,7 @@ class _PastAttention:
         lead = self._mask_lead
         if q.shape == self._q and k.shape == self._k and v.shape == self._v \
                 and (lead is None or mask.shape[:-1] == lead):
-            y = self._over_window(q, k, v, mask, past_key, past_value)
+            y = self._over_fitting_window(q, k, v, mask, past_key, past_value)
             if y is not None:
                 return y
         shapes = tuple(tuple(x.shape) if x is not None else None for x in (q, k, v, mask, past_key, past_value))
@@ -98,6 +99,26 @@ class _PastAttention:
                 present_key, present_value = kv_append.claim_pair(key_window, value_window, length,
                                                                   length + k.shape[2])
                 if y is False:  # (the rows are in place; a row without a finite score goes the attention's own way)
+                    y = self._attend(q, present_key, present_value, mask)
+                return self._merged(y), present_key, present_value
+        return None
+
+    def _over_fitting_window(self, q, k, v, mask, past_key, past_value):
+        # _over_window for inputs _call_if_fits matched: the mask's lead is this kernel's, so the attention's read
+        # of it (few_mask_lead) is found once, not looked up by shape every step.
+        found = kv_append.admitted_pair(self.outputs, (past_key, past_value), (k, v), 2)
+        if found is not None:
+            key_window, value_window, length = found
+            mask_lead = self._few_lead
+            if mask_lead is False:
+                mask_lead = self._few_lead = None if mask is None or not self.has_mask else \
+                    self.attention.few_mask_lead(mask.shape, q.shape[0])
+            y = self.attention.append_over_windows(q, k, v, mask if self.has_mask else None, mask_lead, key_window,
+                                                   value_window, length)
+            if y is not None:
+                present_key, present_value = kv_append.claim_pair(key_window, value_window, length,
+                                                                  length + k.shape[2])
+                if y is False:  # (as _over_window)
                     y = self._attend(q, present_key, present_value, mask)
                 return self._merged(y), present_key, present_value
         return None

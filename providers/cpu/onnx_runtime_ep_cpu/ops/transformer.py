@@ -333,6 +333,32 @@ class _Attention:
         bias = self._few_bias if mask is None else self.few_mask(mask, q.shape[0], keys)
         if bias is None:
             return None
+        return self._append_rows(q, k, v, key_rows, value_rows, length, bias)
+
+    def append_over_windows(self, q, k, v, mask, mask_lead, key_window, value_window, length: int):
+        """append_over_rows into two kv_append windows' buffers, for a caller that has checked the mask's shape but
+        its keys' length already and found its (B', H', M') ``mask_lead`` (few_mask_lead of that shape; None: it
+        broadcasts otherwise): the windows' contiguity is read as they kept it, the lead is not looked up again."""
+        keys = length + k.shape[-2]
+        if self.few is None or not self._few_tried or self._by_head or self.geo.rank != 4 or keys > self._few_keys \
+                or q.dtype is not FLOAT32 or k.dtype is not FLOAT32 or v.dtype is not FLOAT32 \
+                or not (key_window.contiguous and value_window.contiguous):
+            return None
+        if mask is None:
+            bias = self._few_bias
+        elif mask_lead is None or mask.dtype is not FLOAT32 or mask.shape[-1] != keys:
+            return None
+        else:
+            bias = mask if mask.ndim == 4 and mask.flags.c_contiguous else \
+                np.ascontiguousarray(mask).reshape(mask_lead + (keys,))
+        return self._append_rows(q, k, v, key_window.physical, value_window.physical, length, bias)
+
+    def few_mask_lead(self, shape: tuple, batch: int) -> tuple | None:
+        """The (B', H', M') a mask of ``shape`` is read with by append_over_windows, or None: it broadcasts otherwise,
+        or this kernel has no small-attention call."""
+        return None if self.few is None else self._few_mask_view(shape, batch)
+
+    def _append_rows(self, q, k, v, key_rows, value_rows, length: int, bias):
         geo = self.geo
         y = np.empty((q.shape[0], geo.q_heads, geo.q_len, geo.v_head_size), np.float32)
         # (Q, K and V as C-contiguous arrays, the buffers checked so, the bias few_mask's: every call passes the
