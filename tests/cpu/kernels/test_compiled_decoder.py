@@ -380,9 +380,9 @@ def test_attention_block_fuses_types_its_outputs_and_keeps_the_results():
 
 
 def test_unsqueeze_follows_changing_axes_and_shapes():
-    from onnx_runtime_ep_cpu.ops import shape as shape_ops
+    from onnx_runtime_ep_cpu.ops import view
 
-    kernel = shape_ops.unsqueeze(Node("Unsqueeze", ["x", "axes"], ["y"]), [None, None], 13)
+    kernel = view.unsqueeze(Node("Unsqueeze", ["x", "axes"], ["y"]), [None, None], 13)
     x = np.zeros((2, 3), np.float32)
     cases = [(x, [1], (2, 1, 3)), (x, [1], (2, 1, 3)), (x, [-1, 0], (1, 2, 3, 1)), (x[:1], [-1, 0], (1, 1, 3, 1)),
              (x, np.array([1], np.int32), (2, 1, 3))]

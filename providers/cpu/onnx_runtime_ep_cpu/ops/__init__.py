@@ -120,9 +120,8 @@ FAMILIES = {
         "SequenceEmpty SequenceErase SequenceInsert SequenceLength SequenceMap SplitToSequence"
     ),
     "shape": (
-        "Compress Concat DepthToSpace Expand Flatten Gather GatherElements GatherND NonZero OneHot Reshape "
-        "Scatter ScatterElements ScatterND Shape Size Slice SpaceToDepth Split Squeeze Tile TopK Transpose "
-        "Trilu Unique Unsqueeze"
+        "Compress Concat DepthToSpace Expand Gather GatherElements GatherND NonZero OneHot Scatter ScatterElements "
+        "ScatterND Shape Size Slice SpaceToDepth Split Tile TopK Trilu Unique"
     ),
     "signal": "BlackmanWindow DFT HammingWindow HannWindow MelWeightMatrix STFT",
     "softmax": "Hardmax LogSoftmax Softmax",
@@ -130,6 +129,7 @@ FAMILIES = {
     "training": "ai.onnx.preview.training:Adagrad ai.onnx.preview.training:Adam ai.onnx.preview.training:Momentum",
     "transformer": "Attention",
     "transformer_blocks": "RMSNormalization RotaryEmbedding SwiGLU",
+    "view": "Flatten Reshape Squeeze Transpose Unsqueeze",
 }
 
 declare_families(__name__, __path__, FAMILIES)

@@ -19,8 +19,8 @@ from ..compiled import COMPILED_DTYPES
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import graph_error, quiet, stash_dtype
-from .shape import reshape_to
 from .transformer_blocks import rms_normalization
+from .view import reshape_to
 
 
 def _compiled_decoder():

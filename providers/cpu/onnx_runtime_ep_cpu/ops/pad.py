@@ -8,7 +8,7 @@ from onnx_runtime.errors import InvalidArgumentError
 
 from ..registry import register
 from ._common import frozen, graph_error
-from .shape import normalize_axes
+from .view import normalize_axes
 
 _PAD_MODES = ("constant", "reflect", "edge")
 

@@ -19,8 +19,8 @@ from ..algorithms.attention_keys import length_free_key
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
-from .shape import reshape_to
 from .transformer import attention_23, attention_24, attention_25
+from .view import reshape_to
 
 _ATTENTIONS = {23: attention_23, 24: attention_24, 25: attention_25}
 _HEADS = (0, 2, 1, 3)

@@ -13,7 +13,7 @@ import numpy as np
 from onnx_runtime.errors import InvalidArgumentError
 
 from ..registry import register
-from .shape import normalize_axes, normalize_axis
+from .view import normalize_axes, normalize_axis
 
 
 def _widened(x):
