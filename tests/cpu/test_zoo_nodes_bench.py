@@ -78,3 +78,11 @@ def test_short_run_reports_every_node(tmp_path, capsys):
 def test_unknown_model_is_refused(capsys):
     assert zoo_nodes.main(["--zoo", str(ZOO), "--models", "no_such_model.*"]) == 2
     assert "no_such_model" in capsys.readouterr().err
+
+
+def test_the_lower_quartile_stays_within_the_block_times():
+    # two rounds with a slow first block (a kernel linked in it): the exclusive quantile went below zero
+    assert zoo_nodes.lower_quartile([2018.0, 18.0]) == pytest.approx(18.0 + 0.25 * 2000.0)
+    assert zoo_nodes.lower_quartile([5.0]) == 5.0
+    times = [30.0, 10.0, 12.0, 11.0, 50.0]
+    assert min(times) <= zoo_nodes.lower_quartile(times) <= max(times)
