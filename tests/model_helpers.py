@@ -214,6 +214,29 @@ def zoo_model(name: str) -> tuple[dict, str]:
     return entry, str(path)
 
 
+def holdout_planned_ops(name: str) -> dict[str, list[str]]:
+    """The op types of our specialized plan for each call (prefill, decode) of the holdout model ``name``
+    (benchmarks/.models/holdout), each call run once first; skips the test when the holdout set is not built."""
+    import onnx_runtime
+    import pytest
+
+    holdout = ROOT / "benchmarks" / ".models" / "holdout"
+    if not (holdout / "manifest.json").is_file():
+        pytest.skip("the holdout set is not built: run benchmarks/zoo.py --holdout")
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    from zoo_feeds import make_feeds
+
+    entry = next(m for m in json.loads((holdout / "manifest.json").read_text())["models"] if m["name"] == name)
+    session = onnx_runtime.InferenceSession(str(holdout / entry["file"]), providers=["CPUExecutionProvider"])
+    planned = {}
+    for call in ("prefill", "decode"):
+        feeds = make_feeds(entry["calls"][call])
+        session.run(None, feeds)
+        planned[call] = [node.op_type for node in session.graph_for(feeds).nodes]
+    return planned
+
+
 def qdq_zoo_sessions(qdq_decoders, name: str, without: str) -> tuple:
     """For the QDQ zoo decoder ``name`` of the qdq_decoders fixture: (its call specs, onnxruntime's session, the
     oracle (skips when onnxruntime is missing), ours, ours made without the QDQ epilogue pass ``without``)."""

@@ -6,15 +6,11 @@ another reader keep their nodes."""
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import numpy as np
 import onnx_runtime as ort
 import onnxruntime
 import pytest
-from model_helpers import make_model, tensor_info
+from model_helpers import holdout_planned_ops, make_model, tensor_info
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime_ep_cpu.fused_domain import FUSED_DOMAIN
 
@@ -136,20 +132,10 @@ def test_widths_that_do_not_fit_the_outputs_are_refused_naming_the_attribute():
         lookup("DynamicQuantizeMatMulColumns", FUSED_DOMAIN, 1)(node, [None, None, None], 1)
 
 
-HOLDOUT = Path(__file__).resolve().parents[2] / "benchmarks/.models/holdout"
 
 
-@pytest.mark.skipif(not (HOLDOUT / "manifest.json").is_file(), reason="the holdout set is not built")
 @pytest.mark.parametrize("name", ["phi3.torchscript.int8_dynamic", "phi3.dynamo.int8_dynamic"])
 def test_holdout_phi3_int8_dynamic_cuts_no_product(name):
     """Both exporters' prefill and decode graphs: each layer's qkv and gate/up products one columns node, no Slice."""
-    sys.path.insert(0, str(HOLDOUT.parents[1]))
-    from zoo_feeds import make_feeds  # noqa: PLC0415
-
-    entry = next(m for m in json.loads((HOLDOUT / "manifest.json").read_text())["models"] if m["name"] == name)
-    session = ort.InferenceSession(str(HOLDOUT / entry["file"]), providers=["CPUExecutionProvider"])
-    for call in ("prefill", "decode"):
-        feeds = make_feeds(entry["calls"][call])
-        session.run(None, feeds)
-        ops = [node.op_type for node in session.graph_for(feeds).nodes]
+    for call, ops in holdout_planned_ops(name).items():
         assert ops.count("DynamicQuantizeMatMulColumns") == 4 and "Slice" not in ops, (call, ops)

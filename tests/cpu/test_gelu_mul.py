@@ -5,15 +5,12 @@ one row (the gate and up products then one ProjectionGroup), and the near misses
 
 from __future__ import annotations
 
-import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import onnx_runtime as ort
 import pytest
-from model_helpers import make_model, tensor_info
+from model_helpers import holdout_planned_ops, make_model, tensor_info
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime.ir import Node
 from onnx_runtime_ep_cpu.fused_domain import FUSED_DOMAIN
@@ -136,21 +133,11 @@ def test_a_gelu_read_elsewhere_keeps_its_nodes():
     assert "GeluMul" not in ops and "Gelu" in ops and "Mul" in ops, ops
 
 
-HOLDOUT = Path(__file__).resolve().parents[2] / "benchmarks/.models/holdout"
 GEMMAS = [f"gemma.{exporter}.{variant}" for exporter in ("torchscript", "dynamo") for variant in ("fp32", "fp16")]
 
 
-@pytest.mark.skipif(not (HOLDOUT / "manifest.json").is_file(), reason="the holdout set is not built")
 @pytest.mark.parametrize("name", GEMMAS)
 def test_holdout_gemma_runs_each_gated_unit_as_one_gelu_mul(name):
     """Prefill and decode graphs of both exporters, float32 and float16: two GeluMuls (one per layer), no Gelu."""
-    sys.path.insert(0, str(HOLDOUT.parents[1]))
-    from zoo_feeds import make_feeds  # noqa: PLC0415
-
-    entry = next(m for m in json.loads((HOLDOUT / "manifest.json").read_text())["models"] if m["name"] == name)
-    session = ort.InferenceSession(str(HOLDOUT / entry["file"]), providers=["CPUExecutionProvider"])
-    for call in ("prefill", "decode"):
-        feeds = make_feeds(entry["calls"][call])
-        session.run(None, feeds)
-        ops = [node.op_type for node in session.graph_for(feeds).nodes]
+    for call, ops in holdout_planned_ops(name).items():
         assert ops.count("GeluMul") == 2 and "Gelu" not in ops, (call, ops)
