@@ -133,7 +133,7 @@ def test_an_initializer_matching_a_symbolic_declared_shape_is_accepted():
 
 def test_a_convolution_stepping_past_the_whole_image_runs_as_onnxruntime_does():
     # Fuzz seed 46: strides [1, 2**40] made the direct tiles' margin 2**44 floats (a MemoryError in the kernel).
-    from onnx_runtime_ep_cpu.algorithms.conv_direct import direct_tiles_apply
+    from onnx_runtime_ep_cpu.algorithms.conv_choice import direct_tiles_apply
     from onnx_runtime_ep_cpu.algorithms.window import Window
 
     w = np.random.default_rng(1).standard_normal((16, 8, 1, 1)).astype(np.float32)
