@@ -105,3 +105,20 @@ def integer_conv(padded: np.ndarray, w: np.ndarray, strides, dilations) -> np.nd
                             j * dilations[1]:j * dilations[1] + strides[1] * (ow - 1) + 1:strides[1]]
             acc += np.einsum("nchw,mc->nmhw", window.astype(np.int64), w[:, :, i, j].astype(np.int64))
     return acc
+
+
+def contrib_attention(qkv: np.ndarray, heads: int, counts=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """com.microsoft Attention in float64 from its packed (batch, steps, 3 * width) Q/K/V product: heads of width /
+    heads, scale 1/sqrt(head size), keys at or past each batch row's ``counts`` masked by -10000. Returns the output
+    and, for error bounds, the masked scores and V."""
+    qkv = np.asarray(qkv, np.float64)
+    batch, steps, width = qkv.shape
+    size = width // 3 // heads
+    q, k, v = (qkv[..., i * heads * size:(i + 1) * heads * size].reshape(batch, steps, heads, size)
+               .transpose(0, 2, 1, 3) for i in range(3))
+    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(size)
+    if counts is not None:
+        scores = scores + np.where(np.arange(steps)[None, :] >= counts[:, None], -10000.0, 0.0)[:, None, None]
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    y = (weights / weights.sum(axis=-1, keepdims=True)) @ v
+    return y.transpose(0, 2, 1, 3).reshape(batch, steps, heads * size), scores, v

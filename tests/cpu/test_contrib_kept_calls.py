@@ -15,6 +15,7 @@ from onnx_runtime_ep_cpu import tuning
 from onnx_runtime_ep_cpu.algorithms.kept_call import KeptCall
 from onnx_runtime_ep_cpu.compiled import deferred
 from onnx_runtime_ep_cpu.ops import contrib_normalization, contrib_transformer
+from reference64 import contrib_attention
 
 RNG = np.random.default_rng(83)
 CONTRIB = "com.microsoft"
@@ -127,17 +128,7 @@ def _attention_model(hidden: int, heads: int, masked: bool):
 
 
 def _attention_reference(x, weight, bias, counts, heads: int):
-    qkv = x.astype(np.float64) @ weight + bias
-    batch, steps, width = qkv.shape
-    size = width // 3 // heads
-    q, k, v = (qkv[..., i * heads * size:(i + 1) * heads * size].reshape(batch, steps, heads, size)
-               .transpose(0, 2, 1, 3) for i in range(3))
-    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(size)
-    if counts is not None:
-        scores = scores + np.where(np.arange(steps)[None, :] >= counts[:, None], -10000.0, 0.0)[:, None, None]
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    y = (weights / weights.sum(axis=-1, keepdims=True)) @ v
-    return y.transpose(0, 2, 1, 3).reshape(batch, steps, heads * size)
+    return contrib_attention(x.astype(np.float64) @ weight + bias, heads, counts)[0]
 
 
 @pytest.mark.parametrize(("hidden", "heads", "masked"), [(32, 2, True), (24, 3, False), (64, 4, True)])

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime_ep_cpu import tuning
 from onnx_runtime_ep_cpu.algorithms.products import gemv_host
 from onnx_runtime_ep_cpu.ops import contrib_transformer
+from reference64 import contrib_attention
 
 RNG = np.random.default_rng(77)
 CONTRIB = "com.microsoft"
@@ -43,16 +44,7 @@ def _model(hidden: int, heads: int, bias: bool, masked: bool):
 def _reference(x, weight, add, heads: int, counts):
     """float64 attention and the bound of its float32 evaluation's error (a few ulps of each product's terms)."""
     qkv = x.astype(np.float64) @ weight.astype(np.float64) + (0 if add is None else add.astype(np.float64))
-    batch, steps, width = qkv.shape
-    size = width // 3 // heads
-    q, k, v = (qkv[..., i * heads * size:(i + 1) * heads * size].reshape(batch, steps, heads, size)
-               .transpose(0, 2, 1, 3) for i in range(3))
-    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(size)
-    if counts is not None:
-        scores = scores + np.where(np.arange(steps)[None, :] >= counts[:, None], -10000.0, 0.0)[:, None, None]
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    weights /= weights.sum(axis=-1, keepdims=True)
-    y = (weights @ v).transpose(0, 2, 1, 3).reshape(batch, steps, heads * size)
+    y, scores, v = contrib_attention(qkv, heads, counts)
     magnitude = np.abs(x).astype(np.float64) @ np.abs(weight).astype(np.float64)
     bound = 64 * np.finfo(np.float32).eps * (magnitude.max() * (1 + np.abs(scores).max()) + np.abs(v).max())
     return y, bound
