@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import resource
 import statistics
@@ -28,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from zoo_bench import DEFAULT_ZOO, THREADS, Competitors, load_model, session, settle, stats  # noqa: E402
+from zoo_bench import DEFAULT_ZOO, SETTLED_FROM, THREADS, Competitors, load_model, session, settle, stats  # noqa: E402
 
 
 class Collector:
@@ -144,7 +145,21 @@ def spreads(rows: list[dict]) -> dict:
             "wall_left_alone": spread([r["wall"] for r in alone]), "left_alone": len(alone)}
 
 
-def summarize(rows: list[dict], quiet_median: float) -> dict:
+def by_position(rows: list[dict], block: int) -> dict:
+    """The calls by their position in their block (rows in blocks of ``block`` calls, in order): each position's
+    median CPU time, and its excess over the median of the settled calls (zoo_bench.SETTLED_FROM on), in
+    microseconds: what the first calls after a block's pause pay to refill the caches and predictors that other
+    processes emptied meanwhile, an absolute cost that weighs more on a shorter call; and the wall time's spread
+    of the settled calls."""
+    positions = [[r["cpu"] for r in rows[i::block]] for i in range(min(block, len(rows)))]
+    settled = [r for i, r in enumerate(rows) if i % block >= SETTLED_FROM]
+    base = statistics.median(r["cpu"] for r in settled) if settled else math.nan
+    return {"cpu_us": [round(statistics.median(p) * 1e6, 1) for p in positions],
+            "excess_us": [round((statistics.median(p) - base) * 1e6, 1) for p in positions],
+            "settled_wall_spread": spread([r["wall"] for r in settled])}
+
+
+def summarize(rows: list[dict], quiet_median: float, block: int = 0) -> dict:
     walls = [r["wall"] for r in rows]
     med = statistics.median(walls)
     slow = sorted(rows, key=lambda r: r["wall"], reverse=True)[:5]
@@ -160,7 +175,7 @@ def summarize(rows: list[dict], quiet_median: float) -> dict:
             "faults_calls": sum(r["minflt"] + r["majflt"] > 0 for r in rows),
             "over_3x_why": {why: whys.count(why) for why in sorted(set(whys))},
             "slowest": [{k: (round(v * 1e3, 3) if isinstance(v, float) else v) for k, v in r.items()}
-                        for r in slow]}
+                        for r in slow], **({"positions": by_position(rows, block)} if block else {})}
 
 
 def in_rounds(sessions: dict, feed: dict, count: int, block: int, queue: RunQueueWait, collector: Collector,
@@ -216,7 +231,7 @@ def probe(zoo: Path, name: str, labels: list[str], busy: int, count: int, block:
         for (rt, label), got in rows.items():
             quiet = out.get(f"quiet/{label}/{rt}", {}).get("median_ms")
             quiet = quiet * 1e-3 if quiet else statistics.median(r["wall"] for r in got)
-            out[f"{condition}/{label}/{rt}"] = summarize(got, quiet)
+            out[f"{condition}/{label}/{rt}"] = summarize(got, quiet, block)
             spent = threads_cpu[rt, label]
             out[f"{condition}/{label}/{rt}"]["other_threads_ms"] = {
                 name: round(ns * 1e-6, 2) for name, ns in spent.items() if ns > 0}
@@ -254,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"     preempted {s['preempted_calls']} of {s['n']} calls ({s['over_3x_preempted']} of the "
                       f"{s['over_3x']} >3x); spread per call: wall {sp['wall']:.0%}, CPU {sp['cpu']:.0%}, wall over "
                       f"the {sp['left_alone']} calls the host left alone {sp['wall_left_alone']:.0%}")
+                at = s["positions"]
+                print(f"     by block position, CPU us: {at['cpu_us']}; over the settled median: {at['excess_us']}; "
+                      f"wall spread of the calls from position {SETTLED_FROM}: {at['settled_wall_spread']:.0%}")
                 if s["max_over_quiet"] > 3:
                     for row in s["slowest"][:3]:
                         print("    ", row)

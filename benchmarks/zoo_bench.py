@@ -43,6 +43,10 @@ BUSY_OWN_TARGETS = (("busy spread per call (ours)", "spread", BUSY_SPREAD),
                     ("busy max call / quiet median (ours)", "max_over_quiet", BUSY_MAX_OVER_QUIET),
                     ("busy slowest round / quiet median (ours)", "round_max_over_quiet", BUSY_MAX_OVER_QUIET))
 SETTLE_LIMIT = 0.5  # seconds a block waits at most for the other runtime's pool to stop spinning
+# A block's timed calls from this position on count as settled: the pause before a block lets the host's other
+# processes run on this core, and the first calls after it refill the caches and predictors they emptied, an
+# absolute cost (busy_outliers' block positions) that weighs more on a shorter call.
+SETTLED_FROM = 3
 THREADS = {"1": 1, "default": 0}  # label -> intra_op_num_threads (0: each runtime's own default)
 SAYS = {"1": "one thread", "default": "default threads"}
 
@@ -126,22 +130,32 @@ def _percentile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
 
+def _spread(ordered: list[float]) -> float:
+    """(p90 - p10) / median of sorted samples."""
+    med = statistics.median(ordered)
+    return (_percentile(ordered, 0.9) - _percentile(ordered, 0.1)) / med if med > 0 else math.inf
+
+
 def stats(samples: list[float], quiet_median: float | None = None, block: int = 0) -> dict:
     """Per call: median, p10/p90, min/max and the spread (p90 - p10) / median. With ``block`` (the calls each
     turn timed in a row, in_blocks), per round as well: each block's median, their spread the same way and
     the slowest round's median over the quiet median: run to run as a user timing a batch of calls sees it,
-    where one descheduled call among hundreds moves the per-call maximum but not a round."""
+    where one descheduled call among hundreds moves the per-call maximum but not a round. Per block position
+    too (not a target): each position's median and the spread of the settled calls (SETTLED_FROM on), which
+    leaves out the first calls' refill after the pause before their block."""
     ordered = sorted(samples)
     med = statistics.median(ordered)
     out = {"n": len(ordered), "median": med, "p10": _percentile(ordered, 0.1), "p90": _percentile(ordered, 0.9),
-           "min": ordered[0], "max": ordered[-1],
-           "spread": (_percentile(ordered, 0.9) - _percentile(ordered, 0.1)) / med if med > 0 else math.inf}
+           "min": ordered[0], "max": ordered[-1], "spread": _spread(ordered)}
     rounds = sorted(statistics.median(samples[i:i + block]) for i in range(0, len(samples), block)) if block else []
     if rounds:
         middle = statistics.median(rounds)
         out["rounds"] = len(rounds)
         out["round_spread"] = ((_percentile(rounds, 0.9) - _percentile(rounds, 0.1)) / middle if middle > 0
                                else math.inf)
+        out["positions"] = [statistics.median(samples[i::block]) for i in range(min(block, len(samples)))]
+        settled = sorted(sample for i, sample in enumerate(samples) if i % block >= SETTLED_FROM)
+        out["settled_spread"] = _spread(settled) if settled else math.nan
     if quiet_median:
         out["max_over_quiet"] = ordered[-1] / quiet_median
         out["p90_over_quiet"] = _percentile(ordered, 0.9) / quiet_median
@@ -402,8 +416,7 @@ def verdicts(results: list[dict], threads: list[str], busy: bool) -> dict:
                     # onnxruntime's value of the same run beside ours: a miss both share is the host's.
                     rows.append({"target": f"{target}, {SAYS[label]}", "model": result["name"], "call": call,
                                  "value": ours_busy[key], "limit": limit, "ort": ort_busy[key]})
-                cpu_spreads.append((f"busy spread per call of CPU time, {SAYS[label]}", ours_busy["cpu"]["spread"],
-                                    ort_busy["cpu"]["spread"]))
+                cpu_spreads += side_spreads(ours_busy, ort_busy, SAYS[label])
         cold = result["cold"]
         rows.append({"target": "session creation + first runs", "model": result["name"], "call": "all",
                      "value": ratio(cold["ours"]["create_first_s"], cold["ort"]["create_first_s"]),
@@ -427,11 +440,22 @@ def verdicts(results: list[dict], threads: list[str], busy: bool) -> dict:
             "same_run": same_run(rows, cpu_spreads)}
 
 
+def side_spreads(ours: dict, ort: dict, says: str) -> list[tuple[str, float, float]]:
+    """The spreads beside the busy targets (not targets), ours and onnxruntime's: of the CPU time per call, and of
+    the settled calls' wall time (each block's from SETTLED_FROM on, where the block's timing gave positions)."""
+    spreads = [(f"busy spread per call of CPU time, {says}", ours["cpu"]["spread"], ort["cpu"]["spread"])]
+    if "settled_spread" in ours and "settled_spread" in ort:
+        spreads.append((f"busy spread per call from each block's call {SETTLED_FROM + 1}, {says}",
+                        ours["settled_spread"], ort["settled_spread"]))
+    return spreads
+
+
 def same_run(rows: list[dict], cpu_spreads: list[tuple[str, float, float]]) -> dict:
     """The busy targets on our own spread and slowest calls, counted for both runtimes over the same calls of
     the same run, and how many calls both missed (what the host did to both); beside them, not a target, the
     spread of the process's CPU time per call against the same limit: near the wall-time spread where the work
-    itself varied, far below it where calls waited for a core."""
+    itself varied, far below it where calls waited for a core; and the wall-time spread of the settled calls
+    (SETTLED_FROM on in each block), where the first calls' refill after the pause is left out."""
     counts: dict[str, dict] = {}
     for row in rows:
         if "ort" in row:
@@ -564,7 +588,9 @@ def verdict_table(verdict: dict) -> list[str]:
         lines += ["", "The busy targets on each runtime's own calls, counted for both over the same calls of this run "
                   "(a call both miss is the host's doing more than a runtime's), and the spread of the process's CPU "
                   "time per call against the same limit (not a target: far below the wall-time spread where calls "
-                  "waited for a core).", "",
+                  f"waited for a core), and the wall-time spread of each block's calls from call {SETTLED_FROM + 1} "
+                  "on (not a target: the first calls after a block's pause refill the caches and predictors other "
+                  "processes emptied meanwhile).", "",
                   "| busy, each runtime's own | limit | ours holds | onnxruntime holds | both miss "
                   "| worst ours / ort |",
                   "|---|---|---|---|---|---|"]

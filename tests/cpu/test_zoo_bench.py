@@ -101,6 +101,36 @@ def test_round_medians_spread_and_slowest_round():
     assert "rounds" not in zoo_bench.stats(samples)
 
 
+def test_block_positions_and_the_spread_of_the_settled_calls():
+    """The first calls of each block (refilling what other processes emptied during the pause before it) are
+    told apart: each position's median, and the spread of the calls from SETTLED_FROM on, which leaves them out;
+    the per-call spread (the target) still counts every call. The settled spread stands beside the busy targets,
+    for both runtimes, not as a target."""
+    import zoo_bench
+
+    first = [2.0, 1.5, 1.3]
+    samples = (first + [1.0] * 7) * 3
+    s = zoo_bench.stats(samples, quiet_median=1.0, block=10)
+    assert s["positions"] == first + [1.0] * 7
+    assert s["spread"] == pytest.approx(0.5) and s["settled_spread"] == 0.0
+    assert zoo_bench.SETTLED_FROM == len(first)
+    assert "settled_spread" not in zoo_bench.stats(samples)
+    short = zoo_bench.stats([3.0, 1.0, 1.0], block=10)  # fewer calls than a block: positions as far as they go
+    assert short["positions"] == [3.0, 1.0, 1.0] and math.isnan(short["settled_spread"])
+
+    busy = {"median": 1.0, "spread": 0.5, "round_spread": 0.0, "max_over_quiet": 2.0, "round_max_over_quiet": 1.0,
+            "cpu": {"spread": 0.4}, "settled_spread": 0.1}
+    quiet = {"median": 1.0, "cpu": {"median": 1.0}}
+    cold = {"create_first_s": 1.0, "create_first_cpu_s": 1.0, "rss_peak": 1}
+    calls = {"a": {"quiet/1/ours": quiet, "quiet/1/ort": quiet, "busy/1/ours": busy,
+                   "busy/1/ort": {**busy, "settled_spread": 0.3}}}
+    verdict = zoo_bench.verdicts([{"name": "m", "steady": {"calls": calls}, "cold": {"ours": cold, "ort": cold}}],
+                                 ["1"], busy=True)
+    settled = verdict["same_run"]["busy spread per call from each block's call 4, one thread (not a target)"]
+    assert (settled["ours_held"], settled["ort_held"], settled["ours_worst"], settled["ort_worst"]) == (1, 0, 0.1, 0.3)
+    assert not any("block's call" in row["target"] for row in verdict["rows"])
+
+
 def test_busy_targets_count_onnxruntime_over_the_same_calls():
     """Each busy target on a runtime's own calls is counted for both runtimes over the same calls, with the
     calls both missed; the CPU-time spread stands beside them against the same limit, not as a target."""
@@ -156,6 +186,24 @@ def test_busy_outliers_spread_of_the_calls_the_host_left_alone():
     rows[2] = row(4.0, 4.0)
     why = busy_outliers.summarize(rows, quiet_median=1.0)["over_3x_why"]
     assert why == {"own CPU": 1, "own CPU right after a preempted call": 1, "own run-queue wait": 1}
+
+
+def test_busy_outliers_by_block_position():
+    """busy_outliers: each block position's median CPU time and its excess over the settled calls' median (what
+    the first calls after a pause pay), and the wall spread of the settled calls alone."""
+    import busy_outliers
+
+    def row(wall, cpu):
+        return {"wall": wall, "cpu": cpu, "wait": 0.0, "nivcsw": 0, "nvcsw": 0, "gc": 0.0, "gcs": 0,
+                "minflt": 0, "majflt": 0, "others_cpu": 0.0, "others_wait": 0.0}
+
+    block = [row(160e-6, 160e-6), row(130e-6, 130e-6), row(120e-6, 120e-6)] + [row(100e-6, 100e-6)] * 7
+    s = busy_outliers.summarize(block * 4, quiet_median=100e-6, block=10)
+    at = s["positions"]
+    assert at["cpu_us"][:4] == [160.0, 130.0, 120.0, 100.0]
+    assert at["excess_us"][:4] == pytest.approx([60.0, 30.0, 20.0, 0.0])
+    assert at["settled_wall_spread"] == 0.0 and s["spread"]["wall"] > 0.25
+    assert "positions" not in busy_outliers.summarize(block, quiet_median=100e-6)
 
 
 def test_settle_waits_for_another_spinning_thread():
