@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import os
+import pickle
+import sys
 
-from numba.core import caching
+from numba.core import caching, environment
 
 _STAMP_VERSION = "package-sources-1"  # changes the stamp of every entry when this scheme changes
 
@@ -69,10 +72,50 @@ class _PackageCacheImpl(caching.CompileResultCacheImpl):
     _locator_classes = [PackageUserProvidedLocator, PackageInTreeLocator, PackageUserWideLocator]
 
 
+def _environment_for_loop(modname, consts, env_name):
+    """numba's ``_rebuild_env`` for a cached loop's environment, without importing the module it names.
+
+    A loop's library refers to the environment of every function compiled into it (numba's array and string
+    helpers among them), and numba rebuilds each one with its module's ``__dict__`` as globals, importing the
+    module: loading the convolution chain imported numba.np.arrayobj (with numba's unicode and charseq) and
+    modules of this package only for that. A nopython function never reads its environment's globals (object
+    mode's lowering alone does), and every loop here is nopython, so an environment whose module is not
+    imported yet gets globals naming the module only; the constants, which its code does read, are restored.
+    A module already imported gets numba's own rebuild."""
+    if modname in sys.modules or environment.lookup_environment(env_name) is not None:
+        return environment._rebuild_env(modname, consts, env_name)  # noqa: SLF001
+    env = environment.Environment({"__name__": modname})  # (can_cache and __reduce__ read the name)
+    env.consts[:] = consts
+    env.env_name = env_name
+    environment.Environment._memo[env_name] = env  # noqa: SLF001  (as numba's rebuild keeps it)
+    return env
+
+
+class _LoopUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if module == "numba.core.environment" and name == "_rebuild_env":
+            return _environment_for_loop
+        return super().find_class(module, name)
+
+
+class _LoopCacheFile(caching.IndexDataCacheFile):
+    """numba's index and data files, whose data unpickles the loops' environments by _environment_for_loop."""
+
+    def _load_data(self, name):
+        with open(self._data_path(name), "rb") as data:
+            return _LoopUnpickler(io.BytesIO(data.read())).load()
+
+
 class PackageFunctionCache(caching.FunctionCache):
-    """numba's per-function cache of compile results, with the package-wide stamp."""
+    """numba's per-function cache of compile results, with the package-wide stamp, reading a cached library's
+    environments without importing their modules (_environment_for_loop)."""
 
     _impl_class = _PackageCacheImpl
+
+    def __init__(self, py_func):
+        super().__init__(py_func)
+        self._cache_file = _LoopCacheFile(cache_path=self._cache_path, filename_base=self._impl.filename_base,
+                                          source_stamp=self._impl.locator.get_source_stamp())
 
 
 def enable_caching(dispatcher_or_cfunc, function) -> None:
