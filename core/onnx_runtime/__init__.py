@@ -12,6 +12,9 @@ group; the contract they implement is :mod:`onnx_runtime.contract.hookspecs`.
 
 from typing import TYPE_CHECKING
 
+from . import package_finder  # noqa: F401  (first: it serves the imports of our submodules, see there)
+
+# isort: split
 from . import capi, contract, errors
 from .contract import (
     ArgmaxTieBreak,
