@@ -15,6 +15,7 @@ import numpy as np
 from onnx_runtime.ir import Node
 
 from ..algorithms.activations import gelu_erf, gelu_series, gelu_tanh
+from ..algorithms.bound_loop import EntryOnce
 from ..compiled import COMPILED_DTYPES
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
@@ -27,6 +28,31 @@ def _compiled_decoder():
     from ..compiled import decoder  # numba loads only for models that need it
 
     return decoder
+
+
+_FLOAT32, _FLOAT64 = np.dtype(np.float32), np.dtype(np.float64)
+# The last call's kept state of a kernel below before any call bound one (never matches a shape).
+_UNBOUND = ((), None, None, None, None)
+
+
+class _Entries:
+    """A compiled row loop's entry points, one per dtype (bound_loop.EntryOnce). A decode step calls the loops below
+    with the same shapes and argument types every step, and numba's dispatcher types each argument on every call (a
+    third of a one-row call): the kernels keep the entry point with the shapes of their last call (``kept``) and
+    call it directly while a call has those shapes, that dtype and C-contiguous arrays as reshaped for the loop (the
+    entry point does not check its arguments); any other call goes through the dispatcher."""
+
+    __slots__ = ("float32", "float64")
+
+    def __init__(self, loop):
+        self.float32, self.float64 = EntryOnce(loop), EntryOnce(loop)
+
+    def __call__(self, dtype, arguments: tuple):
+        """The entry point for ``arguments`` (C-contiguous arrays, each of ``dtype`` or the loop's other fixed
+        types), bound now where not yet; None where there is none (numba still loading, or no linked overload)."""
+        if dtype is _FLOAT32:
+            return self.float32(arguments)
+        return self.float64(arguments) if dtype is _FLOAT64 else None
 
 
 def _rotate_half_numpy(q, cos, sin, half, end):
@@ -78,14 +104,32 @@ def rotate_half_embedding(node, shapes, opset):
     half, end = int(node.attr("half")), int(node.attr("end"))
     compiled = _compiled_decoder()
     plans = RotationPlan(half, end)
+    entries = _Entries(compiled.rotate_half)
+    # ((q's shape, the tables'), dtype, the plan's rows, q's and the tables' 2-D shapes) and the entry point of the
+    # last call that had one (see _Entries), read as one tuple (threads may run this node at once)
+    kept = [_UNBOUND + (None,)]
 
     def kernel(q, cos, sin):
-        if q.dtype in COMPILED_DTYPES and q.dtype == cos.dtype == sin.dtype and cos.shape == sin.shape:
+        shapes, dtype, rows, q_2d, table_2d, entry = kept[0]
+        if (q.shape, cos.shape) == shapes and sin.shape == shapes[1] and q.dtype is dtype and cos.dtype is dtype \
+                and sin.dtype is dtype:
+            q_rows, cos_rows, sin_rows = q.reshape(q_2d), cos.reshape(table_2d), sin.reshape(table_2d)
+            if q_rows.flags.c_contiguous and cos_rows.flags.c_contiguous and sin_rows.flags.c_contiguous:
+                out = np.empty(q_2d, dtype)
+                entry(q_rows, cos_rows, sin_rows, rows, half, out)
+                return (out.reshape(shapes[0]),)
+        dtype = q.dtype
+        if dtype in COMPILED_DTYPES and dtype == cos.dtype == sin.dtype and cos.shape == sin.shape:
             plan = plans(q.shape, cos.shape)
             if plan is not None:
                 rows, q_2d, table_2d = plan
-                out = np.empty(q_2d, q.dtype)
-                compiled.rotate_half(q.reshape(q_2d), cos.reshape(table_2d), sin.reshape(table_2d), rows, half, out)
+                out = np.empty(q_2d, dtype)
+                arguments = (q.reshape(q_2d), cos.reshape(table_2d), sin.reshape(table_2d), rows, half, out)
+                compiled.rotate_half(*arguments)
+                if all(array.flags.c_contiguous for array in arguments[:3]) and dtype is cos.dtype is sin.dtype:
+                    entry = entries(dtype, arguments)
+                    if entry is not None:
+                        kept[0] = ((q.shape, cos.shape), dtype, rows, q_2d, table_2d, entry)
                 return (out.reshape(q.shape),)
         return (_rotate_half_numpy(q, cos, sin, half, end),)
 
@@ -104,14 +148,31 @@ def skip_rms_normalization(node, shapes, opset):
         "axis": -1, "epsilon": epsilon, "stash_type": int(node.attr("stash_type", 1))}, opset=23),
         [shapes[0], shapes[2]], 23)
     compiled = _compiled_decoder()
+    entries = _Entries(compiled.skip_rms_norm)
+    # (a's shape, dtype, the weight, the rows' 2-D shape, the entry point): the last call that had one (see
+    # _Entries), for a constant (read-only, C-contiguous) weight, the same array every run
+    kept = [_UNBOUND]
 
     def kernel(a, b, weight):
+        shape, dtype, kept_weight, rows_2d, entry = kept[0]
+        if weight is kept_weight and a.shape == shape and b.shape == shape and a.dtype is dtype and b.dtype is dtype:
+            a_rows, b_rows = a.reshape(rows_2d), b.reshape(rows_2d)
+            if a_rows.flags.c_contiguous and b_rows.flags.c_contiguous:
+                out, total = np.empty(shape, dtype), np.empty(shape, dtype)
+                entry(a_rows, b_rows, weight, epsilon, out.reshape(rows_2d), total.reshape(rows_2d))
+                return out, total
         if a.dtype == stash and a.dtype == b.dtype == weight.dtype and a.shape == b.shape and a.size\
                 and weight.shape == a.shape[-1:]:
             n = a.shape[-1]
-            out, total = np.empty(a.shape, a.dtype), np.empty(a.shape, a.dtype)
-            compiled.skip_rms_norm(a.reshape(-1, n), b.reshape(-1, n), weight, epsilon, out.reshape(-1, n),
-                                   total.reshape(-1, n))
+            dtype = a.dtype
+            out, total = np.empty(a.shape, dtype), np.empty(a.shape, dtype)
+            arguments = (a.reshape(-1, n), b.reshape(-1, n), weight, epsilon, out.reshape(-1, n), total.reshape(-1, n))
+            compiled.skip_rms_norm(*arguments)
+            if all(array.flags.c_contiguous for array in arguments[:3]) and not weight.flags.writeable \
+                    and dtype is b.dtype is weight.dtype:
+                entry = entries(dtype, arguments)
+                if entry is not None:
+                    kept[0] = (a.shape, dtype, weight, (a.size // n, n), entry)
             return out, total
         total = a + b
         return norm(total, weight)[0], total
@@ -133,6 +194,8 @@ def swish_mul(node, shapes, opset):
     Swish then Mul within exp's rounding; otherwise numpy in place in one temporary, equal to them."""
     alpha = float(node.attr("alpha", 1.0))
     compiled = _compiled_decoder()
+    entries = {_FLOAT32: _Entries(compiled.swish_mul_float32), _FLOAT64: _Entries(compiled.swish_mul)}
+    kept = [_UNBOUND[:3]]  # (shape, dtype, entry point) of the last call that had one (see _Entries)
 
     @quiet  # exp overflows to inf for large negative inputs, giving the correct limit 0
     def numpy_kernel(a, b):
@@ -150,11 +213,25 @@ def swish_mul(node, shapes, opset):
         return (t * b,)  # b broadcasts
 
     def kernel(a, b):
+        shape, dtype, entry = kept[0]
+        if a.shape == shape and b.shape == shape and a.dtype is dtype and b.dtype is dtype:
+            a_flat, b_flat = a.reshape(-1), b.reshape(-1)
+            if a_flat.flags.c_contiguous and b_flat.flags.c_contiguous:
+                out = np.empty(shape, dtype)
+                entry(a_flat, b_flat, alpha, out.reshape(-1))
+                return (out,)
         small = a.shape == b.shape and a.size <= _SWISH_MUL_COMPILED_SIZE
         if small and a.dtype in COMPILED_DTYPES and a.dtype == b.dtype:
-            out = np.empty(a.shape, a.dtype)
-            loop = compiled.swish_mul_float32 if a.dtype == np.float32 else compiled.swish_mul
-            loop(a.reshape(-1), b.reshape(-1), alpha, out.reshape(-1))
+            dtype = a.dtype
+            out = np.empty(a.shape, dtype)
+            arguments = (a.reshape(-1), b.reshape(-1), alpha, out.reshape(-1))
+            found = entries.get(dtype)
+            (compiled.swish_mul_float32 if dtype == np.float32 else compiled.swish_mul)(*arguments)
+            if found is not None and dtype is b.dtype and arguments[0].flags.c_contiguous \
+                    and arguments[1].flags.c_contiguous:
+                entry = found(dtype, arguments)
+                if entry is not None:
+                    kept[0] = (a.shape, dtype, entry)
             return (out,)
         return numpy_kernel(a, b)
 
@@ -170,13 +247,29 @@ def gelu_mul(node, shapes, opset):
     if approximate not in ("none", "tanh"):
         raise graph_error(node, "approximate", f"is {approximate!r}; expected 'none' or 'tanh'")
     fn = gelu_erf if approximate == "none" else gelu_tanh
-    coefficients = gelu_series(approximate, np.float32)
+    coefficients = np.ascontiguousarray(gelu_series(approximate, np.float32))
     compiled = _compiled_decoder()
+    entries = _Entries(compiled.gelu_mul_float32)
+    kept = [_UNBOUND[:3]]  # (shape, dtype, entry point) of the last call that had one (see _Entries)
 
     def kernel(a, b):
+        shape, dtype, entry = kept[0]
+        if a.shape == shape and b.shape == shape and a.dtype is dtype and b.dtype is dtype:
+            a_flat, b_flat = a.reshape(-1), b.reshape(-1)
+            if a_flat.flags.c_contiguous and b_flat.flags.c_contiguous:
+                out = np.empty(shape, dtype)
+                entry(a_flat, b_flat, coefficients, out.reshape(-1))
+                return (out,)
         if a.dtype == np.float32 and b.dtype == a.dtype and a.shape == b.shape and a.size:
-            out = np.empty(a.shape, a.dtype)
-            compiled.gelu_mul_float32(a.reshape(-1), b.reshape(-1), coefficients, out.reshape(-1))
+            dtype = a.dtype
+            out = np.empty(a.shape, dtype)
+            arguments = (a.reshape(-1), b.reshape(-1), coefficients, out.reshape(-1))
+            compiled.gelu_mul_float32(*arguments)
+            if dtype is _FLOAT32 and b.dtype is dtype and arguments[0].flags.c_contiguous \
+                    and arguments[1].flags.c_contiguous:
+                entry = entries(dtype, arguments)
+                if entry is not None:
+                    kept[0] = (a.shape, dtype, entry)
             return (out,)
         with np.errstate(over="ignore", invalid="ignore"):  # huge |a| overflows; -inf * 0 is NaN as specified
             return (fn(a).astype(a.dtype, copy=False) * b,)
