@@ -7,6 +7,7 @@ tap accumulated in BLAS (see blas.py), and Winograd F(2x2, 3x3). Each takes a Fu
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -288,16 +289,17 @@ def tap_source(x: np.ndarray, geo: Geometry):
 _WINOGRAD_G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
 
 
-_WINOGRAD_B4 = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], dtype=np.float64)
-
-
-_WINOGRAD_A2 = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], dtype=np.float64)
-
-
-_WINOGRAD_BT = np.kron(_WINOGRAD_B4, _WINOGRAD_B4)  # (16, 16): B^T d B of every tile at once
-
-
-_WINOGRAD_AT = np.kron(_WINOGRAD_A2, _WINOGRAD_A2)  # (4, 16): A^T m A
+@functools.cache
+def _winograd_tile_transforms() -> tuple[np.ndarray, np.ndarray]:
+    """(B^T d B, A^T m A) of every tile at once: (16, 16) and (4, 16). Made at the first Winograd convolution,
+    not at import: numpy-served first runs never take Winograd, and np.kron's first call in a process costs
+    more than the rest of this module's import."""
+    b4 = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], dtype=np.float64)
+    a2 = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], dtype=np.float64)
+    transforms = np.kron(b4, b4), np.kron(a2, a2)
+    for shared in transforms:
+        shared.flags.writeable = False  # (one pair for every call)
+    return transforms
 
 
 def winograd_weights(w: np.ndarray, dtype) -> np.ndarray:
@@ -320,9 +322,10 @@ def conv_winograd(x, u, b, geo: Geometry) -> np.ndarray:
     tiles = strided_view(xp, (4, 4, c, n, th, tw), (sh, sw, sc, sn, 2 * sh, 2 * sw))
     d = np.empty((16, c * n * th * tw), dtype=x.dtype)
     np.copyto(d.reshape(4, 4, c, n, th, tw), tiles)
-    v = np.matmul(_WINOGRAD_BT.astype(x.dtype), d).reshape(16, c, n * th * tw)
+    bt, at = _winograd_tile_transforms()
+    v = np.matmul(bt.astype(x.dtype), d).reshape(16, c, n * th * tw)
     products = np.matmul(u, v).reshape(16, m * n * th * tw)
-    out_tiles = np.matmul(_WINOGRAD_AT.astype(x.dtype), products).reshape(2, 2, m, n, th, tw)
+    out_tiles = np.matmul(at.astype(x.dtype), products).reshape(2, 2, m, n, th, tw)
     y = np.empty((n, m, 2 * th, 2 * tw), dtype=x.dtype)
     placed = y.reshape(n, m, th, 2, tw, 2).transpose(3, 5, 1, 0, 2, 4)  # (2, 2, M, N, TH, TW)
     if b is None:
