@@ -41,6 +41,7 @@ class ShapeRule(FrozenRecord):
 
 
 _RULES: dict[tuple[str, str], ShapeRule] = {}
+_OPERAND_COUNTS = {FIRST: 1, MATMUL: 2, CONCAT: 1}  # the kinds that read a fixed number of inputs
 
 
 def declare(domain: str, op_type: str, kind: str, operands: tuple[int, ...] = ()) -> None:
@@ -48,14 +49,14 @@ def declare(domain: str, op_type: str, kind: str, operands: tuple[int, ...] = ()
     error (two providers may not disagree on one operator)."""
     if kind not in KINDS:
         raise ValueError(f"shape rule of {domain}:{op_type}: kind {kind!r}; expected one of {KINDS}")
-    wanted = {FIRST: 1, MATMUL: 2, CONCAT: 1}.get(kind)
+    wanted = _OPERAND_COUNTS.get(kind)
     operands = tuple(operands) or ((0,) if kind == FIRST else (0, 1) if kind == MATMUL else ())
     if wanted is not None and len(operands) != wanted or kind == BROADCAST and len(operands) < 2:
         raise ValueError(f"shape rule of {domain}:{op_type}: {kind} takes {wanted or 'two or more'} operand "
                          f"indices, not {operands}")
     rule = ShapeRule(kind, operands)
     known = _RULES.setdefault((domain, op_type), rule)
-    if known != rule:
+    if known is not rule and known != rule:  # (a first declaration, the usual case, compares nothing)
         raise ValueError(f"shape rule of {domain}:{op_type} declared as {known} and as {rule}")
 
 

@@ -82,10 +82,19 @@ def declare_families(package: str, path: list[str], families: dict[str, str]) ->
     operator no module declares imports every module of the package, so a module or operator missing here
     costs time, never a kernel (tests/core/test_cold_lazy_ops.py keeps the table exact)."""
     _PACKAGES.append((package, list(path)))
-    for module, ops in families.items():
+    for module, ops in families.items():  # (every new process's first session reads some 300 names here)
+        name = f"{package}.{module}"
         for op in ops.split():
-            domain, _, op_type = op.rpartition(":")
-            _PENDING.setdefault((_norm_domain(domain), op_type), []).append(f"{package}.{module}")
+            if ":" in op:
+                domain, _, op_type = op.rpartition(":")
+                key = (_norm_domain(domain), op_type)
+            else:
+                key = ("", op)
+            modules = _PENDING.get(key)
+            if modules is None:
+                _PENDING[key] = [name]
+            else:
+                modules.append(name)
 
 
 def _entries(key: tuple[str, str]) -> list | None:
