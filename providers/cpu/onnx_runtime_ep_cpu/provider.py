@@ -28,7 +28,7 @@ _PASS_MODULES = {"PRECISION_PASSES": "precision_fusions", "QDQ_PASSES": "qdq_fus
                  "CONV_PASSES": "conv_fusions", "DECODER_PASSES": "decoder_fusions", "HEADS_PASSES": "attention_heads",
                  "RECURRENT_PASSES": "recurrent_fusions", "SPECTRAL_PASSES": "spectral_fusions",
                  "QDQ_EPILOGUE_PASSES": "qdq_epilogues", "DYNAMIC_EPILOGUE_PASSES": "dynamic_epilogues",
-                 "NORM_PASSES": "norm_projections"}
+                 "NORM_PASSES": "norm_projections", "LAYOUT_PASSES": "transpose_sinking"}
 
 
 def __getattr__(name: str):
@@ -89,10 +89,11 @@ class CPUExecutionProvider:
     def custom_passes(self):
         # PRECISION_PASSES run before the generic optimizer; decoder passes read what PASSES fuse, and the heads
         # pass the layout pairs decoder passes make; the roundings left then become their producers' epilogues, and
-        # normalizations fold into the projections (made by the heads passes) that alone read them
+        # normalizations fold into the projections (made by the heads passes) that alone read them; Transposes
+        # cancel (LAYOUT_PASSES) before PASSES fuse a residual Add that the cancelling leaves channels-last
         this = sys.modules[__name__]
         return [*this.PRECISION_PASSES, *this.QDQ_PASSES, *this.DYNAMIC_CONV_PASSES, *this.RECURRENT_PASSES,
-                *this.SPECTRAL_PASSES, *this.PASSES, *this.DYNAMIC_EPILOGUE_PASSES,
+                *this.SPECTRAL_PASSES, *this.LAYOUT_PASSES, *this.PASSES, *this.DYNAMIC_EPILOGUE_PASSES,
                 *this.CONV_PASSES, *this.DECODER_PASSES, *this.HEADS_PASSES, *this.QDQ_EPILOGUE_PASSES,
                 *this.NORM_PASSES]
 

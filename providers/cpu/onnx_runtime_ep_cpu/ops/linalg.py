@@ -234,6 +234,8 @@ def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general, unnormal
     def kernel(a, b, bias, residual=None, scale=None, shift=None):
         nonlocal packed, kept, blas_kept
         a = a if a.flags.c_contiguous else _planned_copy(a, a_shape)  # (ConvNeXt's channels-last views)
+        if residual is not None and not residual.flags.c_contiguous:  # (a residual transpose_sinking moved)
+            residual = _planned_copy(residual, out_shape)
         y = _kept_fused_run(kept, a, b, bias, residual, a_shape, out_shape, scale) if few else \
             _kept_blas(blas_kept, a, b, bias, residual, a_shape, out_shape, blas)
         if y is not None:
@@ -281,8 +283,8 @@ def _blas_product(product, a_shape: tuple, n: int, plain: bool, series: dict):
 
 
 def _planned_copy(a: np.ndarray, a_shape: tuple) -> np.ndarray:
-    """A non-contiguous ``a`` of the planned shape as one C-contiguous copy, for the planned kernel (the general one
-    costs more than the copy); others as they are."""
+    """A non-contiguous ``a`` (or residual) of the planned shape as one C-contiguous copy, for the planned kernel (the
+    general one costs more than the copy); others as they are."""
     return np.ascontiguousarray(a) if a.shape == a_shape else a
 
 
