@@ -10,6 +10,7 @@ import numpy as np
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from ..algorithms.activations import gelu_erf, gelu_series, gelu_tanh
+from ..algorithms.bound_loop import EntryOnce
 from ..algorithms.precision import BLAS_FLOATS, FLOAT32, compute_dtype
 from ..algorithms.products import (
     FEW_TILE_ROWS,
@@ -270,12 +271,20 @@ def _blas_product(product, a_shape: tuple, n: int, plain: bool, series: dict):
     rows, depth, out_shape = math.prod(a_shape[:-1]), a_shape[-1], a_shape[:-1] + (n,)
     add, gelu = compiled.add_bias_residual_, compiled.gelu
     no_residual = {dtype: np.empty((0, 0), dtype) for dtype in BLAS_FLOATS}
+    # The epilogue's entry point per dtype (bound_loop.EntryOnce): a decode step adds its bias every step with the same
+    # argument types (numba's dispatcher typing its three arguments cost a one-row product's epilogue half its call).
+    # Only C-contiguous operands of that dtype take it: the entry point does not check its arguments.
+    adds = {dtype: EntryOnce(add) for dtype in BLAS_FLOATS}
 
     def blas(a, b, bias, residual, dtype):
         y = product(a.reshape(rows, depth), b)
         skip = no_residual[dtype] if residual is None else residual.reshape(rows, n)
         if plain:
-            add(y, bias, skip)
+            if y.dtype is dtype and bias.dtype is dtype and skip.dtype is dtype and y.flags.c_contiguous \
+                    and bias.flags.c_contiguous and skip.flags.c_contiguous:
+                adds[dtype].run((y, bias, skip))
+            else:
+                add(y, bias, skip)
             return y.reshape(out_shape)
         return gelu(y, series[dtype], bias, None if residual is None else skip, out=y).reshape(out_shape)
 

@@ -184,7 +184,6 @@ def projection_group(node, shapes, opset):
     lead = a_shape[:-1]
     out_shape = lead + (total,)
     out_shape, columns_planned = _planned_heads(columns, layouts, widths, lead) or (out_shape, columns)
-    no_bias = np.empty(0, _F32)
     no_residual = np.empty((0, 0), _F32)
     add = compiled.add_bias_residual_
     # A decode step's few rows by constant weights of this size: few_rows.py's tiles (BLAS packs the weights per call)
@@ -211,7 +210,8 @@ def projection_group(node, shapes, opset):
             y = tiles(a.reshape(rows, depth), w, bias, spec).reshape(out_shape)
         else:
             y = np.dot(a.reshape(rows, depth), w)
-            add(y, no_bias if bias is None else bias, no_residual)
+            if bias is not None:  # (without one the loop adds nothing: its dispatch alone would cost the call)
+                add(y, bias, no_residual)
             y = y.reshape(out_shape)
         return columns_planned(y)
 
