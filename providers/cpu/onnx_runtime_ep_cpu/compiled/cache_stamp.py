@@ -23,6 +23,8 @@ import sys
 
 from numba.core import caching, environment
 
+from . import cached_library
+
 _STAMP_VERSION = "package-sources-1"  # changes the stamp of every entry when this scheme changes
 
 
@@ -70,6 +72,9 @@ class _PackageCacheImpl(caching.CompileResultCacheImpl):
     # numba's order (a user-provided folder first, then next to the source, then the user-wide folder); the
     # IPython and zip locators do not apply to an installed package's files
     _locator_classes = [PackageUserProvidedLocator, PackageInTreeLocator, PackageUserWideLocator]
+
+    def rebuild(self, target_context, payload):
+        return cached_library.rebuild(target_context, payload)  # its linking bitcode parsed at first use
 
 
 def _environment_for_loop(modname, consts, env_name):
