@@ -49,7 +49,8 @@ def use_taps(geo: Geometry, group: int, c: int, m: int, dtype) -> bool:
     if group != 1 or not rows_fit(geo):
         return False
     column_bytes = c * math.prod(geo.kernel) * math.prod(geo.out) * dtype.itemsize
-    return 4 * m <= c or (blas_accumulates(dtype) and column_bytes >= KNOBS.taps_column_bytes)
+    # (the size first: asking whether BLAS accumulates probes the library once per process, with a test product)
+    return 4 * m <= c or (column_bytes >= KNOBS.taps_column_bytes and blas_accumulates(dtype))
 
 
 def use_winograd(geo: Geometry, group: int, c: int, m: int) -> bool:
