@@ -10,7 +10,6 @@ import numpy as np
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
 from ..algorithms.activations import gelu_erf, gelu_series, gelu_tanh
-from ..algorithms.bound_loop import EntryOnce
 from ..algorithms.precision import BLAS_FLOATS, FLOAT32, compute_dtype
 from ..algorithms.products import (
     FEW_TILE_ROWS,
@@ -266,6 +265,7 @@ def _blas_product(product, a_shape: tuple, n: int, plain: bool, series: dict):
     """``blas(a, b, bias, residual, dtype)``: a planned FusedMatMul's BLAS ``product`` of A's rows (A of ``a_shape``)
     by its (K, ``n``) weights with the bias (and Gelu: not ``plain``, ``series`` per dtype) and the residual added in
     place by the compiled epilogue, as A's shape."""
+    from ..algorithms.bound_loop import EntryOnce  # (here: a CNN's classifier MatMul need not import it)
     from ..compiled import transformer as compiled
 
     rows, depth, out_shape = math.prod(a_shape[:-1]), a_shape[-1], a_shape[:-1] + (n,)
