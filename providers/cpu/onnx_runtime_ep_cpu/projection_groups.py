@@ -26,7 +26,10 @@ member's output takes a column view as it takes a whole array (_VIEW_READERS), i
 product is below the packed_macs knob (larger ones keep ops/linalg.py's packed product). A product already merged
 (GPT-2's c_attn, Phi-3's qkv_proj and gate_up_proj, or the optimizer's sibling MatMuls) and cut along its last
 axis into such readers' inputs is one too (split_projection_outputs): by a Split, or by Slices of adjacent
-constant column ranges that cover it once (Phi-3's exports), whose copies become the product's column views. A
+constant column ranges that cover it once (Phi-3's exports), whose copies become the product's column views; a
+FusedMatMul into which norm_projections already folded a normalization counts (over symbolic lengths the generic
+plan folds it before a specialized plan's static shapes allow the group: onnxruntime's optimized decoders, whose
+normalization feeds the merged product directly), the group taking the normalization over. A
 part whose only reader is an Add of a constant bias of its width (OPT's merged q/k/v: the product without its
 biases, each added after the Split) takes that bias into the group's, so the Add's readers read the view. An
 int8_dynamic export's DynamicQuantizeMatMul cut the same way (Phi-3's, GPT-2's c_attn) keeps its product and gives
@@ -35,7 +38,8 @@ the parts as its column views (split_dynamic_quantize_outputs).
 Last, a member whose only reader is its head split (ReshapeTranspose) comes out split (fold_head_splits): the
 group's kernel reshapes and transposes the column as the split did, and at a decode step's one token (where the
 transpose moves only axes of length 1) its members are slices of the product reshaped once, so a layer's q, k
-and v cost one step, not four.
+and v cost one step, not four. A split's target dimension 0 that copies the column's (TorchScript's [0, 0, heads,
+size]) is read off the column's static shape in a specialized plan.
 """
 
 from __future__ import annotations
@@ -58,8 +62,22 @@ _MERGED: dict[tuple, tuple] = {}
 _MERGED_LIMIT = 256
 
 
-def _member(view: GraphView, fed: set[str], node: Node | None) -> tuple | None:
-    """(A, weight, bias or None) of a product this pass merges, else None."""
+def _folded_norm(view: GraphView, fed: set[str], node: Node) -> tuple[list[str], dict] | None:
+    """(the scale and shift inputs, the normalization's attributes) of a FusedMatMul without activation or residual
+    into which norm_projections folded its normalization, else None. A generic plan folds it before a specialized
+    plan (static shapes) may group the product: the ProjectionGroup takes the normalization over."""
+    if node.op_type != "FusedMatMul" or node.domain != FUSED_DOMAIN or not node.attr("normalize", "") \
+            or node.attr("activation", "none") != "none" or len(node.inputs) not in (5, 6) or node.inputs[3]:
+        return None
+    tail = list(node.inputs[4:])
+    if not tail[0] or fed & set(tail) or any(name and view.const(name) is None for name in tail):
+        return None
+    return tail, {"normalize": node.attr("normalize"), "norm_epsilon": float(node.attr("norm_epsilon", 1e-5))}
+
+
+def _member(view: GraphView, fed: set[str], node: Node | None, normalized: bool = False) -> tuple | None:
+    """(A, weight, bias or None) of a product this pass merges, else None; with ``normalized``, a FusedMatMul
+    carrying a folded normalization (_folded_norm) too, A then being the normalization's input."""
     if node is None:
         return None
     if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and len(node.inputs) == 2:
@@ -68,6 +86,10 @@ def _member(view: GraphView, fed: set[str], node: Node | None) -> tuple | None:
             and node.attr("activation", "none") == "none":
         bias = view.const(node.inputs[2])
         if bias is None:
+            return None
+    elif normalized and _folded_norm(view, fed, node) is not None:
+        bias = view.const(node.inputs[2]) if node.inputs[2] else None
+        if node.inputs[2] and bias is None:
             return None
     else:
         return None
@@ -339,6 +361,21 @@ def _cuts(view: GraphView, fed: set[str], name: str, total: int,
     return _slice_cuts(view, fed, name, total, rank)
 
 
+def _cut_group_inputs(graph: Graph, product: Node, biased: bool, parts: list[tuple], widths: list[int],
+                      norm: tuple | None) -> list[str]:
+    """The ProjectionGroup's inputs for a cut product: A, the weight, its bias (or the parts' Adds' biases side by
+    side, a new initializer), then a folded normalization's scale and shift as norm_projections writes a group's."""
+    inputs = [*product.inputs[:2], product.inputs[2] if biased else ""]
+    if any(add is not None for _read, _bias, add in parts):
+        bias = np.concatenate([np.zeros(width, _F32) if b is None else b
+                               for (_read, b, _add), width in zip(parts, widths)])
+        inputs[2] = fresh_name(graph, f"{product.name or 'projection'}/group_bias")
+        add_initializer(graph, inputs[2], bias)
+    if norm:
+        return inputs + norm[0]
+    return inputs if inputs[2] else inputs[:2]
+
+
 def split_projection_outputs(graph: Graph, owns=None) -> bool:
     """Each product cut along its last axis, by one Split or by Slices, into _VIEW_READERS' inputs (directly, or
     through an Add of a constant bias per part) as one ProjectionGroup over the same weight (see the module
@@ -346,12 +383,13 @@ def split_projection_outputs(graph: Graph, owns=None) -> bool:
     view, fed = GraphView(graph), {vi.name for vi in graph.inputs}
     changed = False
     for product in list(graph.nodes):
-        part = _member(view, fed, product)
+        part = _member(view, fed, product, normalized=True)
         if part is None or len(product.outputs) != 1:
             continue
         name = product.outputs[0]
         if name in view.outputs or name in view.inner_reads:
             continue
+        norm = _folded_norm(view, fed, product)
         info = graph.type_of(name)
         rank = len(info.shape) if info is not None and info.is_tensor and info.shape is not None else None
         cut = _cuts(view, fed, name, int(part[1].shape[1]), rank)
@@ -364,14 +402,9 @@ def split_projection_outputs(graph: Graph, owns=None) -> bool:
         if parts is None or (adds and part[2] is not None) or not _blas_sized(graph, part[0], *part[1].shape) \
                 or not owned(owns, [product, *cutters, *adds]):
             continue
-        inputs = list(product.inputs)
-        if adds:
-            bias = np.concatenate([np.zeros(width, _F32) if b is None else b
-                                   for (_read, b, _add), width in zip(parts, widths)])
-            inputs.append(fresh_name(graph, f"{product.name or 'projection'}/group_bias"))
-            add_initializer(graph, inputs[-1], bias)
-        fused = Node("ProjectionGroup", inputs, [read for read, _bias, _add in parts], name=f"{product.name}/group",
-                     domain=FUSED_DOMAIN, attrs={"widths": widths}, opset=1)
+        fused = Node("ProjectionGroup", _cut_group_inputs(graph, product, part[2] is not None, parts, widths, norm),
+                     [read for read, _bias, _add in parts], name=f"{product.name}/group", domain=FUSED_DOMAIN,
+                     attrs={"widths": widths, **(norm[1] if norm else {})}, opset=1)
         _replace(graph, [product, *cutters, *adds], fused, view)
         still_read = {n for node in graph.nodes for n in node.inputs} | view.outputs | view.inner_reads
         for add in adds:  # (an Add's bias may be its first input, which _replace leaves)
@@ -421,10 +454,11 @@ def split_dynamic_quantize_outputs(graph: Graph, owns=None) -> bool:
     return changed
 
 
-def _head_split(view: GraphView, name: str) -> tuple[Node, list[int]] | None:
+def _head_split(graph: Graph, view: GraphView, name: str) -> tuple[Node, list[int]] | None:
     """(the ReshapeTranspose, its layout [rank, *shape, *perm]) where that fused head split is the only reader of
-    ``name`` (no graph output or subgraph read) and its target shape is constant without 0 (copying a dimension
-    would depend on the column's shape), else None."""
+    ``name`` (no graph output or subgraph read) and its target shape is constant, else None. A 0 that copies the
+    column's dimension (TorchScript's [0, 0, heads, size]) is read off the column's static shape (a specialized
+    plan's); without one it depends on the column's shape at run time, and the split stays."""
     readers = view.consumers.get(name, [])
     if len(readers) != 1 or name in view.outputs or name in view.inner_reads:
         return None
@@ -434,6 +468,11 @@ def _head_split(view: GraphView, name: str) -> tuple[Node, list[int]] | None:
         return None
     shape = [int(d) for d in np.asarray(split.attr("shape", [])).reshape(-1)]
     perm = [int(p) for p in split.attr("perm", [])]
+    if 0 in shape and not int(split.attr("allowzero", 0)):
+        info = graph.type_of(name)
+        column = info.static_shape if info is not None and info.is_tensor else None
+        if column is not None and all(axis < len(column) for axis, d in enumerate(shape) if d == 0):
+            shape = [column[axis] if d == 0 else d for axis, d in enumerate(shape)]
     if not shape or 0 in shape or shape.count(-1) > 1 or sorted(perm) != list(range(len(shape))):
         return None
     return split, [len(shape), *shape, *perm]
@@ -449,7 +488,7 @@ def fold_head_splits(graph: Graph, owns=None) -> bool:
     for group in list(graph.nodes):
         if group.op_type != "ProjectionGroup" or group.domain != FUSED_DOMAIN or group.attr("layouts") is not None:
             continue
-        splits = [_head_split(view, name) for name in group.outputs]
+        splits = [_head_split(graph, view, name) for name in group.outputs]
         found = [split for split, _layout in filter(None, splits)]
         if not found or not owned(owns, [group, *found]):
             continue
