@@ -89,17 +89,18 @@ def _mask(spelling: str, steps: int):
 
 @pytest.fixture
 def lanes_calls(monkeypatch):
-    """The compiled path from the first call, with the 16-lane path's calls counted (over the packed product, or
-    with the product in the same call)."""
+    """The compiled path from the first call, with the 16-lane path's calls counted (over the packed product, with
+    the product in the same call, or per group of heads on more threads)."""
     if not gemv_host():
         pytest.skip("the 16-lane loop runs on AVX-512 hosts only")
-    from onnx_runtime_ep_cpu.compiled import packed_attention
+    from onnx_runtime_ep_cpu.compiled import attention_groups, packed_attention
 
     monkeypatch.setattr(contrib_transformer, "numpy_first", lambda: False)
     calls = []
-    for name in ("packed_in_lanes_", "product_in_lanes_"):
-        loop = getattr(packed_attention, name)
-        monkeypatch.setattr(packed_attention, name, lambda *a, _loop=loop: calls.append(1) or _loop(*a))
+    for module, name in ((packed_attention, "packed_in_lanes_"), (packed_attention, "product_in_lanes_"),
+                         (attention_groups, "split_groups")):
+        loop = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _loop=loop: calls.append(1) or _loop(*a))
     return calls
 
 

@@ -97,6 +97,10 @@ class Knobs:
     #: epilogue instead of the packed product (compiled/matmul.py), whose call costs a few microseconds more
     #: (its compiled caller's many arguments): a short sequence's products through 64-wide layers.
     packed_macs: int = 1 << 19
+    #: A short sequence's contrib Attention node (its Q/K/V product and its scores and weighted sums) of at least
+    #: this many multiply-adds runs as one job per group of heads when more threads are set
+    #: (compiled/attention_groups.py); below, on the calling thread: the hand-off costs a few microseconds.
+    attention_group_macs: int = 1 << 19
     #: A few-row product that runs on one thread (one thread set, or too few weights to split) takes BLAS
     #: below this many multiply-adds: there compiled/gemv.py's loops are no faster and cost about a
     #: microsecond more per call (a decode step's 64-wide products: 1.7-3.7 us against BLAS's 0.9-3.0).

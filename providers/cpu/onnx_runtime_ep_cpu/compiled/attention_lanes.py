@@ -445,6 +445,19 @@ def few_rows_in_lanes(q, k, v, scale, bias, y, scratch):
 
 
 @jit
+def few_rows_into(q, k, v, scale, bias, y, y_steps, scratch):
+    """few_rows_in_lanes writing row (b, s, h) of the result at y[b * y_steps[0] + s * y_steps[1] + h * y_steps[2]]
+    of a flat float32 y: a group of heads' columns inside a wider output (each head's value_size components
+    contiguous there), which the group's thread writes in place."""
+    batch, rows, heads = q.shape[0], q.shape[1], q.shape[2]
+    keys, kv_heads, value_size = k.shape[1], k.shape[2], v.shape[3]
+    return _few_rows(_flat(q), (q.strides[0] // 4, q.strides[1] // 4, q.strides[2] // 4), _flat(k),
+                     (k.strides[0] // 4, k.strides[1] // 4, k.strides[2] // 4), _flat(v),
+                     (v.strides[0] // 4, v.strides[1] // 4, v.strides[2] // 4), y, y_steps,
+                     batch, rows, heads, kv_heads, keys, q.shape[3], value_size, scale, bias, scratch)
+
+
+@jit
 def few_rows_of_tokens(q, k, v, heads, kv_heads, scale, bias, y):
     """few_rows_in_lanes over 3-D (B, S, H * D) q, k, v and y as an encoder's Attention node has them (``heads``
     query and ``kv_heads`` KV heads side by side in each token's row; y C-contiguous), its scratch made here:
