@@ -120,36 +120,38 @@ def test_small_nodes_and_one_thread_keep_the_single_call(splits):
 
 def test_a_split_its_awake_helper_took_no_part_in_backs_off(monkeypatch):
     """A split whose groups offered to awake helpers all ran on the calling thread (the helper descheduled) has the
-    next IDLE_HELPER_CALLS calls run on the calling thread (kept calls too), then splits again; one that found its
-    helper asleep does not back off. Results within the float64 bound throughout."""
+    next calls run on the calling thread (kept calls too), IDLE_HELPER_CALLS of them, twice as many after each such
+    split up to IDLE_HELPER_MOST, back to the least after a split a helper took part in; the IDLE_HELPER_GRACE splits
+    after one that woke a sleeping helper may miss it. Results within the float64 bound throughout."""
     if not gemv_host():
         pytest.skip("the 16-lane loop runs on AVX-512 hosts only")
     from onnx_runtime_ep_cpu.compiled import attention_groups
 
     monkeypatch.setattr(contrib_transformer, "numpy_first", lambda: False)
-    monkeypatch.setattr(product_attention, "IDLE_HELPER_CALLS", 3)
-    taken_back = [True]
-    calls: list[bool] = []
+    monkeypatch.setattr(product_attention, "IDLE_HELPER_CALLS", 2)
+    monkeypatch.setattr(product_attention, "IDLE_HELPER_MOST", 4)
+    monkeypatch.setattr(product_attention, "IDLE_HELPER_GRACE", 2)
+    # per split, the verdict split_groups reports: 1 taken back, 0 a helper took part, 2 a helper woken
+    verdicts = [1, 1, 1, 0, 2, 1, 1, 1, 1]
+    splits: list[int] = []
     split = attention_groups.split_groups
 
-    def descheduled(*a):
+    def reported(*a):
         result = split(*a)
-        a[14][2, 0] = 1 if taken_back[0] else 0  # (status: as a split whose helper never started reports it)
-        calls.append(taken_back[0])
+        a[14][2, 0] = verdicts[len(splits)]  # (status: as split_groups reports such a split)
+        splits.append(calls[0])
         return result
 
-    monkeypatch.setattr(attention_groups, "split_groups", descheduled)
+    monkeypatch.setattr(attention_groups, "split_groups", reported)
     proto, weight, add = _model(64, 4, True, False)
     session = ort.InferenceSession(proto, providers=["CPUExecutionProvider"])
-    split_calls = []
+    calls = [0]
     with tuning.override(attention_group_macs=1, threads=2):
-        for _ in range(10):
+        while len(splits) < len(verdicts):
             x = RNG.standard_normal((1, 50, 64)).astype(np.float32)
             expected, bound = _reference(x, weight, add, 4, None)
             assert np.abs(session.run(None, {"x": x})[0] - expected).max() <= bound
-            split_calls.append(len(calls))
-        assert split_calls == [1, 1, 1, 1, 2, 2, 2, 2, 3, 3]  # a split, three calls alone, a split, ...
-        taken_back[0] = False  # (a helper asleep when offered, or one that took its group: no back-off)
-        for _ in range(5):
-            session.run(None, {"x": RNG.standard_normal((1, 50, 64)).astype(np.float32)})
-    assert len(calls) == 3 + 3  # the last back-off's two calls left alone, then every call split
+            calls[0] += 1
+    # taken back: 2 calls alone; again: 4; again: 4 (the most); a helper took part: the next splits at once; a woken
+    # helper: two misses in grace, the third backs off 2 calls
+    assert splits == [0, 3, 8, 13, 14, 15, 16, 17, 20]

@@ -22,9 +22,10 @@ from .products import entry_point
 
 _NO_COUNTS, _NO_MASK = np.empty(0, np.int32), np.empty((0, 1, 0, 0), np.float32)
 # Calls a node runs on the calling thread alone after a split whose awake helper took no group (descheduled: its
-# CPU busy with another process): then the split only kept a helper spinning beside that process, which slowed the
-# whole model's other nodes; the helper sleeps after workers._SPIN_SECONDS without jobs and is tried again after.
-IDLE_HELPER_CALLS = 64
+# CPU busy with another process, where such splits cost more than the call alone): IDLE_HELPER_CALLS, doubled at
+# each such split after a back-off up to IDLE_HELPER_MOST, back to the least once a helper takes part. A helper just
+# woken from its sleep is marked awake before its CPU runs it: the IDLE_HELPER_GRACE splits after a wake may miss it.
+IDLE_HELPER_CALLS, IDLE_HELPER_MOST, IDLE_HELPER_GRACE = 64, 4096, 2
 
 
 class ProductAttention:
@@ -41,7 +42,9 @@ class ProductAttention:
         self.panels = Prepared()  # the weights packed for the tiles, the bias padded, the rows' offsets
         self.work: dict[tuple, int] = {}  # per (B, S, K, head size): product_work's floats
         self.groups = Prepared()  # per thread count: each head group's weights and bias packed (group_plan)
-        self.alone = 0  # calls left to run on the calling thread after a split no helper took part in
+        self.alone = 0  # calls left to run on the calling thread after a split no awake helper took part in
+        self.backoff = IDLE_HELPER_CALLS  # the next back-off's calls
+        self.grace = 0  # splits after a helper's wake that may miss it
 
     @staticmethod
     def takes(x: np.ndarray, weights: np.ndarray, bias: np.ndarray | None) -> bool:
@@ -115,8 +118,9 @@ class ProductAttention:
 
     def split(self, x, weights, bias, counts, mask, scale: np.float32, parts: int, flags: int, offsets, keep):
         """__call__'s result as one job per group of heads on ``parts`` threads (compiled/attention_groups.py);
-        None where a row has no finite score. A call that ran whole is kept as __call__ keeps its own; one whose
-        awake helpers took none of the groups has the next IDLE_HELPER_CALLS calls run on this thread alone."""
+        None where a row has no finite score. A call that ran whole is kept as __call__ keeps its own; after a
+        call whose awake helpers took none of the groups, the next calls run on this thread alone (the back-off of
+        IDLE_HELPER_CALLS)."""
         from ..compiled import attention_groups, workers
 
         batch, steps, depth = x.shape
@@ -137,8 +141,15 @@ class ProductAttention:
             arguments = (x, firsts, size, packs, panels, offsets, biases, flags, counts, mask, fill,
                          np.empty((batch, 1, 1, steps), np.float32), scales, y, status, workers.local_mailbox(work))
             workers.call(split, arguments, runner, work, helpers)
-            if status[2, 0]:
-                self.alone = IDLE_HELPER_CALLS
+            verdict = status[2, 0]
+            if verdict == 2:  # (a helper woken)
+                self.grace = IDLE_HELPER_GRACE
+            elif verdict == 0:  # (a helper took part)
+                self.backoff = IDLE_HELPER_CALLS
+            elif self.grace > 0:
+                self.grace -= 1
+            else:
+                self.alone, self.backoff = self.backoff, min(2 * self.backoff, IDLE_HELPER_MOST)
             return (y, arguments) if status[2, 1] else None
 
         ran = run(x, counts, mask)

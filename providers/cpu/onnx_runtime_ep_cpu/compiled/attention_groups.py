@@ -75,9 +75,9 @@ def split_groups(x, firsts, size, packs, panels, offsets, biases, flags, counts,
     posted to helper g - 1 (a sleeping or missing helper's group runs here), group 0 and those on the calling
     thread through ``own`` (workers.local_mailbox), then collected. The key bias is ``fill`` at keys at or after
     counts[b] where ``counts`` has elements (written into key_work, (B, 1, 1, S)), else ``mask``. Returns
-    workers.collect's result; status (3, groups) as head_group writes it, status[2, 0] = 1 where groups were
-    offered to awake helpers and none ran on another CPU than group 0 (the helpers descheduled: taken back),
-    status[2, 1] = 1 where every group ran whole."""
+    workers.collect's result; status (3, groups) as head_group writes it, status[2, 1] = 1 where every group ran
+    whole, and status[2, 0]: 2 where a helper slept (offer woke it), else 1 where no group ran on another CPU than
+    group 0 (the awake helpers descheduled, their groups taken back; or no helpers), else 0."""
     key_bias = mask
     if counts.size:
         batch, steps = x.shape[0], x.shape[1]
@@ -98,14 +98,22 @@ def split_groups(x, firsts, size, packs, panels, offsets, biases, flags, counts,
                          offsets, biases[part], flags, key_bias, scale, y, status, part)
             run_here(runner, own)
     result = collect(mailboxes, states, helpers)
-    offered = taken = False  # (a sleeping helper, woken by offer, is not a busy one)
+    _verdicts(here, helpers, status)
+    return result
+
+
+@jit
+def _verdicts(here, helpers, status):
+    """split_groups' status[2] from its groups' (status[0], status[1]) and ``here`` (the groups not offered)."""
+    parts = here.shape[0]
+    taken = asleep = False
     for part in range(1, parts):
         if not here[part]:
-            offered = True
             taken = taken or status[1, part] != status[1, 0]
-    status[2, 0] = 1 if offered and not taken else 0
+        elif part <= helpers:
+            asleep = True
+    status[2, 0] = 2 if asleep else (1 if not taken else 0)
     whole = 1
     for part in range(parts):
         whole = min(whole, status[0, part])
     status[2, 1] = whole
-    return result
