@@ -94,6 +94,40 @@ def test_a_blas_fused_product_adds_its_bias_through_the_entry_point(knobs, epilo
     assert len(epilogues) == 3  # (float64's first epilogue binds its entry point: the dispatcher's call)
 
 
+def _kept(kernel) -> tuple:
+    """The planned FusedMatMul kernel's kept BLAS operands (b, bias, dtype, the run through the entry point)."""
+    cells = dict(zip(kernel.__code__.co_freevars, (cell.cell_contents for cell in kernel.__closure__)))
+    return cells["blas_kept"]
+
+
+def test_a_kept_fused_product_runs_without_the_checks_only_where_they_hold(knobs, epilogues):
+    """Once its constants are kept and the epilogue's entry point bound, a BLAS-path FusedMatMul keeps a run that
+    skips the epilogue's checks; its callers' operands stay what the run assumes: F-ordered constant weights (np.dot's
+    y is C-contiguous), a strided residual of the output's shape (copied by the kernel), none; a strided bias keeps
+    no run (the checked path)."""
+    knobs(threads=1)
+    depth, columns = 64, 64
+    node = Node("FusedMatMul", ["a", "w", "bias", "r"], ["y"], domain=FUSED_DOMAIN, opset=1)
+    kernel = linalg.fused_matmul(node, [(1, 1, depth), (depth, columns), (columns,), (1, 1, columns)], 1)
+    for order in ("C", "F"):
+        w = _constant(np.array(RNG.standard_normal((depth, columns), dtype=np.float32), order=order))
+        bias = _constant(RNG.standard_normal(columns).astype(np.float32))
+        for call in range(5):
+            a = RNG.standard_normal((1, 1, depth), dtype=np.float32)
+            wide = RNG.standard_normal((1, 1, 2 * columns), dtype=np.float32)
+            residual = [wide[..., :columns].copy(), wide[..., ::2], None][call % 3]
+            (y,) = kernel(a, w, bias, *([] if residual is None else [residual]))
+            _within(y, a, w, (bias,) if residual is None else (bias, residual))
+        kept = _kept(kernel)
+        assert kept[0] is w and kept[1] is bias and kept[3] is not None, order
+    spaced = _constant(np.repeat(RNG.standard_normal(columns).astype(np.float32), 2)[::2])
+    for _ in range(3):
+        a = RNG.standard_normal((1, 1, depth), dtype=np.float32)
+        (y,) = kernel(a, w, spaced)
+        _within(y, a, w, (spaced,))
+    assert _kept(kernel)[1] is spaced and _kept(kernel)[3] is None
+
+
 def test_a_projection_group_without_bias_adds_nothing_after_its_product(knobs, epilogues):
     knobs(threads=1)
     depth, widths = 64, [32, 32, 64]  # llama's q, k, v: BLAS's product below the few-row tiles' sizes

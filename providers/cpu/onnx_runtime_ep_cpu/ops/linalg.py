@@ -225,19 +225,20 @@ def _fused_matmul_for_shape(shapes, plain: bool, series: dict, general, unnormal
     # thread count, the knobs' epoch, the normalization's scale), for constant b and bias.
     kept: tuple = (None, None, False, None, 0, -1, None)
     # Where the shape takes BLAS's product (not the tiles, no normalization in front): the constant b and bias of the
-    # last call that did, and their dtype; a call with the same arrays then checks only A and the residual (every
-    # check below costs a decode step's small product about a third of its BLAS call again).
-    blas_kept: tuple = (None, None, None)
+    # last call that did, their dtype and, once the epilogue's entry point is bound, the product through it for them
+    # (_blas_product's ``bound``); a call with the same arrays then checks only A and the residual (every check below
+    # costs a decode step's small product about a third of its BLAS call again).
+    blas_kept: tuple = (None, None, None, None)
     keeps_blas = norm is None and not few  # (the tiles' shapes keep their bound call instead)
-    blas = _blas_product(product, a_shape, n, plain, series)
+    blas, bound = _blas_product(product, a_shape, n, plain, series)
 
     def kernel(a, b, bias, residual=None, scale=None, shift=None):
         nonlocal packed, kept, blas_kept
         a = a if a.flags.c_contiguous else _planned_copy(a, a_shape)  # (ConvNeXt's channels-last views)
         if residual is not None and not residual.flags.c_contiguous:  # (a residual transpose_sinking moved)
             residual = _planned_copy(residual, out_shape)
-        y = _kept_fused_run(kept, a, b, bias, residual, a_shape, out_shape, scale) if few else \
-            _kept_blas(blas_kept, a, b, bias, residual, a_shape, out_shape, blas)
+        y, blas_kept = (_kept_fused_run(kept, a, b, bias, residual, a_shape, out_shape, scale), blas_kept) if few \
+            else _kept_blas(blas_kept, a, b, bias, residual, a_shape, out_shape, blas, bound)
         if y is not None:
             return (y,)
         dtype = a.dtype
@@ -288,7 +289,25 @@ def _blas_product(product, a_shape: tuple, n: int, plain: bool, series: dict):
             return y.reshape(out_shape)
         return gelu(y, series[dtype], bias, None if residual is None else skip, out=y).reshape(out_shape)
 
-    return blas
+    def bound(bias, dtype):
+        """``run(a, b, residual)``: ``blas(a, b, bias, residual, dtype)`` of a plain product through the epilogue's
+        entry point with none of blas's checks, for this constant ``bias`` (C-contiguous, of ``dtype``): the caller
+        passes A of the planned shape and the weights of ``dtype`` and a residual C-contiguous of the output's shape
+        and dtype, or none (np.dot's y is a new C-contiguous array of their dtype). None before the entry point is
+        bound (the epilogue's first compiled call binds it) or for a Gelu product."""
+        entry = adds[dtype].entry if plain and dtype in adds else None
+        if entry is None or bias.dtype is not dtype or bias.ndim != 1 or not bias.flags.c_contiguous:
+            return None
+        empty = no_residual[dtype]
+
+        def run(a, b, residual):
+            y = product(a.reshape(rows, depth), b)
+            entry(y, bias, empty if residual is None else residual.reshape(rows, n))
+            return y.reshape(out_shape)
+
+        return run
+
+    return blas, bound
 
 
 def _planned_copy(a: np.ndarray, a_shape: tuple) -> np.ndarray:
@@ -297,21 +316,27 @@ def _planned_copy(a: np.ndarray, a_shape: tuple) -> np.ndarray:
     return np.ascontiguousarray(a) if a.shape == a_shape else a
 
 
-def _kept_blas(kept: tuple, a, b, bias, residual, a_shape: tuple, out_shape: tuple, blas) -> np.ndarray | None:
-    """A planned FusedMatMul's ``blas(a, b, bias, residual, dtype)`` where this call's operands are those ``kept`` (b,
-    bias, their dtype: the same constant b and bias, A of the planned shape and their dtype, a residual of the
-    output's shape and dtype or none); else None (the checked path)."""
-    weights, kept_bias, dtype = kept  # one read: another thread may replace it
+def _kept_blas(kept: tuple, a, b, bias, residual, a_shape: tuple, out_shape: tuple, blas, bound) -> tuple:
+    """(y, what to keep): a planned FusedMatMul's ``blas(a, b, bias, residual, dtype)`` where this call's operands are
+    those ``kept`` (b, bias, their dtype: the same constant b and bias, A of the planned shape and their dtype, a
+    residual of the output's shape and dtype or none, C-contiguous as the kernel makes one of that shape), through
+    the kept run (_blas_product's ``bound``) once there is one, ``kept`` with that run once ``bound`` has it (the
+    epilogue's entry point binds at its first compiled call); else (None, ``kept``): the checked path."""
+    weights, kept_bias, dtype, run = kept  # one read: another thread may replace it
     if b is weights and bias is kept_bias and a.shape == a_shape and a.dtype is dtype \
             and (residual is None or (residual.shape == out_shape and residual.dtype is dtype)):
-        return blas(a, b, bias, residual, dtype)
-    return None
+        if run is not None:
+            return run(a, b, residual), kept
+        y = blas(a, b, bias, residual, dtype)
+        run = bound(kept_bias, dtype)
+        return y, kept if run is None else (weights, kept_bias, dtype, run)
+    return None, kept
 
 
 def _constants(keeping: bool, b: np.ndarray, bias: np.ndarray, dtype, kept: tuple) -> tuple:
-    """(b, bias, dtype) as a FusedMatMul's kept BLAS operands where it keeps them and both are constants (read-only:
-    the same values on every run), else what it ``kept``."""
-    return (b, bias, dtype) if keeping and not (b.flags.writeable or bias.flags.writeable) else kept
+    """(b, bias, dtype, None) as a FusedMatMul's kept BLAS operands where it keeps them and both are constants
+    (read-only: the same values on every run), else what it ``kept``."""
+    return (b, bias, dtype, None) if keeping and not (b.flags.writeable or bias.flags.writeable) else kept
 
 
 def _kept_fused(packed: PackedProduct, rows: np.ndarray, b: np.ndarray, bias: np.ndarray, adding: bool,
