@@ -205,3 +205,74 @@ def test_consecutive_transposes_compose(second, remains):
     assert_within(got, exact, 0.0)
     transposes = [node for node in session.graph_for({"x": x}).nodes if node.op_type == "Transpose"]
     assert [list(node.attrs["perm"]) for node in transposes] == ([] if remains is None else [remains])
+
+
+def test_convs_reading_a_channels_last_map_run_channels_last_where_a_path_serves_them():
+    # the downsampling patch conv (2x2 / 2) and the second block's depthwise conv on its 4x4 map run as NhwcConv; the
+    # first block's depthwise conv on the 8x8 map (no channels-last path: more pixels than the pair sums serve) stays
+    model = _convnext("torchscript")
+    session = _session(model)
+    feeds = _check(session, model)
+    nodes = session.graph_for(feeds).nodes
+    assert sorted(node.attrs.get("group", 1) for node in nodes if node.op_type == "NhwcConv") == [1, 16]
+    assert [node.op_type for node in nodes].count("Conv") == 2  # the stem's and the first block's
+
+
+def _conv_float64(x_nhwc, w, b, attrs) -> np.ndarray:
+    """The channels-last output of Conv over the channels-first view of ``x_nhwc``, in float64 (onnx's evaluator)."""
+    inputs = ["x", "w"] + (["b"] if b is not None else [])
+    nodes = [helper.make_node("Transpose", ["x"], ["planes"], perm=TO_FIRST),
+             helper.make_node("Conv", ["planes", *inputs[1:]], ["c"], **attrs),
+             helper.make_node("Transpose", ["c"], ["y"], perm=TO_LAST)]
+    initializers = [numpy_helper.from_array(w, "w")] + ([numpy_helper.from_array(b, "b")] if b is not None else [])
+    model = make_model(nodes, [tensor_info("x", TensorProto.FLOAT, list(x_nhwc.shape))], [tensor_info("y")],
+                       initializers)
+    return run_float64(model, {"x": x_nhwc})[0]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs, bias, path", [
+    ((2, 8, 8, 16), (32, 16, 2, 2), {"kernel_shape": [2, 2], "strides": [2, 2]}, True, "patch"),
+    ((1, 9, 6, 4), (8, 4, 3, 3), {"kernel_shape": [3, 3], "strides": [3, 3]}, False, "patch"),
+    ((2, 4, 4, 64), (64, 1, 7, 7), {"kernel_shape": [7, 7], "pads": [3] * 4, "group": 64}, True, "depthwise"),
+    ((1, 2, 2, 128), (128, 1, 7, 7), {"kernel_shape": [7, 7], "pads": [3] * 4, "group": 128}, False, "depthwise"),
+    ((1, 4, 4, 16), (16, 1, 3, 3), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1] * 4, "group": 16}, True,
+     "depthwise"),
+    ((1, 5, 5, 8), (12, 8, 3, 3), {"kernel_shape": [3, 3], "pads": [1] * 4}, True, None),  # Conv's own kernel
+])
+def test_nhwc_conv_matches_conv_over_the_channels_first_view(x_shape, w_shape, attrs, bias, path):
+    from onnx_runtime.ir import Node
+    from onnx_runtime_ep_cpu.fused_domain import FUSED_DOMAIN
+    from onnx_runtime_ep_cpu.ops import conv_nhwc
+    from onnx_runtime_ep_cpu.registry import lookup
+
+    rng = np.random.default_rng(len(x_shape) + w_shape[0])
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
+    w.flags.writeable = False
+    b = rng.standard_normal(w_shape[0]).astype(np.float32) if bias else None
+    assert conv_nhwc.channels_last_path(x_shape, w_shape, attrs) == path
+    node = Node("NhwcConv", ["x", "w", "b"] if bias else ["x", "w"], ["y"], domain=FUSED_DOMAIN, attrs=attrs, opset=1)
+    kernel = lookup("NhwcConv", FUSED_DOMAIN, 1)(node, [x_shape, w_shape] + ([b.shape] if bias else []), 1)
+    exact = _conv_float64(x, w, b, attrs)
+    for _ in range(2):  # the second call reuses the arranged weights
+        (got,) = kernel(x, w, b) if bias else kernel(x, w)
+        assert got.shape == exact.shape == conv_nhwc.output_shape(x_shape, w_shape, attrs)
+        assert_within(got, exact, 1e-5 * (1 + np.abs(exact).max()))
+
+
+def test_a_mean_over_middle_axes_is_one_reduce_of_a_three_axis_view(monkeypatch):
+    # the channels-last map's spatial mean (ConvNeXt's last node after the pass): numpy's bits, not the general path
+    from onnx_runtime.ir import Node
+    from onnx_runtime_ep_cpu.ops import reduction
+    from onnx_runtime_ep_cpu.registry import lookup
+
+    monkeypatch.setattr(reduction, "_reduce", lambda *args: pytest.fail("the general path ran"))
+    for shape, axes, keepdims in (((1, 2, 2, 128), [1, 2], 0), ((3, 5, 7, 16), [1, 2], 1), ((4, 6, 3), [-2], 0)):
+        node = Node("ReduceMean", ["x"], ["y"], attrs={"axes": axes, "keepdims": keepdims}, opset=17)
+        kernel = lookup("ReduceMean", "", 17)(node, [shape], 17)
+        x = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
+        normalized = tuple(a % x.ndim for a in axes)
+        expected = np.add.reduce(x, axis=normalized, keepdims=bool(keepdims)) / np.float32(
+            np.prod([shape[a] for a in normalized]))
+        (got,) = kernel(x)
+        assert got.shape == expected.shape and np.array_equal(got, expected)

@@ -41,7 +41,7 @@ RULES: dict[str, tuple[str, tuple[int, ...]]] = {
     "DynamicQuantizeMatMulColumns": (SHAPES, ()), "QuantizedConv": (SHAPES, ()),
     "GroupedQuantizedMatMul": (SHAPES, ()),
     "DynamicQuantizeConv": (SHAPES, ()),
-    "FusedConv": (SHAPES, ()), "ConcatBuffer": (SHAPES, ()), "ReshapeTranspose": (SHAPES, ()),
+    "FusedConv": (SHAPES, ()), "NhwcConv": (SHAPES, ()), "ConcatBuffer": (SHAPES, ()), "ReshapeTranspose": (SHAPES, ()),
     "TransposeReshape": (SHAPES, ()), "ContribPackedAttention": (SHAPES, ()), "ContribAttentionMask": (SHAPES, ()),
     "LSTMCell": (SHAPES, ()), "FusedSegment": (SHAPES, ()), "SpectralMagnitude": (SHAPES, ()),
     "ProjectionGroup": (SHAPES, ()), "PatchEmbedding": (SHAPES, ()), "QuantizedMatMulGroup": (SHAPES, ()),

@@ -7,20 +7,26 @@ view, so each pair costs its readers a copy of a permuted view (or a strided pas
 Rewrites, repeated until none applies:
 
 - Transpose(Transpose(x, p), q): one Transpose by the composed permutation, none where it is the identity;
+- Conv(Transpose(x, (0, 3, 1, 2))) where NhwcConv has a channels-last path for its geometry (ops/conv_nhwc.py:
+  a patch convolution, a depthwise one onto a small map): Transpose(NhwcConv(x), (0, 3, 1, 2));
 - an elementwise node (Add, Sub, Mul, Div; a one-input elementwise op) with inputs transposed by one permutation p
-  runs on their sources, where its result is read only by Transposes by p's inverse (and, with every input
-  transposed, by reductions the next rule maps): its result is then what those inverse Transposes gave, under
-  the first one's name, and they go. Inputs not transposed (of the same rank only) get a Transpose by p's inverse
-  of their own: one input's Transpose is traded for one that cancels (a reduction alone would not cancel it, and
-  moving it back and forth would gain nothing);
+  runs on their sources, where every reader of its result takes a Transpose by p without a permuted view: a
+  Transpose by p's inverse (they cancel), a Conv the rule above then takes, a two-input elementwise node whose
+  other input is transposed alike, or (every input transposed) a reduction the next rule maps. Its result is
+  what the first inverse Transpose gave, under that one's name, and the others read a Transpose of it. Inputs not
+  transposed (of the same rank only) get a Transpose by p's inverse of their own, only where one cancels: one
+  input's Transpose is traded for one that cancels (moving it back and forth would gain nothing);
 - a reduction with keepdims=0 of Transpose(x, p) reduces x over the mapped axes, where the kept axes keep
   their order (ConvNeXt's final mean over the spatial axes).
 
 Elsewhere the readers would read a permuted view of what the node now writes contiguous, so nothing else moves:
 a value that some reader needs channels-first keeps its Transposes. Each rewrite gives the same bits (permuting
-axes commutes with elementwise arithmetic and with broadcasting between equal ranks). After it, FusedMatMul's
-residual fusion (fusions.py, after this pass) takes the channels-last residual Add into the block's last product
-(its rounding then that of the fused epilogue), and the next LayerNormalization reads its input contiguous.
+axes commutes with elementwise arithmetic and with broadcasting between equal ranks; NhwcConv's paths round as
+their channels-first counterparts do, not bit for bit). After it, FusedMatMul's residual fusion (fusions.py, after
+this pass) takes a channels-last residual Add into the block's last product (its rounding then that of the fused
+epilogue), and the next LayerNormalization reads its input contiguous: ConvNeXt's stages 2 and 3 run channels-last
+from the downsampling LayerNorm to the final mean. The values this pass names (MOVED) are typed again from their
+producers' inputs in a specialized graph, where the model's shape inference does not reach them.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 from onnx_runtime.ir import Graph, Node, TypeInfo, ValueInfo
 
+from .fused_domain import FUSED_DOMAIN
 from .fusions import GraphView, owned
 
 # Elementwise operators of any rank whose inputs broadcast alike (numpy rules), by input count.
@@ -36,7 +43,8 @@ _UNARY = frozenset({"Relu", "Sigmoid", "Tanh", "Erf", "Gelu", "Neg", "Abs", "Sqr
 # Reductions with axes (an attribute before opset 18, an input from it; ReduceSum's from 13).
 _REDUCTIONS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1",
                          "ReduceL2", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp"})
-# The names of the values this pass's own Transposes write end with this (_retype_transposes types them again).
+_TO_FIRST = (0, 3, 1, 2)  # channels-last to channels-first
+# The names of the values this pass makes end with this (_retype_moved types them again in a specialized graph).
 MOVED = "/channels_moved"
 # Each rewrite moves a Transpose past one node or removes one; the bound only guards against a graph that would
 # trade them back and forth.
@@ -140,11 +148,33 @@ class _Sinking:
 
     def absorbs(self, reader: Node, name: str, perm: tuple[int, ...], reductions: bool) -> bool:
         """Whether ``reader`` of ``name`` takes Transpose(name, perm) without reading a permuted view: an inverse
-        Transpose (they cancel), or (``reductions``) a reduction that sink_into_reduction maps."""
+        Transpose (they cancel), a Conv that conv_channels_last then takes, a two-input elementwise node whose
+        other input is transposed alike (it sinks in turn), or (``reductions``) a reduction that
+        sink_into_reduction maps."""
         if _perm(reader) == _inverse(perm):
             return True
+        if reader.domain not in ("", "ai.onnx"):
+            return False
+        if reader.op_type == "Conv":  # one that conv_channels_last takes once it reads the Transpose
+            return perm == _TO_FIRST and reader.inputs[:1] == [name] and name not in reader.inputs[1:] \
+                and self._converts(reader, name)
+        if reader.op_type in _BINARY and len(reader.inputs) == 2:  # its other input transposed alike
+            other = reader.inputs[1] if reader.inputs[0] == name else reader.inputs[0]
+            found = self.transposed(other) if other != name else None
+            return found is not None and found[1] == perm
         return reductions and reader.inputs[:1] == [name] and name not in reader.inputs[1:] \
             and self._reduced_axes(reader, perm) is not None
+
+    def _converts(self, conv: Node, name: str) -> bool:
+        """Whether NhwcConv has a channels-last path for ``conv`` reading ``name`` (channels-first) channels-last."""
+        from .ops.conv_nhwc import channels_last_path
+
+        info, weight = self.graph.type_of(name), self.graph.initializers.get(conv.inputs[1]) if len(
+            conv.inputs) > 1 else None
+        if info is None or info.shape is None or len(info.shape) != 4 or weight is None:
+            return False
+        shape = tuple(info.shape[a] for a in _inverse(_TO_FIRST))
+        return channels_last_path(shape, weight.shape, conv.attrs) is not None
 
     def _sinkable(self, node: Node) -> tuple | None:
         """(its inputs' Transposes or None each, their permutation, the inverse Transposes reading its result) where
@@ -162,7 +192,8 @@ class _Sinking:
         readers = self.view.consumers.get(output, [])
         untransposed = None in sources
         cancelling = [reader for reader in readers if _perm(reader) == _inverse(perm)]
-        if not cancelling or any(self.pinned(reader.outputs[0]) for reader in cancelling[1:]) \
+        if not readers or (untransposed and not cancelling) \
+                or any(self.pinned(reader.outputs[0]) for reader in cancelling[1:]) \
                 or not all(self.absorbs(reader, output, perm, not untransposed) for reader in readers):
             return None
         if untransposed and any(found is None and _rank(self.graph, name) != len(perm)
@@ -189,14 +220,17 @@ class _Sinking:
                 moved = self.transpose_node(name, inverse, self.fresh(f"{name}{MOVED}"), node)
                 inserted.append(moved)
                 inputs.append(moved.outputs[0])
-        result = cancelling[0].outputs[0]
+        # (no inverse Transpose reading it: a name of its own, which _retype_moved types in a specialized graph)
+        result = cancelling[0].outputs[0] if cancelling else self.fresh(f"{output}{MOVED}")
+        if not cancelling:
+            self._typed(result, output, inverse)
         rewritten = Node(node.op_type, inputs, [result], name=node.name, domain=node.domain, attrs=dict(node.attrs),
                          opset=node.opset)
         for reader in cancelling[1:]:
             for later in self.view.consumers.get(reader.outputs[0], []):
                 later.inputs = [result if name == reader.outputs[0] else name for name in later.inputs]
             self.graph.value_info.pop(reader.outputs[0], None)
-        # reductions reading the result keep a Transpose by p of it (sink_into_reduction takes it next)
+        # other readers read a Transpose by p of it (and take it next: they absorb it)
         readers = self.view.consumers.get(output, [])
         after = [self.transpose_node(result, perm, output, node)] if len(cancelling) < len(readers) else []
         if not after:
@@ -260,6 +294,30 @@ class _Sinking:
         self._drop_if_unread(transpose)
         return True
 
+    def conv_channels_last(self, node: Node) -> bool:
+        """Conv(Transpose(x, (0, 3, 1, 2)), W, B) -> Transpose(NhwcConv(x, W, B), (0, 3, 1, 2)) where NhwcConv has a
+        channels-last path for the geometry (ops/conv_nhwc.py): the Transpose after it then meets its readers'."""
+        from .ops.conv_nhwc import channels_last_path
+
+        found = self.transposed(node.inputs[0]) if node.domain in ("", "ai.onnx") and node.inputs else None
+        if found is None or found[1] != _TO_FIRST or len(node.outputs) != 1 or self.pinned(node.outputs[0]) \
+                or not owned(self.owns, [node]):
+            return False
+        source = found[0].inputs[0]
+        x_info, weight = self.graph.type_of(source), self.graph.initializers.get(node.inputs[1])
+        if x_info is None or x_info.shape is None or weight is None \
+                or channels_last_path(x_info.shape, weight.shape, node.attrs) is None:
+            return False
+        output = node.outputs[0]
+        result = self.fresh(f"{output}{MOVED}")
+        self._typed(result, output, _inverse(_TO_FIRST))
+        conv = Node("NhwcConv", [source, *node.inputs[1:]], [result], name=node.name, domain=FUSED_DOMAIN,
+                    attrs=dict(node.attrs), opset=1)
+        position = self.graph.nodes.index(node)
+        self.graph.nodes[position:position + 1] = [conv, self.transpose_node(result, _TO_FIRST, output, node)]
+        self._drop_if_unread(found[0])
+        return True
+
     def rewrite_one(self) -> bool:
         """One rewrite, pairs cancelling first: a Transpose just moved below a node cancels before that node is
         looked at again (whose readers would otherwise still absorb the moved one's inverse)."""
@@ -267,24 +325,53 @@ class _Sinking:
         return any(_perm(node) is not None and self.merge_pair(node) for node in nodes) \
             or any(node.op_type in _REDUCTIONS and self.sink_into_reduction(node) for node in nodes) \
             or any((node.op_type in _BINARY or node.op_type in _UNARY) and self.sink_elementwise(node)
-                   for node in nodes)
+                   for node in nodes) \
+            or any(node.op_type == "Conv" and self.conv_channels_last(node) for node in nodes)
 
 
-def _retype_transposes(graph: Graph) -> bool:
-    """Give each Transpose this pass added whose output's shape is not static its input's static shape, permuted:
-    their values have names of their own, which a specialized signature's shape inference (over the model) does not
-    type, and their readers' kernels are planned for static shapes."""
+def _static(graph: Graph, name: str) -> tuple | None:
+    info = graph.type_of(name)
+    if info is not None and info.static_shape is not None:
+        return info.static_shape
+    array = graph.initializers.get(name)
+    return array.shape if array is not None else None
+
+
+def _moved_shape(graph: Graph, node: Node) -> tuple | None:
+    """The static shape of ``node``'s output from its inputs' (the kinds of node that write a value this pass made:
+    its Transposes, NhwcConvs and elementwise nodes, and the FusedMatMul a residual Add became), or None."""
+    shapes = [_static(graph, name) if name else None for name in node.inputs]
+    if not shapes or shapes[0] is None:
+        return None
+    perm = _perm(node)
+    if perm is not None:
+        return tuple(shapes[0][a] for a in perm) if len(shapes[0]) == len(perm) else None
+    if node.op_type == "NhwcConv" and node.domain == FUSED_DOMAIN:
+        from .ops.conv_nhwc import output_shape
+
+        return output_shape(shapes[0], shapes[1], node.attrs) if len(shapes) > 1 and shapes[1] else None
+    if node.op_type == "FusedMatMul" and node.domain == FUSED_DOMAIN:
+        return (*shapes[0][:-1], shapes[1][-1]) if len(shapes) > 1 and shapes[1] and len(shapes[1]) == 2 else None
+    if node.domain in ("", "ai.onnx") and (node.op_type in _BINARY or node.op_type in _UNARY) \
+            and all(shape is not None and len(shape) == len(shapes[0]) for shape in shapes):
+        return tuple(max(dims) if min(dims) == 1 or len(set(dims)) == 1 else -1 for dims in zip(*shapes))
+    return None
+
+
+def _retype_moved(graph: Graph) -> bool:
+    """Give each value this pass made (a name of its own, which a specialized signature's shape inference over the
+    model does not type) its static shape from its producer's inputs, in graph order: their readers' kernels are
+    planned for static shapes."""
     retyped = False
     for node in graph.nodes:
-        perm = _perm(node)
-        if perm is None or MOVED not in node.outputs[0]:
+        if len(node.outputs) != 1 or MOVED not in node.outputs[0]:
             continue
-        source, output = graph.type_of(node.inputs[0]), graph.type_of(node.outputs[0])
-        if source is None or source.static_shape is None or len(source.static_shape) != len(perm) \
-                or (output is not None and output.static_shape is not None):
+        output, shape = graph.type_of(node.outputs[0]), _moved_shape(graph, node)
+        if shape is None or -1 in shape or (output is not None and output.static_shape is not None):
             continue
-        shape = tuple(source.static_shape[a] for a in perm)
-        graph.value_info[node.outputs[0]] = ValueInfo(node.outputs[0], TypeInfo("tensor", source.dtype, shape))
+        source = graph.type_of(node.inputs[0])
+        dtype = output.dtype if output is not None and output.dtype is not None else source.dtype if source else None
+        graph.value_info[node.outputs[0]] = ValueInfo(node.outputs[0], TypeInfo("tensor", dtype, shape))
         retyped = True
     return retyped
 
@@ -293,7 +380,7 @@ def sink_transposes(graph: Graph, owns=None) -> bool:
     """Apply the module's rewrites until none applies (see the docstring); whether any did."""
     if not any(_perm(node) is not None for node in graph.nodes):
         return False
-    changed = _retype_transposes(graph)
+    changed = _retype_moved(graph)
     for _ in range(MAX_REWRITES):
         if not _Sinking(graph, owns).rewrite_one():
             break

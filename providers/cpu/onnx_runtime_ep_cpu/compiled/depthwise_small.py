@@ -109,3 +109,24 @@ def depthwise_flat(x, weights, bias, shifts, masks, bounds, y, padded, acc):
                     acc[p] += tap * padded[at + _U(p)] * masks[row + _U(p)]
             for p in range(pixels):
                 y[base + _U(p)] = activate(acc[p], low, high, slope)
+
+
+@_fused
+def depthwise_pairs_nhwc(x, weights, bias, pairs, starts, y):
+    """y (N, P, C) = bias + the depthwise convolution of x (N, Q, C), channels-last both (NhwcConv's): the pair sums
+    of depthwise_pairs without its two layout changes, all flat; ``weights`` (taps, C), ``bias`` (C,) (zeros for
+    none), ``pairs`` and ``starts`` window_pairs'."""
+    channels, outputs = _U(bias.shape[0]), _U(starts.shape[0]) - _ONE
+    images = _U(y.shape[0]) // (channels * outputs)
+    inputs = _U(x.shape[0]) // (channels * images)
+    for n in range(images):
+        image, out = _U(n) * channels * inputs, _U(n) * channels * outputs
+        for p in range(outputs):
+            row = out + _U(p) * channels
+            for c in range(channels):
+                y[row + _U(c)] = bias[c]
+            for k in range(starts[p], starts[p + 1]):
+                source = image + _U(pairs[_TWO * _U(k)]) * channels
+                tap = _U(pairs[_TWO * _U(k) + _ONE]) * channels
+                for c in range(channels):
+                    y[row + _U(c)] += weights[tap + _U(c)] * x[source + _U(c)]

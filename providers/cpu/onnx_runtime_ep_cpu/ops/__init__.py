@@ -36,6 +36,7 @@ FAMILIES = {
     "control_flow": "If Loop Scan",
     "code_table": "ai.onnx_runtime.cpu:CodeTable",
     "conv": "Conv ConvTranspose ai.onnx_runtime.cpu:ConcatBuffer ai.onnx_runtime.cpu:FusedConv",
+    "conv_nhwc": "ai.onnx_runtime.cpu:NhwcConv",
     "detection": "NonMaxSuppression RoiAlign",
     "flex_attention": "ai.onnx.preview:FlexAttention",
     "linear_attention": "CausalConvWithState LinearAttention",

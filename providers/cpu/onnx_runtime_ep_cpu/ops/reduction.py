@@ -166,20 +166,38 @@ class _TrailingMeans:
                     rows, size = math.prod(x.shape[:first]), math.prod(x.shape[first:])
                     shape = x.shape[:first] + ((1,) * len(normalized) if self._keepdims else ())
                     found = (rows, size, shape) if rows and size else None
+                elif normalized == list(range(normalized[0], normalized[-1] + 1)) and normalized[0] > 0:
+                    found = self._middle(x.shape, normalized)
             if len(self._plans) < 64:
                 self._plans[key] = found
         return found
+
+    def _middle(self, shape: tuple, axes: list) -> tuple | None:
+        """The plan of a block of adjacent axes between the first and the last (a channels-last map's spatial axes,
+        transpose_sinking's): (rows, size, result shape, columns), the sum one reduce over the block as one axis of
+        a (rows, size, columns) view, numpy's arithmetic over the same elements in the same order."""
+        rows, size = math.prod(shape[:axes[0]]), math.prod(shape[axes[0]:axes[-1] + 1])
+        columns = math.prod(shape[axes[-1] + 1:])
+        result = shape[:axes[0]] + ((1,) * len(axes) if self._keepdims else ()) + shape[axes[-1] + 1:]
+        return (rows, size, result, columns) if rows and size and columns else None
 
     def bind(self, x, axes, y):
         """``[(loop, arguments)]``: the plane loop's call for x into the C-contiguous ``y`` prepared once (a
         segment's bound plan), or None where it does not apply."""
         plan = self.plan(x, axes) if x.flags.c_contiguous else None
-        if plan is None or plan[1] > self._loops.PLANE_SUM_LIMIT or y.shape != plan[2] or y.dtype != x.dtype:
+        if plan is None or len(plan) > 3 or plan[1] > self._loops.PLANE_SUM_LIMIT or y.shape != plan[2] \
+                or y.dtype != x.dtype:
             return None
         rows, size, _ = plan
         return [(self._loops.plane_means, (x.reshape(rows, size), y.reshape(rows), size if self._mean else 1))]
 
     def __call__(self, x, plan):
+        if len(plan) > 3:  # a middle block (_middle)
+            rows, size, shape, columns = plan
+            y = np.add.reduce(x.reshape(rows, size, columns), axis=1)
+            if self._mean:
+                y /= size
+            return y.reshape(shape)
         rows, size, shape = plan
         flat = x.reshape(rows, size)
         if size <= self._loops.PLANE_SUM_LIMIT:

@@ -1,0 +1,154 @@
+"""NhwcConv: a 2-D convolution of a channels-last (N, H, W, C) input into a channels-last (N, OH, OW, M) output,
+Conv's attributes and (M, C / group, kh, kw) weights. transpose_sinking.py writes it for a Conv that reads
+Transpose(x, (0, 3, 1, 2)) where a channels-last path serves its geometry (channels_last_path), so the Transposes
+around it cancel with their neighbours':
+
+- a patch convolution (kernel = stride, unpadded, undilated, one group: ConvNeXt's downsampling) is one product of
+  its patches, which a reshape of the channels-last input gathers (each patch row is kw * C contiguous values);
+- a depthwise convolution onto a small map is compiled/depthwise_small's channels-last pair sums, without the
+  two layout changes the channels-first form makes around them.
+
+Other geometries (a graph written elsewhere) run Conv's kernel between two transposes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..compiled import takes as takes_compiled
+from ..fused_domain import FUSED_DOMAIN
+from ..registry import lookup, register
+
+# Depthwise maps of up to this many output (and input) pixels take the channels-last pair sums: on larger planes
+# the channels-first loops (depthwise_rows' register tiles) outrun them even with the copies around them.
+DEPTHWISE_PIXELS = 16
+
+
+def _geometry(x_shape, w_shape, attrs: dict):
+    """(kernel, strides, dilations, pads (top, left, bottom, right), output (OH, OW)) of a 2-D channels-last
+    convolution, or None for a shape that is not 4-D with static spatial sizes or an auto_pad."""
+    if len(x_shape) != 4 or len(w_shape) != 4 or attrs.get("auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET") \
+            or not all(isinstance(d, int) for d in (*x_shape[1:], *w_shape)):
+        return None
+    kernel = tuple(int(k) for k in attrs.get("kernel_shape") or w_shape[2:])
+    strides = tuple(int(s) for s in attrs.get("strides") or (1, 1))
+    dilations = tuple(int(d) for d in attrs.get("dilations") or (1, 1))
+    pads = tuple(int(p) for p in attrs.get("pads") or (0, 0, 0, 0))
+    if len(kernel) != 2 or len(strides) != 2 or len(dilations) != 2 or len(pads) != 4:
+        return None
+    out = tuple((x_shape[1 + a] + pads[a] + pads[2 + a] - dilations[a] * (kernel[a] - 1) - 1) // strides[a] + 1
+                for a in range(2))
+    return kernel, strides, dilations, pads, out
+
+
+def output_shape(x_shape, w_shape, attrs: dict) -> tuple | None:
+    """NhwcConv's output shape (N, OH, OW, M) for these input and weight shapes, or None."""
+    geometry = _geometry(x_shape, w_shape, attrs)
+    return None if geometry is None else (x_shape[0], *geometry[4], w_shape[0])
+
+
+def channels_last_path(x_shape, w_shape, attrs: dict) -> str | None:
+    """"patch" or "depthwise" where NhwcConv has a channels-last path for this geometry (x_shape channels-last),
+    else None."""
+    geometry = _geometry(x_shape, w_shape, attrs)
+    if geometry is None:
+        return None
+    kernel, strides, dilations, pads, out = geometry
+    group, channels = int(attrs.get("group", 1)), x_shape[3]
+    if min(out) < 1 or dilations != (1, 1):
+        return None
+    if group == 1 and kernel == strides and not any(pads) and w_shape[1] == channels:
+        return "patch"
+    if group == channels == w_shape[0] and w_shape[1] == 1 and out[0] * out[1] <= DEPTHWISE_PIXELS \
+            and x_shape[1] * x_shape[2] <= DEPTHWISE_PIXELS:
+        return "depthwise"
+    return None
+
+
+class _Constant:
+    """A weight arrangement kept for the last constant (read-only) weight and bias it was made from."""
+
+    def __init__(self, arrange):
+        self.arrange, self.key, self.value = arrange, None, None
+
+    def __call__(self, w: np.ndarray, b, dtype) -> np.ndarray:
+        key = self.key
+        if key is not None and key[0] is w and key[1] is b and self.value.dtype == dtype:
+            return self.value
+        value = np.ascontiguousarray(self.arrange(w, b), dtype=dtype)
+        if not w.flags.writeable and (b is None or not b.flags.writeable):
+            self.key, self.value = (w, b), value
+        return value
+
+
+def _patch_kernel(geometry, w_shape):
+    (kh, kw), _, _, _, (oh, ow) = geometry
+    m = w_shape[0]
+
+    def arrange(w, b):
+        """The weight's rows in the patches' (i, j, c) order, the bias (where given) as one more row."""
+        rows = w.transpose(2, 3, 1, 0).reshape(-1, m)
+        return rows if b is None else np.concatenate([rows, b.reshape(1, m).astype(rows.dtype)])
+
+    weights = _Constant(arrange)
+
+    def kernel(x, w, b=None):
+        n, c = x.shape[0], x.shape[3]
+        depth = kh * kw * c
+        # the patches as rows, gathered by one copy of a view of x (and a column of ones for the bias)
+        patches = np.empty((n * oh * ow, depth + (b is not None)), x.dtype)
+        view = x[:, :oh * kh, :ow * kw].reshape(n, oh, kh, ow, kw, c).transpose(0, 1, 3, 2, 4, 5)
+        np.copyto(patches[:, :depth].reshape(n, oh, ow, kh, kw, c), view)
+        if b is not None:
+            patches[:, depth] = 1
+        return (np.dot(patches, weights(w, b, x.dtype)).reshape(n, oh, ow, m),)
+
+    return kernel
+
+
+def _depthwise_kernel(geometry, x_shape, fallback):
+    from ..algorithms.bound_loop import EntryOnce
+    from ..compiled import depthwise_small
+
+    kernel_size, strides, dilations, pads, out = geometry
+    pairs, starts = depthwise_small.window_pairs(x_shape[1:3], kernel_size, strides, dilations, pads[:2], out)
+    # (taps * C) flat, and the bias (zeros for none)
+    weights = _Constant(lambda w, b: w.reshape(w.shape[0], -1).T.reshape(-1))
+    biases = _Constant(lambda w, b: np.zeros(w.shape[0]) if b is None else b)
+    # the loop's entry point, bound once: its arguments keep their types from call to call
+    loop = EntryOnce(depthwise_small.depthwise_pairs_nhwc)
+
+    def kernel(x, w, b=None):
+        if not takes_compiled(x) or x.shape[1:] != tuple(x_shape[1:]):
+            return fallback(x, w, b)
+        y = np.empty((x.shape[0], *out, x.shape[3]), x.dtype)
+        loop.run((np.ascontiguousarray(x).reshape(-1), weights(w, None, x.dtype), biases(w, b, x.dtype), pairs,
+                  starts, y.reshape(-1)))
+        return (y,)
+
+    return kernel
+
+
+@register("NhwcConv", domain=FUSED_DOMAIN, since=1)
+def nhwc_conv(node, shapes, opset):
+    from onnx_runtime.ir import Node
+
+    x_shape = tuple(shapes[0]) if shapes and shapes[0] is not None else ()
+    w_shape = tuple(shapes[1]) if len(shapes) > 1 and shapes[1] is not None else ()
+    nchw = (x_shape[0], x_shape[3], x_shape[1], x_shape[2]) if len(x_shape) == 4 else None
+    conv = Node("Conv", list(node.inputs), list(node.outputs), name=node.name, attrs=dict(node.attrs), opset=11)
+    made: list = []  # Conv's kernel for the channels-first view, made at the first call that needs it
+
+    def fallback(x, w, b=None):
+        if not made:
+            made.append(lookup("Conv", "", 11)(conv, [nchw, *shapes[1:]], 11))
+        y = made[0](x.transpose(0, 3, 1, 2), w, b)[0]
+        return (np.ascontiguousarray(y.transpose(0, 2, 3, 1)),)
+
+    path = channels_last_path(x_shape, w_shape, node.attrs) if x_shape and w_shape else None
+    geometry = _geometry(x_shape, w_shape, node.attrs) if path else None
+    if path == "patch":
+        return _patch_kernel(geometry, w_shape)
+    if path == "depthwise":
+        return _depthwise_kernel(geometry, x_shape, fallback)
+    return fallback
