@@ -250,14 +250,17 @@ def test_nhwc_conv_matches_conv_over_the_channels_first_view(x_shape, w_shape, a
     w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
     w.flags.writeable = False
     b = rng.standard_normal(w_shape[0]).astype(np.float32) if bias else None
+    if b is not None:
+        b.flags.writeable = False  # constants, as a model's: the second call takes the kept arrangement
     assert conv_nhwc.channels_last_path(x_shape, w_shape, attrs) == path
     node = Node("NhwcConv", ["x", "w", "b"] if bias else ["x", "w"], ["y"], domain=FUSED_DOMAIN, attrs=attrs, opset=1)
     kernel = lookup("NhwcConv", FUSED_DOMAIN, 1)(node, [x_shape, w_shape] + ([b.shape] if bias else []), 1)
     exact = _conv_float64(x, w, b, attrs)
-    for _ in range(2):  # the second call reuses the arranged weights
-        (got,) = kernel(x, w, b) if bias else kernel(x, w)
-        assert got.shape == exact.shape == conv_nhwc.output_shape(x_shape, w_shape, attrs)
-        assert_within(got, exact, 1e-5 * (1 + np.abs(exact).max()))
+    for xi in (x, x, x[::-1].copy()):  # the second and third calls reuse the arranged weights
+        (got,) = kernel(xi, w, b) if bias else kernel(xi, w)
+        exact_i = exact if xi is x else _conv_float64(xi, w, b, attrs)
+        assert got.shape == exact_i.shape == conv_nhwc.output_shape(x_shape, w_shape, attrs)
+        assert_within(got, exact_i, 1e-5 * (1 + np.abs(exact_i).max()))
 
 
 def test_a_mean_over_middle_axes_is_one_reduce_of_a_three_axis_view(monkeypatch):
