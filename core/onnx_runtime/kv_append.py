@@ -191,6 +191,18 @@ def contiguous_rows(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, n
     return np.ascontiguousarray(keys), np.ascontiguousarray(values)
 
 
+def fed_window(past) -> Window | None:
+    """The window of this thread's bound run fed as ``past`` (that very array), or None: for a kernel that rewrites
+    a cache's valid rows in place before they are read (a half-precision model's rounding of its past inputs),
+    which the run's present then holds anyway, as the binding is both."""
+    windows = getattr(_LOCAL, "windows", None)
+    if windows:
+        for window in windows.values():
+            if window.fed is past:
+                return window
+    return None
+
+
 def by_output(windows: Sequence[Window]) -> dict[str, Window]:
     """``windows`` keyed as :func:`enter` takes them: a loop of runs over the same windows builds this once."""
     return {window.output: window for window in windows}

@@ -50,6 +50,33 @@ def round_to_float16(src, dst):
         dst[i] = np.copysign(rounded, value) if magnitude < _HALF_NORMAL else dst[i]
 
 
+_HALF_NORMAL_BITS = np.int32(0x38800000)  # 2**-14, float16's smallest normal magnitude
+
+
+@jit
+def round_rows_to_float16(values, blocks, stride, length):
+    """values = float32(float16(values)) in place on the first ``length`` elements of each of ``blocks`` runs
+    ``stride`` apart in the flat float32 ``values`` (a bound KV cache's valid rows). The first pass rounds the
+    normal magnitudes' bits and leaves float16's subnormals as they were, so that the second rounds those from
+    their own values (round_to_float16's passes read a source the first one did not write)."""
+    all_bits = values.view(np.int32)
+    for block in range(blocks):
+        start = block * stride
+        bits_of = all_bits[start:start + length]
+        for i in range(length):
+            bits = bits_of[i]
+            magnitude = bits & _ABS
+            out = (bits + np.int32(0x0FFF) + ((bits >> np.int32(13)) & np.int32(1))) & _HALF_KEPT
+            out = ((bits ^ magnitude) | _INF) if magnitude >= _HALF_OVERFLOW else out
+            bits_of[i] = bits if magnitude >= _INF or magnitude < _HALF_NORMAL_BITS else out
+        part = values[start:start + length]
+        for i in range(length):
+            value = part[i]
+            magnitude = abs(value)
+            rounded = (magnitude + _ALIGN) - _ALIGN
+            part[i] = np.copysign(rounded, value) if magnitude < _HALF_NORMAL else value
+
+
 @jit
 def round_to_bfloat16(src, dst):
     """dst = float32(bfloat16(src)) on flat float32 arrays (bfloat16 keeps float32's exponent range: the

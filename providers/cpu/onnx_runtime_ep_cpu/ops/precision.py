@@ -14,11 +14,13 @@ from __future__ import annotations
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidArgumentError
 
-from ..algorithms.precision import FLOAT32, HALF_FLOATS, narrow, round_all, widen
+from ..algorithms.precision import FLOAT16, FLOAT32, HALF_FLOATS, narrow, round_all, widen
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import graph_error
 
+# Operators that read only their input's shape.
+_SHAPE_READERS = frozenset({"Shape", "Size"})
 _HALF = {int(DataType.FLOAT16): DataType.FLOAT16.numpy, int(DataType.BFLOAT16): DataType.BFLOAT16.numpy}
 
 
@@ -36,15 +38,57 @@ def _check(node, inputs, accepts, expected: str) -> None:
                                        f"({node.inputs[index]!r}) is {x.dtype}; expected {expected}")
 
 
-@register("RoundToHalf", domain=FUSED_DOMAIN, since=1)
-def round_to_half(node, shapes, opset):
+@register("RoundToHalf", domain=FUSED_DOMAIN, since=1, hints=("graph",))
+def round_to_half(node, shapes, opset, graph=None):
     dtype = _half_attr(node)
+    in_place = _rounded_in_place(node, graph) if dtype == FLOAT16 else ()
 
     def kernel(*inputs):
         _check(node, inputs, lambda d: d.kind == "f", "a float tensor")
         return round_all(inputs, dtype)
 
-    return kernel
+    if not in_place:
+        return kernel
+    from onnx_runtime import kv_append  # (a decoder's kernel only: a converted CNN loads neither module)
+
+    from ..algorithms.half_caches import CacheRowRounding
+
+    round_rows_in_place = CacheRowRounding()
+
+    def rounding_caches(*inputs):
+        # A decode loop's bound caches: rounded where they lie and passed on themselves, so the attention still
+        # finds the windows it appends the step's rows to in place (kv_append.py) instead of a rounded copy.
+        windows = {}
+        for index in in_place:
+            x = inputs[index]
+            window = kv_append.fed_window(x) if x.dtype == FLOAT32 else None
+            if window is not None and window.contiguous and window.physical.dtype == FLOAT32:
+                windows[index] = window
+        if not windows:
+            return kernel(*inputs)
+        _check(node, inputs, lambda d: d.kind == "f", "a float tensor")
+        rest = [index for index in range(len(inputs)) if index not in windows]
+        results = list(inputs)
+        for index, rounded in zip(rest, round_all(tuple(inputs[index] for index in rest), dtype)):
+            results[index] = rounded
+        round_rows_in_place([(window.physical, window.axis, inputs[index].shape[window.axis])
+                             for index, window in windows.items()])
+        return tuple(results)
+
+    return rounding_caches
+
+
+def _rounded_in_place(node, graph) -> tuple[int, ...]:
+    """The positions of ``node``'s inputs that it may round where a bound run's cache holds them: graph inputs,
+    not graph outputs, that no other node reads but for their shape (Shape and Size). A cache fed so is also its
+    present's buffer, and the present is written from the rounded rows, so no reader sees the fed values change."""
+    if graph is None or any(other.subgraphs() for other in graph.nodes):
+        return ()
+    inputs = {info.name for info in graph.inputs} - {info.name for info in graph.outputs}
+    readers = graph.consumers()
+    return tuple(index for index, name in enumerate(node.inputs) if name in inputs and all(
+        reader is node or (reader.op_type in _SHAPE_READERS and not reader.domain and reader.inputs.index(name) == 0)
+        for reader in readers.get(name, ())))
 
 
 @register("HalfToFloat", domain=FUSED_DOMAIN, since=1)
