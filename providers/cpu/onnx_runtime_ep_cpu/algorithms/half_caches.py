@@ -41,9 +41,8 @@ class CacheRowRounding:
             _physical, _axis, flat, blocks, stride, row = kept
             length = rows * row
             if use_compiled and blocks * length >= ROUNDING_COMPILED_FROM:
-                arguments = (flat, blocks, stride, length)
-                entry = self.entry(arguments)
-                (entry or compiled.round_rows_to_float16)(*arguments)
+                entry = self.entry.entry or self.entry((flat, blocks, stride, length)) or compiled.round_rows_to_float16
+                entry(flat, blocks, stride, length)
                 continue
             valid = physical[(slice(None),) * axis + (slice(0, rows),)]
             with np.errstate(over="ignore", invalid="ignore"):

@@ -66,11 +66,12 @@ def round_to_half(node, shapes, opset, graph=None):
                 windows[index] = window
         if not windows:
             return kernel(*inputs)
-        _check(node, inputs, lambda d: d.kind == "f", "a float tensor")
-        rest = [index for index in range(len(inputs)) if index not in windows]
         results = list(inputs)
-        for index, rounded in zip(rest, round_all(tuple(inputs[index] for index in rest), dtype)):
-            results[index] = rounded
+        if len(windows) < len(inputs):  # (the windows are float32: the others checked and rounded as before)
+            _check(node, inputs, lambda d: d.kind == "f", "a float tensor")
+            rest = [index for index in range(len(inputs)) if index not in windows]
+            for index, rounded in zip(rest, round_all(tuple(inputs[index] for index in rest), dtype)):
+                results[index] = rounded
         round_rows_in_place([(window.physical, window.axis, inputs[index].shape[window.axis])
                              for index, window in windows.items()])
         return tuple(results)
