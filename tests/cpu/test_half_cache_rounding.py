@@ -8,6 +8,9 @@ rounded, and the zoo's float16 decoders appending in place with onnxruntime's to
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from model_helpers import make_model, tensor_info
@@ -156,3 +159,17 @@ def test_half_decoders_append_their_caches_in_place_with_onnxruntimes_tokens(nam
     caches = len(generator.layout.caches)
     assert windows[0] == caches * new  # every past rounded where its cache lies, prefill (no rows) included
     assert counts[0] == caches * new  # and every cache appended in place at every step
+
+
+def test_plain_runs_import_no_cache_rounding(tmp_path):
+    """A converted model run without bound caches (an encoder's inputs rounded by the same node) loads neither
+    the cache windows' module for it nor the row rounding's (cold start)."""
+    path = tmp_path / "half_cache.onnx"
+    path.write_bytes(_half_cache_model()[0])
+    code = ("import sys, numpy as np, onnx_runtime\n"
+            f"s = onnx_runtime.InferenceSession({str(path)!r}, providers=['CPUExecutionProvider'])\n"
+            "z = np.zeros((1, 2, 3, 4), np.float32)\n"
+            "s.run(None, {'past': z, 'k': z[:, :, :1], 'q': z[:, :, :1]})\n"
+            "print('onnx_runtime_ep_cpu.algorithms.half_caches' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split()[-1] == "False"

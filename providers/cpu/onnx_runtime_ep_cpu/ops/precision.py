@@ -11,6 +11,8 @@ float32 and float16 convert in compiled passes (algorithms/precision.py)."""
 
 from __future__ import annotations
 
+import sys
+
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.errors import InvalidArgumentError
 
@@ -49,21 +51,12 @@ def round_to_half(node, shapes, opset, graph=None):
 
     if not in_place:
         return kernel
-    from onnx_runtime import kv_append  # (a decoder's kernel only: a converted CNN loads neither module)
-
-    from ..algorithms.half_caches import CacheRowRounding
-
-    round_rows_in_place = CacheRowRounding()
+    row_rounding: list = []  # made at the first bound cache: a model never run so imports none of its modules
 
     def rounding_caches(*inputs):
         # A decode loop's bound caches: rounded where they lie and passed on themselves, so the attention still
         # finds the windows it appends the step's rows to in place (kv_append.py) instead of a rounded copy.
-        windows = {}
-        for index in in_place:
-            x = inputs[index]
-            window = kv_append.fed_window(x) if x.dtype == FLOAT32 else None
-            if window is not None and window.contiguous and window.physical.dtype == FLOAT32:
-                windows[index] = window
+        windows = _cache_windows(inputs, in_place)
         if not windows:
             return kernel(*inputs)
         results = list(inputs)
@@ -72,11 +65,29 @@ def round_to_half(node, shapes, opset, graph=None):
             rest = [index for index in range(len(inputs)) if index not in windows]
             for index, rounded in zip(rest, round_all(tuple(inputs[index] for index in rest), dtype)):
                 results[index] = rounded
-        round_rows_in_place([(window.physical, window.axis, inputs[index].shape[window.axis])
-                             for index, window in windows.items()])
+        if not row_rounding:
+            from ..algorithms.half_caches import CacheRowRounding
+
+            row_rounding.append(CacheRowRounding())
+        row_rounding[0]([(window.physical, window.axis, inputs[index].shape[window.axis])
+                         for index, window in windows.items()])
         return tuple(results)
 
     return rounding_caches
+
+
+def _cache_windows(inputs: tuple, in_place: tuple[int, ...]) -> dict:
+    """Position -> the window of this thread's bound run fed there (kv_append.fed_window), for the positions
+    ``in_place`` allows whose cache is a C-contiguous float32 buffer."""
+    kv_append = sys.modules.get("onnx_runtime.kv_append")  # (a run with windows has imported it)
+    windows = {}
+    if kv_append is not None:
+        for index in in_place:
+            x = inputs[index]
+            window = kv_append.fed_window(x) if x.dtype == FLOAT32 else None
+            if window is not None and window.contiguous and window.physical.dtype == FLOAT32:
+                windows[index] = window
+    return windows
 
 
 def _rounded_in_place(node, graph) -> tuple[int, ...]:
