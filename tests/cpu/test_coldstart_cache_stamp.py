@@ -7,13 +7,11 @@ on a package of two modules in a temporary folder (its cache next to it, in ``__
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from cached_loop_process import run_script
 
 pytest.importorskip("numba")
 
@@ -61,11 +59,7 @@ def _write_package(root, factor: float) -> None:
 
 
 def _run(root) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "NUMBA_CACHE_LOCATOR_CLASSES")}
-    done = subprocess.run([sys.executable, "-c", RUN, str(root)], capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script(RUN, root)
 
 
 def test_a_change_in_an_inlined_module_invalidates_the_callers_cache(tmp_path):

@@ -7,14 +7,12 @@ temporary folder, its cache next to it in ``__pycache__``.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
+from cached_loop_process import run_script
 
 pytest.importorskip("numba")
 
@@ -52,11 +50,7 @@ print(json.dumps({"out": out.tolist(), "twice": twice.tolist(), "library": type(
 
 
 def _run(root) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "NUMBA_CACHE_LOCATOR_CLASSES")}
-    done = subprocess.run([sys.executable, "-c", RUN, str(root)], capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script(RUN, root)
 
 
 def _check(result: dict) -> None:

@@ -7,14 +7,12 @@ returns an array (the runtime's allocation and reference counts), its cache next
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
+from cached_loop_process import run_script
 
 pytest.importorskip("numba")
 
@@ -66,12 +64,8 @@ def _write_package(root) -> None:
 
 
 def _run(root) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "NUMBA_CACHE_LOCATOR_CLASSES")}
-    env["NUMBA_NRT_STATS"] = "1"  # (the allocation counters: the runtime set up from the file enables them too)
-    done = subprocess.run([sys.executable, "-c", RUN, str(root)], capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # (the allocation counters: the runtime set up from the file enables them too)
+    return run_script(RUN, root, {"NUMBA_NRT_STATS": "1"})
 
 
 def _runtime_files(root) -> list:
