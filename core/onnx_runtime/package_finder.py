@@ -20,11 +20,20 @@ import threading
 from importlib.machinery import EXTENSION_SUFFIXES, ModuleSpec, SourceFileLoader
 
 _lock = threading.Lock()  # serve's edit of the prefixes (the finder reads them without it)
+# Source path -> (size, mtime_ns) of every module loaded here, as importlib's check of its bytecode cache read
+# them: the plan key's code fingerprint (plan_cache.package_fingerprint) takes a loaded module's from here rather
+# than stat it again, which also keys what this process runs, not what the file became since.
+LOADED_STATS: dict[str, tuple[int, int]] = {}
 
 
 class _Loader(SourceFileLoader):
     """importlib's own source loader (bytecode cache, its checks and its writes), with a file removed since its
-    folder was listed reported as the missing module importlib would report."""
+    folder was listed reported as the missing module importlib would report, and the source's stat kept."""
+
+    def path_stats(self, path):
+        stat = os.stat(path)
+        LOADED_STATS[path] = (stat.st_size, stat.st_mtime_ns)
+        return {"mtime": stat.st_mtime, "size": stat.st_size}
 
     def get_code(self, fullname):
         try:

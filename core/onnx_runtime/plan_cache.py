@@ -44,6 +44,7 @@ import onnx
 from .cpus import cpu_flags_line
 from .errors import InvalidArgumentError
 from .loader import model_bytes
+from .package_finder import LOADED_STATS
 
 ENABLE_KEY = "session.plan_cache"  # "0": this session neither reads nor writes plans
 DIR_KEY = "session.plan_cache_dir"
@@ -292,7 +293,8 @@ def package_fingerprint(module_name: str) -> str:
     install (or an editable one under development) never reads plans its old code wrote. A package that a
     wheel installed (beside its .dist-info) is keyed by the distribution's RECORD instead, which holds the
     SHA-256 of every file it installed and which each install, upgrade or reinstall rewrites: one read instead of
-    a stat per module (~1.5 ms of a new process's creation)."""
+    a stat per module (~1.5 ms of a new process's creation). A module this process has imported already counts
+    with the size and time its import read (package_finder.LOADED_STATS): the code it runs, and no second stat."""
     module = sys.modules.get(module_name.split(".")[0])
     folder = os.path.dirname(getattr(module, "__file__", None) or "")
     if not folder:
@@ -300,13 +302,16 @@ def package_fingerprint(module_name: str) -> str:
     record = installed_record(folder)
     if record is not None:
         return record
-    rows, pending, skip = [], [folder], len(folder) + 1
+    rows, pending, skip, loaded = [], [folder], len(folder) + 1, LOADED_STATS
     while pending:  # a flat loop over scandir: os.walk's generator and path joins cost about what the stats do
         with os.scandir(pending.pop()) as listing:
             for entry in listing:
                 if entry.name.endswith(".py"):
-                    stat = entry.stat()
-                    rows.append(f"{entry.path[skip:]}\0{stat.st_size}\0{stat.st_mtime_ns}")
+                    known = loaded.get(entry.path)  # (a module imported already was stat-ed by its import)
+                    if known is None:
+                        stat = entry.stat()
+                        known = (stat.st_size, stat.st_mtime_ns)
+                    rows.append(f"{entry.path[skip:]}\0{known[0]}\0{known[1]}")
                 elif entry.name != "__pycache__" and entry.is_dir():
                     pending.append(entry.path)
     return hashlib.sha256("\n".join([folder, *sorted(rows)]).encode()).hexdigest()
