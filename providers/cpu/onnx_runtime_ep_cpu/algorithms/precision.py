@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 from onnx_runtime.dtypes import DataType
 
-from ..compiled import precision as compiled  # builds its loops (imports numba) at their first call
 from ..compiled.deferred import numpy_first
 
 FLOAT32 = np.dtype(np.float32)
@@ -47,6 +46,14 @@ def _use_compiled(size: int, conversion: str, half: np.dtype) -> bool:
     return size >= _COMPILED_FROM.get((conversion, half), _NEVER) and not numpy_first()
 
 
+def _loops():
+    """compiled/precision.py, imported at the first compiled conversion: numpy-served and float32-only runs never
+    load it (it builds its loops, importing numba, at their first call)."""
+    from ..compiled import precision
+
+    return precision
+
+
 def round_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``x`` rounded to the half-precision ``dtype`` (float16 or bfloat16) and kept in x's dtype: a Cast to
     ``dtype`` and back. float32 arrays take one compiled call; others convert twice."""
@@ -56,6 +63,7 @@ def round_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
             return x.astype(dtype).astype(x.dtype)
     src = np.ascontiguousarray(x).reshape(-1)
     out = np.empty_like(src)
+    compiled = _loops()
     (compiled.round_to_float16 if dtype == FLOAT16 else compiled.round_to_bfloat16)(src, out)
     return out.reshape(x.shape)
 
@@ -66,6 +74,7 @@ def widen(x: np.ndarray) -> np.ndarray:
         return x.astype(FLOAT32)
     src = np.ascontiguousarray(x).reshape(-1).view(np.int16)
     out = np.empty(src.shape, FLOAT32)
+    compiled = _loops()
     (compiled.float16_to_float32 if x.dtype == FLOAT16 else compiled.bfloat16_to_float32)(src, out)
     return out.reshape(x.shape)
 
@@ -78,6 +87,7 @@ def narrow(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
             return x.astype(dtype)
     src = np.ascontiguousarray(x).reshape(-1)
     out = np.empty(src.shape, np.int16)
+    compiled = _loops()
     (compiled.float32_to_float16 if dtype == FLOAT16 else compiled.float32_to_bfloat16)(src, out)
     return out.view(dtype).reshape(x.shape)
 
@@ -91,6 +101,7 @@ def round_all(arrays: tuple, dtype: np.dtype) -> tuple:
         return tuple(round_to(x, dtype) for x in arrays)
     src = np.concatenate([x.reshape(-1) for x in arrays])
     out = np.empty_like(src)
+    compiled = _loops()
     (compiled.round_to_float16 if dtype == FLOAT16 else compiled.round_to_bfloat16)(src, out)
     rounded, start = [], 0
     for x in arrays:

@@ -10,7 +10,6 @@ import numpy as np
 from onnx_runtime import budget
 from onnx_runtime.errors import InvalidArgumentError
 
-from ..algorithms.activations import hard_swish_in_place, hard_swish_steps
 from ..algorithms.conv_choice import direct_tiles, tiles
 from ..algorithms.conv_path import conv_path, lanes_depthwise
 from ..algorithms.conv_rows import RowWeights, as_row, lifts, row_geometry
@@ -83,6 +82,8 @@ def _bind(resolve, inputs, outputs, constant, bounds, hard_swish, prepare):
             return None
         return path.bind(x, w, None, prepare(b, z, x.dtype), y)
     if hard_swish:  # (as convolve: the convolution with its bias, then HardSwish's operations in place)
+        from ..algorithms.activations import hard_swish_steps
+
         steps = path.bind(x, w, b, None, y)
         return None if steps is None else steps + hard_swish_steps(y, y)
     if prepare is None:
@@ -232,6 +233,8 @@ def fused_conv(node, shapes, opset):
     resolve = _conv_resolver(node, shapes)
     hard_swish = node.attr("activation") == "HardSwish"
     if hard_swish:  # the direct tiles apply it as they store; other paths after, in numpy
+        from ..algorithms.activations import hard_swish_in_place  # (only HardSwish's convolutions load it)
+
         activate, prepare, bounds = hard_swish_in_place, None, _NO_ACTIVATION
     else:
         activate = in_place_activation(node)

@@ -9,7 +9,6 @@ import math
 import numpy as np
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
-from ..algorithms.activations import gelu_erf, gelu_series, gelu_tanh
 from ..algorithms.precision import BLAS_FLOATS, FLOAT32, compute_dtype
 from ..algorithms.products import (
     FEW_TILE_ROWS,
@@ -28,7 +27,6 @@ from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ..threads import kernel_threads
 from ..tuning import KNOBS, knobs_epoch
-from .norm_in_front import norm_in_front
 
 
 @register("MatMul", since=1)
@@ -114,6 +112,7 @@ def fused_matmul(node, shapes, opset):
     over it in place (float64's Gelu: three, numpy's tanh between) for float32/float64; the unfused kernels
     for other dtypes. With attribute ``normalize`` (norm_in_front.py), inputs 4 and 5 are the normalization's scale
     and optional shift, applied to A first (input 3, the residual, may be empty)."""
+    from ..algorithms.activations import gelu_erf, gelu_series, gelu_tanh  # (MatMul and Gemm never load it)
     from ..compiled import transformer as compiled
 
     activation = node.attr("activation", "none")
@@ -161,6 +160,8 @@ def fused_matmul(node, shapes, opset):
 def _planned_fused_matmul(node, shapes, plain: bool, series: dict, kernel):
     """FusedMatMul's kernel: ``kernel`` (any shapes) behind its normalization where the node has one, and the
     planned shape's kernel in front where the shapes are known."""
+    from .norm_in_front import norm_in_front
+
     norm = norm_in_front(node, shapes)
     if norm is None:
         return _fused_matmul_for_shape(shapes, plain, series, kernel, kernel, None) or kernel
