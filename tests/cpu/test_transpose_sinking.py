@@ -208,14 +208,40 @@ def test_consecutive_transposes_compose(second, remains):
 
 
 def test_convs_reading_a_channels_last_map_run_channels_last_where_a_path_serves_them():
-    # the downsampling patch conv (2x2 / 2) and the second block's depthwise conv on its 4x4 map run as NhwcConv; the
-    # first block's depthwise conv on the 8x8 map (no channels-last path: more pixels than the pair sums serve) stays
+    # the downsampling patch conv (2x2 / 2) and both blocks' depthwise convs (float32, stride 1: the 16-lane rows on
+    # the 8x8 map as on the 4x4 one) run as NhwcConv; the stem's conv reads the channels-first input and stays
     model = _convnext("torchscript")
     session = _session(model)
     feeds = _check(session, model)
     nodes = session.graph_for(feeds).nodes
-    assert sorted(node.attrs.get("group", 1) for node in nodes if node.op_type == "NhwcConv") == [1, 16]
-    assert [node.op_type for node in nodes].count("Conv") == 2  # the stem's and the first block's
+    assert sorted(node.attrs.get("group", 1) for node in nodes if node.op_type == "NhwcConv") == [1, 8, 16]
+    assert [node.op_type for node in nodes].count("Conv") == 1
+
+
+def test_a_depthwise_conv_of_another_type_keeps_the_pair_sums_or_its_channels_first_form():
+    from onnx_runtime_ep_cpu.ops import conv_nhwc
+
+    attrs = {"kernel_shape": [7, 7], "pads": [3] * 4, "group": 16}
+    assert conv_nhwc.channels_last_path((1, 16, 16, 16), (16, 1, 7, 7), attrs) == "lanes"
+    assert conv_nhwc.channels_last_path((1, 16, 16, 16), (16, 1, 7, 7), attrs, float32=False) is None
+    assert conv_nhwc.channels_last_path((1, 4, 4, 16), (16, 1, 7, 7), attrs, float32=False) == "depthwise"
+    # a planned 16-lane kernel given another type (a graph written elsewhere) runs the other paths
+    from onnx_runtime.ir import Node
+    from onnx_runtime_ep_cpu.fused_domain import FUSED_DOMAIN
+    from onnx_runtime_ep_cpu.registry import lookup
+
+    rng = np.random.default_rng(7)
+    for x_shape in ((1, 16, 16, 16), (1, 4, 4, 16)):
+        node = Node("NhwcConv", ["x", "w", "b"], ["y"], domain=FUSED_DOMAIN, attrs=attrs, opset=1)
+        kernel = lookup("NhwcConv", FUSED_DOMAIN, 1)(node, [x_shape, (16, 1, 7, 7), (16,)], 1)
+        w = (rng.standard_normal((16, 1, 7, 7)) / 7).astype(np.float32)
+        b = rng.standard_normal(16).astype(np.float32)
+        for dtype in (np.float32, np.float64, np.float16):
+            x = rng.standard_normal(x_shape).astype(dtype)
+            exact = _conv_float64(x.astype(np.float32), w, b, attrs)
+            (got,) = kernel(x, w.astype(dtype), b.astype(dtype))
+            assert got.dtype == dtype
+            assert_within(got, exact, (1e-2 if dtype == np.float16 else 1e-5) * (1 + np.abs(exact).max()))
 
 
 def _conv_float64(x_nhwc, w, b, attrs) -> np.ndarray:
@@ -233,7 +259,12 @@ def _conv_float64(x_nhwc, w, b, attrs) -> np.ndarray:
 @pytest.mark.parametrize("x_shape, w_shape, attrs, bias, path", [
     ((2, 8, 8, 16), (32, 16, 2, 2), {"kernel_shape": [2, 2], "strides": [2, 2]}, True, "patch"),
     ((1, 9, 6, 4), (8, 4, 3, 3), {"kernel_shape": [3, 3], "strides": [3, 3]}, False, "patch"),
-    ((2, 4, 4, 64), (64, 1, 7, 7), {"kernel_shape": [7, 7], "pads": [3] * 4, "group": 64}, True, "depthwise"),
+    ((2, 4, 4, 64), (64, 1, 7, 7), {"kernel_shape": [7, 7], "pads": [3] * 4, "group": 64}, True, "lanes"),
+    ((1, 16, 16, 16), (16, 1, 7, 7), {"kernel_shape": [7, 7], "pads": [3] * 4, "group": 16}, True, "lanes"),
+    ((2, 8, 8, 32), (32, 1, 7, 7), {"kernel_shape": [7, 7], "pads": [3] * 4, "group": 32}, False, "lanes"),
+    # a row of 11 pixels (a block and a partial one), 20 channels (a partial block of lanes), unequal pads
+    ((1, 5, 11, 20), (20, 1, 5, 5), {"kernel_shape": [5, 5], "pads": [2, 1, 2, 3], "group": 20}, True, "lanes"),
+    ((1, 6, 9, 24), (24, 1, 3, 3), {"kernel_shape": [3, 3], "pads": [0, 1, 2, 1], "group": 24}, True, "lanes"),
     ((1, 2, 2, 128), (128, 1, 7, 7), {"kernel_shape": [7, 7], "pads": [3] * 4, "group": 128}, False, "depthwise"),
     ((1, 4, 4, 16), (16, 1, 3, 3), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1] * 4, "group": 16}, True,
      "depthwise"),

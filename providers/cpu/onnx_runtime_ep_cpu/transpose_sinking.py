@@ -7,8 +7,9 @@ view, so each pair costs its readers a copy of a permuted view (or a strided pas
 Rewrites, repeated until none applies:
 
 - Transpose(Transpose(x, p), q): one Transpose by the composed permutation, none where it is the identity;
-- Conv(Transpose(x, (0, 3, 1, 2))) where NhwcConv has a channels-last path for its geometry (ops/conv_nhwc.py:
-  a patch convolution, a depthwise one onto a small map): Transpose(NhwcConv(x), (0, 3, 1, 2));
+- Conv(Transpose(x, (0, 3, 1, 2))) where NhwcConv has a channels-last path for its geometry and type
+  (ops/conv_nhwc.py: a patch convolution, a float32 depthwise one of stride 1, a depthwise one onto a small map):
+  Transpose(NhwcConv(x), (0, 3, 1, 2));
 - an elementwise node (Add, Sub, Mul, Div; a one-input elementwise op) with inputs transposed by one permutation p
   runs on their sources, where every reader of its result takes a Transpose by p without a permuted view: a
   Transpose by p's inverse (they cancel), a Conv the rule above then takes, a two-input elementwise node whose
@@ -24,14 +25,15 @@ a value that some reader needs channels-first keeps its Transposes. Each rewrite
 axes commutes with elementwise arithmetic and with broadcasting between equal ranks; NhwcConv's paths round as
 their channels-first counterparts do, not bit for bit). After it, FusedMatMul's residual fusion (fusions.py, after
 this pass) takes a channels-last residual Add into the block's last product (its rounding then that of the fused
-epilogue), and the next LayerNormalization reads its input contiguous: ConvNeXt's stages 2 and 3 run channels-last
-from the downsampling LayerNorm to the final mean. The values this pass names (MOVED) are typed again from their
+epilogue), and the next LayerNormalization reads its input contiguous: ConvNeXt runs channels-last from the stem's
+LayerNorm to the final mean. The values this pass names (MOVED) are typed again from their
 producers' inputs in a specialized graph, where the model's shape inference does not reach them.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from onnx_runtime.dtypes import DataType
 from onnx_runtime.ir import Graph, Node, TypeInfo, ValueInfo
 
 from .fused_domain import FUSED_DOMAIN
@@ -174,7 +176,7 @@ class _Sinking:
         if info is None or info.shape is None or len(info.shape) != 4 or weight is None:
             return False
         shape = tuple(info.shape[a] for a in _inverse(_TO_FIRST))
-        return channels_last_path(shape, weight.shape, conv.attrs) is not None
+        return channels_last_path(shape, weight.shape, conv.attrs, info.dtype == DataType.FLOAT) is not None
 
     def _sinkable(self, node: Node) -> tuple | None:
         """(its inputs' Transposes or None each, their permutation, the inverse Transposes reading its result) where
@@ -306,7 +308,7 @@ class _Sinking:
         source = found[0].inputs[0]
         x_info, weight = self.graph.type_of(source), self.graph.initializers.get(node.inputs[1])
         if x_info is None or x_info.shape is None or weight is None \
-                or channels_last_path(x_info.shape, weight.shape, node.attrs) is None:
+                or channels_last_path(x_info.shape, weight.shape, node.attrs, x_info.dtype == DataType.FLOAT) is None:
             return False
         output = node.outputs[0]
         result = self.fresh(f"{output}{MOVED}")

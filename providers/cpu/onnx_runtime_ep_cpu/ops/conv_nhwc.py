@@ -5,8 +5,10 @@ around it cancel with their neighbours':
 
 - a patch convolution (kernel = stride, unpadded, undilated, one group: ConvNeXt's downsampling) is one product of
   its patches, which a reshape of the channels-last input gathers (each patch row is kw * C contiguous values);
-- a depthwise convolution onto a small map is compiled/depthwise_small's channels-last pair sums, without the
-  two layout changes the channels-first form makes around them.
+- a float32 depthwise convolution of stride 1 is compiled/depthwise_nhwc's 16-lane rows (channels across the
+  lanes, output pixels of a row in registers, the input read in place), on any map;
+- another depthwise convolution onto a small map is compiled/depthwise_small's channels-last pair sums, without
+  the two layout changes the channels-first form makes around them.
 
 Other geometries (a graph written elsewhere) run Conv's kernel between two transposes.
 """
@@ -22,6 +24,12 @@ from ..registry import lookup, register
 # Depthwise maps of up to this many output (and input) pixels take the channels-last pair sums: on larger planes
 # the channels-first loops (depthwise_rows' register tiles) outrun them even with the copies around them.
 DEPTHWISE_PIXELS = 16
+# The window widths compiled/depthwise_nhwc.py builds its calls for (its KERNEL_WIDTHS: planning does not import
+# that module, which loads numba).
+LANE_KERNEL_WIDTHS = (3, 5, 7)
+# Output rows narrower than this keep the pair sums where both serve: a 16-lane call computes a block of columns
+# whatever its width, so on a row of two pixels most of its work is thrown away.
+LANE_MIN_WIDTH = 4
 
 
 def _geometry(x_shape, w_shape, attrs: dict):
@@ -47,9 +55,9 @@ def output_shape(x_shape, w_shape, attrs: dict) -> tuple | None:
     return None if geometry is None else (x_shape[0], *geometry[4], w_shape[0])
 
 
-def channels_last_path(x_shape, w_shape, attrs: dict) -> str | None:
-    """"patch" or "depthwise" where NhwcConv has a channels-last path for this geometry (x_shape channels-last),
-    else None."""
+def channels_last_path(x_shape, w_shape, attrs: dict, float32: bool = True) -> str | None:
+    """"patch", "lanes" or "depthwise" where NhwcConv has a channels-last path for this geometry (x_shape
+    channels-last) and element type (``float32``, or another: "lanes" serves float32 only), else None."""
     geometry = _geometry(x_shape, w_shape, attrs)
     if geometry is None:
         return None
@@ -59,10 +67,12 @@ def channels_last_path(x_shape, w_shape, attrs: dict) -> str | None:
         return None
     if group == 1 and kernel == strides and not any(pads) and w_shape[1] == channels:
         return "patch"
-    if group == channels == w_shape[0] and w_shape[1] == 1 and out[0] * out[1] <= DEPTHWISE_PIXELS \
-            and x_shape[1] * x_shape[2] <= DEPTHWISE_PIXELS:
-        return "depthwise"
-    return None
+    if group != channels or w_shape[0] != channels or w_shape[1] != 1:
+        return None
+    small = out[0] * out[1] <= DEPTHWISE_PIXELS and x_shape[1] * x_shape[2] <= DEPTHWISE_PIXELS
+    if float32 and strides == (1, 1) and kernel[1] in LANE_KERNEL_WIDTHS and (out[1] >= LANE_MIN_WIDTH or not small):
+        return "lanes"
+    return "depthwise" if small else None
 
 
 class _Constant:
@@ -142,6 +152,53 @@ def _depthwise_kernel(geometry, x_shape, fallback):
     return kernel
 
 
+def _lanes_kernel(geometry, x_shape, small):
+    """compiled/depthwise_nhwc's loop for float32 calls; others take ``small`` (the pair sums' kernel, where the map
+    is small enough for them) or the fallback."""
+    from ..algorithms.bound_loop import EntryOnce
+    from ..compiled import deferred
+
+    (kh, kw), _, _, pads, out = geometry
+    module: list = []  # compiled/depthwise_nhwc (imports numba), at the first float32 call
+    loop: list = []
+    weights = _Constant(lambda w, b: w.reshape(w.shape[0], -1).T.reshape(-1))  # (kh * kw * C) flat
+    biases = _Constant(lambda w, b: np.zeros(w.shape[0]) if b is None else b)
+    geometry_arguments = (x_shape[1], x_shape[2], kh, kw, pads[0], pads[1], out[1])
+    rest = tuple(x_shape[1:])
+    # the last call's (w, b, arranged weights, bias): a model's constants repeat them every run
+    kept: list = [(None, None, None, None)]
+
+    def kernel(x, w, b=None):
+        last = kept[0]
+        if last[0] is w and last[1] is b and x.dtype is _FLOAT32 and x.flags.c_contiguous and x.shape[1:] == rest:
+            y = np.empty((x.shape[0], *out, x.shape[3]), x.dtype)
+            loop[0].run((x.reshape(-1), last[2], last[3], y.reshape(-1), *geometry_arguments))
+            return (y,)
+        if x.dtype != _FLOAT32 or x.shape[1:] != rest:
+            return small(x, w, b)
+        if not module:
+            from ..compiled import depthwise_nhwc
+
+            module.append(depthwise_nhwc)
+            loop.append(EntryOnce(depthwise_nhwc.depthwise_nhwc))
+        arranged, bias = weights(w, None, x.dtype), biases(w, b, x.dtype)
+        y = np.empty((x.shape[0], *out, x.shape[3]), x.dtype)
+        arguments = (np.ascontiguousarray(x).reshape(-1), arranged, bias, y.reshape(-1), *geometry_arguments)
+        compiled = module[0].depthwise_nhwc
+        if deferred.state.deferring and not compiled.switched:  # numba loads in the background meanwhile
+            compiled.expect(*arguments)
+            return small(x, w, b)
+        loop[0].run(arguments)
+        if not w.flags.writeable and (b is None or not b.flags.writeable):
+            kept[0] = (w, b, arranged, bias)
+        return (y,)
+
+    return kernel
+
+
+_FLOAT32 = np.dtype(np.float32)
+
+
 @register("NhwcConv", domain=FUSED_DOMAIN, since=1)
 def nhwc_conv(node, shapes, opset):
     from onnx_runtime.ir import Node
@@ -164,4 +221,7 @@ def nhwc_conv(node, shapes, opset):
         return _patch_kernel(geometry, w_shape)
     if path == "depthwise":
         return _depthwise_kernel(geometry, x_shape, fallback)
+    if path == "lanes":
+        small = channels_last_path(x_shape, w_shape, node.attrs, float32=False) == "depthwise"
+        return _lanes_kernel(geometry, x_shape, _depthwise_kernel(geometry, x_shape, fallback) if small else fallback)
     return fallback
