@@ -265,6 +265,9 @@ def _conv_float64(x_nhwc, w, b, attrs) -> np.ndarray:
     # a row of 11 pixels (a block and a partial one), 20 channels (a partial block of lanes), unequal pads
     ((1, 5, 11, 20), (20, 1, 5, 5), {"kernel_shape": [5, 5], "pads": [2, 1, 2, 3], "group": 20}, True, "lanes"),
     ((1, 6, 9, 24), (24, 1, 3, 3), {"kernel_shape": [3, 3], "pads": [0, 1, 2, 1], "group": 24}, True, "lanes"),
+    # rows of at most 4 pixels: the narrow calls
+    ((1, 3, 4, 16), (16, 1, 3, 3), {"kernel_shape": [3, 3], "pads": [1] * 4, "group": 16}, True, "lanes"),
+    ((2, 6, 4, 40), (40, 1, 5, 5), {"kernel_shape": [5, 5], "pads": [2] * 4, "group": 40}, False, "lanes"),
     ((1, 2, 2, 128), (128, 1, 7, 7), {"kernel_shape": [7, 7], "pads": [3] * 4, "group": 128}, False, "depthwise"),
     ((1, 4, 4, 16), (16, 1, 3, 3), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1] * 4, "group": 16}, True,
      "depthwise"),

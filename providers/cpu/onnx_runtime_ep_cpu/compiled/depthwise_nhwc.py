@@ -2,10 +2,11 @@
 (AVX-512), written as LLVM IR: NhwcConv's kernel for maps larger than depthwise_small's pair sums serve
 (ConvNeXt's 7x7 convolutions of its first stages).
 
-A call computes COLUMNS output pixels of one output row for 16 channels, their sums in registers over the
-window's rows: each input pixel the block reads from a row is loaded once, in place (masked loads: pixels off
-the row's ends and channels past the last read zero and are not touched), and feeds every output pixel whose
-window covers it, times the tap column's weights (loaded once per row). The caller skips the window's rows
+A call computes COLUMNS output pixels of one output row (NARROW on rows of at most NARROW pixels) for 16
+channels, their sums in registers over the window's rows: each input pixel the block reads from a row is loaded
+once, in place (masked loads: pixels off the row's ends and channels past the last read zero and are not
+touched), and feeds every output pixel whose window covers it, times the tap column's weights (loaded once per
+row). The caller skips the window's rows
 off the map. An output's taps add in row-major order to the bias, each by one fused multiply-add, as
 depthwise_small's pair sums do. Where the pair sums lose on such maps is indexing: their inner loop over a
 pixel's few channels is all they vectorize.
@@ -20,12 +21,13 @@ from numba.extending import intrinsic
 from . import jit, llvm
 
 COLUMNS = 8  # output pixels per call: their sums, the tap columns' weights and an input pixel fit the registers
+NARROW = 4  # output pixels per call on rows this narrow (a wider call's work past the row is thrown away)
 KERNEL_WIDTHS = (3, 5, 7)  # the window widths a call is built for (compile-time: the taps are unrolled)
 _LANES = llvm.LANES
 
 
-def _row_kernel(kw: int):
-    """The intrinsic of one call for windows ``kw`` wide (see _emit)."""
+def _row_kernel(kw: int, columns: int):
+    """The intrinsic of one call for windows ``kw`` wide computing ``columns`` outputs (see _emit)."""
 
     @intrinsic
     def kernel(typingctx, x, weights, bias, y, x_at, w_at, rows, ldx, ldw, col0, width, channels, c0, y_at, count):
@@ -43,7 +45,7 @@ def _row_kernel(kw: int):
             def data(index):
                 return context.make_array(sig.args[index])(context, builder, args[index]).data
 
-            _emit(builder, kw, tuple(data(i) for i in range(4)), tuple(args[4:]))
+            _emit(builder, kw, columns, tuple(data(i) for i in range(4)), tuple(args[4:]))
             return context.get_dummy_value()
 
         return signature, codegen
@@ -51,8 +53,8 @@ def _row_kernel(kw: int):
     return kernel
 
 
-def _emit(builder, kw: int, pointers: tuple, values: tuple) -> None:
-    """The IR of one call: COLUMNS sums of 16 lanes carried in registers over the window's rows."""
+def _emit(builder, kw: int, columns: int, pointers: tuple, values: tuple) -> None:
+    """The IR of one call: ``columns`` sums of 16 lanes carried in registers over the window's rows."""
     x_ptr, w_ptr, b_ptr, y_ptr = pointers
     x_at, w_at, rows, ldx, ldw, col0, width, channels, c0, y_at, count = values
     module = builder.module
@@ -69,7 +71,7 @@ def _emit(builder, kw: int, pointers: tuple, values: tuple) -> None:
                                                  llvm.LANE_NUMBERS),
                                 llvm.splat(builder, builder.trunc(channels, llvm.I32), llvm.LANE_INDEX))
     # one mask per input column the block reads: its channels where the column lies in the row, else none
-    reach = COLUMNS + kw - 1
+    reach = columns + kw - 1
     masks, offsets = [], []
     for t in range(reach):
         column = builder.add(col0, const(t))
@@ -86,18 +88,18 @@ def _emit(builder, kw: int, pointers: tuple, values: tuple) -> None:
         sums = list(sums)
         for t in range(reach):
             v = builder.call(load, [at(x_ptr, builder.add(x_row, offsets[t])), align, masks[t], zero])
-            for r in range(max(0, t - kw + 1), min(COLUMNS, t + 1)):  # the outputs whose window column t - r is
+            for r in range(max(0, t - kw + 1), min(columns, t + 1)):  # the outputs whose window column t - r is
                 sums[r] = builder.call(fma, [taps[t - r], v, sums[r]])
         return sums
 
-    sums = llvm.counted_loop(builder, rows, [first] * COLUMNS, row, "depthwise_nhwc")
-    for r in range(COLUMNS):
+    sums = llvm.counted_loop(builder, rows, [first] * columns, row, "depthwise_nhwc")
+    for r in range(columns):
         keep = builder.and_(lanes, llvm.splat(builder, builder.icmp_signed("<", const(r), count), llvm.MASK))
         builder.call(store, [sums[r], at(y_ptr, builder.add(y_at, builder.mul(const(r), channels))), align, keep])
 
 
-_KERNELS = {kw: _row_kernel(kw) for kw in KERNEL_WIDTHS}
-_k3, _k5, _k7 = (_KERNELS[kw] for kw in KERNEL_WIDTHS)
+_k3, _k5, _k7 = (_row_kernel(kw, COLUMNS) for kw in KERNEL_WIDTHS)
+_n3, _n5, _n7 = (_row_kernel(kw, NARROW) for kw in KERNEL_WIDTHS)
 
 
 @jit
@@ -109,21 +111,28 @@ def depthwise_nhwc(x, weights, bias, y, height, width, kh, kw, top, left, out_w)
     images = x.shape[0] // (height * width * channels)
     out_h = y.shape[0] // (images * out_w * channels)
     ldx, ldw = width * channels, kw * channels
+    narrow = out_w <= NARROW
+    step = NARROW if narrow else COLUMNS
     for n in range(images):
         for oy in range(out_h):
             first = max(0, top - oy)
             rows = min(kh, height + top - oy) - first
             x_row = (n * height + oy - top + first) * ldx
             y_row = (n * out_h + oy) * out_w * channels
-            for ox in range(0, out_w, COLUMNS):
-                count = min(COLUMNS, out_w - ox)
+            for ox in range(0, out_w, step):
+                count = min(step, out_w - ox)
                 for c0 in range(0, channels, _LANES):
-                    if kw == 7:
-                        _k7(x, weights, bias, y, x_row + c0, first * ldw + c0, rows, ldx, ldw, ox - left, width,
-                            channels, c0, y_row + ox * channels + c0, count)
+                    x_at, w_at, col0, y_at = x_row + c0, first * ldw + c0, ox - left, y_row + ox * channels + c0
+                    if narrow:
+                        if kw == 7:
+                            _n7(x, weights, bias, y, x_at, w_at, rows, ldx, ldw, col0, width, channels, c0, y_at, count)
+                        elif kw == 5:
+                            _n5(x, weights, bias, y, x_at, w_at, rows, ldx, ldw, col0, width, channels, c0, y_at, count)
+                        else:
+                            _n3(x, weights, bias, y, x_at, w_at, rows, ldx, ldw, col0, width, channels, c0, y_at, count)
+                    elif kw == 7:
+                        _k7(x, weights, bias, y, x_at, w_at, rows, ldx, ldw, col0, width, channels, c0, y_at, count)
                     elif kw == 5:
-                        _k5(x, weights, bias, y, x_row + c0, first * ldw + c0, rows, ldx, ldw, ox - left, width,
-                            channels, c0, y_row + ox * channels + c0, count)
+                        _k5(x, weights, bias, y, x_at, w_at, rows, ldx, ldw, col0, width, channels, c0, y_at, count)
                     else:
-                        _k3(x, weights, bias, y, x_row + c0, first * ldw + c0, rows, ldx, ldw, ox - left, width,
-                            channels, c0, y_row + ox * channels + c0, count)
+                        _k3(x, weights, bias, y, x_at, w_at, rows, ldx, ldw, col0, width, channels, c0, y_at, count)

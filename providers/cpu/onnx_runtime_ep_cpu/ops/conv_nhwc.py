@@ -27,8 +27,8 @@ DEPTHWISE_PIXELS = 16
 # The window widths compiled/depthwise_nhwc.py builds its calls for (its KERNEL_WIDTHS: planning does not import
 # that module, which loads numba).
 LANE_KERNEL_WIDTHS = (3, 5, 7)
-# Output rows narrower than this keep the pair sums where both serve: a 16-lane call computes a block of columns
-# whatever its width, so on a row of two pixels most of its work is thrown away.
+# Output rows narrower than this keep the pair sums where both serve: a 16-lane call computes at least NARROW
+# columns (compiled/depthwise_nhwc.py), most of them thrown away on a row of two pixels.
 LANE_MIN_WIDTH = 4
 
 
