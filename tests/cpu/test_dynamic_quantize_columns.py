@@ -61,16 +61,17 @@ def _model(cuts: list[tuple[int, int]], readers: str = "heads", split: bool = Fa
     return model.SerializeToString()
 
 
-def _ours(model, x, monkeypatch=None):
-    """A session and its outputs; with ``monkeypatch``, the control: the pass left out while the session specializes
-    (at its first run) too."""
+def _ours(model, x, monkeypatch=None, left_out=PASS):
+    """A session and its outputs; with ``monkeypatch``, the control: the pass ``left_out`` left out while the session
+    specializes (at its first run) too."""
     if monkeypatch is None:
         session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
         return session, session.run(None, {"x": x})
     from onnx_runtime_ep_cpu import provider
 
     with monkeypatch.context() as patch:
-        patch.setattr(provider, "HEADS_PASSES", [p for p in provider.HEADS_PASSES if p.__name__ != PASS], raising=False)
+        kept = [p for p in provider.HEADS_PASSES if p.__name__ != left_out]
+        patch.setattr(provider, "HEADS_PASSES", kept, raising=False)
         session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
         return session, session.run(None, {"x": x})
 
@@ -132,6 +133,66 @@ def test_widths_that_do_not_fit_the_outputs_are_refused_naming_the_attribute():
         lookup("DynamicQuantizeMatMulColumns", FUSED_DOMAIN, 1)(node, [None, None, None], 1)
 
 
+
+
+@pytest.mark.parametrize("seq", [1, 5])
+@pytest.mark.parametrize("split", [False, True])
+def test_head_splits_fold_into_the_columns_node_with_the_unfolded_bits(seq, split, monkeypatch):
+    """fold_head_splits: each part's head split (ReshapeTranspose) is the columns node's own layout (no step of its
+    own), the same bits as the graph that keeps the splits; at one token the parts are slices of the product
+    reshaped once (planned_heads), at five the general reshape and transpose."""
+    model = _model(PHI3_QKV, "heads", split)
+    x = RNG.standard_normal((1, seq, HIDDEN)).astype(np.float32)
+    session, got = _ours(model, x)
+    control, want = _ours(model, x, monkeypatch, left_out="fold_head_splits")
+    for ours, unfolded in zip(got, want):
+        assert ours.shape == unfolded.shape == (1, ours.shape[1], seq, HEAD)
+        np.testing.assert_array_equal(ours, unfolded)
+    ops = _ops(session, x)
+    assert ops == [("DynamicQuantizeMatMulColumns", FUSED_DOMAIN)], ops
+    assert ("ReshapeTranspose", FUSED_DOMAIN) in _ops(control, x)
+    oracle = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for ours, theirs in zip(got, oracle):
+        assert np.max(np.abs(ours - theirs)) <= 0.02 * np.max(np.abs(theirs)) + 1e-3
+
+
+def _columns_kernel(layouts, a_shape):
+    from onnx_runtime.ir import Node
+    from onnx_runtime_ep_cpu.registry import lookup
+
+    node = Node("DynamicQuantizeMatMulColumns", ["a", "b", "s"], ["q", "k", "v"], name="columns", domain=FUSED_DOMAIN,
+                attrs={"widths": [64, 32, 32], "layouts": layouts}, opset=1)
+    return lookup("DynamicQuantizeMatMulColumns", FUSED_DOMAIN, 1)(node, [a_shape, (HIDDEN, 128), ()], 1)
+
+
+def test_a_columns_kernel_with_layouts_serves_other_shapes_than_its_planned_one():
+    """A kernel planned for one token splits another shape's product by the general reshape and transpose, each part
+    as the unfused DynamicQuantizeMatMul's columns split into heads; a product of other columns is an error."""
+    from onnx_runtime.ir import Node
+    from onnx_runtime_ep_cpu.ops.contrib_integer_matmul import dynamic_quantize_matmul
+
+    layouts = [4, 1, -1, 4, HEAD, 0, 2, 1, 3, 4, 1, -1, 2, HEAD, 0, 2, 1, 3, 4, 1, -1, 2, HEAD, 0, 2, 1, 3]
+    kernel = _columns_kernel(layouts, (1, 1, HIDDEN))
+    w = RNG.integers(-127, 128, (HIDDEN, 128)).astype(np.int8)
+    scale = np.array(0.02, np.float32)
+    w.setflags(write=False)
+    for rows in (1, 3, 1):
+        a = RNG.standard_normal((1, rows, HIDDEN)).astype(np.float32)
+        single = dynamic_quantize_matmul(Node("DynamicQuantizeMatMul", ["a", "b", "s"], ["y"], name="single",
+                                              domain="com.microsoft", opset=1), [a.shape, w.shape, ()], 1)
+        product = single(a, w, scale)[0]
+        parts = kernel(a, w, scale)
+        for part, (start, end) in zip(parts, PHI3_QKV):
+            want = product[..., start:end].reshape(1, rows, -1, HEAD).transpose(0, 2, 1, 3)
+            assert part.shape == want.shape
+            np.testing.assert_array_equal(part, want)
+    with pytest.raises(Exception, match="expected 128"):
+        kernel(RNG.standard_normal((1, 2, HIDDEN)).astype(np.float32), w[:, :100].copy(), scale)
+
+
+def test_layouts_that_do_not_fit_the_outputs_are_refused_naming_the_attribute():
+    with pytest.raises(Exception, match="layouts"):
+        _columns_kernel([4, 1, -1, 4, HEAD, 0, 2, 1], (1, 1, HIDDEN))
 
 
 @pytest.mark.parametrize("name", ["phi3.torchscript.int8_dynamic", "phi3.dynamo.int8_dynamic"])

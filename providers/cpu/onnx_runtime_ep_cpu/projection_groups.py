@@ -39,7 +39,8 @@ Last, a member whose only reader is its head split (ReshapeTranspose) comes out 
 group's kernel reshapes and transposes the column as the split did, and at a decode step's one token (where the
 transpose moves only axes of length 1) its members are slices of the product reshaped once, so a layer's q, k
 and v cost one step, not four. A split's target dimension 0 that copies the column's (TorchScript's [0, 0, heads,
-size]) is read off the column's static shape in a specialized plan.
+size]) is read off the column's static shape in a specialized plan. An int8_dynamic export's columns node folds its
+head splits the same way (GPT-2's and Phi-3's q, k and v).
 """
 
 from __future__ import annotations
@@ -478,15 +479,19 @@ def _head_split(graph: Graph, view: GraphView, name: str) -> tuple[Node, list[in
     return split, [len(shape), *shape, *perm]
 
 
+# The column-view groups whose kernels take a ``layouts`` attribute (ops/projection_group.py's columns)
+_LAYOUT_GROUPS = ("ProjectionGroup", "DynamicQuantizeMatMulColumns")
+
+
 def fold_head_splits(graph: Graph, owns=None) -> bool:
-    """A ProjectionGroup's outputs that a head split (ReshapeTranspose) alone reads come out split: the group's
-    kernel reshapes and transposes its column views as the split did (attribute ``layouts``), one step instead of
-    one per member (a decode step's q, k and v). Runs after the passes that read ReshapeTranspose (the 3-D
-    attention fold, the patch embedding)."""
+    """A ProjectionGroup's (or DynamicQuantizeMatMulColumns') outputs that a head split (ReshapeTranspose) alone
+    reads come out split: the group's kernel reshapes and transposes its column views as the split did (attribute
+    ``layouts``), one step instead of one per member (a decode step's q, k and v). Runs after the passes that read
+    ReshapeTranspose (the 3-D attention fold, the patch embedding)."""
     view = GraphView(graph)
     changed = False
     for group in list(graph.nodes):
-        if group.op_type != "ProjectionGroup" or group.domain != FUSED_DOMAIN or group.attr("layouts") is not None:
+        if group.op_type not in _LAYOUT_GROUPS or group.domain != FUSED_DOMAIN or group.attr("layouts") is not None:
             continue
         splits = [_head_split(graph, view, name) for name in group.outputs]
         found = [split for split, _layout in filter(None, splits)]
@@ -495,7 +500,7 @@ def fold_head_splits(graph: Graph, owns=None) -> bool:
         layouts = [value for found_split in splits for value in (found_split[1] if found_split else [0])]
         outputs = [found_split[0].outputs[0] if found_split else name
                    for name, found_split in zip(group.outputs, splits)]
-        fused = Node("ProjectionGroup", list(group.inputs), outputs, name=group.name, domain=FUSED_DOMAIN,
+        fused = Node(group.op_type, list(group.inputs), outputs, name=group.name, domain=FUSED_DOMAIN,
                      attrs={**dict(group.attrs), "layouts": layouts}, opset=group.opset)
         gone = {id(split) for split in found}
         graph.nodes = [fused if node is group else node for node in graph.nodes if id(node) not in gone]

@@ -106,7 +106,8 @@ def _is(x, y) -> bool:
 @register("DynamicQuantizeMatMulColumns", domain=FUSED_DOMAIN, since=1)
 def dynamic_quantize_matmul_columns(node, shapes, opset):
     """DynamicQuantizeMatMul's inputs (A, B, b_scale, b_zero_point, bias); one output per entry of ``widths``: the
-    product's adjacent column views of those widths, in order (the product is the node's own, bit for bit)."""
+    product's adjacent column views of those widths, in order (the product is the node's own, bit for bit), each
+    split into heads where attribute ``layouts`` says so (ProjectionGroup's, projection_groups.fold_head_splits)."""
     widths = [int(w) for w in node.attr("widths", [])]
     if len(widths) != len(node.outputs) or min(widths, default=0) <= 0:
         raise graph_error(node, "widths", f"is {widths} for {len(node.outputs)} outputs; expected one positive "
@@ -114,6 +115,8 @@ def dynamic_quantize_matmul_columns(node, shapes, opset):
     single = dynamic_quantize_matmul(node, shapes, opset)
     ends = np.cumsum(widths).tolist()
     total = ends[-1]
+    if node.attr("layouts") is not None:
+        return _split_columns(node, single, widths, shapes)
     # The views' indices made once, taken by one itemgetter call (C's loop: a list of views costs twice as much).
     views = itemgetter(*[(Ellipsis, slice(end - width, end)) for width, end in zip(widths, ends)])
     if len(widths) == 1:
@@ -125,5 +128,33 @@ def dynamic_quantize_matmul_columns(node, shapes, opset):
         if product.shape[-1] != total:
             raise argument_error(node, f"B has {product.shape[-1]} columns; expected {total}, the sum of the widths")
         return views(product)
+
+    return kernel
+
+
+def _split_columns(node, single, widths: list[int], shapes):
+    """dynamic_quantize_matmul_columns' kernel for a node with ``layouts``: the column views split into heads as
+    ProjectionGroup's are, and at the planned leading shape of a decode step's one token, slices of the product
+    reshaped once (projection_group.planned_heads)."""
+    from .projection_group import column_views, planned_heads  # (only decoders with folded head splits need it)
+
+    starts = [0, *np.cumsum(widths).tolist()]
+    total = starts[-1]
+    columns, layouts = column_views(node, widths, starts)
+    a_shape = tuple(shapes[0]) if shapes and shapes[0] is not None else None
+    planned = None
+    if a_shape and all(isinstance(d, int) and d > 0 for d in a_shape):
+        lead = a_shape[:-1]
+        found = planned_heads(columns, layouts, widths, lead)
+        if found is not None:
+            planned = (lead + (total,), found[0], found[1])
+
+    def kernel(a, *rest):
+        product = single(a, *rest)[0]
+        if planned is not None and product.shape == planned[0]:
+            return planned[2](product.reshape(planned[1]))
+        if product.shape[-1] != total:
+            raise argument_error(node, f"B has {product.shape[-1]} columns; expected {total}, the sum of the widths")
+        return columns(product)
 
     return kernel

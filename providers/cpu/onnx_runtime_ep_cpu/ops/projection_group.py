@@ -50,7 +50,7 @@ def _layouts(node, widths: list[int]) -> list[tuple | None]:
     return layouts
 
 
-def _columns(node, widths: list[int], starts: list[int]):
+def column_views(node, widths: list[int], starts: list[int]):
     """The function taking the group's product (..., sum of widths) to its outputs: each member's column view,
     split into heads where the node's layouts say so."""
     spans = [(Ellipsis, slice(starts[i], starts[i + 1])) for i in range(len(widths))]
@@ -78,7 +78,7 @@ def _views(spans: list):
     return lambda y: (y[only],)  # (itemgetter of one index gives the item, not a tuple)
 
 
-def _planned_heads(columns, layouts: list, widths: list[int], lead: tuple) -> tuple | None:
+def planned_heads(columns, layouts: list, widths: list[int], lead: tuple) -> tuple | None:
     """(the product's shape, the function taking it to the members) where every member is split into heads whose
     transpose moves only axes of length 1 at the planned leading shape (a decode step's one token): the product,
     reshaped once, holds the heads side by side along one axis, and each member is a slice of it, not a reshaped
@@ -173,7 +173,7 @@ def projection_group(node, shapes, opset):
     starts = [0, *np.cumsum(widths).tolist()]
     total = starts[-1]
 
-    columns, layouts = _columns(node, widths, starts)
+    columns, layouts = column_views(node, widths, starts)
     general, product = _general(node, columns, total, norm)
     a_shape = tuple(shapes[0]) if shapes and shapes[0] is not None else None
     if not a_shape or not all(isinstance(d, int) and d > 0 for d in a_shape):
@@ -183,7 +183,7 @@ def projection_group(node, shapes, opset):
     rows, depth = math.prod(a_shape[:-1]), a_shape[-1]
     lead = a_shape[:-1]
     out_shape = lead + (total,)
-    out_shape, columns_planned = _planned_heads(columns, layouts, widths, lead) or (out_shape, columns)
+    out_shape, columns_planned = planned_heads(columns, layouts, widths, lead) or (out_shape, columns)
     no_residual = np.empty((0, 0), _F32)
     add = compiled.add_bias_residual_
     # A decode step's few rows by constant weights of this size: few_rows.py's tiles (BLAS packs the weights per call)
