@@ -225,6 +225,10 @@ def test_a_depthwise_conv_of_another_type_keeps_the_pair_sums_or_its_channels_fi
     assert conv_nhwc.channels_last_path((1, 16, 16, 16), (16, 1, 7, 7), attrs) == "lanes"
     assert conv_nhwc.channels_last_path((1, 16, 16, 16), (16, 1, 7, 7), attrs, float32=False) is None
     assert conv_nhwc.channels_last_path((1, 4, 4, 16), (16, 1, 7, 7), attrs, float32=False) == "depthwise"
+    assert conv_nhwc.channels_last_path((1, 2, 2, 16), (16, 1, 7, 7), attrs) == "depthwise"  # a row of two pixels
+    from onnx_runtime_ep_cpu.compiled import depthwise_nhwc
+
+    assert conv_nhwc.LANE_KERNEL_WIDTHS == depthwise_nhwc.KERNEL_WIDTHS  # what planning offers the loop builds
     # a planned 16-lane kernel given another type (a graph written elsewhere) runs the other paths
     from onnx_runtime.ir import Node
     from onnx_runtime_ep_cpu.fused_domain import FUSED_DOMAIN

@@ -6,7 +6,8 @@ around it cancel with their neighbours':
 - a patch convolution (kernel = stride, unpadded, undilated, one group: ConvNeXt's downsampling) is one product of
   its patches, which a reshape of the channels-last input gathers (each patch row is kw * C contiguous values);
 - a float32 depthwise convolution of stride 1 is compiled/depthwise_nhwc's 16-lane rows (channels across the
-  lanes, output pixels of a row in registers, the input read in place), on any map;
+  lanes, output pixels of a row in registers, the input read in place), but for rows of a few pixels on a small
+  map;
 - another depthwise convolution onto a small map is compiled/depthwise_small's channels-last pair sums, without
   the two layout changes the channels-first form makes around them.
 
@@ -21,8 +22,8 @@ from ..compiled import takes as takes_compiled
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import lookup, register
 
-# Depthwise maps of up to this many output (and input) pixels take the channels-last pair sums: on larger planes
-# the channels-first loops (depthwise_rows' register tiles) outrun them even with the copies around them.
+# Depthwise maps of up to this many output (and input) pixels may take the channels-last pair sums: on larger
+# planes the channels-first loops (depthwise_rows' register tiles) outrun them even with the copies around them.
 DEPTHWISE_PIXELS = 16
 # The window widths compiled/depthwise_nhwc.py builds its calls for (its KERNEL_WIDTHS: planning does not import
 # that module, which loads numba).
