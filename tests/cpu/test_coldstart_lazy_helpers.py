@@ -1,8 +1,9 @@
 """Helpers a float32 CNN's first runs do not need stay out of a fresh process (each module is find, read, unmarshal
 and exec of a creation + first run that onnxruntime does in a few milliseconds): the activations module (only a
 HardSwish convolution's epilogue and a FusedMatMul's Gelu load it), the half-precision conversion loops (only a
-compiled conversion loads them) and FusedMatMul's normalization in front (only a FusedMatMul loads it). Where they
-are needed they still load, and the outputs stay within a float64 bound."""
+compiled conversion loads them), FusedMatMul's normalization in front (only a FusedMatMul loads it) and the patch
+convolution (conv_choice answers whether a convolution takes it; its module loads with the first that does).
+Where they are needed they still load, and the outputs stay within a float64 bound."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from reference64 import assert_within, run_float64
 
 LAZY = ("onnx_runtime_ep_cpu.algorithms.activations", "onnx_runtime_ep_cpu.compiled.precision",
-        "onnx_runtime_ep_cpu.ops.norm_in_front")
+        "onnx_runtime_ep_cpu.ops.norm_in_front", "onnx_runtime_ep_cpu.algorithms.conv_patches")
 
 SCRIPT = r"""
 import json, sys
@@ -74,3 +75,38 @@ def test_a_float_cnn_first_run_loads_only_the_helpers_it_uses(tmp_path, activati
         assert_within(np.array(report["y"], np.float32), exact, 1e-4 * max(1.0, float(np.max(np.abs(exact)))))
     expected = [LAZY[0]] if activation == "HardSwish" else []  # (the convolutions' HardSwish epilogue)
     assert report["loaded"] == expected
+
+
+def test_a_patch_convolution_still_takes_the_patch_product(monkeypatch):
+    """A 2x2 stride-2 convolution onto a 4x4 map (conv_choice.patches_apply) loads conv_patches with its first
+    build and runs PatchConv, within a float64 bound, before and after the compiled loops switch in."""
+    import onnx_runtime as ort
+    from onnx_runtime_ep_cpu.algorithms import conv_patches
+    from onnx_runtime_ep_cpu.compiled import deferred
+
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((64, 32, 2, 2)) * 0.3).astype(np.float32)
+    b = rng.standard_normal(64).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[2, 2], strides=[2, 2]),
+                               helper.make_node("Relu", ["c"], ["y"])], "patches",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    taken, calls = [], conv_patches.PatchConv.calls
+
+    def counted(self, *args):
+        taken.append(self)
+        return calls(self, *args)
+
+    monkeypatch.setattr(conv_patches.PatchConv, "calls", counted)
+    x = rng.standard_normal((1, 32, 8, 8)).astype(np.float32)
+    exact = run_float64(model, {"x": x})[0]
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    for run in range(3):
+        assert_within(sess.run(None, {"x": x})[0], exact, 1e-4 * max(1.0, float(np.max(np.abs(exact)))))
+        if run == 0:
+            deferred.wait_ready(240)
+    assert taken

@@ -10,7 +10,8 @@ import onnx_runtime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime_ep_cpu.algorithms import conv_patches
-from onnx_runtime_ep_cpu.algorithms.conv_patches import PatchConv, patches_apply
+from onnx_runtime_ep_cpu.algorithms.conv_choice import patches_apply
+from onnx_runtime_ep_cpu.algorithms.conv_patches import PatchConv
 from onnx_runtime_ep_cpu.algorithms.prepared import Prepared
 from onnx_runtime_ep_cpu.algorithms.window import Geometry
 from onnx_runtime_ep_cpu.compiled import deferred, generic

@@ -1,8 +1,8 @@
 """Which compiled convolution takes a geometry, answered without importing the modules that run them: the
-packed convolution (conv_packed.py, AVX-512 hosts), the tiled direct convolution (conv_direct.py, AVX2 hosts)
-and the product over a batch's pixels (conv_pointwise_batch.py). conv_path weighs them for every convolution at
-plan time, while a model's first runs are served by numpy (compiled/deferred.py); their modules load with the
-builder of the one chosen, when it is built.
+packed convolution (conv_packed.py, AVX-512 hosts), the tiled direct convolution (conv_direct.py, AVX2 hosts),
+the product over a batch's pixels (conv_pointwise_batch.py) and the patch product (conv_patches.py). conv_path
+weighs them for every convolution at plan time, while a model's first runs are served by numpy
+(compiled/deferred.py); their modules load with the builder of the one chosen, when it is built.
 """
 
 from __future__ import annotations
@@ -149,3 +149,15 @@ def direct_tiles(compute) -> bool:
 
 
 _PACKED, _DIRECT = f"{__package__}.conv_packed", f"{__package__}.conv_direct"
+
+
+_FLOAT32 = np.dtype(np.float32)
+
+
+def patches_apply(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray) -> bool:
+    """Whether a float32 2-D convolution's windows of more than one tap tile its input (kernel = stride, unpadded,
+    undilated, one group) onto fewer output columns than a direct tile's pixels (a pointwise convolution keeps its
+    own paths)."""
+    return (x.dtype == _FLOAT32 and len(geo.kernel) == 2 and group == 1 and tuple(geo.kernel) == tuple(geo.strides)
+            and geo.kernel[0] * geo.kernel[1] > 1 and geo.unpadded and tuple(geo.dilations) == (1, 1)
+            and 0 < geo.out[1] < TILE_PIXELS and geo.out[0] > 0 and x.shape[0] > 0 and w.shape[0] > 0 and x.ndim == 4)

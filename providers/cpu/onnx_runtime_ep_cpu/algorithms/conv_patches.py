@@ -12,26 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .conv_choice import TILE_PIXELS
 from .prepared import Prepared
 from .window import Geometry
 
-_FLOAT32 = np.dtype(np.float32)
-
-
-def patches_apply(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray) -> bool:
-    """Whether a float32 2-D convolution's windows of more than one tap tile its input (kernel = stride, unpadded,
-    undilated, one group) onto fewer output columns than a direct tile's pixels (a pointwise convolution keeps its
-    own paths)."""
-    return (x.dtype == _FLOAT32 and len(geo.kernel) == 2 and group == 1 and tuple(geo.kernel) == tuple(geo.strides)
-            and geo.kernel[0] * geo.kernel[1] > 1 and geo.unpadded and tuple(geo.dilations) == (1, 1)
-            and 0 < geo.out[1] < TILE_PIXELS and geo.out[0] > 0 and x.shape[0] > 0 and w.shape[0] > 0 and x.ndim == 4)
-
 
 class PatchConv:
-    """``compute(x, w, b, finish) -> y`` (N, M, OH, OW) of a convolution patches_apply takes, with ``bind`` for a
-    segment's bound plan (per image: the gather, the product into the output, the bias or the FusedConv's
-    epilogue)."""
+    """``compute(x, w, b, finish) -> y`` (N, M, OH, OW) of a convolution conv_choice.patches_apply takes, with
+    ``bind`` for a segment's bound plan (per image: the gather, the product into the output, the bias or the
+    FusedConv's epilogue)."""
 
     def __init__(self, geo: Geometry, x_shape, w_shape, prepared: Prepared):
         (self.kh, self.kw), (self.oh, self.ow) = geo.kernel, geo.out

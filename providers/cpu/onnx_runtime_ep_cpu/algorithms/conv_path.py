@@ -32,10 +32,10 @@ from .conv_choice import (
     direct_tiles_apply,
     direct_tiles_before_packed,
     packed_conv_applies,
+    patches_apply,
     pointwise_batch_applies,
     tiles,
 )
-from .conv_patches import PatchConv, patches_apply
 from .precision import compute_dtype
 from .prepared import Prepared
 from .products import GEMV_ROWS, few_rows_product
@@ -139,7 +139,12 @@ def compiled_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, pr
     if pixel_product_applies(geo, group, x) or pointwise_batch_applies(geo, group, x, w):  # (numpy_compute's)
         return None
     if patches_apply(geo, group, x, w):  # (before the direct tiles, whose lanes such a map leaves mostly empty)
-        return lambda: (PatchConv(geo, x.shape, w.shape, prepared), True)
+        def patches():
+            from .conv_patches import PatchConv  # (with the first convolution that takes it)
+
+            return PatchConv(geo, x.shape, w.shape, prepared), True
+
+        return patches
     direct = direct_tiles_apply(geo, group, x, w)
     if packed_conv_applies(geo, group, x) and not (direct and direct_tiles_before_packed(geo, w, group, x.shape[0])):
         return _running(lambda: (_packed(geo, group, x.shape, w.shape, prepared), True), "jobs.CONV", "jobs.PAD")
