@@ -317,3 +317,27 @@ def test_a_mean_over_middle_axes_is_one_reduce_of_a_three_axis_view(monkeypatch)
             np.prod([shape[a] for a in normalized]))
         (got,) = kernel(x)
         assert got.shape == expected.shape and np.array_equal(got, expected)
+
+
+def test_a_kept_lanes_call_goes_straight_to_the_bound_entry_point(monkeypatch):
+    # constant weights and bias kept with the loop's entry point: a later call neither arranges them nor goes through
+    # EntryOnce (whose run would pass the arrays reshaped flat), and still matches the float64 reference
+    from onnx_runtime.ir import Node
+    from onnx_runtime_ep_cpu.algorithms import bound_loop
+    from onnx_runtime_ep_cpu.fused_domain import FUSED_DOMAIN
+    from onnx_runtime_ep_cpu.registry import lookup
+
+    attrs = {"kernel_shape": [7, 7], "pads": [3] * 4, "group": 32}
+    rng = np.random.default_rng(11)
+    w = (rng.standard_normal((32, 1, 7, 7)) / 7).astype(np.float32)
+    b = rng.standard_normal(32).astype(np.float32)
+    w.flags.writeable = b.flags.writeable = False
+    node = Node("NhwcConv", ["x", "w", "b"], ["y"], domain=FUSED_DOMAIN, attrs=attrs, opset=1)
+    kernel = lookup("NhwcConv", FUSED_DOMAIN, 1)(node, [(1, 8, 8, 32), (32, 1, 7, 7), (32,)], 1)
+    kernel(rng.standard_normal((1, 8, 8, 32)).astype(np.float32), w, b)
+    monkeypatch.setattr(bound_loop.EntryOnce, "run", lambda *args: pytest.fail("not the kept entry point"))
+    for _ in range(2):
+        x = rng.standard_normal((1, 8, 8, 32)).astype(np.float32)
+        (got,) = kernel(x, w, b)
+        exact = _conv_float64(x, w, b, attrs)
+        assert_within(got, exact, 1e-5 * (1 + np.abs(exact).max()))

@@ -105,8 +105,9 @@ _n3, _n5, _n7 = (_row_kernel(kw, NARROW) for kw in KERNEL_WIDTHS)
 @jit
 def depthwise_nhwc(x, weights, bias, y, height, width, kh, kw, top, left, out_w):
     """y (N, OH, OW, C) = bias + the depthwise convolution of x (N, height, width, C), stride 1, undilated, pads
-    ``top`` and ``left`` before (OH from y's size), all flat: ``weights`` (kh, kw, C), ``bias`` (C,) (zeros for
-    none); kw one of KERNEL_WIDTHS."""
+    ``top`` and ``left`` before (OH from y's size), x and y C-contiguous of any rank (read flat): ``weights``
+    (kh * kw * C) flat, ``bias`` (C,) (zeros for none); kw one of KERNEL_WIDTHS."""
+    x, y = x.reshape(x.size), y.reshape(y.size)  # (views: the caller's arrays are C-contiguous)
     channels = bias.shape[0]
     images = x.shape[0] // (height * width * channels)
     out_h = y.shape[0] // (images * out_w * channels)

@@ -166,14 +166,14 @@ def _lanes_kernel(geometry, x_shape, small):
     biases = _Constant(lambda w, b: np.zeros(w.shape[0]) if b is None else b)
     geometry_arguments = (x_shape[1], x_shape[2], kh, kw, pads[0], pads[1], out[1])
     rest = tuple(x_shape[1:])
-    # the last call's (w, b, arranged weights, bias): a model's constants repeat them every run
-    kept: list = [(None, None, None, None)]
+    # the last call's (w, b, arranged weights, bias, the loop's entry point bound): a model's constants repeat them
+    kept: list = [(None, None, None, None, None)]
 
     def kernel(x, w, b=None):
         last = kept[0]
         if last[0] is w and last[1] is b and x.dtype is _FLOAT32 and x.flags.c_contiguous and x.shape[1:] == rest:
-            y = np.empty((x.shape[0], *out, x.shape[3]), x.dtype)
-            loop[0].run((x.reshape(-1), last[2], last[3], y.reshape(-1), *geometry_arguments))
+            y = np.empty((x.shape[0], *out, x.shape[3]), _FLOAT32)
+            last[4](x, last[2], last[3], y, *geometry_arguments)
             return (y,)
         if x.dtype != _FLOAT32 or x.shape[1:] != rest:
             return small(x, w, b)
@@ -184,14 +184,15 @@ def _lanes_kernel(geometry, x_shape, small):
             loop.append(EntryOnce(depthwise_nhwc.depthwise_nhwc))
         arranged, bias = weights(w, None, x.dtype), biases(w, b, x.dtype)
         y = np.empty((x.shape[0], *out, x.shape[3]), x.dtype)
-        arguments = (np.ascontiguousarray(x).reshape(-1), arranged, bias, y.reshape(-1), *geometry_arguments)
+        arguments = (np.ascontiguousarray(x), arranged, bias, y, *geometry_arguments)
         compiled = module[0].depthwise_nhwc
         if deferred.state.deferring and not compiled.switched:  # numba loads in the background meanwhile
             compiled.expect(*arguments)
             return small(x, w, b)
         loop[0].run(arguments)
-        if not w.flags.writeable and (b is None or not b.flags.writeable):
-            kept[0] = (w, b, arranged, bias)
+        entry = loop[0].entry  # (bound by that call: its arguments' types are those of every kept call)
+        if entry is not None and not w.flags.writeable and (b is None or not b.flags.writeable):
+            kept[0] = (w, b, arranged, bias, entry)
         return (y,)
 
     return kernel
