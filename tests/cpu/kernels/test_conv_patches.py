@@ -109,15 +109,15 @@ def test_other_convolutions_keep_their_paths():
 
 
 def _downsampling(x_shape, m, tail):
-    """ConvNeXt's downsampling on a channels-last input: Transpose to NCHW, the 2x2/2 Conv, then (``tail``)
-    a 7x7 depthwise Conv with the residual sum (a segment of two convolutions), or a Relu (one FusedConv)."""
-    n, h, width, c = x_shape
+    """ConvNeXt's downsampling on a channels-first input: the 2x2/2 Conv, then (``tail``) a 7x7 depthwise Conv
+    with the residual sum (a segment of two convolutions), or a Relu (one FusedConv). (Read through a Transpose
+    from channels-last, the same Conv becomes NhwcConv: tests/cpu/test_transpose_sinking.py.)"""
+    n, c, h, width = x_shape
     rng = np.random.default_rng(m)
     w = (rng.standard_normal((m, c, 2, 2)) * 0.3).astype(np.float32)
     b = rng.standard_normal(m).astype(np.float32)
     initializers = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")]
-    nodes = [helper.make_node("Transpose", ["x"], ["planes"], perm=[0, 3, 1, 2]),
-             helper.make_node("Conv", ["planes", "w", "b"], ["down"], kernel_shape=[2, 2], strides=[2, 2])]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["down"], kernel_shape=[2, 2], strides=[2, 2])]
     if tail == "depthwise":
         dw = (rng.standard_normal((m, 1, 7, 7)) * 0.1).astype(np.float32)
         initializers += [numpy_helper.from_array(dw, "dw"), numpy_helper.from_array(b[::-1].copy(), "db")]
@@ -132,7 +132,7 @@ def _downsampling(x_shape, m, tail):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-@pytest.mark.parametrize("x_shape,m", [((1, 8, 8, 32), 64), ((1, 4, 4, 64), 128), ((2, 6, 6, 8), 16)])
+@pytest.mark.parametrize("x_shape,m", [((1, 32, 8, 8), 64), ((1, 64, 4, 4), 128), ((2, 8, 6, 6), 16)])
 @pytest.mark.parametrize("tail", ["depthwise", "relu"])
 def test_sessions_take_the_patch_product_and_match_float64(monkeypatch, x_shape, m, tail):
     taken = []
