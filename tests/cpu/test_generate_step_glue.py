@@ -104,3 +104,46 @@ def test_host_steps_feed_by_the_layouts_flags_and_adopt_appended_presents(monkey
     assert asked == [] and general == []
     state = generator._kept  # noqa: SLF001
     assert {cache.logical_shape[2] for cache in state.caches} == {len(PROMPT) + new - 1}
+
+
+@pytest.mark.parametrize("name", ["gpt2.dynamo.fp32", "llama.torchscript.fp32"])
+def test_a_later_generation_feeds_the_views_kept_per_shape_and_checks_nothing(monkeypatch, name):
+    """Each input's view is kept per shape (the mask's per length) and a cache's longer window, once its length was
+    seen to vary, is kept as the next step's view without the proof's test: a later generation on the same state
+    tests no shape at all, and another prompt of that length, written into the same buffers, gives its own tokens."""
+    from onnx_runtime.session import device_binding_run
+
+    path = _model(name)
+    generator = generate.Generator(path, providers=[CPU])
+    generator.generate(PROMPT, 6)
+    tests: list = []
+    admits = device_binding_run._InputProof.admits  # noqa: SLF001
+    monkeypatch.setattr(device_binding_run._InputProof, "admits",  # noqa: SLF001
+                        lambda self, shape: tests.append(shape) or admits(self, shape))
+    other = [t + 7 for t in PROMPT]
+    for prompt, new in ((PROMPT, 6), (other, 6), (PROMPT, 4)):
+        assert generator.generate(prompt, new).tokens == onnxruntime_greedy(path, prompt, new)
+    assert tests == []
+
+
+def test_a_prepared_run_feeds_a_kept_view_with_the_buffers_contents_now():
+    """The view kept for a shape reads what the buffer holds at that run: lengths alternating with new contents
+    written each time, and a new physical shape, give the model's output of each."""
+    from model_helpers import make_model, tensor_info
+    from onnx import helper
+    from onnx_runtime import InferenceSession
+
+    model = make_model([helper.make_node("Neg", ["x"], ["y"])], [tensor_info("x", shape=[1, "n"])],
+                       [tensor_info("y", shape=[1, "n"])]).SerializeToString()
+    session = InferenceSession(model, providers=[CPU])
+    x = session.device_io_binding(DeviceBindingSpec.input("x", np.float32, (1, 8), (1, 3),
+                                                          expose_logical_input_shape=True))
+    run = session.prepare_device_binding_run([x], output_names=["y"])
+    rng = np.random.default_rng(0)
+    for count, length in enumerate((3, 5, 3, 5, 3, 5)):
+        if count == 4:
+            x.set_physical_and_logical_shapes((1, 6), (1, length))
+        value = rng.standard_normal((1, length)).astype(np.float32)
+        x.write_logical(value)
+        (y,) = run(False)
+        np.testing.assert_array_equal(y, -value)
