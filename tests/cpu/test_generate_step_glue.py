@@ -120,30 +120,51 @@ def test_a_later_generation_feeds_the_views_kept_per_shape_and_checks_nothing(mo
     admits = device_binding_run._InputProof.admits  # noqa: SLF001
     monkeypatch.setattr(device_binding_run._InputProof, "admits",  # noqa: SLF001
                         lambda self, shape: tests.append(shape) or admits(self, shape))
+    fed: list = []
+    host_feeds = device_binding_run._host_feeds  # noqa: SLF001
+    monkeypatch.setattr(device_binding_run, "_host_feeds", lambda *a: fed.append(1) or host_feeds(*a))
     other = [t + 7 for t in PROMPT]
     for prompt, new in ((PROMPT, 6), (other, 6), (PROMPT, 4)):
         assert generator.generate(prompt, new).tokens == onnxruntime_greedy(path, prompt, new)
     assert tests == []
+    assert fed == []  # every step's shapes were fed before: their feeds and executor found at once
 
 
 def test_a_prepared_run_feeds_a_kept_view_with_the_buffers_contents_now():
-    """The view kept for a shape reads what the buffer holds at that run: lengths alternating with new contents
-    written each time, and a new physical shape, give the model's output of each."""
+    """The views and executor kept for a set of shapes read what the buffers hold at that run: lengths alternating
+    (and a new one) with new contents written each time, a new physical shape, and single-token steps that show a
+    freeze-safe mask at its capacity give the model's output of each; a shape the model refuses is refused at every
+    run, also after the others were kept."""
     from model_helpers import make_model, tensor_info
     from onnx import helper
     from onnx_runtime import InferenceSession
 
-    model = make_model([helper.make_node("Neg", ["x"], ["y"])], [tensor_info("x", shape=[1, "n"])],
-                       [tensor_info("y", shape=[1, "n"])]).SerializeToString()
+    model = make_model([helper.make_node("Neg", ["x"], ["y"]), helper.make_node("Neg", ["m"], ["z"])],
+                       [tensor_info("x", shape=[1, "n"]), tensor_info("m", shape=[1, "k"])],
+                       [tensor_info("y", shape=[1, "n"]), tensor_info("z", shape=[1, "k"])]).SerializeToString()
     session = InferenceSession(model, providers=[CPU])
-    x = session.device_io_binding(DeviceBindingSpec.input("x", np.float32, (1, 8), (1, 3),
+    x = session.device_io_binding(DeviceBindingSpec.input("x", np.float32, (2, 8), (1, 3),
                                                           expose_logical_input_shape=True))
-    run = session.prepare_device_binding_run([x], output_names=["y"])
+    m = session.device_io_binding(DeviceBindingSpec.input(
+        "m", np.float32, (1, 6), (1, 2), expose_logical_input_shape=True, decode_freeze_safe_mask=True))
+    run = session.prepare_device_binding_run([x, m], output_names=["y", "z"])
     rng = np.random.default_rng(0)
-    for count, length in enumerate((3, 5, 3, 5, 3, 5)):
-        if count == 4:
+    for count, (length, single) in enumerate(((3, False), (5, True), (3, False), (5, True), (4, False), (3, True),
+                                              (5, False), (3, True))):
+        if count == 5:
             x.set_physical_and_logical_shapes((1, 6), (1, length))
         value = rng.standard_normal((1, length)).astype(np.float32)
         x.write_logical(value)
-        (y,) = run(False)
+        mask = rng.standard_normal((1, 6)).astype(np.float32)
+        m.write_logical(mask)
+        m.set_logical_shape((1, 2))
+        y, z = run(single)
         np.testing.assert_array_equal(y, -value)
+        np.testing.assert_array_equal(z, -(mask if single else mask[:, :2]))  # capacity on a single-token step
+    x.set_physical_and_logical_shapes((2, 8), (2, 3))
+    for _ in range(2):
+        with pytest.raises(InvalidArgumentError, match="'x'"):
+            run(False)
+    x.set_logical_shape((1, 3))
+    x.write_logical(value[:, :3])
+    np.testing.assert_array_equal(run(False)[0], -value[:, :3])

@@ -244,10 +244,22 @@ def _feed_by_signature(session: SessionSide, order: Callable) -> Callable[[_Layo
     _host_feeds met, put in the model's input order by ``order``."""
     executor_for_signature = session.executor_for_signature
     assert executor_for_signature is not None
+    # The shapes fed -> (the feeds, their executor), each found once by _host_feeds (which checks a new shape) and
+    # the specializer: a decode loop feeds one set per length, again in every later generation on these bindings,
+    # and the views of a set are the same (the buffers never move).
+    known: dict[tuple, tuple] = {}
 
     def feed(layout: _Layout, bindings: tuple, single_token_step: bool) -> tuple:
-        feeds, shapes = _host_feeds(session, layout, bindings, single_token_step, [])
-        return feeds, executor_for_signature(order(shapes))
+        shapes = tuple([bindings[index].logical_shape if logical else bindings[index].physical_shape
+                        for index, logical in (layout.fed_step if single_token_step else layout.fed_first)])
+        found = known.get(shapes)
+        if found is None:
+            feeds, listed = _host_feeds(session, layout, bindings, single_token_step, [])
+            found = (feeds, executor_for_signature(order(listed)))
+            if len(known) >= _Layout.LIMIT:
+                known.clear()
+            known[shapes] = found
+        return found
 
     return feed
 
@@ -440,7 +452,7 @@ class _Layout:
 
     __slots__ = ("bindings", "input_names", "inputs", "outputs", "host_names", "names", "delivered", "complete",
                  "host", "aliased", "physical", "windows", "window_at", "appended", "keyed", "shown", "every_appended",
-                 "appending")
+                 "appending", "fed_first", "fed_step")
 
     LIMIT = 256  # shapes remembered per binding (a window without bound: start over past it)
 
@@ -459,6 +471,10 @@ class _Layout:
         # The inputs with what decides the shape kernels see (kernel_input_shape's flags: fixed per binding).
         self.shown = tuple((name, index, proof, bindings[index].exposes_logical_input_shape(),
                             bindings[index].mask_decode_freeze_safe()) for name, index, proof in self.inputs)
+        # Per input in ``shown``'s order, its position and whether it is fed at its logical shape (else its physical
+        # one), at a first step and at a single-token step: the shapes a prepared run reads before any view.
+        self.fed_first = tuple((index, exposed) for _name, index, _proof, exposed, _frozen in self.shown)
+        self.fed_step = tuple((index, exposed and not frozen) for _name, index, _proof, exposed, frozen in self.shown)
         self.host_names = _host_names(session, output_names, outputs)
         self.names = self.host_names + tuple(outputs)
         self.delivered = frozenset(outputs)
