@@ -54,11 +54,19 @@ MAX_REWRITES = 256
 
 
 def _perm(node: Node | None) -> tuple[int, ...] | None:
-    """A plain Transpose's permutation (None for any other node, or one without an explicit perm)."""
-    if node is None or node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+    """A plain Transpose's permutation (None for any other node, or one without an explicit perm, or one whose perm
+    is not a permutation of its axes: such a node is left to the Transpose kernel, which rejects it by name)."""
+    if node is None or node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") \
+            or len(node.inputs) != 1 or not node.inputs[0]:
         return None
     perm = node.attr("perm")
-    return tuple(int(a) for a in perm) if perm is not None else None
+    if perm is None:
+        return None
+    try:
+        axes = tuple(int(a) for a in perm)
+    except (TypeError, ValueError):
+        return None
+    return axes if sorted(axes) == list(range(len(axes))) else None
 
 
 def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
@@ -99,7 +107,9 @@ class _Sinking:
     def transposed(self, name: str) -> tuple[Node, tuple[int, ...]] | None:
         node = self.view.producer.get(name)
         perm = _perm(node)
-        return (node, perm) if perm is not None else None  # type: ignore[return-value]
+        if perm is None or _rank(self.graph, node.inputs[0]) not in (None, len(perm)):  # type: ignore[union-attr]
+            return None
+        return node, perm  # type: ignore[return-value]
 
     def _typed(self, name: str, source: str, perm: tuple[int, ...]) -> None:
         """``name``'s value info: ``source``'s dtype and its shape permuted by ``perm``."""
