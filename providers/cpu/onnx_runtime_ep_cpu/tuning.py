@@ -100,7 +100,9 @@ class Knobs:
     #: A short sequence's contrib Attention node (its Q/K/V product and its scores and weighted sums) of at least
     #: this many multiply-adds runs as one job per group of heads when more threads are set
     #: (compiled/attention_groups.py); below, on the calling thread: the hand-off costs a few microseconds.
-    attention_group_macs: int = 1 << 19
+    #: Off unless set (e.g. ``ONNX_RUNTIME_CPU_ATTENTION_GROUP_MACS=524288``): on a 2-core host the split gained
+    #: nothing on a quiet machine and made more slow calls, its heads' Q/K/V moving between the cores.
+    attention_group_macs: int = 1 << 62
     #: A few-row product that runs on one thread (one thread set, or too few weights to split) takes BLAS
     #: below this many multiply-adds: there compiled/gemv.py's loops are no faster and cost about a
     #: microsecond more per call (a decode step's 64-wide products: 1.7-3.7 us against BLAS's 0.9-3.0).
