@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 from onnx_runtime.dtypes import DataType
 from onnx_runtime.ir import Graph, Node, TypeInfo, ValueInfo
+from onnx_runtime.optimizer.context import FreshNames
 
 from .fused_domain import FUSED_DOMAIN
 from .fusions import GraphView, owned
@@ -90,16 +91,7 @@ class _Sinking:
     def __init__(self, graph: Graph, owns):
         self.graph, self.owns = graph, owns
         self.view = GraphView(graph)
-        self.names = {name for node in graph.nodes for name in (*node.inputs, *node.outputs)}
-        self.names.update(graph.initializers, (vi.name for vi in graph.inputs))
-
-    def fresh(self, base: str) -> str:
-        name, index = base, 0
-        while name in self.names:
-            index += 1
-            name = f"{base}_{index}"
-        self.names.add(name)
-        return name
+        self.fresh = FreshNames(graph)
 
     def pinned(self, name: str) -> bool:
         return name in self.view.outputs or name in self.view.inner_reads
