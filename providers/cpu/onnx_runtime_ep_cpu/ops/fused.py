@@ -55,6 +55,15 @@ class _Entries:
         return self.float64(arguments) if dtype is _FLOAT64 else None
 
 
+def _keep_pair(kept: list, entries: _Entries, arguments: tuple, shape, dtype, b) -> None:
+    """After a dispatcher call of a pair loop on ``arguments`` (a and b flat, then the constant and the output): keep
+    its entry point for ``shape`` where b has a's dtype and both are C-contiguous."""
+    if b.dtype is dtype and arguments[0].flags.c_contiguous and arguments[1].flags.c_contiguous:
+        entry = entries(dtype, arguments)
+        if entry is not None:
+            kept[0] = (shape, dtype, entry)
+
+
 def _rotate_half_numpy(q, cos, sin, half, end):
     rotated = np.concatenate((np.negative(q[..., half:end]), q[..., :half]), axis=-1) * sin
     out = q * cos
@@ -213,7 +222,7 @@ def swish_mul(node, shapes, opset):
         return (t * b,)  # b broadcasts
 
     def kernel(a, b):
-        shape, dtype, entry = kept[0]
+        shape, dtype, entry = kept[0]  # the kept entry point (see _Entries): inline, a call's frame costs here
         if a.shape == shape and b.shape == shape and a.dtype is dtype and b.dtype is dtype:
             a_flat, b_flat = a.reshape(-1), b.reshape(-1)
             if a_flat.flags.c_contiguous and b_flat.flags.c_contiguous:
@@ -225,13 +234,10 @@ def swish_mul(node, shapes, opset):
             dtype = a.dtype
             out = np.empty(a.shape, dtype)
             arguments = (a.reshape(-1), b.reshape(-1), alpha, out.reshape(-1))
-            found = entries.get(dtype)
             (compiled.swish_mul_float32 if dtype == np.float32 else compiled.swish_mul)(*arguments)
-            if found is not None and dtype is b.dtype and arguments[0].flags.c_contiguous \
-                    and arguments[1].flags.c_contiguous:
-                entry = found(dtype, arguments)
-                if entry is not None:
-                    kept[0] = (a.shape, dtype, entry)
+            found = entries.get(dtype)
+            if found is not None:
+                _keep_pair(kept, found, arguments, a.shape, dtype, b)
             return (out,)
         return numpy_kernel(a, b)
 
@@ -253,7 +259,7 @@ def gelu_mul(node, shapes, opset):
     kept = [_UNBOUND[:3]]  # (shape, dtype, entry point) of the last call that had one (see _Entries)
 
     def kernel(a, b):
-        shape, dtype, entry = kept[0]
+        shape, dtype, entry = kept[0]  # the kept entry point (see _Entries): inline, a call's frame costs here
         if a.shape == shape and b.shape == shape and a.dtype is dtype and b.dtype is dtype:
             a_flat, b_flat = a.reshape(-1), b.reshape(-1)
             if a_flat.flags.c_contiguous and b_flat.flags.c_contiguous:
@@ -265,11 +271,8 @@ def gelu_mul(node, shapes, opset):
             out = np.empty(a.shape, dtype)
             arguments = (a.reshape(-1), b.reshape(-1), coefficients, out.reshape(-1))
             compiled.gelu_mul_float32(*arguments)
-            if dtype is _FLOAT32 and b.dtype is dtype and arguments[0].flags.c_contiguous \
-                    and arguments[1].flags.c_contiguous:
-                entry = entries(dtype, arguments)
-                if entry is not None:
-                    kept[0] = (a.shape, dtype, entry)
+            if dtype is _FLOAT32:
+                _keep_pair(kept, entries, arguments, a.shape, dtype, b)
             return (out,)
         with np.errstate(over="ignore", invalid="ignore"):  # huge |a| overflows; -inf * 0 is NaN as specified
             return (fn(a).astype(a.dtype, copy=False) * b,)
