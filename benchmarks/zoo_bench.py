@@ -79,20 +79,24 @@ def session(runtime: str, path: str, threads: int):
     return rt.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
 
-def load_model(zoo: Path, name: str) -> dict:
+def load_model(zoo: Path, name: str, batch: int = 1) -> dict:
+    """The manifest's entry of ``name``, its calls' inputs ``batch`` times as many along their first axis."""
+    from zoo_feeds import batched
+
     for model in json.loads((zoo / "manifest.json").read_text())["models"]:
         if model["name"] == name:
-            return model
+            return model if batch == 1 else {**model, "calls": {call: batched(spec, batch)
+                                                               for call, spec in model["calls"].items()}}
     raise SystemExit(f"{name}: not in {zoo / 'manifest.json'}")
 
 
-def worker_cold(zoo: Path, name: str, runtime: str) -> dict:
+def worker_cold(zoo: Path, name: str, runtime: str, batch: int = 1) -> dict:
     """Import, session creation and the first run of each call (in the manifest's order: a decoder's prefill,
     then its first decode step, a new input signature) in this fresh process, default threads; then a few more
     runs of each call, so that the peak includes what steady calls hold."""
     from zoo_feeds import make_feeds
 
-    model = load_model(zoo, name)
+    model = load_model(zoo, name, batch)
     feeds = {call: make_feeds(spec) for call, spec in model["calls"].items()}
     out = {"rss_start": rss_now()}
     start = time.perf_counter()
@@ -290,7 +294,7 @@ def worker_steady(zoo: Path, name: str, args: argparse.Namespace) -> dict:
     # Steady state is the compiled kernels': not the first runs a new process serves from numpy while they load
     # in the background (which would also count the loader's CPU time against the calls it overlaps).
     os.environ["ONNX_RUNTIME_COMPILE_IN_BACKGROUND"] = "0"
-    model = load_model(zoo, name)
+    model = load_model(zoo, name, args.batch)
     for spec in model["calls"].values():
         check_consistent(spec)
     feeds = {call: make_feeds(spec) for call, spec in model["calls"].items()}
@@ -365,7 +369,8 @@ def bench_model(zoo: Path, model: dict, args: argparse.Namespace, passthrough: l
     runs: dict[str, list[dict]] = {"ours": [], "ort": []}
     for rep in range(args.create_repeat):
         for runtime in ("ours", "ort") if rep % 2 == 0 else ("ort", "ours"):
-            cold = child(["--worker", "cold", "--zoo", str(zoo), "--model", name, "--runtime", runtime],
+            cold = child(["--worker", "cold", "--zoo", str(zoo), "--model", name, "--runtime", runtime,
+                          "--batch", str(args.batch)],
                          args.timeout)
             if "error" in cold:
                 result["error"] = f"cold ({runtime}): {cold['error']}"
@@ -652,6 +657,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600, help="seconds a worker may take (default 600)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few calls, one creation each")
     parser.add_argument("--json", type=Path, help="write every number here")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="each call's inputs this many times along their first axis, the models' batch (default 1)")
     parser.add_argument("--fixed-decode", action="store_true",
                         help="time decode calls at one past length (default: one token longer per call, as a "
                         "generation loop runs)")
@@ -673,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     zoo = args.zoo.resolve()
     if args.worker:
         out = worker_steady(zoo, args.model, args) if args.worker == "steady" else \
-            worker_cold(zoo, args.model, args.runtime)
+            worker_cold(zoo, args.model, args.runtime, args.batch)
         print(json.dumps(out))
         return 0
     manifest = zoo / "manifest.json"
@@ -687,12 +694,14 @@ def main(argv: list[str] | None = None) -> int:
     threads = [label for label in THREADS if label in args.threads.split(",")]
     passthrough = ["--threads", ",".join(threads), "--busy", str(args.busy), "--repeat", str(args.repeat),
                    "--min-samples", str(args.min_samples), "--max-seconds", str(args.max_seconds),
-                   "--block", str(args.block), "--pause", str(args.pause), "--warmup", str(args.warmup)]
+                   "--block", str(args.block), "--pause", str(args.pause), "--warmup", str(args.warmup),
+                   "--batch", str(args.batch)]
     if args.fixed_decode:
         passthrough.append("--fixed-decode")
     env = environment(zoo)
     print(f"# zoo_bench {env['date']} at {env['commit']}{' (dirty)' if env['dirty'] else ''}: {len(chosen)} models, "
-          f"{env['cpus']} CPUs, load {env['load'][0]:.2f}, onnxruntime {env['onnxruntime']}", flush=True)
+          f"{env['cpus']} CPUs, load {env['load'][0]:.2f}, onnxruntime {env['onnxruntime']}"
+          f"{f', batch {args.batch}' if args.batch != 1 else ''}", flush=True)
     began = time.perf_counter()
     results = []
     for model in chosen:

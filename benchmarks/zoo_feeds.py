@@ -29,6 +29,15 @@ def make_feed(feed: dict, rng: np.random.Generator) -> np.ndarray:
     return (np.ones if fill == "ones" else np.zeros)(shape, dtype)
 
 
+def batched(call: dict, batch: int) -> dict:
+    """``call`` with each input ``batch`` times as long along its first axis (the exports' batch axis)."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, not {batch}")
+    feeds = [{**feed, "shape": [feed["shape"][0] * batch, *feed["shape"][1:]]} if feed["shape"] else feed
+             for feed in call["feeds"]]
+    return {**call, "feeds": feeds}
+
+
 def make_feeds(call: dict) -> dict[str, np.ndarray]:
     """All inputs of one manifest call, random values seeded the same for every call."""
     rng = np.random.default_rng(0)

@@ -20,7 +20,16 @@ ZOO = MANIFEST.parent
 pytest.importorskip("onnxruntime", reason="the benchmark compares with onnxruntime: install the test extra")
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from zoo_feeds import GrowingDecode, InconsistentFeeds, check_consistent, grown, is_decode_step, make_feeds, past_length  # noqa: E402
+from zoo_feeds import (  # noqa: E402
+    GrowingDecode,
+    InconsistentFeeds,
+    batched,
+    check_consistent,
+    grown,
+    is_decode_step,
+    make_feeds,
+    past_length,
+)
 
 MODELS = [m for m in json.loads(MANIFEST.read_text())["models"] if m["status"] == "ok"]
 DECODERS = [m for m in MODELS if "decode" in m["calls"]]
@@ -34,6 +43,18 @@ def test_manifest_calls_are_consistent():
 
 
 @pytest.mark.skipif(not DECODERS, reason="no decoder with past in the zoo")
+def test_a_batched_call_repeats_every_input_along_its_first_axis():
+    for model in MODELS:
+        for call in model["calls"].values():
+            single, four = make_feeds(call), make_feeds(batched(call, 4))
+            for name, value in single.items():
+                assert four[name].shape == (4 * value.shape[0], *value.shape[1:]) and four[name].dtype == value.dtype
+            if past_length(call) is not None:
+                check_consistent(batched(call, 4))  # (one sequence per row: lengths unchanged)
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        batched(MODELS[0]["calls"][next(iter(MODELS[0]["calls"]))], 0)
+
+
 def test_inconsistent_decoder_feeds_are_refused():
     call = DECODERS[0]["calls"]["decode"]
     feeds = make_feeds(call)
