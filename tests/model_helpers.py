@@ -314,3 +314,9 @@ def logical_shape_checks(monkeypatch) -> list:
 
     monkeypatch.setattr(DeviceIoBinding, "set_logical_shape", counting)
     return checked
+
+
+def bound_plan(plan):
+    """A segment's BoundPlan: ``plan`` itself, or the first image range's where the batch is split across threads
+    (algorithms/segment_split.SplitPlan, whose ranges are planned alike)."""
+    return plan.parts[0] if hasattr(plan, "parts") else plan

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from model_helpers import bound_plan
 from onnx_runtime_ep_cpu.compiled import deferred, host
 from onnx_runtime_ep_cpu.compiled import directconv_blocked as blocked
 from onnx_runtime_ep_cpu.compiled.directconv import CHANNELS, PIXELS
@@ -44,6 +45,7 @@ def test_padded_sources_stay_zero_outside_the_image(batch):
     segment, feeds = _segment_and_feeds(model, x)
     segment(*feeds)
     ((plan,),) = segment.plans.values()
+    plan = bound_plan(plan)
     padded = _padded_steps(plan)
     assert {bool(a[20]) for a in padded} == {False, True}  # a plain input (the feed) and a blocked one
     for a in padded:

@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import onnxruntime
 import pytest
+from model_helpers import bound_plan
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime_ep_cpu.compiled import blocked_ops, deferred, host
 from reference64 import run_float64
@@ -75,6 +76,7 @@ def test_blocked_blocks_match_float64_and_onnxruntime(batch, gate):
     segment, feeds = _segment_and_feeds(model, x)
     segment(*feeds)
     ((plan,),) = segment.plans.values()
+    plan = bound_plan(plan)
     called = _called(plan)
     assert called.count("depthwise_blocked") == 3
     assert called.count("squeeze_excite_blocked") == 1 and called.count("max_pool_blocked") == 1
@@ -111,6 +113,7 @@ def test_closing_pool_reads_blocked(op):
     segment, feeds = _segment_and_feeds(model, x)
     segment(*feeds)
     ((plan,),) = segment.plans.values()
+    plan = bound_plan(plan)
     assert "plane_means_blocked" in _called(plan)
     (got,) = segment(*feeds)
     (wide,) = run_float64(model, {"x": x})
@@ -206,8 +209,10 @@ def test_activation_nodes_run_over_blocked_buffers():
     segment, feeds = _segment_and_feeds(model, x)
     segment(*feeds)
     ((plan,),) = segment.plans.values()
+    plan = bound_plan(plan)
     swish = [a for f, a in plan._steps if getattr(f, "__name__", "") == "swish_float32_into"]  # noqa: SLF001
-    assert len(swish) == 2 and all(a[0].size == 2 * 32 * 8 * 8 for a in swish)  # 20 channels stored as 32
+    images = plan.feeds[0][1].shape[0]  # (the batch, or the images of a range where it is split across threads)
+    assert len(swish) == 2 and all(a[0].size == images * 32 * 8 * 8 for a in swish)  # 20 channels stored as 32
     assert _called(plan).count("depthwise_blocked") == 1
     got = dict(zip(segment.output_names, segment(*feeds)))
     for name, wide in zip(_OUTPUTS, run_float64(model, {"x": x})):

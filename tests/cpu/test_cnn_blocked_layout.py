@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import onnxruntime
 import pytest
+from model_helpers import bound_plan
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime_ep_cpu.algorithms import segment_steps
 from onnx_runtime_ep_cpu.compiled import deferred, host
@@ -66,6 +67,7 @@ def test_blocked_runs_match_float64_and_onnxruntime(batch):
     segment, feeds = _segment_and_feeds(model, x)
     segment(*feeds)
     ((plan,),) = segment.plans.values()
+    plan = bound_plan(plan)
     modes = _modes(plan)
     assert (False, True) in modes and (True, True) in modes and (True, False) in modes
     options = onnxruntime.SessionOptions()
@@ -94,6 +96,7 @@ def test_plain_and_blocked_plans_agree(monkeypatch):
     plain_segment, feeds = _segment_and_feeds(model, x)
     plain = plain_segment(*feeds)
     ((plan,),) = plain_segment.plans.values()
+    plan = bound_plan(plan)
     assert not _modes(plan)
     for a, b in zip(with_blocks, plain):
         np.testing.assert_array_equal(a, b)  # the same sums in the same order, stored elsewhere

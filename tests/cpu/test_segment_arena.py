@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from model_helpers import bound_plan
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime.loader import load_model
 from onnx_runtime_ep_cpu.algorithms import segment_arena, segment_steps
@@ -112,7 +113,7 @@ def test_shared_buffers_never_alias_live_values(batch):
         if run == 0:
             deferred.wait_ready(240)
     ((plan,),) = segment.plans.values()
-    arena = plan.arena
+    arena = bound_plan(plan).arena
     assert arena is not None and len(arena.views) >= 10
     keys = list(arena.views)
     for i, a in enumerate(keys):  # values live at once: apart in memory

@@ -29,7 +29,7 @@ from .blas import bundled_openblas
 from .tuning import KNOBS, when_changed
 
 _default: list[int] = []  # [one thread per usable CPU], read at the first need (see default_threads)
-# The calling run's session's count (0: not in a run, the default applies)
+# The calling run's session's count (0: not in a run, the default applies; -1: one_thread, whatever the knob says)
 _run_threads: contextvars.ContextVar[int] = contextvars.ContextVar("onnx_runtime_cpu_threads", default=0)
 _blas_applied: int | None = None  # the BLAS pool size set (None: not yet)
 
@@ -46,7 +46,22 @@ def default_threads() -> int:
 def kernel_threads() -> int:
     """How many threads a kernel that splits its work uses, the calling one included: the ``threads`` knob of
     tuning.py, else the running session's setting, else one per usable CPU."""
-    return KNOBS.threads or _run_threads.get() or default_threads()
+    threads = _run_threads.get()
+    if threads < 0:  # (one_thread)
+        return 1
+    return KNOBS.threads or threads or default_threads()
+
+
+class one_thread:  # noqa: N801  (a context manager, named for what it does)
+    """``with one_thread():`` kernel_threads() is 1 on this thread, whatever the ``threads`` knob says: what is made
+    meanwhile is made as a one-thread run makes it (segment_split.py's plans of a batch's ranges, each run on one
+    thread)."""
+
+    def __enter__(self) -> None:
+        self._token = _run_threads.set(-1)
+
+    def __exit__(self, *exc) -> None:
+        _run_threads.reset(self._token)
 
 
 def helper_count() -> int:

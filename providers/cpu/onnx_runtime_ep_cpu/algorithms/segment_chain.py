@@ -94,7 +94,8 @@ def chained(steps: list, linked) -> list:
             end += 1
         if end - index >= 2:
             table = np.array(rows[index:end], dtype=np.int64)
-            values = np.array(reals if reals else [0.0], dtype=np.float64)
+            # (the "r" fields are float32 scalars, as conv_chain.CHAIN's mailbox posts them)
+            values = np.array(reals if reals else [0.0], dtype=np.float32)
             if not linked(run_chain, (table, values)):
                 return steps
             out.append((run_chain, (table, values)))

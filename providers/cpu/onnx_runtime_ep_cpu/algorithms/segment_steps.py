@@ -94,6 +94,13 @@ class BoundPlan:
                 "calls": len(self._calls), "provisional": self.ticket is not None}
 
     def run(self, inputs):
+        self.stage(inputs)
+        for function, arguments in self._calls:
+            function(*arguments)
+        return tuple([result.copy() for result in self._results])
+
+    def stage(self, inputs) -> None:
+        """The feeds of ``inputs`` into the plan's buffers, or its chained first convolution pointed at them."""
         copy = np.copyto
         for slot, buffer in self._copied:
             copy(buffer, inputs[slot])
@@ -104,9 +111,26 @@ class BoundPlan:
             else:
                 table[row, 1] = own
                 copy(buffer, value)
-        for function, arguments in self._calls:
-            function(*arguments)
-        return tuple([result.copy() for result in self._results])
+
+    @property
+    def feeds(self) -> tuple:
+        """(slot, buffer) of the inputs each run copies in (not constants)."""
+        return self._feeds
+
+    @property
+    def feed_slots(self) -> tuple:
+        """The slots of the inputs each run copies in (not constants)."""
+        return tuple(slot for slot, _ in self._feeds)
+
+    @property
+    def results(self) -> tuple:
+        """The buffers a run leaves the outputs in (run returns copies)."""
+        return self._results
+
+    @property
+    def calls(self) -> tuple:
+        """(function, arguments) of what a run calls, in order, after staging its feeds (stage)."""
+        return self._calls
 
 
 def _direct(function, arguments):

@@ -7,6 +7,9 @@ takes those calls as rows of one int64 table, each row a loop's number (its plac
 then its arguments in the order of that loop's pattern: an array its address and its dimensions, an integer or
 a flag its value, a float32 its index in ``reals``; one call unboxes two arrays and runs every row's loop on
 views of the plan's own buffers (which the plan keeps, with the arrays it binds, for as long as the table).
+
+``CHAIN`` is the same call as a job of the helper threads (workers.py): a batch's images split into parts, each
+part a plan of its own over its own buffers (algorithms/segment_split.py), one table per part.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from . import jit
 from .blocked_ops import depthwise_blocked, max_pool_blocked, plane_means_blocked, squeeze_excite_blocked
 from .directconv_blocked import conv_blocked
 from .directconv_gathered import conv_gathered
-from .workers import float_array, int_array
+from .mailbox import floats, ints
+from .workers import Kind, float_array, int_array
 
 
 @jit
@@ -70,3 +74,12 @@ def run_chain(table, reals):
                                    _f1(row, 26), _f1(row, 28), _f1(row, 30))
         else:
             plane_means_blocked(_f1(row, 1), _f1(row, 3), row[5], row[6], row[7], _f1(row, 8))
+
+
+@jit
+def _run_part(table, reals):
+    run_chain(table, reals)
+
+
+# run_chain, one part: a sub-batch's plan (its table and float32 scalars).
+CHAIN = Kind("conv_chain", (ints("table", 2), floats("reals")), _run_part, home=__name__)

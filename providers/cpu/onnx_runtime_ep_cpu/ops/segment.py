@@ -35,6 +35,7 @@ from ..compiled import deferred
 from ..compiled.reference_run import ReferenceRun
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import NEEDS, lookup, register
+from ..threads import kernel_threads
 
 if TYPE_CHECKING:
     from ..algorithms.segment_steps import BoundPlan
@@ -256,7 +257,7 @@ class Segment:
         with provisional.watching() as seen:  # fallbacks served while it is made: a provisional plan
             with ReferenceRun():  # (its per-node compiled code is never called again: numpy's paths serve it)
                 env, outputs = self._node_by_node(inputs, keep_all=True)
-            plan, outputs = self._checked_plan(env, inputs, outputs)
+            plan, outputs = self._made_plan(env, inputs, outputs)
         ticket = provisional.ticket(seen)
         if plan is False and ticket is None:  # (a miss the child gave up on: tried again at the next run)
             return outputs
@@ -282,6 +283,52 @@ class Segment:
                 if ticket is None:
                     self.last = plan
         return outputs
+
+    def _made_plan(self, env, inputs, outputs):
+        """(plan, outputs): a batch split into image ranges where that applies, else the batch's plan."""
+        plan, planned = self._split_plan(env, inputs, outputs)
+        return (plan, planned) if plan is not None else self._checked_plan(env, inputs, outputs)
+
+    def _split_plan(self, env, inputs, outputs):
+        """(plan, outputs) as _checked_plan's, for a batch whose images run in parallel ranges
+        (algorithms/segment_split.py); (None, outputs) where that does not apply: one thread, one image, a value
+        that does not keep the batch first, a node not proved to read its own image only, a range whose plan does
+        not start with a chained call."""
+        if kernel_threads() < 2:
+            return None, outputs
+        constants = {slot for slot in range(self.feeds) if isinstance(inputs[slot], np.ndarray)
+                     and not inputs[slot].flags.writeable and slot not in self.fed}
+        feeds = [slot for slot in range(self.feeds) if slot not in constants]
+        from ..algorithms import segment_split
+
+        batch = segment_split.batch_of(self, env, constants)
+        if batch < 2 or not feeds or segment_split.part_count(batch) < 2 \
+                or not segment_split.per_image(self, env, constants):
+            return None, outputs
+
+        def reference(part_inputs):
+            with ReferenceRun():
+                return self._node_by_node(part_inputs, keep_all=True)
+
+        try:
+            with deferred.Trial():  # (a loop or the job's runner that numba's cache misses: the plan of the whole)
+                try:
+                    plan = segment_split.build_split(self, inputs, feeds, batch, reference,
+                                                     lambda env: build_plan(self, env, POOL_LIMIT_BYTES))
+                except OnnxRuntimeError:
+                    return None, outputs
+                if plan is None:
+                    return None, outputs
+                from ..compiled.conv_chain import CHAIN
+
+                CHAIN.address()
+                with plan.lock:
+                    planned = plan.run(inputs)
+        except deferred.WouldCompile:
+            return None, outputs
+        if all(_close(a, b) for a, b in zip(planned, outputs)):
+            return plan, planned
+        return None, outputs
 
     def _checked_plan(self, env, inputs, outputs):
         """(plan, outputs): the plan built from ``env`` and its outputs for ``inputs`` where they match the
