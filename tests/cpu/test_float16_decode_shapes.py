@@ -99,3 +99,28 @@ def test_a_new_past_length_instantiates_the_shape_steps(product, tmp_path):
     ran = ours.profile_summary()
     assert ran["MatMul"][1] >= later, ran  # the profile did see the later steps
     assert not [op for op in _SHAPE_STEPS if op in ran], ran  # their shape work was instantiated, not run
+
+
+def test_the_rounding_of_a_growing_past_is_made_once(monkeypatch):
+    """RoundToHalf reads no planned shape: one kernel serves every past length (a kernel per length walked the whole
+    graph at each new step)."""
+    from onnx_runtime.session import steps
+
+    made = []
+    original = steps.make_kernel
+
+    def counting(handle, node, shapes, graph):
+        made.append(node.op_type)
+        return original(handle, node, shapes, graph)
+
+    monkeypatch.setattr(steps, "make_kernel", counting)
+    model = _decoder_step("float16")
+    ours = ort.InferenceSession(model, providers=["cpu"])
+    oracle = pytest.importorskip("onnxruntime").InferenceSession(model, providers=["CPUExecutionProvider"])
+    for index, feeds in enumerate(_feeds(steps=12)):
+        if index == 5:
+            made.clear()  # (the template of the decode steps is made by now)
+        got, want = ours.run(None, feeds), oracle.run(None, feeds)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-2 * max(1.0, float(np.abs(b).max())))
+    assert "RoundToHalf" not in made, made

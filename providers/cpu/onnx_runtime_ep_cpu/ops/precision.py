@@ -19,7 +19,7 @@ from onnx_runtime.errors import InvalidArgumentError
 from ..algorithms.precision import FLOAT16, FLOAT32, HALF_FLOATS, narrow, round_all, widen
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
-from ._common import graph_error
+from ._common import graph_error, shape_free
 
 # Operators that read only their input's shape.
 _SHAPE_READERS = frozenset({"Shape", "Size"})
@@ -50,7 +50,7 @@ def round_to_half(node, shapes, opset, graph=None):
         return round_all(inputs, dtype)
 
     if not in_place:
-        return kernel
+        return shape_free(kernel)
     row_rounding: list = []  # made at the first bound cache: a model never run so imports none of its modules
 
     def rounding_caches(*inputs):
@@ -73,7 +73,8 @@ def round_to_half(node, shapes, opset, graph=None):
                          for index, window in windows.items()])
         return tuple(results)
 
-    return rounding_caches
+    # (any shapes: a decode step's caches grow every run, and a kernel per length walked the graph each step)
+    return shape_free(rounding_caches)
 
 
 def _cache_windows(inputs: tuple, in_place: tuple[int, ...]) -> dict:
@@ -109,7 +110,7 @@ def half_to_float(node, shapes, opset):
         _check(node, inputs, lambda d: d in HALF_FLOATS, "a float16 or bfloat16 tensor")
         return tuple(widen(x) for x in inputs)
 
-    return kernel
+    return shape_free(kernel)
 
 
 @register("FloatToHalf", domain=FUSED_DOMAIN, since=1)
@@ -120,4 +121,4 @@ def float_to_half(node, shapes, opset):
         _check(node, inputs, lambda d: d == FLOAT32, "a float32 tensor")
         return tuple(narrow(x, dtype) for x in inputs)
 
-    return kernel
+    return shape_free(kernel)
