@@ -270,29 +270,3 @@ def test_zoo_decoders_group_siblings_and_match(name, made, monkeypatch):
             scale = float(np.abs(exact).max()) + 1e-6
             np.testing.assert_allclose(got, plain, rtol=0, atol=2e-5 * scale, err_msg=f"{call}: the unfused graph")
             np.testing.assert_allclose(got, exact, rtol=0, atol=1e-4 * scale, err_msg=f"{call}: the reference")
-
-
-def test_a_prefill_group_splits_its_product_across_threads(made, monkeypatch):
-    """On two threads a group's product of many rows (past twice the split_macs knob) runs through PackedProduct,
-    split as a MatMul node's is (numpy's BLAS runs on one thread), within the float64 reference's bounds."""
-    from onnx_runtime_ep_cpu.algorithms import products
-    from onnx_runtime_ep_cpu.compiled import deferred
-    from onnx_runtime_ep_cpu.tuning import override
-
-    case = (4, 16, 64, 4, 2, 16, 128, True)
-    model, weights = _layer(*case)
-    calls = []
-    original = products.PackedProduct.__call__
-    monkeypatch.setattr(products.PackedProduct, "__call__", lambda self, *a, **k: calls.append(a[0].shape)
-                        or original(self, *a, **k))
-    x = np.random.default_rng(3).standard_normal(case[:2] + case[2:3]).astype(np.float32)
-    with override(threads=2, split_macs=1 << 14):
-        session = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
-        session.run(None, {"x": x})
-        deferred.wait_ready(240)  # (PackedProduct serves once numba does)
-        session = ort.InferenceSession(model.SerializeToString(), providers=["cpu"])
-        got = session.run(None, {"x": x})
-    assert (64, 64) in calls, calls  # (the group's rows: batch x length by the embedding)
-    exact, bounds = _reference(x, weights, 4, 2, 16)
-    for name, value, reference, bound in zip("yz", got, exact, bounds):
-        assert_within(value, reference, bound, name)

@@ -12,7 +12,7 @@ from ..algorithms.products import GEMV_ROWS, PackedProduct
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ..threads import kernel_threads
-from ..tuning import KNOBS, knobs_epoch
+from ..tuning import knobs_epoch
 from ._common import argument_error, required_attr
 from .norm_in_front import norm_in_front
 
@@ -162,29 +162,6 @@ def _general(node, columns, total: int, norm) -> tuple:
     return general, product
 
 
-class _RowsProduct:
-    """A @ W (+ bias) of many rows: PackedProduct split across the threads where the product is worth splitting
-    (``split``, from the kernel's planned shape) and the run has more than one, as a MatMul node's product is (numpy's
-    BLAS runs on one thread: threads.py); else BLAS, the bias added by a compiled loop."""
-
-    def __init__(self, split: bool):
-        from ..compiled import transformer as compiled  # (once per kernel: an import statement costs microseconds)
-
-        self.split, self.packed = split, None
-        self.add, self.no_residual = compiled.add_bias_residual_, np.empty((0, 0), _F32)
-
-    def __call__(self, a, w, bias):
-        if self.split and kernel_threads() > 1 and PackedProduct.applies(a, w) \
-                and (bias is None or not bias.flags.writeable):
-            if self.packed is None:
-                self.packed = PackedProduct()
-            return self.packed(a, w, bias)
-        y = np.dot(a, w)
-        if bias is not None:  # (without one the loop adds nothing: its dispatch alone would cost the call)
-            self.add(y, bias, self.no_residual)
-        return y
-
-
 @register("ProjectionGroup", domain=FUSED_DOMAIN, since=1)
 def projection_group(node, shapes, opset):
     """Inputs: A (..., K), W (K, sum of widths), optional bias (sum of widths,); one output (..., width) per
@@ -201,16 +178,19 @@ def projection_group(node, shapes, opset):
     a_shape = tuple(shapes[0]) if shapes and shapes[0] is not None else None
     if not a_shape or not all(isinstance(d, int) and d > 0 for d in a_shape):
         return general
+    from ..compiled import transformer as compiled  # once here: an import statement costs each call microseconds
+
     rows, depth = math.prod(a_shape[:-1]), a_shape[-1]
     lead = a_shape[:-1]
     out_shape = lead + (total,)
     out_shape, columns_planned = planned_heads(columns, layouts, widths, lead) or (out_shape, columns)
+    no_residual = np.empty((0, 0), _F32)
+    add = compiled.add_bias_residual_
     # A decode step's few rows by constant weights of this size: few_rows.py's tiles (BLAS packs the weights per call)
     # (any thread count here: each call's takes_few reads the running one)
     # (and smaller ones with a normalization in front: the two then run as one compiled call)
     few = rows <= GEMV_ROWS and PackedProduct.few_sized(rows, depth * total, False, 2, depth, norm is not None)
     tiles = _Tiles()
-    rows_product = _RowsProduct(rows * depth * total >= 2 * KNOBS.split_macs)
 
     def kernel(a, w, bias=None, scale=None, shift=None):
         run = tiles.bound_for(a, w, bias, a_shape, scale) if few else None
@@ -229,7 +209,10 @@ def projection_group(node, shapes, opset):
         if few and PackedProduct.takes_few(a.reshape(rows, depth), w, norm is not None):
             y = tiles(a.reshape(rows, depth), w, bias, spec).reshape(out_shape)
         else:
-            y = rows_product(a.reshape(rows, depth), w, bias).reshape(out_shape)
+            y = np.dot(a.reshape(rows, depth), w)
+            if bias is not None:  # (without one the loop adds nothing: its dispatch alone would cost the call)
+                add(y, bias, no_residual)
+            y = y.reshape(out_shape)
         return columns_planned(y)
 
     return kernel
