@@ -188,28 +188,3 @@ def test_bad_inputs_are_typed_errors_naming_them(feeds, message, compiled):
     session, _ = _sessions(_model([BATCH], declared=False))
     with pytest.raises(InvalidArgumentError, match=message):
         session.run(None, feeds)
-
-
-def test_a_product_split_across_threads_takes_the_packed_product(monkeypatch, compiled):
-    """On two threads a Q/K/V product past the split_macs knob (which ProductAttention leaves) runs through
-    PackedProduct, split as a MatMul node's is, not BLAS on one thread; the results stay the reference's."""
-    from onnx_runtime_ep_cpu.algorithms import products
-    from onnx_runtime_ep_cpu.compiled import deferred
-    from onnx_runtime_ep_cpu.tuning import override
-
-    calls = []
-    original = products.PackedProduct.__call__
-    monkeypatch.setattr(products.PackedProduct, "__call__", lambda self, *a, **k: calls.append(a[0].shape)
-                        or original(self, *a, **k))
-    proto = _model([4])
-    session, oracle = _sessions(proto)
-    x = RNG.standard_normal((4, STEPS, HIDDEN)).astype(np.float32)
-    feeds = {"x": x, "mask": np.array([STEPS, 5, 3, STEPS], np.int32)}
-    session.run(None, feeds)
-    deferred.wait_ready(240)  # (PackedProduct serves once numba does)
-    with override(threads=2, split_macs=1024, packed_macs=1024):
-        for _ in range(3):  # (the first call, then the kept call's repeats)
-            got = session.run(None, feeds)[0]
-    assert (4 * STEPS, HIDDEN) in calls, calls
-    np.testing.assert_allclose(got, _reference(proto, x, feeds["mask"]), rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(got, oracle.run(None, feeds)[0], rtol=2e-5, atol=2e-5)

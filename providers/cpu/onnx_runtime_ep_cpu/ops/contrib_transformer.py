@@ -28,7 +28,6 @@ from ..algorithms.contrib_attention import (
 from ..algorithms.kept_call import KeptCall
 from ..algorithms.precision import compute_dtype
 from ..algorithms.product_attention import ProductAttention
-from ..algorithms.products import PackedProduct
 from ..compiled.deferred import numpy_first, tried
 from ..contrib_lowering import PACKED_LOOP_MACS, packed_macs_factor
 from ..fused_domain import FUSED_DOMAIN
@@ -240,7 +239,6 @@ class _PackedAttention:
         self.macs_factor = packed_macs_factor(self.causal)  # (times the few_query_macs knob: longer goes long)
         # compiled loops, imported at the first compiled call
         self.loop = self.lanes = self.product = None
-        self.packed_product: PackedProduct | None = None  # the Q/K/V product where ProductAttention does not take it
         self.work: dict[tuple, int] = {}  # per (B, S, head size): the floats the 16-lane path's scratch holds
         self.tried = False  # a compiled call after deferral ran whole (deferred.tried)
         self.longer: dict[tuple, object] = {}  # per (B, S, hidden): the ONNX Attention kernel of longer sequences
@@ -273,7 +271,7 @@ class _PackedAttention:
             y = self.product(x, weights, bias, counts, mask, self.scale(size), keep) if self.tried else \
                 tried(self, "tried", self.product, x, weights, bias, counts, mask, self.scale(size))
             return self.general(x, weights, bias, mask_index) if y is None else (y,)
-        qkv = self.qkv(np.ascontiguousarray(x).reshape(batch * steps, depth), weights)
+        qkv = np.matmul(np.ascontiguousarray(x).reshape(batch * steps, depth), weights)
         if not short:
             if bias is not None:
                 qkv += bias
@@ -286,15 +284,6 @@ class _PackedAttention:
             y = self.attend(qkv, add, counts, mask, batch, steps, size) if self.tried else \
                 tried(self, "tried", self.attend, qkv, add, counts, mask, batch, steps, size)
         return self.general(x, weights, bias, mask_index) if y is None else (y,)
-
-    def qkv(self, x, weights) -> np.ndarray:
-        """x (rows, K) @ the packed weight: PackedProduct where it applies, split across the session's threads as a
-        MatMul node's product is (BLAS runs on one thread: threads.py), else BLAS."""
-        if not PackedProduct.applies(x, weights):
-            return np.matmul(x, weights)
-        if self.packed_product is None:
-            self.packed_product = PackedProduct()
-        return self.packed_product(x, weights)
 
     def takes_product(self, x, weights, bias, steps: int) -> bool:
         """Whether a short sequence's call runs algorithms/product_attention.py's one call: the 16-lane loop taking
@@ -356,7 +345,7 @@ class _PackedAttention:
                shape: tuple, heads_shape: tuple):
         """Y for a call repeating the kept one (KeptCall: the same weight and bias, x and the mask index of the
         same kinds) through the kept arguments; None where a row has no finite score."""
-        qkv = self.qkv(x.reshape(rows), weights).reshape(packed)
+        qkv = np.matmul(x.reshape(rows), weights).reshape(packed)
         y = np.empty(shape, np.float32)
         counts = _NO_COUNTS if mask_index is None else mask_index
         if work:
