@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import onnx
 import pytest
+from model_helpers import record_calls
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime import session
 from onnx_runtime_ep_cpu.algorithms import segment_split
@@ -109,14 +110,7 @@ def test_a_classifier_after_the_chain_runs_range_by_range():
 def test_a_half_precision_cnn_rounds_each_range_then_runs_its_chain(monkeypatch):
     """A float16 model's segment rounds its input as its first step (not chained): range by range on this thread,
     then the ranges' chains as jobs, then each range's classifier."""
-    made = []
-    init = segment_module.Segment.__init__
-
-    def recording(self, node):
-        init(self, node)
-        made.append(self)
-
-    monkeypatch.setattr(segment_module.Segment, "__init__", recording)
+    called = record_calls(monkeypatch, segment_module.Segment)
     model = _half_cnn()
     options = session.SessionOptions()
     options.intra_op_num_threads = 2
@@ -130,7 +124,7 @@ def test_a_half_precision_cnn_rounds_each_range_then_runs_its_chain(monkeypatch)
             (got,) = sess.run(None, {"x": x})
             (wide,) = run_float64(twin, {"x": x.astype(np.float16).astype(np.float32)})
             assert np.abs(got - wide).max() <= 1e-4 * (1 + np.abs(wide).max())
-    plans = [plan for segment in made for plans in segment.plans.values() for plan in plans or ()]
+    plans = [plan for segment in dict.fromkeys(called) for plans in segment.plans.values() for plan in plans or ()]
     assert [plan.describe().get("split") for plan in plans] == [[2, 3]]
     assert getattr(plans[0].parts[0].calls[0][0], "__name__", "") == "round_to_float16"
 
