@@ -28,8 +28,6 @@ import numpy as np
 
 from ..threads import helper_count, kernel_threads, one_thread
 
-# Images per range at least: a range of one image is a batch-1 chain, already fast alone.
-MIN_IMAGES = 1
 _STANDARD = ("", "ai.onnx")
 # Nodes whose output image n reads only image n of their first input, their other inputs being parameters (a
 # FusedConv's residual aside: see per_image)
@@ -138,9 +136,9 @@ def ranges(batch: int, parts: int) -> tuple[tuple[int, int], ...]:
 
 
 def part_count(batch: int) -> int:
-    """The ranges a batch splits into: one per thread of the run, at most one per MIN_IMAGES images (1: none)."""
-    threads = min(kernel_threads(), 1 + helper_count())
-    return max(1, min(threads, batch // MIN_IMAGES))
+    """The ranges a batch splits into: one per thread of the run (the caller and its helpers), at most one per
+    image (1: none)."""
+    return max(1, min(kernel_threads(), 1 + helper_count(), batch))
 
 
 def sliced(inputs, feed_slots, start: int, end: int) -> list:
@@ -210,9 +208,13 @@ class SplitPlan:
     (``stages``: _stages)."""
 
     __slots__ = ("lock", "ticket", "nbytes", "arena", "constant_slots", "_plans", "_spans", "_feeds", "_stages",
-                 "_shapes", "_helpers")
+                 "_shapes", "_helpers", "_run", "_chain")
 
     def __init__(self, plans, spans, feed_slots, stages):
+        from ..compiled import workers  # (bound once here: an import statement costs each run microseconds)
+        from ..compiled.conv_chain import CHAIN
+
+        self._run, self._chain = workers.run, CHAIN
         self.lock = threading.Lock()
         self.ticket = None
         self.nbytes = sum(plan.nbytes for plan in plans)
@@ -250,19 +252,16 @@ class SplitPlan:
         return self.fits(inputs)
 
     def describe(self) -> dict:
-        first = self._plans[0].describe()
-        return {**first, "calls": len(self._plans), "split": [end - start for start, end in self._spans]}
+        """The first range's plan's description (the ranges are planned alike), with the ranges' sizes."""
+        return {**self._plans[0].describe(), "split": [end - start for start, end in self._spans]}
 
     def run(self, inputs):
-        from ..compiled import workers
-        from ..compiled.conv_chain import CHAIN
-
         feeds = self._feeds
         for plan, (start, end) in zip(self._plans, self._spans):
             plan.stage(sliced(inputs, feeds, start, end))
         for parallel, calls in self._stages:
             if parallel:
-                workers.run(CHAIN, calls, self._helpers)
+                self._run(self._chain, calls, self._helpers)
             else:
                 for function, arguments in calls:
                     function(*arguments)

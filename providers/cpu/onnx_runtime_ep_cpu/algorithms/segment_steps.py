@@ -193,6 +193,12 @@ def _run_kernel(kernel, inputs, outputs) -> None:
         np.copyto(buffer, value)
 
 
+def is_constant(segment, slot: int, value) -> bool:
+    """Whether the segment's input ``slot`` holding ``value`` is bound as it is (a read-only weight), not copied in
+    at each run (a feed, or a read-only input seen to change: segment.fed)."""
+    return isinstance(value, np.ndarray) and not value.flags.writeable and slot not in segment.fed
+
+
 def _input_buffers(segment, env):
     """(buffers, constants, feeds, bytes) for the segment's inputs: a read-only input (a weight) is bound as it
     is, the others get a buffer that each run copies them into; None where an input is not an array."""
@@ -204,7 +210,7 @@ def _input_buffers(segment, env):
         value = env[slot]
         if not isinstance(value, np.ndarray):
             return None
-        if not value.flags.writeable and slot not in segment.fed:
+        if is_constant(segment, slot, value):
             constants[slot] = buffers[slot] = value
         else:
             buffers[slot] = np.empty(value.shape, value.dtype)

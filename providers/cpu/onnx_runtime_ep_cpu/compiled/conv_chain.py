@@ -76,10 +76,5 @@ def run_chain(table, reals):
             plane_means_blocked(_f1(row, 1), _f1(row, 3), row[5], row[6], row[7], _f1(row, 8))
 
 
-@jit
-def _run_part(table, reals):
-    run_chain(table, reals)
-
-
 # run_chain, one part: a sub-batch's plan (its table and float32 scalars).
-CHAIN = Kind("conv_chain", (ints("table", 2), floats("reals")), _run_part, home=__name__)
+CHAIN = Kind("conv_chain", (ints("table", 2), floats("reals")), run_chain, home=__name__)

@@ -296,10 +296,11 @@ class Segment:
         not start with a chained call."""
         if kernel_threads() < 2:
             return None, outputs
-        constants = {slot for slot in range(self.feeds) if isinstance(inputs[slot], np.ndarray)
-                     and not inputs[slot].flags.writeable and slot not in self.fed}
-        feeds = [slot for slot in range(self.feeds) if slot not in constants]
         from ..algorithms import segment_split
+        from ..algorithms.segment_steps import is_constant
+
+        constants = {slot for slot in range(self.feeds) if is_constant(self, slot, inputs[slot])}
+        feeds = [slot for slot in range(self.feeds) if slot not in constants]
 
         batch = segment_split.batch_of(self, env, constants)
         if batch < 2 or not feeds or segment_split.part_count(batch) < 2 \
