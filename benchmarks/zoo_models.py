@@ -202,6 +202,35 @@ class MobileNetV3(nn.Module):
         return self.classifier(self.features(pixel_values))
 
 
+class Fire(nn.Module):
+    """SqueezeNet's fire module: a 1x1 squeeze, then 1x1 and 3x3 expansions whose outputs are concatenated."""
+
+    def __init__(self, cin: int, squeeze: int, expand: int):
+        super().__init__()
+        self.squeeze = nn.Conv2d(cin, squeeze, 1)
+        self.expand1, self.expand3 = nn.Conv2d(squeeze, expand, 1), nn.Conv2d(squeeze, expand, 3, padding=1)
+
+    def forward(self, x):
+        x = torch.relu(self.squeeze(x))
+        return torch.cat([torch.relu(self.expand1(x)), torch.relu(self.expand3(x))], 1)
+
+
+class SqueezeNet(nn.Module):
+    """SqueezeNet 1.1's layout at half width: ceil-mode max pools between pairs of fire modules, a 1x1
+    convolution classifier averaged over the map."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        pool = lambda: nn.MaxPool2d(3, 2, ceil_mode=True)  # noqa: E731
+        self.features = nn.Sequential(nn.Conv2d(3, 32, 3, 2), nn.ReLU(), pool(), Fire(32, 8, 32), Fire(64, 8, 32),
+                                      pool(), Fire(64, 16, 64), Fire(128, 16, 64), pool(), Fire(128, 24, 96))
+        self.classifier = nn.Sequential(nn.Dropout(0.5), nn.Conv2d(192, classes, 1), nn.ReLU(),
+                                        nn.AdaptiveAvgPool2d(1), nn.Flatten())
+
+    def forward(self, pixel_values):
+        return self.classifier(self.features(pixel_values))
+
+
 def image_feeds(size: int) -> Callable[[int, int, int], list[Feed]]:
     return lambda batch, _seq, _past: [Feed("pixel_values", "float32", [batch, 3, size, size], "normal",
                                             {0: "batch"})]
@@ -359,6 +388,9 @@ SPECS = [
          seeded(resnet), image_feeds(64), named(("logits", BATCH_AXES)), CNN_VARIANTS, ENCODER_CALLS),
     Spec("mobilenetv3", "vision", "MobileNetV3-style CNN (torch): depthwise convs, hardswish, squeeze-and-excite",
          seeded(MobileNetV3), image_feeds(64), named(("logits", BATCH_AXES)), CNN_VARIANTS, ENCODER_CALLS),
+    Spec("squeezenet", "vision", "SqueezeNet 1.1-style CNN (torch), half width: fire modules (concatenated 1x1 "
+         "and 3x3 expansions), ceil-mode max pools, convolution classifier", seeded(SqueezeNet), image_feeds(64),
+         named(("logits", BATCH_AXES)), CNN_VARIANTS, ENCODER_CALLS),
     Spec("whisper_encoder", "audio", "Whisper encoder (transformers): 2 conv1d + GELU front end, 2 layers, d 64, "
          "80 mel bins x 100 frames", seeded(WhisperEncoderWrapper), audio_feeds,
          named(("last_hidden_state", BATCH_AXES)), ENCODER_VARIANTS, ENCODER_CALLS, optimizer=("bart", 4, 64),

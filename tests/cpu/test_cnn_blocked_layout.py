@@ -55,7 +55,7 @@ def _chain_model(size: int = 13) -> onnx.ModelProto:
 
 
 def _modes(plan) -> list[tuple[bool, bool]]:
-    return [(a[-5], a[-1]) for f, a in plan._steps if getattr(f, "__name__", "") == "conv_blocked"]  # noqa: SLF001
+    return [(a[-6], a[-2]) for f, a in plan._steps if getattr(f, "__name__", "") == "conv_blocked"]  # noqa: SLF001
 
 
 @pytest.mark.parametrize("batch", [1, 3])

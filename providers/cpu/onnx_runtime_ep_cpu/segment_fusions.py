@@ -51,9 +51,10 @@ def _takes(node: Node) -> bool:
     domain = "" if node.domain in ("", "ai.onnx") else node.domain
     if (domain, node.op_type) not in SEGMENT_OPS or node.subgraphs():
         return False
-    if node.op_type == "FusedConv" and any(node.attr(a) is not None for a in ("concat_channels", "append",
-                                                                              "shuffle_shape")):
-        return False  # writes into another node's tensor, or reads through a shuffle
+    if node.op_type == "FusedConv" and any(node.attr(a) is not None for a in ("append", "shuffle_shape")):
+        return False  # appends behind another node's channels, or reads through a shuffle
+    # (a convolution writing its channels of a Concat, conv_fusions.fuse_concat_convs, is taken: the plan writes
+    # them into the concatenation's buffer, segment_steps.py)
     # one output each (MaxPool's indices, BatchNormalization's training statistics stay out)
     return len([o for o in node.outputs if o]) == 1 and bool(node.outputs[0])
 

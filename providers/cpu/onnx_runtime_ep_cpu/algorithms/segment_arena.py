@@ -28,7 +28,8 @@ def _root(array: np.ndarray) -> np.ndarray:
 
 class Lifetimes:
     """The first binding's allocator: ``take(slot, shape, dtype, blocked)`` gives a buffer of its own and
-    notes the value's interval; ``at(index)`` says which node is being bound."""
+    notes the value's interval; ``at(index)`` says which node is being bound. ``views(inner, env)``: the position
+    of the input whose buffer a node's output shares (a reshape's view), or None."""
 
     def __init__(self, segment, env, views):
         self.index = 0
@@ -36,8 +37,9 @@ class Lifetimes:
         self.intervals: dict[tuple, tuple[int, int]] = {}
         root: dict[int, int] = {}  # a view's slot -> the slot whose buffer it shares
         for inner in segment.inner:
-            if views(inner, env):
-                root[inner.outputs[0]] = root.get(inner.inputs[0], inner.inputs[0])
+            position = views(inner, env)
+            if position is not None:
+                root[inner.outputs[0]] = root.get(inner.inputs[position], inner.inputs[position])
         self.last: dict[int, int] = {}
         for index, inner in enumerate(segment.inner):
             for slot in inner.inputs:

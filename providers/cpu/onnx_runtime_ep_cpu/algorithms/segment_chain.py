@@ -14,19 +14,23 @@ import numpy as np
 from .segment_arena import arrays_in
 
 CHAIN = True
-# Each chained loop (by name: compiled/directconv_blocked.py, directconv_gathered.py, blocked_ops.py) and its
-# arguments: "fN" a C-contiguous float32 array of N dimensions, "i1" a C-contiguous int64 vector, "i" an integer,
-# "b" a flag, "r" a float32 scalar. A loop's number in run_chain is its place here.
+# Each chained loop (by name: compiled/directconv_blocked.py, directconv_gathered.py, blocked_ops.py,
+# segment_loops.py) and its arguments: "fN" a C-contiguous float32 array of N dimensions, "i1" a C-contiguous int64
+# vector, "i" an integer, "b" a flag, "r" a float32 scalar. A loop's number in run_chain is its place here.
 PATTERNS = {
-    "conv_blocked": "f1 f4 i1 f2 f1 f1 i f1 f1 i i i i i i b i i i i b i i i b",
+    "conv_blocked": "f1 f4 i1 f2 f1 f1 i f1 f1 i i i i i i b i i i i b i i i b i",
     "conv_gathered": "f1 f4 i1 f2 f1 f1 i f1 f1 i1 i1 i i i i i i i i i b i",
     "depthwise_blocked": "f1 f1 i1 f1 f1 i f1 i i i i i i i i i i f1 i i f1",
     "max_pool_blocked": "f1 i1 f1 i i i i i i i i i i f1 i i f1",
     "squeeze_excite_blocked": "f1 f2 f1 f1 b f2 f1 f1 i r r f1 i i i f1 f1 f1",
     "plane_means_blocked": "f1 f1 i i i f1",
+    # activations between them (compiled/segment_loops.py: a SiLU after a convolution), on blocked or plain values
+    "swish_float32_into": "f1 f1 r",
+    "sigmoid_float32_into": "f1 f1",
+    "hard_sigmoid_into": "f1 f1 r r b",
 }
 _MODULES = ("onnx_runtime_ep_cpu.compiled.directconv_blocked", "onnx_runtime_ep_cpu.compiled.directconv_gathered",
-            "onnx_runtime_ep_cpu.compiled.blocked_ops")
+            "onnx_runtime_ep_cpu.compiled.blocked_ops", "onnx_runtime_ep_cpu.compiled.segment_loops")
 _KINDS = {name: (number, pattern.split()) for number, (name, pattern) in enumerate(PATTERNS.items())}
 _WIDTH = 1 + max(sum({"f2": 3, "f4": 5}.get(c, 2 if c[0] in "fi" and len(c) == 2 else 1) for c in p)
                  for _, p in _KINDS.values())

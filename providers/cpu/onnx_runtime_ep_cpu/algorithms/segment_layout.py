@@ -9,6 +9,11 @@ CNN's block (expansion, depthwise, squeeze-excitation, projection, residual) and
 blocked end to end, and the layout changes only inside the convolutions at a run's edges. Every other step
 (the head, a node's own kernel) and the segment's outputs see the plain layout. The values are those of the
 plain plan, to the order of a depthwise convolution's sums.
+
+A channel concatenation of convolutions (a fire module's or an Inception block's: conv_fusions.fuse_concat_convs)
+is written by its parts in place, through conv_blocked's image stride: blocked where each part starts at a block
+of 16 channels and all but the last fill whole blocks (each part's blocks are then its blocked output), else
+plain (a part's channels of each image); a part's copy of its own output into the concatenation goes.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 _RESIDUAL_INPUT = 3  # FusedConv's z
+_INTO = 4  # an into_concat FusedConv's concatenation so far (conv_fusions.fuse_concat_convs)
 _ACTIVATIONS = (None, "Relu", "Clip", "LeakyRelu", "HardSwish")
 # elementwise loops over flat (x, y, ...) that a node binds alone (segment_steps.py): on a blocked value they run
 # over its padded lanes too, which nothing reads
@@ -33,6 +39,22 @@ def _direct_call(steps, span):
     if function is not directconv.conv_direct or arguments[1].shape[0] != 1:
         return None
     return arguments
+
+
+def _part_call(steps, span):
+    """For a convolution writing its channels of a concatenation of several images (ops/conv.py's into_concat bind:
+    the direct tiles into a buffer of its own, then that copied into its channels): the direct call's arguments
+    and the channels' view, where the call is one group's without a residual, else None."""
+    start, end = span
+    if end - start != 2 or steps[start + 1][0] is not np.copyto:
+        return None
+    arguments = _direct_call(steps, (start, start + 1))
+    target, own = steps[start + 1][1]
+    y = arguments[7] if arguments is not None else None  # (own, or a 1x1 convolution's row view of it)
+    if y is None or y.size != own.size or y.ctypes.data != own.ctypes.data or arguments[4].size \
+            or target.dtype != np.float32 or target.strides[1:] != own.strides[1:]:
+        return None
+    return arguments, target
 
 
 def _only_call(steps, span, name: str):
@@ -83,6 +105,12 @@ class _Kinds:
     def __init__(self, segment, steps, spans, env, blocks):
         self.direct, self.depthwise, self.excite, self.means, self.max_pools = {}, {}, {}, {}, {}
         self.elementwise: dict[int, tuple] = {}
+        # convolutions writing their channels of a concatenation (conv_fusions.fuse_concat_convs): they may read
+        # blocked; they write the blocked concatenation where its parts are in whole blocks (concats), else plain
+        self.into_concat = {index for index, inner in enumerate(segment.inner)
+                            if inner.node.op_type == "FusedConv" and inner.node.attr("concat_channels") is not None}
+        self.parts: dict[int, np.ndarray] = {}  # into_concat nodes of several images: the view of their channels
+        self.concats: dict[int, tuple[int, list[int]]] = {}  # see _concatenations
         for index, span in spans.items():
             inner = segment.inner[index]
             if index in blocks:
@@ -92,6 +120,10 @@ class _Kinds:
                     self.excite[index] = (set(members), inner.inputs[0], product, arguments)
                 continue
             arguments = _direct_call(steps, span)
+            if arguments is None and index in self.into_concat:
+                found = _part_call(steps, span)
+                if found is not None:
+                    arguments, self.parts[index] = found
             if arguments is not None:
                 self.direct[index] = arguments
                 continue
@@ -104,6 +136,36 @@ class _Kinds:
                 found = _depthwise(inner, env)
                 if found is not None:
                     self.depthwise[index] = found
+        self.concats = self._concatenations(segment, env)
+
+    def _concatenations(self, segment, env) -> dict:
+        """final slot -> (first slot, part indices) of each concatenation whose parts (into_concat, in order) all
+        run as direct tiles without a residual, each starting at a block of 16 channels and all but the last
+        filling whole blocks: its blocked value is then each part's blocked output at its blocks, which the parts
+        write in place (conv_blocked's image stride)."""
+        following = {segment.inner[i].inputs[_INTO]: i for i in self.into_concat
+                     if len(segment.inner[i].inputs) > _INTO and segment.inner[i].inputs[_INTO] >= 0}
+        found = {}
+        for first in self.into_concat:
+            inputs = segment.inner[first].inputs
+            if len(inputs) > _INTO and inputs[_INTO] >= 0:
+                continue  # (not the first part)
+            chain = [first]
+            while segment.inner[chain[-1]].outputs[0] in following:
+                chain.append(following[segment.inner[chain[-1]].outputs[0]])
+            total = int(segment.inner[chain[-1]].node.attr("concat_channels"))
+            if all(self._whole_blocks(segment.inner[i], self.direct.get(i), i == chain[-1], total, env)
+                   for i in chain):
+                found[segment.inner[chain[-1]].outputs[0]] = (segment.inner[first].outputs[0], chain)
+        return found
+
+    @staticmethod
+    def _whole_blocks(inner, arguments, last: bool, total: int, env) -> bool:
+        """Whether a part (its direct call's ``arguments``) can write its blocks of the blocked concatenation."""
+        if arguments is None or arguments[4].size or int(inner.node.attr("concat_channels")) != total:
+            return False
+        offset, channels = int(inner.node.attr("concat_offset", 0)), arguments[7].shape[1]
+        return offset % 16 == 0 and (last or channels % 16 == 0) and env[inner.outputs[0]].shape[1] == total
 
     def _pool(self, index, inner, steps, span, env) -> bool:
         """Whether the node is a pool (a mean over its planes, or a max pool): kept where it can read blocked."""
@@ -126,8 +188,9 @@ class _Kinds:
     def writers(self, segment) -> dict:
         """slot -> the index of the node that can write it blocked."""
         found = {segment.inner[i].outputs[0]: i for i in (*self.direct, *self.depthwise, *self.max_pools,
-                                                          *self.elementwise)}
+                                                          *self.elementwise) if i not in self.into_concat}
         found.update({product: i for i, (_, _, product, _) in self.excite.items()})
+        found.update({final: parts[-1] for final, (_, parts) in self.concats.items()})
         return found
 
     def reads(self, index: int, position: int, slot: int) -> bool:
@@ -189,12 +252,13 @@ def block_direct_runs(segment, steps: list, spans: dict, env: list, blocks: dict
     node-by-node run's values by slot; ``blocks``: segment_blocks.squeeze_excitations."""
     kinds = _Kinds(segment, steps, spans, env, blocks)
     chosen = _blocked_slots(segment, kinds)
-    if not chosen:
+    if not chosen and not kinds.parts:
         return steps, 0
-    buffers = {slot: pool.take(slot, (_blocked_size(env[slot].shape),), np.float32, True) for slot in chosen}
+    buffers, into = _blocked_buffers(kinds, chosen, env, pool)
     steps = list(steps)
     for index, arguments in kinds.direct.items():
-        _block_direct(segment.inner[index], arguments, chosen, buffers, steps, spans[index][0])
+        _block_direct(segment.inner[index], arguments, chosen, buffers, steps, spans[index][0],
+                      kinds.parts.get(index), into.get(index))
     for index, found in kinds.depthwise.items():
         if segment.inner[index].inputs[0] in chosen:
             _block_depthwise(segment.inner[index], found, buffers, steps, spans[index])
@@ -217,6 +281,18 @@ def block_direct_runs(segment, steps: list, spans: dict, env: list, blocks: dict
 
     scratch += sum(arguments[8].nbytes for f, arguments in steps if f is conv_blocked)  # (its padded source)
     return steps, scratch
+
+
+def _blocked_buffers(kinds, chosen, env, pool) -> tuple[dict, dict]:
+    """The chosen slots' blocked buffers, and part index -> the blocked concatenation it writes."""
+    # (a concatenation's blocked value lives from its first part on: taken as the first part's slot's)
+    buffers = {slot: pool.take(kinds.concats[slot][0] if slot in kinds.concats else slot,
+                               (_blocked_size(env[slot].shape),), np.float32, True) for slot in chosen}
+    into: dict[int, np.ndarray] = {}
+    for final, (_, parts) in kinds.concats.items():
+        if final in chosen:
+            into.update(dict.fromkeys(parts, buffers[final]))
+    return buffers, into
 
 
 def _block_excitations(kinds, chosen, buffers, steps, spans) -> None:
@@ -267,22 +343,37 @@ def _blocked_ops():
     return blocked_ops
 
 
-def _block_direct(inner, arguments, chosen, buffers, steps, at) -> None:
-    """A direct convolution's step over its blocked input, output or residual."""
+def _block_direct(inner, arguments, chosen, buffers, steps, at, part=None, concatenation=None) -> None:
+    """A direct convolution's step over its blocked input, output or residual. A part of a concatenation
+    (into_concat) writes its channels there: where ``concatenation`` is given, at its blocks of that blocked value;
+    else, where ``part`` is the view of its channels in the plain one of several images (_part_call), through it
+    (its copy dropped either way)."""
     from ..compiled import directconv_blocked as kernel
 
     x_slot, y_slot = inner.inputs[0], inner.outputs[0]
     residual_slot = inner.inputs[_RESIDUAL_INPUT] if len(inner.inputs) > _RESIDUAL_INPUT else -1
-    if x_slot not in chosen and y_slot not in chosen:
+    if x_slot not in chosen and y_slot not in chosen and part is None and concatenation is None:
         return
     x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, top, left, height, width, in_place = arguments
     if x_slot in chosen:
         offsets = kernel.blocked_taps(offsets, int(height) * int(width))
     flat_x = buffers[x_slot] if x_slot in chosen else x.reshape(-1)
     flat_y = buffers[y_slot] if y_slot in chosen else y.reshape(-1)
+    y_image, y_blocked = 0, y_slot in chosen
+    if part is not None:
+        steps[at + 1] = None
+    if concatenation is not None:
+        plane = y.shape[2] * y.shape[3]
+        total = -(-int(inner.node.attr("concat_channels")) // 16) * 16
+        flat_y = concatenation[int(inner.node.attr("concat_offset", 0)) * plane:]
+        y_image, y_blocked = total * plane, True
+    elif part is not None:  # (from its first channel of the first image to its last of the last, one flat view)
+        y_image = part.strides[0] // part.itemsize
+        flat_y = np.lib.stride_tricks.as_strided(part, ((part.shape[0] - 1) * y_image + part[0].size,),
+                                                 (part.itemsize,))
     if residual.size and residual_slot in chosen:
         residual = buffers[residual_slot]
-    if x_slot in chosen and y_slot in chosen and y.shape[3] < _gathered().PIXELS \
+    if x_slot in chosen and y_slot in chosen and concatenation is None and y.shape[3] < _gathered().PIXELS \
             and (not residual.size or residual_slot in chosen):
         steps[at] = _gathered_step(flat_x, weights, offsets, bias, residual, bounds, flags, flat_y, x.shape,
                                    y.shape, (sh, sw, top, left, int(height), int(width)))
@@ -291,7 +382,7 @@ def _block_direct(inner, arguments, chosen, buffers, steps, at) -> None:
                                          bool(in_place)), np.float32)  # (the pads stay zero: calls fill the rest)
     steps[at] = (kernel.conv_blocked, (
         flat_x, weights, offsets, bias, residual, bounds, flags, flat_y, source, sh, sw, top, left, height, width,
-        in_place, *x.shape, x_slot in chosen, *y.shape[1:], y_slot in chosen))
+        in_place, *x.shape, x_slot in chosen, *y.shape[1:], y_blocked, y_image))
 
 
 def _gathered():

@@ -37,6 +37,7 @@ _IMAGEWISE = frozenset({"Conv", "FusedConv", "Relu", "HardSigmoid", "HardSwish",
                         "Reshape", "Squeeze", "Unsqueeze"})
 _ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div"})
 _RESIDUAL = 3  # FusedConv's z, added to its output
+_INTO = 4  # a FusedConv's concatenation so far, its channels written into it (conv_fusions.fuse_concat_convs)
 
 
 def batch_of(segment, env, constant_slots) -> int:
@@ -74,12 +75,14 @@ def _data(slots, constant_slots) -> list[int]:
 
 
 def _imagewise(node, slots, out, env, constant_slots) -> bool:
-    """Its first input's image n (a FusedConv's residual image n too, of the output's rank); parameters besides."""
+    """Its first input's image n (a FusedConv's residual and concatenation so far image n too, of the output's rank);
+    parameters besides."""
     allowed = {slots[0]}
-    if node.op_type == "FusedConv" and len(slots) > _RESIDUAL and slots[_RESIDUAL] >= 0:
-        if env[slots[_RESIDUAL]].ndim != out.ndim:
-            return False
-        allowed.add(slots[_RESIDUAL])
+    for position in (_RESIDUAL, _INTO) if node.op_type == "FusedConv" else ():
+        if len(slots) > position and slots[position] >= 0:
+            if env[slots[position]].ndim != out.ndim:
+                return False
+            allowed.add(slots[position])
     return all(s in allowed for s in _data(slots, constant_slots))
 
 

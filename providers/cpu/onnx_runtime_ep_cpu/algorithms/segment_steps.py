@@ -7,7 +7,8 @@ segment's read-only inputs: weights), and returns ``[(function, arguments), ...]
 None where it cannot prepare this node (then its kernel runs, and its results are copied into the buffers).
 Convolution, pooling and mean kernels bind themselves (their ``bind``: ops/conv.py, pool.py, reduction.py): the
 compiled loop with the packed weights, offsets and epilogue it would be called with. Reshapes and Flatten are
-views of their input's buffer.
+views of their input's buffer, and the convolutions that write their channels of a Concat (into_concat,
+conv_fusions.fuse_concat_convs) share the concatenation's buffer, each binding its own channels of it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import threading
 
 import numpy as np
 
+from ..fused_domain import FUSED_DOMAIN
 from .activations import hard_swish_steps
 from .segment_arena import Lifetimes
 from .segment_blocks import squeeze_excitations
@@ -25,6 +27,7 @@ from .segment_chain import chained, read_in_place
 from .segment_layout import block_direct_runs
 
 _VIEWS = frozenset({"Flatten", "Reshape", "Squeeze", "Unsqueeze", "Identity"})
+_INTO = 4  # a FusedConv's concatenation so far (conv_fusions.fuse_concat_convs)
 # A plan whose unprepared nodes' outputs (copied into their buffers on every run) pass this many bytes is not
 # made: the copies cost more than the Python a plan saves (ShuffleNet's grouped convolutions at 224x224).
 COPY_LIMIT_BYTES = 256 << 10
@@ -228,11 +231,35 @@ def _is_view(inner, env) -> bool:
     return isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and x.size == y.size and x.dtype == y.dtype
 
 
+def _fills_concat(segment, inner, env) -> bool:
+    """Whether the node is a convolution writing its channels into the concatenation that the convolutions before it
+    in the segment began (conv_fusions.fuse_concat_convs): its output is its ``into`` input's buffer. An ``into``
+    from outside the segment (a feed: the plan's copy of it) is left to the node's kernel."""
+    node = inner.node
+    if node.op_type != "FusedConv" or node.domain != FUSED_DOMAIN or node.attr("concat_channels") is None \
+            or len(inner.inputs) <= _INTO or inner.inputs[_INTO] < segment.feeds:
+        return False
+    into, y = env[inner.inputs[_INTO]], env[inner.outputs[0]]
+    return isinstance(into, np.ndarray) and isinstance(y, np.ndarray) and into.shape == y.shape \
+        and into.dtype == y.dtype
+
+
+def aliased(segment):
+    """``aliased(inner, env) -> position | None``: the input whose buffer the node's output is (a reshape's view of
+    its input, a concatenation's part filling its ``into``), for segment_arena.Lifetimes."""
+    def position(inner, env):
+        if _is_view(inner, env):
+            return 0
+        return _INTO if _fills_concat(segment, inner, env) else None
+
+    return position
+
+
 def build_plan(segment, env: list, limit_bytes: int) -> BoundPlan | None:
     """The bound plan of ``segment`` (ops/segment.Segment) for the signature whose node-by-node run left every
     value in ``env`` (by slot); None where a value is not an array or the buffers would pass ``limit_bytes``.
     Bound twice: once to learn each value's lifetime, then over one arena shared by liveness (segment_arena)."""
-    lifetimes = Lifetimes(segment, env, _is_view)
+    lifetimes = Lifetimes(segment, env, aliased(segment))
     first = _bind_all(segment, env, lifetimes)
     if first is None:
         return None
@@ -268,14 +295,14 @@ def _bind_all(segment, env, pool):
         first = len(steps)
         if index in blocks:  # the whole block as one step at its first node (it reads x only)
             _bind_block(blocks[index], env, buffers, steps, skipped, pool)
-        elif index not in skipped and not _bind_node(inner, env, buffers, constants, steps, pool):
+        elif index not in skipped and not _bind_node(segment, inner, env, buffers, constants, steps, pool):
             return None
         spans[index] = (first, len(steps))
     steps, scratch = block_direct_runs(segment, steps, spans, env, blocks, pool)
     return steps, [buffers[s] for s in segment.results], total + scratch, feeds, constants
 
 
-def _bind_node(inner, env, buffers, constants, steps, pool) -> bool:
+def _bind_node(segment, inner, env, buffers, constants, steps, pool) -> bool:
     """The steps of one node into ``steps``, its outputs' buffers into ``buffers``; False where an output is not
     an array."""
     inputs = [None if s < 0 else buffers[s] for s in inner.inputs]
@@ -285,7 +312,10 @@ def _bind_node(inner, env, buffers, constants, steps, pool) -> bool:
     if _is_view(inner, env):
         buffers[inner.outputs[0]] = inputs[0].reshape(examples[0].shape)
         return True
-    outputs = [pool.take(slot, v.shape, v.dtype) for slot, v in zip(inner.outputs, examples)]
+    if _fills_concat(segment, inner, env):
+        outputs = [inputs[_INTO]]  # (its channels of the concatenation, written where the Concat would copy them)
+    else:
+        outputs = [pool.take(slot, v.shape, v.dtype) for slot, v in zip(inner.outputs, examples)]
     for slot, buffer in zip(inner.outputs, outputs):
         buffers[slot] = buffer
     constant = [s in constants for s in inner.inputs]

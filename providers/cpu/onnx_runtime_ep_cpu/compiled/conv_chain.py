@@ -21,6 +21,7 @@ from .blocked_ops import depthwise_blocked, max_pool_blocked, plane_means_blocke
 from .directconv_blocked import conv_blocked
 from .directconv_gathered import conv_gathered
 from .mailbox import floats, ints
+from .segment_loops import hard_sigmoid_into, sigmoid_float32_into, swish_float32_into
 from .workers import Kind, float_array, int_array
 
 
@@ -54,7 +55,7 @@ def run_chain(table, reals):
             conv_blocked(_f1(row, 1), _f4(row, 3), _i1(row, 8), _f2(row, 10), _f1(row, 13), _f1(row, 15), row[17],
                          _f1(row, 18), _f1(row, 20), row[22], row[23], row[24], row[25], row[26], row[27],
                          row[28] != 0, row[29], row[30], row[31], row[32], row[33] != 0, row[34], row[35], row[36],
-                         row[37] != 0)
+                         row[37] != 0, row[38])
         elif kind == 1:
             conv_gathered(_f1(row, 1), _f4(row, 3), _i1(row, 8), _f2(row, 10), _f1(row, 13), _f1(row, 15), row[17],
                           _f1(row, 18), _f1(row, 20), _i1(row, 22), _i1(row, 24), row[26], row[27], row[28],
@@ -72,8 +73,15 @@ def run_chain(table, reals):
                                    _f1(row, 14), _f1(row, 16), row[18], np.float32(reals[row[19]]),
                                    np.float32(reals[row[20]]), _f1(row, 21), row[23], row[24], row[25],
                                    _f1(row, 26), _f1(row, 28), _f1(row, 30))
-        else:
+        elif kind == 5:
             plane_means_blocked(_f1(row, 1), _f1(row, 3), row[5], row[6], row[7], _f1(row, 8))
+        elif kind == 6:
+            swish_float32_into(_f1(row, 1), _f1(row, 3), np.float32(reals[row[5]]))
+        elif kind == 7:
+            sigmoid_float32_into(_f1(row, 1), _f1(row, 3))
+        else:
+            hard_sigmoid_into(_f1(row, 1), _f1(row, 3), np.float32(reals[row[5]]), np.float32(reals[row[6]]),
+                              row[7] != 0)
 
 
 # run_chain, one part: a sub-batch's plan (its table and float32 scalars).

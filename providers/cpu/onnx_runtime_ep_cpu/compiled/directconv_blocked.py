@@ -38,17 +38,21 @@ def fill_blocked(x, base, planes, lanes, height, width, source, top, left, padde
 
 @jit
 def conv_blocked(x, weights, offsets, bias, residual, bounds, flags, y, source, sh, sw, top, left, padded_height,
-                 padded_width, in_place, images, channels, height, width, x_blocked, outputs, oh, ow, y_blocked):
+                 padded_width, in_place, images, channels, height, width, x_blocked, outputs, oh, ow, y_blocked,
+                 y_image):
     """directconv.conv_direct for one group over flat ``x`` (images x ``channels`` x ``height`` x ``width``,
     blocked where ``x_blocked``: then ``offsets`` are blocked_taps) into flat ``y`` (images x ``outputs`` x
     ``oh`` x ``ow``, blocked where ``y_blocked``; ``residual`` in y's layout). Unless ``in_place``, each image is
     copied into the interior of ``source`` (source_size floats, zeros elsewhere: the plan's own buffer, allocated
-    once, whose pads and margin no call writes)."""
+    once, whose pads and margin no call writes). ``y_image``: the floats from one image of y to the next, 0 for
+    y's own; more where y is one part of a channel concatenation (its first channel of the first image on), the
+    residual then none."""
     tiles, depth = weights.shape[1], weights.shape[2]
     lanes = CHANNELS if x_blocked else 1
     stored = (channels + CHANNELS - 1) // CHANNELS * CHANNELS if x_blocked else channels
     pixels = min(PIXELS, ow)
     tile_flags = flags | BLOCKED_OUT if y_blocked else flags
+    y_stride = y_image if y_image > 0 else (tiles * CHANNELS if y_blocked else outputs) * oh * ow
     for n in range(images):
         base = n * stored * height * width
         if in_place:
@@ -66,9 +70,9 @@ def conv_blocked(x, weights, offsets, bias, residual, bounds, flags, y, source, 
                     ox = min(ox, ow - pixels)
                     start = (oy * sh * padded_width + ox * sw) * lanes
                     if y_blocked:
-                        at = (((n * tiles + t) * oh + oy) * ow + ox) * CHANNELS
+                        at = n * y_stride + ((t * oh + oy) * ow + ox) * CHANNELS
                     else:
-                        at = ((n * outputs + first) * oh + oy) * ow + ox
+                        at = n * y_stride + (first * oh + oy) * ow + ox
                     conv_tile(w, image, start, offsets, depth, sw * lanes, y, at, oh * ow, pixels, count, tile_bias,
                           residual, tile_flags, bounds)
 

@@ -326,6 +326,25 @@ def fused_conv(node, shapes, opset):
         convolve(x, w, b, z, target)
         return (into,)
 
+    def bind(inputs, outputs, constant):
+        """The convolution's calls writing its channels of ``outputs[0]``, the concatenation's buffer (a segment's
+        plan, algorithms/segment_steps.py): straight into them where they are contiguous (one image), else into a
+        buffer of the plan's, then copied into them."""
+        x, w = inputs[0], inputs[1]
+        b = inputs[2] if len(inputs) > 2 else None
+        into = outputs[0]
+        if len(inputs) > 4 and inputs[4] is not None and inputs[4] is not into:
+            return None  # (the channels before its own are in another buffer: the kernel fills that one)
+        _, out_shape = resolve(x, w, b)
+        if into.shape != (out_shape[0], concat, *out_shape[2:]) or into.dtype != x.dtype \
+                or offset + out_shape[1] > concat:
+            return None  # (the kernel's call raises its error)
+        target = into[:, offset:offset + out_shape[1]]
+        own = target if target.flags.c_contiguous else np.empty(out_shape, x.dtype)
+        steps = _bind(resolve, inputs[:4], [own], constant[:4], bounds, hard_swish, prepare)
+        return steps if steps is None or own is target else [*steps, (np.copyto, (target, own))]
+
+    into_concat.bind = bind
     return into_concat
 
 
