@@ -5,6 +5,8 @@ tests/cpu/test_zoo.py (``ONNX_RUNTIME_ZOO``) and zoo_bench.py (``--zoo``) run th
 
 Each brings spellings the zoo lacks: DistilBERT (its own masked_fill of the scores), DeBERTa-v2 (disentangled
 relative-position attention), ConvNeXt (7x7 depthwise convolutions, channels-last LayerNorm, layer scale),
+GoogLeNet-style Inception blocks (four concatenated branches, one of them a max pool), DenseNet-style dense blocks
+(pre-activation batch norms, each layer's output concatenated behind its input),
 wav2vec2 (strided conv1d front end with GroupNorm, grouped positional convolution), BART (encoder-decoder in one
 call), Phi-3 (fused QKV and gate-up projections) and Gemma (GELU-tanh gate, scaled embeddings, 1 + w RMSNorm).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 from zoo_models import (
     DECODER_CALLS,
@@ -69,6 +72,79 @@ def convnext() -> nn.Module:
 
     config = ConvNextConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=10)
     return LogitsWrapper(ConvNextForImageClassification(config))
+
+
+def conv_bn_relu(cin: int, cout: int, kernel: int, stride: int = 1) -> nn.Sequential:
+    """torchvision's BasicConv2d: a convolution without bias, batch norm, ReLU."""
+    return nn.Sequential(nn.Conv2d(cin, cout, kernel, stride, kernel // 2, bias=False), nn.BatchNorm2d(cout),
+                         nn.ReLU())
+
+
+class InceptionBlock(nn.Module):
+    """GoogLeNet's block: 1x1, 1x1 -> 3x3, 1x1 -> 3x3 -> 3x3 and 3x3 max pool -> 1x1 branches, concatenated."""
+
+    def __init__(self, cin: int, one: int, reduce3: int, three: int, reduce5: int, five: int, pooled: int):
+        super().__init__()
+        self.b1 = conv_bn_relu(cin, one, 1)
+        self.b2 = nn.Sequential(conv_bn_relu(cin, reduce3, 1), conv_bn_relu(reduce3, three, 3))
+        self.b3 = nn.Sequential(conv_bn_relu(cin, reduce5, 1), conv_bn_relu(reduce5, five, 3),
+                                conv_bn_relu(five, five, 3))
+        self.b4 = nn.Sequential(nn.MaxPool2d(3, 1, 1), conv_bn_relu(cin, pooled, 1))
+
+    def forward(self, x):
+        return torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], 1)
+
+
+class Inception(nn.Module):
+    """A GoogLeNet-style CNN at a fraction of the width: stem, two Inception blocks, a pool, a third, the head."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            conv_bn_relu(3, 24, 5, 2), nn.MaxPool2d(3, 2, 1), conv_bn_relu(24, 32, 1), conv_bn_relu(32, 48, 3),
+            nn.MaxPool2d(3, 2, 1), InceptionBlock(48, 16, 24, 32, 8, 8, 8), InceptionBlock(64, 24, 24, 40, 8, 16, 16),
+            nn.MaxPool2d(3, 2, 1), InceptionBlock(96, 32, 24, 48, 8, 16, 16), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.classifier = nn.Linear(112, classes)
+
+    def forward(self, pixel_values):
+        return self.classifier(self.features(pixel_values))
+
+
+class DenseLayer(nn.Module):
+    """DenseNet's layer: BN -> ReLU -> 1x1 -> BN -> ReLU -> 3x3, its growth concatenated behind its input."""
+
+    def __init__(self, cin: int, growth: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.BatchNorm2d(cin), nn.ReLU(), nn.Conv2d(cin, 4 * growth, 1, bias=False),
+                                  nn.BatchNorm2d(4 * growth), nn.ReLU(), nn.Conv2d(4 * growth, growth, 3, 1, 1,
+                                                                                   bias=False))
+
+    def forward(self, x):
+        return torch.cat([x, self.body(x)], 1)
+
+
+class DenseNet(nn.Module):
+    """A DenseNet-style CNN: pre-activation dense blocks of three layers (growth 8) and a transition between."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                                   nn.MaxPool2d(3, 2, 1)]
+        channels = 16
+        for block in range(2):
+            for _ in range(3):
+                layers.append(DenseLayer(channels, 8))
+                channels += 8
+            if block == 0:  # transition: BN -> ReLU -> 1x1 halving the channels -> 2x2 average pool
+                layers += [nn.BatchNorm2d(channels), nn.ReLU(), nn.Conv2d(channels, channels // 2, 1, bias=False),
+                           nn.AvgPool2d(2, 2)]
+                channels //= 2
+        layers += [nn.BatchNorm2d(channels), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Linear(channels, classes)
+
+    def forward(self, pixel_values):
+        return self.classifier(self.features(pixel_values))
 
 
 class AudioHiddenStates(nn.Module):
@@ -156,6 +232,12 @@ HOLDOUT_SPECS = [
             "attention over 32 position buckets", deberta_v2),
     Spec("convnext", "vision", "ConvNeXt (transformers ConvNextForImageClassification), 4 stages, 7x7 depthwise",
          seeded(convnext), image_feeds(64), named(("logits", {0: "batch"})), VARIANTS, ENCODER_CALLS),
+    Spec("inception", "vision", "GoogLeNet-style CNN (torch): Inception blocks of four branches (a max-pool branch "
+         "among them) concatenated, conv + batch norm + ReLU", seeded(Inception), image_feeds(64),
+         named(("logits", {0: "batch"})), VARIANTS, ENCODER_CALLS),
+    Spec("densenet", "vision", "DenseNet-style CNN (torch): pre-activation dense layers (BN -> ReLU -> conv) whose "
+         "outputs grow the concatenation, a transition with average pooling", seeded(DenseNet), image_feeds(64),
+         named(("logits", {0: "batch"})), VARIANTS, ENCODER_CALLS),
     Spec("wav2vec2", "audio", "wav2vec2 (transformers Wav2Vec2Model): 3 conv1d front end with GroupNorm, grouped "
          "positional conv, 2 layers, hidden 64; 100 samples per sequence step", seeded(wav2vec2), audio_feeds,
          named(("last_hidden_state", {0: "batch", 1: "frames"})), VARIANTS, ENCODER_CALLS),
