@@ -115,3 +115,48 @@ def test_fire_module_batch_splits_into_image_ranges_on_two_threads():
         (got,) = segment(*_fed(feeds, x))
     (exact,) = run_float64(model, {"x": x})
     _close(got, exact)
+
+
+def _dense_model() -> onnx.ModelProto:
+    """stem conv, then three pre-activation dense layers (BatchNormalization -> Relu -> 3x3 conv, 4 channels
+    concatenated behind the features so far), then a pool: DenseNet's block at a size a segment takes."""
+    rng = np.random.default_rng(6)
+    inits = [numpy_helper.from_array((rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32), "w0")]
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["f0"], kernel_shape=[3, 3], pads=[1] * 4)]
+    channels = 8
+    for k in range(3):
+        for name, value in (("scale", rng.uniform(0.5, 1.5, channels)), ("shift", rng.standard_normal(channels) * 0.1),
+                            ("mean", rng.standard_normal(channels) * 0.1), ("var", rng.uniform(0.5, 1.5, channels))):
+            inits.append(numpy_helper.from_array(value.astype(np.float32), f"{name}{k}"))
+        inits.append(numpy_helper.from_array((rng.standard_normal((4, channels, 3, 3)) * 0.2).astype(np.float32),
+                                             f"w{k + 1}"))
+        nodes += [helper.make_node("BatchNormalization", [f"f{k}", f"scale{k}", f"shift{k}", f"mean{k}", f"var{k}"],
+                                   [f"n{k}"]),
+                  helper.make_node("Relu", [f"n{k}"], [f"r{k}"]),
+                  helper.make_node("Conv", [f"r{k}", f"w{k + 1}"], [f"g{k}"], kernel_shape=[3, 3], pads=[1] * 4),
+                  helper.make_node("Concat", [f"f{k}", f"g{k}"], [f"f{k + 1}"], axis=1)]
+        channels += 4
+    nodes.append(helper.make_node("GlobalAveragePool", ["f3"], ["y"]))
+    graph = helper.make_graph(nodes, "dense", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                             ["batch", 3, 12, 12])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_dense_layers_concatenate_and_normalize_as_bound_steps(batch):
+    """A segment takes DenseNet's growing concatenations at this size (conv_fusions leaves them to it): each Concat
+    one call into its buffer, each batch normalization (with its Relu) one compiled pass, no node's kernel."""
+    model = _dense_model()
+    rng = np.random.default_rng(batch)
+    x = rng.standard_normal((batch, 3, 12, 12)).astype(np.float32)
+    with override(threads=1):
+        segment, feeds = _segment_and_feeds(model, x)
+        plan = bound_plan(_planned(segment, feeds))
+        names = _names(plan)
+        assert names.count("channel_affine") == 3 and plan.describe()["kernels"] == 0
+        for scale in (1.0, 3.0):
+            x = (rng.standard_normal(x.shape) * scale).astype(np.float32)
+            (got,) = segment(*_fed(feeds, x))
+            (exact,) = run_float64(model, {"x": x})
+            _close(got, exact)

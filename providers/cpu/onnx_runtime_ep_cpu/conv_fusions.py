@@ -21,7 +21,7 @@ from onnx_runtime.ir import Graph, Node
 from onnx_runtime.optimizer.rewrite import Uses, constant, remove_nodes
 
 from .fusions import FUSED_DOMAIN
-from .segment_fusions import fuse_segments
+from .segment_fusions import fuse_segments, segments_on, small_value
 
 ACTIVATIONS = ("Relu", "Clip", "LeakyRelu", "HardSwish")
 # What FusedBatchNormalization applies (FusedConv also takes HardSwish: MobileNetV3's Conv -> HardSwish).
@@ -293,6 +293,21 @@ def _dense_step(graph: Graph, matcher: _Matcher, concat: Node) -> tuple[Node, in
     return _sole_conv(graph, matcher, concat, concat.inputs[1])
 
 
+def _dense_chain(graph: Graph, matcher: _Matcher, head: Node, step, owns) -> list[tuple]:
+    """(Concat, its convolution, its channels) from ``head`` (its _dense_step ``step``) on, each link the only
+    Concat reading the one before first."""
+    chain = [(head, *step)]
+    while True:
+        readers = matcher.uses.readers.get(chain[-1][0].outputs[0], [])
+        concats = [r for r in readers if _plain(r, "Concat")]
+        if len(concats) != 1 or concats[0].inputs[0] != chain[-1][0].outputs[0]:
+            return chain
+        following = _dense_step(graph, matcher, concats[0])
+        if following is None or (owns is not None and not owns(concats[0])):
+            return chain
+        chain.append((concats[0], *following))
+
+
 def fuse_dense_concats(graph: Graph, owns=None) -> bool:
     """DenseNet's growing Concats (each layer's features appended to everything before them): the chain
     C1 = Concat(x0, n1), C2 = Concat(C1, n2), ... becomes one tensor allocated once (ConcatBuffer, x0
@@ -314,18 +329,11 @@ def fuse_dense_concats(graph: Graph, owns=None) -> bool:
         if previous is not None and _dense_step(graph, matcher, previous) is not None \
                 and [r.op_type for r in matcher.uses.readers.get(previous.outputs[0], [])].count("Concat") == 1:
             continue  # not the chain's first link: taken with its head
-        chain = [(head, *step)]
-        while True:
-            readers = matcher.uses.readers.get(chain[-1][0].outputs[0], [])
-            concats = [r for r in readers if _plain(r, "Concat")]
-            if len(concats) != 1 or concats[0].inputs[0] != chain[-1][0].outputs[0]:
-                break
-            following = _dense_step(graph, matcher, concats[0])
-            if following is None or (owns is not None and not owns(concats[0])):
-                break
-            chain.append((concats[0], *following))
+        chain = _dense_chain(graph, matcher, head, step, owns)
         if owns is not None and not all(owns(conv) for _, conv, _ in chain):
             continue
+        if segments_on() and all(small_value(graph, concat) for concat, _, _ in chain):
+            continue  # (a segment takes the Concats: its plan writes each once, in a buffer of its own)
         buffer = f"{head.outputs[0]}/buffer"
         added.append(Node("ConcatBuffer", [head.inputs[0]], [buffer], name=f"{head.name}/buffer", domain=FUSED_DOMAIN,
                           attrs={"extra": sum(channels for _, _, channels in chain)}, opset=1))

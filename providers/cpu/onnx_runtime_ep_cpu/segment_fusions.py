@@ -59,7 +59,7 @@ def _takes(node: Node) -> bool:
     return len([o for o in node.outputs if o]) == 1 and bool(node.outputs[0])
 
 
-def _small(graph: Graph, node: Node) -> bool:
+def small_value(graph: Graph, node: Node) -> bool:
     """Whether the node's output has at most MAX_VALUE_ELEMENTS elements (a symbolic or unknown dimension counted
     as 1: a batch): a value where a node's Python costs about what its arithmetic does. Larger maps (the early
     layers at 224x224) gain nothing from a segment, whose plan would copy or hold them."""
@@ -77,7 +77,7 @@ def _runs(graph: Graph, owns) -> list[list[Node]]:
     runs: list[list[Node]] = []
     current: list[Node] = []
     for node in graph.nodes:
-        if _takes(node) and (owns is None or owns(node)) and _small(graph, node):
+        if _takes(node) and (owns is None or owns(node)) and small_value(graph, node):
             current.append(node)
             continue
         if current:
@@ -88,9 +88,14 @@ def _runs(graph: Graph, owns) -> list[list[Node]]:
     return [run for run in runs if sum(n.op_type in _CONVOLUTIONS for n in run) >= MIN_CONVOLUTIONS]
 
 
+def segments_on() -> bool:
+    """Whether sessions made now fuse segments (ENV)."""
+    return os.environ.get(ENV, "1").strip() != "0"
+
+
 def fuse_segments(graph: Graph, owns=None) -> bool:
     """Replace each segment (see the module doc) by one FusedSegment node holding its nodes as its body."""
-    if os.environ.get(ENV, "1").strip() == "0":
+    if not segments_on():
         return False
     runs = _runs(graph, owns)
     if not runs:

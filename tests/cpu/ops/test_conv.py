@@ -408,10 +408,12 @@ def _dense_model(batch: int, layers: int = 3, branch: bool = False):
 
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("branch", [False, True])
-def test_dense_concats_append_into_one_tensor(batch, branch):
+def test_dense_concats_append_into_one_tensor(batch, branch, monkeypatch):
     """Each layer's convolution writes behind the features so far, which later layers read as views:
     the same bits as the Concats, the earlier concatenations (graph outputs) unchanged by later
-    appends; a concatenation appended to twice keeps its own copies."""
+    appends; a concatenation appended to twice keeps its own copies. (Segments off: one takes concatenations
+    this small, test_segment_concat_parts.py.)"""
+    monkeypatch.setenv("ONNX_RUNTIME_SEGMENTS", "0")
     model = _dense_model(batch, branch=branch)
     x = rand(batch, 3, 6, 6)
     session, fused = _run(model, {"x": x})

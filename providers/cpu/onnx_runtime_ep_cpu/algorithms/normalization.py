@@ -69,6 +69,18 @@ def channel_affine_loop(code):
                                       for a, b in spans], helper_count())
         return y.reshape(x.shape)
 
+    def bind(x, factor, shift, y):
+        """``[(loop, arguments)]``: affine's one pass from x into y (C-contiguous buffers of one float dtype), for a
+        segment's bound plan (algorithms/segment_steps.py)."""
+        from ..compiled import epilogue
+
+        n, c = x.shape[:2]
+        rows = (n, c, math.prod(x.shape[2:]))
+        return [(epilogue.channel_affine, (x.reshape(rows), np.ascontiguousarray(factor, dtype=x.dtype),
+                                           np.ascontiguousarray(shift, dtype=x.dtype), y.reshape(rows), kind,
+                                           arguments[x.dtype]))]
+
+    affine.bind = bind
     return affine
 
 

@@ -5,10 +5,11 @@ A node's calls come from its binder (BINDERS, by operator): ``binder(node, kerne
 gets the node's kernel for these shapes, its input and output buffers and which inputs are constants (the
 segment's read-only inputs: weights), and returns ``[(function, arguments), ...]`` that write the outputs, or
 None where it cannot prepare this node (then its kernel runs, and its results are copied into the buffers).
-Convolution, pooling and mean kernels bind themselves (their ``bind``: ops/conv.py, pool.py, reduction.py): the
-compiled loop with the packed weights, offsets and epilogue it would be called with. Reshapes and Flatten are
-views of their input's buffer, and the convolutions that write their channels of a Concat (into_concat,
-conv_fusions.fuse_concat_convs) share the concatenation's buffer, each binding its own channels of it.
+Convolution, pooling, mean and batch-normalization kernels bind themselves (their ``bind``: ops/conv.py, pool.py,
+reduction.py, normalization.py): the compiled loop with the packed weights, offsets and epilogue it would be
+called with. Reshapes and Flatten are views of their input's buffer, and the convolutions that write their
+channels of a Concat (into_concat, conv_fusions.fuse_concat_convs) share the concatenation's buffer, each binding
+its own channels of it.
 """
 
 from __future__ import annotations
@@ -534,4 +535,5 @@ BINDERS = {
     "Sigmoid": _bind_sigmoid, "Concat": _bind_concat, "Sub": _binary(np.subtract),
     "QuantizeDequantize": _bind_own,  # ops/quantization.py
     "RoundToHalf": _bind_round_to_half, "Transpose": _bind_transpose,
+    "BatchNormalization": _bind_own, "FusedBatchNormalization": _bind_own,  # ops/normalization.py
 }

@@ -91,7 +91,35 @@ def _batch_norm_kernel(node, training: bool, spatial: bool, fused_activation: bo
         outputs = (y, run_mean, run_var, batch_mean.reshape(mean.shape), batch_var.reshape(var.shape))
         return tuple(t.astype(x.dtype, copy=False) for t in outputs[:n_outputs])
 
+    kernel.bind = None if training else _inference_binder(prepared, affine, epsilon)
     return kernel
+
+
+def _inference_binder(prepared, affine, epsilon: float):
+    """An inference batch normalization's ``bind(inputs, outputs, constant)``: over constant per-channel parameters,
+    the kernel's compiled pass into ``outputs[0]`` (a segment's bound plan, algorithms/segment_steps.py); None
+    otherwise."""
+
+    def bind(inputs, outputs, constant):
+        if not _bindable(inputs, outputs, constant):
+            return None
+        x, y = inputs[0], outputs[0]
+        scale, bias, mean, var = inputs[1:5]
+        dtype = compute_dtype(x.dtype)
+        factor, shift = prepared.get(dtype, (scale, bias, mean, var), lambda: affine_params(
+            *(p.astype(dtype, copy=False) for p in (mean, var, scale, bias)), epsilon, dtype))
+        return affine.bind(x, factor, shift, y)
+
+    return bind
+
+
+def _bindable(inputs, outputs, constant) -> bool:
+    """Whether an inference batch normalization's inputs and output suit its bound pass: float32/float64 buffers
+    of one shape, constant parameters of one value per channel."""
+    x, y = inputs[0], outputs[0]
+    return len(inputs) == 5 and all(constant[1:5]) and takes_compiled(x) and x.ndim >= 2 and y.shape == x.shape \
+        and y.dtype == x.dtype and x.flags.c_contiguous and y.flags.c_contiguous \
+        and all(p is not None and p.shape == (x.shape[1],) for p in inputs[1:5])
 
 
 @register("FusedBatchNormalization", domain=FUSED_DOMAIN, since=1)
@@ -102,6 +130,7 @@ def fused_batch_normalization(node, shapes, opset):
     def kernel(x, scale, bias, mean, var):
         return normalize(x, scale, bias, mean, var)[:1]
 
+    kernel.bind = normalize.bind
     return kernel
 
 
