@@ -22,6 +22,12 @@ pytestmark = [pytest.mark.skipif(not host.AVX512, reason="the packed convolution
               pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two threads need two usable CPUs")]
 
 
+@pytest.fixture(autouse=True)
+def _small_bound(monkeypatch):
+    """The rules beyond conv_choice.SMALL_MACS, at a bound of 2^20 multiply-adds: layers that size run quickly here."""
+    monkeypatch.setattr(conv_choice, "SMALL_MACS", 1 << 20)
+
+
 def _reference(x, w, b, stride, pad):
     """float64 2-D convolution by its definition, then Relu."""
     xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)))

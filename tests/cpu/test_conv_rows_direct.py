@@ -18,6 +18,12 @@ from onnx_runtime_ep_cpu.compiled import host
 pytestmark = pytest.mark.skipif(not host.AVX2, reason="the direct tiles need an AVX2 host")
 
 
+@pytest.fixture(autouse=True)
+def _small_bound(monkeypatch):
+    """The rules beyond conv_choice.SMALL_MACS, at a bound of 2^20 multiply-adds: layers that size run quickly here."""
+    monkeypatch.setattr(conv_choice, "SMALL_MACS", 1 << 20)
+
+
 def _reference(x, w, b, stride):
     """float64 1-D convolution with one pad each side, by its definition."""
     xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1)))

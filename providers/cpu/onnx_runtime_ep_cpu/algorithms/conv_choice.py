@@ -48,9 +48,11 @@ def direct_tiles_apply(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray) 
 
 # On AVX-512 hosts the direct tiles (8 lanes, one compiled call) still beat the packed convolution (16 lanes, a
 # task plan and padded or phase-split copies per call) on small convolutions: up to this many multiply-adds per
-# image (measured on one thread over the zoo's CNN layers). The choice does not depend on the activation a node
-# fuses, so a FusedConv computes bit for bit what its Conv and activation nodes do.
-SMALL_MACS = 1 << 20
+# image (measured on the zoo's CNN layers, then on an Inception-style CNN's 1.8M and 3.5M layers, where the
+# direct tiles also keep a segment's values blocked and its steps chained; this constant's commit). The choice
+# does not depend on the activation a node fuses, so a FusedConv computes bit for bit what its Conv and
+# activation nodes do.
+SMALL_MACS = 1 << 22
 
 
 def direct_tiles_before_packed(geo: Geometry, w: np.ndarray, group: int = 1, images: int = 1) -> bool:
