@@ -12,10 +12,11 @@ import onnx
 import pytest
 from model_helpers import bound_plan
 from onnx import TensorProto, helper, numpy_helper
-from onnx_runtime_ep_cpu.compiled import deferred, host
+from onnx_runtime_ep_cpu.compiled import host
 from onnx_runtime_ep_cpu.tuning import override
 from reference64 import run_float64
 from test_segment_fusion import _segment_and_feeds
+from test_segment_split import _close, _fed, _planned, split_run_matches_float64
 
 pytestmark = pytest.mark.skipif(not host.AVX2, reason="the chained loops (direct tiles) need AVX2")
 
@@ -49,23 +50,6 @@ def _fire_model(first: int = 16, second: int = 24) -> onnx.ModelProto:
                                                                             ["batch", 3, 20, 20])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-
-
-def _planned(segment, feeds):
-    segment(*feeds)
-    deferred.wait_ready(240)
-    segment(*feeds)
-    ((plan,),) = segment.plans.values()
-    return plan
-
-
-def _fed(feeds, x):
-    return [x if f.flags.writeable else f for f in feeds]
-
-
-def _close(got, exact) -> None:
-    assert got.shape == exact.shape and got.dtype == np.float32
-    assert np.abs(got - exact).max() <= 1e-5 * (1 + np.abs(exact).max())
 
 
 def _names(plan) -> list[str]:
@@ -104,17 +88,7 @@ def test_fire_module_parts_write_the_concatenation_within_rounding_of_float64(ba
 
 
 def test_fire_module_batch_splits_into_image_ranges_on_two_threads():
-    model = _fire_model()
-    rng = np.random.default_rng(4)
-    x = rng.standard_normal((5, 3, 20, 20)).astype(np.float32)
-    with override(threads=2):
-        segment, feeds = _segment_and_feeds(model, x)
-        plan = _planned(segment, feeds)
-        assert plan.describe()["split"] == [2, 3]
-        x = rng.standard_normal(x.shape).astype(np.float32)
-        (got,) = segment(*_fed(feeds, x))
-    (exact,) = run_float64(model, {"x": x})
-    _close(got, exact)
+    split_run_matches_float64(_fire_model(), (5, 3, 20, 20), 4, [2, 3])
 
 
 def _dense_model() -> onnx.ModelProto:

@@ -93,18 +93,23 @@ def test_a_batch_runs_in_image_ranges_within_rounding_of_float64(batch):
             assert np.abs(a - b).max() <= 1e-6 * (1 + np.abs(a).max())
 
 
-def test_a_classifier_after_the_chain_runs_range_by_range():
-    model = _head_model("Gemm")
-    rng = np.random.default_rng(7)
-    x = rng.standard_normal((4, 3, 12, 12)).astype(np.float32)
+def split_run_matches_float64(model, shape, seed: int, split: list[int]) -> None:
+    """At two threads the model's segment plans a batch of ``shape`` in the image ranges ``split``, and its output
+    for other images stays within float32 rounding of a float64 reference."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
     with override(threads=2):
         segment, feeds = _segment_and_feeds(model, x)
         plan = _planned(segment, feeds)
-        assert plan.describe()["split"] == [2, 2]
+        assert plan.describe()["split"] == split
         x = rng.standard_normal(x.shape).astype(np.float32)
         (got,) = segment(*_fed(feeds, x))
     (exact,) = run_float64(model, {"x": x})
     _close(got, exact)
+
+
+def test_a_classifier_after_the_chain_runs_range_by_range():
+    split_run_matches_float64(_head_model("Gemm"), (4, 3, 12, 12), 7, [2, 2])
 
 
 def test_a_half_precision_cnn_rounds_each_range_then_runs_its_chain(monkeypatch):
