@@ -8,8 +8,6 @@ return the new values group by group (X_new_1..X_new_n, then the new state tenso
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from onnx_runtime.errors import InvalidArgumentError, InvalidGraphError
 
@@ -93,7 +91,8 @@ def adagrad(node, shapes, opset):
 
     def kernel(*inputs):
         r, t = _scalars(inputs[0], inputs[1])
-        rate = r / (1 + t * decay_factor)
+        with np.errstate(all="ignore"):  # (a decay that zeroes the divisor: inf or NaN, as numpy's reference gives)
+            rate = np.float64(r) / (1 + np.float64(t) * np.float64(decay_factor))
         return _regroup([update(rate, *group) for group in _groups(node, inputs, 3)])
 
     return kernel
@@ -116,8 +115,11 @@ def adam(node, shapes, opset):
 
     def kernel(*inputs):
         r, t = _scalars(inputs[0], inputs[1])
-        # Bias correction of both moving averages folds into the learning rate once T > 0.
-        rate = r * math.sqrt(1 - beta**t) / (1 - alpha**t) if t > 0 else r
+        # Bias correction of both moving averages folds into the learning rate once T > 0; in float64 numpy, as
+        # the reference computes it (alpha 1 or beta past 1: inf or NaN, not Python's ZeroDivision or domain error)
+        with np.errstate(all="ignore"):
+            a, b = np.float64(alpha), np.float64(beta)
+            rate = np.float64(r) * np.sqrt(1 - b**t) / (1 - a**t) if t > 0 else np.float64(r)
         return _regroup([update(rate, *group) for group in _groups(node, inputs, 4)])
 
     return kernel
