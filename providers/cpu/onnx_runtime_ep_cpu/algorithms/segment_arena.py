@@ -28,16 +28,16 @@ def _root(array: np.ndarray) -> np.ndarray:
 
 class Lifetimes:
     """The first binding's allocator: ``take(slot, shape, dtype, blocked)`` gives a buffer of its own and
-    notes the value's interval; ``at(index)`` says which node is being bound. ``views(inner, env)``: the position
-    of the input whose buffer a node's output shares (a reshape's view), or None."""
+    notes the value's interval; ``at(index)`` says which node is being bound. ``aliases(inner, env)``: the position
+    of the input whose buffer a node's output is (a reshape's view, a concatenation's part), or None."""
 
-    def __init__(self, segment, env, views):
+    def __init__(self, segment, env, aliases):
         self.index = 0
         self.arrays: dict[tuple, np.ndarray] = {}
         self.intervals: dict[tuple, tuple[int, int]] = {}
-        root: dict[int, int] = {}  # a view's slot -> the slot whose buffer it shares
+        root: dict[int, int] = {}  # an alias's slot -> the slot whose buffer it shares
         for inner in segment.inner:
-            position = views(inner, env)
+            position = aliases(inner, env)
             if position is not None:
                 root[inner.outputs[0]] = root.get(inner.inputs[position], inner.inputs[position])
         self.last: dict[int, int] = {}

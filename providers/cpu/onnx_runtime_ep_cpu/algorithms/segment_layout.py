@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-_RESIDUAL_INPUT = 3  # FusedConv's z
-_INTO = 4  # an into_concat FusedConv's concatenation so far (conv_fusions.fuse_concat_convs)
+from ..fused_domain import CONV_INTO, CONV_RESIDUAL, concat_part
+
 _ACTIVATIONS = (None, "Relu", "Clip", "LeakyRelu", "HardSwish")
 # elementwise loops over flat (x, y, ...) that a node binds alone (segment_steps.py): on a blocked value they run
 # over its padded lanes too, which nothing reads
@@ -73,7 +73,7 @@ def _depthwise(inner, env):
 
     node, slots = inner.node, inner.inputs
     if node.op_type not in ("Conv", "FusedConv") or node.domain not in ("", "ai.onnx", "ai.onnx_runtime.cpu") \
-            or len(slots) < 2 or (len(slots) > _RESIDUAL_INPUT and slots[_RESIDUAL_INPUT] >= 0) \
+            or len(slots) < 2 or (len(slots) > CONV_RESIDUAL and slots[CONV_RESIDUAL] >= 0) \
             or node.attr("activation") not in _ACTIVATIONS or node.attr("auto_pad", "NOTSET") != "NOTSET":
         return None
     x, w, y = env[slots[0]], env[slots[1]], env[inner.outputs[0]]
@@ -107,10 +107,8 @@ class _Kinds:
         self.elementwise: dict[int, tuple] = {}
         # convolutions writing their channels of a concatenation (conv_fusions.fuse_concat_convs): they may read
         # blocked; they write the blocked concatenation where its parts are in whole blocks (concats), else plain
-        self.into_concat = {index for index, inner in enumerate(segment.inner)
-                            if inner.node.op_type == "FusedConv" and inner.node.attr("concat_channels") is not None}
+        self.into_concat = {index for index, inner in enumerate(segment.inner) if concat_part(inner.node)}
         self.parts: dict[int, np.ndarray] = {}  # into_concat nodes of several images: the view of their channels
-        self.concats: dict[int, tuple[int, list[int]]] = {}  # see _concatenations
         for index, span in spans.items():
             inner = segment.inner[index]
             if index in blocks:
@@ -136,19 +134,19 @@ class _Kinds:
                 found = _depthwise(inner, env)
                 if found is not None:
                     self.depthwise[index] = found
-        self.concats = self._concatenations(segment, env)
+        self.concats: dict[int, tuple[int, list[int]]] = self._concatenations(segment, env)
 
     def _concatenations(self, segment, env) -> dict:
         """final slot -> (first slot, part indices) of each concatenation whose parts (into_concat, in order) all
         run as direct tiles without a residual, each starting at a block of 16 channels and all but the last
         filling whole blocks: its blocked value is then each part's blocked output at its blocks, which the parts
         write in place (conv_blocked's image stride)."""
-        following = {segment.inner[i].inputs[_INTO]: i for i in self.into_concat
-                     if len(segment.inner[i].inputs) > _INTO and segment.inner[i].inputs[_INTO] >= 0}
+        following = {segment.inner[i].inputs[CONV_INTO]: i for i in self.into_concat
+                     if len(segment.inner[i].inputs) > CONV_INTO and segment.inner[i].inputs[CONV_INTO] >= 0}
         found = {}
         for first in self.into_concat:
             inputs = segment.inner[first].inputs
-            if len(inputs) > _INTO and inputs[_INTO] >= 0:
+            if len(inputs) > CONV_INTO and inputs[CONV_INTO] >= 0:
                 continue  # (not the first part)
             chain = [first]
             while segment.inner[chain[-1]].outputs[0] in following:
@@ -196,7 +194,7 @@ class _Kinds:
     def reads(self, index: int, position: int, slot: int) -> bool:
         """Whether node ``index`` can read its input ``position`` (``slot``) blocked."""
         if index in self.direct:
-            return position in (0, _RESIDUAL_INPUT)
+            return position in (0, CONV_RESIDUAL)
         if index in self.depthwise or index in self.max_pools or index in self.means or index in self.elementwise:
             return position == 0
         return any(index in members and slot == x for members, x, _, _ in self.excite.values())
@@ -209,8 +207,8 @@ class _Kinds:
             yield x, product
         for index in self.direct:
             inner = segment.inner[index]
-            if len(inner.inputs) > _RESIDUAL_INPUT and inner.inputs[_RESIDUAL_INPUT] >= 0:
-                yield inner.inputs[_RESIDUAL_INPUT], inner.outputs[0]
+            if len(inner.inputs) > CONV_RESIDUAL and inner.inputs[CONV_RESIDUAL] >= 0:
+                yield inner.inputs[CONV_RESIDUAL], inner.outputs[0]
 
 
 def _blocked_slots(segment, kinds: _Kinds) -> set:
@@ -351,7 +349,7 @@ def _block_direct(inner, arguments, chosen, buffers, steps, at, part=None, conca
     from ..compiled import directconv_blocked as kernel
 
     x_slot, y_slot = inner.inputs[0], inner.outputs[0]
-    residual_slot = inner.inputs[_RESIDUAL_INPUT] if len(inner.inputs) > _RESIDUAL_INPUT else -1
+    residual_slot = inner.inputs[CONV_RESIDUAL] if len(inner.inputs) > CONV_RESIDUAL else -1
     if x_slot not in chosen and y_slot not in chosen and part is None and concatenation is None:
         return
     x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, top, left, height, width, in_place = arguments

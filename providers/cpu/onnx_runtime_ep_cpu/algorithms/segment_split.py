@@ -26,6 +26,7 @@ import threading
 
 import numpy as np
 
+from ..fused_domain import CONV_INTO, CONV_RESIDUAL
 from ..threads import helper_count, kernel_threads, one_thread
 
 _STANDARD = ("", "ai.onnx")
@@ -36,8 +37,6 @@ _IMAGEWISE = frozenset({"Conv", "FusedConv", "Relu", "HardSigmoid", "HardSwish",
                         "FusedBatchNormalization", "LRN", "Dropout", "Identity", "RoundToHalf", "Flatten",
                         "Reshape", "Squeeze", "Unsqueeze"})
 _ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div"})
-_RESIDUAL = 3  # FusedConv's z, added to its output
-_INTO = 4  # a FusedConv's concatenation so far, its channels written into it (conv_fusions.fuse_concat_convs)
 
 
 def batch_of(segment, env, constant_slots) -> int:
@@ -78,7 +77,7 @@ def _imagewise(node, slots, out, env, constant_slots) -> bool:
     """Its first input's image n (a FusedConv's residual and concatenation so far image n too, of the output's rank);
     parameters besides."""
     allowed = {slots[0]}
-    for position in (_RESIDUAL, _INTO) if node.op_type == "FusedConv" else ():
+    for position in (CONV_RESIDUAL, CONV_INTO) if node.op_type == "FusedConv" else ():
         if len(slots) > position and slots[position] >= 0:
             if env[slots[position]].ndim != out.ndim:
                 return False

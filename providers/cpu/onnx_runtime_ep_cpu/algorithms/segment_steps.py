@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-from ..fused_domain import FUSED_DOMAIN
+from ..fused_domain import CONV_INTO, concat_part
 from .activations import hard_swish_steps
 from .segment_arena import Lifetimes
 from .segment_blocks import squeeze_excitations
@@ -28,7 +28,6 @@ from .segment_chain import chained, read_in_place
 from .segment_layout import block_direct_runs
 
 _VIEWS = frozenset({"Flatten", "Reshape", "Squeeze", "Unsqueeze", "Identity"})
-_INTO = 4  # a FusedConv's concatenation so far (conv_fusions.fuse_concat_convs)
 # A plan whose unprepared nodes' outputs (copied into their buffers on every run) pass this many bytes is not
 # made: the copies cost more than the Python a plan saves (ShuffleNet's grouped convolutions at 224x224).
 COPY_LIMIT_BYTES = 256 << 10
@@ -236,11 +235,9 @@ def _fills_concat(segment, inner, env) -> bool:
     """Whether the node is a convolution writing its channels into the concatenation that the convolutions before it
     in the segment began (conv_fusions.fuse_concat_convs): its output is its ``into`` input's buffer. An ``into``
     from outside the segment (a feed: the plan's copy of it) is left to the node's kernel."""
-    node = inner.node
-    if node.op_type != "FusedConv" or node.domain != FUSED_DOMAIN or node.attr("concat_channels") is None \
-            or len(inner.inputs) <= _INTO or inner.inputs[_INTO] < segment.feeds:
+    if not concat_part(inner.node) or len(inner.inputs) <= CONV_INTO or inner.inputs[CONV_INTO] < segment.feeds:
         return False
-    into, y = env[inner.inputs[_INTO]], env[inner.outputs[0]]
+    into, y = env[inner.inputs[CONV_INTO]], env[inner.outputs[0]]
     return isinstance(into, np.ndarray) and isinstance(y, np.ndarray) and into.shape == y.shape \
         and into.dtype == y.dtype
 
@@ -251,7 +248,7 @@ def aliased(segment):
     def position(inner, env):
         if _is_view(inner, env):
             return 0
-        return _INTO if _fills_concat(segment, inner, env) else None
+        return CONV_INTO if _fills_concat(segment, inner, env) else None
 
     return position
 
@@ -314,7 +311,7 @@ def _bind_node(segment, inner, env, buffers, constants, steps, pool) -> bool:
         buffers[inner.outputs[0]] = inputs[0].reshape(examples[0].shape)
         return True
     if _fills_concat(segment, inner, env):
-        outputs = [inputs[_INTO]]  # (its channels of the concatenation, written where the Concat would copy them)
+        outputs = [inputs[CONV_INTO]]  # (its channels of the concatenation, written where the Concat would copy them)
     else:
         outputs = [pool.take(slot, v.shape, v.dtype) for slot, v in zip(inner.outputs, examples)]
     for slot, buffer in zip(inner.outputs, outputs):

@@ -18,7 +18,7 @@ from ..algorithms.prepared import Prepared
 from ..algorithms.window import Window
 from ..compiled import deferred, reference_run
 from ..compiled import takes as takes_compiled
-from ..fused_domain import FUSED_DOMAIN
+from ..fused_domain import CONV_INTO, FUSED_DOMAIN
 from ..registry import register
 from ._common import activation_code, channel_param, graph_error, group_count, in_place_activation
 
@@ -333,7 +333,7 @@ def fused_conv(node, shapes, opset):
         x, w = inputs[0], inputs[1]
         b = inputs[2] if len(inputs) > 2 else None
         into = outputs[0]
-        if len(inputs) > 4 and inputs[4] is not None and inputs[4] is not into:
+        if len(inputs) > CONV_INTO and inputs[CONV_INTO] is not None and inputs[CONV_INTO] is not into:
             return None  # (the channels before its own are in another buffer: the kernel fills that one)
         _, out_shape = resolve(x, w, b)
         if into.shape != (out_shape[0], concat, *out_shape[2:]) or into.dtype != x.dtype \
