@@ -1,6 +1,6 @@
 """A light CNN's blocks over channel-blocked values (algorithms/segment_layout.py, compiled/blocked_ops.py):
-depthwise convolutions, squeeze-excitation blocks, max pools and the closing global average pool read and write
-(N, C/16, H, W, 16) so that a block stays blocked end to end. Checked against a float64 reference and
+depthwise convolutions, squeeze-excitation blocks, max and average pools and the closing global average pool read
+and write (N, C/16, H, W, 16) so that a block stays blocked end to end. Checked against a float64 reference and
 onnxruntime over channel counts that are not multiples of 16, stride 2, padding, dilation, ceil_mode, the
 activations a depthwise convolution carries, both gates, and batches of 1 and 3."""
 
@@ -125,7 +125,8 @@ def test_closing_pool_reads_blocked(op):
                           (33, 3, 3, 1, 1, 2, 0), (18, 2, 3, 2, 1, 1, 1), (24, 12, 2, 2, 0, 1, 0)])
 def test_blocked_loops_match_float64(channels, size, kernel, stride, pad, dilation, ceil):
     """The loops alone against float64 sums over the blocked layout (narrow rows under a tile, padding past a
-    whole window, ceil_mode's overhang), padded lanes never read."""
+    whole window, ceil_mode's overhang), padded lanes never read; averages with and without count_include_pad
+    (an overhang never counted)."""
     deferred.wait_ready(240)
     rng = np.random.default_rng(channels)
     batch = 2
@@ -144,32 +145,48 @@ def test_blocked_loops_match_float64(channels, size, kernel, stride, pad, dilati
     w = rng.standard_normal((channels, 1, kernel, kernel)).astype(np.float32)
     b = rng.standard_normal(channels).astype(np.float32)
     weights, bias = blocked_ops.pack_depthwise(w, b, channels)
-    for kind in ("depthwise", "max"):
+    for kind in ("depthwise", "max", "mean", "mean_pads"):
         y = np.full(batch * blocks * 16 * out * out, np.nan, np.float32)
         tile = np.zeros(blocked_ops.PIXELS * 16, np.float32)
         if kind == "depthwise":
             blocked_ops.depthwise_blocked(flat, weights, taps, bias, np.array([-np.inf, np.inf, 1], np.float32), 0, y,
                                           batch, blocks, size, size, out, out, stride, stride, pad, pad,
                                           np.zeros(scratch, np.float32), rows, columns, tile)
-        else:
+        elif kind == "max":
             blocked_ops.max_pool_blocked(flat, taps, y, batch, blocks, size, size, out, out, stride, stride, pad, pad,
                                          np.full(scratch, -np.inf, np.float32), rows, columns, tile)
+        else:
+            counted = (0, 2 * pad + size) if kind == "mean_pads" else (pad, pad + size)
+            scale = blocked_ops.mean_scale(out, out, kernel, kernel, stride, stride, dilation, dilation, counted,
+                                           counted)
+            blocked_ops.average_pool_blocked(flat, taps, scale, y, batch, blocks, size, size, out, out, stride, stride,
+                                             pad, pad, np.zeros(scratch, np.float32), rows, columns, tile)
         got = y.reshape(batch, blocks, out, out, 16).transpose(0, 1, 4, 2, 3).reshape(batch, blocks * 16, out, out)
         got = got[:, :channels]
         margin = (pad, pad + 2 * stride + extent)
         wide = np.pad(x.astype(np.float64), ((0, 0), (0, 0), margin, margin),
-                      constant_values=0 if kind == "depthwise" else -np.inf)
-        expected = np.full((batch, channels, out, out), 0.0 if kind == "depthwise" else -np.inf)
+                      constant_values=-np.inf if kind == "max" else 0)
+        expected = np.full((batch, channels, out, out), -np.inf if kind == "max" else 0.0)
+        count = np.zeros((out, out))
         for i in range(kernel):
             for j in range(kernel):
                 window = wide[:, :, i * dilation:i * dilation + stride * out:stride,
                               j * dilation:j * dilation + stride * out:stride]
                 if kind == "depthwise":
                     expected += window * w[:, 0, i, j].astype(np.float64)[None, :, None, None]
-                else:
+                elif kind == "max":
                     expected = np.maximum(expected, window)
+                else:
+                    expected += window
+                    lo, hi = (0, 2 * pad + size) if kind == "mean_pads" else (pad, pad + size)
+                    rows_at = np.arange(out) * stride + i * dilation
+                    columns_at = np.arange(out) * stride + j * dilation
+                    count += np.outer((rows_at >= lo) & (rows_at < hi), (columns_at >= lo) & (columns_at < hi))
         if kind == "depthwise":
             expected += b.astype(np.float64)[None, :, None, None]
+        elif kind != "max":
+            assert count.min() > 0
+            expected /= count
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * (1 + np.abs(expected).max()))
 
 
@@ -217,3 +234,60 @@ def test_activation_nodes_run_over_blocked_buffers():
     got = dict(zip(segment.output_names, segment(*feeds)))
     for name, wide in zip(_OUTPUTS, run_float64(model, {"x": x})):
         assert np.abs(got[name] - wide).max() <= 2e-5 * (1 + np.abs(wide).max()), name
+
+
+def _average_model(include_pad: int) -> onnx.ModelProto:
+    """Convolutions around two average pools (3x3 stride 1 padded, as an Inception branch; 3x3 stride 2 with
+    ceil_mode's overhang) over channel counts that are not multiples of 16."""
+    rng = np.random.default_rng(31)
+    inits, nodes = [], []
+
+    def conv(x, y, cin, cout, k, stride=1):
+        w = (rng.standard_normal((cout, cin, k, k)) / np.sqrt(cin * k * k)).astype(np.float32)
+        inits.append(numpy_helper.from_array(w, f"{y}_w"))
+        inits.append(numpy_helper.from_array((rng.standard_normal(cout) * 0.1).astype(np.float32), f"{y}_b"))
+        nodes.append(helper.make_node("Conv", [x, f"{y}_w", f"{y}_b"], [y], kernel_shape=[k, k], strides=[stride] * 2,
+                                      pads=[k // 2] * 4))
+
+    conv("x", "c1", 3, 20, 3, stride=2)
+    nodes.append(helper.make_node("Relu", ["c1"], ["r1"]))
+    nodes.append(helper.make_node("AveragePool", ["r1"], ["a1"], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                                  count_include_pad=include_pad))
+    conv("a1", "c2", 20, 24, 1)
+    nodes.append(helper.make_node("AveragePool", ["c2"], ["a2"], kernel_shape=[3, 3], strides=[2, 2],
+                                  pads=[1, 1, 1, 1], ceil_mode=1, count_include_pad=include_pad))
+    conv("a2", "tail", 24, 17, 3)
+    nodes.append(helper.make_node("GlobalAveragePool", ["tail"], ["pool"]))
+    graph = helper.make_graph(nodes, "averages", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                                ["batch", 3, 22, 22])],
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in _OUTPUTS],
+                              inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+
+
+@pytest.mark.parametrize("batch, include_pad", [(1, 0), (3, 1)])
+def test_blocked_average_pools_match_float64_and_onnxruntime(batch, include_pad):
+    """Average pools between direct convolutions run blocked (as an Inception block's pool branch), their
+    windows' tap counts with and without count_include_pad."""
+    model = _average_model(include_pad)
+    deferred.wait_ready(240)
+    rng = np.random.default_rng(batch)
+    x = rng.standard_normal((batch, 3, 22, 22)).astype(np.float32)
+    segment, feeds = _segment_and_feeds(model, x)
+    segment(*feeds)
+    ((plan,),) = segment.plans.values()
+    called = _called(bound_plan(plan))
+    assert called.count("average_pool_blocked") == 2 and "pool_2d" not in called
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1
+    oracle = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    for run in range(2):
+        x = rng.standard_normal(x.shape).astype(np.float32) * (run + 1)
+        feeds = [x if f.shape == x.shape and f.flags.writeable else f for f in feeds]
+        got = dict(zip(segment.output_names, segment(*feeds)))
+        exact = dict(zip(_OUTPUTS, run_float64(model, {"x": x})))
+        theirs = dict(zip(_OUTPUTS, oracle.run(None, {"x": x})))
+        for name, wide in exact.items():
+            bound = 2e-5 * (1 + np.abs(wide).max())
+            assert got[name].shape == wide.shape and np.abs(got[name] - wide).max() <= bound, (name, run)
+            assert np.abs(got[name] - theirs[name]).max() <= bound, (name, run)

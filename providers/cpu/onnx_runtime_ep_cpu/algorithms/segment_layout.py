@@ -3,7 +3,7 @@
 A value is kept blocked, (N, ceil(C / 16), H, W, 16) as onnxruntime's NCHWc, where a step that can write it
 blocked writes it and every reader can read it blocked: direct convolutions (compiled/directconv_blocked.py,
 as their input or residual), the steps of compiled/blocked_ops.py (depthwise convolutions, squeeze-excitation
-blocks and max pools: blocked in, blocked out; global average pools: blocked in, plain out), and the
+blocks, max and average pools: blocked in, blocked out; global average pools: blocked in, plain out), and the
 elementwise loops of activation nodes (SiLU, HardSwish, Sigmoid) over the whole blocked buffer. So a light
 CNN's block (expansion, depthwise, squeeze-excitation, projection, residual) and a ResNet's stem and pool stay
 blocked end to end, and the layout changes only inside the convolutions at a run's edges. Every other step
@@ -103,7 +103,7 @@ class _Kinds:
     """The nodes that can take part, by kind, and what each reads and writes blocked."""
 
     def __init__(self, segment, steps, spans, env, blocks):
-        self.direct, self.depthwise, self.excite, self.means, self.max_pools = {}, {}, {}, {}, {}
+        self.direct, self.depthwise, self.excite, self.means, self.pools = {}, {}, {}, {}, {}
         self.elementwise: dict[int, tuple] = {}
         # convolutions writing their channels of a concatenation (conv_fusions.fuse_concat_convs): they may read
         # blocked; they write the blocked concatenation where its parts are in whole blocks (concats), else plain
@@ -166,7 +166,8 @@ class _Kinds:
         return offset % 16 == 0 and (last or channels % 16 == 0) and env[inner.outputs[0]].shape[1] == total
 
     def _pool(self, index, inner, steps, span, env) -> bool:
-        """Whether the node is a pool (a mean over its planes, or a max pool): kept where it can read blocked."""
+        """Whether the node is a pool (a mean over its planes, a max or average pool): kept where it can read
+        blocked."""
         op = inner.node.op_type if inner.node.domain in ("", "ai.onnx") else None
         if op in ("GlobalAveragePool", "ReduceMean"):
             means = _only_call(steps, span, "plane_means")
@@ -175,17 +176,17 @@ class _Kinds:
                     and means[0].shape == (shape[0] * shape[1], shape[2] * shape[3]):
                 self.means[index] = shape
             return True
-        if op != "MaxPool":
+        if op not in ("MaxPool", "AveragePool"):
             return False
-        arguments = _only_call(steps, span, "pool_2d")
-        if arguments is not None and arguments[10] and env[inner.inputs[0]].ndim == 4 \
+        arguments = _only_call(steps, span, "pool_2d")  # (is_max its 11th argument: the op's own loop)
+        if arguments is not None and bool(arguments[10]) == (op == "MaxPool") and env[inner.inputs[0]].ndim == 4 \
                 and env[inner.inputs[0]].dtype == np.float32 and len(inner.node.outputs) == 1:
-            self.max_pools[index] = (env[inner.inputs[0]].shape, env[inner.outputs[0]].shape, arguments)
+            self.pools[index] = (env[inner.inputs[0]].shape, env[inner.outputs[0]].shape, arguments)
         return True
 
     def writers(self, segment) -> dict:
         """slot -> the index of the node that can write it blocked."""
-        found = {segment.inner[i].outputs[0]: i for i in (*self.direct, *self.depthwise, *self.max_pools,
+        found = {segment.inner[i].outputs[0]: i for i in (*self.direct, *self.depthwise, *self.pools,
                                                           *self.elementwise) if i not in self.into_concat}
         found.update({product: i for i, (_, _, product, _) in self.excite.items()})
         found.update({final: parts[-1] for final, (_, parts) in self.concats.items()})
@@ -195,13 +196,13 @@ class _Kinds:
         """Whether node ``index`` can read its input ``position`` (``slot``) blocked."""
         if index in self.direct:
             return position in (0, CONV_RESIDUAL)
-        if index in self.depthwise or index in self.max_pools or index in self.means or index in self.elementwise:
+        if index in self.depthwise or index in self.pools or index in self.means or index in self.elementwise:
             return position == 0
         return any(index in members and slot == x for members, x, _, _ in self.excite.values())
 
     def pairs(self, segment):
         """(input slot, output slot) pairs that must share a layout."""
-        for index in (*self.depthwise, *self.max_pools, *self.elementwise):
+        for index in (*self.depthwise, *self.pools, *self.elementwise):
             yield segment.inner[index].inputs[0], segment.inner[index].outputs[0]
         for _, x, product, _ in self.excite.values():
             yield x, product
@@ -268,11 +269,11 @@ def block_direct_runs(segment, steps: list, spans: dict, env: list, blocks: dict
             steps[spans[index][0]] = (_blocked_ops().plane_means_blocked, (
                 buffers[x_slot], steps[spans[index][0]][1][1], shape[0], shape[1], int(np.prod(shape[2:])),
                 np.zeros(8 * 16, np.float32)))
-    for index, found in kinds.max_pools.items():
+    for index, found in kinds.pools.items():
         if segment.inner[index].inputs[0] in chosen:
-            _block_max_pool(segment.inner[index], found, buffers, steps, spans[index][0])
+            _block_pool(segment.inner[index], found, buffers, steps, spans[index][0])
     steps = [step for step in steps if step is not None]
-    tiled = (_blocked_ops().depthwise_blocked, _blocked_ops().max_pool_blocked)
+    tiled = (_blocked_ops().depthwise_blocked, _blocked_ops().max_pool_blocked, _blocked_ops().average_pool_blocked)
     scratch = sum(a.nbytes for f, arguments in steps if f in tiled for a in arguments[-4::3])  # (block, tile)
     scratch += sum(a.nbytes for f, arguments in steps if f is _gathered().conv_gathered for a in arguments[8:11])
     from ..compiled.directconv_blocked import conv_blocked
@@ -324,15 +325,24 @@ def _block_depthwise(inner, found, buffers, steps, span) -> None:
         + [None] * (span[1] - span[0] - 1)
 
 
-def _block_max_pool(inner, found, buffers, steps, at) -> None:
+def _block_pool(inner, found, buffers, steps, at) -> None:
+    """A max or average pool's step (pooling.pool_2d's arguments) over its blocked input and output: the window
+    sums' reciprocal tap counts precomputed for an average, whose pads are zeros (a max's -inf)."""
     ops = _blocked_ops()
     x_shape, y_shape, arguments = found
-    kh, kw, sh, sw, dh, dw, top, left = arguments[2:10]
+    kh, kw, sh, sw, dh, dw, top, left, is_max, lo_h, hi_h, lo_w, hi_w = arguments[2:15]
     rows, columns, size = ops.padded_size(*x_shape[2:], *y_shape[2:], sh, sw, top, left, kh, kw, dh, dw)
-    steps[at] = (ops.max_pool_blocked, (
-        buffers[inner.inputs[0]], ops.depthwise_taps(kh, kw, dh, dw, columns), buffers[inner.outputs[0]],
-        x_shape[0], -(-x_shape[1] // 16), x_shape[2], x_shape[3], y_shape[2], y_shape[3], sh, sw, top, left,
-        np.full(size, -np.inf, np.float32), rows, columns, np.zeros(ops.PIXELS * 16, np.float32)))
+    geometry = (x_shape[0], -(-x_shape[1] // 16), x_shape[2], x_shape[3], y_shape[2], y_shape[3], sh, sw, top, left)
+    taps = ops.depthwise_taps(kh, kw, dh, dw, columns)
+    tile = np.zeros(ops.PIXELS * 16, np.float32)
+    x, y = buffers[inner.inputs[0]], buffers[inner.outputs[0]]
+    if is_max:
+        steps[at] = (ops.max_pool_blocked, (x, taps, y, *geometry, np.full(size, -np.inf, np.float32), rows, columns,
+                                            tile))
+    else:
+        scale = ops.mean_scale(y_shape[2], y_shape[3], kh, kw, sh, sw, dh, dw, (lo_h, hi_h), (lo_w, hi_w))
+        steps[at] = (ops.average_pool_blocked, (x, taps, scale, y, *geometry, np.zeros(size, np.float32), rows,
+                                                columns, tile))
 
 
 def _blocked_ops():

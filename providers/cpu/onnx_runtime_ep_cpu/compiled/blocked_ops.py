@@ -1,5 +1,5 @@
 """The steps around direct convolutions over channel-blocked values (algorithms/segment_layout.py): depthwise
-convolutions, squeeze-excitation blocks, plane means and max pools reading (N, ceil(C / 16), H, W, 16) as
+convolutions, squeeze-excitation blocks, plane means, max and average pools reading (N, ceil(C / 16), H, W, 16) as
 directconv_blocked.py stores it, so a light CNN's block stays blocked from its expansion to its projection.
 
 In the blocked layout a pixel's 16 channels are contiguous, so each loop's innermost loop runs over those 16
@@ -289,4 +289,78 @@ def max_pool_blocked(x, offsets, y, images, blocks, height, width, oh, ow, sh, s
                         _max_tile(image, begin, offsets, depth, sw * CHANNELS, y, out)
                     else:
                         _max_tile(image, begin, offsets, depth, sw * CHANNELS, tile, 0)
+                        y[out:out + pixels * CHANNELS] = tile[:pixels * CHANNELS]
+
+
+@intrinsic
+def _mean_tile(typingctx, x, start, taps, depth, stride, scale, first, y, at):
+    """y[at + p * 16 + l] = scale[first + p] times the sum over t of x[start + taps[t] + p * stride + l] (in tap
+    order, from 0) for the tile's PIXELS pixels p and 16 lanes l."""
+    signature = types.void(x, start, taps, depth, stride, scale, first, y, at)
+
+    def codegen(context, builder, sig, args):
+        def data(index):
+            return context.make_array(sig.args[index])(context, builder, args[index]).data
+
+        x_ptr, taps_ptr, scale_ptr, y_ptr = (data(i) for i in (0, 2, 5, 7))
+        begin, depth, step_x, first, out = args[1], args[3], args[4], args[6], args[8]
+
+        def step(k, sums):
+            origin = builder.add(begin, builder.load(builder.gep(taps_ptr, [k])))
+            return [builder.fadd(sums[p], builder.load(_vector(builder, x_ptr, builder.add(origin, builder.mul(
+                step_x, ir.Constant(llvm.I64, p)))), align=4)) for p in range(PIXELS)]
+
+        for p, total in enumerate(llvm.counted_loop(builder, depth, [llvm.ZEROS] * PIXELS, step, "mean_blocked")):
+            factor = llvm.splat(builder, builder.load(builder.gep(scale_ptr, [
+                builder.add(first, ir.Constant(llvm.I64, p))])))
+            builder.store(builder.fmul(total, factor),
+                          _vector(builder, y_ptr, builder.add(out, ir.Constant(llvm.I64, p * CHANNELS))), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+def mean_scale(oh: int, ow: int, kh: int, kw: int, sh: int, sw: int, dh: int, dw: int, rows: tuple[int, int],
+               columns: tuple[int, int]) -> np.ndarray:
+    """average_pool_blocked's ``scale``: 1 / (the taps each output window counts) in float32, as pooling.pool_2d
+    divides, for the windows' taps on padded rows [rows[0], rows[1]) and columns [columns[0], columns[1]) (the
+    input, or with its declared pads for count_include_pad); PIXELS further ones past the last output, which a
+    narrow row's tile reads."""
+    def counts(outs, k, s, d, lo, hi):
+        at = np.arange(outs)[:, None] * s + np.arange(k)[None, :] * d
+        return ((at >= lo) & (at < hi)).sum(axis=1).astype(np.float32)
+
+    taps = counts(oh, kh, sh, dh, *rows)[:, None] * counts(ow, kw, sw, dw, *columns)[None, :]
+    with np.errstate(divide="ignore"):
+        scale = (np.float32(1) / taps).reshape(-1)
+    return np.concatenate([scale, np.ones(PIXELS, np.float32)])
+
+
+@jit
+def average_pool_blocked(x, offsets, scale, y, images, blocks, height, width, oh, ow, sh, sw, top, left, source,
+                         padded_height, padded_width, tile):
+    """A 2-D average pool over the blocked flat ``x`` into the blocked flat ``y``, max_pool_blocked's tiles over
+    ``source`` whose borders hold zeros: each window's sum times its output's ``scale`` (mean_scale)."""
+    depth = offsets.shape[0]
+    pixels = min(PIXELS, ow)
+    row_floats = width * CHANNELS
+    in_place = top == 0 and left == 0 and padded_height == height and padded_width == width and ow >= PIXELS
+    for n in range(images):
+        for b in range(blocks):
+            base = (n * blocks + b) * height * row_floats
+            if in_place:
+                image, offset = x, base
+            else:
+                _fill(x, base, height, row_floats, source, top, left, padded_width)
+                image, offset = source, 0
+            target = (n * blocks + b) * oh * ow * CHANNELS
+            for oy in range(oh):
+                for ox in range(0, ow, PIXELS):
+                    ox = min(ox, ow - pixels)
+                    begin = offset + (oy * sh * padded_width + ox * sw) * CHANNELS
+                    out = target + (oy * ow + ox) * CHANNELS
+                    if pixels == PIXELS:
+                        _mean_tile(image, begin, offsets, depth, sw * CHANNELS, scale, oy * ow + ox, y, out)
+                    else:
+                        _mean_tile(image, begin, offsets, depth, sw * CHANNELS, scale, oy * ow + ox, tile, 0)
                         y[out:out + pixels * CHANNELS] = tile[:pixels * CHANNELS]

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
-from .blocked_ops import depthwise_blocked, max_pool_blocked, plane_means_blocked, squeeze_excite_blocked
+from .blocked_ops import (average_pool_blocked, depthwise_blocked, max_pool_blocked, plane_means_blocked,
+                          squeeze_excite_blocked)
 from .directconv_blocked import conv_blocked
 from .directconv_gathered import conv_gathered
 from .mailbox import floats, ints
@@ -79,9 +80,13 @@ def run_chain(table, reals):
             swish_float32_into(_f1(row, 1), _f1(row, 3), np.float32(reals[row[5]]))
         elif kind == 7:
             sigmoid_float32_into(_f1(row, 1), _f1(row, 3))
-        else:
+        elif kind == 8:
             hard_sigmoid_into(_f1(row, 1), _f1(row, 3), np.float32(reals[row[5]]), np.float32(reals[row[6]]),
                               row[7] != 0)
+        else:
+            average_pool_blocked(_f1(row, 1), _i1(row, 3), _f1(row, 5), _f1(row, 7), row[9], row[10], row[11],
+                                 row[12], row[13], row[14], row[15], row[16], row[17], row[18], _f1(row, 19), row[21],
+                                 row[22], _f1(row, 23))
 
 
 # run_chain, one part: a sub-batch's plan (its table and float32 scalars).
