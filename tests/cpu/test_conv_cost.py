@@ -79,8 +79,9 @@ def test_two_threads_weigh_the_split(built, cin, cout, k, stride, size, taken):
 
 
 def test_one_thread_keeps_its_rules(built):
-    _run(16, 32, 3, 1, 32, threads=1)  # 4.7M, no stem: the packed convolution, as before
-    assert [name for name, _ in built] == ["PackedConv"]
+    _run(32, 32, 3, 1, 28, threads=1)  # 7.2M, no stem, both fill their lanes: the packed convolution
+    _run(16, 32, 3, 1, 32, threads=1)  # 4.7M, shallow: the packed lanes' share 1/1.31 (conv_choice.LANE_MACS)
+    assert [name for name, _ in built] == ["PackedConv", "DirectConv"]
 
 
 def test_more_threads_split_sooner():

@@ -100,3 +100,19 @@ def test_a_two_dimensional_convolution_of_that_size_keeps_the_packed_one(knobs):
     assert not conv_choice.direct_tiles_before_packed(square, np.zeros((64, 24, 3, 3), np.float32))  # 1.4M
     row = Geometry((1, 100), (1, 3), (1, 1), (1, 1), (0, 1), (0, 1), (1, 100))
     assert conv_choice.direct_tiles_before_packed(row, np.zeros((64, 80, 1, 3), np.float32))  # 1.5M
+
+
+def test_one_thread_gives_the_direct_tiles_the_layers_whose_lanes_they_fill_better(knobs):
+    """48 outputs fill three 16-channel direct tiles and one and a half 32-channel packed ones: up to
+    LANE_MACS such a layer takes the direct tiles on one thread; 64 outputs, or a map beyond it, the packed one."""
+    knobs(threads=1)
+
+    def square(size):
+        return Geometry((size, size), (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (size, size))
+
+    w48, w64 = np.zeros((48, 32, 3, 3), np.float32), np.zeros((64, 32, 3, 3), np.float32)
+    assert 32 * 9 * 48 * 28 * 28 > conv_choice.SMALL_MACS  # (10.8M)
+    assert conv_choice.direct_tiles_before_packed(square(28), w48)
+    assert not conv_choice.direct_tiles_before_packed(square(28), w64)
+    assert 32 * 9 * 48 * 112 * 112 > conv_choice.LANE_MACS
+    assert not conv_choice.direct_tiles_before_packed(square(112), w48)

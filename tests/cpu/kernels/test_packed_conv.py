@@ -31,6 +31,7 @@ def packed_at_every_size(monkeypatch):
     monkeypatch.setattr(conv_choice, "SMALL_MACS", 0)
     monkeypatch.setattr(conv_choice, "STEM_CHANNELS", 0)  # (and the one-thread stems)
     monkeypatch.setattr(conv_choice, "ROW_MACS", 0)  # (and the one-thread single rows)
+    monkeypatch.setattr(conv_choice, "LANE_MACS", 0)  # (and the one-thread layers whose lanes the tiles fill better)
     monkeypatch.setattr(conv_choice, "split_cost_favours_direct", lambda *_: False)  # (and on more threads)
 
 

@@ -62,9 +62,10 @@ def direct_tiles_before_packed(geo: Geometry, w: np.ndarray, group: int = 1, ima
     convolution's 32-channel tiles run half empty there: 3->16 7x7/2 on 64x64 52 vs 59 us, on 224x224 545 vs
     721 us; with 8 or 32 outputs, or more inputs, the packed one won); or, there too, a single row (a 1-D
     convolution, conv_rows.py) of at most ROW_MACS multiply-adds, where the packed convolution's pixel tiles span
-    one short row; or, where it would split across threads, where the direct tiles on the calling thread cost
-    less than that split (split_cost_favours_direct). ``images``: the batch, which the packed convolution's split
-    counts (packed_threads)."""
+    one short row; or, there too, one whose lanes the direct tiles fill enough better (LANE_MACS); or, where it
+    would split across threads, where the direct tiles on the calling thread cost less than that split
+    (split_cost_favours_direct). ``images``: the batch, which the packed convolution's split counts
+    (packed_threads)."""
     macs = w[0].size * w.shape[0] * math.prod(geo.out)
     if macs <= SMALL_MACS:
         return True
@@ -73,11 +74,21 @@ def direct_tiles_before_packed(geo: Geometry, w: np.ndarray, group: int = 1, ima
         return split_cost_favours_direct(geo, w, group, threads)
     if geo.in_shape[0] == 1 and geo.kernel[0] == 1 and macs <= ROW_MACS:
         return True
+    if macs <= LANE_MACS and len(geo.out) == 2:
+        direct, packed = _lane_costs(geo, w, group)
+        if direct * DIRECT_LANE_COST <= packed:
+            return True
     outputs = w.shape[0] // group
     return w.shape[1] <= STEM_CHANNELS and outputs == CHANNELS_PER_TILE
 
 
 STEM_CHANNELS, CHANNELS_PER_TILE = 4, 16
+# On one thread, up to LANE_MACS multiply-adds per image, the direct tiles take a convolution whose lanes they
+# fill enough better than the packed convolution (_lane_costs) to pay DIRECT_LANE_COST, their cost per lane step
+# over the packed one's: 48 outputs fill three 16-channel tiles, one and a half of the packed 32-channel ones.
+# Measured on 3x3 layers of 4-29M on 14x14 and 28x28 maps, that cost ran 0.9-1.27 (deeper inputs higher); a
+# 56x56 map of 58M took the direct tiles 1.4x the packed time. This constant's commit.
+LANE_MACS, DIRECT_LANE_COST = 1 << 25, 1.15
 # Multiply-adds per image up to which a single-row convolution takes the direct tiles on one thread (beyond, the
 # packed convolution caught up on Whisper-like 1-D layers; measured in this constant's commit).
 ROW_MACS = 1 << 22
@@ -94,20 +105,26 @@ SPLIT_MACS = 1 << 18
 
 def split_cost_favours_direct(geo: Geometry, w: np.ndarray, group: int, threads: int) -> bool:
     """Whether the direct tiles on the calling thread cost no more than the packed convolution split across
-    ``threads``: both hold output channels across the lanes, so each costs its multiply-adds over its share
-    of useful lanes (the direct tiles': 16 channels x TILE_PIXELS pixels of a row; the packed one's:
-    conv_packed_layout.lane_work, whose pixel panels cost more per lane), the split one divided by the threads'
-    speed-up (HELPER_SHARE each helper) plus SPLIT_MACS. A shallow strided stem (resnet's 3->16 7x7/2, whose
-    packed panels gather every window) stays on the direct tiles; deeper, wider layers split."""
-    from .conv_packed_layout import lane_work  # (loaded where a split is weighed)
+    ``threads``: each costs its multiply-adds over its share of useful lanes (_lane_costs), the split one
+    divided by the threads' speed-up (HELPER_SHARE each helper) plus SPLIT_MACS. A shallow strided stem
+    (resnet's 3->16 7x7/2, whose packed panels gather every window) stays on the direct tiles; deeper, wider
+    layers split."""
+    direct, packed = _lane_costs(geo, w, group)
+    return direct <= packed / (1 + (threads - 1) * HELPER_SHARE) + SPLIT_MACS
+
+
+def _lane_costs(geo: Geometry, w: np.ndarray, group: int) -> tuple[float, float]:
+    """(direct tiles, packed convolution on one thread): the multiply-adds over each one's share of useful
+    lanes. Both hold output channels across the lanes: the direct tiles' 16 channels x TILE_PIXELS pixels of a
+    row, the packed one's conv_packed_layout.lane_work (whose pixel panels cost more per lane)."""
+    from .conv_packed_layout import lane_work  # (loaded where the two are weighed)
 
     outputs = w.shape[0] // group
     macs = w[0].size * w.shape[0] * math.prod(geo.out)
     ow = geo.out[1]
     direct = macs * (CHANNELS_PER_TILE * -(-outputs // CHANNELS_PER_TILE) / outputs) * (
         TILE_PIXELS * -(-ow // TILE_PIXELS) / ow)
-    packed = macs * lane_work(geo, outputs, w[0].size) / (1 + (threads - 1) * HELPER_SHARE) + SPLIT_MACS
-    return direct <= packed
+    return direct, macs * lane_work(geo, outputs, w[0].size)
 
 
 def packed_threads(macs: int) -> int:
