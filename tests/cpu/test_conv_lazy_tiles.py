@@ -74,7 +74,7 @@ def _reference(x, w, b):
 # (name, channels, outputs, kernel, side, images, the module that loads with the loader, at the first run)
 CASES = [
     ("direct tiles", 8, 16, 3, 12, 1, "direct" if host.AVX2 else None, None),
-    ("packed", 64, 64, 3, 16, 1, "packed" if host.AVX512 else ("direct" if host.AVX2 else None), None),
+    ("packed", 64, 64, 3, 28, 1, "packed" if host.AVX512 else ("direct" if host.AVX2 else None), None),
     ("pixel product over a batch", 32, 48, 1, 1, 32, "pixels", "pixels"),
 ]
 
