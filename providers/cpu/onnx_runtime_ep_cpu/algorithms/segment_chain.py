@@ -29,6 +29,9 @@ PATTERNS = {
     "sigmoid_float32_into": "f1 f1",
     "hard_sigmoid_into": "f1 f1 r r b",
     "average_pool_blocked": "f1 i1 f1 f1 i i i i i i i i i i f1 i i f1",
+    # a residual sum and a channel Concat's copies between blocked values
+    "add_float32_into": "f1 f1 f1",
+    "copy_channels_blocked": "f1 f1 i i i i i",
 }
 _MODULES = ("onnx_runtime_ep_cpu.compiled.directconv_blocked", "onnx_runtime_ep_cpu.compiled.directconv_gathered",
             "onnx_runtime_ep_cpu.compiled.blocked_ops", "onnx_runtime_ep_cpu.compiled.segment_loops")

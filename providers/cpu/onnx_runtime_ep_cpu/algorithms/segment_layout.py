@@ -4,9 +4,11 @@ A value is kept blocked, (N, ceil(C / 16), H, W, 16) as onnxruntime's NCHWc, whe
 blocked writes it and every reader can read it blocked: direct convolutions (compiled/directconv_blocked.py,
 as their input or residual), the steps of compiled/blocked_ops.py (depthwise convolutions, squeeze-excitation
 blocks, max and average pools: blocked in, blocked out; global average pools: blocked in, plain out), and the
-elementwise loops of activation nodes (SiLU, HardSwish, Sigmoid) over the whole blocked buffer. So a light
-CNN's block (expansion, depthwise, squeeze-excitation, projection, residual) and a ResNet's stem and pool stay
-blocked end to end, and the layout changes only inside the convolutions at a run's edges. Every other step
+elementwise loops of activation nodes (SiLU, HardSwish, Sigmoid) and residual Adds over the whole blocked buffer,
+and channel Concats whose inputs are not convolutions writing in place (a GhostNet module's cheap half is a
+depthwise convolution), each input copied into its channels of the blocked output. So a light CNN's block
+(expansion, depthwise, squeeze-excitation, projection, residual) and a ResNet's stem and pool stay blocked end to
+end, and the layout changes only inside the convolutions at a run's edges. Every other step
 (the head, a node's own kernel) and the segment's outputs see the plain layout. The values are those of the
 plain plan, to the order of a depthwise convolution's sums.
 
@@ -105,6 +107,8 @@ class _Kinds:
     def __init__(self, segment, steps, spans, env, blocks):
         self.direct, self.depthwise, self.excite, self.means, self.pools = {}, {}, {}, {}, {}
         self.elementwise: dict[int, tuple] = {}
+        self.sums: set[int] = set()  # Adds of two values of the output's shape
+        self.joins: dict[int, tuple] = {}  # channel Concats of values that are not its convolutions' parts: shape
         # convolutions writing their channels of a concatenation (conv_fusions.fuse_concat_convs): they may read
         # blocked; they write the blocked concatenation where its parts are in whole blocks (concats), else plain
         self.into_concat = {index for index, inner in enumerate(segment.inner) if concat_part(inner.node)}
@@ -130,7 +134,7 @@ class _Kinds:
                     and steps[span[0]][1][0].size == steps[span[0]][1][1].size == env[inner.inputs[0]].size:
                 self.elementwise[index] = steps[span[0]]
                 continue
-            if not self._pool(index, inner, steps, span, env):
+            if not self._pool(index, inner, steps, span, env) and not self._sum_or_join(index, inner, steps, span, env):
                 found = _depthwise(inner, env)
                 if found is not None:
                     self.depthwise[index] = found
@@ -184,10 +188,32 @@ class _Kinds:
             self.pools[index] = (env[inner.inputs[0]].shape, env[inner.outputs[0]].shape, arguments)
         return True
 
+    def _sum_or_join(self, index, inner, steps, span, env) -> bool:
+        """Whether the node is an Add of two float32 values of its output's 4-D shape or a channel Concat of 4-D
+        float32 values, each one numpy step (segment_steps' binds): kept where its inputs and output are blocked."""
+        op = inner.node.op_type if inner.node.domain in ("", "ai.onnx") else None
+        if op not in ("Add", "Concat") or span[1] - span[0] != 1 or len(inner.node.outputs) != 1:
+            return False
+        function, _ = steps[span[0]]
+        y = env[inner.outputs[0]]
+        values = [env[slot] if slot >= 0 else None for slot in inner.inputs]
+        if not isinstance(y, np.ndarray) or y.dtype != np.float32 or y.ndim != 4 \
+                or not all(isinstance(v, np.ndarray) and v.dtype == np.float32 and v.ndim == 4 for v in values):
+            return False
+        if op == "Add":
+            if function is np.add and len(values) == 2 and all(v.shape == y.shape for v in values):
+                self.sums.add(index)
+            return True
+        if getattr(function, "func", None) is np.concatenate and function.keywords.get("axis") == 1 \
+                and all(v.shape[0] == y.shape[0] and v.shape[2:] == y.shape[2:] for v in values):
+            self.joins[index] = y.shape
+        return True
+
     def writers(self, segment) -> dict:
         """slot -> the index of the node that can write it blocked."""
         found = {segment.inner[i].outputs[0]: i for i in (*self.direct, *self.depthwise, *self.pools,
-                                                          *self.elementwise) if i not in self.into_concat}
+                                                          *self.elementwise, *self.sums, *self.joins)
+                 if i not in self.into_concat}
         found.update({product: i for i, (_, _, product, _) in self.excite.items()})
         found.update({final: parts[-1] for final, (_, parts) in self.concats.items()})
         return found
@@ -198,12 +224,17 @@ class _Kinds:
             return position in (0, CONV_RESIDUAL)
         if index in self.depthwise or index in self.pools or index in self.means or index in self.elementwise:
             return position == 0
+        if index in self.sums or index in self.joins:
+            return True
         return any(index in members and slot == x for members, x, _, _ in self.excite.values())
 
     def pairs(self, segment):
         """(input slot, output slot) pairs that must share a layout."""
         for index in (*self.depthwise, *self.pools, *self.elementwise):
             yield segment.inner[index].inputs[0], segment.inner[index].outputs[0]
+        for index in (*self.sums, *self.joins):  # (all inputs in the output's layout)
+            for slot in segment.inner[index].inputs:
+                yield slot, segment.inner[index].outputs[0]
         for _, x, product, _ in self.excite.values():
             yield x, product
         for index in self.direct:
@@ -272,7 +303,8 @@ def block_direct_runs(segment, steps: list, spans: dict, env: list, blocks: dict
     for index, found in kinds.pools.items():
         if segment.inner[index].inputs[0] in chosen:
             _block_pool(segment.inner[index], found, buffers, steps, spans[index][0])
-    steps = [step for step in steps if step is not None]
+    _block_sums_and_joins(segment, kinds, chosen, buffers, steps, spans, env)
+    steps = [each for step in steps if step is not None for each in (step if isinstance(step, list) else [step])]
     tiled = (_blocked_ops().depthwise_blocked, _blocked_ops().max_pool_blocked, _blocked_ops().average_pool_blocked)
     scratch = sum(a.nbytes for f, arguments in steps if f in tiled for a in arguments[-4::3])  # (block, tile)
     scratch += sum(a.nbytes for f, arguments in steps if f is _gathered().conv_gathered for a in arguments[8:11])
@@ -292,6 +324,29 @@ def _blocked_buffers(kinds, chosen, env, pool) -> tuple[dict, dict]:
         if final in chosen:
             into.update(dict.fromkeys(parts, buffers[final]))
     return buffers, into
+
+
+def _block_sums_and_joins(segment, kinds, chosen, buffers, steps, spans, env) -> None:
+    """Each Add of two blocked values as one flat sum over their blocked buffers; each channel Concat of blocked
+    values as one copy per input into its channels of the blocked output, in input order (a list of steps in
+    the Concat's place)."""
+    from ..compiled.segment_loops import add_float32_into
+
+    for index in kinds.sums:
+        inner = segment.inner[index]
+        if inner.outputs[0] in chosen:
+            a, b = inner.inputs
+            steps[spans[index][0]] = (add_float32_into, (buffers[a], buffers[b], buffers[inner.outputs[0]]))
+    for index, shape in kinds.joins.items():
+        inner = segment.inner[index]
+        if inner.outputs[0] in chosen:
+            y, copies, offset = buffers[inner.outputs[0]], [], 0
+            for slot in inner.inputs:
+                channels = env[slot].shape[1]
+                copies.append((_blocked_ops().copy_channels_blocked, (
+                    buffers[slot], y, shape[0], channels, offset, shape[1], shape[2] * shape[3])))
+                offset += channels
+            steps[spans[index][0]] = copies
 
 
 def _block_excitations(kinds, chosen, buffers, steps, spans) -> None:

@@ -364,3 +364,37 @@ def average_pool_blocked(x, offsets, scale, y, images, blocks, height, width, oh
                     else:
                         _mean_tile(image, begin, offsets, depth, sw * CHANNELS, scale, oy * ow + ox, tile, 0)
                         y[out:out + pixels * CHANNELS] = tile[:pixels * CHANNELS]
+
+
+@jit
+def copy_channels_blocked(x, y, images, channels, offset, total, pixels):
+    """Channels offset .. offset + ``channels`` of the blocked flat ``y`` (images x ceil(total / 16) x pixels x 16)
+    = the blocked flat ``x``'s (images x ceil(channels / 16) x pixels x 16): one input of a channel Concat.
+    Where ``offset`` starts a block, x's blocks are copied whole, their lanes past ``channels`` too (the next
+    input's copy, in input order, overwrites them; past ``total`` they are padding); else each pixel's lanes of
+    an x block go to the lanes they shift to in one or two y blocks. (Unsigned indices: no wraparound checks
+    in the way of LLVM's vectors.)"""
+    x_blocks = np.uint64((channels + CHANNELS - 1) // CHANNELS)
+    y_blocks = np.uint64((total + CHANNELS - 1) // CHANNELS)
+    lanes = np.uint64(CHANNELS)
+    block_floats = np.uint64(pixels) * lanes
+    shift = np.uint64(offset % CHANNELS)
+    first = np.uint64(offset // CHANNELS)
+    for n in range(np.uint64(images)):
+        if shift == 0:
+            start = (n * y_blocks + first) * block_floats
+            source = n * x_blocks * block_floats
+            for k in range(x_blocks * block_floats):
+                y[start + k] = x[source + k]
+            continue
+        for b in range(x_blocks):
+            used = min(lanes, np.uint64(channels) - b * lanes)
+            low = min(used, lanes - shift)  # (the lanes that land in y block first + b, from lane shift on)
+            source = (n * x_blocks + b) * block_floats
+            target = (n * y_blocks + first + b) * block_floats
+            for p in range(np.uint64(pixels)):
+                at = p * lanes
+                for lane in range(low):
+                    y[target + at + shift + lane] = x[source + at + lane]
+                for lane in range(low, used):
+                    y[target + block_floats + at + lane - low] = x[source + at + lane]

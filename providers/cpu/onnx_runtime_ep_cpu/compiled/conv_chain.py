@@ -19,6 +19,7 @@ import numpy as np
 from . import jit
 from .blocked_ops import (
     average_pool_blocked,
+    copy_channels_blocked,
     depthwise_blocked,
     max_pool_blocked,
     plane_means_blocked,
@@ -27,7 +28,7 @@ from .blocked_ops import (
 from .directconv_blocked import conv_blocked
 from .directconv_gathered import conv_gathered
 from .mailbox import floats, ints
-from .segment_loops import hard_sigmoid_into, sigmoid_float32_into, swish_float32_into
+from .segment_loops import add_float32_into, hard_sigmoid_into, sigmoid_float32_into, swish_float32_into
 from .workers import Kind, float_array, int_array
 
 
@@ -86,7 +87,8 @@ def _pooling_row(row, kind):
 
 @jit
 def _gating_row(row, kind, reals):
-    """Rows of kinds 4 and 6-8: a squeeze-excitation block, the activations between the other steps."""
+    """Rows of kinds 4, 6-8, 10 and 11: a squeeze-excitation block, the activations, residual sums and channel
+    concatenations between the other steps."""
     if kind == 4:
         squeeze_excite_blocked(_f1(row, 1), _f2(row, 3), _f1(row, 6), _f1(row, 8), row[10] != 0, _f2(row, 11),
                                _f1(row, 14), _f1(row, 16), row[18], np.float32(reals[row[19]]),
@@ -96,9 +98,13 @@ def _gating_row(row, kind, reals):
         swish_float32_into(_f1(row, 1), _f1(row, 3), np.float32(reals[row[5]]))
     elif kind == 7:
         sigmoid_float32_into(_f1(row, 1), _f1(row, 3))
-    else:
+    elif kind == 8:
         hard_sigmoid_into(_f1(row, 1), _f1(row, 3), np.float32(reals[row[5]]), np.float32(reals[row[6]]),
                           row[7] != 0)
+    elif kind == 10:
+        add_float32_into(_f1(row, 1), _f1(row, 3), _f1(row, 5))
+    else:
+        copy_channels_blocked(_f1(row, 1), _f1(row, 3), row[5], row[6], row[7], row[8], row[9])
 
 
 @jit

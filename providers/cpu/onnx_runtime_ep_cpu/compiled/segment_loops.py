@@ -183,3 +183,11 @@ def sigmoid_float32_into(x, y):
     """y = 1 / (1 + exp(-x)) over flat float32 arrays, by transformer.sigmoid_float32."""
     for i in range(x.size):
         y[i] = sigmoid_float32(x[i])
+
+
+@jit
+def add_float32_into(a, b, y):
+    """y = a + b over flat float32 arrays of one size (a residual sum of two blocked values: their padded lanes
+    too, which nothing reads)."""
+    for i in range(y.size):
+        y[i] = a[i] + b[i]
