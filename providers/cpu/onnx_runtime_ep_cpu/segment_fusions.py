@@ -10,9 +10,9 @@ operator's algorithm.
 
 A segment is a maximal run of nodes, consecutive in the graph's order, of the operators in SEGMENT_OPS
 (convolutions, their activations, pooling, residual sums, squeeze-excitation products, the classifier head)
-whose outputs have at most MAX_VALUE_ELEMENTS elements, with at least MIN_CONVOLUTIONS convolutions. Its inputs
-are what its nodes read from outside it (weights included), its outputs what anything after it (or the graph)
-reads.
+whose outputs have at most MAX_VALUE_ELEMENTS elements, with at least MIN_CONVOLUTIONS convolutions; integer shape
+arithmetic between them that reads none of their outputs moves before the segment. Its inputs are what its nodes
+read from outside it (weights included), its outputs what anything after it (or the graph) reads.
 
 The environment variable ONNX_RUNTIME_SEGMENTS=0 turns the fusion off (sessions created after it is set run
 the nodes one by one, as before it existed: for comparisons).
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 
+from onnx_runtime.dtypes import DataType
 from onnx_runtime.ir import Graph, Node, ValueInfo
 from onnx_runtime.loader import implicit_inputs
 
@@ -73,19 +74,41 @@ def small_value(graph: Graph, node: Node) -> bool:
     return count <= MAX_VALUE_ELEMENTS
 
 
-def _runs(graph: Graph, owns) -> list[list[Node]]:
-    runs: list[list[Node]] = []
+_SHAPE_TYPES = frozenset({DataType.INT64, DataType.INT32})
+
+
+def shape_arithmetic(graph: Graph, node: Node) -> bool:
+    """Whether the node computes integer values (int64 or int32 tensors): a dynamic export's shape arithmetic (a
+    channel shuffle's Reshape target from Shape, Gather, Div, Unsqueeze and Concat), which a segment does not
+    take: its plan holds arrays, and a Div of two scalars is none."""
+    infos = [graph.type_of(name) for name in node.outputs if name]
+    return bool(infos) and all(info is not None and info.is_tensor and info.dtype in _SHAPE_TYPES for info in infos)
+
+
+def _runs(graph: Graph, owns) -> list[tuple[list[Node], list[Node]]]:
+    """(run, hoisted) per segment: the run's nodes, and the shape arithmetic between them that reads nothing the
+    run makes, which goes before the segment (a Reshape in the run may read it)."""
+    runs: list[tuple[list[Node], list[Node]]] = []
     current: list[Node] = []
+    hoisted: list[Node] = []
+    made: set[str] = set()
     for node in graph.nodes:
-        if _takes(node) and (owns is None or owns(node)) and small_value(graph, node):
+        shapes = shape_arithmetic(graph, node)
+        if not shapes and _takes(node) and (owns is None or owns(node)) and small_value(graph, node):
             current.append(node)
+            made.update(name for name in node.outputs if name)
+            continue
+        if current and shapes and not node.subgraphs() \
+                and not any(name in made for name in [*node.inputs, *implicit_inputs(node)]):
+            hoisted.append(node)
             continue
         if current:
-            runs.append(current)
-        current = []
+            runs.append((current, hoisted))
+        current, hoisted, made = [], [], set()
     if current:
-        runs.append(current)
-    return [run for run in runs if sum(n.op_type in _CONVOLUTIONS for n in run) >= MIN_CONVOLUTIONS]
+        runs.append((current, hoisted))
+    return [(run, hoisted) for run, hoisted in runs
+            if sum(n.op_type in _CONVOLUTIONS for n in run) >= MIN_CONVOLUTIONS]
 
 
 def segments_on() -> bool:
@@ -102,8 +125,9 @@ def fuse_segments(graph: Graph, owns=None) -> bool:
         return False
     graph_outputs = {vi.name for vi in graph.outputs}
     changed = False
-    for index, run in enumerate(runs):
+    for index, (run, hoisted) in enumerate(runs):
         members = {id(n) for n in run}
+        moved = {id(n) for n in hoisted}
         position = {id(n): i for i, n in enumerate(graph.nodes)}
         producer = graph.producers()
         produced: list[str] = [o for n in run for o in n.outputs if o]
@@ -133,6 +157,6 @@ def fuse_segments(graph: Graph, owns=None) -> bool:
                      domain=FUSED_DOMAIN, attrs={"body": body}, opset=1)
         nodes = graph.nodes
         at = nodes.index(run[0])
-        graph.nodes = nodes[:at] + [fused] + [n for n in nodes[at:] if id(n) not in members]
+        graph.nodes = nodes[:at] + hoisted + [fused] + [n for n in nodes[at:] if id(n) not in members | moved]
         changed = True
     return changed
