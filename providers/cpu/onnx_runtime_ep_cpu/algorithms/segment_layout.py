@@ -31,14 +31,19 @@ _ELEMENTWISE = frozenset({"swish_float32_into", "hard_sigmoid_into", "sigmoid_fl
 
 
 def _direct_call(steps, span):
-    """The arguments of a node's steps where they are one direct-tiles call of one group, else None."""
+    """The arguments of a node's steps where they are one direct-tiles call, of one group or of groups whose input
+    and output channels are whole blocks of 16 (a RegNet's grouped 3x3: each group a call of its own, _grouped),
+    else None."""
     from ..compiled import directconv
 
     start, end = span
     if end - start != 1:
         return None
     function, arguments = steps[start]
-    if function is not directconv.conv_direct or arguments[1].shape[0] != 1:
+    if function is not directconv.conv_direct:
+        return None
+    groups = arguments[1].shape[0]
+    if groups > 1 and (arguments[0].shape[1] // groups % 16 or arguments[7].shape[1] // groups % 16):
         return None
     return arguments
 
@@ -121,11 +126,7 @@ class _Kinds:
                 if arguments is not None:
                     self.excite[index] = (set(members), inner.inputs[0], product, arguments)
                 continue
-            arguments = _direct_call(steps, span)
-            if arguments is None and index in self.into_concat:
-                found = _part_call(steps, span)
-                if found is not None:
-                    arguments, self.parts[index] = found
+            arguments = self._direct_arguments(index, steps, span)
             if arguments is not None:
                 self.direct[index] = arguments
                 continue
@@ -139,6 +140,20 @@ class _Kinds:
                 if found is not None:
                     self.depthwise[index] = found
         self.concats: dict[int, tuple[int, list[int]]] = self._concatenations(segment, env)
+
+    def _direct_arguments(self, index, steps, span):
+        """The direct-tiles call's arguments of a convolution that can read or write blocked, else None: a part of
+        a concatenation (one group only) through its own buffer and copy (_part_call) where it has one."""
+        arguments = _direct_call(steps, span)
+        if index not in self.into_concat:
+            return arguments
+        if arguments is not None and arguments[1].shape[0] == 1:
+            return arguments
+        found = _part_call(steps, span)
+        if found is None or found[0][1].shape[0] > 1:
+            return None
+        arguments, self.parts[index] = found
+        return arguments
 
     def _concatenations(self, segment, env) -> dict:
         """final slot -> (first slot, part indices) of each concatenation whose parts (into_concat, in order) all
@@ -310,7 +325,8 @@ def block_direct_runs(segment, steps: list, spans: dict, env: list, blocks: dict
     scratch += sum(a.nbytes for f, arguments in steps if f is _gathered().conv_gathered for a in arguments[8:11])
     from ..compiled.directconv_blocked import conv_blocked
 
-    scratch += sum(arguments[8].nbytes for f, arguments in steps if f is conv_blocked)  # (its padded source)
+    sources = {id(arguments[8]): arguments[8] for f, arguments in steps if f is conv_blocked}  # (groups share one)
+    scratch += sum(source.nbytes for source in sources.values())  # (their padded sources)
     return steps, scratch
 
 
@@ -436,6 +452,9 @@ def _block_direct(inner, arguments, chosen, buffers, steps, at, part=None, conca
                                                  (part.itemsize,))
     if residual.size and residual_slot in chosen:
         residual = buffers[residual_slot]
+    if weights.shape[0] > 1:
+        steps[at] = _grouped(arguments, flat_x, x_slot in chosen, flat_y, y_blocked, residual, offsets)
+        return
     if x_slot in chosen and y_slot in chosen and concatenation is None and y.shape[3] < _gathered().PIXELS \
             and (not residual.size or residual_slot in chosen):
         steps[at] = _gathered_step(flat_x, weights, offsets, bias, residual, bounds, flags, flat_y, x.shape,
@@ -446,6 +465,32 @@ def _block_direct(inner, arguments, chosen, buffers, steps, at, part=None, conca
     steps[at] = (kernel.conv_blocked, (
         flat_x, weights, offsets, bias, residual, bounds, flags, flat_y, source, sh, sw, top, left, height, width,
         in_place, *x.shape, x_slot in chosen, *y.shape[1:], y_blocked, y_image))
+
+
+def _grouped(arguments, flat_x, x_blocked: bool, flat_y, y_blocked: bool, residual, offsets) -> list:
+    """A grouped convolution's steps over blocked or plain values: one conv_blocked call per image and group, each
+    over its group's channels (whole blocks of 16 in and out: _direct_call), sharing one padded source."""
+    from ..compiled import directconv_blocked as kernel
+
+    x, weights, _, bias, _, bounds, flags, y, sh, sw, top, left, height, width, in_place = arguments
+    images, channels, rows, columns = x.shape
+    groups, outputs, oh, ow = weights.shape[0], y.shape[1], y.shape[2], y.shape[3]
+    per_group, out_group = channels // groups, outputs // groups
+    x_image = -(-channels // 16) * 16 * rows * columns if x_blocked else channels * rows * columns
+    y_image = -(-outputs // 16) * 16 * oh * ow if y_blocked else outputs * oh * ow
+    flat_residual = residual.reshape(-1)
+    source = np.zeros(kernel.source_size(per_group, int(height), int(width), int(sw), x_blocked, bool(in_place)),
+                      np.float32)
+    steps = []
+    for n in range(images):
+        for g in range(groups):
+            into = n * y_image + g * out_group * oh * ow
+            steps.append((kernel.conv_blocked, (
+                flat_x[n * x_image + g * per_group * rows * columns:], weights[g:g + 1], offsets, bias[g:g + 1],
+                flat_residual[into:] if residual.size else residual, bounds, flags, flat_y[into:], source, sh, sw,
+                top, left, height, width, in_place, 1, per_group, rows, columns, x_blocked, out_group, oh, ow,
+                y_blocked, 0)))
+    return steps
 
 
 def _gathered():
