@@ -14,7 +14,7 @@ from model_helpers import bound_plan
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime_ep_cpu.compiled import blocked_ops, deferred, host
 from reference64 import run_float64
-from test_segment_fusion import _segment_and_feeds
+from test_segment_fusion import _segment_and_feeds, segment_matches_references
 
 pytestmark = pytest.mark.skipif(not host.AVX2, reason="the direct tiles need AVX2")
 
@@ -278,16 +278,4 @@ def test_blocked_average_pools_match_float64_and_onnxruntime(batch, include_pad)
     ((plan,),) = segment.plans.values()
     called = _called(bound_plan(plan))
     assert called.count("average_pool_blocked") == 2 and "pool_2d" not in called
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = 1
-    oracle = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    for run in range(2):
-        x = rng.standard_normal(x.shape).astype(np.float32) * (run + 1)
-        feeds = [x if f.shape == x.shape and f.flags.writeable else f for f in feeds]
-        got = dict(zip(segment.output_names, segment(*feeds)))
-        exact = dict(zip(_OUTPUTS, run_float64(model, {"x": x})))
-        theirs = dict(zip(_OUTPUTS, oracle.run(None, {"x": x})))
-        for name, wide in exact.items():
-            bound = 2e-5 * (1 + np.abs(wide).max())
-            assert got[name].shape == wide.shape and np.abs(got[name] - wide).max() <= bound, (name, run)
-            assert np.abs(got[name] - theirs[name]).max() <= bound, (name, run)
+    segment_matches_references(model, segment, feeds, x.shape, rng)

@@ -129,6 +129,27 @@ def _segment_and_feeds(model, x):
     return Segment(node), feeds
 
 
+def segment_matches_references(model, segment, feeds, shape, rng, runs: int = 2, tolerance: float = 2e-5) -> None:
+    """``runs`` inputs of ``shape`` (the graph input "x"; each run's values larger) through ``segment``: every output
+    within ``tolerance`` (relative to the largest reference value, plus itself) of a float64 reference and of
+    onnxruntime on one thread."""
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1
+    oracle = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in model.graph.output]
+    for run in range(runs):
+        x = rng.standard_normal(shape).astype(np.float32) * (run + 1)
+        fed = [x if f.shape == x.shape and f.flags.writeable else f for f in feeds]
+        got = dict(zip(segment.output_names, segment(*fed)))
+        exact = dict(zip(names, run_float64(model, {"x": x})))
+        theirs = dict(zip(names, oracle.run(None, {"x": x})))
+        for name, wide in exact.items():
+            bound = tolerance * (1 + np.abs(wide).max())
+            assert got[name].shape == wide.shape and got[name].dtype == np.float32, (name, run)
+            assert np.abs(got[name] - wide).max() <= bound, (name, run)
+            assert np.abs(got[name] - theirs[name]).max() <= bound, (name, run)
+
+
 def _settled(segment, feeds) -> None:
     """A first run plans the segment; on a cold numba cache the loops it binds may be compiled by the loader's
     child meanwhile (a provisional plan): after wait_ready they are linked and the plan final."""

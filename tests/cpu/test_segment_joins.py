@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime
 import pytest
 from model_helpers import bound_plan
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime_ep_cpu.compiled import blocked_ops, deferred, host
-from reference64 import run_float64
-from test_segment_fusion import _segment_and_feeds
+from test_segment_fusion import _segment_and_feeds, segment_matches_references
 from test_segment_split import split_run_matches_float64
 
 pytestmark = pytest.mark.skipif(not host.AVX2, reason="the chained loops (direct tiles) need AVX2")
@@ -72,18 +70,7 @@ def test_ghost_modules_concatenate_and_add_blocked_within_rounding(batch, half):
     names = _names(bound_plan(plan))
     assert names.count("copy_channels_blocked") == 4 and names.count("add_float32_into") == 1
     assert names.count("depthwise_blocked") == 2 and "conv_direct" not in names
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = 1
-    oracle = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    for run in range(2):
-        x = rng.standard_normal(x.shape).astype(np.float32) * (run + 1)
-        fed = [x if f.shape == x.shape and f.flags.writeable else f for f in feeds]
-        (got,) = segment(*fed)
-        (exact,) = run_float64(model, {"x": x})
-        (theirs,) = oracle.run(None, {"x": x})
-        bound = 2e-5 * (1 + np.abs(exact).max())
-        assert got.shape == exact.shape and np.abs(got - exact).max() <= bound, run
-        assert np.abs(got - theirs).max() <= bound, run
+    segment_matches_references(model, segment, feeds, x.shape, rng)
 
 
 def test_ghost_batch_splits_into_image_ranges_on_two_threads():

@@ -267,6 +267,16 @@ def max_pool_blocked(x, offsets, y, images, blocks, height, width, oh, ow, sh, s
                      padded_width, tile):
     """A 2-D max pool over the blocked flat ``x`` into the blocked flat ``y``, depthwise_blocked's tiles over
     ``source`` whose borders hold -inf (padding never taken: a window wholly in it gives -inf)."""
+    _pool_blocks(x, offsets, tile, y, images, blocks, height, width, oh, ow, sh, sw, top, left, source, padded_height,
+                 padded_width, tile, False)
+
+
+@jit
+def _pool_blocks(x, offsets, scale, y, images, blocks, height, width, oh, ow, sh, sw, top, left, source,
+                 padded_height, padded_width, tile, mean):
+    """max_pool_blocked's and average_pool_blocked's loop: each block copied into ``source``'s borders (unless the
+    windows read ``x`` in place), then tiles of PIXELS pixels of a row, by _mean_tile where ``mean`` (``scale``
+    its factors) else _max_tile."""
     depth = offsets.shape[0]
     pixels = min(PIXELS, ow)
     row_floats = width * CHANNELS
@@ -285,10 +295,14 @@ def max_pool_blocked(x, offsets, y, images, blocks, height, width, oh, ow, sh, s
                     ox = min(ox, ow - pixels)
                     begin = offset + (oy * sh * padded_width + ox * sw) * CHANNELS
                     out = target + (oy * ow + ox) * CHANNELS
-                    if pixels == PIXELS:
-                        _max_tile(image, begin, offsets, depth, sw * CHANNELS, y, out)
+                    whole = pixels == PIXELS
+                    if mean:
+                        _mean_tile(image, begin, offsets, depth, sw * CHANNELS, scale, oy * ow + ox,
+                                   y if whole else tile, out if whole else 0)
                     else:
-                        _max_tile(image, begin, offsets, depth, sw * CHANNELS, tile, 0)
+                        _max_tile(image, begin, offsets, depth, sw * CHANNELS, y if whole else tile,
+                                  out if whole else 0)
+                    if not whole:
                         y[out:out + pixels * CHANNELS] = tile[:pixels * CHANNELS]
 
 
@@ -341,29 +355,8 @@ def average_pool_blocked(x, offsets, scale, y, images, blocks, height, width, oh
                          padded_height, padded_width, tile):
     """A 2-D average pool over the blocked flat ``x`` into the blocked flat ``y``, max_pool_blocked's tiles over
     ``source`` whose borders hold zeros: each window's sum times its output's ``scale`` (mean_scale)."""
-    depth = offsets.shape[0]
-    pixels = min(PIXELS, ow)
-    row_floats = width * CHANNELS
-    in_place = top == 0 and left == 0 and padded_height == height and padded_width == width and ow >= PIXELS
-    for n in range(images):
-        for b in range(blocks):
-            base = (n * blocks + b) * height * row_floats
-            if in_place:
-                image, offset = x, base
-            else:
-                _fill(x, base, height, row_floats, source, top, left, padded_width)
-                image, offset = source, 0
-            target = (n * blocks + b) * oh * ow * CHANNELS
-            for oy in range(oh):
-                for ox in range(0, ow, PIXELS):
-                    ox = min(ox, ow - pixels)
-                    begin = offset + (oy * sh * padded_width + ox * sw) * CHANNELS
-                    out = target + (oy * ow + ox) * CHANNELS
-                    if pixels == PIXELS:
-                        _mean_tile(image, begin, offsets, depth, sw * CHANNELS, scale, oy * ow + ox, y, out)
-                    else:
-                        _mean_tile(image, begin, offsets, depth, sw * CHANNELS, scale, oy * ow + ox, tile, 0)
-                        y[out:out + pixels * CHANNELS] = tile[:pixels * CHANNELS]
+    _pool_blocks(x, offsets, scale, y, images, blocks, height, width, oh, ow, sh, sw, top, left, source, padded_height,
+                 padded_width, tile, True)
 
 
 @jit
