@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime
 import pytest
 from model_helpers import bound_plan
 from onnx import TensorProto, helper, numpy_helper
@@ -81,20 +80,7 @@ def test_blocked_blocks_match_float64_and_onnxruntime(batch, gate):
     assert called.count("depthwise_blocked") == 3
     assert called.count("squeeze_excite_blocked") == 1 and called.count("max_pool_blocked") == 1
     assert "plane_means_blocked" not in called  # "tail" is an output: plain, and so is its pool's input
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = 1
-    oracle = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    for run in range(3):
-        x = rng.standard_normal(x.shape).astype(np.float32) * (run + 1)
-        feeds = [x if f.shape == x.shape and f.flags.writeable else f for f in feeds]
-        got = dict(zip(segment.output_names, segment(*feeds)))
-        exact = dict(zip(_OUTPUTS, run_float64(model, {"x": x})))
-        theirs = dict(zip(_OUTPUTS, oracle.run(None, {"x": x})))
-        for name, wide in exact.items():
-            assert got[name].shape == wide.shape and got[name].dtype == np.float32
-            bound = 2e-5 * (1 + np.abs(wide).max())
-            assert np.abs(got[name] - wide).max() <= bound, (name, run)
-            assert np.abs(got[name] - theirs[name]).max() <= bound, (name, run)
+    segment_matches_references(model, segment, feeds, x.shape, rng, runs=3)
 
 
 @pytest.mark.parametrize("op", ["GlobalAveragePool", "ReduceMean"])

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime
 import pytest
 from model_helpers import bound_plan
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime_ep_cpu.algorithms import segment_steps
 from onnx_runtime_ep_cpu.compiled import deferred, host
 from onnx_runtime_ep_cpu.compiled import directconv_blocked as blocked
-from reference64 import run_float64
-from test_segment_fusion import _segment_and_feeds
+from test_segment_fusion import _segment_and_feeds, segment_matches_references
 
 pytestmark = pytest.mark.skipif(not host.AVX2, reason="the direct tiles need AVX2")
 
@@ -70,20 +68,7 @@ def test_blocked_runs_match_float64_and_onnxruntime(batch):
     plan = bound_plan(plan)
     modes = _modes(plan)
     assert (False, True) in modes and (True, True) in modes and (True, False) in modes
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = 1
-    oracle = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    for run in range(3):
-        x = rng.standard_normal(x.shape).astype(np.float32) * (run + 1)
-        feeds = [x if f.shape == x.shape and f.flags.writeable else f for f in feeds]
-        got = dict(zip(segment.output_names, segment(*feeds)))
-        exact = dict(zip(["pool", "c5"], run_float64(model, {"x": x})))
-        theirs = dict(zip(["pool", "c5"], oracle.run(None, {"x": x})))
-        for name, wide in exact.items():
-            assert got[name].shape == wide.shape and got[name].dtype == np.float32
-            bound = 1e-5 * (1 + np.abs(wide).max())
-            assert np.abs(got[name] - wide).max() <= bound, (name, run)
-            assert np.abs(got[name] - theirs[name]).max() <= bound, (name, run)
+    segment_matches_references(model, segment, feeds, x.shape, rng, runs=3, tolerance=1e-5)
 
 
 def test_plain_and_blocked_plans_agree(monkeypatch):

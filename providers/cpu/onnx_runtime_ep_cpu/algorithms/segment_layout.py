@@ -476,8 +476,7 @@ def _grouped(arguments, flat_x, x_blocked: bool, flat_y, y_blocked: bool, residu
     images, channels, rows, columns = x.shape
     groups, outputs, oh, ow = weights.shape[0], y.shape[1], y.shape[2], y.shape[3]
     per_group, out_group = channels // groups, outputs // groups
-    x_image = -(-channels // 16) * 16 * rows * columns if x_blocked else channels * rows * columns
-    y_image = -(-outputs // 16) * 16 * oh * ow if y_blocked else outputs * oh * ow
+    x_image, y_image = channels * rows * columns, outputs * oh * ow  # (whole blocks: as long blocked as plain)
     flat_residual = residual.reshape(-1)
     source = np.zeros(kernel.source_size(per_group, int(height), int(width), int(sw), x_blocked, bool(in_place)),
                       np.float32)
