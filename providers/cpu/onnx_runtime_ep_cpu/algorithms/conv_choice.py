@@ -86,8 +86,8 @@ STEM_CHANNELS, CHANNELS_PER_TILE = 4, 16
 # On one thread, up to LANE_MACS multiply-adds per image, the direct tiles take a convolution whose lanes they
 # fill enough better than the packed convolution (_lane_costs) to pay DIRECT_LANE_COST, their cost per lane step
 # over the packed one's: 48 outputs fill three 16-channel tiles, one and a half of the packed 32-channel ones.
-# Measured on 3x3 layers of 4-29M on 14x14 and 28x28 maps, that cost ran 0.9-1.27 (deeper inputs higher); a
-# 56x56 map of 58M took the direct tiles 1.4x the packed time. This constant's commit.
+# Both constants fitted to 3x3 layers on 14x14 to 32x32 maps; past LANE_MACS (a 56x56 map) the direct tiles lost
+# even where they filled more lanes (benchmarks/RESULTS.md, thirty-fifth session).
 LANE_MACS, DIRECT_LANE_COST = 1 << 25, 1.15
 # Multiply-adds per image up to which a single-row convolution takes the direct tiles on one thread (beyond, the
 # packed convolution caught up on Whisper-like 1-D layers; measured in this constant's commit).
