@@ -225,3 +225,40 @@ def _session_of(model, **config):
     for key, value in config.items():
         options.add_session_config_entry(key, value)
     return ort.InferenceSession(model, options, providers=["cpu"])
+
+
+@functools.cache
+def _chunk_model():
+    """A channel chunk as torch's exporter writes it for a dynamic shape: the bound ``Mul(Div(C, 2), 1)`` ends a
+    Slice, and a Reshape reads the slice's own Shape. The optimized graph drops the multiplication by one, so the
+    bound's value exists only as the model's node, which the model's inference reads."""
+    inits = [_init("one", np.array(1)), _init("two", np.array(2)), _init("axes0", np.array([0])),
+             _init("start", np.array([0])), _init("channel_axis", np.array([1])), _init("gather0", np.array(0)),
+             _init("gather2", np.array(2)), _init("groups", np.array([2])), _init("minus1", np.array([-1]))]
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Gather", ["shape", "channel_axis"], ["channels"]),
+        helper.make_node("Div", ["channels", "two"], ["half"]),
+        helper.make_node("Mul", ["half", "one"], ["bound"]),
+        helper.make_node("Slice", ["x", "start", "bound", "channel_axis"], ["chunk"]),
+        helper.make_node("Relu", ["chunk"], ["active"]),
+        helper.make_node("Shape", ["active"], ["active_shape"]),
+        helper.make_node("Gather", ["active_shape", "gather0"], ["batch"]),
+        helper.make_node("Gather", ["active_shape", "gather2"], ["length"]),
+        helper.make_node("Unsqueeze", ["batch", "axes0"], ["batch1"]),
+        helper.make_node("Unsqueeze", ["length", "axes0"], ["length1"]),
+        helper.make_node("Concat", ["batch1", "groups", "minus1", "length1"], ["target"], axis=0),
+        helper.make_node("Reshape", ["active", "target"], ["y"]),
+    ]
+    inputs = [tensor_info("x", TensorProto.FLOAT, ["batch", "channels", "length"])]
+    return make_model(nodes, inputs, [tensor_info("y", TensorProto.FLOAT, None)], inits, opset=17).SerializeToString()
+
+
+def test_values_the_optimized_graph_dropped_are_computed_from_the_model_and_the_shapes_fold():
+    sess = ort.InferenceSession(_chunk_model(), providers=["cpu"])
+    x = RNG.standard_normal((2, 8, 5)).astype(np.float32)
+    (y,) = sess.run(None, {"x": x})
+    want = np.maximum(x[:, :4].astype(np.float64), 0).reshape(2, 2, 2, 5)
+    assert y.shape == want.shape and np.abs(y - want).max() == 0
+    ops = _ops(sess.graph_for({"x": x}))
+    assert not {"Shape", "Gather", "Div", "Concat"} & set(ops), ops

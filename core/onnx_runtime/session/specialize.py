@@ -23,18 +23,20 @@ import gc
 import operator
 import threading
 import warnings
+from collections import ChainMap
 from collections.abc import Callable
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..ir import Graph, ValueInfo, clone_graph
-from ..loader import SHAPE_VALUE_LIMIT, SerializedModel, convert_type, infer_graph
+from .. import budget
+from ..ir import Graph, Node, ValueInfo, clone_graph
+from ..loader import SHAPE_VALUE_LIMIT, SerializedModel, convert_attribute, convert_type, infer_graph
 from ..memory import MemoryBudgetError
 from ..memory.activations import symbols_bound
 from ..optimizer import PassContext
-from ..optimizer.constant_folding import fold_constants_everywhere
+from ..optimizer.constant_folding import FOLDABLE_DOMAINS, NONDETERMINISTIC, fold_constants_everywhere
 from ..proto_walk import all_graphs, node_subgraphs
 from ..provider_handle import ProviderHandle
 from .executor import Executor
@@ -46,6 +48,8 @@ LIMIT = 8
 MATCHED = 4096  # signatures kept per session with the template executor that serves them
 # Rounds of inference and folding; exported models settle in two or three.
 MAX_ROUNDS = 6
+# The most bytes one model node evaluated for inference (Specializer._derived) may make: shape values are small.
+DERIVED_BYTES = SHAPE_VALUE_LIMIT * 8
 
 
 @contextlib.contextmanager
@@ -262,6 +266,7 @@ class Specializer:
         rounds alternate between them, inference seeing what folding found, until neither finds more."""
         context = PassContext(graph, self._handles)
         found: dict[str, np.ndarray] = dict(self._creation_constants)
+        dropped = self._dropped(graph)
         for _ in range(MAX_ROUNDS):
             inferred = self._infer(dims, found)
             if inferred is None:
@@ -276,10 +281,77 @@ class Specializer:
             computed = {**context.folded, **_constants(graph)}
             new = {name: value for name, value in computed.items()
                    if name not in found and name in self._produced and value.size <= SHAPE_VALUE_LIMIT}
-            if not new:
-                return True
             found.update(new)
+            # The model's own nodes over what is now known: the optimized graph may no longer hold a node the
+            # model's inference needs the value of (a ShuffleNet's chunk bound ``Mul(Div(c, 2), 1)``, removed as
+            # a multiplication by one, fed a Slice whose channels then stayed unknown, and every shape after it).
+            derived = self._derived(dropped, found, context, graph)
+            if not new and not derived:
+                return True
+            found.update(derived)
         return True
+
+    @functools.cached_property
+    def _small_initializers(self) -> dict[str, np.ndarray]:
+        small: dict[str, np.ndarray] = {}
+        for init in self._proto.graph.initializer:
+            if _elements(init) <= SHAPE_VALUE_LIMIT and init.data_location != onnx.TensorProto.EXTERNAL:
+                with contextlib.suppress(Exception):
+                    small[init.name] = numpy_helper.to_array(init)
+        return small
+
+    def _dropped(self, graph: Graph) -> list[onnx.NodeProto]:
+        """The model's main-graph nodes (standard domains, with inputs, no subgraphs) that compute a value
+        ``graph`` (the optimized graph, before this signature's folding) no longer holds: folding over ``graph``
+        can never find those values, and the model's inference may need them."""
+        held = set(graph.initializers)
+        held.update(out for node in graph.nodes for out in node.outputs)
+        dropped = []
+        for proto_node in self._proto.graph.node:
+            if proto_node.input and proto_node.op_type not in NONDETERMINISTIC \
+                    and (proto_node.domain or "") in FOLDABLE_DOMAINS | {"ai.onnx"} \
+                    and any(out and out not in held for out in proto_node.output) \
+                    and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                                for a in proto_node.attribute):
+                dropped.append(proto_node)
+        return dropped
+
+    def _derived(self, dropped: list[onnx.NodeProto], found: dict[str, np.ndarray], context: PassContext,
+                 graph: Graph) -> dict[str, np.ndarray]:
+        """Values of ``dropped`` nodes whose inputs are all known (``found`` or small initializers) and which
+        ``found`` lacks, evaluated in order as constant folding evaluates a node (a host provider's kernel); only
+        small results are kept. A node evaluated, kept or not, leaves ``dropped``."""
+        opsets = {entry.domain or "": entry.version for entry in self._model_proto.opset_import}
+        known = ChainMap({}, found, self._small_initializers)
+        derived = known.maps[0]
+        for proto_node in list(dropped):
+            if any(name and name not in known for name in proto_node.input):
+                continue
+            dropped.remove(proto_node)
+            if all(out in known for out in proto_node.output if out):
+                continue
+            inputs = [known[name] if name else None for name in proto_node.input]
+            if any(array is not None and array.size > SHAPE_VALUE_LIMIT for array in inputs):
+                continue
+            domain = "" if proto_node.domain == "ai.onnx" else proto_node.domain
+            try:
+                attrs = {a.name: convert_attribute(a, opsets, None) for a in proto_node.attribute}
+            except Exception:
+                continue
+            node = Node(proto_node.op_type, list(proto_node.input), list(proto_node.output), proto_node.name,
+                        domain, attrs, opsets.get(domain, 0))
+            token = budget.enter(DERIVED_BYTES)  # a ConstantOfShape or Expand asked for more refuses before allocating
+            try:
+                results = context.evaluate(node, graph, inputs)
+            finally:
+                budget.leave(token)
+            if results is None or len(results) < len(proto_node.output):
+                continue
+            values = {out: np.asarray(value) for out, value in zip(proto_node.output, results) if out}
+            if all(isinstance(value, np.ndarray) and value.dtype != object and value.size <= SHAPE_VALUE_LIMIT
+                   for value in values.values()):
+                derived.update(values)
+        return derived
 
     def _infer(self, dims: tuple, found: dict[str, np.ndarray]) -> onnx.GraphProto | None:
         """onnx shape inference over the model with input shapes ``dims`` and the values ``found`` so far as
