@@ -322,8 +322,8 @@ class Specializer:
         ``found`` lacks, evaluated in order as constant folding evaluates a node (a host provider's kernel); only
         small results are kept. A node evaluated, kept or not, leaves ``dropped``."""
         opsets = {entry.domain or "": entry.version for entry in self._model_proto.opset_import}
-        known = ChainMap({}, found, self._small_initializers)
-        derived = known.maps[0]
+        derived: dict[str, np.ndarray] = {}
+        known = ChainMap(derived, found, self._small_initializers)
         for proto_node in list(dropped):
             if any(name and name not in known for name in proto_node.input):
                 continue
