@@ -5,12 +5,17 @@ unboxes every argument again on each call (about half a microsecond for a direct
 more consecutive steps call loops of PATTERNS with arguments of their pattern's types, ``chained`` writes them
 as rows of one table for ``run_chain``: one call, two arrays to unbox, the same loops on the same buffers in
 the same order (the same values bit for bit). ``CHAIN`` turns it off (plans made after the change).
+
+With more than one thread, a table of one image whose direct convolutions are large enough runs through
+``run_chain_split`` instead: those rows' tile rows are shared with the helper threads, the other rows run here (a
+batch of several images splits by images instead: segment_split.py, whose parts are planned at one thread).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..compiled.directconv import PIXELS
 from .segment_arena import arrays_in
 
 CHAIN = True
@@ -39,6 +44,10 @@ _KINDS = {name: (number, pattern.split()) for number, (name, pattern) in enumera
 _WIDTH = 1 + max(sum({"f2": 3, "f4": 5}.get(c, 2 if c[0] in "fi" and len(c) == 2 else 1) for c in p)
                  for _, p in _KINDS.values())
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+# A direct convolution row of one image shares its tile rows with the helper threads from this many multiply-adds
+# (a split row costs a post and a collect, about a microsecond), in about TASKS_PER_THREAD tasks per thread.
+SPLIT_ROW_MACS = 1 << 19
+TASKS_PER_THREAD = 4
 
 
 def _field(code: str, value, reals: list) -> list | None:
@@ -106,7 +115,7 @@ def chained(steps: list, linked) -> list:
             values = np.array(reals if reals else [0.0], dtype=np.float32)
             if not linked(run_chain, (table, values)):
                 return steps
-            out.append((run_chain, (table, values)))
+            out.append(_threaded(table, values, linked) or (run_chain, (table, values)))
             index = end
         else:
             out.append(steps[index])
@@ -114,8 +123,73 @@ def chained(steps: list, linked) -> list:
     return out if len(out) < len(steps) else steps
 
 
+def _threaded(table: np.ndarray, values: np.ndarray, linked) -> tuple | None:
+    """The step running ``table`` with the helper threads (compiled/conv_chain.run_chain_split), or None where the
+    run has one thread, no row to split, or the split call is not linked yet."""
+    from ..threads import helper_count, kernel_threads
+
+    parts = min(kernel_threads(), 1 + helper_count())
+    if parts < 2:
+        return None
+    splits, bounds = _splits(table, parts)
+    if bounds is None:
+        return None
+    from ..compiled import workers
+    from ..compiled.conv_chain import ROW, run_chain_split
+
+    ranges, claims = np.zeros(parts + 1, dtype=np.int64), np.zeros(parts, dtype=np.int64)
+    arguments = (table, values, splits, bounds, ranges, claims)
+    if not linked(run_chain_split, (*arguments, np.zeros(workers.MAILBOX_SIZE, dtype=np.int64), *workers.NO_HELPERS,
+                                    0)):
+        return None
+    # (the helpers' runner compiled or loaded now: in a plan's trial, a cache miss leaves the plan for later)
+    call, mailbox, helpers, runner = workers.call, workers.local_mailbox, helper_count(), ROW.address()
+
+    def run_chain_threads(table, reals, splits, bounds, ranges, claims):
+        call(run_chain_split, (table, reals, splits, bounds, ranges, claims, mailbox(0)), runner, 0, helpers)
+
+    return run_chain_threads, arguments
+
+
+def _splits(table: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """run_chain_split's ``splits`` and ``bounds`` for ``table`` at ``parts`` threads (bounds None: no row splits):
+    a direct convolution row (blocked or gathered tiles) of one image of at least SPLIT_ROW_MACS multiply-adds, its
+    tiles' rows cut evenly into tasks."""
+    splits = np.zeros((len(table), 2), dtype=np.int64)
+    bounds: list[int] = []
+    for r, row in enumerate(table):
+        shape = _tile_rows(row)
+        if shape is None:
+            continue
+        rows, macs = shape
+        count = min(rows, parts * TASKS_PER_THREAD)
+        if macs < SPLIT_ROW_MACS or count < 2:
+            continue
+        splits[r] = (len(bounds), count)
+        bounds.extend(rows * i // count for i in range(count + 1))
+    return splits, (np.array(bounds, dtype=np.int64) if bounds else None)
+
+
+def _tile_rows(row: np.ndarray) -> tuple[int, int] | None:
+    """(tile rows, multiply-adds) of a direct convolution row of one image (run_chain_split's tasks cut its tile
+    rows); None for another row."""
+    tiles, depth = int(row[_WEIGHTS_AT + 2]), int(row[_WEIGHTS_AT + 3])
+    if row[0] == _KINDS["conv_blocked"][0] and row[_IMAGES_AT] == 1:
+        oh, ow = int(row[_OH_AT]), int(row[_OH_AT + 1])
+        return tiles * oh, tiles * 16 * depth * oh * ow
+    if row[0] == _KINDS["conv_gathered"][0] and row[_GATHERED_IMAGES_AT] == 1:
+        groups = int(row[_STARTS_AT + 1]) // PIXELS
+        return tiles * groups, tiles * 16 * depth * int(row[_GATHERED_IMAGES_AT - 1])
+    return None
+
+
 # conv_blocked's row: x's address and length, then the in_place and x_blocked flags (run_chain's unpacking)
 _X_AT, _IN_PLACE_AT, _X_BLOCKED_AT = 1, 28, 33
+_WEIGHTS_AT, _IMAGES_AT, _OH_AT = 3, 29, 35  # the weights' address and dims (1, tiles, depth, 16); images; oh, ow
+_STARTS_AT, _GATHERED_IMAGES_AT = 22, 27  # conv_gathered's row: its pixel starts (address, length); count, images
+
+
+_CHAIN_CALLS = ("run_chain", "run_chain_threads")
 
 
 def read_in_place(feeds, steps, calls, results) -> tuple:
@@ -135,7 +209,7 @@ def read_in_place(feeds, steps, calls, results) -> tuple:
             continue
         address = buffer.__array_interface__["data"][0]
         for function, arguments in calls:
-            table = arguments[0] if getattr(function, "__name__", "") == "run_chain" else None
+            table = arguments[0] if getattr(function, "__name__", "") in _CHAIN_CALLS else None
             if table is None:
                 continue
             rows = [r for r in range(len(table)) if table[r, 0] == _KINDS["conv_blocked"][0]

@@ -10,6 +10,12 @@ views of the plan's own buffers (which the plan keeps, with the arrays it binds,
 
 ``CHAIN`` is the same call as a job of the helper threads (workers.py): a batch's images split into parts, each
 part a plan of its own over its own buffers (algorithms/segment_split.py), one table per part.
+
+``run_chain_split`` runs one image's table with the helper threads: a row that segment_chain marks in ``splits``
+(a direct convolution, blocked or gathered tiles, large enough) has its tile rows shared out as tasks (``ROW``: the
+calling thread's part and the helpers', each claiming tasks until none is left, so a helper that is late or
+descheduled leaves its tasks to the others), and the next row starts once all are done; the other rows run on the
+calling thread as in run_chain.
 """
 
 from __future__ import annotations
@@ -25,11 +31,12 @@ from .blocked_ops import (
     plane_means_blocked,
     squeeze_excite_blocked,
 )
-from .directconv_blocked import conv_blocked
-from .directconv_gathered import conv_gathered
-from .mailbox import floats, ints
+from .directconv import CHANNELS
+from .directconv_blocked import conv_blocked, fill_blocked, tile_rows
+from .directconv_gathered import conv_gathered, gathered_rows
+from .mailbox import floats, ints, scalar
 from .segment_loops import add_float32_into, hard_sigmoid_into, sigmoid_float32_into, swish_float32_into
-from .workers import Kind, float_array, int_array
+from .workers import Kind, claim_task, collect, float_array, int_array, offer, run_here
 
 
 @jit
@@ -108,17 +115,101 @@ def _gating_row(row, kind, reals):
 
 
 @jit
+def _run_row(row, reals):
+    kind = row[0]
+    if kind <= 2:
+        _convolution_row(row, kind)
+    elif kind in (3, 5, 9):
+        _pooling_row(row, kind)
+    else:
+        _gating_row(row, kind, reals)
+
+
+@jit
 def run_chain(table, reals):
     """Each row of ``table`` (see the module doc): its loop over the arrays at the row's addresses."""
     for r in range(table.shape[0]):
-        row = table[r]
-        kind = row[0]
-        if kind <= 2:
-            _convolution_row(row, kind)
-        elif kind in (3, 5, 9):
-            _pooling_row(row, kind)
+        _run_row(table[r], reals)
+
+
+@jit
+def _fill_row(row):
+    """A direct convolution row's one image copied into its padded source (conv_blocked's or conv_gathered's copy),
+    unless it reads its image in place."""
+    if row[0] == 0 and row[28] == 0:
+        lanes = CHANNELS if row[33] != 0 else 1
+        stored = (row[30] + CHANNELS - 1) // CHANNELS * CHANNELS if row[33] != 0 else row[30]
+        fill_blocked(_f1(row, 1), 0, stored // lanes, lanes, row[31], row[32], _f1(row, 20), row[24], row[25],
+                     row[26], row[27])
+    elif row[0] == 1 and row[35] == 0:
+        fill_blocked(_f1(row, 1), 0, row[28] // CHANNELS, CHANNELS, row[29], row[30], _f1(row, 20), row[31], row[32],
+                     row[33], row[34])
+
+
+@jit
+def _row_tasks(table, bounds, ranges, claims, row_index, part):
+    """One part of a split direct convolution row (kind 0 or 1, one image, its source filled): task i is its tiles'
+    rows bounds[i] .. bounds[i + 1] (directconv_blocked.tile_rows, directconv_gathered.gathered_rows); part p's
+    tasks ranges[p] .. ranges[p + 1], claimed one by one through claims[p], then the other parts' unclaimed ones
+    (workers.claim_task)."""
+    row = table[row_index]
+    gathered = row[0] == 1
+    if gathered:
+        image = _f1(row, 1) if row[35] != 0 else _f1(row, 20)
+    else:
+        image = _f1(row, 1) if row[28] != 0 else _f1(row, 20)
+    cursor = np.zeros(1, dtype=np.int64)
+    while True:
+        i = claim_task(claims, ranges, part, cursor)
+        if i < 0:
+            break
+        if gathered:
+            gathered_rows(image, _f4(row, 3), _i1(row, 8), _f2(row, 10), _f1(row, 13), _f1(row, 15), row[17],
+                          _f1(row, 18), _i1(row, 22), _i1(row, 24), row[26], row[36], bounds[i], bounds[i + 1])
         else:
-            _gating_row(row, kind, reals)
+            tile_rows(image, 0, _f4(row, 3), _i1(row, 8), _f2(row, 10), _f1(row, 13), _f1(row, 15), row[17],
+                      _f1(row, 18), row[22], row[23], row[27], row[33] != 0, row[34], row[35], row[36], row[37] != 0,
+                      row[38], bounds[i], bounds[i + 1])
+
+
+# _row_tasks, one part: a split row's tasks (see run_chain_split).
+ROW = Kind("chain_row", (
+    ints("table", 2), ints("bounds"), ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"),
+    scalar("row_index"), scalar("part"),
+), _row_tasks, home=__name__)
+_write_row = ROW.writer
+
+
+@jit
+def run_chain_split(table, reals, splits, bounds, ranges, claims, own, mailboxes, states, runner):
+    """run_chain over one image's ``table`` with the helper threads (``mailboxes``, ``states``: workers.Helpers';
+    none where another caller holds them): row r with ``splits[r, 1]`` > 1 tasks, their tile-row bounds at
+    ``bounds[splits[r, 0]:]``, is filled here, then shared as ROW parts (part 0 on this thread through ``own``, its
+    mailbox; ``ranges`` and ``claims``, one more and one per part, rewritten for each row), collected before the
+    next row. Returns workers.collect's results or-ed (for Helpers.settle)."""
+    parts = ranges.shape[0] - 1
+    helpers = min(parts - 1, mailboxes.shape[0])
+    result = 0
+    for r in range(table.shape[0]):
+        row = table[r]
+        count = splits[r, 1]
+        if helpers < 1 or count < 2:
+            _run_row(row, reals)
+            continue
+        _fill_row(row)
+        first = splits[r, 0]
+        task_bounds = bounds[first:first + count + 1]
+        for p in range(parts + 1):
+            ranges[p] = count * p // parts
+        for p in range(parts):
+            claims[p] = 0
+        for part in range(1, helpers + 1):
+            _write_row(mailboxes[part - 1], table, task_bounds, ranges, claims, r, part)
+            offer(mailboxes, states, part - 1, runner)
+        _write_row(own, table, task_bounds, ranges, claims, r, 0)
+        run_here(runner, own)
+        result |= collect(mailboxes, states, helpers)
+    return result
 
 
 # run_chain, one part: a sub-batch's plan (its table and float32 scalars).

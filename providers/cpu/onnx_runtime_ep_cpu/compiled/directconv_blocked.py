@@ -47,12 +47,9 @@ def conv_blocked(x, weights, offsets, bias, residual, bounds, flags, y, source, 
     once, whose pads and margin no call writes). ``y_image``: the floats from one image of y to the next, 0 for
     y's own; more where y is one part of a channel concatenation (its first channel of the first image on), the
     residual then none."""
-    tiles, depth = weights.shape[1], weights.shape[2]
+    tiles = weights.shape[1]
     lanes = CHANNELS if x_blocked else 1
     stored = (channels + CHANNELS - 1) // CHANNELS * CHANNELS if x_blocked else channels
-    pixels = min(PIXELS, ow)
-    tile_flags = flags | BLOCKED_OUT if y_blocked else flags
-    y_stride = y_image if y_image > 0 else (tiles * CHANNELS if y_blocked else outputs) * oh * ow
     for n in range(images):
         base = n * stored * height * width
         if in_place:
@@ -60,21 +57,36 @@ def conv_blocked(x, weights, offsets, bias, residual, bounds, flags, y, source, 
         else:
             fill_blocked(x, base, stored // lanes, lanes, height, width, source, top, left, padded_height, padded_width)
             image = source
-        for t in range(tiles):
-            w = weights[0, t].reshape(-1)
-            first = t * CHANNELS
-            count = min(CHANNELS, outputs - first)
-            tile_bias = bias[0, first:]
-            for oy in range(oh):
-                for ox in range(0, ow, PIXELS):
-                    ox = min(ox, ow - pixels)
-                    start = (oy * sh * padded_width + ox * sw) * lanes
-                    if y_blocked:
-                        at = n * y_stride + ((t * oh + oy) * ow + ox) * CHANNELS
-                    else:
-                        at = n * y_stride + (first * oh + oy) * ow + ox
-                    conv_tile(w, image, start, offsets, depth, sw * lanes, y, at, oh * ow, pixels, count, tile_bias,
-                          residual, tile_flags, bounds)
+        tile_rows(image, n, weights, offsets, bias, residual, bounds, flags, y, sh, sw, padded_width, x_blocked,
+                  outputs, oh, ow, y_blocked, y_image, 0, tiles * oh)
+
+
+@jit
+def tile_rows(image, n, weights, offsets, bias, residual, bounds, flags, y, sh, sw, padded_width, x_blocked, outputs,
+              oh, ow, y_blocked, y_image, first, end):
+    """conv_blocked's output rows of image ``n`` from its padded ``image``: rows ``first`` .. ``end`` of its tiles'
+    rows in order (tile t's row oy is t * oh + oy), so that threads can share one image's rows."""
+    tiles, depth = weights.shape[1], weights.shape[2]
+    lanes = CHANNELS if x_blocked else 1
+    pixels = min(PIXELS, ow)
+    tile_flags = flags | BLOCKED_OUT if y_blocked else flags
+    y_stride = y_image if y_image > 0 else (tiles * CHANNELS if y_blocked else outputs) * oh * ow
+    for index in range(first, end):
+        t = index // oh
+        oy = index - t * oh
+        w = weights[0, t].reshape(-1)
+        first_channel = t * CHANNELS
+        count = min(CHANNELS, outputs - first_channel)
+        tile_bias = bias[0, first_channel:]
+        for ox in range(0, ow, PIXELS):
+            ox = min(ox, ow - pixels)
+            start = (oy * sh * padded_width + ox * sw) * lanes
+            if y_blocked:
+                at = n * y_stride + ((t * oh + oy) * ow + ox) * CHANNELS
+            else:
+                at = n * y_stride + (first_channel * oh + oy) * ow + ox
+            conv_tile(w, image, start, offsets, depth, sw * lanes, y, at, oh * ow, pixels, count, tile_bias,
+                      residual, tile_flags, bounds)
 
 
 def source_size(channels: int, padded_height: int, padded_width: int, sw: int, x_blocked: bool,

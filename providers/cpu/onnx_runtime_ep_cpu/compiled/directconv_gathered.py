@@ -114,7 +114,6 @@ def conv_gathered(x, weights, offsets, bias, residual, bounds, flags, y, source,
     after another, each padded_height x padded_width) unless ``in_place``, then for each block of 16 output
     channels the ``count`` pixels of ``starts``/``outs`` (gathered_offsets), ``plane_out`` = OH * OW.
     ``residual`` (flat, y's layout) is read only where ``flags`` has RESIDUAL."""
-    tiles, depth = weights.shape[1], weights.shape[2]
     plane = padded_height * padded_width
     image = x
     if not in_place:
@@ -122,12 +121,23 @@ def conv_gathered(x, weights, offsets, bias, residual, bounds, flags, y, source,
             fill_blocked(x, n * stored * height * width, stored // CHANNELS, CHANNELS, height, width,
                   source[n * stored * plane:], top, left, padded_height, padded_width)
         image = source
+    gathered_rows(image, weights, offsets, bias, residual, bounds, flags, y, starts, outs, count, plane_out, 0,
+                  weights.shape[1] * (starts.shape[0] // PIXELS))
+
+
+@jit
+def gathered_rows(image, weights, offsets, bias, residual, bounds, flags, y, starts, outs, count, plane_out, first,
+                  end):
+    """conv_gathered's tiles from its padded ``image``: tiles ``first`` .. ``end`` in order (block t's pixel group g
+    is t * groups + g), so that threads can share them."""
+    depth = weights.shape[2]
     groups = starts.shape[0] // PIXELS
-    for t in range(tiles):
+    for index in range(first, end):
+        t = index // groups
+        g = index - t * groups
         w = weights[0, t].reshape(-1)
         tile_bias = bias[0, t * CHANNELS:]
         shift = t * plane_out * CHANNELS
-        for g in range(groups):
-            pixels = min(PIXELS, count - g * PIXELS)
-            gathered_tile(w, image, starts, g * PIXELS, offsets, depth, y, outs, shift, pixels, tile_bias, residual,
-                          flags, bounds)
+        pixels = min(PIXELS, count - g * PIXELS)
+        gathered_tile(w, image, starts, g * PIXELS, offsets, depth, y, outs, shift, pixels, tile_bias, residual,
+                      flags, bounds)

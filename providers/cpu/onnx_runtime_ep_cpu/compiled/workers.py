@@ -668,7 +668,7 @@ def _allowed(count: int, refusal: str) -> int:
     return count
 
 
-_NO_HELPERS = (np.zeros((0, MAILBOX_SIZE), dtype=np.int64), np.zeros(0, dtype=np.int64))  # (mailboxes, states)
+NO_HELPERS = (np.zeros((0, MAILBOX_SIZE), dtype=np.int64), np.zeros(0, dtype=np.int64))  # (mailboxes, states)
 
 
 def call(function, arguments: tuple, runner: int, scratch: int, count: int) -> None:
@@ -677,7 +677,7 @@ def call(function, arguments: tuple, runner: int, scratch: int, count: int) -> N
     when there are none or another caller holds them. ``scratch``: the floats each helper's part needs."""
     if count and helpers(count).call(function, arguments, runner, scratch) is not None:
         return
-    function(*arguments, *_NO_HELPERS, runner)
+    function(*arguments, *NO_HELPERS, runner)
 
 
 def run(kind: Kind, parts, count: int, long: bool = False) -> None:

@@ -1,0 +1,134 @@
+"""One image's chained plan shared with the helper threads (compiled/conv_chain.run_chain_split): at two threads a
+segment of batch 1 runs its large direct convolutions' tile rows as tasks of the calling thread and a helper, the
+other rows here. The outputs are the same bits as run_chain over the same table (each tile row's sums are the same
+code in the same order, whichever thread runs them), within float32 rounding of float64 and onnxruntime, from several
+Python threads at once (a caller that finds the helpers held runs every row itself), and only rows of one image
+above the split size are shared."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from onnx_runtime_ep_cpu.algorithms import segment_chain
+from onnx_runtime_ep_cpu.compiled import conv_chain, host, workers
+from onnx_runtime_ep_cpu.tuning import override
+from test_cnn_blocked_layout import _chain_model
+from test_segment_fusion import _segment_and_feeds, segment_matches_references
+from test_segment_split import _fed, _planned
+
+pytestmark = pytest.mark.skipif(not host.AVX2, reason="the chained loops (direct tiles) need AVX2")
+
+
+def _threaded_call(plan):
+    (call,) = [call for call in plan.calls if getattr(call[0], "__name__", "") == "run_chain_threads"]
+    return call
+
+
+def _split_segment(monkeypatch, size: int = 13):
+    """The chain model's segment planned at two threads for one image, every direct convolution row split."""
+    monkeypatch.setattr(segment_chain, "SPLIT_ROW_MACS", 0)
+    model = _chain_model(size)
+    x = np.random.default_rng(21).standard_normal((1, 3, size, size)).astype(np.float32)
+    segment, feeds = _segment_and_feeds(model, x)
+    return model, segment, feeds, _planned(segment, feeds)
+
+
+def test_one_image_shares_its_convolution_rows_within_rounding_of_float64(monkeypatch):
+    with override(threads=2):
+        model, segment, feeds, plan = _split_segment(monkeypatch)
+        _, (table, _, splits, bounds, _, _) = _threaded_call(plan)
+        kinds = segment_chain._KINDS  # noqa: SLF001
+        blocked, gathered = table[:, 0] == kinds["conv_blocked"][0], table[:, 0] == kinds["conv_gathered"][0]
+        conv_rows = blocked | gathered
+        assert blocked.sum() >= 3 and gathered.any(), "direct convolutions in blocked and in gathered tiles"
+        assert (splits[conv_rows, 1] >= 2).all() and (splits[~conv_rows, 1] == 0).all()
+        assert (table[blocked, 28] == 0).any() and (table[blocked, 28] != 0).any(), \
+            "rows that copy their image into a padded source and rows that read it in place"
+        segment_matches_references(model, segment, feeds, (1, 3, 13, 13), np.random.default_rng(22), runs=3)
+
+
+def test_the_shared_rows_give_run_chains_bits(monkeypatch):
+    with override(threads=2):
+        _, segment, feeds, plan = _split_segment(monkeypatch)
+        rng = np.random.default_rng(23)
+        for _ in range(3):
+            x = rng.standard_normal((1, 3, 13, 13)).astype(np.float32)
+            shared = [a.copy() for a in segment(*_fed(feeds, x))]
+            function, arguments = _threaded_call(plan)
+            calls = plan._calls  # noqa: SLF001  (the same plan with run_chain over the same table)
+            plan._calls = tuple((conv_chain.run_chain, a[:2]) if f is function else (f, a) for f, a in calls)  # noqa: SLF001
+            try:
+                alone = segment(*_fed(feeds, x))
+            finally:
+                plan._calls = calls  # noqa: SLF001
+            for a, b in zip(shared, alone):
+                assert np.array_equal(a, b)
+
+
+def test_a_caller_finding_the_helpers_held_runs_every_row_itself(monkeypatch):
+    with override(threads=2):
+        model, segment, feeds, plan = _split_segment(monkeypatch)
+        pool = workers.helpers(1)
+        pool._busy.acquire()  # noqa: SLF001  (another caller holds them)
+        try:
+            segment_matches_references(model, segment, feeds, (1, 3, 13, 13), np.random.default_rng(24))
+        finally:
+            pool._busy.release()  # noqa: SLF001
+
+
+def test_sessions_sharing_rows_from_several_python_threads(monkeypatch):
+    from onnx_runtime import session
+    from reference64 import run_float64
+
+    monkeypatch.setattr(segment_chain, "SPLIT_ROW_MACS", 0)
+    model = _chain_model(13)
+    options = session.SessionOptions()
+    options.intra_op_num_threads = 2
+    options.add_session_config_entry("session.compile_in_background", "0")
+    sess = session.InferenceSession(model.SerializeToString(), sess_options=options)
+    rng = np.random.default_rng(25)
+    inputs = [rng.standard_normal((1, 3, 13, 13)).astype(np.float32) for _ in range(4)]
+    exact = [run_float64(model, {"x": x}) for x in inputs]
+    failures: list = []
+
+    def work(index):
+        try:
+            for _ in range(20):
+                got = sess.run(None, {"x": inputs[index]})
+                for g, e in zip(got, exact[index]):
+                    assert np.abs(g - e).max() <= 2e-5 * (1 + np.abs(e).max())
+        except BaseException as exc:  # noqa: BLE001  (reported below, with the thread's index)
+            failures.append((index, exc))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures
+
+
+def test_only_large_rows_of_one_image_split():
+    """_splits' choice from the rows themselves: a conv_blocked row of one image at or above SPLIT_ROW_MACS gets
+    tasks evenly covering its tiles' rows; a smaller one, one of two images or another loop's row gets none."""
+    kind = segment_chain._KINDS["conv_blocked"][0]  # noqa: SLF001
+    width = segment_chain._WIDTH  # noqa: SLF001
+
+    def row(images, tiles, depth, oh, ow, number=kind):
+        r = np.zeros(width, dtype=np.int64)
+        r[0], r[29], r[35], r[36] = number, images, oh, ow
+        r[4:8] = (1, tiles, depth, 16)
+        return r
+
+    big = segment_chain.SPLIT_ROW_MACS // (16 * 32 * 32) + 1
+    table = np.array([row(1, 2, big, 32, 32), row(1, 1, 1, 32, 32), row(2, 2, big, 32, 32),
+                      row(1, 2, big, 32, 32, number=kind + 3), row(1, 1, big, 1, 1)])
+    splits, bounds = segment_chain._splits(table, 2)  # noqa: SLF001
+    assert splits[1:, 1].tolist() == [0, 0, 0, 0]
+    first, count = splits[0]
+    assert count == 2 * segment_chain.TASKS_PER_THREAD
+    edges = bounds[first:first + count + 1]
+    assert edges[0] == 0 and edges[-1] == 2 * 32 and (np.diff(edges) > 0).all()
+    assert segment_chain._splits(table[1:], 2)[1] is None  # noqa: SLF001
