@@ -8,12 +8,14 @@ above the split size are shared."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 from onnx_runtime_ep_cpu.algorithms import segment_chain
 from onnx_runtime_ep_cpu.compiled import conv_chain, host, workers
 from onnx_runtime_ep_cpu.tuning import override
+from reference64 import run_float64
 from test_cnn_blocked_layout import _chain_model
 from test_segment_fusion import _segment_and_feeds, segment_matches_references
 from test_segment_split import _fed, _planned
@@ -49,22 +51,46 @@ def test_one_image_shares_its_convolution_rows_within_rounding_of_float64(monkey
         segment_matches_references(model, segment, feeds, (1, 3, 13, 13), np.random.default_rng(22), runs=3)
 
 
+def _run_plan(plan, inputs, chain) -> list:
+    """``plan``'s outputs for ``inputs`` with its run_chain_threads call replaced by ``chain(table, reals, splits,
+    bounds)``."""
+    plan.stage(inputs)
+    for function, arguments in plan._calls:  # noqa: SLF001
+        if getattr(function, "__name__", "") == "run_chain_threads":
+            chain(*arguments[:4])
+        else:
+            function(*arguments)
+    return [r.copy() for r in plan._results]  # noqa: SLF001
+
+
+def _in_two_shares(table, reals, splits, bounds):
+    """Each split row as two parts would run it, one after the other on this thread: part 1's share of tasks (part
+    0's marked claimed), then part 0's (part 1's marked claimed); the other rows whole."""
+    for r, row in enumerate(table):
+        first, count = splits[r]
+        if count < 2:
+            conv_chain._run_row(row, reals)  # noqa: SLF001
+            continue
+        conv_chain._fill_row(row)  # noqa: SLF001
+        task_bounds = bounds[first:first + count + 1].copy()
+        ranges = np.array([0, count // 2, count], dtype=np.int64)
+        for part, claims in ((1, [count // 2, 0]), (0, [0, count - count // 2])):
+            conv_chain.ROW.here((table, task_bounds, ranges, np.array(claims, dtype=np.int64), r, part))
+
+
 def test_the_shared_rows_give_run_chains_bits(monkeypatch):
+    """The session's runs (with the helper or not, as it comes) and each split row run in its two shares give the
+    bits run_chain gives over the same table: the shares cover every tile row once, each as one thread does it."""
     with override(threads=2):
         _, segment, feeds, plan = _split_segment(monkeypatch)
         rng = np.random.default_rng(23)
         for _ in range(3):
             x = rng.standard_normal((1, 3, 13, 13)).astype(np.float32)
-            shared = [a.copy() for a in segment(*_fed(feeds, x))]
-            function, arguments = _threaded_call(plan)
-            calls = plan._calls  # noqa: SLF001  (the same plan with run_chain over the same table)
-            plan._calls = tuple((conv_chain.run_chain, a[:2]) if f is function else (f, a) for f, a in calls)  # noqa: SLF001
-            try:
-                alone = segment(*_fed(feeds, x))
-            finally:
-                plan._calls = calls  # noqa: SLF001
-            for a, b in zip(shared, alone):
-                assert np.array_equal(a, b)
+            inputs = _fed(feeds, x)
+            alone = _run_plan(plan, inputs, lambda table, reals, *_: conv_chain.run_chain(table, reals))
+            for got in ([a.copy() for a in segment(*inputs)], _run_plan(plan, inputs, _in_two_shares)):
+                for a, b in zip(got, alone):
+                    assert np.array_equal(a, b)
 
 
 def test_a_caller_finding_the_helpers_held_runs_every_row_itself(monkeypatch):
@@ -80,7 +106,6 @@ def test_a_caller_finding_the_helpers_held_runs_every_row_itself(monkeypatch):
 
 def test_sessions_sharing_rows_from_several_python_threads(monkeypatch):
     from onnx_runtime import session
-    from reference64 import run_float64
 
     monkeypatch.setattr(segment_chain, "SPLIT_ROW_MACS", 0)
     model = _chain_model(13)
@@ -132,3 +157,23 @@ def test_only_large_rows_of_one_image_split():
     edges = bounds[first:first + count + 1]
     assert edges[0] == 0 and edges[-1] == 2 * 32 and (np.diff(edges) > 0).all()
     assert segment_chain._splits(table[1:], 2)[1] is None  # noqa: SLF001
+
+
+@pytest.mark.skipif(not host.HELPER_THREADS, reason="no helper threads on this platform")
+def test_a_sleeping_helper_is_woken_and_the_chain_runs_here_meanwhile(monkeypatch):
+    """A call that finds the helper asleep (idle past its spin) runs the chain on its own thread, within the float64
+    bound, and wakes the helper for the calls after it."""
+    with override(threads=2):
+        model, segment, feeds, plan = _split_segment(monkeypatch)
+        mailbox = workers.helpers(1).mailboxes[0]
+        deadline = time.monotonic() + 5
+        while not mailbox[workers.SLEEPING] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mailbox[workers.SLEEPING], "an idle helper sleeps after its spin"
+        x = np.random.default_rng(26).standard_normal((1, 3, 13, 13)).astype(np.float32)
+        got = segment(*_fed(feeds, x))
+        assert not mailbox[workers.SLEEPING]
+    names = [o.name for o in model.graph.output]
+    for name, exact in zip(names, run_float64(model, {"x": x})):
+        value = dict(zip(segment.output_names, got))[name]
+        assert np.abs(value - exact).max() <= 2e-5 * (1 + np.abs(exact).max())

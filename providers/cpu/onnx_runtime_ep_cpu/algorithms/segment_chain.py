@@ -135,7 +135,7 @@ def _threaded(table: np.ndarray, values: np.ndarray, linked) -> tuple | None:
     if bounds is None:
         return None
     from ..compiled import workers
-    from ..compiled.conv_chain import ROW, run_chain_split
+    from ..compiled.conv_chain import ROW, run_chain, run_chain_split
 
     ranges, claims = np.zeros(parts + 1, dtype=np.int64), np.zeros(parts, dtype=np.int64)
     arguments = (table, values, splits, bounds, ranges, claims)
@@ -144,8 +144,17 @@ def _threaded(table: np.ndarray, values: np.ndarray, linked) -> tuple | None:
         return None
     # (the helpers' runner compiled or loaded now: in a plan's trial, a cache miss leaves the plan for later)
     call, mailbox, helpers, runner = workers.call, workers.local_mailbox, helper_count(), ROW.address()
+    first = workers.helpers(helpers).mailboxes[:1]
+    sleeping, done, posted, wake = workers.SLEEPING, workers.DONE, workers.POSTED, workers.wake
 
     def run_chain_threads(table, reals, splits, bounds, ranges, claims):
+        # A helper asleep, or woken and not running yet (its last job taken back: a virtual CPU takes ~1 ms to run
+        # a woken thread), would take no part: the chain runs here as run_chain, the helper woken for later calls.
+        if not len(first) or first[0, sleeping] or first[0, done] != first[0, posted]:
+            if len(first) and first[0, sleeping]:
+                wake(first[0])
+            run_chain(table, reals)
+            return
         call(run_chain_split, (table, reals, splits, bounds, ranges, claims, mailbox(0)), runner, 0, helpers)
 
     return run_chain_threads, arguments

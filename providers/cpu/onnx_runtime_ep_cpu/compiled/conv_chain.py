@@ -36,7 +36,7 @@ from .directconv_blocked import conv_blocked, fill_blocked, tile_rows
 from .directconv_gathered import conv_gathered, gathered_rows
 from .mailbox import floats, ints, scalar
 from .segment_loops import add_float32_into, hard_sigmoid_into, sigmoid_float32_into, swish_float32_into
-from .workers import Kind, claim_task, collect, float_array, int_array, offer, run_here
+from .workers import Kind, claim_task, collect, finished, float_array, int_array, offer, run_here
 
 
 @jit
@@ -186,7 +186,8 @@ def run_chain_split(table, reals, splits, bounds, ranges, claims, own, mailboxes
     none where another caller holds them): row r with ``splits[r, 1]`` > 1 tasks, their tile-row bounds at
     ``bounds[splits[r, 0]:]``, is filled here, then shared as ROW parts (part 0 on this thread through ``own``, its
     mailbox; ``ranges`` and ``claims``, one more and one per part, rewritten for each row), collected before the
-    next row. Returns workers.collect's results or-ed (for Helpers.settle)."""
+    next row. Once the first helper has not run its part (asleep, or woken and not yet running), the call's other
+    rows run here. Returns workers.collect's results or-ed (for Helpers.settle)."""
     parts = ranges.shape[0] - 1
     helpers = min(parts - 1, mailboxes.shape[0])
     result = 0
@@ -208,7 +209,10 @@ def run_chain_split(table, reals, splits, bounds, ranges, claims, own, mailboxes
             offer(mailboxes, states, part - 1, runner)
         _write_row(own, table, task_bounds, ranges, claims, r, 0)
         run_here(runner, own)
+        posted = states[0]
         result |= collect(mailboxes, states, helpers)
+        if posted == 0 or finished(mailboxes[0]) < posted:
+            helpers = 0  # asleep, or woken and not running yet (~1 ms on a virtual machine): the rest here
     return result
 
 

@@ -295,6 +295,12 @@ def _wait(mailbox, sequence):
 
 
 @jit
+def finished(mailbox):
+    """The sequence number of the last job the helper serving ``mailbox`` has done (or seen taken back)."""
+    return _atomic_load(mailbox, DONE)
+
+
+@jit
 def _load(mailbox, slot):
     return _atomic_load(mailbox, slot)
 
