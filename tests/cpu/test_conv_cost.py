@@ -114,3 +114,25 @@ def test_zoo_resnet_stem_on_the_direct_tiles_at_two_threads(built):
     assert ("DirectConv", (16, 3, 7, 7)) in built  # the stem
     expected = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {name: x})[0]
     assert np.abs(y - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+
+
+def test_a_segments_one_image_weighs_the_direct_tiles_as_on_one_thread():
+    """Inside a segment (conv_choice.SEGMENT_NODES, set while its nodes run one by one) one image's direct tiles
+    share their rows with the helpers as the packed convolution splits (compiled/conv_chain.run_chain_split), so at
+    two threads the one-thread lane rule takes 32 -> 48 on 28x28 (three full 16-channel tiles, one and a half
+    32-channel ones) where, outside a segment or for a batch, the split packed convolution wins."""
+    from onnx_runtime_ep_cpu.tuning import override
+
+    geo = Geometry((28, 28), (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (28, 28))
+    w = np.zeros((48, 32, 3, 3), np.float32)
+    with override(threads=2):
+        assert conv_choice.packed_threads(w.size * 28 * 28) == 2
+        assert not conv_choice.direct_tiles_before_packed(geo, w)
+        token = conv_choice.SEGMENT_NODES.set(True)
+        try:
+            assert conv_choice.direct_tiles_before_packed(geo, w)
+            assert not conv_choice.direct_tiles_before_packed(geo, w, images=2)
+            wide = np.zeros((64, 32, 3, 3), np.float32)  # two full 32-channel tiles: the packed lanes as full
+            assert not conv_choice.direct_tiles_before_packed(geo, wide)
+        finally:
+            conv_choice.SEGMENT_NODES.reset(token)

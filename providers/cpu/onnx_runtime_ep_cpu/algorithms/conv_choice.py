@@ -7,6 +7,7 @@ weighs them for every convolution at plan time, while a model's first runs are s
 
 from __future__ import annotations
 
+import contextvars
 import math
 import sys
 
@@ -71,17 +72,29 @@ def direct_tiles_before_packed(geo: Geometry, w: np.ndarray, group: int = 1, ima
         return True
     threads = packed_threads(macs * images)
     if threads != 1:  # (the direct tiles run on one thread, the packed convolution splits)
+        if images == 1 and SEGMENT_NODES.get() and _fills_lanes(geo, w, group, macs):
+            return True  # (a segment's chain shares one image's direct tiles with the helpers: weighed as on one)
         return split_cost_favours_direct(geo, w, group, threads)
     if geo.in_shape[0] == 1 and geo.kernel[0] == 1 and macs <= ROW_MACS:
         return True
-    if macs <= LANE_MACS and len(geo.out) == 2:
-        direct, packed = _lane_costs(geo, w, group)
-        if direct * DIRECT_LANE_COST <= packed:
-            return True
+    if _fills_lanes(geo, w, group, macs):
+        return True
     outputs = w.shape[0] // group
     return w.shape[1] <= STEM_CHANNELS and outputs == CHANNELS_PER_TILE
 
 
+def _fills_lanes(geo: Geometry, w: np.ndarray, group: int, macs: int) -> bool:
+    """The one-thread rule: up to LANE_MACS, the direct tiles' useful lanes outweigh the packed convolution's by
+    DIRECT_LANE_COST."""
+    if macs > LANE_MACS or len(geo.out) != 2:
+        return False
+    direct, packed = _lane_costs(geo, w, group)
+    return direct * DIRECT_LANE_COST <= packed
+
+
+# Set while a segment's nodes run one by one (ops/segment.py), where their convolutions are chosen: a segment plan
+# of one image shares its direct tiles' rows with the helpers (compiled/conv_chain.run_chain_split).
+SEGMENT_NODES: contextvars.ContextVar[bool] = contextvars.ContextVar("segment_nodes", default=False)
 STEM_CHANNELS, CHANNELS_PER_TILE = 4, 16
 # On one thread, up to LANE_MACS multiply-adds per image, the direct tiles take a convolution whose lanes they
 # fill enough better than the packed convolution (_lane_costs) to pay DIRECT_LANE_COST, their cost per lane step

@@ -31,6 +31,7 @@ import numpy as np
 from onnx_runtime.errors import OnnxRuntimeError
 
 from .. import provisional
+from ..algorithms.conv_choice import SEGMENT_NODES
 from ..compiled import deferred
 from ..compiled.reference_run import ReferenceRun
 from ..fused_domain import FUSED_DOMAIN
@@ -229,6 +230,13 @@ class Segment:
         return ()
 
     def _node_by_node(self, inputs, keep_all: bool):
+        token = SEGMENT_NODES.set(True)  # (its convolutions chosen as a segment plan runs them)
+        try:
+            return self._each_node(inputs, keep_all)
+        finally:
+            SEGMENT_NODES.reset(token)
+
+    def _each_node(self, inputs, keep_all: bool):
         env: list = [None] * self.slot_count
         env[:self.feeds] = inputs
         for inner in self.inner:
