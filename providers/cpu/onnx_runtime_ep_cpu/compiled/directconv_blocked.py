@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import jit
+from . import compiler, jit
 from .directconv import BLOCKED_OUT, CHANNELS, PIXELS, conv_tile
+
+_inline = compiler(inline="always")
 
 
 def blocked_taps(offsets: np.ndarray, plane: int) -> np.ndarray:
@@ -61,7 +63,7 @@ def conv_blocked(x, weights, offsets, bias, residual, bounds, flags, y, source, 
                   outputs, oh, ow, y_blocked, y_image, 0, tiles * oh)
 
 
-@jit
+@_inline  # (inlined in its callers: conv_blocked and a split row's tasks)
 def tile_rows(image, n, weights, offsets, bias, residual, bounds, flags, y, sh, sw, padded_width, x_blocked, outputs,
               oh, ow, y_blocked, y_image, first, end):
     """conv_blocked's output rows of image ``n`` from its padded ``image``: rows ``first`` .. ``end`` of its tiles'
@@ -71,22 +73,23 @@ def tile_rows(image, n, weights, offsets, bias, residual, bounds, flags, y, sh, 
     pixels = min(PIXELS, ow)
     tile_flags = flags | BLOCKED_OUT if y_blocked else flags
     y_stride = y_image if y_image > 0 else (tiles * CHANNELS if y_blocked else outputs) * oh * ow
-    for index in range(first, end):
-        t = index // oh
-        oy = index - t * oh
+    if end <= first:
+        return
+    for t in range(first // oh, (end - 1) // oh + 1):
         w = weights[0, t].reshape(-1)
         first_channel = t * CHANNELS
         count = min(CHANNELS, outputs - first_channel)
         tile_bias = bias[0, first_channel:]
-        for ox in range(0, ow, PIXELS):
-            ox = min(ox, ow - pixels)
-            start = (oy * sh * padded_width + ox * sw) * lanes
-            if y_blocked:
-                at = n * y_stride + ((t * oh + oy) * ow + ox) * CHANNELS
-            else:
-                at = n * y_stride + (first_channel * oh + oy) * ow + ox
-            conv_tile(w, image, start, offsets, depth, sw * lanes, y, at, oh * ow, pixels, count, tile_bias,
-                      residual, tile_flags, bounds)
+        for oy in range(max(first - t * oh, 0), min(end - t * oh, oh)):
+            for ox in range(0, ow, PIXELS):
+                ox = min(ox, ow - pixels)
+                start = (oy * sh * padded_width + ox * sw) * lanes
+                if y_blocked:
+                    at = n * y_stride + ((t * oh + oy) * ow + ox) * CHANNELS
+                else:
+                    at = n * y_stride + (first_channel * oh + oy) * ow + ox
+                conv_tile(w, image, start, offsets, depth, sw * lanes, y, at, oh * ow, pixels, count, tile_bias,
+                          residual, tile_flags, bounds)
 
 
 def source_size(channels: int, padded_height: int, padded_width: int, sw: int, x_blocked: bool,

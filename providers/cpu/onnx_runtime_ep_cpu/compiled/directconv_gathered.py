@@ -15,7 +15,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from . import jit, llvm
+from . import compiler, jit, llvm
 from .directconv import (
     BIAS,
     CHANNELS,
@@ -33,6 +33,8 @@ from .directconv_blocked import fill_blocked
 
 _VEC = ir.VectorType(llvm.F32, LANES)
 _ZEROS = ir.Constant(_VEC, [0.0] * LANES)
+
+_inline = compiler(inline="always")
 
 
 def gathered_offsets(images: int, stored: int, padded_height: int, padded_width: int, oh: int, ow: int, sh: int,
@@ -125,19 +127,20 @@ def conv_gathered(x, weights, offsets, bias, residual, bounds, flags, y, source,
                   weights.shape[1] * (starts.shape[0] // PIXELS))
 
 
-@jit
+@_inline  # (inlined in its callers: conv_gathered and a split row's tasks)
 def gathered_rows(image, weights, offsets, bias, residual, bounds, flags, y, starts, outs, count, plane_out, first,
                   end):
     """conv_gathered's tiles from its padded ``image``: tiles ``first`` .. ``end`` in order (block t's pixel group g
     is t * groups + g), so that threads can share them."""
     depth = weights.shape[2]
     groups = starts.shape[0] // PIXELS
-    for index in range(first, end):
-        t = index // groups
-        g = index - t * groups
+    if end <= first:
+        return
+    for t in range(first // groups, (end - 1) // groups + 1):
         w = weights[0, t].reshape(-1)
         tile_bias = bias[0, t * CHANNELS:]
         shift = t * plane_out * CHANNELS
-        pixels = min(PIXELS, count - g * PIXELS)
-        gathered_tile(w, image, starts, g * PIXELS, offsets, depth, y, outs, shift, pixels, tile_bias, residual,
-                      flags, bounds)
+        for g in range(max(first - t * groups, 0), min(end - t * groups, groups)):
+            pixels = min(PIXELS, count - g * PIXELS)
+            gathered_tile(w, image, starts, g * PIXELS, offsets, depth, y, outs, shift, pixels, tile_bias, residual,
+                          flags, bounds)
