@@ -18,7 +18,7 @@ from onnx_runtime_ep_cpu.tuning import override
 from reference64 import run_float64
 from test_cnn_blocked_layout import _chain_model
 from test_segment_fusion import _segment_and_feeds, segment_matches_references
-from test_segment_split import _fed, _planned
+from test_segment_split import _fed, _planned, two_thread_session
 
 pytestmark = pytest.mark.skipif(not host.AVX2, reason="the chained loops (direct tiles) need AVX2")
 
@@ -105,14 +105,9 @@ def test_a_caller_finding_the_helpers_held_runs_every_row_itself(monkeypatch):
 
 
 def test_sessions_sharing_rows_from_several_python_threads(monkeypatch):
-    from onnx_runtime import session
-
     monkeypatch.setattr(segment_chain, "SPLIT_ROW_MACS", 0)
     model = _chain_model(13)
-    options = session.SessionOptions()
-    options.intra_op_num_threads = 2
-    options.add_session_config_entry("session.compile_in_background", "0")
-    sess = session.InferenceSession(model.SerializeToString(), sess_options=options)
+    sess = two_thread_session(model)
     rng = np.random.default_rng(25)
     inputs = [rng.standard_normal((1, 3, 13, 13)).astype(np.float32) for _ in range(4)]
     exact = [run_float64(model, {"x": x}) for x in inputs]

@@ -190,12 +190,17 @@ def test_per_image_reads_the_graph_not_the_values():
         env[bias] = saved
 
 
-def test_sessions_on_two_threads_from_several_python_threads():
-    model = _head_model("Gemm")
+def two_thread_session(model):
+    """A session of ``model`` at two threads whose kernels are compiled in the foreground."""
     options = session.SessionOptions()
     options.intra_op_num_threads = 2
     options.add_session_config_entry("session.compile_in_background", "0")
-    sess = session.InferenceSession(model.SerializeToString(), sess_options=options)
+    return session.InferenceSession(model.SerializeToString(), sess_options=options)
+
+
+def test_sessions_on_two_threads_from_several_python_threads():
+    model = _head_model("Gemm")
+    sess = two_thread_session(model)
     rng = np.random.default_rng(11)
     inputs = [rng.standard_normal((6, 3, 12, 12)).astype(np.float32) for _ in range(4)]
     exact = [run_float64(model, {"x": x})[0] for x in inputs]
