@@ -646,28 +646,9 @@ def convert_graph(gp: onnx.GraphProto, opsets: dict[str, int], outer_scope, init
 
     nodes = []
     for index, np_node in enumerate(gp.node):
-        domain = "" if np_node.domain == "ai.onnx" else np_node.domain
-        attrs = {}
-        for a in np_node.attribute:
-            if scope is None and a.type in _SUBGRAPH_KINDS:
-                scope = _scope(gp, initializers, outer_scope)
-            attrs[a.name] = convert_attribute(a, opsets, scope)
-        if domain not in opsets and domain != "":
-            raise InvalidGraphError(
-                f"node {np_node.name or index!r} ({np_node.op_type}) uses domain {domain!r}, which the model "
-                f"does not import; add an opset_import for it"
-            )
-        opset = opsets.get(domain, 0)
-        if domain.startswith(LATER_OPSET_DOMAIN):
-            domain = ""  # a standard operator at the later opset this domain is imported at (serialize.py)
-        node_inputs = list(np_node.input)
-        while node_inputs and not node_inputs[-1]:  # trailing empty names are left-out optionals: no argument
-            node_inputs.pop()
-        nodes.append(Node(
-            op_type=np_node.op_type, inputs=node_inputs, outputs=list(np_node.output),
-            name=np_node.name or f"{np_node.op_type}_{index}", domain=domain, attrs=attrs,
-            opset=opset, doc=np_node.doc_string, proto=np_node,
-        ))
+        if scope is None and any(a.type in _SUBGRAPH_KINDS for a in np_node.attribute):
+            scope = _scope(gp, initializers, outer_scope)
+        nodes.append(convert_node(np_node, index, opsets, scope))
 
     graph = Graph(
         name=gp.name, nodes=nodes, inputs=inputs, outputs=outputs, initializers=initializers,
@@ -679,6 +660,29 @@ def convert_graph(gp: onnx.GraphProto, opsets: dict[str, int], outer_scope, init
 
 
 _SUBGRAPH_KINDS = (_ATTR.GRAPH, _ATTR.GRAPHS)
+
+
+def convert_node(np_node: onnx.NodeProto, index: int, opsets: dict[str, int], scope) -> Node:
+    """One node of a graph (its ``index`` there names a node without a name); ``scope``: the names its subgraphs
+    may read from the enclosing graphs (None where it has none)."""
+    domain = "" if np_node.domain == "ai.onnx" else np_node.domain
+    attrs = {a.name: convert_attribute(a, opsets, scope) for a in np_node.attribute}
+    if domain not in opsets and domain != "":
+        raise InvalidGraphError(
+            f"node {np_node.name or index!r} ({np_node.op_type}) uses domain {domain!r}, which the model "
+            f"does not import; add an opset_import for it"
+        )
+    opset = opsets.get(domain, 0)
+    if domain.startswith(LATER_OPSET_DOMAIN):
+        domain = ""  # a standard operator at the later opset this domain is imported at (serialize.py)
+    node_inputs = list(np_node.input)
+    while node_inputs and not node_inputs[-1]:  # trailing empty names are left-out optionals: no argument
+        node_inputs.pop()
+    return Node(
+        op_type=np_node.op_type, inputs=node_inputs, outputs=list(np_node.output),
+        name=np_node.name or f"{np_node.op_type}_{index}", domain=domain, attrs=attrs,
+        opset=opset, doc=np_node.doc_string, proto=np_node,
+    )
 
 
 def _scope(gp: onnx.GraphProto, initializers, outer_scope) -> tuple[str, ...]:

@@ -31,8 +31,8 @@ import onnx
 from onnx import numpy_helper
 
 from .. import budget
-from ..ir import Graph, Node, ValueInfo, clone_graph
-from ..loader import SHAPE_VALUE_LIMIT, SerializedModel, convert_attribute, convert_type, infer_graph
+from ..ir import Graph, ValueInfo, clone_graph
+from ..loader import SHAPE_VALUE_LIMIT, SerializedModel, convert_node, convert_type, infer_graph
 from ..memory import MemoryBudgetError
 from ..memory.activations import symbols_bound
 from ..optimizer import PassContext
@@ -309,7 +309,7 @@ class Specializer:
         dropped = []
         for proto_node in self._proto.graph.node:
             if proto_node.input and proto_node.op_type not in NONDETERMINISTIC \
-                    and (proto_node.domain or "") in FOLDABLE_DOMAINS | {"ai.onnx"} \
+                    and proto_node.domain in FOLDABLE_DOMAINS \
                     and any(out and out not in held for out in proto_node.output) \
                     and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
                                 for a in proto_node.attribute):
@@ -324,22 +324,19 @@ class Specializer:
         opsets = {entry.domain or "": entry.version for entry in self._model_proto.opset_import}
         derived: dict[str, np.ndarray] = {}
         known = ChainMap(derived, found, self._small_initializers)
-        for proto_node in list(dropped):
+        for index, proto_node in enumerate(list(dropped)):
             if any(name and name not in known for name in proto_node.input):
                 continue
             dropped.remove(proto_node)
             if all(out in known for out in proto_node.output if out):
                 continue
-            inputs = [known[name] if name else None for name in proto_node.input]
+            try:
+                node = convert_node(proto_node, index, opsets, None)
+            except Exception:  # (an attribute the loader refuses: the model's load reported it already)
+                continue
+            inputs = [known[name] if name else None for name in node.inputs]
             if any(array is not None and array.size > SHAPE_VALUE_LIMIT for array in inputs):
                 continue
-            domain = "" if proto_node.domain == "ai.onnx" else proto_node.domain
-            try:
-                attrs = {a.name: convert_attribute(a, opsets, None) for a in proto_node.attribute}
-            except Exception:
-                continue
-            node = Node(proto_node.op_type, list(proto_node.input), list(proto_node.output), proto_node.name,
-                        domain, attrs, opsets.get(domain, 0))
             token = budget.enter(DERIVED_BYTES)  # a ConstantOfShape or Expand asked for more refuses before allocating
             try:
                 results = context.evaluate(node, graph, inputs)

@@ -17,6 +17,10 @@ from ..threads import kernel_threads
 from ..tuning import KNOBS
 from .window import Geometry
 
+# Set while a segment's nodes run one by one (ops/segment.py), where their convolutions are chosen: a segment plan
+# of one image shares its direct tiles' rows with the helpers (compiled/conv_chain.run_chain_split).
+SEGMENT_NODES: contextvars.ContextVar[bool] = contextvars.ContextVar("segment_nodes", default=False)
+
 
 def packed_conv_applies(geo: Geometry, group: int, x: np.ndarray) -> bool:
     """Whether compiled/gemm.py's packed convolution runs this one: 2-D float32 windows with some output
@@ -92,9 +96,6 @@ def _fills_lanes(geo: Geometry, w: np.ndarray, group: int, macs: int) -> bool:
     return direct * DIRECT_LANE_COST <= packed
 
 
-# Set while a segment's nodes run one by one (ops/segment.py), where their convolutions are chosen: a segment plan
-# of one image shares its direct tiles' rows with the helpers (compiled/conv_chain.run_chain_split).
-SEGMENT_NODES: contextvars.ContextVar[bool] = contextvars.ContextVar("segment_nodes", default=False)
 STEM_CHANNELS, CHANNELS_PER_TILE = 4, 16
 # On one thread, up to LANE_MACS multiply-adds per image, the direct tiles take a convolution whose lanes they
 # fill enough better than the packed convolution (_lane_costs) to pay DIRECT_LANE_COST, their cost per lane step

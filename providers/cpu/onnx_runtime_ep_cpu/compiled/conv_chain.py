@@ -32,7 +32,7 @@ from .blocked_ops import (
     squeeze_excite_blocked,
 )
 from .directconv import CHANNELS
-from .directconv_blocked import conv_blocked, fill_blocked, tile_rows
+from .directconv_blocked import conv_blocked, fill_blocked, fill_image, tile_rows
 from .directconv_gathered import conv_gathered, gathered_rows
 from .mailbox import floats, ints, scalar
 from .segment_loops import add_float32_into, hard_sigmoid_into, sigmoid_float32_into, swish_float32_into
@@ -133,15 +133,21 @@ def run_chain(table, reals):
 
 
 @jit
+def _in_place(row):
+    """Whether a direct convolution row (kind 0 blocked tiles, 1 gathered) reads its input as its padded image."""
+    return row[28] != 0 if row[0] == 0 else row[35] != 0
+
+
+@jit
 def _fill_row(row):
     """A direct convolution row's one image copied into its padded source (conv_blocked's or conv_gathered's copy),
     unless it reads its image in place."""
-    if row[0] == 0 and row[28] == 0:
-        lanes = CHANNELS if row[33] != 0 else 1
-        stored = (row[30] + CHANNELS - 1) // CHANNELS * CHANNELS if row[33] != 0 else row[30]
-        fill_blocked(_f1(row, 1), 0, stored // lanes, lanes, row[31], row[32], _f1(row, 20), row[24], row[25],
-                     row[26], row[27])
-    elif row[0] == 1 and row[35] == 0:
+    if _in_place(row):
+        return
+    if row[0] == 0:
+        fill_image(_f1(row, 1), 0, row[30], row[31], row[32], row[33] != 0, _f1(row, 20), row[24], row[25], row[26],
+                   row[27])
+    else:
         fill_blocked(_f1(row, 1), 0, row[28] // CHANNELS, CHANNELS, row[29], row[30], _f1(row, 20), row[31], row[32],
                      row[33], row[34])
 
@@ -153,17 +159,13 @@ def _row_tasks(table, bounds, ranges, claims, row_index, part):
     tasks ranges[p] .. ranges[p + 1], claimed one by one through claims[p], then the other parts' unclaimed ones
     (workers.claim_task)."""
     row = table[row_index]
-    gathered = row[0] == 1
-    if gathered:
-        image = _f1(row, 1) if row[35] != 0 else _f1(row, 20)
-    else:
-        image = _f1(row, 1) if row[28] != 0 else _f1(row, 20)
+    image = _f1(row, 1) if _in_place(row) else _f1(row, 20)
     cursor = np.zeros(1, dtype=np.int64)
     while True:
         i = claim_task(claims, ranges, part, cursor)
         if i < 0:
             break
-        if gathered:
+        if row[0] == 1:
             gathered_rows(image, _f4(row, 3), _i1(row, 8), _f2(row, 10), _f1(row, 13), _f1(row, 15), row[17],
                           _f1(row, 18), _i1(row, 22), _i1(row, 24), row[26], row[36], bounds[i], bounds[i + 1])
         else:

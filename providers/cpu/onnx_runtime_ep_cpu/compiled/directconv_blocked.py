@@ -50,17 +50,25 @@ def conv_blocked(x, weights, offsets, bias, residual, bounds, flags, y, source, 
     y's own; more where y is one part of a channel concatenation (its first channel of the first image on), the
     residual then none."""
     tiles = weights.shape[1]
-    lanes = CHANNELS if x_blocked else 1
     stored = (channels + CHANNELS - 1) // CHANNELS * CHANNELS if x_blocked else channels
     for n in range(images):
-        base = n * stored * height * width
         if in_place:
-            image = x[base:]
+            image = x[n * stored * height * width:]
         else:
-            fill_blocked(x, base, stored // lanes, lanes, height, width, source, top, left, padded_height, padded_width)
+            fill_image(x, n, channels, height, width, x_blocked, source, top, left, padded_height, padded_width)
             image = source
         tile_rows(image, n, weights, offsets, bias, residual, bounds, flags, y, sh, sw, padded_width, x_blocked,
                   outputs, oh, ow, y_blocked, y_image, 0, tiles * oh)
+
+
+@_inline  # (inlined in its callers: conv_blocked and a split row's fill)
+def fill_image(x, n, channels, height, width, x_blocked, source, top, left, padded_height, padded_width):
+    """conv_blocked's copy of image ``n`` of flat ``x`` (blocked where ``x_blocked``: whole blocks of 16 channels)
+    into the interior of its padded ``source``."""
+    lanes = CHANNELS if x_blocked else 1
+    stored = (channels + CHANNELS - 1) // CHANNELS * CHANNELS if x_blocked else channels
+    fill_blocked(x, n * stored * height * width, stored // lanes, lanes, height, width, source, top, left,
+                 padded_height, padded_width)
 
 
 @_inline  # (inlined in its callers: conv_blocked and a split row's tasks)
