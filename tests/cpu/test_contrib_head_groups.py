@@ -10,7 +10,7 @@ import numpy as np
 import onnx_runtime as ort
 import pytest
 from onnx_runtime_ep_cpu import tuning
-from onnx_runtime_ep_cpu.algorithms import product_attention
+from onnx_runtime_ep_cpu.algorithms import helper_backoff, product_attention
 from onnx_runtime_ep_cpu.algorithms.products import gemv_host
 from onnx_runtime_ep_cpu.ops import contrib_transformer
 from test_contrib_product_lanes import _model, _reference
@@ -27,7 +27,7 @@ def splits(monkeypatch):
     from onnx_runtime_ep_cpu.compiled import attention_groups
 
     monkeypatch.setattr(contrib_transformer, "numpy_first", lambda: False)
-    monkeypatch.setattr(product_attention, "IDLE_HELPER_CALLS", 0)
+    monkeypatch.setattr(helper_backoff, "IDLE_HELPER_CALLS", 0)
     calls: list[int] = []
     split = attention_groups.split_groups
     monkeypatch.setattr(attention_groups, "split_groups",
@@ -128,9 +128,9 @@ def test_a_split_its_awake_helper_took_no_part_in_backs_off(monkeypatch):
     from onnx_runtime_ep_cpu.compiled import attention_groups
 
     monkeypatch.setattr(contrib_transformer, "numpy_first", lambda: False)
-    monkeypatch.setattr(product_attention, "IDLE_HELPER_CALLS", 2)
-    monkeypatch.setattr(product_attention, "IDLE_HELPER_MOST", 4)
-    monkeypatch.setattr(product_attention, "IDLE_HELPER_GRACE", 2)
+    monkeypatch.setattr(helper_backoff, "IDLE_HELPER_CALLS", 2)
+    monkeypatch.setattr(helper_backoff, "IDLE_HELPER_MOST", 4)
+    monkeypatch.setattr(helper_backoff, "IDLE_HELPER_GRACE", 2)
     # per split, the verdict split_groups reports: 1 taken back, 0 a helper took part, 2 a helper woken
     verdicts = [1, 1, 1, 0, 2, 1, 1, 1, 1]
     splits: list[int] = []

@@ -65,7 +65,7 @@ def _run_plan(plan, inputs, chain) -> list:
 
 def _in_two_shares(table, reals, splits, bounds):
     """Each split row as two parts would run it, one after the other on this thread: part 1's share of tasks (part
-    0's marked claimed), then part 0's (part 1's marked claimed); the other rows whole."""
+    0's marked claimed), then part 0's (part 1's marked claimed), each counted in its ``ran``; the other rows whole."""
     for r, row in enumerate(table):
         first, count = splits[r]
         if count < 2:
@@ -75,7 +75,9 @@ def _in_two_shares(table, reals, splits, bounds):
         task_bounds = bounds[first:first + count + 1].copy()
         ranges = np.array([0, count // 2, count], dtype=np.int64)
         for part, claims in ((1, [count // 2, 0]), (0, [0, count - count // 2])):
-            conv_chain.ROW.here((table, task_bounds, ranges, np.array(claims, dtype=np.int64), r, part))
+            ran = np.zeros(2, dtype=np.int64)
+            conv_chain.ROW.here((table, task_bounds, ranges, np.array(claims, dtype=np.int64), ran, r, part))
+            assert ran[part] == ranges[part + 1] - ranges[part] and ran[1 - part] == 0, "the tasks each part ran"
 
 
 def test_the_shared_rows_give_run_chains_bits(monkeypatch):
@@ -157,7 +159,11 @@ def test_only_large_rows_of_one_image_split():
 @pytest.mark.skipif(not host.HELPER_THREADS, reason="no helper threads on this platform")
 def test_a_sleeping_helper_is_woken_and_the_chain_runs_here_meanwhile(monkeypatch):
     """A call that finds the helper asleep (idle past its spin) runs the chain on its own thread, within the float64
-    bound, and wakes the helper for the calls after it."""
+    bound, and wakes the helper for the calls after it (not backing off: see the next test)."""
+    from onnx_runtime_ep_cpu.algorithms.helper_backoff import HelperBackoff
+
+    backoff = HelperBackoff()
+    monkeypatch.setattr(segment_chain, "_BACKOFF", backoff)
     with override(threads=2):
         model, segment, feeds, plan = _split_segment(monkeypatch)
         mailbox = workers.helpers(1).mailboxes[0]
@@ -165,6 +171,7 @@ def test_a_sleeping_helper_is_woken_and_the_chain_runs_here_meanwhile(monkeypatc
         while not mailbox[workers.SLEEPING] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert mailbox[workers.SLEEPING], "an idle helper sleeps after its spin"
+        backoff.alone = 0  # (the planning's calls may have missed the helper they woke)
         x = np.random.default_rng(26).standard_normal((1, 3, 13, 13)).astype(np.float32)
         got = segment(*_fed(feeds, x))
         assert not mailbox[workers.SLEEPING]
@@ -172,3 +179,59 @@ def test_a_sleeping_helper_is_woken_and_the_chain_runs_here_meanwhile(monkeypatc
     for name, exact in zip(names, run_float64(model, {"x": x})):
         value = dict(zip(segment.output_names, got))[name]
         assert np.abs(value - exact).max() <= 2e-5 * (1 + np.abs(exact).max())
+
+
+def test_helpers_that_fell_behind_are_told_from_the_tasks_they_ran_and_the_callers_wait():
+    """conv_chain.lagged: the helpers fell behind where they ran under half their share of a row's tasks, or the
+    caller waited for them longer than its own part ran and than the stall cycles; not otherwise."""
+    lagged = conv_chain.lagged
+    assert not lagged(8, 4, 2, 1000, 100, 500)  # an even split, a short wait
+    assert not lagged(8, 6, 2, 1000, 100, 500)  # the helper ran half its share
+    assert lagged(8, 7, 2, 1000, 100, 500)  # one task of its four
+    assert lagged(8, 8, 2, 1000, 0, 500)  # none
+    assert lagged(8, 4, 2, 1000, 1001, 500)  # waited longer than its own part ran
+    assert not lagged(8, 4, 2, 300, 400, 500)  # longer than its own part, within the stall cycles
+    assert lagged(8, 4, 2, 300, 501, 500)
+    assert not lagged(9, 6, 3, 1000, 0, 500) and lagged(9, 7, 3, 1000, 0, 500)  # two helpers: six tasks theirs
+
+
+def test_a_split_whose_helper_took_no_part_backs_off(monkeypatch):
+    """An awake helper that does not run (its mailbox served by no thread: each part it was offered is taken back
+    and run here) makes the split chain run alone for IDLE_HELPER_CALLS calls, twice as many after each such split
+    up to IDLE_HELPER_MOST; every call within the float64 bound."""
+    from onnx_runtime_ep_cpu.algorithms import helper_backoff
+
+    unserved = np.zeros((1, workers.MAILBOX_SIZE), dtype=np.int64)  # awake: SLEEPING, DONE and POSTED all 0
+
+    class Pool:
+        mailboxes, states, cycles_per_second = unserved, np.zeros(1, dtype=np.int64), 1e9
+
+    splits: list[int] = []
+    calls = [0]
+
+    def call(function, arguments, runner, scratch, count):
+        splits.append(calls[0])
+        function(*arguments, Pool.mailboxes, Pool.states, runner)
+        assert arguments[7][1] == 1, "status: the helper took no part"
+        unserved[0, workers.DONE] = unserved[0, workers.POSTED]  # (as the helper marks a job it finds taken back)
+
+    monkeypatch.setattr(workers, "helpers", lambda count: Pool)
+    monkeypatch.setattr(workers, "call", call)
+    monkeypatch.setattr(helper_backoff, "IDLE_HELPER_CALLS", 2)
+    monkeypatch.setattr(helper_backoff, "IDLE_HELPER_MOST", 4)
+    backoff = helper_backoff.HelperBackoff()
+    monkeypatch.setattr(segment_chain, "_BACKOFF", backoff)
+    with override(threads=2):
+        model, segment, feeds, plan = _split_segment(monkeypatch)
+        _threaded_call(plan)
+        backoff.alone, backoff.backoff, backoff.grace = 0, 2, 0
+        splits.clear()
+        x = np.random.default_rng(27).standard_normal((1, 3, 13, 13)).astype(np.float32)
+        names = [o.name for o in model.graph.output]
+        exact = dict(zip(names, run_float64(model, {"x": x})))
+        for calls[0] in range(14):
+            got = dict(zip(segment.output_names, segment(*_fed(feeds, x))))
+            for name, value in exact.items():
+                assert np.abs(got[name] - value).max() <= 2e-5 * (1 + np.abs(value).max())
+    # missed: 2 calls alone; again: 4; again: 4 (the most)
+    assert splits == [0, 3, 8, 13]

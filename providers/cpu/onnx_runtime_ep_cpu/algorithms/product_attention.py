@@ -17,15 +17,11 @@ import numpy as np
 
 from ..threads import helper_count, kernel_threads
 from ..tuning import KNOBS
+from .helper_backoff import HelperBackoff
 from .prepared import Prepared
 from .products import entry_point
 
 _NO_COUNTS, _NO_MASK = np.empty(0, np.int32), np.empty((0, 1, 0, 0), np.float32)
-# Calls a node runs on the calling thread alone after a split whose awake helper took no group (descheduled: its
-# CPU busy with another process, where such splits cost more than the call alone): IDLE_HELPER_CALLS, doubled at
-# each such split after a back-off up to IDLE_HELPER_MOST, back to the least once a helper takes part. A helper just
-# woken from its sleep is marked awake before its CPU runs it: the IDLE_HELPER_GRACE splits after a wake may miss it.
-IDLE_HELPER_CALLS, IDLE_HELPER_MOST, IDLE_HELPER_GRACE = 64, 4096, 2
 
 
 class ProductAttention:
@@ -42,9 +38,7 @@ class ProductAttention:
         self.panels = Prepared()  # the weights packed for the tiles, the bias padded, the rows' offsets
         self.work: dict[tuple, int] = {}  # per (B, S, K, head size): product_work's floats
         self.groups = Prepared()  # per thread count: each head group's weights and bias packed (group_plan)
-        self.alone = 0  # calls left to run on the calling thread after a split no awake helper took part in
-        self.backoff = IDLE_HELPER_CALLS  # the next back-off's calls
-        self.grace = 0  # splits after a helper's wake that may miss it
+        self.helpers = HelperBackoff()  # splits' back-off after one no awake helper took part in
 
     @staticmethod
     def takes(x: np.ndarray, weights: np.ndarray, bias: np.ndarray | None) -> bool:
@@ -71,10 +65,8 @@ class ProductAttention:
         parts = min(kernel_threads(), heads)
         splits = parts > 1 and mask.flags.c_contiguous and batch * steps * (3 * depth + 2 * steps) * hidden \
             >= KNOBS.attention_group_macs
-        if splits:
-            if self.alone <= 0:
-                return self.split(x, weights, bias, counts, mask, scale, parts, flags, offsets, keep)
-            self.alone -= 1
+        if splits and not self.helpers.runs_alone():
+            return self.split(x, weights, bias, counts, mask, scale, parts, flags, offsets, keep)
         y = np.empty((batch, steps, hidden), np.float32)
         arguments = (x, heads, packed, offsets, padded_bias, flags, counts, mask, fill, scale, y,
                      np.empty(work, np.float32))
@@ -84,10 +76,8 @@ class ProductAttention:
             entry = entry_point(loop, arguments) or loop  # (numba's dispatcher types twelve arguments per call)
 
             def run(x, mask_index):
-                if splits:  # (a split node backing off: __call__ splits it again once the calls are spent)
-                    if self.alone <= 0:
-                        return None
-                    self.alone -= 1
+                if splits and not self.helpers.runs_alone():
+                    return None  # (a split node backing off: __call__ splits it again once the calls are spent)
                 y = np.empty((batch, steps, hidden), np.float32)
                 if entry(x, heads, packed, offsets, padded_bias, flags, _NO_COUNTS if mask_index is None else
                          mask_index, _NO_MASK, fill, scale, y, np.empty(work, np.float32)):
@@ -120,7 +110,7 @@ class ProductAttention:
         """__call__'s result as one job per group of heads on ``parts`` threads (compiled/attention_groups.py);
         None where a row has no finite score. A call that ran whole is kept as __call__ keeps its own; after a
         call whose awake helpers took none of the groups, the next calls run on this thread alone (the back-off of
-        IDLE_HELPER_CALLS)."""
+        helper_backoff.py)."""
         from ..compiled import attention_groups, workers
 
         batch, steps, depth = x.shape
@@ -134,7 +124,7 @@ class ProductAttention:
         fill = self.fill
 
         def run(x, counts, mask, split=split):
-            if self.alone > 0:  # (a kept split backing off: __call__ runs the node alone)
+            if self.helpers.alone > 0:  # (a kept split backing off: __call__ runs the node alone)
                 return None
             y = np.empty((batch, steps, hidden), np.float32)
             status = np.zeros((3, parts), np.int64)  # per group: ran whole, its CPU; the call's verdicts
@@ -143,13 +133,11 @@ class ProductAttention:
             workers.call(split, arguments, runner, work, helpers)
             verdict = status[2, 0]
             if verdict == 2:  # (a helper woken)
-                self.grace = IDLE_HELPER_GRACE
+                self.helpers.woken()
             elif verdict == 0:  # (a helper took part)
-                self.backoff = IDLE_HELPER_CALLS
-            elif self.grace > 0:
-                self.grace -= 1
+                self.helpers.took_part()
             else:
-                self.alone, self.backoff = self.backoff, min(2 * self.backoff, IDLE_HELPER_MOST)
+                self.helpers.missed()
             return (y, arguments) if status[2, 1] else None
 
         ran = run(x, counts, mask)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..compiled.directconv import PIXELS
+from .helper_backoff import HelperBackoff
 from .segment_arena import arrays_in
 
 CHAIN = True
@@ -48,6 +49,14 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)
 # (a split row costs a post and a collect, about a microsecond), in about TASKS_PER_THREAD tasks per thread.
 SPLIT_ROW_MACS = 1 << 19
 TASKS_PER_THREAD = 4
+# A split row whose helper kept the caller waiting longer than its own part ran and than STALL_SECONDS (a descheduled
+# helper holds it a time slice; quiet jitter is microseconds) is missed, as one the helper took no part in or ran
+# under half its share of. Misses send the process's split chains to run alone for a while (one back-off for every
+# chain: how busy the helpers' CPUs are is the process's), counted in rows: a miss costs MISSED_ROWS, tolerated up
+# to TOLERATED_ROWS (helper_backoff.py).
+STALL_SECONDS = 50e-6
+MISSED_ROWS, TOLERATED_ROWS, RECOVERY_ROWS = 100, 300, 1000
+_BACKOFF = HelperBackoff(MISSED_ROWS, TOLERATED_ROWS, RECOVERY_ROWS)
 
 
 def _field(code: str, value, reals: list) -> list | None:
@@ -137,25 +146,36 @@ def _threaded(table: np.ndarray, values: np.ndarray, linked) -> tuple | None:
     from ..compiled import workers
     from ..compiled.conv_chain import ROW, run_chain, run_chain_split
 
-    ranges, claims = np.zeros(parts + 1, dtype=np.int64), np.zeros(parts, dtype=np.int64)
+    ranges, claims, ran = np.zeros(parts + 1, dtype=np.int64), np.zeros(parts, dtype=np.int64), \
+        np.zeros(parts, dtype=np.int64)
+    status = np.zeros(2, dtype=np.int64)
     arguments = (table, values, splits, bounds, ranges, claims)
-    if not linked(run_chain_split, (*arguments, np.zeros(workers.MAILBOX_SIZE, dtype=np.int64), *workers.NO_HELPERS,
-                                    0)):
+    if not linked(run_chain_split, (*arguments, ran, status, 0, np.zeros(workers.MAILBOX_SIZE, dtype=np.int64),
+                                    *workers.NO_HELPERS, 0)):
         return None
     # (the helpers' runner compiled or loaded now: in a plan's trial, a cache miss leaves the plan for later)
     call, mailbox, helpers, runner = workers.call, workers.local_mailbox, helper_count(), ROW.address()
-    first = workers.helpers(helpers).mailboxes[:1]
+    pool = workers.helpers(helpers)
+    first, stall = pool.mailboxes[:1], int(pool.cycles_per_second * STALL_SECONDS)
     sleeping, done, posted, wake = workers.SLEEPING, workers.DONE, workers.POSTED, workers.wake
+    backoff = _BACKOFF
 
     def run_chain_threads(table, reals, splits, bounds, ranges, claims):
         # A helper asleep, or woken and not running yet (its last job taken back: a virtual CPU takes ~1 ms to run
         # a woken thread), would take no part: the chain runs here as run_chain, the helper woken for later calls.
-        if not len(first) or first[0, sleeping] or first[0, done] != first[0, posted]:
-            if len(first) and first[0, sleeping]:
+        # After splits whose rows the helper missed, calls run here for a while (helper_backoff.py).
+        if backoff.runs_alone() or not len(first) or first[0, sleeping] or first[0, done] != first[0, posted]:
+            if len(first) and first[0, sleeping] and backoff.alone <= 0:
                 wake(first[0])
+                backoff.woken()
             run_chain(table, reals)
             return
-        call(run_chain_split, (table, reals, splits, bounds, ranges, claims, mailbox(0)), runner, 0, helpers)
+        call(run_chain_split, (table, reals, splits, bounds, ranges, claims, ran, status, stall, mailbox(0)), runner,
+             0, helpers)
+        if status[0]:
+            backoff.took_part(int(status[0]))
+        if status[1]:
+            backoff.missed()
 
     return run_chain_threads, arguments
 

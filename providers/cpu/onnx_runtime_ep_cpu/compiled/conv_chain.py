@@ -15,7 +15,9 @@ part a plan of its own over its own buffers (algorithms/segment_split.py), one t
 (a direct convolution, blocked or gathered tiles, large enough) has its tile rows shared out as tasks (``ROW``: the
 calling thread's part and the helpers', each claiming tasks until none is left, so a helper that is late or
 descheduled leaves its tasks to the others), and the next row starts once all are done; the other rows run on the
-calling thread as in run_chain.
+calling thread as in run_chain. A helper that takes no part or falls behind (runs under half its share of a row, or
+keeps the caller waiting longer than its own part ran: a CPU shared with another process) leaves the call's other
+rows to the caller and is reported in ``status`` (segment_chain backs off on it).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from .directconv_blocked import conv_blocked, fill_blocked, fill_image, tile_row
 from .directconv_gathered import conv_gathered, gathered_rows
 from .mailbox import floats, ints, scalar
 from .segment_loops import add_float32_into, hard_sigmoid_into, sigmoid_float32_into, swish_float32_into
-from .workers import Kind, claim_task, collect, finished, float_array, int_array, offer, run_here
+from .workers import Kind, claim_task, collect, cycles, finished, float_array, int_array, offer, run_here
 
 
 @jit
@@ -153,11 +155,11 @@ def _fill_row(row):
 
 
 @jit
-def _row_tasks(table, bounds, ranges, claims, row_index, part):
+def _row_tasks(table, bounds, ranges, claims, ran, row_index, part):
     """One part of a split direct convolution row (kind 0 or 1, one image, its source filled): task i is its tiles'
     rows bounds[i] .. bounds[i + 1] (directconv_blocked.tile_rows, directconv_gathered.gathered_rows); part p's
     tasks ranges[p] .. ranges[p + 1], claimed one by one through claims[p], then the other parts' unclaimed ones
-    (workers.claim_task)."""
+    (workers.claim_task); ran[p]: the tasks part p ran."""
     row = table[row_index]
     image = _f1(row, 1) if _in_place(row) else _f1(row, 20)
     cursor = np.zeros(1, dtype=np.int64)
@@ -165,6 +167,7 @@ def _row_tasks(table, bounds, ranges, claims, row_index, part):
         i = claim_task(claims, ranges, part, cursor)
         if i < 0:
             break
+        ran[part] += 1
         if row[0] == 1:
             gathered_rows(image, _f4(row, 3), _i1(row, 8), _f2(row, 10), _f1(row, 13), _f1(row, 15), row[17],
                           _f1(row, 18), _i1(row, 22), _i1(row, 24), row[26], row[36], bounds[i], bounds[i + 1])
@@ -177,21 +180,33 @@ def _row_tasks(table, bounds, ranges, claims, row_index, part):
 # _row_tasks, one part: a split row's tasks (see run_chain_split).
 ROW = Kind("chain_row", (
     ints("table", 2), ints("bounds"), ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"),
-    scalar("row_index"), scalar("part"),
+    ints("ran", shape=("claims.shape[0]",)), scalar("row_index"), scalar("part"),
 ), _row_tasks, home=__name__)
 _write_row = ROW.writer
 
 
 @jit
-def run_chain_split(table, reals, splits, bounds, ranges, claims, own, mailboxes, states, runner):
+def lagged(count, ran_here, parts, own, waited, stall):
+    """Whether the helpers of a row split into ``count`` tasks over ``parts`` threads fell behind: they ran under
+    half their share (the caller ran ``ran_here`` tasks: their CPU given to another process or virtual machine), or
+    the caller waited for them longer than its own part ran and than ``stall`` (time-stamp cycles ``own``,
+    ``waited``: a helper descheduled while it held a task holds the caller up to a time slice)."""
+    return 2 * (count - ran_here) * parts < count * (parts - 1) or waited > max(own, stall)
+
+
+@jit
+def run_chain_split(table, reals, splits, bounds, ranges, claims, ran, status, stall, own, mailboxes, states, runner):
     """run_chain over one image's ``table`` with the helper threads (``mailboxes``, ``states``: workers.Helpers';
     none where another caller holds them): row r with ``splits[r, 1]`` > 1 tasks, their tile-row bounds at
     ``bounds[splits[r, 0]:]``, is filled here, then shared as ROW parts (part 0 on this thread through ``own``, its
-    mailbox; ``ranges`` and ``claims``, one more and one per part, rewritten for each row), collected before the
-    next row. Once the first helper has not run its part (asleep, or woken and not yet running), the call's other
-    rows run here. Returns workers.collect's results or-ed (for Helpers.settle)."""
+    mailbox; ``ranges``, ``claims`` and ``ran``, one more and one per part, rewritten for each row), collected
+    before the next row. Once the first helper has not run its part (asleep, or woken and not yet running) or fell
+    behind (``lagged``, ``stall`` its cycles), the call's other rows run here. ``status`` (two int64, zeroed here):
+    the rows the helpers kept up with, and 1 where they did not. Returns workers.collect's results or-ed (for
+    Helpers.settle)."""
     parts = ranges.shape[0] - 1
     helpers = min(parts - 1, mailboxes.shape[0])
+    status[0], status[1] = 0, 0
     result = 0
     for r in range(table.shape[0]):
         row = table[r]
@@ -206,15 +221,22 @@ def run_chain_split(table, reals, splits, bounds, ranges, claims, own, mailboxes
             ranges[p] = count * p // parts
         for p in range(parts):
             claims[p] = 0
+            ran[p] = 0
         for part in range(1, helpers + 1):
-            _write_row(mailboxes[part - 1], table, task_bounds, ranges, claims, r, part)
+            _write_row(mailboxes[part - 1], table, task_bounds, ranges, claims, ran, r, part)
             offer(mailboxes, states, part - 1, runner)
-        _write_row(own, table, task_bounds, ranges, claims, r, 0)
+        _write_row(own, table, task_bounds, ranges, claims, ran, r, 0)
+        start = cycles()
         run_here(runner, own)
+        ended = cycles()
         posted = states[0]
         result |= collect(mailboxes, states, helpers)
-        if posted == 0 or finished(mailboxes[0]) < posted:
-            helpers = 0  # asleep, or woken and not running yet (~1 ms on a virtual machine): the rest here
+        if posted == 0 or finished(mailboxes[0]) < posted or lagged(count, ran[0], parts, ended - start,
+                                                                    cycles() - ended, stall):
+            status[1] = 1
+            helpers = 0  # asleep, not running yet (~1 ms on a virtual machine), or slowed: the rest here
+        else:
+            status[0] += 1
     return result
 
 

@@ -311,6 +311,9 @@ def current_cpu():
     return _sched_getcpu()
 
 
+cycles = _cycles  # (compiled callers timing their parts: conv_chain.run_chain_split)
+
+
 @jit
 def _read_cycles():
     return _cycles()
@@ -540,7 +543,8 @@ class Helpers:
     def __init__(self, count: int):
         if count and not host.HELPER_THREADS:
             raise RuntimeError(f"onnx-runtime: no helper threads: {host.HELPERS_REFUSED}")
-        spin_cycles = max(1, int(_cycles_per_second() * _SPIN_SECONDS)) if count else 1
+        self.cycles_per_second = _cycles_per_second() if count else 1.0  # (the time-stamp counter's rate)
+        spin_cycles = max(1, int(self.cycles_per_second * _SPIN_SECONDS))
         self._cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self.mailboxes = np.zeros((count, MAILBOX_SIZE), dtype=np.int64)  # for compiled callers: see offer
         self.states = np.zeros(count, dtype=np.int64)
