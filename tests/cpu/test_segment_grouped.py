@@ -1,8 +1,8 @@
 """Grouped convolutions inside a CNN segment (a RegNet block: 1x1, a grouped 3x3, squeeze-excitation, 1x1, the
 residual): where each group's input and output channels are whole blocks of 16, each image's groups run as direct
-tiles of their own over the blocked values (segment_layout._grouped), so the block stays blocked and chained;
-narrower groups keep their plain call. Within float32 rounding of a float64 reference and of onnxruntime, at
-batch 1 and 3, and split into image ranges on two threads."""
+tiles of their own over the blocked values (segment_layout._grouped; tiles across rows where the output rows are
+narrower than a tile), so the block stays blocked and chained; narrower groups keep their plain call. Within float32
+rounding of a float64 reference and of onnxruntime, at batch 1 and 3, and split into image ranges on two threads."""
 
 from __future__ import annotations
 
@@ -69,6 +69,11 @@ def test_grouped_convolutions_run_blocked_within_rounding(batch, group_width, st
     if blocked:  # (each image's 3 groups a call of their own, 5 other convolutions; the excitation blocked too)
         assert "conv_direct" not in names and "squeeze_excite_blocked" in names
         assert names.count("conv_blocked") + names.count("conv_gathered") >= 5 + 3
+        # the groups' calls (16 channels x 3 x 3 taps deep): tiles across rows where the stride leaves rows of 6
+        # pixels, narrower than a tile
+        groups = [getattr(f, "__name__", "") for f, a in bound_plan(plan)._steps  # noqa: SLF001
+                  if getattr(f, "__name__", "") in ("conv_blocked", "conv_gathered") and a[1].shape[2] == 16 * 9]
+        assert len(groups) >= 3 and set(groups) == {"conv_gathered" if stride == 2 else "conv_blocked"}
     else:
         assert "conv_direct" in names
     segment_matches_references(model, segment, feeds, x.shape, rng)

@@ -322,7 +322,8 @@ def block_direct_runs(segment, steps: list, spans: dict, env: list, blocks: dict
     steps = [each for step in steps if step is not None for each in (step if isinstance(step, list) else [step])]
     tiled = (_blocked_ops().depthwise_blocked, _blocked_ops().max_pool_blocked, _blocked_ops().average_pool_blocked)
     scratch = sum(a.nbytes for f, arguments in steps if f in tiled for a in arguments[-4::3])  # (block, tile)
-    scratch += sum(a.nbytes for f, arguments in steps if f is _gathered().conv_gathered for a in arguments[8:11])
+    scratch += sum(a.nbytes for a in {id(a): a for f, arguments in steps if f is _gathered().conv_gathered
+                                      for a in arguments[8:11]}.values())  # (a grouped one's groups share them)
     from ..compiled.directconv_blocked import conv_blocked
 
     sources = {id(arguments[8]): arguments[8] for f, arguments in steps if f is conv_blocked}  # (groups share one)
@@ -453,7 +454,9 @@ def _block_direct(inner, arguments, chosen, buffers, steps, at, part=None, conca
     if residual.size and residual_slot in chosen:
         residual = buffers[residual_slot]
     if weights.shape[0] > 1:
-        steps[at] = _grouped(arguments, flat_x, x_slot in chosen, flat_y, y_blocked, residual, offsets)
+        steps[at] = _grouped(arguments, flat_x, x_slot in chosen, flat_y, y_blocked, residual, offsets,
+                             gathered=x_slot in chosen and y_blocked and concatenation is None and part is None
+                             and y.shape[3] < _gathered().PIXELS and (not residual.size or residual_slot in chosen))
         return
     if x_slot in chosen and y_slot in chosen and concatenation is None and y.shape[3] < _gathered().PIXELS \
             and (not residual.size or residual_slot in chosen):
@@ -467,9 +470,13 @@ def _block_direct(inner, arguments, chosen, buffers, steps, at, part=None, conca
         in_place, *x.shape, x_slot in chosen, *y.shape[1:], y_blocked, y_image))
 
 
-def _grouped(arguments, flat_x, x_blocked: bool, flat_y, y_blocked: bool, residual, offsets) -> list:
+def _grouped(arguments, flat_x, x_blocked: bool, flat_y, y_blocked: bool, residual, offsets,
+             gathered: bool = False) -> list:
     """A grouped convolution's steps over blocked or plain values: one conv_blocked call per image and group, each
-    over its group's channels (whole blocks of 16 in and out: _direct_call), sharing one padded source."""
+    over its group's channels (whole blocks of 16 in and out: _direct_call), sharing one padded source. Where
+    ``gathered`` (blocked input, output and residual, output rows narrower than a tile: RegNet's 4x4 and 7x7 maps),
+    conv_gathered calls instead, whose tiles span rows (a 4-pixel row filled half of conv_blocked's), sharing their
+    source and pixel starts."""
     from ..compiled import directconv_blocked as kernel
 
     x, weights, _, bias, _, bounds, flags, y, sh, sw, top, left, height, width, in_place = arguments
@@ -478,17 +485,28 @@ def _grouped(arguments, flat_x, x_blocked: bool, flat_y, y_blocked: bool, residu
     per_group, out_group = channels // groups, outputs // groups
     x_image, y_image = channels * rows * columns, outputs * oh * ow  # (whole blocks: as long blocked as plain)
     flat_residual = residual.reshape(-1)
-    source = np.zeros(kernel.source_size(per_group, int(height), int(width), int(sw), x_blocked, bool(in_place)),
-                      np.float32)
+    if gathered:
+        first = _gathered_step(flat_x, weights[:1], offsets, bias[:1], residual, bounds, flags, flat_y,
+                               (1, per_group, rows, columns), (1, out_group, oh, ow),
+                               (sh, sw, top, left, int(height), int(width)))
+    else:
+        source = np.zeros(kernel.source_size(per_group, int(height), int(width), int(sw), x_blocked,
+                                             bool(in_place)), np.float32)
     steps = []
     for n in range(images):
         for g in range(groups):
             into = n * y_image + g * out_group * oh * ow
+            group_x, group_residual = flat_x[n * x_image + g * per_group * rows * columns:], \
+                flat_residual[into:] if residual.size else residual
+            if gathered:
+                function, shared = first
+                steps.append((function, (group_x, weights[g:g + 1], shared[2], bias[g:g + 1], group_residual,
+                                         *shared[5:7], flat_y[into:], *shared[8:])))
+                continue
             steps.append((kernel.conv_blocked, (
-                flat_x[n * x_image + g * per_group * rows * columns:], weights[g:g + 1], offsets, bias[g:g + 1],
-                flat_residual[into:] if residual.size else residual, bounds, flags, flat_y[into:], source, sh, sw,
-                top, left, height, width, in_place, 1, per_group, rows, columns, x_blocked, out_group, oh, ow,
-                y_blocked, 0)))
+                group_x, weights[g:g + 1], offsets, bias[g:g + 1], group_residual, bounds, flags, flat_y[into:],
+                source, sh, sw, top, left, height, width, in_place, 1, per_group, rows, columns, x_blocked,
+                out_group, oh, ow, y_blocked, 0)))
     return steps
 
 
