@@ -39,6 +39,11 @@ def _parameters(channels, reduced):
     return w1, b1, w2, b2
 
 
+def _transposed(weights):
+    """The kernels' layout of a 1x1 convolution's (outputs, inputs) weights: (inputs, outputs), C-contiguous."""
+    return np.ascontiguousarray(weights.T)
+
+
 def _bounds(relu):
     return epilogue.activation_bounds(epilogue.RELU if relu else epilogue.NONE, (), np.float32)
 
@@ -61,7 +66,8 @@ def test_plain_block_matches_float64(images, channels, pixels, reduced, hard, sw
     relu = not swish
     y = np.full_like(x, np.nan)
     scratch = [np.empty(size, np.float32) for size in (channels, reduced, channels)]
-    segment_loops.squeeze_excite(x, w1, b1, _bounds(relu), swish, w2, b2, _bounds(False), *_gate(hard), y, *scratch)
+    segment_loops.squeeze_excite(x, _transposed(w1), b1, _bounds(relu), swish, _transposed(w2), b2, _bounds(False),
+                                 *_gate(hard), y, *scratch)
     expected = _reference(x, w1, b1, relu, swish, w2, b2, hard, 0.2, 0.5)
     assert np.abs(y - expected).max() <= 2e-6 * (1 + np.abs(expected).max())
 
@@ -89,7 +95,8 @@ def test_blocked_block_matches_float64(images, channels, pixels, reduced, hard):
     flat = _blocked(x)
     y = np.full_like(flat, np.nan)
     pooled, hidden, scale = (np.empty(size, np.float32) for size in (blocks * LANES, reduced, blocks * LANES))
-    blocked_ops.squeeze_excite_blocked(flat, w1, b1, _bounds(True), False, w2, b2, _bounds(False), *_gate(hard), y,
+    blocked_ops.squeeze_excite_blocked(flat, _transposed(w1), b1, _bounds(True), False, _transposed(w2), b2,
+                                       _bounds(False), *_gate(hard), y,
                                        images, channels, pixels, pooled, hidden, scale)
     got = _unblocked(y, images, channels, pixels)
     expected = _reference(x, w1, b1, True, False, w2, b2, hard, 0.2, 0.5)
@@ -138,3 +145,26 @@ def test_session_block_over_a_batch(spelling, batch):
         assert np.abs(got - expected).max() <= 1e-5 * (1 + np.abs(expected).max()), run
         if run == 0:
             deferred.wait_ready(240)
+
+
+def test_one_images_sums_run_in_order_as_running_sums():
+    """squeeze_scale sums every output at once, one weights' row a pass, yet each output's sum runs over its inputs in
+    order from 0 as a float32 running sum does: the same bits (hard gate, no libm)."""
+    channels, reduced = 37, 11
+    w1, b1, w2, b2 = _parameters(channels, reduced)
+    pooled = RNG.standard_normal(channels).astype(np.float32)
+    hidden, scale = np.empty(reduced, np.float32), np.empty(channels, np.float32)
+    segment_loops.squeeze_scale(pooled, _transposed(w1), b1, _bounds(True), False, _transposed(w2), b2,
+                                _bounds(False), *_gate(True), hidden, scale)
+    expected_hidden = np.empty(reduced, np.float32)
+    for r in range(reduced):
+        total = np.float32(0)
+        for c in range(channels):
+            total = np.float32(total + np.float32(w1[r, c] * pooled[c]))
+        expected_hidden[r] = max(np.float32(total + b1[r]), np.float32(0))
+    for c in range(channels):
+        total = np.float32(0)
+        for r in range(reduced):
+            total = np.float32(total + np.float32(w2[c, r] * expected_hidden[r]))
+        v = np.float32(np.float32(np.float32(0.2) * np.float32(total + b2[c])) + np.float32(0.5))
+        assert scale[c] == min(max(v, np.float32(0)), np.float32(1))

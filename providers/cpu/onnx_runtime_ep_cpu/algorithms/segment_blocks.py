@@ -136,15 +136,15 @@ def _binder(x_slot, squeeze, swish, excite, gate):
 
     w1, b1, bounds1 = squeeze
     w2, b2, bounds2 = excite
-    w1, w2 = np.ascontiguousarray(w1), np.ascontiguousarray(w2)
     b1 = np.zeros(w1.shape[0], np.float32) if b1 is None else np.array(b1, dtype=np.float32)
     b2 = np.zeros(w2.shape[0], np.float32) if b2 is None else np.array(b2, dtype=np.float32)
+    w1, w2 = np.ascontiguousarray(w1.T), np.ascontiguousarray(w2.T)  # (squeeze_excite's (C, R) and (R, C))
 
     def bind(buffers, output):
         x = buffers[x_slot]
         n, c = x.shape[:2]
         flat = x.reshape(n, c, -1)
-        scratch = [np.empty(size, np.float32) for size in (c, w1.shape[0], c)]
+        scratch = [np.empty(size, np.float32) for size in (c, w1.shape[1], c)]
         return (segment_loops.squeeze_excite, (flat, w1, b1, bounds1, swish, w2, b2, bounds2, *gate,
                                                output.reshape(n, c, -1), *scratch))
 
