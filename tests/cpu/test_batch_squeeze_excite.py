@@ -168,3 +168,24 @@ def test_one_images_sums_run_in_order_as_running_sums():
             total = np.float32(total + np.float32(w2[c, r] * expected_hidden[r]))
         v = np.float32(np.float32(np.float32(0.2) * np.float32(total + b2[c])) + np.float32(0.5))
         assert scale[c] == min(max(v, np.float32(0)), np.float32(1))
+
+
+@pytest.mark.parametrize("pixels", [0, 1, 7, 49])
+def test_blocked_means_and_products_run_pixel_by_pixel_in_vectors(pixels):
+    """blocked_ops' plane sums (16 lanes a vector) add the pixels in order from 0 as the plain loop does: the same
+    bits as float32 running sums per lane; the gate's product is each value times its channel's factor."""
+    images, blocks = 2, 3
+    x = RNG.standard_normal(images * blocks * pixels * LANES).astype(np.float32)
+    scale = RNG.standard_normal(blocks * LANES).astype(np.float32)
+    for n in range(images):
+        sums = np.full(blocks * LANES, np.nan, np.float32)
+        blocked_ops._lane_sums(x, n, blocks, pixels, sums)  # noqa: SLF001
+        planes = x.reshape(images, blocks, pixels, LANES)[n]
+        expected = np.zeros((blocks, LANES), np.float32)
+        for p in range(pixels):
+            expected = expected + planes[:, p]
+        assert np.array_equal(sums, expected.reshape(-1))
+        y = np.full_like(x, np.nan)
+        blocked_ops._scaled(x, n, blocks, pixels, scale, y)  # noqa: SLF001
+        image = slice(n * blocks * pixels * LANES, (n + 1) * blocks * pixels * LANES)
+        assert np.array_equal(y[image].reshape(blocks, pixels, LANES), planes * scale.reshape(blocks, 1, LANES))

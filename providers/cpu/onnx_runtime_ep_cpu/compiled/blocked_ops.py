@@ -147,29 +147,61 @@ def depthwise_taps(kh: int, kw: int, dh: int, dw: int, padded_width: int) -> np.
     return ((i * dh * padded_width + j * dw) * CHANNELS).reshape(-1).astype(np.int64)
 
 
+@intrinsic
+def _block_sums(typingctx, x, start, pixels, sums, at):
+    """sums[at + l] = the sum of x[start + p * 16 + l] over the pixels p, in order from 0, for the 16 lanes l in one
+    vector (numba leaves the lane loop scalar: its SLP vectorizer is off)."""
+    signature = types.void(x, start, pixels, sums, at)
+
+    def codegen(context, builder, sig, args):
+        x_ptr, sums_ptr = (context.make_array(sig.args[i])(context, builder, args[i]).data for i in (0, 3))
+        begin, count, out = args[1], args[2], args[4]
+
+        def step(p, values):
+            offset = builder.add(begin, builder.mul(p, ir.Constant(llvm.I64, CHANNELS)))
+            return [builder.fadd(values[0], builder.load(_vector(builder, x_ptr, offset), align=4))]
+
+        (total,) = llvm.counted_loop(builder, count, [llvm.ZEROS], step, "block_sums")
+        builder.store(total, _vector(builder, sums_ptr, out), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def _block_scaled(typingctx, x, start, pixels, scale, at, y):
+    """y[start + p * 16 + l] = x[start + p * 16 + l] * scale[at + l] over the pixels p, 16 lanes l a vector."""
+    signature = types.void(x, start, pixels, scale, at, y)
+
+    def codegen(context, builder, sig, args):
+        x_ptr, scale_ptr, y_ptr = (context.make_array(sig.args[i])(context, builder, args[i]).data for i in (0, 3, 5))
+        begin, count = args[1], args[2]
+        factors = builder.load(_vector(builder, scale_ptr, args[4]), align=4)
+
+        def step(p, values):
+            offset = builder.add(begin, builder.mul(p, ir.Constant(llvm.I64, CHANNELS)))
+            product = builder.fmul(builder.load(_vector(builder, x_ptr, offset), align=4), factors)
+            builder.store(product, _vector(builder, y_ptr, offset), align=4)
+            return []
+
+        llvm.counted_loop(builder, count, [], step, "block_scaled")
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
 @jit
 def _lane_sums(x, n, blocks, pixels, sums):
     """sums[b * 16 + l] = the sum over the pixels of image ``n``'s block b, lane l, pixel by pixel."""
-    for k in range(sums.size):
-        sums[k] = 0
     for b in range(blocks):
-        base = (n * blocks + b) * pixels * CHANNELS
-        for p in range(pixels):
-            at = np.uint64(base + p * CHANNELS)
-            for lane in range(CHANNELS):
-                sums[b * CHANNELS + lane] += x[at + np.uint64(lane)]
+        _block_sums(x, (n * blocks + b) * pixels * CHANNELS, pixels, sums, b * CHANNELS)
 
 
 @jit
 def _scaled(x, n, blocks, pixels, scale, y):
     """y = x * scale[channel] over image ``n``'s blocks."""
     for b in range(blocks):
-        base = (n * blocks + b) * pixels * CHANNELS
-        for p in range(pixels):
-            at = np.uint64(base + p * CHANNELS)
-            for lane in range(CHANNELS):
-                k = np.uint64(lane)
-                y[at + k] = x[at + k] * scale[b * CHANNELS + lane]
+        _block_scaled(x, (n * blocks + b) * pixels * CHANNELS, pixels, scale, b * CHANNELS, y)
 
 
 @jit
