@@ -165,7 +165,7 @@ def _threaded(table: np.ndarray, values: np.ndarray, linked) -> tuple | None:
         # a woken thread), would take no part: the chain runs here as run_chain, the helper woken for later calls.
         # After splits whose rows the helper missed, calls run here for a while (helper_backoff.py).
         if backoff.runs_alone() or not len(first) or first[0, sleeping] or first[0, done] != first[0, posted]:
-            if len(first) and first[0, sleeping] and backoff.alone <= 0:
+            if len(first) and first[0, sleeping] and backoff.alone <= 0:  # (not backing off, or its last call)
                 wake(first[0])
                 backoff.woken()
             run_chain(table, reals)

@@ -322,12 +322,13 @@ def block_direct_runs(segment, steps: list, spans: dict, env: list, blocks: dict
     steps = [each for step in steps if step is not None for each in (step if isinstance(step, list) else [step])]
     tiled = (_blocked_ops().depthwise_blocked, _blocked_ops().max_pool_blocked, _blocked_ops().average_pool_blocked)
     scratch = sum(a.nbytes for f, arguments in steps if f in tiled for a in arguments[-4::3])  # (block, tile)
-    scratch += sum(a.nbytes for a in {id(a): a for f, arguments in steps if f is _gathered().conv_gathered
-                                      for a in arguments[8:11]}.values())  # (a grouped one's groups share them)
     from ..compiled.directconv_blocked import conv_blocked
 
-    sources = {id(arguments[8]): arguments[8] for f, arguments in steps if f is conv_blocked}  # (groups share one)
-    scratch += sum(source.nbytes for source in sources.values())  # (their padded sources)
+    # the direct convolutions' padded sources (and the gathered ones' pixel starts), once each: a grouped
+    # convolution's groups share theirs
+    owned = {conv_blocked: slice(8, 9), _gathered().conv_gathered: slice(8, 11)}
+    shared = {id(a): a for f, arguments in steps if f in owned for a in arguments[owned[f]]}
+    scratch += sum(a.nbytes for a in shared.values())
     return steps, scratch
 
 
@@ -485,10 +486,10 @@ def _grouped(arguments, flat_x, x_blocked: bool, flat_y, y_blocked: bool, residu
     per_group, out_group = channels // groups, outputs // groups
     x_image, y_image = channels * rows * columns, outputs * oh * ow  # (whole blocks: as long blocked as plain)
     flat_residual = residual.reshape(-1)
-    if gathered:
-        first = _gathered_step(flat_x, weights[:1], offsets, bias[:1], residual, bounds, flags, flat_y,
-                               (1, per_group, rows, columns), (1, out_group, oh, ow),
-                               (sh, sw, top, left, int(height), int(width)))
+    if gathered:  # (group 0's call: its source, pixel starts and offsets serve every group)
+        gathered_call, shared = _gathered_step(flat_x, weights[:1], offsets, bias[:1], residual, bounds, flags,
+                                               flat_y, (1, per_group, rows, columns), (1, out_group, oh, ow),
+                                               (sh, sw, top, left, int(height), int(width)))
     else:
         source = np.zeros(kernel.source_size(per_group, int(height), int(width), int(sw), x_blocked,
                                              bool(in_place)), np.float32)
@@ -499,8 +500,7 @@ def _grouped(arguments, flat_x, x_blocked: bool, flat_y, y_blocked: bool, residu
             group_x, group_residual = flat_x[n * x_image + g * per_group * rows * columns:], \
                 flat_residual[into:] if residual.size else residual
             if gathered:
-                function, shared = first
-                steps.append((function, (group_x, weights[g:g + 1], shared[2], bias[g:g + 1], group_residual,
+                steps.append((gathered_call, (group_x, weights[g:g + 1], shared[2], bias[g:g + 1], group_residual,
                                          *shared[5:7], flat_y[into:], *shared[8:])))
                 continue
             steps.append((kernel.conv_blocked, (

@@ -53,7 +53,7 @@ def squeeze_gate(v, gate, alpha, beta, zero, one):
 def _column_sums(weights, column, values, total):
     """total[n] = the sum over k, in order from 0, of weights[k, column] * values[k, n], for every column n of
     ``values`` at once, four terms of k a pass over ``total`` (each product and sum rounded as a one-column running
-    sum's). For 48 x 1152 weights and 32 columns: 124 us, against 1446 us for a running sum per column."""
+    sum's), where a running sum per column is one dependent chain of scalar adds."""
     depth, columns = values.shape[0], values.shape[1]
     for n in range(columns):
         total[n] = 0
