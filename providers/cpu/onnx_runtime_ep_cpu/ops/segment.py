@@ -13,7 +13,8 @@ The plan is checked once against the node-by-node run it was built from (to floa
 may sum in another order), and dropped where they differ; from then on every run of the signature returns
 the plan's values. One run uses a plan at a time (its buffers are shared): concurrent runs of a signature get
 copies of its plan, up to _COPIES, then wait for one. Plans over POOL_LIMIT_BYTES of buffers are not made
-(the node-by-node run frees each value after its last reader).
+(the node-by-node run frees each value after its last reader), and a signature whose values together would pass
+PLANNING_LIMIT_BYTES is not planned at all: the planning run holds every value at once, and binds each again.
 
 A plan made while a loop it (or a node's kernel) calls was served by a fallback, the loader's child compiling it
 (compiled/deferred.py), is provisional (provisional.py): it runs inside a Trial, node by node where a
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from ..algorithms.segment_steps import BoundPlan
 
 POOL_LIMIT_BYTES = 64 << 20
+PLANNING_LIMIT_BYTES = 1 << 30
 _SIGNATURES = 16  # bound plans (and node kernels) kept per segment; past that, they start over
 _COPIES = 4  # plans per signature at most, for as many concurrent runs (more wait for the first)
 
@@ -92,6 +94,53 @@ class _Inner:
         return found
 
 
+class _ValueBytes:
+    """``value_bytes(inputs)``: the bytes of every value the segment's nodes make, for these inputs, from the
+    body's declared shapes, their symbolic dimensions (a batch) read off the inputs' shapes; 0 where a value's
+    shape or a dimension is not known."""
+
+    def __init__(self, body):
+        self.values: list[tuple[int, tuple[str, ...]]] = []  # (bytes over the known dimensions, symbolic ones)
+        self.symbols: list[tuple[int, int, str]] = []  # (input position, axis, name)
+        for position, info in enumerate(body.inputs):
+            shape = info.type.shape if info.type is not None and info.type.is_tensor else None
+            for axis, dim in enumerate(shape or ()):
+                if isinstance(dim, str) and dim:
+                    self.symbols.append((position, axis, dim))
+        for inner in body.nodes:
+            for name in inner.outputs:
+                info = body.value_info.get(name) if name else None
+                kind = info.type if info is not None else None
+                if kind is None or not kind.is_tensor or kind.shape is None or kind.dtype is None:
+                    self.values = []
+                    return
+                known, symbolic = kind.dtype.numpy.itemsize, []
+                for dim in kind.shape:
+                    if isinstance(dim, int):
+                        known *= dim
+                    elif isinstance(dim, str) and dim:
+                        symbolic.append(dim)
+                    else:
+                        self.values = []
+                        return
+                self.values.append((known, tuple(symbolic)))
+
+    def __call__(self, inputs) -> int:
+        sizes: dict[str, int] = {}
+        for position, axis, name in self.symbols:
+            value = inputs[position] if position < len(inputs) else None
+            if isinstance(value, np.ndarray) and axis < value.ndim:
+                sizes.setdefault(name, value.shape[axis])
+        total = 0
+        for known, symbolic in self.values:
+            for name in symbolic:
+                if name not in sizes:
+                    return 0
+                known *= sizes[name]
+            total += known
+        return total
+
+
 class Segment:
     """The FusedSegment kernel: ``segment(*inputs) -> outputs``."""
 
@@ -123,6 +172,7 @@ class Segment:
             inner.release = tuple(s for s, last in last_use.items() if last == index and s not in keep)
         self.name = node.name
         self.output_names = tuple(node.outputs)
+        self.value_bytes = _ValueBytes(body)
         # per signature: its plans (copies for concurrent callers), or None where it runs node by node
         self.plans: dict[tuple, list[BoundPlan] | None] = {}
         self.last: BoundPlan | None = None
@@ -146,6 +196,7 @@ class Segment:
             plans = self._other_constants(key, inputs, plans[0])
         if plans is None and self.waiting and key in self.waiting and self.waiting[key].settled():
             plans = self._drop(key)
+        plans = self._plannable(key, plans, inputs)
         if plans is None or deferred.numpy_first():
             return self._node_by_node(inputs, keep_all=False)[1]
         if plans and plans[0].ticket is not None and plans[0].ticket.settled():
@@ -163,6 +214,14 @@ class Segment:
             return self._plan_and_run(key, inputs)
         with plans[0].lock:
             return plans[0].run(inputs) if plans[0].ticket is None else self._provisional_run(plans[0], inputs)
+
+    def _plannable(self, key, plans, inputs):
+        """``plans``, or None from now on where none is made yet and the signature's values together would pass
+        PLANNING_LIMIT_BYTES (a batch too large to plan: see the module doc)."""
+        if not plans and plans is not None and self.value_bytes(inputs) > PLANNING_LIMIT_BYTES:
+            self.plans[key] = None
+            return None
+        return plans
 
     def _provisional_run(self, plan, inputs):
         """A provisional plan's run: a step whose loop would compile here serves this run node by node."""
