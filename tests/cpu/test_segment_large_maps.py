@@ -156,23 +156,50 @@ def test_value_bytes_count_every_value_at_the_batch_of_the_inputs():
     assert counted(feeds) == 3 * per_image
 
 
-def test_a_batch_too_large_to_plan_runs_node_by_node_without_planning(monkeypatch):
+def _large_segment_and_feeds(batch, rng):
     graph = _fused(_mbconv_model())
     large = next(n for n in graph.nodes if n.op_type == "FusedSegment")
+    feeds = [rng.standard_normal((batch, 16, 32, 32)).astype(np.float32) if name not in graph.initializers
+             else graph.initializers[name] for name in large.inputs]
+    return segment_op.Segment(large), feeds
+
+
+def _first_image(feeds):
+    return [f[:1] if f.flags.writeable else f for f in feeds]  # (the feed; the weights are read-only)
+
+
+def test_a_batch_whose_plan_would_pass_the_pool_limit_runs_in_planned_chunks(monkeypatch):
     deferred.wait_ready(240)
     rng = np.random.default_rng(5)
+    segment, feeds = _large_segment_and_feeds(5, rng)
+    want = segment._node_by_node(feeds, keep_all=False)[1]  # noqa: SLF001
+    one_image = segment.value_bytes(_first_image(feeds))
+    monkeypatch.setattr(segment_op, "POOL_LIMIT_BYTES", 2 * one_image)  # two images' values fit, five do not
+    for _ in range(3):  # plans the whole batch (over the limit: none), then chunks of two, planned
+        got = segment(*feeds)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    ((key, chunks),) = segment.chunks.items()
+    assert chunks.images == 2 and segment.plans[key] is None
+    planned = [k for k, plans in segment.plans.items() if plans]
+    assert sorted(k[chunks.feeds[0]][0][0] for k in planned) == [1, 2]  # (2 + 2 + 1 images)
 
-    def feeds(batch):
-        return [rng.standard_normal((batch, 16, 32, 32)).astype(np.float32) if name not in graph.initializers
-                else graph.initializers[name] for name in large.inputs]
 
-    segment = segment_op.Segment(large)
+def test_a_batch_too_large_to_plan_runs_node_by_node_without_planning(monkeypatch):
+    deferred.wait_ready(240)
+    rng = np.random.default_rng(6)
+    segment, two = _large_segment_and_feeds(2, rng)
     planned = []
     monkeypatch.setattr(segment_op.Segment, "_plan_and_run",
                         lambda self, key, inputs: planned.append(key) or self._node_by_node(inputs, False)[1])
-    one, two = feeds(1), feeds(2)
+    one = _first_image(two)
     limit = segment.value_bytes(one) + 1  # one image's values pass, two images' do not
     monkeypatch.setattr(segment_op, "PLANNING_LIMIT_BYTES", limit)
+    monkeypatch.setattr(segment_op, "POOL_LIMIT_BYTES", limit)
+    from onnx_runtime_ep_cpu.algorithms import segment_split
+
+    monkeypatch.setattr(segment_split, "per_image", lambda *args: False)  # (no chunks: not proved per image)
     for _ in range(2):
         got = segment(*two)
     assert planned == [] and list(segment.plans.values()) == [None]
@@ -181,3 +208,39 @@ def test_a_batch_too_large_to_plan_runs_node_by_node_without_planning(monkeypatc
         np.testing.assert_array_equal(a, b)
     segment(*one)
     assert len(planned) == 1  # (the batch of one is planned)
+
+
+def test_long_ranges_wait_for_sleeping_helpers(monkeypatch):
+    """A batch's ranges whose chained calls took LONG_STAGE_SECONDS are posted to the helpers as long parts the next
+    time (woken if asleep), shorter ones as before; the values are the same either way."""
+    from onnx_runtime_ep_cpu.algorithms import segment_split
+
+    model = _mbconv_model()
+    sess = _session(model, 2)
+    x = np.random.default_rng(7).standard_normal((4, 3, 64, 64)).astype(np.float32)
+    sess.run(None, {"x": x})
+    deferred.wait_ready(240)
+    (want,) = sess.run(None, {"x": x})
+    seen = []
+    original = segment_split.SplitPlan.run
+
+    def spy(plan, inputs):
+        real = plan._run  # noqa: SLF001
+        plan._run = lambda kind, parts, count, long=False: seen.append(long) or real(kind, parts, count, long)  # noqa: SLF001
+        try:
+            return original(plan, inputs)
+        finally:
+            plan._run = real  # noqa: SLF001
+
+    monkeypatch.setattr(segment_split.SplitPlan, "run", spy)
+    monkeypatch.setattr(segment_split, "LONG_STAGE_SECONDS", 0.0)
+    for _ in range(3):
+        (got,) = sess.run(None, {"x": x})
+        np.testing.assert_array_equal(got, want)
+    assert seen and seen[-1] is True  # (after a stage longer than 0 s)
+    monkeypatch.setattr(segment_split, "LONG_STAGE_SECONDS", float("inf"))
+    seen.clear()
+    for _ in range(3):
+        (got,) = sess.run(None, {"x": x})
+        np.testing.assert_array_equal(got, want)
+    assert seen and seen[-1] is False

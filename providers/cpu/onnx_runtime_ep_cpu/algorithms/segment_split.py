@@ -23,6 +23,7 @@ node-by-node run it was made from.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -204,13 +205,21 @@ def _stages(plans) -> tuple | None:
     return tuple(stages)
 
 
+# Ranges' chained calls that took this long (the helpers' spin before they sleep, workers._SPIN_SECONDS) are posted
+# to sleeping helpers too the next time, which wakes them and waits (workers.Helpers.run's ``long``): a helper idle
+# that long sleeps, and a caller that runs a sleeping helper's part itself keeps it asleep at every later run (a
+# batch of 32 EfficientNet-style images ran on one thread, 15 ms a range). Shorter ones run on the caller while a
+# sleeping helper wakes, where the wait would cost more than the part.
+LONG_STAGE_SECONDS = 5e-3
+
+
 class SplitPlan:
     """A bound plan (segment_steps.BoundPlan's interface) that runs ranges of a batch's images in parallel, each
     with a BoundPlan of its own: their chained calls as jobs, one per range, the others range by range here
     (``stages``: _stages)."""
 
     __slots__ = ("lock", "ticket", "nbytes", "arena", "constant_slots", "_plans", "_spans", "_feeds", "_stages",
-                 "_shapes", "_helpers", "_run", "_chain")
+                 "_shapes", "_helpers", "_run", "_chain", "_long")
 
     def __init__(self, plans, spans, feed_slots, stages):
         from ..compiled import workers  # (bound once here: an import statement costs each run microseconds)
@@ -230,6 +239,7 @@ class SplitPlan:
         batch = spans[-1][1]
         self._shapes = tuple((slot, (batch, *buffer.shape[1:]), buffer.dtype) for slot, buffer in first.feeds)
         self._helpers = helper_count()
+        self._long = False  # the last parallel stage took LONG_STAGE_SECONDS: its jobs wait for sleeping helpers
 
     @property
     def parts(self) -> tuple:
@@ -263,7 +273,9 @@ class SplitPlan:
             plan.stage(sliced(inputs, feeds, start, end))
         for parallel, calls in self._stages:
             if parallel:
-                self._run(self._chain, calls, self._helpers)
+                start = time.perf_counter()
+                self._run(self._chain, calls, self._helpers, self._long)
+                self._long = time.perf_counter() - start > LONG_STAGE_SECONDS
             else:
                 for function, arguments in calls:
                     function(*arguments)

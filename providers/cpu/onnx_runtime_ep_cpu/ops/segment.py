@@ -13,8 +13,11 @@ The plan is checked once against the node-by-node run it was built from (to floa
 may sum in another order), and dropped where they differ; from then on every run of the signature returns
 the plan's values. One run uses a plan at a time (its buffers are shared): concurrent runs of a signature get
 copies of its plan, up to _COPIES, then wait for one. Plans over POOL_LIMIT_BYTES of buffers are not made
-(the node-by-node run frees each value after its last reader), and a signature whose values together would pass
-PLANNING_LIMIT_BYTES is not planned at all: the planning run holds every value at once, and binds each again.
+(the node-by-node run frees each value after its last reader): such a batch then runs in chunks of images whose
+values together take at most POOL_LIMIT_BYTES, each chunk's signature planned as any, where one image's run proves
+that no node reads another image (segment_split.per_image). A batch whose values pass PLANNING_LIMIT_BYTES is not
+planned whole at all (the planning run holds every value at once, and binds each again): chunks from its first
+run, or its nodes.
 
 A plan made while a loop it (or a node's kernel) calls was served by a fallback, the loader's child compiling it
 (compiled/deferred.py), is provisional (provisional.py): it runs inside a Trial, node by node where a
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from onnx_runtime.errors import OnnxRuntimeError
@@ -92,6 +95,13 @@ class _Inner:
             shapes = [None if v is None else tuple(v.shape) for v in values]
             found = self.kernels[key] = self.factory(self.node, shapes, self.node.opset)
         return found
+
+
+class _Chunks(NamedTuple):
+    """How a batch runs in chunks (Segment._chunk): the feeds cut along the batch, and the images of a chunk."""
+
+    feeds: tuple[int, ...]
+    images: int
 
 
 class _ValueBytes:
@@ -173,6 +183,8 @@ class Segment:
         self.name = node.name
         self.output_names = tuple(node.outputs)
         self.value_bytes = _ValueBytes(body)
+        self.chunks: dict[tuple, _Chunks | None] = {}  # per signature weighed for chunks (None: not): see _chunk
+        self.per_image: bool | None = None  # whether no node reads another image (None: not yet proved)
         # per signature: its plans (copies for concurrent callers), or None where it runs node by node
         self.plans: dict[tuple, list[BoundPlan] | None] = {}
         self.last: BoundPlan | None = None
@@ -190,6 +202,10 @@ class Segment:
                 return plan.run(inputs)
             finally:
                 plan.lock.release()
+        return self._signature_run(inputs)
+
+    def _signature_run(self, inputs):
+        """A run of a signature other than the last one run: its plan, a plan made now, or its nodes."""
         key = tuple([(x.shape, x.dtype) if isinstance(x, np.ndarray) else None for x in inputs])
         plans = self.plans.get(key, ())
         if plans and not plans[0].fits(inputs):
@@ -197,6 +213,8 @@ class Segment:
         if plans is None and self.waiting and key in self.waiting and self.waiting[key].settled():
             plans = self._drop(key)
         plans = self._plannable(key, plans, inputs)
+        if isinstance(plans, _Chunks):
+            return self._chunked_run(inputs, plans)
         if plans is None or deferred.numpy_first():
             return self._node_by_node(inputs, keep_all=False)[1]
         if plans and plans[0].ticket is not None and plans[0].ticket.settled():
@@ -216,12 +234,52 @@ class Segment:
             return plans[0].run(inputs) if plans[0].ticket is None else self._provisional_run(plans[0], inputs)
 
     def _plannable(self, key, plans, inputs):
-        """``plans``, or None from now on where none is made yet and the signature's values together would pass
-        PLANNING_LIMIT_BYTES (a batch too large to plan: see the module doc)."""
-        if not plans and plans is not None and self.value_bytes(inputs) > PLANNING_LIMIT_BYTES:
+        """``plans``, or how the signature runs instead: in chunks of images where its plan would pass
+        POOL_LIMIT_BYTES (_chunk: found so once planned, or before where its values would pass PLANNING_LIMIT_BYTES);
+        else None from now on where they would pass PLANNING_LIMIT_BYTES (see the module doc)."""
+        if plans:
+            return plans
+        if key in self.chunks:
+            return self.chunks[key] or plans
+        if plans is not None and not self.waiting.get(key) and self.value_bytes(inputs) <= PLANNING_LIMIT_BYTES:
+            return plans  # (planned at this run)
+        size = self.value_bytes(inputs)
+        chunks = self.chunks[key] = self._chunk(inputs, size) if size > POOL_LIMIT_BYTES and key not in self.waiting \
+            else None
+        if chunks is None and size > PLANNING_LIMIT_BYTES:
             self.plans[key] = None
             return None
-        return plans
+        return chunks or plans
+
+    def _chunk(self, inputs, size: int) -> _Chunks | None:
+        """How the batch of ``inputs``, whose values take ``size`` bytes, runs in chunks of images whose values take
+        at most POOL_LIMIT_BYTES; None where it has one image, or one image's node-by-node run does not prove that
+        no node reads another image (segment_split.per_image)."""
+        from ..algorithms import segment_split
+        from ..algorithms.segment_steps import is_constant
+
+        feeds = [slot for slot in range(self.feeds) if not is_constant(self, slot, inputs[slot])]
+        batch = inputs[feeds[0]].shape[0] if feeds and inputs[feeds[0]].ndim else 0
+        images = max(1, batch * POOL_LIMIT_BYTES // size)
+        if batch < 2 or images >= batch:
+            return None
+        if self.per_image is None:
+            constants = set(range(self.feeds)) - set(feeds)
+            env, _ = self._node_by_node(segment_split.sliced(inputs, feeds, 0, 1), keep_all=True)
+            self.per_image = segment_split.batch_of(self, env, constants) == 1 \
+                and segment_split.per_image(self, env, constants)
+        return _Chunks(tuple(feeds), images) if self.per_image else None
+
+    def _chunked_run(self, inputs, chunk: _Chunks):
+        """The batch's outputs from runs of ``chunk``'s images at a time (each range a signature of its own, planned
+        as any), joined along the batch."""
+        from ..algorithms.segment_split import sliced
+
+        feeds, images = chunk
+        batch = inputs[feeds[0]].shape[0]
+        parts = [self(*sliced(inputs, feeds, start, min(start + images, batch)))
+                 for start in range(0, batch, images)]
+        return tuple(np.concatenate(outputs) for outputs in zip(*parts))
 
     def _provisional_run(self, plan, inputs):
         """A provisional plan's run: a step whose loop would compile here serves this run node by node."""
