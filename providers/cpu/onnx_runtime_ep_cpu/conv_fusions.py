@@ -348,5 +348,6 @@ def fuse_dense_concats(graph: Graph, owns=None) -> bool:
     return _rewrite(graph, replaced, removed, added)
 
 
-# fuse_segments last: it takes the FusedConv nodes the others make.
-CONV_PASSES = [fuse_conv_activations, fuse_concat_convs, fuse_channel_shuffle, fuse_dense_concats, fuse_segments]
+# fuse_segments after the passes whose FusedConv nodes it takes; fuse_channel_shuffle after it, on the shuffles no
+# segment took (a segment's plan copies a shuffle's permuted view once; a shuffled FusedConv would end its segment).
+CONV_PASSES = [fuse_conv_activations, fuse_concat_convs, fuse_dense_concats, fuse_segments, fuse_channel_shuffle]

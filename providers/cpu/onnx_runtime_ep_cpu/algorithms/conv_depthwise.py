@@ -114,13 +114,12 @@ def compiled_depthwise(geo: Geometry, m: int, prepared: Prepared, dtype):
 
 def _bind_depthwise(plan, prepared: Prepared, weights, identity, geo: Geometry, m: int, x, w, b, finish, y):
     """compiled_depthwise's computation into ``y`` prepared once (a segment's bound plan): ``[(loop,
-    arguments)]``, or None where it splits across threads or adds a residual."""
+    arguments)]`` (one image's channels split across threads as compute splits them: a step posting the parts),
+    or None where it adds a residual."""
     if (finish is not None and finish.residual.size) or x.dtype != y.dtype or y.shape[1] != m:
         return None
     spans = thread_spans(x.shape[1], max(x.size, math.prod(geo.out) * m) * math.prod(geo.kernel), x.dtype,
                          KNOBS.split_depthwise_macs) if x.shape[0] == 1 else None
-    if spans is not None and len(spans) > 1:
-        return None
     flat_w, bias = prepared.get("depthwise", (w, b), lambda: weights(w, b))
     activation = identity
     if finish is not None:
@@ -129,8 +128,18 @@ def _bind_depthwise(plan, prepared: Prepared, weights, identity, geo: Geometry, 
             bias = finish.bias
     if not bias.flags.writeable:
         bias = bias.copy()
-    return [plan.bound(x.reshape(x.shape[0], x.shape[1], *plan.in_shape), flat_w, bias, activation,
-                       y.reshape(y.shape[0], m, *plan.out))]
+    x, y = x.reshape(x.shape[0], x.shape[1], *plan.in_shape), y.reshape(y.shape[0], m, *plan.out)
+    if spans is not None and len(spans) > 1:
+        return [(_split_channels, (plan.split_arguments(x, flat_w, bias, activation, span_bounds(spans), None, y),))]
+    return [plan.bound(x, flat_w, bias, activation, y)]
+
+
+def _split_channels(arguments) -> None:
+    """A bound plan's step: jobs.split_depthwise's parts of one image's channels (compute's split)."""
+    from ..compiled import jobs, workers
+
+    workers.call(jobs.split_depthwise, (*arguments, workers.local_mailbox(0)), jobs.DEPTHWISE.address(), 0,
+                 helper_count())
 
 
 def depthwise_lanes_apply(geo: Geometry, x: np.ndarray, m: int) -> bool:

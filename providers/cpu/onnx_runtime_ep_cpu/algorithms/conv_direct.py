@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..threads import helper_count, kernel_threads
+from ..tuning import KNOBS
 from .prepared import Prepared
 from .window import Geometry
 
@@ -75,8 +77,36 @@ class DirectConv:
             residual, flags = residual.reshape(-1), flags | kernel.RESIDUAL
         if self._view is not None:
             x, y = x.reshape(self._view[0]), y.reshape(self._view[1])
-        return [(kernel.conv_direct, (x, weights, self._offsets, self._bias(b), residual, bounds, flags, y,
-                                      *self._geometry))]
+        arguments = (x, weights, self._offsets, self._bias(b), residual, bounds, flags, y, *self._geometry)
+        parts = self._group_parts(arguments)
+        if parts is not None:
+            from ..compiled import jobs, workers
+
+            return [(workers.run, (jobs.DIRECT, parts, len(parts) - 1))]
+        return [(kernel.conv_direct, arguments)]
+
+    def _group_parts(self, arguments) -> list | None:
+        """One image's groups in ranges, one per thread (the kernel's threads, KNOBS.split_macs of multiply-adds a
+        thread at least), each range's arguments as views of the whole's (conv_direct's groups are independent:
+        their input channels, weights, bias and output channels apart): a segment plan's grouped convolution that
+        no blocked tiles take (ShuffleNet's 1x1 ones of 34 or 68 channels a group) shares its groups with the
+        helpers. None where one thread runs it."""
+        x, weights, offsets, bias, residual, bounds, flags, y = arguments[:8]
+        groups = weights.shape[0]
+        if groups < 2 or x.shape[0] != 1:
+            return None
+        macs = y.size * offsets.size  # (each output's taps: a group's channels x the window)
+        threads = min(groups, kernel_threads(), 1 + helper_count(), macs // KNOBS.split_macs)
+        if threads < 2:
+            return None
+        channels, outputs = x.shape[1] // groups, y.shape[1] // groups
+        per_group = outputs * y.shape[2] * y.shape[3]
+        parts = []
+        for start, end in ((groups * p // threads, groups * (p + 1) // threads) for p in range(threads)):
+            part_residual = residual[start * per_group:end * per_group] if residual.size else residual
+            parts.append((x[:, start * channels:end * channels], weights[start:end], offsets, bias[start:end],
+                          part_residual, bounds, flags, y[:, start * outputs:end * outputs], *arguments[8:]))
+        return parts
 
     def bound_run(self, x, w, b, bounds, hard_swish: bool, shape: tuple | None = None):
         """``run(x)``: run(x, w, b, None, bounds, hard_swish) (shaped ``shape``, the output's by default) for a float32

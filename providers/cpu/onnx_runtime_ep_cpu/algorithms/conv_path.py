@@ -149,7 +149,8 @@ def compiled_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, pr
     if packed_conv_applies(geo, group, x) and not (direct and direct_tiles_before_packed(geo, w, group, x.shape[0])):
         return _running(lambda: (_packed(geo, group, x.shape, w.shape, prepared), True), "jobs.CONV", "jobs.PAD")
     if direct:
-        return lambda: (_direct_tiles(geo, group, x.shape, w.shape, prepared), True)
+        build = lambda: (_direct_tiles(geo, group, x.shape, w.shape, prepared), True)  # noqa: E731
+        return _running(build, "jobs.DIRECT") if group > 1 else build  # (a plan's groups split: DirectConv.bind)
     if group == c and group > 1:
         return _compiled_depthwise(geo, x, m, prepared, dtype)
     return None

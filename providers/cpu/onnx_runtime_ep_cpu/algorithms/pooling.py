@@ -160,14 +160,18 @@ def _windowed(arguments: tuple) -> bool:
 
 def bound_pool(loops, x: np.ndarray, geo: Geometry, include_pad: bool | None, y: np.ndarray):
     """compiled_pool's loop into the C-contiguous ``y``, prepared once (a segment's bound plan):
-    ``[(loop, arguments)]``, or None where the loops do not apply or the planes split across threads."""
+    ``[(loop, arguments)]``, its planes' spans as jobs of the helper threads where they split across threads (a
+    224x224 stem's pool), or None where the loops do not apply."""
     if len(geo.kernel) > 2 or not takes_compiled(x) or x.size == 0 or 0 in geo.out or y.dtype != x.dtype \
             or not x.flags.c_contiguous:
         return None
     planes, rows, arguments = _pool_call(x, geo, include_pad, y)
     spans = thread_spans(planes.shape[0], x.size, x.dtype)
     if spans is not None and len(spans) > 1:
-        return None
+        from ..compiled import jobs, workers
+
+        parts = [(planes[a:b], rows[a:b], *arguments) for a, b in spans]
+        return [(workers.run, (jobs.POOL, parts, helper_count()))]
     return [(loops.pool_2d, (planes, rows, *arguments))]
 
 

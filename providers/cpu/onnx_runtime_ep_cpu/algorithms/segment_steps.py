@@ -378,15 +378,13 @@ def _bind_hard_swish(node, kernel, inputs, outputs, constant):
 # The layout changes between channels-first and channels-last maps (ConvNeXt's around its convolutions, both
 # exporters): numpy's copy through their view beat the kernel's call and copy. Others (ShuffleNet's 5-D channel
 # shuffle) keep their kernel: the view's copy measured slower there.
-_LAYOUT_PERMS = frozenset({(0, 2, 3, 1), (0, 3, 1, 2)})
-
-
 def _bind_transpose(node, kernel, inputs, outputs, constant):
-    """A 4-D map's layout change (_LAYOUT_PERMS) as the input's buffer copied through its permuted view (made once)
-    into the output's, without the kernel's call, its view and the copy of its result per run."""
+    """A permutation (a 4-D map's layout change, a channel shuffle's 5-D swap of groups and channels) as the input's
+    buffer copied through its permuted view (made once) into the output's, without the kernel's call, its view and
+    the copy of its result per run."""
     x, y = inputs[0], outputs[0]
     perm = tuple(int(p) for p in node.attr("perm", ()))
-    if perm not in _LAYOUT_PERMS or x.ndim != 4 or x.dtype != y.dtype or x.transpose(perm).shape != y.shape:
+    if sorted(perm) != list(range(x.ndim)) or x.dtype != y.dtype or x.transpose(perm).shape != y.shape:
         return None
     return [(np.copyto, (y, x.transpose(perm)))]
 

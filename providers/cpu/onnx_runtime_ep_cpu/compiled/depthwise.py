@@ -117,12 +117,19 @@ class DepthwisePlan:
         """The float32 output for one image ``x`` (1, C, H, W), its channels bounds[i] .. bounds[i + 1]
         computed as part i of jobs.split_depthwise, whose arguments up to ``bounds`` ``run`` takes (it
         adds the rest); ``activation`` and ``source`` as for __call__."""
-        c, outputs = x.shape[1], weights.shape[0]
-        y = np.empty((1, outputs, *self.out), dtype=x.dtype)
-        run((x.reshape(-1), weights.reshape(outputs, -1), bias, y.reshape(outputs, -1), outputs // c, self.in_shape,
-             self.out, self.strides, self.begin, self.taps, self.rows, self.width, self.size, *self.fill_map,
-             self.crop_map, identity_channels(c) if source is None else source, activation, self.direct, bounds))
+        y = np.empty((1, weights.shape[0], *self.out), dtype=x.dtype)
+        run(self.split_arguments(x, weights, bias, activation, bounds, source, y))
         return y
+
+    def split_arguments(self, x: np.ndarray, weights: np.ndarray, bias: np.ndarray, activation: np.ndarray,
+                        bounds: np.ndarray, source, y: np.ndarray) -> tuple:
+        """jobs.split_depthwise's arguments up to ``bounds`` for split_channels' computation into ``y`` (1, M,
+        OH, OW), C-contiguous (a segment's bound plan prepares them once)."""
+        c, outputs = x.shape[1], weights.shape[0]
+        return (x.reshape(-1), weights.reshape(outputs, -1), bias, y.reshape(outputs, -1), outputs // c,
+                self.in_shape, self.out, self.strides, self.begin, self.taps, self.rows, self.width, self.size,
+                *self.fill_map, self.crop_map, identity_channels(c) if source is None else source, activation,
+                self.direct, bounds)
 
 
 _identities: dict[int, np.ndarray] = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention, depthwise, epilogue, few_rows, gemm, gemv, jit, lanes, matmul, pooling, windows
+from . import attention, depthwise, directconv, epilogue, few_rows, gemm, gemv, jit, lanes, matmul, pooling, windows
 from .mailbox import STORED, flag, floats, ints, offsets, pair, scalar
 from .workers import Kind, claim_task, collect, offer, run_here
 
@@ -230,6 +230,22 @@ def split_pad(x, out, top, left, padded_height, padded_width, mailboxes, states,
             pad_channels(x, out, top, left, padded_height, padded_width, first, end)
     pad_channels(x, out, top, left, padded_height, padded_width, 0, channels // parts)
     return collect(mailboxes, states, parts - 1)
+
+
+@jit
+def _run_direct(x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, top, left, padded_height, padded_width,
+                in_place):
+    directconv.conv_direct(x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, top, left, padded_height,
+                           padded_width, in_place)
+
+
+# directconv.conv_direct, one part: one image's range of a grouped convolution's groups (conv_direct.DirectConv's
+# split_groups: its input channels, packed weights, bias, output channels and residual of those groups).
+DIRECT = Kind("direct", (
+    floats("x", 4), floats("weights", 4), ints("offsets"), floats("bias", 2), floats("residual"),
+    floats("bounds", shape=(3,)), scalar("flags"), floats("y", 4), scalar("sh"), scalar("sw"), scalar("top"),
+    scalar("left"), scalar("padded_height"), scalar("padded_width"), flag("in_place"),
+), _run_direct, home=__name__)
 
 
 @jit

@@ -1,0 +1,81 @@
+"""A segment plan's steps that split across threads as the nodes' kernels do (ShuffleNet at 224x224, one segment):
+a grouped convolution that no blocked tiles take shares its groups with the helpers (conv_direct.DirectConv's
+group parts, jobs.DIRECT), a large pool its planes (jobs.POOL) and a large depthwise convolution its channels
+(jobs.split_depthwise); before, the pool and the depthwise convolution ran their kernels and copied the result
+(a plan past COPY_LIMIT_BYTES of such copies is not made). Each split computes what one thread's call does: the
+values equal a one-thread session's, bit for bit, and stay within a float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx_runtime import session as session_module
+from onnx_runtime_ep_cpu.algorithms import segment_steps
+from reference64 import run_float64
+from test_batch_readonly_feeds import watch_segments
+
+
+def _unit(groups: int = 4, per_group: int = 12, size: int = 24):
+    """A ShuffleNet-like unit on a large map: a 3x3/2 max pool, a grouped 1x1 convolution (groups of 12 channels:
+    no blocked tiles), its Relu, a 3x3 depthwise convolution, another grouped 1x1 one."""
+    c = groups * per_group
+    rng = np.random.default_rng(c)
+    inits = [numpy_helper.from_array((rng.standard_normal((c, per_group, 1, 1)) * 0.3).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "b1"),
+             numpy_helper.from_array((rng.standard_normal((c, 1, 3, 3)) * 0.3).astype(np.float32), "w2"),
+             numpy_helper.from_array((rng.standard_normal((c, per_group, 1, 1)) * 0.3).astype(np.float32), "w3")]
+    nodes = [helper.make_node("MaxPool", ["x"], ["p"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["p", "w1", "b1"], ["c1"], group=groups),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=c),
+             helper.make_node("Conv", ["c2", "w3"], ["y"], group=groups)]
+    graph = helper.make_graph(nodes, "unit", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                            [1, c, 2 * size, 2 * size])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _session(model, threads):
+    options = session_module.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.compile_in_background", "0")
+    options.add_session_config_entry("session.plan_cache", "0")
+    return session_module.InferenceSession(model.SerializeToString(), sess_options=options)
+
+
+def _step_names(plan) -> list[str]:
+    from onnx_runtime_ep_cpu.compiled import jobs, workers
+
+    kinds = {id(jobs.DIRECT): "direct", id(jobs.POOL): "pool"}
+    names = []
+    for function, arguments in plan._steps:  # noqa: SLF001
+        name = getattr(function, "__name__", "")
+        if function is workers.run:  # (kind, parts, helpers)
+            name = f"{kinds.get(id(arguments[0]), '?')} x{len(arguments[1])}"
+        names.append(name)
+    return names
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_plans_split_steps_compute_what_one_thread_does(monkeypatch, knobs, split):
+    model = _unit()
+    x = np.random.default_rng(3).standard_normal((1, 48, 48, 48)).astype(np.float32)
+    made, _ = watch_segments(monkeypatch)
+    one = _session(model, 1)
+    for _ in range(3):
+        (want,) = one.run(None, {"x": x})
+    if split:  # every split taken, whatever this host's thresholds
+        knobs(split_macs=1, split_elements=1, split_depthwise_macs=1)
+    two = _session(model, 2)
+    for _ in range(3):
+        (got,) = two.run(None, {"x": x})
+    np.testing.assert_array_equal(got, want)
+    (exact,) = run_float64(model, {"x": x})
+    assert np.abs(got - exact).max() <= 1e-5 * (1 + np.abs(exact).max())
+    plans = [plan for segment in made[1:] for plans in segment.plans.values() for plan in (plans or ())]
+    assert len(plans) == 1 and plans[0].describe()["kernels"] == 0, [p.describe() for p in plans]
+    names = _step_names(plans[0])
+    assert segment_steps._run_kernel.__name__ not in names  # noqa: SLF001
+    if split:
+        assert {"direct x2", "pool x2", "_split_channels"} <= set(names), names
