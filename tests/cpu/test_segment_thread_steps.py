@@ -1,9 +1,9 @@
 """A segment plan's steps that split across threads as the nodes' kernels do (ShuffleNet at 224x224, one segment):
-a grouped convolution that no blocked tiles take shares its groups with the helpers (conv_direct.DirectConv's
-group parts, jobs.DIRECT), a large pool its planes (jobs.POOL) and a large depthwise convolution its channels
-(jobs.split_depthwise); before, the pool and the depthwise convolution ran their kernels and copied the result
-(a plan past COPY_LIMIT_BYTES of such copies is not made). Each split computes what one thread's call does: the
-values equal a one-thread session's, bit for bit, and stay within a float64 reference."""
+a grouped convolution that no blocked tiles take shares its groups with the helpers as claimed tasks
+(conv_direct.DirectConv's group tasks, jobs.DIRECT), a large pool its planes (jobs.POOL) and a large depthwise
+convolution its channels (jobs.split_depthwise); before, the pool and the depthwise convolution ran their kernels
+and copied the result (a plan past COPY_LIMIT_BYTES of such copies is not made). Each split computes what one
+thread's call does: the values equal a one-thread session's, bit for bit, and stay within a float64 reference."""
 
 from __future__ import annotations
 
@@ -78,4 +78,34 @@ def test_a_plans_split_steps_compute_what_one_thread_does(monkeypatch, knobs, sp
     names = _step_names(plans[0])
     assert segment_steps._run_kernel.__name__ not in names  # noqa: SLF001
     if split:
-        assert {"direct x2", "pool x2", "_split_channels"} <= set(names), names
+        assert {"_claimed_groups", "pool x2", "_split_channels"} <= set(names), names
+
+
+def test_a_late_helpers_group_tasks_are_claimed_by_the_caller(knobs):
+    """A part whose thread never runs (here: every part run on the caller, one after another) leaves nothing
+    undone, and each run's claims start from zero: the same values over several runs."""
+    from onnx_runtime_ep_cpu.algorithms import conv_direct
+    from onnx_runtime_ep_cpu.compiled import jobs
+
+    knobs(split_macs=1, threads=2)
+    model = _unit()
+    x = np.random.default_rng(4).standard_normal((1, 48, 48, 48)).astype(np.float32)
+    (want,) = _session(model, 1).run(None, {"x": x})
+    calls = []
+
+    def alone(parts, claims):  # the caller's part first, which claims every task; the helper's finds none left
+        calls.append(len(parts))
+        claims[:] = 0
+        for part in parts:
+            jobs.DIRECT.here(part)
+
+    real = conv_direct._claimed_groups  # noqa: SLF001
+    conv_direct._claimed_groups = alone  # noqa: SLF001  (bound into the plan made below)
+    try:
+        sess = _session(model, 2)
+        for _ in range(4):
+            (got,) = sess.run(None, {"x": x})
+            np.testing.assert_array_equal(got, want)
+    finally:
+        conv_direct._claimed_groups = real  # noqa: SLF001
+    assert calls and all(count == 2 for count in calls)

@@ -78,19 +78,17 @@ class DirectConv:
         if self._view is not None:
             x, y = x.reshape(self._view[0]), y.reshape(self._view[1])
         arguments = (x, weights, self._offsets, self._bias(b), residual, bounds, flags, y, *self._geometry)
-        parts = self._group_parts(arguments)
+        parts = self._group_tasks(arguments)
         if parts is not None:
-            from ..compiled import jobs, workers
-
-            return [(workers.run, (jobs.DIRECT, parts, len(parts) - 1))]
+            return [(_claimed_groups, (parts, parts[0][-2]))]
         return [(kernel.conv_direct, arguments)]
 
-    def _group_parts(self, arguments) -> list | None:
-        """One image's groups in ranges, one per thread (the kernel's threads, KNOBS.split_macs of multiply-adds a
-        thread at least), each range's arguments as views of the whole's (conv_direct's groups are independent:
-        their input channels, weights, bias and output channels apart): a segment plan's grouped convolution that
-        no blocked tiles take (ShuffleNet's 1x1 ones of 34 or 68 channels a group) shares its groups with the
-        helpers. None where one thread runs it."""
+    def _group_tasks(self, arguments) -> list | None:
+        """One image's groups as claimed tasks, one part per thread (the kernel's threads, KNOBS.split_macs of
+        multiply-adds a thread at least), each part jobs.DIRECT's arguments (conv_direct's groups are independent:
+        their input channels, weights, bias and output channels apart): a segment plan's grouped convolution that no
+        blocked tiles take (ShuffleNet's 1x1 ones of 34 or 68 channels a group) shares its groups with the helpers,
+        a late helper's tasks taken by the others. None where one thread runs it."""
         x, weights, offsets, bias, residual, bounds, flags, y = arguments[:8]
         groups = weights.shape[0]
         if groups < 2 or x.shape[0] != 1:
@@ -99,14 +97,11 @@ class DirectConv:
         threads = min(groups, kernel_threads(), 1 + helper_count(), macs // KNOBS.split_macs)
         if threads < 2:
             return None
-        channels, outputs = x.shape[1] // groups, y.shape[1] // groups
-        per_group = outputs * y.shape[2] * y.shape[3]
-        parts = []
-        for start, end in ((groups * p // threads, groups * (p + 1) // threads) for p in range(threads)):
-            part_residual = residual[start * per_group:end * per_group] if residual.size else residual
-            parts.append((x[:, start * channels:end * channels], weights[start:end], offsets, bias[start:end],
-                          part_residual, bounds, flags, y[:, start * outputs:end * outputs], *arguments[8:]))
-        return parts
+        tasks = min(groups, GROUP_TASKS_PER_THREAD * threads)
+        cuts = np.array([groups * i // tasks for i in range(tasks + 1)], dtype=np.int64)
+        ranges = np.array([tasks * p // threads for p in range(threads + 1)], dtype=np.int64)
+        claims = np.zeros(threads, dtype=np.int64)
+        return [(*arguments, cuts, ranges, claims, part) for part in range(threads)]
 
     def bound_run(self, x, w, b, bounds, hard_swish: bool, shape: tuple | None = None):
         """``run(x)``: run(x, w, b, None, bounds, hard_swish) (shaped ``shape``, the output's by default) for a float32
@@ -164,3 +159,16 @@ class DirectConv:
         else:
             kernel.conv_direct(x, weights, self._offsets, self._bias(b), residual, bounds, flags, y, *self._geometry)
         return y
+
+
+# Tasks per thread a plan's grouped convolution is cut into (whole groups each): a descheduled helper leaves most of
+# its share to the caller, which claims it.
+GROUP_TASKS_PER_THREAD = 4
+
+
+def _claimed_groups(parts, claims) -> None:
+    """A bound plan's step: jobs.DIRECT's parts of one image's groups, their claims zeroed first."""
+    from ..compiled import jobs, workers
+
+    claims[:] = 0
+    workers.run(jobs.DIRECT, parts, len(parts) - 1)

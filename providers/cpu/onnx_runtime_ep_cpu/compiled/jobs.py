@@ -9,7 +9,7 @@ import numpy as np
 
 from . import attention, depthwise, directconv, epilogue, few_rows, gemm, gemv, jit, lanes, matmul, pooling, windows
 from .mailbox import STORED, flag, floats, ints, offsets, pair, scalar
-from .workers import Kind, claim_task, collect, offer, run_here
+from .workers import Kind, claim_task, collect, float_array, offer, run_here
 
 
 @jit
@@ -234,17 +234,35 @@ def split_pad(x, out, top, left, padded_height, padded_width, mailboxes, states,
 
 @jit
 def _run_direct(x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, top, left, padded_height, padded_width,
-                in_place):
-    directconv.conv_direct(x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, top, left, padded_height,
-                           padded_width, in_place)
+                in_place, cuts, ranges, claims, part):
+    groups = weights.shape[0]
+    channels, outputs = x.shape[1] // groups, y.shape[1] // groups
+    plane, out_plane, depth, width = x.shape[2] * x.shape[3], y.shape[2] * y.shape[3], weights[0].size, bias.shape[1]
+    cursor = np.zeros(1, dtype=np.int64)
+    while True:  # the part's own tasks, then those the other parts' threads have not claimed
+        i = claim_task(claims, ranges, part, cursor)
+        if i < 0:
+            break
+        first, count = cuts[i], cuts[i + 1] - cuts[i]
+        part_residual = residual if residual.size == 0 else float_array(
+            residual.ctypes.data + 4 * first * outputs * out_plane, (count * outputs * out_plane,))
+        directconv.conv_direct(
+            float_array(x.ctypes.data + 4 * first * channels * plane, (1, count * channels, x.shape[2], x.shape[3])),
+            float_array(weights.ctypes.data + 4 * first * depth,
+                        (count, weights.shape[1], weights.shape[2], weights.shape[3])),
+            offsets, float_array(bias.ctypes.data + 4 * first * width, (count, width)), part_residual, bounds, flags,
+            float_array(y.ctypes.data + 4 * first * outputs * out_plane, (1, count * outputs, y.shape[2], y.shape[3])),
+            sh, sw, top, left, padded_height, padded_width, in_place)
 
 
-# directconv.conv_direct, one part: one image's range of a grouped convolution's groups (conv_direct.DirectConv's
-# split_groups: its input channels, packed weights, bias, output channels and residual of those groups).
+# directconv.conv_direct over one image's groups, claimed as tasks: task i is groups cuts[i] .. cuts[i + 1] (their
+# input channels, packed weights, bias rows, output channels and residual apart: conv_direct.DirectConv's group
+# tasks), part p's tasks ranges[p] .. ranges[p + 1] claimed through claims[p] (zeros at each run's start).
 DIRECT = Kind("direct", (
     floats("x", 4), floats("weights", 4), ints("offsets"), floats("bias", 2), floats("residual"),
     floats("bounds", shape=(3,)), scalar("flags"), floats("y", 4), scalar("sh"), scalar("sw"), scalar("top"),
-    scalar("left"), scalar("padded_height"), scalar("padded_width"), flag("in_place"),
+    scalar("left"), scalar("padded_height"), scalar("padded_width"), flag("in_place"), ints("cuts"),
+    ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"), scalar("part"),
 ), _run_direct, home=__name__)
 
 
