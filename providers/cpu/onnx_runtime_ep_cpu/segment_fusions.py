@@ -182,10 +182,25 @@ class _Seams:
         return float("inf") if any(n > MAX_VALUE_ELEMENTS for n in sizes) else sum(sizes)
 
 
-def _edge(sizes: list[float]) -> int:
-    """The first position whose seam is at most QUIET_SEAM_ELEMENTS, else the smallest (the first of equals)."""
-    quiet = next((i for i, size in enumerate(sizes) if size <= QUIET_SEAM_ELEMENTS), None)
-    return quiet if quiet is not None else min(range(len(sizes)), key=sizes.__getitem__)
+def _edge(positions: range, seam) -> int:
+    """The first of ``positions`` whose ``seam(position)`` is at most QUIET_SEAM_ELEMENTS (the later ones not
+    weighed), else the one of the smallest seam (the first of equals)."""
+    best, smallest = positions[0], float("inf")
+    for position in positions:
+        size = seam(position)
+        if size <= QUIET_SEAM_ELEMENTS:
+            return position
+        if size < smallest:
+            best, smallest = position, size
+    return best
+
+
+def _widened(seams: _Seams, run: list[Node], start: int, end: int) -> list[Node]:
+    """run[start:end] widened to the nearest edges where what crosses them is small (_edge): its end first, then its
+    start."""
+    end = _edge(range(end, len(run) + 1), lambda e: seams.size(seams.kept(run[start:e])))
+    start = _edge(range(start, -1, -1), lambda b: seams.size(seams.fed(run[b:end])))
+    return run[start:end]
 
 
 def _large_runs(graph: Graph, owns) -> list[tuple[list[Node], list[Node]]]:
@@ -201,11 +216,7 @@ def _large_runs(graph: Graph, owns) -> list[tuple[list[Node], list[Node]]]:
         large = [i for i, node in enumerate(run) if not small_value(graph, node)]
         if not large:
             continue
-        start, ends = large[0], range(large[-1] + 1, len(run) + 1)
-        end = ends[_edge([seams.size(seams.kept(run[start:e])) for e in ends])]
-        starts = range(start, -1, -1)
-        start = starts[_edge([seams.size(seams.fed(run[b:end])) for b in starts])]
-        middle = run[start:end]
+        middle = _widened(seams, run, large[0], large[-1] + 1)
         seam = seams.elements(seams.fed(middle) | seams.kept(middle))
         if sum(n.op_type in _CONVOLUTIONS for n in middle) < MIN_CONVOLUTIONS \
                 or _work(graph, middle) < WORK_PER_SEAM_ELEMENT * seam:

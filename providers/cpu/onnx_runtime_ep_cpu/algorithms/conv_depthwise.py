@@ -86,23 +86,13 @@ def compiled_depthwise(geo: Geometry, m: int, prepared: Prepared, dtype):
             if finish.bias.size:
                 bias = finish.bias
         x = np.ascontiguousarray(x)
-        # The work counted as elements times taps: each output reads a window of the input.
-        work = max(x.size, math.prod(geo.out) * m) * flat_w.shape[1]
-        spans = thread_spans(x.shape[1], work, x.dtype, KNOBS.split_depthwise_macs) if x.shape[0] == 1 else None
+        spans = _channel_spans(geo, m, x)
         if spans is None or len(spans) == 1:  # (one span: the loop itself, without posting a job: ~2 us less)
             # A writeable bias: numba compiles a read-only array argument separately (the parts below
             # get arrays by address).
             y = plan(x, flat_w, bias if bias.flags.writeable else bias.copy(), activation, source)
-        else:
-            from ..compiled import jobs, workers
-
-            def run(arguments):
-                """jobs.split_depthwise: posted from compiled code, as the packed convolution's parts."""
-                workers.call(jobs.split_depthwise, (*arguments, workers.local_mailbox(0)), jobs.DEPTHWISE.address(),
-                             0, helper_count() if len(spans) > 1 else 0)
-
-            # One image: its channels are independent.
-            y = plan.split_channels(x, flat_w, bias, activation, span_bounds(spans), source, run)
+        else:  # one image: its channels are independent
+            y = plan.split_channels(x, flat_w, bias, activation, span_bounds(spans), source, _split_channels)
         if residual:
             finish.rows(y.reshape(y.shape[0], m, -1), 0, math.prod(geo.out))
         return y
@@ -118,8 +108,7 @@ def _bind_depthwise(plan, prepared: Prepared, weights, identity, geo: Geometry, 
     or None where it adds a residual."""
     if (finish is not None and finish.residual.size) or x.dtype != y.dtype or y.shape[1] != m:
         return None
-    spans = thread_spans(x.shape[1], max(x.size, math.prod(geo.out) * m) * math.prod(geo.kernel), x.dtype,
-                         KNOBS.split_depthwise_macs) if x.shape[0] == 1 else None
+    spans = _channel_spans(geo, m, x)
     flat_w, bias = prepared.get("depthwise", (w, b), lambda: weights(w, b))
     activation = identity
     if finish is not None:
@@ -134,8 +123,18 @@ def _bind_depthwise(plan, prepared: Prepared, weights, identity, geo: Geometry, 
     return [plan.bound(x, flat_w, bias, activation, y)]
 
 
+def _channel_spans(geo: Geometry, m: int, x: np.ndarray):
+    """split.thread_spans of one image's channels (None for a batch), the work counted as elements times taps: each
+    output reads a window of the input."""
+    if x.shape[0] != 1:
+        return None
+    return thread_spans(x.shape[1], max(x.size, math.prod(geo.out) * m) * math.prod(geo.kernel), x.dtype,
+                        KNOBS.split_depthwise_macs)
+
+
 def _split_channels(arguments) -> None:
-    """A bound plan's step: jobs.split_depthwise's parts of one image's channels (compute's split)."""
+    """jobs.split_depthwise's parts of one image's channels (DepthwisePlan.split_arguments), posted from compiled
+    code as the packed convolution's parts: compute's split, and a bound plan's step."""
     from ..compiled import jobs, workers
 
     workers.call(jobs.split_depthwise, (*arguments, workers.local_mailbox(0)), jobs.DEPTHWISE.address(), 0,

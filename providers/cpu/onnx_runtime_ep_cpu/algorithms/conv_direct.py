@@ -80,7 +80,7 @@ class DirectConv:
         arguments = (x, weights, self._offsets, self._bias(b), residual, bounds, flags, y, *self._geometry)
         parts = self._group_tasks(arguments)
         if parts is not None:
-            return [(_claimed_groups, (parts, parts[0][-2]))]
+            return [(_claimed_groups, (parts,))]
         return [(kernel.conv_direct, arguments)]
 
     def _group_tasks(self, arguments) -> list | None:
@@ -166,9 +166,9 @@ class DirectConv:
 GROUP_TASKS_PER_THREAD = 4
 
 
-def _claimed_groups(parts, claims) -> None:
-    """A bound plan's step: jobs.DIRECT's parts of one image's groups, their claims zeroed first."""
+def _claimed_groups(parts) -> None:
+    """A bound plan's step: jobs.DIRECT's parts of one image's groups, their claims (shared) zeroed first."""
     from ..compiled import jobs, workers
 
-    claims[:] = 0
+    parts[0][-2][:] = 0
     workers.run(jobs.DIRECT, parts, len(parts) - 1)

@@ -375,9 +375,8 @@ def _bind_hard_swish(node, kernel, inputs, outputs, constant):
     return hard_swish_steps(x, y)
 
 
-# The layout changes between channels-first and channels-last maps (ConvNeXt's around its convolutions, both
-# exporters): numpy's copy through their view beat the kernel's call and copy. Others (ShuffleNet's 5-D channel
-# shuffle) keep their kernel: the view's copy measured slower there.
+# numpy's copy through the permuted view beat the kernel's call and copy: ConvNeXt's layout changes around its
+# convolutions, and ShuffleNet's 5-D channel shuffle (4 x 34 x 28 x 28: 11.3 against 12.1 us).
 def _bind_transpose(node, kernel, inputs, outputs, constant):
     """A permutation (a 4-D map's layout change, a channel shuffle's 5-D swap of groups and channels) as the input's
     buffer copied through its permuted view (made once) into the output's, without the kernel's call, its view and

@@ -241,11 +241,10 @@ class Segment:
             return plans
         if key in self.chunks:
             return self.chunks[key] or plans
-        if plans is not None and not self.waiting.get(key) and self.value_bytes(inputs) <= PLANNING_LIMIT_BYTES:
+        size, waiting = self.value_bytes(inputs), key in self.waiting
+        if plans is not None and not waiting and size <= PLANNING_LIMIT_BYTES:
             return plans  # (planned at this run)
-        size = self.value_bytes(inputs)
-        chunks = self.chunks[key] = self._chunk(inputs, size) if size > POOL_LIMIT_BYTES and key not in self.waiting \
-            else None
+        chunks = self.chunks[key] = self._chunk(inputs, size) if size > POOL_LIMIT_BYTES and not waiting else None
         if chunks is None and size > PLANNING_LIMIT_BYTES:
             self.plans[key] = None
             return None
