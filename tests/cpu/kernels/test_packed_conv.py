@@ -300,7 +300,8 @@ def test_depthwise_split_across_threads_matches_the_reference(monkeypatch, kerne
     real = jobs.split_depthwise
     monkeypatch.setattr(jobs, "split_depthwise", lambda *a: splits.append(len(a[19]) - 1) or real(*a))
     rng = np.random.default_rng(15)
-    x = rng.standard_normal((1, 6, 9, 10), dtype=np.float32)
+    # (planes of more than 64 outputs: the plane loops', not conv_depthwise_blocks')
+    x = rng.standard_normal((1, 6, 18, 20), dtype=np.float32)
     w = rng.standard_normal((6 * multiplier, 1, 3, 3), dtype=np.float32)
     b = rng.standard_normal(6 * multiplier, dtype=np.float32)
     attrs = dict(kernel_shape=[3, 3], group=6, **attrs)

@@ -172,12 +172,15 @@ def _compiled_depthwise(geo: Geometry, x: np.ndarray, m: int, prepared: Prepared
     """compiled_compute's builder for a depthwise convolution, or None. The depthwise modules load here, at a
     model's first depthwise convolution: a model without one never imports them."""
     from . import conv_depthwise as depthwise
+    from . import conv_depthwise_blocks as blocks
     from . import conv_depthwise_small as small
 
     if small.pairs_depthwise_apply(geo, x, m):
         return lambda: (small.PairsDepthwise(geo, prepared, dtype), True)
     if small.rows_depthwise_apply(geo, x, m):
         return lambda: (small.RowsDepthwise(geo, prepared, dtype), True)
+    if blocks.blocks_depthwise_apply(geo, x, m):
+        return _running(lambda: (blocks.BlocksDepthwise(geo, prepared), True), "jobs.DEPTHWISE_BLOCKS")
     if small.flat_depthwise_apply(geo, x, m):
         return lambda: (small.FlatDepthwise(geo, prepared, dtype), True)
     if depthwise.depthwise_lanes_apply(geo, x, m):

@@ -51,44 +51,56 @@ def _vector(builder, pointer, offset):
     return builder.bitcast(builder.gep(pointer, [offset]), llvm.VEC.as_pointer())
 
 
-@intrinsic
-def _depthwise_tile(typingctx, w, x, start, taps, depth, stride, bias, bounds, hard_swish, y, at):
-    """y[at + p * 16 + l] = finish(sum_t w[t * 16 + l] * x[start + taps[t] + p * stride + l] + bias[l]) for the
-    tile's PIXELS pixels p and 16 lanes l: ``bounds``' activation, then HardSwish where ``hard_swish`` (the
-    plain loops' float32 operations, each rounded)."""
-    signature = types.void(w, x, start, taps, depth, stride, bias, bounds, hard_swish, y, at)
+def depthwise_tile_of(pixels: int):
+    """The depthwise tile of ``pixels`` pixels (one accumulator each): ``depthwise_tile(w, x, start, taps, depth,
+    stride, bias, bounds, hard_swish, y, at)``."""
 
-    def codegen(context, builder, sig, args):
-        def data(index):
-            return context.make_array(sig.args[index])(context, builder, args[index]).data
+    @intrinsic
+    def depthwise_tile(typingctx, w, x, start, taps, depth, stride, bias, bounds, hard_swish, y, at):
+        """y[at + p * 16 + l] = finish(sum_t w[t * 16 + l] * x[start + taps[t] + p * stride + l] + bias[l]) for
+        the tile's pixels p and 16 lanes l: ``bounds``' activation, then HardSwish where ``hard_swish`` (the
+        plain loops' float32 operations, each rounded)."""
+        signature = types.void(w, x, start, taps, depth, stride, bias, bounds, hard_swish, y, at)
 
-        w_ptr, x_ptr, taps_ptr, bias_ptr, bounds_ptr, y_ptr = (data(i) for i in (0, 1, 3, 6, 7, 9))
-        begin, depth, step_x, flag, out = args[2], args[4], args[5], args[8], args[10]
-        fma = llvm.fma(builder.module)
+        def codegen(context, builder, sig, args):
+            def data(index):
+                return context.make_array(sig.args[index])(context, builder, args[index]).data
 
-        def step(k, sums):
-            origin = builder.add(begin, builder.load(builder.gep(taps_ptr, [k])))
-            weights = builder.load(_vector(builder, w_ptr, builder.mul(k, ir.Constant(llvm.I64, CHANNELS))), align=4)
-            return [builder.call(fma, [weights, builder.load(_vector(builder, x_ptr, builder.add(
-                origin, builder.mul(step_x, ir.Constant(llvm.I64, p)))), align=4), sums[p]]) for p in range(PIXELS)]
+            w_ptr, x_ptr, taps_ptr, bias_ptr, bounds_ptr, y_ptr = (data(i) for i in (0, 1, 3, 6, 7, 9))
+            begin, depth, step_x, flag, out = args[2], args[4], args[5], args[8], args[10]
+            fma = llvm.fma(builder.module)
 
-        sums = llvm.counted_loop(builder, depth, [llvm.ZEROS] * PIXELS, step, "depthwise_blocked")
-        shift = builder.load(_vector(builder, bias_ptr, ir.Constant(llvm.I64, 0)), align=4)
-        bounds = [llvm.splat(builder, builder.load(builder.gep(bounds_ptr, [ir.Constant(llvm.I64, i)])))
-                  for i in range(3)]
-        swish = builder.icmp_signed("!=", flag, ir.Constant(flag.type, 0))
-        sixth, half = (llvm.splat(builder, ir.Constant(llvm.F32, float(v))) for v in (np.float32(1 / 6), 0.5))
-        ones = llvm.splat(builder, ir.Constant(llvm.F32, 1.0))
-        for p, total in enumerate(sums):
-            v = llvm.activated(builder, builder.fadd(total, shift), bounds)
-            gate = builder.fadd(builder.fmul(v, sixth), half)
-            gate = builder.select(builder.fcmp_ordered("<", gate, llvm.ZEROS), llvm.ZEROS, gate)
-            gate = builder.select(builder.fcmp_ordered(">", gate, ones), ones, gate)
-            v = builder.select(swish, builder.fmul(v, gate), v)
-            builder.store(v, _vector(builder, y_ptr, builder.add(out, ir.Constant(llvm.I64, p * CHANNELS))), align=4)
-        return context.get_dummy_value()
+            def step(k, sums):
+                origin = builder.add(begin, builder.load(builder.gep(taps_ptr, [k])))
+                weights = builder.load(_vector(builder, w_ptr, builder.mul(k, ir.Constant(llvm.I64, CHANNELS))),
+                                       align=4)
+                return [builder.call(fma, [weights, builder.load(_vector(builder, x_ptr, builder.add(
+                    origin, builder.mul(step_x, ir.Constant(llvm.I64, p)))), align=4), sums[p]])
+                    for p in range(pixels)]
 
-    return signature, codegen
+            sums = llvm.counted_loop(builder, depth, [llvm.ZEROS] * pixels, step, "depthwise_blocked")
+            shift = builder.load(_vector(builder, bias_ptr, ir.Constant(llvm.I64, 0)), align=4)
+            bounds = [llvm.splat(builder, builder.load(builder.gep(bounds_ptr, [ir.Constant(llvm.I64, i)])))
+                      for i in range(3)]
+            swish = builder.icmp_signed("!=", flag, ir.Constant(flag.type, 0))
+            sixth, half = (llvm.splat(builder, ir.Constant(llvm.F32, float(v))) for v in (np.float32(1 / 6), 0.5))
+            ones = llvm.splat(builder, ir.Constant(llvm.F32, 1.0))
+            for p, total in enumerate(sums):
+                v = llvm.activated(builder, builder.fadd(total, shift), bounds)
+                gate = builder.fadd(builder.fmul(v, sixth), half)
+                gate = builder.select(builder.fcmp_ordered("<", gate, llvm.ZEROS), llvm.ZEROS, gate)
+                gate = builder.select(builder.fcmp_ordered(">", gate, ones), ones, gate)
+                v = builder.select(swish, builder.fmul(v, gate), v)
+                builder.store(v, _vector(builder, y_ptr, builder.add(out, ir.Constant(llvm.I64, p * CHANNELS))),
+                              align=4)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return depthwise_tile
+
+
+depthwise_tile = depthwise_tile_of(PIXELS)
 
 
 @jit
@@ -133,10 +145,10 @@ def depthwise_blocked(x, weights, offsets, bias, bounds, hard_swish, y, images, 
                     begin = offset + (oy * sh * padded_width + ox * sw) * CHANNELS
                     out = target + (oy * ow + ox) * CHANNELS
                     if pixels == PIXELS:
-                        _depthwise_tile(w, image, begin, offsets, depth, sw * CHANNELS, shift, bounds, hard_swish,
+                        depthwise_tile(w, image, begin, offsets, depth, sw * CHANNELS, shift, bounds, hard_swish,
                                         y, out)
                     else:
-                        _depthwise_tile(w, image, begin, offsets, depth, sw * CHANNELS, shift, bounds, hard_swish,
+                        depthwise_tile(w, image, begin, offsets, depth, sw * CHANNELS, shift, bounds, hard_swish,
                                         tile, 0)
                         y[out:out + pixels * CHANNELS] = tile[:pixels * CHANNELS]
 

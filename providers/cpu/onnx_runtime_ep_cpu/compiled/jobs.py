@@ -7,7 +7,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention, depthwise, directconv, epilogue, few_rows, gemm, gemv, jit, lanes, matmul, pooling, windows
+from . import (
+    attention,
+    depthwise,
+    depthwise_blocks,
+    directconv,
+    epilogue,
+    few_rows,
+    gemm,
+    gemv,
+    jit,
+    lanes,
+    matmul,
+    pooling,
+    windows,
+)
 from .mailbox import STORED, flag, floats, ints, offsets, pair, scalar
 from .workers import Kind, claim_task, collect, float_array, offer, run_here
 
@@ -299,6 +313,16 @@ DEPTHWISE = Kind("depthwise", (
     offsets("source"), floats("activation", shape=(3,)), scalar("direct"),
 ), depthwise.run, home=__name__)
 _write_depthwise = DEPTHWISE.writer
+
+
+# depthwise_blocks.depthwise_channel_blocks, one part: channel blocks first_block .. end_block of every image, with
+# scratch planes of its own.
+DEPTHWISE_BLOCKS = Kind("depthwise_blocks", (
+    floats("x"), floats("weights"), ints("offsets"), floats("bias"), floats("bounds", shape=(3,)), floats("y"),
+    scalar("images"), scalar("channels"), scalar("height"), scalar("width"), scalar("oh"), scalar("ow"), scalar("sh"),
+    scalar("sw"), scalar("padded_width"), ints("places"), ints("starts"), floats("source"), floats("out"),
+    scalar("first_block"), scalar("end_block"),
+), depthwise_blocks.depthwise_channel_blocks, home=__name__)
 
 
 @jit
