@@ -14,7 +14,7 @@ whose outputs have at most MAX_VALUE_ELEMENTS elements, with at least MIN_CONVOL
 arithmetic between them that reads none of their outputs moves before the segment. Its inputs are what its nodes
 read from outside it (weights included), its outputs what anything after it (or the graph) reads.
 
-Larger maps (an EfficientNet's expanded 96-channel 48x48 layers, a ResNet's at 224x224) first get segments of
+Larger maps (an EfficientNet's expanded 96-channel layers, a ResNet's at 224x224) first get segments of
 their own (_large_runs): in a run of nodes whose outputs have at most LARGE_VALUE_ELEMENTS elements, the nodes
 from the first to the last with an output over MAX_VALUE_ELEMENTS, widened to where what crosses the segment's
 edges is small (at most QUIET_SEAM_ELEMENTS where one is near: a block's narrow output, not the depthwise
@@ -57,7 +57,9 @@ _CONVOLUTIONS = frozenset({"Conv", "FusedConv"})
 MIN_CONVOLUTIONS = 2  # a lone convolution (a transformer's patch embedding) gains nothing
 ENV = "ONNX_RUNTIME_SEGMENTS"
 MAX_VALUE_ELEMENTS = 1 << 16
-LARGE_VALUE_ELEMENTS = 1 << 20
+# (up to an expanded 96-channel 112x112 map: EfficientNet-B0's and MobileNetV2's first blocks at 224x224 joined their
+# large segment, where they ran node by node before; VGG's 64-channel 224x224 maps stay out)
+LARGE_VALUE_ELEMENTS = 1 << 21
 WORK_PER_SEAM_ELEMENT = 64
 QUIET_SEAM_ELEMENTS = MAX_VALUE_ELEMENTS // 4
 
