@@ -18,7 +18,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import jit, llvm
-from .transformer import EXP_C2, EXP_C3, EXP_C4, EXP_C5, EXP_C6, EXP_FLOOR, LN2_HIGH, LN2_LOW, LOG2E, ROUNDER
+from .vector_math import constant, exp_nonpositive
 
 LANES = llvm.LANES
 _VEC_PTR = llvm.VEC.as_pointer()
@@ -45,10 +45,6 @@ def _tree(builder, vector, combine):
     while len(values) > 1:
         values = [combine(values[i], values[i + 1]) for i in range(0, len(values), 2)]
     return values[0]
-
-
-def _constant(value) -> ir.Constant:
-    return ir.Constant(llvm.VEC, [float(np.float32(value))] * LANES)
 
 
 ROWS = 4  # query rows computed together: independent multiply-add chains sharing each load of K^T or V
@@ -119,7 +115,7 @@ def _biased_peak(typingctx, scores, padded, bias, keys):
         scores_ptr, bias_ptr = _pointer(context, builder, sig, args, 0), _pointer(context, builder, sig, args, 2)
         padded, keys = args[1], args[3]
         masked_load = llvm.masked_load(builder.module)
-        lowest = _constant(-np.inf)
+        lowest = constant(-np.inf)
         blocks = builder.sdiv(padded, ir.Constant(llvm.I64, LANES))
 
         def block(c, carried):
@@ -152,24 +148,6 @@ def _halves_tree(builder, vector, combine):
     return builder.extract_element(vector, ir.Constant(llvm.I32, 0))
 
 
-def _exp_nonpositive(builder, a):
-    """transformer.exp_nonpositive_float32 on 16 lanes (NaN stays NaN, 0 below its floor)."""
-    floor = _constant(EXP_FLOOR)
-    below = builder.fcmp_ordered("<", a, floor)
-    clamped = builder.select(below, floor, a)
-    rounder = _constant(ROUNDER)
-    n = builder.fsub(builder.fadd(builder.fmul(clamped, _constant(LOG2E)), rounder), rounder)
-    r = builder.fsub(builder.fsub(clamped, builder.fmul(n, _constant(LN2_HIGH))),
-                     builder.fmul(n, _constant(LN2_LOW)))
-    p = _constant(EXP_C6)
-    for coefficient in (EXP_C5, EXP_C4, EXP_C3, EXP_C2):
-        p = builder.fadd(builder.fmul(p, r), _constant(coefficient))
-    p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), _constant(1.0))
-    exponent = builder.add(builder.fptosi(n, llvm.LANE_INDEX), ir.Constant(llvm.LANE_INDEX, [127] * LANES))
-    two_to_n = builder.bitcast(builder.shl(exponent, ir.Constant(llvm.LANE_INDEX, [23] * LANES)), llvm.VEC)
-    return builder.select(below, llvm.ZEROS, builder.fmul(p, two_to_n))
-
-
 @intrinsic
 def _exp_sum(typingctx, scores, padded, peak):
     """scores = exp(scores - peak) in place (padding keys at -inf become 0); returns their sum."""
@@ -182,7 +160,7 @@ def _exp_sum(typingctx, scores, padded, peak):
 
         def block(c, carried):
             at = _vector_at(builder, scores_ptr, builder.mul(c, ir.Constant(llvm.I64, LANES)))
-            weights = _exp_nonpositive(builder, builder.fsub(builder.load(at, align=4), shift))
+            weights = exp_nonpositive(builder, builder.fsub(builder.load(at, align=4), shift))
             builder.store(weights, at, align=4)
             return [builder.fadd(carried[0], weights)]
 
@@ -198,7 +176,7 @@ def _group_softmax_codegen(biased: bool):
         scores_ptr, bias_ptr, reciprocals_ptr = (_pointer(context, builder, sig, args, i) for i in (0, 3, 5))
         padded, keys, bias_step = args[1], args[2], args[4]
         masked_load = llvm.masked_load(builder.module)
-        lowest = _constant(-np.inf)
+        lowest = constant(-np.inf)
         blocks = builder.sdiv(padded, ir.Constant(llvm.I64, LANES))
 
         def row_at(i, first):
@@ -237,7 +215,7 @@ def _group_softmax_codegen(biased: bool):
                 sums = []
                 for i in range(ROWS):
                     at = row_at(i, first)
-                    weights = _exp_nonpositive(builder, builder.fsub(builder.load(at, align=4), shifts[i]))
+                    weights = exp_nonpositive(builder, builder.fsub(builder.load(at, align=4), shifts[i]))
                     builder.store(weights, at, align=4)
                     sums.append(builder.fadd(carried[i], weights))
                 return sums

@@ -1,6 +1,6 @@
 """Loops for a segment's bound plan (algorithms/segment_steps.py): HardSigmoid and HardSwish in one compiled
 pass each, where numpy takes four and five ufunc calls, each costing more than the arithmetic on a light CNN's
-small tensors; float32 SiLU (Swish) and Sigmoid in one vectorized pass (transformer.sigmoid_float32's
+small tensors; float32 SiLU (Swish) and Sigmoid in one pass of 16-lane vectors (vector_math.py: transformer.py's
 polynomial exp, where numba would call libm's scalar expf and numpy takes four passes); and a whole
 squeeze-excitation block (algorithms/segment_blocks.py) in one call.
 """
@@ -13,6 +13,7 @@ from . import compiler, jit
 from .epilogue import activate
 from .pooling import plane_means
 from .transformer import sigmoid_float32
+from .vector_math import sigmoid_lanes
 
 _contracting = compiler(fastmath={"contract"})  # (sigmoid_float32's own flags, so LLVM inlines and vectorizes it)
 
@@ -176,20 +177,18 @@ def squeeze_excite(x, w1, b1, bounds1, swish, w2, b2, bounds2, gate, alpha, beta
                 y[n, c, p] = x[n, c, p] * factor
 
 
-@_contracting
+@jit
 def swish_float32_into(x, y, alpha):
     """y = x * sigmoid(alpha * x) over flat float32 arrays (Swish; SiLU where ``alpha`` is 1), ``alpha`` float32:
-    within a few ulp of the Swish kernel's x / (1 + exp(-alpha * x)), without its overflow to inf."""
-    for i in range(x.size):
-        v = x[i]
-        y[i] = v * sigmoid_float32(alpha * v)
+    within a few ulp of the Swish kernel's x / (1 + exp(-alpha * x)), without its overflow to inf; 16 lanes at a
+    time (vector_math.sigmoid_lanes)."""
+    sigmoid_lanes(x, y, alpha, True)
 
 
-@_contracting
+@jit
 def sigmoid_float32_into(x, y):
-    """y = 1 / (1 + exp(-x)) over flat float32 arrays, by transformer.sigmoid_float32."""
-    for i in range(x.size):
-        y[i] = sigmoid_float32(x[i])
+    """y = 1 / (1 + exp(-x)) over flat float32 arrays, transformer.sigmoid_float32 16 lanes at a time."""
+    sigmoid_lanes(x, y, np.float32(1), False)
 
 
 @jit
