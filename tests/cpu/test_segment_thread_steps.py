@@ -109,3 +109,83 @@ def test_a_late_helpers_group_tasks_are_claimed_by_the_caller(knobs):
     finally:
         conv_direct._claimed_groups = real  # noqa: SLF001
     assert calls and all(count == 2 for count in calls)
+
+
+def _activations(excite: bool, c: int = 24, size: int = 20):
+    """Activations and a residual sum between pointwise convolutions: a SiLU (Sigmoid and Mul), a Sigmoid, a
+    HardSigmoid, a HardSwish and an Add, each a segment_loops loop of the plan (over blocked values); where ``excite``,
+    a squeeze-excitation block (GlobalAveragePool, 1x1 convolution, Relu, 1x1 convolution, Sigmoid, Mul) after the
+    sum, which is an output too: a plain value, whose block is the plain squeeze_excite loop."""
+    rng = np.random.default_rng(c)
+    inits = [numpy_helper.from_array((rng.standard_normal((c, c, 1, 1)) * 0.3).astype(np.float32), f"w{i}")
+             for i in range(3)]
+    inits += [numpy_helper.from_array((rng.standard_normal((8, c, 1, 1)) * 0.3).astype(np.float32), "squeeze"),
+              numpy_helper.from_array((rng.standard_normal((c, 8, 1, 1)) * 0.3).astype(np.float32), "excite")]
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"]),
+             helper.make_node("Sigmoid", ["c0"], ["s0"]), helper.make_node("Mul", ["c0", "s0"], ["silu"]),
+             helper.make_node("Conv", ["silu", "w1"], ["c1"]), helper.make_node("Sigmoid", ["c1"], ["s1"]),
+             helper.make_node("HardSigmoid", ["s1"], ["h1"], alpha=0.3, beta=0.4),
+             helper.make_node("HardSwish", ["h1"], ["h2"]), helper.make_node("Add", ["h2", "silu"], ["sum"])]
+    last, outputs = "sum", ["y"]
+    if excite:
+        nodes += [helper.make_node("GlobalAveragePool", ["sum"], ["pooled"]),
+                  helper.make_node("Conv", ["pooled", "squeeze"], ["sq"]), helper.make_node("Relu", ["sq"], ["sr"]),
+                  helper.make_node("Conv", ["sr", "excite"], ["ex"]), helper.make_node("Sigmoid", ["ex"], ["gate"]),
+                  helper.make_node("Mul", ["sum", "gate"], ["se"])]
+        last, outputs = "se", ["y", "sum"]
+    nodes.append(helper.make_node("Conv", [last, "w2"], ["y"]))
+    graph = helper.make_graph(nodes, "activations",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, size, size])],
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("excite", [False, True])
+def test_a_plans_elementwise_steps_split_as_claimed_ranges(monkeypatch, knobs, excite):
+    """At two threads a plan's activations and residual sum over at least split_elements values are claimed ranges
+    of jobs.ELEMENTWISE, and a plain squeeze-excitation block's means and scaling claimed spans of planes of
+    jobs.SQUEEZE around its gates (segment_elementwise.py): the one-thread plan's values bit for bit, run after run; at
+    one thread they stay single loops."""
+    from onnx_runtime_ep_cpu.algorithms import segment_elementwise
+    from onnx_runtime_ep_cpu.compiled import jobs
+
+    model = _activations(excite)
+    x = np.random.default_rng(5).standard_normal((1, 24, 20, 20)).astype(np.float32)
+    made, _ = watch_segments(monkeypatch)
+    knobs(split_elements=1)  # (every loop of these small maps split)
+    one = _session(model, 1)
+    for _ in range(3):
+        want = one.run(None, {"x": x})
+    two = _session(model, 2)
+    for _ in range(4):
+        got = two.run(None, {"x": x})
+        for ours, theirs in zip(got, want):
+            np.testing.assert_array_equal(ours, theirs)
+    for ours, exact in zip(got, run_float64(model, {"x": x})):
+        assert np.abs(ours - exact).max() <= 1e-5 * (1 + np.abs(exact).max())
+    plans = [[plan for plans in segment.plans.values() for plan in (plans or ())] for segment in made]
+    assert [len(found) for found in plans] == [1, 1]
+    steps = plans[1][0]._steps  # noqa: SLF001
+    splits = [arguments[0] for function, arguments in steps if function is segment_elementwise._claimed_ranges]  # noqa: SLF001
+    planes = [arguments[0][0][0] for function, arguments in steps if function is segment_elementwise._claimed_planes]  # noqa: SLF001
+    assert all(len(parts) == 2 for parts in splits)
+    loops = {parts[0][0] for parts in splits}
+    if excite:
+        assert {jobs.SWISH, jobs.SIGMOID, jobs.HARD_SIGMOID} <= loops and planes == [jobs.MEANS, jobs.SCALE]
+    else:
+        assert {jobs.SWISH, jobs.SIGMOID, jobs.HARD_SIGMOID, jobs.ADD} <= loops and not planes
+    assert not any(function in (segment_elementwise._claimed_ranges, segment_elementwise._claimed_planes)  # noqa: SLF001
+                   for function, _ in plans[0][0]._steps)  # noqa: SLF001
+
+
+def test_elementwise_ranges_cover_every_value_once():
+    """The ranges start on cache lines and cover the values in order, however many values (a tail shorter than a
+    line included)."""
+    from onnx_runtime_ep_cpu.algorithms.segment_elementwise import _split  # noqa: PLC2701
+    from onnx_runtime_ep_cpu.compiled import jobs
+
+    for size in (16, 17, 1000, 65537):
+        x, y = np.zeros(size, np.float32), np.zeros(size, np.float32)
+        _, (parts,) = _split(jobs.SIGMOID, (x, y), 2)
+        cuts = parts[0][6]
+        assert cuts[0] == 0 and cuts[-1] == size and (np.diff(cuts) >= 0).all() and (cuts[:-1] % 16 == 0).all()

@@ -216,7 +216,7 @@ def test_a_segment_plan_binds_the_blocks(monkeypatch, knobs, threads):
     assert len(plans) == 1 and plans[0].describe()["kernels"] == 0
     loops = [getattr(function, "__name__", "") for function, _ in plans[0]._steps]  # noqa: SLF001
     parts = [len(arguments[0]) for function, arguments in plans[0]._steps  # noqa: SLF001
-             if getattr(function, "__name__", "") == "_run"]
+             if getattr(function, "__name__", "") == "_claimed"]
     if host.AVX512:
         assert loops.count("depthwise_channel_blocks") == 2 if threads == 1 else parts == [2, 2]
 

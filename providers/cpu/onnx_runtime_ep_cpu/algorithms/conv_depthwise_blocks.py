@@ -10,7 +10,6 @@ import threading
 
 import numpy as np
 
-from ..threads import helper_count
 from ..tuning import KNOBS
 from .bound_loop import EntryOnce
 from .prepared import Prepared
@@ -23,6 +22,7 @@ from .window import Geometry
 # (faster on 14x14 to 112x112). Measured on EfficientNet-B0's and MobileNetV2's layers at 224x224 (this
 # constant's commit).
 BLOCKS_MIN_TAPS, BLOCKS_MAX_PIXELS = 25, 64
+TASKS_PER_THREAD = 4  # spans of blocks per thread, claimed one by one: a descheduled helper's go to the others
 _ALIGNMENT = 64  # bytes: a tile's vector loads from the scratch planes stay within one cache line
 
 
@@ -48,8 +48,8 @@ def _aligned_zeros(floats: int) -> np.ndarray:
 class BlocksDepthwise:
     """One geometry's channel blocks: ``__call__(x, w, b, finish)`` for conv_path (the bias and activation of
     ``finish``, an _Epilogue or None, applied as each tile is stored; a residual added after), ``bind`` for a
-    segment's bound plan. An image's blocks split across the helper threads (jobs.DEPTHWISE_BLOCKS) from
-    KNOBS.split_depthwise_macs of work, each part with scratch planes of its own."""
+    segment's bound plan. The blocks split across the helper threads from KNOBS.split_depthwise_macs of work, as
+    claimed tasks (jobs.DEPTHWISE_BLOCKS), each thread's part with scratch planes of its own."""
 
     def __init__(self, geo: Geometry, prepared: Prepared):
         from ..compiled import blocked_ops, depthwise_blocks, epilogue
@@ -82,26 +82,34 @@ class BlocksDepthwise:
 
         return self._prepared.get("depthwise_blocks", (w, b), packed)
 
-    def _spans(self, x) -> tuple:
-        """The parts' spans of channel blocks (split.thread_spans, the work counted as multiply-adds)."""
+    def _threads(self, x) -> int:
+        """The threads an image's blocks split across (split.thread_spans, the work counted as multiply-adds)."""
+        images, channels = x.shape[:2]
+        spans = thread_spans(-(-channels // 16), images * channels * self._work, x.dtype, KNOBS.split_depthwise_macs)
+        return len(spans) if spans else 1
+
+    def _parts(self, x, w, b, finish, y, scratches) -> list[tuple]:
+        """The kernel's arguments: all the blocks in one call where ``scratches`` (each part's planes) holds one, else
+        jobs.DEPTHWISE_BLOCKS's parts, one per thread, sharing TASKS_PER_THREAD spans of blocks per thread as claimed
+        tasks."""
         images, channels = x.shape[:2]
         blocks = -(-channels // 16)
-        return thread_spans(blocks, images * channels * self._work, x.dtype, KNOBS.split_depthwise_macs) \
-            or ((0, blocks),)
-
-    def _parts(self, x, w, b, finish, y, spans, scratches) -> list[tuple]:
-        """The kernel's arguments per part: a span of channel blocks with its planes (``scratches``)."""
-        channels = x.shape[1]
         weights, bias = self._weights(w, b, channels)
         bounds = self._identity
         if finish is not None:
             bounds = finish.bounds
             if finish.bias.size:
-                bias = self._prepared_bias(finish.bias, -(-channels // 16))
-        images = x.shape[0]
+                bias = self._prepared_bias(finish.bias, blocks)
         common = (x.reshape(-1), weights, self._offsets, bias, bounds, y.reshape(-1), images, channels,
                   *self._geometry, self._places, self._starts)
-        return [(*common, *planes, first, end) for (first, end), planes in zip(spans, scratches)]
+        threads = len(scratches)
+        if threads == 1:
+            return [(*common, *scratches[0], 0, blocks)]
+        tasks = min(blocks, TASKS_PER_THREAD * threads)
+        cuts = np.array([blocks * i // tasks for i in range(tasks + 1)], dtype=np.int64)
+        ranges = np.array([tasks * p // threads for p in range(threads + 1)], dtype=np.int64)
+        claims = np.zeros(threads, dtype=np.int64)
+        return [(*common, *planes, cuts, ranges, claims, part) for part, planes in enumerate(scratches)]
 
     def _planes(self) -> tuple[np.ndarray, np.ndarray]:
         source, out = self._floats
@@ -125,13 +133,13 @@ class BlocksDepthwise:
         residual = finish is not None and finish.residual.size > 0
         y = np.empty((x.shape[0], x.shape[1], *self._out), dtype=np.float32)
         xc = x if x.flags.c_contiguous else np.ascontiguousarray(x)
-        spans = self._spans(xc)
-        parts = self._parts(xc, w, None if residual else b, None if residual else finish, y, spans,
-                            self._thread_planes(len(spans)))
+        threads = self._threads(xc)
+        parts = self._parts(xc, w, None if residual else b, None if residual else finish, y,
+                            self._thread_planes(threads)[:threads])
         if len(parts) == 1:
             self._entry.run(parts[0])
         else:
-            _run(parts)
+            _claimed(parts)
         if residual:  # finish adds the bias after the residual
             finish.rows(y.reshape(y.shape[0], y.shape[1], -1), 0, math.prod(self._out))
         return y
@@ -141,18 +149,15 @@ class BlocksDepthwise:
         residual."""
         if finish is not None and finish.residual.size:
             return None
-        spans = self._spans(x)
-        parts = self._parts(x, w, b, finish, y, spans, [self._planes() for _ in spans])
+        parts = self._parts(x, w, b, finish, y, [self._planes() for _ in range(self._threads(x))])
         if len(parts) == 1:
             return [(self._kernel.depthwise_channel_blocks, parts[0])]
-        return [(_run, (parts,))]
+        return [(_claimed, (parts,))]
 
 
-def _run(parts: list) -> None:
-    """The parts on the calling thread and the helpers (one part: here)."""
-    from ..compiled import depthwise_blocks, jobs, workers
+def _claimed(parts: list) -> None:
+    """jobs.DEPTHWISE_BLOCKS's parts on the calling thread and the helpers, their claims (shared) zeroed first."""
+    from ..compiled import jobs, workers
 
-    if len(parts) == 1:
-        depthwise_blocks.depthwise_channel_blocks(*parts[0])
-    else:
-        workers.run(jobs.DEPTHWISE_BLOCKS, parts, helper_count())
+    parts[0][-2][:] = 0
+    workers.run(jobs.DEPTHWISE_BLOCKS, parts, len(parts) - 1)

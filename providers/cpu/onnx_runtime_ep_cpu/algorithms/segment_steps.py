@@ -25,6 +25,7 @@ from .activations import hard_swish_steps
 from .segment_arena import Lifetimes
 from .segment_blocks import squeeze_excitations
 from .segment_chain import chained, read_in_place
+from .segment_elementwise import split_elementwise
 from .segment_layout import block_direct_runs
 
 _VIEWS = frozenset({"Flatten", "Reshape", "Squeeze", "Unsqueeze", "Identity"})
@@ -271,6 +272,7 @@ def build_plan(segment, env: list, limit_bytes: int) -> BoundPlan | None:
     copied = sum(a[2][0].nbytes for f, a in steps if f is _run_kernel)
     if copied > COPY_LIMIT_BYTES or all(f is _run_kernel for f, _ in steps):
         return None  # (its kernels' outputs copied into the buffers would cost more than the plan saves)
+    steps = split_elementwise(steps)
     calls = chained(steps, _linked)
     plan = BoundPlan(feeds, constants, steps, results, arena.nbytes + other_bytes, None if calls is steps else calls)
     plan.arena = arena

@@ -20,6 +20,7 @@ from . import (
     lanes,
     matmul,
     pooling,
+    segment_loops,
     windows,
 )
 from .mailbox import STORED, flag, floats, ints, offsets, pair, scalar
@@ -315,14 +316,90 @@ DEPTHWISE = Kind("depthwise", (
 _write_depthwise = DEPTHWISE.writer
 
 
-# depthwise_blocks.depthwise_channel_blocks, one part: channel blocks first_block .. end_block of every image, with
-# scratch planes of its own.
+@jit
+def _run_depthwise_blocks(x, weights, offsets, bias, bounds, y, images, channels, height, width, oh, ow, sh, sw,
+                          padded_width, places, starts, source, out, cuts, ranges, claims, part):
+    cursor = np.zeros(1, dtype=np.int64)
+    while True:  # the part's own tasks, then those the other parts' threads have not claimed
+        i = claim_task(claims, ranges, part, cursor)
+        if i < 0:
+            break
+        depthwise_blocks.depthwise_channel_blocks(x, weights, offsets, bias, bounds, y, images, channels, height,
+                                                  width, oh, ow, sh, sw, padded_width, places, starts, source, out,
+                                                  cuts[i], cuts[i + 1])
+
+
+# depthwise_blocks.depthwise_channel_blocks over claimed tasks: task i is channel blocks cuts[i] .. cuts[i + 1] of
+# every image, part p's tasks ranges[p] .. ranges[p + 1] claimed through claims[p] (zeros at each run's start), each
+# part with scratch planes of its own (``source``, ``out``).
 DEPTHWISE_BLOCKS = Kind("depthwise_blocks", (
     floats("x"), floats("weights"), ints("offsets"), floats("bias"), floats("bounds", shape=(3,)), floats("y"),
     scalar("images"), scalar("channels"), scalar("height"), scalar("width"), scalar("oh"), scalar("ow"), scalar("sh"),
     scalar("sw"), scalar("padded_width"), ints("places"), ints("starts"), floats("source"), floats("out"),
-    scalar("first_block"), scalar("end_block"),
-), depthwise_blocks.depthwise_channel_blocks, home=__name__)
+    ints("cuts"), ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"), scalar("part"),
+), _run_depthwise_blocks, home=__name__)
+
+
+# segment_loops' elementwise loops, as ELEMENTWISE's ``loop`` codes
+SWISH, SIGMOID, HARD_SIGMOID, ADD = 0, 1, 2, 3
+
+
+@jit
+def _run_elementwise(loop, x, b, y, params, flag, cuts, ranges, claims, part):
+    cursor = np.zeros(1, dtype=np.int64)
+    while True:  # the part's own tasks, then those the other parts' threads have not claimed
+        i = claim_task(claims, ranges, part, cursor)
+        if i < 0:
+            break
+        first, end = cuts[i], cuts[i + 1]
+        if loop == SWISH:
+            segment_loops.swish_float32_into(x[first:end], y[first:end], params[0])
+        elif loop == SIGMOID:
+            segment_loops.sigmoid_float32_into(x[first:end], y[first:end])
+        elif loop == HARD_SIGMOID:
+            segment_loops.hard_sigmoid_into(x[first:end], y[first:end], params[0], params[1], flag)
+        else:
+            segment_loops.add_float32_into(x[first:end], b[first:end], y[first:end])
+
+
+# An elementwise loop of segment_loops (``loop``: SWISH .. ADD; ``b`` the sum's second operand, ``params`` alpha and
+# beta) over flat float32 arrays, claimed as tasks: task i is elements cuts[i] .. cuts[i + 1], part p's tasks
+# ranges[p] .. ranges[p + 1] claimed through claims[p] (zeros at each run's start).
+ELEMENTWISE = Kind("elementwise", (
+    scalar("loop"), floats("x"), floats("b"), floats("y"), floats("params", shape=(2,)), flag("flag"), ints("cuts"),
+    ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"), scalar("part"),
+), _run_elementwise, home=__name__)
+
+
+# SQUEEZE's ``loop`` codes: a squeeze-excitation block's plane means, and its scaling of the planes
+MEANS, SCALE = 0, 1
+
+
+@jit
+def _run_squeeze(loop, x, values, y, cuts, ranges, claims, part):
+    cursor = np.zeros(1, dtype=np.int64)
+    while True:  # the part's own tasks, then those the other parts' threads have not claimed
+        i = claim_task(claims, ranges, part, cursor)
+        if i < 0:
+            break
+        first, end = cuts[i], cuts[i + 1]
+        if loop == MEANS:
+            pooling.plane_means(x[first:end], values[first:end], np.float32(x.shape[1]))
+        else:
+            for c in range(first, end):
+                factor = values[c]
+                for p in range(x.shape[1]):
+                    y[c, p] = x[c, p] * factor
+
+
+# One image's squeeze-excitation block's passes over its planes (segment_loops.squeeze_excite's), claimed as tasks:
+# ``loop`` MEANS, each plane's mean of x (C, P) into ``values`` (C), or SCALE, y = x times ``values`` per plane; task i
+# is planes cuts[i] .. cuts[i + 1], part p's tasks ranges[p] .. ranges[p + 1] claimed through claims[p] (zeros at each
+# run's start).
+SQUEEZE = Kind("squeeze", (
+    scalar("loop"), floats("x", 2), floats("values"), floats("y", 2), ints("cuts"),
+    ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"), scalar("part"),
+), _run_squeeze, home=__name__)
 
 
 @jit
