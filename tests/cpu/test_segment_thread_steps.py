@@ -143,8 +143,8 @@ def _activations(excite: bool, c: int = 24, size: int = 20):
 @pytest.mark.parametrize("excite", [False, True])
 def test_a_plans_elementwise_steps_split_as_claimed_ranges(monkeypatch, knobs, excite):
     """At two threads a plan's activations and residual sum over at least split_elements values are claimed ranges
-    of jobs.ELEMENTWISE, and a plain squeeze-excitation block's means and scaling claimed spans of planes of
-    jobs.SQUEEZE around its gates (segment_elementwise.py): the one-thread plan's values bit for bit, run after run; at
+    of jobs.ELEMENTWISE, and a plain squeeze-excitation block's means and scaling claimed spans of planes (MEANS,
+    SCALE) around its gates (segment_elementwise.py): the one-thread plan's values bit for bit, run after run; at
     one thread they stay single loops."""
     from onnx_runtime_ep_cpu.algorithms import segment_elementwise
     from onnx_runtime_ep_cpu.compiled import jobs
@@ -167,15 +167,14 @@ def test_a_plans_elementwise_steps_split_as_claimed_ranges(monkeypatch, knobs, e
     assert [len(found) for found in plans] == [1, 1]
     steps = plans[1][0]._steps  # noqa: SLF001
     splits = [arguments[0] for function, arguments in steps if function is segment_elementwise._claimed_ranges]  # noqa: SLF001
-    planes = [arguments[0][0][0] for function, arguments in steps if function is segment_elementwise._claimed_planes]  # noqa: SLF001
     assert all(len(parts) == 2 for parts in splits)
     loops = {parts[0][0] for parts in splits}
+    planes = [parts[0][0] for parts in splits if parts[0][0] in (jobs.MEANS, jobs.SCALE)]
     if excite:
         assert {jobs.SWISH, jobs.SIGMOID, jobs.HARD_SIGMOID} <= loops and planes == [jobs.MEANS, jobs.SCALE]
     else:
         assert {jobs.SWISH, jobs.SIGMOID, jobs.HARD_SIGMOID, jobs.ADD} <= loops and not planes
-    assert not any(function in (segment_elementwise._claimed_ranges, segment_elementwise._claimed_planes)  # noqa: SLF001
-                   for function, _ in plans[0][0]._steps)  # noqa: SLF001
+    assert not any(function is segment_elementwise._claimed_ranges for function, _ in plans[0][0]._steps)  # noqa: SLF001
 
 
 def test_elementwise_ranges_cover_every_value_once():
@@ -187,5 +186,5 @@ def test_elementwise_ranges_cover_every_value_once():
     for size in (16, 17, 1000, 65537):
         x, y = np.zeros(size, np.float32), np.zeros(size, np.float32)
         _, (parts,) = _split(jobs.SIGMOID, (x, y), 2)
-        cuts = parts[0][6]
+        cuts = parts[0][7]
         assert cuts[0] == 0 and cuts[-1] == size and (np.diff(cuts) >= 0).all() and (cuts[:-1] % 16 == 0).all()

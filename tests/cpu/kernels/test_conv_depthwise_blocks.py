@@ -14,10 +14,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime_ep_cpu.algorithms.conv_depthwise_blocks import blocks_depthwise_apply
 from onnx_runtime_ep_cpu.algorithms.conv_depthwise_small import pairs_depthwise_apply, rows_depthwise_apply
-from onnx_runtime_ep_cpu.algorithms.window import Geometry
 from onnx_runtime_ep_cpu.compiled import deferred, host
 from reference64 import run_float64
 from test_batch_readonly_feeds import watch_segments
+from test_conv_depthwise_rows import _geometry, _model, _reference  # (the same Conv models and float64 windows)
 
 # (x shape, kernel, strides, dilations, pads (begin h, w, end h, w))
 LOOP_CASES = {
@@ -36,22 +36,6 @@ BOUNDS = {"none": (-np.inf, np.inf, 1.0), "relu": (0.0, np.inf, 0.0), "leaky cli
 def _out(shape, kernel, strides, dilations, pads):
     return tuple((size + pads[a] + pads[a + 2] - d * (k - 1) - 1) // s + 1
                  for a, (size, k, s, d) in enumerate(zip(shape[2:], kernel, strides, dilations)))
-
-
-def _reference(x, w, b, strides, dilations, pads, out, bounds):
-    n, c, h, width = x.shape
-    kh, kw = w.shape[2:]
-    padded = np.zeros((n, c, h + pads[0] + pads[2] + 64, width + pads[1] + pads[3] + 64))
-    padded[:, :, pads[0]:pads[0] + h, pads[1]:pads[1] + width] = x
-    y = np.zeros((n, c, *out)) + b[None, :, None, None]
-    (sh, sw), (dh, dw) = strides, dilations
-    for i in range(kh):
-        for j in range(kw):
-            y += w[None, :, 0, i, j, None, None] * padded[:, :, i * dh:i * dh + out[0] * sh:sh,
-                                                          j * dw:j * dw + out[1] * sw:sw]
-    low, high, slope = bounds
-    y = np.where(y < 0, y * slope, y)
-    return np.minimum(np.maximum(y, low), high)
 
 
 def _loop_arguments(x, w, b, bounds, strides, dilations, pads, out, y, first, end):
@@ -109,33 +93,6 @@ def test_a_span_of_blocks_writes_its_channels_alone():
     depthwise_blocks.depthwise_channel_blocks(*arguments)  # channels 16 .. 31 of each image
     assert (y[:, :16] == 7.0).all() and (y[:, 32:] == 7.0).all()
     assert np.abs(y[:, 16:32] - exact[:, 16:32]).max() <= 30 * np.finfo(np.float32).eps * (1 + np.abs(exact).max())
-
-
-def _model(x_shape, kernel, pads, strides, tail):
-    c = x_shape[1]
-    rng = np.random.default_rng(sum(x_shape))
-    w = (rng.standard_normal((c, 1, *kernel)) * 0.3).astype(np.float32)
-    b = rng.standard_normal(c).astype(np.float32)
-    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["conv"], kernel_shape=list(kernel), group=c, pads=list(pads),
-                              strides=list(strides))]
-    out = "conv"
-    if tail == "relu":
-        nodes.append(helper.make_node("Relu", ["conv"], ["y"]))
-        out = "y"
-    elif tail == "residual":
-        nodes.append(helper.make_node("Add", ["conv", "r"], ["y"]))
-        out = "y"
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))]
-    if tail == "residual":
-        inputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, None))
-    graph = helper.make_graph(nodes, "depthwise", inputs, [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)],
-                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-
-
-def _geometry(x_shape, kernel, pads, strides) -> Geometry:
-    out = _out(x_shape, kernel, strides, (1, 1), pads)
-    return Geometry(tuple(x_shape[2:]), kernel, strides, (1, 1), tuple(pads[:2]), tuple(pads[2:]), out)
 
 
 def _session(model, threads: int):

@@ -7,7 +7,7 @@ thread alone, so at two threads EfficientNet-B0 at 224x224 spent the time of a o
 quarter of its run). A float32 loop of segment_loops over at least KNOBS.split_elements values becomes one step of
 jobs.ELEMENTWISE: its values cut into TASKS_PER_THREAD ranges per thread, claimed one by one (a helper that falls
 behind, descheduled on a shared CPU, leaves its ranges to the others). A plain-layout squeeze-excitation block of
-one image that large becomes three steps: its plane means as claimed spans of planes (jobs.SQUEEZE), its gates on
+one image that large becomes three steps: its plane means as claimed spans of planes (jobs.ELEMENTWISE), its gates on
 this thread (segment_loops.squeeze_scale), its scaling as claimed spans of planes. Each value is computed by the
 same loops as before: the plan's outputs are the one-thread plan's, bit for bit.
 """
@@ -78,7 +78,7 @@ def _split(loop: int, arguments: tuple, threads: int):
     cuts = np.array([min(x.size, lines * i // tasks * _LINE) for i in range(tasks + 1)], dtype=np.int64)
     ranges = np.array([tasks * p // threads for p in range(threads + 1)], dtype=np.int64)
     claims = np.zeros(threads, dtype=np.int64)
-    parts = [(loop, x, b, y, params, flag, cuts, ranges, claims, part) for part in range(threads)]
+    parts = [(loop, x, b, y, params, flag, 1, cuts, ranges, claims, part) for part in range(threads)]
     return _claimed_ranges, (parts,)
 
 
@@ -103,23 +103,17 @@ def _split_block(arguments, threads: int) -> list:
     from ..compiled import jobs, segment_loops
 
     x, y, pooled, hidden, scale = arguments[0][0], arguments[11][0], arguments[12], arguments[13], arguments[14]
-    channels = x.shape[0]
+    channels, width = x.shape
+    flat_x, flat_y, params = x.reshape(-1), y.reshape(-1), np.zeros(2, np.float32)
     tasks = min(channels, TASKS_PER_THREAD * threads)
     cuts = np.array([channels * i // tasks for i in range(tasks + 1)], dtype=np.int64)
     ranges = np.array([tasks * p // threads for p in range(threads + 1)], dtype=np.int64)
     claims = np.zeros(threads, dtype=np.int64)
 
     def parts(loop, values):
-        return [(loop, x, values, y, cuts, ranges, claims, part) for part in range(threads)]
+        return [(loop, flat_x, values, flat_y, params, False, width, cuts, ranges, claims, part)
+                for part in range(threads)]
 
-    return [(_claimed_planes, (parts(jobs.MEANS, pooled),)),
+    return [(_claimed_ranges, (parts(jobs.MEANS, pooled),)),
             (segment_loops.squeeze_scale, (pooled, *arguments[1:11], hidden, scale)),
-            (_claimed_planes, (parts(jobs.SCALE, scale),))]
-
-
-def _claimed_planes(parts) -> None:
-    """A bound plan's step: jobs.SQUEEZE's parts, their claims (shared) zeroed first."""
-    from ..compiled import jobs, workers
-
-    parts[0][-2][:] = 0
-    workers.run(jobs.SQUEEZE, parts, len(parts) - 1)
+            (_claimed_ranges, (parts(jobs.SCALE, scale),))]

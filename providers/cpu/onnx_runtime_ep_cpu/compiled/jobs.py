@@ -340,12 +340,13 @@ DEPTHWISE_BLOCKS = Kind("depthwise_blocks", (
 ), _run_depthwise_blocks, home=__name__)
 
 
-# segment_loops' elementwise loops, as ELEMENTWISE's ``loop`` codes
-SWISH, SIGMOID, HARD_SIGMOID, ADD = 0, 1, 2, 3
+# ELEMENTWISE's ``loop`` codes: segment_loops' elementwise loops, and a squeeze-excitation block's plane means and
+# scaling of its planes
+SWISH, SIGMOID, HARD_SIGMOID, ADD, MEANS, SCALE = 0, 1, 2, 3, 4, 5
 
 
 @jit
-def _run_elementwise(loop, x, b, y, params, flag, cuts, ranges, claims, part):
+def _run_elementwise(loop, x, b, y, params, flag, width, cuts, ranges, claims, part):
     cursor = np.zeros(1, dtype=np.int64)
     while True:  # the part's own tasks, then those the other parts' threads have not claimed
         i = claim_task(claims, ranges, part, cursor)
@@ -358,48 +359,27 @@ def _run_elementwise(loop, x, b, y, params, flag, cuts, ranges, claims, part):
             segment_loops.sigmoid_float32_into(x[first:end], y[first:end])
         elif loop == HARD_SIGMOID:
             segment_loops.hard_sigmoid_into(x[first:end], y[first:end], params[0], params[1], flag)
-        else:
+        elif loop == ADD:
             segment_loops.add_float32_into(x[first:end], b[first:end], y[first:end])
-
-
-# An elementwise loop of segment_loops (``loop``: SWISH .. ADD; ``b`` the sum's second operand, ``params`` alpha and
-# beta) over flat float32 arrays, claimed as tasks: task i is elements cuts[i] .. cuts[i + 1], part p's tasks
-# ranges[p] .. ranges[p + 1] claimed through claims[p] (zeros at each run's start).
-ELEMENTWISE = Kind("elementwise", (
-    scalar("loop"), floats("x"), floats("b"), floats("y"), floats("params", shape=(2,)), flag("flag"), ints("cuts"),
-    ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"), scalar("part"),
-), _run_elementwise, home=__name__)
-
-
-# SQUEEZE's ``loop`` codes: a squeeze-excitation block's plane means, and its scaling of the planes
-MEANS, SCALE = 0, 1
-
-
-@jit
-def _run_squeeze(loop, x, values, y, cuts, ranges, claims, part):
-    cursor = np.zeros(1, dtype=np.int64)
-    while True:  # the part's own tasks, then those the other parts' threads have not claimed
-        i = claim_task(claims, ranges, part, cursor)
-        if i < 0:
-            break
-        first, end = cuts[i], cuts[i + 1]
-        if loop == MEANS:
-            pooling.plane_means(x[first:end], values[first:end], np.float32(x.shape[1]))
+        elif loop == MEANS:
+            pooling.plane_means(x[first * width:end * width].reshape((end - first, width)), b[first:end],
+                                np.float32(width))
         else:
             for c in range(first, end):
-                factor = values[c]
-                for p in range(x.shape[1]):
-                    y[c, p] = x[c, p] * factor
+                factor = b[c]
+                for p in range(c * width, (c + 1) * width):
+                    y[p] = x[p] * factor
 
 
-# One image's squeeze-excitation block's passes over its planes (segment_loops.squeeze_excite's), claimed as tasks:
-# ``loop`` MEANS, each plane's mean of x (C, P) into ``values`` (C), or SCALE, y = x times ``values`` per plane; task i
-# is planes cuts[i] .. cuts[i + 1], part p's tasks ranges[p] .. ranges[p + 1] claimed through claims[p] (zeros at each
-# run's start).
-SQUEEZE = Kind("squeeze", (
-    scalar("loop"), floats("x", 2), floats("values"), floats("y", 2), ints("cuts"),
-    ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"), scalar("part"),
-), _run_squeeze, home=__name__)
+# Over flat float32 arrays, claimed as tasks (part p's tasks ranges[p] .. ranges[p + 1] claimed through claims[p],
+# zeros at each run's start): an elementwise loop of segment_loops (``loop`` SWISH .. ADD; ``b`` the sum's second
+# operand, ``params`` alpha and beta), task i elements cuts[i] .. cuts[i + 1]; or one image's squeeze-excitation
+# passes over its planes of ``width`` values, task i planes cuts[i] .. cuts[i + 1]: MEANS, each plane's mean of x into
+# ``b``, or SCALE, y = x times ``b`` per plane.
+ELEMENTWISE = Kind("elementwise", (
+    scalar("loop"), floats("x"), floats("b"), floats("y"), floats("params", shape=(2,)), flag("flag"), scalar("width"),
+    ints("cuts"), ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"), scalar("part"),
+), _run_elementwise, home=__name__)
 
 
 @jit
