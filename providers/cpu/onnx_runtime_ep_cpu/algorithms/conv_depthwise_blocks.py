@@ -13,7 +13,7 @@ import numpy as np
 from ..tuning import KNOBS
 from .bound_loop import EntryOnce
 from .prepared import Prepared
-from .split import thread_spans
+from .split import claimed_tasks, run_claimed, thread_spans
 from .window import Geometry
 
 # The blocks win for 5x5 windows and larger (each tap a vector multiply-add per pixel, where the plane loops pass
@@ -106,9 +106,7 @@ class BlocksDepthwise:
         if threads == 1:
             return [(*common, *scratches[0], 0, blocks)]
         tasks = min(blocks, TASKS_PER_THREAD * threads)
-        cuts = np.array([blocks * i // tasks for i in range(tasks + 1)], dtype=np.int64)
-        ranges = np.array([tasks * p // threads for p in range(threads + 1)], dtype=np.int64)
-        claims = np.zeros(threads, dtype=np.int64)
+        cuts, ranges, claims = claimed_tasks(blocks, tasks, threads)
         return [(*common, *planes, cuts, ranges, claims, part) for part, planes in enumerate(scratches)]
 
     def _planes(self) -> tuple[np.ndarray, np.ndarray]:
@@ -157,7 +155,6 @@ class BlocksDepthwise:
 
 def _claimed(parts: list) -> None:
     """jobs.DEPTHWISE_BLOCKS's parts on the calling thread and the helpers, their claims (shared) zeroed first."""
-    from ..compiled import jobs, workers
+    from ..compiled import jobs
 
-    parts[0][-2][:] = 0
-    workers.run(jobs.DEPTHWISE_BLOCKS, parts, len(parts) - 1)
+    run_claimed(jobs.DEPTHWISE_BLOCKS, parts)

@@ -12,6 +12,7 @@ import numpy as np
 from ..threads import helper_count, kernel_threads
 from ..tuning import KNOBS
 from .prepared import Prepared
+from .split import claimed_tasks, run_claimed
 from .window import Geometry
 
 _IDENTITY_BOUNDS = np.array([-np.inf, np.inf, 1.0], dtype=np.float32)
@@ -98,9 +99,7 @@ class DirectConv:
         if threads < 2:
             return None
         tasks = min(groups, GROUP_TASKS_PER_THREAD * threads)
-        cuts = np.array([groups * i // tasks for i in range(tasks + 1)], dtype=np.int64)
-        ranges = np.array([tasks * p // threads for p in range(threads + 1)], dtype=np.int64)
-        claims = np.zeros(threads, dtype=np.int64)
+        cuts, ranges, claims = claimed_tasks(groups, tasks, threads)
         return [(*arguments, cuts, ranges, claims, part) for part in range(threads)]
 
     def bound_run(self, x, w, b, bounds, hard_swish: bool, shape: tuple | None = None):
@@ -168,7 +167,6 @@ GROUP_TASKS_PER_THREAD = 4
 
 def _claimed_groups(parts) -> None:
     """A bound plan's step: jobs.DIRECT's parts of one image's groups, their claims (shared) zeroed first."""
-    from ..compiled import jobs, workers
+    from ..compiled import jobs
 
-    parts[0][-2][:] = 0
-    workers.run(jobs.DIRECT, parts, len(parts) - 1)
+    run_claimed(jobs.DIRECT, parts)

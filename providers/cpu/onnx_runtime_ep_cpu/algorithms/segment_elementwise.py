@@ -18,6 +18,7 @@ import numpy as np
 
 from ..threads import helper_count, kernel_threads
 from ..tuning import KNOBS
+from .split import claimed_tasks, run_claimed
 
 TASKS_PER_THREAD = 4
 _LINE = 16  # floats of a cache line: the ranges start on one, so no two threads write one line
@@ -74,20 +75,16 @@ def _split(loop: int, arguments: tuple, threads: int):
             params[:] = arguments[2], arguments[3]
             flag = bool(arguments[4])
     tasks = TASKS_PER_THREAD * threads
-    lines = -(-x.size // _LINE)
-    cuts = np.array([min(x.size, lines * i // tasks * _LINE) for i in range(tasks + 1)], dtype=np.int64)
-    ranges = np.array([tasks * p // threads for p in range(threads + 1)], dtype=np.int64)
-    claims = np.zeros(threads, dtype=np.int64)
+    cuts, ranges, claims = claimed_tasks(x.size, tasks, threads, _LINE)
     parts = [(loop, x, b, y, params, flag, 1, cuts, ranges, claims, part) for part in range(threads)]
     return _claimed_ranges, (parts,)
 
 
 def _claimed_ranges(parts) -> None:
     """A bound plan's step: jobs.ELEMENTWISE's parts, their claims (shared) zeroed first."""
-    from ..compiled import jobs, workers
+    from ..compiled import jobs
 
-    parts[0][-2][:] = 0
-    workers.run(jobs.ELEMENTWISE, parts, len(parts) - 1)
+    run_claimed(jobs.ELEMENTWISE, parts)
 
 
 def _large_block(arguments) -> bool:
@@ -106,9 +103,7 @@ def _split_block(arguments, threads: int) -> list:
     channels, width = x.shape
     flat_x, flat_y, params = x.reshape(-1), y.reshape(-1), np.zeros(2, np.float32)
     tasks = min(channels, TASKS_PER_THREAD * threads)
-    cuts = np.array([channels * i // tasks for i in range(tasks + 1)], dtype=np.int64)
-    ranges = np.array([tasks * p // threads for p in range(threads + 1)], dtype=np.int64)
-    claims = np.zeros(threads, dtype=np.int64)
+    cuts, ranges, claims = claimed_tasks(channels, tasks, threads)
 
     def parts(loop, values):
         return [(loop, flat_x, values, flat_y, params, False, width, cuts, ranges, claims, part)

@@ -1,6 +1,6 @@
 """How kernels split their work across the helper threads: planes or channels in even spans (pooling, batch
-normalization, depthwise convolution), the calling thread's scratch buffer, and the measure of an uneven
-split. The sizes that decide are knobs of tuning.py.
+normalization, depthwise convolution), items cut into tasks the threads claim (claimed_tasks, run_claimed), the
+calling thread's scratch buffer, and the measure of an uneven split. The sizes that decide are knobs of tuning.py.
 """
 
 from __future__ import annotations
@@ -49,6 +49,26 @@ def span_bounds(spans: tuple[tuple[int, int], ...]) -> np.ndarray:
 
 
 _bounds: dict[tuple, np.ndarray] = {}
+
+
+def claimed_tasks(count: int, tasks: int, threads: int, unit: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(cuts, ranges, claims) of ``count`` items in ``tasks`` tasks for ``threads`` parts, as the claimed-task job
+    kinds take them (compiled/workers.claim_task): task i is items cuts[i] .. cuts[i + 1] (each cut a multiple of
+    ``unit`` but the last), part p's tasks ranges[p] .. ranges[p + 1], claimed through claims[p] (run_claimed zeroes
+    them before each run)."""
+    units = -(-count // unit)
+    cuts = np.array([min(count, units * i // tasks * unit) for i in range(tasks + 1)], dtype=np.int64)
+    ranges = np.array([tasks * p // threads for p in range(threads + 1)], dtype=np.int64)
+    return cuts, ranges, np.zeros(threads, dtype=np.int64)
+
+
+def run_claimed(kind, parts: list) -> None:
+    """A claimed-task job of ``kind`` (a bound plan's step, or a kernel's call): ``parts``, one per thread, each ending
+    with (claims, part), on the calling thread and the helpers, their shared claims zeroed first."""
+    from ..compiled import workers
+
+    parts[0][-2][:] = 0
+    workers.run(kind, parts, len(parts) - 1)
 
 
 _scratches = threading.local()  # per calling thread: the buffer of scratch
