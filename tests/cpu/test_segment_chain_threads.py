@@ -76,7 +76,7 @@ def _in_two_shares(table, reals, splits, bounds):
         ranges = np.array([0, count // 2, count], dtype=np.int64)
         for part, claims in ((1, [count // 2, 0]), (0, [0, count - count // 2])):
             ran = np.zeros(2, dtype=np.int64)
-            conv_chain.ROW.here((table, task_bounds, ranges, np.array(claims, dtype=np.int64), ran, r, part))
+            conv_chain.ROW.here((table, reals, task_bounds, ranges, np.array(claims, dtype=np.int64), ran, r, part))
             assert ran[part] == ranges[part + 1] - ranges[part] and ran[1 - part] == 0, "the tasks each part ran"
 
 
@@ -93,6 +93,32 @@ def test_the_shared_rows_give_run_chains_bits(monkeypatch):
             for got in ([a.copy() for a in segment(*inputs)], _run_plan(plan, inputs, _in_two_shares)):
                 for a, b in zip(got, alone):
                     assert np.array_equal(a, b)
+
+
+def test_shared_elementwise_rows_give_run_chains_bits(knobs):
+    """A chain's elementwise rows (SiLU, Sigmoid, HardSigmoid, a residual sum) from split_elements values up are
+    shared too, as tasks of values starting on cache lines: run in two shares, and by the session, the bits run_chain
+    gives."""
+    from test_segment_thread_steps import _activations
+
+    knobs(split_elements=1)
+    with override(threads=2):
+        x = np.random.default_rng(28).standard_normal((1, 24, 20, 20)).astype(np.float32)
+        segment, feeds = _segment_and_feeds(_activations(False), x)
+        plan = _planned(segment, feeds)
+        _, (table, _, splits, bounds, _, _) = _threaded_call(plan)
+        shared = [r for r in range(len(table)) if table[r, 0] in segment_chain._ELEMENTWISE_KINDS]  # noqa: SLF001
+        assert len(shared) >= 3 and all(splits[r, 1] >= 2 for r in shared)
+        for r in shared:
+            first, count = splits[r]
+            edges = bounds[first:first + count + 1]
+            assert edges[0] == 0 and edges[-1] == table[r, 2] and (np.diff(edges) >= 0).all()
+            assert (edges[:-1] % 16 == 0).all()
+        inputs = _fed(feeds, x)
+        alone = _run_plan(plan, inputs, lambda table, reals, *_: conv_chain.run_chain(table, reals))
+        for got in ([a.copy() for a in segment(*inputs)], _run_plan(plan, inputs, _in_two_shares)):
+            for a, b in zip(got, alone):
+                assert np.array_equal(a, b)
 
 
 def test_a_caller_finding_the_helpers_held_runs_every_row_itself(monkeypatch):
@@ -134,7 +160,8 @@ def test_sessions_sharing_rows_from_several_python_threads(monkeypatch):
 
 def test_only_large_rows_of_one_image_split():
     """_splits' choice from the rows themselves: a conv_blocked row of one image at or above SPLIT_ROW_MACS gets
-    tasks evenly covering its tiles' rows; a smaller one, one of two images or another loop's row gets none."""
+    tasks evenly covering its tiles' rows; a smaller one, one of two images or another loop's row gets none, and so
+    does an elementwise row under split_elements values."""
     kind = segment_chain._KINDS["conv_blocked"][0]  # noqa: SLF001
     width = segment_chain._WIDTH  # noqa: SLF001
 
@@ -145,10 +172,12 @@ def test_only_large_rows_of_one_image_split():
         return r
 
     big = segment_chain.SPLIT_ROW_MACS // (16 * 32 * 32) + 1
+    swish = np.zeros(width, dtype=np.int64)
+    swish[0], swish[2] = segment_chain._KINDS["swish_float32_into"][0], 1000  # noqa: SLF001  (x's length)
     table = np.array([row(1, 2, big, 32, 32), row(1, 1, 1, 32, 32), row(2, 2, big, 32, 32),
-                      row(1, 2, big, 32, 32, number=kind + 3), row(1, 1, big, 1, 1)])
+                      row(1, 2, big, 32, 32, number=kind + 3), row(1, 1, big, 1, 1), swish])
     splits, bounds = segment_chain._splits(table, 2)  # noqa: SLF001
-    assert splits[1:, 1].tolist() == [0, 0, 0, 0]
+    assert splits[1:, 1].tolist() == [0, 0, 0, 0, 0]
     first, count = splits[0]
     assert count == 2 * segment_chain.TASKS_PER_THREAD
     edges = bounds[first:first + count + 1]

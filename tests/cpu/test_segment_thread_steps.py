@@ -143,9 +143,10 @@ def _activations(excite: bool, c: int = 24, size: int = 20):
 @pytest.mark.parametrize("excite", [False, True])
 def test_a_plans_elementwise_steps_split_as_claimed_ranges(monkeypatch, knobs, excite):
     """At two threads a plan's activations and residual sum over at least split_elements values are claimed ranges
-    of jobs.ELEMENTWISE, and a plain squeeze-excitation block's means and scaling claimed spans of planes (MEANS,
-    SCALE) around its gates (segment_elementwise.py): the one-thread plan's values bit for bit, run after run; at
-    one thread they stay single loops."""
+    of jobs.ELEMENTWISE, or shared rows of the chain that runs them (segment_chain's split), and a plain
+    squeeze-excitation block's means and scaling claimed spans of planes (MEANS, SCALE) around its gates
+    (segment_elementwise.py): the one-thread plan's values bit for bit, run after run; at one thread they stay single
+    loops."""
     from onnx_runtime_ep_cpu.algorithms import segment_elementwise
     from onnx_runtime_ep_cpu.compiled import jobs
 
@@ -165,16 +166,34 @@ def test_a_plans_elementwise_steps_split_as_claimed_ranges(monkeypatch, knobs, e
         assert np.abs(ours - exact).max() <= 1e-5 * (1 + np.abs(exact).max())
     plans = [[plan for plans in segment.plans.values() for plan in (plans or ())] for segment in made]
     assert [len(found) for found in plans] == [1, 1]
-    steps = plans[1][0]._steps  # noqa: SLF001
-    splits = [arguments[0] for function, arguments in steps if function is segment_elementwise._claimed_ranges]  # noqa: SLF001
+    calls = plans[1][0]._calls  # noqa: SLF001
+    splits = [arguments[0] for function, arguments in calls if function is segment_elementwise._claimed_ranges]  # noqa: SLF001
     assert all(len(parts) == 2 for parts in splits)
-    loops = {parts[0][0] for parts in splits}
+    loops = {parts[0][0] for parts in splits} | _chain_shared_loops(calls)
     planes = [parts[0][0] for parts in splits if parts[0][0] in (jobs.MEANS, jobs.SCALE)]
     if excite:
         assert {jobs.SWISH, jobs.SIGMOID, jobs.HARD_SIGMOID} <= loops and planes == [jobs.MEANS, jobs.SCALE]
     else:
         assert {jobs.SWISH, jobs.SIGMOID, jobs.HARD_SIGMOID, jobs.ADD} <= loops and not planes
-    assert not any(function is segment_elementwise._claimed_ranges for function, _ in plans[0][0]._steps)  # noqa: SLF001
+    assert not any(function is segment_elementwise._claimed_ranges for function, _ in plans[0][0]._calls)  # noqa: SLF001
+    assert not _chain_shared_loops(plans[0][0]._calls)  # noqa: SLF001
+
+
+def _chain_shared_loops(calls) -> set:
+    """The jobs.ELEMENTWISE codes of the elementwise rows a plan's chains share with the helpers (segment_chain's
+    split: run_chain_threads' ``splits``); the blocked-layout steps of these models run in chains."""
+    from onnx_runtime_ep_cpu.algorithms import segment_chain
+    from onnx_runtime_ep_cpu.compiled import jobs
+
+    codes = {segment_chain._KINDS[name][0]: code for name, code in (  # noqa: SLF001
+        ("swish_float32_into", jobs.SWISH), ("sigmoid_float32_into", jobs.SIGMOID),
+        ("hard_sigmoid_into", jobs.HARD_SIGMOID), ("add_float32_into", jobs.ADD))}
+    found = set()
+    for function, arguments in calls:
+        if getattr(function, "__name__", "") == "run_chain_threads":
+            table, _, splits = arguments[:3]
+            found |= {codes[int(table[r, 0])] for r in range(len(table)) if splits[r, 1] >= 2}
+    return found
 
 
 def test_elementwise_ranges_cover_every_value_once():

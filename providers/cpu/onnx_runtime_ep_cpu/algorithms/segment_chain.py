@@ -6,8 +6,9 @@ more consecutive steps call loops of PATTERNS with arguments of their pattern's 
 as rows of one table for ``run_chain``: one call, two arrays to unbox, the same loops on the same buffers in
 the same order (the same values bit for bit). ``CHAIN`` turns it off (plans made after the change).
 
-With more than one thread, a table of one image whose direct convolutions are large enough runs through
-``run_chain_split`` instead: those rows' tile rows are shared with the helper threads, the other rows run here (a
+With more than one thread, a table of one image whose direct convolutions or elementwise loops are large enough
+runs through ``run_chain_split`` instead: those rows' tile rows or values are shared with the helper threads, the
+other rows run here (a
 batch of several images splits by images instead: segment_split.py, whose parts are planned at one thread).
 """
 
@@ -183,10 +184,20 @@ def _threaded(table: np.ndarray, values: np.ndarray, linked) -> tuple | None:
 def _splits(table: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray | None]:
     """run_chain_split's ``splits`` and ``bounds`` for ``table`` at ``parts`` threads (bounds None: no row splits):
     a direct convolution row (blocked or gathered tiles) of one image of at least SPLIT_ROW_MACS multiply-adds, its
-    tiles' rows cut evenly into tasks."""
+    tiles' rows cut evenly into tasks; an elementwise row of at least KNOBS.split_elements values, its values cut
+    into tasks starting on cache lines (no two threads write one)."""
+    from ..tuning import KNOBS
+
     splits = np.zeros((len(table), 2), dtype=np.int64)
     bounds: list[int] = []
     for r, row in enumerate(table):
+        if row[0] in _ELEMENTWISE_KINDS:
+            values = int(row[_X_AT + 1])
+            if values >= KNOBS.split_elements:
+                count, lines = parts * TASKS_PER_THREAD, -(-values // _LINE)
+                splits[r] = (len(bounds), count)
+                bounds.extend(min(values, lines * i // count * _LINE) for i in range(count + 1))
+            continue
         shape = _tile_rows(row)
         if shape is None:
             continue
@@ -217,6 +228,11 @@ _X_AT, _IN_PLACE_AT, _X_BLOCKED_AT = 1, 28, 33
 _WEIGHTS_AT, _IMAGES_AT, _OH_AT = 3, 29, 35  # the weights' address and dims (1, tiles, depth, 16); images; oh, ow
 _STARTS_AT, _GATHERED_IMAGES_AT = 22, 27  # conv_gathered's row: its pixel starts (address, length); count, images
 
+
+# the elementwise rows run_chain_split can share (compiled/conv_chain._elementwise_range), x's length at _X_AT + 1
+_ELEMENTWISE_KINDS = tuple(_KINDS[name][0] for name in ("swish_float32_into", "sigmoid_float32_into",
+                                                        "hard_sigmoid_into", "add_float32_into"))
+_LINE = 16  # floats of a cache line
 
 _CHAIN_CALLS = ("run_chain", "run_chain_threads")
 

@@ -9,7 +9,9 @@ jobs.ELEMENTWISE: its values cut into TASKS_PER_THREAD ranges per thread, claime
 behind, descheduled on a shared CPU, leaves its ranges to the others). A plain-layout squeeze-excitation block of
 one image that large becomes three steps: its plane means as claimed spans of planes (jobs.ELEMENTWISE), its gates on
 this thread (segment_loops.squeeze_scale), its scaling as claimed spans of planes. Each value is computed by the
-same loops as before: the plan's outputs are the one-thread plan's, bit for bit.
+same loops as before: the plan's outputs are the one-thread plan's, bit for bit. Steps a chain runs (blocked-layout
+plans: segment_chain.py) stay in it, their values shared by the chain's split, which backs off from helpers that
+fall behind: split out here they broke the chain into short ones and kept posting to a descheduled helper.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ def _loops() -> dict:
 
 
 def split_elementwise(steps: list) -> list:
-    """``steps`` with each large float32 elementwise step and squeeze-excitation block (see the module doc) as claimed
-    splits; the same list where one thread runs the plan."""
+    """``steps`` (a plan's calls, its chains made: segment_chain shares a chain's elementwise rows itself) with each
+    large float32 elementwise step and squeeze-excitation block outside a chain (see the module doc) as claimed
+    splits; the same list where none is, or one thread runs the plan."""
     from ..compiled import segment_loops
 
     threads = min(kernel_threads(), 1 + helper_count())
@@ -41,14 +44,15 @@ def split_elementwise(steps: list) -> list:
         return steps
     loops = _loops()
     found = []
-    for function, arguments in steps:
+    for step in steps:
+        function, arguments = step
         if function in loops and _large(arguments):
             found.append(_split(loops[function], arguments, threads))
         elif function is segment_loops.squeeze_excite and _large_block(arguments):
             found.extend(_split_block(arguments, threads))
         else:
-            found.append((function, arguments))
-    return found
+            found.append(step)
+    return found if len(found) != len(steps) or any(a is not b for a, b in zip(found, steps)) else steps
 
 
 def _large(arguments) -> bool:

@@ -272,8 +272,8 @@ def build_plan(segment, env: list, limit_bytes: int) -> BoundPlan | None:
     copied = sum(a[2][0].nbytes for f, a in steps if f is _run_kernel)
     if copied > COPY_LIMIT_BYTES or all(f is _run_kernel for f, _ in steps):
         return None  # (its kernels' outputs copied into the buffers would cost more than the plan saves)
-    steps = split_elementwise(steps)
-    calls = chained(steps, _linked)
+    # (chained first: a chain's elementwise rows are shared with the helpers by its own split, segment_chain.py)
+    calls = split_elementwise(chained(steps, _linked))
     plan = BoundPlan(feeds, constants, steps, results, arena.nbytes + other_bytes, None if calls is steps else calls)
     plan.arena = arena
     return plan

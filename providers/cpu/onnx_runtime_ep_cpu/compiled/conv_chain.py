@@ -12,7 +12,8 @@ views of the plan's own buffers (which the plan keeps, with the arrays it binds,
 part a plan of its own over its own buffers (algorithms/segment_split.py), one table per part.
 
 ``run_chain_split`` runs one image's table with the helper threads: a row that segment_chain marks in ``splits``
-(a direct convolution, blocked or gathered tiles, large enough) has its tile rows shared out as tasks (``ROW``: the
+(a direct convolution, blocked or gathered tiles, or a SiLU, Sigmoid, HardSigmoid or residual sum, large enough) has
+its tile rows or its values shared out as tasks (``ROW``: the
 calling thread's part and the helpers', each claiming tasks until none is left, so a helper that is late or
 descheduled leaves its tasks to the others), and the next row starts once all are done; the other rows run on the
 calling thread as in run_chain. A helper that takes no part or falls behind (runs under half its share of a row, or
@@ -143,8 +144,8 @@ def _in_place(row):
 @jit
 def _fill_row(row):
     """A direct convolution row's one image copied into its padded source (conv_blocked's or conv_gathered's copy),
-    unless it reads its image in place."""
-    if _in_place(row):
+    unless it reads its image in place (or the row is an elementwise loop's: nothing to fill)."""
+    if row[0] > 1 or _in_place(row):
         return
     if row[0] == 0:
         fill_image(_f1(row, 1), 0, row[30], row[31], row[32], row[33] != 0, _f1(row, 20), row[24], row[25], row[26],
@@ -155,20 +156,41 @@ def _fill_row(row):
 
 
 @jit
-def _row_tasks(table, bounds, ranges, claims, ran, row_index, part):
-    """One part of a split direct convolution row (kind 0 or 1, one image, its source filled): task i is its tiles'
-    rows bounds[i] .. bounds[i + 1] (directconv_blocked.tile_rows, directconv_gathered.gathered_rows); part p's
-    tasks ranges[p] .. ranges[p + 1], claimed one by one through claims[p], then the other parts' unclaimed ones
-    (workers.claim_task); ran[p]: the tasks part p ran."""
+def _elementwise_range(row, reals, first, end):
+    """Values first .. end of an elementwise row (kinds 6-8 and 10: SiLU, Sigmoid, HardSigmoid, a residual sum)."""
+    kind = row[0]
+    if kind == 6:
+        swish_float32_into(_f1(row, 1)[first:end], _f1(row, 3)[first:end], np.float32(reals[row[5]]))
+    elif kind == 7:
+        sigmoid_float32_into(_f1(row, 1)[first:end], _f1(row, 3)[first:end])
+    elif kind == 8:
+        hard_sigmoid_into(_f1(row, 1)[first:end], _f1(row, 3)[first:end], np.float32(reals[row[5]]),
+                          np.float32(reals[row[6]]), row[7] != 0)
+    else:
+        add_float32_into(_f1(row, 1)[first:end], _f1(row, 3)[first:end], _f1(row, 5)[first:end])
+
+
+@jit
+def _row_tasks(table, reals, bounds, ranges, claims, ran, row_index, part):
+    """One part of a split row: a direct convolution's (kind 0 or 1, one image, its source filled), task i its
+    tiles' rows bounds[i] .. bounds[i + 1] (directconv_blocked.tile_rows, directconv_gathered.gathered_rows), or an
+    elementwise loop's, task i its values bounds[i] .. bounds[i + 1]; part p's tasks ranges[p] .. ranges[p + 1],
+    claimed one by one through claims[p], then the other parts' unclaimed ones (workers.claim_task); ran[p]: the
+    tasks part p ran."""
     row = table[row_index]
-    image = _f1(row, 1) if _in_place(row) else _f1(row, 20)
+    if row[0] > 1:
+        image = _f1(row, 1)
+    else:
+        image = _f1(row, 1) if _in_place(row) else _f1(row, 20)
     cursor = np.zeros(1, dtype=np.int64)
     while True:
         i = claim_task(claims, ranges, part, cursor)
         if i < 0:
             break
         ran[part] += 1
-        if row[0] == 1:
+        if row[0] > 1:
+            _elementwise_range(row, reals, bounds[i], bounds[i + 1])
+        elif row[0] == 1:
             gathered_rows(image, _f4(row, 3), _i1(row, 8), _f2(row, 10), _f1(row, 13), _f1(row, 15), row[17],
                           _f1(row, 18), _i1(row, 22), _i1(row, 24), row[26], row[36], bounds[i], bounds[i + 1])
         else:
@@ -179,7 +201,7 @@ def _row_tasks(table, bounds, ranges, claims, ran, row_index, part):
 
 # _row_tasks, one part: a split row's tasks (see run_chain_split).
 ROW = Kind("chain_row", (
-    ints("table", 2), ints("bounds"), ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"),
+    ints("table", 2), floats("reals"), ints("bounds"), ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"),
     ints("ran", shape=("claims.shape[0]",)), scalar("row_index"), scalar("part"),
 ), _row_tasks, home=__name__)
 _write_row = ROW.writer
@@ -223,9 +245,9 @@ def run_chain_split(table, reals, splits, bounds, ranges, claims, ran, status, s
             claims[p] = 0
             ran[p] = 0
         for part in range(1, helpers + 1):
-            _write_row(mailboxes[part - 1], table, task_bounds, ranges, claims, ran, r, part)
+            _write_row(mailboxes[part - 1], table, reals, task_bounds, ranges, claims, ran, r, part)
             offer(mailboxes, states, part - 1, runner)
-        _write_row(own, table, task_bounds, ranges, claims, ran, r, 0)
+        _write_row(own, table, reals, task_bounds, ranges, claims, ran, r, 0)
         start = cycles()
         run_here(runner, own)
         ended = cycles()
