@@ -5,9 +5,11 @@ and Sigmoid.
 numba vectorizes transformer.sigmoid_float32 itself, but LLVM's tuning for AVX-512 server CPUs prefers 256-bit
 vectors, so those loops ran 8 lanes at a time (a SiLU pass over 401,408 values 338-349 us, onnxruntime's 235-256;
 on 16 lanes 222-238). Making numba prefer 512-bit vectors everywhere instead (NUMBA_CPU_FEATURES without
-prefer-256-bit) did as much for the SiLU but slowed a GPT-2 int8 decode step by a fifth. The operations are
-transformer.py's, each rounded (no contraction into fused multiply-adds), so a lane computes what the scalar
-formula does without fastmath.
+prefer-256-bit) did as much for the SiLU but slowed a GPT-2 int8 decode step by a fifth. exp_nonpositive's
+operations are transformer.py's, each rounded (no contraction into fused multiply-adds), so a lane computes what
+the scalar formula does without fastmath. The sigmoid fuses its exp's multiply-adds and takes its quotient from a
+refined reciprocal estimate (on AVX-512): a division per vector bound its loops, and the sigmoid's values stay
+within a few ulp of float64.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from . import jit, llvm
+from . import host, jit, llvm
 from .transformer import EXP_C2, EXP_C3, EXP_C4, EXP_C5, EXP_C6, EXP_FLOOR, LN2_HIGH, LN2_LOW, LOG2E, ROUNDER
 
 
@@ -43,13 +45,48 @@ def exp_nonpositive(builder, a):
     return builder.select(below, llvm.ZEROS, builder.fmul(p, two_to_n))
 
 
+def _exp_nonpositive_fused(builder, a):
+    """exp_nonpositive's polynomial with each multiply-add fused (one rounding: as transformer.sigmoid_float32,
+    compiled with contraction, may round), for the sigmoid."""
+    fma = llvm.fma(builder.module)
+    floor = constant(EXP_FLOOR)
+    below = builder.fcmp_ordered("<", a, floor)
+    clamped = builder.select(below, floor, a)
+    rounder = constant(ROUNDER)
+    n = builder.fsub(builder.call(fma, [clamped, constant(LOG2E), rounder]), rounder)
+    negative_n = builder.fsub(llvm.ZEROS, n)
+    r = builder.call(fma, [negative_n, constant(LN2_LOW), builder.call(fma, [negative_n, constant(LN2_HIGH), clamped])])
+    p = constant(EXP_C6)
+    for coefficient in (EXP_C5, EXP_C4, EXP_C3, EXP_C2):
+        p = builder.call(fma, [p, r, constant(coefficient)])
+    p = builder.fadd(builder.call(fma, [p, builder.fmul(r, r), r]), constant(1.0))
+    exponent = builder.add(builder.fptosi(n, llvm.LANE_INDEX), ir.Constant(llvm.LANE_INDEX, [127] * llvm.LANES))
+    two_to_n = builder.bitcast(builder.shl(exponent, ir.Constant(llvm.LANE_INDEX, [23] * llvm.LANES)), llvm.VEC)
+    return builder.select(below, llvm.ZEROS, builder.fmul(p, two_to_n))
+
+
+def _reciprocal(builder, d):
+    """1 / d for d in [1, 2] (or NaN): on AVX-512 the 14-bit estimate (vrcp14ps) and one Newton step, within an
+    ulp of the quotient, where a division's throughput bound the sigmoid loops; a division elsewhere."""
+    if not host.AVX512:
+        return builder.fdiv(constant(1.0), d)
+    estimate = llvm.declare(builder.module, "llvm.x86.avx512.rcp14.ps.512",
+                            ir.FunctionType(llvm.VEC, [llvm.VEC, llvm.VEC, ir.IntType(16)]))
+    fma = llvm.fma(builder.module)
+    r = builder.call(estimate, [d, llvm.ZEROS, ir.Constant(ir.IntType(16), -1)])
+    error = builder.call(fma, [builder.fsub(llvm.ZEROS, d), r, constant(1.0)])
+    return builder.call(fma, [r, error, r])
+
+
 def sigmoid(builder, z):
-    """transformer.sigmoid_float32 on 16 lanes: e / (1 + e) for e = exp(-|z|) where z < 0, else 1 / (1 + e)."""
+    """The logistic sigmoid on 16 lanes, as transformer.sigmoid_float32: e / (1 + e) for e = exp(-|z|) where z < 0,
+    else 1 / (1 + e); the exp's multiply-adds fused and the quotient a refined reciprocal's (_reciprocal): within
+    a few ulp of the float64 sigmoid, exactly 0.5 at 0, 0 and 1 at the infinities, NaN for NaN."""
     fabs = llvm.declare(builder.module, "llvm.fabs.v16f32", ir.FunctionType(llvm.VEC, [llvm.VEC]))
-    e = exp_nonpositive(builder, builder.fsub(llvm.ZEROS, builder.call(fabs, [z])))
+    e = _exp_nonpositive_fused(builder, builder.fsub(llvm.ZEROS, builder.call(fabs, [z])))
     one = constant(1.0)
     top = builder.select(builder.fcmp_ordered(">=", z, llvm.ZEROS), one, e)
-    return builder.fdiv(top, builder.fadd(one, e))
+    return builder.fmul(top, _reciprocal(builder, builder.fadd(one, e)))
 
 
 def _sigmoid_codegen(masked: bool):
