@@ -346,3 +346,29 @@ def test_three_by_three_average_pools_read_the_planes_in_place(stride, pads, cei
     windows.pool(x.reshape(-1, height, width), direct.reshape(-1, oh, ow), stride, pads[0], pads[1], False,
                  lo_h, hi_h, lo_w, hi_w)
     np.testing.assert_array_equal(direct, y)
+
+
+@pytest.mark.skipif(not __import__("onnx_runtime_ep_cpu.compiled.gemm", fromlist=["AVAILABLE"]).AVAILABLE,
+                    reason="compiled/windows.py's kernel needs an AVX-512 host")
+@pytest.mark.parametrize("include_pad", [None, False, True], ids=["max", "average", "average with pads"])
+def test_a_plans_one_thread_pool_binds_the_windows_kernel(knobs, include_pad):
+    """A bound plan's pool on one thread (pooling.bound_pool, one span) takes the pool job's 3x3 kernel
+    (windows.pool_planes) where it takes the window, as the node's kernel does through the job, and pool_2d for
+    other windows: the node's values, bit for bit."""
+    from onnx_runtime_ep_cpu.compiled import windows
+
+    knobs(threads=1)
+    x = (RNG.standard_normal((1, 5, 23, 30)) * 3).astype(np.float32)
+    for kernel_shape, stride, pads in (((3, 3), 2, (1, 1)), ((3, 3), 1, (0, 0)), ((2, 2), 2, (0, 0))):
+        op = "MaxPool" if include_pad is None else "AveragePool"
+        attrs = {"kernel_shape": list(kernel_shape), "strides": [stride] * 2, "pads": [*pads, *pads]}
+        if include_pad is not None:
+            attrs["count_include_pad"] = int(include_pad)
+        (want,) = kernel(op, attrs, x.shape)(x)
+        out = tuple((n + 2 * p - k) // stride + 1 for n, p, k in zip(x.shape[2:], pads, kernel_shape))
+        geo = window.Geometry(x.shape[2:], kernel_shape, (stride, stride), (1, 1), pads, pads, out)
+        y = np.full(want.shape, np.nan, np.float32)
+        ((loop, arguments),) = pooling.bound_pool(pooling.pool_loops(), x, geo, include_pad, y)
+        assert (loop is windows.pool_planes) == (kernel_shape == (3, 3))
+        loop(*arguments)
+        np.testing.assert_array_equal(y, want)

@@ -161,7 +161,8 @@ def _windowed(arguments: tuple) -> bool:
 def bound_pool(loops, x: np.ndarray, geo: Geometry, include_pad: bool | None, y: np.ndarray):
     """compiled_pool's loop into the C-contiguous ``y``, prepared once (a segment's bound plan):
     ``[(loop, arguments)]``, its planes' spans as jobs of the helper threads where they split across threads (a
-    224x224 stem's pool), or None where the loops do not apply."""
+    224x224 stem's pool), the job's 3x3 kernel (windows.pool_planes) where one thread runs a window it takes, or
+    None where the loops do not apply."""
     if len(geo.kernel) > 2 or not takes_compiled(x) or x.size == 0 or 0 in geo.out or y.dtype != x.dtype \
             or not x.flags.c_contiguous:
         return None
@@ -172,6 +173,10 @@ def bound_pool(loops, x: np.ndarray, geo: Geometry, include_pad: bool | None, y:
 
         parts = [(planes[a:b], rows[a:b], *arguments) for a, b in spans]
         return [(workers.run, (jobs.POOL, parts, helper_count()))]
+    if spans is not None and _windowed(arguments):  # (one part: the job's 3x3 kernel, called here)
+        from ..compiled import windows
+
+        return [(windows.pool_planes, (planes, rows, *arguments))]
     return [(loops.pool_2d, (planes, rows, *arguments))]
 
 

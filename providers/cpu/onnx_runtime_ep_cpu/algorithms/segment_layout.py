@@ -197,7 +197,10 @@ class _Kinds:
             return True
         if op not in ("MaxPool", "AveragePool"):
             return False
-        arguments = _only_call(steps, span, "pool_2d")  # (is_max its 11th argument: the op's own loop)
+        # (pooling.pool_2d's arguments, is_max the 11th: the op's own loop, or windows.pool_planes for its 3x3 kernel)
+        arguments = _only_call(steps, span, "pool_2d")
+        if arguments is None:
+            arguments = _only_call(steps, span, "pool_planes")
         if arguments is not None and bool(arguments[10]) == (op == "MaxPool") and env[inner.inputs[0]].ndim == 4 \
                 and env[inner.inputs[0]].dtype == np.float32 and len(inner.node.outputs) == 1:
             self.pools[index] = (env[inner.inputs[0]].shape, env[inner.outputs[0]].shape, arguments)

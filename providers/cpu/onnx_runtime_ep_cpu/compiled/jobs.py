@@ -283,10 +283,7 @@ DIRECT = Kind("direct", (
 
 @jit
 def _run_pool(planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w):
-    if windows.takes_pool(kh, kw, sh, sw, dh, dw):
-        windows.pool(planes, rows, sh, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w)
-    else:
-        pooling.pool_2d(planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w)
+    windows.pool_planes(planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w)
 
 
 # pooling.pool_2d, one part (its planes); a 3x3 pool of stride 1 or 2 by windows.pool.

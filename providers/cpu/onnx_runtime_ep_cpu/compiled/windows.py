@@ -204,6 +204,15 @@ def takes_pool(kh, kw, sh, sw, dh, dw):
 
 
 @jit
+def pool_planes(planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w):
+    """pooling.pool_2d's pool of ``planes`` into ``rows`` (its arguments), by ``pool`` where it takes the window."""
+    if takes_pool(kh, kw, sh, sw, dh, dw):
+        pool(planes, rows, sh, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w)
+    else:
+        pooling.pool_2d(planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w)
+
+
+@jit
 def row_starts(rows, start, first_row, height, width):
     """rows[u] = where row first_row + u of the (height, width) plane at ``start`` begins, or -1 for a row
     off the plane: the input rows of one call, as the kernel reads them."""
