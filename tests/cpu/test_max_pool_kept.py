@@ -1,5 +1,5 @@
 """MaxPool's kept call per input shape (algorithms/pooling.KeptPool): once the compiled loops run, a repeated
-shape runs its prepared call (the pool job's windows.pool for a float32 3x3 window of stride 1 or 2, pool_2d
+shape runs its prepared call (the pool job's windows.pool_planes for a float32 3x3 window of stride 1 or 2, pool_2d
 otherwise),
 with each output the float64 windows' maximum (NaN and -inf included) and onnxruntime's; a change of the kernel
 threads takes the general path again."""
@@ -78,7 +78,7 @@ def test_kept_pool_equals_reference_and_onnxruntime(shape, kernel, strides, pads
         if trial < 3:
             np.testing.assert_array_equal(y, theirs.run(None, {"x": x})[0])
     kept = _kept(ours)
-    assert len(kept) == 1 and kept[0].job == (loop == "pool")
+    assert len(kept) == 1 and kept[0].loop.__name__ == {"pool": "pool_planes", "pool_2d": "pool_2d"}[loop]
 
 
 def test_kept_pool_steps_aside_when_the_threads_change(monkeypatch):

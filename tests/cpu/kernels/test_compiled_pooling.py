@@ -302,9 +302,10 @@ def test_three_by_three_max_pools_read_the_planes_in_place(monkeypatch, stride, 
 
     if height + pads[0] + pads[2] < 3 or width + pads[1] + pads[3] < 3:
         pytest.skip("no window fits")
-    posted = []
-    real = workers.run
+    posted = []  # the windows kernel's routes: the pool job posted, or its loop called here (pooling.KeptPool)
+    real, loop = workers.run, windows.pool_planes
     monkeypatch.setattr(workers, "run", lambda job, parts, *a: posted.append(job) or real(job, parts, *a))
+    monkeypatch.setattr(windows, "pool_planes", lambda *a: posted.append(jobs.POOL) or loop(*a))
     monkeypatch.setattr(pooling, "TINY_MAX_READS", 0)  # (a map this small is pooled over its taps by numpy)
     monkeypatch.setattr(pooling, "SMALL_MAX_READS", 0)
     attrs = {"kernel_shape": [3, 3], "strides": [stride, stride], "pads": pads, "ceil_mode": ceil_mode}

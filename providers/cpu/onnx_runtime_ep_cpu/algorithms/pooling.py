@@ -81,10 +81,10 @@ class SmallMaxPool:
 class KeptPool:
     """compiled_pool's max pool of one input shape and dtype on this thread alone, its call prepared once: the
     geometry, budget check, thread split and loop arguments cost a small map's pool twice its arithmetic (resnet's
-    16x32x32 stem pool 15.6 -> 5.3 us). The same compiled code as compiled_pool's: the pool job on this thread
-    for a float32 window the job's 3x3 kernel takes (windows.pool), else pool_2d."""
+    16x32x32 stem pool 15.6 -> 5.3 us). The same compiled code as compiled_pool's: the pool job's 3x3 kernel called
+    on this thread for a float32 window it takes (windows.pool_planes), else pool_2d."""
 
-    __slots__ = ("job", "arguments", "planes", "rows", "out", "threads", "loops", "run", "kind")
+    __slots__ = ("loop", "arguments", "planes", "rows", "out", "threads")
 
     @classmethod
     def of(cls, loops, x: np.ndarray, geo: Geometry) -> KeptPool | None:
@@ -99,12 +99,7 @@ class KeptPool:
         if spans is not None and len(spans) > 1:
             return None
         kept = cls()
-        kept.job = spans is not None and _windowed(arguments)
-        if kept.job:  # (numba is loaded: deferral is closed)
-            from ..compiled import jobs, workers
-
-            kept.run, kept.kind = workers.run, jobs.POOL
-        kept.loops, kept.arguments = loops, arguments
+        kept.loop, kept.arguments = _one_part(loops, spans, arguments), arguments  # (numba is loaded: no deferral)
         kept.planes, kept.rows, kept.out, kept.threads = planes.shape, rows.shape, y.shape, kernel_threads()
         return kept
 
@@ -114,11 +109,7 @@ class KeptPool:
         if kernel_threads() != self.threads or reference_run.active():
             return None
         y = np.empty(self.out, x.dtype)
-        planes, rows = np.ascontiguousarray(x).reshape(self.planes), y.reshape(self.rows)
-        if self.job:
-            self.run(self.kind, [(planes, rows, *self.arguments)], helper_count())
-        else:
-            self.loops.pool_2d(planes, rows, *self.arguments)
+        self.loop(np.ascontiguousarray(x).reshape(self.planes), y.reshape(self.rows), *self.arguments)
         return y
 
 
@@ -150,6 +141,16 @@ def _pool_call(x: np.ndarray, geo: Geometry, include_pad: bool | None, y: np.nda
     return planes, rows, (kh, kw, sh, sw, dh, dw, ph, pw, include_pad is None, lo_h, hi_h, lo_w, hi_w)
 
 
+def _one_part(loops, spans, arguments: tuple):
+    """The loop that pools one part (all the planes) on the calling thread: the pool job's 3x3 kernel
+    (windows.pool_planes, the job's own code) for a float32 window it takes, else pool_2d."""
+    if spans is not None and _windowed(arguments):
+        from ..compiled import windows
+
+        return windows.pool_planes
+    return loops.pool_2d
+
+
 def _windowed(arguments: tuple) -> bool:
     """Whether the pool job would run windows.pool (its 3x3 kernel) rather than pool_2d: one part of any other
     window calls pool_2d here, without the job's mailbox round trip (several times a small pool's arithmetic)."""
@@ -173,11 +174,7 @@ def bound_pool(loops, x: np.ndarray, geo: Geometry, include_pad: bool | None, y:
 
         parts = [(planes[a:b], rows[a:b], *arguments) for a, b in spans]
         return [(workers.run, (jobs.POOL, parts, helper_count()))]
-    if spans is not None and _windowed(arguments):  # (one part: the job's 3x3 kernel, called here)
-        from ..compiled import windows
-
-        return [(windows.pool_planes, (planes, rows, *arguments))]
-    return [(loops.pool_2d, (planes, rows, *arguments))]
+    return [(_one_part(loops, spans, arguments), (planes, rows, *arguments))]
 
 
 def compiled_pool(loops, x: np.ndarray, geo: Geometry, include_pad: bool | None = None):

@@ -17,8 +17,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..compiled.directconv import PIXELS
+from ..tuning import KNOBS
 from .helper_backoff import HelperBackoff
 from .segment_arena import arrays_in
+from .split import LINE_FLOATS, task_cuts
 
 CHAIN = True
 # Each chained loop (by name: compiled/directconv_blocked.py, directconv_gathered.py, blocked_ops.py,
@@ -186,17 +188,14 @@ def _splits(table: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray | Non
     a direct convolution row (blocked or gathered tiles) of one image of at least SPLIT_ROW_MACS multiply-adds, its
     tiles' rows cut evenly into tasks; an elementwise row of at least KNOBS.split_elements values, its values cut
     into tasks starting on cache lines (no two threads write one)."""
-    from ..tuning import KNOBS
-
     splits = np.zeros((len(table), 2), dtype=np.int64)
     bounds: list[int] = []
     for r, row in enumerate(table):
         if row[0] in _ELEMENTWISE_KINDS:
             values = int(row[_X_AT + 1])
             if values >= KNOBS.split_elements:
-                count, lines = parts * TASKS_PER_THREAD, -(-values // _LINE)
-                splits[r] = (len(bounds), count)
-                bounds.extend(min(values, lines * i // count * _LINE) for i in range(count + 1))
+                splits[r] = (len(bounds), parts * TASKS_PER_THREAD)
+                bounds.extend(task_cuts(values, parts * TASKS_PER_THREAD, LINE_FLOATS))
             continue
         shape = _tile_rows(row)
         if shape is None:
@@ -206,7 +205,7 @@ def _splits(table: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray | Non
         if macs < SPLIT_ROW_MACS or count < 2:
             continue
         splits[r] = (len(bounds), count)
-        bounds.extend(rows * i // count for i in range(count + 1))
+        bounds.extend(task_cuts(rows, count))
     return splits, (np.array(bounds, dtype=np.int64) if bounds else None)
 
 
@@ -232,7 +231,6 @@ _STARTS_AT, _GATHERED_IMAGES_AT = 22, 27  # conv_gathered's row: its pixel start
 # the elementwise rows run_chain_split can share (compiled/conv_chain._elementwise_range), x's length at _X_AT + 1
 _ELEMENTWISE_KINDS = tuple(_KINDS[name][0] for name in ("swish_float32_into", "sigmoid_float32_into",
                                                         "hard_sigmoid_into", "add_float32_into"))
-_LINE = 16  # floats of a cache line
 
 _CHAIN_CALLS = ("run_chain", "run_chain_threads")
 

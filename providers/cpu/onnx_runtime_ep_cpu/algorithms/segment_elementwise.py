@@ -20,10 +20,9 @@ import numpy as np
 
 from ..threads import helper_count, kernel_threads
 from ..tuning import KNOBS
-from .split import claimed_tasks, run_claimed
+from .split import LINE_FLOATS, claimed_tasks, run_claimed
 
 TASKS_PER_THREAD = 4
-_LINE = 16  # floats of a cache line: the ranges start on one, so no two threads write one line
 
 
 def _loops() -> dict:
@@ -44,15 +43,14 @@ def split_elementwise(steps: list) -> list:
         return steps
     loops = _loops()
     found = []
-    for step in steps:
-        function, arguments = step
+    for function, arguments in steps:
         if function in loops and _large(arguments):
             found.append(_split(loops[function], arguments, threads))
         elif function is segment_loops.squeeze_excite and _large_block(arguments):
             found.extend(_split_block(arguments, threads))
         else:
-            found.append(step)
-    return found if len(found) != len(steps) or any(a is not b for a, b in zip(found, steps)) else steps
+            found.append((function, arguments))
+    return found if len(found) != len(steps) or any(f is _claimed_ranges for f, _ in found) else steps
 
 
 def _large(arguments) -> bool:
@@ -79,7 +77,7 @@ def _split(loop: int, arguments: tuple, threads: int):
             params[:] = arguments[2], arguments[3]
             flag = bool(arguments[4])
     tasks = TASKS_PER_THREAD * threads
-    cuts, ranges, claims = claimed_tasks(x.size, tasks, threads, _LINE)
+    cuts, ranges, claims = claimed_tasks(x.size, tasks, threads, LINE_FLOATS)
     parts = [(loop, x, b, y, params, flag, 1, cuts, ranges, claims, part) for part in range(threads)]
     return _claimed_ranges, (parts,)
 

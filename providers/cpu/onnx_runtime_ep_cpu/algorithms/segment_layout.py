@@ -64,10 +64,10 @@ def _part_call(steps, span):
     return arguments, target
 
 
-def _only_call(steps, span, name: str):
-    """The arguments of a node's single step where its loop is ``name``, else None."""
+def _only_call(steps, span, *names: str):
+    """The arguments of a node's single step where its loop is one of ``names``, else None."""
     start, end = span
-    if end - start != 1 or getattr(steps[start][0], "__name__", "") != name:
+    if end - start != 1 or getattr(steps[start][0], "__name__", "") not in names:
         return None
     return steps[start][1]
 
@@ -198,9 +198,7 @@ class _Kinds:
         if op not in ("MaxPool", "AveragePool"):
             return False
         # (pooling.pool_2d's arguments, is_max the 11th: the op's own loop, or windows.pool_planes for its 3x3 kernel)
-        arguments = _only_call(steps, span, "pool_2d")
-        if arguments is None:
-            arguments = _only_call(steps, span, "pool_planes")
+        arguments = _only_call(steps, span, "pool_2d", "pool_planes")
         if arguments is not None and bool(arguments[10]) == (op == "MaxPool") and env[inner.inputs[0]].ndim == 4 \
                 and env[inner.inputs[0]].dtype == np.float32 and len(inner.node.outputs) == 1:
             self.pools[index] = (env[inner.inputs[0]].shape, env[inner.outputs[0]].shape, arguments)

@@ -51,13 +51,21 @@ def span_bounds(spans: tuple[tuple[int, int], ...]) -> np.ndarray:
 _bounds: dict[tuple, np.ndarray] = {}
 
 
+LINE_FLOATS = 16  # float32 values of a cache line: tasks of values cut on them, so no two threads write one line
+
+
+def task_cuts(count: int, tasks: int, unit: int = 1) -> list[int]:
+    """``count`` items cut evenly into ``tasks`` tasks: task i is items cuts[i] .. cuts[i + 1], each cut a multiple
+    of ``unit`` but the last."""
+    units = -(-count // unit)
+    return [min(count, units * i // tasks * unit) for i in range(tasks + 1)]
+
+
 def claimed_tasks(count: int, tasks: int, threads: int, unit: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(cuts, ranges, claims) of ``count`` items in ``tasks`` tasks for ``threads`` parts, as the claimed-task job
-    kinds take them (compiled/workers.claim_task): task i is items cuts[i] .. cuts[i + 1] (each cut a multiple of
-    ``unit`` but the last), part p's tasks ranges[p] .. ranges[p + 1], claimed through claims[p] (run_claimed zeroes
-    them before each run)."""
-    units = -(-count // unit)
-    cuts = np.array([min(count, units * i // tasks * unit) for i in range(tasks + 1)], dtype=np.int64)
+    kinds take them (compiled/workers.claim_task): task i is items cuts[i] .. cuts[i + 1] (task_cuts), part p's
+    tasks ranges[p] .. ranges[p + 1], claimed through claims[p] (run_claimed zeroes them before each run)."""
+    cuts = np.array(task_cuts(count, tasks, unit), dtype=np.int64)
     ranges = np.array([tasks * p // threads for p in range(threads + 1)], dtype=np.int64)
     return cuts, ranges, np.zeros(threads, dtype=np.int64)
 

@@ -178,10 +178,7 @@ def _row_tasks(table, reals, bounds, ranges, claims, ran, row_index, part):
     claimed one by one through claims[p], then the other parts' unclaimed ones (workers.claim_task); ran[p]: the
     tasks part p ran."""
     row = table[row_index]
-    if row[0] > 1:
-        image = _f1(row, 1)
-    else:
-        image = _f1(row, 1) if _in_place(row) else _f1(row, 20)
+    image = _f1(row, 1) if row[0] > 1 or _in_place(row) else _f1(row, 20)  # (an elementwise row reads its own)
     cursor = np.zeros(1, dtype=np.int64)
     while True:
         i = claim_task(claims, ranges, part, cursor)

@@ -28,38 +28,28 @@ def constant(value) -> ir.Constant:
     return ir.Constant(llvm.VEC, [float(np.float32(value))] * llvm.LANES)
 
 
-def exp_nonpositive(builder, a):
-    """transformer.exp_nonpositive_float32 on 16 lanes (NaN stays NaN, 0 below its floor)."""
-    floor = constant(EXP_FLOOR)
-    below = builder.fcmp_ordered("<", a, floor)
-    clamped = builder.select(below, floor, a)
-    rounder = constant(ROUNDER)
-    n = builder.fsub(builder.fadd(builder.fmul(clamped, constant(LOG2E)), rounder), rounder)
-    r = builder.fsub(builder.fsub(clamped, builder.fmul(n, constant(LN2_HIGH))), builder.fmul(n, constant(LN2_LOW)))
-    p = constant(EXP_C6)
-    for coefficient in (EXP_C5, EXP_C4, EXP_C3, EXP_C2):
-        p = builder.fadd(builder.fmul(p, r), constant(coefficient))
-    p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), constant(1.0))
-    exponent = builder.add(builder.fptosi(n, llvm.LANE_INDEX), ir.Constant(llvm.LANE_INDEX, [127] * llvm.LANES))
-    two_to_n = builder.bitcast(builder.shl(exponent, ir.Constant(llvm.LANE_INDEX, [23] * llvm.LANES)), llvm.VEC)
-    return builder.select(below, llvm.ZEROS, builder.fmul(p, two_to_n))
-
-
-def _exp_nonpositive_fused(builder, a):
-    """exp_nonpositive's polynomial with each multiply-add fused (one rounding: as transformer.sigmoid_float32,
-    compiled with contraction, may round), for the sigmoid."""
+def exp_nonpositive(builder, a, fused: bool = False):
+    """transformer.exp_nonpositive_float32 on 16 lanes (NaN stays NaN, 0 below its floor): each operation rounded,
+    or with ``fused`` each multiply-add one fused multiply-add (one rounding: as transformer.sigmoid_float32,
+    compiled with contraction, may round; the sigmoid's)."""
     fma = llvm.fma(builder.module)
+
+    def mul_add(x, y, z):  # x * y + z
+        return builder.call(fma, [x, y, z]) if fused else builder.fadd(builder.fmul(x, y), z)
+
+    def sub_mul(z, x, y):  # z - x * y
+        return builder.call(fma, [builder.fsub(llvm.ZEROS, x), y, z]) if fused else builder.fsub(z, builder.fmul(x, y))
+
     floor = constant(EXP_FLOOR)
     below = builder.fcmp_ordered("<", a, floor)
     clamped = builder.select(below, floor, a)
     rounder = constant(ROUNDER)
-    n = builder.fsub(builder.call(fma, [clamped, constant(LOG2E), rounder]), rounder)
-    negative_n = builder.fsub(llvm.ZEROS, n)
-    r = builder.call(fma, [negative_n, constant(LN2_LOW), builder.call(fma, [negative_n, constant(LN2_HIGH), clamped])])
+    n = builder.fsub(mul_add(clamped, constant(LOG2E), rounder), rounder)
+    r = sub_mul(sub_mul(clamped, n, constant(LN2_HIGH)), n, constant(LN2_LOW))
     p = constant(EXP_C6)
     for coefficient in (EXP_C5, EXP_C4, EXP_C3, EXP_C2):
-        p = builder.call(fma, [p, r, constant(coefficient)])
-    p = builder.fadd(builder.call(fma, [p, builder.fmul(r, r), r]), constant(1.0))
+        p = mul_add(p, r, constant(coefficient))
+    p = builder.fadd(mul_add(p, builder.fmul(r, r), r), constant(1.0))
     exponent = builder.add(builder.fptosi(n, llvm.LANE_INDEX), ir.Constant(llvm.LANE_INDEX, [127] * llvm.LANES))
     two_to_n = builder.bitcast(builder.shl(exponent, ir.Constant(llvm.LANE_INDEX, [23] * llvm.LANES)), llvm.VEC)
     return builder.select(below, llvm.ZEROS, builder.fmul(p, two_to_n))
@@ -83,7 +73,7 @@ def sigmoid(builder, z):
     else 1 / (1 + e); the exp's multiply-adds fused and the quotient a refined reciprocal's (_reciprocal): within
     a few ulp of the float64 sigmoid, exactly 0.5 at 0, 0 and 1 at the infinities, NaN for NaN."""
     fabs = llvm.declare(builder.module, "llvm.fabs.v16f32", ir.FunctionType(llvm.VEC, [llvm.VEC]))
-    e = _exp_nonpositive_fused(builder, builder.fsub(llvm.ZEROS, builder.call(fabs, [z])))
+    e = exp_nonpositive(builder, builder.fsub(llvm.ZEROS, builder.call(fabs, [z])), fused=True)
     one = constant(1.0)
     top = builder.select(builder.fcmp_ordered(">=", z, llvm.ZEROS), one, e)
     return builder.fmul(top, _reciprocal(builder, builder.fadd(one, e)))
