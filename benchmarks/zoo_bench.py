@@ -321,11 +321,27 @@ def worker_steady(zoo: Path, name: str, args: argparse.Namespace) -> dict:
 # --- the parent ------------------------------------------------------------------------------------------------
 
 
+# Python's bytecode cache for the workers, where the environment turned it off (PYTHONDONTWRITEBYTECODE, as some CI
+# hosts and sandboxes do): an installed package runs from the bytecode pip compiled at install, and without it
+# every fresh worker would compile our modules' sources again and count that in its import, creation and first run.
+PYCACHE = HERE / ".models" / "pycache"
+
+
+def worker_environment() -> dict[str, str]:
+    """The workers' environment: this one, with bytecode written and read where it was turned off (under PYCACHE
+    unless a prefix is set, so the source tree stays clean)."""
+    env = dict(os.environ)
+    if env.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+        env.setdefault("PYTHONPYCACHEPREFIX", str(PYCACHE))
+    return env
+
+
 def child(argv: list[str], timeout: float) -> dict:
     """Run this script as a worker; its last stdout line is its JSON result (or the error it failed with)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE,
+                              env=worker_environment())
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     lines = done.stdout.strip().splitlines()

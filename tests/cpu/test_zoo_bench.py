@@ -298,3 +298,23 @@ def test_quick_run(tmp_path):
     assert all(finite_positive(row["value"]) and isinstance(row["holds"], bool) for row in rows)
     assert all(math.isfinite(v["value"]) for v in data["verdicts"]["overall"].values())
     assert all(finite_positive(v) for v in data["verdicts"]["info"].values())
+
+
+def test_workers_keep_a_bytecode_cache_where_the_environment_turned_it_off(monkeypatch):
+    """A fresh worker runs as an installed package does, from bytecode: where PYTHONDONTWRITEBYTECODE is set, the
+    workers write and read it under the benchmark's own folder; a prefix the user set is kept; and an environment
+    that writes bytecode is passed on as it is."""
+    import zoo_bench
+
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    env = zoo_bench.worker_environment()
+    assert "PYTHONDONTWRITEBYTECODE" not in env
+    assert env["PYTHONPYCACHEPREFIX"] == str(zoo_bench.PYCACHE)
+    assert zoo_bench.PYCACHE.is_relative_to(Path(zoo_bench.__file__).parent / ".models")  # (ignored by git)
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", "/elsewhere")
+    assert zoo_bench.worker_environment()["PYTHONPYCACHEPREFIX"] == "/elsewhere"
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX")
+    env = zoo_bench.worker_environment()
+    assert "PYTHONDONTWRITEBYTECODE" not in env and "PYTHONPYCACHEPREFIX" not in env
