@@ -117,7 +117,7 @@ class CachedSpecializer(Specializer):
     def __init__(self, graph: Graph, inputs: list[str], proto: onnx.ModelProto | SerializedModel, handles, model: Model,
                  optimize: Callable[[Graph], Graph], plan: Callable[[Graph], Executor], plans: PlanCache,
                  folded: dict | None = None):
-        super().__init__(graph, inputs, proto, handles, self._optimize_then_plan, folded)
+        super().__init__(graph, inputs, proto, handles, None, folded)
         self._model = model
         self._weights = dict(graph.initializers)  # shared by every specialization (clone_graph keeps arrays)
         self._optimize = optimize
@@ -125,7 +125,8 @@ class CachedSpecializer(Specializer):
         self._plans = plans
         self._encoded: tuple[bytes, list[str]] | None = None
 
-    def _optimize_then_plan(self, graph: Graph) -> Executor:
+    def prepare(self, graph: Graph) -> Executor:
+        """The optimizer and the providers' passes, the result written to the plan cache, then the plan."""
         graph = self._optimize(graph)
         try:  # written as the passes left it: placement may expand function calls in place
             self._encoded = plan_cache.encode_graph(self._model, graph, self._weights, self._plans.max_plan_bytes)

@@ -91,7 +91,7 @@ def _holds_code(masks: tuple[int, ...], positions: tuple[tuple[int, int], ...], 
     scope: dict = {"ndarray": np.ndarray, "ones": ones, "counts": counts, "grown_ones": _grown_ones,
                    "counting": _counting}
     exec(compile("\n".join(lines) + "\n", "<canonical_feeds.holds>", "exec"), scope)  # noqa: S102 (ints and names)
-    return scope["holds"]
+    return scope.pop("holds")  # (out of its own globals: no reference cycle)
 
 
 def _grown_ones(ones: dict, mask: np.ndarray) -> bytes:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 import weakref
-from contextlib import contextmanager
 from operator import itemgetter
 
 import numpy as np
@@ -24,6 +22,7 @@ from ..ort_value import OrtValue, device_handle
 from ..provider_handle import ProviderHandle
 from ..tensor import Tensor
 from .cached_plans import CachedSpecializer, encode_creation, open_plans, read_creation, store_creation
+from .collector import creation_paused, largest_weights, session_dropped, witness
 from .custom_passes import run_custom_passes
 from .executor import Executor, graph_slot_of
 from .feed_types import check_type_and_shape
@@ -33,7 +32,7 @@ from .options import RunOptions, SessionOptions
 from .placement import Placement, place
 from .profiling import Profile
 from .provider_setup import FALLBACK_KEY, create_handles, resolve_providers
-from .specialize import Specializer, promote_built
+from .specialize import Specializer
 from .strict import STRICT_KEY
 
 
@@ -51,39 +50,17 @@ def session_config(options: SessionOptions) -> dict[str, str]:
     return config
 
 
-@contextmanager
-def _collector_paused():
-    """Session creation builds tens of thousands of long-lived objects (IR, plans, kernels); the cyclic
-    garbage collector would rescan them generation after generation (measured in eb68128). It is
-    paused meanwhile and runs as usual afterwards; a collection already disabled stays disabled.
+def _weak(method):
+    """``method`` called through a weak reference to its session: the specializer the session holds calls back
+    into it without a reference cycle (which would keep a dropped session's memory until a cyclic collection)."""
+    ref = weakref.WeakMethod(method)
 
-    A dropped session holds its weights and plans in reference cycles until a collection: paused, the next
-    creation would build beside them (two sessions' memory at the high-water of create/destroy loops). So when
-    sessions holding at least COLLECT_AFTER_BYTES of weights were dropped since, one full collection runs first.
-    Small ones are left to the collector's own schedule: a full collection scans every object of the process,
-    which in a large process (a test suite) costs more than creating a small session."""
-    global _dropped_bytes
-    was_enabled = gc.isenabled()
-    if was_enabled and _dropped_bytes >= COLLECT_AFTER_BYTES:
-        _dropped_bytes = 0
-        gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            promote_built()  # what creation made, to the oldest generation unscanned
-            gc.enable()
+    def call(graph):
+        bound = ref()
+        assert bound is not None  # (the session, whose specializer calls this, is alive while it does)
+        return bound(graph)
 
-
-COLLECT_AFTER_BYTES = 1 << 20
-_dropped_bytes = 0  # weights of the sessions dropped since the last collection _collector_paused ran
-
-
-def _session_dropped(weight_bytes: int) -> None:
-    """A session object was freed (its internals may still sit in reference cycles)."""
-    global _dropped_bytes
-    _dropped_bytes += weight_bytes
+    return call
 
 
 class InferenceSession:
@@ -91,10 +68,14 @@ class InferenceSession:
 
     def __init__(self, path_or_bytes, sess_options: SessionOptions | None = None, providers=None,
                  provider_options=None, **kwargs):
-        with _collector_paused():
+        with creation_paused():
             self._create(path_or_bytes, sess_options, providers, provider_options, kwargs)
         weights = sum(getattr(value, "nbytes", 0) for value in self._model.graph.initializers.values())
-        weakref.finalize(self, _session_dropped, weights)
+        self._witnesses: list = []  # (held by the finalizer: weak references only)
+        witness(self._witnesses, self._specializer, *largest_weights(self._model.graph))
+        if self._generic is not None:
+            witness(self._witnesses, self._generic[1])
+        weakref.finalize(self, session_dropped, weights, self._witnesses)
 
     def _create(self, path_or_bytes, sess_options, providers, provider_options, kwargs) -> None:
         unknown = set(kwargs) - {"disabled_optimizers"}
@@ -192,6 +173,8 @@ class InferenceSession:
         executor = Executor(self._model.graph, assignment, placement)
         executor.strict = self._strict
         self._generic = (placement, executor)
+        if hasattr(self, "_witnesses"):  # (made after creation)
+            witness(self._witnesses, executor)
         return assignment
 
     def _generic_plan(self) -> tuple[Placement, Executor]:
@@ -242,8 +225,9 @@ class InferenceSession:
         inputs = [vi.name for vi in graph.inputs]
         if self._plans is not None:
             return CachedSpecializer(graph, inputs, self._model.inference_proto, self._handles, self._model,
-                                     self._optimize_specialized, self._plan_specialized, self._plans, folded)
-        return Specializer(graph, inputs, self._model.inference_proto, self._handles, self._specialize, folded)
+                                     _weak(self._optimize_specialized), _weak(self._plan_specialized), self._plans,
+                                     folded)
+        return Specializer(graph, inputs, self._model.inference_proto, self._handles, _weak(self._specialize), folded)
 
     def _specialize(self, graph) -> Executor:
         """The optimizer, the providers' passes, placement and a planned executor over ``graph`` (a copy of
@@ -371,7 +355,7 @@ class InferenceSession:
         # paused and promoted as creation is, so that no later collection of the young generations scans them
         # inside a run (a one-off 0.2-0.7 ms in a 0.1 ms call).
         executor.ran = True
-        with _collector_paused():
+        with creation_paused():
             return self._execute(executor, feeds, names, run_options)
 
     def _execute(self, executor: Executor, feeds: dict, names: tuple, run_options: RunOptions | None) -> list:
@@ -437,7 +421,7 @@ class InferenceSession:
         placed again from the path or bytes it was created from."""
         source = self._source
         self.close()
-        with _collector_paused():
+        with creation_paused():
             self._create(source, self._sess_options, providers, provider_options,
                          {"disabled_optimizers": self._disabled} if self._disabled else {})
 
@@ -739,7 +723,7 @@ def _all_feeds_check(types: dict[str, TypeInfo]):
               + f"    if {' or '.join(tests) or 'False'}:\n        return None\n"
               + f"    return {{{', '.join(items)}}}\n")
     exec(compile(source, "<feeds check>", "exec"), scope)  # noqa: S102 (generated from ints and scope names)
-    return scope["check"]
+    return scope.pop("check")  # (out of its own globals: no reference cycle to wait for a cyclic collection)
 
 
 def _check_feed(name: str, value, expected: TypeInfo):

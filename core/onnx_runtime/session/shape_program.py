@@ -116,7 +116,7 @@ class Program:
             exec(compile("\n".join(lines) + "\n", "<shape_program.Program>", "exec"), scope)  # noqa: S102
         except (SyntaxError, RecursionError, MemoryError):  # (the compiler's limits): the loop serves
             return None
-        return scope["instantiate"]
+        return scope.pop("instantiate")  # (out of its own globals: no reference cycle)
 
     def instantiate(self, env: list, point) -> bool:
         """Set the needed slots of ``env`` for the symbols' values (``point``: 1, s_0, s_1, ... as a list of ints or
@@ -353,7 +353,7 @@ def _compiled_test(dims: tuple):
               f"    return [{', '.join(values[symbol] for symbol in range(len(values)))}]\n")
     scope: dict = {}
     exec(compile(source, "<shape_program.Template>", "exec"), scope)  # noqa: S102 (ints and names only)
-    return scope["test"]
+    return scope.pop("test")  # (out of its own globals: no reference cycle)
 
 
 def _getter(indices: list[int]):

@@ -92,7 +92,7 @@ class Specializer:
 
     def __init__(self, graph: Graph, inputs: list[str], proto: onnx.ModelProto | SerializedModel,
                  handles: list[ProviderHandle],
-                 prepare: Callable[[Graph], Executor], folded: dict[str, np.ndarray] | None = None):
+                 prepare: Callable[[Graph], Executor] | None, folded: dict[str, np.ndarray] | None = None):
         # The session's optimized graph, before placement: kept as it is by ``snapshot`` (a copy), at the first
         # signature resolved here or before the session places that graph, whichever comes first (a session
         # whose specialized plans all come from the plan cache never copies it).
@@ -111,6 +111,12 @@ class Specializer:
         self._last: tuple = ((), None)
         self._lock = threading.Lock()
         self._failed = False
+
+    def prepare(self, graph: Graph) -> Executor:
+        """The planned executor of ``graph``, a specialized copy of the session's (``prepare`` as given; a subclass
+        that overrides this passes None: a bound method of its own, held, would be a reference cycle)."""
+        assert self._prepare is not None  # (a subclass that passes None overrides this)
+        return self._prepare(graph)
 
     # What inference over the model needs, made at the first signature resolved here (a cached plan may need none).
     @functools.cached_property
@@ -251,7 +257,7 @@ class Specializer:
             graph = clone_graph(self.snapshot())
             if not self._resolve(graph, dims):
                 return None
-            return self._prepare(graph)
+            return self.prepare(graph)
         except MemoryBudgetError:  # its activations do not fit the host budget (memory/activations.py): not run
             raise
         except Exception as exc:  # specialization is an optimization: the generic plan still runs

@@ -31,7 +31,8 @@ class StepCode:
         text = f"def _bind({cells}):\n" + "".join(f"    {line}\n" for line in source) + "    return run\n"
         namespace: dict[str, Any] = {}
         exec(compile(text, "<planned steps>", "exec"), namespace)  # noqa: S102 (code made from slot numbers only)
-        self.run = namespace["_bind"](*(step.run for step in steps))
+        # (popped: a function in its own globals is a reference cycle, freed only by a cyclic collection)
+        self.run = namespace.pop("_bind")(*(step.run for step in steps))
         self._code = self.run.__code__
         BUILT[0] += 1
 

@@ -268,7 +268,7 @@ def numpy_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepa
     return compute, True
 
 
-def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared):
+def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared) -> ConvPath:
     """``path(x, w, b, finish) -> y`` for inputs shaped like ``x`` and ``w``: the convolution algorithm
     for this geometry, chosen once per input signature. ``finish`` (an _Epilogue for float32/float64,
     or None) is a FusedConv's bias, residual and activation: the im2col, tight-row and taps paths
@@ -277,73 +277,81 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
     A compiled convolution's modules import numba, which a new process loads in the background while
     numpy serves its first runs (compiled/deferred.py): while that loader has not finished, the path takes
     numpy_compute's algorithm, and switches to the compiled one at its first call after."""
-    dtype = compute_dtype(x.dtype)
-    n, m = x.shape[0], w.shape[0]
-    out_shape = (n, m, *geo.out)
-    build = compiled_compute(geo, group, x, w, prepared, dtype)
-    pending = None  # the compiled convolution's builder, while numpy serves
-    kinds = getattr(build, "kinds", ())
-    # (guarding: until a call of the compiled one has run, numba's cache may miss a loop it calls: tried first)
-    if build is not None and (deferred.numpy_first(*kinds) or deferred.guarding()):
-        chosen, pending = numpy_compute(geo, group, x, w, prepared, dtype, interim=True), build
-    else:
-        chosen = build() if build is not None else numpy_compute(geo, group, x, w, prepared, dtype)
+    return ConvPath(geo, group, x, w, prepared)
 
-    # (compute, blocks, reads_shuffled), read once per call: runs from several threads see one whole choice
-    current: list[tuple] = [(None, False, False)]
 
-    def take(choice) -> None:
+class ConvPath:
+    """conv_path's callable: an object, not closures calling each other, so that a dropped session's
+    convolutions are freed as their last reference goes rather than at the next cyclic collection.
+
+    ``direct``: the packed convolution, direct tiles or depthwise lanes chosen, for callers that pass bias,
+    residual and activation straight (a call costs a few microseconds of Python less than through the path),
+    else None; ``direct_tried``: whether one such call ran (ops/conv.py; their arguments are the caller's,
+    not the tried call's); ``binds_residual``: whether ``bind`` applies a finish's residual too."""
+
+    def __init__(self, geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared: Prepared):
+        self._geo, self._group, self._prepared = geo, group, prepared
+        self._dtype = dtype = compute_dtype(x.dtype)
+        self._out_shape = (x.shape[0], w.shape[0], *geo.out)
+        build = compiled_compute(geo, group, x, w, prepared, dtype)
+        self._pending = None  # the compiled convolution's builder, while numpy serves
+        self._kinds = getattr(build, "kinds", ())
+        # (guarding: until a call of the compiled one has run, numba's cache may miss a loop it calls: tried first)
+        if build is not None and (deferred.numpy_first(*self._kinds) or deferred.guarding()):
+            chosen, self._pending = numpy_compute(geo, group, x, w, prepared, dtype, interim=True), build
+        else:
+            chosen = build() if build is not None else numpy_compute(geo, group, x, w, prepared, dtype)
+        # (compute, blocks, reads_shuffled), read once per call: runs from several threads see one whole choice
+        self._current: tuple = (None, False, False)
+        self._served: tuple | None = None  # numpy's algorithm, made at the first direct call that missed the cache
+        self._take(chosen)
+
+    def _take(self, choice) -> None:
         compute, blocks = choice
-        current[0] = (compute, blocks, getattr(compute, "reads_shuffled", False))
-        # The packed convolution, direct tiles and depthwise lanes, for callers that pass bias, residual and
-        # activation straight (a call costs a few microseconds of Python less than through ``path``). Their
-        # arguments are the caller's, not the tried call's: tried again until one such call ran (ops/conv.py).
-        path.direct = compute if tiles(compute) or lanes_depthwise(compute) else None
-        path.direct_tried = False
-        # whether its ``bind`` applies a finish's residual too (the others' binds are not given one)
-        path.binds_residual = getattr(compute, "binds_residual", False)
+        self._current = (compute, blocks, getattr(compute, "reads_shuffled", False))
+        self.direct = compute if tiles(compute) or lanes_depthwise(compute) else None
+        self.direct_tried = False
+        self.binds_residual = getattr(compute, "binds_residual", False)
 
-    def path(x, w, b, finish, out=None, shuffle=None):
+    def __call__(self, x, w, b, finish, out=None, shuffle=None):
         """The convolution; with ``out`` (the output's shape and dtype), written there (in place by the
         packed convolution when ``out`` is C-contiguous: one image's channels of a larger tensor); with
         ``shuffle`` (a _ChannelShuffle), of x's channels shuffled."""
-        nonlocal pending
-        builder = pending
-        if builder is not None and not deferred.numpy_first(*kinds):
+        builder = self._pending
+        if builder is not None and not deferred.numpy_first(*self._kinds):
             # Tried: a loop it calls that numba's cache misses is compiled by the loader's child meanwhile
             # (compiled/deferred.Trial), and numpy serves this call. (Two threads may both build it: the same
             # algorithm, the last one kept.)
-            served = current[0]
+            served = self._current
             try:
                 with deferred.Trial():
-                    take(builder())
-                    y = run(x, w, b, finish, out, shuffle)
+                    self._take(builder())
+                    y = self._run(x, w, b, finish, out, shuffle)
             except deferred.WouldCompile:
-                current[0], path.direct = served, None
+                self._current, self.direct = served, None
             else:
-                pending = None
+                self._pending = None
                 return y
-        return run(x, w, b, finish, out, shuffle)
+        return self._run(x, w, b, finish, out, shuffle)
 
-    served: list = []  # numpy's algorithm, made at the first direct call whose loop missed the cache
-
-    def by_numpy(x, w, b, finish, out=None, shuffle=None):
-        """``path`` by numpy's algorithm: for a call whose direct loop missed numba's cache inside a Trial (the
+    def numpy(self, x, w, b, finish, out=None, shuffle=None):
+        """The path by numpy's algorithm: for a call whose direct loop missed numba's cache inside a Trial (the
         loader's child compiles it meanwhile), which must not compile on this thread."""
-        if not served:
-            compute, blocks = numpy_compute(geo, group, x, w, prepared, dtype, interim=True)
-            served.append((compute, blocks, getattr(compute, "reads_shuffled", False)))
-        return run(x, w, b, finish, out, shuffle, served[0])
+        if self._served is None:
+            compute, blocks = numpy_compute(self._geo, self._group, x, w, self._prepared, self._dtype, interim=True)
+            self._served = (compute, blocks, getattr(compute, "reads_shuffled", False))
+        return self._run(x, w, b, finish, out, shuffle, self._served)
 
-    def run(x, w, b, finish, out, shuffle, choice=None):
-        compute, blocks, reads_shuffled = current[0] if choice is None else choice
+    def _run(self, x, w, b, finish, out, shuffle, choice=None):
+        compute, blocks, reads_shuffled = self._current if choice is None else choice
         if shuffle is not None and not reads_shuffled:
             x, shuffle = shuffle.apply(x), None
+        dtype = self._dtype
         xc = x.astype(dtype, copy=False)
         if out is not None and dtype == x.dtype and out.flags.c_contiguous and tiles(compute):
             return compute(xc, w, b, finish, out)
         if out is not None:
-            out[...] = run(x, w, b, finish, None, shuffle, choice)
+            out[...] = self._run(x, w, b, finish, None, shuffle, choice)
             return out
         if blocks:
             y = compute(xc, w, b, finish) if shuffle is None else compute(xc, w, b, finish, shuffle.source)
@@ -351,36 +359,31 @@ def conv_path(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, prepared:
             y = compute(xc, w, b)
             if finish is not None:
                 y = np.ascontiguousarray(y)  # finished in place, through a reshaped view
-                finish.rows(y.reshape(n, m, math.prod(geo.out)), 0, math.prod(geo.out))
-        return y.reshape(out_shape).astype(x.dtype, copy=False)
+                pixels = math.prod(self._geo.out)
+                finish.rows(y.reshape(self._out_shape[0], self._out_shape[1], pixels), 0, pixels)
+        return y.reshape(self._out_shape).astype(x.dtype, copy=False)
 
-    def settle() -> None:
+    def settle(self) -> None:
         """Where numpy served the calls so far (compiled/deferred.py, compiled/reference_run.py) and need not now:
         the compiled convolution, for a bound plan's calls; numpy's stays where a loop it needs misses the cache
         while the loader guards (its child compiles it; the plan is made again once it has)."""
-        nonlocal pending
-        builder = pending
-        if builder is None or deferred.numpy_first(*kinds):
+        builder = self._pending
+        if builder is None or deferred.numpy_first(*self._kinds):
             return
         try:
             with deferred.Trial():
-                take(builder())
+                self._take(builder())
         except deferred.WouldCompile:
             return
-        pending = None
+        self._pending = None
 
-    def bind(x, w, b, finish, y):
+    def bind(self, x, w, b, finish, y):
         """The current algorithm's call into the C-contiguous ``y`` prepared once, as ``[(function, arguments)]``
         (a segment's bound plan, ops/segment.py), where it can be (its ``bind``); else None."""
-        compute = current[0][0]
+        compute = self._current[0]
         prepare = getattr(compute, "bind", None)
-        if prepare is None or pending is not None or x.dtype != dtype or y.dtype != dtype or y.shape != out_shape:
+        dtype = self._dtype
+        if prepare is None or self._pending is not None or x.dtype != dtype or y.dtype != dtype \
+                or y.shape != self._out_shape:
             return None
         return prepare(x, w, b, finish, y)
-
-    path.bind = bind
-    path.settle = settle
-    path.numpy = by_numpy
-    take(chosen)
-    return path
-

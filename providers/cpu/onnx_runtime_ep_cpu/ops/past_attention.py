@@ -65,7 +65,15 @@ class _PastAttention:
             past_key, past_value = tuple(past_key), tuple(past_value)
             if has_mask == (mask is not None) and past_key[:2] + past_key[3:] == self._k[:2] + self._k[3:] \
                     and past_value[:2] + past_value[3:] == self._v[:2] + self._v[3:]:
-                self.call_if_fits = self._call_if_fits
+                self._fits = True
+
+    _fits = False  # (whether call_if_fits applies: see __init__)
+
+    @property
+    def call_if_fits(self):
+        """ShapeKeyedKernel's checked call where this kernel has one, else None (a property, not the bound method
+        kept: that would be a reference cycle, kept until a cyclic collection after its session is dropped)."""
+        return self._call_if_fits if self._fits else None
 
     def __call__(self, q, k, v, mask, past_key, past_value):
         y = self._over_window(q, k, v, mask, past_key, past_value)
