@@ -12,6 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx_runtime import session as session_module
 from onnx_runtime_ep_cpu.algorithms import segment_steps
+from onnx_runtime_ep_cpu.ops.segment import Segment
 from reference64 import run_float64
 from test_batch_readonly_feeds import watch_segments
 
@@ -207,3 +208,97 @@ def test_elementwise_ranges_cover_every_value_once():
         _, (parts,) = _split(jobs.SIGMOID, (x, y), 2)
         cuts = parts[0][7]
         assert cuts[0] == 0 and cuts[-1] == size and (np.diff(cuts) >= 0).all() and (cuts[:-1] % 16 == 0).all()
+
+
+def _fire(c: int = 64, squeezed: int = 16, size: int = 56):
+    """A SqueezeNet fire module on a large map: a 3x3/2 max pool, the squeeze (an ungrouped 1x1 convolution to 16
+    channels with its bias and Relu: one 16-channel tile, so only its rows can split), the two expansions (1x1 and
+    3x3, each with its Relu) and their concatenation."""
+    rng = np.random.default_rng(c)
+    half = c // 2
+    inits = [numpy_helper.from_array((rng.standard_normal((squeezed, c, 1, 1)) * 0.2).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.standard_normal(squeezed).astype(np.float32), "b1"),
+             numpy_helper.from_array((rng.standard_normal((half, squeezed, 1, 1)) * 0.3).astype(np.float32), "w2"),
+             numpy_helper.from_array((rng.standard_normal((half, squeezed, 3, 3)) * 0.1).astype(np.float32), "w3")]
+    nodes = [helper.make_node("MaxPool", ["x"], ["p"], kernel_shape=[3, 3], strides=[2, 2]),
+             helper.make_node("Conv", ["p", "w1", "b1"], ["c1"]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"]),
+             helper.make_node("Relu", ["c2"], ["r2"]),
+             helper.make_node("Conv", ["r1", "w3"], ["c3"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c3"], ["r3"]),
+             helper.make_node("Concat", ["r2", "r3"], ["y"], axis=1)]
+    graph = helper.make_graph(nodes, "fire", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                            [1, c, 2 * size + 1, 2 * size + 1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("late_helper", [False, True])
+def test_an_ungrouped_pointwise_convolution_shares_its_rows(monkeypatch, knobs, late_helper):
+    """A plan's ungrouped convolution that reads its input in place (a pointwise one here) shares its row chunks
+    with the helpers as claimed tasks (conv_direct.DirectConv's row tasks, jobs.DIRECT_ROWS); a helper that never
+    runs leaves its tasks to the caller. The values equal a one-thread session's bit for bit over several runs,
+    and stay within a float64 reference."""
+    from onnx_runtime_ep_cpu.algorithms import conv_direct
+    from onnx_runtime_ep_cpu.compiled import jobs
+
+    model = _fire()
+    x = np.random.default_rng(5).standard_normal((1, 64, 113, 113)).astype(np.float32)
+    (want,) = _session(model, 1).run(None, {"x": x})
+    knobs(split_macs=1, split_elements=1)
+    made, _ = watch_segments(monkeypatch)
+    calls = []
+    if late_helper:
+        def alone(parts):  # the caller's part first, which claims every task; the helper's finds none left
+            calls.append(len(parts))
+            parts[0][-2][:] = 0
+            for part in parts:
+                jobs.DIRECT_ROWS.here(part)
+
+        monkeypatch.setattr(conv_direct, "_claimed_rows", alone)
+    two = _session(model, 2)
+    for _ in range(4):
+        (got,) = two.run(None, {"x": x})
+        np.testing.assert_array_equal(got, want)
+    (exact,) = run_float64(model, {"x": x})
+    assert np.abs(got - exact).max() <= 1e-5 * (1 + np.abs(exact).max())
+    plans = [plan for segment in made for plans in segment.plans.values() for plan in (plans or ())]
+    names = [name for plan in plans for name in _step_names(plan)]
+    assert ("alone" if late_helper else "_claimed_rows") in names, names
+    assert not late_helper or (calls and all(count == 2 for count in calls))
+
+
+def test_a_concat_parts_unset_channels_do_not_fail_the_plans_check(monkeypatch):
+    """A segment whose result is a Concat's first part (the fire module's squeeze and 1x1 expansion; the 3x3
+    expansion, outside it, writes the rest) holds only that part's channels: the rest holds whatever its buffer
+    held (freed memory reused: any bits, NaN included). The plan's check compares the channels it holds, so such a
+    segment is planned; a difference in those still fails it."""
+    watch_segments(monkeypatch)
+    seen = []
+    real = Segment._plan_and_run  # noqa: SLF001  (watch_segments' own wrapper)
+
+    def plan_and_run(self, key, inputs):
+        seen.append((self, list(inputs)))
+        return real(self, key, inputs)
+
+    monkeypatch.setattr(Segment, "_plan_and_run", plan_and_run)
+    x = np.random.default_rng(6).standard_normal((1, 64, 113, 113)).astype(np.float32)
+    session = _session(_fire(), 1)
+    for _ in range(3):
+        session.run(None, {"x": x})
+    found = [(segment, inputs) for segment, inputs in seen
+             if any("concat_part" in name for name in segment.output_names)]
+    if not found:
+        pytest.skip("this host's passes keep the fire module's expansions in one segment")
+    segment, inputs = found[0]
+    assert all(plans for plans in segment.plans.values()), "the segment was left to its nodes"
+    part = next(i for i, name in enumerate(segment.output_names) if "concat_part" in name)
+    env, outputs = segment._node_by_node(inputs, keep_all=True)  # noqa: SLF001
+    planned = [np.array(value) for value in outputs]
+    assert planned[part].shape[1] == 64  # (the whole Concat's buffer: 32 channels set here)
+    outputs[part][:, 32:] = np.nan  # its unset channels: anything
+    planned[part][:, 32:] = 1e30
+    assert segment._agree(env, planned, outputs)  # noqa: SLF001
+    planned[part][0, 31, 0, 0] += 1.0
+    assert not segment._agree(env, planned, outputs)  # noqa: SLF001

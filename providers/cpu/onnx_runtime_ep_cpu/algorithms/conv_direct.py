@@ -82,7 +82,28 @@ class DirectConv:
         parts = self._group_tasks(arguments)
         if parts is not None:
             return [(_claimed_groups, (parts,))]
+        parts = self._row_tasks(arguments)
+        if parts is not None:
+            return [(_claimed_rows, (parts,))]
         return [(kernel.conv_direct, arguments)]
+
+    def _row_tasks(self, arguments) -> list | None:
+        """One image's row chunks as claimed tasks, one part per thread (the kernel's threads, KNOBS.split_macs of
+        multiply-adds a thread at least), each part jobs.DIRECT_ROWS' arguments: a plan's ungrouped convolution that
+        reads its input in place (a pointwise one, or one without pads; SqueezeNet's squeeze convolutions) shares
+        its outputs' rows with the helpers, a late helper's tasks taken by the others. None where one thread runs
+        it (a padded input's copy would be made by each task)."""
+        x, weights, offsets, bias, residual, bounds, flags, y = arguments[:8]
+        if weights.shape[0] != 1 or x.shape[0] != 1 or not self._in_place:
+            return None
+        units = y.shape[2] * -(-y.shape[3] // self._kernel.PIXELS)
+        threads = min(units, kernel_threads(), 1 + helper_count(), y.size * offsets.size // KNOBS.split_macs)
+        if threads < 2:
+            return None
+        cuts, ranges, claims = claimed_tasks(units, min(units, ROW_TASKS_PER_THREAD * threads), threads)
+        sh, sw = self._geometry[:2]
+        return [(x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, cuts, ranges, claims, part)
+                for part in range(threads)]
 
     def _group_tasks(self, arguments) -> list | None:
         """One image's groups as claimed tasks, one part per thread (the kernel's threads, KNOBS.split_macs of
@@ -170,3 +191,14 @@ def _claimed_groups(parts) -> None:
     from ..compiled import jobs
 
     run_claimed(jobs.DIRECT, parts)
+
+
+# Tasks per thread a plan's ungrouped convolution is cut into (whole row chunks each), as GROUP_TASKS_PER_THREAD.
+ROW_TASKS_PER_THREAD = 4
+
+
+def _claimed_rows(parts) -> None:
+    """A bound plan's step: jobs.DIRECT_ROWS' parts of one image's row chunks, their claims zeroed first."""
+    from ..compiled import jobs
+
+    run_claimed(jobs.DIRECT_ROWS, parts)

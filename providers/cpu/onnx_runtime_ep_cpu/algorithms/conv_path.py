@@ -150,7 +150,8 @@ def compiled_compute(geo: Geometry, group: int, x: np.ndarray, w: np.ndarray, pr
         return _running(lambda: (_packed(geo, group, x.shape, w.shape, prepared), True), "jobs.CONV", "jobs.PAD")
     if direct:
         build = lambda: (_direct_tiles(geo, group, x.shape, w.shape, prepared), True)  # noqa: E731
-        return _running(build, "jobs.DIRECT") if group > 1 else build  # (a plan's groups split: DirectConv.bind)
+        # (a plan's groups, or an ungrouped one's rows, split: DirectConv.bind)
+        return _running(build, "jobs.DIRECT" if group > 1 else "jobs.DIRECT_ROWS")
     if group == c and group > 1:
         return _compiled_depthwise(geo, x, m, prepared, dtype)
     return None

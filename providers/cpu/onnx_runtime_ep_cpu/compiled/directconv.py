@@ -301,14 +301,10 @@ def conv_direct(x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, t
     ``in_place``: the windows read x itself (no pads, the padded shape x's, OW >= 6, x C-contiguous); else a
     padded copy with a margin for the pixels that a row's last tile computes past its end. A row's last
     tile is shifted back to end at the row's end where the row has PIXELS pixels (recomputing some before it)."""
-    groups, tiles, depth = weights.shape[0], weights.shape[1], weights.shape[2]
-    channels = x.shape[1] // groups
-    outputs = y.shape[1] // groups
-    oh, ow = y.shape[2], y.shape[3]
+    groups, channels = weights.shape[0], x.shape[1] // weights.shape[0]
     plane = padded_height * padded_width
     source = np.zeros(0 if in_place else channels * plane + PIXELS * sw, dtype=np.float32)
-    flat_y = y.reshape(-1)
-    pixels = min(PIXELS, ow)
+    units = y.shape[2] * -(-y.shape[3] // PIXELS)
     for n in range(x.shape[0]):
         for g in range(groups):
             if in_place:
@@ -316,14 +312,32 @@ def conv_direct(x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, t
             else:
                 _fill(x, n, g * channels, channels, source, top, left, padded_height, padded_width)
                 image = source
-            for t in range(tiles):
-                w = weights[g, t].reshape(-1)
-                first = g * outputs + t * CHANNELS
-                count = min(CHANNELS, outputs - t * CHANNELS)
-                tile_bias = bias[g, t * CHANNELS:]
-                for oy in range(oh):
-                    for ox in range(0, ow, PIXELS):
-                        ox = min(ox, ow - pixels)
-                        at = ((n * y.shape[1] + first) * oh + oy) * ow + ox
-                        conv_tile(w, image, oy * sh * padded_width + ox * sw, offsets, depth, sw, flat_y, at, oh * ow,
-                              pixels, count, tile_bias, residual, flags, bounds)
+            conv_direct_span(image, weights, offsets, bias, residual, bounds, flags, y, n, g, sh, sw, padded_width,
+                             0, units)
+
+
+@jit
+def conv_direct_span(image, weights, offsets, bias, residual, bounds, flags, y, n, g, sh, sw, padded_width, first,
+                     end):
+    """conv_direct's outputs of image ``n`` and group ``g`` from the flat padded ``image`` (the group's input
+    planes, as conv_direct reads them), for the row chunks ``first`` .. ``end`` (chunk u: output row u // chunks,
+    its pixels from (u % chunks) * PIXELS, chunks = ceil(OW / PIXELS)), every channel tile: a range of one image's
+    outputs that other threads' ranges leave apart (jobs.DIRECT_ROWS; a row's shifted-back last chunk recomputes
+    pixels of the chunk before it, the same values)."""
+    tiles, depth = weights.shape[1], weights.shape[2]
+    outputs = y.shape[1] // weights.shape[0]
+    oh, ow = y.shape[2], y.shape[3]
+    chunks = -(-ow // PIXELS)
+    flat_y = y.reshape(-1)
+    pixels = min(PIXELS, ow)
+    for t in range(tiles):
+        w = weights[g, t].reshape(-1)
+        channel = g * outputs + t * CHANNELS
+        count = min(CHANNELS, outputs - t * CHANNELS)
+        tile_bias = bias[g, t * CHANNELS:]
+        for u in range(first, end):
+            oy = u // chunks
+            ox = min((u % chunks) * PIXELS, ow - pixels)
+            at = ((n * y.shape[1] + channel) * oh + oy) * ow + ox
+            conv_tile(w, image, oy * sh * padded_width + ox * sw, offsets, depth, sw, flat_y, at, oh * ow, pixels,
+                      count, tile_bias, residual, flags, bounds)

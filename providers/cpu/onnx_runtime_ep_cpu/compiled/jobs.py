@@ -282,6 +282,28 @@ DIRECT = Kind("direct", (
 
 
 @jit
+def _run_direct_rows(x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, cuts, ranges, claims, part):
+    image = x[0].reshape(-1)
+    cursor = np.zeros(1, dtype=np.int64)
+    while True:  # the part's own tasks, then those the other parts' threads have not claimed
+        i = claim_task(claims, ranges, part, cursor)
+        if i < 0:
+            break
+        directconv.conv_direct_span(image, weights, offsets, bias, residual, bounds, flags, y, 0, 0, sh, sw,
+                                    x.shape[3], cuts[i], cuts[i + 1])
+
+
+# directconv.conv_direct of one image and one group that reads x in place (no pads), its row chunks claimed as
+# tasks: task i is chunks cuts[i] .. cuts[i + 1] of every channel tile (directconv.conv_direct_span), part p's tasks
+# ranges[p] .. ranges[p + 1] claimed through claims[p] (zeros at each run's start).
+DIRECT_ROWS = Kind("direct_rows", (
+    floats("x", 4), floats("weights", 4), ints("offsets"), floats("bias", 2), floats("residual"),
+    floats("bounds", shape=(3,)), scalar("flags"), floats("y", 4), scalar("sh"), scalar("sw"), ints("cuts"),
+    ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"), scalar("part"),
+), _run_direct_rows, home=__name__)
+
+
+@jit
 def _run_pool(planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w):
     windows.pool_planes(planes, rows, kh, kw, sh, sw, dh, dw, ph, pw, is_max, lo_h, hi_h, lo_w, hi_w)
 
