@@ -45,6 +45,16 @@ def _session(model, threads):
     return session_module.InferenceSession(model.SerializeToString(), sess_options=options)
 
 
+def _matches_one_thread(model, x, want, runs: int) -> None:
+    """``runs`` runs of a two-thread session: each the one-thread ``want`` bit for bit, within a float64 reference."""
+    two = _session(model, 2)
+    for _ in range(runs):
+        (got,) = two.run(None, {"x": x})
+        np.testing.assert_array_equal(got, want)
+    (exact,) = run_float64(model, {"x": x})
+    assert np.abs(got - exact).max() <= 1e-5 * (1 + np.abs(exact).max())
+
+
 def _step_names(plan) -> list[str]:
     from onnx_runtime_ep_cpu.compiled import jobs, workers
 
@@ -68,12 +78,7 @@ def test_a_plans_split_steps_compute_what_one_thread_does(monkeypatch, knobs, sp
         (want,) = one.run(None, {"x": x})
     if split:  # every split taken, whatever this host's thresholds
         knobs(split_macs=1, split_elements=1, split_depthwise_macs=1)
-    two = _session(model, 2)
-    for _ in range(3):
-        (got,) = two.run(None, {"x": x})
-    np.testing.assert_array_equal(got, want)
-    (exact,) = run_float64(model, {"x": x})
-    assert np.abs(got - exact).max() <= 1e-5 * (1 + np.abs(exact).max())
+    _matches_one_thread(model, x, want, runs=3)
     plans = [plan for segment in made[1:] for plans in segment.plans.values() for plan in (plans or ())]
     assert len(plans) == 1 and plans[0].describe()["kernels"] == 0, [p.describe() for p in plans]
     names = _step_names(plans[0])
@@ -257,12 +262,7 @@ def test_an_ungrouped_pointwise_convolution_shares_its_rows(monkeypatch, knobs, 
                 jobs.DIRECT_ROWS.here(part)
 
         monkeypatch.setattr(conv_direct, "_claimed_rows", alone)
-    two = _session(model, 2)
-    for _ in range(4):
-        (got,) = two.run(None, {"x": x})
-        np.testing.assert_array_equal(got, want)
-    (exact,) = run_float64(model, {"x": x})
-    assert np.abs(got - exact).max() <= 1e-5 * (1 + np.abs(exact).max())
+    _matches_one_thread(model, x, want, runs=4)
     plans = [plan for segment in made for plans in segment.plans.values() for plan in (plans or ())]
     names = [name for plan in plans for name in _step_names(plan)]
     assert ("alone" if late_helper else "_claimed_rows") in names, names
