@@ -40,10 +40,9 @@ def creation_paused():
 
 
 COLLECT_AFTER_BYTES = 1 << 20
-# (weight bytes, weak references to objects it held) of each session dropped since the last check whose objects
-# were still alive then
-# A deque, no lock: a session is dropped wherever its last reference goes, a collection inside held_dropped_bytes
-# included (its finalizer appending to what that function is walking).
+# (weight bytes, weak references to its witnesses) of each session dropped and not yet seen freed whole. A deque,
+# no lock: a session is dropped wherever its last reference goes, a collection inside held_dropped_bytes included
+# (its finalizer appending to what that function is walking).
 _dropped: deque[tuple[int, list]] = deque()
 WITNESS_ARRAYS = 4  # a session's largest weights among its witnesses
 
@@ -61,6 +60,7 @@ def witness(refs: list, *held) -> None:
 
 
 def largest_weights(graph) -> list:
+    """The graph's WITNESS_ARRAYS largest weights (numpy arrays), largest first."""
     arrays = [value for value in graph.initializers.values() if isinstance(value, np.ndarray)]
     return sorted(arrays, key=lambda value: value.nbytes, reverse=True)[:WITNESS_ARRAYS]
 
