@@ -68,13 +68,12 @@ class InferenceSession:
 
     def __init__(self, path_or_bytes, sess_options: SessionOptions | None = None, providers=None,
                  provider_options=None, **kwargs):
+        # (weak references only, held by the finalizer; each generic executor adds its own, _place_generic)
+        self._witnesses: list = []
         with creation_paused():
             self._create(path_or_bytes, sess_options, providers, provider_options, kwargs)
         weights = sum(getattr(value, "nbytes", 0) for value in self._model.graph.initializers.values())
-        self._witnesses: list = []  # (held by the finalizer: weak references only)
         witness(self._witnesses, self._specializer, *largest_weights(self._model.graph))
-        if self._generic is not None:
-            witness(self._witnesses, self._generic[1])
         weakref.finalize(self, session_dropped, weights, self._witnesses)
 
     def _create(self, path_or_bytes, sess_options, providers, provider_options, kwargs) -> None:
@@ -173,8 +172,7 @@ class InferenceSession:
         executor = Executor(self._model.graph, assignment, placement)
         executor.strict = self._strict
         self._generic = (placement, executor)
-        if hasattr(self, "_witnesses"):  # (made after creation)
-            witness(self._witnesses, executor)
+        witness(self._witnesses, executor)
         return assignment
 
     def _generic_plan(self) -> tuple[Placement, Executor]:
