@@ -264,3 +264,18 @@ def test_a_split_whose_helper_took_no_part_backs_off(monkeypatch):
                 assert np.abs(got[name] - value).max() <= 2e-5 * (1 + np.abs(value).max())
     # missed: 2 calls alone; again: 4; again: 4 (the most)
     assert splits == [0, 3, 8, 13]
+
+
+def test_a_convolution_that_would_split_alone_stays_in_the_chain(monkeypatch, knobs):
+    """A direct convolution binds as claimed tasks where it splits on its own (conv_direct.DirectConv's group tasks,
+    or row tasks where it reads its input in place); inside a blocked segment the chain takes it whole and shares
+    its rows itself, so the chain is not broken into pieces around it (every split taken here, whatever this
+    host's thresholds)."""
+    knobs(split_macs=1, threads=2)
+    model, segment, feeds, plan = _split_segment(monkeypatch)
+    names = [getattr(function, "__name__", "") for function, _ in plan.calls]
+    assert "_claimed_rows" not in names and "run_chain_threads" in names, names
+    tables = [arguments[0] for function, arguments in plan.calls if function.__name__ == "run_chain_threads"]
+    blocked = segment_chain._KINDS["conv_blocked"][0]  # noqa: SLF001
+    assert len(tables) == 1 and (tables[0][:, 0] == blocked).sum() >= 3, [len(table) for table in tables]
+    segment_matches_references(model, segment, feeds, (1, 3, 13, 13), np.random.default_rng(23), runs=3)

@@ -197,6 +197,19 @@ def _claimed_groups(parts) -> None:
 ROW_TASKS_PER_THREAD = 4
 
 
+def whole_call(function, arguments):
+    """conv_direct's arguments of a bound step that is a convolution split into claimed tasks (its groups,
+    _claimed_groups, or its rows, _claimed_rows), else None: a blocked segment's chain takes the convolution whole
+    (algorithms/segment_layout.py) and shares its rows itself."""
+    part = arguments[0][0] if function is _claimed_groups or function is _claimed_rows else None
+    if part is None:
+        return None
+    if function is _claimed_groups:  # (conv_direct's arguments, then the tasks')
+        return part[:15]
+    x, weights, offsets, bias, residual, bounds, flags, y, sh, sw = part[:10]  # (an in-place read: no pads)
+    return x, weights, offsets, bias, residual, bounds, flags, y, sh, sw, 0, 0, x.shape[2], x.shape[3], True
+
+
 def _claimed_rows(parts) -> None:
     """A bound plan's step: jobs.DIRECT_ROWS' parts of one image's row chunks, their claims zeroed first."""
     from ..compiled import jobs

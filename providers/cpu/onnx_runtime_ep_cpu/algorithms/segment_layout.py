@@ -35,13 +35,16 @@ def _direct_call(steps, span):
     and output channels are whole blocks of 16 (a RegNet's grouped 3x3: each group a call of its own, _grouped),
     else None."""
     from ..compiled import directconv
+    from .conv_direct import whole_call
 
     start, end = span
     if end - start != 1:
         return None
     function, arguments = steps[start]
     if function is not directconv.conv_direct:
-        return None
+        arguments = whole_call(function, arguments)  # (its groups or rows split outside a chain: taken whole here)
+        if arguments is None:
+            return None
     groups = arguments[1].shape[0]
     if groups > 1 and (arguments[0].shape[1] // groups % 16 or arguments[7].shape[1] // groups % 16):
         return None
