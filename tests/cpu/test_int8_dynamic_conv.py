@@ -112,6 +112,58 @@ def test_fused_conv_matches_reference_and_onnxruntime(geometry, bias, zero_per_c
             np.testing.assert_allclose(ours, oracle.run(None, {"x": x})[0], rtol=0, atol=2 * bound)
 
 
+def shared_model(branches: list[bytes], codes_read_elsewhere: bool = False) -> bytes:
+    """chain_model's branches on one DynamicQuantizeLinear (a residual block's convolution and its strided
+    shortcut, as quantize_dynamic writes them): each branch's nodes and constants renamed apart, outputs y0,
+    y1, ...; with ``codes_read_elsewhere`` the codes are a graph output too."""
+    from onnx import load_from_string
+
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "s", "z"])]
+    inits, outputs = [], []
+    shared = {"x", "q", "s", "z"}
+    for i, branch in enumerate(branches):
+        m = load_from_string(branch)
+        rename = {name: name if name in shared else f"{name}_{i}" for node in m.graph.node
+                  for name in list(node.input) + list(node.output)}
+        rename["y"] = f"y{i}"
+        for node in m.graph.node:
+            if node.op_type != "DynamicQuantizeLinear":
+                copy = helper.make_node(node.op_type, [rename[n] for n in node.input], [rename[n] for n in node.output])
+                copy.attribute.extend(node.attribute)
+                nodes.append(copy)
+        for t in m.graph.initializer:
+            inits.append(numpy_helper.from_array(numpy_helper.to_array(t), f"{t.name}_{i}"))
+        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None))
+    if codes_read_elsewhere:
+        outputs.append(helper.make_tensor_value_info("q", TensorProto.UINT8, None))
+    x_shape = [d.dim_value for d in load_from_string(branches[0]).graph.input[0].type.tensor_type.shape.dim]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              outputs, initializer=inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m.SerializeToString()
+
+
+@pytest.mark.parametrize("codes_read_elsewhere", [False, True])
+def test_convolutions_sharing_a_quantized_input_fuse_each(codes_read_elsewhere):
+    # a bottleneck's 1x1 convolution and its strided 1x1 shortcut, and a padded 3x3, on one quantized input
+    branches = [chain_model((1, 8, 10, 10), (6, 8, 1, 1), [1, 1], [0, 0, 0, 0], [1, 1]),
+                chain_model((1, 8, 10, 10), (12, 8, 1, 1), [2, 2], [0, 0, 0, 0], [1, 1], bias=False),
+                chain_model((1, 8, 10, 10), (5, 8, 3, 3), [1, 1], [1, 1, 1, 1], [1, 1], zero_per_channel=True)]
+    model = shared_model(branches, codes_read_elsewhere)
+    session = onnx_runtime.InferenceSession(model, providers=["cpu"])
+    if codes_read_elsewhere:  # the codes must still be made: nothing fuses
+        assert "DynamicQuantizeConv" not in ops(session) and ops(session).count("ConvInteger") == 3
+    else:
+        assert ops(session) == ["DynamicQuantizeConv"] * 3
+    x = (np.random.default_rng(5).standard_normal((1, 8, 10, 10)) * 2 + 0.5).astype(np.float32)
+    outputs = session.run(None, {"x": x})
+    for y, branch in zip(outputs, branches):
+        exact = reference(x, branch)
+        bound = 4 * np.finfo(np.float32).eps * (np.abs(exact).max() + 1)
+        np.testing.assert_allclose(y, exact, rtol=0, atol=bound)
+
+
 def test_all_zero_input_and_extreme_values():
     model = chain_model(*GEOMETRIES[1])
     session = onnx_runtime.InferenceSession(model, providers=["cpu"])

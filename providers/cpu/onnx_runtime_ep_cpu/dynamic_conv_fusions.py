@@ -5,7 +5,9 @@ point, W's zero point) -> Cast to float32 -> Mul by Mul(x's scale, W's scale), t
 ``fuse_dynamic_quantize_conv`` makes it one DynamicQuantizeConv of the float input, as qdq_fusions does for
 the MatMulInteger form. The match asks for a constant 3-D or 4-D weight, group 1, explicit pads, a constant
 float32 weight scale of one value, a constant zero point of one value or one per output channel, a constant
-bias of one value per output channel (or none), and no other reader of the values it removes.
+bias of one value per output channel (or none), and no other reader of the values it removes. A quantized
+input that several convolutions read (a residual block's first convolution and its strided shortcut) is
+quantized by each of their fused nodes: the same codes, the same scale and zero point, once per reader.
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ def _bias(view: GraphView, add: Node, output: str, channels: int, rank: int) -> 
     return name if shape[1] == channels else None
 
 
-def _chain(view: GraphView, conv: Node) -> tuple | None:
+def _chain(view: GraphView, conv: Node, readers: int = 1) -> tuple | None:
     """(quantize, cast, scale Mul, scales' Mul, W's scale name, output Add or None, bias name) around a
-    ConvInteger, or None."""
+    ConvInteger, or None; ``readers``: the convolutions that read the quantized input, each with a chain."""
     if len(conv.inputs) < 3 or not _weight_ok(view, conv):
         return None
     quantize = view.made_by(conv.inputs[0], "DynamicQuantizeLinear")
@@ -60,8 +62,8 @@ def _chain(view: GraphView, conv: Node) -> tuple | None:
         return None
     codes, x_scale, x_zero = quantize.outputs
     cast = view.only_consumer(conv.outputs[0], "Cast")
-    if cast is None or int(cast.attr("to", 0)) != 1 or not _private(view, codes, 1) \
-            or not _private(view, x_zero, 1) or not _private(view, x_scale, 1):
+    if cast is None or int(cast.attr("to", 0)) != 1 or not _private(view, codes, readers) \
+            or not _private(view, x_zero, readers) or not _private(view, x_scale, readers):
         return None
     scale_mul = view.only_consumer(cast.outputs[0], "Mul")
     if scale_mul is None or len(scale_mul.inputs) != 2:
@@ -81,36 +83,56 @@ def _chain(view: GraphView, conv: Node) -> tuple | None:
     return quantize, cast, scale_mul, product, w_scale, add if bias else None, bias
 
 
+def _chains(view: GraphView, conv: Node) -> list | None:
+    """(ConvInteger, its _chain) for every convolution that reads ``conv``'s quantized input, or None unless
+    each has a chain and its own scales' Mul."""
+    readers = view.consumers.get(conv.inputs[0], []) if conv.inputs else []
+    if not all(r.op_type == "ConvInteger" and not r.domain and r.inputs[0] == conv.inputs[0] for r in readers):
+        return None
+    chains = [(reader, _chain(view, reader, len(readers))) for reader in readers]
+    if any(chain is None for _, chain in chains) or len({id(chain[3]) for _, chain in chains}) != len(chains):
+        return None
+    return chains
+
+
+def _fused(graph: Graph, conv: Node, chain: tuple) -> tuple[Node, Node]:
+    """The DynamicQuantizeConv of one chain and the node it replaces in place (the chain's last)."""
+    quantize, cast, scale_mul, product, w_scale, add, bias = chain
+    w_zero = conv.inputs[3] if len(conv.inputs) > 3 else ""
+    inputs = [quantize.inputs[0], conv.inputs[1], w_scale, w_zero] + ([bias] if bias else [])
+    if bias:
+        value = graph.initializers[bias]
+        if value.ndim != 1:  # the kernel reads one value per channel
+            flat = f"{bias}/channels"
+            while flat in graph.initializers:
+                flat += "_"
+            graph.initializers[flat] = value.reshape(-1)
+            inputs[-1] = flat
+    attrs = {k: v for k, v in (conv.attrs or {}).items() if k in ("kernel_shape", "strides", "pads", "dilations")}
+    last = add if add is not None else scale_mul
+    return Node("DynamicQuantizeConv", inputs, list(last.outputs), name=f"{conv.name}/dynamic",
+                domain=FUSED_DOMAIN, attrs=attrs, opset=1), last
+
+
 def fuse_dynamic_quantize_conv(graph: Graph, owns=None) -> bool:
-    """One DynamicQuantizeConv for each dynamically quantized Conv (the module's docstring); one per call."""
+    """One DynamicQuantizeConv for each dynamically quantized Conv (the module's docstring), the convolutions
+    of one quantized input together; one input per call."""
     view = GraphView(graph)
     for conv in graph.nodes:
         if conv.op_type != "ConvInteger" or conv.domain:
             continue
-        chain = _chain(view, conv)
-        if chain is None:
+        chains = _chains(view, conv)
+        if chains is None:
             continue
-        quantize, cast, scale_mul, product, w_scale, add, bias = chain
-        removed = [quantize, product, conv, cast, scale_mul] + ([add] if add is not None else [])
+        removed = [chains[0][1][0]]  # the quantize, then each chain's nodes
+        for reader, (_, cast, scale_mul, product, _, add, _) in chains:
+            removed += [product, reader, cast, scale_mul] + ([add] if add is not None else [])
         if not owned(owns, removed):
             continue
-        w_zero = conv.inputs[3] if len(conv.inputs) > 3 else ""
-        inputs = [quantize.inputs[0], conv.inputs[1], w_scale, w_zero] + ([bias] if bias else [])
-        if bias:
-            value = graph.initializers[bias]
-            if value.ndim != 1:  # the kernel reads one value per channel
-                flat = f"{bias}/channels"
-                while flat in graph.initializers:
-                    flat += "_"
-                graph.initializers[flat] = value.reshape(-1)
-                inputs[-1] = flat
-        attrs = {k: v for k, v in (conv.attrs or {}).items() if k in ("kernel_shape", "strides", "pads", "dilations")}
-        last = removed[-1]
-        fused = Node("DynamicQuantizeConv", inputs, list(last.outputs), name=f"{conv.name}/dynamic",
-                     domain=FUSED_DOMAIN, attrs=attrs, opset=1)
+        # Each fused node where its chain's last node was: its inputs (the float input, constants) exist by then.
+        in_place = {id(last): fused for fused, last in (_fused(graph, reader, chain) for reader, chain in chains)}
         gone = {id(n) for n in removed}
-        # Where the last removed node was: its inputs (the float input and constants) exist by then.
-        graph.nodes = [fused if n is last else n for n in graph.nodes if id(n) not in gone or n is last]
+        graph.nodes = [in_place.get(id(n), n) for n in graph.nodes if id(n) not in gone or id(n) in in_place]
         return True
     return False
 
