@@ -164,6 +164,49 @@ def test_convolutions_sharing_a_quantized_input_fuse_each(codes_read_elsewhere):
         np.testing.assert_allclose(y, exact, rtol=0, atol=bound)
 
 
+@pytest.mark.parametrize("weight_type", [np.int8, np.uint8])
+@pytest.mark.parametrize("zero_per_channel", [False, True])
+def test_byte_products_and_pairs_give_the_same_bits(monkeypatch, weight_type, zero_per_channel):
+    # The compiled call on VNNI's byte products (QuadWeight: signed codes, the zero points' terms after the
+    # product) and on int16 pairs (WeightSide) make the same int32 sums: equal outputs, and both within one
+    # rounding of the float64 reference. uint8 weights shift to signed with their zero points.
+    from onnx_runtime_ep_cpu.compiled import deferred, qgemm_quads
+    from onnx_runtime_ep_cpu.ops import dynamic_quantize_conv as module
+
+    # the compiled call from the first run, not numpy's while numba loads
+    monkeypatch.setattr(deferred.state, "disabled", True)
+    monkeypatch.setattr(deferred.state, "deferring", False)
+    geometry = ((2, 3, 13, 11), (20, 3, 5, 5), [2, 1], [2, 1, 2, 3], [1, 1])  # odd depth: rows padded to quads
+    model = chain_model(*geometry, zero_per_channel=zero_per_channel)
+    if weight_type is np.uint8:  # the same taps as unsigned codes, the zero points with them
+        from onnx import load_from_string
+
+        m = load_from_string(model)
+        for t in m.graph.initializer:
+            if t.name in ("w", "wz"):
+                t.CopyFrom(numpy_helper.from_array((numpy_helper.to_array(t).astype(np.int16) + 128)
+                                                   .astype(np.uint8), t.name))
+        model = m.SerializeToString()
+    x = (np.random.default_rng(11).standard_normal(geometry[0]) * 1.5 - 0.3).astype(np.float32)
+    calls = []
+    real = module.compiled_call
+    monkeypatch.setattr(module, "compiled_call",
+                        lambda x, g, side: calls.append(type(side).__name__) or real(x, g, side))
+    outputs = {}
+    for quads in ([True] if qgemm_quads.AVAILABLE else []) + [False]:
+        monkeypatch.setattr(module, "quads_available", lambda quads=quads: quads)
+        session = onnx_runtime.InferenceSession(model, providers=["cpu"])
+        outputs[quads] = session.run(None, {"x": x})[0]
+        assert session.run(None, {"x": x})[0].tobytes() == outputs[quads].tobytes()
+        assert calls and calls[-1] == ("QuadWeight" if quads else "WeightSide")
+    exact = reference(x, model)
+    bound = 4 * np.finfo(np.float32).eps * (np.abs(exact).max() + 1)
+    for y in outputs.values():
+        np.testing.assert_allclose(y, exact, rtol=0, atol=bound)
+    if len(outputs) == 2:
+        np.testing.assert_array_equal(outputs[True], outputs[False])
+
+
 def test_all_zero_input_and_extreme_values():
     model = chain_model(*GEOMETRIES[1])
     session = onnx_runtime.InferenceSession(model, providers=["cpu"])

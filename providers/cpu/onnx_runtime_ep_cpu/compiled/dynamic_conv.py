@@ -60,7 +60,8 @@ def _padded_codes(x, scale, zero, top, bottom, left, right):
 @jit
 def _patch_rows(codes, channels, tall, wide, kh, kw, sh, sw, dh, dw, oh, ow, rows):
     """rows[(b*OH + r)*OW + q, (c*KH + i)*KW + j] = padded[b, c, r*sh + i*dh, q*sw + j*dw] from the flat padded
-    codes (N, C, tall, wide): one gather per element through a table of the taps' offsets."""
+    codes (N, C, tall, wide): one gather per element through a table of the taps' offsets; 0 in the columns past
+    C*KH*KW (rows padded to whole quads of bytes)."""
     depth = channels * kh * kw
     taps = np.empty(depth, np.uint64)
     for c in range(channels):
@@ -75,6 +76,8 @@ def _patch_rows(codes, channels, tall, wide, kh, kw, sh, sw, dh, dw, oh, ow, row
         line = rows[p]
         for k in range(depth):
             line[k] = codes[base + taps[k]]
+        for k in range(depth, rows.shape[1]):
+            line[k] = 0
 
 
 @jit
@@ -93,6 +96,60 @@ def dynamic_conv(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, pa
     y = np.empty((batch * spots, out.shape[1]), np.float32)
     scaled_product(rows, np.int32(zero), packed, pairs, np.float64(scale), b_scales, bias, y)
     _images_by_channel(y, out)
+
+
+@jit
+def dynamic_conv_quads(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, quads, column_sums, weight_zeros,
+                       b_scales, bias, out):
+    """dynamic_conv on AVX-512 VNNI's byte products (compiled/qgemm_quads): the patch rows of x's codes (unsigned
+    already: DynamicQuantizeLinear's) padded with zeros to whole quads, by the weight's signed codes in quads
+    (k = (c*KH + i)*KW + j, ``quads`` (K4, M rounded up to 16, 4) int8); the zero points' terms added after the
+    product, per output channel m: zu * (K * zs[m] - column_sums[m]) and, where zs[m] (``weight_zeros``, the
+    signed weight's zero points, (M,) int64) is not 0, -zs[m] times the patch row's sum of codes. The same int32
+    sums and float64 rescaling as dynamic_conv, straight into out (N, M, OH * OW)."""
+    scale, zero = dynamic_parameters(x.reshape(-1))
+    codes = _padded_codes(x, scale, zero, top, bottom, left, right)
+    batch, channels = x.shape[0], x.shape[1]
+    spots = oh * ow
+    wide = 4 * quads.shape[0]
+    rows = np.empty((batch * spots, wide), np.uint8)
+    _patch_rows(codes, channels, x.shape[2] + top + bottom, x.shape[3] + left + right, kh, kw, sh, sw, dh, dw, oh,
+                ow, rows)
+    acc = np.empty((batch * spots, out.shape[1]), np.int32)
+    strided_quads(rows.reshape(-1), 0, wide, batch * spots, quads, acc)
+    _finish_dynamic(acc, rows, channels * kh * kw, np.int64(zero), column_sums, weight_zeros, np.float64(scale),
+                    b_scales, bias, out)
+
+
+@jit
+def _finish_dynamic(acc, rows, depth, zero, column_sums, weight_zeros, a_scale, b_scales, bias, out):
+    """out[b, m, p] = float32(total * (a_scale * b_scales[m or 0])) (+ bias[m] in float32) with total the int32
+    acc[b * spots + p, m] + zero * (depth * zs[m] - column_sums[m]) - zs[m] * sum(rows[b * spots + p]), wrapped
+    as an int32 accumulator wraps: _rescaled_product's arithmetic of the centred sums."""
+    columns, spots = out.shape[1], out.shape[2]
+    one, with_bias = b_scales.shape[0] == 1, bias.shape[0] > 0
+    factors = np.empty(columns)
+    fix = np.empty(columns, np.int64)
+    shifted = False
+    for m in range(columns):
+        factors[m] = a_scale * b_scales[0 if one else m]
+        fix[m] = zero * (depth * weight_zeros[m] - column_sums[m])
+        shifted = shifted or weight_zeros[m] != 0
+    sums = np.zeros(acc.shape[0], np.int64)
+    if shifted:
+        for r in range(acc.shape[0]):
+            total = np.int64(0)
+            line = rows[r]
+            for k in range(line.shape[0]):
+                total += line[k]
+            sums[r] = total
+    for b in range(out.shape[0]):
+        for m in range(columns):
+            target, f, c, zs = out[b, m], factors[m], fix[m], weight_zeros[m]
+            for p in range(spots):
+                r = b * spots + p
+                y = np.float32(np.float64(np.int32(np.int64(acc[r, m]) + c - zs * sums[r])) * f)
+                target[p] = y + bias[m] if with_bias else y
 
 
 @jit

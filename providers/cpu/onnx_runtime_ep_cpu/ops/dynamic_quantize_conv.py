@@ -26,6 +26,7 @@ from .contrib_integer_matmul import WeightSide
 from .quantization import integer_conv
 
 _F32 = np.dtype(np.float32)
+_NO_BIAS = np.zeros(0, _F32)
 
 
 @register("DynamicQuantizeConv", domain=FUSED_DOMAIN, since=1)
@@ -58,9 +59,10 @@ def _convolution(node, shapes, opset):
                 and (bias is None or bias.size == w.shape[0]):
             # The weight's rows (output channels) as B's columns: taps (c, i, j) in ConvInteger's order.
             b = w.reshape(w.shape[0], -1).T
-            side = WeightSide.of(product, np.empty((1, b.shape[0]), _F32), b, w_scale.reshape(()),
-                                 None if w_zero_point is None else w_zero_point.reshape(-1),
-                                 None if bias is None else bias.reshape(-1))
+            zero = None if w_zero_point is None else w_zero_point.reshape(-1)
+            flat_bias = None if bias is None else bias.reshape(-1)
+            side = QuadWeight.of(b, w_scale, zero, flat_bias) if quads_available() else \
+                WeightSide.of(product, np.empty((1, b.shape[0]), _F32), b, w_scale.reshape(()), zero, flat_bias)
         if all(v is None or not v.flags.writeable for v in (w, w_scale, w_zero_point, bias)):
             last[:] = [w, w_scale, w_zero_point, bias, side]
         return side
@@ -82,23 +84,63 @@ def _convolution(node, shapes, opset):
         if geometry is None:
             _check(node, x, w, w_scale, bias)
             return (_unfused(exact, x, w, w_scale, w_zero_point, bias),)
-        return (_compiled_call(x, geometry, side),)
+        return (compiled_call(x, geometry, side),)
 
     return kernel
+
+
+class QuadWeight:
+    """compiled/dynamic_conv.dynamic_conv_quads' side of a constant weight (hosts with AVX-512 VNNI): its codes
+    as signed bytes (uint8 codes less 128, their zero points with them) in quads of k, the sum of each output
+    channel's codes, the signed zero points (M,) int64, the scale as float64 (1,), the float32 bias or an empty
+    one."""
+
+    __slots__ = ("quads", "column_sums", "zeros", "scales", "bias")
+
+    @classmethod
+    def of(cls, b: np.ndarray, w_scale: np.ndarray, zero: np.ndarray | None, bias: np.ndarray | None):
+        """None where the compiled call does not apply (WeightSide's conditions); ``b`` the weight as (K, M)."""
+        from ..compiled import qgemm_quads
+
+        columns = b.shape[1]
+        if w_scale.dtype != _F32 or (zero is not None and (zero.dtype != b.dtype or zero.size not in (1, columns))) \
+                or (bias is not None and (bias.dtype != _F32 or bias.size != columns)):
+            return None
+        shift = 128 if b.dtype == np.uint8 else 0
+        signed = b.astype(np.int16) - shift
+        side = cls()
+        side.quads = qgemm_quads.quads_of(signed.astype(np.int8))
+        side.column_sums = signed.sum(axis=0, dtype=np.int64)
+        side.zeros = np.broadcast_to((np.int64(0) if zero is None else zero.astype(np.int64)) - shift,
+                                     (columns,)).copy()
+        side.scales = w_scale.reshape(-1).astype(np.float64)
+        side.bias = _NO_BIAS if bias is None else bias
+        return side
+
+
+def quads_available() -> bool:
+    from ..compiled import qgemm_quads  # (imports neither numba nor llvmlite)
+
+    return qgemm_quads.AVAILABLE
 
 
 _COMPILED: list = []  # compiled/dynamic_conv, imported at the first call numba serves (it imports numba)
 
 
-def _compiled_call(x, geometry, side) -> np.ndarray:
+def compiled_call(x, geometry, side) -> np.ndarray:
+    """The compiled convolution of float32 ``x`` by a kept weight side (QuadWeight or WeightSide)."""
     if not _COMPILED:
         from ..compiled import dynamic_conv
 
         _COMPILED.append(dynamic_conv)
     shape4, steps, out_shape, (oh, ow) = geometry
     out = np.empty(out_shape, _F32)
-    _COMPILED[0].dynamic_conv(np.ascontiguousarray(x).reshape(shape4), *steps, oh, ow, side.packed, side.pairs,
-                              side.scales, side.bias, out.reshape(out_shape[0], out_shape[1], oh * ow))
+    x4, out3 = np.ascontiguousarray(x).reshape(shape4), out.reshape(out_shape[0], out_shape[1], oh * ow)
+    if isinstance(side, QuadWeight):
+        _COMPILED[0].dynamic_conv_quads(x4, *steps, oh, ow, side.quads, side.column_sums, side.zeros, side.scales,
+                                        side.bias, out3)
+    else:
+        _COMPILED[0].dynamic_conv(x4, *steps, oh, ow, side.packed, side.pairs, side.scales, side.bias, out3)
     return out
 
 
