@@ -30,9 +30,10 @@ _F32 = np.dtype(np.float32)
 _EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
 _NO_ADDENDS = [np.zeros((1, 1, 1, 1), np.float32)] * 2
 _NO_TABLES = np.zeros((1, 256), np.float32)
-# The most scores per head (query rows x keys) the compiled call takes: its scalar float64 products lose to the
-# chain's integer tiles on an encoder's attention (whisper's); decode steps and short prefills stay under it.
-MOST_SCORES = 1024
+# The most scores per head (query rows x keys) the compiled call takes: one thread runs every head, where the
+# chain's products split across threads; decode steps, short prefills and small encoders (whisper's 50 x 50)
+# stay under it.
+MOST_SCORES = 4096
 
 
 class _Roles:
