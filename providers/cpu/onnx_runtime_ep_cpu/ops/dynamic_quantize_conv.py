@@ -119,6 +119,7 @@ class QuadWeight:
 
 
 def quads_available() -> bool:
+    """Whether the byte products run here (AVX-512 VNNI): QuadWeight sides, else WeightSide's int16 pairs."""
     from ..compiled import qgemm_quads  # (imports neither numba nor llvmlite)
 
     return qgemm_quads.AVAILABLE
