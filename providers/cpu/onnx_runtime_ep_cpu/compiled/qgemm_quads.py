@@ -93,6 +93,16 @@ def quads_of(weight: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(quads.reshape(-1, 4, quads.shape[1]).transpose(0, 2, 1))
 
 
+def signed_quads(columns: np.ndarray, zeros: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An 8-bit weight (K, N) with its zero points (one, or one per column) as the byte products take it:
+    (quads_of its codes as signed bytes, each column's sum of them (N,) int64, the signed zero points (N,) int64).
+    uint8 codes and their zero points shift down by 128 together, which leaves every code - zero as it was."""
+    shift = 128 if columns.dtype == np.uint8 else 0
+    signed = columns.astype(np.int16) - shift
+    signed_zeros = np.broadcast_to(zeros.astype(np.int64).reshape(-1) - shift, (columns.shape[1],)).copy()
+    return quads_of(signed.astype(np.int8)), signed.sum(axis=0, dtype=np.int64), signed_zeros
+
+
 @_with_kernels
 def _row_tiles(flat_a, a_at, lda, quads, wide, c, c_at, ldc, single):
     """MR rows (one with ``single``) of uint8 ``flat_a``, the first from a_at and each ``lda`` quads after the one

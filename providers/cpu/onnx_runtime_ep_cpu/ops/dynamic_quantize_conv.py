@@ -106,13 +106,9 @@ class QuadWeight:
         if w_scale.dtype != _F32 or (zero is not None and (zero.dtype != b.dtype or zero.size not in (1, columns))) \
                 or (bias is not None and (bias.dtype != _F32 or bias.size != columns)):
             return None
-        shift = 128 if b.dtype == np.uint8 else 0
-        signed = b.astype(np.int16) - shift
         side = cls()
-        side.quads = qgemm_quads.quads_of(signed.astype(np.int8))
-        side.column_sums = signed.sum(axis=0, dtype=np.int64)
-        side.zeros = np.broadcast_to((np.int64(0) if zero is None else zero.astype(np.int64)) - shift,
-                                     (columns,)).copy()
+        side.quads, side.column_sums, side.zeros = qgemm_quads.signed_quads(
+            b, np.zeros(1, b.dtype) if zero is None else zero)
         side.scales = w_scale.reshape(-1).astype(np.float64)
         side.bias = _NO_BIAS if bias is None else bias
         return side

@@ -521,12 +521,9 @@ def _quad_weight(side: list, w, w_zero, p) -> tuple:
     key = ("quads", unsigned_zero)
     found = side[2].get(key)
     if found is None:
-        shift = 128 if p.b_dtype == np.uint8 else 0
-        columns = w.reshape(w.shape[0], w.shape[1], -1).transpose(2, 1, 0).reshape(-1, w.shape[0]).astype(np.int16)
-        columns -= shift
-        zeros = np.broadcast_to(p.b_zeros.astype(np.int64) - shift, (w.shape[0],)).copy()
-        fix = unsigned_zero * (columns.shape[0] * zeros - columns.sum(axis=0, dtype=np.int64))
-        found = (qgemm_quads.quads_of(columns.astype(np.int8)), fix, zeros)
+        columns = w.reshape(w.shape[0], w.shape[1], -1).transpose(2, 1, 0).reshape(-1, w.shape[0])
+        quads, sums, zeros = qgemm_quads.signed_quads(columns, p.b_zeros)
+        found = (quads, unsigned_zero * (columns.shape[0] * zeros - sums), zeros)
         if not w.flags.writeable and not w_zero.flags.writeable:
             side[2][key] = found
     return found
