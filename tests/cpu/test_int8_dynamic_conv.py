@@ -207,6 +207,50 @@ def test_byte_products_and_pairs_give_the_same_bits(monkeypatch, weight_type, ze
         np.testing.assert_array_equal(outputs[True], outputs[False])
 
 
+@pytest.mark.parametrize("geometry", [
+    ((2, 5, 19, 17), (22, 5, 3, 3), [1, 2], [1, 2, 0, 1], [1, 1]),  # two images, blocks of positions and a tail
+    ((1, 8, 7, 7), (42, 8, 3, 3), [1, 1], [1, 1, 1, 1], [1, 1]),  # one block: the output channels split instead
+    ((1, 20, 150), (12, 20, 3), [1], [1, 1], [2]),  # 1-D, dilated
+], ids=["blocks", "channels", "1d"])
+@pytest.mark.parametrize("weight_type", [np.int8, np.uint8])
+def test_threads_share_the_call_with_the_same_bits(monkeypatch, geometry, weight_type):
+    # The byte products' phases (range, codes, patches, products) as tasks the calling thread and a helper claim,
+    # split even where small (split_macs 1) over more parts than threads (a part without a helper: its tasks
+    # claimed by the caller): the same outputs as the one-thread call, bit for bit, within a rounding of float64.
+    from onnx_runtime_ep_cpu import tuning
+    from onnx_runtime_ep_cpu.compiled import deferred, qgemm_quads
+    from onnx_runtime_ep_cpu.ops import dynamic_quantize_conv as module
+
+    if not qgemm_quads.AVAILABLE:
+        pytest.skip("the byte products need AVX-512 VNNI")
+    monkeypatch.setattr(deferred.state, "disabled", True)
+    monkeypatch.setattr(deferred.state, "deferring", False)
+    model = chain_model(*geometry, zero_per_channel=True)
+    if weight_type is np.uint8:
+        from onnx import load_from_string
+
+        m = load_from_string(model)
+        for t in m.graph.initializer:
+            if t.name in ("w", "wz"):
+                t.CopyFrom(numpy_helper.from_array((numpy_helper.to_array(t).astype(np.int16) + 128)
+                                                   .astype(np.uint8), t.name))
+        model = m.SerializeToString()
+    x = (np.random.default_rng(5).standard_normal(geometry[0]) * 2 + 0.4).astype(np.float32)
+    splits = []
+    real = module._split_call
+    monkeypatch.setattr(module, "_split_call", lambda *a: splits.append(a[-1]) or real(*a))
+    outputs = {}
+    for threads in (1, 2, 3):
+        with tuning.override(split_macs=1, threads=threads):
+            session = onnx_runtime.InferenceSession(model, providers=["cpu"])
+            outputs[threads] = session.run(None, {"x": x})[0]
+    assert splits == [2, 3]
+    exact = reference(x, model)
+    np.testing.assert_allclose(outputs[1], exact, rtol=0, atol=4 * np.finfo(np.float32).eps * (np.abs(exact).max() + 1))
+    for threads in (2, 3):
+        assert outputs[threads].tobytes() == outputs[1].tobytes()
+
+
 def test_all_zero_input_and_extreme_values():
     model = chain_model(*GEOMETRIES[1])
     session = onnx_runtime.InferenceSession(model, providers=["cpu"])

@@ -30,9 +30,9 @@ from .qgemm import (
     requantized_product,
     scaled_product,
 )
-from .qgemm_quads import strided_quads
-from .qgemm_tiles import strided_product
-from .quantize import dynamic_parameters, requantized_code
+from .qgemm_quads import strided_quads, weight_tiles
+from .qgemm_tiles import LANES, MR, strided_product
+from .quantize import dynamic_parameters, range_parameters, requantized_code, value_range
 
 
 @jit
@@ -40,21 +40,44 @@ def _padded_codes(x, scale, zero, top, bottom, left, right):
     """x's (N, C, H, W) DynamicQuantizeLinear codes (compiled/quantize.dynamic_quantize's arithmetic) in a flat
     (N, C, H + top + bottom, W + left + right) buffer whose border holds the zero point's code."""
     batch, channels, height, width = x.shape
-    tall, wide = height + top + bottom, width + left + right
-    codes = np.empty(batch * channels * tall * wide, np.uint8)
-    codes[:] = np.uint8(zero)
-    flat = x.reshape(-1)
-    for line in range(batch * channels * height):
-        plane, h = line // height, line % height
-        source = flat[line * width:(line + 1) * width]
-        start = (plane * tall + h + top) * wide + left
-        target = codes[start:start + width]
-        for w in range(width):
-            v = np.rint(source[w] / scale) + zero
-            v = np.float32(0) if v < 0 else v
-            v = np.float32(255) if v > 255 else v
-            target[w] = np.int32(v) if v == v else 0
+    codes = np.empty(batch * channels * (height + top + bottom) * (width + left + right), np.uint8)
+    _code_lines(x, scale, zero, top, bottom, left, right, codes, 0, batch * channels * (height + top + bottom))
     return codes
+
+
+@jit
+def _code_lines(x, scale, zero, top, bottom, left, right, codes, first, end):
+    """Lines first .. end of _padded_codes' buffer ``codes`` (N * C * (H + top + bottom) lines of W + left + right
+    codes): a pad line all the zero point's code, the others x's line between its pads. Without side pads, a
+    plane's lines are quantized as one row (a line's few values run the vector loop's scalar remainder)."""
+    height, width = x.shape[2], x.shape[3]
+    tall, wide = height + top + bottom, width + left + right
+    flat = x.reshape(-1)
+    pad = np.uint8(zero)
+    line = first
+    while line < end:
+        plane, h = line // tall, line % tall - top
+        if h < 0 or h >= height:
+            codes[line * wide:(line + 1) * wide] = pad
+            line += 1
+            continue
+        stop = min(end, plane * tall + top + height) if left == 0 and right == 0 else line + 1
+        at = (plane * height + h) * width
+        target = codes[line * wide:stop * wide]
+        target[:left] = pad
+        target[target.shape[0] - right:] = pad
+        _code_row(flat[at:at + (stop - line) * width], scale, zero, target[left:target.shape[0] - right])
+        line = stop
+
+
+@jit
+def _code_row(x, scale, zero, out):
+    """DynamicQuantizeLinear's codes of x into out (one contiguous row a call: LLVM vectorizes its loop)."""
+    for i in range(x.shape[0]):
+        v = np.rint(x[i] / scale) + zero
+        v = np.float32(0) if v < 0 else v
+        v = np.float32(255) if v > 255 else v
+        out[i] = np.int32(v) if v == v else 0
 
 
 @jit
@@ -98,58 +121,210 @@ def dynamic_conv(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, pa
     _images_by_channel(y, out)
 
 
+# dynamic_conv_quads' columns of output positions per product unit: NC_MAX vectors of 16
+BLOCK = 4 * LANES
+# its phases, one job each where dynamic_conv_jobs.split_dynamic_conv shares them: x's range, its padded codes,
+# the patches' quads, the products
+RANGE, CODES, PATCHES, PRODUCTS = 0, 1, 2, 3
+
+
 @jit
-def dynamic_conv_quads(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, quads, column_sums, weight_zeros,
+def dynamic_conv_quads(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, column_sums, weight_zeros,
                        b_scales, bias, out):
-    """dynamic_conv on AVX-512 VNNI's byte products (compiled/qgemm_quads): the patch rows of x's codes (unsigned
-    already: DynamicQuantizeLinear's) padded with zeros to whole quads, by the weight's signed codes in quads
-    (k = (c*KH + i)*KW + j, ``quads`` (K4, M rounded up to 16, 4) int8); the zero points' terms added after the
-    product, per output channel m: zu * (K * zs[m] - column_sums[m]) and, where zs[m] (``weight_zeros``, the
-    signed weight's zero points, (M,) int64) is not 0, -zs[m] times the patch row's sum of codes. The same int32
-    sums and float64 rescaling as dynamic_conv, straight into out (N, M, OH * OW)."""
-    scale, zero = dynamic_parameters(x.reshape(-1))
-    codes = _padded_codes(x, scale, zero, top, bottom, left, right)
-    batch, channels = x.shape[0], x.shape[1]
-    spots = oh * ow
-    wide = 4 * quads.shape[0]
-    rows = np.empty((batch * spots, wide), np.uint8)
-    _patch_rows(codes, channels, x.shape[2] + top + bottom, x.shape[3] + left + right, kh, kw, sh, sw, dh, dw, oh,
-                ow, rows)
-    acc = np.empty((batch * spots, out.shape[1]), np.int32)
-    strided_quads(rows.reshape(-1), 0, wide, batch * spots, quads, acc)
-    _finish_dynamic(acc, rows, channels * kh * kw, np.int64(zero), column_sums, weight_zeros, np.float64(scale),
-                    b_scales, bias, out)
+    """dynamic_conv on AVX-512 VNNI's byte products (compiled/qgemm_quads.weight_tiles), channel-major: each
+    image's patches as quads of k by output position, in blocks of BLOCK positions (uint8 [block, k4, p, t] = the
+    code of tap 4 * k4 + t at position block * BLOCK + p, 0 past the positions and past K: a block's quads
+    contiguous), multiplied by the weight's signed codes (``weight``
+    (M, 4 * K4) int8, k = (c*KH + i)*KW + j, uint8 weights shifted by 128 with their zero points) broadcast a row
+    at a time, so each output channel's sums come out along its plane of ``out`` (N, M, OH * OW): no turn of the
+    product. The zero points' terms are added after it, per output channel m: zu * (K * zs[m] -
+    column_sums[m]) and, where zs[m] (``weight_zeros``, the signed weight's zero points, (M,) int64) is not 0,
+    -zs[m] times the patch's sum of codes. The same int32 sums and float64 rescaling as dynamic_conv."""
+    plan = dynamic_plan(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, 1)
+    codes, patches, sums, extremes, parameters, geometry = plan
+    for phase in (RANGE, CODES, PATCHES, PRODUCTS):
+        if phase == CODES:
+            parameters[0], parameters[1] = range_parameters(extremes[0, 0], extremes[1, 0])
+        dynamic_phase(phase, x, codes, patches, sums, weight, column_sums, weight_zeros, b_scales, bias, out,
+                       extremes, parameters, geometry, 0, 1)
 
 
 @jit
-def _finish_dynamic(acc, rows, depth, zero, column_sums, weight_zeros, a_scale, b_scales, bias, out):
-    """out[b, m, p] = float32(total * (a_scale * b_scales[m or 0])) (+ bias[m] in float32) with total the int32
-    acc[b * spots + p, m] + zero * (depth * zs[m] - column_sums[m]) - zs[m] * sum(rows[b * spots + p]), wrapped
-    as an int32 accumulator wraps: _rescaled_product's arithmetic of the centred sums."""
-    columns, spots = out.shape[1], out.shape[2]
-    one, with_bias = b_scales.shape[0] == 1, bias.shape[0] > 0
-    factors = np.empty(columns)
-    fix = np.empty(columns, np.int64)
-    shifted = False
-    for m in range(columns):
-        factors[m] = a_scale * b_scales[0 if one else m]
-        fix[m] = zero * (depth * weight_zeros[m] - column_sums[m])
-        shifted = shifted or weight_zeros[m] != 0
-    sums = np.zeros(acc.shape[0], np.int64)
+def dynamic_plan(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, tasks):
+    """dynamic_conv_quads' buffers for ``tasks`` tasks a phase: (padded codes, patches, their sums, extremes (2,
+    tasks) float32, parameters (2,) float32, geometry: kh .. right, oh, ow, then the positions rounded up to
+    whole blocks, the blocks, the output channels a product unit takes (a multiple of MR, fewer units' worth where the
+    column blocks are too few for the tasks) and the units over them)."""
+    batch, channels, height, width = x.shape
+    columns, depth4 = weight.shape[0], weight.shape[1] // 4
+    blocks = (oh * ow + BLOCK - 1) // BLOCK
+    wide16 = blocks * BLOCK
+    units = batch * blocks
+    split = min((columns + MR - 1) // MR, max(1, (tasks + units - 1) // units))
+    step = ((columns + split - 1) // split + MR - 1) // MR * MR
+    geometry = np.array([kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, wide16, blocks, step,
+                         (columns + step - 1) // step])
+    codes = np.empty(batch * channels * (height + top + bottom) * (width + left + right), np.uint8)
+    patches = np.empty(batch * depth4 * wide16 * 4, np.uint8)
+    sums = np.empty((batch, wide16), np.int64)
+    return codes, patches, sums, np.empty((2, tasks), np.float32), np.empty(2, np.float32), geometry
+
+
+@jit
+def dynamic_phase(phase, x, codes, patches, sums, weight, column_sums, weight_zeros, b_scales, bias, out, extremes,
+                   parameters, geometry, first, end):
+    """Tasks first .. end of ``extremes.shape[1]`` of a phase of dynamic_conv_quads (each its share of the phase's
+    items): RANGE, x's values (value_range into extremes[:, task]); CODES, the padded code lines (by the scale and
+    zero point in ``parameters``); PATCHES, (image, column block) units (their quads and sums); PRODUCTS, (image,
+    column block, output channels) units (multiplied and rescaled into out)."""
+    kh, kw, sh, sw, dh, dw = geometry[0], geometry[1], geometry[2], geometry[3], geometry[4], geometry[5]
+    top, bottom, left, right, oh, ow = geometry[6], geometry[7], geometry[8], geometry[9], geometry[10], geometry[11]
+    blocks, step, channel_units = geometry[13], geometry[14], geometry[15]
+    tasks = extremes.shape[1]
+    batch = x.shape[0]
+    if phase == RANGE:
+        count = x.size
+    elif phase == CODES:
+        count = batch * x.shape[1] * (x.shape[2] + top + bottom)
+    elif phase == PATCHES:
+        count = batch * blocks
+    else:
+        count = batch * blocks * channel_units
+    flat = x.reshape(-1)
+    scale, zero = parameters[0], parameters[1]
+    shifted = np.any(weight_zeros != 0)
+    for task in range(first, end):
+        a, b = count * task // tasks, count * (task + 1) // tasks
+        if phase == RANGE:
+            extremes[0, task], extremes[1, task] = value_range(flat[a:b])
+        elif phase == CODES:
+            _code_lines(x, scale, zero, top, bottom, left, right, codes, a, b)
+        elif phase == PATCHES:
+            for unit in range(a, b):
+                _patch_quads(codes, x.shape[1], x.shape[2] + top + bottom, x.shape[3] + left + right, kh, kw, sh, sw,
+                             dh, dw, oh, ow, blocks, weight.shape[1], unit // blocks, unit % blocks, shifted, patches,
+                             sums)
+        else:
+            for unit in range(a, b):
+                image, rest = unit // (blocks * channel_units), unit % (blocks * channel_units)
+                _product_unit(patches, sums, weight, image, rest // channel_units, (rest % channel_units) * step,
+                              step, blocks, x.shape[1] * kh * kw, np.int64(zero), column_sums, weight_zeros,
+                              np.float64(scale), b_scales, bias, shifted, out)
+
+
+@jit
+def _patch_quads(codes, channels, tall, wide, kh, kw, sh, sw, dh, dw, oh, ow, blocks, depth, image, block, shifted,
+                 patches, sums):
+    """Image ``image``'s block ``block`` of patches (of ``blocks`` an image): patches[(((image * blocks + block) *
+    K4 + k4) * BLOCK + p) * 4 + t] = the padded code of tap k = 4 * k4 + t at position block * BLOCK + p (0 past the
+    taps, ``depth`` bytes a weight row, and past the positions), and sums[image, block * BLOCK + p] their sum where
+    ``shifted``."""
+    taps, masks = _tap_table(channels, tall, wide, kh, kw, dh, dw, depth)
+    first = block * BLOCK
+    valid = min(first + BLOCK, oh * ow) - first if oh * ow > first else 0
+    starts, places, lengths, runs = _position_runs(image * channels * tall, wide, sh, sw, ow, first, valid)
+    depth4 = depth // 4
+    size = depth4 * BLOCK * 4
+    out = patches[(image * blocks + block) * size:(image * blocks + block + 1) * size]
+    words = out.view(np.uint32)  # one int32 per position and quad of taps: their four codes, tap 4 * k4 lowest
+    step = np.uint64(sw)
+    for k4 in range(depth4):
+        o0, o1, o2, o3 = taps[4 * k4], taps[4 * k4 + 1], taps[4 * k4 + 2], taps[4 * k4 + 3]
+        m0, m1, m2, m3 = masks[4 * k4], masks[4 * k4 + 1], masks[4 * k4 + 2], masks[4 * k4 + 3]
+        line = words[k4 * BLOCK:(k4 + 1) * BLOCK]
+        for run in range(runs):
+            source, place = starts[run], places[run]
+            for j in range(lengths[run]):
+                at = source + np.uint64(j) * step
+                line[place + j] = (np.uint32(codes[at + o0]) & m0) | ((np.uint32(codes[at + o1]) & m1) << 8) \
+                    | ((np.uint32(codes[at + o2]) & m2) << 16) | ((np.uint32(codes[at + o3]) & m3) << 24)
+        for p in range(valid, BLOCK):
+            line[p] = 0
     if shifted:
-        for r in range(acc.shape[0]):
-            total = np.int64(0)
-            line = rows[r]
-            for k in range(line.shape[0]):
-                total += line[k]
-            sums[r] = total
-    for b in range(out.shape[0]):
-        for m in range(columns):
-            target, f, c, zs = out[b, m], factors[m], fix[m], weight_zeros[m]
-            for p in range(spots):
-                r = b * spots + p
-                y = np.float32(np.float64(np.int32(np.int64(acc[r, m]) + c - zs * sums[r])) * f)
-                target[p] = y + bias[m] if with_bias else y
+        totals = sums[image, first:first + BLOCK]
+        totals[:] = 0
+        for k4 in range(depth4):
+            line = out[k4 * BLOCK * 4:(k4 + 1) * BLOCK * 4]
+            for p in range(BLOCK):
+                totals[p] += np.int64(line[4 * p]) + line[4 * p + 1] + line[4 * p + 2] + line[4 * p + 3]
+
+
+@jit
+def _tap_table(channels, tall, wide, kh, kw, dh, dw, depth):
+    """Each of ``depth`` taps' offset in an image's padded codes and the mask of its byte: 255, or 0 past the
+    C * KH * KW taps (offset 0 there: every read stays in the buffer)."""
+    taps = np.zeros(depth, np.uint64)
+    masks = np.zeros(depth, np.uint32)
+    for c in range(channels):
+        for i in range(kh):
+            for j in range(kw):
+                k = (c * kh + i) * kw + j
+                taps[k] = np.uint64((c * tall + i * dh) * wide + j * dw)
+                masks[k] = 255
+    return taps, masks
+
+
+@jit
+def _position_runs(image_at, wide, sh, sw, ow, first, valid):
+    """The runs of positions first .. first + valid along an output row: (each run's first code's offset in the
+    padded codes, from the image's ``image_at``; its place in the block; its length; the runs' count)."""
+    starts = np.zeros(BLOCK, np.uint64)
+    places = np.zeros(BLOCK, np.int64)
+    lengths = np.zeros(BLOCK, np.int64)
+    runs = 0
+    p = 0
+    while p < valid:
+        r, q = (first + p) // ow, (first + p) % ow
+        # unsigned offsets: numba checks signed ones for wraparound, which keeps the gather from vectorizing
+        starts[runs] = np.uint64((image_at + r * sh) * wide + q * sw)
+        places[runs], lengths[runs] = p, min(ow - q, valid - p)
+        p += lengths[runs]
+        runs += 1
+    return starts, places, lengths, runs
+
+
+@jit
+def _product_unit(patches, sums, weight, image, block, m_first, step, blocks, depth, zero, column_sums, weight_zeros,
+                  a_scale, b_scales, bias, shifted, out):
+    """Output channels m_first .. m_first + step (fewer at M) of image ``image``'s column block ``block``: the
+    int32 sums of their weight rows by the block's patches (weight_tiles), then each channel's run of its plane:
+    out[image, m, p] = float32(float64(int32(acc + zu * (depth * zs[m] - column_sums[m]) - zs[m] * sums[p])) *
+    (a_scale * b_scales[m or 0])) (+ bias[m] in float32), wrapped as an int32 accumulator wraps."""
+    columns, spots = weight.shape[0], out.shape[2]
+    m_end = min(m_first + step, columns)
+    first = block * BLOCK
+    stop = min(first + BLOCK, spots)
+    depth4 = weight.shape[1] // 4
+    acc = np.empty((m_end - m_first) * BLOCK, np.int32)
+    weight_tiles(weight, m_first, m_end, patches, (image * blocks + block) * depth4 * BLOCK * 4, 4 * BLOCK,
+                 (stop - first + LANES - 1) // LANES, acc, BLOCK)
+    one, with_bias = b_scales.shape[0] == 1, bias.shape[0] > 0
+    # zs[m] times the patches' sums, in a local array (a loop over sums[image] ran 7x slower): once for the block
+    # where every channel has one zero point (one per tensor), else the sums, multiplied per channel
+    uniform = shifted and np.all(weight_zeros[m_first:m_end] == weight_zeros[m_first])
+    block_sums = np.zeros(BLOCK, np.int64)
+    if shifted:
+        factor0 = weight_zeros[m_first] if uniform else np.int64(1)
+        for p in range(first, stop):
+            block_sums[p - first] = factor0 * sums[image, p]
+    for m in range(m_first, m_end):
+        factor = a_scale * b_scales[0 if one else m]
+        fix = zero * (depth * weight_zeros[m] - column_sums[m])
+        zs = weight_zeros[m] if shifted else np.int64(0)
+        shift = bias[m] if with_bias else np.float32(0)
+        row = acc[(m - m_first) * BLOCK:(m - m_first + 1) * BLOCK]
+        plane = out[image, m]
+        if uniform:
+            for p in range(first, stop):
+                total = np.int32(np.int64(row[p - first]) + fix - block_sums[p - first])
+                plane[p] = np.float32(np.float64(total) * factor) + shift
+        elif shifted:
+            for p in range(first, stop):
+                total = np.int32(np.int64(row[p - first]) + fix - zs * block_sums[p - first])
+                plane[p] = np.float32(np.float64(total) * factor) + shift
+        else:
+            for p in range(first, stop):
+                plane[p] = np.float32(np.float64(np.int32(np.int64(row[p - first]) + fix)) * factor) + shift
 
 
 @jit

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 STORED = None  # an array dimension written into the mailbox, after the array's address
 
 # How the reader rebuilds an array of each element type from its address: workers.py's carray views.
-ARRAY_READERS = {"float32": "float_array", "int64": "int_array", "uint64": "offset_array"}
+ARRAY_READERS = {"float32": "float_array", "int64": "int_array", "uint64": "offset_array", "float64": "double_array",
+                 "int32": "int32_array", "uint8": "byte_array", "int8": "signed_byte_array"}
 SCALARS = ("int", "flag", "pair")
 _RESERVED = frozenset({"m", *ARRAY_READERS.values()})  # the generated functions' own names
 
@@ -84,6 +85,21 @@ def ints(name: str, dims: int = 1, *, shape=None) -> Field:
 def offsets(name: str, dims: int = 1, *, shape=None) -> Field:
     """A uint64 array (``dims``, ``shape``: as for floats)."""
     return _array("uint64", name, dims, shape)
+
+
+def doubles(name: str, dims: int = 1, *, shape=None) -> Field:
+    """A float64 array (``dims``, ``shape``: as for floats)."""
+    return _array("float64", name, dims, shape)
+
+
+def int32s(name: str, dims: int = 1, *, shape=None) -> Field:
+    """An int32 array (``dims``, ``shape``: as for floats)."""
+    return _array("int32", name, dims, shape)
+
+
+def byte_codes(name: str, dims: int = 1, *, shape=None, signed: bool = False) -> Field:
+    """A uint8 array, or int8 where ``signed`` (``dims``, ``shape``: as for floats): 8-bit codes."""
+    return _array("int8" if signed else "uint8", name, dims, shape)
 
 
 def _problem(field: Field, names: list, plain: set) -> str:

@@ -29,7 +29,18 @@ AVAILABLE = host.AVX512VNNI
 def _emit_tile(builder, mr: int, nc: int, pointers: tuple, values: tuple) -> None:
     """The IR of one mr x (16 * nc) tile: c[i*ldc + j] = sum_k4 a32[i*lda + k4] . b[k4*ldb + 4j .. 4j+3], with
     a32 the bytes of ``a`` read as int32 (one broadcast per row and k4) and ``.`` vpdpbusd's sum of four
-    unsigned-by-signed byte products."""
+    unsigned-by-signed byte products: ``a`` the unsigned bytes, ``b`` the signed ones."""
+    _emit_quad_tile(builder, mr, nc, pointers, values, True)
+
+
+def _emit_weight_tile(builder, mr: int, nc: int, pointers: tuple, values: tuple) -> None:
+    """_emit_tile with the roles of the bytes swapped: ``a`` (broadcast, a weight's rows) signed, ``b`` (vectors,
+    an input's quads) unsigned. The product then comes out with the input's positions along a row: a
+    convolution's channel-major output (weight_tiles)."""
+    _emit_quad_tile(builder, mr, nc, pointers, values, False)
+
+
+def _emit_quad_tile(builder, mr: int, nc: int, pointers: tuple, values: tuple, unsigned_broadcast: bool) -> None:
     from llvmlite import ir
 
     from . import llvm
@@ -54,7 +65,8 @@ def _emit_tile(builder, mr: int, nc: int, pointers: tuple, values: tuple) -> Non
         for i in range(mr):
             quad = builder.load(builder.gep(a32, [builder.add(a_rows[i], k)]), align=1)
             broadcast = builder.bitcast(llvm.splat(builder, quad, i32x16), i8x64)
-            summed.extend(builder.call(dot, [acc[i * nc + j], broadcast, weights[j]]) for j in range(nc))
+            summed.extend(builder.call(dot, [acc[i * nc + j], broadcast, weights[j]] if unsigned_broadcast
+                                       else [acc[i * nc + j], weights[j], broadcast]) for j in range(nc))
         return summed
 
     totals = llvm.counted_loop(builder, depth, [ir.Constant(i32x16, None)] * (mr * nc), step, "quadtile")
@@ -67,15 +79,21 @@ def _emit_tile(builder, mr: int, nc: int, pointers: tuple, values: tuple) -> Non
 
 
 # The microkernels by NC, globals for the loops that call them, made when those loops are compiled (importing
-# this module imports neither numba nor llvmlite). _tile_<nc>: MR rows; _row_<nc>: one row (the last M % MR).
+# this module imports neither numba nor llvmlite). _tile_<nc>: MR rows; _row_<nc>: one row (the last M % MR);
+# _wtile_<nc>, _wrow_<nc>: the same of _emit_weight_tile.
 _tile_1 = _tile_2 = _tile_3 = _tile_4 = _row_1 = _row_2 = _row_3 = _row_4 = None
+_wtile_1 = _wtile_2 = _wtile_3 = _wtile_4 = _wrow_1 = _wrow_2 = _wrow_3 = _wrow_4 = None
 
 
 def _define_kernels() -> None:
     global _tile_1, _tile_2, _tile_3, _tile_4, _row_1, _row_2, _row_3, _row_4
+    global _wtile_1, _wtile_2, _wtile_3, _wtile_4, _wrow_1, _wrow_2, _wrow_3, _wrow_4
     if _tile_4 is None:
         _row_1, _row_2, _row_3, _row_4 = (tile_kernel(_emit_tile, 1, nc) for nc in range(1, NC_MAX + 1))
         _tile_1, _tile_2, _tile_3, _tile_4 = (tile_kernel(_emit_tile, MR, nc) for nc in range(1, NC_MAX + 1))
+        _wrow_1, _wrow_2, _wrow_3, _wrow_4 = (tile_kernel(_emit_weight_tile, 1, nc) for nc in range(1, NC_MAX + 1))
+        _wtile_1, _wtile_2, _wtile_3, _wtile_4 = (tile_kernel(_emit_weight_tile, MR, nc)
+                                                  for nc in range(1, NC_MAX + 1))
 
 
 def _with_kernels(function):
@@ -174,3 +192,56 @@ def _tiled_quads(flat, start, stride, rows, quads, out):
 
 
 strided_quads = _tiled_quads if AVAILABLE else portable_quads
+
+
+def weight_rows(quads: np.ndarray, columns: int) -> np.ndarray:
+    """signed_quads' quads (K4, N rounded up to 16, 4) as weight_tiles takes them: (N, 4 * K4) int8, row n the
+    column's signed codes in k order, 0 past K."""
+    return np.ascontiguousarray(quads.transpose(1, 0, 2).reshape(quads.shape[1], -1)[:columns])
+
+
+@_with_kernels
+def _weight_tiles(weight, first, end, patches, b_at, ldb, nc, c, ldc):
+    """c[(i - first) * ldc + j] (int32, flat) = sum over k of weight[i, k] * patch[k, j] for rows i = first .. end
+    of int8 ``weight`` (rows of 4 * K4 signed codes) and 16 * nc columns j of an input's quads, uint8 ``patches``
+    (flat, from b_at: [k4 * ldb + 4 * j + t] = patch[4 * k4 + t, j]). Tiles of MR rows, then single rows."""
+    lda = weight.shape[1] // 4
+    depth4 = lda
+    flat_a = weight.reshape(-1)
+    i = first
+    while i < end:
+        single = end - i < MR
+        a_at, at = 4 * lda * i, (i - first) * ldc
+        if single:
+            if nc == 4:
+                _wrow_4(flat_a, a_at, patches, b_at, c, at, depth4, lda, ldb, ldc)
+            elif nc == 3:
+                _wrow_3(flat_a, a_at, patches, b_at, c, at, depth4, lda, ldb, ldc)
+            elif nc == 2:
+                _wrow_2(flat_a, a_at, patches, b_at, c, at, depth4, lda, ldb, ldc)
+            else:
+                _wrow_1(flat_a, a_at, patches, b_at, c, at, depth4, lda, ldb, ldc)
+        elif nc == 4:
+            _wtile_4(flat_a, a_at, patches, b_at, c, at, depth4, lda, ldb, ldc)
+        elif nc == 3:
+            _wtile_3(flat_a, a_at, patches, b_at, c, at, depth4, lda, ldb, ldc)
+        elif nc == 2:
+            _wtile_2(flat_a, a_at, patches, b_at, c, at, depth4, lda, ldb, ldc)
+        else:
+            _wtile_1(flat_a, a_at, patches, b_at, c, at, depth4, lda, ldb, ldc)
+        i += 1 if single else MR
+
+
+@jit
+def _portable_weight_tiles(weight, first, end, patches, b_at, ldb, nc, c, ldc):
+    """_weight_tiles without the tiles (hosts without VNNI): the same integers."""
+    for i in range(first, end):
+        at = (i - first) * ldc
+        for j in range(LANES * nc):
+            total = np.int32(0)
+            for k in range(weight.shape[1]):
+                total += np.int32(weight[i, k]) * np.int32(patches[b_at + (k // 4) * ldb + 4 * j + k % 4])
+            c[at + j] = total
+
+
+weight_tiles = _weight_tiles if AVAILABLE else _portable_weight_tiles

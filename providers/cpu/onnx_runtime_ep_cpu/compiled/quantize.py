@@ -127,6 +127,12 @@ def dynamic_parameters(x):
     """DynamicQuantizeLinear's (scale, zero point) of a flat float32 array, both float32: its range
     [min(x, 0), max(x, 0)] (NaN skipped) mapped onto [0, 255], a unit range when all are zero."""
     low, high = value_range(x)
+    return range_parameters(low, high)
+
+
+@jit
+def range_parameters(low, high):
+    """dynamic_parameters of the range [low, high] (float32, value_range's: 0 within it)."""
     span = high - low if high > low else np.float32(1)
     scale = span / np.float32(255)
     zero = np.rint(np.float32(0) - low / scale)

@@ -208,6 +208,10 @@ def _pointer_intrinsic(element):
 _float_pointer = _pointer_intrinsic(types.float32)
 _int_pointer = _pointer_intrinsic(types.int64)
 _offset_pointer = _pointer_intrinsic(types.uint64)
+_double_pointer = _pointer_intrinsic(types.float64)
+_int32_pointer = _pointer_intrinsic(types.int32)
+_byte_pointer = _pointer_intrinsic(types.uint8)
+_signed_byte_pointer = _pointer_intrinsic(types.int8)
 
 
 @jit
@@ -406,6 +410,30 @@ def offset_array(address, shape):
     return carray(_offset_pointer(address), shape)
 
 
+@jit
+def double_array(address, shape):
+    """The float64 array at ``address`` (for compiled runners)."""
+    return carray(_double_pointer(address), shape)
+
+
+@jit
+def int32_array(address, shape):
+    """The int32 array at ``address`` (for compiled runners)."""
+    return carray(_int32_pointer(address), shape)
+
+
+@jit
+def byte_array(address, shape):
+    """The uint8 array at ``address`` (for compiled runners)."""
+    return carray(_byte_pointer(address), shape)
+
+
+@jit
+def signed_byte_array(address, shape):
+    """The int8 array at ``address`` (for compiled runners)."""
+    return carray(_signed_byte_pointer(address), shape)
+
+
 def _parameters(function) -> list[str]:
     """The parameter names of ``function`` (a numba dispatcher's: of its Python function)."""
     return list(inspect.signature(getattr(function, "py_func", function)).parameters)
@@ -425,8 +453,8 @@ class Kind:
         names = [field.name for field in layout.fields]
         self._scratch = scratch
         self._scratch_fields = [names.index(parameter) for parameter in _parameters(scratch)] if scratch else []
-        namespace = {"__name__": home, "mailbox_view": mailbox_view, "float_array": float_array,
-                     "int_array": int_array, "offset_array": offset_array, "_body": body}
+        namespace = {"__name__": home, "mailbox_view": mailbox_view, "_body": body,
+                     **{reader: globals()[reader] for reader in mailbox.ARRAY_READERS.values()}}
         writer, reader, entry = f"_write_{name}", f"_read_{name}", f"_{name}_entry"
         buffer = f"float_array(m[{BUFFER}], (m[{BUFFER_SIZE}],))"
         sources = (layout.writer_source(writer), layout.reader_source(reader),

@@ -21,6 +21,8 @@ from ..algorithms.quantize import IntegerProduct, dynamic_uint8
 from ..compiled.deferred import numpy_first
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
+from ..threads import helper_count, kernel_threads
+from ..tuning import KNOBS
 from ._common import argument_error
 from .contrib_integer_matmul import WeightSide
 from .quantization import integer_conv
@@ -91,11 +93,11 @@ def _convolution(node, shapes, opset):
 
 class QuadWeight:
     """compiled/dynamic_conv.dynamic_conv_quads' side of a constant weight (hosts with AVX-512 VNNI): its codes
-    as signed bytes (uint8 codes less 128, their zero points with them) in quads of k, the sum of each output
-    channel's codes, the signed zero points (M,) int64, the scale as float64 (1,), the float32 bias or an empty
-    one."""
+    as signed bytes (uint8 codes less 128, their zero points with them), one row of whole quads of k per output
+    channel (qgemm_quads.weight_rows), the sum of each output channel's codes, the signed zero points (M,) int64,
+    the scale as float64 (1,), the float32 bias or an empty one."""
 
-    __slots__ = ("quads", "column_sums", "zeros", "scales", "bias")
+    __slots__ = ("weight", "column_sums", "zeros", "scales", "bias")
 
     @classmethod
     def of(cls, b: np.ndarray, w_scale: np.ndarray, zero: np.ndarray | None, bias: np.ndarray | None):
@@ -107,8 +109,9 @@ class QuadWeight:
                 or (bias is not None and (bias.dtype != _F32 or bias.size != columns)):
             return None
         side = cls()
-        side.quads, side.column_sums, side.zeros = qgemm_quads.signed_quads(
+        quads, side.column_sums, side.zeros = qgemm_quads.signed_quads(
             b, np.zeros(1, b.dtype) if zero is None else zero)
+        side.weight = qgemm_quads.weight_rows(quads, columns)
         side.scales = w_scale.reshape(-1).astype(np.float64)
         side.bias = _NO_BIAS if bias is None else bias
         return side
@@ -134,11 +137,41 @@ def compiled_call(x, geometry, side) -> np.ndarray:
     out = np.empty(out_shape, _F32)
     x4, out3 = np.ascontiguousarray(x).reshape(shape4), out.reshape(out_shape[0], out_shape[1], oh * ow)
     if isinstance(side, QuadWeight):
-        _COMPILED[0].dynamic_conv_quads(x4, *steps, oh, ow, side.quads, side.column_sums, side.zeros, side.scales,
-                                        side.bias, out3)
+        threads = _threads(out_shape[0] * oh * ow * side.weight.size)
+        if threads > 1:
+            _split_call(x4, steps, oh, ow, side, out3, threads)
+        else:
+            _COMPILED[0].dynamic_conv_quads(x4, *steps, oh, ow, side.weight, side.column_sums, side.zeros,
+                                            side.scales, side.bias, out3)
     else:
         _COMPILED[0].dynamic_conv(x4, *steps, oh, ow, side.packed, side.pairs, side.scales, side.bias, out3)
     return out
+
+
+TASKS_PER_THREAD = 4  # each phase's tasks: a helper that falls behind leaves some to the others
+
+
+def _threads(macs: int) -> int:
+    """The threads the byte products' call splits across: KNOBS.split_macs of multiply-adds a thread at least."""
+    return max(1, min(kernel_threads(), macs // KNOBS.split_macs))
+
+
+def _split_call(x4, steps, oh, ow, side, out3, threads: int) -> None:
+    """dynamic_conv_quads with its phases (x's range, the padded codes, the patches, the products) shared with the
+    helper threads as claimed tasks (compiled/dynamic_conv_jobs.split_dynamic_conv)."""
+    from ..compiled import dynamic_conv_jobs, workers
+
+    tasks = TASKS_PER_THREAD * threads
+    ranges = _ranges.get(threads)
+    if ranges is None:
+        ranges = _ranges[threads] = np.array([tasks * p // threads for p in range(threads + 1)], dtype=np.int64)
+    arguments = (x4, *steps, oh, ow, side.weight, side.column_sums, side.zeros, side.scales, side.bias, out3, ranges,
+                 np.zeros(threads, np.int64), workers.local_mailbox(0))  # (claims per call: callers on threads)
+    workers.call(dynamic_conv_jobs.split_dynamic_conv, arguments, dynamic_conv_jobs.DYNAMIC_CONV.address(), 0,
+                 helper_count())
+
+
+_ranges: dict[int, np.ndarray] = {}  # per thread count: each part's tasks
 
 
 def _check(node, x, w, w_scale, bias) -> None:

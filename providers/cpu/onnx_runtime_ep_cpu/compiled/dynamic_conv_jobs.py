@@ -1,0 +1,70 @@
+"""compiled/dynamic_conv.dynamic_conv_quads shared with the helper threads (workers.py): each phase (x's range, the
+padded codes, the patches, the products) one job whose tasks the calling thread and the helpers claim. Apart from
+dynamic_conv.py, which a process's first runs import before numba loads: this module imports workers, and numba
+with it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import jit
+from .dynamic_conv import CODES, PATCHES, PRODUCTS, RANGE, dynamic_phase, dynamic_plan
+from .mailbox import byte_codes, doubles, floats, ints, scalar
+from .quantize import range_parameters
+from .workers import Kind, claim_task, collect, offer, run_here
+
+
+@jit
+def _run_dynamic_conv(phase, x, codes, patches, sums, weight, column_sums, weight_zeros, b_scales, bias, out,
+                      extremes, parameters, geometry, ranges, claims, part):
+    cursor = np.zeros(1, dtype=np.int64)
+    while True:  # the part's own tasks, then those the other parts' threads have not claimed
+        task = claim_task(claims, ranges, part, cursor)
+        if task < 0:
+            break
+        dynamic_phase(phase, x, codes, patches, sums, weight, column_sums, weight_zeros, b_scales, bias, out,
+                       extremes, parameters, geometry, task, task + 1)
+
+
+# dynamic_conv_quads' phases as claimed-task jobs (split_dynamic_conv): _dynamic_phase's tasks, part p's tasks
+# ranges[p] .. ranges[p + 1] claimed through claims[p].
+DYNAMIC_CONV = Kind("dynamic_conv", (
+    scalar("phase"), floats("x", 4), byte_codes("codes"), byte_codes("patches"), ints("sums", 2),
+    byte_codes("weight", 2, signed=True), ints("column_sums"), ints("weight_zeros"), doubles("b_scales"),
+    floats("bias"), floats("out", 3), floats("extremes", 2), floats("parameters", shape=(2,)),
+    ints("geometry", shape=(16,)), ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"), scalar("part"),
+), _run_dynamic_conv, home=__name__)
+_write_dynamic_conv = DYNAMIC_CONV.writer
+
+
+@jit
+def split_dynamic_conv(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, column_sums, weight_zeros,
+                       b_scales, bias, out, ranges, claims, own, mailboxes, states, runner):
+    """dynamic_conv_quads across the calling thread and the helpers, posted as jobs.split_conv's parts
+    (DYNAMIC_CONV), one job per phase (each needs the one before whole): x's range (each task's value_range, their
+    bounds combined here as value_range's: the same whatever the order), the padded codes, the patches, the
+    products. ``ranges``: part p's tasks ranges[p] .. ranges[p + 1] of ranges[-1]; ``claims`` one per part.
+    Returns workers.collect's results, or'ed."""
+    parts = ranges.shape[0] - 1
+    codes, patches, sums, extremes, parameters, geometry = dynamic_plan(x, kh, kw, sh, sw, dh, dw, top, bottom, left,
+                                                                        right, oh, ow, weight, ranges[parts])
+    helpers = min(parts - 1, mailboxes.shape[0])
+    result = 0
+    for phase in (RANGE, CODES, PATCHES, PRODUCTS):
+        if phase == CODES:
+            low, high = np.float32(0), np.float32(0)
+            for task in range(extremes.shape[1]):
+                low = extremes[0, task] if extremes[0, task] < low else low
+                high = extremes[1, task] if extremes[1, task] > high else high
+            parameters[0], parameters[1] = range_parameters(low, high)
+        claims[:] = 0
+        for part in range(1, helpers + 1):
+            _write_dynamic_conv(mailboxes[part - 1], phase, x, codes, patches, sums, weight, column_sums,
+                                weight_zeros, b_scales, bias, out, extremes, parameters, geometry, ranges, claims,
+                                part)
+            offer(mailboxes, states, part - 1, runner)
+        _write_dynamic_conv(own, phase, x, codes, patches, sums, weight, column_sums, weight_zeros, b_scales, bias,
+                            out, extremes, parameters, geometry, ranges, claims, 0)
+        run_here(runner, own)
+        result |= collect(mailboxes, states, helpers)
+    return result
