@@ -56,6 +56,18 @@ def chain_model(x_shape, w_shape, strides, pads, dilations, bias=True, zero_per_
     return m.SerializeToString()
 
 
+def unsigned_weights(model: bytes) -> bytes:
+    """chain_model's model with its int8 weight and zero points as uint8 ones 128 higher: the same taps."""
+    from onnx import load_from_string
+
+    m = load_from_string(model)
+    for t in m.graph.initializer:
+        if t.name in ("w", "wz"):
+            t.CopyFrom(numpy_helper.from_array((numpy_helper.to_array(t).astype(np.int16) + 128).astype(np.uint8),
+                                               t.name))
+    return m.SerializeToString()
+
+
 def reference(x, model: bytes) -> np.ndarray:
     """The quantized arithmetic in float64 and int64: DynamicQuantizeLinear's codes, the integer convolution
     tap by tap (padding with the zero point), the rescale and the bias."""
@@ -179,14 +191,7 @@ def test_byte_products_and_pairs_give_the_same_bits(monkeypatch, weight_type, ze
     geometry = ((2, 3, 13, 11), (20, 3, 5, 5), [2, 1], [2, 1, 2, 3], [1, 1])  # odd depth: rows padded to quads
     model = chain_model(*geometry, zero_per_channel=zero_per_channel)
     if weight_type is np.uint8:  # the same taps as unsigned codes, the zero points with them
-        from onnx import load_from_string
-
-        m = load_from_string(model)
-        for t in m.graph.initializer:
-            if t.name in ("w", "wz"):
-                t.CopyFrom(numpy_helper.from_array((numpy_helper.to_array(t).astype(np.int16) + 128)
-                                                   .astype(np.uint8), t.name))
-        model = m.SerializeToString()
+        model = unsigned_weights(model)
     x = (np.random.default_rng(11).standard_normal(geometry[0]) * 1.5 - 0.3).astype(np.float32)
     calls = []
     real = module.compiled_call
@@ -227,18 +232,11 @@ def test_threads_share_the_call_with_the_same_bits(monkeypatch, geometry, weight
     monkeypatch.setattr(deferred.state, "deferring", False)
     model = chain_model(*geometry, zero_per_channel=True)
     if weight_type is np.uint8:
-        from onnx import load_from_string
-
-        m = load_from_string(model)
-        for t in m.graph.initializer:
-            if t.name in ("w", "wz"):
-                t.CopyFrom(numpy_helper.from_array((numpy_helper.to_array(t).astype(np.int16) + 128)
-                                                   .astype(np.uint8), t.name))
-        model = m.SerializeToString()
+        model = unsigned_weights(model)
     x = (np.random.default_rng(5).standard_normal(geometry[0]) * 2 + 0.4).astype(np.float32)
     splits = []
-    real = module._split_call
-    monkeypatch.setattr(module, "_split_call", lambda *a: splits.append(a[-1]) or real(*a))
+    real = module.threaded_call
+    monkeypatch.setattr(module, "threaded_call", lambda *a: splits.append(a[-1]) or real(*a))
     outputs = {}
     for threads in (1, 2, 3):
         with tuning.override(split_macs=1, threads=threads):

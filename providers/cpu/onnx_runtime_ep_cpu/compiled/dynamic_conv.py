@@ -2,7 +2,10 @@
 quantization writes each Conv as DynamicQuantizeLinear -> ConvInteger -> Cast -> Mul by the scales' product
 (-> bias Add). Here the input is quantized as DynamicQuantizeLinear does (one scale and zero point over all of
 it), its codes gathered into patch rows (padding takes the zero point's code, as ConvInteger pads), and the
-rows multiplied by the packed weight with scaled_product's exact int32 accumulation and float64 rescaling.
+rows multiplied by the packed weight with scaled_product's exact int32 accumulation and float64 rescaling. On
+AVX-512 VNNI (dynamic_conv_quads) the codes are gathered as quads of taps by output position instead and the
+weight's rows broadcast, so the product comes out channel-major, as the output is laid out; its phases are
+shared with the helper threads by dynamic_conv_jobs.py.
 QLinearConv (ops/quantization.py) runs the same patch rows of its 8-bit input through QGemm's requantizing
 product (qgemm.qgemm), and a QDQ Conv group (ops/qdq_linear.py) through qgemm.requantized_product.
 """

@@ -2,7 +2,8 @@
 DynamicQuantizeLinear(x) -> ConvInteger(codes, W) -> Cast to float -> Mul by Mul(x_scale, w_scale) (-> Add of
 a per-channel bias), as one node. A ViT's patch embedding and a Whisper encoder's two Conv1d paid six steps,
 the codes as a uint8 tensor and the exact float convolution of the centred codes; here one compiled call
-(compiled/dynamic_conv.py) quantizes, gathers patch rows and multiplies them by the packed weight in int32.
+(compiled/dynamic_conv.py) quantizes, gathers patch rows and multiplies them by the packed weight in int32;
+from KNOBS.split_macs of multiply-adds a thread, across the helper threads (threaded_call).
 
 Inputs: X (float32, N x C x D1 [x D2]), W (8-bit, M x C x K1 [x K2], constant), w_scale (float32, one value),
 w_zero_point (W's type, one value or one per output channel, or ""), B (float32, M values, or absent).
@@ -139,7 +140,7 @@ def compiled_call(x, geometry, side) -> np.ndarray:
     if isinstance(side, QuadWeight):
         threads = _threads(out_shape[0] * oh * ow * side.weight.size)
         if threads > 1:
-            _split_call(x4, steps, oh, ow, side, out3, threads)
+            threaded_call(x4, steps, oh, ow, side, out3, threads)
         else:
             _COMPILED[0].dynamic_conv_quads(x4, *steps, oh, ow, side.weight, side.column_sums, side.zeros,
                                             side.scales, side.bias, out3)
@@ -156,7 +157,7 @@ def _threads(macs: int) -> int:
     return max(1, min(kernel_threads(), macs // KNOBS.split_macs))
 
 
-def _split_call(x4, steps, oh, ow, side, out3, threads: int) -> None:
+def threaded_call(x4, steps, oh, ow, side, out3, threads: int) -> None:
     """dynamic_conv_quads with its phases (x's range, the padded codes, the patches, the products) shared with the
     helper threads as claimed tasks (compiled/dynamic_conv_jobs.split_dynamic_conv)."""
     from ..compiled import dynamic_conv_jobs, workers
