@@ -73,7 +73,9 @@ def _convolution(node, shapes, opset):
     geometries: dict = {}  # per (X's shape, W's shape): patch_geometry's answer (a run repeats its shapes)
 
     def kernel(x, w, w_scale, w_zero_point=None, bias=None):
-        if numpy_first():  # numba loads in the background: the unfused arithmetic on numpy meanwhile
+        # numba loads in the background: the unfused arithmetic on numpy meanwhile (the threaded call's runner
+        # linked by the loader too)
+        if numpy_first("dynamic_conv_jobs.DYNAMIC_CONV"):
             _check(node, x, w, w_scale, bias)
             return (_unfused(exact, x, w, w_scale, w_zero_point, bias),)
         side = side_of(w, w_scale, w_zero_point, bias) if x.dtype is _F32 else None
