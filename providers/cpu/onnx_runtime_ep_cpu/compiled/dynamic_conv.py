@@ -144,17 +144,17 @@ def dynamic_conv_quads(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, 
     column_sums[m]) and, where zs[m] (``weight_zeros``, the signed weight's zero points, (M,) int64) is not 0,
     -zs[m] times the patch's sum of codes. The same int32 sums and float64 rescaling as dynamic_conv."""
     plan = dynamic_plan(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, 1)
-    codes, patches, sums, extremes, parameters, geometry = plan
+    codes, patches, extremes, parameters, geometry = plan
     for phase in (RANGE, CODES, PATCHES, PRODUCTS):
         if phase == CODES:
             parameters[0], parameters[1] = range_parameters(extremes[0, 0], extremes[1, 0])
-        dynamic_phase(phase, x, codes, patches, sums, weight, column_sums, weight_zeros, b_scales, bias, out,
+        dynamic_phase(phase, x, codes, patches, weight, column_sums, weight_zeros, b_scales, bias, out,
                        extremes, parameters, geometry, 0, 1)
 
 
 @jit
 def dynamic_plan(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, tasks):
-    """dynamic_conv_quads' buffers for ``tasks`` tasks a phase: (padded codes, patches, their sums, extremes (2,
+    """dynamic_conv_quads' buffers for ``tasks`` tasks a phase: (padded codes, patches, extremes (2,
     tasks) float32, parameters (2,) float32, geometry: kh .. right, oh, ow, then the positions rounded up to
     whole blocks, the blocks, the output channels a product unit takes (a multiple of MR, fewer units' worth where the
     column blocks are too few for the tasks) and the units over them)."""
@@ -169,16 +169,15 @@ def dynamic_plan(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, we
                          (columns + step - 1) // step])
     codes = np.empty(batch * channels * (height + top + bottom) * (width + left + right), np.uint8)
     patches = np.empty(batch * depth4 * wide16 * 4, np.uint8)
-    sums = np.empty((batch, wide16), np.int64)
-    return codes, patches, sums, np.empty((2, tasks), np.float32), np.empty(2, np.float32), geometry
+    return codes, patches, np.empty((2, tasks), np.float32), np.empty(2, np.float32), geometry
 
 
 @jit
-def dynamic_phase(phase, x, codes, patches, sums, weight, column_sums, weight_zeros, b_scales, bias, out, extremes,
+def dynamic_phase(phase, x, codes, patches, weight, column_sums, weight_zeros, b_scales, bias, out, extremes,
                    parameters, geometry, first, end):
     """Tasks first .. end of ``extremes.shape[1]`` of a phase of dynamic_conv_quads (each its share of the phase's
     items): RANGE, x's values (value_range into extremes[:, task]); CODES, the padded code lines (by the scale and
-    zero point in ``parameters``); PATCHES, (image, column block) units (their quads and sums); PRODUCTS, (image,
+    zero point in ``parameters``); PATCHES, (image, column block) units (their quads); PRODUCTS, (image,
     column block, output channels) units (multiplied and rescaled into out)."""
     kh, kw, sh, sw, dh, dw = geometry[0], geometry[1], geometry[2], geometry[3], geometry[4], geometry[5]
     top, bottom, left, right, oh, ow = geometry[6], geometry[7], geometry[8], geometry[9], geometry[10], geometry[11]
@@ -205,23 +204,20 @@ def dynamic_phase(phase, x, codes, patches, sums, weight, column_sums, weight_ze
         elif phase == PATCHES:
             for unit in range(a, b):
                 _patch_quads(codes, x.shape[1], x.shape[2] + top + bottom, x.shape[3] + left + right, kh, kw, sh, sw,
-                             dh, dw, oh, ow, blocks, weight.shape[1], unit // blocks, unit % blocks, shifted, patches,
-                             sums)
+                             dh, dw, oh, ow, blocks, weight.shape[1], unit // blocks, unit % blocks, patches)
         else:
             for unit in range(a, b):
                 image, rest = unit // (blocks * channel_units), unit % (blocks * channel_units)
-                _product_unit(patches, sums, weight, image, rest // channel_units, (rest % channel_units) * step,
+                _product_unit(patches, weight, image, rest // channel_units, (rest % channel_units) * step,
                               step, blocks, x.shape[1] * kh * kw, np.int64(zero), column_sums, weight_zeros,
                               np.float64(scale), b_scales, bias, shifted, out)
 
 
 @jit
-def _patch_quads(codes, channels, tall, wide, kh, kw, sh, sw, dh, dw, oh, ow, blocks, depth, image, block, shifted,
-                 patches, sums):
+def _patch_quads(codes, channels, tall, wide, kh, kw, sh, sw, dh, dw, oh, ow, blocks, depth, image, block, patches):
     """Image ``image``'s block ``block`` of patches (of ``blocks`` an image): patches[(((image * blocks + block) *
     K4 + k4) * BLOCK + p) * 4 + t] = the padded code of tap k = 4 * k4 + t at position block * BLOCK + p (0 past the
-    taps, ``depth`` bytes a weight row, and past the positions), and sums[image, block * BLOCK + p] their sum where
-    ``shifted``."""
+    taps, ``depth`` bytes a weight row, and past the positions)."""
     taps, masks = _tap_table(channels, tall, wide, kh, kw, dh, dw, depth)
     first = block * BLOCK
     valid = min(first + BLOCK, oh * ow) - first if oh * ow > first else 0
@@ -243,13 +239,6 @@ def _patch_quads(codes, channels, tall, wide, kh, kw, sh, sw, dh, dw, oh, ow, bl
                     | ((np.uint32(codes[at + o2]) & m2) << 16) | ((np.uint32(codes[at + o3]) & m3) << 24)
         for p in range(valid, BLOCK):
             line[p] = 0
-    if shifted:
-        totals = sums[image, first:first + BLOCK]
-        totals[:] = 0
-        for k4 in range(depth4):
-            line = out[k4 * BLOCK * 4:(k4 + 1) * BLOCK * 4]
-            for p in range(BLOCK):
-                totals[p] += np.int64(line[4 * p]) + line[4 * p + 1] + line[4 * p + 2] + line[4 * p + 3]
 
 
 @jit
@@ -287,31 +276,34 @@ def _position_runs(image_at, wide, sh, sw, ow, first, valid):
 
 
 @jit
-def _product_unit(patches, sums, weight, image, block, m_first, step, blocks, depth, zero, column_sums, weight_zeros,
+def _product_unit(patches, weight, image, block, m_first, step, blocks, depth, zero, column_sums, weight_zeros,
                   a_scale, b_scales, bias, shifted, out):
     """Output channels m_first .. m_first + step (fewer at M) of image ``image``'s column block ``block``: the
     int32 sums of their weight rows by the block's patches (weight_tiles), then each channel's run of its plane:
     out[image, m, p] = float32(float64(int32(acc + zu * (depth * zs[m] - column_sums[m]) - zs[m] * sums[p])) *
-    (a_scale * b_scales[m or 0])) (+ bias[m] in float32), wrapped as an int32 accumulator wraps."""
+    (a_scale * b_scales[m or 0])) (+ bias[m] in float32), wrapped as an int32 accumulator wraps; sums[p] the
+    patch's sum of codes, where ``shifted`` (a zero point zs not 0): the product of a row of ones by the patches."""
     columns, spots = weight.shape[0], out.shape[2]
     m_end = min(m_first + step, columns)
     first = block * BLOCK
     stop = min(first + BLOCK, spots)
     depth4 = weight.shape[1] // 4
+    at, vectors = (image * blocks + block) * depth4 * BLOCK * 4, (stop - first + LANES - 1) // LANES
     acc = np.empty((m_end - m_first) * BLOCK, np.int32)
-    weight_tiles(weight, m_first, m_end, patches, (image * blocks + block) * depth4 * BLOCK * 4, 4 * BLOCK,
-                 (stop - first + LANES - 1) // LANES, acc, BLOCK)
+    weight_tiles(weight, m_first, m_end, patches, at, 4 * BLOCK, vectors, acc, BLOCK)
     one, with_bias = b_scales.shape[0] == 1, bias.shape[0] > 0
-    # zs[m] times the patches' sums in a local array, once for the block where every channel has one zero point
-    # (one per tensor), else the sums, multiplied per channel. The terms held as int32, wrapped: the total is
-    # wrapped to int32 at the end, so each term counts only modulo 2**32, and the narrower operands vectorize
-    # (a loop over sums[image] in int64 ran 7x slower, over a local int64 copy still 1.5x).
+    # zs[m] times the patches' sums, once for the block where every channel has one zero point (one per tensor),
+    # else the sums, multiplied per channel. The terms held as int32, wrapped: the total is wrapped to int32 at the
+    # end, so each term counts only modulo 2**32, and the narrower operands vectorize (the sums in int64 ran 1.5x).
     uniform = shifted and np.all(weight_zeros[m_first:m_end] == weight_zeros[m_first])
     block_sums = np.zeros(BLOCK, np.int32)
     if shifted:
-        factor0 = weight_zeros[m_first] if uniform else np.int64(1)
-        for p in range(first, stop):
-            block_sums[p - first] = np.int32(factor0 * sums[image, p])
+        weight_tiles(np.ones((1, weight.shape[1]), np.int8), 0, 1, patches, at, 4 * BLOCK, vectors, block_sums,
+                     BLOCK)  # (the patches are 0 past the taps)
+        if uniform:
+            factor0 = np.int32(weight_zeros[m_first])
+            for p in range(stop - first):
+                block_sums[p] = np.int32(np.int64(factor0) * block_sums[p])
     for m in range(m_first, m_end):
         factor = a_scale * b_scales[0 if one else m]
         fix = np.int32(zero * (depth * weight_zeros[m] - column_sums[m]))

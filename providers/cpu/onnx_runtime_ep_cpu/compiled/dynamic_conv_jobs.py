@@ -15,21 +15,21 @@ from .workers import Kind, claim_task, collect, offer, run_here
 
 
 @jit
-def _run_dynamic_conv(phase, x, codes, patches, sums, weight, column_sums, weight_zeros, b_scales, bias, out,
+def _run_dynamic_conv(phase, x, codes, patches, weight, column_sums, weight_zeros, b_scales, bias, out,
                       extremes, parameters, geometry, ranges, claims, part):
     cursor = np.zeros(1, dtype=np.int64)
     while True:  # the part's own tasks, then those the other parts' threads have not claimed
         task = claim_task(claims, ranges, part, cursor)
         if task < 0:
             break
-        dynamic_phase(phase, x, codes, patches, sums, weight, column_sums, weight_zeros, b_scales, bias, out,
+        dynamic_phase(phase, x, codes, patches, weight, column_sums, weight_zeros, b_scales, bias, out,
                        extremes, parameters, geometry, task, task + 1)
 
 
-# dynamic_conv_quads' phases as claimed-task jobs (split_dynamic_conv): _dynamic_phase's tasks, part p's tasks
+# dynamic_conv_quads' phases as claimed-task jobs (split_dynamic_conv): dynamic_phase's tasks, part p's tasks
 # ranges[p] .. ranges[p + 1] claimed through claims[p].
 DYNAMIC_CONV = Kind("dynamic_conv", (
-    scalar("phase"), floats("x", 4), byte_codes("codes"), byte_codes("patches"), ints("sums", 2),
+    scalar("phase"), floats("x", 4), byte_codes("codes"), byte_codes("patches"),
     byte_codes("weight", 2, signed=True), ints("column_sums"), ints("weight_zeros"), doubles("b_scales"),
     floats("bias"), floats("out", 3), floats("extremes", 2), floats("parameters", shape=(2,)),
     ints("geometry", shape=(16,)), ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"), scalar("part"),
@@ -46,7 +46,7 @@ def split_dynamic_conv(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, 
     products. ``ranges``: part p's tasks ranges[p] .. ranges[p + 1] of ranges[-1]; ``claims`` one per part.
     Returns workers.collect's results, or'ed."""
     parts = ranges.shape[0] - 1
-    codes, patches, sums, extremes, parameters, geometry = dynamic_plan(x, kh, kw, sh, sw, dh, dw, top, bottom, left,
+    codes, patches, extremes, parameters, geometry = dynamic_plan(x, kh, kw, sh, sw, dh, dw, top, bottom, left,
                                                                         right, oh, ow, weight, ranges[parts])
     helpers = min(parts - 1, mailboxes.shape[0])
     result = 0
@@ -59,11 +59,11 @@ def split_dynamic_conv(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, 
             parameters[0], parameters[1] = range_parameters(low, high)
         claims[:] = 0
         for part in range(1, helpers + 1):
-            _write_dynamic_conv(mailboxes[part - 1], phase, x, codes, patches, sums, weight, column_sums,
+            _write_dynamic_conv(mailboxes[part - 1], phase, x, codes, patches, weight, column_sums,
                                 weight_zeros, b_scales, bias, out, extremes, parameters, geometry, ranges, claims,
                                 part)
             offer(mailboxes, states, part - 1, runner)
-        _write_dynamic_conv(own, phase, x, codes, patches, sums, weight, column_sums, weight_zeros, b_scales, bias,
+        _write_dynamic_conv(own, phase, x, codes, patches, weight, column_sums, weight_zeros, b_scales, bias,
                             out, extremes, parameters, geometry, ranges, claims, 0)
         run_here(runner, own)
         result |= collect(mailboxes, states, helpers)
