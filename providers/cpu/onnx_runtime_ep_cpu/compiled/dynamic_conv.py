@@ -35,7 +35,7 @@ from .qgemm import (
 )
 from .qgemm_quads import strided_quads, weight_tiles
 from .qgemm_tiles import LANES, MR, strided_product
-from .quantize import dynamic_parameters, range_parameters, requantized_code, value_range
+from .quantize import dynamic_parameters, quantize_row, range_parameters, requantized_code, value_range
 
 
 @jit
@@ -69,18 +69,10 @@ def _code_lines(x, scale, zero, top, bottom, left, right, codes, first, end):
         target = codes[line * wide:stop * wide]
         target[:left] = pad
         target[target.shape[0] - right:] = pad
-        _code_row(flat[at:at + (stop - line) * width], scale, zero, target[left:target.shape[0] - right])
+        # (DynamicQuantizeLinear's codes: quantize's rounding and saturation to [0, 255])
+        quantize_row(flat[at:at + (stop - line) * width], scale, zero, np.float32(0), np.float32(255),
+                     target[left:target.shape[0] - right])
         line = stop
-
-
-@jit
-def _code_row(x, scale, zero, out):
-    """DynamicQuantizeLinear's codes of x into out (one contiguous row a call: LLVM vectorizes its loop)."""
-    for i in range(x.shape[0]):
-        v = np.rint(x[i] / scale) + zero
-        v = np.float32(0) if v < 0 else v
-        v = np.float32(255) if v > 255 else v
-        out[i] = np.int32(v) if v == v else 0
 
 
 @jit
@@ -155,20 +147,19 @@ def dynamic_conv_quads(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, 
 @jit
 def dynamic_plan(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, tasks):
     """dynamic_conv_quads' buffers for ``tasks`` tasks a phase: (padded codes, patches, extremes (2,
-    tasks) float32, parameters (2,) float32, geometry: kh .. right, oh, ow, then the positions rounded up to
-    whole blocks, the blocks, the output channels a product unit takes (a multiple of MR, fewer units' worth where the
+    tasks) float32, parameters (2,) float32, geometry: kh .. right, oh, ow, then the blocks of
+    positions, the output channels a product unit takes (a multiple of MR, fewer units' worth where the
     column blocks are too few for the tasks) and the units over them)."""
     batch, channels, height, width = x.shape
     columns, depth4 = weight.shape[0], weight.shape[1] // 4
     blocks = (oh * ow + BLOCK - 1) // BLOCK
-    wide16 = blocks * BLOCK
     units = batch * blocks
     split = min((columns + MR - 1) // MR, max(1, (tasks + units - 1) // units))
     step = ((columns + split - 1) // split + MR - 1) // MR * MR
-    geometry = np.array([kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, wide16, blocks, step,
+    geometry = np.array([kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, blocks, step,
                          (columns + step - 1) // step])
     codes = np.empty(batch * channels * (height + top + bottom) * (width + left + right), np.uint8)
-    patches = np.empty(batch * depth4 * wide16 * 4, np.uint8)
+    patches = np.empty(batch * blocks * depth4 * BLOCK * 4, np.uint8)
     return codes, patches, np.empty((2, tasks), np.float32), np.empty(2, np.float32), geometry
 
 
@@ -181,7 +172,7 @@ def dynamic_phase(phase, x, codes, patches, weight, column_sums, weight_zeros, b
     column block, output channels) units (multiplied and rescaled into out)."""
     kh, kw, sh, sw, dh, dw = geometry[0], geometry[1], geometry[2], geometry[3], geometry[4], geometry[5]
     top, bottom, left, right, oh, ow = geometry[6], geometry[7], geometry[8], geometry[9], geometry[10], geometry[11]
-    blocks, step, channel_units = geometry[13], geometry[14], geometry[15]
+    blocks, step, channel_units = geometry[12], geometry[13], geometry[14]
     tasks = extremes.shape[1]
     batch = x.shape[0]
     if phase == RANGE:

@@ -32,7 +32,7 @@ DYNAMIC_CONV = Kind("dynamic_conv", (
     scalar("phase"), floats("x", 4), byte_codes("codes"), byte_codes("patches"),
     byte_codes("weight", 2, signed=True), ints("column_sums"), ints("weight_zeros"), doubles("b_scales"),
     floats("bias"), floats("out", 3), floats("extremes", 2), floats("parameters", shape=(2,)),
-    ints("geometry", shape=(16,)), ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"), scalar("part"),
+    ints("geometry", shape=(15,)), ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"), scalar("part"),
 ), _run_dynamic_conv, home=__name__)
 _write_dynamic_conv = DYNAMIC_CONV.writer
 

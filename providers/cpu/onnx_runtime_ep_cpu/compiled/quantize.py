@@ -18,7 +18,9 @@ from . import jit
 
 
 @jit
-def _quantize_row(x, s, z, lo, hi, out):
+def quantize_row(x, s, z, lo, hi, out):
+    """out = saturate(rint(x / s) + z) to [lo, hi] for one contiguous row (float32 arithmetic; NaN gives code 0),
+    a row a call: LLVM vectorizes its loop."""
     for i in range(x.shape[0]):
         v = np.rint(x[i] / s) + z
         v = lo if v < lo else v
@@ -34,7 +36,7 @@ def quantize(x, scale, zero, low, high, out):
     # One contiguous row per call: LLVM vectorizes a 1-D loop, not the innermost index of a 3-D one.
     for o in range(outer):
         for c in range(channels):
-            _quantize_row(x[o, c], scale[c], np.float32(zero[c]), lo, hi, out[o, c])
+            quantize_row(x[o, c], scale[c], np.float32(zero[c]), lo, hi, out[o, c])
 
 
 @jit
