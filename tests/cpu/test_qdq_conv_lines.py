@@ -30,7 +30,7 @@ LINES = [  # (x shape, w shape, attributes): geometries the lines take
     ((2, 4, 1, 13), (5, 4, 1, 2), {"pads": [0, 1, 0, 0], "strides": [1, 2]}),  # 2-D of height 1
     ((2, 8, 19), (37, 8, 3), {"pads": [1, 2], "strides": [2]}),  # quads: a partial tile, rows past 4, batches
 ]
-OTHERS = [  # geometries the patch rows keep
+OTHERS = [  # geometries the patch rows keep (a 2-D one where VNNI's channel-major blocks do not run it)
     ((2, 5, 17), (7, 5, 3), {"pads": [1, 1]}),  # odd channels
     ((3, 4, 11), (5, 4, 2), {"pads": [0, 2], "dilations": [2]}),
     ((2, 2, 6, 7), (4, 2, 3, 3), {"pads": [1, 0, 1, 2], "strides": [2, 1]}),
@@ -135,6 +135,7 @@ def test_other_geometries_keep_the_patch_rows(monkeypatch, case):
     inputs = _inputs(np.random.default_rng(case), x_shape, w_shape, np.uint8, True, True, bias=True)
     node = _node(inputs, attrs, True, False)
     lines, rows = _counted(monkeypatch, "quantized_conv_lines"), _counted(monkeypatch, "quantized_conv")
+    monkeypatch.setattr(qdq_linear, "_takes_blocks", lambda *a: False)  # (test_qdq_conv_blocks.py has those)
     got = qdq_linear.quantized_conv(node, [], 1)(*inputs)[0]
     assert (len(lines), len(rows)) == (0, 1)
     monkeypatch.setattr(qdq_linear, "patch_geometry", lambda *a: None)

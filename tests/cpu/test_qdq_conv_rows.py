@@ -60,6 +60,7 @@ def test_patch_rows_give_the_float_paths_codes(monkeypatch, case, act, per_chann
     compiled = dynamic_conv.quantized_conv
     monkeypatch.setattr(dynamic_conv, "quantized_conv", lambda *a: calls.append(1) or compiled(*a))
     monkeypatch.setattr(qdq_linear, "_takes_lines", lambda *a: False)  # (test_qdq_conv_lines.py has those)
+    monkeypatch.setattr(qdq_linear, "_takes_blocks", lambda *a: False)  # (test_qdq_conv_blocks.py has those)
     rows = qdq_linear.quantized_conv(node, [], 1)
     got = [rows(*inputs)[0] for _ in range(2)]  # the second call reuses the packed weight
     assert len(calls) == 2

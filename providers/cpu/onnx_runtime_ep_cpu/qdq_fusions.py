@@ -474,16 +474,18 @@ def _drop_if_unread(view: GraphView, node: Node, reader: Node, removed: list[Nod
         removed.append(node)
 
 
-def fuse_quantized_linear(graph: Graph, owns=None, kinds=frozenset(_LINEAR), conv_ranks=(3, 4, 5)) -> bool:
+def fuse_quantized_linear(graph: Graph, owns=None, kinds=frozenset(_LINEAR), conv_ranks=(3, 4, 5),
+                          accepts=None) -> bool:
     """DequantizeLinear(codes) -> MatMul/Gemm/Conv (weight: DequantizeLinear of constant codes, per tensor or
     per output channel; or, for MatMul, a second dequantized activation) -> QuantizeLinear: one node computing
     the integer product of the codes, requantized once (ops/qdq_linear.py), as onnxruntime's QDQ transformer
     makes QLinearMatMul, QGemm and QLinearConv. The bias (a DequantizeLinear of int32 codes, or float) stays
     a float input, which constant folding then makes one constant. Runs before the optimizer, whose constant
-    folding would otherwise turn the weights' DequantizeLinear into float32 weights."""
+    folding would otherwise turn the weights' DequantizeLinear into float32 weights. ``accepts``: a further test
+    of the MatMul/Gemm/Conv node, or None."""
     view = GraphView(graph)
     for node in list(graph.nodes):
-        if node.op_type not in kinds or node.domain:
+        if node.op_type not in kinds or node.domain or (accepts is not None and not accepts(node)):
             continue
         group = _linear_group(view, node)
         if group is None:
@@ -777,13 +779,45 @@ def fuse_quantized_matmul(graph: Graph, owns=None) -> bool:
 
 _PRODUCTS = frozenset({"MatMul", "Gemm", "Conv"})
 
+
+# A 2-D convolution group of at least this many multiply-adds an image runs on the integers where VNNI's byte
+# products run it (compiled/quantized_conv_blocks); smaller ones stay in the float chains with their roundings,
+# whose fused segments run them faster than a call each.
+LARGE_CONV_MACS = 1 << 24
+
+
+def fuse_large_quantized_conv(graph: Graph, owns=None) -> bool:
+    """fuse_quantized_linear of 2-D convolution groups (group 1) of LARGE_CONV_MACS an image or more, by their
+    output's inferred shape, on hosts with AVX-512 VNNI."""
+    from .compiled import qgemm_quads  # (imports neither numba nor llvmlite)
+
+    if not qgemm_quads.AVAILABLE:
+        return False
+    view = GraphView(graph)
+    large = set()
+    for node in graph.nodes:
+        if node.op_type != "Conv" or node.domain or int(node.attr("group", 1)) != 1 or len(node.inputs) < 2:
+            continue
+        dq = _made_by(view, node.inputs[1], "DequantizeLinear")
+        weight = None if dq is None else _constant(view, dq.inputs[0])
+        info = graph.type_of(node.outputs[0])
+        if weight is None or weight.ndim != 4 or info is None or info.shape is None or len(info.shape) != 4:
+            continue
+        height, width = info.shape[2], info.shape[3]
+        if isinstance(height, int) and isinstance(width, int) and height * width * weight.size >= LARGE_CONV_MACS:
+            large.add(id(node))
+    if not large:
+        return False
+    return fuse_quantized_linear(graph, owns, frozenset({"Conv"}), (4,), lambda node: id(node) in large)
+
 # The integer groups compute what onnxruntime's QDQ kernels compute. For MatMul and Gemm they are the default:
 # one node per group in place of a rounding node, a float product and the next rounding node, which on the
 # zoo's transformer encoders measured 1.56 -> 1.39 (t5), 2.07 -> 1.73 (vit), 1.86 -> 1.81 (bert), one thread,
 # CPU time against onnxruntime. A 2-D convolution group measured slower than the float path with its roundings
 # (resnet 2.19 -> 2.67, before its patch rows took the integer product); those stay out of the default passes
 # (INTEGER_GROUP_PASSES has every rank, for a caller to add before QDQ_PASSES). 1-D ones (whisper's Conv1d) are in.
-_MATMUL_GROUP_PASSES = [_early(until_fixed(fuse_quantized_matmul)), _early(until_fixed(absorb_quantize)),
+_MATMUL_GROUP_PASSES = [_early(until_fixed(fuse_quantized_matmul)), _early(until_fixed(fuse_large_quantized_conv)),
+                        _early(until_fixed(absorb_quantize)),
                         _early(until_fixed(absorb_dequantize))]
 INTEGER_GROUP_PASSES = [_early(until_fixed(fuse_quantized_linear)), _early(until_fixed(absorb_quantize)),
                         _early(until_fixed(absorb_dequantize))]

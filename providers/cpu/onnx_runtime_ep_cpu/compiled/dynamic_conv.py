@@ -194,7 +194,7 @@ def dynamic_phase(phase, x, codes, patches, weight, column_sums, weight_zeros, b
             _code_lines(x, scale, zero, top, bottom, left, right, codes, a, b)
         elif phase == PATCHES:
             for unit in range(a, b):
-                _patch_quads(codes, x.shape[1], x.shape[2] + top + bottom, x.shape[3] + left + right, kh, kw, sh, sw,
+                patch_quads(codes, x.shape[1], x.shape[2] + top + bottom, x.shape[3] + left + right, kh, kw, sh, sw,
                              dh, dw, oh, ow, blocks, weight.shape[1], unit // blocks, unit % blocks, patches)
         else:
             for unit in range(a, b):
@@ -205,7 +205,7 @@ def dynamic_phase(phase, x, codes, patches, weight, column_sums, weight_zeros, b
 
 
 @jit
-def _patch_quads(codes, channels, tall, wide, kh, kw, sh, sw, dh, dw, oh, ow, blocks, depth, image, block, patches):
+def patch_quads(codes, channels, tall, wide, kh, kw, sh, sw, dh, dw, oh, ow, blocks, depth, image, block, patches):
     """Image ``image``'s block ``block`` of patches (of ``blocks`` an image): patches[(((image * blocks + block) *
     K4 + k4) * BLOCK + p) * 4 + t] = the padded code of tap k = 4 * k4 + t at position block * BLOCK + p (0 past the
     taps, ``depth`` bytes a weight row, and past the positions)."""
@@ -259,10 +259,13 @@ def _position_runs(image_at, wide, sh, sw, ow, first, valid):
     while p < valid:
         r, q = (first + p) // ow, (first + p) % ow
         # unsigned offsets: numba checks signed ones for wraparound, which keeps the gather from vectorizing
-        starts[runs] = np.uint64((image_at + r * sh) * wide + q * sw)
-        places[runs], lengths[runs] = p, min(ow - q, valid - p)
-        p += lengths[runs]
-        runs += 1
+        start, length = np.uint64((image_at + r * sh) * wide + q * sw), min(ow - q, valid - p)
+        if runs and starts[runs - 1] + np.uint64(lengths[runs - 1] * sw) == start:
+            lengths[runs - 1] += length  # the next row goes on where this one ends (no pads, unit stride: a 1x1)
+        else:
+            starts[runs], places[runs], lengths[runs] = start, p, length
+            runs += 1
+        p += length
     return starts, places, lengths, runs
 
 

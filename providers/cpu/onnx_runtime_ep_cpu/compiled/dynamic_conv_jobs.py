@@ -1,6 +1,7 @@
-"""compiled/dynamic_conv.dynamic_conv_quads shared with the helper threads (workers.py): each phase (x's range, the
-padded codes, the patches, the products) one job whose tasks the calling thread and the helpers claim. Apart from
-dynamic_conv.py, which a process's first runs import before numba loads: this module imports workers, and numba
+"""compiled/dynamic_conv.dynamic_conv_quads and quantized_conv_blocks.quantized_conv_blocks shared with the helper
+threads (workers.py): each phase (x's range, the padded codes, the patches, the products) one job whose tasks the
+calling thread and the helpers claim. Apart from
+those modules, which a process's first runs import before numba loads: this module imports workers, and numba
 with it."""
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ import numpy as np
 
 from . import jit
 from .dynamic_conv import CODES, PATCHES, PRODUCTS, RANGE, dynamic_phase, dynamic_plan
-from .mailbox import byte_codes, doubles, floats, ints, scalar
+from .mailbox import byte_codes, doubles, floats, int32s, ints, scalar
 from .quantize import range_parameters
+from .quantized_conv_blocks import quantized_phase, quantized_plan
 from .workers import Kind, claim_task, collect, offer, run_here
 
 
@@ -65,6 +67,53 @@ def split_dynamic_conv(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, 
             offer(mailboxes, states, part - 1, runner)
         _write_dynamic_conv(own, phase, x, codes, patches, weight, column_sums, weight_zeros, b_scales, bias,
                             out, extremes, parameters, geometry, ranges, claims, 0)
+        run_here(runner, own)
+        result |= collect(mailboxes, states, helpers)
+    return result
+
+
+@jit
+def _run_quantized_conv(phase, x, x_codes, codes, patches, weight, terms, weight_zeros, factors, shifts, consts,
+                        out, out_codes, geometry, ranges, claims, part):
+    cursor = np.zeros(1, dtype=np.int64)
+    tasks = ranges[ranges.shape[0] - 1]
+    while True:
+        task = claim_task(claims, ranges, part, cursor)
+        if task < 0:
+            break
+        quantized_phase(phase, x, x_codes, codes, patches, weight, terms, weight_zeros, factors, shifts, consts, out,
+                        out_codes, geometry, tasks, task, task + 1)
+
+
+# quantized_conv_blocks' phases as claimed-task jobs (split_quantized_conv), as DYNAMIC_CONV's.
+QUANTIZED_CONV = Kind("quantized_conv", (
+    scalar("phase"), floats("x", 4), byte_codes("x_codes", 4), byte_codes("codes"), byte_codes("patches"),
+    byte_codes("weight", 2, signed=True), int32s("terms"), int32s("weight_zeros"), doubles("factors"),
+    doubles("shifts"), doubles("consts"), floats("out", 3), byte_codes("out_codes", 3), ints("geometry", shape=(15,)),
+    ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"), scalar("part"),
+), _run_quantized_conv, home=__name__)
+_write_quantized_conv = QUANTIZED_CONV.writer
+
+
+@jit
+def split_quantized_conv(x, x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, terms,
+                         weight_zeros, factors, shifts, consts, out, out_codes, ranges, claims, own, mailboxes,
+                         states, runner):
+    """quantized_conv_blocks across the calling thread and the helpers, one job per phase (the codes, the patches,
+    the products), as split_dynamic_conv. Returns workers.collect's results, or'ed."""
+    parts = ranges.shape[0] - 1
+    codes, patches, _, _, geometry = quantized_plan(x, x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh,
+                                                    ow, weight, ranges[parts])
+    helpers = min(parts - 1, mailboxes.shape[0])
+    result = 0
+    for phase in (CODES, PATCHES, PRODUCTS):
+        claims[:] = 0
+        for part in range(1, helpers + 1):
+            _write_quantized_conv(mailboxes[part - 1], phase, x, x_codes, codes, patches, weight, terms,
+                                  weight_zeros, factors, shifts, consts, out, out_codes, geometry, ranges, claims, part)
+            offer(mailboxes, states, part - 1, runner)
+        _write_quantized_conv(own, phase, x, x_codes, codes, patches, weight, terms, weight_zeros, factors, shifts,
+                              consts, out, out_codes, geometry, ranges, claims, 0)
         run_here(runner, own)
         result |= collect(mailboxes, states, helpers)
     return result

@@ -45,9 +45,30 @@ def _emit_quad_tile(builder, mr: int, nc: int, pointers: tuple, values: tuple, u
 
     from . import llvm
 
+    i32x16 = ir.VectorType(llvm.I32, LANES)
+    c_ptr, ldc = pointers[2], values[3]
+    totals = _quad_totals(builder, mr, nc, pointers[:2], values[:3], unsigned_broadcast)
+
+    def const(value):
+        return ir.Constant(llvm.I64, value)
+
+    for i in range(mr):
+        row_at = builder.mul(const(i), ldc)
+        for j in range(nc):
+            target = builder.bitcast(builder.gep(c_ptr, [builder.add(row_at, const(LANES * j))]),
+                                     i32x16.as_pointer())
+            builder.store(totals[i * nc + j], target, align=4)
+
+
+def _quad_totals(builder, mr: int, nc: int, pointers: tuple, values: tuple, unsigned_broadcast: bool) -> list:
+    """The IR of an mr x (16 * nc) tile's k loop: its int32 sums, mr * nc vectors of 16 lanes (row-major)."""
+    from llvmlite import ir
+
+    from . import llvm
+
     i8x64, i32x16 = ir.VectorType(ir.IntType(8), 4 * LANES), ir.VectorType(llvm.I32, LANES)
-    a_ptr, b_ptr, c_ptr = pointers
-    depth, lda, ldb, ldc = values
+    a_ptr, b_ptr = pointers
+    depth, lda, ldb = values
     dot = llvm.declare(builder.module, "llvm.x86.avx512.vpdpbusd.512",
                        ir.FunctionType(i32x16, [i32x16, i8x64, i8x64]))
     a32 = builder.bitcast(a_ptr, llvm.I32.as_pointer())
@@ -69,13 +90,99 @@ def _emit_quad_tile(builder, mr: int, nc: int, pointers: tuple, values: tuple, u
                                        else [acc[i * nc + j], weights[j], broadcast]) for j in range(nc))
         return summed
 
-    totals = llvm.counted_loop(builder, depth, [ir.Constant(i32x16, None)] * (mr * nc), step, "quadtile")
+    return llvm.counted_loop(builder, depth, [ir.Constant(i32x16, None)] * (mr * nc), step, "quadtile")
+
+
+ROUNDER = 1.5 * 2.0 ** 52  # x + ROUNDER - ROUNDER rounds float64 x half to even while |x| < 2**51
+
+
+def _emit_requantized_tile(builder, mr: int, nc: int, pointers: tuple, values: tuple, dequantize: bool) -> None:
+    """An mr x (16 * nc) tile of _emit_weight_tile's products (output channels by positions) requantized in its
+    registers and stored along each channel's plane: for row i (channel m = row + i), total = acc + terms[m] -
+    zeros[m] * sums[j] (int32, wrapping; sums the positions' sums of codes), v = float64(total) * factors[m] +
+    shifts[m] saturated to [bounds[0], bounds[1]] (the codes' range less the zero point), rounded half to even
+    (NaN, from a NaN shift, as code 0), then the code's byte, int32(v + bounds[2]) & 255, or with ``dequantize``
+    its float32 value, float32(v * bounds[3]). Lanes at or past ``count`` positions are not stored (masked
+    stores), so a block's tail writes nothing past its positions."""
+    from llvmlite import ir
+
+    from . import llvm
+
+    a_ptr, b_ptr, terms, zeros, sums, factors, shifts, bounds, out = pointers
+    depth, lda, ldb, row, out_at, ldo, count = values
+    f64 = ir.DoubleType()
+    f64x16, i32x16 = ir.VectorType(f64, LANES), ir.VectorType(llvm.I32, LANES)
+    element = llvm.F32 if dequantize else ir.IntType(8)
+    vector = ir.VectorType(element, LANES)
+    store = llvm.declare(builder.module, f"llvm.masked.store.v16{'f32' if dequantize else 'i8'}.p0",
+                         ir.FunctionType(ir.VoidType(), [vector, vector.as_pointer(), llvm.I32, llvm.MASK]))
+    totals = _quad_totals(builder, mr, nc, (a_ptr, b_ptr), (depth, lda, ldb), False)
+
+    def const(value):
+        return ir.Constant(llvm.I64, value)
+
+    def wide(scalar):
+        return llvm.splat(builder, scalar, f64x16)
+
+    low, high, zero, scale = (wide(builder.load(builder.gep(bounds, [const(b)]))) for b in range(4))
+    rounder = ir.Constant(f64x16, [ROUNDER] * LANES)
+    unset = builder.fsub(ir.Constant(f64x16, [0.0] * LANES), zero)  # code 0 less the zero point
+    limit = builder.trunc(count, llvm.I32)
+    masks = [builder.icmp_signed("<", builder.add(llvm.LANE_NUMBERS, ir.Constant(i32x16, [LANES * j] * LANES)),
+                                 llvm.splat(builder, limit, i32x16)) for j in range(nc)]
+    position_sums = [builder.load(builder.bitcast(builder.gep(sums, [const(LANES * j)]), i32x16.as_pointer()),
+                                  align=4) for j in range(nc)]
     for i in range(mr):
-        row_at = builder.mul(const(i), ldc)
+        m = builder.add(row, const(i))
+        term = llvm.splat(builder, builder.load(builder.gep(terms, [m])), i32x16)
+        zero_point = llvm.splat(builder, builder.load(builder.gep(zeros, [m])), i32x16)
+        factor, shift = wide(builder.load(builder.gep(factors, [m]))), wide(builder.load(builder.gep(shifts, [m])))
+        plane = builder.add(out_at, builder.mul(const(i), ldo))
         for j in range(nc):
-            target = builder.bitcast(builder.gep(c_ptr, [builder.add(row_at, const(LANES * j))]),
-                                     i32x16.as_pointer())
-            builder.store(totals[i * nc + j], target, align=4)
+            total = builder.sub(builder.add(totals[i * nc + j], term), builder.mul(zero_point, position_sums[j]))
+            v = builder.sitofp(total, f64x16)
+            v = builder.fadd(builder.fmul(v, factor), shift)
+            v = builder.select(builder.fcmp_ordered("<", v, low), low, v)
+            v = builder.select(builder.fcmp_ordered(">", v, high), high, v)
+            v = builder.fsub(builder.fadd(v, rounder), rounder)
+            v = builder.select(builder.fcmp_unordered("uno", v, v), unset, v)  # NaN (a NaN shift): code 0
+            if dequantize:
+                value = builder.fptrunc(builder.fmul(v, scale), vector)
+            else:
+                value = builder.trunc(builder.fptosi(builder.fadd(v, zero), i32x16), vector)
+            target = builder.bitcast(builder.gep(out, [builder.add(plane, const(LANES * j))]), vector.as_pointer())
+            builder.call(store, [value, target, ir.Constant(llvm.I32, 1), masks[j]])
+
+
+def requantizing_kernel(mr: int, nc: int):
+    """The numba intrinsic of one _emit_requantized_tile, called as (weight, a_at, patches, b_at, depth, lda, ldb,
+    terms, zeros, sums, factors, shifts, bounds, row, out, out_at, ldo, count): int8 weight rows from element a_at
+    (lda quads a row), uint8 patches from b_at (ldb bytes a quad of k), int32 terms, zeros (per output channel)
+    and sums (per position of the tile, from its first), float64 factors, shifts and bounds,
+    ``row`` the tile's first output channel, ``out`` uint8 (the codes' bytes) or float32 (their values), the
+    tile's first position at out_at and each channel's plane ldo elements after the one before."""
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def microkernel(typingctx, a, a_at, b, b_at, depth, lda, ldb, terms, zeros, sums, factors, shifts, bounds, row,
+                    out, out_at, ldo, count):
+        signature = types.void(a, a_at, b, b_at, depth, lda, ldb, terms, zeros, sums, factors, shifts, bounds, row,
+                               out, out_at, ldo, count)
+        dequantize = out.dtype == types.float32
+
+        def codegen(context, builder, sig, args):
+            def data(index):
+                return context.make_array(sig.args[index])(context, builder, args[index]).data
+
+            pointers = (builder.gep(data(0), [args[1]]), builder.gep(data(2), [args[3]]), data(7), data(8), data(9),
+                        data(10), data(11), data(12), data(14))
+            _emit_requantized_tile(builder, mr, nc, pointers, (args[4], args[5], args[6], args[13], args[15],
+                                                               args[16], args[17]), dequantize)
+            return context.get_dummy_value()
+
+        return signature, codegen
+    return microkernel
 
 
 # The microkernels by NC, globals for the loops that call them, made when those loops are compiled (importing
@@ -83,12 +190,17 @@ def _emit_quad_tile(builder, mr: int, nc: int, pointers: tuple, values: tuple, u
 # _wtile_<nc>, _wrow_<nc>: the same of _emit_weight_tile.
 _tile_1 = _tile_2 = _tile_3 = _tile_4 = _row_1 = _row_2 = _row_3 = _row_4 = None
 _wtile_1 = _wtile_2 = _wtile_3 = _wtile_4 = _wrow_1 = _wrow_2 = _wrow_3 = _wrow_4 = None
+# _rtile_<nc>, _rrow_<nc>: requantizing_kernel's
+_rtile_1 = _rtile_2 = _rtile_3 = _rtile_4 = _rrow_1 = _rrow_2 = _rrow_3 = _rrow_4 = None
 
 
 def _define_kernels() -> None:
     global _tile_1, _tile_2, _tile_3, _tile_4, _row_1, _row_2, _row_3, _row_4
     global _wtile_1, _wtile_2, _wtile_3, _wtile_4, _wrow_1, _wrow_2, _wrow_3, _wrow_4
+    global _rtile_1, _rtile_2, _rtile_3, _rtile_4, _rrow_1, _rrow_2, _rrow_3, _rrow_4
     if _tile_4 is None:
+        _rrow_1, _rrow_2, _rrow_3, _rrow_4 = (requantizing_kernel(1, nc) for nc in range(1, NC_MAX + 1))
+        _rtile_1, _rtile_2, _rtile_3, _rtile_4 = (requantizing_kernel(MR, nc) for nc in range(1, NC_MAX + 1))
         _row_1, _row_2, _row_3, _row_4 = (tile_kernel(_emit_tile, 1, nc) for nc in range(1, NC_MAX + 1))
         _tile_1, _tile_2, _tile_3, _tile_4 = (tile_kernel(_emit_tile, MR, nc) for nc in range(1, NC_MAX + 1))
         _wrow_1, _wrow_2, _wrow_3, _wrow_4 = (tile_kernel(_emit_weight_tile, 1, nc) for nc in range(1, NC_MAX + 1))
@@ -245,3 +357,60 @@ def _portable_weight_tiles(weight, first, end, patches, b_at, ldb, nc, c, ldc):
 
 
 weight_tiles = _weight_tiles if AVAILABLE else _portable_weight_tiles
+
+
+@_with_kernels
+def _requantized_tiles(weight, first, end, patches, b_at, ldb, nc, terms, zeros, sums, factors, shifts, bounds, out,
+                       out_at, ldo, count):
+    """weight_tiles' products for rows first .. end requantized in the tiles (_emit_requantized_tile) into
+    ``out`` (flat: row i's ``count`` positions from out_at + (i - first) * ldo): codes' bytes (uint8) or float32
+    values. ``sums`` the positions' sums of codes (zeros where every zero point is 0)."""
+    lda = weight.shape[1] // 4
+    flat_a = weight.reshape(-1)
+    i = first
+    while i < end:
+        single = end - i < MR
+        head = (flat_a, 4 * lda * i, patches, b_at, lda, lda, ldb, terms, zeros, sums, factors, shifts, bounds, i)
+        tail = (out, out_at + (i - first) * ldo, ldo, count)
+        if single:
+            if nc == 4:
+                _rrow_4(*head, *tail)
+            elif nc == 3:
+                _rrow_3(*head, *tail)
+            elif nc == 2:
+                _rrow_2(*head, *tail)
+            else:
+                _rrow_1(*head, *tail)
+        elif nc == 4:
+            _rtile_4(*head, *tail)
+        elif nc == 3:
+            _rtile_3(*head, *tail)
+        elif nc == 2:
+            _rtile_2(*head, *tail)
+        else:
+            _rtile_1(*head, *tail)
+        i += 1 if single else MR
+
+
+@jit
+def _portable_requantized_tiles(weight, first, end, patches, b_at, ldb, nc, terms, zeros, sums, factors, shifts,
+                                bounds, out, out_at, ldo, count):
+    """_requantized_tiles without the tiles (hosts without VNNI): the same arithmetic, a value at a time."""
+    low, high, zero, scale = bounds[0], bounds[1], bounds[2], bounds[3]
+    for i in range(first, end):
+        for j in range(count):
+            total = np.int32(0)
+            for k in range(weight.shape[1]):
+                total += np.int32(weight[i, k]) * np.int32(patches[b_at + (k // 4) * ldb + 4 * j + k % 4])
+            v = np.float64(np.int32(total + terms[i] - zeros[i] * sums[j])) * factors[i] + shifts[i]
+            v = low if v < low else v
+            v = high if v > high else v
+            v = (v + ROUNDER) - ROUNDER
+            at = out_at + (i - first) * ldo + j
+            if out.dtype == np.float32:
+                out[at] = np.float32(v * scale)
+            else:
+                out[at] = np.int32(v + zero) & 255
+
+
+requantized_tiles = _requantized_tiles if AVAILABLE else _portable_requantized_tiles

@@ -32,6 +32,8 @@ from ..algorithms.repeat_call import RepeatCall
 from ..compiled.deferred import numpy_first, tried
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
+from ..threads import helper_count, kernel_threads
+from ..tuning import KNOBS
 from ._common import argument_error
 from .quantization import integer_conv, qlinear_matmul_general
 
@@ -70,6 +72,7 @@ class Requantization:
         self.packed = None  # (B, its packed int16 form) for a constant 2-D B
         self.consts: np.ndarray | None = None  # compiled_consts, for the products
         self.out_dtype = self.y_dtype
+        self.channel_params: tuple | None = None  # (multiplier, offset) one per output channel, where asked for
 
     def compiled_consts(self, quantize_a: bool, quantize_b: bool, dequantize: bool) -> np.ndarray:
         """The parameters as compiled/qgemm.py's ``consts`` array."""
@@ -425,7 +428,8 @@ def _conv_rows(node, quantize_a: bool, dequantize: bool, repeat: RepeatCall):
     background its numpy twin (generic_int8) serves. A 1-D convolution without dilation over an even channel
     count, where the register tiles run, reads its windows in place from channel-last codes
     (dynamic_conv.quantized_conv_lines) instead of gathering patch rows; over whole quads of channels, on VNNI,
-    as bytes (dynamic_conv.quantized_conv_quads), whose calls are kept for their repeats."""
+    as bytes (dynamic_conv.quantized_conv_quads), whose calls are kept for their repeats. On VNNI a 2-D one runs
+    channel-major (_conv_blocks)."""
     auto_pad = node.attr("auto_pad", "NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
     if int(node.attr("group", 1)) != 1 or auto_pad != "NOTSET":
@@ -449,14 +453,11 @@ def _conv_rows(node, quantize_a: bool, dequantize: bool, repeat: RepeatCall):
         if p.consts is None:
             p.consts = p.compiled_consts(quantize_a, False, dequantize)
         shape4, steps, out_shape, (oh, ow) = geometry
+        if _takes_blocks(qgemm_quads, shape4, steps) and not numpy_first("dynamic_conv_jobs.QUANTIZED_CONV"):
+            return _conv_blocks(side, x, w, w_zero, p, geometry, dequantize)
         if _takes_lines(qgemm, shape4, steps) and not numpy_first():
-            arguments = (side, dynamic_conv, qgemm, x, w, w_zero, p, geometry, dequantize)
-            quads = _takes_quads(qgemm_quads, shape4)
-            lines = _conv_quads if quads else _conv_lines
-            out = lines(*arguments) if ran.compiled else tried(ran, "compiled", lines, *arguments)
+            out = _lines_call(ran, binds, keep, side, x, w, w_zero, p, geometry, dequantize)
             if out is not None:
-                if quads and ran.compiled:
-                    _keep_quads(binds, keep, side, dynamic_conv, x, w, w_zero, p, geometry, out)
                 return out
         packed, pairs = _conv_weight(side, qgemm, w, w_zero, p, False)
         out = np.empty(out_shape, _F32 if dequantize else p.y_dtype)
@@ -466,6 +467,100 @@ def _conv_rows(node, quantize_a: bool, dequantize: bool, repeat: RepeatCall):
         return out
 
     return call
+
+
+def _lines_call(ran, binds: dict, keep, side: list, x, w, w_zero, p, geometry: tuple, dequantize: bool):
+    """_conv_rows' call of the windows read in place, as bytes on VNNI (kept for its repeats) or as int16 pairs;
+    None where the compiled loop could not run it (deferred.tried, until one ran whole)."""
+    from ..compiled import dynamic_conv, qgemm, qgemm_quads
+
+    arguments = (side, dynamic_conv, qgemm, x, w, w_zero, p, geometry, dequantize)
+    quads = _takes_quads(qgemm_quads, geometry[0])
+    lines = _conv_quads if quads else _conv_lines
+    out = lines(*arguments) if ran.compiled else tried(ran, "compiled", lines, *arguments)
+    if out is not None and quads and ran.compiled:
+        _keep_quads(binds, keep, side, dynamic_conv, x, w, w_zero, p, geometry, out)
+    return out
+
+
+def _takes_blocks(qgemm_quads, shape4: tuple, steps: tuple) -> bool:
+    """Whether the convolution runs channel-major on the byte products (compiled/quantized_conv_blocks): VNNI and
+    a 2-D convolution (1-D ones read their windows in place: _takes_lines)."""
+    return qgemm_quads.AVAILABLE and not (shape4[2] == steps[0] == 1)
+
+
+def _conv_blocks(side: list, x, w, w_zero, p, geometry: tuple, dequantize: bool) -> np.ndarray:
+    """_conv_rows' call through compiled/quantized_conv_blocks (patches as quads by output position, the weight's
+    signed rows broadcast, requantized along each output channel's plane), from KNOBS.split_macs of multiply-adds a
+    thread across the helper threads (dynamic_conv_jobs.split_quantized_conv)."""
+    from ..compiled import quantized_conv_blocks
+
+    shape4, steps, out_shape, (oh, ow) = geometry
+    weight, terms, zeros = _block_weight(side, w, w_zero, p)
+    factors, shifts = _channel_params(p, w.shape[0])
+    out = np.empty(out_shape, _F32 if dequantize else p.y_dtype)
+    out3 = out.reshape(out_shape[0], out_shape[1], oh * ow)
+    x4 = np.ascontiguousarray(x).reshape(shape4)
+    floats = x4.dtype == _F32
+    arguments = (x4 if floats else _NO_FLOATS4, _NO_BYTES4 if floats else x4.view(np.uint8), *steps, oh, ow, weight,
+                 terms, zeros, factors, shifts, p.consts, out3 if dequantize else _NO_FLOATS3,
+                 _NO_BYTES3 if dequantize else out3.view(np.uint8))
+    threads = _threads(out_shape[0] * oh * ow * weight.size)
+    if threads > 1:
+        from ..compiled import dynamic_conv_jobs, workers
+
+        tasks = TASKS_PER_THREAD * threads
+        ranges = np.array([tasks * part // threads for part in range(threads + 1)], dtype=np.int64)
+        workers.call(dynamic_conv_jobs.split_quantized_conv,
+                     (*arguments, ranges, np.zeros(threads, np.int64), workers.local_mailbox(0)),
+                     dynamic_conv_jobs.QUANTIZED_CONV.address(), 0, helper_count())
+    else:
+        quantized_conv_blocks.quantized_conv_blocks(*arguments)
+    return out
+
+
+_NO_FLOATS4, _NO_BYTES4 = np.zeros((0, 0, 0, 0), _F32), np.zeros((0, 0, 0, 0), np.uint8)
+_NO_FLOATS3, _NO_BYTES3 = np.zeros((0, 0, 0), _F32), np.zeros((0, 0, 0), np.uint8)
+
+
+def _block_weight(side: list, w, w_zero, p) -> tuple:
+    """quantized_conv_blocks' weight for the input's zero point: the weight's signed codes as rows of whole quads
+    (qgemm_quads.weight_rows, k = (c*KH + i)*KW + j), the zero points' constant term per output channel (int32,
+    wrapped) and the signed zero points; kept with the packed forms of _conv_weight."""
+    from ..compiled import qgemm_quads
+
+    if side[0] is not w or side[1] is not w_zero:
+        side[:] = [w, w_zero, {}]
+    unsigned_zero = p.a_zero - p.a_low  # the input's zero point among its codes shifted to unsigned
+    key = ("blocks", unsigned_zero)
+    found = side[2].get(key)
+    if found is None:
+        columns = w.reshape(w.shape[0], -1).T
+        quads, sums, zeros = qgemm_quads.signed_quads(columns, p.b_zeros)
+        terms = unsigned_zero * (columns.shape[0] * zeros - sums)  # exact in int64; the kernel's sums wrap at int32
+        found = (qgemm_quads.weight_rows(quads, w.shape[0]), terms.astype(np.uint32).view(np.int32),
+                 zeros.astype(np.int32))
+        if not w.flags.writeable and not w_zero.flags.writeable:
+            side[2][key] = found
+    return found
+
+
+def _channel_params(p, columns: int) -> tuple:
+    """The group's requantize_affine multiplier and offset as one of each per output channel (float64), kept on
+    the Requantization."""
+    found = p.channel_params
+    if found is None or found[0].shape[0] != columns:
+        found = p.channel_params = tuple(np.ascontiguousarray(np.broadcast_to(v, (columns,)), dtype=np.float64)
+                                         for v in (p.multiplier, p.offset))
+    return found
+
+
+def _threads(macs: int) -> int:
+    """The threads a call splits across: KNOBS.split_macs of multiply-adds a thread at least."""
+    return max(1, min(kernel_threads(), macs // KNOBS.split_macs))
+
+
+TASKS_PER_THREAD = 4  # each phase's tasks: a helper that falls behind leaves some to the others
 
 
 def _conv_lines(side: list, dynamic_conv, qgemm, x, w, w_zero, p, geometry: tuple, dequantize: bool):
