@@ -40,7 +40,7 @@ RULES: dict[str, tuple[str, tuple[int, ...]]] = {
     "FusedMatMul": (SHAPES, ()), "DynamicQuantizeMatMulGroup": (SHAPES, ()),
     "DynamicQuantizeMatMulColumns": (SHAPES, ()), "QuantizedConv": (SHAPES, ()),
     "GroupedQuantizedMatMul": (SHAPES, ()),
-    "DynamicQuantizeConv": (SHAPES, ()),
+    "DynamicQuantizeConv": (SHAPES, ()), "QuantizedAdd": (BROADCAST, (0, 3)),
     "FusedConv": (SHAPES, ()), "NhwcConv": (SHAPES, ()), "ConcatBuffer": (SHAPES, ()), "ReshapeTranspose": (SHAPES, ()),
     "TransposeReshape": (SHAPES, ()), "ContribPackedAttention": (SHAPES, ()), "ContribAttentionMask": (SHAPES, ()),
     "LSTMCell": (SHAPES, ()), "FusedSegment": (SHAPES, ()), "SpectralMagnitude": (SHAPES, ()),

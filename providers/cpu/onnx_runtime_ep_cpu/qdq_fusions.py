@@ -510,6 +510,52 @@ def fuse_quantized_linear(graph: Graph, owns=None, kinds=frozenset(_LINEAR), con
     return False
 
 
+def _made_by_group(view: GraphView, name: str) -> bool:
+    producer = view.producer.get(name)
+    return producer is not None and producer.op_type == "QuantizedConv" and producer.domain == FUSED_DOMAIN
+
+
+def fuse_quantized_add(graph: Graph, owns=None) -> bool:
+    """DequantizeLinear(a) + DequantizeLinear(b) (Add, or Caffe2's Sum of two) [-> Relu] -> QuantizeLinear, every
+    parameter a constant per tensor: one QuantizedAdd node (attribute ``relu``; ops/qdq_add.py) on the codes, the
+    same float32 arithmetic as the nodes. A statically quantized ResNet's residual additions (4-D maps, one input
+    a convolution group's codes: fuse_large_quantized_conv's): three float32 passes over a block's activations,
+    which also kept the convolution groups around them on float32 in and out. Runs with the integer groups, before
+    absorb_dequantize, so those keep their codes."""
+    view = GraphView(graph)
+    for node in list(graph.nodes):
+        if node.domain or node.op_type not in ("Add", "Sum") or len(node.inputs) != 2 \
+                or node.inputs[0] == node.inputs[1]:
+            continue
+        a, b = _dequantized(view, node.inputs[0]), _dequantized(view, node.inputs[1])
+        if a is None or b is None or not _per_tensor(a[1]) or not _per_tensor(b[1]) \
+                or a[1][1].dtype != b[1][1].dtype:
+            continue
+        info = graph.type_of(node.outputs[0])
+        if info is None or info.shape is None or len(info.shape) != 4:  # (a CNN's maps; not a transformer's stream,
+            continue  # whose residual additions the normalization fusions read)
+        if not any(_made_by_group(view, dq.inputs[0]) for dq in (a[0], b[0])):
+            continue  # (small maps between float convolutions: their fused segments run the nodes faster)
+        relu = view.only_consumer(node.outputs[0], "Relu")
+        quantize = view.only_consumer((relu or node).outputs[0], "QuantizeLinear")
+        params = None if quantize is None else _params(view, quantize)
+        if params is None or params[1] is None or params[1].dtype not in _EIGHT_BIT or not _per_tensor(params) \
+                or params[0].dtype != a[1][0].dtype:
+            continue
+        removed = [node, quantize] + ([relu] if relu is not None else [])
+        _drop_if_unread(view, a[0], node, removed)
+        _drop_if_unread(view, b[0], node, removed)
+        if not owned(owns, removed):
+            continue
+        fused = Node("QuantizedAdd", [*a[0].inputs[:3], *b[0].inputs[:3], *quantize.inputs[1:3]],
+                     [quantize.outputs[0]], name=f"{node.name}/codes", domain=FUSED_DOMAIN,
+                     attrs={"relu": int(relu is not None)}, opset=1)
+        gone = {id(n) for n in removed}
+        graph.nodes = [fused if n is node else n for n in graph.nodes if id(n) not in gone or n is node]
+        return True
+    return False
+
+
 def _float32(graph: Graph, name: str) -> bool:
     info = graph.type_of(name)
     return info is not None and info.is_tensor and info.dtype is not None and info.dtype.numpy == _F32
@@ -817,7 +863,7 @@ def fuse_large_quantized_conv(graph: Graph, owns=None) -> bool:
 # (resnet 2.19 -> 2.67, before its patch rows took the integer product); those stay out of the default passes
 # (INTEGER_GROUP_PASSES has every rank, for a caller to add before QDQ_PASSES). 1-D ones (whisper's Conv1d) are in.
 _MATMUL_GROUP_PASSES = [_early(until_fixed(fuse_quantized_matmul)), _early(until_fixed(fuse_large_quantized_conv)),
-                        _early(until_fixed(absorb_quantize)),
+                        _early(until_fixed(fuse_quantized_add)), _early(until_fixed(absorb_quantize)),
                         _early(until_fixed(absorb_dequantize))]
 INTEGER_GROUP_PASSES = [_early(until_fixed(fuse_quantized_linear)), _early(until_fixed(absorb_quantize)),
                         _early(until_fixed(absorb_dequantize))]

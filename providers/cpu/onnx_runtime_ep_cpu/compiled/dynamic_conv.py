@@ -145,17 +145,17 @@ def dynamic_conv_quads(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, 
 
 
 @jit
-def dynamic_plan(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, tasks):
+def dynamic_plan(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, tasks, rows=MR):
     """dynamic_conv_quads' buffers for ``tasks`` tasks a phase: (padded codes, patches, extremes (2,
     tasks) float32, parameters (2,) float32, geometry: kh .. right, oh, ow, then the blocks of
-    positions, the output channels a product unit takes (a multiple of MR, fewer units' worth where the
+    positions, the output channels a product unit takes (a multiple of ``rows``, fewer units' worth where the
     column blocks are too few for the tasks) and the units over them)."""
     batch, channels, height, width = x.shape
     columns, depth4 = weight.shape[0], weight.shape[1] // 4
     blocks = (oh * ow + BLOCK - 1) // BLOCK
     units = batch * blocks
-    split = min((columns + MR - 1) // MR, max(1, (tasks + units - 1) // units))
-    step = ((columns + split - 1) // split + MR - 1) // MR * MR
+    split = min((columns + rows - 1) // rows, max(1, (tasks + units - 1) // units))
+    step = ((columns + split - 1) // split + rows - 1) // rows * rows
     geometry = np.array([kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, blocks, step,
                          (columns + step - 1) // step])
     codes = np.empty(batch * channels * (height + top + bottom) * (width + left + right), np.uint8)

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import platform
 import sys
 
@@ -78,5 +79,24 @@ AVX512 = avx512(MACHINE, _FEATURES)
 # qgemm_tiles.py's int16 pair products: vpmaddwd on 512 bits (AVX-512BW), vpdpwssd with AVX-512 VNNI
 AVX512BW = AVX512 and bool(_FEATURES.get("avx512bw"))
 AVX512VNNI = AVX512BW and bool(_FEATURES.get("avx512_vnni") or _FEATURES.get("avx512vnni"))
+
+
+def amx_permitted(system: str, machine: str) -> bool:
+    """Whether this process may use AMX's tiles: Linux gives a process the tile state only when it asks
+    (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; an AMX instruction before that is a SIGILL). Asked once,
+    for the whole process and its threads."""
+    if system != "Linux" or machine.lower() not in _X86_64:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86-64 Linux's numbers
+# qgemm_quads.py's tile products: AMX-INT8 (tdpbsud on 16 x 64-byte tiles), where the process is given the tiles
+AMX_INT8 = AVX512VNNI and all(_FEATURES.get(flag) or _FEATURES.get(flag.replace("_", "-"))
+                              for flag in ("amx_tile", "amx_int8")) and amx_permitted(SYSTEM, MACHINE)
 # directconv.py's 8-lane float32 kernels: x86-64 with AVX2 and FMA
 AVX2 = MACHINE.lower() in _X86_64 and bool(_FEATURES.get("avx2")) and bool(_FEATURES.get("fma"))

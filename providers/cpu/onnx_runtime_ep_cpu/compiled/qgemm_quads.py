@@ -24,6 +24,10 @@ from .deferred import Loop
 from .qgemm_tiles import LANES, MR, NC_MAX, tile_kernel
 
 AVAILABLE = host.AVX512VNNI
+# AMX-INT8's tiles (amx_requantized_tiles): 16 rows of 64 bytes, tdpbsud multiplying signed rows (the weight's) by
+# unsigned quads (the patches'), 1024 multiply-adds a cycle where vpdpbusd does 128
+AMX = host.AMX_INT8
+AMX_ROWS, AMX_DEPTH = 32, 64  # the output channels a tile group takes (two A tiles), the bytes of k a tile holds
 
 
 def _emit_tile(builder, mr: int, nc: int, pointers: tuple, values: tuple) -> None:
@@ -98,25 +102,34 @@ ROUNDER = 1.5 * 2.0 ** 52  # x + ROUNDER - ROUNDER rounds float64 x half to even
 
 def _emit_requantized_tile(builder, mr: int, nc: int, pointers: tuple, values: tuple, dequantize: bool) -> None:
     """An mr x (16 * nc) tile of _emit_weight_tile's products (output channels by positions) requantized in its
-    registers and stored along each channel's plane: for row i (channel m = row + i), total = acc + terms[m] -
-    zeros[m] * sums[j] (int32, wrapping; sums the positions' sums of codes), v = float64(total) * factors[m] +
-    shifts[m] saturated to [bounds[0], bounds[1]] (the codes' range less the zero point), rounded half to even
-    (NaN, from a NaN shift, as code 0), then the code's byte, int32(v + bounds[2]) & 255, or with ``dequantize``
-    its float32 value, float32(v * bounds[3]). Lanes at or past ``count`` positions are not stored (masked
-    stores), so a block's tail writes nothing past its positions."""
+    registers and stored along each channel's plane (_emit_requantized)."""
+    a_ptr, b_ptr = pointers[:2]
+    depth, lda, ldb = values[:3]
+    totals = _quad_totals(builder, mr, nc, (a_ptr, b_ptr), (depth, lda, ldb), False)
+    _emit_requantized(builder, totals, mr, nc, pointers[2:], values[3:], dequantize, None)
+
+
+def _emit_requantized(builder, totals: list, mr: int, nc: int, pointers: tuple, values: tuple, dequantize: bool,
+                      rows) -> None:
+    """Requantizes an mr x (16 * nc) block of int32 sums (``totals``, row-major vectors of 16 positions) and stores
+    it along each output channel's plane: for row i (channel m = row + i), total = acc + terms[m] - zeros[m] *
+    sums[j] (int32, wrapping; sums the positions' sums of codes), v = float64(total) * factors[m] + shifts[m]
+    saturated to [bounds[0], bounds[1]] (the codes' range less the zero point), rounded half to even (NaN, from a
+    NaN shift, as code 0), then the code's byte, int32(v + bounds[2]) & 255, or with ``dequantize`` its float32
+    value, float32(v * bounds[3]). Lanes at or past ``count`` positions are not stored (masked stores), so a
+    block's tail writes nothing past its positions; nor rows at or past ``rows`` (None: every row)."""
     from llvmlite import ir
 
     from . import llvm
 
-    a_ptr, b_ptr, terms, zeros, sums, factors, shifts, bounds, out = pointers
-    depth, lda, ldb, row, out_at, ldo, count = values
+    terms, zeros, sums, factors, shifts, bounds, out = pointers
+    row, out_at, ldo, count = values
     f64 = ir.DoubleType()
     f64x16, i32x16 = ir.VectorType(f64, LANES), ir.VectorType(llvm.I32, LANES)
     element = llvm.F32 if dequantize else ir.IntType(8)
     vector = ir.VectorType(element, LANES)
     store = llvm.declare(builder.module, f"llvm.masked.store.v16{'f32' if dequantize else 'i8'}.p0",
                          ir.FunctionType(ir.VoidType(), [vector, vector.as_pointer(), llvm.I32, llvm.MASK]))
-    totals = _quad_totals(builder, mr, nc, (a_ptr, b_ptr), (depth, lda, ldb), False)
 
     def const(value):
         return ir.Constant(llvm.I64, value)
@@ -132,7 +145,8 @@ def _emit_requantized_tile(builder, mr: int, nc: int, pointers: tuple, values: t
                                  llvm.splat(builder, limit, i32x16)) for j in range(nc)]
     position_sums = [builder.load(builder.bitcast(builder.gep(sums, [const(LANES * j)]), i32x16.as_pointer()),
                                   align=4) for j in range(nc)]
-    for i in range(mr):
+
+    def emit_row(i):
         m = builder.add(row, const(i))
         term = llvm.splat(builder, builder.load(builder.gep(terms, [m])), i32x16)
         zero_point = llvm.splat(builder, builder.load(builder.gep(zeros, [m])), i32x16)
@@ -152,6 +166,13 @@ def _emit_requantized_tile(builder, mr: int, nc: int, pointers: tuple, values: t
                 value = builder.trunc(builder.fptosi(builder.fadd(v, zero), i32x16), vector)
             target = builder.bitcast(builder.gep(out, [builder.add(plane, const(LANES * j))]), vector.as_pointer())
             builder.call(store, [value, target, ir.Constant(llvm.I32, 1), masks[j]])
+
+    for i in range(mr):
+        if rows is None:
+            emit_row(i)
+        else:
+            with builder.if_then(builder.icmp_signed("<", const(i), rows)):
+                emit_row(i)
 
 
 def requantizing_kernel(mr: int, nc: int):
@@ -360,7 +381,7 @@ weight_tiles = _weight_tiles if AVAILABLE else _portable_weight_tiles
 
 
 @_with_kernels
-def _requantized_tiles(weight, first, end, patches, b_at, ldb, nc, terms, zeros, sums, factors, shifts, bounds, out,
+def vnni_requantized_tiles(weight, first, end, patches, b_at, ldb, nc, terms, zeros, sums, factors, shifts, bounds, out,
                        out_at, ldo, count):
     """weight_tiles' products for rows first .. end requantized in the tiles (_emit_requantized_tile) into
     ``out`` (flat: row i's ``count`` positions from out_at + (i - first) * ldo): codes' bytes (uint8) or float32
@@ -393,9 +414,9 @@ def _requantized_tiles(weight, first, end, patches, b_at, ldb, nc, terms, zeros,
 
 
 @jit
-def _portable_requantized_tiles(weight, first, end, patches, b_at, ldb, nc, terms, zeros, sums, factors, shifts,
+def portable_requantized_tiles(weight, first, end, patches, b_at, ldb, nc, terms, zeros, sums, factors, shifts,
                                 bounds, out, out_at, ldo, count):
-    """_requantized_tiles without the tiles (hosts without VNNI): the same arithmetic, a value at a time."""
+    """vnni_requantized_tiles without the tiles (hosts without VNNI): the same arithmetic, a value at a time."""
     low, high, zero, scale = bounds[0], bounds[1], bounds[2], bounds[3]
     for i in range(first, end):
         for j in range(count):
@@ -406,11 +427,179 @@ def _portable_requantized_tiles(weight, first, end, patches, b_at, ldb, nc, term
             v = low if v < low else v
             v = high if v > high else v
             v = (v + ROUNDER) - ROUNDER
+            v = -zero if v != v else v  # NaN (a NaN shift): code 0
             at = out_at + (i - first) * ldo + j
-            if out.dtype == np.float32:
+            if out.itemsize == 4:  # float32 values
                 out[at] = np.float32(v * scale)
             else:
                 out[at] = np.int32(v + zero) & 255
 
 
-requantized_tiles = _requantized_tiles if AVAILABLE else _portable_requantized_tiles
+def _amx_config() -> np.ndarray:
+    """ldtilecfg's 64 bytes: palette 1, tiles 0-7 each 16 rows of 64 bytes."""
+    config = np.zeros(64, np.uint8)
+    config[0] = 1
+    config[16:32] = np.frombuffer(np.full(8, 64, "<u2").tobytes(), np.uint8)
+    config[48:56] = 16
+    return config
+
+
+AMX_CONFIG = _amx_config()
+
+
+def _emit_amx_group(builder, pointers: tuple, values: tuple, dequantize: bool) -> None:
+    """32 output channels by 32 positions on AMX's tiles: C0..C3 (tiles 0-3) the int32 sums of A0, A1 (tiles 4, 5:
+    16 weight rows each, 64 bytes of k) by B0, B1 (tiles 6, 7: 16 quads of k by 16 positions each, from the
+    patches' rows of ``ldb`` bytes), over ``chunks`` chunks of 64 k; stored to ``scratch`` (32 x 32 int32), then
+    requantized and stored along the channels' planes (_emit_requantized, ``rows`` of them). The tiles'
+    configuration is the caller's (amx_configure)."""
+    from llvmlite import ir
+
+    from . import llvm
+
+    i8 = ir.IntType(8)
+    byte_ptr = i8.as_pointer()
+    a_ptr, b_ptr, scratch = pointers[:3]
+    chunks, lda, ldb, rows = values[:4]
+    module = builder.module
+    load = llvm.declare(module, "llvm.x86.tileloadd64", ir.FunctionType(ir.VoidType(), [i8, byte_ptr, llvm.I64]))
+    zero = llvm.declare(module, "llvm.x86.tilezero", ir.FunctionType(ir.VoidType(), [i8]))
+    dot = llvm.declare(module, "llvm.x86.tdpbsud", ir.FunctionType(ir.VoidType(), [i8, i8, i8]))
+    store = llvm.declare(module, "llvm.x86.tilestored64", ir.FunctionType(ir.VoidType(), [i8, byte_ptr, llvm.I64]))
+
+    def const(value):
+        return ir.Constant(llvm.I64, value)
+
+    def tile(number):
+        return ir.Constant(i8, number)
+
+    a_bytes, b_bytes = builder.bitcast(a_ptr, byte_ptr), builder.bitcast(b_ptr, byte_ptr)
+    for c in range(4):
+        builder.call(zero, [tile(c)])
+
+    def step(k, carried):
+        a_at = builder.mul(k, const(AMX_DEPTH))
+        b_at = builder.mul(k, builder.mul(const(AMX_DEPTH // 4), ldb))
+        builder.call(load, [tile(4), builder.gep(a_bytes, [a_at]), lda])
+        builder.call(load, [tile(5), builder.gep(a_bytes, [builder.add(a_at, builder.mul(const(16), lda))]), lda])
+        builder.call(load, [tile(6), builder.gep(b_bytes, [b_at]), ldb])
+        builder.call(load, [tile(7), builder.gep(b_bytes, [builder.add(b_at, const(64))]), ldb])
+        for c, (a, b) in enumerate(((4, 6), (4, 7), (5, 6), (5, 7))):
+            builder.call(dot, [tile(c), tile(a), tile(b)])
+        return carried
+
+    llvm.counted_loop(builder, chunks, [], step, "amxgroup")
+    sums_bytes = builder.bitcast(scratch, byte_ptr)
+    for c, at in enumerate((0, 64, 16 * 128, 16 * 128 + 64)):  # (32 int32 = 128 bytes a row of scratch)
+        builder.call(store, [tile(c), builder.gep(sums_bytes, [const(at)]), const(128)])
+    i32x16 = ir.VectorType(llvm.I32, LANES)
+    totals = [builder.load(builder.bitcast(builder.gep(scratch, [const(2 * LANES * i + LANES * j)]),
+                                           i32x16.as_pointer()), align=4) for i in range(AMX_ROWS) for j in range(2)]
+    _emit_requantized(builder, totals, AMX_ROWS, 2, pointers[3:], values[4:], dequantize, rows)
+
+
+def amx_kernel():
+    """The numba intrinsic of one _emit_amx_group, called as (weight, a_at, lda, patches, b_at, ldb, chunks,
+    scratch, terms, zeros, sums, sums_at, factors, shifts, bounds, row, rows, out, out_at, ldo, count): int8
+    weight rows (amx_rows) from element a_at, lda bytes apart; uint8 patches from b_at, ldb bytes a quad of k;
+    int32 scratch (32 * 32); the requantization's arrays (sums from element sums_at); ``row`` the group's first
+    output channel, ``rows`` of them stored; ``out`` uint8 (codes' bytes) or float32, the group's first position
+    at out_at, each channel's plane ldo elements after the one before; ``count`` positions stored."""
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def group(typingctx, a, a_at, lda, b, b_at, ldb, chunks, scratch, terms, zeros, sums, sums_at, factors, shifts,
+              bounds, row, rows, out, out_at, ldo, count):
+        signature = types.void(a, a_at, lda, b, b_at, ldb, chunks, scratch, terms, zeros, sums, sums_at, factors,
+                               shifts, bounds, row, rows, out, out_at, ldo, count)
+        dequantize = out.dtype == types.float32
+
+        def codegen(context, builder, sig, args):
+            def data(index):
+                return context.make_array(sig.args[index])(context, builder, args[index]).data
+
+            pointers = (builder.gep(data(0), [args[1]]), builder.gep(data(3), [args[4]]), data(7), data(8), data(9),
+                        builder.gep(data(10), [args[11]]), data(12), data(13), data(14), data(17))
+            _emit_amx_group(builder, pointers, (args[6], args[2], args[5], args[16], args[15], args[18], args[19],
+                                                args[20]), dequantize)
+            return context.get_dummy_value()
+
+        return signature, codegen
+    return group
+
+
+def _amx_switch(name: str):
+    """The numba intrinsic of ldtilecfg (with AMX_CONFIG) or of tilerelease."""
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    from . import llvm
+
+    @intrinsic
+    def switch(typingctx, config):
+        def codegen(context, builder, sig, args):
+            module = builder.module
+            if name == "configure":
+                data = context.make_array(sig.args[0])(context, builder, args[0]).data
+                load = llvm.declare(module, "llvm.x86.ldtilecfg", ir.FunctionType(ir.VoidType(), [llvm.BYTE_PTR]))
+                builder.call(load, [builder.bitcast(data, llvm.BYTE_PTR)])
+            else:
+                builder.call(llvm.declare(module, "llvm.x86.tilerelease", ir.FunctionType(ir.VoidType(), [])), [])
+            return context.get_dummy_value()
+
+        return types.void(config), codegen
+    return switch
+
+
+_amx_group = _amx_configure = _amx_release = None  # made when the loop that calls them is compiled
+
+
+def _define_amx() -> None:
+    global _amx_group, _amx_configure, _amx_release
+    if _amx_group is None:
+        _amx_group, _amx_configure, _amx_release = amx_kernel(), _amx_switch("configure"), _amx_switch("release")
+
+
+def _with_amx(function):
+    standard = jit(function)
+    return Loop(function, lambda _: (_define_amx(), standard.dispatcher())[1])
+
+
+@_with_amx
+def amx_requantized_tiles(weight, first, end, patches, b_at, ldb, nc, terms, zeros, sums, factors, shifts, bounds,
+                           out, out_at, ldo, count):
+    """vnni_requantized_tiles on AMX's tiles (amx_rows' ``weight``, rows first .. end; ``count`` positions of at most
+    64, ``nc`` unused), in groups of 32 channels by 32 positions."""
+    lda = weight.shape[1]
+    chunks = lda // AMX_DEPTH
+    flat_a = weight.reshape(-1)
+    scratch = np.empty(AMX_ROWS * 32, np.int32)
+    _amx_configure(AMX_CONFIG)
+    for half in range(0, count, 32):
+        for row in range(first, end, AMX_ROWS):
+            _amx_group(flat_a, row * lda, lda, patches, b_at + 4 * half, ldb, chunks, scratch, terms, zeros, sums,
+                       half, factors, shifts, bounds, row, min(AMX_ROWS, end - row), out,
+                       out_at + (row - first) * ldo + half, ldo, min(32, count - half))
+    _amx_release(AMX_CONFIG)
+
+
+# The products the channel-major convolutions requantize (compiled/quantized_conv_blocks): VNNI's register tiles
+# (else the portable loop), and AMX's tile groups for a weight whose rows and k are whole groups (amx_rows).
+requantized_tiles = vnni_requantized_tiles if AVAILABLE else portable_requantized_tiles
+amx_tiles = amx_requantized_tiles if AMX else portable_requantized_tiles
+
+
+def amx_rows(weight: np.ndarray) -> np.ndarray:
+    """weight_rows' (M, 4 * K4) int8 rows as the AMX tiles read them: zero rows to a multiple of AMX_ROWS, zero k
+    to a multiple of AMX_DEPTH (the patches, as deep as the rows, are zero there too). A weight of fewer than
+    AMX_DEPTH bytes of k (a stem's 3 x 3 x 3) stays as it is, for the register tiles: padding would more than
+    double its work."""
+    if weight.shape[1] < AMX_DEPTH:
+        return weight
+    rows = -(-weight.shape[0] // AMX_ROWS) * AMX_ROWS
+    depth = -(-weight.shape[1] // AMX_DEPTH) * AMX_DEPTH
+    padded = np.zeros((rows, depth), np.int8)
+    padded[:weight.shape[0], :weight.shape[1]] = weight
+    return padded

@@ -372,3 +372,18 @@ def rounded_concat(a, b, scale, zero, low, high, out):
     for o in range(out.shape[0]):
         fake_quantize_row(a[o], s, z, lo, hi, out[o, :width])
         fake_quantize_row(b[o], s, z, lo, hi, out[o, width:])
+
+
+@jit
+def dequantized_sum(a, b, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, low, high, relu, out):
+    """out = QuantizeLinear([Relu](DequantizeLinear(a) + DequantizeLinear(b))) over flat codes, in the nodes' float32
+    operations (ops/qdq_add.py): (a - a_zero) * a_scale + (b - b_zero) * b_scale, max with 0 (NaN passes), then
+    quantize_row's rounding and saturation to [low, high]."""
+    for i in range(a.shape[0]):
+        v = (np.float32(a[i]) - a_zero) * a_scale + (np.float32(b[i]) - b_zero) * b_scale
+        if relu:
+            v = np.float32(0) if v < 0 else v
+        v = np.rint(v / y_scale) + y_zero
+        v = low if v < low else v
+        v = high if v > high else v
+        out[i] = np.int32(v) if v == v else 0

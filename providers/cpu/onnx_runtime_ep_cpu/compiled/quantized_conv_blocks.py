@@ -19,8 +19,8 @@ import numpy as np
 from . import jit
 from .dynamic_conv import BLOCK, CODES, PATCHES, PRODUCTS, dynamic_plan, patch_quads
 from .qgemm import A_LOW, A_QUANTIZE, A_SCALE, A_ZERO, DEQUANTIZE, Y_HIGH, Y_LOW, Y_SCALE, Y_ZERO
-from .qgemm_quads import requantized_tiles, weight_tiles
-from .qgemm_tiles import LANES
+from .qgemm_quads import AMX, AMX_DEPTH, AMX_ROWS, amx_tiles, requantized_tiles, weight_tiles
+from .qgemm_tiles import LANES, MR
 
 
 @jit
@@ -41,10 +41,12 @@ def quantized_conv_blocks(x, x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left,
 
 @jit
 def quantized_plan(x, x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, tasks):
-    """dynamic_conv.dynamic_plan's buffers for whichever of x and x_codes holds the input."""
+    """dynamic_conv.dynamic_plan's buffers for whichever of x and x_codes holds the input (the output channels
+    split in whole groups of AMX's tiles where those take the weight)."""
+    rows = AMX_ROWS if amx_shaped(weight) else MR
     if x.size:
-        return dynamic_plan(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, tasks)
-    return dynamic_plan(x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, tasks)
+        return dynamic_plan(x, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, tasks, rows)
+    return dynamic_plan(x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, tasks, rows)
 
 
 @jit
@@ -170,9 +172,10 @@ def _requantized_unit(patches, weight, image, block, m_first, step, blocks, spot
     zero point zs[m] is not 0, -zs[m] times the patch's sum of codes), wrapped to int32 as an accumulator wraps,
     then requantize_affine's code rint(total * factors[m] + shifts[m]) + z saturated: with the saturation first
     (rint is monotonic and the bounds less z are integers) and rint as the sum and difference of 1.5 * 2**52, which
-    rounds half to even in float64 below 2**51: in the tiles' registers (qgemm_quads.requantized_tiles). The
+    rounds half to even in float64 below 2**51: in the tiles' registers (qgemm_quads.requantized_tiles, or
+    amx_tiles where AMX's groups take the weight). The
     patches' sums of codes, where a zero point zs is not 0, as the product of a row of ones by them."""
-    columns = weight.shape[0]
+    columns = terms.shape[0]  # (the weight's rows may be padded for AMX's tiles)
     m_end = min(m_first + step, columns)
     first = block * BLOCK
     count = min(first + BLOCK, spots) - first
@@ -188,7 +191,18 @@ def _requantized_unit(patches, weight, image, block, m_first, step, blocks, spot
     arguments = (weight, m_first, m_end, patches, at, 4 * BLOCK, vectors, terms, weight_zeros, sums, factors, shifts,
                  bounds)
     target = (image * columns + m_first) * spots + first
-    if consts[DEQUANTIZE] != 0:
+    if amx_shaped(weight):
+        if consts[DEQUANTIZE] != 0:
+            amx_tiles(*arguments, out.reshape(-1), target, spots, count)
+        else:
+            amx_tiles(*arguments, out_codes.reshape(-1), target, spots, count)
+    elif consts[DEQUANTIZE] != 0:
         requantized_tiles(*arguments, out.reshape(-1), target, spots, count)
     else:
         requantized_tiles(*arguments, out_codes.reshape(-1), target, spots, count)
+
+
+@jit
+def amx_shaped(weight):
+    """Whether AMX's tile groups take this weight: the process has them and its rows and k are whole groups."""
+    return AMX and weight.shape[0] % AMX_ROWS == 0 and weight.shape[1] % AMX_DEPTH == 0

@@ -97,6 +97,7 @@ FAMILIES = {
     "pad": "Pad",
     "pool": "AveragePool GlobalAveragePool GlobalLpPool GlobalMaxPool LpPool MaxPool",
     "precision": "ai.onnx_runtime.cpu:FloatToHalf ai.onnx_runtime.cpu:HalfToFloat ai.onnx_runtime.cpu:RoundToHalf",
+    "qdq_add": "ai.onnx_runtime.cpu:QuantizedAdd",
     "qdq_gelu": "ai.onnx_runtime.cpu:RoundedGelu",
     "qdq_norm": "ai.onnx_runtime.cpu:RoundedRMSNorm",
     "qdq_rotary": "ai.onnx_runtime.cpu:RoundedRotary",

@@ -525,8 +525,9 @@ _NO_FLOATS3, _NO_BYTES3 = np.zeros((0, 0, 0), _F32), np.zeros((0, 0, 0), np.uint
 
 def _block_weight(side: list, w, w_zero, p) -> tuple:
     """quantized_conv_blocks' weight for the input's zero point: the weight's signed codes as rows of whole quads
-    (qgemm_quads.weight_rows, k = (c*KH + i)*KW + j), the zero points' constant term per output channel (int32,
-    wrapped) and the signed zero points; kept with the packed forms of _conv_weight."""
+    (qgemm_quads.weight_rows, k = (c*KH + i)*KW + j; padded for AMX's tiles where those run), the zero points'
+    constant term per output channel (int32, wrapped) and the signed zero points; kept with the packed forms of
+    _conv_weight."""
     from ..compiled import qgemm_quads
 
     if side[0] is not w or side[1] is not w_zero:
@@ -538,7 +539,8 @@ def _block_weight(side: list, w, w_zero, p) -> tuple:
         columns = w.reshape(w.shape[0], -1).T
         quads, sums, zeros = qgemm_quads.signed_quads(columns, p.b_zeros)
         terms = unsigned_zero * (columns.shape[0] * zeros - sums)  # exact in int64; the kernel's sums wrap at int32
-        found = (qgemm_quads.weight_rows(quads, w.shape[0]), terms.astype(np.uint32).view(np.int32),
+        rows = qgemm_quads.weight_rows(quads, w.shape[0])
+        found = (qgemm_quads.amx_rows(rows) if qgemm_quads.AMX else rows, terms.astype(np.uint32).view(np.int32),
                  zeros.astype(np.int32))
         if not w.flags.writeable and not w_zero.flags.writeable:
             side[2][key] = found
