@@ -556,6 +556,40 @@ def fuse_quantized_add(graph: Graph, owns=None) -> bool:
     return False
 
 
+def pass_codes_through(graph: Graph, owns=None) -> bool:
+    """DequantizeLinear -> Concat or MaxPool -> QuantizeLinear, every input and the output on one grid (the same
+    per-tensor scale and zero point), beside a convolution group (an input made by one, or the output read by
+    one): the node on the codes instead. Exact: the dequantized codes requantize to themselves, MaxPool commutes
+    with the increasing map from codes to values (its pads, the type's lowest value, never win), and Concat only
+    moves them. A statically quantized SqueezeNet's fire modules and pools, whose groups then keep their codes."""
+    view = GraphView(graph)
+    for node in list(graph.nodes):
+        if node.domain or node.op_type != "Concat" or len(node.outputs) != 1 or not node.inputs:
+            continue
+        sources = [_dequantized(view, name) for name in node.inputs]
+        if any(s is None or not _per_tensor(s[1]) or not _same(s[1], sources[0][1]) for s in sources):
+            continue
+        quantize = view.only_consumer(node.outputs[0], "QuantizeLinear")
+        params = None if quantize is None else _params(view, quantize)
+        if params is None or params[1] is None or not _same(params, sources[0][1]):
+            continue
+        codes = [dq.inputs[0] for dq, _ in sources]
+        if not any(_made_by_group(view, name) for name in codes) and not any(
+                r.op_type == "QuantizedConv" and r.domain == FUSED_DOMAIN for r in view.consumers.get(
+                    quantize.outputs[0], [])):
+            continue
+        removed = [quantize]
+        for dq, _ in sources:
+            _drop_if_unread(view, dq, node, removed)
+        if not owned(owns, [node, *removed]):
+            continue
+        node.inputs, node.outputs = codes, [quantize.outputs[0]]
+        gone = {id(n) for n in removed}
+        graph.nodes = [n for n in graph.nodes if id(n) not in gone]
+        return True
+    return False
+
+
 def _float32(graph: Graph, name: str) -> bool:
     info = graph.type_of(name)
     return info is not None and info.is_tensor and info.dtype is not None and info.dtype.numpy == _F32
@@ -829,7 +863,7 @@ _PRODUCTS = frozenset({"MatMul", "Gemm", "Conv"})
 # A 2-D convolution group of at least this many multiply-adds an image runs on the integers where VNNI's byte
 # products run it (compiled/quantized_conv_blocks); smaller ones stay in the float chains with their roundings,
 # whose fused segments run them faster than a call each.
-LARGE_CONV_MACS = 1 << 24
+LARGE_CONV_MACS = 1 << 20
 
 
 def fuse_large_quantized_conv(graph: Graph, owns=None) -> bool:
@@ -863,7 +897,8 @@ def fuse_large_quantized_conv(graph: Graph, owns=None) -> bool:
 # (resnet 2.19 -> 2.67, before its patch rows took the integer product); those stay out of the default passes
 # (INTEGER_GROUP_PASSES has every rank, for a caller to add before QDQ_PASSES). 1-D ones (whisper's Conv1d) are in.
 _MATMUL_GROUP_PASSES = [_early(until_fixed(fuse_quantized_matmul)), _early(until_fixed(fuse_large_quantized_conv)),
-                        _early(until_fixed(fuse_quantized_add)), _early(until_fixed(absorb_quantize)),
+                        _early(until_fixed(fuse_quantized_add)), _early(until_fixed(pass_codes_through)),
+                        _early(until_fixed(absorb_quantize)),
                         _early(until_fixed(absorb_dequantize))]
 INTEGER_GROUP_PASSES = [_early(until_fixed(fuse_quantized_linear)), _early(until_fixed(absorb_quantize)),
                         _early(until_fixed(absorb_dequantize))]
