@@ -2,7 +2,8 @@
 QuantizeLinear([Relu](DequantizeLinear(a) + DequantizeLinear(b))), with the nodes' own float32 arithmetic: each
 code less its zero point times its scale, the sum, Relu's max with 0 (NaN passes), then x / y_scale rounded half
 to even plus the zero point, saturated (NaN gives code 0). Equal shapes run one compiled pass
-(compiled/quantize.dequantized_sum); others broadcast through numpy with the same operations.
+(compiled/quantize.dequantized_sum); others, and every call while numba loads, through numpy with the same
+operations.
 
 Inputs: a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point (8-bit codes, per-tensor float32
 scales); attribute ``relu``.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..algorithms.quantize import integer_range
+from ..compiled.deferred import numpy_first
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
@@ -38,7 +40,7 @@ def quantized_add(node, shapes, opset):
         values = (np.float32(a_scale.reshape(())), np.float32(a_zero.reshape(())), np.float32(b_scale.reshape(())),
                   np.float32(b_zero.reshape(())), np.float32(y_scale.reshape(())), np.float32(y_zero.reshape(())),
                   np.float32(low), np.float32(high))
-        if a.shape == b.shape:
+        if a.shape == b.shape and not numpy_first():  # (numpy's operations while numba loads in the background)
             from ..compiled import quantize
 
             out = np.empty(a.shape, y_zero.dtype)
@@ -51,7 +53,7 @@ def quantized_add(node, shapes, opset):
 
 
 def _broadcast(a, b, values, relu: bool, dtype) -> np.ndarray:
-    """The same operations through numpy's broadcasting."""
+    """The same operations through numpy (broadcasting)."""
     a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, low, high = values
     total = (a.astype(_F32) - a_zero) * a_scale + (b.astype(_F32) - b_zero) * b_scale
     if relu:
