@@ -17,6 +17,7 @@ from onnx_runtime_ep_cpu import tuning
 from onnx_runtime_ep_cpu.compiled import deferred, qgemm_quads, quantized_conv_blocks
 from onnx_runtime_ep_cpu.fusions import FUSED_DOMAIN
 from onnx_runtime_ep_cpu.ops import qdq_linear
+from test_qdq_conv_rows import _inputs
 
 pytestmark = pytest.mark.skipif(not qgemm_quads.AVAILABLE, reason="the byte products need AVX-512 VNNI")
 
@@ -27,21 +28,6 @@ CASES = [  # (x shape, w shape, attributes)
     ((1, 4, 12, 12), (6, 4, 3, 2), {"pads": [2, 1, 0, 1], "dilations": [2, 3]}),
     ((1, 3, 20, 20), (17, 3, 7, 7), {"pads": [3, 3, 3, 3], "strides": [2, 2]}),  # a stem
 ]
-
-
-def _inputs(rng, x_shape, w_shape, act, per_channel, quantize_a, zero_points, bias):
-    zero = np.array(3 if act == np.int8 else 121, act)
-    x = rng.standard_normal(x_shape).astype(np.float32) * 2 if quantize_a \
-        else rng.integers(np.iinfo(act).min, np.iinfo(act).max + 1, x_shape).astype(act)
-    if quantize_a:
-        x.reshape(-1)[:3] = [1e4, -1e4, np.float32(0.03) * 2.5]  # saturation and a tie
-    w = rng.integers(-127, 128, w_shape).astype(np.int8)
-    channels = w_shape[0]
-    w_scale = (rng.random(channels) * 0.01 + 0.002).astype(np.float32) if per_channel else np.array(0.006, np.float32)
-    w_zero = rng.integers(-4, 5, w_scale.shape).astype(np.int8) if zero_points else np.zeros(w_scale.shape, np.int8)
-    b = (rng.standard_normal(channels) * 0.5).astype(np.float32) if bias else None
-    return [x, np.array(0.03, np.float32), zero, w, w_scale, w_zero, np.array(0.05, np.float32),
-            np.array(-5 if act == np.int8 else 130, act)] + ([b] if bias else [])
 
 
 def _node(attrs, count, quantize_a, dequantize):
@@ -70,7 +56,7 @@ def _float_path(monkeypatch, node, inputs):
 def test_blocks_give_the_float_paths_codes(monkeypatch, case, act, per_channel, quantize_a, dequantize, zero_points):
     x_shape, w_shape, attrs = CASES[case]
     rng = np.random.default_rng(case)
-    inputs = _inputs(rng, x_shape, w_shape, act, per_channel, quantize_a, zero_points, bias=case % 2 == 0)
+    inputs = _inputs(rng, x_shape, w_shape, act, per_channel, quantize_a, case % 2 == 0, zero_points)
     for v in inputs[1:]:
         v.flags.writeable = False  # constants, as a session's initializers are
     node = _node(attrs, len(inputs), quantize_a, dequantize)
@@ -90,7 +76,7 @@ def test_blocks_give_the_float_paths_codes(monkeypatch, case, act, per_channel, 
 
 def test_a_nan_bias_gives_code_zero_as_the_float_path(monkeypatch):
     x_shape, w_shape, attrs = CASES[0]
-    inputs = _inputs(np.random.default_rng(7), x_shape, w_shape, np.uint8, True, False, False, bias=True)
+    inputs = _inputs(np.random.default_rng(7), x_shape, w_shape, np.uint8, True, False, True, zero_points=False)
     inputs[-1][2] = np.nan
     for dequantize in (False, True):
         node = _node(attrs, len(inputs), False, dequantize)
@@ -107,7 +93,7 @@ def test_threads_share_the_call_with_the_same_bits(monkeypatch, case, quantize_a
     # The phases (codes, patches, products) as tasks the calling thread and the helpers claim, split even where
     # small (split_macs 1), over more parts than threads: the one-thread call's bits.
     x_shape, w_shape, attrs = CASES[case]
-    inputs = _inputs(np.random.default_rng(11), x_shape, w_shape, np.uint8, True, quantize_a, True, bias=True)
+    inputs = _inputs(np.random.default_rng(11), x_shape, w_shape, np.uint8, True, quantize_a, True)
     node = _node(attrs, len(inputs), quantize_a, False)
     from onnx_runtime_ep_cpu.compiled import dynamic_conv_jobs
 

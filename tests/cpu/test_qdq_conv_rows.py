@@ -27,7 +27,7 @@ CASES = [  # (x shape, w shape, attributes)
 ]
 
 
-def _inputs(rng, x_shape, w_shape, act, per_channel, quantize_a, bias):
+def _inputs(rng, x_shape, w_shape, act, per_channel, quantize_a, bias, zero_points=True):
     zero = np.array(3 if act == np.int8 else 121, act)
     x = rng.standard_normal(x_shape).astype(np.float32) * 2 if quantize_a \
         else rng.integers(np.iinfo(act).min, np.iinfo(act).max + 1, x_shape).astype(act)
@@ -37,6 +37,7 @@ def _inputs(rng, x_shape, w_shape, act, per_channel, quantize_a, bias):
     channels = w_shape[0]
     w_scale = (rng.random(channels) * 0.01 + 0.002).astype(np.float32) if per_channel else np.array(0.006, np.float32)
     w_zero = rng.integers(-4, 5, w_scale.shape).astype(np.int8)
+    w_zero *= np.int8(zero_points)  # (in place: a per-tensor zero point stays a 0-d array)
     b = (rng.standard_normal(channels) * 0.5).astype(np.float32) if bias else None
     return [x, np.array(0.03, np.float32), zero, w, w_scale, w_zero, np.array(0.05, np.float32),
             np.array(-5 if act == np.int8 else 130, act)] + ([b] if bias else [])

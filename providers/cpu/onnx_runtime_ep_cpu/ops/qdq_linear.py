@@ -530,21 +530,17 @@ def _block_weight(side: list, w, w_zero, p) -> tuple:
     _conv_weight."""
     from ..compiled import qgemm_quads
 
-    if side[0] is not w or side[1] is not w_zero:
-        side[:] = [w, w_zero, {}]
     unsigned_zero = p.a_zero - p.a_low  # the input's zero point among its codes shifted to unsigned
-    key = ("blocks", unsigned_zero)
-    found = side[2].get(key)
-    if found is None:
+
+    def make():
         columns = w.reshape(w.shape[0], -1).T
         quads, sums, zeros = qgemm_quads.signed_quads(columns, p.b_zeros)
         terms = unsigned_zero * (columns.shape[0] * zeros - sums)  # exact in int64; the kernel's sums wrap at int32
         rows = qgemm_quads.weight_rows(quads, w.shape[0])
-        found = (qgemm_quads.amx_rows(rows) if qgemm_quads.AMX else rows, terms.astype(np.uint32).view(np.int32),
-                 zeros.astype(np.int32))
-        if not w.flags.writeable and not w_zero.flags.writeable:
-            side[2][key] = found
-    return found
+        return (qgemm_quads.amx_rows(rows) if qgemm_quads.AMX else rows, terms.astype(np.uint32).view(np.int32),
+                zeros.astype(np.int32))
+
+    return _kept_form(side, w, w_zero, ("blocks", unsigned_zero), make)
 
 
 def _channel_params(p, columns: int) -> tuple:
@@ -612,15 +608,24 @@ def _quad_weight(side: list, w, w_zero, p) -> tuple:
     signed zero points; kept with the packed forms of _conv_weight."""
     from ..compiled import qgemm_quads
 
-    if side[0] is not w or side[1] is not w_zero:
-        side[:] = [w, w_zero, {}]
     unsigned_zero = p.a_zero - p.a_low  # the input's zero point among its codes shifted to unsigned
-    key = ("quads", unsigned_zero)
-    found = side[2].get(key)
-    if found is None:
+
+    def make():
         columns = w.reshape(w.shape[0], w.shape[1], -1).transpose(2, 1, 0).reshape(-1, w.shape[0])
         quads, sums, zeros = qgemm_quads.signed_quads(columns, p.b_zeros)
-        found = (quads, unsigned_zero * (columns.shape[0] * zeros - sums), zeros)
+        return quads, unsigned_zero * (columns.shape[0] * zeros - sums), zeros
+
+    return _kept_form(side, w, w_zero, ("quads", unsigned_zero), make)
+
+
+def _kept_form(side: list, w, w_zero, key, make):
+    """A form of the weight the products take (``make()``), kept in ``side`` per ``key`` while the same constant
+    weight and zero point come in (side: [the weight, its zero point, forms by key])."""
+    if side[0] is not w or side[1] is not w_zero:
+        side[:] = [w, w_zero, {}]
+    found = side[2].get(key)
+    if found is None:
+        found = make()
         if not w.flags.writeable and not w_zero.flags.writeable:
             side[2][key] = found
     return found
