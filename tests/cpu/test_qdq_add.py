@@ -63,6 +63,29 @@ def test_codes_are_the_unfused_nodes(act, op, relu, b_shape):
     assert got.max() == info.max
 
 
+@pytest.mark.parametrize("act", [np.uint8, np.int8])
+def test_threads_give_the_same_codes(monkeypatch, act):
+    from onnx_runtime_ep_cpu import tuning
+    from onnx_runtime_ep_cpu.compiled import deferred, jobs, workers
+
+    monkeypatch.setattr(deferred.state, "deferring", False)
+    info = np.iinfo(act)
+    rng = np.random.default_rng(8)
+    a, b = (rng.integers(info.min, info.max + 1, (1, 16, 31, 33)).astype(act) for _ in range(2))
+    f, z = np.array(0.02, np.float32), np.array(1, act)
+    node = Node("QuantizedAdd", [f"i{k}" for k in range(8)], ["y"], domain=FUSED_DOMAIN, opset=1, attrs={"relu": 1})
+    runs = []
+    real = workers.run
+    monkeypatch.setattr(workers, "run", lambda kind, parts, *rest: runs.append((kind, len(parts))) or real(
+        kind, parts, *rest))
+    outputs = []
+    for threads in (1, 3):
+        with tuning.override(split_elements=1, threads=threads):
+            outputs.append(qdq_add.quantized_add(node, [], 1)(a, f, z, b, f * 2, z, f * 3, z)[0])
+    assert runs == [(jobs.DEQUANTIZED_SUM, 3)]
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
 def _residual_block(act):
     """x -> Q -> DQ -> Conv 3x3 (32 -> 32 at 48 x 48, a large group) -> Q -> DQ -> Add(DQ(Q(x))) -> Relu -> Q ->
     DQ -> y: a ResNet block's shape."""

@@ -20,10 +20,11 @@ from . import (
     lanes,
     matmul,
     pooling,
+    quantize,
     segment_loops,
     windows,
 )
-from .mailbox import STORED, flag, floats, ints, offsets, pair, scalar
+from .mailbox import STORED, byte_codes, flag, floats, ints, offsets, pair, scalar
 from .workers import Kind, claim_task, collect, float_array, offer, run_here
 
 
@@ -315,6 +316,13 @@ POOL = Kind("pool", (
     scalar("hi_w"),
 ), _run_pool, home=__name__)
 _write_pool = POOL.writer
+
+
+# quantize.dequantized_sum, one part (its span of the flat codes' bytes): QuantizedAdd (ops/qdq_add.py).
+DEQUANTIZED_SUM = Kind("dequantized_sum", (
+    byte_codes("a"), byte_codes("b"), floats("params", shape=(8,)), flag("relu"), flag("signed"),
+    byte_codes("out", shape=("a.shape[0]",)),
+), quantize.dequantized_sum, home=__name__)
 
 
 # epilogue.channel_affine, one part (its channels): float32 (N, C, P) arrays.

@@ -375,10 +375,22 @@ def rounded_concat(a, b, scale, zero, low, high, out):
 
 
 @jit
-def dequantized_sum(a, b, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, low, high, relu, out):
-    """out = QuantizeLinear([Relu](DequantizeLinear(a) + DequantizeLinear(b))) over flat codes, in the nodes' float32
-    operations (ops/qdq_add.py): (a - a_zero) * a_scale + (b - b_zero) * b_scale, max with 0 (NaN passes), then
-    quantize_row's rounding and saturation to [low, high]."""
+def dequantized_sum(a, b, params, relu, signed, out):
+    """out = QuantizeLinear([Relu](DequantizeLinear(a) + DequantizeLinear(b))) over flat codes' bytes (uint8 arrays;
+    int8 codes viewed as bytes where ``signed``), in the nodes' float32 operations (ops/qdq_add.py):
+    (a - a_zero) * a_scale + (b - b_zero) * b_scale, max with 0 (NaN passes), then quantize_row's rounding and
+    saturation to [low, high], stored as the code's byte. ``params`` float32: a_scale, a_zero, b_scale, b_zero,
+    y_scale, y_zero, low, high."""
+    if signed:
+        _dequantized_sum(a.view(np.int8), b.view(np.int8), params, relu, out)
+    else:
+        _dequantized_sum(a, b, params, relu, out)
+
+
+@jit
+def _dequantized_sum(a, b, params, relu, out):
+    a_scale, a_zero, b_scale, b_zero = params[0], params[1], params[2], params[3]
+    y_scale, y_zero, low, high = params[4], params[5], params[6], params[7]
     for i in range(a.shape[0]):
         v = (np.float32(a[i]) - a_zero) * a_scale + (np.float32(b[i]) - b_zero) * b_scale
         if relu:
@@ -386,4 +398,4 @@ def dequantized_sum(a, b, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, low
         v = np.rint(v / y_scale) + y_zero
         v = low if v < low else v
         v = high if v > high else v
-        out[i] = np.int32(v) if v == v else 0
+        out[i] = (np.int32(v) if v == v else 0) & 255

@@ -454,7 +454,7 @@ def _conv_rows(node, quantize_a: bool, dequantize: bool, repeat: RepeatCall):
             p.consts = p.compiled_consts(quantize_a, False, dequantize)
         shape4, steps, out_shape, (oh, ow) = geometry
         if _takes_blocks(qgemm_quads, shape4, steps) and not numpy_first("dynamic_conv_jobs.QUANTIZED_CONV"):
-            return _conv_blocks(side, x, w, w_zero, p, geometry, dequantize)
+            return _conv_blocks(side, binds, x, w, w_zero, p, geometry, dequantize)
         if _takes_lines(qgemm, shape4, steps) and not numpy_first():
             out = _lines_call(ran, binds, keep, side, x, w, w_zero, p, geometry, dequantize)
             if out is not None:
@@ -489,10 +489,12 @@ def _takes_blocks(qgemm_quads, shape4: tuple, steps: tuple) -> bool:
     return qgemm_quads.AVAILABLE and not (shape4[2] == steps[0] == 1)
 
 
-def _conv_blocks(side: list, x, w, w_zero, p, geometry: tuple, dequantize: bool) -> np.ndarray:
+def _conv_blocks(side: list, binds: dict, x, w, w_zero, p, geometry: tuple, dequantize: bool) -> np.ndarray:
     """_conv_rows' call through compiled/quantized_conv_blocks (patches as quads by output position, the weight's
     signed rows broadcast, requantized along each output channel's plane), from KNOBS.split_macs of multiply-adds a
-    thread across the helper threads (dynamic_conv_jobs.split_quantized_conv)."""
+    thread across the helper threads (dynamic_conv_jobs.split_quantized_conv). A call on the calling thread alone
+    goes through the loop's entry point once bound (``binds``, by the input's type: numba's dispatcher types its
+    22 arguments every call, a small convolution's cost)."""
     from ..compiled import quantized_conv_blocks
 
     shape4, steps, out_shape, (oh, ow) = geometry
@@ -515,7 +517,10 @@ def _conv_blocks(side: list, x, w, w_zero, p, geometry: tuple, dequantize: bool)
                      (*arguments, ranges, np.zeros(threads, np.int64), workers.local_mailbox(0)),
                      dynamic_conv_jobs.QUANTIZED_CONV.address(), 0, helper_count())
     else:
-        quantized_conv_blocks.quantized_conv_blocks(*arguments)
+        entry = binds.get(("blocks", x4.dtype))
+        if entry is None:
+            entry = binds[("blocks", x4.dtype)] = EntryOnce(quantized_conv_blocks.quantized_conv_blocks)
+        entry.run(arguments)
     return out
 
 
