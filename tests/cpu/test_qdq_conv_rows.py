@@ -3,7 +3,7 @@ compiled/dynamic_conv.quantized_conv): the same codes, bit for bit, as the exact
 codes it replaces (1-D and 2-D, strides, dilations, pads, both 8-bit types, per-tensor and per-channel weights,
 float32 data quantized in the call or codes, codes or dequantized values out, with and without a bias); and
 1-D groups (whisper's Conv1d stem, both exporters' spellings) fused by default, within one code of onnxruntime,
-where 2-D groups stay on the float path."""
+where small 2-D groups stay on the float path (large ones: test_qdq_conv_blocks.py)."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def test_conv1d_groups_fuse_by_default_within_one_code_of_onnxruntime(act, spell
         assert np.abs(codes - want).max() <= 1 and np.mean(codes == want) >= 0.99
 
 
-def test_conv2d_groups_stay_on_the_float_path_by_default():
+def test_small_conv2d_groups_stay_on_the_float_path_by_default():
     rng = np.random.default_rng(4)
     model = _conv1d_model(rng, np.uint8, False)
     conv = model.graph.node[3]

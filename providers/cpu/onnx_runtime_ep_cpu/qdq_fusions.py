@@ -893,9 +893,10 @@ def fuse_large_quantized_conv(graph: Graph, owns=None) -> bool:
 # The integer groups compute what onnxruntime's QDQ kernels compute. For MatMul and Gemm they are the default:
 # one node per group in place of a rounding node, a float product and the next rounding node, which on the
 # zoo's transformer encoders measured 1.56 -> 1.39 (t5), 2.07 -> 1.73 (vit), 1.86 -> 1.81 (bert), one thread,
-# CPU time against onnxruntime. A 2-D convolution group measured slower than the float path with its roundings
-# (resnet 2.19 -> 2.67, before its patch rows took the integer product); those stay out of the default passes
-# (INTEGER_GROUP_PASSES has every rank, for a caller to add before QDQ_PASSES). 1-D ones (whisper's Conv1d) are in.
+# CPU time against onnxruntime. 1-D convolution groups (whisper's Conv1d) are in; 2-D ones where VNNI's or AMX's
+# byte products take them and they are large (fuse_large_quantized_conv: small ones run faster in the float chains'
+# segments), with the residual additions and one-grid Concats beside them on the codes (INTEGER_GROUP_PASSES has
+# every rank, for a caller to add before QDQ_PASSES).
 _MATMUL_GROUP_PASSES = [_early(until_fixed(fuse_quantized_matmul)), _early(until_fixed(fuse_large_quantized_conv)),
                         _early(until_fixed(fuse_quantized_add)), _early(until_fixed(pass_codes_through)),
                         _early(until_fixed(absorb_quantize)),

@@ -1,8 +1,7 @@
 """compiled/dynamic_conv.dynamic_conv_quads and quantized_conv_blocks.quantized_conv_blocks shared with the helper
 threads (workers.py): each phase (x's range, the padded codes, the patches, the products) one job whose tasks the
-calling thread and the helpers claim. Apart from
-those modules, which a process's first runs import before numba loads: this module imports workers, and numba
-with it."""
+calling thread and the helpers claim. Apart from those modules, which a process's first runs import before numba
+loads: this module imports workers, and numba with it."""
 
 from __future__ import annotations
 
