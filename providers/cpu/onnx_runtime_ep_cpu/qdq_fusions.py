@@ -482,10 +482,10 @@ def fuse_quantized_linear(graph: Graph, owns=None, kinds=frozenset(_LINEAR), con
     makes QLinearMatMul, QGemm and QLinearConv. The bias (a DequantizeLinear of int32 codes, or float) stays
     a float input, which constant folding then makes one constant. Runs before the optimizer, whose constant
     folding would otherwise turn the weights' DequantizeLinear into float32 weights. ``accepts``: a further test
-    of the MatMul/Gemm/Conv node, or None."""
+    of the MatMul/Gemm/Conv node, accepts(view, node), or None."""
     view = GraphView(graph)
     for node in list(graph.nodes):
-        if node.op_type not in kinds or node.domain or (accepts is not None and not accepts(node)):
+        if node.op_type not in kinds or node.domain or (accepts is not None and not accepts(view, node)):
             continue
         group = _linear_group(view, node)
         if group is None:
@@ -510,9 +510,13 @@ def fuse_quantized_linear(graph: Graph, owns=None, kinds=frozenset(_LINEAR), con
     return False
 
 
+def _is_group(node: Node | None) -> bool:
+    """Whether ``node`` is a convolution group on the integers (fuse_quantized_linear's QuantizedConv)."""
+    return node is not None and node.op_type == "QuantizedConv" and node.domain == FUSED_DOMAIN
+
+
 def _made_by_group(view: GraphView, name: str) -> bool:
-    producer = view.producer.get(name)
-    return producer is not None and producer.op_type == "QuantizedConv" and producer.domain == FUSED_DOMAIN
+    return _is_group(view.producer.get(name))
 
 
 def fuse_quantized_add(graph: Graph, owns=None) -> bool:
@@ -557,11 +561,11 @@ def fuse_quantized_add(graph: Graph, owns=None) -> bool:
 
 
 def pass_codes_through(graph: Graph, owns=None) -> bool:
-    """DequantizeLinear -> Concat or MaxPool -> QuantizeLinear, every input and the output on one grid (the same
-    per-tensor scale and zero point), beside a convolution group (an input made by one, or the output read by
-    one): the node on the codes instead. Exact: the dequantized codes requantize to themselves, MaxPool commutes
-    with the increasing map from codes to values (its pads, the type's lowest value, never win), and Concat only
-    moves them. A statically quantized SqueezeNet's fire modules and pools, whose groups then keep their codes."""
+    """DequantizeLinear -> Concat -> QuantizeLinear, every input and the output on one grid (the same per-tensor
+    scale and zero point), beside a convolution group (an input made by one, or the output read by one): the
+    Concat on the codes instead. Exact: the dequantized codes requantize to themselves and Concat only moves them.
+    A statically quantized SqueezeNet's fire modules, whose groups then keep their codes. (MaxPool would commute
+    too, but the pool loops take float32 only: RESULTS, "not kept".)"""
     view = GraphView(graph)
     for node in list(graph.nodes):
         if node.domain or node.op_type != "Concat" or len(node.outputs) != 1 or not node.inputs:
@@ -574,9 +578,8 @@ def pass_codes_through(graph: Graph, owns=None) -> bool:
         if params is None or params[1] is None or not _same(params, sources[0][1]):
             continue
         codes = [dq.inputs[0] for dq, _ in sources]
-        if not any(_made_by_group(view, name) for name in codes) and not any(
-                r.op_type == "QuantizedConv" and r.domain == FUSED_DOMAIN for r in view.consumers.get(
-                    quantize.outputs[0], [])):
+        if not any(_made_by_group(view, name) for name in codes) \
+                and not any(_is_group(r) for r in view.consumers.get(quantize.outputs[0], [])):
             continue
         removed = [quantize]
         for dq, _ in sources:
@@ -871,24 +874,19 @@ def fuse_large_quantized_conv(graph: Graph, owns=None) -> bool:
     output's inferred shape, on hosts with AVX-512 VNNI."""
     from .compiled import qgemm_quads  # (imports neither numba nor llvmlite)
 
-    if not qgemm_quads.AVAILABLE:
+    return qgemm_quads.AVAILABLE and fuse_quantized_linear(graph, owns, frozenset({"Conv"}), (4,), _large_conv)
+
+
+def _large_conv(view: GraphView, node: Node) -> bool:
+    info = view.graph.type_of(node.outputs[0])
+    dq = _made_by(view, node.inputs[1], "DequantizeLinear") if len(node.inputs) > 1 else None
+    weight = None if dq is None else _constant(view, dq.inputs[0])
+    if int(node.attr("group", 1)) != 1 or weight is None or info is None or info.shape is None \
+            or len(info.shape) != 4:
         return False
-    view = GraphView(graph)
-    large = set()
-    for node in graph.nodes:
-        if node.op_type != "Conv" or node.domain or int(node.attr("group", 1)) != 1 or len(node.inputs) < 2:
-            continue
-        dq = _made_by(view, node.inputs[1], "DequantizeLinear")
-        weight = None if dq is None else _constant(view, dq.inputs[0])
-        info = graph.type_of(node.outputs[0])
-        if weight is None or weight.ndim != 4 or info is None or info.shape is None or len(info.shape) != 4:
-            continue
-        height, width = info.shape[2], info.shape[3]
-        if isinstance(height, int) and isinstance(width, int) and height * width * weight.size >= LARGE_CONV_MACS:
-            large.add(id(node))
-    if not large:
-        return False
-    return fuse_quantized_linear(graph, owns, frozenset({"Conv"}), (4,), lambda node: id(node) in large)
+    height, width = info.shape[2], info.shape[3]
+    return isinstance(height, int) and isinstance(width, int) and height * width * weight.size >= LARGE_CONV_MACS
+
 
 # The integer groups compute what onnxruntime's QDQ kernels compute. For MatMul and Gemm they are the default:
 # one node per group in place of a rounding node, a float product and the next rounding node, which on the

@@ -140,7 +140,7 @@ def compiled_call(x, geometry, side) -> np.ndarray:
     out = np.empty(out_shape, _F32)
     x4, out3 = np.ascontiguousarray(x).reshape(shape4), out.reshape(out_shape[0], out_shape[1], oh * ow)
     if isinstance(side, QuadWeight):
-        threads = _threads(out_shape[0] * oh * ow * side.weight.size)
+        threads = split_threads(out_shape[0] * oh * ow * side.weight.size)
         if threads > 1:
             threaded_call(x4, steps, oh, ow, side, out3, threads)
         else:
@@ -154,9 +154,19 @@ def compiled_call(x, geometry, side) -> np.ndarray:
 TASKS_PER_THREAD = 4  # each phase's tasks: a helper that falls behind leaves some to the others
 
 
-def _threads(macs: int) -> int:
-    """The threads the byte products' call splits across: KNOBS.split_macs of multiply-adds a thread at least."""
+def split_threads(macs: int) -> int:
+    """The threads a call of the byte products splits across (this convolution's and a QDQ group's,
+    ops/qdq_linear._conv_blocks): KNOBS.split_macs of multiply-adds a thread at least."""
     return max(1, min(kernel_threads(), macs // KNOBS.split_macs))
+
+
+def task_ranges(threads: int) -> np.ndarray:
+    """Each part's claimed tasks, TASKS_PER_THREAD a thread: part p's ranges[p] .. ranges[p + 1] (kept per count)."""
+    ranges = _ranges.get(threads)
+    if ranges is None:
+        tasks = TASKS_PER_THREAD * threads
+        ranges = _ranges[threads] = np.array([tasks * p // threads for p in range(threads + 1)], dtype=np.int64)
+    return ranges
 
 
 def threaded_call(x4, steps, oh, ow, side, out3, threads: int) -> None:
@@ -164,11 +174,8 @@ def threaded_call(x4, steps, oh, ow, side, out3, threads: int) -> None:
     helper threads as claimed tasks (compiled/dynamic_conv_jobs.split_dynamic_conv)."""
     from ..compiled import dynamic_conv_jobs, workers
 
-    tasks = TASKS_PER_THREAD * threads
-    ranges = _ranges.get(threads)
-    if ranges is None:
-        ranges = _ranges[threads] = np.array([tasks * p // threads for p in range(threads + 1)], dtype=np.int64)
-    arguments = (x4, *steps, oh, ow, side.weight, side.column_sums, side.zeros, side.scales, side.bias, out3, ranges,
+    arguments = (x4, *steps, oh, ow, side.weight, side.column_sums, side.zeros, side.scales, side.bias, out3,
+                 task_ranges(threads),
                  np.zeros(threads, np.int64), workers.local_mailbox(0))  # (claims per call: callers on threads)
     workers.call(dynamic_conv_jobs.split_dynamic_conv, arguments, dynamic_conv_jobs.DYNAMIC_CONV.address(), 0,
                  helper_count())

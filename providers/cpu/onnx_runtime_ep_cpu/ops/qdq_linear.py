@@ -32,9 +32,9 @@ from ..algorithms.repeat_call import RepeatCall
 from ..compiled.deferred import numpy_first, tried
 from ..fusions import FUSED_DOMAIN
 from ..registry import register
-from ..threads import helper_count, kernel_threads
-from ..tuning import KNOBS
+from ..threads import helper_count
 from ._common import argument_error
+from .dynamic_quantize_conv import split_threads, task_ranges
 from .quantization import integer_conv, qlinear_matmul_general
 
 _EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
@@ -507,14 +507,12 @@ def _conv_blocks(side: list, binds: dict, x, w, w_zero, p, geometry: tuple, dequ
     arguments = (x4 if floats else _NO_FLOATS4, _NO_BYTES4 if floats else x4.view(np.uint8), *steps, oh, ow, weight,
                  terms, zeros, factors, shifts, p.consts, out3 if dequantize else _NO_FLOATS3,
                  _NO_BYTES3 if dequantize else out3.view(np.uint8))
-    threads = _threads(out_shape[0] * oh * ow * weight.size)
+    threads = split_threads(out_shape[0] * oh * ow * weight.size)
     if threads > 1:
         from ..compiled import dynamic_conv_jobs, workers
 
-        tasks = TASKS_PER_THREAD * threads
-        ranges = np.array([tasks * part // threads for part in range(threads + 1)], dtype=np.int64)
         workers.call(dynamic_conv_jobs.split_quantized_conv,
-                     (*arguments, ranges, np.zeros(threads, np.int64), workers.local_mailbox(0)),
+                     (*arguments, task_ranges(threads), np.zeros(threads, np.int64), workers.local_mailbox(0)),
                      dynamic_conv_jobs.QUANTIZED_CONV.address(), 0, helper_count())
     else:
         entry = binds.get(("blocks", x4.dtype))
@@ -556,14 +554,6 @@ def _channel_params(p, columns: int) -> tuple:
         found = p.channel_params = tuple(np.ascontiguousarray(np.broadcast_to(v, (columns,)), dtype=np.float64)
                                          for v in (p.multiplier, p.offset))
     return found
-
-
-def _threads(macs: int) -> int:
-    """The threads a call splits across: KNOBS.split_macs of multiply-adds a thread at least."""
-    return max(1, min(kernel_threads(), macs // KNOBS.split_macs))
-
-
-TASKS_PER_THREAD = 4  # each phase's tasks: a helper that falls behind leaves some to the others
 
 
 def _conv_lines(side: list, dynamic_conv, qgemm, x, w, w_zero, p, geometry: tuple, dequantize: bool):
