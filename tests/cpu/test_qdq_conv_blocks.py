@@ -39,6 +39,7 @@ def _node(attrs, count, quantize_a, dequantize):
 def _compiled_now(monkeypatch):
     monkeypatch.setattr(deferred.state, "disabled", True)
     monkeypatch.setattr(deferred.state, "deferring", False)
+    monkeypatch.setattr(qdq_linear, "_takes_grid", lambda *a: False)  # (test_qdq_conv_grid.py has the grid's)
 
 
 def _float_path(monkeypatch, node, inputs):

@@ -1,4 +1,5 @@
-"""compiled/dynamic_conv.dynamic_conv_quads and quantized_conv_blocks.quantized_conv_blocks shared with the helper
+"""compiled/dynamic_conv.dynamic_conv_quads, quantized_conv_blocks.quantized_conv_blocks and
+quantized_conv_grid.quantized_conv_grid shared with the helper
 threads (workers.py): each phase (x's range, the padded codes, the patches, the products) one job whose tasks the
 calling thread and the helpers claim. Apart from those modules, which a process's first runs import before numba
 loads: this module imports workers, and numba with it."""
@@ -12,6 +13,7 @@ from .dynamic_conv import CODES, PATCHES, PRODUCTS, RANGE, dynamic_phase, dynami
 from .mailbox import byte_codes, doubles, floats, int32s, ints, scalar
 from .quantize import range_parameters
 from .quantized_conv_blocks import quantized_phase, quantized_plan
+from .quantized_conv_grid import GEOMETRY, grid_phase, grid_plan
 from .workers import Kind, claim_task, collect, offer, run_here
 
 
@@ -113,6 +115,53 @@ def split_quantized_conv(x, x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left, 
             offer(mailboxes, states, part - 1, runner)
         _write_quantized_conv(own, phase, x, x_codes, codes, patches, weight, terms, weight_zeros, factors, shifts,
                               consts, out, out_codes, geometry, ranges, claims, 0)
+        run_here(runner, own)
+        result |= collect(mailboxes, states, helpers)
+    return result
+
+
+@jit
+def _run_quantized_grid(phase, x, x_codes, codes, offsets, starts, lanes, weight, terms, factors, shifts, singles,
+                        consts, out, out_codes, geometry, ranges, claims, part):
+    cursor = np.zeros(1, dtype=np.int64)
+    tasks = ranges[ranges.shape[0] - 1]
+    while True:
+        task = claim_task(claims, ranges, part, cursor)
+        if task < 0:
+            break
+        grid_phase(phase, x, x_codes, codes, offsets, starts, lanes, weight, terms, factors, shifts, singles, consts,
+                   out, out_codes, geometry, tasks, task, task + 1)
+
+
+# quantized_conv_grid's phases as claimed-task jobs (split_quantized_grid), as DYNAMIC_CONV's.
+QUANTIZED_GRID = Kind("quantized_grid", (
+    scalar("phase"), floats("x", 4), byte_codes("x_codes", 4), byte_codes("codes"), ints("offsets"), ints("starts"),
+    ints("lanes"), byte_codes("weight", 2, signed=True), int32s("terms"), doubles("factors"), doubles("shifts"),
+    floats("singles"), doubles("consts"), floats("out", 3), byte_codes("out_codes", 3),
+    ints("geometry", shape=(GEOMETRY,)),
+    ints("ranges", shape=("claims.shape[0] + 1",)), ints("claims"), scalar("part"),
+), _run_quantized_grid, home=__name__)
+_write_quantized_grid = QUANTIZED_GRID.writer
+
+
+@jit
+def split_quantized_grid(x, x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, terms, factors,
+                         shifts, singles, consts, out, out_codes, ranges, claims, own, mailboxes, states, runner):
+    """quantized_conv_grid across the calling thread and the helpers, one job per phase (the grid's codes, the
+    products), as split_dynamic_conv. Returns workers.collect's results, or'ed."""
+    parts = ranges.shape[0] - 1
+    codes, offsets, starts, lanes, geometry = grid_plan(x, x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left, right,
+                                                        oh, ow, weight, ranges[parts])
+    helpers = min(parts - 1, mailboxes.shape[0])
+    result = 0
+    for phase in (CODES, PRODUCTS):
+        claims[:] = 0
+        for part in range(1, helpers + 1):
+            _write_quantized_grid(mailboxes[part - 1], phase, x, x_codes, codes, offsets, starts, lanes, weight, terms,
+                                  factors, shifts, singles, consts, out, out_codes, geometry, ranges, claims, part)
+            offer(mailboxes, states, part - 1, runner)
+        _write_quantized_grid(own, phase, x, x_codes, codes, offsets, starts, lanes, weight, terms, factors, shifts,
+                              singles, consts, out, out_codes, geometry, ranges, claims, 0)
         run_here(runner, own)
         result |= collect(mailboxes, states, helpers)
     return result

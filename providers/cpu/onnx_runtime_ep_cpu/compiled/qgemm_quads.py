@@ -64,8 +64,10 @@ def _emit_quad_tile(builder, mr: int, nc: int, pointers: tuple, values: tuple, u
             builder.store(totals[i * nc + j], target, align=4)
 
 
-def _quad_totals(builder, mr: int, nc: int, pointers: tuple, values: tuple, unsigned_broadcast: bool) -> list:
-    """The IR of an mr x (16 * nc) tile's k loop: its int32 sums, mr * nc vectors of 16 lanes (row-major)."""
+def _quad_totals(builder, mr: int, nc: int, pointers: tuple, values: tuple, unsigned_broadcast: bool,
+                 offsets=None) -> list:
+    """The IR of an mr x (16 * nc) tile's k loop: its int32 sums, mr * nc vectors of 16 lanes (row-major). The
+    vectors of quad k are ldb * k bytes past ``b``, or with ``offsets`` (int64, one per k) offsets[k] bytes past."""
     from llvmlite import ir
 
     from . import llvm
@@ -83,7 +85,7 @@ def _quad_totals(builder, mr: int, nc: int, pointers: tuple, values: tuple, unsi
     a_rows = [builder.mul(const(i), lda) for i in range(mr)]
 
     def step(k, acc):
-        b_row = builder.mul(k, ldb)
+        b_row = builder.mul(k, ldb) if offsets is None else builder.load(builder.gep(offsets, [k]))
         weights = [builder.load(builder.bitcast(builder.gep(b_ptr, [builder.add(b_row, const(4 * LANES * j))]),
                                                 i8x64.as_pointer()), align=1) for j in range(nc)]
         summed = []
@@ -110,26 +112,33 @@ def _emit_requantized_tile(builder, mr: int, nc: int, pointers: tuple, values: t
 
 
 def _emit_requantized(builder, totals: list, mr: int, nc: int, pointers: tuple, values: tuple, dequantize: bool,
-                      rows) -> None:
+                      rows, places=None, singles=None) -> None:
     """Requantizes an mr x (16 * nc) block of int32 sums (``totals``, row-major vectors of 16 positions) and stores
     it along each output channel's plane: for row i (channel m = row + i), total = acc + terms[m] - zeros[m] *
     sums[j] (int32, wrapping; sums the positions' sums of codes), v = float64(total) * factors[m] + shifts[m]
     saturated to [bounds[0], bounds[1]] (the codes' range less the zero point), rounded half to even (NaN, from a
     NaN shift, as code 0), then the code's byte, int32(v + bounds[2]) & 255, or with ``dequantize`` its float32
     value, float32(v * bounds[3]). Lanes at or past ``count`` positions are not stored (masked stores), so a
-    block's tail writes nothing past its positions; nor rows at or past ``rows`` (None: every row)."""
+    block's tail writes nothing past its positions; nor rows at or past ``rows`` (None: every row).
+
+    With ``places`` (int64 pointers (starts, lanes), one of each per vector: the vector's first stored element in
+    the plane and the bit mask of its lanes that are positions) each vector's masked lanes are stored one after
+    another from its start (a compress store), its other lanes dropped: a grid tile's lanes past a row's end
+    (quantized_conv_grid). Then ``zeros`` and ``sums`` are None (no weight zero point's term) and ``count`` unused,
+    and the factors and shifts are finite (the callers check): no NaN to map to code 0, so rint is LLVM's (the
+    current rounding, half to even: vrndscalepd) and the code's conversion exact.
+
+    With ``singles`` (float32, three per output channel: its factor and shift rounded to float32 and a margin,
+    _single_first) the tile is first requantized in float32, a third of float64's work, and kept where no lane's
+    value lies within the margin of a half (then both round alike); else the tile goes the float64 way."""
     from llvmlite import ir
 
     from . import llvm
 
     terms, zeros, sums, factors, shifts, bounds, out = pointers
     row, out_at, ldo, count = values
-    f64 = ir.DoubleType()
-    f64x16, i32x16 = ir.VectorType(f64, LANES), ir.VectorType(llvm.I32, LANES)
-    element = llvm.F32 if dequantize else ir.IntType(8)
-    vector = ir.VectorType(element, LANES)
-    store = llvm.declare(builder.module, f"llvm.masked.store.v16{'f32' if dequantize else 'i8'}.p0",
-                         ir.FunctionType(ir.VoidType(), [vector, vector.as_pointer(), llvm.I32, llvm.MASK]))
+    f64x16, i32x16 = ir.VectorType(ir.DoubleType(), LANES), ir.VectorType(llvm.I32, LANES)
+    vector = ir.VectorType(llvm.F32 if dequantize else ir.IntType(8), LANES)
 
     def const(value):
         return ir.Constant(llvm.I64, value)
@@ -138,41 +147,169 @@ def _emit_requantized(builder, totals: list, mr: int, nc: int, pointers: tuple, 
         return llvm.splat(builder, scalar, f64x16)
 
     low, high, zero, scale = (wide(builder.load(builder.gep(bounds, [const(b)]))) for b in range(4))
-    rounder = ir.Constant(f64x16, [ROUNDER] * LANES)
-    unset = builder.fsub(ir.Constant(f64x16, [0.0] * LANES), zero)  # code 0 less the zero point
-    limit = builder.trunc(count, llvm.I32)
-    masks = [builder.icmp_signed("<", builder.add(llvm.LANE_NUMBERS, ir.Constant(i32x16, [LANES * j] * LANES)),
-                                 llvm.splat(builder, limit, i32x16)) for j in range(nc)]
-    position_sums = [builder.load(builder.bitcast(builder.gep(sums, [const(LANES * j)]), i32x16.as_pointer()),
-                                  align=4) for j in range(nc)]
+    rounded = _rounding(builder, zero, places is None)
+    put = _vector_stores(builder, nc, out, vector, count, places)
+    position_sums = None if places else [
+        builder.load(builder.bitcast(builder.gep(sums, [const(LANES * j)]), i32x16.as_pointer()), align=4)
+        for j in range(nc)]
 
     def emit_row(i):
         m = builder.add(row, const(i))
         term = llvm.splat(builder, builder.load(builder.gep(terms, [m])), i32x16)
-        zero_point = llvm.splat(builder, builder.load(builder.gep(zeros, [m])), i32x16)
+        zero_point = None if places else llvm.splat(builder, builder.load(builder.gep(zeros, [m])), i32x16)
         factor, shift = wide(builder.load(builder.gep(factors, [m]))), wide(builder.load(builder.gep(shifts, [m])))
         plane = builder.add(out_at, builder.mul(const(i), ldo))
         for j in range(nc):
-            total = builder.sub(builder.add(totals[i * nc + j], term), builder.mul(zero_point, position_sums[j]))
+            total = builder.add(totals[i * nc + j], term)
+            total = total if zero_point is None else builder.sub(total, builder.mul(zero_point, position_sums[j]))
             v = builder.sitofp(total, f64x16)
             v = builder.fadd(builder.fmul(v, factor), shift)
             v = builder.select(builder.fcmp_ordered("<", v, low), low, v)
-            v = builder.select(builder.fcmp_ordered(">", v, high), high, v)
-            v = builder.fsub(builder.fadd(v, rounder), rounder)
-            v = builder.select(builder.fcmp_unordered("uno", v, v), unset, v)  # NaN (a NaN shift): code 0
-            if dequantize:
-                value = builder.fptrunc(builder.fmul(v, scale), vector)
-            else:
-                value = builder.trunc(builder.fptosi(builder.fadd(v, zero), i32x16), vector)
-            target = builder.bitcast(builder.gep(out, [builder.add(plane, const(LANES * j))]), vector.as_pointer())
-            builder.call(store, [value, target, ir.Constant(llvm.I32, 1), masks[j]])
+            v = rounded(builder.select(builder.fcmp_ordered(">", v, high), high, v))
+            put(j, builder.fptrunc(builder.fmul(v, scale), vector) if dequantize
+                else builder.trunc(builder.fptosi(builder.fadd(v, zero), i32x16), vector), plane)
+
+    if singles is None:
+        _each_row(builder, mr, rows, emit_row)
+        return
+    near, values = _single_first(builder, totals, mr, nc, (terms, singles, bounds), row, dequantize)
+    with builder.if_else(near) as (slow, fast):
+        with slow:
+            for i in range(mr):
+                emit_row(i)
+        with fast:
+            for i in range(mr):
+                plane = builder.add(out_at, builder.mul(const(i), ldo))
+                for j in range(nc):
+                    put(j, values[i * nc + j], plane)
+
+
+def _each_row(builder, mr: int, rows, emit_row) -> None:
+    """emit_row(i) for a tile's mr rows, each at or past ``rows`` (None: none) skipped at run time."""
+    from llvmlite import ir
+
+    from . import llvm
 
     for i in range(mr):
         if rows is None:
             emit_row(i)
         else:
-            with builder.if_then(builder.icmp_signed("<", const(i), rows)):
+            with builder.if_then(builder.icmp_signed("<", ir.Constant(llvm.I64, i), rows)):
                 emit_row(i)
+
+
+def _single_first(builder, totals: list, mr: int, nc: int, pointers: tuple, row, dequantize: bool) -> tuple:
+    """_emit_requantized's float32 try of a tile: (whether some lane must go the float64 way, the tile's values).
+    Per channel m: v = fma(float32(total), singles[3m], singles[3m + 1]) saturated and rounded (vrndscaleps); v
+    differs from the float64 value by less than singles[3m + 2]'s distance below a half (the callers' bound), so
+    where |v - rint(v)| stays under it both round to the same integer. A margin of -1 sends every tile of the
+    channel the float64 way."""
+    from llvmlite import ir
+
+    from . import llvm
+
+    terms, singles, bounds = pointers
+    f32x16, i32x16 = llvm.VEC, ir.VectorType(llvm.I32, LANES)
+    vector = llvm.VEC if dequantize else ir.VectorType(ir.IntType(8), LANES)
+    rint = llvm.declare(builder.module, "llvm.rint.v16f32", ir.FunctionType(f32x16, [f32x16]))
+    fabs = llvm.declare(builder.module, "llvm.fabs.v16f32", ir.FunctionType(f32x16, [f32x16]))
+    fma = llvm.fma(builder.module)
+
+    def const(value):
+        return ir.Constant(llvm.I64, value)
+
+    def bound(b):
+        return builder.fptrunc(builder.load(builder.gep(bounds, [const(b)])), llvm.F32)
+
+    low, high, scale = (llvm.splat(builder, bound(b), f32x16) for b in (0, 1, 3))
+    zero = llvm.splat(builder, builder.fptosi(builder.load(builder.gep(bounds, [const(2)])), llvm.I32), i32x16)
+    near = ir.Constant(llvm.MASK, None)
+    values = []
+    for i in range(mr):
+        m = builder.add(row, const(i))
+        term = llvm.splat(builder, builder.load(builder.gep(terms, [m])), i32x16)
+        factor, shift, margin = (llvm.splat(builder, builder.load(builder.gep(singles, [
+            builder.add(builder.mul(m, const(3)), const(k))])), f32x16) for k in range(3))
+        for j in range(nc):
+            v = builder.call(fma, [builder.sitofp(builder.add(totals[i * nc + j], term), f32x16), factor, shift])
+            v = builder.select(builder.fcmp_ordered("<", v, low), low, v)
+            v = builder.select(builder.fcmp_ordered(">", v, high), high, v)
+            r = builder.call(rint, [v])
+            near = builder.or_(near, builder.fcmp_unordered(">=", builder.call(fabs, [builder.fsub(v, r)]), margin))
+            values.append(builder.fmul(r, scale) if dequantize
+                          else builder.trunc(builder.add(builder.fptosi(r, i32x16), zero), vector))
+    return builder.icmp_unsigned("!=", builder.bitcast(near, ir.IntType(LANES)), ir.Constant(ir.IntType(LANES), 0)), \
+        values
+
+
+def _rounding(builder, zero, nan_to_zero: bool):
+    """rint of a saturated float64 vector, half to even: as the sum and difference of ROUNDER, a NaN (from a NaN
+    shift) then code 0's value less ``zero``; or, where no NaN can come (``nan_to_zero`` off), LLVM's rint (the
+    current rounding: vrndscalepd)."""
+    from llvmlite import ir
+
+    from . import llvm
+
+    f64x16 = ir.VectorType(ir.DoubleType(), LANES)
+    if not nan_to_zero:
+        rint = llvm.declare(builder.module, "llvm.rint.v16f64", ir.FunctionType(f64x16, [f64x16]))
+        return lambda v: builder.call(rint, [v])
+    rounder = ir.Constant(f64x16, [ROUNDER] * LANES)
+    unset = builder.fsub(ir.Constant(f64x16, [0.0] * LANES), zero)  # code 0 less the zero point
+
+    def rounded(v):
+        v = builder.fsub(builder.fadd(v, rounder), rounder)
+        return builder.select(builder.fcmp_unordered("uno", v, v), unset, v)
+
+    return rounded
+
+
+def _vector_stores(builder, nc: int, out, vector, count, places):
+    """put(j, value, plane): vector j of a tile row stored from element plane + 16 * j of ``out``, its lanes from
+    ``count`` on masked off; or with ``places`` compress-stored from plane + starts[j], the lanes of lanes[j] only
+    (_emit_requantized)."""
+    from llvmlite import ir
+
+    from . import llvm
+
+    element = vector.element
+    i32x16 = ir.VectorType(llvm.I32, LANES)
+    suffix = "f32" if element == llvm.F32 else "i8"
+
+    def const(value):
+        return ir.Constant(llvm.I64, value)
+
+    if places is None:
+        store = llvm.declare(builder.module, f"llvm.masked.store.v16{suffix}.p0",
+                             ir.FunctionType(ir.VoidType(), [vector, vector.as_pointer(), llvm.I32, llvm.MASK]))
+        limit = llvm.splat(builder, builder.trunc(count, llvm.I32), i32x16)
+        masks = [builder.icmp_signed("<", builder.add(llvm.LANE_NUMBERS, ir.Constant(i32x16, [LANES * j] * LANES)),
+                                     limit) for j in range(nc)]
+
+        def put(j, value, plane):
+            target = builder.bitcast(builder.gep(out, [builder.add(plane, const(LANES * j))]), vector.as_pointer())
+            builder.call(store, [value, target, ir.Constant(llvm.I32, 1), masks[j]])
+
+        return put
+    # compressed in the register, then a masked store of the leading lanes: a compress store to memory is microcode
+    compress = llvm.declare(builder.module, f"llvm.x86.avx512.mask.compress.v16{suffix}",
+                            ir.FunctionType(vector, [vector, vector, llvm.MASK]))
+    store = llvm.declare(builder.module, f"llvm.masked.store.v16{suffix}.p0",
+                         ir.FunctionType(ir.VoidType(), [vector, vector.as_pointer(), llvm.I32, llvm.MASK]))
+    popcount = llvm.declare(builder.module, "llvm.ctpop.i64", ir.FunctionType(llvm.I64, [llvm.I64]))
+    starts = [builder.load(builder.gep(places[0], [const(j)])) for j in range(nc)]
+    bits = [builder.load(builder.gep(places[1], [const(j)])) for j in range(nc)]
+    masks = [builder.bitcast(builder.trunc(b, ir.IntType(LANES)), llvm.MASK) for b in bits]
+    leading = [builder.icmp_signed("<", llvm.LANE_NUMBERS, llvm.splat(
+        builder, builder.trunc(builder.call(popcount, [b]), llvm.I32), i32x16)) for b in bits]
+    empty = ir.Constant(vector, None)
+
+    def put(j, value, plane):
+        packed = builder.call(compress, [value, empty, masks[j]])
+        target = builder.bitcast(builder.gep(out, [builder.add(plane, starts[j])]), vector.as_pointer())
+        builder.call(store, [packed, target, ir.Constant(llvm.I32, 1), leading[j]])
+
+    return put
 
 
 def requantizing_kernel(mr: int, nc: int):
@@ -206,20 +343,57 @@ def requantizing_kernel(mr: int, nc: int):
     return microkernel
 
 
+def grid_kernel(mr: int, nc: int):
+    """The numba intrinsic of one mr x (16 * nc) tile of a convolution read in place from the grid of channel quads
+    (quantized_conv_grid): called as (weight, a_at, codes, b_at, depth, lda, offsets, terms, factors, shifts,
+    singles, bounds, row, out, out_at, ldo, starts, lanes, v_at): the int32 sums of int8 weight rows from element
+    a_at by the uint8 quads offsets[k] bytes past codes[b_at] (16 positions a 64-byte vector), plus terms[m],
+    requantized as _emit_requantized does (in float32 first, ``singles``) and compress-stored: vector j's masked
+    lanes (lanes[v_at + j]) from element starts[v_at + j] of the row's plane (out_at for the first row, ldo elements
+    a row)."""
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def microkernel(typingctx, a, a_at, b, b_at, depth, lda, offsets, terms, factors, shifts, singles, bounds, row,
+                    out, out_at, ldo, starts, lanes, v_at):
+        signature = types.void(a, a_at, b, b_at, depth, lda, offsets, terms, factors, shifts, singles, bounds, row,
+                               out, out_at, ldo, starts, lanes, v_at)
+        dequantize = out.dtype == types.float32
+
+        def codegen(context, builder, sig, args):
+            def data(index):
+                return context.make_array(sig.args[index])(context, builder, args[index]).data
+
+            totals = _quad_totals(builder, mr, nc, (builder.gep(data(0), [args[1]]), builder.gep(data(2), [args[3]])),
+                                  (args[4], args[5], None), False, offsets=data(6))
+            places = (builder.gep(data(16), [args[18]]), builder.gep(data(17), [args[18]]))
+            _emit_requantized(builder, totals, mr, nc, (data(7), None, None, data(8), data(9), data(11), data(13)),
+                              (args[12], args[14], args[15], None), dequantize, None, places, data(10))
+            return context.get_dummy_value()
+
+        return signature, codegen
+    return microkernel
+
+
 # The microkernels by NC, globals for the loops that call them, made when those loops are compiled (importing
 # this module imports neither numba nor llvmlite). _tile_<nc>: MR rows; _row_<nc>: one row (the last M % MR);
 # _wtile_<nc>, _wrow_<nc>: the same of _emit_weight_tile.
 _tile_1 = _tile_2 = _tile_3 = _tile_4 = _row_1 = _row_2 = _row_3 = _row_4 = None
 _wtile_1 = _wtile_2 = _wtile_3 = _wtile_4 = _wrow_1 = _wrow_2 = _wrow_3 = _wrow_4 = None
-# _rtile_<nc>, _rrow_<nc>: requantizing_kernel's
+# _rtile_<nc>, _rrow_<nc>: requantizing_kernel's; _gtile_<nc>, _grow_<nc>: grid_kernel's
 _rtile_1 = _rtile_2 = _rtile_3 = _rtile_4 = _rrow_1 = _rrow_2 = _rrow_3 = _rrow_4 = None
+_gtile_1 = _gtile_2 = _gtile_3 = _gtile_4 = _grow_1 = _grow_2 = _grow_3 = _grow_4 = None
 
 
 def _define_kernels() -> None:
     global _tile_1, _tile_2, _tile_3, _tile_4, _row_1, _row_2, _row_3, _row_4
     global _wtile_1, _wtile_2, _wtile_3, _wtile_4, _wrow_1, _wrow_2, _wrow_3, _wrow_4
     global _rtile_1, _rtile_2, _rtile_3, _rtile_4, _rrow_1, _rrow_2, _rrow_3, _rrow_4
+    global _gtile_1, _gtile_2, _gtile_3, _gtile_4, _grow_1, _grow_2, _grow_3, _grow_4
     if _tile_4 is None:
+        _grow_1, _grow_2, _grow_3, _grow_4 = (grid_kernel(1, nc) for nc in range(1, NC_MAX + 1))
+        _gtile_1, _gtile_2, _gtile_3, _gtile_4 = (grid_kernel(MR, nc) for nc in range(1, NC_MAX + 1))
         _rrow_1, _rrow_2, _rrow_3, _rrow_4 = (requantizing_kernel(1, nc) for nc in range(1, NC_MAX + 1))
         _rtile_1, _rtile_2, _rtile_3, _rtile_4 = (requantizing_kernel(MR, nc) for nc in range(1, NC_MAX + 1))
         _row_1, _row_2, _row_3, _row_4 = (tile_kernel(_emit_tile, 1, nc) for nc in range(1, NC_MAX + 1))
@@ -410,6 +584,40 @@ def vnni_requantized_tiles(weight, first, end, patches, b_at, ldb, nc, terms, ze
             _rtile_2(*head, *tail)
         else:
             _rtile_1(*head, *tail)
+        i += 1 if single else MR
+
+
+@_with_kernels
+def grid_tiles(weight, first, end, codes, b_at, offsets, nc, terms, factors, shifts, singles, bounds, out, out_at,
+               ldo, starts, lanes, v_at):
+    """Rows first .. end of ``weight`` by nc vectors of 16 grid positions from codes[b_at] (grid_kernel's tiles, MR
+    rows at a time, then one), requantized and compress-stored into ``out`` (flat: row i's plane from out_at + (i -
+    first) * ldo)."""
+    lda = weight.shape[1] // 4
+    flat_a = weight.reshape(-1)
+    depth = offsets.shape[0]
+    i = first
+    while i < end:
+        single = end - i < MR
+        head = (flat_a, 4 * lda * i, codes, b_at, depth, lda, offsets, terms, factors, shifts, singles, bounds, i)
+        tail = (out, out_at + (i - first) * ldo, ldo, starts, lanes, v_at)
+        if single:
+            if nc == 4:
+                _grow_4(*head, *tail)
+            elif nc == 3:
+                _grow_3(*head, *tail)
+            elif nc == 2:
+                _grow_2(*head, *tail)
+            else:
+                _grow_1(*head, *tail)
+        elif nc == 4:
+            _gtile_4(*head, *tail)
+        elif nc == 3:
+            _gtile_3(*head, *tail)
+        elif nc == 2:
+            _gtile_2(*head, *tail)
+        else:
+            _gtile_1(*head, *tail)
         i += 1 if single else MR
 
 

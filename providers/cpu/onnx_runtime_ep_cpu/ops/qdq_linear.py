@@ -73,6 +73,8 @@ class Requantization:
         self.consts: np.ndarray | None = None  # compiled_consts, for the products
         self.out_dtype = self.y_dtype
         self.channel_params: tuple | None = None  # (multiplier, offset) one per output channel, where asked for
+        self.finite = bool(np.isfinite(self.multiplier).all() and np.isfinite(self.offset).all())
+        self.singles: np.ndarray | None = None  # the grid's float32 requantization parameters (single_params)
 
     def compiled_consts(self, quantize_a: bool, quantize_b: bool, dequantize: bool) -> np.ndarray:
         """The parameters as compiled/qgemm.py's ``consts`` array."""
@@ -440,7 +442,7 @@ def _conv_rows(node, quantize_a: bool, dequantize: bool, repeat: RepeatCall):
     binds: dict = {}  # the byte products' entry point (EntryOnce), for the kept calls
 
     def call(x, w, w_zero, p, keep):
-        from ..compiled import dynamic_conv, qgemm, qgemm_quads  # (found in sys.modules after the first call)
+        from ..compiled import dynamic_conv, qgemm  # (found in sys.modules after the first call)
 
         key = (x.shape, w.shape)
         geometry = geometries.get(key)
@@ -453,8 +455,9 @@ def _conv_rows(node, quantize_a: bool, dequantize: bool, repeat: RepeatCall):
         if p.consts is None:
             p.consts = p.compiled_consts(quantize_a, False, dequantize)
         shape4, steps, out_shape, (oh, ow) = geometry
-        if _takes_blocks(qgemm_quads, shape4, steps) and not numpy_first("dynamic_conv_jobs.QUANTIZED_CONV"):
-            return _conv_blocks(side, binds, x, w, w_zero, p, geometry, dequantize)
+        out = _channel_major(side, binds, x, w, w_zero, p, geometry, dequantize)
+        if out is not None:
+            return out
         if _takes_lines(qgemm, shape4, steps) and not numpy_first():
             out = _lines_call(ran, binds, keep, side, x, w, w_zero, p, geometry, dequantize)
             if out is not None:
@@ -518,6 +521,65 @@ def _conv_blocks(side: list, binds: dict, x, w, w_zero, p, geometry: tuple, dequ
         entry = binds.get(("blocks", x4.dtype))
         if entry is None:
             entry = binds[("blocks", x4.dtype)] = EntryOnce(quantized_conv_blocks.quantized_conv_blocks)
+        entry.run(arguments)
+    return out
+
+
+def _channel_major(side: list, binds: dict, x, w, w_zero, p, geometry: tuple, dequantize: bool):
+    """_conv_rows' channel-major call of a 2-D convolution on VNNI: read in place from the grid of channel quads
+    (_conv_grid) or through patches (_conv_blocks); None for other geometries and while numba loads (the patch rows'
+    numpy twin serves)."""
+    from ..compiled import qgemm_quads
+
+    if not _takes_blocks(qgemm_quads, geometry[0], geometry[1]):
+        return None
+    if _takes_grid(qgemm_quads, p):
+        if numpy_first("dynamic_conv_jobs.QUANTIZED_GRID"):
+            return None
+        return _conv_grid(side, binds, x, w, w_zero, p, geometry, dequantize)
+    if numpy_first("dynamic_conv_jobs.QUANTIZED_CONV"):
+        return None
+    return _conv_blocks(side, binds, x, w, w_zero, p, geometry, dequantize)
+
+
+def _takes_grid(qgemm_quads, p) -> bool:
+    """Whether a 2-D convolution that runs channel-major reads the input in place (compiled/quantized_conv_grid)
+    rather than through patches: every weight zero point 0 (signed; uint8 weights' 128) and finite requantization
+    parameters (a NaN bias's code 0 is the patches' epilogue's), where AMX's tile groups do not run (they take
+    quantized_conv_blocks' patches)."""
+    shift = 128 if p.b_dtype == np.uint8 else 0
+    return not qgemm_quads.AMX and p.finite and not np.any(p.b_zeros != shift)
+
+
+def _conv_grid(side: list, binds: dict, x, w, w_zero, p, geometry: tuple, dequantize: bool) -> np.ndarray:
+    """_conv_rows' call through compiled/quantized_conv_grid (the input's codes as a grid of channel quads read in
+    place by the tiles), split across the helper threads as _conv_blocks' (dynamic_conv_jobs.split_quantized_grid)."""
+    from ..compiled import quantized_conv_grid
+
+    shape4, steps, out_shape, (oh, ow) = geometry
+    weight, terms = _kept_form(side, w, w_zero, ("grid", p.a_zero - p.a_low),
+                               lambda: quantized_conv_grid.grid_weight(w, p.a_zero - p.a_low))
+    factors, shifts = _channel_params(p, w.shape[0])
+    if p.singles is None:
+        p.singles = quantized_conv_grid.single_params(factors, shifts, p.y_low, p.y_high, p.y_zero)
+    out = np.empty(out_shape, _F32 if dequantize else p.y_dtype)
+    out3 = out.reshape(out_shape[0], out_shape[1], oh * ow)
+    x4 = np.ascontiguousarray(x).reshape(shape4)
+    floats = x4.dtype == _F32
+    arguments = (x4 if floats else _NO_FLOATS4, _NO_BYTES4 if floats else x4.view(np.uint8), *steps, oh, ow, weight,
+                 terms, factors, shifts, p.singles, p.consts, out3 if dequantize else _NO_FLOATS3,
+                 _NO_BYTES3 if dequantize else out3.view(np.uint8))
+    threads = split_threads(out_shape[0] * oh * ow * weight.size)
+    if threads > 1:
+        from ..compiled import dynamic_conv_jobs, workers
+
+        workers.call(dynamic_conv_jobs.split_quantized_grid,
+                     (*arguments, task_ranges(threads), np.zeros(threads, np.int64), workers.local_mailbox(0)),
+                     dynamic_conv_jobs.QUANTIZED_GRID.address(), 0, helper_count())
+    else:
+        entry = binds.get(("grid", x4.dtype))
+        if entry is None:
+            entry = binds[("grid", x4.dtype)] = EntryOnce(quantized_conv_grid.quantized_conv_grid)
         entry.run(arguments)
     return out
 
