@@ -26,7 +26,8 @@ RULES: dict[str, tuple[str, tuple[int, ...]]] = {
     "RoundToHalf": (SAME, ()), "HalfToFloat": (SAME, ()), "FloatToHalf": (SAME, ()),
     # elementwise maps of input 0 (qdq_fusions.py, code_tables.py, qdq_gelu.py, qdq_tables.py)
     "QuantizeDequantize": (FIRST, (0,)), "CodeTable": (FIRST, (0,)), "RoundedGelu": (FIRST, (0,)),
-    "GridTable": (FIRST, (0,)), "RoundedRMSNorm": (FIRST, (0,)), "RoundedRotary": (FIRST, (0,)),
+    "GridTable": (FIRST, (0,)), "ChannelGridTable": (FIRST, (0,)), "RoundedRMSNorm": (FIRST, (0,)),
+    "RoundedRotary": (FIRST, (0,)),
     # normalizations and rotations over input 0's last axes (fusions.py, conv_fusions.py)
     "SkipRMSNormalization": (FIRST, (0,)), "RotateHalfEmbedding": (FIRST, (0,)),
     "FusedBatchNormalization": (FIRST, (0,)),

@@ -29,7 +29,7 @@ from onnx_runtime.optimizer.elimination import reshaped
 
 from .fusions import FUSED_DOMAIN, GraphView, bypass, owned, until_fixed
 from .qdq_folds import drop_rounding_before_quantizing
-from .qdq_tables import fuse_grid_tables, round_before_moving
+from .qdq_tables import fuse_channel_tables, fuse_grid_tables, round_before_moving
 from .qoperator_lowering import lower_qoperator_cnn
 
 # Attributes that change what QuantizeLinear/DequantizeLinear compute beyond scale, zero point and axis.
@@ -906,7 +906,7 @@ QDQ_PASSES = [lower_qoperator_cnn, *_MATMUL_GROUP_PASSES, until_fixed(fuse_quant
               until_fixed(drop_repeated_rounding),
               until_fixed(fuse_rounded_gelu),
               until_fixed(absorb_rounded_add), until_fixed(drop_rounding_before_quantizing), round_before_moving,
-              fuse_grid_tables,
+              fuse_grid_tables, fuse_channel_tables,
               until_fixed(fuse_dynamic_matmul), until_fixed(fuse_dynamic_quantize_matmul),
               until_fixed(unflatten_dynamic_quantize_matmul),
               until_fixed(group_dynamic_quantize_matmul),

@@ -130,6 +130,96 @@ def fuse_grid_tables(graph: Graph, owns=None) -> bool:
     return chains.replace(lambda root, value, cone: _table_node(graph, root, grid(root), value, cone))
 
 
+# Readers a channel table may serve although they are convolutions: groups on the codes, which quantize their input
+# themselves and run outside the float segments the module's other tables keep clear of
+_INTEGER_READERS = frozenset({"QuantizedConv", "QuantizedMatMul"})
+
+
+def _channels_of(view: GraphView, name: str) -> tuple[int, int] | None:
+    """(rank, channels) of a 3-D or wider float32 tensor whose channel count (axis 1) is static, else None."""
+    info = view.graph.type_of(name)
+    shape = None if info is None else info.shape
+    if shape is None or len(shape) < 3 or not isinstance(shape[1], int) or shape[1] < 1 \
+            or info.dtype is None or info.dtype.numpy != _F32:
+        return None
+    return len(shape), shape[1]
+
+
+def _per_channel(value: np.ndarray, rank: int, channels: int) -> bool:
+    """Whether a constant broadcast against a (N, C, ...) tensor of ``rank`` dimensions holds one value per
+    channel or one value: every dimension 1 but the channel axis, which is C or 1."""
+    if value.size == 1:
+        return value.ndim <= rank
+    if value.ndim > rank or value.ndim < rank - 1:
+        return False
+    shape = (1,) * (rank - value.ndim) + value.shape
+    return shape[1] == channels and all(d == 1 for i, d in enumerate(shape) if i != 1)
+
+
+def _channel_node(view: GraphView, node: Node, geometry: tuple[int, int]) -> bool:
+    """Whether ``node`` maps each element of a (N, C, ...) tensor alone with constants of one value per channel:
+    an elementwise operator whose constants are per channel or scalars, or an inference BatchNormalization (its
+    four parameters one per channel)."""
+    rank, channels = geometry
+    if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
+        params = [view.const(name) for name in node.inputs[1:5]]
+        return len(node.inputs) == 5 and len(node.outputs) == 1 and not node.attr("training_mode", 0) \
+            and all(p is not None and p.shape == (channels,) for p in params)
+    if not _elementwise(node):
+        return False
+    constants = [view.const(name) for name in node.inputs if name]
+    return all(c is None or _per_channel(c, rank, channels) for c in constants)
+
+
+def fuse_channel_tables(graph: Graph, owns=None) -> bool:
+    """fuse_grid_tables' chains with constants of one value per channel (a batch normalization's, the per-channel
+    Mul and Add of a Caffe "Scale" layer): each result becomes a ChannelGridTable, a table of the grid's codes per
+    channel, made by the chain's own kernels on a (1, C, ..., 256) tensor of the grid's values in every channel.
+    The root is a (N, C, ...) tensor on a per-tensor grid with C static, not a convolution's output (whose
+    activations the segments round in place); the results serve any readers but float convolutions. DenseNet's
+    pre-activation layers (Concat, rounding, BatchNormalization, rounding, Mul, rounding, Add, then the next
+    convolution's quantization) are such chains."""
+    if not any(n.op_type == "QuantizeDequantize" and n.domain == FUSED_DOMAIN for n in graph.nodes):
+        return False
+    view = GraphView(graph)
+    roots: dict[str, tuple | None] = {}
+
+    def root(name: str) -> tuple | None:
+        if name not in roots:
+            geometry = _channels_of(view, name)
+            found = None if geometry is None or _by_convolution(view, name) else grid_of(view, name)
+            roots[name] = None if found is None else (found, geometry)
+        return roots[name]
+
+    geometry_of: dict[str, tuple[int, int]] = {}  # chain value -> its root's (rank, channels)
+
+    def elementwise(node: Node) -> bool:
+        sources = [geometry_of.get(n) or (root(n) or (None, None))[1] for n in node.inputs if n]
+        found = [g for g in sources if g is not None]
+        if not found or any(g != found[0] for g in found) or not _channel_node(view, node, found[0]):
+            return False
+        geometry_of[node.outputs[0]] = found[0]
+        return True
+
+    def serves(value: str, outside: list[Node]) -> bool:
+        return not any(r.op_type in _CONVOLUTIONS and r.op_type not in _INTEGER_READERS for r in outside) \
+            and _channels_of(view, value) == geometry_of.get(value)
+
+    chains = ElementwiseChains(view, owns, elementwise=elementwise, root=lambda name: root(name) is not None,
+                               serves=serves, constant=lambda name: view.const(name) is not None)
+
+    def table(root_name: str, value: str, cone: list[Node]) -> Node:
+        constants, attrs = chain_attributes(graph, root_name, value, cone)
+        if not any(view.const(c).size > 1 for c in constants) and not any(
+                n.op_type == "BatchNormalization" for n in cone):
+            return _table_node(graph, root_name, root(root_name)[0], value, cone)  # (scalars only: a grid table)
+        return Node("ChannelGridTable", [root_name, *root(root_name)[0], *constants], [value],
+                    name=f"{cone[-1].name or cone[-1].op_type}/channel_table", domain=FUSED_DOMAIN, attrs=attrs,
+                    opset=1)
+
+    return chains.replace(table)
+
+
 # Data movement a per-tensor rounding commutes with (the rounding is elementwise with scalar parameters).
 _ROUNDING_MOVES = frozenset({"Unsqueeze", "Squeeze", "Reshape", "Flatten"})
 

@@ -30,13 +30,17 @@ class ElementwiseChains:
     ``elementwise(node)``: whether every output element of the node depends only on the same element of each
     input; ``root(name)``: whether the tensor holds one of 256 values per element, so a chain may start at it;
     ``serves(value, outside)``: whether a table may make the value for the nodes outside the chain that read it.
-    A constant of more than ``max_constant_rank`` dimensions is not taken (None: any)."""
+    A constant of more than ``max_constant_rank`` dimensions is not taken (None: any); ``constant(name)``, where
+    given, says instead which inputs are constant operands (one per channel, say: ``elementwise`` then checks how
+    its node reads them)."""
 
     def __init__(self, view: GraphView, owns, *, elementwise: Callable[[Node], bool], root: Callable[[str], bool],
-                 serves: Callable[[str, list[Node]], bool], max_constant_rank: int | None = None):
+                 serves: Callable[[str, list[Node]], bool], max_constant_rank: int | None = None,
+                 constant: Callable[[str], bool] | None = None):
         self.view, self.graph, self.owns = view, view.graph, owns
         self.elementwise, self.root, self.serves = elementwise, root, serves
         self.max_constant_rank = max_constant_rank
+        self.constant = constant or self.scalar
         self.source: dict[str, str] = {}  # value -> the root it is a function of
         self.members: dict[str, list[Node]] = {}  # root -> its chain's nodes, in graph order
 
@@ -56,7 +60,7 @@ class ElementwiseChains:
             return  # (the table's attributes spell a node's values with those separators)
         roots = set()
         for name in node.inputs:
-            if not name or self.scalar(name):
+            if not name or self.constant(name):
                 continue
             if name in self.source:
                 roots.add(self.source[name])

@@ -70,6 +70,13 @@ def grid_lookup(x, scale, zero, low, high, table, out):
     out[...] = table[index.astype(np.int64)]
 
 
+def channel_grid_lookup(x, scale, zero, low, high, table, out):
+    s, z = _F32(scale), _F32(zero)
+    v = _codes(x, s, z, _F32(low), _F32(high))
+    index = (np.where(np.isnan(v), z, v) - _F32(low)).astype(np.int64)
+    out[...] = table[np.arange(x.shape[1])[None, :, None], index]
+
+
 def dynamic_parameters(x):
     """compiled/quantize.dynamic_parameters: the float32 (scale, zero point) of a flat float32 array."""
     low = _F32(np.fmin.reduce(x, initial=_F32(0)))  # fmin skips NaN, as the loop's comparisons do
@@ -362,6 +369,7 @@ GENERIC_INT8 = {
     _COMPILED + "quantize.dequantize": dequantize,
     _COMPILED + "quantize.fake_quantize": fake_quantize,
     _COMPILED + "quantize.grid_lookup": grid_lookup,
+    _COMPILED + "quantize.channel_grid_lookup": channel_grid_lookup,
     _COMPILED + "quantize.rounded_binary": rounded_binary,
     _COMPILED + "quantize.rounded_concat": rounded_concat,
     _COMPILED + "quantize.dynamic_quantize": dynamic_quantize,

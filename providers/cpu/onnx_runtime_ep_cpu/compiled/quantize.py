@@ -92,6 +92,34 @@ def grid_lookup(x, scale, zero, low, high, table, out):
 
 
 @jit
+def channel_grid_lookup(x, scale, zero, low, high, table, out):
+    """grid_lookup with a table per channel: out[n, c, i] = table[c, code(x[n, c, i]) - low] for float32 ``x``
+    (N, C, pixels) on a per-tensor grid and ``table`` (C, codes). Each plane's codes first, in a loop that
+    vectorizes (the division, rounding and saturation), then the picks: one loop of both ran a value at a time."""
+    s, z, lo, hi = np.float32(scale), np.float32(zero), np.float32(low), np.float32(high)
+    # rint as the sum and difference of 1.5 * 2^23 (half to even below 2^22: the quotient is saturated first, past
+    # the codes' range by one on each side), which vectorizes where np.rint's call does not
+    rounder, below, above = np.float32(12582912.0), lo - z - np.float32(1), hi - z + np.float32(1)
+    pixels = x.shape[2]
+    codes = np.empty(pixels, np.int32)
+    for n in range(x.shape[0]):
+        for c in range(x.shape[1]):
+            plane = x[n, c]
+            for i in range(pixels):
+                q = plane[i] / s
+                q = below if q < below else q
+                q = above if q > above else q
+                v = ((q + rounder) - rounder) + z
+                v = lo if v < lo else v
+                v = hi if v > hi else v
+                v = z if v != v else v  # NaN: the zero point's code
+                codes[i] = np.int32(v - lo)
+            row, target = table[c], out[n, c]
+            for i in range(pixels):
+                target[i] = row[codes[i]]
+
+
+@jit
 def value_range(x):
     """(min, max) of a flat float32 array, each widened to include 0 (DynamicQuantizeLinear's range).
     NaN is skipped, as the comparisons are false for it. Eight running pairs, one per element mod 8, then theirs:

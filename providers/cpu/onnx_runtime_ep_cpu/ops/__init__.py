@@ -81,7 +81,7 @@ FAMILIES = {
         "RandomUniformLike Range"
     ),
     "gradient": "ai.onnx.preview.training:Gradient",
-    "grid_table": "ai.onnx_runtime.cpu:GridTable",
+    "grid_table": "ai.onnx_runtime.cpu:GridTable ai.onnx_runtime.cpu:ChannelGridTable",
     "image": "AffineGrid CenterCropPad Col2Im DeformConv GridSample ImageDecoder MaxUnpool",
     "linalg": "Einsum Gemm MatMul ai.onnx_runtime.cpu:FusedMatMul",
     "loss": "NegativeLogLikelihoodLoss SoftmaxCrossEntropyLoss",

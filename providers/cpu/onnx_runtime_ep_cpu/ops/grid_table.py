@@ -7,6 +7,10 @@ and ``{index}.{name}`` hold the chain's nodes: table_chains.py). The table is ma
 the chain's own node kernels, run once on the grid's values (code - zero) * scale in float32 for every code of
 the zero point's type, and made again only when other constant arrays come in. Each element's code (compiled
 quantize.grid_lookup: QuantizeLinear's rounding) then picks its entry.
+
+ChannelGridTable (qdq_tables.fuse_channel_tables) is the same with constants of one value per channel: its table
+holds a row per channel, made by the chain's kernels on a (1, C, ..., codes) tensor of the grid's values in every
+channel, and each element's code picks from its channel's row.
 """
 
 from __future__ import annotations
@@ -74,3 +78,48 @@ def grid_table(node, shapes, opset):
 
 def _same(a, b) -> bool:
     return a is b
+
+
+def channel_table_of_grid(chain: TableChain, x_shape: tuple, scale, zero, constants: tuple) -> tuple:
+    """(table (C, codes), scale, zero, low, high): the chain's result per channel and code."""
+    low, high = integer_range(zero.dtype)
+    s, z = scale.reshape(-1)[0], zero.reshape(-1)[0]
+    grid = (np.arange(low, high + 1, dtype=np.float32) - np.float32(z)) * s
+    channels = x_shape[1]
+    values = np.ascontiguousarray(np.broadcast_to(grid, (1, channels) + (1,) * (len(x_shape) - 3) + grid.shape))
+    table, _ = chain.evaluate(values, constants, _F32, "grid values in each channel")
+    return table.reshape(channels, grid.size), float(s), float(z), float(low), float(high)
+
+
+@register("ChannelGridTable", domain=FUSED_DOMAIN, since=1)
+def channel_grid_table(node, shapes, opset):
+    from ..compiled import quantize as compiled
+
+    chain = TableChain(node)
+    expected = len(chain.names) + 2
+    state: dict = {"key": (), "found": None}
+
+    def kernel(x, scale, zero, *constants):
+        if x.dtype is not _F32 or x.ndim < 3:
+            raise argument_error(node, f"input {chain.names[0]!r} is {x.dtype}{x.shape}; expected float32 values on "
+                                 "the grid with channels on axis 1 (a QDQ model's rounded activation)")
+        key = (x.shape[1:2], x.ndim, scale, zero, *constants)
+        if len(key) != len(state["key"]) or key[:2] != state["key"][:2] or not all(map(_same, key[2:],
+                                                                                      state["key"][2:])):
+            if len(constants) + 3 != expected:
+                raise argument_error(node, f"takes {expected} inputs (x, its grid's scale and zero point, the "
+                                     f"chain's constants); got {len(constants) + 3}")
+            if scale.size != 1 or scale.dtype != _F32 or zero.size != 1 or zero.dtype not in _EIGHT_BIT:
+                raise argument_error(node, f"the grid is {scale.dtype}{scale.shape} scale and {zero.dtype}{zero.shape} "
+                                     "zero point; expected a float32 scalar and a uint8 or int8 scalar")
+            state["found"] = channel_table_of_grid(chain, x.shape, scale, zero, constants)
+            state["key"] = key
+        table, s, z, low, high = state["found"]
+        out = np.empty(x.shape, _F32)
+        if out.size:
+            n, c = x.shape[:2]
+            compiled.channel_grid_lookup(np.ascontiguousarray(x).reshape(n, c, -1), s, z, low, high, table,
+                                         out.reshape(n, c, -1))
+        return (out,)
+
+    return kernel
