@@ -120,8 +120,11 @@ def test_grid_tables_place_each_position_once():
         oh = (shape[2] + top + bottom - dh * (kh - 1) - 1) // sh + 1
         ow = (shape[3] + left + right - dw * (kw - 1) - 1) // sw + 1
         weight = np.zeros((4, 4 * ((shape[1] + 3) // 4) * kh * kw), np.int8)
-        _, _, starts, lanes, geometry = quantized_conv_grid.grid_plan(x, codes, kh, kw, sh, sw, dh, dw, top, bottom,
-                                                                      left, right, oh, ow, weight, 1)
+        _, geometry = quantized_conv_grid.grid_plan(x, codes, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh,
+                                                    ow, weight, 1)
+        _, starts, lanes = quantized_conv_grid.grid_tables(*shape[1:], kh, kw, sh, sw, dh, dw, top, bottom, left,
+                                                           right, oh, ow)
+        assert len(starts) == geometry[quantized_conv_grid.VECTORS]
         wide = geometry[quantized_conv_grid.WIDE]
         placed = []
         for v, (start, mask) in enumerate(zip(starts, lanes)):

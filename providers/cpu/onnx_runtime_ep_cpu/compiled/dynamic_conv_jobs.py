@@ -146,12 +146,13 @@ _write_quantized_grid = QUANTIZED_GRID.writer
 
 @jit
 def split_quantized_grid(x, x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, terms, factors,
-                         shifts, singles, consts, out, out_codes, ranges, claims, own, mailboxes, states, runner):
+                         shifts, singles, consts, offsets, starts, lanes, out, out_codes, ranges, claims, own,
+                         mailboxes, states, runner):
     """quantized_conv_grid across the calling thread and the helpers, one job per phase (the grid's codes, the
     products), as split_dynamic_conv. Returns workers.collect's results, or'ed."""
     parts = ranges.shape[0] - 1
-    codes, offsets, starts, lanes, geometry = grid_plan(x, x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left, right,
-                                                        oh, ow, weight, ranges[parts])
+    codes, geometry = grid_plan(x, x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight,
+                                ranges[parts])
     helpers = min(parts - 1, mailboxes.shape[0])
     result = 0
     for phase in (CODES, PRODUCTS):

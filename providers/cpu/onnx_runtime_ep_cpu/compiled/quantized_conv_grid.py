@@ -34,14 +34,14 @@ GEOMETRY = 20
 
 @jit
 def quantized_conv_grid(x, x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, terms,
-                        factors, shifts, singles, consts, out, out_codes):
+                        factors, shifts, singles, consts, offsets, starts, lanes, out, out_codes):
     """The whole convolution on the calling thread: x (N, C, H, W) float32 or x_codes (N, C, H, W) uint8 (the other
     empty); ``weight`` (M, 4 * C4 * KH * KW) int8 the signed codes in grid order (grid_weight); ``terms`` (M,) int32
     -zu * each row's sum (wrapped; zu the input's zero point shifted to unsigned); factors and shifts (M,) float64;
-    singles (3 * M,) float32 their float32 forms and margins (single_params); consts qgemm's layout; out (N, M,
-    OH * OW) float32 or out_codes uint8 (the other empty)."""
-    codes, offsets, starts, lanes, geometry = grid_plan(x, x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left, right,
-                                                        oh, ow, weight, 1)
+    singles (3 * M,) float32 their float32 forms and margins (single_params); consts qgemm's layout; offsets,
+    starts and lanes grid_tables' for this geometry; out (N, M, OH * OW) float32 or out_codes uint8 (the other
+    empty)."""
+    codes, geometry = grid_plan(x, x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, 1)
     for phase in (CODES, PRODUCTS):
         grid_phase(phase, x, x_codes, codes, offsets, starts, lanes, weight, terms, factors, shifts, singles, consts,
                    out, out_codes, geometry, 1, 0, 1)
@@ -49,22 +49,34 @@ def quantized_conv_grid(x, x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left, r
 
 @jit
 def grid_plan(x, x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, weight, tasks):
-    """The grid's buffers for ``tasks`` tasks a phase: (the grid's bytes, with room past the last image for the
-    dropped lanes' reads; each quad of k's byte offset from a position's; each vector's first place in a plane
-    and its lanes' mask; geometry: kh .. ow, the blocks of BLOCK positions, the output channels a product unit
+    """The grid's buffer for ``tasks`` tasks a phase: (the grid's bytes, with room past the last image for the
+    dropped lanes' reads; geometry: kh .. ow, the blocks of BLOCK positions, the output channels a product unit
     takes, the units over them, then TALL .. VECTORS)."""
     batch, channels, height, width = x.shape if x.size else x_codes.shape
     tall, wide = (height + top + bottom + sh - 1) // sh, (width + left + right + sw - 1) // sw
     quads = (channels + 3) // 4
     positions = (oh - 1) * wide + ow
-    vectors = (positions + LANES - 1) // LANES
     blocks = (positions + BLOCK - 1) // BLOCK
     columns = weight.shape[0]
     units = batch * blocks
     split = min((columns + MR - 1) // MR, max(1, (tasks + units - 1) // units))
     step = ((columns + split - 1) // split + MR - 1) // MR * MR
     geometry = np.array([kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow, blocks, step,
-                         (columns + step - 1) // step, tall, wide, quads, positions, vectors])
+                         (columns + step - 1) // step, tall, wide, quads, positions, (positions + LANES - 1) // LANES])
+    # dropped lanes read up to a block and a row past the last image's planes
+    codes = np.empty(4 * (batch * quads * sh * sw * tall * wide + BLOCK + wide), np.uint8)
+    codes[4 * batch * quads * sh * sw * tall * wide:] = 0
+    return codes, geometry
+
+
+@jit
+def grid_tables(channels, height, width, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, ow):
+    """What the tiles read by for a geometry, made once per geometry by the caller: (each quad of k's byte offset
+    from a position's; each vector's first place in a plane and the mask of its lanes that are positions)."""
+    tall, wide = (height + top + bottom + sh - 1) // sh, (width + left + right + sw - 1) // sw
+    quads = (channels + 3) // 4
+    positions = (oh - 1) * wide + ow
+    vectors = (positions + LANES - 1) // LANES
     offsets = np.empty(quads * kh * kw, np.int64)
     for c4 in range(quads):
         for i in range(kh):
@@ -73,18 +85,17 @@ def grid_plan(x, x_codes, kh, kw, sh, sw, dh, dw, top, bottom, left, right, oh, 
                 offsets[(c4 * kh + i) * kw + j] = 4 * ((plane * tall + i * dh // sh) * wide + j * dw // sw)
     starts = np.empty(vectors, np.int64)
     lanes = np.empty(vectors, np.int64)
+    placed, column = 0, 0  # the positions stored before q, and q's column (q % wide)
     for v in range(vectors):
-        q = v * LANES
-        starts[v] = q // wide * ow + min(q % wide, ow)
+        starts[v] = placed
         mask = 0
         for lane in range(LANES):
-            if q + lane < positions and (q + lane) % wide < ow:
+            if v * LANES + lane < positions and column < ow:
                 mask |= 1 << lane
+                placed += 1
+            column = 0 if column + 1 == wide else column + 1
         lanes[v] = mask
-    # dropped lanes read up to a block and a row past the last image's planes
-    codes = np.empty(4 * (batch * quads * sh * sw * tall * wide + BLOCK + wide), np.uint8)
-    codes[4 * batch * quads * sh * sw * tall * wide:] = 0
-    return codes, offsets, starts, lanes, geometry
+    return offsets, starts, lanes
 
 
 @jit
@@ -159,10 +170,8 @@ def _grid_planes(shape, flat, raw, consts, geometry, words, unit):
             at = line + np.uint64(lo)
             if quantize:
                 _quantized_words(flat, source, plane, np.uint64(sw), present, scale, zero, words, at, count)
-            elif present == 4:
-                _code_words(raw, source, plane, np.uint64(sw), flip, words, at, count)
             else:
-                _partial_code_words(raw, source, plane, np.uint64(sw), present, flip, words, at, count)
+                _code_words(raw, source, plane, np.uint64(sw), present, flip, words, at, count)
             _fill_words(words, line + np.uint64((rows - 1) * wide + hi), wide - hi, pad_word)
             row += rows
 
@@ -183,45 +192,55 @@ def _fill_words(words, at, count, value):
 
 
 @jit
-def _code_words(raw, source, plane, stride, flip, words, at, count):
-    """words[at:][:count] = four channels' codes (planes ``plane`` apart from raw[source], ``stride`` apart along
-    the row) as one word each, channel 4 * c4 lowest, each code's byte xor ``flip``. Unsigned offsets and 32-bit
-    words throughout (numba widens a uint64 mixed with an int64 to float64): the loop vectorizes."""
-    s0, s1, s2, s3 = source, source + plane, source + plane + plane, source + plane + plane + plane
-    eight, sixteen, twenty_four = np.uint32(8), np.uint32(16), np.uint32(24)
-    for p in range(count):
-        d = np.uint64(p) * stride
-        words[at + np.uint64(p)] = ((np.uint32(raw[s0 + d]) ^ flip) | ((np.uint32(raw[s1 + d]) ^ flip) << eight)
-                                    | ((np.uint32(raw[s2 + d]) ^ flip) << sixteen)
-                                    | ((np.uint32(raw[s3 + d]) ^ flip) << twenty_four))
+def _quad_planes(source, plane, present):
+    """The four channels' first offsets and byte masks of a quad of which ``present`` channels are real: an absent
+    channel reads the last real one's codes (in bounds) and masks them off, so one branch-free loop serves."""
+    offsets = np.empty(4, np.uint64)
+    masks = np.empty(4, np.uint32)
+    for t in range(4):
+        offsets[t] = source + np.uint64(min(t, present - 1)) * plane
+        masks[t] = np.uint32(255) if t < present else np.uint32(0)
+    return offsets, masks
 
 
 @jit
-def _partial_code_words(raw, source, plane, stride, present, flip, words, at, count):
-    """_code_words for the last quad of fewer than four channels (``present``): the absent ones' bytes 0."""
+def _code_words(raw, source, plane, stride, present, flip, words, at, count):
+    """words[at:][:count] = four channels' codes (planes ``plane`` apart from raw[source], ``stride`` apart along
+    the row) as one word each, channel 4 * c4 lowest, each code's byte xor ``flip``, an absent channel's 0 (past
+    ``present``). Unsigned offsets and 32-bit words throughout (numba widens a uint64 mixed with an int64 to
+    float64): the loop vectorizes."""
+    offsets, masks = _quad_planes(source, plane, present)
+    s0, s1, s2, s3 = offsets[0], offsets[1], offsets[2], offsets[3]
+    m0, m1, m2, m3 = masks[0], masks[1], masks[2], masks[3]
+    eight, sixteen, twenty_four = np.uint32(8), np.uint32(16), np.uint32(24)
     for p in range(count):
-        s = source + np.uint64(p) * stride
-        word = np.uint32(0)
-        for t in range(present):
-            word |= (np.uint32(raw[s + np.uint64(t) * plane]) ^ flip) << np.uint32(8 * t)
-        words[at + np.uint64(p)] = word
+        d = np.uint64(p) * stride
+        words[at + np.uint64(p)] = (((np.uint32(raw[s0 + d]) ^ flip) & m0)
+                                    | (((np.uint32(raw[s1 + d]) ^ flip) & m1) << eight)
+                                    | (((np.uint32(raw[s2 + d]) ^ flip) & m2) << sixteen)
+                                    | (((np.uint32(raw[s3 + d]) ^ flip) & m3) << twenty_four))
 
 
 @jit
 def _quantized_words(values, source, plane, stride, present, scale, zero, words, at, count):
     """_code_words of float32 data quantized as QuantizeLinear does (rint(v / scale) + zero saturated to [0, 255],
     ``zero`` the shifted zero point; NaN as 0)."""
-    top = np.float32(255)
+    offsets, masks = _quad_planes(source, plane, present)
     for p in range(count):
-        s = source + np.uint64(p) * stride
-        word = np.uint32(0)
-        for t in range(4):
-            if t < present:
-                v = np.rint(values[s + np.uint64(t) * plane] / scale) + zero
-                v = np.float32(0) if v < 0 else v
-                v = top if v > top else v
-                word |= np.uint32(np.int32(v) if v == v else 0) << np.uint32(8 * t)
-        words[at + np.uint64(p)] = word
+        d = np.uint64(p) * stride
+        words[at + np.uint64(p)] = (_code_of(values[offsets[0] + d], scale, zero) & masks[0]) \
+            | ((_code_of(values[offsets[1] + d], scale, zero) & masks[1]) << np.uint32(8)) \
+            | ((_code_of(values[offsets[2] + d], scale, zero) & masks[2]) << np.uint32(16)) \
+            | ((_code_of(values[offsets[3] + d], scale, zero) & masks[3]) << np.uint32(24))
+
+
+@jit
+def _code_of(value, scale, zero):
+    """QuantizeLinear's code of a float32 value in [0, 255] (``zero`` shifted), NaN as 0, as a uint32."""
+    v = np.rint(value / scale) + zero
+    v = np.float32(0) if v < 0 else v
+    v = np.float32(255) if v > np.float32(255) else v
+    return np.uint32(np.int32(v) if v == v else 0)
 
 
 @jit

@@ -566,8 +566,13 @@ def _conv_grid(side: list, binds: dict, x, w, w_zero, p, geometry: tuple, dequan
     out3 = out.reshape(out_shape[0], out_shape[1], oh * ow)
     x4 = np.ascontiguousarray(x).reshape(shape4)
     floats = x4.dtype == _F32
+    tables = side[2].get(("grid tables", shape4))  # kept with the weight's forms, for up to 16 input shapes
+    if tables is None:
+        tables = quantized_conv_grid.grid_tables(*shape4[1:], *steps, oh, ow)
+        if sum(isinstance(key, tuple) and key[0] == "grid tables" for key in side[2]) < 16:
+            side[2][("grid tables", shape4)] = tables
     arguments = (x4 if floats else _NO_FLOATS4, _NO_BYTES4 if floats else x4.view(np.uint8), *steps, oh, ow, weight,
-                 terms, factors, shifts, p.singles, p.consts, out3 if dequantize else _NO_FLOATS3,
+                 terms, factors, shifts, p.singles, p.consts, *tables, out3 if dequantize else _NO_FLOATS3,
                  _NO_BYTES3 if dequantize else out3.view(np.uint8))
     threads = split_threads(out_shape[0] * oh * ow * weight.size)
     if threads > 1:
