@@ -95,12 +95,17 @@ def test_threads_share_the_call_with_the_same_bits(monkeypatch, case, quantize_a
     # small (split_macs 1), over more parts than threads: the one-thread call's bits.
     x_shape, w_shape, attrs = CASES[case]
     inputs = _inputs(np.random.default_rng(11), x_shape, w_shape, np.uint8, True, quantize_a, True)
-    node = _node(attrs, len(inputs), quantize_a, False)
+    split_runs_match(monkeypatch, _node(attrs, len(inputs), quantize_a, False), inputs, "split_quantized_conv")
+
+
+def split_runs_match(monkeypatch, node, inputs, split: str) -> None:
+    """The call on 1, 2 and 3 threads with every phase split (split_macs 1, over more parts than threads): the split
+    (dynamic_conv_jobs' ``split``) runs on 2 and 3, and all three give the float path's bits."""
     from onnx_runtime_ep_cpu.compiled import dynamic_conv_jobs
 
     splits = []
-    real = dynamic_conv_jobs.split_quantized_conv
-    monkeypatch.setattr(dynamic_conv_jobs, "split_quantized_conv", lambda *a: splits.append(1) or real(*a))
+    real = getattr(dynamic_conv_jobs, split)
+    monkeypatch.setattr(dynamic_conv_jobs, split, lambda *a: splits.append(1) or real(*a))
     outputs = {}
     for threads in (1, 2, 3):
         with tuning.override(split_macs=1, threads=threads):

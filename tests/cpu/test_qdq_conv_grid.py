@@ -13,7 +13,7 @@ import pytest
 from onnx_runtime_ep_cpu import tuning
 from onnx_runtime_ep_cpu.compiled import deferred, qgemm_quads, quantized_conv_blocks, quantized_conv_grid
 from onnx_runtime_ep_cpu.ops import qdq_linear
-from test_qdq_conv_blocks import _float_path, _node
+from test_qdq_conv_blocks import _float_path, _node, split_runs_match
 from test_qdq_conv_rows import _inputs
 
 pytestmark = pytest.mark.skipif(not qgemm_quads.AVAILABLE or qgemm_quads.AMX,
@@ -93,20 +93,7 @@ def test_threads_share_the_call_with_the_same_bits(monkeypatch, case, quantize_a
     x_shape, w_shape, attrs = CASES[case]
     inputs = _inputs(np.random.default_rng(11), x_shape, w_shape, np.uint8, True, quantize_a, True,
                      zero_points=False)
-    node = _node(attrs, len(inputs), quantize_a, False)
-    from onnx_runtime_ep_cpu.compiled import dynamic_conv_jobs
-
-    splits = []
-    real = dynamic_conv_jobs.split_quantized_grid
-    monkeypatch.setattr(dynamic_conv_jobs, "split_quantized_grid", lambda *a: splits.append(1) or real(*a))
-    outputs = {}
-    for threads in (1, 2, 3):
-        with tuning.override(split_macs=1, threads=threads):
-            outputs[threads] = qdq_linear.quantized_conv(node, [], 1)(*inputs)[0]
-    assert len(splits) == 2
-    np.testing.assert_array_equal(outputs[1], _float_path(monkeypatch, node, inputs))
-    for threads in (2, 3):
-        assert outputs[threads].tobytes() == outputs[1].tobytes()
+    split_runs_match(monkeypatch, _node(attrs, len(inputs), quantize_a, False), inputs, "split_quantized_grid")
 
 
 def test_grid_tables_place_each_position_once():

@@ -52,12 +52,7 @@ def grid_table(node, shapes, opset):
     def kernel(x, scale, zero, *constants):
         key = (scale, zero, *constants)
         if len(key) != len(state["key"]) or not all(map(_same, key, state["key"])):
-            if len(constants) + 3 != expected:
-                raise argument_error(node, f"takes {expected} inputs (x, its grid's scale and zero point, the "
-                                     f"chain's constants); got {len(constants) + 3}")
-            if scale.size != 1 or scale.dtype != _F32 or zero.size != 1 or zero.dtype not in _EIGHT_BIT:
-                raise argument_error(node, f"the grid is {scale.dtype}{scale.shape} scale and {zero.dtype}{zero.shape} "
-                                     "zero point; expected a float32 scalar and a uint8 or int8 scalar")
+            _check_grid(node, expected, scale, zero, constants)
             state["found"] = table_of_grid(chain, scale, zero, constants)
             state["key"] = key
         if x.dtype is not _F32:
@@ -74,6 +69,16 @@ def grid_table(node, shapes, opset):
         return (broadcast_rank(out, rank),)
 
     return kernel
+
+
+def _check_grid(node, expected: int, scale, zero, constants: tuple) -> None:
+    """A table node's inputs: the count its chain names, a per-tensor 8-bit grid."""
+    if len(constants) + 3 != expected:
+        raise argument_error(node, f"takes {expected} inputs (x, its grid's scale and zero point, the chain's "
+                             f"constants); got {len(constants) + 3}")
+    if scale.size != 1 or scale.dtype != _F32 or zero.size != 1 or zero.dtype not in _EIGHT_BIT:
+        raise argument_error(node, f"the grid is {scale.dtype}{scale.shape} scale and {zero.dtype}{zero.shape} zero "
+                             "point; expected a float32 scalar and a uint8 or int8 scalar")
 
 
 def _same(a, b) -> bool:
@@ -106,12 +111,7 @@ def channel_grid_table(node, shapes, opset):
         key = (x.shape[1:2], x.ndim, scale, zero, *constants)
         if len(key) != len(state["key"]) or key[:2] != state["key"][:2] or not all(map(_same, key[2:],
                                                                                       state["key"][2:])):
-            if len(constants) + 3 != expected:
-                raise argument_error(node, f"takes {expected} inputs (x, its grid's scale and zero point, the "
-                                     f"chain's constants); got {len(constants) + 3}")
-            if scale.size != 1 or scale.dtype != _F32 or zero.size != 1 or zero.dtype not in _EIGHT_BIT:
-                raise argument_error(node, f"the grid is {scale.dtype}{scale.shape} scale and {zero.dtype}{zero.shape} "
-                                     "zero point; expected a float32 scalar and a uint8 or int8 scalar")
+            _check_grid(node, expected, scale, zero, constants)
             state["found"] = channel_table_of_grid(chain, x.shape, scale, zero, constants)
             state["key"] = key
         table, s, z, low, high = state["found"]

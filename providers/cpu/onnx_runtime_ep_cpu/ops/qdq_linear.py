@@ -510,19 +510,28 @@ def _conv_blocks(side: list, binds: dict, x, w, w_zero, p, geometry: tuple, dequ
     arguments = (x4 if floats else _NO_FLOATS4, _NO_BYTES4 if floats else x4.view(np.uint8), *steps, oh, ow, weight,
                  terms, zeros, factors, shifts, p.consts, out3 if dequantize else _NO_FLOATS3,
                  _NO_BYTES3 if dequantize else out3.view(np.uint8))
-    threads = split_threads(out_shape[0] * oh * ow * weight.size)
+    _split_or_bound(binds, ("blocks", x4.dtype), quantized_conv_blocks.quantized_conv_blocks, "QUANTIZED_CONV",
+                    arguments, out_shape[0] * oh * ow * weight.size)
+    return out
+
+
+def _split_or_bound(binds: dict, key: tuple, loop, kind: str, arguments: tuple, macs: int) -> None:
+    """A channel-major call: split across the helper threads from KNOBS.split_macs of multiply-adds a thread
+    (dynamic_conv_jobs' job ``kind`` and its split_ function), else on the calling thread through the loop's entry
+    point once bound (``binds[key]``, EntryOnce: numba's dispatcher types some twenty arguments every call, a small
+    convolution's cost)."""
+    threads = split_threads(macs)
     if threads > 1:
         from ..compiled import dynamic_conv_jobs, workers
 
-        workers.call(dynamic_conv_jobs.split_quantized_conv,
-                     (*arguments, task_ranges(threads), np.zeros(threads, np.int64), workers.local_mailbox(0)),
-                     dynamic_conv_jobs.QUANTIZED_CONV.address(), 0, helper_count())
-    else:
-        entry = binds.get(("blocks", x4.dtype))
-        if entry is None:
-            entry = binds[("blocks", x4.dtype)] = EntryOnce(quantized_conv_blocks.quantized_conv_blocks)
-        entry.run(arguments)
-    return out
+        split = getattr(dynamic_conv_jobs, "split_" + kind.lower())
+        workers.call(split, (*arguments, task_ranges(threads), np.zeros(threads, np.int64), workers.local_mailbox(0)),
+                     getattr(dynamic_conv_jobs, kind).address(), 0, helper_count())
+        return
+    entry = binds.get(key)
+    if entry is None:
+        entry = binds[key] = EntryOnce(loop)
+    entry.run(arguments)
 
 
 def _channel_major(side: list, binds: dict, x, w, w_zero, p, geometry: tuple, dequantize: bool):
@@ -574,18 +583,8 @@ def _conv_grid(side: list, binds: dict, x, w, w_zero, p, geometry: tuple, dequan
     arguments = (x4 if floats else _NO_FLOATS4, _NO_BYTES4 if floats else x4.view(np.uint8), *steps, oh, ow, weight,
                  terms, factors, shifts, p.singles, p.consts, *tables, out3 if dequantize else _NO_FLOATS3,
                  _NO_BYTES3 if dequantize else out3.view(np.uint8))
-    threads = split_threads(out_shape[0] * oh * ow * weight.size)
-    if threads > 1:
-        from ..compiled import dynamic_conv_jobs, workers
-
-        workers.call(dynamic_conv_jobs.split_quantized_grid,
-                     (*arguments, task_ranges(threads), np.zeros(threads, np.int64), workers.local_mailbox(0)),
-                     dynamic_conv_jobs.QUANTIZED_GRID.address(), 0, helper_count())
-    else:
-        entry = binds.get(("grid", x4.dtype))
-        if entry is None:
-            entry = binds[("grid", x4.dtype)] = EntryOnce(quantized_conv_grid.quantized_conv_grid)
-        entry.run(arguments)
+    _split_or_bound(binds, ("grid", x4.dtype), quantized_conv_grid.quantized_conv_grid, "QUANTIZED_GRID", arguments,
+                    out_shape[0] * oh * ow * weight.size)
     return out
 
 
