@@ -8,12 +8,13 @@ planes, so a unit stride's positions are adjacent in each of them). A position q
 (wide its width) reads tap (i, j) of quad c4 at q plus a fixed offset, so 16 positions' quads are one 64-byte
 vector at a table's offset per quad of k (qgemm_quads.grid_tiles, the weight's rows ordered k = ((c4 * KH + i) *
 KW + j) * 4 + t to match). Lanes at x >= OW (a row's end, read from the next row's pixels) are computed and dropped:
-each vector's lanes that are positions are stored one after another (a compress store) from the vector's first
-position's place in the output plane. The requantization and its bits are quantized_conv_blocks'.
+each vector's lanes that are positions are compressed in the register and stored one after another (a masked store)
+from the vector's first position's place in the output plane. The codes are quantized_conv_blocks' bit for bit: the
+tiles requantize in float32 first and in float64 where a value lies near a half (qgemm_quads._single_first).
 
 Absent channels (past C, to a whole quad) hold code 0 with weight 0; pads hold the input's zero point. Only where
-every weight zero point is 0 (symmetric weights, what the quantization tools write): the position sums a non-zero
-one needs stay with quantized_conv_blocks.
+every weight zero point is 0 (symmetric weights, what the quantization tools write) and the requantization is
+finite: the position sums a non-zero zero point needs, and a NaN bias's code 0, stay with quantized_conv_blocks.
 """
 
 from __future__ import annotations
