@@ -63,18 +63,19 @@ def rounded_concat(a, b, scale, zero, low, high, out):
     out[...] = _rounded(np.concatenate([a, b], axis=1), scale, zero, low, high)
 
 
-def grid_lookup(x, scale, zero, low, high, table, out):
+def _grid_index(x, scale, zero, low, high):
+    """grid_lookup's table index of each value: its code less ``low``, NaN the zero point's."""
     s, z = _F32(scale), _F32(zero)
     v = _codes(x, s, z, _F32(low), _F32(high))
-    index = np.where(np.isnan(v), z, v) - _F32(low)
-    out[...] = table[index.astype(np.int64)]
+    return (np.where(np.isnan(v), z, v) - _F32(low)).astype(np.int64)
+
+
+def grid_lookup(x, scale, zero, low, high, table, out):
+    out[...] = table[_grid_index(x, scale, zero, low, high)]
 
 
 def channel_grid_lookup(x, scale, zero, low, high, table, out):
-    s, z = _F32(scale), _F32(zero)
-    v = _codes(x, s, z, _F32(low), _F32(high))
-    index = (np.where(np.isnan(v), z, v) - _F32(low)).astype(np.int64)
-    out[...] = table[np.arange(x.shape[1])[None, :, None], index]
+    out[...] = table[np.arange(x.shape[1])[None, :, None], _grid_index(x, scale, zero, low, high)]
 
 
 def dynamic_parameters(x):

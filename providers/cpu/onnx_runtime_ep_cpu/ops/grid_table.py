@@ -31,11 +31,18 @@ _EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
 def table_of_grid(chain: TableChain, scale, zero, constants: tuple) -> tuple:
     """(table, scale, zero, low, high, rank): the chain's result per code, from the lowest code up, the grid's
     parameters as the lookup takes them, and the rank the constants broadcast the result to."""
+    grid, s, z, low, high = _grid_values(scale, zero)
+    table, rank = chain.evaluate(grid, constants, _F32, "grid values")
+    return table, s, z, low, high, rank
+
+
+def _grid_values(scale, zero) -> tuple:
+    """(the grid's float32 values from the lowest code up, as its producers make them, (code - zero) * scale; the
+    scale, zero point and code range as the lookups take them)."""
     low, high = integer_range(zero.dtype)
     s, z = scale.reshape(-1)[0], zero.reshape(-1)[0]
-    grid = (np.arange(low, high + 1, dtype=np.float32) - np.float32(z)) * s  # the producers' float32 values
-    table, rank = chain.evaluate(grid, constants, _F32, "grid values")
-    return table, float(s), float(z), float(low), float(high), rank
+    grid = (np.arange(low, high + 1, dtype=np.float32) - np.float32(z)) * s
+    return grid, float(s), float(z), float(low), float(high)
 
 
 @register("GridTable", domain=FUSED_DOMAIN, since=1)
@@ -87,13 +94,11 @@ def _same(a, b) -> bool:
 
 def channel_table_of_grid(chain: TableChain, x_shape: tuple, scale, zero, constants: tuple) -> tuple:
     """(table (C, codes), scale, zero, low, high): the chain's result per channel and code."""
-    low, high = integer_range(zero.dtype)
-    s, z = scale.reshape(-1)[0], zero.reshape(-1)[0]
-    grid = (np.arange(low, high + 1, dtype=np.float32) - np.float32(z)) * s
+    grid, s, z, low, high = _grid_values(scale, zero)
     channels = x_shape[1]
     values = np.ascontiguousarray(np.broadcast_to(grid, (1, channels) + (1,) * (len(x_shape) - 3) + grid.shape))
     table, _ = chain.evaluate(values, constants, _F32, "grid values in each channel")
-    return table.reshape(channels, grid.size), float(s), float(z), float(low), float(high)
+    return table.reshape(channels, grid.size), s, z, low, high
 
 
 @register("ChannelGridTable", domain=FUSED_DOMAIN, since=1)
