@@ -194,14 +194,13 @@ def _fill_words(words, at, count, value):
 
 @jit
 def _quad_planes(source, plane, present):
-    """The four channels' first offsets and byte masks of a quad of which ``present`` channels are real: an absent
-    channel reads the last real one's codes (in bounds) and masks them off, so one branch-free loop serves."""
-    offsets = np.empty(4, np.uint64)
-    masks = np.empty(4, np.uint32)
-    for t in range(4):
-        offsets[t] = source + np.uint64(min(t, present - 1)) * plane
-        masks[t] = np.uint32(255) if t < present else np.uint32(0)
-    return offsets, masks
+    """The four channels' first offsets and byte masks of a quad of which ``present`` channels are real, as scalars
+    (arrays cost an allocation per row run): an absent channel reads the last real one's codes (in bounds) and
+    masks them off, so one branch-free loop serves."""
+    one, two, three = np.uint64(min(1, present - 1)), np.uint64(min(2, present - 1)), np.uint64(present - 1)
+    full, none = np.uint32(255), np.uint32(0)
+    return (source, source + one * plane, source + two * plane, source + three * plane,
+            full, full if present > 1 else none, full if present > 2 else none, full if present > 3 else none)
 
 
 @jit
@@ -210,9 +209,7 @@ def _code_words(raw, source, plane, stride, present, flip, words, at, count):
     the row) as one word each, channel 4 * c4 lowest, each code's byte xor ``flip``, an absent channel's 0 (past
     ``present``). Unsigned offsets and 32-bit words throughout (numba widens a uint64 mixed with an int64 to
     float64): the loop vectorizes."""
-    offsets, masks = _quad_planes(source, plane, present)
-    s0, s1, s2, s3 = offsets[0], offsets[1], offsets[2], offsets[3]
-    m0, m1, m2, m3 = masks[0], masks[1], masks[2], masks[3]
+    s0, s1, s2, s3, m0, m1, m2, m3 = _quad_planes(source, plane, present)
     eight, sixteen, twenty_four = np.uint32(8), np.uint32(16), np.uint32(24)
     for p in range(count):
         d = np.uint64(p) * stride
@@ -225,23 +222,26 @@ def _code_words(raw, source, plane, stride, present, flip, words, at, count):
 @jit
 def _quantized_words(values, source, plane, stride, present, scale, zero, words, at, count):
     """_code_words of float32 data quantized as QuantizeLinear does (rint(v / scale) + zero saturated to [0, 255],
-    ``zero`` the shifted zero point; NaN as 0)."""
-    offsets, masks = _quad_planes(source, plane, present)
+    ``zero`` the shifted zero point; NaN as 0). The offsets and masks in scalars: read from their arrays inside the
+    loop, the loop ran a value at a time (light Inception v2, one thread, 16.7 -> 26.9 ms)."""
+    s0, s1, s2, s3, m0, m1, m2, m3 = _quad_planes(source, plane, present)
+    top, eight, sixteen, twenty_four = np.float32(255), np.uint32(8), np.uint32(16), np.uint32(24)
     for p in range(count):
         d = np.uint64(p) * stride
-        words[at + np.uint64(p)] = (_code_of(values[offsets[0] + d], scale, zero) & masks[0]) \
-            | ((_code_of(values[offsets[1] + d], scale, zero) & masks[1]) << np.uint32(8)) \
-            | ((_code_of(values[offsets[2] + d], scale, zero) & masks[2]) << np.uint32(16)) \
-            | ((_code_of(values[offsets[3] + d], scale, zero) & masks[3]) << np.uint32(24))
-
-
-@jit
-def _code_of(value, scale, zero):
-    """QuantizeLinear's code of a float32 value in [0, 255] (``zero`` shifted), NaN as 0, as a uint32."""
-    v = np.rint(value / scale) + zero
-    v = np.float32(0) if v < 0 else v
-    v = np.float32(255) if v > np.float32(255) else v
-    return np.uint32(np.int32(v) if v == v else 0)
+        v0 = np.rint(values[s0 + d] / scale) + zero
+        v1 = np.rint(values[s1 + d] / scale) + zero
+        v2 = np.rint(values[s2 + d] / scale) + zero
+        v3 = np.rint(values[s3 + d] / scale) + zero
+        v0 = top if v0 > top else (np.float32(0) if v0 < 0 else v0)
+        v1 = top if v1 > top else (np.float32(0) if v1 < 0 else v1)
+        v2 = top if v2 > top else (np.float32(0) if v2 < 0 else v2)
+        v3 = top if v3 > top else (np.float32(0) if v3 < 0 else v3)
+        c0 = np.uint32(np.int32(v0) if v0 == v0 else 0)
+        c1 = np.uint32(np.int32(v1) if v1 == v1 else 0)
+        c2 = np.uint32(np.int32(v2) if v2 == v2 else 0)
+        c3 = np.uint32(np.int32(v3) if v3 == v3 else 0)
+        words[at + np.uint64(p)] = (c0 & m0) | ((c1 & m1) << eight) | ((c2 & m2) << sixteen) \
+            | ((c3 & m3) << twenty_four)
 
 
 @jit
