@@ -3,7 +3,7 @@
 numba without Intel's SVML calls libm's scalar expf and tanhf per element; a recurrent step applies three or four
 of them to every hidden unit, which cost as much as the step's two matrix-vector products. In float32 the loops
 call these instead: tanh as a clamped rational function (the odd/even polynomial pair Eigen and TensorFlow use
-for float32 tanh; past |x| = 9 float32 tanh is +-1), the sigmoid as transformer.sigmoid_float32 (a polynomial exp
+for float32 tanh; past |x| = 9 float32 tanh is +-1), the sigmoid as exp_float32.sigmoid_float32 (a polynomial exp
 of -|x|: no overflow, and the small values of a negative x keep their relative accuracy). Neither needs fastmath:
 they are plain multiplies, adds, one division and selects. Their error against a float64 reference is measured by
 tests/cpu/test_recurrent_gates.py over the float32 range, saturating and non-finite inputs included. Float64 loops
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import compiler
-from .transformer import sigmoid_float32
+from .exp_float32 import sigmoid_float32
 
 _contracting = compiler(fastmath={"contract"})  # a fused multiply-add rounds once: never less accurate
 

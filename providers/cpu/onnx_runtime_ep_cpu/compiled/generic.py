@@ -28,7 +28,7 @@ def add_bias_residual_(y, bias, residual):
 
 
 def _sigmoid_float32(z):
-    """transformer.sigmoid_float32 over an array: e / (1 + e) with e = exp(-|z|), numerator 1 for z >= 0."""
+    """exp_float32.sigmoid_float32 over an array: e / (1 + e) with e = exp(-|z|), numerator 1 for z >= 0."""
     e = np.exp(-np.abs(z))
     return np.where(z >= np.float32(0), np.float32(1), e) / (np.float32(1) + e)
 

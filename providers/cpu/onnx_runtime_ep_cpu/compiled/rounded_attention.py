@@ -116,8 +116,9 @@ def rounded_attention(q, k, v, add0, add1, group, tables, steps, params, out):
 @jit
 def _rest_of_head(scores, weights, b, h, add0, add1, tables, steps, params, probs):
     """The steps on each row of the requantized scores, the Softmax, and the probabilities' centred codes."""
-    for r in range(scores.shape[0]):
-        _stepped(scores[r], b, h, r, add0, add1, tables, steps)
+    if steps.shape[0]:  # (a call per row costs more than the row's work where there is no step)
+        for r in range(scores.shape[0]):
+            _stepped(scores[r], b, h, r, add0, add1, tables, steps)
     softmax_rows_float32_(scores, weights)
     _centred(weights.reshape(-1), params[P], params[P + 1], params[P + 2], params[P + 3], probs.reshape(-1))
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
+from .exp_float32 import exp_nonpositive_float32
 from .quantize import on_grid
-from .transformer import exp_nonpositive_float32
 
 # The layout of ``params`` (float32): the Div's divisor, the Add's and last Mul's constants, the erf series'
 # seven coefficients lowest first, then per rounding (after Erf, after the Add, after the product) its

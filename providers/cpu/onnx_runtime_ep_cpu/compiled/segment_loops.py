@@ -11,8 +11,8 @@ import numpy as np
 
 from . import compiler, jit
 from .epilogue import activate
+from .exp_float32 import sigmoid_float32
 from .pooling import plane_means
-from .transformer import sigmoid_float32
 from .vector_math import sigmoid_lanes
 
 _contracting = compiler(fastmath={"contract"})  # (sigmoid_float32's own flags, so LLVM inlines and vectorizes it)
@@ -187,7 +187,7 @@ def swish_float32_into(x, y, alpha):
 
 @jit
 def sigmoid_float32_into(x, y):
-    """y = 1 / (1 + exp(-x)) over flat float32 arrays, transformer.sigmoid_float32 16 lanes at a time."""
+    """y = 1 / (1 + exp(-x)) over flat float32 arrays, exp_float32.sigmoid_float32 16 lanes at a time."""
     sigmoid_lanes(x, y, np.float32(1), False)
 
 

@@ -2,7 +2,7 @@
 
 EfficientNet applies it after most of its convolutions, on whole batch-sized maps: numpy's formula is four
 passes over memory with a full-size temporary each, where this loop reads each element once and writes it
-once. Its exp is transformer.sigmoid_float32's polynomial on 16-lane vectors (vector_math.sigmoid_lanes; numba's
+once. Its exp is exp_float32.sigmoid_float32's polynomial on 16-lane vectors (vector_math.sigmoid_lanes; numba's
 own exp is libm's scalar one without Intel's SVML).
 """
 

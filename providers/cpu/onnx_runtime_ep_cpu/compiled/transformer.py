@@ -3,10 +3,10 @@ series), layer normalization and the masked softmax of attention, each a pass pe
 while the row sits in cache.
 
 numba without Intel's SVML calls libm's scalar exp and tanh, several times slower than numpy's SIMD
-versions. The float32 Gelu computes its own exp in operations that vectorize (exp_nonpositive_float32),
-in one pass; elsewhere the transcendental step stays a numpy call between two compiled passes (float64
-Gelu: series, np.tanh, finish; attention: mask and shift, np.exp, normalize). Float sums cannot
-vectorize without reassociation, so the row sums alone are compiled with it.
+versions. The float32 Gelu computes its own exp on 16 lanes (vector_math.gelu_lanes), the softmax by
+exp_float32's polynomial, in one pass; elsewhere the transcendental step stays a numpy call between two
+compiled passes (float64 Gelu: series, np.tanh, finish; attention: mask and shift, np.exp, normalize).
+Float sums cannot vectorize without reassociation, so the row sums alone are compiled with it.
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ from __future__ import annotations
 import numpy as np
 
 from . import compiler, jit
+from .exp_float32 import contracting_jit, exp_nonpositive_float32
+from .vector_math import gelu_lanes
 
 # The row sums alone may reassociate: LLVM then vectorizes them (faster than eight interleaved partial
 # sums; measured in afcca01). Their order differs from numpy's (BLAS) sums anyway; nothing else is
 # reordered, and NaN/inf handling is unchanged (no nnan/ninf).
 summing_jit = compiler(fastmath={"reassoc"})
-# The float32 Gelu may fuse multiply-adds (one rounding instead of two): faster, no less accurate (measured
-# in 9337d6b); the Gelu node and FusedMatMul both compute it here, so they still match each other bit for bit.
-contracting_jit = compiler(fastmath={"contract"})
 
 
 @summing_jit
@@ -128,53 +127,22 @@ def odd_series(x, bias, series, coefficients):
             si[j] = (si[j] + c) * u[j]
 
 
-# exp(a) in float32 for a <= 0, in operations LLVM vectorizes (numba would call libm's scalar expf):
-# a = n ln2 + r with |r| <= ln2 / 2 (n rounded by adding 1.5 * 2^23; ln2 in two parts, Cody and Waite),
-# exp(r) by a degree-6 polynomial (1 + r + r^2 (C2 + C3 r + ...): C2..C6 minimize its largest relative
-# error on that interval, a linear program over a dense grid), times 2^n built from its exponent bits.
-# Within 1.4 ulp of the exact exp; 0 below -87 (where 2^n would leave the normal floats).
-LOG2E = np.float32(1.4426950408889634)
-ROUNDER = np.float32(12582912.0)
-LN2_HIGH, LN2_LOW = np.float32(0.693145751953125), np.float32(1.428606765330187e-06)
-EXP_C2, EXP_C3, EXP_C4 = np.float32(0.5), np.float32(0.1666666716337204), np.float32(0.04166191443800926)
-EXP_C5, EXP_C6 = np.float32(0.008356703445315361), np.float32(0.0014298856258392334)
-EXP_FLOOR = np.float32(-87.0)
 
 
-@contracting_jit
-def exp_nonpositive_float32(a):
-    """exp(a) for a float32 a <= 0 by the polynomial above (NaN stays NaN)."""
-    clamped = EXP_FLOOR if a < EXP_FLOOR else a
-    n = (clamped * LOG2E + ROUNDER) - ROUNDER
-    r = (clamped - n * LN2_HIGH) - n * LN2_LOW
-    p = ((((EXP_C6 * r + EXP_C5) * r + EXP_C4) * r + EXP_C3) * r + EXP_C2) * (r * r) + r + np.float32(1)
-    scale = np.int32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)
-    return np.float32(0) if a < EXP_FLOOR else p * scale
-
-
-@contracting_jit
-def sigmoid_float32(z):
-    """1 / (1 + exp(-z)) for a float32 z, as e / (1 + e) with e = exp(-|z|) for z < 0: no overflow, and
-    the small values of a negative z keep their relative accuracy (1 + tanh(z / 2) would cancel)."""
-    e = exp_nonpositive_float32(-abs(z))
-    return (np.float32(1) if z >= np.float32(0) else e) / (np.float32(1) + e)
-
-
-@contracting_jit
+@jit
 def gelu_float32_(x, bias, y, residual, coefficients):
-    """y = u * sigmoid(2 s) (+ residual) for u = x + bias and s = u * P(u^2), float32 (M, N) rows, in one
-    pass per row (sigmoid_float32 vectorizes); bias and residual may be empty, P's coefficients lowest
-    first: degree 6 (the erf form's series) or 1 (the tanh form's), the two _gelu_series gives. u * sigmoid(2 s)
-    is Gelu's 0.5 * u * (1 + tanh(s)) without its cancellation where tanh(s) nears -1 (the negative tail
-    keeps its relative accuracy); s is odd_series' in its order."""
+    """y = u * sigmoid(2 s) (+ residual) for u = x + bias and s = u * P(u^2), float32 (M, N) rows, a pass per row
+    on 16 lanes (vector_math.gelu_lanes); bias and residual may be empty, P's coefficients lowest first: degree 6
+    (the erf form's series) or 1 (the tanh form's), the two _gelu_series gives. u * sigmoid(2 s) is Gelu's
+    0.5 * u * (1 + tanh(s)) without its cancellation where tanh(s) nears -1 (the negative tail keeps its
+    relative accuracy); s is odd_series' in its order, each step a fused multiply-add."""
     rows, cols = x.shape
     top = coefficients.shape[0] - 1
     if top != 6 and top != 1:
         raise ValueError("gelu_float32_ takes a series of degree 6 (erf form) or 1 (tanh form)")
     with_bias, with_residual = bias.shape[0] > 0, residual.shape[0] > 0
-    two = np.float32(2)
+    unit = y.strides[1] == 4  # (the lanes store whole vectors into a row: its values must be adjacent)
     u = np.empty(cols, np.float32)
-    c0, c1 = coefficients[0], coefficients[1]
     for i in range(rows):
         xi, yi = x[i], y[i]
         if with_bias:
@@ -182,17 +150,11 @@ def gelu_float32_(x, bias, y, residual, coefficients):
                 u[j] = xi[j] + bias[j]
         else:
             u[:] = xi
-        if top == 6:  # erf's series
-            c2, c3, c4, c5, c6 = coefficients[2], coefficients[3], coefficients[4], coefficients[5], coefficients[6]
-            for j in range(cols):
-                v = u[j]
-                q = v * v
-                series = ((((((q * c6 + c5) * q + c4) * q + c3) * q + c2) * q + c1) * q + c0) * v
-                yi[j] = v * sigmoid_float32(two * series)
-        else:  # the tanh approximation's
-            for j in range(cols):
-                v = u[j]
-                yi[j] = v * sigmoid_float32(two * ((v * v * c1 + c0) * v))
+        if unit:
+            gelu_lanes(u, yi, coefficients)
+        else:
+            gelu_lanes(u, u, coefficients)
+            yi[:] = u
         if with_residual:
             ri = residual[i]
             for j in range(cols):
@@ -419,9 +381,38 @@ def softmax_rows_float32_(x, y):
     value, exp(x - that) by exp_nonpositive_float32 with the row's sum, then each times the sum's
     reciprocal. A NaN, or a row without a finite maximum, gives NaN through the sum, as numpy's formula
     does. One compiled call for what numpy runs as six, whose code is out of cache when a CNN's closing
-    Softmax follows its classifier (measured in 0f966df)."""
+    Softmax follows its classifier (measured in 0f966df). Rows shorter than SHORT_ROW take the same steps
+    in three passes, so the exponentials run as one long loop (softmax_short_rows_)."""
+    if x.shape[1] < SHORT_ROW:
+        softmax_short_rows_(x, y)
+        return
     for r in range(x.shape[0]):
         row, out = x[r], y[r]
         scale = np.float32(1) / exp_shifted_sum_(row, row_max(row), out)
         for j in range(row.shape[0]):
             out[j] *= scale
+
+
+# Rows shorter than this run softmax_rows_float32_'s exponentials as one loop over the whole block: LLVM's
+# vector loop (16 lanes, four interleaved) never starts on a row shorter than 64 values, so the polynomial
+# ran a value at a time on attention's short rows.
+SHORT_ROW = 64
+
+
+@contracting_jit
+def softmax_short_rows_(x, y):
+    """softmax_rows_float32_ for short rows (``y`` may be x): each row's shift by its largest non-NaN value into
+    one buffer, exp_nonpositive_float32 over that buffer as one loop, then each row times its sum's reciprocal:
+    the same operations on each value, in the same order, as a row at a time."""
+    rows, n = x.shape
+    block = np.empty(rows * n, np.float32)
+    for r in range(rows):  # (x[r, j], not a view of the row per row: a view costs more than a short row's work)
+        peak = row_max(x[r])
+        for j in range(n):
+            block[r * n + j] = x[r, j] - peak
+    for i in range(block.shape[0]):
+        block[i] = exp_nonpositive_float32(block[i])
+    for r in range(rows):
+        scale = np.float32(1) / row_sum(block[r * n:(r + 1) * n])
+        for j in range(n):
+            y[r, j] = block[r * n + j] * scale
