@@ -15,7 +15,6 @@ import numpy as np
 from . import jit
 from .exp_float32 import contracting_jit, sigmoid_float32
 from .transformer import exp_shifted_sum_, row_max, summing_jit
-from .vector_math import gelu_lanes
 
 
 @jit
@@ -109,17 +108,27 @@ def swish_mul_float32(a, b, alpha, out):
         out[j] = a[j] * sigmoid_float32(scale * a[j]) * b[j]
 
 
-@jit
+@contracting_jit
 def gelu_mul_float32(x, gate, coefficients, out):
-    """out = Gelu(x) * gate over contiguous float32 1-D arrays of one length (a GeGLU block's gated unit, Gemma's
-    Mul(Gelu(A Wg), A Wu)): each Gelu value as transformer.gelu_float32_ computes it (vector_math.gelu_lanes,
-    the coefficients lowest first: degree 6 for the erf form, 1 for the tanh form), times its gate."""
+    """out = Gelu(x) * gate over float32 1-D arrays of one length, in one pass (a GeGLU block's gated unit, Gemma's
+    Mul(Gelu(A Wg), A Wu)): each Gelu value as transformer.gelu_float32_ computes it, u * sigmoid(2 s) with s the
+    odd series of the coefficients (lowest first: degree 6 for the erf form, 1 for the tanh form), times its gate."""
     top = coefficients.shape[0] - 1
     if top != 6 and top != 1:
         raise ValueError("gelu_mul_float32 takes a series of degree 6 (erf form) or 1 (tanh form)")
-    gelu_lanes(x, out, coefficients)
-    for j in range(x.shape[0]):
-        out[j] *= gate[j]
+    two = np.float32(2)
+    c0, c1 = coefficients[0], coefficients[1]
+    if top == 6:
+        c2, c3, c4, c5, c6 = coefficients[2], coefficients[3], coefficients[4], coefficients[5], coefficients[6]
+        for j in range(x.shape[0]):
+            v = x[j]
+            q = v * v
+            series = ((((((q * c6 + c5) * q + c4) * q + c3) * q + c2) * q + c1) * q + c0) * v
+            out[j] = v * sigmoid_float32(two * series) * gate[j]
+    else:
+        for j in range(x.shape[0]):
+            v = x[j]
+            out[j] = v * sigmoid_float32(two * ((v * v * c1 + c0) * v)) * gate[j]
 
 
 @jit

@@ -3,8 +3,8 @@ series), layer normalization and the masked softmax of attention, each a pass pe
 while the row sits in cache.
 
 numba without Intel's SVML calls libm's scalar exp and tanh, several times slower than numpy's SIMD
-versions. The float32 Gelu computes its own exp on 16 lanes (vector_math.gelu_lanes), the softmax by
-exp_float32's polynomial, in one pass; elsewhere the transcendental step stays a numpy call between two
+versions. The float32 Gelu and softmax compute their own exp in operations that vectorize
+(exp_float32.py), in one pass; elsewhere the transcendental step stays a numpy call between two
 compiled passes (float64 Gelu: series, np.tanh, finish; attention: mask and shift, np.exp, normalize).
 Float sums cannot vectorize without reassociation, so the row sums alone are compiled with it.
 """
@@ -14,8 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import compiler, jit
-from .exp_float32 import contracting_jit, exp_nonpositive_float32
-from .vector_math import gelu_lanes
+from .exp_float32 import contracting_jit, exp_nonpositive_float32, sigmoid_float32
 
 # The row sums alone may reassociate: LLVM then vectorizes them (faster than eight interleaved partial
 # sums; measured in afcca01). Their order differs from numpy's (BLAS) sums anyway; nothing else is
@@ -129,20 +128,21 @@ def odd_series(x, bias, series, coefficients):
 
 
 
-@jit
+@contracting_jit
 def gelu_float32_(x, bias, y, residual, coefficients):
-    """y = u * sigmoid(2 s) (+ residual) for u = x + bias and s = u * P(u^2), float32 (M, N) rows, a pass per row
-    on 16 lanes (vector_math.gelu_lanes); bias and residual may be empty, P's coefficients lowest first: degree 6
-    (the erf form's series) or 1 (the tanh form's), the two _gelu_series gives. u * sigmoid(2 s) is Gelu's
-    0.5 * u * (1 + tanh(s)) without its cancellation where tanh(s) nears -1 (the negative tail keeps its
-    relative accuracy); s is odd_series' in its order, each step a fused multiply-add."""
+    """y = u * sigmoid(2 s) (+ residual) for u = x + bias and s = u * P(u^2), float32 (M, N) rows, in one
+    pass per row (sigmoid_float32 vectorizes); bias and residual may be empty, P's coefficients lowest
+    first: degree 6 (the erf form's series) or 1 (the tanh form's), the two _gelu_series gives. u * sigmoid(2 s)
+    is Gelu's 0.5 * u * (1 + tanh(s)) without its cancellation where tanh(s) nears -1 (the negative tail
+    keeps its relative accuracy); s is odd_series' in its order."""
     rows, cols = x.shape
     top = coefficients.shape[0] - 1
     if top != 6 and top != 1:
         raise ValueError("gelu_float32_ takes a series of degree 6 (erf form) or 1 (tanh form)")
     with_bias, with_residual = bias.shape[0] > 0, residual.shape[0] > 0
-    unit = y.strides[1] == 4  # (the lanes store whole vectors into a row: its values must be adjacent)
+    two = np.float32(2)
     u = np.empty(cols, np.float32)
+    c0, c1 = coefficients[0], coefficients[1]
     for i in range(rows):
         xi, yi = x[i], y[i]
         if with_bias:
@@ -150,11 +150,17 @@ def gelu_float32_(x, bias, y, residual, coefficients):
                 u[j] = xi[j] + bias[j]
         else:
             u[:] = xi
-        if unit:
-            gelu_lanes(u, yi, coefficients)
-        else:
-            gelu_lanes(u, u, coefficients)
-            yi[:] = u
+        if top == 6:  # erf's series
+            c2, c3, c4, c5, c6 = coefficients[2], coefficients[3], coefficients[4], coefficients[5], coefficients[6]
+            for j in range(cols):
+                v = u[j]
+                q = v * v
+                series = ((((((q * c6 + c5) * q + c4) * q + c3) * q + c2) * q + c1) * q + c0) * v
+                yi[j] = v * sigmoid_float32(two * series)
+        else:  # the tanh approximation's
+            for j in range(cols):
+                v = u[j]
+                yi[j] = v * sigmoid_float32(two * ((v * v * c1 + c0) * v))
         if with_residual:
             ri = residual[i]
             for j in range(cols):

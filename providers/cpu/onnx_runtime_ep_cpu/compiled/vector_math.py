@@ -1,7 +1,6 @@
 """transformer.py's float32 exp and logistic sigmoid written on 16 LLVM lanes, for the intrinsics that compute them
-over whole vectors: attention_lanes.py's softmax; sigmoid_lanes, the loop of segment_loops.py's and silu.py's SiLU
-and Sigmoid; gelu_lanes, the loop of transformer.gelu_float32_ (the Gelu node, FusedMatMul's and the products'
-Gelu epilogues).
+over whole vectors: attention_lanes.py's softmax, and sigmoid_lanes, the loop of segment_loops.py's and silu.py's SiLU
+and Sigmoid.
 
 numba vectorizes exp_float32.sigmoid_float32 itself, but LLVM's tuning for AVX-512 server CPUs prefers 256-bit
 vectors, so those loops ran 8 lanes at a time (a SiLU pass over 401,408 values 338-349 us, onnxruntime's 235-256;
@@ -128,72 +127,3 @@ def sigmoid_lanes(x, y, alpha, times_x):
         _sigmoid_vector(x, y, i, llvm.LANES, alpha, times_x)
     if whole < size:
         _sigmoid_tail(x, y, whole, size - whole, alpha, times_x)
-
-
-def _gelu_codegen(masked: bool, erf_form: bool):
-    def codegen(context, builder, sig, args):
-        def data(index):
-            return context.make_array(sig.args[index])(context, builder, args[index]).data
-
-        u_ptr, y_ptr = data(0), data(1)
-        at, count = args[2], args[3]
-        source = builder.bitcast(builder.gep(u_ptr, [at]), llvm.VEC.as_pointer())
-        target = builder.bitcast(builder.gep(y_ptr, [at]), llvm.VEC.as_pointer())
-        if masked:
-            mask = builder.icmp_signed("<", llvm.LANE_NUMBERS,
-                                       llvm.splat(builder, builder.trunc(count, llvm.I32), llvm.LANE_INDEX))
-            v = builder.call(llvm.masked_load(builder.module), [source, llvm.ALIGN, mask, llvm.ZEROS])
-        else:
-            v = builder.load(source, align=4)
-        fma = llvm.fma(builder.module)
-        c = [llvm.splat(builder, value) for value in args[4:11]]
-        if erf_form:  # the odd series in u^2 by Horner's rule, each step one fused multiply-add
-            q = builder.fmul(v, v)
-            series = c[6]
-            for coefficient in (c[5], c[4], c[3], c[2], c[1], c[0]):
-                series = builder.call(fma, [series, q, coefficient])
-            series = builder.fmul(series, v)
-        else:
-            series = builder.fmul(builder.call(fma, [builder.fmul(v, v), c[1], c[0]]), v)
-        result = builder.fmul(v, sigmoid(builder, builder.fmul(constant(2.0), series)))
-        if masked:
-            builder.call(llvm.masked_store(builder.module), [result, target, llvm.ALIGN, mask])
-        else:
-            builder.store(result, target, align=4)
-        return context.get_dummy_value()
-
-    return codegen
-
-
-def _gelu_intrinsic(masked: bool, erf_form: bool):
-    def typer(typingctx, u, y, at, count, c0, c1, c2, c3, c4, c5, c6):
-        return types.void(u, y, at, count, c0, c1, c2, c3, c4, c5, c6), _gelu_codegen(masked, erf_form)
-
-    return intrinsic(typer)
-
-
-_gelu_erf_vector, _gelu_erf_tail = _gelu_intrinsic(False, True), _gelu_intrinsic(True, True)
-_gelu_tanh_vector, _gelu_tanh_tail = _gelu_intrinsic(False, False), _gelu_intrinsic(True, False)
-
-
-@jit
-def gelu_lanes(u, y, coefficients):
-    """y = u * sigmoid(2 s) for s = u * P(u^2) over 1-D float32 arrays of one size with unit strides (y may be u),
-    P's float32 coefficients lowest first: degree 6 (the erf form's series) or 1 (the tanh form's), as
-    transformer.gelu_float32_ defines them: whole vectors of 16 lanes, then the tail's lanes masked. The series'
-    steps are fused multiply-adds (as gelu_float32_'s contraction makes them), the sigmoid is ``sigmoid``'s."""
-    size = u.shape[0]
-    whole = size - size % llvm.LANES
-    c0, c1 = np.float32(coefficients[0]), np.float32(coefficients[1])
-    if coefficients.shape[0] == 7:
-        c2, c3, c4 = np.float32(coefficients[2]), np.float32(coefficients[3]), np.float32(coefficients[4])
-        c5, c6 = np.float32(coefficients[5]), np.float32(coefficients[6])
-        for i in range(0, whole, llvm.LANES):
-            _gelu_erf_vector(u, y, i, llvm.LANES, c0, c1, c2, c3, c4, c5, c6)
-        if whole < size:
-            _gelu_erf_tail(u, y, whole, size - whole, c0, c1, c2, c3, c4, c5, c6)
-    else:
-        for i in range(0, whole, llvm.LANES):
-            _gelu_tanh_vector(u, y, i, llvm.LANES, c0, c1, c0, c0, c0, c0, c0)
-        if whole < size:
-            _gelu_tanh_tail(u, y, whole, size - whole, c0, c1, c0, c0, c0, c0, c0)
