@@ -32,6 +32,8 @@ from .qdq_folds import drop_rounding_before_quantizing
 from .qdq_tables import fuse_channel_tables, fuse_grid_tables, round_before_moving
 from .qoperator_lowering import lower_qoperator_cnn
 
+_CONTRIB = "com.microsoft"  # (QLinearConcat's domain)
+
 # Attributes that change what QuantizeLinear/DequantizeLinear compute beyond scale, zero point and axis.
 _EXOTIC = ("block_size", "output_dtype", "precision")
 _INTEGER_CODES = frozenset(np.dtype(t) for t in (np.uint8, np.int8, np.uint16, np.int16))
@@ -561,21 +563,24 @@ def fuse_quantized_add(graph: Graph, owns=None) -> bool:
 
 
 def pass_codes_through(graph: Graph, owns=None) -> bool:
-    """DequantizeLinear -> Concat -> QuantizeLinear, every input and the output on one grid (the same per-tensor
-    scale and zero point), beside a convolution group (an input made by one, or the output read by one): the
-    Concat on the codes instead. Exact: the dequantized codes requantize to themselves and Concat only moves them.
-    A statically quantized SqueezeNet's fire modules, whose groups then keep their codes. (MaxPool would commute
-    too, but the pool loops take float32 only: RESULTS, "not kept".)"""
+    """DequantizeLinear -> Concat -> QuantizeLinear, every parameter a constant per tensor, beside a convolution
+    group (an input made by one, or the output read by one): the Concat on the codes instead. With every input
+    and the output on one grid, a plain Concat: exact, the dequantized codes requantize to themselves and Concat
+    only moves them. Otherwise com.microsoft's QLinearConcat, which requantizes each input's codes to the output's
+    grid as DequantizeLinear then QuantizeLinear do (ops/contrib_qlinear_concat.py; a 256-code table per input):
+    exact too, since Concat only moves the dequantized values. A statically quantized SqueezeNet's fire modules,
+    Inception's branches and DenseNet's blocks, whose groups then keep their codes. (MaxPool would commute too,
+    but the pool loops take float32 only: RESULTS, "not kept".)"""
     view = GraphView(graph)
     for node in list(graph.nodes):
         if node.domain or node.op_type != "Concat" or len(node.outputs) != 1 or not node.inputs:
             continue
         sources = [_dequantized(view, name) for name in node.inputs]
-        if any(s is None or not _per_tensor(s[1]) or not _same(s[1], sources[0][1]) for s in sources):
+        if any(s is None or not _per_tensor(s[1]) or s[1][1].dtype != sources[0][1][1].dtype for s in sources):
             continue
         quantize = view.only_consumer(node.outputs[0], "QuantizeLinear")
         params = None if quantize is None else _params(view, quantize)
-        if params is None or params[1] is None or not _same(params, sources[0][1]):
+        if params is None or params[1] is None or not _per_tensor(params) or params[1].dtype != sources[0][1][1].dtype:
             continue
         codes = [dq.inputs[0] for dq, _ in sources]
         if not any(_made_by_group(view, name) for name in codes) \
@@ -586,9 +591,19 @@ def pass_codes_through(graph: Graph, owns=None) -> bool:
             _drop_if_unread(view, dq, node, removed)
         if not owned(owns, [node, *removed]):
             continue
-        node.inputs, node.outputs = codes, [quantize.outputs[0]]
+        if all(_same(s[1], params) for s in sources):
+            node.inputs, node.outputs = codes, [quantize.outputs[0]]
+            fused = node
+        elif not all(_is_group(r) for r in view.consumers.get(quantize.outputs[0], [])) \
+                or not all(_made_by_group(view, name) for name in codes):
+            continue  # (float readers would dequantize the joined codes again, and float inputs quantize first)
+        else:
+            triples = [name for dq, _ in sources for name in (dq.inputs[0], dq.inputs[1], dq.inputs[2])]
+            fused = Node("QLinearConcat", [*quantize.inputs[1:3], *triples], [quantize.outputs[0]],
+                         name=f"{node.name}/codes", domain=_CONTRIB, attrs={"axis": int(node.attr("axis", 1))},
+                         opset=1)
         gone = {id(n) for n in removed}
-        graph.nodes = [n for n in graph.nodes if id(n) not in gone]
+        graph.nodes = [fused if n is node else n for n in graph.nodes if id(n) not in gone or n is node]
         return True
     return False
 

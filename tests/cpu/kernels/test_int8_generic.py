@@ -8,7 +8,7 @@ import importlib
 
 import numpy as np
 import pytest
-from onnx_runtime_ep_cpu.compiled import deferred
+from onnx_runtime_ep_cpu.compiled import code_lookup, deferred
 from onnx_runtime_ep_cpu.compiled.generic_int8 import GENERIC_INT8
 
 RNG = np.random.default_rng(5)
@@ -175,7 +175,12 @@ def _requantizing_cases():
         ("qgemm.requantized_batched_product", (RNG.integers(0, 256, (2, 4, 9)).astype(np.uint8),
                                                RNG.integers(0, 256, (2, 9, 6)).astype(np.uint8), one, zero_offset,
                                                _consts(False, False), np.empty((2, 4, 6), np.uint8))),
-    ]
+        ("code_lookup.code_lookup_rows", (RNG.integers(0, 256, 256).astype(np.uint8),
+                                          RNG.integers(0, 256, (2, 70)).astype(np.uint8), np.zeros((2, 90), np.uint8),
+                                          13)),
+    ] + ([("code_lookup.code_lookup_lanes", (RNG.integers(0, 256, 256).astype(np.uint8),
+                                              RNG.integers(0, 256, (2, 130)).astype(np.uint8),
+                                              np.zeros((2, 150), np.uint8), 7))] if code_lookup.VBMI else [])
 
 
 CASES = _cases()
@@ -242,4 +247,6 @@ def test_every_int8_loop_is_covered():
     covered.add("onnx_runtime_ep_cpu.compiled.rounded_gelu.rounded_gelu")  # within one code (the test above)
     # within a code or two (numpy's exp in the Softmax): tests/cpu/test_qdq_rounded_attention.py
     covered.add("onnx_runtime_ep_cpu.compiled.rounded_attention.rounded_attention")
+    # compiled only where VBMI is (elsewhere vpermi2b does not exist): tests/cpu/test_qdq_concat_requantized.py
+    covered.add("onnx_runtime_ep_cpu.compiled.code_lookup.code_lookup_lanes")
     assert covered == set(GENERIC_INT8)

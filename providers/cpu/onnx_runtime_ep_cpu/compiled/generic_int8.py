@@ -74,6 +74,10 @@ def grid_lookup(x, scale, zero, low, high, table, out):
     out[...] = table[_grid_index(x, scale, zero, low, high)]
 
 
+def code_lookup_rows(table, codes, out, at):
+    out[:, at:at + codes.shape[1]] = table[codes]
+
+
 def channel_grid_lookup(x, scale, zero, low, high, table, out):
     out[...] = table[np.arange(x.shape[1])[None, :, None], _grid_index(x, scale, zero, low, high)]
 
@@ -371,6 +375,8 @@ GENERIC_INT8 = {
     _COMPILED + "quantize.fake_quantize": fake_quantize,
     _COMPILED + "quantize.grid_lookup": grid_lookup,
     _COMPILED + "quantize.channel_grid_lookup": channel_grid_lookup,
+    _COMPILED + "code_lookup.code_lookup_rows": code_lookup_rows,
+    _COMPILED + "code_lookup.code_lookup_lanes": code_lookup_rows,
     _COMPILED + "quantize.rounded_binary": rounded_binary,
     _COMPILED + "quantize.rounded_concat": rounded_concat,
     _COMPILED + "quantize.dynamic_quantize": dynamic_quantize,

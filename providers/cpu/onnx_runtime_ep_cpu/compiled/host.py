@@ -79,6 +79,8 @@ AVX512 = avx512(MACHINE, _FEATURES)
 # qgemm_tiles.py's int16 pair products: vpmaddwd on 512 bits (AVX-512BW), vpdpwssd with AVX-512 VNNI
 AVX512BW = AVX512 and bool(_FEATURES.get("avx512bw"))
 AVX512VNNI = AVX512BW and bool(_FEATURES.get("avx512_vnni") or _FEATURES.get("avx512vnni"))
+# code_lookup.py's byte tables: vpermi2b (AVX-512 VBMI) picks 64 bytes of a 128-byte table at once
+AVX512VBMI = AVX512BW and bool(_FEATURES.get("avx512vbmi") or _FEATURES.get("avx512_vbmi"))
 
 
 def amx_permitted(system: str, machine: str) -> bool:

@@ -3,6 +3,7 @@ the output's scale and zero point (dequantized, then quantized as QuantizeLinear
 
 from __future__ import annotations
 
+import math
 from operator import is_
 
 import numpy as np
@@ -19,7 +20,8 @@ class _QLinearConcat:
     """Each part requantized to Y's grid (a constant part once, a part of constant parameters by a 256-code
     table), then joined. A call whose parameters and constant parts are the kept call's read-only arrays and
     whose other parts have its shapes and dtypes repeats its plan without the checks: a constant part's codes,
-    a table or nothing per part (numpy's indexing and concatenate take any strides: a transposed view too)."""
+    a table or nothing per part, each written in its place of the output (_joined; a part of other strides, a
+    transposed view, is made contiguous first)."""
 
     def __init__(self, node):
         self.node = node
@@ -28,6 +30,7 @@ class _QLinearConcat:
         self.tables: dict[int, tuple] = {}  # per part, its constant parameters and 256-code table (None: same grid)
         # the last checked call's (constants, the other parts' (shape, dtype), axis, a step per part), or None
         self.kept: tuple | None = None
+        self.loop = None  # the compiled table loop of kept calls (compiled/code_lookup.py), chosen at keeping one
 
     def __call__(self, y_scale, y_zero_point, *triples):
         kept = self.kept  # (one read: another thread may keep another call meanwhile)
@@ -37,8 +40,7 @@ class _QLinearConcat:
             if len(triples) == 3 * len(steps) and all(map(is_, constants, (y_scale, y_zero_point, *triples[1::3],
                                                                         *triples[2::3]))) \
                     and all(_repeats(x, step, kind) for x, step, kind in zip(tensors, steps, kinds)):
-                return (np.concatenate([x if step is None else step.codes if type(step) is _Codes else
-                                        apply_table(step, x) for x, step in zip(tensors, steps)], axis=a),)
+                return (_joined(tensors, steps, a, self.loop),)
         y = self.checked(y_scale, y_zero_point, triples)
         self.keep(y_scale, y_zero_point, triples)
         return y
@@ -92,7 +94,36 @@ class _QLinearConcat:
             steps.append(known[1])
             kinds.append((triples[i].shape, triples[i].dtype))
         a = normalize_axis(self.node, self.axis, triples[0].ndim)
+        if self.loop is None:
+            from ..compiled import code_lookup  # (here: models without a kept QLinearConcat skip the module)
+
+            self.loop = code_lookup.code_lookup_lanes if code_lookup.VBMI else code_lookup.code_lookup_rows
         self.kept = ((*y_params, *triples[1::3], *triples[2::3]), kinds, a, steps)
+
+
+def _joined(tensors, steps, axis: int, loop) -> np.ndarray:
+    """A kept plan's output: each part written in its place, a table's codes by one compiled pass that looks them
+    up (``loop``, compiled/code_lookup.py; numpy's indexing then a concatenation made two passes and an index
+    array), the others copied."""
+    sources = [step.codes if type(step) is _Codes else x for x, step in zip(tensors, steps)]
+    shape = list(sources[0].shape)
+    shape[axis] = sum(x.shape[axis] for x in sources)
+    out = np.empty(shape, sources[0].dtype)
+    outer = math.prod(shape[:axis])
+    if not out.size:
+        return out
+    rows = out.reshape(outer, -1).view(np.uint8)
+    at = 0
+    for x, step in zip(sources, steps):
+        width = x.size // outer
+        part = x.reshape(outer, width).view(np.uint8) if x.flags.c_contiguous else \
+            np.ascontiguousarray(x).reshape(outer, width).view(np.uint8)
+        if step is None or type(step) is _Codes:
+            rows[:, at:at + width] = part
+        else:
+            loop(step.view(np.uint8), part, rows, at)
+        at += width
+    return out
 
 
 def _repeats(x, step, kind) -> bool:
