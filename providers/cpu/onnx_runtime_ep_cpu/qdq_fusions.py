@@ -580,7 +580,8 @@ def pass_codes_through(graph: Graph, owns=None) -> bool:
             continue
         quantize = view.only_consumer(node.outputs[0], "QuantizeLinear")
         params = None if quantize is None else _params(view, quantize)
-        if params is None or params[1] is None or not _per_tensor(params) or params[1].dtype != sources[0][1][1].dtype:
+        if params is None or params[1] is None or not _per_tensor(params) or params[0].dtype != _F32 \
+                or params[1].dtype != sources[0][1][1].dtype:
             continue
         codes = [dq.inputs[0] for dq, _ in sources]
         if not any(_made_by_group(view, name) for name in codes) \
