@@ -115,3 +115,19 @@ def test_code_lookup_loops_match_numpy(rows, width, total, at):
         out = start.copy()
         loop(table, codes, out, at)
         np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("table_dtype", [np.uint8, np.int8, np.float32])
+def test_apply_table_is_numpys_indexing_for_every_table(table_dtype):
+    """algorithms.quantize.apply_table (QLinearConcat's parts, the QLinear activations, CodeTable): a byte table by
+    the compiled loops, any other by numpy's indexing, the same values in the input's shape, a strided input too."""
+    from onnx_runtime_ep_cpu.algorithms.quantize import apply_table
+
+    rng = np.random.default_rng(11)
+    table = (rng.integers(0, 256, 256) if table_dtype != np.float32 else rng.standard_normal(256)).astype(table_dtype)
+    codes = rng.integers(-128, 128, (3, 7, 130)).astype(np.int8)
+    for q in (codes, codes[:, ::2, 1:], codes[:0], np.int8(-5)):
+        got = apply_table(table, q)
+        want = table[np.asarray(q).view(np.uint8)]
+        assert got.dtype == table.dtype and got.shape == np.shape(q)
+        np.testing.assert_array_equal(got, want)

@@ -70,7 +70,28 @@ def lookup_table(dtype, x_scale, x_zero_point, fn, y_scale, y_zero_point) -> np.
 
 
 def apply_table(table: np.ndarray, q: np.ndarray) -> np.ndarray:
-    return table[np.asarray(q).view(np.uint8)]
+    """table[code] for each 8-bit code of ``q`` (indexed by the code's byte): a 256-entry table of 8-bit codes by
+    one compiled pass (lookup_codes_into), any other table by numpy's indexing."""
+    q = np.asarray(q)
+    if table.dtype.itemsize != 1 or table.size != 256 or not q.size:
+        return table[q.view(np.uint8)]
+    out = np.empty(q.shape, table.dtype)
+    lookup_codes_into(table, np.ascontiguousarray(q).reshape(1, -1), out.reshape(1, -1), 0)
+    return out
+
+
+_CODE_LOOKUP: list = []  # the compiled loop this host runs, imported at the first lookup
+
+
+def lookup_codes_into(table: np.ndarray, codes: np.ndarray, rows: np.ndarray, at: int) -> None:
+    """rows[:, at:at + width] = table[codes] for a 256-entry table of 8-bit codes, 2-D C-contiguous 8-bit ``codes``
+    (rows, width) and 8-bit ``rows``: 64 codes a vpermi2b pair where AVX-512 VBMI is, a code at a time elsewhere
+    (compiled/code_lookup.py), into place (a QLinearConcat's part of its output)."""
+    if not _CODE_LOOKUP:
+        from ..compiled import code_lookup
+
+        _CODE_LOOKUP.append(code_lookup.code_lookup_lanes if code_lookup.VBMI else code_lookup.code_lookup_rows)
+    _CODE_LOOKUP[0](table.view(np.uint8), codes.view(np.uint8), rows.view(np.uint8), at)
 
 
 def dynamic_uint8(x: np.ndarray) -> tuple[np.float32, np.uint8, np.ndarray]:

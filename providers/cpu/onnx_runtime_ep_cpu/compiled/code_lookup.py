@@ -15,11 +15,10 @@ BYTES = 64  # codes per vector
 def _lookup_codegen(masked: bool):
     from llvmlite import ir
 
-    byte_vec, mask_type, align = ir.VectorType(ir.IntType(8), BYTES), ir.VectorType(ir.IntType(1), BYTES), \
-        ir.Constant(ir.IntType(32), 1)
+    from . import llvm
 
-    def declared(module, name: str, function_type):
-        return module.globals.get(name) or ir.Function(module, function_type, name)
+    byte_vec, lane_type = ir.VectorType(ir.IntType(8), BYTES), ir.VectorType(llvm.I32, BYTES)
+    mask_type, align = ir.VectorType(ir.IntType(1), BYTES), ir.Constant(llvm.I32, 1)
 
     def codegen(context, builder, sig, args):
         def data(index):
@@ -28,31 +27,27 @@ def _lookup_codegen(masked: bool):
         table, codes, out = data(0), data(1), data(2)
         source_at, target_at, count = args[3], args[4], args[5]
         module = builder.module
-        quarters = [builder.load(builder.bitcast(builder.gep(table, [ir.Constant(ir.IntType(64), q * BYTES)]),
+        quarters = [builder.load(builder.bitcast(builder.gep(table, [ir.Constant(llvm.I64, q * BYTES)]),
                                                  byte_vec.as_pointer()), align=1) for q in range(4)]
         source = builder.bitcast(builder.gep(codes, [source_at]), byte_vec.as_pointer())
         target = builder.bitcast(builder.gep(out, [target_at]), byte_vec.as_pointer())
         if masked:
-            lane_type = ir.VectorType(ir.IntType(32), BYTES)
-            first = builder.insert_element(ir.Constant(lane_type, ir.Undefined), builder.trunc(count, ir.IntType(32)),
-                                           ir.Constant(ir.IntType(32), 0))
-            limit = builder.shuffle_vector(first, ir.Constant(lane_type, ir.Undefined),
-                                           ir.Constant(lane_type, [0] * BYTES))
-            mask = builder.icmp_signed("<", ir.Constant(lane_type, list(range(BYTES))), limit)
-            load = declared(module, "llvm.masked.load.v64i8.p0",
-                            ir.FunctionType(byte_vec, [byte_vec.as_pointer(), ir.IntType(32), mask_type, byte_vec]))
+            mask = builder.icmp_signed("<", ir.Constant(lane_type, list(range(BYTES))),
+                                       llvm.splat(builder, builder.trunc(count, llvm.I32), lane_type))
+            load = llvm.declare(module, "llvm.masked.load.v64i8.p0",
+                                ir.FunctionType(byte_vec, [byte_vec.as_pointer(), llvm.I32, mask_type, byte_vec]))
             index = builder.call(load, [source, align, mask, ir.Constant(byte_vec, [0] * BYTES)])
         else:
             index = builder.load(source, align=1)
-        permute = declared(module, "llvm.x86.avx512.vpermi2var.qi.512",
-                           ir.FunctionType(byte_vec, [byte_vec, byte_vec, byte_vec]))
+        permute = llvm.declare(module, "llvm.x86.avx512.vpermi2var.qi.512",
+                               ir.FunctionType(byte_vec, [byte_vec, byte_vec, byte_vec]))
         low = builder.call(permute, [quarters[0], index, quarters[1]])  # (index bit 6 picks the second register)
         high = builder.call(permute, [quarters[2], index, quarters[3]])
         upper = builder.icmp_signed("<", index, ir.Constant(byte_vec, [0] * BYTES))  # bit 7 set: codes 128..255
         result = builder.select(upper, high, low)
         if masked:
-            store = declared(module, "llvm.masked.store.v64i8.p0", ir.FunctionType(
-                ir.VoidType(), [byte_vec, byte_vec.as_pointer(), ir.IntType(32), mask_type]))
+            store = llvm.declare(module, "llvm.masked.store.v64i8.p0", ir.FunctionType(
+                ir.VoidType(), [byte_vec, byte_vec.as_pointer(), llvm.I32, mask_type]))
             builder.call(store, [result, target, align, mask])
         else:
             builder.store(result, target, align=1)

@@ -40,11 +40,8 @@ def _vector_at(builder, pointer, offset, vector_type):
 
 
 def _splat(builder, scalar, lanes: int):
-    """``scalar`` in every lane of a vector of ``lanes`` (llvm.splat is 16 lanes only)."""
-    vector_type = ir.VectorType(scalar.type, lanes)
-    undef = ir.Constant(vector_type, ir.Undefined)
-    first = builder.insert_element(undef, scalar, ir.Constant(llvm.I32, 0))
-    return builder.shuffle_vector(first, undef, ir.Constant(ir.VectorType(llvm.I32, lanes), [0] * lanes))
+    """``scalar`` in every lane of a vector of ``lanes`` of its type."""
+    return llvm.splat(builder, scalar, ir.VectorType(scalar.type, lanes))
 
 
 def _lane_mask(builder, lanes: int, count):

@@ -89,7 +89,8 @@ def splat(builder, scalar, vector_type=VEC):
     """``scalar`` in every lane of a vector of ``vector_type``."""
     undef = ir.Constant(vector_type, ir.Undefined)
     first = builder.insert_element(undef, scalar, ir.Constant(I32, 0))
-    return builder.shuffle_vector(first, undef, ir.Constant(LANE_INDEX, [0] * vector_type.count))
+    return builder.shuffle_vector(first, undef, ir.Constant(ir.VectorType(I32, vector_type.count),
+                                                            [0] * vector_type.count))
 
 
 def activated(builder, v, bounds):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..algorithms.quantize import apply_table
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
@@ -43,7 +44,7 @@ def code_table(node, shapes, opset):
             codes = np.arange(_CODE_COUNT, dtype=np.uint8).view(dtype)  # indexed by the code's byte
             found = tables[dtype] = chain.evaluate(codes, constants, None, "codes")
         table, rank = found
-        out = table.take(x.view(np.uint8))
+        out = apply_table(table, x)
         return (broadcast_rank(out, rank),)
 
     return kernel

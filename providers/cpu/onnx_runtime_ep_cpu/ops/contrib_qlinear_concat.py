@@ -8,7 +8,7 @@ from operator import is_
 
 import numpy as np
 
-from ..algorithms.quantize import apply_table, dequantize, lookup_table, quantize
+from ..algorithms.quantize import apply_table, dequantize, lookup_codes_into, lookup_table, quantize
 from ..registry import register
 from ._common import CONTRIB_DOMAIN, argument_error, normalize_axis, required_attr
 from .contrib_quantization import eight_bit, float_scale, scalar
@@ -30,7 +30,6 @@ class _QLinearConcat:
         self.tables: dict[int, tuple] = {}  # per part, its constant parameters and 256-code table (None: same grid)
         # the last checked call's (constants, the other parts' (shape, dtype), axis, a step per part), or None
         self.kept: tuple | None = None
-        self.loop = None  # the compiled table loop of kept calls (compiled/code_lookup.py), chosen at keeping one
 
     def __call__(self, y_scale, y_zero_point, *triples):
         kept = self.kept  # (one read: another thread may keep another call meanwhile)
@@ -40,7 +39,7 @@ class _QLinearConcat:
             if len(triples) == 3 * len(steps) and all(map(is_, constants, (y_scale, y_zero_point, *triples[1::3],
                                                                         *triples[2::3]))) \
                     and all(_repeats(x, step, kind) for x, step, kind in zip(tensors, steps, kinds)):
-                return (_joined(tensors, steps, a, self.loop),)
+                return (_joined(tensors, steps, a),)
         y = self.checked(y_scale, y_zero_point, triples)
         self.keep(y_scale, y_zero_point, triples)
         return y
@@ -94,17 +93,12 @@ class _QLinearConcat:
             steps.append(known[1])
             kinds.append((triples[i].shape, triples[i].dtype))
         a = normalize_axis(self.node, self.axis, triples[0].ndim)
-        if self.loop is None:
-            from ..compiled import code_lookup  # (here: models without a kept QLinearConcat skip the module)
-
-            self.loop = code_lookup.code_lookup_lanes if code_lookup.VBMI else code_lookup.code_lookup_rows
         self.kept = ((*y_params, *triples[1::3], *triples[2::3]), kinds, a, steps)
 
 
-def _joined(tensors, steps, axis: int, loop) -> np.ndarray:
-    """A kept plan's output: each part written in its place, a table's codes by one compiled pass that looks them
-    up (``loop``, compiled/code_lookup.py; numpy's indexing then a concatenation made two passes and an index
-    array), the others copied."""
+def _joined(tensors, steps, axis: int) -> np.ndarray:
+    """A kept plan's output: each part written in its place, a table's codes looked up there (lookup_codes_into;
+    numpy's indexing then a concatenation made two passes and an index array), the others copied."""
     sources = [step.codes if type(step) is _Codes else x for x, step in zip(tensors, steps)]
     shape = list(sources[0].shape)
     shape[axis] = sum(x.shape[axis] for x in sources)
@@ -121,7 +115,7 @@ def _joined(tensors, steps, axis: int, loop) -> np.ndarray:
         if step is None or type(step) is _Codes:
             rows[:, at:at + width] = part
         else:
-            loop(step.view(np.uint8), part, rows, at)
+            lookup_codes_into(step, part, rows, at)
         at += width
     return out
 
