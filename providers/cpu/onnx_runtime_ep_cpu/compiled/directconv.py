@@ -110,24 +110,45 @@ def vector_at(builder, pointer, offset, vector_type=_VEC):
     return builder.bitcast(builder.gep(pointer, [offset]), vector_type.as_pointer())
 
 
-def _emit_sums(builder, w_ptr, x_ptr, taps_ptr, start, depth, stride) -> list:
-    """The tile's 12 sums over k: per pixel p, two vectors of 8 channels (sums[2p], sums[2p + 1])."""
-    fma = llvm.declare(builder.module, "llvm.fma.v8f32", ir.FunctionType(_VEC, [_VEC, _VEC, _VEC]))
+def channel_sums(builder, w_ptr, depth, pixel_values, name: str) -> list:
+    """A tile's sums over k < ``depth`` of w[k*16 + c] * x_p(k) for its 16 channels c and PIXELS pixels p, where
+    ``pixel_values(k)`` loads the PIXELS floats x_p(k): per pixel, two vectors of 8 channels (sums[2p],
+    sums[2p + 1]). Where the host has AVX-512 each pixel's 16 channels are one vector (its two 512-bit fused
+    multiply-adds a cycle do twice the 8-lane ones' work); each lane's fused multiply-adds are the same, in the
+    same order, either way."""
+    width = CHANNELS if host.AVX512 else LANES
+    vector = ir.VectorType(llvm.F32, width)
+    fma = llvm.declare(builder.module, f"llvm.fma.v{width}f32", ir.FunctionType(vector, [vector] * 3))
+    halves = CHANNELS // width
 
     def step(k, sums):
-        origin = builder.add(start, builder.load(builder.gep(taps_ptr, [k])))
         first = builder.mul(k, int_const(CHANNELS))
-        weights = [builder.load(vector_at(builder, w_ptr, builder.add(first, int_const(h * LANES))), align=4)
-                   for h in range(2)]
+        weights = [builder.load(vector_at(builder, w_ptr, builder.add(first, int_const(h * width)), vector), align=4)
+                   for h in range(halves)]
         updated = list(sums)
-        for p in range(PIXELS):
-            at = builder.add(origin, builder.mul(stride, int_const(p)))
-            value = splat_8(builder, builder.load(builder.gep(x_ptr, [at])))
-            for h in range(2):
-                updated[2 * p + h] = builder.call(fma, [weights[h], value, sums[2 * p + h]])
+        for p, scalar in enumerate(pixel_values(k)):
+            value = llvm.splat(builder, scalar, vector)
+            for h in range(halves):
+                updated[halves * p + h] = builder.call(fma, [weights[h], value, sums[halves * p + h]])
         return updated
 
-    return llvm.counted_loop(builder, depth, [_ZEROS] * (2 * PIXELS), step, "direct")
+    sums = llvm.counted_loop(builder, depth, [ir.Constant(vector, [0.0] * width)] * (halves * PIXELS), step, name)
+    if halves == 2:
+        return sums
+    undef = ir.Constant(vector, ir.Undefined)
+    return [builder.shuffle_vector(v, undef, ir.Constant(_INDEX, list(range(h * LANES, (h + 1) * LANES))))
+            for v in sums for h in range(2)]
+
+
+def _emit_sums(builder, w_ptr, x_ptr, taps_ptr, start, depth, stride) -> list:
+    """The tile's sums over k (channel_sums), pixel p's input at p * ``stride`` from the tap's."""
+
+    def pixel_values(k):
+        origin = builder.add(start, builder.load(builder.gep(taps_ptr, [k])))
+        return [builder.load(builder.gep(x_ptr, [builder.add(origin, builder.mul(stride, int_const(p)))]))
+                for p in range(PIXELS)]
+
+    return channel_sums(builder, w_ptr, depth, pixel_values, "direct")
 
 
 def _row_io(builder, full: bool, lanes):

@@ -11,11 +11,10 @@ pixel and the epilogue's order are directconv's.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from . import compiler, jit, llvm
+from . import compiler, jit
 from .directconv import (
     BIAS,
     CHANNELS,
@@ -24,15 +23,13 @@ from .directconv import (
     PIXELS,
     RESIDUAL,
     activated_8,
+    channel_sums,
     hard_swished_8,
     int_const,
     splat_8,
     vector_at,
 )
 from .directconv_blocked import fill_blocked
-
-_VEC = ir.VectorType(llvm.F32, LANES)
-_ZEROS = ir.Constant(_VEC, [0.0] * LANES)
 
 _inline = compiler(inline="always")
 
@@ -68,21 +65,11 @@ def gathered_tile(typingctx, w, x, starts, first, taps, depth, y, outs, shift, p
             data(i) for i in (0, 1, 2, 4, 6, 7, 10, 11, 13))
         first, depth, shift, pixels, flags = args[3], args[5], args[8], args[9], args[12]
         begin = [builder.load(builder.gep(starts_ptr, [builder.add(first, int_const(p))])) for p in range(PIXELS)]
-        fma = llvm.declare(builder.module, "llvm.fma.v8f32", ir.FunctionType(_VEC, [_VEC, _VEC, _VEC]))
-
-        def step(k, sums):
+        def pixel_values(k):
             origin = builder.load(builder.gep(taps_ptr, [k]))
-            at = builder.mul(k, int_const(CHANNELS))
-            weights = [builder.load(vector_at(builder, w_ptr, builder.add(at, int_const(h * LANES))), align=4)
-                       for h in range(2)]
-            updated = list(sums)
-            for p in range(PIXELS):
-                value = splat_8(builder, builder.load(builder.gep(x_ptr, [builder.add(begin[p], origin)])))
-                for h in range(2):
-                    updated[2 * p + h] = builder.call(fma, [weights[h], value, sums[2 * p + h]])
-            return updated
+            return [builder.load(builder.gep(x_ptr, [builder.add(begin[p], origin)])) for p in range(PIXELS)]
 
-        sums = llvm.counted_loop(builder, depth, [_ZEROS] * (2 * PIXELS), step, "gathered")
+        sums = channel_sums(builder, w_ptr, depth, pixel_values, "gathered")
         with_bias = builder.icmp_signed("!=", builder.and_(flags, int_const(BIAS)), int_const(0))
         with_residual = builder.icmp_signed("!=", builder.and_(flags, int_const(RESIDUAL)), int_const(0))
         hard = builder.icmp_signed("!=", builder.and_(flags, int_const(HARD_SWISH)), int_const(0))
