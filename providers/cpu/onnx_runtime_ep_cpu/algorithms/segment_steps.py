@@ -160,7 +160,8 @@ def _direct(function, arguments):
 def _argument_type(dispatcher, value):
     """numba's type of an argument, as its dispatcher's typeof gives it. A plain ndarray's is built here from its
     dtype, rank, layout and writeability, as numba's typeof builds it, without the masked-array check that
-    typeof makes first: that check imports numpy.ma, which nothing else a worker's plans run needs."""
+    typeof makes first: that check imports numpy.ma, which nothing else a worker's plans run needs (where numba
+    loads in the background, its loader imports numpy.ma for the kernels that call their loops' dispatchers)."""
     if type(value) is np.ndarray:
         from numba.core import types
         from numba.core.errors import NumbaNotImplementedError

@@ -759,6 +759,10 @@ def _load() -> None:
     sys.meta_path.insert(0, finder)
     try:
         ensure_numba()
+        # numba's typeof of an array type its dispatcher has not seen reads np.ma, which numpy imports at its
+        # first access (~25 ms): here, not in the first run of the compiled paths that calls a loop directly
+        import numpy.ma  # noqa: F401
+
         sys.meta_path.remove(finder)
         # rounds until one finds nothing new: the runs go on recording on numpy while a round compiles
         while not state.stop.is_set() and _settle():
