@@ -61,6 +61,38 @@ def test_the_grid_gives_the_float_paths_codes(monkeypatch, case, act, per_channe
     np.testing.assert_array_equal(got[1], want)
 
 
+@pytest.mark.parametrize("act", [np.uint8, np.int8])
+@pytest.mark.parametrize("quantize_a", [False, True])
+@pytest.mark.parametrize("dequantize", [False, True])
+def test_a_kept_call_reads_each_calls_own_input(monkeypatch, act, quantize_a, dequantize):
+    # A call on the calling thread is kept for its repeats (the same X shape and type, the same constant arrays):
+    # a repeat with new data, another shape and then the first again each give their own float path's codes, and
+    # every repeat runs the grid (nothing left over from the call kept before).
+    _, w_shape, attrs = CASES[0]
+    rng = np.random.default_rng(17)
+    inputs = _inputs(rng, (1, 5, 11, 13), w_shape, act, True, quantize_a, True, zero_points=False)
+    for v in inputs[1:]:
+        v.flags.writeable = False
+    node = _node(attrs, len(inputs), quantize_a, dequantize)
+    calls = []
+    compiled = quantized_conv_grid.quantized_conv_grid
+    monkeypatch.setattr(quantized_conv_grid, "quantized_conv_grid", lambda *a: calls.append(1) or compiled(*a))
+    prepared = []  # the calls that prepared their arguments (not a kept call's repeat)
+    conv_grid = qdq_linear._conv_grid
+    monkeypatch.setattr(qdq_linear, "_conv_grid", lambda *a: prepared.append(1) or conv_grid(*a))
+    grid = qdq_linear.quantized_conv(node, [], 1)
+    feeds = [_inputs(np.random.default_rng(seed), shape, w_shape, act, True, quantize_a, True)[0]
+             for seed, shape in ((1, (1, 5, 11, 13)), (2, (1, 5, 11, 13)), (3, (2, 5, 9, 16)), (4, (1, 5, 11, 13)))]
+    with tuning.override(threads=1):
+        for k, x in enumerate(feeds):
+            got = grid(x, *inputs[1:])[0]
+            want = _float_path(monkeypatch, node, [x, *inputs[1:]])
+            assert got.shape == want.shape and got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
+            assert len(calls) == k + 1
+    assert len(prepared) == 3  # the second call repeats the first's; the fourth follows another shape
+
+
 @pytest.mark.parametrize("nan_bias", [False, True])
 def test_a_weight_zero_point_or_a_nan_bias_takes_the_patches(monkeypatch, nan_bias):
     # (a NaN bias's code 0 is the patches' epilogue's; the grid's rounds without a NaN check)

@@ -455,7 +455,7 @@ def _conv_rows(node, quantize_a: bool, dequantize: bool, repeat: RepeatCall):
         if p.consts is None:
             p.consts = p.compiled_consts(quantize_a, False, dequantize)
         shape4, steps, out_shape, (oh, ow) = geometry
-        out = _channel_major(side, binds, x, w, w_zero, p, geometry, dequantize)
+        out = _channel_major(side, binds, keep, x, w, w_zero, p, geometry, dequantize)
         if out is not None:
             return out
         if _takes_lines(qgemm, shape4, steps) and not numpy_first():
@@ -515,11 +515,11 @@ def _conv_blocks(side: list, binds: dict, x, w, w_zero, p, geometry: tuple, dequ
     return out
 
 
-def _split_or_bound(binds: dict, key: tuple, loop, kind: str, arguments: tuple, macs: int) -> None:
+def _split_or_bound(binds: dict, key: tuple, loop, kind: str, arguments: tuple, macs: int) -> EntryOnce | None:
     """A channel-major call: split across the helper threads from KNOBS.split_macs of multiply-adds a thread
     (dynamic_conv_jobs' job ``kind`` and its split_ function), else on the calling thread through the loop's entry
     point once bound (``binds[key]``, EntryOnce: numba's dispatcher types some twenty arguments every call, a small
-    convolution's cost)."""
+    convolution's cost), which it returns (None for a split call)."""
     threads = split_threads(macs)
     if threads > 1:
         from ..compiled import dynamic_conv_jobs, workers
@@ -527,17 +527,18 @@ def _split_or_bound(binds: dict, key: tuple, loop, kind: str, arguments: tuple, 
         split = getattr(dynamic_conv_jobs, "split_" + kind.lower())
         workers.call(split, (*arguments, task_ranges(threads), np.zeros(threads, np.int64), workers.local_mailbox(0)),
                      getattr(dynamic_conv_jobs, kind).address(), 0, helper_count())
-        return
+        return None
     entry = binds.get(key)
     if entry is None:
         entry = binds[key] = EntryOnce(loop)
     entry.run(arguments)
+    return entry
 
 
-def _channel_major(side: list, binds: dict, x, w, w_zero, p, geometry: tuple, dequantize: bool):
+def _channel_major(side: list, binds: dict, keep, x, w, w_zero, p, geometry: tuple, dequantize: bool):
     """_conv_rows' channel-major call of a 2-D convolution on VNNI: read in place from the grid of channel quads
-    (_conv_grid) or through patches (_conv_blocks); None for other geometries and while numba loads (the patch rows'
-    numpy twin serves)."""
+    (_conv_grid, its calls on the calling thread kept by ``keep`` for their repeats) or through patches
+    (_conv_blocks); None for other geometries and while numba loads (the patch rows' numpy twin serves)."""
     from ..compiled import qgemm_quads
 
     if not _takes_blocks(qgemm_quads, geometry[0], geometry[1]):
@@ -545,7 +546,7 @@ def _channel_major(side: list, binds: dict, x, w, w_zero, p, geometry: tuple, de
     if _takes_grid(qgemm_quads, p):
         if numpy_first("dynamic_conv_jobs.QUANTIZED_GRID"):
             return None
-        return _conv_grid(side, binds, x, w, w_zero, p, geometry, dequantize)
+        return _conv_grid(side, binds, keep, x, w, w_zero, p, geometry, dequantize)
     if numpy_first("dynamic_conv_jobs.QUANTIZED_CONV"):
         return None
     return _conv_blocks(side, binds, x, w, w_zero, p, geometry, dequantize)
@@ -560,9 +561,11 @@ def _takes_grid(qgemm_quads, p) -> bool:
     return not qgemm_quads.AMX and p.finite and not np.any(p.b_zeros != shift)
 
 
-def _conv_grid(side: list, binds: dict, x, w, w_zero, p, geometry: tuple, dequantize: bool) -> np.ndarray:
+def _conv_grid(side: list, binds: dict, keep, x, w, w_zero, p, geometry: tuple, dequantize: bool) -> np.ndarray:
     """_conv_rows' call through compiled/quantized_conv_grid (the input's codes as a grid of channel quads read in
-    place by the tiles), split across the helper threads as _conv_blocks' (dynamic_conv_jobs.split_quantized_grid)."""
+    place by the tiles), split across the helper threads as _conv_blocks' (dynamic_conv_jobs.split_quantized_grid);
+    a call on the calling thread is kept (``keep``) with its arguments but X and the output, so that a repeat
+    (the same shape and constants) calls the loop's entry point straight away (_grid_repeat)."""
     from ..compiled import quantized_conv_grid
 
     shape4, steps, out_shape, (oh, ow) = geometry
@@ -583,9 +586,26 @@ def _conv_grid(side: list, binds: dict, x, w, w_zero, p, geometry: tuple, dequan
     arguments = (x4 if floats else _NO_FLOATS4, _NO_BYTES4 if floats else x4.view(np.uint8), *steps, oh, ow, weight,
                  terms, factors, shifts, p.singles, p.consts, *tables, out3 if dequantize else _NO_FLOATS3,
                  _NO_BYTES3 if dequantize else out3.view(np.uint8))
-    _split_or_bound(binds, ("grid", x4.dtype), quantized_conv_grid.quantized_conv_grid, "QUANTIZED_GRID", arguments,
-                    out_shape[0] * oh * ow * weight.size)
+    loop = quantized_conv_grid.quantized_conv_grid
+    entry = _split_or_bound(binds, ("grid", x4.dtype), loop, "QUANTIZED_GRID", arguments,
+                            out_shape[0] * oh * ow * weight.size)
+    if entry is not None:
+        layout = (out_shape[0], out_shape[1], oh * ow)
+        keep((_grid_repeat(entry.entry or loop, arguments[2:-2], floats, dequantize), shape4, (), out_shape,
+              out.dtype, layout))
     return out
+
+
+def _grid_repeat(loop, middle: tuple, floats: bool, dequantize: bool):
+    """A kept grid call as the repeat's ``loop(x4, out3)``: X and the output in the argument pairs of the loop's
+    two-array convention (float32 or bytes, the other empty), ``middle`` the rest."""
+    if floats:
+        if dequantize:
+            return lambda x4, out3: loop(x4, _NO_BYTES4, *middle, out3, _NO_BYTES3)
+        return lambda x4, out3: loop(x4, _NO_BYTES4, *middle, _NO_FLOATS3, out3.view(np.uint8))
+    if dequantize:
+        return lambda x4, out3: loop(_NO_FLOATS4, x4.view(np.uint8), *middle, out3, _NO_BYTES3)
+    return lambda x4, out3: loop(_NO_FLOATS4, x4.view(np.uint8), *middle, _NO_FLOATS3, out3.view(np.uint8))
 
 
 _NO_FLOATS4, _NO_BYTES4 = np.zeros((0, 0, 0, 0), _F32), np.zeros((0, 0, 0, 0), np.uint8)
