@@ -302,12 +302,18 @@ def _vector_stores(builder, nc: int, out, vector, count, places):
     masks = [builder.bitcast(builder.trunc(b, ir.IntType(LANES)), llvm.MASK) for b in bits]
     leading = [builder.icmp_signed("<", llvm.LANE_NUMBERS, llvm.splat(
         builder, builder.trunc(builder.call(popcount, [b]), llvm.I32), i32x16)) for b in bits]
+    full = [builder.icmp_signed("==", b, const((1 << LANES) - 1)) for b in bits]
     empty = ir.Constant(vector, None)
 
     def put(j, value, plane):
-        packed = builder.call(compress, [value, empty, masks[j]])
         target = builder.bitcast(builder.gep(out, [builder.add(plane, starts[j])]), vector.as_pointer())
-        builder.call(store, [packed, target, ir.Constant(llvm.I32, 1), leading[j]])
+        # a vector whose lanes are all positions (most of a row's) is stored as it is
+        with builder.if_else(full[j]) as (whole, part):
+            with whole:
+                builder.store(value, target, align=1)
+            with part:
+                packed = builder.call(compress, [value, empty, masks[j]])
+                builder.call(store, [packed, target, ir.Constant(llvm.I32, 1), leading[j]])
 
     return put
 
