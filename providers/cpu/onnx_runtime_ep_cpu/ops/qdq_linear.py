@@ -34,7 +34,6 @@ from ..fusions import FUSED_DOMAIN
 from ..registry import register
 from ..threads import helper_count
 from ._common import argument_error
-from .dynamic_quantize_conv import split_threads, task_ranges
 from .quantization import integer_conv, qlinear_matmul_general
 
 _EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
@@ -520,6 +519,8 @@ def _split_or_bound(binds: dict, key: tuple, loop, kind: str, arguments: tuple, 
     (dynamic_conv_jobs' job ``kind`` and its split_ function), else on the calling thread through the loop's entry
     point once bound (``binds[key]``, EntryOnce: numba's dispatcher types some twenty arguments every call, a small
     convolution's cost), which it returns (None for a split call)."""
+    from .dynamic_quantize_conv import split_threads, task_ranges  # (a transformer's QDQ model needs neither)
+
     threads = split_threads(macs)
     if threads > 1:
         from ..compiled import dynamic_conv_jobs, workers

@@ -25,10 +25,8 @@ from ..algorithms.quantize import IntegerProduct
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error, quiet, shape_free
-from .conv import conv
 from .elementwise import cast_to
 from .linalg import zero_point_rows
-from .qlinear_conv_rows import patch_rows_conv
 
 _INTEGER_TARGETS = {
     DataType.UINT8, DataType.INT8, DataType.UINT16, DataType.INT16,
@@ -557,6 +555,8 @@ def integer_conv(node, shapes, opset):
     ``quantize`` (scale, low, high), when given, makes x's codes from float32 ``x`` here, as QuantizeLinear
     with that scale and x_zero_point does, centred in the same pass (the fused QDQ convolution).
     """
+    from .conv import conv  # (the float Conv kernel and its algorithms: imported by convolutions only)
+
     float_conv = conv(node, shapes[:1] if shapes else shapes, opset)
     prepared = Prepared()
     last: list = [None, None, None]  # the constant weight and its zero point of the last call, then the centred weight
@@ -636,6 +636,8 @@ def qlinear_conv(node, shapes, opset):
         low, high = _integer_range(DataType.from_numpy(y_zero_point.dtype))
         bias64 = np.zeros(1) if bias is None else bias.astype(np.float64).reshape(-1)
         return bias64, multiplier / float(y_scale.reshape(())), int(y_zero_point.reshape(())), low, high
+
+    from .qlinear_conv_rows import patch_rows_conv
 
     fast = patch_rows_conv(node)  # group 1: patch rows times the packed weight in one compiled call
 
