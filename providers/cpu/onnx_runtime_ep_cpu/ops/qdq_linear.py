@@ -505,10 +505,8 @@ def _conv_blocks(side: list, binds: dict, x, w, w_zero, p, geometry: tuple, dequ
     out = np.empty(out_shape, _F32 if dequantize else p.y_dtype)
     out3 = out.reshape(out_shape[0], out_shape[1], oh * ow)
     x4 = np.ascontiguousarray(x).reshape(shape4)
-    floats = x4.dtype == _F32
-    arguments = (x4 if floats else _NO_FLOATS4, _NO_BYTES4 if floats else x4.view(np.uint8), *steps, oh, ow, weight,
-                 terms, zeros, factors, shifts, p.consts, out3 if dequantize else _NO_FLOATS3,
-                 _NO_BYTES3 if dequantize else out3.view(np.uint8))
+    (xa, xb), (oa, ob) = _pairs(x4, out3, dequantize)
+    arguments = (xa, xb, *steps, oh, ow, weight, terms, zeros, factors, shifts, p.consts, oa, ob)
     _split_or_bound(binds, ("blocks", x4.dtype), quantized_conv_blocks.quantized_conv_blocks, "QUANTIZED_CONV",
                     arguments, out_shape[0] * oh * ow * weight.size)
     return out
@@ -564,9 +562,8 @@ def _takes_grid(qgemm_quads, p) -> bool:
 
 def _conv_grid(side: list, binds: dict, keep, x, w, w_zero, p, geometry: tuple, dequantize: bool) -> np.ndarray:
     """_conv_rows' call through compiled/quantized_conv_grid (the input's codes as a grid of channel quads read in
-    place by the tiles), split across the helper threads as _conv_blocks' (dynamic_conv_jobs.split_quantized_grid);
-    a call on the calling thread is kept (``keep``) with its arguments but X and the output, so that a repeat
-    (the same shape and constants) calls the loop's entry point straight away (_grid_repeat)."""
+    place by the tiles), split across the helpers as _conv_blocks' (dynamic_conv_jobs.split_quantized_grid); one on
+    the calling thread kept (``keep``) for its repeats: the same shape and constants call the loop straight away."""
     from ..compiled import quantized_conv_grid
 
     shape4, steps, out_shape, (oh, ow) = geometry
@@ -578,35 +575,33 @@ def _conv_grid(side: list, binds: dict, keep, x, w, w_zero, p, geometry: tuple, 
     out = np.empty(out_shape, _F32 if dequantize else p.y_dtype)
     out3 = out.reshape(out_shape[0], out_shape[1], oh * ow)
     x4 = np.ascontiguousarray(x).reshape(shape4)
-    floats = x4.dtype == _F32
     tables = side[2].get(("grid tables", shape4))  # kept with the weight's forms, for up to 16 input shapes
     if tables is None:
         tables = quantized_conv_grid.grid_tables(*shape4[1:], *steps, oh, ow)
         if sum(isinstance(key, tuple) and key[0] == "grid tables" for key in side[2]) < 16:
             side[2][("grid tables", shape4)] = tables
-    arguments = (x4 if floats else _NO_FLOATS4, _NO_BYTES4 if floats else x4.view(np.uint8), *steps, oh, ow, weight,
-                 terms, factors, shifts, p.singles, p.consts, *tables, out3 if dequantize else _NO_FLOATS3,
-                 _NO_BYTES3 if dequantize else out3.view(np.uint8))
+    (xa, xb), (oa, ob) = _pairs(x4, out3, dequantize)
+    arguments = (xa, xb, *steps, oh, ow, weight, terms, factors, shifts, p.singles, p.consts, *tables, oa, ob)
     loop = quantized_conv_grid.quantized_conv_grid
     entry = _split_or_bound(binds, ("grid", x4.dtype), loop, "QUANTIZED_GRID", arguments,
                             out_shape[0] * oh * ow * weight.size)
     if entry is not None:
         layout = (out_shape[0], out_shape[1], oh * ow)
-        keep((_grid_repeat(entry.entry or loop, arguments[2:-2], floats, dequantize), shape4, (), out_shape,
-              out.dtype, layout))
+        keep((_grid_repeat(entry.entry or loop, arguments[2:-2], dequantize), shape4, (), out_shape, out.dtype,
+              layout))
     return out
 
 
-def _grid_repeat(loop, middle: tuple, floats: bool, dequantize: bool):
-    """A kept grid call as the repeat's ``loop(x4, out3)``: X and the output in the argument pairs of the loop's
-    two-array convention (float32 or bytes, the other empty), ``middle`` the rest."""
-    if floats:
-        if dequantize:
-            return lambda x4, out3: loop(x4, _NO_BYTES4, *middle, out3, _NO_BYTES3)
-        return lambda x4, out3: loop(x4, _NO_BYTES4, *middle, _NO_FLOATS3, out3.view(np.uint8))
-    if dequantize:
-        return lambda x4, out3: loop(_NO_FLOATS4, x4.view(np.uint8), *middle, out3, _NO_BYTES3)
-    return lambda x4, out3: loop(_NO_FLOATS4, x4.view(np.uint8), *middle, _NO_FLOATS3, out3.view(np.uint8))
+def _grid_repeat(loop, middle: tuple, dequantize: bool):
+    """A kept grid call as the repeat's ``loop(x4, out3)``, ``middle`` its arguments between X's and the output's."""
+    return lambda x4, out3: loop(*(pairs := _pairs(x4, out3, dequantize))[0], *middle, *pairs[1])
+
+
+def _pairs(x4, out3, dequantize: bool) -> tuple:
+    """X and the output in the channel-major loops' two-array convention: (float32, bytes), the other one empty."""
+    floats = x4.dtype == _F32
+    return ((x4, _NO_BYTES4) if floats else (_NO_FLOATS4, x4.view(np.uint8)),
+            (out3, _NO_BYTES3) if dequantize else (_NO_FLOATS3, out3.view(np.uint8)))
 
 
 _NO_FLOATS4, _NO_BYTES4 = np.zeros((0, 0, 0, 0), _F32), np.zeros((0, 0, 0, 0), np.uint8)
@@ -614,10 +609,9 @@ _NO_FLOATS3, _NO_BYTES3 = np.zeros((0, 0, 0), _F32), np.zeros((0, 0, 0), np.uint
 
 
 def _block_weight(side: list, w, w_zero, p) -> tuple:
-    """quantized_conv_blocks' weight for the input's zero point: the weight's signed codes as rows of whole quads
-    (qgemm_quads.weight_rows, k = (c*KH + i)*KW + j; padded for AMX's tiles where those run), the zero points'
-    constant term per output channel (int32, wrapped) and the signed zero points; kept with the packed forms of
-    _conv_weight."""
+    """quantized_conv_blocks' weight for the input's zero point (kept as _kept_form keeps): the signed codes as rows
+    of whole quads (qgemm_quads.weight_rows, k = (c*KH + i)*KW + j; padded for AMX's tiles where those run), the
+    zero points' constant term per output channel (int32, wrapped) and the signed zero points."""
     from ..compiled import qgemm_quads
 
     unsigned_zero = p.a_zero - p.a_low  # the input's zero point among its codes shifted to unsigned
@@ -634,8 +628,7 @@ def _block_weight(side: list, w, w_zero, p) -> tuple:
 
 
 def _channel_params(p, columns: int) -> tuple:
-    """The group's requantize_affine multiplier and offset as one of each per output channel (float64), kept on
-    the Requantization."""
+    """The group's requantize_affine multiplier and offset, one each per output channel (float64), kept on ``p``."""
     found = p.channel_params
     if found is None or found[0].shape[0] != columns:
         found = p.channel_params = tuple(np.ascontiguousarray(np.broadcast_to(v, (columns,)), dtype=np.float64)
@@ -667,8 +660,8 @@ def _conv_quads(side: list, dynamic_conv, qgemm, x, w, w_zero, p, geometry: tupl
 
 
 def _keep_quads(binds: dict, keep, side: list, dynamic_conv, x, w, w_zero, p, geometry: tuple, out) -> None:
-    """Keeps a call of the byte products for its repeats (``keep``): the loop's entry point once it runs
-    compiled (the dispatcher types thirteen arguments) and its arguments but X and the output."""
+    """Keeps a call of the byte products for its repeats (``keep``): the loop's entry point once it runs compiled
+    (its dispatcher types thirteen arguments a call) and its arguments but X and the output."""
     shape4, steps, out_shape, (_, ow) = geometry
     layout = (out_shape[0], out_shape[1], ow)
     arguments = (steps[1], steps[3], steps[8], steps[9], ow, *_quad_weight(side, w, w_zero, p), p.multiplier,
@@ -685,9 +678,8 @@ def _takes_quads(qgemm_quads, shape4: tuple) -> bool:
 
 
 def _quad_weight(side: list, w, w_zero, p) -> tuple:
-    """quantized_conv_quads' weight for the input's zero point: the weight's codes as signed bytes (uint8 codes
-    less 128) in quads of (tap, channel) order, the zero points' term per output channel (``fix``) and the
-    signed zero points; kept with the packed forms of _conv_weight."""
+    """quantized_conv_quads' weight for the input's zero point (kept as _kept_form keeps): the codes as signed bytes
+    (uint8 codes less 128) in quads of (tap, channel) order, the zero points' term per channel and zero points."""
     from ..compiled import qgemm_quads
 
     unsigned_zero = p.a_zero - p.a_low  # the input's zero point among its codes shifted to unsigned
@@ -724,20 +716,17 @@ def _takes_lines(qgemm, shape4: tuple, steps: tuple) -> bool:
 
 def _conv_weight(side: list, qgemm, w, w_zero, p, lines: bool):
     """The packed weight and its pairs: columns (channel, tap) for patch rows, (tap, channel) for lines."""
-    if side[0] is not w or side[1] is not w_zero:
-        side[:] = [w, w_zero, {}]
-    found = side[2].get(lines)
-    if found is None:
+
+    def make():
         # (K, M): k = j * C + c (a copy) for lines, c * taps + j (a view) for patch rows
         columns = w.reshape(w.shape[0], w.shape[1], -1).transpose(2, 1, 0).reshape(-1, w.shape[0]) if lines \
             else w.reshape(w.shape[0], -1).T
         packed = np.empty((w.shape[0], w[0].size), np.int16)
         qgemm.pack_columns(columns, p.b_zeros, packed)
         packed = qgemm.compact(packed)
-        found = (packed, qgemm.pairs_for(packed))
-        if not w.flags.writeable and not w_zero.flags.writeable:
-            side[2][lines] = found
-    return found
+        return packed, qgemm.pairs_for(packed)
+
+    return _kept_form(side, w, w_zero, lines, make)
 
 
 @register("QLinearMatMulAdd", domain=FUSED_DOMAIN, since=1)
