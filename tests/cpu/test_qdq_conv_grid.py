@@ -78,7 +78,7 @@ def test_a_kept_call_reads_each_calls_own_input(monkeypatch, act, quantize_a, de
     compiled = quantized_conv_grid.quantized_conv_grid
     monkeypatch.setattr(quantized_conv_grid, "quantized_conv_grid", lambda *a: calls.append(1) or compiled(*a))
     prepared = []  # the calls that prepared their arguments (not a kept call's repeat)
-    conv_grid = qdq_linear._conv_grid
+    conv_grid = qdq_linear._conv_grid  # noqa: SLF001  (the real call, wrapped to count the prepared ones)
     monkeypatch.setattr(qdq_linear, "_conv_grid", lambda *a: prepared.append(1) or conv_grid(*a))
     grid = qdq_linear.quantized_conv(node, [], 1)
     feeds = [_inputs(np.random.default_rng(seed), shape, w_shape, act, True, quantize_a, True)[0]
