@@ -4,7 +4,8 @@ codes, bit for bit, as the exact float convolution of the centred codes it repla
 dilations, uneven pads, channel counts off whole quads, positions past one block, output channels past a tile, two
 images, both 8-bit types, per-tensor and per-channel weights, float32 data quantized in the call or codes in, codes
 or dequantized values out, with and without a bias), the same bits across threads; taken where every weight zero
-point is 0 and the requantization is finite, quantized_conv_blocks' patches elsewhere (a NaN bias's code 0)."""
+point is 0 and the requantization is finite, quantized_conv_blocks' patches elsewhere (a NaN bias's code 0) and, where
+the host has AMX, for the deep and wide convolutions its tile groups run faster."""
 
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ from onnx_runtime_ep_cpu.ops import qdq_linear
 from test_qdq_conv_blocks import _float_path, _node, split_runs_match
 from test_qdq_conv_rows import _inputs
 
-pytestmark = pytest.mark.skipif(not qgemm_quads.AVAILABLE or qgemm_quads.AMX,
-                                reason="the grid runs on AVX-512 VNNI where AMX's tile groups do not")
+pytestmark = pytest.mark.skipif(not qgemm_quads.AVAILABLE, reason="the grid runs on AVX-512 VNNI")
 
 CASES = [  # (x shape, w shape, attributes)
     ((2, 5, 11, 13), (7, 5, 3, 3), {"pads": [1, 1, 1, 1]}),  # a partial quad, two images, rows past one block
@@ -167,3 +167,17 @@ def test_ties_take_the_float64_rounding(monkeypatch, dequantize):
     singles = quantized_conv_grid.single_params(np.array([0.5, 0.5, 1e-3]), np.array([0.0, 3e6, -2.0]), 0, 255, 130)
     assert singles[5] == -1  # (the second channel's shift is past float32's bound)
     assert singles[3] == 0.5 and singles[4] == 0 and 0.49 < singles[2] < 0.5 and 0.49 < singles[8] < 0.5
+
+
+def test_amx_tile_groups_take_only_deep_wide_convolutions(monkeypatch):
+    # Where AMX runs, its tile groups read patches and round 32 x 32 sums a group: they take a 1x1 convolution with
+    # many output channels and a deep k, or a wider kernel over short rows; the grid keeps the rest (a squeeze
+    # convolution 3.4x slower on the tiles, a 3x3 expansion at 55 x 55 2.3x).
+    monkeypatch.setattr(qgemm_quads, "AMX", True)
+    for channels, depth, taps, row in [(1000, 512, 1, 13), (256, 1024, 1, 14), (512, 4608, 9, 7), (2048, 512, 1, 7)]:
+        assert qgemm_quads.amx_beats_grid(channels, depth, taps, row)
+    for channels, depth, taps, row in [(16, 64, 1, 55), (64, 144, 9, 55), (256, 2304, 9, 14), (64, 256, 1, 56),
+                                       (128, 832, 1, 7), (64, 27, 9, 111)]:
+        assert not qgemm_quads.amx_beats_grid(channels, depth, taps, row)
+    monkeypatch.setattr(qgemm_quads, "AMX", False)
+    assert not qgemm_quads.amx_beats_grid(1000, 512, 1, 13)

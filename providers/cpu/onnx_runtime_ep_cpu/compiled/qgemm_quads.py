@@ -28,6 +28,18 @@ AVAILABLE = host.AVX512VNNI
 # unsigned quads (the patches'), 1024 multiply-adds a cycle where vpdpbusd does 128
 AMX = host.AMX_INT8
 AMX_ROWS, AMX_DEPTH = 32, 64  # the output channels a tile group takes (two A tiles), the bytes of k a tile holds
+# A 2-D convolution's tile groups read patches (a copy of the input per weight, KH x KW times its size) and round
+# each 32 x 32 group of sums, costs that only many output channels and a deep k amortize; quantized_conv_grid reads
+# the input in place, in row vectors of 16 positions. Measured per convolution against the grid (one thread): the
+# groups win on 1 x 1 kernels from AMX_WIDE channels and k, and on wider kernels only over rows of at most
+# AMX_NARROW_ROW positions (7 x 7 maps), where the grid's vectors run half empty.
+AMX_WIDE, AMX_NARROW_ROW = 256, 8
+
+
+def amx_beats_grid(channels: int, depth: int, taps: int, row: int) -> bool:
+    """Whether AMX's tile groups (quantized_conv_blocks) run a 2-D convolution of ``channels`` outputs, ``depth``
+    bytes of k, ``taps`` = KH x KW and output rows of ``row`` positions faster than the grid (see above)."""
+    return AMX and channels >= AMX_WIDE and depth >= AMX_WIDE and (taps == 1 or row <= AMX_NARROW_ROW)
 
 
 def _emit_tile(builder, mr: int, nc: int, pointers: tuple, values: tuple) -> None:

@@ -542,7 +542,7 @@ def _channel_major(side: list, binds: dict, keep, x, w, w_zero, p, geometry: tup
 
     if not _takes_blocks(qgemm_quads, geometry[0], geometry[1]):
         return None
-    if _takes_grid(qgemm_quads, p):
+    if _takes_grid(qgemm_quads, p, w.shape, geometry[3][1]):
         if numpy_first("dynamic_conv_jobs.QUANTIZED_GRID"):
             return None
         return _conv_grid(side, binds, keep, x, w, w_zero, p, geometry, dequantize)
@@ -551,13 +551,13 @@ def _channel_major(side: list, binds: dict, keep, x, w, w_zero, p, geometry: tup
     return _conv_blocks(side, binds, x, w, w_zero, p, geometry, dequantize)
 
 
-def _takes_grid(qgemm_quads, p) -> bool:
+def _takes_grid(qgemm_quads, p, w_shape: tuple, row: int) -> bool:
     """Whether a 2-D convolution that runs channel-major reads the input in place (compiled/quantized_conv_grid)
     rather than through patches: every weight zero point 0 (signed; uint8 weights' 128) and finite requantization
-    parameters (a NaN bias's code 0 is the patches' epilogue's), where AMX's tile groups do not run (they take
-    quantized_conv_blocks' patches)."""
+    parameters (a NaN bias's code 0 is the patches' epilogue's), unless AMX's tile groups run it faster."""
     shift = 128 if p.b_dtype == np.uint8 else 0
-    return not qgemm_quads.AMX and p.finite and not np.any(p.b_zeros != shift)
+    return p.finite and not np.any(p.b_zeros != shift) \
+        and not qgemm_quads.amx_beats_grid(w_shape[0], int(np.prod(w_shape[1:])), w_shape[2] * w_shape[3], row)
 
 
 def _conv_grid(side: list, binds: dict, keep, x, w, w_zero, p, geometry: tuple, dequantize: bool) -> np.ndarray:
