@@ -9,6 +9,14 @@ the rounding is a step whose result the product maps back to the same codes: Qua
 unrounded value gives exactly the codes quantizing the rounded one does. The pass drops such a rounding when
 every reader of its output, through data movement, is a group quantizing it with the same per-tensor scale and
 zero point; the readers then read its input.
+
+Activations that the quantization saturates anyway: a Relu whose output only QuantizeLinear nodes read with the
+codes' lowest value as zero point (uint8 0, int8 -128) maps every negative value to the code 0 maps to, which
+quantizing it without the Relu gives too (a negative value rounds to a code at or below the zero point, and
+saturates there); a Clip whose bounds quantize to the codes' lowest and highest values changes no code either
+(quantizing is monotone and saturates). ``drop_activation_before_quantizing`` removes them where the quantization
+tools left them (onnxruntime's QDQ transformer does the same, ReluQuantFusion and ClipQuantFusion), so the
+convolution or product before them and the QuantizeLinear make one integer group.
 """
 
 from __future__ import annotations
@@ -71,6 +79,79 @@ def drop_rounding_before_quantizing(graph: Graph, owns=None) -> bool:
         info = graph.type_of(node.inputs[0])
         if grid is None or info is None or info.dtype is None or info.dtype.numpy != _F32 \
                 or not _quantized_by_readers(view, node.outputs[0], grid) or not owned(owns, [node]):
+            continue
+        bypass(graph, node, node.inputs[0])
+        return True
+    return False
+
+
+def _value(view: GraphView, name: str) -> np.ndarray | None:
+    """An initializer or, before the optimizer folds them, a Constant node's tensor."""
+    value = view.const(name) if name else None
+    if value is None and name and (node := view.producer.get(name)) is not None and node.op_type == "Constant" \
+            and not node.domain and isinstance(node.attr("value"), np.ndarray):
+        value = node.attr("value")
+    return value
+
+
+def _saturating_range(view: GraphView, quantize: Node) -> tuple | None:
+    """(codes' lowest, highest, scale, zero) of a plain integer QuantizeLinear with constant parameters, per tensor,
+    or (lowest, highest, None, zero) per channel; None otherwise."""
+    if quantize.op_type != "QuantizeLinear" or quantize.domain or len(quantize.inputs) < 2 \
+            or any(quantize.attr(name, 0) for name in ("block_size", "output_dtype", "precision")):
+        return None
+    scale = _value(view, quantize.inputs[1])
+    zero = _value(view, quantize.inputs[2]) if len(quantize.inputs) > 2 and quantize.inputs[2] else \
+        np.zeros((), np.uint8)
+    if scale is None or zero is None or scale.dtype != _F32 or zero.dtype.kind not in "iu" or zero.itemsize > 2:
+        return None
+    info = np.iinfo(zero.dtype)
+    if scale.size == 1 and zero.size == 1:
+        return info.min, info.max, np.float32(scale.reshape(-1)[0]), int(zero.reshape(-1)[0])
+    return (info.min, info.max, None, zero) if scale.size == zero.size or zero.size == 1 else None
+
+
+def _code(value: float, scale: np.float32, zero: int, low: int, high: int) -> int:
+    """QuantizeLinear of one float32 value: round half to even of value / scale, plus the zero point, saturated."""
+    return int(np.clip(np.rint(np.float32(value) / scale) + zero, low, high))
+
+
+def _clip_bounds(view: GraphView, clip: Node) -> tuple | None:
+    if clip.opset < 11:
+        return float(clip.attr("min", -np.inf)), float(clip.attr("max", np.inf))
+    bounds = []
+    for index in (1, 2):
+        name = clip.inputs[index] if len(clip.inputs) > index else ""
+        value = _value(view, name) if name else np.array(np.inf * (1 if index == 2 else -1), _F32)
+        if value is None or value.size != 1 or value.dtype != _F32:
+            return None
+        bounds.append(float(value.reshape(-1)[0]))
+    return tuple(bounds)
+
+
+def _saturated_anyway(view: GraphView, node: Node, quantize: Node) -> bool:
+    found = _saturating_range(view, quantize)
+    if found is None or quantize.inputs[0] != node.outputs[0]:
+        return False
+    low, high, scale, zero = found
+    if node.op_type == "Relu":
+        return bool(np.all(np.asarray(zero) == low))
+    bounds = _clip_bounds(view, node)
+    if bounds is None or scale is None or not scale > 0:
+        return False
+    return _code(bounds[0], scale, zero, low, high) == low and _code(bounds[1], scale, zero, low, high) == high
+
+
+def drop_activation_before_quantizing(graph: Graph, owns=None) -> bool:
+    """The module doc's Relu or Clip before QuantizeLinear goes; the QuantizeLinear nodes read its input."""
+    view = GraphView(graph)
+    for node in list(graph.nodes):
+        if node.op_type not in ("Relu", "Clip") or node.domain or len(node.outputs) != 1:
+            continue
+        # (the readers' float32 scales make the values float32: QuantizeLinear's input and scale share a type)
+        readers = view.consumers.get(node.outputs[0], [])
+        if not readers or node.outputs[0] in view.outputs or node.outputs[0] in view.inner_reads \
+                or not all(_saturated_anyway(view, node, reader) for reader in readers) or not owned(owns, [node]):
             continue
         bypass(graph, node, node.inputs[0])
         return True

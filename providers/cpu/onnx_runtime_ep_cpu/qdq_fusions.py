@@ -28,7 +28,7 @@ from onnx_runtime.ir import Graph, Node
 from onnx_runtime.optimizer.elimination import reshaped
 
 from .fusions import FUSED_DOMAIN, GraphView, bypass, owned, until_fixed
-from .qdq_folds import drop_rounding_before_quantizing
+from .qdq_folds import drop_activation_before_quantizing, drop_rounding_before_quantizing
 from .qdq_tables import fuse_channel_tables, fuse_grid_tables, round_before_moving
 from .qoperator_lowering import lower_qoperator_cnn
 
@@ -911,11 +911,13 @@ def _large_conv(view: GraphView, node: Node) -> bool:
 # byte products take them and they are large (fuse_large_quantized_conv: small ones run faster in the float chains'
 # segments), with the residual additions and one-grid Concats beside them on the codes (INTEGER_GROUP_PASSES has
 # every rank, for a caller to add before QDQ_PASSES).
-_MATMUL_GROUP_PASSES = [_early(until_fixed(fuse_quantized_matmul)), _early(until_fixed(fuse_large_quantized_conv)),
+_MATMUL_GROUP_PASSES = [_early(until_fixed(drop_activation_before_quantizing)),
+                        _early(until_fixed(fuse_quantized_matmul)), _early(until_fixed(fuse_large_quantized_conv)),
                         _early(until_fixed(fuse_quantized_add)), _early(until_fixed(pass_codes_through)),
                         _early(until_fixed(absorb_quantize)),
                         _early(until_fixed(absorb_dequantize))]
-INTEGER_GROUP_PASSES = [_early(until_fixed(fuse_quantized_linear)), _early(until_fixed(absorb_quantize)),
+INTEGER_GROUP_PASSES = [_early(until_fixed(drop_activation_before_quantizing)),
+                        _early(until_fixed(fuse_quantized_linear)), _early(until_fixed(absorb_quantize)),
                         _early(until_fixed(absorb_dequantize))]
 # QOperator CNNs first take the QDQ form (qoperator_lowering.py), which the passes after it treat as the QDQ model.
 QDQ_PASSES = [lower_qoperator_cnn, *_MATMUL_GROUP_PASSES, until_fixed(fuse_quantize_dequantize),
