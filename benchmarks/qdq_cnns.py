@@ -79,6 +79,9 @@ def quantized(name: str, folder: Path) -> Path:
     return target
 
 
+PAUSE = 0.1  # seconds before each block of calls
+
+
 def compare(path: Path, threads: int, rounds: int = 5) -> tuple[float, float]:
     import onnx_runtime
     import onnxruntime
@@ -94,6 +97,11 @@ def compare(path: Path, threads: int, rounds: int = 5) -> tuple[float, float]:
     feeds = {feed.name: x.astype(np.float32)}
 
     def block(session, calls=5):
+        # After the other runtime's block its pool still spins (onnxruntime's for tens of milliseconds, ours for
+        # 5): a pause lets it go idle, so that neither runtime's threads share the CPUs with the other's, and an
+        # untimed call wakes this runtime's own pool (bench_timing.in_blocks' method).
+        time.sleep(PAUSE)
+        session.run(None, feeds)
         start = time.perf_counter()
         for _ in range(calls):
             session.run(None, feeds)
