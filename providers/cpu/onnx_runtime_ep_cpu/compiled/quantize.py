@@ -88,13 +88,18 @@ def grid_lookup(x, scale, zero, low, high, table, out):
     vectorizes (rint as the sum and difference of 1.5 * 2^23, half to even below 2^22: the quotient is saturated
     first, one past the codes' range on each side), then the picks: one loop of both, with np.rint's call, ran a
     value at a time (2.1 against 0.65 ns a value)."""
-    s, z, lo, hi = np.float32(scale), np.float32(zero), np.float32(low), np.float32(high)
-    rounder, below, above = np.float32(12582912.0), lo - z - np.float32(1), hi - z + np.float32(1)
     codes = np.empty(min(x.shape[0], _LOOKUP_CHUNK), np.int32)
+    _lookup(x, np.float32(scale), np.float32(zero), np.float32(low), np.float32(high), table, out, codes)
+
+
+@jit
+def _lookup(x, s, z, lo, hi, table, out, codes):
+    """grid_lookup's work with float32 parameters, its codes made in ``codes`` (at least a chunk, or all of x)."""
+    rounder, below, above = np.float32(12582912.0), lo - z - np.float32(1), hi - z + np.float32(1)
     for first in range(0, x.shape[0], _LOOKUP_CHUNK):
         part, target = x[first:first + _LOOKUP_CHUNK], out[first:first + _LOOKUP_CHUNK]  # (views: plain indices)
         count = part.shape[0]
-        for i in range(count):
+        for i in range(count):  # (inline: called from here, the loop ran 1.7x slower)
             q = part[i] / s
             q = below if q < below else q
             q = above if q > above else q
@@ -110,10 +115,13 @@ def grid_lookup(x, scale, zero, low, high, table, out):
 @jit
 def channel_grid_lookup(x, scale, zero, low, high, table, out):
     """grid_lookup with a table per channel: out[n, c] = grid_lookup of plane x[n, c] in table[c], for float32 ``x``
-    (N, C, pixels) on a per-tensor grid and ``table`` (C, codes)."""
+    (N, C, pixels) on a per-tensor grid and ``table`` (C, codes). One buffer of codes for every plane: a 7 x 7
+    plane's work is ~25 ns, less than allocating a buffer cost (1024 such planes 99 -> 54 us)."""
+    codes = np.empty(min(x.shape[2], _LOOKUP_CHUNK), np.int32)
+    s, z, lo, hi = np.float32(scale), np.float32(zero), np.float32(low), np.float32(high)
     for n in range(x.shape[0]):
         for c in range(x.shape[1]):
-            grid_lookup(x[n, c], scale, zero, low, high, table[c], out[n, c])
+            _lookup(x[n, c], s, z, lo, hi, table[c], out[n, c], codes)
 
 
 @jit
