@@ -96,3 +96,80 @@ def test_the_lookup_and_its_numpy_twin_agree():
     assert outs[1][0, 0, 0] == table[0, 128] and outs[1][0, 0, 1] == table[0, 255]
     assert outs[1][0, 0, 2] == table[0, 0] and outs[1][0, 0, 3] == table[0, 130]  # (2.5 rounds to even)
 
+
+
+def _conv_model(float_reader: bool = False):
+    """x -> rounding -> Mul and Add per channel (a batch normalization as quant_pre_process leaves it), rounding
+    between, Relu -> QuantizeLinear -> DequantizeLinear -> Conv (int8 weights, 10.6M multiply-adds: an integer group
+    where the host has VNNI) -> QuantizeLinear -> DequantizeLinear -> y: DenseNet's pre-activation before its
+    bottleneck convolution; ``float_reader``: the rounded activation is an output too."""
+    rng = np.random.default_rng(4)
+    channels, out_channels, size = 32, 64, 24
+    inits = [numpy_helper.from_array(v, n) for v, n in (
+        (np.array(0.04, np.float32), "s0"), (np.array(120, np.uint8), "z0"),
+        (np.array(0.03, np.float32), "s1"), (np.array(0, np.uint8), "z1"),
+        (np.array(0.05, np.float32), "s2"), (np.array(100, np.uint8), "z2"),
+        (rng.uniform(0.5, 2, (channels, 1, 1)).astype(np.float32), "k"),
+        (rng.standard_normal((channels, 1, 1)).astype(np.float32), "b"),
+        (rng.integers(-127, 128, (out_channels, channels, 3, 3)).astype(np.int8), "w"),
+        (np.array(0.01, np.float32), "ws"), (np.array(0, np.int8), "wz"),
+        (np.array(0.2, np.float32), "ys"), (np.array(128, np.uint8), "yz"))]
+    nodes = [*_rounding("x", "s0", "z0", "r0"),
+             helper.make_node("Mul", ["r0", "k"], ["m"]), *_rounding("m", "s2", "z2", "r2"),
+             helper.make_node("Add", ["r2", "b"], ["a"]), helper.make_node("Relu", ["a"], ["bn"]),
+             *_rounding("bn", "s1", "z1", "r1"),
+             helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wf"]),
+             helper.make_node("Conv", ["r1", "wf"], ["c"], pads=[1, 1, 1, 1]),
+             *_rounding("c", "ys", "yz", "y")]
+    outputs = [tensor_info("y", TensorProto.FLOAT, None)] + ([tensor_info("r1", TensorProto.FLOAT, None)]
+                                                               if float_reader else [])
+    return make_model(nodes, [tensor_info("x", TensorProto.FLOAT, [1, channels, size, size])], outputs, inits,
+                      opset=13), (1, channels, size, size)
+
+
+def _without_codes(monkeypatch):
+    monkeypatch.setattr(provider, "QDQ_PASSES", [p for p in qdq_fusions.QDQ_PASSES
+                                                 if getattr(p, "__name__", "") != "channel_tables_to_codes"])
+
+
+def test_a_table_before_integer_groups_writes_their_codes(monkeypatch):
+    # The table's entries quantized once to the convolution's grid: the node writes uint8 codes, the group reads them
+    # as they are (quantize_a 0), and the output has the bits of the float table quantized by the group per call.
+    from onnx_runtime_ep_cpu.compiled import qgemm_quads
+
+    model, shape = _conv_model()
+    x = (np.random.default_rng(5).standard_normal(shape) * 3).astype(np.float32)
+    x[0, 0, 0, :3] = [np.nan, 1e9, -np.inf]
+    fused = _session(model)
+    nodes = fused.graph_for({"x": x}).nodes
+    tables = [n for n in nodes if n.op_type == "ChannelGridTable"]
+    assert len(tables) == 1
+    got = [fused.run(None, {"x": x})[0] for _ in range(3)]
+    if qgemm_quads.AVAILABLE:  # (elsewhere the convolution stays float and the table keeps float values)
+        conv = next(n for n in nodes if n.op_type == "QuantizedConv")
+        assert tables[0].attrs["codes_zero"] == 0 and conv.inputs[0] == tables[0].outputs[0]
+        assert conv.attrs["quantize_a"] == 0
+    _without_codes(monkeypatch)
+    want = _session(model).run(None, {"x": x})[0]
+    for value in got:
+        np.testing.assert_array_equal(value, want)
+    oracle = onnxruntime.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    assert np.abs(got[-1] - oracle).max() <= 0.2 + 1e-6  # (within one code of the output grid)
+
+
+def test_a_table_with_a_float_reader_keeps_float_values():
+    model, shape = _conv_model(float_reader=True)
+    x = np.random.default_rng(6).standard_normal(shape).astype(np.float32)
+    fused = _session(model)
+    tables = [n for n in fused.graph_for({"x": x}).nodes if n.op_type == "ChannelGridTable"]
+    assert tables and all("codes_scale" not in n.attrs for n in tables)
+    y, r1 = fused.run(None, {"x": x})
+    assert r1.dtype == np.float32 and np.all(r1 >= 0)  # (z1 = 0: the rounded values from the grid's lowest code)
+
+
+def test_table_codes_quantize_as_the_groups_do():
+    from onnx_runtime_ep_cpu.ops.grid_table import codes_of_table
+
+    table = np.array([[-1, 0, 0.5, 0.015, 0.025, 100, np.nan, -0.004]], np.float32)
+    np.testing.assert_array_equal(codes_of_table(table, 0.01, 0, False), [[0, 0, 50, 2, 2, 255, 0, 0]])
+    np.testing.assert_array_equal(codes_of_table(table, 0.01, -5, True), [[-105, -5, 45, -3, -3, 127, -128, -5]])

@@ -29,7 +29,7 @@ from onnx_runtime.optimizer.elimination import reshaped
 
 from .fusions import FUSED_DOMAIN, GraphView, bypass, owned, until_fixed
 from .qdq_folds import drop_activation_before_quantizing, drop_rounding_before_quantizing
-from .qdq_tables import fuse_channel_tables, fuse_grid_tables, round_before_moving
+from .qdq_tables import channel_tables_to_codes, fuse_channel_tables, fuse_grid_tables, round_before_moving
 from .qoperator_lowering import lower_qoperator_cnn
 
 _CONTRIB = "com.microsoft"  # (QLinearConcat's domain)
@@ -924,7 +924,7 @@ QDQ_PASSES = [lower_qoperator_cnn, *_MATMUL_GROUP_PASSES, until_fixed(fuse_quant
               until_fixed(drop_repeated_rounding),
               until_fixed(fuse_rounded_gelu),
               until_fixed(absorb_rounded_add), until_fixed(drop_rounding_before_quantizing), round_before_moving,
-              fuse_grid_tables, fuse_channel_tables,
+              fuse_grid_tables, fuse_channel_tables, until_fixed(channel_tables_to_codes),
               until_fixed(fuse_dynamic_matmul), until_fixed(fuse_dynamic_quantize_matmul),
               until_fixed(unflatten_dynamic_quantize_matmul),
               until_fixed(group_dynamic_quantize_matmul),

@@ -20,7 +20,8 @@ float32 inputs, element by element.
 from __future__ import annotations
 
 import numpy as np
-from onnx_runtime.ir import Graph, Node
+from onnx_runtime.dtypes import DataType
+from onnx_runtime.ir import Graph, Node, TypeInfo, ValueInfo
 
 from .fusions import FUSED_DOMAIN, GraphView, owned
 from .qdq_epilogues import FOLDED, SUFFIX
@@ -218,6 +219,47 @@ def fuse_channel_tables(graph: Graph, owns=None) -> bool:
                     opset=1)
 
     return chains.replace(table)
+
+
+def _codes_reader(view: GraphView, node: Node, value: str) -> tuple | None:
+    """(scale, zero point) of the grid a fused integer group quantizes ``value`` to as its A (quantize_a, input 0
+    only), else None."""
+    if node.domain != FUSED_DOMAIN or node.op_type not in _INTEGER_READERS or not node.attr("quantize_a", 0) \
+            or node.inputs[0] != value or value in node.inputs[1:] or _grid_pair(view, *node.inputs[1:3]) is None:
+        return None
+    scale, zero = view.const(node.inputs[1]), view.const(node.inputs[2])
+    return np.float32(scale.reshape(-1)[0]), zero.reshape(-1)[0]
+
+
+def channel_tables_to_codes(graph: Graph, owns=None) -> bool:
+    """A ChannelGridTable whose values only integer groups read, each quantizing them to one grid (DenseNet's
+    pre-activation table before each bottleneck convolution): the table's entries are quantized to that grid once,
+    and the node writes those codes (attributes codes_scale, codes_zero; ops/grid_table.py), which the groups read
+    as they are (quantize_a 0): the same codes, a byte a value instead of a float32 value written, read back and
+    quantized per call."""
+    view = GraphView(graph)
+    for node in graph.nodes:
+        if node.op_type != "ChannelGridTable" or node.domain != FUSED_DOMAIN or "codes_scale" in node.attrs:
+            continue
+        value = node.outputs[0]
+        readers = view.consumers.get(value, [])
+        grids = [_codes_reader(view, reader, value) for reader in readers]
+        info = graph.type_of(value)
+        if not readers or value in view.outputs or value in view.inner_reads or any(g is None for g in grids) \
+                or any(g[0] != grids[0][0] or g[1] != grids[0][1] or g[1].dtype != grids[0][1].dtype
+                       for g in grids) or not owned(owns, [node, *readers]):
+            continue
+        scale, zero = grids[0]
+        codes = f"{value}/codes"
+        node.outputs = [codes]
+        node.attrs.update(codes_scale=float(scale), codes_zero=int(zero), codes_signed=int(zero.dtype == np.int8))
+        for reader in readers:
+            reader.inputs[0] = codes
+            reader.attrs["quantize_a"] = 0
+        dtype = DataType.INT8 if zero.dtype == np.int8 else DataType.UINT8
+        graph.value_info[codes] = ValueInfo(codes, TypeInfo("tensor", dtype, None if info is None else info.shape))
+        return True
+    return False
 
 
 # Data movement a per-tensor rounding commutes with (the rounding is elementwise with scalar parameters).

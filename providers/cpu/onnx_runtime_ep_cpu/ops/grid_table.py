@@ -10,7 +10,10 @@ quantize.grid_lookup: QuantizeLinear's rounding) then picks its entry.
 
 ChannelGridTable (qdq_tables.fuse_channel_tables) is the same with constants of one value per channel: its table
 holds a row per channel, made by the chain's kernels on a (1, C, ..., codes) tensor of the grid's values in every
-channel, and each element's code picks from its channel's row.
+channel, and each element's code picks from its channel's row. With attributes codes_scale and codes_zero
+(qdq_tables.channel_tables_to_codes: only integer groups read the values, each quantizing them to that grid) the
+rows hold those values' codes (uint8, or int8 with codes_signed), quantized once as the groups' own quantization
+does, and the node writes the codes.
 """
 
 from __future__ import annotations
@@ -101,6 +104,15 @@ def channel_table_of_grid(chain: TableChain, x_shape: tuple, scale, zero, consta
     return table.reshape(channels, grid.size), s, z, low, high
 
 
+def codes_of_table(table: np.ndarray, scale: float, zero: int, signed: bool) -> np.ndarray:
+    """The codes a group quantizing to (scale, zero) makes of each float32 entry: x / scale in float32, half to
+    even, plus the zero point, saturated to the type's range; NaN the lowest code (the groups' convention)."""
+    low, high = (-128, 127) if signed else (0, 255)
+    with np.errstate(invalid="ignore"):
+        codes = np.rint(table / np.float32(scale)) + np.float32(zero)
+    return np.clip(np.nan_to_num(codes, nan=low), low, high).astype(np.int8 if signed else np.uint8)
+
+
 @register("ChannelGridTable", domain=FUSED_DOMAIN, since=1)
 def channel_grid_table(node, shapes, opset):
     from ..compiled import quantize as compiled
@@ -108,6 +120,8 @@ def channel_grid_table(node, shapes, opset):
     chain = TableChain(node)
     expected = len(chain.names) + 2
     state: dict = {"key": (), "found": None}
+    codes = None if "codes_scale" not in node.attrs else \
+        (float(node.attr("codes_scale")), int(node.attr("codes_zero")), bool(node.attr("codes_signed", 0)))
 
     def kernel(x, scale, zero, *constants):
         if x.dtype is not _F32 or x.ndim < 3:
@@ -117,10 +131,13 @@ def channel_grid_table(node, shapes, opset):
         if len(key) != len(state["key"]) or key[:2] != state["key"][:2] or not all(map(_same, key[2:],
                                                                                       state["key"][2:])):
             _check_grid(node, expected, scale, zero, constants)
-            state["found"] = channel_table_of_grid(chain, x.shape, scale, zero, constants)
+            found = channel_table_of_grid(chain, x.shape, scale, zero, constants)
+            if codes is not None:
+                found = (codes_of_table(found[0], *codes), *found[1:])
+            state["found"] = found
             state["key"] = key
         table, s, z, low, high = state["found"]
-        out = np.empty(x.shape, _F32)
+        out = np.empty(x.shape, table.dtype)
         if out.size:
             n, c = x.shape[:2]
             compiled.channel_grid_lookup(np.ascontiguousarray(x).reshape(n, c, -1), s, z, low, high, table,
