@@ -93,6 +93,34 @@ def test_a_kept_call_reads_each_calls_own_input(monkeypatch, act, quantize_a, de
     assert len(prepared) == 3  # the second call repeats the first's; the fourth follows another shape
 
 
+@pytest.mark.parametrize("quantize_a", [False, True])
+def test_a_kept_split_call_splits_each_repeat(monkeypatch, quantize_a):
+    # A call split across the helpers is kept for its repeats too: each repeat posts its split again with its own
+    # input (the float path's codes), and looks the thread count up, so a repeat on one thread runs the loop alone.
+    from onnx_runtime_ep_cpu.compiled import dynamic_conv_jobs
+
+    _, w_shape, attrs = CASES[0]
+    inputs = _inputs(np.random.default_rng(19), (1, 5, 11, 13), w_shape, np.uint8, True, quantize_a, True,
+                     zero_points=False)
+    for v in inputs[1:]:
+        v.flags.writeable = False
+    node = _node(attrs, len(inputs), quantize_a, False)
+    splits, alone, prepared = [], [], []
+    real_split, real_loop = dynamic_conv_jobs.split_quantized_grid, quantized_conv_grid.quantized_conv_grid
+    monkeypatch.setattr(dynamic_conv_jobs, "split_quantized_grid", lambda *a: splits.append(1) or real_split(*a))
+    monkeypatch.setattr(quantized_conv_grid, "quantized_conv_grid", lambda *a: alone.append(1) or real_loop(*a))
+    conv_grid = qdq_linear._conv_grid  # noqa: SLF001  (the real call, wrapped to count the prepared ones)
+    monkeypatch.setattr(qdq_linear, "_conv_grid", lambda *a: prepared.append(1) or conv_grid(*a))
+    grid = qdq_linear.quantized_conv(node, [], 1)
+    for k, (seed, threads) in enumerate(((1, 2), (2, 2), (3, 2), (4, 1))):
+        x = _inputs(np.random.default_rng(seed), (1, 5, 11, 13), w_shape, np.uint8, True, quantize_a, True)[0]
+        with tuning.override(threads=threads, split_macs=1):
+            got = grid(x, *inputs[1:])[0]
+        np.testing.assert_array_equal(got, _float_path(monkeypatch, node, [x, *inputs[1:]]))
+        assert (len(splits), len(alone)) == ((k + 1, 0) if threads == 2 else (3, 1))
+    assert len(prepared) == 1  # every repeat the first call's, split or not
+
+
 @pytest.mark.parametrize("nan_bias", [False, True])
 def test_a_weight_zero_point_or_a_nan_bias_takes_the_patches(monkeypatch, nan_bias):
     # (a NaN bias's code 0 is the patches' epilogue's; the grid's rounds without a NaN check)

@@ -507,31 +507,33 @@ def _conv_blocks(side: list, binds: dict, x, w, w_zero, p, geometry: tuple, dequ
     x4 = np.ascontiguousarray(x).reshape(shape4)
     (xa, xb), (oa, ob) = _pairs(x4, out3, dequantize)
     arguments = (xa, xb, *steps, oh, ow, weight, terms, zeros, factors, shifts, p.consts, oa, ob)
-    _split_or_bound(binds, ("blocks", x4.dtype), quantized_conv_blocks.quantized_conv_blocks, "QUANTIZED_CONV",
-                    arguments, out_shape[0] * oh * ow * weight.size)
+    _channel_call(binds, ("blocks", x4.dtype), quantized_conv_blocks.quantized_conv_blocks, "QUANTIZED_CONV",
+                  out_shape[0] * oh * ow * weight.size)(arguments)
     return out
 
 
-def _split_or_bound(binds: dict, key: tuple, loop, kind: str, arguments: tuple, macs: int) -> EntryOnce | None:
-    """A channel-major call: split across the helper threads from KNOBS.split_macs of multiply-adds a thread
-    (dynamic_conv_jobs' job ``kind`` and its split_ function), else on the calling thread through the loop's entry
-    point once bound (``binds[key]``, EntryOnce: numba's dispatcher types some twenty arguments every call, a small
-    convolution's cost), which it returns (None for a split call)."""
+def _channel_call(binds: dict, key: tuple, loop, kind: str, macs: int):
+    """``run(arguments)`` of a channel-major call, kept for repeats: split across the helper threads from
+    KNOBS.split_macs of multiply-adds a thread (dynamic_conv_jobs' job ``kind`` and its split_ function, the count
+    looked up per call), else on the calling thread; either through its loop's entry point once bound (``binds``,
+    EntryOnce: numba's dispatcher types the 25-31 arguments every call, ~10 us)."""
+    from ..compiled import dynamic_conv_jobs, workers  # (numba runs these loops: its import is paid)
     from .dynamic_quantize_conv import split_threads, task_ranges  # (a transformer's QDQ model needs neither)
 
-    threads = split_threads(macs)
-    if threads > 1:
-        from ..compiled import dynamic_conv_jobs, workers
+    single = binds.get(key) or binds.setdefault(key, EntryOnce(loop))
+    split = binds.get(("split", *key)) or binds.setdefault(
+        ("split", *key), EntryOnce(getattr(dynamic_conv_jobs, "split_" + kind.lower())))
+    address = getattr(dynamic_conv_jobs, kind).address()
 
-        split = getattr(dynamic_conv_jobs, "split_" + kind.lower())
-        workers.call(split, (*arguments, task_ranges(threads), np.zeros(threads, np.int64), workers.local_mailbox(0)),
-                     getattr(dynamic_conv_jobs, kind).address(), 0, helper_count())
-        return None
-    entry = binds.get(key)
-    if entry is None:
-        entry = binds[key] = EntryOnce(loop)
-    entry.run(arguments)
-    return entry
+    def run(arguments: tuple) -> None:
+        threads = split_threads(macs)
+        if threads < 2:
+            single.run(arguments)
+            return
+        workers.call(lambda *every: split.run(every), (*arguments, task_ranges(threads), np.zeros(threads, np.int64),
+                     workers.local_mailbox(0)), address, 0, helper_count())
+
+    return run
 
 
 def _channel_major(side: list, binds: dict, keep, x, w, w_zero, p, geometry: tuple, dequantize: bool):
@@ -562,8 +564,8 @@ def _takes_grid(qgemm_quads, p, w_shape: tuple, row: int) -> bool:
 
 def _conv_grid(side: list, binds: dict, keep, x, w, w_zero, p, geometry: tuple, dequantize: bool) -> np.ndarray:
     """_conv_rows' call through compiled/quantized_conv_grid (the input's codes as a grid of channel quads read in
-    place by the tiles), split across the helpers as _conv_blocks' (dynamic_conv_jobs.split_quantized_grid); one on
-    the calling thread kept (``keep``) for its repeats: the same shape and constants call the loop straight away."""
+    place by the tiles), split across the helpers as _conv_blocks' (dynamic_conv_jobs.split_quantized_grid), kept
+    (``keep``) for its repeats: the same shape and constants call the loop, or post its split, straight away."""
     from ..compiled import quantized_conv_grid
 
     shape4, steps, out_shape, (oh, ow) = geometry
@@ -583,18 +585,16 @@ def _conv_grid(side: list, binds: dict, keep, x, w, w_zero, p, geometry: tuple, 
     (xa, xb), (oa, ob) = _pairs(x4, out3, dequantize)
     arguments = (xa, xb, *steps, oh, ow, weight, terms, factors, shifts, p.singles, p.consts, *tables, oa, ob)
     loop = quantized_conv_grid.quantized_conv_grid
-    entry = _split_or_bound(binds, ("grid", x4.dtype), loop, "QUANTIZED_GRID", arguments,
-                            out_shape[0] * oh * ow * weight.size)
-    if entry is not None:
-        layout = (out_shape[0], out_shape[1], oh * ow)
-        keep((_grid_repeat(entry.entry or loop, arguments[2:-2], dequantize), shape4, (), out_shape, out.dtype,
-              layout))
+    run = _channel_call(binds, ("grid", x4.dtype), loop, "QUANTIZED_GRID", out_shape[0] * oh * ow * weight.size)
+    run(arguments)
+    keep((_grid_repeat(run, arguments[2:-2], dequantize), shape4, (), out_shape, out.dtype,
+          (out_shape[0], out_shape[1], oh * ow)))
     return out
 
 
-def _grid_repeat(loop, middle: tuple, dequantize: bool):
+def _grid_repeat(run, middle: tuple, dequantize: bool):
     """A kept grid call as the repeat's ``loop(x4, out3)``, ``middle`` its arguments between X's and the output's."""
-    return lambda x4, out3: loop(*(pairs := _pairs(x4, out3, dequantize))[0], *middle, *pairs[1])
+    return lambda x4, out3: run((*(pairs := _pairs(x4, out3, dequantize))[0], *middle, *pairs[1]))
 
 
 def _pairs(x4, out3, dequantize: bool) -> tuple:
