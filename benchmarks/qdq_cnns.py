@@ -2,17 +2,19 @@
 SqueezeNet (the backend test data's, weights written as ConstantOfShape) given random weights, version-converted
 to opset 13 and quantized the way users do it with onnxruntime's tools (quant_pre_process, then quantize_static
 in QDQ format, uint8 activations, int8 weights, four random calibration inputs). Steady state in one process,
-ours / onnxruntime by the best of blocks of calls, each runtime on the same thread count.
+ours / onnxruntime by the best of blocks of calls (bench_timing.in_blocks), each runtime on the same thread count;
+``--busy N`` times them beside N CPU-bound processes (zoo_bench.Competitors).
 
-    .venv/bin/python benchmarks/qdq_cnns.py [--threads 1,2] [--models resnet50,inception_v1,squeezenet]
+    .venv/bin/python benchmarks/qdq_cnns.py [--threads 1,2] [--models resnet50,inception_v1,squeezenet] [--busy 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -79,12 +81,14 @@ def quantized(name: str, folder: Path) -> Path:
     return target
 
 
-PAUSE = 0.1  # seconds before each block of calls
+BLOCK, PAUSE = 5, 0.1  # calls a block, seconds before each (bench_timing.in_blocks: the other runtime's pool idle)
 
 
 def compare(path: Path, threads: int, rounds: int = 5) -> tuple[float, float]:
+    """(ours, onnxruntime): seconds a call, the best of ``rounds`` blocks each, the runtimes taking turns."""
     import onnx_runtime
     import onnxruntime
+    from bench_timing import in_blocks
 
     theirs_options = onnxruntime.SessionOptions()
     theirs_options.intra_op_num_threads, theirs_options.log_severity_level = threads, 3
@@ -95,25 +99,13 @@ def compare(path: Path, threads: int, rounds: int = 5) -> tuple[float, float]:
     feed = theirs.get_inputs()[0]
     x = np.random.default_rng(2).standard_normal([d if isinstance(d, int) else 1 for d in feed.shape])
     feeds = {feed.name: x.astype(np.float32)}
+    times = in_blocks({"ours": lambda: ours.run(None, feeds), "ort": lambda: theirs.run(None, feeds)},
+                      rounds * BLOCK, block=BLOCK, pause=PAUSE)
 
-    def block(session, calls=5):
-        # After the other runtime's block its pool still spins (onnxruntime's for tens of milliseconds, ours for
-        # 5): a pause lets it go idle, so that neither runtime's threads share the CPUs with the other's, and an
-        # untimed call wakes this runtime's own pool (bench_timing.in_blocks' method).
-        time.sleep(PAUSE)
-        session.run(None, feeds)
-        start = time.perf_counter()
-        for _ in range(calls):
-            session.run(None, feeds)
-        return (time.perf_counter() - start) / calls
+    def best(samples: list[float]) -> float:
+        return min(statistics.fmean(samples[i:i + BLOCK]) for i in range(0, len(samples), BLOCK))
 
-    for session in (theirs, ours):
-        block(session, 3)
-    best = {id(theirs): float("inf"), id(ours): float("inf")}
-    for _ in range(rounds):  # alternating, so that both see the same phases of a noisy host
-        for session in (theirs, ours):
-            best[id(session)] = min(best[id(session)], block(session))
-    return best[id(ours)], best[id(theirs)]
+    return best(times["ours"]), best(times["ort"])
 
 
 def main() -> None:
@@ -122,14 +114,18 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()) / "onnx_runtime_qdq_cnns")
+    parser.add_argument("--busy", type=int, default=0, help="competing CPU-bound processes during the timing")
     args = parser.parse_args()
     args.folder.mkdir(parents=True, exist_ok=True)
+    from zoo_bench import Competitors
+
     for name in args.models.split(","):
         path = quantized(name, args.folder)
         for threads in (int(t) for t in args.threads.split(",")):
-            ours, theirs = compare(path, threads)
-            print(f"light_{name}.int8_qdq threads {threads}: ours {ours * 1e3:.2f} ms, onnxruntime "
-                  f"{theirs * 1e3:.2f} ms, ratio {ours / theirs:.2f}", flush=True)
+            with Competitors(args.busy) if args.busy else contextlib.nullcontext():
+                ours, theirs = compare(path, threads)
+            print(f"light_{name}.int8_qdq threads {threads}{' busy' if args.busy else ''}: ours {ours * 1e3:.2f} ms, "
+                  f"onnxruntime {theirs * 1e3:.2f} ms, ratio {ours / theirs:.2f}", flush=True)
 
 
 if __name__ == "__main__":

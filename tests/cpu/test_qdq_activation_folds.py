@@ -96,3 +96,21 @@ def test_saturated_activations_fold_into_the_group(activation, y_scale, y_zero, 
     assert np.abs(got - want).max() <= 1  # (a sum within float32 rounding of a tie)
     assert np.mean(got == want) > 0.999
     assert (got != y_zero).sum() > got.size // 4  # the codes are not all saturated: the bounds are exercised
+
+
+@pytest.mark.parametrize("low", [np.nan, -np.inf])
+def test_a_clip_with_a_nan_bound_stays(low):
+    # A NaN bound is no saturation the quantization makes (the Clip's output is NaN): the Clip stays, and the session
+    # is made and runs (the pass once failed on it, converting NaN to a code); an infinite bound is the open side,
+    # which folds.
+    model = _model("Clip", 6 / 255, 0, TensorProto.UINT8, (low, 6.0))
+    x = _x()
+    session = onnx_runtime.InferenceSession(model.SerializeToString(), providers=["cpu"])
+    ops = [n.op_type for n in session.graph_for({"x": x}).nodes]
+    folded = "Clip" not in ops and not any(n.op_type == "FusedConv" for n in session.graph_for({"x": x}).nodes)
+    assert folded != bool(np.isnan(low)), ops  # (kept, the Clip joins the float convolution as its activation)
+    got = session.run(None, {"x": x})[0]
+    assert got.shape == (1, W_SHAPE[0], *X_SHAPE[2:])
+    if not np.isnan(low):
+        want = _reference(model, x, "Clip", (low, 6.0), 6 / 255, 0, TensorProto.UINT8)
+        assert np.abs(got.astype(np.int64) - want).max() <= 1 and np.mean(got == want) > 0.999

@@ -63,6 +63,14 @@ class GraphView:
     def const(self, name: str):
         return self.graph.initializers.get(name)
 
+    def constant(self, name: str):
+        """An initializer or, before the optimizer folds them, a Constant node's tensor (passes that run first)."""
+        value = self.const(name) if name else None
+        if value is None and name and (node := self.producer.get(name)) is not None and node.op_type == "Constant" \
+                and not node.domain and isinstance(node.attr("value"), np.ndarray):
+            value = node.attr("value")
+        return value
+
     def scalar(self, name: str, value: float) -> bool:
         array = self.const(name)
         return array is not None and array.size == 1 and float(array.reshape(-1)[0]) == value

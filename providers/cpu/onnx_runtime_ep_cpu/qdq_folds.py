@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 from onnx_runtime.ir import Graph, Node
 
+from .algorithms.quantize import integer_range, quantize
 from .fusions import FUSED_DOMAIN, GraphView, bypass, owned
 
 _F32 = np.dtype(np.float32)
@@ -85,61 +86,49 @@ def drop_rounding_before_quantizing(graph: Graph, owns=None) -> bool:
     return False
 
 
-def _value(view: GraphView, name: str) -> np.ndarray | None:
-    """An initializer or, before the optimizer folds them, a Constant node's tensor."""
-    value = view.const(name) if name else None
-    if value is None and name and (node := view.producer.get(name)) is not None and node.op_type == "Constant" \
-            and not node.domain and isinstance(node.attr("value"), np.ndarray):
-        value = node.attr("value")
-    return value
-
-
-def _saturating_range(view: GraphView, quantize: Node) -> tuple | None:
-    """(codes' lowest, highest, scale, zero) of a plain integer QuantizeLinear with constant parameters, per tensor,
-    or (lowest, highest, None, zero) per channel; None otherwise."""
-    if quantize.op_type != "QuantizeLinear" or quantize.domain or len(quantize.inputs) < 2 \
-            or any(quantize.attr(name, 0) for name in ("block_size", "output_dtype", "precision")):
+def _saturating_range(view: GraphView, reader: Node) -> tuple | None:
+    """(codes' lowest, highest, scale, zero point) of a plain integer QuantizeLinear with constant parameters: the
+    scale and zero point as 0-d arrays per tensor, the scale None per channel; None otherwise."""
+    if reader.op_type != "QuantizeLinear" or reader.domain or len(reader.inputs) < 2 \
+            or any(reader.attr(name, 0) for name in ("block_size", "output_dtype", "precision")):
         return None
-    scale = _value(view, quantize.inputs[1])
-    zero = _value(view, quantize.inputs[2]) if len(quantize.inputs) > 2 and quantize.inputs[2] else \
+    scale = view.constant(reader.inputs[1])
+    zero = view.constant(reader.inputs[2]) if len(reader.inputs) > 2 and reader.inputs[2] else \
         np.zeros((), np.uint8)
     if scale is None or zero is None or scale.dtype != _F32 or zero.dtype.kind not in "iu" or zero.itemsize > 2:
         return None
-    info = np.iinfo(zero.dtype)
+    low, high = integer_range(zero.dtype)
     if scale.size == 1 and zero.size == 1:
-        return info.min, info.max, np.float32(scale.reshape(-1)[0]), int(zero.reshape(-1)[0])
-    return (info.min, info.max, None, zero) if scale.size == zero.size or zero.size == 1 else None
-
-
-def _code(value: float, scale: np.float32, zero: int, low: int, high: int) -> int:
-    """QuantizeLinear of one float32 value: round half to even of value / scale, plus the zero point, saturated."""
-    return int(np.clip(np.rint(np.float32(value) / scale) + zero, low, high))
+        return low, high, scale.reshape(()), zero.reshape(())
+    return (low, high, None, zero) if scale.size == zero.size or zero.size == 1 else None
 
 
 def _clip_bounds(view: GraphView, clip: Node) -> tuple | None:
     if clip.opset < 11:
-        return float(clip.attr("min", -np.inf)), float(clip.attr("max", np.inf))
+        bounds = float(clip.attr("min", -np.inf)), float(clip.attr("max", np.inf))
+        return None if any(np.isnan(bounds)) else bounds
     bounds = []
     for index in (1, 2):
         name = clip.inputs[index] if len(clip.inputs) > index else ""
-        value = _value(view, name) if name else np.array(np.inf * (1 if index == 2 else -1), _F32)
-        if value is None or value.size != 1 or value.dtype != _F32:
-            return None
+        value = view.constant(name) if name else np.array(np.inf * (1 if index == 2 else -1), _F32)
+        if value is None or value.size != 1 or value.dtype != _F32 or np.isnan(value).any():
+            return None  # (a NaN bound makes Clip's output NaN, which the quantization would not give)
         bounds.append(float(value.reshape(-1)[0]))
     return tuple(bounds)
 
 
-def _saturated_anyway(view: GraphView, node: Node, quantize: Node) -> bool:
-    found = _saturating_range(view, quantize)
-    if found is None or quantize.inputs[0] != node.outputs[0]:
+def _saturated_anyway(view: GraphView, node: Node, reader: Node) -> bool:
+    found = _saturating_range(view, reader)
+    if found is None or reader.inputs[0] != node.outputs[0]:
         return False
     low, high, scale, zero = found
     if node.op_type == "Relu":
-        return bool(np.all(np.asarray(zero) == low))
+        return bool(np.all(zero == low))
     bounds = _clip_bounds(view, node)
     if bounds is None or scale is None or not scale > 0:
         return False
-    return _code(bounds[0], scale, zero, low, high) == low and _code(bounds[1], scale, zero, low, high) == high
+    codes = quantize(np.array(bounds, _F32), scale, zero, zero.dtype)
+    return int(codes[0]) == low and int(codes[1]) == high
 
 
 def drop_activation_before_quantizing(graph: Graph, owns=None) -> bool:

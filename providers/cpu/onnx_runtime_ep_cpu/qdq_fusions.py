@@ -39,22 +39,13 @@ _EXOTIC = ("block_size", "output_dtype", "precision")
 _INTEGER_CODES = frozenset(np.dtype(t) for t in (np.uint8, np.int8, np.uint16, np.int16))
 
 
-def _constant(view: GraphView, name: str) -> np.ndarray | None:
-    """An initializer or, before the optimizer folds them, a Constant node's tensor."""
-    value = view.const(name)
-    if value is None and (node := view.producer.get(name)) is not None and node.op_type == "Constant" \
-            and not node.domain and isinstance(node.attr("value"), np.ndarray):
-        value = node.attr("value")
-    return value
-
-
 def _params(view: GraphView, node: Node) -> tuple | None:
     """(scale, zero point or None, axis) of a Q or DQ node whose parameters are constants, else None."""
     if node.domain or any(node.attr(name, 0) for name in _EXOTIC):
         return None
-    scale = _constant(view, node.inputs[1]) if len(node.inputs) > 1 else None
+    scale = view.constant(node.inputs[1]) if len(node.inputs) > 1 else None
     zero_name = node.inputs[2] if len(node.inputs) > 2 else ""
-    zero = _constant(view, zero_name) if zero_name else None
+    zero = view.constant(zero_name) if zero_name else None
     if scale is None or (zero_name and zero is None):
         return None
     return scale, zero, int(node.attr("axis", 1))
@@ -432,13 +423,13 @@ def _bias_fits(view: GraphView, name: str, columns: int) -> bool:
     dq = _made_by(view, name, "DequantizeLinear")
     if dq is not None:
         params = _params(view, dq)
-        value = _constant(view, dq.inputs[0])
+        value = view.constant(dq.inputs[0])
         # Per tensor, or one scale per channel along the 1-D bias (per-channel weights give those).
         if params is None or value is None or params[0].dtype != _F32 or params[0].size not in (1, columns) \
                 or (params[0].size > 1 and (value.ndim != 1 or params[0].ndim != 1)):
             return False
     else:
-        value = _constant(view, name)
+        value = view.constant(name)
         if value is None or value.dtype != _F32:
             return False
     return value.size in (1, columns) and (value.ndim <= 1 or value.ndim == 2 and value.shape[0] == 1)
@@ -452,7 +443,7 @@ def _linear_group(view: GraphView, node: Node) -> tuple | None:
     a, b = _dequantized(view, node.inputs[0]), _dequantized(view, node.inputs[1])
     if a is None or b is None or not _per_tensor(a[1]):
         return None
-    weight = _constant(view, b[0].inputs[0])
+    weight = view.constant(b[0].inputs[0])
     if weight is not None:
         if not _weight_fits(node, weight, b[1]):
             return None
@@ -493,7 +484,7 @@ def fuse_quantized_linear(graph: Graph, owns=None, kinds=frozenset(_LINEAR), con
         if group is None:
             continue
         dq_a, a_params, dq_b, b_params, quantize, _ = group
-        if node.op_type == "Conv" and _constant(view, dq_b.inputs[0]).ndim not in conv_ranks:
+        if node.op_type == "Conv" and view.constant(dq_b.inputs[0]).ndim not in conv_ranks:
             continue
         removed = [node, quantize]
         _drop_if_unread(view, dq_a, node, removed)
@@ -896,7 +887,7 @@ def fuse_large_quantized_conv(graph: Graph, owns=None) -> bool:
 def _large_conv(view: GraphView, node: Node) -> bool:
     info = view.graph.type_of(node.outputs[0])
     dq = _made_by(view, node.inputs[1], "DequantizeLinear") if len(node.inputs) > 1 else None
-    weight = None if dq is None else _constant(view, dq.inputs[0])
+    weight = None if dq is None else view.constant(dq.inputs[0])
     if int(node.attr("group", 1)) != 1 or weight is None or info is None or info.shape is None \
             or len(info.shape) != 4:
         return False

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..algorithms.bound_loop import EntryOnce
-from ..algorithms.quantize import integer_range
+from ..algorithms.quantize import integer_range, quantize
 from ..fused_domain import FUSED_DOMAIN
 from ..registry import register
 from ._common import argument_error
@@ -105,12 +105,12 @@ def channel_table_of_grid(chain: TableChain, x_shape: tuple, scale, zero, consta
 
 
 def codes_of_table(table: np.ndarray, scale: float, zero: int, signed: bool) -> np.ndarray:
-    """The codes a group quantizing to (scale, zero) makes of each float32 entry: x / scale in float32, half to
-    even, plus the zero point, saturated to the type's range; NaN the lowest code (the groups' convention)."""
-    low, high = (-128, 127) if signed else (0, 255)
-    with np.errstate(invalid="ignore"):
-        codes = np.rint(table / np.float32(scale)) + np.float32(zero)
-    return np.clip(np.nan_to_num(codes, nan=low), low, high).astype(np.int8 if signed else np.uint8)
+    """The codes a group quantizing to (scale, zero) makes of each float32 entry: QuantizeLinear's, but NaN the
+    lowest code (the groups' convention; QuantizeLinear's 0 differs for int8)."""
+    dtype = np.dtype(np.int8 if signed else np.uint8)
+    codes = quantize(table, np.float32(scale), zero, dtype)
+    codes[np.isnan(table)] = integer_range(dtype)[0]
+    return codes
 
 
 @register("ChannelGridTable", domain=FUSED_DOMAIN, since=1)

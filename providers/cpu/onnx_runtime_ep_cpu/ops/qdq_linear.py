@@ -18,6 +18,7 @@ the real value lies within float32 rounding of a half-integer: the bound onnxrun
 
 from __future__ import annotations
 
+import math
 from operator import is_
 from types import SimpleNamespace
 
@@ -513,10 +514,9 @@ def _conv_blocks(side: list, binds: dict, x, w, w_zero, p, geometry: tuple, dequ
 
 
 def _channel_call(binds: dict, key: tuple, loop, kind: str, macs: int):
-    """``run(arguments)`` of a channel-major call, kept for repeats: split across the helper threads from
-    KNOBS.split_macs of multiply-adds a thread (dynamic_conv_jobs' job ``kind`` and its split_ function, the count
-    looked up per call), else on the calling thread; either through its loop's entry point once bound (``binds``,
-    EntryOnce: numba's dispatcher types the 25-31 arguments every call, ~10 us)."""
+    """``run(arguments)`` of a channel-major call, kept for repeats: split across the helpers from KNOBS.split_macs
+    a thread (dynamic_conv_jobs' job ``kind``, its split_ function; the count looked up per call), else on this thread;
+    either through its entry point once bound (``binds``, EntryOnce: the dispatcher types 25-31 arguments, ~10 us)."""
     from ..compiled import dynamic_conv_jobs, workers  # (numba runs these loops: its import is paid)
     from .dynamic_quantize_conv import split_threads, task_ranges  # (a transformer's QDQ model needs neither)
 
@@ -559,7 +559,7 @@ def _takes_grid(qgemm_quads, p, w_shape: tuple, row: int) -> bool:
     parameters (a NaN bias's code 0 is the patches' epilogue's), unless AMX's tile groups run it faster."""
     shift = 128 if p.b_dtype == np.uint8 else 0
     return p.finite and not np.any(p.b_zeros != shift) \
-        and not qgemm_quads.amx_beats_grid(w_shape[0], int(np.prod(w_shape[1:])), w_shape[2] * w_shape[3], row)
+        and not qgemm_quads.amx_beats_grid(w_shape[0], math.prod(w_shape[1:]), w_shape[2] * w_shape[3], row)
 
 
 def _conv_grid(side: list, binds: dict, keep, x, w, w_zero, p, geometry: tuple, dequantize: bool) -> np.ndarray:
