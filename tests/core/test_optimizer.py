@@ -220,6 +220,80 @@ def test_folding_never_generates_a_huge_constant_at_creation(monkeypatch, op, in
     assert all(array.nbytes < (1 << 20) for array in sess.model.graph.initializers.values())
 
 
+def _filled(name, shape_name, value):
+    return helper.make_node("ConstantOfShape", [shape_name], [name],
+                            value=helper.make_tensor("v", TensorProto.FLOAT, [1], [value]))
+
+
+def test_large_generated_weights_every_run_reads_fold_once_within_the_session_budget(monkeypatch):
+    """Past MAX_GENERATED_BYTES a generated constant is made at creation only when the main graph's live nodes
+    read it (every run would make it again), and only while the session's LARGE_GENERATED_BUDGET lasts."""
+    from onnx_runtime.optimizer import constant_folding
+
+    monkeypatch.setattr(constant_folding, "MAX_GENERATED_BYTES", 64 << 10)
+    monkeypatch.setattr(constant_folding, "LARGE_GENERATED_BUDGET", 256 << 10)
+    filled, real = [], constant_folding.filled_value
+
+    def spy(node, *args):
+        value = real(node, *args)
+        if value is not None:
+            filled.append(node.outputs[0])
+        return value
+
+    monkeypatch.setattr(constant_folding, "filled_value", spy)
+    nodes = [
+        _filled("w1", "shape1", 0.02),                                    # 128 KiB: within the budget
+        helper.make_node("MatMul", ["x", "w1"], ["h"]),
+        helper.make_node("Expand", ["half", "shape2"], ["w2"]),           # 200 KiB: past what is left of it
+        helper.make_node("MatMul", ["h", "w2"], ["y"]),
+        _filled("unread", "shape3", 1.0),                                 # 100 KiB whose size alone is read
+        helper.make_node("Size", ["unread"], ["n"]),
+        helper.make_node("Cast", ["n"], ["nf"], to=TensorProto.FLOAT),
+        helper.make_node("Add", ["y", "nf"], ["z"]),
+    ]
+    model = make_model(nodes, [tensor_info("x", shape=[2, 128])], [tensor_info("z", shape=[2, 200])],
+                       [_init("shape1", np.array([128, 256], np.int64)),
+                        _init("shape2", np.array([256, 200], np.int64)),
+                        _init("half", np.full((1, 1), 0.5, np.float32)),
+                        _init("shape3", np.array([100, 256], np.int64))])
+    sess = _optimized(model, rtol=1e-5, atol=1e-4)
+    assert "unread" not in filled  # the Size folded first, from the static shape, and nothing else reads it
+    initializers = sess.model.graph.initializers
+    np.testing.assert_array_equal(initializers["w1"], np.full((128, 256), 0.02, np.float32))
+    assert "w2" not in initializers and "Expand" in _ops(sess)
+    assert all(array.shape != (100, 256) for array in initializers.values())
+    x = RNG.standard_normal((2, 128))
+    want = x.astype(np.float32).astype(np.float64) @ np.full((128, 256), np.float32(0.02), np.float64) \
+        @ np.full((256, 200), 0.5) + 100 * 256
+    np.testing.assert_allclose(sess.run(None, {"x": x.astype(np.float32)})[0], want, rtol=1e-5)
+
+
+def test_large_generated_constants_in_a_branch_are_left_to_the_run(monkeypatch):
+    """A branch may not run: what it generates past MAX_GENERATED_BYTES is not made at creation."""
+    from onnx_runtime.optimizer import constant_folding
+
+    monkeypatch.setattr(constant_folding, "MAX_GENERATED_BYTES", 64 << 10)
+    monkeypatch.setattr(constant_folding, "LARGE_GENERATED_BUDGET", 1 << 20)
+
+    def branch(name, value):
+        body = [_filled(f"{name}_w", "shape", value), helper.make_node("MatMul", ["x", f"{name}_w"], [f"{name}_y"])]
+        return helper.make_graph(body, name, [], [tensor_info(f"{name}_y", shape=[2, 256])])
+
+    nodes = [helper.make_node("If", ["flag"], ["y"], then_branch=branch("then", 1.0),
+                              else_branch=branch("else", 2.0))]
+    model = make_model(nodes, [tensor_info("x", shape=[2, 128]), tensor_info("flag", TensorProto.BOOL, shape=[])],
+                       [tensor_info("y", shape=[2, 256])], [_init("shape", np.array([128, 256], np.int64))])
+    sess = _session(model)
+    for node in sess.model.graph.nodes:
+        for sub in node.subgraphs():
+            assert all(array.nbytes < (64 << 10) for array in sub.initializers.values())
+    x = RNG.standard_normal((2, 128)).astype(np.float32)
+    for flag, value in ((True, 1.0), (False, 2.0)):
+        got = sess.run(None, {"x": x, "flag": np.array(flag)})[0]
+        np.testing.assert_allclose(got, np.repeat(x.astype(np.float64).sum(1, keepdims=True) * value, 256, 1),
+                                   rtol=1e-5)
+
+
 # -- dead nodes and identities ----------------------------------------------------------------------------
 def test_dead_nodes_and_unread_initializers_are_removed():
     nodes = [

@@ -25,7 +25,7 @@ import onnx
 from .. import budget
 from ..dtypes import DataType
 from ..ir import Graph, Node, TypeInfo, ValueInfo
-from ..loader import SHAPE_VALUE_LIMIT, convert_type
+from ..loader import SHAPE_VALUE_LIMIT, convert_type, implicit_inputs
 from .context import PassContext
 from .rewrite import Uses, add_initializer, new_node, visit_subgraphs
 
@@ -41,8 +41,12 @@ FOLDABLE_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml"})
 MAX_FOLDED_BYTES = 16 << 20
 TINY_BYTES = 4096
 # What a fold may generate from tiny inputs (a mask buffer from ConstantOfShape, a Tile or Expand of a
-# constant); anything larger is left to the kernel at run time rather than materialized at creation.
+# constant); anything larger is left to the kernel at run time rather than materialized at creation...
 MAX_GENERATED_BYTES = 256 << 20
+# ... unless every run needs it (the main graph's live nodes read it): the run would make it anyway, every
+# time (onnx's light CNNs generate their 300-400 MB classifier weights so), so creation makes it once, for
+# as many bytes per session as this budget allows: more is a hostile or mistaken size, left to the run.
+LARGE_GENERATED_BUDGET = min(1 << 30, (budget.physical_memory() or 0) // 8)
 # The most multiply-adds (or window taps) one fold may cost: a product of two constants with a long inner dimension
 # is small to hold but can take minutes to compute at creation; past this it is left to the run.
 MAX_FOLD_WORK = 1 << 30
@@ -57,8 +61,11 @@ def fold_constants(graph: Graph, context: PassContext) -> bool:
         folded = _sweep(graph, context, scope)
         inlined = _inline_decided_branches(graph, context, scope)
         changed |= folded or inlined
-        if not inlined:
+        if inlined:
+            continue
+        if not _fold_large_generated(graph, context, scope):
             return changed
+        changed = True  # and sweep again: what reads the generated constant may fold now
 
 
 def fold_constants_everywhere(graph: Graph, context: PassContext) -> bool:
@@ -138,15 +145,52 @@ def _inline_decided_branches(graph: Graph, context: PassContext, scope: _Scope) 
     return inlined
 
 
-def _fold(node: Node, graph: Graph, uses: Uses, context: PassContext, scope: _Scope) -> list[np.ndarray] | None:
-    """The node's output values when it can and should be folded, else None."""
+def _fold_large_generated(graph: Graph, context: PassContext, scope: _Scope) -> bool:
+    """Fold the generators (ConstantOfShape, Tile, Expand, Range, OneHot of constants) past MAX_GENERATED_BYTES
+    that the main graph's live nodes read, while LARGE_GENERATED_BUDGET lasts; True when one folded.
+
+    Left to the run, such a value is made again by every run. A graph specialized to one input signature does
+    not: each signature would hold its own copy."""
+    if context.depth or context.specialized:
+        return False
+    live = {vi.name for vi in graph.outputs}
+    for node in reversed(graph.nodes):
+        if any(out and out in live for out in node.outputs):
+            live.update(name for name in node.inputs if name)
+            live.update(implicit_inputs(node))
+    uses = Uses(graph)
+    for node in graph.nodes:
+        if not any(out in live for out in node.outputs if out) \
+                or any(name and name not in scope.constants for name in node.inputs):
+            continue
+        size = _generated_bytes(node, [scope.constants[name] if name else None for name in node.inputs])
+        if not MAX_GENERATED_BYTES < size <= LARGE_GENERATED_BUDGET - context.generated_resident:
+            continue
+        values = _fold(node, graph, uses, context, scope, generated_cap=size)
+        if values is None:
+            continue
+        context.generated_resident += sum(value.nbytes for value in values)
+        for name, value in zip(node.outputs, values):
+            if name:
+                add_initializer(graph, name, value)
+        graph.nodes = [other for other in graph.nodes if other is not node]
+        return True
+    return False
+
+
+def _fold(node: Node, graph: Graph, uses: Uses, context: PassContext, scope: _Scope,
+          generated_cap: int | None = None) -> list[np.ndarray] | None:
+    """The node's output values when it can and should be folded, else None. ``generated_cap``: the most bytes
+    a generator (see _generated_bytes) may make (MAX_GENERATED_BYTES unless given)."""
+    if generated_cap is None:
+        generated_cap = MAX_GENERATED_BYTES
     if node.domain not in FOLDABLE_DOMAINS or node.op_type in NONDETERMINISTIC:
         return None
     if any(out in uses.graph_outputs for out in node.outputs):
         return None  # graph outputs stay computed: a run returns fresh arrays, not a shared constant
     static = _static_shape_value(node, scope)
     if static is None:
-        static = _filled_value(node, scope)
+        static = filled_value(node, scope, generated_cap)
     if static is not None:
         return [static]
     constants = scope.constants
@@ -156,10 +200,10 @@ def _fold(node: Node, graph: Graph, uses: Uses, context: PassContext, scope: _Sc
     for array in inputs:
         if array is not None:
             array.flags.writeable = False  # a kernel must not be able to change a weight
-    cap = _result_cap(inputs)
+    cap = max(_result_cap(inputs), generated_cap)
     declared = _declared_bytes(node, graph) or _inferred_bytes(node, inputs)
     if declared > cap or not _may_fold(node, inputs, uses, declared) \
-            or _generated_bytes(node, inputs) > MAX_GENERATED_BYTES:
+            or _generated_bytes(node, inputs) > generated_cap:
         return None
     if fold_work(node, inputs, declared) > MAX_FOLD_WORK or time.thread_time() > scope.deadline:
         return None
@@ -242,7 +286,7 @@ def _partial_shape_value(node: Node, uses: Uses, partial: dict[str, tuple], scop
     return [picked.astype(np.int64)]
 
 
-def _filled_value(node: Node, scope: _Scope) -> np.ndarray | None:
+def filled_value(node: Node, scope: _Scope, generated_cap: int) -> np.ndarray | None:
     """``ConstantOfShape`` of a constant, non-negative shape: ``value``'s one element (float32 zero
     without it) in every cell (generated from a tiny input: any size may fold, see _may_fold); anything
     else is left to the provider's kernel (which reports bad input at the run)."""
@@ -253,7 +297,7 @@ def _filled_value(node: Node, scope: _Scope) -> np.ndarray | None:
     fill = np.zeros(1, dtype=np.float32) if value is None else np.asarray(value)
     if shape is None or shape.ndim != 1 or shape.dtype != np.int64 or fill.size != 1 or (shape < 0).any():
         return None
-    if _generated_bytes(node, [shape]) > MAX_GENERATED_BYTES:
+    if _generated_bytes(node, [shape]) > generated_cap:
         return None  # and _fold does not evaluate it either: the kernel makes it at the run
     if any(d > MAX_GENERATED_BYTES for d in shape.tolist()):
         return None  # empty, but numpy cannot size it (2**62 x 2**62 x 0): the kernel reports it at the run

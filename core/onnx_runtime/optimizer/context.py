@@ -46,6 +46,10 @@ class PassContext:
         # may rest rewrites on them (a Slice over a whole static axis is then an identity). Off inside subgraphs:
         # a loop body's inferred shapes may hold for its first iteration only.
         self.specialized = False
+        # How many subgraphs deep the pass runs (0: the model's main graph, whose nodes every run executes).
+        self.depth = 0
+        # Bytes of large generated constants folded so far in this optimization (constant_folding.py bounds them).
+        self.generated_resident = 0
 
     @contextmanager
     def inside(self, parent: Graph) -> Iterator[None]:
@@ -54,10 +58,12 @@ class PassContext:
         self.outer_constants = ChainMap(parent.initializers, saved[0])  # type: ignore[arg-type]
         self.outer_types = ChainMap(parent.value_info, saved[1])  # type: ignore[arg-type]
         self.specialized = False
+        self.depth += 1
         try:
             yield
         finally:
             self.outer_constants, self.outer_types, self.specialized = saved
+            self.depth -= 1
 
     def fresh(self, base: str) -> str:
         """A value or node name no graph of the model uses yet (so no subgraph can see it shadowed)."""

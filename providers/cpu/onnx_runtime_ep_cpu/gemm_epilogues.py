@@ -21,6 +21,7 @@ import numpy as np
 from onnx_runtime.ir import Graph, Node
 from onnx_runtime.optimizer.rewrite import add_initializer, fresh_name
 
+from .algorithms.prepared import transposed
 from .fusions import FUSED_DOMAIN, GraphView, other_input, owned, replace_nodes
 
 
@@ -44,7 +45,7 @@ def _operands(graph: Graph, view: GraphView, gemm: Node) -> tuple[str, str] | No
     weight_name = gemm.inputs[1]
     if gemm.attr("transB", 0):
         weight_name = fresh_name(graph, f"{base}/weight_t")
-        add_initializer(graph, weight_name, np.ascontiguousarray(weight.T))
+        add_initializer(graph, weight_name, transposed(weight))
     if bias_name is None:
         bias_name = fresh_name(graph, f"{base}/bias")
         add_initializer(graph, bias_name, bias)

@@ -414,14 +414,14 @@ def _bind_global_average_pool(node, kernel, inputs, outputs, constant):
 
 
 def _bind_gemm(node, kernel, inputs, outputs, constant):
-    """A (rows, K) @ B (+ C) with alpha and beta 1 and B a constant (transposed once)."""
+    """A (rows, K) @ B (+ C) with alpha and beta 1 and B a constant (read through a transposed view for transB)."""
     a, b, y = inputs[0], inputs[1], outputs[0]
     c = inputs[2] if len(inputs) > 2 else None
     if not _floats(a, b) or node.attr("transA", 0) or float(node.attr("alpha", 1.0)) != 1 or not constant[1] \
             or (c is not None and float(node.attr("beta", 1.0)) != 1) or a.ndim != 2 or b.ndim != 2 \
             or b.dtype != a.dtype or y.dtype != a.dtype:
         return None
-    weights = np.ascontiguousarray(b.T if node.attr("transB", 0) else b)
+    weights = b.T if node.attr("transB", 0) else b  # a view: BLAS reads either layout as fast; a copy doubled it
     if (a.shape[0], weights.shape[1]) != y.shape or weights.shape[0] != a.shape[1]:
         return None
     small = _small_gemm(node, a, b, c, y, constant)
