@@ -35,3 +35,19 @@ def test_column_panels_hold_each_weight_at_its_panel_row_and_lane(shape):
     for j in range(panels * NR):
         want = w[:, j] if j < n else np.zeros(depth, np.float32)  # zero columns past N
         np.testing.assert_array_equal(lanes[j // NR, :, j % NR], want)
+
+
+@pytest.mark.parametrize("rows", [8, 12])
+@pytest.mark.parametrize("shape", [(1, 5), (8, 9), (12, 3), (29, 40), (64, 147)])
+def test_weight_panels_interleave_each_tiles_rows_by_k(rows, shape):
+    from onnx_runtime_ep_cpu.compiled.gemm import pack_weights
+
+    w = RNG.standard_normal(shape)  # float64: packed as float32
+    m, depth = shape
+    packed = pack_weights(w, rows)
+    tiles = -(-m // rows)
+    assert packed.shape == (tiles, depth * rows) and packed.dtype == np.float32 and packed.flags.c_contiguous
+    cells = packed.reshape(tiles, depth, rows)
+    for i in range(tiles * rows):
+        want = w[i].astype(np.float32) if i < m else np.zeros(depth, np.float32)  # zero rows past M
+        np.testing.assert_array_equal(cells[i // rows, :, i % rows], want)

@@ -227,11 +227,12 @@ def pack_weights(w: np.ndarray, rows: int) -> np.ndarray:
     rows t*rows .. t*rows + rows - 1 interleaved by k (zero rows past M), the order the microkernel
     reads them."""
     m, depth = w.shape
-    tiles = -(-m // rows)
-    padded = np.zeros((tiles * rows, depth), dtype=np.float32)
-    padded[:m] = w
-    interleaved = padded.reshape(tiles, rows, depth).transpose(0, 2, 1)
-    return np.ascontiguousarray(interleaved.reshape(tiles, depth * rows))
+    tiles, whole = -(-m // rows), m // rows
+    packed = np.zeros((tiles, depth, rows), dtype=np.float32)  # written in place: no padded copy of w first
+    packed[:whole] = w[:whole * rows].reshape(whole, rows, depth).transpose(0, 2, 1)
+    if whole < tiles:
+        packed[whole, :, :m - whole * rows] = w[whole * rows:].T
+    return packed.reshape(tiles, depth * rows)
 
 
 # Panels packed per chunk and weight tiles per block: about 512 KiB each, so a chunk of packed input
