@@ -54,10 +54,14 @@ class Result:
 # -- the runtimes ----------------------------------------------------------------------------------
 
 
-def make_ours(path: str):
+def make_ours(path: str, threads: int | None = None):
+    """Ours with its defaults, plus --threads (the same count as onnxruntime's: a one-thread comparison is one)."""
     import onnx_runtime
 
-    return onnx_runtime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    options = onnx_runtime.SessionOptions()
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    return onnx_runtime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
 
 def make_ort(path: str, threads: int | None):
@@ -135,10 +139,10 @@ def measure_creation(result: Result, threads: int | None, repeat: int) -> None:
         first[name].append(timed(lambda: sess.run(None, model.feeds))[1])
 
     times = alternating({
-        "ours": lambda: make_ours(model.path), "ort": lambda: make_ort(model.path, threads),
+        "ours": lambda: make_ours(model.path, threads), "ort": lambda: make_ort(model.path, threads),
     }, repeat, warmup=1)
     for _ in range(repeat):
-        create_and_run("ours", lambda: make_ours(model.path))
+        create_and_run("ours", lambda: make_ours(model.path, threads))
         create_and_run("ort", lambda: make_ort(model.path, threads))
     result.create_ours, result.create_ort = median(times["ours"]), median(times["ort"])
     result.first_ours, result.first_ort = median(first["ours"]), median(first["ort"])
@@ -166,7 +170,7 @@ def measure_reference(result: Result, mode: str, cap: float, ort_outputs: list) 
 def measure(model: BenchModel, args) -> Result:
     result = Result(model)
     measure_creation(result, args.threads, args.create_repeat)
-    ours, ort = make_ours(model.path), make_ort(model.path, args.threads)
+    ours, ort = make_ours(model.path, args.threads), make_ort(model.path, args.threads)
     feeds = model.feeds
     ort_outputs = ort.run(None, feeds)
     result.diff, result.agree = max_abs_diff(ours.run(None, feeds), ort_outputs)
@@ -257,7 +261,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pause", type=float, default=0.3,
                         help="seconds between turns, for thread pools to go idle (default 0.3)")
     parser.add_argument("--create-repeat", type=int, default=5, help="timed session creations (default 5)")
-    parser.add_argument("--threads", type=int, help="onnxruntime intra_op_num_threads (default: its own default)")
+    parser.add_argument("--threads", type=int, help="intra_op_num_threads of both runtimes (default: their defaults)")
     parser.add_argument("--reference", choices=("auto", "all", "none"), default="auto",
                         help="time onnx.reference.ReferenceEvaluator too: auto = small models only (default)")
     parser.add_argument("--reference-cap", type=float, default=2.0,
