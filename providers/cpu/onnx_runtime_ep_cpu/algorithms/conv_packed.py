@@ -133,6 +133,8 @@ class PackedConv:
     def _weights(self, w):
         def build():
             flat = w.astype(np.float32, copy=False).reshape(self._group, self._mg, -1)
+            if self._group == 1:  # (a view: np.stack would copy the packed weights once more)
+                return self._gemm.pack_weights(flat[0], self._rows)[np.newaxis]
             return np.stack([self._gemm.pack_weights(flat[g], self._rows) for g in range(self._group)])
 
         return self._prepared.get("packed", (w,), build)
