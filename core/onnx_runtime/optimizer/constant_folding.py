@@ -44,7 +44,7 @@ TINY_BYTES = 4096
 # constant); anything larger is left to the kernel at run time rather than materialized at creation...
 MAX_GENERATED_BYTES = 256 << 20
 # ... unless every run needs it (the main graph's live nodes read it): the run would make it anyway, every
-# time (onnx's light CNNs generate their 300-400 MB classifier weights so), so creation makes it once, for
+# time (onnx's light VGG and ZFNet generate their classifier weights so), so creation makes it once, for
 # as many bytes per session as this budget allows: more is a hostile or mistaken size, left to the run.
 LARGE_GENERATED_BUDGET = min(1 << 30, (budget.physical_memory() or 0) // 8)
 # The most multiply-adds (or window taps) one fold may cost: a product of two constants with a long inner dimension

@@ -288,7 +288,7 @@ def tap_source(x: np.ndarray, geo: Geometry):
 # two-sided transform to a whole stack of tiles as one matmul.
 _WINOGRAD_G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
 # G (x) G, (16, 9): G g G^T of a 3x3 kernel g as one product with its 9 taps (one BLAS call for all channel
-# pairs; the einsum over both factors took 5x longer for VGG's 512x512 kernels, in its first run).
+# pairs, where an einsum over both factors loops in C per element: a large net's first run paid it).
 _WINOGRAD_GG = (_WINOGRAD_G[:, None, :, None] * _WINOGRAD_G[None, :, None, :]).reshape(16, 9)
 
 
