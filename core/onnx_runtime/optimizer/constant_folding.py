@@ -25,9 +25,9 @@ import onnx
 from .. import budget
 from ..dtypes import DataType
 from ..ir import Graph, Node, TypeInfo, ValueInfo
-from ..loader import SHAPE_VALUE_LIMIT, convert_type, implicit_inputs
+from ..loader import SHAPE_VALUE_LIMIT, convert_type
 from .context import PassContext
-from .rewrite import Uses, add_initializer, new_node, visit_subgraphs
+from .rewrite import Uses, add_initializer, live_values, new_node, visit_subgraphs
 
 # Fresh values on every run, by design.
 NONDETERMINISTIC = frozenset({
@@ -153,11 +153,7 @@ def _fold_large_generated(graph: Graph, context: PassContext, scope: _Scope) -> 
     not: each signature would hold its own copy."""
     if context.depth or context.specialized:
         return False
-    live = {vi.name for vi in graph.outputs}
-    for node in reversed(graph.nodes):
-        if any(out and out in live for out in node.outputs):
-            live.update(name for name in node.inputs if name)
-            live.update(implicit_inputs(node))
+    live, _ = live_values(graph)
     uses = Uses(graph)
     for node in graph.nodes:
         if not any(out in live for out in node.outputs if out) \

@@ -14,21 +14,13 @@ import numpy as np
 
 from ..dtypes import DataType
 from ..ir import Graph, Node
-from ..loader import implicit_inputs
 from .context import PassContext
-from .rewrite import Uses, constant, forget_value, remove_nodes, set_io
+from .rewrite import Uses, constant, forget_value, live_values, remove_nodes, set_io
 
 
 def remove_dead_nodes(graph: Graph, context: PassContext) -> bool:
     """Drop nodes whose outputs nothing reads (node, subgraph or graph output), and unread initializers."""
-    live = {vi.name for vi in graph.outputs}
-    dead: list[Node] = []
-    for node in reversed(graph.nodes):  # readers come after producers: one backward sweep finds chains
-        if any(out and out in live for out in node.outputs):
-            live.update(name for name in node.inputs if name)
-            live.update(implicit_inputs(node))
-        else:
-            dead.append(node)
+    live, dead = live_values(graph)
     unread = [name for name in graph.initializers if name not in live]
     for name in unread:
         del graph.initializers[name]

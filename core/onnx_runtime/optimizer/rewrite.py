@@ -78,6 +78,20 @@ class Uses:
                     del self.readers[name]
 
 
+def live_values(graph: Graph) -> tuple[set[str], list[Node]]:
+    """(the values something reads on the way to the graph's outputs, the nodes nothing live reads, last first):
+    one backward sweep, readers coming after producers, subgraphs' outer reads included."""
+    live = {vi.name for vi in graph.outputs}
+    dead: list[Node] = []
+    for node in reversed(graph.nodes):
+        if any(out and out in live for out in node.outputs):
+            live.update(name for name in node.inputs if name)
+            live.update(implicit_inputs(node))
+        else:
+            dead.append(node)
+    return live, dead
+
+
 def set_io(node: Node, inputs: list[str] | None = None, outputs: list[str] | None = None) -> None:
     """Replace a node's inputs and/or outputs, and its proto's to match (on a copy: the proto may be
     the caller's model)."""

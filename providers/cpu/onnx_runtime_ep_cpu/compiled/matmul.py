@@ -26,13 +26,7 @@ _kernel_12, _kernel_8 = gemm.matmul_kernel(12), gemm.matmul_kernel(8)
 def pack_columns(w: np.ndarray) -> np.ndarray:
     """(K, N) weights as (ceil(N / NR), K * NR) float32 panels: panel p holds columns p*NR .. p*NR + NR - 1
     row by row (zero columns past N), the rows the microkernel reads one k at a time."""
-    depth, n = w.shape
-    panels, whole = -(-n // NR), n // NR
-    packed = np.zeros((panels, depth, NR), dtype=np.float32)  # written in place: no padded copy of w first
-    packed[:whole] = w[:, :whole * NR].reshape(depth, whole, NR).transpose(1, 0, 2)
-    if whole < panels:
-        packed[whole, :, :n - whole * NR] = w[:, whole * NR:]
-    return packed.reshape(panels, depth * NR)
+    return gemm.pack_weights(w.T, NR)  # the columns of w are the rows of w.T, NR to a panel
 
 
 def pad_bias(bias, n: int) -> np.ndarray:
