@@ -51,3 +51,31 @@ def test_weight_panels_interleave_each_tiles_rows_by_k(rows, shape):
     for i in range(tiles * rows):
         want = w[i].astype(np.float32) if i < m else np.zeros(depth, np.float32)  # zero rows past M
         np.testing.assert_array_equal(cells[i // rows, :, i % rows], want)
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 5), (17, 33, 2), (0, 4)])
+@pytest.mark.parametrize("dtype", [np.float32, np.int8, np.int16, np.float64])
+def test_aligned_arrays_start_on_a_cache_line_and_hold_what_they_are_given(shape, dtype):
+    from onnx_runtime_ep_cpu.compiled.aligned import LINE, aligned_copy, aligned_empty, aligned_zeros
+
+    for _ in range(8):  # (numpy's own allocations land on 16-byte boundaries: several tries see other offsets)
+        empty, zeros = aligned_empty(shape, dtype), aligned_zeros(shape, dtype)
+        for a in (empty, zeros):
+            assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable
+            assert a.ctypes.data % LINE == 0 or a.size == 0
+        assert not zeros.any()
+        source = (RNG.standard_normal(shape[::-1]) * 50).astype(dtype).T  # a transposed view: not contiguous
+        copy = aligned_copy(source)
+        assert copy.flags.c_contiguous and (copy == source).all() and not np.shares_memory(copy, source)
+        assert copy.ctypes.data % LINE == 0 or copy.size == 0
+
+
+def test_packed_weights_start_on_a_cache_line():
+    from onnx_runtime_ep_cpu.compiled.aligned import LINE
+    from onnx_runtime_ep_cpu.compiled.gemm import pack_weights
+    from onnx_runtime_ep_cpu.compiled.matmul import pack_columns
+
+    for m, depth in [(5, 3), (64, 147), (1000, 512)]:
+        w = RNG.standard_normal((m, depth)).astype(np.float32)
+        for packed in (pack_weights(w, 32), pack_weights(w, 12), pack_columns(w.T)):
+            assert packed.ctypes.data % LINE == 0

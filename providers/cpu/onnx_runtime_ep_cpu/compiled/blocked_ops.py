@@ -16,6 +16,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import jit, llvm
+from .aligned import aligned_copy
 from .directconv import CHANNELS
 from .segment_loops import squeeze_products, squeeze_scale
 
@@ -30,7 +31,7 @@ def pack_depthwise(w: np.ndarray, b, channels: int) -> tuple[np.ndarray, np.ndar
     bias = np.zeros(blocks * CHANNELS, np.float32)
     if b is not None:
         bias[:channels] = b
-    return np.ascontiguousarray(packed.reshape(blocks, CHANNELS, taps).transpose(0, 2, 1)).reshape(-1), bias
+    return aligned_copy(packed.reshape(blocks, CHANNELS, taps).transpose(0, 2, 1)).reshape(-1), bias
 
 
 PIXELS = 4  # output pixels per depthwise tile: 4 accumulators of 16 lanes

@@ -17,6 +17,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import compiler, jit, llvm
+from .aligned import aligned_copy
 from .directconv import LANES, int_const, vector_at
 from .epilogue import activate
 
@@ -34,7 +35,7 @@ def pack_weights(w: np.ndarray) -> np.ndarray:
     blocks = -(-c // LANES)
     packed = np.zeros((blocks * LANES, flat.shape[1]), dtype=np.float32)
     packed[:c] = flat
-    return np.ascontiguousarray(packed.reshape(blocks, LANES, -1).transpose(0, 2, 1))
+    return aligned_copy(packed.reshape(blocks, LANES, -1).transpose(0, 2, 1))
 
 
 def tap_offsets(kh: int, kw: int, dh: int, dw: int, padded_width: int) -> np.ndarray:

@@ -21,6 +21,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import host, jit, llvm
+from .aligned import aligned_copy
 
 LANES = 8  # float32 lanes of an AVX2 register
 CHANNELS = 2 * LANES  # output channels per tile
@@ -52,7 +53,7 @@ def pack_weights(w: np.ndarray, group: int) -> np.ndarray:
     tiles = -(-mg // CHANNELS)
     packed = np.zeros((group, tiles * CHANNELS, flat.shape[2]), dtype=np.float32)
     packed[:, :mg] = flat
-    return np.ascontiguousarray(packed.reshape(group, tiles, CHANNELS, -1).transpose(0, 1, 3, 2))
+    return aligned_copy(packed.reshape(group, tiles, CHANNELS, -1).transpose(0, 1, 3, 2))
 
 
 def pack_bias(b, group: int, tiles: int) -> np.ndarray:

@@ -28,6 +28,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import host, jit, llvm
+from .aligned import aligned_zeros
 
 MR, NR = 12, 32  # output channels (at most) x output pixels per tile: 24 zmm accumulators
 BIAS, RESIDUAL, ACCUMULATE, PARTIAL = 1, 2, 4, 8  # the microkernel's flags
@@ -228,7 +229,7 @@ def pack_weights(w: np.ndarray, rows: int) -> np.ndarray:
     reads them."""
     m, depth = w.shape
     tiles, whole = -(-m // rows), m // rows
-    packed = np.zeros((tiles, depth, rows), dtype=np.float32)  # written in place: no padded copy of w first
+    packed = aligned_zeros((tiles, depth, rows))  # written in place: no padded copy of w first
     packed[:whole] = w[:whole * rows].reshape(whole, rows, depth).transpose(0, 2, 1)
     if whole < tiles:
         packed[whole, :, :m - whole * rows] = w[whole * rows:].T

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import host, jit
+from .aligned import aligned_copy
 from .deferred import Loop
 from .qgemm_tiles import LANES, MR, NC_MAX, tile_kernel
 
@@ -433,7 +434,7 @@ def quads_of(weight: np.ndarray) -> np.ndarray:
     depth, columns = weight.shape
     quads = np.zeros(((depth + 3) // 4 * 4, (columns + LANES - 1) // LANES * LANES), np.int8)
     quads[:depth, :columns] = weight
-    return np.ascontiguousarray(quads.reshape(-1, 4, quads.shape[1]).transpose(0, 2, 1))
+    return aligned_copy(quads.reshape(-1, 4, quads.shape[1]).transpose(0, 2, 1))
 
 
 def signed_quads(columns: np.ndarray, zeros: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -21,6 +21,7 @@ import weakref
 import numpy as np
 
 from . import host, jit
+from .aligned import aligned_empty
 from .deferred import Loop
 
 AVAILABLE = host.AVX512BW
@@ -142,7 +143,7 @@ def pairs_of(packed: np.ndarray) -> np.ndarray:
     if not AVAILABLE:
         return _NONE
     columns, depth = packed.shape
-    out = np.empty(((depth + 1) // 2, (columns + LANES - 1) // LANES * LANES, 2), np.int16)
+    out = aligned_empty(((depth + 1) // 2, (columns + LANES - 1) // LANES * LANES, 2), np.int16)
     pack_pairs(packed, out)
     return out
 
