@@ -71,11 +71,42 @@ def test_aligned_arrays_start_on_a_cache_line_and_hold_what_they_are_given(shape
 
 
 def test_packed_weights_start_on_a_cache_line():
+    from onnx_runtime_ep_cpu.compiled import blocked_ops, depthwise_lanes, directconv, qgemm_quads, qgemm_tiles
     from onnx_runtime_ep_cpu.compiled.aligned import LINE
     from onnx_runtime_ep_cpu.compiled.gemm import pack_weights
     from onnx_runtime_ep_cpu.compiled.matmul import pack_columns
 
     for m, depth in [(5, 3), (64, 147), (1000, 512)]:
         w = RNG.standard_normal((m, depth)).astype(np.float32)
-        for packed in (pack_weights(w, 32), pack_weights(w, 12), pack_columns(w.T)):
+        codes = (w * 20).astype(np.int8)
+        packs = [pack_weights(w, 32), pack_weights(w, 12), pack_columns(w.T), qgemm_quads.quads_of(codes),
+                 directconv.pack_weights(w.reshape(m, depth, 1, 1), 1),
+                 depthwise_lanes.pack_weights(w[:, :9].reshape(m, 1, 3, -1)),
+                 blocked_ops.pack_depthwise(w[:, :9].reshape(m, 1, 3, -1), None, m)[0]]
+        if qgemm_tiles.AVAILABLE:
+            packs.append(qgemm_tiles.pairs_of(codes.astype(np.int16)))
+        for packed in packs:
             assert packed.ctypes.data % LINE == 0
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_a_grouped_convolutions_panels_are_each_groups_panels_on_a_cache_line(group):
+    from onnx_runtime_ep_cpu.algorithms.conv_packed import PackedConv
+    from onnx_runtime_ep_cpu.algorithms.prepared import Prepared
+    from onnx_runtime_ep_cpu.algorithms.window import Geometry
+    from onnx_runtime_ep_cpu.compiled import gemm
+    from onnx_runtime_ep_cpu.compiled.aligned import LINE
+
+    if not gemm.AVAILABLE:
+        pytest.skip("the packed convolution runs on AVX-512 hosts only")
+    w = RNG.standard_normal((12 * group, 5, 3, 3)).astype(np.float32)
+    w.flags.writeable = False  # (a constant: its panels are kept)
+    geometry = Geometry((9, 9), (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (9, 9))
+    for _ in range(4):  # (numpy's own allocations land on 16-byte boundaries: several tries see other offsets)
+        conv = PackedConv(geometry, group, (1, 5 * group, 9, 9), w.shape, Prepared())
+        packed = conv.packed_weights(w)
+        rows = packed.shape[2] // 45
+        assert packed.ctypes.data % LINE == 0 and packed.shape[0] == group
+        for g in range(group):
+            want = gemm.pack_weights(w[12 * g:12 * (g + 1)].reshape(12, -1), rows)
+            np.testing.assert_array_equal(packed[g], want)

@@ -130,12 +130,19 @@ class PackedConv:
             plan = self._plans[key] = (parts, np.concatenate(parts), ranges)
         return plan
 
-    def _weights(self, w):
+    def packed_weights(self, w):
+        """The panels of weight ``w`` (G, tiles, K * tile rows), packed once per constant array."""
+
         def build():
+            from ..compiled.aligned import aligned_zeros
+
             flat = w.astype(np.float32, copy=False).reshape(self._group, self._mg, -1)
-            if self._group == 1:  # (a view: np.stack would copy the packed weights once more)
-                return self._gemm.pack_weights(flat[0], self._rows)[np.newaxis]
-            return np.stack([self._gemm.pack_weights(flat[g], self._rows) for g in range(self._group)])
+            # Every group's panels written in place into one array on a cache line (a stack of them would copy
+            # each once more, onto numpy's 16-byte alignment).
+            packed = aligned_zeros((self._group, -(-self._mg // self._rows), flat.shape[2] * self._rows))
+            for g in range(self._group):
+                self._gemm.pack_weights(flat[g], self._rows, packed[g])
+            return packed
 
         return self._prepared.get("packed", (w,), build)
 
@@ -224,7 +231,7 @@ class PackedConv:
         or None) and the activation ``bounds`` (epilogue.activation_bounds), into ``out`` (C-contiguous) or
         a new array, then HardSwish where ``hard_swish`` (a pass after: the tiles do not apply it): a
         FusedConv calls this straight (ops/conv.py), without an _Epilogue."""
-        weights = self._weights(w)
+        weights = self.packed_weights(w)
         flags = 0
         if residual is None:
             residual = self._no_residual

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-_ALIGN = 64  # bytes: a cache line, and an AVX-512 vector
+from ..compiled.aligned import LINE, aligned_empty
+
+_ALIGN = LINE  # bytes: each value's place in the arena starts on a cache line
 _END = 1 << 62  # the interval end of a segment output: live to the end of the run
 
 
@@ -75,9 +77,7 @@ class Arena:
 
     def __init__(self, offsets: dict, nbytes: int, kinds: dict, intervals: dict):
         self.offsets, self.nbytes, self.kinds, self.intervals = offsets, nbytes, kinds, intervals
-        raw = np.empty(nbytes + _ALIGN, np.uint8)
-        start = -raw.ctypes.data % _ALIGN
-        self.memory = raw[start:start + nbytes]
+        self.memory = aligned_empty((nbytes,), np.uint8)
         self.memory.fill(0xFF)  # NaN in every float type: a read before any write reaches the checked outputs
         self.views: dict[tuple, np.ndarray] = {}
         self.private = 0  # bytes handed out outside the arena (buffers the finished steps drop)

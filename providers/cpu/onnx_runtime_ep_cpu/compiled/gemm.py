@@ -223,13 +223,15 @@ def tile_rows(m: int) -> int:
     return 8 if -(-m // 12) * 12 > 1.06 * (-(-m // 8) * 8) else 12
 
 
-def pack_weights(w: np.ndarray, rows: int) -> np.ndarray:
+def pack_weights(w: np.ndarray, rows: int, out: np.ndarray | None = None) -> np.ndarray:
     """(M, K) weights as (ceil(M / rows), K * rows) float32 panels for tiles ``rows`` high: panel t holds
     rows t*rows .. t*rows + rows - 1 interleaved by k (zero rows past M), the order the microkernel
-    reads them."""
+    reads them; written into ``out`` (zeros of that shape, C-contiguous: one group's part of a grouped
+    convolution's panels) where given, else into a new array that starts on a cache line."""
     m, depth = w.shape
     tiles, whole = -(-m // rows), m // rows
-    packed = aligned_zeros((tiles, depth, rows))  # written in place: no padded copy of w first
+    # (written in place: no padded copy of w first)
+    packed = aligned_zeros((tiles, depth, rows)) if out is None else out.reshape(tiles, depth, rows)
     packed[:whole] = w[:whole * rows].reshape(whole, rows, depth).transpose(0, 2, 1)
     if whole < tiles:
         packed[whole, :, :m - whole * rows] = w[whole * rows:].T
