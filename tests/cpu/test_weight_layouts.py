@@ -53,6 +53,30 @@ def test_weight_panels_interleave_each_tiles_rows_by_k(rows, shape):
         np.testing.assert_array_equal(cells[i // rows, :, i % rows], want)
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (32, 4), (29, 45), (64, 147), (70, 258)])
+def test_lane_tiles_hold_each_k_in_the_run_of_its_remainder(shape):
+    """compiled/lanes.py's tiles: k's 32 weights at row k // STREAMS of run k % STREAMS, every other cell (rows
+    past M, run rows past K) zero, on a cache line."""
+    from onnx_runtime_ep_cpu.compiled import lanes
+    from onnx_runtime_ep_cpu.compiled.aligned import LINE
+
+    w = RNG.standard_normal(shape)  # float64: packed as float32
+    m, depth = shape
+    packed = lanes.pack_weights(w)
+    tiles, rows = -(-m // lanes.CHANNELS), lanes.run_rows(depth)
+    assert packed.shape == (tiles, lanes.STREAMS * rows * lanes.CHANNELS) and packed.dtype == np.float32
+    assert packed.flags.c_contiguous and packed.ctypes.data % LINE == 0
+    cells = packed.reshape(tiles, lanes.STREAMS, rows, lanes.CHANNELS)
+    want = np.zeros_like(cells)
+    for i in range(m):
+        for k in range(depth):
+            want[i // lanes.CHANNELS, k % lanes.STREAMS, k // lanes.STREAMS, i % lanes.CHANNELS] = w[i, k]
+    np.testing.assert_array_equal(cells, want)
+    into = np.zeros_like(packed)
+    assert lanes.pack_weights(w, into) is not None
+    np.testing.assert_array_equal(into, packed)
+
+
 @pytest.mark.parametrize("shape", [(1,), (3, 5), (17, 33, 2), (0, 4)])
 @pytest.mark.parametrize("dtype", [np.float32, np.int8, np.int16, np.float64])
 def test_aligned_arrays_start_on_a_cache_line_and_hold_what_they_are_given(shape, dtype):
@@ -71,7 +95,7 @@ def test_aligned_arrays_start_on_a_cache_line_and_hold_what_they_are_given(shape
 
 
 def test_packed_weights_start_on_a_cache_line():
-    from onnx_runtime_ep_cpu.compiled import blocked_ops, depthwise_lanes, directconv, qgemm_quads, qgemm_tiles
+    from onnx_runtime_ep_cpu.compiled import blocked_ops, depthwise_lanes, directconv, lanes, qgemm_quads, qgemm_tiles
     from onnx_runtime_ep_cpu.compiled.aligned import LINE
     from onnx_runtime_ep_cpu.compiled.gemm import pack_weights
     from onnx_runtime_ep_cpu.compiled.matmul import pack_columns
@@ -80,6 +104,7 @@ def test_packed_weights_start_on_a_cache_line():
         w = RNG.standard_normal((m, depth)).astype(np.float32)
         codes = (w * 20).astype(np.int8)
         packs = [pack_weights(w, 32), pack_weights(w, 12), pack_columns(w.T), qgemm_quads.quads_of(codes),
+                 lanes.pack_weights(w),
                  directconv.pack_weights(w.reshape(m, depth, 1, 1), 1),
                  depthwise_lanes.pack_weights(w[:, :9].reshape(m, 1, 3, -1)),
                  blocked_ops.pack_depthwise(w[:, :9].reshape(m, 1, 3, -1), None, m)[0]]
@@ -89,24 +114,26 @@ def test_packed_weights_start_on_a_cache_line():
             assert packed.ctypes.data % LINE == 0
 
 
+@pytest.mark.parametrize("outputs", [12, 64])  # (pixel panels; channel-lane tiles)
 @pytest.mark.parametrize("group", [1, 3])
-def test_a_grouped_convolutions_panels_are_each_groups_panels_on_a_cache_line(group):
+def test_a_grouped_convolutions_panels_are_each_groups_panels_on_a_cache_line(group, outputs):
     from onnx_runtime_ep_cpu.algorithms.conv_packed import PackedConv
     from onnx_runtime_ep_cpu.algorithms.prepared import Prepared
     from onnx_runtime_ep_cpu.algorithms.window import Geometry
-    from onnx_runtime_ep_cpu.compiled import gemm
+    from onnx_runtime_ep_cpu.compiled import gemm, lanes
     from onnx_runtime_ep_cpu.compiled.aligned import LINE
 
     if not gemm.AVAILABLE:
         pytest.skip("the packed convolution runs on AVX-512 hosts only")
-    w = RNG.standard_normal((12 * group, 5, 3, 3)).astype(np.float32)
+    w = RNG.standard_normal((outputs * group, 5, 3, 3)).astype(np.float32)
     w.flags.writeable = False  # (a constant: its panels are kept)
     geometry = Geometry((9, 9), (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (9, 9))
     for _ in range(4):  # (numpy's own allocations land on 16-byte boundaries: several tries see other offsets)
         conv = PackedConv(geometry, group, (1, 5 * group, 9, 9), w.shape, Prepared())
         packed = conv.packed_weights(w)
-        rows = packed.shape[2] // 45
         assert packed.ctypes.data % LINE == 0 and packed.shape[0] == group
         for g in range(group):
-            want = gemm.pack_weights(w[12 * g:12 * (g + 1)].reshape(12, -1), rows)
+            weights = w[outputs * g:outputs * (g + 1)].reshape(outputs, -1)
+            lane_tiles = outputs == 64  # (the layout these outputs take: conv_packed.lanes_apply)
+            want = lanes.pack_weights(weights) if lane_tiles else gemm.pack_weights(weights, gemm.tile_rows(outputs))
             np.testing.assert_array_equal(packed[g], want)

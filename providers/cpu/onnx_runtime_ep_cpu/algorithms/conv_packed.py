@@ -34,7 +34,7 @@ class PackedConv:
     def __init__(self, geo: Geometry, group: int, x_shape, w_shape, prepared: Prepared):
         from ..compiled import gemm, jobs, lanes, workers
 
-        self._gemm, self._jobs, self._workers = gemm, jobs, workers
+        self._gemm, self._jobs, self._lanes, self._workers = gemm, jobs, lanes, workers
         self._out = (x_shape[0], w_shape[0], *geo.out)
         self._flat = None  # the input's shape as one row of pixels, for a pointwise window
         if geo.kernel == (1, 1) and geo.strides == (1, 1) and geo.unpadded:
@@ -137,11 +137,15 @@ class PackedConv:
             from ..compiled.aligned import aligned_zeros
 
             flat = w.astype(np.float32, copy=False).reshape(self._group, self._mg, -1)
+            depth = self._lanes.run_rows(flat.shape[2]) * self._lanes.STREAMS if self._by_lanes else flat.shape[2]
             # Every group's panels written in place into one array on a cache line (a stack of them would copy
             # each once more, onto numpy's 16-byte alignment).
-            packed = aligned_zeros((self._group, -(-self._mg // self._rows), flat.shape[2] * self._rows))
+            packed = aligned_zeros((self._group, -(-self._mg // self._rows), depth * self._rows))
             for g in range(self._group):
-                self._gemm.pack_weights(flat[g], self._rows, packed[g])
+                if self._by_lanes:
+                    self._lanes.pack_weights(flat[g], packed[g])
+                else:
+                    self._gemm.pack_weights(flat[g], self._rows, packed[g])
             return packed
 
         return self._prepared.get("packed", (w,), build)

@@ -5,7 +5,7 @@ gemm.py's microkernel puts 32 output pixels across its lanes, read in place from
 the lanes then run over whole padded rows, and the columns past the output's width, and the last
 panel's tail, are computed and dropped (a 13x13 map computes 224 lanes for its 169 pixels). Here a
 tile is 32 output channels (two vectors) x 14 output pixels: for each k = (channel, tap) the tile's
-two weight vectors are loaded (the weights packed once as [k][32], gemm.pack_weights) and each
+two weight vectors are loaded (the weights packed once, 32 per k, in STREAMS runs: pack_weights) and each
 pixel's input value is broadcast from the padded image at its tap offset (pixel p of a row chunk at
 p * stride from the first: strided windows need no phase split or packing), 28 fused multiply-adds
 on 28 accumulators held in registers. No lane is wasted on pixels; the sums are transposed (16 x 16,
@@ -23,7 +23,11 @@ weighs the useful lanes of both).
 
 Each k's input is a line of another channel's plane (a stride the hardware prefetchers do not follow),
 and in a model the layer before has just written it, often from the other core: the tile prefetches
-the input AHEAD k ahead, and its weights WEIGHTS_AHEAD k ahead.
+the input AHEAD k ahead, and its weights WEIGHTS_AHEAD k ahead. A tile's first pixel block reads its
+weights from memory (in a model, the layers between two runs evict them): k's weights sit in run k %
+STREAMS, so that block reads STREAMS sequential streams at a quarter of the rate each, which the hardware
+prefetchers keep ahead of; one stream at the whole rate kept that block waiting on memory. Each group of
+STREAMS k's reads one row of every run, so the loop runs over groups with each run's start computed once.
 
 Reductions run k = 0 .. K-1 for every output as in gemm.py's microkernel, so the two kernels give the
 same bits.
@@ -31,11 +35,13 @@ same bits.
 
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from . import jit, llvm
+from . import gemm, jit, llvm
+from .aligned import aligned_zeros
 from .gemm import BIAS, RESIDUAL
 
 CHANNELS = 32  # output channels per tile: two vectors
@@ -47,6 +53,30 @@ _LANES = llvm.LANES
 # (8827030), the weights' among 32 to 256 (c61b12b).
 AHEAD = 16
 WEIGHTS_AHEAD = 32
+
+
+STREAMS = 4  # runs of a tile's weights (see above; the sums still run k = 0 .. K-1)
+
+
+def run_rows(depth: int) -> int:
+    """Rows of 32 weights per run of a tile with reduction ``depth``."""
+    return -(-depth // STREAMS)
+
+
+def pack_weights(w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """(M, K) weights as (ceil(M / 32), STREAMS * run_rows(K) * 32) float32 tiles: tile t's rows t*32 ..
+    t*32 + 31 interleaved by k (zero rows past M), k's 32 weights at row k // STREAMS of run k % STREAMS
+    (the rows past K zero); into ``out`` (zeros of that shape, C-contiguous) where given, else a new array
+    that starts on a cache line."""
+    m, depth = w.shape
+    tiles, rows = -(-m // CHANNELS), run_rows(depth)
+    by_k = gemm.pack_weights(w, CHANNELS).reshape(tiles, depth, CHANNELS)
+    packed = aligned_zeros((tiles, STREAMS, rows, CHANNELS)) if out is None else out.reshape(
+        tiles, STREAMS, rows, CHANNELS)
+    for stream in range(STREAMS):
+        taken = by_k[:, stream::STREAMS]
+        packed[:, stream, :taken.shape[1]] = taken
+    return packed.reshape(tiles, -1)
 
 
 def shape(out_width: int) -> tuple[int, int]:
@@ -97,9 +127,15 @@ def _emit_tile(builder, stride: int, columns: int, rows: int, pointers: tuple, v
                             ir.FunctionType(ir.VoidType(), [llvm.BYTE_PTR, llvm.I32, llvm.I32, llvm.I32]))
     last = builder.sub(depth, const(1))
     keep = [ir.Constant(llvm.I32, v) for v in (0, 3, 1)]  # a prefetch's kind: read, keep in all levels, data
+    # Groups of STREAMS k's (one row of every run), then a tail of depth % STREAMS k's.
+    groups = builder.ashr(depth, const(STREAMS.bit_length() - 1))
+    run = builder.mul(builder.ashr(builder.add(depth, const(STREAMS - 1)), const(STREAMS.bit_length() - 1)),
+                      const(CHANNELS))  # run_rows(depth) rows of 32 weights
+    runs = [builder.mul(run, const(r)) for r in range(STREAMS)]
 
-    def step(k, sums):
-        """One k: two weight vectors times each pixel's input value."""
+    def step(k, sums, run_start, row):
+        """One k, whose weights are row ``row`` of the run at ``run_start``: two weight vectors times each
+        pixel's input value."""
         origin = builder.gep(x_ptr, [builder.add(start, builder.load(builder.gep(taps_ptr, [k])))])
         bases = [origin] + [builder.gep(origin, [row_offsets[r]]) for r in range(1, rows)]
         later = builder.add(k, const(AHEAD))  # (the last k's input again near the end)
@@ -110,11 +146,10 @@ def _emit_tile(builder, stride: int, columns: int, rows: int, pointers: tuple, v
             for q in (0, columns - 1):  # a row's pixels span one or two lines: prefetch both ends
                 target = builder.bitcast(builder.gep(row_start, [const(q * stride)]), llvm.BYTE_PTR)
                 builder.call(prefetch, [target, *keep])
-        weights = [builder.load(vector_at(w_ptr, builder.add(builder.mul(k, const(CHANNELS)), const(h * _LANES))),
-                                align=4) for h in range(2)]
-        for h in range(2):  # (past the last k: lines of the next tile's weights, or none; a prefetch never faults)
-            target = builder.gep(w_ptr, [builder.add(builder.mul(k, const(CHANNELS)),
-                                                     const(WEIGHTS_AHEAD * CHANNELS + h * _LANES))])
+        at = builder.add(run_start, builder.mul(row, const(CHANNELS)))
+        weights = [builder.load(vector_at(w_ptr, builder.add(at, const(h * _LANES))), align=4) for h in range(2)]
+        for h in range(2):  # (past a run's last row: the next run's first, or past the tile; a prefetch never faults)
+            target = builder.gep(w_ptr, [builder.add(at, const(WEIGHTS_AHEAD // STREAMS * CHANNELS + h * _LANES))])
             builder.call(prefetch, [builder.bitcast(target, llvm.BYTE_PTR), *keep])
         updated = list(sums)
         for p in range(pixels):
@@ -124,7 +159,18 @@ def _emit_tile(builder, stride: int, columns: int, rows: int, pointers: tuple, v
                 updated[2 * p + h] = builder.call(fma, [weights[h], value, sums[2 * p + h]])
         return updated
 
-    sums = llvm.counted_loop(builder, depth, [zero] * (2 * pixels), step, "lanes")
+    def group(g, sums):
+        first = builder.mul(g, const(STREAMS))
+        for r in range(STREAMS):
+            sums = step(builder.add(first, const(r)), sums, runs[r], g)
+        return sums
+
+    def tail(t, sums):
+        return step(builder.add(builder.mul(groups, const(STREAMS)), t), sums, builder.mul(run, t), groups)
+
+    sums = llvm.counted_loop(builder, groups, [zero] * (2 * pixels), group, "lanes")
+    sums = llvm.counted_loop(builder, builder.sub(depth, builder.mul(groups, const(STREAMS))), sums, tail,
+                             "lanes.tail")
 
     with_bias = builder.icmp_signed("!=", builder.and_(flags, const(BIAS)), const(0))
     with_residual = builder.icmp_signed("!=", builder.and_(flags, const(RESIDUAL)), const(0))
