@@ -25,7 +25,7 @@ Each k's input is a line of another channel's plane (a stride the hardware prefe
 and in a model the layer before has just written it, often from the other core: the tile prefetches
 the input AHEAD k ahead, and its weights WEIGHTS_AHEAD k ahead. A tile's first pixel block reads its
 weights from memory (in a model, the layers between two runs evict them): k's weights sit in run k %
-STREAMS, so that block reads STREAMS sequential streams at a quarter of the rate each, which the hardware
+STREAMS, so that block reads STREAMS sequential streams at a fraction of the rate each, which the hardware
 prefetchers keep ahead of; one stream at the whole rate kept that block waiting on memory. Each group of
 STREAMS k's reads one row of every run, so the loop runs over groups with each run's start computed once.
 
@@ -55,7 +55,7 @@ AHEAD = 16
 WEIGHTS_AHEAD = 32
 
 
-STREAMS = 4  # runs of a tile's weights (see above; the sums still run k = 0 .. K-1)
+STREAMS = 2  # runs of a tile's weights (see above; the sums still run k = 0 .. K-1; 4 measured no faster, 8 slower)
 
 
 def run_rows(depth: int) -> int:
