@@ -63,8 +63,9 @@ def test_lane_tiles_hold_each_k_in_the_run_of_its_remainder(shape):
     w = RNG.standard_normal(shape)  # float64: packed as float32
     m, depth = shape
     packed = lanes.pack_weights(w)
-    tiles, rows = -(-m // lanes.CHANNELS), lanes.run_rows(depth)
-    assert packed.shape == (tiles, lanes.STREAMS * rows * lanes.CHANNELS) and packed.dtype == np.float32
+    tiles, rows = -(-m // lanes.CHANNELS), -(-depth // lanes.STREAMS)  # (rows per run)
+    assert packed.shape == (tiles, lanes.packed_depth(depth) * lanes.CHANNELS) == (tiles, lanes.STREAMS * rows * 32)
+    assert packed.dtype == np.float32
     assert packed.flags.c_contiguous and packed.ctypes.data % LINE == 0
     cells = packed.reshape(tiles, lanes.STREAMS, rows, lanes.CHANNELS)
     want = np.zeros_like(cells)

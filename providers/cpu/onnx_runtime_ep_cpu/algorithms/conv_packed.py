@@ -137,13 +137,14 @@ class PackedConv:
             from ..compiled.aligned import aligned_zeros
 
             flat = w.astype(np.float32, copy=False).reshape(self._group, self._mg, -1)
-            depth = self._lanes.run_rows(flat.shape[2]) * self._lanes.STREAMS if self._by_lanes else flat.shape[2]
+            lanes = self._lanes
+            depth = lanes.packed_depth(flat.shape[2]) if self._by_lanes else flat.shape[2]
             # Every group's panels written in place into one array on a cache line (a stack of them would copy
             # each once more, onto numpy's 16-byte alignment).
             packed = aligned_zeros((self._group, -(-self._mg // self._rows), depth * self._rows))
             for g in range(self._group):
-                if self._by_lanes:
-                    self._lanes.pack_weights(flat[g], packed[g])
+                if self._by_lanes:  # (the lane tiles' own order of k: lanes.pack_weights)
+                    lanes.pack_weights(flat[g], packed[g])
                 else:
                     self._gemm.pack_weights(flat[g], self._rows, packed[g])
             return packed

@@ -41,7 +41,6 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import gemm, jit, llvm
-from .aligned import aligned_zeros
 from .gemm import BIAS, RESIDUAL
 
 CHANNELS = 32  # output channels per tile: two vectors
@@ -56,27 +55,26 @@ WEIGHTS_AHEAD = 32
 
 
 STREAMS = 2  # runs of a tile's weights (see above; the sums still run k = 0 .. K-1; 4 measured no faster, 8 slower)
+_STREAM_SHIFT = STREAMS.bit_length() - 1  # (k // STREAMS as a shift: STREAMS is a power of two)
+assert STREAMS == 1 << _STREAM_SHIFT
 
 
-def run_rows(depth: int) -> int:
-    """Rows of 32 weights per run of a tile with reduction ``depth``."""
-    return -(-depth // STREAMS)
+def packed_depth(depth: int) -> int:
+    """Rows of 32 weights a tile with reduction ``depth`` packs: STREAMS runs of ceil(depth / STREAMS)."""
+    return -(-depth // STREAMS) * STREAMS
 
 
 def pack_weights(w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """(M, K) weights as (ceil(M / 32), STREAMS * run_rows(K) * 32) float32 tiles: tile t's rows t*32 ..
-    t*32 + 31 interleaved by k (zero rows past M), k's 32 weights at row k // STREAMS of run k % STREAMS
-    (the rows past K zero); into ``out`` (zeros of that shape, C-contiguous) where given, else a new array
-    that starts on a cache line."""
+    """(M, K) weights as (ceil(M / 32), packed_depth(K) * 32) float32 tiles: gemm.pack_weights' tiles of 32 rows
+    with the k's in run order, k's 32 weights at row k // STREAMS of run k % STREAMS (the rows past K zero); into
+    ``out`` (zeros of that shape, C-contiguous) where given, else a new array that starts on a cache line."""
     m, depth = w.shape
-    tiles, rows = -(-m // CHANNELS), run_rows(depth)
-    by_k = gemm.pack_weights(w, CHANNELS).reshape(tiles, depth, CHANNELS)
-    packed = aligned_zeros((tiles, STREAMS, rows, CHANNELS)) if out is None else out.reshape(
-        tiles, STREAMS, rows, CHANNELS)
+    rows = packed_depth(depth) // STREAMS
+    by_run = np.zeros((m, STREAMS * rows), np.float32)
     for stream in range(STREAMS):
-        taken = by_k[:, stream::STREAMS]
-        packed[:, stream, :taken.shape[1]] = taken
-    return packed.reshape(tiles, -1)
+        taken = w[:, stream::STREAMS]
+        by_run[:, stream * rows:stream * rows + taken.shape[1]] = taken
+    return gemm.pack_weights(by_run, CHANNELS, out)
 
 
 def shape(out_width: int) -> tuple[int, int]:
@@ -128,9 +126,10 @@ def _emit_tile(builder, stride: int, columns: int, rows: int, pointers: tuple, v
     last = builder.sub(depth, const(1))
     keep = [ir.Constant(llvm.I32, v) for v in (0, 3, 1)]  # a prefetch's kind: read, keep in all levels, data
     # Groups of STREAMS k's (one row of every run), then a tail of depth % STREAMS k's.
-    groups = builder.ashr(depth, const(STREAMS.bit_length() - 1))
-    run = builder.mul(builder.ashr(builder.add(depth, const(STREAMS - 1)), const(STREAMS.bit_length() - 1)),
-                      const(CHANNELS))  # run_rows(depth) rows of 32 weights
+    groups = builder.ashr(depth, const(_STREAM_SHIFT))
+    grouped = builder.shl(groups, const(_STREAM_SHIFT))  # the tail's first k
+    run = builder.mul(builder.ashr(builder.add(depth, const(STREAMS - 1)), const(_STREAM_SHIFT)),
+                      const(CHANNELS))  # a run's weights: packed_depth(depth) / STREAMS rows of 32
     runs = [builder.mul(run, const(r)) for r in range(STREAMS)]
 
     def step(k, sums, run_start, row):
@@ -160,17 +159,16 @@ def _emit_tile(builder, stride: int, columns: int, rows: int, pointers: tuple, v
         return updated
 
     def group(g, sums):
-        first = builder.mul(g, const(STREAMS))
+        first = builder.shl(g, const(_STREAM_SHIFT))
         for r in range(STREAMS):
             sums = step(builder.add(first, const(r)), sums, runs[r], g)
         return sums
 
     def tail(t, sums):
-        return step(builder.add(builder.mul(groups, const(STREAMS)), t), sums, builder.mul(run, t), groups)
+        return step(builder.add(grouped, t), sums, builder.mul(run, t), groups)
 
     sums = llvm.counted_loop(builder, groups, [zero] * (2 * pixels), group, "lanes")
-    sums = llvm.counted_loop(builder, builder.sub(depth, builder.mul(groups, const(STREAMS))), sums, tail,
-                             "lanes.tail")
+    sums = llvm.counted_loop(builder, builder.sub(depth, grouped), sums, tail, "lanes.tail")
 
     with_bias = builder.icmp_signed("!=", builder.and_(flags, const(BIAS)), const(0))
     with_residual = builder.icmp_signed("!=", builder.and_(flags, const(RESIDUAL)), const(0))
